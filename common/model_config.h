@@ -1,0 +1,47 @@
+/* Hyperparameters of a Llama-family model, read from a Hugging Face
+ * config.json (and generation_config.json for extra EOS ids when present). */
+#ifndef LOOM_MODEL_CONFIG_H
+#define LOOM_MODEL_CONFIG_H
+
+#include <stddef.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+
+#define LOOM_MAX_EOS 8
+
+typedef enum { LOOM_ROPE_NONE = 0, LOOM_ROPE_LLAMA3 = 1 } loom_rope_scaling_t;
+
+typedef struct loom_model_config {
+    char model_type[32];   /* "llama", "mistral", "qwen2" ... */
+    int dim;               /* hidden_size */
+    int hidden_dim;        /* intermediate_size */
+    int n_layers;          /* num_hidden_layers */
+    int n_heads;           /* num_attention_heads */
+    int n_kv_heads;        /* num_key_value_heads (defaults to n_heads) */
+    int head_dim;          /* head_dim (defaults to dim / n_heads) */
+    int vocab_size;
+    int max_seq_len;       /* max_position_embeddings */
+    float norm_eps;        /* rms_norm_eps */
+    float rope_theta;
+    loom_rope_scaling_t rope_scaling;
+    float rope_factor;           /* llama3: factor */
+    float rope_low_freq_factor;  /* llama3: low_freq_factor */
+    float rope_high_freq_factor; /* llama3: high_freq_factor */
+    int rope_orig_max_pos;       /* llama3: original_max_position_embeddings */
+    int tie_embeddings;          /* tie_word_embeddings */
+    int attention_bias;          /* q/k/v biases (Qwen2) */
+    int bos_id;                  /* -1 if none */
+    int n_eos;
+    int eos_ids[LOOM_MAX_EOS];   /* eos_token_id (int or list) */
+    loom_dtype_t torch_dtype;    /* informational */
+} loom_model_config_t;
+
+/* Reads DIR/config.json; errors name the file and the offending field. */
+loom_status_t loom_model_config_load(const char *dir, loom_model_config_t *cfg, loom_err_t *err);
+/* Parses config.json text; `path` is used in error messages only. */
+loom_status_t loom_model_config_parse(const char *json, size_t len, const char *path,
+                                      loom_model_config_t *cfg, loom_err_t *err);
+int loom_model_config_is_eos(const loom_model_config_t *cfg, int id);
+
+#endif

@@ -1,0 +1,54 @@
+/* Safetensors reader: mmaps one file or a sharded checkpoint (through
+ * model.safetensors.index.json) and exposes its tensors without copying.
+ * Every header is validated on open: JSON shape, dtype names, shapes, and
+ * offsets that must lie inside the file and match numel * dtype size. */
+#ifndef LOOM_SAFETENSORS_H
+#define LOOM_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+
+#define LOOM_ST_MAX_DIMS 8
+
+typedef struct loom_st_tensor {
+    const char *name;
+    loom_dtype_t dtype;
+    int n_dims;
+    int64_t shape[LOOM_ST_MAX_DIMS];
+    const void *data; /* points into the mapping */
+    size_t nbytes;
+    const char *file; /* path of the file that holds it, for error messages */
+} loom_st_tensor_t;
+
+typedef struct loom_st loom_st_t; /* one or more mapped files */
+
+/* Opens DIR/model.safetensors.index.json when present (sharded checkpoint),
+ * else DIR/model.safetensors, else the only *.safetensors file in DIR. */
+loom_status_t loom_st_open_dir(const char *dir, loom_st_t **out, loom_err_t *err);
+/* Opens a single file. */
+loom_status_t loom_st_open_file(const char *path, loom_st_t **out, loom_err_t *err);
+void loom_st_close(loom_st_t **st_p); /* safe on NULL and twice */
+
+int loom_st_count(const loom_st_t *st);
+const loom_st_tensor_t *loom_st_at(const loom_st_t *st, int i);
+const loom_st_tensor_t *loom_st_find(const loom_st_t *st, const char *name); /* NULL if absent */
+
+/* Looks up a weight and checks it before use: present, dtype F32/F16/BF16,
+ * and exactly the expected shape (n_dims entries). Errors name the file and
+ * the tensor, e.g. "model.safetensors: tensor 'lm_head.weight' has shape
+ * [512, 64], expected [500, 64]". */
+loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, const int64_t *shape,
+                          const loom_st_tensor_t **out, loom_err_t *err);
+
+/* Copies the 2-D block rows [row0, row0+nrows) x cols [col0, col0+ncols) of a
+ * tensor into dst (nrows x ncols, row-major), converting F32/F16/BF16 to
+ * float. A 1-D tensor is treated as one row. Counts the bytes it reads so a
+ * shard can report how much of the checkpoint it touched. */
+loom_status_t loom_st_read_f32(loom_st_t *st, const loom_st_tensor_t *t, int64_t row0, int64_t nrows,
+                               int64_t col0, int64_t ncols, float *dst, loom_err_t *err);
+uint64_t loom_st_bytes_read(const loom_st_t *st);
+
+#endif

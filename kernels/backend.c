@@ -1,0 +1,138 @@
+/* Backend dispatch: creation by device kind and thin wrappers over the vtable. */
+#include "kernels/backend_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int loom_device_parse(const char *s, loom_device_kind_t *kind, int *index) {
+    if (!s) return 0;
+    if (!strcmp(s, "cpu")) {
+        *kind = LOOM_DEVICE_CPU;
+        *index = 0;
+        return 1;
+    }
+    if (!strncmp(s, "cuda", 4)) {
+        *kind = LOOM_DEVICE_CUDA;
+        *index = 0;
+        if (s[4] == '\0') return 1;
+        if (s[4] != ':' || s[5] == '\0') return 0;
+        char *end = NULL;
+        long v = strtol(s + 5, &end, 10);
+        if (*end != '\0' || v < 0 || v > 1024) return 0;
+        *index = (int)v;
+        return 1;
+    }
+    return 0;
+}
+
+int loom_backend_available(loom_device_kind_t kind, int device_index) {
+    if (kind == LOOM_DEVICE_CPU) return 1;
+#ifdef LOOM_HAVE_CUDA
+    return device_index < loom_backend_cuda_device_count();
+#else
+    (void)device_index;
+    return 0;
+#endif
+}
+
+loom_status_t loom_backend_create(const loom_backend_config_t *cfg, loom_backend_t **out,
+                                  loom_err_t *err) {
+    *out = NULL;
+    if (cfg->version != LOOM_BACKEND_CONFIG_VERSION)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "backend config version %d, expected %d",
+                            cfg->version, LOOM_BACKEND_CONFIG_VERSION);
+    switch (cfg->kind) {
+    case LOOM_DEVICE_CPU: return loom_backend_cpu_create(cfg, out, err);
+    case LOOM_DEVICE_CUDA:
+#ifdef LOOM_HAVE_CUDA
+        return loom_backend_cuda_create(cfg, out, err);
+#else
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "device cuda:%d requested, but this build has no CUDA backend "
+                            "(rebuild with -DLOOM_CUDA=ON)",
+                            cfg->device_index);
+#endif
+    }
+    return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown device kind %d", (int)cfg->kind);
+}
+
+void loom_backend_destroy(loom_backend_t **be_p) {
+    if (!be_p || !*be_p) return;
+    loom_backend_t *be = *be_p;
+    *be_p = NULL;
+    be->ops->destroy(be);
+}
+
+const char *loom_backend_name(const loom_backend_t *be) { return be->name; }
+loom_device_kind_t loom_backend_kind(const loom_backend_t *be) { return be->cfg.kind; }
+int loom_backend_threads(const loom_backend_t *be) { return be->cfg.n_threads; }
+
+void *loom_backend_alloc(loom_backend_t *be, size_t bytes) { return be->ops->alloc(be, bytes); }
+void loom_backend_free(loom_backend_t *be, void *p) {
+    if (p) be->ops->free(be, p);
+}
+void loom_backend_upload(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    if (bytes) be->ops->upload(be, dst, src, bytes);
+}
+void loom_backend_download(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    if (bytes) be->ops->download(be, dst, src, bytes);
+}
+void loom_backend_memset(loom_backend_t *be, void *dst, int value, size_t bytes) {
+    if (bytes) be->ops->memset(be, dst, value, bytes);
+}
+loom_status_t loom_backend_synchronize(loom_backend_t *be, loom_err_t *err) {
+    return be->ops->synchronize ? be->ops->synchronize(be, err) : LOOM_OK;
+}
+size_t loom_backend_mem_free(loom_backend_t *be) { return be->ops->mem_free(be); }
+
+loom_status_t loom_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
+                                 const float *host, loom_err_t *err) {
+    return be->ops->weight_upload(be, w, rows, cols, host, err);
+}
+void loom_weight_free(loom_backend_t *be, loom_weight_t *w) {
+    if (w && w->data) be->ops->weight_free(be, w);
+}
+size_t loom_weight_bytes(const loom_weight_t *w) {
+    return (size_t)w->rows * (size_t)w->cols * loom_dtype_size(w->dtype);
+}
+
+void loom_op_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n) {
+    if (n > 0) be->ops->matmul(be, y, x, w, n);
+}
+void loom_op_rmsnorm(loom_backend_t *be, float *y, const float *x, const float *g, int n, int dim,
+                     float eps) {
+    if (n > 0) be->ops->rmsnorm(be, y, x, g, n, dim, eps);
+}
+void loom_op_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
+    if (n > 0) be->ops->add(be, y, a, n);
+}
+void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
+    if (n > 0) be->ops->silu_mul(be, out, gu, n, hidden);
+}
+void loom_op_embed(loom_backend_t *be, float *x, const float *table, const int32_t *ids, int n,
+                   int dim) {
+    if (n > 0) be->ops->embed(be, x, table, ids, n, dim);
+}
+void loom_op_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows,
+                         int n, int dim) {
+    if (n > 0) be->ops->gather_rows(be, dst, src, rows, n, dim);
+}
+void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
+                  const int32_t *pos, const float *inv_freq) {
+    if (n > 0) be->ops->rope(be, x, stride, n, n_heads, hd, pos, inv_freq);
+}
+void loom_op_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
+                      const float *v, int stride, const int32_t *slots, int n, int kv_dim) {
+    if (n > 0) be->ops->kv_write(be, k_cache, v_cache, k, v, stride, slots, n, kv_dim);
+}
+void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
+    if (a->n > 0) be->ops->attention(be, a);
+}
+void loom_op_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
+                          int id_offset, int vocab_size, const loom_sampling_t *params,
+                          const uint64_t *steps, const int *k, loom_sample_part_t *parts) {
+    if (n_rows > 0)
+        be->ops->sample_shard(be, logits, n_rows, vocab_shard, id_offset, vocab_size, params, steps,
+                              k, parts);
+}

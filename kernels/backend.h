@@ -1,0 +1,134 @@
+/* The compute backend interface: device memory, weights, and the ops a
+ * Llama layer needs. The CPU backend is always built and is the reference;
+ * the CUDA backend plugs in behind the same calls. All pointers passed to
+ * ops are device pointers obtained from loom_backend_alloc (host memory for
+ * the CPU backend); activations are float32, row-major.
+ *
+ * Shapes use: n = tokens in the step, dim = hidden size, hd = head_dim,
+ * nh / nkv = query / KV heads on this shard, B = KV block size. */
+#ifndef LOOM_BACKEND_H
+#define LOOM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "kernels/sampling.h"
+
+#define LOOM_BACKEND_CONFIG_VERSION 1
+
+typedef struct loom_backend loom_backend_t;
+
+typedef enum { LOOM_DEVICE_CPU = 0, LOOM_DEVICE_CUDA = 1 } loom_device_kind_t;
+
+typedef struct loom_backend_config {
+    int version;             /* LOOM_BACKEND_CONFIG_VERSION */
+    loom_device_kind_t kind;
+    int device_index;        /* cuda:N */
+    int n_threads;           /* CPU threads for ops; 0 = one per online core */
+    loom_dtype_t weight_dtype; /* storage of matmul weights: F32 (CPU default), BF16, F16 */
+} loom_backend_config_t;
+
+/* Parses "cpu", "cuda", "cuda:N" into kind/index; 0 if malformed. */
+int loom_device_parse(const char *s, loom_device_kind_t *kind, int *index);
+/* Whether this build has a backend for `kind` and a device is present. */
+int loom_backend_available(loom_device_kind_t kind, int device_index);
+
+loom_status_t loom_backend_create(const loom_backend_config_t *cfg, loom_backend_t **out,
+                                  loom_err_t *err);
+void loom_backend_destroy(loom_backend_t **be_p); /* safe on NULL and twice */
+const char *loom_backend_name(const loom_backend_t *be); /* "cpu", "cuda:0" */
+loom_device_kind_t loom_backend_kind(const loom_backend_t *be);
+int loom_backend_threads(const loom_backend_t *be);
+
+/* --- memory ------------------------------------------------------------ */
+void *loom_backend_alloc(loom_backend_t *be, size_t bytes); /* NULL when out of memory */
+void loom_backend_free(loom_backend_t *be, void *p);
+void loom_backend_upload(loom_backend_t *be, void *dst, const void *src, size_t bytes);
+void loom_backend_download(loom_backend_t *be, void *dst, const void *src, size_t bytes);
+void loom_backend_memset(loom_backend_t *be, void *dst, int value, size_t bytes);
+loom_status_t loom_backend_synchronize(loom_backend_t *be, loom_err_t *err);
+/* Bytes of device memory still free (CPU: MemAvailable). */
+size_t loom_backend_mem_free(loom_backend_t *be);
+
+/* --- weights ----------------------------------------------------------- */
+/* A matrix W of shape (rows = out features, cols = in features), row-major,
+ * stored in the backend's weight dtype. */
+typedef struct loom_weight {
+    void *data;
+    loom_dtype_t dtype;
+    int64_t rows, cols;
+} loom_weight_t;
+
+/* Converts host float32 data (rows x cols) to the backend's storage and
+ * uploads it. Returns LOOM_ERR_NOMEM when the device is full. */
+loom_status_t loom_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
+                                 const float *host, loom_err_t *err);
+void loom_weight_free(loom_backend_t *be, loom_weight_t *w);
+size_t loom_weight_bytes(const loom_weight_t *w);
+
+/* --- ops --------------------------------------------------------------- */
+/* y(n, w.rows) = x(n, w.cols) · Wᵀ. Decode (small n) is a memory-bound GEMV,
+ * prefill a GEMM. */
+void loom_op_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n);
+/* y(n, dim) = x / sqrt(mean(x²) + eps) * g(dim). y may equal x. */
+void loom_op_rmsnorm(loom_backend_t *be, float *y, const float *x, const float *g, int n, int dim,
+                     float eps);
+/* y(n) += a(n): the residual add. */
+void loom_op_add(loom_backend_t *be, float *y, const float *a, int64_t n);
+/* out(n, hidden) = silu(gu[:, :hidden]) * gu[:, hidden:], gu is (n, 2*hidden). */
+void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden);
+/* x(n, dim) = table[ids[i]] for a (vocab, dim) float32 table (device). */
+void loom_op_embed(loom_backend_t *be, float *x, const float *table, const int32_t *ids, int n,
+                   int dim);
+/* dst(n, dim) = src[rows[i]] (gather rows, e.g. the last token of each sequence). */
+void loom_op_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows,
+                         int n, int dim);
+
+/* Rotary embedding, HF rotate-half convention, in place on `n_heads` heads of
+ * each of n rows: row i starts at x + i*stride, head h at +h*hd; pair
+ * (j, j+hd/2) is rotated by pos[i] * inv_freq[j]. inv_freq (hd/2) is a
+ * device table that already includes any llama3 scaling. */
+void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
+                  const int32_t *pos, const float *inv_freq);
+
+/* Writes the new keys/values of n tokens into the paged cache of one layer.
+ * Caches are (n_blocks, B, nkv, hd); token i goes to slot slots[i] = block*B +
+ * offset. k and v rows start at k + i*stride, v + i*stride. */
+void loom_op_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
+                      const float *v, int stride, const int32_t *slots, int n, int kv_dim);
+
+/* Paged attention with grouped-query heads over the cache of one layer.
+ * Token i (query row q + i*q_stride, nh heads of hd) belongs to sequence
+ * tok_seq[i] and sits at position tok_pos[i]; it attends causally to the
+ * cached positions [0, tok_pos[i]] of that sequence, found through
+ * block_tables[tok_seq[i] * max_blocks + p / B]. Query head h reads KV head
+ * h / (nh / nkv). Output row i at out + i*out_stride (nh*hd). */
+typedef struct loom_attn_args {
+    int n;                  /* query tokens */
+    int n_heads, n_kv_heads, head_dim;
+    float scale;            /* 1/sqrt(hd) */
+    const float *q;
+    int q_stride;
+    float *out;
+    int out_stride;
+    const float *k_cache, *v_cache;
+    int block_size;
+    const int32_t *tok_seq;      /* (n) device */
+    const int32_t *tok_pos;      /* (n) device */
+    const int32_t *block_tables; /* (n_seqs, max_blocks) device */
+    int max_blocks;
+    int max_ctx;                 /* host: max(tok_pos) + 1 */
+} loom_attn_args_t;
+void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
+
+/* Sampling reduction over rows of a vocabulary shard: logits (n_rows,
+ * vocab_shard) whose global ids start at id_offset. params/steps/k are
+ * host arrays (n_rows); parts are host structs with room for k[r]
+ * candidates. See kernels/sampling.h for the semantics. */
+void loom_op_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
+                          int id_offset, int vocab_size, const loom_sampling_t *params,
+                          const uint64_t *steps, const int *k, loom_sample_part_t *parts);
+
+#endif

@@ -1,0 +1,57 @@
+/* The backend vtable, for backend implementations only. A backend fills its
+ * table with designated initializers; optional slots may be NULL. */
+#ifndef LOOM_BACKEND_IMPL_H
+#define LOOM_BACKEND_IMPL_H
+
+#include "kernels/backend.h"
+
+typedef struct loom_backend_ops {
+    const char *name;
+    void (*destroy)(loom_backend_t *be);
+    void *(*alloc)(loom_backend_t *be, size_t bytes);
+    void (*free)(loom_backend_t *be, void *p);
+    void (*upload)(loom_backend_t *be, void *dst, const void *src, size_t bytes);
+    void (*download)(loom_backend_t *be, void *dst, const void *src, size_t bytes);
+    void (*memset)(loom_backend_t *be, void *dst, int value, size_t bytes);
+    loom_status_t (*synchronize)(loom_backend_t *be, loom_err_t *err);
+    size_t (*mem_free)(loom_backend_t *be);
+    loom_status_t (*weight_upload)(loom_backend_t *be, loom_weight_t *w, int64_t rows,
+                                   int64_t cols, const float *host, loom_err_t *err);
+    void (*weight_free)(loom_backend_t *be, loom_weight_t *w);
+
+    void (*matmul)(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n);
+    void (*rmsnorm)(loom_backend_t *be, float *y, const float *x, const float *g, int n, int dim,
+                    float eps);
+    void (*add)(loom_backend_t *be, float *y, const float *a, int64_t n);
+    void (*silu_mul)(loom_backend_t *be, float *out, const float *gu, int n, int hidden);
+    void (*embed)(loom_backend_t *be, float *x, const float *table, const int32_t *ids, int n,
+                  int dim);
+    void (*gather_rows)(loom_backend_t *be, float *dst, const float *src, const int32_t *rows,
+                        int n, int dim);
+    void (*rope)(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
+                 const int32_t *pos, const float *inv_freq);
+    void (*kv_write)(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
+                     const float *v, int stride, const int32_t *slots, int n, int kv_dim);
+    void (*attention)(loom_backend_t *be, const loom_attn_args_t *a);
+    void (*sample_shard)(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
+                         int id_offset, int vocab_size, const loom_sampling_t *params,
+                         const uint64_t *steps, const int *k, loom_sample_part_t *parts);
+} loom_backend_ops_t;
+
+/* Every backend struct begins with this header. */
+struct loom_backend {
+    const loom_backend_ops_t *ops;
+    loom_backend_config_t cfg;
+    char name[32];
+};
+
+/* Constructors of the built-in backends. */
+loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_backend_t **out,
+                                      loom_err_t *err);
+#ifdef LOOM_HAVE_CUDA
+loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_backend_t **out,
+                                       loom_err_t *err);
+int loom_backend_cuda_device_count(void);
+#endif
+
+#endif
