@@ -1,1 +1,328 @@
-/* placeholder: being written */
+/* Reads a Hugging Face config.json into loom_model_config_t: the fields a
+ * Llama-family decoder needs, their defaults, and checks that refuse a config
+ * Loom would run wrongly (unknown architectures, unsupported RoPE scaling,
+ * head counts that do not divide). generation_config.json adds EOS ids. */
+#include "common/model_config.h"
+
+#include <cjson/cJSON.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/util.h"
+
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2"};
+
+/* Parses `len` bytes that need not be NUL-terminated; anything but
+ * whitespace after the value is refused. */
+static cJSON *parse_json(const char *text, size_t len, size_t *bad_at) {
+    char *buf = loom_xmalloc(len + 1);
+    memcpy(buf, text, len);
+    buf[len] = '\0';
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(buf, &end, 0);
+    size_t at = end && end >= buf ? (size_t)(end - buf) : 0;
+    if (root) {
+        while (at < len &&
+               (buf[at] == ' ' || buf[at] == '\t' || buf[at] == '\n' || buf[at] == '\r'))
+            at++;
+        if (at < len) {
+            cJSON_Delete(root);
+            root = NULL;
+        }
+    }
+    *bad_at = at;
+    free(buf);
+    return root;
+}
+
+/* An absent key and an explicit null both mean "use the default". */
+static const cJSON *field(const cJSON *obj, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    return cJSON_IsNull(v) ? NULL : v;
+}
+
+static int json_int(const cJSON *v, int *out) {
+    if (!cJSON_IsNumber(v)) return 0;
+    double d = v->valuedouble;
+    if (!(d >= INT_MIN && d <= INT_MAX)) return 0;
+    int i = (int)d;
+    if ((double)i != d) return 0;
+    *out = i;
+    return 1;
+}
+
+/* Integer field: required ones must be present; present ones must be
+ * positive integers. */
+static loom_status_t get_pos_int(const cJSON *root, const char *key, int required, int dflt,
+                                 int *out, const char *path, loom_err_t *err) {
+    const cJSON *v = field(root, key);
+    if (!v) {
+        if (required) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s is missing", path, key);
+        *out = dflt;
+        return LOOM_OK;
+    }
+    if (!json_int(v, out))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be an integer", path, key);
+    if (*out <= 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be positive (got %d)", path, key,
+                            *out);
+    return LOOM_OK;
+}
+
+static loom_status_t get_pos_float(const cJSON *obj, const char *key, int required, float dflt,
+                                   float *out, const char *path, loom_err_t *err) {
+    const cJSON *v = field(obj, key);
+    if (!v) {
+        if (required) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s is missing", path, key);
+        *out = dflt;
+        return LOOM_OK;
+    }
+    if (!cJSON_IsNumber(v))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a number", path, key);
+    double d = v->valuedouble;
+    if (!(d > 0 && d <= 3.0e38))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a positive number (got %g)", path,
+                            key, d);
+    *out = (float)d;
+    return LOOM_OK;
+}
+
+static loom_status_t get_bool(const cJSON *root, const char *key, int dflt, int *out,
+                              const char *path, loom_err_t *err) {
+    const cJSON *v = field(root, key);
+    if (!v) {
+        *out = dflt;
+        return LOOM_OK;
+    }
+    if (!cJSON_IsBool(v))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be true or false", path, key);
+    *out = cJSON_IsTrue(v);
+    return LOOM_OK;
+}
+
+static loom_status_t add_eos(loom_model_config_t *cfg, int id, const char *path, loom_err_t *err) {
+    if (loom_model_config_is_eos(cfg, id)) return LOOM_OK;
+    if (cfg->n_eos == LOOM_MAX_EOS)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: more than %d distinct eos_token_id values",
+                            path, LOOM_MAX_EOS);
+    cfg->eos_ids[cfg->n_eos++] = id;
+    return LOOM_OK;
+}
+
+/* eos_token_id: absent, null, an int, or a list of ints (Llama 3). */
+static loom_status_t merge_eos(loom_model_config_t *cfg, const cJSON *root, const char *path,
+                               loom_err_t *err) {
+    const cJSON *v = field(root, "eos_token_id");
+    if (!v) return LOOM_OK;
+    int id;
+    if (cJSON_IsArray(v)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, v) {
+            if (!json_int(e, &id) || id < 0)
+                return loom_err_set(err, LOOM_ERR_FORMAT,
+                                    "%s: eos_token_id entries must be non-negative integers", path);
+            LOOM_CHECK(add_eos(cfg, id, path, err));
+        }
+        return LOOM_OK;
+    }
+    if (!json_int(v, &id) || id < 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: eos_token_id must be a non-negative integer or a list of them",
+                            path);
+    return add_eos(cfg, id, path, err);
+}
+
+static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *root,
+                                        const char *path, loom_err_t *err) {
+    cfg->rope_scaling = LOOM_ROPE_NONE;
+    const cJSON *rs = field(root, "rope_scaling");
+    if (!rs) return LOOM_OK;
+    if (!cJSON_IsObject(rs))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling must be an object or null",
+                            path);
+    const cJSON *type = field(rs, "rope_type");
+    if (!type) type = field(rs, "type");
+    if (!cJSON_IsString(type))
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: rope_scaling needs a string \"rope_type\" (or \"type\")", path);
+    if (!strcmp(type->valuestring, "default")) return LOOM_OK;
+    if (strcmp(type->valuestring, "llama3") != 0)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: rope_scaling type '%s' is not supported (Loom supports 'llama3')",
+                            path, type->valuestring);
+
+    cfg->rope_scaling = LOOM_ROPE_LLAMA3;
+    char key[64];
+    const char *names[3] = {"factor", "low_freq_factor", "high_freq_factor"};
+    float *dsts[3] = {&cfg->rope_factor, &cfg->rope_low_freq_factor, &cfg->rope_high_freq_factor};
+    for (int i = 0; i < 3; i++) {
+        snprintf(key, sizeof key, "rope_scaling.%s", names[i]);
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(rs, names[i]);
+        if (!v) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s is missing", path, key);
+        if (!cJSON_IsNumber(v) || !(v->valuedouble > 0 && v->valuedouble <= 1e30))
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a positive number", path,
+                                key);
+        *dsts[i] = (float)v->valuedouble;
+    }
+    if (!(cfg->rope_high_freq_factor > cfg->rope_low_freq_factor))
+        return loom_err_set(
+            err, LOOM_ERR_FORMAT,
+            "%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path,
+            (double)cfg->rope_high_freq_factor, (double)cfg->rope_low_freq_factor);
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rs, "original_max_position_embeddings");
+    if (!v)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: rope_scaling.original_max_position_embeddings is missing", path);
+    if (!json_int(v, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: rope_scaling.original_max_position_embeddings must be a positive "
+                            "integer",
+                            path);
+    return LOOM_OK;
+}
+
+static loom_dtype_t dtype_from_torch(const cJSON *v) {
+    if (!cJSON_IsString(v)) return LOOM_DT_F32;
+    if (!strcmp(v->valuestring, "float16")) return LOOM_DT_F16;
+    if (!strcmp(v->valuestring, "bfloat16")) return LOOM_DT_BF16;
+    return LOOM_DT_F32;
+}
+
+static loom_status_t parse_fields(const cJSON *root, const char *path, loom_model_config_t *cfg,
+                                  loom_err_t *err) {
+    const cJSON *mt = field(root, "model_type");
+    if (!mt) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type is missing", path);
+    if (!cJSON_IsString(mt))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type must be a string", path);
+    int known = 0;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_model_types); i++)
+        known |= !strcmp(mt->valuestring, k_model_types[i]);
+    if (!known)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: model_type '%s' is not supported (Loom runs llama, mistral and "
+                            "qwen2)",
+                            path, mt->valuestring);
+    snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
+    int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
+
+    LOOM_CHECK(get_pos_int(root, "hidden_size", 1, 0, &cfg->dim, path, err));
+    LOOM_CHECK(get_pos_int(root, "intermediate_size", 1, 0, &cfg->hidden_dim, path, err));
+    LOOM_CHECK(get_pos_int(root, "num_hidden_layers", 1, 0, &cfg->n_layers, path, err));
+    LOOM_CHECK(get_pos_int(root, "num_attention_heads", 1, 0, &cfg->n_heads, path, err));
+    LOOM_CHECK(
+        get_pos_int(root, "num_key_value_heads", 0, cfg->n_heads, &cfg->n_kv_heads, path, err));
+    LOOM_CHECK(get_pos_int(root, "head_dim", 0, 0, &cfg->head_dim, path, err));
+    LOOM_CHECK(get_pos_int(root, "vocab_size", 1, 0, &cfg->vocab_size, path, err));
+    LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, 2048, &cfg->max_seq_len, path, err));
+    LOOM_CHECK(get_pos_float(root, "rms_norm_eps", 0, 1e-6f, &cfg->norm_eps, path, err));
+    LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
+    LOOM_CHECK(parse_rope_scaling(cfg, root, path, err));
+    LOOM_CHECK(get_bool(root, "tie_word_embeddings", 0, &cfg->tie_embeddings, path, err));
+    LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2, &cfg->attention_bias, path, err));
+
+    if (cfg->n_heads % cfg->n_kv_heads != 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)",
+                            path, cfg->n_kv_heads, cfg->n_heads);
+    if (cfg->head_dim == 0) {
+        if (cfg->dim % cfg->n_heads != 0)
+            return loom_err_set(err, LOOM_ERR_FORMAT,
+                                "%s: num_attention_heads (%d) does not divide hidden_size (%d)",
+                                path, cfg->n_heads, cfg->dim);
+        cfg->head_dim = cfg->dim / cfg->n_heads;
+    }
+
+    cfg->bos_id = -1;
+    const cJSON *bos = field(root, "bos_token_id");
+    if (bos && (!json_int(bos, &cfg->bos_id) || cfg->bos_id < 0))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: bos_token_id must be a non-negative integer",
+                            path);
+    if (cfg->bos_id >= cfg->vocab_size)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: bos_token_id (%d) is not below vocab_size (%d)", path, cfg->bos_id,
+                            cfg->vocab_size);
+    LOOM_CHECK(merge_eos(cfg, root, path, err));
+
+    const cJSON *dt = field(root, "torch_dtype");
+    cfg->torch_dtype = dtype_from_torch(dt ? dt : field(root, "dtype"));
+    return LOOM_OK;
+}
+
+static loom_status_t check_eos_range(const loom_model_config_t *cfg, const char *path,
+                                     loom_err_t *err) {
+    for (int i = 0; i < cfg->n_eos; i++)
+        if (cfg->eos_ids[i] >= cfg->vocab_size)
+            return loom_err_set(err, LOOM_ERR_FORMAT,
+                                "%s: eos_token_id %d is not below vocab_size (%d)", path,
+                                cfg->eos_ids[i], cfg->vocab_size);
+    return LOOM_OK;
+}
+
+loom_status_t loom_model_config_parse(const char *json, size_t len, const char *path,
+                                      loom_model_config_t *cfg, loom_err_t *err) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->bos_id = -1;
+    if (!path) path = "config.json";
+    size_t bad_at;
+    cJSON *root = parse_json(json ? json : "", json ? len : 0, &bad_at);
+    if (!root)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: not valid JSON (at byte %zu)", path, bad_at);
+    loom_status_t s = LOOM_OK;
+    if (!cJSON_IsObject(root))
+        s = loom_err_set(err, LOOM_ERR_FORMAT, "%s: not a JSON object", path);
+    else
+        s = parse_fields(root, path, cfg, err);
+    if (s == LOOM_OK) s = check_eos_range(cfg, path, err);
+    cJSON_Delete(root);
+    return s;
+}
+
+/* generation_config.json often lists more stop ids than config.json does
+ * (Llama 3 instruct ends turns with <|eot_id|>); they are merged in. */
+static loom_status_t merge_generation_config(const char *dir, loom_model_config_t *cfg,
+                                             loom_err_t *err) {
+    char path[4096];
+    struct stat sb;
+    if (!loom_path_join(path, sizeof path, dir, "generation_config.json") || stat(path, &sb) != 0)
+        return LOOM_OK;
+    char *text;
+    size_t len;
+    LOOM_CHECK(loom_read_file(path, &text, &len, err));
+    size_t bad_at;
+    cJSON *root = parse_json(text, len, &bad_at);
+    free(text);
+    if (!root)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: not valid JSON (at byte %zu)", path, bad_at);
+    loom_status_t s = LOOM_OK;
+    if (!cJSON_IsObject(root))
+        s = loom_err_set(err, LOOM_ERR_FORMAT, "%s: not a JSON object", path);
+    else
+        s = merge_eos(cfg, root, path, err);
+    if (s == LOOM_OK) s = check_eos_range(cfg, path, err);
+    cJSON_Delete(root);
+    return s;
+}
+
+loom_status_t loom_model_config_load(const char *dir, loom_model_config_t *cfg, loom_err_t *err) {
+    char path[4096];
+    memset(cfg, 0, sizeof *cfg);
+    cfg->bos_id = -1;
+    if (!loom_path_join(path, sizeof path, dir, "config.json"))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
+    char *text;
+    size_t len;
+    LOOM_CHECK(loom_read_file(path, &text, &len, err));
+    loom_status_t s = loom_model_config_parse(text, len, path, cfg, err);
+    free(text);
+    LOOM_CHECK(s);
+    return merge_generation_config(dir, cfg, err);
+}
+
+int loom_model_config_is_eos(const loom_model_config_t *cfg, int id) {
+    for (int i = 0; i < cfg->n_eos; i++)
+        if (cfg->eos_ids[i] == id) return 1;
+    return 0;
+}

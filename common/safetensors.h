@@ -18,7 +18,7 @@ typedef struct loom_st_tensor {
     loom_dtype_t dtype;
     int n_dims;
     int64_t shape[LOOM_ST_MAX_DIMS];
-    const void *data; /* points into the mapping */
+    const void *data; /* points into the mapping; may be unaligned, read via memcpy */
     size_t nbytes;
     const char *file; /* path of the file that holds it, for error messages */
 } loom_st_tensor_t;
@@ -36,17 +36,20 @@ int loom_st_count(const loom_st_t *st);
 const loom_st_tensor_t *loom_st_at(const loom_st_t *st, int i);
 const loom_st_tensor_t *loom_st_find(const loom_st_t *st, const char *name); /* NULL if absent */
 
-/* Looks up a weight and checks it before use: present, dtype F32/F16/BF16,
- * and exactly the expected shape (n_dims entries). Errors name the file and
- * the tensor, e.g. "model.safetensors: tensor 'lm_head.weight' has shape
- * [512, 64], expected [500, 64]". */
+/* Looks up a weight and checks it before use: present (else NOT_FOUND), dtype
+ * F32/F16/BF16 (else UNSUPPORTED), and exactly the expected shape (n_dims
+ * entries; else FORMAT). Errors name the file and the tensor, e.g. "tensor
+ * 'lm_head.weight' in DIR/model.safetensors has shape [512, 64], expected
+ * [500, 64]". */
 loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, const int64_t *shape,
                           const loom_st_tensor_t **out, loom_err_t *err);
 
 /* Copies the 2-D block rows [row0, row0+nrows) x cols [col0, col0+ncols) of a
  * tensor into dst (nrows x ncols, row-major), converting F32/F16/BF16 to
- * float. A 1-D tensor is treated as one row. Counts the bytes it reads so a
- * shard can report how much of the checkpoint it touched. */
+ * float. A 1-D tensor is treated as one row; leading dimensions of a 3-D+
+ * tensor fold into rows. A block outside the tensor is INVALID_ARGUMENT.
+ * Counts the bytes it reads so a shard can report how much of the checkpoint
+ * it touched. Safe to call from several threads on one loom_st_t. */
 loom_status_t loom_st_read_f32(loom_st_t *st, const loom_st_tensor_t *t, int64_t row0, int64_t nrows,
                                int64_t col0, int64_t ncols, float *dst, loom_err_t *err);
 uint64_t loom_st_bytes_read(const loom_st_t *st);

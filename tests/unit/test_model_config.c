@@ -1,0 +1,364 @@
+/* Tests for config.json parsing: stories260K, Llama 3 and Qwen2 style
+ * configs, defaults, generation_config.json EOS merging, and the errors a
+ * broken or unsupported config must give. */
+#include <ftw.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/model_config.h"
+#include "common/util.h"
+#include "tests/test.h"
+
+static char g_tmp[256];
+
+static loom_status_t parse(const char *json, loom_model_config_t *cfg, loom_err_t *err) {
+    return loom_model_config_parse(json, strlen(json), "config.json", cfg, err);
+}
+
+static void write_text(const char *dir, const char *name, const char *text) {
+    char p[600];
+    loom_path_join(p, sizeof p, dir, name);
+    FILE *f = fopen(p, "wb");
+    if (!f) {
+        perror(p);
+        exit(2);
+    }
+    fputs(text, f);
+    fclose(f);
+}
+
+static void test_stories260k(void) {
+    char dir[512];
+    loom_path_join(dir, sizeof dir, test_models_dir(), "stories260K");
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    CHECKF(loom_model_config_load(dir, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!strcmp(c.model_type, "llama"));
+    CHECK(c.dim == 64 && c.hidden_dim == 172 && c.n_layers == 5);
+    CHECK(c.n_heads == 8 && c.n_kv_heads == 4 && c.head_dim == 8);
+    CHECK(c.vocab_size == 512 && c.max_seq_len == 512);
+    CHECK(c.norm_eps == 1e-5f && c.rope_theta == 10000.0f);
+    CHECK(c.rope_scaling == LOOM_ROPE_NONE);
+    CHECK(c.tie_embeddings == 1 && c.attention_bias == 0);
+    CHECK(c.bos_id == 1 && c.n_eos == 1 && c.eos_ids[0] == 2);
+    CHECK(loom_model_config_is_eos(&c, 2) && !loom_model_config_is_eos(&c, 1));
+    CHECK(c.torch_dtype == LOOM_DT_F32);
+}
+
+static const char *k_llama3 =
+    "{\"architectures\":[\"LlamaForCausalLM\"],\"model_type\":\"llama\",\"hidden_size\":4096,"
+    "\"intermediate_size\":14336,\"num_hidden_layers\":32,\"num_attention_heads\":32,"
+    "\"num_key_value_heads\":8,\"vocab_size\":128256,\"max_position_embeddings\":131072,"
+    "\"rms_norm_eps\":1e-05,\"rope_theta\":500000.0,\"rope_scaling\":{\"factor\":8.0,"
+    "\"low_freq_factor\":1.0,\"high_freq_factor\":4.0,\"original_max_position_embeddings\":8192,"
+    "\"rope_type\":\"llama3\"},\"tie_word_embeddings\":false,\"attention_bias\":false,"
+    "\"bos_token_id\":128000,\"eos_token_id\":[128001,128008,128009],\"torch_dtype\":\"bfloat16\"}";
+
+static void test_llama3(void) {
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    CHECKF(parse(k_llama3, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.dim == 4096 && c.hidden_dim == 14336 && c.n_layers == 32);
+    CHECK(c.n_heads == 32 && c.n_kv_heads == 8 && c.head_dim == 128);
+    CHECK(c.vocab_size == 128256 && c.max_seq_len == 131072);
+    CHECK(c.rope_theta == 500000.0f && c.norm_eps == 1e-5f);
+    CHECK(c.rope_scaling == LOOM_ROPE_LLAMA3 && c.rope_factor == 8.0f);
+    CHECK(c.rope_low_freq_factor == 1.0f && c.rope_high_freq_factor == 4.0f);
+    CHECK(c.rope_orig_max_pos == 8192);
+    CHECK(c.bos_id == 128000 && c.n_eos == 3);
+    CHECK(c.eos_ids[0] == 128001 && c.eos_ids[1] == 128008 && c.eos_ids[2] == 128009);
+    CHECK(c.tie_embeddings == 0 && c.attention_bias == 0);
+    CHECK(c.torch_dtype == LOOM_DT_BF16);
+
+    /* "type" is the older spelling of "rope_type". */
+    const char *old = "{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,"
+                      "\"num_hidden_layers\":2,\"num_attention_heads\":4,\"vocab_size\":100,"
+                      "\"rope_scaling\":{\"type\":\"llama3\",\"factor\":32,\"low_freq_factor\":1,"
+                      "\"high_freq_factor\":4,\"original_max_position_embeddings\":8192}}";
+    CHECKF(parse(old, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.rope_scaling == LOOM_ROPE_LLAMA3 && c.rope_factor == 32.0f);
+}
+
+static void test_qwen2_and_defaults(void) {
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    const char *qwen =
+        "{\"model_type\":\"qwen2\",\"hidden_size\":896,\"intermediate_size\":4864,"
+        "\"num_hidden_layers\":24,\"num_attention_heads\":14,"
+        "\"num_key_value_heads\":2,\"vocab_size\":151936,"
+        "\"max_position_embeddings\":32768,\"rms_norm_eps\":1e-06,"
+        "\"rope_theta\":1000000.0,\"rope_scaling\":null,\"sliding_window\":32768,"
+        "\"use_sliding_window\":false,\"tie_word_embeddings\":true,"
+        "\"bos_token_id\":151643,\"eos_token_id\":151645,\"torch_dtype\":\"bfloat16\"}";
+    CHECKF(parse(qwen, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!strcmp(c.model_type, "qwen2"));
+    CHECK(c.attention_bias == 1); /* Qwen2 has q/k/v biases by default */
+    CHECK(c.head_dim == 64 && c.n_kv_heads == 2 && c.tie_embeddings == 1);
+    CHECK(c.rope_theta == 1000000.0f && c.rope_scaling == LOOM_ROPE_NONE);
+    CHECK(c.n_eos == 1 && c.eos_ids[0] == 151645 && c.bos_id == 151643);
+
+    const char *qwen_nobias =
+        "{\"model_type\":\"qwen2\",\"hidden_size\":64,\"intermediate_size\":1,"
+        "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":9,"
+        "\"attention_bias\":false}";
+    CHECKF(parse(qwen_nobias, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.attention_bias == 0);
+
+    /* Minimal Mistral config: every default. */
+    const char *minimal =
+        "{\"model_type\":\"mistral\",\"hidden_size\":64,\"intermediate_size\":128,"
+        "\"num_hidden_layers\":2,\"num_attention_heads\":4,\"vocab_size\":100,"
+        "\"head_dim\":null,\"num_key_value_heads\":null,\"eos_token_id\":null}";
+    CHECKF(parse(minimal, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!strcmp(c.model_type, "mistral"));
+    CHECK(c.n_kv_heads == 4 && c.head_dim == 16);
+    CHECK(c.rope_theta == 10000.0f && c.norm_eps == 1e-6f);
+    CHECK(c.tie_embeddings == 0 && c.attention_bias == 0);
+    CHECK(c.max_seq_len == 2048 && c.bos_id == -1 && c.n_eos == 0);
+    CHECK(c.rope_scaling == LOOM_ROPE_NONE && c.torch_dtype == LOOM_DT_F32);
+    CHECK(!loom_model_config_is_eos(&c, 0));
+
+    /* An explicit head_dim need not be hidden_size / heads. */
+    const char *hd = "{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,"
+                     "\"num_hidden_layers\":2,\"num_attention_heads\":6,\"head_dim\":32,"
+                     "\"num_key_value_heads\":2,\"vocab_size\":100,\"eos_token_id\":[5,5,7],"
+                     "\"rope_scaling\":{\"rope_type\":\"default\"}}";
+    CHECKF(parse(hd, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.head_dim == 32 && c.n_eos == 2 && c.eos_ids[0] == 5 && c.eos_ids[1] == 7);
+    CHECK(c.rope_scaling == LOOM_ROPE_NONE);
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static void test_generation_config(void) {
+    char dir[512];
+    loom_path_join(dir, sizeof dir, g_tmp, "gen");
+    mkdir(dir, 0755);
+    write_text(dir, "config.json",
+               "{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,"
+               "\"num_hidden_layers\":2,\"num_attention_heads\":4,\"vocab_size\":128256,"
+               "\"eos_token_id\":128001}");
+    write_text(dir, "generation_config.json",
+               "{\"bos_token_id\":128000,\"eos_token_id\":[128001,128009],\"do_sample\":true}");
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    CHECKF(loom_model_config_load(dir, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.n_eos == 2 && c.eos_ids[0] == 128001 && c.eos_ids[1] == 128009);
+    CHECK(loom_model_config_is_eos(&c, 128009));
+
+    write_text(dir, "generation_config.json", "{\"eos_token_id\":128009}");
+    CHECKF(loom_model_config_load(dir, &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.n_eos == 2);
+
+    write_text(dir, "generation_config.json", "{\"eos_token_id\":");
+    CHECK(loom_model_config_load(dir, &c, &err) == LOOM_ERR_FORMAT);
+    CHECKF(strstr(err.msg, "generation_config.json") != NULL, "%s", err.msg);
+    write_text(dir, "generation_config.json", "{\"eos_token_id\":\"x\"}");
+    CHECK(loom_model_config_load(dir, &c, &err) == LOOM_ERR_FORMAT);
+    CHECKF(strstr(err.msg, "generation_config.json: eos_token_id") != NULL, "%s", err.msg);
+
+    char missing[600];
+    loom_path_join(missing, sizeof missing, g_tmp, "no-such-model");
+    CHECK(loom_model_config_load(missing, &c, &err) == LOOM_ERR_IO);
+    CHECKF(strstr(err.msg, "no-such-model/config.json") != NULL, "%s", err.msg);
+}
+
+/* A base config with one field replaced (value NULL: the field removed). */
+static void with_field(char *out, size_t n, const char *key, const char *value) {
+    static const char *const keys[] = {
+        "model_type",          "hidden_size",         "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "vocab_size"};
+    static const char *const vals[] = {"\"llama\"", "64", "128", "2", "8", "4", "100"};
+    size_t used = (size_t)snprintf(out, n, "{");
+    int first = 1, seen = 0;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(keys); i++) {
+        const char *v = vals[i];
+        if (!strcmp(keys[i], key)) {
+            seen = 1;
+            v = value;
+        }
+        if (!v) continue;
+        used += (size_t)snprintf(out + used, n - used, "%s\"%s\":%s", first ? "" : ",", keys[i], v);
+        first = 0;
+    }
+    if (!seen && value)
+        used += (size_t)snprintf(out + used, n - used, "%s\"%s\":%s", first ? "" : ",", key, value);
+    snprintf(out + used, n - used, "}");
+}
+
+static void expect_err(int line, const char *key, const char *value, loom_status_t code,
+                       const char *want) {
+    char json[2048];
+    with_field(json, sizeof json, key, value);
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    loom_status_t s = parse(json, &c, &err);
+    CHECKF(s == code, "line %d: %s: got %s (%s)", line, json, loom_status_str(s), err.msg);
+    CHECKF(strstr(err.msg, want) != NULL, "line %d: '%s' lacks '%s'", line, err.msg, want);
+    CHECKF(!strncmp(err.msg, "config.json: ", 13), "line %d: '%s' does not name the file", line,
+           err.msg);
+}
+
+#define ERR(key, value, want) expect_err(__LINE__, key, value, LOOM_ERR_FORMAT, want)
+
+static void test_errors(void) {
+    ERR("hidden_size", NULL, "config.json: hidden_size is missing");
+    ERR("hidden_size", "null", "config.json: hidden_size is missing");
+    ERR("hidden_size", "\"64\"", "config.json: hidden_size must be an integer");
+    ERR("hidden_size", "64.5", "config.json: hidden_size must be an integer");
+    ERR("hidden_size", "1e30", "config.json: hidden_size must be an integer");
+    ERR("hidden_size", "-64", "config.json: hidden_size must be positive (got -64)");
+    ERR("hidden_size", "0", "hidden_size must be positive");
+    ERR("intermediate_size", NULL, "intermediate_size is missing");
+    ERR("num_hidden_layers", "[2]", "num_hidden_layers must be an integer");
+    ERR("num_attention_heads", NULL, "num_attention_heads is missing");
+    ERR("num_attention_heads", "7",
+        "config.json: num_key_value_heads (4) does not divide num_attention_heads (7)");
+    ERR("num_key_value_heads", "3",
+        "config.json: num_key_value_heads (3) does not divide num_attention_heads (8)");
+    ERR("num_key_value_heads", "0", "num_key_value_heads must be positive");
+    ERR("vocab_size", "0", "config.json: vocab_size must be positive (got 0)");
+    ERR("vocab_size", NULL, "vocab_size is missing");
+    ERR("max_position_embeddings", "-1", "max_position_embeddings must be positive");
+    ERR("head_dim", "true", "head_dim must be an integer");
+    ERR("rms_norm_eps", "\"1e-5\"", "rms_norm_eps must be a number");
+    ERR("rms_norm_eps", "0", "rms_norm_eps must be a positive number");
+    ERR("rope_theta", "-1", "rope_theta must be a positive number");
+    ERR("tie_word_embeddings", "\"yes\"", "tie_word_embeddings must be true or false");
+    ERR("attention_bias", "1", "attention_bias must be true or false");
+    ERR("bos_token_id", "\"<s>\"", "bos_token_id must be a non-negative integer");
+    ERR("bos_token_id", "100", "bos_token_id (100) is not below vocab_size (100)");
+    ERR("eos_token_id", "\"</s>\"", "eos_token_id must be a non-negative integer or a list");
+    ERR("eos_token_id", "[2,\"x\"]", "eos_token_id entries must be non-negative integers");
+    ERR("eos_token_id", "-2", "eos_token_id must be a non-negative integer");
+    ERR("eos_token_id", "[1,2,3,4,5,6,7,8,9]", "more than 8 distinct eos_token_id values");
+    ERR("eos_token_id", "[1,200]", "eos_token_id 200 is not below vocab_size (100)");
+    ERR("model_type", NULL, "config.json: model_type is missing");
+    ERR("model_type", "3", "model_type must be a string");
+    expect_err(__LINE__, "model_type", "\"gpt2\"", LOOM_ERR_UNSUPPORTED,
+               "config.json: model_type 'gpt2' is not supported");
+    expect_err(__LINE__, "rope_scaling", "{\"type\":\"linear\",\"factor\":2}", LOOM_ERR_UNSUPPORTED,
+               "config.json: rope_scaling type 'linear' is not supported");
+    expect_err(__LINE__, "rope_scaling", "{\"rope_type\":\"yarn\",\"factor\":4}",
+               LOOM_ERR_UNSUPPORTED, "rope_scaling type 'yarn'");
+    expect_err(__LINE__, "rope_scaling", "{\"type\":\"dynamic\",\"factor\":2}",
+               LOOM_ERR_UNSUPPORTED, "rope_scaling type 'dynamic'");
+    ERR("rope_scaling", "{\"factor\":2}", "rope_scaling needs a string \"rope_type\"");
+    ERR("rope_scaling", "\"llama3\"", "rope_scaling must be an object or null");
+    ERR("rope_scaling",
+        "{\"rope_type\":\"llama3\",\"low_freq_factor\":1,\"high_freq_factor\":4,"
+        "\"original_max_position_embeddings\":8192}",
+        "rope_scaling.factor is missing");
+    ERR("rope_scaling",
+        "{\"rope_type\":\"llama3\",\"factor\":\"8\",\"low_freq_factor\":1,\"high_freq_factor\":4,"
+        "\"original_max_position_embeddings\":8192}",
+        "rope_scaling.factor must be a positive number");
+    ERR("rope_scaling",
+        "{\"rope_type\":\"llama3\",\"factor\":8,\"low_freq_factor\":4,\"high_freq_factor\":4,"
+        "\"original_max_position_embeddings\":8192}",
+        "high_freq_factor (4) must exceed low_freq_factor (4)");
+    ERR("rope_scaling",
+        "{\"rope_type\":\"llama3\",\"factor\":8,\"low_freq_factor\":1,\"high_freq_factor\":4}",
+        "original_max_position_embeddings is missing");
+    ERR("rope_scaling",
+        "{\"rope_type\":\"llama3\",\"factor\":8,\"low_freq_factor\":1,\"high_freq_factor\":4,"
+        "\"original_max_position_embeddings\":8192.5}",
+        "original_max_position_embeddings must be a positive integer");
+
+    /* hidden_size not divisible by heads when head_dim is absent (the exact text). */
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    const char *seven = "{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,"
+                        "\"num_hidden_layers\":2,\"num_attention_heads\":7,\"vocab_size\":100}";
+    CHECK(parse(seven, &c, &err) == LOOM_ERR_FORMAT);
+    CHECKF(
+        !strcmp(err.msg, "config.json: num_attention_heads (7) does not divide hidden_size (64)"),
+        "%s", err.msg);
+
+    /* Not JSON, not an object. */
+    const char *bad[] = {"",
+                         "{",
+                         "[1,2]",
+                         "\"llama\"",
+                         "null",
+                         "{\"model_type\":\"llama\"} x",
+                         "{\"model_type\":\"llama\",}"};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(bad); i++) {
+        loom_status_t s = parse(bad[i], &c, &err);
+        CHECKF(s == LOOM_ERR_FORMAT && strstr(err.msg, "config.json: "), "'%s': %s (%s)", bad[i],
+               loom_status_str(s), err.msg);
+    }
+    /* Text that is not NUL-terminated is read only up to len. */
+    char buf[64];
+    memset(buf, '#', sizeof buf);
+    memcpy(buf, "{}", 2);
+    CHECK(loom_model_config_parse(buf, 2, "config.json", &c, &err) == LOOM_ERR_FORMAT);
+    CHECKF(strstr(err.msg, "model_type is missing") != NULL, "%s", err.msg);
+    CHECK(loom_model_config_parse(NULL, 0, NULL, &c, &err) == LOOM_ERR_FORMAT);
+}
+
+static uint64_t rng_next(uint64_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+/* Mutated configs parse or fail with a status, never crash. */
+static void test_fuzz(void) {
+    size_t len = strlen(k_llama3);
+    char *mut = loom_xmalloc(len + 1);
+    static const char interesting[] = "0123456789-.e,[]{}\":tnul ";
+    uint64_t rng = 12345;
+    int n_ok = 0, n_wrong = 0;
+    for (int iter = 0; iter < 2000; iter++) {
+        memcpy(mut, k_llama3, len + 1);
+        size_t n = len;
+        int edits = 1 + (int)(rng_next(&rng) % 3);
+        for (int e = 0; e < edits; e++) {
+            uint64_t r = rng_next(&rng);
+            if (r % 7 == 0)
+                n = (size_t)(r >> 8) % (n + 1);
+            else if (n)
+                mut[(r >> 8) % n] = (r % 7 == 1)
+                                        ? (char)(r >> 40)
+                                        : interesting[(r >> 40) % (sizeof interesting - 1)];
+        }
+        loom_model_config_t c;
+        loom_err_t err = {0};
+        loom_status_t s = loom_model_config_parse(mut, n, "config.json", &c, &err);
+        if (s == LOOM_OK) {
+            n_ok++;
+            if (c.dim <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0 ||
+                c.n_heads % c.n_kv_heads || c.vocab_size <= 0 || c.n_eos > LOOM_MAX_EOS)
+                n_wrong++;
+        } else if (s != LOOM_ERR_FORMAT && s != LOOM_ERR_UNSUPPORTED) {
+            n_wrong++;
+        }
+    }
+    fprintf(stderr, "  fuzz: %d of 2000 parsed\n", n_ok);
+    CHECK(n_wrong == 0);
+    free(mut);
+}
+
+int main(void) {
+    snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_cfg_XXXXXX");
+    if (!mkdtemp(g_tmp)) {
+        perror("mkdtemp");
+        return 2;
+    }
+    RUN(test_stories260k);
+    RUN(test_llama3);
+    RUN(test_qwen2_and_defaults);
+    RUN(test_generation_config);
+    RUN(test_errors);
+    RUN(test_fuzz);
+    nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    return test_summary();
+}
