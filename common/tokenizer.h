@@ -40,8 +40,9 @@ int32_t loom_tokenizer_token_id(const loom_tokenizer_t *tok, const char *piece);
 /* Encodes text[0..len). add_bos: prepend BOS when the tokenizer has one and
  * its config says add_bos_token (pass 0 to never add). parse_special: match
  * added tokens written literally in the text ("<|eot_id|>"); otherwise they
- * are encoded as plain text. The ids are appended to *ids (realloc'ed as
- * needed; *cap is its capacity); *n_ids is set to the count. */
+ * are encoded as plain text. The ids are written from index 0 of *ids,
+ * which is NULL or a malloc'ed buffer of *cap entries, grown as needed (so
+ * a caller can reuse one buffer across calls); *n_ids is set to the count. */
 loom_status_t loom_tokenizer_encode(const loom_tokenizer_t *tok, const char *text, size_t len,
                                     int add_bos, int parse_special, int32_t **ids, int *n_ids,
                                     int *cap, loom_err_t *err);
