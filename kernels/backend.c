@@ -67,6 +67,8 @@ void loom_backend_destroy(loom_backend_t **be_p) {
 const char *loom_backend_name(const loom_backend_t *be) { return be->name; }
 loom_device_kind_t loom_backend_kind(const loom_backend_t *be) { return be->cfg.kind; }
 int loom_backend_threads(const loom_backend_t *be) { return be->cfg.n_threads; }
+int loom_backend_device_index(const loom_backend_t *be) { return be->cfg.device_index; }
+void *loom_backend_stream(loom_backend_t *be) { return be->ops->stream ? be->ops->stream(be) : NULL; }
 
 void *loom_backend_alloc(loom_backend_t *be, size_t bytes) { return be->ops->alloc(be, bytes); }
 void loom_backend_free(loom_backend_t *be, void *p) {
@@ -80,6 +82,18 @@ void loom_backend_download(loom_backend_t *be, void *dst, const void *src, size_
 }
 void loom_backend_memset(loom_backend_t *be, void *dst, int value, size_t bytes) {
     if (bytes) be->ops->memset(be, dst, value, bytes);
+}
+void loom_backend_copy(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    if (be->ops->copy) {
+        be->ops->copy(be, dst, src, bytes);
+        return;
+    }
+    void *tmp = malloc(bytes); /* backends without a device copy bounce through the host */
+    LOOM_ASSERT(tmp != NULL);
+    be->ops->download(be, tmp, src, bytes);
+    be->ops->upload(be, dst, tmp, bytes);
+    free(tmp);
 }
 loom_status_t loom_backend_synchronize(loom_backend_t *be, loom_err_t *err) {
     return be->ops->synchronize ? be->ops->synchronize(be, err) : LOOM_OK;

@@ -41,6 +41,10 @@ void loom_backend_destroy(loom_backend_t **be_p); /* safe on NULL and twice */
 const char *loom_backend_name(const loom_backend_t *be); /* "cpu", "cuda:0" */
 loom_device_kind_t loom_backend_kind(const loom_backend_t *be);
 int loom_backend_threads(const loom_backend_t *be);
+int loom_backend_device_index(const loom_backend_t *be);
+/* The backend's compute stream (cudaStream_t) for collectives ordered with
+ * its ops; NULL for the CPU backend. */
+void *loom_backend_stream(loom_backend_t *be);
 
 /* --- memory ------------------------------------------------------------ */
 void *loom_backend_alloc(loom_backend_t *be, size_t bytes); /* NULL when out of memory */
@@ -48,6 +52,8 @@ void loom_backend_free(loom_backend_t *be, void *p);
 void loom_backend_upload(loom_backend_t *be, void *dst, const void *src, size_t bytes);
 void loom_backend_download(loom_backend_t *be, void *dst, const void *src, size_t bytes);
 void loom_backend_memset(loom_backend_t *be, void *dst, int value, size_t bytes);
+/* Device-to-device copy (KV block copy-on-write). */
+void loom_backend_copy(loom_backend_t *be, void *dst, const void *src, size_t bytes);
 loom_status_t loom_backend_synchronize(loom_backend_t *be, loom_err_t *err);
 /* Bytes of device memory still free (CPU: MemAvailable). */
 size_t loom_backend_mem_free(loom_backend_t *be);
@@ -95,7 +101,8 @@ void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, 
 
 /* Writes the new keys/values of n tokens into the paged cache of one layer.
  * Caches are (n_blocks, B, nkv, hd); token i goes to slot slots[i] = block*B +
- * offset. k and v rows start at k + i*stride, v + i*stride. */
+ * offset (a negative slot is skipped: padding). k and v rows start at
+ * k + i*stride, v + i*stride. */
 void loom_op_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
                       const float *v, int stride, const int32_t *slots, int n, int kv_dim);
 

@@ -13,8 +13,10 @@ typedef struct loom_backend_ops {
     void (*upload)(loom_backend_t *be, void *dst, const void *src, size_t bytes);
     void (*download)(loom_backend_t *be, void *dst, const void *src, size_t bytes);
     void (*memset)(loom_backend_t *be, void *dst, int value, size_t bytes);
+    void (*copy)(loom_backend_t *be, void *dst, const void *src, size_t bytes); /* optional */
     loom_status_t (*synchronize)(loom_backend_t *be, loom_err_t *err);
     size_t (*mem_free)(loom_backend_t *be);
+    void *(*stream)(loom_backend_t *be); /* optional: CUDA stream */
     loom_status_t (*weight_upload)(loom_backend_t *be, loom_weight_t *w, int64_t rows,
                                    int64_t cols, const float *host, loom_err_t *err);
     void (*weight_free)(loom_backend_t *be, loom_weight_t *w);

@@ -8,10 +8,13 @@
  *    softmax(logits / T) by the Gumbel-max trick: argmax z_i + g_i, with
  *    g_i = -log(-log(u_i)) and u_i a hash of (seed, step, id). One winner per shard;
  *  - otherwise (top-k and/or top-p): each shard keeps its K best z = logit / T
- *    (K = top_k, or LOOM_SAMPLE_MAX_CAND when only top-p is set) plus its max
- *    and sum of exp(z - max); the merge sorts the candidates, keeps top-k,
- *    cuts the nucleus with probabilities normalised over the *whole*
- *    vocabulary, and samples inside it by Gumbel-max with the same noise.
+ *    (K = min(top_k, LOOM_SAMPLE_MAX_CAND), or LOOM_SAMPLE_MAX_CAND when only
+ *    top-p is set) plus its max and sum of exp(z - max); the merge sorts the
+ *    candidates and keeps top-k, cuts the nucleus with probabilities
+ *    renormalised over the top-k when top-k is set (as Hugging Face and vLLM
+ *    do) or over the *whole* vocabulary when only top-p is, and samples inside
+ *    it by Gumbel-max with the same noise. A nucleus larger than
+ *    LOOM_SAMPLE_MAX_CAND tokens is cut there.
  * The noise depends only on (seed, step, id), where step is the index of the
  * generated token in its sequence: the same seed gives the same text alone or
  * inside any batch, and a recomputed (preempted) sequence samples the same ids. */
@@ -20,7 +23,8 @@
 
 #include <stdint.h>
 
-#define LOOM_SAMPLE_MAX_CAND 1024 /* nucleus candidates per shard when top_k is 0 */
+#define LOOM_SAMPLE_MAX_CAND 1024 /* candidates per shard at most (top_k above it is capped) */
+#define LOOM_SAMPLE_MAX_PARTS 64  /* vocabulary shards (tensor-parallel ranks) at most */
 
 typedef struct loom_sampling {
     float temperature; /* <= 0: greedy */

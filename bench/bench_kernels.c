@@ -1,0 +1,473 @@
+/* Benchmarks of the CPU backend's kernels, with the napkin math next to each
+ * time: the machine's triad bandwidth, GEMV GB/s as a fraction of it, the
+ * GEMV/sgemm crossover, sgemm GFLOP/s at prefill sizes, thread-pool dispatch
+ * latency, paged attention decode and the small element-wise ops.
+ *
+ *   bench_kernels [--threads N] [--quick] [--only
+ * triad|gemv|crossover|prefill|dispatch|attention|eltwise]
+ *
+ * Weights and KV caches are cycled through several copies totalling more than
+ * the last-level cache, so every call streams from DRAM as in a real decode
+ * (and the compiler cannot hoist a repeated call). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench/membw.h"
+#include "common/util.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/backend_cpu.h"
+#include "kernels/cpu/threadpool.h"
+
+#define COLD_BYTES ((size_t)96 << 20) /* > 32 MiB L3: copies cycled per call */
+
+static int g_quick;
+static const char *g_only; /* run one section */
+
+static int want(const char *section) {
+    return !g_only || !strcmp(g_only, section);
+}
+
+static void *xalloc(size_t n) {
+    void *p = loom_aligned_alloc(n);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+static void fill_rand(float *p, size_t n, uint64_t seed) {
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = (float)((int32_t)(s >> 40) - (1 << 23)) / (float)(1 << 23);
+    }
+}
+
+static loom_backend_t *make_backend(int n_threads, loom_dtype_t dt) {
+    loom_backend_config_t cfg = {.version = LOOM_BACKEND_CONFIG_VERSION,
+                                 .kind = LOOM_DEVICE_CPU,
+                                 .n_threads = n_threads,
+                                 .weight_dtype = dt};
+    loom_backend_t *be = NULL;
+    loom_err_t err;
+    if (loom_backend_create(&cfg, &be, &err) != LOOM_OK) {
+        fprintf(stderr, "backend: %s\n", err.msg);
+        exit(1);
+    }
+    return be;
+}
+
+/* A weight uploaded in enough copies that cycling through them misses the cache. */
+struct cold_weight {
+    loom_weight_t w[16];
+    int n;
+};
+
+static void cold_weight_init(struct cold_weight *cw, loom_backend_t *be, loom_dtype_t dt, int rows,
+                             int cols) {
+    size_t bytes = (size_t)rows * cols * loom_dtype_size(dt);
+    cw->n = (int)LOOM_MIN((size_t)16, LOOM_MAX((size_t)2, COLD_BYTES / bytes + 1));
+    float *host = xalloc((size_t)rows * cols * sizeof(float));
+    fill_rand(host, (size_t)rows * cols, (uint64_t)rows * 31 + (uint64_t)cols);
+    for (int i = 0; i < cw->n; i++) {
+        loom_err_t err;
+        if (loom_weight_upload(be, &cw->w[i], rows, cols, host, &err) != LOOM_OK) {
+            fprintf(stderr, "upload: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    loom_aligned_free(host);
+}
+
+static void cold_weight_free(struct cold_weight *cw, loom_backend_t *be) {
+    for (int i = 0; i < cw->n; i++)
+        loom_weight_free(be, &cw->w[i]);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+struct timing {
+    double min, med; /* seconds per call */
+};
+
+/* Times matmuls on each path in turn (interleaved, so a burst of load from
+ * other processes hits every path alike), cycling the weight copies. The
+ * machine is shared: `min` is what the kernel can do, `med` what it did. */
+static void time_paths(loom_backend_t *be, struct cold_weight *cw, float *y, const float *x, int n,
+                       const loom_cpu_mm_path_t *paths, int n_paths, int reps, struct timing *out) {
+    double t[4][64];
+    reps = LOOM_MAX(1, LOOM_MIN(reps, 64));
+    for (int p = 0; p < n_paths; p++) /* warm up threads and code */
+        loom_cpu_matmul_path(be, y, x, &cw->w[0], n, paths[p]);
+    for (int r = 0; r < reps; r++)
+        for (int p = 0; p < n_paths; p++) {
+            uint64_t t0 = loom_now_ns();
+            loom_cpu_matmul_path(be, y, x, &cw->w[(r * n_paths + p + 1) % cw->n], n, paths[p]);
+            t[p][r] = (double)(loom_now_ns() - t0) * 1e-9;
+        }
+    for (int p = 0; p < n_paths; p++) {
+        qsort(t[p], (size_t)reps, sizeof(double), cmp_double);
+        out[p] = (struct timing){t[p][0], t[p][reps / 2]};
+    }
+}
+
+static int reps_for(double est_s) {
+    int r = (int)(0.12 / (est_s > 1e-6 ? est_s : 1e-6));
+    if (g_quick) r /= 4;
+    return LOOM_MAX(3, LOOM_MIN(r, 64));
+}
+
+static void bench_gemv(int n_threads, double triad) {
+    static const int shapes[][2] = {{768, 768}, {2048, 768}, {4096, 4096}, {14336, 4096}};
+    static const loom_dtype_t dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F16};
+    static const int ns[] = {1, 2, 4, 8};
+    printf("\n== GEMV (decode matmul), %d threads: y(n, rows) = x(n, cols) W^T, weights cold ==\n",
+           n_threads);
+    printf("%-12s %-5s %2s %9s %9s %9s %8s %8s %8s %8s\n", "rows x cols", "dtype", "n", "MB moved",
+           "med us", "best us", "med GB/s", "best", "med/tri", "best/tri");
+    size_t n_shapes = g_quick ? 3 : LOOM_ARRAY_LEN(shapes);
+    for (size_t d = 0; d < LOOM_ARRAY_LEN(dts); d++) {
+        loom_backend_t *be = make_backend(n_threads, dts[d]);
+        for (size_t s = 0; s < n_shapes; s++) {
+            int rows = shapes[s][0], cols = shapes[s][1];
+            if (dts[d] == LOOM_DT_F16 && rows != 4096) continue; /* one f16 row is enough */
+            struct cold_weight cw;
+            cold_weight_init(&cw, be, dts[d], rows, cols);
+            float *x = xalloc(sizeof(float) * 8 * (size_t)cols),
+                  *y = xalloc(sizeof(float) * 8 * (size_t)rows);
+            fill_rand(x, 8 * (size_t)cols, 5);
+            for (size_t i = 0; i < LOOM_ARRAY_LEN(ns); i++) {
+                int n = ns[i];
+                double bytes = (double)loom_weight_bytes(&cw.w[0]) + 4.0 * n * (rows + cols);
+                double est = bytes / (triad * 1e9);
+                const loom_cpu_mm_path_t path = LOOM_CPU_MM_GEMV;
+                struct timing t;
+                time_paths(be, &cw, y, x, n, &path, 1, reps_for(est), &t);
+                printf("%5dx%-6d %-5s %2d %9.1f %9.1f %9.1f %8.2f %8.2f %8.2f %8.2f\n", rows, cols,
+                       loom_dtype_name(dts[d]), n, bytes / 1e6, t.med * 1e6, t.min * 1e6,
+                       bytes / t.med / 1e9, bytes / t.min / 1e9, bytes / t.med / 1e9 / triad,
+                       bytes / t.min / 1e9 / triad);
+            }
+            loom_aligned_free(x);
+            loom_aligned_free(y);
+            cold_weight_free(&cw, be);
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
+/* GEMV kernel vs sgemm per n: where does sgemm start winning? */
+static void bench_crossover(int n_threads) {
+    static const int shapes[][2] = {{4096, 4096}, {2048, 768}, {4096, 14336}};
+    static const int ns[] = {4, 8, 16, 24, 32, 48, 64, 96, 128};
+    static const loom_dtype_t dts[] = {LOOM_DT_F32, LOOM_DT_BF16};
+    printf(
+        "\n== GEMV kernel vs sgemm by n, %d threads (auto: GEMV for n <= %d f32, <= %d bf16) ==\n",
+        n_threads, loom_cpu_gemv_max_n(LOOM_DT_F32), loom_cpu_gemv_max_n(LOOM_DT_BF16));
+    printf("%-12s %-5s %3s %10s %10s %10s %10s %10s %10s  %s\n", "rows x cols", "dtype", "n",
+           "gemv best", "sgemm best", "gemv med", "sgemm med", "gemv GF/s", "sgemm GF/s",
+           "faster (best)");
+    for (size_t d = 0; d < LOOM_ARRAY_LEN(dts); d++) {
+        loom_backend_t *be = make_backend(n_threads, dts[d]);
+        for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+            int rows = shapes[s][0], cols = shapes[s][1];
+            struct cold_weight cw;
+            cold_weight_init(&cw, be, dts[d], rows, cols);
+            float *x = xalloc(sizeof(float) * 128 * (size_t)cols),
+                  *y = xalloc(sizeof(float) * 128 * (size_t)rows);
+            fill_rand(x, 128 * (size_t)cols, 6);
+            for (size_t i = 0; i < LOOM_ARRAY_LEN(ns); i++) {
+                int n = ns[i];
+                if (g_quick && (n & (n - 1))) continue;
+                double flops = 2.0 * n * rows * cols;
+                double est = (double)loom_weight_bytes(&cw.w[0]) / 15e9 + flops / 100e9;
+                int reps = reps_for(est);
+                const loom_cpu_mm_path_t paths[2] = {LOOM_CPU_MM_GEMV, LOOM_CPU_MM_SGEMM};
+                struct timing t[2];
+                time_paths(be, &cw, y, x, n, paths, 2, reps, t);
+                printf("%5dx%-6d %-5s %3d %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f  %s\n", rows,
+                       cols, loom_dtype_name(dts[d]), n, t[0].min * 1e6, t[1].min * 1e6,
+                       t[0].med * 1e6, t[1].med * 1e6, flops / t[0].min / 1e9,
+                       flops / t[1].min / 1e9, t[0].min <= t[1].min ? "gemv" : "sgemm");
+            }
+            loom_aligned_free(x);
+            loom_aligned_free(y);
+            cold_weight_free(&cw, be);
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
+static void bench_prefill(int n_threads) {
+    static const int ns[] = {128, 512};
+    static const loom_dtype_t dts[] = {LOOM_DT_F32, LOOM_DT_BF16};
+    const int rows = 4096, cols = 4096;
+    printf("\n== prefill matmul (sgemm), %d threads, %dx%d weights ==\n", n_threads, rows, cols);
+    printf("%-5s %4s %10s %10s %10s %10s\n", "dtype", "n", "GFLOP", "med ms", "best ms",
+           "best GF/s");
+    for (size_t d = 0; d < LOOM_ARRAY_LEN(dts); d++) {
+        loom_backend_t *be = make_backend(n_threads, dts[d]);
+        struct cold_weight cw;
+        cold_weight_init(&cw, be, dts[d], rows, cols);
+        float *x = xalloc(sizeof(float) * 512 * (size_t)cols),
+              *y = xalloc(sizeof(float) * 512 * (size_t)rows);
+        fill_rand(x, 512 * (size_t)cols, 7);
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(ns); i++) {
+            int n = ns[i];
+            double flops = 2.0 * n * rows * cols;
+            const loom_cpu_mm_path_t path = LOOM_CPU_MM_SGEMM;
+            struct timing t;
+            time_paths(be, &cw, y, x, n, &path, 1, g_quick ? 2 : 4, &t);
+            printf("%-5s %4d %10.2f %10.2f %10.2f %10.1f\n", loom_dtype_name(dts[d]), n,
+                   flops / 1e9, t.med * 1e3, t.min * 1e3, flops / t.min / 1e9);
+        }
+        loom_aligned_free(x);
+        loom_aligned_free(y);
+        cold_weight_free(&cw, be);
+        loom_backend_destroy(&be);
+    }
+}
+
+/* A task of fixed work, so a dispatch's cost is the time beyond the work:
+ * with empty tasks the caller would run them all before a worker woke. */
+struct spin_ctx {
+    long iters;
+    volatile double sink[64 * 8];
+};
+
+static void spin_task(void *p, int task, int thread) {
+    struct spin_ctx *c = p;
+    double v = (double)task;
+    for (long i = 0; i < c->iters; i++)
+        v = v * 0.999999 + 1e-9;
+    c->sink[thread * 8] = v;
+}
+
+static void bench_dispatch(int n_threads) {
+    printf("\n== thread pool dispatch, %d threads: n_threads tasks of 2 us each ==\n", n_threads);
+    struct spin_ctx c = {.iters = 1000};
+    for (int cal = 0; cal < 3; cal++) { /* calibrate iters to ~2 us */
+        uint64_t t0 = loom_now_ns();
+        for (int i = 0; i < 100; i++)
+            spin_task(&c, i, 0);
+        double us = (double)(loom_now_ns() - t0) * 1e-3 / 100;
+        c.iters = (long)((double)c.iters * 2.0 / us);
+        if (c.iters < 1) c.iters = 1;
+    }
+    uint64_t t0 = loom_now_ns();
+    for (int i = 0; i < 1000; i++)
+        spin_task(&c, i, 0);
+    double work_us = (double)(loom_now_ns() - t0) * 1e-3 / 1000;
+    printf("one task inline: %.2f us; ideal parallel_for = one task's time\n", work_us);
+    printf("%-30s %8s %8s %12s\n", "mode", "median", "p90 us", "overhead us");
+    for (int mode = 0; mode < 3; mode++) {
+        loom_threadpool_t *pool = loom_threadpool_create(n_threads);
+        if (!pool) return;
+        if (mode == 1) loom_threadpool_set_spin_ns(pool, 0);
+        int iters = mode == 0 ? 20000 : 3000;
+        if (g_quick) iters /= 4;
+        double *t = xalloc(sizeof(double) * (size_t)iters);
+        loom_parallel_for(pool, n_threads, spin_task, &c);
+        for (int i = 0; i < iters; i++) {
+            if (mode == 2) usleep(200); /* longer than the spin: the workers are asleep */
+            uint64_t d0 = loom_now_ns();
+            loom_parallel_for(pool, n_threads, spin_task, &c);
+            t[i] = (double)(loom_now_ns() - d0) * 1e-3;
+        }
+        qsort(t, (size_t)iters, sizeof *t, cmp_double);
+        double med = t[iters / 2], p90 = t[iters * 9 / 10];
+        printf("%-30s %8.2f %8.2f %12.2f\n",
+               mode == 0   ? "back-to-back (workers spin)"
+               : mode == 1 ? "no spin (futex every time)"
+                           : "after 200 us idle (asleep)",
+               med, p90, med - work_us);
+        loom_aligned_free(t);
+        loom_threadpool_destroy(&pool);
+    }
+}
+
+static void bench_attention(int n_threads) {
+    static const int cfgs[][3] = {{32, 8, 128}, {32, 4, 64}}; /* nh, nkv, hd */
+    static const int ctxs[] = {512, 2048};
+    static const int batches[] = {1, 4};
+    const int B = 16;
+    printf("\n== paged attention decode, %d threads, block %d, caches cold ==\n", n_threads, B);
+    printf("%-13s %5s %5s %10s %10s %9s %9s\n", "nh/nkv/hd", "ctx", "seqs", "MB K+V", "us/call",
+           "GB/s", "GFLOP/s");
+    loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cfgs); c++)
+        for (size_t x = 0; x < LOOM_ARRAY_LEN(ctxs); x++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(batches); b++) {
+                const int nh = cfgs[c][0], nkv = cfgs[c][1], hd = cfgs[c][2], ctx = ctxs[x];
+                const int seqs = batches[b], kv_dim = nkv * hd;
+                const int bps = ctx / B, n_blocks = bps * seqs;
+                size_t cache_bytes = (size_t)n_blocks * B * kv_dim * sizeof(float);
+                int layers = (int)LOOM_MIN((size_t)16, COLD_BYTES / (2 * cache_bytes) + 1);
+                float *kc = loom_backend_alloc(be, cache_bytes * layers),
+                      *vc = loom_backend_alloc(be, cache_bytes * layers);
+                if (!kc || !vc) {
+                    fprintf(stderr, "out of memory for the KV cache\n");
+                    exit(1);
+                }
+                fill_rand(kc, cache_bytes * layers / 4, 1);
+                fill_rand(vc, cache_bytes * layers / 4, 2);
+                int32_t *bt = xalloc(sizeof(int32_t) * n_blocks);
+                for (int i = 0; i < n_blocks; i++)
+                    bt[i] = (int32_t)((i * 7919) % n_blocks); /* scattered */
+                int32_t seq_ids[4], pos[4];
+                for (int s = 0; s < seqs; s++)
+                    seq_ids[s] = s, pos[s] = ctx - 1;
+                float *q = xalloc(sizeof(float) * seqs * nh * hd),
+                      *out = xalloc(sizeof(float) * seqs * nh * hd);
+                fill_rand(q, (size_t)seqs * nh * hd, 3);
+                loom_attn_args_t a = {.n = seqs,
+                                      .n_heads = nh,
+                                      .n_kv_heads = nkv,
+                                      .head_dim = hd,
+                                      .scale = 1.0f / sqrtf((float)hd),
+                                      .q = q,
+                                      .q_stride = nh * hd,
+                                      .out = out,
+                                      .out_stride = nh * hd,
+                                      .block_size = B,
+                                      .tok_seq = seq_ids,
+                                      .tok_pos = pos,
+                                      .block_tables = bt,
+                                      .max_blocks = bps,
+                                      .max_ctx = ctx};
+                double bytes = 2.0 * ctx * kv_dim * 4.0 * seqs;
+                double flops = 4.0 * ctx * nh * hd * seqs;
+                int reps = g_quick ? 8 : 30;
+                double best = 1e9;
+                for (int r = 0; r < reps; r++) {
+                    a.k_cache = kc + (size_t)(r % layers) * (cache_bytes / 4);
+                    a.v_cache = vc + (size_t)(r % layers) * (cache_bytes / 4);
+                    uint64_t t0 = loom_now_ns();
+                    loom_op_attention(be, &a);
+                    double t = (double)(loom_now_ns() - t0) * 1e-9;
+                    if (r > 0 && t < best) best = t;
+                }
+                printf("%3d/%d/%-7d %5d %5d %10.1f %10.1f %9.2f %9.1f\n", nh, nkv, hd, ctx, seqs,
+                       bytes / 1e6, best * 1e6, bytes / best / 1e9, flops / best / 1e9);
+                loom_backend_free(be, kc);
+                loom_backend_free(be, vc);
+                loom_aligned_free(bt);
+                loom_aligned_free(q);
+                loom_aligned_free(out);
+            }
+    loom_backend_destroy(&be);
+}
+
+/* The small ops at decode (n = 1) and prefill (n = 512) shapes of an 8B-class layer. */
+static void bench_eltwise(int n_threads) {
+    const int dim = 4096, hidden = 14336, nh = 32, hd = 128;
+    printf("\n== element-wise ops, %d threads (decode runs inline below %d elements) ==\n",
+           n_threads, 1 << 15);
+    printf("%-10s %4s %10s %10s %9s\n", "op", "n", "MB moved", "us/call", "GB/s");
+    loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
+    const int nmax = 512;
+    float *x = xalloc(sizeof(float) * nmax * 2 * (size_t)hidden),
+          *y = xalloc(sizeof(float) * nmax * (size_t)hidden);
+    float *g = xalloc(sizeof(float) * dim), *inv = xalloc(sizeof(float) * hd / 2);
+    int32_t *pos = xalloc(sizeof(int32_t) * nmax);
+    fill_rand(x, (size_t)nmax * 2 * hidden, 9);
+    fill_rand(g, dim, 10);
+    for (int j = 0; j < hd / 2; j++)
+        inv[j] = (float)pow(500000.0, -2.0 * j / hd);
+    for (int i = 0; i < nmax; i++)
+        pos[i] = i;
+    static const int ns[] = {1, 512};
+    for (int op = 0; op < 4; op++)
+        for (int k = 0; k < 2; k++) {
+            int n = ns[k], iters = n == 1 ? 2000 : 20;
+            if (g_quick) iters /= 4;
+            double bytes = 0;
+            const char *name = "";
+            uint64_t t0 = 0;
+            for (int it = -1; it < iters; it++) {
+                if (it == 0) t0 = loom_now_ns();
+                switch (op) {
+                case 0:
+                    name = "rmsnorm";
+                    bytes = 8.0 * n * dim;
+                    loom_op_rmsnorm(be, y, x, g, n, dim, 1e-5f);
+                    break;
+                case 1:
+                    name = "add";
+                    bytes = 12.0 * n * dim;
+                    loom_op_add(be, y, x, (int64_t)n * dim);
+                    break;
+                case 2:
+                    name = "silu_mul";
+                    bytes = 12.0 * n * hidden;
+                    loom_op_silu_mul(be, y, x, n, hidden);
+                    break;
+                case 3:
+                    name = "rope(q)";
+                    bytes = 8.0 * n * nh * hd;
+                    loom_op_rope(be, y, nh * hd, n, nh, hd, pos, inv);
+                    break;
+                }
+            }
+            double t = (double)(loom_now_ns() - t0) * 1e-9 / iters;
+            printf("%-10s %4d %10.3f %10.2f %9.2f\n", name, n, bytes / 1e6, t * 1e6,
+                   bytes / t / 1e9);
+        }
+    loom_aligned_free(x);
+    loom_aligned_free(y);
+    loom_aligned_free(g);
+    loom_aligned_free(inv);
+    loom_aligned_free(pos);
+    loom_backend_destroy(&be);
+}
+
+int main(int argc, char **argv) {
+    int n_threads = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            n_threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--quick"))
+            g_quick = 1;
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            g_only = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--threads N] [--quick] [--only SECTION]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (n_threads <= 0) n_threads = (int)LOOM_MAX(1L, sysconf(_SC_NPROCESSORS_ONLN));
+    uint64_t t0 = loom_now_ns();
+    double triad1 = 0, triad = 0;
+    if (want("triad") || want("gemv")) {
+        triad1 = loom_bench_triad_gbs(1);
+        triad = n_threads == 1 ? triad1 : loom_bench_triad_gbs(n_threads);
+        printf("== triad (STREAM convention, 24 B/element, 3 x 64 MiB) ==\n");
+        printf("1 thread: %.2f GB/s   %d threads: %.2f GB/s\n", triad1, n_threads, triad);
+    }
+    if (want("gemv")) {
+        /* The machine is shared: measure again next to the table, keep the best. */
+        triad = LOOM_MAX(triad, loom_bench_triad_gbs(n_threads));
+        printf("triad used for the ratios: %.2f GB/s (best of two runs)\n", triad);
+        bench_gemv(n_threads, triad);
+        if (n_threads > 1 && !g_quick) {
+            triad1 = LOOM_MAX(triad1, loom_bench_triad_gbs(1));
+            printf("\n(single thread, for scale; triad %.2f GB/s)", triad1);
+            bench_gemv(1, triad1);
+        }
+    }
+    if (want("crossover")) bench_crossover(n_threads);
+    if (want("prefill")) bench_prefill(n_threads);
+    if (want("dispatch")) bench_dispatch(n_threads);
+    if (want("attention")) bench_attention(n_threads);
+    if (want("eltwise")) bench_eltwise(n_threads);
+    printf("\ntotal %.1f s\n", (double)(loom_now_ns() - t0) * 1e-9);
+    return 0;
+}

@@ -1,0 +1,526 @@
+/* The CPU backend: host memory, weights in f32/bf16/f16, and every op of
+ * backend.h on a fork-join thread pool. It is the reference the other
+ * backends are compared with, and the fallback when there is no GPU.
+ *
+ * Matmul: up to loom_cpu_gemv_max_n() rows of x use the hand-written GEMV
+ * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
+ * (half-precision weights are widened block by block into a scratch buffer
+ * first). Small element-wise ops run inline on the calling thread, since a
+ * dispatch costs more than the work; see docs/kernels-cpu.md for the
+ * measurements behind the thresholds. Not thread-safe: one caller at a time. */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "common/util.h"
+#include "kernels/backend_impl.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/backend_cpu.h"
+#include "kernels/cpu/gemv.h"
+#include "kernels/cpu/threadpool.h"
+#include "kernels/cpu/vec.h"
+
+/* Largest n served by the GEMV kernel, by weight dtype. Measured crossovers
+ * (docs/kernels-cpu.md): f32 sgemm wins from n = 48-128 depending on cols
+ * (earlier when n rows of x outgrow L2); bf16/f16 pay the widening before
+ * sgemm, so the GEMV kernel stays ahead up to 64-128. */
+#ifndef LOOM_CPU_GEMV_MAX_N_F32
+#define LOOM_CPU_GEMV_MAX_N_F32 32
+#endif
+#ifndef LOOM_CPU_GEMV_MAX_N_HALF
+#define LOOM_CPU_GEMV_MAX_N_HALF 64
+#endif
+/* Bytes of f32 W rows widened per sgemm block for half-precision weights. */
+#ifndef WIDEN_BLOCK_BYTES
+#define WIDEN_BLOCK_BYTES (8u << 20)
+#endif
+/* Attention scores preallocated per thread (e.g. 8 heads x 4096 positions). */
+#define ATTN_SCRATCH_INIT_FLOATS (8u * 4096u)
+/* Element counts below which an op runs inline rather than on the pool. */
+#define PAR_MIN_ELEMS      (1 << 15)
+#define GEMV_PAR_MIN_BYTES (1 << 16)
+
+typedef struct cpu_backend {
+    struct loom_backend base;
+    int n_threads;
+    loom_threadpool_t *pool;
+    float *widen;         /* (widen_cap) f32 block of W rows for sgemm on bf16/f16 */
+    size_t widen_cap;     /* floats */
+    float **attn_scratch; /* (n_threads) per-thread attention scores */
+    size_t attn_cap;      /* floats per thread */
+} cpu_backend_t;
+
+static cpu_backend_t *cpu(loom_backend_t *be) {
+    return (cpu_backend_t *)be;
+}
+
+/* Splits [0, total) into chunks for the pool: at least `min_chunk` items,
+ * about `per_thread` chunks per thread, multiples of `align`. */
+static int64_t chunk_size(const cpu_backend_t *c, int64_t total, int64_t min_chunk, int per_thread,
+                          int64_t align) {
+    int64_t parts = (int64_t)c->n_threads * per_thread;
+    int64_t ch = (total + parts - 1) / parts;
+    if (ch < min_chunk) ch = min_chunk;
+    ch = (ch + align - 1) / align * align;
+    return ch > 0 ? ch : 1;
+}
+
+static int n_chunks(int64_t total, int64_t chunk) {
+    return (int)((total + chunk - 1) / chunk);
+}
+
+/* --- memory ------------------------------------------------------------ */
+
+/* Large buffers (weights, KV caches) are 2 MiB aligned and asked to be backed
+ * by transparent huge pages: GEMV and attention stream them, and with 4 KiB
+ * pages a KV head's rows (one every nkv*hd*4 bytes) each sit on their own
+ * page, so TLB misses would cost more than the loads. */
+#ifndef HUGE_MIN_BYTES
+#define HUGE_MIN_BYTES ((size_t)4 << 20)
+#endif
+#define HUGE_ALIGN ((size_t)2 << 20)
+
+static void *host_alloc(size_t bytes) {
+    if (bytes < HUGE_MIN_BYTES) return loom_aligned_alloc(bytes);
+    void *p = NULL;
+    if (posix_memalign(&p, HUGE_ALIGN, bytes) != 0) return NULL;
+    madvise(p, bytes, MADV_HUGEPAGE); /* advice only: failure leaves 4 KiB pages */
+    return p;
+}
+
+/* Both kinds come from posix_memalign. */
+static void host_free(void *p) {
+    loom_aligned_free(p);
+}
+
+static void *cpu_alloc(loom_backend_t *be, size_t bytes) {
+    return host_alloc(bytes);
+}
+static void cpu_free(loom_backend_t *be, void *p) {
+    host_free(p);
+}
+static void cpu_copy(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    memmove(dst, src, bytes);
+}
+static void cpu_memset(loom_backend_t *be, void *dst, int value, size_t bytes) {
+    memset(dst, value, bytes);
+}
+
+static size_t cpu_mem_free(loom_backend_t *be) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (size_t)kb * 1024u;
+}
+
+/* --- weights ----------------------------------------------------------- */
+
+struct narrow_ctx {
+    void *dst;
+    loom_dtype_t dt;
+    const float *src;
+    int64_t n, chunk;
+};
+
+static void narrow_task(void *p, int task, int thread) {
+    struct narrow_ctx *c = p;
+    int64_t a = (int64_t)task * c->chunk, b = LOOM_MIN(a + c->chunk, c->n);
+    loom_cpu_narrow((uint16_t *)c->dst + a, c->dt, c->src + a, b - a);
+}
+
+static int64_t widen_block_rows(int64_t cols) {
+    int64_t r = (int64_t)(WIDEN_BLOCK_BYTES / sizeof(float)) / (cols > 0 ? cols : 1);
+    return r < 8 ? 8 : r;
+}
+
+static loom_status_t cpu_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t rows,
+                                       int64_t cols, const float *host, loom_err_t *err) {
+    cpu_backend_t *c = cpu(be);
+    loom_dtype_t dt = be->cfg.weight_dtype;
+    *w = (loom_weight_t){.data = NULL, .dtype = dt, .rows = rows, .cols = cols};
+    if (rows < 0 || cols < 0 || rows > INT32_MAX || cols > INT32_MAX)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "weight shape (%lld, %lld)",
+                            (long long)rows, (long long)cols);
+    size_t n = (size_t)rows * (size_t)cols;
+    if (dt != LOOM_DT_F32) { /* sgemm needs a widened block of rows: size it now, not per call */
+        size_t need = (size_t)LOOM_MIN(widen_block_rows(cols), rows) * (size_t)cols;
+        if (need > c->widen_cap) {
+            float *nw = host_alloc(need * sizeof *nw);
+            if (!nw)
+                return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: %zu bytes of widen scratch",
+                                    need * sizeof *nw);
+            host_free(c->widen);
+            c->widen = nw;
+            c->widen_cap = need;
+        }
+    }
+    w->data = host_alloc(n * loom_dtype_size(dt));
+    if (!w->data)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: out of memory for a %lld x %lld %s weight",
+                            (long long)rows, (long long)cols, loom_dtype_name(dt));
+    if (dt == LOOM_DT_F32) {
+        memcpy(w->data, host, n * sizeof(float));
+    } else {
+        struct narrow_ctx nc = {w->data, dt, host, (int64_t)n, 0};
+        nc.chunk = chunk_size(c, nc.n, 1 << 16, 4, 64);
+        loom_parallel_for(c->pool, n_chunks(nc.n, nc.chunk), narrow_task, &nc);
+    }
+    return LOOM_OK;
+}
+
+static void cpu_weight_free(loom_backend_t *be, loom_weight_t *w) {
+    host_free(w->data);
+    w->data = NULL;
+}
+
+/* --- matmul ------------------------------------------------------------ */
+
+struct gemv_ctx {
+    float *y;
+    const float *x;
+    int n;
+    const loom_weight_t *w;
+    int64_t chunk;
+};
+
+static void gemv_task(void *p, int task, int thread) {
+    struct gemv_ctx *c = p;
+    int64_t r0 = (int64_t)task * c->chunk, r1 = LOOM_MIN(r0 + c->chunk, c->w->rows);
+    loom_cpu_gemv(c->y, c->w->rows, c->x, c->n, c->w->data, c->w->dtype, c->w->cols, r0, r1);
+}
+
+struct widen_ctx {
+    float *dst;
+    const loom_weight_t *w;
+    int64_t r0, r1, chunk;
+};
+
+static void widen_task(void *p, int task, int thread) {
+    struct widen_ctx *c = p;
+    int64_t a = c->r0 + (int64_t)task * c->chunk, b = LOOM_MIN(a + c->chunk, c->r1);
+    loom_cpu_widen_rows(c->dst + (a - c->r0) * c->w->cols, c->w->data, c->w->dtype, c->w->cols, a,
+                        b);
+}
+
+int loom_cpu_gemv_max_n(loom_dtype_t dt) {
+    return dt == LOOM_DT_F32 ? LOOM_CPU_GEMV_MAX_N_F32 : LOOM_CPU_GEMV_MAX_N_HALF;
+}
+
+void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w,
+                          int n, loom_cpu_mm_path_t path) {
+    cpu_backend_t *c = cpu(be);
+    const int64_t rows = w->rows, cols = w->cols;
+    if (rows == 0 || n <= 0) return;
+    if (path == LOOM_CPU_MM_AUTO)
+        path = n <= loom_cpu_gemv_max_n(w->dtype) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
+    if (path == LOOM_CPU_MM_GEMV || cols == 0) {
+        struct gemv_ctx g = {y, x, n, w, rows};
+        size_t bytes = (size_t)rows * (size_t)cols * loom_dtype_size(w->dtype);
+        if (bytes >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
+            g.chunk = chunk_size(c, rows, 24, 8, 12); /* whole 3- and 4-row tiles */
+        loom_parallel_for(c->pool, n_chunks(rows, g.chunk), gemv_task, &g);
+        return;
+    }
+    if (w->dtype == LOOM_DT_F32) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)rows, (int)cols, 1.0f, x,
+                    (int)cols, w->data, (int)cols, 0.0f, y, (int)rows);
+        return;
+    }
+    const int64_t block = LOOM_MIN(widen_block_rows(cols), rows);
+    LOOM_ASSERT((size_t)(block * cols) <= c->widen_cap);
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        struct widen_ctx wc = {c->widen, w, r0, LOOM_MIN(r0 + block, rows), 0};
+        wc.chunk = chunk_size(c, wc.r1 - wc.r0, 4, 1, 1);
+        loom_parallel_for(c->pool, n_chunks(wc.r1 - wc.r0, wc.chunk), widen_task, &wc);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)(wc.r1 - r0), (int)cols, 1.0f,
+                    x, (int)cols, c->widen, (int)cols, 0.0f, y + r0, (int)rows);
+    }
+}
+
+static void cpu_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w,
+                       int n) {
+    loom_cpu_matmul_path(be, y, x, w, n, LOOM_CPU_MM_AUTO);
+}
+
+/* --- element-wise ops -------------------------------------------------- */
+
+/* Row-parallel ops share one context: task t covers rows [t*chunk, ...). */
+struct rows_ctx {
+    float *y;
+    const float *x, *g;
+    const int32_t *idx;
+    int n, dim, stride, n_heads;
+    float eps;
+    int64_t chunk;
+};
+
+static void run_rows(cpu_backend_t *c, struct rows_ctx *rc, int64_t row_elems, loom_task_fn fn) {
+    int64_t total = (int64_t)rc->n * row_elems;
+    if (total < PAR_MIN_ELEMS || c->n_threads == 1 || rc->n == 1) {
+        rc->chunk = rc->n;
+        fn(rc, 0, 0);
+        return;
+    }
+    int64_t min_rows = LOOM_MAX((int64_t)1, (PAR_MIN_ELEMS / 4) / LOOM_MAX(row_elems, (int64_t)1));
+    rc->chunk = chunk_size(c, rc->n, min_rows, 2, 1);
+    loom_parallel_for(c->pool, n_chunks(rc->n, rc->chunk), fn, rc);
+}
+
+#define ROW_RANGE(rc, task, i0, i1)                                                                \
+    const int i0 = (int)((int64_t)(task) * (rc)->chunk);                                           \
+    const int i1 = (int)LOOM_MIN((int64_t)i0 + (rc)->chunk, (int64_t)(rc)->n)
+
+static void rmsnorm_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++)
+        loom_vec_rmsnorm(rc->y + (int64_t)i * rc->dim, rc->x + (int64_t)i * rc->dim, rc->g, rc->dim,
+                         rc->eps);
+}
+
+static void cpu_rmsnorm(loom_backend_t *be, float *y, const float *x, const float *g, int n,
+                        int dim, float eps) {
+    struct rows_ctx rc = {.y = y, .x = x, .g = g, .n = n, .dim = dim, .eps = eps};
+    run_rows(cpu(be), &rc, dim, rmsnorm_task);
+}
+
+static void add_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    loom_vec_add(rc->y + (int64_t)i0 * rc->dim, rc->x + (int64_t)i0 * rc->dim,
+                 (int64_t)(i1 - i0) * rc->dim);
+}
+
+static void cpu_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
+    /* Cut into rows of 4096 (the partial tail runs inline) so row indices fit an int. */
+    const int dim = 4096;
+    int64_t full = n / dim;
+    struct rows_ctx rc = {.y = y, .x = a, .n = (int)full, .dim = dim};
+    if (full > 0) run_rows(cpu(be), &rc, dim, add_task);
+    loom_vec_add(y + full * dim, a + full * dim, n - full * dim);
+}
+
+static void silu_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++) {
+        const float *gu = rc->x + (int64_t)i * 2 * rc->dim;
+        loom_vec_silu_mul(rc->y + (int64_t)i * rc->dim, gu, gu + rc->dim, rc->dim);
+    }
+}
+
+static void cpu_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
+    struct rows_ctx rc = {.y = out, .x = gu, .n = n, .dim = hidden};
+    run_rows(cpu(be), &rc, 3 * (int64_t)hidden, silu_task);
+}
+
+static void gather_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++)
+        memcpy(rc->y + (int64_t)i * rc->dim, rc->x + (int64_t)rc->idx[i] * rc->dim,
+               (size_t)rc->dim * sizeof(float));
+}
+
+static void cpu_embed(loom_backend_t *be, float *x, const float *table, const int32_t *ids, int n,
+                      int dim) {
+    struct rows_ctx rc = {.y = x, .x = table, .idx = ids, .n = n, .dim = dim};
+    run_rows(cpu(be), &rc, dim, gather_task);
+}
+
+static void cpu_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows,
+                            int n, int dim) {
+    struct rows_ctx rc = {.y = dst, .x = src, .idx = rows, .n = n, .dim = dim};
+    run_rows(cpu(be), &rc, dim, gather_task);
+}
+
+static void rope_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++)
+        loom_vec_rope(rc->y + (int64_t)i * rc->stride, rc->n_heads, rc->dim, rc->idx[i], rc->g);
+}
+
+static void cpu_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
+                     const int32_t *pos, const float *inv_freq) {
+    struct rows_ctx rc = {
+        .y = x, .g = inv_freq, .idx = pos, .n = n, .dim = hd, .stride = stride, .n_heads = n_heads};
+    /* sincos in double costs about as much as 16 rotated elements. */
+    run_rows(cpu(be), &rc, (int64_t)n_heads * hd + 8 * hd, rope_task);
+}
+
+struct kv_ctx {
+    float *kc, *vc;
+    const float *k, *v;
+    int stride, kv_dim;
+    const int32_t *slots;
+};
+
+static void kv_write_task(void *p, int i, int thread) {
+    struct kv_ctx *c = p;
+    int64_t s = c->slots[i];
+    if (s < 0) return; /* padding token */
+    memcpy(c->kc + s * c->kv_dim, c->k + (int64_t)i * c->stride, (size_t)c->kv_dim * sizeof(float));
+    memcpy(c->vc + s * c->kv_dim, c->v + (int64_t)i * c->stride, (size_t)c->kv_dim * sizeof(float));
+}
+
+static void cpu_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
+                         const float *v, int stride, const int32_t *slots, int n, int kv_dim) {
+    struct kv_ctx kc = {k_cache, v_cache, k, v, stride, kv_dim, slots};
+    if ((int64_t)n * kv_dim >= PAR_MIN_ELEMS)
+        loom_parallel_for(cpu(be)->pool, n, kv_write_task, &kc);
+    else
+        for (int i = 0; i < n; i++)
+            kv_write_task(&kc, i, 0);
+}
+
+/* --- attention --------------------------------------------------------- */
+
+struct attn_ctx {
+    const loom_attn_args_t *a;
+    int hpt;
+    float **scratch;
+};
+
+static void attn_task(void *p, int task, int thread) {
+    struct attn_ctx *c = p;
+    loom_cpu_attention_task(c->a, c->hpt, task, c->scratch[thread]);
+}
+
+static void cpu_attention(loom_backend_t *be, const loom_attn_args_t *a) {
+    cpu_backend_t *c = cpu(be);
+    LOOM_ASSERT(a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0 && a->block_size > 0);
+    int hpt = loom_cpu_attention_heads_per_task(a, c->n_threads);
+    size_t need = loom_cpu_attention_scratch_floats(a, a->n_heads / a->n_kv_heads);
+    if (need > c->attn_cap) { /* grows with the longest context seen, never per call */
+        size_t cap = LOOM_MAX(need, c->attn_cap * 2);
+        for (int t = 0; t < c->n_threads; t++) {
+            loom_aligned_free(c->attn_scratch[t]);
+            c->attn_scratch[t] = loom_aligned_alloc(cap * sizeof(float));
+            if (!c->attn_scratch[t]) {
+                fprintf(stderr, "loom cpu: out of memory for %zu bytes of attention scratch\n",
+                        cap * sizeof(float));
+                abort();
+            }
+        }
+        c->attn_cap = cap;
+    }
+    struct attn_ctx ac = {a, hpt, c->attn_scratch};
+    loom_parallel_for(c->pool, a->n * (a->n_heads / hpt), attn_task, &ac);
+}
+
+/* --- sampling ---------------------------------------------------------- */
+
+struct sample_ctx {
+    const float *logits;
+    int vocab_shard, id_offset, vocab_size;
+    const loom_sampling_t *params;
+    const uint64_t *steps;
+    const int *k;
+    loom_sample_part_t *parts;
+};
+
+static void sample_task(void *p, int r, int thread) {
+    struct sample_ctx *c = p;
+    loom_sample_shard(c->logits + (int64_t)r * c->vocab_shard, c->vocab_shard, c->id_offset,
+                      c->vocab_size, &c->params[r], c->steps[r], c->k[r], &c->parts[r]);
+}
+
+static void cpu_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
+                             int id_offset, int vocab_size, const loom_sampling_t *params,
+                             const uint64_t *steps, const int *k, loom_sample_part_t *parts) {
+    struct sample_ctx sc = {logits, vocab_shard, id_offset, vocab_size, params, steps, k, parts};
+    loom_parallel_for(cpu(be)->pool, n_rows, sample_task, &sc);
+}
+
+/* --- lifecycle --------------------------------------------------------- */
+
+static void cpu_destroy(loom_backend_t *be) {
+    cpu_backend_t *c = cpu(be);
+    loom_threadpool_destroy(&c->pool);
+    if (c->attn_scratch)
+        for (int t = 0; t < c->n_threads; t++)
+            loom_aligned_free(c->attn_scratch[t]);
+    free(c->attn_scratch);
+    host_free(c->widen);
+    free(c);
+}
+
+static const loom_backend_ops_t cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .memset = cpu_memset,
+    .copy = cpu_copy,
+    .synchronize = NULL,
+    .mem_free = cpu_mem_free,
+    .stream = NULL,
+    .weight_upload = cpu_weight_upload,
+    .weight_free = cpu_weight_free,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .add = cpu_add,
+    .silu_mul = cpu_silu_mul,
+    .embed = cpu_embed,
+    .gather_rows = cpu_gather_rows,
+    .rope = cpu_rope,
+    .kv_write = cpu_kv_write,
+    .attention = cpu_attention,
+    .sample_shard = cpu_sample_shard,
+};
+
+loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_backend_t **out,
+                                      loom_err_t *err) {
+    *out = NULL;
+    loom_dtype_t dt = cfg->weight_dtype;
+    if (dt != LOOM_DT_F32 && dt != LOOM_DT_BF16 && dt != LOOM_DT_F16)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "cpu backend: weight dtype %s (supported: F32, BF16, F16)",
+                            loom_dtype_name(dt));
+    int n_threads = cfg->n_threads;
+    if (n_threads <= 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = online > 0 ? (int)online : 1;
+    }
+    if (n_threads > 1024)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "cpu backend: %d threads", n_threads);
+
+    cpu_backend_t *c = calloc(1, sizeof *c);
+    if (!c) return loom_err_set(err, LOOM_ERR_NOMEM, "cpu backend: out of memory");
+    c->base.ops = &cpu_ops;
+    c->base.cfg = *cfg;
+    c->base.cfg.kind = LOOM_DEVICE_CPU;
+    c->base.cfg.n_threads = n_threads;
+    snprintf(c->base.name, sizeof c->base.name, "cpu");
+    c->n_threads = n_threads;
+    c->attn_scratch = calloc((size_t)n_threads, sizeof *c->attn_scratch);
+    if (!c->attn_scratch) goto fail_nomem;
+    for (int t = 0; t < n_threads; t++) {
+        c->attn_scratch[t] = loom_aligned_alloc(ATTN_SCRATCH_INIT_FLOATS * sizeof(float));
+        if (!c->attn_scratch[t]) goto fail_nomem;
+    }
+    c->attn_cap = ATTN_SCRATCH_INIT_FLOATS;
+    c->pool = loom_threadpool_create(n_threads);
+    if (!c->pool) {
+        cpu_destroy(&c->base);
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "cpu backend: cannot start %d threads",
+                            n_threads);
+    }
+    openblas_set_num_threads(n_threads);
+    *out = &c->base;
+    return LOOM_OK;
+
+fail_nomem:
+    cpu_destroy(&c->base);
+    return loom_err_set(err, LOOM_ERR_NOMEM, "cpu backend: out of memory");
+}

@@ -1,0 +1,21 @@
+/* What the CPU backend exposes beyond the vtable, for its own tests and
+ * benchmarks: the matmul with its algorithm chosen by the caller. */
+#ifndef LOOM_BACKEND_CPU_H
+#define LOOM_BACKEND_CPU_H
+
+#include "kernels/backend.h"
+
+typedef enum {
+    LOOM_CPU_MM_AUTO = 0, /* GEMV up to loom_cpu_gemv_max_n() rows of x, sgemm above */
+    LOOM_CPU_MM_GEMV,     /* the hand-written GEMV kernel for any n */
+    LOOM_CPU_MM_SGEMM,    /* OpenBLAS sgemm (bf16/f16 weights widened per block) */
+} loom_cpu_mm_path_t;
+
+/* loom_op_matmul on a CPU backend with the path forced. */
+void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w,
+                          int n, loom_cpu_mm_path_t path);
+/* The largest n the automatic choice serves with the GEMV kernel for
+ * weights stored as dt. */
+int loom_cpu_gemv_max_n(loom_dtype_t dt);
+
+#endif

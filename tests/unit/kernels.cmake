@@ -1,0 +1,5 @@
+# CPU backend op tests and the sampling reference tests.
+loom_add_test(test_kernels_cpu SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_kernels_cpu.c
+              LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
+loom_add_test(test_sampling SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sampling.c
+              LIBS loom_kernels LABELS unit kernels TIMEOUT 60)

@@ -1,0 +1,718 @@
+/* CPU backend op tests: every op against a plain C loop written here (double
+ * accumulation), on odd shapes, with 1, 2 and 3 threads, outputs poisoned
+ * with NaN beforehand so an element the op forgot to write fails. Also the
+ * thread pool (every task runs exactly once) and the GEMV kernel alone. */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/backend_cpu.h"
+#include "kernels/cpu/gemv.h"
+#include "kernels/cpu/threadpool.h"
+#include "tests/test.h"
+
+static const int k_threads[] = {1, 2, 3};
+
+static loom_backend_t *make_backend(int n_threads, loom_dtype_t dt) {
+    loom_backend_config_t cfg = {.version = LOOM_BACKEND_CONFIG_VERSION,
+                                 .kind = LOOM_DEVICE_CPU,
+                                 .n_threads = n_threads,
+                                 .weight_dtype = dt};
+    loom_backend_t *be = NULL;
+    loom_err_t err;
+    if (loom_backend_create(&cfg, &be, &err) != LOOM_OK) {
+        fprintf(stderr, "backend create: %s\n", err.msg);
+        return NULL;
+    }
+    return be;
+}
+
+static float *alloc_f(size_t n) {
+    float *p = loom_aligned_alloc((n ? n : 1) * sizeof *p);
+    if (!p) abort();
+    return p;
+}
+
+static void poison(float *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        p[i] = NAN;
+}
+
+static void fill(float *p, size_t n, unsigned long long *st, float scale) {
+    for (size_t i = 0; i < n; i++)
+        p[i] = test_randf(st, scale);
+}
+
+/* Float rounded through the weight dtype, as the backend stores it. */
+static float through(loom_dtype_t dt, float v) {
+    if (dt == LOOM_DT_BF16) return loom_bf16_to_f32(loom_f32_to_bf16(v));
+    if (dt == LOOM_DT_F16) return loom_f16_to_f32(loom_f32_to_f16(v));
+    return v;
+}
+
+/* --- thread pool ------------------------------------------------------- */
+
+#define TP_MAX_TASKS 300
+
+struct tp_ctx {
+    _Atomic int count[TP_MAX_TASKS];
+    _Atomic int bad_thread;
+    int n_threads;
+};
+
+static void tp_task(void *p, int task, int thread) {
+    struct tp_ctx *c = p;
+    if (thread < 0 || thread >= c->n_threads) atomic_fetch_add(&c->bad_thread, 1);
+    atomic_fetch_add(&c->count[task], 1);
+}
+
+static void test_threadpool(void) {
+    for (int nt = 1; nt <= 4; nt++) {
+        for (int spin = 0; spin < 2; spin++) {
+            loom_threadpool_t *pool = loom_threadpool_create(nt);
+            REQUIRE(pool);
+            CHECK(loom_threadpool_size(pool) == nt);
+            if (!spin) loom_threadpool_set_spin_ns(pool, 0); /* every wait goes to the futex */
+            static struct tp_ctx c;
+            int bad = 0;
+            for (int it = 0; it < 1500; it++) {
+                int n = (it * 37) % TP_MAX_TASKS;
+                for (int t = 0; t < TP_MAX_TASKS; t++)
+                    atomic_store(&c.count[t], 0);
+                atomic_store(&c.bad_thread, 0);
+                c.n_threads = nt;
+                loom_parallel_for(pool, n, tp_task, &c);
+                for (int t = 0; t < TP_MAX_TASKS; t++)
+                    if (atomic_load(&c.count[t]) != (t < n ? 1 : 0)) bad++;
+                if (atomic_load(&c.bad_thread)) bad++;
+            }
+            CHECKF(bad == 0, "threads %d spin %d: %d wrong task counts", nt, spin, bad);
+            loom_threadpool_destroy(&pool);
+            CHECK(pool == NULL);
+            loom_threadpool_destroy(&pool);
+        }
+    }
+}
+
+/* --- basics ------------------------------------------------------------ */
+
+static void test_backend_basics(void) {
+    loom_backend_t *be = make_backend(0, LOOM_DT_F32);
+    REQUIRE(be);
+    CHECK(!strcmp(loom_backend_name(be), "cpu"));
+    CHECK(loom_backend_kind(be) == LOOM_DEVICE_CPU);
+    CHECK(loom_backend_threads(be) >= 1);
+    CHECK(loom_backend_mem_free(be) > 0);
+    float *p = loom_backend_alloc(be, 1000);
+    REQUIRE(p);
+    CHECK(((uintptr_t)p & 63) == 0);
+    float src[250], dst[250];
+    for (int i = 0; i < 250; i++)
+        src[i] = (float)i;
+    loom_backend_upload(be, p, src, sizeof src);
+    loom_backend_download(be, dst, p, sizeof dst);
+    CHECK(!memcmp(src, dst, sizeof src));
+    float *p2 = loom_backend_alloc(be, sizeof src);
+    REQUIRE(p2);
+    loom_backend_copy(be, p2, p, sizeof src);
+    loom_backend_download(be, dst, p2, sizeof dst);
+    CHECK(!memcmp(src, dst, sizeof src));
+    loom_backend_free(be, p2);
+    CHECK(loom_backend_stream(be) == NULL);
+    loom_backend_memset(be, p, 0, 1000);
+    loom_backend_download(be, dst, p, sizeof dst);
+    CHECK(dst[0] == 0.0f && dst[249] == 0.0f);
+    CHECK(loom_backend_synchronize(be, NULL) == LOOM_OK);
+    loom_backend_free(be, p);
+    loom_backend_destroy(&be);
+    CHECK(be == NULL);
+    loom_backend_destroy(&be);
+
+    loom_backend_config_t cfg = {.version = LOOM_BACKEND_CONFIG_VERSION,
+                                 .weight_dtype = LOOM_DT_I8};
+    loom_err_t err;
+    CHECK(loom_backend_create(&cfg, &be, &err) == LOOM_ERR_UNSUPPORTED && be == NULL);
+}
+
+/* --- matmul ------------------------------------------------------------ */
+
+/* y = x · Wᵀ in double over the stored (rounded) weights when `round`. */
+static void naive_matmul(float *y, const float *x, const float *w, int n, int rows, int cols,
+                         loom_dtype_t dt) {
+    for (int i = 0; i < n; i++)
+        for (int r = 0; r < rows; r++) {
+            double s = 0;
+            for (int k = 0; k < cols; k++)
+                s += (double)x[(int64_t)i * cols + k] * through(dt, w[(int64_t)r * cols + k]);
+            y[(int64_t)i * rows + r] = (float)s;
+        }
+}
+
+static int check_matmul(loom_backend_t *be, loom_dtype_t dt, int n, int rows, int cols,
+                        unsigned long long *st) {
+    float *w = alloc_f((size_t)rows * cols), *x = alloc_f((size_t)n * cols);
+    float *y = alloc_f((size_t)n * rows), *ref = alloc_f((size_t)n * rows),
+          *ref32 = alloc_f((size_t)n * rows);
+    fill(w, (size_t)rows * cols, st, 1.0f);
+    fill(x, (size_t)n * cols, st, 1.0f);
+    loom_weight_t wt;
+    int ok = 0;
+    if (loom_weight_upload(be, &wt, rows, cols, w, NULL) != LOOM_OK) goto out;
+    CHECK(wt.dtype == dt && wt.rows == rows && wt.cols == cols);
+    CHECK(loom_weight_bytes(&wt) == (size_t)rows * cols * (dt == LOOM_DT_F32 ? 4 : 2));
+    naive_matmul(ref, x, w, n, rows, cols, dt);
+    naive_matmul(ref32, x, w, n, rows, cols, LOOM_DT_F32);
+    ok = 1;
+    /* The automatic choice, then each algorithm forced for every n. */
+    for (int path = LOOM_CPU_MM_AUTO; path <= LOOM_CPU_MM_SGEMM; path++) {
+        poison(y, (size_t)n * rows);
+        if (path == LOOM_CPU_MM_AUTO)
+            loom_op_matmul(be, y, x, &wt, n);
+        else
+            loom_cpu_matmul_path(be, y, x, &wt, n, (loom_cpu_mm_path_t)path);
+        char what[96];
+        snprintf(what, sizeof what, "matmul %s t%d n%d %dx%d path%d", loom_dtype_name(dt),
+                 loom_backend_threads(be), n, rows, cols, path);
+        /* Rounding of a length-cols float dot product grows like sqrt(cols). */
+        double atol = 1e-5 * sqrt(1.0 + cols / 256.0);
+        ok &= test_allclose(what, y, ref, (long)n * rows, atol, 1e-5);
+        if (dt != LOOM_DT_F32) {
+            /* And close to the unrounded weights: bf16 keeps 8 significant
+             * bits, so each product is off by up to 2^-9 relative and the
+             * random-sign errors add up like sqrt(cols). */
+            strcat(what, " vs f32");
+            ok &= test_allclose(what, y, ref32, (long)n * rows,
+                                1e-2 * (1.0 + sqrt((double)cols) / 4), 1e-2);
+        }
+    }
+    loom_weight_free(be, &wt);
+    CHECK(wt.data == NULL);
+out:
+    free(w);
+    free(x);
+    free(y);
+    free(ref);
+    free(ref32);
+    return ok;
+}
+
+static void test_matmul(void) {
+    static const int cols_[] = {1, 7, 13, 67, 257}, rows_[] = {5, 33, 100};
+    static const int ns[] = {1, 2, 3, 5, 8, 17, 40};
+    static const loom_dtype_t dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F16};
+    unsigned long long st = 42;
+    for (size_t d = 0; d < LOOM_ARRAY_LEN(dts); d++)
+        for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+            loom_backend_t *be = make_backend(k_threads[t], dts[d]);
+            REQUIRE(be);
+            int bad = 0;
+            for (size_t a = 0; a < LOOM_ARRAY_LEN(cols_); a++)
+                for (size_t b = 0; b < LOOM_ARRAY_LEN(rows_); b++)
+                    for (size_t c = 0; c < LOOM_ARRAY_LEN(ns); c++)
+                        if (!check_matmul(be, dts[d], ns[c], rows_[b], cols_[a], &st) && ++bad > 3)
+                            goto next;
+            /* Larger: the parallel GEMV split, and several widened sgemm blocks. */
+            check_matmul(be, dts[d], 4, 611, 1029, &st);
+            check_matmul(be, dts[d], 7, 300, 515, &st);
+            check_matmul(be, dts[d], 19, 2100, 257, &st);
+            check_matmul(be, dts[d], 70, 90, 515, &st); /* past both automatic thresholds */
+        next:
+            loom_backend_destroy(&be);
+        }
+}
+
+/* The GEMV kernel and its scalar reference on row ranges, all tile shapes. */
+static void test_gemv_kernel(void) {
+    unsigned long long st = 7;
+    const int rows = 23, cols = 45;
+    float w[23 * 45], x[9 * 45], y[9 * 23], ref[9 * 23];
+    uint16_t wh[23 * 45];
+    fill(w, LOOM_ARRAY_LEN(w), &st, 1.0f);
+    fill(x, LOOM_ARRAY_LEN(x), &st, 1.0f);
+    for (int dt = 0; dt < 3; dt++) {
+        loom_dtype_t d = dt == 0 ? LOOM_DT_F32 : dt == 1 ? LOOM_DT_BF16 : LOOM_DT_F16;
+        const void *wp = w;
+        if (d != LOOM_DT_F32) {
+            loom_cpu_narrow(wh, d, w, rows * cols);
+            wp = wh;
+        }
+        for (int n = 1; n <= 9; n++) {
+            poison(y, LOOM_ARRAY_LEN(y));
+            poison(ref, LOOM_ARRAY_LEN(ref));
+            loom_cpu_gemv(y, rows, x, n, wp, d, cols, 3, 22);
+            loom_cpu_gemv_ref(ref, rows, x, n, wp, d, cols, 3, 22);
+            int bad = 0;
+            for (int i = 0; i < n; i++)
+                for (int r = 0; r < rows; r++) {
+                    float a = y[i * rows + r], b = ref[i * rows + r];
+                    if (r >= 3 && r < 22)
+                        bad += !(fabsf(a - b) <= 1e-5f + 1e-5f * fabsf(b));
+                    else
+                        bad += !(isnan(a) && isnan(b)); /* outside [r0, r1) untouched */
+                }
+            CHECKF(bad == 0, "%s n=%d: %d bad", loom_dtype_name(d), n, bad);
+        }
+        float wide[10 * 45];
+        loom_cpu_widen_rows(wide, wp, d, cols, 5, 15);
+        int bad = 0;
+        for (int i = 0; i < 10 * cols; i++)
+            bad += wide[i] != through(d, w[5 * cols + i]);
+        CHECKF(bad == 0, "widen %s: %d bad", loom_dtype_name(d), bad);
+    }
+}
+
+/* --- element-wise ops -------------------------------------------------- */
+
+static void test_rmsnorm(void) {
+    static const int dims[] = {1, 7, 13, 67, 257, 4096};
+    static const int ns[] = {1, 3, 17};
+    unsigned long long st = 3;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(dims); a++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(ns); b++)
+                for (int inplace = 0; inplace < 2; inplace++) {
+                    int n = ns[b], dim = dims[a];
+                    size_t sz = (size_t)n * dim;
+                    float *x = alloc_f(sz), *y = alloc_f(sz), *ref = alloc_f(sz), *g = alloc_f(dim);
+                    fill(x, sz, &st, 2.0f);
+                    fill(g, dim, &st, 1.5f);
+                    float eps = 1e-5f;
+                    for (int i = 0; i < n; i++) {
+                        double ss = 0;
+                        for (int j = 0; j < dim; j++)
+                            ss += (double)x[i * dim + j] * x[i * dim + j];
+                        double inv = 1.0 / sqrt(ss / dim + eps);
+                        for (int j = 0; j < dim; j++)
+                            ref[i * dim + j] = (float)(x[i * dim + j] * inv * g[j]);
+                    }
+                    if (inplace) {
+                        loom_op_rmsnorm(be, x, x, g, n, dim, eps);
+                        memcpy(y, x, sz * sizeof *y);
+                    } else {
+                        poison(y, sz);
+                        loom_op_rmsnorm(be, y, x, g, n, dim, eps);
+                    }
+                    char what[64];
+                    snprintf(what, sizeof what, "rmsnorm t%d n%d dim%d%s", k_threads[t], n, dim,
+                             inplace ? " in place" : "");
+                    test_allclose(what, y, ref, (long)sz, 1e-5, 1e-5);
+                    free(x);
+                    free(y);
+                    free(ref);
+                    free(g);
+                }
+        loom_backend_destroy(&be);
+    }
+}
+
+static void test_add(void) {
+    static const int64_t ns[] = {1, 7, 13, 4095, 4096, 4097, 100003};
+    unsigned long long st = 4;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(ns); a++) {
+            int64_t n = ns[a];
+            float *y = alloc_f((size_t)n + 1), *x = alloc_f((size_t)n), *ref = alloc_f((size_t)n);
+            fill(y, (size_t)n, &st, 1.0f);
+            fill(x, (size_t)n, &st, 1.0f);
+            y[n] = 12345.0f; /* guard */
+            for (int64_t i = 0; i < n; i++)
+                ref[i] = y[i] + x[i];
+            loom_op_add(be, y, x, n);
+            char what[48];
+            snprintf(what, sizeof what, "add t%d n%lld", k_threads[t], (long long)n);
+            test_allclose(what, y, ref, (long)n, 0, 0);
+            CHECK(y[n] == 12345.0f);
+            free(y);
+            free(x);
+            free(ref);
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
+static void test_silu_mul(void) {
+    static const int hs[] = {1, 7, 13, 67, 257, 1031};
+    static const int ns[] = {1, 5, 40};
+    unsigned long long st = 5;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(hs); a++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(ns); b++) {
+                int n = ns[b], h = hs[a];
+                float *gu = alloc_f((size_t)n * 2 * h), *out = alloc_f((size_t)n * h),
+                      *ref = alloc_f((size_t)n * h);
+                fill(gu, (size_t)n * 2 * h, &st, 12.0f);
+                gu[0] = -100.0f; /* exp overflow and underflow ends */
+                if (h > 3) gu[1] = 100.0f, gu[2] = 0.0f, gu[3] = -87.5f;
+                for (int i = 0; i < n; i++)
+                    for (int j = 0; j < h; j++) {
+                        double g = gu[(int64_t)i * 2 * h + j], u = gu[(int64_t)i * 2 * h + h + j];
+                        ref[(int64_t)i * h + j] = (float)(g / (1.0 + exp(-g)) * u);
+                    }
+                poison(out, (size_t)n * h);
+                loom_op_silu_mul(be, out, gu, n, h);
+                char what[48];
+                snprintf(what, sizeof what, "silu_mul t%d n%d h%d", k_threads[t], n, h);
+                test_allclose(what, out, ref, (long)n * h, 1e-6, 1e-5);
+                free(gu);
+                free(out);
+                free(ref);
+            }
+        loom_backend_destroy(&be);
+    }
+}
+
+static void test_embed_gather(void) {
+    unsigned long long st = 6;
+    const int vocab = 37;
+    static const int dims[] = {1, 13, 257, 4096};
+    static const int ns[] = {1, 5, 40};
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(dims); a++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(ns); b++) {
+                int dim = dims[a], n = ns[b];
+                float *table = alloc_f((size_t)vocab * dim), *x = alloc_f((size_t)n * dim),
+                      *ref = alloc_f((size_t)n * dim);
+                int32_t ids[40];
+                fill(table, (size_t)vocab * dim, &st, 1.0f);
+                for (int i = 0; i < n; i++)
+                    ids[i] = (int32_t)((i * 7 + 3) % vocab); /* repeats */
+                for (int i = 0; i < n; i++)
+                    memcpy(ref + (int64_t)i * dim, table + (int64_t)ids[i] * dim,
+                           (size_t)dim * sizeof(float));
+                poison(x, (size_t)n * dim);
+                loom_op_embed(be, x, table, ids, n, dim);
+                test_allclose("embed", x, ref, (long)n * dim, 0, 0);
+                poison(x, (size_t)n * dim);
+                loom_op_gather_rows(be, x, table, ids, n, dim);
+                test_allclose("gather_rows", x, ref, (long)n * dim, 0, 0);
+                free(table);
+                free(x);
+                free(ref);
+            }
+        loom_backend_destroy(&be);
+    }
+}
+
+static void test_rope(void) {
+    static const int hds[] = {2, 6, 14, 64, 128};
+    static const int nhs[] = {1, 3, 8};
+    static const int ns[] = {1, 4, 33};
+    unsigned long long st = 8;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(hds); a++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(nhs); b++)
+                for (size_t c = 0; c < LOOM_ARRAY_LEN(ns); c++) {
+                    int hd = hds[a], nh = nhs[b], n = ns[c], half = hd / 2;
+                    int stride = nh * hd + 5; /* rows with other data after the heads */
+                    float *x = alloc_f((size_t)n * stride), *ref = alloc_f((size_t)n * stride);
+                    float inv_freq[64];
+                    int32_t pos[33];
+                    for (int j = 0; j < half; j++)
+                        inv_freq[j] = (float)pow(500000.0, -2.0 * j / hd);
+                    for (int i = 0; i < n; i++)
+                        pos[i] = i == 0 ? 8191 : (int32_t)((i * 977 + 13) % 8192);
+                    fill(x, (size_t)n * stride, &st, 1.0f);
+                    memcpy(ref, x, (size_t)n * stride * sizeof *x);
+                    for (int i = 0; i < n; i++)
+                        for (int h = 0; h < nh; h++)
+                            for (int j = 0; j < half; j++) {
+                                float *r = ref + (int64_t)i * stride + h * hd;
+                                double ang = (double)pos[i] * (double)inv_freq[j];
+                                double x0 = r[j], x1 = r[j + half];
+                                r[j] = (float)(x0 * cos(ang) - x1 * sin(ang));
+                                r[j + half] = (float)(x1 * cos(ang) + x0 * sin(ang));
+                            }
+                    loom_op_rope(be, x, stride, n, nh, hd, pos, inv_freq);
+                    char what[64];
+                    snprintf(what, sizeof what, "rope t%d hd%d nh%d n%d", k_threads[t], hd, nh, n);
+                    test_allclose(what, x, ref, (long)n * stride, 1e-6, 1e-5);
+                    free(x);
+                    free(ref);
+                }
+        loom_backend_destroy(&be);
+    }
+}
+
+static void test_kv_write(void) {
+    unsigned long long st = 9;
+    static const int kv_dims[] = {1, 13, 256};
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(kv_dims); a++) {
+            const int kv_dim = kv_dims[a], B = 3, n_blocks = 50, n = 70, stride = 3 * kv_dim + 2;
+            size_t csz = (size_t)n_blocks * B * kv_dim;
+            float *kc = alloc_f(csz), *vc = alloc_f(csz), *kr = alloc_f(csz), *vr = alloc_f(csz);
+            float *k = alloc_f((size_t)n * stride), *v = alloc_f((size_t)n * stride);
+            int32_t slots[70];
+            for (size_t i = 0; i < csz; i++)
+                kc[i] = vc[i] = kr[i] = vr[i] = -7.0f;
+            fill(k, (size_t)n * stride, &st, 1.0f);
+            fill(v, (size_t)n * stride, &st, 1.0f);
+            for (int i = 0; i < n; i++)
+                slots[i] = (int32_t)((i * 61 + 5) % (n_blocks * B));
+            for (int i = 0; i < n; i++) {
+                memcpy(kr + (int64_t)slots[i] * kv_dim, k + (int64_t)i * stride,
+                       kv_dim * sizeof(float));
+                memcpy(vr + (int64_t)slots[i] * kv_dim, v + (int64_t)i * stride,
+                       kv_dim * sizeof(float));
+            }
+            loom_op_kv_write(be, kc, vc, k, v, stride, slots, n, kv_dim);
+            test_allclose("kv_write k", kc, kr, (long)csz, 0, 0);
+            test_allclose("kv_write v", vc, vr, (long)csz, 0, 0);
+            free(kc);
+            free(vc);
+            free(kr);
+            free(vr);
+            free(k);
+            free(v);
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
+/* --- attention --------------------------------------------------------- */
+
+struct attn_case {
+    int nh, nkv, hd, B;
+    int n_seqs;
+    int seq_len[4];  /* cached positions after this step */
+    int new_toks[4]; /* tokens of the sequence in this step (1 = decode) */
+};
+
+static void naive_attention(float *out, int out_stride, const float *q, int q_stride,
+                            const float *kc, const float *vc, int n, int nh, int nkv, int hd, int B,
+                            const int32_t *tok_seq, const int32_t *tok_pos, const int32_t *bt,
+                            int max_blocks, float scale) {
+    int kv_dim = nkv * hd;
+    double *sc = malloc(sizeof(double) * 20000);
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < nh; h++) {
+            int kvh = h / (nh / nkv), L = tok_pos[i] + 1;
+            const float *qh = q + (int64_t)i * q_stride + h * hd;
+            double m = -INFINITY, sum = 0;
+            for (int p = 0; p < L; p++) {
+                int64_t slot = (int64_t)bt[tok_seq[i] * max_blocks + p / B] * B + p % B;
+                const float *k = kc + slot * kv_dim + kvh * hd;
+                double s = 0;
+                for (int d = 0; d < hd; d++)
+                    s += (double)qh[d] * k[d];
+                sc[p] = s * scale;
+                if (sc[p] > m) m = sc[p];
+            }
+            for (int p = 0; p < L; p++)
+                sum += (sc[p] = exp(sc[p] - m));
+            for (int d = 0; d < hd; d++) {
+                double acc = 0;
+                for (int p = 0; p < L; p++) {
+                    int64_t slot = (int64_t)bt[tok_seq[i] * max_blocks + p / B] * B + p % B;
+                    acc += sc[p] / sum * vc[slot * kv_dim + kvh * hd + d];
+                }
+                out[(int64_t)i * out_stride + h * hd + d] = (float)acc;
+            }
+        }
+    free(sc);
+}
+
+static int run_attention_case(loom_backend_t *be, const struct attn_case *c,
+                              unsigned long long *st) {
+    const int nh = c->nh, nkv = c->nkv, hd = c->hd, B = c->B, kv_dim = nkv * hd;
+    int max_blocks = 0, total_blocks = 0, n = 0;
+    for (int s = 0; s < c->n_seqs; s++) {
+        int nb = (c->seq_len[s] + B - 1) / B;
+        max_blocks = LOOM_MAX(max_blocks, nb);
+        total_blocks += nb;
+        n += c->new_toks[s];
+    }
+    const int n_blocks = total_blocks + 3; /* a few blocks nobody owns */
+    /* Shuffled block ids: the sequences' blocks are scattered over the pool. */
+    int32_t *perm = malloc(sizeof(int32_t) * n_blocks);
+    for (int b = 0; b < n_blocks; b++)
+        perm[b] = b;
+    for (int b = n_blocks - 1; b > 0; b--) {
+        *st = *st * 6364136223846793005ull + 1442695040888963407ull;
+        int j = (int)((*st >> 33) % (unsigned)(b + 1));
+        int32_t tmp = perm[b];
+        perm[b] = perm[j];
+        perm[j] = tmp;
+    }
+    int32_t *bt = malloc(sizeof(int32_t) * c->n_seqs * max_blocks);
+    for (int i = 0; i < c->n_seqs * max_blocks; i++)
+        bt[i] = -1;
+    int next = 0;
+    for (int s = 0; s < c->n_seqs; s++)
+        for (int b = 0; b < (c->seq_len[s] + B - 1) / B; b++)
+            bt[s * max_blocks + b] = perm[next++];
+
+    /* Unwritten cache slots hold NaN: reading past a sequence's end fails. */
+    size_t csz = (size_t)n_blocks * B * kv_dim;
+    float *kc = alloc_f(csz), *vc = alloc_f(csz);
+    poison(kc, csz);
+    poison(vc, csz);
+    for (int s = 0; s < c->n_seqs; s++)
+        for (int p = 0; p < c->seq_len[s]; p++) {
+            int64_t slot = (int64_t)bt[s * max_blocks + p / B] * B + p % B;
+            fill(kc + slot * kv_dim, kv_dim, st, 1.0f);
+            fill(vc + slot * kv_dim, kv_dim, st, 1.0f);
+        }
+    /* Tokens interleaved across sequences; a prefill chunk is consecutive positions. */
+    int32_t *tok_seq = malloc(sizeof(int32_t) * n), *tok_pos = malloc(sizeof(int32_t) * n);
+    int i = 0, max_ctx = 0;
+    for (int s = c->n_seqs - 1; s >= 0; s--)
+        for (int j = 0; j < c->new_toks[s]; j++, i++) {
+            tok_seq[i] = s;
+            tok_pos[i] = c->seq_len[s] - c->new_toks[s] + j;
+            max_ctx = LOOM_MAX(max_ctx, tok_pos[i] + 1);
+        }
+    const int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd + 3;
+    float *q = alloc_f((size_t)n * q_stride), *out = alloc_f((size_t)n * out_stride),
+          *ref = alloc_f((size_t)n * out_stride);
+    fill(q, (size_t)n * q_stride, st, 2.0f);
+    poison(out, (size_t)n * out_stride);
+    for (size_t e = 0; e < (size_t)n * out_stride; e++)
+        ref[e] = out[e] = -3.0f;
+    for (int r = 0; r < n; r++) /* the head region must be written */
+        poison(out + (int64_t)r * out_stride, (size_t)nh * hd);
+    float scale = 1.0f / sqrtf((float)hd);
+    naive_attention(ref, out_stride, q, q_stride, kc, vc, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
+                    max_blocks, scale);
+    loom_attn_args_t a = {.n = n,
+                          .n_heads = nh,
+                          .n_kv_heads = nkv,
+                          .head_dim = hd,
+                          .scale = scale,
+                          .q = q,
+                          .q_stride = q_stride,
+                          .out = out,
+                          .out_stride = out_stride,
+                          .k_cache = kc,
+                          .v_cache = vc,
+                          .block_size = B,
+                          .tok_seq = tok_seq,
+                          .tok_pos = tok_pos,
+                          .block_tables = bt,
+                          .max_blocks = max_blocks,
+                          .max_ctx = max_ctx};
+    loom_op_attention(be, &a);
+    char what[96];
+    snprintf(what, sizeof what, "attention t%d nh%d nkv%d hd%d B%d n%d ctx%d",
+             loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx);
+    int ok = test_allclose(what, out, ref, (long)n * out_stride, 1e-5, 1e-4);
+    free(perm);
+    free(bt);
+    free(kc);
+    free(vc);
+    free(tok_seq);
+    free(tok_pos);
+    free(q);
+    free(out);
+    free(ref);
+    return ok;
+}
+
+static void test_attention(void) {
+    static const int ratios[] = {1, 2, 4}, Bs[] = {1, 3, 16}, hds[] = {8, 13, 64};
+    unsigned long long st = 10;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t r = 0; r < LOOM_ARRAY_LEN(ratios); r++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(Bs); b++)
+                for (size_t h = 0; h < LOOM_ARRAY_LEN(hds); h++) {
+                    /* decodes (1 token) mixed with prefill chunks, lengths 1..70 */
+                    struct attn_case c = {.nh = 2 * ratios[r],
+                                          .nkv = 2,
+                                          .hd = hds[h],
+                                          .B = Bs[b],
+                                          .n_seqs = 4,
+                                          .seq_len = {1, 37, 70, 9},
+                                          .new_toks = {1, 5, 1, 9}};
+                    run_attention_case(be, &c, &st);
+                }
+        /* One decode token and one KV head: the head split path. */
+        struct attn_case one = {
+            .nh = 4, .nkv = 1, .hd = 16, .B = 16, .n_seqs = 1, .seq_len = {50}, .new_toks = {1}};
+        run_attention_case(be, &one, &st);
+        /* A context longer than the preallocated scratch. */
+        struct attn_case lng = {.nh = 4,
+                                .nkv = 1,
+                                .hd = 8,
+                                .B = 16,
+                                .n_seqs = 2,
+                                .seq_len = {9000, 20},
+                                .new_toks = {1, 2}};
+        run_attention_case(be, &lng, &st);
+        loom_backend_destroy(&be);
+    }
+}
+
+/* --- sampling ---------------------------------------------------------- */
+
+static void test_sample_shard(void) {
+    unsigned long long st = 11;
+    const int n_rows = 6, vocab = 1000, shard = 333, offset = 333;
+    float *logits = alloc_f((size_t)n_rows * shard);
+    fill(logits, (size_t)n_rows * shard, &st, 5.0f);
+    loom_sampling_t params[6] = {
+        {0.0f, 0, 1.0f, 1}, {0.8f, 0, 1.0f, 2}, {1.0f, 40, 1.0f, 3},
+        {0.7f, 0, 0.9f, 4}, {1.2f, 5, 0.5f, 5}, {0.0f, 0, 1.0f, 6},
+    };
+    uint64_t steps[6] = {0, 1, 2, 3, 100, 7};
+    int k[6];
+    for (int r = 0; r < n_rows; r++)
+        k[r] = loom_sample_k(&params[r], vocab);
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        loom_sample_part_t parts[6], refs[6];
+        int32_t ids[6][LOOM_SAMPLE_MAX_CAND], rids[6][LOOM_SAMPLE_MAX_CAND];
+        float keys[6][LOOM_SAMPLE_MAX_CAND], rkeys[6][LOOM_SAMPLE_MAX_CAND];
+        for (int r = 0; r < n_rows; r++) {
+            parts[r] = (loom_sample_part_t){.ids = ids[r], .keys = keys[r], .n = -1};
+            refs[r] = (loom_sample_part_t){.ids = rids[r], .keys = rkeys[r]};
+            loom_sample_shard(logits + r * shard, shard, offset, vocab, &params[r], steps[r], k[r],
+                              &refs[r]);
+        }
+        loom_op_sample_shard(be, logits, n_rows, shard, offset, vocab, params, steps, k, parts);
+        for (int r = 0; r < n_rows; r++) {
+            CHECKF(parts[r].n == refs[r].n && parts[r].max_z == refs[r].max_z &&
+                       parts[r].sum_exp == refs[r].sum_exp,
+                   "row %d", r);
+            for (int j = 0; j < refs[r].n && j < parts[r].n; j++)
+                CHECKF(ids[r][j] == rids[r][j] && keys[r][j] == rkeys[r][j], "row %d cand %d", r,
+                       j);
+        }
+        loom_backend_destroy(&be);
+    }
+    free(logits);
+}
+
+int main(void) {
+    RUN(test_threadpool);
+    RUN(test_backend_basics);
+    RUN(test_gemv_kernel);
+    RUN(test_matmul);
+    RUN(test_rmsnorm);
+    RUN(test_add);
+    RUN(test_silu_mul);
+    RUN(test_embed_gather);
+    RUN(test_rope);
+    RUN(test_kv_write);
+    RUN(test_attention);
+    RUN(test_sample_shard);
+    return test_summary();
+}
