@@ -1,0 +1,129 @@
+/* `loom run`: load a model in this process and stream one completion. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "client/commands.h"
+#include "common/cli.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "worker/local.h"
+
+typedef struct run_out {
+    loom_detok_t detok;
+    char *buf;
+    size_t cap;
+    int32_t *ids; /* generated ids, for --ids */
+    int n_ids, cap_ids;
+} run_out_t;
+
+static int on_token(void *ctx, int32_t id) {
+    run_out_t *o = ctx;
+    if (o->n_ids == o->cap_ids) {
+        o->cap_ids = o->cap_ids ? 2 * o->cap_ids : 256;
+        o->ids = loom_xrealloc(o->ids, (size_t)o->cap_ids * sizeof *o->ids);
+    }
+    o->ids[o->n_ids++] = id;
+    size_t n = loom_detok_push(&o->detok, id, o->buf, o->cap);
+    if (n) {
+        fwrite(o->buf, 1, n, stdout);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+int loom_cmd_run(int argc, char **argv) {
+    const char *model = NULL, *prompt = NULL, *device = "cpu", *dtype = "f32";
+    int max_tokens = 128, top_k = 40, threads = 0, ctx = 0, chunk = 256, ignore_eos = 0, quiet = 0, print_ids = 0;
+    float temperature = 0.8f, top_p = 0.95f;
+    uint64_t seed = 0;
+    int seed_given = 0;
+    loom_opt_t opts[] = {
+        {"model", LOOM_OPT_STR, &model, "DIR", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)", 1, 0, NULL},
+        {"prompt", LOOM_OPT_STR, &prompt, "TEXT", "prompt text; the completion (only) is streamed to stdout", 1, 0, NULL},
+        {"max-tokens", LOOM_OPT_INT, &max_tokens, "N", "most tokens to generate (default 128)", 1, 1e9, NULL},
+        {"temperature", LOOM_OPT_FLOAT, &temperature, "T", "sampling temperature; 0 = greedy (default 0.8)", 0, 100, NULL},
+        {"top-p", LOOM_OPT_FLOAT, &top_p, "P", "nucleus sampling mass, 1 = off (default 0.95)", 0, 1, NULL},
+        {"top-k", LOOM_OPT_INT, &top_k, "K", "sample among the K most likely tokens, 0 = off (default 40)", 0, 1e9, NULL},
+        {"seed", LOOM_OPT_U64, &seed, "S", "sampling seed (default: from the clock); same seed, same text", 1, 0, &seed_given},
+        {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default: all cores)", 0, 1024, NULL},
+        {"device", LOOM_OPT_STR, &device, "DEV", "cpu or cuda:N (default cpu)", 1, 0, NULL},
+        {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage: f32, bf16 or f16 (default f32 on cpu)", 1, 0, NULL},
+        {"ctx", LOOM_OPT_INT, &ctx, "N", "context length to allocate (default: the model's maximum)", 0, 1e9, NULL},
+        {"chunk", LOOM_OPT_INT, &chunk, "N", "prefill chunk size in tokens (default 256)", 1, 65536, NULL},
+        {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
+        {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
+        {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines and no timing on stderr", 1, 0, NULL},
+    };
+    int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts),
+                           "loom run --model DIR --prompt TEXT [options]",
+                           "Loads the model in this process and streams the completion of the prompt to "
+                           "stdout.\nTiming (prompt tokens, time to first token, decode tokens/s) goes to stderr.");
+    if (r) return r < 0 ? 2 : 0;
+    if (!model || !prompt) {
+        fprintf(stderr, "error: --model and --prompt are required (see loom run --help)\n");
+        return 2;
+    }
+    loom_dtype_t wdt;
+    if (!strcmp(dtype, "f32")) wdt = LOOM_DT_F32;
+    else if (!strcmp(dtype, "bf16")) wdt = LOOM_DT_BF16;
+    else if (!strcmp(dtype, "f16")) wdt = LOOM_DT_F16;
+    else {
+        fprintf(stderr, "error: --dtype must be f32, bf16 or f16, got '%s'\n", dtype);
+        return 2;
+    }
+    if (quiet) loom_log_set_level(LOOM_LOG_WARN);
+    if (!seed_given) seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
+
+    loom_err_t err = {0};
+    loom_local_options_t lo = {.model_dir = model, .device = device, .n_threads = threads,
+                               .chunk = chunk, .ctx = ctx, .weight_dtype = wdt};
+    loom_local_t *l = NULL;
+    if (loom_local_open(&lo, &l, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return 1;
+    }
+    const loom_tokenizer_t *tok = loom_local_tokenizer(l);
+    int32_t *ids = NULL;
+    int n_ids = 0, cap = 0, rc = 0;
+    if (loom_tokenizer_encode(tok, prompt, strlen(prompt), 1, 0, &ids, &n_ids, &cap, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        rc = 1;
+        goto done;
+    }
+    run_out_t out = {.cap = loom_tokenizer_max_piece_len(tok) + 64};
+    out.buf = loom_xmalloc(out.cap);
+    loom_detok_init(&out.detok, tok, 1, 0);
+    loom_sampling_t s = {.temperature = temperature, .top_k = top_k, .top_p = top_p, .seed = seed};
+    loom_gen_stats_t st;
+    if (loom_local_generate(l, ids, n_ids, max_tokens, &s, ignore_eos, on_token, &out, NULL, &st, &err) < 0) {
+        fprintf(stderr, "\nerror: %s\n", err.msg);
+        rc = 1;
+    } else {
+        size_t n = loom_detok_flush(&out.detok, out.buf, out.cap);
+        fwrite(out.buf, 1, n, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+        if (print_ids) {
+            fputs("ids:", stderr);
+            for (int i = 0; i < out.n_ids; i++) fprintf(stderr, " %d", out.ids[i]);
+            fputc('\n', stderr);
+        }
+        if (!quiet) {
+            int dec = st.gen_tokens > 1 ? st.gen_tokens - 1 : 0;
+            fprintf(stderr,
+                    "prompt: %d tokens, time to first token %.1f ms (%.1f tokens/s prefill); "
+                    "generated %d tokens, decode %.2f tokens/s\n",
+                    st.prompt_tokens, st.prefill_s * 1e3,
+                    st.prefill_s > 0 ? st.prompt_tokens / st.prefill_s : 0.0, st.gen_tokens,
+                    st.decode_s > 0 ? dec / st.decode_s : 0.0);
+        }
+    }
+    free(out.buf);
+    free(out.ids);
+done:
+    free(ids);
+    loom_local_close(&l);
+    return rc;
+}

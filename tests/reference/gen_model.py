@@ -1,0 +1,260 @@
+"""Write a random-weight Llama-family model in Hugging Face layout, for Loom's tests.
+
+The weights are deterministic from --seed (each tensor draws from its own
+generator seeded by (seed, name), so the dtype and sharding do not change the
+values beyond rounding). They are scaled so the model is numerically healthy
+and its logits are peaky: a logit row has a std of a few units, so greedy
+argmax gaps sit far above float32 noise. --stats prints those figures.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import safetensors_io  # noqa: E402
+
+TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+# Gains on 1/sqrt(fan_in). QK_GAIN makes attention scores std ~QK_GAIN^2, so
+# attention is visibly non-uniform; LOGIT_GAIN sets the std of a logit row.
+QK_GAIN = 1.5
+LOGIT_GAIN = 4.0
+NORM_NOISE = 0.05
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--dim", type=int, required=True)
+    p.add_argument("--hidden-dim", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=None, help="default: dim / heads")
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--max-pos", type=int, default=1024)
+    p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
+    p.add_argument("--rope-factor", type=float, default=8.0)
+    p.add_argument("--rope-low-freq-factor", type=float, default=1.0)
+    p.add_argument("--rope-high-freq-factor", type=float, default=4.0)
+    p.add_argument("--rope-original-max-pos", type=int, default=256)
+    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--tokenizer-from", default=None,
+                   help="copy tokenizer.json and tokenizer_config.json from this directory")
+    p.add_argument("--bos", type=int, default=1)
+    p.add_argument("--eos", type=int, default=2)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--stats", action="store_true",
+                   help="run the reference forward pass and print logit statistics")
+    a = p.parse_args(argv)
+    if a.kv_heads is None:
+        a.kv_heads = a.heads
+    if a.head_dim is None:
+        if a.dim % a.heads:
+            p.error("--dim must be a multiple of --heads unless --head-dim is given")
+        a.head_dim = a.dim // a.heads
+    if a.heads % a.kv_heads:
+        p.error("--heads must be a multiple of --kv-heads")
+    if a.head_dim % 2:
+        p.error("head dim must be even for RoPE")
+    if a.shards < 1:
+        p.error("--shards must be >= 1")
+    for name in ("dim", "hidden_dim", "layers", "heads", "kv_heads", "vocab", "max_pos"):
+        if getattr(a, name) < 1:
+            p.error("--%s must be >= 1" % name.replace("_", "-"))
+    return a
+
+
+def tensor_specs(a):
+    """-> list of (name, shape, kind) in HF LlamaForCausalLM order."""
+    hd = a.head_dim
+    specs = [("model.embed_tokens.weight", (a.vocab, a.dim), "embed")]
+    for i in range(a.layers):
+        pre = "model.layers.%d." % i
+        specs += [
+            (pre + "input_layernorm.weight", (a.dim,), "norm"),
+            (pre + "self_attn.q_proj.weight", (a.heads * hd, a.dim), "qk"),
+            (pre + "self_attn.k_proj.weight", (a.kv_heads * hd, a.dim), "qk"),
+            (pre + "self_attn.v_proj.weight", (a.kv_heads * hd, a.dim), "linear"),
+            (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
+            (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
+            (pre + "mlp.gate_proj.weight", (a.hidden_dim, a.dim), "linear"),
+            (pre + "mlp.up_proj.weight", (a.hidden_dim, a.dim), "linear"),
+            (pre + "mlp.down_proj.weight", (a.dim, a.hidden_dim), "linear"),
+        ]
+    specs.append(("model.norm.weight", (a.dim,), "norm"))
+    if not a.tie:
+        specs.append(("lm_head.weight", (a.vocab, a.dim), "lm_head"))
+    return specs
+
+
+def make_tensor(seed, name, shape, kind):
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
+    x = rng.standard_normal(shape, dtype=np.float32)
+    fan_in = shape[-1]
+    if kind == "norm":
+        x *= np.float32(NORM_NOISE)
+        x += np.float32(1.0)
+        return x
+    # The embedding rows double as lm_head rows when tied; the final RMSNorm
+    # makes the hidden state's rms ~1, so std LOGIT_GAIN/sqrt(dim) per weight
+    # gives logits of std ~LOGIT_GAIN. The input side is renormalised anyway.
+    gain = {"embed": LOGIT_GAIN, "lm_head": LOGIT_GAIN, "qk": QK_GAIN, "linear": 1.0}[kind]
+    x *= np.float32(gain / np.sqrt(fan_in))
+    return x
+
+
+def make_config(a, st_dtype):
+    rope_scaling = None
+    if a.rope_scaling == "llama3":
+        rope_scaling = {
+            "factor": a.rope_factor,
+            "low_freq_factor": a.rope_low_freq_factor,
+            "high_freq_factor": a.rope_high_freq_factor,
+            "original_max_position_embeddings": a.rope_original_max_pos,
+            "rope_type": "llama3",
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": a.dim,
+        "intermediate_size": a.hidden_dim,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "head_dim": a.head_dim,
+        "vocab_size": a.vocab,
+        "max_position_embeddings": a.max_pos,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": rope_scaling,
+        "hidden_act": "silu",
+        "tie_word_embeddings": bool(a.tie),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": a.bos,
+        "eos_token_id": a.eos,
+        "torch_dtype": TORCH_DTYPE[st_dtype],
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+    }
+
+
+def tokenizer_size(tok_path):
+    with open(tok_path, encoding="utf-8") as f:
+        tok = json.load(f)
+    ids = list(tok.get("model", {}).get("vocab", {}).values())
+    ids += [t["id"] for t in tok.get("added_tokens", []) or []]
+    return max(ids) + 1 if ids else 0
+
+
+def split_shards(specs, n):
+    """Contiguous groups of tensors with roughly equal byte counts."""
+    sizes = [int(np.prod(shape)) for _, shape, _ in specs]
+    total = sum(sizes)
+    groups = [[] for _ in range(n)]
+    acc = 0
+    for spec, size in zip(specs, sizes):
+        k = min(n - 1, acc * n // total) if total else 0
+        groups[k].append(spec)
+        acc += size
+    return groups
+
+
+def write_model(a):
+    st_dtype = {"f32": "F32", "f16": "F16", "bf16": "BF16"}[a.dtype]
+    os.makedirs(a.out, exist_ok=True)
+    if a.tokenizer_from:
+        for fname in ("tokenizer.json", "tokenizer_config.json"):
+            src = os.path.join(a.tokenizer_from, fname)
+            if not os.path.exists(src):
+                sys.exit("gen_model: %s not found" % src)
+        n_tok = tokenizer_size(os.path.join(a.tokenizer_from, "tokenizer.json"))
+        if a.vocab < n_tok:
+            sys.exit("gen_model: --vocab %d is smaller than the tokenizer's %d tokens" % (a.vocab, n_tok))
+        for fname in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(os.path.join(a.tokenizer_from, fname), os.path.join(a.out, fname))
+    for fname in os.listdir(a.out):
+        if fname.startswith("model") and (fname.endswith(".safetensors") or fname.endswith(".index.json")):
+            os.remove(os.path.join(a.out, fname))
+
+    specs = tensor_specs(a)
+    metadata = {"format": "pt"}
+    total_bytes = 0
+    if a.shards == 1:
+        tensors = [(name, make_tensor(a.seed, name, shape, kind)) for name, shape, kind in specs]
+        total_bytes = safetensors_io.write(os.path.join(a.out, "model.safetensors"),
+                                           tensors, st_dtype, metadata)
+    else:
+        weight_map = {}
+        groups = split_shards(specs, a.shards)
+        for i, group in enumerate(groups):
+            fname = "model-%05d-of-%05d.safetensors" % (i + 1, a.shards)
+            tensors = [(name, make_tensor(a.seed, name, shape, kind)) for name, shape, kind in group]
+            total_bytes += safetensors_io.write(os.path.join(a.out, fname), tensors, st_dtype, metadata)
+            for name, _, _ in group:
+                weight_map[name] = fname
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(make_config(a, st_dtype), f, indent=2)
+        f.write("\n")
+    n_params = sum(int(np.prod(shape)) for _, shape, _ in specs)
+    return n_params, total_bytes
+
+
+def llama3_bands(a):
+    """How many RoPE frequencies fall in each llama3 band (high kept, medium smoothed, low scaled)."""
+    inv_freq = 1.0 / (a.rope_theta ** (np.arange(0, a.head_dim, 2) / a.head_dim))
+    wavelen = 2 * np.pi / inv_freq
+    high = int((wavelen < a.rope_original_max_pos / a.rope_high_freq_factor).sum())
+    low = int((wavelen > a.rope_original_max_pos / a.rope_low_freq_factor).sum())
+    return high, len(inv_freq) - high - low, low
+
+
+def print_stats(a):
+    import llama_ref
+
+    model = llama_ref.load_model(a.out)
+    n = min(64, a.max_pos)
+    rng = np.random.default_rng([a.seed, 1])
+    ids = [a.bos] + [int(t) for t in rng.integers(0, a.vocab, n - 1)]
+    logits = llama_ref.forward(model, ids)
+    top2 = logits.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1])
+    print("stats over %d positions: logit std %.3f (min %.3f, max %.3f), "
+          "top1-top2 gap mean %.3f min %.4f median %.3f"
+          % (n, logits.std(dim=-1).mean().item(), logits.std(dim=-1).min().item(),
+             logits.std(dim=-1).max().item(), gaps.mean().item(), gaps.min().item(),
+             gaps.median().item()))
+    greedy, min_gap = llama_ref.greedy(model, [a.bos], 16)
+    print("greedy 16 from bos: %s (min gap %.4f)" % (",".join(map(str, greedy)), min_gap))
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t0 = time.time()
+    n_params, total_bytes = write_model(a)
+    print("wrote %s: %d parameters, %.1f MB of %s weights in %d file(s), %.2f s"
+          % (a.out, n_params, total_bytes / 1e6, a.dtype, a.shards, time.time() - t0))
+    if a.rope_scaling == "llama3":
+        print("llama3 rope: %d high / %d medium (smoothed) / %d low frequencies" % llama3_bands(a))
+    if a.stats:
+        print_stats(a)
+
+
+if __name__ == "__main__":
+    main()

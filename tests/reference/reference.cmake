@@ -1,0 +1,20 @@
+# Golden tests against the independent reference implementation (torch).
+add_executable(check_ref ${CMAKE_CURRENT_LIST_DIR}/check_ref.c)
+target_link_libraries(check_ref PRIVATE loom_worker_core)
+set_target_properties(check_ref PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+
+set(_ref ${CMAKE_CURRENT_LIST_DIR})
+add_test(NAME reference_selftest COMMAND ${LOOM_PYTHON} ${_ref}/llama_ref.py --self-test)
+add_test(NAME reference_stories260k
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_stories stories ${LOOM_MODELS_DIR})
+# GQA (8 heads over 2 KV heads), untied embeddings, intermediate size 100 (not a power of two).
+add_test(NAME reference_random_gqa
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gqa random
+                 --dim 64 --hidden-dim 100 --layers 3 --heads 8 --kv-heads 2 --vocab 512 --seed 11)
+# llama3 RoPE scaling with head_dim 16 (reaches the smoothed band), bf16 weights in 2 shards.
+add_test(NAME reference_llama3_rope
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_llama3 random
+                 --dim 64 --hidden-dim 96 --layers 2 --heads 4 --kv-heads 2 --head-dim 16 --vocab 512
+                 --rope-scaling llama3 --rope-theta 500000 --dtype bf16 --shards 2 --seed 5)
+set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
+                     PROPERTIES TIMEOUT 300 LABELS reference)

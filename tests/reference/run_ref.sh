@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Golden test: the engine against the independent reference (llama_ref.py).
+#   run_ref.sh CHECK_REF WORKDIR stories MODELS_DIR
+#   run_ref.sh CHECK_REF WORKDIR random  [gen_model.py flags...]
+set -euo pipefail
+check=$1 work=$2 kind=$3
+shift 3
+here=$(cd "$(dirname "$0")" && pwd)
+py=${LOOM_PYTHON:-/usr/bin/python3}
+mkdir -p "$work"
+if [ "$kind" = stories ]; then
+    model="$1/stories260K"
+    # "<s> Once upon a time, there was a little girl named Lily. She loved to play outside in the"
+    ids=1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426,338,401,396,267,337,410,408,419,292,411,322,265,282,295,433,426,385
+else
+    model="$work/model"
+    rm -rf "$model"
+    "$py" "$here/gen_model.py" --out "$model" "$@" >/dev/null
+    ids=$("$py" -c 'import random; r = random.Random(7); print(",".join(str(r.randrange(3, 500)) for _ in range(40)))')
+fi
+n_greedy=48
+greedy=$("$py" "$here/llama_ref.py" --model "$model" --ids "$ids" --greedy $n_greedy)
+"$py" "$here/llama_ref.py" --model "$model" --ids "$ids,$greedy" --logits-out "$work/ref_logits.bin"
+for threads in 1 2; do
+    "$check" --model "$model" --ids "$ids" --ref-logits "$work/ref_logits.bin" --ref-greedy "$greedy" --threads $threads --chunk 7
+done
+"$check" --model "$model" --ids "$ids" --ref-logits "$work/ref_logits.bin" --ref-greedy "$greedy" --threads 2 --chunk 256

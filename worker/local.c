@@ -1,0 +1,170 @@
+/* Single-process, single-sequence generation over one full-model shard. */
+#include "worker/local.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/safetensors.h"
+#include "common/util.h"
+
+#define LOCAL_BLOCK 16
+
+struct loom_local {
+    loom_model_config_t cfg;
+    loom_tokenizer_t *tok;
+    loom_st_t *st;
+    loom_backend_t *be;
+    loom_model_t *model;
+    int ctx, chunk, max_blocks;
+    /* step buffers (host), sized for one chunk */
+    int32_t *pos, *slots, *tok_seq, *rows, *block_table;
+    int32_t *cand_ids;
+    float *cand_keys;
+};
+
+loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **out, loom_err_t *err) {
+    *out = NULL;
+    loom_local_t *l = loom_xcalloc(1, sizeof *l);
+    loom_status_t s = loom_model_config_load(opt->model_dir, &l->cfg, err);
+    if (s < 0) goto fail;
+    if (!opt->no_tokenizer) {
+        s = loom_tokenizer_load(opt->model_dir, &l->tok, err);
+        if (s < 0) goto fail;
+    }
+    s = loom_st_open_dir(opt->model_dir, &l->st, err);
+    if (s < 0) goto fail;
+
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION,
+                                .n_threads = opt->n_threads,
+                                .weight_dtype = opt->weight_dtype};
+    if (!loom_device_parse(opt->device ? opt->device : "cpu", &bc.kind, &bc.device_index)) {
+        s = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown device '%s' (use cpu or cuda:N)", opt->device);
+        goto fail;
+    }
+    s = loom_backend_create(&bc, &l->be, err);
+    if (s < 0) goto fail;
+
+    l->ctx = opt->ctx > 0 && opt->ctx < l->cfg.max_seq_len ? opt->ctx : l->cfg.max_seq_len;
+    l->chunk = opt->chunk > 0 ? opt->chunk : 256;
+    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0,
+                              .layer_end = l->cfg.n_layers, .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk};
+    s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
+    if (s < 0) goto fail;
+    l->max_blocks = (l->ctx + LOCAL_BLOCK - 1) / LOCAL_BLOCK;
+    s = loom_model_alloc_kv(l->model, l->max_blocks, LOCAL_BLOCK, err);
+    if (s < 0) goto fail;
+
+    l->pos = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
+    l->slots = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
+    l->tok_seq = loom_xcalloc((size_t)l->chunk, sizeof(int32_t));
+    l->rows = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
+    l->block_table = loom_xmalloc((size_t)l->max_blocks * sizeof(int32_t));
+    for (int i = 0; i < l->max_blocks; i++) l->block_table[i] = i;
+    l->cand_ids = loom_xmalloc(LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
+    l->cand_keys = loom_xmalloc(LOOM_SAMPLE_MAX_CAND * sizeof(float));
+    *out = l;
+    return LOOM_OK;
+fail:
+    loom_local_close(&l);
+    return s;
+}
+
+void loom_local_close(loom_local_t **l_p) {
+    if (!l_p || !*l_p) return;
+    loom_local_t *l = *l_p;
+    *l_p = NULL;
+    loom_model_destroy(&l->model);
+    loom_backend_destroy(&l->be);
+    loom_st_close(&l->st);
+    loom_tokenizer_destroy(&l->tok);
+    free(l->pos);
+    free(l->slots);
+    free(l->tok_seq);
+    free(l->rows);
+    free(l->block_table);
+    free(l->cand_ids);
+    free(l->cand_keys);
+    free(l);
+}
+
+const loom_model_config_t *loom_local_config(const loom_local_t *l) { return &l->cfg; }
+const loom_tokenizer_t *loom_local_tokenizer(const loom_local_t *l) { return l->tok; }
+loom_model_t *loom_local_model(loom_local_t *l) { return l->model; }
+int loom_local_ctx(const loom_local_t *l) { return l->ctx; }
+
+/* Runs tokens[0..n) at positions p0.. and asks logits for the rows in rows[0..nr). */
+static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, int p0, int nr,
+                               loom_err_t *err) {
+    for (int i = 0; i < n; i++) {
+        l->pos[i] = p0 + i;
+        l->slots[i] = p0 + i; /* block table is the identity: slot = position */
+    }
+    loom_step_batch_t b = {.n_tokens = n, .tokens = tokens, .pos = l->pos, .slots = l->slots,
+                           .tok_seq = l->tok_seq, .n_seqs = 1, .block_tables = l->block_table,
+                           .max_blocks = l->max_blocks, .n_logits = nr, .logit_rows = l->rows};
+    return loom_model_forward(l->model, &b, err);
+}
+
+static int32_t sample_last(loom_local_t *l, const loom_sampling_t *s, uint64_t step) {
+    loom_sample_part_t part = {.ids = l->cand_ids, .keys = l->cand_keys};
+    loom_model_sample_parts(l->model, 1, s, &step, &part);
+    return loom_sample_merge(&part, 1, l->cfg.vocab_size, s, step);
+}
+
+loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
+                                  const loom_sampling_t *s, int ignore_eos, loom_token_fn on_token,
+                                  void *ctx, float *prompt_logits, loom_gen_stats_t *stats,
+                                  loom_err_t *err) {
+    loom_gen_stats_t st = {.prompt_tokens = n_prompt};
+    if (n_prompt < 1) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the prompt is empty");
+    if (n_prompt >= l->ctx)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the prompt is %d tokens but the context holds %d (it needs room for at "
+                            "least one generated token)",
+                            n_prompt, l->ctx);
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= l->cfg.vocab_size)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
+                                prompt[i], l->cfg.vocab_size);
+    if (max_new > l->ctx - n_prompt) max_new = l->ctx - n_prompt;
+    uint64_t t0 = loom_now_ns();
+    int vocab = l->cfg.vocab_size;
+    for (int p0 = 0; p0 < n_prompt; p0 += l->chunk) {
+        int n = LOOM_MIN(l->chunk, n_prompt - p0);
+        int nr = 0;
+        if (prompt_logits) {
+            for (int i = 0; i < n; i++) l->rows[i] = i;
+            nr = n;
+        } else if (p0 + n == n_prompt) {
+            l->rows[0] = n - 1;
+            nr = 1;
+        }
+        LOOM_CHECK(run_chunk(l, prompt + p0, n, p0, nr, err));
+        if (prompt_logits) loom_model_download_logits(l->model, prompt_logits + (size_t)p0 * vocab, n);
+    }
+    if (prompt_logits) { /* the sampler reads row 0: rerun the last token alone (same KV) */
+        l->rows[0] = 0;
+        LOOM_CHECK(run_chunk(l, prompt + n_prompt - 1, 1, n_prompt - 1, 1, err));
+    }
+    int pos = n_prompt;
+    uint64_t t1 = 0;
+    for (int g = 0; g < max_new; g++) {
+        int32_t id = sample_last(l, s, (uint64_t)g);
+        if (g == 0) {
+            t1 = loom_now_ns();
+            st.prefill_s = (double)(t1 - t0) * 1e-9;
+        }
+        st.gen_tokens++;
+        int stop = on_token ? on_token(ctx, id) : 0;
+        if (stop || (!ignore_eos && loom_model_config_is_eos(&l->cfg, id))) break;
+        if (g + 1 == max_new || pos >= l->ctx) break;
+        l->rows[0] = 0;
+        LOOM_CHECK(run_chunk(l, &id, 1, pos, 1, err));
+        pos++;
+    }
+    if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
+    if (stats) *stats = st;
+    return LOOM_OK;
+}

@@ -1,0 +1,54 @@
+/* A whole model in this process on one backend, running one sequence at a
+ * time: what `loom run`, the reference tests and the decode benchmark use. */
+#ifndef LOOM_LOCAL_H
+#define LOOM_LOCAL_H
+
+#include <stdint.h>
+
+#include "common/model_config.h"
+#include "common/status.h"
+#include "common/tokenizer.h"
+#include "kernels/backend.h"
+#include "worker/model.h"
+
+typedef struct loom_local_options {
+    const char *model_dir;
+    const char *device;      /* "cpu" (default), "cuda:N" */
+    int n_threads;           /* 0 = all cores */
+    int chunk;               /* prefill chunk in tokens (default 256) */
+    int ctx;                 /* context to allocate KV for (0 = the model's maximum) */
+    loom_dtype_t weight_dtype; /* F32 default on CPU */
+    int no_tokenizer;        /* skip tokenizer.json (benchmarks on generated models) */
+} loom_local_options_t;
+
+typedef struct loom_local loom_local_t;
+
+typedef struct loom_gen_stats {
+    int prompt_tokens;
+    int gen_tokens;
+    double prefill_s; /* prompt in, first token out (time to first token) */
+    double decode_s;  /* the remaining tokens */
+} loom_gen_stats_t;
+
+/* Called for each generated id; return nonzero to stop. */
+typedef int (*loom_token_fn)(void *ctx, int32_t id);
+
+loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **out, loom_err_t *err);
+void loom_local_close(loom_local_t **l_p);
+
+const loom_model_config_t *loom_local_config(const loom_local_t *l);
+const loom_tokenizer_t *loom_local_tokenizer(const loom_local_t *l); /* NULL with no_tokenizer */
+loom_model_t *loom_local_model(loom_local_t *l);
+int loom_local_ctx(const loom_local_t *l);
+
+/* Prefills the prompt (in chunks) then generates up to max_new tokens,
+ * stopping early at an EOS id (unless ignore_eos) or when on_token says so.
+ * prompt_logits, when not NULL, receives the logits of every prompt
+ * position (n_prompt x vocab). Errors: an empty prompt, or a prompt that
+ * does not fit the context, is LOOM_ERR_INVALID_ARGUMENT. */
+loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
+                                  const loom_sampling_t *s, int ignore_eos, loom_token_fn on_token,
+                                  void *ctx, float *prompt_logits, loom_gen_stats_t *stats,
+                                  loom_err_t *err);
+
+#endif

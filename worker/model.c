@@ -1,0 +1,501 @@
+/* The shard forward pass: weights sliced for one grid cell, the paged KV
+ * cache, and one batched step through the shard's layers (see model.h). */
+#include "worker/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+typedef struct loom_layer {
+    float *attn_norm;   /* (dim) */
+    loom_weight_t wqkv; /* (qkv_dim, dim): this rank's q heads, then k heads, then v heads */
+    loom_weight_t wo;   /* (dim, n_heads*hd): this rank's input columns */
+    float *ffn_norm;    /* (dim) */
+    loom_weight_t w13;  /* (2*hidden, dim): gate rows then up rows */
+    loom_weight_t w2;   /* (dim, hidden): this rank's input columns */
+    float *k_cache;     /* (n_blocks, B, n_kv_heads, hd) */
+    float *v_cache;     /* (n_blocks, B, n_kv_heads, hd) */
+} loom_layer_t;
+
+struct loom_model {
+    loom_backend_t *be;
+    loom_model_config_t cfg;
+    loom_shard_spec_t spec;
+    loom_shard_dims_t dims;
+    loom_model_options_t opt;
+    int qkv_dim; /* (n_heads + 2 * n_kv_heads) * hd */
+
+    /* weights (device) */
+    float *embed;         /* (vocab, dim), first stage */
+    loom_layer_t *layers; /* (dims.n_layers) */
+    float *final_norm;    /* (dim), last stage */
+    loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
+    float *inv_freq;       /* (hd / 2) */
+    size_t weight_bytes;
+
+    /* KV pool */
+    int n_blocks, block_size;
+    void *kv_mem;
+
+    /* activations (device), sized for opt.max_tokens */
+    float *x;      /* (T, dim) residual stream */
+    float *xb;     /* (T, dim) normed input */
+    float *xb2;    /* (T, dim) projection output before all-reduce */
+    float *qkv;    /* (T, qkv_dim) */
+    float *att;    /* (T, n_heads*hd) */
+    float *gu;     /* (T, 2*hidden) */
+    float *hb;     /* (T, hidden) */
+    float *xl;     /* (max_logits, dim) */
+    float *logits; /* (max_logits, vocab) */
+
+    /* step metadata: host staging and its device copy */
+    int *sample_k; /* (max_logits) candidates per row */
+    int32_t *meta_host;
+    int32_t *meta_dev;
+    size_t meta_cap; /* int32 entries */
+};
+
+/* ---- loading ------------------------------------------------------------ */
+
+typedef struct loader {
+    loom_model_t *m;
+    loom_st_t *st;
+    float *tmp; /* host staging for one fused matrix */
+    size_t tmp_cap;
+} loader_t;
+
+static float *staging(loader_t *L, size_t n) {
+    if (n > L->tmp_cap) {
+        free(L->tmp);
+        L->tmp = malloc(n * sizeof(float));
+        L->tmp_cap = L->tmp ? n : 0;
+    }
+    return L->tmp;
+}
+
+/* Reads rows [r0, r0+nr) x cols [c0, c0+nc) of a (rows, cols) tensor into dst. */
+static loom_status_t read_block(loader_t *L, const char *name, int64_t rows, int64_t cols,
+                                int64_t r0, int64_t nr, int64_t c0, int64_t nc, float *dst,
+                                loom_err_t *err) {
+    const loom_st_tensor_t *t;
+    int64_t shape[2] = {rows, cols};
+    LOOM_CHECK(loom_st_get(L->st, name, cols > 0 ? 2 : 1, cols > 0 ? shape : &rows, &t, err));
+    return loom_st_read_f32(L->st, t, r0, nr, c0, cols > 0 ? nc : rows, dst, err);
+}
+
+static loom_status_t upload_vec(loader_t *L, const char *name, int64_t n, float **out, loom_err_t *err) {
+    float *h = staging(L, (size_t)n);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
+    LOOM_CHECK(read_block(L, name, n, 0, 0, 1, 0, n, h, err));
+    *out = loom_backend_alloc(L->m->be, (size_t)n * sizeof(float));
+    if (!*out) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for %s", name);
+    loom_backend_upload(L->m->be, *out, h, (size_t)n * sizeof(float));
+    L->m->weight_bytes += (size_t)n * sizeof(float);
+    return LOOM_OK;
+}
+
+static loom_status_t upload_weight(loader_t *L, loom_weight_t *w, int64_t rows, int64_t cols,
+                                   const char *what, loom_err_t *err) {
+    loom_status_t s = loom_weight_upload(L->m->be, w, rows, cols, L->tmp, err);
+    if (s == LOOM_ERR_NOMEM)
+        return loom_err_set(err, s, "out of device memory uploading %s (%lld x %lld)", what,
+                            (long long)rows, (long long)cols);
+    if (s == LOOM_OK) L->m->weight_bytes += loom_weight_bytes(w);
+    return s;
+}
+
+static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
+    loom_model_t *m = L->m;
+    const loom_model_config_t *c = &m->cfg;
+    const loom_shard_dims_t *d = &m->dims;
+    int hd = c->head_dim, dim = c->dim;
+    char name[256];
+#define LNAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", gl, suffix), name)
+
+    LOOM_CHECK(upload_vec(L, LNAME("input_layernorm.weight"), dim, &ly->attn_norm, err));
+    LOOM_CHECK(upload_vec(L, LNAME("post_attention_layernorm.weight"), dim, &ly->ffn_norm, err));
+
+    /* q, k, v: this rank's heads stacked into one (qkv_dim, dim) matrix */
+    float *h = staging(L, (size_t)m->qkv_dim * (size_t)dim);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    int64_t qrows = (int64_t)c->n_heads * hd, kvrows = (int64_t)c->n_kv_heads * hd;
+    LOOM_CHECK(read_block(L, LNAME("self_attn.q_proj.weight"), qrows, dim,
+                          (int64_t)d->q_head_begin * hd, (int64_t)d->n_heads * hd, 0, dim, h, err));
+    float *hk = h + (size_t)d->n_heads * hd * dim;
+    float *hv = hk + (size_t)d->n_kv_heads * hd * dim;
+    LOOM_CHECK(read_block(L, LNAME("self_attn.k_proj.weight"), kvrows, dim,
+                          (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd, 0, dim, hk, err));
+    LOOM_CHECK(read_block(L, LNAME("self_attn.v_proj.weight"), kvrows, dim,
+                          (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd, 0, dim, hv, err));
+    LOOM_CHECK(upload_weight(L, &ly->wqkv, m->qkv_dim, dim, LNAME("self_attn.qkv"), err));
+
+    /* o: row-parallel, this rank's input columns */
+    int64_t ocols = (int64_t)d->n_heads * hd;
+    h = staging(L, (size_t)dim * (size_t)ocols);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    LOOM_CHECK(read_block(L, LNAME("self_attn.o_proj.weight"), dim, qrows, 0, dim,
+                          (int64_t)d->q_head_begin * hd, ocols, h, err));
+    LOOM_CHECK(upload_weight(L, &ly->wo, dim, ocols, LNAME("self_attn.o_proj"), err));
+
+    /* gate and up: column-parallel, stacked */
+    h = staging(L, (size_t)2 * d->hidden * (size_t)dim);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    LOOM_CHECK(read_block(L, LNAME("mlp.gate_proj.weight"), c->hidden_dim, dim, d->hidden_begin,
+                          d->hidden, 0, dim, h, err));
+    LOOM_CHECK(read_block(L, LNAME("mlp.up_proj.weight"), c->hidden_dim, dim, d->hidden_begin,
+                          d->hidden, 0, dim, h + (size_t)d->hidden * dim, err));
+    LOOM_CHECK(upload_weight(L, &ly->w13, 2 * d->hidden, dim, LNAME("mlp.gate_up"), err));
+
+    /* down: row-parallel */
+    h = staging(L, (size_t)dim * (size_t)d->hidden);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    LOOM_CHECK(read_block(L, LNAME("mlp.down_proj.weight"), dim, c->hidden_dim, 0, dim,
+                          d->hidden_begin, d->hidden, h, err));
+    LOOM_CHECK(upload_weight(L, &ly->w2, dim, d->hidden, LNAME("mlp.down_proj"), err));
+#undef LNAME
+    return LOOM_OK;
+}
+
+static void rope_inv_freq(const loom_model_config_t *c, float *out) {
+    int half = c->head_dim / 2;
+    for (int j = 0; j < half; j++) {
+        double inv = pow((double)c->rope_theta, -2.0 * j / (double)c->head_dim);
+        if (c->rope_scaling == LOOM_ROPE_LLAMA3) {
+            double orig = c->rope_orig_max_pos, factor = c->rope_factor;
+            double lo = c->rope_low_freq_factor, hi = c->rope_high_freq_factor;
+            double wavelen = 2.0 * M_PI / inv;
+            if (wavelen > orig / lo) {
+                inv = inv / factor;
+            } else if (wavelen >= orig / hi) {
+                double smooth = (orig / wavelen - lo) / (hi - lo);
+                inv = (1.0 - smooth) * inv / factor + smooth * inv;
+            }
+        }
+        out[j] = (float)inv;
+    }
+}
+
+static void *act_alloc(loom_model_t *m, size_t n, int *fail) {
+    void *p = loom_backend_alloc(m->be, n * sizeof(float));
+    if (!p) *fail = 1;
+    return p;
+}
+
+loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg, loom_st_t *st,
+                              const loom_shard_spec_t *spec, const loom_model_options_t *opt,
+                              loom_model_t **out, loom_err_t *err) {
+    *out = NULL;
+    if (cfg->attention_bias)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "models with attention biases (%s) are not supported yet", cfg->model_type);
+    if (cfg->head_dim % 2 != 0)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
+    loom_model_t *m = loom_xcalloc(1, sizeof *m);
+    m->be = be;
+    m->cfg = *cfg;
+    m->spec = *spec;
+    m->opt = *opt;
+    if (m->opt.max_tokens < 1) m->opt.max_tokens = 512;
+    if (m->opt.max_seqs < 1) m->opt.max_seqs = 1;
+    if (m->opt.max_logits < 1) m->opt.max_logits = m->opt.max_seqs;
+    loom_status_t s = loom_shard_dims(cfg, spec, &m->dims, err);
+    if (s < 0) goto fail;
+    const loom_shard_dims_t *d = &m->dims;
+    int dim = cfg->dim, hd = cfg->head_dim;
+    m->qkv_dim = (d->n_heads + 2 * d->n_kv_heads) * hd;
+
+    loader_t L = {.m = m, .st = st};
+    uint64_t t0 = loom_now_ns(), last = t0;
+    LOOM_INFO("loading %s: layers [%d, %d) of %d, tp rank %d/%d%s%s", loom_backend_name(be),
+              spec->layer_begin, spec->layer_end, cfg->n_layers, spec->tp_rank, spec->tp_size,
+              spec->has_embed ? ", embedding" : "", spec->has_head ? ", LM head" : "");
+    if (spec->has_embed) {
+        float *h = staging(&L, (size_t)cfg->vocab_size * dim);
+        if (!h) {
+            s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory for the embedding table");
+            goto fail_loader;
+        }
+        s = read_block(&L, "model.embed_tokens.weight", cfg->vocab_size, dim, 0, cfg->vocab_size, 0, dim, h, err);
+        if (s < 0) goto fail_loader;
+        size_t bytes = (size_t)cfg->vocab_size * dim * sizeof(float);
+        m->embed = loom_backend_alloc(be, bytes);
+        if (!m->embed) {
+            s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the embedding table");
+            goto fail_loader;
+        }
+        loom_backend_upload(be, m->embed, h, bytes);
+        m->weight_bytes += bytes;
+    }
+    m->layers = loom_xcalloc((size_t)(d->n_layers ? d->n_layers : 1), sizeof *m->layers);
+    for (int i = 0; i < d->n_layers; i++) {
+        s = load_layer(&L, spec->layer_begin + i, &m->layers[i], err);
+        if (s < 0) goto fail_loader;
+        uint64_t now = loom_now_ns();
+        if (now - last > 1000000000ull || i + 1 == d->n_layers) {
+            LOOM_INFO("loaded layer %d/%d (%.0f%%), %.1f MB so far, %.1f s", i + 1, d->n_layers,
+                      100.0 * (i + 1) / d->n_layers, (double)m->weight_bytes / 1e6,
+                      (double)(now - t0) * 1e-9);
+            last = now;
+        }
+    }
+    if (spec->has_head) {
+        s = upload_vec(&L, "model.norm.weight", dim, &m->final_norm, err);
+        if (s < 0) goto fail_loader;
+        const char *head = cfg->tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+        float *h = staging(&L, (size_t)d->vocab * dim);
+        if (!h) {
+            s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory for the LM head");
+            goto fail_loader;
+        }
+        s = read_block(&L, head, cfg->vocab_size, dim, d->vocab_begin, d->vocab, 0, dim, h, err);
+        if (s < 0) goto fail_loader;
+        s = upload_weight(&L, &m->lm_head, d->vocab, dim, "lm_head", err);
+        if (s < 0) goto fail_loader;
+    }
+    free(L.tmp);
+    L.tmp = NULL;
+
+    float inv[512];
+    if (hd / 2 > (int)LOOM_ARRAY_LEN(inv)) {
+        s = loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is larger than 1024", hd);
+        goto fail;
+    }
+    rope_inv_freq(cfg, inv);
+    m->inv_freq = loom_backend_alloc(be, (size_t)(hd / 2) * sizeof(float));
+    if (!m->inv_freq) {
+        s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory");
+        goto fail;
+    }
+    loom_backend_upload(be, m->inv_freq, inv, (size_t)(hd / 2) * sizeof(float));
+
+    size_t T = (size_t)m->opt.max_tokens, NL = (size_t)m->opt.max_logits;
+    int oom = 0;
+    m->x = act_alloc(m, T * dim, &oom);
+    m->xb = act_alloc(m, T * dim, &oom);
+    m->xb2 = act_alloc(m, T * dim, &oom);
+    m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
+    m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
+    m->gu = act_alloc(m, T * 2 * (size_t)d->hidden, &oom);
+    m->hb = act_alloc(m, T * (size_t)d->hidden, &oom);
+    if (spec->has_head) {
+        m->xl = act_alloc(m, NL * dim, &oom);
+        m->logits = act_alloc(m, NL * (size_t)d->vocab, &oom);
+    }
+    /* metadata: tokens, pos, slots, tok_seq (T each), logit rows (NL), block tables */
+    m->meta_cap = 4 * T + NL;
+    m->meta_host = loom_xmalloc(m->meta_cap * sizeof(int32_t));
+    m->sample_k = loom_xmalloc(NL * sizeof(int));
+    m->meta_dev = loom_backend_alloc(be, m->meta_cap * sizeof(int32_t));
+    if (!m->meta_dev) oom = 1;
+    if (oom) {
+        s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for activations (%zu tokens)", T);
+        goto fail;
+    }
+    LOOM_INFO("shard loaded: %.1f MB of weights in %.2f s (%.1f MB read from the checkpoint)",
+              (double)m->weight_bytes / 1e6, (double)(loom_now_ns() - t0) * 1e-9,
+              (double)loom_st_bytes_read(st) / 1e6);
+    *out = m;
+    return LOOM_OK;
+
+fail_loader:
+    free(L.tmp);
+fail:
+    loom_model_destroy(&m);
+    return s;
+}
+
+void loom_model_destroy(loom_model_t **m_p) {
+    if (!m_p || !*m_p) return;
+    loom_model_t *m = *m_p;
+    *m_p = NULL;
+    loom_backend_t *be = m->be;
+    if (m->layers) {
+        for (int i = 0; i < m->dims.n_layers; i++) {
+            loom_layer_t *ly = &m->layers[i];
+            loom_backend_free(be, ly->attn_norm);
+            loom_backend_free(be, ly->ffn_norm);
+            loom_weight_free(be, &ly->wqkv);
+            loom_weight_free(be, &ly->wo);
+            loom_weight_free(be, &ly->w13);
+            loom_weight_free(be, &ly->w2);
+        }
+        free(m->layers);
+    }
+    loom_backend_free(be, m->embed);
+    loom_backend_free(be, m->final_norm);
+    loom_weight_free(be, &m->lm_head);
+    loom_backend_free(be, m->inv_freq);
+    loom_backend_free(be, m->kv_mem);
+    float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) loom_backend_free(be, acts[i]);
+    loom_backend_free(be, m->meta_dev);
+    free(m->meta_host);
+    free(m->sample_k);
+    free(m);
+}
+
+const loom_shard_dims_t *loom_model_dims(const loom_model_t *m) { return &m->dims; }
+const loom_model_config_t *loom_model_config(const loom_model_t *m) { return &m->cfg; }
+size_t loom_model_weight_bytes(const loom_model_t *m) { return m->weight_bytes; }
+int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
+int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
+float *loom_model_hidden(loom_model_t *m) { return m->x; }
+float *loom_model_logits(loom_model_t *m) { return m->logits; }
+
+size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
+    return 2 * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
+           (size_t)m->cfg.head_dim * sizeof(float);
+}
+
+loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err) {
+    if (n_blocks < 1 || block_size < 1)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "KV pool of %d blocks of %d tokens", n_blocks, block_size);
+    loom_backend_free(m->be, m->kv_mem);
+    m->kv_mem = NULL;
+    size_t bytes = loom_model_kv_block_bytes(m, block_size) * (size_t)n_blocks;
+    if (bytes == 0) bytes = 64; /* a stage with no layers */
+    m->kv_mem = loom_backend_alloc(m->be, bytes);
+    if (!m->kv_mem)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for a KV pool of %d blocks (%.1f MB)",
+                            n_blocks, (double)bytes / 1e6);
+    loom_backend_memset(m->be, m->kv_mem, 0, bytes);
+    size_t per = (size_t)n_blocks * block_size * m->dims.n_kv_heads * m->cfg.head_dim;
+    float *p = m->kv_mem;
+    for (int i = 0; i < m->dims.n_layers; i++) {
+        m->layers[i].k_cache = p;
+        m->layers[i].v_cache = p + per;
+        p += 2 * per;
+    }
+    m->n_blocks = n_blocks;
+    m->block_size = block_size;
+    return LOOM_OK;
+}
+
+void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n) {
+    size_t per_block = (size_t)m->block_size * m->dims.n_kv_heads * m->cfg.head_dim;
+    for (int i = 0; i < n; i++) {
+        LOOM_ASSERT(src[i] >= 0 && src[i] < m->n_blocks && dst[i] >= 0 && dst[i] < m->n_blocks);
+        for (int l = 0; l < m->dims.n_layers; l++) {
+            loom_layer_t *ly = &m->layers[l];
+            loom_backend_copy(m->be, ly->k_cache + (size_t)dst[i] * per_block,
+                              ly->k_cache + (size_t)src[i] * per_block, per_block * sizeof(float));
+            loom_backend_copy(m->be, ly->v_cache + (size_t)dst[i] * per_block,
+                              ly->v_cache + (size_t)src[i] * per_block, per_block * sizeof(float));
+        }
+    }
+}
+
+/* ---- forward ------------------------------------------------------------ */
+
+static loom_status_t allreduce(loom_model_t *m, float *buf, int64_t n, loom_err_t *err) {
+    if (m->spec.tp_size == 1 || !m->opt.allreduce) return LOOM_OK;
+    return m->opt.allreduce(m->opt.allreduce_ctx, buf, n, err);
+}
+
+loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, loom_err_t *err) {
+    const loom_model_config_t *c = &m->cfg;
+    const loom_shard_dims_t *d = &m->dims;
+    loom_backend_t *be = m->be;
+    int n = b->n_tokens, dim = c->dim, hd = c->head_dim;
+    if (n < 1 || n > m->opt.max_tokens)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "step of %d tokens (limit %d)", n, m->opt.max_tokens);
+    if (m->spec.has_head && (b->n_logits < 0 || b->n_logits > m->opt.max_logits))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d logit rows (limit %d)", b->n_logits, m->opt.max_logits);
+    if (!m->kv_mem) return loom_err_set(err, LOOM_ERR_INTERNAL, "KV pool not allocated");
+
+    /* Validate ids against the pool so a bad plan cannot write out of bounds. */
+    int max_pos = 0;
+    for (int i = 0; i < n; i++) {
+        if (b->pos[i] < 0 || b->pos[i] >= c->max_seq_len || b->tok_seq[i] < 0 || b->tok_seq[i] >= b->n_seqs ||
+            b->slots[i] < 0 || b->slots[i] >= m->n_blocks * m->block_size ||
+            (m->spec.has_embed && (b->tokens[i] < 0 || b->tokens[i] >= c->vocab_size)))
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "step token %d is out of range", i);
+        if (b->pos[i] / m->block_size >= b->max_blocks)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "position %d beyond the block table", b->pos[i]);
+        if (b->pos[i] > max_pos) max_pos = b->pos[i];
+    }
+    size_t nbt = (size_t)b->n_seqs * (size_t)b->max_blocks;
+    for (size_t i = 0; i < nbt; i++)
+        if (b->block_tables[i] < -1 || b->block_tables[i] >= m->n_blocks)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "block id %d out of range", b->block_tables[i]);
+    int nl = m->spec.has_head ? b->n_logits : 0;
+    for (int i = 0; i < nl; i++)
+        if (b->logit_rows[i] < 0 || b->logit_rows[i] >= n)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "logit row %d out of range", b->logit_rows[i]);
+
+    /* Pack the step's metadata and upload it once. */
+    size_t need = 4 * (size_t)n + (size_t)nl + nbt;
+    if (need > m->meta_cap) {
+        loom_backend_free(be, m->meta_dev);
+        m->meta_cap = need + need / 2;
+        m->meta_host = loom_xrealloc(m->meta_host, m->meta_cap * sizeof(int32_t));
+        m->meta_dev = loom_backend_alloc(be, m->meta_cap * sizeof(int32_t));
+        if (!m->meta_dev) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for step metadata");
+    }
+    int32_t *h = m->meta_host;
+    if (m->spec.has_embed) memcpy(h, b->tokens, (size_t)n * 4);
+    else memset(h, 0, (size_t)n * 4);
+    memcpy(h + n, b->pos, (size_t)n * 4);
+    memcpy(h + 2 * n, b->slots, (size_t)n * 4);
+    memcpy(h + 3 * n, b->tok_seq, (size_t)n * 4);
+    if (nl) memcpy(h + 4 * n, b->logit_rows, (size_t)nl * 4);
+    memcpy(h + 4 * n + nl, b->block_tables, nbt * 4);
+    loom_backend_upload(be, m->meta_dev, h, need * 4);
+    const int32_t *d_tok = m->meta_dev, *d_pos = d_tok + n, *d_slots = d_tok + 2 * n;
+    const int32_t *d_seq = d_tok + 3 * n, *d_rows = d_tok + 4 * n, *d_bt = d_tok + 4 * n + nl;
+
+    if (m->spec.has_embed) loom_op_embed(be, m->x, m->embed, d_tok, n, dim);
+
+    int nh = d->n_heads, nkv = d->n_kv_heads, qd = m->qkv_dim;
+    for (int l = 0; l < d->n_layers; l++) {
+        loom_layer_t *ly = &m->layers[l];
+        /* attention */
+        loom_op_rmsnorm(be, m->xb, m->x, ly->attn_norm, n, dim, c->norm_eps);
+        loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
+        float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
+        loom_op_rope(be, q, qd, n, nh, hd, d_pos, m->inv_freq);
+        loom_op_rope(be, k, qd, n, nkv, hd, d_pos, m->inv_freq);
+        loom_op_kv_write(be, ly->k_cache, ly->v_cache, k, v, qd, d_slots, n, nkv * hd);
+        loom_attn_args_t a = {
+            .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+            .scale = 1.0f / sqrtf((float)hd),
+            .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
+            .k_cache = ly->k_cache, .v_cache = ly->v_cache, .block_size = m->block_size,
+            .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
+            .max_blocks = b->max_blocks, .max_ctx = max_pos + 1,
+        };
+        loom_op_attention(be, &a);
+        loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
+        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
+        /* MLP */
+        loom_op_rmsnorm(be, m->xb, m->x, ly->ffn_norm, n, dim, c->norm_eps);
+        loom_op_matmul(be, m->gu, m->xb, &ly->w13, n);
+        loom_op_silu_mul(be, m->hb, m->gu, n, d->hidden);
+        loom_op_matmul(be, m->xb2, m->hb, &ly->w2, n);
+        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
+    }
+    if (nl > 0) {
+        loom_op_gather_rows(be, m->xl, m->x, d_rows, nl, dim);
+        loom_op_rmsnorm(be, m->xl, m->xl, m->final_norm, nl, dim, c->norm_eps);
+        loom_op_matmul(be, m->logits, m->xl, &m->lm_head, nl);
+    }
+    return LOOM_OK;
+}
+
+void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t *params,
+                             const uint64_t *steps, loom_sample_part_t *parts) {
+    LOOM_ASSERT(n_rows <= m->opt.max_logits);
+    for (int i = 0; i < n_rows; i++) m->sample_k[i] = loom_sample_k(&params[i], m->cfg.vocab_size);
+    loom_op_sample_shard(m->be, m->logits, n_rows, m->dims.vocab, m->dims.vocab_begin,
+                         m->cfg.vocab_size, params, steps, m->sample_k, parts);
+}
+
+void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows) {
+    loom_backend_download(m->be, dst, m->logits, (size_t)n_rows * m->dims.vocab * sizeof(float));
+}

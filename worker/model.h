@@ -1,0 +1,84 @@
+/* One shard of a Llama-family model on a backend: the layers of one pipeline
+ * stage, sliced for one tensor-parallel rank, with its paged KV cache.
+ * `loom run` uses a single shard holding everything; a worker holds one cell
+ * of the grid. The forward pass runs a whole step (decode tokens and prefill
+ * chunks of many sequences) as one batch per layer.
+ *
+ * Tensor parallelism (Megatron style): q/k/v and gate/up are column-parallel
+ * (split by heads / by intermediate rows), o and down are row-parallel and
+ * followed by an all-reduce. KV heads are replicated when there are fewer of
+ * them than TP ranks. The LM head is vocab-parallel. */
+#ifndef LOOM_MODEL_H
+#define LOOM_MODEL_H
+
+#include <stdint.h>
+
+#include "common/model_config.h"
+#include "common/shard.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "kernels/backend.h"
+
+/* All-reduce hook for tensor parallelism (NULL when tp_size == 1). */
+typedef loom_status_t (*loom_allreduce_fn)(void *ctx, float *buf, int64_t n, loom_err_t *err);
+
+typedef struct loom_model loom_model_t;
+
+typedef struct loom_model_options {
+    int max_tokens;   /* most tokens in one step (prefill chunk + decodes) */
+    int max_seqs;     /* most sequences in one step */
+    int max_logits;   /* most rows that need logits in one step */
+    loom_allreduce_fn allreduce;
+    void *allreduce_ctx;
+} loom_model_options_t;
+
+/* Loads this shard's weights from an opened checkpoint: only the slices it
+ * owns are read. Progress is logged per layer. */
+loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg, loom_st_t *st,
+                              const loom_shard_spec_t *spec, const loom_model_options_t *opt,
+                              loom_model_t **out, loom_err_t *err);
+void loom_model_destroy(loom_model_t **m_p);
+
+const loom_shard_dims_t *loom_model_dims(const loom_model_t *m);
+const loom_model_config_t *loom_model_config(const loom_model_t *m);
+size_t loom_model_weight_bytes(const loom_model_t *m);
+/* Bytes of KV cache one block takes on this shard (all its layers, K and V). */
+size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size);
+/* Allocates the paged KV pool: n_blocks blocks of block_size tokens. */
+loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err);
+int loom_model_kv_blocks(const loom_model_t *m);
+/* Copies KV blocks src[i] -> dst[i] in every layer of the shard (copy-on-write). */
+void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n);
+int loom_model_kv_block_size(const loom_model_t *m);
+
+/* One step's batch. All arrays are host memory. */
+typedef struct loom_step_batch {
+    int n_tokens;
+    const int32_t *tokens;       /* (n_tokens) token ids; used by the first stage */
+    const int32_t *pos;          /* (n_tokens) positions */
+    const int32_t *slots;        /* (n_tokens) KV slot = block * B + offset */
+    const int32_t *tok_seq;      /* (n_tokens) row of block_tables */
+    int n_seqs;
+    const int32_t *block_tables; /* (n_seqs, max_blocks) */
+    int max_blocks;
+    int n_logits;                /* rows needing logits (last stage) */
+    const int32_t *logit_rows;   /* (n_logits) token indices */
+} loom_step_batch_t;
+
+/* Runs the shard's layers over the batch. On the first stage the input is
+ * the token ids; on later stages it is loom_model_hidden(), filled by the
+ * caller (received from the previous stage). Afterwards loom_model_hidden()
+ * holds the output hidden states (n_tokens, dim) and, on the last stage,
+ * loom_model_logits() holds (n_logits, dims.vocab) logits. */
+loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, loom_err_t *err);
+float *loom_model_hidden(loom_model_t *m); /* device (max_tokens, dim) */
+float *loom_model_logits(loom_model_t *m); /* device (max_logits, dims.vocab) */
+
+/* Reduces the last forward's logits to sampling parts (host), one per logit
+ * row, with room for loom_sample_k candidates each (see kernels/sampling.h). */
+void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t *params,
+                             const uint64_t *steps, loom_sample_part_t *parts);
+/* Downloads the logits of the last forward (n_logits x dims.vocab) to host. */
+void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows);
+
+#endif
