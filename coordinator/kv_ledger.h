@@ -1,0 +1,49 @@
+/* The coordinator's logical KV cache: which block ids are free, who holds
+ * them (reference counts), and the automatic prefix cache. Workers only ever
+ * see block ids; this ledger decides them.
+ *
+ * Block states and transitions:
+ *   FREE ──alloc──▶ HELD(ref ≥ 1) ──release to ref 0──▶ FREE        (never registered)
+ *                       │ register (full block, keyed by its token chain)
+ *                       ▼
+ *                   HELD+CACHED ──release to ref 0──▶ CACHED (evictable, LRU)
+ *   CACHED ──lookup hit──▶ HELD+CACHED;  CACHED ──evicted by alloc──▶ HELD (uncached)
+ * Invariants: free + cached + held = n_blocks; a cached block's tokens and
+ * hash never change while it is registered (writers copy-on-write first). */
+#ifndef LOOM_KV_LEDGER_H
+#define LOOM_KV_LEDGER_H
+
+#include <stdint.h>
+
+typedef struct loom_kv_ledger loom_kv_ledger_t;
+
+loom_kv_ledger_t *loom_kv_create(int n_blocks, int block_size, int prefix_cache);
+void loom_kv_destroy(loom_kv_ledger_t **L_p);
+
+int loom_kv_n_blocks(const loom_kv_ledger_t *L);
+int loom_kv_block_size(const loom_kv_ledger_t *L);
+int loom_kv_n_free(const loom_kv_ledger_t *L);   /* allocatable now: free + cached */
+int loom_kv_n_cached(const loom_kv_ledger_t *L); /* unreferenced blocks kept for the prefix cache */
+int loom_kv_n_held(const loom_kv_ledger_t *L);   /* referenced by some sequence */
+
+/* A block with ref 1, taken from the free list, else by evicting the least
+ * recently used cached block; -1 when every block is held. */
+int loom_kv_alloc(loom_kv_ledger_t *L);
+void loom_kv_retain(loom_kv_ledger_t *L, int block);
+void loom_kv_release(loom_kv_ledger_t *L, int block);
+int loom_kv_ref(const loom_kv_ledger_t *L, int block);
+
+/* Hash of a full block given the hash of the block before it (0 for the first). */
+uint64_t loom_kv_chain_hash(uint64_t parent, const int32_t *tokens, int n);
+/* Finds a cached block holding exactly these block_size tokens after `parent`
+ * (hash and tokens both match); on a hit the block is retained and returned. */
+int loom_kv_lookup(loom_kv_ledger_t *L, uint64_t hash, const int32_t *tokens);
+/* Registers a full, computed block under its chain hash (no-op when the
+ * prefix cache is off or another block already has that content). */
+void loom_kv_register(loom_kv_ledger_t *L, int block, uint64_t hash, const int32_t *tokens);
+int loom_kv_is_cached(const loom_kv_ledger_t *L, int block);
+
+/* Checks every invariant (tests). Returns 0 when consistent. */
+int loom_kv_check(const loom_kv_ledger_t *L);
+
+#endif

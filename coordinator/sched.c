@@ -1,0 +1,518 @@
+/* Continuous-batching scheduler over the KV ledger (see sched.h). Costs a
+ * few microseconds per micro-batch: arrays, a heap, no allocation in the
+ * steady state beyond sequence growth. */
+#include "coordinator/sched.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+
+struct loom_sched {
+    loom_sched_config_t cfg;
+    loom_kv_ledger_t *kv;
+    loom_seq_t **running; /* sorted by arrival */
+    int n_running;
+    loom_seq_t **heap;    /* waiting: max-heap on (priority, -arrival) */
+    int n_waiting, cap_waiting;
+    loom_microbatch_t *mbs;
+    int n_mbs;
+    int max_blocks_per_seq;
+    uint64_t next_arrival, next_mb_id;
+    loom_sched_stats_t stats;
+};
+
+/* ---- waiting heap ----------------------------------------------------------- */
+
+static int before(const loom_seq_t *a, const loom_seq_t *b) {
+    return a->priority > b->priority || (a->priority == b->priority && a->arrival < b->arrival);
+}
+
+static void heap_set(loom_sched_t *s, int i, loom_seq_t *q) {
+    s->heap[i] = q;
+    q->heap_pos = i;
+}
+
+static void heap_up(loom_sched_t *s, int i) {
+    loom_seq_t *q = s->heap[i];
+    while (i > 0) {
+        int p = (i - 1) / 2;
+        if (!before(q, s->heap[p])) break;
+        heap_set(s, i, s->heap[p]);
+        i = p;
+    }
+    heap_set(s, i, q);
+}
+
+static void heap_down(loom_sched_t *s, int i) {
+    loom_seq_t *q = s->heap[i];
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, m = i;
+        loom_seq_t *best = q;
+        if (l < s->n_waiting && before(s->heap[l], best)) {
+            m = l;
+            best = s->heap[l];
+        }
+        if (r < s->n_waiting && before(s->heap[r], best)) m = r;
+        if (m == i) break;
+        heap_set(s, i, s->heap[m]);
+        i = m;
+    }
+    heap_set(s, i, q);
+}
+
+static void heap_push(loom_sched_t *s, loom_seq_t *q) {
+    if (s->n_waiting == s->cap_waiting) {
+        s->cap_waiting = s->cap_waiting ? 2 * s->cap_waiting : 64;
+        s->heap = loom_xrealloc(s->heap, (size_t)s->cap_waiting * sizeof *s->heap);
+    }
+    heap_set(s, s->n_waiting++, q);
+    heap_up(s, s->n_waiting - 1);
+}
+
+static void heap_remove(loom_sched_t *s, loom_seq_t *q) {
+    int i = q->heap_pos;
+    LOOM_ASSERT(i >= 0 && i < s->n_waiting && s->heap[i] == q);
+    q->heap_pos = -1;
+    s->n_waiting--;
+    if (i == s->n_waiting) return;
+    loom_seq_t *x = s->heap[s->n_waiting];
+    heap_set(s, i, x);
+    heap_down(s, i);
+    heap_up(s, x->heap_pos);
+}
+
+/* ---- running array (sorted by arrival) ---------------------------------------- */
+
+static void run_insert(loom_sched_t *s, loom_seq_t *q) {
+    int lo = 0, hi = s->n_running;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (s->running[mid]->arrival < q->arrival) lo = mid + 1;
+        else hi = mid;
+    }
+    memmove(s->running + lo + 1, s->running + lo, (size_t)(s->n_running - lo) * sizeof *s->running);
+    s->running[lo] = q;
+    s->n_running++;
+    for (int i = lo; i < s->n_running; i++) s->running[i]->run_pos = i;
+}
+
+static void run_remove(loom_sched_t *s, loom_seq_t *q) {
+    int i = q->run_pos;
+    LOOM_ASSERT(i >= 0 && i < s->n_running && s->running[i] == q);
+    memmove(s->running + i, s->running + i + 1, (size_t)(s->n_running - i - 1) * sizeof *s->running);
+    s->n_running--;
+    for (int j = i; j < s->n_running; j++) s->running[j]->run_pos = j;
+    q->run_pos = -1;
+}
+
+/* ---- create / destroy ----------------------------------------------------------- */
+
+loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
+    loom_sched_t *s = loom_xcalloc(1, sizeof *s);
+    s->cfg = *cfg;
+    if (s->cfg.n_micro < 1) s->cfg.n_micro = 1;
+    s->kv = loom_kv_create(cfg->n_blocks, cfg->block_size, cfg->prefix_cache);
+    s->max_blocks_per_seq = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
+    s->running = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->running);
+    s->n_mbs = s->cfg.n_micro;
+    s->mbs = loom_xcalloc((size_t)s->n_mbs, sizeof *s->mbs);
+    size_t T = (size_t)cfg->max_batched_tokens, S = (size_t)cfg->max_num_seqs;
+    for (int i = 0; i < s->n_mbs; i++) {
+        loom_microbatch_t *mb = &s->mbs[i];
+        mb->tokens = loom_xmalloc(T * sizeof(int32_t));
+        mb->pos = loom_xmalloc(T * sizeof(int32_t));
+        mb->slots = loom_xmalloc(T * sizeof(int32_t));
+        mb->tok_seq = loom_xmalloc(T * sizeof(int32_t));
+        mb->seqs = loom_xmalloc(S * sizeof(loom_seq_t *));
+        mb->chunk = loom_xmalloc(S * sizeof(int));
+        mb->block_tables = loom_xmalloc(S * (size_t)s->max_blocks_per_seq * sizeof(int32_t));
+        mb->logit_rows = loom_xmalloc(S * sizeof(int32_t));
+        mb->logit_seq = loom_xmalloc(S * sizeof(loom_seq_t *));
+        mb->sampling = loom_xmalloc(S * sizeof(loom_sampling_t));
+        mb->steps = loom_xmalloc(S * sizeof(uint64_t));
+        mb->copy_src = loom_xmalloc(S * sizeof(int32_t));
+        mb->copy_dst = loom_xmalloc(S * sizeof(int32_t));
+    }
+    return s;
+}
+
+static void seq_free(loom_sched_t *s, loom_seq_t *q) {
+    for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
+    free(q->blocks);
+    free(q->tokens);
+    free(q);
+}
+
+void loom_sched_destroy(loom_sched_t **s_p) {
+    if (!s_p || !*s_p) return;
+    loom_sched_t *s = *s_p;
+    *s_p = NULL;
+    for (int i = 0; i < s->n_running; i++) seq_free(s, s->running[i]);
+    for (int i = 0; i < s->n_waiting; i++) seq_free(s, s->heap[i]);
+    for (int i = 0; i < s->n_mbs; i++) {
+        loom_microbatch_t *mb = &s->mbs[i];
+        if (mb->in_use)
+            for (int j = 0; j < mb->n_seqs; j++)
+                if (mb->seqs[j]->finish_pending) seq_free(s, mb->seqs[j]);
+        free(mb->tokens);
+        free(mb->pos);
+        free(mb->slots);
+        free(mb->tok_seq);
+        free(mb->seqs);
+        free(mb->chunk);
+        free(mb->block_tables);
+        free(mb->logit_rows);
+        free(mb->logit_seq);
+        free(mb->sampling);
+        free(mb->steps);
+        free(mb->copy_src);
+        free(mb->copy_dst);
+    }
+    free(s->mbs);
+    free(s->running);
+    free(s->heap);
+    loom_kv_destroy(&s->kv);
+    free(s);
+}
+
+const loom_sched_config_t *loom_sched_config(const loom_sched_t *s) { return &s->cfg; }
+loom_kv_ledger_t *loom_sched_ledger(loom_sched_t *s) { return s->kv; }
+
+/* ---- requests -------------------------------------------------------------------- */
+
+loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt, int n_prompt,
+                             int max_tokens, int priority, const loom_sampling_t *sampling,
+                             void *user, loom_seq_t **out, loom_err_t *err) {
+    const loom_sched_config_t *c = &s->cfg;
+    *out = NULL;
+    if (n_prompt < 1) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the prompt is empty");
+    if (max_tokens < 0) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "max_tokens %d is negative", max_tokens);
+    if (n_prompt >= c->max_model_len)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the prompt is %d tokens but the context length is %d (room for at least one "
+                            "generated token is needed)",
+                            n_prompt, c->max_model_len);
+    if (max_tokens == 0) max_tokens = c->max_model_len - n_prompt;
+    if ((int64_t)n_prompt + max_tokens > c->max_model_len)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the prompt is %d tokens and max_tokens is %d: %lld exceeds the context length %d",
+                            n_prompt, max_tokens, (long long)n_prompt + max_tokens, c->max_model_len);
+    int64_t need = ((int64_t)n_prompt + max_tokens + c->block_size - 1) / c->block_size;
+    if (need > c->n_blocks)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the request needs %lld KV blocks of %d tokens but the whole cache holds %d",
+                            (long long)need, c->block_size, c->n_blocks);
+    if (s->n_waiting >= c->max_queue)
+        return loom_err_set(err, LOOM_ERR_RESOURCE_EXHAUSTED,
+                            "the waiting queue is full (%d requests); retry later", c->max_queue);
+    loom_seq_t *q = loom_xcalloc(1, sizeof *q);
+    q->id = id;
+    q->user = user;
+    q->cap_tokens = n_prompt + max_tokens;
+    q->tokens = loom_xmalloc((size_t)q->cap_tokens * sizeof *q->tokens);
+    memcpy(q->tokens, prompt, (size_t)n_prompt * sizeof *prompt);
+    q->n_tokens = q->n_prompt = n_prompt;
+    q->max_tokens = max_tokens;
+    q->cap_blocks = (int)need + 1;
+    q->blocks = loom_xmalloc((size_t)q->cap_blocks * sizeof *q->blocks);
+    q->sampling = *sampling;
+    q->priority = priority;
+    q->arrival = s->next_arrival++;
+    q->state = LOOM_SEQ_WAITING;
+    q->run_pos = -1;
+    q->t_arrival_ns = loom_now_ns();
+    heap_push(s, q);
+    *out = q;
+    return LOOM_OK;
+}
+
+/* Drops a running sequence's KV and sends it back to the waiting queue. */
+static void preempt(loom_sched_t *s, loom_seq_t *q) {
+    run_remove(s, q);
+    for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
+    q->n_blocks = 0;
+    q->n_computed = 0;
+    q->n_hashed = 0;
+    q->chain = 0;
+    q->state = LOOM_SEQ_WAITING;
+    q->n_preempted++;
+    s->stats.preemptions++;
+    heap_push(s, q);
+}
+
+static int in_mb(const loom_microbatch_t *mb, const loom_seq_t *q) {
+    for (int i = 0; i < mb->n_seqs; i++)
+        if (mb->seqs[i] == q) return 1;
+    return 0;
+}
+
+/* Frees `need` blocks by preempting running sequences younger than q (the
+ * youngest first) that are neither in flight nor in this micro-batch. */
+static int make_room(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int need) {
+    for (int i = s->n_running - 1; i >= 0 && loom_kv_n_free(s->kv) < need; i--) {
+        loom_seq_t *v = s->running[i];
+        if (v == q || v->arrival < q->arrival) break;
+        if (v->in_flight || in_mb(mb, v)) continue;
+        preempt(s, v);
+    }
+    return loom_kv_n_free(s->kv) >= need;
+}
+
+/* Blocks needed so that positions [0, upto) have a block. */
+static int blocks_needed(const loom_sched_t *s, const loom_seq_t *q, int upto) {
+    int want = (upto + s->cfg.block_size - 1) / s->cfg.block_size;
+    return want > q->n_blocks ? want - q->n_blocks : 0;
+}
+
+static void grow(loom_sched_t *s, loom_seq_t *q, int upto) {
+    for (int n = blocks_needed(s, q, upto); n > 0; n--) {
+        int b = loom_kv_alloc(s->kv);
+        LOOM_ASSERT(b >= 0);
+        if (q->n_blocks == q->cap_blocks) {
+            q->cap_blocks *= 2;
+            q->blocks = loom_xrealloc(q->blocks, (size_t)q->cap_blocks * sizeof *q->blocks);
+        }
+        q->blocks[q->n_blocks++] = b;
+    }
+}
+
+/* Appends tokens [n_computed, n_computed + take) of q to the micro-batch. */
+static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int take) {
+    int B = s->cfg.block_size, si = mb->n_seqs++;
+    mb->seqs[si] = q;
+    mb->chunk[si] = take;
+    for (int i = 0; i < take; i++) {
+        int p = q->n_computed + i, t = mb->n_tokens++;
+        mb->tokens[t] = q->tokens[p];
+        mb->pos[t] = p;
+        mb->slots[t] = q->blocks[p / B] * B + p % B;
+        mb->tok_seq[t] = si;
+    }
+    if (q->n_computed + take == q->n_tokens) { /* the chunk reaches the end: sample the next token */
+        int r = mb->n_logits++;
+        mb->logit_rows[r] = mb->n_tokens - 1;
+        mb->logit_seq[r] = q;
+        mb->sampling[r] = q->sampling;
+        mb->steps[r] = (uint64_t)(q->n_tokens - q->n_prompt);
+    }
+    q->in_flight = 1;
+    s->stats.scheduled_tokens += (uint64_t)take;
+}
+
+/* Reuses cached full blocks of q's tokens (prefix caching). */
+static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+    int B = s->cfg.block_size, nb = q->n_tokens / B;
+    uint64_t parent = 0, prev = 0;
+    int hits = 0;
+    for (; hits < nb; hits++) {
+        uint64_t h = loom_kv_chain_hash(parent, q->tokens + (size_t)hits * B, B);
+        int b = loom_kv_lookup(s->kv, h, q->tokens + (size_t)hits * B);
+        if (b < 0) break;
+        q->blocks[q->n_blocks++] = b;
+        prev = parent;
+        parent = h;
+    }
+    s->stats.prefix_queries += (uint64_t)nb;
+    s->stats.prefix_hits += (uint64_t)hits;
+    q->n_hashed = hits;
+    q->chain = parent;
+    q->n_computed = hits * B;
+    if (hits > 0 && q->n_computed == q->n_tokens) {
+        /* Everything is cached, but the last token must run to give logits:
+         * it rewrites a shared block, so copy that block first. */
+        int old = q->blocks[hits - 1], fresh = loom_kv_alloc(s->kv);
+        if (fresh >= 0) {
+            mb->copy_src[mb->n_copies] = old;
+            mb->copy_dst[mb->n_copies] = fresh;
+            mb->n_copies++;
+            q->blocks[hits - 1] = fresh;
+            q->n_computed = q->n_tokens - 1;
+        } else { /* no block to copy into: recompute the whole last block */
+            q->n_blocks--;
+            q->n_computed -= B;
+        }
+        loom_kv_release(s->kv, old);
+        q->n_hashed = hits - 1;
+        q->chain = prev;
+    }
+}
+
+static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+    for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
+    if (mb->n_copies > 0 && mb->copy_dst[mb->n_copies - 1] == q->blocks[q->n_blocks - 1]) mb->n_copies--;
+    q->n_blocks = 0;
+    q->n_computed = 0;
+    q->n_hashed = 0;
+    q->chain = 0;
+}
+
+static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
+    int mx = 1;
+    for (int i = 0; i < mb->n_seqs; i++)
+        if (mb->seqs[i]->n_blocks > mx) mx = mb->seqs[i]->n_blocks;
+    mb->max_blocks = mx;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        const loom_seq_t *q = mb->seqs[i];
+        int32_t *row = mb->block_tables + (size_t)i * mx;
+        for (int j = 0; j < q->n_blocks; j++) row[j] = q->blocks[j];
+        for (int j = q->n_blocks; j < mx; j++) row[j] = -1;
+    }
+    (void)s;
+}
+
+loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
+    const loom_sched_config_t *c = &s->cfg;
+    loom_microbatch_t *mb = NULL;
+    for (int i = 0; i < s->n_mbs; i++)
+        if (!s->mbs[i].in_use) {
+            mb = &s->mbs[i];
+            break;
+        }
+    if (!mb) return NULL;
+    mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = 0;
+    int budget = c->max_batched_tokens;
+    int cap = c->max_num_seqs;
+    if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */
+        int total = s->n_running + s->n_waiting;
+        cap = (total + s->n_mbs - 1) / s->n_mbs;
+        if (cap < 1) cap = 1;
+    }
+
+    /* 1. decodes, oldest first */
+    for (int i = 0; i < s->n_running && budget > 0 && mb->n_seqs < cap; i++) {
+        loom_seq_t *q = s->running[i];
+        if (q->in_flight || q->n_tokens - q->n_computed != 1) continue;
+        int need = blocks_needed(s, q, q->n_computed + 1);
+        if (need > loom_kv_n_free(s->kv) && !make_room(s, mb, q, need)) {
+            if (!in_mb(mb, q)) {
+                preempt(s, q); /* nothing younger to take from: this one waits */
+                i--;
+            }
+            continue;
+        }
+        grow(s, q, q->n_computed + 1);
+        add_chunk(s, mb, q, 1);
+        budget--;
+    }
+    /* 2. prefills already running, continued in chunks */
+    for (int i = 0; i < s->n_running && budget > 0 && mb->n_seqs < cap; i++) {
+        loom_seq_t *q = s->running[i];
+        if (q->in_flight || q->n_tokens - q->n_computed < 2) continue;
+        int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
+        int need = blocks_needed(s, q, q->n_computed + take);
+        if (need > loom_kv_n_free(s->kv)) make_room(s, mb, q, need);
+        int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
+        if (take > room) take = room;
+        if (take <= 0) continue;
+        grow(s, q, q->n_computed + take);
+        add_chunk(s, mb, q, take);
+        budget -= take;
+    }
+    /* 3. admissions: priority, then first come first served */
+    while (s->n_waiting > 0 && budget > 0 && mb->n_seqs < cap && s->n_running < c->max_num_seqs) {
+        loom_seq_t *q = s->heap[0];
+        if (q->n_blocks == 0) prefix_lookup(s, mb, q);
+        int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
+        int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
+        if (take > room) take = room;
+        if (take <= 0) {
+            undo_lookup(s, mb, q);
+            break; /* strict FCFS: the head waits for memory */
+        }
+        heap_remove(s, q);
+        q->state = LOOM_SEQ_RUNNING;
+        if (!q->admitted_once) {
+            q->admitted_once = 1;
+            q->cached_tokens = q->n_computed;
+            q->t_admitted_ns = loom_now_ns();
+        }
+        run_insert(s, q);
+        grow(s, q, q->n_computed + take);
+        add_chunk(s, mb, q, take);
+        budget -= take;
+    }
+    if (mb->n_seqs == 0) return NULL;
+    fill_block_tables(s, mb);
+    mb->id = ++s->next_mb_id;
+    mb->in_use = 1;
+    s->stats.batches++;
+    return mb;
+}
+
+/* Registers q's newly full, computed blocks in the prefix cache. */
+static void register_blocks(loom_sched_t *s, loom_seq_t *q) {
+    int B = s->cfg.block_size;
+    while ((q->n_hashed + 1) * B <= q->n_computed && q->n_hashed < q->n_blocks) {
+        const int32_t *t = q->tokens + (size_t)q->n_hashed * B;
+        uint64_t h = loom_kv_chain_hash(q->chain, t, B);
+        loom_kv_register(s->kv, q->blocks[q->n_hashed], h, t);
+        q->chain = h;
+        q->n_hashed++;
+    }
+}
+
+static void release_mb(loom_sched_t *s, loom_microbatch_t *mb) {
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        q->in_flight = 0;
+        if (q->finish_pending) seq_free(s, q);
+    }
+    mb->in_use = 0;
+}
+
+void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *ids,
+                         loom_sched_token_fn on_token, void *ctx) {
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        if (q->finish_pending) continue;
+        q->n_computed += mb->chunk[i];
+        register_blocks(s, q);
+    }
+    for (int r = 0; r < mb->n_logits; r++) {
+        loom_seq_t *q = mb->logit_seq[r];
+        if (q->finish_pending) continue;
+        LOOM_ASSERT(q->n_tokens < q->cap_tokens);
+        q->tokens[q->n_tokens++] = ids[r];
+        if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
+        if (on_token) on_token(ctx, q, ids[r]);
+    }
+    release_mb(s, mb);
+}
+
+void loom_sched_fail(loom_sched_t *s, loom_microbatch_t *mb) {
+    /* Whether the step's KV (and its block copies) landed is unknown:
+     * recompute those sequences from scratch. */
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        if (!q->finish_pending && q->state == LOOM_SEQ_RUNNING) preempt(s, q);
+    }
+    release_mb(s, mb);
+}
+
+void loom_sched_finish(loom_sched_t *s, loom_seq_t *q) {
+    if (q->finish_pending) return;
+    if (q->state == LOOM_SEQ_RUNNING) run_remove(s, q);
+    else if (q->state == LOOM_SEQ_WAITING) heap_remove(s, q);
+    q->state = LOOM_SEQ_FINISHED;
+    if (q->in_flight) q->finish_pending = 1;
+    else seq_free(s, q);
+}
+
+int loom_sched_n_seqs(const loom_sched_t *s) { return s->n_running + s->n_waiting; }
+
+loom_seq_t *loom_sched_seq_at(loom_sched_t *s, int i) {
+    return i < s->n_running ? s->running[i] : s->heap[i - s->n_running];
+}
+
+int loom_sched_in_flight(const loom_sched_t *s) {
+    int n = 0;
+    for (int i = 0; i < s->n_mbs; i++) n += s->mbs[i].in_use;
+    return n;
+}
+
+void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st) {
+    *st = s->stats;
+    st->running = s->n_running;
+    st->waiting = s->n_waiting;
+}

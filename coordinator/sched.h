@@ -1,0 +1,135 @@
+/* The token-level scheduler: continuous batching over a paged KV cache.
+ *
+ * Each call to loom_sched_schedule builds one micro-batch from sequences
+ * that are not already in flight: running decodes first (arrival order),
+ * then running prefills continued in chunks, then admissions from the
+ * waiting queue (priority, then FCFS), all within max_batched_tokens and
+ * max_num_seqs. With pipeline parallelism the caller keeps up to n_micro
+ * micro-batches in flight; each takes about 1/n_micro of the sequences.
+ *
+ * Sequence states:
+ *   WAITING ──admit (blocks for its first chunk)──▶ RUNNING
+ *   RUNNING ──preempted (out of blocks; youngest first)──▶ WAITING (recompute:
+ *            its KV is dropped, its tokens kept; the prefix cache usually
+ *            gives most of it back on readmission)
+ *   RUNNING/WAITING ──loom_sched_finish──▶ FINISHED (blocks released; when in
+ *            flight, released once its micro-batch completes)
+ * Invariants: a sequence is in at most one micro-batch in flight; tokens
+ * [0, n_computed) have KV in the blocks of its table; only full blocks are
+ * ever shared, and a shared block about to be written is copied first. */
+#ifndef LOOM_SCHED_H
+#define LOOM_SCHED_H
+
+#include <stdint.h>
+
+#include "common/status.h"
+#include "coordinator/kv_ledger.h"
+#include "kernels/sampling.h"
+
+typedef enum { LOOM_SEQ_WAITING = 0, LOOM_SEQ_RUNNING, LOOM_SEQ_FINISHED } loom_seq_state_t;
+
+typedef struct loom_seq {
+    uint64_t id;
+    void *user;              /* the caller's request record */
+    int32_t *tokens;         /* (n_tokens) prompt then generated */
+    int n_tokens, cap_tokens;
+    int n_prompt;
+    int max_tokens;          /* most tokens to generate */
+    int n_computed;          /* tokens whose KV is cached */
+    int *blocks;             /* block table */
+    int n_blocks, cap_blocks;
+    int n_hashed;            /* full blocks whose chain hash is known */
+    uint64_t chain;          /* chain hash of block n_hashed - 1 */
+    loom_sampling_t sampling;
+    int priority;
+    uint64_t arrival;        /* admission order, kept across preemption */
+    loom_seq_state_t state;
+    int in_flight;
+    int finish_pending;      /* finished while in flight */
+    int cached_tokens;       /* prompt tokens served by the prefix cache (first admission) */
+    int admitted_once;
+    int n_preempted;
+    int heap_pos, run_pos;   /* positions in the waiting heap / running array */
+    uint64_t t_arrival_ns, t_first_token_ns, t_admitted_ns;
+} loom_seq_t;
+
+typedef struct loom_sched_config {
+    int max_num_seqs;        /* running sequences at most */
+    int max_batched_tokens;  /* tokens per micro-batch at most */
+    int max_queue;           /* waiting sequences at most (beyond: RESOURCE_EXHAUSTED) */
+    int max_model_len;       /* prompt + generated tokens at most */
+    int n_micro;             /* micro-batches in flight (pipeline stages) */
+    int block_size;
+    int n_blocks;
+    int prefix_cache;
+} loom_sched_config_t;
+
+/* One micro-batch, ready to be sent as a step plan. Arrays are owned by the
+ * scheduler and valid until the batch is completed or failed. */
+typedef struct loom_microbatch {
+    uint64_t id;
+    int n_tokens;
+    int32_t *tokens, *pos, *slots, *tok_seq; /* (n_tokens) */
+    int n_seqs;
+    loom_seq_t **seqs;       /* (n_seqs) */
+    int *chunk;              /* (n_seqs) tokens scheduled per sequence */
+    int max_blocks;
+    int32_t *block_tables;   /* (n_seqs, max_blocks), -1 padded */
+    int n_logits;
+    int32_t *logit_rows;     /* (n_logits) */
+    loom_seq_t **logit_seq;  /* (n_logits) */
+    loom_sampling_t *sampling; /* (n_logits) */
+    uint64_t *steps;         /* (n_logits) generated-token index */
+    int n_copies;
+    int32_t *copy_src, *copy_dst; /* block copies to do before the step */
+    int in_use;
+} loom_microbatch_t;
+
+typedef struct loom_sched_stats {
+    int running, waiting;
+    uint64_t preemptions;
+    uint64_t prefix_queries, prefix_hits; /* in blocks */
+    uint64_t scheduled_tokens, batches;
+} loom_sched_stats_t;
+
+typedef struct loom_sched loom_sched_t;
+
+loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg);
+void loom_sched_destroy(loom_sched_t **s_p);
+const loom_sched_config_t *loom_sched_config(const loom_sched_t *s);
+loom_kv_ledger_t *loom_sched_ledger(loom_sched_t *s);
+
+/* Queues a request. Errors: INVALID_ARGUMENT (empty prompt, prompt +
+ * max_tokens over the context, more KV blocks than the pool holds, message
+ * with the numbers), RESOURCE_EXHAUSTED (waiting queue full). max_tokens 0
+ * means up to the context length. */
+loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt, int n_prompt,
+                             int max_tokens, int priority, const loom_sampling_t *sampling,
+                             void *user, loom_seq_t **out, loom_err_t *err);
+
+/* Builds the next micro-batch; NULL when there is nothing to run or every
+ * micro-batch slot is in flight. */
+loom_microbatch_t *loom_sched_schedule(loom_sched_t *s);
+
+/* Called for each sampled token of a completed micro-batch, after the token
+ * is appended. The callee may call loom_sched_finish on the sequence. */
+typedef void (*loom_sched_token_fn)(void *ctx, loom_seq_t *seq, int32_t id);
+/* The micro-batch ran: ids holds one sampled id per logit row. */
+void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *ids,
+                         loom_sched_token_fn on_token, void *ctx);
+/* The micro-batch did not run (a worker failed): its sequences keep their
+ * state as before the batch and are no longer in flight. */
+void loom_sched_fail(loom_sched_t *s, loom_microbatch_t *mb);
+
+/* Ends a sequence (done, cancelled or failed) and frees it, at once or when
+ * its micro-batch completes. The pointer must not be used afterwards. */
+void loom_sched_finish(loom_sched_t *s, loom_seq_t *seq);
+
+/* Running and waiting sequences, for failing them all (e.g. grid lost). */
+int loom_sched_n_seqs(const loom_sched_t *s);
+loom_seq_t *loom_sched_seq_at(loom_sched_t *s, int i); /* running first, then waiting */
+int loom_sched_in_flight(const loom_sched_t *s);       /* micro-batches */
+
+void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
+
+#endif

@@ -1,0 +1,1 @@
+loom_add_test(test_sched SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sched.c LIBS loom_coord_core LABELS unit)

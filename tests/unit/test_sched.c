@@ -1,0 +1,320 @@
+/* Scheduler + KV ledger tests with a simulated model: the "KV cache" stores
+ * each token id at its slot, and the next token of a sequence is a hash of the
+ * context read back through its block table. Any mistake in slots, block
+ * tables, prefix sharing, copy-on-write or preemption changes the tokens. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator/kv_ledger.h"
+#include "coordinator/sched.h"
+#include "tests/test.h"
+
+#define VOCAB 1000
+
+static int32_t next_token(const int32_t *ctx, int n) {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n; i++) h = (h ^ (uint32_t)ctx[i]) * 1099511628211ull;
+    return (int32_t)(3 + h % (VOCAB - 3));
+}
+
+typedef struct sim {
+    int32_t *kv_tok; /* (n_blocks * B) token at each slot */
+    int32_t *kv_pos; /* position written at each slot */
+    int B, n_slots;
+    int bad;
+} sim_t;
+
+/* Runs a micro-batch on the simulated model; returns the sampled ids. */
+static void sim_run(sim_t *sm, const loom_microbatch_t *mb, int32_t *ids) {
+    for (int i = 0; i < mb->n_copies; i++)
+        for (int j = 0; j < sm->B; j++) {
+            sm->kv_tok[mb->copy_dst[i] * sm->B + j] = sm->kv_tok[mb->copy_src[i] * sm->B + j];
+            sm->kv_pos[mb->copy_dst[i] * sm->B + j] = sm->kv_pos[mb->copy_src[i] * sm->B + j];
+        }
+    for (int t = 0; t < mb->n_tokens; t++) {
+        if (mb->slots[t] < 0 || mb->slots[t] >= sm->n_slots) sm->bad++;
+        sm->kv_tok[mb->slots[t]] = mb->tokens[t];
+        sm->kv_pos[mb->slots[t]] = mb->pos[t];
+    }
+    int32_t ctx[4096];
+    for (int r = 0; r < mb->n_logits; r++) {
+        int row = mb->logit_rows[r], si = mb->tok_seq[row], pos = mb->pos[row];
+        const int32_t *bt = mb->block_tables + (size_t)si * mb->max_blocks;
+        for (int p = 0; p <= pos; p++) {
+            int b = bt[p / sm->B];
+            if (b < 0) {
+                sm->bad++;
+                ctx[p] = -1;
+                continue;
+            }
+            int slot = b * sm->B + p % sm->B;
+            if (sm->kv_pos[slot] != p) sm->bad++;
+            ctx[p] = sm->kv_tok[slot];
+        }
+        ids[r] = next_token(ctx, pos + 1);
+    }
+}
+
+typedef struct req {
+    int32_t prompt[512];
+    int n_prompt, max_tokens;
+    int32_t out[512];
+    int n_out, done, cancel_at;
+    loom_seq_t *seq;
+} req_t;
+
+typedef struct ctx {
+    loom_sched_t *s;
+    req_t *reqs;
+    int finished;
+} ctx_t;
+
+static void on_token(void *p, loom_seq_t *q, int32_t id) {
+    ctx_t *c = p;
+    req_t *r = q->user;
+    r->out[r->n_out++] = id;
+    if (r->n_out >= r->max_tokens || (r->cancel_at && r->n_out >= r->cancel_at)) {
+        r->done = 1;
+        r->seq = NULL;
+        c->finished++;
+        loom_sched_finish(c->s, q);
+    }
+}
+
+/* Reference: what the sequence must produce, from its tokens alone. */
+static int check_outputs(const req_t *r) {
+    int32_t ctx[1024];
+    memcpy(ctx, r->prompt, (size_t)r->n_prompt * 4);
+    int n = r->n_prompt;
+    for (int i = 0; i < r->n_out; i++) {
+        int32_t want = next_token(ctx, n);
+        if (r->out[i] != want) return 0;
+        ctx[n++] = want;
+    }
+    return 1;
+}
+
+/* Runs n requests to completion with n_micro micro-batches in flight,
+ * completing the oldest first as a pipeline does. */
+static void run_load(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step,
+                     int shared_prefix, int cancel, uint64_t seed, loom_sched_stats_t *out_stats) {
+    loom_sched_config_t cfg = {.max_num_seqs = max_seqs, .max_batched_tokens = max_tokens_step,
+                               .max_queue = 1000, .max_model_len = 512, .n_micro = n_micro,
+                               .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    sim_t sm = {.B = 4, .n_slots = n_blocks * 4};
+    sm.kv_tok = calloc((size_t)sm.n_slots, 4);
+    sm.kv_pos = malloc((size_t)sm.n_slots * 4);
+    memset(sm.kv_pos, 0xff, (size_t)sm.n_slots * 4);
+    req_t *reqs = calloc((size_t)n_reqs, sizeof *reqs);
+    ctx_t c = {.s = s, .reqs = reqs};
+    unsigned long long rng = seed;
+    for (int i = 0; i < n_reqs; i++) {
+        req_t *r = &reqs[i];
+        r->n_prompt = 1 + (int)((test_randf(&rng, 0.5f) + 0.5f) * 40);
+        r->max_tokens = 1 + (int)((test_randf(&rng, 0.5f) + 0.5f) * 30);
+        int shared = shared_prefix ? (r->n_prompt < 17 ? r->n_prompt : 17) : 0;
+        for (int j = 0; j < r->n_prompt; j++)
+            r->prompt[j] = j < shared ? 100 + j : 3 + (int)((test_randf(&rng, 0.5f) + 0.5f) * 990);
+        if (cancel && i % 5 == 3) r->cancel_at = 1 + i % 4;
+        loom_sampling_t sp = {0};
+        loom_err_t err;
+        loom_status_t st = loom_sched_add(s, (uint64_t)i, r->prompt, r->n_prompt, r->max_tokens, 0, &sp, r, &r->seq, &err);
+        CHECKF(st == LOOM_OK, "add %d: %s", i, err.msg);
+    }
+    loom_microbatch_t *inflight[8];
+    int n_in = 0, iters = 0;
+    while (c.finished < n_reqs && iters++ < 100000) {
+        loom_microbatch_t *mb;
+        while (n_in < n_micro && (mb = loom_sched_schedule(s))) inflight[n_in++] = mb;
+        if (n_in == 0) {
+            CHECKF(0, "scheduler stalled with %d of %d finished", c.finished, n_reqs);
+            break;
+        }
+        mb = inflight[0]; /* a pipeline completes micro-batches in order */
+        int32_t ids[1024];
+        sim_run(&sm, mb, ids);
+        loom_sched_complete(s, mb, ids, on_token, &c);
+        memmove(inflight, inflight + 1, (size_t)(n_in - 1) * sizeof *inflight);
+        n_in--;
+        int bad = loom_kv_check(loom_sched_ledger(s));
+        CHECKF(bad == 0, "ledger inconsistent (%d)", bad);
+        if (bad) break;
+    }
+    CHECK(sm.bad == 0);
+    int wrong = 0;
+    for (int i = 0; i < n_reqs; i++) {
+        CHECK(reqs[i].done);
+        if (!check_outputs(&reqs[i])) wrong++;
+        if (!reqs[i].cancel_at) CHECK(reqs[i].n_out == reqs[i].max_tokens);
+    }
+    CHECKF(wrong == 0, "%d of %d sequences produced wrong tokens", wrong, n_reqs);
+    CHECK(loom_kv_n_held(loom_sched_ledger(s)) == 0);
+    loom_sched_get_stats(s, out_stats);
+    loom_sched_destroy(&s);
+    free(sm.kv_tok);
+    free(sm.kv_pos);
+    free(reqs);
+}
+
+static void test_ledger_basics(void) {
+    loom_kv_ledger_t *L = loom_kv_create(8, 4, 1);
+    int b[8];
+    for (int i = 0; i < 8; i++) b[i] = loom_kv_alloc(L);
+    CHECK(loom_kv_alloc(L) == -1);
+    int32_t t1[4] = {1, 2, 3, 4}, t2[4] = {5, 6, 7, 8};
+    uint64_t h1 = loom_kv_chain_hash(0, t1, 4), h2 = loom_kv_chain_hash(h1, t2, 4);
+    CHECK(h1 != h2 && h1 != loom_kv_chain_hash(0, t2, 4));
+    loom_kv_register(L, b[0], h1, t1);
+    loom_kv_register(L, b[1], h2, t2);
+    loom_kv_register(L, b[2], h1, t1); /* duplicate content: ignored */
+    CHECK(loom_kv_is_cached(L, b[0]) && !loom_kv_is_cached(L, b[2]));
+    for (int i = 0; i < 8; i++) loom_kv_release(L, b[i]);
+    CHECK(loom_kv_n_free(L) == 8 && loom_kv_n_cached(L) == 2 && loom_kv_check(L) == 0);
+    CHECK(loom_kv_lookup(L, h1, t1) == b[0]);
+    CHECK(loom_kv_lookup(L, h1, t2) == -1); /* same hash, other tokens: no hit */
+    CHECK(loom_kv_ref(L, b[0]) == 1 && loom_kv_n_cached(L) == 1);
+    /* allocating everything evicts the remaining cached block (b[1]) */
+    int got = 0;
+    while (loom_kv_alloc(L) >= 0) got++;
+    CHECK(got == 7);
+    CHECK(loom_kv_lookup(L, h2, t2) == -1);
+    CHECK(loom_kv_check(L) == 0);
+    loom_kv_destroy(&L);
+    loom_kv_destroy(&L); /* twice is safe */
+}
+
+static void test_plenty_of_memory(void) {
+    loom_sched_stats_t st;
+    run_load(64, 4096, 1, 32, 256, 0, 0, 1, &st);
+    CHECK(st.preemptions == 0);
+}
+
+static void test_small_pool_preempts(void) {
+    loom_sched_stats_t st;
+    run_load(48, 40, 1, 16, 64, 0, 0, 2, &st);
+    CHECKF(st.preemptions > 0, "no preemption with a 40-block pool");
+}
+
+static void test_prefix_sharing(void) {
+    loom_sched_stats_t st;
+    run_load(40, 4096, 1, 8, 128, 1, 0, 3, &st);
+    CHECKF(st.prefix_hits > 0, "no prefix cache hits with shared prefixes");
+    /* and with memory pressure, sharing and cancellations at once */
+    run_load(60, 48, 1, 12, 48, 1, 1, 4, &st);
+    CHECK(st.preemptions > 0);
+}
+
+static void test_pipeline_micro_batches(void) {
+    loom_sched_stats_t st;
+    run_load(50, 4096, 2, 16, 64, 1, 1, 5, &st);
+    run_load(50, 60, 3, 16, 32, 1, 0, 6, &st);
+}
+
+static void test_full_prompt_hit_copy_on_write(void) {
+    /* A prompt of exactly 2 blocks, run twice: the second time every block
+     * is cached, the last token is recomputed into a copied block. */
+    loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 8,
+                               .max_model_len = 64, .n_micro = 1, .block_size = 4, .n_blocks = 16,
+                               .prefix_cache = 1};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    sim_t sm = {.B = 4, .n_slots = 64};
+    sm.kv_tok = calloc(64, 4);
+    sm.kv_pos = malloc(64 * 4);
+    memset(sm.kv_pos, 0xff, 64 * 4);
+    int32_t prompt[8] = {10, 11, 12, 13, 14, 15, 16, 17};
+    int32_t first = -1;
+    for (int round = 0; round < 2; round++) {
+        req_t r = {.n_prompt = 8, .max_tokens = 3};
+        memcpy(r.prompt, prompt, sizeof prompt);
+        ctx_t c = {.s = s};
+        loom_sampling_t sp = {0};
+        loom_err_t err;
+        REQUIRE(loom_sched_add(s, 1, prompt, 8, 3, 0, &sp, &r, &r.seq, &err) == LOOM_OK);
+        loom_microbatch_t *mb = loom_sched_schedule(s);
+        REQUIRE(mb != NULL);
+        if (round == 1) {
+            CHECK(mb->n_copies == 1);
+            CHECK(mb->n_tokens == 1 && mb->pos[0] == 7);
+            CHECK(r.seq->cached_tokens == 7);
+        }
+        int32_t ids[8];
+        sim_run(&sm, mb, ids);
+        loom_sched_complete(s, mb, ids, on_token, &c);
+        while (!r.done && (mb = loom_sched_schedule(s))) {
+            sim_run(&sm, mb, ids);
+            loom_sched_complete(s, mb, ids, on_token, &c);
+        }
+        CHECK(r.done && check_outputs(&r));
+        if (round == 0) first = r.out[0];
+        else CHECK(r.out[0] == first);
+        CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
+    }
+    CHECK(sm.bad == 0);
+    loom_sched_destroy(&s);
+    free(sm.kv_tok);
+    free(sm.kv_pos);
+}
+
+static void test_admission_errors(void) {
+    loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 2,
+                               .max_model_len = 100, .n_micro = 1, .block_size = 4, .n_blocks = 20,
+                               .prefix_cache = 1};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    int32_t p[200] = {0};
+    loom_sampling_t sp = {0};
+    loom_seq_t *q;
+    loom_err_t err;
+    CHECK(loom_sched_add(s, 1, p, 0, 10, 0, &sp, NULL, &q, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(loom_sched_add(s, 1, p, 100, 1, 0, &sp, NULL, &q, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(loom_sched_add(s, 1, p, 60, 50, 0, &sp, NULL, &q, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECKF(strstr(err.msg, "60") && strstr(err.msg, "50") && strstr(err.msg, "100"), "message: %s", err.msg);
+    CHECK(loom_sched_add(s, 1, p, 50, 40, 0, &sp, NULL, &q, &err) == LOOM_ERR_INVALID_ARGUMENT); /* 23 blocks > 20 */
+    CHECK(loom_sched_add(s, 1, p, 10, 10, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    CHECK(loom_sched_add(s, 2, p, 10, 10, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    CHECK(loom_sched_add(s, 3, p, 10, 10, 0, &sp, NULL, &q, &err) == LOOM_ERR_RESOURCE_EXHAUSTED);
+    /* max_tokens 0 means "up to the context" */
+    loom_sched_destroy(&s);
+}
+
+static void test_priority_order(void) {
+    loom_sched_config_t cfg = {.max_num_seqs = 1, .max_batched_tokens = 64, .max_queue = 8,
+                               .max_model_len = 64, .n_micro = 1, .block_size = 4, .n_blocks = 64,
+                               .prefix_cache = 0};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    int32_t p[4] = {5, 6, 7, 8};
+    loom_sampling_t sp = {0};
+    loom_seq_t *a, *b, *c2;
+    loom_err_t err;
+    loom_sched_add(s, 1, p, 4, 2, 0, &sp, NULL, &a, &err);
+    loom_sched_add(s, 2, p, 4, 2, 5, &sp, NULL, &b, &err);
+    loom_sched_add(s, 3, p, 4, 2, 5, &sp, NULL, &c2, &err);
+    loom_microbatch_t *mb = loom_sched_schedule(s);
+    REQUIRE(mb && mb->n_seqs == 1);
+    CHECK(mb->seqs[0] == b); /* highest priority, then first come */
+    loom_sched_fail(s, mb);
+    loom_sched_finish(s, b);
+    mb = loom_sched_schedule(s);
+    REQUIRE(mb);
+    CHECK(mb->seqs[0] == c2);
+    loom_sched_finish(s, c2); /* finish while in flight: freed on completion */
+    int32_t ids[1] = {9};
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    mb = loom_sched_schedule(s);
+    REQUIRE(mb);
+    CHECK(mb->seqs[0] == a);
+    loom_sched_destroy(&s);
+}
+
+int main(void) {
+    RUN(test_ledger_basics);
+    RUN(test_admission_errors);
+    RUN(test_priority_order);
+    RUN(test_plenty_of_memory);
+    RUN(test_small_pool_preempts);
+    RUN(test_prefix_sharing);
+    RUN(test_pipeline_micro_batches);
+    RUN(test_full_prompt_hit_copy_on_write);
+    return test_summary();
+}
