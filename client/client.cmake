@@ -1,0 +1,14 @@
+# The C client library (loom_client) and the commands that use it
+# (loom_client_cmds: `loom generate`, `loom health`, `loom stats`, `loom bench`).
+# Included by client/CMakeLists.txt; the `loom` tool links loom_client_cmds.
+add_library(loom_client STATIC ${CMAKE_CURRENT_LIST_DIR}/loom_client.c)
+target_link_libraries(loom_client PUBLIC loom_proto Loom::ZeroMQ loom_base)
+
+add_library(loom_client_cmds STATIC ${CMAKE_CURRENT_LIST_DIR}/cmd_generate.c
+            ${CMAKE_CURRENT_LIST_DIR}/cmd_bench.c)
+target_link_libraries(loom_client_cmds PUBLIC loom_client m)
+
+# The serving load generator on its own (`loom_bench_serve ...` = `loom bench ...`).
+add_executable(loom_bench_serve ${CMAKE_CURRENT_LIST_DIR}/cmd_bench.c)
+target_compile_definitions(loom_bench_serve PRIVATE LOOM_BENCH_SERVE_MAIN)
+target_link_libraries(loom_bench_serve PRIVATE loom_client m)

@@ -1,0 +1,11 @@
+/* Subcommands of the `loom` command-line tool. Each returns the exit code. */
+#ifndef LOOM_COMMANDS_H
+#define LOOM_COMMANDS_H
+
+int loom_cmd_run(int argc, char **argv);      /* cmd_run.c: the model in this process */
+int loom_cmd_generate(int argc, char **argv); /* cmd_generate.c: a completion from a cluster */
+int loom_cmd_health(int argc, char **argv);
+int loom_cmd_stats(int argc, char **argv);
+int loom_cmd_bench(int argc, char **argv);    /* cmd_bench.c: the serving load generator */
+
+#endif

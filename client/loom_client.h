@@ -1,0 +1,121 @@
+/* Loom's C client: the gRPC-like API over ZeroMQ (proto/loom/v1/api.proto).
+ * One client = one DEALER connection. Requests are asynchronous underneath
+ * (many Generate streams can be in flight on one client); the blocking
+ * calls below are built on loom_client_submit + loom_client_poll.
+ * A client is not thread-safe: use one per thread. */
+#ifndef LOOM_CLIENT_H
+#define LOOM_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef struct loom_client loom_client_t;
+
+typedef struct loom_client_options {
+    int timeout_ms;      /* no reply for this long -> LOOM_ERR_UNAVAILABLE (default 30000) */
+    const char *api_key; /* sent with every request when set */
+    void *zmq_context;   /* share a context (needed for inproc:// addresses); NULL: own one */
+} loom_client_options_t;
+
+/* Connects to "tcp://host:port" (or ipc://, inproc:// with a shared context).
+ * Connecting does not wait for the server; the first call does. */
+loom_status_t loom_client_connect(const char *addr, const loom_client_options_t *opt,
+                                  loom_client_t **out, loom_err_t *err);
+void loom_client_close(loom_client_t **c_p); /* safe on NULL and twice */
+
+typedef struct loom_gen_params {
+    const char *prompt;         /* text, or NULL to send prompt_ids */
+    const int32_t *prompt_ids;
+    int n_prompt_ids;
+    int max_tokens;             /* 0: up to the context length */
+    float temperature;          /* 0: greedy */
+    float top_p;                /* 0 or 1: off */
+    int top_k;                  /* 0: off */
+    uint64_t seed;
+    int has_seed;
+    const char *const *stop;    /* stop strings (not emitted) */
+    int n_stop;
+    int ignore_eos;
+    int priority;
+    int keep_special;           /* keep special tokens in the text */
+    int raw_prompt;             /* prompt already formatted (chat template): parse special tokens, no BOS */
+    const char *model;          /* NULL: the served model */
+} loom_gen_params_t;
+
+typedef enum {
+    LOOM_FINISH_NONE = 0,
+    LOOM_FINISH_STOP = 1,
+    LOOM_FINISH_LENGTH = 2,
+    LOOM_FINISH_CANCELLED = 3,
+    LOOM_FINISH_ERROR = 4,
+} loom_finish_t;
+
+typedef struct loom_chunk {
+    uint64_t request_id;
+    const int32_t *ids; /* new token ids */
+    int n_ids;
+    const char *text;   /* new text, whole UTF-8 characters, NUL-terminated */
+    size_t text_len;
+    loom_finish_t finish;
+    int final;
+    /* usage, in the final chunk */
+    int prompt_tokens, completion_tokens, cached_tokens;
+    /* the stream's status in the final chunk (OK unless it failed) */
+    loom_status_t status;
+    const char *message;
+} loom_chunk_t;
+
+/* Called for each chunk; return nonzero to cancel the request (the call
+ * then returns LOOM_ERR_CANCELLED after the server confirms). */
+typedef int (*loom_chunk_fn)(void *ctx, const loom_chunk_t *chunk);
+
+/* Streams one completion; returns when the final chunk arrives. Errors carry
+ * the server's status and message (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+ * UNAVAILABLE, ...) or UNAVAILABLE when the server does not answer in time. */
+loom_status_t loom_client_generate(loom_client_t *c, const loom_gen_params_t *p, loom_chunk_fn cb,
+                                   void *ctx, loom_err_t *err);
+
+/* Asynchronous use: submit returns the request id at once; poll waits up to
+ * timeout_ms for the next chunk of any request on this client (returns
+ * LOOM_OK with *got = 1 and the chunk, or *got = 0 on timeout). The chunk's
+ * pointers are valid until the next poll. */
+loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, uint64_t *request_id,
+                                 loom_err_t *err);
+loom_status_t loom_client_poll(loom_client_t *c, int timeout_ms, loom_chunk_t *chunk, int *got,
+                               loom_err_t *err);
+/* Asks the server to cancel a request of this client; the stream then ends
+ * with a final chunk (finish CANCELLED). */
+loom_status_t loom_client_cancel(loom_client_t *c, uint64_t request_id, loom_err_t *err);
+
+typedef struct loom_health {
+    int ready;
+    char state[32];
+    int workers_ready, workers_expected;
+    char message[256];
+} loom_health_t;
+loom_status_t loom_client_health(loom_client_t *c, loom_health_t *h, loom_err_t *err);
+
+typedef struct loom_stats {
+    int running, waiting;
+    int kv_blocks_total, kv_blocks_used, kv_blocks_free, kv_block_size;
+    uint64_t kv_blocks_cached;
+    uint64_t prefix_cache_queries, prefix_cache_hits;
+    double prefix_cache_hit_rate;
+    double gen_tokens_per_s;
+    uint64_t requests_finished, requests_rejected, preemptions;
+    uint64_t prompt_tokens_total, gen_tokens_total, steps;
+    double step_ms_mean;
+} loom_stats_t;
+loom_status_t loom_client_stats(loom_client_t *c, loom_stats_t *s, loom_err_t *err);
+
+typedef struct loom_model_info {
+    char id[256];
+    int context_length, vocab_size, tp, pp;
+} loom_model_info_t;
+/* Fills up to max entries; *n gets the number of models served. */
+loom_status_t loom_client_list_models(loom_client_t *c, loom_model_info_t *models, int max, int *n,
+                                      loom_err_t *err);
+
+#endif

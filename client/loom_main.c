@@ -1,0 +1,37 @@
+/* The `loom` command-line tool: run a model locally, or talk to a cluster. */
+#include <stdio.h>
+#include <string.h>
+
+#include "client/commands.h"
+#include "common/log.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *help;
+} k_commands[] = {
+    {"run", loom_cmd_run, "load a model in this process and stream a completion"},
+    {"generate", loom_cmd_generate, "stream a completion from a running cluster"},
+    {"health", loom_cmd_health, "ask a cluster whether it is ready"},
+    {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics"},
+    {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)"},
+};
+
+static void usage(void) {
+    printf("usage: loom <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        printf("  %-10s %s\n", k_commands[i].name, k_commands[i].help);
+    printf("\nRun `loom <command> --help` for the options of each command.\n");
+}
+
+int main(int argc, char **argv) {
+    loom_log_init("loom");
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage();
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        if (!strcmp(argv[1], k_commands[i].name)) return k_commands[i].fn(argc, argv);
+    fprintf(stderr, "error: unknown command '%s' (see loom --help)\n", argv[1]);
+    return 2;
+}

@@ -1,0 +1,6 @@
+# The C client and the `loom generate|health|stats|bench` commands against a
+# fake coordinator (a ROUTER thread speaking loom.v1) on loopback.
+if(TARGET loom_client_cmds)
+  loom_add_test(test_client SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_client.c
+                LIBS loom_client_cmds loom_client LABELS unit TIMEOUT 120)
+endif()
