@@ -1,0 +1,213 @@
+/* Prometheus metrics: fixed-bucket histograms, gauges, counters (metrics.h). */
+#include "coordinator/metrics.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+
+#define MAX_BUCKETS 20
+
+typedef struct hist {
+    const char *name, *help;
+    int n;
+    const double *bounds;
+    uint64_t counts[MAX_BUCKETS]; /* per bucket (not cumulative); the last is +Inf */
+    double sum;
+    uint64_t count;
+} hist_t;
+
+static const double k_latency[] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
+                                   0.5,   0.75,   1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0};
+static const double k_tpot[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+                                0.05,   0.075, 0.1,    0.15,  0.2,  0.3,   0.4,  0.5,   1.0};
+
+enum { H_TTFT, H_TPOT, H_E2E, H_QUEUE, H_STEP, H_COUNT };
+
+typedef struct stage {
+    double busy_s, comm_s;
+    uint64_t steps;
+} stage_t;
+
+struct loom_metrics {
+    pthread_mutex_t mu;
+    char model[256];
+    hist_t h[H_COUNT];
+    uint64_t finished[LOOM_FINISHED_COUNT];
+    loom_metrics_state_t st;
+    stage_t *stages;
+    int n_stages;
+};
+
+static void hist_init(hist_t *h, const char *name, const char *help, const double *bounds, int n) {
+    memset(h, 0, sizeof *h);
+    h->name = name;
+    h->help = help;
+    h->bounds = bounds;
+    h->n = n;
+}
+
+static void hist_observe(hist_t *h, double v) {
+    int i = 0;
+    while (i < h->n && v > h->bounds[i]) i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->count++;
+}
+
+loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages) {
+    loom_metrics_t *m = loom_xcalloc(1, sizeof *m);
+    pthread_mutex_init(&m->mu, NULL);
+    /* label values escape backslash, quote and newline */
+    size_t o = 0;
+    for (const char *p = model_name; *p && o + 2 < sizeof m->model; p++) {
+        if (*p == '\\' || *p == '"') m->model[o++] = '\\';
+        if (*p == '\n') {
+            m->model[o++] = '\\';
+            m->model[o++] = 'n';
+            continue;
+        }
+        m->model[o++] = *p;
+    }
+    int nl = (int)LOOM_ARRAY_LEN(k_latency), nt = (int)LOOM_ARRAY_LEN(k_tpot);
+    hist_init(&m->h[H_TTFT], "loom_time_to_first_token_seconds", "Time from arrival to the first token.", k_latency, nl);
+    hist_init(&m->h[H_TPOT], "loom_time_per_output_token_seconds", "Mean time per output token after the first.", k_tpot, nt);
+    hist_init(&m->h[H_E2E], "loom_e2e_request_latency_seconds", "Time from arrival to the last token.", k_latency, nl);
+    hist_init(&m->h[H_QUEUE], "loom_request_queue_time_seconds", "Time from arrival to the first scheduling.", k_latency, nl);
+    hist_init(&m->h[H_STEP], "loom_step_seconds", "Micro-batch round trip, plan sent to result received.", k_tpot, nt);
+    m->n_stages = n_stages;
+    m->stages = loom_xcalloc((size_t)(n_stages > 0 ? n_stages : 1), sizeof *m->stages);
+    return m;
+}
+
+void loom_metrics_destroy(loom_metrics_t **m_p) {
+    if (!m_p || !*m_p) return;
+    loom_metrics_t *m = *m_p;
+    *m_p = NULL;
+    pthread_mutex_destroy(&m->mu);
+    free(m->stages);
+    free(m);
+}
+
+void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, double queue_s, double ttft_s,
+                               double tpot_s, double e2e_s) {
+    pthread_mutex_lock(&m->mu);
+    if ((unsigned)how < LOOM_FINISHED_COUNT) m->finished[how]++;
+    if (queue_s >= 0) hist_observe(&m->h[H_QUEUE], queue_s);
+    if (ttft_s >= 0) hist_observe(&m->h[H_TTFT], ttft_s);
+    if (tpot_s >= 0) hist_observe(&m->h[H_TPOT], tpot_s);
+    if (e2e_s >= 0) hist_observe(&m->h[H_E2E], e2e_s);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void loom_metrics_observe_step(loom_metrics_t *m, double step_s) {
+    pthread_mutex_lock(&m->mu);
+    hist_observe(&m->h[H_STEP], step_s);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st) {
+    pthread_mutex_lock(&m->mu);
+    m->st = *st;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s, uint64_t steps) {
+    if (stage < 0 || stage >= m->n_stages) return;
+    pthread_mutex_lock(&m->mu);
+    m->stages[stage] = (stage_t){busy_s, comm_s, steps};
+    pthread_mutex_unlock(&m->mu);
+}
+
+typedef struct out {
+    char *buf;
+    size_t len, cap;
+} out_t;
+
+static void put(out_t *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(out_t *o, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(o->buf + o->len, o->cap - o->len, fmt, ap);
+        va_end(ap);
+        if (n >= 0 && (size_t)n < o->cap - o->len) {
+            o->len += (size_t)n;
+            return;
+        }
+        o->cap = o->cap * 2 + (size_t)(n > 0 ? n : 0);
+        o->buf = loom_xrealloc(o->buf, o->cap);
+    }
+}
+
+static void family(out_t *o, const char *name, const char *type, const char *help) {
+    put(o, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void render_hist(out_t *o, const loom_metrics_t *m, const hist_t *h) {
+    family(o, h->name, "histogram", h->help);
+    uint64_t cum = 0;
+    for (int i = 0; i < h->n; i++) {
+        cum += h->counts[i];
+        put(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", h->name, m->model, h->bounds[i], (unsigned long long)cum);
+    }
+    cum += h->counts[h->n];
+    put(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", h->name, m->model, (unsigned long long)cum);
+    put(o, "%s_sum{model_name=\"%s\"} %.9g\n", h->name, m->model, h->sum);
+    put(o, "%s_count{model_name=\"%s\"} %llu\n", h->name, m->model, (unsigned long long)h->count);
+}
+
+static void gauge(out_t *o, const loom_metrics_t *m, const char *name, const char *help, double v) {
+    family(o, name, "gauge", help);
+    put(o, "%s{model_name=\"%s\"} %.9g\n", name, m->model, v);
+}
+
+static void counter(out_t *o, const loom_metrics_t *m, const char *name, const char *help, uint64_t v) {
+    family(o, name, "counter", help);
+    put(o, "%s{model_name=\"%s\"} %llu\n", name, m->model, (unsigned long long)v);
+}
+
+char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
+    out_t o = {.cap = 8192};
+    o.buf = loom_xmalloc(o.cap);
+    pthread_mutex_lock(&m->mu);
+    const loom_metrics_state_t *st = &m->st;
+    for (int i = 0; i < H_COUNT; i++) render_hist(&o, m, &m->h[i]);
+    gauge(&o, m, "loom_num_requests_running", "Requests in the running batch.", st->running);
+    gauge(&o, m, "loom_num_requests_waiting", "Requests waiting to be scheduled.", st->waiting);
+    gauge(&o, m, "loom_kv_cache_usage_ratio", "Fraction of KV cache blocks held by sequences.",
+          st->kv_blocks_total ? (double)st->kv_blocks_used / st->kv_blocks_total : 0.0);
+    family(&o, "loom_kv_cache_blocks", "gauge", "KV cache blocks by state (used, cached = free but holding a prefix, free).");
+    int free_blocks = st->kv_blocks_total - st->kv_blocks_used;
+    put(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"used\"} %d\n", m->model, st->kv_blocks_used);
+    put(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"cached\"} %d\n", m->model, st->kv_blocks_cached);
+    put(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"free\"} %d\n", m->model, free_blocks - st->kv_blocks_cached);
+    gauge(&o, m, "loom_grid_ready", "1 when every worker of the grid is serving.", st->grid_ready);
+    counter(&o, m, "loom_prompt_tokens_total", "Prompt tokens admitted.", st->prompt_tokens);
+    counter(&o, m, "loom_generation_tokens_total", "Tokens generated.", st->generation_tokens);
+    counter(&o, m, "loom_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.", st->prefix_cache_queries);
+    counter(&o, m, "loom_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.", st->prefix_cache_hits);
+    counter(&o, m, "loom_num_preemptions_total", "Sequences preempted (KV dropped, recomputed later).", st->preemptions);
+    counter(&o, m, "loom_requests_rejected_total", "Requests refused before scheduling.", st->requests_rejected);
+    static const char *reasons[] = {"stop", "length", "cancelled", "error"};
+    family(&o, "loom_request_success_total", "counter", "Finished requests by finish reason.");
+    for (int i = 0; i < LOOM_FINISHED_COUNT; i++)
+        put(&o, "loom_request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n", m->model, reasons[i],
+            (unsigned long long)m->finished[i]);
+    family(&o, "loom_stage_step_seconds", "gauge", "Mean compute time per step of each pipeline stage.");
+    for (int s = 0; s < m->n_stages; s++)
+        put(&o, "loom_stage_step_seconds{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s,
+            m->stages[s].steps ? m->stages[s].busy_s / (double)m->stages[s].steps : 0.0);
+    family(&o, "loom_stage_busy_seconds_total", "counter", "Seconds each pipeline stage spent executing steps (summed over its workers).");
+    for (int s = 0; s < m->n_stages; s++)
+        put(&o, "loom_stage_busy_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].busy_s);
+    family(&o, "loom_stage_comm_seconds_total", "counter", "Seconds each pipeline stage spent in the data plane (summed over its workers).");
+    for (int s = 0; s < m->n_stages; s++)
+        put(&o, "loom_stage_comm_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].comm_s);
+    pthread_mutex_unlock(&m->mu);
+    *len = o.len;
+    return o.buf;
+}

@@ -1,0 +1,46 @@
+/* Serving metrics in Prometheus form: latency histograms, gauges and
+ * counters. The reactor records events; the HTTP thread renders the text
+ * exposition format. Every call takes the metrics' mutex (cheap: a few
+ * events per token). */
+#ifndef LOOM_METRICS_H
+#define LOOM_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    LOOM_FINISHED_STOP = 0,
+    LOOM_FINISHED_LENGTH,
+    LOOM_FINISHED_CANCELLED,
+    LOOM_FINISHED_ERROR,
+    LOOM_FINISHED_COUNT
+} loom_finished_t;
+
+typedef struct loom_metrics loom_metrics_t;
+
+loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages);
+void loom_metrics_destroy(loom_metrics_t **m_p);
+
+/* A request ended. Times in seconds; tpot < 0 when fewer than two tokens. */
+void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, double queue_s, double ttft_s,
+                               double tpot_s, double e2e_s);
+void loom_metrics_observe_step(loom_metrics_t *m, double step_s);
+
+typedef struct loom_metrics_state {
+    int running, waiting;
+    int kv_blocks_total, kv_blocks_used, kv_blocks_cached;
+    uint64_t prompt_tokens, generation_tokens;
+    uint64_t prefix_cache_queries, prefix_cache_hits;
+    uint64_t preemptions, requests_rejected;
+    int grid_ready;
+} loom_metrics_state_t;
+/* Gauges and counters the reactor owns, copied in once per loop turn. */
+void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st);
+/* Per pipeline stage: seconds busy and in the data plane, steps run (summed
+ * over the stage's workers, from their heartbeats). */
+void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s, uint64_t steps);
+
+/* The Prometheus text exposition (version 0.0.4); malloc'ed, *len bytes. */
+char *loom_metrics_render(loom_metrics_t *m, size_t *len);
+
+#endif

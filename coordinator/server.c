@@ -1,0 +1,1212 @@
+/* The coordinator's reactor (see server.h).
+ *
+ * Grid lifecycle (state):
+ *   WAITING   slots not all filled; workers register into free slots
+ *   LOADING   every slot filled; Assign sent (epoch e); waiting for Loaded
+ *   JOINING   KV pool sized (smallest worker decides); KvConfig sent; waiting for Ready
+ *   READY     serving: the step loop runs, requests are admitted
+ * A lost worker (missed heartbeats) or a failed step aborts epoch e: workers
+ * are told to stop waiting on the data plane, requests in flight end with
+ * UNAVAILABLE, the slot (if lost) is freed, and the grid goes back to
+ * WAITING or LOADING with epoch e+1. Workers keep their weights when the new
+ * Assign gives them the same shard.
+ *
+ * Requests: Generate is tokenized here and queued in the scheduler; each
+ * sampled token is detokenized, checked against EOS/stop strings/max_tokens
+ * and streamed back as one chunk. A client whose connection is gone (ROUTER
+ * reports it unreachable) has its request cancelled. */
+#include "coordinator/server.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/model_config.h"
+#include "common/tokenizer.h"
+#include "common/util.h"
+#include "common/shard.h"
+#include "coordinator/metrics.h"
+#include "coordinator/sched.h"
+#include "proto/wire.h"
+
+#define MAX_STOP 8
+#define MAX_STOP_LEN 256
+#define RATE_WINDOW 8 /* seconds of tokens/s history */
+
+typedef enum { GRID_WAITING, GRID_LOADING, GRID_JOINING, GRID_READY } grid_state_t;
+static const char *grid_state_name[] = {"waiting_for_workers", "loading", "joining", "ready"};
+
+typedef struct worker_slot {
+    int used;
+    char id[128], host[128], host_id[64], device[32], data_addr[128];
+    uint32_t pid;
+    uint64_t last_seen_ns;
+    int loaded, ready;
+    uint64_t kv_block_bytes, kv_budget, weight_bytes, bytes_read;
+    uint8_t nccl_tp_id[128], nccl_next_id[128]; /* group ids this worker made (nccl) */
+    size_t nccl_tp_len, nccl_next_len;
+    double busy_s, comm_s;
+    uint64_t steps;
+} worker_slot_t;
+
+typedef struct request {
+    uint8_t rid[256]; /* client routing id */
+    size_t rid_len;
+    uint64_t request_id;
+    loom_seq_t *seq;
+    loom_detok_t detok;
+    char *stop[MAX_STOP];
+    int n_stop, max_stop_len;
+    char *pending; /* text held back while it may begin a stop string */
+    size_t n_pending, cap_pending;
+    int ignore_eos, max_tokens, prompt_tokens, completion_tokens;
+    uint64_t t_arrival;
+    struct request *prev, *next;
+} request_t;
+
+typedef struct inflight {
+    loom_microbatch_t *mb;
+    uint64_t step_id, t_sent;
+} inflight_t;
+
+struct loom_server {
+    loom_server_config_t cfg;
+    char model_name[256];
+    loom_model_config_t mcfg;
+    loom_tokenizer_t *tok;
+    int max_model_len;
+
+    void *zctx, *api, *ctl;
+    char api_addr[256], ctl_addr[256], inproc_addr[64];
+    volatile int stop;
+
+    worker_slot_t *slots;
+    int n_slots;
+    grid_state_t state;
+    uint64_t epoch, run_id;
+    int n_blocks;
+    char last_failure[512];
+
+    loom_sched_t *sched;
+    loom_metrics_t *metrics;
+    inflight_t *inflight; /* FIFO, n_micro entries */
+    int n_inflight;
+    request_t *reqs; /* doubly linked list of live requests */
+    int n_reqs;
+    size_t max_piece;
+    char *text_buf;
+    uint64_t seed_state;
+
+    /* step plan scratch */
+    Loom__V1__SampleParams *sp;
+    Loom__V1__SampleParams **sp_ptrs;
+
+    /* counters */
+    uint64_t steps, requests_finished, requests_rejected, prompt_tokens_total, gen_tokens_total;
+    uint64_t prefix_queries_base, prefix_hits_base, preemptions_base; /* from schedulers of earlier epochs */
+    double step_s_total;
+    uint64_t rate_tokens[RATE_WINDOW];
+    uint64_t rate_second;
+    uint64_t last_hb_sent, last_check;
+};
+
+/* ---- small helpers ---------------------------------------------------------- */
+
+static void *zsock(loom_server_t *s, int type) {
+    void *z = zmq_socket(s->zctx, type);
+    int zero = 0;
+    int64_t maxmsg = LOOM_MAX_MSG_BYTES;
+    zmq_setsockopt(z, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(z, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    return z;
+}
+
+static uint64_t next_seed(loom_server_t *s) {
+    uint64_t x = (s->seed_state += 0x9e3779b97f4a7c15ull);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static void send_to_worker(loom_server_t *s, const worker_slot_t *w, const void *buf, size_t len) {
+    zmq_send(s->ctl, w->id, strlen(w->id), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(s->ctl, buf, len, ZMQ_DONTWAIT);
+}
+
+static void send_ctl(loom_server_t *s, const worker_slot_t *w, Loom__V1__ControlMsg *m) {
+    size_t len;
+    void *buf = loom_wire_pack_control(m, &len);
+    send_to_worker(s, w, buf, len);
+    free(buf);
+}
+
+static void send_ctl_to_id(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__ControlMsg *m) {
+    size_t len;
+    void *buf = loom_wire_pack_control(m, &len);
+    zmq_send(s->ctl, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(s->ctl, buf, len, ZMQ_DONTWAIT);
+    free(buf);
+}
+
+static void refuse_worker(loom_server_t *s, const void *rid, size_t rid_len, loom_status_t code, const char *msg) {
+    Loom__V1__Error e = LOOM__V1__ERROR__INIT;
+    e.code = code;
+    e.message = (char *)msg;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_ERROR;
+    m.error = &e;
+    send_ctl_to_id(s, rid, rid_len, &m);
+}
+
+/* Sends one Reply to a client; returns -1 when the client is gone (the
+ * ROUTER knows no such peer any more). */
+static int send_reply(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Reply *r) {
+    size_t len;
+    void *buf = loom_wire_pack_reply(r, &len);
+    int rc = zmq_send(s->api, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    int gone = rc < 0 && errno == EHOSTUNREACH;
+    if (rc >= 0) rc = zmq_send(s->api, buf, len, ZMQ_DONTWAIT);
+    if (rc < 0 && !gone) LOOM_WARN("could not send a reply: %s", zmq_strerror(errno));
+    free(buf);
+    return gone ? -1 : 0;
+}
+
+static int reply_error(loom_server_t *s, const void *rid, size_t rid_len, uint64_t request_id,
+                       loom_status_t code, const char *msg) {
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = request_id;
+    r.code = loom_wire_status_code(code);
+    r.message = (char *)msg;
+    /* a Generate stream ends with a final chunk even on error */
+    Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+    ch.final = 1;
+    ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_ERROR;
+    r.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+    r.chunk = &ch;
+    return send_reply(s, rid, rid_len, &r);
+}
+
+/* ---- requests ------------------------------------------------------------------- */
+
+static void req_unlink(loom_server_t *s, request_t *q) {
+    if (q->prev) q->prev->next = q->next;
+    else s->reqs = q->next;
+    if (q->next) q->next->prev = q->prev;
+    s->n_reqs--;
+}
+
+static void req_free(request_t *q) {
+    for (int i = 0; i < q->n_stop; i++) free(q->stop[i]);
+    free(q->pending);
+    free(q);
+}
+
+static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishReason finish) {
+    loom_finished_t how = finish == LOOM__V1__FINISH_REASON__FINISH_STOP     ? LOOM_FINISHED_STOP
+                          : finish == LOOM__V1__FINISH_REASON__FINISH_LENGTH ? LOOM_FINISHED_LENGTH
+                          : finish == LOOM__V1__FINISH_REASON__FINISH_CANCELLED ? LOOM_FINISHED_CANCELLED
+                                                                                : LOOM_FINISHED_ERROR;
+    double now = (double)loom_now_ns(), t0 = (double)q->t_arrival;
+    double queue = -1, ttft = -1, tpot = -1, e2e = (now - t0) * 1e-9;
+    if (q->seq && q->seq->t_admitted_ns) queue = ((double)q->seq->t_admitted_ns - t0) * 1e-9;
+    if (q->seq && q->seq->t_first_token_ns) {
+        ttft = ((double)q->seq->t_first_token_ns - t0) * 1e-9;
+        if (q->completion_tokens > 1) tpot = (e2e - ttft) / (q->completion_tokens - 1);
+    }
+    loom_metrics_request_done(s->metrics, how, queue, ttft, tpot, e2e);
+}
+
+/* Sends a chunk; finish != NONE makes it the final one and ends the request.
+ * Returns 1 when the request ended (it is freed: do not touch it again),
+ * which also happens when its client is gone. */
+static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_ids, const char *text,
+                     size_t text_len, Loom__V1__FinishReason finish, loom_status_t code, const char *msg) {
+    Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+    ch.ids = (int32_t *)ids;
+    ch.n_ids = (size_t)n_ids;
+    char *t = s->text_buf;
+    if (text_len) {
+        t = text_len < s->max_piece * 4 + 4096 ? s->text_buf : loom_xmalloc(text_len + 1);
+        memcpy(t, text, text_len);
+    }
+    t[text_len] = '\0';
+    ch.text = t;
+    ch.finish_reason = finish;
+    Loom__V1__Usage usage = LOOM__V1__USAGE__INIT;
+    int final = finish != LOOM__V1__FINISH_REASON__FINISH_NONE;
+    if (final) {
+        ch.final = 1;
+        usage.prompt_tokens = (uint32_t)q->prompt_tokens;
+        usage.completion_tokens = (uint32_t)q->completion_tokens;
+        usage.cached_tokens = q->seq ? (uint32_t)q->seq->cached_tokens : 0;
+        ch.usage = &usage;
+    }
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = q->request_id;
+    r.code = loom_wire_status_code(code);
+    r.message = (char *)(msg ? msg : "");
+    r.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+    r.chunk = &ch;
+    int gone = send_reply(s, q->rid, q->rid_len, &r) < 0;
+    if (t != s->text_buf) free(t);
+    if (gone && !final) {
+        LOOM_INFO("request %llu: the client went away; cancelling", (unsigned long long)q->request_id);
+        final = 1;
+    }
+    if (final) {
+        if (code == LOOM_OK) s->requests_finished++;
+        record_done(s, q, gone ? LOOM__V1__FINISH_REASON__FINISH_CANCELLED : finish);
+        if (q->seq) loom_sched_finish(s->sched, q->seq);
+        q->seq = NULL;
+        req_unlink(s, q);
+        req_free(q);
+    }
+    return final;
+}
+
+static void pending_append(request_t *q, const char *t, size_t n) {
+    if (q->n_pending + n + 1 > q->cap_pending) {
+        q->cap_pending = (q->n_pending + n + 1) * 2;
+        q->pending = loom_xrealloc(q->pending, q->cap_pending);
+    }
+    memcpy(q->pending + q->n_pending, t, n);
+    q->n_pending += n;
+    q->pending[q->n_pending] = '\0';
+}
+
+/* Bytes of pending text that cannot be the start of a stop string. */
+static size_t safe_prefix(const request_t *q) {
+    if (q->n_stop == 0) return q->n_pending;
+    size_t keep = 0; /* longest pending suffix that is a proper prefix of some stop string */
+    for (int i = 0; i < q->n_stop; i++) {
+        size_t ls = strlen(q->stop[i]);
+        for (size_t k = LOOM_MIN(ls - 1, q->n_pending); k > keep; k--)
+            if (!memcmp(q->pending + q->n_pending - k, q->stop[i], k)) {
+                keep = k;
+                break;
+            }
+    }
+    size_t n = q->n_pending - keep;
+    while (n > 0 && n < q->n_pending && ((unsigned char)q->pending[n] & 0xc0) == 0x80) n--; /* whole characters */
+    return n;
+}
+
+static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
+    loom_server_t *s = ctx;
+    request_t *q = seq->user;
+    q->completion_tokens++;
+    s->gen_tokens_total++;
+    uint64_t sec = loom_now_ns() / 1000000000ull;
+    if (sec != s->rate_second) {
+        for (uint64_t t = s->rate_second + 1; t <= sec && t <= s->rate_second + RATE_WINDOW; t++)
+            s->rate_tokens[t % RATE_WINDOW] = 0;
+        s->rate_second = sec;
+    }
+    s->rate_tokens[sec % RATE_WINDOW]++;
+
+    if (!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) {
+        size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
+        pending_append(q, s->text_buf, n);
+        req_emit(s, q, NULL, 0, q->pending, q->n_pending, LOOM__V1__FINISH_REASON__FINISH_STOP, LOOM_OK, NULL);
+        return;
+    }
+    size_t n = loom_detok_push(&q->detok, id, s->text_buf, s->max_piece * 4 + 4096);
+    pending_append(q, s->text_buf, n);
+    int at_length = q->completion_tokens >= q->max_tokens;
+    if (at_length) {
+        n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
+        pending_append(q, s->text_buf, n);
+    }
+    /* a stop string ends the text before it */
+    for (int i = 0; i < q->n_stop; i++) {
+        char *hit = strstr(q->pending, q->stop[i]);
+        if (hit) {
+            req_emit(s, q, &id, 1, q->pending, (size_t)(hit - q->pending), LOOM__V1__FINISH_REASON__FINISH_STOP,
+                     LOOM_OK, NULL);
+            return;
+        }
+    }
+    if (at_length) {
+        req_emit(s, q, &id, 1, q->pending, q->n_pending, LOOM__V1__FINISH_REASON__FINISH_LENGTH, LOOM_OK, NULL);
+        return;
+    }
+    size_t emit = safe_prefix(q);
+    if (req_emit(s, q, &id, 1, q->pending, emit, LOOM__V1__FINISH_REASON__FINISH_NONE, LOOM_OK, NULL))
+        return; /* the client is gone and the request with it */
+    memmove(q->pending, q->pending + emit, q->n_pending - emit + 1);
+    q->n_pending -= emit;
+}
+
+/* Ends every live request with an error (the grid failed or is going away). */
+static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *msg) {
+    while (s->reqs) {
+        request_t *q = s->reqs;
+        req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, code, msg);
+    }
+}
+
+/* ---- grid ------------------------------------------------------------------------- */
+
+static int count_used(const loom_server_t *s) {
+    int n = 0;
+    for (int i = 0; i < s->n_slots; i++) n += s->slots[i].used;
+    return n;
+}
+
+static int count_ready(const loom_server_t *s) {
+    int n = 0;
+    for (int i = 0; i < s->n_slots; i++) n += s->slots[i].used && s->slots[i].ready;
+    return n;
+}
+
+static void fill_peer(Loom__V1__CommPeer *p, const worker_slot_t *w) {
+    loom__v1__comm_peer__init(p);
+    p->worker_id = (char *)w->id;
+    p->data_addr = (char *)w->data_addr;
+}
+
+/* Every slot is filled: plan the grid and send each worker its Assign. */
+static void start_epoch(loom_server_t *s) {
+    s->epoch++;
+    int tp = s->cfg.tp, pp = s->cfg.pp;
+    int same_host = 1;
+    for (int i = 1; i < s->n_slots; i++)
+        if (strcmp(s->slots[i].host_id, s->slots[0].host_id) != 0 || !s->slots[i].host_id[0]) same_host = 0;
+    int all_gpu = 1;
+    for (int i = 0; i < s->n_slots; i++) all_gpu &= !strncmp(s->slots[i].device, "cuda", 4);
+    const char *backend = strcmp(s->cfg.comm, "auto") ? s->cfg.comm : all_gpu ? "nccl" : same_host ? "shm" : "tcp";
+    char name[128];
+    snprintf(name, sizeof name, "loom-%d-%llx-e%llu", (int)getpid(), (unsigned long long)s->run_id,
+             (unsigned long long)s->epoch);
+    LOOM_INFO("plan (epoch %llu): %d pipeline stage(s) x %d tensor-parallel rank(s), data plane %s",
+              (unsigned long long)s->epoch, pp, tp, backend);
+    Loom__V1__CommPeer *peers = loom_xcalloc((size_t)s->n_slots, sizeof *peers);
+    Loom__V1__CommPeer **tp_ptrs = loom_xcalloc((size_t)tp, sizeof *tp_ptrs);
+    for (int i = 0; i < s->n_slots; i++) fill_peer(&peers[i], &s->slots[i]);
+    for (int st = 0; st < pp; st++) {
+        int lb, ln;
+        loom_split_range(s->mcfg.n_layers, pp, st, &lb, &ln);
+        for (int r = 0; r < tp; r++) {
+            worker_slot_t *w = &s->slots[st * tp + r];
+            int same = 0; /* workers of this host share its memory */
+            for (int j = 0; j < s->n_slots; j++) same += !strcmp(s->slots[j].host_id, w->host_id);
+            LOOM_INFO("  stage %d layers [%d, %d) tp rank %d -> worker %s (%s, %s, pid %u)", st, lb, lb + ln, r, w->id,
+                      w->host, w->device, w->pid);
+            for (int k = 0; k < tp; k++) tp_ptrs[k] = &peers[st * tp + k];
+            Loom__V1__CommSetup cs = LOOM__V1__COMM_SETUP__INIT;
+            cs.backend = (char *)backend;
+            cs.name = name;
+            cs.tp_group = tp_ptrs;
+            cs.n_tp_group = (size_t)tp;
+            cs.prev = st > 0 ? &peers[(st - 1) * tp + r] : NULL;
+            cs.next = st + 1 < pp ? &peers[(st + 1) * tp + r] : NULL;
+            Loom__V1__Assign a = LOOM__V1__ASSIGN__INIT;
+            a.model_dir = (char *)s->cfg.model_dir;
+            a.stage = (uint32_t)st;
+            a.n_stages = (uint32_t)pp;
+            a.tp_rank = (uint32_t)r;
+            a.tp_size = (uint32_t)tp;
+            a.layer_begin = (uint32_t)lb;
+            a.layer_end = (uint32_t)(lb + ln);
+            a.comm = &cs;
+            a.max_tokens = (uint32_t)s->cfg.max_batched_tokens;
+            a.max_seqs = (uint32_t)s->cfg.max_num_seqs;
+            a.block_size = (uint32_t)s->cfg.block_size;
+            a.weight_dtype = (char *)s->cfg.weight_dtype;
+            a.epoch = s->epoch;
+            a.kv_memory = s->cfg.kv_memory;
+            a.kv_fraction = s->cfg.kv_fraction / (float)(same > 0 ? same : 1);
+            Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+            m.body_case = LOOM__V1__CONTROL_MSG__BODY_ASSIGN;
+            m.assign = &a;
+            w->loaded = w->ready = 0;
+            send_ctl(s, w, &m);
+        }
+    }
+    free(peers);
+    free(tp_ptrs);
+    s->state = GRID_LOADING;
+}
+
+/* Aborts the current epoch: in-flight work fails, requests end with UNAVAILABLE. */
+static void fail_grid(loom_server_t *s, const char *why) {
+    snprintf(s->last_failure, sizeof s->last_failure, "%s", why);
+    LOOM_ERROR("grid failure (epoch %llu): %s", (unsigned long long)s->epoch, why);
+    Loom__V1__Abort ab = LOOM__V1__ABORT__INIT;
+    ab.epoch = s->epoch;
+    ab.reason = (char *)why;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_ABORT;
+    m.abort = &ab;
+    for (int i = 0; i < s->n_slots; i++)
+        if (s->slots[i].used) send_ctl(s, &s->slots[i], &m);
+    if (s->sched) {
+        for (int i = 0; i < s->n_inflight; i++) loom_sched_fail(s->sched, s->inflight[i].mb);
+        s->n_inflight = 0;
+        char msg[700];
+        snprintf(msg, sizeof msg, "the serving grid failed: %s", why);
+        fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
+        loom_sched_stats_t ss;
+        loom_sched_get_stats(s->sched, &ss);
+        s->prefix_queries_base += ss.prefix_queries;
+        s->prefix_hits_base += ss.prefix_hits;
+        s->preemptions_base += ss.preemptions;
+        loom_sched_destroy(&s->sched);
+    }
+    for (int i = 0; i < s->n_slots; i++) s->slots[i].loaded = s->slots[i].ready = 0;
+    if (count_used(s) == s->n_slots) start_epoch(s); /* rebuild with the same workers */
+    else s->state = GRID_WAITING;
+}
+
+static void lose_worker(loom_server_t *s, int i, const char *why) {
+    worker_slot_t *w = &s->slots[i];
+    char msg[512];
+    snprintf(msg, sizeof msg, "worker %s (stage %d, tp rank %d, pid %u) %s", w->id, i / s->cfg.tp, i % s->cfg.tp,
+             w->pid, why);
+    w->used = 0;
+    fail_grid(s, msg);
+    LOOM_INFO("waiting for a worker to take its place (%d of %d registered)", count_used(s), s->n_slots);
+}
+
+static void grid_ready(loom_server_t *s) {
+    loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
+                              .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len, .n_micro = s->cfg.pp,
+                              .block_size = s->cfg.block_size, .n_blocks = s->n_blocks,
+                              .prefix_cache = s->cfg.prefix_cache};
+    s->sched = loom_sched_create(&sc);
+    s->state = GRID_READY;
+    s->last_failure[0] = '\0';
+    LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
+              (unsigned long long)s->epoch, s->n_slots, s->n_blocks, s->cfg.block_size, s->model_name, s->api_addr);
+    if (s->cfg.ready_file) {
+        char tmp[1100];
+        snprintf(tmp, sizeof tmp, "%s.tmp", s->cfg.ready_file);
+        FILE *f = fopen(tmp, "w");
+        if (f) {
+            fprintf(f, "%s\n", s->api_addr);
+            fclose(f);
+            rename(tmp, s->cfg.ready_file);
+        }
+    }
+}
+
+static void all_loaded(loom_server_t *s) {
+    uint64_t nb = UINT64_MAX;
+    for (int i = 0; i < s->n_slots; i++) {
+        worker_slot_t *w = &s->slots[i];
+        uint64_t b = w->kv_block_bytes ? w->kv_budget / w->kv_block_bytes : UINT64_MAX;
+        if (b < nb) nb = b;
+    }
+    int per_seq = (s->max_model_len + s->cfg.block_size - 1) / s->cfg.block_size;
+    uint64_t cap = (uint64_t)s->cfg.max_num_seqs * (uint64_t)per_seq;
+    if (nb > cap) nb = cap; /* more could never be used */
+    if (s->cfg.num_kv_blocks > 0) nb = (uint64_t)s->cfg.num_kv_blocks;
+    if (nb > INT32_MAX / 1024) nb = INT32_MAX / 1024;
+    if (nb < 1) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "no memory left for the KV cache after the weights (raise --kv-fraction or "
+                                  "--kv-cache-memory)");
+        LOOM_ERROR("%s", msg);
+        snprintf(s->last_failure, sizeof s->last_failure, "%s", msg);
+        return;
+    }
+    s->n_blocks = (int)nb;
+    if (s->n_blocks < per_seq)
+        LOOM_WARN("the KV pool (%d blocks) holds %d tokens, less than the context length %d: longer requests "
+                  "will be refused",
+                  s->n_blocks, s->n_blocks * s->cfg.block_size, s->max_model_len);
+    LOOM_INFO("KV pool: %d blocks of %d tokens per worker (the smallest worker decides)", s->n_blocks,
+              s->cfg.block_size);
+    for (int i = 0; i < s->n_slots; i++) {
+        int st = i / s->cfg.tp, r = i % s->cfg.tp;
+        const worker_slot_t *lead = &s->slots[st * s->cfg.tp]; /* TP rank 0 made the group's id */
+        Loom__V1__KvConfig k = LOOM__V1__KV_CONFIG__INIT;
+        k.epoch = s->epoch;
+        k.n_blocks = (uint32_t)s->n_blocks;
+        k.nccl_tp_id = (ProtobufCBinaryData){lead->nccl_tp_len, (uint8_t *)lead->nccl_tp_id};
+        k.nccl_next_id = (ProtobufCBinaryData){s->slots[i].nccl_next_len, (uint8_t *)s->slots[i].nccl_next_id};
+        if (st > 0) {
+            const worker_slot_t *prev = &s->slots[(st - 1) * s->cfg.tp + r];
+            k.nccl_prev_id = (ProtobufCBinaryData){prev->nccl_next_len, (uint8_t *)prev->nccl_next_id};
+        }
+        Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+        m.body_case = LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG;
+        m.kv_config = &k;
+        send_ctl(s, &s->slots[i], &m);
+    }
+    s->state = GRID_JOINING;
+}
+
+/* ---- control messages ------------------------------------------------------------ */
+
+static int slot_of(const loom_server_t *s, const void *rid, size_t len) {
+    for (int i = 0; i < s->n_slots; i++)
+        if (s->slots[i].used && strlen(s->slots[i].id) == len && !memcmp(s->slots[i].id, rid, len)) return i;
+    return -1;
+}
+
+static void on_register(loom_server_t *s, const void *rid, size_t rid_len, const Loom__V1__Register *r) {
+    int i = slot_of(s, rid, rid_len);
+    if (i >= 0) { /* a known worker registering again (restarted, same id) */
+        lose_worker(s, i, "registered again");
+    }
+    if (!r->worker_id || strlen(r->worker_id) != rid_len || memcmp(r->worker_id, rid, rid_len) != 0 ||
+        rid_len >= sizeof s->slots[0].id || !r->data_addr || !r->data_addr[0]) {
+        refuse_worker(s, rid, rid_len, LOOM_ERR_INVALID_ARGUMENT,
+                      "registration refused: worker id must match the connection's routing id and a data "
+                      "address is required");
+        LOOM_WARN("refused a malformed registration");
+        return;
+    }
+    for (i = 0; i < s->n_slots && s->slots[i].used; i++) {}
+    if (i == s->n_slots) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "the grid is full (%d workers for tp %d x pp %d)", s->n_slots, s->cfg.tp, s->cfg.pp);
+        refuse_worker(s, rid, rid_len, LOOM_ERR_RESOURCE_EXHAUSTED, msg);
+        LOOM_WARN("refused worker %s: %s", r->worker_id, msg);
+        return;
+    }
+    worker_slot_t *w = &s->slots[i];
+    memset(w, 0, sizeof *w);
+    w->used = 1;
+    snprintf(w->id, sizeof w->id, "%s", r->worker_id);
+    snprintf(w->host, sizeof w->host, "%s", r->host ? r->host : "");
+    snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id ? r->host_id : "");
+    snprintf(w->device, sizeof w->device, "%s", r->device ? r->device : "");
+    snprintf(w->data_addr, sizeof w->data_addr, "%s", r->data_addr);
+    w->pid = r->pid;
+    w->last_seen_ns = loom_now_ns();
+    LOOM_INFO("worker %s registered (%s, %s, pid %u, data plane %s): %d of %d", w->id, w->host, w->device, w->pid,
+              w->data_addr, count_used(s), s->n_slots);
+    if (count_used(s) == s->n_slots && s->state == GRID_WAITING) start_epoch(s);
+}
+
+static void on_result(loom_server_t *s, int wi, const Loom__V1__StepResult *r) {
+    if (r->epoch != s->epoch || s->state != GRID_READY) return; /* a leftover of an aborted epoch */
+    if (r->code != LOOM_OK) {
+        char msg[700];
+        snprintf(msg, sizeof msg, "step %llu failed on worker %s: %s", (unsigned long long)r->step_id,
+                 s->slots[wi].id, r->message);
+        fail_grid(s, msg);
+        return;
+    }
+    if (s->n_inflight == 0 || s->inflight[0].step_id != r->step_id) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "worker %s returned step %llu out of order", s->slots[wi].id,
+                 (unsigned long long)r->step_id);
+        fail_grid(s, msg);
+        return;
+    }
+    inflight_t f = s->inflight[0];
+    memmove(s->inflight, s->inflight + 1, (size_t)(--s->n_inflight) * sizeof *s->inflight);
+    if (r->n_ids != (size_t)f.mb->n_logits) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "worker %s returned %zu ids for %d rows", s->slots[wi].id, r->n_ids, f.mb->n_logits);
+        loom_sched_fail(s->sched, f.mb);
+        fail_grid(s, msg);
+        return;
+    }
+    for (size_t i = 0; i < r->n_ids; i++)
+        if (r->ids[i] < 0 || r->ids[i] >= s->mcfg.vocab_size) {
+            loom_sched_fail(s->sched, f.mb);
+            fail_grid(s, "a worker returned a token id outside the vocabulary");
+            return;
+        }
+    s->steps++;
+    double step_s = (double)(loom_now_ns() - f.t_sent) * 1e-9;
+    s->step_s_total += step_s;
+    loom_metrics_observe_step(s->metrics, step_s);
+    loom_sched_complete(s->sched, f.mb, r->ids, on_token, s);
+}
+
+static void on_control(loom_server_t *s, const void *rid, size_t rid_len, const void *data, size_t len) {
+    loom_err_t err = {0};
+    Loom__V1__ControlMsg *m = loom_wire_unpack_control(data, len, &err);
+    if (!m) {
+        LOOM_WARN("refused a control message (%zu bytes): %s", len, err.msg);
+        refuse_worker(s, rid, rid_len, err.code, err.msg);
+        return;
+    }
+    int wi = slot_of(s, rid, rid_len);
+    if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_REGISTER) {
+        on_register(s, rid, rid_len, m->register_);
+        goto done;
+    }
+    if (wi < 0) {
+        refuse_worker(s, rid, rid_len, LOOM_ERR_NOT_FOUND, "unknown worker: register first");
+        goto done;
+    }
+    worker_slot_t *w = &s->slots[wi];
+    w->last_seen_ns = loom_now_ns();
+    switch (m->body_case) {
+    case LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT: {
+        w->busy_s = m->heartbeat->busy_s;
+        w->comm_s = m->heartbeat->comm_s;
+        w->steps = m->heartbeat->steps;
+        int stage = wi / s->cfg.tp;
+        double busy = 0, comm = 0;
+        uint64_t steps = 0;
+        for (int r = 0; r < s->cfg.tp; r++) {
+            const worker_slot_t *x = &s->slots[stage * s->cfg.tp + r];
+            busy += x->busy_s;
+            comm += x->comm_s;
+            steps += x->steps;
+        }
+        loom_metrics_set_stage(s->metrics, stage, busy, comm, steps);
+        break;
+    }
+    case LOOM__V1__CONTROL_MSG__BODY_LOADED:
+        if (m->loaded->epoch != s->epoch || s->state != GRID_LOADING) break;
+        w->loaded = 1;
+        w->kv_block_bytes = m->loaded->kv_block_bytes;
+        w->kv_budget = m->loaded->kv_budget;
+        w->weight_bytes = m->loaded->weight_bytes;
+        w->bytes_read = m->loaded->bytes_read;
+        w->nccl_tp_len = LOOM_MIN(m->loaded->nccl_tp_id.len, sizeof w->nccl_tp_id);
+        memcpy(w->nccl_tp_id, m->loaded->nccl_tp_id.data, w->nccl_tp_len);
+        w->nccl_next_len = LOOM_MIN(m->loaded->nccl_next_id.len, sizeof w->nccl_next_id);
+        memcpy(w->nccl_next_id, m->loaded->nccl_next_id.data, w->nccl_next_len);
+        LOOM_INFO("worker %s loaded its shard in %.2f s: %.1f MB of weights (%.1f MB read)", w->id,
+                  m->loaded->load_s, (double)w->weight_bytes / 1e6, (double)w->bytes_read / 1e6);
+        {
+            int all = 1;
+            for (int i = 0; i < s->n_slots; i++) all &= s->slots[i].loaded;
+            if (all) all_loaded(s);
+        }
+        break;
+    case LOOM__V1__CONTROL_MSG__BODY_READY:
+        if (m->ready->epoch != s->epoch || s->state != GRID_JOINING) break;
+        w->ready = 1;
+        if (count_ready(s) == s->n_slots) grid_ready(s);
+        break;
+    case LOOM__V1__CONTROL_MSG__BODY_RESULT: on_result(s, wi, m->result); break;
+    case LOOM__V1__CONTROL_MSG__BODY_ERROR: {
+        char msg[700];
+        snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
+        LOOM_ERROR("%s", msg);
+        snprintf(s->last_failure, sizeof s->last_failure, "%.500s", msg);
+        if (s->state == GRID_READY) fail_grid(s, msg);
+        break;
+    }
+    default:
+        LOOM_WARN("worker %s sent an unexpected message (%d); ignored", w->id, (int)m->body_case);
+        break;
+    }
+done:
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+}
+
+/* ---- client API ----------------------------------------------------------------------- */
+
+static int check_key(const loom_server_t *s, const Loom__V1__Request *rq) {
+    return !s->cfg.api_key || (rq->api_key && !strcmp(rq->api_key, s->cfg.api_key));
+}
+
+static void grid_not_ready_msg(const loom_server_t *s, char *out, size_t n) {
+    if (s->last_failure[0])
+        snprintf(out, n, "the grid is not ready (%s, %d of %d workers registered): last failure: %s",
+                 grid_state_name[s->state], count_used(s), s->n_slots, s->last_failure);
+    else
+        snprintf(out, n, "the grid is not ready (%s, %d of %d workers registered)", grid_state_name[s->state],
+                 count_used(s), s->n_slots);
+}
+
+static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__GenerateRequest *g = rq->generate;
+    char msg[600];
+    loom_err_t err = {0};
+    loom_status_t code = LOOM_ERR_INVALID_ARGUMENT;
+    int32_t *ids = NULL;
+    int n_ids = 0, cap = 0;
+    if (s->state != GRID_READY) {
+        grid_not_ready_msg(s, msg, sizeof msg);
+        code = LOOM_ERR_UNAVAILABLE;
+        goto refuse;
+    }
+    if (g->model && g->model[0] && strcmp(g->model, s->model_name) != 0) {
+        snprintf(msg, sizeof msg, "model '%s' is not served here; this server serves '%s'", g->model, s->model_name);
+        code = LOOM_ERR_NOT_FOUND;
+        goto refuse;
+    }
+    const Loom__V1__SamplingParams *sp = g->sampling;
+    float temp = sp ? sp->temperature : 1.0f, top_p = sp ? sp->top_p : 1.0f;
+    int top_k = sp ? sp->top_k : 0;
+    if (!(temp >= 0.0f && temp <= 100.0f)) {
+        snprintf(msg, sizeof msg, "temperature %g is outside [0, 100]", (double)temp);
+        goto refuse;
+    }
+    if (!(top_p >= 0.0f && top_p <= 1.0f)) {
+        snprintf(msg, sizeof msg, "top_p %g is outside [0, 1]", (double)top_p);
+        goto refuse;
+    }
+    if (top_k < 0) {
+        snprintf(msg, sizeof msg, "top_k %d is negative", top_k);
+        goto refuse;
+    }
+    if (g->n_stop > MAX_STOP) {
+        snprintf(msg, sizeof msg, "%zu stop strings; at most %d are allowed", g->n_stop, MAX_STOP);
+        goto refuse;
+    }
+    for (size_t i = 0; i < g->n_stop; i++) {
+        size_t l = strlen(g->stop[i]);
+        if (l == 0 || l > MAX_STOP_LEN) {
+            snprintf(msg, sizeof msg, "stop string %zu must be 1 to %d bytes long", i, MAX_STOP_LEN);
+            goto refuse;
+        }
+    }
+    if (g->max_tokens > (uint32_t)s->max_model_len) {
+        snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
+        goto refuse;
+    }
+    if (g->prompt && g->prompt[0]) {
+        int raw = g->raw_prompt; /* chat-templated: the template wrote BOS and special tokens itself */
+        if (loom_tokenizer_encode(s->tok, g->prompt, strlen(g->prompt), !raw, raw, &ids, &n_ids, &cap, &err) < 0) {
+            snprintf(msg, sizeof msg, "cannot tokenize the prompt: %s", err.msg);
+            goto refuse;
+        }
+    } else {
+        if (g->n_prompt_ids == 0) {
+            snprintf(msg, sizeof msg, "the request has neither a prompt nor prompt_ids");
+            goto refuse;
+        }
+        for (size_t i = 0; i < g->n_prompt_ids; i++)
+            if (g->prompt_ids[i] < 0 || g->prompt_ids[i] >= s->mcfg.vocab_size) {
+                snprintf(msg, sizeof msg, "prompt id %d at %zu is outside the vocabulary [0, %d)", g->prompt_ids[i], i,
+                         s->mcfg.vocab_size);
+                goto refuse;
+            }
+        n_ids = (int)g->n_prompt_ids;
+        ids = loom_xmalloc((size_t)n_ids * sizeof *ids);
+        memcpy(ids, g->prompt_ids, (size_t)n_ids * sizeof *ids);
+    }
+    request_t *q = loom_xcalloc(1, sizeof *q);
+    memcpy(q->rid, rid, rid_len);
+    q->rid_len = rid_len;
+    q->request_id = rq->request_id;
+    q->ignore_eos = g->ignore_eos;
+    q->prompt_tokens = n_ids;
+    q->t_arrival = loom_now_ns();
+    for (size_t i = 0; i < g->n_stop; i++) q->stop[q->n_stop++] = loom_xstrdup(g->stop[i]);
+    loom_detok_init(&q->detok, s->tok, !g->keep_special, 0);
+    loom_sampling_t samp = {.temperature = temp, .top_k = top_k, .top_p = top_p == 0.0f ? 1.0f : top_p,
+                            .seed = sp && sp->has_seed ? sp->seed : next_seed(s)};
+    loom_status_t st = loom_sched_add(s->sched, rq->request_id, ids, n_ids, (int)g->max_tokens, g->priority, &samp,
+                                      q, &q->seq, &err);
+    free(ids);
+    ids = NULL;
+    if (st < 0) {
+        req_free(q);
+        code = st;
+        snprintf(msg, sizeof msg, "%s", err.msg);
+        goto refuse;
+    }
+    q->max_tokens = q->seq->max_tokens;
+    q->next = s->reqs;
+    if (s->reqs) s->reqs->prev = q;
+    s->reqs = q;
+    s->n_reqs++;
+    s->prompt_tokens_total += (uint64_t)n_ids;
+    return;
+refuse:
+    free(ids);
+    s->requests_rejected++;
+    LOOM_DEBUG("refused request %llu: %s", (unsigned long long)rq->request_id, msg);
+    reply_error(s, rid, rid_len, rq->request_id, code, msg);
+}
+
+static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    uint64_t target = rq->cancel->target_request_id;
+    request_t *q = s->reqs;
+    while (q && !(q->request_id == target && q->rid_len == rid_len && !memcmp(q->rid, rid, rid_len))) q = q->next;
+    Loom__V1__CancelReply cr = LOOM__V1__CANCEL_REPLY__INIT;
+    cr.found = q != NULL;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = rq->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_CANCEL;
+    r.cancel = &cr;
+    send_reply(s, rid, rid_len, &r);
+    if (q) {
+        LOOM_DEBUG("request %llu cancelled by its client", (unsigned long long)target);
+        req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_CANCELLED, LOOM_ERR_CANCELLED,
+                 "cancelled by the client");
+    }
+}
+
+static void on_health(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__HealthReply h = LOOM__V1__HEALTH_REPLY__INIT;
+    char msg[600];
+    h.ready = s->state == GRID_READY;
+    h.state = (char *)grid_state_name[s->state];
+    h.workers_ready = (uint32_t)count_ready(s);
+    h.workers_expected = (uint32_t)s->n_slots;
+    if (!h.ready) grid_not_ready_msg(s, msg, sizeof msg);
+    else snprintf(msg, sizeof msg, "serving %s", s->model_name);
+    h.message = msg;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = rq->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_HEALTH;
+    r.health = &h;
+    send_reply(s, rid, rid_len, &r);
+}
+
+static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__ModelInfo mi = LOOM__V1__MODEL_INFO__INIT;
+    mi.id = s->model_name;
+    mi.context_length = (uint32_t)s->max_model_len;
+    mi.vocab_size = (uint32_t)s->mcfg.vocab_size;
+    mi.tp = (uint32_t)s->cfg.tp;
+    mi.pp = (uint32_t)s->cfg.pp;
+    Loom__V1__ModelInfo *mp = &mi;
+    Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
+    lm.models = &mp;
+    lm.n_models = 1;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = rq->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_MODELS;
+    r.models = &lm;
+    send_reply(s, rid, rid_len, &r);
+}
+
+static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__StatsReply st = LOOM__V1__STATS_REPLY__INIT;
+    st.prefix_cache_queries = s->prefix_queries_base;
+    st.prefix_cache_hits = s->prefix_hits_base;
+    st.preemptions = s->preemptions_base;
+    if (s->sched) {
+        loom_sched_stats_t ss;
+        loom_sched_get_stats(s->sched, &ss);
+        loom_kv_ledger_t *L = loom_sched_ledger(s->sched);
+        st.running = (uint32_t)ss.running;
+        st.waiting = (uint32_t)ss.waiting;
+        st.kv_blocks_total = (uint32_t)loom_kv_n_blocks(L);
+        st.kv_blocks_used = (uint32_t)loom_kv_n_held(L);
+        st.kv_blocks_free = (uint32_t)loom_kv_n_free(L);
+        st.kv_blocks_cached = (uint64_t)loom_kv_n_cached(L);
+        st.prefix_cache_queries += ss.prefix_queries;
+        st.prefix_cache_hits += ss.prefix_hits;
+        st.preemptions += ss.preemptions;
+    }
+    st.prefix_cache_hit_rate =
+        st.prefix_cache_queries ? (double)st.prefix_cache_hits / (double)st.prefix_cache_queries : 0.0;
+    st.kv_block_size = (uint32_t)s->cfg.block_size;
+    uint64_t sec = loom_now_ns() / 1000000000ull, sum = 0;
+    for (int i = 1; i < RATE_WINDOW; i++) /* full seconds only: skip the current one */
+        if (sec >= (uint64_t)i && s->rate_second + RATE_WINDOW > sec - (uint64_t)i && s->rate_second >= sec - (uint64_t)i)
+            sum += s->rate_tokens[(sec - (uint64_t)i) % RATE_WINDOW];
+    st.gen_tokens_per_s = (double)sum / (RATE_WINDOW - 1);
+    st.requests_finished = s->requests_finished;
+    st.requests_rejected = s->requests_rejected;
+    st.prompt_tokens_total = s->prompt_tokens_total;
+    st.gen_tokens_total = s->gen_tokens_total;
+    st.steps = s->steps;
+    st.step_ms_mean = s->steps ? s->step_s_total * 1e3 / (double)s->steps : 0.0;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = rq->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_STATS;
+    r.stats = &st;
+    send_reply(s, rid, rid_len, &r);
+}
+
+static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
+    const void *rid = zmq_msg_data(&frames[0]);
+    size_t rid_len = zmq_msg_size(&frames[0]);
+    if (n != 3) {
+        LOOM_WARN("refused a client message of %d frames (expected method + body)", n - 1);
+        reply_error(s, rid, rid_len, 0, LOOM_ERR_INVALID_ARGUMENT,
+                    "malformed request: expected two frames, the method name and a loom.v1.Request");
+        return;
+    }
+    loom_err_t err = {0};
+    Loom__V1__Request *rq = loom_wire_unpack_request(zmq_msg_data(&frames[2]), zmq_msg_size(&frames[2]), &err);
+    if (!rq) {
+        LOOM_WARN("refused a client request: %s", err.msg);
+        reply_error(s, rid, rid_len, 0, LOOM_ERR_INVALID_ARGUMENT, err.msg);
+        return;
+    }
+    const char *method = loom_wire_method(rq->body_case);
+    size_t ml = zmq_msg_size(&frames[1]);
+    if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "the method frame does not name the request's body (%s)", method);
+        reply_error(s, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+    } else if (!check_key(s, rq)) {
+        reply_error(s, rid, rid_len, rq->request_id, LOOM_ERR_UNAUTHENTICATED, "missing or wrong API key");
+    } else {
+        switch (rq->body_case) {
+        case LOOM__V1__REQUEST__BODY_GENERATE: on_generate(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_CANCEL: on_cancel(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_HEALTH: on_health(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_LIST_MODELS: on_list_models(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_STATS: on_stats(s, rid, rid_len, rq); break;
+        default: break;
+        }
+    }
+    protobuf_c_message_free_unpacked(&rq->base, NULL);
+}
+
+/* ---- the step loop ------------------------------------------------------------------------ */
+
+static void send_plan(loom_server_t *s, loom_microbatch_t *mb) {
+    Loom__V1__StepPlan p = LOOM__V1__STEP_PLAN__INIT;
+    p.epoch = s->epoch;
+    p.step_id = mb->id;
+    p.tokens = mb->tokens;
+    p.n_tokens = (size_t)mb->n_tokens;
+    p.pos = mb->pos;
+    p.n_pos = (size_t)mb->n_tokens;
+    p.slots = mb->slots;
+    p.n_slots = (size_t)mb->n_tokens;
+    p.tok_seq = mb->tok_seq;
+    p.n_tok_seq = (size_t)mb->n_tokens;
+    p.n_seqs = (uint32_t)mb->n_seqs;
+    p.max_blocks = (uint32_t)mb->max_blocks;
+    p.block_tables = mb->block_tables;
+    p.n_block_tables = (size_t)mb->n_seqs * (size_t)mb->max_blocks;
+    p.logit_rows = mb->logit_rows;
+    p.n_logit_rows = (size_t)mb->n_logits;
+    for (int i = 0; i < mb->n_logits; i++) {
+        Loom__V1__SampleParams *sp = &s->sp[i];
+        loom__v1__sample_params__init(sp);
+        sp->temperature = mb->sampling[i].temperature;
+        sp->top_k = mb->sampling[i].top_k;
+        sp->top_p = mb->sampling[i].top_p;
+        sp->seed = mb->sampling[i].seed;
+        sp->step = mb->steps[i];
+        s->sp_ptrs[i] = sp;
+    }
+    p.sampling = s->sp_ptrs;
+    p.n_sampling = (size_t)mb->n_logits;
+    p.copy_src = mb->copy_src;
+    p.copy_dst = mb->copy_dst;
+    p.n_copy_src = p.n_copy_dst = (size_t)mb->n_copies;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_STEP;
+    m.step = &p;
+    size_t len;
+    void *buf = loom_wire_pack_control(&m, &len);
+    for (int i = 0; i < s->n_slots; i++) send_to_worker(s, &s->slots[i], buf, len);
+    free(buf);
+    s->inflight[s->n_inflight++] = (inflight_t){.mb = mb, .step_id = mb->id, .t_sent = loom_now_ns()};
+}
+
+static void schedule(loom_server_t *s) {
+    if (s->state != GRID_READY) return;
+    loom_microbatch_t *mb;
+    while (s->n_inflight < s->cfg.pp && (mb = loom_sched_schedule(s->sched))) send_plan(s, mb);
+}
+
+static void publish_state(loom_server_t *s) {
+    loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
+                               .requests_rejected = s->requests_rejected, .grid_ready = s->state == GRID_READY};
+    if (s->sched) {
+        loom_sched_stats_t ss;
+        loom_sched_get_stats(s->sched, &ss);
+        loom_kv_ledger_t *L = loom_sched_ledger(s->sched);
+        st.running = ss.running;
+        st.waiting = ss.waiting;
+        st.kv_blocks_total = loom_kv_n_blocks(L);
+        st.kv_blocks_used = loom_kv_n_held(L);
+        st.kv_blocks_cached = loom_kv_n_cached(L);
+        st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
+        st.prefix_cache_hits = s->prefix_hits_base + ss.prefix_hits;
+        st.preemptions = s->preemptions_base + ss.preemptions;
+    } else {
+        st.prefix_cache_queries = s->prefix_queries_base;
+        st.prefix_cache_hits = s->prefix_hits_base;
+        st.preemptions = s->preemptions_base;
+    }
+    loom_metrics_set_state(s->metrics, &st);
+}
+
+static void timers(loom_server_t *s) {
+    uint64_t now = loom_now_ns();
+    if (now - s->last_check >= 100000000ull) {
+        s->last_check = now;
+        uint64_t limit = (uint64_t)s->cfg.heartbeat_timeout_ms * 1000000ull;
+        for (int i = 0; i < s->n_slots; i++)
+            if (s->slots[i].used && now - s->slots[i].last_seen_ns > limit) {
+                char why[128];
+                snprintf(why, sizeof why, "missed heartbeats for %d ms: lost", s->cfg.heartbeat_timeout_ms);
+                lose_worker(s, i, why);
+            }
+    }
+    if (now - s->last_hb_sent >= 500000000ull) {
+        s->last_hb_sent = now;
+        Loom__V1__Heartbeat hb = LOOM__V1__HEARTBEAT__INIT;
+        Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+        m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
+        m.heartbeat = &hb;
+        for (int i = 0; i < s->n_slots; i++)
+            if (s->slots[i].used) send_ctl(s, &s->slots[i], &m);
+    }
+}
+
+/* Reads one multipart message; frames beyond `max` are dropped (the count
+ * then equals max, which no valid message has). */
+static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
+    int n = 0, more = 1;
+    while (more) {
+        zmq_msg_t extra, *f = n < max ? &frames[n] : &extra;
+        zmq_msg_init(f);
+        if (zmq_msg_recv(f, sock, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(f);
+            break;
+        }
+        more = zmq_msg_more(f);
+        if (n < max) n++;
+        else zmq_msg_close(f);
+    }
+    return n;
+}
+
+int loom_server_run(loom_server_t *s) {
+    LOOM_INFO("coordinator for %s (tp %d x pp %d): API on %s, workers on %s; waiting for %d worker(s)",
+              s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, s->ctl_addr, s->n_slots);
+    while (!s->stop) {
+        zmq_pollitem_t items[] = {{s->ctl, 0, ZMQ_POLLIN, 0}, {s->api, 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, 2, 20) < 0 && errno != EINTR) break;
+        for (int burst = 0; burst < 256 && (items[0].revents & ZMQ_POLLIN); burst++) {
+            zmq_msg_t f[8];
+            int n = recv_frames(s->ctl, f, 8);
+            if (n == 0) break;
+            if (n == 2) on_control(s, zmq_msg_data(&f[0]), zmq_msg_size(&f[0]), zmq_msg_data(&f[1]), zmq_msg_size(&f[1]));
+            else LOOM_WARN("refused a control message of %d frames", n - 1);
+            for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
+        }
+        for (int burst = 0; burst < 256 && (items[1].revents & ZMQ_POLLIN); burst++) {
+            zmq_msg_t f[8];
+            int n = recv_frames(s->api, f, 8);
+            if (n == 0) break;
+            on_api(s, f, n);
+            for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
+        }
+        timers(s);
+        schedule(s);
+        publish_state(s);
+    }
+    LOOM_INFO("shutting down: %d request(s) still live", s->n_reqs);
+    fail_all_requests(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
+    Loom__V1__Shutdown sd = LOOM__V1__SHUTDOWN__INIT;
+    sd.reason = "the coordinator is shutting down";
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_SHUTDOWN;
+    m.shutdown = &sd;
+    for (int i = 0; i < s->n_slots; i++)
+        if (s->slots[i].used) send_ctl(s, &s->slots[i], &m);
+    return 0;
+}
+
+void loom_server_stop(loom_server_t *s) {
+    s->stop = 1;
+}
+
+/* ---- create / destroy ------------------------------------------------------------------------ */
+
+static loom_status_t bind_sock(void *z, const char *addr, char *out, size_t n, loom_err_t *err) {
+    if (zmq_bind(z, addr) != 0)
+        return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind %s: %s", addr, zmq_strerror(errno));
+    size_t len = n;
+    zmq_getsockopt(z, ZMQ_LAST_ENDPOINT, out, &len);
+    return LOOM_OK;
+}
+
+loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t **out, loom_err_t *err) {
+    *out = NULL;
+    loom_server_t *s = loom_xcalloc(1, sizeof *s);
+    s->cfg = *cfg;
+    loom_status_t st = loom_model_config_load(cfg->model_dir, &s->mcfg, err);
+    if (st < 0) goto fail;
+    st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);
+    if (st < 0) goto fail;
+    /* an impossible split is a start-up error, before any worker comes */
+    for (int r = 0; r < cfg->tp; r++) {
+        loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};
+        loom_shard_dims_t d;
+        st = loom_shard_dims(&s->mcfg, &spec, &d, err);
+        if (st < 0) goto fail;
+    }
+    if (cfg->pp > s->mcfg.n_layers) {
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d pipeline stages for %d layers: every stage needs a layer",
+                          cfg->pp, s->mcfg.n_layers);
+        goto fail;
+    }
+    s->max_model_len = cfg->max_model_len > 0 && cfg->max_model_len < s->mcfg.max_seq_len ? cfg->max_model_len
+                                                                                              : s->mcfg.max_seq_len;
+    if (cfg->model_name) {
+        snprintf(s->model_name, sizeof s->model_name, "%s", cfg->model_name);
+    } else {
+        const char *b = strrchr(cfg->model_dir, '/');
+        size_t len = strlen(cfg->model_dir);
+        while (len > 1 && cfg->model_dir[len - 1] == '/') len--;
+        char tmp[1024];
+        snprintf(tmp, sizeof tmp, "%.*s", (int)len, cfg->model_dir);
+        b = strrchr(tmp, '/');
+        snprintf(s->model_name, sizeof s->model_name, "%.255s", b ? b + 1 : tmp);
+    }
+    s->n_slots = cfg->tp * cfg->pp;
+    s->slots = loom_xcalloc((size_t)s->n_slots, sizeof *s->slots);
+    s->inflight = loom_xcalloc((size_t)cfg->pp, sizeof *s->inflight);
+    s->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp);
+    s->sp_ptrs = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp_ptrs);
+    s->max_piece = loom_tokenizer_max_piece_len(s->tok);
+    s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
+    s->seed_state = loom_now_ns() ^ ((uint64_t)getpid() << 32);
+    s->run_id = next_seed(s);
+    s->metrics = loom_metrics_create(s->model_name, cfg->pp);
+
+    s->zctx = zmq_ctx_new();
+    s->api = zsock(s, ZMQ_ROUTER);
+    s->ctl = zsock(s, ZMQ_ROUTER);
+    int one = 1, unlimited = 0;
+    zmq_setsockopt(s->api, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    /* a slow client must not lose chunks: queue instead of dropping */
+    zmq_setsockopt(s->api, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
+    zmq_setsockopt(s->ctl, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
+    zmq_setsockopt(s->ctl, ZMQ_ROUTER_HANDOVER, &one, sizeof one);
+    st = bind_sock(s->api, cfg->listen, s->api_addr, sizeof s->api_addr, err);
+    if (st < 0) goto fail;
+    st = bind_sock(s->ctl, cfg->control, s->ctl_addr, sizeof s->ctl_addr, err);
+    if (st < 0) goto fail;
+    snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
+    if (zmq_bind(s->api, s->inproc_addr) != 0) {
+        st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", s->inproc_addr);
+        goto fail;
+    }
+    *out = s;
+    return LOOM_OK;
+fail:
+    loom_server_destroy(&s);
+    return st;
+}
+
+void loom_server_destroy(loom_server_t **s_p) {
+    if (!s_p || !*s_p) return;
+    loom_server_t *s = *s_p;
+    *s_p = NULL;
+    while (s->reqs) {
+        request_t *q = s->reqs;
+        req_unlink(s, q);
+        req_free(q);
+    }
+    loom_sched_destroy(&s->sched);
+    loom_metrics_destroy(&s->metrics);
+    if (s->api) zmq_close(s->api);
+    if (s->ctl) zmq_close(s->ctl);
+    if (s->zctx) zmq_ctx_term(s->zctx);
+    loom_tokenizer_destroy(&s->tok);
+    free(s->slots);
+    free(s->inflight);
+    free(s->sp);
+    free(s->sp_ptrs);
+    free(s->text_buf);
+    free(s);
+}
+
+void *loom_server_zmq_context(loom_server_t *s) { return s->zctx; }
+loom_metrics_t *loom_server_metrics(loom_server_t *s) { return s->metrics; }
+const char *loom_server_inproc_addr(const loom_server_t *s) { return s->inproc_addr; }

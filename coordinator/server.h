@@ -1,0 +1,50 @@
+/* The coordinator's reactor: one thread owns the client API socket, the
+ * worker control socket, the scheduler and the KV ledger, and runs the
+ * step loop. See server.c for the grid lifecycle. */
+#ifndef LOOM_SERVER_H
+#define LOOM_SERVER_H
+
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef struct loom_server_config {
+    const char *model_dir;
+    const char *model_name;   /* served model id (default: the directory's name) */
+    int tp, pp;
+    const char *listen;       /* client API, e.g. tcp://127.0.0.1:5555 */
+    const char *control;      /* workers, e.g. tcp://127.0.0.1:5556 */
+    const char *comm;         /* auto, shm, tcp */
+    const char *weight_dtype; /* f32, bf16, f16 */
+    int max_num_seqs;
+    int max_batched_tokens;
+    int max_queue;
+    int max_model_len;        /* 0: the model's */
+    int block_size;
+    int num_kv_blocks;        /* 0: sized from the workers' memory */
+    uint64_t kv_memory;       /* bytes per worker for the KV pool (0: kv_fraction) */
+    float kv_fraction;        /* of the memory left after weights, shared by workers of a host */
+    int prefix_cache;
+    int heartbeat_timeout_ms;
+    const char *api_key;      /* required in every request when set */
+    const char *ready_file;   /* written with the API address once the grid is ready */
+} loom_server_config_t;
+
+typedef struct loom_server loom_server_t;
+
+loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t **out, loom_err_t *err);
+/* Runs until loom_server_stop (async-signal-safe flag) is called. */
+int loom_server_run(loom_server_t *s);
+void loom_server_stop(loom_server_t *s);
+void loom_server_destroy(loom_server_t **s_p);
+
+/* The server's metrics (thread-safe), for the HTTP gateway's /metrics. */
+struct loom_metrics;
+struct loom_metrics *loom_server_metrics(loom_server_t *s);
+
+/* The ZeroMQ context and an inproc address serving the client API, for
+ * in-process clients (the HTTP gateway). */
+void *loom_server_zmq_context(loom_server_t *s);
+const char *loom_server_inproc_addr(const loom_server_t *s);
+
+#endif

@@ -1,0 +1,768 @@
+/* loom-worker: one cell of the grid. Registers with the coordinator, loads
+ * only its shard, joins its data-plane groups, then executes step plans.
+ *
+ * Threads: the reactor (main thread) owns the coordinator socket and the
+ * timers (heartbeats, coordinator liveness); the compute thread owns the
+ * backend, the model and the comm, and runs loads and steps. They talk over
+ * an inproc PAIR: the reactor hands over decoded control messages, the
+ * compute thread hands back packed replies. Abort (a peer died) is the one
+ * cross-thread call: the reactor aborts the comm so a blocked step returns.
+ *
+ * Lifecycle:  REGISTERING ─Assign▶ LOADING ─Loaded▶ LOADED ─KvConfig▶ JOINING
+ *             ─Ready▶ SERVING ─Abort▶ ABORTED ─Assign (new epoch)▶ LOADING ...
+ * A new Assign for the same shard keeps the weights and only rebuilds the
+ * KV pool and the comm. */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/cli.h"
+#include "common/log.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "common/util.h"
+#include "kernels/backend.h"
+#include "proto/wire.h"
+#include "worker/comm.h"
+#include "worker/model.h"
+
+#define HEARTBEAT_MS 200
+
+typedef struct worker {
+    /* options */
+    const char *coord_addr, *device, *data_host, *trace_path, *dump_path;
+    FILE *dump;
+    char id[128];
+    int threads, coord_timeout_ms;
+
+    void *zctx, *ctl, *pipe_r, *pipe_c; /* coordinator DEALER; PAIR ends (reactor, compute) */
+    loom_comm_listener_t *listener;
+    pthread_t compute;
+
+    pthread_mutex_t comm_mu; /* guards `comm` between the compute thread and aborts */
+    loom_comm_t *comm;
+    _Atomic uint64_t aborted_epoch; /* plans of this epoch or older fail fast */
+    _Atomic uint64_t busy_ns, comm_ns, steps;
+
+    /* compute thread state */
+    loom_model_config_t cfg;
+    loom_st_t *st;
+    loom_backend_t *be;
+    loom_model_t *model;
+    Loom__V1__Assign *assign; /* the current assignment (owned) */
+    char model_dir[1024];
+    int max_tokens, max_seqs, n_blocks, block_size;
+    uint64_t epoch;
+    /* sampling scratch */
+    loom_sample_part_t *parts;
+    int32_t *cand_ids;
+    float *cand_keys;
+    loom_sampling_t *sp;
+    uint64_t *steps_buf;
+    uint8_t *gather_send, *gather_recv;
+    size_t gather_cap;
+    int32_t *ids;
+    /* trace: (step, begin_ns, end_ns) of recent steps */
+    uint64_t (*trace)[3];
+    int n_trace, cap_trace;
+} worker_t;
+
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static int send_ctl(worker_t *w, Loom__V1__ControlMsg *m) {
+    size_t len;
+    void *buf = loom_wire_pack_control(m, &len);
+    int rc = zmq_send(w->ctl, buf, len, ZMQ_DONTWAIT);
+    free(buf);
+    return rc;
+}
+
+/* compute -> reactor: a packed control message to forward */
+static void post(worker_t *w, Loom__V1__ControlMsg *m) {
+    size_t len;
+    void *buf = loom_wire_pack_control(m, &len);
+    zmq_send(w->pipe_c, buf, len, 0);
+    free(buf);
+}
+
+static void post_error(worker_t *w, loom_status_t code, const char *msg) {
+    Loom__V1__Error e = LOOM__V1__ERROR__INIT;
+    e.code = code;
+    e.message = (char *)msg;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_ERROR;
+    m.error = &e;
+    post(w, &m);
+}
+
+static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int32_t *ids, size_t n,
+                        loom_status_t code, const char *msg, double compute_s, double comm_s) {
+    Loom__V1__StepResult r = LOOM__V1__STEP_RESULT__INIT;
+    r.epoch = epoch;
+    r.step_id = step_id;
+    r.ids = (int32_t *)ids;
+    r.n_ids = n;
+    r.code = code;
+    r.message = (char *)(msg ? msg : "");
+    r.compute_s = compute_s;
+    r.comm_s = comm_s;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_RESULT;
+    m.result = &r;
+    post(w, &m);
+}
+
+/* ---- compute thread: loading -------------------------------------------- */
+
+static loom_status_t tp_allreduce(void *ctx, float *buf, int64_t n, loom_err_t *err) {
+    worker_t *w = ctx;
+    return loom_comm_allreduce(w->comm, buf, n, err);
+}
+
+static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
+    return a && b && !strcmp(a->model_dir, b->model_dir) && a->stage == b->stage &&
+           a->n_stages == b->n_stages && a->tp_rank == b->tp_rank && a->tp_size == b->tp_size &&
+           a->layer_begin == b->layer_begin && a->layer_end == b->layer_end &&
+           !strcmp(a->weight_dtype, b->weight_dtype) && a->max_tokens == b->max_tokens &&
+           a->max_seqs == b->max_seqs;
+}
+
+static void unload(worker_t *w) {
+    pthread_mutex_lock(&w->comm_mu);
+    loom_comm_destroy(&w->comm);
+    pthread_mutex_unlock(&w->comm_mu);
+    loom_model_destroy(&w->model);
+    loom_backend_destroy(&w->be);
+    loom_st_close(&w->st);
+    w->n_blocks = 0;
+}
+
+static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *err) {
+    unload(w);
+    snprintf(w->model_dir, sizeof w->model_dir, "%s", a->model_dir);
+    LOOM_CHECK(loom_model_config_load(a->model_dir, &w->cfg, err));
+    LOOM_CHECK(loom_st_open_dir(a->model_dir, &w->st, err));
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .n_threads = w->threads};
+    if (!loom_device_parse(w->device, &bc.kind, &bc.device_index))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown device '%s'", w->device);
+    bc.weight_dtype = !strcmp(a->weight_dtype, "bf16") ? LOOM_DT_BF16
+                      : !strcmp(a->weight_dtype, "f16") ? LOOM_DT_F16
+                                                         : LOOM_DT_F32;
+    LOOM_CHECK(loom_backend_create(&bc, &w->be, err));
+    loom_shard_spec_t spec = {.tp_rank = (int)a->tp_rank, .tp_size = (int)a->tp_size,
+                              .layer_begin = (int)a->layer_begin, .layer_end = (int)a->layer_end,
+                              .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages};
+    loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
+                               .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
+                               .allreduce_ctx = w};
+    LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
+    w->max_tokens = (int)a->max_tokens;
+    w->max_seqs = (int)a->max_seqs;
+    /* sampling scratch: one part per row, LOOM_SAMPLE_MAX_CAND candidates each */
+    free(w->parts);
+    free(w->cand_ids);
+    free(w->cand_keys);
+    free(w->sp);
+    free(w->steps_buf);
+    free(w->ids);
+    size_t rows = (size_t)w->max_seqs;
+    w->parts = loom_xcalloc(rows, sizeof *w->parts);
+    w->cand_ids = loom_xmalloc(rows * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
+    w->cand_keys = loom_xmalloc(rows * LOOM_SAMPLE_MAX_CAND * sizeof(float));
+    for (size_t i = 0; i < rows; i++) {
+        w->parts[i].ids = w->cand_ids + i * LOOM_SAMPLE_MAX_CAND;
+        w->parts[i].keys = w->cand_keys + i * LOOM_SAMPLE_MAX_CAND;
+    }
+    w->sp = loom_xmalloc(rows * sizeof *w->sp);
+    w->steps_buf = loom_xmalloc(rows * sizeof *w->steps_buf);
+    w->ids = loom_xmalloc(rows * sizeof *w->ids);
+    return LOOM_OK;
+}
+
+/* Bytes of one row's serialized sampling part for k candidates. */
+static size_t part_bytes(int k) {
+    return 12 + 8 * (size_t)k;
+}
+
+static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
+    Loom__V1__Assign *a = m->assign;
+    loom_err_t err = {0};
+    uint64_t t0 = loom_now_ns();
+    int keep = w->model && same_shard(w->assign, a);
+    if (!keep) {
+        LOOM_INFO("assigned stage %u/%u, tp rank %u/%u, layers [%u, %u) of %s (epoch %llu)", a->stage,
+                  a->n_stages, a->tp_rank, a->tp_size, a->layer_begin, a->layer_end, a->model_dir,
+                  (unsigned long long)a->epoch);
+        if (load(w, a, &err) < 0) {
+            LOOM_ERROR("loading failed: %s", err.msg);
+            char msg[700];
+            snprintf(msg, sizeof msg, "worker %s failed to load its shard: %s", w->id, err.msg);
+            post_error(w, err.code, msg);
+            unload(w);
+            protobuf_c_message_free_unpacked(&m->base, NULL);
+            return;
+        }
+    } else {
+        LOOM_INFO("re-assigned the same shard (epoch %llu): keeping the weights", (unsigned long long)a->epoch);
+        pthread_mutex_lock(&w->comm_mu);
+        loom_comm_destroy(&w->comm);
+        pthread_mutex_unlock(&w->comm_mu);
+    }
+    w->epoch = a->epoch;
+    if (w->assign) protobuf_c_message_free_unpacked(&w->assign->base, NULL);
+    /* keep the whole message alive: Assign points into it */
+    w->assign = a;
+    m->assign = NULL;
+    m->body_case = LOOM__V1__CONTROL_MSG__BODY__NOT_SET;
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+
+    int bs = (int)a->block_size > 0 ? (int)a->block_size : 16;
+    w->block_size = bs;
+    Loom__V1__Loaded l = LOOM__V1__LOADED__INIT;
+    l.epoch = a->epoch;
+    l.weight_bytes = loom_model_weight_bytes(w->model);
+    l.bytes_read = loom_st_bytes_read(w->st);
+    l.kv_block_bytes = loom_model_kv_block_bytes(w->model, bs);
+    size_t free_mem = loom_backend_mem_free(w->be);
+    l.kv_budget = a->kv_memory > 0 ? a->kv_memory : (uint64_t)((double)free_mem * a->kv_fraction);
+    l.load_s = (double)(loom_now_ns() - t0) * 1e-9;
+    /* group ids for backends that need one member to make them (nccl) */
+    uint8_t tp_id[LOOM_COMM_ID_BYTES], next_id[LOOM_COMM_ID_BYTES];
+    size_t tp_len = 0, next_len = 0;
+    const char *backend = a->comm ? a->comm->backend : "shm";
+    if ((a->tp_rank == 0 && loom_comm_make_id(backend, tp_id, &tp_len, &err) < 0) ||
+        (a->stage + 1 < a->n_stages && loom_comm_make_id(backend, next_id, &next_len, &err) < 0)) {
+        post_error(w, err.code, err.msg);
+        return;
+    }
+    l.nccl_tp_id = (ProtobufCBinaryData){tp_len, tp_id};
+    l.nccl_next_id = (ProtobufCBinaryData){next_len, next_id};
+    LOOM_INFO("shard ready: %.1f MB of weights, %.1f MB read from the checkpoint, KV budget %.1f MB "
+              "(%.1f KB per block)",
+              (double)l.weight_bytes / 1e6, (double)l.bytes_read / 1e6, (double)l.kv_budget / 1e6,
+              (double)l.kv_block_bytes / 1e3);
+    Loom__V1__ControlMsg r = LOOM__V1__CONTROL_MSG__INIT;
+    r.body_case = LOOM__V1__CONTROL_MSG__BODY_LOADED;
+    r.loaded = &l;
+    post(w, &r);
+}
+
+static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
+    Loom__V1__KvConfig *k = m->kv_config;
+    loom_err_t err = {0};
+    const Loom__V1__Assign *a = w->assign;
+    if (!w->model || !a || k->epoch != w->epoch) {
+        LOOM_WARN("KV config for epoch %llu ignored (current %llu)", (unsigned long long)k->epoch,
+                  (unsigned long long)w->epoch);
+        goto done;
+    }
+    if ((int)k->n_blocks != loom_model_kv_blocks(w->model) || w->block_size != loom_model_kv_block_size(w->model)) {
+        if (loom_model_alloc_kv(w->model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
+    }
+    w->n_blocks = (int)k->n_blocks;
+
+    /* data plane: the TP group and the pipeline neighbours */
+    const Loom__V1__CommSetup *cs = a->comm;
+    size_t n_tp = cs ? cs->n_tp_group : 0;
+    if (n_tp != a->tp_size) {
+        loom_err_set(&err, LOOM_ERR_FORMAT, "comm setup lists %zu TP peers for tp size %u", n_tp, a->tp_size);
+        goto fail;
+    }
+    loom_comm_peer_t *peers = loom_xcalloc(n_tp, sizeof *peers);
+    for (size_t i = 0; i < n_tp; i++) {
+        peers[i].worker_id = cs->tp_group[i]->worker_id;
+        peers[i].data_addr = cs->tp_group[i]->data_addr;
+    }
+    loom_comm_peer_t prev = {0}, next = {0};
+    if (cs->prev) prev = (loom_comm_peer_t){cs->prev->worker_id, cs->prev->data_addr};
+    if (cs->next) next = (loom_comm_peer_t){cs->next->worker_id, cs->next->data_addr};
+    size_t gather = (size_t)w->max_seqs * part_bytes(LOOM_SAMPLE_MAX_CAND);
+    size_t hidden = (size_t)w->max_tokens * (size_t)w->cfg.dim * sizeof(float);
+    loom_comm_config_t cc = {.version = LOOM_COMM_CONFIG_VERSION, .backend = cs->backend, .name = cs->name,
+                             .self_id = w->id, .tp_rank = (int)a->tp_rank, .tp_size = (int)a->tp_size,
+                             .tp_group = peers, .prev = cs->prev ? &prev : NULL, .next = cs->next ? &next : NULL,
+                             .max_bytes = gather > hidden ? gather : hidden, .timeout_ms = 0,
+                             .listener = w->listener,
+                             .nccl_tp_id = k->nccl_tp_id.len ? k->nccl_tp_id.data : NULL,
+                             .nccl_prev_id = k->nccl_prev_id.len ? k->nccl_prev_id.data : NULL,
+                             .nccl_next_id = k->nccl_next_id.len ? k->nccl_next_id.data : NULL,
+                             .cuda_device = loom_backend_device_index(w->be),
+                             .cuda_stream = loom_backend_stream(w->be)};
+    if (w->gather_cap < gather) {
+        free(w->gather_send);
+        free(w->gather_recv);
+        w->gather_send = loom_xmalloc(gather);
+        w->gather_recv = loom_xmalloc(gather * a->tp_size);
+        w->gather_cap = gather;
+    }
+    loom_comm_t *c = NULL;
+    loom_status_t s = loom_comm_create(&cc, &c, &err);
+    free(peers);
+    if (s < 0) goto fail;
+    pthread_mutex_lock(&w->comm_mu);
+    loom_comm_destroy(&w->comm);
+    w->comm = c;
+    pthread_mutex_unlock(&w->comm_mu);
+    LOOM_INFO("joined the data plane (%s, %zu TP peers%s%s), KV pool of %u blocks", loom_comm_backend(c), n_tp,
+              cs->prev ? ", previous stage" : "", cs->next ? ", next stage" : "", k->n_blocks);
+    Loom__V1__Ready rd = LOOM__V1__READY__INIT;
+    rd.epoch = w->epoch;
+    rd.n_blocks = k->n_blocks;
+    Loom__V1__ControlMsg r = LOOM__V1__CONTROL_MSG__INIT;
+    r.body_case = LOOM__V1__CONTROL_MSG__BODY_READY;
+    r.ready = &rd;
+    post(w, &r);
+    goto done;
+fail:
+    LOOM_ERROR("joining failed: %s", err.msg);
+    post_error(w, err.code ? err.code : LOOM_ERR_INTERNAL, err.msg);
+done:
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+}
+
+/* ---- compute thread: steps ------------------------------------------------ */
+
+/* Serializes rows' parts as [max_z, sum_exp, n, ids[k], keys[k]] with k per row. */
+static size_t pack_parts(const loom_sample_part_t *parts, const int *k, int rows, uint8_t *out) {
+    uint8_t *p = out;
+    for (int r = 0; r < rows; r++) {
+        memcpy(p, &parts[r].max_z, 4);
+        memcpy(p + 4, &parts[r].sum_exp, 4);
+        int32_t n = parts[r].n;
+        memcpy(p + 8, &n, 4);
+        memcpy(p + 12, parts[r].ids, (size_t)k[r] * 4);
+        memcpy(p + 12 + (size_t)k[r] * 4, parts[r].keys, (size_t)k[r] * 4);
+        p += part_bytes(k[r]);
+    }
+    return (size_t)(p - out);
+}
+
+static const uint8_t *unpack_part(const uint8_t *p, int k, loom_sample_part_t *part) {
+    memcpy(&part->max_z, p, 4);
+    memcpy(&part->sum_exp, p + 4, 4);
+    int32_t n;
+    memcpy(&n, p + 8, 4);
+    part->n = n < 0 ? 0 : n > k ? k : n;
+    part->ids = (int32_t *)(uintptr_t)(p + 12);
+    part->keys = (float *)(uintptr_t)(p + 12 + (size_t)k * 4);
+    return p + part_bytes(k);
+}
+
+static void trace_step(worker_t *w, uint64_t step, uint64_t t0, uint64_t t1) {
+    if (!w->trace_path) return;
+    if (w->n_trace == w->cap_trace) {
+        w->cap_trace = w->cap_trace ? 2 * w->cap_trace : 1024;
+        w->trace = loom_xrealloc(w->trace, (size_t)w->cap_trace * sizeof *w->trace);
+    }
+    w->trace[w->n_trace][0] = step;
+    w->trace[w->n_trace][1] = t0;
+    w->trace[w->n_trace][2] = t1;
+    w->n_trace++;
+}
+
+/* Debugging aid: appends this shard's logits of a step to the dump file as
+ * [step_id u64][rows i32][vocab_begin i32][vocab_len i32][rows x vocab_len f32]. */
+static void dump_logits(worker_t *w, uint64_t step_id, int rows) {
+    const loom_shard_dims_t *d = loom_model_dims(w->model);
+    size_t n = (size_t)rows * (size_t)d->vocab;
+    float *buf = loom_xmalloc(n * sizeof *buf);
+    loom_model_download_logits(w->model, buf, rows);
+    int32_t hdr[3] = {rows, d->vocab_begin, d->vocab};
+    fwrite(&step_id, sizeof step_id, 1, w->dump);
+    fwrite(hdr, sizeof hdr, 1, w->dump);
+    fwrite(buf, sizeof *buf, n, w->dump);
+    fflush(w->dump);
+    free(buf);
+}
+
+static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
+    Loom__V1__StepPlan *p = m->step;
+    loom_err_t err = {0};
+    uint64_t t0 = loom_now_ns();
+    double comm0 = w->comm ? loom_comm_seconds(w->comm) : 0;
+    const Loom__V1__Assign *a = w->assign;
+    int last = a && a->stage + 1 == a->n_stages, rank0 = a && a->tp_rank == 0;
+    loom_status_t s = LOOM_OK;
+    if (!w->model || !w->comm || !a || p->epoch != w->epoch) {
+        s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "worker %s is not serving epoch %llu", w->id,
+                         (unsigned long long)p->epoch);
+        goto report;
+    }
+    if (p->epoch <= atomic_load(&w->aborted_epoch)) {
+        s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "epoch %llu was aborted", (unsigned long long)p->epoch);
+        goto report;
+    }
+    loom_plan_limits_t lim = {.max_tokens = w->max_tokens, .max_seqs = w->max_seqs, .n_blocks = w->n_blocks,
+                              .vocab_size = w->cfg.vocab_size, .max_pos = w->cfg.max_seq_len,
+                              .block_size = w->block_size};
+    if ((s = loom_wire_check_plan(p, &lim, &err)) < 0) {
+        LOOM_WARN("refused step %llu: %s", (unsigned long long)p->step_id, err.msg);
+        goto report;
+    }
+    int n = (int)p->n_tokens;
+    size_t hidden_bytes = (size_t)n * (size_t)w->cfg.dim * sizeof(float);
+    if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
+        goto report;
+    if (p->n_copy_src) loom_model_copy_blocks(w->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
+    loom_step_batch_t b = {.n_tokens = n, .tokens = p->tokens, .pos = p->pos, .slots = p->slots,
+                           .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
+                           .max_blocks = (int)p->max_blocks, .n_logits = last ? (int)p->n_logit_rows : 0,
+                           .logit_rows = p->logit_rows};
+    if ((s = loom_model_forward(w->model, &b, &err)) < 0) goto report;
+    if (!last) {
+        s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
+        goto report;
+    }
+    int rows = (int)p->n_logit_rows;
+    if (rows == 0) goto report;
+    int vocab = w->cfg.vocab_size;
+    int kk[4096];
+    LOOM_ASSERT(rows <= (int)LOOM_ARRAY_LEN(kk));
+    for (int r = 0; r < rows; r++) {
+        const Loom__V1__SampleParams *sp = p->sampling[r];
+        w->sp[r] = (loom_sampling_t){.temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p,
+                                     .seed = sp->seed};
+        w->steps_buf[r] = sp->step;
+        kk[r] = loom_sample_k(&w->sp[r], vocab);
+    }
+    if (w->dump) dump_logits(w, p->step_id, rows);
+    loom_model_sample_parts(w->model, rows, w->sp, w->steps_buf, w->parts);
+    int tp = (int)a->tp_size;
+    if (tp == 1) {
+        for (int r = 0; r < rows; r++) w->ids[r] = loom_sample_merge(&w->parts[r], 1, vocab, &w->sp[r], w->steps_buf[r]);
+    } else {
+        size_t bytes = pack_parts(w->parts, kk, rows, w->gather_send);
+        if ((s = loom_comm_gather(w->comm, w->gather_send, bytes, rank0 ? w->gather_recv : NULL, &err)) < 0)
+            goto report;
+        if (rank0) {
+            loom_sample_part_t merged[16];
+            LOOM_ASSERT(tp <= 16);
+            const uint8_t *base[16];
+            for (int q = 0; q < tp; q++) base[q] = w->gather_recv + (size_t)q * bytes;
+            for (int r = 0; r < rows; r++) {
+                for (int q = 0; q < tp; q++) base[q] = unpack_part(base[q], kk[r], &merged[q]);
+                w->ids[r] = loom_sample_merge(merged, tp, vocab, &w->sp[r], w->steps_buf[r]);
+            }
+        }
+    }
+report:;
+    uint64_t t1 = loom_now_ns();
+    double comm_s = w->comm ? loom_comm_seconds(w->comm) - comm0 : 0;
+    atomic_fetch_add(&w->busy_ns, t1 - t0);
+    atomic_fetch_add(&w->steps, 1);
+    atomic_store(&w->comm_ns, (uint64_t)((w->comm ? loom_comm_seconds(w->comm) : 0) * 1e9));
+    trace_step(w, p->step_id, t0, t1);
+    if (s < 0) {
+        if (s != LOOM_ERR_UNAVAILABLE || p->epoch > atomic_load(&w->aborted_epoch))
+            LOOM_WARN("step %llu failed: %s", (unsigned long long)p->step_id, err.msg);
+        post_result(w, p->epoch, p->step_id, NULL, 0, s, err.msg, (double)(t1 - t0) * 1e-9, comm_s);
+    } else if (last && rank0) {
+        post_result(w, p->epoch, p->step_id, w->ids, p->n_logit_rows, LOOM_OK, NULL, (double)(t1 - t0) * 1e-9,
+                    comm_s);
+    }
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+}
+
+static void *compute_main(void *arg) {
+    worker_t *w = arg;
+    for (;;) {
+        Loom__V1__ControlMsg *m = NULL;
+        if (zmq_recv(w->pipe_c, &m, sizeof m, 0) != (int)sizeof m) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        if (!m) break; /* quit */
+        switch (m->body_case) {
+        case LOOM__V1__CONTROL_MSG__BODY_ASSIGN: handle_assign(w, m); break;
+        case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG: handle_kv_config(w, m); break;
+        case LOOM__V1__CONTROL_MSG__BODY_STEP: handle_step(w, m); break;
+        default: protobuf_c_message_free_unpacked(&m->base, NULL); break;
+        }
+    }
+    unload(w);
+    return NULL;
+}
+
+/* ---- reactor -------------------------------------------------------------- */
+
+static void send_register(worker_t *w) {
+    char host[256] = "localhost", host_id[64] = "";
+    gethostname(host, sizeof host);
+    char *boot = NULL;
+    if (loom_read_file("/proc/sys/kernel/random/boot_id", &boot, NULL, NULL) == LOOM_OK) {
+        snprintf(host_id, sizeof host_id, "%s", boot);
+        host_id[strcspn(host_id, "\n")] = '\0';
+        free(boot);
+    }
+    Loom__V1__Register r = LOOM__V1__REGISTER__INIT;
+    r.worker_id = w->id;
+    r.host = host;
+    r.host_id = host_id;
+    r.device = (char *)w->device;
+    r.threads = (uint32_t)w->threads;
+    r.data_addr = (char *)loom_comm_listener_addr(w->listener);
+    r.pid = (uint32_t)getpid();
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_REGISTER;
+    m.register_ = &r;
+    send_ctl(w, &m);
+}
+
+static void send_heartbeat(worker_t *w, uint64_t seq) {
+    Loom__V1__Heartbeat hb = LOOM__V1__HEARTBEAT__INIT;
+    hb.seq = seq;
+    hb.busy_s = (double)atomic_load(&w->busy_ns) * 1e-9;
+    hb.comm_s = (double)atomic_load(&w->comm_ns) * 1e-9;
+    hb.steps = atomic_load(&w->steps);
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
+    m.heartbeat = &hb;
+    send_ctl(w, &m);
+}
+
+static void hand_over(worker_t *w, Loom__V1__ControlMsg *m) {
+    zmq_send(w->pipe_r, &m, sizeof m, 0);
+}
+
+static void write_trace(worker_t *w) {
+    if (!w->trace_path || !w->n_trace) return;
+    FILE *f = fopen(w->trace_path, "w");
+    if (!f) {
+        LOOM_WARN("cannot write trace %s", w->trace_path);
+        return;
+    }
+    const Loom__V1__Assign *a = w->assign;
+    int stage = a ? (int)a->stage : 0, rank = a ? (int)a->tp_rank : 0;
+    fprintf(f, "[\n");
+    for (int i = 0; i < w->n_trace; i++)
+        fprintf(f, "{\"name\":\"step %llu\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f}%s\n",
+                (unsigned long long)w->trace[i][0], stage, rank, (double)w->trace[i][1] / 1e3,
+                (double)(w->trace[i][2] - w->trace[i][1]) / 1e3, i + 1 < w->n_trace ? "," : "");
+    fprintf(f, "]\n");
+    fclose(f);
+    LOOM_INFO("wrote %d step spans to %s", w->n_trace, w->trace_path);
+}
+
+static int reactor(worker_t *w) {
+    uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns();
+    int registered = 0; /* the coordinator has answered */
+    send_register(w);
+    while (!g_stop) {
+        zmq_pollitem_t items[] = {{w->ctl, 0, ZMQ_POLLIN, 0}, {w->pipe_r, 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, 2, 50) < 0 && errno != EINTR) break;
+        uint64_t now = loom_now_ns();
+        if (items[0].revents & ZMQ_POLLIN) {
+            zmq_msg_t msg;
+            zmq_msg_init(&msg);
+            if (zmq_msg_recv(&msg, w->ctl, ZMQ_DONTWAIT) >= 0) {
+                loom_err_t err = {0};
+                Loom__V1__ControlMsg *m = loom_wire_unpack_control(zmq_msg_data(&msg), zmq_msg_size(&msg), &err);
+                if (!m) {
+                    LOOM_WARN("refused a control message: %s", err.msg);
+                } else {
+                    last_heard = now;
+                    registered = 1;
+                    switch (m->body_case) {
+                    case LOOM__V1__CONTROL_MSG__BODY_ASSIGN:
+                    case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG:
+                    case LOOM__V1__CONTROL_MSG__BODY_STEP: hand_over(w, m); m = NULL; break;
+                    case LOOM__V1__CONTROL_MSG__BODY_ABORT: {
+                        uint64_t e = m->abort->epoch;
+                        LOOM_WARN("abort of epoch %llu: %s", (unsigned long long)e, m->abort->reason);
+                        if (e > atomic_load(&w->aborted_epoch)) atomic_store(&w->aborted_epoch, e);
+                        pthread_mutex_lock(&w->comm_mu);
+                        loom_comm_abort(w->comm);
+                        pthread_mutex_unlock(&w->comm_mu);
+                        break;
+                    }
+                    case LOOM__V1__CONTROL_MSG__BODY_SHUTDOWN:
+                        LOOM_INFO("shutdown requested: %s", m->shutdown->reason);
+                        g_stop = 1;
+                        break;
+                    case LOOM__V1__CONTROL_MSG__BODY_ERROR:
+                        LOOM_ERROR("coordinator refused this worker: %s", m->error->message);
+                        g_stop = 2;
+                        break;
+                    default: break; /* heartbeats: liveness only */
+                    }
+                    if (m) protobuf_c_message_free_unpacked(&m->base, NULL);
+                }
+            }
+            zmq_msg_close(&msg);
+        }
+        if (items[1].revents & ZMQ_POLLIN) {
+            zmq_msg_t msg;
+            zmq_msg_init(&msg);
+            if (zmq_msg_recv(&msg, w->pipe_r, ZMQ_DONTWAIT) >= 0)
+                zmq_send(w->ctl, zmq_msg_data(&msg), zmq_msg_size(&msg), ZMQ_DONTWAIT);
+            zmq_msg_close(&msg);
+        }
+        if (now - last_hb >= HEARTBEAT_MS * 1000000ull) {
+            send_heartbeat(w, ++hb_seq);
+            last_hb = now;
+        }
+        if (!registered && now - last_register > 2000000000ull) { /* the coordinator may have started later */
+            send_register(w);
+            last_register = now;
+        }
+        if (registered && now - last_heard > (uint64_t)w->coord_timeout_ms * 1000000ull) {
+            LOOM_ERROR("no message from the coordinator at %s for %d ms: exiting", w->coord_addr, w->coord_timeout_ms);
+            g_stop = 2;
+        }
+    }
+    return g_stop == 2 ? 1 : 0;
+}
+
+/* Copies a path template, replacing "%i" with the worker id. */
+static void expand_id(char *out, size_t n, const char *tmpl, const char *id) {
+    size_t o = 0;
+    for (const char *p = tmpl; *p && o + 1 < n; p++) {
+        if (p[0] == '%' && p[1] == 'i') {
+            o += (size_t)snprintf(out + o, n - o, "%s", id);
+            if (o >= n) o = n - 1;
+            p++;
+        } else {
+            out[o++] = *p;
+        }
+    }
+    out[o] = '\0';
+}
+
+int main(int argc, char **argv) {
+    loom_log_init("worker");
+    worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 15000};
+    const char *id = NULL;
+    loom_opt_t opts[] = {
+        {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. tcp://127.0.0.1:5556", 1, 0, NULL},
+        {"device", LOOM_OPT_STR, &w.device, "DEV", "cpu or cuda:N (default cpu)", 1, 0, NULL},
+        {"threads", LOOM_OPT_INT, &w.threads, "N", "CPU threads for compute (default: all cores)", 0, 1024, NULL},
+        {"id", LOOM_OPT_STR, &id, "NAME", "worker id (default HOST-PID)", 1, 0, NULL},
+        {"data-host", LOOM_OPT_STR, &w.data_host, "ADDR", "address the data plane listens on (default 127.0.0.1)", 1, 0, NULL},
+        {"coordinator-timeout-ms", LOOM_OPT_INT, &w.coord_timeout_ms, "MS", "exit when the coordinator is silent this long (default 15000)", 100, 1e9, NULL},
+        {"trace", LOOM_OPT_STR, &w.trace_path, "FILE", "write per-step spans as a Chrome trace at exit (%i = worker id)", 1, 0, NULL},
+        {"dump-logits", LOOM_OPT_STR, &w.dump_path, "FILE", "debugging: write every step's logits (this shard's vocabulary slice) to FILE (%i = worker id)", 1, 0, NULL},
+    };
+    int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-worker --coordinator ADDR [options]",
+                           "A Loom worker: registers with the coordinator, loads its shard of the model, joins its\n"
+                           "tensor- and pipeline-parallel groups and executes step plans.");
+    if (r) return r < 0 ? 2 : 0;
+    if (!w.coord_addr) {
+        fprintf(stderr, "error: --coordinator is required (see --help)\n");
+        return 2;
+    }
+    loom_device_kind_t kind;
+    int dev_index;
+    if (!loom_device_parse(w.device, &kind, &dev_index)) {
+        fprintf(stderr, "error: --device must be cpu or cuda:N, got '%s'\n", w.device);
+        return 2;
+    }
+    if (!loom_backend_available(kind, dev_index)) {
+        fprintf(stderr, "error: device %s is not available on this machine or in this build\n", w.device);
+        return 1;
+    }
+    if (id) {
+        snprintf(w.id, sizeof w.id, "%s", id);
+    } else {
+        char host[64] = "host";
+        gethostname(host, sizeof host);
+        snprintf(w.id, sizeof w.id, "%s-%d", host, (int)getpid());
+    }
+    char comp[160];
+    snprintf(comp, sizeof comp, "worker %s", w.id);
+    loom_log_init(comp);
+    signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+
+    char dump_file[1024], trace_file[1024];
+    if (w.dump_path) {
+        expand_id(dump_file, sizeof dump_file, w.dump_path, w.id);
+        if (!(w.dump = fopen(dump_file, "wb"))) {
+            fprintf(stderr, "error: cannot open %s for writing\n", dump_file);
+            return 1;
+        }
+    }
+    if (w.trace_path) {
+        expand_id(trace_file, sizeof trace_file, w.trace_path, w.id);
+        w.trace_path = trace_file;
+    }
+    loom_err_t err = {0};
+    if (loom_comm_listener_create(w.data_host, 0, &w.listener, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return 1;
+    }
+    pthread_mutex_init(&w.comm_mu, NULL);
+    w.zctx = zmq_ctx_new();
+    w.ctl = zmq_socket(w.zctx, ZMQ_DEALER);
+    int zero = 0;
+    int64_t maxmsg = LOOM_MAX_MSG_BYTES;
+    zmq_setsockopt(w.ctl, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(w.ctl, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    zmq_setsockopt(w.ctl, ZMQ_ROUTING_ID, w.id, strlen(w.id));
+    if (zmq_connect(w.ctl, w.coord_addr) != 0) {
+        fprintf(stderr, "error: cannot connect to %s: %s\n", w.coord_addr, zmq_strerror(errno));
+        return 1;
+    }
+    w.pipe_r = zmq_socket(w.zctx, ZMQ_PAIR);
+    w.pipe_c = zmq_socket(w.zctx, ZMQ_PAIR);
+    zmq_setsockopt(w.pipe_r, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(w.pipe_c, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_bind(w.pipe_r, "inproc://compute");
+    zmq_connect(w.pipe_c, "inproc://compute");
+    LOOM_INFO("registering with %s (device %s, data plane %s)", w.coord_addr, w.device,
+              loom_comm_listener_addr(w.listener));
+    pthread_create(&w.compute, NULL, compute_main, &w);
+
+    int rc = reactor(&w);
+
+    /* stop the compute thread: abort any blocked comm call, then ask it to quit */
+    atomic_store(&w.aborted_epoch, UINT64_MAX);
+    pthread_mutex_lock(&w.comm_mu);
+    loom_comm_abort(w.comm);
+    pthread_mutex_unlock(&w.comm_mu);
+    Loom__V1__ControlMsg *quit = NULL;
+    zmq_send(w.pipe_r, &quit, sizeof quit, 0);
+    pthread_join(w.compute, NULL);
+    write_trace(&w);
+    uint64_t steps = atomic_load(&w.steps);
+    double busy = (double)atomic_load(&w.busy_ns) * 1e-9, comm = (double)atomic_load(&w.comm_ns) * 1e-9;
+    LOOM_INFO("summary: %llu steps, %.3f s computing, %.3f s of it in the data plane (%.3f ms per step, %.3f ms "
+              "data plane per step)",
+              (unsigned long long)steps, busy, comm, steps ? busy * 1e3 / (double)steps : 0.0,
+              steps ? comm * 1e3 / (double)steps : 0.0);
+    /* drain messages the compute thread left behind */
+    Loom__V1__ControlMsg *left;
+    while (zmq_recv(w.pipe_c, &left, sizeof left, ZMQ_DONTWAIT) == (int)sizeof left)
+        if (left) protobuf_c_message_free_unpacked(&left->base, NULL);
+    if (w.assign) protobuf_c_message_free_unpacked(&w.assign->base, NULL);
+    free(w.parts);
+    free(w.cand_ids);
+    free(w.cand_keys);
+    free(w.sp);
+    free(w.steps_buf);
+    free(w.ids);
+    free(w.gather_send);
+    free(w.gather_recv);
+    free(w.trace);
+    zmq_close(w.ctl);
+    zmq_close(w.pipe_r);
+    zmq_close(w.pipe_c);
+    zmq_ctx_term(w.zctx);
+    loom_comm_listener_destroy(&w.listener);
+    if (w.dump) fclose(w.dump);
+    LOOM_INFO("exiting");
+    return rc;
+}
