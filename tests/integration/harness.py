@@ -1,0 +1,197 @@
+"""Integration-test harness: real Loom processes on 127.0.0.1.
+
+A Cluster starts a coordinator and tp x pp workers (through
+deploy/local/launch.sh, so the launcher is tested too) on free ports in a
+private run directory, and always stops them, even when a test fails.
+Clients are the real `loom` command-line tool.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ.get("LOOM_BIN", os.path.join(ROOT, "build", "bin"))
+MODELS = os.environ.get("LOOM_MODELS_DIR", os.path.join(os.path.dirname(ROOT), "shared", "models"))
+PYTHON = os.environ.get("LOOM_PYTHON", "/usr/bin/python3")
+STORIES = os.path.join(MODELS, "stories260K")
+LAUNCH = os.path.join(ROOT, "deploy", "local", "launch.sh")
+
+
+def free_port_pair():
+    """Two consecutive free TCP ports (API, control) on loopback."""
+    for _ in range(100):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        if port >= 65000:
+            continue
+        t = socket.socket()
+        try:
+            t.bind(("127.0.0.1", port + 1))
+            t.close()
+            return port
+        except OSError:
+            t.close()
+    raise RuntimeError("no free port pair")
+
+
+class Failure(Exception):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Failure(what)
+
+
+class Cluster:
+    def __init__(self, model, tp=1, pp=1, coord_args=(), worker_args=(), threads=1, timeout=90):
+        self.model, self.tp, self.pp = model, tp, pp
+        self.coord_args, self.worker_args = list(coord_args), list(worker_args)
+        self.threads, self.timeout = threads, timeout
+        self.run_dir = tempfile.mkdtemp(prefix="loom-it-")
+        self.port = None
+        self.addr = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        if exc[0] is None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        else:
+            self.dump_logs()
+        return False
+
+    def start(self):
+        self.port = free_port_pair()
+        cmd = [LAUNCH, "--model", self.model, "--tp", str(self.tp), "--pp", str(self.pp),
+               "--port", str(self.port), "--run-dir", self.run_dir, "--bin", BIN,
+               "--threads", str(self.threads), "--no-pin", "--timeout", str(self.timeout)]
+        for a in self.worker_args:
+            cmd += ["--worker-arg", a]
+        cmd += ["--"] + self.coord_args
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout + 30)
+        if p.returncode != 0:
+            raise Failure("launch.sh failed (%d): %s" % (p.returncode, p.stderr))
+        self.addr = p.stdout.strip()
+        check(self.addr == "tcp://127.0.0.1:%d" % self.port, "launch.sh printed %r" % self.addr)
+
+    def stop(self):
+        subprocess.run([LAUNCH, "--stop", "--run-dir", self.run_dir], capture_output=True, timeout=60)
+
+    def pid(self, name):
+        with open(os.path.join(self.run_dir, name + ".pid")) as f:
+            return int(f.read())
+
+    def log(self, name):
+        try:
+            with open(os.path.join(self.run_dir, name + ".log")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def dump_logs(self):
+        for name in sorted(os.listdir(self.run_dir)):
+            if name.endswith(".log"):
+                sys.stderr.write("---- %s\n%s\n" % (name, self.log(name[:-4])[-3000:]))
+
+    def generate(self, prompt, max_tokens=48, temperature=0.0, extra=(), timeout=60):
+        return generate(self.addr, prompt, max_tokens, temperature, extra, timeout)
+
+    def generate_async(self, prompt, max_tokens=48, temperature=0.0, extra=()):
+        return subprocess.Popen(loom_generate_cmd(self.addr, prompt, max_tokens, temperature, extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stats(self):
+        p = subprocess.run([os.path.join(BIN, "loom"), "stats", "--addr", self.addr],
+                           capture_output=True, text=True, timeout=30)
+        check(p.returncode == 0, "loom stats failed: %s" % p.stderr)
+        return parse_stats(p.stdout)
+
+    def health(self, timeout=10):
+        p = subprocess.run([os.path.join(BIN, "loom"), "health", "--addr", self.addr,
+                            "--timeout-ms", str(timeout * 1000)],
+                           capture_output=True, text=True, timeout=timeout + 10)
+        return p.returncode, p.stdout + p.stderr
+
+
+def parse_stats(text):
+    out = {}
+    for line in text.splitlines():
+        line = line.strip().rstrip(",")
+        if ":" in line and line.startswith('"'):
+            k, v = line.split(":", 1)
+            try:
+                out[k.strip().strip('"')] = float(v.strip())
+            except ValueError:
+                pass
+    return out
+
+
+def loom_generate_cmd(addr, prompt, max_tokens, temperature, extra):
+    return [os.path.join(BIN, "loom"), "generate", "--addr", addr, "--prompt", prompt,
+            "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--ids"] + list(extra)
+
+
+def parse_ids(stderr):
+    """`loom generate --ids` / `loom run --ids` print "ids: 1 2 3" on stderr."""
+    for line in stderr.splitlines():
+        if line.startswith("ids:"):
+            return [int(x) for x in line[4:].replace(",", " ").split()]
+    return None
+
+
+def generate(addr, prompt, max_tokens=48, temperature=0.0, extra=(), timeout=60):
+    p = subprocess.run(loom_generate_cmd(addr, prompt, max_tokens, temperature, extra),
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, parse_ids(p.stderr), p.stderr
+
+
+def run_local(model, prompt, max_tokens=48, temperature=0.0, extra=()):
+    """`loom run` in one process: the reference the cluster must match."""
+    p = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", model, "--prompt", prompt,
+                        "--max-tokens", str(max_tokens), "--temperature", str(temperature),
+                        "--threads", "1", "--ids", "--quiet"] + list(extra),
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "loom run failed: %s" % p.stderr)
+    return p.stdout, parse_ids(p.stderr)
+
+
+def gen_model(out_dir, *flags):
+    """A random-weight model with stories260K's tokenizer (so text prompts work)."""
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "gen_model.py"), "--out", out_dir,
+                        "--tokenizer-from", STORIES] + list(flags),
+                       check=True, capture_output=True, timeout=300)
+    return out_dir
+
+
+def run_tests(tests):
+    """Runs test functions; prints ok/FAIL per test; exit status 1 on any failure."""
+    failed = 0
+    for t in tests:
+        t0 = time.time()
+        try:
+            t()
+            print("ok   %s (%.1f s)" % (t.__name__, time.time() - t0), flush=True)
+        except Exception as e:  # a failing test must not stop the others
+            failed += 1
+            print("FAIL %s: %s: %s" % (t.__name__, type(e).__name__, e), flush=True)
+    print("%d tests, %d failed" % (len(tests), failed))
+    sys.exit(1 if failed else 0)
+
+
+def kill(pid, sig=signal.SIGKILL):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

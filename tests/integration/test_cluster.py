@@ -1,0 +1,97 @@
+"""Distributed runtime under stress: concurrent clients, a killed worker,
+hostile bytes on both sockets."""
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import BIN, Cluster, STORIES, check, gen_model, kill, run_local, run_tests  # noqa: E402
+
+WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-cluster")
+
+PROMPTS = ["Once upon a time", "The cat sat", "Tom had a red ball", "One day, a little bird",
+           "Sue and her mom", "The sun was hot", "There was a big tree", "Max liked to run"]
+
+
+def test_concurrent_clients_2x2():
+    expect = {p: run_local(STORIES, p, 32)[1] for p in PROMPTS}
+    with Cluster(STORIES, 2, 2) as c:
+        procs = {p: c.generate_async(p, 32) for p in PROMPTS}
+        for p, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            ids = None
+            for line in err.splitlines():
+                if line.startswith("ids:"):
+                    ids = [int(x) for x in line[4:].split()]
+            check(proc.returncode == 0, "client for %r failed: %s" % (p, err))
+            check(ids == expect[p], "concurrent %r: %s, alone %s" % (p, ids, expect[p]))
+
+
+def test_killed_worker_gives_unavailable():
+    # a model slow enough (a few ms per token) that the request is still running at the kill
+    model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
+                      "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
+    with Cluster(model, 2, 2) as c:
+        rc, _, _, err = c.generate("Once upon a time", 8)
+        check(rc == 0, "warm-up failed: %s" % err)
+        # a long request, then kill -9 a worker of the last stage while it streams
+        proc = c.generate_async("Once upon a time", 4000, 0.8, extra=["--ignore-eos", "--timeout-ms", "20000"])
+        time.sleep(0.3)
+        t0 = time.time()
+        kill(c.pid("worker-3"))
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.time() - t0
+        print("  client ended %.2f s after the kill: %s" % (elapsed, [l for l in err.splitlines() if "UNAVAILABLE" in l]))
+        check(proc.returncode == 4, "expected exit 4 (UNAVAILABLE), got %d: %s" % (proc.returncode, err[-300:]))
+        check("UNAVAILABLE" in err, "no UNAVAILABLE in %r" % err)
+        check(elapsed < 5.0, "UNAVAILABLE took %.1f s" % elapsed)
+        # the coordinator keeps running, answers Health, and says what happened
+        time.sleep(2.0)
+        rc, health = c.health()
+        check("ready: no" in health, "health after the loss: %r" % health)
+        check("worker-3" in health, "health does not name the lost worker: %r" % health)
+        check("worker-3" in c.log("coordinator") and "lost" in c.log("coordinator"), "coordinator log silent")
+        rc, _, _, err = c.generate("Once upon a time", 8)
+        check(rc == 4 and "not ready" in err, "request on a broken grid: %d %s" % (rc, err))
+
+
+def test_replacement_worker_restores_the_grid():
+    with Cluster(STORIES, 2, 1) as c:
+        kill(c.pid("worker-1"))
+        deadline = time.time() + 10
+        while time.time() < deadline and "waiting_for_workers" not in c.health()[1]:
+            time.sleep(0.2)
+        check("waiting_for_workers" in c.health()[1], "the loss was not noticed")
+        ctl = "tcp://127.0.0.1:%d" % (c.port + 1)
+        w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
+                              "--id", "replacement"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 20
+            while time.time() < deadline and "ready: yes" not in c.health()[1]:
+                time.sleep(0.2)
+            check("ready: yes" in c.health()[1], "the grid did not come back: %s" % c.health()[1])
+            rc, text, ids, err = c.generate("Once upon a time", 16)
+            check(rc == 0 and ids == run_local(STORIES, "Once upon a time", 16)[1], "after recovery: %s" % err)
+        finally:
+            w.kill()
+            w.wait()
+
+
+def test_garbage_is_refused():
+    with Cluster(STORIES, 1, 1) as c:
+        p = subprocess.run([os.path.join(BIN, "..", "tests", "garbage"), "--api", c.addr,
+                            "--control", "tcp://127.0.0.1:%d" % (c.port + 1)],
+                           capture_output=True, text=True, timeout=120)
+        sys.stdout.write(p.stderr[-2000:])
+        check(p.returncode == 0, "garbage test failed")
+        check(os.path.exists("/proc/%d" % c.pid("coordinator")), "coordinator died")
+        check(os.path.exists("/proc/%d" % c.pid("worker-0")), "worker died")
+        rc, _, ids, err = c.generate("Once upon a time", 8)
+        check(rc == 0 and ids, "serving after the garbage: %s" % err)
+
+
+if __name__ == "__main__":
+    os.makedirs(WORK, exist_ok=True)
+    run_tests([test_concurrent_clients_2x2, test_killed_worker_gives_unavailable,
+               test_replacement_worker_restores_the_grid, test_garbage_is_refused])
