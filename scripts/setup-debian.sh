@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what Loom needs to build and test on Debian 12 (bookworm): the
+# libraries (ZeroMQ, protobuf-c, libmicrohttpd, cJSON, libcurl, OpenBLAS),
+# etcd for the membership tests, Debian's numpy/torch for the reference
+# implementation, gnuplot for plots, and the npm packages of the tests.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+sudo=""
+[ "$(id -u)" = 0 ] || sudo="sudo"
+packages=(build-essential cmake pkg-config git curl ca-certificates
+          libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libmicrohttpd-dev libcjson-dev
+          libcurl4-openssl-dev libopenblas-dev etcd-server etcd-client
+          python3 python3-numpy python3-torch gnuplot-nox clang libclang-rt-14-dev)
+# Node.js: use the one on the machine when there is one (Debian's npm conflicts with others).
+command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing ${missing[*]}" >&2
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+ref="$root/tests/reference"
+if [ ! -f "$ref/node_modules/.package-lock.json" ] || [ "$ref/package-lock.json" -nt "$ref/node_modules/.package-lock.json" ]; then
+    echo "setup: installing the test npm packages" >&2
+    (cd "$root/tests/reference" && npm ci --no-audit --no-fund --loglevel=error)
+fi
