@@ -1,0 +1,163 @@
+"""The command-line tools: `loom run` tells a story, bad models and bad input
+end with a clear message (never a crash), every binary has --help, and stop
+strings end a completion without being emitted."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import BIN, Cluster, STORIES, check, run_tests  # noqa: E402
+
+WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-cli")
+LOOM = os.path.join(BIN, "loom")
+
+
+def loom_run(model, prompt="Once upon a time", *extra):
+    return subprocess.run([LOOM, "run", "--model", model, "--prompt", prompt, "--temperature", "0",
+                           "--max-tokens", "64", "--threads", "1"] + list(extra),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_greedy_story():
+    p = loom_run(STORIES)
+    check(p.returncode == 0, p.stderr)
+    print("  " + p.stdout.strip()[:120])
+    # the reference implementation's greedy continuation of this prompt
+    check(p.stdout.startswith(", there was a little girl named Lily. She loved to play outside in the park."),
+          "not the expected story: %r" % p.stdout)
+    check("time to first token" in p.stderr and "tokens/s" in p.stderr, "no timing on stderr: %r" % p.stderr)
+    check("loading" not in p.stdout, "logs leaked into stdout")
+
+
+def copy_model(name):
+    d = os.path.join(WORK, name)
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(STORIES, d)
+    os.chmod(d, 0o755)
+    for f in os.listdir(d):
+        os.chmod(os.path.join(d, f), 0o644)
+    return d
+
+
+def header(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return n, json.loads(f.read(n)), f.read()
+
+
+def write_with_header(path, hdr, data):
+    raw = json.dumps(hdr).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def expect_error(model, *words, prompt="Once upon a time", extra=()):
+    p = loom_run(model, prompt, *extra)
+    check(p.returncode not in (0, -11, -6, 134, 139), "%s: exit %d (a crash or a success)" % (model, p.returncode))
+    msg = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+    print("  %-22s -> %s" % (os.path.basename(model), msg[:150]))
+    check(msg.startswith("error:"), "no clear error line: %r" % p.stderr)
+    for w in words:
+        check(w in msg, "error %r does not mention %r" % (msg, w))
+
+
+def test_bad_models():
+    st = "model.safetensors"
+    d = copy_model("truncated")
+    with open(os.path.join(d, st), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(d, st)) // 2)
+    expect_error(d, st)
+
+    d = copy_model("offsets")
+    n, hdr, data = header(os.path.join(d, st))
+    name = next(k for k in hdr if k != "__metadata__")
+    hdr[name]["data_offsets"] = [len(data) - 4, len(data) + 4096]
+    write_with_header(os.path.join(d, st), hdr, data)
+    expect_error(d, st)
+
+    d = copy_model("dtype")
+    n, hdr, data = header(os.path.join(d, st))
+    hdr["model.norm.weight"]["dtype"] = "I32"
+    write_with_header(os.path.join(d, st), hdr, data)
+    expect_error(d, "model.norm.weight", "I32")
+
+    d = copy_model("missing")
+    n, hdr, data = header(os.path.join(d, st))
+    del hdr["model.layers.3.mlp.down_proj.weight"]
+    write_with_header(os.path.join(d, st), hdr, data)
+    expect_error(d, "model.layers.3.mlp.down_proj.weight", "not found")
+
+    d = copy_model("heads")
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_attention_heads"] = 7
+    cfg["num_key_value_heads"] = 7
+    del cfg["head_dim"]
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    expect_error(d, "config.json", "7")
+
+    d = copy_model("nojson")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write("{\"hidden_size\": 64,")
+    expect_error(d, "config.json")
+
+    expect_error(os.path.join(WORK, "does-not-exist"), "does-not-exist")
+
+
+def test_bad_input():
+    expect_error(STORIES, "512", prompt="Once upon a time " * 200)  # longer than the context
+    p = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "x", "--temperature", "-1"],
+                       capture_output=True, text=True, timeout=30)
+    check(p.returncode == 2 and "--temperature" in p.stderr, "temperature -1: %r" % p.stderr)
+    p = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "x", "--device", "tpu"],
+                       capture_output=True, text=True, timeout=30)
+    check(p.returncode != 0 and "tpu" in p.stderr, "device tpu: %r" % p.stderr)
+    p = subprocess.run([LOOM, "run", "--model", STORIES], capture_output=True, text=True, timeout=30)
+    check(p.returncode == 2 and "--prompt" in p.stderr, "missing prompt: %r" % p.stderr)
+
+
+def test_help_everywhere():
+    for cmd in (["loom", "--help"], ["loom", "run", "--help"], ["loom", "generate", "--help"],
+                ["loom", "bench", "--help"], ["loom", "health", "--help"], ["loom", "stats", "--help"],
+                ["loom-coordinator", "--help"], ["loom-worker", "--help"]):
+        p = subprocess.run([os.path.join(BIN, cmd[0])] + cmd[1:], capture_output=True, text=True, timeout=30)
+        check(p.returncode == 0 and "usage:" in p.stdout, "%s: %r" % (" ".join(cmd), p.stdout + p.stderr))
+    p = subprocess.run([os.path.join(BIN, "..", "..", "deploy", "local", "launch.sh"), "--help"],
+                       capture_output=True, text=True, timeout=30)
+    check(p.returncode == 0 and "usage:" in p.stdout, "launch.sh --help")
+
+
+def test_stop_strings():
+    with Cluster(STORIES, 1, 1) as c:
+        rc, full, ids_full, err = c.generate("Once upon a time", 40)
+        check(rc == 0, err)
+        rc, text, ids, err = c.generate("Once upon a time", 40, extra=["--stop", "named"])
+        check(rc == 0, err)
+        check(full.startswith(text.rstrip("\n")) and "named" not in text, "stop string: %r vs %r" % (text, full))
+        check(text.rstrip("\n") == full.split("named")[0], "text before the stop: %r" % text)
+        check("finish stop" in err, "finish reason: %r" % err)
+        # a stop string split across tokens, and one that never appears
+        rc, text2, _, err = c.generate("Once upon a time", 40, extra=["--stop", "ttle gi", "--stop", "zzz"])
+        check(rc == 0 and text2.rstrip("\n") == full.split("ttle gi")[0], "split stop: %r" % text2)
+
+
+def test_tcp_data_plane():
+    # the data plane used across hosts, forced on one host
+    with Cluster(STORIES, 2, 2, coord_args=["--comm", "tcp"]) as c:
+        rc, _, ids, err = c.generate("Once upon a time", 32)
+        check(rc == 0, err)
+        local = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "Once upon a time", "--temperature",
+                                "0", "--max-tokens", "32", "--ids", "--quiet"], capture_output=True, text=True)
+        want = [int(x) for x in local.stderr.split("ids:")[1].split()]
+        check(ids == want, "tcp grid %s vs loom run %s" % (ids, want))
+        check("data plane tcp" in c.log("coordinator"), "coordinator did not choose tcp")
+
+
+if __name__ == "__main__":
+    os.makedirs(WORK, exist_ok=True)
+    run_tests([test_greedy_story, test_bad_models, test_bad_input, test_help_everywhere, test_stop_strings,
+               test_tcp_data_plane])
