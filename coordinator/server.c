@@ -18,6 +18,7 @@
 #include "coordinator/server.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,6 +77,7 @@ typedef struct inflight {
 
 struct loom_server {
     loom_server_config_t cfg;
+    char model_dir_abs[4096];
     char model_name[256];
     loom_model_config_t mcfg;
     loom_tokenizer_t *tok;
@@ -668,9 +670,9 @@ static void on_control(loom_server_t *s, const void *rid, size_t rid_len, const 
         w->weight_bytes = m->loaded->weight_bytes;
         w->bytes_read = m->loaded->bytes_read;
         w->nccl_tp_len = LOOM_MIN(m->loaded->nccl_tp_id.len, sizeof w->nccl_tp_id);
-        memcpy(w->nccl_tp_id, m->loaded->nccl_tp_id.data, w->nccl_tp_len);
+        if (w->nccl_tp_len) memcpy(w->nccl_tp_id, m->loaded->nccl_tp_id.data, w->nccl_tp_len);
         w->nccl_next_len = LOOM_MIN(m->loaded->nccl_next_id.len, sizeof w->nccl_next_id);
-        memcpy(w->nccl_next_id, m->loaded->nccl_next_id.data, w->nccl_next_len);
+        if (w->nccl_next_len) memcpy(w->nccl_next_id, m->loaded->nccl_next_id.data, w->nccl_next_len);
         LOOM_INFO("worker %s loaded its shard in %.2f s: %.1f MB of weights (%.1f MB read)", w->id,
                   m->loaded->load_s, (double)w->weight_bytes / 1e6, (double)w->bytes_read / 1e6);
         {
@@ -1119,6 +1121,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     *out = NULL;
     loom_server_t *s = loom_xcalloc(1, sizeof *s);
     s->cfg = *cfg;
+    /* workers may run elsewhere: hand them an absolute path */
+    if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;
+    cfg = &s->cfg;
     loom_status_t st = loom_model_config_load(cfg->model_dir, &s->mcfg, err);
     if (st < 0) goto fail;
     st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);

@@ -65,11 +65,25 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.stop()
-        if exc[0] is None:
+        reports = self.sanitizer_reports()
+        if exc[0] is None and not reports:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         else:
             self.dump_logs()
+        if exc[0] is None and reports:
+            raise Failure("sanitizer reports in %s" % ", ".join(reports))
         return False
+
+    def sanitizer_reports(self):
+        """Logs of this cluster's processes that hold an ASan/UBSan/LSan report."""
+        bad = []
+        for name in sorted(os.listdir(self.run_dir)):
+            if name.endswith(".log"):
+                text = self.log(name[:-4])
+                if ("ERROR: AddressSanitizer" in text or "ERROR: LeakSanitizer" in text
+                        or "runtime error:" in text):
+                    bad.append(name)
+        return bad
 
     def start(self):
         self.port = free_port_pair()
