@@ -355,7 +355,7 @@ static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
     for (int i = 0; i < mb->n_seqs; i++) {
         const loom_seq_t *q = mb->seqs[i];
         int32_t *row = mb->block_tables + (size_t)i * mx;
-        for (int j = 0; j < q->n_blocks; j++) row[j] = q->blocks[j];
+        memcpy(row, q->blocks, (size_t)q->n_blocks * sizeof *row);
         for (int j = q->n_blocks; j < mx; j++) row[j] = -1;
     }
     (void)s;
