@@ -24,8 +24,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <pthread.h>
 #include <zmq.h>
 
+#include <cjson/cJSON.h>
+
+#include "common/etcd.h"
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/tokenizer.h"
@@ -75,6 +79,12 @@ typedef struct inflight {
     uint64_t step_id, t_sent;
 } inflight_t;
 
+/* A worker key that left etcd, handed from the watch thread to the reactor. */
+typedef struct gone_key {
+    char id[128];
+    struct gone_key *next;
+} gone_key_t;
+
 struct loom_server {
     loom_server_config_t cfg;
     char model_dir_abs[4096];
@@ -115,6 +125,14 @@ struct loom_server {
     uint64_t rate_tokens[RATE_WINDOW];
     uint64_t rate_second;
     uint64_t last_hb_sent, last_check;
+
+    /* etcd membership (optional) */
+    loom_etcd_t *etcd;
+    loom_etcd_keeper_t *etcd_keeper;
+    loom_etcd_watch_t *etcd_watch;
+    pthread_mutex_t gone_mu;
+    gone_key_t *gone;
+    char etcd_prefix[300];
 };
 
 /* ---- small helpers ---------------------------------------------------------- */
@@ -372,6 +390,39 @@ static void fill_peer(Loom__V1__CommPeer *p, const worker_slot_t *w) {
     p->data_addr = (char *)w->data_addr;
 }
 
+/* Writes the grid plan to /loom/<cluster>/plan for operators and tools. */
+static void publish_plan(loom_server_t *s, const char *backend) {
+    if (!s->etcd) return;
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "epoch", (double)s->epoch);
+    cJSON_AddStringToObject(j, "model", s->model_name);
+    cJSON_AddNumberToObject(j, "tp", s->cfg.tp);
+    cJSON_AddNumberToObject(j, "pp", s->cfg.pp);
+    cJSON_AddStringToObject(j, "data_plane", backend);
+    cJSON *ws = cJSON_AddArrayToObject(j, "workers");
+    for (int i = 0; i < s->n_slots; i++) {
+        int lb, ln;
+        loom_split_range(s->mcfg.n_layers, s->cfg.pp, i / s->cfg.tp, &lb, &ln);
+        cJSON *w = cJSON_CreateObject();
+        cJSON_AddStringToObject(w, "id", s->slots[i].id);
+        cJSON_AddNumberToObject(w, "stage", i / s->cfg.tp);
+        cJSON_AddNumberToObject(w, "tp_rank", i % s->cfg.tp);
+        cJSON_AddNumberToObject(w, "layer_begin", lb);
+        cJSON_AddNumberToObject(w, "layer_end", lb + ln);
+        cJSON_AddStringToObject(w, "host", s->slots[i].host);
+        cJSON_AddStringToObject(w, "device", s->slots[i].device);
+        cJSON_AddItemToArray(ws, w);
+    }
+    char *text = cJSON_PrintUnformatted(j);
+    char key[400];
+    snprintf(key, sizeof key, "%splan", s->etcd_prefix);
+    loom_err_t err = {0};
+    if (loom_etcd_put(s->etcd, key, text, strlen(text), loom_etcd_keeper_lease(s->etcd_keeper), &err) < 0)
+        LOOM_WARN("could not publish the plan to etcd: %s", err.msg);
+    free(text);
+    cJSON_Delete(j);
+}
+
 /* Every slot is filled: plan the grid and send each worker its Assign. */
 static void start_epoch(loom_server_t *s) {
     s->epoch++;
@@ -433,6 +484,7 @@ static void start_epoch(loom_server_t *s) {
     free(peers);
     free(tp_ptrs);
     s->state = GRID_LOADING;
+    publish_plan(s, backend);
 }
 
 /* Aborts the current epoch: in-flight work fails, requests end with UNAVAILABLE. */
@@ -1002,6 +1054,41 @@ static void schedule(loom_server_t *s) {
     while (s->n_inflight < s->cfg.pp && (mb = loom_sched_schedule(s->sched))) send_plan(s, mb);
 }
 
+/* Watch thread: a worker's key left etcd (lease expired or revoked). */
+static void on_etcd_event(void *ctx, const loom_etcd_event_t *ev) {
+    loom_server_t *s = ctx;
+    if (ev->type != LOOM_ETCD_DELETE) return;
+    size_t pl = strlen(s->etcd_prefix) + strlen("workers/");
+    if (strlen(ev->key) <= pl) return;
+    gone_key_t *g = loom_xcalloc(1, sizeof *g);
+    snprintf(g->id, sizeof g->id, "%s", ev->key + pl);
+    pthread_mutex_lock(&s->gone_mu);
+    g->next = s->gone;
+    s->gone = g;
+    pthread_mutex_unlock(&s->gone_mu);
+}
+
+/* Reactor: acts on workers whose etcd key went away. A worker that is still
+ * heartbeating only lost its link to etcd, and is kept. */
+static void etcd_drain(loom_server_t *s) {
+    if (!s->etcd) return;
+    pthread_mutex_lock(&s->gone_mu);
+    gone_key_t *g = s->gone;
+    s->gone = NULL;
+    pthread_mutex_unlock(&s->gone_mu);
+    while (g) {
+        gone_key_t *next = g->next;
+        int i = slot_of(s, g->id, strlen(g->id));
+        if (i >= 0) {
+            uint64_t age_ms = (loom_now_ns() - s->slots[i].last_seen_ns) / 1000000ull;
+            if (age_ms > 500) lose_worker(s, i, "left etcd (its lease expired)");
+            else LOOM_WARN("worker %s left etcd but is still heartbeating: kept", g->id);
+        }
+        free(g);
+        g = next;
+    }
+}
+
 static void publish_state(loom_server_t *s) {
     loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
                                .requests_rejected = s->requests_rejected, .grid_ready = s->state == GRID_READY};
@@ -1087,6 +1174,7 @@ int loom_server_run(loom_server_t *s) {
             on_api(s, f, n);
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
+        etcd_drain(s);
         timers(s);
         schedule(s);
         publish_state(s);
@@ -1114,6 +1202,36 @@ static loom_status_t bind_sock(void *z, const char *addr, char *out, size_t n, l
         return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind %s: %s", addr, zmq_strerror(errno));
     size_t len = n;
     zmq_getsockopt(z, ZMQ_LAST_ENDPOINT, out, &len);
+    return LOOM_OK;
+}
+
+/* Claims /loom/<cluster>/coordinator (one coordinator per cluster), so
+ * workers can find the control address, and watches the workers' keys. */
+static loom_status_t etcd_setup(loom_server_t *s, loom_err_t *err) {
+    const char *cluster = s->cfg.cluster ? s->cfg.cluster : "default";
+    snprintf(s->etcd_prefix, sizeof s->etcd_prefix, "/loom/%s/", cluster);
+    LOOM_CHECK(loom_etcd_open(s->cfg.etcd_url, 2000, &s->etcd, err));
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "control", s->ctl_addr);
+    cJSON_AddStringToObject(j, "api", s->api_addr);
+    cJSON_AddStringToObject(j, "model", s->model_name);
+    cJSON_AddNumberToObject(j, "pid", (double)getpid());
+    char *text = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    char key[400];
+    snprintf(key, sizeof key, "%scoordinator", s->etcd_prefix);
+    loom_status_t st = loom_etcd_keeper_start(s->etcd, key, text, strlen(text), s->cfg.etcd_ttl, 1, &s->etcd_keeper, err);
+    free(text);
+    if (st == LOOM_ERR_RESOURCE_EXHAUSTED) {
+        char held[sizeof err->msg];
+        snprintf(held, sizeof held, "%s", err->msg);
+        return loom_err_set(err, st, "another coordinator serves cluster '%s' (%s)", cluster, held);
+    }
+    LOOM_CHECK(st);
+    char prefix[400];
+    snprintf(prefix, sizeof prefix, "%sworkers/", s->etcd_prefix);
+    LOOM_CHECK(loom_etcd_watch_start(s->etcd, prefix, 0, on_etcd_event, s, &s->etcd_watch, err));
+    LOOM_INFO("membership: etcd %s, cluster '%s' (lease TTL %d s)", s->cfg.etcd_url, cluster, s->cfg.etcd_ttl);
     return LOOM_OK;
 }
 
@@ -1177,6 +1295,11 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     if (st < 0) goto fail;
     st = bind_sock(s->ctl, cfg->control, s->ctl_addr, sizeof s->ctl_addr, err);
     if (st < 0) goto fail;
+    pthread_mutex_init(&s->gone_mu, NULL);
+    if (cfg->etcd_url) {
+        st = etcd_setup(s, err);
+        if (st < 0) goto fail;
+    }
     snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
     if (zmq_bind(s->api, s->inproc_addr) != 0) {
         st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", s->inproc_addr);
@@ -1197,6 +1320,14 @@ void loom_server_destroy(loom_server_t **s_p) {
         request_t *q = s->reqs;
         req_unlink(s, q);
         req_free(q);
+    }
+    loom_etcd_watch_stop(&s->etcd_watch);
+    loom_etcd_keeper_stop(&s->etcd_keeper); /* revokes: the coordinator key goes at once */
+    loom_etcd_close(&s->etcd);
+    while (s->gone) {
+        gone_key_t *g = s->gone;
+        s->gone = g->next;
+        free(g);
     }
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);

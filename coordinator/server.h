@@ -28,6 +28,9 @@ typedef struct loom_server_config {
     int heartbeat_timeout_ms;
     const char *api_key;      /* required in every request when set */
     const char *ready_file;   /* written with the API address once the grid is ready */
+    const char *etcd_url;     /* membership in etcd (NULL: heartbeats only) */
+    const char *cluster;      /* cluster name: keys under /loom/<cluster>/ */
+    int etcd_ttl;             /* lease TTL in seconds */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

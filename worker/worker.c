@@ -22,7 +22,10 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/cli.h"
+#include "common/etcd.h"
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
@@ -37,6 +40,9 @@
 typedef struct worker {
     /* options */
     const char *coord_addr, *device, *data_host, *trace_path, *dump_path;
+    const char *etcd_url, *cluster;
+    int etcd_ttl, coord_wait_s;
+    char coord_buf[256];
     FILE *dump;
     char id[128];
     int threads, coord_timeout_ms;
@@ -625,6 +631,55 @@ static int reactor(worker_t *w) {
     return g_stop == 2 ? 1 : 0;
 }
 
+/* etcd: finds the coordinator's control address under /loom/<cluster>/coordinator,
+ * waiting for it to appear (the coordinator may start later). */
+static loom_status_t etcd_find_coordinator(worker_t *w, loom_etcd_t *e, loom_err_t *err) {
+    char key[300];
+    snprintf(key, sizeof key, "/loom/%s/coordinator", w->cluster);
+    uint64_t deadline = loom_now_ns() + (uint64_t)w->coord_wait_s * 1000000000ull;
+    int logged = 0;
+    for (;;) {
+        char *v = NULL;
+        loom_status_t st = loom_etcd_get(e, key, &v, NULL, NULL, err);
+        if (st == LOOM_OK) {
+            cJSON *j = cJSON_Parse(v);
+            const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "control");
+            int ok = cJSON_IsString(c) && c->valuestring[0];
+            if (ok) snprintf(w->coord_buf, sizeof w->coord_buf, "%s", c->valuestring);
+            cJSON_Delete(j);
+            free(v);
+            if (!ok) return loom_err_set(err, LOOM_ERR_FORMAT, "etcd key %s does not hold a control address", key);
+            w->coord_addr = w->coord_buf;
+            LOOM_INFO("found the coordinator of cluster '%s' in etcd: %s", w->cluster, w->coord_addr);
+            return LOOM_OK;
+        }
+        if (st != LOOM_ERR_NOT_FOUND && st != LOOM_ERR_UNAVAILABLE) return st;
+        if (loom_now_ns() > deadline || g_stop)
+            return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "no coordinator for cluster '%s' in etcd %s after %d s",
+                                w->cluster, w->etcd_url, w->coord_wait_s);
+        if (!logged++) LOOM_INFO("waiting for the coordinator of cluster '%s' to appear in etcd", w->cluster);
+        usleep(200000);
+    }
+}
+
+/* etcd: holds /loom/<cluster>/workers/<id> under a lease while this worker lives. */
+static loom_status_t etcd_register(worker_t *w, loom_etcd_t *e, loom_etcd_keeper_t **keeper, loom_err_t *err) {
+    char key[300], host[128] = "localhost";
+    gethostname(host, sizeof host);
+    snprintf(key, sizeof key, "/loom/%s/workers/%s", w->cluster, w->id);
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "id", w->id);
+    cJSON_AddStringToObject(j, "host", host);
+    cJSON_AddStringToObject(j, "device", w->device);
+    cJSON_AddStringToObject(j, "data_addr", loom_comm_listener_addr(w->listener));
+    cJSON_AddNumberToObject(j, "pid", (double)getpid());
+    char *text = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    loom_status_t st = loom_etcd_keeper_start(e, key, text, strlen(text), w->etcd_ttl, 1, keeper, err);
+    free(text);
+    return st;
+}
+
 /* Copies a path template, replacing "%i" with the worker id. */
 static void expand_id(char *out, size_t n, const char *tmpl, const char *id) {
     size_t o = 0;
@@ -642,10 +697,15 @@ static void expand_id(char *out, size_t n, const char *tmpl, const char *id) {
 
 int main(int argc, char **argv) {
     loom_log_init("worker");
-    worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 15000};
+    worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 15000, .cluster = "default",
+                  .etcd_ttl = 5, .coord_wait_s = 120};
     const char *id = NULL;
     loom_opt_t opts[] = {
-        {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. tcp://127.0.0.1:5556", 1, 0, NULL},
+        {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. tcp://127.0.0.1:5556 (or find it with --etcd)", 1, 0, NULL},
+        {"etcd", LOOM_OPT_STR, &w.etcd_url, "URL", "register in etcd (e.g. http://127.0.0.1:2379) and find the coordinator there", 1, 0, NULL},
+        {"cluster", LOOM_OPT_STR, &w.cluster, "NAME", "cluster name in etcd (default 'default')", 1, 0, NULL},
+        {"etcd-ttl", LOOM_OPT_INT, &w.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
+        {"coordinator-wait-s", LOOM_OPT_INT, &w.coord_wait_s, "S", "with --etcd: how long to wait for the coordinator to appear (default 120)", 1, 86400, NULL},
         {"device", LOOM_OPT_STR, &w.device, "DEV", "cpu or cuda:N (default cpu)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &w.threads, "N", "CPU threads for compute (default: all cores)", 0, 1024, NULL},
         {"id", LOOM_OPT_STR, &id, "NAME", "worker id (default HOST-PID)", 1, 0, NULL},
@@ -658,8 +718,8 @@ int main(int argc, char **argv) {
                            "A Loom worker: registers with the coordinator, loads its shard of the model, joins its\n"
                            "tensor- and pipeline-parallel groups and executes step plans.");
     if (r) return r < 0 ? 2 : 0;
-    if (!w.coord_addr) {
-        fprintf(stderr, "error: --coordinator is required (see --help)\n");
+    if (!w.coord_addr && !w.etcd_url) {
+        fprintf(stderr, "error: --coordinator ADDR or --etcd URL is required (see --help)\n");
         return 2;
     }
     loom_device_kind_t kind;
@@ -703,6 +763,17 @@ int main(int argc, char **argv) {
     if (loom_comm_listener_create(w.data_host, 0, &w.listener, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);
         return 1;
+    }
+    loom_etcd_t *etcd = NULL;
+    loom_etcd_keeper_t *keeper = NULL;
+    if (w.etcd_url) {
+        if (loom_etcd_open(w.etcd_url, 2000, &etcd, &err) < 0 ||
+            (!w.coord_addr && etcd_find_coordinator(&w, etcd, &err) < 0) || etcd_register(&w, etcd, &keeper, &err) < 0) {
+            fprintf(stderr, "error: %s\n", err.msg);
+            loom_etcd_close(&etcd);
+            loom_comm_listener_destroy(&w.listener);
+            return 1;
+        }
     }
     pthread_mutex_init(&w.comm_mu, NULL);
     w.zctx = zmq_ctx_new();
@@ -762,6 +833,8 @@ int main(int argc, char **argv) {
     zmq_close(w.pipe_c);
     zmq_ctx_term(w.zctx);
     loom_comm_listener_destroy(&w.listener);
+    loom_etcd_keeper_stop(&keeper); /* revokes the lease: the key goes at once */
+    loom_etcd_close(&etcd);
     if (w.dump) fclose(w.dump);
     LOOM_INFO("exiting");
     return rc;

@@ -10,7 +10,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
-model="" tp=1 pp=1 port=5555 host=127.0.0.1 threads="" device=cpu timeout=120 stop=0 pin=1
+model="" tp=1 pp=1 port=5555 host=127.0.0.1 threads="" device=cpu timeout=120 stop=0 pin=1 etcd="" cluster=""
 bin="${LOOM_BIN:-$root/build/bin}"
 run_dir="${LOOM_RUN_DIR:-${XDG_RUNTIME_DIR:-/tmp}/loom-$(id -un)-local}"
 worker_args=()
@@ -34,6 +34,8 @@ options:
   --device DEV       worker device: cpu or cuda (workers get cuda:0, cuda:1, ...) (default cpu)
   --no-pin           do not pin workers to cores
   --worker-arg ARG   extra argument for every worker (repeatable)
+  --etcd URL         membership in etcd: workers find the coordinator there (e.g. http://127.0.0.1:2379)
+  --cluster NAME     cluster name in etcd (default: loom-<port>)
   --bin DIR          where the binaries are (default build/bin)
   --run-dir DIR      pid files and logs (default $run_dir)
   --timeout S        give up when the grid is not ready after S seconds (default 120)
@@ -53,6 +55,8 @@ while [ $# -gt 0 ]; do
         --device) device=$2; shift 2 ;;
         --no-pin) pin=0; shift ;;
         --worker-arg) worker_args+=("$2"); shift 2 ;;
+        --etcd) etcd=$2; shift 2 ;;
+        --cluster) cluster=$2; shift 2 ;;
         --bin) bin=$2; shift 2 ;;
         --run-dir) run_dir=$2; shift 2 ;;
         --timeout) timeout=$2; shift 2 ;;
@@ -112,6 +116,10 @@ command -v taskset >/dev/null || pin=0
 
 api="tcp://$host:$port"
 ctl="tcp://$host:$((port + 1))"
+membership=()
+if [ -n "$etcd" ]; then
+    membership=(--etcd "$etcd" --cluster "${cluster:-loom-$port}")
+fi
 rm -f "$run_dir/ready"
 cleanup_on_error() {
     echo "launch.sh: the cluster did not come up; logs are in $run_dir" >&2
@@ -122,13 +130,16 @@ cleanup_on_error() {
 }
 
 "$bin/loom-coordinator" --model "$model" --tp "$tp" --pp "$pp" --listen "$api" --control "$ctl" \
-    --ready-file "$run_dir/ready" ${coord_args[@]+"${coord_args[@]}"} >"$run_dir/coordinator.log" 2>&1 &
+    --ready-file "$run_dir/ready" ${membership[@]+"${membership[@]}"} ${coord_args[@]+"${coord_args[@]}"} \
+    >"$run_dir/coordinator.log" 2>&1 &
 echo $! >"$run_dir/coordinator.pid"
 
 for ((i = 0; i < n; i++)); do
     dev=$device
     [ "$device" = cuda ] && dev="cuda:$i"
-    cmd=("$bin/loom-worker" --coordinator "$ctl" --device "$dev" --threads "$threads" --id "worker-$i"
+    # with etcd the workers find the coordinator there instead of being told
+    if [ -n "$etcd" ]; then where=("${membership[@]}"); else where=(--coordinator "$ctl"); fi
+    cmd=("$bin/loom-worker" "${where[@]}" --device "$dev" --threads "$threads" --id "worker-$i"
          ${worker_args[@]+"${worker_args[@]}"})
     if [ $pin = 1 ]; then
         first=$((i * threads))

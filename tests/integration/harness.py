@@ -51,8 +51,9 @@ def check(cond, what):
 
 
 class Cluster:
-    def __init__(self, model, tp=1, pp=1, coord_args=(), worker_args=(), threads=1, timeout=90):
+    def __init__(self, model, tp=1, pp=1, coord_args=(), worker_args=(), threads=1, timeout=90, launch_args=()):
         self.model, self.tp, self.pp = model, tp, pp
+        self.launch_args = list(launch_args)
         self.coord_args, self.worker_args = list(coord_args), list(worker_args)
         self.threads, self.timeout = threads, timeout
         self.run_dir = tempfile.mkdtemp(prefix="loom-it-")
@@ -92,7 +93,7 @@ class Cluster:
                "--threads", str(self.threads), "--no-pin", "--timeout", str(self.timeout)]
         for a in self.worker_args:
             cmd += ["--worker-arg", a]
-        cmd += ["--"] + self.coord_args
+        cmd += self.launch_args + ["--"] + self.coord_args
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout + 30)
         if p.returncode != 0:
             raise Failure("launch.sh failed (%d): %s" % (p.returncode, p.stderr))
@@ -202,6 +203,46 @@ def run_tests(tests):
             print("FAIL %s: %s: %s" % (t.__name__, type(e).__name__, e), flush=True)
     print("%d tests, %d failed" % (len(tests), failed))
     sys.exit(1 if failed else 0)
+
+
+class Etcd:
+    """A private etcd on free loopback ports (tests/etcd_fixture.sh), stopped on exit."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="loom-etcd-")
+        self.fixture = os.path.join(ROOT, "tests", "etcd_fixture.sh")
+
+    def __enter__(self):
+        p = subprocess.run([self.fixture, "start", self.dir], capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise Failure("etcd did not start: %s" % p.stderr)
+        self.url = p.stdout.strip()
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run([self.fixture, "clean", self.dir], capture_output=True, timeout=60)
+        return False
+
+    def get(self, key):
+        """The value of key (str) or None, through etcdctl-free JSON gateway calls."""
+        import base64
+        import json
+        import urllib.request
+        body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/v3/kv/range", body), timeout=5) as r:
+            kvs = json.load(r).get("kvs", [])
+        return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
+
+    def keys(self, prefix):
+        import base64
+        import json
+        import urllib.request
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                           "range_end": base64.b64encode(end.encode()).decode(), "keys_only": True}).encode()
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/v3/kv/range", body), timeout=5) as r:
+            kvs = json.load(r).get("kvs", [])
+        return sorted(base64.b64decode(kv["key"]).decode() for kv in kvs)
 
 
 def kill(pid, sig=signal.SIGKILL):
