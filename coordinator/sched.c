@@ -499,6 +499,21 @@ void loom_sched_finish(loom_sched_t *s, loom_seq_t *q) {
     else seq_free(s, q);
 }
 
+void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
+    LOOM_ASSERT(loom_sched_in_flight(s) == 0);
+    while (s->n_running > 0) {
+        preempt(s, s->running[s->n_running - 1]);
+        s->stats.preemptions--; /* a lost cache, not memory pressure */
+    }
+    loom_kv_destroy(&s->kv);
+    s->cfg.n_blocks = n_blocks;
+    s->kv = loom_kv_create(n_blocks, s->cfg.block_size, s->cfg.prefix_cache);
+}
+
+int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q) {
+    return (q->n_prompt + q->max_tokens + s->cfg.block_size - 1) / s->cfg.block_size;
+}
+
 int loom_sched_n_seqs(const loom_sched_t *s) { return s->n_running + s->n_waiting; }
 
 loom_seq_t *loom_sched_seq_at(loom_sched_t *s, int i) {

@@ -125,6 +125,14 @@ void loom_sched_fail(loom_sched_t *s, loom_microbatch_t *mb);
  * its micro-batch completes. The pointer must not be used afterwards. */
 void loom_sched_finish(loom_sched_t *s, loom_seq_t *seq);
 
+/* The KV cache is gone (a worker was lost): every running sequence goes back
+ * to waiting (its tokens kept, recomputed later) and the ledger starts over
+ * with n_blocks blocks (the new grid's pool). No micro-batch may be in
+ * flight (fail them first). */
+void loom_sched_reset_kv(loom_sched_t *s, int n_blocks);
+/* Blocks a sequence needs at most (its prompt plus max_tokens). */
+int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q);
+
 /* Running and waiting sequences, for failing them all (e.g. grid lost). */
 int loom_sched_n_seqs(const loom_sched_t *s);
 loom_seq_t *loom_sched_seq_at(loom_sched_t *s, int i); /* running first, then waiting */

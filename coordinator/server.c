@@ -6,10 +6,13 @@
  *   JOINING   KV pool sized (smallest worker decides); KvConfig sent; waiting for Ready
  *   READY     serving: the step loop runs, requests are admitted
  * A lost worker (missed heartbeats) or a failed step aborts epoch e: workers
- * are told to stop waiting on the data plane, requests in flight end with
- * UNAVAILABLE, the slot (if lost) is freed, and the grid goes back to
- * WAITING or LOADING with epoch e+1. Workers keep their weights when the new
- * Assign gives them the same shard.
+ * are told to stop waiting on the data plane, the slot (if lost) is freed,
+ * and the grid goes back to WAITING or LOADING with epoch e+1. Workers keep
+ * their weights when the new Assign gives them the same shard. Requests are
+ * not lost: their sequences keep their tokens and wait (their KV dropped)
+ * until the grid is READY again, then are re-prefilled and their streams go
+ * on; if the grid is not back within --recovery-timeout-ms they end with
+ * UNAVAILABLE.
  *
  * Requests: Generate is tokenized here and queued in the scheduler; each
  * sampled token is detokenized, checked against EOS/stop strings/max_tokens
@@ -125,6 +128,7 @@ struct loom_server {
     uint64_t rate_tokens[RATE_WINDOW];
     uint64_t rate_second;
     uint64_t last_hb_sent, last_check;
+    uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
 
     /* etcd membership (optional) */
     loom_etcd_t *etcd;
@@ -487,7 +491,8 @@ static void start_epoch(loom_server_t *s) {
     publish_plan(s, backend);
 }
 
-/* Aborts the current epoch: in-flight work fails, requests end with UNAVAILABLE. */
+/* Aborts the current epoch: in-flight micro-batches fail, requests wait for
+ * the grid to come back (or end with UNAVAILABLE when it does not in time). */
 static void fail_grid(loom_server_t *s, const char *why) {
     snprintf(s->last_failure, sizeof s->last_failure, "%s", why);
     LOOM_ERROR("grid failure (epoch %llu): %s", (unsigned long long)s->epoch, why);
@@ -502,15 +507,15 @@ static void fail_grid(loom_server_t *s, const char *why) {
     if (s->sched) {
         for (int i = 0; i < s->n_inflight; i++) loom_sched_fail(s->sched, s->inflight[i].mb);
         s->n_inflight = 0;
-        char msg[700];
-        snprintf(msg, sizeof msg, "the serving grid failed: %s", why);
-        fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
-        loom_sched_stats_t ss;
-        loom_sched_get_stats(s->sched, &ss);
-        s->prefix_queries_base += ss.prefix_queries;
-        s->prefix_hits_base += ss.prefix_hits;
-        s->preemptions_base += ss.preemptions;
-        loom_sched_destroy(&s->sched);
+        if (s->cfg.recovery_timeout_ms <= 0 || s->n_reqs == 0) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "the serving grid failed: %s", why);
+            fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
+        } else if (!s->recovery_deadline) {
+            s->recovery_deadline = loom_now_ns() + (uint64_t)s->cfg.recovery_timeout_ms * 1000000ull;
+            LOOM_WARN("%d request(s) wait up to %d ms for the grid to be restored", s->n_reqs,
+                      s->cfg.recovery_timeout_ms);
+        }
     }
     for (int i = 0; i < s->n_slots; i++) s->slots[i].loaded = s->slots[i].ready = 0;
     if (count_used(s) == s->n_slots) start_epoch(s); /* rebuild with the same workers */
@@ -528,11 +533,24 @@ static void lose_worker(loom_server_t *s, int i, const char *why) {
 }
 
 static void grid_ready(loom_server_t *s) {
-    loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
-                              .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len, .n_micro = s->cfg.pp,
-                              .block_size = s->cfg.block_size, .n_blocks = s->n_blocks,
-                              .prefix_cache = s->cfg.prefix_cache};
-    s->sched = loom_sched_create(&sc);
+    if (s->sched) {
+        /* the KV cache of the old grid is gone: recompute the waiting requests */
+        loom_sched_reset_kv(s->sched, s->n_blocks);
+        for (request_t *q = s->reqs, *next; q; q = next) {
+            next = q->next;
+            if (q->seq && loom_sched_seq_max_blocks(s->sched, q->seq) > s->n_blocks)
+                req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, LOOM_ERR_UNAVAILABLE,
+                         "the restored grid's KV cache is too small for this request");
+        }
+        if (s->n_reqs) LOOM_INFO("grid restored: %d request(s) resume (re-prefilled from their tokens)", s->n_reqs);
+        s->recovery_deadline = 0;
+    } else {
+        loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
+                                  .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len,
+                                  .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = s->n_blocks,
+                                  .prefix_cache = s->cfg.prefix_cache};
+        s->sched = loom_sched_create(&sc);
+    }
     s->state = GRID_READY;
     s->last_failure[0] = '\0';
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
@@ -622,7 +640,7 @@ static void on_register(loom_server_t *s, const void *rid, size_t rid_len, const
         char msg[256];
         snprintf(msg, sizeof msg, "the grid is full (%d workers for tp %d x pp %d)", s->n_slots, s->cfg.tp, s->cfg.pp);
         refuse_worker(s, rid, rid_len, LOOM_ERR_RESOURCE_EXHAUSTED, msg);
-        LOOM_WARN("refused worker %s: %s", r->worker_id, msg);
+        LOOM_DEBUG("worker %s stands by: %s", r->worker_id, msg);
         return;
     }
     worker_slot_t *w = &s->slots[i];
@@ -1123,6 +1141,13 @@ static void timers(loom_server_t *s) {
                 snprintf(why, sizeof why, "missed heartbeats for %d ms: lost", s->cfg.heartbeat_timeout_ms);
                 lose_worker(s, i, why);
             }
+    }
+    if (s->recovery_deadline && now > s->recovery_deadline && s->state != GRID_READY) {
+        char msg[700];
+        snprintf(msg, sizeof msg, "the serving grid failed and was not restored within %d ms: %s",
+                 s->cfg.recovery_timeout_ms, s->last_failure);
+        fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
+        s->recovery_deadline = 0;
     }
     if (now - s->last_hb_sent >= 500000000ull) {
         s->last_hb_sent = now;

@@ -26,6 +26,7 @@ typedef struct loom_server_config {
     float kv_fraction;        /* of the memory left after weights, shared by workers of a host */
     int prefix_cache;
     int heartbeat_timeout_ms;
+    int recovery_timeout_ms;  /* how long requests wait for a broken grid to be restored */
     const char *api_key;      /* required in every request when set */
     const char *ready_file;   /* written with the API address once the grid is ready */
     const char *etcd_url;     /* membership in etcd (NULL: heartbeats only) */

@@ -563,7 +563,8 @@ static void write_trace(worker_t *w) {
 
 static int reactor(worker_t *w) {
     uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns();
-    int registered = 0; /* the coordinator has answered */
+    int standby = 0;
+    int registered = 0; /* the coordinator holds a slot for us (it sends Assign/heartbeats) */
     send_register(w);
     while (!g_stop) {
         zmq_pollitem_t items[] = {{w->ctl, 0, ZMQ_POLLIN, 0}, {w->pipe_r, 0, ZMQ_POLLIN, 0}};
@@ -579,7 +580,7 @@ static int reactor(worker_t *w) {
                     LOOM_WARN("refused a control message: %s", err.msg);
                 } else {
                     last_heard = now;
-                    registered = 1;
+                    if (m->body_case != LOOM__V1__CONTROL_MSG__BODY_ERROR) registered = 1;
                     switch (m->body_case) {
                     case LOOM__V1__CONTROL_MSG__BODY_ASSIGN:
                     case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG:
@@ -598,8 +599,17 @@ static int reactor(worker_t *w) {
                         g_stop = 1;
                         break;
                     case LOOM__V1__CONTROL_MSG__BODY_ERROR:
-                        LOOM_ERROR("coordinator refused this worker: %s", m->error->message);
-                        g_stop = 2;
+                        if (m->error->code == LOOM_ERR_RESOURCE_EXHAUSTED || m->error->code == LOOM_ERR_NOT_FOUND) {
+                            /* the grid is full, or forgot us: stand by and register again */
+                            if (registered || !standby)
+                                LOOM_INFO("standing by: %s (registering again every second)", m->error->message);
+                            registered = 0;
+                            standby = 1;
+                            last_register = now;
+                        } else {
+                            LOOM_ERROR("coordinator refused this worker: %s", m->error->message);
+                            g_stop = 2;
+                        }
                         break;
                     default: break; /* heartbeats: liveness only */
                     }
@@ -615,11 +625,12 @@ static int reactor(worker_t *w) {
                 zmq_send(w->ctl, zmq_msg_data(&msg), zmq_msg_size(&msg), ZMQ_DONTWAIT);
             zmq_msg_close(&msg);
         }
-        if (now - last_hb >= HEARTBEAT_MS * 1000000ull) {
+        if (registered && now - last_hb >= HEARTBEAT_MS * 1000000ull) {
             send_heartbeat(w, ++hb_seq);
             last_hb = now;
         }
-        if (!registered && now - last_register > 2000000000ull) { /* the coordinator may have started later */
+        /* not (yet) in the grid: the coordinator may have started later, or a slot may free up */
+        if (!registered && now - last_register > (standby ? 1000000000ull : 2000000000ull)) {
             send_register(w);
             last_register = now;
         }

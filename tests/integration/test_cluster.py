@@ -78,6 +78,33 @@ def test_replacement_worker_restores_the_grid():
             w.wait()
 
 
+def test_stream_survives_worker_loss():
+    # the request waits for the grid to be restored, is re-prefilled from its
+    # tokens and continues: greedy output equal to an uninterrupted run
+    model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
+                      "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
+    expect = run_local(model, "Once upon a time", 400, extra=["--ignore-eos"])[1]
+    with Cluster(model, 2, 1, coord_args=["--recovery-timeout-ms", "30000"]) as c:
+        proc = c.generate_async("Once upon a time", 400, extra=["--ignore-eos", "--timeout-ms", "30000"])
+        time.sleep(0.4)
+        kill(c.pid("worker-1"))
+        time.sleep(0.5)
+        ctl = "tcp://127.0.0.1:%d" % (c.port + 1)
+        w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
+                              "--id", "replacement"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            out, err = proc.communicate(timeout=120)
+        finally:
+            w.terminate()
+            w.wait(timeout=30)
+        ids = [int(x) for line in err.splitlines() if line.startswith("ids:") for x in line[4:].split()]
+        check(proc.returncode == 0, "the stream did not survive: %s" % err[-300:])
+        check(ids == expect, "after recovery the ids differ from an uninterrupted run")
+        log = c.log("coordinator")
+        check("resume" in log, "no recovery in the coordinator log")
+        print("  " + [l for l in log.splitlines() if "resume" in l][0].split(": ", 1)[1])
+
+
 def test_garbage_is_refused():
     with Cluster(STORIES, 1, 1) as c:
         p = subprocess.run([os.path.join(BIN, "..", "tests", "garbage"), "--api", c.addr,
@@ -94,4 +121,4 @@ def test_garbage_is_refused():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_concurrent_clients_2x2, test_killed_worker_gives_unavailable,
-               test_replacement_worker_restores_the_grid, test_garbage_is_refused])
+               test_replacement_worker_restores_the_grid, test_stream_survives_worker_loss, test_garbage_is_refused])
