@@ -51,7 +51,7 @@ static const char *grid_state_name[] = {"waiting_for_workers", "loading", "joini
 
 typedef struct worker_slot {
     int used;
-    char id[128], host[128], host_id[64], device[32], data_addr[128];
+    char id[128], host[128], host_id[128], device[32], data_addr[128];
     uint32_t pid;
     uint64_t last_seen_ns;
     int loaded, ready;

@@ -504,12 +504,17 @@ static void *compute_main(void *arg) {
 /* ---- reactor -------------------------------------------------------------- */
 
 static void send_register(worker_t *w) {
-    char host[256] = "localhost", host_id[64] = "";
+    char host[256] = "localhost", host_id[128] = "", mnt[64] = "";
     gethostname(host, sizeof host);
+    /* Workers may share memory when they see the same /dev/shm: the same
+     * kernel (boot id) and the same mount namespace (containers on one node
+     * share the first, not the second). */
     char *boot = NULL;
     if (loom_read_file("/proc/sys/kernel/random/boot_id", &boot, NULL, NULL) == LOOM_OK) {
-        snprintf(host_id, sizeof host_id, "%s", boot);
-        host_id[strcspn(host_id, "\n")] = '\0';
+        boot[strcspn(boot, "\n")] = '\0';
+        ssize_t n = readlink("/proc/self/ns/mnt", mnt, sizeof mnt - 1);
+        mnt[n > 0 ? n : 0] = '\0';
+        snprintf(host_id, sizeof host_id, "%.40s/%.60s", boot, mnt);
         free(boot);
     }
     Loom__V1__Register r = LOOM__V1__REGISTER__INIT;
