@@ -52,6 +52,7 @@ int main(int argc, char **argv) {
         {"etcd", LOOM_OPT_STR, &c.etcd_url, "URL", "publish membership in etcd, e.g. http://127.0.0.1:2379 (workers can then find this coordinator)", 1, 0, NULL},
         {"cluster", LOOM_OPT_STR, &c.cluster, "NAME", "cluster name in etcd: keys under /loom/NAME/ (default 'default')", 1, 0, NULL},
         {"etcd-ttl", LOOM_OPT_INT, &c.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
+        {"advertise-host", LOOM_OPT_STR, &c.advertise_host, "HOST", "host name others dial, published in etcd when --listen/--control bind 0.0.0.0", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
                            "The Loom coordinator: waits for tp x pp workers to register, plans the grid (layer ranges\n"

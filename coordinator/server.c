@@ -1230,15 +1230,29 @@ static loom_status_t bind_sock(void *z, const char *addr, char *out, size_t n, l
     return LOOM_OK;
 }
 
+/* "tcp://HOST:PORT" with HOST replaced by --advertise-host when given. */
+static void advertised(const loom_server_t *s, const char *endpoint, char *out, size_t n) {
+    const char *colon = strrchr(endpoint, ':');
+    if (!s->cfg.advertise_host || !colon || strncmp(endpoint, "tcp://", 6) != 0) {
+        snprintf(out, n, "%s", endpoint);
+        return;
+    }
+    snprintf(out, n, "tcp://%s%s", s->cfg.advertise_host, colon);
+}
+
 /* Claims /loom/<cluster>/coordinator (one coordinator per cluster), so
  * workers can find the control address, and watches the workers' keys. */
 static loom_status_t etcd_setup(loom_server_t *s, loom_err_t *err) {
     const char *cluster = s->cfg.cluster ? s->cfg.cluster : "default";
     snprintf(s->etcd_prefix, sizeof s->etcd_prefix, "/loom/%s/", cluster);
     LOOM_CHECK(loom_etcd_open(s->cfg.etcd_url, 2000, &s->etcd, err));
+    /* a wildcard bind (0.0.0.0) is not dialable: publish --advertise-host instead */
+    char ctl[300], api[300];
+    advertised(s, s->ctl_addr, ctl, sizeof ctl);
+    advertised(s, s->api_addr, api, sizeof api);
     cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "control", s->ctl_addr);
-    cJSON_AddStringToObject(j, "api", s->api_addr);
+    cJSON_AddStringToObject(j, "control", ctl);
+    cJSON_AddStringToObject(j, "api", api);
     cJSON_AddStringToObject(j, "model", s->model_name);
     cJSON_AddNumberToObject(j, "pid", (double)getpid());
     char *text = cJSON_PrintUnformatted(j);

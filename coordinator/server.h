@@ -31,6 +31,7 @@ typedef struct loom_server_config {
     const char *ready_file;   /* written with the API address once the grid is ready */
     const char *etcd_url;     /* membership in etcd (NULL: heartbeats only) */
     const char *cluster;      /* cluster name: keys under /loom/<cluster>/ */
+    const char *advertise_host; /* host workers and clients should dial (published in etcd) */
     int etcd_ttl;             /* lease TTL in seconds */
 } loom_server_config_t;
 
