@@ -10,7 +10,7 @@ sudo=""
 packages=(build-essential cmake pkg-config git curl ca-certificates
           libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libmicrohttpd-dev libcjson-dev
           libcurl4-openssl-dev libopenblas-dev etcd-server etcd-client
-          python3 python3-numpy python3-torch gnuplot-nox clang libclang-rt-14-dev)
+          python3 python3-numpy python3-torch python3-yaml gnuplot-nox clang libclang-rt-14-dev)
 # Node.js: use the one on the machine when there is one (Debian's npm conflicts with others).
 command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
 missing=()
