@@ -1,19 +1,30 @@
 /* `loom bench`: the serving load generator. Sends requests with random
- * token-id prompts at a Poisson rate (or all at once) over one connection,
- * records when every chunk arrives, and reports TTFT, TPOT, ITL and E2E
- * latency percentiles plus throughput, for one rate or a sweep of rates.
+ * token-id prompts at a Poisson rate (or all at once), records when every
+ * chunk arrives, and reports TTFT, TPOT, ITL and E2E latency percentiles
+ * plus throughput, for one rate or a sweep of rates.
  *
  * One thread drives everything: requests are submitted when their arrival
  * time comes (and a concurrency slot is free) and chunks are polled in
- * between. The transport (how requests reach the server) sits behind a small
- * table of functions so that an HTTP mode can join the ZeroMQ one. */
+ * between. The transport sits behind a small table of functions: ZeroMQ
+ * (one loom.v1 connection for all requests) or HTTP (the coordinator's
+ * OpenAI-compatible gateway: one TCP connection per request, streaming
+ * /v1/completions read as Server-Sent Events), so one load generator
+ * measures both APIs the same way. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "client/commands.h"
 #include "client/loom_client.h"
@@ -106,6 +117,486 @@ static loom_status_t zmq_open(const char *addr, int timeout_ms, const char *api_
     *t = (transport_t){.name = "zmq", .self = c, .submit = zmq_submit, .poll = zmq_poll_event,
                        .cancel = zmq_cancel, .model = zmq_model, .close = zmq_close_transport};
     return LOOM_OK;
+}
+
+
+/* ---- HTTP transport: the OpenAI-compatible gateway ----
+ *
+ * Each request is one blocking connect + write, then a non-blocking socket
+ * read by poll(): the status line and headers, a chunked (or sized) body,
+ * and in it SSE events. A completion chunk with finish_reason null carries
+ * one token; the usage chunk (stream_options.include_usage) gives the exact
+ * counts; "data: [DONE]" ends the stream. A status other than 200 ends the
+ * request with the error body's message. The JSON the gateway writes is
+ * compact, so fields are found by their "key": text (a quote inside a
+ * string value is always escaped, so such a key cannot match inside one). */
+
+typedef struct hbuf {
+    char *p;
+    size_t len, cap;
+} hbuf_t;
+
+static void hb_add(hbuf_t *b, const char *s, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n + 1) cap *= 2;
+        b->p = loom_xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void hb_consume(hbuf_t *b, size_t n) {
+    memmove(b->p, b->p + n, b->len - n);
+    b->len -= n;
+    b->p[b->len] = '\0';
+}
+
+typedef enum { HS_HEAD, HS_CHUNK_SIZE, HS_CHUNK_DATA, HS_CHUNK_CRLF, HS_SIZED, HS_TO_CLOSE } hstate_t;
+
+typedef struct hreq {
+    uint64_t handle;
+    int fd;
+    hstate_t state;
+    int status;               /* HTTP status */
+    long long left;           /* bytes left in the chunk or the sized body */
+    hbuf_t raw, body;         /* received bytes not yet parsed; the decoded body (SSE text or error JSON) */
+    int prompt_tokens, completion_tokens;
+    double last_s;            /* last time anything arrived */
+} hreq_t;
+
+typedef struct hevent {
+    bench_event_t ev;
+    char msg[300];
+} hevent_t;
+
+typedef struct http_transport {
+    struct sockaddr_storage addr;
+    socklen_t addr_len;
+    char hostport[300];
+    char *auth;               /* "Authorization: Bearer KEY\r\n" or "" */
+    char model[256];
+    double timeout_s;
+    uint64_t next_handle;
+    hreq_t **reqs;
+    int n_reqs, cap_reqs;
+    hevent_t *events;         /* FIFO of events decoded but not yet returned */
+    int ev_head, n_events, cap_events;
+    hevent_t cur;
+    hbuf_t req_buf;
+} http_transport_t;
+
+static const char *json_find(const char *s, const char *key) {
+    const char *p = strstr(s, key);
+    if (!p) return NULL;
+    p += strlen(key);
+    while (*p == ' ') p++;
+    return p;
+}
+
+static long long json_int(const char *s, const char *key, long long dflt) {
+    const char *p = json_find(s, key);
+    return p && (*p == '-' || (*p >= '0' && *p <= '9')) ? strtoll(p, NULL, 10) : dflt;
+}
+
+/* The JSON string at key, with \" and \\ unescaped (enough for messages). */
+static void json_str_at(const char *s, const char *key, char *out, size_t n) {
+    out[0] = '\0';
+    const char *p = json_find(s, key);
+    if (!p || *p != '"' || n == 0) return;
+    size_t k = 0;
+    for (p++; *p && *p != '"' && k + 1 < n; p++) {
+        if (*p == '\\' && p[1]) {
+            p++;
+            out[k++] = *p == 'n' ? ' ' : *p;
+        } else {
+            out[k++] = *p;
+        }
+    }
+    out[k] = '\0';
+}
+
+static loom_status_t status_from_http(int code) {
+    switch (code) {
+    case 400: return LOOM_ERR_INVALID_ARGUMENT;
+    case 401: return LOOM_ERR_UNAUTHENTICATED;
+    case 404: return LOOM_ERR_NOT_FOUND;
+    case 429: return LOOM_ERR_RESOURCE_EXHAUSTED;
+    case 503: return LOOM_ERR_UNAVAILABLE;
+    case 504: return LOOM_ERR_DEADLINE_EXCEEDED;
+    default: return LOOM_ERR_INTERNAL;
+    }
+}
+
+static void http_push(http_transport_t *t, const bench_event_t *ev, const char *msg) {
+    if (t->ev_head > 0 && t->n_events == t->cap_events) {
+        memmove(t->events, t->events + t->ev_head, (size_t)(t->n_events - t->ev_head) * sizeof *t->events);
+        t->n_events -= t->ev_head;
+        t->ev_head = 0;
+    }
+    if (t->n_events == t->cap_events) {
+        t->cap_events = t->cap_events ? 2 * t->cap_events : 64;
+        t->events = loom_xrealloc(t->events, (size_t)t->cap_events * sizeof *t->events);
+    }
+    hevent_t *e = &t->events[t->n_events++];
+    e->ev = *ev;
+    snprintf(e->msg, sizeof e->msg, "%s", msg ? msg : "");
+}
+
+static void http_drop(http_transport_t *t, int i) {
+    hreq_t *r = t->reqs[i];
+    if (r->fd >= 0) close(r->fd);
+    free(r->raw.p);
+    free(r->body.p);
+    free(r);
+    t->reqs[i] = t->reqs[--t->n_reqs];
+}
+
+/* Ends request i with a final event. */
+static void http_finish(http_transport_t *t, int i, loom_status_t st, const char *msg) {
+    hreq_t *r = t->reqs[i];
+    bench_event_t ev = {.handle = r->handle, .final = 1, .status = st, .prompt_tokens = r->prompt_tokens,
+                        .completion_tokens = r->completion_tokens};
+    http_push(t, &ev, msg);
+    http_drop(t, i);
+}
+
+/* Handles the SSE events complete in the body so far; 1 when the stream ended. */
+static int http_sse(http_transport_t *t, int i) {
+    hreq_t *r = t->reqs[i];
+    for (;;) {
+        char *end = strstr(r->body.p ? r->body.p : "", "\n\n");
+        if (!end) return 0;
+        *end = '\0';
+        const char *data = strncmp(r->body.p, "data: ", 6) == 0 ? r->body.p + 6 : NULL;
+        if (data && !strcmp(data, "[DONE]")) {
+            http_finish(t, i, LOOM_OK, NULL);
+            return 1;
+        } else if (data && strstr(data, "{\"error\":") == data) {
+            char msg[300];
+            json_str_at(data, "\"message\":", msg, sizeof msg);
+            http_finish(t, i, LOOM_ERR_UNAVAILABLE, msg);
+            return 1;
+        } else if (data) {
+            const char *u = json_find(data, "\"usage\":");
+            if (u && *u == '{') {
+                r->prompt_tokens = (int)json_int(u, "\"prompt_tokens\":", 0);
+                r->completion_tokens = (int)json_int(u, "\"completion_tokens\":", 0);
+            }
+            const char *c = json_find(data, "\"choices\":");
+            const char *f = json_find(data, "\"finish_reason\":");
+            if (c && *c == '[' && c[1] != ']' && f && *f == 'n') {
+                bench_event_t ev = {.handle = r->handle, .n_tokens = 1};
+                http_push(t, &ev, NULL);
+            }
+        }
+        hb_consume(&r->body, (size_t)(end + 2 - r->body.p));
+    }
+}
+
+/* Parses what arrived for request i; 1 when the request ended. */
+static int http_parse(http_transport_t *t, int i) {
+    hreq_t *r = t->reqs[i];
+    for (;;) {
+        if (r->state == HS_HEAD) {
+            char *end = r->raw.p ? strstr(r->raw.p, "\r\n\r\n") : NULL;
+            if (!end) return 0;
+            *end = '\0';
+            if (sscanf(r->raw.p, "HTTP/%*d.%*d %d", &r->status) != 1) {
+                http_finish(t, i, LOOM_ERR_PROTOCOL, "the server did not answer HTTP");
+                return 1;
+            }
+            r->state = HS_TO_CLOSE;
+            for (char *line = strstr(r->raw.p, "\r\n"); line; line = strstr(line + 2, "\r\n")) {
+                const char *h = line + 2;
+                if (!strncasecmp(h, "Transfer-Encoding:", 18) && strstr(h, "chunked")) r->state = HS_CHUNK_SIZE;
+                else if (!strncasecmp(h, "Content-Length:", 15) && r->state != HS_CHUNK_SIZE) {
+                    r->state = HS_SIZED;
+                    r->left = strtoll(h + 15, NULL, 10);
+                }
+            }
+            hb_consume(&r->raw, (size_t)(end + 4 - r->raw.p));
+        } else if (r->state == HS_CHUNK_SIZE) {
+            char *end = r->raw.p ? strstr(r->raw.p, "\r\n") : NULL;
+            if (!end) return 0;
+            r->left = strtoll(r->raw.p, NULL, 16);
+            hb_consume(&r->raw, (size_t)(end + 2 - r->raw.p));
+            if (r->left == 0) break; /* the last chunk: the body is complete */
+            r->state = HS_CHUNK_DATA;
+        } else if (r->state == HS_CHUNK_DATA || r->state == HS_SIZED || r->state == HS_TO_CLOSE) {
+            size_t n = r->state == HS_TO_CLOSE ? r->raw.len : (size_t)LOOM_MIN((long long)r->raw.len, r->left);
+            if (n == 0 && !(r->state == HS_SIZED && r->left == 0)) return 0;
+            hb_add(&r->body, r->raw.p ? r->raw.p : "", n);
+            hb_consume(&r->raw, n);
+            r->left -= (long long)n;
+            if (r->status == 200 && http_sse(t, i)) return 1;
+            if (r->state == HS_CHUNK_DATA && r->left == 0) r->state = HS_CHUNK_CRLF;
+            else if (r->state == HS_SIZED && r->left == 0) break;
+            else if (r->state == HS_TO_CLOSE) return 0;
+        } else { /* HS_CHUNK_CRLF */
+            if (r->raw.len < 2) return 0;
+            hb_consume(&r->raw, 2);
+            r->state = HS_CHUNK_SIZE;
+        }
+    }
+    /* the body is complete */
+    char msg[300];
+    if (r->status == 200) {
+        snprintf(msg, sizeof msg, "the stream ended without data: [DONE]");
+        http_finish(t, i, LOOM_ERR_PROTOCOL, msg);
+    } else {
+        char m[250];
+        json_str_at(r->body.p ? r->body.p : "", "\"message\":", m, sizeof m);
+        snprintf(msg, sizeof msg, "HTTP %d: %s", r->status, m);
+        http_finish(t, i, status_from_http(r->status), msg);
+    }
+    return 1;
+}
+
+static loom_status_t http_connect(http_transport_t *t, int *fd_out, loom_err_t *err) {
+    int fd = socket(t->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "UNAVAILABLE: socket: %s", strerror(errno));
+    if (connect(fd, (struct sockaddr *)&t->addr, t->addr_len) < 0) {
+        int e = errno;
+        close(fd);
+        return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "UNAVAILABLE: cannot connect to %s: %s", t->hostport,
+                            strerror(e));
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    *fd_out = fd;
+    return LOOM_OK;
+}
+
+static loom_status_t write_all(int fd, const char *p, size_t n, const char *what, loom_err_t *err) {
+    while (n > 0) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "UNAVAILABLE: sending to %s: %s", what,
+                                        strerror(errno));
+        p += w;
+        n -= (size_t)w;
+    }
+    return LOOM_OK;
+}
+
+static loom_status_t http_submit(void *self, const bench_req_t *br, uint64_t *handle, loom_err_t *err) {
+    http_transport_t *t = self;
+    hbuf_t *b = &t->req_buf;
+    b->len = 0;
+    char num[64];
+    hb_add(b, "{\"model\":\"", 10);
+    hb_add(b, t->model, strlen(t->model));
+    hb_add(b, "\",\"prompt\":[", 12);
+    for (int i = 0; i < br->n_prompt; i++) {
+        int n = snprintf(num, sizeof num, "%s%d", i ? "," : "", br->prompt_ids[i]);
+        hb_add(b, num, (size_t)n);
+    }
+    int n = snprintf(num, sizeof num, "],\"max_tokens\":%d,\"temperature\":%g,\"seed\":%llu", br->max_tokens,
+                     (double)br->temperature, (unsigned long long)br->seed);
+    hb_add(b, num, (size_t)n);
+    const char *tail = ",\"ignore_eos\":true,\"stream\":true,\"stream_options\":{\"include_usage\":true}}";
+    hb_add(b, tail, strlen(tail));
+    char head[1024];
+    int hl = snprintf(head, sizeof head,
+                      "POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s"
+                      "Accept: text/event-stream\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n",
+                      t->hostport, t->auth, b->len);
+    int fd;
+    LOOM_CHECK(http_connect(t, &fd, err));
+    loom_status_t st = write_all(fd, head, (size_t)hl, t->hostport, err);
+    if (st == LOOM_OK) st = write_all(fd, b->p, b->len, t->hostport, err);
+    if (st < 0) {
+        close(fd);
+        return st;
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    hreq_t *r = loom_xcalloc(1, sizeof *r);
+    r->handle = ++t->next_handle;
+    r->fd = fd;
+    r->last_s = loom_now_s();
+    if (t->n_reqs == t->cap_reqs) {
+        t->cap_reqs = t->cap_reqs ? 2 * t->cap_reqs : 64;
+        t->reqs = loom_xrealloc(t->reqs, (size_t)t->cap_reqs * sizeof *t->reqs);
+    }
+    t->reqs[t->n_reqs++] = r;
+    *handle = r->handle;
+    return LOOM_OK;
+}
+
+static int http_take(http_transport_t *t, bench_event_t *ev) {
+    if (t->ev_head == t->n_events) return 0;
+    t->cur = t->events[t->ev_head++];
+    if (t->ev_head == t->n_events) t->ev_head = t->n_events = 0;
+    *ev = t->cur.ev;
+    ev->message = t->cur.msg;
+    return 1;
+}
+
+static loom_status_t http_poll(void *self, int timeout_ms, bench_event_t *ev, int *got, loom_err_t *err) {
+    http_transport_t *t = self;
+    *got = 0;
+    double deadline = loom_now_s() + (timeout_ms > 0 ? timeout_ms / 1e3 : 0);
+    for (int pass = 0;; pass++) {
+        if ((*got = http_take(t, ev))) break;
+        double now = loom_now_s();
+        if (pass > 0 && timeout_ms >= 0 && now >= deadline) break;
+        if (t->n_reqs == 0 && timeout_ms < 0) break;
+        for (int i = t->n_reqs - 1; i >= 0; i--)
+            if (now - t->reqs[i]->last_s > t->timeout_s) {
+                char msg[200];
+                snprintf(msg, sizeof msg, "no data from %.100s for %.0f s", t->hostport, t->timeout_s);
+                http_finish(t, i, LOOM_ERR_UNAVAILABLE, msg);
+            }
+        if (t->n_events) continue;
+        struct pollfd *fds = loom_xmalloc((size_t)(t->n_reqs + 1) * sizeof *fds);
+        for (int i = 0; i < t->n_reqs; i++) fds[i] = (struct pollfd){.fd = t->reqs[i]->fd, .events = POLLIN};
+        int wait = timeout_ms < 0 ? 1000 : (int)ceil((deadline - now) * 1e3);
+        int n = poll(fds, (nfds_t)t->n_reqs, LOOM_MAX(0, LOOM_MIN(wait, 1000)));
+        if (n < 0 && errno != EINTR) {
+            free(fds);
+            return loom_err_set(err, LOOM_ERR_INTERNAL, "INTERNAL: poll: %s", strerror(errno));
+        }
+        /* walk backwards: finishing a request moves the last one into its slot */
+        for (int i = t->n_reqs - 1; n > 0 && i >= 0; i--) {
+            if (!fds[i].revents) continue;
+            hreq_t *r = t->reqs[i];
+            char buf[16384];
+            ssize_t k = recv(r->fd, buf, sizeof buf, 0);
+            if (k < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+            if (k <= 0) {
+                if (r->state == HS_TO_CLOSE && r->status != 200) {
+                    r->state = HS_SIZED;
+                    r->left = 0;
+                    http_parse(t, i);
+                } else {
+                    http_finish(t, i, LOOM_ERR_UNAVAILABLE, "the connection closed before the stream ended");
+                }
+                continue;
+            }
+            r->last_s = loom_now_s();
+            hb_add(&r->raw, buf, (size_t)k);
+            http_parse(t, i);
+        }
+        free(fds);
+    }
+    return LOOM_OK;
+}
+
+static loom_status_t http_cancel(void *self, uint64_t handle, loom_err_t *err) {
+    http_transport_t *t = self;
+    for (int i = 0; i < t->n_reqs; i++)
+        if (t->reqs[i]->handle == handle) {
+            /* closing the connection is the cancel: the gateway notices and cancels upstream */
+            http_finish(t, i, LOOM_ERR_CANCELLED, "cancelled");
+            return LOOM_OK;
+        }
+    return loom_err_set(err, LOOM_ERR_NOT_FOUND, "NOT_FOUND: request %llu is not in flight",
+                        (unsigned long long)handle);
+}
+
+/* GET /v1/models: the id, and Loom's max_model_len and vocab_size fields. */
+static loom_status_t http_model(void *self, bench_model_t *m, loom_err_t *err) {
+    http_transport_t *t = self;
+    char head[1024];
+    int hl = snprintf(head, sizeof head, "GET /v1/models HTTP/1.1\r\nHost: %s\r\n%sConnection: close\r\n\r\n",
+                      t->hostport, t->auth);
+    int fd;
+    LOOM_CHECK(http_connect(t, &fd, err));
+    struct timeval tv = {.tv_sec = (time_t)t->timeout_s};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    hbuf_t b = {0};
+    loom_status_t st = write_all(fd, head, (size_t)hl, t->hostport, err);
+    for (char buf[8192]; st == LOOM_OK;) {
+        ssize_t k = recv(fd, buf, sizeof buf, 0);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "UNAVAILABLE: no answer from %s: %s", t->hostport,
+                                     strerror(errno));
+        if (k <= 0) break;
+        hb_add(&b, buf, (size_t)k);
+    }
+    close(fd);
+    int code = 0;
+    const char *body = b.p ? strstr(b.p, "\r\n\r\n") : NULL;
+    if (st == LOOM_OK && (!body || sscanf(b.p, "HTTP/%*d.%*d %d", &code) != 1))
+        st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "UNAVAILABLE: %s did not answer HTTP", t->hostport);
+    if (st == LOOM_OK && code != 200) {
+        char msg[300];
+        json_str_at(body, "\"message\":", msg, sizeof msg);
+        st = loom_err_set(err, status_from_http(code), "%s: HTTP %d from %s: %s", loom_status_str(status_from_http(code)),
+                          code, t->hostport, msg);
+    }
+    if (st == LOOM_OK) {
+        const char *d = json_find(body, "\"data\":");
+        json_str_at(d ? d : body, "\"id\":", m->id, sizeof m->id);
+        m->context_length = (int)json_int(body, "\"max_model_len\":", 0);
+        m->vocab_size = (int)json_int(body, "\"vocab_size\":", 0);
+        snprintf(t->model, sizeof t->model, "%s", m->id);
+        if (!m->id[0]) st = loom_err_set(err, LOOM_ERR_NOT_FOUND, "NOT_FOUND: %s lists no model", t->hostport);
+    }
+    free(b.p);
+    return st;
+}
+
+static void http_close_transport(void *self) {
+    http_transport_t *t = self;
+    while (t->n_reqs) http_drop(t, t->n_reqs - 1);
+    free(t->reqs);
+    free(t->events);
+    free(t->req_buf.p);
+    free(t->auth);
+    free(t);
+}
+
+/* url: http://host:port[/v1] */
+static loom_status_t http_open(const char *url, int timeout_ms, const char *api_key, const char *model,
+                               transport_t *tr, loom_err_t *err) {
+    const char *p = url;
+    if (!strncmp(p, "http://", 7)) p += 7;
+    else if (strstr(p, "://"))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: --url must be http://HOST:PORT, got '%s'",
+                            url);
+    char host[256], port[16] = "80";
+    size_t hl = strcspn(p, "/");
+    if (hl >= sizeof host) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: --url too long");
+    memcpy(host, p, hl);
+    host[hl] = '\0';
+    char *colon = host[0] == '[' ? strstr(host, "]:") : strrchr(host, ':');
+    if (colon) {
+        if (*colon == ']') *colon++ = '\0';
+        *colon = '\0';
+        snprintf(port, sizeof port, "%.15s", colon + 1);
+    }
+    char *h = host[0] == '[' ? host + 1 : host;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    int rc = getaddrinfo(h, port, &hints, &ai);
+    if (rc != 0 || !ai)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: cannot resolve '%s': %s", h,
+                            gai_strerror(rc));
+    http_transport_t *t = loom_xcalloc(1, sizeof *t);
+    memcpy(&t->addr, ai->ai_addr, ai->ai_addrlen);
+    t->addr_len = ai->ai_addrlen;
+    freeaddrinfo(ai);
+    snprintf(t->hostport, sizeof t->hostport, "%.*s", (int)hl, p);
+    t->timeout_s = timeout_ms / 1e3;
+    if (api_key) {
+        size_t n = strlen(api_key) + 32;
+        t->auth = loom_xmalloc(n);
+        snprintf(t->auth, n, "Authorization: Bearer %s\r\n", api_key);
+    } else {
+        t->auth = loom_xstrdup("");
+    }
+    if (model) snprintf(t->model, sizeof t->model, "%s", model);
+    *tr = (transport_t){.name = "http", .self = t, .submit = http_submit, .poll = http_poll, .cancel = http_cancel,
+                        .model = http_model, .close = http_close_transport};
+    return LOOM_OK;
+}
+
+static loom_status_t open_transport(int http, const char *where, int timeout_ms, const char *api_key,
+                                    const char *model, transport_t *t, loom_err_t *err) {
+    return http ? http_open(where, timeout_ms, api_key, model, t, err) : zmq_open(where, timeout_ms, api_key, t, err);
 }
 
 /* ---- workload ---- */
@@ -658,7 +1149,7 @@ static int parse_rates(const char *list, double *rates, int max) {
 
 int loom_cmd_bench(int argc, char **argv) {
     const char *addr = NULL, *rate_s = NULL, *rates_s = NULL, *json = NULL, *plot = NULL, *api = "zmq";
-    const char *api_key = NULL;
+    const char *api_key = NULL, *url = NULL;
     int num_requests = 100, prompt_len = 128, output_len = 128, vocab = 0, max_conc = 0, timeout_s = 300;
     float prompt_range = 0, output_range = 0, temperature = 0;
     uint64_t seed = 0;
@@ -678,7 +1169,8 @@ int loom_cmd_bench(int argc, char **argv) {
         {"json", LOOM_OPT_STR, &json, "FILE", "write the results as JSON (an object; an array for --rates)", 1, 0, NULL},
         {"plot", LOOM_OPT_STR, &plot, "FILE.png", "plot TTFT/TPOT p50/p99 against the achieved rate (gnuplot)", 1, 0, NULL},
         {"timeout-s", LOOM_OPT_INT, &timeout_s, "N", "cap on the whole run; unfinished requests fail (default 300)", 1, 1e6, NULL},
-        {"api", LOOM_OPT_STR, &api, "zmq|http", "transport (default zmq; http is not available yet)", 1, 0, NULL},
+        {"api", LOOM_OPT_STR, &api, "zmq|http", "transport: the ZeroMQ API, or the OpenAI-compatible HTTP gateway (default zmq)", 1, 0, NULL},
+        {"url", LOOM_OPT_STR, &url, "URL", "with --api http: the gateway, e.g. http://127.0.0.1:8000", 1, 0, NULL},
         {"api-key", LOOM_OPT_STR, &api_key, "KEY", "API key, when the server requires one", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom bench --addr ADDR [options]",
@@ -703,21 +1195,34 @@ int loom_cmd_bench(int argc, char **argv) {
                 MAX_RATES, rates_s);
         return EXIT_USAGE;
     }
-    if (!addr) addr = getenv("LOOM_ADDR");
-    if (!addr || !addr[0]) {
-        fprintf(stderr, "error: --addr is required (or set LOOM_ADDR); see loom bench --help\n");
+    int http = !strcmp(api, "http");
+    if (!http && strcmp(api, "zmq") != 0) {
+        fprintf(stderr, "error: --api must be zmq or http, got '%s'\n", api);
         return EXIT_USAGE;
     }
-    if (strcmp(api, "zmq") != 0) {
-        fprintf(stderr, "error: --api %s is not available yet (use --api zmq)\n", api);
-        return EXIT_USAGE;
+    if (http) {
+        if (!url || !url[0]) {
+            fprintf(stderr, "error: --api http needs --url http://HOST:PORT (the coordinator's --http address)\n");
+            return EXIT_USAGE;
+        }
+        addr = url;
+    } else {
+        if (url) {
+            fprintf(stderr, "error: --url is for --api http; the ZeroMQ API takes --addr\n");
+            return EXIT_USAGE;
+        }
+        if (!addr) addr = getenv("LOOM_ADDR");
+        if (!addr || !addr[0]) {
+            fprintf(stderr, "error: --addr is required (or set LOOM_ADDR); see loom bench --help\n");
+            return EXIT_USAGE;
+        }
     }
 
     /* Probe first, with a short timeout: is anyone there, and what does it serve? */
     loom_err_t err = {0};
     transport_t t;
     bench_model_t model = {.id = "unknown"};
-    if (zmq_open(addr, LOOM_MIN(timeout_s, 10) * 1000, api_key, &t, &err) < 0) {
+    if (open_transport(http, addr, LOOM_MIN(timeout_s, 10) * 1000, api_key, NULL, &t, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);
         return EXIT_USAGE;
     }
@@ -743,7 +1248,7 @@ int loom_cmd_bench(int argc, char **argv) {
                        .vocab = vocab, .max_concurrency = max_conc, .prompt_range = prompt_range,
                        .output_range = output_range, .temperature = temperature, .seed = seed,
                        .deadline = loom_now_s() + timeout_s};
-    if (zmq_open(addr, (int)LOOM_MIN((double)timeout_s * 1000, 1e9), api_key, &t, &err) < 0) {
+    if (open_transport(http, addr, (int)LOOM_MIN((double)timeout_s * 1000, 1e9), api_key, model.id, &t, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);
         return EXIT_USAGE;
     }

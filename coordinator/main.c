@@ -8,6 +8,7 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "coordinator/http.h"
 #include "coordinator/server.h"
 
 static loom_server_t *g_server;
@@ -27,6 +28,8 @@ int main(int argc, char **argv) {
     int no_prefix = 0;
     const char *kv_mem = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
+    const char *http_bind = NULL, *chat_template = NULL;
+    int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &c.model_dir, "DIR", "Hugging Face model directory (every worker reads it at this path)", 1, 0, NULL},
         {"tp", LOOM_OPT_INT, &c.tp, "N", "tensor-parallel ranks per pipeline stage (default 1)", 1, 64, NULL},
@@ -53,6 +56,11 @@ int main(int argc, char **argv) {
         {"cluster", LOOM_OPT_STR, &c.cluster, "NAME", "cluster name in etcd: keys under /loom/NAME/ (default 'default')", 1, 0, NULL},
         {"etcd-ttl", LOOM_OPT_INT, &c.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
         {"advertise-host", LOOM_OPT_STR, &c.advertise_host, "HOST", "host name others dial, published in etcd when --listen/--control bind 0.0.0.0", 1, 0, NULL},
+        {"http", LOOM_OPT_STR, &http_bind, "HOST:PORT", "also serve the OpenAI-compatible HTTP API, /health and /metrics here, e.g. 127.0.0.1:8000 (port 0: any free port; default off)", 1, 0, NULL},
+        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME", "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral (default: the model's)", 1, 0, NULL},
+        {"max-body-bytes", LOOM_OPT_INT, &max_body, "N", "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
+        {"http-max-connections", LOOM_OPT_INT, &http_conns, "N", "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
+        {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S", "close an HTTP connection idle this long, e.g. a client that stops sending (default 60)", 1, 86400, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
                            "The Loom coordinator: waits for tp x pp workers to register, plans the grid (layer ranges\n"
@@ -85,16 +93,33 @@ int main(int argc, char **argv) {
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
     if (c.max_batched_tokens < c.max_num_seqs) c.max_batched_tokens = c.max_num_seqs;
 
+    if (chat_template && !http_bind) {
+        fprintf(stderr, "error: --chat-template only matters with --http\n");
+        return 2;
+    }
+
     loom_err_t err = {0};
+    signal(SIGPIPE, SIG_IGN);
     if (loom_server_create(&c, &g_server, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);
         return 1;
     }
-    signal(SIGPIPE, SIG_IGN);
+    loom_http_t *http = NULL;
+    if (http_bind) {
+        loom_http_config_t hc = {.bind = http_bind, .api_key = c.api_key, .model_dir = c.model_dir,
+                                 .chat_template = chat_template, .max_body_bytes = (size_t)max_body,
+                                 .max_connections = http_conns, .idle_timeout_s = http_timeout};
+        if (loom_http_start(g_server, &hc, &http, &err) < 0) {
+            fprintf(stderr, "error: %s\n", err.msg);
+            loom_server_destroy(&g_server);
+            return 1;
+        }
+    }
     struct sigaction sa = {.sa_handler = on_signal};
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     int rc = loom_server_run(g_server);
+    loom_http_stop(&http); /* before the server: its ZeroMQ context waits for the gateway's clients */
     loom_server_destroy(&g_server);
     return rc;
 }

@@ -1,0 +1,369 @@
+/* Chat templates (chat_template.h): detection by substrings of the Jinja
+ * text, and one renderer per family written from that family's template. */
+#include "common/chat_template.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+
+/* ---- a growing string ---- */
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+} sbuf_t;
+
+static void sb_add(sbuf_t *b, const char *s, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1) cap *= 2;
+        b->p = loom_xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void sb_str(sbuf_t *b, const char *s) { sb_add(b, s, strlen(s)); }
+
+/* Python's str.strip() / Jinja's trim for the ASCII whitespace it removes. */
+static int is_strip_space(unsigned char c) {
+    return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
+}
+
+static void sb_stripped(sbuf_t *b, const char *s, size_t n) {
+    while (n > 0 && is_strip_space((unsigned char)s[0])) {
+        s++;
+        n--;
+    }
+    while (n > 0 && is_strip_space((unsigned char)s[n - 1])) n--;
+    sb_add(b, s, n);
+}
+
+/* ---- families ---- */
+
+static const struct {
+    loom_chat_family_t family;
+    const char *name, *bos, *eos;
+} k_families[] = {
+    {LOOM_CHAT_LLAMA2, "llama2", "<s>", "</s>"},
+    {LOOM_CHAT_LLAMA3, "llama3", "<|begin_of_text|>", "<|eot_id|>"},
+    {LOOM_CHAT_CHATML, "chatml", "", ""},
+    {LOOM_CHAT_MISTRAL, "mistral", "<s>", "</s>"},
+};
+
+const char *loom_chat_family_name(loom_chat_family_t f) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_families); i++)
+        if (k_families[i].family == f) return k_families[i].name;
+    return "none";
+}
+
+loom_chat_family_t loom_chat_family_from_name(const char *name) {
+    for (size_t i = 0; name && i < LOOM_ARRAY_LEN(k_families); i++)
+        if (!strcmp(k_families[i].name, name)) return k_families[i].family;
+    return LOOM_CHAT_NONE;
+}
+
+loom_chat_family_t loom_chat_detect(const char *t) {
+    if (!t) return LOOM_CHAT_NONE;
+    /* Most specific first: a Llama 3 or ChatML template never holds [INST],
+     * and Llama 2's is the [INST] template with a <<SYS>> block. */
+    if (strstr(t, "<|start_header_id|>") && strstr(t, "<|end_header_id|>")) return LOOM_CHAT_LLAMA3;
+    if (strstr(t, "<|im_start|>") && strstr(t, "<|im_end|>")) return LOOM_CHAT_CHATML;
+    if (strstr(t, "[INST]") && strstr(t, "<<SYS>>")) return LOOM_CHAT_LLAMA2;
+    if (strstr(t, "[INST]") && strstr(t, "[/INST]")) return LOOM_CHAT_MISTRAL;
+    return LOOM_CHAT_NONE;
+}
+
+/* ChatML templates like Qwen2's write a fixed system turn when the
+ * conversation has none: '<|im_start|>system\nYou are a helpful
+ * assistant.<|im_end|>\n'. Finds such a literal (text up to <|im_end|> with
+ * no quote or Jinja syntax in it) and returns its text, \n unescaped. */
+static char *chatml_default_system(const char *t) {
+    static const char *const heads[] = {"<|im_start|>system\\n", "<|im_start|>system\n"};
+    for (size_t h = 0; h < LOOM_ARRAY_LEN(heads); h++) {
+        for (const char *p = strstr(t, heads[h]); p; p = strstr(p + 1, heads[h])) {
+            const char *s = p + strlen(heads[h]);
+            const char *e = strstr(s, "<|im_end|>");
+            if (!e || e == s) continue;
+            size_t n = (size_t)(e - s);
+            if (memchr(s, '\'', n) || memchr(s, '"', n) || memchr(s, '{', n) || memchr(s, '}', n) ||
+                memchr(s, '+', n))
+                continue;
+            sbuf_t b = {0};
+            for (size_t i = 0; i < n; i++) {
+                if (s[i] == '\\' && i + 1 < n && s[i + 1] == 'n') {
+                    sb_add(&b, "\n", 1);
+                    i++;
+                } else {
+                    sb_add(&b, &s[i], 1);
+                }
+            }
+            return b.p;
+        }
+    }
+    return NULL;
+}
+
+loom_chat_template_t *loom_chat_template_create(loom_chat_family_t family, const char *bos, const char *eos,
+                                                const char *default_system) {
+    LOOM_ASSERT(family != LOOM_CHAT_NONE);
+    const char *dbos = "", *deos = "";
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_families); i++)
+        if (k_families[i].family == family) {
+            dbos = k_families[i].bos;
+            deos = k_families[i].eos;
+        }
+    loom_chat_template_t *t = loom_xcalloc(1, sizeof *t);
+    t->family = family;
+    t->bos = loom_xstrdup(bos ? bos : dbos);
+    t->eos = loom_xstrdup(eos ? eos : deos);
+    t->default_system = default_system ? loom_xstrdup(default_system) : NULL;
+    return t;
+}
+
+void loom_chat_template_destroy(loom_chat_template_t **t_p) {
+    if (!t_p || !*t_p) return;
+    loom_chat_template_t *t = *t_p;
+    free(t->bos);
+    free(t->eos);
+    free(t->default_system);
+    free(t);
+    *t_p = NULL;
+}
+
+loom_status_t loom_chat_template_from_text(const char *text, const char *override_name, const char *bos,
+                                           const char *eos, loom_chat_template_t **out, loom_err_t *err) {
+    *out = NULL;
+    loom_chat_family_t detected = text ? loom_chat_detect(text) : LOOM_CHAT_NONE, family = detected;
+    if (override_name) {
+        family = loom_chat_family_from_name(override_name);
+        if (family == LOOM_CHAT_NONE)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown chat template '%s'; choose one of %s",
+                                override_name, LOOM_CHAT_FAMILY_NAMES);
+    } else if (!text) {
+        return LOOM_OK;
+    } else if (family == LOOM_CHAT_NONE) {
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the model's chat template is not one Loom recognises (it knows %s); "
+                            "start the coordinator with --chat-template NAME to choose one",
+                            LOOM_CHAT_FAMILY_NAMES);
+    }
+    char *sys = family == LOOM_CHAT_CHATML && detected == LOOM_CHAT_CHATML ? chatml_default_system(text) : NULL;
+    /* ChatML templates rarely write BOS; those that do name bos_token */
+    if (family == LOOM_CHAT_CHATML && !(detected == LOOM_CHAT_CHATML && strstr(text, "bos_token"))) bos = "";
+    *out = loom_chat_template_create(family, bos, eos, sys);
+    free(sys);
+    return LOOM_OK;
+}
+
+/* A special-token field of tokenizer_config.json: "<s>", {"content": "<s>", ...},
+ * null (none: ""), or absent (NULL: the family's usual token). */
+static const char *token_field(const cJSON *root, const char *name) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
+    if (!v) return NULL;
+    if (cJSON_IsString(v)) return v->valuestring;
+    if (cJSON_IsObject(v)) {
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(v, "content");
+        if (cJSON_IsString(c)) return c->valuestring;
+    }
+    return "";
+}
+
+loom_status_t loom_chat_template_load(const char *model_dir, const char *override_name, loom_chat_template_t **out,
+                                      loom_err_t *err) {
+    *out = NULL;
+    char path[4096];
+    char *data = NULL, *jinja = NULL;
+    size_t len = 0;
+    cJSON *root = NULL;
+    const char *text = NULL, *bos = NULL, *eos = NULL;
+    loom_status_t st = LOOM_OK;
+    if (!loom_path_join(path, sizeof path, model_dir, "tokenizer_config.json"))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "model directory path is too long");
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        fclose(f);
+        LOOM_CHECK(loom_read_file(path, &data, &len, err));
+        root = cJSON_ParseWithLength(data, len);
+        if (!cJSON_IsObject(root)) {
+            st = loom_err_set(err, LOOM_ERR_FORMAT, "%s: not a JSON object", path);
+            goto done;
+        }
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(root, "chat_template");
+        if (cJSON_IsString(ct)) {
+            text = ct->valuestring;
+        } else if (cJSON_IsArray(ct)) {
+            const cJSON *e;
+            cJSON_ArrayForEach(e, ct) {
+                const cJSON *name = cJSON_GetObjectItemCaseSensitive(e, "name");
+                const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
+                if (!cJSON_IsString(tt)) continue;
+                if (!text || (cJSON_IsString(name) && !strcmp(name->valuestring, "default"))) text = tt->valuestring;
+            }
+        }
+        bos = token_field(root, "bos_token");
+        eos = token_field(root, "eos_token");
+    }
+    if (!text && loom_path_join(path, sizeof path, model_dir, "chat_template.jinja")) {
+        f = fopen(path, "rb");
+        if (f) {
+            fclose(f);
+            size_t jl;
+            st = loom_read_file(path, &jinja, &jl, err);
+            if (st < 0) goto done;
+            text = jinja;
+        }
+    }
+    st = loom_chat_template_from_text(text, override_name, bos, eos, out, err);
+done:
+    cJSON_Delete(root);
+    free(data);
+    free(jinja);
+    return st;
+}
+
+/* ---- rendering ---- */
+
+typedef enum { ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_OTHER } role_t;
+
+static role_t role_of(const char *r) {
+    if (!strcmp(r, "system") || !strcmp(r, "developer")) return ROLE_SYSTEM;
+    if (!strcmp(r, "user")) return ROLE_USER;
+    if (!strcmp(r, "assistant")) return ROLE_ASSISTANT;
+    return ROLE_OTHER;
+}
+
+static const char *role_name(role_t r) {
+    return r == ROLE_SYSTEM ? "system" : r == ROLE_USER ? "user" : "assistant";
+}
+
+/* Llama 2 and Mistral: [INST] turns. An optional leading system message,
+ * then user/assistant alternating from user. Llama 2 wraps the system text
+ * in <<SYS>>, strips every turn and starts each user turn with BOS; Mistral
+ * prepends the system text to the first user turn and writes BOS once. */
+static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, sbuf_t *b,
+                                 loom_err_t *err) {
+    int llama2 = t->family == LOOM_CHAT_LLAMA2;
+    const char *sys = NULL;
+    int start = 0;
+    if (n > 0 && role_of(m[0].role) == ROLE_SYSTEM) {
+        sys = m[0].content;
+        start = 1;
+    }
+    if (n - start < 1)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the conversation needs a user message after the system message");
+    if (!llama2) sb_str(b, t->bos);
+    for (int i = start; i < n; i++) {
+        int j = i - start;
+        role_t r = role_of(m[i].role);
+        role_t want = j % 2 == 0 ? ROLE_USER : ROLE_ASSISTANT;
+        if (r != want)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "messages[%d] has role '%s' but the %s chat template needs '%s' there: after an "
+                                "optional first system message, roles must alternate user/assistant/user/...",
+                                i, m[i].role, loom_chat_family_name(t->family), role_name(want));
+        const char *c = m[i].content;
+        if (r == ROLE_USER) {
+            if (llama2) {
+                sbuf_t content = {0};
+                if (j == 0 && sys) {
+                    sb_str(&content, "<<SYS>>\n");
+                    sb_str(&content, sys);
+                    sb_str(&content, "\n<</SYS>>\n\n");
+                }
+                sb_str(&content, c);
+                sb_str(b, t->bos);
+                sb_str(b, "[INST] ");
+                sb_stripped(b, content.p, content.len);
+                sb_str(b, " [/INST]");
+                free(content.p);
+            } else {
+                sb_str(b, "[INST] ");
+                if (j == 0 && sys) {
+                    sb_str(b, sys);
+                    sb_str(b, "\n\n");
+                }
+                sb_str(b, c);
+                sb_str(b, " [/INST]");
+            }
+        } else if (llama2) {
+            sb_str(b, " ");
+            sb_stripped(b, c, strlen(c));
+            sb_str(b, " ");
+            sb_str(b, t->eos);
+        } else {
+            sb_str(b, c);
+            sb_str(b, t->eos);
+        }
+    }
+    return LOOM_OK;
+}
+
+static void render_llama3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, sbuf_t *b) {
+    for (int i = 0; i < n; i++) {
+        if (i == 0) sb_str(b, t->bos);
+        sb_str(b, "<|start_header_id|>");
+        sb_str(b, role_name(role_of(m[i].role)));
+        sb_str(b, "<|end_header_id|>\n\n");
+        sb_stripped(b, m[i].content, strlen(m[i].content));
+        sb_str(b, "<|eot_id|>");
+    }
+    if (gen) sb_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+}
+
+static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, sbuf_t *b) {
+    sb_str(b, t->bos);
+    if (t->default_system && (n == 0 || role_of(m[0].role) != ROLE_SYSTEM)) {
+        sb_str(b, "<|im_start|>system\n");
+        sb_str(b, t->default_system);
+        sb_str(b, "<|im_end|>\n");
+    }
+    for (int i = 0; i < n; i++) {
+        sb_str(b, "<|im_start|>");
+        sb_str(b, role_name(role_of(m[i].role)));
+        sb_str(b, "\n");
+        sb_str(b, m[i].content);
+        sb_str(b, "<|im_end|>\n");
+    }
+    if (gen) sb_str(b, "<|im_start|>assistant\n");
+}
+
+loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
+                               int add_generation_prompt, char **out, size_t *out_len, loom_err_t *err) {
+    *out = NULL;
+    if (out_len) *out_len = 0;
+    if (n_msgs < 1) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "messages must not be empty");
+    for (int i = 0; i < n_msgs; i++) {
+        if (!msgs[i].role || role_of(msgs[i].role) == ROLE_OTHER)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "messages[%d] has role '%.64s'; the roles Loom supports are system, developer, "
+                                "user and assistant",
+                                i, msgs[i].role ? msgs[i].role : "(none)");
+        if (!msgs[i].content)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "messages[%d] has no content", i);
+    }
+    sbuf_t b = {0};
+    sb_add(&b, "", 0);
+    switch (t->family) {
+    case LOOM_CHAT_LLAMA2:
+    case LOOM_CHAT_MISTRAL: {
+        loom_status_t st = render_inst(t, msgs, n_msgs, &b, err);
+        if (st < 0) {
+            free(b.p);
+            return st;
+        }
+        break;
+    }
+    case LOOM_CHAT_LLAMA3: render_llama3(t, msgs, n_msgs, add_generation_prompt, &b); break;
+    case LOOM_CHAT_CHATML: render_chatml(t, msgs, n_msgs, add_generation_prompt, &b); break;
+    default: LOOM_ASSERT(!"chat template without a family");
+    }
+    *out = b.p;
+    if (out_len) *out_len = b.len;
+    return LOOM_OK;
+}

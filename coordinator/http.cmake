@@ -1,0 +1,11 @@
+# The HTTP gateway (loom_http: OpenAI-compatible API, /health, /metrics) and
+# the chat templates it renders (loom_chat_template, also unit-tested alone).
+# Included by coordinator/CMakeLists.txt.
+find_package(MicroHTTPD REQUIRED)
+
+add_library(loom_chat_template STATIC ${PROJECT_SOURCE_DIR}/common/chat_template.c)
+target_link_libraries(loom_chat_template PUBLIC loom_base Loom::CJSON)
+
+add_library(loom_http STATIC ${CMAKE_CURRENT_LIST_DIR}/http.c)
+target_link_libraries(loom_http PUBLIC loom_server loom_client loom_chat_template Loom::MicroHTTPD Loom::CJSON
+                      Threads::Threads)

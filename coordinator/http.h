@@ -1,0 +1,40 @@
+/* The coordinator's HTTP gateway: an OpenAI-compatible API
+ * (/v1/completions, /v1/chat/completions, /v1/models), /health and
+ * /metrics, served by libmicrohttpd with one thread per connection. Each
+ * connection talks to the reactor as an in-process loom.v1 client over
+ * inproc://, so the gateway adds no state of its own to the scheduler.
+ * See docs/http-api.md. */
+#ifndef LOOM_HTTP_H
+#define LOOM_HTTP_H
+
+#include <stddef.h>
+
+#include "common/status.h"
+#include "coordinator/server.h"
+
+typedef struct loom_http_config {
+    const char *bind;          /* "HOST:PORT" or "[V6]:PORT"; port 0 = ephemeral (default "127.0.0.1:8000") */
+    const char *api_key;       /* when set, /v1/... needs "Authorization: Bearer KEY" (NULL: open) */
+    const char *model_dir;     /* tokenizer_config.json: chat template, bos/eos strings */
+    const char *chat_template; /* family name overriding the model's template (NULL: the model's) */
+    size_t max_body_bytes;     /* larger request bodies get 413 (0: 2 MiB) */
+    int max_connections;       /* simultaneous connections, one thread each (0: 256) */
+    int idle_timeout_s;        /* a connection silent this long is closed (0: 60) */
+    int request_timeout_ms;    /* coordinator silence before a request fails with 503 (0: 300000) */
+} loom_http_config_t;
+
+typedef struct loom_http loom_http_t;
+
+/* Loads the chat template (an unrecognised template or an unknown
+ * --chat-template name is an error naming the choices) and starts serving.
+ * Call after loom_server_create; requests wait until loom_server_run
+ * turns. */
+loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err);
+/* The bound TCP port (the ephemeral one when 0 was asked for). */
+int loom_http_port(const loom_http_t *h);
+/* Stops serving: streams in flight end, every connection's client is
+ * closed. Call before loom_server_destroy (whose ZeroMQ context waits for
+ * them). Safe on NULL and twice. */
+void loom_http_stop(loom_http_t **h_p);
+
+#endif

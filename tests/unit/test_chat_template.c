@@ -1,0 +1,326 @@
+/* Chat templates: detection on real template texts, and each family's
+ * rendering against strings written by hand from its Jinja template. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/chat_template.h"
+#include "tests/test.h"
+
+/* Real templates as they read after JSON decoding of tokenizer_config.json
+ * (the Jinja source keeps "\n" inside string literals as backslash + n). */
+static const char *k_llama2 =
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+    "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif "
+    "%}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ "
+    "raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if "
+    "loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+    "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}{% if "
+    "message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] "
+    "== 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}";
+
+static const char *k_llama3 =
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 "
+    "%}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+static const char *k_qwen2 =
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+    "'<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + "
+    "message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt "
+    "%}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/* Qwen2.5: the default system turn sits in the branch without tools. */
+static const char *k_qwen25 =
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n        "
+    "{{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.' }}\n    {%- endif %}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n        "
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n        {{- "
+    "'<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n   "
+    " {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {{- '<|im_start|>' + message.role + '\\n' + "
+    "message.content + '<|im_end|>' + '\\n' }}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- "
+    "'<|im_start|>assistant\\n' }}\n{%- endif %}\n";
+
+static const char *k_chatml =
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+static const char *k_mistral =
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ "
+    "raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if "
+    "message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == "
+    "'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant roles "
+    "are supported!') }}{% endif %}{% endfor %}";
+
+static const char *k_gemma =
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% "
+    "endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ "
+    "raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if "
+    "(message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif "
+    "%}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if "
+    "add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}";
+
+static char *render(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen) {
+    char *out = NULL;
+    size_t len = 0;
+    loom_err_t err = {0};
+    if (loom_chat_render(t, m, n, gen, &out, &len, &err) < 0) {
+        fprintf(stderr, "  render failed: %s\n", err.msg);
+        return NULL;
+    }
+    if (strlen(out) != len) fprintf(stderr, "  length %zu != strlen %zu\n", len, strlen(out));
+    return out;
+}
+
+#define CHECK_RENDER(t, msgs, gen, want)                                                           \
+    do {                                                                                           \
+        char *got_ = render((t), (msgs), (int)(sizeof(msgs) / sizeof((msgs)[0])), (gen));          \
+        CHECKF(got_ && !strcmp(got_, (want)), "\n  got  [%s]\n  want [%s]", got_ ? got_ : "(null)", \
+               (want));                                                                            \
+        free(got_);                                                                                \
+    } while (0)
+
+static void test_detect(void) {
+    CHECK(loom_chat_detect(k_llama2) == LOOM_CHAT_LLAMA2);
+    CHECK(loom_chat_detect(k_llama3) == LOOM_CHAT_LLAMA3);
+    CHECK(loom_chat_detect(k_qwen2) == LOOM_CHAT_CHATML);
+    CHECK(loom_chat_detect(k_qwen25) == LOOM_CHAT_CHATML);
+    CHECK(loom_chat_detect(k_chatml) == LOOM_CHAT_CHATML);
+    CHECK(loom_chat_detect(k_mistral) == LOOM_CHAT_MISTRAL);
+    CHECK(loom_chat_detect(k_gemma) == LOOM_CHAT_NONE);
+    CHECK(loom_chat_detect("") == LOOM_CHAT_NONE);
+    CHECK(loom_chat_detect(NULL) == LOOM_CHAT_NONE);
+    CHECK(loom_chat_family_from_name("llama2") == LOOM_CHAT_LLAMA2);
+    CHECK(loom_chat_family_from_name("llama3") == LOOM_CHAT_LLAMA3);
+    CHECK(loom_chat_family_from_name("chatml") == LOOM_CHAT_CHATML);
+    CHECK(loom_chat_family_from_name("mistral") == LOOM_CHAT_MISTRAL);
+    CHECK(loom_chat_family_from_name("gemma") == LOOM_CHAT_NONE);
+    CHECK(!strcmp(loom_chat_family_name(LOOM_CHAT_LLAMA3), "llama3"));
+}
+
+static void test_llama2(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_chat_template_from_text(k_llama2, NULL, "<s>", "</s>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_LLAMA2 && !t->default_system);
+    loom_chat_msg_t one[] = {{"user", "  Hello\n"}};
+    CHECK_RENDER(t, one, 1, "<s>[INST] Hello [/INST]");
+    /* the system block joins the first user turn, and only its ends are stripped */
+    loom_chat_msg_t conv[] = {{"system", "You are kind."},
+                              {"user", " Hi there "},
+                              {"assistant", "Hello! "},
+                              {"user", "Tell me a story."}};
+    CHECK_RENDER(t, conv, 1,
+                 "<s>[INST] <<SYS>>\nYou are kind.\n<</SYS>>\n\n Hi there [/INST] Hello! </s>"
+                 "<s>[INST] Tell me a story. [/INST]");
+    /* no generation prompt in this family: the same with add_generation_prompt off */
+    CHECK_RENDER(t, conv, 0,
+                 "<s>[INST] <<SYS>>\nYou are kind.\n<</SYS>>\n\n Hi there [/INST] Hello! </s>"
+                 "<s>[INST] Tell me a story. [/INST]");
+    /* roles must alternate from user */
+    char *out = NULL;
+    loom_chat_msg_t bad[] = {{"user", "a"}, {"user", "b"}};
+    CHECK(loom_chat_render(t, bad, 2, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT && !out);
+    CHECKF(strstr(err.msg, "alternate") != NULL, "%s", err.msg);
+    loom_chat_msg_t bad2[] = {{"assistant", "a"}};
+    CHECK(loom_chat_render(t, bad2, 1, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    loom_chat_msg_t only_sys[] = {{"system", "a"}};
+    CHECK(loom_chat_render(t, only_sys, 1, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    loom_chat_msg_t late_sys[] = {{"user", "a"}, {"system", "b"}};
+    CHECK(loom_chat_render(t, late_sys, 2, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    loom_chat_template_destroy(&t);
+    loom_chat_template_destroy(&t); /* safe twice */
+    CHECK(t == NULL);
+}
+
+static void test_llama3(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_chat_template_from_text(k_llama3, NULL, "<|begin_of_text|>", "<|end_of_text|>", &t, &err) ==
+                LOOM_OK &&
+            t);
+    CHECK(t->family == LOOM_CHAT_LLAMA3);
+    loom_chat_msg_t conv[] = {{"system", "You are kind.\n"}, {"user", " Hi there "}};
+    CHECK_RENDER(t, conv, 1,
+                 "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are kind.<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    loom_chat_msg_t multi[] = {{"user", "Hi"}, {"assistant", "Hello."}, {"user", "Bye"}};
+    CHECK_RENDER(t, multi, 0,
+                 "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>");
+    /* "developer" is OpenAI's newer name for the system role */
+    loom_chat_msg_t dev[] = {{"developer", "Rules"}, {"user", "x"}};
+    CHECK_RENDER(t, dev, 1,
+                 "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nRules<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\nx<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    char *out = NULL;
+    loom_chat_msg_t bad[] = {{"wizard", "x"}};
+    CHECK(loom_chat_render(t, bad, 1, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECKF(strstr(err.msg, "wizard") != NULL, "%s", err.msg);
+    CHECK(loom_chat_render(t, bad, 0, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    loom_chat_template_destroy(&t);
+}
+
+static void test_chatml(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    /* plain ChatML: no system turn of its own, and no BOS although the model has one */
+    REQUIRE(loom_chat_template_from_text(k_chatml, NULL, "<s>", "<|im_end|>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_CHATML && !t->default_system);
+    loom_chat_msg_t one[] = {{"user", "Hi "}};
+    CHECK_RENDER(t, one, 1, "<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_template_destroy(&t);
+    /* the same when chatml is chosen for a model whose template is something else */
+    REQUIRE(loom_chat_template_from_text(k_llama2, "chatml", "<s>", "</s>", &t, &err) == LOOM_OK && t);
+    CHECK_RENDER(t, one, 1, "<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_template_destroy(&t);
+    /* a ChatML template that writes bos_token keeps it */
+    REQUIRE(loom_chat_template_from_text("{{ bos_token }}{% for m in messages %}{{'<|im_start|>' + m['role'] + "
+                                         "'\\n' + m['content'] + '<|im_end|>\\n'}}{% endfor %}",
+                                         NULL, "<s>", "</s>", &t, &err) == LOOM_OK &&
+            t);
+    CHECK_RENDER(t, one, 1, "<s><|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_template_destroy(&t);
+    t = loom_chat_template_create(LOOM_CHAT_CHATML, NULL, NULL, NULL);
+    CHECK_RENDER(t, one, 1, "<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_msg_t conv[] = {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello"}, {"user", "Bye"}};
+    CHECK_RENDER(t, conv, 0,
+                 "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                 "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n");
+    loom_chat_template_destroy(&t);
+
+    /* Qwen2: the template's own system turn when the conversation has none */
+    REQUIRE(loom_chat_template_from_text(k_qwen2, NULL, "", "<|im_end|>", &t, &err) == LOOM_OK && t);
+    CHECKF(t->default_system && !strcmp(t->default_system, "You are a helpful assistant."), "%s",
+           t->default_system ? t->default_system : "(null)");
+    CHECK_RENDER(t, one, 1,
+                 "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                 "<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_msg_t with_sys[] = {{"system", "S"}, {"user", "U"}};
+    CHECK_RENDER(t, with_sys, 1, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_template_destroy(&t);
+
+    REQUIRE(loom_chat_template_from_text(k_qwen25, NULL, NULL, NULL, &t, &err) == LOOM_OK && t);
+    CHECKF(t->default_system &&
+               !strcmp(t->default_system, "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+           "%s", t->default_system ? t->default_system : "(null)");
+    loom_chat_template_destroy(&t);
+}
+
+static void test_mistral(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_chat_template_from_text(k_mistral, NULL, "<s>", "</s>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_MISTRAL);
+    loom_chat_msg_t one[] = {{"user", "Hi"}};
+    CHECK_RENDER(t, one, 1, "<s>[INST] Hi [/INST]");
+    loom_chat_msg_t conv[] = {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello"}, {"user", "Bye"}};
+    CHECK_RENDER(t, conv, 1, "<s>[INST] Be brief.\n\nHi [/INST]Hello</s>[INST] Bye [/INST]");
+    char *out = NULL;
+    loom_chat_msg_t bad[] = {{"user", "a"}, {"assistant", "b"}, {"assistant", "c"}};
+    CHECK(loom_chat_render(t, bad, 3, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    loom_chat_template_destroy(&t);
+}
+
+static void test_override_and_errors(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    /* an unrecognised template is an error that names the choices ... */
+    CHECK(loom_chat_template_from_text(k_gemma, NULL, "<bos>", "<eos>", &t, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(t == NULL && strstr(err.msg, "llama2, llama3, chatml, mistral") && strstr(err.msg, "--chat-template"));
+    /* ... unless the override chooses a family */
+    CHECK(loom_chat_template_from_text(k_gemma, "llama3", "<bos>", "<eos>", &t, &err) == LOOM_OK && t &&
+          t->family == LOOM_CHAT_LLAMA3 && !strcmp(t->bos, "<bos>"));
+    loom_chat_template_destroy(&t);
+    CHECK(loom_chat_template_from_text(k_llama2, "chatml", NULL, NULL, &t, &err) == LOOM_OK && t &&
+          t->family == LOOM_CHAT_CHATML && !t->default_system);
+    loom_chat_template_destroy(&t);
+    CHECK(loom_chat_template_from_text(NULL, "nope", NULL, NULL, &t, &err) == LOOM_ERR_INVALID_ARGUMENT && !t);
+    CHECK(strstr(err.msg, "nope") && strstr(err.msg, "chatml"));
+    /* no template and no override: no chat, and no error */
+    CHECK(loom_chat_template_from_text(NULL, NULL, NULL, NULL, &t, &err) == LOOM_OK && t == NULL);
+    /* the family's usual tokens when the model names none */
+    t = loom_chat_template_create(LOOM_CHAT_LLAMA2, NULL, NULL, NULL);
+    CHECK(!strcmp(t->bos, "<s>") && !strcmp(t->eos, "</s>"));
+    loom_chat_template_destroy(&t);
+}
+
+static int write_file(const char *dir, const char *name, const char *text) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    fputs(text, f);
+    return fclose(f);
+}
+
+static void rm_files(const char *dir) {
+    char path[512];
+    const char *names[] = {"tokenizer_config.json", "chat_template.jinja"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        unlink(path);
+    }
+}
+
+static void test_load(void) {
+    char dir[] = "/tmp/loom-chat-test-XXXXXX";
+    REQUIRE(mkdtemp(dir) != NULL);
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+
+    /* no tokenizer_config.json at all */
+    CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_OK && t == NULL);
+    CHECK(loom_chat_template_load(dir, "mistral", &t, &err) == LOOM_OK && t && t->family == LOOM_CHAT_MISTRAL);
+    loom_chat_template_destroy(&t);
+
+    /* stories260K's kind: special tokens but no template */
+    CHECK(write_file(dir, "tokenizer_config.json", "{\"bos_token\": \"<s>\", \"eos_token\": \"</s>\"}") == 0);
+    CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_OK && t == NULL);
+    CHECK(loom_chat_template_load(dir, "mistral", &t, &err) == LOOM_OK && t && !strcmp(t->bos, "<s>"));
+    loom_chat_template_destroy(&t);
+
+    /* AddedToken objects, a null bos, and a template list where "default" wins */
+    CHECK(write_file(dir, "tokenizer_config.json",
+                     "{\"bos_token\": null, \"eos_token\": {\"content\": \"<|im_end|>\", \"lstrip\": false},"
+                     " \"chat_template\": [{\"name\": \"tool_use\", \"template\": \"[INST] <<SYS>> [/INST]\"},"
+                     " {\"name\": \"default\", \"template\": \"{{'<|im_start|>system\\\\nHi.<|im_end|>\\\\n'}}\"}]}") ==
+          0);
+    CHECKF(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_OK && t, "%s", err.msg);
+    if (t) {
+        CHECK(t->family == LOOM_CHAT_CHATML && !strcmp(t->bos, "") && !strcmp(t->eos, "<|im_end|>"));
+        CHECK(t->default_system && !strcmp(t->default_system, "Hi."));
+    }
+    loom_chat_template_destroy(&t);
+
+    /* chat_template.jinja next to a config without a template */
+    CHECK(write_file(dir, "tokenizer_config.json", "{\"bos_token\": \"<|begin_of_text|>\"}") == 0);
+    CHECK(write_file(dir, "chat_template.jinja", k_llama3) == 0);
+    CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_OK && t && t->family == LOOM_CHAT_LLAMA3 &&
+          !strcmp(t->eos, "<|eot_id|>"));
+    loom_chat_template_destroy(&t);
+
+    /* an unrecognised template, and a broken config */
+    CHECK(write_file(dir, "chat_template.jinja", k_gemma) == 0);
+    CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_ERR_INVALID_ARGUMENT && !t);
+    CHECK(write_file(dir, "tokenizer_config.json", "{\"bos_token\": ") == 0);
+    CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_ERR_FORMAT && !t);
+    rm_files(dir);
+    rmdir(dir);
+}
+
+int main(void) {
+    RUN(test_detect);
+    RUN(test_llama2);
+    RUN(test_llama3);
+    RUN(test_chatml);
+    RUN(test_mistral);
+    RUN(test_override_and_errors);
+    RUN(test_load);
+    return test_summary();
+}
