@@ -148,13 +148,17 @@ void loom_sched_destroy(loom_sched_t **s_p) {
     if (!s_p || !*s_p) return;
     loom_sched_t *s = *s_p;
     *s_p = NULL;
-    for (int i = 0; i < s->n_running; i++) seq_free(s, s->running[i]);
-    for (int i = 0; i < s->n_waiting; i++) seq_free(s, s->heap[i]);
+    /* sequences finished while in flight live only in their micro-batch */
     for (int i = 0; i < s->n_mbs; i++) {
         loom_microbatch_t *mb = &s->mbs[i];
         if (mb->in_use)
             for (int j = 0; j < mb->n_seqs; j++)
                 if (mb->seqs[j]->finish_pending) seq_free(s, mb->seqs[j]);
+    }
+    for (int i = 0; i < s->n_running; i++) seq_free(s, s->running[i]);
+    for (int i = 0; i < s->n_waiting; i++) seq_free(s, s->heap[i]);
+    for (int i = 0; i < s->n_mbs; i++) {
+        loom_microbatch_t *mb = &s->mbs[i];
         free(mb->tokens);
         free(mb->pos);
         free(mb->slots);
