@@ -150,3 +150,38 @@ void loom_op_sample_shard(loom_backend_t *be, const float *logits, int n_rows, i
         be->ops->sample_shard(be, logits, n_rows, vocab_shard, id_offset, vocab_size, params, steps,
                               k, parts);
 }
+
+void loom_op_add_rmsnorm(loom_backend_t *be, float *x, const float *a, float *y, const float *g,
+                         int n, int dim, float eps) {
+    if (n <= 0) return;
+    if (be->ops->add_rmsnorm) {
+        be->ops->add_rmsnorm(be, x, a, y, g, n, dim, eps);
+        return;
+    }
+    be->ops->add(be, x, a, (int64_t)n * dim);
+    be->ops->rmsnorm(be, y, x, g, n, dim, eps);
+}
+
+void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
+                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
+                           float *k_cache, float *v_cache, const int32_t *slots) {
+    if (n <= 0) return;
+    if (be->ops->rope_kv_write) {
+        be->ops->rope_kv_write(be, q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache, v_cache,
+                               slots);
+        return;
+    }
+    be->ops->rope(be, q, stride, n, nh, hd, pos, inv_freq);
+    be->ops->rope(be, k, stride, n, nkv, hd, pos, inv_freq);
+    be->ops->kv_write(be, k_cache, v_cache, k, v, stride, slots, n, nkv * hd);
+}
+
+int loom_backend_has_graphs(const loom_backend_t *be) {
+    return be->ops->graph_begin != NULL && be->ops->graph_end != NULL;
+}
+int loom_backend_graph_begin(loom_backend_t *be, uint64_t key) {
+    return loom_backend_has_graphs(be) ? be->ops->graph_begin(be, key) : 0;
+}
+int loom_backend_graph_end(loom_backend_t *be, uint64_t key) {
+    return loom_backend_has_graphs(be) ? be->ops->graph_end(be, key) : 0;
+}

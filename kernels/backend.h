@@ -27,7 +27,9 @@ typedef struct loom_backend_config {
     loom_device_kind_t kind;
     int device_index;        /* cuda:N */
     int n_threads;           /* CPU threads for ops; 0 = one per online core */
-    loom_dtype_t weight_dtype; /* storage of matmul weights: F32 (CPU default), BF16, F16 */
+    loom_dtype_t weight_dtype; /* storage of matmul weights: F32 (CPU default), BF16, F16;
+                                * CUDA stores F32 requests as BF16 unless exact_f32 */
+    int exact_f32;             /* CUDA: keep F32 weights in F32 (exactness tests) */
 } loom_backend_config_t;
 
 /* Parses "cpu", "cuda", "cuda:N" into kind/index; 0 if malformed. */
@@ -137,5 +139,34 @@ void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
 void loom_op_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
                           int id_offset, int vocab_size, const loom_sampling_t *params,
                           const uint64_t *steps, const int *k, loom_sample_part_t *parts);
+
+/* --- fused ops (optional slots; the wrappers fall back to the plain ops) -- */
+/* x(n, dim) += a, then y = rmsnorm(x) * g: a residual add and the norm that
+ * follows it in one pass. y may equal x. */
+void loom_op_add_rmsnorm(loom_backend_t *be, float *x, const float *a, float *y, const float *g,
+                         int n, int dim, float eps);
+/* RoPE on the nh query heads at q and the nkv key heads at k (rows of
+ * `stride` floats, as loom_op_rope), then loom_op_kv_write of the rotated
+ * keys and the values at v. */
+void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
+                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
+                           float *k_cache, float *v_cache, const int32_t *slots);
+
+/* --- graphs (optional; CUDA) ------------------------------------------- */
+/* Records the ops issued between graph_begin and graph_end once per key and
+ * replays them afterwards. The key must cover everything the ops bake in:
+ * their scalar arguments (token counts, strides) and, through the caller's
+ * own bookkeeping, which buffers they use; device data (metadata uploaded
+ * before graph_begin, weights, caches) is read fresh on every replay. A
+ * backend drops its graphs whenever device memory is freed through it.
+ *   graph_begin: 1 = a graph for key exists; skip the ops (graph_end launches
+ *                it). 0 = issue the ops (they may be being recorded).
+ *   graph_end:   0 = the work is launched or done. 1 = recording failed and
+ *                the ops did not run: issue them again (this key will not
+ *                be recorded again).
+ * Backends without graphs return 0 from both. */
+int loom_backend_has_graphs(const loom_backend_t *be);
+int loom_backend_graph_begin(loom_backend_t *be, uint64_t key);
+int loom_backend_graph_end(loom_backend_t *be, uint64_t key);
 
 #endif

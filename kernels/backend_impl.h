@@ -38,6 +38,15 @@ typedef struct loom_backend_ops {
     void (*sample_shard)(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
                          int id_offset, int vocab_size, const loom_sampling_t *params,
                          const uint64_t *steps, const int *k, loom_sample_part_t *parts);
+
+    /* optional fused ops and graphs (backend.h) */
+    void (*add_rmsnorm)(loom_backend_t *be, float *x, const float *a, float *y, const float *g,
+                        int n, int dim, float eps);
+    void (*rope_kv_write)(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
+                          int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
+                          float *k_cache, float *v_cache, const int32_t *slots);
+    int (*graph_begin)(loom_backend_t *be, uint64_t key);
+    int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;
 
 /* Every backend struct begins with this header. */

@@ -396,11 +396,65 @@ static loom_status_t allreduce(loom_model_t *m, float *buf, int64_t n, loom_err_
     return m->opt.allreduce(m->opt.allreduce_ctx, buf, n, err);
 }
 
-loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, loom_err_t *err) {
+/* Device pointers and sizes of one step's ops (see loom_model_forward). */
+typedef struct step_ops {
+    int n, nl, max_blocks, max_ctx;
+    const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
+} step_ops_t;
+
+/* Issues the step's ops: embedding, the layers, and the LM head. */
+static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *err) {
     const loom_model_config_t *c = &m->cfg;
     const loom_shard_dims_t *d = &m->dims;
     loom_backend_t *be = m->be;
-    int n = b->n_tokens, dim = c->dim, hd = c->head_dim;
+    const int n = so->n, nl = so->nl, dim = c->dim, hd = c->head_dim;
+    const int32_t *d_tok = so->d_tok, *d_pos = so->d_pos, *d_slots = so->d_slots;
+    const int32_t *d_seq = so->d_seq, *d_rows = so->d_rows, *d_bt = so->d_bt;
+
+    if (m->spec.has_embed) loom_op_embed(be, m->x, m->embed, d_tok, n, dim);
+
+    int nh = d->n_heads, nkv = d->n_kv_heads, qd = m->qkv_dim;
+    for (int l = 0; l < d->n_layers; l++) {
+        loom_layer_t *ly = &m->layers[l];
+        /* attention */
+        loom_op_rmsnorm(be, m->xb, m->x, ly->attn_norm, n, dim, c->norm_eps);
+        loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
+        float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
+        loom_op_rope(be, q, qd, n, nh, hd, d_pos, m->inv_freq);
+        loom_op_rope(be, k, qd, n, nkv, hd, d_pos, m->inv_freq);
+        loom_op_kv_write(be, ly->k_cache, ly->v_cache, k, v, qd, d_slots, n, nkv * hd);
+        loom_attn_args_t a = {
+            .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+            .scale = 1.0f / sqrtf((float)hd),
+            .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
+            .k_cache = ly->k_cache, .v_cache = ly->v_cache, .block_size = m->block_size,
+            .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
+            .max_blocks = so->max_blocks, .max_ctx = so->max_ctx,
+        };
+        loom_op_attention(be, &a);
+        loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
+        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
+        /* MLP */
+        loom_op_rmsnorm(be, m->xb, m->x, ly->ffn_norm, n, dim, c->norm_eps);
+        loom_op_matmul(be, m->gu, m->xb, &ly->w13, n);
+        loom_op_silu_mul(be, m->hb, m->gu, n, d->hidden);
+        loom_op_matmul(be, m->xb2, m->hb, &ly->w2, n);
+        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
+    }
+    if (nl > 0) {
+        loom_op_gather_rows(be, m->xl, m->x, d_rows, nl, dim);
+        loom_op_rmsnorm(be, m->xl, m->xl, m->final_norm, nl, dim, c->norm_eps);
+        loom_op_matmul(be, m->logits, m->xl, &m->lm_head, nl);
+    }
+    return LOOM_OK;
+}
+
+loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, loom_err_t *err) {
+    const loom_model_config_t *c = &m->cfg;
+    loom_backend_t *be = m->be;
+    int n = b->n_tokens;
     if (n < 1 || n > m->opt.max_tokens)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "step of %d tokens (limit %d)", n, m->opt.max_tokens);
     if (m->spec.has_head && (b->n_logits < 0 || b->n_logits > m->opt.max_logits))
@@ -427,8 +481,23 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= n)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "logit row %d out of range", b->logit_rows[i]);
 
+    /* Decode steps (one token per sequence) of a shard without TP all-reduces
+     * are recorded once per shape as a graph on backends that have them, and
+     * replayed (backend.h). The recorded ops bake in n, nl and the block-table
+     * stride, so those make the key; the stride is padded to a power of two
+     * so that growing sequences keep their graph. Everything else they read
+     * is device data uploaded below, before the replay. */
+    int graph = loom_backend_has_graphs(be) && n == b->n_seqs && n < (1 << 20) &&
+                !(m->spec.tp_size > 1 && m->opt.allreduce);
+    int mb = b->max_blocks;
+    if (graph) {
+        mb = 16;
+        while (mb < b->max_blocks) mb *= 2;
+    }
+    size_t nbt_packed = (size_t)b->n_seqs * (size_t)mb;
+
     /* Pack the step's metadata and upload it once. */
-    size_t need = 4 * (size_t)n + (size_t)nl + nbt;
+    size_t need = 4 * (size_t)n + (size_t)nl + nbt_packed;
     if (need > m->meta_cap) {
         loom_backend_free(be, m->meta_dev);
         m->meta_cap = need + need / 2;
@@ -443,49 +512,28 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     memcpy(h + 2 * n, b->slots, (size_t)n * 4);
     memcpy(h + 3 * n, b->tok_seq, (size_t)n * 4);
     if (nl) memcpy(h + 4 * n, b->logit_rows, (size_t)nl * 4);
-    memcpy(h + 4 * n + nl, b->block_tables, nbt * 4);
+    if (mb == b->max_blocks) {
+        memcpy(h + 4 * n + nl, b->block_tables, nbt * 4);
+    } else {
+        for (int q = 0; q < b->n_seqs; q++) {
+            int32_t *row = h + 4 * n + nl + (size_t)q * mb;
+            memcpy(row, b->block_tables + (size_t)q * b->max_blocks, (size_t)b->max_blocks * 4);
+            for (int j = b->max_blocks; j < mb; j++) row[j] = -1;
+        }
+    }
     loom_backend_upload(be, m->meta_dev, h, need * 4);
-    const int32_t *d_tok = m->meta_dev, *d_pos = d_tok + n, *d_slots = d_tok + 2 * n;
-    const int32_t *d_seq = d_tok + 3 * n, *d_rows = d_tok + 4 * n, *d_bt = d_tok + 4 * n + nl;
-
-    if (m->spec.has_embed) loom_op_embed(be, m->x, m->embed, d_tok, n, dim);
-
-    int nh = d->n_heads, nkv = d->n_kv_heads, qd = m->qkv_dim;
-    for (int l = 0; l < d->n_layers; l++) {
-        loom_layer_t *ly = &m->layers[l];
-        /* attention */
-        loom_op_rmsnorm(be, m->xb, m->x, ly->attn_norm, n, dim, c->norm_eps);
-        loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
-        float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
-        loom_op_rope(be, q, qd, n, nh, hd, d_pos, m->inv_freq);
-        loom_op_rope(be, k, qd, n, nkv, hd, d_pos, m->inv_freq);
-        loom_op_kv_write(be, ly->k_cache, ly->v_cache, k, v, qd, d_slots, n, nkv * hd);
-        loom_attn_args_t a = {
-            .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
-            .scale = 1.0f / sqrtf((float)hd),
-            .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
-            .k_cache = ly->k_cache, .v_cache = ly->v_cache, .block_size = m->block_size,
-            .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
-            .max_blocks = b->max_blocks, .max_ctx = max_pos + 1,
-        };
-        loom_op_attention(be, &a);
-        loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
-        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
-        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
-        /* MLP */
-        loom_op_rmsnorm(be, m->xb, m->x, ly->ffn_norm, n, dim, c->norm_eps);
-        loom_op_matmul(be, m->gu, m->xb, &ly->w13, n);
-        loom_op_silu_mul(be, m->hb, m->gu, n, d->hidden);
-        loom_op_matmul(be, m->xb2, m->hb, &ly->w2, n);
-        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
-        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
-    }
-    if (nl > 0) {
-        loom_op_gather_rows(be, m->xl, m->x, d_rows, nl, dim);
-        loom_op_rmsnorm(be, m->xl, m->xl, m->final_norm, nl, dim, c->norm_eps);
-        loom_op_matmul(be, m->logits, m->xl, &m->lm_head, nl);
-    }
-    return LOOM_OK;
+    const int32_t *d_tok = m->meta_dev;
+    step_ops_t so = {.n = n, .nl = nl, .max_blocks = mb, .max_ctx = max_pos + 1, .d_tok = d_tok,
+                     .d_pos = d_tok + n, .d_slots = d_tok + 2 * n, .d_seq = d_tok + 3 * n,
+                     .d_rows = d_tok + 4 * n, .d_bt = d_tok + 4 * n + nl};
+    if (!graph) return run_ops(m, &so, err);
+    uint64_t key = (uint64_t)n | (uint64_t)nl << 20;
+    for (int lg = 0; (1 << lg) < mb; lg++) key += (uint64_t)1 << 40;
+    key ^= ((uint64_t)(uintptr_t)m * 0x9e3779b97f4a7c15ull) & ~(((uint64_t)1 << 46) - 1);
+    int replay = loom_backend_graph_begin(be, key);
+    loom_status_t s = replay ? LOOM_OK : run_ops(m, &so, err);
+    if (loom_backend_graph_end(be, key) && s == LOOM_OK) s = run_ops(m, &so, err); /* recording failed */
+    return s;
 }
 
 void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t *params,

@@ -1,0 +1,488 @@
+/* Decode and prefill on cuda:0 with a random model built directly in device
+ * memory (default: Llama-3-8B shape in bf16, 15 GB of weights generated in
+ * milliseconds, no checkpoint), against two ceilings measured in the same
+ * run:
+ *   - copy bandwidth: cudaMemcpy device-to-device of 2 GiB, bytes read plus
+ *     written, best of 10. Batch-1 decode is memory-bound: MBU = bytes a step
+ *     must read (every matmul weight and norm once, one embedding row per
+ *     token, the KV cache of each sequence) / step time / copy bandwidth.
+ *   - cuBLAS rate: the four GEMMs of a layer at the prefill length with bf16
+ *     inputs and f32 output (what the backend calls), best of 5. Prefill
+ *     ratio = time of those GEMMs x layers / time of the whole prefill.
+ * The forward pass is model.c's op sequence; decode steps run as CUDA
+ * graphs (one per batch size), and sample greedily on the device. Variants:
+ * model.c's ops as they are, the fused ops (add + RMSNorm, RoPE + KV write),
+ * and without graphs.
+ *
+ *   bench_gpu [--layers 32] [--dim 4096] [--heads 32] [--kv-heads 8] [--hidden 14336]
+ *             [--vocab 128256] [--dtype bf16] [--ctx 1024] [--tokens 32] [--prefill 512]
+ *             [--batches 1,8,32] [--json FILE] */
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cli.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/backend_cuda.h"
+
+#define B_SIZE 16
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "bench_gpu: %s failed at %s:%d: %s\n", #call, __FILE__, __LINE__,      \
+                    cudaGetErrorString(e_));                                                       \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+typedef struct layer {
+    float *attn_norm, *ffn_norm; /* (dim) */
+    loom_weight_t wqkv, wo, w13, w2;
+    float *k_cache, *v_cache; /* (n_blocks, B, nkv, hd) */
+} layer_t;
+
+typedef struct bench {
+    loom_backend_t *be;
+    int layers, dim, nh, nkv, hd, hidden, vocab, qkv_dim, max_tokens, max_rows, n_blocks;
+    layer_t *ly;
+    float *embed, *final_norm, *inv_freq;
+    loom_weight_t head;
+    float *x, *xb, *xb2, *qkv, *att, *gu, *hb, *xl, *logits;
+    int32_t *meta_h, *meta_d;
+    double weight_bytes; /* read per step: matmul weights and norms */
+} bench_t;
+
+static void *dalloc(bench_t *b, size_t bytes) {
+    void *p = loom_backend_alloc(b->be, bytes);
+    if (!p) {
+        fprintf(stderr, "bench_gpu: out of device memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+static void weight(bench_t *b, loom_weight_t *w, int64_t rows, int64_t cols, uint64_t seed) {
+    loom_err_t err = {0};
+    if (loom_cuda_weight_random(b->be, w, rows, cols, seed, 1.0f / sqrtf((float)cols), &err) < 0) {
+        fprintf(stderr, "bench_gpu: %s\n", err.msg);
+        exit(1);
+    }
+    b->weight_bytes += (double)loom_weight_bytes(w);
+}
+
+static float *vec(bench_t *b, size_t n, uint64_t seed, float lo, float hi) {
+    float *p = dalloc(b, n * sizeof(float));
+    loom_cuda_fill_uniform(b->be, p, n, seed, lo, hi);
+    return p;
+}
+
+static void build(bench_t *b) {
+    size_t T = (size_t)b->max_tokens, R = (size_t)b->max_rows;
+    b->qkv_dim = (b->nh + 2 * b->nkv) * b->hd;
+    b->ly = loom_xcalloc((size_t)b->layers, sizeof *b->ly);
+    size_t per = (size_t)b->n_blocks * B_SIZE * b->nkv * b->hd;
+    for (int l = 0; l < b->layers; l++) {
+        layer_t *y = &b->ly[l];
+        y->attn_norm = vec(b, (size_t)b->dim, 100 + l, 0.9f, 1.1f);
+        y->ffn_norm = vec(b, (size_t)b->dim, 200 + l, 0.9f, 1.1f);
+        b->weight_bytes += 2.0 * b->dim * 4;
+        weight(b, &y->wqkv, b->qkv_dim, b->dim, 1000 + 4 * (uint64_t)l);
+        weight(b, &y->wo, b->dim, (int64_t)b->nh * b->hd, 1001 + 4 * (uint64_t)l);
+        weight(b, &y->w13, 2 * (int64_t)b->hidden, b->dim, 1002 + 4 * (uint64_t)l);
+        weight(b, &y->w2, b->dim, b->hidden, 1003 + 4 * (uint64_t)l);
+        y->k_cache = vec(b, per, 300 + l, -1.0f, 1.0f);
+        y->v_cache = vec(b, per, 400 + l, -1.0f, 1.0f);
+    }
+    b->embed = vec(b, (size_t)b->vocab * b->dim, 7, -0.05f, 0.05f);
+    b->final_norm = vec(b, (size_t)b->dim, 8, 0.9f, 1.1f);
+    b->weight_bytes += b->dim * 4.0;
+    weight(b, &b->head, b->vocab, b->dim, 9);
+    float inv[512];
+    for (int j = 0; j < b->hd / 2; j++) inv[j] = (float)pow(500000.0, -2.0 * j / b->hd);
+    b->inv_freq = dalloc(b, (size_t)b->hd / 2 * 4);
+    loom_backend_upload(b->be, b->inv_freq, inv, (size_t)b->hd / 2 * 4);
+    b->x = dalloc(b, T * b->dim * 4);
+    b->xb = dalloc(b, T * b->dim * 4);
+    b->xb2 = dalloc(b, T * b->dim * 4);
+    b->qkv = dalloc(b, T * b->qkv_dim * 4);
+    b->att = dalloc(b, T * b->nh * b->hd * 4);
+    b->gu = dalloc(b, T * 2 * b->hidden * 4);
+    b->hb = dalloc(b, T * b->hidden * 4);
+    b->xl = dalloc(b, R * b->dim * 4);
+    b->logits = dalloc(b, R * b->vocab * 4);
+    size_t meta = 4 * T + R + R * 256;
+    b->meta_h = loom_xmalloc(meta * 4);
+    b->meta_d = dalloc(b, meta * 4);
+}
+
+/* One step, model.c's sequence of ops (fused: the residual add with the next
+ * norm, RoPE with the KV write). Metadata: tokens, pos, slots, tok_seq (n
+ * each), logit rows (nl), block tables (n_seqs, mb), already uploaded. */
+static void forward(bench_t *b, int n, int nl, int mb, int fused) {
+    loom_backend_t *be = b->be;
+    const int dim = b->dim, hd = b->hd, nh = b->nh, nkv = b->nkv, qd = b->qkv_dim;
+    const int32_t *d_tok = b->meta_d, *d_pos = d_tok + n, *d_slots = d_tok + 2 * n, *d_seq = d_tok + 3 * n;
+    const int32_t *d_rows = d_tok + 4 * n, *d_bt = d_rows + nl;
+    loom_op_embed(be, b->x, b->embed, d_tok, n, dim);
+    for (int l = 0; l < b->layers; l++) {
+        layer_t *y = &b->ly[l];
+        if (!fused || l == 0) loom_op_rmsnorm(be, b->xb, b->x, y->attn_norm, n, dim, 1e-5f);
+        loom_op_matmul(be, b->qkv, b->xb, &y->wqkv, n);
+        float *q = b->qkv, *k = q + nh * hd, *v = k + nkv * hd;
+        if (fused) {
+            loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, b->inv_freq, y->k_cache, y->v_cache, d_slots);
+        } else {
+            loom_op_rope(be, q, qd, n, nh, hd, d_pos, b->inv_freq);
+            loom_op_rope(be, k, qd, n, nkv, hd, d_pos, b->inv_freq);
+            loom_op_kv_write(be, y->k_cache, y->v_cache, k, v, qd, d_slots, n, nkv * hd);
+        }
+        loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+                              .scale = 1.0f / sqrtf((float)hd), .q = q, .q_stride = qd, .out = b->att,
+                              .out_stride = nh * hd, .k_cache = y->k_cache, .v_cache = y->v_cache,
+                              .block_size = B_SIZE, .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
+                              .max_blocks = mb, .max_ctx = mb * B_SIZE};
+        loom_op_attention(be, &a);
+        loom_op_matmul(be, b->xb2, b->att, &y->wo, n);
+        if (fused) {
+            loom_op_add_rmsnorm(be, b->x, b->xb2, b->xb, y->ffn_norm, n, dim, 1e-5f);
+        } else {
+            loom_op_add(be, b->x, b->xb2, (int64_t)n * dim);
+            loom_op_rmsnorm(be, b->xb, b->x, y->ffn_norm, n, dim, 1e-5f);
+        }
+        loom_op_matmul(be, b->gu, b->xb, &y->w13, n);
+        loom_op_silu_mul(be, b->hb, b->gu, n, b->hidden);
+        loom_op_matmul(be, b->xb2, b->hb, &y->w2, n);
+        if (fused && l + 1 < b->layers)
+            loom_op_add_rmsnorm(be, b->x, b->xb2, b->xb, b->ly[l + 1].attn_norm, n, dim, 1e-5f);
+        else
+            loom_op_add(be, b->x, b->xb2, (int64_t)n * dim);
+    }
+    if (nl > 0) {
+        loom_op_gather_rows(be, b->xl, b->x, d_rows, nl, dim);
+        loom_op_rmsnorm(be, b->xl, b->xl, b->final_norm, nl, dim, 1e-5f);
+        loom_op_matmul(be, b->logits, b->xl, &b->head, nl);
+    }
+}
+
+/* Sequences s0..s0+ns-1 own blocks [s * per_seq, (s + 1) * per_seq). */
+typedef struct batch {
+    int ns, per_seq, s0;
+    int32_t *ctx;  /* (ns) tokens in the cache */
+    int32_t *next; /* (ns) next token */
+} batch_t;
+
+static int upload_step(bench_t *b, const batch_t *bt, int seq, int p0, int n_prefill, int *n_out, int *nl_out) {
+    int32_t *h = b->meta_h;
+    int n = n_prefill ? n_prefill : bt->ns, nl = n_prefill ? 1 : bt->ns, ns = n_prefill ? 1 : bt->ns;
+    int mb = 16;
+    while (mb < bt->per_seq) mb *= 2;
+    for (int i = 0; i < n; i++) {
+        int s = n_prefill ? seq : i, p = n_prefill ? p0 + i : bt->ctx[i];
+        int blk = (bt->s0 + s) * bt->per_seq + p / B_SIZE;
+        h[i] = n_prefill ? (int32_t)((p * 7919u + 13u) % (unsigned)b->vocab) : bt->next[i];
+        h[n + i] = p;
+        h[2 * n + i] = blk * B_SIZE + p % B_SIZE;
+        h[3 * n + i] = n_prefill ? 0 : i;
+    }
+    for (int i = 0; i < nl; i++) h[4 * n + i] = n_prefill ? n - 1 : i;
+    for (int r = 0; r < ns; r++) {
+        int s = n_prefill ? seq : r;
+        for (int j = 0; j < mb; j++) h[4 * n + nl + r * mb + j] = j < bt->per_seq ? (bt->s0 + s) * bt->per_seq + j : -1;
+    }
+    loom_backend_upload(b->be, b->meta_d, h, (size_t)(4 * n + nl + ns * mb) * 4);
+    *n_out = n;
+    *nl_out = nl;
+    return mb;
+}
+
+static double now_s(void) {
+    return loom_now_s();
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Device-to-device copy bandwidth, GB/s counting reads and writes. */
+static double copy_gbs(bench_t *b) {
+    size_t bytes = (size_t)2 << 30;
+    void *src = dalloc(b, bytes), *dst = dalloc(b, bytes);
+    cudaStream_t s = loom_backend_stream(b->be);
+    loom_backend_memset(b->be, src, 1, bytes);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double best = 0;
+    for (int i = 0; i < 12; i++) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 2) best = fmax(best, 2.0 * (double)bytes / (ms * 1e-3) / 1e9);
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    loom_backend_free(b->be, src);
+    loom_backend_free(b->be, dst);
+    return best;
+}
+
+/* Seconds of one layer's four GEMMs at m tokens through cuBLAS (bf16 in,
+ * f32 out, f32 compute), best of 5. */
+static double gemm_layer_s(bench_t *b, int m, cudaDataType_t dt) {
+    const int shapes[4][2] = {{b->qkv_dim, b->dim}, {b->dim, b->nh * b->hd}, {2 * b->hidden, b->dim}, {b->dim, b->hidden}};
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_gpu: cublasCreate failed\n");
+        exit(1);
+    }
+    cudaStream_t s = loom_backend_stream(b->be);
+    cublasSetStream(h, s);
+    size_t maxk = (size_t)LOOM_MAX(b->hidden, b->dim), maxn = (size_t)2 * b->hidden;
+    void *x = dalloc(b, (size_t)m * maxk * 2);
+    float *y = dalloc(b, (size_t)m * maxn * 4);
+    loom_backend_memset(b->be, x, 0x3c, (size_t)m * maxk * 2); /* 0x3c3c: 0.0115 in bf16, 1.06 in f16 */
+    loom_weight_t *ws[4] = {&b->ly[0].wqkv, &b->ly[0].wo, &b->ly[0].w13, &b->ly[0].w2};
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    const float one = 1.0f, zero = 0.0f;
+    double best = 1e30;
+    for (int rep = 0; rep < 7; rep++) {
+        CK(cudaEventRecord(e0, s));
+        for (int g = 0; g < 4; g++)
+            cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, shapes[g][0], m, shapes[g][1], &one, ws[g]->data, dt,
+                         shapes[g][1], x, dt, shapes[g][1], &zero, y, CUDA_R_32F, shapes[g][0], CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT);
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (rep >= 2) best = fmin(best, ms * 1e-3);
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    cublasDestroy(h);
+    loom_backend_free(b->be, x);
+    loom_backend_free(b->be, y);
+    return best;
+}
+
+/* Prefills every sequence of the batch to ctx tokens, in chunks. */
+static void prefill_batch(bench_t *b, batch_t *bt, int ctx, int chunk) {
+    for (int s = 0; s < bt->ns; s++) {
+        for (int p0 = 0; p0 < ctx; p0 += chunk) {
+            int n, nl, c = LOOM_MIN(chunk, ctx - p0);
+            int mb = upload_step(b, bt, s, p0, c, &n, &nl);
+            forward(b, n, nl, mb, 1);
+        }
+        bt->ctx[s] = ctx;
+        bt->next[s] = (int32_t)(s * 31 % b->vocab);
+    }
+}
+
+typedef struct result {
+    const char *name;
+    int batch;
+    double step_s, tok_s, gbs, mbu;
+} result_t;
+
+/* Decode steps at batch bt->ns: forward (as a graph when asked) + device greedy sampling. */
+static result_t decode(bench_t *b, batch_t *bt, int tokens, int graphs, int fused, double copy, const char *name) {
+    int ns = bt->ns;
+    loom_sampling_t *sp = loom_xcalloc((size_t)ns, sizeof *sp);
+    uint64_t *steps = loom_xcalloc((size_t)ns, sizeof *steps);
+    int *k = loom_xmalloc((size_t)ns * sizeof *k);
+    loom_sample_part_t *parts = loom_xcalloc((size_t)ns, sizeof *parts);
+    int32_t *ids = loom_xmalloc((size_t)ns * 4);
+    float *keys = loom_xmalloc((size_t)ns * 4);
+    for (int i = 0; i < ns; i++) {
+        k[i] = 1;
+        parts[i].ids = ids + i;
+        parts[i].keys = keys + i;
+    }
+    double *t = loom_xmalloc((size_t)(tokens + 3) * sizeof *t);
+    double kv_bytes = 0;
+    for (int it = 0; it < tokens + 3; it++) {
+        double t0 = now_s();
+        int n, nl, mb = upload_step(b, bt, 0, 0, 0, &n, &nl);
+        uint64_t key = (uint64_t)n | (uint64_t)fused << 24 | (uint64_t)mb << 32;
+        int replay = graphs && loom_backend_graph_begin(b->be, key);
+        if (!replay) forward(b, n, nl, mb, fused);
+        if (graphs && loom_backend_graph_end(b->be, key)) forward(b, n, nl, mb, fused);
+        loom_op_sample_shard(b->be, b->logits, ns, b->vocab, 0, b->vocab, sp, steps, k, parts);
+        t[it] = now_s() - t0;
+        if (it == 3) {
+            kv_bytes = 0;
+            for (int i = 0; i < ns; i++) kv_bytes += (double)(bt->ctx[i] + 1) * b->nkv * b->hd * 4.0 * 2 * b->layers;
+        }
+        for (int i = 0; i < ns; i++) {
+            bt->next[i] = ids[i];
+            bt->ctx[i]++;
+        }
+    }
+    result_t r = {.name = name, .batch = ns};
+    r.step_s = median(t + 3, tokens); /* the first steps record the graph */
+    r.tok_s = ns / r.step_s;
+    double bytes = b->weight_bytes + kv_bytes + (double)ns * b->dim * 4;
+    r.gbs = bytes / r.step_s / 1e9;
+    r.mbu = r.gbs / copy;
+    free(sp), free(steps), free(k), free(parts), free(ids), free(keys), free(t);
+    return r;
+}
+
+static int parse_list(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > 4096) return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+    }
+    return n;
+}
+
+int main(int argc, char **argv) {
+    loom_log_init("bench_gpu");
+    bench_t b = {.layers = 32, .dim = 4096, .nh = 32, .nkv = 8, .hd = 128, .hidden = 14336, .vocab = 128256};
+    const char *dtype = "bf16", *batches_s = "1,8,32", *json = NULL;
+    int ctx = 1024, tokens = 32, prefill = 512;
+    loom_opt_t opts[] = {
+        {"layers", LOOM_OPT_INT, &b.layers, "N", "layers (default 32)", 1, 1024, NULL},
+        {"dim", LOOM_OPT_INT, &b.dim, "N", "hidden size (default 4096)", 8, 65536, NULL},
+        {"heads", LOOM_OPT_INT, &b.nh, "N", "query heads (default 32)", 1, 1024, NULL},
+        {"kv-heads", LOOM_OPT_INT, &b.nkv, "N", "KV heads (default 8)", 1, 1024, NULL},
+        {"head-dim", LOOM_OPT_INT, &b.hd, "N", "head dim (default 128)", 2, 256, NULL},
+        {"hidden", LOOM_OPT_INT, &b.hidden, "N", "MLP size (default 14336)", 1, 1 << 20, NULL},
+        {"vocab", LOOM_OPT_INT, &b.vocab, "N", "vocabulary (default 128256)", 16, 1 << 22, NULL},
+        {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weights: bf16 (default) or f16", 1, 0, NULL},
+        {"ctx", LOOM_OPT_INT, &ctx, "N", "context of each sequence before decoding (default 1024)", 1, 1 << 17, NULL},
+        {"tokens", LOOM_OPT_INT, &tokens, "N", "timed decode steps (default 32)", 4, 4096, NULL},
+        {"prefill", LOOM_OPT_INT, &prefill, "N", "prefill chunk, also the measured prefill (default 512)", 16, 8192,
+         NULL},
+        {"batches", LOOM_OPT_STR, &batches_s, "LIST", "decode batch sizes (default 1,8,32)", 1, 0, NULL},
+        {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
+    };
+    int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_gpu [options]",
+                           "Decode MBU and prefill rate of the CUDA backend on a random model.");
+    if (r) return r < 0 ? 2 : 0;
+    int batches[16];
+    int nb = parse_list(batches_s, batches, 16);
+    if (nb < 1 || b.nh % b.nkv) {
+        fprintf(stderr, "bench_gpu: bad --batches or heads not a multiple of kv-heads\n");
+        return 2;
+    }
+    if (!loom_backend_available(LOOM_DEVICE_CUDA, 0)) {
+        printf("skipped: no GPU\n");
+        return 77;
+    }
+    loom_dtype_t dt = !strcmp(dtype, "f16") ? LOOM_DT_F16 : LOOM_DT_BF16;
+    loom_err_t err = {0};
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CUDA, .weight_dtype = dt};
+    if (loom_backend_create(&bc, &b.be, &err) < 0) {
+        fprintf(stderr, "bench_gpu: %s\n", err.msg);
+        return 1;
+    }
+    int max_batch = 1;
+    for (int i = 0; i < nb; i++) max_batch = LOOM_MAX(max_batch, batches[i]);
+    /* batch 1 runs three variants, each tokens + 3 steps */
+    const int per_seq = (ctx + 3 * (tokens + 3) + 1 + B_SIZE - 1) / B_SIZE;
+    if (per_seq > 256) {
+        fprintf(stderr, "bench_gpu: --ctx too long for the metadata buffer\n");
+        return 2;
+    }
+    b.max_tokens = LOOM_MAX(prefill, max_batch);
+    b.max_rows = max_batch;
+    b.n_blocks = max_batch * per_seq;
+    struct cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    double t0 = now_s();
+    double copy = copy_gbs(&b);
+    build(&b);
+    CK(cudaStreamSynchronize(loom_backend_stream(b.be)));
+    double params = b.weight_bytes / 2.0;
+    printf("device: %s, %d SMs; copy bandwidth %.0f GB/s (read + write)\n", prop.name, loom_cuda_sm_count(b.be), copy);
+    printf("model: random, %d layers, dim %d, %d/%d heads x %d, hidden %d, vocab %d: %.2fB parameters, %.2f GB %s "
+           "(built in %.1f s)\n",
+           b.layers, b.dim, b.nh, b.nkv, b.hd, b.hidden, b.vocab, params / 1e9, b.weight_bytes / 1e9, dtype,
+           now_s() - t0);
+
+    /* prefill: one sequence, `prefill` tokens from position 0 */
+    batch_t pb = {.ns = 1, .per_seq = per_seq, .s0 = 0};
+    pb.ctx = loom_xcalloc(1, 4);
+    pb.next = loom_xcalloc(1, 4);
+    double pt[5];
+    for (int rep = 0; rep < 5; rep++) {
+        int n, nl, mb = upload_step(&b, &pb, 0, 0, prefill, &n, &nl);
+        CK(cudaStreamSynchronize(loom_backend_stream(b.be)));
+        double s0 = now_s();
+        forward(&b, n, nl, mb, 1);
+        CK(cudaStreamSynchronize(loom_backend_stream(b.be)));
+        pt[rep] = now_s() - s0;
+    }
+    double pre_s = median(pt + 1, 4);
+    double layer_flops = 2.0 * prefill *
+                         ((double)b.qkv_dim * b.dim + (double)b.dim * b.nh * b.hd + 2.0 * b.hidden * b.dim +
+                          (double)b.dim * b.hidden);
+    double gemm_s = gemm_layer_s(&b, prefill, dt == LOOM_DT_F16 ? CUDA_R_16F : CUDA_R_16BF) * b.layers;
+    double pre_tf = layer_flops * b.layers / pre_s / 1e12, gemm_tf = layer_flops * b.layers / gemm_s / 1e12;
+
+    result_t res[32];
+    int nr = 0;
+    for (int i = 0; i < nb; i++) {
+        batch_t bt = {.ns = batches[i], .per_seq = per_seq, .s0 = 0};
+        bt.ctx = loom_xcalloc((size_t)bt.ns, 4);
+        bt.next = loom_xcalloc((size_t)bt.ns, 4);
+        prefill_batch(&b, &bt, ctx, prefill);
+        res[nr++] = decode(&b, &bt, tokens, 1, 1, copy, "graph, fused ops");
+        if (bt.ns == 1) {
+            res[nr++] = decode(&b, &bt, tokens, 1, 0, copy, "graph, model.c ops");
+            res[nr++] = decode(&b, &bt, tokens, 0, 1, copy, "no graph, fused ops");
+        }
+        free(bt.ctx), free(bt.next);
+    }
+    uint64_t rec = 0, rep = 0;
+    loom_cuda_graph_stats(b.be, &rec, &rep);
+    printf("\nprefill %d tokens: %.2f ms, %.0f TFLOP/s; cuBLAS GEMMs alone %.2f ms, %.0f TFLOP/s -> ratio %.2f\n",
+           prefill, pre_s * 1e3, pre_tf, gemm_s * 1e3, gemm_tf, gemm_s / pre_s);
+    printf("decode (context %d, graphs recorded %llu, replayed %llu):\n", ctx, (unsigned long long)rec,
+           (unsigned long long)rep);
+    printf("  %-22s %6s %10s %10s %9s %6s\n", "variant", "batch", "step ms", "tokens/s", "GB/s", "MBU");
+    for (int i = 0; i < nr; i++)
+        printf("  %-22s %6d %10.3f %10.1f %9.0f %6.3f\n", res[i].name, res[i].batch, res[i].step_s * 1e3, res[i].tok_s,
+               res[i].gbs, res[i].mbu);
+    if (json) {
+        FILE *f = fopen(json, "w");
+        if (f) {
+            fprintf(f, "{\"device\":\"%s\",\"copy_gbs\":%.1f,\"params\":%.0f,\"dtype\":\"%s\",\"prefill_tokens\":%d,"
+                       "\"prefill_s\":%.6f,\"prefill_tflops\":%.2f,\"gemm_tflops\":%.2f,\"prefill_ratio\":%.4f,"
+                       "\"decode\":[",
+                    prop.name, copy, params, dtype, prefill, pre_s, pre_tf, gemm_tf, gemm_s / pre_s);
+            for (int i = 0; i < nr; i++)
+                fprintf(f, "%s{\"variant\":\"%s\",\"batch\":%d,\"step_s\":%.6f,\"tok_s\":%.2f,\"gbs\":%.1f,\"mbu\":%.4f}",
+                        i ? "," : "", res[i].name, res[i].batch, res[i].step_s, res[i].tok_s, res[i].gbs, res[i].mbu);
+            fprintf(f, "]}\n");
+            fclose(f);
+        }
+    }
+    free(pb.ctx), free(pb.next);
+    loom_backend_destroy(&b.be); /* the device memory goes with the process */
+    return 0;
+}

@@ -1,0 +1,617 @@
+/* Paged GQA attention over the float32 cache (n_blocks, B, nkv, hd) for
+ * mixed batches: each token i has a sequence tok_seq[i] and a position
+ * tok_pos[i] and attends causally to the cached keys [0, tok_pos[i]] of its
+ * sequence through the block table.
+ *
+ * Work units. Tokens are cut into units of consecutive rows of one sequence
+ * that never cross a multiple of `tq` (a unit starts at i when i % tq == 0 or
+ * tok_seq[i - 1] != tok_seq[i]). Decode tokens are units of one row;
+ * a prefill chunk becomes units of tq rows. Both kernels below run on a grid
+ * (n, n_kv_heads, n_split); block (i, kvh, s) handles the unit that starts at
+ * token i (other blocks exit at once) for the query heads of KV head kvh
+ * (GQA: the KV head's keys and values are read once for its `group` query
+ * heads), over the s-th slice of the unit's key range (flash-decoding
+ * split; the slices are merged by attn_combine_kernel when n_split > 1).
+ *
+ *  - attn_decode_kernel (units of one row): fp32 throughout. Each warp walks
+ *    groups of 32 keys, one key per lane for the scores (q is broadcast from
+ *    shared memory), keeps an online softmax per head and accumulates
+ *    p * V with lanes across head_dim; the 8 warps' states are merged in
+ *    shared memory at the end. Memory-bound: every K and V row of the range
+ *    is read once.
+ *  - attn_tile_kernel (units of 2..tq rows, head_dim % 16 == 0): up to 64
+ *    query rows (tq tokens x group heads) against 32 keys at a time, the two
+ *    products (Q K^T and P V) on tensor cores in TF32 (WMMA m16n16k8, fp32
+ *    accumulation), the online softmax in fp32 in shared memory.
+ *
+ * Decode napkin math: per token and KV head, ctx * hd * 8 bytes of K and V;
+ * 4 * ctx * hd * group FLOPs. */
+#include <math.h>
+#include <mma.h>
+#include <stdint.h>
+
+#include "kernels/cuda/kernels.h"
+
+namespace {
+
+using namespace nvcuda;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKeys = 32;      /* keys per step, both kernels */
+constexpr int kTileRows = 64;  /* query rows per tile */
+constexpr int kMaxSplit = 32;
+constexpr int kMaxHd = 256;    /* head_dim limit of both kernels */
+constexpr unsigned kFull = 0xffffffffu;
+
+struct Params {
+    const float *q, *kc, *vc;
+    float *out;
+    const int32_t *tok_seq, *tok_pos, *bt;
+    int n, nh, nkv, hd, group, q_stride, out_stride, B, max_blocks, tq, n_split;
+    float scale;
+    float *part; /* (n, nh, n_split, hd) accumulators, then (n, nh, n_split, 2) {max, sum} */
+};
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+    return v;
+}
+
+__device__ __forceinline__ bool unit_starts(const Params &p, int i) {
+    return i % p.tq == 0 || p.tok_seq[i - 1] != p.tok_seq[i];
+}
+
+/* Whether token i + 1 belongs to the unit of token i. */
+__device__ __forceinline__ bool unit_continues(const Params &p, int i) {
+    return p.tq > 1 && i + 1 < p.n && (i + 1) % p.tq != 0 && p.tok_seq[i + 1] == p.tok_seq[i];
+}
+
+/* The key slice [k0, k1) of split s over a range of L keys: equal slices
+ * rounded up to whole steps of kKeys. */
+__device__ __forceinline__ void split_range(const Params &p, int L, int s, int *k0, int *k1) {
+    int chunk = (L + p.n_split - 1) / p.n_split;
+    chunk = (chunk + kKeys - 1) / kKeys * kKeys;
+    *k0 = s * chunk;
+    *k1 = min(L, *k0 + chunk);
+}
+
+/* Cache slot (block * B + offset, an int32 like the slots of the API) of
+ * key position `pos`, or -1 when the block table has no block there (never
+ * for valid plans: such a key is then skipped instead of read out of
+ * bounds). Its row of KV head kvh starts at slot * nkv * hd + kvh * hd. */
+__device__ __forceinline__ int key_slot(const Params &p, const int32_t *bt, int pos) {
+    const int blk = bt[pos / p.B];
+    return blk < 0 ? -1 : blk * p.B + pos % p.B;
+}
+
+__device__ __forceinline__ int64_t slot_offset(const Params &p, int slot, int kvh) {
+    return (int64_t)slot * ((int64_t)p.nkv * p.hd) + (int64_t)kvh * p.hd;
+}
+
+__device__ __forceinline__ size_t part_index(const Params &p, int token, int head, int s) {
+    return ((size_t)token * p.nh + head) * p.n_split + s;
+}
+
+__device__ __forceinline__ float *part_ml(const Params &p) {
+    return p.part + (size_t)p.n * p.nh * p.n_split * p.hd;
+}
+
+/* --- one-row units ---------------------------------------------------------------------- */
+
+/* GC: query heads handled per pass (a power of two >= min(group, 8)).
+ * VEC: head_dim % 4 == 0 and 16-byte aligned rows (float4 accesses). */
+template <int GC, bool VEC>
+__global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
+    extern __shared__ __align__(128) float sm[];
+    const int i = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    if (!unit_starts(p, i) || unit_continues(p, i)) return; /* a tile unit, or inside one */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hd = p.hd, G = p.group;
+    const int pos = p.tok_pos[i];
+    int k0, k1;
+    split_range(p, pos + 1, split, &k0, &k1);
+    if (k0 >= k1) { /* nothing in this slice: an empty partial (n_split > 1 here) */
+        float *ml = part_ml(p);
+        for (int g = threadIdx.x; g < G; g += blockDim.x) {
+            const size_t pi = part_index(p, i, kvh * G + g, split);
+            ml[2 * pi] = -INFINITY;
+            ml[2 * pi + 1] = 0.0f;
+        }
+        return;
+    }
+    const int32_t *bt = p.bt + (int64_t)p.tok_seq[i] * p.max_blocks;
+
+    /* shared: q (G, hd) pre-scaled | per-warp max, sum (kWarps, GC) | per-warp acc (kWarps, GC, hd) */
+    float *qs = sm;
+    float *wm = qs + ((G * hd + 3) & ~3);
+    float *wl = wm + kWarps * GC;
+    float *wacc = wl + kWarps * GC;
+    const float *qrow = p.q + (int64_t)i * p.q_stride + (int64_t)kvh * G * hd;
+    for (int e = threadIdx.x; e < G * hd; e += blockDim.x) qs[e] = qrow[e] * p.scale;
+    __syncthreads();
+
+    constexpr int HV = VEC ? kMaxHd / 128 : kMaxHd / 32; /* accumulator slots per lane */
+    /* loads in flight: unrolled key and value loops, unless the registers are
+     * all taken by 8 heads of accumulators */
+    for (int g0 = 0; g0 < G; g0 += GC) {
+        const int gc = min(GC, G - g0);
+        float m[GC], l[GC];
+        float acc[GC][VEC ? 4 * HV : HV];
+#pragma unroll
+        for (int h = 0; h < GC; h++) {
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < (VEC ? 4 * HV : HV); c++) acc[h][c] = 0.0f;
+        }
+        for (int kb = k0 + warp * kKeys; kb < k1; kb += kWarps * kKeys) {
+            /* scores: lane j takes key kb + j */
+            const int key = kb + lane;
+            const int slot = key < k1 ? key_slot(p, bt, key) : -1;
+            float s[GC];
+#pragma unroll
+            for (int h = 0; h < GC; h++) s[h] = 0.0f;
+            if (slot >= 0) {
+                const float *kr = p.kc + slot_offset(p, slot, kvh);
+                if (VEC) {
+                    const float4 *k4 = reinterpret_cast<const float4 *>(kr);
+#pragma unroll (GC <= 4 ? 4 : 1)
+                    for (int d4 = 0; d4 < hd / 4; d4 += 2) { /* 32 bytes (one sector) per lane per step */
+                        const float4 a = __ldg(k4 + d4);
+                        const float4 b = d4 + 1 < hd / 4 ? __ldg(k4 + d4 + 1) : make_float4(0, 0, 0, 0);
+#pragma unroll
+                        for (int h = 0; h < GC; h++) {
+                            if (h < gc) {
+                                const float4 *q4 = reinterpret_cast<const float4 *>(qs + (g0 + h) * hd);
+                                const float4 qa = q4[d4];
+                                const float4 qb = d4 + 1 < hd / 4 ? q4[d4 + 1] : make_float4(0, 0, 0, 0);
+                                s[h] += qa.x * a.x + qa.y * a.y + qa.z * a.z + qa.w * a.w + qb.x * b.x +
+                                        qb.y * b.y + qb.z * b.z + qb.w * b.w;
+                            }
+                        }
+                    }
+                } else {
+                    for (int d = 0; d < hd; d++) {
+                        const float kv = __ldg(kr + d);
+#pragma unroll
+                        for (int h = 0; h < GC; h++)
+                            if (h < gc) s[h] = fmaf(qs[(g0 + h) * hd + d], kv, s[h]);
+                    }
+                }
+            }
+            /* online softmax per head over this group of keys */
+            float pr[GC];
+#pragma unroll
+            for (int h = 0; h < GC; h++) {
+                const float sv = slot >= 0 ? s[h] : -INFINITY;
+                const float mn = fmaxf(m[h], warp_max(sv));
+                /* lane 0's key is always in range, but its block may be missing */
+                const float alpha = mn == -INFINITY ? 1.0f : expf(m[h] - mn);
+                pr[h] = slot >= 0 ? expf(sv - mn) : 0.0f;
+                l[h] = l[h] * alpha + warp_sum(pr[h]);
+                m[h] = mn;
+#pragma unroll
+                for (int c = 0; c < (VEC ? 4 * HV : HV); c++) acc[h][c] *= alpha;
+            }
+            /* acc += p_j * V[j], lanes across head_dim */
+            const int nk = min(kKeys, k1 - kb);
+#pragma unroll (GC <= 4 ? 4 : 1)
+            for (int j = 0; j < nk; j++) {
+                const int slotj = __shfl_sync(kFull, slot, j);
+                float pj[GC];
+#pragma unroll
+                for (int h = 0; h < GC; h++) pj[h] = __shfl_sync(kFull, pr[h], j);
+                if (slotj < 0) continue; /* same for the whole warp */
+                const float *vr = p.vc + slot_offset(p, slotj, kvh);
+                if (VEC) {
+#pragma unroll
+                    for (int c = 0; c < HV; c++) {
+                        const int d4 = lane + 32 * c;
+                        if (d4 < hd / 4) {
+                            const float4 v = __ldg(reinterpret_cast<const float4 *>(vr) + d4);
+#pragma unroll
+                            for (int h = 0; h < GC; h++) {
+                                acc[h][4 * c] = fmaf(pj[h], v.x, acc[h][4 * c]);
+                                acc[h][4 * c + 1] = fmaf(pj[h], v.y, acc[h][4 * c + 1]);
+                                acc[h][4 * c + 2] = fmaf(pj[h], v.z, acc[h][4 * c + 2]);
+                                acc[h][4 * c + 3] = fmaf(pj[h], v.w, acc[h][4 * c + 3]);
+                            }
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < HV; c++) {
+                        const int d = lane + 32 * c;
+                        if (d < hd) {
+                            const float v = __ldg(vr + d);
+#pragma unroll
+                            for (int h = 0; h < GC; h++) acc[h][c] = fmaf(pj[h], v, acc[h][c]);
+                        }
+                    }
+                }
+            }
+        }
+        /* merge the warps' states */
+#pragma unroll
+        for (int h = 0; h < GC; h++) {
+            if (h >= gc) continue;
+            if (lane == 0) {
+                wm[warp * GC + h] = m[h];
+                wl[warp * GC + h] = l[h];
+            }
+            float *wa = wacc + ((size_t)warp * GC + h) * hd;
+#pragma unroll
+            for (int c = 0; c < HV; c++) {
+                if (VEC) {
+                    const int d4 = lane + 32 * c;
+                    if (d4 < hd / 4)
+                        reinterpret_cast<float4 *>(wa)[d4] =
+                            make_float4(acc[h][4 * c], acc[h][4 * c + 1], acc[h][4 * c + 2], acc[h][4 * c + 3]);
+                } else {
+                    const int d = lane + 32 * c;
+                    if (d < hd) wa[d] = acc[h][c];
+                }
+            }
+        }
+        __syncthreads();
+        float *ml = part_ml(p);
+        for (int e = threadIdx.x; e < gc * hd; e += blockDim.x) {
+            const int h = e / hd, d = e % hd;
+            float M = -INFINITY;
+            for (int w = 0; w < kWarps; w++) M = fmaxf(M, wm[w * GC + h]);
+            float L = 0.0f, o = 0.0f;
+            if (M != -INFINITY)
+                for (int w = 0; w < kWarps; w++) {
+                    const float mw = wm[w * GC + h];
+                    if (mw == -INFINITY) continue; /* that warp saw no key */
+                    const float f = expf(mw - M);
+                    L += wl[w * GC + h] * f;
+                    o += wacc[((size_t)w * GC + h) * hd + d] * f;
+                }
+            const int head = kvh * G + g0 + h;
+            if (p.n_split == 1) {
+                p.out[(int64_t)i * p.out_stride + (int64_t)head * hd + d] = L > 0.0f ? o / L : 0.0f;
+            } else {
+                const size_t pi = part_index(p, i, head, split);
+                p.part[pi * hd + d] = o;
+                if (d == 0) {
+                    ml[2 * pi] = M;
+                    ml[2 * pi + 1] = L;
+                }
+            }
+        }
+        __syncthreads(); /* wm/wl/wacc are reused by the next pass */
+    }
+}
+
+/* --- tiles of rows ---------------------------------------------------------------------------- */
+
+/* Shared memory of the tile kernel, in floats; ld = hd + 4 keeps WMMA
+ * pointers 32-byte aligned (hd % 16 == 0) and shifts rows across banks. */
+__host__ __device__ constexpr int tile_ld(int hd) {
+    return hd + 4;
+}
+constexpr int kLdS = kKeys + 4;
+__host__ __device__ constexpr size_t tile_smem_floats(int hd) {
+    return (size_t)(2 * kTileRows + 2 * kKeys) * tile_ld(hd) /* Q, O, K, V */ + (size_t)kTileRows * kLdS /* S */ +
+           3 * kTileRows /* row max, sum, alpha */ + 3 * kTileRows /* row ints */ + kKeys /* key slots */ +
+           8 /* unit info */;
+}
+
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> FragA;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> FragBt;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> FragB;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 8, float> FragC;
+
+template <typename F>
+__device__ __forceinline__ void to_tf32(F &f) {
+#pragma unroll
+    for (int t = 0; t < f.num_elements; t++) f.x[t] = wmma::__float_to_tf32(f.x[t]);
+}
+
+__global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
+    extern __shared__ __align__(128) float sm[];
+    const int i = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    if (!unit_starts(p, i) || !unit_continues(p, i)) return; /* one-row units go to the decode kernel */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hd = p.hd, G = p.group, ld = tile_ld(hd);
+    float *Qs = sm;
+    float *Os = Qs + kTileRows * ld;
+    float *Ks = Os + kTileRows * ld;
+    float *Vs = Ks + kKeys * ld;
+    float *Ss = Vs + kKeys * ld;
+    float *rmax = Ss + kTileRows * kLdS, *rsum = rmax + kTileRows, *ralpha = rsum + kTileRows;
+    int *rpos = reinterpret_cast<int *>(ralpha + kTileRows);
+    int *rflag = rpos + kTileRows, *rposu = rflag + kTileRows;
+    int *kslot = rposu + kTileRows, *info = kslot + kKeys;
+
+    /* the unit's rows: consecutive tokens of this sequence up to the next multiple of tq */
+    const int seq = p.tok_seq[i], lim = p.tq - i % p.tq;
+    if (threadIdx.x < kTileRows) {
+        const int t = threadIdx.x, j = i + t;
+        const bool in = t == 0 || (t < lim && j < p.n && p.tok_seq[j] == seq);
+        rflag[t] = in;
+        rposu[t] = in ? p.tok_pos[j] : -1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int R = 1, mp = rposu[0];
+        while (R < kTileRows && rflag[R]) mp = max(mp, rposu[R++]);
+        info[0] = R;
+        info[1] = mp;
+    }
+    __syncthreads();
+    const int R = info[0], QR = R * G;
+    int k0, k1;
+    split_range(p, info[1] + 1, split, &k0, &k1);
+    float *ml = part_ml(p);
+    if (k0 >= k1) {
+        for (int r = threadIdx.x; r < QR; r += blockDim.x) {
+            const size_t pi = part_index(p, i + r / G, kvh * G + r % G, split);
+            ml[2 * pi] = -INFINITY;
+            ml[2 * pi + 1] = 0.0f;
+        }
+        return;
+    }
+    const int32_t *bt = p.bt + (int64_t)seq * p.max_blocks;
+
+    /* Q rows (token r / G, head r % G), pre-scaled; rows >= QR are zero. O = 0. */
+    const int hd4 = hd / 4;
+    for (int e = threadIdx.x; e < kTileRows * hd4; e += blockDim.x) {
+        const int r = e / hd4, d4 = e % hd4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < QR) {
+            const float *qr = p.q + (int64_t)(i + r / G) * p.q_stride + (int64_t)(kvh * G + r % G) * hd;
+            v = reinterpret_cast<const float4 *>(qr)[d4];
+            v.x *= p.scale, v.y *= p.scale, v.z *= p.scale, v.w *= p.scale;
+        }
+        reinterpret_cast<float4 *>(Qs + r * ld)[d4] = v;
+        reinterpret_cast<float4 *>(Os + r * ld)[d4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    if (threadIdx.x < kTileRows) {
+        const int r = threadIdx.x;
+        rpos[r] = r < QR ? rposu[r / G] : -1;
+        rmax[r] = -INFINITY;
+        rsum[r] = 0.0f;
+    }
+    const int row_tiles = (QR + 15) / 16, col_tiles = hd / 16;
+
+    for (int kb = k0; kb < k1; kb += kKeys) {
+        if (threadIdx.x < kKeys) {
+            const int key = kb + threadIdx.x;
+            kslot[threadIdx.x] = key < k1 ? key_slot(p, bt, key) : -1;
+        }
+        __syncthreads(); /* kslot ready; the previous step's readers of Ks/Vs/Ss are done */
+        for (int e = threadIdx.x; e < kKeys * hd4; e += blockDim.x) {
+            const int j = e / hd4, d4 = e % hd4;
+            const int slot = kslot[j];
+            float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+            if (slot >= 0) {
+                const int64_t off = slot_offset(p, slot, kvh);
+                kv = __ldg(reinterpret_cast<const float4 *>(p.kc + off) + d4);
+                vv = __ldg(reinterpret_cast<const float4 *>(p.vc + off) + d4);
+            }
+            reinterpret_cast<float4 *>(Ks + j * ld)[d4] = kv;
+            reinterpret_cast<float4 *>(Vs + j * ld)[d4] = vv;
+        }
+        __syncthreads();
+        /* S = Q K^T: warp w computes the 16x16 tile (w / 2, w % 2) */
+        {
+            const int rt = warp >> 1, ct = warp & 1;
+            if (rt < row_tiles) {
+                FragC c;
+                wmma::fill_fragment(c, 0.0f);
+                for (int kk = 0; kk < hd; kk += 8) {
+                    FragA a;
+                    FragBt b;
+                    wmma::load_matrix_sync(a, Qs + rt * 16 * ld + kk, ld);
+                    wmma::load_matrix_sync(b, Ks + ct * 16 * ld + kk, ld);
+                    to_tf32(a);
+                    to_tf32(b);
+                    wmma::mma_sync(c, a, b, c);
+                }
+                wmma::store_matrix_sync(Ss + rt * 16 * kLdS + ct * 16, c, kLdS, wmma::mem_row_major);
+            }
+        }
+        __syncthreads();
+        /* online softmax, warp w owns rows w, w + 8, ...; lane = key; O rows rescaled here */
+        for (int r = warp; r < QR; r += kWarps) {
+            const int key = kb + lane;
+            const bool valid = kslot[lane] >= 0 && key <= rpos[r];
+            const float s = valid ? Ss[r * kLdS + lane] : -INFINITY;
+            const float mo = rmax[r], mn = fmaxf(mo, warp_max(s));
+            const float alpha = mn == -INFINITY ? 1.0f : expf(mo - mn);
+            const float pr = valid ? expf(s - mn) : 0.0f;
+            const float sum = warp_sum(pr);
+            Ss[r * kLdS + lane] = pr;
+            if (lane == 0) {
+                rmax[r] = mn;
+                rsum[r] = rsum[r] * alpha + sum;
+            }
+            if (alpha != 1.0f)
+                for (int d = lane; d < hd; d += 32) Os[r * ld + d] *= alpha;
+        }
+        __syncthreads();
+        /* O += P V: tiles (row tile, col tile) dealt round-robin to the warps */
+        for (int t = warp; t < row_tiles * col_tiles; t += kWarps) {
+            const int rt = t / col_tiles, ct = t % col_tiles;
+            FragC c;
+            wmma::load_matrix_sync(c, Os + rt * 16 * ld + ct * 16, ld, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < kKeys; kk += 8) {
+                FragA a;
+                FragB b;
+                wmma::load_matrix_sync(a, Ss + rt * 16 * kLdS + kk, kLdS);
+                wmma::load_matrix_sync(b, Vs + kk * ld + ct * 16, ld);
+                to_tf32(a);
+                to_tf32(b);
+                wmma::mma_sync(c, a, b, c);
+            }
+            wmma::store_matrix_sync(Os + rt * 16 * ld + ct * 16, c, ld, wmma::mem_row_major);
+        }
+        /* the barrier at the top of the next step orders these stores */
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < QR * hd; e += blockDim.x) {
+        const int r = e / hd, d = e % hd;
+        const int token = i + r / G, head = kvh * G + r % G;
+        if (p.n_split == 1) {
+            const float L = rsum[r];
+            p.out[(int64_t)token * p.out_stride + (int64_t)head * hd + d] = L > 0.0f ? Os[r * ld + d] / L : 0.0f;
+        } else {
+            const size_t pi = part_index(p, token, head, split);
+            p.part[pi * hd + d] = Os[r * ld + d];
+            if (d == 0) {
+                ml[2 * pi] = rmax[r];
+                ml[2 * pi + 1] = rsum[r];
+            }
+        }
+    }
+}
+
+/* --- merging the splits --------------------------------------------------------------------------- */
+
+__global__ void attn_combine_kernel(Params p) {
+    const int i = blockIdx.x / p.nh, head = blockIdx.x % p.nh;
+    const float *ml = part_ml(p);
+    const size_t p0 = part_index(p, i, head, 0);
+    float M = -INFINITY;
+    for (int s = 0; s < p.n_split; s++) M = fmaxf(M, ml[2 * (p0 + s)]);
+    float L = 0.0f;
+    for (int s = 0; s < p.n_split; s++) {
+        const float ms = ml[2 * (p0 + s)];
+        if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
+    }
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < p.n_split; s++) {
+            const float ms = ml[2 * (p0 + s)];
+            if (ms != -INFINITY) o += p.part[(p0 + s) * p.hd + d] * expf(ms - M);
+        }
+        p.out[(int64_t)i * p.out_stride + (int64_t)head * p.hd + d] = o * inv;
+    }
+}
+
+/* --- host side -------------------------------------------------------------------------------------- */
+
+bool aligned16(const void *ptr) {
+    return ((uintptr_t)ptr & 15u) == 0;
+}
+
+int group_chunk(int group) {
+    return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
+}
+
+bool use_vec(const loom_cuda_attn_t *a) {
+    return a->head_dim % 4 == 0 && a->q_stride % 4 == 0 && a->out_stride % 4 == 0 && aligned16(a->q) &&
+           aligned16(a->out) && aligned16(a->k_cache) && aligned16(a->v_cache);
+}
+
+size_t decode_smem(const loom_cuda_attn_t *a) {
+    const int G = a->n_heads / a->n_kv_heads, GC = group_chunk(G), hd = a->head_dim;
+    return (((size_t)G * hd + 3) / 4 * 4 + 2 * (size_t)kWarps * GC + (size_t)kWarps * GC * hd) * sizeof(float);
+}
+
+template <int GC, bool VEC>
+void set_decode_attr(size_t bytes, cudaError_t *e) {
+    cudaError_t r = cudaFuncSetAttribute(attn_decode_kernel<GC, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)bytes);
+    if (r != cudaSuccess && *e == cudaSuccess) *e = r;
+}
+
+template <int GC, bool VEC>
+void launch_decode(const Params &p, dim3 grid, size_t smem, cudaStream_t s) {
+    attn_decode_kernel<GC, VEC><<<grid, kThreads, smem, s>>>(p);
+}
+
+template <bool VEC>
+void launch_decode_g(const Params &p, dim3 grid, size_t smem, cudaStream_t s) {
+    switch (group_chunk(p.group)) {
+    case 1: launch_decode<1, VEC>(p, grid, smem, s); break;
+    case 2: launch_decode<2, VEC>(p, grid, smem, s); break;
+    case 4: launch_decode<4, VEC>(p, grid, smem, s); break;
+    default: launch_decode<8, VEC>(p, grid, smem, s); break;
+    }
+}
+
+} /* namespace */
+
+extern "C" cudaError_t loom_cuda_attention_init(size_t max_smem_optin) {
+    cudaError_t e = cudaSuccess;
+    set_decode_attr<1, true>(max_smem_optin, &e);
+    set_decode_attr<2, true>(max_smem_optin, &e);
+    set_decode_attr<4, true>(max_smem_optin, &e);
+    set_decode_attr<8, true>(max_smem_optin, &e);
+    set_decode_attr<1, false>(max_smem_optin, &e);
+    set_decode_attr<2, false>(max_smem_optin, &e);
+    set_decode_attr<4, false>(max_smem_optin, &e);
+    set_decode_attr<8, false>(max_smem_optin, &e);
+    cudaError_t r = cudaFuncSetAttribute(attn_tile_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)max_smem_optin);
+    return e != cudaSuccess ? e : r;
+}
+
+extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t *a, int n_sms, size_t max_smem,
+                                                          size_t part_cap) {
+    loom_cuda_attn_plan_t pl = {1, 1, 0, 0, 0};
+    static_assert(sizeof(pl) == 2 * sizeof(int) + 3 * sizeof(size_t), "plan layout");
+    const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+    pl.smem = decode_smem(a);
+    const size_t tile_bytes = tile_smem_floats(hd) * sizeof(float);
+    /* Tiles only pay off for chunks of tokens; up to 8 tokens every one goes alone. */
+    if (use_vec(a) && hd % 16 == 0 && hd <= kMaxHd && G <= kTileRows / 2 && a->n > 8 && tile_bytes <= max_smem) {
+        pl.tq = kTileRows / G;
+        pl.smem_tile = tile_bytes;
+    }
+    /* Enough blocks for two waves of the SMs when there are few units. */
+    const int64_t units = (int64_t)a->n * a->n_kv_heads;
+    int64_t ns = (2 * (int64_t)n_sms + units - 1) / units;
+    if (ns > kMaxSplit) ns = kMaxSplit;
+    if (ns < 1) ns = 1;
+    const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);
+    while (ns > 1 && (size_t)ns * per_split > part_cap) ns--;
+    pl.n_split = (int)ns;
+    pl.part_floats = ns > 1 ? (size_t)ns * per_split : 0;
+    return pl;
+}
+
+extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom_cuda_attn_plan_t *plan, float *part,
+                                           cudaStream_t s) {
+    if (a->n <= 0) return cudaSuccess;
+    const int G = a->n_heads / a->n_kv_heads;
+    if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->head_dim <= 0 || a->head_dim > kMaxHd ||
+        a->block_size <= 0 || plan->n_split < 1 || plan->n_split > kMaxSplit || (plan->n_split > 1 && !part) ||
+        a->n_kv_heads > 65535)
+        return cudaErrorInvalidValue;
+    Params p;
+    p.q = a->q, p.kc = a->k_cache, p.vc = a->v_cache, p.out = a->out;
+    p.tok_seq = a->tok_seq, p.tok_pos = a->tok_pos, p.bt = a->block_tables;
+    p.n = a->n, p.nh = a->n_heads, p.nkv = a->n_kv_heads, p.hd = a->head_dim, p.group = G;
+    p.q_stride = a->q_stride, p.out_stride = a->out_stride, p.B = a->block_size, p.max_blocks = a->max_blocks;
+    p.tq = plan->tq, p.n_split = plan->n_split, p.scale = a->scale, p.part = part;
+    const dim3 grid((unsigned)a->n, (unsigned)a->n_kv_heads, (unsigned)plan->n_split);
+    if (use_vec(a))
+        launch_decode_g<true>(p, grid, plan->smem, s);
+    else
+        launch_decode_g<false>(p, grid, plan->smem, s);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    if (plan->tq > 1) {
+        attn_tile_kernel<<<grid, kThreads, plan->smem_tile, s>>>(p);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (plan->n_split > 1) {
+        attn_combine_kernel<<<(unsigned)((int64_t)a->n * a->n_heads), 128, 0, s>>>(p);
+        e = cudaGetLastError();
+    }
+    return e;
+}

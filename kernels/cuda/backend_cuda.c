@@ -1,0 +1,816 @@
+/* The CUDA backend: device memory, weights in bf16/f16 (or f32 when asked
+ * for exactness), and every op of backend.h on one stream, plus CUDA graphs
+ * for steps that repeat. The kernels live in the .cu files (kernels.h);
+ * this file owns the state, cuBLAS, memory and graphs.
+ *
+ * Matmul: up to LOOM_CUDA_GEMV_MAX_N rows of x use the GEMV kernel (reads
+ * f32 x directly); more rows use cuBLAS (bf16/f16 A and B, f32 C, f32
+ * compute) on x narrowed on the device. RMSNorm and SiLU*mul write that
+ * narrowed copy themselves when their output is a GEMM input ("shadow"):
+ * the next matmul of exactly that buffer uses it instead of converting
+ * again. The shadow is forgotten by every other op, so it can only be stale
+ * if something outside the backend (the comm) writes the buffer between the
+ * producer and the matmul, which the forward pass never does.
+ *
+ * Errors: allocation failures are returned (alloc gives NULL,
+ * weight_upload LOOM_ERR_NOMEM); a failing CUDA call inside an op (which
+ * has no way to return it) means a broken invariant or a lost device and
+ * stops the process with the call site, as LOOM_ASSERT does.
+ *
+ * Graphs: graph_begin with an unknown key starts a stream capture (relaxed
+ * mode, so scratch may still grow: replaced buffers are kept until the
+ * graphs that may use them are dropped); graph_end instantiates and
+ * launches. Up to MAX_GRAPHS are kept, least recently used evicted; all are
+ * dropped when device memory is freed. Not thread-safe: one caller at a
+ * time, as the CPU backend. */
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "kernels/backend_impl.h"
+#include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/kernels.h"
+
+#define STAGE_BYTES   ((size_t)8 << 20)  /* each half of the pinned upload ring */
+#define BLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (Hopper wants 32 MiB) */
+#define MAX_GRAPHS    32
+#define ATTN_PART_CAP ((size_t)64 << 20) /* most floats of split-attention partials */
+
+typedef struct dbuf {
+    void *p;
+    size_t bytes;
+} dbuf_t;
+
+typedef struct graph_slot {
+    uint64_t key;
+    cudaGraphExec_t exec; /* NULL: empty slot, or a key that failed to record */
+    uint64_t used;        /* LRU clock */
+    int failed;
+} graph_slot_t;
+
+typedef struct cuda_backend {
+    struct loom_backend base;
+    int dev, n_sms;
+    size_t smem_optin;
+    int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *blas_ws;
+
+    /* uploads: pinned ring of two halves, each reusable once its event completes */
+    uint8_t *stage;
+    cudaEvent_t stage_ev[2];
+    int stage_next;
+    float *stage_dev; /* (2, STAGE_BYTES) device f32 for weight narrowing */
+
+    /* scratch */
+    dbuf_t act16;     /* narrowed matmul input (n, cols) */
+    dbuf_t attn_part; /* split-attention partials */
+    dbuf_t samp;      /* sampling parameters, output and slices */
+    void *samp_host;  /* pinned mirror of the sampling parameters and output */
+    size_t samp_host_bytes;
+    const float *shadow_of; /* act16 holds this buffer narrowed ... */
+    size_t shadow_elems;    /* ... this many elements of it */
+
+    /* graphs */
+    graph_slot_t graphs[MAX_GRAPHS];
+    uint64_t clock, n_recorded, n_replayed;
+    int capturing;
+    graph_slot_t *pending; /* replay to launch at graph_end */
+    void **retired;        /* replaced scratch, freed with the graphs */
+    int n_retired, cap_retired;
+} cuda_backend_t;
+
+static cuda_backend_t *cu(loom_backend_t *be) {
+    return (cuda_backend_t *)be;
+}
+
+/* --- checks ------------------------------------------------------------------- */
+
+_Noreturn static void cuda_fail(const char *what, const char *why, const char *file, int line) {
+    LOOM_ERROR("cuda: %s failed at %s:%d: %s", what, file, line, why);
+    loom_assert_fail(what, file, line);
+}
+
+static loom_status_t cuda_err(loom_err_t *err, const char *what, cudaError_t e, const char *file,
+                              int line) {
+    loom_status_t code = e == cudaErrorMemoryAllocation ? LOOM_ERR_NOMEM
+                         : e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver
+                             ? LOOM_ERR_UNAVAILABLE
+                             : LOOM_ERR_INTERNAL;
+    (void)cudaGetLastError(); /* clear a non-sticky error */
+    LOOM_ERROR("cuda: %s failed at %s:%d: %s", what, file, line, cudaGetErrorString(e));
+    return loom_err_set(err, code, "cuda: %s failed: %s", what, cudaGetErrorString(e));
+}
+
+/* In ops (void): a failure stops the process with the call site. */
+#define CUDA_ASSERT(call)                                                                          \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__);       \
+    } while (0)
+/* In functions that return a status: the error goes up with its call site. */
+#define CUDA_CHECK(err, call)                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return cuda_err((err), #call, e_, __FILE__, __LINE__);              \
+    } while (0)
+#define BLAS_ASSERT(call)                                                                          \
+    do {                                                                                           \
+        cublasStatus_t s_ = (call);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
+            cuda_fail(#call, cublasGetStatusString(s_), __FILE__, __LINE__);                       \
+    } while (0)
+
+/* Every entry point makes the backend's device current for the calling thread. */
+static void use(cuda_backend_t *c) {
+    CUDA_ASSERT(cudaSetDevice(c->dev));
+}
+
+static int kind_of(loom_dtype_t dt) {
+    return dt == LOOM_DT_BF16 ? LOOM_CUDA_BF16 : dt == LOOM_DT_F16 ? LOOM_CUDA_F16 : LOOM_CUDA_F32;
+}
+
+static cudaDataType_t blas_type(int kind) {
+    return kind == LOOM_CUDA_BF16 ? CUDA_R_16BF : kind == LOOM_CUDA_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+static size_t kind_size(int kind) {
+    return kind == LOOM_CUDA_F32 ? 4 : 2;
+}
+
+/* --- graphs and scratch ----------------------------------------------------------- */
+
+static void drop_graphs(cuda_backend_t *c) {
+    LOOM_ASSERT(!c->capturing);
+    for (int i = 0; i < MAX_GRAPHS; i++) {
+        if (c->graphs[i].exec) CUDA_ASSERT(cudaGraphExecDestroy(c->graphs[i].exec));
+        c->graphs[i] = (graph_slot_t){0};
+    }
+    c->pending = NULL;
+    if (c->n_retired) {
+        CUDA_ASSERT(cudaStreamSynchronize(c->stream));
+        for (int i = 0; i < c->n_retired; i++) CUDA_ASSERT(cudaFree(c->retired[i]));
+        c->n_retired = 0;
+    }
+}
+
+static int any_graph(const cuda_backend_t *c) {
+    for (int i = 0; i < MAX_GRAPHS; i++)
+        if (c->graphs[i].exec) return 1;
+    return c->capturing;
+}
+
+/* Grows b to at least `bytes` (half again, to keep regrowth rare). The old
+ * buffer may be baked into graphs or the capture in progress: it is kept
+ * until the graphs are dropped. */
+static void *reserve(cuda_backend_t *c, dbuf_t *b, size_t bytes) {
+    if (bytes <= b->bytes) return b->p;
+    size_t want = bytes + bytes / 2;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, want);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        e = cudaMalloc(&p, bytes);
+        want = bytes;
+    }
+    if (e != cudaSuccess) {
+        LOOM_ERROR("cuda: out of device memory for %zu bytes of scratch", bytes);
+        cuda_fail("cudaMalloc(scratch)", cudaGetErrorString(e), __FILE__, __LINE__);
+    }
+    if (b->p) {
+        if (any_graph(c)) {
+            if (c->n_retired == c->cap_retired) {
+                c->cap_retired = c->cap_retired ? 2 * c->cap_retired : 8;
+                c->retired = loom_xrealloc(c->retired, (size_t)c->cap_retired * sizeof *c->retired);
+            }
+            c->retired[c->n_retired++] = b->p;
+        } else {
+            CUDA_ASSERT(cudaStreamSynchronize(c->stream));
+            CUDA_ASSERT(cudaFree(b->p));
+        }
+    }
+    if (b == &c->act16) c->shadow_of = NULL;
+    b->p = p;
+    b->bytes = want;
+    return p;
+}
+
+static void shadow_clear(cuda_backend_t *c) {
+    c->shadow_of = NULL;
+    c->shadow_elems = 0;
+}
+
+/* The narrowed copy a producer op should write for y (n rows of dim), or
+ * NULL when no cuBLAS matmul will read it (small n, f32 weights). */
+static void *shadow_for(cuda_backend_t *c, const float *y, int n, int dim) {
+    shadow_clear(c);
+    if (n <= LOOM_CUDA_GEMV_MAX_N || c->wkind == LOOM_CUDA_F32) return NULL;
+    size_t elems = (size_t)n * (size_t)dim;
+    void *p = reserve(c, &c->act16, elems * 2);
+    c->shadow_of = y;
+    c->shadow_elems = elems;
+    return p;
+}
+
+/* --- memory -------------------------------------------------------------------------- */
+
+static void *cuda_alloc(loom_backend_t *be, size_t bytes) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_free(loom_backend_t *be, void *p) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    drop_graphs(c); /* they may point into p */
+    shadow_clear(c);
+    CUDA_ASSERT(cudaStreamSynchronize(c->stream));
+    CUDA_ASSERT(cudaFree(p));
+}
+
+/* Host data goes through the pinned ring, so the copy is asynchronous and
+ * the caller may reuse src as soon as this returns. */
+static void ring_upload(cuda_backend_t *c, uint8_t *dst, const uint8_t *src, size_t bytes) {
+    LOOM_ASSERT(!c->capturing);
+    while (bytes) {
+        size_t n = LOOM_MIN(bytes, STAGE_BYTES);
+        int h = c->stage_next;
+        c->stage_next ^= 1;
+        CUDA_ASSERT(cudaEventSynchronize(c->stage_ev[h]));
+        uint8_t *buf = c->stage + (size_t)h * STAGE_BYTES;
+        memcpy(buf, src, n);
+        CUDA_ASSERT(cudaMemcpyAsync(dst, buf, n, cudaMemcpyHostToDevice, c->stream));
+        CUDA_ASSERT(cudaEventRecord(c->stage_ev[h], c->stream));
+        dst += n, src += n, bytes -= n;
+    }
+}
+
+static void cuda_upload(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    ring_upload(c, dst, src, bytes);
+}
+
+static void cuda_download(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    LOOM_ASSERT(!c->capturing);
+    CUDA_ASSERT(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_ASSERT(cudaStreamSynchronize(c->stream));
+}
+
+static void cuda_memset(loom_backend_t *be, void *dst, int value, size_t bytes) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(cudaMemsetAsync(dst, value, bytes, c->stream));
+}
+
+static void cuda_copy(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
+}
+
+static loom_status_t cuda_synchronize(loom_backend_t *be, loom_err_t *err) {
+    cuda_backend_t *c = cu(be);
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    LOOM_ASSERT(!c->capturing);
+    CUDA_CHECK(err, cudaStreamSynchronize(c->stream));
+    return LOOM_OK;
+}
+
+static size_t cuda_mem_free(loom_backend_t *be) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    size_t free_b = 0, total = 0;
+    CUDA_ASSERT(cudaMemGetInfo(&free_b, &total));
+    return free_b;
+}
+
+static void *cuda_stream(loom_backend_t *be) {
+    return cu(be)->stream;
+}
+
+/* --- weights ------------------------------------------------------------------------ */
+
+static loom_status_t weight_alloc(cuda_backend_t *c, loom_weight_t *w, int64_t rows, int64_t cols,
+                                  loom_err_t *err) {
+    loom_dtype_t dt = c->base.cfg.weight_dtype;
+    *w = (loom_weight_t){.data = NULL, .dtype = dt, .rows = rows, .cols = cols};
+    if (rows < 0 || cols < 0 || rows > INT32_MAX || cols > INT32_MAX)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "weight shape (%lld, %lld)", (long long)rows,
+                            (long long)cols);
+    size_t bytes = (size_t)rows * (size_t)cols * kind_size(c->wkind);
+    if (cudaMalloc(&w->data, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        w->data = NULL;
+        return loom_err_set(err, LOOM_ERR_NOMEM, "%s: out of device memory for a %lld x %lld %s weight",
+                            c->base.name, (long long)rows, (long long)cols, loom_dtype_name(dt));
+    }
+    return LOOM_OK;
+}
+
+/* f32 host rows are staged through the pinned ring and narrowed on the
+ * device, half a ring at a time, so copies overlap the host memcpy. */
+static loom_status_t cuda_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
+                                        const float *host, loom_err_t *err) {
+    cuda_backend_t *c = cu(be);
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    LOOM_ASSERT(!c->capturing);
+    shadow_clear(c);
+    LOOM_CHECK(weight_alloc(c, w, rows, cols, err));
+    size_t n = (size_t)rows * (size_t)cols;
+    if (c->wkind == LOOM_CUDA_F32) {
+        ring_upload(c, w->data, (const uint8_t *)host, n * sizeof(float));
+        return LOOM_OK;
+    }
+    if (!c->stage_dev && cudaMalloc((void **)&c->stage_dev, 2 * STAGE_BYTES) != cudaSuccess) {
+        (void)cudaGetLastError();
+        c->stage_dev = NULL;
+        CUDA_ASSERT(cudaFree(w->data));
+        w->data = NULL;
+        return loom_err_set(err, LOOM_ERR_NOMEM, "%s: out of device memory for upload staging", c->base.name);
+    }
+    const size_t per = STAGE_BYTES / sizeof(float);
+    for (size_t off = 0; off < n; off += per) {
+        size_t m = LOOM_MIN(per, n - off);
+        int h = c->stage_next;
+        c->stage_next ^= 1;
+        CUDA_CHECK(err, cudaEventSynchronize(c->stage_ev[h]));
+        uint8_t *buf = c->stage + (size_t)h * STAGE_BYTES;
+        float *dev = c->stage_dev + (size_t)h * per;
+        memcpy(buf, host + off, m * sizeof(float));
+        CUDA_CHECK(err, cudaMemcpyAsync(dev, buf, m * sizeof(float), cudaMemcpyHostToDevice, c->stream));
+        CUDA_CHECK(err, loom_cuda_convert((uint16_t *)w->data + off, c->wkind, dev, (int64_t)m, c->stream));
+        CUDA_CHECK(err, cudaEventRecord(c->stage_ev[h], c->stream));
+    }
+    return LOOM_OK;
+}
+
+static void cuda_weight_free(loom_backend_t *be, loom_weight_t *w) {
+    cuda_free(be, w->data);
+    w->data = NULL;
+}
+
+loom_status_t loom_cuda_weight_random(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
+                                      uint64_t seed, float scale, loom_err_t *err) {
+    cuda_backend_t *c = cu(be);
+    LOOM_ASSERT(be->ops->weight_upload == cuda_weight_upload);
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    LOOM_CHECK(weight_alloc(c, w, rows, cols, err));
+    CUDA_CHECK(err, loom_cuda_fill_random(w->data, c->wkind, rows * cols, seed, -scale, scale, c->stream));
+    return LOOM_OK;
+}
+
+void loom_cuda_fill_uniform(loom_backend_t *be, float *dst, size_t n, uint64_t seed, float lo, float hi) {
+    cuda_backend_t *c = cu(be);
+    LOOM_ASSERT(be->ops->weight_upload == cuda_weight_upload);
+    use(c);
+    CUDA_ASSERT(loom_cuda_fill_random(dst, LOOM_CUDA_F32, (int64_t)n, seed, lo, hi, c->stream));
+}
+
+int loom_cuda_sm_count(loom_backend_t *be) {
+    LOOM_ASSERT(be->ops->weight_upload == cuda_weight_upload);
+    return cu(be)->n_sms;
+}
+
+void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed) {
+    LOOM_ASSERT(be->ops->weight_upload == cuda_weight_upload);
+    *recorded = cu(be)->n_recorded;
+    *replayed = cu(be)->n_replayed;
+}
+
+/* --- matmul ---------------------------------------------------------------------------- */
+
+static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    const int64_t rows = w->rows, cols = w->cols;
+    const int kind = kind_of(w->dtype);
+    if (rows == 0 || n <= 0) return;
+    if (cols == 0) {
+        shadow_clear(c);
+        CUDA_ASSERT(cudaMemsetAsync(y, 0, (size_t)n * (size_t)rows * sizeof(float), c->stream));
+        return;
+    }
+    if (n <= LOOM_CUDA_GEMV_MAX_N) {
+        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->stream));
+        shadow_clear(c);
+        return;
+    }
+    const float one = 1.0f, zero = 0.0f;
+    const void *b = x;
+    if (kind != LOOM_CUDA_F32) {
+        const size_t elems = (size_t)n * (size_t)cols;
+        if (c->shadow_of == x && c->shadow_elems == elems) {
+            b = c->act16.p;
+        } else {
+            void *p = reserve(c, &c->act16, elems * 2);
+            CUDA_ASSERT(loom_cuda_convert(p, kind, x, (int64_t)elems, c->stream));
+            b = p;
+        }
+    }
+    shadow_clear(c);
+    /* Column-major view: y^T (rows, n) = W (cols, rows)^T . x^T (cols, n). */
+    BLAS_ASSERT(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, n, (int)cols, &one, w->data,
+                             blas_type(kind), (int)cols, b, blas_type(kind), (int)cols, &zero, y, CUDA_R_32F,
+                             (int)rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* --- element-wise ops ---------------------------------------------------------------------- */
+
+static void cuda_rmsnorm(loom_backend_t *be, float *y, const float *x, const float *g, int n, int dim,
+                         float eps) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *y16 = shadow_for(c, y, n, dim);
+    CUDA_ASSERT(loom_cuda_rmsnorm(y, (float *)x, NULL, g, y16, c->wkind, n, dim, eps, c->stream));
+}
+
+static void cuda_add_rmsnorm(loom_backend_t *be, float *x, const float *a, float *y, const float *g, int n,
+                             int dim, float eps) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *y16 = shadow_for(c, y, n, dim);
+    CUDA_ASSERT(loom_cuda_rmsnorm(y, x, a, g, y16, c->wkind, n, dim, eps, c->stream));
+}
+
+static void cuda_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_add(y, a, n, c->stream));
+}
+
+static void cuda_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *o16 = shadow_for(c, out, n, hidden);
+    CUDA_ASSERT(loom_cuda_silu_mul(out, o16, c->wkind, gu, n, hidden, c->stream));
+}
+
+static void cuda_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows, int n,
+                             int dim) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_gather_rows(dst, src, rows, n, dim, c->stream));
+}
+
+static void cuda_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
+                      const float *inv_freq) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_rope(x, stride, n, n_heads, hd, pos, inv_freq, c->stream));
+}
+
+static void cuda_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k, const float *v,
+                          int stride, const int32_t *slots, int n, int kv_dim) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_kv_write(k_cache, v_cache, k, v, stride, slots, n, kv_dim, c->stream));
+}
+
+static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n, int nh,
+                               int nkv, int hd, const int32_t *pos, const float *inv_freq, float *k_cache,
+                               float *v_cache, const int32_t *slots) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache, v_cache, slots,
+                                        c->stream));
+}
+
+/* --- attention ------------------------------------------------------------------------------- */
+
+static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    LOOM_ASSERT(a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0 && a->block_size > 0);
+    if (a->head_dim > 256) {
+        LOOM_ERROR("cuda attention: head_dim %d is above the kernels' limit of 256", a->head_dim);
+        LOOM_ASSERT(a->head_dim <= 256);
+    }
+    const loom_cuda_attn_t ca = {
+        .n = a->n, .n_heads = a->n_heads, .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim,
+        .scale = a->scale, .q = a->q, .q_stride = a->q_stride, .out = a->out, .out_stride = a->out_stride,
+        .k_cache = a->k_cache, .v_cache = a->v_cache, .block_size = a->block_size, .tok_seq = a->tok_seq,
+        .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
+    };
+    /* The grid depends on n and the head counts only (never on max_ctx), so
+     * a recorded graph stays valid as contexts grow. */
+    loom_cuda_attn_plan_t pl = loom_cuda_attention_plan(&ca, c->n_sms, c->smem_optin, ATTN_PART_CAP);
+    LOOM_ASSERT(pl.smem <= c->smem_optin && pl.smem_tile <= c->smem_optin);
+    float *part = pl.part_floats ? reserve(c, &c->attn_part, pl.part_floats * sizeof(float)) : NULL;
+    CUDA_ASSERT(loom_cuda_attention(&ca, &pl, part, c->stream));
+}
+
+/* --- sampling ------------------------------------------------------------------------------- */
+
+static size_t align16(size_t b) {
+    return (b + 15) & ~(size_t)15;
+}
+
+static void cuda_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard, int id_offset,
+                              int vocab_size, const loom_sampling_t *params, const uint64_t *steps, const int *k,
+                              loom_sample_part_t *parts) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    LOOM_ASSERT(!c->capturing);
+    shadow_clear(c);
+    /* host layout: rows | hdr (n_rows, 4) | ids (total) | keys (total); the device mirrors it, plus slices */
+    size_t total = 0;
+    for (int r = 0; r < n_rows; r++) {
+        loom_sample_mode_t mode = loom_sample_mode(&params[r], vocab_size);
+        int kk = mode == LOOM_SAMPLE_FILTERED ? LOOM_MIN(k[r], vocab_shard) : 1;
+        if (k[r] > 0 && vocab_shard > 0) total += (size_t)kk;
+    }
+    const size_t rows_b = align16((size_t)n_rows * sizeof(loom_cuda_sample_row_t));
+    const size_t hdr_b = align16((size_t)n_rows * 4 * sizeof(float));
+    const size_t ids_b = align16(total * sizeof(int32_t)), keys_b = align16(total * sizeof(float));
+    const size_t out_b = hdr_b + ids_b + keys_b;
+    const size_t slices_b = loom_cuda_sample_scratch_floats(n_rows, vocab_shard) * sizeof(float);
+    if (rows_b + out_b > c->samp_host_bytes) {
+        if (c->samp_host) CUDA_ASSERT(cudaFreeHost(c->samp_host));
+        c->samp_host = NULL;
+        c->samp_host_bytes = 0;
+        size_t want = (rows_b + out_b) * 2;
+        CUDA_ASSERT(cudaHostAlloc(&c->samp_host, want, cudaHostAllocDefault));
+        c->samp_host_bytes = want;
+    }
+    uint8_t *dev = reserve(c, &c->samp, rows_b + out_b + slices_b);
+    uint8_t *host = c->samp_host;
+    loom_cuda_sample_row_t *hr = (loom_cuda_sample_row_t *)host;
+    int any_f = 0, any_p = 0;
+    size_t off = 0;
+    for (int r = 0; r < n_rows; r++) {
+        loom_sample_mode_t mode = loom_sample_mode(&params[r], vocab_size);
+        loom_cuda_sample_row_t row = {.inv_t = 1.0f, .mode = -1, .seed = params[r].seed, .step = steps[r]};
+        if (k[r] > 0 && vocab_shard > 0) {
+            int kk = mode == LOOM_SAMPLE_FILTERED ? LOOM_MIN(k[r], vocab_shard) : 1;
+            LOOM_ASSERT(kk <= LOOM_SAMPLE_MAX_CAND);
+            row.mode = (int)mode;
+            row.k = kk;
+            row.out_off = (int)off;
+            if (mode != LOOM_SAMPLE_GREEDY) row.inv_t = 1.0f / params[r].temperature;
+            off += (size_t)kk;
+            if (mode == LOOM_SAMPLE_FILTERED) any_f = 1;
+            else any_p = 1;
+        }
+        hr[r] = row;
+    }
+    float *d_hdr = (float *)(dev + rows_b);
+    int32_t *d_ids = (int32_t *)(dev + rows_b + hdr_b);
+    float *d_keys = (float *)(dev + rows_b + hdr_b + ids_b);
+    float *d_slices = (float *)(dev + rows_b + out_b);
+    CUDA_ASSERT(cudaMemcpyAsync(dev, host, rows_b, cudaMemcpyHostToDevice, c->stream));
+    CUDA_ASSERT(loom_cuda_sample(logits, n_rows, vocab_shard, id_offset, (const loom_cuda_sample_row_t *)dev, any_f,
+                                 any_p, d_hdr, d_ids, d_keys, d_slices, c->stream));
+    CUDA_ASSERT(cudaMemcpyAsync(host + rows_b, dev + rows_b, out_b, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_ASSERT(cudaStreamSynchronize(c->stream));
+    const float *hdr = (const float *)(host + rows_b);
+    const int32_t *ids = (const int32_t *)(host + rows_b + hdr_b);
+    const float *keys = (const float *)(host + rows_b + hdr_b + ids_b);
+    for (int r = 0; r < n_rows; r++) {
+        loom_sample_part_t *p = &parts[r];
+        if (hr[r].mode < 0) {
+            p->max_z = -INFINITY;
+            p->sum_exp = 0.0f;
+            p->n = 0;
+            continue;
+        }
+        int32_t cnt;
+        memcpy(&cnt, &hdr[4 * r + 2], sizeof cnt);
+        LOOM_ASSERT(cnt >= 0 && cnt <= hr[r].k);
+        p->max_z = hdr[4 * r];
+        p->sum_exp = hdr[4 * r + 1];
+        p->n = cnt;
+        memcpy(p->ids, ids + hr[r].out_off, (size_t)cnt * sizeof(int32_t));
+        memcpy(p->keys, keys + hr[r].out_off, (size_t)cnt * sizeof(float));
+    }
+}
+
+/* --- graphs ---------------------------------------------------------------------------------- */
+
+static graph_slot_t *find_graph(cuda_backend_t *c, uint64_t key) {
+    for (int i = 0; i < MAX_GRAPHS; i++)
+        if ((c->graphs[i].exec || c->graphs[i].failed) && c->graphs[i].key == key) return &c->graphs[i];
+    return NULL;
+}
+
+static graph_slot_t *free_slot(cuda_backend_t *c) {
+    graph_slot_t *lru = &c->graphs[0];
+    for (int i = 0; i < MAX_GRAPHS; i++) {
+        graph_slot_t *g = &c->graphs[i];
+        if (!g->exec && !g->failed) return g;
+        if (g->used < lru->used) lru = g;
+    }
+    if (lru->exec) CUDA_ASSERT(cudaGraphExecDestroy(lru->exec));
+    *lru = (graph_slot_t){0};
+    return lru;
+}
+
+static int cuda_graph_begin(loom_backend_t *be, uint64_t key) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    LOOM_ASSERT(!c->capturing && !c->pending);
+    shadow_clear(c);
+    graph_slot_t *g = find_graph(c, key);
+    if (g && g->failed) return 0;
+    if (g) {
+        g->used = ++c->clock;
+        c->pending = g;
+        return 1;
+    }
+    cudaError_t e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeRelaxed);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        LOOM_WARN("%s: cannot record a graph (%s); running ops directly", c->base.name, cudaGetErrorString(e));
+        g = free_slot(c);
+        *g = (graph_slot_t){.key = key, .failed = 1, .used = ++c->clock};
+        return 0;
+    }
+    c->capturing = 1;
+    return 0;
+}
+
+static int cuda_graph_end(loom_backend_t *be, uint64_t key) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    if (c->pending) {
+        LOOM_ASSERT(c->pending->key == key);
+        CUDA_ASSERT(cudaGraphLaunch(c->pending->exec, c->stream));
+        c->pending = NULL;
+        c->n_replayed++;
+        return 0;
+    }
+    if (!c->capturing) return 0;
+    c->capturing = 0;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
+    if (e == cudaSuccess && graph) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph) CUDA_ASSERT(cudaGraphDestroy(graph));
+    graph_slot_t *g = free_slot(c);
+    if (e != cudaSuccess || !exec) {
+        (void)cudaGetLastError();
+        LOOM_WARN("%s: recording a graph failed (%s); this step shape runs without one", c->base.name,
+                  cudaGetErrorString(e));
+        *g = (graph_slot_t){.key = key, .failed = 1, .used = ++c->clock};
+        return 1; /* the recorded ops never ran */
+    }
+    *g = (graph_slot_t){.key = key, .exec = exec, .used = ++c->clock};
+    CUDA_ASSERT(cudaGraphLaunch(exec, c->stream));
+    c->n_recorded++;
+    return 0;
+}
+
+/* --- lifecycle ------------------------------------------------------------------------------- */
+
+static void cuda_destroy(loom_backend_t *be) {
+    cuda_backend_t *c = cu(be);
+    if (cudaSetDevice(c->dev) != cudaSuccess) (void)cudaGetLastError();
+    if (c->capturing) {
+        cudaGraph_t g = NULL;
+        if (cudaStreamEndCapture(c->stream, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+        (void)cudaGetLastError();
+        c->capturing = 0;
+    }
+    if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    for (int i = 0; i < MAX_GRAPHS; i++)
+        if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
+    for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
+    free(c->retired);
+    dbuf_t *bufs[] = {&c->act16, &c->attn_part, &c->samp};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
+        if (bufs[i]->p) (void)cudaFree(bufs[i]->p);
+    if (c->stage_dev) (void)cudaFree(c->stage_dev);
+    if (c->samp_host) (void)cudaFreeHost(c->samp_host);
+    if (c->stage) (void)cudaFreeHost(c->stage);
+    for (int h = 0; h < 2; h++)
+        if (c->stage_ev[h]) (void)cudaEventDestroy(c->stage_ev[h]);
+    if (c->blas) (void)cublasDestroy(c->blas);
+    if (c->blas_ws) (void)cudaFree(c->blas_ws);
+    if (c->stream) (void)cudaStreamDestroy(c->stream);
+    (void)cudaGetLastError();
+    free(c);
+}
+
+static const loom_backend_ops_t cuda_ops = {
+    .name = "cuda",
+    .destroy = cuda_destroy,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .memset = cuda_memset,
+    .copy = cuda_copy,
+    .synchronize = cuda_synchronize,
+    .mem_free = cuda_mem_free,
+    .stream = cuda_stream,
+    .weight_upload = cuda_weight_upload,
+    .weight_free = cuda_weight_free,
+    .matmul = cuda_matmul,
+    .rmsnorm = cuda_rmsnorm,
+    .add = cuda_add,
+    .silu_mul = cuda_silu_mul,
+    .embed = cuda_gather_rows,
+    .gather_rows = cuda_gather_rows,
+    .rope = cuda_rope,
+    .kv_write = cuda_kv_write,
+    .attention = cuda_attention,
+    .sample_shard = cuda_sample_shard,
+    .add_rmsnorm = cuda_add_rmsnorm,
+    .rope_kv_write = cuda_rope_kv_write,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+};
+
+int loom_backend_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) { /* no driver or no device: none */
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    int sms = 0, optin = 0;
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->dev));
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->dev));
+    c->n_sms = sms;
+    c->smem_optin = (size_t)optin;
+    CUDA_CHECK(err, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    cublasStatus_t bs = cublasCreate(&c->blas);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        c->blas = NULL;
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "%s: cuBLAS: %s", c->base.name, cublasGetStatusString(bs));
+    }
+    CUDA_CHECK(err, cudaMalloc(&c->blas_ws, BLAS_WS_BYTES));
+    if ((bs = cublasSetStream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WS_BYTES)) != CUBLAS_STATUS_SUCCESS)
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "%s: cuBLAS: %s", c->base.name, cublasGetStatusString(bs));
+    CUDA_CHECK(err, cudaHostAlloc((void **)&c->stage, 2 * STAGE_BYTES, cudaHostAllocDefault));
+    for (int h = 0; h < 2; h++) CUDA_CHECK(err, cudaEventCreateWithFlags(&c->stage_ev[h], cudaEventDisableTiming));
+    CUDA_CHECK(err, loom_cuda_attention_init(c->smem_optin));
+    return LOOM_OK;
+}
+
+loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_backend_t **out, loom_err_t *err) {
+    *out = NULL;
+    int count = loom_backend_cuda_device_count();
+    if (count <= 0)
+        return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cuda:%d requested, but no CUDA device is available",
+                            cfg->device_index);
+    if (cfg->device_index < 0 || cfg->device_index >= count)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "cuda:%d requested, but this machine has %d device%s",
+                            cfg->device_index, count, count == 1 ? "" : "s");
+    loom_dtype_t dt = cfg->weight_dtype;
+    if (dt == LOOM_DT_F32 && !cfg->exact_f32) dt = LOOM_DT_BF16;
+    if (dt != LOOM_DT_F32 && dt != LOOM_DT_BF16 && dt != LOOM_DT_F16)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "cuda backend: weight dtype %s (supported: F32, BF16, F16)",
+                            loom_dtype_name(dt));
+    cuda_backend_t *c = calloc(1, sizeof *c);
+    if (!c) return loom_err_set(err, LOOM_ERR_NOMEM, "cuda backend: out of memory");
+    c->base.ops = &cuda_ops;
+    c->base.cfg = *cfg;
+    c->base.cfg.kind = LOOM_DEVICE_CUDA;
+    c->base.cfg.weight_dtype = dt;
+    snprintf(c->base.name, sizeof c->base.name, "cuda:%d", cfg->device_index);
+    c->dev = cfg->device_index;
+    c->wkind = kind_of(dt);
+    loom_status_t s = init_device(c, err);
+    if (s < 0) {
+        cuda_destroy(&c->base);
+        return s;
+    }
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, c->dev) == cudaSuccess) {
+        LOOM_INFO("%s: %s, %d SMs, %.1f GB, weights stored as %s", c->base.name, prop.name, c->n_sms,
+                  (double)prop.totalGlobalMem / 1e9, loom_dtype_name(dt));
+    } else {
+        (void)cudaGetLastError();
+    }
+    *out = &c->base;
+    return LOOM_OK;
+}

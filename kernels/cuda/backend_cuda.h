@@ -1,0 +1,24 @@
+/* What the CUDA backend offers beyond the vtable, for its tests and
+ * benchmarks: weights generated on the device (an 8B-parameter random model
+ * needs no checkpoint) and the device's shape. */
+#ifndef LOOM_BACKEND_CUDA_H
+#define LOOM_BACKEND_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+/* Allocates a (rows, cols) weight in the backend's storage dtype and fills
+ * it with uniform values in [-scale, scale) drawn from a hash of (seed,
+ * index). LOOM_ERR_NOMEM when the device is full. */
+loom_status_t loom_cuda_weight_random(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
+                                      uint64_t seed, float scale, loom_err_t *err);
+/* dst(n) float32 = uniform in [lo, hi) from (seed, index). */
+void loom_cuda_fill_uniform(loom_backend_t *be, float *dst, size_t n, uint64_t seed, float lo, float hi);
+/* Streaming multiprocessors of the backend's device. */
+int loom_cuda_sm_count(loom_backend_t *be);
+/* Graph statistics: recordings made and replays launched so far. */
+void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
+
+#endif

@@ -1,0 +1,200 @@
+/* Decode matmul: y(n, rows) = x(n, cols) . W^T for n <= 4 rows of x, the
+ * memory-bound case. W (bf16, f16 or f32) is streamed once with 16-byte
+ * loads that bypass L1 (__ldcs), R rows per warp and U loads per row in
+ * flight per lane; x (f32, small) stays in L1/L2 and is shared by the warp's
+ * rows. Each lane accumulates in f32, the warp reduces with shuffles.
+ *
+ * Napkin math (H200, Llama-3-8B, n = 1): 15 GB of bf16 weights per token at
+ * ~4.3 TB/s is ~3.5 ms; a warp keeps R*U = 8 loads of 512 B in flight, and
+ * 16-24 warps per SM give 64-96 KB in flight per SM, above the ~30 KB that
+ * latency x bandwidth asks for. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "kernels/cuda/kernels.h"
+
+namespace {
+
+constexpr int kWarps = 8;
+
+/* Widens the 16 bytes of a load into floats: 8 bf16/f16 or 4 f32. */
+template <int KIND>
+struct Wide;
+
+template <>
+struct Wide<LOOM_CUDA_BF16> {
+    static constexpr int kElems = 8;
+    __device__ __forceinline__ static void unpack(uint4 v, float *f) {
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        }
+    }
+};
+
+template <>
+struct Wide<LOOM_CUDA_F16> {
+    static constexpr int kElems = 8;
+    __device__ __forceinline__ static void unpack(uint4 v, float *f) {
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            __half2_raw r;
+            r.x = (unsigned short)(u[i] & 0xffffu);
+            r.y = (unsigned short)(u[i] >> 16);
+            float2 p = __half22float2(__half2(r));
+            f[2 * i] = p.x;
+            f[2 * i + 1] = p.y;
+        }
+    }
+};
+
+template <>
+struct Wide<LOOM_CUDA_F32> {
+    static constexpr int kElems = 4;
+    __device__ __forceinline__ static void unpack(uint4 v, float *f) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Vector path: cols % 8 == 0, so every row is a whole number of 16-byte
+ * loads and x rows (cols * 4 bytes) stay 16-byte aligned. */
+template <int KIND, int NT, int R, int U>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_kernel(float *__restrict__ y, const float *__restrict__ x, const uint4 *__restrict__ w, int64_t rows,
+                int64_t cols) {
+    constexpr int E = Wide<KIND>::kElems;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t row0 = ((int64_t)blockIdx.x * kWarps + warp) * R;
+    if (row0 >= rows) return; /* whole warp */
+    const int64_t nv = cols / E; /* 16-byte vectors per row */
+    const uint4 *wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) wr[r] = w + (row0 + r < rows ? row0 + r : row0) * nv;
+    float acc[NT][R];
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
+
+    for (int64_t v0 = lane; v0 < nv; v0 += 32 * U) {
+        uint4 wv[R][U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                wv[r][u] = v0 + u * 32 < nv && row0 + r < rows ? __ldcs(wr[r] + v0 + u * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t v = v0 + u * 32;
+            if (v >= nv) break;
+            float wf[R][E];
+#pragma unroll
+            for (int r = 0; r < R; r++) Wide<KIND>::unpack(wv[r][u], wf[r]);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const float4 *xp = reinterpret_cast<const float4 *>(x + t * cols + v * E);
+                float xf[E];
+#pragma unroll
+                for (int q = 0; q < E / 4; q++) {
+                    float4 xv = __ldg(xp + q);
+                    xf[4 * q] = xv.x, xf[4 * q + 1] = xv.y, xf[4 * q + 2] = xv.z, xf[4 * q + 3] = xv.w;
+                }
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float s = warp_sum(acc[t][r]);
+            if (lane == 0 && row0 + r < rows) y[t * rows + row0 + r] = s;
+        }
+}
+
+/* Any shape: one warp per row, 4-byte loads. */
+template <int KIND>
+__device__ __forceinline__ float load_w(const void *w, int64_t i) {
+    if (KIND == LOOM_CUDA_BF16)
+        return __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(w)[i] << 16);
+    if (KIND == LOOM_CUDA_F16) return __half2float(reinterpret_cast<const __half *>(w)[i]);
+    return reinterpret_cast<const float *>(w)[i];
+}
+
+template <int KIND>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_any_kernel(float *y, const float *x, const void *w, int64_t rows, int64_t cols, int n) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    float acc[LOOM_CUDA_GEMV_MAX_N] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t c = lane; c < cols; c += 32) {
+        const float wv = load_w<KIND>(w, row * cols + c);
+#pragma unroll
+        for (int t = 0; t < LOOM_CUDA_GEMV_MAX_N; t++)
+            if (t < n) acc[t] = fmaf(wv, x[t * cols + c], acc[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < LOOM_CUDA_GEMV_MAX_N; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0 && t < n) y[t * rows + row] = s;
+    }
+}
+
+template <int KIND, int NT>
+cudaError_t launch_vec(float *y, const float *x, const void *w, int64_t rows, int64_t cols, cudaStream_t s) {
+    /* Fewer rows per warp for small n keep registers low and the grid large;
+     * R * U = 8 loads in flight per lane either way. */
+    constexpr int R = NT <= 2 ? 2 : 4;
+    constexpr int U = 8 / R;
+    const int64_t blocks = (rows + kWarps * R - 1) / (kWarps * R);
+    gemv_kernel<KIND, NT, R, U><<<(unsigned)blocks, kWarps * 32, 0, s>>>(y, x, (const uint4 *)w, rows, cols);
+    return cudaGetLastError();
+}
+
+template <int KIND>
+cudaError_t launch_kind(float *y, const float *x, const void *w, int64_t rows, int64_t cols, int n,
+                        cudaStream_t s) {
+    const bool vec = cols % 8 == 0 && ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w & 15u) == 0;
+    if (!vec) {
+        const int64_t blocks = (rows + kWarps - 1) / kWarps;
+        gemv_any_kernel<KIND><<<(unsigned)blocks, kWarps * 32, 0, s>>>(y, x, w, rows, cols, n);
+        return cudaGetLastError();
+    }
+    switch (n) {
+    case 1: return launch_vec<KIND, 1>(y, x, w, rows, cols, s);
+    case 2: return launch_vec<KIND, 2>(y, x, w, rows, cols, s);
+    case 3: return launch_vec<KIND, 3>(y, x, w, rows, cols, s);
+    default: return launch_vec<KIND, 4>(y, x, w, rows, cols, s);
+    }
+}
+
+} /* namespace */
+
+extern "C" cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, int64_t rows,
+                                      int64_t cols, int n, cudaStream_t s) {
+    if (n < 1 || n > LOOM_CUDA_GEMV_MAX_N || rows <= 0) return n == 0 || rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    if (cols <= 0) return cudaErrorInvalidValue;
+    if ((rows + kWarps - 1) / kWarps > 0x7fffffff) return cudaErrorInvalidValue;
+    switch (kind) {
+    case LOOM_CUDA_BF16: return launch_kind<LOOM_CUDA_BF16>(y, x, w, rows, cols, n, s);
+    case LOOM_CUDA_F16: return launch_kind<LOOM_CUDA_F16>(y, x, w, rows, cols, n, s);
+    default: return launch_kind<LOOM_CUDA_F32>(y, x, w, rows, cols, n, s);
+    }
+}

@@ -1,0 +1,116 @@
+/* Launchers of the CUDA backend's kernels, callable from C. Each enqueues its
+ * kernels on `s` and returns cudaGetLastError() after the launch, so the
+ * caller checks every launch. All pointers are device pointers; activations
+ * are float32 row-major as in kernels/backend.h. This header is shared by
+ * the C sources and the .cu files, so it uses only plain C types. */
+#ifndef LOOM_CUDA_KERNELS_H
+#define LOOM_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Storage of half-precision buffers (weights, converted activations). */
+enum { LOOM_CUDA_F32 = 0, LOOM_CUDA_BF16 = 1, LOOM_CUDA_F16 = 2 };
+
+/* dst(n) = src(n) narrowed to `kind` (round to nearest even). */
+cudaError_t loom_cuda_convert(void *dst, int kind, const float *src, int64_t n, cudaStream_t s);
+/* dst(n) = uniform in [lo, hi) from a hash of (seed, index), stored as kind. */
+cudaError_t loom_cuda_fill_random(void *dst, int kind, int64_t n, uint64_t seed, float lo, float hi,
+                                  cudaStream_t s);
+
+/* Per row of n: when a != NULL, x += a first (x is written back); then
+ * y = x / sqrt(mean(x^2) + eps) * g. y may equal x. When y16 != NULL the
+ * result is also written there narrowed to kind16 (the next GEMM's input). */
+cudaError_t loom_cuda_rmsnorm(float *y, float *x, const float *a, const float *g, void *y16,
+                              int kind16, int n, int dim, float eps, cudaStream_t s);
+/* y(n) += a(n) */
+cudaError_t loom_cuda_add(float *y, const float *a, int64_t n, cudaStream_t s);
+/* out(n, hidden) = silu(gu[:, :hidden]) * gu[:, hidden:]; optional narrowed copy in out16. */
+cudaError_t loom_cuda_silu_mul(float *out, void *out16, int kind16, const float *gu, int n,
+                               int hidden, cudaStream_t s);
+/* dst(n, dim) = src[idx[i]] */
+cudaError_t loom_cuda_gather_rows(float *dst, const float *src, const int32_t *idx, int n, int dim,
+                                  cudaStream_t s);
+/* HF rotate-half RoPE in place on n_heads heads of each of n rows (row i at x + i*stride). */
+cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
+                           const float *inv_freq, cudaStream_t s);
+/* Paged KV write; slots < 0 are skipped. */
+cudaError_t loom_cuda_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                               int stride, const int32_t *slots, int n, int kv_dim,
+                               cudaStream_t s);
+/* RoPE on q (nh heads) and k (nkv heads), then the paged write of k and v. */
+cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
+                                    int nkv, int hd, const int32_t *pos, const float *inv_freq,
+                                    float *k_cache, float *v_cache, const int32_t *slots,
+                                    cudaStream_t s);
+
+/* Largest n served by the GEMV kernel; larger n go to cuBLAS. */
+#define LOOM_CUDA_GEMV_MAX_N 4
+/* y(n, rows) = x(n, cols) . W^T for a (rows, cols) row-major W of `kind`,
+ * 1 <= n <= LOOM_CUDA_GEMV_MAX_N. Memory-bound: W is read once. */
+cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, int64_t rows,
+                           int64_t cols, int n, cudaStream_t s);
+
+/* Paged attention (see loom_attn_args_t in kernels/backend.h for the
+ * meaning of every field). */
+typedef struct loom_cuda_attn {
+    int n, n_heads, n_kv_heads, head_dim;
+    float scale;
+    const float *q;
+    int q_stride;
+    float *out;
+    int out_stride;
+    const float *k_cache, *v_cache;
+    int block_size;
+    const int32_t *tok_seq, *tok_pos, *block_tables;
+    int max_blocks;
+} loom_cuda_attn_t;
+
+/* The launch shape the attention kernels will use. */
+typedef struct loom_cuda_attn_plan {
+    int tq;             /* rows per query tile: 1 (every token alone) or 64 / group */
+    int n_split;        /* key-range splits per unit (flash-decoding) */
+    size_t smem;        /* dynamic shared memory of the one-row kernel, bytes */
+    size_t smem_tile;   /* ... of the tile kernel (tq > 1) */
+    size_t part_floats; /* split partials needed (0 when n_split == 1) */
+} loom_cuda_attn_plan_t;
+
+/* Raises the kernels' dynamic shared memory limit to the device's opt-in
+ * maximum; call once per device before the first launch. */
+cudaError_t loom_cuda_attention_init(size_t max_smem_optin);
+/* Picks the plan for a call: n_sms and max_smem describe the device,
+ * part_cap is how many partial floats the caller can offer. */
+loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t *a, int n_sms,
+                                               size_t max_smem, size_t part_cap);
+/* Runs the plan; `part` holds plan->part_floats floats when n_split > 1. */
+cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom_cuda_attn_plan_t *plan,
+                                float *part, cudaStream_t s);
+
+/* Device sampling. One row of parameters per logit row. */
+typedef struct loom_cuda_sample_row {
+    float inv_t;   /* 1 / temperature (1 for greedy) */
+    int mode;      /* loom_sample_mode_t; -1 = nothing to do (k <= 0) */
+    int k;         /* candidates to produce (filtered mode) */
+    int out_off;   /* first candidate slot of this row in the output */
+    uint64_t seed;
+    uint64_t step;
+} loom_cuda_sample_row_t;
+
+/* Output layout (device): hdr (n_rows, 4) as {max_z, sum_exp, n (int bits),
+ * unused}, then ids (total_k int32), then keys (total_k float). */
+size_t loom_cuda_sample_scratch_floats(int n_rows, int vocab_shard);
+cudaError_t loom_cuda_sample(const float *logits, int n_rows, int vocab_shard, int id_offset,
+                             const loom_cuda_sample_row_t *rows, int any_filtered, int any_plain,
+                             float *hdr, int32_t *ids, float *keys, float *scratch, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,25 @@
+# GPU tests (need the CUDA backend). Without a GPU they print "skipped: no
+# GPU" and exit 77, which ctest reports as skipped (SKIP_RETURN_CODE).
+#   test_cuda_ops   every op against the CPU backend
+#   test_cuda_e2e   stories260K through model.c on cuda:0 against the CPU
+#   test_nccl_comm  the NCCL data plane between two GPU processes (needs 2 GPUs)
+#   gpu_run_sh      tests/gpu/run.sh: standalone build, the two above, the
+#                   8B-shape benchmark (about 5 minutes on an H200)
+if(LOOM_HAVE_CUDA)
+  loom_add_test(test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c
+                LIBS loom_kernels LABELS gpu TIMEOUT 300)
+  loom_add_test(test_cuda_e2e SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_e2e.c
+                LIBS loom_worker_core LABELS gpu TIMEOUT 300
+                ARGS --model ${LOOM_MODELS_DIR}/stories260K --dtype bf16)
+  add_test(NAME test_cuda_e2e_f32 COMMAND test_cuda_e2e --model ${LOOM_MODELS_DIR}/stories260K --dtype f32)
+  if(TARGET Loom::NCCL)
+    loom_add_test(test_nccl_comm SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_nccl_comm.c
+                  LIBS loom_comm loom_kernels Threads::Threads LABELS gpu TIMEOUT 300)
+    set_tests_properties(test_nccl_comm PROPERTIES SKIP_RETURN_CODE 77)
+  endif()
+  add_test(NAME gpu_run_sh COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run.sh ${CMAKE_BINARY_DIR}/tests/gpu-run)
+  set_tests_properties(test_cuda_ops test_cuda_e2e test_cuda_e2e_f32 gpu_run_sh PROPERTIES SKIP_RETURN_CODE 77)
+  set_tests_properties(test_cuda_e2e_f32 PROPERTIES TIMEOUT 300 LABELS gpu)
+  set_tests_properties(gpu_run_sh PROPERTIES TIMEOUT 900 LABELS gpu
+                       ENVIRONMENT "LOOM_MODELS_DIR=${LOOM_MODELS_DIR}")
+endif()

@@ -1,0 +1,594 @@
+/* Every op of the CUDA backend against the CPU backend (the reference) on
+ * fresh random inputs and odd shapes: outputs are poisoned with NaN first so
+ * unwritten elements fail, and compared with a tolerance tied to the dtype
+ * (bf16 activations in cuBLAS GEMMs, TF32 in the attention tiles, fp32
+ * elsewhere). Sampling must match exactly (ids and candidate order; keys to
+ * the last bit except Gumbel noise, which may differ by an ulp of the double
+ * log). Without a GPU it prints "skipped: no GPU" and exits 77 (ctest's
+ * SKIP_RETURN_CODE).
+ *
+ *   test_cuda_ops [--seed N]     (default: from the clock, printed; LOOM_TEST_SEED too) */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/backend_cuda.h"
+#include "tests/test.h"
+
+#define SKIP_CODE 77
+
+static unsigned long long g_rng;
+static loom_backend_t *g_cpu[3];  /* F32, BF16, F16 weights */
+static loom_backend_t *g_cuda[3]; /* exact F32, BF16, F16 */
+static const loom_dtype_t k_dts[3] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F16};
+
+static float randf(float scale) {
+    return test_randf(&g_rng, scale);
+}
+static int randi(int n) { /* [0, n) */
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (int)((g_rng >> 33) % (unsigned long long)n);
+}
+
+static float *rand_host(size_t n, float scale) {
+    float *h = loom_xmalloc(n * sizeof *h + 4);
+    for (size_t i = 0; i < n; i++) h[i] = randf(scale);
+    return h;
+}
+
+/* Device copy of host data on backend be. */
+static void *to_dev(loom_backend_t *be, const void *h, size_t bytes) {
+    void *d = loom_backend_alloc(be, bytes ? bytes : 4);
+    LOOM_ASSERT(d != NULL);
+    loom_backend_upload(be, d, h, bytes);
+    return d;
+}
+
+static void *poisoned(loom_backend_t *be, size_t bytes) {
+    void *d = loom_backend_alloc(be, bytes ? bytes : 4);
+    LOOM_ASSERT(d != NULL);
+    loom_backend_memset(be, d, 0xff, bytes); /* NaN in every float */
+    return d;
+}
+
+static float *from_dev(loom_backend_t *be, const void *d, size_t n) {
+    float *h = loom_xmalloc(n * sizeof *h + 4);
+    loom_backend_download(be, h, d, n * sizeof *h);
+    return h;
+}
+
+static int close_dev(const char *what, loom_backend_t *be, const float *d, const float *ref, size_t n, double atol,
+                     double rtol) {
+    float *h = from_dev(be, d, n);
+    int ok = test_allclose(what, h, ref, (long)n, atol, rtol);
+    free(h);
+    return ok;
+}
+
+/* --- memory ---------------------------------------------------------------------- */
+
+static void test_memory(void) {
+    loom_backend_t *be = g_cuda[1];
+    CHECK(loom_backend_kind(be) == LOOM_DEVICE_CUDA);
+    CHECK(loom_backend_stream(be) != NULL);
+    size_t n = (size_t)5 << 20; /* 20 MB: crosses the upload ring several times */
+    float *h = rand_host(n, 1.0f);
+    float *d = to_dev(be, h, n * 4);
+    float *d2 = poisoned(be, n * 4);
+    loom_backend_copy(be, d2, d, n * 4);
+    CHECK(close_dev("upload/copy/download", be, d2, h, n, 0, 0));
+    loom_backend_memset(be, d2 + 3, 0, 40);
+    float *back = from_dev(be, d2, 16);
+    CHECK(back[2] == h[2] && back[3] == 0.0f && back[12] == 0.0f && back[13] == h[13]);
+    free(back);
+    loom_err_t err = {0};
+    CHECK(loom_backend_synchronize(be, &err) == LOOM_OK);
+    CHECK(loom_backend_mem_free(be) > 0);
+    /* out of memory is an answer, not a crash */
+    CHECK(loom_backend_alloc(be, (size_t)1 << 52) == NULL);
+    loom_weight_t w;
+    CHECK(loom_weight_upload(be, &w, 1 << 30, 1 << 30, h, &err) == LOOM_ERR_NOMEM);
+    loom_backend_free(be, d);
+    loom_backend_free(be, d2);
+    free(h);
+}
+
+/* Half-precision weights are rounded exactly as the CPU backend rounds them. */
+static void test_weight_upload(void) {
+    for (int t = 1; t < 3; t++) {
+        int64_t rows = 1037, cols = 4100; /* 17 MB of f32: several staging pieces */
+        float *h = rand_host((size_t)rows * cols, 2.0f);
+        loom_weight_t wg, wc;
+        loom_err_t err = {0};
+        REQUIRE(loom_weight_upload(g_cuda[t], &wg, rows, cols, h, &err) == LOOM_OK);
+        REQUIRE(loom_weight_upload(g_cpu[t], &wc, rows, cols, h, &err) == LOOM_OK);
+        CHECK(wg.dtype == k_dts[t] && loom_weight_bytes(&wg) == loom_weight_bytes(&wc));
+        uint16_t *got = loom_xmalloc(loom_weight_bytes(&wg));
+        loom_backend_download(g_cuda[t], got, wg.data, loom_weight_bytes(&wg));
+        size_t bad = 0;
+        for (size_t i = 0; i < (size_t)rows * cols; i++) bad += got[i] != ((const uint16_t *)wc.data)[i];
+        CHECKF(bad == 0, "%zu of %lld %s weights differ from the CPU's rounding", bad, (long long)(rows * cols),
+               loom_dtype_name(k_dts[t]));
+        free(got);
+        loom_weight_free(g_cuda[t], &wg);
+        loom_weight_free(g_cpu[t], &wc);
+        free(h);
+    }
+}
+
+/* --- matmul ---------------------------------------------------------------------- */
+
+static void check_matmul(int t, int64_t rows, int64_t cols, int n) {
+    float *hw = rand_host((size_t)rows * cols, 1.0f), *hx = rand_host((size_t)n * cols, 1.0f);
+    loom_weight_t wg, wc;
+    loom_err_t err = {0};
+    LOOM_ASSERT(loom_weight_upload(g_cuda[t], &wg, rows, cols, hw, &err) == LOOM_OK);
+    LOOM_ASSERT(loom_weight_upload(g_cpu[t], &wc, rows, cols, hw, &err) == LOOM_OK);
+    float *ref = loom_xmalloc((size_t)n * rows * sizeof *ref);
+    loom_op_matmul(g_cpu[t], ref, hx, &wc, n);
+    float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
+    loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
+    /* GEMV (n <= 4) keeps x in f32; cuBLAS rounds it to the weight dtype:
+     * error ~ sqrt(cols) * unit roundoff * E|x w| */
+    double u = t == 0 ? 1e-6 : n <= 4 ? 2e-6 : t == 1 ? 4e-3 : 5e-4;
+    char what[96];
+    snprintf(what, sizeof what, "matmul %s rows %lld cols %lld n %d", loom_dtype_name(k_dts[t]), (long long)rows,
+             (long long)cols, n);
+    CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5, 1e-3));
+    loom_backend_free(g_cuda[t], dx);
+    loom_backend_free(g_cuda[t], dy);
+    loom_weight_free(g_cuda[t], &wg);
+    loom_weight_free(g_cpu[t], &wc);
+    free(hw);
+    free(hx);
+    free(ref);
+}
+
+static void test_matmul(void) {
+    static const int shapes[][3] = {
+        {1, 8, 1},      {37, 64, 1},   {4099, 136, 1}, {4099, 136, 2}, {129, 4104, 3}, {130, 4096, 4},
+        {255, 520, 5},  {1000, 1024, 17}, {96, 100, 2}, {97, 100, 9},   {33, 7, 3},     {6144, 4096, 1},
+        {512, 1000, 33}, {300, 4096, 64},
+    };
+    for (int t = 0; t < 3; t++)
+        for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) check_matmul(t, shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
+/* --- element-wise ---------------------------------------------------------------------- */
+
+static void test_rmsnorm_add(void) {
+    static const int shapes[][2] = {{1, 4096}, {3, 64}, {5, 1001}, {17, 4100}, {9, 8}};
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        int n = shapes[s][0], dim = shapes[s][1];
+        size_t nd = (size_t)n * dim;
+        float *x = rand_host(nd, 3.0f), *a = rand_host(nd, 1.0f), *g = rand_host((size_t)dim, 1.5f);
+        float *ref = loom_xmalloc(nd * 4), *xr = loom_xmalloc(nd * 4);
+        float *dx = to_dev(be, x, nd * 4), *da = to_dev(be, a, nd * 4), *dg = to_dev(be, g, (size_t)dim * 4);
+        float *dy = poisoned(be, nd * 4);
+        loom_op_rmsnorm(cpu, ref, x, g, n, dim, 1e-5f);
+        loom_op_rmsnorm(be, dy, dx, dg, n, dim, 1e-5f);
+        CHECK(close_dev("rmsnorm", be, dy, ref, nd, 1e-5, 1e-5));
+        loom_op_rmsnorm(be, dx, dx, dg, n, dim, 1e-5f); /* in place */
+        CHECK(close_dev("rmsnorm in place", be, dx, ref, nd, 1e-5, 1e-5));
+        /* residual add + norm, against add then rmsnorm on the CPU */
+        loom_backend_upload(be, dx, x, nd * 4);
+        memcpy(xr, x, nd * 4);
+        loom_op_add(cpu, xr, a, (int64_t)nd);
+        loom_op_rmsnorm(cpu, ref, xr, g, n, dim, 1e-5f);
+        loom_backend_memset(be, dy, 0xff, nd * 4);
+        loom_op_add_rmsnorm(be, dx, da, dy, dg, n, dim, 1e-5f);
+        CHECK(close_dev("add_rmsnorm x", be, dx, xr, nd, 0, 0));
+        CHECK(close_dev("add_rmsnorm y", be, dy, ref, nd, 1e-5, 1e-5));
+        /* plain residual add, odd lengths */
+        loom_backend_upload(be, dx, x, nd * 4);
+        loom_op_add(be, dx, da, (int64_t)nd - 1);
+        memcpy(xr, x, nd * 4);
+        loom_op_add(cpu, xr, a, (int64_t)nd - 1);
+        CHECK(close_dev("add", be, dx, xr, nd, 0, 0));
+        float *bufs[] = {dx, da, dg, dy};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
+        free(x), free(a), free(g), free(ref), free(xr);
+    }
+}
+
+/* RMSNorm and SiLU*mul write the narrowed GEMM input themselves when a cuBLAS
+ * matmul follows: the result must be that of the plain path. */
+static void test_fused_gemm_input(void) {
+    for (int t = 1; t < 3; t++) {
+        loom_backend_t *be = g_cuda[t], *cpu = g_cpu[t];
+        int n = 23, dim = 520, hidden = 1000;
+        float *x = rand_host((size_t)n * dim, 2.0f), *g = rand_host((size_t)dim, 1.0f);
+        float *gu = rand_host((size_t)n * 2 * hidden, 2.0f);
+        float *w1 = rand_host((size_t)hidden * dim, 1.0f), *w2 = rand_host((size_t)dim * hidden, 1.0f);
+        loom_weight_t g1, g2, c1, c2;
+        loom_err_t err = {0};
+        LOOM_ASSERT(loom_weight_upload(be, &g1, hidden, dim, w1, &err) == LOOM_OK);
+        LOOM_ASSERT(loom_weight_upload(be, &g2, dim, hidden, w2, &err) == LOOM_OK);
+        LOOM_ASSERT(loom_weight_upload(cpu, &c1, hidden, dim, w1, &err) == LOOM_OK);
+        LOOM_ASSERT(loom_weight_upload(cpu, &c2, dim, hidden, w2, &err) == LOOM_OK);
+        float *xn = loom_xmalloc((size_t)n * dim * 4), *y1 = loom_xmalloc((size_t)n * hidden * 4);
+        float *h = loom_xmalloc((size_t)n * hidden * 4), *y2 = loom_xmalloc((size_t)n * dim * 4);
+        loom_op_rmsnorm(cpu, xn, x, g, n, dim, 1e-5f);
+        loom_op_matmul(cpu, y1, xn, &c1, n);
+        loom_op_silu_mul(cpu, h, gu, n, hidden);
+        loom_op_matmul(cpu, y2, h, &c2, n);
+        float *dx = to_dev(be, x, (size_t)n * dim * 4), *dg = to_dev(be, g, (size_t)dim * 4);
+        float *dgu = to_dev(be, gu, (size_t)n * 2 * hidden * 4), *dxn = poisoned(be, (size_t)n * dim * 4);
+        float *dy1 = poisoned(be, (size_t)n * hidden * 4), *dh = poisoned(be, (size_t)n * hidden * 4);
+        float *dy2 = poisoned(be, (size_t)n * dim * 4);
+        loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+        loom_op_matmul(be, dy1, dxn, &g1, n);
+        loom_op_silu_mul(be, dh, dgu, n, hidden);
+        loom_op_matmul(be, dy2, dh, &g2, n);
+        double u = t == 1 ? 4e-3 : 5e-4;
+        CHECK(close_dev("rmsnorm -> matmul", be, dy1, y1, (size_t)n * hidden, 4 * u * sqrt(dim), 1e-3));
+        CHECK(close_dev("silu_mul -> matmul", be, dy2, y2, (size_t)n * dim, 8 * u * sqrt(hidden), 1e-3));
+        /* a matmul of another buffer in between must not pick up a stale copy */
+        loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+        loom_op_matmul(be, dy2, dh, &g2, n);
+        loom_op_matmul(be, dy1, dxn, &g1, n);
+        CHECK(close_dev("matmul after another", be, dy1, y1, (size_t)n * hidden, 4 * u * sqrt(dim), 1e-3));
+        float *bufs[] = {dx, dg, dgu, dxn, dy1, dh, dy2};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
+        loom_weight_free(be, &g1), loom_weight_free(be, &g2), loom_weight_free(cpu, &c1), loom_weight_free(cpu, &c2);
+        free(x), free(g), free(gu), free(w1), free(w2), free(xn), free(y1), free(h), free(y2);
+    }
+}
+
+static void test_silu_gather(void) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    static const int shapes[][2] = {{1, 14336}, {3, 172}, {7, 101}, {2, 4}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        int n = shapes[s][0], hidden = shapes[s][1];
+        float *gu = rand_host((size_t)n * 2 * hidden, 6.0f), *ref = loom_xmalloc((size_t)n * hidden * 4);
+        loom_op_silu_mul(cpu, ref, gu, n, hidden);
+        float *dgu = to_dev(be, gu, (size_t)n * 2 * hidden * 4), *dout = poisoned(be, (size_t)n * hidden * 4);
+        loom_op_silu_mul(be, dout, dgu, n, hidden);
+        CHECK(close_dev("silu_mul", be, dout, ref, (size_t)n * hidden, 1e-6, 1e-5));
+        loom_backend_free(be, dgu), loom_backend_free(be, dout);
+        free(gu), free(ref);
+    }
+    static const int gshapes[][3] = {{5, 64, 512}, {3, 4096, 100}, {9, 33, 40}, {1, 1, 3}}; /* n, dim, table rows */
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(gshapes); s++) {
+        int n = gshapes[s][0], dim = gshapes[s][1], rows = gshapes[s][2];
+        float *table = rand_host((size_t)rows * dim, 1.0f), *ref = loom_xmalloc((size_t)n * dim * 4);
+        int32_t idx[16];
+        for (int i = 0; i < n; i++) idx[i] = randi(rows);
+        loom_op_embed(cpu, ref, table, idx, n, dim);
+        float *dt = to_dev(be, table, (size_t)rows * dim * 4), *dout = poisoned(be, (size_t)n * dim * 4);
+        int32_t *di = to_dev(be, idx, (size_t)n * 4);
+        loom_op_embed(be, dout, dt, di, n, dim);
+        CHECK(close_dev("embed", be, dout, ref, (size_t)n * dim, 0, 0));
+        loom_backend_memset(be, dout, 0xff, (size_t)n * dim * 4);
+        loom_op_gather_rows(be, dout, dt, di, n, dim);
+        CHECK(close_dev("gather_rows", be, dout, ref, (size_t)n * dim, 0, 0));
+        loom_backend_free(be, dt), loom_backend_free(be, dout), loom_backend_free(be, di);
+        free(table), free(ref);
+    }
+}
+
+/* --- RoPE and the KV write ---------------------------------------------------------- */
+
+static void test_rope_kv(void) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    static const int shapes[][4] = {{5, 8, 4, 8}, {7, 32, 8, 128}, {3, 4, 2, 64}, {2, 3, 1, 6}, {1, 32, 8, 128}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        int n = shapes[s][0], nh = shapes[s][1], nkv = shapes[s][2], hd = shapes[s][3];
+        int stride = (nh + 2 * nkv) * hd + (s & 1); /* odd strides too */
+        size_t total = (size_t)n * stride;
+        float *x = rand_host(total, 2.0f), *inv = loom_xmalloc((size_t)hd / 2 * 4);
+        for (int j = 0; j < hd / 2; j++) inv[j] = (float)pow(10000.0, -2.0 * j / hd);
+        int32_t pos[8], slots[8];
+        int n_blocks = 4, B = 16, kv_dim = nkv * hd;
+        for (int i = 0; i < n; i++) {
+            pos[i] = i == 0 ? 0 : randi(200000);
+            slots[i] = i == 1 ? -1 : i * 7 % (n_blocks * B); /* one padding token */
+        }
+        size_t cache = (size_t)n_blocks * B * kv_dim;
+        float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+        float *xr = loom_xmalloc(total * 4), *kcr = loom_xmalloc(cache * 4), *vcr = loom_xmalloc(cache * 4);
+        memcpy(xr, x, total * 4), memcpy(kcr, kc, cache * 4), memcpy(vcr, vc, cache * 4);
+        float *q = xr, *k = xr + nh * hd, *v = k + kv_dim;
+        loom_op_rope(cpu, q, stride, n, nh, hd, pos, inv);
+        loom_op_rope(cpu, k, stride, n, nkv, hd, pos, inv);
+        loom_op_kv_write(cpu, kcr, vcr, k, v, stride, slots, n, kv_dim);
+        float *dx = to_dev(be, x, total * 4), *dinv = to_dev(be, inv, (size_t)hd / 2 * 4);
+        int32_t *dpos = to_dev(be, pos, (size_t)n * 4), *dslots = to_dev(be, slots, (size_t)n * 4);
+        float *dkc = to_dev(be, kc, cache * 4), *dvc = to_dev(be, vc, cache * 4);
+        /* separate ops */
+        float *dq = dx, *dk = dx + nh * hd, *dv = dk + kv_dim;
+        loom_op_rope(be, dq, stride, n, nh, hd, dpos, dinv);
+        loom_op_rope(be, dk, stride, n, nkv, hd, dpos, dinv);
+        loom_op_kv_write(be, dkc, dvc, dk, dv, stride, dslots, n, kv_dim);
+        CHECK(close_dev("rope", be, dx, xr, total, 2e-6, 2e-6));
+        CHECK(close_dev("kv_write k", be, dkc, kcr, cache, 2e-6, 2e-6));
+        CHECK(close_dev("kv_write v", be, dvc, vcr, cache, 0, 0));
+        /* fused */
+        loom_backend_upload(be, dx, x, total * 4);
+        loom_backend_upload(be, dkc, kc, cache * 4);
+        loom_backend_upload(be, dvc, vc, cache * 4);
+        loom_op_rope_kv_write(be, dq, dk, dv, stride, n, nh, nkv, hd, dpos, dinv, dkc, dvc, dslots);
+        CHECK(close_dev("rope_kv_write x", be, dx, xr, total, 2e-6, 2e-6));
+        CHECK(close_dev("rope_kv_write k", be, dkc, kcr, cache, 2e-6, 2e-6));
+        CHECK(close_dev("rope_kv_write v", be, dvc, vcr, cache, 0, 0));
+        void *bufs[] = {dx, dinv, dpos, dslots, dkc, dvc};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
+        free(x), free(inv), free(kc), free(vc), free(xr), free(kcr), free(vcr);
+    }
+}
+
+/* --- attention ----------------------------------------------------------------------- */
+
+typedef struct attn_case {
+    int nh, nkv, hd, B;
+} attn_case_t;
+
+/* A batch: n_seqs sequences with context lengths ctx[s]; tokens listed as
+ * (seq, pos). Builds a random cache and shuffled block tables, runs both
+ * backends and compares. */
+static void run_attention(const attn_case_t *ac, int n_seqs, const int *ctx, int n, const int32_t *tok_seq,
+                          const int32_t *tok_pos, const char *what) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    const int nh = ac->nh, nkv = ac->nkv, hd = ac->hd, B = ac->B, kv_dim = nkv * hd;
+    int max_blocks = 1, total_blocks = 0, max_ctx = 1;
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = (ctx[s] + B - 1) / B;
+        max_blocks = LOOM_MAX(max_blocks, nb + 1);
+        total_blocks += nb;
+    }
+    for (int i = 0; i < n; i++) max_ctx = LOOM_MAX(max_ctx, tok_pos[i] + 1);
+    int n_blocks = total_blocks + 3;
+    /* block ids: a shuffled permutation, -1 past each sequence's end */
+    int32_t *perm = loom_xmalloc((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = randi(i + 1), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    int32_t *bt = loom_xmalloc((size_t)n_seqs * max_blocks * 4);
+    for (int s = 0, used = 0; s < n_seqs; s++) {
+        int nb = (ctx[s] + B - 1) / B;
+        for (int j = 0; j < max_blocks; j++) bt[(size_t)s * max_blocks + j] = j < nb ? perm[used + j] : -1;
+        used += nb;
+    }
+    size_t cache = (size_t)n_blocks * B * kv_dim;
+    float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+    int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd;
+    float *q = rand_host((size_t)n * q_stride, 3.0f); /* peaky attention, not a plain average */
+    float *ref = loom_xmalloc((size_t)n * out_stride * 4);
+    loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd),
+                          .q = q, .q_stride = q_stride, .out = ref, .out_stride = out_stride, .k_cache = kc,
+                          .v_cache = vc, .block_size = B, .tok_seq = tok_seq, .tok_pos = tok_pos,
+                          .block_tables = bt, .max_blocks = max_blocks, .max_ctx = max_ctx};
+    loom_op_attention(cpu, &a);
+    loom_attn_args_t g = a;
+    g.q = to_dev(be, q, (size_t)n * q_stride * 4);
+    g.out = poisoned(be, (size_t)n * out_stride * 4);
+    g.k_cache = to_dev(be, kc, cache * 4);
+    g.v_cache = to_dev(be, vc, cache * 4);
+    g.tok_seq = to_dev(be, tok_seq, (size_t)n * 4);
+    g.tok_pos = to_dev(be, tok_pos, (size_t)n * 4);
+    g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
+    loom_op_attention(be, &g);
+    char buf[160];
+    snprintf(buf, sizeof buf, "attention %s (nh %d nkv %d hd %d B %d, n %d)", what, nh, nkv, hd, B, n);
+    /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
+     * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values) */
+    double tol = n <= 8 ? 2e-5 : 1e-2;
+    CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, tol, tol));
+    void *bufs[] = {(void *)g.q, g.out, (void *)g.k_cache, (void *)g.v_cache, (void *)g.tok_seq, (void *)g.tok_pos,
+                    (void *)g.block_tables};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
+    free(perm), free(bt), free(kc), free(vc), free(q), free(ref);
+}
+
+static void test_attention(void) {
+    static const attn_case_t cases[] = {
+        {32, 8, 128, 16}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
+        {8, 4, 8, 16},    /* stories260K */
+        {8, 2, 64, 16},   {12, 12, 64, 7}, /* MHA, odd block size: tiles of 64 tokens */
+        {28, 4, 128, 16},                  /* group 7: tiles of 9 tokens */
+        {4, 1, 256, 32},  {6, 2, 36, 16},  /* head_dim not a multiple of 16: one token at a time */
+        {6, 3, 6, 5},                      /* head_dim not a multiple of 4: scalar path */
+        {16, 1, 128, 16},                  /* group 16: two passes of 8 heads */
+        {64, 1, 64, 16},                   /* group 64: no tiles */
+    };
+    enum { MAXN = 420 };
+    int32_t seq[MAXN], pos[MAXN];
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        const attn_case_t *ac = &cases[c];
+        /* one decode token at various context lengths: many key splits */
+        static const int lens[] = {1, 17, 1000, 4099};
+        for (size_t l = 0; l < LOOM_ARRAY_LEN(lens); l++) {
+            seq[0] = 0, pos[0] = lens[l] - 1;
+            run_attention(ac, 1, &lens[l], 1, seq, pos, "decode");
+        }
+        /* a decode batch of 37 sequences */
+        int ctx[40];
+        for (int s = 0; s < 37; s++) {
+            ctx[s] = 1 + randi(700);
+            seq[s] = s, pos[s] = ctx[s] - 1;
+        }
+        run_attention(ac, 37, ctx, 37, seq, pos, "decode batch");
+        /* mixed: 5 decodes, a 70-token chunk at 30..99, a 3-token chunk, a 20-token chunk from 0 */
+        int n = 0;
+        int mctx[8] = {50, 300, 7, 90, 1, 100, 12, 20};
+        for (int s = 0; s < 5; s++) seq[n] = s, pos[n] = mctx[s] - 1, n++;
+        for (int p = 30; p < 100; p++) seq[n] = 5, pos[n] = p, n++;
+        for (int p = 9; p < 12; p++) seq[n] = 6, pos[n] = p, n++;
+        for (int p = 0; p < 20; p++) seq[n] = 7, pos[n] = p, n++;
+        run_attention(ac, 8, mctx, n, seq, pos, "mixed");
+        /* a prefill of 300 tokens, and a short one (key splits in the tile kernel) */
+        int pctx = 300;
+        for (int p = 0; p < 300; p++) seq[p] = 0, pos[p] = p;
+        run_attention(ac, 1, &pctx, 300, seq, pos, "prefill 300");
+        int sctx = 530;
+        for (int p = 0; p < 20; p++) seq[p] = 0, pos[p] = 510 + p;
+        run_attention(ac, 1, &sctx, 20, seq, pos, "prefill 20 at 510");
+    }
+}
+
+/* --- sampling ----------------------------------------------------------------------------- */
+
+static void check_parts(const loom_sample_part_t *g, const loom_sample_part_t *c, const loom_sampling_t *s,
+                        int vocab_size, const char *what) {
+    loom_sample_mode_t mode = loom_sample_mode(s, vocab_size);
+    CHECKF(g->n == c->n, "%s: %d candidates, CPU %d", what, g->n, c->n);
+    CHECKF(g->max_z == c->max_z, "%s: max_z %.9g, CPU %.9g", what, (double)g->max_z, (double)c->max_z);
+    if (mode == LOOM_SAMPLE_FILTERED)
+        CHECKF(fabs((double)g->sum_exp - c->sum_exp) <= 1e-5 * fabs((double)c->sum_exp), "%s: sum_exp %.9g, CPU %.9g",
+               what, (double)g->sum_exp, (double)c->sum_exp);
+    int n = LOOM_MIN(g->n, c->n), bad = 0;
+    for (int j = 0; j < n; j++) {
+        double tol = mode == LOOM_SAMPLE_GUMBEL ? 1e-6 * (1 + fabs((double)c->keys[j])) : 0;
+        if (g->ids[j] != c->ids[j] || fabs((double)g->keys[j] - c->keys[j]) > tol) {
+            if (bad++ < 3)
+                fprintf(stderr, "  %s: candidate %d: id %d key %.9g, CPU id %d key %.9g\n", what, j, g->ids[j],
+                        (double)g->keys[j], c->ids[j], (double)c->keys[j]);
+        }
+    }
+    CHECKF(bad == 0, "%s: %d of %d candidates differ", what, bad, n);
+}
+
+static void test_sampling(void) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    static const int shards[][3] = {{512, 0, 512}, {128256, 0, 128256}, {700, 1000, 100000}, {3, 5, 8}};
+    const loom_sampling_t params[] = {
+        {.temperature = 0},
+        {.temperature = 0.7f, .seed = 11},
+        {.temperature = 1.0f, .top_k = 50, .seed = 12},
+        {.temperature = 0.8f, .top_p = 0.9f, .seed = 13},
+        {.temperature = 1.3f, .top_k = 1024, .top_p = 0.5f, .seed = 14},
+        {.temperature = 1.0f, .top_k = 5, .seed = 15},
+        {.temperature = 0},
+        {.temperature = 0.5f, .top_k = 1, .seed = 16},
+    };
+    const int rows = (int)LOOM_ARRAY_LEN(params);
+    for (size_t sh = 0; sh < LOOM_ARRAY_LEN(shards); sh++) {
+        int vs = shards[sh][0], off = shards[sh][1], vocab = shards[sh][2];
+        float *logits = loom_xmalloc((size_t)rows * vs * 4);
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < vs; i++) {
+                float v = randf(8.0f);
+                if (r % 2 == 0) v = floorf(v * 4.0f) / 4.0f; /* many ties */
+                if (randi(50) == 0) v = -INFINITY;
+                logits[(size_t)r * vs + i] = v;
+            }
+        if (vs > 10) logits[(size_t)6 * vs + 3] = logits[(size_t)6 * vs + 7] = 100.0f; /* greedy tie: id 3 wins */
+        uint64_t steps[LOOM_ARRAY_LEN(params)];
+        int k[LOOM_ARRAY_LEN(params)];
+        loom_sample_part_t pg[LOOM_ARRAY_LEN(params)], pc[LOOM_ARRAY_LEN(params)];
+        for (int r = 0; r < rows; r++) {
+            steps[r] = (uint64_t)randi(1000);
+            k[r] = loom_sample_k(&params[r], vocab);
+            pg[r] = (loom_sample_part_t){.ids = loom_xmalloc(4096), .keys = loom_xmalloc(4096)};
+            pc[r] = (loom_sample_part_t){.ids = loom_xmalloc(4096), .keys = loom_xmalloc(4096)};
+        }
+        loom_op_sample_shard(cpu, logits, rows, vs, off, vocab, params, steps, k, pc);
+        float *dl = to_dev(be, logits, (size_t)rows * vs * 4);
+        loom_op_sample_shard(be, dl, rows, vs, off, vocab, params, steps, k, pg);
+        for (int r = 0; r < rows; r++) {
+            char what[80];
+            snprintf(what, sizeof what, "sample shard %d+%d of %d, row %d", off, vs, vocab, r);
+            check_parts(&pg[r], &pc[r], &params[r], vocab, what);
+            CHECK(loom_sample_merge(&pg[r], 1, vocab, &params[r], steps[r]) ==
+                  loom_sample_merge(&pc[r], 1, vocab, &params[r], steps[r]));
+            free(pg[r].ids), free(pg[r].keys), free(pc[r].ids), free(pc[r].keys);
+        }
+        loom_backend_free(be, dl);
+        free(logits);
+    }
+}
+
+/* --- graphs -------------------------------------------------------------------------------- */
+
+/* A recorded op sequence replays on fresh inputs with the same results as
+ * running the ops directly. */
+static void test_graphs(void) {
+    loom_backend_t *be = g_cuda[1];
+    CHECK(loom_backend_has_graphs(be) && !loom_backend_has_graphs(g_cpu[0]));
+    int n = 3, dim = 256, rows = 300;
+    float *hw = rand_host((size_t)rows * dim, 1.0f), *hg = rand_host((size_t)dim, 1.0f);
+    loom_weight_t w;
+    loom_err_t err = {0};
+    REQUIRE(loom_weight_upload(be, &w, rows, dim, hw, &err) == LOOM_OK);
+    float *dg = to_dev(be, hg, (size_t)dim * 4), *dx = poisoned(be, (size_t)n * dim * 4);
+    float *dxn = poisoned(be, (size_t)n * dim * 4), *dy = poisoned(be, (size_t)n * rows * 4);
+    float *eager = loom_xmalloc((size_t)n * rows * 4);
+    uint64_t rec0, rep0, rec1, rep1;
+    loom_cuda_graph_stats(be, &rec0, &rep0);
+    for (int it = 0; it < 4; it++) {
+        float *hx = rand_host((size_t)n * dim, 2.0f);
+        loom_backend_upload(be, dx, hx, (size_t)n * dim * 4);
+        loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+        loom_op_matmul(be, dy, dxn, &w, n);
+        loom_backend_download(be, eager, dy, (size_t)n * rows * 4);
+        loom_backend_memset(be, dy, 0xff, (size_t)n * rows * 4);
+        int replay = loom_backend_graph_begin(be, 42);
+        CHECK(replay == (it > 0));
+        if (!replay) {
+            loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+            loom_op_matmul(be, dy, dxn, &w, n);
+        }
+        CHECK(loom_backend_graph_end(be, 42) == 0);
+        CHECK(close_dev("graph replay", be, dy, eager, (size_t)n * rows, 0, 0));
+        free(hx);
+    }
+    loom_cuda_graph_stats(be, &rec1, &rep1);
+    CHECK(rec1 - rec0 == 1 && rep1 - rep0 == 3);
+    loom_backend_free(be, dg); /* frees drop the graphs */
+    CHECK(loom_backend_graph_begin(be, 42) == 0);
+    loom_op_rmsnorm(be, dxn, dx, dx, n, dim, 1e-5f);
+    CHECK(loom_backend_graph_end(be, 42) == 0);
+    loom_backend_free(be, dx), loom_backend_free(be, dxn), loom_backend_free(be, dy);
+    loom_weight_free(be, &w);
+    free(hw), free(hg), free(eager);
+}
+
+int main(int argc, char **argv) {
+    loom_log_init("test_cuda_ops");
+    if (!loom_backend_available(LOOM_DEVICE_CUDA, 0)) {
+        printf("skipped: no GPU\n");
+        return SKIP_CODE;
+    }
+    unsigned long long seed = (unsigned long long)time(NULL);
+    const char *env = getenv("LOOM_TEST_SEED");
+    if (env) seed = strtoull(env, NULL, 10);
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], NULL, 10);
+    g_rng = seed * 2654435761ull + 1;
+    fprintf(stderr, "test_cuda_ops: seed %llu (rerun with --seed %llu)\n", seed, seed);
+    loom_err_t err = {0};
+    for (int t = 0; t < 3; t++) {
+        loom_backend_config_t cc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
+                                    .weight_dtype = k_dts[t]};
+        loom_backend_config_t gc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CUDA,
+                                    .weight_dtype = k_dts[t], .exact_f32 = 1};
+        if (loom_backend_create(&cc, &g_cpu[t], &err) < 0 || loom_backend_create(&gc, &g_cuda[t], &err) < 0) {
+            fprintf(stderr, "test_cuda_ops: %s\n", err.msg);
+            return 1;
+        }
+    }
+    RUN(test_memory);
+    RUN(test_weight_upload);
+    RUN(test_matmul);
+    RUN(test_rmsnorm_add);
+    RUN(test_fused_gemm_input);
+    RUN(test_silu_gather);
+    RUN(test_rope_kv);
+    RUN(test_attention);
+    RUN(test_sampling);
+    RUN(test_graphs);
+    for (int t = 0; t < 3; t++) {
+        loom_backend_destroy(&g_cuda[t]);
+        loom_backend_destroy(&g_cpu[t]);
+    }
+    return test_summary();
+}
