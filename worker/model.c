@@ -413,16 +413,18 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
 
     if (m->spec.has_embed) loom_op_embed(be, m->x, m->embed, d_tok, n, dim);
 
+    /* Each residual add is fused with the norm that follows it (the MLP's,
+     * or the next layer's attention norm); backends without the fused op
+     * run the two plain ops. */
     int nh = d->n_heads, nkv = d->n_kv_heads, qd = m->qkv_dim;
+    if (d->n_layers > 0) loom_op_rmsnorm(be, m->xb, m->x, m->layers[0].attn_norm, n, dim, c->norm_eps);
     for (int l = 0; l < d->n_layers; l++) {
         loom_layer_t *ly = &m->layers[l];
-        /* attention */
-        loom_op_rmsnorm(be, m->xb, m->x, ly->attn_norm, n, dim, c->norm_eps);
+        /* attention: xb holds rmsnorm(x) * attn_norm */
         loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
         float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
-        loom_op_rope(be, q, qd, n, nh, hd, d_pos, m->inv_freq);
-        loom_op_rope(be, k, qd, n, nkv, hd, d_pos, m->inv_freq);
-        loom_op_kv_write(be, ly->k_cache, ly->v_cache, k, v, qd, d_slots, n, nkv * hd);
+        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, m->inv_freq, ly->k_cache, ly->v_cache,
+                              d_slots);
         loom_attn_args_t a = {
             .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
             .scale = 1.0f / sqrtf((float)hd),
@@ -434,14 +436,16 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_op_attention(be, &a);
         loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
         LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
-        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
+        loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, ly->ffn_norm, n, dim, c->norm_eps);
         /* MLP */
-        loom_op_rmsnorm(be, m->xb, m->x, ly->ffn_norm, n, dim, c->norm_eps);
         loom_op_matmul(be, m->gu, m->xb, &ly->w13, n);
         loom_op_silu_mul(be, m->hb, m->gu, n, d->hidden);
         loom_op_matmul(be, m->xb2, m->hb, &ly->w2, n);
         LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
-        loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
+        if (l + 1 < d->n_layers)
+            loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, m->layers[l + 1].attn_norm, n, dim, c->norm_eps);
+        else
+            loom_op_add(be, m->x, m->xb2, (int64_t)n * dim);
     }
     if (nl > 0) {
         loom_op_gather_rows(be, m->xl, m->x, d_rows, nl, dim);
