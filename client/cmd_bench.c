@@ -131,29 +131,6 @@ static loom_status_t zmq_open(const char *addr, int timeout_ms, const char *api_
  * compact, so fields are found by their "key": text (a quote inside a
  * string value is always escaped, so such a key cannot match inside one). */
 
-typedef struct hbuf {
-    char *p;
-    size_t len, cap;
-} hbuf_t;
-
-static void hb_add(hbuf_t *b, const char *s, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n + 1) cap *= 2;
-        b->p = loom_xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void hb_consume(hbuf_t *b, size_t n) {
-    memmove(b->p, b->p + n, b->len - n);
-    b->len -= n;
-    b->p[b->len] = '\0';
-}
-
 typedef enum { HS_HEAD, HS_CHUNK_SIZE, HS_CHUNK_DATA, HS_CHUNK_CRLF, HS_SIZED, HS_TO_CLOSE } hstate_t;
 
 typedef struct hreq {
@@ -162,7 +139,7 @@ typedef struct hreq {
     hstate_t state;
     int status;               /* HTTP status */
     long long left;           /* bytes left in the chunk or the sized body */
-    hbuf_t raw, body;         /* received bytes not yet parsed; the decoded body (SSE text or error JSON) */
+    loom_sbuf_t raw, body;         /* received bytes not yet parsed; the decoded body (SSE text or error JSON) */
     int prompt_tokens, completion_tokens;
     double last_s;            /* last time anything arrived */
 } hreq_t;
@@ -185,7 +162,7 @@ typedef struct http_transport {
     hevent_t *events;         /* FIFO of events decoded but not yet returned */
     int ev_head, n_events, cap_events;
     hevent_t cur;
-    hbuf_t req_buf;
+    loom_sbuf_t req_buf;
 } http_transport_t;
 
 static const char *json_find(const char *s, const char *key) {
@@ -292,7 +269,7 @@ static int http_sse(http_transport_t *t, int i) {
                 http_push(t, &ev, NULL);
             }
         }
-        hb_consume(&r->body, (size_t)(end + 2 - r->body.p));
+        loom_sbuf_consume(&r->body, (size_t)(end + 2 - r->body.p));
     }
 }
 
@@ -317,19 +294,19 @@ static int http_parse(http_transport_t *t, int i) {
                     r->left = strtoll(h + 15, NULL, 10);
                 }
             }
-            hb_consume(&r->raw, (size_t)(end + 4 - r->raw.p));
+            loom_sbuf_consume(&r->raw, (size_t)(end + 4 - r->raw.p));
         } else if (r->state == HS_CHUNK_SIZE) {
             char *end = r->raw.p ? strstr(r->raw.p, "\r\n") : NULL;
             if (!end) return 0;
             r->left = strtoll(r->raw.p, NULL, 16);
-            hb_consume(&r->raw, (size_t)(end + 2 - r->raw.p));
+            loom_sbuf_consume(&r->raw, (size_t)(end + 2 - r->raw.p));
             if (r->left == 0) break; /* the last chunk: the body is complete */
             r->state = HS_CHUNK_DATA;
         } else if (r->state == HS_CHUNK_DATA || r->state == HS_SIZED || r->state == HS_TO_CLOSE) {
             size_t n = r->state == HS_TO_CLOSE ? r->raw.len : (size_t)LOOM_MIN((long long)r->raw.len, r->left);
             if (n == 0 && !(r->state == HS_SIZED && r->left == 0)) return 0;
-            hb_add(&r->body, r->raw.p ? r->raw.p : "", n);
-            hb_consume(&r->raw, n);
+            loom_sbuf_add(&r->body, r->raw.p ? r->raw.p : "", n);
+            loom_sbuf_consume(&r->raw, n);
             r->left -= (long long)n;
             if (r->status == 200 && http_sse(t, i)) return 1;
             if (r->state == HS_CHUNK_DATA && r->left == 0) r->state = HS_CHUNK_CRLF;
@@ -337,7 +314,7 @@ static int http_parse(http_transport_t *t, int i) {
             else if (r->state == HS_TO_CLOSE) return 0;
         } else { /* HS_CHUNK_CRLF */
             if (r->raw.len < 2) return 0;
-            hb_consume(&r->raw, 2);
+            loom_sbuf_consume(&r->raw, 2);
             r->state = HS_CHUNK_SIZE;
         }
     }
@@ -384,21 +361,21 @@ static loom_status_t write_all(int fd, const char *p, size_t n, const char *what
 
 static loom_status_t http_submit(void *self, const bench_req_t *br, uint64_t *handle, loom_err_t *err) {
     http_transport_t *t = self;
-    hbuf_t *b = &t->req_buf;
+    loom_sbuf_t *b = &t->req_buf;
     b->len = 0;
     char num[64];
-    hb_add(b, "{\"model\":\"", 10);
-    hb_add(b, t->model, strlen(t->model));
-    hb_add(b, "\",\"prompt\":[", 12);
+    loom_sbuf_add(b, "{\"model\":\"", 10);
+    loom_sbuf_add(b, t->model, strlen(t->model));
+    loom_sbuf_add(b, "\",\"prompt\":[", 12);
     for (int i = 0; i < br->n_prompt; i++) {
         int n = snprintf(num, sizeof num, "%s%d", i ? "," : "", br->prompt_ids[i]);
-        hb_add(b, num, (size_t)n);
+        loom_sbuf_add(b, num, (size_t)n);
     }
     int n = snprintf(num, sizeof num, "],\"max_tokens\":%d,\"temperature\":%g,\"seed\":%llu", br->max_tokens,
                      (double)br->temperature, (unsigned long long)br->seed);
-    hb_add(b, num, (size_t)n);
+    loom_sbuf_add(b, num, (size_t)n);
     const char *tail = ",\"ignore_eos\":true,\"stream\":true,\"stream_options\":{\"include_usage\":true}}";
-    hb_add(b, tail, strlen(tail));
+    loom_sbuf_add(b, tail, strlen(tail));
     char head[1024];
     int hl = snprintf(head, sizeof head,
                       "POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s"
@@ -477,7 +454,7 @@ static loom_status_t http_poll(void *self, int timeout_ms, bench_event_t *ev, in
                 continue;
             }
             r->last_s = loom_now_s();
-            hb_add(&r->raw, buf, (size_t)k);
+            loom_sbuf_add(&r->raw, buf, (size_t)k);
             http_parse(t, i);
         }
         free(fds);
@@ -507,7 +484,7 @@ static loom_status_t http_model(void *self, bench_model_t *m, loom_err_t *err) {
     LOOM_CHECK(http_connect(t, &fd, err));
     struct timeval tv = {.tv_sec = (time_t)t->timeout_s};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    hbuf_t b = {0};
+    loom_sbuf_t b = {0};
     loom_status_t st = write_all(fd, head, (size_t)hl, t->hostport, err);
     for (char buf[8192]; st == LOOM_OK;) {
         ssize_t k = recv(fd, buf, sizeof buf, 0);
@@ -515,7 +492,7 @@ static loom_status_t http_model(void *self, bench_model_t *m, loom_err_t *err) {
         if (k < 0) st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "UNAVAILABLE: no answer from %s: %s", t->hostport,
                                      strerror(errno));
         if (k <= 0) break;
-        hb_add(&b, buf, (size_t)k);
+        loom_sbuf_add(&b, buf, (size_t)k);
     }
     close(fd);
     int code = 0;

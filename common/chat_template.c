@@ -9,39 +9,18 @@
 
 #include "common/util.h"
 
-/* ---- a growing string ---- */
-
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-} sbuf_t;
-
-static void sb_add(sbuf_t *b, const char *s, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1) cap *= 2;
-        b->p = loom_xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void sb_str(sbuf_t *b, const char *s) { sb_add(b, s, strlen(s)); }
-
 /* Python's str.strip() / Jinja's trim for the ASCII whitespace it removes. */
 static int is_strip_space(unsigned char c) {
     return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
 }
 
-static void sb_stripped(sbuf_t *b, const char *s, size_t n) {
+static void sb_stripped(loom_sbuf_t *b, const char *s, size_t n) {
     while (n > 0 && is_strip_space((unsigned char)s[0])) {
         s++;
         n--;
     }
     while (n > 0 && is_strip_space((unsigned char)s[n - 1])) n--;
-    sb_add(b, s, n);
+    loom_sbuf_add(b, s, n);
 }
 
 /* ---- families ---- */
@@ -94,13 +73,13 @@ static char *chatml_default_system(const char *t) {
             if (memchr(s, '\'', n) || memchr(s, '"', n) || memchr(s, '{', n) || memchr(s, '}', n) ||
                 memchr(s, '+', n))
                 continue;
-            sbuf_t b = {0};
+            loom_sbuf_t b = {0};
             for (size_t i = 0; i < n; i++) {
                 if (s[i] == '\\' && i + 1 < n && s[i + 1] == 'n') {
-                    sb_add(&b, "\n", 1);
+                    loom_sbuf_add(&b, "\n", 1);
                     i++;
                 } else {
-                    sb_add(&b, &s[i], 1);
+                    loom_sbuf_add(&b, &s[i], 1);
                 }
             }
             return b.p;
@@ -246,7 +225,7 @@ static const char *role_name(role_t r) {
  * then user/assistant alternating from user. Llama 2 wraps the system text
  * in <<SYS>>, strips every turn and starts each user turn with BOS; Mistral
  * prepends the system text to the first user turn and writes BOS once. */
-static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, sbuf_t *b,
+static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, loom_sbuf_t *b,
                                  loom_err_t *err) {
     int llama2 = t->family == LOOM_CHAT_LLAMA2;
     const char *sys = NULL;
@@ -257,7 +236,7 @@ static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_
     }
     if (n - start < 1)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the conversation needs a user message after the system message");
-    if (!llama2) sb_str(b, t->bos);
+    if (!llama2) loom_sbuf_str(b, t->bos);
     for (int i = start; i < n; i++) {
         int j = i - start;
         role_t r = role_of(m[i].role);
@@ -270,67 +249,67 @@ static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_
         const char *c = m[i].content;
         if (r == ROLE_USER) {
             if (llama2) {
-                sbuf_t content = {0};
+                loom_sbuf_t content = {0};
                 if (j == 0 && sys) {
-                    sb_str(&content, "<<SYS>>\n");
-                    sb_str(&content, sys);
-                    sb_str(&content, "\n<</SYS>>\n\n");
+                    loom_sbuf_str(&content, "<<SYS>>\n");
+                    loom_sbuf_str(&content, sys);
+                    loom_sbuf_str(&content, "\n<</SYS>>\n\n");
                 }
-                sb_str(&content, c);
-                sb_str(b, t->bos);
-                sb_str(b, "[INST] ");
+                loom_sbuf_str(&content, c);
+                loom_sbuf_str(b, t->bos);
+                loom_sbuf_str(b, "[INST] ");
                 sb_stripped(b, content.p, content.len);
-                sb_str(b, " [/INST]");
+                loom_sbuf_str(b, " [/INST]");
                 free(content.p);
             } else {
-                sb_str(b, "[INST] ");
+                loom_sbuf_str(b, "[INST] ");
                 if (j == 0 && sys) {
-                    sb_str(b, sys);
-                    sb_str(b, "\n\n");
+                    loom_sbuf_str(b, sys);
+                    loom_sbuf_str(b, "\n\n");
                 }
-                sb_str(b, c);
-                sb_str(b, " [/INST]");
+                loom_sbuf_str(b, c);
+                loom_sbuf_str(b, " [/INST]");
             }
         } else if (llama2) {
-            sb_str(b, " ");
+            loom_sbuf_str(b, " ");
             sb_stripped(b, c, strlen(c));
-            sb_str(b, " ");
-            sb_str(b, t->eos);
+            loom_sbuf_str(b, " ");
+            loom_sbuf_str(b, t->eos);
         } else {
-            sb_str(b, c);
-            sb_str(b, t->eos);
+            loom_sbuf_str(b, c);
+            loom_sbuf_str(b, t->eos);
         }
     }
     return LOOM_OK;
 }
 
-static void render_llama3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, sbuf_t *b) {
+static void render_llama3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b) {
     for (int i = 0; i < n; i++) {
-        if (i == 0) sb_str(b, t->bos);
-        sb_str(b, "<|start_header_id|>");
-        sb_str(b, role_name(role_of(m[i].role)));
-        sb_str(b, "<|end_header_id|>\n\n");
+        if (i == 0) loom_sbuf_str(b, t->bos);
+        loom_sbuf_str(b, "<|start_header_id|>");
+        loom_sbuf_str(b, role_name(role_of(m[i].role)));
+        loom_sbuf_str(b, "<|end_header_id|>\n\n");
         sb_stripped(b, m[i].content, strlen(m[i].content));
-        sb_str(b, "<|eot_id|>");
+        loom_sbuf_str(b, "<|eot_id|>");
     }
-    if (gen) sb_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    if (gen) loom_sbuf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
-static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, sbuf_t *b) {
-    sb_str(b, t->bos);
+static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b) {
+    loom_sbuf_str(b, t->bos);
     if (t->default_system && (n == 0 || role_of(m[0].role) != ROLE_SYSTEM)) {
-        sb_str(b, "<|im_start|>system\n");
-        sb_str(b, t->default_system);
-        sb_str(b, "<|im_end|>\n");
+        loom_sbuf_str(b, "<|im_start|>system\n");
+        loom_sbuf_str(b, t->default_system);
+        loom_sbuf_str(b, "<|im_end|>\n");
     }
     for (int i = 0; i < n; i++) {
-        sb_str(b, "<|im_start|>");
-        sb_str(b, role_name(role_of(m[i].role)));
-        sb_str(b, "\n");
-        sb_str(b, m[i].content);
-        sb_str(b, "<|im_end|>\n");
+        loom_sbuf_str(b, "<|im_start|>");
+        loom_sbuf_str(b, role_name(role_of(m[i].role)));
+        loom_sbuf_str(b, "\n");
+        loom_sbuf_str(b, m[i].content);
+        loom_sbuf_str(b, "<|im_end|>\n");
     }
-    if (gen) sb_str(b, "<|im_start|>assistant\n");
+    if (gen) loom_sbuf_str(b, "<|im_start|>assistant\n");
 }
 
 loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
@@ -347,8 +326,8 @@ loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_ms
         if (!msgs[i].content)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "messages[%d] has no content", i);
     }
-    sbuf_t b = {0};
-    sb_add(&b, "", 0);
+    loom_sbuf_t b = {0};
+    loom_sbuf_add(&b, "", 0);
     switch (t->family) {
     case LOOM_CHAT_LLAMA2:
     case LOOM_CHAT_MISTRAL: {

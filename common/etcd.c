@@ -110,24 +110,6 @@ size_t loom_etcd_prefix_end(const char *prefix, size_t n, char *end) {
 
 /* ------------------------------------------------------------ JSON helpers */
 
-typedef struct buf {
-    char *p;
-    size_t len, cap;
-} buf_t;
-
-static void buf_append(buf_t *b, const void *data, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        b->p = loom_xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, data, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
 /* Adds name: base64(data) to obj. */
 static void json_add_b64(cJSON *obj, const char *name, const void *data, size_t n) {
     char *s = loom_xmalloc(4 * ((n + 2) / 3) + 1);
@@ -283,7 +265,7 @@ struct loom_etcd {
     int timeout_ms;
     CURL *curl;
     struct curl_slist *headers;
-    buf_t resp;
+    loom_sbuf_t resp;
     char errbuf[CURL_ERROR_SIZE];
 };
 
@@ -336,7 +318,7 @@ done:
 }
 
 static size_t collect_cb(char *ptr, size_t size, size_t nmemb, void *userdata) {
-    buf_append(userdata, ptr, size * nmemb);
+    loom_sbuf_add(userdata, ptr, size * nmemb);
     return size * nmemb;
 }
 
@@ -690,7 +672,7 @@ struct loom_etcd_watch {
 
     /* Watch thread only. */
     int64_t next_rev;          /* resume point; 0: from now */
-    buf_t line;                /* bytes of the stream not yet split into lines */
+    loom_sbuf_t line;                /* bytes of the stream not yet split into lines */
     long http;                 /* this connection's HTTP status, once known */
     int created;               /* this connection got "created" */
     int failures;              /* connections broken in a row */
@@ -810,7 +792,7 @@ static size_t watch_write(char *ptr, size_t size, size_t nmemb, void *userdata) 
     size_t n = size * nmemb;
     if (atomic_load(&w->stop)) return 0;
     if (w->http == 0) curl_easy_getinfo(w->curl, CURLINFO_RESPONSE_CODE, &w->http);
-    buf_append(&w->line, ptr, n);
+    loom_sbuf_add(&w->line, ptr, n);
     if (w->http >= 400) return n; /* an error body: read it whole, report at the end */
     size_t start = 0;
     for (;;) {

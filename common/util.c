@@ -2,6 +2,7 @@
 #include "common/util.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -150,4 +151,56 @@ uint16_t loom_f32_to_f16(float f) {
     uint32_t rem = man & 0x1fffu;
     if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) half++;
     return (uint16_t)half;
+}
+
+void loom_sbuf_add(loom_sbuf_t *b, const void *data, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1) cap *= 2;
+        b->p = loom_xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->len, data, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+void loom_sbuf_str(loom_sbuf_t *b, const char *s) {
+    loom_sbuf_add(b, s, strlen(s));
+}
+
+void loom_sbuf_printf(loom_sbuf_t *b, const char *fmt, ...) {
+    for (;;) {
+        size_t room = b->cap > b->len ? b->cap - b->len : 0;
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(room ? b->p + b->len : NULL, room, fmt, ap);
+        va_end(ap);
+        if (n < 0) return;
+        if ((size_t)n < room) {
+            b->len += (size_t)n;
+            return;
+        }
+        loom_sbuf_add(b, "", 0); /* make sure the buffer exists */
+        size_t cap = b->cap;
+        while (cap < b->len + (size_t)n + 1) cap *= 2;
+        b->p = loom_xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+}
+
+void loom_sbuf_consume(loom_sbuf_t *b, size_t n) {
+    if (n >= b->len) {
+        b->len = 0;
+    } else {
+        memmove(b->p, b->p + n, b->len - n);
+        b->len -= n;
+    }
+    if (b->p) b->p[b->len] = '\0';
+}
+
+void loom_sbuf_free(loom_sbuf_t *b) {
+    free(b->p);
+    b->p = NULL;
+    b->len = b->cap = 0;
 }

@@ -34,6 +34,17 @@ float loom_f16_to_f32(uint16_t h);
 uint16_t loom_f32_to_bf16(float f); /* round to nearest even */
 uint16_t loom_f32_to_f16(float f);
 
+/* A growing byte string, always NUL-terminated ({0} is an empty one). */
+typedef struct loom_sbuf {
+    char *p;
+    size_t len, cap;
+} loom_sbuf_t;
+void loom_sbuf_add(loom_sbuf_t *b, const void *data, size_t n);
+void loom_sbuf_str(loom_sbuf_t *b, const char *s);
+void loom_sbuf_printf(loom_sbuf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void loom_sbuf_consume(loom_sbuf_t *b, size_t n); /* drops the first n bytes */
+void loom_sbuf_free(loom_sbuf_t *b);
+
 #define LOOM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define LOOM_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define LOOM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))

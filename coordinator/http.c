@@ -88,11 +88,6 @@ typedef struct conn {
 
 typedef enum { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_COMPLETIONS, R_CHAT } route_t;
 
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-} sbuf_t;
-
 /* One per HTTP request (MHD's con_cls). */
 typedef struct req {
     loom_http_t *h;
@@ -105,7 +100,7 @@ typedef struct req {
     const char *allow;    /* Allow header of a 405 */
     int www_auth;         /* WWW-Authenticate header of a 401 */
     /* the body */
-    sbuf_t body;
+    loom_sbuf_t body;
     int too_big;
     size_t discarded;
     /* the generation */
@@ -113,28 +108,15 @@ typedef struct req {
     uint64_t gen_id, last_peek_ns;
     char id[64], model[256];
     long long created;
-    sbuf_t out; /* SSE bytes not yet handed to MHD */
-    sbuf_t prefix; /* "data: {...,"choices":[{"index":0," of every chunk of this stream */
+    loom_sbuf_t out; /* SSE bytes not yet handed to MHD */
+    loom_sbuf_t prefix; /* "data: {...,"choices":[{"index":0," of every chunk of this stream */
     size_t out_off;
-    sbuf_t text; /* the completion, when not streaming */
+    loom_sbuf_t text; /* the completion, when not streaming */
     char fail_msg[600];
 } req_t;
 
 /* ---- small helpers ---- */
 
-static void sb_add(sbuf_t *b, const void *s, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 512;
-        while (cap < b->len + n + 1) cap *= 2;
-        b->p = loom_xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void sb_str(sbuf_t *b, const char *s) { sb_add(b, s, strlen(s)); }
 
 /* Text from a chunk without NUL bytes (which JSON strings here cannot hold). */
 static char *text_dup(const char *s, size_t n) {
@@ -592,8 +574,8 @@ static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_
         } else if (cJSON_IsString(c)) {
             m[i].content = c->valuestring;
         } else if (cJSON_IsArray(c)) {
-            sbuf_t s = {0};
-            sb_add(&s, "", 0);
+            loom_sbuf_t s = {0};
+            loom_sbuf_add(&s, "", 0);
             const cJSON *part;
             int k = 0;
             cJSON_ArrayForEach(part, c) {
@@ -605,8 +587,8 @@ static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_
                         i, k);
                     goto done;
                 }
-                if (k++) sb_str(&s, "\n");
-                sb_str(&s, text->valuestring);
+                if (k++) loom_sbuf_str(&s, "\n");
+                loom_sbuf_str(&s, text->valuestring);
             }
             g->parts[g->n_parts++] = s.p;
             m[i].content = s.p;
@@ -670,20 +652,20 @@ static cJSON *head_obj(const req_t *q, const char *object) {
 static void sse_event(req_t *q, cJSON *o) {
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
-    sb_str(&q->out, "data: ");
-    if (s) sb_str(&q->out, s);
-    sb_str(&q->out, "\n\n");
+    loom_sbuf_str(&q->out, "data: ");
+    if (s) loom_sbuf_str(&q->out, s);
+    loom_sbuf_str(&q->out, "\n\n");
     free(s);
 }
 
 /* Appends s as a JSON string literal (NUL bytes dropped). */
-static void sb_json_str(sbuf_t *b, const char *s, size_t n) {
-    sb_add(b, "\"", 1);
+static void sb_json_str(loom_sbuf_t *b, const char *s, size_t n) {
+    loom_sbuf_add(b, "\"", 1);
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
         if (c >= 0x20 && c != '"' && c != '\\') continue;
-        sb_add(b, s + run, i - run);
+        loom_sbuf_add(b, s + run, i - run);
         run = i + 1;
         char esc[8];
         if (c == '"' || c == '\\') snprintf(esc, sizeof esc, "\\%c", c);
@@ -692,10 +674,10 @@ static void sb_json_str(sbuf_t *b, const char *s, size_t n) {
         else if (c == '\r') snprintf(esc, sizeof esc, "\\r");
         else if (c) snprintf(esc, sizeof esc, "\\u%04x", c);
         else esc[0] = '\0';
-        sb_str(b, esc);
+        loom_sbuf_str(b, esc);
     }
-    sb_add(b, s + run, n - run);
-    sb_add(b, "\"", 1);
+    loom_sbuf_add(b, s + run, n - run);
+    loom_sbuf_add(b, "\"", 1);
 }
 
 /* One streamed chunk: text (or a chat delta), with finish_reason in the
@@ -707,34 +689,34 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
         char *head = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
         if (!head) return;
-        sb_str(&q->prefix, "data: ");
-        sb_add(&q->prefix, head, strlen(head) - 1); /* without the closing brace */
-        sb_str(&q->prefix, ",\"choices\":[{\"index\":0,");
+        loom_sbuf_str(&q->prefix, "data: ");
+        loom_sbuf_add(&q->prefix, head, strlen(head) - 1); /* without the closing brace */
+        loom_sbuf_str(&q->prefix, ",\"choices\":[{\"index\":0,");
         free(head);
     }
-    sbuf_t *b = &q->out;
-    sb_add(b, q->prefix.p, q->prefix.len);
+    loom_sbuf_t *b = &q->out;
+    loom_sbuf_add(b, q->prefix.p, q->prefix.len);
     if (q->chat) {
-        sb_str(b, "\"delta\":{");
-        if (role) sb_str(b, text ? "\"role\":\"assistant\"," : "\"role\":\"assistant\"");
+        loom_sbuf_str(b, "\"delta\":{");
+        if (role) loom_sbuf_str(b, text ? "\"role\":\"assistant\"," : "\"role\":\"assistant\"");
         if (text) {
-            sb_str(b, "\"content\":");
+            loom_sbuf_str(b, "\"content\":");
             sb_json_str(b, text, len);
         }
-        sb_str(b, "}");
+        loom_sbuf_str(b, "}");
     } else {
-        sb_str(b, "\"text\":");
+        loom_sbuf_str(b, "\"text\":");
         sb_json_str(b, text ? text : "", text ? len : 0);
     }
-    sb_str(b, ",\"logprobs\":null,\"finish_reason\":");
+    loom_sbuf_str(b, ",\"logprobs\":null,\"finish_reason\":");
     if (finish) {
-        sb_str(b, "\"");
-        sb_str(b, finish);
-        sb_str(b, "\"}]");
+        loom_sbuf_str(b, "\"");
+        loom_sbuf_str(b, finish);
+        loom_sbuf_str(b, "\"}]");
     } else {
-        sb_str(b, "null}]");
+        loom_sbuf_str(b, "null}]");
     }
-    sb_str(b, q->include_usage ? ",\"usage\":null}\n\n" : "}\n\n");
+    loom_sbuf_str(b, q->include_usage ? ",\"usage\":null}\n\n" : "}\n\n");
 }
 
 /* Turns one coordinator chunk into SSE events in q->out. */
@@ -759,7 +741,7 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
         cJSON_AddItemToObject(o, "usage", usage_obj(ch));
         sse_event(q, o);
     }
-    sb_str(&q->out, "data: [DONE]\n\n");
+    loom_sbuf_str(&q->out, "data: [DONE]\n\n");
 }
 
 static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
@@ -893,7 +875,7 @@ static enum MHD_Result handle_generate(req_t *q) {
         return res;
     }
     for (;;) {
-        sb_add(&q->text, ch.text, ch.text_len);
+        loom_sbuf_add(&q->text, ch.text, ch.text_len);
         if (ch.final) break;
         if (!next_chunk(q, &ch)) {
             abandon(q);
@@ -1085,14 +1067,14 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
             q->too_big = 1;
             q->discarded = q->body.len;
             free(q->body.p);
-            q->body = (sbuf_t){0};
+            q->body = (loom_sbuf_t){0};
         }
         if (q->too_big) {
             q->discarded += n;
             /* reading a huge body only to refuse it is bounded too */
             return q->discarded > 4 * h->max_body + ((size_t)1 << 20) ? MHD_NO : MHD_YES;
         }
-        sb_add(&q->body, upload, n);
+        loom_sbuf_add(&q->body, upload, n);
         return MHD_YES;
     }
     return dispatch(q);

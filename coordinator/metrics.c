@@ -2,7 +2,6 @@
 #include "coordinator/metrics.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,57 +121,35 @@ void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double 
     pthread_mutex_unlock(&m->mu);
 }
 
-typedef struct out {
-    char *buf;
-    size_t len, cap;
-} out_t;
-
-static void put(out_t *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(out_t *o, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(o->buf + o->len, o->cap - o->len, fmt, ap);
-        va_end(ap);
-        if (n >= 0 && (size_t)n < o->cap - o->len) {
-            o->len += (size_t)n;
-            return;
-        }
-        o->cap = o->cap * 2 + (size_t)(n > 0 ? n : 0);
-        o->buf = loom_xrealloc(o->buf, o->cap);
-    }
+static void family(loom_sbuf_t *o, const char *name, const char *type, const char *help) {
+    loom_sbuf_printf(o, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void family(out_t *o, const char *name, const char *type, const char *help) {
-    put(o, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
-}
-
-static void render_hist(out_t *o, const loom_metrics_t *m, const hist_t *h) {
+static void render_hist(loom_sbuf_t *o, const loom_metrics_t *m, const hist_t *h) {
     family(o, h->name, "histogram", h->help);
     uint64_t cum = 0;
     for (int i = 0; i < h->n; i++) {
         cum += h->counts[i];
-        put(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", h->name, m->model, h->bounds[i], (unsigned long long)cum);
+        loom_sbuf_printf(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", h->name, m->model, h->bounds[i], (unsigned long long)cum);
     }
     cum += h->counts[h->n];
-    put(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", h->name, m->model, (unsigned long long)cum);
-    put(o, "%s_sum{model_name=\"%s\"} %.9g\n", h->name, m->model, h->sum);
-    put(o, "%s_count{model_name=\"%s\"} %llu\n", h->name, m->model, (unsigned long long)h->count);
+    loom_sbuf_printf(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", h->name, m->model, (unsigned long long)cum);
+    loom_sbuf_printf(o, "%s_sum{model_name=\"%s\"} %.9g\n", h->name, m->model, h->sum);
+    loom_sbuf_printf(o, "%s_count{model_name=\"%s\"} %llu\n", h->name, m->model, (unsigned long long)h->count);
 }
 
-static void gauge(out_t *o, const loom_metrics_t *m, const char *name, const char *help, double v) {
+static void gauge(loom_sbuf_t *o, const loom_metrics_t *m, const char *name, const char *help, double v) {
     family(o, name, "gauge", help);
-    put(o, "%s{model_name=\"%s\"} %.9g\n", name, m->model, v);
+    loom_sbuf_printf(o, "%s{model_name=\"%s\"} %.9g\n", name, m->model, v);
 }
 
-static void counter(out_t *o, const loom_metrics_t *m, const char *name, const char *help, uint64_t v) {
+static void counter(loom_sbuf_t *o, const loom_metrics_t *m, const char *name, const char *help, uint64_t v) {
     family(o, name, "counter", help);
-    put(o, "%s{model_name=\"%s\"} %llu\n", name, m->model, (unsigned long long)v);
+    loom_sbuf_printf(o, "%s{model_name=\"%s\"} %llu\n", name, m->model, (unsigned long long)v);
 }
 
 char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
-    out_t o = {.cap = 8192};
-    o.buf = loom_xmalloc(o.cap);
+    loom_sbuf_t o = {0};
     pthread_mutex_lock(&m->mu);
     const loom_metrics_state_t *st = &m->st;
     for (int i = 0; i < H_COUNT; i++) render_hist(&o, m, &m->h[i]);
@@ -182,9 +159,9 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
           st->kv_blocks_total ? (double)st->kv_blocks_used / st->kv_blocks_total : 0.0);
     family(&o, "loom_kv_cache_blocks", "gauge", "KV cache blocks by state (used, cached = free but holding a prefix, free).");
     int free_blocks = st->kv_blocks_total - st->kv_blocks_used;
-    put(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"used\"} %d\n", m->model, st->kv_blocks_used);
-    put(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"cached\"} %d\n", m->model, st->kv_blocks_cached);
-    put(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"free\"} %d\n", m->model, free_blocks - st->kv_blocks_cached);
+    loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"used\"} %d\n", m->model, st->kv_blocks_used);
+    loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"cached\"} %d\n", m->model, st->kv_blocks_cached);
+    loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"free\"} %d\n", m->model, free_blocks - st->kv_blocks_cached);
     gauge(&o, m, "loom_grid_ready", "1 when every worker of the grid is serving.", st->grid_ready);
     counter(&o, m, "loom_prompt_tokens_total", "Prompt tokens admitted.", st->prompt_tokens);
     counter(&o, m, "loom_generation_tokens_total", "Tokens generated.", st->generation_tokens);
@@ -195,19 +172,19 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     static const char *reasons[] = {"stop", "length", "cancelled", "error"};
     family(&o, "loom_request_success_total", "counter", "Finished requests by finish reason.");
     for (int i = 0; i < LOOM_FINISHED_COUNT; i++)
-        put(&o, "loom_request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n", m->model, reasons[i],
+        loom_sbuf_printf(&o, "loom_request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n", m->model, reasons[i],
             (unsigned long long)m->finished[i]);
     family(&o, "loom_stage_step_seconds", "gauge", "Mean compute time per step of each pipeline stage.");
     for (int s = 0; s < m->n_stages; s++)
-        put(&o, "loom_stage_step_seconds{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s,
+        loom_sbuf_printf(&o, "loom_stage_step_seconds{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s,
             m->stages[s].steps ? m->stages[s].busy_s / (double)m->stages[s].steps : 0.0);
     family(&o, "loom_stage_busy_seconds_total", "counter", "Seconds each pipeline stage spent executing steps (summed over its workers).");
     for (int s = 0; s < m->n_stages; s++)
-        put(&o, "loom_stage_busy_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].busy_s);
+        loom_sbuf_printf(&o, "loom_stage_busy_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].busy_s);
     family(&o, "loom_stage_comm_seconds_total", "counter", "Seconds each pipeline stage spent in the data plane (summed over its workers).");
     for (int s = 0; s < m->n_stages; s++)
-        put(&o, "loom_stage_comm_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].comm_s);
+        loom_sbuf_printf(&o, "loom_stage_comm_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].comm_s);
     pthread_mutex_unlock(&m->mu);
     *len = o.len;
-    return o.buf;
+    return o.p;
 }
