@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: installs the dependencies, builds (Release, warnings
 # as errors, CUDA code compiled and linked when nvcc is present), runs every
-# ctest test, then the unit tests again under AddressSanitizer + UBSan.
+# test under AddressSanitizer + UBSan (a Debug build: unit, reference and the
+# integration tests with sanitized coordinator and workers), then every test
+# of the Release build, ending with ctest's summary.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -9,11 +11,11 @@ jobs=$(nproc)
 "$root/scripts/setup-debian.sh"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON
 cmake --build build -j "$jobs"
-echo "== sanitizer build (address, undefined): unit tests" >&2
+echo "== sanitizer build (address, undefined): every test" >&2
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOOM_CUDA=OFF -DLOOM_WERROR=ON \
       -DLOOM_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "$jobs"
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest -L unit --no-tests=error --output-on-failure -j "$jobs")
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --no-tests=error --output-on-failure -j "$jobs")
 echo "== all tests" >&2
 cd build
 ctest --no-tests=error --output-on-failure -j "$jobs"

@@ -522,7 +522,15 @@ def test_health_before_ready_and_no_template():
         slow.close()
         # the connection limit: the 9th connection is refused; all is well once they close
         held = [socket.create_connection(("127.0.0.1", co.http), timeout=5) for _ in range(8)]
-        time.sleep(0.2)
+        for h in held:  # one answered keep-alive request each: the server has surely accepted them all
+            h.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while b"\r\n\r\n" not in got:
+                chunk = h.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            check(got.startswith(b"HTTP/1.1 "), "a held connection was not served: %r" % got[:80])
         try:
             status = request(co.http, "GET", "/health", timeout=5)[0]
         except (OSError, http.client.HTTPException):
