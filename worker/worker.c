@@ -453,9 +453,9 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
         if ((s = loom_comm_gather(w->comm, w->gather_send, bytes, rank0 ? w->gather_recv : NULL, &err)) < 0)
             goto report;
         if (rank0) {
-            loom_sample_part_t merged[16];
-            LOOM_ASSERT(tp <= 16);
-            const uint8_t *base[16];
+            loom_sample_part_t merged[LOOM_SAMPLE_MAX_PARTS]; /* the coordinator caps --tp at this */
+            LOOM_ASSERT(tp <= LOOM_SAMPLE_MAX_PARTS);
+            const uint8_t *base[LOOM_SAMPLE_MAX_PARTS];
             for (int q = 0; q < tp; q++) base[q] = w->gather_recv + (size_t)q * bytes;
             for (int r = 0; r < rows; r++) {
                 for (int q = 0; q < tp; q++) base[q] = unpack_part(base[q], kk[r], &merged[q]);
