@@ -295,9 +295,12 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for activations (%zu tokens)", T);
         goto fail;
     }
-    LOOM_INFO("shard loaded: %.1f MB of weights in %.2f s (%.1f MB read from the checkpoint)",
+    uint64_t total = 0;
+    for (int i = 0; i < loom_st_count(st); i++) total += loom_st_at(st, i)->nbytes;
+    LOOM_INFO("shard loaded: %.1f MB of weights in %.2f s; read %llu of the checkpoint's %llu bytes (%.1f%%)",
               (double)m->weight_bytes / 1e6, (double)(loom_now_ns() - t0) * 1e-9,
-              (double)loom_st_bytes_read(st) / 1e6);
+              (unsigned long long)loom_st_bytes_read(st), (unsigned long long)total,
+              total ? 100.0 * (double)loom_st_bytes_read(st) / (double)total : 0.0);
     *out = m;
     return LOOM_OK;
 

@@ -8,6 +8,7 @@ within 1e-5 relative error.
 """
 import glob
 import os
+import re
 import struct
 import sys
 
@@ -51,6 +52,25 @@ def merged_logits(run_dir):
     return steps
 
 
+def check_shard_reads(c, tp, pp):
+    """Each worker read only its shard: about 1/(tp*pp) of the layer weights
+    plus the embedding (first stage) or LM head (last stage) slices."""
+    fractions = []
+    for i in range(tp * pp):
+        m = re.search(r"read (\d+) of the checkpoint's (\d+) bytes", c.log("worker-%d" % i))
+        check(m, "worker-%d did not log its reads" % i)
+        read, total = int(m.group(1)), int(m.group(2))
+        fractions.append(read / total)
+    if tp * pp == 1:  # everything, the tied embedding twice (as the embedding and as the LM head)
+        check(fractions[0] >= 1.0, "1x1 read %.3f of the checkpoint" % fractions[0])
+    else:
+        # layers split tp*pp ways; the embedding / head rows are split tp ways (or read once per stage)
+        bound = 1.0 / (tp * pp) + 0.35
+        check(max(fractions) <= bound, "%dx%d: a worker read %.2f of the checkpoint (bound %.2f)"
+              % (tp, pp, max(fractions), bound))
+        print("  %dx%d: each worker read %s of the checkpoint" % (tp, pp, ", ".join("%.2f" % f for f in fractions)))
+
+
 def check_model(model):
     expect = {p: run_local(model, p, N_TOKENS, extra=["--ignore-eos"]) for p in PROMPTS}
     for text, ids in expect.values():
@@ -68,6 +88,7 @@ def check_model(model):
                 check(text.rstrip("\n") == expect[p][0].rstrip("\n"), "%dx%d: text differs" % (tp, pp))
             c.stop()  # flush the dumps
             steps = merged_logits(c.run_dir)
+            check_shard_reads(c, tp, pp)
         if ref is None:
             ref = steps
             continue
