@@ -14,4 +14,7 @@ cmake --build build -j "$(nproc)"
 run_dir=$(mktemp -d)
 trap 'deploy/local/launch.sh --stop --run-dir "$run_dir"' EXIT
 addr=$(deploy/local/launch.sh --model "$model" --tp 2 --pp 1 --run-dir "$run_dir")
-build/bin/loom generate --addr "$addr" --prompt "Once upon a time" --temperature 0 --max-tokens 100
+prompt="Once upon a time"
+echo "prompt: $prompt" >&2
+echo "completion (greedy, streamed from the cluster at $addr):" >&2
+build/bin/loom generate --addr "$addr" --prompt "$prompt" --temperature 0 --max-tokens 100
