@@ -11,32 +11,11 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "common/json.h"
 #include "common/util.h"
 
 static const char *const k_model_types[] = {"llama", "mistral", "qwen2"};
 
-/* Parses `len` bytes that need not be NUL-terminated; anything but
- * whitespace after the value is refused. */
-static cJSON *parse_json(const char *text, size_t len, size_t *bad_at) {
-    char *buf = loom_xmalloc(len + 1);
-    memcpy(buf, text, len);
-    buf[len] = '\0';
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(buf, &end, 0);
-    size_t at = end && end >= buf ? (size_t)(end - buf) : 0;
-    if (root) {
-        while (at < len &&
-               (buf[at] == ' ' || buf[at] == '\t' || buf[at] == '\n' || buf[at] == '\r'))
-            at++;
-        if (at < len) {
-            cJSON_Delete(root);
-            root = NULL;
-        }
-    }
-    *bad_at = at;
-    free(buf);
-    return root;
-}
 
 /* An absent key and an explicit null both mean "use the default". */
 static const cJSON *field(const cJSON *obj, const char *key) {
@@ -267,7 +246,7 @@ loom_status_t loom_model_config_parse(const char *json, size_t len, const char *
     cfg->bos_id = -1;
     if (!path) path = "config.json";
     size_t bad_at;
-    cJSON *root = parse_json(json ? json : "", json ? len : 0, &bad_at);
+    cJSON *root = loom_json_parse_strict(json ? json : "", json ? len : 0, &bad_at);
     if (!root)
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: not valid JSON (at byte %zu)", path, bad_at);
     loom_status_t s = LOOM_OK;
@@ -292,7 +271,7 @@ static loom_status_t merge_generation_config(const char *dir, loom_model_config_
     size_t len;
     LOOM_CHECK(loom_read_file(path, &text, &len, err));
     size_t bad_at;
-    cJSON *root = parse_json(text, len, &bad_at);
+    cJSON *root = loom_json_parse_strict(text, len, &bad_at);
     free(text);
     if (!root)
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: not valid JSON (at byte %zu)", path, bad_at);

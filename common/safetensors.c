@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "common/json.h"
 #include "common/util.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -118,33 +119,6 @@ static int json_u64(const cJSON *v, uint64_t *out) {
     if ((double)u != d) return 0;
     *out = u;
     return 1;
-}
-
-static int is_json_space(char c) {
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
-}
-
-/* Parses `len` bytes that need not be NUL-terminated. The text is copied so
- * cJSON always sees a terminator; anything but whitespace after the value
- * (an embedded NUL included) is refused. */
-static cJSON *parse_json(const char *text, size_t len, size_t *bad_at) {
-    char *buf = loom_xmalloc(len + 1);
-    memcpy(buf, text, len);
-    buf[len] = '\0';
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(buf, &end, 0);
-    size_t at = end && end >= buf ? (size_t)(end - buf) : 0;
-    if (root) {
-        while (at < len && is_json_space(buf[at]))
-            at++;
-        if (at < len) {
-            cJSON_Delete(root);
-            root = NULL;
-        }
-    }
-    *bad_at = at;
-    free(buf);
-    return root;
 }
 
 static void format_shape(char *out, size_t n, int n_dims, const int64_t *shape) {
@@ -307,7 +281,7 @@ static loom_status_t parse_header(loom_st_t *st, st_file_t *f, loom_err_t *err) 
     f->data_size = f->map_size - 8 - (size_t)hlen;
 
     size_t bad_at;
-    cJSON *root = parse_json((const char *)p + 8, (size_t)hlen, &bad_at);
+    cJSON *root = loom_json_parse_strict((const char *)p + 8, (size_t)hlen, &bad_at);
     if (!root)
         return loom_err_set(err, LOOM_ERR_FORMAT,
                             "%s: header is not valid JSON (at byte %zu of %llu)", f->path, bad_at,
@@ -397,7 +371,7 @@ static loom_status_t open_index(const char *dir, const char *index_path, loom_st
     size_t len;
     LOOM_CHECK(loom_read_file(index_path, &text, &len, err));
     size_t bad_at;
-    cJSON *root = parse_json(text, len, &bad_at);
+    cJSON *root = loom_json_parse_strict(text, len, &bad_at);
     free(text);
     if (!root)
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: not valid JSON (at byte %zu)", index_path,
