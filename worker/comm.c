@@ -22,6 +22,14 @@ loom_status_t loom_comm_create(const loom_comm_config_t *cfg, loom_comm_t **out,
     return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "comm backend '%s' is not available in this build", b);
 }
 
+void loom_comm_base_init(loom_comm_t *base, const loom_comm_ops_t *ops, const loom_comm_config_t *cfg) {
+    base->ops = ops;
+    base->tp_rank = cfg->tp_rank;
+    base->tp_size = cfg->tp_size;
+    base->max_bytes = cfg->max_bytes;
+    base->seconds = 0.0;
+}
+
 loom_status_t loom_comm_make_id(const char *backend, uint8_t id[LOOM_COMM_ID_BYTES], size_t *len,
                                 loom_err_t *err) {
     *len = 0;

@@ -23,6 +23,9 @@ struct loom_comm {
     double seconds; /* accumulated by the dispatch wrappers */
 };
 
+/* Fills the header every backend struct begins with. */
+void loom_comm_base_init(loom_comm_t *base, const loom_comm_ops_t *ops, const loom_comm_config_t *cfg);
+
 loom_status_t loom_comm_shm_create(const loom_comm_config_t *cfg, loom_comm_t **out, loom_err_t *err);
 loom_status_t loom_comm_tcp_create(const loom_comm_config_t *cfg, loom_comm_t **out, loom_err_t *err);
 #ifdef LOOM_HAVE_NCCL

@@ -332,10 +332,7 @@ loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t *
     if ((cfg->prev && !cfg->nccl_prev_id) || (cfg->next && !cfg->nccl_next_id))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: a pipeline link has no id");
     nccl_comm_t *c = loom_xcalloc(1, sizeof *c);
-    c->base.ops = &nccl_ops;
-    c->base.tp_rank = cfg->tp_rank;
-    c->base.tp_size = cfg->tp_size;
-    c->base.max_bytes = cfg->max_bytes;
+    loom_comm_base_init(&c->base, &nccl_ops, cfg);
     atomic_init(&c->aborted, 0);
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 0;
     c->dev = cfg->cuda_device;

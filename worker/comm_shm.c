@@ -575,10 +575,7 @@ loom_status_t loom_comm_shm_create(const loom_comm_config_t *cfg, loom_comm_t **
                             cfg->max_bytes);
 
     loom_comm_shm_t *c = loom_xcalloc(1, sizeof *c);
-    c->base.ops = &shm_ops;
-    c->base.tp_rank = cfg->tp_rank;
-    c->base.tp_size = cfg->tp_size;
-    c->base.max_bytes = cfg->max_bytes;
+    loom_comm_base_init(&c->base, &shm_ops, cfg);
     atomic_init(&c->aborted, 0);
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 0;
     c->spin_ns = loom_comm_spin_ns();
