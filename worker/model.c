@@ -37,8 +37,11 @@ struct loom_model {
     float *inv_freq;       /* (hd / 2) */
     size_t weight_bytes;
 
-    /* KV pool */
+    /* KV pool; with decode buckets one more block, after the n_blocks the
+     * plans address, takes the padding rows' keys and values */
     int n_blocks, block_size;
+    int scratch_block; /* -1 when decode steps are not padded */
+    int last_pad;      /* rows the last forward padded */
     void *kv_mem;
 
     /* activations (device), sized for opt.max_tokens */
@@ -199,6 +202,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->cfg = *cfg;
     m->spec = *spec;
     m->opt = *opt;
+    m->scratch_block = -1;
     if (m->opt.max_tokens < 1) m->opt.max_tokens = 512;
     if (m->opt.max_seqs < 1) m->opt.max_seqs = 1;
     if (m->opt.max_logits < 1) m->opt.max_logits = m->opt.max_seqs;
@@ -354,19 +358,25 @@ size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
            (size_t)m->cfg.head_dim * sizeof(float);
 }
 
+int loom_model_kv_scratch_blocks(const loom_model_t *m) {
+    return m->opt.decode_buckets > 0 || (m->opt.decode_buckets == 0 && loom_backend_has_graphs(m->be));
+}
+
 loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err) {
     if (n_blocks < 1 || block_size < 1)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "KV pool of %d blocks of %d tokens", n_blocks, block_size);
     loom_backend_free(m->be, m->kv_mem);
     m->kv_mem = NULL;
-    size_t bytes = loom_model_kv_block_bytes(m, block_size) * (size_t)n_blocks;
+    int pad = loom_model_kv_scratch_blocks(m);
+    int total = n_blocks + pad;
+    size_t bytes = loom_model_kv_block_bytes(m, block_size) * (size_t)total;
     if (bytes == 0) bytes = 64; /* a stage with no layers */
     m->kv_mem = loom_backend_alloc(m->be, bytes);
     if (!m->kv_mem)
         return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for a KV pool of %d blocks (%.1f MB)",
                             n_blocks, (double)bytes / 1e6);
     loom_backend_memset(m->be, m->kv_mem, 0, bytes);
-    size_t per = (size_t)n_blocks * block_size * m->dims.n_kv_heads * m->cfg.head_dim;
+    size_t per = (size_t)total * block_size * m->dims.n_kv_heads * m->cfg.head_dim;
     float *p = m->kv_mem;
     for (int i = 0; i < m->dims.n_layers; i++) {
         m->layers[i].k_cache = p;
@@ -375,6 +385,7 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     }
     m->n_blocks = n_blocks;
     m->block_size = block_size;
+    m->scratch_block = pad ? n_blocks : -1;
     return LOOM_OK;
 }
 
@@ -458,6 +469,13 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
     return LOOM_OK;
 }
 
+/* The batch-size bucket of a decode step of n sequences: 1, 2, 4, then
+ * multiples of 8 (at most 7 padding rows, under 2x below 8). */
+static int decode_bucket(int n) {
+    if (n <= 4) return n <= 1 ? 1 : n <= 2 ? 2 : 4;
+    return (n + 7) / 8 * 8;
+}
+
 loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, loom_err_t *err) {
     const loom_model_config_t *c = &m->cfg;
     loom_backend_t *be = m->be;
@@ -490,21 +508,35 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
 
     /* Decode steps (one token per sequence) of a shard without TP all-reduces
      * are recorded once per shape as a graph on backends that have them, and
-     * replayed (backend.h). The recorded ops bake in n, nl and the block-table
-     * stride, so those make the key; the stride is padded to a power of two
-     * so that growing sequences keep their graph. Everything else they read
-     * is device data uploaded below, before the replay. */
-    int graph = loom_backend_has_graphs(be) && n == b->n_seqs && n < (1 << 20) &&
+     * replayed (backend.h). The recorded ops bake in the token count, the
+     * logit rows and the block-table stride, so those make the key. To keep
+     * the number of shapes small, a decode step is padded up to its batch
+     * bucket with rows that read and write only the scratch KV block (token
+     * 0 at position 0 of a sequence of their own; their logits are computed
+     * and never sampled), and the stride is padded to a power of two so that
+     * growing sequences keep their graph. Everything else the ops read is
+     * device data uploaded below, before the replay. */
+    int decode = n == b->n_seqs;
+    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce);
+    int N = n; /* tokens after padding */
+    if (m->scratch_block >= 0 && decode && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
+        N = decode_bucket(n);
+        int cap = m->opt.max_tokens;
+        if (nl && m->opt.max_logits < cap) cap = m->opt.max_logits;
+        if (N > cap) N = cap;
+    }
+    int pad = N - n, nlp = nl ? nl + pad : 0, n_seqs = b->n_seqs + (pad ? 1 : 0);
+    m->last_pad = pad;
     int mb = b->max_blocks;
     if (graph) {
         mb = 16;
         while (mb < b->max_blocks) mb *= 2;
     }
-    size_t nbt_packed = (size_t)b->n_seqs * (size_t)mb;
+    size_t nbt_packed = (size_t)n_seqs * (size_t)mb;
 
     /* Pack the step's metadata and upload it once. */
-    size_t need = 4 * (size_t)n + (size_t)nl + nbt_packed;
+    size_t need = 4 * (size_t)N + (size_t)nlp + nbt_packed;
     if (need > m->meta_cap) {
         loom_backend_free(be, m->meta_dev);
         m->meta_cap = need + need / 2;
@@ -513,28 +545,44 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         if (!m->meta_dev) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for step metadata");
     }
     int32_t *h = m->meta_host;
+    int32_t *h_pos = h + N, *h_slots = h + 2 * N, *h_seq = h + 3 * N, *h_rows = h + 4 * N, *h_bt = h_rows + nlp;
     if (m->spec.has_embed) memcpy(h, b->tokens, (size_t)n * 4);
     else memset(h, 0, (size_t)n * 4);
-    memcpy(h + n, b->pos, (size_t)n * 4);
-    memcpy(h + 2 * n, b->slots, (size_t)n * 4);
-    memcpy(h + 3 * n, b->tok_seq, (size_t)n * 4);
-    if (nl) memcpy(h + 4 * n, b->logit_rows, (size_t)nl * 4);
+    memcpy(h_pos, b->pos, (size_t)n * 4);
+    memcpy(h_slots, b->slots, (size_t)n * 4);
+    memcpy(h_seq, b->tok_seq, (size_t)n * 4);
+    if (nl) memcpy(h_rows, b->logit_rows, (size_t)nl * 4);
+    for (int i = n; i < N; i++) {
+        h[i] = 0;
+        h_pos[i] = 0;
+        h_slots[i] = m->scratch_block * m->block_size;
+        h_seq[i] = b->n_seqs;
+        if (nl) h_rows[nl + i - n] = i;
+    }
     if (mb == b->max_blocks) {
-        memcpy(h + 4 * n + nl, b->block_tables, nbt * 4);
+        memcpy(h_bt, b->block_tables, nbt * 4);
     } else {
         for (int q = 0; q < b->n_seqs; q++) {
-            int32_t *row = h + 4 * n + nl + (size_t)q * mb;
+            int32_t *row = h_bt + (size_t)q * mb;
             memcpy(row, b->block_tables + (size_t)q * b->max_blocks, (size_t)b->max_blocks * 4);
             for (int j = b->max_blocks; j < mb; j++) row[j] = -1;
         }
     }
+    if (pad) {
+        int32_t *row = h_bt + (size_t)b->n_seqs * mb;
+        row[0] = m->scratch_block;
+        for (int j = 1; j < mb; j++) row[j] = -1;
+        /* a later stage's padding rows hold whatever the buffer had: make them finite */
+        if (!m->spec.has_embed)
+            loom_backend_memset(be, m->x + (size_t)n * c->dim, 0, (size_t)pad * c->dim * sizeof(float));
+    }
     loom_backend_upload(be, m->meta_dev, h, need * 4);
     const int32_t *d_tok = m->meta_dev;
-    step_ops_t so = {.n = n, .nl = nl, .max_blocks = mb, .max_ctx = max_pos + 1, .d_tok = d_tok,
-                     .d_pos = d_tok + n, .d_slots = d_tok + 2 * n, .d_seq = d_tok + 3 * n,
-                     .d_rows = d_tok + 4 * n, .d_bt = d_tok + 4 * n + nl};
+    step_ops_t so = {.n = N, .nl = nlp, .max_blocks = mb, .max_ctx = max_pos + 1, .d_tok = d_tok,
+                     .d_pos = d_tok + N, .d_slots = d_tok + 2 * N, .d_seq = d_tok + 3 * N,
+                     .d_rows = d_tok + 4 * N, .d_bt = d_tok + 4 * N + nlp};
     if (!graph) return run_ops(m, &so, err);
-    uint64_t key = (uint64_t)n | (uint64_t)nl << 20;
+    uint64_t key = (uint64_t)N | (uint64_t)nlp << 20;
     for (int lg = 0; (1 << lg) < mb; lg++) key += (uint64_t)1 << 40;
     key ^= ((uint64_t)(uintptr_t)m * 0x9e3779b97f4a7c15ull) & ~(((uint64_t)1 << 46) - 1);
     int replay = loom_backend_graph_begin(be, key);
@@ -542,6 +590,8 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     if (loom_backend_graph_end(be, key) && s == LOOM_OK) s = run_ops(m, &so, err); /* recording failed */
     return s;
 }
+
+int loom_model_last_pad(const loom_model_t *m) { return m->last_pad; }
 
 void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t *params,
                              const uint64_t *steps, loom_sample_part_t *parts) {

@@ -46,6 +46,8 @@ typedef struct worker {
     FILE *dump;
     char id[128];
     int threads, coord_timeout_ms;
+    const char *buckets_opt;
+    int decode_buckets; /* loom_model_options_t.decode_buckets */
 
     void *zctx, *ctl, *pipe_r, *pipe_c; /* coordinator DEALER; PAIR ends (reactor, compute) */
     loom_comm_listener_t *listener;
@@ -54,7 +56,7 @@ typedef struct worker {
     pthread_mutex_t comm_mu; /* guards `comm` between the compute thread and aborts */
     loom_comm_t *comm;
     _Atomic uint64_t aborted_epoch; /* plans of this epoch or older fail fast */
-    _Atomic uint64_t busy_ns, comm_ns, steps;
+    _Atomic uint64_t busy_ns, comm_ns, steps, padded_steps;
 
     /* compute thread state */
     loom_model_config_t cfg;
@@ -172,7 +174,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                               .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages};
     loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
                                .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
-                               .allreduce_ctx = w};
+                               .allreduce_ctx = w, .decode_buckets = w->decode_buckets};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     w->max_tokens = (int)a->max_tokens;
     w->max_seqs = (int)a->max_seqs;
@@ -243,6 +245,8 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
     l.kv_block_bytes = loom_model_kv_block_bytes(w->model, bs);
     size_t free_mem = loom_backend_mem_free(w->be);
     l.kv_budget = a->kv_memory > 0 ? a->kv_memory : (uint64_t)((double)free_mem * a->kv_fraction);
+    uint64_t scratch = (uint64_t)loom_model_kv_scratch_blocks(w->model) * l.kv_block_bytes;
+    l.kv_budget = l.kv_budget > scratch ? l.kv_budget - scratch : 0;
     l.load_s = (double)(loom_now_ns() - t0) * 1e-9;
     /* group ids for backends that need one member to make them (nccl) */
     uint8_t tp_id[LOOM_COMM_ID_BYTES], next_id[LOOM_COMM_ID_BYTES];
@@ -427,6 +431,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
                            .max_blocks = (int)p->max_blocks, .n_logits = last ? (int)p->n_logit_rows : 0,
                            .logit_rows = p->logit_rows};
     if ((s = loom_model_forward(w->model, &b, &err)) < 0) goto report;
+    if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;
@@ -728,6 +733,7 @@ int main(int argc, char **argv) {
         {"data-host", LOOM_OPT_STR, &w.data_host, "ADDR", "address the data plane listens on (default 127.0.0.1)", 1, 0, NULL},
         {"coordinator-timeout-ms", LOOM_OPT_INT, &w.coord_timeout_ms, "MS", "exit when the coordinator is silent this long (default 15000)", 100, 1e9, NULL},
         {"trace", LOOM_OPT_STR, &w.trace_path, "FILE", "write per-step spans as a Chrome trace at exit (%i = worker id)", 1, 0, NULL},
+        {"decode-buckets", LOOM_OPT_STR, &w.buckets_opt, "MODE", "pad decode steps to batch-size buckets (1, 2, 4, 8, 16, ...) so recorded graphs cover every batch: auto (where the device records graphs), on, off", 1, 0, NULL},
         {"dump-logits", LOOM_OPT_STR, &w.dump_path, "FILE", "debugging: write every step's logits (this shard's vocabulary slice) to FILE (%i = worker id)", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-worker --coordinator ADDR [options]",
@@ -737,6 +743,15 @@ int main(int argc, char **argv) {
     if (!w.coord_addr && !w.etcd_url) {
         fprintf(stderr, "error: --coordinator ADDR or --etcd URL is required (see --help)\n");
         return 2;
+    }
+    if (w.buckets_opt) {
+        if (!strcmp(w.buckets_opt, "auto")) w.decode_buckets = 0;
+        else if (!strcmp(w.buckets_opt, "on")) w.decode_buckets = 1;
+        else if (!strcmp(w.buckets_opt, "off")) w.decode_buckets = -1;
+        else {
+            fprintf(stderr, "error: --decode-buckets must be auto, on or off, got '%s'\n", w.buckets_opt);
+            return 2;
+        }
     }
     loom_device_kind_t kind;
     int dev_index;
@@ -827,9 +842,9 @@ int main(int argc, char **argv) {
     uint64_t steps = atomic_load(&w.steps);
     double busy = (double)atomic_load(&w.busy_ns) * 1e-9, comm = (double)atomic_load(&w.comm_ns) * 1e-9;
     LOOM_INFO("summary: %llu steps, %.3f s computing, %.3f s of it in the data plane (%.3f ms per step, %.3f ms "
-              "data plane per step)",
+              "data plane per step); %llu decode steps padded to their batch bucket",
               (unsigned long long)steps, busy, comm, steps ? busy * 1e3 / (double)steps : 0.0,
-              steps ? comm * 1e3 / (double)steps : 0.0);
+              steps ? comm * 1e3 / (double)steps : 0.0, (unsigned long long)atomic_load(&w.padded_steps));
     /* drain messages the compute thread left behind */
     Loom__V1__ControlMsg *left;
     while (zmq_recv(w.pipe_c, &left, sizeof left, ZMQ_DONTWAIT) == (int)sizeof left)

@@ -5,6 +5,9 @@
 #   test_nccl_comm  the NCCL data plane between two GPU processes (needs 2 GPUs)
 #   gpu_run_sh      tests/gpu/run.sh: standalone build, the two above, the
 #                   8B-shape benchmark (about 5 minutes on an H200)
+#   gpu_standalone_build  compiles and links run.sh's standalone build (the
+#                   CUDA toolkit alone, sm_90) here, GPU or not, so that a GPU
+#                   machine never meets a build broken since it was last used
 if(LOOM_HAVE_CUDA)
   loom_add_test(test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c
                 LIBS loom_kernels LABELS gpu TIMEOUT 300)
@@ -17,6 +20,11 @@ if(LOOM_HAVE_CUDA)
                   LIBS loom_comm loom_kernels Threads::Threads LABELS gpu TIMEOUT 300)
     set_tests_properties(test_nccl_comm PROPERTIES SKIP_RETURN_CODE 77)
   endif()
+  add_test(NAME gpu_standalone_build COMMAND bash -c
+           "cmake -S '${CMAKE_CURRENT_LIST_DIR}' -B '${CMAKE_BINARY_DIR}/tests/gpu-standalone' \
+            -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release >/dev/null && \
+            cmake --build '${CMAKE_BINARY_DIR}/tests/gpu-standalone' -j 2")
+  set_tests_properties(gpu_standalone_build PROPERTIES TIMEOUT 600 LABELS build)
   add_test(NAME gpu_run_sh COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run.sh ${CMAKE_BINARY_DIR}/tests/gpu-run)
   set_tests_properties(test_cuda_ops test_cuda_e2e test_cuda_e2e_f32 gpu_run_sh PROPERTIES SKIP_RETURN_CODE 77)
   set_tests_properties(test_cuda_e2e_f32 PROPERTIES TIMEOUT 300 LABELS gpu)

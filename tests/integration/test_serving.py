@@ -14,6 +14,7 @@
 """
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -45,11 +46,11 @@ def collect(procs):
     return out
 
 
-def check_concurrent(model, tp, pp, n=32, coord_args=()):
+def check_concurrent(model, tp, pp, n=32, coord_args=(), worker_args=()):
     ps = prompts(n, seed=tp * 10 + pp)
     lengths = [8 + (i * 7) % 40 for i in range(n)]
     alone = {i: run_local(model, ps[i], lengths[i], extra=["--ignore-eos"])[1] for i in range(n)}
-    with Cluster(model, tp, pp, coord_args=list(coord_args)) as c:
+    with Cluster(model, tp, pp, coord_args=list(coord_args), worker_args=list(worker_args)) as c:
         procs = {i: c.generate_async(ps[i], lengths[i], extra=["--ignore-eos"]) for i in range(n)}
         res = collect(procs)
         for i in range(n):
@@ -59,6 +60,8 @@ def check_concurrent(model, tp, pp, n=32, coord_args=()):
                   (os.path.basename(model), tp, pp, i, ids, alone[i]))
         st = c.stats()
         check(st["running"] == 0 and st["kv_blocks_used"] == 0, "blocks left behind: %s" % st)
+        c.stop()  # the workers' summaries are in their logs once they exit
+        st["worker_logs"] = [c.log("worker-%d" % i) for i in range(tp * pp)]
         return st
 
 
@@ -81,6 +84,17 @@ def test_32_concurrent_gqa_1x1():
 
 def test_32_concurrent_gqa_2x2():
     check_concurrent(gqa_model(), 2, 2)
+
+
+def test_decode_buckets_keep_outputs():
+    # Decode steps padded up to their batch bucket (what CUDA graphs replay),
+    # forced on the CPU: 2x2 pads under TP all-reduces and across stages.
+    st = check_concurrent(gqa_model(), 2, 2, n=12, worker_args=["--decode-buckets", "on"])
+    for i, log in enumerate(st["worker_logs"]):
+        m = re.search(r"(\d+) decode steps padded to their batch bucket", log)
+        check(m is not None, "worker-%d left no summary:\n%s" % (i, log[-2000:]))
+        print("  worker-%d: %s decode steps padded" % (i, m.group(1)))
+        check(int(m.group(1)) > 0, "worker-%d padded no decode step" % i)
 
 
 def test_preemption_keeps_outputs():
@@ -189,5 +203,5 @@ def test_seeded_sampling_batch_invariant():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_32_concurrent_stories_1x1, test_32_concurrent_stories_2x2, test_32_concurrent_gqa_1x1,
-               test_32_concurrent_gqa_2x2, test_preemption_keeps_outputs, test_prefix_cache_hit,
+               test_32_concurrent_gqa_2x2, test_decode_buckets_keep_outputs, test_preemption_keeps_outputs, test_prefix_cache_hit,
                test_cancel_frees_blocks, test_queue_full_and_too_long, test_seeded_sampling_batch_invariant])
