@@ -5,7 +5,13 @@
  * (cfg->cuda_stream, the backend's), so it is ordered with the kernels that
  * produce and consume its buffers:
  *   allreduce  ncclAllReduce(sum, float) in place on device memory;
- *   send_next  ncclSend on the link to the next stage, recv_prev ncclRecv;
+ *   send_next  the hidden state is copied (on the compute stream) into a
+ *              staging buffer and sent from there by ncclSend on a second,
+ *              high-priority communication stream: the call returns once
+ *              the copy is done, so this stage computes its next micro-batch
+ *              while the next stage is still busy and has not taken the
+ *              transfer; a later send first waits for the previous one;
+ *   recv_prev  ncclRecv on the compute stream (the layers need it anyway);
  *   gather     host bytes -> device staging -> ncclSend/ncclRecv to rank 0
  *              inside one group -> host;
  *   barrier    an all-reduce of one float.
@@ -59,6 +65,10 @@ typedef struct nccl_comm {
     char why[256];       /* first failure, repeated by later calls */
     int timeout_ms;
     uint8_t *d_send, *d_recv; /* gather staging: max_bytes, and tp_size x max_bytes on rank 0 */
+    cudaStream_t comm_stream; /* sends to the next stage */
+    cudaEvent_t staged;       /* on the compute stream: d_stage holds the state to send */
+    cudaEvent_t sent;         /* on comm_stream: the last send is done, d_stage is free */
+    uint8_t *d_stage;         /* send_next staging (max_bytes) */
     float *d_one;             /* barrier */
 } nccl_comm_t;
 
@@ -187,6 +197,19 @@ static loom_status_t wait_stream(nccl_comm_t *c, const char *what, loom_err_t *e
     }
 }
 
+/* Waits until the work before `ev` (recorded on any stream) has run. */
+static loom_status_t wait_event(nccl_comm_t *c, cudaEvent_t ev, const char *what, loom_err_t *err) {
+    const uint64_t t0 = loom_now_ns(), deadline = loom_comm_deadline(c->timeout_ms);
+    for (;;) {
+        cudaError_t e = cudaEventQuery(ev);
+        if (e == cudaSuccess) return LOOM_OK;
+        if (e != cudaErrorNotReady)
+            return fail(c, err, "CUDA error while waiting for %s: %s", what, cudaGetErrorString(e));
+        LOOM_CHECK(poll_health(c, what, deadline, err));
+        pause_poll(t0);
+    }
+}
+
 /* --- operations --------------------------------------------------------------------- */
 
 static loom_status_t nccl_allreduce(loom_comm_t *base, float *buf, int64_t n, loom_err_t *err) {
@@ -240,10 +263,17 @@ static loom_status_t nccl_send_next(loom_comm_t *base, const void *buf, size_t b
     if (!c->comms[C_NEXT])
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: send_next on the last stage");
     CUDA_CHECK(c, err, cudaSetDevice(c->dev));
-    ncclResult_t r = ncclSend(buf, bytes, ncclUint8, 1, c->comms[C_NEXT], c->stream);
+    /* (loom_comm_send_next checked bytes <= max_bytes) the staging buffer is free once the previous send has gone */
+    LOOM_CHECK(wait_event(c, c->sent, "the previous send to the next stage", err));
+    CUDA_CHECK(c, err, cudaMemcpyAsync(c->d_stage, buf, bytes, cudaMemcpyDeviceToDevice, c->stream));
+    CUDA_CHECK(c, err, cudaEventRecord(c->staged, c->stream));
+    CUDA_CHECK(c, err, cudaStreamWaitEvent(c->comm_stream, c->staged, 0));
+    ncclResult_t r = ncclSend(c->d_stage, bytes, ncclUint8, 1, c->comms[C_NEXT], c->comm_stream);
     NCCL_CHECK(c, err, r);
     if (r == ncclInProgress) LOOM_CHECK(wait_ready(c, C_NEXT, "send", loom_comm_deadline(c->timeout_ms), err));
-    return wait_stream(c, "send to the next stage", err);
+    CUDA_CHECK(c, err, cudaEventRecord(c->sent, c->comm_stream));
+    /* the caller may overwrite buf once the copy has run; the send goes on */
+    return wait_stream(c, "staging the send to the next stage", err);
 }
 
 static loom_status_t nccl_recv_prev(loom_comm_t *base, void *buf, size_t bytes, loom_err_t *err) {
@@ -265,12 +295,19 @@ static void nccl_abort(loom_comm_t *base) {
 static void nccl_destroy(loom_comm_t *base) {
     nccl_comm_t *c = nc(base);
     if (cudaSetDevice(c->dev) != cudaSuccess) (void)cudaGetLastError();
-    if (!c->dead && c->stream) { /* let finished work drain, briefly; a stuck op is aborted below */
+    if (!c->dead) { /* let finished work drain, briefly; a stuck op is aborted below */
         uint64_t deadline = loom_comm_deadline(DESTROY_DRAIN_MS), t0 = loom_now_ns();
-        while (cudaStreamQuery(c->stream) == cudaErrorNotReady && !loom_comm_expired(deadline)) pause_poll(t0);
+        while (((c->stream && cudaStreamQuery(c->stream) == cudaErrorNotReady) ||
+                (c->comm_stream && cudaStreamQuery(c->comm_stream) == cudaErrorNotReady)) &&
+               !loom_comm_expired(deadline))
+            pause_poll(t0);
     }
     /* Abort rather than finalize: it never waits for peers, which may be gone. */
     abort_comms(c);
+    if (c->staged) (void)cudaEventDestroy(c->staged);
+    if (c->sent) (void)cudaEventDestroy(c->sent);
+    if (c->comm_stream) (void)cudaStreamDestroy(c->comm_stream);
+    if (c->d_stage) (void)cudaFree(c->d_stage);
     if (c->d_send) (void)cudaFree(c->d_send);
     if (c->d_recv) (void)cudaFree(c->d_recv);
     if (c->d_one) (void)cudaFree(c->d_one);
@@ -347,6 +384,14 @@ loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t *
     if (e == cudaSuccess && cfg->tp_size > 1) {
         e = cudaMalloc((void **)&c->d_send, mb);
         if (e == cudaSuccess && cfg->tp_rank == 0) e = cudaMalloc((void **)&c->d_recv, mb * (size_t)cfg->tp_size);
+    }
+    if (e == cudaSuccess && cfg->next) {
+        int lo = 0, hi = 0; /* numerically lower is higher priority */
+        e = cudaDeviceGetStreamPriorityRange(&lo, &hi);
+        if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&c->comm_stream, cudaStreamNonBlocking, hi);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->staged, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->sent, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaMalloc((void **)&c->d_stage, mb);
     }
     if (e == cudaSuccess) e = cudaMalloc((void **)&c->d_one, sizeof(float));
     if (e == cudaSuccess) e = cudaMemsetAsync(c->d_one, 0, sizeof(float), c->stream);
