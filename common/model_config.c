@@ -201,6 +201,10 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     LOOM_CHECK(parse_rope_scaling(cfg, root, path, err));
     LOOM_CHECK(get_bool(root, "tie_word_embeddings", 0, &cfg->tie_embeddings, path, err));
     LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2, &cfg->attention_bias, path, err));
+    int mlp_bias = 0;
+    LOOM_CHECK(get_bool(root, "mlp_bias", 0, &mlp_bias, path, err));
+    if (mlp_bias)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: mlp_bias is true; Loom's MLP has no biases", path);
 
     if (cfg->n_heads % cfg->n_kv_heads != 0)
         return loom_err_set(err, LOOM_ERR_FORMAT,

@@ -121,6 +121,14 @@ void loom_op_rmsnorm(loom_backend_t *be, float *y, const float *x, const float *
 void loom_op_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
     if (n > 0) be->ops->add(be, y, a, n);
 }
+void loom_op_add_bias(loom_backend_t *be, float *y, const float *bias, int n, int cols) {
+    if (n <= 0 || cols <= 0) return;
+    if (be->ops->add_bias) {
+        be->ops->add_bias(be, y, bias, n, cols);
+        return;
+    }
+    for (int i = 0; i < n; i++) be->ops->add(be, y + (size_t)i * cols, bias, cols);
+}
 void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
     if (n > 0) be->ops->silu_mul(be, out, gu, n, hidden);
 }

@@ -85,6 +85,9 @@ void loom_op_rmsnorm(loom_backend_t *be, float *y, const float *x, const float *
                      float eps);
 /* y(n) += a(n): the residual add. */
 void loom_op_add(loom_backend_t *be, float *y, const float *a, int64_t n);
+/* y(n, cols) += bias(cols) on every row (projection biases, Qwen2's q/k/v).
+ * Backends without the op get one add per row. */
+void loom_op_add_bias(loom_backend_t *be, float *y, const float *bias, int n, int cols);
 /* out(n, hidden) = silu(gu[:, :hidden]) * gu[:, hidden:], gu is (n, 2*hidden). */
 void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden);
 /* x(n, dim) = table[ids[i]] for a (vocab, dim) float32 table (device). */

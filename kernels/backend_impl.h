@@ -45,6 +45,7 @@ typedef struct loom_backend_ops {
     void (*rope_kv_write)(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
                           float *k_cache, float *v_cache, const int32_t *slots);
+    void (*add_bias)(loom_backend_t *be, float *y, const float *bias, int n, int cols);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;

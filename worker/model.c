@@ -13,6 +13,7 @@
 typedef struct loom_layer {
     float *attn_norm;   /* (dim) */
     loom_weight_t wqkv; /* (qkv_dim, dim): this rank's q heads, then k heads, then v heads */
+    float *bqkv;        /* (qkv_dim) the same rows' biases (Qwen2), or NULL */
     loom_weight_t wo;   /* (dim, n_heads*hd): this rank's input columns */
     float *ffn_norm;    /* (dim) */
     loom_weight_t w13;  /* (2*hidden, dim): gate rows then up rows */
@@ -90,6 +91,14 @@ static loom_status_t read_block(loader_t *L, const char *name, int64_t rows, int
     return loom_st_read_f32(L->st, t, r0, nr, c0, cols > 0 ? nc : rows, dst, err);
 }
 
+/* Reads elements [e0, e0+ne) of a 1-D tensor of n elements into dst. */
+static loom_status_t read_slice(loader_t *L, const char *name, int64_t n, int64_t e0, int64_t ne, float *dst,
+                                loom_err_t *err) {
+    const loom_st_tensor_t *t;
+    LOOM_CHECK(loom_st_get(L->st, name, 1, &n, &t, err));
+    return loom_st_read_f32(L->st, t, 0, 1, e0, ne, dst, err);
+}
+
 static loom_status_t upload_vec(loader_t *L, const char *name, int64_t n, float **out, loom_err_t *err) {
     float *h = staging(L, (size_t)n);
     if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
@@ -135,6 +144,21 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     LOOM_CHECK(read_block(L, LNAME("self_attn.v_proj.weight"), kvrows, dim,
                           (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd, 0, dim, hv, err));
     LOOM_CHECK(upload_weight(L, &ly->wqkv, m->qkv_dim, dim, LNAME("self_attn.qkv"), err));
+    if (c->attention_bias) {
+        /* the biases of the same rows, stacked the same way */
+        h = staging(L, (size_t)m->qkv_dim);
+        if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+        LOOM_CHECK(read_slice(L, LNAME("self_attn.q_proj.bias"), qrows, (int64_t)d->q_head_begin * hd,
+                              (int64_t)d->n_heads * hd, h, err));
+        LOOM_CHECK(read_slice(L, LNAME("self_attn.k_proj.bias"), kvrows, (int64_t)d->kv_head_begin * hd,
+                              (int64_t)d->n_kv_heads * hd, h + (size_t)d->n_heads * hd, err));
+        LOOM_CHECK(read_slice(L, LNAME("self_attn.v_proj.bias"), kvrows, (int64_t)d->kv_head_begin * hd,
+                              (int64_t)d->n_kv_heads * hd, h + (size_t)(d->n_heads + d->n_kv_heads) * hd, err));
+        ly->bqkv = loom_backend_alloc(m->be, (size_t)m->qkv_dim * sizeof(float));
+        if (!ly->bqkv) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for layer %d's biases", gl);
+        loom_backend_upload(m->be, ly->bqkv, h, (size_t)m->qkv_dim * sizeof(float));
+        m->weight_bytes += (size_t)m->qkv_dim * sizeof(float);
+    }
 
     /* o: row-parallel, this rank's input columns */
     int64_t ocols = (int64_t)d->n_heads * hd;
@@ -192,9 +216,6 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
     *out = NULL;
-    if (cfg->attention_bias)
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "models with attention biases (%s) are not supported yet", cfg->model_type);
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
     loom_model_t *m = loom_xcalloc(1, sizeof *m);
@@ -324,6 +345,7 @@ void loom_model_destroy(loom_model_t **m_p) {
         for (int i = 0; i < m->dims.n_layers; i++) {
             loom_layer_t *ly = &m->layers[i];
             loom_backend_free(be, ly->attn_norm);
+            loom_backend_free(be, ly->bqkv);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
             loom_weight_free(be, &ly->wo);
@@ -436,6 +458,7 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_layer_t *ly = &m->layers[l];
         /* attention: xb holds rmsnorm(x) * attn_norm */
         loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
+        if (ly->bqkv) loom_op_add_bias(be, m->qkv, ly->bqkv, n, qd);
         float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
         loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, m->inv_freq, ly->k_cache, ly->v_cache,
                               d_slots);

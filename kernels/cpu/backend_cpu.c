@@ -307,6 +307,17 @@ static void cpu_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
     loom_vec_add(y + full * dim, a + full * dim, n - full * dim);
 }
 
+static void add_bias_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++) loom_vec_add(rc->y + (int64_t)i * rc->dim, rc->x, rc->dim);
+}
+
+static void cpu_add_bias(loom_backend_t *be, float *y, const float *bias, int n, int cols) {
+    struct rows_ctx rc = {.y = y, .x = bias, .n = n, .dim = cols};
+    run_rows(cpu(be), &rc, cols, add_bias_task);
+}
+
 static void silu_task(void *p, int task, int thread) {
     struct rows_ctx *rc = p;
     ROW_RANGE(rc, task, i0, i1);
@@ -470,6 +481,7 @@ static const loom_backend_ops_t cpu_ops = {
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
     .add = cpu_add,
+    .add_bias = cpu_add_bias,
     .silu_mul = cpu_silu_mul,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,

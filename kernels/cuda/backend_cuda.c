@@ -456,6 +456,13 @@ static void cuda_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
     CUDA_ASSERT(loom_cuda_add(y, a, n, c->stream));
 }
 
+static void cuda_add_bias(loom_backend_t *be, float *y, const float *bias, int n, int cols) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_add_bias(y, bias, n, cols, c->stream));
+}
+
 static void cuda_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
     cuda_backend_t *c = cu(be);
     use(c);
@@ -740,6 +747,7 @@ static const loom_backend_ops_t cuda_ops = {
     .sample_shard = cuda_sample_shard,
     .add_rmsnorm = cuda_add_rmsnorm,
     .rope_kv_write = cuda_rope_kv_write,
+    .add_bias = cuda_add_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
 };

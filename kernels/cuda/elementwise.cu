@@ -169,6 +169,11 @@ __global__ void add_kernel(float *y, const float *a, int64_t begin, int64_t n) {
     for (int64_t i = begin + grid_index(); i < n; i += grid_stride()) y[i] += a[i];
 }
 
+/* y(n, cols) += bias(cols) */
+__global__ void add_bias_kernel(float *y, const float *bias, int64_t total, int cols) {
+    for (int64_t i = grid_index(); i < total; i += grid_stride()) y[i] += bias[i % cols];
+}
+
 __device__ __forceinline__ float silu_mul1(float g, float u) {
     return g / (1.0f + expf(-g)) * u;
 }
@@ -324,6 +329,13 @@ extern "C" cudaError_t loom_cuda_add(float *y, const float *a, int64_t n, cudaSt
         if (n4 > 0) add_vec_kernel<<<grid_for(n4, kThreads), kThreads, 0, s>>>((float4 *)y, (const float4 *)a, n4);
     }
     if (n4 * 4 < n) add_kernel<<<grid_for(n - n4 * 4, kThreads), kThreads, 0, s>>>(y, a, n4 * 4, n);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t loom_cuda_add_bias(float *y, const float *bias, int n, int cols, cudaStream_t s) {
+    const int64_t total = (int64_t)n * cols;
+    if (total <= 0) return cudaSuccess;
+    add_bias_kernel<<<grid_for(total, kThreads), kThreads, 0, s>>>(y, bias, total, cols);
     return cudaGetLastError();
 }
 

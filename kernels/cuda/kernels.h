@@ -31,6 +31,7 @@ cudaError_t loom_cuda_rmsnorm(float *y, float *x, const float *a, const float *g
                               int kind16, int n, int dim, float eps, cudaStream_t s);
 /* y(n) += a(n) */
 cudaError_t loom_cuda_add(float *y, const float *a, int64_t n, cudaStream_t s);
+cudaError_t loom_cuda_add_bias(float *y, const float *bias, int n, int cols, cudaStream_t s);
 /* out(n, hidden) = silu(gu[:, :hidden]) * gu[:, hidden:]; optional narrowed copy in out16. */
 cudaError_t loom_cuda_silu_mul(float *out, void *out16, int kind16, const float *gu, int n,
                                int hidden, cudaStream_t s);

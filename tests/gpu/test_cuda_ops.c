@@ -192,6 +192,12 @@ static void test_rmsnorm_add(void) {
         memcpy(xr, x, nd * 4);
         loom_op_add(cpu, xr, a, (int64_t)nd - 1);
         CHECK(close_dev("add", be, dx, xr, nd, 0, 0));
+        /* bias on every row (g as the bias) */
+        loom_backend_upload(be, dx, x, nd * 4);
+        loom_op_add_bias(be, dx, dg, n, dim);
+        memcpy(xr, x, nd * 4);
+        loom_op_add_bias(cpu, xr, g, n, dim);
+        CHECK(close_dev("add_bias", be, dx, xr, nd, 0, 0));
         float *bufs[] = {dx, da, dg, dy};
         for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
         free(x), free(a), free(g), free(ref), free(xr);

@@ -71,12 +71,12 @@ def check_shard_reads(c, tp, pp):
         print("  %dx%d: each worker read %s of the checkpoint" % (tp, pp, ", ".join("%.2f" % f for f in fractions)))
 
 
-def check_model(model):
+def check_model(model, grids=GRIDS):
     expect = {p: run_local(model, p, N_TOKENS, extra=["--ignore-eos"]) for p in PROMPTS}
     for text, ids in expect.values():
         check(ids and len(ids) == N_TOKENS, "loom run gave %r" % (ids,))
     ref = None
-    for tp, pp in GRIDS:
+    for tp, pp in grids:
         c = Cluster(model, tp, pp)
         c.worker_args = ["--dump-logits=%s/dump-%%i.bin" % c.run_dir]
         with c:
@@ -115,6 +115,15 @@ def test_random_gqa_grids():
     check_model(model)
 
 
+def test_qwen2_bias_grids():
+    # Qwen2 layout: q/k/v biases sliced with their heads; tp 4 over 2 KV heads
+    # replicates the KV heads (and their biases).
+    model = gen_model(os.path.join(WORK, "qwen2"), "--qwen2", "--dim", "64", "--hidden-dim", "96", "--layers", "4",
+                      "--heads", "8", "--kv-heads", "2", "--vocab", "512", "--tie", "--rope-theta", "1000000",
+                      "--seed", "13")
+    check_model(model, [(1, 1), (4, 1), (2, 2)])
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_stories260k_grids, test_random_gqa_grids])
+    run_tests([test_stories260k_grids, test_random_gqa_grids, test_qwen2_bias_grids])

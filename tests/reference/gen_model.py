@@ -27,6 +27,7 @@ TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 QK_GAIN = 1.5
 LOGIT_GAIN = 4.0
 NORM_NOISE = 0.05
+BIAS_STD = 0.5  # q/k/v biases (--qwen2)
 
 
 def parse_args(argv):
@@ -41,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--vocab", type=int, required=True)
     p.add_argument("--max-pos", type=int, default=1024)
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--qwen2", action="store_true",
+                   help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
@@ -86,6 +89,11 @@ def tensor_specs(a):
             (pre + "self_attn.q_proj.weight", (a.heads * hd, a.dim), "qk"),
             (pre + "self_attn.k_proj.weight", (a.kv_heads * hd, a.dim), "qk"),
             (pre + "self_attn.v_proj.weight", (a.kv_heads * hd, a.dim), "linear"),
+        ]
+        if a.qwen2:
+            specs += [(pre + "self_attn.%s_proj.bias" % n, (rows * hd,), "bias")
+                      for n, rows in (("q", a.heads), ("k", a.kv_heads), ("v", a.kv_heads))]
+        specs += [
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
             (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
             (pre + "mlp.gate_proj.weight", (a.hidden_dim, a.dim), "linear"),
@@ -102,6 +110,8 @@ def make_tensor(seed, name, shape, kind):
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
+    if kind == "bias":  # large enough to move the attention pattern
+        return x * np.float32(BIAS_STD)
     if kind == "norm":
         x *= np.float32(NORM_NOISE)
         x += np.float32(1.0)
@@ -124,9 +134,9 @@ def make_config(a, st_dtype):
             "original_max_position_embeddings": a.rope_original_max_pos,
             "rope_type": "llama3",
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    c = {
+        "architectures": ["Qwen2ForCausalLM" if a.qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if a.qwen2 else "llama",
         "hidden_size": a.dim,
         "intermediate_size": a.hidden_dim,
         "num_hidden_layers": a.layers,
@@ -149,6 +159,10 @@ def make_config(a, st_dtype):
         "pretraining_tp": 1,
         "use_cache": True,
     }
+    if a.qwen2:  # as Qwen2's config.json: biases implied, sliding window off
+        del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
+        c.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": a.layers})
+    return c
 
 
 def tokenizer_size(tok_path):

@@ -35,12 +35,14 @@ def log(*args):
 def read_config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
-    if c.get("model_type") not in ("llama", None):
+    if c.get("model_type") not in ("llama", "qwen2", None):
         log("warning: model_type %r, treating it as llama" % c.get("model_type"))
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError("unsupported hidden_act %r" % c.get("hidden_act"))
-    if c.get("attention_bias") or c.get("mlp_bias"):
-        raise ValueError("attention/mlp biases are not supported")
+    if c.get("mlp_bias"):
+        raise ValueError("mlp biases are not supported")
+    # Qwen2 has q/k/v biases without saying so in config.json
+    qkv_bias = bool(c.get("attention_bias", c.get("model_type") == "qwen2"))
     dim = c["hidden_size"]
     heads = c["num_attention_heads"]
     cfg = {
@@ -56,6 +58,7 @@ def read_config(model_dir):
         "rope_scaling": c.get("rope_scaling"),
         "tie": bool(c.get("tie_word_embeddings", False)),
         "max_pos": c.get("max_position_embeddings"),
+        "qkv_bias": qkv_bias,
     }
     rs = cfg["rope_scaling"]
     if rs is not None:
@@ -82,6 +85,10 @@ def load_model(model_dir):
         want[p + "self_attn.q_proj.weight"] = (cfg["n_heads"] * hd, cfg["dim"])
         want[p + "self_attn.k_proj.weight"] = (cfg["n_kv_heads"] * hd, cfg["dim"])
         want[p + "self_attn.v_proj.weight"] = (cfg["n_kv_heads"] * hd, cfg["dim"])
+        if cfg["qkv_bias"]:
+            want[p + "self_attn.q_proj.bias"] = (cfg["n_heads"] * hd,)
+            want[p + "self_attn.k_proj.bias"] = (cfg["n_kv_heads"] * hd,)
+            want[p + "self_attn.v_proj.bias"] = (cfg["n_kv_heads"] * hd,)
         want[p + "self_attn.o_proj.weight"] = (cfg["dim"], cfg["n_heads"] * hd)
         want[p + "post_attention_layernorm.weight"] = (cfg["dim"],)
         want[p + "mlp.gate_proj.weight"] = (cfg["hidden_dim"], cfg["dim"])
@@ -147,6 +154,11 @@ def rmsnorm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 
 
+def bias(w, p, n):
+    """The q/k/v projection's bias (Qwen2), or 0."""
+    return w.get(p + "self_attn.%s_proj.bias" % n, 0.0)
+
+
 def forward(model, ids):
     """-> float64 logits (len(ids), vocab) for every position."""
     cfg, w = model["cfg"], model["w"]
@@ -161,9 +173,10 @@ def forward(model, ids):
     for i in range(cfg["n_layers"]):
         p = "model.layers.%d." % i
         h = rmsnorm(x, w[p + "input_layernorm.weight"], cfg["eps"])
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, H, hd).transpose(0, 1)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).view(T, KV, hd).transpose(0, 1)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, KV, hd).transpose(0, 1)
+        q, k, v = (h @ w[p + "self_attn.%s_proj.weight" % n].T + bias(w, p, n) for n in "qkv")
+        q = q.view(T, H, hd).transpose(0, 1)
+        k = k.view(T, KV, hd).transpose(0, 1)
+        v = v.view(T, KV, hd).transpose(0, 1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // KV, dim=0)  # (H, T, hd): head j reads kv head j // (H/KV)
@@ -287,9 +300,9 @@ def alt_forward(model, ids):
         wk = w[p + "self_attn.k_proj.weight"]
         wv = w[p + "self_attn.v_proj.weight"]
         hs = [norm(x[t], w[p + "input_layernorm.weight"]) for t in range(T)]
-        qs = [wq @ h for h in hs]
-        ks = [wk @ h for h in hs]
-        vs = [wv @ h for h in hs]
+        qs = [wq @ h + bias(w, p, "q") for h in hs]
+        ks = [wk @ h + bias(w, p, "k") for h in hs]
+        vs = [wv @ h + bias(w, p, "v") for h in hs]
         attn_out = torch.zeros(T, H * hd, dtype=DT)
         for head in range(H):
             kvh = head // group
@@ -345,9 +358,13 @@ def self_test():
             gen_model.main(["--out", d_tied, "--dim", "24", "--hidden-dim", "40", "--layers", "2",
                             "--heads", "3", "--vocab", "61", "--tie", "--seed", "3",
                             "--rope-theta", "500"])
+            gen_model.main(["--out", os.path.join(tmp, "qwen2"), "--qwen2"] + common)
         m = load_model(d_main)
         ms = load_model(d_shard)
         mt = load_model(d_tied)
+        mq = load_model(os.path.join(tmp, "qwen2"))
+        check(mq["cfg"]["qkv_bias"] and "model.layers.1.self_attn.k_proj.bias" in mq["w"],
+              "qwen2: q/k/v biases implied by model_type and loaded")
 
         # llama3 frequencies: both formulations, and all three bands exercised.
         f_alt, bands = alt_inv_freq(m["cfg"])
@@ -369,13 +386,20 @@ def self_test():
         check(abs(float(qa - qb)) < 1e-12, "RoPE scores depend on relative position only")
 
         ids = [1, 5, 17, 3, 96, 40, 2, 11, 64, 7, 0, 33]
-        for name, model, toks in (("GQA+llama3", m, ids), ("tied MHA", mt, [t % 61 for t in ids])):
+        for name, model, toks in (("GQA+llama3", m, ids), ("tied MHA", mt, [t % 61 for t in ids]),
+                                  ("qwen2 biases", mq, ids)):
             ref = forward(model, toks)
             alt = alt_forward(model, toks)
             err = float((ref - alt).abs().max() / ref.abs().max())
             check(err < 1e-12, "%s batched forward matches per-head loops (rel err %.1e)" % (name, err))
             std = float(ref.std(dim=-1).mean())
             check(0.5 < std < 20, "%s logits are healthy (row std %.2f)" % (name, std))
+
+        # The biases matter: the same weights without them give other logits.
+        nob = {"cfg": dict(mq["cfg"], qkv_bias=False), "inv_freq": mq["inv_freq"],
+               "w": {k: v for k, v in mq["w"].items() if not k.endswith("_proj.bias")}}
+        diff = float((forward(mq, ids) - forward(nob, ids)).abs().max() / forward(mq, ids).abs().max())
+        check(diff > 1e-2, "qwen2 biases change the logits (rel %.2g)" % diff)
 
         # Causality: the prefix's logits do not change when tokens are appended.
         full = forward(m, ids)

@@ -16,5 +16,10 @@ add_test(NAME reference_llama3_rope
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_llama3 random
                  --dim 64 --hidden-dim 96 --layers 2 --heads 4 --kv-heads 2 --head-dim 16 --vocab 512
                  --rope-scaling llama3 --rope-theta 500000 --dtype bf16 --shards 2 --seed 5)
+# Qwen2 layout: q/k/v biases implied by model_type, GQA, tied embeddings, rope_theta 1e6.
+add_test(NAME reference_qwen2_bias
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_qwen2 random
+                 --qwen2 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2 --vocab 512 --tie
+                 --rope-theta 1000000 --seed 13)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     PROPERTIES TIMEOUT 300 LABELS reference)
+                     reference_qwen2_bias PROPERTIES TIMEOUT 300 LABELS reference)

@@ -243,6 +243,7 @@ static void test_errors(void) {
     ERR("model_type", "3", "model_type must be a string");
     expect_err(__LINE__, "model_type", "\"gpt2\"", LOOM_ERR_UNSUPPORTED,
                "config.json: model_type 'gpt2' is not supported");
+    expect_err(__LINE__, "mlp_bias", "true", LOOM_ERR_UNSUPPORTED, "config.json: mlp_bias is true");
     expect_err(__LINE__, "rope_scaling", "{\"type\":\"linear\",\"factor\":2}", LOOM_ERR_UNSUPPORTED,
                "config.json: rope_scaling type 'linear' is not supported");
     expect_err(__LINE__, "rope_scaling", "{\"rope_type\":\"yarn\",\"factor\":4}",
