@@ -338,6 +338,34 @@ static void test_add(void) {
     }
 }
 
+static void test_add_bias(void) {
+    static const int shapes[][2] = {{1, 1}, {1, 13}, {3, 7}, {17, 192}, {64, 33}, {5, 4097}};
+    unsigned long long st = 41;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(shapes); a++) {
+            int n = shapes[a][0], cols = shapes[a][1];
+            size_t sz = (size_t)n * cols;
+            float *y = alloc_f(sz + 1), *b = alloc_f((size_t)cols), *ref = alloc_f(sz);
+            fill(y, sz, &st, 1.0f);
+            fill(b, (size_t)cols, &st, 1.0f);
+            y[sz] = 12345.0f; /* guard */
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < cols; j++) ref[(size_t)i * cols + j] = y[(size_t)i * cols + j] + b[j];
+            loom_op_add_bias(be, y, b, n, cols);
+            char what[64];
+            snprintf(what, sizeof what, "add_bias t%d n%d cols%d", k_threads[t], n, cols);
+            test_allclose(what, y, ref, (long)sz, 0, 0);
+            CHECK(y[sz] == 12345.0f);
+            free(y);
+            free(b);
+            free(ref);
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
 static void test_silu_mul(void) {
     static const int hs[] = {1, 7, 13, 67, 257, 1031};
     static const int ns[] = {1, 5, 40};
@@ -708,6 +736,7 @@ int main(void) {
     RUN(test_matmul);
     RUN(test_rmsnorm);
     RUN(test_add);
+    RUN(test_add_bias);
     RUN(test_silu_mul);
     RUN(test_embed_gather);
     RUN(test_rope);
