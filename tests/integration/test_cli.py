@@ -118,6 +118,10 @@ def test_bad_input():
     check(p.returncode != 0 and "tpu" in p.stderr, "device tpu: %r" % p.stderr)
     p = subprocess.run([LOOM, "run", "--model", STORIES], capture_output=True, text=True, timeout=30)
     check(p.returncode == 2 and "--prompt" in p.stderr, "missing prompt: %r" % p.stderr)
+    p = subprocess.run([os.path.join(BIN, "loom-worker"), "--coordinator", "tcp://127.0.0.1:1",
+                        "--decode-buckets", "maybe"], capture_output=True, text=True, timeout=30)
+    check(p.returncode == 2 and "--decode-buckets must be auto, on or off" in p.stderr,
+          "decode-buckets maybe: %r" % p.stderr)
 
 
 def test_help_everywhere():
