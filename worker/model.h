@@ -48,10 +48,10 @@ const loom_model_config_t *loom_model_config(const loom_model_t *m);
 size_t loom_model_weight_bytes(const loom_model_t *m);
 /* Bytes of KV cache one block takes on this shard (all its layers, K and V). */
 size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size);
-/* Allocates the paged KV pool: n_blocks blocks of block_size tokens. */
 /* Blocks the pool holds beyond the n_blocks plans address (the padding
  * rows' scratch block, see decode_buckets): 0 or 1. */
 int loom_model_kv_scratch_blocks(const loom_model_t *m);
+/* Allocates the paged KV pool: n_blocks blocks of block_size tokens. */
 loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err);
 int loom_model_kv_blocks(const loom_model_t *m);
 /* Copies KV blocks src[i] -> dst[i] in every layer of the shard (copy-on-write). */
@@ -85,9 +85,9 @@ float *loom_model_logits(loom_model_t *m); /* device (max_logits, dims.vocab) */
  * row, with room for loom_sample_k candidates each (see kernels/sampling.h). */
 void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t *params,
                              const uint64_t *steps, loom_sample_part_t *parts);
-/* Downloads the logits of the last forward (n_logits x dims.vocab) to host. */
 /* Rows the last forward added to reach its bucket (0 when not padded). */
 int loom_model_last_pad(const loom_model_t *m);
+/* Downloads the logits of the last forward (n_logits x dims.vocab) to host. */
 void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows);
 
 #endif
