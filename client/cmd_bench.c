@@ -1131,7 +1131,7 @@ int loom_cmd_bench(int argc, char **argv) {
     float prompt_range = 0, output_range = 0, temperature = 0;
     uint64_t seed = 0;
     loom_opt_t opts[] = {
-        {"addr", LOOM_OPT_STR, &addr, "ADDR", "coordinator address, tcp://host:port or host:port (default $LOOM_ADDR)", 1, 0, NULL},
+        LOOM_CMD_OPT_ADDR(addr),
         {"rate", LOOM_OPT_STR, &rate_s, "R", "requests/s with Poisson arrivals, or inf: all at once (default inf)", 1, 0, NULL},
         {"rates", LOOM_OPT_STR, &rates_s, "LIST", "a sweep, e.g. \"1,2,4,8,inf\" (one run per rate)", 1, 0, NULL},
         {"num-requests", LOOM_OPT_INT, &num_requests, "N", "requests per rate (default 100)", 1, 1e6, NULL},
@@ -1148,7 +1148,7 @@ int loom_cmd_bench(int argc, char **argv) {
         {"timeout-s", LOOM_OPT_INT, &timeout_s, "N", "cap on the whole run; unfinished requests fail (default 300)", 1, 1e6, NULL},
         {"api", LOOM_OPT_STR, &api, "zmq|http", "transport: the ZeroMQ API, or the OpenAI-compatible HTTP gateway (default zmq)", 1, 0, NULL},
         {"url", LOOM_OPT_STR, &url, "URL", "with --api http: the gateway, e.g. http://127.0.0.1:8000", 1, 0, NULL},
-        {"api-key", LOOM_OPT_STR, &api_key, "KEY", "API key, when the server requires one", 1, 0, NULL},
+        LOOM_CMD_OPT_API_KEY(api_key),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom bench --addr ADDR [options]",
                            "Load-tests a Loom coordinator like vLLM's benchmark_serving: random token-id prompts\n"

@@ -139,7 +139,7 @@ int loom_cmd_generate(int argc, char **argv) {
     float temperature = 0.8f, top_p = 0.95f;
     uint64_t seed = 0;
     loom_opt_t opts[] = {
-        {"addr", LOOM_OPT_STR, &addr, "ADDR", "coordinator address, tcp://host:port or host:port (default $LOOM_ADDR)", 1, 0, NULL},
+        LOOM_CMD_OPT_ADDR(addr),
         {"prompt", LOOM_OPT_STR, &prompt, "TEXT", "prompt text; the completion (only) is streamed to stdout", 1, 0, NULL},
         {"max-tokens", LOOM_OPT_INT, &max_tokens, "N", "most tokens to generate, 0 = up to the context length (default 128)", 0, 1e9, NULL},
         {"temperature", LOOM_OPT_FLOAT, &temperature, "T", "sampling temperature; 0 = greedy (default 0.8)", 0, 100, NULL},
@@ -152,7 +152,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 30000)", 1, 1e9, NULL},
-        {"api-key", LOOM_OPT_STR, &api_key, "KEY", "API key, when the server requires one", 1, 0, NULL},
+        LOOM_CMD_OPT_API_KEY(api_key),
         {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no summary line on stderr", 1, 0, NULL},
     };
@@ -223,9 +223,9 @@ int loom_cmd_health(int argc, char **argv) {
     const char *addr = NULL, *api_key = NULL;
     int timeout_ms = 5000;
     loom_opt_t opts[] = {
-        {"addr", LOOM_OPT_STR, &addr, "ADDR", "coordinator address, tcp://host:port or host:port (default $LOOM_ADDR)", 1, 0, NULL},
+        LOOM_CMD_OPT_ADDR(addr),
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 5000)", 1, 1e9, NULL},
-        {"api-key", LOOM_OPT_STR, &api_key, "KEY", "API key, when the server requires one", 1, 0, NULL},
+        LOOM_CMD_OPT_API_KEY(api_key),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom health --addr ADDR [options]",
                            "Asks a Loom coordinator whether it is serving, and which models.\n"
@@ -265,9 +265,9 @@ int loom_cmd_stats(int argc, char **argv) {
     const char *addr = NULL, *api_key = NULL;
     int timeout_ms = 5000;
     loom_opt_t opts[] = {
-        {"addr", LOOM_OPT_STR, &addr, "ADDR", "coordinator address, tcp://host:port or host:port (default $LOOM_ADDR)", 1, 0, NULL},
+        LOOM_CMD_OPT_ADDR(addr),
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 5000)", 1, 1e9, NULL},
-        {"api-key", LOOM_OPT_STR, &api_key, "KEY", "API key, when the server requires one", 1, 0, NULL},
+        LOOM_CMD_OPT_API_KEY(api_key),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom stats --addr ADDR [options]",
                            "Prints a Loom coordinator's scheduler and KV-cache counters as JSON, one field a line.");

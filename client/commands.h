@@ -8,4 +8,12 @@ int loom_cmd_health(int argc, char **argv);
 int loom_cmd_stats(int argc, char **argv);
 int loom_cmd_bench(int argc, char **argv);    /* cmd_bench.c: the serving load generator */
 
+/* The options every command that talks to a coordinator has (common/cli.h
+ * loom_opt_t entries). */
+#define LOOM_CMD_OPT_ADDR(var)                                                                     \
+    {"addr", LOOM_OPT_STR, &(var), "ADDR",                                                         \
+     "coordinator address, tcp://host:port or host:port (default $LOOM_ADDR)", 1, 0, NULL}
+#define LOOM_CMD_OPT_API_KEY(var)                                                                  \
+    {"api-key", LOOM_OPT_STR, &(var), "KEY", "API key, when the server requires one", 1, 0, NULL}
+
 #endif
