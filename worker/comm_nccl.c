@@ -184,11 +184,12 @@ static int capturing(nccl_comm_t *c) {
     return cs == cudaStreamCaptureStatusActive;
 }
 
-/* Waits until everything enqueued on the stream has run. */
-static loom_status_t wait_stream(nccl_comm_t *c, const char *what, loom_err_t *err) {
+/* Waits until the work before `ev` (recorded on any stream) has run, or
+ * with ev NULL everything enqueued on the compute stream. */
+static loom_status_t wait_done(nccl_comm_t *c, cudaEvent_t ev, const char *what, loom_err_t *err) {
     const uint64_t t0 = loom_now_ns(), deadline = loom_comm_deadline(c->timeout_ms);
     for (;;) {
-        cudaError_t e = cudaStreamQuery(c->stream);
+        cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(c->stream);
         if (e == cudaSuccess) return LOOM_OK;
         if (e != cudaErrorNotReady)
             return fail(c, err, "CUDA error while waiting for %s: %s", what, cudaGetErrorString(e));
@@ -197,17 +198,8 @@ static loom_status_t wait_stream(nccl_comm_t *c, const char *what, loom_err_t *e
     }
 }
 
-/* Waits until the work before `ev` (recorded on any stream) has run. */
-static loom_status_t wait_event(nccl_comm_t *c, cudaEvent_t ev, const char *what, loom_err_t *err) {
-    const uint64_t t0 = loom_now_ns(), deadline = loom_comm_deadline(c->timeout_ms);
-    for (;;) {
-        cudaError_t e = cudaEventQuery(ev);
-        if (e == cudaSuccess) return LOOM_OK;
-        if (e != cudaErrorNotReady)
-            return fail(c, err, "CUDA error while waiting for %s: %s", what, cudaGetErrorString(e));
-        LOOM_CHECK(poll_health(c, what, deadline, err));
-        pause_poll(t0);
-    }
+static loom_status_t wait_stream(nccl_comm_t *c, const char *what, loom_err_t *err) {
+    return wait_done(c, NULL, what, err);
 }
 
 /* --- operations --------------------------------------------------------------------- */
@@ -264,7 +256,7 @@ static loom_status_t nccl_send_next(loom_comm_t *base, const void *buf, size_t b
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: send_next on the last stage");
     CUDA_CHECK(c, err, cudaSetDevice(c->dev));
     /* (loom_comm_send_next checked bytes <= max_bytes) the staging buffer is free once the previous send has gone */
-    LOOM_CHECK(wait_event(c, c->sent, "the previous send to the next stage", err));
+    LOOM_CHECK(wait_done(c, c->sent, "the previous send to the next stage", err));
     CUDA_CHECK(c, err, cudaMemcpyAsync(c->d_stage, buf, bytes, cudaMemcpyDeviceToDevice, c->stream));
     CUDA_CHECK(c, err, cudaEventRecord(c->staged, c->stream));
     CUDA_CHECK(c, err, cudaStreamWaitEvent(c->comm_stream, c->staged, 0));
