@@ -107,8 +107,22 @@ loom_status_t loom_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t r
 void loom_weight_free(loom_backend_t *be, loom_weight_t *w) {
     if (w && w->data) be->ops->weight_free(be, w);
 }
+loom_status_t loom_weight_upload_quant(loom_backend_t *be, loom_weight_t *w,
+                                       const loom_qtensor_t *t, loom_err_t *err) {
+    *w = (loom_weight_t){0};
+    loom_status_t st = loom_qtensor_check(t, "weight", err);
+    if (st != LOOM_OK) return st;
+    if (!be->ops->weight_upload_quant)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s backend: no quantized weights",
+                            be->ops->name);
+    return be->ops->weight_upload_quant(be, w, t, err);
+}
 size_t loom_weight_bytes(const loom_weight_t *w) {
-    return (size_t)w->rows * (size_t)w->cols * loom_dtype_size(w->dtype);
+    if (w->quant == LOOM_QUANT_NONE)
+        return (size_t)w->rows * (size_t)w->cols * loom_dtype_size(w->dtype);
+    loom_qtensor_t t = {.quant = w->quant, .rows = w->rows, .cols = w->cols, .group = w->group,
+                        .mins = w->mins};
+    return loom_qtensor_bytes(&t);
 }
 
 void loom_op_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n) {

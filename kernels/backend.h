@@ -14,6 +14,7 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "kernels/quant.h"
 #include "kernels/sampling.h"
 
 #define LOOM_BACKEND_CONFIG_VERSION 1
@@ -61,19 +62,30 @@ loom_status_t loom_backend_synchronize(loom_backend_t *be, loom_err_t *err);
 size_t loom_backend_mem_free(loom_backend_t *be);
 
 /* --- weights ----------------------------------------------------------- */
-/* A matrix W of shape (rows = out features, cols = in features), row-major,
- * stored in the backend's weight dtype. */
+/* A matrix W of shape (rows = out features, cols = in features). Float
+ * weights (quant NONE) are row-major in the backend's weight dtype; quantized
+ * weights (kernels/quant.h) keep codes in `data` and their scales and mins in
+ * a layout private to the backend that uploaded them. */
 typedef struct loom_weight {
     void *data;
-    loom_dtype_t dtype;
+    loom_dtype_t dtype; /* float weights: F32, BF16, F16; quantized: the code type */
     int64_t rows, cols;
+    loom_quant_t quant; /* LOOM_QUANT_NONE for float weights */
+    int group;          /* columns per scale (quantized) */
+    void *scales, *mins; /* quantized: backend layout; mins only for Q4 with min */
 } loom_weight_t;
 
 /* Converts host float32 data (rows x cols) to the backend's storage and
  * uploads it. Returns LOOM_ERR_NOMEM when the device is full. */
 loom_status_t loom_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
                                  const float *host, loom_err_t *err);
+/* Uploads a quantized matrix given in the canonical host layout (the backend
+ * repacks it). LOOM_ERR_UNSUPPORTED when the backend has no kernel for the
+ * scheme, LOOM_ERR_FORMAT when t fails loom_qtensor_check. */
+loom_status_t loom_weight_upload_quant(loom_backend_t *be, loom_weight_t *w,
+                                       const loom_qtensor_t *t, loom_err_t *err);
 void loom_weight_free(loom_backend_t *be, loom_weight_t *w);
+/* Bytes one matmul reads: the weight's codes or elements, plus scales and mins. */
 size_t loom_weight_bytes(const loom_weight_t *w);
 
 /* --- ops --------------------------------------------------------------- */

@@ -20,6 +20,8 @@ typedef struct loom_backend_ops {
     loom_status_t (*weight_upload)(loom_backend_t *be, loom_weight_t *w, int64_t rows,
                                    int64_t cols, const float *host, loom_err_t *err);
     void (*weight_free)(loom_backend_t *be, loom_weight_t *w);
+    loom_status_t (*weight_upload_quant)(loom_backend_t *be, loom_weight_t *w,
+                                         const loom_qtensor_t *t, loom_err_t *err); /* optional */
 
     void (*matmul)(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n);
     void (*rmsnorm)(loom_backend_t *be, float *y, const float *x, const float *g, int n, int dim,

@@ -140,6 +140,20 @@ static int64_t widen_block_rows(int64_t cols) {
     return r < 8 ? 8 : r;
 }
 
+/* Grows the scratch that holds a block of W rows widened to f32 for sgemm. */
+static loom_status_t reserve_widen(cpu_backend_t *c, int64_t rows, int64_t cols, loom_err_t *err) {
+    size_t need = (size_t)LOOM_MIN(widen_block_rows(cols), rows) * (size_t)cols;
+    if (need <= c->widen_cap) return LOOM_OK;
+    float *nw = host_alloc(need * sizeof *nw);
+    if (!nw)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: %zu bytes of widen scratch",
+                            need * sizeof *nw);
+    host_free(c->widen);
+    c->widen = nw;
+    c->widen_cap = need;
+    return LOOM_OK;
+}
+
 static loom_status_t cpu_weight_upload(loom_backend_t *be, loom_weight_t *w, int64_t rows,
                                        int64_t cols, const float *host, loom_err_t *err) {
     cpu_backend_t *c = cpu(be);
@@ -150,16 +164,8 @@ static loom_status_t cpu_weight_upload(loom_backend_t *be, loom_weight_t *w, int
                             (long long)rows, (long long)cols);
     size_t n = (size_t)rows * (size_t)cols;
     if (dt != LOOM_DT_F32) { /* sgemm needs a widened block of rows: size it now, not per call */
-        size_t need = (size_t)LOOM_MIN(widen_block_rows(cols), rows) * (size_t)cols;
-        if (need > c->widen_cap) {
-            float *nw = host_alloc(need * sizeof *nw);
-            if (!nw)
-                return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: %zu bytes of widen scratch",
-                                    need * sizeof *nw);
-            host_free(c->widen);
-            c->widen = nw;
-            c->widen_cap = need;
-        }
+        loom_status_t st = reserve_widen(c, rows, cols, err);
+        if (st != LOOM_OK) return st;
     }
     w->data = host_alloc(n * loom_dtype_size(dt));
     if (!w->data)
@@ -175,9 +181,37 @@ static loom_status_t cpu_weight_upload(loom_backend_t *be, loom_weight_t *w, int
     return LOOM_OK;
 }
 
+/* Quantized weights keep the canonical layout of kernels/quant.h. */
+static loom_status_t cpu_weight_upload_quant(loom_backend_t *be, loom_weight_t *w,
+                                             const loom_qtensor_t *t, loom_err_t *err) {
+    cpu_backend_t *c = cpu(be);
+    loom_status_t st = reserve_widen(c, t->rows, t->cols, err);
+    if (st != LOOM_OK) return st;
+    size_t codes = loom_qtensor_code_bytes(t), ns = loom_qtensor_scale_count(t) * sizeof(float);
+    *w = (loom_weight_t){.dtype = t->quant == LOOM_QUANT_INT8 ? LOOM_DT_I8 : LOOM_DT_U8,
+                         .rows = t->rows, .cols = t->cols, .quant = t->quant, .group = t->group};
+    w->data = host_alloc(codes);
+    w->scales = host_alloc(ns);
+    if (t->mins) w->mins = host_alloc(ns);
+    if (!w->data || !w->scales || (t->mins && !w->mins)) {
+        host_free(w->data);
+        host_free(w->scales);
+        host_free(w->mins);
+        *w = (loom_weight_t){0};
+        return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: out of memory for a %lld x %lld weight",
+                            (long long)t->rows, (long long)t->cols);
+    }
+    memcpy(w->data, t->q, codes);
+    memcpy(w->scales, t->scales, ns);
+    if (t->mins) memcpy(w->mins, t->mins, ns);
+    return LOOM_OK;
+}
+
 static void cpu_weight_free(loom_backend_t *be, loom_weight_t *w) {
     host_free(w->data);
-    w->data = NULL;
+    host_free(w->scales);
+    host_free(w->mins);
+    w->data = w->scales = w->mins = NULL;
 }
 
 /* --- matmul ------------------------------------------------------------ */
@@ -202,9 +236,20 @@ struct widen_ctx {
     int64_t r0, r1, chunk;
 };
 
+static loom_qtensor_t weight_qtensor(const loom_weight_t *w) {
+    return (loom_qtensor_t){.quant = w->quant, .rows = w->rows, .cols = w->cols,
+                            .group = w->group, .q = w->data, .scales = w->scales,
+                            .mins = w->mins};
+}
+
 static void widen_task(void *p, int task, int thread) {
     struct widen_ctx *c = p;
     int64_t a = c->r0 + (int64_t)task * c->chunk, b = LOOM_MIN(a + c->chunk, c->r1);
+    if (c->w->quant != LOOM_QUANT_NONE) {
+        loom_qtensor_t t = weight_qtensor(c->w);
+        loom_dequantize_rows(&t, a, b, c->dst + (a - c->r0) * c->w->cols);
+        return;
+    }
     loom_cpu_widen_rows(c->dst + (a - c->r0) * c->w->cols, c->w->data, c->w->dtype, c->w->cols, a,
                         b);
 }
@@ -218,7 +263,9 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     cpu_backend_t *c = cpu(be);
     const int64_t rows = w->rows, cols = w->cols;
     if (rows == 0 || n <= 0) return;
-    if (path == LOOM_CPU_MM_AUTO)
+    if (w->quant != LOOM_QUANT_NONE)
+        path = LOOM_CPU_MM_SGEMM; /* quantized: rows dequantized block by block */
+    else if (path == LOOM_CPU_MM_AUTO)
         path = n <= loom_cpu_gemv_max_n(w->dtype) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
     if (path == LOOM_CPU_MM_GEMV || cols == 0) {
         struct gemv_ctx g = {y, x, n, w, rows};
@@ -228,7 +275,7 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
         loom_parallel_for(c->pool, n_chunks(rows, g.chunk), gemv_task, &g);
         return;
     }
-    if (w->dtype == LOOM_DT_F32) {
+    if (w->quant == LOOM_QUANT_NONE && w->dtype == LOOM_DT_F32) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)rows, (int)cols, 1.0f, x,
                     (int)cols, w->data, (int)cols, 0.0f, y, (int)rows);
         return;
@@ -478,6 +525,7 @@ static const loom_backend_ops_t cpu_ops = {
     .stream = NULL,
     .weight_upload = cpu_weight_upload,
     .weight_free = cpu_weight_free,
+    .weight_upload_quant = cpu_weight_upload_quant,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
     .add = cpu_add,

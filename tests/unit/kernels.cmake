@@ -3,3 +3,5 @@ loom_add_test(test_kernels_cpu SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_kernels_cp
               LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
 loom_add_test(test_sampling SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sampling.c
               LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
+loom_add_test(test_quant SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_quant.c
+              LIBS loom_kernels LABELS unit kernels TIMEOUT 120)
