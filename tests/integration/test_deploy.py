@@ -531,9 +531,18 @@ def wait_state(path, states, timeout, procs):
     raise AssertionError("%s stayed %r, expected %s" % (path, read_state(path), states))
 
 
+def probe(kind, path):
+    """Runs loom.yaml's worker probe `kind` on the health file at `path`: 0 when it passes."""
+    c = next(c for _, _, c, cmd in loom_containers(load_manifests()["loom.yaml"]) if cmd == "loom-worker")
+    health = arg_map(c)["--health-file"]
+    cmd = [a.replace(health, path) for a in c[kind]["exec"]["command"]]
+    return subprocess.run(cmd, capture_output=True, timeout=10).returncode
+
+
 def test_worker_health_file_and_spare():
     """What the worker probes read: serving, standby for a spare, a file that
-    stops changing when the worker dies, and the spare serving in its place."""
+    stops changing when the worker dies, and the spare serving in its place;
+    the manifest's probe commands pass and fail on those files."""
     run = tempfile.mkdtemp(prefix="loom-health-")
     port = free_port_pair()
     ctl = "tcp://127.0.0.1:%d" % (port + 1)
@@ -557,6 +566,13 @@ def test_worker_health_file_and_spare():
                "--health-file", health])
         wait_state(h1, ("standby",), 30, procs)
         check(not os.path.exists(h1 + ".tmp"), "the health file is renamed into place")
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            check(probe(kind, h0) == 0 and probe(kind, h1) == 0, "%s fails on a serving worker or a spare" % kind)
+        check(probe("startupProbe", os.path.join(run, "none")) != 0, "startupProbe passes before the file exists")
+        joining = os.path.join(run, "joining.health")
+        with open(joining, "w") as f:
+            f.write("joining\n")
+        check(probe("readinessProbe", joining) != 0, "readinessProbe passes on a worker still joining")
         before = os.stat(h0).st_mtime
         time.sleep(2.2)
         check(os.stat(h0).st_mtime > before, "the health file is rewritten every second")
@@ -569,6 +585,9 @@ def test_worker_health_file_and_spare():
         time.sleep(1.5)
         check(os.stat(h0).st_mtime == dead and read_state(h0) == "serving",
               "a dead worker's file keeps its last state and stops aging")
+        os.utime(h0, (dead - 60, dead - 60))
+        check(probe("livenessProbe", h0) != 0, "livenessProbe passes on a file a minute old")
+        check(probe("readinessProbe", h1) == 0, "readinessProbe fails on the spare now serving")
         rc, out, ids, err = generate("tcp://127.0.0.1:%d" % port, "Once upon a time", max_tokens=8)
         check(rc == 0 and ids and len(ids) == 8, "generation after the spare took over: %d %s" % (rc, err))
         check(coord.poll() is None, "the coordinator exited")
