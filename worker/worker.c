@@ -39,7 +39,7 @@
 
 typedef struct worker {
     /* options */
-    const char *coord_addr, *device, *data_host, *trace_path, *dump_path;
+    const char *coord_addr, *device, *data_host, *trace_path, *dump_path, *health_path;
     const char *etcd_url, *cluster;
     int etcd_ttl, coord_wait_s;
     char coord_buf[256];
@@ -57,6 +57,7 @@ typedef struct worker {
     loom_comm_t *comm;
     _Atomic uint64_t aborted_epoch; /* plans of this epoch or older fail fast */
     _Atomic uint64_t busy_ns, comm_ns, steps, padded_steps;
+    _Atomic uint64_t joined_epoch; /* the last epoch this worker sent Ready for */
 
     /* compute thread state */
     loom_model_config_t cfg;
@@ -334,6 +335,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     r.body_case = LOOM__V1__CONTROL_MSG__BODY_READY;
     r.ready = &rd;
     post(w, &r);
+    atomic_store(&w->joined_epoch, w->epoch);
     goto done;
 fail:
     LOOM_ERROR("joining failed: %s", err.msg);
@@ -571,9 +573,28 @@ static void write_trace(worker_t *w) {
     LOOM_INFO("wrote %d step spans to %s", w->n_trace, w->trace_path);
 }
 
+/* --health-file: rewritten every second (so its age shows the reactor is
+ * alive) with one word: serving (joined the current epoch), joining (holds a
+ * slot, loading or connecting), standby (the grid is full: waits for a slot)
+ * or registering. Written whole and renamed, so a reader never sees half. */
+static int write_health(const worker_t *w, int registered, int standby) {
+    const char *state = "registering";
+    if (registered)
+        state = atomic_load(&w->joined_epoch) > atomic_load(&w->aborted_epoch) ? "serving" : "joining";
+    else if (standby)
+        state = "standby";
+    char tmp[1040];
+    snprintf(tmp, sizeof tmp, "%s.tmp", w->health_path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return -1;
+    int ok = fprintf(f, "%s\n", state) > 0;
+    ok = fclose(f) == 0 && ok;
+    return ok && rename(tmp, w->health_path) == 0 ? 0 : -1;
+}
+
 static int reactor(worker_t *w) {
-    uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns();
-    int standby = 0;
+    uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns(), last_health = 0;
+    int standby = 0, health_ok = 1;
     int registered = 0; /* the coordinator holds a slot for us (it sends Assign/heartbeats) */
     send_register(w);
     while (!g_stop) {
@@ -643,6 +664,12 @@ static int reactor(worker_t *w) {
         if (!registered && now - last_register > (standby ? 1000000000ull : 2000000000ull)) {
             send_register(w);
             last_register = now;
+        }
+        if (w->health_path && now - last_health >= 1000000000ull) {
+            int ok = write_health(w, registered, standby) == 0;
+            if (!ok && health_ok) LOOM_WARN("cannot write the health file %s: %s", w->health_path, strerror(errno));
+            health_ok = ok;
+            last_health = now;
         }
         if (registered && now - last_heard > (uint64_t)w->coord_timeout_ms * 1000000ull) {
             LOOM_ERROR("no message from the coordinator at %s for %d ms: exiting", w->coord_addr, w->coord_timeout_ms);
@@ -733,6 +760,7 @@ int main(int argc, char **argv) {
         {"data-host", LOOM_OPT_STR, &w.data_host, "ADDR", "address the data plane listens on (default 127.0.0.1)", 1, 0, NULL},
         {"coordinator-timeout-ms", LOOM_OPT_INT, &w.coord_timeout_ms, "MS", "exit when the coordinator is silent this long (default 15000)", 100, 1e9, NULL},
         {"trace", LOOM_OPT_STR, &w.trace_path, "FILE", "write per-step spans as a Chrome trace at exit (%i = worker id)", 1, 0, NULL},
+        {"health-file", LOOM_OPT_STR, &w.health_path, "FILE", "rewrite FILE every second with this worker's state: serving, joining, standby or registering (%i = worker id)", 1, 0, NULL},
         {"decode-buckets", LOOM_OPT_STR, &w.buckets_opt, "MODE", "pad decode steps to batch-size buckets (1, 2, 4, 8, 16, ...) so recorded graphs cover every batch: auto (where the device records graphs), on, off", 1, 0, NULL},
         {"dump-logits", LOOM_OPT_STR, &w.dump_path, "FILE", "debugging: write every step's logits (this shard's vocabulary slice) to FILE (%i = worker id)", 1, 0, NULL},
     };
@@ -778,7 +806,7 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
 
-    char dump_file[1024], trace_file[1024];
+    char dump_file[1024], trace_file[1024], health_file[1024];
     if (w.dump_path) {
         expand_id(dump_file, sizeof dump_file, w.dump_path, w.id);
         if (!(w.dump = fopen(dump_file, "wb"))) {
@@ -789,6 +817,10 @@ int main(int argc, char **argv) {
     if (w.trace_path) {
         expand_id(trace_file, sizeof trace_file, w.trace_path, w.id);
         w.trace_path = trace_file;
+    }
+    if (w.health_path) {
+        expand_id(health_file, sizeof health_file, w.health_path, w.id);
+        w.health_path = health_file;
     }
     loom_err_t err = {0};
     if (loom_comm_listener_create(w.data_host, 0, &w.listener, &err) < 0) {
