@@ -444,10 +444,14 @@ loom_status_t loom_cuda_weight_random_quant(loom_backend_t *be, loom_weight_t *w
                             c->base.name);
     }
     /* |w| within about `scale`: int8 codes span +-127, 4-bit codes 16 steps, e4m3 codes [0.25, 1) */
-    const float s = spec->quant == LOOM_QUANT_INT8 ? scale / 127.0f : spec->quant == LOOM_QUANT_Q4 ? scale / 8.0f : scale;
+    const float s = spec->quant == LOOM_QUANT_INT8 ? scale / 127.0f
+                    : spec->quant == LOOM_QUANT_Q4 ? scale / 8.0f
+                                                   : scale;
     CUDA_CHECK(err, loom_cuda_fill_codes(w->data, (int)spec->quant, (int64_t)codes, seed, c->stream));
     CUDA_CHECK(err, loom_cuda_fill_random(w->scales, LOOM_CUDA_F32, (int64_t)ns, seed + 1, 0.5f * s, s, c->stream));
-    if (w->mins) CUDA_CHECK(err, loom_cuda_fill_random(w->mins, LOOM_CUDA_F32, (int64_t)ns, seed + 2, -scale, -0.5f * scale, c->stream));
+    if (w->mins)
+        CUDA_CHECK(err, loom_cuda_fill_random(w->mins, LOOM_CUDA_F32, (int64_t)ns, seed + 2, -scale, -0.5f * scale,
+                                              c->stream));
     return LOOM_OK;
 }
 

@@ -17,9 +17,9 @@
  * matrix is 58.7 MB in bf16; Q4 with group 32 is 29.4 MB of codes + 7.3 MB
  * of f32 scales = 36.7 MB, ~8.5 us at full bandwidth; INT8 is 58.7 MB + 16 KB.
  * Decoding costs about 4 instructions per 4-bit code (shift and mask, the
- * magic-number subtraction, the FMA): at 9.6e12 codes/s that is ~290
- * instructions per SM-clock of 128 lanes x 132 SMs x 1.7 GHz -- about what
- * the SMs issue, so Q4 GEMV at n = 1 sits at the edge of memory-bound on
+ * magic-number subtraction, the FMA): at 8.6e12 codes/s (4.3 TB/s) that is
+ * ~150 thread-instructions per SM-clock (132 SMs at 1.75 GHz), against the
+ * 128 an SM issues, so Q4 GEMV at n = 1 sits at the edge of memory-bound on
  * Hopper; INT8 and FP8 (half the codes per byte) are comfortably below.
  *
  * Prefill: rows of W are dequantized in panels into a bf16/f16 (or f32)
@@ -340,7 +340,8 @@ __global__ void fill_codes_kernel(uint8_t *dst, int quant, int64_t n, uint64_t s
 
 extern "C" cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
                                        int quant, int64_t rows, int64_t cols, int group, int n, cudaStream_t s) {
-    if (n < 1 || n > LOOM_CUDA_QGEMV_MAX_N || rows <= 0) return n == 0 || rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    if (n < 1 || n > LOOM_CUDA_QGEMV_MAX_N || rows <= 0)
+        return n == 0 || rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
     if (cols <= 0 || group <= 0 || cols % group) return cudaErrorInvalidValue;
     if (quant == LOOM_QD_Q4 && group % 32) return cudaErrorInvalidValue;
     if ((rows + kWarps - 1) / kWarps > 0x7fffffff) return cudaErrorInvalidValue;
