@@ -157,6 +157,12 @@ fi
 echo
 echo "=== summary ($(($(date +%s) - t_start)) s; logs in $out)"
 printf '%s\n' "${rows[@]}"
+# the first failed checks of the op tests, so a failure names its op and shape here
+if [ -f "$out/ops.log" ] && grep -q '^FAIL' "$out/ops.log"; then
+    echo
+    echo "test_cuda_ops failures (first 20; all in $out/ops.log):"
+    grep '^FAIL\|^  ' "$out/ops.log" | grep -B3 '^FAIL' | head -40 | grep -v '^--' | head -20
+fi
 if [ -f "$out/bench.json" ]; then
     "$py" - "$out/bench.json" <<'EOF' || true
 import json, sys

@@ -251,6 +251,41 @@ static void test_quant_matmul(void) {
     check_qmatmul("int8", 0, 5000, 4096, 64);
     check_qmatmul("q4_min:64", 0, 5000, 4096, 64);
     check_qmatmul("fp8", 0, 5000, 4096, 64);
+    /* a recorded decode step with a quantized weight replays like the eager ops */
+    {
+        loom_backend_t *be = g_cuda[1];
+        int n = 3, dim = 512, rows = 700;
+        loom_quant_spec_t spec;
+        LOOM_ASSERT(loom_quant_spec_parse("q4_min", &spec));
+        float *hw = rand_host((size_t)rows * dim, 1.0f), *hg = rand_host((size_t)dim, 1.0f);
+        loom_qtensor_t q;
+        loom_weight_t w;
+        loom_err_t err = {0};
+        LOOM_ASSERT(loom_quantize(&spec, hw, rows, dim, &q, &err) == LOOM_OK);
+        REQUIRE(loom_weight_upload_quant(be, &w, &q, &err) == LOOM_OK);
+        float *dg = to_dev(be, hg, (size_t)dim * 4), *dx = poisoned(be, (size_t)n * dim * 4);
+        float *dxn = poisoned(be, (size_t)n * dim * 4), *dy = poisoned(be, (size_t)n * rows * 4);
+        float *eager = loom_xmalloc((size_t)n * rows * 4);
+        for (int it = 0; it < 3; it++) {
+            float *hx = rand_host((size_t)n * dim, 2.0f);
+            loom_backend_upload(be, dx, hx, (size_t)n * dim * 4);
+            loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+            loom_op_matmul(be, dy, dxn, &w, n);
+            loom_backend_download(be, eager, dy, (size_t)n * rows * 4);
+            loom_backend_memset(be, dy, 0xff, (size_t)n * rows * 4);
+            if (!loom_backend_graph_begin(be, 4242)) {
+                loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+                loom_op_matmul(be, dy, dxn, &w, n);
+            }
+            CHECK(loom_backend_graph_end(be, 4242) == 0);
+            CHECK(close_dev("quantized graph replay", be, dy, eager, (size_t)n * rows, 0, 0));
+            free(hx);
+        }
+        loom_backend_free(be, dg), loom_backend_free(be, dx), loom_backend_free(be, dxn), loom_backend_free(be, dy);
+        loom_weight_free(be, &w);
+        loom_qtensor_free(&q);
+        free(hw), free(hg), free(eager);
+    }
     /* a tensor that fails the checks is an error naming the problem, not a crash */
     loom_qtensor_t bad = {.quant = LOOM_QUANT_Q4, .rows = 4, .cols = 96, .group = 64};
     uint8_t codes[4 * 48];
