@@ -18,11 +18,11 @@
 #define LOOM_CUDA_QFORMAT_H
 
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define LOOM_QD static __host__ __device__ __forceinline__
 #else
-#include <string.h>
 #define LOOM_QD static inline
 #endif
 
