@@ -14,7 +14,7 @@
  * one scale per row, applied after the warp's reduction.
  *
  * Napkin math (H200, ~4.3 TB/s copy bandwidth, n = 1): a 4096 x 14336
- * matrix is 58.7 MB in bf16; Q4 with group 32 is 29.4 MB of codes + 7.3 MB
+ * matrix is 117.4 MB in bf16; Q4 with group 32 is 29.4 MB of codes + 7.3 MB
  * of f32 scales = 36.7 MB, ~8.5 us at full bandwidth; INT8 is 58.7 MB + 16 KB.
  * Decoding costs about 4 instructions per 4-bit code (shift and mask, the
  * magic-number subtraction, the FMA): at 8.6e12 codes/s (4.3 TB/s) that is
