@@ -12,11 +12,20 @@
  * The forward pass is model.c's op sequence; decode steps run as CUDA
  * graphs (one per batch size), and sample greedily on the device. Variants:
  * model.c's ops as they are, the fused ops (add + RMSNorm, RoPE + KV write),
- * and without graphs.
+ * and without graphs. With --quantization the matmul weights are a
+ * quantized scheme (kernels/quant.h; random codes and scales made on the
+ * device) and MBU counts the quantized bytes.
+ *
+ * --quant-gemv LIST measures the quantized matmul alone, per scheme, on the
+ * MLP shapes of the model (gate+up and down): GEMV at n = 1 and 8 as GB/s
+ * of weight bytes read and its ratio to the copy bandwidth, and the prefill
+ * (dequantize + cuBLAS) at the prefill length against the bf16 GEMM.
+ * --skip-model runs only that (and the copy bandwidth).
  *
  *   bench_gpu [--layers 32] [--dim 4096] [--heads 32] [--kv-heads 8] [--hidden 14336]
- *             [--vocab 128256] [--dtype bf16] [--ctx 1024] [--tokens 32] [--prefill 512]
- *             [--batches 1,8,32] [--json FILE] */
+ *             [--vocab 128256] [--dtype bf16] [--quantization SCHEME] [--ctx 1024] [--tokens 32]
+ *             [--prefill 512] [--batches 1,8,32] [--quant-gemv int8,fp8,q4,...] [--skip-model]
+ *             [--json FILE] */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -57,6 +66,8 @@ typedef struct bench {
     float *x, *xb, *xb2, *qkv, *att, *gu, *hb, *xl, *logits;
     int32_t *meta_h, *meta_d;
     double weight_bytes; /* read per step: matmul weights and norms */
+    double params;       /* matmul parameters */
+    loom_quant_spec_t quant; /* matmul weights' scheme (NONE: bf16/f16) */
 } bench_t;
 
 static void *dalloc(bench_t *b, size_t bytes) {
@@ -70,11 +81,16 @@ static void *dalloc(bench_t *b, size_t bytes) {
 
 static void weight(bench_t *b, loom_weight_t *w, int64_t rows, int64_t cols, uint64_t seed) {
     loom_err_t err = {0};
-    if (loom_cuda_weight_random(b->be, w, rows, cols, seed, 1.0f / sqrtf((float)cols), &err) < 0) {
+    const float scale = 1.0f / sqrtf((float)cols);
+    loom_status_t st = b->quant.quant == LOOM_QUANT_NONE
+                           ? loom_cuda_weight_random(b->be, w, rows, cols, seed, scale, &err)
+                           : loom_cuda_weight_random_quant(b->be, w, &b->quant, rows, cols, seed, scale, &err);
+    if (st < 0) {
         fprintf(stderr, "bench_gpu: %s\n", err.msg);
         exit(1);
     }
     b->weight_bytes += (double)loom_weight_bytes(w);
+    b->params += (double)rows * (double)cols;
 }
 
 static float *vec(bench_t *b, size_t n, uint64_t seed, float lo, float hi) {
@@ -346,6 +362,84 @@ static result_t decode(bench_t *b, batch_t *bt, int tokens, int graphs, int fuse
     return r;
 }
 
+/* Seconds per loom_op_matmul of w at n rows of x, median of `reps` (after warm-up). */
+static double time_matmul(bench_t *b, const loom_weight_t *w, const float *x, float *y, int n, int reps) {
+    cudaStream_t s = loom_backend_stream(b->be);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double t[64];
+    reps = LOOM_MIN(reps, 64);
+    for (int i = 0; i < reps + 2; i++) {
+        CK(cudaEventRecord(e0, s));
+        loom_op_matmul(b->be, y, x, w, n);
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 2) t[i - 2] = ms * 1e-3;
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return median(t, reps);
+}
+
+typedef struct qresult {
+    char scheme[16];
+    const char *shape;
+    double gemv1_gbs, gemv8_gbs, prefill_ratio;
+} qresult_t;
+
+/* The quantized matmul alone on the MLP shapes: GEMV GB/s (weight bytes read
+ * per second) at n = 1 and 8, and prefill time against bf16 weights. */
+static int quant_gemv(bench_t *b, const char *list, int prefill, double copy, qresult_t *out, int max) {
+    const int64_t shapes[2][2] = {{2 * (int64_t)b->hidden, b->dim}, {b->dim, b->hidden}};
+    const char *names[2] = {"gate+up", "down"};
+    const size_t maxk = (size_t)LOOM_MAX(b->hidden, b->dim), maxn = (size_t)2 * b->hidden;
+    float *x = dalloc(b, (size_t)prefill * maxk * 4), *y = dalloc(b, (size_t)prefill * maxn * 4);
+    loom_cuda_fill_uniform(b->be, x, (size_t)prefill * maxk, 5, -1.0f, 1.0f);
+    int nq = 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", list);
+    printf("\nquantized matmul alone (GB/s of weight bytes read; MBU vs copy %.0f GB/s):\n", copy);
+    printf("  %-12s %-8s %10s %6s %10s %6s %14s\n", "scheme", "shape", "n=1 GB/s", "MBU", "n=8 GB/s", "MBU",
+           "prefill/bf16");
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && nq < max; tok = strtok_r(NULL, ",", &save)) {
+        loom_quant_spec_t spec;
+        if (!loom_quant_spec_parse(tok, &spec) || spec.quant == LOOM_QUANT_NONE) {
+            fprintf(stderr, "bench_gpu: unknown scheme '%s' in --quant-gemv\n", tok);
+            continue;
+        }
+        for (int h = 0; h < 2 && nq < max; h++) {
+            loom_weight_t wq, wb;
+            loom_err_t err = {0};
+            const float scale = 1.0f / sqrtf((float)shapes[h][1]);
+            if (loom_cuda_weight_random_quant(b->be, &wq, &spec, shapes[h][0], shapes[h][1], 77, scale, &err) < 0) {
+                printf("  %-12s %-8s skipped: %s\n", tok, names[h], err.msg);
+                break;
+            }
+            if (loom_cuda_weight_random(b->be, &wb, shapes[h][0], shapes[h][1], 78, scale, &err) < 0) {
+                fprintf(stderr, "bench_gpu: %s\n", err.msg);
+                exit(1);
+            }
+            qresult_t *r = &out[nq++];
+            snprintf(r->scheme, sizeof r->scheme, "%s", tok);
+            r->shape = names[h];
+            const double bytes = (double)loom_weight_bytes(&wq);
+            r->gemv1_gbs = bytes / time_matmul(b, &wq, x, y, 1, 20) / 1e9;
+            r->gemv8_gbs = bytes / time_matmul(b, &wq, x, y, 8, 20) / 1e9;
+            r->prefill_ratio = time_matmul(b, &wb, x, y, prefill, 5) / time_matmul(b, &wq, x, y, prefill, 5);
+            printf("  %-12s %-8s %10.0f %6.3f %10.0f %6.3f %14.2f\n", tok, names[h], r->gemv1_gbs, r->gemv1_gbs / copy,
+                   r->gemv8_gbs, r->gemv8_gbs / copy, r->prefill_ratio);
+            loom_weight_free(b->be, &wq);
+            loom_weight_free(b->be, &wb);
+        }
+    }
+    loom_backend_free(b->be, x);
+    loom_backend_free(b->be, y);
+    return nq;
+}
+
 static int parse_list(const char *s, int *out, int max) {
     int n = 0;
     while (*s && n < max) {
@@ -362,8 +456,8 @@ static int parse_list(const char *s, int *out, int max) {
 int main(int argc, char **argv) {
     loom_log_init("bench_gpu");
     bench_t b = {.layers = 32, .dim = 4096, .nh = 32, .nkv = 8, .hd = 128, .hidden = 14336, .vocab = 128256};
-    const char *dtype = "bf16", *batches_s = "1,8,32", *json = NULL;
-    int ctx = 1024, tokens = 32, prefill = 512;
+    const char *dtype = "bf16", *batches_s = "1,8,32", *json = NULL, *quant_s = "none", *qgemv_s = NULL;
+    int ctx = 1024, tokens = 32, prefill = 512, skip_model = 0;
     loom_opt_t opts[] = {
         {"layers", LOOM_OPT_INT, &b.layers, "N", "layers (default 32)", 1, 1024, NULL},
         {"dim", LOOM_OPT_INT, &b.dim, "N", "hidden size (default 4096)", 8, 65536, NULL},
@@ -373,6 +467,11 @@ int main(int argc, char **argv) {
         {"hidden", LOOM_OPT_INT, &b.hidden, "N", "MLP size (default 14336)", 1, 1 << 20, NULL},
         {"vocab", LOOM_OPT_INT, &b.vocab, "N", "vocabulary (default 128256)", 16, 1 << 22, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weights: bf16 (default) or f16", 1, 0, NULL},
+        {"quantization", LOOM_OPT_STR, &quant_s, "SCHEME",
+         "matmul weights: none (default), int8, fp8, q4, q4:128, q4_min, q4_min:128", 1, 0, NULL},
+        {"quant-gemv", LOOM_OPT_STR, &qgemv_s, "LIST", "also time the quantized matmul alone for these schemes", 1, 0,
+         NULL},
+        {"skip-model", LOOM_OPT_FLAG, &skip_model, NULL, "only the copy bandwidth and --quant-gemv", 0, 0, NULL},
         {"ctx", LOOM_OPT_INT, &ctx, "N", "context of each sequence before decoding (default 1024)", 1, 1 << 17, NULL},
         {"tokens", LOOM_OPT_INT, &tokens, "N", "timed decode steps (default 32)", 4, 4096, NULL},
         {"prefill", LOOM_OPT_INT, &prefill, "N", "prefill chunk, also the measured prefill (default 512)", 16, 8192,
@@ -387,6 +486,10 @@ int main(int argc, char **argv) {
     int nb = parse_list(batches_s, batches, 16);
     if (nb < 1 || b.nh % b.nkv) {
         fprintf(stderr, "bench_gpu: bad --batches or heads not a multiple of kv-heads\n");
+        return 2;
+    }
+    if (!loom_quant_spec_parse(quant_s, &b.quant)) {
+        fprintf(stderr, "bench_gpu: unknown --quantization '%s'\n", quant_s);
         return 2;
     }
     if (!loom_backend_available(LOOM_DEVICE_CUDA, 0)) {
@@ -415,13 +518,38 @@ int main(int argc, char **argv) {
     CK(cudaGetDeviceProperties(&prop, 0));
     double t0 = now_s();
     double copy = copy_gbs(&b);
+    printf("device: %s, %d SMs; copy bandwidth %.0f GB/s (read + write)\n", prop.name, loom_cuda_sm_count(b.be), copy);
+    qresult_t qres[32];
+    int nq = qgemv_s ? quant_gemv(&b, qgemv_s, prefill, copy, qres, (int)LOOM_ARRAY_LEN(qres)) : 0;
+    if (skip_model) {
+        if (json) {
+            FILE *f = fopen(json, "w");
+            if (f) {
+                fprintf(f, "{\"device\":\"%s\",\"copy_gbs\":%.1f,\"prefill_tokens\":%d,\"quant_gemv\":[", prop.name,
+                        copy, prefill);
+                for (int i = 0; i < nq; i++)
+                    fprintf(f, "%s{\"scheme\":\"%s\",\"shape\":\"%s\",\"gemv1_gbs\":%.1f,\"gemv8_gbs\":%.1f,"
+                               "\"mbu1\":%.4f,\"mbu8\":%.4f,\"prefill_vs_bf16\":%.4f}",
+                            i ? "," : "", qres[i].scheme, qres[i].shape, qres[i].gemv1_gbs, qres[i].gemv8_gbs,
+                            qres[i].gemv1_gbs / copy, qres[i].gemv8_gbs / copy, qres[i].prefill_ratio);
+                fprintf(f, "]}\n");
+                fclose(f);
+            }
+        }
+        loom_backend_destroy(&b.be);
+        return 0;
+    }
     build(&b);
     CK(cudaStreamSynchronize(loom_backend_stream(b.be)));
-    double params = b.weight_bytes / 2.0;
-    printf("device: %s, %d SMs; copy bandwidth %.0f GB/s (read + write)\n", prop.name, loom_cuda_sm_count(b.be), copy);
+    double params = b.params;
+    char wname[24];
+    if (b.quant.quant != LOOM_QUANT_NONE)
+        loom_quant_spec_name(&b.quant, wname, sizeof wname);
+    else
+        snprintf(wname, sizeof wname, "%s", dtype);
     printf("model: random, %d layers, dim %d, %d/%d heads x %d, hidden %d, vocab %d: %.2fB parameters, %.2f GB %s "
            "(built in %.1f s)\n",
-           b.layers, b.dim, b.nh, b.nkv, b.hd, b.hidden, b.vocab, params / 1e9, b.weight_bytes / 1e9, dtype,
+           b.layers, b.dim, b.nh, b.nkv, b.hd, b.hidden, b.vocab, params / 1e9, b.weight_bytes / 1e9, wname,
            now_s() - t0);
 
     /* prefill: one sequence, `prefill` tokens from position 0 */
@@ -474,7 +602,7 @@ int main(int argc, char **argv) {
             fprintf(f, "{\"device\":\"%s\",\"copy_gbs\":%.1f,\"params\":%.0f,\"dtype\":\"%s\",\"prefill_tokens\":%d,"
                        "\"prefill_s\":%.6f,\"prefill_tflops\":%.2f,\"gemm_tflops\":%.2f,\"prefill_ratio\":%.4f,"
                        "\"decode\":[",
-                    prop.name, copy, params, dtype, prefill, pre_s, pre_tf, gemm_tf, gemm_s / pre_s);
+                    prop.name, copy, params, wname, prefill, pre_s, pre_tf, gemm_tf, gemm_s / pre_s);
             for (int i = 0; i < nr; i++)
                 fprintf(f, "%s{\"variant\":\"%s\",\"batch\":%d,\"step_s\":%.6f,\"tok_s\":%.2f,\"gbs\":%.1f,\"mbu\":%.4f}",
                         i ? "," : "", res[i].name, res[i].batch, res[i].step_s, res[i].tok_s, res[i].gbs, res[i].mbu);

@@ -34,11 +34,17 @@
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/qformat.h"
+
+_Static_assert((int)LOOM_QD_INT8 == (int)LOOM_QUANT_INT8 && (int)LOOM_QD_Q4 == (int)LOOM_QUANT_Q4 &&
+                   (int)LOOM_QD_FP8 == (int)LOOM_QUANT_FP8,
+               "qformat.h names the quantization kinds by their loom_quant_t values");
 
 #define STAGE_BYTES   ((size_t)8 << 20)  /* each half of the pinned upload ring */
 #define BLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (Hopper wants 32 MiB) */
 #define MAX_GRAPHS    32
 #define ATTN_PART_CAP ((size_t)64 << 20) /* most floats of split-attention partials */
+#define WDQ_BYTES     ((size_t)64 << 20) /* dequantized weight panel for quantized prefill */
 
 typedef struct dbuf {
     void *p;
@@ -55,6 +61,7 @@ typedef struct graph_slot {
 typedef struct cuda_backend {
     struct loom_backend base;
     int dev, n_sms;
+    int cc; /* compute capability, 10 * major + minor */
     size_t smem_optin;
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     cudaStream_t stream;
@@ -69,6 +76,7 @@ typedef struct cuda_backend {
 
     /* scratch */
     dbuf_t act16;     /* narrowed matmul input (n, cols) */
+    dbuf_t wdq;       /* rows of a quantized weight dequantized for cuBLAS */
     dbuf_t attn_part; /* split-attention partials */
     dbuf_t samp;      /* sampling parameters, output and slices */
     void *samp_host;  /* pinned mirror of the sampling parameters and output */
@@ -363,7 +371,88 @@ static loom_status_t cuda_weight_upload(loom_backend_t *be, loom_weight_t *w, in
 
 static void cuda_weight_free(loom_backend_t *be, loom_weight_t *w) {
     cuda_free(be, w->data);
-    w->data = NULL;
+    if (w->scales) cuda_free(be, w->scales);
+    if (w->mins) cuda_free(be, w->mins);
+    w->data = w->scales = w->mins = NULL;
+}
+
+/* Quantized weights keep the canonical layout (kernels/quant.h): codes,
+ * f32 scales and mins, uploaded as they are; the kernels of qgemv.cu read
+ * it directly. FP8 needs a device of compute capability 8.9 or newer
+ * (Ada, Hopper), where e4m3 is a native type. */
+static loom_status_t cuda_weight_upload_quant(loom_backend_t *be, loom_weight_t *w, const loom_qtensor_t *t,
+                                              loom_err_t *err) {
+    cuda_backend_t *c = cu(be);
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    LOOM_ASSERT(!c->capturing);
+    shadow_clear(c);
+    *w = (loom_weight_t){0};
+    if (t->quant != LOOM_QUANT_INT8 && t->quant != LOOM_QUANT_Q4 && t->quant != LOOM_QUANT_FP8)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: no kernel for quantization %d", c->base.name,
+                            (int)t->quant);
+    if (t->quant == LOOM_QUANT_FP8 && c->cc < 89)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: fp8 (e4m3) weights need compute capability 8.9 or newer; this device is %d.%d",
+                            c->base.name, c->cc / 10, c->cc % 10);
+    const size_t codes = loom_qtensor_code_bytes(t), ns = loom_qtensor_scale_count(t) * sizeof(float);
+    loom_weight_t q = {.dtype = t->quant == LOOM_QUANT_INT8 ? LOOM_DT_I8 : LOOM_DT_U8, .rows = t->rows,
+                       .cols = t->cols, .quant = t->quant, .group = t->group};
+    int ok = cudaMalloc(&q.data, codes) == cudaSuccess && cudaMalloc(&q.scales, ns) == cudaSuccess &&
+             (!t->mins || cudaMalloc(&q.mins, ns) == cudaSuccess);
+    if (!ok) {
+        (void)cudaGetLastError();
+        void *bufs[] = {q.data, q.scales, q.mins};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
+            if (bufs[i]) CUDA_CHECK(err, cudaFree(bufs[i]));
+        return loom_err_set(err, LOOM_ERR_NOMEM, "%s: out of device memory for a %lld x %lld quantized weight",
+                            c->base.name, (long long)t->rows, (long long)t->cols);
+    }
+    ring_upload(c, q.data, t->q, codes);
+    ring_upload(c, q.scales, (const uint8_t *)t->scales, ns);
+    if (t->mins) ring_upload(c, q.mins, (const uint8_t *)t->mins, ns);
+    *w = q;
+    return LOOM_OK;
+}
+
+loom_status_t loom_cuda_weight_random_quant(loom_backend_t *be, loom_weight_t *w, const loom_quant_spec_t *spec,
+                                            int64_t rows, int64_t cols, uint64_t seed, float scale,
+                                            loom_err_t *err) {
+    cuda_backend_t *c = cu(be);
+    LOOM_ASSERT(be->ops->weight_upload == cuda_weight_upload);
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    /* the shape checks and sizes of the canonical tensor (its codes and
+     * scales are made on the device below: non-NULL stand-ins here) */
+    loom_qtensor_t t = {.quant = spec->quant, .rows = rows, .cols = cols,
+                        .group = spec->quant == LOOM_QUANT_Q4 ? spec->group : (int)cols, .q = w,
+                        .scales = (float *)w, .mins = spec->with_min ? (float *)w : NULL};
+    LOOM_CHECK(loom_qtensor_check(&t, "random weight", err));
+    if (spec->quant == LOOM_QUANT_FP8 && c->cc < 89)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: fp8 (e4m3) weights need compute capability 8.9 or newer",
+                            c->base.name);
+    *w = (loom_weight_t){.dtype = spec->quant == LOOM_QUANT_INT8 ? LOOM_DT_I8 : LOOM_DT_U8, .rows = rows,
+                         .cols = cols, .quant = spec->quant, .group = t.group};
+    const size_t codes = loom_qtensor_code_bytes(&t), ns = loom_qtensor_scale_count(&t);
+    w->data = loom_backend_alloc(be, codes);
+    w->scales = loom_backend_alloc(be, ns * sizeof(float));
+    if (t.mins) w->mins = loom_backend_alloc(be, ns * sizeof(float));
+    if (!w->data || !w->scales || (t.mins && !w->mins)) {
+        void *bufs[] = {w->data, w->scales, w->mins};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
+            if (bufs[i]) loom_backend_free(be, bufs[i]);
+        *w = (loom_weight_t){0};
+        return loom_err_set(err, LOOM_ERR_NOMEM, "%s: out of device memory for a random quantized weight",
+                            c->base.name);
+    }
+    /* |w| within about `scale`: int8 codes span +-127, 4-bit codes 16 steps, e4m3 codes [0.25, 1) */
+    const float s = spec->quant == LOOM_QUANT_INT8 ? scale / 127.0f
+                    : spec->quant == LOOM_QUANT_Q4 ? scale / 8.0f
+                                                   : scale;
+    CUDA_CHECK(err, loom_cuda_fill_codes(w->data, (int)spec->quant, (int64_t)codes, seed, c->stream));
+    CUDA_CHECK(err, loom_cuda_fill_random(w->scales, LOOM_CUDA_F32, (int64_t)ns, seed + 1, 0.5f * s, s, c->stream));
+    if (w->mins)
+        CUDA_CHECK(err, loom_cuda_fill_random(w->mins, LOOM_CUDA_F32, (int64_t)ns, seed + 2, -scale, -0.5f * scale,
+                                              c->stream));
+    return LOOM_OK;
 }
 
 loom_status_t loom_cuda_weight_random(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
@@ -396,23 +485,10 @@ void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *rep
 
 /* --- matmul ---------------------------------------------------------------------------- */
 
-static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n) {
-    cuda_backend_t *c = cu(be);
-    use(c);
-    const int64_t rows = w->rows, cols = w->cols;
-    const int kind = kind_of(w->dtype);
-    if (rows == 0 || n <= 0) return;
-    if (cols == 0) {
-        shadow_clear(c);
-        CUDA_ASSERT(cudaMemsetAsync(y, 0, (size_t)n * (size_t)rows * sizeof(float), c->stream));
-        return;
-    }
-    if (n <= LOOM_CUDA_GEMV_MAX_N) {
-        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->stream));
-        shadow_clear(c);
-        return;
-    }
-    const float one = 1.0f, zero = 0.0f;
+/* x (n, cols) as cuBLAS should read it for weights of `kind`: narrowed on
+ * the device (or the shadow a producer op already wrote), or x itself for
+ * f32. Clears the shadow. */
+static const void *gemm_input(cuda_backend_t *c, const float *x, int n, int64_t cols, int kind) {
     const void *b = x;
     if (kind != LOOM_CUDA_F32) {
         const size_t elems = (size_t)n * (size_t)cols;
@@ -425,6 +501,61 @@ static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom
         }
     }
     shadow_clear(c);
+    return b;
+}
+
+/* Quantized weights: the GEMV kernel for up to LOOM_CUDA_QGEMV_MAX_N rows
+ * of x; above, panels of W's rows (at most WDQ_BYTES) are dequantized into
+ * the backend's weight dtype (bf16/f16, or f32 with exact_f32) and
+ * multiplied by cuBLAS as float weights are. */
+static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    const int64_t rows = w->rows, cols = w->cols;
+    if (n <= LOOM_CUDA_QGEMV_MAX_N) {
+        CUDA_ASSERT(loom_cuda_qgemv(y, x, w->data, w->scales, w->mins, (int)w->quant, rows, cols, w->group, n,
+                                    c->stream));
+        shadow_clear(c);
+        return;
+    }
+    const int kind = c->wkind;
+    const void *b = gemm_input(c, x, n, cols, kind);
+    const size_t row_bytes = (size_t)cols * kind_size(kind);
+    int64_t panel = (int64_t)(WDQ_BYTES / row_bytes) / 128 * 128;
+    panel = LOOM_MIN(LOOM_MAX(panel, 128), rows);
+    void *wd = reserve(c, &c->wdq, (size_t)panel * row_bytes);
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t r0 = 0; r0 < rows; r0 += panel) {
+        const int64_t m = LOOM_MIN(panel, rows - r0);
+        CUDA_ASSERT(loom_cuda_dequant(wd, kind, w->data, w->scales, w->mins, (int)w->quant, r0, r0 + m, cols,
+                                      w->group, c->stream));
+        /* y^T rows [r0, r0 + m) (column-major, ldc = rows) = panel . x^T */
+        BLAS_ASSERT(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, (int)cols, &one, wd, blas_type(kind),
+                                 (int)cols, b, blas_type(kind), (int)cols, &zero, y + r0, CUDA_R_32F, (int)rows,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+}
+
+static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    const int64_t rows = w->rows, cols = w->cols;
+    const int kind = kind_of(w->dtype);
+    if (rows == 0 || n <= 0) return;
+    if (cols == 0) {
+        shadow_clear(c);
+        CUDA_ASSERT(cudaMemsetAsync(y, 0, (size_t)n * (size_t)rows * sizeof(float), c->stream));
+        return;
+    }
+    if (w->quant != LOOM_QUANT_NONE) {
+        matmul_quant(c, y, x, w, n);
+        return;
+    }
+    if (n <= LOOM_CUDA_GEMV_MAX_N) {
+        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->stream));
+        shadow_clear(c);
+        return;
+    }
+    const float one = 1.0f, zero = 0.0f;
+    const void *b = gemm_input(c, x, n, cols, kind);
     /* Column-major view: y^T (rows, n) = W (cols, rows)^T . x^T (cols, n). */
     BLAS_ASSERT(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, n, (int)cols, &one, w->data,
                              blas_type(kind), (int)cols, b, blas_type(kind), (int)cols, &zero, y, CUDA_R_32F,
@@ -706,7 +837,7 @@ static void cuda_destroy(loom_backend_t *be) {
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
     free(c->retired);
-    dbuf_t *bufs[] = {&c->act16, &c->attn_part, &c->samp};
+    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]->p) (void)cudaFree(bufs[i]->p);
     if (c->stage_dev) (void)cudaFree(c->stage_dev);
@@ -735,6 +866,7 @@ static const loom_backend_ops_t cuda_ops = {
     .stream = cuda_stream,
     .weight_upload = cuda_weight_upload,
     .weight_free = cuda_weight_free,
+    .weight_upload_quant = cuda_weight_upload_quant,
     .matmul = cuda_matmul,
     .rmsnorm = cuda_rmsnorm,
     .add = cuda_add,
@@ -763,8 +895,11 @@ int loom_backend_cuda_device_count(void) {
 
 static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
     CUDA_CHECK(err, cudaSetDevice(c->dev));
-    int sms = 0, optin = 0;
+    int sms = 0, optin = 0, major = 0, minor = 0;
     CUDA_CHECK(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->dev));
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->dev));
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, c->dev));
+    c->cc = 10 * major + minor;
     CUDA_CHECK(err, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->dev));
     c->n_sms = sms;
     c->smem_optin = (size_t)optin;

@@ -14,6 +14,12 @@
  * index). LOOM_ERR_NOMEM when the device is full. */
 loom_status_t loom_cuda_weight_random(loom_backend_t *be, loom_weight_t *w, int64_t rows, int64_t cols,
                                       uint64_t seed, float scale, loom_err_t *err);
+/* A (rows, cols) quantized weight (spec) with random codes and scales
+ * drawn on the device (|w| about `scale` or less): the benchmarks' models.
+ * LOOM_ERR_UNSUPPORTED for fp8 on a device older than 8.9. */
+loom_status_t loom_cuda_weight_random_quant(loom_backend_t *be, loom_weight_t *w, const loom_quant_spec_t *spec,
+                                            int64_t rows, int64_t cols, uint64_t seed, float scale,
+                                            loom_err_t *err);
 /* dst(n) float32 = uniform in [lo, hi) from (seed, index). */
 void loom_cuda_fill_uniform(loom_backend_t *be, float *dst, size_t n, uint64_t seed, float lo, float hi);
 /* Streaming multiprocessors of the backend's device. */

@@ -12,6 +12,7 @@ get_filename_component(LOOM_CUDA_ROOT ${LOOM_CUDA_DIR}/../.. ABSOLUTE)
 add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/elementwise.cu
             ${LOOM_CUDA_DIR}/gemv.cu
+            ${LOOM_CUDA_DIR}/qgemv.cu
             ${LOOM_CUDA_DIR}/attention.cu
             ${LOOM_CUDA_DIR}/sampling.cu)
 target_include_directories(loom_cuda PRIVATE ${LOOM_CUDA_ROOT})

@@ -58,6 +58,20 @@ cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stri
 cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, int64_t rows,
                            int64_t cols, int n, cudaStream_t s);
 
+/* Quantized weights in the canonical layout of kernels/quant.h (codes, f32
+ * scales and mins (rows, cols / group), mins NULL unless Q4 with min);
+ * quant is a loom_quant_t value (LOOM_QD_* in qformat.h). */
+/* Largest n served by the quantized GEMV; larger n dequantize + cuBLAS. */
+#define LOOM_CUDA_QGEMV_MAX_N 8
+/* y(n, rows) = x(n, cols) . W^T, 1 <= n <= LOOM_CUDA_QGEMV_MAX_N. */
+cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
+                            int quant, int64_t rows, int64_t cols, int group, int n, cudaStream_t s);
+/* out(r1 - r0, cols) = rows [r0, r1) of W dequantized, stored as kind. */
+cudaError_t loom_cuda_dequant(void *out, int kind, const void *q, const float *scales, const float *mins, int quant,
+                              int64_t r0, int64_t r1, int64_t cols, int group, cudaStream_t s);
+/* dst(bytes) = random codes for `quant` from (seed, index) (benchmarks). */
+cudaError_t loom_cuda_fill_codes(void *dst, int quant, int64_t bytes, uint64_t seed, cudaStream_t s);
+
 /* Paged attention (see loom_attn_args_t in kernels/backend.h for the
  * meaning of every field). */
 typedef struct loom_cuda_attn {

@@ -10,6 +10,8 @@
 #      with fewer than 2 GPUs);
 #   4. bench_gpu: decode tokens/s and MBU against the measured copy bandwidth,
 #      prefill TFLOP/s against cuBLAS, on a random Llama-3-8B-shaped model;
+#      the quantized matmul alone (GEMV GB/s per scheme, prefill against
+#      bf16) and a short decode of the same model with 4-bit weights;
 #   5. the regular build with ctest -L gpu and `loom run --device cuda:0`, when
 #      its packages (OpenBLAS, ZeroMQ, protobuf-c, cJSON) are installed or
 #      unpacked under LOOM_DEPS_PREFIX (e.g. `dpkg -x x.deb $LOOM_DEPS_PREFIX`);
@@ -123,6 +125,10 @@ else
     # --- 4. benchmark ----------------------------------------------------------------------
     # shellcheck disable=SC2086
     step bench 420 "$bin/bench_gpu" --json "$out/bench.json" ${BENCH_ARGS:-}
+    step bench-quant 120 "$bin/bench_gpu" --skip-model --quant-gemv int8,fp8,q4,q4:128,q4_min,q4_min:128 \
+        --json "$out/quant.json"
+    step bench-q4 180 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
+        --json "$out/bench-q4.json"
 fi
 
 # --- 5. the regular build ---------------------------------------------------------------------
@@ -151,6 +157,12 @@ fi
 echo
 echo "=== summary ($(($(date +%s) - t_start)) s; logs in $out)"
 printf '%s\n' "${rows[@]}"
+# the first failed checks of the op tests, so a failure names its op and shape here
+if [ -f "$out/ops.log" ] && grep -q '^FAIL' "$out/ops.log"; then
+    echo
+    echo "test_cuda_ops failures (first 20; all in $out/ops.log):"
+    grep '^FAIL\|^  ' "$out/ops.log" | grep -B3 '^FAIL' | head -40 | grep -v '^--' | head -20
+fi
 if [ -f "$out/bench.json" ]; then
     "$py" - "$out/bench.json" <<'EOF' || true
 import json, sys
@@ -162,6 +174,23 @@ print(f"{'decode':<24}{'batch':>6}{'ms/step':>9}{'tok/s':>9}{'MBU':>7}")
 for d in b["decode"]:
     t = "  (target >= 0.75)" if d["batch"] == 1 and d["variant"].startswith("graph, fused") else ""
     print(f"{d['variant']:<24}{d['batch']:>6}{d['step_s']*1e3:>9.2f}{d['tok_s']:>9.1f}{d['mbu']:>7.3f}{t}")
+EOF
+fi
+if [ -f "$out/quant.json" ] || [ -f "$out/bench-q4.json" ]; then
+    "$py" - "$out/quant.json" "$out/bench-q4.json" <<'EOF' || true
+import json, os, sys
+if os.path.exists(sys.argv[1]):
+    q = json.load(open(sys.argv[1]))
+    print(f"\nquantized matmul alone, copy {q['copy_gbs']:.0f} GB/s; prefill {q['prefill_tokens']} tokens vs bf16 (>1: faster)")
+    print(f"{'scheme':<12}{'shape':<9}{'n=1 GB/s':>9}{'MBU':>7}{'n=8 GB/s':>9}{'MBU':>7}{'prefill':>9}")
+    for r in q["quant_gemv"]:
+        print(f"{r['scheme']:<12}{r['shape']:<9}{r['gemv1_gbs']:>9.0f}{r['mbu1']:>7.3f}{r['gemv8_gbs']:>9.0f}"
+              f"{r['mbu8']:>7.3f}{r['prefill_vs_bf16']:>9.2f}")
+if os.path.exists(sys.argv[2]):
+    b = json.load(open(sys.argv[2]))
+    print(f"\n{b['dtype']} weights: prefill {b['prefill_tokens']} tokens {b['prefill_tflops']:.0f} TFLOP/s")
+    for d in b["decode"]:
+        print(f"{d['variant']:<24}{d['batch']:>6}{d['step_s']*1e3:>9.2f}{d['tok_s']:>9.1f}{d['mbu']:>7.3f}")
 EOF
 fi
 exit $failed

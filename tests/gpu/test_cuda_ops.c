@@ -4,8 +4,9 @@
  * (bf16 activations in cuBLAS GEMMs, TF32 in the attention tiles, fp32
  * elsewhere). Sampling must match exactly (ids and candidate order; keys to
  * the last bit except Gumbel noise, which may differ by an ulp of the double
- * log). Without a GPU it prints "skipped: no GPU" and exits 77 (ctest's
- * SKIP_RETURN_CODE).
+ * log). Quantized weights (every scheme of kernels/quant.h) are checked
+ * against the CPU backend on the same canonical tensor. Without a GPU it
+ * prints "skipped: no GPU" and exits 77 (ctest's SKIP_RETURN_CODE).
  *
  *   test_cuda_ops [--seed N]     (default: from the clock, printed; LOOM_TEST_SEED too) */
 #include <math.h>
@@ -14,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <cuda_runtime_api.h>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -158,6 +161,141 @@ static void test_matmul(void) {
     };
     for (int t = 0; t < 3; t++)
         for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) check_matmul(t, shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
+/* --- quantized matmul --------------------------------------------------------------- */
+
+static int g_cc; /* compute capability of cuda:0, 10 * major + minor */
+
+/* One scheme and shape: the same canonical tensor on the CPU backend (the
+ * reference: float32 math on the dequantized matrix) and on the CUDA
+ * backends with exact f32 (t = 0) and bf16 (t = 1) weights. Tolerances:
+ * the GEMV (n <= 8) and the f32 prefill keep f32 activations and weights,
+ * so only the summation order differs (~sqrt(cols) * 2^-24 * |w x|); the
+ * bf16 prefill rounds x and the dequantized W to bf16 (~sqrt(cols) * 2^-9),
+ * as check_matmul allows for bf16 weights. */
+static void check_qmatmul(const char *scheme, int t, int64_t rows, int64_t cols, int n) {
+    loom_quant_spec_t spec;
+    LOOM_ASSERT(loom_quant_spec_parse(scheme, &spec));
+    float *hw = rand_host((size_t)rows * cols, 1.0f), *hx = rand_host((size_t)n * cols, 1.0f);
+    loom_qtensor_t q;
+    loom_weight_t wg, wc;
+    loom_err_t err = {0};
+    LOOM_ASSERT(loom_quantize(&spec, hw, rows, cols, &q, &err) == LOOM_OK);
+    char what[128];
+    snprintf(what, sizeof what, "qmatmul %s on %s rows %lld cols %lld n %d", scheme,
+             t == 0 ? "f32" : "bf16", (long long)rows, (long long)cols, n);
+    loom_status_t st = loom_weight_upload_quant(g_cuda[t], &wg, &q, &err);
+    if (spec.quant == LOOM_QUANT_FP8 && g_cc < 89) {
+        CHECKF(st == LOOM_ERR_UNSUPPORTED && strstr(err.msg, "compute capability"),
+               "%s: fp8 on a %d.%d device gave %d (%s)", what, g_cc / 10, g_cc % 10, (int)st, err.msg);
+        loom_qtensor_free(&q);
+        free(hw), free(hx);
+        return;
+    }
+    CHECKF(st == LOOM_OK, "%s: upload: %s", what, err.msg);
+    if (st != LOOM_OK) {
+        loom_qtensor_free(&q);
+        free(hw), free(hx);
+        return;
+    }
+    LOOM_ASSERT(loom_weight_upload_quant(g_cpu[0], &wc, &q, &err) == LOOM_OK);
+    CHECK(wg.quant == spec.quant && wg.group == q.group && loom_weight_bytes(&wg) == loom_weight_bytes(&wc));
+    float *ref = loom_xmalloc((size_t)n * rows * sizeof *ref);
+    loom_op_matmul(g_cpu[0], ref, hx, &wc, n);
+    float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
+    loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
+    double u = n <= 8 || t == 0 ? 2e-6 : 4e-3;
+    CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5, 1e-3));
+    /* x not 16-byte aligned: the scalar GEMV */
+    if (n <= 8 && t == 0) {
+        float *dx1 = poisoned(g_cuda[t], ((size_t)n * cols + 1) * 4);
+        loom_backend_upload(g_cuda[t], dx1 + 1, hx, (size_t)n * cols * 4);
+        loom_backend_memset(g_cuda[t], dy, 0xff, (size_t)n * rows * 4);
+        loom_op_matmul(g_cuda[t], dy, dx1 + 1, &wg, n);
+        char w2[160];
+        snprintf(w2, sizeof w2, "%s, unaligned x", what);
+        CHECK(close_dev(w2, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5, 1e-3));
+        loom_backend_free(g_cuda[t], dx1);
+    }
+    loom_backend_free(g_cuda[t], dx);
+    loom_backend_free(g_cuda[t], dy);
+    loom_weight_free(g_cuda[t], &wg);
+    loom_weight_free(g_cpu[0], &wc);
+    loom_qtensor_free(&q);
+    free(hw), free(hx), free(ref);
+}
+
+static void test_quant_matmul(void) {
+    static const char *schemes[] = {"int8", "fp8", "q4", "q4:64", "q4:128", "q4_min", "q4_min:64", "q4_min:128"};
+    /* decode: n = 1..8 on the GEMV (vector path; 100 and 48 columns: the
+     * scalar path for INT8/FP8, 48 is no 4-bit shape) */
+    static const int dshapes[][2] = {{4099, 512}, {130, 4096}, {37, 384}, {29, 100}, {11, 48}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(schemes); s++)
+        for (size_t h = 0; h < LOOM_ARRAY_LEN(dshapes); h++)
+            for (int n = 1; n <= 8; n++) {
+                int64_t rows = dshapes[h][0], cols = dshapes[h][1];
+                if (!strncmp(schemes[s], "q4", 2) && cols % 128) continue; /* 4-bit: every group size divides */
+                check_qmatmul(schemes[s], n % 2, rows, cols, n);
+            }
+    /* prefill: dequantize + cuBLAS, f32 and bf16 */
+    static const int pshapes[][3] = {{1000, 1024, 64}, {300, 4096, 512}, {97, 100, 9}, {513, 256, 200}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(schemes); s++)
+        for (size_t h = 0; h < LOOM_ARRAY_LEN(pshapes); h++)
+            for (int t = 0; t < 2; t++) {
+                int64_t rows = pshapes[h][0], cols = pshapes[h][1];
+                if (!strncmp(schemes[s], "q4", 2) && cols % 128) continue;
+                check_qmatmul(schemes[s], t, rows, cols, pshapes[h][2]);
+            }
+    /* 5000 x 4096 in f32 is two 64 MiB panels of dequantized rows */
+    check_qmatmul("int8", 0, 5000, 4096, 64);
+    check_qmatmul("q4_min:64", 0, 5000, 4096, 64);
+    check_qmatmul("fp8", 0, 5000, 4096, 64);
+    /* a recorded decode step with a quantized weight replays like the eager ops */
+    {
+        loom_backend_t *be = g_cuda[1];
+        int n = 3, dim = 512, rows = 700;
+        loom_quant_spec_t spec;
+        LOOM_ASSERT(loom_quant_spec_parse("q4_min", &spec));
+        float *hw = rand_host((size_t)rows * dim, 1.0f), *hg = rand_host((size_t)dim, 1.0f);
+        loom_qtensor_t q;
+        loom_weight_t w;
+        loom_err_t err = {0};
+        LOOM_ASSERT(loom_quantize(&spec, hw, rows, dim, &q, &err) == LOOM_OK);
+        REQUIRE(loom_weight_upload_quant(be, &w, &q, &err) == LOOM_OK);
+        float *dg = to_dev(be, hg, (size_t)dim * 4), *dx = poisoned(be, (size_t)n * dim * 4);
+        float *dxn = poisoned(be, (size_t)n * dim * 4), *dy = poisoned(be, (size_t)n * rows * 4);
+        float *eager = loom_xmalloc((size_t)n * rows * 4);
+        for (int it = 0; it < 3; it++) {
+            float *hx = rand_host((size_t)n * dim, 2.0f);
+            loom_backend_upload(be, dx, hx, (size_t)n * dim * 4);
+            loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+            loom_op_matmul(be, dy, dxn, &w, n);
+            loom_backend_download(be, eager, dy, (size_t)n * rows * 4);
+            loom_backend_memset(be, dy, 0xff, (size_t)n * rows * 4);
+            if (!loom_backend_graph_begin(be, 4242)) {
+                loom_op_rmsnorm(be, dxn, dx, dg, n, dim, 1e-5f);
+                loom_op_matmul(be, dy, dxn, &w, n);
+            }
+            CHECK(loom_backend_graph_end(be, 4242) == 0);
+            CHECK(close_dev("quantized graph replay", be, dy, eager, (size_t)n * rows, 0, 0));
+            free(hx);
+        }
+        loom_backend_free(be, dg), loom_backend_free(be, dx), loom_backend_free(be, dxn), loom_backend_free(be, dy);
+        loom_weight_free(be, &w);
+        loom_qtensor_free(&q);
+        free(hw), free(hg), free(eager);
+    }
+    /* a tensor that fails the checks is an error naming the problem, not a crash */
+    loom_qtensor_t bad = {.quant = LOOM_QUANT_Q4, .rows = 4, .cols = 96, .group = 64};
+    uint8_t codes[4 * 48];
+    float sc[8];
+    bad.q = codes, bad.scales = sc;
+    loom_weight_t w;
+    loom_err_t err = {0};
+    CHECK(loom_weight_upload_quant(g_cuda[1], &w, &bad, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "does not divide"));
+    bad.group = 32, bad.scales = NULL;
+    CHECK(loom_weight_upload_quant(g_cuda[1], &w, &bad, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "scales"));
 }
 
 /* --- element-wise ---------------------------------------------------------------------- */
@@ -572,6 +710,13 @@ int main(int argc, char **argv) {
     g_rng = seed * 2654435761ull + 1;
     fprintf(stderr, "test_cuda_ops: seed %llu (rerun with --seed %llu)\n", seed, seed);
     loom_err_t err = {0};
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess) {
+        fprintf(stderr, "test_cuda_ops: cannot read the compute capability of cuda:0\n");
+        return 1;
+    }
+    g_cc = 10 * major + minor;
     for (int t = 0; t < 3; t++) {
         loom_backend_config_t cc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
                                     .weight_dtype = k_dts[t]};
@@ -585,6 +730,7 @@ int main(int argc, char **argv) {
     RUN(test_memory);
     RUN(test_weight_upload);
     RUN(test_matmul);
+    RUN(test_quant_matmul);
     RUN(test_rmsnorm_add);
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);

@@ -5,3 +5,7 @@ loom_add_test(test_sampling SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sampling.c
               LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
 loom_add_test(test_quant SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_quant.c
               LIBS loom_kernels LABELS unit kernels TIMEOUT 120)
+# The CUDA quantized kernels' decoding and index math, on the CPU (no GPU,
+# no CUDA toolkit needed).
+loom_add_test(test_qformat SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_qformat.c
+              LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
