@@ -1053,6 +1053,7 @@ static enum MHD_Result handle_generate(req_t *q) {
         MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(r, "X-Accel-Buffering", "no");
+        MHD_add_response_header(r, "X-Request-Id", q->xid);
         refresh_timeout(q);
         res = MHD_queue_response(q->mc, MHD_HTTP_OK, r);
         MHD_destroy_response(r);
