@@ -1175,7 +1175,7 @@ static int write_stage_plot(const char *png, const rate_result_t *res, int n, co
     /* columns: 1 rate, 2 tokenize, 3 queue, 4 prefill, 5 decode */
     fputs(" index 0 using 2:xtic(1) title 'tokenize', '' index 0 using 3 title 'queue', "
           "'' index 0 using 4 title 'prefill', '' index 0 using 5 title 'decode'\n"
-          "set style histogram clustered gap 1\nset xlabel 'stage'\nset logscale y\n",
+          "set style histogram clustered gap 1\nset xlabel 'stage'\nset logscale y\nset xtics rotate by -30\n",
           f);
     snprintf(title, sizeof title, "spread at rate %s req/s", rl);
     fputs("set title ", f);
