@@ -257,6 +257,10 @@ static loom_request_times_t req_times(const request_t *q, uint64_t now) {
     return t;
 }
 
+static double ms_or_none(double sec) {
+    return sec < 0 ? -1.0 : sec * 1e3;
+}
+
 static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishReason finish, uint64_t now) {
     loom_finished_t how = finish == LOOM__V1__FINISH_REASON__FINISH_STOP     ? LOOM_FINISHED_STOP
                           : finish == LOOM__V1__FINISH_REASON__FINISH_LENGTH ? LOOM_FINISHED_LENGTH
@@ -266,10 +270,10 @@ static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishRe
     loom_metrics_request_done(s->metrics, how, &t);
     loom_log_req(LOOM_LOG_DEBUG, q->tag,
                  "request %llu done: %d+%d tokens; ms: tokenize %.2f queue %.2f prefill %.2f decode %.2f "
-                 "detokenize %.2f send %.2f ttft %.2f e2e %.2f",
-                 (unsigned long long)q->request_id, q->prompt_tokens, q->completion_tokens, t.tokenize_s * 1e3,
-                 t.queue_s * 1e3, t.prefill_s * 1e3, t.decode_s * 1e3, t.detokenize_s * 1e3, t.send_s * 1e3,
-                 t.ttft_s * 1e3, t.e2e_s * 1e3);
+                 "detokenize %.2f send %.2f ttft %.2f e2e %.2f (-1: not reached)",
+                 (unsigned long long)q->request_id, q->prompt_tokens, q->completion_tokens, ms_or_none(t.tokenize_s),
+                 ms_or_none(t.queue_s), ms_or_none(t.prefill_s), ms_or_none(t.decode_s), ms_or_none(t.detokenize_s),
+                 ms_or_none(t.send_s), ms_or_none(t.ttft_s), ms_or_none(t.e2e_s));
 }
 
 /* Sends a chunk; finish != NONE makes it the final one and ends the request.

@@ -778,6 +778,7 @@ int main(int argc, char **argv) {
     char comp[160];
     snprintf(comp, sizeof comp, "worker %s", w.id);
     loom_log_init(comp);
+    if (log_format) loom_log_set_format_name(log_format); /* the flag wins over LOOM_LOG_FORMAT */
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_signal};
     sigaction(SIGINT, &sa, NULL);
