@@ -1,7 +1,9 @@
 /* `loom bench`: the serving load generator. Sends requests with random
  * token-id prompts at a Poisson rate (or all at once), records when every
  * chunk arrives, and reports TTFT, TPOT, ITL and E2E latency percentiles
- * plus throughput, for one rate or a sweep of rates.
+ * plus throughput, for one rate or a sweep of rates, and where the time
+ * went on the server: the stage breakdown (tokenize, queue, prefill,
+ * decode, detokenize, send) from the timings in each final chunk.
  *
  * One thread drives everything: requests are submitted when their arrival
  * time comes (and a concurrency slot is free) and chunks are polled in
@@ -54,6 +56,8 @@ typedef struct bench_event {
     loom_status_t status;
     const char *message;
     int prompt_tokens, completion_tokens;
+    loom_timings_t timings; /* the server's, in the final event (has_timings) */
+    int has_timings;
 } bench_event_t;
 
 typedef struct bench_model {
@@ -83,7 +87,8 @@ static loom_status_t zmq_poll_event(void *self, int timeout_ms, bench_event_t *e
     if (*got)
         *ev = (bench_event_t){.handle = ch.request_id, .n_tokens = ch.n_ids, .final = ch.final,
                               .status = ch.status, .message = ch.message, .prompt_tokens = ch.prompt_tokens,
-                              .completion_tokens = ch.completion_tokens};
+                              .completion_tokens = ch.completion_tokens, .timings = ch.timings,
+                              .has_timings = ch.has_timings};
     return LOOM_OK;
 }
 
@@ -141,6 +146,8 @@ typedef struct hreq {
     long long left;           /* bytes left in the chunk or the sized body */
     loom_sbuf_t raw, body;         /* received bytes not yet parsed; the decoded body (SSE text or error JSON) */
     int prompt_tokens, completion_tokens;
+    loom_timings_t timings;   /* from the final choice chunk */
+    int has_timings;
     double last_s;            /* last time anything arrived */
 } hreq_t;
 
@@ -179,6 +186,14 @@ static long long json_int(const char *s, const char *key, long long dflt) {
 }
 
 /* The JSON string at key, with \" and \\ unescaped (enough for messages). */
+static double json_double(const char *s, const char *key, double dflt) {
+    const char *p = json_find(s, key);
+    if (!p) return dflt;
+    char *end;
+    double v = strtod(p, &end);
+    return end == p ? dflt : v;
+}
+
 static void json_str_at(const char *s, const char *key, char *out, size_t n) {
     out[0] = '\0';
     const char *p = json_find(s, key);
@@ -235,7 +250,8 @@ static void http_drop(http_transport_t *t, int i) {
 static void http_finish(http_transport_t *t, int i, loom_status_t st, const char *msg) {
     hreq_t *r = t->reqs[i];
     bench_event_t ev = {.handle = r->handle, .final = 1, .status = st, .prompt_tokens = r->prompt_tokens,
-                        .completion_tokens = r->completion_tokens};
+                        .completion_tokens = r->completion_tokens, .timings = r->timings,
+                        .has_timings = r->has_timings};
     http_push(t, &ev, msg);
     http_drop(t, i);
 }
@@ -261,6 +277,14 @@ static int http_sse(http_transport_t *t, int i) {
             if (u && *u == '{') {
                 r->prompt_tokens = (int)json_int(u, "\"prompt_tokens\":", 0);
                 r->completion_tokens = (int)json_int(u, "\"completion_tokens\":", 0);
+            }
+            const char *tm = json_find(data, "\"timings\":");
+            if (tm && *tm == '{') {
+                r->timings = (loom_timings_t){json_double(tm, "\"queue_ms\":", 0), json_double(tm, "\"tokenize_ms\":", 0),
+                                              json_double(tm, "\"prefill_ms\":", 0), json_double(tm, "\"decode_ms\":", 0),
+                                              json_double(tm, "\"detokenize_ms\":", 0), json_double(tm, "\"send_ms\":", 0),
+                                              json_double(tm, "\"ttft_ms\":", 0), json_double(tm, "\"total_ms\":", 0)};
+                r->has_timings = 1;
             }
             const char *c = json_find(data, "\"choices\":");
             const char *f = json_find(data, "\"finish_reason\":");
@@ -614,6 +638,8 @@ typedef struct rec {
     double *chunk_t;   /* arrival of each chunk that carried tokens */
     int n_chunks, cap_chunks;
     int tokens_seen, prompt_tokens, completion_tokens;
+    loom_timings_t timings; /* the server's (has_timings) */
+    int has_timings;
     int state; /* 0 not sent, 1 in flight, 2 done */
     loom_status_t status;
     char msg[200];
@@ -625,6 +651,23 @@ typedef struct stat4 {
     int n;
 } stat4_t;
 
+/* The server-side stages of a request, from its timings. */
+enum { ST_TOKENIZE, ST_QUEUE, ST_PREFILL, ST_DECODE, ST_DETOKENIZE, ST_SEND, ST_TTFT, ST_COUNT };
+static const char *const k_stage_names[ST_COUNT] = {"tokenize", "queue", "prefill", "decode",
+                                                    "detokenize", "send", "ttft"};
+
+static double stage_ms(const loom_timings_t *t, int st) {
+    switch (st) {
+    case ST_TOKENIZE: return t->tokenize_ms;
+    case ST_QUEUE: return t->queue_ms;
+    case ST_PREFILL: return t->prefill_ms;
+    case ST_DECODE: return t->decode_ms;
+    case ST_DETOKENIZE: return t->detokenize_ms;
+    case ST_SEND: return t->send_ms;
+    default: return t->ttft_ms;
+    }
+}
+
 typedef struct rate_result {
     double rate; /* requests/s; INFINITY: all at once */
     int skipped;
@@ -632,6 +675,7 @@ typedef struct rate_result {
     double duration_s, req_per_s, out_tok_per_s, total_tok_per_s;
     long long in_tokens, out_tokens;
     stat4_t ttft, tpot, itl, e2e; /* milliseconds */
+    stat4_t stages[ST_COUNT];     /* server timings, milliseconds (n = 0: the server sent none) */
     char errors[MAX_ERROR_KINDS][200];
     int error_counts[MAX_ERROR_KINDS], n_error_kinds;
 } rate_result_t;
@@ -706,6 +750,8 @@ static void on_event(rec_t *q, const bench_event_t *ev, double now) {
     if (ev->final) {
         q->prompt_tokens = ev->prompt_tokens;
         q->completion_tokens = ev->completion_tokens;
+        q->timings = ev->timings;
+        q->has_timings = ev->has_timings;
         finish_rec(q, now, ev->status, ev->status == LOOM_OK ? NULL : ev->message);
     }
 }
@@ -842,6 +888,14 @@ static void compute_result(const rec_t *recs, int n, double duration, rate_resul
         }
         for (int k = 1; k < q->n_chunks; k++) itl[n_itl++] = (q->chunk_t[k] - q->chunk_t[k - 1]) * 1e3;
     }
+    double *st = loom_xmalloc((size_t)(n + 1) * sizeof *st);
+    for (int k = 0; k < ST_COUNT; k++) {
+        int m = 0;
+        for (int i = 0; i < n; i++)
+            if (recs[i].status == LOOM_OK && recs[i].has_timings) st[m++] = stage_ms(&recs[i].timings, k);
+        res->stages[k] = summarize(st, m);
+    }
+    free(st);
     res->ttft = summarize(ttft, n_ttft);
     res->tpot = summarize(tpot, n_tpot);
     res->itl = summarize(itl, (int)n_itl);
@@ -897,6 +951,17 @@ static void print_result(const rate_result_t *r, const bench_cfg_t *cfg) {
         const double v[4] = {rows[i].s->mean, rows[i].s->p50, rows[i].s->p90, rows[i].s->p99};
         for (int k = 0; k < 4; k++) print_ms(v[k], 11);
         putchar('\n');
+    }
+    if (r->stages[0].n > 0) {
+        printf("stage breakdown on the server, %d requests (ms; detokenize and send are inside prefill and decode):\n",
+               r->stages[0].n);
+        printf("%-11s %10s %10s %10s\n", "", "mean", "p50", "p99");
+        for (int k = 0; k < ST_COUNT; k++) {
+            printf("%-11s", k_stage_names[k]);
+            const double v[3] = {r->stages[k].mean, r->stages[k].p50, r->stages[k].p99};
+            for (int j = 0; j < 3; j++) print_ms(v[j], 11);
+            putchar('\n');
+        }
     }
     for (int k = 0; k < r->n_error_kinds; k++) printf("error (%d x): %s\n", r->error_counts[k], r->errors[k]);
     fflush(stdout);
@@ -979,6 +1044,17 @@ static void json_result(FILE *f, const rate_result_t *r, const bench_cfg_t *cfg,
     json_stat(f, "tpot_ms", &r->tpot);
     json_stat(f, "itl_ms", &r->itl);
     json_stat(f, "e2e_ms", &r->e2e);
+    fputs(",\n    \"stages\": {", f);
+    for (int k = 0; k < ST_COUNT; k++) {
+        fprintf(f, "%s\"%s_ms\": {\"n\": %d, \"mean\": ", k ? ", " : "", k_stage_names[k], r->stages[k].n);
+        json_num(f, r->stages[k].mean);
+        fputs(", \"p50\": ", f);
+        json_num(f, r->stages[k].p50);
+        fputs(", \"p99\": ", f);
+        json_num(f, r->stages[k].p99);
+        fputc('}', f);
+    }
+    fputc('}', f);
     fputs(",\n    \"errors\": [", f);
     for (int k = 0; k < r->n_error_kinds; k++) {
         fprintf(f, "%s{\"count\": %d, \"message\": ", k ? ", " : "", r->error_counts[k]);
@@ -1018,19 +1094,104 @@ static void gp_str(FILE *f, const char *s) {
     fputc('\'', f);
 }
 
-/* Writes PNG.dat (the sweep's latencies against the achieved request rate)
- * and PNG.gp (the gnuplot script), then runs gnuplot to draw PNG. */
-static int write_plot(const char *png, const rate_result_t *res, int n, const char *model) {
-    char base[1024], dat[1100], gp[1100];
+static int run_gnuplot(const char *png, const char *dat, char *gp);
+
+/* PNG without ".png", then ".dat" and ".gp" file names. */
+static int plot_names(const char *png, char *dat, char *gp, size_t n) {
+    char base[1024];
     size_t len = strlen(png);
-    if (len >= sizeof base) {
-        fprintf(stderr, "error: --plot path is too long\n");
+    if (len >= sizeof base || len + 8 > n) {
+        fprintf(stderr, "error: the plot path is too long\n");
         return -1;
     }
     snprintf(base, sizeof base, "%s", png);
     if (len > 4 && !strcmp(base + len - 4, ".png")) base[len - 4] = '\0';
-    snprintf(dat, sizeof dat, "%s.dat", base);
-    snprintf(gp, sizeof gp, "%s.gp", base);
+    snprintf(dat, n, "%s.dat", base);
+    snprintf(gp, n, "%s.gp", base);
+    return 0;
+}
+
+/* Writes PNG.dat (per rate: the mean of each server stage; then p50 and
+ * p99 per stage of the last rate) and PNG.gp, and draws PNG: where the
+ * time of a request goes, stacked, against the offered rate; and the
+ * spread of each stage at the last (highest) rate. */
+static int write_stage_plot(const char *png, const rate_result_t *res, int n, const char *model) {
+    char dat[1100], gp[1100];
+    if (plot_names(png, dat, gp, sizeof dat) < 0) return -1;
+    const rate_result_t *last = NULL;
+    for (int i = 0; i < n; i++)
+        if (!res[i].skipped && res[i].stages[0].n > 0) last = &res[i];
+    if (!last) {
+        fprintf(stderr, "warning: the server sent no timings: no stage plot\n");
+        return 0;
+    }
+    FILE *f = fopen(dat, "w");
+    if (!f) {
+        fprintf(stderr, "error: cannot write %s: %s\n", dat, strerror(errno));
+        return -1;
+    }
+    fprintf(f, "# loom bench stage breakdown, model %s; milliseconds\n# rate", model);
+    for (int k = 0; k < ST_COUNT; k++) fprintf(f, " %s_mean", k_stage_names[k]);
+    fputc('\n', f);
+    for (int i = 0; i < n; i++) {
+        const rate_result_t *r = &res[i];
+        if (r->skipped || r->stages[0].n == 0) continue;
+        char rl[32];
+        rate_label(r->rate, rl, sizeof rl);
+        fprintf(f, "%s", rl);
+        for (int k = 0; k < ST_COUNT; k++) fprintf(f, " %.6g", r->stages[k].mean);
+        fputc('\n', f);
+    }
+    char rl[32];
+    rate_label(last->rate, rl, sizeof rl);
+    fprintf(f, "\n\n# stage p50 p99 at rate %s\n", rl);
+    for (int k = 0; k < ST_COUNT; k++)
+        fprintf(f, "%s %.6g %.6g\n", k_stage_names[k], last->stages[k].p50, last->stages[k].p99);
+    fclose(f);
+    f = fopen(gp, "w");
+    if (!f) {
+        fprintf(stderr, "error: cannot write %s: %s\n", gp, strerror(errno));
+        return -1;
+    }
+    fputs("# Draws the server-side stage breakdown of loom bench requests.\n"
+          "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
+          "  set terminal pngcairo size 1200,480\n"
+          "} else {\n"
+          "  set terminal png size 1200,480\n"
+          "}\n"
+          "set output ",
+          f);
+    gp_str(f, png);
+    char title[400];
+    snprintf(title, sizeof title, "loom bench: where a request's time goes (%s)", model);
+    fputs("\nset datafile missing 'nan'\nset multiplot layout 1,2 title ", f);
+    gp_str(f, title);
+    fputs("\nset grid ytics\nset style data histograms\nset style fill solid 0.8 border -1\nset boxwidth 0.7\n"
+          "set ylabel 'ms'\nset key top left\n"
+          "set style histogram rowstacked\nset xlabel 'offered rate (req/s)'\n"
+          "set title 'mean per request, stacked (= end to end)'\nplot ",
+          f);
+    gp_str(f, dat);
+    /* columns: 1 rate, 2 tokenize, 3 queue, 4 prefill, 5 decode */
+    fputs(" index 0 using 2:xtic(1) title 'tokenize', '' index 0 using 3 title 'queue', "
+          "'' index 0 using 4 title 'prefill', '' index 0 using 5 title 'decode'\n"
+          "set style histogram clustered gap 1\nset xlabel 'stage'\nset logscale y\nset xtics rotate by -30\n",
+          f);
+    snprintf(title, sizeof title, "spread at rate %s req/s", rl);
+    fputs("set title ", f);
+    gp_str(f, title);
+    fputs("\nplot ", f);
+    gp_str(f, dat);
+    fputs(" index 1 using 2:xtic(1) title 'p50', '' index 1 using 3 title 'p99'\nunset multiplot\n", f);
+    fclose(f);
+    return run_gnuplot(png, dat, gp);
+}
+
+/* Writes PNG.dat (the sweep's latencies against the achieved request rate)
+ * and PNG.gp (the gnuplot script), then runs gnuplot to draw PNG. */
+static int write_plot(const char *png, const rate_result_t *res, int n, const char *model) {
+    char dat[1100], gp[1100];
+    if (plot_names(png, dat, gp, sizeof dat) < 0) return -1;
     FILE *f = fopen(dat, "w");
     if (!f) {
         fprintf(stderr, "error: cannot write %s: %s\n", dat, strerror(errno));
@@ -1078,7 +1239,12 @@ static int write_plot(const char *png, const rate_result_t *res, int n, const ch
           "unset multiplot\n",
           f);
     fclose(f);
+    return run_gnuplot(png, dat, gp);
+}
 
+/* Runs gnuplot on the script gp; a missing or failing gnuplot is a warning
+ * (the data and the script stay for later). */
+static int run_gnuplot(const char *png, const char *dat, char *gp) {
     char *args[] = {"gnuplot", gp, NULL};
     pid_t pid;
     int e = posix_spawnp(&pid, "gnuplot", NULL, NULL, args, environ);
@@ -1126,6 +1292,7 @@ static int parse_rates(const char *list, double *rates, int max) {
 
 int loom_cmd_bench(int argc, char **argv) {
     const char *addr = NULL, *rate_s = NULL, *rates_s = NULL, *json = NULL, *plot = NULL, *api = "zmq";
+    const char *stage_plot = NULL;
     const char *api_key = NULL, *url = NULL;
     int num_requests = 100, prompt_len = 128, output_len = 128, vocab = 0, max_conc = 0, timeout_s = 300;
     float prompt_range = 0, output_range = 0, temperature = 0;
@@ -1145,6 +1312,7 @@ int loom_cmd_bench(int argc, char **argv) {
         {"temperature", LOOM_OPT_FLOAT, &temperature, "T", "sampling temperature (default 0: greedy)", 0, 100, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "write the results as JSON (an object; an array for --rates)", 1, 0, NULL},
         {"plot", LOOM_OPT_STR, &plot, "FILE.png", "plot TTFT/TPOT p50/p99 against the achieved rate (gnuplot)", 1, 0, NULL},
+        {"stage-plot", LOOM_OPT_STR, &stage_plot, "FILE.png", "plot the server-side stage breakdown (mean per stage, stacked, per rate; p50/p99 per stage) (gnuplot)", 1, 0, NULL},
         {"timeout-s", LOOM_OPT_INT, &timeout_s, "N", "cap on the whole run; unfinished requests fail (default 300)", 1, 1e6, NULL},
         {"api", LOOM_OPT_STR, &api, "zmq|http", "transport: the ZeroMQ API, or the OpenAI-compatible HTTP gateway (default zmq)", 1, 0, NULL},
         {"url", LOOM_OPT_STR, &url, "URL", "with --api http: the gateway, e.g. http://127.0.0.1:8000", 1, 0, NULL},
@@ -1265,6 +1433,7 @@ int loom_cmd_bench(int argc, char **argv) {
     if (sweep && n_rates > 0) print_sweep(res, n_rates);
     if (json && n_rates > 0 && write_json(json, res, n_rates, sweep, &cfg, t.name, model.id) < 0) rc = 1;
     if (plot && n_rates > 0 && write_plot(plot, res, n_rates, model.id) < 0) rc = 1;
+    if (stage_plot && n_rates > 0 && write_stage_plot(stage_plot, res, n_rates, model.id) < 0) rc = 1;
     free(hix);
     free(recs);
     free(res);

@@ -353,6 +353,12 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
             ch->completion_tokens = (int)LOOM_MIN(g->usage->completion_tokens, (uint32_t)INT32_MAX);
             ch->cached_tokens = (int)LOOM_MIN(g->usage->cached_tokens, (uint32_t)INT32_MAX);
         }
+        if (g->timings) {
+            const Loom__V1__Timings *t = g->timings;
+            ch->timings = (loom_timings_t){t->queue_ms,      t->tokenize_ms, t->prefill_ms, t->decode_ms,
+                                           t->detokenize_ms, t->send_ms,     t->ttft_ms,    t->total_ms};
+            ch->has_timings = 1;
+        }
     }
     if (r->code != LOOM__V1__STATUS_CODE__OK) {
         ch->final = 1;
@@ -441,7 +447,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     if (!p || ((!p->prompt || !p->prompt[0]) && p->n_prompt_ids <= 0))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: a prompt or prompt ids are needed");
     if (p->n_prompt_ids < 0 || (p->n_prompt_ids > 0 && !p->prompt_ids) || p->max_tokens < 0 || p->n_stop < 0 ||
-        (p->n_stop > 0 && !p->stop))
+        (p->n_stop > 0 && !p->stop) || p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "INVALID_ARGUMENT: negative counts or missing arrays in the generation parameters");
     for (int i = 0; i < p->n_stop; i++)
@@ -466,6 +472,9 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;
+    g.tag = (char *)(p->tag ? p->tag : "");
+    g.n_stop_token_ids = (size_t)p->n_stop_token_ids;
+    g.stop_token_ids = (int32_t *)p->stop_token_ids;
     Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
     req.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
     req.generate = &g;

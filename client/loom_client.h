@@ -42,6 +42,9 @@ typedef struct loom_gen_params {
     int keep_special;           /* keep special tokens in the text */
     int raw_prompt;             /* prompt already formatted (chat template): parse special tokens, no BOS */
     const char *model;          /* NULL: the served model */
+    const char *tag;            /* the caller's id for the coordinator's log lines (NULL: none) */
+    const int32_t *stop_token_ids; /* generating one ends the request (not in the text) */
+    int n_stop_token_ids;
 } loom_gen_params_t;
 
 typedef enum {
@@ -51,6 +54,11 @@ typedef enum {
     LOOM_FINISH_CANCELLED = 3,
     LOOM_FINISH_ERROR = 4,
 } loom_finish_t;
+
+/* Where a request's time went (milliseconds; see Timings in api.proto). */
+typedef struct loom_timings {
+    double queue_ms, tokenize_ms, prefill_ms, decode_ms, detokenize_ms, send_ms, ttft_ms, total_ms;
+} loom_timings_t;
 
 typedef struct loom_chunk {
     uint64_t request_id;
@@ -62,6 +70,9 @@ typedef struct loom_chunk {
     int final;
     /* usage, in the final chunk */
     int prompt_tokens, completion_tokens, cached_tokens;
+    /* in the final chunk of an admitted request (has_timings = 1) */
+    loom_timings_t timings;
+    int has_timings;
     /* the stream's status in the final chunk (OK unless it failed) */
     loom_status_t status;
     const char *message;

@@ -204,3 +204,18 @@ void loom_sbuf_free(loom_sbuf_t *b) {
     b->p = NULL;
     b->len = b->cap = 0;
 }
+
+int loom_secret_equal(const char *secret, size_t secret_len, const char *given, size_t given_len) {
+    /* every byte of the secret is looked at; a given string of another
+     * length compares against itself (masked), so no branch depends on it */
+    unsigned diff = (unsigned)(secret_len != given_len);
+    size_t last = given_len ? given_len - 1 : 0;
+    for (size_t i = 0; i < secret_len; i++) {
+        size_t in = (size_t)0 - (size_t)(i < given_len); /* all ones while i indexes given */
+        unsigned char g = given_len ? (unsigned char)given[(i & in) | (last & ~in)] : 0;
+        diff |= (unsigned)((unsigned char)secret[i] ^ g);
+    }
+    /* read through a volatile so the loop is not cut short on the first difference */
+    volatile unsigned d = diff;
+    return d == 0;
+}

@@ -45,6 +45,11 @@ void loom_sbuf_printf(loom_sbuf_t *b, const char *fmt, ...) __attribute__((forma
 void loom_sbuf_consume(loom_sbuf_t *b, size_t n); /* drops the first n bytes */
 void loom_sbuf_free(loom_sbuf_t *b);
 
+/* Compares a secret (an API key) with what a client sent, in time that
+ * depends on the secret's length only: not on the content, not on how
+ * long a matching prefix is, and not on the length sent. 1 when equal. */
+int loom_secret_equal(const char *secret, size_t secret_len, const char *given, size_t given_len);
+
 #define LOOM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define LOOM_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define LOOM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))

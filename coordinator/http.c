@@ -19,7 +19,17 @@
  * While active, a peer that goes away (a failed write, or a peek at the
  * socket while waiting) or a stopping gateway abandons the request: it is
  * cancelled on the coordinator, the cancel is awaited briefly, and the
- * connection's client is closed. */
+ * connection's client is closed.
+ *
+ * Every request has an id: the client's X-Request-Id when it is 1 to 128
+ * printable ASCII characters, else a generated one. It is echoed in the
+ * X-Request-Id response header, ends the completion id, goes to the
+ * coordinator as the request's tag, and names the request in every log
+ * line (the connection thread's log request id).
+ *
+ * Connections beyond --http-max-connections are accepted (up to
+ * OVERFLOW_CONNECTIONS more, libmicrohttpd's own limit) and answered 503
+ * with Retry-After, then closed, instead of being reset. */
 #include "coordinator/http.h"
 
 #include <errno.h>
@@ -45,6 +55,7 @@
 #include "client/loom_client.h"
 #include "common/chat_template.h"
 #include "common/log.h"
+#include "common/tokenizer.h"
 #include "common/util.h"
 #include "coordinator/metrics.h"
 
@@ -59,6 +70,10 @@
 #define MAX_STOP 64            /* more is refused here; the coordinator allows fewer */
 #define COMPLETIONS_DEFAULT_MAX_TOKENS 16 /* OpenAI's default for /v1/completions */
 #define SSE_BLOCK 4096
+#define OVERFLOW_CONNECTIONS 64 /* connections over the limit that still get a 503 */
+#define MAX_REQUEST_ID 128
+#define MAX_STOP_IDS 64
+#define RETRY_AFTER_S "1"
 
 struct loom_http {
     loom_server_t *srv;
@@ -74,6 +89,9 @@ struct loom_http {
     int port;
     long long started; /* unix time, the "created" of the model object */
     atomic_int serving, stopping;
+    atomic_int n_conns; /* open connections, over-limit ones included */
+    int max_conns;
+    loom_tokenizer_t *tok; /* /tokenize and /detokenize (NULL: no model directory) */
     atomic_uint_fast64_t n_ids;
     uint64_t id_salt;
     pthread_mutex_t mu; /* guards have_model, model */
@@ -84,9 +102,21 @@ struct loom_http {
 /* One per TCP connection (MHD's socket context). */
 typedef struct conn {
     loom_client_t *client;
+    int over_limit; /* accepted beyond --http-max-connections: answered 503 */
 } conn_t;
 
-typedef enum { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_COMPLETIONS, R_CHAT } route_t;
+typedef enum {
+    R_NONE,
+    R_HEALTH,
+    R_METRICS,
+    R_MODELS,
+    R_MODEL,
+    R_COMPLETIONS,
+    R_CHAT,
+    R_TOKENIZE,
+    R_DETOKENIZE,
+    R_VERSION
+} route_t;
 
 /* One per HTTP request (MHD's con_cls). */
 typedef struct req {
@@ -99,6 +129,8 @@ typedef struct req {
     uint64_t t0;
     const char *allow;    /* Allow header of a 405 */
     int www_auth;         /* WWW-Authenticate header of a 401 */
+    int close_after;      /* Retry-After and Connection: close (over the connection limit) */
+    char xid[MAX_REQUEST_ID + 1]; /* X-Request-Id */
     /* the body */
     loom_sbuf_t body;
     int too_big;
@@ -113,6 +145,10 @@ typedef struct req {
     size_t out_off;
     loom_sbuf_t text; /* the completion, when not streaming */
     char fail_msg[600];
+    /* timings: the coordinator's, and the gateway's own time handing chunks on */
+    loom_timings_t timings;
+    int has_timings;
+    uint64_t send_ns;
 } req_t;
 
 /* ---- small helpers ---- */
@@ -185,6 +221,11 @@ static enum MHD_Result respond(req_t *q, unsigned status, const char *ctype, cha
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (q->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, q->allow);
     if (q->www_auth) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (q->xid[0]) MHD_add_response_header(r, "X-Request-Id", q->xid);
+    if (q->close_after) {
+        MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, RETRY_AFTER_S);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    }
     enum MHD_Result ok = MHD_queue_response(q->mc, status, r);
     MHD_destroy_response(r);
     q->status = status;
@@ -401,20 +442,92 @@ static int opt_bool(const cJSON *o, const char *k, int *v, perr_t *e) {
     return 1;
 }
 
-/* A feature Loom does not implement: refused when asked for, so that a
- * client never gets an answer computed without it. */
-static int refuse_if_set(const cJSON *o, const char *k, perr_t *e) {
-    const cJSON *x = field(o, k);
-    if (!x) return 0;
-    int set = cJSON_IsTrue(x) || (cJSON_IsNumber(x) && x->valuedouble != 0) ||
-              (cJSON_IsString(x) && x->valuestring[0]) || (cJSON_IsArray(x) && cJSON_GetArraySize(x) > 0) ||
-              (cJSON_IsObject(x) && x->child);
-    return set ? bad(e, k, "%s is not supported by this server", k) : 0;
+/* Which fields a request may carry. Loom answers every field it accepts:
+ * one it does not implement (an OpenAI feature, or one of vLLM's
+ * extensions) is refused with 400 naming it unless it holds the value
+ * that turns the feature off, and a field no one defines is refused too,
+ * so a client never gets an answer computed without what it asked for. */
+typedef enum {
+    F_ALL = 0,  /* implemented by every generation route */
+    F_PROMPT,   /* implemented by /v1/completions */
+    F_CHAT,     /* implemented by /v1/chat/completions */
+    F_FALSY,    /* not implemented: null, false, 0, "", [] or {} only */
+    F_ONE,      /* not implemented: null or 1 only (a neutral factor) */
+    F_TRUE,     /* not implemented: null or true only (the default behaviour) */
+    F_NONE_AUTO /* not implemented: null, "none" or "auto" only (no tools given) */
+} field_kind_t;
+
+static const struct {
+    const char *name;
+    field_kind_t kind;
+} k_fields[] = {
+    /* implemented */
+    {"model", F_ALL}, {"max_tokens", F_ALL}, {"temperature", F_ALL}, {"top_p", F_ALL}, {"top_k", F_ALL},
+    {"seed", F_ALL}, {"stop", F_ALL}, {"stream", F_ALL}, {"stream_options", F_ALL}, {"ignore_eos", F_ALL},
+    {"priority", F_ALL}, {"n", F_ALL}, {"best_of", F_ALL}, {"response_format", F_ALL}, {"stop_token_ids", F_ALL},
+    {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
+    {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
+    {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
+    /* OpenAI features Loom does not implement */
+    {"echo", F_FALSY}, {"logprobs", F_FALSY}, {"top_logprobs", F_FALSY}, {"presence_penalty", F_FALSY},
+    {"frequency_penalty", F_FALSY}, {"logit_bias", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
+    {"tool_choice", F_NONE_AUTO}, {"parallel_tool_calls", F_TRUE}, {"functions", F_FALSY},
+    {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
+    {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
+    {"service_tier", F_NONE_AUTO},
+    /* vLLM's extensions Loom does not implement */
+    {"guided_json", F_FALSY}, {"guided_regex", F_FALSY}, {"guided_choice", F_FALSY}, {"guided_grammar", F_FALSY},
+    {"guided_decoding_backend", F_FALSY}, {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY},
+    {"structured_outputs", F_FALSY}, {"repetition_penalty", F_ONE}, {"min_p", F_FALSY}, {"min_tokens", F_FALSY},
+    {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
+    {"stop_token_ids_str", F_FALSY}, {"include_stop_str_in_output", F_FALSY},
+    {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY}, {"prompt_logprobs", F_FALSY},
+    {"allowed_token_ids", F_FALSY}, {"bad_words", F_FALSY}, {"logits_processors", F_FALSY},
+    {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
+    {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
+    {"chat_template", F_FALSY}, {"chat_template_kwargs", F_FALSY}, {"continue_final_message", F_FALSY},
+    {"documents", F_FALSY}, {"mm_processor_kwargs", F_FALSY}, {"thinking_token_budget", F_FALSY},
+};
+
+static int field_is_off(const cJSON *x, field_kind_t kind) {
+    if (cJSON_IsNull(x)) return 1;
+    switch (kind) {
+    case F_FALSY:
+        return cJSON_IsFalse(x) || (cJSON_IsNumber(x) && x->valuedouble == 0) ||
+               (cJSON_IsString(x) && !x->valuestring[0]) || (cJSON_IsArray(x) && !x->child) ||
+               (cJSON_IsObject(x) && !x->child);
+    case F_ONE: return cJSON_IsNumber(x) && x->valuedouble == 1;
+    case F_TRUE: return cJSON_IsTrue(x);
+    case F_NONE_AUTO:
+        return cJSON_IsString(x) && (!strcmp(x->valuestring, "none") || !strcmp(x->valuestring, "auto") ||
+                                     !strcmp(x->valuestring, "default"));
+    default: return 1;
+    }
+}
+
+/* Every top-level field of a generation request is one this route
+ * implements or one that is off (see k_fields). */
+static int check_fields(const cJSON *o, int chat, perr_t *e) {
+    const cJSON *x;
+    cJSON_ArrayForEach(x, o) {
+        size_t i = 0;
+        while (i < LOOM_ARRAY_LEN(k_fields) && strcmp(k_fields[i].name, x->string) != 0) i++;
+        if (i == LOOM_ARRAY_LEN(k_fields))
+            return bad(e, x->string, "%.64s is not a field this server knows", x->string);
+        field_kind_t k = k_fields[i].kind;
+        if (k == F_ALL || (k == F_PROMPT && !chat) || (k == F_CHAT && chat)) continue;
+        if (k == F_PROMPT || k == F_CHAT)
+            return bad(e, x->string, "%s is not a field of %s", x->string,
+                       chat ? "/v1/chat/completions" : "/v1/completions");
+        if (!field_is_off(x, k)) return bad(e, x->string, "%s is not supported by this server", x->string);
+    }
+    return 0;
 }
 
 typedef struct gen {
     loom_gen_params_t p;
     const char *stop[MAX_STOP];
+    int32_t stop_ids[MAX_STOP_IDS];
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char **parts; /* owned: message contents joined from parts */
@@ -431,6 +544,7 @@ static void gen_free(gen_t *g) {
 static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     double v;
     int r, b = 0;
+    if (check_fields(o, q->chat, e) < 0) return -1;
     const cJSON *x = field(o, "model");
     if (x && !cJSON_IsString(x)) return bad(e, "model", "model must be a string");
     if (x && x->valuestring[0]) g->p.model = x->valuestring;
@@ -438,10 +552,27 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (r && v != 1) return bad(e, "n", "n must be 1: this server returns one choice per request (got %g)", v);
     if ((r = opt_int(o, "best_of", -1e9, 1e9, &v, e)) < 0) return -1;
     if (r && v != 1) return bad(e, "best_of", "best_of must be 1 (got %g)", v);
-    const char *unsupported[] = {"echo", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                                 "logit_bias", "tools", "functions", "suffix"};
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(unsupported); i++)
-        if (refuse_if_set(o, unsupported[i], e) < 0) return -1;
+    if ((r = opt_bool(o, "skip_special_tokens", &b, e)) < 0) return -1;
+    g->p.keep_special = r && !b;
+    x = field(o, "stop_token_ids");
+    if (x) {
+        if (!cJSON_IsArray(x)) return bad(e, "stop_token_ids", "stop_token_ids must be an array of token ids");
+        const cJSON *t;
+        cJSON_ArrayForEach(t, x) {
+            if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
+                t->valuedouble > 2147483647.0)
+                return bad(e, "stop_token_ids", "stop_token_ids[%d] is not a token id (a non-negative integer)",
+                           g->p.n_stop_token_ids);
+            if (g->p.n_stop_token_ids == MAX_STOP_IDS)
+                return bad(e, "stop_token_ids", "at most %d stop token ids", MAX_STOP_IDS);
+            g->stop_ids[g->p.n_stop_token_ids++] = (int32_t)t->valuedouble;
+        }
+        g->p.stop_token_ids = g->stop_ids;
+    }
+    x = field(o, "user");
+    if (x && !cJSON_IsString(x)) return bad(e, "user", "user must be a string");
+    x = field(o, "metadata");
+    if (x && !cJSON_IsObject(x)) return bad(e, "metadata", "metadata must be an object");
     x = field(o, "response_format");
     if (x) {
         const cJSON *t = cJSON_IsObject(x) ? field(x, "type") : NULL;
@@ -600,7 +731,9 @@ static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_
     }
     loom_err_t err = {0};
     size_t len;
-    if (loom_chat_render(tmpl, m, n, 1, &g->prompt, &len, &err) < 0) {
+    int add_gen = 1, r = opt_bool(o, "add_generation_prompt", &add_gen, e);
+    if (r < 0) goto done;
+    if (loom_chat_render(tmpl, m, n, add_gen, &g->prompt, &len, &err) < 0) {
         bad(e, "messages", "%s", err.msg);
         goto done;
     }
@@ -618,11 +751,26 @@ done:
 
 /* ---- response bodies ---- */
 
+/* The completion id: the request id after OpenAI's prefix. */
 static void new_id(req_t *q) {
-    uint64_t n = atomic_fetch_add(&q->h->n_ids, 1);
-    uint64_t a = mix64(q->h->id_salt + n), b = mix64(a ^ 0x5bd1e995u);
-    snprintf(q->id, sizeof q->id, "%s-%016llx%08llx", q->chat ? "chatcmpl" : "cmpl", (unsigned long long)a,
-             (unsigned long long)(b >> 32));
+    snprintf(q->id, sizeof q->id, "%s-%.*s", q->chat ? "chatcmpl" : "cmpl", (int)(sizeof q->id - 10), q->xid);
+}
+
+/* The client's X-Request-Id when it is 1..MAX_REQUEST_ID printable ASCII
+ * characters; otherwise a fresh one (24 hex digits). */
+static void take_request_id(req_t *q) {
+    const char *x = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, "X-Request-Id");
+    size_t n = 0;
+    if (x) {
+        while (x[n] && n <= MAX_REQUEST_ID && x[n] >= 0x20 && x[n] <= 0x7e) n++;
+        if (n > 0 && n <= MAX_REQUEST_ID && !x[n]) {
+            memcpy(q->xid, x, n + 1);
+            return;
+        }
+    }
+    uint64_t k = atomic_fetch_add(&q->h->n_ids, 1);
+    uint64_t a = mix64(q->h->id_salt + k), b = mix64(a ^ 0x5bd1e995u);
+    snprintf(q->xid, sizeof q->xid, "%016llx%08llx", (unsigned long long)a, (unsigned long long)(b >> 32));
 }
 
 static const char *finish_name(loom_finish_t f) {
@@ -638,6 +786,27 @@ static cJSON *usage_obj(const loom_chunk_t *ch) {
     cJSON_AddNumberToObject(d, "cached_tokens", ch->cached_tokens);
     cJSON_AddItemToObject(u, "prompt_tokens_details", d);
     return u;
+}
+
+/* The coordinator's timings plus the gateway's own send time (ms). */
+static cJSON *timings_obj(const req_t *q) {
+    const loom_timings_t *t = &q->timings;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "queue_ms", t->queue_ms);
+    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms);
+    cJSON_AddNumberToObject(o, "prefill_ms", t->prefill_ms);
+    cJSON_AddNumberToObject(o, "decode_ms", t->decode_ms);
+    cJSON_AddNumberToObject(o, "detokenize_ms", t->detokenize_ms);
+    cJSON_AddNumberToObject(o, "send_ms", t->send_ms + (double)q->send_ns * 1e-6);
+    cJSON_AddNumberToObject(o, "ttft_ms", t->ttft_ms);
+    cJSON_AddNumberToObject(o, "total_ms", t->total_ms);
+    return o;
+}
+
+static void take_timings(req_t *q, const loom_chunk_t *ch) {
+    if (!ch->has_timings) return;
+    q->timings = ch->timings;
+    q->has_timings = 1;
 }
 
 static cJSON *head_obj(const req_t *q, const char *object) {
@@ -713,6 +882,16 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
         loom_sbuf_str(b, "\"");
         loom_sbuf_str(b, finish);
         loom_sbuf_str(b, "\"}]");
+        if (q->has_timings) { /* Loom's extension: where the request's time went */
+            cJSON *tj = timings_obj(q);
+            char *t = cJSON_PrintUnformatted(tj);
+            cJSON_Delete(tj);
+            if (t) {
+                loom_sbuf_str(b, ",\"timings\":");
+                loom_sbuf_str(b, t);
+                free(t);
+            }
+        }
     } else {
         loom_sbuf_str(b, "null}]");
     }
@@ -721,8 +900,11 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
 
 /* Turns one coordinator chunk into SSE events in q->out. */
 static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
+    uint64_t t0 = loom_now_ns();
     if (ch->n_ids > 0 || ch->text_len > 0) sse_choice(q, ch->text, ch->text_len, 0, NULL);
+    q->send_ns += loom_now_ns() - t0;
     if (!ch->final) return;
+    take_timings(q, ch);
     q->finished = 1;
     if (ch->status != LOOM_OK) {
         /* the stream broke after it began: an error event, and no [DONE] */
@@ -779,6 +961,8 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     cJSON_AddStringToObject(c, "finish_reason", finish_name(ch->finish));
     cJSON_AddItemToArray(choices, c);
     cJSON_AddItemToObject(o, "usage", usage_obj(ch));
+    take_timings(q, ch);
+    if (q->has_timings) cJSON_AddItemToObject(o, "timings", timings_obj(q));
     return respond_json(q, MHD_HTTP_OK, o);
 }
 
@@ -836,6 +1020,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     snprintf(q->model, sizeof q->model, "%s", mi.id);
     q->created = (long long)time(NULL);
     new_id(q);
+    g.p.tag = q->xid;
     if (loom_client_submit(q->conn->client, &g.p, &q->gen_id, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;
@@ -868,6 +1053,7 @@ static enum MHD_Result handle_generate(req_t *q) {
         MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(r, "X-Accel-Buffering", "no");
+        MHD_add_response_header(r, "X-Request-Id", q->xid);
         refresh_timeout(q);
         res = MHD_queue_response(q->mc, MHD_HTTP_OK, r);
         MHD_destroy_response(r);
@@ -875,7 +1061,9 @@ static enum MHD_Result handle_generate(req_t *q) {
         return res;
     }
     for (;;) {
+        uint64_t t0 = loom_now_ns();
         loom_sbuf_add(&q->text, ch.text, ch.text_len);
+        q->send_ns += loom_now_ns() - t0;
         if (ch.final) break;
         if (!next_chunk(q, &ch)) {
             abandon(q);
@@ -942,6 +1130,177 @@ static enum MHD_Result handle_health(req_t *q) {
     return respond_json(q, hl.ready ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, o);
 }
 
+static enum MHD_Result handle_version(req_t *q) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "version", LOOM_VERSION);
+    return respond_json(q, MHD_HTTP_OK, o);
+}
+
+/* The JSON object body of a POST, or NULL after answering 400. */
+static cJSON *json_body(req_t *q, enum MHD_Result *res) {
+    const char *end = NULL;
+    cJSON *root = q->body.len && !memchr(q->body.p, 0, q->body.len) &&
+                          valid_utf8((const unsigned char *)q->body.p, q->body.len) &&
+                          !has_escaped_nul(q->body.p, q->body.len)
+                      ? cJSON_ParseWithLengthOpts(q->body.p, q->body.len, &end, 0)
+                      : NULL;
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        *res = respond_error(q, 400, "invalid_request_error", NULL, NULL,
+                             "the request body must be a JSON object (UTF-8, no NUL characters)");
+        return NULL;
+    }
+    return root;
+}
+
+/* Only these fields, and "model" naming the served model. */
+static int check_plain_fields(req_t *q, const cJSON *o, const char *const *names, size_t n, perr_t *e,
+                              loom_model_info_t *mi, loom_err_t *err, int *status_err) {
+    const cJSON *x;
+    cJSON_ArrayForEach(x, o) {
+        size_t i = 0;
+        while (i < n && strcmp(names[i], x->string) != 0) i++;
+        if (i == n && strcmp(x->string, "model") != 0)
+            return bad(e, x->string, "%.64s is not a field of %s", x->string, q->path);
+    }
+    if (served_model(q, mi, err) < 0) {
+        *status_err = 1;
+        return -1;
+    }
+    x = field(o, "model");
+    if (x && (!cJSON_IsString(x) || (x->valuestring[0] && strcmp(x->valuestring, mi->id) != 0)))
+        return bad(e, "model", "The model '%.300s' does not exist; this server serves '%s'",
+                   cJSON_IsString(x) ? x->valuestring : "?", mi->id);
+    return 0;
+}
+
+/* POST /tokenize {"prompt", "add_special_tokens"} or {"messages",
+ * "add_generation_prompt"}: {"count", "max_model_len", "tokens"}, the ids
+ * the coordinator would compute for that prompt (as in vLLM). */
+static enum MHD_Result handle_tokenize(req_t *q) {
+    enum MHD_Result res;
+    cJSON *root = json_body(q, &res);
+    if (!root) return res;
+    static const char *const names[] = {"prompt", "add_special_tokens", "messages", "add_generation_prompt"};
+    perr_t e = {0};
+    loom_err_t err = {0};
+    loom_model_info_t mi;
+    gen_t g = {0};
+    int status_err = 0, r, add_special = 1;
+    int32_t *ids = NULL;
+    int n_ids = 0, cap = 0;
+    if (check_plain_fields(q, root, names, LOOM_ARRAY_LEN(names), &e, &mi, &err, &status_err) < 0) {
+        res = status_err ? respond_status(q, err.code, err.msg)
+                         : respond_error(q, e.param[0] && !strcmp(e.param, "model") ? 404 : 400,
+                                         "invalid_request_error", e.param, NULL, "%s", e.msg);
+        goto done;
+    }
+    int chat = field(root, "messages") != NULL;
+    if (chat && field(root, "prompt")) {
+        res = respond_error(q, 400, "invalid_request_error", "prompt", NULL, "send either prompt or messages");
+        goto done;
+    }
+    if (chat && !q->h->tmpl) {
+        res = respond_error(q, 400, "invalid_request_error", "messages", "no_chat_template",
+                            "this model has no chat template");
+        goto done;
+    }
+    const char *text;
+    if (chat) {
+        if (parse_messages(q->h->tmpl, root, &g, &e) < 0) goto bad_field;
+        text = g.prompt;
+        add_special = 0; /* the template wrote BOS and the special tokens */
+    } else {
+        const cJSON *p = field(root, "prompt");
+        if (!cJSON_IsString(p)) {
+            bad(&e, "prompt", "prompt must be a string");
+            goto bad_field;
+        }
+        text = p->valuestring;
+        if ((r = opt_bool(root, "add_special_tokens", &add_special, &e)) < 0) goto bad_field;
+    }
+    if (!q->h->tok) {
+        res = respond_error(q, 503, "server_error", NULL, "service_unavailable", "no tokenizer loaded");
+        goto done;
+    }
+    if (loom_tokenizer_encode(q->h->tok, text, strlen(text), add_special, !add_special, &ids, &n_ids, &cap, &err) <
+        0) {
+        res = respond_error(q, 400, "invalid_request_error", chat ? "messages" : "prompt", NULL,
+                            "cannot tokenize: %s", err.msg);
+        goto done;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "count", n_ids);
+    cJSON_AddNumberToObject(o, "max_model_len", mi.context_length);
+    cJSON *arr = cJSON_AddArrayToObject(o, "tokens");
+    for (int i = 0; i < n_ids; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+    res = respond_json(q, MHD_HTTP_OK, o);
+    goto done;
+bad_field:
+    res = respond_error(q, 400, "invalid_request_error", e.param[0] ? e.param : NULL, NULL, "%s", e.msg);
+done:
+    free(ids);
+    gen_free(&g);
+    cJSON_Delete(root);
+    return res;
+}
+
+/* POST /detokenize {"tokens": [ids]}: {"prompt": text}, special tokens
+ * written out (as in vLLM). */
+static enum MHD_Result handle_detokenize(req_t *q) {
+    enum MHD_Result res;
+    cJSON *root = json_body(q, &res);
+    if (!root) return res;
+    static const char *const names[] = {"tokens"};
+    perr_t e = {0};
+    loom_err_t err = {0};
+    loom_model_info_t mi;
+    int status_err = 0;
+    int32_t *ids = NULL;
+    if (check_plain_fields(q, root, names, LOOM_ARRAY_LEN(names), &e, &mi, &err, &status_err) < 0) {
+        res = status_err ? respond_status(q, err.code, err.msg)
+                         : respond_error(q, e.param[0] && !strcmp(e.param, "model") ? 404 : 400,
+                                         "invalid_request_error", e.param, NULL, "%s", e.msg);
+        goto done;
+    }
+    const cJSON *t = field(root, "tokens");
+    if (!cJSON_IsArray(t)) {
+        res = respond_error(q, 400, "invalid_request_error", "tokens", NULL, "tokens must be an array of token ids");
+        goto done;
+    }
+    int n = cJSON_GetArraySize(t), k = 0;
+    ids = loom_xmalloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+    const cJSON *x;
+    cJSON_ArrayForEach(x, t) {
+        if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) || x->valuedouble < 0 ||
+            x->valuedouble >= mi.vocab_size) {
+            res = respond_error(q, 400, "invalid_request_error", "tokens", NULL,
+                                "tokens[%d] is not a token id in [0, %d)", k, mi.vocab_size);
+            goto done;
+        }
+        ids[k++] = (int32_t)x->valuedouble;
+    }
+    if (!q->h->tok) {
+        res = respond_error(q, 503, "server_error", NULL, "service_unavailable", "no tokenizer loaded");
+        goto done;
+    }
+    char *text = loom_tokenizer_decode(q->h->tok, ids, n, 0);
+    if (!text) {
+        res = respond_error(q, 500, "server_error", NULL, "internal_error", "cannot decode these tokens");
+        goto done;
+    }
+    cJSON *o = cJSON_CreateObject();
+    char *clean = text_dup(text, strlen(text));
+    cJSON_AddStringToObject(o, "prompt", clean);
+    free(clean);
+    free(text);
+    res = respond_json(q, MHD_HTTP_OK, o);
+done:
+    free(ids);
+    cJSON_Delete(root);
+    return res;
+}
+
 static enum MHD_Result handle_metrics(req_t *q) {
     size_t len = 0;
     char *text = loom_metrics_render(loom_server_metrics(q->h->srv), &len);
@@ -959,10 +1318,7 @@ static int authorized(const req_t *q, int *given) {
     if (!a || strncasecmp(a, "Bearer ", 7) != 0) return 0;
     a += 7;
     while (*a == ' ') a++;
-    size_t n = strlen(a), m = strlen(key);
-    unsigned diff = (unsigned)(n != m);
-    for (size_t i = 0; i < m; i++) diff |= (unsigned char)key[i] ^ (unsigned char)(i < n ? a[i] : 0);
-    return diff == 0;
+    return loom_secret_equal(key, strlen(key), a, strlen(a));
 }
 
 static const struct {
@@ -975,6 +1331,9 @@ static const struct {
     {"/v1/models", R_MODELS, 0, 0},
     {"/health", R_HEALTH, 0, 1},
     {"/metrics", R_METRICS, 0, 1},
+    {"/tokenize", R_TOKENIZE, 1, 0},
+    {"/detokenize", R_DETOKENIZE, 1, 0},
+    {"/version", R_VERSION, 0, 1},
 };
 
 /* Routes a request on its first call; a body over the limit is refused
@@ -983,7 +1342,7 @@ static enum MHD_Result on_headers(req_t *q, const char *url) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_routes); i++)
         if (!strcmp(url, k_routes[i].path)) q->route = k_routes[i].route;
     if (q->route == R_NONE && !strncmp(url, "/v1/models/", 11) && url[11]) q->route = R_MODEL;
-    int post = q->route == R_COMPLETIONS || q->route == R_CHAT;
+    int post = q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_TOKENIZE || q->route == R_DETOKENIZE;
     if (post && !strcmp(q->method, "POST")) {
         const char *cl = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
@@ -1035,6 +1394,9 @@ static enum MHD_Result dispatch(req_t *q) {
     case R_METRICS: return handle_metrics(q);
     case R_MODELS: return handle_models(q, NULL);
     case R_MODEL: return handle_models(q, url + 11);
+    case R_TOKENIZE: return handle_tokenize(q);
+    case R_DETOKENIZE: return handle_detokenize(q);
+    case R_VERSION: return handle_version(q);
     default: return MHD_NO;
     }
 }
@@ -1053,7 +1415,15 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
         snprintf(q->method, sizeof q->method, "%s", method);
         snprintf(q->path, sizeof q->path, "%s", url);
         *con_cls = q;
+        take_request_id(q);
+        loom_log_set_request(q->xid); /* this connection's thread serves this request now */
         if (!q->conn) return MHD_NO;
+        if (q->conn->over_limit) {
+            q->close_after = 1;
+            return respond_error(q, 503, "server_error", NULL, "service_unavailable",
+                                 "too many connections: this server takes %d at a time; retry after %s s",
+                                 h->max_conns, RETRY_AFTER_S);
+        }
         return on_headers(q, url);
     }
     if (q->status) { /* answered already (413 before the body): drop the rest */
@@ -1084,8 +1454,12 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     req_t *q = *con_cls;
     if (!q) return;
     if (q->active) abandon(q); /* a stream cut short: the peer left, timed out, or we are stopping */
-    LOOM_DEBUG("http: %s %s -> %u in %.1f ms%s", q->method, q->path, q->status, (double)(loom_now_ns() - q->t0) / 1e6,
-               toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : " (terminated early)");
+    /* the access log: scrapes and probes only at debug level */
+    int quiet = q->route == R_HEALTH || q->route == R_METRICS || q->route == R_VERSION;
+    loom_log(quiet ? LOOM_LOG_DEBUG : LOOM_LOG_INFO, "http: %s %s -> %u in %.1f ms%s", q->method, q->path, q->status,
+             (double)(loom_now_ns() - q->t0) / 1e6,
+             toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : " (terminated early)");
+    loom_log_set_request(NULL);
     free(q->body.p);
     free(q->out.p);
     free(q->prefix.p);
@@ -1096,11 +1470,17 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
 
 static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,
                           enum MHD_ConnectionNotificationCode toe) {
+    loom_http_t *h = cls;
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
-        *socket_context = loom_xcalloc(1, sizeof(conn_t));
+        conn_t *c = loom_xcalloc(1, sizeof *c);
+        c->over_limit = atomic_fetch_add(&h->n_conns, 1) >= h->max_conns;
+        *socket_context = c;
     } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
         conn_t *c = *socket_context;
-        if (c) loom_client_close(&c->client);
+        if (c) {
+            loom_client_close(&c->client);
+            atomic_fetch_sub(&h->n_conns, 1);
+        }
         free(c);
         *socket_context = NULL;
     }
@@ -1178,7 +1558,13 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
     h->started = (long long)time(NULL);
     h->id_salt = loom_now_ns() ^ ((uint64_t)(uintptr_t)h << 16);
     pthread_mutex_init(&h->mu, NULL);
-    unsigned max_conn = (unsigned)(cfg->max_connections > 0 ? cfg->max_connections : DEFAULT_MAX_CONNECTIONS);
+    h->max_conns = cfg->max_connections > 0 ? cfg->max_connections : DEFAULT_MAX_CONNECTIONS;
+    unsigned max_conn = (unsigned)h->max_conns + OVERFLOW_CONNECTIONS; /* the rest are answered 503 */
+    if (cfg->model_dir) {
+        loom_err_t terr = {0};
+        if (loom_tokenizer_load(cfg->model_dir, &h->tok, &terr) < 0)
+            LOOM_WARN("http: no tokenizer for /tokenize and /detokenize: %s", terr.msg);
+    }
 
     /* MHD's threads leave SIGINT/SIGTERM to the main thread */
     sigset_t block, old;
@@ -1225,6 +1611,7 @@ void loom_http_stop(loom_http_t **h_p) {
     atomic_store(&h->stopping, 1);
     if (h->daemon) MHD_stop_daemon(h->daemon);
     loom_chat_template_destroy(&h->tmpl);
+    loom_tokenizer_destroy(&h->tok);
     pthread_mutex_destroy(&h->mu);
     free(h->api_key);
     free(h);

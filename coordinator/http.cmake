@@ -9,3 +9,5 @@ target_link_libraries(loom_chat_template PUBLIC loom_base Loom::CJSON)
 add_library(loom_http STATIC ${CMAKE_CURRENT_LIST_DIR}/http.c)
 target_link_libraries(loom_http PUBLIC loom_server loom_client loom_chat_template Loom::MicroHTTPD Loom::CJSON
                       Threads::Threads)
+# /version answers with the project's version.
+target_compile_definitions(loom_http PRIVATE LOOM_VERSION="${PROJECT_VERSION}")

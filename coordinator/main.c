@@ -29,6 +29,7 @@ int main(int argc, char **argv) {
     const char *kv_mem = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
     const char *http_bind = NULL, *chat_template = NULL;
+    const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &c.model_dir, "DIR", "Hugging Face model directory (every worker reads it at this path)", 1, 0, NULL},
@@ -60,6 +61,7 @@ int main(int argc, char **argv) {
         {"chat-template", LOOM_OPT_STR, &chat_template, "NAME", "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral (default: the model's)", 1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N", "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N", "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
+        {"log-format", LOOM_OPT_STR, &log_format, "FMT", "log lines as text or json (one object per line: ts, level, component, msg, request_id) (default text, or LOOM_LOG_FORMAT)", 1, 0, NULL},
         {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S", "close an HTTP connection idle this long, e.g. a client that stops sending (default 60)", 1, 86400, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
@@ -67,6 +69,10 @@ int main(int argc, char **argv) {
                            "per stage, heads per rank), assigns shards, and serves the client API with continuous\n"
                            "batching over a paged KV cache.");
     if (r) return r < 0 ? 2 : 0;
+    if (log_format && loom_log_set_format_name(log_format) < 0) {
+        fprintf(stderr, "error: --log-format must be text or json, got '%s'\n", log_format);
+        return 2;
+    }
     if (!c.model_dir) {
         fprintf(stderr, "error: --model is required (see --help)\n");
         return 2;

@@ -1,7 +1,9 @@
 /* Serving metrics in Prometheus form: latency histograms, gauges and
  * counters. The reactor records events; the HTTP thread renders the text
  * exposition format. Every call takes the metrics' mutex (cheap: a few
- * events per token). */
+ * events per token). Each metric has a loom_ name; those vLLM also has are
+ * rendered a second time under vLLM's name (vllm:...), same labels, so
+ * dashboards made for vLLM work unchanged. */
 #ifndef LOOM_METRICS_H
 #define LOOM_METRICS_H
 
@@ -21,9 +23,17 @@ typedef struct loom_metrics loom_metrics_t;
 loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages);
 void loom_metrics_destroy(loom_metrics_t **m_p);
 
-/* A request ended. Times in seconds; tpot < 0 when fewer than two tokens. */
-void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, double queue_s, double ttft_s,
-                               double tpot_s, double e2e_s);
+/* Where one request's time went, in seconds; a stage it never reached
+ * is < 0 and not observed (tpot: fewer than two tokens). */
+typedef struct loom_request_times {
+    double queue_s, tokenize_s, prefill_s, decode_s, detokenize_s, send_s;
+    double ttft_s, tpot_s, e2e_s;
+} loom_request_times_t;
+
+/* A request ended. */
+void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, const loom_request_times_t *t);
+/* The time between two successive tokens of one request. */
+void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s);
 void loom_metrics_observe_step(loom_metrics_t *m, double step_s);
 
 typedef struct loom_metrics_state {

@@ -15,9 +15,13 @@
  * UNAVAILABLE.
  *
  * Requests: Generate is tokenized here and queued in the scheduler; each
- * sampled token is detokenized, checked against EOS/stop strings/max_tokens
- * and streamed back as one chunk. A client whose connection is gone (ROUTER
- * reports it unreachable) has its request cancelled. */
+ * sampled token is detokenized, checked against EOS/stop tokens/stop
+ * strings/max_tokens and streamed back as one chunk. A client whose
+ * connection is gone (ROUTER reports it unreachable) has its request
+ * cancelled. Each request keeps the times of its stages (arrival, queued,
+ * admitted, first and last token; time spent detokenizing and sending):
+ * the final chunk carries them as Timings and /metrics gets one histogram
+ * per stage. Log lines about a request name its tag (X-Request-Id). */
 #include "coordinator/server.h"
 
 #include <errno.h>
@@ -43,6 +47,8 @@
 #include "proto/wire.h"
 
 #define MAX_STOP 8
+#define MAX_STOP_IDS 64
+#define MAX_TAG 128
 #define MAX_STOP_LEN 256
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
 
@@ -72,8 +78,12 @@ typedef struct request {
     int n_stop, max_stop_len;
     char *pending; /* text held back while it may begin a stop string */
     size_t n_pending, cap_pending;
+    int32_t stop_ids[MAX_STOP_IDS]; /* stop_token_ids */
+    int n_stop_ids;
     int ignore_eos, max_tokens, prompt_tokens, completion_tokens;
-    uint64_t t_arrival;
+    char tag[MAX_TAG + 1]; /* the caller's id, for log lines ("" if none) */
+    uint64_t t_arrival, t_queued, t_last_token; /* loom_now_ns() */
+    uint64_t tokenize_ns, detok_ns, send_ns;    /* time spent in each, summed */
     struct request *prev, *next;
 } request_t;
 
@@ -230,19 +240,40 @@ static void req_free(request_t *q) {
     free(q);
 }
 
-static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishReason finish) {
+/* Seconds from a to b, or -1 when a stage was not reached (a == 0). */
+static double span_s(uint64_t a, uint64_t b) {
+    return a && b >= a ? (double)(b - a) * 1e-9 : -1.0;
+}
+
+/* Where q's time went, up to now (seconds; -1: not reached). */
+static loom_request_times_t req_times(const request_t *q, uint64_t now) {
+    uint64_t admitted = q->seq ? q->seq->t_admitted_ns : 0, first = q->seq ? q->seq->t_first_token_ns : 0;
+    loom_request_times_t t = {.queue_s = span_s(q->t_queued, admitted), .tokenize_s = (double)q->tokenize_ns * 1e-9,
+                              .prefill_s = first ? span_s(admitted, first) : -1.0, .decode_s = span_s(first, now),
+                              .detokenize_s = (double)q->detok_ns * 1e-9, .send_s = (double)q->send_ns * 1e-9,
+                              .ttft_s = first ? span_s(q->t_arrival, first) : -1.0, .tpot_s = -1.0,
+                              .e2e_s = span_s(q->t_arrival, now)};
+    if (first && q->completion_tokens > 1) t.tpot_s = t.decode_s / (q->completion_tokens - 1);
+    return t;
+}
+
+static double ms_or_none(double sec) {
+    return sec < 0 ? -1.0 : sec * 1e3;
+}
+
+static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishReason finish, uint64_t now) {
     loom_finished_t how = finish == LOOM__V1__FINISH_REASON__FINISH_STOP     ? LOOM_FINISHED_STOP
                           : finish == LOOM__V1__FINISH_REASON__FINISH_LENGTH ? LOOM_FINISHED_LENGTH
                           : finish == LOOM__V1__FINISH_REASON__FINISH_CANCELLED ? LOOM_FINISHED_CANCELLED
                                                                                 : LOOM_FINISHED_ERROR;
-    double now = (double)loom_now_ns(), t0 = (double)q->t_arrival;
-    double queue = -1, ttft = -1, tpot = -1, e2e = (now - t0) * 1e-9;
-    if (q->seq && q->seq->t_admitted_ns) queue = ((double)q->seq->t_admitted_ns - t0) * 1e-9;
-    if (q->seq && q->seq->t_first_token_ns) {
-        ttft = ((double)q->seq->t_first_token_ns - t0) * 1e-9;
-        if (q->completion_tokens > 1) tpot = (e2e - ttft) / (q->completion_tokens - 1);
-    }
-    loom_metrics_request_done(s->metrics, how, queue, ttft, tpot, e2e);
+    loom_request_times_t t = req_times(q, now);
+    loom_metrics_request_done(s->metrics, how, &t);
+    loom_log_req(LOOM_LOG_DEBUG, q->tag,
+                 "request %llu done: %d+%d tokens; ms: tokenize %.2f queue %.2f prefill %.2f decode %.2f "
+                 "detokenize %.2f send %.2f ttft %.2f e2e %.2f (-1: not reached)",
+                 (unsigned long long)q->request_id, q->prompt_tokens, q->completion_tokens, ms_or_none(t.tokenize_s),
+                 ms_or_none(t.queue_s), ms_or_none(t.prefill_s), ms_or_none(t.decode_s), ms_or_none(t.detokenize_s),
+                 ms_or_none(t.send_s), ms_or_none(t.ttft_s), ms_or_none(t.e2e_s));
 }
 
 /* Sends a chunk; finish != NONE makes it the final one and ends the request.
@@ -262,13 +293,27 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     ch.text = t;
     ch.finish_reason = finish;
     Loom__V1__Usage usage = LOOM__V1__USAGE__INIT;
+    Loom__V1__Timings timings = LOOM__V1__TIMINGS__INIT;
     int final = finish != LOOM__V1__FINISH_REASON__FINISH_NONE;
+    uint64_t t_send = loom_now_ns();
     if (final) {
         ch.final = 1;
         usage.prompt_tokens = (uint32_t)q->prompt_tokens;
         usage.completion_tokens = (uint32_t)q->completion_tokens;
         usage.cached_tokens = q->seq ? (uint32_t)q->seq->cached_tokens : 0;
         ch.usage = &usage;
+        /* a stage not reached reads 0 */
+        loom_request_times_t tt = req_times(q, t_send);
+        timings.queue_ms = q->seq && !q->seq->t_admitted_ns ? (double)(t_send - q->t_queued) * 1e-6
+                                                            : LOOM_MAX(tt.queue_s, 0.0) * 1e3;
+        timings.tokenize_ms = tt.tokenize_s * 1e3;
+        timings.prefill_ms = LOOM_MAX(tt.prefill_s, 0.0) * 1e3;
+        timings.decode_ms = LOOM_MAX(tt.decode_s, 0.0) * 1e3;
+        timings.detokenize_ms = tt.detokenize_s * 1e3;
+        timings.send_ms = tt.send_s * 1e3;
+        timings.ttft_ms = LOOM_MAX(tt.ttft_s, 0.0) * 1e3;
+        timings.total_ms = LOOM_MAX(tt.e2e_s, 0.0) * 1e3;
+        ch.timings = &timings;
     }
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
     r.request_id = q->request_id;
@@ -278,13 +323,16 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     r.chunk = &ch;
     int gone = send_reply(s, q->rid, q->rid_len, &r) < 0;
     if (t != s->text_buf) free(t);
+    uint64_t t_sent = loom_now_ns();
+    q->send_ns += t_sent - t_send;
     if (gone && !final) {
-        LOOM_INFO("request %llu: the client went away; cancelling", (unsigned long long)q->request_id);
+        loom_log_req(LOOM_LOG_INFO, q->tag, "request %llu: the client went away; cancelling",
+                     (unsigned long long)q->request_id);
         final = 1;
     }
     if (final) {
         if (code == LOOM_OK) s->requests_finished++;
-        record_done(s, q, gone ? LOOM__V1__FINISH_REASON__FINISH_CANCELLED : finish);
+        record_done(s, q, gone ? LOOM__V1__FINISH_REASON__FINISH_CANCELLED : finish, t_send);
         if (q->seq) loom_sched_finish(s->sched, q->seq);
         q->seq = NULL;
         req_unlink(s, q);
@@ -320,9 +368,18 @@ static size_t safe_prefix(const request_t *q) {
     return n;
 }
 
+static int is_stop_id(const request_t *q, int32_t id) {
+    for (int i = 0; i < q->n_stop_ids; i++)
+        if (q->stop_ids[i] == id) return 1;
+    return 0;
+}
+
 static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     loom_server_t *s = ctx;
     request_t *q = seq->user;
+    uint64_t t0 = loom_now_ns();
+    if (q->t_last_token) loom_metrics_observe_itl(s->metrics, (double)(t0 - q->t_last_token) * 1e-9);
+    q->t_last_token = t0;
     q->completion_tokens++;
     s->gen_tokens_total++;
     uint64_t sec = loom_now_ns() / 1000000000ull;
@@ -333,9 +390,10 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     }
     s->rate_tokens[sec % RATE_WINDOW]++;
 
-    if (!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) {
+    if ((!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id)) {
         size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
         pending_append(q, s->text_buf, n);
+        q->detok_ns += loom_now_ns() - t0;
         req_emit(s, q, NULL, 0, q->pending, q->n_pending, LOOM__V1__FINISH_REASON__FINISH_STOP, LOOM_OK, NULL);
         return;
     }
@@ -350,16 +408,18 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     for (int i = 0; i < q->n_stop; i++) {
         char *hit = strstr(q->pending, q->stop[i]);
         if (hit) {
+            q->detok_ns += loom_now_ns() - t0;
             req_emit(s, q, &id, 1, q->pending, (size_t)(hit - q->pending), LOOM__V1__FINISH_REASON__FINISH_STOP,
                      LOOM_OK, NULL);
             return;
         }
     }
+    size_t emit = at_length ? q->n_pending : safe_prefix(q);
+    q->detok_ns += loom_now_ns() - t0;
     if (at_length) {
         req_emit(s, q, &id, 1, q->pending, q->n_pending, LOOM__V1__FINISH_REASON__FINISH_LENGTH, LOOM_OK, NULL);
         return;
     }
-    size_t emit = safe_prefix(q);
     if (req_emit(s, q, &id, 1, q->pending, emit, LOOM__V1__FINISH_REASON__FINISH_NONE, LOOM_OK, NULL))
         return; /* the client is gone and the request with it */
     memmove(q->pending, q->pending + emit, q->n_pending - emit + 1);
@@ -776,7 +836,17 @@ done:
 /* ---- client API ----------------------------------------------------------------------- */
 
 static int check_key(const loom_server_t *s, const Loom__V1__Request *rq) {
-    return !s->cfg.api_key || (rq->api_key && !strcmp(rq->api_key, s->cfg.api_key));
+    if (!s->cfg.api_key) return 1;
+    const char *given = rq->api_key ? rq->api_key : "";
+    return loom_secret_equal(s->cfg.api_key, strlen(s->cfg.api_key), given, strlen(given));
+}
+
+/* A tag names a request in log lines: bounded, printable ASCII. */
+static int valid_tag(const char *t) {
+    size_t n = 0;
+    for (; t[n]; n++)
+        if (n >= MAX_TAG || t[n] < 0x20 || t[n] > 0x7e) return 0;
+    return 1;
 }
 
 static void grid_not_ready_msg(const loom_server_t *s, char *out, size_t n) {
@@ -795,6 +865,12 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     loom_status_t code = LOOM_ERR_INVALID_ARGUMENT;
     int32_t *ids = NULL;
     int n_ids = 0, cap = 0;
+    uint64_t t_arrival = loom_now_ns(), tokenize_ns = 0;
+    const char *tag = g->tag && valid_tag(g->tag) ? g->tag : "";
+    if (g->tag && g->tag[0] && !tag[0]) {
+        snprintf(msg, sizeof msg, "tag must be at most %d printable ASCII characters", MAX_TAG);
+        goto refuse;
+    }
     if (s->state != GRID_READY) {
         grid_not_ready_msg(s, msg, sizeof msg);
         code = LOOM_ERR_UNAVAILABLE;
@@ -831,16 +907,28 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
             goto refuse;
         }
     }
+    if (g->n_stop_token_ids > MAX_STOP_IDS) {
+        snprintf(msg, sizeof msg, "%zu stop token ids; at most %d are allowed", g->n_stop_token_ids, MAX_STOP_IDS);
+        goto refuse;
+    }
+    for (size_t i = 0; i < g->n_stop_token_ids; i++)
+        if (g->stop_token_ids[i] < 0 || g->stop_token_ids[i] >= s->mcfg.vocab_size) {
+            snprintf(msg, sizeof msg, "stop token id %d is outside the vocabulary [0, %d)", g->stop_token_ids[i],
+                     s->mcfg.vocab_size);
+            goto refuse;
+        }
     if (g->max_tokens > (uint32_t)s->max_model_len) {
         snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
         goto refuse;
     }
     if (g->prompt && g->prompt[0]) {
         int raw = g->raw_prompt; /* chat-templated: the template wrote BOS and special tokens itself */
+        uint64_t t0 = loom_now_ns();
         if (loom_tokenizer_encode(s->tok, g->prompt, strlen(g->prompt), !raw, raw, &ids, &n_ids, &cap, &err) < 0) {
             snprintf(msg, sizeof msg, "cannot tokenize the prompt: %s", err.msg);
             goto refuse;
         }
+        tokenize_ns = loom_now_ns() - t0;
     } else {
         if (g->n_prompt_ids == 0) {
             snprintf(msg, sizeof msg, "the request has neither a prompt nor prompt_ids");
@@ -862,7 +950,11 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->request_id = rq->request_id;
     q->ignore_eos = g->ignore_eos;
     q->prompt_tokens = n_ids;
-    q->t_arrival = loom_now_ns();
+    q->t_arrival = t_arrival;
+    q->tokenize_ns = tokenize_ns;
+    q->t_queued = loom_now_ns();
+    snprintf(q->tag, sizeof q->tag, "%s", tag);
+    for (size_t i = 0; i < g->n_stop_token_ids; i++) q->stop_ids[q->n_stop_ids++] = g->stop_token_ids[i];
     for (size_t i = 0; i < g->n_stop; i++) q->stop[q->n_stop++] = loom_xstrdup(g->stop[i]);
     loom_detok_init(&q->detok, s->tok, !g->keep_special, 0);
     loom_sampling_t samp = {.temperature = temp, .top_k = top_k, .top_p = top_p == 0.0f ? 1.0f : top_p,
@@ -883,11 +975,14 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     s->reqs = q;
     s->n_reqs++;
     s->prompt_tokens_total += (uint64_t)n_ids;
+    loom_log_req(LOOM_LOG_DEBUG, q->tag, "request %llu queued: %d prompt tokens, max_tokens %d",
+                 (unsigned long long)rq->request_id, n_ids, q->max_tokens);
     return;
 refuse:
     free(ids);
     s->requests_rejected++;
-    LOOM_DEBUG("refused request %llu: %s", (unsigned long long)rq->request_id, msg);
+    loom_log_req(LOOM_LOG_DEBUG, g->tag && valid_tag(g->tag) ? g->tag : NULL, "refused request %llu: %s",
+                 (unsigned long long)rq->request_id, msg);
     reply_error(s, rid, rid_len, rq->request_id, code, msg);
 }
 
@@ -903,7 +998,7 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
     r.cancel = &cr;
     send_reply(s, rid, rid_len, &r);
     if (q) {
-        LOOM_DEBUG("request %llu cancelled by its client", (unsigned long long)target);
+        loom_log_req(LOOM_LOG_DEBUG, q->tag, "request %llu cancelled by its client", (unsigned long long)target);
         req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_CANCELLED, LOOM_ERR_CANCELLED,
                  "cancelled by the client");
     }

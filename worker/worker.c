@@ -747,7 +747,7 @@ int main(int argc, char **argv) {
     loom_log_init("worker");
     worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 15000, .cluster = "default",
                   .etcd_ttl = 5, .coord_wait_s = 120};
-    const char *id = NULL;
+    const char *id = NULL, *log_format = NULL;
     loom_opt_t opts[] = {
         {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. tcp://127.0.0.1:5556 (or find it with --etcd)", 1, 0, NULL},
         {"etcd", LOOM_OPT_STR, &w.etcd_url, "URL", "register in etcd (e.g. http://127.0.0.1:2379) and find the coordinator there", 1, 0, NULL},
@@ -762,12 +762,17 @@ int main(int argc, char **argv) {
         {"trace", LOOM_OPT_STR, &w.trace_path, "FILE", "write per-step spans as a Chrome trace at exit (%i = worker id)", 1, 0, NULL},
         {"health-file", LOOM_OPT_STR, &w.health_path, "FILE", "rewrite FILE every second with this worker's state: serving, joining, standby or registering (%i = worker id)", 1, 0, NULL},
         {"decode-buckets", LOOM_OPT_STR, &w.buckets_opt, "MODE", "pad decode steps to batch-size buckets (1, 2, 4, 8, 16, ...) so recorded graphs cover every batch: auto (where the device records graphs), on, off", 1, 0, NULL},
+        {"log-format", LOOM_OPT_STR, &log_format, "FMT", "log lines as text or json (default text, or LOOM_LOG_FORMAT)", 1, 0, NULL},
         {"dump-logits", LOOM_OPT_STR, &w.dump_path, "FILE", "debugging: write every step's logits (this shard's vocabulary slice) to FILE (%i = worker id)", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-worker --coordinator ADDR [options]",
                            "A Loom worker: registers with the coordinator, loads its shard of the model, joins its\n"
                            "tensor- and pipeline-parallel groups and executes step plans.");
     if (r) return r < 0 ? 2 : 0;
+    if (log_format && loom_log_set_format_name(log_format) < 0) {
+        fprintf(stderr, "error: --log-format must be text or json, got '%s'\n", log_format);
+        return 2;
+    }
     if (!w.coord_addr && !w.etcd_url) {
         fprintf(stderr, "error: --coordinator ADDR or --etcd URL is required (see --help)\n");
         return 2;
@@ -801,6 +806,7 @@ int main(int argc, char **argv) {
     char comp[160];
     snprintf(comp, sizeof comp, "worker %s", w.id);
     loom_log_init(comp);
+    if (log_format) loom_log_set_format_name(log_format); /* the flag wins over LOOM_LOG_FORMAT */
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_signal};
     sigaction(SIGINT, &sa, NULL);

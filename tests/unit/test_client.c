@@ -39,7 +39,9 @@ typedef struct stream {
 
 /* What the fake saw of the last Generate, and counters over all of them. */
 typedef struct seen {
-    char prompt[64], model[64], api_key[64], stop[4][16];
+    char prompt[64], model[64], api_key[64], stop[4][16], tag[64];
+    int32_t stop_ids[4];
+    int n_stop_ids;
     int n_stop, max_tokens, top_k, ignore_eos, priority, keep_special, has_seed, n_prompt_ids;
     float temperature, top_p;
     uint64_t seed, request_id;
@@ -84,6 +86,7 @@ static void fake_error(fake_t *f, const stream_t *to, uint64_t id, Loom__V1__Sta
  * token's chunk is final. A cancelled stream ends with an empty final chunk. */
 static void fake_stream_step(fake_t *f, stream_t *s) {
     Loom__V1__Usage usage = LOOM__V1__USAGE__INIT;
+    Loom__V1__Timings timings = LOOM__V1__TIMINGS__INIT;
     Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
     r.request_id = s->id;
@@ -113,6 +116,12 @@ static void fake_stream_step(fake_t *f, stream_t *s) {
         usage.completion_tokens = (uint32_t)s->sent;
         usage.cached_tokens = 1;
         ch.usage = &usage;
+        if (!s->cancelled) { /* a cancelled stream ends without timings */
+            timings = (Loom__V1__Timings){.base = timings.base, .queue_ms = 1.5, .tokenize_ms = 0.25,
+                                          .prefill_ms = 2.5, .decode_ms = 10, .detokenize_ms = 0.125,
+                                          .send_ms = 0.5, .ttft_ms = 4.25, .total_ms = 14.25};
+            ch.timings = &timings;
+        }
     }
     fake_send(f, s, &r);
     if (ch.final) s->total = -1; /* done */
@@ -154,6 +163,9 @@ static void fake_generate(fake_t *f, stream_t *from, const Loom__V1__Request *q)
     sn->ignore_eos = g->ignore_eos;
     sn->priority = g->priority;
     sn->keep_special = g->keep_special;
+    copy_str(sn->tag, sizeof sn->tag, g->tag);
+    sn->n_stop_ids = (int)g->n_stop_token_ids;
+    for (size_t i = 0; i < g->n_stop_token_ids && i < 4; i++) sn->stop_ids[i] = g->stop_token_ids[i];
     sn->n_prompt_ids = (int)g->n_prompt_ids;
     sn->request_id = q->request_id;
     sn->n_generate++;
@@ -443,7 +455,8 @@ static void test_generate_stream(void) {
     const char *stops[] = {"\n\n", "END"};
     loom_gen_params_t p = {.prompt = "hello", .max_tokens = 5, .temperature = 0.5f, .top_p = 0.9f, .top_k = 7,
                            .seed = 1234, .has_seed = 1, .stop = stops, .n_stop = 2, .ignore_eos = 1,
-                           .priority = 3, .keep_special = 1, .model = "stories260K"};
+                           .priority = 3, .keep_special = 1, .model = "stories260K", .tag = "req-9",
+                           .stop_token_ids = (const int32_t[]){7, 11}, .n_stop_token_ids = 2};
     collect_t col = {0};
     loom_err_t err = {0};
     loom_status_t s = loom_client_generate(c, &p, collect_chunk, &col, &err);
@@ -453,7 +466,12 @@ static void test_generate_stream(void) {
     CHECK(col.n_ids == 5 && col.ids[0] == 100 && col.ids[4] == 104);
     CHECK(col.final.final && col.final.finish == LOOM_FINISH_LENGTH && col.final.status == LOOM_OK);
     CHECK(col.final.prompt_tokens == 5 && col.final.completion_tokens == 5 && col.final.cached_tokens == 1);
+    const loom_timings_t *tm = &col.final.timings;
+    CHECK(col.final.has_timings && tm->queue_ms == 1.5 && tm->tokenize_ms == 0.25 && tm->prefill_ms == 2.5 &&
+          tm->decode_ms == 10 && tm->detokenize_ms == 0.125 && tm->send_ms == 0.5 && tm->ttft_ms == 4.25 &&
+          tm->total_ms == 14.25);
     seen_t sn = fake_seen(g_fake);
+    CHECK(!strcmp(sn.tag, "req-9") && sn.n_stop_ids == 2 && sn.stop_ids[0] == 7 && sn.stop_ids[1] == 11);
     CHECK(!strcmp(sn.prompt, "hello") && !strcmp(sn.model, "stories260K") && !strcmp(sn.api_key, "secret"));
     CHECK(sn.max_tokens == 5 && sn.temperature == 0.5f && sn.top_p == 0.9f && sn.top_k == 7);
     CHECK(sn.seed == 1234 && sn.has_seed && sn.ignore_eos && sn.priority == 3 && sn.keep_special);
@@ -600,6 +618,7 @@ static void test_cancel_by_callback(void) {
     CHECK(col.n_calls == 4 && col.n_final == 1 && !strcmp(col.text, "t0 t1 t2 "));
     CHECK(col.final.finish == LOOM_FINISH_CANCELLED && col.final.status == LOOM_ERR_CANCELLED);
     CHECK(col.final.completion_tokens >= 3 && col.final.prompt_tokens == 4);
+    CHECK(!col.final.has_timings);
     CHECK(loom_now_s() - t0 < 2.0);
     seen_t sn = fake_seen(g_fake);
     CHECK(sn.n_cancels == before + 1 && sn.last_cancel_target == col.request_id);
