@@ -7,12 +7,22 @@
  *   READY     serving: the step loop runs, requests are admitted
  * A lost worker (missed heartbeats) or a failed step aborts epoch e: workers
  * are told to stop waiting on the data plane, the slot (if lost) is freed,
- * and the grid goes back to WAITING or LOADING with epoch e+1. Workers keep
+ * and the grid goes back to WAITING or LOADING with epoch e+1. When every
+ * slot is still filled (the data plane failed, not a heartbeat), each
+ * member's data-plane listener is probed first (WAITING with probes out): a
+ * member whose port refuses or does not answer within PROBE_MS is dead and
+ * its slot is freed at once, so the next plan never includes it. Workers keep
  * their weights when the new Assign gives them the same shard. Requests are
  * not lost: their sequences keep their tokens and wait (their KV dropped)
  * until the grid is READY again, then are re-prefilled and their streams go
  * on; if the grid is not back within --recovery-timeout-ms they end with
  * UNAVAILABLE.
+ *
+ * Draining (the first SIGTERM/SIGINT): new Generate requests are refused
+ * with UNAVAILABLE ("draining"), Health reports not ready, requests in
+ * flight go on; the reactor returns once none is left, or at
+ * --shutdown-timeout-ms, when the rest end with a final chunk (finish
+ * LENGTH). A second signal returns at once.
  *
  * Requests: Generate is tokenized here and queued in the scheduler; each
  * sampled token is detokenized, checked against EOS/stop strings/max_tokens
@@ -23,9 +33,13 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <pthread.h>
 #include <zmq.h>
@@ -45,6 +59,7 @@
 #define MAX_STOP 8
 #define MAX_STOP_LEN 256
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
+#define PROBE_MS 1000  /* a member's data-plane listener that does not answer a connect this long is gone */
 
 typedef enum { GRID_WAITING, GRID_LOADING, GRID_JOINING, GRID_READY } grid_state_t;
 static const char *grid_state_name[] = {"waiting_for_workers", "loading", "joining", "ready"};
@@ -98,7 +113,12 @@ struct loom_server {
 
     void *zctx, *api, *ctl;
     char api_addr[256], ctl_addr[256], inproc_addr[64];
-    volatile int stop;
+    volatile sig_atomic_t stop, drain_requested; /* set by loom_server_stop (signal handlers) */
+    int draining;
+    uint64_t drain_deadline;
+    int probing;   /* probes of the members' data planes are out (state WAITING) */
+    int *probe_fd; /* per slot: a probe's socket, -1: none */
+    uint64_t probe_deadline;
 
     worker_slot_t *slots;
     int n_slots;
@@ -491,6 +511,104 @@ static void start_epoch(loom_server_t *s) {
     publish_plan(s, backend);
 }
 
+/* ---- liveness probes ----------------------------------------------------------------- */
+
+/* Starts a non-blocking connect to a worker's data-plane listener
+ * ("tcp://host:port" or "tcp://[v6]:port"), which lives as long as the
+ * worker process. Returns the socket, or -1 when the connect failed at once
+ * (or the address cannot be read: the worker sent it, so that is its loss). */
+static int probe_connect(const char *addr) {
+    char host[256], port[16];
+    if (strncmp(addr, "tcp://", 6) != 0) return -1;
+    const char *h = addr + 6, *colon = strrchr(h, ':');
+    if (!colon || colon == h || strlen(colon + 1) >= sizeof port) return -1;
+    size_t hl = (size_t)(colon - h);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2;
+    if (hl >= sizeof host) return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    snprintf(port, sizeof port, "%s", colon + 1);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    if (getaddrinfo(host, port, &hints, &res) != 0 || !res) return -1;
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) {
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+static void probes_stop(loom_server_t *s) {
+    for (int i = 0; i < s->n_slots; i++) {
+        if (s->probe_fd[i] >= 0) close(s->probe_fd[i]);
+        s->probe_fd[i] = -1;
+    }
+    s->probing = 0;
+}
+
+/* After a failure of a full grid: probe every member; probes_poll decides. */
+static void probes_start(loom_server_t *s) {
+    for (int i = 0; i < s->n_slots; i++) s->probe_fd[i] = -2; /* -2: failed at once */
+    for (int i = 0; i < s->n_slots; i++) {
+        int fd = probe_connect(s->slots[i].data_addr);
+        if (fd >= 0) s->probe_fd[i] = fd;
+    }
+    s->probing = 1;
+    s->probe_deadline = loom_now_ns() + PROBE_MS * 1000000ull;
+}
+
+/* Frees the slot of a worker found dead (no epoch to abort: it is aborted). */
+static void exclude_worker(loom_server_t *s, int i, const char *why) {
+    worker_slot_t *w = &s->slots[i];
+    LOOM_ERROR("worker %s (stage %d, tp rank %d, pid %u) is gone: its data plane at %s %s; excluded from the "
+               "next plan",
+               w->id, i / s->cfg.tp, i % s->cfg.tp, w->pid, w->data_addr, why);
+    snprintf(s->last_failure, sizeof s->last_failure, "worker %s is gone: its data plane %s", w->id, why);
+    w->used = 0;
+}
+
+/* Reactor: settles the probes once each answered or PROBE_MS passed. */
+static void probes_poll(loom_server_t *s) {
+    if (!s->probing) return;
+    int pending = 0, gone = 0;
+    for (int i = 0; i < s->n_slots; i++) {
+        int fd = s->probe_fd[i];
+        if (fd == -1) continue;
+        int soerr = ECONNREFUSED;
+        if (fd >= 0) {
+            struct pollfd pf = {fd, POLLOUT, 0};
+            if (poll(&pf, 1, 0) <= 0) {
+                pending++;
+                continue;
+            }
+            socklen_t len = sizeof soerr;
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0) soerr = errno;
+            close(fd);
+        }
+        s->probe_fd[i] = -1;
+        if (soerr) {
+            char why[160];
+            snprintf(why, sizeof why, "refused a connection (%s)", strerror(soerr));
+            exclude_worker(s, i, why);
+            gone++;
+        }
+    }
+    if (pending && loom_now_ns() < s->probe_deadline) return;
+    for (int i = 0; i < s->n_slots; i++)
+        if (s->probe_fd[i] >= 0) {
+            char why[80];
+            snprintf(why, sizeof why, "did not answer a connection within %d ms", PROBE_MS);
+            exclude_worker(s, i, why);
+            gone++;
+        }
+    probes_stop(s);
+    if (count_used(s) == s->n_slots) start_epoch(s); /* every member is alive: rebuild with them */
+    else LOOM_INFO("waiting for %d worker(s) to take the free place(s) (%d of %d registered)", gone, count_used(s),
+                   s->n_slots);
+}
+
 /* Aborts the current epoch: in-flight micro-batches fail, requests wait for
  * the grid to come back (or end with UNAVAILABLE when it does not in time). */
 static void fail_grid(loom_server_t *s, const char *why) {
@@ -518,8 +636,9 @@ static void fail_grid(loom_server_t *s, const char *why) {
         }
     }
     for (int i = 0; i < s->n_slots; i++) s->slots[i].loaded = s->slots[i].ready = 0;
-    if (count_used(s) == s->n_slots) start_epoch(s); /* rebuild with the same workers */
-    else s->state = GRID_WAITING;
+    probes_stop(s);
+    s->state = GRID_WAITING;
+    if (count_used(s) == s->n_slots) probes_start(s); /* who of them is still alive? then rebuild */
 }
 
 static void lose_worker(loom_server_t *s, int i, const char *why) {
@@ -1200,6 +1319,7 @@ int loom_server_run(loom_server_t *s) {
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
         etcd_drain(s);
+        probes_poll(s);
         timers(s);
         schedule(s);
         publish_state(s);
@@ -1313,6 +1433,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->n_slots = cfg->tp * cfg->pp;
     s->slots = loom_xcalloc((size_t)s->n_slots, sizeof *s->slots);
     s->inflight = loom_xcalloc((size_t)cfg->pp, sizeof *s->inflight);
+    s->probe_fd = loom_xmalloc((size_t)s->n_slots * sizeof *s->probe_fd);
+    for (int i = 0; i < s->n_slots; i++) s->probe_fd[i] = -1;
     s->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp);
     s->sp_ptrs = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp_ptrs);
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
@@ -1374,6 +1496,8 @@ void loom_server_destroy(loom_server_t **s_p) {
     if (s->ctl) zmq_close(s->ctl);
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
+    if (s->probe_fd) probes_stop(s);
+    free(s->probe_fd);
     free(s->slots);
     free(s->inflight);
     free(s->sp);

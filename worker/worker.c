@@ -36,6 +36,7 @@
 #include "worker/model.h"
 
 #define HEARTBEAT_MS 200
+#define STANDBY_RETRY_MS 250 /* a spare asks for a free slot this often: it takes a lost worker's place that fast */
 
 typedef struct worker {
     /* options */
@@ -612,7 +613,8 @@ static int reactor(worker_t *w) {
                         if (m->error->code == LOOM_ERR_RESOURCE_EXHAUSTED || m->error->code == LOOM_ERR_NOT_FOUND) {
                             /* the grid is full, or forgot us: stand by and register again */
                             if (registered || !standby)
-                                LOOM_INFO("standing by: %s (registering again every second)", m->error->message);
+                                LOOM_INFO("standing by: %s (registering again every %d ms)", m->error->message,
+                                          STANDBY_RETRY_MS);
                             registered = 0;
                             standby = 1;
                             last_register = now;
@@ -640,7 +642,7 @@ static int reactor(worker_t *w) {
             last_hb = now;
         }
         /* not (yet) in the grid: the coordinator may have started later, or a slot may free up */
-        if (!registered && now - last_register > (standby ? 1000000000ull : 2000000000ull)) {
+        if (!registered && now - last_register > (standby ? STANDBY_RETRY_MS : 2000) * 1000000ull) {
             send_register(w);
             last_register = now;
         }
