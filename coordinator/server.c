@@ -914,6 +914,12 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     loom_status_t code = LOOM_ERR_INVALID_ARGUMENT;
     int32_t *ids = NULL;
     int n_ids = 0, cap = 0;
+    if (s->draining) {
+        snprintf(msg, sizeof msg, "draining: this coordinator is shutting down and admits no new requests; retry "
+                                  "on another one or after it restarts");
+        code = LOOM_ERR_UNAVAILABLE;
+        goto refuse;
+    }
     if (s->state != GRID_READY) {
         grid_not_ready_msg(s, msg, sizeof msg);
         code = LOOM_ERR_UNAVAILABLE;
@@ -1031,11 +1037,12 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
 static void on_health(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
     Loom__V1__HealthReply h = LOOM__V1__HEALTH_REPLY__INIT;
     char msg[600];
-    h.ready = s->state == GRID_READY;
-    h.state = (char *)grid_state_name[s->state];
+    h.ready = s->state == GRID_READY && !s->draining;
+    h.state = s->draining ? "draining" : (char *)grid_state_name[s->state];
     h.workers_ready = (uint32_t)count_ready(s);
     h.workers_expected = (uint32_t)s->n_slots;
-    if (!h.ready) grid_not_ready_msg(s, msg, sizeof msg);
+    if (s->draining) snprintf(msg, sizeof msg, "draining: shutting down, %d request(s) in flight", s->n_reqs);
+    else if (!h.ready) grid_not_ready_msg(s, msg, sizeof msg);
     else snprintf(msg, sizeof msg, "serving %s", s->model_name);
     h.message = msg;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
@@ -1228,7 +1235,8 @@ static void etcd_drain(loom_server_t *s) {
 
 static void publish_state(loom_server_t *s) {
     loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
-                               .requests_rejected = s->requests_rejected, .grid_ready = s->state == GRID_READY};
+                               .requests_rejected = s->requests_rejected,
+                               .grid_ready = s->state == GRID_READY && !s->draining};
     if (s->sched) {
         loom_sched_stats_t ss;
         loom_sched_get_stats(s->sched, &ss);
@@ -1297,6 +1305,38 @@ static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
     return n;
 }
 
+/* Ends a request still running when the drain runs out of time: its text so
+ * far and a final chunk with finish LENGTH, as a length limit would. */
+static void cut_request(loom_server_t *s, request_t *q) {
+    size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
+    pending_append(q, s->text_buf, n);
+    char msg[160];
+    snprintf(msg, sizeof msg, "the coordinator shut down: the output was cut after %d token(s) at the %d ms "
+                              "shutdown timeout", q->completion_tokens, s->cfg.shutdown_timeout_ms);
+    req_emit(s, q, NULL, 0, q->pending ? q->pending : "", q->n_pending, LOOM__V1__FINISH_REASON__FINISH_LENGTH,
+             LOOM_OK, msg);
+}
+
+/* Returns 1 once a drain is over (nothing left in flight, or out of time). */
+static int drain_step(loom_server_t *s) {
+    if (!s->drain_requested) return 0;
+    uint64_t now = loom_now_ns();
+    if (!s->draining) {
+        s->draining = 1;
+        s->drain_deadline = now + (uint64_t)s->cfg.shutdown_timeout_ms * 1000000ull;
+        LOOM_INFO("draining: new requests are refused; %d request(s) in flight get up to %d ms to finish", s->n_reqs,
+                  s->cfg.shutdown_timeout_ms);
+    }
+    if (s->n_reqs == 0) {
+        LOOM_INFO("drained: no request left in flight");
+        return 1;
+    }
+    if (now < s->drain_deadline) return 0;
+    LOOM_WARN("shutdown timeout: ending %d request(s) still in flight", s->n_reqs);
+    while (s->reqs) cut_request(s, s->reqs);
+    return 1;
+}
+
 int loom_server_run(loom_server_t *s) {
     LOOM_INFO("coordinator for %s (tp %d x pp %d): API on %s, workers on %s; waiting for %d worker(s)",
               s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, s->ctl_addr, s->n_slots);
@@ -1323,6 +1363,7 @@ int loom_server_run(loom_server_t *s) {
         timers(s);
         schedule(s);
         publish_state(s);
+        if (drain_step(s)) break;
     }
     LOOM_INFO("shutting down: %d request(s) still live", s->n_reqs);
     fail_all_requests(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
@@ -1337,7 +1378,8 @@ int loom_server_run(loom_server_t *s) {
 }
 
 void loom_server_stop(loom_server_t *s) {
-    s->stop = 1;
+    if (s->drain_requested) s->stop = 1;
+    else s->drain_requested = 1;
 }
 
 /* ---- create / destroy ------------------------------------------------------------------------ */

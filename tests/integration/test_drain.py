@@ -1,0 +1,256 @@
+"""Graceful drain and coordinator restarts.
+
+SIGTERM makes the coordinator refuse new requests at once (ZeroMQ:
+UNAVAILABLE "draining"; HTTP: 503 with Retry-After; /health not ready) while
+the streams in flight run to their end; at --shutdown-timeout-s the rest end
+with finish_reason "length" and [DONE]; then it exits 0. Workers outlive a
+coordinator: they keep their weights and join the next one.
+
+These tests start the processes themselves (not through launch.sh) to see
+the coordinator's exit status."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import BIN, STORIES, Etcd, check, free_port_pair, gen_model, generate, run_local, run_tests  # noqa: E402
+
+WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-drain")
+PROMPT = "Once upon a time"
+
+
+def slow_model():
+    # a few ms per token on one thread: long streams are still running when we act
+    return gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8", "--heads",
+                     "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
+
+
+def wait_for(cond, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    check(cond(), "timed out waiting for " + what)
+
+
+class Procs:
+    """A coordinator and workers started here, their logs in a private
+    directory; everything still running is killed on exit."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="loom-drain-")
+        self.procs = {}
+
+    def start(self, name, argv):
+        log = open(os.path.join(self.dir, name + ".log"), "a")
+        self.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        return self.procs[name]
+
+    def coordinator(self, model, port, http_port=None, extra=(), name="coordinator"):
+        ready = os.path.join(self.dir, name + ".ready")
+        if os.path.exists(ready):
+            os.unlink(ready)
+        argv = [os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", "tcp://127.0.0.1:%d" % port,
+                "--control", "tcp://127.0.0.1:%d" % (port + 1), "--ready-file", ready] + list(extra)
+        if http_port:
+            argv += ["--http", "127.0.0.1:%d" % http_port]
+        p = self.start(name, argv)
+        p.ready_file = ready
+        return p
+
+    def worker(self, name, port, extra=()):
+        return self.start(name, [os.path.join(BIN, "loom-worker"), "--coordinator", "tcp://127.0.0.1:%d" % (port + 1),
+                                 "--threads", "1", "--id", name] + list(extra))
+
+    def log(self, name):
+        try:
+            with open(os.path.join(self.dir, name + ".log")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if exc[0] is not None:
+            for name in sorted(self.procs):
+                sys.stderr.write("---- %s\n%s\n" % (name, self.log(name)[-3000:]))
+        return False
+
+
+def wait_ready(p, timeout=60):
+    wait_for(lambda: os.path.exists(p.ready_file) or p.poll() is not None, timeout, "the grid to be ready")
+    check(p.poll() is None, "the coordinator exited with %s" % p.returncode)
+
+
+def http_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def http_post(port, body, timeout=10):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, dict(r.getheaders()), data
+
+
+def http_get(port, path, timeout=10):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("GET", path)
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def open_stream(port, body, events=3):
+    """A streaming completion on a raw socket, read until `events` SSE events came."""
+    data = json.dumps(dict(body, stream=True)).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loom\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    while got.count(b"data: ") < events:
+        b = s.recv(65536)
+        check(b, "stream closed early: %r" % got[-300:])
+        got += b
+    check(got.startswith(b"HTTP/1.1 200"), "stream answered %r" % got[:200])
+    return s, got
+
+
+def read_to_end(s, got, timeout=60):
+    s.settimeout(timeout)
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        got += b
+        if b"data: [DONE]" in got:
+            break
+    s.close()
+    return got
+
+
+def async_generate(addr, max_tokens, extra=()):
+    return subprocess.Popen([os.path.join(BIN, "loom"), "generate", "--addr", addr, "--prompt", PROMPT,
+                             "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos", "--ids",
+                             "--timeout-ms", "120000"] + list(extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def ids_of(err):
+    return [int(x) for line in err.splitlines() if line.startswith("ids:") for x in line[4:].split()]
+
+
+def test_sigterm_drains():
+    model = slow_model()
+    n = 1000
+    expect = run_local(model, PROMPT, n, extra=["--ignore-eos"])[1]
+    port, hport = free_port_pair(), http_port()
+    addr = "tcp://127.0.0.1:%d" % port
+    with Procs() as P:
+        co = P.coordinator(model, port, hport)
+        P.worker("w0", port)
+        wait_ready(co)
+        zs = async_generate(addr, n)
+        hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0})
+        time.sleep(0.3)
+        check(zs.poll() is None, "the ZeroMQ stream ended before SIGTERM")
+        t0 = time.time()
+        co.send_signal(signal.SIGTERM)
+        # not ready at once, new requests refused, the streams go on
+        wait_for(lambda: http_get(hport, "/health")[0] == 503, 2, "/health to report not ready")
+        st, body = http_get(hport, "/health")
+        check(b"draining" in body, "/health while draining: %r" % body)
+        st, hdrs, body = http_post(hport, {"prompt": PROMPT, "max_tokens": 4})
+        err = json.loads(body).get("error", {})
+        check(st == 503 and hdrs.get("Retry-After") == "1" and "draining" in err.get("message", ""),
+              "a new HTTP request while draining: %d %s %r" % (st, hdrs, body))
+        rc, _, _, zerr = generate(addr, PROMPT, 4)
+        check(rc == 4 and "UNAVAILABLE" in zerr and "draining" in zerr, "a new ZeroMQ request: %d %r" % (rc, zerr))
+        refused_in = time.time() - t0
+        out, zerr = zs.communicate(timeout=120)
+        check(zs.returncode == 0 and ids_of(zerr) == expect, "the ZeroMQ stream did not finish whole: %r" % zerr[-300:])
+        got = read_to_end(hs, got)
+        check(b"data: [DONE]" in got and b'"finish_reason":"length"' in got,
+              "the HTTP stream did not finish: %r" % got[-300:])
+        check(got.count(b"data: ") == n + 2, "the HTTP stream has %d events for %d tokens" % (got.count(b"data: "), n))
+        rc = co.wait(timeout=30)
+        print("  refusing within %.2f s of SIGTERM; drained and exited %.2f s after it" % (refused_in, time.time() - t0))
+        check(rc == 0, "the coordinator exited with %d" % rc)
+        log = P.log("coordinator")
+        check("draining" in log and "drained" in log, "no drain in the log: %s" % log[-1500:])
+
+
+def test_shutdown_timeout_cuts_streams():
+    model = slow_model()
+    port, hport = free_port_pair(), http_port()
+    addr = "tcp://127.0.0.1:%d" % port
+    with Procs() as P:
+        co = P.coordinator(model, port, hport, extra=["--shutdown-timeout-s", "1"])
+        P.worker("w0", port)
+        wait_ready(co)
+        zs = async_generate(addr, 4000)
+        hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
+        time.sleep(0.3)
+        t0 = time.time()
+        co.send_signal(signal.SIGTERM)
+        out, zerr = zs.communicate(timeout=30)
+        t_end = time.time() - t0
+        ids = ids_of(zerr)
+        check(zs.returncode == 0 and 0 < len(ids) < 4000, "ZeroMQ stream at the timeout: %d %r" % (zs.returncode,
+                                                                                                  zerr[-300:]))
+        check(ids == run_local(model, PROMPT, len(ids), extra=["--ignore-eos"])[1], "the cut stream's ids are wrong")
+        got = read_to_end(hs, got, timeout=10)
+        check(b"data: [DONE]" in got and b'"finish_reason":"length"' in got,
+              "the HTTP stream did not end with a final event: %r" % got[-300:])
+        rc = co.wait(timeout=10)
+        print("  streams cut %.2f s after SIGTERM (timeout 1 s) after %d tokens; exit %d" % (t_end, len(ids), rc))
+        check(0.9 < t_end < 4, "the streams ended %.2f s after SIGTERM" % t_end)
+        check(rc == 0, "the coordinator exited with %d" % rc)
+        check("shutdown timeout" in P.log("coordinator"), "the log does not say why the streams ended")
+
+
+def test_second_signal_exits_at_once():
+    model = slow_model()
+    port = free_port_pair()
+    with Procs() as P:
+        co = P.coordinator(model, port)
+        P.worker("w0", port)
+        wait_ready(co)
+        zs = async_generate("tcp://127.0.0.1:%d" % port, 4000)
+        time.sleep(0.3)
+        t0 = time.time()
+        co.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        co.send_signal(signal.SIGTERM)
+        rc = co.wait(timeout=10)
+        out, zerr = zs.communicate(timeout=10)
+        print("  exited %.2f s after the first signal" % (time.time() - t0))
+        check(time.time() - t0 < 3, "the second signal did not stop it at once")
+        check(zs.returncode == 4 and "shutting down" in zerr, "the cut stream: %d %r" % (zs.returncode, zerr[-200:]))
+        check(rc == 0, "the coordinator exited with %d" % rc)
+
+
+if __name__ == "__main__":
+    os.makedirs(WORK, exist_ok=True)
+    run_tests([test_sigterm_drains, test_shutdown_timeout_cuts_streams, test_second_signal_exits_at_once])
