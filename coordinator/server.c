@@ -754,7 +754,13 @@ static void on_register(loom_server_t *s, const void *rid, size_t rid_len, const
         LOOM_WARN("refused a malformed registration");
         return;
     }
-    for (i = 0; i < s->n_slots && s->slots[i].used; i++) {}
+    i = 0;
+    if (r->has_shard && r->shard_n_stages == (uint32_t)s->cfg.pp && r->shard_tp_size == (uint32_t)s->cfg.tp &&
+        r->shard_stage < (uint32_t)s->cfg.pp && r->shard_tp_rank < (uint32_t)s->cfg.tp && r->shard_model_dir &&
+        !strcmp(r->shard_model_dir, s->cfg.model_dir))
+        i = (int)(r->shard_stage * (uint32_t)s->cfg.tp + r->shard_tp_rank); /* it holds these weights already */
+    if (s->slots[i].used)
+        for (i = 0; i < s->n_slots && s->slots[i].used; i++) {}
     if (i == s->n_slots) {
         char msg[256];
         snprintf(msg, sizeof msg, "the grid is full (%d workers for tp %d x pp %d)", s->n_slots, s->cfg.tp, s->cfg.pp);

@@ -251,6 +251,69 @@ def test_second_signal_exits_at_once():
         check(rc == 0, "the coordinator exited with %d" % rc)
 
 
+def loads(P, name):
+    return P.log(name).count("shard loaded:")
+
+
+def test_workers_survive_coordinator_restart():
+    # kill -9 of the coordinator: the workers notice its silence, keep their
+    # weights and join a new coordinator on the same address, in their old slots
+    expect = run_local(STORIES, PROMPT, 24)[1]
+    port = free_port_pair()
+    addr = "tcp://127.0.0.1:%d" % port
+    with Procs() as P:
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--pp", "2"])
+        ws = [P.worker("w%d" % i, port) for i in range(4)]
+        wait_ready(co)
+        rc, _, ids, err = generate(addr, PROMPT, 24)
+        check(rc == 0 and ids == expect, "before the restart: %s" % err)
+        co.kill()
+        co.wait()
+        t0 = time.time()
+        wait_for(lambda: all("leaving the grid" in P.log("w%d" % i) for i in range(4)), 10,
+                 "the workers to notice the coordinator is gone")
+        noticed = time.time() - t0
+        check(all(w.poll() is None for w in ws), "a worker exited with its coordinator")
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--pp", "2"], name="coordinator2")
+        wait_ready(co, 30)
+        print("  workers noticed the killed coordinator in %.2f s; a new one served %.2f s after the kill"
+              % (noticed, time.time() - t0))
+        rc, _, ids, err = generate(addr, PROMPT, 24)
+        check(rc == 0 and ids == expect, "after the restart: %s" % err)
+        for i in range(4):
+            log = P.log("w%d" % i)
+            check(loads(P, "w%d" % i) == 1 and "keeping the weights" in log,
+                  "w%d loaded its shard %d times" % (i, loads(P, "w%d" % i)))
+        check(P.log("coordinator2").count("loaded its shard") == 4, "the new coordinator did not form the grid")
+
+
+def test_workers_follow_coordinator_through_etcd():
+    # workers that found the coordinator in etcd follow its successor to a new address
+    expect = run_local(STORIES, PROMPT, 24)[1]
+    with Etcd() as etcd, Procs() as P:
+        etcd_args = ["--etcd", etcd.url, "--cluster", "drain"]
+        port = free_port_pair()
+        co = P.coordinator(STORIES, port, extra=["--tp", "2"] + etcd_args)
+        for i in range(2):
+            P.start("w%d" % i, [os.path.join(BIN, "loom-worker"), "--threads", "1", "--id", "w%d" % i] + etcd_args)
+        wait_ready(co)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 24)
+        check(rc == 0 and ids == expect, "before the restart: %s" % err)
+        co.send_signal(signal.SIGTERM)
+        check(co.wait(timeout=30) == 0, "the first coordinator did not exit cleanly")
+        port2 = free_port_pair()
+        co = P.coordinator(STORIES, port2, extra=["--tp", "2"] + etcd_args, name="coordinator2")
+        wait_ready(co, 30)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port2, PROMPT, 24)
+        check(rc == 0 and ids == expect, "after the restart: %s" % err)
+        for i in range(2):
+            log = P.log("w%d" % i)
+            check("the coordinator left" in log and "is now at tcp://127.0.0.1:%d" % (port2 + 1) in log,
+                  "w%d did not follow: %s" % (i, log[-800:]))
+            check(loads(P, "w%d" % i) == 1, "w%d loaded its shard again" % i)
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_sigterm_drains, test_shutdown_timeout_cuts_streams, test_second_signal_exits_at_once])
+    run_tests([test_sigterm_drains, test_shutdown_timeout_cuts_streams, test_second_signal_exits_at_once,
+               test_workers_survive_coordinator_restart, test_workers_follow_coordinator_through_etcd])
