@@ -21,7 +21,7 @@
  * Draining (the first SIGTERM/SIGINT): new Generate requests are refused
  * with UNAVAILABLE ("draining"), Health reports not ready, requests in
  * flight go on; the reactor returns once none is left, or at
- * --shutdown-timeout-ms, when the rest end with a final chunk (finish
+ * --shutdown-timeout-s, when the rest end with a final chunk (finish
  * LENGTH). A second signal returns at once.
  *
  * Requests: Generate is tokenized here and queued in the scheduler; each

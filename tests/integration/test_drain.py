@@ -19,7 +19,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, STORIES, Etcd, check, free_port_pair, gen_model, generate, run_local, run_tests  # noqa: E402
+from harness import (BIN, STORIES, Etcd, Failure, check, free_port_pair, gen_model, generate, run_local,  # noqa: E402
+                     run_tests, sanitizer_reports)
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-drain")
 PROMPT = "Once upon a time"
@@ -85,9 +86,12 @@ class Procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        if exc[0] is not None:
+        reports = sanitizer_reports(self.dir)
+        if exc[0] is not None or reports:
             for name in sorted(self.procs):
                 sys.stderr.write("---- %s\n%s\n" % (name, self.log(name)[-3000:]))
+        if exc[0] is None and reports:
+            raise Failure("sanitizer reports in %s" % ", ".join(reports))
         return False
 
 
@@ -163,14 +167,18 @@ def ids_of(err):
 
 def test_sigterm_drains():
     model = slow_model()
-    n = 1000
-    expect = run_local(model, PROMPT, n, extra=["--ignore-eos"])[1]
     port, hport = free_port_pair(), http_port()
     addr = "tcp://127.0.0.1:%d" % port
     with Procs() as P:
-        co = P.coordinator(model, port, hport)
+        co = P.coordinator(model, port, hport, extra=["--shutdown-timeout-s", "300"])
         P.worker("w0", port)
         wait_ready(co)
+        # streams of about 3 s, whatever the build's speed (the sanitizer build is ~50x slower)
+        t0 = time.time()
+        rc, _, _, err = generate(addr, PROMPT, 64, extra=["--ignore-eos"])
+        check(rc == 0, "warm-up: %s" % err)
+        n = max(100, min(2000, int(64 / (time.time() - t0) * 3)))
+        expect = run_local(model, PROMPT, n, extra=["--ignore-eos"])[1]
         zs = async_generate(addr, n)
         hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0})
         time.sleep(0.3)
