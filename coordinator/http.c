@@ -92,6 +92,7 @@ struct loom_http {
     atomic_int n_conns; /* open connections, over-limit ones included */
     int max_conns;
     loom_tokenizer_t *tok; /* /tokenize and /detokenize (NULL: no model directory) */
+    atomic_int draining, generating; /* refuse new generations; generation requests not yet completed */
     atomic_uint_fast64_t n_ids;
     uint64_t id_salt;
     pthread_mutex_t mu; /* guards have_model, model */
@@ -137,6 +138,7 @@ typedef struct req {
     size_t discarded;
     /* the generation */
     int chat, stream, include_usage, active, finished;
+    int counted; /* counted in h->generating */
     uint64_t gen_id, last_peek_ns;
     char id[64], model[256];
     long long created;
@@ -222,10 +224,9 @@ static enum MHD_Result respond(req_t *q, unsigned status, const char *ctype, cha
     if (q->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, q->allow);
     if (q->www_auth) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (q->xid[0]) MHD_add_response_header(r, "X-Request-Id", q->xid);
-    if (q->close_after) {
+    if (q->close_after || status == MHD_HTTP_SERVICE_UNAVAILABLE)
         MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, RETRY_AFTER_S);
-        MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
-    }
+    if (q->close_after) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(q->mc, status, r);
     MHD_destroy_response(r);
     q->status = status;
@@ -1020,12 +1021,19 @@ static enum MHD_Result handle_generate(req_t *q) {
     snprintf(q->model, sizeof q->model, "%s", mi.id);
     q->created = (long long)time(NULL);
     new_id(q);
+    if (atomic_load(&q->h->draining)) {
+        res = respond_status(q, LOOM_ERR_UNAVAILABLE, "draining: this coordinator is shutting down and admits no "
+                                                      "new requests");
+        goto done;
+    }
     g.p.tag = q->xid;
     if (loom_client_submit(q->conn->client, &g.p, &q->gen_id, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;
     }
     q->active = 1;
+    q->counted = 1;
+    atomic_fetch_add(&q->h->generating, 1);
     cJSON_Delete(root);
     root = NULL;
     gen_free(&g);
@@ -1113,6 +1121,13 @@ static enum MHD_Result handle_health(req_t *q) {
     loom_health_t hl;
     loom_err_t err = {0};
     loom_client_t *c = NULL;
+    if (atomic_load(&q->h->draining)) { /* the reactor is gone or going */
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "status", "unavailable");
+        cJSON_AddStringToObject(o, "state", "draining");
+        cJSON_AddStringToObject(o, "message", "draining: shutting down");
+        return respond_json(q, MHD_HTTP_SERVICE_UNAVAILABLE, o);
+    }
     loom_status_t st = probe_client(q->h, &c, &err);
     if (st == LOOM_OK) st = loom_client_health(c, &hl, &err);
     loom_client_close(&c);
@@ -1454,6 +1469,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     req_t *q = *con_cls;
     if (!q) return;
     if (q->active) abandon(q); /* a stream cut short: the peer left, timed out, or we are stopping */
+    if (q->counted) atomic_fetch_sub(&q->h->generating, 1);
     /* the access log: scrapes and probes only at debug level */
     int quiet = q->route == R_HEALTH || q->route == R_METRICS || q->route == R_VERSION;
     loom_log(quiet ? LOOM_LOG_DEBUG : LOOM_LOG_INFO, "http: %s %s -> %u in %.1f ms%s", q->method, q->path, q->status,
@@ -1603,6 +1619,16 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
 }
 
 int loom_http_port(const loom_http_t *h) { return h ? h->port : 0; }
+
+void loom_http_drain(loom_http_t *h, int timeout_ms) {
+    if (!h) return;
+    atomic_store(&h->draining, 1);
+    uint64_t deadline = loom_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    while (atomic_load(&h->generating) > 0 && loom_now_ns() < deadline) {
+        struct timespec ts = {0, 10 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
 
 void loom_http_stop(loom_http_t **h_p) {
     if (!h_p || !*h_p) return;

@@ -32,6 +32,9 @@ typedef struct loom_http loom_http_t;
 loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err);
 /* The bound TCP port (the ephemeral one when 0 was asked for). */
 int loom_http_port(const loom_http_t *h);
+/* Refuses new generation requests (503) and waits, at most timeout_ms, until
+ * the streams in flight have been handed their final events. Safe on NULL. */
+void loom_http_drain(loom_http_t *h, int timeout_ms);
 /* Stops serving: streams in flight end, every connection's client is
  * closed. Call before loom_server_destroy (whose ZeroMQ context waits for
  * them). Safe on NULL and twice. */

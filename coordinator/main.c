@@ -23,8 +23,9 @@ int main(int argc, char **argv) {
     loom_server_config_t c = {.tp = 1, .pp = 1, .listen = "tcp://127.0.0.1:5555", .control = "tcp://127.0.0.1:5556",
                               .comm = "auto", .weight_dtype = "f32", .max_num_seqs = 64, .max_batched_tokens = 512,
                               .max_queue = 1024, .block_size = 16, .kv_fraction = 0.25f, .prefix_cache = 1,
-                              .heartbeat_timeout_ms = 1500, .recovery_timeout_ms = 2000, .cluster = "default",
+                              .heartbeat_timeout_ms = 1500, .recovery_timeout_ms = 10000, .cluster = "default",
                               .etcd_ttl = 5};
+    int shutdown_timeout_s = 30;
     int no_prefix = 0;
     const char *kv_mem = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
@@ -50,7 +51,8 @@ int main(int argc, char **argv) {
         {"kv-fraction", LOOM_OPT_FLOAT, &c.kv_fraction, "F", "fraction of the memory left after weights for KV, shared by a host's workers (default 0.25)", 0.0001, 1, NULL},
         {"no-prefix-cache", LOOM_OPT_FLAG, &no_prefix, NULL, "disable automatic prefix caching", 1, 0, NULL},
         {"heartbeat-timeout-ms", LOOM_OPT_INT, &c.heartbeat_timeout_ms, "MS", "declare a silent worker lost after this long (default 1500)", 200, 600000, NULL},
-        {"recovery-timeout-ms", LOOM_OPT_INT, &c.recovery_timeout_ms, "MS", "requests wait this long for a failed grid to be restored, then end with UNAVAILABLE; 0: at once (default 2000)", 0, 86400000, NULL},
+        {"recovery-timeout-ms", LOOM_OPT_INT, &c.recovery_timeout_ms, "MS", "requests wait this long for a failed grid to be restored, then end with UNAVAILABLE; 0: at once (default 10000: longer than a lost worker's detection plus a spare's registration and load)", 0, 86400000, NULL},
+        {"shutdown-timeout", LOOM_OPT_INT, &shutdown_timeout_s, "S", "on SIGTERM/SIGINT: refuse new requests and let those in flight run this long; then their streams end (finish_reason length) and the coordinator exits; a second signal exits at once (default 30)", 0, 86400, NULL},
         {"api-key", LOOM_OPT_STR, &c.api_key, "KEY", "require this key in every request (or set LOOM_API_KEY)", 1, 0, NULL},
         {"ready-file", LOOM_OPT_STR, &c.ready_file, "FILE", "write the API address here once the grid is ready", 1, 0, NULL},
         {"etcd", LOOM_OPT_STR, &c.etcd_url, "URL", "publish membership in etcd, e.g. http://127.0.0.1:2379 (workers can then find this coordinator)", 1, 0, NULL},
@@ -96,6 +98,7 @@ int main(int argc, char **argv) {
         c.kv_memory = (uint64_t)(v * mul);
     }
     c.prefix_cache = !no_prefix;
+    c.shutdown_timeout_ms = shutdown_timeout_s * 1000;
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
     if (c.max_batched_tokens < c.max_num_seqs) c.max_batched_tokens = c.max_num_seqs;
 
@@ -125,6 +128,7 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     int rc = loom_server_run(g_server);
+    loom_http_drain(http, 2000); /* let the gateway deliver the last events of its streams */
     loom_http_stop(&http); /* before the server: its ZeroMQ context waits for the gateway's clients */
     loom_server_destroy(&g_server);
     return rc;

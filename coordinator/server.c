@@ -7,12 +7,22 @@
  *   READY     serving: the step loop runs, requests are admitted
  * A lost worker (missed heartbeats) or a failed step aborts epoch e: workers
  * are told to stop waiting on the data plane, the slot (if lost) is freed,
- * and the grid goes back to WAITING or LOADING with epoch e+1. Workers keep
+ * and the grid goes back to WAITING or LOADING with epoch e+1. When every
+ * slot is still filled (the data plane failed, not a heartbeat), each
+ * member's data-plane listener is probed first (WAITING with probes out): a
+ * member whose port refuses or does not answer within PROBE_MS is dead and
+ * its slot is freed at once, so the next plan never includes it. Workers keep
  * their weights when the new Assign gives them the same shard. Requests are
  * not lost: their sequences keep their tokens and wait (their KV dropped)
  * until the grid is READY again, then are re-prefilled and their streams go
  * on; if the grid is not back within --recovery-timeout-ms they end with
  * UNAVAILABLE.
+ *
+ * Draining (the first SIGTERM/SIGINT): new Generate requests are refused
+ * with UNAVAILABLE ("draining"), Health reports not ready, requests in
+ * flight go on; the reactor returns once none is left, or at
+ * --shutdown-timeout, when the rest end with a final chunk (finish
+ * LENGTH). A second signal returns at once.
  *
  * Requests: Generate is tokenized here and queued in the scheduler; each
  * sampled token is detokenized, checked against EOS/stop tokens/stop
@@ -27,9 +37,13 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <pthread.h>
 #include <zmq.h>
@@ -51,6 +65,7 @@
 #define MAX_TAG 128
 #define MAX_STOP_LEN 256
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
+#define PROBE_MS 1000  /* a member's data-plane listener that does not answer a connect this long is gone */
 
 typedef enum { GRID_WAITING, GRID_LOADING, GRID_JOINING, GRID_READY } grid_state_t;
 static const char *grid_state_name[] = {"waiting_for_workers", "loading", "joining", "ready"};
@@ -108,7 +123,12 @@ struct loom_server {
 
     void *zctx, *api, *ctl;
     char api_addr[256], ctl_addr[256], inproc_addr[64];
-    volatile int stop;
+    volatile sig_atomic_t stop, drain_requested; /* set by loom_server_stop (signal handlers) */
+    int draining;
+    uint64_t drain_deadline;
+    int probing;   /* probes of the members' data planes are out (state WAITING) */
+    int *probe_fd; /* per slot: a probe's socket, -1: none */
+    uint64_t probe_deadline;
 
     worker_slot_t *slots;
     int n_slots;
@@ -551,6 +571,104 @@ static void start_epoch(loom_server_t *s) {
     publish_plan(s, backend);
 }
 
+/* ---- liveness probes ----------------------------------------------------------------- */
+
+/* Starts a non-blocking connect to a worker's data-plane listener
+ * ("tcp://host:port" or "tcp://[v6]:port"), which lives as long as the
+ * worker process. Returns the socket, or -1 when the connect failed at once
+ * (or the address cannot be read: the worker sent it, so that is its loss). */
+static int probe_connect(const char *addr) {
+    char host[256], port[16];
+    if (strncmp(addr, "tcp://", 6) != 0) return -1;
+    const char *h = addr + 6, *colon = strrchr(h, ':');
+    if (!colon || colon == h || strlen(colon + 1) >= sizeof port) return -1;
+    size_t hl = (size_t)(colon - h);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2;
+    if (hl >= sizeof host) return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    snprintf(port, sizeof port, "%s", colon + 1);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    if (getaddrinfo(host, port, &hints, &res) != 0 || !res) return -1;
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) {
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+static void probes_stop(loom_server_t *s) {
+    for (int i = 0; i < s->n_slots; i++) {
+        if (s->probe_fd[i] >= 0) close(s->probe_fd[i]);
+        s->probe_fd[i] = -1;
+    }
+    s->probing = 0;
+}
+
+/* After a failure of a full grid: probe every member; probes_poll decides. */
+static void probes_start(loom_server_t *s) {
+    for (int i = 0; i < s->n_slots; i++) s->probe_fd[i] = -2; /* -2: failed at once */
+    for (int i = 0; i < s->n_slots; i++) {
+        int fd = probe_connect(s->slots[i].data_addr);
+        if (fd >= 0) s->probe_fd[i] = fd;
+    }
+    s->probing = 1;
+    s->probe_deadline = loom_now_ns() + PROBE_MS * 1000000ull;
+}
+
+/* Frees the slot of a worker found dead (no epoch to abort: it is aborted). */
+static void exclude_worker(loom_server_t *s, int i, const char *why) {
+    worker_slot_t *w = &s->slots[i];
+    LOOM_ERROR("worker %s (stage %d, tp rank %d, pid %u) is gone: its data plane at %s %s; excluded from the "
+               "next plan",
+               w->id, i / s->cfg.tp, i % s->cfg.tp, w->pid, w->data_addr, why);
+    snprintf(s->last_failure, sizeof s->last_failure, "worker %s is gone: its data plane %s", w->id, why);
+    w->used = 0;
+}
+
+/* Reactor: settles the probes once each answered or PROBE_MS passed. */
+static void probes_poll(loom_server_t *s) {
+    if (!s->probing) return;
+    int pending = 0, gone = 0;
+    for (int i = 0; i < s->n_slots; i++) {
+        int fd = s->probe_fd[i];
+        if (fd == -1) continue;
+        int soerr = ECONNREFUSED;
+        if (fd >= 0) {
+            struct pollfd pf = {fd, POLLOUT, 0};
+            if (poll(&pf, 1, 0) <= 0) {
+                pending++;
+                continue;
+            }
+            socklen_t len = sizeof soerr;
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0) soerr = errno;
+            close(fd);
+        }
+        s->probe_fd[i] = -1;
+        if (soerr) {
+            char why[160];
+            snprintf(why, sizeof why, "refused a connection (%s)", strerror(soerr));
+            exclude_worker(s, i, why);
+            gone++;
+        }
+    }
+    if (pending && loom_now_ns() < s->probe_deadline) return;
+    for (int i = 0; i < s->n_slots; i++)
+        if (s->probe_fd[i] >= 0) {
+            char why[80];
+            snprintf(why, sizeof why, "did not answer a connection within %d ms", PROBE_MS);
+            exclude_worker(s, i, why);
+            gone++;
+        }
+    probes_stop(s);
+    if (count_used(s) == s->n_slots) start_epoch(s); /* every member is alive: rebuild with them */
+    else LOOM_INFO("waiting for %d worker(s) to take the free place(s) (%d of %d registered)", gone, count_used(s),
+                   s->n_slots);
+}
+
 /* Aborts the current epoch: in-flight micro-batches fail, requests wait for
  * the grid to come back (or end with UNAVAILABLE when it does not in time). */
 static void fail_grid(loom_server_t *s, const char *why) {
@@ -578,8 +696,9 @@ static void fail_grid(loom_server_t *s, const char *why) {
         }
     }
     for (int i = 0; i < s->n_slots; i++) s->slots[i].loaded = s->slots[i].ready = 0;
-    if (count_used(s) == s->n_slots) start_epoch(s); /* rebuild with the same workers */
-    else s->state = GRID_WAITING;
+    probes_stop(s);
+    s->state = GRID_WAITING;
+    if (count_used(s) == s->n_slots) probes_start(s); /* who of them is still alive? then rebuild */
 }
 
 static void lose_worker(loom_server_t *s, int i, const char *why) {
@@ -695,7 +814,13 @@ static void on_register(loom_server_t *s, const void *rid, size_t rid_len, const
         LOOM_WARN("refused a malformed registration");
         return;
     }
-    for (i = 0; i < s->n_slots && s->slots[i].used; i++) {}
+    i = 0;
+    if (r->has_shard && r->shard_n_stages == (uint32_t)s->cfg.pp && r->shard_tp_size == (uint32_t)s->cfg.tp &&
+        r->shard_stage < (uint32_t)s->cfg.pp && r->shard_tp_rank < (uint32_t)s->cfg.tp && r->shard_model_dir &&
+        !strcmp(r->shard_model_dir, s->cfg.model_dir))
+        i = (int)(r->shard_stage * (uint32_t)s->cfg.tp + r->shard_tp_rank); /* it holds these weights already */
+    if (s->slots[i].used)
+        for (i = 0; i < s->n_slots && s->slots[i].used; i++) {}
     if (i == s->n_slots) {
         char msg[256];
         snprintf(msg, sizeof msg, "the grid is full (%d workers for tp %d x pp %d)", s->n_slots, s->cfg.tp, s->cfg.pp);
@@ -867,6 +992,12 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     int n_ids = 0, cap = 0;
     uint64_t t_arrival = loom_now_ns(), tokenize_ns = 0;
     const char *tag = g->tag && valid_tag(g->tag) ? g->tag : "";
+    if (s->draining) {
+        snprintf(msg, sizeof msg, "draining: this coordinator is shutting down and admits no new requests; retry "
+                                  "on another one or after it restarts");
+        code = LOOM_ERR_UNAVAILABLE;
+        goto refuse;
+    }
     if (g->tag && g->tag[0] && !tag[0]) {
         snprintf(msg, sizeof msg, "tag must be at most %d printable ASCII characters", MAX_TAG);
         goto refuse;
@@ -1007,11 +1138,12 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
 static void on_health(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
     Loom__V1__HealthReply h = LOOM__V1__HEALTH_REPLY__INIT;
     char msg[600];
-    h.ready = s->state == GRID_READY;
-    h.state = (char *)grid_state_name[s->state];
+    h.ready = s->state == GRID_READY && !s->draining;
+    h.state = s->draining ? "draining" : (char *)grid_state_name[s->state];
     h.workers_ready = (uint32_t)count_ready(s);
     h.workers_expected = (uint32_t)s->n_slots;
-    if (!h.ready) grid_not_ready_msg(s, msg, sizeof msg);
+    if (s->draining) snprintf(msg, sizeof msg, "draining: shutting down, %d request(s) in flight", s->n_reqs);
+    else if (!h.ready) grid_not_ready_msg(s, msg, sizeof msg);
     else snprintf(msg, sizeof msg, "serving %s", s->model_name);
     h.message = msg;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
@@ -1204,7 +1336,8 @@ static void etcd_drain(loom_server_t *s) {
 
 static void publish_state(loom_server_t *s) {
     loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
-                               .requests_rejected = s->requests_rejected, .grid_ready = s->state == GRID_READY};
+                               .requests_rejected = s->requests_rejected,
+                               .grid_ready = s->state == GRID_READY && !s->draining};
     if (s->sched) {
         loom_sched_stats_t ss;
         loom_sched_get_stats(s->sched, &ss);
@@ -1273,6 +1406,38 @@ static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
     return n;
 }
 
+/* Ends a request still running when the drain runs out of time: its text so
+ * far and a final chunk with finish LENGTH, as a length limit would. */
+static void cut_request(loom_server_t *s, request_t *q) {
+    size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
+    pending_append(q, s->text_buf, n);
+    char msg[160];
+    snprintf(msg, sizeof msg, "the coordinator shut down: the output was cut after %d token(s) at the %d ms "
+                              "shutdown timeout", q->completion_tokens, s->cfg.shutdown_timeout_ms);
+    req_emit(s, q, NULL, 0, q->pending ? q->pending : "", q->n_pending, LOOM__V1__FINISH_REASON__FINISH_LENGTH,
+             LOOM_OK, msg);
+}
+
+/* Returns 1 once a drain is over (nothing left in flight, or out of time). */
+static int drain_step(loom_server_t *s) {
+    if (!s->drain_requested) return 0;
+    uint64_t now = loom_now_ns();
+    if (!s->draining) {
+        s->draining = 1;
+        s->drain_deadline = now + (uint64_t)s->cfg.shutdown_timeout_ms * 1000000ull;
+        LOOM_INFO("draining: new requests are refused; %d request(s) in flight get up to %d ms to finish", s->n_reqs,
+                  s->cfg.shutdown_timeout_ms);
+    }
+    if (s->n_reqs == 0) {
+        LOOM_INFO("drained: no request left in flight");
+        return 1;
+    }
+    if (now < s->drain_deadline) return 0;
+    LOOM_WARN("shutdown timeout: ending %d request(s) still in flight", s->n_reqs);
+    while (s->reqs) cut_request(s, s->reqs);
+    return 1;
+}
+
 int loom_server_run(loom_server_t *s) {
     LOOM_INFO("coordinator for %s (tp %d x pp %d): API on %s, workers on %s; waiting for %d worker(s)",
               s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, s->ctl_addr, s->n_slots);
@@ -1295,9 +1460,11 @@ int loom_server_run(loom_server_t *s) {
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
         etcd_drain(s);
+        probes_poll(s);
         timers(s);
         schedule(s);
         publish_state(s);
+        if (drain_step(s)) break;
     }
     LOOM_INFO("shutting down: %d request(s) still live", s->n_reqs);
     fail_all_requests(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
@@ -1312,7 +1479,8 @@ int loom_server_run(loom_server_t *s) {
 }
 
 void loom_server_stop(loom_server_t *s) {
-    s->stop = 1;
+    if (s->drain_requested) s->stop = 1;
+    else s->drain_requested = 1;
 }
 
 /* ---- create / destroy ------------------------------------------------------------------------ */
@@ -1408,6 +1576,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->n_slots = cfg->tp * cfg->pp;
     s->slots = loom_xcalloc((size_t)s->n_slots, sizeof *s->slots);
     s->inflight = loom_xcalloc((size_t)cfg->pp, sizeof *s->inflight);
+    s->probe_fd = loom_xmalloc((size_t)s->n_slots * sizeof *s->probe_fd);
+    for (int i = 0; i < s->n_slots; i++) s->probe_fd[i] = -1;
     s->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp);
     s->sp_ptrs = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp_ptrs);
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
@@ -1469,6 +1639,8 @@ void loom_server_destroy(loom_server_t **s_p) {
     if (s->ctl) zmq_close(s->ctl);
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
+    if (s->probe_fd) probes_stop(s);
+    free(s->probe_fd);
     free(s->slots);
     free(s->inflight);
     free(s->sp);

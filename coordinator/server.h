@@ -33,13 +33,18 @@ typedef struct loom_server_config {
     const char *cluster;      /* cluster name: keys under /loom/<cluster>/ */
     const char *advertise_host; /* host workers and clients should dial (published in etcd) */
     int etcd_ttl;             /* lease TTL in seconds */
+    int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;
 
 loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t **out, loom_err_t *err);
-/* Runs until loom_server_stop (async-signal-safe flag) is called. */
+/* Runs until stopped: returns once a drain has finished, or at once after a
+ * second loom_server_stop. */
 int loom_server_run(loom_server_t *s);
+/* Async-signal-safe. The first call starts a drain: no new requests, those
+ * in flight finish (or end with finish LENGTH at shutdown_timeout_ms); the
+ * second makes loom_server_run return at once, failing what is left. */
 void loom_server_stop(loom_server_t *s);
 void loom_server_destroy(loom_server_t **s_p);
 

@@ -11,7 +11,10 @@
  * Lifecycle:  REGISTERING ─Assign▶ LOADING ─Loaded▶ LOADED ─KvConfig▶ JOINING
  *             ─Ready▶ SERVING ─Abort▶ ABORTED ─Assign (new epoch)▶ LOADING ...
  * A new Assign for the same shard keeps the weights and only rebuilds the
- * KV pool and the comm. */
+ * KV pool and the comm. When the coordinator leaves (Shutdown) or falls
+ * silent, the worker aborts its comm and goes back to REGISTERING with its
+ * weights, naming the shard it holds; the next coordinator's epochs count
+ * afresh. */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -36,11 +39,18 @@
 #include "worker/model.h"
 
 #define HEARTBEAT_MS 200
+#define STANDBY_RETRY_MS 250 /* a spare asks for a free slot this often: it takes a lost worker's place that fast */
 
 typedef struct worker {
     /* options */
     const char *coord_addr, *device, *data_host, *trace_path, *dump_path, *health_path;
     const char *etcd_url, *cluster;
+    loom_etcd_t *etcd;      /* with --etcd: finds a new coordinator after the last one left */
+    int coord_from_etcd;    /* the coordinator's address came from etcd (no --coordinator) */
+    /* reactor: the shard of the last Assign handed to the compute thread */
+    int has_shard;
+    uint32_t shard_stage, shard_n_stages, shard_tp_rank, shard_tp_size;
+    char shard_model_dir[1024];
     int etcd_ttl, coord_wait_s;
     char coord_buf[256];
     FILE *dump;
@@ -532,6 +542,12 @@ static void send_register(worker_t *w) {
     r.threads = (uint32_t)w->threads;
     r.data_addr = (char *)loom_comm_listener_addr(w->listener);
     r.pid = (uint32_t)getpid();
+    r.has_shard = w->has_shard;
+    r.shard_stage = w->shard_stage;
+    r.shard_n_stages = w->shard_n_stages;
+    r.shard_tp_rank = w->shard_tp_rank;
+    r.shard_tp_size = w->shard_tp_size;
+    r.shard_model_dir = w->shard_model_dir;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_REGISTER;
     m.register_ = &r;
@@ -592,10 +608,37 @@ static int write_health(const worker_t *w, int registered, int standby) {
     return ok && rename(tmp, w->health_path) == 0 ? 0 : -1;
 }
 
+static loom_status_t etcd_lookup(worker_t *w, char *out, size_t n, loom_err_t *err);
+
+/* The coordinator went away (it said so, or fell silent): leave the grid
+ * (abort the data plane), keep the weights, and look for the next one. */
+static void coordinator_gone(worker_t *w, const char *why) {
+    LOOM_WARN("%s: leaving the grid, keeping the weights; registering with the next coordinator", why);
+    atomic_store(&w->aborted_epoch, UINT64_MAX);
+    pthread_mutex_lock(&w->comm_mu);
+    loom_comm_abort(w->comm);
+    pthread_mutex_unlock(&w->comm_mu);
+}
+
+/* With the address from etcd: a new coordinator may listen elsewhere. */
+static void follow_coordinator(worker_t *w) {
+    if (!w->etcd || !w->coord_from_etcd) return;
+    char addr[256];
+    loom_err_t err = {0};
+    if (etcd_lookup(w, addr, sizeof addr, &err) < 0 || !strcmp(addr, w->coord_addr)) return;
+    LOOM_INFO("the coordinator of cluster '%s' is now at %s (was %s)", w->cluster, addr, w->coord_addr);
+    zmq_disconnect(w->ctl, w->coord_addr);
+    snprintf(w->coord_buf, sizeof w->coord_buf, "%s", addr);
+    w->coord_addr = w->coord_buf;
+    if (zmq_connect(w->ctl, w->coord_addr) != 0)
+        LOOM_WARN("cannot connect to %s: %s", w->coord_addr, zmq_strerror(errno));
+}
+
 static int reactor(worker_t *w) {
     uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns(), last_health = 0;
     int standby = 0, health_ok = 1;
     int registered = 0; /* the coordinator holds a slot for us (it sends Assign/heartbeats) */
+    int orphan = 0;     /* the coordinator went away: the next Assign comes from a new one */
     send_register(w);
     while (!g_stop) {
         zmq_pollitem_t items[] = {{w->ctl, 0, ZMQ_POLLIN, 0}, {w->pipe_r, 0, ZMQ_POLLIN, 0}};
@@ -613,7 +656,22 @@ static int reactor(worker_t *w) {
                     last_heard = now;
                     if (m->body_case != LOOM__V1__CONTROL_MSG__BODY_ERROR) registered = 1;
                     switch (m->body_case) {
-                    case LOOM__V1__CONTROL_MSG__BODY_ASSIGN:
+                    case LOOM__V1__CONTROL_MSG__BODY_ASSIGN: {
+                        const Loom__V1__Assign *a = m->assign;
+                        if (orphan) { /* a new coordinator: its epochs count afresh */
+                            atomic_store(&w->aborted_epoch, 0);
+                            orphan = 0;
+                        }
+                        w->has_shard = 1;
+                        w->shard_stage = a->stage;
+                        w->shard_n_stages = a->n_stages;
+                        w->shard_tp_rank = a->tp_rank;
+                        w->shard_tp_size = a->tp_size;
+                        snprintf(w->shard_model_dir, sizeof w->shard_model_dir, "%s", a->model_dir ? a->model_dir : "");
+                        hand_over(w, m);
+                        m = NULL;
+                        break;
+                    }
                     case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG:
                     case LOOM__V1__CONTROL_MSG__BODY_STEP: hand_over(w, m); m = NULL; break;
                     case LOOM__V1__CONTROL_MSG__BODY_ABORT: {
@@ -625,15 +683,21 @@ static int reactor(worker_t *w) {
                         pthread_mutex_unlock(&w->comm_mu);
                         break;
                     }
-                    case LOOM__V1__CONTROL_MSG__BODY_SHUTDOWN:
-                        LOOM_INFO("shutdown requested: %s", m->shutdown->reason);
-                        g_stop = 1;
+                    case LOOM__V1__CONTROL_MSG__BODY_SHUTDOWN: {
+                        char why[300];
+                        snprintf(why, sizeof why, "the coordinator left (%.200s)", m->shutdown->reason);
+                        coordinator_gone(w, why);
+                        orphan = 1;
+                        registered = standby = 0;
+                        last_register = 0; /* register again at once */
                         break;
+                    }
                     case LOOM__V1__CONTROL_MSG__BODY_ERROR:
                         if (m->error->code == LOOM_ERR_RESOURCE_EXHAUSTED || m->error->code == LOOM_ERR_NOT_FOUND) {
                             /* the grid is full, or forgot us: stand by and register again */
                             if (registered || !standby)
-                                LOOM_INFO("standing by: %s (registering again every second)", m->error->message);
+                                LOOM_INFO("standing by: %s (registering again every %d ms)", m->error->message,
+                                          STANDBY_RETRY_MS);
                             registered = 0;
                             standby = 1;
                             last_register = now;
@@ -661,9 +725,10 @@ static int reactor(worker_t *w) {
             last_hb = now;
         }
         /* not (yet) in the grid: the coordinator may have started later, or a slot may free up */
-        if (!registered && now - last_register > (standby ? 1000000000ull : 2000000000ull)) {
+        if (!registered && now - last_register > (standby ? STANDBY_RETRY_MS : orphan ? 500 : 2000) * 1000000ull) {
+            if (orphan) follow_coordinator(w);
             send_register(w);
-            last_register = now;
+            last_register = loom_now_ns();
         }
         if (w->health_path && now - last_health >= 1000000000ull) {
             int ok = write_health(w, registered, standby) == 0;
@@ -672,8 +737,13 @@ static int reactor(worker_t *w) {
             last_health = now;
         }
         if (registered && now - last_heard > (uint64_t)w->coord_timeout_ms * 1000000ull) {
-            LOOM_ERROR("no message from the coordinator at %s for %d ms: exiting", w->coord_addr, w->coord_timeout_ms);
-            g_stop = 2;
+            char why[300];
+            snprintf(why, sizeof why, "no message from the coordinator at %.200s for %d ms", w->coord_addr,
+                     w->coord_timeout_ms);
+            coordinator_gone(w, why);
+            orphan = 1;
+            registered = standby = 0;
+            last_register = 0;
         }
     }
     return g_stop == 2 ? 1 : 0;
@@ -681,23 +751,30 @@ static int reactor(worker_t *w) {
 
 /* etcd: finds the coordinator's control address under /loom/<cluster>/coordinator,
  * waiting for it to appear (the coordinator may start later). */
-static loom_status_t etcd_find_coordinator(worker_t *w, loom_etcd_t *e, loom_err_t *err) {
+/* One read of /loom/<cluster>/coordinator: its control address. */
+static loom_status_t etcd_lookup(worker_t *w, char *out, size_t n, loom_err_t *err) {
     char key[300];
     snprintf(key, sizeof key, "/loom/%s/coordinator", w->cluster);
+    char *v = NULL;
+    LOOM_CHECK(loom_etcd_get(w->etcd, key, &v, NULL, NULL, err));
+    cJSON *j = cJSON_Parse(v);
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "control");
+    int ok = cJSON_IsString(c) && c->valuestring[0];
+    if (ok) snprintf(out, n, "%s", c->valuestring);
+    cJSON_Delete(j);
+    free(v);
+    if (!ok) return loom_err_set(err, LOOM_ERR_FORMAT, "etcd key %s does not hold a control address", key);
+    return LOOM_OK;
+}
+
+static loom_status_t etcd_find_coordinator(worker_t *w, loom_err_t *err) {
     uint64_t deadline = loom_now_ns() + (uint64_t)w->coord_wait_s * 1000000000ull;
     int logged = 0;
     for (;;) {
-        char *v = NULL;
-        loom_status_t st = loom_etcd_get(e, key, &v, NULL, NULL, err);
+        loom_status_t st = etcd_lookup(w, w->coord_buf, sizeof w->coord_buf, err);
         if (st == LOOM_OK) {
-            cJSON *j = cJSON_Parse(v);
-            const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "control");
-            int ok = cJSON_IsString(c) && c->valuestring[0];
-            if (ok) snprintf(w->coord_buf, sizeof w->coord_buf, "%s", c->valuestring);
-            cJSON_Delete(j);
-            free(v);
-            if (!ok) return loom_err_set(err, LOOM_ERR_FORMAT, "etcd key %s does not hold a control address", key);
             w->coord_addr = w->coord_buf;
+            w->coord_from_etcd = 1;
             LOOM_INFO("found the coordinator of cluster '%s' in etcd: %s", w->cluster, w->coord_addr);
             return LOOM_OK;
         }
@@ -745,7 +822,7 @@ static void expand_id(char *out, size_t n, const char *tmpl, const char *id) {
 
 int main(int argc, char **argv) {
     loom_log_init("worker");
-    worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 15000, .cluster = "default",
+    worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 3000, .cluster = "default",
                   .etcd_ttl = 5, .coord_wait_s = 120};
     const char *id = NULL, *log_format = NULL;
     loom_opt_t opts[] = {
@@ -758,7 +835,7 @@ int main(int argc, char **argv) {
         {"threads", LOOM_OPT_INT, &w.threads, "N", "CPU threads for compute (default: all cores)", 0, 1024, NULL},
         {"id", LOOM_OPT_STR, &id, "NAME", "worker id (default HOST-PID)", 1, 0, NULL},
         {"data-host", LOOM_OPT_STR, &w.data_host, "ADDR", "address the data plane listens on (default 127.0.0.1)", 1, 0, NULL},
-        {"coordinator-timeout-ms", LOOM_OPT_INT, &w.coord_timeout_ms, "MS", "exit when the coordinator is silent this long (default 15000)", 100, 1e9, NULL},
+        {"coordinator-timeout-ms", LOOM_OPT_INT, &w.coord_timeout_ms, "MS", "when the coordinator is silent this long, leave the grid (keeping the weights) and register with the next one (default 3000)", 100, 1e9, NULL},
         {"trace", LOOM_OPT_STR, &w.trace_path, "FILE", "write per-step spans as a Chrome trace at exit (%i = worker id)", 1, 0, NULL},
         {"health-file", LOOM_OPT_STR, &w.health_path, "FILE", "rewrite FILE every second with this worker's state: serving, joining, standby or registering (%i = worker id)", 1, 0, NULL},
         {"decode-buckets", LOOM_OPT_STR, &w.buckets_opt, "MODE", "pad decode steps to batch-size buckets (1, 2, 4, 8, 16, ...) so recorded graphs cover every batch: auto (where the device records graphs), on, off", 1, 0, NULL},
@@ -836,8 +913,10 @@ int main(int argc, char **argv) {
     loom_etcd_t *etcd = NULL;
     loom_etcd_keeper_t *keeper = NULL;
     if (w.etcd_url) {
-        if (loom_etcd_open(w.etcd_url, 2000, &etcd, &err) < 0 ||
-            (!w.coord_addr && etcd_find_coordinator(&w, etcd, &err) < 0) || etcd_register(&w, etcd, &keeper, &err) < 0) {
+        loom_status_t st = loom_etcd_open(w.etcd_url, 2000, &etcd, &err);
+        w.etcd = etcd;
+        if (st < 0 || (!w.coord_addr && etcd_find_coordinator(&w, &err) < 0) ||
+            etcd_register(&w, etcd, &keeper, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_etcd_close(&etcd);
             loom_comm_listener_destroy(&w.listener);

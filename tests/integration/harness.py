@@ -45,6 +45,18 @@ class Failure(Exception):
     pass
 
 
+def sanitizer_reports(log_dir):
+    """The *.log files in log_dir that hold an ASan/UBSan/LSan report."""
+    bad = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                text = f.read()
+            if "ERROR: AddressSanitizer" in text or "ERROR: LeakSanitizer" in text or "runtime error:" in text:
+                bad.append(name)
+    return bad
+
+
 def check(cond, what):
     if not cond:
         raise Failure(what)
@@ -77,14 +89,7 @@ class Cluster:
 
     def sanitizer_reports(self):
         """Logs of this cluster's processes that hold an ASan/UBSan/LSan report."""
-        bad = []
-        for name in sorted(os.listdir(self.run_dir)):
-            if name.endswith(".log"):
-                text = self.log(name[:-4])
-                if ("ERROR: AddressSanitizer" in text or "ERROR: LeakSanitizer" in text
-                        or "runtime error:" in text):
-                    bad.append(name)
-        return bad
+        return sanitizer_reports(self.run_dir)
 
     def start(self):
         self.port = free_port_pair()

@@ -32,7 +32,7 @@ def test_killed_worker_gives_unavailable():
     # a model slow enough (a few ms per token) that the request is still running at the kill
     model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
                       "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
-    with Cluster(model, 2, 2) as c:
+    with Cluster(model, 2, 2, coord_args=["--recovery-timeout-ms", "2000"]) as c:
         rc, _, _, err = c.generate("Once upon a time", 8)
         check(rc == 0, "warm-up failed: %s" % err)
         # a long request, then kill -9 a worker of the last stage while it streams
@@ -51,7 +51,8 @@ def test_killed_worker_gives_unavailable():
         rc, health = c.health()
         check("ready: no" in health, "health after the loss: %r" % health)
         check("worker-3" in health, "health does not name the lost worker: %r" % health)
-        check("worker-3" in c.log("coordinator") and "lost" in c.log("coordinator"), "coordinator log silent")
+        log = c.log("coordinator")
+        check("worker-3" in log and ("lost" in log or "gone" in log), "coordinator log silent")
         rc, _, _, err = c.generate("Once upon a time", 8)
         check(rc == 4 and "not ready" in err, "request on a broken grid: %d %s" % (rc, err))
 
@@ -105,6 +106,59 @@ def test_stream_survives_worker_loss():
         print("  " + [l for l in log.splitlines() if "resume" in l][0].split(": ", 1)[1])
 
 
+def log_times(log, marks):
+    """Seconds of the day at which the first line holding each mark was logged."""
+    out = {}
+    for line in log.splitlines():
+        for name, mark in marks.items():
+            if name not in out and mark in line:
+                h, m, sec = line.split()[0].split(":")
+                out[name] = int(h) * 3600 + int(m) * 60 + float(sec)
+    return out
+
+
+def test_spare_takes_over_with_defaults():
+    # kill -9 of a worker mid-stream with a spare standing by, every timeout at
+    # its default: the dead member is left out of the next plan at once, the
+    # spare takes its place and the stream ends with the uninterrupted ids
+    model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
+                      "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
+    expect = run_local(model, "Once upon a time", 400, extra=["--ignore-eos"])[1]
+    with Cluster(model, 2, 1) as c:
+        spare_log = os.path.join(c.run_dir, "spare.log")
+        with open(spare_log, "w") as f:
+            w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator",
+                                  "tcp://127.0.0.1:%d" % (c.port + 1), "--threads", "1", "--id", "spare"],
+                                 stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            deadline = time.time() + 10
+            while time.time() < deadline and "standing by" not in c.log("spare"):
+                time.sleep(0.1)
+            check("standing by" in c.log("spare"), "the spare did not stand by: %s" % c.log("spare"))
+            proc = c.generate_async("Once upon a time", 400, extra=["--ignore-eos", "--timeout-ms", "60000"])
+            time.sleep(0.4)
+            check(proc.poll() is None, "the stream ended before the kill")
+            t_kill = time.time() % 86400
+            kill(c.pid("worker-1"))
+            out, err = proc.communicate(timeout=120)
+            ids = [int(x) for line in err.splitlines() if line.startswith("ids:") for x in line[4:].split()]
+            check(proc.returncode == 0, "the stream did not survive: %s" % err[-300:])
+            check(ids == expect, "after the failover the ids differ from an uninterrupted run")
+            log = c.log("coordinator")
+            t = log_times(log, {"failure": "grid failure", "excluded": "excluded from the next plan",
+                                "spare": "worker spare registered", "ready": "grid restored"})
+            check(len(t) == 4, "missing failover steps in the coordinator log: %s" % sorted(t))
+            print("  failover: kill -> detected %.0f ms; then -> excluded %.0f ms, -> spare registered %.0f ms, "
+                  "-> serving again %.0f ms" % ((t["failure"] - t_kill) * 1e3, (t["excluded"] - t["failure"]) * 1e3,
+                                                (t["spare"] - t["failure"]) * 1e3, (t["ready"] - t["failure"]) * 1e3))
+            check(t["excluded"] - t["failure"] < 1.0, "the dead worker was not excluded at once")
+            rc, _, ids, err = c.generate("Once upon a time", 16, extra=["--ignore-eos"])
+            check(rc == 0 and ids == expect[:16], "a new request after the failover: %s" % err)
+        finally:
+            w.terminate()
+            w.wait(timeout=30)
+
+
 def test_garbage_is_refused():
     with Cluster(STORIES, 1, 1) as c:
         p = subprocess.run([os.path.join(BIN, "..", "tests", "garbage"), "--api", c.addr,
@@ -121,4 +175,5 @@ def test_garbage_is_refused():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_concurrent_clients_2x2, test_killed_worker_gives_unavailable,
-               test_replacement_worker_restores_the_grid, test_stream_survives_worker_loss, test_garbage_is_refused])
+               test_replacement_worker_restores_the_grid, test_stream_survives_worker_loss,
+               test_spare_takes_over_with_defaults, test_garbage_is_refused])

@@ -33,7 +33,7 @@ CONTROL_PORT = 5556
 WORKLOADS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 # Options the manifests may use before the binary has them: none is allowed
 # once the binary lists it, and each is reported.
-PENDING_OPTIONS = {"loom-coordinator": {"--shutdown-timeout"}}
+PENDING_OPTIONS = {}
 
 # LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) is a custom resource, absent
 # from the core schemas: its own fields are checked against this

@@ -672,10 +672,13 @@ def test_disconnect_429_and_shutdown():
         wait_for(lambda: zmq_stats(c.addr)["waiting"] == 0, 3, "the queued request to leave")
         a.close()
         wait_idle(c.addr, within=3)
-        # the gateway still answers, then SIGTERM during a stream ends it and the process quickly
+        # the gateway still answers, then a second SIGTERM (the first drains) during a stream ends it and
+        # the process quickly
         check(post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, key=None)[0] == 200, "after")
         s, got = open_stream(port, long_req, events=2)
         t0 = time.time()
+        os.kill(c.pid("coordinator"), signal.SIGTERM)
+        time.sleep(0.1)
         os.kill(c.pid("coordinator"), signal.SIGTERM)
         s.settimeout(10)
         while True:
