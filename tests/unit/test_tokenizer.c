@@ -22,6 +22,7 @@
 
 #include "common/tokenizer.h"
 #include "common/tokenizer_split.h"
+#include "common/tokenizer_unicode.h"
 #include "common/util.h"
 #include "tests/test.h"
 
@@ -435,6 +436,34 @@ static void test_split_patterns(void) {
         CHECKF(i < n || cases[c].pieces[k] == NULL, "case %zu: pieces missing", c);
     }
     CHECK(loom_split_recognize("\\w+") == LOOM_SPLIT_NONE);
+}
+
+/* The Unicode tables: their version, the classes the splits use, and data
+ * that is newer than the Unicode 14.0 the tables used to have. */
+static void test_unicode_tables(void) {
+    CHECKF(strcmp(loom_uc_version, "17.0") == 0, "Unicode %s", loom_uc_version);
+    static const struct {
+        uint32_t cp;
+        unsigned cls;
+    } cases[] = {
+        {'a', LOOM_UC_LL},     {'Q', LOOM_UC_LU},    {'7', LOOM_UC_N},     {' ', LOOM_UC_WS},
+        {'!', LOOM_UC_P},      {'_', LOOM_UC_P},     {'+', LOOM_UC_S},     {'$', LOOM_UC_S},
+        {'`', LOOM_UC_S},      {0x00A7, LOOM_UC_P},  {0x20AC, LOOM_UC_S},  {0x1F642, LOOM_UC_S},
+        {0x3002, LOOM_UC_P},   {0x0301, LOOM_UC_M},  {0x0085, LOOM_UC_WS}, {0xFEFF, 0},
+        {0x01C5, LOOM_UC_LT},  {0x02B0, LOOM_UC_LM}, {0x65E5, LOOM_UC_LO}, {0x0000, 0},
+        {0x0295, LOOM_UC_LO},  /* Ll until Unicode 16.0 */
+        {0x10D4A, LOOM_UC_LO}, /* Garay, new in 16.0 */
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(cases); i++)
+        CHECKF(loom_uc_class(cases[i].cp) == cases[i].cls, "U+%04X: class %u, want %u", cases[i].cp,
+               loom_uc_class(cases[i].cp), cases[i].cls);
+    /* NFC composes Tulu-Tigalari (16.0): U+11382 U+113C9 -> U+11383. */
+    const char *in = "\xf0\x91\x8e\x82\xf0\x91\x8f\x89";
+    char *out = NULL;
+    size_t len = 0, cap = 0;
+    loom_uc_nfc_append(in, strlen(in), &out, &len, &cap);
+    CHECKF(len == 4 && memcmp(out, "\xf0\x91\x8e\x83", 4) == 0, "NFC gave %zu bytes", len);
+    free(out);
 }
 
 static void test_known_ids_stories(void) {
@@ -1130,6 +1159,7 @@ int main(int argc, char **argv) {
         RUN(test_reference);
         return test_summary();
     }
+    RUN(test_unicode_tables);
     RUN(test_split_patterns);
     RUN(test_known_ids_stories);
     RUN(test_special_tokens);
