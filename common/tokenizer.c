@@ -31,6 +31,7 @@
 
 #define MAX_TOKEN_ID (1 << 24) /* ids beyond this are treated as a corrupt file */
 #define MAX_TEXT_LEN ((size_t)1 << 30)
+#define MAX_SPLITS   4 /* Split pre-tokenizers in a Sequence */
 #define META         "\xE2\x96\x81" /* U+2581 "▁", SentencePiece's space */
 
 /* ------------------------------------------------------------------------ */
@@ -287,8 +288,11 @@ struct loom_tokenizer {
     norm_op_t *norm;
     int n_norm;
 
-    /* Pre-tokenizer. */
-    loom_split_t split;
+    /* Pre-tokenizer: regex splits applied in order, each to the pieces of
+     * the one before; a piece of the last is a BPE word. */
+    loom_split_t splits[MAX_SPLITS];
+    bool split_gaps[MAX_SPLITS]; /* keep the text between matches (Isolated) */
+    int n_splits;
     bool metaspace;       /* Metaspace pre-tokenizer */
     bool metaspace_split; /* ... splitting into "▁" words */
     int prepend_scheme;
@@ -617,24 +621,59 @@ static loom_status_t parse_normalizer(loom_tokenizer_t *tok, const cJSON *nj, lo
     return LOOM_OK;
 }
 
+/* True when no text the normalizer produces can contain pat: a Replace of
+ * pat comes after every Prepend and no later Replace writes it back (NFC
+ * cannot produce an ASCII string it was not given). */
+static bool normalizer_removes(const loom_tokenizer_t *tok, const char *pat) {
+    bool removed = false;
+    for (int k = 0; k < tok->n_norm; k++) {
+        const norm_op_t *op = &tok->norm[k];
+        if (op->kind == NORM_REPLACE && strcmp(op->a, pat) == 0)
+            removed = !strstr(op->b, pat);
+        else if (op->kind == NORM_REPLACE && strstr(op->b, pat))
+            removed = false;
+        else if (op->kind == NORM_PREPEND && strstr(op->a, pat))
+            removed = false;
+        else if (op->kind == NORM_NFC && (unsigned char)pat[0] >= 0x80)
+            removed = false;
+    }
+    return removed;
+}
+
+/* A Split pre-tokenizer: a known regex with behavior Isolated (matches and
+ * the text between them are pieces) or Removed + invert (only the matches
+ * are), or a String that the normalizer has already removed (a no-op). */
 static loom_status_t parse_split(loom_tokenizer_t *tok, const cJSON *o, load_ctx_t *c) {
     const cJSON *pat = cJSON_GetObjectItemCaseSensitive(o, "pattern");
     const char *re = json_str(pat, "Regex");
+    const char *str = json_str(pat, "String");
     const char *behavior = json_str(o, "behavior");
+    bool invert = json_bool(o, "invert", false);
+    if (str && *str && normalizer_removes(tok, str)) return LOOM_OK;
     if (!re)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
-                            "%s: Split pre-tokenizer without a Regex pattern is not supported",
+                            "%s: Split pre-tokenizer on a String the normalizer keeps is not "
+                            "supported (only Regex patterns are)",
                             c->what);
-    if (json_bool(o, "invert", false) || (behavior && strcmp(behavior, "Isolated") != 0))
+    bool isolated = (!behavior || strcmp(behavior, "Isolated") == 0) && !invert;
+    bool removed_inverted = behavior && strcmp(behavior, "Removed") == 0 && invert;
+    if (!isolated && !removed_inverted)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
-                            "%s: Split pre-tokenizer supports only behavior Isolated, invert false",
+                            "%s: Split pre-tokenizer supports behavior Isolated (invert false) "
+                            "and Removed (invert true) only",
                             c->what);
-    tok->split = loom_split_recognize(re);
-    if (tok->split == LOOM_SPLIT_NONE)
+    if (tok->n_splits == MAX_SPLITS)
+        return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED, "%s: more than %d Split pre-tokenizers",
+                            c->what, MAX_SPLITS);
+    loom_split_t kind = loom_split_recognize(re);
+    if (kind == LOOM_SPLIT_NONE)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                             "%s: unknown pre-tokenizer split pattern %.300s (known: GPT-2, "
-                            "Llama 3, Qwen2, Mistral tekken)",
+                            "Llama 3, Qwen2, Mistral tekken, o200k, DeepSeek V3)",
                             c->what, re);
+    tok->splits[tok->n_splits] = kind;
+    tok->split_gaps[tok->n_splits] = isolated;
+    tok->n_splits++;
     return LOOM_OK;
 }
 
@@ -650,27 +689,25 @@ static loom_status_t parse_pre_tokenizer(loom_tokenizer_t *tok, const cJSON *pj,
                                 c->what);
     }
     int n = list ? cJSON_GetArraySize(list) : 1;
-    bool have_split = false;
     for (int i = 0; i < n; i++) {
         const cJSON *o = list ? cJSON_GetArrayItem(list, i) : pj;
         const char *t = type_of(o);
-        if (strcmp(t, "Split") == 0 && !have_split && tok->family == FAMILY_SENTENCEPIECE &&
-            !tok->metaspace) {
+        if (strcmp(t, "Split") == 0 && tok->family == FAMILY_SENTENCEPIECE && !tok->metaspace) {
             LOOM_CHECK(parse_split(tok, o, c));
-            have_split = true;
         } else if (strcmp(t, "ByteLevel") == 0 && tok->family == FAMILY_SENTENCEPIECE &&
                    !tok->metaspace) {
             tok->family = FAMILY_BYTE_LEVEL;
             tok->byte_level_prefix_space = json_bool(o, "add_prefix_space", false);
             if (json_bool(o, "use_regex", true)) {
-                if (have_split)
+                if (tok->n_splits)
                     return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                                         "%s: Split followed by ByteLevel with use_regex is not "
                                         "supported",
                                         c->what);
-                tok->split = LOOM_SPLIT_GPT2;
+                tok->splits[tok->n_splits] = LOOM_SPLIT_GPT2;
+                tok->split_gaps[tok->n_splits++] = true;
             }
-        } else if (strcmp(t, "Metaspace") == 0 && n == 1) {
+        } else if (strcmp(t, "Metaspace") == 0 && n == 1 && !tok->n_splits) {
             const char *rep = json_str(o, "replacement");
             if (rep && strcmp(rep, META) != 0)
                 return loom_err_set(
@@ -690,11 +727,11 @@ static loom_status_t parse_pre_tokenizer(loom_tokenizer_t *tok, const cJSON *pj,
         } else {
             return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                                 "%s: pre_tokenizer \"%s\" is not supported here (supported: "
-                                "Metaspace; ByteLevel; Sequence of Split and ByteLevel)",
+                                "Metaspace; ByteLevel; Sequence of Splits and ByteLevel)",
                                 c->what, t);
         }
     }
-    if (have_split && tok->family != FAMILY_BYTE_LEVEL)
+    if (tok->n_splits && tok->family != FAMILY_BYTE_LEVEL)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                             "%s: a Split pre-tokenizer without ByteLevel is not supported",
                             c->what);
@@ -1133,9 +1170,9 @@ static loom_status_t load_parsed(const cJSON *root, const cJSON *cfg, loom_token
     byte_level_table(byte_to_cp);
     loom_tokenizer_t *tok = loom_xcalloc(1, sizeof *tok);
     loom_status_t s;
-    if ((s = parse_pre_tokenizer(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), c)) <
+    if ((s = parse_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), c)) < 0 ||
+        (s = parse_pre_tokenizer(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), c)) <
             0 ||
-        (s = parse_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), c)) < 0 ||
         (s = load_model(tok, root, c, byte_to_cp)) < 0) {
         loom_tokenizer_destroy(&tok);
         return s;
@@ -1484,14 +1521,37 @@ static void bpe_word(const loom_tokenizer_t *tok, enc_t *e, const unsigned char 
         emit_symbol(tok, e, s, i);
 }
 
+/* Applies split `level` and those after it to s[0..n), then BPEs each
+ * resulting piece. A split sees each piece of the one before as a whole
+ * text (its lookaheads stop at the piece's end), as HF's do. */
+static void split_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned char *s, size_t n,
+                        int level) {
+    if (level == tok->n_splits) {
+        bpe_word(tok, e, s, n);
+        return;
+    }
+    loom_split_t kind = tok->splits[level];
+    bool gaps = tok->split_gaps[level];
+    size_t gap = 0; /* start of the text no match has covered */
+    for (size_t i = 0; i < n && !e->nomem;) {
+        size_t j = loom_split_match(kind, s, n, i);
+        if (j == i) { /* nothing matches here: the character joins the gap */
+            size_t l;
+            (void)loom_utf8_next(s, n, i, &l);
+            i += l;
+            continue;
+        }
+        if (gaps && gap < i) split_words(tok, e, s + gap, i - gap, level + 1);
+        split_words(tok, e, s + i, j - i, level + 1);
+        i = gap = j;
+    }
+    if (gaps && gap < n && !e->nomem) split_words(tok, e, s + gap, n - gap, level + 1);
+}
+
 /* Splits s[0..n) into words and BPEs each. */
 static void encode_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned char *s, size_t n) {
-    if (tok->split != LOOM_SPLIT_NONE) {
-        for (size_t i = 0; i < n && !e->nomem;) {
-            size_t j = loom_split_next(tok->split, s, n, i);
-            bpe_word(tok, e, s + i, j - i);
-            i = j;
-        }
+    if (tok->n_splits) {
+        split_words(tok, e, s, n, 0);
         return;
     }
     bool every_meta = tok->metaspace && tok->metaspace_split;

@@ -418,13 +418,33 @@ static void test_split_patterns(void) {
          "HTTPServer iPhone \xc7\x85ungla",
          {"HTTPServer", " i", "Phone", " \xc7\x85ungla"}},
         {LOOM_SPLIT_TEKKEN, "a/b//\n c", {"a", "/b", "//\n", " c"}},
+        {LOOM_SPLIT_O200K, "I'M 12345 don'T", {"I'M", " ", "123", "45", " don'T"}},
+        {LOOM_SPLIT_O200K,
+         "HTTPServer's iPhone \xc7\x85ungla",
+         {"HTTPServer's", " i", "Phone", " \xc7\x85ungla"}},
+        {LOOM_SPLIT_O200K, "a/b//\n c 'x", {"a", "/b", "//\n", " c", " '", "x"}},
+        /* DeepSeek V3: digits, control characters and the like fall in gaps */
+        {LOOM_SPLIT_DIGITS3, "ab12345c", {"ab", "123", "45", "c"}},
+        {LOOM_SPLIT_DS_CJK,
+         "x\xe4\xbd\xa0\xe5\xa5\xbd\xe3\x81\x82!",
+         {"x", "\xe4\xbd\xa0\xe5\xa5\xbd\xe3\x81\x82", "!"}},
+        {LOOM_SPLIT_DEEPSEEK_V3,
+         "Hello .World's 3x \x01\x02y !!\n\n  z\xcc\x81",
+         {"Hello", " .", "World", "'s", " ", "3x", " ", "\x01", "\x02y", " !!\n\n", " ",
+          " z\xcc\x81"}},
+        {LOOM_SPLIT_DEEPSEEK_V3, "_\xc3\xa9t\xc3\xa9 7", {"_", "\xc3\xa9t\xc3\xa9", " ", "7"}},
     };
     for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
         const unsigned char *s = (const unsigned char *)cases[c].text;
         size_t n = strlen(cases[c].text), i = 0;
         int k = 0;
         while (i < n) {
-            size_t j = loom_split_next(cases[c].kind, s, n, i);
+            size_t j = loom_split_match(cases[c].kind, s, n, i);
+            if (j == i) { /* a gap (Isolated keeps it as a piece): up to the next match */
+                CHECKF(!loom_split_tiles(cases[c].kind), "case %zu: no match at %zu", c, i);
+                while (j < n && loom_split_match(cases[c].kind, s, n, j) == j)
+                    j++;
+            }
             const char *want = cases[c].pieces[k];
             int same = want && strlen(want) == j - i && memcmp(want, s + i, j - i) == 0;
             CHECKF(same, "case %zu piece %d: got \"%.*s\", want \"%s\"", c, k, (int)(j - i),
@@ -436,6 +456,10 @@ static void test_split_patterns(void) {
         CHECKF(i < n || cases[c].pieces[k] == NULL, "case %zu: pieces missing", c);
     }
     CHECK(loom_split_recognize("\\w+") == LOOM_SPLIT_NONE);
+    /* a raw CR / LF in the regex text is the same as \r / \n */
+    CHECK(loom_split_recognize("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+                               "[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|"
+                               "\\s*[\r\n]+|\\s+(?!\\S)|\\s+") == LOOM_SPLIT_DEEPSEEK_V3);
 }
 
 /* The Unicode tables: their version, the classes the splits use, and data
@@ -464,6 +488,57 @@ static void test_unicode_tables(void) {
     loom_uc_nfc_append(in, strlen(in), &out, &len, &cap);
     CHECKF(len == 4 && memcmp(out, "\xf0\x91\x8e\x83", 4) == 0, "NFC gave %zu bytes", len);
     free(out);
+}
+
+/* A Split in a Sequence: Isolated keeps the text between matches, Removed
+ * with invert keeps only the matches; a Split on a String the normalizer
+ * has already replaced does nothing (Gemma 3's layout). */
+static void test_split_behaviors(void) {
+    static const char *const fmt =
+        "{\"normalizer\": %s, \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": ["
+        "{\"type\": \"Split\", \"pattern\": {%s}, \"behavior\": \"%s\", \"invert\": %s},"
+        "{\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": false}]},"
+        "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"1\": 2, \"2\": 3, "
+        "\"3\": 4, \"_\": 5}, \"merges\": []}}";
+    static const struct {
+        const char *norm, *pattern, *behavior, *invert;
+        int32_t ids[8];
+        int n; /* -1: refused */
+    } cases[] = {
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "Isolated", "false", {0, 1, 2, 3, 4, 0}, 6},
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "Removed", "true", {2, 3, 4}, 3},
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "Removed", "false", {0}, -1},
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "MergedWithPrevious", "false", {0}, -1},
+        {"{\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"_\"}",
+         "\"String\": \" \"",
+         "MergedWithPrevious",
+         "false",
+         {0, 1, 2, 5, 3, 4, 0},
+         7},
+        {"null", "\"String\": \" \"", "MergedWithPrevious", "false", {0}, -1},
+    };
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        char json[2048];
+        snprintf(json, sizeof json, fmt, cases[c].norm, cases[c].pattern, cases[c].behavior,
+                 cases[c].invert);
+        loom_tokenizer_t *t = NULL;
+        loom_err_t err = {0};
+        loom_status_t st = loom_tokenizer_load_json(json, strlen(json), NULL, 0, &t, &err);
+        if (cases[c].n < 0) {
+            CHECKF(st == LOOM_ERR_UNSUPPORTED && strstr(err.msg, "Split"),
+                   "case %zu: status %d (%s)", c, st, err.msg);
+            continue;
+        }
+        CHECKF(st == LOOM_OK, "case %zu: %s", c, err.msg);
+        if (!t) continue;
+        int n;
+        const char *text = cases[c].n == 7 ? "ab1 23a" : "ab123a";
+        int32_t *ids = enc(t, text, strlen(text), 0, 0, &n);
+        CHECKF(ids_equal(ids, n, cases[c].ids, cases[c].n), "case %zu", c);
+        if (!ids_equal(ids, n, cases[c].ids, cases[c].n)) print_ids("got", ids, n);
+        free(ids);
+        loom_tokenizer_destroy(&t);
+    }
 }
 
 static void test_known_ids_stories(void) {
@@ -1161,6 +1236,7 @@ int main(int argc, char **argv) {
     }
     RUN(test_unicode_tables);
     RUN(test_split_patterns);
+    RUN(test_split_behaviors);
     RUN(test_known_ids_stories);
     RUN(test_special_tokens);
     RUN(test_add_bos);
