@@ -31,7 +31,8 @@
 
 #define MAX_TOKEN_ID (1 << 24) /* ids beyond this are treated as a corrupt file */
 #define MAX_TEXT_LEN ((size_t)1 << 30)
-#define MAX_SPLITS   4 /* Split pre-tokenizers in a Sequence */
+#define MAX_SPLITS   4  /* Split pre-tokenizers in a Sequence */
+#define MAX_CROSS    64 /* merges across a word start checked one by one (Gemma 3 has 1) */
 #define META         "\xE2\x96\x81" /* U+2581 "▁", SentencePiece's space */
 
 /* ------------------------------------------------------------------------ */
@@ -297,7 +298,10 @@ struct loom_tokenizer {
     bool metaspace_split; /* ... splitting into "▁" words */
     int prepend_scheme;
     bool byte_level_prefix_space; /* ByteLevel add_prefix_space */
-    bool sp_word_split;           /* no merge crosses a "x▁" boundary: BPE per word is exact */
+    bool sp_word_split; /* BPE per word is exact: merges cross "x▁" boundaries only in cross[] */
+    const char **cross; /* results of the merges that do (when few), to check per boundary */
+    uint32_t *cross_len;
+    int n_cross;
 
     /* Added tokens. */
     added_token_t *added;
@@ -485,6 +489,8 @@ void loom_tokenizer_destroy(loom_tokenizer_t **tok_p) {
     free(t->merges.slots);
     free(t->norm);
     free(t->added);
+    free(t->cross);
+    free(t->cross_len);
     trie_free(&t->trie_raw);
     trie_free(&t->trie_norm);
     arena_free(&t->arena);
@@ -1091,7 +1097,18 @@ static loom_status_t load_model(loom_tokenizer_t *tok, const cJSON *root, load_c
         memcpy(cat, a, an);
         memcpy(cat + an, b, bn);
         int32_t ir = strmap_get(&tok->piece_map, cat, an + bn);
-        if (tok->sp_word_split && has_inner_meta(cat, an + bn)) tok->sp_word_split = false;
+        if (tok->sp_word_split && has_inner_meta(cat, an + bn)) {
+            if (tok->n_cross == MAX_CROSS) {
+                tok->sp_word_split = false;
+            } else {
+                if (!tok->cross) {
+                    tok->cross = loom_xcalloc(MAX_CROSS, sizeof *tok->cross);
+                    tok->cross_len = loom_xcalloc(MAX_CROSS, sizeof *tok->cross_len);
+                }
+                tok->cross[tok->n_cross] = arena_strndup(&tok->arena, cat, an + bn);
+                tok->cross_len[tok->n_cross++] = (uint32_t)(an + bn);
+            }
+        }
         if (cat != stack) free(cat);
         if (ia >= 0 && ib >= 0 && ir >= 0 && (tok->flags[ia] & TOK_MODEL) &&
             (tok->flags[ib] & TOK_MODEL) && (tok->flags[ir] & TOK_MODEL)) {
@@ -1548,6 +1565,22 @@ static void split_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned ch
     if (gaps && gap < n && !e->nomem) split_words(tok, e, s + gap, n - gap, level + 1);
 }
 
+/* True when some merge that crosses a word start could apply at the word
+ * start s[i] ("▁" after another character): its result is in the text with
+ * one of its inner word starts at i. Without one, no token can ever span i. */
+static bool crossable(const loom_tokenizer_t *tok, const unsigned char *s, size_t n, size_t i) {
+    for (int c = 0; c < tok->n_cross; c++) {
+        const char *m = tok->cross[c];
+        size_t len = tok->cross_len[c];
+        for (size_t o = 1; o + 3 <= len; o++) {
+            if (memcmp(m + o, META, 3) != 0 || (o >= 3 && memcmp(m + o - 3, META, 3) == 0))
+                continue;
+            if (o <= i && i - o + len <= n && memcmp(s + i - o, m, len) == 0) return true;
+        }
+    }
+    return false;
+}
+
 /* Splits s[0..n) into words and BPEs each. */
 static void encode_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned char *s, size_t n) {
     if (tok->n_splits) {
@@ -1565,7 +1598,7 @@ static void encode_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned c
     for (size_t i = 1; i + 3 <= n; i++) {
         if (s[i] != 0xE2 || memcmp(s + i, META, 3) != 0) continue;
         bool after_meta = i >= 3 && memcmp(s + i - 3, META, 3) == 0;
-        if (every_meta || !after_meta) {
+        if (every_meta || (!after_meta && !(tok->n_cross && crossable(tok, s, n, i)))) {
             if (i > start) bpe_word(tok, e, s + start, i - start);
             start = i;
         }
