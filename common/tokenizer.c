@@ -238,6 +238,7 @@ enum {
     TOK_MODEL = 1,   /* in model.vocab */
     TOK_ADDED = 2,   /* in added_tokens */
     TOK_SPECIAL = 4, /* added token with special = true */
+    TOK_BYTE = 8,    /* a <0xNN> token of the ByteFallback decoder */
 };
 
 typedef struct {
@@ -311,6 +312,8 @@ struct loom_tokenizer {
 
     /* Decoder. */
     int strip_start; /* leading spaces the decoder strips */
+    bool cleanup;    /* clean_up_tokenization_spaces from the config */
+    bool byte_runs;  /* has TOK_BYTE tokens: runs of them are decoded whole */
 
     int32_t bos_id, eos_id;
     int add_bos;
@@ -347,17 +350,12 @@ typedef struct {
     size_t len, cap;
     bool grow; /* realloc when full; else drop what does not fit in cap - 1 */
     bool full;
-    int strip; /* leading spaces still to drop */
+    int strip;                /* leading spaces still to drop */
+    unsigned char (*held)[4]; /* clean-up stages (NULL: no clean-up) */
+    unsigned char *n_held;
 } sink_t;
 
-static void sink_char(sink_t *k, const unsigned char *c, size_t n) {
-    if (k->strip > 0) {
-        if (n == 1 && c[0] == ' ') {
-            k->strip--;
-            return;
-        }
-        k->strip = 0;
-    }
+static void sink_put(sink_t *k, const unsigned char *c, size_t n) {
     if (k->full) return;
     if (k->len + n + 1 > k->cap) {
         if (!k->grow) {
@@ -369,6 +367,86 @@ static void sink_char(sink_t *k, const unsigned char *c, size_t n) {
     }
     memcpy(k->buf + k->len, c, n);
     k->len += n;
+}
+
+/* clean_up_tokenization_spaces, as transformers applies it to a decoded
+ * text: these replacements, each over the whole text (leftmost,
+ * non-overlapping), one after the other. Each is a stage that holds the
+ * bytes that may still start a match (fewer than 4) and passes the rest to
+ * the next stage, so a stream gives the same text as the whole string. */
+static const char *const CLEANUP_FROM[LOOM_DETOK_CLEANUP_STAGES] = {
+    " .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're"};
+static const uint8_t CLEANUP_LEN[LOOM_DETOK_CLEANUP_STAGES] = {2, 2, 2, 2, 3, 4, 3, 3, 4, 4};
+
+static void cleanup_feed(sink_t *k, int stage, unsigned char c) {
+    if (stage == LOOM_DETOK_CLEANUP_STAGES) {
+        sink_put(k, &c, 1);
+        return;
+    }
+    const char *pat = CLEANUP_FROM[stage];
+    size_t plen = CLEANUP_LEN[stage];
+    unsigned char *h = k->held[stage];
+    h[k->n_held[stage]++] = c;
+    while (k->n_held[stage] > 0) {
+        size_t n = k->n_held[stage];
+        if (memcmp(h, pat, n) == 0) {
+            if (n < plen) return;
+            k->n_held[stage] = 0; /* a match: the pattern less its leading space */
+            for (size_t i = 1; i < plen - (pat[plen - 1] == ' '); i++)
+                cleanup_feed(k, stage + 1, (unsigned char)pat[i]);
+            return;
+        }
+        unsigned char first = h[0]; /* no match starts here: pass the first byte on */
+        memmove(h, h + 1, n - 1);
+        k->n_held[stage]--;
+        cleanup_feed(k, stage + 1, first);
+    }
+}
+
+/* End of text: held bytes cannot match any more; they go through the later stages. */
+static void cleanup_flush(sink_t *k) {
+    if (!k->held) return;
+    for (int stage = 0; stage < LOOM_DETOK_CLEANUP_STAGES; stage++) {
+        unsigned char h[4];
+        size_t n = k->n_held[stage];
+        memcpy(h, k->held[stage], n);
+        k->n_held[stage] = 0;
+        for (size_t i = 0; i < n; i++)
+            cleanup_feed(k, stage + 1, h[i]);
+    }
+}
+
+static void sink_char(sink_t *k, const unsigned char *c, size_t n) {
+    if (k->strip > 0) {
+        if (n == 1 && c[0] == ' ') {
+            k->strip--;
+            return;
+        }
+        k->strip = 0;
+    }
+    if (!k->held) {
+        sink_put(k, c, n);
+        return;
+    }
+    /* Fast paths. Every pattern starts with a space followed by one of
+     * ".?!,'n" and only spaces are ever removed, so with no stage holding
+     * anything but a space in the first, a character other than those (and
+     * other than a space) passes every stage unchanged, with that space. */
+    bool others_idle = true;
+    for (int i = 1; i < LOOM_DETOK_CLEANUP_STAGES && others_idle; i++)
+        others_idle = k->n_held[i] == 0;
+    if (others_idle && k->n_held[0] == 0 && c[0] != ' ') {
+        sink_put(k, c, n);
+        return;
+    }
+    if (others_idle && k->n_held[0] == 1 && !strchr(" .?!,'n", c[0])) {
+        k->n_held[0] = 0;
+        sink_put(k, (const unsigned char *)" ", 1);
+        sink_put(k, c, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        cleanup_feed(k, 0, c[i]);
 }
 
 typedef struct {
@@ -885,6 +963,8 @@ static void make_text(loom_tokenizer_t *tok, int32_t id, bool replace_meta, bool
         return;
     }
     if (byte_fallback && is_byte_piece(p, n, &byte)) {
+        tok->flags[id] |= TOK_BYTE;
+        tok->byte_runs = true;
         char *out = arena_alloc(&tok->arena, 2);
         out[0] = (char)byte;
         out[1] = 0;
@@ -1174,6 +1254,8 @@ static void load_config(loom_tokenizer_t *tok, const cJSON *root, const cJSON *c
     if (bos) tok->bos_id = strmap_get(&tok->piece_map, bos, strlen(bos));
     if (eos) tok->eos_id = strmap_get(&tok->piece_map, eos, strlen(eos));
     if (!bos && tmpl_id >= 0) tok->bos_id = tmpl_id;
+    tok->cleanup =
+        cfg && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "clean_up_tokenization_spaces"));
     const cJSON *ab = cfg ? cJSON_GetObjectItemCaseSensitive(cfg, "add_bos_token") : NULL;
     if (cJSON_IsBool(ab))
         tok->add_bos = cJSON_IsTrue(ab);
@@ -1836,22 +1918,55 @@ static inline bool decodes(const loom_tokenizer_t *tok, int32_t id, bool skip_sp
     return !(skip_special && (tok->flags[id] & TOK_SPECIAL));
 }
 
+/* The ByteFallback decoder's rule for a run of consecutive <0xNN> tokens:
+ * its bytes when they are valid UTF-8, else one U+FFFD per byte. */
+static void flush_byte_run(const unsigned char *run, size_t n, utf8_state_t *u, sink_t *k) {
+    size_t i = 0, l;
+    while (i < n && loom_utf8_next(run, n, i, &l) != 0xFFFFFFFFu)
+        i += l;
+    for (size_t j = 0; j < n; j++)
+        utf8_feed(u, i == n ? run[j] : 0xFF, k); /* 0xFF: never valid, one U+FFFD */
+}
+
 char *loom_tokenizer_decode(const loom_tokenizer_t *tok, const int32_t *ids, int n,
-                            int skip_special) {
+                            int skip_special, size_t *len) {
     sink_t k = {.buf = loom_xmalloc(64), .cap = 64, .grow = true};
     k.buf[0] = 0;
+    if (len) *len = 0;
     if (!tok || (!ids && n > 0)) return k.buf;
+    unsigned char held[LOOM_DETOK_CLEANUP_STAGES][4], n_held[LOOM_DETOK_CLEANUP_STAGES] = {0};
+    if (tok->cleanup) {
+        k.held = held;
+        k.n_held = n_held;
+    }
     k.strip = tok->strip_start;
     utf8_state_t u;
     utf8_reset(&u);
+    unsigned char *run = NULL;
+    size_t n_run = 0, run_cap = 0;
     for (int i = 0; i < n; i++) {
         if (!decodes(tok, ids[i], skip_special)) continue;
         const unsigned char *p = (const unsigned char *)tok->text[ids[i]];
+        if (tok->flags[ids[i]] & TOK_BYTE) {
+            if (n_run == run_cap) {
+                run_cap = run_cap ? 2 * run_cap : 16;
+                run = loom_xrealloc(run, run_cap);
+            }
+            run[n_run++] = p[0];
+            continue;
+        }
+        flush_byte_run(run, n_run, &u, &k);
+        n_run = 0;
         for (uint32_t j = 0; j < tok->text_len[ids[i]]; j++)
             utf8_feed(&u, p[j], &k);
+        if (tok->byte_runs) utf8_flush(&u, &k); /* each token is a whole string */
     }
+    flush_byte_run(run, n_run, &u, &k);
+    free(run);
     utf8_flush(&u, &k);
+    cleanup_flush(&k);
     k.buf[k.len] = 0;
+    if (len) *len = k.len;
     return k.buf;
 }
 
@@ -1863,30 +1978,62 @@ void loom_detok_init(loom_detok_t *d, const loom_tokenizer_t *tok, int skip_spec
     d->at_start = at_start && tok ? tok->strip_start : 0;
 }
 
-/* Rebuilds the UTF-8 state from the held bytes (a valid, incomplete prefix). */
+/* Rebuilds the UTF-8 state from the held bytes (a valid, incomplete
+ * prefix), unless they are a byte run. */
 static void detok_state(const loom_detok_t *d, utf8_state_t *u) {
     utf8_reset(u);
+    if (d->tok->byte_runs) return;
     sink_t none = {.buf = NULL, .cap = 0};
     for (int i = 0; i < d->n_pending; i++)
         utf8_feed(u, d->pending[i], &none);
 }
 
 static void detok_save(loom_detok_t *d, const utf8_state_t *u, const sink_t *k) {
-    d->n_pending = u->n;
-    memcpy(d->pending, u->b, (size_t)u->n);
+    if (!d->tok->byte_runs) {
+        d->n_pending = u->n;
+        memcpy(d->pending, u->b, (size_t)u->n);
+    }
     d->at_start = k->strip;
+}
+
+static sink_t detok_sink(loom_detok_t *d, char *out, size_t cap) {
+    sink_t k = {.buf = out, .cap = cap, .strip = d->at_start};
+    if (d->tok && d->tok->cleanup) {
+        k.held = d->cleanup;
+        k.n_held = d->n_cleanup;
+    }
+    return k;
 }
 
 size_t loom_detok_push(loom_detok_t *d, int32_t id, char *out, size_t cap) {
     if (!d || !out || cap == 0) return 0;
-    sink_t k = {.buf = out, .cap = cap, .strip = d->at_start};
     out[0] = 0;
     if (!d->tok || !decodes(d->tok, id, d->skip_special)) return 0;
+    const loom_tokenizer_t *tok = d->tok;
+    sink_t k = detok_sink(d, out, cap);
     utf8_state_t u;
     detok_state(d, &u);
-    const unsigned char *p = (const unsigned char *)d->tok->text[id];
-    for (uint32_t j = 0; j < d->tok->text_len[id]; j++)
-        utf8_feed(&u, p[j], &k);
+    const unsigned char *p = (const unsigned char *)tok->text[id];
+    if (tok->flags[id] & TOK_BYTE) {
+        if (d->n_pending == LOOM_DETOK_RUN) { /* a very long run: emit its whole characters */
+            size_t i = 0, l, n = LOOM_DETOK_RUN;
+            while (i < n && loom_utf8_next(d->pending, n, i, &l) != 0xFFFFFFFFu)
+                i += l;
+            if (i == 0 || n - i >= 4) i = n; /* not valid UTF-8: judged as it is */
+            flush_byte_run(d->pending, i, &u, &k);
+            memmove(d->pending, d->pending + i, n - i);
+            d->n_pending = (int)(n - i);
+        }
+        d->pending[d->n_pending++] = p[0];
+    } else {
+        if (tok->byte_runs) {
+            flush_byte_run(d->pending, (size_t)d->n_pending, &u, &k);
+            d->n_pending = 0;
+        }
+        for (uint32_t j = 0; j < tok->text_len[id]; j++)
+            utf8_feed(&u, p[j], &k);
+        if (tok->byte_runs) utf8_flush(&u, &k);
+    }
     detok_save(d, &u, &k);
     out[k.len] = 0;
     return k.len;
@@ -1894,11 +2041,17 @@ size_t loom_detok_push(loom_detok_t *d, int32_t id, char *out, size_t cap) {
 
 size_t loom_detok_flush(loom_detok_t *d, char *out, size_t cap) {
     if (!d || !out || cap == 0) return 0;
-    sink_t k = {.buf = out, .cap = cap, .strip = d->at_start};
     out[0] = 0;
+    if (!d->tok) return 0;
+    sink_t k = detok_sink(d, out, cap);
     utf8_state_t u;
     detok_state(d, &u);
+    if (d->tok->byte_runs) {
+        flush_byte_run(d->pending, (size_t)d->n_pending, &u, &k);
+        d->n_pending = 0;
+    }
     utf8_flush(&u, &k);
+    cleanup_flush(&k);
     detok_save(d, &u, &k);
     out[k.len] = 0;
     return k.len;

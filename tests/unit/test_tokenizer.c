@@ -341,7 +341,7 @@ static int run_capture(char *const argv[], char **out) {
  * every piece is whole UTF-8. */
 static char *stream_decode(const loom_tokenizer_t *tok, const int32_t *ids, int n, int skip_special,
                            int at_start) {
-    size_t cap = loom_tokenizer_max_piece_len(tok) + 16;
+    size_t cap = loom_tokenizer_max_piece_len(tok) + 256;
     char *piece = malloc(cap);
     size_t len = 0, acap = 64;
     char *all = malloc(acap);
@@ -368,7 +368,7 @@ static char *stream_decode(const loom_tokenizer_t *tok, const int32_t *ids, int 
 /* Streaming equals whole decoding, with and without the start rule. */
 static void check_stream(const loom_tokenizer_t *tok, const int32_t *ids, int n, int skip_special,
                          const char *label) {
-    char *whole = loom_tokenizer_decode(tok, ids, n, skip_special);
+    char *whole = loom_tokenizer_decode(tok, ids, n, skip_special, NULL);
     char *s1 = stream_decode(tok, ids, n, skip_special, 1);
     char *s0 = stream_decode(tok, ids, n, skip_special, 0);
     CHECKF(strcmp(whole, s1) == 0, "%s: streamed \"%s\" != decoded \"%s\"", label, s1, whole);
@@ -541,6 +541,47 @@ static void test_split_behaviors(void) {
     }
 }
 
+/* clean_up_tokenization_spaces: transformers' replacements, in order, when
+ * the config sets it; streaming gives the same text. */
+static void test_cleanup(void) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/llama3/tokenizer.json", g_gen_dir);
+    char *json = slurp(path);
+    REQUIRE(json);
+    static const char *const on = "{\"clean_up_tokenization_spaces\": true}";
+    static const char *const off = "{\"clean_up_tokenization_spaces\": false}";
+    loom_tokenizer_t *t_on = NULL, *t_off = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_tokenizer_load_json(json, strlen(json), on, strlen(on), &t_on, &err) == LOOM_OK);
+    CHECK(loom_tokenizer_load_json(json, strlen(json), off, strlen(off), &t_off, &err) == LOOM_OK);
+    free(json);
+    REQUIRE(t_on && t_off);
+    /* Expected values from Python's str.replace chain in transformers. */
+    static const char *const cases[][2] = {
+        {"Hello , world ! Is it ? I do n't know , they 're here .",
+         "Hello, world! Is it? I don't know, they're here."},
+        {"a ' 's  .  ' ' x", "a''s . '' x"},
+        {"x ' ' ' y 'ma 'm", "x'''y'ma'm"},
+        {"  ,, . .", " ,,.."},
+        {"no change here", "no change here"},
+        {" '", " '"},
+    };
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        int n;
+        int32_t *ids = enc(t_on, cases[c][0], strlen(cases[c][0]), 0, 0, &n);
+        char *got = loom_tokenizer_decode(t_on, ids, n, 1, NULL);
+        CHECKF(strcmp(got, cases[c][1]) == 0, "\"%s\" -> \"%s\"", cases[c][0], got);
+        check_stream(t_on, ids, n, 1, "cleanup");
+        free(got);
+        got = loom_tokenizer_decode(t_off, ids, n, 1, NULL);
+        CHECKF(strcmp(got, cases[c][0]) == 0, "without clean-up: \"%s\"", got);
+        free(got);
+        free(ids);
+    }
+    loom_tokenizer_destroy(&t_on);
+    loom_tokenizer_destroy(&t_off);
+}
+
 static void test_known_ids_stories(void) {
     loom_tokenizer_t *tok = load_stories();
     REQUIRE(tok);
@@ -595,7 +636,7 @@ static void test_special_tokens(void) {
     for (int i = 0; i < n; i++)
         found |= ids[i] == 1 || ids[i] == 2;
     CHECK(!found);
-    char *text = loom_tokenizer_decode(sp, ids, n, 1);
+    char *text = loom_tokenizer_decode(sp, ids, n, 1, NULL);
     CHECKF(strcmp(text, "<s>Hello</s>") == 0, "got \"%s\"", text);
     free(text);
     free(ids);
@@ -616,7 +657,7 @@ static void test_special_tokens(void) {
     CHECK(n > 2);
     for (int i = 0; i < n; i++)
         CHECK(ids[i] != eot);
-    text = loom_tokenizer_decode(bl, ids, n, 0);
+    text = loom_tokenizer_decode(bl, ids, n, 0, NULL);
     CHECK(strcmp(text, "hi<|eot_id|>") == 0);
     free(text);
     free(ids);
@@ -635,10 +676,10 @@ static void test_special_tokens(void) {
     /* skip_special drops special tokens from the decoded text. */
     const char *chat = "<|start_header_id|>user<|end_header_id|>Hi<|eot_id|>";
     ids = enc(bl, chat, strlen(chat), 1, 1, &n);
-    text = loom_tokenizer_decode(bl, ids, n, 1);
+    text = loom_tokenizer_decode(bl, ids, n, 1, NULL);
     CHECKF(strcmp(text, "userHi") == 0, "got \"%s\"", text);
     free(text);
-    text = loom_tokenizer_decode(bl, ids, n, 0);
+    text = loom_tokenizer_decode(bl, ids, n, 0, NULL);
     CHECKF(strcmp(text, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>Hi<|eot_id|>") ==
                0,
            "got \"%s\"", text);
@@ -709,34 +750,60 @@ static void test_byte_fallback(void) {
             bytes += p && strncmp(p, "<0x", 3) == 0;
         }
         CHECKF(bytes >= 2, "\"%s\" has %d byte tokens", texts[t], bytes);
-        char *back = loom_tokenizer_decode(tok, ids, n, 1);
+        char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
         CHECKF(strcmp(back, texts[t]) == 0, "\"%s\" -> \"%s\"", texts[t], back);
         free(back);
         free(ids);
     }
-    /* 🙂 as four byte tokens streams as nothing, nothing, nothing, 🙂. */
+    /* 🙂 as four byte tokens: the stream holds the run until a token that
+     * is not a byte ends it (or the flush). */
     int32_t b[4] = {loom_tokenizer_token_id(tok, "<0xF0>"), loom_tokenizer_token_id(tok, "<0x9F>"),
                     loom_tokenizer_token_id(tok, "<0x99>"), loom_tokenizer_token_id(tok, "<0x82>")};
-    char out[128];
+    int32_t the = loom_tokenizer_token_id(tok, "\xe2\x96\x81the");
+    char out[512];
     loom_detok_t d;
     loom_detok_init(&d, tok, 1, 1);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         CHECK(loom_detok_push(&d, b[i], out, sizeof out) == 0);
-    CHECK(loom_detok_push(&d, b[3], out, sizeof out) == 4 && strcmp(out, "\xf0\x9f\x99\x82") == 0);
+    CHECK(loom_detok_push(&d, the, out, sizeof out) == 8 &&
+          strcmp(out, "\xf0\x9f\x99\x82 the") == 0);
     CHECK(loom_detok_flush(&d, out, sizeof out) == 0);
-    /* An incomplete character at the end becomes U+FFFD. */
+    loom_detok_init(&d, tok, 1, 1);
+    for (int i = 0; i < 4; i++)
+        CHECK(loom_detok_push(&d, b[i], out, sizeof out) == 0);
+    CHECK(loom_detok_flush(&d, out, sizeof out) == 4 && strcmp(out, "\xf0\x9f\x99\x82") == 0);
+    /* A run that is not valid UTF-8 decodes to one U+FFFD per byte (the
+     * ByteFallback rule of HF tokenizers), here an incomplete character... */
     loom_detok_init(&d, tok, 1, 1);
     CHECK(loom_detok_push(&d, b[0], out, sizeof out) == 0);
     CHECK(loom_detok_push(&d, b[1], out, sizeof out) == 0);
-    CHECK(loom_detok_flush(&d, out, sizeof out) == 3 && strcmp(out, "\xef\xbf\xbd") == 0);
-    char *whole = loom_tokenizer_decode(tok, b, 2, 1);
-    CHECK(strcmp(whole, "\xef\xbf\xbd") == 0);
+    CHECK(loom_detok_flush(&d, out, sizeof out) == 6 &&
+          strcmp(out, "\xef\xbf\xbd\xef\xbf\xbd") == 0);
+    char *whole = loom_tokenizer_decode(tok, b, 2, 1, NULL);
+    CHECK(strcmp(whole, "\xef\xbf\xbd\xef\xbf\xbd") == 0);
     free(whole);
-    /* A broken sequence: F0 then a space token. */
-    int32_t mix[2] = {b[0], loom_tokenizer_token_id(tok, "\xe2\x96\x81the")};
-    whole = loom_tokenizer_decode(tok, mix, 2, 1);
+    /* ... F0 then a space token ... */
+    int32_t mix[2] = {b[0], the};
+    whole = loom_tokenizer_decode(tok, mix, 2, 1, NULL);
     CHECKF(strcmp(whole, "\xef\xbf\xbd the") == 0, "got \"%s\"", whole);
     free(whole);
+    /* ... and a whole character followed by a stray byte: every byte. */
+    int32_t bad[6] = {b[0], b[1], b[2], b[3], b[3], the};
+    size_t len = 0;
+    whole = loom_tokenizer_decode(tok, bad, 6, 1, &len);
+    CHECKF(len == 19 && strncmp(whole, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd", 9) == 0 &&
+               strcmp(whole + 15, " the") == 0,
+           "got \"%s\" (%zu bytes)", whole, len);
+    free(whole);
+    /* A decoded NUL is part of the text: the length says where it ends. */
+    int32_t nul[3] = {the, loom_tokenizer_token_id(tok, "<0x00>"), the};
+    whole = loom_tokenizer_decode(tok, nul, 3, 1, &len);
+    CHECKF(len == 8 && memcmp(whole, "the\0 the", 9) == 0, "NUL: %zu bytes", len);
+    free(whole);
+    loom_detok_init(&d, tok, 1, 1);
+    CHECK(loom_detok_push(&d, nul[0], out, sizeof out) == 3);
+    CHECK(loom_detok_push(&d, nul[1], out, sizeof out) == 0);
+    CHECK(loom_detok_push(&d, nul[2], out, sizeof out) == 5 && memcmp(out, "\0 the", 6) == 0);
     loom_tokenizer_destroy(&tok);
 }
 
@@ -750,7 +817,7 @@ static void test_round_trip(void) {
         for (int i = 0; i < N_CORPUS; i++) {
             int n;
             int32_t *ids = enc(tok, CORPUS[i], strlen(CORPUS[i]), 1, 0, &n);
-            char *back = loom_tokenizer_decode(tok, ids, n, 1);
+            char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
             CHECKF(strcmp(back, CORPUS[i]) == 0, "%s: \"%s\" -> \"%s\"", names[k], CORPUS[i], back);
             free(back);
             free(ids);
@@ -824,7 +891,7 @@ static void test_ill_formed_input(void) {
         int n;
         int32_t *ids = enc(tok, bad, sizeof bad - 1, 1, 1, &n);
         CHECK(n > 0);
-        char *back = loom_tokenizer_decode(tok, ids, n, 1);
+        char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
         CHECK(utf8_ok(back, strlen(back)));
         CHECK(strstr(back, " abc ") && strstr(back, "\xef\xbf\xbd"));
         check_stream(tok, ids, n, 1, "ill-formed");
@@ -847,7 +914,7 @@ static void test_accessors(void) {
     size_t max = loom_tokenizer_max_piece_len(tok);
     CHECK(nv > 256 && max > 0);
     for (int32_t id = 0; id < nv; id++) {
-        char *s = loom_tokenizer_decode(tok, &id, 1, 0);
+        char *s = loom_tokenizer_decode(tok, &id, 1, 0, NULL);
         CHECKF(strlen(s) <= max, "id %d decodes to %zu bytes > %zu", id, strlen(s), max);
         free(s);
     }
@@ -855,7 +922,7 @@ static void test_accessors(void) {
           0);
     CHECK(loom_tokenizer_vocab_size(NULL) == 0 && loom_tokenizer_bos_id(NULL) == -1);
     CHECK(loom_tokenizer_piece(NULL, 0) == NULL && loom_tokenizer_token_id(NULL, "a") == -1);
-    char *s = loom_tokenizer_decode(tok, NULL, 0, 0);
+    char *s = loom_tokenizer_decode(tok, NULL, 0, 0, NULL);
     CHECK(s && s[0] == 0);
     free(s);
     loom_err_t err = {0};
@@ -892,7 +959,7 @@ static void test_long_text(void) {
     text[len] = 0;
     int n;
     int32_t *ids = enc(tok, text, len, 0, 1, &n);
-    char *back = loom_tokenizer_decode(tok, ids, n, 1);
+    char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
     CHECK(strcmp(back, text) == 0);
     free(back);
     free(ids);
@@ -1013,7 +1080,7 @@ static void test_errors(void) {
         if (loom_tokenizer_load_json(copy, len, NULL, 0, &t, &err) == LOOM_OK) {
             int n;
             int32_t *ids = enc(t, CORPUS[1], strlen(CORPUS[1]), 1, 1, &n);
-            char *s = loom_tokenizer_decode(t, ids, n, 0);
+            char *s = loom_tokenizer_decode(t, ids, n, 0, NULL);
             free(s);
             free(ids);
             loom_tokenizer_destroy(&t);
@@ -1138,7 +1205,7 @@ static void compare_with_reference(const char *label, const char *dir, char *con
             print_ids("ours", ids, n);
             print_ids("reference", ref, n_ref);
         }
-        char *text = loom_tokenizer_decode(tok, ref, n_ref, 1);
+        char *text = loom_tokenizer_decode(tok, ref, n_ref, 1, NULL);
         int dsame = cJSON_IsString(dec) && strcmp(text, dec->valuestring) == 0;
         CHECKF(dsame, "%s: decode of \"%s\": ours \"%s\", reference \"%s\"", label, texts[i], text,
                cJSON_IsString(dec) ? dec->valuestring : "?");
@@ -1237,6 +1304,7 @@ int main(int argc, char **argv) {
     RUN(test_unicode_tables);
     RUN(test_split_patterns);
     RUN(test_split_behaviors);
+    RUN(test_cleanup);
     RUN(test_known_ids_stories);
     RUN(test_special_tokens);
     RUN(test_add_bos);
