@@ -83,7 +83,7 @@ static void bench_dir(const char *dir, const char *text, size_t len, int reps) {
     int32_t *ids = NULL;
     int n_ids = 0, cap = 0, total_tokens = 0;
     size_t n_req = 0, tokens_req = 0, dec_bytes = 0;
-    size_t piece_cap = loom_tokenizer_max_piece_len(tok) + 16;
+    size_t piece_cap = loom_tokenizer_max_piece_len(tok) + 256;
     char *piece = loom_xmalloc(piece_cap);
     timings_t t = {1e30, 1e30, 1e30, 1e30};
     for (int rep = 0; rep < reps; rep++) {
@@ -108,7 +108,7 @@ static void bench_dir(const char *dir, const char *text, size_t len, int reps) {
             t_req += loom_now_s() - t0;
             tokens_req += (size_t)n_ids;
             t0 = loom_now_s();
-            char *s = loom_tokenizer_decode(tok, ids, n_ids, 1);
+            char *s = loom_tokenizer_decode(tok, ids, n_ids, 1, NULL);
             t_dec += loom_now_s() - t0;
             dec_bytes += strlen(s);
             free(s);

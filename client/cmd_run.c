@@ -92,7 +92,7 @@ int loom_cmd_run(int argc, char **argv) {
         rc = 1;
         goto done;
     }
-    run_out_t out = {.cap = loom_tokenizer_max_piece_len(tok) + 64};
+    run_out_t out = {.cap = loom_tokenizer_max_piece_len(tok) + 256};
     out.buf = loom_xmalloc(out.cap);
     loom_detok_init(&out.detok, tok, 1, 0);
     loom_sampling_t s = {.temperature = temperature, .top_k = top_k, .top_p = top_p, .seed = seed};

@@ -31,6 +31,8 @@
 
 #define MAX_TOKEN_ID (1 << 24) /* ids beyond this are treated as a corrupt file */
 #define MAX_TEXT_LEN ((size_t)1 << 30)
+#define MAX_SPLITS   4  /* Split pre-tokenizers in a Sequence */
+#define MAX_CROSS    64 /* merges across a word start checked one by one (Gemma 3 has 1) */
 #define META         "\xE2\x96\x81" /* U+2581 "▁", SentencePiece's space */
 
 /* ------------------------------------------------------------------------ */
@@ -236,6 +238,7 @@ enum {
     TOK_MODEL = 1,   /* in model.vocab */
     TOK_ADDED = 2,   /* in added_tokens */
     TOK_SPECIAL = 4, /* added token with special = true */
+    TOK_BYTE = 8,    /* a <0xNN> token of the ByteFallback decoder */
 };
 
 typedef struct {
@@ -287,13 +290,19 @@ struct loom_tokenizer {
     norm_op_t *norm;
     int n_norm;
 
-    /* Pre-tokenizer. */
-    loom_split_t split;
+    /* Pre-tokenizer: regex splits applied in order, each to the pieces of
+     * the one before; a piece of the last is a BPE word. */
+    loom_split_t splits[MAX_SPLITS];
+    bool split_gaps[MAX_SPLITS]; /* keep the text between matches (Isolated) */
+    int n_splits;
     bool metaspace;       /* Metaspace pre-tokenizer */
     bool metaspace_split; /* ... splitting into "▁" words */
     int prepend_scheme;
     bool byte_level_prefix_space; /* ByteLevel add_prefix_space */
-    bool sp_word_split;           /* no merge crosses a "x▁" boundary: BPE per word is exact */
+    bool sp_word_split; /* BPE per word is exact: merges cross "x▁" boundaries only in cross[] */
+    const char **cross; /* results of the merges that do (when few), to check per boundary */
+    uint32_t *cross_len;
+    int n_cross;
 
     /* Added tokens. */
     added_token_t *added;
@@ -303,6 +312,8 @@ struct loom_tokenizer {
 
     /* Decoder. */
     int strip_start; /* leading spaces the decoder strips */
+    bool cleanup;    /* clean_up_tokenization_spaces from the config */
+    bool byte_runs;  /* has TOK_BYTE tokens: runs of them are decoded whole */
 
     int32_t bos_id, eos_id;
     int add_bos;
@@ -339,17 +350,12 @@ typedef struct {
     size_t len, cap;
     bool grow; /* realloc when full; else drop what does not fit in cap - 1 */
     bool full;
-    int strip; /* leading spaces still to drop */
+    int strip;                /* leading spaces still to drop */
+    unsigned char (*held)[4]; /* clean-up stages (NULL: no clean-up) */
+    unsigned char *n_held;
 } sink_t;
 
-static void sink_char(sink_t *k, const unsigned char *c, size_t n) {
-    if (k->strip > 0) {
-        if (n == 1 && c[0] == ' ') {
-            k->strip--;
-            return;
-        }
-        k->strip = 0;
-    }
+static void sink_put(sink_t *k, const unsigned char *c, size_t n) {
     if (k->full) return;
     if (k->len + n + 1 > k->cap) {
         if (!k->grow) {
@@ -361,6 +367,86 @@ static void sink_char(sink_t *k, const unsigned char *c, size_t n) {
     }
     memcpy(k->buf + k->len, c, n);
     k->len += n;
+}
+
+/* clean_up_tokenization_spaces, as transformers applies it to a decoded
+ * text: these replacements, each over the whole text (leftmost,
+ * non-overlapping), one after the other. Each is a stage that holds the
+ * bytes that may still start a match (fewer than 4) and passes the rest to
+ * the next stage, so a stream gives the same text as the whole string. */
+static const char *const CLEANUP_FROM[LOOM_DETOK_CLEANUP_STAGES] = {
+    " .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're"};
+static const uint8_t CLEANUP_LEN[LOOM_DETOK_CLEANUP_STAGES] = {2, 2, 2, 2, 3, 4, 3, 3, 4, 4};
+
+static void cleanup_feed(sink_t *k, int stage, unsigned char c) {
+    if (stage == LOOM_DETOK_CLEANUP_STAGES) {
+        sink_put(k, &c, 1);
+        return;
+    }
+    const char *pat = CLEANUP_FROM[stage];
+    size_t plen = CLEANUP_LEN[stage];
+    unsigned char *h = k->held[stage];
+    h[k->n_held[stage]++] = c;
+    while (k->n_held[stage] > 0) {
+        size_t n = k->n_held[stage];
+        if (memcmp(h, pat, n) == 0) {
+            if (n < plen) return;
+            k->n_held[stage] = 0; /* a match: the pattern less its leading space */
+            for (size_t i = 1; i < plen - (pat[plen - 1] == ' '); i++)
+                cleanup_feed(k, stage + 1, (unsigned char)pat[i]);
+            return;
+        }
+        unsigned char first = h[0]; /* no match starts here: pass the first byte on */
+        memmove(h, h + 1, n - 1);
+        k->n_held[stage]--;
+        cleanup_feed(k, stage + 1, first);
+    }
+}
+
+/* End of text: held bytes cannot match any more; they go through the later stages. */
+static void cleanup_flush(sink_t *k) {
+    if (!k->held) return;
+    for (int stage = 0; stage < LOOM_DETOK_CLEANUP_STAGES; stage++) {
+        unsigned char h[4];
+        size_t n = k->n_held[stage];
+        memcpy(h, k->held[stage], n);
+        k->n_held[stage] = 0;
+        for (size_t i = 0; i < n; i++)
+            cleanup_feed(k, stage + 1, h[i]);
+    }
+}
+
+static void sink_char(sink_t *k, const unsigned char *c, size_t n) {
+    if (k->strip > 0) {
+        if (n == 1 && c[0] == ' ') {
+            k->strip--;
+            return;
+        }
+        k->strip = 0;
+    }
+    if (!k->held) {
+        sink_put(k, c, n);
+        return;
+    }
+    /* Fast paths. Every pattern starts with a space followed by one of
+     * ".?!,'n" and only spaces are ever removed, so with no stage holding
+     * anything but a space in the first, a character other than those (and
+     * other than a space) passes every stage unchanged, with that space. */
+    bool others_idle = true;
+    for (int i = 1; i < LOOM_DETOK_CLEANUP_STAGES && others_idle; i++)
+        others_idle = k->n_held[i] == 0;
+    if (others_idle && k->n_held[0] == 0 && c[0] != ' ') {
+        sink_put(k, c, n);
+        return;
+    }
+    if (others_idle && k->n_held[0] == 1 && !strchr(" .?!,'n", c[0])) {
+        k->n_held[0] = 0;
+        sink_put(k, (const unsigned char *)" ", 1);
+        sink_put(k, c, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        cleanup_feed(k, 0, c[i]);
 }
 
 typedef struct {
@@ -481,6 +567,8 @@ void loom_tokenizer_destroy(loom_tokenizer_t **tok_p) {
     free(t->merges.slots);
     free(t->norm);
     free(t->added);
+    free(t->cross);
+    free(t->cross_len);
     trie_free(&t->trie_raw);
     trie_free(&t->trie_norm);
     arena_free(&t->arena);
@@ -617,24 +705,59 @@ static loom_status_t parse_normalizer(loom_tokenizer_t *tok, const cJSON *nj, lo
     return LOOM_OK;
 }
 
+/* True when no text the normalizer produces can contain pat: a Replace of
+ * pat comes after every Prepend and no later Replace writes it back (NFC
+ * cannot produce an ASCII string it was not given). */
+static bool normalizer_removes(const loom_tokenizer_t *tok, const char *pat) {
+    bool removed = false;
+    for (int k = 0; k < tok->n_norm; k++) {
+        const norm_op_t *op = &tok->norm[k];
+        if (op->kind == NORM_REPLACE && strcmp(op->a, pat) == 0)
+            removed = !strstr(op->b, pat);
+        else if (op->kind == NORM_REPLACE && strstr(op->b, pat))
+            removed = false;
+        else if (op->kind == NORM_PREPEND && strstr(op->a, pat))
+            removed = false;
+        else if (op->kind == NORM_NFC && (unsigned char)pat[0] >= 0x80)
+            removed = false;
+    }
+    return removed;
+}
+
+/* A Split pre-tokenizer: a known regex with behavior Isolated (matches and
+ * the text between them are pieces) or Removed + invert (only the matches
+ * are), or a String that the normalizer has already removed (a no-op). */
 static loom_status_t parse_split(loom_tokenizer_t *tok, const cJSON *o, load_ctx_t *c) {
     const cJSON *pat = cJSON_GetObjectItemCaseSensitive(o, "pattern");
     const char *re = json_str(pat, "Regex");
+    const char *str = json_str(pat, "String");
     const char *behavior = json_str(o, "behavior");
+    bool invert = json_bool(o, "invert", false);
+    if (str && *str && normalizer_removes(tok, str)) return LOOM_OK;
     if (!re)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
-                            "%s: Split pre-tokenizer without a Regex pattern is not supported",
+                            "%s: Split pre-tokenizer on a String the normalizer keeps is not "
+                            "supported (only Regex patterns are)",
                             c->what);
-    if (json_bool(o, "invert", false) || (behavior && strcmp(behavior, "Isolated") != 0))
+    bool isolated = (!behavior || strcmp(behavior, "Isolated") == 0) && !invert;
+    bool removed_inverted = behavior && strcmp(behavior, "Removed") == 0 && invert;
+    if (!isolated && !removed_inverted)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
-                            "%s: Split pre-tokenizer supports only behavior Isolated, invert false",
+                            "%s: Split pre-tokenizer supports behavior Isolated (invert false) "
+                            "and Removed (invert true) only",
                             c->what);
-    tok->split = loom_split_recognize(re);
-    if (tok->split == LOOM_SPLIT_NONE)
+    if (tok->n_splits == MAX_SPLITS)
+        return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED, "%s: more than %d Split pre-tokenizers",
+                            c->what, MAX_SPLITS);
+    loom_split_t kind = loom_split_recognize(re);
+    if (kind == LOOM_SPLIT_NONE)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                             "%s: unknown pre-tokenizer split pattern %.300s (known: GPT-2, "
-                            "Llama 3, Qwen2, Mistral tekken)",
+                            "Llama 3, Qwen2, Mistral tekken, o200k, DeepSeek V3)",
                             c->what, re);
+    tok->splits[tok->n_splits] = kind;
+    tok->split_gaps[tok->n_splits] = isolated;
+    tok->n_splits++;
     return LOOM_OK;
 }
 
@@ -650,27 +773,25 @@ static loom_status_t parse_pre_tokenizer(loom_tokenizer_t *tok, const cJSON *pj,
                                 c->what);
     }
     int n = list ? cJSON_GetArraySize(list) : 1;
-    bool have_split = false;
     for (int i = 0; i < n; i++) {
         const cJSON *o = list ? cJSON_GetArrayItem(list, i) : pj;
         const char *t = type_of(o);
-        if (strcmp(t, "Split") == 0 && !have_split && tok->family == FAMILY_SENTENCEPIECE &&
-            !tok->metaspace) {
+        if (strcmp(t, "Split") == 0 && tok->family == FAMILY_SENTENCEPIECE && !tok->metaspace) {
             LOOM_CHECK(parse_split(tok, o, c));
-            have_split = true;
         } else if (strcmp(t, "ByteLevel") == 0 && tok->family == FAMILY_SENTENCEPIECE &&
                    !tok->metaspace) {
             tok->family = FAMILY_BYTE_LEVEL;
             tok->byte_level_prefix_space = json_bool(o, "add_prefix_space", false);
             if (json_bool(o, "use_regex", true)) {
-                if (have_split)
+                if (tok->n_splits)
                     return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                                         "%s: Split followed by ByteLevel with use_regex is not "
                                         "supported",
                                         c->what);
-                tok->split = LOOM_SPLIT_GPT2;
+                tok->splits[tok->n_splits] = LOOM_SPLIT_GPT2;
+                tok->split_gaps[tok->n_splits++] = true;
             }
-        } else if (strcmp(t, "Metaspace") == 0 && n == 1) {
+        } else if (strcmp(t, "Metaspace") == 0 && n == 1 && !tok->n_splits) {
             const char *rep = json_str(o, "replacement");
             if (rep && strcmp(rep, META) != 0)
                 return loom_err_set(
@@ -690,11 +811,11 @@ static loom_status_t parse_pre_tokenizer(loom_tokenizer_t *tok, const cJSON *pj,
         } else {
             return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                                 "%s: pre_tokenizer \"%s\" is not supported here (supported: "
-                                "Metaspace; ByteLevel; Sequence of Split and ByteLevel)",
+                                "Metaspace; ByteLevel; Sequence of Splits and ByteLevel)",
                                 c->what, t);
         }
     }
-    if (have_split && tok->family != FAMILY_BYTE_LEVEL)
+    if (tok->n_splits && tok->family != FAMILY_BYTE_LEVEL)
         return loom_err_set(c->err, LOOM_ERR_UNSUPPORTED,
                             "%s: a Split pre-tokenizer without ByteLevel is not supported",
                             c->what);
@@ -842,6 +963,8 @@ static void make_text(loom_tokenizer_t *tok, int32_t id, bool replace_meta, bool
         return;
     }
     if (byte_fallback && is_byte_piece(p, n, &byte)) {
+        tok->flags[id] |= TOK_BYTE;
+        tok->byte_runs = true;
         char *out = arena_alloc(&tok->arena, 2);
         out[0] = (char)byte;
         out[1] = 0;
@@ -1054,7 +1177,18 @@ static loom_status_t load_model(loom_tokenizer_t *tok, const cJSON *root, load_c
         memcpy(cat, a, an);
         memcpy(cat + an, b, bn);
         int32_t ir = strmap_get(&tok->piece_map, cat, an + bn);
-        if (tok->sp_word_split && has_inner_meta(cat, an + bn)) tok->sp_word_split = false;
+        if (tok->sp_word_split && has_inner_meta(cat, an + bn)) {
+            if (tok->n_cross == MAX_CROSS) {
+                tok->sp_word_split = false;
+            } else {
+                if (!tok->cross) {
+                    tok->cross = loom_xcalloc(MAX_CROSS, sizeof *tok->cross);
+                    tok->cross_len = loom_xcalloc(MAX_CROSS, sizeof *tok->cross_len);
+                }
+                tok->cross[tok->n_cross] = arena_strndup(&tok->arena, cat, an + bn);
+                tok->cross_len[tok->n_cross++] = (uint32_t)(an + bn);
+            }
+        }
         if (cat != stack) free(cat);
         if (ia >= 0 && ib >= 0 && ir >= 0 && (tok->flags[ia] & TOK_MODEL) &&
             (tok->flags[ib] & TOK_MODEL) && (tok->flags[ir] & TOK_MODEL)) {
@@ -1120,6 +1254,8 @@ static void load_config(loom_tokenizer_t *tok, const cJSON *root, const cJSON *c
     if (bos) tok->bos_id = strmap_get(&tok->piece_map, bos, strlen(bos));
     if (eos) tok->eos_id = strmap_get(&tok->piece_map, eos, strlen(eos));
     if (!bos && tmpl_id >= 0) tok->bos_id = tmpl_id;
+    tok->cleanup =
+        cfg && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "clean_up_tokenization_spaces"));
     const cJSON *ab = cfg ? cJSON_GetObjectItemCaseSensitive(cfg, "add_bos_token") : NULL;
     if (cJSON_IsBool(ab))
         tok->add_bos = cJSON_IsTrue(ab);
@@ -1133,9 +1269,9 @@ static loom_status_t load_parsed(const cJSON *root, const cJSON *cfg, loom_token
     byte_level_table(byte_to_cp);
     loom_tokenizer_t *tok = loom_xcalloc(1, sizeof *tok);
     loom_status_t s;
-    if ((s = parse_pre_tokenizer(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), c)) <
+    if ((s = parse_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), c)) < 0 ||
+        (s = parse_pre_tokenizer(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), c)) <
             0 ||
-        (s = parse_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), c)) < 0 ||
         (s = load_model(tok, root, c, byte_to_cp)) < 0) {
         loom_tokenizer_destroy(&tok);
         return s;
@@ -1484,14 +1620,53 @@ static void bpe_word(const loom_tokenizer_t *tok, enc_t *e, const unsigned char 
         emit_symbol(tok, e, s, i);
 }
 
+/* Applies split `level` and those after it to s[0..n), then BPEs each
+ * resulting piece. A split sees each piece of the one before as a whole
+ * text (its lookaheads stop at the piece's end), as HF's do. */
+static void split_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned char *s, size_t n,
+                        int level) {
+    if (level == tok->n_splits) {
+        bpe_word(tok, e, s, n);
+        return;
+    }
+    loom_split_t kind = tok->splits[level];
+    bool gaps = tok->split_gaps[level];
+    size_t gap = 0; /* start of the text no match has covered */
+    for (size_t i = 0; i < n && !e->nomem;) {
+        size_t j = loom_split_match(kind, s, n, i);
+        if (j == i) { /* nothing matches here: the character joins the gap */
+            size_t l;
+            (void)loom_utf8_next(s, n, i, &l);
+            i += l;
+            continue;
+        }
+        if (gaps && gap < i) split_words(tok, e, s + gap, i - gap, level + 1);
+        split_words(tok, e, s + i, j - i, level + 1);
+        i = gap = j;
+    }
+    if (gaps && gap < n && !e->nomem) split_words(tok, e, s + gap, n - gap, level + 1);
+}
+
+/* True when some merge that crosses a word start could apply at the word
+ * start s[i] ("▁" after another character): its result is in the text with
+ * one of its inner word starts at i. Without one, no token can ever span i. */
+static bool crossable(const loom_tokenizer_t *tok, const unsigned char *s, size_t n, size_t i) {
+    for (int c = 0; c < tok->n_cross; c++) {
+        const char *m = tok->cross[c];
+        size_t len = tok->cross_len[c];
+        for (size_t o = 1; o + 3 <= len; o++) {
+            if (memcmp(m + o, META, 3) != 0 || (o >= 3 && memcmp(m + o - 3, META, 3) == 0))
+                continue;
+            if (o <= i && i - o + len <= n && memcmp(s + i - o, m, len) == 0) return true;
+        }
+    }
+    return false;
+}
+
 /* Splits s[0..n) into words and BPEs each. */
 static void encode_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned char *s, size_t n) {
-    if (tok->split != LOOM_SPLIT_NONE) {
-        for (size_t i = 0; i < n && !e->nomem;) {
-            size_t j = loom_split_next(tok->split, s, n, i);
-            bpe_word(tok, e, s + i, j - i);
-            i = j;
-        }
+    if (tok->n_splits) {
+        split_words(tok, e, s, n, 0);
         return;
     }
     bool every_meta = tok->metaspace && tok->metaspace_split;
@@ -1505,7 +1680,7 @@ static void encode_words(const loom_tokenizer_t *tok, enc_t *e, const unsigned c
     for (size_t i = 1; i + 3 <= n; i++) {
         if (s[i] != 0xE2 || memcmp(s + i, META, 3) != 0) continue;
         bool after_meta = i >= 3 && memcmp(s + i - 3, META, 3) == 0;
-        if (every_meta || !after_meta) {
+        if (every_meta || (!after_meta && !(tok->n_cross && crossable(tok, s, n, i)))) {
             if (i > start) bpe_word(tok, e, s + start, i - start);
             start = i;
         }
@@ -1743,22 +1918,55 @@ static inline bool decodes(const loom_tokenizer_t *tok, int32_t id, bool skip_sp
     return !(skip_special && (tok->flags[id] & TOK_SPECIAL));
 }
 
+/* The ByteFallback decoder's rule for a run of consecutive <0xNN> tokens:
+ * its bytes when they are valid UTF-8, else one U+FFFD per byte. */
+static void flush_byte_run(const unsigned char *run, size_t n, utf8_state_t *u, sink_t *k) {
+    size_t i = 0, l;
+    while (i < n && loom_utf8_next(run, n, i, &l) != 0xFFFFFFFFu)
+        i += l;
+    for (size_t j = 0; j < n; j++)
+        utf8_feed(u, i == n ? run[j] : 0xFF, k); /* 0xFF: never valid, one U+FFFD */
+}
+
 char *loom_tokenizer_decode(const loom_tokenizer_t *tok, const int32_t *ids, int n,
-                            int skip_special) {
+                            int skip_special, size_t *len) {
     sink_t k = {.buf = loom_xmalloc(64), .cap = 64, .grow = true};
     k.buf[0] = 0;
+    if (len) *len = 0;
     if (!tok || (!ids && n > 0)) return k.buf;
+    unsigned char held[LOOM_DETOK_CLEANUP_STAGES][4], n_held[LOOM_DETOK_CLEANUP_STAGES] = {0};
+    if (tok->cleanup) {
+        k.held = held;
+        k.n_held = n_held;
+    }
     k.strip = tok->strip_start;
     utf8_state_t u;
     utf8_reset(&u);
+    unsigned char *run = NULL;
+    size_t n_run = 0, run_cap = 0;
     for (int i = 0; i < n; i++) {
         if (!decodes(tok, ids[i], skip_special)) continue;
         const unsigned char *p = (const unsigned char *)tok->text[ids[i]];
+        if (tok->flags[ids[i]] & TOK_BYTE) {
+            if (n_run == run_cap) {
+                run_cap = run_cap ? 2 * run_cap : 16;
+                run = loom_xrealloc(run, run_cap);
+            }
+            run[n_run++] = p[0];
+            continue;
+        }
+        flush_byte_run(run, n_run, &u, &k);
+        n_run = 0;
         for (uint32_t j = 0; j < tok->text_len[ids[i]]; j++)
             utf8_feed(&u, p[j], &k);
+        if (tok->byte_runs) utf8_flush(&u, &k); /* each token is a whole string */
     }
+    flush_byte_run(run, n_run, &u, &k);
+    free(run);
     utf8_flush(&u, &k);
+    cleanup_flush(&k);
     k.buf[k.len] = 0;
+    if (len) *len = k.len;
     return k.buf;
 }
 
@@ -1770,30 +1978,62 @@ void loom_detok_init(loom_detok_t *d, const loom_tokenizer_t *tok, int skip_spec
     d->at_start = at_start && tok ? tok->strip_start : 0;
 }
 
-/* Rebuilds the UTF-8 state from the held bytes (a valid, incomplete prefix). */
+/* Rebuilds the UTF-8 state from the held bytes (a valid, incomplete
+ * prefix), unless they are a byte run. */
 static void detok_state(const loom_detok_t *d, utf8_state_t *u) {
     utf8_reset(u);
+    if (d->tok->byte_runs) return;
     sink_t none = {.buf = NULL, .cap = 0};
     for (int i = 0; i < d->n_pending; i++)
         utf8_feed(u, d->pending[i], &none);
 }
 
 static void detok_save(loom_detok_t *d, const utf8_state_t *u, const sink_t *k) {
-    d->n_pending = u->n;
-    memcpy(d->pending, u->b, (size_t)u->n);
+    if (!d->tok->byte_runs) {
+        d->n_pending = u->n;
+        memcpy(d->pending, u->b, (size_t)u->n);
+    }
     d->at_start = k->strip;
+}
+
+static sink_t detok_sink(loom_detok_t *d, char *out, size_t cap) {
+    sink_t k = {.buf = out, .cap = cap, .strip = d->at_start};
+    if (d->tok && d->tok->cleanup) {
+        k.held = d->cleanup;
+        k.n_held = d->n_cleanup;
+    }
+    return k;
 }
 
 size_t loom_detok_push(loom_detok_t *d, int32_t id, char *out, size_t cap) {
     if (!d || !out || cap == 0) return 0;
-    sink_t k = {.buf = out, .cap = cap, .strip = d->at_start};
     out[0] = 0;
     if (!d->tok || !decodes(d->tok, id, d->skip_special)) return 0;
+    const loom_tokenizer_t *tok = d->tok;
+    sink_t k = detok_sink(d, out, cap);
     utf8_state_t u;
     detok_state(d, &u);
-    const unsigned char *p = (const unsigned char *)d->tok->text[id];
-    for (uint32_t j = 0; j < d->tok->text_len[id]; j++)
-        utf8_feed(&u, p[j], &k);
+    const unsigned char *p = (const unsigned char *)tok->text[id];
+    if (tok->flags[id] & TOK_BYTE) {
+        if (d->n_pending == LOOM_DETOK_RUN) { /* a very long run: emit its whole characters */
+            size_t i = 0, l, n = LOOM_DETOK_RUN;
+            while (i < n && loom_utf8_next(d->pending, n, i, &l) != 0xFFFFFFFFu)
+                i += l;
+            if (i == 0 || n - i >= 4) i = n; /* not valid UTF-8: judged as it is */
+            flush_byte_run(d->pending, i, &u, &k);
+            memmove(d->pending, d->pending + i, n - i);
+            d->n_pending = (int)(n - i);
+        }
+        d->pending[d->n_pending++] = p[0];
+    } else {
+        if (tok->byte_runs) {
+            flush_byte_run(d->pending, (size_t)d->n_pending, &u, &k);
+            d->n_pending = 0;
+        }
+        for (uint32_t j = 0; j < tok->text_len[id]; j++)
+            utf8_feed(&u, p[j], &k);
+        if (tok->byte_runs) utf8_flush(&u, &k);
+    }
     detok_save(d, &u, &k);
     out[k.len] = 0;
     return k.len;
@@ -1801,11 +2041,17 @@ size_t loom_detok_push(loom_detok_t *d, int32_t id, char *out, size_t cap) {
 
 size_t loom_detok_flush(loom_detok_t *d, char *out, size_t cap) {
     if (!d || !out || cap == 0) return 0;
-    sink_t k = {.buf = out, .cap = cap, .strip = d->at_start};
     out[0] = 0;
+    if (!d->tok) return 0;
+    sink_t k = detok_sink(d, out, cap);
     utf8_state_t u;
     detok_state(d, &u);
+    if (d->tok->byte_runs) {
+        flush_byte_run(d->pending, (size_t)d->n_pending, &u, &k);
+        d->n_pending = 0;
+    }
     utf8_flush(&u, &k);
+    cleanup_flush(&k);
     detok_save(d, &u, &k);
     out[k.len] = 0;
     return k.len;

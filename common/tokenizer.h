@@ -47,27 +47,40 @@ loom_status_t loom_tokenizer_encode(const loom_tokenizer_t *tok, const char *tex
                                     int add_bos, int parse_special, int32_t **ids, int *n_ids,
                                     int *cap, loom_err_t *err);
 
-/* Decodes ids to a malloc'ed NUL-terminated string (as HF's decode with
- * skip_special_tokens=skip_special). Invalid UTF-8 becomes U+FFFD. */
-char *loom_tokenizer_decode(const loom_tokenizer_t *tok, const int32_t *ids, int n, int skip_special);
+/* Decodes ids to a malloc'ed string (as HF's decode with
+ * skip_special_tokens=skip_special, then transformers'
+ * clean_up_tokenization_spaces when the config asks for it). Invalid UTF-8
+ * becomes U+FFFD. The text may contain NUL bytes (a decoded <0x00>): its
+ * length is stored in *len when len is not NULL; a NUL follows it. */
+char *loom_tokenizer_decode(const loom_tokenizer_t *tok, const int32_t *ids, int n,
+                            int skip_special, size_t *len);
 
 /* Incremental detokenizer for streaming: feeds one id at a time and emits
  * only whole UTF-8 characters; bytes of a partial character are held until
  * it completes. `at_start` = 1 when the first fed token starts the text (then
  * the SentencePiece leading space is stripped, as HF does); 0 when the tokens
  * continue a prompt (the space is kept). */
+#define LOOM_DETOK_CLEANUP_STAGES 10
+#define LOOM_DETOK_RUN            64
 typedef struct loom_detok {
     const loom_tokenizer_t *tok;
     int skip_special;
     int at_start;
     int n_pending;
-    unsigned char pending[8]; /* bytes of an incomplete UTF-8 character */
+    /* Held bytes: an incomplete UTF-8 character, or with a ByteFallback
+     * decoder the <0xNN> run so far (judged whole when it ends, as decode
+     * does; a run is judged every LOOM_DETOK_RUN bytes when longer). */
+    unsigned char pending[64];
+    /* clean_up_tokenization_spaces: bytes each replacement stage holds */
+    unsigned char cleanup[LOOM_DETOK_CLEANUP_STAGES][4];
+    unsigned char n_cleanup[LOOM_DETOK_CLEANUP_STAGES];
 } loom_detok_t;
 
 void loom_detok_init(loom_detok_t *d, const loom_tokenizer_t *tok, int skip_special, int at_start);
 /* Appends the newly complete text to out (at most cap-1 bytes, always
- * NUL-terminated) and returns its length. cap >= loom_tokenizer_max_piece_len()
- * + 16 is always enough for one token; longer output would be truncated. */
+ * NUL-terminated; the text itself may hold NULs) and returns its length.
+ * cap >= loom_tokenizer_max_piece_len() + 256 is always enough for one token;
+ * longer output would be truncated. */
 size_t loom_detok_push(loom_detok_t *d, int32_t id, char *out, size_t cap);
 /* At the end of a stream: emits held bytes (U+FFFD for an incomplete character). */
 size_t loom_detok_flush(loom_detok_t *d, char *out, size_t cap);

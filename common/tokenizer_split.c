@@ -1,6 +1,7 @@
 /* Hand-written matchers for the pre-tokenizer regexes of GPT-2, Llama 3,
- * Qwen2 and Mistral tekken (see tokenizer_split.h). Each next_* function
- * tries its regex's alternatives in order, as a backtracking engine would. */
+ * Qwen2, Mistral tekken, o200k (GPT-4o, gpt-oss) and DeepSeek V3 (see
+ * tokenizer_split.h). Each next_* function tries its regex's alternatives in
+ * order, as a backtracking engine would, and returns i when none matches. */
 #include "common/tokenizer_split.h"
 
 #include <stdbool.h>
@@ -20,6 +21,19 @@ static const char *const PATTERN_TEKKEN =
     "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+|"
     "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*|"
     "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char *const PATTERN_O200K =
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+"
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*"
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char *const PATTERN_DIGITS3 = "\\p{N}{1,3}";
+static const char *const PATTERN_DS_CJK = "[\xE4\xB8\x80-\xE9\xBE\xA5\xE3\x81\x80-\xE3\x82\x9F"
+                                          "\xE3\x82\xA0-\xE3\x83\xBF]+";
+static const char *const PATTERN_DEEPSEEK_V3 =
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+    "[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 /* End of the run of characters whose class has a bit of `mask`, from i. */
 static inline size_t run_end(const unsigned char *s, size_t n, size_t i, unsigned mask) {
@@ -32,6 +46,12 @@ static inline size_t run_end(const unsigned char *s, size_t n, size_t i, unsigne
 /* [^\s\p{L}\p{N}]: punctuation, symbols, marks, controls, ill-formed bytes. */
 static inline bool is_other(unsigned cls) {
     return !(cls & (LOOM_UC_L | LOOM_UC_N | LOOM_UC_WS));
+}
+
+/* [!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]: ASCII punctuation and symbols. */
+static inline bool ispunct_ascii(unsigned char c) {
+    return (c >= '!' && c <= '/') || (c >= ':' && c <= '@') || (c >= '[' && c <= '`') ||
+           (c >= '{' && c <= '~');
 }
 
 static inline int lower_ascii(int c) {
@@ -145,52 +165,142 @@ static size_t tekken_u_plus_w_star(const unsigned char *s, size_t n, size_t p) {
     return j == p ? 0 : run_end(s, n, j, TEKKEN_W);
 }
 
-/* [^\r\n\p{L}\p{N}]?U*W+|[^\r\n\p{L}\p{N}]?U+W*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|
- * \s*[\r\n]+|\s+(?!\S)|\s+ ; the optional prefix is tried taken, then not. */
-static size_t next_tekken(const unsigned char *s, size_t n, size_t i) {
-    size_t l, k;
+/* Tekken (max_digits 1) and o200k (max_digits 3, with contraction suffixes):
+ * [^\r\n\p{L}\p{N}]?U*W+C?|[^\r\n\p{L}\p{N}]?U+W*C?|\p{N}{1,max}|
+ *  ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * where C = (?i:'s|'t|'re|'ve|'m|'ll|'d) when `suffix`. The optional prefix
+ * is tried taken, then not; the optional C is taken when it is there. */
+static size_t next_tekken(const unsigned char *s, size_t n, size_t i, int max_digits, bool suffix) {
+    size_t l, l1, k;
     unsigned c0 = loom_uc_class_at(s, n, i, &l);
     bool prefix = !(c0 & (LOOM_UC_L | LOOM_UC_N)) && s[i] != '\r' && s[i] != '\n' && i + l < n;
-    if (prefix && (k = tekken_u_star_w_plus(s, n, i + l))) return k;
-    if ((k = tekken_u_star_w_plus(s, n, i))) return k;
-    if (prefix && (k = tekken_u_plus_w_star(s, n, i + l))) return k;
-    if ((k = tekken_u_plus_w_star(s, n, i))) return k;
-    if (c0 & LOOM_UC_N) return i + l;
+    k = 0;
+    if (prefix) k = tekken_u_star_w_plus(s, n, i + l);
+    if (!k) k = tekken_u_star_w_plus(s, n, i);
+    if (!k && prefix) k = tekken_u_plus_w_star(s, n, i + l);
+    if (!k) k = tekken_u_plus_w_star(s, n, i);
+    if (k) return suffix && k < n ? k + match_contraction(s, n, k, true) : k;
+    if (c0 & LOOM_UC_N) {
+        size_t j = i + l;
+        for (int d = 1; d < max_digits && j < n && (loom_uc_class_at(s, n, j, &l1) & LOOM_UC_N);
+             d++)
+            j += l1;
+        return j;
+    }
     if ((k = match_other(s, n, i, "\r\n/"))) return k;
     return match_spaces(s, n, i, true);
 }
 
+/* \p{N}{1,3} */
+static size_t next_digits3(const unsigned char *s, size_t n, size_t i) {
+    size_t j = i, l;
+    for (int d = 0; d < 3 && j < n && (loom_uc_class_at(s, n, j, &l) & LOOM_UC_N); d++)
+        j += l;
+    return j;
+}
+
+/* [\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+ */
+static size_t next_ds_cjk(const unsigned char *s, size_t n, size_t i) {
+    size_t j = i, l;
+    while (j < n && s[j] >= 0xE3 && s[j] <= 0xE9) {
+        uint32_t cp = loom_utf8_next(s, n, j, &l);
+        if (!((cp >= 0x4E00 && cp <= 0x9FA5) || (cp >= 0x3040 && cp <= 0x30FF))) break;
+        j += l;
+    }
+    return j;
+}
+
+static inline bool is_ascii_alpha(unsigned char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z');
+}
+
+/* DeepSeek V3's third split:
+ * [!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|
+ *  ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * Characters that are none of these (a lone digit, a control character)
+ * match nothing: they are left in the gaps between matches. */
+static size_t next_deepseek_v3(const unsigned char *s, size_t n, size_t i) {
+    size_t l, l1, k;
+    if (s[i] < 0x80 && ispunct_ascii(s[i]) && i + 1 < n && is_ascii_alpha(s[i + 1])) {
+        k = i + 1;
+        while (k < n && is_ascii_alpha(s[k]))
+            k++;
+        return k;
+    }
+    unsigned c0 = loom_uc_class_at(s, n, i, &l);
+    const unsigned word = LOOM_UC_L | LOOM_UC_M, punct = LOOM_UC_P | LOOM_UC_S;
+    bool prefix = !(c0 & (LOOM_UC_L | punct)) && s[i] != '\r' && s[i] != '\n' && i + l < n;
+    if (prefix && (loom_uc_class_at(s, n, i + l, &l1) & word)) return run_end(s, n, i + l, word);
+    if (c0 & word) return run_end(s, n, i, word);
+    size_t p = i;
+    if (s[i] == ' ' && i + 1 < n && (loom_uc_class_at(s, n, i + 1, &l1) & punct)) p = i + 1;
+    if (loom_uc_class_at(s, n, p, &l1) & punct) {
+        k = run_end(s, n, p, punct);
+        while (k < n && (s[k] == '\r' || s[k] == '\n'))
+            k++;
+        return k;
+    }
+    if (c0 & LOOM_UC_WS) return match_spaces(s, n, i, true);
+    return i;
+}
+
+/* Copies regex into buf with raw CR / LF written as \r / \n; 0 if too long. */
+static bool canonical_regex(const char *regex, char *buf, size_t cap) {
+    size_t k = 0;
+    for (const char *p = regex; *p; p++) {
+        if (k + 3 > cap) return false;
+        if (*p == '\r' || *p == '\n') {
+            buf[k++] = '\\';
+            buf[k++] = *p == '\r' ? 'r' : 'n';
+        } else {
+            buf[k++] = *p;
+        }
+    }
+    buf[k] = 0;
+    return true;
+}
+
 loom_split_t loom_split_recognize(const char *regex) {
-    if (strcmp(regex, PATTERN_GPT2) == 0) return LOOM_SPLIT_GPT2;
-    if (strcmp(regex, PATTERN_LLAMA3) == 0) return LOOM_SPLIT_LLAMA3;
-    if (strcmp(regex, PATTERN_QWEN2) == 0) return LOOM_SPLIT_QWEN2;
-    if (strcmp(regex, PATTERN_TEKKEN) == 0) return LOOM_SPLIT_TEKKEN;
+    static const struct {
+        const char *const *pattern;
+        loom_split_t kind;
+    } known[] = {
+        {&PATTERN_GPT2, LOOM_SPLIT_GPT2},     {&PATTERN_LLAMA3, LOOM_SPLIT_LLAMA3},
+        {&PATTERN_QWEN2, LOOM_SPLIT_QWEN2},   {&PATTERN_TEKKEN, LOOM_SPLIT_TEKKEN},
+        {&PATTERN_O200K, LOOM_SPLIT_O200K},   {&PATTERN_DIGITS3, LOOM_SPLIT_DIGITS3},
+        {&PATTERN_DS_CJK, LOOM_SPLIT_DS_CJK}, {&PATTERN_DEEPSEEK_V3, LOOM_SPLIT_DEEPSEEK_V3},
+    };
+    char buf[1024];
+    if (!regex || !canonical_regex(regex, buf, sizeof buf)) return LOOM_SPLIT_NONE;
+    for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
+        if (strcmp(buf, *known[k].pattern) == 0) return known[k].kind;
     return LOOM_SPLIT_NONE;
 }
 
-size_t loom_split_next(loom_split_t kind, const unsigned char *s, size_t n, size_t i) {
-    size_t j;
+int loom_split_tiles(loom_split_t kind) {
+    return kind == LOOM_SPLIT_GPT2 || kind == LOOM_SPLIT_LLAMA3 || kind == LOOM_SPLIT_QWEN2 ||
+           kind == LOOM_SPLIT_TEKKEN || kind == LOOM_SPLIT_O200K;
+}
+
+size_t loom_split_match(loom_split_t kind, const unsigned char *s, size_t n, size_t i) {
     switch (kind) {
     case LOOM_SPLIT_GPT2:
-        j = next_gpt2(s, n, i);
-        break;
+        return next_gpt2(s, n, i);
     case LOOM_SPLIT_LLAMA3:
-        j = next_llama3(s, n, i, 3);
-        break;
+        return next_llama3(s, n, i, 3);
     case LOOM_SPLIT_QWEN2:
-        j = next_llama3(s, n, i, 1);
-        break;
+        return next_llama3(s, n, i, 1);
     case LOOM_SPLIT_TEKKEN:
-        j = next_tekken(s, n, i);
-        break;
+        return next_tekken(s, n, i, 1, false);
+    case LOOM_SPLIT_O200K:
+        return next_tekken(s, n, i, 3, true);
+    case LOOM_SPLIT_DIGITS3:
+        return next_digits3(s, n, i);
+    case LOOM_SPLIT_DS_CJK:
+        return next_ds_cjk(s, n, i);
+    case LOOM_SPLIT_DEEPSEEK_V3:
+        return next_deepseek_v3(s, n, i);
     default:
-        j = i;
-        break;
+        return i;
     }
-    if (j <= i) { /* not reachable for the known patterns; keep progress anyway */
-        size_t l;
-        (void)loom_uc_class_at(s, n, i, &l);
-        j = i + l;
-    }
-    return j;
 }

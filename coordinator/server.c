@@ -426,7 +426,7 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     }
     /* a stop string ends the text before it */
     for (int i = 0; i < q->n_stop; i++) {
-        char *hit = strstr(q->pending, q->stop[i]);
+        char *hit = memmem(q->pending, q->n_pending, q->stop[i], strlen(q->stop[i])); /* past any NUL */
         if (hit) {
             q->detok_ns += loom_now_ns() - t0;
             req_emit(s, q, &id, 1, q->pending, (size_t)(hit - q->pending), LOOM__V1__FINISH_REASON__FINISH_STOP,

