@@ -1299,13 +1299,14 @@ static enum MHD_Result handle_detokenize(req_t *q) {
         res = respond_error(q, 503, "server_error", NULL, "service_unavailable", "no tokenizer loaded");
         goto done;
     }
-    char *text = loom_tokenizer_decode(q->h->tok, ids, n, 0);
+    size_t text_len = 0;
+    char *text = loom_tokenizer_decode(q->h->tok, ids, n, 0, &text_len);
     if (!text) {
         res = respond_error(q, 500, "server_error", NULL, "internal_error", "cannot decode these tokens");
         goto done;
     }
     cJSON *o = cJSON_CreateObject();
-    char *clean = text_dup(text, strlen(text));
+    char *clean = text_dup(text, text_len);
     cJSON_AddStringToObject(o, "prompt", clean);
     free(clean);
     free(text);
