@@ -31,30 +31,28 @@ static inline __attribute__((always_inline)) void QT(tile)(const int R, const in
     for (int a = 0; a < R; a++)
         for (int b = 0; b < NX; b++)
             acc[a][b] = _mm256_setzero_ps();
-    int blk = 0;
-    for (int g = 0; g < ng; g++) {
+    /* One flat loop over blocks (a nest over groups made GCC keep acc[][]
+     * on the stack); the group's scale is a broadcast load per block. */
+    const int gshift = __builtin_ctz((unsigned)(q4 ? gb : 1));
+    for (int blk = 0; blk < nb; blk++) {
+        for (int l = 0; l < pf_lines; l++)
+            __builtin_prefetch((const void *)(pf + (uintptr_t)(blk * R * blk_bytes + l * 64)), 0,
+                               2);
+        __m256i wv[4];
         __m256 wsv[4];
-        if (q4)
-            for (int a = 0; a < R; a++)
-                wsv[a] = _mm256_broadcast_ss(ws + a * ng + g);
-        for (const int end = blk + gb; blk < end; blk++) {
-            for (int l = 0; l < pf_lines; l++)
-                __builtin_prefetch((const void *)(pf + (uintptr_t)(blk * R * blk_bytes + l * 64)),
-                                   0, 2);
-            __m256i wv[4];
+        for (int a = 0; a < R; a++) {
+            const uint8_t *p = codes + a * row_bytes + (int64_t)blk * blk_bytes;
+            wv[a] = q4 ? q4_codes(p) : _mm256_loadu_si256((const __m256i *)p);
+            if (q4) wsv[a] = _mm256_broadcast_ss(ws + a * ng + (blk >> gshift));
+        }
+        for (int b = 0; b < NX; b++) {
+            const __m256i xv =
+                _mm256_loadu_si256((const __m256i *)(xq + ((int64_t)b * nb + blk) * LOOM_QBLOCK));
+            const __m256 xs = _mm256_broadcast_ss(xd + (int64_t)b * nb + blk);
             for (int a = 0; a < R; a++) {
-                const uint8_t *p = codes + a * row_bytes + (int64_t)blk * blk_bytes;
-                wv[a] = q4 ? q4_codes(p) : _mm256_loadu_si256((const __m256i *)p);
-            }
-            for (int b = 0; b < NX; b++) {
-                const __m256i xv = _mm256_loadu_si256(
-                    (const __m256i *)(xq + ((int64_t)b * nb + blk) * LOOM_QBLOCK));
-                const __m256 xs = _mm256_broadcast_ss(xd + (int64_t)b * nb + blk);
-                for (int a = 0; a < R; a++) {
-                    __m256i d = q4 ? QT_DOT_U8(wv[a], xv) : QT_DOT_I8(wv[a], xv);
-                    __m256 sc = q4 ? _mm256_mul_ps(wsv[a], xs) : xs;
-                    acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[a][b]);
-                }
+                __m256i d = q4 ? QT_DOT_U8(wv[a], xv) : QT_DOT_I8(wv[a], xv);
+                __m256 sc = q4 ? _mm256_mul_ps(wsv[a], xs) : xs;
+                acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[a][b]);
             }
         }
     }
