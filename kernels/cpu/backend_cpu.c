@@ -37,10 +37,14 @@
 #define LOOM_CPU_GEMV_MAX_N_HALF 64
 #endif
 /* Largest n served by the quantized GEMV kernel (qgemv.c); above it the
- * rows are dequantized block by block for sgemm. See docs/kernels-cpu.md. */
+ * rows are dequantized block by block for sgemm. The int8 kernel won at
+ * every n measured (1-512, docs/kernels-cpu.md), so by default it serves
+ * all n; x goes through it QX_ROWS rows at a time, so its int8 copy stays
+ * in L1/L2 and the scratch has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N
-#define LOOM_CPU_QGEMV_MAX_N 16
+#define LOOM_CPU_QGEMV_MAX_N INT32_MAX
 #endif
+#define QX_ROWS 64
 /* Bytes of f32 W rows widened per sgemm block for half-precision weights. */
 #ifndef WIDEN_BLOCK_BYTES
 #define WIDEN_BLOCK_BYTES (8u << 20)
@@ -223,7 +227,7 @@ static loom_status_t cpu_weight_upload_quant(loom_backend_t *be, loom_weight_t *
                                              const loom_qtensor_t *t, loom_err_t *err) {
     cpu_backend_t *c = cpu(be);
     loom_status_t st = reserve_widen(c, t->rows, t->cols, err);
-    if (st == LOOM_OK) st = reserve_qx(c, LOOM_CPU_QGEMV_MAX_N, t->cols, err);
+    if (st == LOOM_OK) st = reserve_qx(c, QX_ROWS, t->cols, err);
     if (st != LOOM_OK) return st;
     size_t codes = loom_qtensor_code_bytes(t), ns = loom_qtensor_scale_count(t) * sizeof(float);
     *w = (loom_weight_t){.dtype = t->quant == LOOM_QUANT_INT8 ? LOOM_DT_I8 : LOOM_DT_U8,
@@ -296,14 +300,11 @@ static void qgemv_task(void *p, int task, int thread) {
     loom_cpu_qgemv(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
 }
 
-/* The quantized GEMV: x rounded to int8 (one task per row when there is
- * enough of it), then chunks of W's rows in parallel. */
-static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
-    loom_err_t err;
-    if (w->quant != LOOM_QUANT_FP8 && reserve_qx(c, n, w->cols, &err) != LOOM_OK) {
-        fprintf(stderr, "loom cpu: %s\n", err.msg); /* only when n outgrows the upload's size */
-        abort();
-    }
+/* The quantized GEMV on up to QX_ROWS rows of x: x rounded to int8 (one
+ * task per row when there is enough of it), then chunks of W's rows in
+ * parallel. */
+static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w,
+                            int n) {
     struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa};
     loom_cpu_qx_init(&g.qx, c->qx, x, n, w);
     if (w->quant != LOOM_QUANT_FP8) {
@@ -315,6 +316,13 @@ static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_we
     if (loom_weight_bytes(w) >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
         g.chunk = chunk_size(c, w->rows, 16, 8, 4); /* whole 4-row tiles */
     loom_parallel_for(c->pool, n_chunks(w->rows, g.chunk), qgemv_task, &g);
+}
+
+static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    LOOM_ASSERT(c->qx_cap >= loom_cpu_qx_bytes(LOOM_MIN(n, QX_ROWS), w->cols));
+    for (int i = 0; i < n; i += QX_ROWS)
+        quant_gemv_rows(c, y + (int64_t)i * w->rows, x + (int64_t)i * w->cols, w,
+                        LOOM_MIN(QX_ROWS, n - i));
 }
 
 static void widen_task(void *p, int task, int thread) {
