@@ -278,8 +278,17 @@ static inline __attribute__((always_inline)) __m256i dot_i8_avx2(__m256i w, __m2
     return dot_u8s8_avx2(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
 }
 
+/* Two u8·s8 products summed in int16 before vpmaddwd: Q4 codes are at most
+ * 15, so a lane's four products stay within 4 · 15 · 127. */
+static inline __attribute__((always_inline)) __m256i dot2_u8s8_avx2(__m256i w0, __m256i x0,
+                                                                    __m256i w1, __m256i x1) {
+    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
 #define QT(name) name##_avx2
 #define QT_DOT_U8(w, x) dot_u8s8_avx2(w, x)
+#define QT_DOT_U8_PAIR(w0, x0, w1, x1) dot2_u8s8_avx2(w0, x0, w1, x1)
 #define QT_DOT_I8(w, x) dot_i8_avx2(w, x)
 #define QT_I8_BIAS 0
 #define QT_RM 2
@@ -287,6 +296,7 @@ static inline __attribute__((always_inline)) __m256i dot_i8_avx2(__m256i w, __m2
 #include "kernels/cpu/qgemv_tiles.h"
 #undef QT
 #undef QT_DOT_U8
+#undef QT_DOT_U8_PAIR
 #undef QT_DOT_I8
 #undef QT_I8_BIAS
 #undef QT_RM
@@ -393,6 +403,8 @@ static inline __attribute__((always_inline)) __m256i dot_u8s8_vnni(__m256i w, __
 
 #define QT(name) name##_vnni
 #define QT_DOT_U8(w, x) dot_u8s8_vnni(w, x)
+#define QT_DOT_U8_PAIR(w0, x0, w1, x1) \
+    _mm256_dpbusd_epi32(dot_u8s8_vnni(w0, x0), w1, x1)
 #define QT_DOT_I8(w, x) dot_u8s8_vnni(w, x)
 #define QT_I8_BIAS 128
 #define QT_RM 4
@@ -400,6 +412,7 @@ static inline __attribute__((always_inline)) __m256i dot_u8s8_vnni(__m256i w, __
 #include "kernels/cpu/qgemv_tiles.h"
 #undef QT
 #undef QT_DOT_U8
+#undef QT_DOT_U8_PAIR
 #undef QT_DOT_I8
 #undef QT_I8_BIAS
 #undef QT_RM

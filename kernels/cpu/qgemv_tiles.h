@@ -2,6 +2,7 @@
  * instruction set (no include guard). The includer defines:
  *   QT(name)      the name with the instruction set's suffix
  *   QT_DOT_U8(w, x)  int32x8: per 32-bit lane, the sum of four u8·s8 products
+ *   QT_DOT_U8_PAIR(w0, x0, w1, x1)  the same summed over two pairs
  *   QT_DOT_I8(w, x)  the same for INT8 codes stored as q + 128
  *   QT_I8_BIAS    the 128·sum(x) that QT_DOT_I8 adds (0 if it adds none)
  *   QT_RM, QT_NXM the tile shape for n > 1: rows of W × rows of x
@@ -34,7 +35,47 @@ static inline __attribute__((always_inline)) void QT(tile)(const int R, const in
     /* One flat loop over blocks (a nest over groups made GCC keep acc[][]
      * on the stack); the group's scale is a broadcast load per block. */
     const int gshift = __builtin_ctz((unsigned)(q4 ? gb : 1));
-    for (int blk = 0; blk < nb; blk++) {
+    int blk = 0;
+    if (q4) {
+        /* Two blocks per step: one 32-byte load holds both blocks' codes;
+         * v & 15 gives their columns 0-15 and v >> 4 their columns 16-31.
+         * x's two blocks are regrouped alike with two lane permutes, so
+         * lanes 0-3 of the dot belong to block blk and lanes 4-7 to blk + 1,
+         * and one conversion and one FMA serve both blocks. */
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        const int pf2 = (2 * R * blk_bytes + 63) / 64;
+        for (; blk + 2 <= nb; blk += 2) {
+            for (int l = 0; l < pf2; l++)
+                __builtin_prefetch((const void *)(pf + (uintptr_t)(blk * R * blk_bytes + l * 64)),
+                                   0, 2);
+            __m256i lo[4], hi[4];
+            __m256 wsv[4];
+            for (int a = 0; a < R; a++) {
+                const __m256i v = _mm256_loadu_si256(
+                    (const __m256i *)(codes + a * row_bytes + (int64_t)blk * blk_bytes));
+                lo[a] = _mm256_and_si256(v, m4);
+                hi[a] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const float *g = ws + a * ng + (blk >> gshift);
+                wsv[a] = gb == 1 ? _mm256_set_m128(_mm_broadcast_ss(g + 1), _mm_broadcast_ss(g))
+                                 : _mm256_broadcast_ss(g);
+            }
+            for (int b = 0; b < NX; b++) {
+                const int8_t *xp = xq + ((int64_t)b * nb + blk) * LOOM_QBLOCK;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + LOOM_QBLOCK));
+                const __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);
+                const __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);
+                const float *d = xd + (int64_t)b * nb + blk;
+                const __m256 xs = _mm256_set_m128(_mm_broadcast_ss(d + 1), _mm_broadcast_ss(d));
+                for (int a = 0; a < R; a++) {
+                    __m256i dot = QT_DOT_U8_PAIR(lo[a], xlo, hi[a], xhi);
+                    acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                                _mm256_mul_ps(wsv[a], xs), acc[a][b]);
+                }
+            }
+        }
+    }
+    for (; blk < nb; blk++) { /* INT8, and an odd last Q4 block */
         for (int l = 0; l < pf_lines; l++)
             __builtin_prefetch((const void *)(pf + (uintptr_t)(blk * R * blk_bytes + l * 64)), 0,
                                2);

@@ -183,9 +183,10 @@ static void compare(const char *what, const float *y, const float *ref, int64_t 
            worst, (long long)worst_i, mag, tol * mag);
 }
 
-/* Activations are rounded to int8 per 32 columns by the GEMV kernels: the
- * error stays well under 0.5% of the output's scale on these matrices. */
-#define MATMUL_TOL 0.0075
+/* Activations are rounded to int8 per 32 columns by the quantized kernels:
+ * allow 1% of the output's scale (the worst seen here is about 0.8%, on
+ * short rows). */
+#define MATMUL_TOL 0.01
 
 /* The backend's matmul on a quantized weight equals x · dequant(W)ᵀ, on
  * every path. */
@@ -249,6 +250,9 @@ static void test_cpu_matmul(void) {
             check_matmul(be, k_schemes[s], 301, 128, ns, 8);
             check_matmul(be, k_schemes[s], 30, 384, prefill, 2);
         }
+        /* Q4 kernels take blocks two at a time: an odd count leaves one. */
+        check_matmul(be, "q4", 33, 96, ns, n_ns);
+        check_matmul(be, "q4_min", 33, 160, ns, n_ns);
         /* INT8 and FP8 have no groups: columns need not be a multiple of 32. */
         check_matmul(be, "int8", 37, 100, ns, n_ns);
         check_matmul(be, "fp8", 37, 100, ns, n_ns);
@@ -306,6 +310,8 @@ static void test_isas(void) {
             loom_cpu_isa_name(loom_cpu_isa_detect()));
     for (size_t s = 0; s < sizeof k_schemes / sizeof *k_schemes; s++)
         for (int n = 1; n <= 9; n++) check_isas(k_schemes[s], 23, 256, n);
+    check_isas("q4", 9, 160, 3); /* an odd number of blocks */
+    check_isas("q4_min", 10, 96, 5);
     check_isas("int8", 9, 1000, 3);
     check_isas("fp8", 9, 1003, 2);
 }
