@@ -502,9 +502,13 @@ static double qmodel_pass(loom_backend_t *be, struct qmodel *m, float *y, const 
 
 static const char *k_bench_schemes[] = {"none", "int8", "q4", "q4:128", "q4_min", "fp8"};
 
+#define N_BENCH_SCHEMES ((int)LOOM_ARRAY_LEN(k_bench_schemes))
+
+/* Decode: passes at n = 1 and 4, the schemes interleaved pass by pass so
+ * a burst of load from other processes hits all of them alike. */
 static void bench_quant_decode(int n_threads, double triad) {
     printf("\n== quantized decode matmuls, %d threads, %s kernels: every matmul of the ~125M "
-           "model (12 layers + LM head), n rows of x ==\n",
+           "model (12 layers + LM head) per pass, schemes interleaved ==\n",
            n_threads, loom_cpu_isa_name(loom_cpu_isa_detect()));
     printf("MBU = bytes of weights (codes + scales) read per pass / time / triad (%.2f GB/s)\n",
            triad);
@@ -513,52 +517,53 @@ static void bench_quant_decode(int n_threads, double triad) {
     float *x = xalloc(sizeof(float) * 16 * M_HIDDEN), *y = xalloc(sizeof(float) * 16 * M_VOCAB);
     fill_rand(x, 16 * (size_t)M_HIDDEN, 9);
     static const int ns[] = {1, 4};
-    double f32_best[2] = {0, 0};
-    double per[LOOM_ARRAY_LEN(k_bench_schemes)][5];
-    size_t per_bytes[LOOM_ARRAY_LEN(k_bench_schemes)][5];
+    enum { REPS = 20 };
+    const int reps = g_quick ? 5 : REPS;
     loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
-    for (size_t s = 0; s < LOOM_ARRAY_LEN(k_bench_schemes); s++) {
-        struct qmodel m;
-        qmodel_init(&m, be, k_bench_schemes[s]);
-        for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
-            const int n = ns[k];
-            int reps = g_quick ? 5 : 15;
-            double t[32];
-            qmodel_pass(be, &m, y, x, n, LOOM_CPU_MM_AUTO); /* warm up */
-            for (int r = 0; r < reps; r++) t[r] = qmodel_pass(be, &m, y, x, n, LOOM_CPU_MM_AUTO);
-            qsort(t, (size_t)reps, sizeof *t, cmp_double);
-            double b = (double)m.bytes, med = t[reps / 2], best = t[0];
-            if (s == 0) f32_best[k] = best;
+    struct qmodel *m = xalloc(sizeof *m * N_BENCH_SCHEMES);
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_init(&m[s], be, k_bench_schemes[s]);
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
+        const int n = ns[k];
+        double t[N_BENCH_SCHEMES][REPS];
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) /* warm up */
+            qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int r = 0; r < reps; r++)
+            for (int s = 0; s < N_BENCH_SCHEMES; s++)
+                t[s][r] = qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) qsort(t[s], (size_t)reps, sizeof(double), cmp_double);
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) {
+            double b = (double)m[s].bytes, med = t[s][reps / 2], best = t[s][0];
             printf("%-7s %2d %9.1f %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f %8.2fx\n",
                    k_bench_schemes[s], n, b / 1e6, med * 1e3, best * 1e3, b / med / 1e9,
-                   b / best / 1e9, b / med / 1e9 / triad, b / best / 1e9 / triad,
-                   f32_best[k] / best);
+                   b / best / 1e9, b / med / 1e9 / triad, b / best / 1e9 / triad, t[0][0] / best);
         }
-        /* Each matmul's own time within the model's stream (so still cold). */
-        for (int k = 0; k < 5; k++) {
-            per[s][k] = 1e9;
-            per_bytes[s][k] = loom_weight_bytes(&m.w[k == 4 ? m.n - 1 : k]);
-        }
-        for (int r = 0; r < (g_quick ? 3 : 8); r++)
-            for (int i = 0; i < m.n; i++) {
-                int k = i == m.n - 1 ? 4 : i % 4;
+    }
+    /* Each matmul's own time within the model's stream (so still cold). */
+    double per[N_BENCH_SCHEMES][5];
+    for (int s = 0; s < N_BENCH_SCHEMES; s++)
+        for (int k = 0; k < 5; k++) per[s][k] = 1e9;
+    for (int r = 0; r < (g_quick ? 3 : 8); r++)
+        for (int s = 0; s < N_BENCH_SCHEMES; s++)
+            for (int i = 0; i < m[s].n; i++) {
+                int k = i == m[s].n - 1 ? 4 : i % 4;
                 uint64_t t0 = loom_now_ns();
-                loom_cpu_matmul_path(be, y, x, &m.w[i], 1, LOOM_CPU_MM_AUTO);
+                loom_cpu_matmul_path(be, y, x, &m[s].w[i], 1, LOOM_CPU_MM_AUTO);
                 per[s][k] = LOOM_MIN(per[s][k], (double)(loom_now_ns() - t0) * 1e-9);
             }
-        qmodel_free(&m, be);
-    }
     printf("\nper matmul, n = 1 (best time within the model's stream, MBU vs the same triad):\n");
     printf("%-7s", "scheme");
     for (int k = 0; k < 5; k++) printf(" %10s %5s", k_model_names[k], "MBU");
     printf("\n");
-    for (size_t s = 0; s < LOOM_ARRAY_LEN(k_bench_schemes); s++) {
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) {
         printf("%-7s", k_bench_schemes[s]);
-        for (int k = 0; k < 5; k++)
-            printf(" %8.1fus %5.2f", per[s][k] * 1e6,
-                   (double)per_bytes[s][k] / per[s][k] / 1e9 / triad);
+        for (int k = 0; k < 5; k++) {
+            double b = (double)loom_weight_bytes(&m[s].w[k == 4 ? m[s].n - 1 : k]);
+            printf(" %8.1fus %5.2f", per[s][k] * 1e6, b / per[s][k] / 1e9 / triad);
+        }
         printf("\n");
     }
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_free(&m[s], be);
+    loom_aligned_free(m);
     loom_backend_destroy(&be);
     loom_aligned_free(x);
     loom_aligned_free(y);
@@ -615,10 +620,11 @@ static void bench_quant_crossover(int n_threads) {
 }
 
 /* Prefill: a pass over the model's matmuls at n = 128 and 512, each scheme
- * against f32 sgemm in the same run. */
+ * against f32 sgemm in the same run, interleaved pass by pass. */
 static void bench_quant_prefill(int n_threads) {
     static const int ns[] = {128, 512};
-    printf("\n== quantized prefill, %d threads: every matmul of the ~125M model, n rows ==\n",
+    printf("\n== quantized prefill, %d threads: every matmul of the ~125M model, n rows, "
+           "schemes interleaved ==\n",
            n_threads);
     printf("%-7s %4s %10s %10s %10s %10s\n", "scheme", "n", "med ms", "best ms", "best GF/s",
            "vs f32");
@@ -629,23 +635,25 @@ static void bench_quant_prefill(int n_threads) {
         const int *shape = k_model_shapes[i == M_LAYERS * 4 ? 4 : i % 4];
         flops_pass += 2.0 * shape[0] * shape[1];
     }
-    double f32_best[2] = {0, 0};
     loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
-    for (size_t s = 0; s < LOOM_ARRAY_LEN(k_bench_schemes); s++) {
-        struct qmodel m;
-        qmodel_init(&m, be, k_bench_schemes[s]);
-        for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
-            const int n = ns[k], reps = g_quick ? 2 : 3;
-            double t[8];
-            qmodel_pass(be, &m, y, x, n, LOOM_CPU_MM_AUTO);
-            for (int r = 0; r < reps; r++) t[r] = qmodel_pass(be, &m, y, x, n, LOOM_CPU_MM_AUTO);
-            qsort(t, (size_t)reps, sizeof *t, cmp_double);
-            if (s == 0) f32_best[k] = t[0];
+    struct qmodel *m = xalloc(sizeof *m * N_BENCH_SCHEMES);
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_init(&m[s], be, k_bench_schemes[s]);
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
+        const int n = ns[k], reps = g_quick ? 2 : 3;
+        double t[N_BENCH_SCHEMES][3];
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int r = 0; r < reps; r++)
+            for (int s = 0; s < N_BENCH_SCHEMES; s++)
+                t[s][r] = qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) {
+            qsort(t[s], (size_t)reps, sizeof(double), cmp_double);
             printf("%-7s %4d %10.1f %10.1f %10.1f %9.2fx\n", k_bench_schemes[s], n,
-                   t[reps / 2] * 1e3, t[0] * 1e3, flops_pass * n / t[0] / 1e9, f32_best[k] / t[0]);
+                   t[s][reps / 2] * 1e3, t[s][0] * 1e3, flops_pass * n / t[s][0] / 1e9,
+                   t[0][0] / t[s][0]);
         }
-        qmodel_free(&m, be);
     }
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_free(&m[s], be);
+    loom_aligned_free(m);
     loom_backend_destroy(&be);
     loom_aligned_free(x);
     loom_aligned_free(y);
