@@ -573,11 +573,11 @@ static void bench_quant_decode(int n_threads, double triad) {
  * and down shapes (weights cold: copies cycled), with f32 sgemm alongside. */
 static void bench_quant_crossover(int n_threads) {
     static const int ns[] = {1, 4, 8, 16, 32, 64, 128, 256, 512};
-    static const char *schemes[] = {"int8", "q4", "q4_min:128"};
+    static const char *schemes[] = {"int8", "q4", "q4_min:128", "fp8"};
     static const int shapes[][2] = {{2 * M_HIDDEN, M_DIM}, {M_DIM, M_HIDDEN}};
     printf("\n== quantized: GEMV kernel vs dequantize + sgemm by n, %d threads (auto: GEMV for "
-           "n <= %d) ==\n",
-           n_threads, loom_cpu_qgemv_max_n());
+           "n <= %d INT8/Q4, <= %d FP8) ==\n",
+           n_threads, loom_cpu_qgemv_max_n(LOOM_QUANT_Q4), loom_cpu_qgemv_max_n(LOOM_QUANT_FP8));
     printf("%-7s %-12s %3s %10s %10s %10s %10s %10s %8s  %s\n", "scheme", "rows x cols", "n",
            "gemv best", "sgemm best", "gemv GF/s", "sgemm GF/s", "f32 GF/s", "best/f32", "faster");
     loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);

@@ -5,8 +5,9 @@
  * Matmul: up to loom_cpu_gemv_max_n() rows of x use the hand-written GEMV
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
- * first). Quantized weights (qgemv.c) use the int8-activation GEMV kernel up
- * to LOOM_CPU_QGEMV_MAX_N rows and dequantized blocks for sgemm above. Small
+ * first). Quantized weights (qgemv.c) use their GEMV kernel up to
+ * loom_cpu_qgemv_max_n() rows (INT8/Q4: every n) and dequantized blocks for
+ * sgemm above. Small
  * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
  * measurements behind the thresholds. Not thread-safe: one caller at a time. */
@@ -43,6 +44,11 @@
  * in L1/L2 and the scratch has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N
 #define LOOM_CPU_QGEMV_MAX_N INT32_MAX
+#endif
+/* FP8's kernel computes in float (about 53 GFLOP/s a thread against 72 for
+ * sgemm), so dequantize + sgemm takes over early. */
+#ifndef LOOM_CPU_QGEMV_MAX_N_FP8
+#define LOOM_CPU_QGEMV_MAX_N_FP8 8
 #endif
 #define QX_ROWS 64
 /* Bytes of f32 W rows widened per sgemm block for half-precision weights. */
@@ -336,8 +342,8 @@ static void widen_task(void *p, int task, int thread) {
                         b);
 }
 
-int loom_cpu_qgemv_max_n(void) {
-    return LOOM_CPU_QGEMV_MAX_N;
+int loom_cpu_qgemv_max_n(loom_quant_t q) {
+    return q == LOOM_QUANT_FP8 ? LOOM_CPU_QGEMV_MAX_N_FP8 : LOOM_CPU_QGEMV_MAX_N;
 }
 
 int loom_cpu_gemv_max_n(loom_dtype_t dt) {
@@ -351,7 +357,7 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     if (rows == 0 || n <= 0) return;
     if (w->quant != LOOM_QUANT_NONE) {
         if (path == LOOM_CPU_MM_AUTO)
-            path = n <= LOOM_CPU_QGEMV_MAX_N ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
+            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
         if (path == LOOM_CPU_MM_GEMV) {
             quant_gemv(c, y, x, w, n);
             return;

@@ -18,8 +18,8 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
 /* The largest n the automatic choice serves with the GEMV kernel for
  * weights stored as dt. */
 int loom_cpu_gemv_max_n(loom_dtype_t dt);
-/* The same for quantized weights (the int8 GEMV kernel of qgemv.c, then
+/* The same for quantized weights of scheme q (the kernels of qgemv.c, then
  * dequantized blocks for sgemm). */
-int loom_cpu_qgemv_max_n(void);
+int loom_cpu_qgemv_max_n(loom_quant_t q);
 
 #endif
