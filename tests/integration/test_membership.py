@@ -55,9 +55,10 @@ def test_cluster_through_etcd():
 def test_worker_waits_for_coordinator():
     with Etcd() as etcd:
         # the worker starts first and finds the coordinator once it appears
+        wlog = open(os.path.join(etcd.dir, "worker.log"), "w+")
+        clog = open(os.path.join(etcd.dir, "coordinator.log"), "w+")
         w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--etcd", etcd.url, "--cluster", "late",
-                              "--threads", "1", "--id", "early"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+                              "--threads", "1", "--id", "early"], stdout=subprocess.DEVNULL, stderr=wlog)
         try:
             time.sleep(1.0)
             check(w.poll() is None, "the worker gave up")
@@ -65,9 +66,14 @@ def test_worker_waits_for_coordinator():
             co = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
                                    "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0", "--etcd", etcd.url,
                                    "--cluster", "late", "--ready-file", ready],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=subprocess.DEVNULL, stderr=clog)
             try:
-                check(wait_for(lambda: os.path.exists(ready), 20), "the grid did not form")
+                formed = wait_for(lambda: os.path.exists(ready), 20)
+                if not formed:
+                    for name, f in (("worker", wlog), ("coordinator", clog)):
+                        f.seek(0)
+                        print("--- %s log ---\n%s" % (name, "".join(f.readlines()[-20:])))
+                check(formed, "the grid did not form")
             finally:
                 co.terminate()
                 co.wait(timeout=20)
