@@ -96,6 +96,14 @@ def test_quantize_matches_load():
     q4 = os.path.getsize(os.path.join(WORK, "stories-q4", "model.safetensors"))
     f32 = os.path.getsize(os.path.join(STORIES, "model.safetensors"))
     check(q4 < 0.6 * f32, "q4 file %d bytes vs float %d" % (q4, f32))
+    # refusals: an unknown scheme, an already quantized input, a bad --quantization on loom run
+    loom = os.path.join(BIN, "loom")
+    for cmd, want in [([loom, "quantize", STORIES, os.path.join(WORK, "x"), "--quantization", "q4:48"], "q4:48"),
+                      ([loom, "quantize", os.path.join(WORK, "stories-q4"), os.path.join(WORK, "x")],
+                       "already quantized"),
+                      ([loom, "run", "--model", STORIES, "--prompt", "x", "--quantization", "int4"], "int4")]:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and want in p.stderr, "%s: rc %d, %s" % (" ".join(cmd[1:3]), p.returncode, p.stderr))
 
 
 def test_quantized_dir_grids():
