@@ -4,8 +4,9 @@ For grids 1x1, 2x1, 1x2, 2x2 and 1x3 (uneven: 5 layers over 3 stages), on
 stories260K and on a random GQA model: greedy ids through the cluster equal
 `loom run` in one process, and each step's logits (dumped by the last-stage
 workers, merged over the vocab-parallel shards) agree with the 1x1 cluster
-within 1e-5 relative error. The same holds with weights quantized on load
-(int8, fp8, q4, q4_min) against `loom run` with the same scheme.
+within 1e-5 relative error. With weights quantized on load (int8, fp8, q4,
+q4_min) the ids equal `loom run`'s with the same scheme, and the logits agree
+within the int8 rounding of the activations.
 """
 import glob
 import os
@@ -105,7 +106,11 @@ def check_model(model, grids=GRIDS, quant=None):
             worst = max(worst, float(err.max()))
         print("  %s %dx%d: %d prompts x %d ids identical, %d steps, worst logit relative error %.2e"
               % (what, tp, pp, len(PROMPTS), N_TOKENS, len(steps), worst), flush=True)
-        check(worst <= 1e-5, "%dx%d: logits differ from 1x1 by %.3g (relative)" % (tp, pp, worst))
+        # Quantized matmuls on the CPU round activations to int8: a last-bit
+        # difference of a TP all-reduce sum can move one code, so the logits
+        # agree to about 1/127 of a block's range, and the ids must be equal.
+        bound = 5e-2 if quant else 1e-5
+        check(worst <= bound, "%dx%d: logits differ from 1x1 by %.3g (relative)" % (tp, pp, worst))
 
 
 def test_stories260k_grids():
