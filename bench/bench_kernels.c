@@ -576,8 +576,9 @@ static void bench_quant_crossover(int n_threads) {
     static const char *schemes[] = {"int8", "q4", "q4_min:128", "fp8"};
     static const int shapes[][2] = {{2 * M_HIDDEN, M_DIM}, {M_DIM, M_HIDDEN}};
     printf("\n== quantized: GEMV kernel vs dequantize + sgemm by n, %d threads (auto: GEMV for "
-           "n <= %d INT8/Q4, <= %d FP8) ==\n",
-           n_threads, loom_cpu_qgemv_max_n(LOOM_QUANT_Q4), loom_cpu_qgemv_max_n(LOOM_QUANT_FP8));
+           "n <= %d INT8, %d Q4, %d FP8) ==\n",
+           n_threads, loom_cpu_qgemv_max_n(LOOM_QUANT_INT8), loom_cpu_qgemv_max_n(LOOM_QUANT_Q4),
+           loom_cpu_qgemv_max_n(LOOM_QUANT_FP8));
     printf("%-7s %-12s %3s %10s %10s %10s %10s %10s %8s  %s\n", "scheme", "rows x cols", "n",
            "gemv best", "sgemm best", "gemv GF/s", "sgemm GF/s", "f32 GF/s", "best/f32", "faster");
     loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);

@@ -6,7 +6,7 @@
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
  * first). Quantized weights (qgemv.c) use their GEMV kernel up to
- * loom_cpu_qgemv_max_n() rows (INT8/Q4: every n) and dequantized blocks for
+ * loom_cpu_qgemv_max_n() rows (INT8: every n) and dequantized blocks for
  * sgemm above. Small
  * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
@@ -37,18 +37,20 @@
 #ifndef LOOM_CPU_GEMV_MAX_N_HALF
 #define LOOM_CPU_GEMV_MAX_N_HALF 64
 #endif
-/* Largest n served by the quantized GEMV kernel (qgemv.c); above it the
- * rows are dequantized block by block for sgemm. The int8 kernel won at
- * every n measured (1-512, docs/kernels-cpu.md), so by default it serves
- * all n; x goes through it QX_ROWS rows at a time, so its int8 copy stays
- * in L1/L2 and the scratch has a fixed size. */
-#ifndef LOOM_CPU_QGEMV_MAX_N
-#define LOOM_CPU_QGEMV_MAX_N INT32_MAX
+/* Largest n served by the quantized GEMV kernels (qgemv.c) per scheme;
+ * above it the rows are dequantized block by block for sgemm. Measured
+ * crossovers (docs/kernels-cpu.md): the INT8 kernel won at every n up to
+ * 512; Q4's won up to 128 and lost at 256-512 in most runs; FP8's computes
+ * in float and lost from n = 32. x goes through the kernels QX_ROWS rows at
+ * a time, so its int8 copy stays in L1/L2 and the scratch has a fixed size. */
+#ifndef LOOM_CPU_QGEMV_MAX_N_INT8
+#define LOOM_CPU_QGEMV_MAX_N_INT8 INT32_MAX
 #endif
-/* FP8's kernel computes in float (about 53 GFLOP/s a thread against 72 for
- * sgemm), so dequantize + sgemm takes over early. */
+#ifndef LOOM_CPU_QGEMV_MAX_N_Q4
+#define LOOM_CPU_QGEMV_MAX_N_Q4 128
+#endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_FP8
-#define LOOM_CPU_QGEMV_MAX_N_FP8 8
+#define LOOM_CPU_QGEMV_MAX_N_FP8 16
 #endif
 #define QX_ROWS 64
 /* Bytes of f32 W rows widened per sgemm block for half-precision weights. */
@@ -343,7 +345,11 @@ static void widen_task(void *p, int task, int thread) {
 }
 
 int loom_cpu_qgemv_max_n(loom_quant_t q) {
-    return q == LOOM_QUANT_FP8 ? LOOM_CPU_QGEMV_MAX_N_FP8 : LOOM_CPU_QGEMV_MAX_N;
+    switch (q) {
+    case LOOM_QUANT_INT8: return LOOM_CPU_QGEMV_MAX_N_INT8;
+    case LOOM_QUANT_Q4: return LOOM_CPU_QGEMV_MAX_N_Q4;
+    default: return LOOM_CPU_QGEMV_MAX_N_FP8;
+    }
 }
 
 int loom_cpu_gemv_max_n(loom_dtype_t dt) {

@@ -23,11 +23,12 @@ static inline __attribute__((always_inline)) void QT(tile)(const int R, const in
     const float *ws = (const float *)w->scales + r * ng;
     const int8_t *xq = qx->q + (int64_t)i * nb * LOOM_QBLOCK;
     const float *xd = qx->d + (int64_t)i * nb;
-    /* The next tile's rows follow these: prefetch them to L2 spread over
-     * this tile's blocks (as gemv.c does; the hardware prefetchers re-train
-     * on every new group of rows). An address: it may run past W. */
+    /* Rows QT_PF_TILES tiles ahead are prefetched to L2, spread over this
+     * tile's blocks (as gemv.c does for the next tile; the hardware
+     * prefetchers re-train on every new group of rows). An address: it may
+     * run past W. */
     const int pf_lines = (R * blk_bytes + 63) / 64;
-    const uintptr_t pf = (uintptr_t)(codes + R * row_bytes);
+    const uintptr_t pf = (uintptr_t)(codes + QT_PF_TILES * R * row_bytes);
     __m256 acc[4][4];
     for (int a = 0; a < R; a++)
         for (int b = 0; b < NX; b++)
