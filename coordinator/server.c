@@ -555,6 +555,7 @@ static void start_epoch(loom_server_t *s) {
             a.max_seqs = (uint32_t)s->cfg.max_num_seqs;
             a.block_size = (uint32_t)s->cfg.block_size;
             a.weight_dtype = (char *)s->cfg.weight_dtype;
+            a.quantization = (char *)(s->cfg.quantization ? s->cfg.quantization : "none");
             a.epoch = s->epoch;
             a.kv_memory = s->cfg.kv_memory;
             a.kv_fraction = s->cfg.kv_fraction / (float)(same > 0 ? same : 1);
