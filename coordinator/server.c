@@ -58,6 +58,7 @@
 #include "common/shard.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sched.h"
+#include "coordinator/stop.h"
 #include "proto/wire.h"
 
 #define MAX_STOP 8
@@ -371,23 +372,6 @@ static void pending_append(request_t *q, const char *t, size_t n) {
     q->pending[q->n_pending] = '\0';
 }
 
-/* Bytes of pending text that cannot be the start of a stop string. */
-static size_t safe_prefix(const request_t *q) {
-    if (q->n_stop == 0) return q->n_pending;
-    size_t keep = 0; /* longest pending suffix that is a proper prefix of some stop string */
-    for (int i = 0; i < q->n_stop; i++) {
-        size_t ls = strlen(q->stop[i]);
-        for (size_t k = LOOM_MIN(ls - 1, q->n_pending); k > keep; k--)
-            if (!memcmp(q->pending + q->n_pending - k, q->stop[i], k)) {
-                keep = k;
-                break;
-            }
-    }
-    size_t n = q->n_pending - keep;
-    while (n > 0 && n < q->n_pending && ((unsigned char)q->pending[n] & 0xc0) == 0x80) n--; /* whole characters */
-    return n;
-}
-
 static int is_stop_id(const request_t *q, int32_t id) {
     for (int i = 0; i < q->n_stop_ids; i++)
         if (q->stop_ids[i] == id) return 1;
@@ -424,17 +408,14 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
         n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
         pending_append(q, s->text_buf, n);
     }
-    /* a stop string ends the text before it */
-    for (int i = 0; i < q->n_stop; i++) {
-        char *hit = memmem(q->pending, q->n_pending, q->stop[i], strlen(q->stop[i])); /* past any NUL */
-        if (hit) {
-            q->detok_ns += loom_now_ns() - t0;
-            req_emit(s, q, &id, 1, q->pending, (size_t)(hit - q->pending), LOOM__V1__FINISH_REASON__FINISH_STOP,
-                     LOOM_OK, NULL);
-            return;
-        }
+    /* the earliest stop string ends the text before it */
+    long hit = loom_stop_find(q->stop, q->n_stop, q->pending, q->n_pending);
+    if (hit >= 0) {
+        q->detok_ns += loom_now_ns() - t0;
+        req_emit(s, q, &id, 1, q->pending, (size_t)hit, LOOM__V1__FINISH_REASON__FINISH_STOP, LOOM_OK, NULL);
+        return;
     }
-    size_t emit = at_length ? q->n_pending : safe_prefix(q);
+    size_t emit = at_length ? q->n_pending : loom_stop_safe_prefix(q->stop, q->n_stop, q->pending, q->n_pending);
     q->detok_ns += loom_now_ns() - t0;
     if (at_length) {
         req_emit(s, q, &id, 1, q->pending, q->n_pending, LOOM__V1__FINISH_REASON__FINISH_LENGTH, LOOM_OK, NULL);

@@ -1,1 +1,2 @@
 loom_add_test(test_sched SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sched.c LIBS loom_coord_core LABELS unit)
+loom_add_test(test_stop SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_stop.c LIBS loom_coord_core LABELS unit)
