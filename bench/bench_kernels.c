@@ -348,8 +348,9 @@ static void bench_attention(int n_threads) {
                 int reps = g_quick ? 8 : 30;
                 double best = 1e9;
                 for (int r = 0; r < reps; r++) {
-                    a.k_cache = kc + (size_t)(r % layers) * (cache_bytes / 4);
-                    a.v_cache = vc + (size_t)(r % layers) * (cache_bytes / 4);
+                    a.kv = (loom_kv_layer_t){.k = kc + (size_t)(r % layers) * (cache_bytes / 4),
+                                             .v = vc + (size_t)(r % layers) * (cache_bytes / 4),
+                                             .dtype = LOOM_DT_F32};
                     uint64_t t0 = loom_now_ns();
                     loom_op_attention(be, &a);
                     double t = (double)(loom_now_ns() - t0) * 1e-9;
