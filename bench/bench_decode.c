@@ -17,6 +17,7 @@
 int main(int argc, char **argv) {
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL;
+    const char *kv_cache_dtype = "auto";
     int threads = 2, n_prompt = 256, n_gen = 64, reps = 3;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (e.g. from tests/reference/gen_model.py)", 1, 0, NULL},
@@ -25,6 +26,7 @@ int main(int argc, char **argv) {
         {"tokens", LOOM_OPT_INT, &n_gen, "N", "decode tokens (default 64)", 2, 1e6, NULL},
         {"reps", LOOM_OPT_INT, &reps, "N", "repetitions, best is reported (default 3)", 1, 100, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage f32, bf16, f16 (default f32)", 1, 0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (default auto)", 1, 0, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_decode --model DIR [options]",
@@ -38,7 +40,8 @@ int main(int argc, char **argv) {
     loom_log_set_level(LOOM_LOG_WARN);
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .n_threads = threads, .chunk = n_prompt,
-                               .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .no_tokenizer = 1};
+                               .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .no_tokenizer = 1,
+                               .kv_cache_dtype = kv_cache_dtype};
     loom_local_t *l = NULL;
     if (loom_local_open(&lo, &l, &err) < 0) {
         fprintf(stderr, "bench_decode: %s\n", err.msg);
