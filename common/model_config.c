@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 
 #include "common/json.h"
@@ -163,6 +164,59 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
     return LOOM_OK;
 }
 
+/* quantization_config: loom (`loom quantize`), or 4-bit AWQ (GEMM) and GPTQ. */
+static loom_status_t parse_quantization(loom_model_config_t *cfg, const cJSON *root, const char *path,
+                                        loom_err_t *err) {
+    const cJSON *qc = field(root, "quantization_config");
+    if (!qc) return LOOM_OK;
+    if (!cJSON_IsObject(qc)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: quantization_config must be an object", path);
+    const cJSON *m = field(qc, "quant_method");
+    if (!cJSON_IsString(m))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: quantization_config.quant_method must be a string", path);
+    if (!strcmp(m->valuestring, "loom")) {
+        cfg->ckpt_quant = LOOM_CKPT_LOOM;
+        return LOOM_OK;
+    }
+    if (strcmp(m->valuestring, "awq") && strcmp(m->valuestring, "gptq"))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: quantization_config.quant_method '%s' is not supported (Loom reads loom, awq "
+                            "and gptq checkpoints)",
+                            path, m->valuestring);
+    cfg->ckpt_quant = !strcmp(m->valuestring, "awq") ? LOOM_CKPT_AWQ : LOOM_CKPT_GPTQ;
+    int bits = 0;
+    LOOM_CHECK(get_pos_int(qc, "bits", 0, 0, &bits, path, err));
+    if (!bits) LOOM_CHECK(get_pos_int(qc, "w_bit", 1, 0, &bits, path, err)); /* older AWQ configs */
+    if (bits != 4)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: quantization_config.bits is %d; Loom reads 4-bit %s",
+                            path, bits, m->valuestring);
+    cfg->ckpt_group = 0;
+    const cJSON *g = field(qc, "group_size");
+    if (!g) g = field(qc, "q_group_size");
+    if (!g || !json_int(g, &cfg->ckpt_group) || cfg->ckpt_group <= 0)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: quantization_config.group_size must be a positive integer (per-channel -1 "
+                            "is not supported)",
+                            path);
+    if (cfg->ckpt_quant == LOOM_CKPT_AWQ) {
+        const cJSON *v = field(qc, "version");
+        if (v && (!cJSON_IsString(v) || strcasecmp(v->valuestring, "gemm")))
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                "%s: AWQ version '%s' is not supported (Loom reads the GEMM layout)", path,
+                                cJSON_IsString(v) ? v->valuestring : "?");
+    } else {
+        LOOM_CHECK(get_bool(qc, "desc_act", 0, &cfg->ckpt_desc_act, path, err));
+        const cJSON *f = field(qc, "checkpoint_format");
+        if (f && !cJSON_IsString(f))
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: quantization_config.checkpoint_format must be a string", path);
+        if (f && strcmp(f->valuestring, "gptq") && strcmp(f->valuestring, "gptq_v2"))
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                "%s: GPTQ checkpoint_format '%s' is not supported (gptq, gptq_v2)", path,
+                                f->valuestring);
+        cfg->ckpt_zeros_minus1 = !f || !strcmp(f->valuestring, "gptq");
+    }
+    return LOOM_OK;
+}
+
 static loom_dtype_t dtype_from_torch(const cJSON *v) {
     if (!cJSON_IsString(v)) return LOOM_DT_F32;
     if (!strcmp(v->valuestring, "float16")) return LOOM_DT_F16;
@@ -231,7 +285,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
 
     const cJSON *dt = field(root, "torch_dtype");
     cfg->torch_dtype = dtype_from_torch(dt ? dt : field(root, "dtype"));
-    return LOOM_OK;
+    return parse_quantization(cfg, root, path, err);
 }
 
 static loom_status_t check_eos_range(const loom_model_config_t *cfg, const char *path,

@@ -12,6 +12,15 @@
 
 typedef enum { LOOM_ROPE_NONE = 0, LOOM_ROPE_LLAMA3 = 1 } loom_rope_scaling_t;
 
+/* How the checkpoint stores its linear weights (config.json's
+ * quantization_config.quant_method; docs/model-format.md). */
+typedef enum {
+    LOOM_CKPT_FLOAT = 0, /* no quantization_config */
+    LOOM_CKPT_LOOM,      /* written by `loom quantize` */
+    LOOM_CKPT_AWQ,       /* AutoAWQ GEMM layout, 4 bits */
+    LOOM_CKPT_GPTQ,      /* AutoGPTQ / GPTQModel layout, 4 bits */
+} loom_ckpt_quant_t;
+
 typedef struct loom_model_config {
     char model_type[32];   /* "llama", "mistral", "qwen2" ... */
     int dim;               /* hidden_size */
@@ -35,6 +44,10 @@ typedef struct loom_model_config {
     int n_eos;
     int eos_ids[LOOM_MAX_EOS];   /* eos_token_id (int or list) */
     loom_dtype_t torch_dtype;    /* informational */
+    loom_ckpt_quant_t ckpt_quant; /* quantization_config.quant_method */
+    int ckpt_group;              /* AWQ/GPTQ: group_size (input columns per scale) */
+    int ckpt_zeros_minus1;       /* GPTQ checkpoint_format "gptq" (v1): stored zeros are z - 1 */
+    int ckpt_desc_act;           /* GPTQ desc_act (act-order: g_idx is checked on load) */
 } loom_model_config_t;
 
 /* Reads DIR/config.json; errors name the file and the offending field. */

@@ -563,6 +563,39 @@ static void bf16_to_f32_row(const uint8_t *src, float *dst, int64_t n) {
     }
 }
 
+/* Checks that a block lies inside the tensor; the tensor's column count in *cols_out. */
+static loom_status_t check_block(const loom_st_tensor_t *t, int64_t row0, int64_t nrows, int64_t col0,
+                                 int64_t ncols, int64_t *cols_out, loom_err_t *err) {
+    /* Leading dimensions fold into rows; numel was bounded on open. */
+    int64_t cols = t->n_dims ? t->shape[t->n_dims - 1] : 1, rows = 1;
+    for (int i = 0; i + 1 < t->n_dims; i++)
+        rows *= t->shape[i];
+    *cols_out = cols;
+    if (row0 < 0 || nrows < 0 || row0 > rows || nrows > rows - row0 || col0 < 0 || ncols < 0 ||
+        col0 > cols || ncols > cols - col0)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "tensor '%s' in %s: block rows [%lld, +%lld) x cols [%lld, +%lld) is "
+                            "outside its %lld x %lld",
+                            t->name, t->file, (long long)row0, (long long)nrows, (long long)col0,
+                            (long long)ncols, (long long)rows, (long long)cols);
+    return LOOM_OK;
+}
+
+loom_status_t loom_st_read_raw(loom_st_t *st, const loom_st_tensor_t *t, int64_t row0, int64_t nrows,
+                               int64_t col0, int64_t ncols, void *dst, loom_err_t *err) {
+    LOOM_ASSERT(st && t);
+    int64_t cols;
+    LOOM_CHECK(check_block(t, row0, nrows, col0, ncols, &cols, err));
+    if (nrows == 0 || ncols == 0) return LOOM_OK;
+    LOOM_ASSERT(dst);
+    size_t esz = loom_dtype_size(t->dtype), row_bytes = (size_t)ncols * esz;
+    const uint8_t *base = t->data;
+    for (int64_t r = 0; r < nrows; r++)
+        memcpy((uint8_t *)dst + (size_t)r * row_bytes, base + (size_t)((row0 + r) * cols + col0) * esz, row_bytes);
+    atomic_fetch_add_explicit(&st->bytes_read, (uint64_t)nrows * row_bytes, memory_order_relaxed);
+    return LOOM_OK;
+}
+
 loom_status_t loom_st_read_f32(loom_st_t *st, const loom_st_tensor_t *t, int64_t row0,
                                int64_t nrows, int64_t col0, int64_t ncols, float *dst,
                                loom_err_t *err) {
@@ -571,17 +604,8 @@ loom_status_t loom_st_read_f32(loom_st_t *st, const loom_st_tensor_t *t, int64_t
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "tensor '%s' in %s has dtype %s; Loom reads F32, F16 and BF16 weights",
                             t->name, t->file, loom_dtype_name(t->dtype));
-    /* Leading dimensions fold into rows; numel was bounded on open. */
-    int64_t cols = t->n_dims ? t->shape[t->n_dims - 1] : 1, rows = 1;
-    for (int i = 0; i + 1 < t->n_dims; i++)
-        rows *= t->shape[i];
-    if (row0 < 0 || nrows < 0 || row0 > rows || nrows > rows - row0 || col0 < 0 || ncols < 0 ||
-        col0 > cols || ncols > cols - col0)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "tensor '%s' in %s: block rows [%lld, +%lld) x cols [%lld, +%lld) is "
-                            "outside its %lld x %lld",
-                            t->name, t->file, (long long)row0, (long long)nrows, (long long)col0,
-                            (long long)ncols, (long long)rows, (long long)cols);
+    int64_t cols;
+    LOOM_CHECK(check_block(t, row0, nrows, col0, ncols, &cols, err));
     if (nrows == 0 || ncols == 0) return LOOM_OK;
     LOOM_ASSERT(dst);
 

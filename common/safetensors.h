@@ -52,6 +52,11 @@ loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, con
  * it touched. Safe to call from several threads on one loom_st_t. */
 loom_status_t loom_st_read_f32(loom_st_t *st, const loom_st_tensor_t *t, int64_t row0, int64_t nrows,
                                int64_t col0, int64_t ncols, float *dst, loom_err_t *err);
+/* Copies the same kind of block without conversion, for any dtype (quantized
+ * codes, packed int32 words, scales): dst receives nrows x ncols elements of
+ * the tensor's own size. Counted like loom_st_read_f32. */
+loom_status_t loom_st_read_raw(loom_st_t *st, const loom_st_tensor_t *t, int64_t row0, int64_t nrows,
+                               int64_t col0, int64_t ncols, void *dst, loom_err_t *err);
 uint64_t loom_st_bytes_read(const loom_st_t *st);
 
 #endif

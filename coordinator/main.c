@@ -10,6 +10,7 @@
 #include "common/util.h"
 #include "coordinator/http.h"
 #include "coordinator/server.h"
+#include "kernels/quant.h"
 
 static loom_server_t *g_server;
 
@@ -21,7 +22,7 @@ static void on_signal(int sig) {
 int main(int argc, char **argv) {
     loom_log_init("coordinator");
     loom_server_config_t c = {.tp = 1, .pp = 1, .listen = "tcp://127.0.0.1:5555", .control = "tcp://127.0.0.1:5556",
-                              .comm = "auto", .weight_dtype = "f32", .max_num_seqs = 64, .max_batched_tokens = 512,
+                              .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
                               .max_queue = 1024, .block_size = 16, .kv_fraction = 0.25f, .prefix_cache = 1,
                               .heartbeat_timeout_ms = 1500, .recovery_timeout_ms = 2000, .cluster = "default",
                               .etcd_ttl = 5};
@@ -40,6 +41,7 @@ int main(int argc, char **argv) {
         {"served-model-name", LOOM_OPT_STR, &c.model_name, "NAME", "model id clients use (default: the directory name)", 1, 0, NULL},
         {"comm", LOOM_OPT_STR, &c.comm, "KIND", "data plane: auto (shm on one host, else tcp), shm, tcp", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &c.weight_dtype, "TYPE", "weight storage on workers: f32, bf16, f16 (default f32)", 1, 0, NULL},
+        {"quantization", LOOM_OPT_STR, &c.quantization, "SCHEME", "quantize matmul weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &c.kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on CPU, bf16 on CUDA), f32, bf16, int8 (CPU), fp8 (CUDA) (default auto)", 1, 0, NULL},
         {"max-num-seqs", LOOM_OPT_INT, &c.max_num_seqs, "N", "most running sequences (default 64)", 1, 4096, NULL},
         {"max-num-batched-tokens", LOOM_OPT_INT, &c.max_batched_tokens, "N", "most tokens per step (default 512)", 1, 1 << 20, NULL},
@@ -79,6 +81,11 @@ int main(int argc, char **argv) {
     }
     if (strcmp(c.weight_dtype, "f32") && strcmp(c.weight_dtype, "bf16") && strcmp(c.weight_dtype, "f16")) {
         fprintf(stderr, "error: --dtype must be f32, bf16 or f16, got '%s'\n", c.weight_dtype);
+        return 2;
+    }
+    loom_quant_spec_t quant;
+    if (!loom_quant_spec_parse(c.quantization, &quant)) {
+        fprintf(stderr, "error: --quantization must be none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:64 or q4_min:128, got '%s'\n", c.quantization);
         return 2;
     }
     if (strcmp(c.kv_cache_dtype, "auto") && strcmp(c.kv_cache_dtype, "f32") && strcmp(c.kv_cache_dtype, "bf16") &&

@@ -478,6 +478,7 @@ static void start_epoch(loom_server_t *s) {
             a.max_seqs = (uint32_t)s->cfg.max_num_seqs;
             a.block_size = (uint32_t)s->cfg.block_size;
             a.weight_dtype = (char *)s->cfg.weight_dtype;
+            a.quantization = (char *)(s->cfg.quantization ? s->cfg.quantization : "none");
             a.kv_cache_dtype = (char *)(s->cfg.kv_cache_dtype ? s->cfg.kv_cache_dtype : "auto");
             a.epoch = s->epoch;
             a.kv_memory = s->cfg.kv_memory;

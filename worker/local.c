@@ -52,7 +52,7 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     l->chunk = opt->chunk > 0 ? opt->chunk : 256;
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0,
                               .layer_end = l->cfg.n_layers, .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk,
+    loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant,
                                .kv_dtype = kv_dtype};
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;

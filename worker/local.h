@@ -18,6 +18,7 @@ typedef struct loom_local_options {
     int chunk;               /* prefill chunk in tokens (default 256) */
     int ctx;                 /* context to allocate KV for (0 = the model's maximum) */
     loom_dtype_t weight_dtype; /* F32 default on CPU */
+    loom_quant_spec_t quant;   /* matmul weights quantized on load (kernels/quant.h); zero: none */
     const char *kv_cache_dtype; /* auto (NULL), f32, bf16, int8, fp8: see loom_backend_kv_resolve */
     int no_tokenizer;        /* skip tokenizer.json (benchmarks on generated models) */
 } loom_local_options_t;

@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "worker/qweights.h"
 
 typedef struct loom_layer {
     float *attn_norm;   /* (dim) */
@@ -36,6 +37,8 @@ struct loom_model {
     loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
     float *inv_freq;       /* (hd / 2) */
     size_t weight_bytes;
+    size_t matmul_bytes; /* of the matmul weights: what one decode step reads */
+    int n_quantized;     /* matmul weights stored quantized */
 
     /* KV pool; with decode buckets one more block, after the n_blocks the
      * plans address, takes the padding rows' keys and values */
@@ -115,7 +118,103 @@ static loom_status_t upload_weight(loader_t *L, loom_weight_t *w, int64_t rows, 
     if (s == LOOM_ERR_NOMEM)
         return loom_err_set(err, s, "out of device memory uploading %s (%lld x %lld)", what,
                             (long long)rows, (long long)cols);
-    if (s == LOOM_OK) L->m->weight_bytes += loom_weight_bytes(w);
+    if (s == LOOM_OK) {
+        L->m->weight_bytes += loom_weight_bytes(w);
+        L->m->matmul_bytes += loom_weight_bytes(w);
+    }
+    return s;
+}
+
+static loom_status_t upload_qweight(loader_t *L, loom_weight_t *w, const loom_qtensor_t *t, const char *what,
+                                    loom_err_t *err) {
+    loom_status_t s = loom_weight_upload_quant(L->m->be, w, t, err);
+    if (s == LOOM_ERR_NOMEM)
+        return loom_err_set(err, s, "out of device memory uploading %s (%lld x %lld)", what, (long long)t->rows,
+                            (long long)t->cols);
+    if (s < 0) {
+        loom_err_t e = *err;
+        return loom_err_set(err, s, "%s: %s", what, e.msg);
+    }
+    L->m->weight_bytes += loom_weight_bytes(w);
+    L->m->matmul_bytes += loom_weight_bytes(w);
+    L->m->n_quantized++;
+    return LOOM_OK;
+}
+
+/* One stored linear (its name without ".weight") and the block of its rows
+ * (output features) this shard takes. */
+typedef struct lin_part {
+    const char *prefix;
+    int64_t rows, r0, nr;
+} lin_part_t;
+
+/* Loads one matmul weight: the row blocks of n parts stacked (q/k/v, gate/up:
+ * column-parallel), restricted to input columns [c0, c0+nc) of cols (o, down:
+ * row-parallel). Linears the checkpoint stores quantized are sliced as stored;
+ * float ones are quantized here when opt.quant asks. Per-channel schemes
+ * (int8, fp8) quantize whole rows before taking the columns, so every grid
+ * gets the same scales; 4-bit groups are local, so a rank quantizes only its
+ * columns, which must be whole groups. A 4-bit group that does not divide the
+ * linear's input columns falls back to int8 for that linear (logged). */
+static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what, const lin_part_t *parts, int n,
+                                 int64_t cols, int64_t c0, int64_t nc, loom_err_t *err) {
+    loom_model_t *m = L->m;
+    char name[300];
+    int nq = 0;
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) {
+        nq += loom_qw_stored(L->st, parts[i].prefix);
+        rows += parts[i].nr;
+    }
+    loom_status_t s = LOOM_OK;
+    loom_qtensor_t qt = {0};
+    if (nq) {
+        if (nq != n)
+            return loom_err_set(err, LOOM_ERR_FORMAT,
+                                "%s: the checkpoint stores some of its parts quantized and some not", what);
+        loom_qtensor_t qp[3] = {{0}};
+        LOOM_ASSERT(n <= 3);
+        for (int i = 0; i < n && s == LOOM_OK; i++)
+            s = loom_qw_read(L->st, &m->cfg, parts[i].prefix, parts[i].rows, cols, parts[i].r0, parts[i].nr, c0, nc,
+                             &qp[i], err);
+        if (s == LOOM_OK) s = loom_qw_stack_rows(qp, n, what, &qt, err);
+        for (int i = 0; i < n; i++) loom_qtensor_free(&qp[i]);
+        if (s == LOOM_OK) s = upload_qweight(L, w, &qt, what, err);
+        loom_qtensor_free(&qt);
+        return s;
+    }
+
+    loom_quant_spec_t q = m->opt.quant;
+    if (q.quant == LOOM_QUANT_Q4 && cols % q.group) {
+        LOOM_WARN("%s: 4-bit group %d does not divide its %lld input columns; quantizing it as int8", what, q.group,
+                  (long long)cols);
+        q = (loom_quant_spec_t){.quant = LOOM_QUANT_INT8};
+    }
+    if (q.quant == LOOM_QUANT_Q4 && (c0 % q.group || nc % q.group))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "%s: this tensor-parallel rank's input columns [%lld, %lld) are not whole 4-bit groups "
+                            "of %d; use fewer TP ranks or a smaller group",
+                            what, (long long)c0, (long long)(c0 + nc), q.group);
+    int whole_rows = q.quant != LOOM_QUANT_NONE && q.quant != LOOM_QUANT_Q4 && nc != cols;
+    int64_t rc0 = whole_rows ? 0 : c0, rnc = whole_rows ? cols : nc;
+    float *h = staging(L, (size_t)rows * (size_t)rnc);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", what);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s.weight", parts[i].prefix);
+        LOOM_CHECK(read_block(L, name, parts[i].rows, cols, parts[i].r0, parts[i].nr, rc0, rnc,
+                              h + (size_t)off * (size_t)rnc, err));
+        off += parts[i].nr;
+    }
+    if (q.quant == LOOM_QUANT_NONE) return upload_weight(L, w, rows, nc, what, err);
+    LOOM_CHECK(loom_quantize(&q, h, rows, rnc, &qt, err));
+    if (whole_rows) {
+        loom_qtensor_t full = qt;
+        loom_qw_slice_cols(&full, c0, nc, &qt);
+        loom_qtensor_free(&full);
+    }
+    s = upload_qweight(L, w, &qt, what, err);
+    loom_qtensor_free(&qt);
     return s;
 }
 
@@ -124,28 +223,24 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     const loom_model_config_t *c = &m->cfg;
     const loom_shard_dims_t *d = &m->dims;
     int hd = c->head_dim, dim = c->dim;
-    char name[256];
+    char name[256], pq[256], pk[256], pv[256];
 #define LNAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", gl, suffix), name)
+#define PNAME(buf, suffix) (snprintf(buf, sizeof buf, "model.layers.%d.%s", gl, suffix), buf)
 
     LOOM_CHECK(upload_vec(L, LNAME("input_layernorm.weight"), dim, &ly->attn_norm, err));
     LOOM_CHECK(upload_vec(L, LNAME("post_attention_layernorm.weight"), dim, &ly->ffn_norm, err));
 
     /* q, k, v: this rank's heads stacked into one (qkv_dim, dim) matrix */
-    float *h = staging(L, (size_t)m->qkv_dim * (size_t)dim);
-    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
     int64_t qrows = (int64_t)c->n_heads * hd, kvrows = (int64_t)c->n_kv_heads * hd;
-    LOOM_CHECK(read_block(L, LNAME("self_attn.q_proj.weight"), qrows, dim,
-                          (int64_t)d->q_head_begin * hd, (int64_t)d->n_heads * hd, 0, dim, h, err));
-    float *hk = h + (size_t)d->n_heads * hd * dim;
-    float *hv = hk + (size_t)d->n_kv_heads * hd * dim;
-    LOOM_CHECK(read_block(L, LNAME("self_attn.k_proj.weight"), kvrows, dim,
-                          (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd, 0, dim, hk, err));
-    LOOM_CHECK(read_block(L, LNAME("self_attn.v_proj.weight"), kvrows, dim,
-                          (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd, 0, dim, hv, err));
-    LOOM_CHECK(upload_weight(L, &ly->wqkv, m->qkv_dim, dim, LNAME("self_attn.qkv"), err));
+    lin_part_t qkv[3] = {
+        {PNAME(pq, "self_attn.q_proj"), qrows, (int64_t)d->q_head_begin * hd, (int64_t)d->n_heads * hd},
+        {PNAME(pk, "self_attn.k_proj"), kvrows, (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd},
+        {PNAME(pv, "self_attn.v_proj"), kvrows, (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd},
+    };
+    LOOM_CHECK(load_linear(L, &ly->wqkv, LNAME("self_attn.qkv"), qkv, 3, dim, 0, dim, err));
     if (c->attention_bias) {
         /* the biases of the same rows, stacked the same way */
-        h = staging(L, (size_t)m->qkv_dim);
+        float *h = staging(L, (size_t)m->qkv_dim);
         if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
         LOOM_CHECK(read_slice(L, LNAME("self_attn.q_proj.bias"), qrows, (int64_t)d->q_head_begin * hd,
                               (int64_t)d->n_heads * hd, h, err));
@@ -160,29 +255,23 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     }
 
     /* o: row-parallel, this rank's input columns */
-    int64_t ocols = (int64_t)d->n_heads * hd;
-    h = staging(L, (size_t)dim * (size_t)ocols);
-    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
-    LOOM_CHECK(read_block(L, LNAME("self_attn.o_proj.weight"), dim, qrows, 0, dim,
-                          (int64_t)d->q_head_begin * hd, ocols, h, err));
-    LOOM_CHECK(upload_weight(L, &ly->wo, dim, ocols, LNAME("self_attn.o_proj"), err));
+    lin_part_t o = {PNAME(pq, "self_attn.o_proj"), dim, 0, dim};
+    LOOM_CHECK(load_linear(L, &ly->wo, LNAME("self_attn.o_proj"), &o, 1, qrows, (int64_t)d->q_head_begin * hd,
+                           (int64_t)d->n_heads * hd, err));
 
     /* gate and up: column-parallel, stacked */
-    h = staging(L, (size_t)2 * d->hidden * (size_t)dim);
-    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
-    LOOM_CHECK(read_block(L, LNAME("mlp.gate_proj.weight"), c->hidden_dim, dim, d->hidden_begin,
-                          d->hidden, 0, dim, h, err));
-    LOOM_CHECK(read_block(L, LNAME("mlp.up_proj.weight"), c->hidden_dim, dim, d->hidden_begin,
-                          d->hidden, 0, dim, h + (size_t)d->hidden * dim, err));
-    LOOM_CHECK(upload_weight(L, &ly->w13, 2 * d->hidden, dim, LNAME("mlp.gate_up"), err));
+    lin_part_t gu[2] = {
+        {PNAME(pq, "mlp.gate_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
+        {PNAME(pk, "mlp.up_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
+    };
+    LOOM_CHECK(load_linear(L, &ly->w13, LNAME("mlp.gate_up"), gu, 2, dim, 0, dim, err));
 
     /* down: row-parallel */
-    h = staging(L, (size_t)dim * (size_t)d->hidden);
-    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
-    LOOM_CHECK(read_block(L, LNAME("mlp.down_proj.weight"), dim, c->hidden_dim, 0, dim,
-                          d->hidden_begin, d->hidden, h, err));
-    LOOM_CHECK(upload_weight(L, &ly->w2, dim, d->hidden, LNAME("mlp.down_proj"), err));
+    lin_part_t dn = {PNAME(pq, "mlp.down_proj"), dim, 0, dim};
+    LOOM_CHECK(load_linear(L, &ly->w2, LNAME("mlp.down_proj"), &dn, 1, c->hidden_dim, d->hidden_begin, d->hidden,
+                           err));
 #undef LNAME
+#undef PNAME
     return LOOM_OK;
 }
 
@@ -272,15 +361,10 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (spec->has_head) {
         s = upload_vec(&L, "model.norm.weight", dim, &m->final_norm, err);
         if (s < 0) goto fail_loader;
-        const char *head = cfg->tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
-        float *h = staging(&L, (size_t)d->vocab * dim);
-        if (!h) {
-            s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory for the LM head");
-            goto fail_loader;
-        }
-        s = read_block(&L, head, cfg->vocab_size, dim, d->vocab_begin, d->vocab, 0, dim, h, err);
-        if (s < 0) goto fail_loader;
-        s = upload_weight(&L, &m->lm_head, d->vocab, dim, "lm_head", err);
+        /* a tied head reads the embedding, unless `loom quantize` stored it quantized */
+        const char *head = cfg->tie_embeddings && !loom_qw_stored(st, "lm_head") ? "model.embed_tokens" : "lm_head";
+        lin_part_t hp = {head, cfg->vocab_size, d->vocab_begin, d->vocab};
+        s = load_linear(&L, &m->lm_head, "lm_head", &hp, 1, dim, 0, dim, err);
         if (s < 0) goto fail_loader;
     }
     free(L.tmp);
@@ -324,8 +408,9 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     }
     uint64_t total = 0;
     for (int i = 0; i < loom_st_count(st); i++) total += loom_st_at(st, i)->nbytes;
-    LOOM_INFO("shard loaded: %.1f MB of weights in %.2f s; read %llu of the checkpoint's %llu bytes (%.1f%%)",
-              (double)m->weight_bytes / 1e6, (double)(loom_now_ns() - t0) * 1e-9,
+    LOOM_INFO("shard loaded: %.1f MB of weights (%d matmul weights quantized) in %.2f s; read %llu of the "
+              "checkpoint's %llu bytes (%.1f%%)",
+              (double)m->weight_bytes / 1e6, m->n_quantized, (double)(loom_now_ns() - t0) * 1e-9,
               (unsigned long long)loom_st_bytes_read(st), (unsigned long long)total,
               total ? 100.0 * (double)loom_st_bytes_read(st) / (double)total : 0.0);
     *out = m;
@@ -372,6 +457,7 @@ void loom_model_destroy(loom_model_t **m_p) {
 const loom_shard_dims_t *loom_model_dims(const loom_model_t *m) { return &m->dims; }
 const loom_model_config_t *loom_model_config(const loom_model_t *m) { return &m->cfg; }
 size_t loom_model_weight_bytes(const loom_model_t *m) { return m->weight_bytes; }
+size_t loom_model_matmul_bytes(const loom_model_t *m) { return m->matmul_bytes; }
 int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
 int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
 float *loom_model_hidden(loom_model_t *m) { return m->x; }

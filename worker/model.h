@@ -18,6 +18,7 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "kernels/backend.h"
+#include "kernels/quant.h"
 
 /* All-reduce hook for tensor parallelism (NULL when tp_size == 1). */
 typedef loom_status_t (*loom_allreduce_fn)(void *ctx, float *buf, int64_t n, loom_err_t *err);
@@ -37,6 +38,10 @@ typedef struct loom_model_options {
     loom_dtype_t kv_dtype;
     loom_allreduce_fn allreduce;
     void *allreduce_ctx;
+    /* Matmul weights (q/k/v, o, gate/up, down, LM head) quantized on load
+     * (quant NONE: the backend's float dtype); linears the checkpoint
+     * already stores quantized are used as stored (docs/model-format.md). */
+    loom_quant_spec_t quant;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it
@@ -49,6 +54,8 @@ void loom_model_destroy(loom_model_t **m_p);
 const loom_shard_dims_t *loom_model_dims(const loom_model_t *m);
 const loom_model_config_t *loom_model_config(const loom_model_t *m);
 size_t loom_model_weight_bytes(const loom_model_t *m);
+/* Bytes of the matmul weights (codes, scales, mins): what a decode step reads. */
+size_t loom_model_matmul_bytes(const loom_model_t *m);
 /* The KV cache's element type (opt.kv_dtype). */
 loom_dtype_t loom_model_kv_dtype(const loom_model_t *m);
 /* Bytes of KV cache one block takes on this shard (all its layers, K and V,

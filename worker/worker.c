@@ -144,6 +144,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            a->n_stages == b->n_stages && a->tp_rank == b->tp_rank && a->tp_size == b->tp_size &&
            a->layer_begin == b->layer_begin && a->layer_end == b->layer_end &&
            !strcmp(a->weight_dtype, b->weight_dtype) &&
+           !strcmp(a->quantization, b->quantization) &&
            !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) &&
            a->max_tokens == b->max_tokens &&
            a->max_seqs == b->max_seqs;
@@ -170,6 +171,9 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     bc.weight_dtype = !strcmp(a->weight_dtype, "bf16") ? LOOM_DT_BF16
                       : !strcmp(a->weight_dtype, "f16") ? LOOM_DT_F16
                                                          : LOOM_DT_F32;
+    loom_quant_spec_t quant;
+    if (!loom_quant_spec_parse(a->quantization, &quant))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown quantization '%s'", a->quantization);
     LOOM_CHECK(loom_backend_create(&bc, &w->be, err));
     loom_dtype_t kv_dtype;
     LOOM_CHECK(loom_backend_kv_resolve(w->be, a->kv_cache_dtype, &kv_dtype, err));
@@ -178,7 +182,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                               .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages};
     loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
                                .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
-                               .allreduce_ctx = w, .decode_buckets = w->decode_buckets,
+                               .allreduce_ctx = w, .decode_buckets = w->decode_buckets, .quant = quant,
                                .kv_dtype = kv_dtype};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     w->max_tokens = (int)a->max_tokens;

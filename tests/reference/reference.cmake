@@ -21,5 +21,15 @@ add_test(NAME reference_qwen2_bias
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_qwen2 random
                  --qwen2 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2 --vocab 512 --tie
                  --rope-theta 1000000 --seed 13)
+# 4-bit checkpoints in the AWQ (GEMM, interleaved nibbles, zero point) and GPTQ layouts (v1 stores
+# zero points minus one; v2 symmetric with a trivial g_idx), against the reference on their dequantized weights.
+add_test(NAME reference_awq
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_awq awq ${LOOM_MODELS_DIR})
+add_test(NAME reference_gptq
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq gptq ${LOOM_MODELS_DIR})
+add_test(NAME reference_gptq_v2
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
+                 ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias PROPERTIES TIMEOUT 300 LABELS reference)
+                     reference_qwen2_bias reference_awq reference_gptq reference_gptq_v2
+                     PROPERTIES TIMEOUT 300 LABELS reference)

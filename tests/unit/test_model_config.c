@@ -348,6 +348,56 @@ static void test_fuzz(void) {
     free(mut);
 }
 
+/* quantization_config: loom, AWQ and GPTQ (v1 stores zero points minus one,
+ * v2 does not) are recognised; other methods and bit widths are refused. */
+static void test_quantization_config(void) {
+    static const char base[] = "{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":172,"
+                               "\"num_hidden_layers\":2,\"num_attention_heads\":8,\"vocab_size\":512,"
+                               "\"quantization_config\":%s}";
+    static const struct {
+        const char *qc;
+        loom_status_t status;
+        loom_ckpt_quant_t quant;
+        int group, minus1;
+        const char *msg;
+    } cases[] = {
+        {"{\"quant_method\":\"loom\",\"scheme\":\"q4\"}", LOOM_OK, LOOM_CKPT_LOOM, 0, 0, NULL},
+        {"{\"quant_method\":\"awq\",\"bits\":4,\"group_size\":128,\"version\":\"GEMM\",\"zero_point\":true}", LOOM_OK,
+         LOOM_CKPT_AWQ, 128, 0, NULL},
+        {"{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":32,\"desc_act\":false}", LOOM_OK, LOOM_CKPT_GPTQ, 32, 1,
+         NULL},
+        {"{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":64,\"checkpoint_format\":\"gptq_v2\"}", LOOM_OK,
+         LOOM_CKPT_GPTQ, 64, 0, NULL},
+        {"{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":32}", LOOM_ERR_UNSUPPORTED, 0, 0, 0,
+         "quantization_config.bits is 8"},
+        {"{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":-1}", LOOM_ERR_UNSUPPORTED, 0, 0, 0, "group_size"},
+        {"{\"quant_method\":\"awq\",\"bits\":4,\"group_size\":128,\"version\":\"gemv\"}", LOOM_ERR_UNSUPPORTED, 0, 0, 0,
+         "AWQ version 'gemv'"},
+        {"{\"quant_method\":\"bitsandbytes\"}", LOOM_ERR_UNSUPPORTED, 0, 0, 0, "'bitsandbytes' is not supported"},
+        {"[1]", LOOM_ERR_FORMAT, 0, 0, 0, "quantization_config must be an object"},
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(cases); i++) {
+        char json[600];
+        snprintf(json, sizeof json, base, cases[i].qc);
+        loom_model_config_t c;
+        loom_err_t err = {0};
+        loom_status_t s = parse(json, &c, &err);
+        CHECKF(s == cases[i].status, "%s: status %d (%s)", cases[i].qc, s, err.msg);
+        if (s == LOOM_OK) {
+            CHECKF(c.ckpt_quant == cases[i].quant && c.ckpt_group == cases[i].group &&
+                       c.ckpt_zeros_minus1 == cases[i].minus1,
+                   "%s: quant %d group %d minus1 %d", cases[i].qc, c.ckpt_quant, c.ckpt_group, c.ckpt_zeros_minus1);
+        } else {
+            CHECKF(strstr(err.msg, cases[i].msg) != NULL, "%s: message '%s'", cases[i].qc, err.msg);
+        }
+    }
+    loom_model_config_t c;
+    CHECK(parse("{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":172,\"num_hidden_layers\":2,"
+                "\"num_attention_heads\":8,\"vocab_size\":512}",
+                &c, NULL) == LOOM_OK &&
+          c.ckpt_quant == LOOM_CKPT_FLOAT);
+}
+
 int main(void) {
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_cfg_XXXXXX");
     if (!mkdtemp(g_tmp)) {
@@ -359,6 +409,7 @@ int main(void) {
     RUN(test_qwen2_and_defaults);
     RUN(test_generation_config);
     RUN(test_errors);
+    RUN(test_quantization_config);
     RUN(test_fuzz);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return test_summary();
