@@ -99,11 +99,6 @@ int loom_cmd_perplexity(int argc, char **argv) {
                 quantization);
         return 2;
     }
-    if (qs.quant != LOOM_QUANT_NONE) {
-        fprintf(stderr, "error: --quantization %s: this build's model loader does not quantize weights\n",
-                quantization);
-        return 2;
-    }
     loom_dtype_t wdt;
     if (!strcmp(dtype, "f32")) wdt = LOOM_DT_F32;
     else if (!strcmp(dtype, "bf16")) wdt = LOOM_DT_BF16;
@@ -145,6 +140,7 @@ int loom_cmd_perplexity(int argc, char **argv) {
     loom_local_options_t so = ro;
     so.weight_dtype = wdt;
     so.kv_cache_dtype = kv_cache_dtype;
+    so.quant = qs;
     if (loom_local_open(&ro, &ref, &err) < 0 || loom_local_open(&so, &sch, &err) < 0) goto fail;
 
     if (loom_tokenizer_encode(loom_local_tokenizer(ref), text, text_len, 1, 0, &ids, &n, &cap, &err) < 0)

@@ -3,8 +3,10 @@
 The f32 scheme against its own f32 reference: perplexity sane for a tiny
 TinyStories model on a TinyStories-like text (measured 4.78), KL exactly 0,
 top-1 agreement 1. A bf16 KV cache: KL small but above 0, top-1 agreement
-high; int8 KV: KL above bf16's, still small. Every token after the first is
-scored once whatever the window. Bad flags are clear errors.
+high; int8 KV: KL above bf16's, still small. Weights quantized on load:
+int8 close to f32, 4-bit further off but still a sane model. Every token
+after the first is scored once whatever the window. Bad flags are clear
+errors.
 """
 import json
 import os
@@ -59,6 +61,15 @@ def test_kv_dtypes():
     check(short["perplexity"] > int8["perplexity"], "less context should not predict better: %s" % short)
 
 
+def test_weight_schemes():
+    int8 = scores("--quantization", "int8")
+    check(0.0 < int8["mean_kl"] < 5e-3 and int8["top1_agreement"] > 0.95, "int8 weights: %s" % int8)
+    q4 = scores("--quantization", "q4", "--kv-cache-dtype", "int8")
+    check(int8["mean_kl"] < q4["mean_kl"] < 0.5, "q4 weights: KL %g (int8 %g)" % (q4["mean_kl"], int8["mean_kl"]))
+    check(q4["perplexity"] < 2 * q4["reference_perplexity"] and q4["top1_agreement"] > 0.6, "q4 weights: %s" % q4)
+    check(q4["quantization"] == "q4" and q4["kv_cache_dtype"] == "int8", "the scheme's names: %s" % q4)
+
+
 def test_errors():
     for args, rc, words in [(["--quantization", "q5"], 2, "--quantization must be"),
                             (["--kv-cache-dtype", "fp8"], 1, "no fp8 KV cache"),
@@ -73,4 +84,4 @@ def test_errors():
 
 
 if __name__ == "__main__":
-    run_tests([test_f32_against_itself, test_kv_dtypes, test_errors])
+    run_tests([test_f32_against_itself, test_kv_dtypes, test_weight_schemes, test_errors])
