@@ -246,6 +246,20 @@ def test_kv_dtype_errors():
     p = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", STORIES, "--prompt", "Hi", "--kv-cache-dtype",
                         "fp8"], capture_output=True, text=True, timeout=30)
     check(p.returncode != 0 and "no fp8 KV cache" in p.stderr, "loom run on cpu took fp8: %s" % p.stderr)
+    # a CPU grid asked for fp8: the worker refuses its shard, the coordinator logs why
+    c = Cluster(STORIES, 1, 1, coord_args=["--kv-cache-dtype", "fp8"], timeout=10)
+    try:
+        c.start()
+        c.stop()
+        raise Failure("a CPU grid started with an fp8 KV cache")
+    except Failure as e:
+        if "started" in str(e):
+            raise
+    finally:
+        c.stop()
+        log = c.log("coordinator")
+        shutil.rmtree(c.run_dir, ignore_errors=True)
+    check("no fp8 KV cache (it has f32, bf16, int8)" in log, "no clear error in the log:\n%s" % log[-2000:])
 
 
 if __name__ == "__main__":
