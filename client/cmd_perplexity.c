@@ -32,11 +32,14 @@ typedef struct ppl_sums {
 /* log-softmax of one row in double: out[v] = x[v] - logsumexp(x). */
 static void log_softmax(const float *x, int n, double *out) {
     double m = -INFINITY;
-    for (int v = 0; v < n; v++) m = x[v] > m ? x[v] : m;
+    for (int v = 0; v < n; v++)
+        m = x[v] > m ? x[v] : m;
     double s = 0.0;
-    for (int v = 0; v < n; v++) s += exp((double)x[v] - m);
+    for (int v = 0; v < n; v++)
+        s += exp((double)x[v] - m);
     double lse = m + log(s);
-    for (int v = 0; v < n; v++) out[v] = (double)x[v] - lse;
+    for (int v = 0; v < n; v++)
+        out[v] = (double)x[v] - lse;
 }
 
 static int argmax(const float *x, int n) {
@@ -47,8 +50,8 @@ static int argmax(const float *x, int n) {
 }
 
 /* Adds the rows [j0, j1) of one window: row j predicts target[j]. */
-static void score_rows(const float *ref, const float *sch, const int32_t *target, int j0, int j1, int vocab,
-                       double *lp_ref, double *lp_sch, ppl_sums_t *s) {
+static void score_rows(const float *ref, const float *sch, const int32_t *target, int j0, int j1,
+                       int vocab, double *lp_ref, double *lp_sch, ppl_sums_t *s) {
     for (int j = j0; j < j1; j++) {
         const float *r = ref + (size_t)j * vocab, *q = sch + (size_t)j * vocab;
         log_softmax(r, vocab, lp_ref);
@@ -73,13 +76,20 @@ int loom_cmd_perplexity(int argc, char **argv) {
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "Hugging Face model directory", 1, 0, NULL},
         {"text", LOOM_OPT_STR, &text_path, "FILE", "UTF-8 text to score", 1, 0, NULL},
-        {"quantization", LOOM_OPT_STR, &quantization, "S", "weight quantization: none, int8, fp8, q4, q4:128, q4_min, q4_min:128 (default none)", 1, 0, NULL},
-        {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (cpu), fp8 (cuda) (default auto)", 1, 0, NULL},
-        {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage: f32, bf16 or f16 (default f32)", 1, 0, NULL},
-        {"ctx", LOOM_OPT_INT, &ctx, "N", "window length in tokens (default: the model's context, at most 512)", 2, 1e9, NULL},
-        {"stride", LOOM_OPT_INT, &stride, "N", "tokens between window starts (default ctx / 2)", 1, 1e9, NULL},
+        {"quantization", LOOM_OPT_STR, &quantization, "S",
+         "weight quantization: none, int8, fp8, q4, q4:128, q4_min, q4_min:128 (default none)", 1,
+         0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE",
+         "KV cache elements: auto, f32, bf16, int8 (cpu), fp8 (cuda) (default auto)", 1, 0, NULL},
+        {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage: f32, bf16 or f16 (default f32)", 1,
+         0, NULL},
+        {"ctx", LOOM_OPT_INT, &ctx, "N",
+         "window length in tokens (default: the model's context, at most 512)", 2, 1e9, NULL},
+        {"stride", LOOM_OPT_INT, &stride, "N", "tokens between window starts (default ctx / 2)", 1,
+         1e9, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default: all cores)", 0, 1024, NULL},
-        {"device", LOOM_OPT_STR, &device, "DEV", "cpu or cuda:N (default cpu); the reference runs there too", 1, 0, NULL},
+        {"device", LOOM_OPT_STR, &device, "DEV",
+         "cpu or cuda:N (default cpu); the reference runs there too", 1, 0, NULL},
         {"json", LOOM_OPT_FLAG, &json, NULL, "print one JSON object instead of text", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines on stderr", 1, 0, NULL},
     };
@@ -95,14 +105,19 @@ int loom_cmd_perplexity(int argc, char **argv) {
     }
     loom_quant_spec_t qs;
     if (!loom_quant_spec_parse(quantization, &qs)) {
-        fprintf(stderr, "error: --quantization must be none, int8, fp8, q4, q4:128, q4_min or q4_min:128, got '%s'\n",
+        fprintf(stderr,
+                "error: --quantization must be none, int8, fp8, q4, q4:128, q4_min or q4_min:128, "
+                "got '%s'\n",
                 quantization);
         return 2;
     }
     loom_dtype_t wdt;
-    if (!strcmp(dtype, "f32")) wdt = LOOM_DT_F32;
-    else if (!strcmp(dtype, "bf16")) wdt = LOOM_DT_BF16;
-    else if (!strcmp(dtype, "f16")) wdt = LOOM_DT_F16;
+    if (!strcmp(dtype, "f32"))
+        wdt = LOOM_DT_F32;
+    else if (!strcmp(dtype, "bf16"))
+        wdt = LOOM_DT_BF16;
+    else if (!strcmp(dtype, "f16"))
+        wdt = LOOM_DT_F16;
     else {
         fprintf(stderr, "error: --dtype must be f32, bf16 or f16, got '%s'\n", dtype);
         return 2;
@@ -119,34 +134,43 @@ int loom_cmd_perplexity(int argc, char **argv) {
     double *lp_ref = NULL, *lp_sch = NULL;
     ppl_sums_t s = {0};
     loom_model_config_t mc;
-    if (loom_read_file(text_path, &text, &text_len, &err) < 0 || loom_model_config_load(model, &mc, &err) < 0)
+    if (loom_read_file(text_path, &text, &text_len, &err) < 0 ||
+        loom_model_config_load(model, &mc, &err) < 0)
         goto fail;
     if (ctx <= 0) ctx = LOOM_MIN(mc.max_seq_len, 512);
     if (ctx > mc.max_seq_len) {
-        loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "--ctx %d is over the model's context %d", ctx, mc.max_seq_len);
+        loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "--ctx %d is over the model's context %d",
+                     ctx, mc.max_seq_len);
         goto fail;
     }
     if (stride <= 0) stride = LOOM_MAX(ctx / 2, 1);
     if (stride > ctx) {
-        loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "--stride %d is over --ctx %d: tokens would go unscored",
-                     stride, ctx);
+        loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT,
+                     "--stride %d is over --ctx %d: tokens would go unscored", stride, ctx);
         goto fail;
     }
     /* the reference: f32 weights and KV (on CUDA the backend keeps weights in
      * bf16 unless told otherwise: the reference is exact on the CPU); one
      * chunk per window */
-    loom_local_options_t ro = {.model_dir = model, .device = device, .n_threads = threads, .ctx = ctx,
-                               .chunk = ctx, .weight_dtype = LOOM_DT_F32, .kv_cache_dtype = "f32"};
+    loom_local_options_t ro = {.model_dir = model,
+                               .device = device,
+                               .n_threads = threads,
+                               .ctx = ctx,
+                               .chunk = ctx,
+                               .weight_dtype = LOOM_DT_F32,
+                               .kv_cache_dtype = "f32"};
     loom_local_options_t so = ro;
     so.weight_dtype = wdt;
     so.kv_cache_dtype = kv_cache_dtype;
     so.quant = qs;
     if (loom_local_open(&ro, &ref, &err) < 0 || loom_local_open(&so, &sch, &err) < 0) goto fail;
 
-    if (loom_tokenizer_encode(loom_local_tokenizer(ref), text, text_len, 1, 0, &ids, &n, &cap, &err) < 0)
+    if (loom_tokenizer_encode(loom_local_tokenizer(ref), text, text_len, 1, 0, &ids, &n, &cap,
+                              &err) < 0)
         goto fail;
     if (n < 2) {
-        loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "%s gives %d token(s): nothing to score", text_path, n);
+        loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "%s gives %d token(s): nothing to score",
+                     text_path, n);
         goto fail;
     }
     vocab = mc.vocab_size;
@@ -162,7 +186,8 @@ int loom_cmd_perplexity(int argc, char **argv) {
             loom_local_logits(sch, ids + begin, len, lsch, &err) < 0)
             goto fail;
         /* row j predicts ids[begin + j + 1]; score targets [scored_to, end) */
-        score_rows(lref, lsch, ids + begin + 1, scored_to - 1 - begin, len - 1, vocab, lp_ref, lp_sch, &s);
+        score_rows(lref, lsch, ids + begin + 1, scored_to - 1 - begin, len - 1, vocab, lp_ref,
+                   lp_sch, &s);
         scored_to = end;
         windows++;
     }
@@ -174,13 +199,15 @@ int loom_cmd_perplexity(int argc, char **argv) {
     loom_quant_spec_name(&qs, qname, sizeof qname);
     if (json) {
         printf("{\"model\": \"%s\", \"tokens\": %d, \"scored\": %ld, \"ctx\": %d, \"stride\": %d, "
-               "\"windows\": %d, \"dtype\": \"%s\", \"quantization\": \"%s\", \"kv_cache_dtype\": \"%s\", "
+               "\"windows\": %d, \"dtype\": \"%s\", \"quantization\": \"%s\", \"kv_cache_dtype\": "
+               "\"%s\", "
                "\"perplexity\": %.6f, \"reference_perplexity\": %.6f, \"mean_kl\": %.9g, "
                "\"top1_agreement\": %.6f, \"seconds\": %.3f}\n",
-               model, n, s.scored, ctx, stride, windows, dtype, qname, kvn, ppl, ppl_ref, kl, top1, secs);
+               model, n, s.scored, ctx, stride, windows, dtype, qname, kvn, ppl, ppl_ref, kl, top1,
+               secs);
     } else {
-        printf("%s: %d tokens, %ld scored in %d window(s) of %d (stride %d), %.2f s\n", model, n, s.scored,
-               windows, ctx, stride, secs);
+        printf("%s: %d tokens, %ld scored in %d window(s) of %d (stride %d), %.2f s\n", model, n,
+               s.scored, windows, ctx, stride, secs);
         printf("scheme: weights %s, quantization %s, KV %s\n", dtype, qname, kvn);
         printf("perplexity          %.4f (reference f32 weights, f32 KV: %.4f)\n", ppl, ppl_ref);
         printf("mean KL(ref||this)  %.6g nats per token\n", kl);

@@ -239,9 +239,9 @@ void loom_op_add_rmsnorm(loom_backend_t *be, float *x, const float *a, float *y,
     be->ops->rmsnorm(be, y, x, g, n, dim, eps);
 }
 
-void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
-                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                           const loom_kv_layer_t *kv, const int32_t *slots) {
+void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride,
+                           int n, int nh, int nkv, int hd, const int32_t *pos,
+                           const float *inv_freq, const loom_kv_layer_t *kv, const int32_t *slots) {
     if (n <= 0) return;
     if (be->ops->rope_kv_write) {
         be->ops->rope_kv_write(be, q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv, slots);

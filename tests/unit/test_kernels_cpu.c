@@ -585,7 +585,8 @@ static void test_kv_write(void) {
                                 for (int d = 0; d < hd; d++) {
                                     int dq = (int8_t)got[d] - (int8_t)want[d];
                                     float val = kv_value(&c.kv, isv, e0 + d, hd);
-                                    if (dq < -1 || dq > 1 || !(fabsf(val - x[d]) <= 0.5001f * wscale))
+                                    if (dq < -1 || dq > 1 ||
+                                        !(fabsf(val - x[d]) <= 0.5001f * wscale))
                                         bad++;
                                 }
                             } else if (memcmp(got, want, (size_t)hd * es)) {
@@ -618,7 +619,8 @@ static void test_kv_dtypes(void) {
     CHECK(loom_kv_dtype_parse("int8", &dt) && dt == LOOM_DT_I8);
     CHECK(loom_kv_dtype_parse("fp8", &dt) && dt == LOOM_DT_F8_E4M3);
     CHECK(!loom_kv_dtype_parse("auto", &dt) && !loom_kv_dtype_parse("f16", &dt));
-    CHECK(loom_kv_head_bytes(LOOM_DT_F32, 64) == 256 && loom_kv_head_bytes(LOOM_DT_BF16, 64) == 128);
+    CHECK(loom_kv_head_bytes(LOOM_DT_F32, 64) == 256 &&
+          loom_kv_head_bytes(LOOM_DT_BF16, 64) == 128);
     CHECK(loom_kv_head_bytes(LOOM_DT_I8, 64) == 68);
     loom_backend_t *be = make_backend(1, LOOM_DT_F32);
     REQUIRE(be);
@@ -822,8 +824,13 @@ static void test_attention(void) {
                         run_attention_case(be, &c, dt, &st);
                     }
             /* One decode token and one KV head: the head split path. */
-            struct attn_case one = {
-                .nh = 4, .nkv = 1, .hd = 16, .B = 16, .n_seqs = 1, .seq_len = {50}, .new_toks = {1}};
+            struct attn_case one = {.nh = 4,
+                                    .nkv = 1,
+                                    .hd = 16,
+                                    .B = 16,
+                                    .n_seqs = 1,
+                                    .seq_len = {50},
+                                    .new_toks = {1}};
             run_attention_case(be, &one, dt, &st);
             /* A context longer than the preallocated scratch. */
             struct attn_case lng = {.nh = 4,
