@@ -77,8 +77,9 @@ int loom_cmd_perplexity(int argc, char **argv) {
         {"model", LOOM_OPT_STR, &model, "DIR", "Hugging Face model directory", 1, 0, NULL},
         {"text", LOOM_OPT_STR, &text_path, "FILE", "UTF-8 text to score", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &quantization, "S",
-         "weight quantization: none, int8, fp8, q4, q4:128, q4_min, q4_min:128 (default none)", 1,
-         0, NULL},
+         "weight quantization: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:64, q4_min:128 "
+         "(default none)",
+         1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE",
          "KV cache elements: auto, f32, bf16, int8 (cpu), fp8 (cuda) (default auto)", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage: f32, bf16 or f16 (default f32)", 1,
@@ -93,11 +94,12 @@ int loom_cmd_perplexity(int argc, char **argv) {
         {"json", LOOM_OPT_FLAG, &json, NULL, "print one JSON object instead of text", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines on stderr", 1, 0, NULL},
     };
-    int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts),
-                           "loom perplexity --model DIR --text FILE [--quantization S] [--kv-cache-dtype T] [--ctx N]",
-                           "Scores the text with a storage scheme and with the f32 reference (both loaded in this\n"
-                           "process): perplexity, mean KL(reference || scheme) per token and top-1 agreement.\n"
-                           "Windows of --ctx tokens every --stride tokens; each token is scored once.");
+    int r = loom_cli_parse(
+        argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts),
+        "loom perplexity --model DIR --text FILE [--quantization S] [--kv-cache-dtype T] [--ctx N]",
+        "Scores the text with a storage scheme and with the f32 reference (both loaded in this\n"
+        "process): perplexity, mean KL(reference || scheme) per token and top-1 agreement.\n"
+        "Windows of --ctx tokens every --stride tokens; each token is scored once.");
     if (r) return r < 0 ? 2 : 0;
     if (!model || !text_path) {
         fprintf(stderr, "error: --model and --text are required (see loom perplexity --help)\n");
@@ -106,7 +108,8 @@ int loom_cmd_perplexity(int argc, char **argv) {
     loom_quant_spec_t qs;
     if (!loom_quant_spec_parse(quantization, &qs)) {
         fprintf(stderr,
-                "error: --quantization must be none, int8, fp8, q4, q4:128, q4_min or q4_min:128, "
+                "error: --quantization must be none, int8, fp8, q4, q4:64, q4:128, q4_min, "
+                "q4_min:64 or q4_min:128, "
                 "got '%s'\n",
                 quantization);
         return 2;
