@@ -1,10 +1,13 @@
 /* Benchmarks of the CPU backend's kernels, with the napkin math next to each
  * time: the machine's triad bandwidth, GEMV GB/s as a fraction of it, the
  * GEMV/sgemm crossover, sgemm GFLOP/s at prefill sizes, thread-pool dispatch
- * latency, paged attention decode and the small element-wise ops.
+ * latency, paged attention decode, the small element-wise ops, and the
+ * quantized matmuls (decode MBU per scheme on the ~125M benchmark model's
+ * shapes, the quantized GEMV / dequantize+sgemm crossover, prefill against
+ * f32).
  *
  *   bench_kernels [--threads N] [--quick] [--only
- * triad|gemv|crossover|prefill|dispatch|attention|eltwise]
+ * triad|gemv|crossover|prefill|dispatch|attention|eltwise|quant|qdecode|qcross|qprefill]
  *
  * Weights and KV caches are cycled through several copies totalling more than
  * the last-level cache, so every call streams from DRAM as in a real decode
@@ -20,6 +23,7 @@
 #include "common/util.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/backend_cpu.h"
+#include "kernels/cpu/qgemv.h"
 #include "kernels/cpu/threadpool.h"
 
 #define COLD_BYTES ((size_t)96 << 20) /* > 32 MiB L3: copies cycled per call */
@@ -457,6 +461,239 @@ static void bench_eltwise(int n_threads) {
     loom_backend_destroy(&be);
 }
 
+/* --- quantized weights --------------------------------------------------- */
+
+/* The matmuls of one token of the ~125M benchmark model (bench_grid.py:
+ * dim 768, hidden 2048, 12 layers, 12 heads / 4 KV heads of 64, vocab
+ * 32000): fused q/k/v, o, fused gate/up, down per layer, then the LM head. */
+enum { M_LAYERS = 12, M_DIM = 768, M_HIDDEN = 2048, M_QKV = 768 + 2 * 256, M_VOCAB = 32000 };
+static const int k_model_shapes[5][2] = {
+    {M_QKV, M_DIM}, {M_DIM, M_DIM}, {2 * M_HIDDEN, M_DIM}, {M_DIM, M_HIDDEN}, {M_VOCAB, M_DIM}};
+static const char *k_model_names[5] = {"qkv", "o", "gate_up", "down", "lm_head"};
+
+struct qmodel {
+    loom_weight_t w[M_LAYERS * 4 + 1]; /* layer l's four, then the LM head */
+    int n;
+    size_t bytes;
+};
+
+static void upload_any(loom_backend_t *be, loom_weight_t *w, const char *scheme, const float *host,
+                       int rows, int cols) {
+    loom_quant_spec_t spec;
+    loom_err_t err;
+    loom_status_t st;
+    if (!loom_quant_spec_parse(scheme, &spec)) {
+        fprintf(stderr, "bad scheme %s\n", scheme);
+        exit(1);
+    }
+    if (spec.quant == LOOM_QUANT_NONE) {
+        st = loom_weight_upload(be, w, rows, cols, host, &err);
+    } else {
+        loom_qtensor_t t;
+        st = loom_quantize(&spec, host, rows, cols, &t, &err);
+        if (st == LOOM_OK) st = loom_weight_upload_quant(be, w, &t, &err);
+        loom_qtensor_free(&t);
+    }
+    if (st != LOOM_OK) {
+        fprintf(stderr, "upload %s: %s\n", scheme, err.msg);
+        exit(1);
+    }
+}
+
+static void qmodel_init(struct qmodel *m, loom_backend_t *be, const char *scheme) {
+    float *host = xalloc(sizeof(float) * (size_t)M_VOCAB * M_DIM);
+    m->n = M_LAYERS * 4 + 1;
+    m->bytes = 0;
+    for (int i = 0; i < m->n; i++) {
+        const int *shape = k_model_shapes[i == m->n - 1 ? 4 : i % 4];
+        fill_rand(host, (size_t)shape[0] * shape[1], (uint64_t)i + 11);
+        upload_any(be, &m->w[i], scheme, host, shape[0], shape[1]);
+        m->bytes += loom_weight_bytes(&m->w[i]);
+    }
+    loom_aligned_free(host);
+}
+
+static void qmodel_free(struct qmodel *m, loom_backend_t *be) {
+    for (int i = 0; i < m->n; i++)
+        loom_weight_free(be, &m->w[i]);
+}
+
+/* One pass over every matmul of the model (a token's worth of weights, far
+ * more than L3 for every scheme), n rows of x. */
+static double qmodel_pass(loom_backend_t *be, struct qmodel *m, float *y, const float *x, int n,
+                          loom_cpu_mm_path_t path) {
+    uint64_t t0 = loom_now_ns();
+    for (int i = 0; i < m->n; i++)
+        loom_cpu_matmul_path(be, y, x, &m->w[i], n, path);
+    return (double)(loom_now_ns() - t0) * 1e-9;
+}
+
+static const char *k_bench_schemes[] = {"none", "int8", "q4", "q4:128", "q4_min", "fp8"};
+
+#define N_BENCH_SCHEMES ((int)LOOM_ARRAY_LEN(k_bench_schemes))
+
+/* Decode: passes at n = 1 and 4, the schemes interleaved pass by pass so
+ * a burst of load from other processes hits all of them alike. */
+static void bench_quant_decode(int n_threads, double triad) {
+    printf("\n== quantized decode matmuls, %d threads, %s kernels: every matmul of the ~125M "
+           "model (12 layers + LM head) per pass, schemes interleaved ==\n",
+           n_threads, loom_cpu_isa_name(loom_cpu_isa_detect()));
+    printf("MBU = bytes of weights (codes + scales) read per pass / time / triad (%.2f GB/s)\n",
+           triad);
+    printf("%-7s %2s %9s %9s %9s %8s %8s %8s %8s %9s\n", "scheme", "n", "MB/pass", "med ms",
+           "best ms", "med GB/s", "best", "med MBU", "best MBU", "vs f32");
+    float *x = xalloc(sizeof(float) * 16 * M_HIDDEN), *y = xalloc(sizeof(float) * 16 * M_VOCAB);
+    fill_rand(x, 16 * (size_t)M_HIDDEN, 9);
+    static const int ns[] = {1, 4};
+    enum { REPS = 20 };
+    const int reps = g_quick ? 5 : REPS;
+    loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
+    struct qmodel *m = xalloc(sizeof *m * N_BENCH_SCHEMES);
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_init(&m[s], be, k_bench_schemes[s]);
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
+        const int n = ns[k];
+        double t[N_BENCH_SCHEMES][REPS];
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) /* warm up */
+            qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int r = 0; r < reps; r++)
+            for (int s = 0; s < N_BENCH_SCHEMES; s++)
+                t[s][r] = qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) qsort(t[s], (size_t)reps, sizeof(double), cmp_double);
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) {
+            double b = (double)m[s].bytes, med = t[s][reps / 2], best = t[s][0];
+            printf("%-7s %2d %9.1f %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f %8.2fx\n",
+                   k_bench_schemes[s], n, b / 1e6, med * 1e3, best * 1e3, b / med / 1e9,
+                   b / best / 1e9, b / med / 1e9 / triad, b / best / 1e9 / triad, t[0][0] / best);
+        }
+    }
+    /* Each matmul's own time within the model's stream (so still cold). */
+    double per[N_BENCH_SCHEMES][5];
+    for (int s = 0; s < N_BENCH_SCHEMES; s++)
+        for (int k = 0; k < 5; k++) per[s][k] = 1e9;
+    for (int r = 0; r < (g_quick ? 3 : 8); r++)
+        for (int s = 0; s < N_BENCH_SCHEMES; s++)
+            for (int i = 0; i < m[s].n; i++) {
+                int k = i == m[s].n - 1 ? 4 : i % 4;
+                uint64_t t0 = loom_now_ns();
+                loom_cpu_matmul_path(be, y, x, &m[s].w[i], 1, LOOM_CPU_MM_AUTO);
+                per[s][k] = LOOM_MIN(per[s][k], (double)(loom_now_ns() - t0) * 1e-9);
+            }
+    printf("\nper matmul, n = 1 (best time within the model's stream, MBU vs the same triad):\n");
+    printf("%-7s", "scheme");
+    for (int k = 0; k < 5; k++) printf(" %10s %5s", k_model_names[k], "MBU");
+    printf("\n");
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) {
+        printf("%-7s", k_bench_schemes[s]);
+        for (int k = 0; k < 5; k++) {
+            double b = (double)loom_weight_bytes(&m[s].w[k == 4 ? m[s].n - 1 : k]);
+            printf(" %8.1fus %5.2f", per[s][k] * 1e6, b / per[s][k] / 1e9 / triad);
+        }
+        printf("\n");
+    }
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_free(&m[s], be);
+    loom_aligned_free(m);
+    loom_backend_destroy(&be);
+    loom_aligned_free(x);
+    loom_aligned_free(y);
+}
+
+/* Quantized GEMV kernel vs dequantize + sgemm by n, on the model's gate/up
+ * and down shapes (weights cold: copies cycled), with f32 sgemm alongside. */
+static void bench_quant_crossover(int n_threads) {
+    static const int ns[] = {1, 4, 8, 16, 32, 64, 128, 256, 512};
+    static const char *schemes[] = {"int8", "q4", "q4_min:128", "fp8"};
+    static const int shapes[][2] = {{2 * M_HIDDEN, M_DIM}, {M_DIM, M_HIDDEN}};
+    printf("\n== quantized: GEMV kernel vs dequantize + sgemm by n, %d threads (auto: GEMV for "
+           "n <= %d INT8, %d Q4, %d FP8) ==\n",
+           n_threads, loom_cpu_qgemv_max_n(LOOM_QUANT_INT8), loom_cpu_qgemv_max_n(LOOM_QUANT_Q4),
+           loom_cpu_qgemv_max_n(LOOM_QUANT_FP8));
+    printf("%-7s %-12s %3s %10s %10s %10s %10s %10s %8s  %s\n", "scheme", "rows x cols", "n",
+           "gemv best", "sgemm best", "gemv GF/s", "sgemm GF/s", "f32 GF/s", "best/f32", "faster");
+    loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
+    float *host = xalloc(sizeof(float) * (size_t)M_VOCAB * M_DIM);
+    float *x = xalloc(sizeof(float) * 512 * M_HIDDEN), *y = xalloc(sizeof(float) * 512 * M_VOCAB);
+    fill_rand(x, 512 * (size_t)M_HIDDEN, 10);
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(schemes); s++)
+        for (size_t h = 0; h < LOOM_ARRAY_LEN(shapes); h++) {
+            const int rows = shapes[h][0], cols = shapes[h][1];
+            struct cold_weight cw, cf;
+            cold_weight_init(&cf, be, LOOM_DT_F32, rows, cols); /* f32 sgemm, the baseline */
+            fill_rand(host, (size_t)rows * cols, 12);
+            upload_any(be, &cw.w[0], schemes[s], host, rows, cols);
+            size_t bytes = loom_weight_bytes(&cw.w[0]);
+            cw.n = (int)LOOM_MIN((size_t)16, LOOM_MAX((size_t)2, COLD_BYTES / bytes + 1));
+            for (int i = 1; i < cw.n; i++) upload_any(be, &cw.w[i], schemes[s], host, rows, cols);
+            for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
+                const int n = ns[k];
+                if (g_quick && (n & (n - 1))) continue;
+                double flops = 2.0 * n * rows * cols;
+                double est = (double)bytes / 15e9 + flops / 100e9;
+                const loom_cpu_mm_path_t paths[2] = {LOOM_CPU_MM_GEMV, LOOM_CPU_MM_SGEMM};
+                const loom_cpu_mm_path_t f32_path = LOOM_CPU_MM_AUTO;
+                struct timing t[2], tf;
+                time_paths(be, &cw, y, x, n, paths, 2, reps_for(est), t);
+                time_paths(be, &cf, y, x, n, &f32_path, 1, reps_for(est), &tf);
+                double best = LOOM_MIN(t[0].min, t[1].min);
+                printf("%-7s %5dx%-6d %3d %10.1f %10.1f %10.1f %10.1f %10.1f %8.2f  %s\n",
+                       schemes[s], rows, cols, n, t[0].min * 1e6, t[1].min * 1e6,
+                       flops / t[0].min / 1e9, flops / t[1].min / 1e9, flops / tf.min / 1e9,
+                       tf.min / best, t[0].min <= t[1].min ? "gemv" : "sgemm");
+            }
+            cold_weight_free(&cw, be);
+            cold_weight_free(&cf, be);
+        }
+    loom_aligned_free(host);
+    loom_aligned_free(x);
+    loom_aligned_free(y);
+    loom_backend_destroy(&be);
+}
+
+/* Prefill: a pass over the model's matmuls at n = 128 and 512, each scheme
+ * against f32 sgemm in the same run, interleaved pass by pass. */
+static void bench_quant_prefill(int n_threads) {
+    static const int ns[] = {128, 512};
+    printf("\n== quantized prefill, %d threads: every matmul of the ~125M model, n rows, "
+           "schemes interleaved ==\n",
+           n_threads);
+    printf("%-7s %4s %10s %10s %10s %10s\n", "scheme", "n", "med ms", "best ms", "best GF/s",
+           "vs f32");
+    float *x = xalloc(sizeof(float) * 512 * M_HIDDEN), *y = xalloc(sizeof(float) * 512 * M_VOCAB);
+    fill_rand(x, 512 * (size_t)M_HIDDEN, 13);
+    double flops_pass = 0;
+    for (int i = 0; i < M_LAYERS * 4 + 1; i++) {
+        const int *shape = k_model_shapes[i == M_LAYERS * 4 ? 4 : i % 4];
+        flops_pass += 2.0 * shape[0] * shape[1];
+    }
+    loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
+    struct qmodel *m = xalloc(sizeof *m * N_BENCH_SCHEMES);
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_init(&m[s], be, k_bench_schemes[s]);
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(ns); k++) {
+        const int n = ns[k], reps = g_quick ? 2 : 3;
+        double t[N_BENCH_SCHEMES][3];
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int r = 0; r < reps; r++)
+            for (int s = 0; s < N_BENCH_SCHEMES; s++)
+                t[s][r] = qmodel_pass(be, &m[s], y, x, n, LOOM_CPU_MM_AUTO);
+        for (int s = 0; s < N_BENCH_SCHEMES; s++) {
+            qsort(t[s], (size_t)reps, sizeof(double), cmp_double);
+            printf("%-7s %4d %10.1f %10.1f %10.1f %9.2fx\n", k_bench_schemes[s], n,
+                   t[s][reps / 2] * 1e3, t[s][0] * 1e3, flops_pass * n / t[s][0] / 1e9,
+                   t[0][0] / t[s][0]);
+        }
+    }
+    for (int s = 0; s < N_BENCH_SCHEMES; s++) qmodel_free(&m[s], be);
+    loom_aligned_free(m);
+    loom_backend_destroy(&be);
+    loom_aligned_free(x);
+    loom_aligned_free(y);
+}
+
+static void bench_quant(int n_threads, double triad) {
+    if (want("quant") || want("qdecode")) bench_quant_decode(n_threads, triad);
+    if (want("quant") || want("qcross")) bench_quant_crossover(n_threads);
+    if (want("quant") || want("qprefill")) bench_quant_prefill(n_threads);
+}
+
 int main(int argc, char **argv) {
     int n_threads = 0;
     for (int i = 1; i < argc; i++) {
@@ -474,7 +711,7 @@ int main(int argc, char **argv) {
     if (n_threads <= 0) n_threads = (int)LOOM_MAX(1L, sysconf(_SC_NPROCESSORS_ONLN));
     uint64_t t0 = loom_now_ns();
     double triad1 = 0, triad = 0;
-    if (want("triad") || want("gemv")) {
+    if (want("triad") || want("gemv") || want("quant") || want("qdecode")) {
         triad1 = loom_bench_triad_gbs(1);
         triad = n_threads == 1 ? triad1 : loom_bench_triad_gbs(n_threads);
         printf("== triad (STREAM convention, 24 B/element, 3 x 64 MiB) ==\n");
@@ -496,6 +733,11 @@ int main(int argc, char **argv) {
     if (want("dispatch")) bench_dispatch(n_threads);
     if (want("attention")) bench_attention(n_threads);
     if (want("eltwise")) bench_eltwise(n_threads);
+    if (want("quant") || want("qdecode") || want("qcross") || want("qprefill")) {
+        triad = LOOM_MAX(triad, loom_bench_triad_gbs(n_threads));
+        printf("\ntriad used for the quantized ratios: %.2f GB/s (best of the runs)\n", triad);
+        bench_quant(n_threads, triad);
+    }
     printf("\ntotal %.1f s\n", (double)(loom_now_ns() - t0) * 1e-9);
     return 0;
 }

@@ -175,6 +175,8 @@ static loom_status_t parse_quantization(loom_model_config_t *cfg, const cJSON *r
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: quantization_config.quant_method must be a string", path);
     if (!strcmp(m->valuestring, "loom")) {
         cfg->ckpt_quant = LOOM_CKPT_LOOM;
+        const cJSON *g = field(qc, "group_size"); /* 4-bit schemes; -1 for per-channel ones */
+        if (g && (!json_int(g, &cfg->ckpt_group) || cfg->ckpt_group < 0)) cfg->ckpt_group = 0;
         return LOOM_OK;
     }
     if (strcmp(m->valuestring, "awq") && strcmp(m->valuestring, "gptq"))

@@ -45,7 +45,7 @@ typedef struct loom_model_config {
     int eos_ids[LOOM_MAX_EOS];   /* eos_token_id (int or list) */
     loom_dtype_t torch_dtype;    /* informational */
     loom_ckpt_quant_t ckpt_quant; /* quantization_config.quant_method */
-    int ckpt_group;              /* AWQ/GPTQ: group_size (input columns per scale) */
+    int ckpt_group;              /* AWQ/GPTQ, loom 4-bit: group_size (input columns per scale); else 0 */
     int ckpt_zeros_minus1;       /* GPTQ checkpoint_format "gptq" (v1): stored zeros are z - 1 */
     int ckpt_desc_act;           /* GPTQ desc_act (act-order: g_idx is checked on load) */
 } loom_model_config_t;

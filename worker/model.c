@@ -275,6 +275,31 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     return LOOM_OK;
 }
 
+/* With quantized weights, the intermediate size is split across TP ranks on
+ * 32-column blocks (whole 4-bit groups when the group divides it) instead of
+ * evenly: the CPU backend rounds activations to int8 per 32 columns, and a
+ * down_proj slice that starts on a block boundary sees exactly the blocks
+ * (and groups) one process sees, so every grid gives the same ids. */
+#define QUANT_SPLIT_COLS 32
+
+static loom_status_t align_hidden_split(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
+                                        const loom_model_options_t *opt, loom_shard_dims_t *d, loom_err_t *err) {
+    int quantized = opt->quant.quant != LOOM_QUANT_NONE || cfg->ckpt_quant != LOOM_CKPT_FLOAT;
+    if (!quantized || spec->tp_size == 1) return LOOM_OK;
+    int group = opt->quant.quant == LOOM_QUANT_Q4 ? opt->quant.group : cfg->ckpt_group;
+    int unit = group > QUANT_SPLIT_COLS && cfg->hidden_dim % group == 0 ? group : QUANT_SPLIT_COLS;
+    int units = (cfg->hidden_dim + unit - 1) / unit, ub, ul;
+    if (units < spec->tp_size)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "intermediate size %d has %d blocks of %d columns, fewer than %d TP ranks: use fewer "
+                            "ranks for quantized weights",
+                            cfg->hidden_dim, units, unit, spec->tp_size);
+    loom_split_range(units, spec->tp_size, spec->tp_rank, &ub, &ul);
+    d->hidden_begin = ub * unit;
+    d->hidden = LOOM_MIN((ub + ul) * unit, cfg->hidden_dim) - d->hidden_begin;
+    return LOOM_OK;
+}
+
 static void rope_inv_freq(const loom_model_config_t *c, float *out) {
     int half = c->head_dim / 2;
     for (int j = 0; j < half; j++) {
@@ -319,6 +344,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (m->opt.max_seqs < 1) m->opt.max_seqs = 1;
     if (m->opt.max_logits < 1) m->opt.max_logits = m->opt.max_seqs;
     loom_status_t s = loom_shard_dims(cfg, spec, &m->dims, err);
+    if (s < 0) goto fail;
+    s = align_hidden_split(cfg, spec, opt, &m->dims, err);
     if (s < 0) goto fail;
     const loom_shard_dims_t *d = &m->dims;
     int dim = cfg->dim, hd = cfg->head_dim;

@@ -5,7 +5,10 @@
  * Matmul: up to loom_cpu_gemv_max_n() rows of x use the hand-written GEMV
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
- * first). Small element-wise ops run inline on the calling thread, since a
+ * first). Quantized weights (qgemv.c) use their GEMV kernel up to
+ * loom_cpu_qgemv_max_n() rows (INT8: every n) and dequantized blocks for
+ * sgemm above. Small
+ * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
  * measurements behind the thresholds. Not thread-safe: one caller at a time. */
 #include <cblas.h>
@@ -20,6 +23,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/cpu/qgemv.h"
 #include "kernels/cpu/threadpool.h"
 #include "kernels/cpu/vec.h"
 
@@ -33,6 +37,22 @@
 #ifndef LOOM_CPU_GEMV_MAX_N_HALF
 #define LOOM_CPU_GEMV_MAX_N_HALF 64
 #endif
+/* Largest n served by the quantized GEMV kernels (qgemv.c) per scheme;
+ * above it the rows are dequantized block by block for sgemm. Measured
+ * crossovers (docs/kernels-cpu.md): the INT8 kernel won at every n up to
+ * 512; Q4's won up to 128 and lost at 256-512 in most runs; FP8's computes
+ * in float and lost from n = 32. x goes through the kernels QX_ROWS rows at
+ * a time, so its int8 copy stays in L1/L2 and the scratch has a fixed size. */
+#ifndef LOOM_CPU_QGEMV_MAX_N_INT8
+#define LOOM_CPU_QGEMV_MAX_N_INT8 INT32_MAX
+#endif
+#ifndef LOOM_CPU_QGEMV_MAX_N_Q4
+#define LOOM_CPU_QGEMV_MAX_N_Q4 128
+#endif
+#ifndef LOOM_CPU_QGEMV_MAX_N_FP8
+#define LOOM_CPU_QGEMV_MAX_N_FP8 16
+#endif
+#define QX_ROWS 64
 /* Bytes of f32 W rows widened per sgemm block for half-precision weights. */
 #ifndef WIDEN_BLOCK_BYTES
 #define WIDEN_BLOCK_BYTES (8u << 20)
@@ -51,6 +71,9 @@ typedef struct cpu_backend {
     size_t widen_cap;     /* floats */
     float **attn_scratch; /* (n_threads) per-thread attention scores */
     size_t attn_cap;      /* floats per thread */
+    loom_cpu_isa_t isa;   /* quantized kernels' instruction set (cpuid at create) */
+    void *qx;             /* (qx_cap) activations rounded to int8 for the quantized GEMV */
+    size_t qx_cap;        /* bytes */
 } cpu_backend_t;
 
 static cpu_backend_t *cpu(loom_backend_t *be) {
@@ -181,11 +204,38 @@ static loom_status_t cpu_weight_upload(loom_backend_t *be, loom_weight_t *w, int
     return LOOM_OK;
 }
 
-/* Quantized weights keep the canonical layout of kernels/quant.h. */
+/* Grows the scratch for n rows of x rounded to int8 (qgemv.h). */
+static loom_status_t reserve_qx(cpu_backend_t *c, int n, int64_t cols, loom_err_t *err) {
+    size_t need = loom_cpu_qx_bytes(n, cols);
+    if (need <= c->qx_cap) return LOOM_OK;
+    void *p = host_alloc(need);
+    if (!p) return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: %zu bytes of activation scratch", need);
+    host_free(c->qx);
+    c->qx = p;
+    c->qx_cap = need;
+    return LOOM_OK;
+}
+
+struct repack_ctx {
+    void *dst;
+    const loom_qtensor_t *t;
+    int64_t chunk;
+};
+
+static void repack_task(void *p, int task, int thread) {
+    struct repack_ctx *c = p;
+    int64_t a = (int64_t)task * c->chunk, b = LOOM_MIN(a + c->chunk, c->t->rows);
+    loom_cpu_q_repack(c->dst, c->t, a, b);
+}
+
+/* Quantized weights: codes repacked for the kernels (layout in qgemv.h),
+ * scales and mins as in the canonical layout. The scratch both matmul paths
+ * need is sized here, never per call. */
 static loom_status_t cpu_weight_upload_quant(loom_backend_t *be, loom_weight_t *w,
                                              const loom_qtensor_t *t, loom_err_t *err) {
     cpu_backend_t *c = cpu(be);
     loom_status_t st = reserve_widen(c, t->rows, t->cols, err);
+    if (st == LOOM_OK) st = reserve_qx(c, QX_ROWS, t->cols, err);
     if (st != LOOM_OK) return st;
     size_t codes = loom_qtensor_code_bytes(t), ns = loom_qtensor_scale_count(t) * sizeof(float);
     *w = (loom_weight_t){.dtype = t->quant == LOOM_QUANT_INT8 ? LOOM_DT_I8 : LOOM_DT_U8,
@@ -201,7 +251,9 @@ static loom_status_t cpu_weight_upload_quant(loom_backend_t *be, loom_weight_t *
         return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: out of memory for a %lld x %lld weight",
                             (long long)t->rows, (long long)t->cols);
     }
-    memcpy(w->data, t->q, codes);
+    struct repack_ctx rc = {w->data, t, 0};
+    rc.chunk = chunk_size(c, t->rows, 64, 4, 1);
+    loom_parallel_for(c->pool, n_chunks(t->rows, rc.chunk), repack_task, &rc);
     memcpy(w->scales, t->scales, ns);
     if (t->mins) memcpy(w->mins, t->mins, ns);
     return LOOM_OK;
@@ -234,24 +286,70 @@ struct widen_ctx {
     float *dst;
     const loom_weight_t *w;
     int64_t r0, r1, chunk;
+    loom_cpu_isa_t isa;
 };
 
-static loom_qtensor_t weight_qtensor(const loom_weight_t *w) {
-    return (loom_qtensor_t){.quant = w->quant, .rows = w->rows, .cols = w->cols,
-                            .group = w->group, .q = w->data, .scales = w->scales,
-                            .mins = w->mins};
+struct qgemv_ctx {
+    float *y;
+    loom_cpu_qx_t qx;
+    const loom_weight_t *w;
+    int64_t chunk;
+    loom_cpu_isa_t isa;
+};
+
+static void qx_task(void *p, int task, int thread) {
+    struct qgemv_ctx *c = p;
+    loom_cpu_qx_quantize(&c->qx, task, task + 1);
+}
+
+static void qgemv_task(void *p, int task, int thread) {
+    struct qgemv_ctx *c = p;
+    int64_t r0 = (int64_t)task * c->chunk, r1 = LOOM_MIN(r0 + c->chunk, c->w->rows);
+    loom_cpu_qgemv(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
+}
+
+/* The quantized GEMV on up to QX_ROWS rows of x: x rounded to int8 (one
+ * task per row when there is enough of it), then chunks of W's rows in
+ * parallel. */
+static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w,
+                            int n) {
+    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa};
+    loom_cpu_qx_init(&g.qx, c->qx, x, n, w);
+    if (w->quant != LOOM_QUANT_FP8) {
+        if ((int64_t)n * w->cols >= PAR_MIN_ELEMS && n > 1 && c->n_threads > 1)
+            loom_parallel_for(c->pool, n, qx_task, &g);
+        else
+            loom_cpu_qx_quantize(&g.qx, 0, n);
+    }
+    if (loom_weight_bytes(w) >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
+        g.chunk = chunk_size(c, w->rows, 16, 8, 4); /* whole 4-row tiles */
+    loom_parallel_for(c->pool, n_chunks(w->rows, g.chunk), qgemv_task, &g);
+}
+
+static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    LOOM_ASSERT(c->qx_cap >= loom_cpu_qx_bytes(LOOM_MIN(n, QX_ROWS), w->cols));
+    for (int i = 0; i < n; i += QX_ROWS)
+        quant_gemv_rows(c, y + (int64_t)i * w->rows, x + (int64_t)i * w->cols, w,
+                        LOOM_MIN(QX_ROWS, n - i));
 }
 
 static void widen_task(void *p, int task, int thread) {
     struct widen_ctx *c = p;
     int64_t a = c->r0 + (int64_t)task * c->chunk, b = LOOM_MIN(a + c->chunk, c->r1);
     if (c->w->quant != LOOM_QUANT_NONE) {
-        loom_qtensor_t t = weight_qtensor(c->w);
-        loom_dequantize_rows(&t, a, b, c->dst + (a - c->r0) * c->w->cols);
+        loom_cpu_q_dequant_rows(c->isa, c->dst + (a - c->r0) * c->w->cols, c->w, a, b);
         return;
     }
     loom_cpu_widen_rows(c->dst + (a - c->r0) * c->w->cols, c->w->data, c->w->dtype, c->w->cols, a,
                         b);
+}
+
+int loom_cpu_qgemv_max_n(loom_quant_t q) {
+    switch (q) {
+    case LOOM_QUANT_INT8: return LOOM_CPU_QGEMV_MAX_N_INT8;
+    case LOOM_QUANT_Q4: return LOOM_CPU_QGEMV_MAX_N_Q4;
+    default: return LOOM_CPU_QGEMV_MAX_N_FP8;
+    }
 }
 
 int loom_cpu_gemv_max_n(loom_dtype_t dt) {
@@ -263,9 +361,14 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     cpu_backend_t *c = cpu(be);
     const int64_t rows = w->rows, cols = w->cols;
     if (rows == 0 || n <= 0) return;
-    if (w->quant != LOOM_QUANT_NONE)
-        path = LOOM_CPU_MM_SGEMM; /* quantized: rows dequantized block by block */
-    else if (path == LOOM_CPU_MM_AUTO)
+    if (w->quant != LOOM_QUANT_NONE) {
+        if (path == LOOM_CPU_MM_AUTO)
+            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
+        if (path == LOOM_CPU_MM_GEMV) {
+            quant_gemv(c, y, x, w, n);
+            return;
+        }
+    } else if (path == LOOM_CPU_MM_AUTO)
         path = n <= loom_cpu_gemv_max_n(w->dtype) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
     if (path == LOOM_CPU_MM_GEMV || cols == 0) {
         struct gemv_ctx g = {y, x, n, w, rows};
@@ -283,7 +386,7 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     const int64_t block = LOOM_MIN(widen_block_rows(cols), rows);
     LOOM_ASSERT((size_t)(block * cols) <= c->widen_cap);
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
-        struct widen_ctx wc = {c->widen, w, r0, LOOM_MIN(r0 + block, rows), 0};
+        struct widen_ctx wc = {c->widen, w, r0, LOOM_MIN(r0 + block, rows), 0, c->isa};
         wc.chunk = chunk_size(c, wc.r1 - wc.r0, 4, 1, 1);
         loom_parallel_for(c->pool, n_chunks(wc.r1 - wc.r0, wc.chunk), widen_task, &wc);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)(wc.r1 - r0), (int)cols, 1.0f,
@@ -531,6 +634,7 @@ static void cpu_destroy(loom_backend_t *be) {
             loom_aligned_free(c->attn_scratch[t]);
     free(c->attn_scratch);
     host_free(c->widen);
+    host_free(c->qx);
     free(c);
 }
 
@@ -587,6 +691,7 @@ loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_bac
     c->base.cfg.n_threads = n_threads;
     snprintf(c->base.name, sizeof c->base.name, "cpu");
     c->n_threads = n_threads;
+    c->isa = loom_cpu_isa_detect();
     c->attn_scratch = calloc((size_t)n_threads, sizeof *c->attn_scratch);
     if (!c->attn_scratch) goto fail_nomem;
     for (int t = 0; t < n_threads; t++) {

@@ -7,8 +7,9 @@
 
 typedef enum {
     LOOM_CPU_MM_AUTO = 0, /* GEMV up to loom_cpu_gemv_max_n() rows of x, sgemm above */
-    LOOM_CPU_MM_GEMV,     /* the hand-written GEMV kernel for any n */
-    LOOM_CPU_MM_SGEMM,    /* OpenBLAS sgemm (bf16/f16 weights widened per block) */
+    LOOM_CPU_MM_GEMV,     /* the hand-written GEMV kernel for any n (quantized: qgemv.c) */
+    LOOM_CPU_MM_SGEMM,    /* OpenBLAS sgemm (bf16/f16 weights widened, quantized
+                           * ones dequantized, per block) */
 } loom_cpu_mm_path_t;
 
 /* loom_op_matmul on a CPU backend with the path forced. */
@@ -17,5 +18,8 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
 /* The largest n the automatic choice serves with the GEMV kernel for
  * weights stored as dt. */
 int loom_cpu_gemv_max_n(loom_dtype_t dt);
+/* The same for quantized weights of scheme q (the kernels of qgemv.c, then
+ * dequantized blocks for sgemm). */
+int loom_cpu_qgemv_max_n(loom_quant_t q);
 
 #endif

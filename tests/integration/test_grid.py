@@ -4,14 +4,14 @@ For grids 1x1, 2x1, 1x2, 2x2 and 1x3 (uneven: 5 layers over 3 stages), on
 stories260K and on a random GQA model: greedy ids through the cluster equal
 `loom run` in one process, and each step's logits (dumped by the last-stage
 workers, merged over the vocab-parallel shards) agree with the 1x1 cluster
-within 1e-5 relative error. The same holds with weights quantized on load
-(int8, fp8, q4, q4_min) against `loom run` with the same scheme, and with a
-bf16 and an int8 KV cache (against `loom run` with that KV cache; logits
-within 1e-3 of its 1x1 run, since a last-bit difference in a TP shard's
-keys can move a rounding). With a fixed KV memory the block count grows by
-the dtype's ratio, shown in Stats and /metrics; prefix caching and its
-copy-on-write (block copy with the int8 scales) give the same ids as a fresh
-prefill.
+within 1e-5 relative error. With weights quantized on load (int8, fp8, q4,
+q4_min) the ids equal `loom run`'s with the same scheme, and the logits agree
+within the int8 rounding of the activations. The same holds with a bf16 and
+an int8 KV cache (against `loom run` with that KV cache; logits within 1e-3
+of its 1x1 run, since a last-bit difference in a TP shard's keys can move a
+rounding). With a fixed KV memory the block count grows by the dtype's
+ratio, shown in Stats and /metrics; prefix caching and its copy-on-write
+(block copy with the int8 scales) give the same ids as a fresh prefill.
 """
 import glob
 import json
@@ -116,7 +116,11 @@ def check_model(model, grids=GRIDS, quant=None, kv=None):
             worst = max(worst, float(err.max()))
         print("  %s %dx%d: %d prompts x %d ids identical, %d steps, worst logit relative error %.2e"
               % (what, tp, pp, len(PROMPTS), N_TOKENS, len(steps), worst), flush=True)
-        check(worst <= tol, "%dx%d: logits differ from 1x1 by %.3g (relative)" % (tp, pp, worst))
+        # Quantized matmuls on the CPU round activations to int8: a last-bit
+        # difference of a TP all-reduce sum can move one code, so the logits
+        # agree to about 1/127 of a block's range, and the ids must be equal.
+        bound = 5e-2 if quant else tol
+        check(worst <= bound, "%dx%d: logits differ from 1x1 by %.3g (relative)" % (tp, pp, worst))
 
 
 def test_stories260k_grids():

@@ -74,6 +74,7 @@ def run_fails(model, *names):
                         "--max-tokens", "4", "--threads", "1", "--quiet"],
                        capture_output=True, text=True, timeout=120)
     check(p.returncode != 0, "loom run on %s succeeded" % model)
+    check("Sanitizer" not in p.stderr and "runtime error" not in p.stderr, "sanitizer report: %s" % p.stderr)
     for n in names:
         check(n in p.stderr, "error for %s does not name %r: %s" % (os.path.basename(model), n, p.stderr.strip()))
     return p.stderr.strip()

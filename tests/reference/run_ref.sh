@@ -19,6 +19,8 @@ elif [ "$kind" = awq ] || [ "$kind" = gptq ] || [ "$kind" = gptq_v2 ]; then
     rm -rf "$model" "$ref_model"
     "$py" "$here/gen_quant_ckpt.py" --src "$1/stories260K" --format "$kind" --out "$model" \
         --dequantized-out "$ref_model" "${@:2}"
+    # the weights are exact; the CPU backend rounds activations to int8 per 32 columns
+    tol=3e-2
     ids=1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426,338,401,396,267,337,410,408,419,292,411,322,265,282,295,433,426,385
 else
     model="$work/model"
@@ -30,7 +32,8 @@ n_greedy=48
 ref_model=${ref_model:-$model}
 greedy=$("$py" "$here/llama_ref.py" --model "$ref_model" --ids "$ids" --greedy $n_greedy)
 "$py" "$here/llama_ref.py" --model "$ref_model" --ids "$ids,$greedy" --logits-out "$work/ref_logits.bin"
+tol=${tol:-1e-4}
 for threads in 1 2; do
-    "$check" --model "$model" --ids "$ids" --ref-logits "$work/ref_logits.bin" --ref-greedy "$greedy" --threads $threads --chunk 7
+    "$check" --model "$model" --ids "$ids" --ref-logits "$work/ref_logits.bin" --ref-greedy "$greedy" --threads $threads --chunk 7 --tol $tol
 done
-"$check" --model "$model" --ids "$ids" --ref-logits "$work/ref_logits.bin" --ref-greedy "$greedy" --threads 2 --chunk 256
+"$check" --model "$model" --ids "$ids" --ref-logits "$work/ref_logits.bin" --ref-greedy "$greedy" --threads 2 --chunk 256 --tol $tol

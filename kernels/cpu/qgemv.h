@@ -1,0 +1,73 @@
+/* CPU kernels for quantized weights (kernels/quant.h schemes): the decode
+ * matmul y(n, rows) = x(n, cols) · Wᵀ with the activations rounded to int8
+ * per 32 columns and integer dot products, and the rows dequantized to f32
+ * for sgemm at prefill sizes. See docs/kernels-cpu.md for the measurements.
+ *
+ * The CPU backend repacks the canonical layout at upload (loom_weight_t):
+ *   INT8  data: uint8 (rows, cols), byte = q + 128 (unsigned, as VNNI's
+ *         vpdpbusd wants its first operand); scales: float (rows).
+ *   Q4    data: uint8 (rows, cols/2); in every 32-column block of a row (16
+ *         bytes) byte j holds column j in its low nibble and column j + 16
+ *         in its high nibble, so one shift and one mask give 32 codes in
+ *         column order; scales (and mins): float (rows, cols/group) as in
+ *         the canonical layout.
+ *   FP8   data: e4m3 bytes (rows, cols) unchanged; scales: float (rows).
+ * The byte count (loom_weight_bytes) is the canonical one. */
+#ifndef LOOM_CPU_QGEMV_H
+#define LOOM_CPU_QGEMV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+#include "kernels/quant.h"
+
+#define LOOM_QBLOCK 32 /* activation columns per int8 scale */
+
+/* Instruction sets the kernels are built for, picked at run time. */
+typedef enum loom_cpu_isa {
+    LOOM_CPU_ISA_SCALAR = 0, /* the plain C reference */
+    LOOM_CPU_ISA_AVX2,       /* AVX2 + FMA + F16C: vpmaddubsw / vpmaddwd */
+    LOOM_CPU_ISA_VNNI,       /* AVX-512 VNNI + VL + BW on ymm: vpdpbusd */
+} loom_cpu_isa_t;
+
+/* The best instruction set this CPU has (cpuid). */
+loom_cpu_isa_t loom_cpu_isa_detect(void);
+const char *loom_cpu_isa_name(loom_cpu_isa_t isa);
+
+/* Rows of x rounded to int8 per block of 32 columns: q = round(x / d) with
+ * d = max|x| / 127 of the block. Columns past the last whole block (cols %
+ * 32) stay in float and are read from x. */
+typedef struct loom_cpu_qx {
+    const float *x; /* (n, cols) the float rows */
+    int8_t *q;      /* (n, nb * 32) */
+    float *d;       /* (n, nb) block scales */
+    float *s;       /* (n, ng) per weight group: sum over its blocks of d · sum(q) */
+    int n, nb, ng;  /* rows, whole blocks, weight groups (Q4: cols/group; else 1) */
+    int64_t cols;
+} loom_cpu_qx_t;
+
+/* Scratch bytes loom_cpu_qx_init needs for n rows of cols. */
+size_t loom_cpu_qx_bytes(int n, int64_t cols);
+/* Lays qx out in `scratch` (loom_cpu_qx_bytes(n, cols), 64-byte aligned)
+ * for x and weight w; no rows are quantized yet. */
+void loom_cpu_qx_init(loom_cpu_qx_t *qx, void *scratch, const float *x, int n,
+                      const loom_weight_t *w);
+/* Quantizes rows [i0, i1) of qx->x (callers split the rows across threads). */
+void loom_cpu_qx_quantize(loom_cpu_qx_t *qx, int i0, int i1);
+
+/* Repacks rows [r0, r1) of the canonical t's codes into dst (the whole
+ * matrix in the layout above). */
+void loom_cpu_q_repack(void *dst, const loom_qtensor_t *t, int64_t r0, int64_t r1);
+
+/* y[i*ldy + r] = sum_k x[i, k] · W[r, k] for i in [0, qx->n), r in [r0,
+ * r1), on a repacked quantized w. INT8 and Q4 use qx's int8 rows; FP8 reads
+ * the float rows. An isa this CPU lacks is a programmer error. */
+void loom_cpu_qgemv(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
+                    const loom_weight_t *w, int64_t r0, int64_t r1);
+
+/* dst[(r - r0) * cols + k] = W[r, k] in f32 for r in [r0, r1) (sgemm). */
+void loom_cpu_q_dequant_rows(loom_cpu_isa_t isa, float *dst, const loom_weight_t *w, int64_t r0,
+                             int64_t r1);
+
+#endif
