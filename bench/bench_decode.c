@@ -22,12 +22,14 @@ typedef struct result {
 
 /* Loads the model with one quantization scheme and measures the best of
  * `reps` prefill + decode runs. */
-static int measure(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt, int threads,
-                   int n_prompt, int n_gen, int reps, result_t *res, const loom_model_config_t **cfg_out,
+static int measure(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt,
+                   const char *kv_cache_dtype, int threads, int n_prompt, int n_gen, int reps, result_t *res,
+                   const loom_model_config_t **cfg_out,
                    loom_local_t **l_out) {
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .n_threads = threads, .chunk = n_prompt,
-                               .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .quant = *q, .no_tokenizer = 1};
+                               .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .quant = *q, .no_tokenizer = 1,
+                               .kv_cache_dtype = kv_cache_dtype};
     loom_local_t *l = NULL;
     if (loom_local_open(&lo, &l, &err) < 0) {
         fprintf(stderr, "bench_decode: %s: %s\n", scheme, err.msg);
@@ -65,6 +67,7 @@ static int measure(const char *model, const char *scheme, const loom_quant_spec_
 int main(int argc, char **argv) {
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL, *schemes = "none";
+    const char *kv_cache_dtype = "auto";
     int threads = 2, n_prompt = 256, n_gen = 64, reps = 3;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (e.g. from tests/reference/gen_model.py)", 1, 0, NULL},
@@ -74,6 +77,7 @@ int main(int argc, char **argv) {
         {"reps", LOOM_OPT_INT, &reps, "N", "repetitions, best is reported (default 3)", 1, 100, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage f32, bf16, f16 (default f32)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &schemes, "LIST", "comma-separated schemes measured in this run, each against the first, e.g. none,int8,q4 (default none)", 1, 0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (default auto)", 1, 0, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_decode --model DIR [options]",
@@ -112,7 +116,7 @@ int main(int argc, char **argv) {
     FILE *jf = json ? fopen(json, "w") : NULL;
     if (jf) fprintf(jf, "[");
     for (int i = 0; i < n; i++) {
-        if (measure(model, names[i], &specs[i], wdt, threads, n_prompt, n_gen, reps, &res[i], &c, &l)) return 1;
+        if (measure(model, names[i], &specs[i], wdt, kv_cache_dtype, threads, n_prompt, n_gen, reps, &res[i], &c, &l)) return 1;
         /* the triad right after each scheme: the machine's load drifts during a run */
         double triad = loom_bench_triad_gbs(threads);
         if (i == 0) {

@@ -54,7 +54,7 @@
 typedef struct layer {
     float *attn_norm, *ffn_norm; /* (dim) */
     loom_weight_t wqkv, wo, w13, w2;
-    float *k_cache, *v_cache; /* (n_blocks, B, nkv, hd) */
+    loom_kv_layer_t kv; /* (n_blocks, B, nkv, hd) f32 */
 } layer_t;
 
 typedef struct bench {
@@ -113,8 +113,8 @@ static void build(bench_t *b) {
         weight(b, &y->wo, b->dim, (int64_t)b->nh * b->hd, 1001 + 4 * (uint64_t)l);
         weight(b, &y->w13, 2 * (int64_t)b->hidden, b->dim, 1002 + 4 * (uint64_t)l);
         weight(b, &y->w2, b->dim, b->hidden, 1003 + 4 * (uint64_t)l);
-        y->k_cache = vec(b, per, 300 + l, -1.0f, 1.0f);
-        y->v_cache = vec(b, per, 400 + l, -1.0f, 1.0f);
+        y->kv = (loom_kv_layer_t){.k = vec(b, per, 300 + l, -1.0f, 1.0f),
+                                  .v = vec(b, per, 400 + l, -1.0f, 1.0f), .dtype = LOOM_DT_F32};
     }
     b->embed = vec(b, (size_t)b->vocab * b->dim, 7, -0.05f, 0.05f);
     b->final_norm = vec(b, (size_t)b->dim, 8, 0.9f, 1.1f);
@@ -153,15 +153,15 @@ static void forward(bench_t *b, int n, int nl, int mb, int fused) {
         loom_op_matmul(be, b->qkv, b->xb, &y->wqkv, n);
         float *q = b->qkv, *k = q + nh * hd, *v = k + nkv * hd;
         if (fused) {
-            loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, b->inv_freq, y->k_cache, y->v_cache, d_slots);
+            loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, b->inv_freq, &y->kv, d_slots);
         } else {
             loom_op_rope(be, q, qd, n, nh, hd, d_pos, b->inv_freq);
             loom_op_rope(be, k, qd, n, nkv, hd, d_pos, b->inv_freq);
-            loom_op_kv_write(be, y->k_cache, y->v_cache, k, v, qd, d_slots, n, nkv * hd);
+            loom_op_kv_write(be, &y->kv, k, v, qd, d_slots, n, nkv, hd);
         }
         loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
                               .scale = 1.0f / sqrtf((float)hd), .q = q, .q_stride = qd, .out = b->att,
-                              .out_stride = nh * hd, .k_cache = y->k_cache, .v_cache = y->v_cache,
+                              .out_stride = nh * hd, .kv = y->kv,
                               .block_size = B_SIZE, .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
                               .max_blocks = mb, .max_ctx = mb * B_SIZE};
         loom_op_attention(be, &a);

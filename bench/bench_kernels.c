@@ -298,75 +298,103 @@ static void bench_dispatch(int n_threads) {
     }
 }
 
+/* Paged decode attention per KV cache dtype. Bytes = the K and V rows read
+ * (and the int8 scales); FLOPs = 4 * ctx * nh * hd per sequence. */
 static void bench_attention(int n_threads) {
     static const int cfgs[][3] = {{32, 8, 128}, {32, 4, 64}}; /* nh, nkv, hd */
     static const int ctxs[] = {512, 2048};
     static const int batches[] = {1, 4};
+    static const loom_dtype_t kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_I8};
     const int B = 16;
     printf("\n== paged attention decode, %d threads, block %d, caches cold ==\n", n_threads, B);
-    printf("%-13s %5s %5s %10s %10s %9s %9s\n", "nh/nkv/hd", "ctx", "seqs", "MB K+V", "us/call",
+    printf("%-13s %-5s %5s %5s %10s %10s %9s %9s\n", "nh/nkv/hd", "KV", "ctx", "seqs", "MB K+V", "us/call",
            "GB/s", "GFLOP/s");
     loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
     for (size_t c = 0; c < LOOM_ARRAY_LEN(cfgs); c++)
         for (size_t x = 0; x < LOOM_ARRAY_LEN(ctxs); x++)
-            for (size_t b = 0; b < LOOM_ARRAY_LEN(batches); b++) {
-                const int nh = cfgs[c][0], nkv = cfgs[c][1], hd = cfgs[c][2], ctx = ctxs[x];
-                const int seqs = batches[b], kv_dim = nkv * hd;
-                const int bps = ctx / B, n_blocks = bps * seqs;
-                size_t cache_bytes = (size_t)n_blocks * B * kv_dim * sizeof(float);
-                int layers = (int)LOOM_MIN((size_t)16, COLD_BYTES / (2 * cache_bytes) + 1);
-                float *kc = loom_backend_alloc(be, cache_bytes * layers),
-                      *vc = loom_backend_alloc(be, cache_bytes * layers);
-                if (!kc || !vc) {
-                    fprintf(stderr, "out of memory for the KV cache\n");
-                    exit(1);
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(batches); b++)
+                for (size_t k = 0; k < LOOM_ARRAY_LEN(kv_dts); k++) {
+                    const loom_dtype_t kdt = kv_dts[k];
+                    const int nh = cfgs[c][0], nkv = cfgs[c][1], hd = cfgs[c][2], ctx = ctxs[x];
+                    const int seqs = batches[b];
+                    const int bps = ctx / B, n_blocks = bps * seqs;
+                    const size_t heads = (size_t)n_blocks * B * nkv, elems = heads * hd;
+                    const size_t cache_bytes = elems * loom_dtype_size(kdt);
+                    int layers = (int)LOOM_MIN((size_t)16, COLD_BYTES / (2 * cache_bytes) + 1);
+                    char *kc = loom_backend_alloc(be, cache_bytes * layers),
+                         *vc = loom_backend_alloc(be, cache_bytes * layers);
+                    float *ks = loom_backend_alloc(be, heads * sizeof(float) * layers),
+                          *vs = loom_backend_alloc(be, heads * sizeof(float) * layers);
+                    if (!kc || !vc || !ks || !vs) {
+                        fprintf(stderr, "out of memory for the KV cache\n");
+                        exit(1);
+                    }
+                    /* random values in each dtype: f32 in [-1, 1), their bf16, int8 codes with scale 1/127 */
+                    float *tmp = xalloc(sizeof(float) * elems);
+                    for (int l = 0; l < layers; l++)
+                        for (int kv = 0; kv < 2; kv++) {
+                            fill_rand(tmp, elems, (uint64_t)(2 * l + kv + 1));
+                            char *dst = (kv ? vc : kc) + (size_t)l * cache_bytes;
+                            for (size_t e = 0; e < elems; e++) {
+                                if (kdt == LOOM_DT_F32) ((float *)dst)[e] = tmp[e];
+                                else if (kdt == LOOM_DT_BF16) ((uint16_t *)dst)[e] = loom_f32_to_bf16(tmp[e]);
+                                else ((int8_t *)dst)[e] = (int8_t)(tmp[e] * 127.0f);
+                            }
+                        }
+                    for (size_t e = 0; e < heads * layers; e++)
+                        ks[e] = vs[e] = 1.0f / 127.0f;
+                    loom_aligned_free(tmp);
+                    int32_t *bt = xalloc(sizeof(int32_t) * n_blocks);
+                    for (int i = 0; i < n_blocks; i++)
+                        bt[i] = (int32_t)((i * 7919) % n_blocks); /* scattered */
+                    int32_t seq_ids[4], pos[4];
+                    for (int s = 0; s < seqs; s++)
+                        seq_ids[s] = s, pos[s] = ctx - 1;
+                    float *q = xalloc(sizeof(float) * seqs * nh * hd),
+                          *out = xalloc(sizeof(float) * seqs * nh * hd);
+                    fill_rand(q, (size_t)seqs * nh * hd, 3);
+                    loom_attn_args_t a = {.n = seqs,
+                                          .n_heads = nh,
+                                          .n_kv_heads = nkv,
+                                          .head_dim = hd,
+                                          .scale = 1.0f / sqrtf((float)hd),
+                                          .q = q,
+                                          .q_stride = nh * hd,
+                                          .out = out,
+                                          .out_stride = nh * hd,
+                                          .block_size = B,
+                                          .tok_seq = seq_ids,
+                                          .tok_pos = pos,
+                                          .block_tables = bt,
+                                          .max_blocks = bps,
+                                          .max_ctx = ctx};
+                    double bytes = 2.0 * ctx * nkv * (double)loom_kv_head_bytes(kdt, hd) * seqs;
+                    double flops = 4.0 * ctx * nh * hd * seqs;
+                    int reps = g_quick ? 8 : 30;
+                    double best = 1e9;
+                    for (int r = 0; r < reps; r++) {
+                        const size_t l = (size_t)(r % layers);
+                        a.kv = (loom_kv_layer_t){.k = kc + l * cache_bytes,
+                                                 .v = vc + l * cache_bytes,
+                                                 .k_scale = kdt == LOOM_DT_I8 ? ks + l * heads : NULL,
+                                                 .v_scale = kdt == LOOM_DT_I8 ? vs + l * heads : NULL,
+                                                 .dtype = kdt};
+                        uint64_t t0 = loom_now_ns();
+                        loom_op_attention(be, &a);
+                        double t = (double)(loom_now_ns() - t0) * 1e-9;
+                        if (r > 0 && t < best) best = t;
+                    }
+                    printf("%3d/%d/%-7d %-5s %5d %5d %10.1f %10.1f %9.2f %9.1f\n", nh, nkv, hd,
+                           loom_kv_dtype_name(kdt), ctx, seqs, bytes / 1e6, best * 1e6, bytes / best / 1e9,
+                           flops / best / 1e9);
+                    loom_backend_free(be, kc);
+                    loom_backend_free(be, vc);
+                    loom_backend_free(be, ks);
+                    loom_backend_free(be, vs);
+                    loom_aligned_free(bt);
+                    loom_aligned_free(q);
+                    loom_aligned_free(out);
                 }
-                fill_rand(kc, cache_bytes * layers / 4, 1);
-                fill_rand(vc, cache_bytes * layers / 4, 2);
-                int32_t *bt = xalloc(sizeof(int32_t) * n_blocks);
-                for (int i = 0; i < n_blocks; i++)
-                    bt[i] = (int32_t)((i * 7919) % n_blocks); /* scattered */
-                int32_t seq_ids[4], pos[4];
-                for (int s = 0; s < seqs; s++)
-                    seq_ids[s] = s, pos[s] = ctx - 1;
-                float *q = xalloc(sizeof(float) * seqs * nh * hd),
-                      *out = xalloc(sizeof(float) * seqs * nh * hd);
-                fill_rand(q, (size_t)seqs * nh * hd, 3);
-                loom_attn_args_t a = {.n = seqs,
-                                      .n_heads = nh,
-                                      .n_kv_heads = nkv,
-                                      .head_dim = hd,
-                                      .scale = 1.0f / sqrtf((float)hd),
-                                      .q = q,
-                                      .q_stride = nh * hd,
-                                      .out = out,
-                                      .out_stride = nh * hd,
-                                      .block_size = B,
-                                      .tok_seq = seq_ids,
-                                      .tok_pos = pos,
-                                      .block_tables = bt,
-                                      .max_blocks = bps,
-                                      .max_ctx = ctx};
-                double bytes = 2.0 * ctx * kv_dim * 4.0 * seqs;
-                double flops = 4.0 * ctx * nh * hd * seqs;
-                int reps = g_quick ? 8 : 30;
-                double best = 1e9;
-                for (int r = 0; r < reps; r++) {
-                    a.k_cache = kc + (size_t)(r % layers) * (cache_bytes / 4);
-                    a.v_cache = vc + (size_t)(r % layers) * (cache_bytes / 4);
-                    uint64_t t0 = loom_now_ns();
-                    loom_op_attention(be, &a);
-                    double t = (double)(loom_now_ns() - t0) * 1e-9;
-                    if (r > 0 && t < best) best = t;
-                }
-                printf("%3d/%d/%-7d %5d %5d %10.1f %10.1f %9.2f %9.1f\n", nh, nkv, hd, ctx, seqs,
-                       bytes / 1e6, best * 1e6, bytes / best / 1e9, flops / best / 1e9);
-                loom_backend_free(be, kc);
-                loom_backend_free(be, vc);
-                loom_aligned_free(bt);
-                loom_aligned_free(q);
-                loom_aligned_free(out);
-            }
     loom_backend_destroy(&be);
 }
 

@@ -287,6 +287,7 @@ int loom_cmd_stats(int argc, char **argv) {
            "  \"running\": %d,\n  \"waiting\": %d,\n"
            "  \"kv_blocks_total\": %d,\n  \"kv_blocks_used\": %d,\n  \"kv_blocks_free\": %d,\n"
            "  \"kv_blocks_cached\": %llu,\n  \"kv_block_size\": %d,\n"
+           "  \"kv_cache_dtype\": \"%s\",\n  \"kv_block_bytes\": %llu,\n"
            "  \"prefix_cache_queries\": %llu,\n  \"prefix_cache_hits\": %llu,\n  \"prefix_cache_hit_rate\": %.4f,\n"
            "  \"gen_tokens_per_s\": %.2f,\n"
            "  \"requests_finished\": %llu,\n  \"requests_rejected\": %llu,\n  \"preemptions\": %llu,\n"
@@ -294,7 +295,8 @@ int loom_cmd_stats(int argc, char **argv) {
            "  \"steps\": %llu,\n  \"step_ms_mean\": %.3f\n"
            "}\n",
            s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
-           (unsigned long long)s.kv_blocks_cached, s.kv_block_size, (unsigned long long)s.prefix_cache_queries,
+           (unsigned long long)s.kv_blocks_cached, s.kv_block_size, s.kv_cache_dtype,
+           (unsigned long long)s.kv_block_bytes, (unsigned long long)s.prefix_cache_queries,
            (unsigned long long)s.prefix_cache_hits, s.prefix_cache_hit_rate, s.gen_tokens_per_s,
            (unsigned long long)s.requests_finished, (unsigned long long)s.requests_rejected,
            (unsigned long long)s.preemptions, (unsigned long long)s.prompt_tokens_total,

@@ -35,6 +35,7 @@ static int on_token(void *ctx, int32_t id) {
 
 int loom_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *device = "cpu", *dtype = "f32", *quantization = "none";
+    const char *kv_cache_dtype = "auto";
     int max_tokens = 128, top_k = 40, threads = 0, ctx = 0, chunk = 256, ignore_eos = 0, quiet = 0, print_ids = 0;
     float temperature = 0.8f, top_p = 0.95f;
     uint64_t seed = 0;
@@ -51,6 +52,7 @@ int loom_cmd_run(int argc, char **argv) {
         {"device", LOOM_OPT_STR, &device, "DEV", "cpu or cuda:N (default cpu)", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage: f32, bf16 or f16 (default f32 on cpu)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &quantization, "SCHEME", "quantize matmul weights on load: none, int8, fp8, q4, q4:128, q4_min, ... (default none)", 1, 0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on cpu, bf16 on cuda), f32, bf16, int8 (cpu), fp8 (cuda)", 1, 0, NULL},
         {"ctx", LOOM_OPT_INT, &ctx, "N", "context length to allocate (default: the model's maximum)", 0, 1e9, NULL},
         {"chunk", LOOM_OPT_INT, &chunk, "N", "prefill chunk size in tokens (default 256)", 1, 65536, NULL},
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
@@ -85,7 +87,7 @@ int loom_cmd_run(int argc, char **argv) {
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .device = device, .n_threads = threads,
                                .chunk = chunk, .ctx = ctx, .weight_dtype = wdt,
-                               .quant = quant};
+                               .quant = quant, .kv_cache_dtype = kv_cache_dtype};
     loom_local_t *l = NULL;
     if (loom_local_open(&lo, &l, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);

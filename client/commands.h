@@ -4,6 +4,7 @@
 
 int loom_cmd_run(int argc, char **argv);      /* cmd_run.c: the model in this process */
 int loom_cmd_quantize(int argc, char **argv); /* cmd_quantize.c: a quantized copy of a checkpoint */
+int loom_cmd_perplexity(int argc, char **argv); /* cmd_perplexity.c: a storage scheme's quality */
 int loom_cmd_generate(int argc, char **argv); /* cmd_generate.c: a completion from a cluster */
 int loom_cmd_health(int argc, char **argv);
 int loom_cmd_stats(int argc, char **argv);

@@ -112,6 +112,8 @@ typedef struct loom_stats {
     int running, waiting;
     int kv_blocks_total, kv_blocks_used, kv_blocks_free, kv_block_size;
     uint64_t kv_blocks_cached;
+    char kv_cache_dtype[16]; /* "f32", "bf16", "int8", "fp8" ("" from an older server) */
+    uint64_t kv_block_bytes;
     uint64_t prefix_cache_queries, prefix_cache_hits;
     double prefix_cache_hit_rate;
     double gen_tokens_per_s;

@@ -12,6 +12,7 @@ static const struct {
 } k_commands[] = {
     {"run", loom_cmd_run, "load a model in this process and stream a completion"},
     {"quantize", loom_cmd_quantize, "write a quantized copy of a model directory (int8, fp8, q4 ...)"},
+    {"perplexity", loom_cmd_perplexity, "perplexity, KL and top-1 agreement of a weight / KV cache scheme"},
     {"generate", loom_cmd_generate, "stream a completion from a running cluster"},
     {"health", loom_cmd_health, "ask a cluster whether it is ready"},
     {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics"},

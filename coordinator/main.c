@@ -27,6 +27,7 @@ int main(int argc, char **argv) {
                               .heartbeat_timeout_ms = 1500, .recovery_timeout_ms = 10000, .cluster = "default",
                               .etcd_ttl = 5};
     int shutdown_timeout_s = 30;
+    c.kv_cache_dtype = "auto";
     int no_prefix = 0;
     const char *kv_mem = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
@@ -43,6 +44,7 @@ int main(int argc, char **argv) {
         {"comm", LOOM_OPT_STR, &c.comm, "KIND", "data plane: auto (shm on one host, else tcp), shm, tcp", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &c.weight_dtype, "TYPE", "weight storage on workers: f32, bf16, f16 (default f32)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &c.quantization, "SCHEME", "quantize matmul weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 (default none)", 1, 0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &c.kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on CPU, bf16 on CUDA), f32, bf16, int8 (CPU), fp8 (CUDA) (default auto)", 1, 0, NULL},
         {"max-num-seqs", LOOM_OPT_INT, &c.max_num_seqs, "N", "most running sequences (default 64)", 1, 4096, NULL},
         {"max-num-batched-tokens", LOOM_OPT_INT, &c.max_batched_tokens, "N", "most tokens per step (default 512)", 1, 1 << 20, NULL},
         {"max-queue", LOOM_OPT_INT, &c.max_queue, "N", "most waiting requests; beyond: RESOURCE_EXHAUSTED (default 1024)", 0, 1 << 24, NULL},
@@ -92,6 +94,11 @@ int main(int argc, char **argv) {
     loom_quant_spec_t quant;
     if (!loom_quant_spec_parse(c.quantization, &quant)) {
         fprintf(stderr, "error: --quantization must be none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:64 or q4_min:128, got '%s'\n", c.quantization);
+        return 2;
+    }
+    if (strcmp(c.kv_cache_dtype, "auto") && strcmp(c.kv_cache_dtype, "f32") && strcmp(c.kv_cache_dtype, "bf16") &&
+        strcmp(c.kv_cache_dtype, "int8") && strcmp(c.kv_cache_dtype, "fp8")) {
+        fprintf(stderr, "error: --kv-cache-dtype must be auto, f32, bf16, int8 or fp8, got '%s'\n", c.kv_cache_dtype);
         return 2;
     }
     if (kv_mem) {

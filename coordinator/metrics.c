@@ -216,6 +216,11 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"used\"} %d\n", m->model, st->kv_blocks_used);
     loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"cached\"} %d\n", m->model, st->kv_blocks_cached);
     loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"free\"} %d\n", m->model, free_blocks - st->kv_blocks_cached);
+    gauge(&o, m, "loom_kv_cache_blocks_total", "KV cache blocks per worker (the pool the scheduler hands out).",
+          st->kv_blocks_total);
+    family(&o, "loom_kv_cache_info", "gauge", "The KV cache's element type and block size (value 1).");
+    loom_sbuf_printf(&o, "loom_kv_cache_info{model_name=\"%s\",dtype=\"%s\",block_size=\"%d\"} 1\n", m->model,
+                     st->kv_dtype[0] ? st->kv_dtype : "none", st->block_size);
     gauge(&o, m, "loom_grid_ready", "1 when every worker of the grid is serving.", st->grid_ready);
     counter(&o, m, "loom_prompt_tokens_total", "Prompt tokens admitted.", st->prompt_tokens);
     counter(&o, m, "vllm:prompt_tokens_total", "Prompt tokens admitted.", st->prompt_tokens);

@@ -39,6 +39,8 @@ void loom_metrics_observe_step(loom_metrics_t *m, double step_s);
 typedef struct loom_metrics_state {
     int running, waiting;
     int kv_blocks_total, kv_blocks_used, kv_blocks_cached;
+    char kv_dtype[16]; /* KV cache element type on the workers ("" before the grid is ready) */
+    int block_size;
     uint64_t prompt_tokens, generation_tokens;
     uint64_t prefix_cache_queries, prefix_cache_hits;
     uint64_t preemptions, requests_rejected;

@@ -78,6 +78,7 @@ typedef struct worker_slot {
     uint64_t last_seen_ns;
     int loaded, ready;
     uint64_t kv_block_bytes, kv_budget, weight_bytes, bytes_read;
+    char kv_dtype[16]; /* the worker's KV pool dtype, from Loaded */
     uint8_t nccl_tp_id[128], nccl_next_id[128]; /* group ids this worker made (nccl) */
     size_t nccl_tp_len, nccl_next_len;
     double busy_s, comm_s;
@@ -136,6 +137,8 @@ struct loom_server {
     grid_state_t state;
     uint64_t epoch, run_id;
     int n_blocks;
+    char kv_dtype[16];       /* the workers' KV dtype ("mixed" if they differ) */
+    uint64_t kv_block_bytes; /* the largest worker's bytes per block */
     char last_failure[512];
 
     loom_sched_t *sched;
@@ -537,6 +540,7 @@ static void start_epoch(loom_server_t *s) {
             a.block_size = (uint32_t)s->cfg.block_size;
             a.weight_dtype = (char *)s->cfg.weight_dtype;
             a.quantization = (char *)(s->cfg.quantization ? s->cfg.quantization : "none");
+            a.kv_cache_dtype = (char *)(s->cfg.kv_cache_dtype ? s->cfg.kv_cache_dtype : "auto");
             a.epoch = s->epoch;
             a.kv_memory = s->cfg.kv_memory;
             a.kv_fraction = s->cfg.kv_fraction / (float)(same > 0 ? same : 1);
@@ -749,12 +753,18 @@ static void all_loaded(loom_server_t *s) {
         return;
     }
     s->n_blocks = (int)nb;
+    snprintf(s->kv_dtype, sizeof s->kv_dtype, "%s", s->slots[0].kv_dtype);
+    s->kv_block_bytes = 0;
+    for (int i = 0; i < s->n_slots; i++) {
+        if (strcmp(s->slots[i].kv_dtype, s->kv_dtype)) snprintf(s->kv_dtype, sizeof s->kv_dtype, "mixed");
+        s->kv_block_bytes = LOOM_MAX(s->kv_block_bytes, s->slots[i].kv_block_bytes);
+    }
     if (s->n_blocks < per_seq)
         LOOM_WARN("the KV pool (%d blocks) holds %d tokens, less than the context length %d: longer requests "
                   "will be refused",
                   s->n_blocks, s->n_blocks * s->cfg.block_size, s->max_model_len);
-    LOOM_INFO("KV pool: %d blocks of %d tokens per worker (the smallest worker decides)", s->n_blocks,
-              s->cfg.block_size);
+    LOOM_INFO("KV pool: %d blocks of %d tokens per worker, %s (the smallest worker decides)", s->n_blocks,
+              s->cfg.block_size, s->kv_dtype);
     for (int i = 0; i < s->n_slots; i++) {
         int st = i / s->cfg.tp, r = i % s->cfg.tp;
         const worker_slot_t *lead = &s->slots[st * s->cfg.tp]; /* TP rank 0 made the group's id */
@@ -904,6 +914,7 @@ static void on_control(loom_server_t *s, const void *rid, size_t rid_len, const 
         w->loaded = 1;
         w->kv_block_bytes = m->loaded->kv_block_bytes;
         w->kv_budget = m->loaded->kv_budget;
+        snprintf(w->kv_dtype, sizeof w->kv_dtype, "%s", m->loaded->kv_cache_dtype);
         w->weight_bytes = m->loaded->weight_bytes;
         w->bytes_read = m->loaded->bytes_read;
         w->nccl_tp_len = LOOM_MIN(m->loaded->nccl_tp_id.len, sizeof w->nccl_tp_id);
@@ -1175,6 +1186,8 @@ static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1
     st.prefix_cache_hit_rate =
         st.prefix_cache_queries ? (double)st.prefix_cache_hits / (double)st.prefix_cache_queries : 0.0;
     st.kv_block_size = (uint32_t)s->cfg.block_size;
+    st.kv_cache_dtype = s->kv_dtype;
+    st.kv_block_bytes = s->kv_block_bytes;
     uint64_t sec = loom_now_ns() / 1000000000ull, sum = 0;
     for (int i = 1; i < RATE_WINDOW; i++) /* full seconds only: skip the current one */
         if (sec >= (uint64_t)i && s->rate_second + RATE_WINDOW > sec - (uint64_t)i && s->rate_second >= sec - (uint64_t)i)
@@ -1329,6 +1342,8 @@ static void publish_state(loom_server_t *s) {
         st.kv_blocks_total = loom_kv_n_blocks(L);
         st.kv_blocks_used = loom_kv_n_held(L);
         st.kv_blocks_cached = loom_kv_n_cached(L);
+        snprintf(st.kv_dtype, sizeof st.kv_dtype, "%s", s->kv_dtype);
+        st.block_size = s->cfg.block_size;
         st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
         st.prefix_cache_hits = s->prefix_hits_base + ss.prefix_hits;
         st.preemptions = s->preemptions_base + ss.preemptions;

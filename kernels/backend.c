@@ -158,9 +158,64 @@ void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, 
                   const int32_t *pos, const float *inv_freq) {
     if (n > 0) be->ops->rope(be, x, stride, n, n_heads, hd, pos, inv_freq);
 }
-void loom_op_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
-                      const float *v, int stride, const int32_t *slots, int n, int kv_dim) {
-    if (n > 0) be->ops->kv_write(be, k_cache, v_cache, k, v, stride, slots, n, kv_dim);
+/* --- KV cache dtypes ---------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    loom_dtype_t dtype;
+} k_kv_dtypes[] = {
+    {"f32", LOOM_DT_F32}, {"bf16", LOOM_DT_BF16}, {"int8", LOOM_DT_I8}, {"fp8", LOOM_DT_F8_E4M3}};
+
+size_t loom_kv_head_bytes(loom_dtype_t dtype, int hd) {
+    return (size_t)hd * loom_dtype_size(dtype) + (dtype == LOOM_DT_I8 ? sizeof(float) : 0);
+}
+
+int loom_kv_dtype_parse(const char *s, loom_dtype_t *out) {
+    for (size_t i = 0; s && i < sizeof k_kv_dtypes / sizeof k_kv_dtypes[0]; i++)
+        if (!strcmp(s, k_kv_dtypes[i].name)) {
+            *out = k_kv_dtypes[i].dtype;
+            return 1;
+        }
+    return 0;
+}
+
+const char *loom_kv_dtype_name(loom_dtype_t dtype) {
+    for (size_t i = 0; i < sizeof k_kv_dtypes / sizeof k_kv_dtypes[0]; i++)
+        if (k_kv_dtypes[i].dtype == dtype) return k_kv_dtypes[i].name;
+    return "?";
+}
+
+int loom_backend_kv_supported(const loom_backend_t *be, loom_dtype_t dtype) {
+    return be->ops->kv_supported ? be->ops->kv_supported(be, dtype) : dtype == LOOM_DT_F32;
+}
+
+loom_status_t loom_backend_kv_resolve(const loom_backend_t *be, const char *name, loom_dtype_t *out,
+                                      loom_err_t *err) {
+    loom_dtype_t dt;
+    if (!name || !strcmp(name, "auto") || !*name) {
+        dt = be->cfg.kind == LOOM_DEVICE_CUDA ? LOOM_DT_BF16 : LOOM_DT_F32;
+        if (!loom_backend_kv_supported(be, dt)) dt = LOOM_DT_F32;
+    } else if (!loom_kv_dtype_parse(name, &dt)) {
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "unknown KV cache dtype '%s' (use auto, f32, bf16, int8 or fp8)", name);
+    }
+    if (!loom_backend_kv_supported(be, dt)) {
+        char have[64] = "";
+        for (size_t i = 0; i < sizeof k_kv_dtypes / sizeof k_kv_dtypes[0]; i++)
+            if (loom_backend_kv_supported(be, k_kv_dtypes[i].dtype))
+                snprintf(have + strlen(have), sizeof have - strlen(have), "%s%s", *have ? ", " : "",
+                         k_kv_dtypes[i].name);
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "the %s backend has no %s KV cache (it has %s)", be->ops->name,
+                            loom_kv_dtype_name(dt), have);
+    }
+    *out = dt;
+    return LOOM_OK;
+}
+
+void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
+                      int stride, const int32_t *slots, int n, int nkv, int hd) {
+    if (n > 0) be->ops->kv_write(be, kv, k, v, stride, slots, n, nkv, hd);
 }
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     if (a->n > 0) be->ops->attention(be, a);
@@ -184,18 +239,17 @@ void loom_op_add_rmsnorm(loom_backend_t *be, float *x, const float *a, float *y,
     be->ops->rmsnorm(be, y, x, g, n, dim, eps);
 }
 
-void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
-                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                           float *k_cache, float *v_cache, const int32_t *slots) {
+void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride,
+                           int n, int nh, int nkv, int hd, const int32_t *pos,
+                           const float *inv_freq, const loom_kv_layer_t *kv, const int32_t *slots) {
     if (n <= 0) return;
     if (be->ops->rope_kv_write) {
-        be->ops->rope_kv_write(be, q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache, v_cache,
-                               slots);
+        be->ops->rope_kv_write(be, q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv, slots);
         return;
     }
     be->ops->rope(be, q, stride, n, nh, hd, pos, inv_freq);
     be->ops->rope(be, k, stride, n, nkv, hd, pos, inv_freq);
-    be->ops->kv_write(be, k_cache, v_cache, k, v, stride, slots, n, nkv * hd);
+    be->ops->kv_write(be, kv, k, v, stride, slots, n, nkv, hd);
 }
 
 int loom_backend_has_graphs(const loom_backend_t *be) {

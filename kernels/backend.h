@@ -116,12 +116,43 @@ void loom_op_gather_rows(loom_backend_t *be, float *dst, const float *src, const
 void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
                   const int32_t *pos, const float *inv_freq);
 
-/* Writes the new keys/values of n tokens into the paged cache of one layer.
- * Caches are (n_blocks, B, nkv, hd); token i goes to slot slots[i] = block*B +
- * offset (a negative slot is skipped: padding). k and v rows start at
+/* --- KV cache ---------------------------------------------------------- */
+/* One layer's paged KV cache. k and v hold (n_blocks, B, nkv, hd) elements
+ * of `dtype`:
+ *   F32      the values as computed;
+ *   BF16     rounded to nearest even;
+ *   I8       codes with one float32 scale per token and KV head in k_scale /
+ *            v_scale, (n_blocks, B, nkv): x = scale * code, scale = absmax/127;
+ *   F8_E4M3  e4m3 bytes, no scale (|x| saturates at 448).
+ * Which dtypes a backend has kernels for: loom_backend_kv_supported. */
+typedef struct loom_kv_layer {
+    void *k, *v;
+    float *k_scale, *v_scale; /* I8 only; NULL otherwise */
+    loom_dtype_t dtype;
+} loom_kv_layer_t;
+
+/* Bytes one token of one KV head takes in K (or in V), its scale included. */
+size_t loom_kv_head_bytes(loom_dtype_t dtype, int hd);
+/* Names of the KV cache dtypes as flags spell them: "f32", "bf16", "int8",
+ * "fp8" (e4m3). Parse returns 0 for anything else (including "auto"). */
+int loom_kv_dtype_parse(const char *s, loom_dtype_t *out);
+const char *loom_kv_dtype_name(loom_dtype_t dtype);
+/* Whether the backend has kv_write and attention kernels for `dtype`:
+ * CPU F32, BF16, I8; CUDA F32, BF16, F8_E4M3. */
+int loom_backend_kv_supported(const loom_backend_t *be, loom_dtype_t dtype);
+/* Turns a --kv-cache-dtype value into the dtype this backend stores:
+ * "auto" is F32 on the CPU (the reference) and BF16 on CUDA (half the
+ * bytes, the precision of the default weights). Unknown names are
+ * LOOM_ERR_INVALID_ARGUMENT, dtypes the backend lacks LOOM_ERR_UNSUPPORTED. */
+loom_status_t loom_backend_kv_resolve(const loom_backend_t *be, const char *name, loom_dtype_t *out,
+                                      loom_err_t *err);
+
+/* Writes the new keys/values of n tokens into the paged cache of one layer:
+ * token i goes to slot slots[i] = block*B + offset (a negative slot is
+ * skipped: padding); its k and v rows (nkv heads of hd) start at
  * k + i*stride, v + i*stride. */
-void loom_op_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
-                      const float *v, int stride, const int32_t *slots, int n, int kv_dim);
+void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
+                      int stride, const int32_t *slots, int n, int nkv, int hd);
 
 /* Paged attention with grouped-query heads over the cache of one layer.
  * Token i (query row q + i*q_stride, nh heads of hd) belongs to sequence
@@ -137,7 +168,7 @@ typedef struct loom_attn_args {
     int q_stride;
     float *out;
     int out_stride;
-    const float *k_cache, *v_cache;
+    loom_kv_layer_t kv;     /* the layer's cache */
     int block_size;
     const int32_t *tok_seq;      /* (n) device */
     const int32_t *tok_pos;      /* (n) device */
@@ -165,7 +196,7 @@ void loom_op_add_rmsnorm(loom_backend_t *be, float *x, const float *a, float *y,
  * keys and the values at v. */
 void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
                            int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                           float *k_cache, float *v_cache, const int32_t *slots);
+                           const loom_kv_layer_t *kv, const int32_t *slots);
 
 /* --- graphs (optional; CUDA) ------------------------------------------- */
 /* Records the ops issued between graph_begin and graph_end once per key and

@@ -34,8 +34,10 @@ typedef struct loom_backend_ops {
                         int n, int dim);
     void (*rope)(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
                  const int32_t *pos, const float *inv_freq);
-    void (*kv_write)(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
-                     const float *v, int stride, const int32_t *slots, int n, int kv_dim);
+    /* kv_write and attention must handle every dtype kv_supported accepts */
+    int (*kv_supported)(const loom_backend_t *be, loom_dtype_t dtype); /* optional: F32 only */
+    void (*kv_write)(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
+                     int stride, const int32_t *slots, int n, int nkv, int hd);
     void (*attention)(loom_backend_t *be, const loom_attn_args_t *a);
     void (*sample_shard)(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
                          int id_offset, int vocab_size, const loom_sampling_t *params,
@@ -46,7 +48,7 @@ typedef struct loom_backend_ops {
                         int n, int dim, float eps);
     void (*rope_kv_write)(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n,
                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                          float *k_cache, float *v_cache, const int32_t *slots);
+                          const loom_kv_layer_t *kv, const int32_t *slots);
     void (*add_bias)(loom_backend_t *be, float *y, const float *bias, int n, int cols);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);

@@ -44,12 +44,16 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     }
     s = loom_backend_create(&bc, &l->be, err);
     if (s < 0) goto fail;
+    loom_dtype_t kv_dtype;
+    s = loom_backend_kv_resolve(l->be, opt->kv_cache_dtype, &kv_dtype, err);
+    if (s < 0) goto fail;
 
     l->ctx = opt->ctx > 0 && opt->ctx < l->cfg.max_seq_len ? opt->ctx : l->cfg.max_seq_len;
     l->chunk = opt->chunk > 0 ? opt->chunk : 256;
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0,
                               .layer_end = l->cfg.n_layers, .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant};
+    loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant,
+                               .kv_dtype = kv_dtype};
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;
     l->max_blocks = (l->ctx + LOCAL_BLOCK - 1) / LOCAL_BLOCK;
@@ -93,6 +97,7 @@ const loom_model_config_t *loom_local_config(const loom_local_t *l) { return &l-
 const loom_tokenizer_t *loom_local_tokenizer(const loom_local_t *l) { return l->tok; }
 loom_model_t *loom_local_model(loom_local_t *l) { return l->model; }
 int loom_local_ctx(const loom_local_t *l) { return l->ctx; }
+loom_dtype_t loom_local_kv_dtype(const loom_local_t *l) { return loom_model_kv_dtype(l->model); }
 
 /* Runs tokens[0..n) at positions p0.. and asks logits for the rows in rows[0..nr). */
 static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, int p0, int nr,
@@ -166,5 +171,22 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     }
     if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
     if (stats) *stats = st;
+    return LOOM_OK;
+}
+
+loom_status_t loom_local_logits(loom_local_t *l, const int32_t *tokens, int n, float *logits,
+                                loom_err_t *err) {
+    if (n < 1 || n > l->ctx)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d tokens for a context of %d", n, l->ctx);
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= l->cfg.vocab_size)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
+                                tokens[i], l->cfg.vocab_size);
+    for (int p0 = 0; p0 < n; p0 += l->chunk) {
+        int c = LOOM_MIN(l->chunk, n - p0);
+        for (int i = 0; i < c; i++) l->rows[i] = i;
+        LOOM_CHECK(run_chunk(l, tokens + p0, c, p0, c, err));
+        loom_model_download_logits(l->model, logits + (size_t)p0 * l->cfg.vocab_size, c);
+    }
     return LOOM_OK;
 }

@@ -19,6 +19,7 @@ typedef struct loom_local_options {
     int ctx;                 /* context to allocate KV for (0 = the model's maximum) */
     loom_dtype_t weight_dtype; /* F32 default on CPU */
     loom_quant_spec_t quant;   /* matmul weights quantized on load (kernels/quant.h); zero: none */
+    const char *kv_cache_dtype; /* auto (NULL), f32, bf16, int8, fp8: see loom_backend_kv_resolve */
     int no_tokenizer;        /* skip tokenizer.json (benchmarks on generated models) */
 } loom_local_options_t;
 
@@ -51,5 +52,14 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
                                   const loom_sampling_t *s, int ignore_eos, loom_token_fn on_token,
                                   void *ctx, float *prompt_logits, loom_gen_stats_t *stats,
                                   loom_err_t *err);
+
+/* Runs tokens[0..n) as a new sequence from position 0 (replacing whatever
+ * the cache held) and writes the logits of every position to logits
+ * (n x vocab, host). n must fit the context: LOOM_ERR_INVALID_ARGUMENT
+ * otherwise, or for ids outside the vocabulary. */
+loom_status_t loom_local_logits(loom_local_t *l, const int32_t *tokens, int n, float *logits,
+                                loom_err_t *err);
+/* The KV cache's element type. */
+loom_dtype_t loom_local_kv_dtype(const loom_local_t *l);
 
 #endif

@@ -19,8 +19,7 @@ typedef struct loom_layer {
     float *ffn_norm;    /* (dim) */
     loom_weight_t w13;  /* (2*hidden, dim): gate rows then up rows */
     loom_weight_t w2;   /* (dim, hidden): this rank's input columns */
-    float *k_cache;     /* (n_blocks, B, n_kv_heads, hd) */
-    float *v_cache;     /* (n_blocks, B, n_kv_heads, hd) */
+    loom_kv_layer_t kv; /* (n_blocks, B, n_kv_heads, hd) K and V in opt.kv_dtype */
 } loom_layer_t;
 
 struct loom_model {
@@ -332,6 +331,9 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     *out = NULL;
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
+    if (!loom_backend_kv_supported(be, opt->kv_dtype))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "the %s backend has no %s KV cache", loom_backend_name(be),
+                            loom_kv_dtype_name(opt->kv_dtype));
     loom_model_t *m = loom_xcalloc(1, sizeof *m);
     m->be = be;
     m->cfg = *cfg;
@@ -488,14 +490,21 @@ int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
 float *loom_model_hidden(loom_model_t *m) { return m->x; }
 float *loom_model_logits(loom_model_t *m) { return m->logits; }
 
+loom_dtype_t loom_model_kv_dtype(const loom_model_t *m) { return m->opt.kv_dtype; }
+
 size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
     return 2 * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
-           (size_t)m->cfg.head_dim * sizeof(float);
+           loom_kv_head_bytes(m->opt.kv_dtype, m->cfg.head_dim);
 }
 
 int loom_model_kv_scratch_blocks(const loom_model_t *m) {
     return m->opt.decode_buckets > 0 || (m->opt.decode_buckets == 0 && loom_backend_has_graphs(m->be));
 }
+
+/* The pool is one allocation: per layer K codes, V codes, then (I8) K
+ * scales and V scales, each array starting on a 256-byte boundary. */
+#define KV_ALIGN 256
+static size_t kv_align(size_t b) { return (b + KV_ALIGN - 1) / KV_ALIGN * KV_ALIGN; }
 
 loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err) {
     if (n_blocks < 1 || block_size < 1)
@@ -504,19 +513,27 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     m->kv_mem = NULL;
     int pad = loom_model_kv_scratch_blocks(m);
     int total = n_blocks + pad;
-    size_t bytes = loom_model_kv_block_bytes(m, block_size) * (size_t)total;
+    const loom_dtype_t dt = m->opt.kv_dtype;
+    const size_t tokens = (size_t)total * block_size * m->dims.n_kv_heads; /* token-heads per layer */
+    const size_t codes = kv_align(tokens * m->cfg.head_dim * loom_dtype_size(dt));
+    const size_t scales = dt == LOOM_DT_I8 ? kv_align(tokens * sizeof(float)) : 0;
+    size_t bytes = (size_t)m->dims.n_layers * 2 * (codes + scales);
     if (bytes == 0) bytes = 64; /* a stage with no layers */
     m->kv_mem = loom_backend_alloc(m->be, bytes);
     if (!m->kv_mem)
         return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for a KV pool of %d blocks (%.1f MB)",
                             n_blocks, (double)bytes / 1e6);
     loom_backend_memset(m->be, m->kv_mem, 0, bytes);
-    size_t per = (size_t)total * block_size * m->dims.n_kv_heads * m->cfg.head_dim;
-    float *p = m->kv_mem;
+    char *p = m->kv_mem;
     for (int i = 0; i < m->dims.n_layers; i++) {
-        m->layers[i].k_cache = p;
-        m->layers[i].v_cache = p + per;
-        p += 2 * per;
+        loom_kv_layer_t *kv = &m->layers[i].kv;
+        kv->dtype = dt;
+        kv->k = p;
+        kv->v = p + codes;
+        p += 2 * codes;
+        kv->k_scale = scales ? (float *)p : NULL;
+        kv->v_scale = scales ? (float *)(p + scales) : NULL;
+        p += 2 * scales;
     }
     m->n_blocks = n_blocks;
     m->block_size = block_size;
@@ -524,16 +541,25 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     return LOOM_OK;
 }
 
+/* Copy-on-write copies a block's codes and, for I8, its scales. */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n) {
-    size_t per_block = (size_t)m->block_size * m->dims.n_kv_heads * m->cfg.head_dim;
+    const size_t heads = (size_t)m->block_size * m->dims.n_kv_heads; /* token-heads per block */
+    const size_t code_bytes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
     for (int i = 0; i < n; i++) {
         LOOM_ASSERT(src[i] >= 0 && src[i] < m->n_blocks && dst[i] >= 0 && dst[i] < m->n_blocks);
+        const size_t s = (size_t)src[i], d = (size_t)dst[i];
         for (int l = 0; l < m->dims.n_layers; l++) {
-            loom_layer_t *ly = &m->layers[l];
-            loom_backend_copy(m->be, ly->k_cache + (size_t)dst[i] * per_block,
-                              ly->k_cache + (size_t)src[i] * per_block, per_block * sizeof(float));
-            loom_backend_copy(m->be, ly->v_cache + (size_t)dst[i] * per_block,
-                              ly->v_cache + (size_t)src[i] * per_block, per_block * sizeof(float));
+            loom_kv_layer_t *kv = &m->layers[l].kv;
+            loom_backend_copy(m->be, (char *)kv->k + d * code_bytes, (char *)kv->k + s * code_bytes,
+                              code_bytes);
+            loom_backend_copy(m->be, (char *)kv->v + d * code_bytes, (char *)kv->v + s * code_bytes,
+                              code_bytes);
+            if (kv->k_scale) {
+                loom_backend_copy(m->be, kv->k_scale + d * heads, kv->k_scale + s * heads,
+                                  heads * sizeof(float));
+                loom_backend_copy(m->be, kv->v_scale + d * heads, kv->v_scale + s * heads,
+                                  heads * sizeof(float));
+            }
         }
     }
 }
@@ -573,13 +599,12 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
         if (ly->bqkv) loom_op_add_bias(be, m->qkv, ly->bqkv, n, qd);
         float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
-        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, m->inv_freq, ly->k_cache, ly->v_cache,
-                              d_slots);
+        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, m->inv_freq, &ly->kv, d_slots);
         loom_attn_args_t a = {
             .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
             .scale = 1.0f / sqrtf((float)hd),
             .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
-            .k_cache = ly->k_cache, .v_cache = ly->v_cache, .block_size = m->block_size,
+            .kv = ly->kv, .block_size = m->block_size,
             .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
             .max_blocks = so->max_blocks, .max_ctx = so->max_ctx,
         };

@@ -33,6 +33,9 @@ typedef struct loom_model_options {
      * of 8) so that a handful of recorded graphs serve every batch size:
      * 0 where the backend records graphs, 1 always, -1 never. */
     int decode_buckets;
+    /* KV cache elements: F32 (the zero value), BF16, I8 or F8_E4M3, as far
+     * as the backend has kernels (loom_backend_kv_supported) */
+    loom_dtype_t kv_dtype;
     loom_allreduce_fn allreduce;
     void *allreduce_ctx;
     /* Matmul weights (q/k/v, o, gate/up, down, LM head) quantized on load
@@ -53,7 +56,10 @@ const loom_model_config_t *loom_model_config(const loom_model_t *m);
 size_t loom_model_weight_bytes(const loom_model_t *m);
 /* Bytes of the matmul weights (codes, scales, mins): what a decode step reads. */
 size_t loom_model_matmul_bytes(const loom_model_t *m);
-/* Bytes of KV cache one block takes on this shard (all its layers, K and V). */
+/* The KV cache's element type (opt.kv_dtype). */
+loom_dtype_t loom_model_kv_dtype(const loom_model_t *m);
+/* Bytes of KV cache one block takes on this shard (all its layers, K and V,
+ * with the I8 scales). */
 size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size);
 /* Blocks the pool holds beyond the n_blocks plans address (the padding
  * rows' scratch block, see decode_buckets): 0 or 1. */
@@ -61,7 +67,8 @@ int loom_model_kv_scratch_blocks(const loom_model_t *m);
 /* Allocates the paged KV pool: n_blocks blocks of block_size tokens. */
 loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err);
 int loom_model_kv_blocks(const loom_model_t *m);
-/* Copies KV blocks src[i] -> dst[i] in every layer of the shard (copy-on-write). */
+/* Copies KV blocks src[i] -> dst[i] in every layer of the shard, scales
+ * included (copy-on-write). */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n);
 int loom_model_kv_block_size(const loom_model_t *m);
 

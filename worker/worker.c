@@ -155,7 +155,9 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            a->n_stages == b->n_stages && a->tp_rank == b->tp_rank && a->tp_size == b->tp_size &&
            a->layer_begin == b->layer_begin && a->layer_end == b->layer_end &&
            !strcmp(a->weight_dtype, b->weight_dtype) &&
-           !strcmp(a->quantization, b->quantization) && a->max_tokens == b->max_tokens &&
+           !strcmp(a->quantization, b->quantization) &&
+           !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) &&
+           a->max_tokens == b->max_tokens &&
            a->max_seqs == b->max_seqs;
 }
 
@@ -184,12 +186,15 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     if (!loom_quant_spec_parse(a->quantization, &quant))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown quantization '%s'", a->quantization);
     LOOM_CHECK(loom_backend_create(&bc, &w->be, err));
+    loom_dtype_t kv_dtype;
+    LOOM_CHECK(loom_backend_kv_resolve(w->be, a->kv_cache_dtype, &kv_dtype, err));
     loom_shard_spec_t spec = {.tp_rank = (int)a->tp_rank, .tp_size = (int)a->tp_size,
                               .layer_begin = (int)a->layer_begin, .layer_end = (int)a->layer_end,
                               .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages};
     loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
                                .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
-                               .allreduce_ctx = w, .decode_buckets = w->decode_buckets, .quant = quant};
+                               .allreduce_ctx = w, .decode_buckets = w->decode_buckets, .quant = quant,
+                               .kv_dtype = kv_dtype};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     w->max_tokens = (int)a->max_tokens;
     w->max_seqs = (int)a->max_seqs;
@@ -258,6 +263,7 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
     l.weight_bytes = loom_model_weight_bytes(w->model);
     l.bytes_read = loom_st_bytes_read(w->st);
     l.kv_block_bytes = loom_model_kv_block_bytes(w->model, bs);
+    l.kv_cache_dtype = (char *)loom_kv_dtype_name(loom_model_kv_dtype(w->model));
     size_t free_mem = loom_backend_mem_free(w->be);
     l.kv_budget = a->kv_memory > 0 ? a->kv_memory : (uint64_t)((double)free_mem * a->kv_fraction);
     uint64_t scratch = (uint64_t)loom_model_kv_scratch_blocks(w->model) * l.kv_block_bytes;

@@ -518,24 +518,47 @@ static void cpu_rope(loom_backend_t *be, float *x, int stride, int n, int n_head
 }
 
 struct kv_ctx {
-    float *kc, *vc;
+    const loom_kv_layer_t *kv;
     const float *k, *v;
-    int stride, kv_dim;
+    int stride, nkv, hd;
     const int32_t *slots;
 };
+
+/* One token's K and V rows into its slot, narrowed to the cache's dtype. */
+static void kv_write_row(const loom_kv_layer_t *kv, void *cache, float *scales, const float *x,
+                         int64_t slot, int nkv, int hd) {
+    const int64_t kv_dim = (int64_t)nkv * hd, e = slot * kv_dim;
+    switch (kv->dtype) {
+    case LOOM_DT_F32: memcpy((float *)cache + e, x, (size_t)kv_dim * sizeof(float)); break;
+    case LOOM_DT_BF16: loom_vec_f32_to_bf16((uint16_t *)cache + e, x, (int)kv_dim); break;
+    case LOOM_DT_I8:
+        for (int h = 0; h < nkv; h++)
+            scales[slot * nkv + h] =
+                loom_vec_f32_to_i8((int8_t *)cache + e + (int64_t)h * hd, x + (int64_t)h * hd, hd);
+        break;
+    default: LOOM_ASSERT(!"KV dtype the CPU backend does not support");
+    }
+}
 
 static void kv_write_task(void *p, int i, int thread) {
     struct kv_ctx *c = p;
     int64_t s = c->slots[i];
     if (s < 0) return; /* padding token */
-    memcpy(c->kc + s * c->kv_dim, c->k + (int64_t)i * c->stride, (size_t)c->kv_dim * sizeof(float));
-    memcpy(c->vc + s * c->kv_dim, c->v + (int64_t)i * c->stride, (size_t)c->kv_dim * sizeof(float));
+    kv_write_row(c->kv, c->kv->k, c->kv->k_scale, c->k + (int64_t)i * c->stride, s, c->nkv, c->hd);
+    kv_write_row(c->kv, c->kv->v, c->kv->v_scale, c->v + (int64_t)i * c->stride, s, c->nkv, c->hd);
 }
 
-static void cpu_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k,
-                         const float *v, int stride, const int32_t *slots, int n, int kv_dim) {
-    struct kv_ctx kc = {k_cache, v_cache, k, v, stride, kv_dim, slots};
-    if ((int64_t)n * kv_dim >= PAR_MIN_ELEMS)
+static int cpu_kv_supported(const loom_backend_t *be, loom_dtype_t dtype) {
+    (void)be;
+    return dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_I8;
+}
+
+static void cpu_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
+                         int stride, const int32_t *slots, int n, int nkv, int hd) {
+    LOOM_ASSERT(cpu_kv_supported(be, kv->dtype));
+    LOOM_ASSERT(kv->dtype != LOOM_DT_I8 || (kv->k_scale && kv->v_scale));
+    struct kv_ctx kc = {kv, k, v, stride, nkv, hd, slots};
+    if ((int64_t)n * nkv * hd >= PAR_MIN_ELEMS)
         loom_parallel_for(cpu(be)->pool, n, kv_write_task, &kc);
     else
         for (int i = 0; i < n; i++)
@@ -638,6 +661,7 @@ static const loom_backend_ops_t cpu_ops = {
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
     .rope = cpu_rope,
+    .kv_supported = cpu_kv_supported,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
     .sample_shard = cpu_sample_shard,

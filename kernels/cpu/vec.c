@@ -5,8 +5,10 @@
 #include "kernels/cpu/vec.h"
 
 #include <math.h>
+#include <string.h>
 
 #include "common/status.h"
+#include "common/util.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -83,6 +85,50 @@ void loom_vec_dot4(const float *q, const float *k, int64_t k_stride, int n, floa
         s3 += q[i] * k3[i];
     }
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+void loom_vec_bf16_to_f32(float *y, const uint16_t *x, int n) {
+    int i = 0;
+#ifdef LOOM_VEC_SIMD
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
+        _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; i < n; i++) {
+        uint32_t u = (uint32_t)x[i] << 16;
+        memcpy(y + i, &u, sizeof u);
+    }
+}
+
+void loom_vec_i8_to_f32(float *y, const int8_t *x, float scale, int n) {
+    int i = 0;
+#ifdef LOOM_VEC_SIMD
+    __m256 vs = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + i)));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), vs));
+    }
+#endif
+    for (; i < n; i++)
+        y[i] = scale * (float)x[i];
+}
+
+void loom_vec_f32_to_bf16(uint16_t *y, const float *x, int n) {
+    for (int i = 0; i < n; i++)
+        y[i] = loom_f32_to_bf16(x[i]);
+}
+
+float loom_vec_f32_to_i8(int8_t *y, const float *x, int n) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++)
+        amax = fmaxf(amax, fabsf(x[i]));
+    const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) {
+        float r = nearbyintf(x[i] * inv);
+        y[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    return s;
 }
 
 void loom_vec_wsum_rows(float *y, const float *w, const float *v, int64_t v_stride, int np, int n) {

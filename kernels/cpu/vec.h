@@ -22,6 +22,17 @@ void loom_vec_dot4(const float *q, const float *k, int64_t k_stride, int n, floa
 /* y[d] += sum_p w[p] * v[p*v_stride + d] for p in [0, np), d in [0, n). */
 void loom_vec_wsum_rows(float *y, const float *w, const float *v, int64_t v_stride, int np, int n);
 
+/* y = float32(x): bf16 widened by a 16-bit shift. */
+void loom_vec_bf16_to_f32(float *y, const uint16_t *x, int n);
+/* y = scale * x for int8 codes x. */
+void loom_vec_i8_to_f32(float *y, const int8_t *x, float scale, int n);
+
+/* The narrowing the KV cache stores: y = bf16(x), round to nearest even. */
+void loom_vec_f32_to_bf16(uint16_t *y, const float *x, int n);
+/* Symmetric int8 of one row: y = round(x / s) with s = max|x| / 127
+ * (0 for an all-zero row); returns s. */
+float loom_vec_f32_to_i8(int8_t *y, const float *x, int n);
+
 /* One row of each op (see backend.h for the semantics). */
 void loom_vec_rmsnorm(float *y, const float *x, const float *g, int dim, float eps);
 void loom_vec_silu_mul(float *out, const float *gate, const float *up, int hidden);

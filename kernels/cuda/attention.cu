@@ -1,4 +1,4 @@
-/* Paged GQA attention over the float32 cache (n_blocks, B, nkv, hd) for
+/* Paged GQA attention over the cache (n_blocks, B, nkv, hd) for
  * mixed batches: each token i has a sequence tok_seq[i] and a position
  * tok_pos[i] and attends causally to the cached keys [0, tok_pos[i]] of its
  * sequence through the block table.
@@ -24,8 +24,14 @@
  *    products (Q K^T and P V) on tensor cores in TF32 (WMMA m16n16k8, fp32
  *    accumulation), the online softmax in fp32 in shared memory.
  *
- * Decode napkin math: per token and KV head, ctx * hd * 8 bytes of K and V;
- * 4 * ctx * hd * group FLOPs. */
+ * The cache holds float32, bf16 or fp8 e4m3 elements (template KT): both
+ * kernels widen each K and V element to float32 as they load it, so only
+ * the bytes read change.
+ *
+ * Decode napkin math: per token and KV head, ctx * hd * 2 * e bytes of K
+ * and V (e = 4, 2, 1); 4 * ctx * hd * group FLOPs. */
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 #include <mma.h>
 #include <stdint.h>
@@ -45,7 +51,8 @@ constexpr int kMaxHd = 256;    /* head_dim limit of both kernels */
 constexpr unsigned kFull = 0xffffffffu;
 
 struct Params {
-    const float *q, *kc, *vc;
+    const float *q;
+    const void *kc, *vc; /* elements of the kernel's KT */
     float *out;
     const int32_t *tok_seq, *tok_pos, *bt;
     int n, nh, nkv, hd, group, q_stride, out_stride, B, max_blocks, tq, n_split;
@@ -63,6 +70,37 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
     return v;
+}
+
+/* Loads of cache elements widened to float32: ld1 element d of a row, ld4
+ * elements [4*d4, 4*d4 + 4) (rows of hd % 4 == 0 elements, 16-byte aligned
+ * pool: 16, 8 or 4 byte accesses). */
+__device__ __forceinline__ float ld1(const float *row, int d) {
+    return __ldg(row + d);
+}
+__device__ __forceinline__ float ld1(const __nv_bfloat16 *row, int d) {
+    return __bfloat162float(row[d]);
+}
+__device__ __forceinline__ float ld1(const __nv_fp8_e4m3 *row, int d) {
+    return static_cast<float>(row[d]);
+}
+__device__ __forceinline__ float4 ld4(const float *row, int d4) {
+    return __ldg(reinterpret_cast<const float4 *>(row) + d4);
+}
+__device__ __forceinline__ float4 ld4(const __nv_bfloat16 *row, int d4) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(row) + d4);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float fp8_byte(unsigned b) {
+    __nv_fp8_e4m3 f;
+    f.__x = (__nv_fp8_storage_t)(b & 0xffu);
+    return static_cast<float>(f);
+}
+__device__ __forceinline__ float4 ld4(const __nv_fp8_e4m3 *row, int d4) {
+    const unsigned u = __ldg(reinterpret_cast<const unsigned *>(row) + d4);
+    return make_float4(fp8_byte(u), fp8_byte(u >> 8), fp8_byte(u >> 16), fp8_byte(u >> 24));
 }
 
 __device__ __forceinline__ bool unit_starts(const Params &p, int i) {
@@ -108,7 +146,7 @@ __device__ __forceinline__ float *part_ml(const Params &p) {
 
 /* GC: query heads handled per pass (a power of two >= min(group, 8)).
  * VEC: head_dim % 4 == 0 and 16-byte aligned rows (float4 accesses). */
-template <int GC, bool VEC>
+template <typename KT, int GC, bool VEC>
 __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
     extern __shared__ __align__(128) float sm[];
     const int i = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -160,13 +198,12 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
 #pragma unroll
             for (int h = 0; h < GC; h++) s[h] = 0.0f;
             if (slot >= 0) {
-                const float *kr = p.kc + slot_offset(p, slot, kvh);
+                const KT *kr = static_cast<const KT *>(p.kc) + slot_offset(p, slot, kvh);
                 if (VEC) {
-                    const float4 *k4 = reinterpret_cast<const float4 *>(kr);
 #pragma unroll (GC <= 4 ? 4 : 1)
-                    for (int d4 = 0; d4 < hd / 4; d4 += 2) { /* 32 bytes (one sector) per lane per step */
-                        const float4 a = __ldg(k4 + d4);
-                        const float4 b = d4 + 1 < hd / 4 ? __ldg(k4 + d4 + 1) : make_float4(0, 0, 0, 0);
+                    for (int d4 = 0; d4 < hd / 4; d4 += 2) { /* 8 elements per lane per step */
+                        const float4 a = ld4(kr, d4);
+                        const float4 b = d4 + 1 < hd / 4 ? ld4(kr, d4 + 1) : make_float4(0, 0, 0, 0);
 #pragma unroll
                         for (int h = 0; h < GC; h++) {
                             if (h < gc) {
@@ -180,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                     }
                 } else {
                     for (int d = 0; d < hd; d++) {
-                        const float kv = __ldg(kr + d);
+                        const float kv = ld1(kr, d);
 #pragma unroll
                         for (int h = 0; h < GC; h++)
                             if (h < gc) s[h] = fmaf(qs[(g0 + h) * hd + d], kv, s[h]);
@@ -210,13 +247,13 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
 #pragma unroll
                 for (int h = 0; h < GC; h++) pj[h] = __shfl_sync(kFull, pr[h], j);
                 if (slotj < 0) continue; /* same for the whole warp */
-                const float *vr = p.vc + slot_offset(p, slotj, kvh);
+                const KT *vr = static_cast<const KT *>(p.vc) + slot_offset(p, slotj, kvh);
                 if (VEC) {
 #pragma unroll
                     for (int c = 0; c < HV; c++) {
                         const int d4 = lane + 32 * c;
                         if (d4 < hd / 4) {
-                            const float4 v = __ldg(reinterpret_cast<const float4 *>(vr) + d4);
+                            const float4 v = ld4(vr, d4);
 #pragma unroll
                             for (int h = 0; h < GC; h++) {
                                 acc[h][4 * c] = fmaf(pj[h], v.x, acc[h][4 * c]);
@@ -231,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                     for (int c = 0; c < HV; c++) {
                         const int d = lane + 32 * c;
                         if (d < hd) {
-                            const float v = __ldg(vr + d);
+                            const float v = ld1(vr, d);
 #pragma unroll
                             for (int h = 0; h < GC; h++) acc[h][c] = fmaf(pj[h], v, acc[h][c]);
                         }
@@ -317,6 +354,7 @@ __device__ __forceinline__ void to_tf32(F &f) {
     for (int t = 0; t < f.num_elements; t++) f.x[t] = wmma::__float_to_tf32(f.x[t]);
 }
 
+template <typename KT>
 __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     extern __shared__ __align__(128) float sm[];
     const int i = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -396,8 +434,8 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
             float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
             if (slot >= 0) {
                 const int64_t off = slot_offset(p, slot, kvh);
-                kv = __ldg(reinterpret_cast<const float4 *>(p.kc + off) + d4);
-                vv = __ldg(reinterpret_cast<const float4 *>(p.vc + off) + d4);
+                kv = ld4(static_cast<const KT *>(p.kc) + off, d4);
+                vv = ld4(static_cast<const KT *>(p.vc) + off, d4);
             }
             reinterpret_cast<float4 *>(Ks + j * ld)[d4] = kv;
             reinterpret_cast<float4 *>(Vs + j * ld)[d4] = vv;
@@ -521,43 +559,72 @@ size_t decode_smem(const loom_cuda_attn_t *a) {
     return (((size_t)G * hd + 3) / 4 * 4 + 2 * (size_t)kWarps * GC + (size_t)kWarps * GC * hd) * sizeof(float);
 }
 
-template <int GC, bool VEC>
+template <typename KT, int GC, bool VEC>
 void set_decode_attr(size_t bytes, cudaError_t *e) {
-    cudaError_t r = cudaFuncSetAttribute(attn_decode_kernel<GC, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)bytes);
+    cudaError_t r = cudaFuncSetAttribute(attn_decode_kernel<KT, GC, VEC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (r != cudaSuccess && *e == cudaSuccess) *e = r;
 }
 
-template <int GC, bool VEC>
-void launch_decode(const Params &p, dim3 grid, size_t smem, cudaStream_t s) {
-    attn_decode_kernel<GC, VEC><<<grid, kThreads, smem, s>>>(p);
+template <typename KT>
+void set_attrs(size_t bytes, cudaError_t *e) {
+    set_decode_attr<KT, 1, true>(bytes, e);
+    set_decode_attr<KT, 2, true>(bytes, e);
+    set_decode_attr<KT, 4, true>(bytes, e);
+    set_decode_attr<KT, 8, true>(bytes, e);
+    set_decode_attr<KT, 1, false>(bytes, e);
+    set_decode_attr<KT, 2, false>(bytes, e);
+    set_decode_attr<KT, 4, false>(bytes, e);
+    set_decode_attr<KT, 8, false>(bytes, e);
+    cudaError_t r =
+        cudaFuncSetAttribute(attn_tile_kernel<KT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (r != cudaSuccess && *e == cudaSuccess) *e = r;
 }
 
-template <bool VEC>
+template <typename KT, int GC, bool VEC>
+void launch_decode(const Params &p, dim3 grid, size_t smem, cudaStream_t s) {
+    attn_decode_kernel<KT, GC, VEC><<<grid, kThreads, smem, s>>>(p);
+}
+
+template <typename KT, bool VEC>
 void launch_decode_g(const Params &p, dim3 grid, size_t smem, cudaStream_t s) {
     switch (group_chunk(p.group)) {
-    case 1: launch_decode<1, VEC>(p, grid, smem, s); break;
-    case 2: launch_decode<2, VEC>(p, grid, smem, s); break;
-    case 4: launch_decode<4, VEC>(p, grid, smem, s); break;
-    default: launch_decode<8, VEC>(p, grid, smem, s); break;
+    case 1: launch_decode<KT, 1, VEC>(p, grid, smem, s); break;
+    case 2: launch_decode<KT, 2, VEC>(p, grid, smem, s); break;
+    case 4: launch_decode<KT, 4, VEC>(p, grid, smem, s); break;
+    default: launch_decode<KT, 8, VEC>(p, grid, smem, s); break;
     }
+}
+
+/* The three kernels for one cache element type. */
+template <typename KT>
+cudaError_t launch_all(const Params &p, const loom_cuda_attn_plan_t *plan, bool vec, cudaStream_t s) {
+    const dim3 grid((unsigned)p.n, (unsigned)p.nkv, (unsigned)plan->n_split);
+    if (vec)
+        launch_decode_g<KT, true>(p, grid, plan->smem, s);
+    else
+        launch_decode_g<KT, false>(p, grid, plan->smem, s);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    if (plan->tq > 1) {
+        attn_tile_kernel<KT><<<grid, kThreads, plan->smem_tile, s>>>(p);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (plan->n_split > 1) {
+        attn_combine_kernel<<<(unsigned)((int64_t)p.n * p.nh), 128, 0, s>>>(p);
+        e = cudaGetLastError();
+    }
+    return e;
 }
 
 } /* namespace */
 
 extern "C" cudaError_t loom_cuda_attention_init(size_t max_smem_optin) {
     cudaError_t e = cudaSuccess;
-    set_decode_attr<1, true>(max_smem_optin, &e);
-    set_decode_attr<2, true>(max_smem_optin, &e);
-    set_decode_attr<4, true>(max_smem_optin, &e);
-    set_decode_attr<8, true>(max_smem_optin, &e);
-    set_decode_attr<1, false>(max_smem_optin, &e);
-    set_decode_attr<2, false>(max_smem_optin, &e);
-    set_decode_attr<4, false>(max_smem_optin, &e);
-    set_decode_attr<8, false>(max_smem_optin, &e);
-    cudaError_t r = cudaFuncSetAttribute(attn_tile_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)max_smem_optin);
-    return e != cudaSuccess ? e : r;
+    set_attrs<float>(max_smem_optin, &e);
+    set_attrs<__nv_bfloat16>(max_smem_optin, &e);
+    set_attrs<__nv_fp8_e4m3>(max_smem_optin, &e);
+    return e;
 }
 
 extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t *a, int n_sms, size_t max_smem,
@@ -598,20 +665,10 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     p.n = a->n, p.nh = a->n_heads, p.nkv = a->n_kv_heads, p.hd = a->head_dim, p.group = G;
     p.q_stride = a->q_stride, p.out_stride = a->out_stride, p.B = a->block_size, p.max_blocks = a->max_blocks;
     p.tq = plan->tq, p.n_split = plan->n_split, p.scale = a->scale, p.part = part;
-    const dim3 grid((unsigned)a->n, (unsigned)a->n_kv_heads, (unsigned)plan->n_split);
-    if (use_vec(a))
-        launch_decode_g<true>(p, grid, plan->smem, s);
-    else
-        launch_decode_g<false>(p, grid, plan->smem, s);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    if (plan->tq > 1) {
-        attn_tile_kernel<<<grid, kThreads, plan->smem_tile, s>>>(p);
-        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    switch (a->kv_kind) {
+    case LOOM_CUDA_F32: return launch_all<float>(p, plan, use_vec(a), s);
+    case LOOM_CUDA_BF16: return launch_all<__nv_bfloat16>(p, plan, use_vec(a), s);
+    case LOOM_CUDA_FP8: return launch_all<__nv_fp8_e4m3>(p, plan, use_vec(a), s);
+    default: return cudaErrorInvalidValue;
     }
-    if (plan->n_split > 1) {
-        attn_combine_kernel<<<(unsigned)((int64_t)a->n * a->n_heads), 128, 0, s>>>(p);
-        e = cudaGetLastError();
-    }
-    return e;
 }

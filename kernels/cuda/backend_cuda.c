@@ -617,22 +617,34 @@ static void cuda_rope(loom_backend_t *be, float *x, int stride, int n, int n_hea
     CUDA_ASSERT(loom_cuda_rope(x, stride, n, n_heads, hd, pos, inv_freq, c->stream));
 }
 
-static void cuda_kv_write(loom_backend_t *be, float *k_cache, float *v_cache, const float *k, const float *v,
-                          int stride, const int32_t *slots, int n, int kv_dim) {
+/* KV caches: F32, BF16 and FP8 e4m3 (no I8 kernels). */
+static int cuda_kv_supported(const loom_backend_t *be, loom_dtype_t dtype) {
+    (void)be;
+    return dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F8_E4M3;
+}
+
+static int cuda_kv_kind(loom_dtype_t dtype) {
+    LOOM_ASSERT(cuda_kv_supported(NULL, dtype));
+    return dtype == LOOM_DT_BF16 ? LOOM_CUDA_BF16 : dtype == LOOM_DT_F8_E4M3 ? LOOM_CUDA_FP8 : LOOM_CUDA_F32;
+}
+
+static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
+                          int stride, const int32_t *slots, int n, int nkv, int hd) {
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(loom_cuda_kv_write(k_cache, v_cache, k, v, stride, slots, n, kv_dim, c->stream));
+    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), k, v, stride, slots, n, nkv * hd,
+                                   c->stream));
 }
 
 static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n, int nh,
-                               int nkv, int hd, const int32_t *pos, const float *inv_freq, float *k_cache,
-                               float *v_cache, const int32_t *slots) {
+                               int nkv, int hd, const int32_t *pos, const float *inv_freq,
+                               const loom_kv_layer_t *kv, const int32_t *slots) {
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache, v_cache, slots,
-                                        c->stream));
+    CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv->k, kv->v,
+                                        cuda_kv_kind(kv->dtype), slots, c->stream));
 }
 
 /* --- attention ------------------------------------------------------------------------------- */
@@ -649,7 +661,8 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     const loom_cuda_attn_t ca = {
         .n = a->n, .n_heads = a->n_heads, .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim,
         .scale = a->scale, .q = a->q, .q_stride = a->q_stride, .out = a->out, .out_stride = a->out_stride,
-        .k_cache = a->k_cache, .v_cache = a->v_cache, .block_size = a->block_size, .tok_seq = a->tok_seq,
+        .k_cache = a->kv.k, .v_cache = a->kv.v, .kv_kind = cuda_kv_kind(a->kv.dtype),
+        .block_size = a->block_size, .tok_seq = a->tok_seq,
         .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
@@ -874,6 +887,7 @@ static const loom_backend_ops_t cuda_ops = {
     .embed = cuda_gather_rows,
     .gather_rows = cuda_gather_rows,
     .rope = cuda_rope,
+    .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,
     .attention = cuda_attention,
     .sample_shard = cuda_sample_shard,

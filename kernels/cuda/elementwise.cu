@@ -7,6 +7,7 @@
  * same operation order, IEEE division and sqrt, expf, RoPE angles in double. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "kernels/cuda/kernels.h"
@@ -256,23 +257,37 @@ __device__ __forceinline__ void copy_row(float *dst, const float *src, int len) 
         for (int j = threadIdx.x; j < len; j += blockDim.x) dst[j] = src[j];
 }
 
+/* One K or V row into the cache, narrowed to the cache's element type. */
 template <bool VEC>
-__global__ void kv_write_kernel(float *kc, float *vc, const float *k, const float *v, int stride,
+__device__ __forceinline__ void write_row(float *dst, const float *src, int len) {
+    copy_row<VEC>(dst, src, len);
+}
+template <bool VEC>
+__device__ __forceinline__ void write_row(__nv_bfloat16 *dst, const float *src, int len) {
+    for (int j = threadIdx.x; j < len; j += blockDim.x) dst[j] = __float2bfloat16_rn(src[j]);
+}
+template <bool VEC>
+__device__ __forceinline__ void write_row(__nv_fp8_e4m3 *dst, const float *src, int len) {
+    for (int j = threadIdx.x; j < len; j += blockDim.x) dst[j] = __nv_fp8_e4m3(src[j]); /* satfinite */
+}
+
+template <typename T, bool VEC>
+__global__ void kv_write_kernel(T *kc, T *vc, const float *k, const float *v, int stride,
                                 const int32_t *slots, int kv_dim) {
     const int64_t slot = slots[blockIdx.x];
     if (slot < 0) return; /* padding token */
     const int64_t src = (int64_t)blockIdx.x * stride;
-    copy_row<VEC>(kc + slot * kv_dim, k + src, kv_dim);
-    copy_row<VEC>(vc + slot * kv_dim, v + src, kv_dim);
+    write_row<VEC>(kc + slot * kv_dim, k + src, kv_dim);
+    write_row<VEC>(vc + slot * kv_dim, v + src, kv_dim);
 }
 
 /* One block per token: rotate its q and k heads, then (after a barrier, so
- * the rotated k written by other threads is visible) copy k and v into the
+ * the rotated k written by other threads is visible) write k and v into the
  * cache slot. */
-template <bool VEC>
+template <typename T, bool VEC>
 __global__ void rope_kv_write_kernel(float *q, float *k, const float *v, int stride, int nh, int nkv,
-                                     int hd, const int32_t *pos, const float *inv_freq, float *kc,
-                                     float *vc, const int32_t *slots) {
+                                     int hd, const int32_t *pos, const float *inv_freq, T *kc,
+                                     T *vc, const int32_t *slots) {
     extern __shared__ float cs[];
     const int half = hd / 2;
     const int64_t src = (int64_t)blockIdx.x * stride;
@@ -283,8 +298,34 @@ __global__ void rope_kv_write_kernel(float *q, float *k, const float *v, int str
     const int64_t slot = slots[blockIdx.x];
     if (slot < 0) return;
     const int kv_dim = nkv * hd;
-    copy_row<VEC>(kc + slot * kv_dim, k + src, kv_dim);
-    copy_row<VEC>(vc + slot * kv_dim, v + src, kv_dim);
+    write_row<VEC>(kc + slot * kv_dim, k + src, kv_dim);
+    write_row<VEC>(vc + slot * kv_dim, v + src, kv_dim);
+}
+
+template <typename T>
+cudaError_t launch_kv_write(void *k_cache, void *v_cache, const float *k, const float *v, int stride,
+                            const int32_t *slots, int n, int kv_dim, bool vec, cudaStream_t s) {
+    T *kc = static_cast<T *>(k_cache), *vc = static_cast<T *>(v_cache);
+    if (vec)
+        kv_write_kernel<T, true><<<n, 128, 0, s>>>(kc, vc, k, v, stride, slots, kv_dim);
+    else
+        kv_write_kernel<T, false><<<n, 128, 0, s>>>(kc, vc, k, v, stride, slots, kv_dim);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh, int nkv,
+                                 int hd, const int32_t *pos, const float *inv_freq, void *k_cache,
+                                 void *v_cache, const int32_t *slots, bool vec, cudaStream_t s) {
+    T *kc = static_cast<T *>(k_cache), *vc = static_cast<T *>(v_cache);
+    const size_t smem = (size_t)hd * sizeof(float);
+    if (vec)
+        rope_kv_write_kernel<T, true><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, kc, vc,
+                                                           slots);
+    else
+        rope_kv_write_kernel<T, false><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, kc, vc,
+                                                            slots);
+    return cudaGetLastError();
 }
 
 } /* namespace */
@@ -369,32 +410,40 @@ extern "C" cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, 
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t loom_cuda_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
-                                          int stride, const int32_t *slots, int n, int kv_dim, cudaStream_t s) {
+extern "C" cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, const float *k,
+                                          const float *v, int stride, const int32_t *slots, int n, int kv_dim,
+                                          cudaStream_t s) {
     if (n <= 0 || kv_dim <= 0) return cudaSuccess;
-    const bool vec = kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) && aligned16(v) && aligned16(k_cache) &&
-                     aligned16(v_cache);
-    if (vec)
-        kv_write_kernel<true><<<n, 128, 0, s>>>(k_cache, v_cache, k, v, stride, slots, kv_dim);
-    else
-        kv_write_kernel<false><<<n, 128, 0, s>>>(k_cache, v_cache, k, v, stride, slots, kv_dim);
-    return cudaGetLastError();
+    const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
+                     aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
+    switch (kv_kind) {
+    case LOOM_CUDA_F32: return launch_kv_write<float>(k_cache, v_cache, k, v, stride, slots, n, kv_dim, vec, s);
+    case LOOM_CUDA_BF16:
+        return launch_kv_write<__nv_bfloat16>(k_cache, v_cache, k, v, stride, slots, n, kv_dim, false, s);
+    case LOOM_CUDA_FP8:
+        return launch_kv_write<__nv_fp8_e4m3>(k_cache, v_cache, k, v, stride, slots, n, kv_dim, false, s);
+    default: return cudaErrorInvalidValue;
+    }
 }
 
 extern "C" cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                                int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                                               float *k_cache, float *v_cache, const int32_t *slots,
+                                               void *k_cache, void *v_cache, int kv_kind, const int32_t *slots,
                                                cudaStream_t s) {
     if (n <= 0 || hd < 2) return cudaSuccess;
     const int kv_dim = nkv * hd;
-    const bool vec = kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) && aligned16(v) && aligned16(k_cache) &&
-                     aligned16(v_cache);
-    const size_t smem = (size_t)hd * sizeof(float);
-    if (vec)
-        rope_kv_write_kernel<true><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, k_cache,
-                                                        v_cache, slots);
-    else
-        rope_kv_write_kernel<false><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, k_cache,
-                                                         v_cache, slots);
-    return cudaGetLastError();
+    const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
+                     aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
+    switch (kv_kind) {
+    case LOOM_CUDA_F32:
+        return launch_rope_kv_write<float>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache, v_cache, slots,
+                                           vec, s);
+    case LOOM_CUDA_BF16:
+        return launch_rope_kv_write<__nv_bfloat16>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache,
+                                                   v_cache, slots, false, s);
+    case LOOM_CUDA_FP8:
+        return launch_rope_kv_write<__nv_fp8_e4m3>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache,
+                                                   v_cache, slots, false, s);
+    default: return cudaErrorInvalidValue;
+    }
 }

@@ -15,8 +15,9 @@
 extern "C" {
 #endif
 
-/* Storage of half-precision buffers (weights, converted activations). */
-enum { LOOM_CUDA_F32 = 0, LOOM_CUDA_BF16 = 1, LOOM_CUDA_F16 = 2 };
+/* Storage of half-precision buffers (weights, converted activations) and of
+ * the KV cache (F32, BF16, FP8 = e4m3 without scale). */
+enum { LOOM_CUDA_F32 = 0, LOOM_CUDA_BF16 = 1, LOOM_CUDA_F16 = 2, LOOM_CUDA_FP8 = 3 };
 
 /* dst(n) = src(n) narrowed to `kind` (round to nearest even). */
 cudaError_t loom_cuda_convert(void *dst, int kind, const float *src, int64_t n, cudaStream_t s);
@@ -41,15 +42,16 @@ cudaError_t loom_cuda_gather_rows(float *dst, const float *src, const int32_t *i
 /* HF rotate-half RoPE in place on n_heads heads of each of n rows (row i at x + i*stride). */
 cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
                            const float *inv_freq, cudaStream_t s);
-/* Paged KV write; slots < 0 are skipped. */
-cudaError_t loom_cuda_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
-                               int stride, const int32_t *slots, int n, int kv_dim,
+/* Paged KV write into a cache of kv_kind (LOOM_CUDA_F32, _BF16 or _FP8,
+ * rounded to nearest even, fp8 saturating); slots < 0 are skipped. */
+cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, const float *k,
+                               const float *v, int stride, const int32_t *slots, int n, int kv_dim,
                                cudaStream_t s);
 /* RoPE on q (nh heads) and k (nkv heads), then the paged write of k and v. */
 cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                     int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                                    float *k_cache, float *v_cache, const int32_t *slots,
-                                    cudaStream_t s);
+                                    void *k_cache, void *v_cache, int kv_kind,
+                                    const int32_t *slots, cudaStream_t s);
 
 /* Largest n served by the GEMV kernel; larger n go to cuBLAS. */
 #define LOOM_CUDA_GEMV_MAX_N 4
@@ -81,7 +83,8 @@ typedef struct loom_cuda_attn {
     int q_stride;
     float *out;
     int out_stride;
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; /* elements of kv_kind */
+    int kv_kind;                   /* LOOM_CUDA_F32, _BF16 or _FP8 */
     int block_size;
     const int32_t *tok_seq, *tok_pos, *block_tables;
     int max_blocks;

@@ -22,6 +22,7 @@
 #include "common/util.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/backend_cuda.h"
+#include "kernels/quant.h"
 #include "tests/test.h"
 
 #define SKIP_CODE 77
@@ -442,7 +443,8 @@ static void test_rope_kv(void) {
         float *q = xr, *k = xr + nh * hd, *v = k + kv_dim;
         loom_op_rope(cpu, q, stride, n, nh, hd, pos, inv);
         loom_op_rope(cpu, k, stride, n, nkv, hd, pos, inv);
-        loom_op_kv_write(cpu, kcr, vcr, k, v, stride, slots, n, kv_dim);
+        loom_kv_layer_t ckv = {.k = kcr, .v = vcr, .dtype = LOOM_DT_F32};
+        loom_op_kv_write(cpu, &ckv, k, v, stride, slots, n, nkv, hd);
         float *dx = to_dev(be, x, total * 4), *dinv = to_dev(be, inv, (size_t)hd / 2 * 4);
         int32_t *dpos = to_dev(be, pos, (size_t)n * 4), *dslots = to_dev(be, slots, (size_t)n * 4);
         float *dkc = to_dev(be, kc, cache * 4), *dvc = to_dev(be, vc, cache * 4);
@@ -450,7 +452,8 @@ static void test_rope_kv(void) {
         float *dq = dx, *dk = dx + nh * hd, *dv = dk + kv_dim;
         loom_op_rope(be, dq, stride, n, nh, hd, dpos, dinv);
         loom_op_rope(be, dk, stride, n, nkv, hd, dpos, dinv);
-        loom_op_kv_write(be, dkc, dvc, dk, dv, stride, dslots, n, kv_dim);
+        loom_kv_layer_t dkv = {.k = dkc, .v = dvc, .dtype = LOOM_DT_F32};
+        loom_op_kv_write(be, &dkv, dk, dv, stride, dslots, n, nkv, hd);
         CHECK(close_dev("rope", be, dx, xr, total, 2e-6, 2e-6));
         CHECK(close_dev("kv_write k", be, dkc, kcr, cache, 2e-6, 2e-6));
         CHECK(close_dev("kv_write v", be, dvc, vcr, cache, 0, 0));
@@ -458,10 +461,50 @@ static void test_rope_kv(void) {
         loom_backend_upload(be, dx, x, total * 4);
         loom_backend_upload(be, dkc, kc, cache * 4);
         loom_backend_upload(be, dvc, vc, cache * 4);
-        loom_op_rope_kv_write(be, dq, dk, dv, stride, n, nh, nkv, hd, dpos, dinv, dkc, dvc, dslots);
+        loom_op_rope_kv_write(be, dq, dk, dv, stride, n, nh, nkv, hd, dpos, dinv, &dkv, dslots);
         CHECK(close_dev("rope_kv_write x", be, dx, xr, total, 2e-6, 2e-6));
         CHECK(close_dev("rope_kv_write k", be, dkc, kcr, cache, 2e-6, 2e-6));
         CHECK(close_dev("rope_kv_write v", be, dvc, vcr, cache, 0, 0));
+        /* bf16 and fp8 caches: the fused write against the CPU's f32 result
+         * narrowed on the host (round to nearest even both ways: exact) */
+        static const loom_dtype_t narrow[] = {LOOM_DT_BF16, LOOM_DT_F8_E4M3};
+        for (size_t t = 0; t < LOOM_ARRAY_LEN(narrow); t++) {
+            const size_t es = loom_dtype_size(narrow[t]);
+            void *nk = loom_xcalloc(cache, es), *nv = loom_xcalloc(cache, es);
+            loom_kv_layer_t nkv_l = {.k = to_dev(be, nk, cache * es), .v = to_dev(be, nv, cache * es),
+                                     .dtype = narrow[t]};
+            loom_backend_upload(be, dx, x, total * 4);
+            loom_op_rope_kv_write(be, dq, dk, dv, stride, n, nh, nkv, hd, dpos, dinv, &nkv_l, dslots);
+            loom_backend_download(be, nk, nkv_l.k, cache * es);
+            loom_backend_download(be, nv, nkv_l.v, cache * es);
+            int bad = 0;
+            for (int i = 0; i < n; i++) {
+                if (slots[i] < 0) continue;
+                for (int e = 0; e < kv_dim; e++) {
+                    size_t off = (size_t)slots[i] * kv_dim + e;
+                    for (int isv = 0; isv < 2; isv++) {
+                        float want = (isv ? vcr : kcr)[off];
+                        const void *got = isv ? nv : nk;
+                        int same = narrow[t] == LOOM_DT_BF16
+                                       ? ((const uint16_t *)got)[off] == loom_f32_to_bf16(want)
+                                       : ((const uint8_t *)got)[off] == loom_f32_to_fp8_e4m3(want);
+                        /* the rotated k may differ from the CPU's by an ulp: allow the neighbour code */
+                        if (!same && !isv) {
+                            float g = narrow[t] == LOOM_DT_BF16 ? loom_bf16_to_f32(((const uint16_t *)got)[off])
+                                                                : loom_fp8_e4m3_to_f32(((const uint8_t *)got)[off]);
+                            same = fabsf(g - want) <= (narrow[t] == LOOM_DT_BF16 ? 8e-3f : 7e-2f) * fabsf(want) + 1e-6f;
+                        }
+                        if (!same && bad++ < 3)
+                            fprintf(stderr, "  rope_kv_write %s %c[slot %d, %d]: got other code than %g\n",
+                                    loom_kv_dtype_name(narrow[t]), isv ? 'v' : 'k', slots[i], e, (double)want);
+                    }
+                }
+            }
+            CHECKF(!bad, "rope_kv_write into a %s cache (n %d nh %d nkv %d hd %d): %d mismatches",
+                   loom_kv_dtype_name(narrow[t]), n, nh, nkv, hd, bad);
+            loom_backend_free(be, nkv_l.k), loom_backend_free(be, nkv_l.v);
+            free(nk), free(nv);
+        }
         void *bufs[] = {dx, dinv, dpos, dslots, dkc, dvc};
         for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
         free(x), free(inv), free(kc), free(vc), free(xr), free(kcr), free(vcr);
@@ -470,15 +513,19 @@ static void test_rope_kv(void) {
 
 /* --- attention ----------------------------------------------------------------------- */
 
+/* The KV cache dtypes the CUDA backend has. */
+static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F8_E4M3};
+
 typedef struct attn_case {
     int nh, nkv, hd, B;
 } attn_case_t;
 
 /* A batch: n_seqs sequences with context lengths ctx[s]; tokens listed as
- * (seq, pos). Builds a random cache and shuffled block tables, runs both
- * backends and compares. */
-static void run_attention(const attn_case_t *ac, int n_seqs, const int *ctx, int n, const int32_t *tok_seq,
-                          const int32_t *tok_pos, const char *what) {
+ * (seq, pos). Builds a random cache in dt and shuffled block tables, runs
+ * both backends and compares: BF16 on both; FP8 (which the CPU lacks)
+ * against the CPU on the e4m3 values widened to f32 on the host. */
+static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, const int *ctx, int n,
+                          const int32_t *tok_seq, const int32_t *tok_pos, const char *what) {
     loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
     const int nh = ac->nh, nkv = ac->nkv, hd = ac->hd, B = ac->B, kv_dim = nkv * hd;
     int max_blocks = 1, total_blocks = 0, max_ctx = 1;
@@ -504,33 +551,49 @@ static void run_attention(const attn_case_t *ac, int n_seqs, const int *ctx, int
     }
     size_t cache = (size_t)n_blocks * B * kv_dim;
     float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+    const size_t es = loom_dtype_size(dt);
+    void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(cache * es); /* the cache in dt */
+    for (size_t e = 0; e < cache; e++) {
+        if (dt == LOOM_DT_BF16) {
+            ((uint16_t *)kn)[e] = loom_f32_to_bf16(kc[e]);
+            ((uint16_t *)vn)[e] = loom_f32_to_bf16(vc[e]);
+        } else if (dt == LOOM_DT_F8_E4M3) {
+            ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e]);
+            ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e]);
+            kc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)kn)[e]);
+            vc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)vn)[e]);
+        } else {
+            ((float *)kn)[e] = kc[e];
+            ((float *)vn)[e] = vc[e];
+        }
+    }
     int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd;
     float *q = rand_host((size_t)n * q_stride, 3.0f); /* peaky attention, not a plain average */
     float *ref = loom_xmalloc((size_t)n * out_stride * 4);
     loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd),
-                          .q = q, .q_stride = q_stride, .out = ref, .out_stride = out_stride, .k_cache = kc,
-                          .v_cache = vc, .block_size = B, .tok_seq = tok_seq, .tok_pos = tok_pos,
-                          .block_tables = bt, .max_blocks = max_blocks, .max_ctx = max_ctx};
+                          .q = q, .q_stride = q_stride, .out = ref, .out_stride = out_stride,
+                          .kv = {.k = kc, .v = vc, .dtype = LOOM_DT_F32}, .block_size = B, .tok_seq = tok_seq,
+                          .tok_pos = tok_pos, .block_tables = bt, .max_blocks = max_blocks, .max_ctx = max_ctx};
+    if (dt == LOOM_DT_BF16) a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .dtype = LOOM_DT_BF16};
     loom_op_attention(cpu, &a);
     loom_attn_args_t g = a;
     g.q = to_dev(be, q, (size_t)n * q_stride * 4);
     g.out = poisoned(be, (size_t)n * out_stride * 4);
-    g.k_cache = to_dev(be, kc, cache * 4);
-    g.v_cache = to_dev(be, vc, cache * 4);
+    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .v = to_dev(be, vn, cache * es), .dtype = dt};
     g.tok_seq = to_dev(be, tok_seq, (size_t)n * 4);
     g.tok_pos = to_dev(be, tok_pos, (size_t)n * 4);
     g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
     loom_op_attention(be, &g);
     char buf[160];
-    snprintf(buf, sizeof buf, "attention %s (nh %d nkv %d hd %d B %d, n %d)", what, nh, nkv, hd, B, n);
+    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d, n %d)", loom_kv_dtype_name(dt), what, nh,
+             nkv, hd, B, n);
     /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
      * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values) */
     double tol = n <= 8 ? 2e-5 : 1e-2;
     CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, tol, tol));
-    void *bufs[] = {(void *)g.q, g.out, (void *)g.k_cache, (void *)g.v_cache, (void *)g.tok_seq, (void *)g.tok_pos,
-                    (void *)g.block_tables};
+    void *bufs[] = {(void *)g.q, g.out, g.kv.k, g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos, (void *)g.block_tables};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
-    free(perm), free(bt), free(kc), free(vc), free(q), free(ref);
+    free(perm), free(bt), free(kc), free(vc), free(kn), free(vn), free(q), free(ref);
 }
 
 static void test_attention(void) {
@@ -552,7 +615,8 @@ static void test_attention(void) {
         static const int lens[] = {1, 17, 1000, 4099};
         for (size_t l = 0; l < LOOM_ARRAY_LEN(lens); l++) {
             seq[0] = 0, pos[0] = lens[l] - 1;
-            run_attention(ac, 1, &lens[l], 1, seq, pos, "decode");
+            for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
+                run_attention(ac, k_kv_dts[d], 1, &lens[l], 1, seq, pos, "decode");
         }
         /* a decode batch of 37 sequences */
         int ctx[40];
@@ -560,7 +624,8 @@ static void test_attention(void) {
             ctx[s] = 1 + randi(700);
             seq[s] = s, pos[s] = ctx[s] - 1;
         }
-        run_attention(ac, 37, ctx, 37, seq, pos, "decode batch");
+        for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
+            run_attention(ac, k_kv_dts[d], 37, ctx, 37, seq, pos, "decode batch");
         /* mixed: 5 decodes, a 70-token chunk at 30..99, a 3-token chunk, a 20-token chunk from 0 */
         int n = 0;
         int mctx[8] = {50, 300, 7, 90, 1, 100, 12, 20};
@@ -568,14 +633,17 @@ static void test_attention(void) {
         for (int p = 30; p < 100; p++) seq[n] = 5, pos[n] = p, n++;
         for (int p = 9; p < 12; p++) seq[n] = 6, pos[n] = p, n++;
         for (int p = 0; p < 20; p++) seq[n] = 7, pos[n] = p, n++;
-        run_attention(ac, 8, mctx, n, seq, pos, "mixed");
+        for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
+            run_attention(ac, k_kv_dts[d], 8, mctx, n, seq, pos, "mixed");
         /* a prefill of 300 tokens, and a short one (key splits in the tile kernel) */
         int pctx = 300;
         for (int p = 0; p < 300; p++) seq[p] = 0, pos[p] = p;
-        run_attention(ac, 1, &pctx, 300, seq, pos, "prefill 300");
+        for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
+            run_attention(ac, k_kv_dts[d], 1, &pctx, 300, seq, pos, "prefill 300");
         int sctx = 530;
         for (int p = 0; p < 20; p++) seq[p] = 0, pos[p] = 510 + p;
-        run_attention(ac, 1, &sctx, 20, seq, pos, "prefill 20 at 510");
+        for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
+            run_attention(ac, k_kv_dts[d], 1, &sctx, 20, seq, pos, "prefill 20 at 510");
     }
 }
 

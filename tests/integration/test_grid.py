@@ -6,19 +6,28 @@ stories260K and on a random GQA model: greedy ids through the cluster equal
 workers, merged over the vocab-parallel shards) agree with the 1x1 cluster
 within 1e-5 relative error. With weights quantized on load (int8, fp8, q4,
 q4_min) the ids equal `loom run`'s with the same scheme, and the logits agree
-within the int8 rounding of the activations.
+within the int8 rounding of the activations. The same holds with a bf16 and
+an int8 KV cache (against `loom run` with that KV cache; logits within 1e-3
+of its 1x1 run, since a last-bit difference in a TP shard's keys can move a
+rounding). With a fixed KV memory the block count grows by the dtype's
+ratio, shown in Stats and /metrics; prefix caching and its copy-on-write
+(block copy with the int8 scales) give the same ids as a fresh prefill.
 """
 import glob
+import json
 import os
 import re
 import shutil
+import socket
 import struct
+import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Cluster, Failure, STORIES, check, gen_model, run_local, run_tests  # noqa: E402
+from harness import BIN, Cluster, Failure, STORIES, check, gen_model, run_local, run_tests  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-grid")
 PROMPTS = ["Once upon a time", "The little dog ran to the", "Lily and Ben went to the park. They saw"]
@@ -74,9 +83,10 @@ def check_shard_reads(c, tp, pp):
         print("  %dx%d: each worker read %s of the checkpoint" % (tp, pp, ", ".join("%.2f" % f for f in fractions)))
 
 
-def check_model(model, grids=GRIDS, quant=None):
-    qargs = ["--quantization", quant] if quant else []
-    what = os.path.basename(model) + (" " + quant if quant else "")
+def check_model(model, grids=GRIDS, quant=None, kv=None):
+    qargs = (["--quantization", quant] if quant else []) + (["--kv-cache-dtype", kv] if kv else [])
+    what = os.path.basename(model) + (" " + quant if quant else "") + (" KV " + kv if kv else "")
+    tol = 1e-3 if kv else 1e-5
     expect = {p: run_local(model, p, N_TOKENS, extra=["--ignore-eos"] + qargs) for p in PROMPTS}
     for text, ids in expect.values():
         check(ids and len(ids) == N_TOKENS, "loom run gave %r" % (ids,))
@@ -109,7 +119,7 @@ def check_model(model, grids=GRIDS, quant=None):
         # Quantized matmuls on the CPU round activations to int8: a last-bit
         # difference of a TP all-reduce sum can move one code, so the logits
         # agree to about 1/127 of a block's range, and the ids must be equal.
-        bound = 5e-2 if quant else 1e-5
+        bound = 5e-2 if quant else tol
         check(worst <= bound, "%dx%d: logits differ from 1x1 by %.3g (relative)" % (tp, pp, worst))
 
 
@@ -163,7 +173,101 @@ def test_quantized_grid_misaligned():
     print("  q4:64 over TP 2 refused: o_proj's columns are not whole groups")
 
 
+def test_kv_dtype_grids():
+    for kv in ("bf16", "int8"):
+        check_model(STORIES, [(1, 1), (2, 1), (1, 2), (2, 2)], kv=kv)
+    model = gen_model(os.path.join(WORK, "gqa"), "--dim", "64", "--hidden-dim", "100", "--layers", "5",
+                      "--heads", "8", "--kv-heads", "2", "--vocab", "512", "--seed", "11")
+    check_model(model, [(1, 1), (2, 2)], kv="int8")
+
+
+def loom_json(*args):
+    p = subprocess.run([os.path.join(BIN, "loom")] + list(args), capture_output=True, text=True, timeout=60)
+    check(p.returncode == 0, "loom %s failed: %s" % (args[0], p.stderr))
+    return p
+
+
+def prompt_of_blocks(blocks, kv):
+    """A prompt of exactly blocks * 16 tokens (BOS included): a second
+    request for it finds every block cached and copies the last one."""
+    words = "the cat saw a big dog and ran to the park with her mom".split()
+
+    def size(text):
+        p = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", STORIES, "--prompt", text, "--max-tokens",
+                            "1", "--threads", "1", "--kv-cache-dtype", kv], capture_output=True, text=True, timeout=60)
+        m = re.search(r"prompt: (\d+) tokens", p.stderr)
+        check(m, "no prompt size in %r" % p.stderr)
+        return int(m.group(1))
+    text, i = "Once", 0
+    while size(text) != blocks * 16:
+        check(i < 300, "no prompt of %d tokens" % (blocks * 16))
+        for j in range(len(words)):  # the first word that does not overshoot
+            cand = text + " " + words[(i + j) % len(words)]
+            if size(cand) <= blocks * 16:
+                text = cand
+                break
+        i += 1
+    return text
+
+
+def test_kv_blocks_stats_metrics_prefix():
+    blocks = {}
+    for kv in ("f32", "bf16", "int8"):
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        with Cluster(STORIES, 1, 1, coord_args=["--kv-cache-dtype", kv, "--kv-cache-memory", "1M",
+                                                "--http", "127.0.0.1:%d" % port]) as c:
+            st = json.loads(loom_json("stats", "--addr", c.addr).stdout)
+            check(st["kv_cache_dtype"] == kv, "Stats says KV %r, asked %s" % (st["kv_cache_dtype"], kv))
+            blocks[kv] = st["kv_blocks_total"]
+            # stories260K: 5 layers, 4 KV heads of 8, block 16: K and V per block
+            per_head = {"f32": 32, "bf16": 16, "int8": 12}[kv]
+            check(st["kv_block_bytes"] == 2 * 5 * 16 * 4 * per_head, "block bytes %d" % st["kv_block_bytes"])
+            check(blocks[kv] == 1000000 // st["kv_block_bytes"], "%s: %d blocks" % (kv, blocks[kv]))
+            text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10).read().decode()
+            check('loom_kv_cache_blocks_total{model_name="stories260K"} %d' % blocks[kv] in text,
+                  "/metrics lacks the block count %d" % blocks[kv])
+            check('dtype="%s",block_size="16"} 1' % kv in text, "/metrics lacks loom_kv_cache_info for %s" % kv)
+            if kv == "int8":
+                prompt = prompt_of_blocks(2, kv)
+                _, want = run_local(STORIES, prompt, 24, extra=["--ignore-eos", "--kv-cache-dtype", kv])
+                for i in range(3):  # the 2nd and 3rd find both blocks cached and copy the last one
+                    rc, _, ids, err = c.generate(prompt, 24, extra=["--ignore-eos"])
+                    check(rc == 0 and ids == want, "int8 KV, request %d: ids %s, loom run %s (%s)" %
+                          (i, ids, want, err))
+                st = json.loads(loom_json("stats", "--addr", c.addr).stdout)
+                check(st["prefix_cache_hits"] >= 4, "prefix cache hits %d" % st["prefix_cache_hits"])
+    print("  KV blocks in 1 MB: %s" % blocks, flush=True)
+    check(blocks["bf16"] >= 2 * blocks["f32"], "bf16 %d blocks vs f32 %d" % (blocks["bf16"], blocks["f32"]))
+    check(blocks["int8"] > 2.5 * blocks["f32"], "int8 %d blocks vs f32 %d" % (blocks["int8"], blocks["f32"]))
+
+
+def test_kv_dtype_errors():
+    p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--kv-cache-dtype", "q4"],
+                       capture_output=True, text=True, timeout=30)
+    check(p.returncode == 2 and "--kv-cache-dtype" in p.stderr, "coordinator took q4: %s" % p.stderr)
+    p = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", STORIES, "--prompt", "Hi", "--kv-cache-dtype",
+                        "fp8"], capture_output=True, text=True, timeout=30)
+    check(p.returncode != 0 and "no fp8 KV cache" in p.stderr, "loom run on cpu took fp8: %s" % p.stderr)
+    # a CPU grid asked for fp8: the worker refuses its shard, the coordinator logs why
+    c = Cluster(STORIES, 1, 1, coord_args=["--kv-cache-dtype", "fp8"], timeout=10)
+    try:
+        c.start()
+        c.stop()
+        raise Failure("a CPU grid started with an fp8 KV cache")
+    except Failure as e:
+        if "started" in str(e):
+            raise
+    finally:
+        c.stop()
+        log = c.log("coordinator")
+        shutil.rmtree(c.run_dir, ignore_errors=True)
+    check("no fp8 KV cache (it has f32, bf16, int8)" in log, "no clear error in the log:\n%s" % log[-2000:])
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_stories260k_grids, test_random_gqa_grids, test_qwen2_bias_grids, test_quantized_grids,
-               test_quantized_grid_misaligned])
+               test_quantized_grid_misaligned, test_kv_dtype_grids, test_kv_blocks_stats_metrics_prefix,
+               test_kv_dtype_errors])

@@ -475,42 +475,163 @@ static void test_rope(void) {
     }
 }
 
+/* --- KV cache ---------------------------------------------------------- */
+
+static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_I8};
+
+/* A KV cache of n_slots token rows (nkv heads of hd) in dt, host memory. */
+typedef struct test_kv {
+    loom_kv_layer_t kv;
+    size_t elems, heads;
+} test_kv_t;
+
+static test_kv_t test_kv_alloc(loom_dtype_t dt, size_t n_slots, int nkv, int hd) {
+    test_kv_t c = {.kv.dtype = dt, .elems = n_slots * nkv * hd, .heads = n_slots * nkv};
+    size_t es = loom_dtype_size(dt);
+    c.kv.k = loom_aligned_alloc(c.elems * es + 64);
+    c.kv.v = loom_aligned_alloc(c.elems * es + 64);
+    if (!c.kv.k || !c.kv.v) abort();
+    if (dt == LOOM_DT_I8) {
+        c.kv.k_scale = alloc_f(c.heads);
+        c.kv.v_scale = alloc_f(c.heads);
+    }
+    return c;
+}
+
+static void test_kv_free(test_kv_t *c) {
+    loom_aligned_free(c->kv.k);
+    loom_aligned_free(c->kv.v);
+    loom_aligned_free(c->kv.k_scale);
+    loom_aligned_free(c->kv.v_scale);
+}
+
+/* Reference narrowing of one head's row (hd floats), written here:
+ * bf16 round-to-nearest-even, int8 absmax/127 with rounding half away from
+ * zero (ties are measure-zero on random data). NaN rows (unwritten slots)
+ * become bf16 NaN, or codes 0 with a NaN scale. */
+static void ref_store(loom_dtype_t dt, void *codes, float *scale, const float *x, int hd) {
+    if (dt == LOOM_DT_F32) {
+        memcpy(codes, x, (size_t)hd * sizeof(float));
+    } else if (dt == LOOM_DT_BF16) {
+        for (int d = 0; d < hd; d++)
+            ((uint16_t *)codes)[d] = isnan(x[d]) ? 0x7fc0 : loom_f32_to_bf16(x[d]);
+    } else {
+        double amax = 0;
+        for (int d = 0; d < hd; d++)
+            amax = fmax(amax, fabs((double)x[d]));
+        *scale = isnan(x[0]) ? NAN : (float)(amax / 127.0);
+        for (int d = 0; d < hd; d++)
+            ((int8_t *)codes)[d] =
+                isnan(x[0]) || amax == 0 ? 0 : (int8_t)lround((double)x[d] * 127.0 / amax);
+    }
+}
+
+/* Element e of a cache as float32 (the value the kernels compute with). */
+static float kv_value(const loom_kv_layer_t *kv, int is_v, size_t e, int hd) {
+    const void *c = is_v ? kv->v : kv->k;
+    if (kv->dtype == LOOM_DT_F32) return ((const float *)c)[e];
+    if (kv->dtype == LOOM_DT_BF16) return loom_bf16_to_f32(((const uint16_t *)c)[e]);
+    const float *sc = is_v ? kv->v_scale : kv->k_scale;
+    return sc[e / (size_t)hd] * (float)((const int8_t *)c)[e];
+}
+
+/* kv_write into every dtype: F32 exact; BF16 the nearest-even rounding; I8
+ * codes within one step of the reference (float vs double rounding) and
+ * the value within half a step (scale / 2) of the input; unwritten slots
+ * keep their sentinel. */
 static void test_kv_write(void) {
     unsigned long long st = 9;
-    static const int kv_dims[] = {1, 13, 256};
+    static const int shapes[][2] = {{1, 1}, {1, 13}, {3, 7}, {4, 64}}; /* nkv, hd */
     for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
         loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
         REQUIRE(be);
-        for (size_t a = 0; a < LOOM_ARRAY_LEN(kv_dims); a++) {
-            const int kv_dim = kv_dims[a], B = 3, n_blocks = 50, n = 70, stride = 3 * kv_dim + 2;
-            size_t csz = (size_t)n_blocks * B * kv_dim;
-            float *kc = alloc_f(csz), *vc = alloc_f(csz), *kr = alloc_f(csz), *vr = alloc_f(csz);
-            float *k = alloc_f((size_t)n * stride), *v = alloc_f((size_t)n * stride);
-            int32_t slots[70];
-            for (size_t i = 0; i < csz; i++)
-                kc[i] = vc[i] = kr[i] = vr[i] = -7.0f;
-            fill(k, (size_t)n * stride, &st, 1.0f);
-            fill(v, (size_t)n * stride, &st, 1.0f);
-            for (int i = 0; i < n; i++)
-                slots[i] = (int32_t)((i * 61 + 5) % (n_blocks * B));
-            for (int i = 0; i < n; i++) {
-                memcpy(kr + (int64_t)slots[i] * kv_dim, k + (int64_t)i * stride,
-                       kv_dim * sizeof(float));
-                memcpy(vr + (int64_t)slots[i] * kv_dim, v + (int64_t)i * stride,
-                       kv_dim * sizeof(float));
+        for (size_t di = 0; di < LOOM_ARRAY_LEN(k_kv_dts); di++)
+            for (size_t a = 0; a < LOOM_ARRAY_LEN(shapes); a++) {
+                const loom_dtype_t dt = k_kv_dts[di];
+                const int nkv = shapes[a][0], hd = shapes[a][1], kv_dim = nkv * hd;
+                const int B = 3, n_blocks = 50, n = 70, stride = 3 * kv_dim + 2;
+                const size_t n_slots = (size_t)n_blocks * B, es = loom_dtype_size(dt);
+                test_kv_t c = test_kv_alloc(dt, n_slots, nkv, hd);
+                memset(c.kv.k, 0x5a, c.elems * es);
+                memset(c.kv.v, 0x5a, c.elems * es);
+                for (size_t h = 0; dt == LOOM_DT_I8 && h < c.heads; h++)
+                    c.kv.k_scale[h] = c.kv.v_scale[h] = -7.0f;
+                float *k = alloc_f((size_t)n * stride), *v = alloc_f((size_t)n * stride);
+                fill(k, (size_t)n * stride, &st, 1.0f);
+                fill(v, (size_t)n * stride, &st, 1.0f);
+                for (int e = 0; e < hd; e++) /* an all-zero head: scale 0, codes 0 */
+                    k[e] = 0.0f;
+                int32_t slots[70];
+                char *written = calloc(n_slots, 1);
+                for (int i = 0; i < n; i++) {
+                    slots[i] = i % 11 == 4 ? -1 : (int32_t)((i * 61 + 5) % (int)n_slots);
+                    if (slots[i] >= 0) written[slots[i]] = 1;
+                }
+                loom_op_kv_write(be, &c.kv, k, v, stride, slots, n, nkv, hd);
+                int bad = 0;
+                for (int i = 0; i < n && bad < 5; i++) {
+                    if (slots[i] < 0) continue;
+                    for (int h = 0; h < nkv; h++)
+                        for (int isv = 0; isv < 2; isv++) {
+                            const float *x = (isv ? v : k) + (int64_t)i * stride + h * hd;
+                            const size_t e0 = ((size_t)slots[i] * nkv + h) * hd;
+                            char want[256];
+                            float wscale = 0.0f;
+                            ref_store(dt, want, &wscale, x, hd);
+                            const char *got = (const char *)(isv ? c.kv.v : c.kv.k) + e0 * es;
+                            if (dt == LOOM_DT_I8) {
+                                const float sc = (isv ? c.kv.v_scale : c.kv.k_scale)[e0 / hd];
+                                if (!(fabsf(sc - wscale) <= 1e-6f * wscale)) bad++;
+                                for (int d = 0; d < hd; d++) {
+                                    int dq = (int8_t)got[d] - (int8_t)want[d];
+                                    float val = kv_value(&c.kv, isv, e0 + d, hd);
+                                    if (dq < -1 || dq > 1 ||
+                                        !(fabsf(val - x[d]) <= 0.5001f * wscale))
+                                        bad++;
+                                }
+                            } else if (memcmp(got, want, (size_t)hd * es)) {
+                                bad++;
+                            }
+                        }
+                }
+                for (size_t sl = 0; sl < n_slots && !bad; sl++) {
+                    if (written[sl]) continue;
+                    const unsigned char *kb = (const unsigned char *)c.kv.k + sl * kv_dim * es;
+                    for (size_t b = 0; b < (size_t)kv_dim * es; b++)
+                        if (kb[b] != 0x5a) bad++;
+                    if (dt == LOOM_DT_I8 && c.kv.v_scale[sl * nkv] != -7.0f) bad++;
+                }
+                CHECKF(!bad, "kv_write %s t%d nkv%d hd%d: %d mismatches", loom_kv_dtype_name(dt),
+                       k_threads[t], nkv, hd, bad);
+                if (dt == LOOM_DT_I8) CHECK(c.kv.k_scale[(size_t)slots[0] * nkv] == 0.0f);
+                free(written);
+                free(k);
+                free(v);
+                test_kv_free(&c);
             }
-            loom_op_kv_write(be, kc, vc, k, v, stride, slots, n, kv_dim);
-            test_allclose("kv_write k", kc, kr, (long)csz, 0, 0);
-            test_allclose("kv_write v", vc, vr, (long)csz, 0, 0);
-            free(kc);
-            free(vc);
-            free(kr);
-            free(vr);
-            free(k);
-            free(v);
-        }
         loom_backend_destroy(&be);
     }
+}
+
+static void test_kv_dtypes(void) {
+    loom_dtype_t dt;
+    CHECK(loom_kv_dtype_parse("bf16", &dt) && dt == LOOM_DT_BF16);
+    CHECK(loom_kv_dtype_parse("int8", &dt) && dt == LOOM_DT_I8);
+    CHECK(loom_kv_dtype_parse("fp8", &dt) && dt == LOOM_DT_F8_E4M3);
+    CHECK(!loom_kv_dtype_parse("auto", &dt) && !loom_kv_dtype_parse("f16", &dt));
+    CHECK(loom_kv_head_bytes(LOOM_DT_F32, 64) == 256 &&
+          loom_kv_head_bytes(LOOM_DT_BF16, 64) == 128);
+    CHECK(loom_kv_head_bytes(LOOM_DT_I8, 64) == 68);
+    loom_backend_t *be = make_backend(1, LOOM_DT_F32);
+    REQUIRE(be);
+    loom_err_t err = {0};
+    CHECK(loom_backend_kv_resolve(be, "auto", &dt, &err) == LOOM_OK && dt == LOOM_DT_F32);
+    CHECK(loom_backend_kv_resolve(be, "int8", &dt, &err) == LOOM_OK && dt == LOOM_DT_I8);
+    CHECK(loom_backend_kv_resolve(be, "fp8", &dt, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECK(strstr(err.msg, "fp8") && strstr(err.msg, "int8"));
+    CHECK(loom_backend_kv_resolve(be, "q4", &dt, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(!loom_backend_kv_supported(be, LOOM_DT_F8_E4M3));
+    loom_backend_destroy(&be);
 }
 
 /* --- attention --------------------------------------------------------- */
@@ -556,7 +677,12 @@ static void naive_attention(float *out, int out_stride, const float *q, int q_st
     free(sc);
 }
 
-static int run_attention_case(loom_backend_t *be, const struct attn_case *c,
+/* Attention over a cache in dt: against the double-precision loop on the
+ * cache's own float32 values (the kernel's arithmetic; f32 tolerance), and
+ * for BF16 / I8 against the loop on the unrounded values with the dtype's
+ * tolerance (atol = rtol = 2e-2 for bf16, 4e-2 for int8; inputs in [-1, 1],
+ * q in [-2, 2]). */
+static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loom_dtype_t dt,
                               unsigned long long *st) {
     const int nh = c->nh, nkv = c->nkv, hd = c->hd, B = c->B, kv_dim = nkv * hd;
     int max_blocks = 0, total_blocks = 0, n = 0;
@@ -616,7 +742,23 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c,
     for (int r = 0; r < n; r++) /* the head region must be written */
         poison(out + (int64_t)r * out_stride, (size_t)nh * hd);
     float scale = 1.0f / sqrtf((float)hd);
-    naive_attention(ref, out_stride, q, q_stride, kc, vc, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
+    test_kv_t qc = test_kv_alloc(dt, (size_t)n_blocks * B, nkv, hd);
+    float *kd = alloc_f(csz), *vd = alloc_f(csz), *ref32 = alloc_f((size_t)n * out_stride);
+    const size_t es = loom_dtype_size(dt);
+    for (size_t h = 0; h < qc.heads; h++) {
+        ref_store(dt, (char *)qc.kv.k + h * hd * es, dt == LOOM_DT_I8 ? qc.kv.k_scale + h : NULL,
+                  kc + h * hd, hd);
+        ref_store(dt, (char *)qc.kv.v + h * hd * es, dt == LOOM_DT_I8 ? qc.kv.v_scale + h : NULL,
+                  vc + h * hd, hd);
+    }
+    for (size_t e = 0; e < csz; e++) {
+        kd[e] = kv_value(&qc.kv, 0, e, hd);
+        vd[e] = kv_value(&qc.kv, 1, e, hd);
+    }
+    memcpy(ref32, ref, (size_t)n * out_stride * sizeof(float));
+    naive_attention(ref, out_stride, q, q_stride, kd, vd, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
+                    max_blocks, scale);
+    naive_attention(ref32, out_stride, q, q_stride, kc, vc, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
                     max_blocks, scale);
     loom_attn_args_t a = {.n = n,
                           .n_heads = nh,
@@ -627,8 +769,7 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c,
                           .q_stride = q_stride,
                           .out = out,
                           .out_stride = out_stride,
-                          .k_cache = kc,
-                          .v_cache = vc,
+                          .kv = qc.kv,
                           .block_size = B,
                           .tok_seq = tok_seq,
                           .tok_pos = tok_pos,
@@ -637,9 +778,18 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c,
                           .max_ctx = max_ctx};
     loom_op_attention(be, &a);
     char what[96];
-    snprintf(what, sizeof what, "attention t%d nh%d nkv%d hd%d B%d n%d ctx%d",
-             loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx);
+    snprintf(what, sizeof what, "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d",
+             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx);
     int ok = test_allclose(what, out, ref, (long)n * out_stride, 1e-5, 1e-4);
+    if (dt != LOOM_DT_F32) {
+        const double tol = dt == LOOM_DT_BF16 ? 2e-2 : 4e-2;
+        strncat(what, " vs f32", sizeof what - strlen(what) - 1);
+        ok &= test_allclose(what, out, ref32, (long)n * out_stride, tol, tol);
+    }
+    test_kv_free(&qc);
+    free(kd);
+    free(vd);
+    free(ref32);
     free(perm);
     free(bt);
     free(kc);
@@ -658,32 +808,40 @@ static void test_attention(void) {
     for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
         loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
         REQUIRE(be);
-        for (size_t r = 0; r < LOOM_ARRAY_LEN(ratios); r++)
-            for (size_t b = 0; b < LOOM_ARRAY_LEN(Bs); b++)
-                for (size_t h = 0; h < LOOM_ARRAY_LEN(hds); h++) {
-                    /* decodes (1 token) mixed with prefill chunks, lengths 1..70 */
-                    struct attn_case c = {.nh = 2 * ratios[r],
-                                          .nkv = 2,
-                                          .hd = hds[h],
-                                          .B = Bs[b],
-                                          .n_seqs = 4,
-                                          .seq_len = {1, 37, 70, 9},
-                                          .new_toks = {1, 5, 1, 9}};
-                    run_attention_case(be, &c, &st);
-                }
-        /* One decode token and one KV head: the head split path. */
-        struct attn_case one = {
-            .nh = 4, .nkv = 1, .hd = 16, .B = 16, .n_seqs = 1, .seq_len = {50}, .new_toks = {1}};
-        run_attention_case(be, &one, &st);
-        /* A context longer than the preallocated scratch. */
-        struct attn_case lng = {.nh = 4,
-                                .nkv = 1,
-                                .hd = 8,
-                                .B = 16,
-                                .n_seqs = 2,
-                                .seq_len = {9000, 20},
-                                .new_toks = {1, 2}};
-        run_attention_case(be, &lng, &st);
+        for (size_t di = 0; di < LOOM_ARRAY_LEN(k_kv_dts); di++) {
+            const loom_dtype_t dt = k_kv_dts[di];
+            for (size_t r = 0; r < LOOM_ARRAY_LEN(ratios); r++)
+                for (size_t b = 0; b < LOOM_ARRAY_LEN(Bs); b++)
+                    for (size_t h = 0; h < LOOM_ARRAY_LEN(hds); h++) {
+                        /* decodes (1 token) mixed with prefill chunks, lengths 1..70 */
+                        struct attn_case c = {.nh = 2 * ratios[r],
+                                              .nkv = 2,
+                                              .hd = hds[h],
+                                              .B = Bs[b],
+                                              .n_seqs = 4,
+                                              .seq_len = {1, 37, 70, 9},
+                                              .new_toks = {1, 5, 1, 9}};
+                        run_attention_case(be, &c, dt, &st);
+                    }
+            /* One decode token and one KV head: the head split path. */
+            struct attn_case one = {.nh = 4,
+                                    .nkv = 1,
+                                    .hd = 16,
+                                    .B = 16,
+                                    .n_seqs = 1,
+                                    .seq_len = {50},
+                                    .new_toks = {1}};
+            run_attention_case(be, &one, dt, &st);
+            /* A context longer than the preallocated scratch. */
+            struct attn_case lng = {.nh = 4,
+                                    .nkv = 1,
+                                    .hd = 8,
+                                    .B = 16,
+                                    .n_seqs = 2,
+                                    .seq_len = {9000, 20},
+                                    .new_toks = {1, 2}};
+            run_attention_case(be, &lng, dt, &st);
+        }
         loom_backend_destroy(&be);
     }
 }
@@ -740,6 +898,7 @@ int main(void) {
     RUN(test_silu_mul);
     RUN(test_embed_gather);
     RUN(test_rope);
+    RUN(test_kv_dtypes);
     RUN(test_kv_write);
     RUN(test_attention);
     RUN(test_sample_shard);
