@@ -137,9 +137,10 @@ static void host_free(void *p) {
     loom_aligned_free(p);
 }
 
-/* A 64-byte aligned weight array from the newest slab, or a new slab. */
+/* A 64-byte aligned weight array from the newest slab, or a new slab. An
+ * empty array still takes 64 bytes, so every array lies inside its slab. */
 static void *weight_alloc(cpu_backend_t *c, size_t bytes) {
-    bytes = (bytes + 63) & ~(size_t)63;
+    bytes = bytes ? (bytes + 63) & ~(size_t)63 : 64;
     wslab_t *s = c->slabs;
     if (!s || s->size - s->used < bytes) {
         size_t size = LOOM_MAX(WSLAB_BYTES, (bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN);

@@ -172,6 +172,13 @@ static void test_weight_slabs(void) {
         for (int i = 0; i < NW; i++)
             if (i % 3) loom_weight_free(be, &w[i]);
     }
+    /* empty weights (a rank's share can be 0 rows) between two others */
+    loom_weight_t e[3];
+    REQUIRE(loom_weight_upload(be, &e[0], 3, cols, y, NULL) == LOOM_OK);
+    REQUIRE(loom_weight_upload(be, &e[1], 0, cols, y, NULL) == LOOM_OK);
+    REQUIRE(loom_weight_upload(be, &e[2], 3, cols, y, NULL) == LOOM_OK);
+    CHECK(e[1].data != e[0].data && e[1].data != e[2].data);
+    for (int i = 0; i < 3; i++) loom_weight_free(be, &e[i]);
     loom_aligned_free(x);
     loom_aligned_free(y);
     loom_backend_destroy(&be);
