@@ -67,7 +67,7 @@
  * and madvise(MADV_HUGEPAGE)'d, so that weights smaller than a huge page
  * (a quantized layer's matrices, 0.3-3 MB on the ~125M model) are streamed
  * through huge pages too: with 4 KiB pages the quantized decode passes ran
- * 20-30 % slower (docs/kernels-cpu.md). A slab's untouched tail costs
+ * 10-25 % slower (docs/kernels-cpu.md). A slab's untouched tail costs
  * address space only. */
 #ifndef WSLAB_BYTES
 #define WSLAB_BYTES ((size_t)32 << 20)
