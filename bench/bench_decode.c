@@ -3,8 +3,11 @@
  * batch-1 decode is memory-bound, so MBU = weight bytes per token x tokens/s
  * over the triad bandwidth says how close the engine is to the roofline.
  *
+ * Every scheme is loaded first and the runs interleave round by round, a
+ * triad after each round, so ratios compare schemes under the same load.
+ *
  *   bench_decode --model DIR [--threads 2] [--prompt 256] [--tokens 64] [--dtype f32]
- *                [--quantization none,int8,q4] */
+ *                [--quantization none,int8,q4] [--reps 5] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,52 +18,58 @@
 #include "common/util.h"
 #include "worker/local.h"
 
+enum { MAX_SCHEMES = 8, MAX_REPS = 100 };
+
 typedef struct result {
     char scheme[24];
-    double prefill, decode, wbytes, achieved;
+    loom_local_t *l;
+    double wbytes;                  /* bytes a decoded token reads */
+    double prefill[MAX_REPS], decode[MAX_REPS]; /* tok/s per round */
 } result_t;
 
-/* Loads the model with one quantization scheme and measures the best of
- * `reps` prefill + decode runs. */
-static int measure(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt,
-                   const char *kv_cache_dtype, int threads, int n_prompt, int n_gen, int reps, result_t *res,
-                   const loom_model_config_t **cfg_out,
-                   loom_local_t **l_out) {
+static int cmp_desc(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x < y) - (x > y);
+}
+
+/* Best (first) and median of v[0..n), sorted in place, highest first. */
+static void best_median(double *v, int n, double *best, double *median) {
+    qsort(v, (size_t)n, sizeof *v, cmp_desc);
+    *best = v[0];
+    *median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Loads the model with one quantization scheme (quantized on load). */
+static int open_scheme(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt,
+                       const char *kv_cache_dtype, int threads, int n_prompt, int n_gen, result_t *res) {
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .n_threads = threads, .chunk = n_prompt,
                                .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .quant = *q, .no_tokenizer = 1,
                                .kv_cache_dtype = kv_cache_dtype};
-    loom_local_t *l = NULL;
-    if (loom_local_open(&lo, &l, &err) < 0) {
+    if (loom_local_open(&lo, &res->l, &err) < 0) {
         fprintf(stderr, "bench_decode: %s: %s\n", scheme, err.msg);
         return 1;
     }
-    const loom_model_config_t *c = loom_local_config(l);
-    int32_t *prompt = loom_xmalloc((size_t)n_prompt * sizeof *prompt);
-    for (int i = 0; i < n_prompt; i++) prompt[i] = 3 + (int32_t)((i * 7919u) % (unsigned)(c->vocab_size - 3));
+    const loom_model_config_t *c = loom_local_config(res->l);
     /* Bytes streamed per decoded token: every matmul weight (codes, scales
      * and mins as stored) and norm once; of the embedding only one row. */
     double norms = (2.0 * c->n_layers + 1) * c->dim * 4.0;
-    res->wbytes = (double)loom_model_matmul_bytes(loom_local_model(l)) + norms;
+    res->wbytes = (double)loom_model_matmul_bytes(loom_local_model(res->l)) + norms;
     snprintf(res->scheme, sizeof res->scheme, "%.23s", scheme);
-    res->prefill = res->decode = 0;
+    return 0;
+}
+
+/* One prefill + decode run of a loaded scheme, into round `rep`. */
+static int run_once(result_t *res, const int32_t *prompt, int n_prompt, int n_gen, int rep) {
+    loom_err_t err = {0};
     loom_sampling_t greedy = {.temperature = 0};
-    for (int rep = 0; rep < reps; rep++) {
-        loom_gen_stats_t st;
-        if (loom_local_generate(l, prompt, n_prompt, n_gen, &greedy, 1, NULL, NULL, NULL, &st, &err) < 0) {
-            fprintf(stderr, "bench_decode: %s\n", err.msg);
-            free(prompt);
-            loom_local_close(&l);
-            return 1;
-        }
-        double pre = st.prompt_tokens / st.prefill_s, dec = (st.gen_tokens - 1) / st.decode_s;
-        if (pre > res->prefill) res->prefill = pre;
-        if (dec > res->decode) res->decode = dec;
+    loom_gen_stats_t st;
+    if (loom_local_generate(res->l, prompt, n_prompt, n_gen, &greedy, 1, NULL, NULL, NULL, &st, &err) < 0) {
+        fprintf(stderr, "bench_decode: %s: %s\n", res->scheme, err.msg);
+        return 1;
     }
-    res->achieved = res->wbytes * res->decode / 1e9;
-    free(prompt);
-    *cfg_out = c;
-    *l_out = l;
+    res->prefill[rep] = st.prompt_tokens / st.prefill_s;
+    res->decode[rep] = (st.gen_tokens - 1) / st.decode_s;
     return 0;
 }
 
@@ -68,13 +77,13 @@ int main(int argc, char **argv) {
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL, *schemes = "none";
     const char *kv_cache_dtype = "auto";
-    int threads = 2, n_prompt = 256, n_gen = 64, reps = 3;
+    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (e.g. from tests/reference/gen_model.py)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default 2)", 1, 256, NULL},
         {"prompt", LOOM_OPT_INT, &n_prompt, "N", "prompt tokens for the prefill measurement (default 256)", 1, 1e6, NULL},
         {"tokens", LOOM_OPT_INT, &n_gen, "N", "decode tokens (default 64)", 2, 1e6, NULL},
-        {"reps", LOOM_OPT_INT, &reps, "N", "repetitions, best is reported (default 3)", 1, 100, NULL},
+        {"reps", LOOM_OPT_INT, &reps, "N", "interleaved rounds over all schemes, best and median are reported (default 5)", 1, MAX_REPS, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage f32, bf16, f16 (default f32)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &schemes, "LIST", "comma-separated schemes measured in this run, each against the first, e.g. none,int8,q4 (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (default auto)", 1, 0, NULL},
@@ -89,7 +98,6 @@ int main(int argc, char **argv) {
         return 2;
     }
     loom_dtype_t wdt = !strcmp(dtype, "bf16") ? LOOM_DT_BF16 : !strcmp(dtype, "f16") ? LOOM_DT_F16 : LOOM_DT_F32;
-    enum { MAX_SCHEMES = 8 };
     char names[MAX_SCHEMES][24];
     loom_quant_spec_t specs[MAX_SCHEMES];
     int n = 0;
@@ -109,43 +117,73 @@ int main(int argc, char **argv) {
         p += len + (p[len] == ',');
     }
     loom_log_set_level(LOOM_LOG_WARN);
-    result_t res[MAX_SCHEMES];
-    const loom_model_config_t *c = NULL;
-    loom_local_t *l = NULL;
-    double params = 0;
+    if (reps > MAX_REPS) reps = MAX_REPS;
+    /* Every scheme is loaded first and the runs are interleaved round by
+     * round, with a triad after each round, so the machine's load drifts
+     * over all schemes alike; best and median are reported. */
+    static result_t res[MAX_SCHEMES];
+    double triad[MAX_REPS];
+    int rc = 1;
+    for (int i = 0; i < n; i++)
+        if (open_scheme(model, names[i], &specs[i], wdt, kv_cache_dtype, threads, n_prompt, n_gen, &res[i])) goto out;
+    const loom_model_config_t *c = loom_local_config(res[0].l);
+    int32_t *prompt = loom_xmalloc((size_t)n_prompt * sizeof *prompt);
+    for (int i = 0; i < n_prompt; i++) prompt[i] = 3 + (int32_t)((i * 7919u) % (unsigned)(c->vocab_size - 3));
+    for (int i = 0; i < n; i++) /* warm-up: first touch of weights, caches, scratch */
+        if (run_once(&res[i], prompt, n_prompt, n_gen, 0)) goto out_prompt;
+    for (int rep = 0; rep < reps; rep++) {
+        for (int i = 0; i < n; i++)
+            if (run_once(&res[i], prompt, n_prompt, n_gen, rep)) goto out_prompt;
+        triad[rep] = loom_bench_triad_gbs(threads);
+    }
+    /* matmul parameters: two FLOPs each per token */
+    double qkv = (double)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim * c->dim;
+    double o = (double)c->n_heads * c->head_dim * c->dim, mlp = 3.0 * c->dim * c->hidden_dim;
+    double params = c->n_layers * (qkv + o + mlp) + (double)c->vocab_size * c->dim;
+    double tr_best, tr_med;
+    best_median(triad, reps, &tr_best, &tr_med);
+    printf("model: %s (%.1fM matmul parameters, dim %d, %d layers, %d/%d heads, vocab %d), %s, %d threads\n"
+           "%d interleaved rounds; triad best %.2f GB/s, median %.2f GB/s; ratios and MBU: best vs best "
+           "(median vs median)\n",
+           model, params / 1e6, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->vocab_size, dtype, threads, reps,
+           tr_best, tr_med);
     FILE *jf = json ? fopen(json, "w") : NULL;
     if (jf) fprintf(jf, "[");
+    double pre0[2] = {0}, dec0[2] = {0};
     for (int i = 0; i < n; i++) {
-        if (measure(model, names[i], &specs[i], wdt, kv_cache_dtype, threads, n_prompt, n_gen, reps, &res[i], &c, &l)) return 1;
-        /* the triad right after each scheme: the machine's load drifts during a run */
-        double triad = loom_bench_triad_gbs(threads);
-        if (i == 0) {
-            /* matmul parameters: two FLOPs each per token */
-            double qkv = (double)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim * c->dim;
-            double o = (double)c->n_heads * c->head_dim * c->dim, mlp = 3.0 * c->dim * c->hidden_dim;
-            params = c->n_layers * (qkv + o + mlp) + (double)c->vocab_size * c->dim;
-            printf("model: %s (%.1fM matmul parameters, dim %d, %d layers, %d/%d heads, vocab %d), %s, %d threads\n",
-                   model, params / 1e6, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->vocab_size, dtype,
-                   threads);
-        }
         result_t *x = &res[i];
-        printf("%-10s prefill %8.1f tok/s (%6.1f GFLOP/s, %.2fx)  decode %7.2f tok/s (%.2fx), %7.1f MB/token, "
-               "%6.2f GB/s, triad %.2f GB/s, MBU %.2f\n",
-               x->scheme, x->prefill, x->prefill * 2.0 * params / 1e9, x->prefill / res[0].prefill, x->decode,
-               x->decode / res[0].decode, x->wbytes / 1e6, x->achieved, triad, x->achieved / triad);
+        double pre, pre_med, dec, dec_med;
+        best_median(x->prefill, reps, &pre, &pre_med);
+        best_median(x->decode, reps, &dec, &dec_med);
+        if (i == 0) {
+            pre0[0] = pre, pre0[1] = pre_med;
+            dec0[0] = dec, dec0[1] = dec_med;
+        }
+        double gbs = x->wbytes * dec / 1e9, gbs_med = x->wbytes * dec_med / 1e9;
+        printf("%-10s prefill %7.1f (%7.1f) tok/s %6.1f GFLOP/s %.2fx (%.2fx)  decode %7.2f (%7.2f) tok/s "
+               "%.2fx (%.2fx)  %6.1f MB/token %6.2f GB/s  MBU %.2f (%.2f)\n",
+               x->scheme, pre, pre_med, pre * 2.0 * params / 1e9, pre / pre0[0], pre_med / pre0[1], dec, dec_med,
+               dec / dec0[0], dec_med / dec0[1], x->wbytes / 1e6, gbs, gbs / tr_best, gbs_med / tr_med);
         if (jf)
             fprintf(jf,
-                    "%s{\"model\":\"%s\",\"dtype\":\"%s\",\"quantization\":\"%s\",\"threads\":%d,"
-                    "\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"weight_bytes_per_token\":%.0f,"
-                    "\"achieved_gbs\":%.3f,\"triad_gbs\":%.3f,\"mbu\":%.4f,\"prefill_ratio\":%.4f,"
-                    "\"decode_ratio\":%.4f}",
-                    i ? "," : "", model, dtype, x->scheme, threads, x->prefill, x->decode, x->wbytes, x->achieved,
-                    triad, x->achieved / triad, x->prefill / res[0].prefill, x->decode / res[0].decode);
-        loom_local_close(&l);
+                    "%s{\"model\":\"%s\",\"dtype\":\"%s\",\"quantization\":\"%s\",\"threads\":%d,\"rounds\":%d,"
+                    "\"prefill_tok_s\":%.3f,\"prefill_tok_s_median\":%.3f,\"decode_tok_s\":%.3f,"
+                    "\"decode_tok_s_median\":%.3f,\"weight_bytes_per_token\":%.0f,\"achieved_gbs\":%.3f,"
+                    "\"triad_gbs\":%.3f,\"triad_gbs_median\":%.3f,\"mbu\":%.4f,\"mbu_median\":%.4f,"
+                    "\"prefill_ratio\":%.4f,\"prefill_ratio_median\":%.4f,\"decode_ratio\":%.4f,"
+                    "\"decode_ratio_median\":%.4f}",
+                    i ? "," : "", model, dtype, x->scheme, threads, reps, pre, pre_med, dec, dec_med, x->wbytes, gbs,
+                    tr_best, tr_med, gbs / tr_best, gbs_med / tr_med, pre / pre0[0], pre_med / pre0[1],
+                    dec / dec0[0], dec_med / dec0[1]);
     }
     if (jf) {
         fprintf(jf, "]\n");
         fclose(jf);
     }
-    return 0;
+    rc = 0;
+out_prompt:
+    free(prompt);
+out:
+    for (int i = 0; i < n; i++) loom_local_close(&res[i].l);
+    return rc;
 }

@@ -138,6 +138,52 @@ static void test_backend_basics(void) {
     CHECK(loom_backend_create(&cfg, &be, &err) == LOOM_ERR_UNSUPPORTED && be == NULL);
 }
 
+/* Weights share huge-page slabs: many small ones, one larger than a slab,
+ * freed in mixed order and re-uploaded, each keeping its own values (a
+ * matmul with x = e_c reads column c back). */
+static void test_weight_slabs(void) {
+    loom_backend_t *be = make_backend(2, LOOM_DT_F32);
+    REQUIRE(be);
+    enum { NW = 40 };
+    loom_weight_t w[NW];
+    const int cols = 64;
+    float *x = alloc_f((size_t)cols), *y = alloc_f(1 << 18);
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < NW; i++) {
+            /* weight 7 alone (9M floats, 36 MB) outgrows a 32 MiB slab */
+            const int rows = i == 7 ? (9 << 20) / cols : 1000 + 37 * i;
+            float *h = alloc_f((size_t)rows * cols);
+            for (int64_t k = 0; k < (int64_t)rows * cols; k++) h[k] = (float)(i * 1000 + round + k % cols);
+            REQUIRE(loom_weight_upload(be, &w[i], rows, cols, h, NULL) == LOOM_OK);
+            CHECK(((uintptr_t)w[i].data & 63) == 0);
+            loom_aligned_free(h);
+        }
+        for (int i = 0; i < NW; i += 3) loom_weight_free(be, &w[i]); /* every third first */
+        int bad = 0;
+        for (int i = 0; i < NW; i++) {
+            if (i % 3 == 0) continue;
+            for (int k = 0; k < cols; k++) x[k] = k == 5 ? 1.0f : 0.0f;
+            loom_op_matmul(be, y, x, &w[i], 1);
+            int rows = (int)w[i].rows;
+            if (rows > (1 << 18)) rows = 1 << 18; /* y holds the first rows */
+            if (y[0] != (float)(i * 1000 + round + 5) || y[rows - 1] != y[0]) bad++;
+        }
+        CHECK(bad == 0);
+        for (int i = 0; i < NW; i++)
+            if (i % 3) loom_weight_free(be, &w[i]);
+    }
+    /* empty weights (a rank's share can be 0 rows) between two others */
+    loom_weight_t e[3];
+    REQUIRE(loom_weight_upload(be, &e[0], 3, cols, y, NULL) == LOOM_OK);
+    REQUIRE(loom_weight_upload(be, &e[1], 0, cols, y, NULL) == LOOM_OK);
+    REQUIRE(loom_weight_upload(be, &e[2], 3, cols, y, NULL) == LOOM_OK);
+    CHECK(e[1].data != e[0].data && e[1].data != e[2].data);
+    for (int i = 0; i < 3; i++) loom_weight_free(be, &e[i]);
+    loom_aligned_free(x);
+    loom_aligned_free(y);
+    loom_backend_destroy(&be);
+}
+
 /* --- matmul ------------------------------------------------------------ */
 
 /* y = x · Wᵀ in double over the stored (rounded) weights when `round`. */
@@ -890,6 +936,7 @@ static void test_sample_shard(void) {
 int main(void) {
     RUN(test_threadpool);
     RUN(test_backend_basics);
+    RUN(test_weight_slabs);
     RUN(test_gemv_kernel);
     RUN(test_matmul);
     RUN(test_rmsnorm);
