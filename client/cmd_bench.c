@@ -1094,6 +1094,26 @@ static void gp_str(FILE *f, const char *s) {
     fputc('\'', f);
 }
 
+/* Opens the gnuplot script gp and writes its head: what it draws, a PNG
+ * terminal (cairo when there is one) and the output file png. */
+static FILE *open_gp_script(const char *gp, const char *png, const char *what) {
+    FILE *f = fopen(gp, "w");
+    if (!f) {
+        fprintf(stderr, "error: cannot write %s: %s\n", gp, strerror(errno));
+        return NULL;
+    }
+    fprintf(f, "# Draws %s.\n", what);
+    fputs("if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
+          "  set terminal pngcairo size 1200,480\n"
+          "} else {\n"
+          "  set terminal png size 1200,480\n"
+          "}\n"
+          "set output ",
+          f);
+    gp_str(f, png);
+    return f;
+}
+
 static int run_gnuplot(const char *png, const char *dat, char *gp);
 
 /* PNG without ".png", then ".dat" and ".gp" file names. */
@@ -1148,20 +1168,8 @@ static int write_stage_plot(const char *png, const rate_result_t *res, int n, co
     for (int k = 0; k < ST_COUNT; k++)
         fprintf(f, "%s %.6g %.6g\n", k_stage_names[k], last->stages[k].p50, last->stages[k].p99);
     fclose(f);
-    f = fopen(gp, "w");
-    if (!f) {
-        fprintf(stderr, "error: cannot write %s: %s\n", gp, strerror(errno));
-        return -1;
-    }
-    fputs("# Draws the server-side stage breakdown of loom bench requests.\n"
-          "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
-          "  set terminal pngcairo size 1200,480\n"
-          "} else {\n"
-          "  set terminal png size 1200,480\n"
-          "}\n"
-          "set output ",
-          f);
-    gp_str(f, png);
+    f = open_gp_script(gp, png, "the server-side stage breakdown of loom bench requests");
+    if (!f) return -1;
     char title[400];
     snprintf(title, sizeof title, "loom bench: where a request's time goes (%s)", model);
     fputs("\nset datafile missing 'nan'\nset multiplot layout 1,2 title ", f);
@@ -1209,20 +1217,8 @@ static int write_plot(const char *png, const rate_result_t *res, int n, const ch
                 r->tpot.p50, r->tpot.p99, r->e2e.p50, r->e2e.p99, r->out_tok_per_s, r->failed);
     }
     fclose(f);
-    f = fopen(gp, "w");
-    if (!f) {
-        fprintf(stderr, "error: cannot write %s: %s\n", gp, strerror(errno));
-        return -1;
-    }
-    fputs("# Draws loom bench latencies against the achieved request rate.\n"
-          "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
-          "  set terminal pngcairo size 1200,480\n"
-          "} else {\n"
-          "  set terminal png size 1200,480\n"
-          "}\n"
-          "set output ",
-          f);
-    gp_str(f, png);
+    f = open_gp_script(gp, png, "loom bench latencies against the achieved request rate");
+    if (!f) return -1;
     fputs("\nset datafile missing 'nan'\nset multiplot layout 1,2 title ", f);
     char title[400];
     snprintf(title, sizeof title, "loom bench: %s", model);
