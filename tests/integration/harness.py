@@ -5,6 +5,7 @@ deploy/local/launch.sh, so the launcher is tested too) on free ports in a
 private run directory, and always stops them, even when a test fails.
 Clients are the real `loom` command-line tool.
 """
+import json
 import os
 import shutil
 import signal
@@ -60,6 +61,33 @@ def sanitizer_reports(log_dir):
 def check(cond, what):
     if not cond:
         raise Failure(what)
+
+
+def wait_for(cond, timeout, what):
+    """Polls cond every 50 ms; fails the test when it is not true within timeout seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    check(cond(), "timed out waiting for " + what)
+
+
+def open_stream(port, body, key=None, events=3, timeout=30):
+    """Starts a streaming completion on a raw socket and reads until `events`
+    SSE events have arrived; returns the socket and what was read."""
+    data = json.dumps(dict(body, stream=True)).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loom\r\nContent-Type: application/json\r\n" + auth +
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    while got.count(b"data: ") < events:
+        b = s.recv(65536)
+        check(b, "stream closed early: %r" % got[-300:])
+        got += b
+    check(got.startswith(b"HTTP/1.1 200"), "stream answered %r" % got[:200])
+    return s, got
 
 
 class Cluster:

@@ -19,8 +19,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (BIN, STORIES, Etcd, Failure, check, free_port_pair, gen_model, generate, run_local,  # noqa: E402
-                     run_tests, sanitizer_reports)
+from harness import (BIN, STORIES, Etcd, Failure, check, free_port_pair, gen_model, generate,  # noqa: E402
+                     open_stream, run_local, run_tests, sanitizer_reports, wait_for)
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-drain")
 PROMPT = "Once upon a time"
@@ -31,14 +31,6 @@ def slow_model():
     return gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8", "--heads",
                      "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
 
-
-def wait_for(cond, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    check(cond(), "timed out waiting for " + what)
 
 
 class Procs:
@@ -126,20 +118,6 @@ def http_get(port, path, timeout=10):
     return r.status, data
 
 
-def open_stream(port, body, events=3):
-    """A streaming completion on a raw socket, read until `events` SSE events came."""
-    data = json.dumps(dict(body, stream=True)).encode()
-    s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loom\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(data) + data)
-    got = b""
-    while got.count(b"data: ") < events:
-        b = s.recv(65536)
-        check(b, "stream closed early: %r" % got[-300:])
-        got += b
-    check(got.startswith(b"HTTP/1.1 200"), "stream answered %r" % got[:200])
-    return s, got
-
 
 def read_to_end(s, got, timeout=60):
     s.settimeout(timeout)
@@ -180,7 +158,8 @@ def test_sigterm_drains():
         n = max(100, min(2000, int(64 / (time.time() - t0) * 3)))
         expect = run_local(model, PROMPT, n, extra=["--ignore-eos"])[1]
         zs = async_generate(addr, n)
-        hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0})
+        hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0},
+                              timeout=60)
         time.sleep(0.3)
         check(zs.poll() is None, "the ZeroMQ stream ended before SIGTERM")
         t0 = time.time()
@@ -218,7 +197,8 @@ def test_shutdown_timeout_cuts_streams():
         P.worker("w0", port)
         wait_ready(co)
         zs = async_generate(addr, 4000)
-        hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
+        hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature": 0},
+                              timeout=60)
         time.sleep(0.3)
         t0 = time.time()
         co.send_signal(signal.SIGTERM)

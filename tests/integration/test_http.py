@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, ROOT, STORIES, Cluster, check, gen_model, run_tests  # noqa: E402
+from harness import BIN, Cluster, ROOT, STORIES, check, gen_model, open_stream, run_tests, wait_for  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-http")
@@ -102,30 +102,6 @@ def wait_idle(addr, key=None, within=5.0):
         time.sleep(0.05)
 
 
-def wait_for(cond, within, what):
-    deadline = time.time() + within
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
-
-
-def open_stream(port, body, key=None, events=3):
-    """Starts a streaming completion on a raw socket and reads until `events`
-    SSE events have arrived; returns the socket and what was read."""
-    data = json.dumps(dict(body, stream=True)).encode()
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loom\r\nContent-Type: application/json\r\n" + auth +
-              b"Content-Length: %d\r\n\r\n" % len(data) + data)
-    got = b""
-    while got.count(b"data: ") < events:
-        b = s.recv(65536)
-        check(b, "stream closed early: %r" % got[-300:])
-        got += b
-    check(got.startswith(b"HTTP/1.1 200"), "stream answered %r" % got[:200])
-    return s, got
 
 
 def send_raw(port, body, key=None, path="/v1/completions"):

@@ -20,7 +20,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, Failure, check, gen_model, run_local, run_tests, sanitizer_reports  # noqa: E402
+from harness import BIN, Failure, check, gen_model, run_local, run_tests, sanitizer_reports, wait_for  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-netns")
 SKIP = 77
@@ -122,14 +122,6 @@ class Net:
     def link(self, host, up):
         sh("ip", "-n", self.sw, "link", "set", "v-" + host, "up" if up else "down")
 
-
-def wait_for(cond, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    check(cond(), "timed out waiting for " + what)
 
 
 def ids_of(err):
