@@ -120,22 +120,17 @@ uint8_t loom_f32_to_fp8_e4m3(float f) {
     float a = fabsf(f);
     if (isnan(f)) return 0x7f;
     if (a >= 448.0f) return sign | 0x7e; /* saturate to the largest finite */
-    /* Search the 127 non-negative finite codes: values are monotonic in the
-     * code, so binary search for the nearest, ties to the even code. */
-    int lo = 0, hi = 0x7e;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (loom_fp8_e4m3_to_f32((uint8_t)mid) <= a)
-            lo = mid;
-        else
-            hi = mid - 1;
+    int code;
+    if (a < ldexpf(1.0f, -6)) {
+        code = (int)rintf(a * 512.0f); /* subnormals: steps of 2^-9; 8 is the smallest normal */
+    } else {
+        int e;
+        float m = frexpf(a, &e); /* a = 2m * 2^(e-1), 2m in [1, 2) */
+        int k = (int)rintf((2.0f * m - 1.0f) * 8.0f), biased = e + 6;
+        code = (biased << 3) + k; /* k = 8 carries into the exponent */
     }
-    if (lo < 0x7e) {
-        float d0 = a - loom_fp8_e4m3_to_f32((uint8_t)lo);
-        float d1 = loom_fp8_e4m3_to_f32((uint8_t)(lo + 1)) - a;
-        if (d1 < d0 || (d1 == d0 && (lo & 1))) lo++;
-    }
-    return sign | (uint8_t)lo;
+    /* rintf rounds ties to even, and a code's parity is its mantissa's */
+    return sign | (uint8_t)(code > 0x7e ? 0x7e : code);
 }
 
 /* --- quantize / dequantize --------------------------------------------- */

@@ -60,6 +60,27 @@ static void test_fp8(void) {
     CHECK(loom_f32_to_fp8_e4m3(-1000.0f) == 0xfe);
     /* 1.0625 lies halfway between 1.0 (0x38) and 1.125 (0x39): ties to even. */
     CHECK(loom_f32_to_fp8_e4m3(1.0625f) == 0x38);
+    /* Against a search for the nearest code (ties to the even one) over a
+     * geometric sweep and every midpoint between neighbouring codes. */
+    int bad = 0;
+    for (float x = 1e-6f; x < 500.0f; x *= 1.0007f) {
+        float probes[3] = {x, 0.0f, 0.0f};
+        int np = 1;
+        if (x < 448.0f) {
+            uint8_t c = loom_f32_to_fp8_e4m3(x);
+            if (c < 0x7e) probes[np++] = 0.5f * (loom_fp8_e4m3_to_f32(c) + loom_fp8_e4m3_to_f32(c + 1));
+        }
+        for (int p = 0; p < np; p++) {
+            float a = probes[p], bd = INFINITY;
+            int best = 0x7e;
+            for (int c = 0; c <= 0x7e && a < 448.0f; c++) {
+                float d = fabsf(loom_fp8_e4m3_to_f32((uint8_t)c) - a);
+                if (d < bd || (d == bd && !(c & 1))) bd = d, best = c;
+            }
+            bad += loom_f32_to_fp8_e4m3(a) != best || loom_f32_to_fp8_e4m3(-a) != (0x80 | best);
+        }
+    }
+    CHECKF(bad == 0, "%d values round to another code than the nearest", bad);
 }
 
 /* Max |w - dequant(quant(w))| over the matrix, relative to the bound the
