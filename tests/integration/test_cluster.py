@@ -147,11 +147,19 @@ def test_spare_takes_over_with_defaults():
             log = c.log("coordinator")
             t = log_times(log, {"failure": "grid failure", "excluded": "excluded from the next plan",
                                 "spare": "worker spare registered", "ready": "grid restored"})
-            check(len(t) == 4, "missing failover steps in the coordinator log: %s" % sorted(t))
-            print("  failover: kill -> detected %.0f ms; then -> excluded %.0f ms, -> spare registered %.0f ms, "
-                  "-> serving again %.0f ms" % ((t["failure"] - t_kill) * 1e3, (t["excluded"] - t["failure"]) * 1e3,
-                                                (t["spare"] - t["failure"]) * 1e3, (t["ready"] - t["failure"]) * 1e3))
-            check(t["excluded"] - t["failure"] < 1.0, "the dead worker was not excluded at once")
+            check({"failure", "spare", "ready"} <= set(t), "missing failover steps in the coordinator log: %s"
+                  % sorted(t))
+            print("  failover: kill -> detected %.0f ms; then -> spare registered %.0f ms, -> serving again %.0f ms"
+                  % ((t["failure"] - t_kill) * 1e3, (t["spare"] - t["failure"]) * 1e3,
+                     (t["ready"] - t["failure"]) * 1e3))
+            # The data plane usually reports the death first, and the member it
+            # names is probed and excluded at once; when the heartbeat timeout
+            # finds it first, it is already out of the grid.
+            if "excluded" in t:
+                print("  data plane reported it: excluded after %.0f ms" % ((t["excluded"] - t["failure"]) * 1e3))
+                check(t["excluded"] - t["failure"] < 1.0, "the dead worker was not excluded at once")
+            else:
+                check("missed heartbeats" in log, "no exclusion and no heartbeat loss in the coordinator log")
             rc, _, ids, err = c.generate("Once upon a time", 16, extra=["--ignore-eos"])
             check(rc == 0 and ids == expect[:16], "a new request after the failover: %s" % err)
         finally:
