@@ -1,20 +1,34 @@
 /* Paged GQA attention (see attention.h). Per task, block by block of the
  * sequence's block table: pass 1 computes the scaled scores q·k of every
- * cached position [0, pos] for each query head of the task into scratch,
- * four keys at a time; a numerically stable softmax follows (subtract the
- * max, exp, sum); pass 2 accumulates the value rows weighted by the
- * unnormalised probabilities, one KV block (B rows, in L1) at a time, and
- * divides by the sum at the end. Each K and V row is read from memory once
- * per task, for all its heads.
- * A BF16 or I8 cache is widened to float32 one block of this KV head at a
- * time (B x hd floats in the task's scratch, in L1), so the f32 loops run
- * unchanged on half or a quarter of the bytes.
+ * cached position [0, pos] for each query head of the task into scratch;
+ * a numerically stable softmax follows (subtract the max, exp, sum); pass 2
+ * accumulates the value rows weighted by the unnormalised probabilities,
+ * one KV block (B rows) at a time, and divides by the sum at the end.
+ * Both passes read the cache in its own dtype: a BF16 element is widened in
+ * a register (a shift), an I8 one converted (its row's scale is folded into
+ * the score, or into the probability that weights the V row), so a narrow
+ * cache moves half or a quarter of the bytes and costs one or two extra
+ * instructions per 8 elements. Up to three query heads of the task share
+ * each loaded and widened K or V vector (GQA), with four keys per pass over
+ * K: 12 accumulators, one reduction per 4 scores per head.
  * Decode napkin math: 2 * ctx * hd * e bytes of K/V per KV head (e = 4 f32,
  * 2 bf16, 1 + 4/hd int8), and 4 * ctx * hd FLOPs per query head. */
 #include "kernels/cpu/attention.h"
 
+#include <string.h>
+
 #include "common/util.h"
 #include "kernels/cpu/vec.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTN_SIMD 1
+#endif
+
+enum { MAX_G = 3 }; /* query heads per pass over a block */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 2
+#endif
 
 int loom_cpu_attention_heads_per_task(const loom_attn_args_t *a, int n_threads) {
     const int group = a->n_heads / a->n_kv_heads;
@@ -27,8 +41,10 @@ int loom_cpu_attention_heads_per_task(const loom_attn_args_t *a, int n_threads) 
 }
 
 size_t loom_cpu_attention_scratch_floats(const loom_attn_args_t *a, int heads_per_task) {
-    size_t tile = a->kv.dtype == LOOM_DT_F32 ? 0 : (size_t)a->block_size * (size_t)a->head_dim;
-    return (size_t)heads_per_task * ((size_t)(a->max_ctx > 0 ? a->max_ctx : 1) + 1) + tile;
+    /* scores (hpt, max_ctx), 1/sum (hpt), a block's scaled weights (hpt, B)
+     * and its key scales (B) */
+    const size_t B = (size_t)a->block_size, hpt = (size_t)heads_per_task;
+    return hpt * ((size_t)(a->max_ctx > 0 ? a->max_ctx : 1) + 1) + hpt * B + B;
 }
 
 /* Asks for the next block's rows of this KV head while the current block is
@@ -44,82 +60,251 @@ static void prefetch_block(const void *cache, size_t esize, const int32_t *bt, i
     const int64_t bytes = (int64_t)hd * (int64_t)esize;
     for (int p = 0; p < np; p++, row += row_bytes)
         for (int64_t off = 0; off < bytes; off += 64)
-            __builtin_prefetch(row + off, 0, 3);
+            __builtin_prefetch(row + off, 0, 2);
 }
 
-/* The rows [p0, p0 + np) of KV head kvh in one cache (K or V) as float32:
- * straight from an F32 cache (rows *stride_out apart), else widened into
- * tile (rows hd apart). */
-static const float *kv_rows(const loom_attn_args_t *a, const void *cache, const float *scales,
-                            const int32_t *bt, int p0, int np, int kvh, float *tile,
-                            int64_t *stride_out) {
-    const int hd = a->head_dim, B = a->block_size, nkv = a->n_kv_heads;
-    const int64_t kv_dim = (int64_t)nkv * hd, slot0 = (int64_t)bt[p0 / B] * B + p0 % B;
-    if (a->kv.dtype == LOOM_DT_F32) {
-        *stride_out = kv_dim;
-        return (const float *)cache + slot0 * kv_dim + (int64_t)kvh * hd;
-    }
-    *stride_out = hd;
-    for (int p = 0; p < np; p++) {
-        const int64_t e = (slot0 + p) * kv_dim + (int64_t)kvh * hd;
-        if (a->kv.dtype == LOOM_DT_BF16)
-            loom_vec_bf16_to_f32(tile + (int64_t)p * hd, (const uint16_t *)cache + e, hd);
-        else
-            loom_vec_i8_to_f32(tile + (int64_t)p * hd, (const int8_t *)cache + e,
-                               scales[(slot0 + p) * nkv + kvh], hd);
-    }
-    return tile;
+/* At block p0: the block PF_BLOCKS ahead (at p0 = 0: the PF_BLOCKS after
+ * it), so about PF_BLOCKS blocks of rows are in flight while one is
+ * computed. */
+static void prefetch_ahead(const void *cache, size_t esize, const int32_t *bt, int p0, int L, int B,
+                           int64_t kv_dim, int kvh, int hd) {
+    for (int j = p0 ? PF_BLOCKS : 0; j <= PF_BLOCKS; j++)
+        prefetch_block(cache, esize, bt, p0 + j * B, L, B, kv_dim, kvh, hd);
 }
 
-void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float *scores) {
-    const int nh = a->n_heads, hd = a->head_dim, B = a->block_size;
-    const int group = nh / a->n_kv_heads, tasks_per_token = nh / hpt;
+/* Element e of a cache as float (I8: the code, unscaled). */
+static inline float kv_at(const void *base, loom_dtype_t dt, int64_t e) {
+    if (dt == LOOM_DT_F32) return ((const float *)base)[e];
+    if (dt == LOOM_DT_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)base)[e] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return (float)((const int8_t *)base)[e];
+}
+
+/* Scores of keys [p, p + n) of a block for G heads (scalar):
+ * s[g * ls + j] = (q_g · k_j) * ksc[j] (ksc NULL: * scale). */
+static void scores_scalar(int G, const float *q, int hd, const void *k, loom_dtype_t dt, int64_t ks,
+                          int p, int n, const float *ksc, float scale, float *s, int64_t ls) {
+    for (int g = 0; g < G; g++)
+        for (int j = p; j < p + n; j++) {
+            float acc = 0.0f;
+            for (int d = 0; d < hd; d++)
+                acc += q[(int64_t)g * hd + d] * kv_at(k, dt, (int64_t)j * ks + d);
+            s[(int64_t)g * ls + j] = acc * (ksc ? ksc[j] : scale);
+        }
+}
+
+/* out[g] += sum_p w[g * lw + p] * v_p for G heads (scalar). */
+static void wsum_scalar(int G, float *out, int hd, const float *w, int64_t lw, const void *v,
+                        loom_dtype_t dt, int64_t vs, int np) {
+    for (int g = 0; g < G; g++)
+        for (int p = 0; p < np; p++)
+            for (int d = 0; d < hd; d++)
+                out[(int64_t)g * hd + d] += w[(int64_t)g * lw + p] * kv_at(v, dt, (int64_t)p * vs + d);
+}
+
+#ifdef ATTN_SIMD
+static inline __attribute__((always_inline)) __m256 load8(const void *base, const loom_dtype_t dt,
+                                                          int64_t e) {
+    if (dt == LOOM_DT_F32) return _mm256_loadu_ps((const float *)base + e);
+    if (dt == LOOM_DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + e))),
+            16));
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + e))));
+}
+
+/* Scores of keys [0, np) of a block for G heads, four keys per pass (hd a
+ * multiple of 8); the last np % 4 keys go scalar. */
+static inline __attribute__((always_inline)) void scores_simd(const int G, const loom_dtype_t dt,
+                                                              const float *q, int hd, const void *k,
+                                                              int64_t ks, int np, const float *ksc,
+                                                              float scale, float *s, int64_t ls) {
+    int p = 0;
+    for (; p + 4 <= np; p += 4) {
+        __m256 acc[MAX_G][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 4; j++)
+                acc[g][j] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            __m256 kv[4];
+            for (int j = 0; j < 4; j++)
+                kv[j] = load8(k, dt, (int64_t)(p + j) * ks + d);
+            for (int g = 0; g < G; g++) {
+                const __m256 qv = _mm256_loadu_ps(q + (int64_t)g * hd + d);
+                for (int j = 0; j < 4; j++)
+                    acc[g][j] = _mm256_fmadd_ps(qv, kv[j], acc[g][j]);
+            }
+        }
+        const __m128 sc = ksc ? _mm_loadu_ps(ksc + p) : _mm_set1_ps(scale);
+        for (int g = 0; g < G; g++) { /* lanes end up as the four keys' sums */
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]),
+                                      _mm256_hadd_ps(acc[g][2], acc[g][3]));
+            __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(s + (int64_t)g * ls + p, _mm_mul_ps(r, sc));
+        }
+    }
+    if (p < np) scores_scalar(G, q, hd, k, dt, ks, p, np - p, ksc, scale, s, ls);
+}
+
+/* out[g] += sum_p w[g * lw + p] * v_p for G heads, 16 columns per pass
+ * (hd a multiple of 8). */
+static inline __attribute__((always_inline)) void wsum_simd(const int G, const loom_dtype_t dt,
+                                                            float *out, int hd, const float *w,
+                                                            int64_t lw, const void *v, int64_t vs,
+                                                            int np) {
+    int d = 0;
+    for (; d + 16 <= hd; d += 16) {
+        __m256 acc[MAX_G][2];
+        for (int g = 0; g < G; g++) {
+            acc[g][0] = _mm256_loadu_ps(out + (int64_t)g * hd + d);
+            acc[g][1] = _mm256_loadu_ps(out + (int64_t)g * hd + d + 8);
+        }
+        for (int p = 0; p < np; p++) {
+            const __m256 v0 = load8(v, dt, (int64_t)p * vs + d), v1 = load8(v, dt, (int64_t)p * vs + d + 8);
+            for (int g = 0; g < G; g++) {
+                const __m256 wp = _mm256_broadcast_ss(w + (int64_t)g * lw + p);
+                acc[g][0] = _mm256_fmadd_ps(wp, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(wp, v1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(out + (int64_t)g * hd + d, acc[g][0]);
+            _mm256_storeu_ps(out + (int64_t)g * hd + d + 8, acc[g][1]);
+        }
+    }
+    if (d < hd) {
+        __m256 acc[MAX_G];
+        for (int g = 0; g < G; g++)
+            acc[g] = _mm256_loadu_ps(out + (int64_t)g * hd + d);
+        for (int p = 0; p < np; p++) {
+            const __m256 v0 = load8(v, dt, (int64_t)p * vs + d);
+            for (int g = 0; g < G; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + (int64_t)g * lw + p), v0, acc[g]);
+        }
+        for (int g = 0; g < G; g++)
+            _mm256_storeu_ps(out + (int64_t)g * hd + d, acc[g]);
+    }
+}
+
+/* One specialisation per (heads per pass, dtype): the dtype's loads and
+ * the accumulator count are compile-time constants. */
+#define ATTN_SPECS(X) \
+    X(1, F32) X(2, F32) X(3, F32) X(1, BF16) X(2, BF16) X(3, BF16) X(1, I8) X(2, I8) X(3, I8)
+#define ATTN_DEFINE(G, DT)                                                                        \
+    static void scores_##G##_##DT(const float *q, int hd, const void *k, int64_t ks, int np,      \
+                                  const float *ksc, float scale, float *s, int64_t ls) {         \
+        scores_simd(G, LOOM_DT_##DT, q, hd, k, ks, np, ksc, scale, s, ls);                       \
+    }                                                                                             \
+    static void wsum_##G##_##DT(float *out, int hd, const float *w, int64_t lw, const void *v,   \
+                                int64_t vs, int np) {                                             \
+        wsum_simd(G, LOOM_DT_##DT, out, hd, w, lw, v, vs, np);                                    \
+    }
+ATTN_SPECS(ATTN_DEFINE)
+#undef ATTN_DEFINE
+#endif
+
+static void scores_block(int G, loom_dtype_t dt, const float *q, int hd, const void *k, int64_t ks,
+                         int np, const float *ksc, float scale, float *s, int64_t ls) {
+#ifdef ATTN_SIMD
+    if (hd % 8 == 0) {
+#define ATTN_CASE(GG, DT)                                                                         \
+    if (G == GG && dt == LOOM_DT_##DT) {                                                          \
+        scores_##GG##_##DT(q, hd, k, ks, np, ksc, scale, s, ls);                                  \
+        return;                                                                                   \
+    }
+        ATTN_SPECS(ATTN_CASE)
+#undef ATTN_CASE
+    }
+#endif
+    scores_scalar(G, q, hd, k, dt, ks, 0, np, ksc, scale, s, ls);
+}
+
+static void wsum_block(int G, loom_dtype_t dt, float *out, int hd, const float *w, int64_t lw,
+                       const void *v, int64_t vs, int np) {
+#ifdef ATTN_SIMD
+    if (hd % 8 == 0) {
+#define ATTN_CASE(GG, DT)                                                                         \
+    if (G == GG && dt == LOOM_DT_##DT) {                                                          \
+        wsum_##GG##_##DT(out, hd, w, lw, v, vs, np);                                              \
+        return;                                                                                   \
+    }
+        ATTN_SPECS(ATTN_CASE)
+#undef ATTN_CASE
+    }
+#endif
+    wsum_scalar(G, out, hd, w, lw, v, dt, vs, np);
+}
+
+/* Heads in the next pass: at most MAX_G, and no pass of one head when two
+ * passes of two will do (4 = 2 + 2, 7 = 3 + 2 + 2). */
+static int pass_heads(int left) {
+    return left <= MAX_G ? left : left == 4 ? 2 : MAX_G;
+}
+
+void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float *scratch) {
+    const int nh = a->n_heads, hd = a->head_dim, B = a->block_size, nkv = a->n_kv_heads;
+    const int group = nh / nkv, tasks_per_token = nh / hpt;
     const int i = task / tasks_per_token, h0 = (task % tasks_per_token) * hpt, kvh = h0 / group;
-    const int64_t kv_dim = (int64_t)a->n_kv_heads * hd;
+    const int64_t kv_dim = (int64_t)nkv * hd;
     const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[i] * a->max_blocks;
     const int L = a->tok_pos[i] + 1;
+    const loom_dtype_t dt = a->kv.dtype;
     LOOM_ASSERT(L >= 1 && L <= a->max_ctx);
-    LOOM_ASSERT(a->kv.dtype == LOOM_DT_F32 || a->kv.dtype == LOOM_DT_BF16 ||
-                (a->kv.dtype == LOOM_DT_I8 && a->kv.k_scale && a->kv.v_scale));
+    LOOM_ASSERT(dt == LOOM_DT_F32 || dt == LOOM_DT_BF16 ||
+                (dt == LOOM_DT_I8 && a->kv.k_scale && a->kv.v_scale));
     const float *q = a->q + (int64_t)i * a->q_stride + (int64_t)h0 * hd;
     float *out = a->out + (int64_t)i * a->out_stride + (int64_t)h0 * hd;
-    const float scale = a->scale;
-    const size_t esize = loom_dtype_size(a->kv.dtype);
-    float *inv_sum = scores + (int64_t)hpt * a->max_ctx; /* (hpt) after the scores */
-    float *tile = inv_sum + hpt;                         /* (B, hd) when widening */
+    const size_t esize = loom_dtype_size(dt);
+    float *scores = scratch;                        /* (hpt, L) */
+    float *inv_sum = scores + (int64_t)hpt * a->max_ctx; /* (hpt) */
+    float *wblk = inv_sum + hpt;                    /* (hpt, B): I8 V weights */
+    float *ksc = wblk + (int64_t)hpt * B;           /* (B): I8 key scales */
 
     for (int p0 = 0; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
-        int64_t ks;
-        const float *k = kv_rows(a, a->kv.k, a->kv.k_scale, bt, p0, np, kvh, tile, &ks);
-        prefetch_block(a->kv.k, esize, bt, p0 + B, L, B, kv_dim, kvh, hd);
-        for (int g = 0; g < hpt; g++) {
-            const float *qg = q + (int64_t)g * hd;
-            float *s = scores + (int64_t)g * L + p0;
-            int p = 0;
-            for (; p + 4 <= np; p += 4) {
-                loom_vec_dot4(qg, k + p * ks, ks, hd, s + p);
-                for (int j = 0; j < 4; j++)
-                    s[p + j] *= scale;
-            }
-            for (; p < np; p++)
-                s[p] = loom_vec_dot(qg, k + p * ks, hd) * scale;
+        const int64_t slot0 = (int64_t)bt[p0 / B] * B;
+        const char *k = (const char *)a->kv.k + ((slot0 * kv_dim + (int64_t)kvh * hd) * (int64_t)esize);
+        prefetch_ahead(a->kv.k, esize, bt, p0, L, B, kv_dim, kvh, hd);
+        if (dt == LOOM_DT_I8)
+            for (int p = 0; p < np; p++)
+                ksc[p] = a->kv.k_scale[(slot0 + p) * nkv + kvh] * a->scale;
+        for (int g = 0; g < hpt;) {
+            const int G = pass_heads(hpt - g);
+            scores_block(G, dt, q + (int64_t)g * hd, hd, k, kv_dim, np, dt == LOOM_DT_I8 ? ksc : NULL,
+                         a->scale, scores + (int64_t)g * L + p0, L);
+            g += G;
         }
     }
+    prefetch_ahead(a->kv.v, esize, bt, 0, L, B, kv_dim, kvh, hd); /* during the softmax */
     for (int g = 0; g < hpt; g++) {
         float *s = scores + (int64_t)g * L;
         inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s, L, loom_vec_max(s, L));
     }
-    for (int g = 0; g < hpt; g++)
-        for (int d = 0; d < hd; d++)
-            out[(int64_t)g * hd + d] = 0.0f;
+    memset(out, 0, sizeof(float) * (size_t)hpt * (size_t)hd);
     for (int p0 = 0; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
-        int64_t vs;
-        const float *v = kv_rows(a, a->kv.v, a->kv.v_scale, bt, p0, np, kvh, tile, &vs);
-        prefetch_block(a->kv.v, esize, bt, p0 + B, L, B, kv_dim, kvh, hd);
-        for (int g = 0; g < hpt; g++)
-            loom_vec_wsum_rows(out + (int64_t)g * hd, scores + (int64_t)g * L + p0, v, vs, np, hd);
+        const int64_t slot0 = (int64_t)bt[p0 / B] * B;
+        const char *v = (const char *)a->kv.v + ((slot0 * kv_dim + (int64_t)kvh * hd) * (int64_t)esize);
+        if (p0 > 0) prefetch_ahead(a->kv.v, esize, bt, p0, L, B, kv_dim, kvh, hd);
+        const float *w = scores + p0;
+        int64_t lw = L;
+        if (dt == LOOM_DT_I8) { /* fold each row's scale into its weights */
+            for (int g = 0; g < hpt; g++)
+                for (int p = 0; p < np; p++)
+                    wblk[(int64_t)g * B + p] =
+                        scores[(int64_t)g * L + p0 + p] * a->kv.v_scale[(slot0 + p) * nkv + kvh];
+            w = wblk, lw = B;
+        }
+        for (int g = 0; g < hpt;) {
+            const int G = pass_heads(hpt - g);
+            wsum_block(G, dt, out + (int64_t)g * hd, hd, w + (int64_t)g * lw, lw, v, kv_dim, np);
+            g += G;
+        }
     }
     for (int g = 0; g < hpt; g++)
         loom_vec_scale(out + (int64_t)g * hd, inv_sum[g], out + (int64_t)g * hd, hd);

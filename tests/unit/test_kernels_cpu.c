@@ -849,7 +849,8 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
 }
 
 static void test_attention(void) {
-    static const int ratios[] = {1, 2, 4}, Bs[] = {1, 3, 16}, hds[] = {8, 13, 64};
+    /* group sizes 3 and 7 take passes of 3 and 3 + 2 + 2 heads; hd 24 = 16 + 8 */
+    static const int ratios[] = {1, 2, 3, 4, 7}, Bs[] = {1, 3, 16}, hds[] = {8, 13, 24, 64};
     unsigned long long st = 10;
     for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
         loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
