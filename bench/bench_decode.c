@@ -16,6 +16,7 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "kernels/cpu/backend_cpu.h"
 #include "worker/local.h"
 
 enum { MAX_SCHEMES = 8, MAX_REPS = 100 };
@@ -74,6 +75,7 @@ static int run_once(result_t *res, const int32_t *prompt, int n_prompt, int n_ge
 }
 
 int main(int argc, char **argv) {
+    loom_cpu_blas_check(argv); /* first: it may re-execute */
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL, *schemes = "none";
     const char *kv_cache_dtype = "auto";

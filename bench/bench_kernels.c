@@ -695,6 +695,7 @@ static void bench_quant(int n_threads, double triad) {
 }
 
 int main(int argc, char **argv) {
+    loom_cpu_blas_check(argv); /* first: it may re-execute */
     int n_threads = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc)

@@ -4,6 +4,7 @@
 
 #include "client/commands.h"
 #include "common/log.h"
+#include "kernels/cpu/backend_cpu.h"
 
 static const struct {
     const char *name;
@@ -27,6 +28,7 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
+    loom_cpu_blas_check(argv); /* first: it may re-execute */
     loom_log_init("loom");
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage();

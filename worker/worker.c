@@ -34,6 +34,7 @@
 #include "common/safetensors.h"
 #include "common/util.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/backend_cpu.h"
 #include "proto/wire.h"
 #include "worker/comm.h"
 #include "worker/model.h"
@@ -831,6 +832,7 @@ static void expand_id(char *out, size_t n, const char *tmpl, const char *id) {
 }
 
 int main(int argc, char **argv) {
+    loom_cpu_blas_check(argv); /* first: it may re-execute */
     loom_log_init("worker");
     worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 3000, .cluster = "default",
                   .etcd_ttl = 5, .coord_wait_s = 120};

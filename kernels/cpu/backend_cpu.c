@@ -15,9 +15,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "common/log.h"
 #include "common/util.h"
 #include "kernels/backend_impl.h"
 #include "kernels/cpu/attention.h"
@@ -622,6 +624,40 @@ static void cpu_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const fl
             kv_write_task(&kc, i, 0);
 }
 
+/* --- OpenBLAS kernels ------------------------------------------------- */
+
+/* The family OpenBLAS should use on this CPU, if it has a better one than
+ * the fallbacks below. */
+static const char *blas_family(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+        return "SkylakeX";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+    return NULL;
+}
+
+void loom_cpu_blas_check(char **argv) {
+    static const char *const fallbacks[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem",
+                                            "Katmai", "Coppermine", "Northwood", "Banias", "Atom"};
+    if (getenv("OPENBLAS_CORETYPE")) return;
+    const char *core = openblas_get_corename(), *family = blas_family();
+    if (!core || !family) return;
+    int fallback = 0;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(fallbacks); i++)
+        fallback |= !strcasecmp(core, fallbacks[i]);
+    if (!fallback) return;
+    if (setenv("OPENBLAS_CORETYPE", family, 1) || setenv("LOOM_OPENBLAS_REPLACED", core, 1)) return;
+    execv("/proc/self/exe", argv);
+    unsetenv("OPENBLAS_CORETYPE"); /* exec failed: carry on with the slow kernels */
+    unsetenv("LOOM_OPENBLAS_REPLACED");
+}
+
+const char *loom_cpu_blas_core(const char **replaced) {
+    if (replaced) *replaced = getenv("LOOM_OPENBLAS_REPLACED");
+    return openblas_get_corename();
+}
+
 /* --- attention --------------------------------------------------------- */
 
 struct attn_ctx {
@@ -769,6 +805,12 @@ loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_bac
                             n_threads);
     }
     openblas_set_num_threads(n_threads);
+    const char *replaced, *core = loom_cpu_blas_core(&replaced);
+    if (replaced)
+        loom_log(LOOM_LOG_INFO, "cpu backend: %d threads; OpenBLAS core %s (OpenBLAS picked %s for this "
+                 "CPU: OPENBLAS_CORETYPE set)", n_threads, core, replaced);
+    else
+        loom_log(LOOM_LOG_DEBUG, "cpu backend: %d threads; OpenBLAS core %s", n_threads, core);
     *out = &c->base;
     return LOOM_OK;
 

@@ -22,4 +22,16 @@ int loom_cpu_gemv_max_n(loom_dtype_t dt);
  * dequantized blocks for sgemm). */
 int loom_cpu_qgemv_max_n(loom_quant_t q);
 
+/* OpenBLAS picks its kernels by CPU model when it loads, and a build that
+ * predates the CPU falls back to its SSE3 "Prescott" kernels: sgemm (all of
+ * prefill) runs 3-5x slower. When that happened on a CPU with AVX2 or
+ * AVX-512 and OPENBLAS_CORETYPE is unset, this sets OPENBLAS_CORETYPE to the
+ * matching family (SkylakeX, Haswell) and re-executes the
+ * program with the same arguments; it returns when there is nothing to do
+ * or the exec fails. Call it first thing in main. */
+void loom_cpu_blas_check(char **argv);
+/* The OpenBLAS core in use and, after loom_cpu_blas_check re-executed the
+ * program, the one OpenBLAS had picked (else NULL). */
+const char *loom_cpu_blas_core(const char **replaced);
+
 #endif

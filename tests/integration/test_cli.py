@@ -3,6 +3,7 @@ end with a clear message (never a crash), every binary has --help, and stop
 strings end a completion without being emitted."""
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -149,6 +150,29 @@ def test_stop_strings():
         check(rc == 0 and text2.rstrip("\n") == full.split("ttle gi")[0], "split stop: %r" % text2)
 
 
+def test_openblas_core():
+    # OpenBLAS falls back to its SSE3 kernels on CPUs newer than its build;
+    # loom re-executes itself with OPENBLAS_CORETYPE set to the CPU's family.
+    fallbacks = {"prescott", "core2", "penryn", "dunnington", "nehalem", "katmai", "coppermine", "northwood",
+                 "banias", "atom"}
+    flags = open("/proc/cpuinfo").read().split()
+    env = dict(os.environ, LOOM_LOG_LEVEL="debug")
+    env.pop("OPENBLAS_CORETYPE", None)
+    args = [LOOM, "run", "--model", STORIES, "--prompt", "Once", "--max-tokens", "4"]
+
+    def core(p):
+        m = re.search(r"OpenBLAS core (\w+)", p.stderr)
+        check(p.returncode == 0 and m, "loom run: %r" % p.stderr[-2000:])
+        return m.group(1)
+    got = core(subprocess.run(args, capture_output=True, text=True, env=env, timeout=60))
+    if "avx2" in flags and "fma" in flags:
+        check(got.lower() not in fallbacks, "OpenBLAS runs its %s kernels on a CPU with AVX2" % got)
+    env["OPENBLAS_CORETYPE"] = "Haswell"  # the user's choice stands
+    forced = core(subprocess.run(args, capture_output=True, text=True, env=env, timeout=60))
+    check(forced == "Haswell", "OPENBLAS_CORETYPE=Haswell gave %s" % forced)
+    print("  OpenBLAS core %s (Haswell when asked)" % got)
+
+
 def test_tcp_data_plane():
     # the data plane used across hosts, forced on one host
     with Cluster(STORIES, 2, 2, coord_args=["--comm", "tcp"]) as c:
@@ -164,4 +188,4 @@ def test_tcp_data_plane():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_story, test_bad_models, test_bad_input, test_help_everywhere, test_stop_strings,
-               test_tcp_data_plane])
+               test_openblas_core, test_tcp_data_plane])

@@ -1,5 +1,5 @@
 /* A stand-in for <cblas.h> in the standalone GPU test build (tests/gpu/
- * CMakeLists.txt), which must build with the CUDA toolkit alone: the two
+ * CMakeLists.txt), which must build with the CUDA toolkit alone: the three
  * declarations the CPU backend uses, served by a plain C sgemm in
  * cblas_shim.c. There the CPU backend is only the reference, so speed does
  * not matter; the regular build links OpenBLAS. */
@@ -13,5 +13,6 @@ typedef enum { CblasNoTrans = 111, CblasTrans = 112, CblasConjTrans = 113 } CBLA
 void cblas_sgemm(CBLAS_ORDER order, CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k,
                  float alpha, const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc);
 void openblas_set_num_threads(int n);
+char *openblas_get_corename(void);
 
 #endif

@@ -9,6 +9,11 @@ void openblas_set_num_threads(int n) {
     (void)n;
 }
 
+char *openblas_get_corename(void) {
+    static char name[] = "shim";
+    return name;
+}
+
 /* Element (i, j) of op(X) for a row-major X with leading dimension ld. */
 static float at(const float *x, int ld, int trans, int i, int j) {
     return trans ? x[(size_t)j * ld + i] : x[(size_t)i * ld + j];
