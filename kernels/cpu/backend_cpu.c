@@ -6,7 +6,7 @@
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
  * first). Quantized weights (qgemv.c) use their GEMV kernel up to
- * loom_cpu_qgemv_max_n() rows (INT8: every n) and dequantized blocks for
+ * loom_cpu_qgemv_max_n() rows and dequantized blocks for
  * sgemm above. Small
  * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
@@ -30,26 +30,27 @@
 #include "kernels/cpu/vec.h"
 
 /* Largest n served by the GEMV kernel, by weight dtype. Measured crossovers
- * (docs/kernels-cpu.md): f32 sgemm wins from n = 48-128 depending on cols
- * (earlier when n rows of x outgrow L2); bf16/f16 pay the widening before
- * sgemm, so the GEMV kernel stays ahead up to 64-128. */
+ * against OpenBLAS's SkylakeX sgemm (docs/kernels-cpu.md): f32 sgemm wins
+ * from n = 16-48 depending on the shape; bf16/f16 pay the widening before
+ * sgemm, and sgemm still wins from n = 32-64. */
 #ifndef LOOM_CPU_GEMV_MAX_N_F32
 #define LOOM_CPU_GEMV_MAX_N_F32 32
 #endif
 #ifndef LOOM_CPU_GEMV_MAX_N_HALF
-#define LOOM_CPU_GEMV_MAX_N_HALF 64
+#define LOOM_CPU_GEMV_MAX_N_HALF 32
 #endif
 /* Largest n served by the quantized GEMV kernels (qgemv.c) per scheme;
  * above it the rows are dequantized block by block for sgemm. Measured
- * crossovers (docs/kernels-cpu.md): the INT8 kernel won at every n up to
- * 512; Q4's won up to 128 and lost at 256-512 in most runs; FP8's computes
- * in float and lost from n = 32. x goes through the kernels QX_ROWS rows at
- * a time, so its int8 copy stays in L1/L2 and the scratch has a fixed size. */
+ * crossovers (docs/kernels-cpu.md): the INT8 kernel wins up to n = 64-128
+ * and loses from 256; Q4's wins up to 64 and loses from 128; FP8's
+ * computes in float and loses from n = 32. x goes through the kernels
+ * QX_ROWS rows at a time, so its int8 copy stays in L1/L2 and the scratch
+ * has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N_INT8
-#define LOOM_CPU_QGEMV_MAX_N_INT8 INT32_MAX
+#define LOOM_CPU_QGEMV_MAX_N_INT8 128
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_Q4
-#define LOOM_CPU_QGEMV_MAX_N_Q4 128
+#define LOOM_CPU_QGEMV_MAX_N_Q4 64
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_FP8
 #define LOOM_CPU_QGEMV_MAX_N_FP8 16
