@@ -2,6 +2,8 @@
  * the machine's memory bandwidth measured in the same run (STREAM triad):
  * batch-1 decode is memory-bound, so MBU = weight bytes per token x tokens/s
  * over the triad bandwidth says how close the engine is to the roofline.
+ * "+KV" adds the K/V cache bytes each token reads (the usual definition of
+ * MBU counts parameters and KV cache), at the run's mean context.
  *
  * Every scheme is loaded first and the runs interleave round by round, a
  * triad after each round, so ratios compare schemes under the same load.
@@ -162,10 +164,16 @@ int main(int argc, char **argv) {
             dec0[0] = dec, dec0[1] = dec_med;
         }
         double gbs = x->wbytes * dec / 1e9, gbs_med = x->wbytes * dec_med / 1e9;
+        /* K and V read per decode token: every layer's cached positions, on
+         * average n_prompt + (n_gen + 1) / 2 of them */
+        double kvbytes = 2.0 * c->n_layers * c->n_kv_heads * (double)loom_kv_head_bytes(loom_local_kv_dtype(x->l), c->head_dim) *
+                         (n_prompt + (n_gen + 1) / 2.0);
+        double mbu_kv = (x->wbytes + kvbytes) * dec / 1e9 / tr_best;
         printf("%-10s prefill %7.1f (%7.1f) tok/s %6.1f GFLOP/s %.2fx (%.2fx)  decode %7.2f (%7.2f) tok/s "
-               "%.2fx (%.2fx)  %6.1f MB/token %6.2f GB/s  MBU %.2f (%.2f)\n",
+               "%.2fx (%.2fx)  %6.1f MB/token %6.2f GB/s  MBU %.2f (%.2f)  +KV %.1f MB: %.2f\n",
                x->scheme, pre, pre_med, pre * 2.0 * params / 1e9, pre / pre0[0], pre_med / pre0[1], dec, dec_med,
-               dec / dec0[0], dec_med / dec0[1], x->wbytes / 1e6, gbs, gbs / tr_best, gbs_med / tr_med);
+               dec / dec0[0], dec_med / dec0[1], x->wbytes / 1e6, gbs, gbs / tr_best, gbs_med / tr_med,
+               kvbytes / 1e6, mbu_kv);
         if (jf)
             fprintf(jf,
                     "%s{\"model\":\"%s\",\"dtype\":\"%s\",\"quantization\":\"%s\",\"threads\":%d,\"rounds\":%d,"
@@ -173,10 +181,10 @@ int main(int argc, char **argv) {
                     "\"decode_tok_s_median\":%.3f,\"weight_bytes_per_token\":%.0f,\"achieved_gbs\":%.3f,"
                     "\"triad_gbs\":%.3f,\"triad_gbs_median\":%.3f,\"mbu\":%.4f,\"mbu_median\":%.4f,"
                     "\"prefill_ratio\":%.4f,\"prefill_ratio_median\":%.4f,\"decode_ratio\":%.4f,"
-                    "\"decode_ratio_median\":%.4f}",
+                    "\"decode_ratio_median\":%.4f,\"kv_bytes_per_token\":%.0f,\"mbu_with_kv\":%.4f}",
                     i ? "," : "", model, dtype, x->scheme, threads, reps, pre, pre_med, dec, dec_med, x->wbytes, gbs,
                     tr_best, tr_med, gbs / tr_best, gbs_med / tr_med, pre / pre0[0], pre_med / pre0[1],
-                    dec / dec0[0], dec_med / dec0[1]);
+                    dec / dec0[0], dec_med / dec0[1], kvbytes, mbu_kv);
     }
     if (jf) {
         fprintf(jf, "]\n");
