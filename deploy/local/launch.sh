@@ -67,6 +67,18 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# Whether pid is a live process. One that has exited is gone even before its
+# parent reaps it: after launch.sh exits that parent is init, which may
+# collect zombies late (or, as PID 1 of some containers, never).
+running() {
+    local key value
+    [ -r "/proc/$1/status" ] || return 1
+    while read -r key value _; do
+        [ "$key" = State: ] && { [ "$value" != Z ]; return; }
+    done <"/proc/$1/status" 2>/dev/null
+    return 1
+}
+
 stop_cluster() {
     local found=0
     for f in "$run_dir"/worker-*.pid "$run_dir"/coordinator.pid; do
@@ -76,10 +88,10 @@ stop_cluster() {
         pid=$(cat "$f")
         name=$(basename "$f" .pid)
         # only signal the process we started: same pid and still a loom binary
-        if kill -0 "$pid" 2>/dev/null && grep -q "loom-" "/proc/$pid/cmdline" 2>/dev/null; then
+        if running "$pid" && grep -q "loom-" "/proc/$pid/cmdline" 2>/dev/null; then
             kill -TERM "$pid" 2>/dev/null || true
-            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+            for _ in $(seq 250); do running "$pid" || break; sleep 0.02; done
+            if running "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
             echo "stopped $name (pid $pid)" >&2
         fi
         rm -f "$f"
@@ -152,7 +164,7 @@ done
 deadline=$((SECONDS + timeout))
 while [ ! -f "$run_dir/ready" ]; do
     for f in "$run_dir"/*.pid; do
-        if ! kill -0 "$(cat "$f")" 2>/dev/null; then
+        if ! running "$(cat "$f")"; then
             echo "launch.sh: $(basename "$f" .pid) exited during start-up" >&2
             cleanup_on_error
             exit 1
