@@ -38,7 +38,8 @@ options:
   --cluster NAME     cluster name in etcd (default: loom-<port>)
   --bin DIR          where the binaries are (default build/bin)
   --run-dir DIR      pid files and logs (default $run_dir)
-  --timeout S        give up when the grid is not ready after S seconds (default 120)
+  --timeout S        give up when the grid is not ready after S seconds (default 120);
+                     a process that exits or a worker that cannot load its shard ends it at once
   --stop             stop the cluster started from --run-dir
 Everything after -- goes to loom-coordinator (e.g. -- --max-num-seqs 32).
 EOF
@@ -170,6 +171,12 @@ while [ ! -f "$run_dir/ready" ]; do
             exit 1
         fi
     done
+    # a worker that failed to load keeps its slot: this grid will not come up
+    if grep -q "failed to load its shard" "$run_dir/coordinator.log" 2>/dev/null; then
+        echo "launch.sh: a worker could not load its shard" >&2
+        cleanup_on_error
+        exit 1
+    fi
     if [ $SECONDS -ge $deadline ]; then
         echo "launch.sh: the grid was not ready after ${timeout}s" >&2
         cleanup_on_error
