@@ -35,11 +35,22 @@ healthy() {
         grep -q '\"health\":\"true\"' <&3" 2>/dev/null
 }
 
+# Whether pid is a live process: one that has exited is gone (its ports are
+# free) even before init, its parent once this script exits, reaps it.
+running() {
+    local key value
+    [ -r "/proc/$1/status" ] || return 1
+    while read -r key value _; do
+        [ "$key" = State: ] && { [ "$value" != Z ]; return; }
+    done <"/proc/$1/status" 2>/dev/null
+    return 1
+}
+
 alive() {
     [ -f "$dir/pid" ] || return 1
     local pid
     pid=$(cat "$dir/pid")
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = etcd ]
+    [ -n "$pid" ] && running "$pid" && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = etcd ]
 }
 
 # Launches etcd on $cport/$pport over $datadir and waits until it is healthy.
@@ -56,7 +67,7 @@ launch() {
     echo "$pid" >"$dir/pid"
     local deadline=$((SECONDS + 15))
     while [ $SECONDS -lt $deadline ]; do
-        if ! kill -0 "$pid" 2>/dev/null; then
+        if ! running "$pid"; then
             rm -f "$dir/pid"
             grep -qi "address already in use" "$dir/log" && return 2
             echo "etcd_fixture: etcd exited at start-up; its log:" >&2
@@ -79,11 +90,11 @@ stop() {
     pid=$(cat "$dir/pid")
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < 250; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
+        running "$pid" || break
         sleep 0.02
     done
     kill -KILL "$pid" 2>/dev/null || true
-    while kill -0 "$pid" 2>/dev/null; do sleep 0.02; done
+    while running "$pid"; do sleep 0.02; done
     rm -f "$dir/pid"
 }
 

@@ -752,6 +752,12 @@ static int reactor(worker_t *w) {
             snprintf(why, sizeof why, "no message from the coordinator at %.200s for %d ms", w->coord_addr,
                      w->coord_timeout_ms);
             coordinator_gone(w, why);
+            /* a fresh connection: on the old one, unacknowledged data waits out
+             * TCP's backed-off retransmissions (tens of seconds after a long
+             * network cut) before a new Register can get through */
+            zmq_disconnect(w->ctl, w->coord_addr);
+            if (zmq_connect(w->ctl, w->coord_addr) != 0)
+                LOOM_WARN("cannot connect to %s: %s", w->coord_addr, zmq_strerror(errno));
             orphan = 1;
             registered = standby = 0;
             last_register = 0;
@@ -943,6 +949,10 @@ int main(int argc, char **argv) {
     zmq_setsockopt(w.ctl, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(w.ctl, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(w.ctl, ZMQ_ROUTING_ID, w.id, strlen(w.id));
+    /* a connect to an unreachable host gives up after 2 s and is retried,
+     * instead of waiting out the kernel's SYN retries (about two minutes) */
+    int connect_timeout_ms = 2000;
+    zmq_setsockopt(w.ctl, ZMQ_CONNECT_TIMEOUT, &connect_timeout_ms, sizeof connect_timeout_ms);
     if (zmq_connect(w.ctl, w.coord_addr) != 0) {
         fprintf(stderr, "error: cannot connect to %s: %s\n", w.coord_addr, zmq_strerror(errno));
         return 1;

@@ -38,7 +38,8 @@ options:
   --cluster NAME     cluster name in etcd (default: loom-<port>)
   --bin DIR          where the binaries are (default build/bin)
   --run-dir DIR      pid files and logs (default $run_dir)
-  --timeout S        give up when the grid is not ready after S seconds (default 120)
+  --timeout S        give up when the grid is not ready after S seconds (default 120);
+                     a process that exits or a worker that cannot load its shard ends it at once
   --stop             stop the cluster started from --run-dir
 Everything after -- goes to loom-coordinator (e.g. -- --max-num-seqs 32).
 EOF
@@ -67,6 +68,18 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# Whether pid is a live process. One that has exited is gone even before its
+# parent reaps it: after launch.sh exits that parent is init, which may
+# collect zombies late (or, as PID 1 of some containers, never).
+running() {
+    local key value
+    [ -r "/proc/$1/status" ] || return 1
+    while read -r key value _; do
+        [ "$key" = State: ] && { [ "$value" != Z ]; return; }
+    done <"/proc/$1/status" 2>/dev/null
+    return 1
+}
+
 stop_cluster() {
     local found=0
     for f in "$run_dir"/worker-*.pid "$run_dir"/coordinator.pid; do
@@ -76,10 +89,10 @@ stop_cluster() {
         pid=$(cat "$f")
         name=$(basename "$f" .pid)
         # only signal the process we started: same pid and still a loom binary
-        if kill -0 "$pid" 2>/dev/null && grep -q "loom-" "/proc/$pid/cmdline" 2>/dev/null; then
+        if running "$pid" && grep -q "loom-" "/proc/$pid/cmdline" 2>/dev/null; then
             kill -TERM "$pid" 2>/dev/null || true
-            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+            for _ in $(seq 250); do running "$pid" || break; sleep 0.02; done
+            if running "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
             echo "stopped $name (pid $pid)" >&2
         fi
         rm -f "$f"
@@ -152,12 +165,18 @@ done
 deadline=$((SECONDS + timeout))
 while [ ! -f "$run_dir/ready" ]; do
     for f in "$run_dir"/*.pid; do
-        if ! kill -0 "$(cat "$f")" 2>/dev/null; then
+        if ! running "$(cat "$f")"; then
             echo "launch.sh: $(basename "$f" .pid) exited during start-up" >&2
             cleanup_on_error
             exit 1
         fi
     done
+    # a worker that failed to load keeps its slot: this grid will not come up
+    if grep -q "failed to load its shard" "$run_dir/coordinator.log" 2>/dev/null; then
+        echo "launch.sh: a worker could not load its shard" >&2
+        cleanup_on_error
+        exit 1
+    fi
     if [ $SECONDS -ge $deadline ]; then
         echo "launch.sh: the grid was not ready after ${timeout}s" >&2
         cleanup_on_error

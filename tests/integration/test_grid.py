@@ -164,6 +164,7 @@ def test_quantized_grid_misaligned():
     except Failure as e:
         if "started" in str(e):
             raise
+        check("could not load its shard" in str(e), "launch.sh did not name the load failure: %s" % e)
     finally:
         c.stop()
         logs = c.log("coordinator") + c.log("worker-0") + c.log("worker-1")
@@ -259,6 +260,7 @@ def test_kv_dtype_errors():
     except Failure as e:
         if "started" in str(e):
             raise
+        check("could not load its shard" in str(e), "launch.sh did not name the load failure: %s" % e)
     finally:
         c.stop()
         log = c.log("coordinator")

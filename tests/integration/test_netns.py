@@ -198,7 +198,9 @@ def test_host_cut_off_mid_stream():
         check(p.returncode == 0 and ids_of(p.stderr) == expect[:16], "a new request after the cut: %s" % p.stderr)
         # host b comes back: its worker finds the grid full and stands by as the new spare
         net.link("b", up=True)
+        t_up = time.time()
         wait_for(lambda: "standing by" in net.log("worker-b"), 20, "worker b to stand by after the link came back")
+        print("  host b back after %.1f s cut off: its worker stands by %.2f s later" % (t_up - t_cut, time.time() - t_up))
         check(net.procs["worker-b"].poll() is None, "worker b exited")
 
 
