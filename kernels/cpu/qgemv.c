@@ -230,8 +230,11 @@ void loom_cpu_q_repack(void *dst, const loom_qtensor_t *t, int64_t r0, int64_t r
 
 /* The tiles prefetch the W rows this many tiles ahead: four tiles (a few KB)
  * streamed 10-15 % faster than the next tile alone at n = 1 on the ~125M
- * model's shapes (eight was no better). */
+ * model's shapes (eight was no better; eight or sixteen were no better on a
+ * 653M model streaming from DRAM either). */
+#ifndef QT_PF_TILES
 #define QT_PF_TILES 4
+#endif
 
 #ifdef QGEMV_X86
 #pragma GCC push_options
