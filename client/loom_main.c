@@ -10,14 +10,15 @@ static const struct {
     const char *name;
     int (*fn)(int, char **);
     const char *help;
+    int computes; /* runs a model in this process (prefill uses OpenBLAS) */
 } k_commands[] = {
-    {"run", loom_cmd_run, "load a model in this process and stream a completion"},
-    {"quantize", loom_cmd_quantize, "write a quantized copy of a model directory (int8, fp8, q4 ...)"},
-    {"perplexity", loom_cmd_perplexity, "perplexity, KL and top-1 agreement of a weight / KV cache scheme"},
-    {"generate", loom_cmd_generate, "stream a completion from a running cluster"},
-    {"health", loom_cmd_health, "ask a cluster whether it is ready"},
-    {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics"},
-    {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)"},
+    {"run", loom_cmd_run, "load a model in this process and stream a completion", 1},
+    {"quantize", loom_cmd_quantize, "write a quantized copy of a model directory (int8, fp8, q4 ...)", 0},
+    {"perplexity", loom_cmd_perplexity, "perplexity, KL and top-1 agreement of a weight / KV cache scheme", 1},
+    {"generate", loom_cmd_generate, "stream a completion from a running cluster", 0},
+    {"health", loom_cmd_health, "ask a cluster whether it is ready", 0},
+    {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics", 0},
+    {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)", 0},
 };
 
 static void usage(void) {
@@ -28,14 +29,16 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
-    loom_cpu_blas_check(argv); /* first: it may re-execute */
     loom_log_init("loom");
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage();
         return argc < 2 ? 2 : 0;
     }
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-        if (!strcmp(argv[1], k_commands[i].name)) return k_commands[i].fn(argc, argv);
+        if (!strcmp(argv[1], k_commands[i].name)) {
+            if (k_commands[i].computes) loom_cpu_blas_check(argv); /* it may re-execute */
+            return k_commands[i].fn(argc, argv);
+        }
     fprintf(stderr, "error: unknown command '%s' (see loom --help)\n", argv[1]);
     return 2;
 }

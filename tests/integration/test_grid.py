@@ -153,22 +153,29 @@ def test_quantized_grids():
         check_model(STORIES, [(1, 1), (2, 1), (1, 2), (2, 2)], quant=quant)
 
 
-def test_quantized_grid_misaligned():
-    # q4:64 on TP 2: o_proj's 32 input columns per rank are not a whole group:
-    # the workers refuse to load, naming the tensor, and the coordinator says so.
-    c = Cluster(STORIES, 2, 1, coord_args=["--quantization", "q4:64"], timeout=20)
+def refused_grid_logs(tp, coord_args, what):
+    """Starts a tp x 1 grid whose workers must refuse their shards: launch.sh
+    fails naming the load failure. Returns (coordinator log, workers' logs)."""
+    c = Cluster(STORIES, tp, 1, coord_args=coord_args, timeout=20)
     try:
         c.start()
         c.stop()
-        raise Failure("q4:64 over TP 2 started")
+        raise Failure("%s started" % what)
     except Failure as e:
         if "started" in str(e):
             raise
         check("could not load its shard" in str(e), "launch.sh did not name the load failure: %s" % e)
     finally:
         c.stop()
-        logs = c.log("coordinator") + c.log("worker-0") + c.log("worker-1")
+        logs = c.log("coordinator"), "".join(c.log("worker-%d" % i) for i in range(tp))
         shutil.rmtree(c.run_dir, ignore_errors=True)
+    return logs
+
+
+def test_quantized_grid_misaligned():
+    # q4:64 on TP 2: o_proj's 32 input columns per rank are not a whole group:
+    # the workers refuse to load, naming the tensor, and the coordinator says so.
+    logs = "".join(refused_grid_logs(2, ["--quantization", "q4:64"], "q4:64 over TP 2"))
     check("model.layers.0.self_attn.o_proj" in logs and "whole 4-bit groups" in logs,
           "no error naming o_proj in the logs:\n%s" % logs[-2000:])
     print("  q4:64 over TP 2 refused: o_proj's columns are not whole groups")
@@ -252,19 +259,7 @@ def test_kv_dtype_errors():
                         "fp8"], capture_output=True, text=True, timeout=30)
     check(p.returncode != 0 and "no fp8 KV cache" in p.stderr, "loom run on cpu took fp8: %s" % p.stderr)
     # a CPU grid asked for fp8: the worker refuses its shard, the coordinator logs why
-    c = Cluster(STORIES, 1, 1, coord_args=["--kv-cache-dtype", "fp8"], timeout=10)
-    try:
-        c.start()
-        c.stop()
-        raise Failure("a CPU grid started with an fp8 KV cache")
-    except Failure as e:
-        if "started" in str(e):
-            raise
-        check("could not load its shard" in str(e), "launch.sh did not name the load failure: %s" % e)
-    finally:
-        c.stop()
-        log = c.log("coordinator")
-        shutil.rmtree(c.run_dir, ignore_errors=True)
+    log, _ = refused_grid_logs(1, ["--kv-cache-dtype", "fp8"], "a CPU grid with an fp8 KV cache")
     check("no fp8 KV cache (it has f32, bf16, int8)" in log, "no clear error in the log:\n%s" % log[-2000:])
 
 
