@@ -37,7 +37,8 @@ typedef struct loom_request_times {
 } loom_request_times_t;
 
 /* A request ended. */
-void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, const loom_request_times_t *t);
+void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how,
+                               const loom_request_times_t *t);
 /* The time between two successive tokens of one request. */
 void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s);
 void loom_metrics_observe_step(loom_metrics_t *m, double step_s);
@@ -59,7 +60,8 @@ typedef struct loom_metrics_state {
 void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st);
 /* Per pipeline stage: seconds busy and in the data plane, steps run (summed
  * over the stage's workers, from their heartbeats). */
-void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s, uint64_t steps);
+void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s,
+                            uint64_t steps);
 
 /* The Prometheus text exposition (version 0.0.4); malloc'ed, *len bytes. */
 char *loom_metrics_render(loom_metrics_t *m, size_t *len);
