@@ -251,7 +251,10 @@ def test_vllm_series_and_dashboards():
 
         def delta(name, **labels):
             return metric(after, name, **labels) - metric(before, name, **labels)
-        check(delta("vllm:request_success_total", finished_reason="length") == 5, "5 requests ended at max_tokens")
+        ended = delta("vllm:request_success_total", finished_reason="length") + \
+            delta("vllm:request_success_total", finished_reason="stop")
+        check(ended == 5, "5 requests ended at max_tokens or a stop, counted %g" % ended)
+        check(delta("vllm:request_success_total", finished_reason="error") == 0, "errors counted")
         check(delta("vllm:request_prompt_tokens_count") == 6, "request_prompt_tokens counts every finished request")
         check(delta("vllm:request_params_max_tokens_sum") == 6 + 7 + 8 + 12 + 5 + 200, "max_tokens sum")
         check(delta("vllm:request_params_n_count") == 6, "request_params_n count")
