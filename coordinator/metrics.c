@@ -1,4 +1,9 @@
-/* Prometheus metrics: fixed-bucket histograms, gauges, counters (metrics.h). */
+/* Prometheus metrics: fixed-bucket histograms, gauges, counters (metrics.h).
+ *
+ * vLLM's names, types, labels and bucket boundaries follow its
+ * PrometheusStatLogger (vllm/v1/metrics/loggers.py); docs/operations.md
+ * has the table. Histograms saturate only past vLLM's last boundary
+ * (2560 s for TTFT, 7680 s for request phases). */
 #include "coordinator/metrics.h"
 
 #include <pthread.h>
@@ -8,21 +13,38 @@
 
 #include "common/util.h"
 
-#define MAX_BUCKETS 20
+#define MAX_BUCKETS    40 /* boundaries; one more bucket holds +Inf */
+#define MAX_VLLM_NAMES 2
 
 typedef struct hist {
-    const char *name, *vllm_name, *help; /* vllm_name: NULL where vLLM has no such metric */
+    const char *name, *help;
+    const char *vllm[MAX_VLLM_NAMES]; /* vLLM's names for the same data (NULL: none) */
     int n;
-    const double *bounds;
-    uint64_t counts[MAX_BUCKETS]; /* per bucket (not cumulative); the last is +Inf */
+    double bounds[MAX_BUCKETS];
+    uint64_t counts[MAX_BUCKETS + 1]; /* per bucket (not cumulative); the last is +Inf */
     double sum;
     uint64_t count;
 } hist_t;
 
-static const double k_latency[] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
-                                   0.5,   0.75,   1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0};
-static const double k_tpot[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
-                                0.05,   0.075, 0.1,    0.15,  0.2,  0.3,   0.4,  0.5,   1.0};
+/* vLLM's boundaries: time to first token; per-token times (TPOT, ITL);
+ * request phases (e2e, queue, prefill, decode, inference); tokens per
+ * engine step; the n parameter; prefill time per prompt token. */
+static const double k_ttft[] = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
+                                20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
+static const double k_token[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                 0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+static const double k_request[] = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                   5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+static const double k_iteration[] = {1,   8,    16,   32,   64,   128,  256,
+                                     512, 1024, 2048, 4096, 8192, 16384};
+static const double k_n[] = {1, 2, 5, 10, 20};
+static const double k_prefill_token[] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0};
+/* Loom's own sub-millisecond stages (tokenize, detokenize, send, step). */
+static const double k_fine[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02,
+                                0.025,  0.03,    0.04,   0.05,  0.075,  0.1,   0.15, 0.2,   0.3,
+                                0.4,    0.5,     1.0,    2.5,   5.0,    10.0,  20.0, 40.0,  80.0};
 
 enum {
     H_TTFT,
@@ -32,11 +54,17 @@ enum {
     H_QUEUE,
     H_TOKENIZE,
     H_PREFILL,
+    H_PREFILL_PER_TOKEN,
     H_DECODE,
     H_INFERENCE,
     H_DETOKENIZE,
     H_SEND,
     H_STEP,
+    H_PROMPT_TOKENS,
+    H_GEN_TOKENS,
+    H_MAX_TOKENS,
+    H_N,
+    H_ITERATION,
     H_COUNT
 };
 
@@ -47,7 +75,8 @@ typedef struct stage {
 
 struct loom_metrics {
     pthread_mutex_t mu;
-    char model[256];
+    char lbl[320];      /* model_name="..." (escaped) */
+    char lbl_vllm[340]; /* model_name="...",engine="0" */
     hist_t h[H_COUNT];
     uint64_t finished[LOOM_FINISHED_COUNT];
     loom_metrics_state_t st;
@@ -55,64 +84,105 @@ struct loom_metrics {
     int n_stages;
 };
 
-static void hist_init(hist_t *h, const char *name, const char *vllm_name, const char *help, const double *bounds,
-                      int n) {
+static void hist_init(hist_t *h, const char *name, const char *vllm0, const char *vllm1,
+                      const char *help, const double *bounds, int n) {
     memset(h, 0, sizeof *h);
     h->name = name;
-    h->vllm_name = vllm_name;
+    h->vllm[0] = vllm0;
+    h->vllm[1] = vllm1;
     h->help = help;
-    h->bounds = bounds;
+    LOOM_ASSERT(n <= MAX_BUCKETS);
+    memcpy(h->bounds, bounds, (size_t)n * sizeof *bounds);
     h->n = n;
+}
+
+/* 1, 2, 5, 10, 20, 50, ... up to max (vLLM's build_1_2_5_buckets). */
+static int buckets_125(double *out, int cap, int max) {
+    static const int mant[] = {1, 2, 5};
+    int n = 0;
+    for (double scale = 1; n < cap; scale *= 10)
+        for (int i = 0; i < 3 && n < cap; i++) {
+            double v = mant[i] * scale;
+            if (v > max) return n;
+            out[n++] = v;
+        }
+    return n;
 }
 
 static void hist_observe(hist_t *h, double v) {
     int i = 0;
-    while (i < h->n && v > h->bounds[i]) i++;
+    while (i < h->n && v > h->bounds[i])
+        i++;
     h->counts[i]++;
     h->sum += v;
     h->count++;
 }
 
-loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages) {
+loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages, int max_model_len) {
     loom_metrics_t *m = loom_xcalloc(1, sizeof *m);
     pthread_mutex_init(&m->mu, NULL);
     /* label values escape backslash, quote and newline */
+    char model[256];
     size_t o = 0;
-    for (const char *p = model_name; *p && o + 2 < sizeof m->model; p++) {
-        if (*p == '\\' || *p == '"') m->model[o++] = '\\';
+    for (const char *p = model_name; *p && o + 3 < sizeof model; p++) {
+        if (*p == '\\' || *p == '"') model[o++] = '\\';
         if (*p == '\n') {
-            m->model[o++] = '\\';
-            m->model[o++] = 'n';
+            model[o++] = '\\';
+            model[o++] = 'n';
             continue;
         }
-        m->model[o++] = *p;
+        model[o++] = *p;
     }
-    int nl = (int)LOOM_ARRAY_LEN(k_latency), nt = (int)LOOM_ARRAY_LEN(k_tpot);
-    hist_t *h = m->h;
-    hist_init(&h[H_TTFT], "loom_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
-              "Time from arrival to the first token.", k_latency, nl);
-    hist_init(&h[H_TPOT], "loom_time_per_output_token_seconds", "vllm:time_per_output_token_seconds",
-              "Mean time per output token after the first, per request.", k_tpot, nt);
-    hist_init(&h[H_ITL], "loom_inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
-              "Time between two successive tokens of a request.", k_tpot, nt);
-    hist_init(&h[H_E2E], "loom_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
-              "Time from arrival to the last token.", k_latency, nl);
-    hist_init(&h[H_QUEUE], "loom_request_queue_time_seconds", "vllm:request_queue_time_seconds",
-              "Time from being queued (tokenized) to the first scheduling.", k_latency, nl);
-    hist_init(&h[H_TOKENIZE], "loom_request_tokenize_time_seconds", NULL, "Time spent encoding the prompt.",
-              k_tpot, nt);
-    hist_init(&h[H_PREFILL], "loom_request_prefill_time_seconds", "vllm:request_prefill_time_seconds",
-              "Time from the first scheduling to the first token.", k_latency, nl);
-    hist_init(&h[H_DECODE], "loom_request_decode_time_seconds", "vllm:request_decode_time_seconds",
-              "Time from the first token to the last.", k_latency, nl);
-    hist_init(&h[H_INFERENCE], "loom_request_inference_time_seconds", "vllm:request_inference_time_seconds",
-              "Time from the first scheduling to the last token (prefill + decode).", k_latency, nl);
-    hist_init(&h[H_DETOKENIZE], "loom_request_detokenize_time_seconds", NULL,
-              "Time spent turning a request's ids into text (stop strings included).", k_tpot, nt);
-    hist_init(&h[H_SEND], "loom_request_send_time_seconds", NULL, "Time spent packing and sending a request's chunks.",
-              k_tpot, nt);
-    hist_init(&h[H_STEP], "loom_step_seconds", NULL, "Micro-batch round trip, plan sent to result received.", k_tpot,
-              nt);
+    model[o] = '\0';
+    snprintf(m->lbl, sizeof m->lbl, "model_name=\"%s\"", model);
+    snprintf(m->lbl_vllm, sizeof m->lbl_vllm, "model_name=\"%s\",engine=\"0\"", model);
+#define HI(id, name, v0, v1, help, b)                                                              \
+    hist_init(&m->h[id], name, v0, v1, help, b, (int)LOOM_ARRAY_LEN(b))
+    HI(H_TTFT, "loom_time_to_first_token_seconds", "vllm:time_to_first_token_seconds", NULL,
+       "Time from arrival to the first token.", k_ttft);
+    HI(H_TPOT, "loom_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+       NULL, "Mean time per output token after the first, per request.", k_token);
+    /* vLLM renders the inter-token latency under its older name too */
+    HI(H_ITL, "loom_inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+       "vllm:time_per_output_token_seconds", "Time between two successive tokens of a request.",
+       k_token);
+    HI(H_E2E, "loom_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds", NULL,
+       "Time from arrival to the last token.", k_request);
+    HI(H_QUEUE, "loom_request_queue_time_seconds", "vllm:request_queue_time_seconds", NULL,
+       "Time from being queued (tokenized) to the first scheduling.", k_request);
+    HI(H_TOKENIZE, "loom_request_tokenize_time_seconds", NULL, NULL,
+       "Time spent encoding the prompt.", k_fine);
+    HI(H_PREFILL, "loom_request_prefill_time_seconds", "vllm:request_prefill_time_seconds", NULL,
+       "Time from the first scheduling to the first token.", k_request);
+    HI(H_PREFILL_PER_TOKEN, "loom_request_prefill_time_per_token_seconds",
+       "vllm:time_per_prefill_token_request_seconds", NULL,
+       "Prefill time divided by the prompt's tokens.", k_prefill_token);
+    HI(H_DECODE, "loom_request_decode_time_seconds", "vllm:request_decode_time_seconds", NULL,
+       "Time from the first token to the last.", k_request);
+    HI(H_INFERENCE, "loom_request_inference_time_seconds", "vllm:request_inference_time_seconds",
+       NULL, "Time from the first scheduling to the last token (prefill + decode).", k_request);
+    HI(H_DETOKENIZE, "loom_request_detokenize_time_seconds", NULL, NULL,
+       "Time spent turning a request's ids into text (stop strings included).", k_fine);
+    HI(H_SEND, "loom_request_send_time_seconds", NULL, NULL,
+       "Time spent packing and sending a request's chunks.", k_fine);
+    HI(H_STEP, "loom_step_seconds", NULL, NULL,
+       "Micro-batch round trip, plan sent to result received.", k_fine);
+    HI(H_ITERATION, "loom_iteration_tokens", "vllm:iteration_tokens_total", NULL,
+       "Tokens per scheduled micro-batch (prompt and decode).", k_iteration);
+    HI(H_N, "loom_request_params_n", "vllm:request_params_n", NULL,
+       "The n parameter of finished requests.", k_n);
+#undef HI
+    double b[MAX_BUCKETS];
+    int nb = buckets_125(b, MAX_BUCKETS, max_model_len > 0 ? max_model_len : 1);
+    hist_init(&m->h[H_PROMPT_TOKENS], "loom_request_prompt_tokens", "vllm:request_prompt_tokens",
+              NULL, "Prompt tokens of finished requests.", b, nb);
+    hist_init(&m->h[H_GEN_TOKENS], "loom_request_generation_tokens",
+              "vllm:request_generation_tokens", NULL, "Generated tokens of finished requests.", b,
+              nb);
+    /* with n = 1 the most tokens a request may generate is its max_tokens */
+    hist_init(&m->h[H_MAX_TOKENS], "loom_request_params_max_tokens",
+              "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens",
+              "The max_tokens parameter of finished requests.", b, nb);
     m->n_stages = n_stages;
     m->stages = loom_xcalloc((size_t)(n_stages > 0 ? n_stages : 1), sizeof *m->stages);
     return m;
@@ -127,14 +197,29 @@ void loom_metrics_destroy(loom_metrics_t **m_p) {
     free(m);
 }
 
-void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, const loom_request_times_t *t) {
+void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how,
+                               const loom_request_times_t *t) {
+    double per_token =
+        t->prefill_s >= 0 && t->prompt_tokens > 0 ? t->prefill_s / t->prompt_tokens : -1;
     const struct {
         int h;
         double v;
-    } obs[] = {{H_QUEUE, t->queue_s},     {H_TOKENIZE, t->tokenize_s},     {H_PREFILL, t->prefill_s},
-               {H_DECODE, t->decode_s},   {H_DETOKENIZE, t->detokenize_s}, {H_SEND, t->send_s},
-               {H_TTFT, t->ttft_s},       {H_TPOT, t->tpot_s},             {H_E2E, t->e2e_s},
-               {H_INFERENCE, t->prefill_s >= 0 && t->decode_s >= 0 ? t->prefill_s + t->decode_s : -1}};
+    } obs[] = {
+        {H_QUEUE, t->queue_s},
+        {H_TOKENIZE, t->tokenize_s},
+        {H_PREFILL, t->prefill_s},
+        {H_PREFILL_PER_TOKEN, per_token},
+        {H_DECODE, t->decode_s},
+        {H_DETOKENIZE, t->detokenize_s},
+        {H_SEND, t->send_s},
+        {H_TTFT, t->ttft_s},
+        {H_TPOT, t->tpot_s},
+        {H_E2E, t->e2e_s},
+        {H_INFERENCE, t->prefill_s >= 0 && t->decode_s >= 0 ? t->prefill_s + t->decode_s : -1},
+        {H_PROMPT_TOKENS, t->prompt_tokens},
+        {H_GEN_TOKENS, t->generation_tokens},
+        {H_MAX_TOKENS, t->max_tokens > 0 ? t->max_tokens : -1},
+        {H_N, t->n > 0 ? t->n : -1}};
     pthread_mutex_lock(&m->mu);
     if ((unsigned)how < LOOM_FINISHED_COUNT) m->finished[how]++;
     for (size_t i = 0; i < LOOM_ARRAY_LEN(obs); i++)
@@ -142,16 +227,20 @@ void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, const loo
     pthread_mutex_unlock(&m->mu);
 }
 
-void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s) {
+static void observe(loom_metrics_t *m, int h, double v) {
     pthread_mutex_lock(&m->mu);
-    hist_observe(&m->h[H_ITL], itl_s);
+    hist_observe(&m->h[h], v);
     pthread_mutex_unlock(&m->mu);
 }
 
+void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s) {
+    observe(m, H_ITL, itl_s);
+}
 void loom_metrics_observe_step(loom_metrics_t *m, double step_s) {
-    pthread_mutex_lock(&m->mu);
-    hist_observe(&m->h[H_STEP], step_s);
-    pthread_mutex_unlock(&m->mu);
+    observe(m, H_STEP, step_s);
+}
+void loom_metrics_observe_iteration(loom_metrics_t *m, int n_tokens) {
+    if (n_tokens > 0) observe(m, H_ITERATION, n_tokens);
 }
 
 void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st) {
@@ -160,95 +249,151 @@ void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st) {
     pthread_mutex_unlock(&m->mu);
 }
 
-void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s, uint64_t steps) {
+void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s,
+                            uint64_t steps) {
     if (stage < 0 || stage >= m->n_stages) return;
     pthread_mutex_lock(&m->mu);
     m->stages[stage] = (stage_t){busy_s, comm_s, steps};
     pthread_mutex_unlock(&m->mu);
 }
 
+/* ---- rendering ------------------------------------------------------------------ */
+
 static void family(loom_sbuf_t *o, const char *name, const char *type, const char *help) {
     loom_sbuf_printf(o, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void render_hist_as(loom_sbuf_t *o, const loom_metrics_t *m, const hist_t *h, const char *name) {
+static void render_hist_as(loom_sbuf_t *o, const hist_t *h, const char *name, const char *lbl) {
     family(o, name, "histogram", h->help);
     uint64_t cum = 0;
     for (int i = 0; i < h->n; i++) {
         cum += h->counts[i];
-        loom_sbuf_printf(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, m->model, h->bounds[i], (unsigned long long)cum);
+        loom_sbuf_printf(o, "%s_bucket{%s,le=\"%g\"} %llu\n", name, lbl, h->bounds[i],
+                         (unsigned long long)cum);
     }
     cum += h->counts[h->n];
-    loom_sbuf_printf(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, m->model, (unsigned long long)cum);
-    loom_sbuf_printf(o, "%s_sum{model_name=\"%s\"} %.9g\n", name, m->model, h->sum);
-    loom_sbuf_printf(o, "%s_count{model_name=\"%s\"} %llu\n", name, m->model, (unsigned long long)h->count);
+    loom_sbuf_printf(o, "%s_bucket{%s,le=\"+Inf\"} %llu\n", name, lbl, (unsigned long long)cum);
+    loom_sbuf_printf(o, "%s_sum{%s} %.9g\n", name, lbl, h->sum);
+    loom_sbuf_printf(o, "%s_count{%s} %llu\n", name, lbl, (unsigned long long)h->count);
 }
 
 static void render_hist(loom_sbuf_t *o, const loom_metrics_t *m, const hist_t *h) {
-    render_hist_as(o, m, h, h->name);
-    if (h->vllm_name) render_hist_as(o, m, h, h->vllm_name);
+    render_hist_as(o, h, h->name, m->lbl);
+    for (int i = 0; i < MAX_VLLM_NAMES; i++)
+        if (h->vllm[i]) render_hist_as(o, h, h->vllm[i], m->lbl_vllm);
 }
 
-static void gauge(loom_sbuf_t *o, const loom_metrics_t *m, const char *name, const char *help, double v) {
+static void gauge(loom_sbuf_t *o, const char *lbl, const char *name, const char *help, double v) {
     family(o, name, "gauge", help);
-    loom_sbuf_printf(o, "%s{model_name=\"%s\"} %.9g\n", name, m->model, v);
+    loom_sbuf_printf(o, "%s{%s} %.9g\n", name, lbl, v);
 }
 
-static void counter(loom_sbuf_t *o, const loom_metrics_t *m, const char *name, const char *help, uint64_t v) {
+static void counter(loom_sbuf_t *o, const char *lbl, const char *name, const char *help,
+                    uint64_t v) {
     family(o, name, "counter", help);
-    loom_sbuf_printf(o, "%s{model_name=\"%s\"} %llu\n", name, m->model, (unsigned long long)v);
+    loom_sbuf_printf(o, "%s{%s} %llu\n", name, lbl, (unsigned long long)v);
+}
+
+/* A value both sets have: loom_NAME{model_name} and vllm:NAME{model_name,engine}. */
+static void gauge2(loom_sbuf_t *o, const loom_metrics_t *m, const char *loom_name,
+                   const char *vllm_name, const char *help, double v) {
+    gauge(o, m->lbl, loom_name, help, v);
+    gauge(o, m->lbl_vllm, vllm_name, help, v);
+}
+
+static void counter2(loom_sbuf_t *o, const loom_metrics_t *m, const char *loom_name,
+                     uint64_t loom_v, const char *vllm_name, uint64_t vllm_v, const char *help) {
+    counter(o, m->lbl, loom_name, help, loom_v);
+    counter(o, m->lbl_vllm, vllm_name, help, vllm_v);
 }
 
 char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     loom_sbuf_t o = {0};
     pthread_mutex_lock(&m->mu);
     const loom_metrics_state_t *st = &m->st;
-    for (int i = 0; i < H_COUNT; i++) render_hist(&o, m, &m->h[i]);
+    for (int i = 0; i < H_COUNT; i++)
+        render_hist(&o, m, &m->h[i]);
     double kv_usage = st->kv_blocks_total ? (double)st->kv_blocks_used / st->kv_blocks_total : 0.0;
-    gauge(&o, m, "loom_num_requests_running", "Requests in the running batch.", st->running);
-    gauge(&o, m, "vllm:num_requests_running", "Requests in the running batch.", st->running);
-    gauge(&o, m, "loom_num_requests_waiting", "Requests waiting to be scheduled.", st->waiting);
-    gauge(&o, m, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", st->waiting);
-    gauge(&o, m, "loom_kv_cache_usage_ratio", "Fraction of KV cache blocks held by sequences.", kv_usage);
-    gauge(&o, m, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks held by sequences (0 to 1).", kv_usage);
-    family(&o, "loom_kv_cache_blocks", "gauge", "KV cache blocks by state (used, cached = free but holding a prefix, free).");
+    gauge2(&o, m, "loom_num_requests_running", "vllm:num_requests_running",
+           "Requests in the running batch.", st->running);
+    gauge2(&o, m, "loom_num_requests_waiting", "vllm:num_requests_waiting",
+           "Requests waiting to be scheduled.", st->waiting);
+    gauge(&o, m->lbl, "loom_kv_cache_usage_ratio", "Fraction of KV cache blocks held by sequences.",
+          kv_usage);
+    gauge(&o, m->lbl_vllm, "vllm:kv_cache_usage_perc",
+          "Fraction of KV cache blocks held by sequences (0 to 1).", kv_usage);
+    gauge(&o, m->lbl_vllm, "vllm:gpu_cache_usage_perc",
+          "Fraction of KV cache blocks held by sequences (0 to 1); vLLM's older name of "
+          "vllm:kv_cache_usage_perc.",
+          kv_usage);
+    family(&o, "loom_kv_cache_blocks", "gauge",
+           "KV cache blocks by state (used, cached = free but holding a prefix, free).");
     int free_blocks = st->kv_blocks_total - st->kv_blocks_used;
-    loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"used\"} %d\n", m->model, st->kv_blocks_used);
-    loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"cached\"} %d\n", m->model, st->kv_blocks_cached);
-    loom_sbuf_printf(&o, "loom_kv_cache_blocks{model_name=\"%s\",state=\"free\"} %d\n", m->model, free_blocks - st->kv_blocks_cached);
-    gauge(&o, m, "loom_kv_cache_blocks_total", "KV cache blocks per worker (the pool the scheduler hands out).",
-          st->kv_blocks_total);
-    family(&o, "loom_kv_cache_info", "gauge", "The KV cache's element type and block size (value 1).");
-    loom_sbuf_printf(&o, "loom_kv_cache_info{model_name=\"%s\",dtype=\"%s\",block_size=\"%d\"} 1\n", m->model,
-                     st->kv_dtype[0] ? st->kv_dtype : "none", st->block_size);
-    gauge(&o, m, "loom_grid_ready", "1 when every worker of the grid is serving.", st->grid_ready);
-    counter(&o, m, "loom_prompt_tokens_total", "Prompt tokens admitted.", st->prompt_tokens);
-    counter(&o, m, "vllm:prompt_tokens_total", "Prompt tokens admitted.", st->prompt_tokens);
-    counter(&o, m, "loom_generation_tokens_total", "Tokens generated.", st->generation_tokens);
-    counter(&o, m, "vllm:generation_tokens_total", "Tokens generated.", st->generation_tokens);
-    counter(&o, m, "loom_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.", st->prefix_cache_queries);
-    counter(&o, m, "loom_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.", st->prefix_cache_hits);
-    counter(&o, m, "loom_num_preemptions_total", "Sequences preempted (KV dropped, recomputed later).", st->preemptions);
-    counter(&o, m, "vllm:num_preemptions_total", "Sequences preempted (KV dropped, recomputed later).", st->preemptions);
-    counter(&o, m, "loom_requests_rejected_total", "Requests refused before scheduling.", st->requests_rejected);
-    static const char *reasons[] = {"stop", "length", "cancelled", "error"};
+    loom_sbuf_printf(&o, "loom_kv_cache_blocks{%s,state=\"used\"} %d\n", m->lbl,
+                     st->kv_blocks_used);
+    loom_sbuf_printf(&o, "loom_kv_cache_blocks{%s,state=\"cached\"} %d\n", m->lbl,
+                     st->kv_blocks_cached);
+    loom_sbuf_printf(&o, "loom_kv_cache_blocks{%s,state=\"free\"} %d\n", m->lbl,
+                     free_blocks - st->kv_blocks_cached);
+    gauge(&o, m->lbl, "loom_kv_cache_capacity_blocks",
+          "KV cache blocks per worker (the pool the scheduler hands out).", st->kv_blocks_total);
+    const char *dtype = st->kv_dtype[0] ? st->kv_dtype : "none";
+    family(&o, "loom_kv_cache_info", "gauge",
+           "The KV cache's element type and block size (value 1).");
+    loom_sbuf_printf(&o, "loom_kv_cache_info{%s,dtype=\"%s\",block_size=\"%d\"} 1\n", m->lbl, dtype,
+                     st->block_size);
+    family(&o, "vllm:cache_config_info", "gauge", "The KV cache's configuration (value 1).");
+    loom_sbuf_printf(
+        &o,
+        "vllm:cache_config_info{block_size=\"%d\",cache_dtype=\"%s\",enable_prefix_caching=\"%s\","
+        "engine=\"0\",num_gpu_blocks=\"%d\"} 1\n",
+        st->block_size, dtype, st->prefix_caching ? "True" : "False", st->kv_blocks_total);
+    gauge(&o, m->lbl, "loom_grid_ready", "1 when every worker of the grid is serving.",
+          st->grid_ready);
+    counter2(&o, m, "loom_prompt_tokens_total", st->prompt_tokens, "vllm:prompt_tokens_total",
+             st->prompt_tokens, "Prompt tokens admitted.");
+    counter2(&o, m, "loom_generation_tokens_total", st->generation_tokens,
+             "vllm:generation_tokens_total", st->generation_tokens, "Tokens generated.");
+    counter(&o, m->lbl, "loom_prefix_cache_queries_total",
+            "Full prompt blocks looked up in the prefix cache.", st->prefix_cache_queries);
+    counter(&o, m->lbl, "loom_prefix_cache_hits_total",
+            "Full prompt blocks found in the prefix cache.", st->prefix_cache_hits);
+    /* vLLM counts these in tokens */
+    uint64_t bs = st->block_size > 0 ? (uint64_t)st->block_size : 0;
+    counter(&o, m->lbl_vllm, "vllm:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (full blocks).",
+            st->prefix_cache_queries * bs);
+    counter(&o, m->lbl_vllm, "vllm:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache (full blocks).", st->prefix_cache_hits * bs);
+    counter2(&o, m, "loom_num_preemptions_total", st->preemptions, "vllm:num_preemptions_total",
+             st->preemptions, "Sequences preempted (KV dropped, recomputed later).");
+    counter(&o, m->lbl, "loom_requests_rejected_total", "Requests refused before scheduling.",
+            st->requests_rejected);
+    static const char *const reasons[LOOM_FINISHED_COUNT] = {"stop", "length", "abort", "error"};
     for (int v = 0; v < 2; v++) {
         const char *name = v ? "vllm:request_success_total" : "loom_request_success_total";
         family(&o, name, "counter", "Finished requests by finish reason.");
         for (int i = 0; i < LOOM_FINISHED_COUNT; i++)
-            loom_sbuf_printf(&o, "%s{model_name=\"%s\",finished_reason=\"%s\"} %llu\n", name, m->model, reasons[i],
-                (unsigned long long)m->finished[i]);
+            loom_sbuf_printf(&o, "%s{%s,finished_reason=\"%s\"} %llu\n", name,
+                             v ? m->lbl_vllm : m->lbl, reasons[i],
+                             (unsigned long long)m->finished[i]);
     }
-    family(&o, "loom_stage_step_seconds", "gauge", "Mean compute time per step of each pipeline stage.");
+    family(&o, "loom_stage_step_seconds", "gauge",
+           "Mean compute time per step of each pipeline stage.");
     for (int s = 0; s < m->n_stages; s++)
-        loom_sbuf_printf(&o, "loom_stage_step_seconds{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s,
-            m->stages[s].steps ? m->stages[s].busy_s / (double)m->stages[s].steps : 0.0);
-    family(&o, "loom_stage_busy_seconds_total", "counter", "Seconds each pipeline stage spent executing steps (summed over its workers).");
+        loom_sbuf_printf(&o, "loom_stage_step_seconds{%s,stage=\"%d\"} %.9g\n", m->lbl, s,
+                         m->stages[s].steps ? m->stages[s].busy_s / (double)m->stages[s].steps
+                                            : 0.0);
+    family(&o, "loom_stage_busy_seconds_total", "counter",
+           "Seconds each pipeline stage spent executing steps (summed over its workers).");
     for (int s = 0; s < m->n_stages; s++)
-        loom_sbuf_printf(&o, "loom_stage_busy_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].busy_s);
-    family(&o, "loom_stage_comm_seconds_total", "counter", "Seconds each pipeline stage spent in the data plane (summed over its workers).");
+        loom_sbuf_printf(&o, "loom_stage_busy_seconds_total{%s,stage=\"%d\"} %.9g\n", m->lbl, s,
+                         m->stages[s].busy_s);
+    family(&o, "loom_stage_comm_seconds_total", "counter",
+           "Seconds each pipeline stage spent in the data plane (summed over its workers).");
     for (int s = 0; s < m->n_stages; s++)
-        loom_sbuf_printf(&o, "loom_stage_comm_seconds_total{model_name=\"%s\",stage=\"%d\"} %.9g\n", m->model, s, m->stages[s].comm_s);
+        loom_sbuf_printf(&o, "loom_stage_comm_seconds_total{%s,stage=\"%d\"} %.9g\n", m->lbl, s,
+                         m->stages[s].comm_s);
     pthread_mutex_unlock(&m->mu);
     *len = o.len;
     return o.p;

@@ -1,48 +1,58 @@
-/* Serving metrics in Prometheus form: latency histograms, gauges and
- * counters. The reactor records events; the HTTP thread renders the text
- * exposition format. Every call takes the metrics' mutex (cheap: a few
+/* Serving metrics in Prometheus form: latency and size histograms, gauges
+ * and counters. The reactor records events; the HTTP thread renders the
+ * text exposition format. Every call takes the metrics' mutex (cheap: a few
  * events per token). Each metric has a loom_ name; those vLLM also has are
- * rendered a second time under vLLM's name (vllm:...), same labels, so
- * dashboards made for vLLM work unchanged. */
+ * rendered a second time under vLLM's name (vllm:..., vLLM's type, bucket
+ * boundaries and labels model_name and engine), so dashboards made for vLLM
+ * work unchanged. docs/operations.md lists both sets. */
 #ifndef LOOM_METRICS_H
 #define LOOM_METRICS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+/* How a request ended; the finished_reason label (vLLM's values). */
 typedef enum {
-    LOOM_FINISHED_STOP = 0,
-    LOOM_FINISHED_LENGTH,
-    LOOM_FINISHED_CANCELLED,
-    LOOM_FINISHED_ERROR,
+    LOOM_FINISHED_STOP = 0, /* "stop": EOS, a stop token or a stop string */
+    LOOM_FINISHED_LENGTH,   /* "length": max_tokens or the context length */
+    LOOM_FINISHED_ABORT,    /* "abort": cancelled by the client or a disconnect */
+    LOOM_FINISHED_ERROR,    /* "error": failed (grid lost, deadline, internal) */
     LOOM_FINISHED_COUNT
 } loom_finished_t;
 
 typedef struct loom_metrics loom_metrics_t;
 
-loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages);
+/* max_model_len sets the top of the token-count histograms' 1-2-5 buckets
+ * (as vLLM does). */
+loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages, int max_model_len);
 void loom_metrics_destroy(loom_metrics_t **m_p);
 
 /* Where one request's time went, in seconds; a stage it never reached
- * is < 0 and not observed (tpot: fewer than two tokens). */
+ * is < 0 and not observed (tpot: fewer than two tokens). The sizes are
+ * token counts (< 0: not known, not observed). */
 typedef struct loom_request_times {
     double queue_s, tokenize_s, prefill_s, decode_s, detokenize_s, send_s;
     double ttft_s, tpot_s, e2e_s;
+    int prompt_tokens, generation_tokens, max_tokens, n;
 } loom_request_times_t;
 
 /* A request ended. */
-void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how, const loom_request_times_t *t);
+void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how,
+                               const loom_request_times_t *t);
 /* The time between two successive tokens of one request. */
 void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s);
 void loom_metrics_observe_step(loom_metrics_t *m, double step_s);
+/* One scheduled micro-batch carried n_tokens tokens (prefill and decode). */
+void loom_metrics_observe_iteration(loom_metrics_t *m, int n_tokens);
 
 typedef struct loom_metrics_state {
     int running, waiting;
     int kv_blocks_total, kv_blocks_used, kv_blocks_cached;
     char kv_dtype[16]; /* KV cache element type on the workers ("" before the grid is ready) */
     int block_size;
+    int prefix_caching; /* 1: automatic prefix caching is on */
     uint64_t prompt_tokens, generation_tokens;
-    uint64_t prefix_cache_queries, prefix_cache_hits;
+    uint64_t prefix_cache_queries, prefix_cache_hits; /* in full blocks */
     uint64_t preemptions, requests_rejected;
     int grid_ready;
 } loom_metrics_state_t;
@@ -50,7 +60,8 @@ typedef struct loom_metrics_state {
 void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st);
 /* Per pipeline stage: seconds busy and in the data plane, steps run (summed
  * over the stage's workers, from their heartbeats). */
-void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s, uint64_t steps);
+void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s,
+                            uint64_t steps);
 
 /* The Prometheus text exposition (version 0.0.4); malloc'ed, *len bytes. */
 char *loom_metrics_render(loom_metrics_t *m, size_t *len);

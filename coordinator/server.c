@@ -288,9 +288,13 @@ static double ms_or_none(double sec) {
 static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishReason finish, uint64_t now) {
     loom_finished_t how = finish == LOOM__V1__FINISH_REASON__FINISH_STOP     ? LOOM_FINISHED_STOP
                           : finish == LOOM__V1__FINISH_REASON__FINISH_LENGTH ? LOOM_FINISHED_LENGTH
-                          : finish == LOOM__V1__FINISH_REASON__FINISH_CANCELLED ? LOOM_FINISHED_CANCELLED
+                          : finish == LOOM__V1__FINISH_REASON__FINISH_CANCELLED ? LOOM_FINISHED_ABORT
                                                                                 : LOOM_FINISHED_ERROR;
     loom_request_times_t t = req_times(q, now);
+    t.prompt_tokens = q->prompt_tokens;
+    t.generation_tokens = q->completion_tokens;
+    t.max_tokens = q->max_tokens;
+    t.n = 1;
     loom_metrics_request_done(s->metrics, how, &t);
     loom_log_req(LOOM_LOG_DEBUG, q->tag,
                  "request %llu done: %d+%d tokens; ms: tokenize %.2f queue %.2f prefill %.2f decode %.2f "
@@ -1291,7 +1295,10 @@ static void send_plan(loom_server_t *s, loom_microbatch_t *mb) {
 static void schedule(loom_server_t *s) {
     if (s->state != GRID_READY) return;
     loom_microbatch_t *mb;
-    while (s->n_inflight < s->cfg.pp && (mb = loom_sched_schedule(s->sched))) send_plan(s, mb);
+    while (s->n_inflight < s->cfg.pp && (mb = loom_sched_schedule(s->sched))) {
+        loom_metrics_observe_iteration(s->metrics, mb->n_tokens);
+        send_plan(s, mb);
+    }
 }
 
 /* Watch thread: a worker's key left etcd (lease expired or revoked). */
@@ -1344,6 +1351,7 @@ static void publish_state(loom_server_t *s) {
         st.kv_blocks_cached = loom_kv_n_cached(L);
         snprintf(st.kv_dtype, sizeof st.kv_dtype, "%s", s->kv_dtype);
         st.block_size = s->cfg.block_size;
+        st.prefix_caching = s->cfg.prefix_cache;
         st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
         st.prefix_cache_hits = s->prefix_hits_base + ss.prefix_hits;
         st.preemptions = s->preemptions_base + ss.preemptions;
@@ -1581,7 +1589,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->seed_state = loom_now_ns() ^ ((uint64_t)getpid() << 32);
     s->run_id = next_seed(s);
-    s->metrics = loom_metrics_create(s->model_name, cfg->pp);
+    s->metrics = loom_metrics_create(s->model_name, cfg->pp, s->max_model_len);
 
     s->zctx = zmq_ctx_new();
     s->api = zsock(s, ZMQ_ROUTER);

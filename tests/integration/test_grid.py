@@ -234,7 +234,7 @@ def test_kv_blocks_stats_metrics_prefix():
             check(st["kv_block_bytes"] == 2 * 5 * 16 * 4 * per_head, "block bytes %d" % st["kv_block_bytes"])
             check(blocks[kv] == 1000000 // st["kv_block_bytes"], "%s: %d blocks" % (kv, blocks[kv]))
             text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10).read().decode()
-            check('loom_kv_cache_blocks_total{model_name="stories260K"} %d' % blocks[kv] in text,
+            check('loom_kv_cache_capacity_blocks{model_name="stories260K"} %d' % blocks[kv] in text,
                   "/metrics lacks the block count %d" % blocks[kv])
             check('dtype="%s",block_size="16"} 1' % kv in text, "/metrics lacks loom_kv_cache_info for %s" % kv)
             if kv == "int8":

@@ -635,8 +635,8 @@ def test_disconnect_429_and_shutdown():
         print("  non-streaming disconnect freed in %.2f s" % (time.time() - t0))
         time.sleep(0.2)
         _, m1 = get_metrics(port)
-        check(metric(m1, "loom_request_success_total", finished_reason="cancelled") -
-              metric(m0, "loom_request_success_total", finished_reason="cancelled") == 2, "cancelled count")
+        check(metric(m1, "loom_request_success_total", finished_reason="abort") -
+              metric(m0, "loom_request_success_total", finished_reason="abort") == 2, "cancelled count")
         # 429: one runs, one waits, the third finds the queue full
         a, _ = open_stream(port, long_req, events=2)
         b = send_raw(port, long_req)
