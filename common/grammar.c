@@ -176,11 +176,37 @@ void loom_gb_add_ref(loom_gb_t *gb, int rule, int ref) {
     gb_push(gb, rule, EL(K_REF, ref));
 }
 
+/* Adds to rule r each alternative of x followed by a reference to tail;
+ * an alternative that is a lone reference is opened up in place (so x*
+ * of a choice of byte sequences runs as one flat loop, no stack frames). */
+static void copy_alts(loom_gb_t *gb, int r, int x, int tail, int depth) {
+    int n_alts = gb->rules[x].n_alts;
+    for (int a = 0; a < n_alts; a++) {
+        int n = gb->rules[x].alts[a].n;
+        uint32_t first = n ? gb->rules[x].alts[a].e[0] : 0;
+        if (n == 1 && EL_KIND(first) == K_REF && depth < 4 &&
+            gb->rules[EL_VAL(first)].n_alts > 0 && (int)EL_VAL(first) != x) {
+            copy_alts(gb, r, (int)EL_VAL(first), tail, depth + 1);
+            continue;
+        }
+        uint32_t *tmp = loom_xmalloc((size_t)n * sizeof *tmp + 1);
+        if (n) memcpy(tmp, gb->rules[x].alts[a].e, (size_t)n * sizeof *tmp);
+        loom_gb_alt(gb, r);
+        for (int i = 0; i < n; i++) gb_push(gb, r, tmp[i]);
+        gb_push(gb, r, EL(K_REF, tail));
+        free(tmp);
+    }
+}
+
 int loom_gb_star(loom_gb_t *gb, int x) {
     int r = loom_gb_rule(gb, NULL);
-    loom_gb_alt(gb, r);
-    loom_gb_add_ref(gb, r, x);
-    loom_gb_add_ref(gb, r, r);
+    if (gb->rules[x].n_alts > 0) {
+        copy_alts(gb, r, x, r, 0);
+    } else { /* x not defined yet (a forward reference) */
+        loom_gb_alt(gb, r);
+        loom_gb_add_ref(gb, r, x);
+        loom_gb_add_ref(gb, r, r);
+    }
     loom_gb_alt(gb, r);
     return r;
 }
@@ -331,13 +357,31 @@ typedef struct {
     int flags;
 } lg_set_t;
 
+/* A "flat" state of a token walk: every stack is one frame over the walk's
+ * base (the nodes that existed when it started), so it can be stored by
+ * value and its transitions memoized: a string body or a digit run then
+ * costs one table lookup per byte. */
+typedef struct {
+    int n, flags, off;
+    uint32_t hash;
+    int32_t next[256]; /* flat state after the byte; -1 unknown, -2 not flat */
+} lg_flat_t;
+
+#define MAX_FLAT 2048
+
 /* Scratch for closure and token walks. */
 typedef struct {
     ivec_t work, visited;
     lg_set_t *sets; /* per depth */
     int *mark;      /* arena size after sets[d] was made */
     uint8_t *unc;
+    int *flat;      /* flat state id of sets[d], or -1 */
+    uint8_t *mat;   /* sets[d].top holds its nodes (a flat state may not) */
     int depth_cap;
+    lg_flat_t *ft;
+    int n_ft;
+    lg_node_t *fpool; /* the stacks of the flat states */
+    int n_fpool, cap_fpool;
 } lg_walk_t;
 
 struct loom_grammar {
@@ -364,11 +408,14 @@ struct loom_grammar {
 struct loom_grammar_vocab {
     int n_vocab;
     size_t n_words;
-    char **bytes; /* per id, NULL = never allowed */
+    char **bytes; /* per id, NULL = never allowed; into pool, in sorted order */
+    char *pool;
     uint32_t *len;
     int32_t *sorted; /* ids with bytes, sorted by bytes */
     int n_sorted;
     uint32_t *eligible; /* bitset of the sorted ids */
+    uint16_t *lcp; /* lcp[i]: common prefix of sorted tokens i-1 and i (capped at 65535) */
+    int32_t group_end[256]; /* first sorted index whose first byte is above b */
     int32_t *eos;
     int n_eos;
     int max_len;
@@ -427,6 +474,10 @@ static void walk_free(lg_walk_t *w) {
     free(w->sets);
     free(w->mark);
     free(w->unc);
+    free(w->flat);
+    free(w->mat);
+    free(w->ft);
+    free(w->fpool);
     memset(w, 0, sizeof *w);
 }
 
@@ -437,6 +488,8 @@ static void walk_reserve(lg_walk_t *w, int depth) {
     memset(w->sets + w->depth_cap, 0, (size_t)(nc - w->depth_cap) * sizeof *w->sets);
     w->mark = loom_xrealloc(w->mark, (size_t)nc * sizeof *w->mark);
     w->unc = loom_xrealloc(w->unc, (size_t)nc);
+    w->flat = loom_xrealloc(w->flat, (size_t)nc * sizeof *w->flat);
+    w->mat = loom_xrealloc(w->mat, (size_t)nc);
     w->depth_cap = nc;
 }
 
@@ -795,7 +848,29 @@ static loom_status_t vocab_finish(loom_grammar_vocab_t *v) {
         if ((int)v->len[i] > v->max_len) v->max_len = (int)v->len[i];
     }
     qsort(it, (size_t)v->n_sorted, sizeof *it, cmp_tokens);
-    for (int i = 0; i < v->n_sorted; i++) v->sorted[i] = it[i].id;
+    v->lcp = loom_xcalloc((size_t)v->n_sorted + 1, sizeof *v->lcp);
+    for (int i = 0; i < v->n_sorted; i++) {
+        v->sorted[i] = it[i].id;
+        if (i > 0) {
+            uint32_t m = it[i].len < it[i - 1].len ? it[i].len : it[i - 1].len, l = 0;
+            while (l < m && l < 65535 && it[i].b[l] == it[i - 1].b[l]) l++;
+            v->lcp[i] = (uint16_t)l;
+        }
+    }
+    for (int b = 0, i = 0; b < 256; b++) {
+        while (i < v->n_sorted && it[i].b[0] <= b) i++;
+        v->group_end[b] = i;
+    }
+    size_t total = 0;
+    for (int i = 0; i < v->n_sorted; i++) total += it[i].len;
+    v->pool = loom_xmalloc(total + 1);
+    for (size_t i = 0, off = 0; i < (size_t)v->n_sorted; i++) {
+        int32_t id = it[i].id;
+        memcpy(v->pool + off, v->bytes[id], v->len[id]);
+        free(v->bytes[id]);
+        v->bytes[id] = v->pool + off;
+        off += v->len[id];
+    }
     free(it);
     return LOOM_OK;
 }
@@ -849,10 +924,11 @@ void loom_grammar_vocab_add_eos(loom_grammar_vocab_t *v, int32_t id) {
 void loom_grammar_vocab_destroy(loom_grammar_vocab_t **v_p) {
     if (!v_p || !*v_p) return;
     loom_grammar_vocab_t *v = *v_p;
-    for (int i = 0; i < v->n_vocab; i++) free(v->bytes[i]);
+    free(v->pool);
     free(v->bytes);
     free(v->len);
     free(v->sorted);
+    free(v->lcp);
     free(v->eligible);
     free(v->eos);
     free(v);
@@ -889,14 +965,72 @@ enum { T_REJ = 0, T_ACC = 1, T_UNC = 2 };
  * state s0 (already in a, as w->sets[0] after this call): res[i] = T_*.
  * esc_follow: bytes that may follow the bottom rule when it ends into
  * unknown context (NULL when the stack is known to the root). */
+/* The flat state id of s (interned), or -1 when s is not flat. */
+static int flat_intern(lg_walk_t *w, const lg_arena_t *a, const lg_set_t *s, int base_n) {
+    uint32_t h = 2166136261u ^ (uint32_t)s->flags;
+    for (int i = 0; i < s->n; i++) {
+        const lg_node_t *nd = &a->v[s->top[i]];
+        if (nd->parent >= base_n) return -1;
+        h = (h ^ nd->pos) * 16777619u;
+        h = (h ^ (uint32_t)nd->parent) * 16777619u;
+    }
+    for (int f = 0; f < w->n_ft; f++) {
+        const lg_flat_t *F = &w->ft[f];
+        if (F->hash != h || F->n != s->n || F->flags != s->flags) continue;
+        int same = 1;
+        for (int i = 0; i < s->n && same; i++) {
+            const lg_node_t *nd = &a->v[s->top[i]];
+            same = w->fpool[F->off + i].pos == nd->pos && w->fpool[F->off + i].parent == nd->parent;
+        }
+        if (same) return f;
+    }
+    if (w->n_ft == MAX_FLAT) return -1;
+    if (!w->ft) w->ft = loom_xmalloc(MAX_FLAT * sizeof *w->ft);
+    if (w->n_fpool + s->n > w->cap_fpool) {
+        w->cap_fpool = (w->n_fpool + s->n) * 2 + 64;
+        w->fpool = loom_xrealloc(w->fpool, (size_t)w->cap_fpool * sizeof *w->fpool);
+    }
+    lg_flat_t *F = &w->ft[w->n_ft];
+    F->n = s->n;
+    F->flags = s->flags;
+    F->off = w->n_fpool;
+    F->hash = h;
+    for (int i = 0; i < 256; i++) F->next[i] = -1;
+    for (int i = 0; i < s->n; i++) w->fpool[w->n_fpool++] = a->v[s->top[i]];
+    return w->n_ft++;
+}
+
+/* Makes the nodes of the flat state at depth d (extends that depth's mark). */
+static void flat_materialize(lg_walk_t *w, lg_arena_t *a, int d) {
+    if (w->mat[d]) return;
+    const lg_flat_t *F = &w->ft[w->flat[d]];
+    lg_set_t *S = &w->sets[d];
+    S->n = 0;
+    S->flags = F->flags;
+    for (int i = 0; i < F->n; i++)
+        set_push(S, node_new(a, w->fpool[F->off + i].pos, w->fpool[F->off + i].parent));
+    w->mat[d] = 1;
+    w->mark[d] = a->n;
+}
+
+/* Classifies the tokens at sorted indices items[0..n) (ascending; NULL:
+ * the whole sorted vocabulary) from the state s0 (whose nodes are in a):
+ * res[i] = T_*. esc_follow: bytes that may follow the bottom rule when it
+ * ends into unknown context (NULL when the stack is known to the root). */
 static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, lg_arena_t *a,
                         lg_walk_t *w, const lg_set_t *s0, const loom_gb_set_t *esc_follow,
                         const int32_t *items, int n, uint8_t *res) {
     walk_reserve(w, v->max_len + 1);
+    int base_n = a->n;
+    w->n_ft = 0;
+    w->n_fpool = 0;
     set_copy(&w->sets[0], s0);
     w->mark[0] = a->n;
     w->unc[0] = 0;
+    w->mat[0] = 1;
+    w->flat[0] = flat_intern(w, a, &w->sets[0], base_n);
     int have = 0, dead_depth = 1 << 30, dead_res = T_REJ;
+    unsigned dead_byte = 0;
     const unsigned char *prev = NULL;
     uint32_t prev_len = 0;
     for (int it = 0; it < n; it++) {
@@ -904,7 +1038,21 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
         const unsigned char *t = (const unsigned char *)v->bytes[id];
         uint32_t L = v->len[id];
         int l = 0;
-        if (prev) {
+        if (!items) {
+            l = it > 0 ? v->lcp[it] : 0;
+            if (l >= dead_depth) {
+                /* the whole run sharing the dead prefix: one tight scan */
+                int end = it + 1;
+                if (dead_depth == 1) {
+                    end = v->group_end[dead_byte];
+                } else {
+                    while (end < n && v->lcp[end] >= dead_depth) end++;
+                }
+                memset(res + it, dead_res, (size_t)(end - it));
+                it = end - 1;
+                continue;
+            }
+        } else if (prev) {
             uint32_t m = L < prev_len ? L : prev_len;
             while ((uint32_t)l < m && t[l] == prev[l]) l++;
         }
@@ -919,16 +1067,31 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
         a->n = w->mark[d];
         int dead = 0;
         while ((uint32_t)d < L) {
-            const lg_set_t *S = &w->sets[d];
             unsigned c = t[d];
+            int fs = w->flat[d];
             lg_set_t *T = &w->sets[d + 1];
-            if (advance(g, a, w, S, c, T) < 0) T->n = 0, T->flags = 0;
-            T->flags &= F_ACCEPT | F_ESC;
+            int tn, tflags;
+            int sflags = fs >= 0 && !w->mat[d] ? w->ft[fs].flags : w->sets[d].flags;
+            int nx = fs >= 0 ? w->ft[fs].next[c] : -1;
+            if (nx >= 0) { /* memoized */
+                w->flat[d + 1] = nx;
+                w->mat[d + 1] = 0;
+                tn = w->ft[nx].n;
+                tflags = w->ft[nx].flags;
+            } else {
+                if (fs >= 0) flat_materialize(w, a, d);
+                if (advance(g, a, w, &w->sets[d], c, T) < 0) T->n = 0, T->flags = 0;
+                w->mat[d + 1] = 1;
+                w->flat[d + 1] = flat_intern(w, a, T, base_n);
+                if (fs >= 0) w->ft[fs].next[c] = w->flat[d + 1] >= 0 ? w->flat[d + 1] : -2;
+                tn = T->n;
+                tflags = T->flags;
+            }
             w->unc[d + 1] = (uint8_t)(w->unc[d] ||
-                                      ((S->flags & F_ESC) && esc_follow && loom_gb_set_has(esc_follow, c)));
+                                      ((sflags & F_ESC) && esc_follow && loom_gb_set_has(esc_follow, c)));
             w->mark[d + 1] = a->n;
             d++;
-            if (T->n == 0 && !(T->flags & F_ESC) && ((uint32_t)d < L || !(T->flags & F_ACCEPT))) {
+            if (tn == 0 && !(tflags & F_ESC) && ((uint32_t)d < L || !(tflags & F_ACCEPT))) {
                 dead = 1;
                 break;
             }
@@ -936,6 +1099,7 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
         have = d;
         if (dead) {
             dead_depth = d;
+            dead_byte = t[0];
             dead_res = w->unc[d] ? T_UNC : T_REJ;
             res[it] = (uint8_t)dead_res;
         } else {

@@ -298,6 +298,10 @@ static int rx_atom(rx_t *r) {
                        r->s[r->i + 2] != '=' && r->s[r->i + 2] != '!') {
                 /* named group (?<name>...) */
                 while (r->i < r->n && r->s[r->i] != '>') r->i++;
+                if (r->i >= r->n) {
+                    rx_fail(r, LOOM_ERR_INVALID_ARGUMENT, "unterminated group name");
+                    return -1;
+                }
                 r->i++;
             } else {
                 rx_fail(r, LOOM_ERR_UNSUPPORTED, "lookaround and inline flags are not supported");

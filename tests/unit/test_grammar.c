@@ -539,6 +539,58 @@ static void test_property_bytelevel(void) {
     loom_tokenizer_destroy(&tok);
 }
 
+/* Mutated specs: every compile returns a grammar or an error with a message
+ * (the sanitizer build checks memory); a grammar that compiled still runs. */
+static void test_mutations(void) {
+    const char *seeds[][2] = {
+        {"s", "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":{\"$ref\":\"#\"},"
+              "\"maxItems\":2},\"b\":{\"type\":\"string\",\"pattern\":\"^x[0-9]+$\"}},\"required\":[\"b\"]}"},
+        {"r", "^(?:[a-f0-9]{2,4}|\\w+\\.(com|org))*x?$"},
+        {"e", "root ::= a+ b\na ::= \"x\" | [^a-z]{1,3}\nb ::= (\"y\" a)? \"z\""},
+        {"c", "[\"a\",\"bb\",\"\\u00e9\"]"},
+    };
+    rng_t r = {42};
+    int ok = 0, errs = 0;
+    for (int k = 0; k < 4; k++) {
+        loom_grammar_kind_t kind = seeds[k][0][0] == 's'   ? LOOM_GRAMMAR_JSON_SCHEMA
+                                   : seeds[k][0][0] == 'r' ? LOOM_GRAMMAR_REGEX
+                                   : seeds[k][0][0] == 'e' ? LOOM_GRAMMAR_EBNF
+                                                           : LOOM_GRAMMAR_CHOICE;
+        const char *src = seeds[k][1];
+        size_t n = strlen(src);
+        char buf[512];
+        for (int it = 0; it < 400; it++) {
+            memcpy(buf, src, n);
+            size_t m = n;
+            int edits = 1 + (int)(rnd(&r) % 3);
+            for (int e = 0; e < edits; e++) {
+                size_t at = rnd(&r) % m;
+                int op = (int)(rnd(&r) % 3);
+                if (op == 0) buf[at] = "{}[]()\"\\|*+?:,$#^-.a0"[rnd(&r) % 22];
+                else if (op == 1 && m > 1) memmove(buf + at, buf + at + 1, --m - at);
+                else if (m + 1 < sizeof buf) {
+                    memmove(buf + at + 1, buf + at, m++ - at);
+                    buf[at] = (char)(rnd(&r) & 0xFF);
+                }
+            }
+            loom_grammar_t *g = NULL;
+            loom_err_t err = {0};
+            loom_status_t st = loom_grammar_compile(kind, buf, m, &g, &err);
+            if (st == LOOM_OK) {
+                CHECK(g != NULL);
+                loom_grammar_check(g, "xyz", 3);
+                ok++;
+            } else {
+                CHECK(g == NULL && err.msg[0] != 0);
+                errs++;
+            }
+            loom_grammar_destroy(&g);
+        }
+    }
+    fprintf(stderr, "  mutations: %d compiled, %d refused\n", ok, errs);
+    CHECK(ok > 0 && errs > 0);
+}
+
 static void test_cache(void) {
     loom_grammar_cache_t *c = loom_grammar_cache_create(2);
     loom_grammar_t *a = NULL, *b = NULL, *x = NULL;
@@ -555,6 +607,7 @@ static void test_cache(void) {
     loom_grammar_destroy(&x);
     loom_grammar_destroy(&y);
     CHECK(loom_grammar_cache_get(c, LOOM_GRAMMAR_JSON_SCHEMA, s2, strlen(s2), &x, &err) == LOOM_OK);
+    loom_grammar_destroy(&x);
     CHECK(loom_grammar_cache_get(c, LOOM_GRAMMAR_JSON_SCHEMA, "{", 1, &x, &err) < 0);
     CHECK(strstr(err.msg, "not valid JSON") != NULL);
     uint64_t hits, misses;
@@ -578,6 +631,7 @@ int main(int argc, char **argv) {
     RUN(test_ebnf);
     RUN(test_json_schema);
     RUN(test_cache);
+    RUN(test_mutations);
     RUN(test_masks_stories);
     RUN(test_masks_bytelevel);
     RUN(test_property_stories);
