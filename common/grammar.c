@@ -362,12 +362,13 @@ typedef struct {
  * value and its transitions memoized: a string body or a digit run then
  * costs one table lookup per byte. */
 typedef struct {
-    int n, flags, off;
+    int n, flags, off, len; /* tops; their chains are fpool[off .. off+len) */
     uint32_t hash;
     int32_t next[256]; /* flat state after the byte; -1 unknown, -2 not flat */
 } lg_flat_t;
 
 #define MAX_FLAT 2048
+#define FLAT_CHAIN 3 /* frames above the base a memoized stack may have */
 
 /* Scratch for closure and token walks. */
 typedef struct {
@@ -380,8 +381,10 @@ typedef struct {
     int depth_cap;
     lg_flat_t *ft;
     int n_ft;
-    lg_node_t *fpool; /* the stacks of the flat states */
+    lg_node_t *fpool; /* the stacks of the flat states, by value */
     int n_fpool, cap_fpool;
+    lg_node_t *fscr; /* an encoding being built */
+    int cap_fscr;
 } lg_walk_t;
 
 struct loom_grammar {
@@ -478,6 +481,7 @@ static void walk_free(lg_walk_t *w) {
     free(w->mat);
     free(w->ft);
     free(w->fpool);
+    free(w->fscr);
     memset(w, 0, sizeof *w);
 }
 
@@ -961,42 +965,67 @@ static int is_eos(const loom_grammar_vocab_t *v, int32_t id) {
 
 enum { T_REJ = 0, T_ACC = 1, T_UNC = 2 };
 
-/* Classifies the tokens at sorted indices items[0..n) (ascending) from the
- * state s0 (already in a, as w->sets[0] after this call): res[i] = T_*.
- * esc_follow: bytes that may follow the bottom rule when it ends into
- * unknown context (NULL when the stack is known to the root). */
-/* The flat state id of s (interned), or -1 when s is not flat. */
+/* The flat state id of s (interned), or -1 when it is not memoizable: each
+ * stack is encoded by value as {chain length k, the node it rests on}
+ * followed by its k positions from the top, k <= FLAT_CHAIN frames above
+ * the walk's base (nodes below base_n, which a walk never drops). Equal
+ * stacks are kept once. */
 static int flat_intern(lg_walk_t *w, const lg_arena_t *a, const lg_set_t *s, int base_n) {
-    uint32_t h = 2166136261u ^ (uint32_t)s->flags;
+    int need = s->n * (FLAT_CHAIN + 1);
+    if (need > w->cap_fscr) {
+        w->cap_fscr = need * 2 + 16;
+        w->fscr = loom_xrealloc(w->fscr, (size_t)w->cap_fscr * sizeof *w->fscr);
+    }
+    int len = 0, n = 0;
     for (int i = 0; i < s->n; i++) {
-        const lg_node_t *nd = &a->v[s->top[i]];
-        if (nd->parent >= base_n) return -1;
-        h = (h ^ nd->pos) * 16777619u;
-        h = (h ^ (uint32_t)nd->parent) * 16777619u;
+        int k = 0, at = len + 1;
+        int32_t x = s->top[i];
+        while (x >= base_n) {
+            if (k == FLAT_CHAIN) return -1;
+            w->fscr[at + k].pos = a->v[x].pos;
+            w->fscr[at + k].parent = 0;
+            k++;
+            x = a->v[x].parent;
+        }
+        w->fscr[len].pos = (uint32_t)k;
+        w->fscr[len].parent = x;
+        /* drop a stack equal to an earlier one */
+        int dup = 0;
+        for (int o = 0; o < len && !dup;) {
+            int ko = (int)w->fscr[o].pos;
+            dup = ko == k && memcmp(&w->fscr[o], &w->fscr[len], (size_t)(k + 1) * sizeof *w->fscr) == 0;
+            o += ko + 1;
+        }
+        if (dup) continue;
+        len += k + 1;
+        n++;
+    }
+    uint32_t h = 2166136261u ^ (uint32_t)s->flags;
+    for (int i = 0; i < len; i++) {
+        h = (h ^ w->fscr[i].pos) * 16777619u;
+        h = (h ^ (uint32_t)w->fscr[i].parent) * 16777619u;
     }
     for (int f = 0; f < w->n_ft; f++) {
         const lg_flat_t *F = &w->ft[f];
-        if (F->hash != h || F->n != s->n || F->flags != s->flags) continue;
-        int same = 1;
-        for (int i = 0; i < s->n && same; i++) {
-            const lg_node_t *nd = &a->v[s->top[i]];
-            same = w->fpool[F->off + i].pos == nd->pos && w->fpool[F->off + i].parent == nd->parent;
-        }
-        if (same) return f;
+        if (F->hash == h && F->len == len && F->flags == s->flags &&
+            memcmp(&w->fpool[F->off], w->fscr, (size_t)len * sizeof *w->fscr) == 0)
+            return f;
     }
     if (w->n_ft == MAX_FLAT) return -1;
     if (!w->ft) w->ft = loom_xmalloc(MAX_FLAT * sizeof *w->ft);
-    if (w->n_fpool + s->n > w->cap_fpool) {
-        w->cap_fpool = (w->n_fpool + s->n) * 2 + 64;
+    if (w->n_fpool + len > w->cap_fpool) {
+        w->cap_fpool = (w->n_fpool + len) * 2 + 64;
         w->fpool = loom_xrealloc(w->fpool, (size_t)w->cap_fpool * sizeof *w->fpool);
     }
     lg_flat_t *F = &w->ft[w->n_ft];
-    F->n = s->n;
+    F->n = n;
+    F->len = len;
     F->flags = s->flags;
     F->off = w->n_fpool;
     F->hash = h;
     for (int i = 0; i < 256; i++) F->next[i] = -1;
-    for (int i = 0; i < s->n; i++) w->fpool[w->n_fpool++] = a->v[s->top[i]];
+    if (len) memcpy(&w->fpool[w->n_fpool], w->fscr, (size_t)len * sizeof *w->fscr);
+    w->n_fpool += len;
     return w->n_ft++;
 }
 
@@ -1007,8 +1036,13 @@ static void flat_materialize(lg_walk_t *w, lg_arena_t *a, int d) {
     lg_set_t *S = &w->sets[d];
     S->n = 0;
     S->flags = F->flags;
-    for (int i = 0; i < F->n; i++)
-        set_push(S, node_new(a, w->fpool[F->off + i].pos, w->fpool[F->off + i].parent));
+    for (int o = F->off; o < F->off + F->len;) {
+        int k = (int)w->fpool[o].pos;
+        int32_t x = w->fpool[o].parent;
+        for (int j = k; j >= 1; j--) x = node_new(a, w->fpool[o + j].pos, x);
+        set_push(S, x);
+        o += k + 1;
+    }
     w->mat[d] = 1;
     w->mark[d] = a->n;
 }
