@@ -29,9 +29,10 @@ static const char TOOL_SCHEMA[] =
     "\"unit\":{\"type\":\"string\",\"enum\":[\"celsius\",\"fahrenheit\"]},"
     "\"days\":{\"type\":\"integer\"},"
     "\"include_hourly\":{\"type\":\"boolean\"}},"
-    "\"required\":[\"location\",\"unit\",\"days\",\"include_hourly\"],\"additionalProperties\":false}";
-static const char TOOL_DOC[] =
-    "{\"location\": \"San Francisco, USA\", \"unit\": \"celsius\", \"days\": 5, \"include_hourly\": false}";
+    "\"required\":[\"location\",\"unit\",\"days\",\"include_hourly\"],\"additionalProperties\":"
+    "false}";
+static const char TOOL_DOC[] = "{\"location\": \"San Francisco, USA\", \"unit\": \"celsius\", "
+                               "\"days\": 5, \"include_hourly\": false}";
 
 static const char NESTED_SCHEMA[] =
     "{\"$defs\":{\"item\":{\"type\":\"object\",\"properties\":{"
@@ -48,11 +49,14 @@ static const char NESTED_SCHEMA[] =
 static const char NESTED_DOC[] =
     "{\"order_id\": \"123e4567-e89b-12d3-a456-426614174000\", \"customer\": {\"name\": \"Ada "
     "Lovelace\", \"email\": \"ada@example.com\"}, \"items\": [{\"name\": \"bicycle\", \"price\": "
-    "499.99, \"tags\": [\"sport\", \"outdoor\"], \"parts\": [{\"name\": \"wheel\", \"price\": 45.5, "
-    "\"parts\": [{\"name\": \"spoke\", \"price\": 0.25}]}, {\"name\": \"saddle\", \"price\": 30}]}, "
+    "499.99, \"tags\": [\"sport\", \"outdoor\"], \"parts\": [{\"name\": \"wheel\", \"price\": "
+    "45.5, "
+    "\"parts\": [{\"name\": \"spoke\", \"price\": 0.25}]}, {\"name\": \"saddle\", \"price\": "
+    "30}]}, "
     "{\"name\": \"helmet\", \"price\": 59}]}";
 
-static uint64_t cpu_ns(void) { /* this thread's CPU time: the cold figure without the machine's load */
+static uint64_t
+cpu_ns(void) { /* this thread's CPU time: the cold figure without the machine's load */
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -104,7 +108,8 @@ static void run(const char *label, const loom_tokenizer_t *tok, const loom_gramm
                 t[nt++] = dt;
             }
             if (i == n_ids) {
-                if (!loom_grammar_matcher_can_finish(m)) fprintf(stderr, "%s: document not complete\n", label);
+                if (!loom_grammar_matcher_can_finish(m))
+                    fprintf(stderr, "%s: document not complete\n", label);
                 break;
             }
             if (!((mask[ids[i] >> 5] >> (ids[i] & 31)) & 1) ||
@@ -117,11 +122,12 @@ static void run(const char *label, const loom_tokenizer_t *tok, const loom_gramm
         if (rep == 0) cold_cpu = cpu_ns() - c0;
     }
     qsort(t, (size_t)nt, sizeof *t, cmp_u64);
-    printf("  %-7s compile %.2f ms (best %.2f) | %d tokens/seq | cold seq %.1f ms (cpu %.1f, max step %.1f ms) | "
+    printf("  %-7s compile %.2f ms (best %.2f) | %d tokens/seq | cold seq %.1f ms (cpu %.1f, max "
+           "step %.1f ms) | "
            "mask p50 %.1f us  p99 %.1f us  max %.1f us\n",
            label, (double)ct[10] / 1e6, (double)ct[0] / 1e6, n_ids, (double)cold / 1e6,
-           (double)cold_cpu / 1e6, (double)cold_max / 1e6, (double)t[nt / 2] / 1e3, (double)t[(size_t)nt * 99 / 100] / 1e3,
-           (double)t[nt - 1] / 1e3);
+           (double)cold_cpu / 1e6, (double)cold_max / 1e6, (double)t[nt / 2] / 1e3,
+           (double)t[(size_t)nt * 99 / 100] / 1e3, (double)t[nt - 1] / 1e3);
     free(t);
     free(mask);
     free(ids);

@@ -26,7 +26,8 @@ typedef struct {
 
 static int line_of(const eb_t *p) {
     int l = 1;
-    for (size_t k = 0; k < p->i && k < p->n; k++) l += p->s[k] == '\n';
+    for (size_t k = 0; k < p->i && k < p->n; k++)
+        l += p->s[k] == '\n';
     return l;
 }
 
@@ -45,7 +46,8 @@ static void eb_ws(eb_t *p) {
     while (p->i < p->n) {
         char c = p->s[p->i];
         if (c == '#') {
-            while (p->i < p->n && p->s[p->i] != '\n') p->i++;
+            while (p->i < p->n && p->s[p->i] != '\n')
+                p->i++;
         } else if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
             p->i++;
         } else {
@@ -58,13 +60,18 @@ static void eb_ws(eb_t *p) {
 static int at_rule_start(const eb_t *p) {
     size_t k = p->i;
     if (k >= p->n || !is_name(p->s[k]) || p->s[k] == '.') return 0;
-    while (k < p->n && is_name(p->s[k])) k++;
-    while (k < p->n && (p->s[k] == ' ' || p->s[k] == '\t')) k++;
+    while (k < p->n && is_name(p->s[k]))
+        k++;
+    while (k < p->n && (p->s[k] == ' ' || p->s[k] == '\t'))
+        k++;
     return k + 3 <= p->n && memcmp(p->s + k, "::=", 3) == 0;
 }
 
 static int hexv(char c) {
-    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
 }
 
 static void put_utf8(char *out, size_t *k, uint32_t cp) {
@@ -102,11 +109,24 @@ static int eb_literal(eb_t *p) {
         }
         char e = p->s[p->i++];
         switch (e) {
-        case 'n': buf[k++] = '\n'; break;
-        case 't': buf[k++] = '\t'; break;
-        case 'r': buf[k++] = '\r'; break;
-        case '\\': case '"': case '\'': case '[': case ']': buf[k++] = e; break;
-        case 'x': case 'u': {
+        case 'n':
+            buf[k++] = '\n';
+            break;
+        case 't':
+            buf[k++] = '\t';
+            break;
+        case 'r':
+            buf[k++] = '\r';
+            break;
+        case '\\':
+        case '"':
+        case '\'':
+        case '[':
+        case ']':
+            buf[k++] = e;
+            break;
+        case 'x':
+        case 'u': {
             int nd = e == 'x' ? 2 : 4;
             uint32_t v = 0;
             for (int d = 0; d < nd; d++) {
@@ -176,7 +196,8 @@ static int eb_atom(eb_t *p) {
     }
     if (is_name(c)) {
         size_t b = p->i;
-        while (p->i < p->n && is_name(p->s[p->i])) p->i++;
+        while (p->i < p->n && is_name(p->s[p->i]))
+            p->i++;
         return loom_gb_rule_named(p->gb, p->s + b, p->i - b);
     }
     eb_fail(p, "expected a string, a [class], a rule name or '('");
@@ -206,9 +227,12 @@ static int eb_seq(eb_t *p) {
         int min = 1, max = 1;
         if (p->i < p->n) {
             char q = p->s[p->i];
-            if (q == '*') min = 0, max = -1, p->i++;
-            else if (q == '+') min = 1, max = -1, p->i++;
-            else if (q == '?') min = 0, max = 1, p->i++;
+            if (q == '*')
+                min = 0, max = -1, p->i++;
+            else if (q == '+')
+                min = 1, max = -1, p->i++;
+            else if (q == '?')
+                min = 0, max = 1, p->i++;
             else if (q == '{') {
                 p->i++;
                 if (!eb_int(p, &min)) {
@@ -271,13 +295,15 @@ loom_status_t loom_grammar_compile_ebnf(const char *text, size_t len, loom_gramm
             break;
         }
         size_t b = p.i;
-        while (p.i < p.n && is_name(p.s[p.i])) p.i++;
+        while (p.i < p.n && is_name(p.s[p.i]))
+            p.i++;
         int rule = loom_gb_rule_named(p.gb, p.s + b, p.i - b);
         if (loom_gb_is_defined(p.gb, rule)) {
             eb_fail(&p, "rule defined twice");
             break;
         }
-        while (p.s[p.i] != ':') p.i++;
+        while (p.s[p.i] != ':')
+            p.i++;
         p.i += 3;
         int body = eb_alts(&p);
         if (p.st < 0) break;

@@ -27,21 +27,21 @@
 /* ------------------------------------------------------------------------ */
 /* Elements                                                                 */
 
-#define K_SET 1u
-#define K_REF 2u
-#define K_END 3u
-#define EL(k, v) (((uint32_t)(k) << 30) | (uint32_t)(v))
+#define K_SET      1u
+#define K_REF      2u
+#define K_END      3u
+#define EL(k, v)   (((uint32_t)(k) << 30) | (uint32_t)(v))
 #define EL_KIND(e) ((e) >> 30)
-#define EL_VAL(e) ((e) & 0x3FFFFFFFu)
+#define EL_VAL(e)  ((e)&0x3FFFFFFFu)
 
-#define P_ROOT (-1)
-#define P_UNK (-2)
+#define P_ROOT   (-1)
+#define P_UNK    (-2)
 #define F_ACCEPT 1
-#define F_ESC 2
+#define F_ESC    2
 
-#define KEY_DEPTH 4          /* stack frames in a mask-cache key */
+#define KEY_DEPTH        4    /* stack frames in a mask-cache key */
 #define MAX_STATE_STACKS 4096 /* an ambiguous grammar beyond this is refused at run time */
-#define MAX_REPEAT 4096
+#define MAX_REPEAT       4096
 
 /* ------------------------------------------------------------------------ */
 /* Builder                                                                  */
@@ -74,7 +74,8 @@ void loom_gb_destroy(loom_gb_t **gb_p) {
     if (!gb_p || !*gb_p) return;
     loom_gb_t *gb = *gb_p;
     for (int i = 0; i < gb->n_rules; i++) {
-        for (int a = 0; a < gb->rules[i].n_alts; a++) free(gb->rules[i].alts[a].e);
+        for (int a = 0; a < gb->rules[i].n_alts; a++)
+            free(gb->rules[i].alts[a].e);
         free(gb->rules[i].alts);
         free(gb->rules[i].name);
     }
@@ -157,7 +158,8 @@ static int gb_set_id(loom_gb_t *gb, const loom_gb_set_t *s) {
 }
 
 void loom_gb_set_range(loom_gb_set_t *s, unsigned lo, unsigned hi) {
-    for (unsigned c = lo; c <= hi && c < 256; c++) loom_gb_set_add(s, c);
+    for (unsigned c = lo; c <= hi && c < 256; c++)
+        loom_gb_set_add(s, c);
 }
 
 void loom_gb_add_set(loom_gb_t *gb, int rule, const loom_gb_set_t *set) {
@@ -170,7 +172,8 @@ void loom_gb_add_byte(loom_gb_t *gb, int rule, uint8_t c) {
 }
 void loom_gb_add_lit(loom_gb_t *gb, int rule, const char *s, size_t n) {
     if (gb->rules[rule].n_alts == 0) loom_gb_alt(gb, rule);
-    for (size_t i = 0; i < n; i++) loom_gb_add_byte(gb, rule, (uint8_t)s[i]);
+    for (size_t i = 0; i < n; i++)
+        loom_gb_add_byte(gb, rule, (uint8_t)s[i]);
 }
 void loom_gb_add_ref(loom_gb_t *gb, int rule, int ref) {
     gb_push(gb, rule, EL(K_REF, ref));
@@ -184,15 +187,16 @@ static void copy_alts(loom_gb_t *gb, int r, int x, int tail, int depth) {
     for (int a = 0; a < n_alts; a++) {
         int n = gb->rules[x].alts[a].n;
         uint32_t first = n ? gb->rules[x].alts[a].e[0] : 0;
-        if (n == 1 && EL_KIND(first) == K_REF && depth < 4 &&
-            gb->rules[EL_VAL(first)].n_alts > 0 && (int)EL_VAL(first) != x) {
+        if (n == 1 && EL_KIND(first) == K_REF && depth < 4 && gb->rules[EL_VAL(first)].n_alts > 0 &&
+            (int)EL_VAL(first) != x) {
             copy_alts(gb, r, (int)EL_VAL(first), tail, depth + 1);
             continue;
         }
         uint32_t *tmp = loom_xmalloc((size_t)n * sizeof *tmp + 1);
         if (n) memcpy(tmp, gb->rules[x].alts[a].e, (size_t)n * sizeof *tmp);
         loom_gb_alt(gb, r);
-        for (int i = 0; i < n; i++) gb_push(gb, r, tmp[i]);
+        for (int i = 0; i < n; i++)
+            gb_push(gb, r, tmp[i]);
         gb_push(gb, r, EL(K_REF, tail));
         free(tmp);
     }
@@ -245,7 +249,8 @@ int loom_gb_repeat(loom_gb_t *gb, int x, int min, int max) {
     }
     int r = loom_gb_rule(gb, NULL);
     loom_gb_alt(gb, r);
-    for (int k = 0; k < min; k++) loom_gb_add_ref(gb, r, x);
+    for (int k = 0; k < min; k++)
+        loom_gb_add_ref(gb, r, x);
     if (tail >= 0) loom_gb_add_ref(gb, r, tail);
     return r;
 }
@@ -261,7 +266,8 @@ int loom_gb_utf8_char(loom_gb_t *gb, const loom_gb_set_t *ascii_ok) {
     loom_gb_set_t a = {{0}}, cont = {{0}}, s;
     if (ascii_ok) {
         a = *ascii_ok;
-        for (unsigned c = 0x80; c < 256; c++) a.b[c >> 3] = (uint8_t)(a.b[c >> 3] & ~(1u << (c & 7)));
+        for (unsigned c = 0x80; c < 256; c++)
+            a.b[c >> 3] = (uint8_t)(a.b[c >> 3] & ~(1u << (c & 7)));
     } else {
         loom_gb_set_range(&a, 0x20, 0x7F);
     }
@@ -367,7 +373,7 @@ typedef struct {
     int32_t next[256]; /* flat state after the byte; -1 unknown, -2 not flat */
 } lg_flat_t;
 
-#define MAX_FLAT 2048
+#define MAX_FLAT   2048
 #define FLAT_CHAIN 3 /* frames above the base a memoized stack may have */
 
 /* Scratch for closure and token walks. */
@@ -376,8 +382,8 @@ typedef struct {
     lg_set_t *sets; /* per depth */
     int *mark;      /* arena size after sets[d] was made */
     uint8_t *unc;
-    int *flat;      /* flat state id of sets[d], or -1 */
-    uint8_t *mat;   /* sets[d].top holds its nodes (a flat state may not) */
+    int *flat;    /* flat state id of sets[d], or -1 */
+    uint8_t *mat; /* sets[d].top holds its nodes (a flat state may not) */
     int depth_cap;
     lg_flat_t *ft;
     int n_ft;
@@ -416,8 +422,8 @@ struct loom_grammar_vocab {
     uint32_t *len;
     int32_t *sorted; /* ids with bytes, sorted by bytes */
     int n_sorted;
-    uint32_t *eligible; /* bitset of the sorted ids */
-    uint16_t *lcp; /* lcp[i]: common prefix of sorted tokens i-1 and i (capped at 65535) */
+    uint32_t *eligible;     /* bitset of the sorted ids */
+    uint16_t *lcp;          /* lcp[i]: common prefix of sorted tokens i-1 and i (capped at 65535) */
     int32_t group_end[256]; /* first sorted index whose first byte is above b */
     int32_t *eos;
     int n_eos;
@@ -456,7 +462,8 @@ static void set_push(lg_set_t *s, int32_t x) {
 
 static void set_copy(lg_set_t *dst, const lg_set_t *src) {
     dst->n = 0;
-    for (int i = 0; i < src->n; i++) set_push(dst, src->top[i]);
+    for (int i = 0; i < src->n; i++)
+        set_push(dst, src->top[i]);
     dst->flags = src->flags;
 }
 
@@ -473,7 +480,8 @@ static inline int32_t node_new(lg_arena_t *a, uint32_t pos, int32_t parent) {
 static void walk_free(lg_walk_t *w) {
     free(w->work.v);
     free(w->visited.v);
-    for (int d = 0; d < w->depth_cap; d++) free(w->sets[d].top);
+    for (int d = 0; d < w->depth_cap; d++)
+        free(w->sets[d].top);
     free(w->sets);
     free(w->mark);
     free(w->unc);
@@ -523,7 +531,8 @@ static int closure(const loom_grammar_t *g, lg_arena_t *a, lg_walk_t *w, lg_set_
             break;
         case K_REF: {
             int r = (int)EL_VAL(e);
-            int32_t ret = EL_KIND(g->elems[pos + 1]) == K_END ? parent : node_new(a, pos + 1, parent);
+            int32_t ret =
+                EL_KIND(g->elems[pos + 1]) == K_END ? parent : node_new(a, pos + 1, parent);
             for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++)
                 ivec_push(&w->work, node_new(a, (uint32_t)g->alt_pos[k], ret));
             break;
@@ -666,7 +675,8 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
     int n_alts = 0, n_elems = 0;
     for (int r = 0; r < n; r++) {
         n_alts += gb->rules[r].n_alts;
-        for (int a = 0; a < gb->rules[r].n_alts; a++) n_elems += gb->rules[r].alts[a].n + 1;
+        for (int a = 0; a < gb->rules[r].n_alts; a++)
+            n_elems += gb->rules[r].alts[a].n + 1;
     }
     g->alt_pos = loom_xcalloc((size_t)n_alts + 1, sizeof *g->alt_pos);
     g->elems = loom_xcalloc((size_t)n_elems + 1, sizeof *g->elems);
@@ -731,11 +741,13 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
                         uint32_t e = g->elems[q];
                         const loom_gb_set_t *s =
                             EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)];
-                        for (int b = 0; b < 32; b++) f.b[b] |= s->b[b];
+                        for (int b = 0; b < 32; b++)
+                            f.b[b] |= s->b[b];
                         if (EL_KIND(e) == K_SET || !nullable[EL_VAL(e)]) break;
                     }
                     if (EL_KIND(g->elems[q]) == K_END)
-                        for (int b = 0; b < 32; b++) f.b[b] |= g->follow[r].b[b];
+                        for (int b = 0; b < 32; b++)
+                            f.b[b] |= g->follow[r].b[b];
                     for (int b = 0; b < 32; b++) {
                         uint8_t nb = (uint8_t)(g->follow[x].b[b] | f.b[b]);
                         if (nb != g->follow[x].b[b]) g->follow[x].b[b] = nb, changed = 1;
@@ -781,7 +793,8 @@ void loom_grammar_destroy(loom_grammar_t **g_p) {
     *g_p = NULL;
     if (--g->refs > 0) return;
     cache_clear(g);
-    for (int i = 0; i < g->n_rules; i++) free(g->names[i]);
+    for (int i = 0; i < g->n_rules; i++)
+        free(g->names[i]);
     free(g->names);
     free(g->elems);
     free(g->rule_alt0);
@@ -812,7 +825,9 @@ int loom_grammar_check(const loom_grammar_t *g, const char *s, size_t n) {
         if (x.n == 0 && !(x.flags & F_ACCEPT)) goto done;
         if (x.n == 0 && i + 1 < n) goto done;
     }
-    res = (x.flags & F_ACCEPT) ? LOOM_GRAMMAR_MATCH : x.n ? LOOM_GRAMMAR_PREFIX : LOOM_GRAMMAR_REJECT;
+    res = (x.flags & F_ACCEPT) ? LOOM_GRAMMAR_MATCH
+          : x.n                ? LOOM_GRAMMAR_PREFIX
+                               : LOOM_GRAMMAR_REJECT;
 done:
     free(a.v);
     free(x.top);
@@ -857,16 +872,19 @@ static loom_status_t vocab_finish(loom_grammar_vocab_t *v) {
         v->sorted[i] = it[i].id;
         if (i > 0) {
             uint32_t m = it[i].len < it[i - 1].len ? it[i].len : it[i - 1].len, l = 0;
-            while (l < m && l < 65535 && it[i].b[l] == it[i - 1].b[l]) l++;
+            while (l < m && l < 65535 && it[i].b[l] == it[i - 1].b[l])
+                l++;
             v->lcp[i] = (uint16_t)l;
         }
     }
     for (int b = 0, i = 0; b < 256; b++) {
-        while (i < v->n_sorted && it[i].b[0] <= b) i++;
+        while (i < v->n_sorted && it[i].b[0] <= b)
+            i++;
         v->group_end[b] = i;
     }
     size_t total = 0;
-    for (int i = 0; i < v->n_sorted; i++) total += it[i].len;
+    for (int i = 0; i < v->n_sorted; i++)
+        total += it[i].len;
     v->pool = loom_xmalloc(total + 1);
     for (size_t i = 0, off = 0; i < (size_t)v->n_sorted; i++) {
         int32_t id = it[i].id;
@@ -882,7 +900,8 @@ static loom_status_t vocab_finish(loom_grammar_vocab_t *v) {
 loom_status_t loom_grammar_vocab_create_bytes(int n_vocab, const char *const *bytes,
                                               const size_t *lens, loom_grammar_vocab_t **out,
                                               loom_err_t *err) {
-    if (n_vocab <= 0) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar: empty vocabulary");
+    if (n_vocab <= 0)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar: empty vocabulary");
     loom_grammar_vocab_t *v = loom_xcalloc(1, sizeof *v);
     v->n_vocab = n_vocab;
     v->bytes = loom_xcalloc((size_t)n_vocab, sizeof *v->bytes);
@@ -993,7 +1012,8 @@ static int flat_intern(lg_walk_t *w, const lg_arena_t *a, const lg_set_t *s, int
         int dup = 0;
         for (int o = 0; o < len && !dup;) {
             int ko = (int)w->fscr[o].pos;
-            dup = ko == k && memcmp(&w->fscr[o], &w->fscr[len], (size_t)(k + 1) * sizeof *w->fscr) == 0;
+            dup = ko == k &&
+                  memcmp(&w->fscr[o], &w->fscr[len], (size_t)(k + 1) * sizeof *w->fscr) == 0;
             o += ko + 1;
         }
         if (dup) continue;
@@ -1023,7 +1043,8 @@ static int flat_intern(lg_walk_t *w, const lg_arena_t *a, const lg_set_t *s, int
     F->flags = s->flags;
     F->off = w->n_fpool;
     F->hash = h;
-    for (int i = 0; i < 256; i++) F->next[i] = -1;
+    for (int i = 0; i < 256; i++)
+        F->next[i] = -1;
     if (len) memcpy(&w->fpool[w->n_fpool], w->fscr, (size_t)len * sizeof *w->fscr);
     w->n_fpool += len;
     return w->n_ft++;
@@ -1039,7 +1060,8 @@ static void flat_materialize(lg_walk_t *w, lg_arena_t *a, int d) {
     for (int o = F->off; o < F->off + F->len;) {
         int k = (int)w->fpool[o].pos;
         int32_t x = w->fpool[o].parent;
-        for (int j = k; j >= 1; j--) x = node_new(a, w->fpool[o + j].pos, x);
+        for (int j = k; j >= 1; j--)
+            x = node_new(a, w->fpool[o + j].pos, x);
         set_push(S, x);
         o += k + 1;
     }
@@ -1080,7 +1102,8 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
                 if (dead_depth == 1) {
                     end = v->group_end[dead_byte];
                 } else {
-                    while (end < n && v->lcp[end] >= dead_depth) end++;
+                    while (end < n && v->lcp[end] >= dead_depth)
+                        end++;
                 }
                 memset(res + it, dead_res, (size_t)(end - it));
                 it = end - 1;
@@ -1088,7 +1111,8 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
             }
         } else if (prev) {
             uint32_t m = L < prev_len ? L : prev_len;
-            while ((uint32_t)l < m && t[l] == prev[l]) l++;
+            while ((uint32_t)l < m && t[l] == prev[l])
+                l++;
         }
         prev = t;
         prev_len = L;
@@ -1121,8 +1145,8 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
                 tn = T->n;
                 tflags = T->flags;
             }
-            w->unc[d + 1] = (uint8_t)(w->unc[d] ||
-                                      ((sflags & F_ESC) && esc_follow && loom_gb_set_has(esc_follow, c)));
+            w->unc[d + 1] = (uint8_t)(w->unc[d] || ((sflags & F_ESC) && esc_follow &&
+                                                    loom_gb_set_has(esc_follow, c)));
             w->mark[d + 1] = a->n;
             d++;
             if (tn == 0 && !(tflags & F_ESC) && ((uint32_t)d < L || !(tflags & F_ACCEPT))) {
@@ -1147,7 +1171,8 @@ static void walk_tokens(const loom_grammar_t *g, const loom_grammar_vocab_t *v, 
 
 static uint32_t key_hash(const uint32_t *key, int depth, int trunc) {
     uint64_t h = 1469598103934665603ull ^ (uint64_t)(depth * 2 + trunc);
-    for (int i = 0; i < depth; i++) h = (h ^ key[i]) * 1099511628211ull;
+    for (int i = 0; i < depth; i++)
+        h = (h ^ key[i]) * 1099511628211ull;
     return (uint32_t)(h ^ (h >> 32));
 }
 
@@ -1180,13 +1205,15 @@ static void cache_insert(loom_grammar_t *g, mask_entry_t *e) {
         for (uint32_t i = 0; i < oc; i++) {
             if (!old[i]) continue;
             uint32_t s = key_hash(old[i]->key, old[i]->depth, old[i]->trunc) & (g->tab_cap - 1);
-            while (g->tab[s]) s = (s + 1) & (g->tab_cap - 1);
+            while (g->tab[s])
+                s = (s + 1) & (g->tab_cap - 1);
             g->tab[s] = old[i];
         }
         free(old);
     }
     uint32_t s = key_hash(e->key, e->depth, e->trunc) & (g->tab_cap - 1);
-    while (g->tab[s]) s = (s + 1) & (g->tab_cap - 1);
+    while (g->tab[s])
+        s = (s + 1) & (g->tab_cap - 1);
     g->tab[s] = e;
     g->tab_n++;
 }
@@ -1214,7 +1241,8 @@ static mask_entry_t *cache_get(loom_grammar_t *g, const loom_grammar_vocab_t *v,
     lg_arena_t *pa = &g->parena;
     pa->n = 0;
     int32_t parent = trunc ? P_UNK : P_ROOT;
-    for (int i = depth - 1; i >= 0; i--) parent = node_new(pa, key[i], parent);
+    for (int i = depth - 1; i >= 0; i--)
+        parent = node_new(pa, key[i], parent);
     lg_set_t s0 = {0};
     set_push(&s0, parent);
     if (*res_cap < v->n_sorted) {
@@ -1251,7 +1279,8 @@ static mask_entry_t *cache_get(loom_grammar_t *g, const loom_grammar_vocab_t *v,
 
 loom_status_t loom_grammar_matcher_create(loom_grammar_t *g, const loom_grammar_vocab_t *v,
                                           loom_grammar_matcher_t **out, loom_err_t *err) {
-    if (!g || !v) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar: no grammar or vocabulary");
+    if (!g || !v)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar: no grammar or vocabulary");
     loom_grammar_matcher_t *m = loom_xcalloc(1, sizeof *m);
     m->g = loom_grammar_ref(g);
     m->v = v;
@@ -1279,7 +1308,8 @@ void loom_grammar_matcher_reset(loom_grammar_matcher_t *m) {
     m->arena.n = 0;
     m->terminated = 0;
     m->n_accepted = 0;
-    initial_state(m->g, &m->arena, &m->walk, &m->cur); /* the root state is small: cannot overflow */
+    initial_state(m->g, &m->arena, &m->walk,
+                  &m->cur); /* the root state is small: cannot overflow */
     m->live_n = m->arena.n;
     m->compact_at = m->live_n * 2 + 4096;
 }
@@ -1288,13 +1318,15 @@ void loom_grammar_matcher_reset(loom_grammar_matcher_t *m) {
 static void compact(loom_grammar_matcher_t *m) {
     lg_arena_t na = {0};
     int32_t *map = loom_xmalloc((size_t)m->arena.n * sizeof *map + 1);
-    for (int i = 0; i < m->arena.n; i++) map[i] = -3;
+    for (int i = 0; i < m->arena.n; i++)
+        map[i] = -3;
     ivec_t chain = {0};
     for (int i = 0; i < m->cur.n; i++) {
         /* copy the chain: collect it top-down, create it from the bottom */
         chain.n = 0;
         int32_t x = m->cur.top[i];
-        while (x >= 0 && map[x] == -3) ivec_push(&chain, x), x = m->arena.v[x].parent;
+        while (x >= 0 && map[x] == -3)
+            ivec_push(&chain, x), x = m->arena.v[x].parent;
         int32_t below = x >= 0 ? map[x] : x;
         while (chain.n > 0) {
             int32_t y = chain.v[--chain.n];
@@ -1302,7 +1334,8 @@ static void compact(loom_grammar_matcher_t *m) {
         }
     }
     free(chain.v);
-    for (int i = 0; i < m->cur.n; i++) m->cur.top[i] = map[m->cur.top[i]];
+    for (int i = 0; i < m->cur.n; i++)
+        m->cur.top[i] = map[m->cur.top[i]];
     free(map);
     free(m->arena.v);
     m->arena = na;
@@ -1339,7 +1372,8 @@ static int matcher_bytes(loom_grammar_matcher_t *m, const unsigned char *s, size
     return 1;
 }
 
-loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s, size_t n) {
+loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s,
+                                                size_t n) {
     if (m->terminated) return LOOM_ERR_INVALID_ARGUMENT;
     return matcher_bytes(m, (const unsigned char *)s, n) ? LOOM_OK : LOOM_ERR_INVALID_ARGUMENT;
 }
@@ -1362,7 +1396,8 @@ loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32
 
 loom_status_t loom_grammar_matcher_replay(loom_grammar_matcher_t *m, const int32_t *ids, int n) {
     loom_grammar_matcher_reset(m);
-    for (int i = 0; i < n; i++) LOOM_CHECK(loom_grammar_matcher_accept_token(m, ids[i]));
+    for (int i = 0; i < n; i++)
+        LOOM_CHECK(loom_grammar_matcher_accept_token(m, ids[i]));
     return LOOM_OK;
 }
 
@@ -1377,10 +1412,12 @@ int loom_grammar_matcher_n_accepted(const loom_grammar_matcher_t *m) {
 }
 
 static void mask_set_ids(uint32_t *mask, const int32_t *ids, int n) {
-    for (int i = 0; i < n; i++) mask[ids[i] >> 5] |= 1u << (ids[i] & 31);
+    for (int i = 0; i < n; i++)
+        mask[ids[i] >> 5] |= 1u << (ids[i] & 31);
 }
 static void mask_clear_ids(uint32_t *mask, const int32_t *ids, int n) {
-    for (int i = 0; i < n; i++) mask[ids[i] >> 5] &= ~(1u << (ids[i] & 31));
+    for (int i = 0; i < n; i++)
+        mask[ids[i] >> 5] &= ~(1u << (ids[i] & 31));
 }
 
 void loom_grammar_matcher_fill_mask(loom_grammar_matcher_t *m, uint32_t *mask) {
@@ -1401,7 +1438,8 @@ void loom_grammar_matcher_fill_mask(loom_grammar_matcher_t *m, uint32_t *mask) {
                 dst[id >> 5] &= ~(1u << (id & 31));
             }
             if (wrote)
-                for (size_t k = 0; k < nw; k++) mask[k] |= dst[k];
+                for (size_t k = 0; k < nw; k++)
+                    mask[k] |= dst[k];
         } else {
             mask_set_ids(mask, e->ids, e->n_ids);
         }
@@ -1465,7 +1503,8 @@ void loom_grammar_cache_destroy(loom_grammar_cache_t **c_p) {
 
 static uint64_t spec_hash(int kind, const char *s, size_t n) {
     uint64_t h = 1469598103934665603ull ^ (uint64_t)kind;
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
     return h;
 }
 

@@ -42,13 +42,13 @@ typedef enum loom_grammar_kind {
  * message naming the problem). */
 loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, size_t len,
                                    loom_grammar_t **out, loom_err_t *err);
-loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len,
-                                               loom_grammar_t **out, loom_err_t *err);
+loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, loom_grammar_t **out,
+                                               loom_err_t *err);
 loom_status_t loom_grammar_compile_json_object(loom_grammar_t **out, loom_err_t *err);
 loom_status_t loom_grammar_compile_regex(const char *re, size_t len, loom_grammar_t **out,
                                          loom_err_t *err);
-loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len,
-                                          loom_grammar_t **out, loom_err_t *err);
+loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, loom_grammar_t **out,
+                                          loom_err_t *err);
 loom_status_t loom_grammar_compile_ebnf(const char *text, size_t len, loom_grammar_t **out,
                                         loom_err_t *err);
 /* Grammars are reference counted: _ref adds a holder, _destroy drops one
@@ -94,10 +94,9 @@ loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32
  * reset, then accept each; stops at the first refused token. */
 loom_status_t loom_grammar_matcher_replay(loom_grammar_matcher_t *m, const int32_t *ids, int n);
 /* Advances by raw bytes (tests and choice/prefix checks). */
-loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s,
-                                                size_t n);
-int loom_grammar_matcher_can_finish(const loom_grammar_matcher_t *m); /* grammar accepts here */
-int loom_grammar_matcher_is_terminated(const loom_grammar_matcher_t *m);  /* EOS accepted */
+loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s, size_t n);
+int loom_grammar_matcher_can_finish(const loom_grammar_matcher_t *m);    /* grammar accepts here */
+int loom_grammar_matcher_is_terminated(const loom_grammar_matcher_t *m); /* EOS accepted */
 /* Number of tokens accepted since the last reset. */
 int loom_grammar_matcher_n_accepted(const loom_grammar_matcher_t *m);
 

@@ -35,10 +35,14 @@ typedef struct {
 } js_t;
 
 static const char *const KNOWN[] = {
-    "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minLength",
-    "maxLength", "pattern", "format", "title", "description", "default", "examples", "$schema",
-    "$id", "$comment", "discriminator", "readOnly", "writeOnly", "deprecated", "strict", NULL};
+    "type",        "properties", "required",      "additionalProperties",
+    "items",       "minItems",   "maxItems",      "enum",
+    "const",       "anyOf",      "oneOf",         "allOf",
+    "$ref",        "$defs",      "definitions",   "minLength",
+    "maxLength",   "pattern",    "format",        "title",
+    "description", "default",    "examples",      "$schema",
+    "$id",         "$comment",   "discriminator", "readOnly",
+    "writeOnly",   "deprecated", "strict",        NULL};
 
 static int js_fail(js_t *j, loom_status_t code, const char *fmt, const char *arg) {
     if (j->st >= 0) j->st = loom_err_set(j->err, code, fmt, arg);
@@ -79,7 +83,8 @@ static int rule_json_char(js_t *j) {
     loom_gb_add_ref(j->gb, r, ch);
     loom_gb_set_t esc = {{0}};
     const char *e = "\"\\/bfnrt";
-    for (; *e; e++) loom_gb_set_add(&esc, (unsigned char)*e);
+    for (; *e; e++)
+        loom_gb_set_add(&esc, (unsigned char)*e);
     loom_gb_alt(j->gb, r);
     loom_gb_add_byte(j->gb, r, '\\');
     loom_gb_add_set(j->gb, r, &esc);
@@ -97,7 +102,8 @@ static int rule_json_char(js_t *j) {
     loom_gb_set_range(&h1, 'e', 'f');
     loom_gb_set_range(&h1, 'E', 'F');
     loom_gb_add_set(j->gb, r, &h1);
-    for (int k = 0; k < 3; k++) loom_gb_add_set(j->gb, r, &hex);
+    for (int k = 0; k < 3; k++)
+        loom_gb_add_set(j->gb, r, &hex);
     return r;
 }
 
@@ -117,7 +123,9 @@ static int rule_any_string(js_t *j) {
 }
 
 static int rule_number(js_t *j) {
-    if (j->number < 0) j->number = js_regex(j, "-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,15})?([eE][-+]?[1-9][0-9]?)?", 0);
+    if (j->number < 0)
+        j->number =
+            js_regex(j, "-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,15})?([eE][-+]?[1-9][0-9]?)?", 0);
     return j->number;
 }
 static int rule_integer(js_t *j) {
@@ -232,9 +240,12 @@ static const cJSON *resolve_ref(js_t *j, const char *ref) {
         char tok[256];
         size_t k = 0;
         while (*p && *p != '/' && k + 1 < sizeof tok) {
-            if (p[0] == '~' && p[1] == '0') tok[k++] = '~', p += 2;
-            else if (p[0] == '~' && p[1] == '1') tok[k++] = '/', p += 2;
-            else tok[k++] = *p++;
+            if (p[0] == '~' && p[1] == '0')
+                tok[k++] = '~', p += 2;
+            else if (p[0] == '~' && p[1] == '1')
+                tok[k++] = '/', p += 2;
+            else
+                tok[k++] = *p++;
         }
         tok[k] = 0;
         if (cJSON_IsObject(cur))
@@ -252,7 +263,11 @@ static int js_ref(js_t *j, const char *ref) {
     for (int i = 0; i < j->n_refs; i++)
         if (strcmp(j->refs[i].ref, ref) == 0) return j->refs[i].rule;
     const cJSON *target = resolve_ref(j, ref);
-    if (!target) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: $ref '%s' does not resolve (only local '#/...' references are supported)", ref);
+    if (!target)
+        return js_fail(
+            j, LOOM_ERR_INVALID_ARGUMENT,
+            "json schema: $ref '%s' does not resolve (only local '#/...' references are supported)",
+            ref);
     int r = loom_gb_rule_named(j->gb, ref, strlen(ref));
     j->refs = loom_xrealloc(j->refs, (size_t)(j->n_refs + 1) * sizeof *j->refs);
     j->refs[j->n_refs].ref = loom_xstrdup(ref);
@@ -268,9 +283,13 @@ static int get_count(js_t *j, const cJSON *s, const char *key, int dflt) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, key);
     if (!v) return dflt;
     if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble != (double)(long)v->valuedouble)
-        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be a non-negative integer", key), dflt;
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT,
+                       "json schema: '%s' must be a non-negative integer", key),
+               dflt;
     if (v->valuedouble > 4096)
-        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: '%s' above 4096 is not supported", key), dflt;
+        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: '%s' above 4096 is not supported",
+                       key),
+               dflt;
     return (int)v->valuedouble;
 }
 
@@ -295,22 +314,35 @@ static int js_object(js_t *j, const cJSON *s) {
     const cJSON *props = cJSON_GetObjectItemCaseSensitive(s, "properties");
     const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
     const cJSON *addl = cJSON_GetObjectItemCaseSensitive(s, "additionalProperties");
-    if (props && !cJSON_IsObject(props)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be an object", "properties");
-    if (req && !cJSON_IsArray(req)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be an array", "required");
+    if (props && !cJSON_IsObject(props))
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be an object",
+                       "properties");
+    if (req && !cJSON_IsArray(req))
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be an array",
+                       "required");
     if (!props && !req && (!addl || cJSON_IsTrue(addl))) return rule_object_any(j);
     int n = props ? cJSON_GetArraySize(props) : 0;
     const cJSON *r;
     cJSON_ArrayForEach(r, req) {
-        if (!cJSON_IsString(r)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' entries must be strings", "required");
+        if (!cJSON_IsString(r))
+            return js_fail(j, LOOM_ERR_INVALID_ARGUMENT,
+                           "json schema: '%s' entries must be strings", "required");
         if (!props || !cJSON_GetObjectItemCaseSensitive(props, r->valuestring))
-            return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: required property '%s' is not in properties", r->valuestring);
+            return js_fail(j, LOOM_ERR_UNSUPPORTED,
+                           "json schema: required property '%s' is not in properties",
+                           r->valuestring);
     }
     int ws = rule_ws(j);
     int extra = -1; /* value rule of additional properties */
     if (addl && !cJSON_IsFalse(addl)) {
-        if (cJSON_IsTrue(addl)) extra = rule_any_value(j);
-        else if (cJSON_IsObject(addl)) extra = js_schema(j, addl);
-        else return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be a boolean or a schema", "additionalProperties");
+        if (cJSON_IsTrue(addl))
+            extra = rule_any_value(j);
+        else if (cJSON_IsObject(addl))
+            extra = js_schema(j, addl);
+        else
+            return js_fail(j, LOOM_ERR_INVALID_ARGUMENT,
+                           "json schema: '%s' must be a boolean or a schema",
+                           "additionalProperties");
         if (j->st < 0) return -1;
     }
     /* pair rules */
@@ -392,31 +424,45 @@ static int js_object(js_t *j, const cJSON *s) {
 
 static int js_format(js_t *j, const char *fmt) {
     static const char DATE[] = "[12][0-9]{3}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])";
-    static const char TIME[] = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[-+]([01][0-9]|2[0-3]):[0-5][0-9])";
+    static const char TIME[] = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[-+](["
+                               "01][0-9]|2[0-3]):[0-5][0-9])";
     char re[512];
-    if (strcmp(fmt, "date") == 0) snprintf(re, sizeof re, "%s", DATE);
-    else if (strcmp(fmt, "time") == 0) snprintf(re, sizeof re, "%s", TIME);
-    else if (strcmp(fmt, "date-time") == 0) snprintf(re, sizeof re, "%sT%s", DATE, TIME);
+    if (strcmp(fmt, "date") == 0)
+        snprintf(re, sizeof re, "%s", DATE);
+    else if (strcmp(fmt, "time") == 0)
+        snprintf(re, sizeof re, "%s", TIME);
+    else if (strcmp(fmt, "date-time") == 0)
+        snprintf(re, sizeof re, "%sT%s", DATE, TIME);
     else if (strcmp(fmt, "uuid") == 0)
         snprintf(re, sizeof re, "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}");
     else if (strcmp(fmt, "email") == 0)
-        snprintf(re, sizeof re, "[a-zA-Z0-9_]+(\\.[a-zA-Z0-9_]+)*@[a-zA-Z0-9]+(\\.[a-zA-Z0-9]+)*\\.[a-zA-Z]{2,8}");
-    else return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: unsupported string format '%s'", fmt);
+        snprintf(re, sizeof re,
+                 "[a-zA-Z0-9_]+(\\.[a-zA-Z0-9_]+)*@[a-zA-Z0-9]+(\\.[a-zA-Z0-9]+)*\\.[a-zA-Z]{2,8}");
+    else
+        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: unsupported string format '%s'", fmt);
     return js_regex(j, re, 1);
 }
 
 static int js_string(js_t *j, const cJSON *s) {
     int min = get_count(j, s, "minLength", 0), max = get_count(j, s, "maxLength", -1);
     if (j->st < 0) return -1;
-    if (max >= 0 && min > max) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "minLength > maxLength");
+    if (max >= 0 && min > max)
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                       "minLength > maxLength");
     const cJSON *pat = cJSON_GetObjectItemCaseSensitive(s, "pattern");
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(s, "format");
     if ((pat || fmt) && (min > 0 || max >= 0))
-        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s together with minLength/maxLength is not supported", pat ? "pattern" : "format");
-    if (pat && fmt) return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s is not supported", "pattern together with format");
+        return js_fail(j, LOOM_ERR_UNSUPPORTED,
+                       "json schema: %s together with minLength/maxLength is not supported",
+                       pat ? "pattern" : "format");
+    if (pat && fmt)
+        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s is not supported",
+                       "pattern together with format");
     int body = -1;
     if (pat) {
-        if (!cJSON_IsString(pat)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be a string", "pattern");
+        if (!cJSON_IsString(pat))
+            return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be a string",
+                           "pattern");
         /* JSON Schema patterns search: unanchored ends match anything */
         const char *p = pat->valuestring;
         size_t n = strlen(p);
@@ -429,7 +475,9 @@ static int js_string(js_t *j, const cJSON *s) {
         body = js_regex(j, re, 1);
         free(re);
     } else if (fmt) {
-        if (!cJSON_IsString(fmt)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be a string", "format");
+        if (!cJSON_IsString(fmt))
+            return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be a string",
+                           "format");
         body = js_format(j, fmt->valuestring);
     } else {
         if (min == 0 && max < 0) return rule_any_string(j);
@@ -447,16 +495,24 @@ static int js_string(js_t *j, const cJSON *s) {
 static int js_array(js_t *j, const cJSON *s) {
     int min = get_count(j, s, "minItems", 0), max = get_count(j, s, "maxItems", -1);
     if (j->st < 0) return -1;
-    if (max >= 0 && min > max) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "minItems > maxItems");
+    if (max >= 0 && min > max)
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                       "minItems > maxItems");
     const cJSON *items = cJSON_GetObjectItemCaseSensitive(s, "items");
     int item;
-    if (!items || cJSON_IsTrue(items)) item = rule_any_value(j);
+    if (!items || cJSON_IsTrue(items))
+        item = rule_any_value(j);
     else if (cJSON_IsFalse(items)) {
-        if (min > 0) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "items false with minItems > 0");
+        if (min > 0)
+            return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                           "items false with minItems > 0");
         max = 0;
         item = rule_any_value(j);
-    } else if (cJSON_IsObject(items)) item = js_schema(j, items);
-    else return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: '%s' must be a schema (tuple form is not supported)", "items");
+    } else if (cJSON_IsObject(items))
+        item = js_schema(j, items);
+    else
+        return js_fail(j, LOOM_ERR_UNSUPPORTED,
+                       "json schema: '%s' must be a schema (tuple form is not supported)", "items");
     if (j->st < 0) return -1;
     return rule_array_of(j, item, min, max);
 }
@@ -486,14 +542,20 @@ static int js_type(js_t *j, const cJSON *s, const char *t) {
 static int js_schema(js_t *j, const cJSON *s) {
     if (j->st < 0) return -1;
     if (cJSON_IsTrue(s)) return rule_any_value(j);
-    if (cJSON_IsFalse(s)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "schema false");
-    if (!cJSON_IsObject(s)) return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s", "a schema must be an object or a boolean");
-    if (++j->depth > 64) return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s", "nested deeper than 64 levels");
+    if (cJSON_IsFalse(s))
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                       "schema false");
+    if (!cJSON_IsObject(s))
+        return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s",
+                       "a schema must be an object or a boolean");
+    if (++j->depth > 64)
+        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s", "nested deeper than 64 levels");
     int result = -1;
     const cJSON *k;
     cJSON_ArrayForEach(k, s) {
         int known = 0;
-        for (int i = 0; KNOWN[i]; i++) known |= strcmp(KNOWN[i], k->string) == 0;
+        for (int i = 0; KNOWN[i]; i++)
+            known |= strcmp(KNOWN[i], k->string) == 0;
         if (!known) {
             js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: unsupported keyword '%s'", k->string);
             goto out;
@@ -517,7 +579,8 @@ static int js_schema(js_t *j, const cJSON *s) {
         add_json_literal(j, result, cn);
     } else if (en) {
         if (!cJSON_IsArray(en) || cJSON_GetArraySize(en) == 0) {
-            js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "enum must be a non-empty array");
+            js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                    "enum must be a non-empty array");
             goto out;
         }
         result = loom_gb_rule(j->gb, NULL);
@@ -525,7 +588,8 @@ static int js_schema(js_t *j, const cJSON *s) {
         cJSON_ArrayForEach(v, en) add_json_literal(j, result, v);
     } else if (any) {
         if (!cJSON_IsArray(any) || cJSON_GetArraySize(any) == 0) {
-            js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "anyOf/oneOf must be a non-empty array");
+            js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                    "anyOf/oneOf must be a non-empty array");
             goto out;
         }
         result = loom_gb_rule(j->gb, NULL);
@@ -538,7 +602,8 @@ static int js_schema(js_t *j, const cJSON *s) {
         }
     } else if (all) {
         if (!cJSON_IsArray(all) || cJSON_GetArraySize(all) != 1) {
-            js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s", "allOf with more than one schema is not supported");
+            js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s",
+                    "allOf with more than one schema is not supported");
             goto out;
         }
         result = js_schema(j, cJSON_GetArrayItem(all, 0));
@@ -546,14 +611,16 @@ static int js_schema(js_t *j, const cJSON *s) {
         result = js_type(j, s, type->valuestring);
     } else if (cJSON_IsArray(type)) {
         if (cJSON_GetArraySize(type) == 0) {
-            js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)", "empty type list");
+            js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s (unsatisfiable)",
+                    "empty type list");
             goto out;
         }
         result = loom_gb_rule(j->gb, NULL);
         const cJSON *t;
         cJSON_ArrayForEach(t, type) {
             if (!cJSON_IsString(t)) {
-                js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s", "type entries must be strings");
+                js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s",
+                        "type entries must be strings");
                 goto out;
             }
             int b = js_type(j, s, t->valuestring);
@@ -562,8 +629,10 @@ static int js_schema(js_t *j, const cJSON *s) {
             loom_gb_add_ref(j->gb, result, b);
         }
     } else if (type) {
-        js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s", "'type' must be a string or an array");
-    } else if (cJSON_GetObjectItemCaseSensitive(s, "properties") || cJSON_GetObjectItemCaseSensitive(s, "required")) {
+        js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: %s",
+                "'type' must be a string or an array");
+    } else if (cJSON_GetObjectItemCaseSensitive(s, "properties") ||
+               cJSON_GetObjectItemCaseSensitive(s, "required")) {
         result = js_object(j, s);
     } else if (cJSON_GetObjectItemCaseSensitive(s, "items")) {
         result = js_array(j, s);
@@ -584,7 +653,8 @@ static void js_init(js_t *j, loom_err_t *err) {
 }
 
 static loom_status_t js_finish(js_t *j, int body, loom_grammar_t **out) {
-    for (int i = 0; i < j->n_refs; i++) free(j->refs[i].ref);
+    for (int i = 0; i < j->n_refs; i++)
+        free(j->refs[i].ref);
     free(j->refs);
     if (j->st < 0) {
         loom_gb_destroy(&j->gb);
@@ -597,12 +667,13 @@ static loom_status_t js_finish(js_t *j, int body, loom_grammar_t **out) {
     return loom_gb_finish(&j->gb, root, out, j->err);
 }
 
-loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len,
-                                               loom_grammar_t **out, loom_err_t *err) {
+loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, loom_grammar_t **out,
+                                               loom_err_t *err) {
     size_t bad = 0;
     cJSON *doc = loom_json_parse_strict(schema, len, &bad);
     if (!doc)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "json schema: not valid JSON (at byte %zu)", bad);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "json schema: not valid JSON (at byte %zu)", bad);
     js_t j;
     js_init(&j, err);
     j.doc = doc;
@@ -623,17 +694,21 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
                                           loom_err_t *err) {
     size_t bad = 0;
     cJSON *doc = loom_json_parse_strict(json_array, len, &bad);
-    if (!doc) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guided_choice: not valid JSON (at byte %zu)", bad);
+    if (!doc)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "guided_choice: not valid JSON (at byte %zu)", bad);
     loom_status_t st = LOOM_OK;
     if (!cJSON_IsArray(doc) || cJSON_GetArraySize(doc) == 0)
-        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guided_choice: must be a non-empty array of strings");
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                          "guided_choice: must be a non-empty array of strings");
     loom_gb_t *gb = loom_gb_create();
     int root = loom_gb_rule(gb, "root");
     const cJSON *v;
     cJSON_ArrayForEach(v, doc) {
         if (st < 0) break;
         if (!cJSON_IsString(v)) {
-            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guided_choice: must be a non-empty array of strings");
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "guided_choice: must be a non-empty array of strings");
             break;
         }
         loom_gb_alt(gb, root);

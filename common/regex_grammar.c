@@ -20,11 +20,11 @@ typedef struct {
     loom_gb_t *gb;
     const unsigned char *s;
     size_t n, i;
-    int json;     /* JSON-string mode */
+    int json; /* JSON-string mode */
     int depth;
     loom_err_t *err;
     loom_status_t st;
-    int any_mb;   /* rule: one multi-byte UTF-8 character (-1 until made) */
+    int any_mb; /* rule: one multi-byte UTF-8 character (-1 until made) */
 } rx_t;
 
 /* A character class: ASCII bytes plus (optionally) every multi-byte
@@ -95,7 +95,8 @@ static void set_word(loom_gb_set_t *s) {
 }
 static void set_space(loom_gb_set_t *s) {
     const char *sp = " \t\n\r\f\v";
-    for (; *sp; sp++) loom_gb_set_add(s, (unsigned char)*sp);
+    for (; *sp; sp++)
+        loom_gb_set_add(s, (unsigned char)*sp);
 }
 
 /* The rule for a class. */
@@ -103,9 +104,11 @@ static int cls_rule(rx_t *r, cls_t *c) {
     int rule = loom_gb_rule(r->gb, NULL);
     loom_gb_set_t a = c->ascii;
     int quote = 0, bslash = 0;
-    for (unsigned x = 0x80; x < 256; x++) a.b[x >> 3] = (uint8_t)(a.b[x >> 3] & ~(1u << (x & 7)));
+    for (unsigned x = 0x80; x < 256; x++)
+        a.b[x >> 3] = (uint8_t)(a.b[x >> 3] & ~(1u << (x & 7)));
     if (r->json) {
-        for (unsigned x = 0; x < 0x20; x++) a.b[x >> 3] = (uint8_t)(a.b[x >> 3] & ~(1u << (x & 7)));
+        for (unsigned x = 0; x < 0x20; x++)
+            a.b[x >> 3] = (uint8_t)(a.b[x >> 3] & ~(1u << (x & 7)));
         quote = loom_gb_set_has(&a, '"');
         bslash = loom_gb_set_has(&a, '\\');
         a.b['"' >> 3] = (uint8_t)(a.b['"' >> 3] & ~(1u << ('"' & 7)));
@@ -143,13 +146,17 @@ static uint32_t rx_utf8(rx_t *r) {
         return 0;
     }
     uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1Fu) : n == 3 ? (c & 0x0Fu) : (c & 0x07u);
-    for (int k = 1; k < n; k++) cp = (cp << 6) | (r->s[r->i + (size_t)k] & 0x3Fu);
+    for (int k = 1; k < n; k++)
+        cp = (cp << 6) | (r->s[r->i + (size_t)k] & 0x3Fu);
     r->i += (size_t)n;
     return cp;
 }
 
 static int hexval(int c) {
-    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
 }
 
 /* An escape after '\' (r->i at the letter). Adds to c; returns 1 when it was
@@ -162,10 +169,18 @@ static int rx_escape(rx_t *r, cls_t *c, uint32_t *cp) {
     unsigned char e = r->s[r->i++];
     loom_gb_set_t s = {{0}};
     switch (e) {
-    case 'd': set_digits(&c->ascii); return 1;
-    case 'w': set_word(&c->ascii); return 1;
-    case 's': set_space(&c->ascii); return 1;
-    case 'D': case 'W': case 'S':
+    case 'd':
+        set_digits(&c->ascii);
+        return 1;
+    case 'w':
+        set_word(&c->ascii);
+        return 1;
+    case 's':
+        set_space(&c->ascii);
+        return 1;
+    case 'D':
+    case 'W':
+    case 'S':
         if (e == 'D') set_digits(&s);
         if (e == 'W') set_word(&s);
         if (e == 'S') set_space(&s);
@@ -173,13 +188,26 @@ static int rx_escape(rx_t *r, cls_t *c, uint32_t *cp) {
             if (!loom_gb_set_has(&s, x)) loom_gb_set_add(&c->ascii, x);
         c->all_mb = 1;
         return 1;
-    case 'n': *cp = '\n'; return 0;
-    case 't': *cp = '\t'; return 0;
-    case 'r': *cp = '\r'; return 0;
-    case 'f': *cp = '\f'; return 0;
-    case 'v': *cp = '\v'; return 0;
-    case '0': *cp = 0; return 0;
-    case 'x': case 'u': {
+    case 'n':
+        *cp = '\n';
+        return 0;
+    case 't':
+        *cp = '\t';
+        return 0;
+    case 'r':
+        *cp = '\r';
+        return 0;
+    case 'f':
+        *cp = '\f';
+        return 0;
+    case 'v':
+        *cp = '\v';
+        return 0;
+    case '0':
+        *cp = 0;
+        return 0;
+    case 'x':
+    case 'u': {
         int nd = e == 'x' ? 2 : 4;
         uint32_t v = 0;
         for (int k = 0; k < nd; k++) {
@@ -194,7 +222,8 @@ static int rx_escape(rx_t *r, cls_t *c, uint32_t *cp) {
         *cp = v;
         return 0;
     }
-    case 'b': case 'B':
+    case 'b':
+    case 'B':
         rx_fail(r, LOOM_ERR_UNSUPPORTED, "word boundary (\\b, \\B) is not supported");
         return 0;
     default:
@@ -257,7 +286,8 @@ static int rx_class(rx_t *r) {
                 if (lo < 0x80) loom_gb_set_range(&c.ascii, lo, 0x7F);
                 c.all_mb = 1;
             } else {
-                for (uint32_t x = lo; x <= hi; x++) cls_add_cp(&c, x);
+                for (uint32_t x = lo; x <= hi; x++)
+                    cls_add_cp(&c, x);
             }
         } else {
             cls_add_cp(&c, lo);
@@ -297,7 +327,8 @@ static int rx_atom(rx_t *r) {
             } else if (r->i + 1 < r->n && r->s[r->i + 1] == '<' && r->i + 2 < r->n &&
                        r->s[r->i + 2] != '=' && r->s[r->i + 2] != '!') {
                 /* named group (?<name>...) */
-                while (r->i < r->n && r->s[r->i] != '>') r->i++;
+                while (r->i < r->n && r->s[r->i] != '>')
+                    r->i++;
                 if (r->i >= r->n) {
                     rx_fail(r, LOOM_ERR_INVALID_ARGUMENT, "unterminated group name");
                     return -1;
@@ -375,8 +406,8 @@ static int rx_seq(rx_t *r) {
     loom_gb_alt(r->gb, rule);
     while (r->st >= 0 && r->i < r->n && r->s[r->i] != '|' && r->s[r->i] != ')') {
         if (r->s[r->i] == '^' || r->s[r->i] == '$') {
-            int at_edge = (r->s[r->i] == '^' && r->i == 0) ||
-                          (r->s[r->i] == '$' && r->i + 1 == r->n);
+            int at_edge =
+                (r->s[r->i] == '^' && r->i == 0) || (r->s[r->i] == '$' && r->i + 1 == r->n);
             if (!at_edge) {
                 rx_fail(r, LOOM_ERR_UNSUPPORTED, "anchors inside the expression are not supported");
                 return -1;
@@ -389,9 +420,12 @@ static int rx_seq(rx_t *r) {
         int min = 1, max = 1;
         if (r->i < r->n) {
             unsigned char q = r->s[r->i];
-            if (q == '*') min = 0, max = -1, r->i++;
-            else if (q == '+') min = 1, max = -1, r->i++;
-            else if (q == '?') min = 0, max = 1, r->i++;
+            if (q == '*')
+                min = 0, max = -1, r->i++;
+            else if (q == '+')
+                min = 1, max = -1, r->i++;
+            else if (q == '?')
+                min = 0, max = 1, r->i++;
             else if (q == '{') {
                 size_t save = r->i;
                 r->i++;
@@ -403,8 +437,10 @@ static int rx_seq(rx_t *r) {
                     } else if (r->i < r->n && r->s[r->i] == ',') {
                         r->i++;
                         if (!rx_number(r, &hi)) hi = -1;
-                        if (r->i < r->n && r->s[r->i] == '}') r->i++;
-                        else r->i = save;
+                        if (r->i < r->n && r->s[r->i] == '}')
+                            r->i++;
+                        else
+                            r->i = save;
                     } else {
                         r->i = save;
                     }
@@ -462,8 +498,13 @@ static int rx_alt(rx_t *r) {
 
 static loom_status_t regex_rule(loom_gb_t *gb, const char *re, size_t len, int json, int *rule,
                                 loom_err_t *err) {
-    rx_t r = {.gb = gb, .s = (const unsigned char *)re, .n = len, .json = json, .err = err,
-              .st = LOOM_OK, .any_mb = -1};
+    rx_t r = {.gb = gb,
+              .s = (const unsigned char *)re,
+              .n = len,
+              .json = json,
+              .err = err,
+              .st = LOOM_OK,
+              .any_mb = -1};
     int x = rx_alt(&r);
     if (r.st >= 0 && r.i < r.n) rx_fail(&r, LOOM_ERR_INVALID_ARGUMENT, "unbalanced ')'");
     if (r.st < 0) return r.st;
@@ -493,8 +534,14 @@ loom_status_t loom_grammar_compile_regex(const char *re, size_t len, loom_gramma
 
 loom_status_t loom_regex_class(loom_gb_t *gb, const char *s, size_t n, size_t *i, int *rule,
                                loom_err_t *err) {
-    rx_t r = {.gb = gb, .s = (const unsigned char *)s, .n = n, .i = *i, .json = 0, .err = err,
-              .st = LOOM_OK, .any_mb = -1};
+    rx_t r = {.gb = gb,
+              .s = (const unsigned char *)s,
+              .n = n,
+              .i = *i,
+              .json = 0,
+              .err = err,
+              .st = LOOM_OK,
+              .any_mb = -1};
     int x = rx_class(&r);
     if (r.st < 0) return r.st;
     *i = r.i;

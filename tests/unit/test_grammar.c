@@ -68,7 +68,8 @@ static void test_regex(void) {
     loom_grammar_destroy(&g);
     g = compile(LOOM_GRAMMAR_REGEX, "a.c");
     REQUIRE(g);
-    CHECK(check(g, "a\xe2\x82\xac" "c") == LOOM_GRAMMAR_MATCH); /* a€c: one character */
+    CHECK(check(g, "a\xe2\x82\xac"
+                   "c") == LOOM_GRAMMAR_MATCH); /* a€c: one character */
     CHECK(check(g, "a\nc") == LOOM_GRAMMAR_REJECT);
     loom_grammar_destroy(&g);
     expect_error(LOOM_GRAMMAR_REGEX, "a(?=b)", "lookaround");
@@ -111,25 +112,31 @@ static void test_ebnf(void) {
 }
 
 static void test_json_schema(void) {
-    const char *tool = "{\"type\":\"object\",\"properties\":{"
-                       "\"location\":{\"type\":\"string\"},"
-                       "\"unit\":{\"enum\":[\"celsius\",\"fahrenheit\"]},"
-                       "\"days\":{\"type\":\"integer\"},"
-                       "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":2}},"
-                       "\"required\":[\"location\",\"unit\"],\"additionalProperties\":false}";
+    const char *tool =
+        "{\"type\":\"object\",\"properties\":{"
+        "\"location\":{\"type\":\"string\"},"
+        "\"unit\":{\"enum\":[\"celsius\",\"fahrenheit\"]},"
+        "\"days\":{\"type\":\"integer\"},"
+        "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":2}},"
+        "\"required\":[\"location\",\"unit\"],\"additionalProperties\":false}";
     loom_grammar_t *g = compile(LOOM_GRAMMAR_JSON_SCHEMA, tool);
     REQUIRE(g);
     CHECK(check(g, "{\"location\":\"Paris\",\"unit\":\"celsius\"}") == LOOM_GRAMMAR_MATCH);
-    CHECK(check(g, "{ \"location\" : \"P\\\"a\\u00e9\" ,\n \"unit\":\"fahrenheit\", \"days\": -3}") ==
+    CHECK(
+        check(g, "{ \"location\" : \"P\\\"a\\u00e9\" ,\n \"unit\":\"fahrenheit\", \"days\": -3}") ==
+        LOOM_GRAMMAR_MATCH);
+    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"tags\":[\"a\",\"b\"]}") ==
           LOOM_GRAMMAR_MATCH);
-    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"tags\":[\"a\",\"b\"]}") == LOOM_GRAMMAR_MATCH);
-    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"tags\":[\"a\",\"b\",\"c\"]}") == LOOM_GRAMMAR_REJECT);
-    CHECK(check(g, "{\"unit\":\"celsius\"}") == LOOM_GRAMMAR_REJECT);            /* required */
+    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"tags\":[\"a\",\"b\",\"c\"]}") ==
+          LOOM_GRAMMAR_REJECT);
+    CHECK(check(g, "{\"unit\":\"celsius\"}") == LOOM_GRAMMAR_REJECT); /* required */
     CHECK(check(g, "{\"location\":\"x\",\"unit\":\"kelvin\"}") == LOOM_GRAMMAR_REJECT); /* enum */
     CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"other\":1}") == LOOM_GRAMMAR_REJECT);
-    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"days\":1.5}") == LOOM_GRAMMAR_REJECT);
+    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"days\":1.5}") ==
+          LOOM_GRAMMAR_REJECT);
     CHECK(check(g, "{\"location\":\"a\nb\",\"unit\":\"celsius\"}") == LOOM_GRAMMAR_REJECT);
-    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"days\":012}") == LOOM_GRAMMAR_REJECT);
+    CHECK(check(g, "{\"location\":\"x\",\"unit\":\"celsius\",\"days\":012}") ==
+          LOOM_GRAMMAR_REJECT);
     loom_grammar_destroy(&g);
 
     const char *tree = "{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{"
@@ -138,28 +145,36 @@ static void test_json_schema(void) {
                        "\"required\":[\"v\"]}},\"$ref\":\"#/$defs/node\"}";
     g = compile(LOOM_GRAMMAR_JSON_SCHEMA, tree);
     REQUIRE(g);
-    CHECK(check(g, "{\"v\":1,\"kids\":[{\"v\":null},{\"v\":2.5e3,\"kids\":[{\"v\":0}]}]}") == LOOM_GRAMMAR_MATCH);
+    CHECK(check(g, "{\"v\":1,\"kids\":[{\"v\":null},{\"v\":2.5e3,\"kids\":[{\"v\":0}]}]}") ==
+          LOOM_GRAMMAR_MATCH);
     CHECK(check(g, "{\"v\":1,\"kids\":[{\"kids\":[]}]}") == LOOM_GRAMMAR_REJECT);
     loom_grammar_destroy(&g);
 
-    g = compile(LOOM_GRAMMAR_JSON_SCHEMA,
-                "{\"type\":\"object\",\"properties\":{\"d\":{\"type\":\"string\",\"format\":\"date\"},"
-                "\"u\":{\"type\":\"string\",\"format\":\"uuid\"},\"e\":{\"type\":\"string\",\"format\":\"email\"},"
-                "\"t\":{\"type\":\"string\",\"format\":\"date-time\"},"
-                "\"p\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{2}-\\\\d+$\"},"
-                "\"s\":{\"type\":\"string\",\"minLength\":2,\"maxLength\":3},"
-                "\"c\":{\"const\":{\"k\":[1,true]}},\"o\":{\"anyOf\":[{\"type\":\"boolean\"},{\"type\":\"null\"}]},"
-                "\"a\":{\"type\":\"array\",\"minItems\":1,\"maxItems\":2}},"
-                "\"required\":[\"d\",\"u\",\"e\",\"t\",\"p\",\"s\",\"c\",\"o\",\"a\"]}");
+    g = compile(
+        LOOM_GRAMMAR_JSON_SCHEMA,
+        "{\"type\":\"object\",\"properties\":{\"d\":{\"type\":\"string\",\"format\":\"date\"},"
+        "\"u\":{\"type\":\"string\",\"format\":\"uuid\"},\"e\":{\"type\":\"string\",\"format\":"
+        "\"email\"},"
+        "\"t\":{\"type\":\"string\",\"format\":\"date-time\"},"
+        "\"p\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{2}-\\\\d+$\"},"
+        "\"s\":{\"type\":\"string\",\"minLength\":2,\"maxLength\":3},"
+        "\"c\":{\"const\":{\"k\":[1,true]}},\"o\":{\"anyOf\":[{\"type\":\"boolean\"},{\"type\":"
+        "\"null\"}]},"
+        "\"a\":{\"type\":\"array\",\"minItems\":1,\"maxItems\":2}},"
+        "\"required\":[\"d\",\"u\",\"e\",\"t\",\"p\",\"s\",\"c\",\"o\",\"a\"]}");
     REQUIRE(g);
     CHECK(check(g, "{\"d\":\"2024-02-28\",\"u\":\"123e4567-e89b-12d3-a456-426614174000\","
-                   "\"e\":\"a.b@ex.com\",\"t\":\"2024-01-01T10:00:00Z\",\"p\":\"AB-12\",\"s\":\"\xc3\xa9t\","
+                   "\"e\":\"a.b@ex.com\",\"t\":\"2024-01-01T10:00:00Z\",\"p\":\"AB-12\",\"s\":"
+                   "\"\xc3\xa9t\","
                    "\"c\":{\"k\":[1,true]},\"o\":null,\"a\":[{}]}") == LOOM_GRAMMAR_MATCH);
     CHECK(check(g, "{\"d\":\"2024-13-01\"") == LOOM_GRAMMAR_REJECT);
     CHECK(check(g, "{\"d\":\"2024-02-28\",\"u\":\"123e4567\"}") == LOOM_GRAMMAR_REJECT);
-    CHECK(check(g, "{\"d\":\"2024-02-28\",\"u\":\"123e4567-e89b-12d3-a456-426614174000\","
-                   "\"e\":\"a.b@ex.com\",\"t\":\"2024-01-01T10:00:00Z\",\"p\":\"AB-12\",\"s\":\"abcd\"") ==
-          LOOM_GRAMMAR_REJECT);
+    CHECK(
+        check(
+            g,
+            "{\"d\":\"2024-02-28\",\"u\":\"123e4567-e89b-12d3-a456-426614174000\","
+            "\"e\":\"a.b@ex.com\",\"t\":\"2024-01-01T10:00:00Z\",\"p\":\"AB-12\",\"s\":\"abcd\"") ==
+        LOOM_GRAMMAR_REJECT);
     loom_grammar_destroy(&g);
 
     g = compile(LOOM_GRAMMAR_JSON_OBJECT, NULL);
@@ -179,15 +194,19 @@ static void test_json_schema(void) {
     loom_grammar_destroy(&g);
 
     expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"object\",", "not valid JSON");
-    expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"integer\",\"minimum\":0}", "unsupported keyword 'minimum'");
-    expect_error(LOOM_GRAMMAR_JSON_SCHEMA,
-                 "{\"$defs\":{\"a\":{\"type\":\"object\",\"properties\":{\"x\":{\"$ref\":\"#/$defs/a\"}},"
-                 "\"required\":[\"x\"]}},\"$ref\":\"#/$defs/a\"}",
-                 "recursion that cannot terminate");
-    expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"array\",\"minItems\":3,\"maxItems\":2}", "unsatisfiable");
+    expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"integer\",\"minimum\":0}",
+                 "unsupported keyword 'minimum'");
+    expect_error(
+        LOOM_GRAMMAR_JSON_SCHEMA,
+        "{\"$defs\":{\"a\":{\"type\":\"object\",\"properties\":{\"x\":{\"$ref\":\"#/$defs/a\"}},"
+        "\"required\":[\"x\"]}},\"$ref\":\"#/$defs/a\"}",
+        "recursion that cannot terminate");
+    expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"array\",\"minItems\":3,\"maxItems\":2}",
+                 "unsatisfiable");
     expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"enum\":[]}", "unsatisfiable");
     expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"$ref\":\"#/$defs/none\"}", "does not resolve");
-    expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"string\",\"format\":\"hostname\"}", "format 'hostname'");
+    expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"string\",\"format\":\"hostname\"}",
+                 "format 'hostname'");
     expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"strin\"}", "unknown type 'strin'");
     expect_error(LOOM_GRAMMAR_JSON_SCHEMA, "{\"type\":\"string\",\"pattern\":\"(a\"}", "pattern");
     expect_error(LOOM_GRAMMAR_CHOICE, "[]", "non-empty");
@@ -243,13 +262,15 @@ static int brute_force_equal(loom_grammar_t *g, const loom_grammar_vocab_t *v, c
 static loom_tokenizer_t *load_tok(const char *dir) {
     loom_tokenizer_t *t = NULL;
     loom_err_t err = {0};
-    if (loom_tokenizer_load(dir, &t, &err) < 0) fprintf(stderr, "  tokenizer %s: %s\n", dir, err.msg);
+    if (loom_tokenizer_load(dir, &t, &err) < 0)
+        fprintf(stderr, "  tokenizer %s: %s\n", dir, err.msg);
     return t;
 }
 
 /* Picks an allowed token: EOS half the time when allowed; else prefers
  * one-byte structural tokens (so walks end), else any allowed token. */
-static int pick(rng_t *r, const loom_grammar_vocab_t *v, const uint32_t *mask, int eos, int *scratch) {
+static int pick(rng_t *r, const loom_grammar_vocab_t *v, const uint32_t *mask, int eos,
+                int *scratch) {
     int n = loom_grammar_vocab_size(v), k = 0, ks = 0;
     if (eos >= 0 && mask_has(mask, eos) && rnd(r) % 2) return eos;
     for (int id = 0; id < n; id++) {
@@ -269,8 +290,9 @@ static int pick(rng_t *r, const loom_grammar_vocab_t *v, const uint32_t *mask, i
 }
 
 static const char *TOKENIZER_GRAMMARS[][2] = {
-    {"json_schema", "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},"
-                    "\"n\":{\"type\":\"integer\"},\"ok\":{\"type\":\"boolean\"}},\"required\":[\"name\",\"n\"]}"},
+    {"json_schema",
+     "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},"
+     "\"n\":{\"type\":\"integer\"},\"ok\":{\"type\":\"boolean\"}},\"required\":[\"name\",\"n\"]}"},
     {"regex", "(ab|a[0-9]{1,3}|\\w+ [a-c]*)!"},
     {"ebnf", "root ::= \"[\" item (\",\" item)* \"]\"\nitem ::= [a-z]+ | \"\\\"\" [^\"]* \"\\\"\""},
     {"json_object", NULL},
@@ -313,7 +335,8 @@ static void masks_vs_brute_force(loom_tokenizer_t *tok) {
                 /* a token outside the mask is refused and leaves the state as it was */
                 for (int probe = 0; probe < n; probe++) {
                     if (!mask_has(mask, probe) && probe != eos) {
-                        CHECK(loom_grammar_matcher_accept_token(m, probe) == LOOM_ERR_INVALID_ARGUMENT);
+                        CHECK(loom_grammar_matcher_accept_token(m, probe) ==
+                              LOOM_ERR_INVALID_ARGUMENT);
                         break;
                     }
                 }
@@ -381,10 +404,18 @@ static void gen_schema(rng_t *r, sb_t *b, int depth) {
     int k = (int)(rnd(r) % (depth >= 3 ? 9 : 12));
     char buf[128];
     switch (k) {
-    case 0: sb_put(b, "{\"type\":\"integer\"}"); break;
-    case 1: sb_put(b, "{\"type\":\"number\"}"); break;
-    case 2: sb_put(b, "{\"type\":\"boolean\"}"); break;
-    case 3: sb_put(b, "{\"type\":\"null\"}"); break;
+    case 0:
+        sb_put(b, "{\"type\":\"integer\"}");
+        break;
+    case 1:
+        sb_put(b, "{\"type\":\"number\"}");
+        break;
+    case 2:
+        sb_put(b, "{\"type\":\"boolean\"}");
+        break;
+    case 3:
+        sb_put(b, "{\"type\":\"null\"}");
+        break;
     case 4: {
         int f = (int)(rnd(r) % 8);
         const char *fmts[] = {"date", "date-time", "uuid", "email", "time"};
@@ -400,10 +431,19 @@ static void gen_schema(rng_t *r, sb_t *b, int depth) {
         sb_put(b, buf);
         break;
     }
-    case 5: sb_put(b, "{\"type\":\"string\"}"); break;
-    case 6: sb_put(b, rnd(r) % 2 ? "{\"enum\":[\"red\",\"green\",1,null]}" : "{\"const\":\"fixed\"}"); break;
-    case 7: sb_put(b, "{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"string\",\"maxLength\":3},{\"type\":\"null\"}]}"); break;
-    case 8: sb_put(b, "{\"$ref\":\"#/$defs/node\"}"); break;
+    case 5:
+        sb_put(b, "{\"type\":\"string\"}");
+        break;
+    case 6:
+        sb_put(b, rnd(r) % 2 ? "{\"enum\":[\"red\",\"green\",1,null]}" : "{\"const\":\"fixed\"}");
+        break;
+    case 7:
+        sb_put(b, "{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"string\",\"maxLength\":3},{"
+                  "\"type\":\"null\"}]}");
+        break;
+    case 8:
+        sb_put(b, "{\"$ref\":\"#/$defs/node\"}");
+        break;
     case 9:
     case 10: {
         int np = 1 + (int)(rnd(r) % 4);
@@ -439,9 +479,12 @@ static void json_quote(FILE *f, const char *s, size_t n) {
     fputc('"', f);
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
+        if (c == '"' || c == '\\')
+            fprintf(f, "\\%c", c);
+        else if (c < 0x20)
+            fprintf(f, "\\u%04x", c);
+        else
+            fputc(c, f);
     }
     fputc('"', f);
 }
@@ -462,9 +505,13 @@ static void property_walks(loom_tokenizer_t *tok, const char *label, int n_schem
     char *text = malloc(1 << 16);
     for (int si = 0; si < n_schemas; si++) {
         sb_t b = {0};
-        sb_put(&b, "{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},"
-                   "\"kids\":{\"type\":\"array\",\"maxItems\":2,\"items\":{\"$ref\":\"#/$defs/node\"}}},"
-                   "\"required\":[\"v\"],\"additionalProperties\":false}},\"type\":\"object\",\"properties\":{\"root\":");
+        sb_put(
+            &b,
+            "{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"}"
+            ","
+            "\"kids\":{\"type\":\"array\",\"maxItems\":2,\"items\":{\"$ref\":\"#/$defs/node\"}}},"
+            "\"required\":[\"v\"],\"additionalProperties\":false}},\"type\":\"object\","
+            "\"properties\":{\"root\":");
         gen_schema(&r, &b, 0);
         sb_put(&b, "},\"required\":[\"root\"],\"additionalProperties\":false}");
         loom_grammar_t *g = NULL;
@@ -543,8 +590,10 @@ static void test_property_bytelevel(void) {
  * (the sanitizer build checks memory); a grammar that compiled still runs. */
 static void test_mutations(void) {
     const char *seeds[][2] = {
-        {"s", "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":{\"$ref\":\"#\"},"
-              "\"maxItems\":2},\"b\":{\"type\":\"string\",\"pattern\":\"^x[0-9]+$\"}},\"required\":[\"b\"]}"},
+        {"s", "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":{\"$ref\":"
+              "\"#\"},"
+              "\"maxItems\":2},\"b\":{\"type\":\"string\",\"pattern\":\"^x[0-9]+$\"}},\"required\":"
+              "[\"b\"]}"},
         {"r", "^(?:[a-f0-9]{2,4}|\\w+\\.(com|org))*x?$"},
         {"e", "root ::= a+ b\na ::= \"x\" | [^a-z]{1,3}\nb ::= (\"y\" a)? \"z\""},
         {"c", "[\"a\",\"bb\",\"\\u00e9\"]"},
@@ -566,8 +615,10 @@ static void test_mutations(void) {
             for (int e = 0; e < edits; e++) {
                 size_t at = rnd(&r) % m;
                 int op = (int)(rnd(&r) % 3);
-                if (op == 0) buf[at] = "{}[]()\"\\|*+?:,$#^-.a0"[rnd(&r) % 22];
-                else if (op == 1 && m > 1) memmove(buf + at, buf + at + 1, --m - at);
+                if (op == 0)
+                    buf[at] = "{}[]()\"\\|*+?:,$#^-.a0"[rnd(&r) % 22];
+                else if (op == 1 && m > 1)
+                    memmove(buf + at, buf + at + 1, --m - at);
                 else if (m + 1 < sizeof buf) {
                     memmove(buf + at + 1, buf + at, m++ - at);
                     buf[at] = (char)(rnd(&r) & 0xFF);
@@ -621,10 +672,14 @@ static void test_cache(void) {
 
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (strcmp(argv[i], "--gen-dir") == 0) g_gen_dir = argv[i + 1];
-        else if (strcmp(argv[i], "--work-dir") == 0) g_work_dir = argv[i + 1];
-        else if (strcmp(argv[i], "--python") == 0) g_python = argv[i + 1];
-        else if (strcmp(argv[i], "--n-schemas") == 0) g_n_schemas = atoi(argv[i + 1]);
+        if (strcmp(argv[i], "--gen-dir") == 0)
+            g_gen_dir = argv[i + 1];
+        else if (strcmp(argv[i], "--work-dir") == 0)
+            g_work_dir = argv[i + 1];
+        else if (strcmp(argv[i], "--python") == 0)
+            g_python = argv[i + 1];
+        else if (strcmp(argv[i], "--n-schemas") == 0)
+            g_n_schemas = atoi(argv[i + 1]);
     }
     mkdir(g_work_dir, 0755);
     RUN(test_regex);
