@@ -561,7 +561,9 @@ static void property_walks(loom_tokenizer_t *tok, const char *label, int n_schem
     snprintf(cmd, sizeof cmd, "%s %s/tests/reference/validate_json_schema.py %s", g_python,
              LOOM_SOURCE_DIR, path);
     int rc = system(cmd);
-    CHECKF(rc == 0, "validator failed (rc %d) on %s", rc, path);
+    CHECKF(rc == 0,
+           "validator failed (rc %d) on %s (it needs python3-jsonschema: scripts/setup-debian.sh)",
+           rc, path);
     free(mask);
     free(scratch);
     loom_grammar_vocab_destroy(&v);
