@@ -538,6 +538,15 @@ const char *loom_tokenizer_piece(const loom_tokenizer_t *tok, int32_t id) {
     return tok->piece[id];
 }
 
+const char *loom_tokenizer_token_bytes(const loom_tokenizer_t *tok, int32_t id, size_t *len) {
+    if (!tok || id < 0 || id >= tok->n_vocab || !tok->text[id]) {
+        if (len) *len = 0;
+        return NULL;
+    }
+    if (len) *len = tok->text_len[id];
+    return tok->text[id];
+}
+
 int32_t loom_tokenizer_token_id(const loom_tokenizer_t *tok, const char *piece) {
     if (!tok || !piece) return -1;
     return strmap_get(&tok->piece_map, piece, strlen(piece));

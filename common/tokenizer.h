@@ -32,6 +32,9 @@ int loom_tokenizer_add_bos(const loom_tokenizer_t *tok);    /* add_bos_token fro
 int loom_tokenizer_is_special(const loom_tokenizer_t *tok, int32_t id);
 /* The token's string as stored in the vocabulary (e.g. "▁the", "Ġthe", "<0x0A>"); NULL if out of range. */
 const char *loom_tokenizer_piece(const loom_tokenizer_t *tok, int32_t id);
+/* The token's decoded bytes (the "▁" space and <0xNN> bytes resolved, as
+ * decode gives them mid-text); NULL if out of range. *len gets the length. */
+const char *loom_tokenizer_token_bytes(const loom_tokenizer_t *tok, int32_t id, size_t *len);
 /* Longest decoded text of any single token, in bytes. */
 size_t loom_tokenizer_max_piece_len(const loom_tokenizer_t *tok);
 /* Id of an exact vocabulary or added-token string, -1 if absent. */

@@ -1,0 +1,112 @@
+/* Constrained decoding: a grammar engine over bytes and tokens.
+ *
+ * A spec (JSON Schema, "any JSON object", a regex, a list of choices or a
+ * GBNF-style grammar) compiles to a context-free grammar over bytes
+ * (loom_grammar_t, immutable and shared). A matcher runs the grammar as a
+ * pushdown automaton over the bytes of the tokens a sequence accepts and
+ * gives, per step, the set of vocabulary tokens that may come next as a bitset.
+ *
+ * Token masks follow the design of xgrammar's adaptive token mask cache: for
+ * a stack top (the top few frames of one automaton stack) the vocabulary is
+ * split once into tokens accepted whatever lies below, tokens rejected
+ * whatever lies below, and a few uncertain ones that are checked against the
+ * full stack at run time. The split is computed on first use and kept in the
+ * grammar, so a step costs a bitset copy plus a handful of token checks.
+ *
+ * Thread safety: a grammar's mask cache is filled lazily; a grammar and the
+ * matchers over it must be used from one thread at a time. */
+#ifndef LOOM_GRAMMAR_H
+#define LOOM_GRAMMAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef struct loom_grammar loom_grammar_t;
+typedef struct loom_grammar_vocab loom_grammar_vocab_t;
+typedef struct loom_grammar_matcher loom_grammar_matcher_t;
+typedef struct loom_grammar_cache loom_grammar_cache_t;
+struct loom_tokenizer;
+
+typedef enum loom_grammar_kind {
+    LOOM_GRAMMAR_JSON_OBJECT = 1, /* any JSON object (response_format json_object) */
+    LOOM_GRAMMAR_JSON_SCHEMA = 2, /* spec: a JSON Schema document */
+    LOOM_GRAMMAR_REGEX = 3,       /* spec: a regular expression, matched whole */
+    LOOM_GRAMMAR_CHOICE = 4,      /* spec: a JSON array of strings; the output is one of them */
+    LOOM_GRAMMAR_EBNF = 5,        /* spec: a GBNF-style grammar with a rule named root */
+} loom_grammar_kind_t;
+
+/* ---- Compiling (each entry point takes bytes that need not be NUL-terminated;
+ * bad input is LOOM_ERR_INVALID_ARGUMENT or LOOM_ERR_UNSUPPORTED with a
+ * message naming the problem). */
+loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, size_t len,
+                                   loom_grammar_t **out, loom_err_t *err);
+loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, loom_grammar_t **out,
+                                               loom_err_t *err);
+loom_status_t loom_grammar_compile_json_object(loom_grammar_t **out, loom_err_t *err);
+loom_status_t loom_grammar_compile_regex(const char *re, size_t len, loom_grammar_t **out,
+                                         loom_err_t *err);
+loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, loom_grammar_t **out,
+                                          loom_err_t *err);
+loom_status_t loom_grammar_compile_ebnf(const char *text, size_t len, loom_grammar_t **out,
+                                        loom_err_t *err);
+/* Grammars are reference counted: _ref adds a holder, _destroy drops one
+ * (and nulls the pointer; safe on NULL and twice). */
+loom_grammar_t *loom_grammar_ref(loom_grammar_t *g);
+void loom_grammar_destroy(loom_grammar_t **g_p);
+int loom_grammar_n_rules(const loom_grammar_t *g);
+
+/* Byte-level check: LOOM_GRAMMAR_MATCH when s is a complete sentence,
+ * LOOM_GRAMMAR_PREFIX when it is a proper prefix of one, else REJECT. */
+enum { LOOM_GRAMMAR_REJECT = 0, LOOM_GRAMMAR_PREFIX = 1, LOOM_GRAMMAR_MATCH = 2 };
+int loom_grammar_check(const loom_grammar_t *g, const char *s, size_t n);
+
+/* ---- Vocabulary: the decoded bytes of every token, sorted. Special tokens
+ * and tokens with no bytes are never allowed, except the end tokens (EOS),
+ * which are allowed exactly where the grammar accepts. */
+loom_status_t loom_grammar_vocab_create(const struct loom_tokenizer *tok,
+                                        loom_grammar_vocab_t **out, loom_err_t *err);
+/* From explicit byte strings (tests; NULL or length 0 = never allowed). */
+loom_status_t loom_grammar_vocab_create_bytes(int n_vocab, const char *const *bytes,
+                                              const size_t *lens, loom_grammar_vocab_t **out,
+                                              loom_err_t *err);
+void loom_grammar_vocab_add_eos(loom_grammar_vocab_t *v, int32_t id);
+void loom_grammar_vocab_destroy(loom_grammar_vocab_t **v_p);
+int loom_grammar_vocab_size(const loom_grammar_vocab_t *v);
+/* Words (uint32) in a token mask: bit id%32 of word id/32 is token id. */
+size_t loom_grammar_mask_words(const loom_grammar_vocab_t *v);
+/* The token's bytes (NULL for specials and empty tokens). */
+const char *loom_grammar_vocab_bytes(const loom_grammar_vocab_t *v, int32_t id, size_t *len);
+
+/* ---- Matching. The matcher holds a reference to the grammar. */
+loom_status_t loom_grammar_matcher_create(loom_grammar_t *g, const loom_grammar_vocab_t *v,
+                                          loom_grammar_matcher_t **out, loom_err_t *err);
+void loom_grammar_matcher_destroy(loom_grammar_matcher_t **m_p);
+void loom_grammar_matcher_reset(loom_grammar_matcher_t *m);
+/* Writes the allowed next tokens into mask (loom_grammar_mask_words words). */
+void loom_grammar_matcher_fill_mask(loom_grammar_matcher_t *m, uint32_t *mask);
+/* Advances by one token; a token the grammar does not allow is
+ * LOOM_ERR_INVALID_ARGUMENT and leaves the state unchanged. An EOS token is
+ * allowed when the grammar accepts; after it the matcher is terminated. */
+loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32_t id);
+/* Rebuilds the state from the tokens accepted so far (after a re-prefill):
+ * reset, then accept each; stops at the first refused token. */
+loom_status_t loom_grammar_matcher_replay(loom_grammar_matcher_t *m, const int32_t *ids, int n);
+/* Advances by raw bytes (tests and choice/prefix checks). */
+loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s, size_t n);
+int loom_grammar_matcher_can_finish(const loom_grammar_matcher_t *m);    /* grammar accepts here */
+int loom_grammar_matcher_is_terminated(const loom_grammar_matcher_t *m); /* EOS accepted */
+/* Number of tokens accepted since the last reset. */
+int loom_grammar_matcher_n_accepted(const loom_grammar_matcher_t *m);
+
+/* ---- Cache of compiled grammars keyed by (kind, spec bytes) hash. */
+loom_grammar_cache_t *loom_grammar_cache_create(int capacity);
+void loom_grammar_cache_destroy(loom_grammar_cache_t **c_p);
+/* Returns a new reference to the cached or freshly compiled grammar. */
+loom_status_t loom_grammar_cache_get(loom_grammar_cache_t *c, loom_grammar_kind_t kind,
+                                     const char *spec, size_t len, loom_grammar_t **out,
+                                     loom_err_t *err);
+void loom_grammar_cache_stats(const loom_grammar_cache_t *c, uint64_t *hits, uint64_t *misses);
+
+#endif
