@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "client/commands.h"
+#include "common/cpu_check.h"
 #include "common/log.h"
 #include "kernels/cpu/backend_cpu.h"
 
@@ -29,6 +30,7 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
+    loom_cpu_check_or_exit("loom");
     loom_log_init("loom");
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage();
