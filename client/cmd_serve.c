@@ -401,7 +401,7 @@ int loom_cmd_serve(int argc, char **argv) {
     char zmq_addr[300], ctl_addr[64], url[300];
     if (zmq_listen) snprintf(zmq_addr, sizeof zmq_addr, "%s", zmq_listen);
     else snprintf(zmq_addr, sizeof zmq_addr, "tcp://127.0.0.1:%d", api_port);
-    snprintf(ctl_addr, sizeof ctl_addr, "tcp://127.0.0.1:%d", ctl_port); /* the control plane: this machine only */
+    snprintf(ctl_addr, sizeof ctl_addr, "127.0.0.1:%d", ctl_port); /* the control plane: this machine only */
     snprintf(url, sizeof url, strchr(host, ':') ? "http://[%s]:%d/v1" : "http://%s:%d/v1", host, port);
 
     child_t *co = &s.coord;
