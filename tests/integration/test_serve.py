@@ -176,6 +176,11 @@ def test_serve_tp2_sdk_restart_sigterm():
             s.wait_ready()
             kids = children(s.proc.pid)
             names = sorted(kids.values())
+            # loading progress as log lines (not a terminal): bytes and percent, per TP rank
+            for rank in ("tp rank 0/2", "tp rank 1/2"):
+                check(any(rank in l and "MB (100%)" in l for l in s.log().splitlines()),
+                      "no loading progress line for %s" % rank)
+            check("\r" not in s.log(), "a refreshed terminal line in a log file")
             check(names == ["loom-coordinator", "loom-worker", "loom-worker"], "children %r" % kids)
             # the first request: a seeded sampling run (compared with the SIGKILL run's)
             st, seeded = http(s.port, "POST", "/v1/completions",
@@ -269,6 +274,20 @@ def test_sigkill_leaves_no_orphan():
         print("  SIGKILL: the 3 orphans exited in %.2f s" % (time.time() - t0))
 
 
+def test_progress_on_a_terminal():
+    """loom run on a terminal (script(1) gives it one) refreshes one progress line in place."""
+    if shutil.which("script") is None:
+        print("  skipped: no script(1) to make a terminal")
+        return
+    cmd = "%s run --model %s --prompt Once --max-tokens 2 --threads 1" % (LOOM, STORIES)
+    p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=120)
+    out = p.stdout.decode(errors="replace")  # bytes: text mode would turn the \r into newlines
+    check(p.returncode == 0, "loom run under script failed: %s" % out[-1000:])
+    check("\rloading layers [0, 5), tp rank 0/1: " in out and "\x1b[K" in out,
+          "no refreshed progress line: %r" % out[:600])
+    check("(100%)" in out, "the final progress line is missing: %r" % out[:600])
+
+
 def test_cpu_check():
     """Every binary refuses a CPU without the build's instruction sets, first thing."""
     for b in ("loom", "loom-coordinator", "loom-worker"):
@@ -293,4 +312,4 @@ if __name__ == "__main__":
                                                                       "openai")):
         print("the OpenAI SDK is missing: run npm ci --prefix tests/reference")
         sys.exit(1)
-    run_tests([test_bad_input, test_cpu_check, test_main_run, test_sigkill_leaves_no_orphan])
+    run_tests([test_bad_input, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])

@@ -1,6 +1,7 @@
 /* Command-line plumbing in common/: option parsing with vLLM's forms
  * (-tp, refused vLLM flags), host:port addresses, generation_config.json
- * defaults, and the CPU instruction-set check with its test override. */
+ * defaults, the CPU instruction-set check with its test override, and the
+ * text of progress lines. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +11,7 @@
 #include "common/cpu_check.h"
 #include "common/endpoint.h"
 #include "common/gen_defaults.h"
+#include "common/progress.h"
 #include "common/util.h"
 #include "common/vllm_flags.h"
 
@@ -122,7 +124,20 @@ static void test_cpu_check(void) {
     printf("test_cli: the build requires: %s\n", need[0] ? need : "(the baseline ISA)");
 }
 
+static void test_progress(void) {
+    char line[256];
+    loom_progress_format(line, sizeof line, "loading", 25000000, 100000000, 2.0, 0);
+    EXPECT(!strcmp(line, "loading: 25.0 of ~100.0 MB (25%), 2.0 s, 12.5 MB/s"), "%s", line);
+    loom_progress_format(line, sizeof line, "loading", 120000000, 100000000, 4.0, 0);
+    EXPECT(strstr(line, "(99%)") != NULL, "an over-run estimate stays below 100%% until done: %s", line);
+    loom_progress_format(line, sizeof line, "loading", 120000000, 100000000, 4.0, 1);
+    EXPECT(!strcmp(line, "loading: 120.0 of 120.0 MB (100%), 4.0 s, 30.0 MB/s"), "final: %s", line);
+    loom_progress_format(line, sizeof line, "reading", 5000000, 0, 1.0, 0);
+    EXPECT(!strcmp(line, "reading: 5.0 MB, 1.0 s, 5.0 MB/s"), "no total: %s", line);
+}
+
 int main(void) {
+    test_progress();
     test_parse();
     test_endpoint();
     test_gen_defaults();
