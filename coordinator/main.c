@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/chat_template.h"
 #include "common/cli.h"
@@ -62,8 +63,10 @@ static int vllm_apply(vllm_opts_t *v, loom_server_config_t *c, int *no_prefix, c
         snprintf(bind_buf, bind_n, strchr(h, ':') && h[0] != '[' ? "[%s]:%d" : "%s:%d", h, v->port >= 0 ? v->port : 8000);
         *http_bind = bind_buf;
     }
-    /* --chat-template FILE: a Jinja template file, read for its family */
-    if (*chat_template && loom_chat_family_from_name(*chat_template) == LOOM_CHAT_NONE) {
+    /* --chat-template FILE: a Jinja template file, read for its family (a
+     * name that is neither a family nor a file is refused by the gateway) */
+    if (*chat_template && loom_chat_family_from_name(*chat_template) == LOOM_CHAT_NONE &&
+        access(*chat_template, F_OK) == 0) {
         char *text = NULL;
         size_t len;
         loom_err_t e = {0};

@@ -154,6 +154,15 @@ def test_bad_input():
             rc = None
         check(rc == 2, "a refused --kv-cache-dtype: exit %r" % rc)
         check("--kv-cache-dtype must be" in s.log(), "no coordinator message: %s" % s.log()[-1500:])
+    junk = tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False)
+    junk.write("{{ messages }}")
+    junk.close()
+    try:
+        with Serve("--chat-template", junk.name) as s:
+            rc = s.proc.wait(60)
+            check(rc == 2 and "not a template Loom recognises" in s.log(), "a foreign template: %r %s" % (rc, s.log()[-800:]))
+    finally:
+        os.unlink(junk.name)
     p = loom("serve", "--help")
     check(p.returncode == 0, "serve --help failed")
     for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--max-num-seqs",
@@ -168,14 +177,19 @@ def test_serve_tp2_sdk_restart_sigterm():
     gen_dir = tempfile.mkdtemp(prefix="loom-serve-gen-")
     with open(os.path.join(gen_dir, "generation_config.json"), "w") as f:
         json.dump({"temperature": 0.0, "max_new_tokens": 5}, f)
+    chat_file = os.path.join(gen_dir, "chat.jinja")  # --chat-template FILE: a ChatML template
+    with open(chat_file, "w") as f:
+        f.write("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     zmq_port = free_port()
     try:
-        with Serve("--tensor-parallel-size", "2", "--chat-template", "chatml", "--api-key", KEY,
+        with Serve("--tensor-parallel-size", "2", "--chat-template", chat_file, "--api-key", KEY,
                    "--served-model-name", "tiny", "--generation-config", gen_dir, "--seed", "1234",
                    "--zmq-listen", "127.0.0.1:%d" % zmq_port, "--max-num-seqs", "8") as s:
             s.wait_ready()
             kids = children(s.proc.pid)
             names = sorted(kids.values())
+            check("chat template: chatml" in s.log(), "the template file was not read as ChatML")
             # loading progress as log lines (not a terminal): bytes and percent, per TP rank
             for rank in ("tp rank 0/2", "tp rank 1/2"):
                 check(any(rank in l and "MB (100%)" in l for l in s.log().splitlines()),
