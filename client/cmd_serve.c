@@ -431,7 +431,7 @@ int loom_cmd_serve(int argc, char **argv) {
     } fwd[] = {
         {"max-model-len", f.max_model_len}, {"max-num-seqs", f.max_num_seqs}, {"max-num-batched-tokens", f.max_batched},
         {"served-model-name", f.served_name}, {"quantization", f.quantization}, {"kv-cache-dtype", f.kv_dtype},
-        {"api-key", f.api_key}, {"block-size", f.block_size}, {"seed", f.seed}, {"chat-template", f.chat_template},
+        {"block-size", f.block_size}, {"seed", f.seed}, {"chat-template", f.chat_template},
         {"generation-config", f.generation_config}, {"log-level", f.log_level}, {"dtype", f.dtype},
         {"max-queue", f.max_queue}, {"kv-cache-memory", f.kv_memory}, {"recovery-timeout-ms", f.recovery_ms},
         {"log-format", f.log_format},
@@ -442,6 +442,8 @@ int loom_cmd_serve(int argc, char **argv) {
             argv_push(a, "%s", fwd[i].value);
         }
     if (f.prefix_off) argv_push(a, "--no-prefix-cache");
+    /* the key goes in the environment, not on a command line other users can read in /proc */
+    if (f.api_key) setenv("LOOM_API_KEY", f.api_key, 1);
 
     s.n_workers = tp * pp;
     long cores = sysconf(_SC_NPROCESSORS_ONLN);

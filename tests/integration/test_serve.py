@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, ROOT, STORIES, check, kill, run_tests, wait_for  # noqa: E402
+from harness import BIN, ROOT, STORIES, Failure, check, kill, run_tests, wait_for  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOOM = os.path.join(BIN, "loom")
@@ -115,9 +115,13 @@ class Serve:
         for p in pids:
             kill(p)
         self.log_file.close()
-        if exc[0] is not None:
-            sys.stderr.write("---- loom serve log\n%s\n" % self.log()[-4000:])
+        log = self.log()
+        sanitizer = "ERROR: AddressSanitizer" in log or "ERROR: LeakSanitizer" in log or "runtime error:" in log
+        if exc[0] is not None or sanitizer:
+            sys.stderr.write("---- loom serve log\n%s\n" % log[-4000:])
         shutil.rmtree(self.dir, ignore_errors=True)
+        if exc[0] is None and sanitizer:
+            raise Failure("a sanitizer report in the log of loom serve and its children")
         return False
 
 
@@ -190,6 +194,9 @@ def test_serve_tp2_sdk_restart_sigterm():
             kids = children(s.proc.pid)
             names = sorted(kids.values())
             check("chat template: chatml" in s.log(), "the template file was not read as ChatML")
+            for pid in kids:
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    check(KEY.encode() not in f.read(), "the API key is on a child's command line")
             # loading progress as log lines (not a terminal): bytes and percent, per TP rank
             for rank in ("tp rank 0/2", "tp rank 1/2"):
                 check(any(rank in l and "MB (100%)" in l for l in s.log().splitlines()),
