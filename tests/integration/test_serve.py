@@ -309,6 +309,43 @@ def test_progress_on_a_terminal():
     check("(100%)" in out, "the final progress line is missing: %r" % out[:600])
 
 
+def test_coordinator_vllm_aliases():
+    """loom-coordinator takes vLLM's names and scheme-less addresses; refuses vLLM flags it lacks by name."""
+    coord = os.path.join(BIN, "loom-coordinator")
+    p = subprocess.run([coord, "--model", STORIES, "-tp", "3"], capture_output=True, text=True, timeout=60)
+    check(p.returncode != 0 and "tensor parallelism 3" in p.stderr, "-tp 3 was not read as tp 3: %r" % p.stderr)
+    p = subprocess.run([coord, "--model", STORIES, "--pipeline-parallel-size", "9"], capture_output=True, text=True,
+                       timeout=60)
+    check(p.returncode != 0 and "9" in p.stderr, "--pipeline-parallel-size 9 accepted: %r" % p.stderr)
+    p = subprocess.run([coord, "--model", STORIES, "--enable-lora"], capture_output=True, text=True, timeout=60)
+    check(p.returncode == 2 and "vLLM flag --enable-lora is not supported by Loom" in p.stderr, "%r" % p.stderr)
+    p = subprocess.run([coord, "--model", STORIES, "--log-level", "loud"], capture_output=True, text=True, timeout=60)
+    check(p.returncode == 2 and "--log-level must be" in p.stderr, "%r" % p.stderr)
+    p = subprocess.run([coord, "--model", STORIES, "--port", "8000", "--http", "127.0.0.1:8000"], capture_output=True,
+                       text=True, timeout=60)
+    check(p.returncode == 2 and "not both" in p.stderr, "%r" % p.stderr)
+    api, ctl, port = free_port(), free_port(), free_port()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([coord, "--model", STORIES, "--tensor-parallel-size", "2", "-pp", "1",
+                             "--listen", "127.0.0.1:%d" % api, "--control", "127.0.0.1:%d" % ctl,
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "debug"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def up():
+            log.seek(0)
+            return "API on tcp://127.0.0.1:%d, workers on tcp://127.0.0.1:%d" % (api, ctl) in log.read()
+        wait_for(up, 30, "the coordinator on scheme-less addresses")
+        st, _ = http(port, "GET", "/health", key=None)
+        check(st is not None, "--host/--port did not start the HTTP gateway")
+        w = subprocess.run([os.path.join(BIN, "loom-worker"), "--coordinator", "", "--threads", "1"],
+                           capture_output=True, text=True, timeout=30)
+        check(w.returncode == 2 and "--coordinator takes an address" in w.stderr, "empty address: %r" % w.stderr)
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
 def test_cpu_check():
     """Every binary refuses a CPU without the build's instruction sets, first thing."""
     for b in ("loom", "loom-coordinator", "loom-worker"):
@@ -333,4 +370,4 @@ if __name__ == "__main__":
                                                                       "openai")):
         print("the OpenAI SDK is missing: run npm ci --prefix tests/reference")
         sys.exit(1)
-    run_tests([test_bad_input, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])
+    run_tests([test_bad_input, test_coordinator_vllm_aliases, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])
