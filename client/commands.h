@@ -2,6 +2,7 @@
 #ifndef LOOM_COMMANDS_H
 #define LOOM_COMMANDS_H
 
+int loom_cmd_serve(int argc, char **argv);    /* cmd_serve.c: coordinator + workers, supervised */
 int loom_cmd_run(int argc, char **argv);      /* cmd_run.c: the model in this process */
 int loom_cmd_quantize(int argc, char **argv); /* cmd_quantize.c: a quantized copy of a checkpoint */
 int loom_cmd_perplexity(int argc, char **argv); /* cmd_perplexity.c: a storage scheme's quality */

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "client/commands.h"
+#include "common/cpu_check.h"
 #include "common/log.h"
 #include "kernels/cpu/backend_cpu.h"
 
@@ -12,6 +13,7 @@ static const struct {
     const char *help;
     int computes; /* runs a model in this process (prefill uses OpenBLAS) */
 } k_commands[] = {
+    {"serve", loom_cmd_serve, "serve a model over the OpenAI HTTP API: coordinator + workers on this machine", 0},
     {"run", loom_cmd_run, "load a model in this process and stream a completion", 1},
     {"quantize", loom_cmd_quantize, "write a quantized copy of a model directory (int8, fp8, q4 ...)", 0},
     {"perplexity", loom_cmd_perplexity, "perplexity, KL and top-1 agreement of a weight / KV cache scheme", 1},
@@ -29,6 +31,7 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
+    loom_cpu_check_or_exit("loom");
     loom_log_init("loom");
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage();

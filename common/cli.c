@@ -1,6 +1,8 @@
 /* Long-option parsing with typed, range-checked values and generated help. */
 #include "common/cli.h"
 
+#include "common/vllm_flags.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -52,25 +54,31 @@ static int set_value(const loom_opt_t *o, const char *v) {
     return -1;
 }
 
-int loom_cli_parse(int argc, char **argv, int first, const loom_opt_t *opts, int n_opts,
-                   const char *usage, const char *description) {
+static int parse(int argc, char **argv, int first, const loom_opt_t *opts, int n_opts, const char *usage,
+                 const char *description, int vllm) {
     for (int i = first; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             loom_cli_usage(usage, description, opts, n_opts);
             return 1;
         }
-        if (strncmp(a, "--", 2) != 0) {
+        /* "-tp 2": a single dash before a long name (vLLM's short forms) */
+        int dashes = strncmp(a, "--", 2) == 0 ? 2 : a[0] == '-' && a[1] && a[1] != '-' ? 1 : 0;
+        if (!dashes) {
             fprintf(stderr, "error: unexpected argument '%s' (see --help)\n", a);
             return -1;
         }
-        const char *name = a + 2, *eq = strchr(name, '=');
+        const char *name = a + dashes, *eq = strchr(name, '=');
         size_t len = eq ? (size_t)(eq - name) : strlen(name);
         const loom_opt_t *o = NULL;
         for (int j = 0; j < n_opts; j++)
             if (strlen(opts[j].name) == len && !strncmp(opts[j].name, name, len)) o = &opts[j];
         if (!o) {
-            fprintf(stderr, "error: unknown option '%s' (see --help)\n", a);
+            if (vllm && loom_vllm_flag_known(name, len))
+                fprintf(stderr, "error: vLLM flag %.*s is not supported by Loom (see --help for what is)\n",
+                        (int)(len + (size_t)dashes), a);
+            else
+                fprintf(stderr, "error: unknown option '%s' (see --help)\n", a);
             return -1;
         }
         const char *v = NULL;
@@ -91,4 +99,14 @@ int loom_cli_parse(int argc, char **argv, int first, const loom_opt_t *opts, int
         if (o->seen) *o->seen = 1;
     }
     return 0;
+}
+
+int loom_cli_parse(int argc, char **argv, int first, const loom_opt_t *opts, int n_opts, const char *usage,
+                   const char *description) {
+    return parse(argc, argv, first, opts, n_opts, usage, description, 0);
+}
+
+int loom_cli_parse_vllm(int argc, char **argv, int first, const loom_opt_t *opts, int n_opts, const char *usage,
+                        const char *description) {
+    return parse(argc, argv, first, opts, n_opts, usage, description, 1);
 }

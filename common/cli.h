@@ -22,6 +22,12 @@ typedef struct loom_opt {
  * success. Positional arguments are refused. */
 int loom_cli_parse(int argc, char **argv, int first, const loom_opt_t *opts, int n_opts,
                    const char *usage, const char *description);
+/* The same for commands that take vLLM's spellings (loom serve,
+ * loom-coordinator): an unknown option that is one of `vllm serve`'s flags
+ * is refused as "vLLM flag --X is not supported by Loom". Both parsers take
+ * a long name after one dash as well ("-tp 2"). */
+int loom_cli_parse_vllm(int argc, char **argv, int first, const loom_opt_t *opts, int n_opts, const char *usage,
+                        const char *description);
 void loom_cli_usage(const char *usage, const char *description, const loom_opt_t *opts, int n_opts);
 
 #endif

@@ -46,6 +46,8 @@ void loom_log_set_format(loom_log_format_t format) {
     g_format = format;
 }
 
+loom_log_format_t loom_log_format(void) { return g_format; }
+
 void loom_log_set_request(const char *request_id) {
     snprintf(t_request, sizeof t_request, "%s", request_id ? request_id : "");
 }

@@ -18,6 +18,7 @@ loom_log_level_t loom_log_level(void);
 /* "text" or "json": 0, else -1 (nothing changed). */
 int loom_log_set_format_name(const char *name);
 void loom_log_set_format(loom_log_format_t format);
+loom_log_format_t loom_log_format(void);
 
 /* The request this thread now works for: every line the thread logs names
  * it until it is cleared (NULL or ""). Longer ids are cut at 127 bytes. */

@@ -88,6 +88,7 @@ struct loom_http {
     int request_timeout_ms;
     int port;
     long long started; /* unix time, the "created" of the model object */
+    loom_gen_defaults_t gen; /* defaults for fields a request leaves out (--generation-config) */
     atomic_int serving, stopping;
     atomic_int n_conns; /* open connections, over-limit ones included */
     int max_conns;
@@ -583,7 +584,8 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     }
 
     /* max_tokens; for chat max_completion_tokens wins */
-    g->p.max_tokens = q->chat ? 0 : COMPLETIONS_DEFAULT_MAX_TOKENS;
+    const loom_gen_defaults_t *gd = &q->h->gen;
+    g->p.max_tokens = gd->has_max_tokens ? gd->max_tokens : q->chat ? 0 : COMPLETIONS_DEFAULT_MAX_TOKENS;
     if ((r = opt_int(o, "max_tokens", -1e18, 1e18, &v, e)) < 0) return -1;
     const char *mt = "max_tokens";
     if (q->chat) {
@@ -599,12 +601,13 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
         if (v < 1) return bad(e, mt, "%s must be at least 1 (got %g)", mt, v);
         g->p.max_tokens = v > (1 << 30) ? (1 << 30) : (int)v;
     }
-    g->p.temperature = 1.0f;
+    g->p.temperature = gd->has_temperature ? gd->temperature : 1.0f;
     if ((r = opt_number(o, "temperature", 0, 2, &v, e)) < 0) return -1;
     if (r) g->p.temperature = (float)v;
-    g->p.top_p = 1.0f;
+    g->p.top_p = gd->has_top_p ? gd->top_p : 1.0f;
     if ((r = opt_number(o, "top_p", 0, 1, &v, e)) < 0) return -1;
     if (r) g->p.top_p = (float)v;
+    if (gd->has_top_k) g->p.top_k = gd->top_k;
     if ((r = opt_int(o, "top_k", -1, 1 << 30, &v, e)) < 0) return -1;
     if (r) g->p.top_k = v < 0 ? 0 : (int)v;
     if ((r = opt_int(o, "seed", -9223372036854775808.0, 18446744073709551615.0, &v, e)) < 0) return -1;
@@ -1573,6 +1576,7 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
     h->idle_timeout_s = (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : DEFAULT_IDLE_TIMEOUT_S);
     h->request_timeout_ms = cfg->request_timeout_ms > 0 ? cfg->request_timeout_ms : DEFAULT_REQUEST_TIMEOUT_MS;
     h->started = (long long)time(NULL);
+    if (cfg->gen_defaults) h->gen = *cfg->gen_defaults;
     h->id_salt = loom_now_ns() ^ ((uint64_t)(uintptr_t)h << 16);
     pthread_mutex_init(&h->mu, NULL);
     h->max_conns = cfg->max_connections > 0 ? cfg->max_connections : DEFAULT_MAX_CONNECTIONS;

@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 
+#include "common/gen_defaults.h"
 #include "common/status.h"
 #include "coordinator/server.h"
 
@@ -21,6 +22,7 @@ typedef struct loom_http_config {
     int max_connections;       /* simultaneous connections, one thread each (0: 256) */
     int idle_timeout_s;        /* a connection silent this long is closed (0: 60) */
     int request_timeout_ms;    /* coordinator silence before a request fails with 503 (0: 300000) */
+    const loom_gen_defaults_t *gen_defaults; /* --generation-config: sampling defaults (NULL: built-in) */
 } loom_http_config_t;
 
 typedef struct loom_http loom_http_t;

@@ -4,8 +4,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/chat_template.h"
 #include "common/cli.h"
+#include "common/cpu_check.h"
+#include "common/endpoint.h"
+#include "common/gen_defaults.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "coordinator/http.h"
@@ -19,7 +24,83 @@ static void on_signal(int sig) {
     if (g_server) loom_server_stop(g_server);
 }
 
+/* vLLM's spellings (--tensor-parallel-size, --host/--port, ...) next to
+ * Loom's own; see docs/operations.md for the table. */
+typedef struct {
+    int prefix_on, prefix_off, port, seed_seen;
+    const char *host, *log_level, *generation_config;
+} vllm_opts_t;
+
+static int vllm_apply(vllm_opts_t *v, loom_server_config_t *c, int *no_prefix, const char **http_bind, char *bind_buf,
+                      size_t bind_n, const char **chat_template, char *family_buf, size_t family_n,
+                      loom_gen_defaults_t *gen, int *has_gen) {
+    if (v->prefix_on && v->prefix_off) {
+        fprintf(stderr, "error: --enable-prefix-caching and --no-enable-prefix-caching contradict each other\n");
+        return -1;
+    }
+    if (v->prefix_off) *no_prefix = 1;
+    if (v->prefix_on) *no_prefix = 0;
+    c->has_seed = v->seed_seen;
+    if (v->log_level) {
+        static const struct { const char *name; loom_log_level_t level; } k_levels[] = {
+            {"trace", LOOM_LOG_DEBUG}, {"debug", LOOM_LOG_DEBUG},  {"info", LOOM_LOG_INFO},   {"warning", LOOM_LOG_WARN},
+            {"warn", LOOM_LOG_WARN},   {"error", LOOM_LOG_ERROR}, {"critical", LOOM_LOG_ERROR}, {"off", LOOM_LOG_OFF}};
+        int found = 0;
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(k_levels); i++)
+            if (!strcmp(v->log_level, k_levels[i].name)) loom_log_set_level(k_levels[i].level), found = 1;
+        if (!found) {
+            fprintf(stderr, "error: --log-level must be debug, info, warning, error, critical or off, got '%s'\n",
+                    v->log_level);
+            return -1;
+        }
+    }
+    if (v->host || v->port >= 0) {
+        if (*http_bind) {
+            fprintf(stderr, "error: give --http HOST:PORT or --host/--port, not both\n");
+            return -1;
+        }
+        const char *h = v->host ? v->host : "127.0.0.1";
+        snprintf(bind_buf, bind_n, strchr(h, ':') && h[0] != '[' ? "[%s]:%d" : "%s:%d", h, v->port >= 0 ? v->port : 8000);
+        *http_bind = bind_buf;
+    }
+    /* --chat-template FILE: a Jinja template file, read for its family (a
+     * name that is neither a family nor a file is refused by the gateway) */
+    if (*chat_template && loom_chat_family_from_name(*chat_template) == LOOM_CHAT_NONE &&
+        access(*chat_template, F_OK) == 0) {
+        char *text = NULL;
+        size_t len;
+        loom_err_t e = {0};
+        if (loom_read_file(*chat_template, &text, &len, &e) < 0) {
+            fprintf(stderr, "error: --chat-template must be %s or a template file: %s\n", LOOM_CHAT_FAMILY_NAMES, e.msg);
+            return -1;
+        }
+        loom_chat_family_t f = loom_chat_detect(text);
+        free(text);
+        if (f == LOOM_CHAT_NONE) {
+            fprintf(stderr, "error: --chat-template %s: not a template Loom recognises (Loom renders the %s families)\n",
+                    *chat_template, LOOM_CHAT_FAMILY_NAMES);
+            return -1;
+        }
+        snprintf(family_buf, family_n, "%s", loom_chat_family_name(f));
+        *chat_template = family_buf;
+    }
+    /* --generation-config auto (the model's generation_config.json), vllm (built-in defaults) or DIR */
+    const char *gc = v->generation_config ? v->generation_config : "auto";
+    *has_gen = 0;
+    if (strcmp(gc, "vllm") != 0) {
+        loom_err_t e = {0};
+        if (loom_gen_defaults_load(!strcmp(gc, "auto") ? c->model_dir : gc, gen, &e) < 0) {
+            fprintf(stderr, "error: --generation-config: %s\n", e.msg);
+            return -1;
+        }
+        *has_gen = 1;
+        if (gen->ignored[0]) LOOM_WARN("generation_config.json: %s not applied (Loom has no such sampling option)", gen->ignored);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    loom_cpu_check_or_exit("loom-coordinator");
     loom_log_init("coordinator");
     loom_server_config_t c = {.tp = 1, .pp = 1, .listen = "tcp://127.0.0.1:5555", .control = "tcp://127.0.0.1:5556",
                               .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
@@ -34,6 +115,7 @@ int main(int argc, char **argv) {
     const char *http_bind = NULL, *chat_template = NULL;
     const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
+    vllm_opts_t vo = {.port = -1};
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &c.model_dir, "DIR", "Hugging Face model directory (every worker reads it at this path)", 1, 0, NULL},
         {"tp", LOOM_OPT_INT, &c.tp, "N", "tensor-parallel ranks per pipeline stage (default 1)", 1, 64, NULL},
@@ -42,9 +124,9 @@ int main(int argc, char **argv) {
         {"control", LOOM_OPT_STR, &c.control, "ADDR", "address workers register at (default tcp://127.0.0.1:5556)", 1, 0, NULL},
         {"served-model-name", LOOM_OPT_STR, &c.model_name, "NAME", "model id clients use (default: the directory name)", 1, 0, NULL},
         {"comm", LOOM_OPT_STR, &c.comm, "KIND", "data plane: auto (shm on one host, else tcp), shm, tcp", 1, 0, NULL},
-        {"dtype", LOOM_OPT_STR, &c.weight_dtype, "TYPE", "weight storage on workers: f32, bf16, f16 (default f32)", 1, 0, NULL},
+        {"dtype", LOOM_OPT_STR, &c.weight_dtype, "TYPE", "weight storage on workers: f32, bf16, f16, or vLLM's float32, bfloat16, float16/half, auto (= f32) (default f32)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &c.quantization, "SCHEME", "quantize matmul weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 (default none)", 1, 0, NULL},
-        {"kv-cache-dtype", LOOM_OPT_STR, &c.kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on CPU, bf16 on CUDA), f32, bf16, int8 (CPU), fp8 (CUDA) (default auto)", 1, 0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &c.kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on CPU, bf16 on CUDA), f32, bf16, int8 (CPU), fp8 (CUDA; vLLM's fp8_e4m3 too) (default auto)", 1, 0, NULL},
         {"max-num-seqs", LOOM_OPT_INT, &c.max_num_seqs, "N", "most running sequences (default 64)", 1, 4096, NULL},
         {"max-num-batched-tokens", LOOM_OPT_INT, &c.max_batched_tokens, "N", "most tokens per step (default 512)", 1, 1 << 20, NULL},
         {"max-queue", LOOM_OPT_INT, &c.max_queue, "N", "most waiting requests; beyond: RESOURCE_EXHAUSTED (default 1024)", 0, 1 << 24, NULL},
@@ -64,13 +146,24 @@ int main(int argc, char **argv) {
         {"etcd-ttl", LOOM_OPT_INT, &c.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
         {"advertise-host", LOOM_OPT_STR, &c.advertise_host, "HOST", "host name others dial, published in etcd when --listen/--control bind 0.0.0.0", 1, 0, NULL},
         {"http", LOOM_OPT_STR, &http_bind, "HOST:PORT", "also serve the OpenAI-compatible HTTP API, /health and /metrics here, e.g. 127.0.0.1:8000 (port 0: any free port; default off)", 1, 0, NULL},
-        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME", "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral (default: the model's)", 1, 0, NULL},
+        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME|FILE", "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral, or a Jinja template file of one of those families (default: the model's)", 1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N", "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N", "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
         {"log-format", LOOM_OPT_STR, &log_format, "FMT", "log lines as text or json (one object per line: ts, level, component, msg, request_id) (default text, or LOOM_LOG_FORMAT)", 1, 0, NULL},
         {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S", "close an HTTP connection idle this long, e.g. a client that stops sending (default 60)", 1, 86400, NULL},
+        /* vLLM's spellings */
+        {"tensor-parallel-size", LOOM_OPT_INT, &c.tp, "N", "vLLM's name for --tp (also -tp)", 1, 64, NULL},
+        {"pipeline-parallel-size", LOOM_OPT_INT, &c.pp, "M", "vLLM's name for --pp (also -pp)", 1, 64, NULL},
+        {"enable-prefix-caching", LOOM_OPT_FLAG, &vo.prefix_on, NULL, "automatic prefix caching on (the default)", 1, 0, NULL},
+        {"no-enable-prefix-caching", LOOM_OPT_FLAG, &vo.prefix_off, NULL, "vLLM's name for --no-prefix-cache", 1, 0, NULL},
+        {"host", LOOM_OPT_STR, &vo.host, "HOST", "serve HTTP on HOST (with --port; default 127.0.0.1, vLLM's is 0.0.0.0)", 1, 0, NULL},
+        {"port", LOOM_OPT_INT, &vo.port, "PORT", "serve HTTP on this port (with --host; vLLM's default 8000)", 0, 65535, NULL},
+        {"seed", LOOM_OPT_U64, &c.seed, "N", "requests without a seed get seeds drawn from this one: the same requests in the same order give the same text (default: random)", 1, 0, &vo.seed_seen},
+        {"generation-config", LOOM_OPT_STR, &vo.generation_config, "auto|vllm|DIR", "default temperature, top_p, top_k and max_tokens for requests that leave them out: auto from the model's generation_config.json, vllm the built-in ones, or DIR/generation_config.json (default auto)", 1, 0, NULL},
+        {"log-level", LOOM_OPT_STR, &vo.log_level, "LEVEL", "debug, info, warning, error, critical or off (default info, or LOOM_LOG_LEVEL)", 1, 0, NULL},
+        {"uvicorn-log-level", LOOM_OPT_STR, &vo.log_level, "LEVEL", "vLLM's name for --log-level", 1, 0, NULL},
     };
-    int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
+    int r = loom_cli_parse_vllm(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
                            "The Loom coordinator: waits for tp x pp workers to register, plans the grid (layer ranges\n"
                            "per stage, heads per rank), assigns shards, and serves the client API with continuous\n"
                            "batching over a paged KV cache.");
@@ -83,10 +176,28 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --model is required (see --help)\n");
         return 2;
     }
+    char listen_ep[512], control_ep[512], bind_buf[300], family_buf[32];
+    if (loom_endpoint_normalize(c.listen, listen_ep, sizeof listen_ep) < 0 ||
+        loom_endpoint_normalize(c.control, control_ep, sizeof control_ep) < 0) {
+        fprintf(stderr, "error: --listen and --control take an address like 127.0.0.1:5555 or tcp://127.0.0.1:5555\n");
+        return 2;
+    }
+    c.listen = listen_ep;
+    c.control = control_ep;
+    loom_gen_defaults_t gen;
+    int has_gen = 0;
+    if (vllm_apply(&vo, &c, &no_prefix, &http_bind, bind_buf, sizeof bind_buf, &chat_template, family_buf,
+                   sizeof family_buf, &gen, &has_gen) < 0)
+        return 2;
     if (strcmp(c.comm, "auto") && strcmp(c.comm, "shm") && strcmp(c.comm, "tcp") && strcmp(c.comm, "nccl")) {
         fprintf(stderr, "error: --comm must be auto, shm, tcp or nccl, got '%s'\n", c.comm);
         return 2;
     }
+    /* vLLM's dtype names */
+    if (!strcmp(c.weight_dtype, "float32") || !strcmp(c.weight_dtype, "float")) c.weight_dtype = "f32";
+    if (!strcmp(c.weight_dtype, "bfloat16")) c.weight_dtype = "bf16";
+    if (!strcmp(c.weight_dtype, "float16") || !strcmp(c.weight_dtype, "half")) c.weight_dtype = "f16";
+    if (!strcmp(c.weight_dtype, "auto")) c.weight_dtype = "f32";
     if (strcmp(c.weight_dtype, "f32") && strcmp(c.weight_dtype, "bf16") && strcmp(c.weight_dtype, "f16")) {
         fprintf(stderr, "error: --dtype must be f32, bf16 or f16, got '%s'\n", c.weight_dtype);
         return 2;
@@ -96,6 +207,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --quantization must be none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:64 or q4_min:128, got '%s'\n", c.quantization);
         return 2;
     }
+    if (!strcmp(c.kv_cache_dtype, "fp8_e4m3")) c.kv_cache_dtype = "fp8";
+    if (!strcmp(c.kv_cache_dtype, "bfloat16")) c.kv_cache_dtype = "bf16";
+    if (!strcmp(c.kv_cache_dtype, "float32")) c.kv_cache_dtype = "f32";
     if (strcmp(c.kv_cache_dtype, "auto") && strcmp(c.kv_cache_dtype, "f32") && strcmp(c.kv_cache_dtype, "bf16") &&
         strcmp(c.kv_cache_dtype, "int8") && strcmp(c.kv_cache_dtype, "fp8")) {
         fprintf(stderr, "error: --kv-cache-dtype must be auto, f32, bf16, int8 or fp8, got '%s'\n", c.kv_cache_dtype);
@@ -131,7 +245,8 @@ int main(int argc, char **argv) {
     if (http_bind) {
         loom_http_config_t hc = {.bind = http_bind, .api_key = c.api_key, .model_dir = c.model_dir,
                                  .chat_template = chat_template, .max_body_bytes = (size_t)max_body,
-                                 .max_connections = http_conns, .idle_timeout_s = http_timeout};
+                                 .max_connections = http_conns, .idle_timeout_s = http_timeout,
+                                 .gen_defaults = has_gen ? &gen : NULL};
         if (loom_http_start(g_server, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_server_destroy(&g_server);

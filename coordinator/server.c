@@ -1589,6 +1589,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->seed_state = loom_now_ns() ^ ((uint64_t)getpid() << 32);
     s->run_id = next_seed(s);
+    if (cfg->has_seed) s->seed_state = cfg->seed; /* --seed: reproducible seeds for requests without one */
     s->metrics = loom_metrics_create(s->model_name, cfg->pp, s->max_model_len);
 
     s->zctx = zmq_ctx_new();

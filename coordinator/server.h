@@ -36,6 +36,8 @@ typedef struct loom_server_config {
     const char *advertise_host; /* host workers and clients should dial (published in etcd) */
     int etcd_ttl;             /* lease TTL in seconds */
     int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
+    int has_seed;             /* --seed: requests without a seed get seeds derived from this one, */
+    uint64_t seed;            /* so the same requests in the same order give the same text */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/progress.h"
 #include "common/util.h"
 #include "worker/qweights.h"
 
@@ -325,6 +326,31 @@ static void *act_alloc(loom_model_t *m, size_t n, int *fail) {
     return p;
 }
 
+/* Bytes this shard will read from the checkpoint, for the progress line:
+ * its layers' tensors split tp ways, the embedding whole, the head (or a
+ * tied embedding) split tp ways. An estimate (norms are read whole,
+ * replicated KV heads too), so the line says "~" until done. */
+static uint64_t shard_read_estimate(const loom_model_config_t *cfg, const loom_st_t *st, const loom_shard_spec_t *spec) {
+    uint64_t total = 0, tp = (uint64_t)(spec->tp_size > 0 ? spec->tp_size : 1);
+    int has_lm_head = 0;
+    for (int i = 0; i < loom_st_count(st); i++) has_lm_head |= !strncmp(loom_st_at(st, i)->name, "lm_head", 7);
+    for (int i = 0; i < loom_st_count(st); i++) {
+        const loom_st_tensor_t *t = loom_st_at(st, i);
+        int layer;
+        if (sscanf(t->name, "model.layers.%d.", &layer) == 1) {
+            if (layer >= spec->layer_begin && layer < spec->layer_end) total += t->nbytes / tp;
+        } else if (!strncmp(t->name, "model.embed_tokens", 18)) {
+            if (spec->has_embed) total += t->nbytes;
+            if (spec->has_head && cfg->tie_embeddings && !has_lm_head) total += t->nbytes / tp;
+        } else if (!strncmp(t->name, "lm_head", 7)) {
+            if (spec->has_head) total += t->nbytes / tp;
+        } else if (spec->has_head) {
+            total += t->nbytes; /* the final norm */
+        }
+    }
+    return total;
+}
+
 loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg, loom_st_t *st,
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
@@ -352,10 +378,15 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->qkv_dim = (d->n_heads + 2 * d->n_kv_heads) * hd;
 
     loader_t L = {.m = m, .st = st};
-    uint64_t t0 = loom_now_ns(), last = t0;
+    uint64_t t0 = loom_now_ns(), read0 = loom_st_bytes_read(st);
     LOOM_INFO("loading %s: layers [%d, %d) of %d, tp rank %d/%d%s%s", loom_backend_name(be),
               spec->layer_begin, spec->layer_end, cfg->n_layers, spec->tp_rank, spec->tp_size,
               spec->has_embed ? ", embedding" : "", spec->has_head ? ", LM head" : "");
+    loom_progress_t prog;
+    char what[96];
+    snprintf(what, sizeof what, "loading layers [%d, %d), tp rank %d/%d", spec->layer_begin, spec->layer_end,
+             spec->tp_rank, spec->tp_size);
+    loom_progress_begin(&prog, what, shard_read_estimate(cfg, st, spec));
     if (spec->has_embed) {
         float *h = staging(&L, (size_t)cfg->vocab_size * dim);
         if (!h) {
@@ -377,13 +408,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     for (int i = 0; i < d->n_layers; i++) {
         s = load_layer(&L, spec->layer_begin + i, &m->layers[i], err);
         if (s < 0) goto fail_loader;
-        uint64_t now = loom_now_ns();
-        if (now - last > 1000000000ull || i + 1 == d->n_layers) {
-            LOOM_INFO("loaded layer %d/%d (%.0f%%), %.1f MB so far, %.1f s", i + 1, d->n_layers,
-                      100.0 * (i + 1) / d->n_layers, (double)m->weight_bytes / 1e6,
-                      (double)(now - t0) * 1e-9);
-            last = now;
-        }
+        loom_progress_update(&prog, loom_st_bytes_read(st) - read0);
     }
     if (spec->has_head) {
         s = upload_vec(&L, "model.norm.weight", dim, &m->final_norm, err);
@@ -394,6 +419,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         s = load_linear(&L, &m->lm_head, "lm_head", &hp, 1, dim, 0, dim, err);
         if (s < 0) goto fail_loader;
     }
+    loom_progress_end(&prog, loom_st_bytes_read(st) - read0);
     free(L.tmp);
     L.tmp = NULL;
 

@@ -28,6 +28,8 @@
 #include <cjson/cJSON.h>
 
 #include "common/cli.h"
+#include "common/cpu_check.h"
+#include "common/endpoint.h"
 #include "common/etcd.h"
 #include "common/log.h"
 #include "common/model_config.h"
@@ -838,13 +840,14 @@ static void expand_id(char *out, size_t n, const char *tmpl, const char *id) {
 }
 
 int main(int argc, char **argv) {
-    loom_cpu_blas_check(argv); /* first: it may re-execute */
+    loom_cpu_check_or_exit("loom-worker");
+    loom_cpu_blas_check(argv); /* early: it may re-execute */
     loom_log_init("worker");
     worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 3000, .cluster = "default",
                   .etcd_ttl = 5, .coord_wait_s = 120};
     const char *id = NULL, *log_format = NULL;
     loom_opt_t opts[] = {
-        {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. tcp://127.0.0.1:5556 (or find it with --etcd)", 1, 0, NULL},
+        {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. 127.0.0.1:5556 or tcp://127.0.0.1:5556 (or find it with --etcd)", 1, 0, NULL},
         {"etcd", LOOM_OPT_STR, &w.etcd_url, "URL", "register in etcd (e.g. http://127.0.0.1:2379) and find the coordinator there", 1, 0, NULL},
         {"cluster", LOOM_OPT_STR, &w.cluster, "NAME", "cluster name in etcd (default 'default')", 1, 0, NULL},
         {"etcd-ttl", LOOM_OPT_INT, &w.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
@@ -871,6 +874,14 @@ int main(int argc, char **argv) {
     if (!w.coord_addr && !w.etcd_url) {
         fprintf(stderr, "error: --coordinator ADDR or --etcd URL is required (see --help)\n");
         return 2;
+    }
+    char coord_ep[512];
+    if (w.coord_addr) {
+        if (loom_endpoint_normalize(w.coord_addr, coord_ep, sizeof coord_ep) < 0) {
+            fprintf(stderr, "error: --coordinator takes an address like 127.0.0.1:5556 or tcp://127.0.0.1:5556\n");
+            return 2;
+        }
+        w.coord_addr = coord_ep;
     }
     if (w.buckets_opt) {
         if (!strcmp(w.buckets_opt, "auto")) w.decode_buckets = 0;

@@ -612,8 +612,26 @@ def test_dockerfiles_build_real_targets():
             check(os.path.exists(os.path.join(BIN, target)), "%s builds unknown target %s" % (name, target))
 
 
+def test_images_pinned_and_context_trimmed():
+    """Every base image is pinned by digest; .dockerignore keeps build trees, .git and node_modules out."""
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        with open(os.path.join(ROOT, "deploy", "docker", name)) as f:
+            text = f.read()
+        froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+        check(len(froms) >= 2, "%s: FROM lines %r" % (name, froms))
+        for image in froms:
+            check(re.fullmatch(r"[a-z0-9./_-]+:[A-Za-z0-9._-]+@sha256:[0-9a-f]{64}", image),
+                  "%s: base image %s is not pinned by a digest" % (name, image))
+        check("docker buildx imagetools inspect" in text, "%s does not say how to refresh its digests" % name)
+        check("-mavx2 -mfma -mf16c" in text and "AVX2, FMA" in text, "%s: instruction-set floor not stated" % name)
+    with open(os.path.join(ROOT, ".dockerignore")) as f:
+        ignored = set(l.strip() for l in f if l.strip() and not l.startswith("#"))
+    for must in (".git", "build", "build-*", "tests/reference/node_modules"):
+        check(must in ignored, ".dockerignore lacks %s" % must)
+
+
 if __name__ == "__main__":
     run_tests([test_k8s_manifests_follow_the_schemas, test_k8s_schema_check_catches_mistakes,
                test_k8s_manifests_form_drain_and_fail_over, test_k8s_rules_catch_mistakes,
                test_worker_health_file_and_spare,
-               test_dockerfiles_build_real_targets])
+               test_dockerfiles_build_real_targets, test_images_pinned_and_context_trimmed])

@@ -1,0 +1,509 @@
+/* `loom serve MODEL_DIR`: the one-command server. Starts a loom-coordinator
+ * and its tp x pp loom-worker processes on this machine, supervises them,
+ * and serves the OpenAI HTTP API on --host/--port, taking vLLM's flag names.
+ *
+ * Lifecycle of the supervisor:
+ *   STARTING  coordinator and workers spawned; waiting for the grid's ready
+ *             file. Any child that exits here is fatal: everything is
+ *             stopped and serve exits 1 (2 when the coordinator refused its
+ *             options), since a retry would fail the same way.
+ *   SERVING   a worker that exits is logged and restarted (its slot is free
+ *             in the coordinator's grid, so the new process takes it and the
+ *             requests in flight are re-prefilled); more than
+ *             MAX_RESTARTS within RESTART_WINDOW_S gives up: stop, exit 1.
+ *             The coordinator exiting is fatal (it held the requests): stop,
+ *             exit 1, and let the service manager restart `loom serve`.
+ *   STOPPING  (SIGTERM/SIGINT, or a fatal exit) the coordinator gets
+ *             SIGTERM and drains (--shutdown-timeout), then the workers get
+ *             SIGTERM; whoever outstays its deadline gets SIGKILL. A second
+ *             signal makes the coordinator stop at once.
+ * Children run in a process group of their own (a terminal's Ctrl-C reaches
+ * only the supervisor, which stops them in order) and with
+ * PR_SET_PDEATHSIG, so that they also go when the supervisor is killed with
+ * SIGKILL. */
+#include <errno.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client/commands.h"
+#include "common/cli.h"
+#include "common/log.h"
+#include "common/util.h"
+
+#define MAX_RESTARTS 3          /* worker restarts allowed ... */
+#define RESTART_WINDOW_S 300.0  /* ... within this many seconds */
+#define WORKER_STOP_S 10.0      /* a worker's time to exit after SIGTERM */
+#define COORD_STOP_EXTRA_S 10.0 /* the coordinator's, beyond its drain */
+
+typedef struct argv_list {
+    char **v;
+    int n, cap;
+} argv_list_t;
+
+static void argv_push(argv_list_t *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void argv_push(argv_list_t *a, const char *fmt, ...) {
+    if (a->n + 2 > a->cap) {
+        a->cap = a->cap ? 2 * a->cap : 32;
+        a->v = loom_xrealloc(a->v, (size_t)a->cap * sizeof *a->v);
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    char *s = NULL;
+    if (vasprintf(&s, fmt, ap) < 0) s = NULL;
+    va_end(ap);
+    if (!s) {
+        fprintf(stderr, "error: out of memory\n");
+        exit(1);
+    }
+    a->v[a->n++] = s;
+    a->v[a->n] = NULL;
+}
+
+static void argv_free(argv_list_t *a) {
+    for (int i = 0; i < a->n; i++) free(a->v[i]);
+    free(a->v);
+    memset(a, 0, sizeof *a);
+}
+
+typedef struct child {
+    char name[32];       /* "coordinator", "worker 0", ... */
+    argv_list_t argv;
+    pid_t pid;           /* 0: not running */
+    int restarts;        /* in the current window */
+    double window_start; /* when that window began */
+} child_t;
+
+typedef enum { SERVE_STARTING, SERVE_SERVING, SERVE_STOPPING } serve_state_t;
+
+typedef struct serve {
+    char bin_dir[PATH_MAX];
+    char run_dir[64];   /* private: the coordinator's ready file */
+    char ready_file[128];
+    child_t coord;
+    child_t *workers;
+    int n_workers;
+    serve_state_t state;
+    int exit_code;
+    double coord_deadline, worker_deadline; /* STOPPING: when to SIGKILL (0: not yet signalled) */
+    int shutdown_timeout_s;
+} serve_t;
+
+static volatile sig_atomic_t g_signals; /* SIGTERM/SIGINT received, counted */
+
+static void on_stop_signal(int sig) {
+    (void)sig;
+    g_signals++;
+}
+static void on_child(int sig) { (void)sig; } /* only to interrupt the sleep */
+
+/* A TCP port on 127.0.0.1 that is free now (the kernel's pick). */
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    int port = -1;
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+/* The directory of the running `loom` binary: loom-coordinator and
+ * loom-worker are installed next to it ($LOOM_BIN overrides). */
+static int find_bin_dir(char *out, size_t n) {
+    const char *env = getenv("LOOM_BIN");
+    if (env && env[0]) {
+        snprintf(out, n, "%s", env);
+        return 0;
+    }
+    char self[PATH_MAX];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (len <= 0) return -1;
+    self[len] = '\0';
+    char *slash = strrchr(self, '/');
+    if (!slash) return -1;
+    *slash = '\0';
+    snprintf(out, n, "%s", self);
+    return 0;
+}
+
+/* CURVE keys for the internal planes (coordinator <-> workers control
+ * socket, the client API socket): one key set per cluster, made here and
+ * handed to the children on their command lines or in files under run_dir.
+ * Pending `loom keygen`; until then the internal sockets are protected by
+ * binding 127.0.0.1 only, on ports picked at random. */
+static int serve_cluster_keys(serve_t *s, argv_list_t *coord, argv_list_t *worker) {
+    (void)s, (void)coord, (void)worker;
+    return 0;
+}
+
+static pid_t spawn(const serve_t *s, child_t *c) {
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        LOOM_ERROR("cannot start %s: %s", c->name, strerror(errno));
+        return -1;
+    }
+    if (pid == 0) {
+        /* the child: its own process group, gone when the supervisor goes */
+        setpgid(0, 0);
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent) _exit(1); /* the supervisor died before prctl */
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGPIPE, SIG_DFL);
+        execv(c->argv.v[0], c->argv.v);
+        fprintf(stderr, "error: cannot run %s: %s\n", c->argv.v[0], strerror(errno));
+        _exit(127);
+    }
+    (void)s;
+    c->pid = pid;
+    LOOM_DEBUG("started %s (pid %d)", c->name, (int)pid);
+    return pid;
+}
+
+static void describe_exit(int status, char *out, size_t n) {
+    if (WIFEXITED(status)) snprintf(out, n, "exited with status %d", WEXITSTATUS(status));
+    else if (WIFSIGNALED(status)) snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+    else snprintf(out, n, "ended (status 0x%x)", status);
+}
+
+static void begin_stop(serve_t *s, int exit_code, const char *why) {
+    if (s->state == SERVE_STOPPING) return;
+    LOOM_INFO("stopping (%s)", why);
+    s->state = SERVE_STOPPING;
+    s->exit_code = exit_code;
+    if (s->coord.pid > 0) {
+        kill(s->coord.pid, SIGTERM);
+        s->coord_deadline = loom_now_s() + s->shutdown_timeout_s + COORD_STOP_EXTRA_S;
+    }
+}
+
+static int workers_running(const serve_t *s) {
+    int n = 0;
+    for (int i = 0; i < s->n_workers; i++) n += s->workers[i].pid > 0;
+    return n;
+}
+
+static void on_exit_of(serve_t *s, pid_t pid, int status) {
+    char how[96];
+    describe_exit(status, how, sizeof how);
+    if (pid == s->coord.pid) {
+        s->coord.pid = 0;
+        if (s->state == SERVE_STOPPING) {
+            LOOM_INFO("coordinator %s", how);
+            return;
+        }
+        LOOM_ERROR("the coordinator %s; stopping the workers", how);
+        /* the coordinator refusing its options (status 2) is a usage error of serve's */
+        int code = s->state == SERVE_STARTING && WIFEXITED(status) && WEXITSTATUS(status) == 2 ? 2 : 1;
+        begin_stop(s, code, "the coordinator is gone");
+        return;
+    }
+    for (int i = 0; i < s->n_workers; i++) {
+        child_t *w = &s->workers[i];
+        if (w->pid != pid) continue;
+        w->pid = 0;
+        if (s->state == SERVE_STOPPING) {
+            LOOM_INFO("%s %s", w->name, how);
+            return;
+        }
+        if (s->state == SERVE_STARTING) {
+            LOOM_ERROR("%s %s before the grid was ready", w->name, how);
+            begin_stop(s, 1, "a worker failed to start");
+            return;
+        }
+        double now = loom_now_s();
+        if (now - w->window_start > RESTART_WINDOW_S) w->window_start = now, w->restarts = 0;
+        if (w->restarts >= MAX_RESTARTS) {
+            LOOM_ERROR("%s %s; it was restarted %d times in %.0f s, giving up", w->name, how, w->restarts,
+                       RESTART_WINDOW_S);
+            begin_stop(s, 1, "a worker keeps failing");
+            return;
+        }
+        w->restarts++;
+        LOOM_WARN("%s %s; restarting it (restart %d of %d within %.0f s)", w->name, how, w->restarts, MAX_RESTARTS,
+                  RESTART_WINDOW_S);
+        if (spawn(s, w) < 0) begin_stop(s, 1, "a worker could not be restarted");
+        return;
+    }
+}
+
+/* The supervisor's loop: signals, child exits, readiness, stop deadlines. */
+static int supervise(serve_t *s, const char *url, const char *zmq_addr, const char *model) {
+    int seen_signals = 0;
+    for (;;) {
+        int sigs = g_signals;
+        if (sigs != seen_signals) {
+            if (s->state != SERVE_STOPPING) {
+                begin_stop(s, 0, "signal");
+            } else if (s->coord.pid > 0) {
+                LOOM_INFO("second signal: the coordinator stops at once");
+                kill(s->coord.pid, SIGTERM);
+                s->coord_deadline = LOOM_MIN(s->coord_deadline, loom_now_s() + COORD_STOP_EXTRA_S);
+            }
+            seen_signals = sigs;
+        }
+        int status;
+        pid_t pid;
+        while ((pid = waitpid(-1, &status, WNOHANG)) > 0) on_exit_of(s, pid, status);
+        if (s->state == SERVE_STARTING) {
+            struct stat sb;
+            if (stat(s->ready_file, &sb) == 0) {
+                s->state = SERVE_SERVING;
+                LOOM_INFO("serving %s: OpenAI API at %s (ZeroMQ API at %s); %d worker(s)", model, url, zmq_addr,
+                          s->n_workers);
+            }
+        }
+        if (s->state == SERVE_STOPPING) {
+            double now = loom_now_s();
+            if (s->coord.pid > 0 && now > s->coord_deadline) {
+                LOOM_WARN("the coordinator did not stop in time; killing it");
+                kill(s->coord.pid, SIGKILL);
+                s->coord_deadline = now + 3600;
+            }
+            if (s->coord.pid == 0 && s->worker_deadline == 0) {
+                for (int i = 0; i < s->n_workers; i++)
+                    if (s->workers[i].pid > 0) kill(s->workers[i].pid, SIGTERM);
+                s->worker_deadline = now + WORKER_STOP_S;
+            }
+            if (s->worker_deadline > 0 && now > s->worker_deadline) {
+                for (int i = 0; i < s->n_workers; i++)
+                    if (s->workers[i].pid > 0) {
+                        LOOM_WARN("%s did not stop in time; killing it", s->workers[i].name);
+                        kill(s->workers[i].pid, SIGKILL);
+                    }
+                s->worker_deadline = now + 3600;
+            }
+            if (s->coord.pid == 0 && workers_running(s) == 0) return s->exit_code;
+        }
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL); /* SIGCHLD and the stop signals cut it short */
+    }
+}
+
+/* vLLM's option names as loom serve takes them; each value given is handed
+ * to loom-coordinator under the same name (it validates them). */
+typedef struct fwd_opts {
+    const char *max_model_len, *max_num_seqs, *max_batched, *served_name, *quantization, *kv_dtype, *api_key,
+        *block_size, *seed, *chat_template, *generation_config, *log_level, *dtype, *max_queue, *kv_memory,
+        *recovery_ms, *log_format;
+    int prefix_on, prefix_off;
+} fwd_opts_t;
+
+int loom_cmd_serve(int argc, char **argv) {
+    loom_log_init("serve");
+    serve_t s = {.shutdown_timeout_s = 30};
+    fwd_opts_t f = {0};
+    const char *model = NULL, *host = "127.0.0.1", *device = "cpu", *zmq_listen = NULL;
+    int port = 8000, tp = 1, pp = 1, threads = 0;
+    loom_opt_t opts[] = {
+        {"model", LOOM_OPT_STR, &model, "DIR", "the Hugging Face model directory (or give it first: loom serve DIR)", 1, 0, NULL},
+        {"host", LOOM_OPT_STR, &host, "HOST", "HTTP address to bind (default 127.0.0.1: this machine only; vLLM's default is 0.0.0.0)", 1, 0, NULL},
+        {"port", LOOM_OPT_INT, &port, "PORT", "HTTP port (default 8000; 0: any free port, see the log)", 0, 65535, NULL},
+        {"tensor-parallel-size", LOOM_OPT_INT, &tp, "N", "tensor-parallel ranks per pipeline stage (also -tp; default 1)", 1, 64, NULL},
+        {"tp", LOOM_OPT_INT, &tp, "N", "same as --tensor-parallel-size", 1, 64, NULL},
+        {"pipeline-parallel-size", LOOM_OPT_INT, &pp, "M", "pipeline stages (also -pp; default 1)", 1, 64, NULL},
+        {"pp", LOOM_OPT_INT, &pp, "M", "same as --pipeline-parallel-size", 1, 64, NULL},
+        {"max-model-len", LOOM_OPT_STR, &f.max_model_len, "N", "context length (default: the model's)", 1, 0, NULL},
+        {"max-num-seqs", LOOM_OPT_STR, &f.max_num_seqs, "N", "most running sequences (default 64)", 1, 0, NULL},
+        {"max-num-batched-tokens", LOOM_OPT_STR, &f.max_batched, "N", "most tokens per step (default 512)", 1, 0, NULL},
+        {"served-model-name", LOOM_OPT_STR, &f.served_name, "NAME", "model id clients use (default: the directory name)", 1, 0, NULL},
+        {"dtype", LOOM_OPT_STR, &f.dtype, "TYPE", "weight storage: auto (f32), float32, bfloat16, float16/half, or f32, bf16, f16", 1, 0, NULL},
+        {"quantization", LOOM_OPT_STR, &f.quantization, "SCHEME", "quantize weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 (AWQ/GPTQ checkpoints are read as they are)", 1, 0, NULL},
+        {"q", LOOM_OPT_STR, &f.quantization, "SCHEME", "same as --quantization", 1, 0, NULL},
+        {"kv-cache-dtype", LOOM_OPT_STR, &f.kv_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (CPU), fp8 (CUDA)", 1, 0, NULL},
+        {"block-size", LOOM_OPT_STR, &f.block_size, "N", "KV cache block size in tokens (default 16)", 1, 0, NULL},
+        {"enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_on, NULL, "automatic prefix caching (the default)", 1, 0, NULL},
+        {"no-enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_off, NULL, "no automatic prefix caching", 1, 0, NULL},
+        {"api-key", LOOM_OPT_STR, &f.api_key, "KEY", "require this key (Authorization: Bearer KEY) on /v1/... (default: open, or LOOM_API_KEY)", 1, 0, NULL},
+        {"seed", LOOM_OPT_STR, &f.seed, "N", "seeds of requests that bring none are drawn from this one (reproducible runs)", 1, 0, NULL},
+        {"chat-template", LOOM_OPT_STR, &f.chat_template, "NAME|FILE", "llama2, llama3, chatml, mistral, or a Jinja template file of one of those families (default: the model's)", 1, 0, NULL},
+        {"generation-config", LOOM_OPT_STR, &f.generation_config, "auto|vllm|DIR", "sampling defaults for requests that leave them out: auto (the model's generation_config.json), vllm (built-in), or DIR (default auto)", 1, 0, NULL},
+        {"log-level", LOOM_OPT_STR, &f.log_level, "LEVEL", "debug, info, warning, error, critical (default info)", 1, 0, NULL},
+        {"uvicorn-log-level", LOOM_OPT_STR, &f.log_level, "LEVEL", "same as --log-level", 1, 0, NULL},
+        {"log-format", LOOM_OPT_STR, &f.log_format, "FMT", "text or json lines", 1, 0, NULL},
+        {"max-queue", LOOM_OPT_STR, &f.max_queue, "N", "most waiting requests; beyond them HTTP 429 (default 1024)", 1, 0, NULL},
+        {"kv-cache-memory", LOOM_OPT_STR, &f.kv_memory, "BYTES", "KV pool bytes per worker, e.g. 2G (default: a fraction of free memory)", 1, 0, NULL},
+        {"recovery-timeout-ms", LOOM_OPT_STR, &f.recovery_ms, "MS", "how long requests wait for a restarted worker (default 10000)", 1, 0, NULL},
+        {"shutdown-timeout", LOOM_OPT_INT, &s.shutdown_timeout_s, "S", "on SIGTERM/SIGINT, requests in flight may run this long (default 30)", 0, 86400, NULL},
+        {"device", LOOM_OPT_STR, &device, "DEV", "cpu, or cuda (worker i gets cuda:i) (default cpu)", 1, 0, NULL},
+        {"threads", LOOM_OPT_INT, &threads, "N", "compute threads per worker (default: cores / workers)", 0, 1024, NULL},
+        {"zmq-listen", LOOM_OPT_STR, &zmq_listen, "ADDR", "also the loom.v1 ZeroMQ API here (default: a free port on 127.0.0.1, see the log)", 1, 0, NULL},
+    };
+    int first = 2;
+    if (argc > 2 && argv[2][0] != '-') model = argv[first++];
+    int r = loom_cli_parse_vllm(argc, argv, first, opts, (int)LOOM_ARRAY_LEN(opts), "loom serve MODEL_DIR [options]",
+                                "Serves a model with the OpenAI-compatible HTTP API: starts a coordinator and tp x pp\n"
+                                "workers on this machine, supervises them (a worker that dies is restarted; the\n"
+                                "coordinator dying stops everything) and stops them all on SIGTERM/SIGINT. Takes\n"
+                                "vLLM's flag names; see docs/operations.md for the table.");
+    if (r) return r < 0 ? 2 : 0;
+    if (!model) {
+        fprintf(stderr, "error: loom serve needs a model directory: loom serve MODEL_DIR (see --help)\n");
+        return 2;
+    }
+    char cfg_path[PATH_MAX];
+    struct stat sb;
+    if (!loom_path_join(cfg_path, sizeof cfg_path, model, "config.json") || stat(cfg_path, &sb) != 0 ||
+        !S_ISREG(sb.st_mode)) {
+        fprintf(stderr, "error: %s/config.json not found: loom serve takes a Hugging Face model directory\n", model);
+        return 2;
+    }
+    if (f.prefix_on && f.prefix_off) {
+        fprintf(stderr, "error: --enable-prefix-caching and --no-enable-prefix-caching contradict each other\n");
+        return 2;
+    }
+    int cuda = !strcmp(device, "cuda");
+    if (!cuda && strcmp(device, "cpu")) {
+        fprintf(stderr, "error: --device must be cpu or cuda, got '%s'\n", device);
+        return 2;
+    }
+    if (find_bin_dir(s.bin_dir, sizeof s.bin_dir) < 0) {
+        fprintf(stderr, "error: cannot tell where the loom binaries are; set LOOM_BIN\n");
+        return 1;
+    }
+    char coord_bin[PATH_MAX + 32], worker_bin[PATH_MAX + 32];
+    snprintf(coord_bin, sizeof coord_bin, "%s/loom-coordinator", s.bin_dir);
+    snprintf(worker_bin, sizeof worker_bin, "%s/loom-worker", s.bin_dir);
+    if (access(coord_bin, X_OK) != 0 || access(worker_bin, X_OK) != 0) {
+        fprintf(stderr, "error: loom-coordinator and loom-worker must be next to loom (looked in %s; set LOOM_BIN)\n",
+                s.bin_dir);
+        return 1;
+    }
+    int ctl_port = free_port(), api_port = zmq_listen ? 0 : free_port();
+    if (ctl_port < 0 || api_port < 0) {
+        fprintf(stderr, "error: no free port on 127.0.0.1: %s\n", strerror(errno));
+        return 1;
+    }
+    snprintf(s.run_dir, sizeof s.run_dir, "%s/loom-serve-XXXXXX", "/tmp");
+    const char *tmp = getenv("TMPDIR");
+    if (tmp && tmp[0] && strlen(tmp) < 40) snprintf(s.run_dir, sizeof s.run_dir, "%s/loom-serve-XXXXXX", tmp);
+    if (!mkdtemp(s.run_dir)) {
+        fprintf(stderr, "error: cannot create a run directory %s: %s\n", s.run_dir, strerror(errno));
+        return 1;
+    }
+    snprintf(s.ready_file, sizeof s.ready_file, "%s/ready", s.run_dir);
+
+    char zmq_addr[300], ctl_addr[64], url[300];
+    if (zmq_listen) snprintf(zmq_addr, sizeof zmq_addr, "%s", zmq_listen);
+    else snprintf(zmq_addr, sizeof zmq_addr, "tcp://127.0.0.1:%d", api_port);
+    snprintf(ctl_addr, sizeof ctl_addr, "127.0.0.1:%d", ctl_port); /* the control plane: this machine only */
+    snprintf(url, sizeof url, strchr(host, ':') ? "http://[%s]:%d/v1" : "http://%s:%d/v1", host, port);
+
+    child_t *co = &s.coord;
+    snprintf(co->name, sizeof co->name, "coordinator");
+    argv_list_t *a = &co->argv;
+    argv_push(a, "%s", coord_bin);
+    argv_push(a, "--model");
+    argv_push(a, "%s", model);
+    argv_push(a, "--tp");
+    argv_push(a, "%d", tp);
+    argv_push(a, "--pp");
+    argv_push(a, "%d", pp);
+    argv_push(a, "--listen");
+    argv_push(a, "%s", zmq_addr);
+    argv_push(a, "--control");
+    argv_push(a, "%s", ctl_addr);
+    argv_push(a, "--host");
+    argv_push(a, "%s", host);
+    argv_push(a, "--port");
+    argv_push(a, "%d", port);
+    argv_push(a, "--ready-file");
+    argv_push(a, "%s", s.ready_file);
+    argv_push(a, "--shutdown-timeout");
+    argv_push(a, "%d", s.shutdown_timeout_s);
+    const struct {
+        const char *name, *value;
+    } fwd[] = {
+        {"max-model-len", f.max_model_len}, {"max-num-seqs", f.max_num_seqs}, {"max-num-batched-tokens", f.max_batched},
+        {"served-model-name", f.served_name}, {"quantization", f.quantization}, {"kv-cache-dtype", f.kv_dtype},
+        {"block-size", f.block_size}, {"seed", f.seed}, {"chat-template", f.chat_template},
+        {"generation-config", f.generation_config}, {"log-level", f.log_level}, {"dtype", f.dtype},
+        {"max-queue", f.max_queue}, {"kv-cache-memory", f.kv_memory}, {"recovery-timeout-ms", f.recovery_ms},
+        {"log-format", f.log_format},
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(fwd); i++)
+        if (fwd[i].value) {
+            argv_push(a, "--%s", fwd[i].name);
+            argv_push(a, "%s", fwd[i].value);
+        }
+    if (f.prefix_off) argv_push(a, "--no-prefix-cache");
+    /* the key goes in the environment, not on a command line other users can read in /proc */
+    if (f.api_key) setenv("LOOM_API_KEY", f.api_key, 1);
+
+    s.n_workers = tp * pp;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    if (threads == 0) threads = (int)LOOM_MAX(1, (cores > 0 ? cores : 1) / s.n_workers);
+    s.workers = loom_xcalloc((size_t)s.n_workers, sizeof *s.workers);
+    argv_list_t worker_extra = {0};
+    if (serve_cluster_keys(&s, a, &worker_extra) < 0) return 1;
+    for (int i = 0; i < s.n_workers; i++) {
+        child_t *w = &s.workers[i];
+        snprintf(w->name, sizeof w->name, "worker %d", i);
+        argv_push(&w->argv, "%s", worker_bin);
+        argv_push(&w->argv, "--coordinator");
+        argv_push(&w->argv, "%s", ctl_addr);
+        argv_push(&w->argv, "--threads");
+        argv_push(&w->argv, "%d", threads);
+        argv_push(&w->argv, "--device");
+        if (cuda) argv_push(&w->argv, "cuda:%d", i);
+        else argv_push(&w->argv, "cpu");
+        if (f.log_format) {
+            argv_push(&w->argv, "--log-format");
+            argv_push(&w->argv, "%s", f.log_format);
+        }
+        for (int k = 0; k < worker_extra.n; k++) argv_push(&w->argv, "%s", worker_extra.v[k]);
+    }
+    if (f.log_level) { /* the workers have no flag for it: LOOM_LOG_LEVEL, in vLLM's words */
+        const char *lv = f.log_level;
+        if (!strcmp(lv, "warning")) lv = "warn";
+        else if (!strcmp(lv, "critical")) lv = "error";
+        else if (!strcmp(lv, "trace")) lv = "debug";
+        setenv("LOOM_LOG_LEVEL", lv, 1);
+    }
+
+    struct sigaction sa = {.sa_handler = on_stop_signal};
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    struct sigaction sc = {.sa_handler = on_child, .sa_flags = SA_NOCLDSTOP};
+    sigaction(SIGCHLD, &sc, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    LOOM_INFO("starting %s: coordinator and %d worker(s) (tp %d x pp %d, %d thread(s) each, device %s); HTTP on %s",
+              model, s.n_workers, tp, pp, threads, device, url);
+    int rc;
+    if (spawn(&s, co) < 0) {
+        rc = 1;
+    } else {
+        for (int i = 0; i < s.n_workers; i++) {
+            s.workers[i].window_start = loom_now_s();
+            if (spawn(&s, &s.workers[i]) < 0) {
+                begin_stop(&s, 1, "a worker could not be started");
+                break;
+            }
+        }
+        rc = supervise(&s, url, zmq_addr, model);
+    }
+    LOOM_INFO("stopped (exit status %d)", rc);
+    unlink(s.ready_file);
+    rmdir(s.run_dir);
+    argv_free(&co->argv);
+    for (int i = 0; i < s.n_workers; i++) argv_free(&s.workers[i].argv);
+    argv_free(&worker_extra);
+    free(s.workers);
+    return rc;
+}
