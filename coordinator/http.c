@@ -765,6 +765,7 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
     loom_chat_msg_t *m = loom_xcalloc((size_t)n, sizeof *m);
     g->parts = loom_xcalloc((size_t)n, sizeof *g->parts);
     int i = 0, rc = -1;
+    size_t len, *plain = NULL, n_plain = 0; /* before the first goto done */
     const cJSON *msg;
     cJSON_ArrayForEach(msg, x) {
         const cJSON *role = cJSON_IsObject(msg) ? field(msg, "role") : NULL;
@@ -808,7 +809,6 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
         i++;
     }
     loom_err_t err = {0};
-    size_t len, *plain = NULL, n_plain = 0;
     int add_gen = 1, r = opt_bool(o, "add_generation_prompt", &add_gen, e);
     if (r < 0) goto done;
     if (!special_in_content && !tok) {
