@@ -70,6 +70,12 @@ class Coordinator:
         with open(self.log_path) as f:
             return f.read()
 
+    def check_sanitizers(self):
+        """No AddressSanitizer/UBSan report in the coordinator's log (the sanitizer build)."""
+        text = self.text()
+        for marker in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"):
+            check(marker not in text, "sanitizer report in the coordinator's log:\n%s" % text[text.find(marker) - 200:][:3000])
+
     def stop(self):
         for p in (self.worker, self.proc):
             if p and p.poll() is None:
@@ -196,6 +202,13 @@ def test_slowloris_and_streams(co):
     finally:
         for s in streams:
             s.close()
+    # the closed streams give their slots back (each is cancelled on the coordinator first)
+    def traffic_free():
+        try:
+            return get(co.http, "/health", timeout=5)[0] == 200
+        except OSError:
+            return False
+    wait_for(traffic_free, 60, "the traffic listener's slots after the streams closed")
     # the probe listener serves nothing else
     status, data = post(co.probe, "/v1/completions", {"prompt": PROMPT})
     check(status == 404 and b"probe listener" in data, "completions on the probe listener: %d %r" % (status, data))
@@ -288,6 +301,7 @@ def with_plain(tests):
             print("  - %s" % t.__name__)
             t(co)
         check(co.proc.poll() is None, "the coordinator exited")
+        co.check_sanitizers()
     finally:
         co.stop()
 
@@ -411,6 +425,7 @@ def test_https():
             # D9 with --chat-special-tokens-in-content: the content's <s> and </s> are control tokens
             ids = tokens_of(co.http, INJECT, context=ctx, host="localhost", key=KEY)
             check(ids.count(1) == 2 and ids.count(2) == 2, "with the flag, content tokens are special: %r" % ids)
+            co.check_sanitizers()
         finally:
             co.stop()
     finally:
