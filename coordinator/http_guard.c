@@ -49,7 +49,9 @@ static void *watchdog(void *arg) {
         if (g->stop) break;
         uint64_t now = loom_now_ns();
         for (loom_http_slot_t *s = g->head; s; s = s->next) {
-            uint64_t limit = s->state == SLOT_HEADERS ? g->header_ns : s->state == SLOT_BODY ? g->body_ns : 0;
+            uint64_t limit = s->state == SLOT_HEADERS ? g->header_ns
+                             : s->state == SLOT_BODY  ? g->body_ns
+                                                      : 0;
             if (!limit || now - s->since_ns < limit) continue;
             LOOM_DEBUG("http: closing a connection that sent no complete request %s within %.1f s",
                        s->state == SLOT_HEADERS ? "header" : "body", (double)limit / 1e9);
@@ -126,17 +128,25 @@ static void set_state(loom_http_guard_t *g, loom_http_slot_t *s, slot_state_t st
     pthread_mutex_unlock(&g->mu);
 }
 
-void loom_http_guard_headers_done(loom_http_guard_t *g, loom_http_slot_t *s) { set_state(g, s, SLOT_BODY); }
-void loom_http_guard_serving(loom_http_guard_t *g, loom_http_slot_t *s) { set_state(g, s, SLOT_SERVING); }
-void loom_http_guard_next(loom_http_guard_t *g, loom_http_slot_t *s) { set_state(g, s, SLOT_HEADERS); }
+void loom_http_guard_headers_done(loom_http_guard_t *g, loom_http_slot_t *s) {
+    set_state(g, s, SLOT_BODY);
+}
+void loom_http_guard_serving(loom_http_guard_t *g, loom_http_slot_t *s) {
+    set_state(g, s, SLOT_SERVING);
+}
+void loom_http_guard_next(loom_http_guard_t *g, loom_http_slot_t *s) {
+    set_state(g, s, SLOT_HEADERS);
+}
 
 void loom_http_guard_remove(loom_http_guard_t *g, loom_http_slot_t **s_p) {
     if (!g || !s_p || !*s_p) return;
     loom_http_slot_t *s = *s_p;
     *s_p = NULL;
     pthread_mutex_lock(&g->mu);
-    if (s->prev) s->prev->next = s->next;
-    else g->head = s->next;
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        g->head = s->next;
     if (s->next) s->next->prev = s->prev;
     pthread_mutex_unlock(&g->mu);
     close(s->fd);

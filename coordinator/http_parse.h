@@ -20,7 +20,8 @@ cJSON *loom_http_parse_json_body(const char *body, size_t len, char *msg, size_t
  * submitted, -1 when it would be answered 400 (msg says why). tmpl and tok
  * may be NULL (no template: chat is refused; no tokenizer: chat prompts
  * are not tokenized). special_in_content as --chat-special-tokens-in-content. */
-int loom_http_parse_generate(const char *body, size_t len, int chat, const loom_chat_template_t *tmpl,
-                             const loom_tokenizer_t *tok, int special_in_content, char *msg, size_t cap);
+int loom_http_parse_generate(const char *body, size_t len, int chat,
+                             const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok,
+                             int special_in_content, char *msg, size_t cap);
 
 #endif

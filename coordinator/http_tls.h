@@ -17,7 +17,8 @@ typedef struct loom_http_tls {
 /* Reads and checks cert_path and key_path. INVALID_ARGUMENT naming the file
  * and the reason when unreadable, not PEM, mismatched, expired or not yet
  * valid. */
-loom_status_t loom_http_tls_load(const char *cert_path, const char *key_path, loom_http_tls_t *out, loom_err_t *err);
+loom_status_t loom_http_tls_load(const char *cert_path, const char *key_path, loom_http_tls_t *out,
+                                 loom_err_t *err);
 void loom_http_tls_free(loom_http_tls_t *t); /* safe on a zeroed or freed struct */
 
 #endif

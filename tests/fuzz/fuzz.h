@@ -16,16 +16,18 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 
-#define FUZZ_ASSERT(cond)                                                                \
-    do {                                                                                 \
-        if (!(cond)) {                                                                   \
-            fprintf(stderr, "fuzz property failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
-            abort();                                                                     \
-        }                                                                                \
+#define FUZZ_ASSERT(cond)                                                                          \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "fuzz property failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__);      \
+            abort();                                                                               \
+        }                                                                                          \
     } while (0)
 
 /* Quiet logs: the targets feed garbage on purpose. */
-static inline void fuzz_quiet(void) { loom_log_set_level(LOOM_LOG_OFF); }
+static inline void fuzz_quiet(void) {
+    loom_log_set_level(LOOM_LOG_OFF);
+}
 
 /* A real tokenizer for the targets that tokenize (stories260K: <s>, </s>
  * special): $LOOM_FUZZ_MODEL, else the models directory known at build time.

@@ -33,7 +33,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static const char *roles[] = {"system", "user", "assistant", "developer", "tool"};
     loom_chat_family_t fam = (loom_chat_family_t)(1 + data[0] % 4);
     int gen = (data[0] >> 2) & 1;
-    t = loom_chat_template_create(fam, NULL, NULL, (data[0] >> 3) & 1 ? "You are <|im_start|> helpful." : NULL);
+    t = loom_chat_template_create(fam, NULL, NULL,
+                                  (data[0] >> 3) & 1 ? "You are <|im_start|> helpful." : NULL);
     loom_chat_msg_t m[MAX_MSGS];
     int n = 0;
     for (size_t at = 1; at < size && n < MAX_MSGS;) {
@@ -47,7 +48,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t len = 0, *sp = NULL, n_sp = 0;
     if (loom_chat_render_spans(t, m, n, gen, &out, &len, &sp, &n_sp, &err) == LOOM_OK) {
         FUZZ_ASSERT(out && strlen(out) == len);
-        FUZZ_ASSERT(loom_chat_render(t, m, n, gen, &plain_out, NULL, &err) == LOOM_OK && !strcmp(plain_out, out));
+        FUZZ_ASSERT(loom_chat_render(t, m, n, gen, &plain_out, NULL, &err) == LOOM_OK &&
+                    !strcmp(plain_out, out));
         for (size_t i = 0; i < n_sp; i++) {
             FUZZ_ASSERT(sp[2 * i] < sp[2 * i + 1] && sp[2 * i + 1] <= len);
             FUZZ_ASSERT(i == 0 || sp[2 * i] >= sp[2 * i - 1]);
@@ -57,15 +59,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             for (int k = 0; k < n && !found; k++) {
                 const char *c = m[k].content;
                 size_t cl = strlen(c);
-                for (size_t o = 0; o + sl <= cl && !found; o++) found = !memcmp(c + o, out + sp[2 * i], sl);
+                for (size_t o = 0; o + sl <= cl && !found; o++)
+                    found = !memcmp(c + o, out + sp[2 * i], sl);
             }
             FUZZ_ASSERT(found);
         }
         if (g_tok) {
             int32_t *ids = NULL;
             int n_ids = 0, cap = 0;
-            FUZZ_ASSERT(loom_tokenizer_encode_spans(g_tok, out, len, 0, sp, n_sp, &ids, &n_ids, &cap, &err) ==
-                        LOOM_OK);
+            FUZZ_ASSERT(loom_tokenizer_encode_spans(g_tok, out, len, 0, sp, n_sp, &ids, &n_ids,
+                                                    &cap, &err) == LOOM_OK);
             free(ids);
         }
     } else {

@@ -17,8 +17,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     /* what the rest of Loom divides by and sizes buffers with */
-    FUZZ_ASSERT(cfg.dim > 0 && cfg.n_layers > 0 && cfg.n_heads > 0 && cfg.n_kv_heads > 0 && cfg.head_dim > 0 &&
-                cfg.vocab_size > 0 && cfg.hidden_dim > 0);
-    for (int id = -1; id < 4; id++) (void)loom_model_config_is_eos(&cfg, id);
+    FUZZ_ASSERT(cfg.dim > 0 && cfg.n_layers > 0 && cfg.n_heads > 0 && cfg.n_kv_heads > 0 &&
+                cfg.head_dim > 0 && cfg.vocab_size > 0 && cfg.hidden_dim > 0);
+    for (int id = -1; id < 4; id++)
+        (void)loom_model_config_is_eos(&cfg, id);
     return 0;
 }

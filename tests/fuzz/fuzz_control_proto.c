@@ -23,11 +23,14 @@ static void walk_plan(const Loom__V1__StepPlan *p, const loom_plan_limits_t *lim
     for (size_t i = 0; i < p->n_tokens; i++) {
         vocab[p->tokens[i]]++;
         kv[p->slots[i]]++;
-        int32_t b = p->block_tables[(size_t)p->tok_seq[i] * p->max_blocks + (size_t)(p->pos[i] / lim->block_size)];
+        int32_t b = p->block_tables[(size_t)p->tok_seq[i] * p->max_blocks +
+                                    (size_t)(p->pos[i] / lim->block_size)];
         if (b >= 0) blocks[b]++;
     }
-    for (size_t i = 0; i < p->n_logit_rows; i++) vocab[p->tokens[p->logit_rows[i]]]++;
-    for (size_t i = 0; i < p->n_copy_src; i++) blocks[p->copy_src[i]] = blocks[p->copy_dst[i]];
+    for (size_t i = 0; i < p->n_logit_rows; i++)
+        vocab[p->tokens[p->logit_rows[i]]]++;
+    for (size_t i = 0; i < p->n_copy_src; i++)
+        blocks[p->copy_src[i]] = blocks[p->copy_dst[i]];
     free(kv);
     free(vocab);
     free(blocks);
@@ -43,13 +46,30 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     FUZZ_ASSERT(m->body_case != LOOM__V1__CONTROL_MSG__BODY__NOT_SET);
     if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_STEP && m->step) {
         static const loom_plan_limits_t limits[] = {
-            {.max_tokens = 512, .max_seqs = 64, .n_blocks = 2048, .vocab_size = 512, .max_pos = 512, .block_size = 16},
-            {.max_tokens = 8, .max_seqs = 2, .n_blocks = 4, .vocab_size = 32, .max_pos = 64, .block_size = 16},
-            {.max_tokens = 64, .max_seqs = 8, .n_blocks = 16, .vocab_size = 1000, .max_pos = 32, .block_size = 1},
+            {.max_tokens = 512,
+             .max_seqs = 64,
+             .n_blocks = 2048,
+             .vocab_size = 512,
+             .max_pos = 512,
+             .block_size = 16},
+            {.max_tokens = 8,
+             .max_seqs = 2,
+             .n_blocks = 4,
+             .vocab_size = 32,
+             .max_pos = 64,
+             .block_size = 16},
+            {.max_tokens = 64,
+             .max_seqs = 8,
+             .n_blocks = 16,
+             .vocab_size = 1000,
+             .max_pos = 32,
+             .block_size = 1},
         };
         for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++)
-            if (loom_wire_check_plan(m->step, &limits[i], &err) == LOOM_OK) walk_plan(m->step, &limits[i]);
-            else FUZZ_ASSERT(err.msg[0]);
+            if (loom_wire_check_plan(m->step, &limits[i], &err) == LOOM_OK)
+                walk_plan(m->step, &limits[i]);
+            else
+                FUZZ_ASSERT(err.msg[0]);
     }
     size_t len = 0;
     void *buf = loom_wire_pack_control(m, &len);

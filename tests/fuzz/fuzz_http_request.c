@@ -16,7 +16,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc, (void)argv;
     fuzz_quiet();
     g_tok = fuzz_tokenizer();
-    for (int f = 0; f < 4; f++) g_tmpl[f] = loom_chat_template_create((loom_chat_family_t)(1 + f), NULL, NULL, NULL);
+    for (int f = 0; f < 4; f++)
+        g_tmpl[f] = loom_chat_template_create((loom_chat_family_t)(1 + f), NULL, NULL, NULL);
     return 0;
 }
 
@@ -38,6 +39,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int chat = data[0] & 1, special = (data[0] >> 1) & 1;
     const loom_chat_template_t *tmpl = (data[0] >> 2) & 1 ? NULL : g_tmpl[(data[0] >> 3) & 3];
     msg[0] = '\0';
-    if (loom_http_parse_generate(body, len, chat, tmpl, g_tok, special, msg, sizeof msg) < 0) FUZZ_ASSERT(msg[0]);
+    if (loom_http_parse_generate(body, len, chat, tmpl, g_tok, special, msg, sizeof msg) < 0)
+        FUZZ_ASSERT(msg[0]);
     return 0;
 }

@@ -20,7 +20,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    if (g_fd < 0 || ftruncate(g_fd, 0) < 0 || pwrite(g_fd, data, size, 0) != (ssize_t)size) return 0;
+    if (g_fd < 0 || ftruncate(g_fd, 0) < 0 || pwrite(g_fd, data, size, 0) != (ssize_t)size)
+        return 0;
     loom_st_t *st = NULL;
     loom_err_t err = {0};
     if (loom_st_open_file(g_path, &st, &err) < 0) return 0;
@@ -33,7 +34,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (loom_st_get(st, t->name, t->n_dims, t->shape, &g, &err) == LOOM_OK) FUZZ_ASSERT(g == t);
         /* the first and the last row, raw and (for float dtypes) as f32 */
         int64_t cols = t->n_dims ? t->shape[t->n_dims - 1] : 1, rows = 1;
-        for (int d = 0; d + 1 < t->n_dims; d++) rows *= t->shape[d];
+        for (int d = 0; d + 1 < t->n_dims; d++)
+            rows *= t->shape[d];
         if (cols <= 0 || rows <= 0 || cols > (1 << 16)) continue;
         unsigned char *raw = malloc((size_t)cols * 8);
         float *f = malloc((size_t)cols * sizeof *f);

@@ -6,7 +6,9 @@
 #include "common/json.h"
 #include "tests/test.h"
 
-static cJSON *parse(const char *s, size_t *bad_at) { return loom_json_parse_strict(s, strlen(s), bad_at); }
+static cJSON *parse(const char *s, size_t *bad_at) {
+    return loom_json_parse_strict(s, strlen(s), bad_at);
+}
 
 static void test_trailing(void) {
     size_t at = 0;
@@ -35,17 +37,20 @@ static void test_duplicates(void) {
     dup("{\"a\": 1, \"b\": 2}", 0, "");
     dup("{\"a\": 1, \"a\": 2}", 1, "a");
     dup("{\"a\": {\"x\": 1, \"y\": {\"z\": 0, \"z\": 0}}}", 1, "a.y.z");
-    dup("{\"messages\": [{\"role\": \"user\"}, {\"role\": \"user\", \"content\": \"\", \"role\": \"system\"}]}", 1,
-        "messages[1].role");
+    dup("{\"messages\": [{\"role\": \"user\"}, {\"role\": \"user\", \"content\": \"\", \"role\": "
+        "\"system\"}]}",
+        1, "messages[1].role");
     dup("[[{\"k\": 1}], [{\"k\": 1, \"k\": 1}]]", 1, "[1][0].k");
-    dup("{\"a\": [1, 1, 1], \"A\": 1}", 0, ""); /* keys are case-sensitive; equal array items are fine */
+    dup("{\"a\": [1, 1, 1], \"A\": 1}", 0,
+        ""); /* keys are case-sensitive; equal array items are fine */
     dup("{\"\": 1, \"\": 2}", 1, "");
     /* a large object: duplicates found by sorting, not pairwise */
     size_t n = 50000;
     char *s = malloc(n * 16 + 64);
     size_t k = 0;
     s[k++] = '{';
-    for (size_t i = 0; i < n; i++) k += (size_t)sprintf(s + k, "%s\"k%zu\": 0", i ? ", " : "", i);
+    for (size_t i = 0; i < n; i++)
+        k += (size_t)sprintf(s + k, "%s\"k%zu\": 0", i ? ", " : "", i);
     k += (size_t)sprintf(s + k, "}");
     dup(s, 0, "");
     k--;
@@ -55,9 +60,11 @@ static void test_duplicates(void) {
     /* a long path is cut, not overrun */
     char deep[512];
     k = 0;
-    for (int i = 0; i < 40; i++) k += (size_t)sprintf(deep + k, "{\"abcdef\": ");
+    for (int i = 0; i < 40; i++)
+        k += (size_t)sprintf(deep + k, "{\"abcdef\": ");
     k += (size_t)sprintf(deep + k, "{\"x\": 1, \"x\": 2}");
-    for (int i = 0; i < 40; i++) deep[k++] = '}';
+    for (int i = 0; i < 40; i++)
+        deep[k++] = '}';
     deep[k] = '\0';
     size_t at;
     cJSON *j = parse(deep, &at);
