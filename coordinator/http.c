@@ -1805,6 +1805,8 @@ void loom_http_stop(loom_http_t **h_p) {
     atomic_store(&h->stopping, 1);
     if (h->probe_daemon) MHD_stop_daemon(h->probe_daemon);
     if (h->daemon) MHD_stop_daemon(h->daemon);
+    uint64_t cut = loom_http_guard_n_closed(h->guard);
+    if (cut) LOOM_INFO("http: %llu connection(s) were closed for missing their header or body deadline", (unsigned long long)cut);
     loom_http_guard_destroy(&h->guard);
     loom_http_tls_free(&h->tls);
     loom_chat_template_destroy(&h->tmpl);
