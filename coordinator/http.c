@@ -29,7 +29,14 @@
  *
  * Connections beyond --http-max-connections are accepted (up to
  * OVERFLOW_CONNECTIONS more, libmicrohttpd's own limit) and answered 503
- * with Retry-After, then closed, instead of being reset. */
+ * with Retry-After, then closed, instead of being reset.
+ *
+ * Two listeners (listener_t), each a daemon with its own slots: --http
+ * (traffic, HTTPS with --tls-cert) and --probe-listen (/health, /metrics,
+ * /version only, plain HTTP). Every connection's socket is watched by
+ * http_guard.c, which closes it when its headers or body miss their
+ * deadline. Request bodies are strict JSON (loom_http_parse_json_body);
+ * chat prompts are tokenized here with the messages' text as plain text. */
 #include "coordinator/http.h"
 
 #include <errno.h>
