@@ -14,13 +14,53 @@ static int is_strip_space(unsigned char c) {
     return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
 }
 
-static void sb_stripped(loom_sbuf_t *b, const char *s, size_t n) {
-    while (n > 0 && is_strip_space((unsigned char)s[0])) {
-        s++;
-        n--;
+/* Where message text lies in the rendered prompt: [start, end) byte pairs,
+ * in order (NULL when the caller does not ask). */
+typedef struct spans {
+    size_t *v;
+    size_t n, cap; /* pairs */
+} spans_t;
+
+static void spans_add(spans_t *sp, size_t start, size_t end) {
+    if (!sp || end <= start) return;
+    if (sp->n && sp->v[2 * sp->n - 1] == start) { /* adjacent: one span */
+        sp->v[2 * sp->n - 1] = end;
+        return;
     }
-    while (n > 0 && is_strip_space((unsigned char)s[n - 1])) n--;
+    if (sp->n == sp->cap) {
+        sp->cap = sp->cap ? 2 * sp->cap : 8;
+        sp->v = loom_xrealloc(sp->v, 2 * sp->cap * sizeof *sp->v);
+    }
+    sp->v[2 * sp->n] = start;
+    sp->v[2 * sp->n + 1] = end;
+    sp->n++;
+}
+
+/* Appends s stripped; rel holds n_rel spans of message text in s's own
+ * offsets, recorded where they land (clipped by the strip). */
+static void sb_stripped_spans(loom_sbuf_t *b, const char *s, size_t n, spans_t *sp, const size_t *rel, int n_rel) {
+    size_t lead = 0;
+    while (lead < n && is_strip_space((unsigned char)s[lead])) lead++;
+    while (n > lead && is_strip_space((unsigned char)s[n - 1])) n--;
+    size_t base = b->len, len = n - lead;
+    loom_sbuf_add(b, s + lead, len);
+    for (int i = 0; i < n_rel; i++) {
+        size_t a = rel[2 * i] > lead ? rel[2 * i] - lead : 0, e = rel[2 * i + 1] > lead ? rel[2 * i + 1] - lead : 0;
+        spans_add(sp, base + LOOM_MIN(a, len), base + LOOM_MIN(e, len));
+    }
+}
+
+/* Message text: appended, stripped or not, and recorded as a span. */
+static void sb_content(loom_sbuf_t *b, const char *s, int strip, spans_t *sp) {
+    size_t n = strlen(s);
+    if (strip) {
+        size_t rel[2] = {0, n};
+        sb_stripped_spans(b, s, n, sp, rel, 1);
+        return;
+    }
+    size_t base = b->len;
     loom_sbuf_add(b, s, n);
+    spans_add(sp, base, b->len);
 }
 
 /* ---- families ---- */
@@ -226,7 +266,7 @@ static const char *role_name(role_t r) {
  * in <<SYS>>, strips every turn and starts each user turn with BOS; Mistral
  * prepends the system text to the first user turn and writes BOS once. */
 static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, loom_sbuf_t *b,
-                                 loom_err_t *err) {
+                                 spans_t *sp, loom_err_t *err) {
     int llama2 = t->family == LOOM_CHAT_LLAMA2;
     const char *sys = NULL;
     int start = 0;
@@ -250,52 +290,62 @@ static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_
         if (r == ROLE_USER) {
             if (llama2) {
                 loom_sbuf_t content = {0};
+                size_t rel[4];
+                int n_rel = 0;
                 if (j == 0 && sys) {
                     loom_sbuf_str(&content, "<<SYS>>\n");
+                    rel[2 * n_rel] = content.len;
                     loom_sbuf_str(&content, sys);
+                    rel[2 * n_rel + 1] = content.len;
+                    n_rel++;
                     loom_sbuf_str(&content, "\n<</SYS>>\n\n");
                 }
+                rel[2 * n_rel] = content.len;
                 loom_sbuf_str(&content, c);
+                rel[2 * n_rel + 1] = content.len;
+                n_rel++;
                 loom_sbuf_str(b, t->bos);
                 loom_sbuf_str(b, "[INST] ");
-                sb_stripped(b, content.p, content.len);
+                sb_stripped_spans(b, content.p, content.len, sp, rel, n_rel);
                 loom_sbuf_str(b, " [/INST]");
                 free(content.p);
             } else {
                 loom_sbuf_str(b, "[INST] ");
                 if (j == 0 && sys) {
-                    loom_sbuf_str(b, sys);
+                    sb_content(b, sys, 0, sp);
                     loom_sbuf_str(b, "\n\n");
                 }
-                loom_sbuf_str(b, c);
+                sb_content(b, c, 0, sp);
                 loom_sbuf_str(b, " [/INST]");
             }
         } else if (llama2) {
             loom_sbuf_str(b, " ");
-            sb_stripped(b, c, strlen(c));
+            sb_content(b, c, 1, sp);
             loom_sbuf_str(b, " ");
             loom_sbuf_str(b, t->eos);
         } else {
-            loom_sbuf_str(b, c);
+            sb_content(b, c, 0, sp);
             loom_sbuf_str(b, t->eos);
         }
     }
     return LOOM_OK;
 }
 
-static void render_llama3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b) {
+static void render_llama3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
+                          spans_t *sp) {
     for (int i = 0; i < n; i++) {
         if (i == 0) loom_sbuf_str(b, t->bos);
         loom_sbuf_str(b, "<|start_header_id|>");
         loom_sbuf_str(b, role_name(role_of(m[i].role)));
         loom_sbuf_str(b, "<|end_header_id|>\n\n");
-        sb_stripped(b, m[i].content, strlen(m[i].content));
+        sb_content(b, m[i].content, 1, sp);
         loom_sbuf_str(b, "<|eot_id|>");
     }
     if (gen) loom_sbuf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
-static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b) {
+static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
+                          spans_t *sp) {
     loom_sbuf_str(b, t->bos);
     if (t->default_system && (n == 0 || role_of(m[0].role) != ROLE_SYSTEM)) {
         loom_sbuf_str(b, "<|im_start|>system\n");
@@ -306,7 +356,7 @@ static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *
         loom_sbuf_str(b, "<|im_start|>");
         loom_sbuf_str(b, role_name(role_of(m[i].role)));
         loom_sbuf_str(b, "\n");
-        loom_sbuf_str(b, m[i].content);
+        sb_content(b, m[i].content, 0, sp);
         loom_sbuf_str(b, "<|im_end|>\n");
     }
     if (gen) loom_sbuf_str(b, "<|im_start|>assistant\n");
@@ -314,8 +364,17 @@ static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *
 
 loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
                                int add_generation_prompt, char **out, size_t *out_len, loom_err_t *err) {
+    return loom_chat_render_spans(t, msgs, n_msgs, add_generation_prompt, out, out_len, NULL, NULL, err);
+}
+
+loom_status_t loom_chat_render_spans(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
+                                     int add_generation_prompt, char **out, size_t *out_len, size_t **plain,
+                                     size_t *n_plain, loom_err_t *err) {
     *out = NULL;
     if (out_len) *out_len = 0;
+    if (plain) *plain = NULL;
+    if (n_plain) *n_plain = 0;
+    spans_t spans = {0}, *sp = plain && n_plain ? &spans : NULL;
     if (n_msgs < 1) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "messages must not be empty");
     for (int i = 0; i < n_msgs; i++) {
         if (!msgs[i].role || role_of(msgs[i].role) == ROLE_OTHER)
@@ -331,18 +390,23 @@ loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_ms
     switch (t->family) {
     case LOOM_CHAT_LLAMA2:
     case LOOM_CHAT_MISTRAL: {
-        loom_status_t st = render_inst(t, msgs, n_msgs, &b, err);
+        loom_status_t st = render_inst(t, msgs, n_msgs, &b, sp, err);
         if (st < 0) {
             free(b.p);
+            free(spans.v);
             return st;
         }
         break;
     }
-    case LOOM_CHAT_LLAMA3: render_llama3(t, msgs, n_msgs, add_generation_prompt, &b); break;
-    case LOOM_CHAT_CHATML: render_chatml(t, msgs, n_msgs, add_generation_prompt, &b); break;
+    case LOOM_CHAT_LLAMA3: render_llama3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
+    case LOOM_CHAT_CHATML: render_chatml(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
     default: LOOM_ASSERT(!"chat template without a family");
     }
     *out = b.p;
     if (out_len) *out_len = b.len;
+    if (sp) {
+        *plain = spans.v;
+        *n_plain = spans.n;
+    }
     return LOOM_OK;
 }

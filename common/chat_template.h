@@ -9,7 +9,9 @@
  *   mistral  <s>[INST] sys\n\nuser [/INST]answer</s>
  *
  * The rendered text contains the special tokens as text; the coordinator
- * parses them (raw_prompt) and adds no BOS of its own. */
+ * parses them (raw_prompt) and adds no BOS of its own. The renderer also
+ * says where the messages' own text lies (loom_chat_render_spans), so that
+ * special-token text a client writes in a message stays plain text. */
 #ifndef LOOM_CHAT_TEMPLATE_H
 #define LOOM_CHAT_TEMPLATE_H
 
@@ -78,5 +80,14 @@ loom_status_t loom_chat_template_load(const char *model_dir, const char *overrid
  * with user) or a role is unknown. */
 loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
                                int add_generation_prompt, char **out, size_t *out_len, loom_err_t *err);
+
+/* The same, also returning where the messages' own text lies in the
+ * prompt: *plain is a malloc'ed array of *n_plain [start, end) byte pairs
+ * (plain[2i], plain[2i+1]), in order and disjoint; NULL when there are
+ * none. Special-token text inside them came from the client, not from the
+ * template: loom_tokenizer_encode_spans encodes it as plain text. */
+loom_status_t loom_chat_render_spans(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
+                                     int add_generation_prompt, char **out, size_t *out_len, size_t **plain,
+                                     size_t *n_plain, loom_err_t *err);
 
 #endif

@@ -13,4 +13,11 @@
  * byte where parsing stopped. */
 cJSON *loom_json_parse_strict(const char *text, size_t len, size_t *bad_at);
 
+/* The first object key that appears twice in one object, at any depth:
+ * 1 with its path written to path ("messages[0].role"), else 0. cJSON keeps
+ * every duplicate and lookups see only the first, so a request or file
+ * with two values for one key would mean different things to different
+ * readers; strict readers refuse it. */
+int loom_json_find_duplicate(const cJSON *root, char *path, size_t path_cap);
+
 #endif

@@ -20,6 +20,7 @@
 
 #include <cjson/cJSON.h>
 #include <limits.h>
+#include <stddef.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1383,7 +1384,29 @@ typedef struct {
     size_t pre_cap;
     bool parse_special;
     int last_emitted_unk; /* fuse_unk: the previous output was unk in this section */
+    /* encode_spans: special tokens are not matched over these [start, end)
+     * byte pairs of the raw text (base). While splitting a section on the
+     * normalized-text trie: norm_off is the section's offset in the raw
+     * text when it was not rewritten by normalization, else -1 and norm_ok
+     * says whether the whole section lies outside the spans. */
+    const unsigned char *base;
+    const size_t *plain;
+    size_t n_plain;
+    ptrdiff_t norm_off;
+    bool norm_ok;
 } enc_t;
+
+/* Whether raw bytes [a, b) overlap one of e's plain spans (binary search:
+ * the spans are in order and disjoint). */
+static bool overlaps_plain(const enc_t *e, size_t a, size_t b) {
+    size_t lo = 0, hi = e->n_plain;
+    while (lo < hi) { /* the first span that ends after a */
+        size_t mid = lo + (hi - lo) / 2;
+        if (e->plain[2 * mid + 1] <= a) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < e->n_plain && e->plain[2 * lo] < b;
+}
 
 static bool grow(void **p, size_t *cap, size_t need, size_t elem) {
     if (need <= *cap) return true;
@@ -1751,9 +1774,19 @@ static void normalize(const loom_tokenizer_t *tok, const char *s, size_t n, char
     }
 }
 
-/* Longest allowed added token starting at s[i], or -1; *len its length. */
-static int match_added(const loom_tokenizer_t *tok, const trie_t *t, const unsigned char *s,
-                       size_t n, size_t i, bool parse_special, size_t *len) {
+/* Whether a special token may be matched at s[i..j) of a text at raw
+ * offset off (-1: normalized text, see enc_t). */
+static bool special_allowed(const enc_t *e, ptrdiff_t off, size_t i, size_t j) {
+    if (!e->parse_special) return false;
+    if (!e->n_plain) return true;
+    if (off < 0) return e->norm_ok;
+    return !overlaps_plain(e, (size_t)off + i, (size_t)off + j);
+}
+
+/* Longest allowed added token starting at s[i], or -1; *len its length.
+ * off: s's offset in the raw text, or -1 (see special_allowed). */
+static int match_added(const loom_tokenizer_t *tok, const enc_t *e, const trie_t *t, const unsigned char *s,
+                       size_t n, size_t i, ptrdiff_t off, size_t *len) {
     int best = -1;
     int32_t node = 0;
     for (size_t j = i; j < n; j++) {
@@ -1761,7 +1794,7 @@ static int match_added(const loom_tokenizer_t *tok, const trie_t *t, const unsig
         if (!edge) break;
         node = edge->value;
         int a = t->terminal[node];
-        if (a >= 0 && (parse_special || !tok->added[a].special)) {
+        if (a >= 0 && (!tok->added[a].special || special_allowed(e, off, i, j + 1))) {
             best = a;
             *len = j + 1 - i;
         }
@@ -1802,11 +1835,12 @@ static void split_added(const loom_tokenizer_t *tok, enc_t *e, const trie_t *t,
                         const unsigned char *s, size_t n, bool first, section_fn fn) {
     size_t start = 0; /* of the pending text */
     bool strip_next = false;
+    ptrdiff_t off = t == &tok->trie_raw ? 0 : e->norm_off; /* the raw trie splits the whole raw text */
     for (size_t i = 0; t->n_tokens > 0 && i < n;) {
         size_t len = 0;
         int a = -1;
         if (t->first[s[i] >> 3] & (1u << (s[i] & 7)))
-            a = match_added(tok, t, s, n, i, e->parse_special, &len);
+            a = match_added(tok, e, t, s, n, i, off, &len);
         if (a < 0) {
             i++;
             continue;
@@ -1875,6 +1909,11 @@ static void words_section(const loom_tokenizer_t *tok, enc_t *e, const unsigned 
  * split on the added tokens matched on normalized text. */
 static void raw_section(const loom_tokenizer_t *tok, enc_t *e, const unsigned char *s, size_t n,
                         bool first) {
+    if (e->n_plain) {
+        size_t at = (size_t)(s - e->base);
+        e->norm_off = tok->n_norm == 0 ? (ptrdiff_t)at : -1;
+        e->norm_ok = !overlaps_plain(e, at, at + n);
+    }
     if (tok->n_norm == 0) {
         split_added(tok, e, &tok->trie_norm, s, n, first, words_section);
         return;
@@ -1887,16 +1926,43 @@ static void raw_section(const loom_tokenizer_t *tok, enc_t *e, const unsigned ch
                     words_section);
 }
 
+static loom_status_t encode(const loom_tokenizer_t *tok, const char *text, size_t len, int add_bos,
+                            int parse_special, const size_t *plain, size_t n_plain, int32_t **ids,
+                            int *n_ids, int *cap, loom_err_t *err);
+
 loom_status_t loom_tokenizer_encode(const loom_tokenizer_t *tok, const char *text, size_t len,
                                     int add_bos, int parse_special, int32_t **ids, int *n_ids,
                                     int *cap, loom_err_t *err) {
+    return encode(tok, text, len, add_bos, parse_special, NULL, 0, ids, n_ids, cap, err);
+}
+
+loom_status_t loom_tokenizer_encode_spans(const loom_tokenizer_t *tok, const char *text,
+                                          size_t len, int add_bos, const size_t *plain,
+                                          size_t n_plain, int32_t **ids, int *n_ids, int *cap,
+                                          loom_err_t *err) {
+    if (n_plain && !plain)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tokenizer_encode: bad arguments");
+    for (size_t i = 0; i < n_plain; i++)
+        if (plain[2 * i] >= plain[2 * i + 1] || plain[2 * i + 1] > len ||
+            (i > 0 && plain[2 * i] < plain[2 * i - 1]))
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "tokenizer_encode: plain-text span %zu [%zu, %zu) is empty, out of "
+                                "order or beyond the text (%zu bytes)",
+                                i, plain[2 * i], plain[2 * i + 1], len);
+    return encode(tok, text, len, add_bos, 1, plain, n_plain, ids, n_ids, cap, err);
+}
+
+static loom_status_t encode(const loom_tokenizer_t *tok, const char *text, size_t len, int add_bos,
+                            int parse_special, const size_t *plain, size_t n_plain, int32_t **ids,
+                            int *n_ids, int *cap, loom_err_t *err) {
     if (!tok || !ids || !n_ids || !cap || (!text && len > 0) || *cap < 0)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tokenizer_encode: bad arguments");
     *n_ids = 0;
     if (len > MAX_TEXT_LEN)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "tokenizer_encode: text of %zu bytes is too long", len);
-    enc_t e = {.ids = *ids, .cap = *cap, .parse_special = parse_special != 0};
+    enc_t e = {.ids = *ids, .cap = *cap, .parse_special = parse_special != 0,
+               .base = (const unsigned char *)text, .plain = plain, .n_plain = n_plain, .norm_off = -1};
     if (add_bos && tok->add_bos && tok->bos_id >= 0) emit_known(&e, tok->bos_id);
     if (len > 0)
         split_added(tok, &e, &tok->trie_raw, (const unsigned char *)text, len, true, raw_section);

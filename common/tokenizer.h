@@ -49,6 +49,18 @@ int32_t loom_tokenizer_token_id(const loom_tokenizer_t *tok, const char *piece);
 loom_status_t loom_tokenizer_encode(const loom_tokenizer_t *tok, const char *text, size_t len,
                                     int add_bos, int parse_special, int32_t **ids, int *n_ids,
                                     int *cap, loom_err_t *err);
+/* As encode with parse_special, except over the n_plain byte ranges
+ * [plain[2i], plain[2i+1]) of text (in order, disjoint): no special added
+ * token is matched that overlaps one, so special-token text there is plain
+ * text (a chat message's content inside its template, see
+ * loom_chat_render_spans); non-special added tokens match as usual. The
+ * text between special tokens is encoded as one piece exactly as encode
+ * would, so a text without special-token text in its spans gives the same
+ * ids as encode. */
+loom_status_t loom_tokenizer_encode_spans(const loom_tokenizer_t *tok, const char *text,
+                                          size_t len, int add_bos, const size_t *plain,
+                                          size_t n_plain, int32_t **ids, int *n_ids, int *cap,
+                                          loom_err_t *err);
 
 /* Decodes ids to a malloc'ed string (as HF's decode with
  * skip_special_tokens=skip_special, then transformers'

@@ -29,7 +29,14 @@
  *
  * Connections beyond --http-max-connections are accepted (up to
  * OVERFLOW_CONNECTIONS more, libmicrohttpd's own limit) and answered 503
- * with Retry-After, then closed, instead of being reset. */
+ * with Retry-After, then closed, instead of being reset.
+ *
+ * Two listeners (listener_t), each a daemon with its own slots: --http
+ * (traffic, HTTPS with --tls-cert) and --probe-listen (/health, /metrics,
+ * /version only, plain HTTP). Every connection's socket is watched by
+ * http_guard.c, which closes it when its headers or body miss their
+ * deadline. Request bodies are strict JSON (loom_http_parse_json_body);
+ * chat prompts are tokenized here with the messages' text as plain text. */
 #include "coordinator/http.h"
 
 #include <errno.h>
@@ -54,9 +61,13 @@
 
 #include "client/loom_client.h"
 #include "common/chat_template.h"
+#include "common/json.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
+#include "coordinator/http_guard.h"
+#include "coordinator/http_parse.h"
+#include "coordinator/http_tls.h"
 #include "coordinator/metrics.h"
 
 #define DEFAULT_BIND "127.0.0.1:8000"
@@ -74,6 +85,19 @@
 #define MAX_REQUEST_ID 128
 #define MAX_STOP_IDS 64
 #define RETRY_AFTER_S "1"
+#define DEFAULT_HEADER_TIMEOUT_S 10 /* headers complete this long after accept (or the last response) */
+#define DEFAULT_BODY_TIMEOUT_S 60   /* the body complete this long after the headers */
+#define PROBE_MAX_CONNECTIONS 16    /* the probe listener: /health, /metrics, /version only */
+#define PROBE_OVERFLOW_CONNECTIONS 16
+
+/* One libmicrohttpd daemon: the traffic listener (--http) or the probe
+ * listener (--probe-listen). Each has its own connection slots. */
+typedef struct listener {
+    loom_http_t *h;
+    int probe;
+    atomic_int n_conns; /* open connections, over-limit ones included */
+    int max_conns;
+} listener_t;
 
 struct loom_http {
     loom_server_t *srv;
@@ -90,8 +114,6 @@ struct loom_http {
     long long started; /* unix time, the "created" of the model object */
     loom_gen_defaults_t gen; /* defaults for fields a request leaves out (--generation-config) */
     atomic_int serving, stopping;
-    atomic_int n_conns; /* open connections, over-limit ones included */
-    int max_conns;
     loom_tokenizer_t *tok; /* /tokenize and /detokenize (NULL: no model directory) */
     atomic_int draining, generating; /* refuse new generations; generation requests not yet completed */
     atomic_uint_fast64_t n_ids;
@@ -99,12 +121,22 @@ struct loom_http {
     pthread_mutex_t mu; /* guards have_model, model */
     int have_model;
     loom_model_info_t model;
+    /* the probe listener, the read deadlines, TLS */
+    listener_t traffic, probe;
+    struct MHD_Daemon *probe_daemon;
+    int probe_port;
+    loom_http_guard_t *guard;
+    loom_http_tls_t tls; /* empty: plain HTTP */
+    int per_ip;          /* MHD's per-client-address cap on the traffic listener (0: none) */
+    int special_in_content; /* --chat-special-tokens-in-content: message text may write control tokens */
 };
 
 /* One per TCP connection (MHD's socket context). */
 typedef struct conn {
     loom_client_t *client;
     int over_limit; /* accepted beyond --http-max-connections: answered 503 */
+    int probe;      /* on the probe listener */
+    loom_http_slot_t *slot; /* its read deadlines (NULL: unguarded) */
 } conn_t;
 
 typedef enum {
@@ -152,6 +184,7 @@ typedef struct req {
     loom_timings_t timings;
     int has_timings;
     uint64_t send_ns;
+    uint64_t tok_ns; /* the gateway's tokenization of a chat prompt (before the coordinator's clock) */
 } req_t;
 
 /* ---- small helpers ---- */
@@ -211,6 +244,50 @@ static int has_escaped_nul(const char *s, size_t n) {
         i++;
     }
     return 0;
+}
+
+/* The JSON object of a request body, strictly: UTF-8 without NUL bytes or
+ * \u0000, one value with only whitespace after it, no key twice in one
+ * object (at any depth). NULL with a message for the client otherwise. */
+cJSON *loom_http_parse_json_body(const char *body, size_t len, char *msg, size_t cap) {
+    if (!body || len == 0) {
+        snprintf(msg, cap, "the request body is empty: send a JSON object");
+        return NULL;
+    }
+    if (memchr(body, 0, len)) {
+        snprintf(msg, cap, "the request body contains a NUL byte");
+        return NULL;
+    }
+    if (!valid_utf8((const unsigned char *)body, len)) {
+        snprintf(msg, cap, "the request body is not valid UTF-8");
+        return NULL;
+    }
+    if (has_escaped_nul(body, len)) {
+        snprintf(msg, cap, "strings in the request must not contain NUL characters (\\u0000)");
+        return NULL;
+    }
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    size_t at = end && end >= body ? (size_t)(end - body) : 0;
+    if (!root) {
+        snprintf(msg, cap, "We could not parse the JSON body of your request (error near byte %zu)", at);
+        return NULL;
+    }
+    while (at < len && (body[at] == ' ' || body[at] == '\t' || body[at] == '\n' || body[at] == '\r')) at++;
+    char path[256];
+    if (at < len) {
+        snprintf(msg, cap, "the request body goes on after its JSON value (at byte %zu of %zu): send exactly one "
+                           "JSON object", at, len);
+    } else if (!cJSON_IsObject(root)) {
+        snprintf(msg, cap, "the request body must be a JSON object");
+    } else if (loom_json_find_duplicate(root, path, sizeof path)) {
+        snprintf(msg, cap, "the request body has the key %.200s more than once: each key may appear once per object",
+                 path);
+    } else {
+        return root;
+    }
+    cJSON_Delete(root);
+    return NULL;
 }
 
 /* ---- responses ---- */
@@ -534,6 +611,7 @@ typedef struct gen {
     int32_t *ids; /* owned: prompt token ids */
     char **parts; /* owned: message contents joined from parts */
     int n_parts;
+    uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
 } gen_t;
 
 static void gen_free(gen_t *g) {
@@ -681,8 +759,14 @@ static int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
     return 0;
 }
 
-/* /v1/chat/completions: messages through the chat template. */
-static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_t *g, perr_t *e) {
+/* /v1/chat/completions: messages through the chat template. The prompt is
+ * tokenized here, with special-token text inside the messages' content
+ * encoded as plain text (only the template's own special tokens are
+ * control tokens), and sent as ids; with special_in_content (the
+ * --chat-special-tokens-in-content flag) the rendered text goes to the
+ * coordinator, which parses every special token in it. */
+static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
+                          const cJSON *o, gen_t *g, perr_t *e) {
     const cJSON *x = field(o, "messages");
     if (!x) return bad(e, "messages", "messages is required");
     if (!cJSON_IsArray(x) || cJSON_GetArraySize(x) == 0)
@@ -691,6 +775,7 @@ static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_
     loom_chat_msg_t *m = loom_xcalloc((size_t)n, sizeof *m);
     g->parts = loom_xcalloc((size_t)n, sizeof *g->parts);
     int i = 0, rc = -1;
+    size_t len, *plain = NULL, n_plain = 0; /* before the first goto done */
     const cJSON *msg;
     cJSON_ArrayForEach(msg, x) {
         const cJSON *role = cJSON_IsObject(msg) ? field(msg, "role") : NULL;
@@ -734,10 +819,14 @@ static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_
         i++;
     }
     loom_err_t err = {0};
-    size_t len;
     int add_gen = 1, r = opt_bool(o, "add_generation_prompt", &add_gen, e);
     if (r < 0) goto done;
-    if (loom_chat_render(tmpl, m, n, add_gen, &g->prompt, &len, &err) < 0) {
+    if (!special_in_content && !tok) {
+        bad(e, "messages", "this server has no tokenizer loaded to encode chat prompts");
+        goto done;
+    }
+    if (loom_chat_render_spans(tmpl, m, n, add_gen, &g->prompt, &len, special_in_content ? NULL : &plain,
+                               special_in_content ? NULL : &n_plain, &err) < 0) {
         bad(e, "messages", "%s", err.msg);
         goto done;
     }
@@ -745,11 +834,45 @@ static int parse_messages(const loom_chat_template_t *tmpl, const cJSON *o, gen_
         bad(e, "messages", "the conversation renders to an empty prompt");
         goto done;
     }
-    g->p.prompt = g->prompt;
     g->p.raw_prompt = 1;
+    if (special_in_content) {
+        g->p.prompt = g->prompt;
+    } else {
+        uint64_t t0 = loom_now_ns();
+        int n_ids = 0, cap = 0;
+        loom_status_t st = loom_tokenizer_encode_spans(tok, g->prompt, len, 0, plain, n_plain, &g->ids, &n_ids, &cap,
+                                                       &err);
+        g->tok_ns = loom_now_ns() - t0;
+        if (st < 0) {
+            bad(e, "messages", "cannot tokenize the conversation: %s", err.msg);
+            goto done;
+        }
+        g->p.prompt_ids = g->ids;
+        g->p.n_prompt_ids = n_ids;
+    }
     rc = 0;
 done:
+    free(plain);
     free(m);
+    return rc;
+}
+
+int loom_http_parse_generate(const char *body, size_t len, int chat, const loom_chat_template_t *tmpl,
+                             const loom_tokenizer_t *tok, int special_in_content, char *msg, size_t cap) {
+    cJSON *root = loom_http_parse_json_body(body, len, msg, cap);
+    if (!root) return -1;
+    req_t q = {.chat = chat};
+    gen_t g = {0};
+    perr_t e = {0};
+    int rc = -1;
+    if (chat && !tmpl) snprintf(msg, cap, "this model has no chat template");
+    else if (parse_common(&q, root, &g, &e) < 0 ||
+             (chat ? parse_messages(tmpl, tok, special_in_content, root, &g, &e) : parse_prompt(root, &g, &e)) < 0)
+        snprintf(msg, cap, "%s", e.msg);
+    else
+        rc = 0;
+    gen_free(&g);
+    cJSON_Delete(root);
     return rc;
 }
 
@@ -797,13 +920,14 @@ static cJSON *timings_obj(const req_t *q) {
     const loom_timings_t *t = &q->timings;
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "queue_ms", t->queue_ms);
-    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms);
+    double gw_tok_ms = (double)q->tok_ns * 1e-6; /* before the coordinator saw the request */
+    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms + gw_tok_ms);
     cJSON_AddNumberToObject(o, "prefill_ms", t->prefill_ms);
     cJSON_AddNumberToObject(o, "decode_ms", t->decode_ms);
     cJSON_AddNumberToObject(o, "detokenize_ms", t->detokenize_ms);
     cJSON_AddNumberToObject(o, "send_ms", t->send_ms + (double)q->send_ns * 1e-6);
-    cJSON_AddNumberToObject(o, "ttft_ms", t->ttft_ms);
-    cJSON_AddNumberToObject(o, "total_ms", t->total_ms);
+    cJSON_AddNumberToObject(o, "ttft_ms", t->ttft_ms + gw_tok_ms);
+    cJSON_AddNumberToObject(o, "total_ms", t->total_ms + gw_tok_ms);
     return o;
 }
 
@@ -975,31 +1099,14 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
 static enum MHD_Result handle_generate(req_t *q) {
     loom_http_t *h = q->h;
     q->chat = q->route == R_CHAT;
-    if (q->body.len == 0)
-        return respond_error(q, 400, "invalid_request_error", NULL, NULL,
-                             "the request body is empty: send a JSON object");
-    if (memchr(q->body.p, 0, q->body.len))
-        return respond_error(q, 400, "invalid_request_error", NULL, NULL, "the request body contains a NUL byte");
-    if (!valid_utf8((const unsigned char *)q->body.p, q->body.len))
-        return respond_error(q, 400, "invalid_request_error", NULL, NULL, "the request body is not valid UTF-8");
-    if (has_escaped_nul(q->body.p, q->body.len))
-        return respond_error(q, 400, "invalid_request_error", NULL, NULL,
-                             "strings in the request must not contain NUL characters (\\u0000)");
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(q->body.p, q->body.len, &end, 0);
-    if (!root)
-        return respond_error(q, 400, "invalid_request_error", NULL, NULL,
-                             "We could not parse the JSON body of your request (error near byte %zu)",
-                             end && end >= q->body.p ? (size_t)(end - q->body.p) : (size_t)0);
+    char msg[600];
+    cJSON *root = loom_http_parse_json_body(q->body.p, q->body.len, msg, sizeof msg);
+    if (!root) return respond_error(q, 400, "invalid_request_error", NULL, NULL, "%s", msg);
     enum MHD_Result res;
     gen_t g = {0};
     perr_t e = {0};
     loom_err_t err = {0};
     loom_model_info_t mi;
-    if (!cJSON_IsObject(root)) {
-        res = respond_error(q, 400, "invalid_request_error", NULL, NULL, "the request body must be a JSON object");
-        goto done;
-    }
     if (q->chat && !h->tmpl) {
         res = respond_error(q, 400, "invalid_request_error", "messages", "no_chat_template",
                             "this model has no chat template; start the coordinator with --chat-template NAME (%s), "
@@ -1008,7 +1115,8 @@ static enum MHD_Result handle_generate(req_t *q) {
         goto done;
     }
     if (parse_common(q, root, &g, &e) < 0 ||
-        (q->chat ? parse_messages(h->tmpl, root, &g, &e) : parse_prompt(root, &g, &e)) < 0) {
+        (q->chat ? parse_messages(h->tmpl, h->tok, h->special_in_content, root, &g, &e) : parse_prompt(root, &g, &e)) <
+            0) {
         res = respond_error(q, 400, "invalid_request_error", e.param[0] ? e.param : NULL, NULL, "%s", e.msg);
         goto done;
     }
@@ -1036,6 +1144,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     }
     q->active = 1;
     q->counted = 1;
+    q->tok_ns = g.tok_ns;
     atomic_fetch_add(&q->h->generating, 1);
     cJSON_Delete(root);
     root = NULL;
@@ -1156,18 +1265,9 @@ static enum MHD_Result handle_version(req_t *q) {
 
 /* The JSON object body of a POST, or NULL after answering 400. */
 static cJSON *json_body(req_t *q, enum MHD_Result *res) {
-    const char *end = NULL;
-    cJSON *root = q->body.len && !memchr(q->body.p, 0, q->body.len) &&
-                          valid_utf8((const unsigned char *)q->body.p, q->body.len) &&
-                          !has_escaped_nul(q->body.p, q->body.len)
-                      ? cJSON_ParseWithLengthOpts(q->body.p, q->body.len, &end, 0)
-                      : NULL;
-    if (!cJSON_IsObject(root)) {
-        cJSON_Delete(root);
-        *res = respond_error(q, 400, "invalid_request_error", NULL, NULL,
-                             "the request body must be a JSON object (UTF-8, no NUL characters)");
-        return NULL;
-    }
+    char msg[600];
+    cJSON *root = loom_http_parse_json_body(q->body.p, q->body.len, msg, sizeof msg);
+    if (!root) *res = respond_error(q, 400, "invalid_request_error", NULL, NULL, "%s", msg);
     return root;
 }
 
@@ -1225,7 +1325,7 @@ static enum MHD_Result handle_tokenize(req_t *q) {
     }
     const char *text;
     if (chat) {
-        if (parse_messages(q->h->tmpl, root, &g, &e) < 0) goto bad_field;
+        if (parse_messages(q->h->tmpl, q->h->tok, q->h->special_in_content, root, &g, &e) < 0) goto bad_field;
         text = g.prompt;
         add_special = 0; /* the template wrote BOS and the special tokens */
     } else {
@@ -1241,8 +1341,12 @@ static enum MHD_Result handle_tokenize(req_t *q) {
         res = respond_error(q, 503, "server_error", NULL, "service_unavailable", "no tokenizer loaded");
         goto done;
     }
-    if (loom_tokenizer_encode(q->h->tok, text, strlen(text), add_special, !add_special, &ids, &n_ids, &cap, &err) <
-        0) {
+    if (chat && g.p.prompt_ids) { /* encoded already, content as plain text */
+        n_ids = (int)g.p.n_prompt_ids;
+        ids = loom_xmalloc((size_t)(n_ids > 0 ? n_ids : 1) * sizeof *ids);
+        memcpy(ids, g.p.prompt_ids, (size_t)n_ids * sizeof *ids);
+    } else if (loom_tokenizer_encode(q->h->tok, text, strlen(text), add_special, !add_special, &ids, &n_ids, &cap,
+                                     &err) < 0) {
         res = respond_error(q, 400, "invalid_request_error", chat ? "messages" : "prompt", NULL,
                             "cannot tokenize: %s", err.msg);
         goto done;
@@ -1379,6 +1483,12 @@ static enum MHD_Result on_headers(req_t *q, const char *url) {
 /* The last call, with the whole body read: answers the request. */
 static enum MHD_Result dispatch(req_t *q) {
     const char *url = q->path, *method = q->method;
+    loom_http_guard_serving(q->h->guard, q->conn->slot);
+    if (q->conn->probe && q->route != R_HEALTH && q->route != R_METRICS && q->route != R_VERSION)
+        return respond_error(q, 404, "invalid_request_error", NULL, "not_found",
+                             "Invalid URL (%s %.200s): this is the probe listener, serving only /health, /metrics "
+                             "and /version",
+                             method, url);
     if (q->route == R_NONE)
         return respond_error(q, 404, "invalid_request_error", NULL, "not_found", "Invalid URL (%s %.200s)", method,
                              url);
@@ -1422,7 +1532,8 @@ static enum MHD_Result dispatch(req_t *q) {
 
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const char *url, const char *method,
                                  const char *version, const char *upload, size_t *upload_size, void **con_cls) {
-    loom_http_t *h = cls;
+    listener_t *l = cls;
+    loom_http_t *h = l->h;
     req_t *q = *con_cls;
     if (!q) {
         q = loom_xcalloc(1, sizeof *q);
@@ -1437,11 +1548,12 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
         take_request_id(q);
         loom_log_set_request(q->xid); /* this connection's thread serves this request now */
         if (!q->conn) return MHD_NO;
+        loom_http_guard_headers_done(h->guard, q->conn->slot);
         if (q->conn->over_limit) {
             q->close_after = 1;
             return respond_error(q, 503, "server_error", NULL, "service_unavailable",
-                                 "too many connections: this server takes %d at a time; retry after %s s",
-                                 h->max_conns, RETRY_AFTER_S);
+                                 "too many connections: this %s takes %d at a time; retry after %s s",
+                                 l->probe ? "probe listener" : "server", l->max_conns, RETRY_AFTER_S);
         }
         return on_headers(q, url);
     }
@@ -1472,6 +1584,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
 static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum MHD_RequestTerminationCode toe) {
     req_t *q = *con_cls;
     if (!q) return;
+    if (q->conn) loom_http_guard_next(q->h->guard, q->conn->slot); /* keep-alive: the next headers' clock */
     if (q->active) abandon(q); /* a stream cut short: the peer left, timed out, or we are stopping */
     if (q->counted) atomic_fetch_sub(&q->h->generating, 1);
     /* the access log: scrapes and probes only at debug level */
@@ -1490,16 +1603,20 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
 
 static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,
                           enum MHD_ConnectionNotificationCode toe) {
-    loom_http_t *h = cls;
+    listener_t *l = cls;
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
         conn_t *c = loom_xcalloc(1, sizeof *c);
-        c->over_limit = atomic_fetch_add(&h->n_conns, 1) >= h->max_conns;
+        c->over_limit = atomic_fetch_add(&l->n_conns, 1) >= l->max_conns;
+        c->probe = l->probe;
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (ci) c->slot = loom_http_guard_add(l->h->guard, ci->connect_fd);
         *socket_context = c;
     } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
         conn_t *c = *socket_context;
         if (c) {
+            loom_http_guard_remove(l->h->guard, &c->slot);
             loom_client_close(&c->client);
-            atomic_fetch_sub(&h->n_conns, 1);
+            atomic_fetch_sub(&l->n_conns, 1);
         }
         free(c);
         *socket_context = NULL;
@@ -1521,8 +1638,8 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap) {
 /* ---- start / stop ---- */
 
 /* "HOST:PORT", "[V6]:PORT", ":PORT" or "PORT" (loopback). */
-static loom_status_t resolve_bind(const char *bind, struct sockaddr_storage *ss, socklen_t *len, int *v6,
-                                  loom_err_t *err) {
+static loom_status_t resolve_bind(const char *flag, const char *bind, struct sockaddr_storage *ss, socklen_t *len,
+                                  int *v6, loom_err_t *err) {
     char host[256] = "127.0.0.1", port[16];
     const char *colon = strrchr(bind, ':');
     const char *p = colon ? colon + 1 : bind;
@@ -1531,7 +1648,7 @@ static loom_status_t resolve_bind(const char *bind, struct sockaddr_storage *ss,
         if (*hs == '[' && he > hs && he[-1] == ']') hs++, he--;
         if (he > hs) {
             if ((size_t)(he - hs) >= sizeof host)
-                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--http: host name too long in '%s'", bind);
+                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: host name too long in '%s'", flag, bind);
             memcpy(host, hs, (size_t)(he - hs));
             host[he - hs] = '\0';
         }
@@ -1539,14 +1656,15 @@ static loom_status_t resolve_bind(const char *bind, struct sockaddr_storage *ss,
     char *end;
     long pn = strtol(p, &end, 10);
     if (!*p || *end || pn < 0 || pn > 65535)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--http expects HOST:PORT (e.g. 127.0.0.1:8000), got '%s'",
-                            bind);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s expects HOST:PORT (e.g. 127.0.0.1:8000), got '%s'",
+                            flag, bind);
     snprintf(port, sizeof port, "%ld", pn);
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
     struct addrinfo *ai = NULL;
     int rc = getaddrinfo(host, port, &hints, &ai);
     if (rc != 0 || !ai)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--http: cannot resolve '%s': %s", host, gai_strerror(rc));
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: cannot resolve '%s': %s", flag, host,
+                            gai_strerror(rc));
     memcpy(ss, ai->ai_addr, ai->ai_addrlen);
     *len = ai->ai_addrlen;
     *v6 = ai->ai_family == AF_INET6;
@@ -1554,20 +1672,65 @@ static loom_status_t resolve_bind(const char *bind, struct sockaddr_storage *ss,
     return LOOM_OK;
 }
 
+/* Starts one listener's daemon on ss. TLS when h->tls holds a certificate
+ * (the traffic listener only). */
+static struct MHD_Daemon *start_daemon(loom_http_t *h, listener_t *l, struct sockaddr_storage *ss, int v6,
+                                       unsigned conn_limit, int tls) {
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL |
+                     MHD_USE_ERROR_LOG | (v6 ? MHD_USE_IPv6 : 0) | (tls ? MHD_USE_TLS : 0);
+    uint16_t port = ss->ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)ss)->sin6_port)
+                                               : ntohs(((struct sockaddr_in *)ss)->sin_port);
+    struct MHD_OptionItem extra[4];
+    int n = 0;
+    if (tls) {
+        extra[n++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, h->tls.cert_pem};
+        extra[n++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, h->tls.key_pem};
+    }
+    if (!l->probe && h->per_ip > 0)
+        extra[n++] = (struct MHD_OptionItem){MHD_OPTION_PER_IP_CONNECTION_LIMIT, h->per_ip, NULL};
+    extra[n++] = (struct MHD_OptionItem){MHD_OPTION_END, 0, NULL};
+    return MHD_start_daemon(flags, port, NULL, NULL, on_access, l,
+                            MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)ss,
+                            MHD_OPTION_CONNECTION_LIMIT, conn_limit,
+                            MHD_OPTION_CONNECTION_TIMEOUT, h->idle_timeout_s,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, l,
+                            MHD_OPTION_ARRAY, extra,
+                            MHD_OPTION_END);
+}
+
+static int daemon_port(struct MHD_Daemon *d) {
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
+    return di ? di->port : 0;
+}
+
 loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err) {
     *out = NULL;
     const char *bind = cfg->bind && cfg->bind[0] ? cfg->bind : DEFAULT_BIND;
-    struct sockaddr_storage ss;
-    socklen_t ss_len;
-    int v6 = 0;
-    LOOM_CHECK(resolve_bind(bind, &ss, &ss_len, &v6, err));
+    const char *probe_bind = cfg->probe_bind && cfg->probe_bind[0] ? cfg->probe_bind : NULL;
+    struct sockaddr_storage ss, pss;
+    socklen_t ss_len, pss_len;
+    int v6 = 0, pv6 = 0;
+    LOOM_CHECK(resolve_bind("--http", bind, &ss, &ss_len, &v6, err));
+    if (probe_bind) LOOM_CHECK(resolve_bind("--probe-listen", probe_bind, &pss, &pss_len, &pv6, err));
+    if (!MHD_is_feature_supported(MHD_FEATURE_TLS) && (cfg->tls_cert || cfg->tls_key))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "--tls-cert/--tls-key: this libmicrohttpd is built without TLS support");
+    loom_http_tls_t tls = {0};
+    if (cfg->tls_cert || cfg->tls_key) LOOM_CHECK(loom_http_tls_load(cfg->tls_cert, cfg->tls_key, &tls, err));
     loom_chat_template_t *tmpl = NULL;
-    if (cfg->model_dir) LOOM_CHECK(loom_chat_template_load(cfg->model_dir, cfg->chat_template, &tmpl, err));
-    else LOOM_CHECK(loom_chat_template_from_text(NULL, cfg->chat_template, NULL, NULL, &tmpl, err));
+    loom_status_t tst = cfg->model_dir ? loom_chat_template_load(cfg->model_dir, cfg->chat_template, &tmpl, err)
+                                       : loom_chat_template_from_text(NULL, cfg->chat_template, NULL, NULL, &tmpl, err);
+    if (tst < 0) {
+        loom_http_tls_free(&tls);
+        return tst;
+    }
 
     loom_http_t *h = loom_xcalloc(1, sizeof *h);
     h->srv = srv;
     h->tmpl = tmpl;
+    h->tls = tls;
     h->zctx = loom_server_zmq_context(srv);
     snprintf(h->inproc, sizeof h->inproc, "%s", loom_server_inproc_addr(srv));
     snprintf(h->bind, sizeof h->bind, "%s", bind);
@@ -1578,9 +1741,20 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
     h->started = (long long)time(NULL);
     if (cfg->gen_defaults) h->gen = *cfg->gen_defaults;
     h->id_salt = loom_now_ns() ^ ((uint64_t)(uintptr_t)h << 16);
+    h->per_ip = cfg->max_connections_per_ip > 0 ? cfg->max_connections_per_ip : 0;
+    h->special_in_content = cfg->chat_special_in_content;
     pthread_mutex_init(&h->mu, NULL);
-    h->max_conns = cfg->max_connections > 0 ? cfg->max_connections : DEFAULT_MAX_CONNECTIONS;
-    unsigned max_conn = (unsigned)h->max_conns + OVERFLOW_CONNECTIONS; /* the rest are answered 503 */
+    h->traffic = (listener_t){.h = h, .probe = 0};
+    h->traffic.max_conns = cfg->max_connections > 0 ? cfg->max_connections : DEFAULT_MAX_CONNECTIONS;
+    h->probe = (listener_t){.h = h, .probe = 1, .max_conns = PROBE_MAX_CONNECTIONS};
+    unsigned max_conn = (unsigned)h->traffic.max_conns + OVERFLOW_CONNECTIONS; /* the rest are answered 503 */
+    int header_s = cfg->header_timeout_s ? cfg->header_timeout_s : DEFAULT_HEADER_TIMEOUT_S;
+    int body_s = cfg->body_timeout_s ? cfg->body_timeout_s : DEFAULT_BODY_TIMEOUT_S;
+    h->guard = loom_http_guard_create(header_s > 0 ? header_s * 1000 : 0, body_s > 0 ? body_s * 1000 : 0);
+    if (!h->guard) {
+        loom_http_stop(&h);
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "cannot start the HTTP read-deadline thread");
+    }
     if (cfg->model_dir) {
         loom_err_t terr = {0};
         if (loom_tokenizer_load(cfg->model_dir, &h->tok, &terr) < 0)
@@ -1593,37 +1767,37 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
     sigaddset(&block, SIGINT);
     sigaddset(&block, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &block, &old);
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL |
-                     MHD_USE_ERROR_LOG | (v6 ? MHD_USE_IPv6 : 0);
-    uint16_t port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
-                                              : ntohs(((struct sockaddr_in *)&ss)->sin_port);
     errno = 0;
-    h->daemon = MHD_start_daemon(flags, port, NULL, NULL, on_access, h,
-                                 MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
-                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                                 MHD_OPTION_CONNECTION_LIMIT, max_conn,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, h->idle_timeout_s,
-                                 MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
-                                 MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
-                                 MHD_OPTION_END);
+    h->daemon = start_daemon(h, &h->traffic, &ss, v6, max_conn, h->tls.cert_pem != NULL);
     int e = errno;
+    if (h->daemon && probe_bind) {
+        errno = 0;
+        h->probe_daemon =
+            start_daemon(h, &h->probe, &pss, pv6, PROBE_MAX_CONNECTIONS + PROBE_OVERFLOW_CONNECTIONS, 0);
+        e = errno;
+    }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (!h->daemon) {
-        loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot serve HTTP on %s: %s", bind,
+    if (!h->daemon || (probe_bind && !h->probe_daemon)) {
+        loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot serve HTTP on %s: %s", h->daemon ? probe_bind : bind,
                      e ? strerror(e) : "libmicrohttpd could not start (see the log)");
         loom_http_stop(&h);
         return LOOM_ERR_UNAVAILABLE;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->daemon, MHD_DAEMON_INFO_BIND_PORT);
-    h->port = di ? di->port : port;
+    h->port = daemon_port(h->daemon);
+    if (h->probe_daemon) h->probe_port = daemon_port(h->probe_daemon);
     atomic_store(&h->serving, 1);
-    LOOM_INFO("HTTP gateway on %s (port %d), chat template: %s%s", bind, h->port,
-              tmpl ? loom_chat_family_name(tmpl->family) : "none", h->api_key ? ", API key required" : "");
+    LOOM_INFO("HTTP gateway on %s (port %d, %s), chat template: %s%s", bind, h->port,
+              h->tls.cert_pem ? "HTTPS" : "plain HTTP", tmpl ? loom_chat_family_name(tmpl->family) : "none",
+              h->api_key ? ", API key required" : "");
+    if (h->probe_daemon)
+        LOOM_INFO("HTTP probe listener (/health, /metrics, /version) on %s (port %d)", probe_bind, h->probe_port);
     *out = h;
     return LOOM_OK;
 }
 
 int loom_http_port(const loom_http_t *h) { return h ? h->port : 0; }
+
+int loom_http_probe_port(const loom_http_t *h) { return h ? h->probe_port : 0; }
 
 void loom_http_drain(loom_http_t *h, int timeout_ms) {
     if (!h) return;
@@ -1640,7 +1814,12 @@ void loom_http_stop(loom_http_t **h_p) {
     loom_http_t *h = *h_p;
     *h_p = NULL;
     atomic_store(&h->stopping, 1);
+    if (h->probe_daemon) MHD_stop_daemon(h->probe_daemon);
     if (h->daemon) MHD_stop_daemon(h->daemon);
+    uint64_t cut = loom_http_guard_n_closed(h->guard);
+    if (cut) LOOM_INFO("http: %llu connection(s) were closed for missing their header or body deadline", (unsigned long long)cut);
+    loom_http_guard_destroy(&h->guard);
+    loom_http_tls_free(&h->tls);
     loom_chat_template_destroy(&h->tmpl);
     loom_tokenizer_destroy(&h->tok);
     pthread_mutex_destroy(&h->mu);

@@ -23,6 +23,18 @@ typedef struct loom_http_config {
     int idle_timeout_s;        /* a connection silent this long is closed (0: 60) */
     int request_timeout_ms;    /* coordinator silence before a request fails with 503 (0: 300000) */
     const loom_gen_defaults_t *gen_defaults; /* --generation-config: sampling defaults (NULL: built-in) */
+    const char *probe_bind;    /* "HOST:PORT" of a second listener serving only /health, /metrics and
+                                  /version, with slots of its own (NULL: none) */
+    const char *tls_cert;      /* PEM certificate chain: serve HTTPS on bind (with tls_key; NULL: plain) */
+    const char *tls_key;       /* PEM private key of tls_cert */
+    int header_timeout_s;      /* a request's headers must be complete this long after the connection
+                                  opened or its previous response ended (0: 10; < 0: no deadline) */
+    int body_timeout_s;        /* its body this long after the headers (0: 60; < 0: no deadline) */
+    int max_connections_per_ip; /* connections from one client address on bind (0: no cap but
+                                   max_connections) */
+    int chat_special_in_content; /* special-token text in chat message content is parsed as control
+                                    tokens (0: it is plain text; the template's own tokens are always
+                                    special) */
 } loom_http_config_t;
 
 typedef struct loom_http loom_http_t;
@@ -34,6 +46,8 @@ typedef struct loom_http loom_http_t;
 loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err);
 /* The bound TCP port (the ephemeral one when 0 was asked for). */
 int loom_http_port(const loom_http_t *h);
+/* The probe listener's port (0 without one). */
+int loom_http_probe_port(const loom_http_t *h);
 /* Refuses new generation requests (503) and waits, at most timeout_ms, until
  * the streams in flight have been handed their final events. Safe on NULL. */
 void loom_http_drain(loom_http_t *h, int timeout_ms);

@@ -116,6 +116,8 @@ int main(int argc, char **argv) {
     const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     vllm_opts_t vo = {.port = -1};
+    const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
+    int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &c.model_dir, "DIR", "Hugging Face model directory (every worker reads it at this path)", 1, 0, NULL},
         {"tp", LOOM_OPT_INT, &c.tp, "N", "tensor-parallel ranks per pipeline stage (default 1)", 1, 64, NULL},
@@ -162,6 +164,13 @@ int main(int argc, char **argv) {
         {"generation-config", LOOM_OPT_STR, &vo.generation_config, "auto|vllm|DIR", "default temperature, top_p, top_k and max_tokens for requests that leave them out: auto from the model's generation_config.json, vllm the built-in ones, or DIR/generation_config.json (default auto)", 1, 0, NULL},
         {"log-level", LOOM_OPT_STR, &vo.log_level, "LEVEL", "debug, info, warning, error, critical or off (default info, or LOOM_LOG_LEVEL)", 1, 0, NULL},
         {"uvicorn-log-level", LOOM_OPT_STR, &vo.log_level, "LEVEL", "vLLM's name for --log-level", 1, 0, NULL},
+        {"probe-listen", LOOM_OPT_STR, &probe_bind, "HOST:PORT", "serve /health, /metrics and /version also here, on connection slots of their own (for liveness/readiness probes and scrapes; port 0: any free port; default off)", 1, 0, NULL},
+        {"tls-cert", LOOM_OPT_STR, &tls_cert, "FILE", "serve --http over TLS (HTTPS) with this PEM certificate chain (with --tls-key)", 1, 0, NULL},
+        {"tls-key", LOOM_OPT_STR, &tls_key, "FILE", "the PEM private key of --tls-cert", 1, 0, NULL},
+        {"http-header-timeout-s", LOOM_OPT_INT, &header_timeout, "S", "close an HTTP connection whose request headers are not complete this long after it opened or its last response ended (slow clients; default 10)", 1, 86400, NULL},
+        {"http-body-timeout-s", LOOM_OPT_INT, &body_timeout, "S", "close an HTTP connection whose request body is not complete this long after its headers (default 60)", 1, 86400, NULL},
+        {"http-max-connections-per-ip", LOOM_OPT_INT, &conns_per_ip, "N", "most simultaneous HTTP connections from one client address; more are closed at once (default 0: only --http-max-connections)", 0, 65536, NULL},
+        {"chat-special-tokens-in-content", LOOM_OPT_FLAG, &special_in_content, NULL, "parse special-token text in chat message content (e.g. <|im_start|>) as control tokens; by default it is plain text", 1, 0, NULL},
     };
     int r = loom_cli_parse_vllm(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
                            "The Loom coordinator: waits for tp x pp workers to register, plans the grid (layer ranges\n"
@@ -234,6 +243,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --chat-template only matters with --http\n");
         return 2;
     }
+    if ((probe_bind || tls_cert || tls_key) && !http_bind) {
+        fprintf(stderr, "error: --probe-listen, --tls-cert and --tls-key need --http\n");
+        return 2;
+    }
 
     loom_err_t err = {0};
     signal(SIGPIPE, SIG_IGN);
@@ -246,7 +259,11 @@ int main(int argc, char **argv) {
         loom_http_config_t hc = {.bind = http_bind, .api_key = c.api_key, .model_dir = c.model_dir,
                                  .chat_template = chat_template, .max_body_bytes = (size_t)max_body,
                                  .max_connections = http_conns, .idle_timeout_s = http_timeout,
-                                 .gen_defaults = has_gen ? &gen : NULL};
+                                 .gen_defaults = has_gen ? &gen : NULL,
+                                 .probe_bind = probe_bind, .tls_cert = tls_cert, .tls_key = tls_key,
+                                 .header_timeout_s = header_timeout, .body_timeout_s = body_timeout,
+                                 .max_connections_per_ip = conns_per_ip,
+                                 .chat_special_in_content = special_in_content};
         if (loom_http_start(g_server, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_server_destroy(&g_server);

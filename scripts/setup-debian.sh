@@ -13,7 +13,8 @@ sudo=""
 packages=(build-essential cmake pkg-config git curl ca-certificates
           libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libmicrohttpd-dev libcjson-dev
           libcurl4-openssl-dev libopenblas-dev etcd-server etcd-client iproute2
-          python3 python3-numpy python3-torch python3-yaml python3-kubernetes python3-jsonschema gnuplot-nox clang libclang-rt-14-dev)
+          python3 python3-numpy python3-torch python3-yaml python3-kubernetes python3-jsonschema python3-cryptography
+          gnuplot-nox clang libclang-rt-14-dev libgnutls28-dev)
 # Node.js: use the one on the machine when there is one (Debian's npm conflicts with others).
 command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
 missing=()

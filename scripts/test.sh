@@ -2,8 +2,9 @@
 # The whole test suite: installs the dependencies, builds (Release, warnings
 # as errors, CUDA code compiled and linked when nvcc is present), runs every
 # test under AddressSanitizer + UBSan (a Debug build: unit, reference and the
-# integration tests with sanitized coordinator and workers), then every test
-# of the Release build, ending with ctest's summary.
+# integration tests with sanitized coordinator and workers), runs each
+# libFuzzer target for 20 s on its seed corpus (clang, ASan + UBSan), then
+# every test of the Release build, ending with ctest's summary.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -16,6 +17,11 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOOM_CUDA=OFF -DLOOM_WERROR=
       -DLOOM_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --no-tests=error --output-on-failure -j "$jobs")
+echo "== fuzz targets (libFuzzer, ASan + UBSan, 20 s each; docs/fuzzing.md)" >&2
+CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DLOOM_CUDA=OFF -DLOOM_FUZZ=ON \
+      -DLOOM_FUZZ_SECONDS=20 >/dev/null
+cmake --build build-fuzz -j "$jobs" --target fuzz_all
+(cd build-fuzz && ctest --no-tests=error --output-on-failure -L fuzz -j "$jobs")
 echo "== all tests" >&2
 cd build
 ctest --no-tests=error --output-on-failure -j "$jobs"

@@ -3,3 +3,5 @@ loom_add_test(test_safetensors SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_saf
               LIBS loom_modelio LABELS unit)
 loom_add_test(test_model_config SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_model_config.c
               LIBS loom_modelio LABELS unit)
+loom_add_test(test_json SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_json.c
+              LIBS loom_modelio LABELS unit)

@@ -1,0 +1,24 @@
+/* TLS for the HTTP gateway: the certificate chain and private key files
+ * (PEM) read and checked at start-up, so that a wrong file, a key that does
+ * not match the certificate or an expired certificate is an error naming
+ * the file instead of a gateway that fails every handshake. libmicrohttpd
+ * (built with GnuTLS) then serves HTTPS from the texts. */
+#ifndef LOOM_HTTP_TLS_H
+#define LOOM_HTTP_TLS_H
+
+#include "common/status.h"
+
+typedef struct loom_http_tls {
+    char *cert_pem; /* the certificate chain, leaf first */
+    char *key_pem;
+    long long not_after; /* the leaf's expiry (unix time) */
+} loom_http_tls_t;
+
+/* Reads and checks cert_path and key_path. INVALID_ARGUMENT naming the file
+ * and the reason when unreadable, not PEM, mismatched, expired or not yet
+ * valid. */
+loom_status_t loom_http_tls_load(const char *cert_path, const char *key_path, loom_http_tls_t *out,
+                                 loom_err_t *err);
+void loom_http_tls_free(loom_http_tls_t *t); /* safe on a zeroed or freed struct */
+
+#endif
