@@ -458,10 +458,22 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
                         const Loom__V1__Register *r) {
     int i = slot_of(g, rid, rid_len);
     if (i >= 0) { /* a known worker registering again (restarted, same id) */
+        worker_slot_t *w = &g->slots[i];
         if (!loom_grid_peer_allowed(g, i, user_id)) {
             refuse_worker(g, rid, rid_len, LOOM_ERR_UNAUTHENTICATED,
                           "registration refused: this worker id is held by another identity");
             LOOM_WARN("refused a registration as worker %.*s from another identity", (int)rid_len, (const char *)rid);
+            return;
+        }
+        if (w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
+            !strcmp(w->host_id, r->host_id)) {
+            /* the same process again (its retry crossed our answer): it holds the slot */
+            w->last_seen_ns = loom_now_ns();
+            Loom__V1__Heartbeat hb = LOOM__V1__HEARTBEAT__INIT;
+            Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+            m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
+            m.heartbeat = &hb;
+            send_ctl(g, w, &m);
             return;
         }
         lose_worker(g, i, "registered again");
