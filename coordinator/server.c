@@ -442,6 +442,13 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         code = LOOM_ERR_UNAVAILABLE;
         goto refuse;
     }
+    for (const request_t *o = s->reqs; o; o = o->next)
+        if (o->request_id == rq->request_id && o->rid_len == rid_len && !memcmp(o->rid, rid, rid_len)) {
+            snprintf(msg, sizeof msg, "request id %llu is already in flight on this connection: request ids must be "
+                                      "unique among a connection's live requests",
+                     (unsigned long long)rq->request_id);
+            goto refuse;
+        }
     if (g->tag && g->tag[0] && !tag[0]) {
         snprintf(msg, sizeof msg, "tag must be at most %d printable ASCII characters", MAX_TAG);
         goto refuse;
@@ -571,6 +578,13 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
     r.request_id = rq->request_id;
     r.body_case = LOOM__V1__REPLY__BODY_CANCEL;
     r.cancel = &cr;
+    char msg[160];
+    if (!q) {
+        snprintf(msg, sizeof msg, "no request %llu in flight on this connection (finished, or never sent)",
+                 (unsigned long long)target);
+        r.code = loom_wire_status_code(LOOM_ERR_NOT_FOUND);
+        r.message = msg;
+    }
     send_reply(s, rid, rid_len, &r);
     if (q) {
         loom_log_req(LOOM_LOG_DEBUG, q->tag, "request %llu cancelled by its client", (unsigned long long)target);
@@ -675,7 +689,13 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
     }
     const char *method = loom_wire_method(rq->body_case);
     size_t ml = zmq_msg_size(&frames[1]);
-    if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
+    if (loom_wire_check_text(&loom__v1__request__descriptor, zmq_msg_data(&frames[2]), zmq_msg_size(&frames[2]),
+                             &err) < 0) {
+        /* as HTTP refuses them: a NUL would cut the text, invalid UTF-8 has no tokens */
+        char msg[sizeof err.msg + 32];
+        snprintf(msg, sizeof msg, "invalid request: %s", err.msg);
+        reply_error(s, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+    } else if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "the method frame does not name the request's body (%s)", method);
         reply_error(s, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);

@@ -70,6 +70,90 @@ static void expect_api_error(void *z, const char *what, Loom__V1__StatusCode cod
     protobuf_c_message_free_unpacked(&r->base, NULL);
 }
 
+/* Reads replies (skipping a stream's chunks) until one with a non-OK code
+ * comes; checks it is `code` and its message holds `needle`. */
+static void expect_error_among(void *z, const char *what, Loom__V1__StatusCode code, const char *needle) {
+    uint8_t buf[65536];
+    for (int k = 0; k < 400; k++) {
+        int n = recv_reply(z, buf, sizeof buf);
+        if (n <= 0) break;
+        Loom__V1__Reply *r = loom_wire_unpack_reply(buf, (size_t)n, NULL);
+        if (!r) continue;
+        if (r->code != LOOM__V1__STATUS_CODE__OK) {
+            CHECKF(r->code == code && r->message && strstr(r->message, needle), "%s: code %d (%s)", what, r->code,
+                   r->message);
+            fprintf(stderr, "  %s -> %s: %s\n", what, loom_wire_code_name(r->code), r->message);
+            protobuf_c_message_free_unpacked(&r->base, NULL);
+            return;
+        }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    CHECKF(0, "%s: no refusal came", what);
+}
+
+/* A Generate whose prompt has byte `bad` at position 3 (protobuf-c cannot
+ * pack an embedded NUL itself: the bytes are patched after packing). */
+static void send_patched_prompt(void *z, uint64_t id, uint8_t bad) {
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.prompt = "QQQQQQQQ";
+    g.max_tokens = 2;
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    rq.request_id = id;
+    rq.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
+    rq.generate = &g;
+    size_t len;
+    uint8_t *full = loom_wire_pack_request(&rq, &len);
+    uint8_t *at = memmem(full, len, "QQQQQQQQ", 8);
+    if (at) at[3] = bad;
+    zmq_send(z, "loom.v1.Generate", 16, ZMQ_SNDMORE);
+    zmq_send(z, full, len, 0);
+    free(full);
+}
+
+static void send_request(void *z, const char *method, Loom__V1__Request *rq) {
+    size_t len;
+    uint8_t *full = loom_wire_pack_request(rq, &len);
+    zmq_send(z, method, strlen(method), ZMQ_SNDMORE);
+    zmq_send(z, full, len, 0);
+    free(full);
+}
+
+/* Text the decoder would cut or could not tokenize, and request ids that
+ * collide or name nothing. */
+static void api_text_and_ids(const char *addr) {
+    void *z = dealer(addr, NULL);
+    send_patched_prompt(z, 31, 0x00);
+    expect_error_among(z, "embedded NUL", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, "generate.prompt contains a NUL");
+    send_patched_prompt(z, 32, 0xff);
+    expect_error_among(z, "invalid UTF-8", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, "generate.prompt is not valid UTF-8");
+    /* the same id twice while the first is in flight */
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.prompt = "Once upon a time";
+    g.max_tokens = 200;
+    g.ignore_eos = 1;
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    rq.request_id = 40;
+    rq.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
+    rq.generate = &g;
+    send_request(z, "loom.v1.Generate", &rq);
+    send_request(z, "loom.v1.Generate", &rq);
+    expect_error_among(z, "duplicate request id", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, "already in flight");
+    /* Cancel of an id that is not in flight */
+    Loom__V1__CancelRequest cr = LOOM__V1__CANCEL_REQUEST__INIT;
+    cr.target_request_id = 4242;
+    Loom__V1__Request cq = LOOM__V1__REQUEST__INIT;
+    cq.request_id = 41;
+    cq.body_case = LOOM__V1__REQUEST__BODY_CANCEL;
+    cq.cancel = &cr;
+    send_request(z, "loom.v1.Cancel", &cq);
+    expect_error_among(z, "cancel of an unknown id", LOOM__V1__STATUS_CODE__NOT_FOUND, "no request 4242");
+    cr.target_request_id = 40; /* the stream in flight: found */
+    cq.request_id = 42;
+    send_request(z, "loom.v1.Cancel", &cq);
+    expect_error_among(z, "cancel of the stream", LOOM__V1__STATUS_CODE__CANCELLED, "cancelled");
+    zmq_close(z);
+}
+
 static void api_garbage(const char *addr) {
     void *z = dealer(addr, NULL);
     uint8_t junk[300];
@@ -254,6 +338,7 @@ int main(int argc, char **argv) {
     raw_tcp(api);
     raw_tcp(control);
     api_garbage(api);
+    api_text_and_ids(api);
     control_garbage(control);
     health_still_ok(api);
     zmq_ctx_term(g_ctx);
