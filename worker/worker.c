@@ -833,7 +833,33 @@ static loom_status_t etcd_find_coordinator(worker_t *w, loom_err_t *err) {
     }
 }
 
-/* etcd: holds /loom/<cluster>/workers/<id> under a lease while this worker lives. */
+/* Whether the process that holds our etcd key is an earlier one of ours that
+ * is gone: same host, and its pid is not running here (or is our own: a
+ * container restarted with the same pid). */
+static int stale_holder(loom_etcd_t *e, const char *key, const char *host) {
+    char *v = NULL;
+    loom_err_t err = {0};
+    if (loom_etcd_get(e, key, &v, NULL, NULL, &err) < 0) return 0;
+    cJSON *j = cJSON_Parse(v);
+    const cJSON *h = cJSON_GetObjectItemCaseSensitive(j, "host");
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(j, "pid");
+    int stale = 0;
+    if (cJSON_IsString(h) && !strcmp(h->valuestring, host) && cJSON_IsNumber(p) && p->valuedouble >= 1 &&
+        p->valuedouble < 4194305) {
+        pid_t pid = (pid_t)p->valuedouble;
+        stale = pid == getpid() || (kill(pid, 0) != 0 && errno == ESRCH);
+        if (stale)
+            LOOM_WARN("etcd key %s is held by an earlier worker on this host (pid %d, gone): taking it over", key,
+                      (int)pid);
+    }
+    cJSON_Delete(j);
+    free(v);
+    return stale;
+}
+
+/* etcd: holds /loom/<cluster>/workers/<id> under a lease while this worker lives;
+ * a key left by an earlier process of ours is taken over, a live holder's
+ * lease waited out. */
 static loom_status_t etcd_register(worker_t *w, loom_etcd_t *e, loom_etcd_keeper_t **keeper, loom_err_t *err) {
     char key[300], host[128] = "localhost";
     gethostname(host, sizeof host);
@@ -846,7 +872,24 @@ static loom_status_t etcd_register(worker_t *w, loom_etcd_t *e, loom_etcd_keeper
     cJSON_AddNumberToObject(j, "pid", (double)getpid());
     char *text = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
-    loom_status_t st = loom_etcd_keeper_start(e, key, text, strlen(text), w->etcd_ttl, 1, keeper, err);
+    loom_status_t st;
+    int waiting = 0;
+    while ((st = loom_etcd_keeper_start(e, key, text, strlen(text), w->etcd_ttl, 1, keeper, err)) ==
+           LOOM_ERR_RESOURCE_EXHAUSTED) {
+        if (stale_holder(e, key, host)) {
+            /* an earlier process with this id on this host, now gone (restarted
+             * within the lease TTL, or etcd kept the key across its restart) */
+            loom_err_t derr = {0};
+            if (loom_etcd_delete(e, key, &derr) == LOOM_OK) continue;
+            LOOM_WARN("could not remove the stale etcd key %s: %s", key, derr.msg);
+        }
+        if (!waiting++)
+            LOOM_WARN("%s: waiting for its lease to expire (another live worker with id '%s' would hold it for "
+                      "good)", err->msg, w->id);
+        if (g_stop) break;
+        sleep(1);
+    }
+    if (waiting && st == LOOM_OK) LOOM_INFO("registered in etcd as %s", key);
     free(text);
     return st;
 }
