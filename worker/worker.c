@@ -828,7 +828,9 @@ static loom_status_t etcd_find_coordinator(worker_t *w, loom_err_t *err) {
         if (loom_now_ns() > deadline || g_stop)
             return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "no coordinator for cluster '%s' in etcd %s after %d s",
                                 w->cluster, w->etcd_url, w->coord_wait_s);
-        if (!logged++) LOOM_INFO("waiting for the coordinator of cluster '%s' to appear in etcd", w->cluster);
+        if (logged++ % (WAIT_LOG_MS / 200) == 0)
+            LOOM_INFO("waiting for the coordinator of cluster '%s' to appear in etcd %s (key /loom/%s/coordinator)",
+                      w->cluster, w->etcd_url, w->cluster);
         usleep(200000);
     }
 }

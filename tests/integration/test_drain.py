@@ -382,9 +382,23 @@ def test_restarted_worker_takes_its_etcd_key():
         check(w.poll() is None, "the serving worker exited")
 
 
+def test_worker_says_it_waits():
+    # a worker whose coordinator is not there says so every few seconds, with
+    # the address, and joins once one starts there
+    port = free_port_pair()
+    with Procs() as P:
+        P.worker("w0", port)
+        addr = "waiting for a coordinator at tcp://127.0.0.1:%d" % (port + 1)
+        wait_for(lambda: P.log("w0").count(addr) >= 2, 20, "two waiting lines with the address")
+        co = P.coordinator(STORIES, port)
+        wait_ready(co, 30)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 8)
+        check(rc == 0 and ids, "after the late start: %s" % err)
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_sigterm_drains, test_shutdown_timeout_cuts_streams, test_second_signal_exits_at_once,
                test_workers_survive_coordinator_restart, test_workers_follow_coordinator_through_etcd,
                test_fast_restart_after_aborts_serves, test_restart_keeps_every_shard_2x2_etcd,
-               test_restarted_worker_takes_its_etcd_key])
+               test_restarted_worker_takes_its_etcd_key, test_worker_says_it_waits])
