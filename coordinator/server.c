@@ -25,20 +25,13 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <netdb.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
-#include <pthread.h>
 #include <zmq.h>
 
-#include <cjson/cJSON.h>
-
-#include "common/etcd.h"
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/tokenizer.h"
