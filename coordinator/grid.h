@@ -45,9 +45,14 @@
  *   - Step plans leave only in READY; step results come back in plan order
  *     (a FIFO of at most pp entries); every planned micro-batch is answered
  *     exactly once, by on_step_done or on_step_failed.
- *   - Every Assign, Abort and KvConfig carries the coordinator's incarnation
- *     (random per process): a worker that sees a new incarnation forgets the
- *     epochs (and aborts) of the old coordinator.
+ *   - Every Assign and Abort carries the coordinator's incarnation (random
+ *     per process, never 0): a worker assigned by a new incarnation forgets
+ *     the epochs (and aborts) of the old coordinator, and ignores an Abort of
+ *     another incarnation.
+ *   - A Register from the process that already holds a slot (same pid, data
+ *     address and host) is a retry: answered with a heartbeat, nothing else
+ *     changes. From a new process with the same id it is a restart: the slot
+ *     is lost (the epoch aborted) and registered afresh.
  *   - A worker that registers naming the shard it holds (has_shard, same
  *     grid shape and model) gets that slot when it is free, so a restarted
  *     coordinator gives every worker its own weights back. */
