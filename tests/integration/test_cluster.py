@@ -172,7 +172,7 @@ def test_spare_takes_over_with_defaults():
 def test_garbage_is_refused():
     with Cluster(STORIES, 1, 1) as c:
         p = subprocess.run([os.path.join(BIN, "..", "tests", "garbage"), "--api", c.addr,
-                            "--control", "tcp://127.0.0.1:%d" % (c.port + 1)],
+                            "--control", "tcp://127.0.0.1:%d" % (c.port + 1), "--worker-id", "worker-0"],
                            capture_output=True, text=True, timeout=120)
         sys.stdout.write(p.stderr[-2000:])
         check(p.returncode == 0, "garbage test failed")
