@@ -7,6 +7,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -818,8 +819,33 @@ static void advertised(const loom_grid_t *g, const char *endpoint, char *out, si
     snprintf(out, n, "tcp://%s%s", g->cfg.advertise_host, colon);
 }
 
+/* Whether the coordinator key is held by a dead coordinator of this host (a
+ * crashed predecessor whose lease has not expired yet). */
+static int stale_coordinator_key(loom_grid_t *g, const char *key, const char *host) {
+    char *v = NULL;
+    loom_err_t err = {0};
+    if (loom_etcd_get(g->etcd, key, &v, NULL, NULL, &err) < 0) return 0;
+    cJSON *j = cJSON_Parse(v);
+    const cJSON *h = cJSON_GetObjectItemCaseSensitive(j, "host");
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(j, "pid");
+    int stale = 0;
+    if (host[0] && cJSON_IsString(h) && !strcmp(h->valuestring, host) && cJSON_IsNumber(p) && p->valuedouble >= 1 &&
+        p->valuedouble < 4194305) {
+        pid_t pid = (pid_t)p->valuedouble;
+        stale = pid == getpid() || (kill(pid, 0) != 0 && errno == ESRCH);
+        if (stale)
+            LOOM_WARN("etcd key %s is held by a coordinator of this host that is gone (pid %d): taking it over", key,
+                      (int)pid);
+    }
+    cJSON_Delete(j);
+    free(v);
+    return stale;
+}
+
 /* Claims /loom/<cluster>/coordinator (one coordinator per cluster), so
- * workers can find the control address, and watches the workers' keys. */
+ * workers can find the control address, and watches the workers' keys. A
+ * key left by a crashed coordinator of this host is taken over; a live
+ * one's refuses this start. */
 static loom_status_t etcd_setup(loom_grid_t *g, loom_err_t *err) {
     const char *cluster = g->cfg.cluster ? g->cfg.cluster : "default";
     snprintf(g->etcd_prefix, sizeof g->etcd_prefix, "/loom/%s/", cluster);
@@ -833,11 +859,21 @@ static loom_status_t etcd_setup(loom_grid_t *g, loom_err_t *err) {
     cJSON_AddStringToObject(j, "api", api);
     cJSON_AddStringToObject(j, "model", g->cfg.model_name);
     cJSON_AddNumberToObject(j, "pid", (double)getpid());
+    char host[256] = "";
+    gethostname(host, sizeof host - 1);
+    cJSON_AddStringToObject(j, "host", host);
     char *text = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
     char key[400];
     snprintf(key, sizeof key, "%scoordinator", g->etcd_prefix);
     loom_status_t st = loom_etcd_keeper_start(g->etcd, key, text, strlen(text), g->cfg.etcd_ttl, 1, &g->etcd_keeper, err);
+    if (st == LOOM_ERR_RESOURCE_EXHAUSTED && stale_coordinator_key(g, key, host)) {
+        loom_err_t derr = {0};
+        if (loom_etcd_delete(g->etcd, key, &derr) == LOOM_OK)
+            st = loom_etcd_keeper_start(g->etcd, key, text, strlen(text), g->cfg.etcd_ttl, 1, &g->etcd_keeper, err);
+        else
+            LOOM_WARN("could not remove the stale etcd key %s: %s", key, derr.msg);
+    }
     free(text);
     if (st == LOOM_ERR_RESOURCE_EXHAUSTED) {
         char held[sizeof err->msg];

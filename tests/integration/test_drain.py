@@ -348,10 +348,19 @@ def test_restart_keeps_every_shard_2x2_etcd():
         wait_ready(co, 60)
         rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 24)
         check(rc == 0 and ids == expect, "after the restart: %s" % err)
+        # a crash (kill -9) within the lease TTL: the next coordinator takes over the dead one's key
+        co.kill()
+        co.wait()
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--pp", "2"] + etcd_args, name="coordinator3")
+        wait_ready(co, 60)
+        check("taking it over" in P.log("coordinator3"), "coordinator3: %s" % P.log("coordinator3")[-500:])
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 24)
+        check(rc == 0 and ids == expect, "after the crash: %s" % err)
         counts = [loads(P, "w%d" % i) for i in range(4)]
-        print("  shard loads per worker over two coordinators: %s" % counts)
+        print("  shard loads per worker over three coordinators: %s" % counts)
         check(counts == [1, 1, 1, 1], "a worker loaded its shard again: %s" % counts)
-        check(P.log("coordinator2").count("loaded its shard") == 4, "the new coordinator did not form the grid")
+        for name in ("coordinator2", "coordinator3"):
+            check(P.log(name).count("loaded its shard") == 4, "%s did not form the grid" % name)
 
 
 def test_restarted_worker_takes_its_etcd_key():
