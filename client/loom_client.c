@@ -5,6 +5,9 @@
  * Request lifecycle, per request id:
  *   submitted -> (chunks ...) -> final   the stream ended (any status)
  *   submitted -> expired                 nothing for timeout_ms: UNAVAILABLE
+ *   submitted -> lost                    the connection dropped (the server
+ *                                        closed it, or missed ZMTP heartbeats
+ *                                        for HEARTBEAT_TIMEOUT_MS): UNAVAILABLE
  *   submitted -> refused                 its reply has another protocol version
  * A request sits in `pending` (sorted by id, since ids only grow) from its
  * send until its final reply is received; events that a caller has not taken
@@ -26,6 +29,8 @@
 #include "proto/wire.h"
 
 #define DEFAULT_TIMEOUT_MS 30000
+#define HEARTBEAT_IVL_MS 1000     /* ZMTP PINGs on tcp/ipc connections */
+#define HEARTBEAT_TIMEOUT_MS 3000 /* no traffic nor PONG this long: the connection is dropped */
 #define NEVER UINT64_MAX
 
 typedef enum { KIND_GENERATE, KIND_UNARY, KIND_CANCEL } req_kind_t;
@@ -48,6 +53,7 @@ struct loom_client {
     void *zctx;
     int own_ctx;
     void *sock;
+    void *monitor; /* PAIR reading the socket's disconnect events (tcp/ipc only; NULL: none) */
     char addr[256];
     char *api_key;
     int timeout_ms;
@@ -202,16 +208,56 @@ static void file_reply(loom_client_t *c, const void *data, size_t len) {
     if (final) remove_pending(c, i);
 }
 
-/* Waits up to timeout_ms for one message and files it. 1: a message was
- * handled, 0: nothing arrived, <0: the socket failed. */
+/* The connection dropped: the server's streams on it are gone (it cancels
+ * them, or it died), so every request in flight fails now rather than at
+ * its timeout. Replies still queued were filed before this. */
+static void connection_lost(loom_client_t *c) {
+    char msg[400];
+    snprintf(msg, sizeof msg, "UNAVAILABLE: the connection to %s was lost (the coordinator went away, or was "
+                              "silent for %d ms)", c->addr, HEARTBEAT_TIMEOUT_MS);
+    for (int i = 0; i < c->n_pending; i++)
+        if (c->pending[i].kind != KIND_CANCEL) push_failure(c, c->pending[i].id, LOOM_ERR_UNAVAILABLE, msg);
+    c->n_pending = 0;
+}
+
+/* Reads the monitor's events (two frames each: event id + value, endpoint). */
+static void read_monitor(loom_client_t *c) {
+    for (;;) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, c->monitor, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&m);
+            return;
+        }
+        uint16_t ev = 0;
+        if (zmq_msg_size(&m) >= 2) memcpy(&ev, zmq_msg_data(&m), 2);
+        while (zmq_msg_more(&m)) {
+            zmq_msg_close(&m);
+            zmq_msg_init(&m);
+            if (zmq_msg_recv(&m, c->monitor, 0) < 0) break;
+        }
+        zmq_msg_close(&m);
+        if (ev == ZMQ_EVENT_DISCONNECTED && c->n_pending) {
+            LOOM_DEBUG("client: the connection to %s dropped with %d request(s) in flight", c->addr, c->n_pending);
+            connection_lost(c);
+        }
+    }
+}
+
+/* Waits up to timeout_ms for one message and files it. 1: a message (or a
+ * connection event) was handled, 0: nothing arrived, <0: the socket failed. */
 static int recv_one(loom_client_t *c, int timeout_ms, loom_err_t *err) {
-    zmq_pollitem_t item = {.socket = c->sock, .events = ZMQ_POLLIN};
-    int n = zmq_poll(&item, 1, timeout_ms);
+    zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLIN}, {.socket = c->monitor, .events = ZMQ_POLLIN}};
+    int n = zmq_poll(items, c->monitor ? 2 : 1, timeout_ms);
     if (n < 0) {
         if (errno == EINTR) return 0;
         return loom_err_set(err, LOOM_ERR_INTERNAL, "INTERNAL: zmq_poll on %s: %s", c->addr, zmq_strerror(errno));
     }
     if (n == 0) return 0;
+    if (!(items[0].revents & ZMQ_POLLIN)) { /* only an event: replies first, then the loss */
+        read_monitor(c);
+        return 1;
+    }
     zmq_msg_t msg;
     zmq_msg_init(&msg);
     if (zmq_msg_recv(&msg, c->sock, ZMQ_DONTWAIT) < 0) {
@@ -414,6 +460,25 @@ loom_status_t loom_client_connect(const char *addr, const loom_client_options_t 
      * slowly, and a burst of submits must not be refused while connecting. */
     zmq_setsockopt(c->sock, ZMQ_RCVHWM, &zero, sizeof zero);
     zmq_setsockopt(c->sock, ZMQ_SNDHWM, &zero, sizeof zero);
+    /* A server that dies closes the connection; one that hangs or is cut off
+     * stops answering PINGs: either way the monitor reports a disconnect. */
+    if (!strncmp(addr, "tcp://", 6) || !strncmp(addr, "ipc://", 6)) {
+        int ivl = HEARTBEAT_IVL_MS, hb_timeout = HEARTBEAT_TIMEOUT_MS;
+        zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+        zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &hb_timeout, sizeof hb_timeout);
+        char mon[64];
+        snprintf(mon, sizeof mon, "inproc://loom-client-monitor-%p", (void *)c);
+        if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_DISCONNECTED) == 0) {
+            c->monitor = zmq_socket(c->zctx, ZMQ_PAIR);
+            if (c->monitor) {
+                zmq_setsockopt(c->monitor, ZMQ_LINGER, &zero, sizeof zero);
+                if (zmq_connect(c->monitor, mon) != 0) {
+                    zmq_close(c->monitor);
+                    c->monitor = NULL;
+                }
+            }
+        }
+    }
     if (zmq_connect(c->sock, addr) < 0) {
         loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: cannot connect to '%s': %s", addr,
                      zmq_strerror(errno));
@@ -431,6 +496,8 @@ fail_ctx:
 void loom_client_close(loom_client_t **c_p) {
     if (!c_p || !*c_p) return;
     loom_client_t *c = *c_p;
+    if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
+    if (c->monitor) zmq_close(c->monitor);
     if (c->sock) zmq_close(c->sock);
     if (c->own_ctx && c->zctx) zmq_ctx_term(c->zctx);
     free_event(&c->cur);

@@ -424,7 +424,14 @@ static loom_status_t served_model(req_t *q, loom_model_info_t *m, loom_err_t *er
 static int next_chunk(req_t *q, loom_chunk_t *ch) {
     loom_client_t *c = q->conn->client;
     for (;;) {
-        if (atomic_load(&q->h->stopping)) return 0;
+        if (atomic_load(&q->h->stopping)) {
+            if (!q->active) return 0;
+            /* the coordinator is going away: the stream ends with an error, not in silence */
+            q->active = 0;
+            *ch = (loom_chunk_t){.request_id = q->gen_id, .text = "", .final = 1, .finish = LOOM_FINISH_ERROR,
+                                 .status = LOOM_ERR_UNAVAILABLE, .message = "the coordinator is shutting down"};
+            return 1;
+        }
         uint64_t now = loom_now_ns();
         if (now - q->last_peek_ns >= (uint64_t)SLICE_MS * 1000000u) {
             q->last_peek_ns = now;
@@ -1035,13 +1042,15 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
     take_timings(q, ch);
     q->finished = 1;
     if (ch->status != LOOM_OK) {
-        /* the stream broke after it began: an error event, and no [DONE] */
+        /* the stream broke after it began (a worker lost, the coordinator
+         * going away): an error event, then [DONE] so every client stops reading */
         unsigned http;
         const char *type, *code;
         status_http(ch->status, &http, &type, &code);
         sse_event(q, error_obj(ch->message && ch->message[0] ? ch->message : loom_status_str(ch->status), type, NULL,
                                code));
         LOOM_WARN("http: %s %s: stream %s failed: %s", q->method, q->path, q->id, ch->message);
+        loom_sbuf_str(&q->out, "data: [DONE]\n\n");
         return;
     }
     sse_choice(q, NULL, 0, 0, finish_name(ch->finish));

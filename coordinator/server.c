@@ -1,22 +1,10 @@
-/* The coordinator's reactor (see server.h).
- *
- * Grid lifecycle (state):
- *   WAITING   slots not all filled; workers register into free slots
- *   LOADING   every slot filled; Assign sent (epoch e); waiting for Loaded
- *   JOINING   KV pool sized (smallest worker decides); KvConfig sent; waiting for Ready
- *   READY     serving: the step loop runs, requests are admitted
- * A lost worker (missed heartbeats) or a failed step aborts epoch e: workers
- * are told to stop waiting on the data plane, the slot (if lost) is freed,
- * and the grid goes back to WAITING or LOADING with epoch e+1. When every
- * slot is still filled (the data plane failed, not a heartbeat), each
- * member's data-plane listener is probed first (WAITING with probes out): a
- * member whose port refuses or does not answer within PROBE_MS is dead and
- * its slot is freed at once, so the next plan never includes it. Workers keep
- * their weights when the new Assign gives them the same shard. Requests are
- * not lost: their sequences keep their tokens and wait (their KV dropped)
- * until the grid is READY again, then are re-prefilled and their streams go
- * on; if the grid is not back within --recovery-timeout-ms they end with
- * UNAVAILABLE.
+/* The coordinator's reactor (see server.h): requests and streams. The grid
+ * lifecycle (worker slots, epochs, liveness, the in-flight step queue) is
+ * coordinator/grid.c; it reports here through callbacks. When the grid
+ * fails, requests are not lost: their sequences keep their tokens and wait
+ * (their KV dropped) until the grid is READY again, then are re-prefilled
+ * and their streams go on; if the grid is not back within
+ * --recovery-timeout-ms they end with UNAVAILABLE.
  *
  * Draining (the first SIGTERM/SIGINT): new Generate requests are refused
  * with UNAVAILABLE ("draining"), Health reports not ready, requests in
@@ -37,25 +25,19 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <netdb.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
-#include <pthread.h>
 #include <zmq.h>
 
-#include <cjson/cJSON.h>
-
-#include "common/etcd.h"
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/shard.h"
+#include "coordinator/grid.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sched.h"
 #include "coordinator/stop.h"
@@ -66,24 +48,6 @@
 #define MAX_TAG 128
 #define MAX_STOP_LEN 256
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
-#define PROBE_MS 1000  /* a member's data-plane listener that does not answer a connect this long is gone */
-
-typedef enum { GRID_WAITING, GRID_LOADING, GRID_JOINING, GRID_READY } grid_state_t;
-static const char *grid_state_name[] = {"waiting_for_workers", "loading", "joining", "ready"};
-
-typedef struct worker_slot {
-    int used;
-    char id[128], host[128], host_id[128], device[32], data_addr[128];
-    uint32_t pid;
-    uint64_t last_seen_ns;
-    int loaded, ready;
-    uint64_t kv_block_bytes, kv_budget, weight_bytes, bytes_read;
-    char kv_dtype[16]; /* the worker's KV pool dtype, from Loaded */
-    uint8_t nccl_tp_id[128], nccl_next_id[128]; /* group ids this worker made (nccl) */
-    size_t nccl_tp_len, nccl_next_len;
-    double busy_s, comm_s;
-    uint64_t steps;
-} worker_slot_t;
 
 typedef struct request {
     uint8_t rid[256]; /* client routing id */
@@ -104,17 +68,6 @@ typedef struct request {
     struct request *prev, *next;
 } request_t;
 
-typedef struct inflight {
-    loom_microbatch_t *mb;
-    uint64_t step_id, t_sent;
-} inflight_t;
-
-/* A worker key that left etcd, handed from the watch thread to the reactor. */
-typedef struct gone_key {
-    char id[128];
-    struct gone_key *next;
-} gone_key_t;
-
 struct loom_server {
     loom_server_config_t cfg;
     char model_dir_abs[4096];
@@ -123,37 +76,20 @@ struct loom_server {
     loom_tokenizer_t *tok;
     int max_model_len;
 
-    void *zctx, *api, *ctl;
-    char api_addr[256], ctl_addr[256], inproc_addr[64];
+    void *zctx, *api;
+    char api_addr[256], inproc_addr[64];
     volatile sig_atomic_t stop, drain_requested; /* set by loom_server_stop (signal handlers) */
     int draining;
     uint64_t drain_deadline;
-    int probing;   /* probes of the members' data planes are out (state WAITING) */
-    int *probe_fd; /* per slot: a probe's socket, -1: none */
-    uint64_t probe_deadline;
-
-    worker_slot_t *slots;
-    int n_slots;
-    grid_state_t state;
-    uint64_t epoch, run_id;
-    int n_blocks;
-    char kv_dtype[16];       /* the workers' KV dtype ("mixed" if they differ) */
-    uint64_t kv_block_bytes; /* the largest worker's bytes per block */
-    char last_failure[512];
+    loom_grid_t *grid;
 
     loom_sched_t *sched;
     loom_metrics_t *metrics;
-    inflight_t *inflight; /* FIFO, n_micro entries */
-    int n_inflight;
     request_t *reqs; /* doubly linked list of live requests */
     int n_reqs;
     size_t max_piece;
     char *text_buf;
     uint64_t seed_state;
-
-    /* step plan scratch */
-    Loom__V1__SampleParams *sp;
-    Loom__V1__SampleParams **sp_ptrs;
 
     /* counters */
     uint64_t steps, requests_finished, requests_rejected, prompt_tokens_total, gen_tokens_total;
@@ -161,16 +97,7 @@ struct loom_server {
     double step_s_total;
     uint64_t rate_tokens[RATE_WINDOW];
     uint64_t rate_second;
-    uint64_t last_hb_sent, last_check;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
-
-    /* etcd membership (optional) */
-    loom_etcd_t *etcd;
-    loom_etcd_keeper_t *etcd_keeper;
-    loom_etcd_watch_t *etcd_watch;
-    pthread_mutex_t gone_mu;
-    gone_key_t *gone;
-    char etcd_prefix[300];
 };
 
 /* ---- small helpers ---------------------------------------------------------- */
@@ -189,36 +116,6 @@ static uint64_t next_seed(loom_server_t *s) {
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
-}
-
-static void send_to_worker(loom_server_t *s, const worker_slot_t *w, const void *buf, size_t len) {
-    zmq_send(s->ctl, w->id, strlen(w->id), ZMQ_SNDMORE | ZMQ_DONTWAIT);
-    zmq_send(s->ctl, buf, len, ZMQ_DONTWAIT);
-}
-
-static void send_ctl(loom_server_t *s, const worker_slot_t *w, Loom__V1__ControlMsg *m) {
-    size_t len;
-    void *buf = loom_wire_pack_control(m, &len);
-    send_to_worker(s, w, buf, len);
-    free(buf);
-}
-
-static void send_ctl_to_id(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__ControlMsg *m) {
-    size_t len;
-    void *buf = loom_wire_pack_control(m, &len);
-    zmq_send(s->ctl, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-    zmq_send(s->ctl, buf, len, ZMQ_DONTWAIT);
-    free(buf);
-}
-
-static void refuse_worker(loom_server_t *s, const void *rid, size_t rid_len, loom_status_t code, const char *msg) {
-    Loom__V1__Error e = LOOM__V1__ERROR__INIT;
-    e.code = code;
-    e.message = (char *)msg;
-    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-    m.body_case = LOOM__V1__CONTROL_MSG__BODY_ERROR;
-    m.error = &e;
-    send_ctl_to_id(s, rid, rid_len, &m);
 }
 
 /* Sends one Reply to a client; returns -1 when the client is gone (the
@@ -442,272 +339,18 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
     }
 }
 
-/* ---- grid ------------------------------------------------------------------------- */
+/* ---- the grid's callbacks ---------------------------------------------------------- */
 
-static int count_used(const loom_server_t *s) {
-    int n = 0;
-    for (int i = 0; i < s->n_slots; i++) n += s->slots[i].used;
-    return n;
-}
-
-static int count_ready(const loom_server_t *s) {
-    int n = 0;
-    for (int i = 0; i < s->n_slots; i++) n += s->slots[i].used && s->slots[i].ready;
-    return n;
-}
-
-static void fill_peer(Loom__V1__CommPeer *p, const worker_slot_t *w) {
-    loom__v1__comm_peer__init(p);
-    p->worker_id = (char *)w->id;
-    p->data_addr = (char *)w->data_addr;
-}
-
-/* Writes the grid plan to /loom/<cluster>/plan for operators and tools. */
-static void publish_plan(loom_server_t *s, const char *backend) {
-    if (!s->etcd) return;
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddNumberToObject(j, "epoch", (double)s->epoch);
-    cJSON_AddStringToObject(j, "model", s->model_name);
-    cJSON_AddNumberToObject(j, "tp", s->cfg.tp);
-    cJSON_AddNumberToObject(j, "pp", s->cfg.pp);
-    cJSON_AddStringToObject(j, "data_plane", backend);
-    cJSON *ws = cJSON_AddArrayToObject(j, "workers");
-    for (int i = 0; i < s->n_slots; i++) {
-        int lb, ln;
-        loom_split_range(s->mcfg.n_layers, s->cfg.pp, i / s->cfg.tp, &lb, &ln);
-        cJSON *w = cJSON_CreateObject();
-        cJSON_AddStringToObject(w, "id", s->slots[i].id);
-        cJSON_AddNumberToObject(w, "stage", i / s->cfg.tp);
-        cJSON_AddNumberToObject(w, "tp_rank", i % s->cfg.tp);
-        cJSON_AddNumberToObject(w, "layer_begin", lb);
-        cJSON_AddNumberToObject(w, "layer_end", lb + ln);
-        cJSON_AddStringToObject(w, "host", s->slots[i].host);
-        cJSON_AddStringToObject(w, "device", s->slots[i].device);
-        cJSON_AddItemToArray(ws, w);
-    }
-    char *text = cJSON_PrintUnformatted(j);
-    char key[400];
-    snprintf(key, sizeof key, "%splan", s->etcd_prefix);
-    loom_err_t err = {0};
-    if (loom_etcd_put(s->etcd, key, text, strlen(text), loom_etcd_keeper_lease(s->etcd_keeper), &err) < 0)
-        LOOM_WARN("could not publish the plan to etcd: %s", err.msg);
-    free(text);
-    cJSON_Delete(j);
-}
-
-/* Every slot is filled: plan the grid and send each worker its Assign. */
-static void start_epoch(loom_server_t *s) {
-    s->epoch++;
-    int tp = s->cfg.tp, pp = s->cfg.pp;
-    int same_host = 1;
-    for (int i = 1; i < s->n_slots; i++)
-        if (strcmp(s->slots[i].host_id, s->slots[0].host_id) != 0 || !s->slots[i].host_id[0]) same_host = 0;
-    int all_gpu = 1;
-    for (int i = 0; i < s->n_slots; i++) all_gpu &= !strncmp(s->slots[i].device, "cuda", 4);
-    const char *backend = strcmp(s->cfg.comm, "auto") ? s->cfg.comm : all_gpu ? "nccl" : same_host ? "shm" : "tcp";
-    char name[128];
-    snprintf(name, sizeof name, "loom-%d-%llx-e%llu", (int)getpid(), (unsigned long long)s->run_id,
-             (unsigned long long)s->epoch);
-    LOOM_INFO("plan (epoch %llu): %d pipeline stage(s) x %d tensor-parallel rank(s), data plane %s",
-              (unsigned long long)s->epoch, pp, tp, backend);
-    Loom__V1__CommPeer *peers = loom_xcalloc((size_t)s->n_slots, sizeof *peers);
-    Loom__V1__CommPeer **tp_ptrs = loom_xcalloc((size_t)tp, sizeof *tp_ptrs);
-    for (int i = 0; i < s->n_slots; i++) fill_peer(&peers[i], &s->slots[i]);
-    for (int st = 0; st < pp; st++) {
-        int lb, ln;
-        loom_split_range(s->mcfg.n_layers, pp, st, &lb, &ln);
-        for (int r = 0; r < tp; r++) {
-            worker_slot_t *w = &s->slots[st * tp + r];
-            int same = 0; /* workers of this host share its memory */
-            for (int j = 0; j < s->n_slots; j++) same += !strcmp(s->slots[j].host_id, w->host_id);
-            LOOM_INFO("  stage %d layers [%d, %d) tp rank %d -> worker %s (%s, %s, pid %u)", st, lb, lb + ln, r, w->id,
-                      w->host, w->device, w->pid);
-            for (int k = 0; k < tp; k++) tp_ptrs[k] = &peers[st * tp + k];
-            Loom__V1__CommSetup cs = LOOM__V1__COMM_SETUP__INIT;
-            cs.backend = (char *)backend;
-            cs.name = name;
-            cs.tp_group = tp_ptrs;
-            cs.n_tp_group = (size_t)tp;
-            cs.prev = st > 0 ? &peers[(st - 1) * tp + r] : NULL;
-            cs.next = st + 1 < pp ? &peers[(st + 1) * tp + r] : NULL;
-            Loom__V1__Assign a = LOOM__V1__ASSIGN__INIT;
-            a.model_dir = (char *)s->cfg.model_dir;
-            a.stage = (uint32_t)st;
-            a.n_stages = (uint32_t)pp;
-            a.tp_rank = (uint32_t)r;
-            a.tp_size = (uint32_t)tp;
-            a.layer_begin = (uint32_t)lb;
-            a.layer_end = (uint32_t)(lb + ln);
-            a.comm = &cs;
-            a.max_tokens = (uint32_t)s->cfg.max_batched_tokens;
-            a.max_seqs = (uint32_t)s->cfg.max_num_seqs;
-            a.block_size = (uint32_t)s->cfg.block_size;
-            a.weight_dtype = (char *)s->cfg.weight_dtype;
-            a.quantization = (char *)(s->cfg.quantization ? s->cfg.quantization : "none");
-            a.kv_cache_dtype = (char *)(s->cfg.kv_cache_dtype ? s->cfg.kv_cache_dtype : "auto");
-            a.epoch = s->epoch;
-            a.kv_memory = s->cfg.kv_memory;
-            a.kv_fraction = s->cfg.kv_fraction / (float)(same > 0 ? same : 1);
-            Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-            m.body_case = LOOM__V1__CONTROL_MSG__BODY_ASSIGN;
-            m.assign = &a;
-            w->loaded = w->ready = 0;
-            send_ctl(s, w, &m);
-        }
-    }
-    free(peers);
-    free(tp_ptrs);
-    s->state = GRID_LOADING;
-    publish_plan(s, backend);
-}
-
-/* ---- liveness probes ----------------------------------------------------------------- */
-
-/* Starts a non-blocking connect to a worker's data-plane listener
- * ("tcp://host:port" or "tcp://[v6]:port"), which lives as long as the
- * worker process. Returns the socket, or -1 when the connect failed at once
- * (or the address cannot be read: the worker sent it, so that is its loss). */
-static int probe_connect(const char *addr) {
-    char host[256], port[16];
-    if (strncmp(addr, "tcp://", 6) != 0) return -1;
-    const char *h = addr + 6, *colon = strrchr(h, ':');
-    if (!colon || colon == h || strlen(colon + 1) >= sizeof port) return -1;
-    size_t hl = (size_t)(colon - h);
-    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2;
-    if (hl >= sizeof host) return -1;
-    memcpy(host, h, hl);
-    host[hl] = '\0';
-    snprintf(port, sizeof port, "%s", colon + 1);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
-    struct addrinfo *res = NULL;
-    if (getaddrinfo(host, port, &hints, &res) != 0 || !res) return -1;
-    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) {
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(res);
-    return fd;
-}
-
-static void probes_stop(loom_server_t *s) {
-    for (int i = 0; i < s->n_slots; i++) {
-        if (s->probe_fd[i] >= 0) close(s->probe_fd[i]);
-        s->probe_fd[i] = -1;
-    }
-    s->probing = 0;
-}
-
-/* After a failure of a full grid: probe every member; probes_poll decides. */
-static void probes_start(loom_server_t *s) {
-    for (int i = 0; i < s->n_slots; i++) s->probe_fd[i] = -2; /* -2: failed at once */
-    for (int i = 0; i < s->n_slots; i++) {
-        int fd = probe_connect(s->slots[i].data_addr);
-        if (fd >= 0) s->probe_fd[i] = fd;
-    }
-    s->probing = 1;
-    s->probe_deadline = loom_now_ns() + PROBE_MS * 1000000ull;
-}
-
-/* Frees the slot of a worker found dead (no epoch to abort: it is aborted). */
-static void exclude_worker(loom_server_t *s, int i, const char *why) {
-    worker_slot_t *w = &s->slots[i];
-    LOOM_ERROR("worker %s (stage %d, tp rank %d, pid %u) is gone: its data plane at %s %s; excluded from the "
-               "next plan",
-               w->id, i / s->cfg.tp, i % s->cfg.tp, w->pid, w->data_addr, why);
-    snprintf(s->last_failure, sizeof s->last_failure, "worker %s is gone: its data plane %s", w->id, why);
-    w->used = 0;
-}
-
-/* Reactor: settles the probes once each answered or PROBE_MS passed. */
-static void probes_poll(loom_server_t *s) {
-    if (!s->probing) return;
-    int pending = 0, gone = 0;
-    for (int i = 0; i < s->n_slots; i++) {
-        int fd = s->probe_fd[i];
-        if (fd == -1) continue;
-        int soerr = ECONNREFUSED;
-        if (fd >= 0) {
-            struct pollfd pf = {fd, POLLOUT, 0};
-            if (poll(&pf, 1, 0) <= 0) {
-                pending++;
-                continue;
-            }
-            socklen_t len = sizeof soerr;
-            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0) soerr = errno;
-            close(fd);
-        }
-        s->probe_fd[i] = -1;
-        if (soerr) {
-            char why[160];
-            snprintf(why, sizeof why, "refused a connection (%s)", strerror(soerr));
-            exclude_worker(s, i, why);
-            gone++;
-        }
-    }
-    if (pending && loom_now_ns() < s->probe_deadline) return;
-    for (int i = 0; i < s->n_slots; i++)
-        if (s->probe_fd[i] >= 0) {
-            char why[80];
-            snprintf(why, sizeof why, "did not answer a connection within %d ms", PROBE_MS);
-            exclude_worker(s, i, why);
-            gone++;
-        }
-    probes_stop(s);
-    if (count_used(s) == s->n_slots) start_epoch(s); /* every member is alive: rebuild with them */
-    else LOOM_INFO("waiting for %d worker(s) to take the free place(s) (%d of %d registered)", gone, count_used(s),
-                   s->n_slots);
-}
-
-/* Aborts the current epoch: in-flight micro-batches fail, requests wait for
- * the grid to come back (or end with UNAVAILABLE when it does not in time). */
-static void fail_grid(loom_server_t *s, const char *why) {
-    snprintf(s->last_failure, sizeof s->last_failure, "%s", why);
-    LOOM_ERROR("grid failure (epoch %llu): %s", (unsigned long long)s->epoch, why);
-    Loom__V1__Abort ab = LOOM__V1__ABORT__INIT;
-    ab.epoch = s->epoch;
-    ab.reason = (char *)why;
-    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-    m.body_case = LOOM__V1__CONTROL_MSG__BODY_ABORT;
-    m.abort = &ab;
-    for (int i = 0; i < s->n_slots; i++)
-        if (s->slots[i].used) send_ctl(s, &s->slots[i], &m);
-    if (s->sched) {
-        for (int i = 0; i < s->n_inflight; i++) loom_sched_fail(s->sched, s->inflight[i].mb);
-        s->n_inflight = 0;
-        if (s->cfg.recovery_timeout_ms <= 0 || s->n_reqs == 0) {
-            char msg[700];
-            snprintf(msg, sizeof msg, "the serving grid failed: %s", why);
-            fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
-        } else if (!s->recovery_deadline) {
-            s->recovery_deadline = loom_now_ns() + (uint64_t)s->cfg.recovery_timeout_ms * 1000000ull;
-            LOOM_WARN("%d request(s) wait up to %d ms for the grid to be restored", s->n_reqs,
-                      s->cfg.recovery_timeout_ms);
-        }
-    }
-    for (int i = 0; i < s->n_slots; i++) s->slots[i].loaded = s->slots[i].ready = 0;
-    probes_stop(s);
-    s->state = GRID_WAITING;
-    if (count_used(s) == s->n_slots) probes_start(s); /* who of them is still alive? then rebuild */
-}
-
-static void lose_worker(loom_server_t *s, int i, const char *why) {
-    worker_slot_t *w = &s->slots[i];
-    char msg[512];
-    snprintf(msg, sizeof msg, "worker %s (stage %d, tp rank %d, pid %u) %s", w->id, i / s->cfg.tp, i % s->cfg.tp,
-             w->pid, why);
-    w->used = 0;
-    fail_grid(s, msg);
-    LOOM_INFO("waiting for a worker to take its place (%d of %d registered)", count_used(s), s->n_slots);
-}
-
-static void grid_ready(loom_server_t *s) {
+/* The grid is READY: a scheduler for its KV pool, or the old one reset. */
+static void on_grid_ready(void *ctx, loom_grid_t *g) {
+    loom_server_t *s = ctx;
+    int n_blocks = loom_grid_n_blocks(g);
     if (s->sched) {
         /* the KV cache of the old grid is gone: recompute the waiting requests */
-        loom_sched_reset_kv(s->sched, s->n_blocks);
+        loom_sched_reset_kv(s->sched, n_blocks);
         for (request_t *q = s->reqs, *next; q; q = next) {
             next = q->next;
-            if (q->seq && loom_sched_seq_max_blocks(s->sched, q->seq) > s->n_blocks)
+            if (q->seq && loom_sched_seq_max_blocks(s->sched, q->seq) > n_blocks)
                 req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, LOOM_ERR_UNAVAILABLE,
                          "the restored grid's KV cache is too small for this request");
         }
@@ -716,14 +359,13 @@ static void grid_ready(loom_server_t *s) {
     } else {
         loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
                                   .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len,
-                                  .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = s->n_blocks,
+                                  .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = n_blocks,
                                   .prefix_cache = s->cfg.prefix_cache};
         s->sched = loom_sched_create(&sc);
     }
-    s->state = GRID_READY;
-    s->last_failure[0] = '\0';
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
-              (unsigned long long)s->epoch, s->n_slots, s->n_blocks, s->cfg.block_size, s->model_name, s->api_addr);
+              (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
+              s->model_name, s->api_addr);
     if (s->cfg.ready_file) {
         char tmp[1100];
         snprintf(tmp, sizeof tmp, "%s.tmp", s->cfg.ready_file);
@@ -736,223 +378,34 @@ static void grid_ready(loom_server_t *s) {
     }
 }
 
-static void all_loaded(loom_server_t *s) {
-    uint64_t nb = UINT64_MAX;
-    for (int i = 0; i < s->n_slots; i++) {
-        worker_slot_t *w = &s->slots[i];
-        uint64_t b = w->kv_block_bytes ? w->kv_budget / w->kv_block_bytes : UINT64_MAX;
-        if (b < nb) nb = b;
-    }
-    int per_seq = (s->max_model_len + s->cfg.block_size - 1) / s->cfg.block_size;
-    uint64_t cap = (uint64_t)s->cfg.max_num_seqs * (uint64_t)per_seq;
-    if (nb > cap) nb = cap; /* more could never be used */
-    if (s->cfg.num_kv_blocks > 0) nb = (uint64_t)s->cfg.num_kv_blocks;
-    if (nb > INT32_MAX / 1024) nb = INT32_MAX / 1024;
-    if (nb < 1) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "no memory left for the KV cache after the weights (raise --kv-fraction or "
-                                  "--kv-cache-memory)");
-        LOOM_ERROR("%s", msg);
-        snprintf(s->last_failure, sizeof s->last_failure, "%s", msg);
-        return;
-    }
-    s->n_blocks = (int)nb;
-    snprintf(s->kv_dtype, sizeof s->kv_dtype, "%s", s->slots[0].kv_dtype);
-    s->kv_block_bytes = 0;
-    for (int i = 0; i < s->n_slots; i++) {
-        if (strcmp(s->slots[i].kv_dtype, s->kv_dtype)) snprintf(s->kv_dtype, sizeof s->kv_dtype, "mixed");
-        s->kv_block_bytes = LOOM_MAX(s->kv_block_bytes, s->slots[i].kv_block_bytes);
-    }
-    if (s->n_blocks < per_seq)
-        LOOM_WARN("the KV pool (%d blocks) holds %d tokens, less than the context length %d: longer requests "
-                  "will be refused",
-                  s->n_blocks, s->n_blocks * s->cfg.block_size, s->max_model_len);
-    LOOM_INFO("KV pool: %d blocks of %d tokens per worker, %s (the smallest worker decides)", s->n_blocks,
-              s->cfg.block_size, s->kv_dtype);
-    for (int i = 0; i < s->n_slots; i++) {
-        int st = i / s->cfg.tp, r = i % s->cfg.tp;
-        const worker_slot_t *lead = &s->slots[st * s->cfg.tp]; /* TP rank 0 made the group's id */
-        Loom__V1__KvConfig k = LOOM__V1__KV_CONFIG__INIT;
-        k.epoch = s->epoch;
-        k.n_blocks = (uint32_t)s->n_blocks;
-        k.nccl_tp_id = (ProtobufCBinaryData){lead->nccl_tp_len, (uint8_t *)lead->nccl_tp_id};
-        k.nccl_next_id = (ProtobufCBinaryData){s->slots[i].nccl_next_len, (uint8_t *)s->slots[i].nccl_next_id};
-        if (st > 0) {
-            const worker_slot_t *prev = &s->slots[(st - 1) * s->cfg.tp + r];
-            k.nccl_prev_id = (ProtobufCBinaryData){prev->nccl_next_len, (uint8_t *)prev->nccl_next_id};
-        }
-        Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-        m.body_case = LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG;
-        m.kv_config = &k;
-        send_ctl(s, &s->slots[i], &m);
-    }
-    s->state = GRID_JOINING;
-}
-
-/* ---- control messages ------------------------------------------------------------ */
-
-static int slot_of(const loom_server_t *s, const void *rid, size_t len) {
-    for (int i = 0; i < s->n_slots; i++)
-        if (s->slots[i].used && strlen(s->slots[i].id) == len && !memcmp(s->slots[i].id, rid, len)) return i;
-    return -1;
-}
-
-static void on_register(loom_server_t *s, const void *rid, size_t rid_len, const Loom__V1__Register *r) {
-    int i = slot_of(s, rid, rid_len);
-    if (i >= 0) { /* a known worker registering again (restarted, same id) */
-        lose_worker(s, i, "registered again");
-    }
-    if (!r->worker_id || strlen(r->worker_id) != rid_len || memcmp(r->worker_id, rid, rid_len) != 0 ||
-        rid_len >= sizeof s->slots[0].id || !r->data_addr || !r->data_addr[0]) {
-        refuse_worker(s, rid, rid_len, LOOM_ERR_INVALID_ARGUMENT,
-                      "registration refused: worker id must match the connection's routing id and a data "
-                      "address is required");
-        LOOM_WARN("refused a malformed registration");
-        return;
-    }
-    i = 0;
-    if (r->has_shard && r->shard_n_stages == (uint32_t)s->cfg.pp && r->shard_tp_size == (uint32_t)s->cfg.tp &&
-        r->shard_stage < (uint32_t)s->cfg.pp && r->shard_tp_rank < (uint32_t)s->cfg.tp && r->shard_model_dir &&
-        !strcmp(r->shard_model_dir, s->cfg.model_dir))
-        i = (int)(r->shard_stage * (uint32_t)s->cfg.tp + r->shard_tp_rank); /* it holds these weights already */
-    if (s->slots[i].used)
-        for (i = 0; i < s->n_slots && s->slots[i].used; i++) {}
-    if (i == s->n_slots) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "the grid is full (%d workers for tp %d x pp %d)", s->n_slots, s->cfg.tp, s->cfg.pp);
-        refuse_worker(s, rid, rid_len, LOOM_ERR_RESOURCE_EXHAUSTED, msg);
-        LOOM_DEBUG("worker %s stands by: %s", r->worker_id, msg);
-        return;
-    }
-    worker_slot_t *w = &s->slots[i];
-    memset(w, 0, sizeof *w);
-    w->used = 1;
-    snprintf(w->id, sizeof w->id, "%s", r->worker_id);
-    snprintf(w->host, sizeof w->host, "%s", r->host ? r->host : "");
-    snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id ? r->host_id : "");
-    snprintf(w->device, sizeof w->device, "%s", r->device ? r->device : "");
-    snprintf(w->data_addr, sizeof w->data_addr, "%s", r->data_addr);
-    w->pid = r->pid;
-    w->last_seen_ns = loom_now_ns();
-    LOOM_INFO("worker %s registered (%s, %s, pid %u, data plane %s): %d of %d", w->id, w->host, w->device, w->pid,
-              w->data_addr, count_used(s), s->n_slots);
-    if (count_used(s) == s->n_slots && s->state == GRID_WAITING) start_epoch(s);
-}
-
-static void on_result(loom_server_t *s, int wi, const Loom__V1__StepResult *r) {
-    if (r->epoch != s->epoch || s->state != GRID_READY) return; /* a leftover of an aborted epoch */
-    if (r->code != LOOM_OK) {
+/* The grid's epoch was aborted: requests wait for it to come back, or end
+ * with UNAVAILABLE at once when there is no recovery time. */
+static void on_grid_failed(void *ctx, loom_grid_t *g, const char *why) {
+    (void)g;
+    loom_server_t *s = ctx;
+    if (!s->sched) return;
+    if (s->cfg.recovery_timeout_ms <= 0 || s->n_reqs == 0) {
         char msg[700];
-        snprintf(msg, sizeof msg, "step %llu failed on worker %s: %s", (unsigned long long)r->step_id,
-                 s->slots[wi].id, r->message);
-        fail_grid(s, msg);
-        return;
+        snprintf(msg, sizeof msg, "the serving grid failed: %s", why);
+        fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
+    } else if (!s->recovery_deadline) {
+        s->recovery_deadline = loom_now_ns() + (uint64_t)s->cfg.recovery_timeout_ms * 1000000ull;
+        LOOM_WARN("%d request(s) wait up to %d ms for the grid to be restored", s->n_reqs,
+                  s->cfg.recovery_timeout_ms);
     }
-    if (s->n_inflight == 0 || s->inflight[0].step_id != r->step_id) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "worker %s returned step %llu out of order", s->slots[wi].id,
-                 (unsigned long long)r->step_id);
-        fail_grid(s, msg);
-        return;
-    }
-    inflight_t f = s->inflight[0];
-    memmove(s->inflight, s->inflight + 1, (size_t)(--s->n_inflight) * sizeof *s->inflight);
-    if (r->n_ids != (size_t)f.mb->n_logits) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "worker %s returned %zu ids for %d rows", s->slots[wi].id, r->n_ids, f.mb->n_logits);
-        loom_sched_fail(s->sched, f.mb);
-        fail_grid(s, msg);
-        return;
-    }
-    for (size_t i = 0; i < r->n_ids; i++)
-        if (r->ids[i] < 0 || r->ids[i] >= s->mcfg.vocab_size) {
-            loom_sched_fail(s->sched, f.mb);
-            fail_grid(s, "a worker returned a token id outside the vocabulary");
-            return;
-        }
+}
+
+static void on_step_done(void *ctx, loom_microbatch_t *mb, const int32_t *ids, double step_s) {
+    loom_server_t *s = ctx;
     s->steps++;
-    double step_s = (double)(loom_now_ns() - f.t_sent) * 1e-9;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
-    loom_sched_complete(s->sched, f.mb, r->ids, on_token, s);
+    loom_sched_complete(s->sched, mb, ids, on_token, s);
 }
 
-static void on_control(loom_server_t *s, const void *rid, size_t rid_len, const void *data, size_t len) {
-    loom_err_t err = {0};
-    Loom__V1__ControlMsg *m = loom_wire_unpack_control(data, len, &err);
-    if (!m) {
-        LOOM_WARN("refused a control message (%zu bytes): %s", len, err.msg);
-        refuse_worker(s, rid, rid_len, err.code, err.msg);
-        return;
-    }
-    int wi = slot_of(s, rid, rid_len);
-    if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_REGISTER) {
-        on_register(s, rid, rid_len, m->register_);
-        goto done;
-    }
-    if (wi < 0) {
-        refuse_worker(s, rid, rid_len, LOOM_ERR_NOT_FOUND, "unknown worker: register first");
-        goto done;
-    }
-    worker_slot_t *w = &s->slots[wi];
-    w->last_seen_ns = loom_now_ns();
-    switch (m->body_case) {
-    case LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT: {
-        w->busy_s = m->heartbeat->busy_s;
-        w->comm_s = m->heartbeat->comm_s;
-        w->steps = m->heartbeat->steps;
-        int stage = wi / s->cfg.tp;
-        double busy = 0, comm = 0;
-        uint64_t steps = 0;
-        for (int r = 0; r < s->cfg.tp; r++) {
-            const worker_slot_t *x = &s->slots[stage * s->cfg.tp + r];
-            busy += x->busy_s;
-            comm += x->comm_s;
-            steps += x->steps;
-        }
-        loom_metrics_set_stage(s->metrics, stage, busy, comm, steps);
-        break;
-    }
-    case LOOM__V1__CONTROL_MSG__BODY_LOADED:
-        if (m->loaded->epoch != s->epoch || s->state != GRID_LOADING) break;
-        w->loaded = 1;
-        w->kv_block_bytes = m->loaded->kv_block_bytes;
-        w->kv_budget = m->loaded->kv_budget;
-        snprintf(w->kv_dtype, sizeof w->kv_dtype, "%s", m->loaded->kv_cache_dtype);
-        w->weight_bytes = m->loaded->weight_bytes;
-        w->bytes_read = m->loaded->bytes_read;
-        w->nccl_tp_len = LOOM_MIN(m->loaded->nccl_tp_id.len, sizeof w->nccl_tp_id);
-        if (w->nccl_tp_len) memcpy(w->nccl_tp_id, m->loaded->nccl_tp_id.data, w->nccl_tp_len);
-        w->nccl_next_len = LOOM_MIN(m->loaded->nccl_next_id.len, sizeof w->nccl_next_id);
-        if (w->nccl_next_len) memcpy(w->nccl_next_id, m->loaded->nccl_next_id.data, w->nccl_next_len);
-        LOOM_INFO("worker %s loaded its shard in %.2f s: %.1f MB of weights (%.1f MB read)", w->id,
-                  m->loaded->load_s, (double)w->weight_bytes / 1e6, (double)w->bytes_read / 1e6);
-        {
-            int all = 1;
-            for (int i = 0; i < s->n_slots; i++) all &= s->slots[i].loaded;
-            if (all) all_loaded(s);
-        }
-        break;
-    case LOOM__V1__CONTROL_MSG__BODY_READY:
-        if (m->ready->epoch != s->epoch || s->state != GRID_JOINING) break;
-        w->ready = 1;
-        if (count_ready(s) == s->n_slots) grid_ready(s);
-        break;
-    case LOOM__V1__CONTROL_MSG__BODY_RESULT: on_result(s, wi, m->result); break;
-    case LOOM__V1__CONTROL_MSG__BODY_ERROR: {
-        char msg[700];
-        snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
-        LOOM_ERROR("%s", msg);
-        snprintf(s->last_failure, sizeof s->last_failure, "%.500s", msg);
-        if (s->state == GRID_READY) fail_grid(s, msg);
-        break;
-    }
-    default:
-        LOOM_WARN("worker %s sent an unexpected message (%d); ignored", w->id, (int)m->body_case);
-        break;
-    }
-done:
-    protobuf_c_message_free_unpacked(&m->base, NULL);
+static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
+    loom_server_t *s = ctx;
+    loom_sched_fail(s->sched, mb);
 }
 
 /* ---- client API ----------------------------------------------------------------------- */
@@ -971,15 +424,6 @@ static int valid_tag(const char *t) {
     return 1;
 }
 
-static void grid_not_ready_msg(const loom_server_t *s, char *out, size_t n) {
-    if (s->last_failure[0])
-        snprintf(out, n, "the grid is not ready (%s, %d of %d workers registered): last failure: %s",
-                 grid_state_name[s->state], count_used(s), s->n_slots, s->last_failure);
-    else
-        snprintf(out, n, "the grid is not ready (%s, %d of %d workers registered)", grid_state_name[s->state],
-                 count_used(s), s->n_slots);
-}
-
 static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
     Loom__V1__GenerateRequest *g = rq->generate;
     char msg[600];
@@ -995,12 +439,19 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         code = LOOM_ERR_UNAVAILABLE;
         goto refuse;
     }
+    for (const request_t *o = s->reqs; o; o = o->next)
+        if (o->request_id == rq->request_id && o->rid_len == rid_len && !memcmp(o->rid, rid, rid_len)) {
+            snprintf(msg, sizeof msg, "request id %llu is already in flight on this connection: request ids must be "
+                                      "unique among a connection's live requests",
+                     (unsigned long long)rq->request_id);
+            goto refuse;
+        }
     if (g->tag && g->tag[0] && !tag[0]) {
         snprintf(msg, sizeof msg, "tag must be at most %d printable ASCII characters", MAX_TAG);
         goto refuse;
     }
-    if (s->state != GRID_READY) {
-        grid_not_ready_msg(s, msg, sizeof msg);
+    if (loom_grid_state(s->grid) != LOOM_GRID_READY) {
+        loom_grid_describe(s->grid, msg, sizeof msg);
         code = LOOM_ERR_UNAVAILABLE;
         goto refuse;
     }
@@ -1124,6 +575,13 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
     r.request_id = rq->request_id;
     r.body_case = LOOM__V1__REPLY__BODY_CANCEL;
     r.cancel = &cr;
+    char msg[160];
+    if (!q) {
+        snprintf(msg, sizeof msg, "no request %llu in flight on this connection (finished, or never sent)",
+                 (unsigned long long)target);
+        r.code = loom_wire_status_code(LOOM_ERR_NOT_FOUND);
+        r.message = msg;
+    }
     send_reply(s, rid, rid_len, &r);
     if (q) {
         loom_log_req(LOOM_LOG_DEBUG, q->tag, "request %llu cancelled by its client", (unsigned long long)target);
@@ -1135,12 +593,12 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
 static void on_health(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
     Loom__V1__HealthReply h = LOOM__V1__HEALTH_REPLY__INIT;
     char msg[600];
-    h.ready = s->state == GRID_READY && !s->draining;
-    h.state = s->draining ? "draining" : (char *)grid_state_name[s->state];
-    h.workers_ready = (uint32_t)count_ready(s);
-    h.workers_expected = (uint32_t)s->n_slots;
+    h.ready = loom_grid_state(s->grid) == LOOM_GRID_READY && !s->draining;
+    h.state = s->draining ? "draining" : (char *)loom_grid_state_name(loom_grid_state(s->grid));
+    h.workers_ready = (uint32_t)loom_grid_n_ready(s->grid);
+    h.workers_expected = (uint32_t)loom_grid_n_slots(s->grid);
     if (s->draining) snprintf(msg, sizeof msg, "draining: shutting down, %d request(s) in flight", s->n_reqs);
-    else if (!h.ready) grid_not_ready_msg(s, msg, sizeof msg);
+    else if (!h.ready) loom_grid_describe(s->grid, msg, sizeof msg);
     else snprintf(msg, sizeof msg, "serving %s", s->model_name);
     h.message = msg;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
@@ -1190,8 +648,8 @@ static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1
     st.prefix_cache_hit_rate =
         st.prefix_cache_queries ? (double)st.prefix_cache_hits / (double)st.prefix_cache_queries : 0.0;
     st.kv_block_size = (uint32_t)s->cfg.block_size;
-    st.kv_cache_dtype = s->kv_dtype;
-    st.kv_block_bytes = s->kv_block_bytes;
+    st.kv_cache_dtype = (char *)loom_grid_kv_dtype(s->grid);
+    st.kv_block_bytes = loom_grid_kv_block_bytes(s->grid);
     uint64_t sec = loom_now_ns() / 1000000000ull, sum = 0;
     for (int i = 1; i < RATE_WINDOW; i++) /* full seconds only: skip the current one */
         if (sec >= (uint64_t)i && s->rate_second + RATE_WINDOW > sec - (uint64_t)i && s->rate_second >= sec - (uint64_t)i)
@@ -1228,7 +686,13 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
     }
     const char *method = loom_wire_method(rq->body_case);
     size_t ml = zmq_msg_size(&frames[1]);
-    if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
+    if (loom_wire_check_text(&loom__v1__request__descriptor, zmq_msg_data(&frames[2]), zmq_msg_size(&frames[2]),
+                             &err) < 0) {
+        /* as HTTP refuses them: a NUL would cut the text, invalid UTF-8 has no tokens */
+        char msg[sizeof err.msg + 32];
+        snprintf(msg, sizeof msg, "invalid request: %s", err.msg);
+        reply_error(s, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+    } else if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "the method frame does not name the request's body (%s)", method);
         reply_error(s, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
@@ -1249,97 +713,19 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
 
 /* ---- the step loop ------------------------------------------------------------------------ */
 
-static void send_plan(loom_server_t *s, loom_microbatch_t *mb) {
-    Loom__V1__StepPlan p = LOOM__V1__STEP_PLAN__INIT;
-    p.epoch = s->epoch;
-    p.step_id = mb->id;
-    p.tokens = mb->tokens;
-    p.n_tokens = (size_t)mb->n_tokens;
-    p.pos = mb->pos;
-    p.n_pos = (size_t)mb->n_tokens;
-    p.slots = mb->slots;
-    p.n_slots = (size_t)mb->n_tokens;
-    p.tok_seq = mb->tok_seq;
-    p.n_tok_seq = (size_t)mb->n_tokens;
-    p.n_seqs = (uint32_t)mb->n_seqs;
-    p.max_blocks = (uint32_t)mb->max_blocks;
-    p.block_tables = mb->block_tables;
-    p.n_block_tables = (size_t)mb->n_seqs * (size_t)mb->max_blocks;
-    p.logit_rows = mb->logit_rows;
-    p.n_logit_rows = (size_t)mb->n_logits;
-    for (int i = 0; i < mb->n_logits; i++) {
-        Loom__V1__SampleParams *sp = &s->sp[i];
-        loom__v1__sample_params__init(sp);
-        sp->temperature = mb->sampling[i].temperature;
-        sp->top_k = mb->sampling[i].top_k;
-        sp->top_p = mb->sampling[i].top_p;
-        sp->seed = mb->sampling[i].seed;
-        sp->step = mb->steps[i];
-        s->sp_ptrs[i] = sp;
-    }
-    p.sampling = s->sp_ptrs;
-    p.n_sampling = (size_t)mb->n_logits;
-    p.copy_src = mb->copy_src;
-    p.copy_dst = mb->copy_dst;
-    p.n_copy_src = p.n_copy_dst = (size_t)mb->n_copies;
-    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-    m.body_case = LOOM__V1__CONTROL_MSG__BODY_STEP;
-    m.step = &p;
-    size_t len;
-    void *buf = loom_wire_pack_control(&m, &len);
-    for (int i = 0; i < s->n_slots; i++) send_to_worker(s, &s->slots[i], buf, len);
-    free(buf);
-    s->inflight[s->n_inflight++] = (inflight_t){.mb = mb, .step_id = mb->id, .t_sent = loom_now_ns()};
-}
-
+/* Keeps up to pp micro-batches in flight while the grid is READY. */
 static void schedule(loom_server_t *s) {
-    if (s->state != GRID_READY) return;
     loom_microbatch_t *mb;
-    while (s->n_inflight < s->cfg.pp && (mb = loom_sched_schedule(s->sched))) {
+    while (loom_grid_can_send(s->grid) && (mb = loom_sched_schedule(s->sched))) {
         loom_metrics_observe_iteration(s->metrics, mb->n_tokens);
-        send_plan(s, mb);
-    }
-}
-
-/* Watch thread: a worker's key left etcd (lease expired or revoked). */
-static void on_etcd_event(void *ctx, const loom_etcd_event_t *ev) {
-    loom_server_t *s = ctx;
-    if (ev->type != LOOM_ETCD_DELETE) return;
-    size_t pl = strlen(s->etcd_prefix) + strlen("workers/");
-    if (strlen(ev->key) <= pl) return;
-    gone_key_t *g = loom_xcalloc(1, sizeof *g);
-    snprintf(g->id, sizeof g->id, "%s", ev->key + pl);
-    pthread_mutex_lock(&s->gone_mu);
-    g->next = s->gone;
-    s->gone = g;
-    pthread_mutex_unlock(&s->gone_mu);
-}
-
-/* Reactor: acts on workers whose etcd key went away. A worker that is still
- * heartbeating only lost its link to etcd, and is kept. */
-static void etcd_drain(loom_server_t *s) {
-    if (!s->etcd) return;
-    pthread_mutex_lock(&s->gone_mu);
-    gone_key_t *g = s->gone;
-    s->gone = NULL;
-    pthread_mutex_unlock(&s->gone_mu);
-    while (g) {
-        gone_key_t *next = g->next;
-        int i = slot_of(s, g->id, strlen(g->id));
-        if (i >= 0) {
-            uint64_t age_ms = (loom_now_ns() - s->slots[i].last_seen_ns) / 1000000ull;
-            if (age_ms > 500) lose_worker(s, i, "left etcd (its lease expired)");
-            else LOOM_WARN("worker %s left etcd but is still heartbeating: kept", g->id);
-        }
-        free(g);
-        g = next;
+        loom_grid_send_plan(s->grid, mb);
     }
 }
 
 static void publish_state(loom_server_t *s) {
     loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
                                .requests_rejected = s->requests_rejected,
-                               .grid_ready = s->state == GRID_READY && !s->draining};
+                               .grid_ready = loom_grid_state(s->grid) == LOOM_GRID_READY && !s->draining};
     if (s->sched) {
         loom_sched_stats_t ss;
         loom_sched_get_stats(s->sched, &ss);
@@ -1349,7 +735,7 @@ static void publish_state(loom_server_t *s) {
         st.kv_blocks_total = loom_kv_n_blocks(L);
         st.kv_blocks_used = loom_kv_n_held(L);
         st.kv_blocks_cached = loom_kv_n_cached(L);
-        snprintf(st.kv_dtype, sizeof st.kv_dtype, "%s", s->kv_dtype);
+        snprintf(st.kv_dtype, sizeof st.kv_dtype, "%s", loom_grid_kv_dtype(s->grid));
         st.block_size = s->cfg.block_size;
         st.prefix_caching = s->cfg.prefix_cache;
         st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
@@ -1365,31 +751,12 @@ static void publish_state(loom_server_t *s) {
 
 static void timers(loom_server_t *s) {
     uint64_t now = loom_now_ns();
-    if (now - s->last_check >= 100000000ull) {
-        s->last_check = now;
-        uint64_t limit = (uint64_t)s->cfg.heartbeat_timeout_ms * 1000000ull;
-        for (int i = 0; i < s->n_slots; i++)
-            if (s->slots[i].used && now - s->slots[i].last_seen_ns > limit) {
-                char why[128];
-                snprintf(why, sizeof why, "missed heartbeats for %d ms: lost", s->cfg.heartbeat_timeout_ms);
-                lose_worker(s, i, why);
-            }
-    }
-    if (s->recovery_deadline && now > s->recovery_deadline && s->state != GRID_READY) {
+    if (s->recovery_deadline && now > s->recovery_deadline && loom_grid_state(s->grid) != LOOM_GRID_READY) {
         char msg[700];
         snprintf(msg, sizeof msg, "the serving grid failed and was not restored within %d ms: %s",
-                 s->cfg.recovery_timeout_ms, s->last_failure);
+                 s->cfg.recovery_timeout_ms, loom_grid_last_failure(s->grid));
         fail_all_requests(s, LOOM_ERR_UNAVAILABLE, msg);
         s->recovery_deadline = 0;
-    }
-    if (now - s->last_hb_sent >= 500000000ull) {
-        s->last_hb_sent = now;
-        Loom__V1__Heartbeat hb = LOOM__V1__HEARTBEAT__INIT;
-        Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-        m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
-        m.heartbeat = &hb;
-        for (int i = 0; i < s->n_slots; i++)
-            if (s->slots[i].used) send_ctl(s, &s->slots[i], &m);
     }
 }
 
@@ -1445,18 +812,12 @@ static int drain_step(loom_server_t *s) {
 
 int loom_server_run(loom_server_t *s) {
     LOOM_INFO("coordinator for %s (tp %d x pp %d): API on %s, workers on %s; waiting for %d worker(s)",
-              s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, s->ctl_addr, s->n_slots);
+              s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, loom_grid_bound_addr(s->grid),
+              loom_grid_n_slots(s->grid));
     while (!s->stop) {
-        zmq_pollitem_t items[] = {{s->ctl, 0, ZMQ_POLLIN, 0}, {s->api, 0, ZMQ_POLLIN, 0}};
+        zmq_pollitem_t items[] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0}, {s->api, 0, ZMQ_POLLIN, 0}};
         if (zmq_poll(items, 2, 20) < 0 && errno != EINTR) break;
-        for (int burst = 0; burst < 256 && (items[0].revents & ZMQ_POLLIN); burst++) {
-            zmq_msg_t f[8];
-            int n = recv_frames(s->ctl, f, 8);
-            if (n == 0) break;
-            if (n == 2) on_control(s, zmq_msg_data(&f[0]), zmq_msg_size(&f[0]), zmq_msg_data(&f[1]), zmq_msg_size(&f[1]));
-            else LOOM_WARN("refused a control message of %d frames", n - 1);
-            for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
-        }
+        if (items[0].revents & ZMQ_POLLIN) loom_grid_on_readable(s->grid);
         for (int burst = 0; burst < 256 && (items[1].revents & ZMQ_POLLIN); burst++) {
             zmq_msg_t f[8];
             int n = recv_frames(s->api, f, 8);
@@ -1464,8 +825,7 @@ int loom_server_run(loom_server_t *s) {
             on_api(s, f, n);
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
-        etcd_drain(s);
-        probes_poll(s);
+        loom_grid_tick(s->grid);
         timers(s);
         schedule(s);
         publish_state(s);
@@ -1473,13 +833,7 @@ int loom_server_run(loom_server_t *s) {
     }
     LOOM_INFO("shutting down: %d request(s) still live", s->n_reqs);
     fail_all_requests(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
-    Loom__V1__Shutdown sd = LOOM__V1__SHUTDOWN__INIT;
-    sd.reason = "the coordinator is shutting down";
-    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
-    m.body_case = LOOM__V1__CONTROL_MSG__BODY_SHUTDOWN;
-    m.shutdown = &sd;
-    for (int i = 0; i < s->n_slots; i++)
-        if (s->slots[i].used) send_ctl(s, &s->slots[i], &m);
+    loom_grid_shutdown(s->grid, "the coordinator is shutting down");
     return 0;
 }
 
@@ -1498,48 +852,22 @@ static loom_status_t bind_sock(void *z, const char *addr, char *out, size_t n, l
     return LOOM_OK;
 }
 
-/* "tcp://HOST:PORT" with HOST replaced by --advertise-host when given. */
-static void advertised(const loom_server_t *s, const char *endpoint, char *out, size_t n) {
-    const char *colon = strrchr(endpoint, ':');
-    if (!s->cfg.advertise_host || !colon || strncmp(endpoint, "tcp://", 6) != 0) {
-        snprintf(out, n, "%s", endpoint);
-        return;
-    }
-    snprintf(out, n, "tcp://%s%s", s->cfg.advertise_host, colon);
-}
-
-/* Claims /loom/<cluster>/coordinator (one coordinator per cluster), so
- * workers can find the control address, and watches the workers' keys. */
-static loom_status_t etcd_setup(loom_server_t *s, loom_err_t *err) {
-    const char *cluster = s->cfg.cluster ? s->cfg.cluster : "default";
-    snprintf(s->etcd_prefix, sizeof s->etcd_prefix, "/loom/%s/", cluster);
-    LOOM_CHECK(loom_etcd_open(s->cfg.etcd_url, 2000, &s->etcd, err));
-    /* a wildcard bind (0.0.0.0) is not dialable: publish --advertise-host instead */
-    char ctl[300], api[300];
-    advertised(s, s->ctl_addr, ctl, sizeof ctl);
-    advertised(s, s->api_addr, api, sizeof api);
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "control", ctl);
-    cJSON_AddStringToObject(j, "api", api);
-    cJSON_AddStringToObject(j, "model", s->model_name);
-    cJSON_AddNumberToObject(j, "pid", (double)getpid());
-    char *text = cJSON_PrintUnformatted(j);
-    cJSON_Delete(j);
-    char key[400];
-    snprintf(key, sizeof key, "%scoordinator", s->etcd_prefix);
-    loom_status_t st = loom_etcd_keeper_start(s->etcd, key, text, strlen(text), s->cfg.etcd_ttl, 1, &s->etcd_keeper, err);
-    free(text);
-    if (st == LOOM_ERR_RESOURCE_EXHAUSTED) {
-        char held[sizeof err->msg];
-        snprintf(held, sizeof held, "%s", err->msg);
-        return loom_err_set(err, st, "another coordinator serves cluster '%s' (%s)", cluster, held);
-    }
-    LOOM_CHECK(st);
-    char prefix[400];
-    snprintf(prefix, sizeof prefix, "%sworkers/", s->etcd_prefix);
-    LOOM_CHECK(loom_etcd_watch_start(s->etcd, prefix, 0, on_etcd_event, s, &s->etcd_watch, err));
-    LOOM_INFO("membership: etcd %s, cluster '%s' (lease TTL %d s)", s->cfg.etcd_url, cluster, s->cfg.etcd_ttl);
-    return LOOM_OK;
+/* The grid on the control socket (and etcd, when configured). */
+static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
+    const loom_server_config_t *c = &s->cfg;
+    loom_grid_config_t gc = {.control = c->control, .model_dir = c->model_dir, .model_name = s->model_name,
+                             .n_layers = s->mcfg.n_layers, .vocab_size = s->mcfg.vocab_size, .tp = c->tp,
+                             .pp = c->pp, .comm = c->comm, .weight_dtype = c->weight_dtype,
+                             .quantization = c->quantization, .kv_cache_dtype = c->kv_cache_dtype,
+                             .max_num_seqs = c->max_num_seqs, .max_batched_tokens = c->max_batched_tokens,
+                             .block_size = c->block_size, .num_kv_blocks = c->num_kv_blocks,
+                             .max_model_len = s->max_model_len, .kv_memory = c->kv_memory,
+                             .kv_fraction = c->kv_fraction, .heartbeat_timeout_ms = c->heartbeat_timeout_ms,
+                             .etcd_url = c->etcd_url, .cluster = c->cluster, .advertise_host = c->advertise_host,
+                             .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics};
+    loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
+                                .on_step_done = on_step_done, .on_step_failed = on_step_failed};
+    return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
 }
 
 loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t **out, loom_err_t *err) {
@@ -1578,38 +906,22 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         b = strrchr(tmp, '/');
         snprintf(s->model_name, sizeof s->model_name, "%.255s", b ? b + 1 : tmp);
     }
-    s->n_slots = cfg->tp * cfg->pp;
-    s->slots = loom_xcalloc((size_t)s->n_slots, sizeof *s->slots);
-    s->inflight = loom_xcalloc((size_t)cfg->pp, sizeof *s->inflight);
-    s->probe_fd = loom_xmalloc((size_t)s->n_slots * sizeof *s->probe_fd);
-    for (int i = 0; i < s->n_slots; i++) s->probe_fd[i] = -1;
-    s->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp);
-    s->sp_ptrs = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->sp_ptrs);
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->seed_state = loom_now_ns() ^ ((uint64_t)getpid() << 32);
-    s->run_id = next_seed(s);
     if (cfg->has_seed) s->seed_state = cfg->seed; /* --seed: reproducible seeds for requests without one */
     s->metrics = loom_metrics_create(s->model_name, cfg->pp, s->max_model_len);
 
     s->zctx = zmq_ctx_new();
     s->api = zsock(s, ZMQ_ROUTER);
-    s->ctl = zsock(s, ZMQ_ROUTER);
     int one = 1, unlimited = 0;
     zmq_setsockopt(s->api, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     /* a slow client must not lose chunks: queue instead of dropping */
     zmq_setsockopt(s->api, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
-    zmq_setsockopt(s->ctl, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
-    zmq_setsockopt(s->ctl, ZMQ_ROUTER_HANDOVER, &one, sizeof one);
     st = bind_sock(s->api, cfg->listen, s->api_addr, sizeof s->api_addr, err);
     if (st < 0) goto fail;
-    st = bind_sock(s->ctl, cfg->control, s->ctl_addr, sizeof s->ctl_addr, err);
+    st = grid_open(s, err);
     if (st < 0) goto fail;
-    pthread_mutex_init(&s->gone_mu, NULL);
-    if (cfg->etcd_url) {
-        st = etcd_setup(s, err);
-        if (st < 0) goto fail;
-    }
     snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
     if (zmq_bind(s->api, s->inproc_addr) != 0) {
         st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", s->inproc_addr);
@@ -1631,26 +943,12 @@ void loom_server_destroy(loom_server_t **s_p) {
         req_unlink(s, q);
         req_free(q);
     }
-    loom_etcd_watch_stop(&s->etcd_watch);
-    loom_etcd_keeper_stop(&s->etcd_keeper); /* revokes: the coordinator key goes at once */
-    loom_etcd_close(&s->etcd);
-    while (s->gone) {
-        gone_key_t *g = s->gone;
-        s->gone = g->next;
-        free(g);
-    }
+    loom_grid_destroy(&s->grid);
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);
     if (s->api) zmq_close(s->api);
-    if (s->ctl) zmq_close(s->ctl);
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
-    if (s->probe_fd) probes_stop(s);
-    free(s->probe_fd);
-    free(s->slots);
-    free(s->inflight);
-    free(s->sp);
-    free(s->sp_ptrs);
     free(s->text_buf);
     free(s);
 }

@@ -29,6 +29,12 @@ void *loom_wire_pack_reply(Loom__V1__Reply *m, size_t *len);
 /* The method name a request body travels under ("loom.v1.Generate", ...). */
 const char *loom_wire_method(Loom__V1__Request__BodyCase body);
 
+/* Refuses (INVALID_ARGUMENT, naming the field, e.g. "generate.prompt") a
+ * string field anywhere in the encoded message that holds a NUL byte or is
+ * not valid UTF-8: decoded strings are C strings, which would cut at a NUL. */
+loom_status_t loom_wire_check_text(const ProtobufCMessageDescriptor *d, const void *data, size_t len,
+                                   loom_err_t *err);
+
 /* Checks a step plan's counts and ranges: every per-token array has n
  * entries, block tables n_seqs * max_blocks, sampling one per logit row,
  * ids inside [0, limits). A plan that fails is refused, never executed. */

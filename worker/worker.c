@@ -42,6 +42,7 @@
 #include "worker/model.h"
 
 #define HEARTBEAT_MS 200
+#define WAIT_LOG_MS 5000 /* unanswered this long: say so (with the address) and dial afresh */
 #define STANDBY_RETRY_MS 250 /* a spare asks for a free slot this often: it takes a lost worker's place that fast */
 
 typedef struct worker {
@@ -69,6 +70,7 @@ typedef struct worker {
     pthread_mutex_t comm_mu; /* guards `comm` between the compute thread and aborts */
     loom_comm_t *comm;
     _Atomic uint64_t aborted_epoch; /* plans of this epoch or older fail fast */
+    uint64_t incarnation; /* reactor: the coordinator process of the last Assign (0: none yet) */
     _Atomic uint64_t busy_ns, comm_ns, steps, padded_steps;
     _Atomic uint64_t joined_epoch; /* the last epoch this worker sent Ready for */
 
@@ -281,8 +283,8 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
         post_error(w, err.code, err.msg);
         return;
     }
-    l.nccl_tp_id = (ProtobufCBinaryData){tp_len, tp_id};
-    l.nccl_next_id = (ProtobufCBinaryData){next_len, next_id};
+    l.tp_group_id = (ProtobufCBinaryData){tp_len, tp_id};
+    l.next_group_id = (ProtobufCBinaryData){next_len, next_id};
     LOOM_INFO("shard ready: %.1f MB of weights, %.1f MB read from the checkpoint, KV budget %.1f MB "
               "(%.1f KB per block)",
               (double)l.weight_bytes / 1e6, (double)l.bytes_read / 1e6, (double)l.kv_budget / 1e6,
@@ -329,9 +331,9 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .tp_group = peers, .prev = cs->prev ? &prev : NULL, .next = cs->next ? &next : NULL,
                              .max_bytes = gather > hidden ? gather : hidden, .timeout_ms = 0,
                              .listener = w->listener,
-                             .nccl_tp_id = k->nccl_tp_id.len ? k->nccl_tp_id.data : NULL,
-                             .nccl_prev_id = k->nccl_prev_id.len ? k->nccl_prev_id.data : NULL,
-                             .nccl_next_id = k->nccl_next_id.len ? k->nccl_next_id.data : NULL,
+                             .nccl_tp_id = k->tp_group_id.len ? k->tp_group_id.data : NULL,
+                             .nccl_prev_id = k->prev_group_id.len ? k->prev_group_id.data : NULL,
+                             .nccl_next_id = k->next_group_id.len ? k->next_group_id.data : NULL,
                              .cuda_device = loom_backend_device_index(w->be),
                              .cuda_stream = loom_backend_stream(w->be)};
     if (w->gather_cap < gather) {
@@ -649,6 +651,7 @@ static void follow_coordinator(worker_t *w) {
 
 static int reactor(worker_t *w) {
     uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns(), last_health = 0;
+    uint64_t last_wait_log = loom_now_ns();
     int standby = 0, health_ok = 1;
     int registered = 0; /* the coordinator holds a slot for us (it sends Assign/heartbeats) */
     int orphan = 0;     /* the coordinator went away: the next Assign comes from a new one */
@@ -671,10 +674,18 @@ static int reactor(worker_t *w) {
                     switch (m->body_case) {
                     case LOOM__V1__CONTROL_MSG__BODY_ASSIGN: {
                         const Loom__V1__Assign *a = m->assign;
-                        if (orphan) { /* a new coordinator: its epochs count afresh */
+                        /* a new coordinator (it left, or a restarted one assigns before its
+                         * predecessor's silence was noticed): its epochs count afresh */
+                        int fresh = a->incarnation && a->incarnation != w->incarnation && w->incarnation;
+                        if (fresh && !orphan)
+                            LOOM_INFO("assigned by a new coordinator (incarnation %llx, was %llx): "
+                                      "forgetting the epochs of the previous one",
+                                      (unsigned long long)a->incarnation, (unsigned long long)w->incarnation);
+                        if (orphan || fresh) {
                             atomic_store(&w->aborted_epoch, 0);
                             orphan = 0;
                         }
+                        if (a->incarnation) w->incarnation = a->incarnation;
                         w->has_shard = 1;
                         w->shard_stage = a->stage;
                         w->shard_n_stages = a->n_stages;
@@ -689,6 +700,11 @@ static int reactor(worker_t *w) {
                     case LOOM__V1__CONTROL_MSG__BODY_STEP: hand_over(w, m); m = NULL; break;
                     case LOOM__V1__CONTROL_MSG__BODY_ABORT: {
                         uint64_t e = m->abort->epoch;
+                        if (m->abort->incarnation && w->incarnation && m->abort->incarnation != w->incarnation) {
+                            LOOM_WARN("ignored an abort of epoch %llu from a previous coordinator",
+                                      (unsigned long long)e);
+                            break;
+                        }
                         LOOM_WARN("abort of epoch %llu: %s", (unsigned long long)e, m->abort->reason);
                         if (e > atomic_load(&w->aborted_epoch)) atomic_store(&w->aborted_epoch, e);
                         pthread_mutex_lock(&w->comm_mu);
@@ -742,6 +758,19 @@ static int reactor(worker_t *w) {
             if (orphan) follow_coordinator(w);
             send_register(w);
             last_register = loom_now_ns();
+        }
+        /* no coordinator answers: say so every few seconds, and dial afresh (a
+         * connection the coordinator did not take, e.g. while it still held
+         * this id's previous connection, is never read) */
+        if (!registered && now - last_heard > WAIT_LOG_MS * 1000000ull &&
+            now - last_wait_log > WAIT_LOG_MS * 1000000ull) {
+            LOOM_INFO("waiting for a coordinator at %s: no answer for %.0f s (registering every %d ms)",
+                      w->coord_addr, (double)(now - last_heard) * 1e-9, standby ? STANDBY_RETRY_MS : orphan ? 500 : 2000);
+            last_wait_log = now;
+            zmq_disconnect(w->ctl, w->coord_addr);
+            if (zmq_connect(w->ctl, w->coord_addr) != 0)
+                LOOM_WARN("cannot connect to %s: %s", w->coord_addr, zmq_strerror(errno));
+            last_register = 0;
         }
         if (w->health_path && now - last_health >= 1000000000ull) {
             int ok = write_health(w, registered, standby) == 0;
@@ -801,12 +830,40 @@ static loom_status_t etcd_find_coordinator(worker_t *w, loom_err_t *err) {
         if (loom_now_ns() > deadline || g_stop)
             return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "no coordinator for cluster '%s' in etcd %s after %d s",
                                 w->cluster, w->etcd_url, w->coord_wait_s);
-        if (!logged++) LOOM_INFO("waiting for the coordinator of cluster '%s' to appear in etcd", w->cluster);
+        if (logged++ % (WAIT_LOG_MS / 200) == 0)
+            LOOM_INFO("waiting for the coordinator of cluster '%s' to appear in etcd %s (key /loom/%s/coordinator)",
+                      w->cluster, w->etcd_url, w->cluster);
         usleep(200000);
     }
 }
 
-/* etcd: holds /loom/<cluster>/workers/<id> under a lease while this worker lives. */
+/* Whether the process that holds our etcd key is an earlier one of ours that
+ * is gone: same host, and its pid is not running here (or is our own: a
+ * container restarted with the same pid). */
+static int stale_holder(loom_etcd_t *e, const char *key, const char *host) {
+    char *v = NULL;
+    loom_err_t err = {0};
+    if (loom_etcd_get(e, key, &v, NULL, NULL, &err) < 0) return 0;
+    cJSON *j = cJSON_Parse(v);
+    const cJSON *h = cJSON_GetObjectItemCaseSensitive(j, "host");
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(j, "pid");
+    int stale = 0;
+    if (cJSON_IsString(h) && !strcmp(h->valuestring, host) && cJSON_IsNumber(p) && p->valuedouble >= 1 &&
+        p->valuedouble < 4194305) {
+        pid_t pid = (pid_t)p->valuedouble;
+        stale = pid == getpid() || (kill(pid, 0) != 0 && errno == ESRCH);
+        if (stale)
+            LOOM_WARN("etcd key %s is held by an earlier worker on this host (pid %d, gone): taking it over", key,
+                      (int)pid);
+    }
+    cJSON_Delete(j);
+    free(v);
+    return stale;
+}
+
+/* etcd: holds /loom/<cluster>/workers/<id> under a lease while this worker lives;
+ * a key left by an earlier process of ours is taken over, a live holder's
+ * lease waited out. */
 static loom_status_t etcd_register(worker_t *w, loom_etcd_t *e, loom_etcd_keeper_t **keeper, loom_err_t *err) {
     char key[300], host[128] = "localhost";
     gethostname(host, sizeof host);
@@ -819,7 +876,24 @@ static loom_status_t etcd_register(worker_t *w, loom_etcd_t *e, loom_etcd_keeper
     cJSON_AddNumberToObject(j, "pid", (double)getpid());
     char *text = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
-    loom_status_t st = loom_etcd_keeper_start(e, key, text, strlen(text), w->etcd_ttl, 1, keeper, err);
+    loom_status_t st;
+    int waiting = 0;
+    while ((st = loom_etcd_keeper_start(e, key, text, strlen(text), w->etcd_ttl, 1, keeper, err)) ==
+           LOOM_ERR_RESOURCE_EXHAUSTED) {
+        if (stale_holder(e, key, host)) {
+            /* an earlier process with this id on this host, now gone (restarted
+             * within the lease TTL, or etcd kept the key across its restart) */
+            loom_err_t derr = {0};
+            if (loom_etcd_delete(e, key, &derr) == LOOM_OK) continue;
+            LOOM_WARN("could not remove the stale etcd key %s: %s", key, derr.msg);
+        }
+        if (!waiting++)
+            LOOM_WARN("%s: waiting for its lease to expire (another live worker with id '%s' would hold it for "
+                      "good)", err->msg, w->id);
+        if (g_stop) break;
+        sleep(1);
+    }
+    if (waiting && st == LOOM_OK) LOOM_INFO("registered in etcd as %s", key);
     free(text);
     return st;
 }

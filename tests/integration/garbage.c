@@ -1,7 +1,7 @@
 /* Sends hostile input to a running coordinator's two sockets and checks that
  * it is refused and that the coordinator still serves afterwards.
  *
- *   garbage --api tcp://127.0.0.1:P --control tcp://127.0.0.1:P+1
+ *   garbage --api tcp://127.0.0.1:P --control tcp://127.0.0.1:P+1 [--worker-id ID]
  * Exit status 0 when every refusal came back as expected and Health answers. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -68,6 +68,145 @@ static void expect_api_error(void *z, const char *what, Loom__V1__StatusCode cod
     CHECKF(r->message && r->message[0], "%s: no message", what);
     fprintf(stderr, "  %s -> %s: %s\n", what, loom_wire_code_name(r->code), r->message);
     protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+/* Reads replies (skipping a stream's chunks) until one with a non-OK code
+ * comes; checks it is `code` and its message holds `needle`. */
+static void expect_error_among(void *z, const char *what, Loom__V1__StatusCode code, const char *needle) {
+    uint8_t buf[65536];
+    for (int k = 0; k < 400; k++) {
+        int n = recv_reply(z, buf, sizeof buf);
+        if (n <= 0) break;
+        Loom__V1__Reply *r = loom_wire_unpack_reply(buf, (size_t)n, NULL);
+        if (!r) continue;
+        if (r->code != LOOM__V1__STATUS_CODE__OK) {
+            CHECKF(r->code == code && r->message && strstr(r->message, needle), "%s: code %d (%s)", what, r->code,
+                   r->message);
+            fprintf(stderr, "  %s -> %s: %s\n", what, loom_wire_code_name(r->code), r->message);
+            protobuf_c_message_free_unpacked(&r->base, NULL);
+            return;
+        }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    CHECKF(0, "%s: no refusal came", what);
+}
+
+/* A Generate whose prompt has byte `bad` at position 3 (protobuf-c cannot
+ * pack an embedded NUL itself: the bytes are patched after packing). */
+static void send_patched_prompt(void *z, uint64_t id, uint8_t bad) {
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.prompt = "QQQQQQQQ";
+    g.max_tokens = 2;
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    rq.request_id = id;
+    rq.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
+    rq.generate = &g;
+    size_t len;
+    uint8_t *full = loom_wire_pack_request(&rq, &len);
+    uint8_t *at = memmem(full, len, "QQQQQQQQ", 8);
+    if (at) at[3] = bad;
+    zmq_send(z, "loom.v1.Generate", 16, ZMQ_SNDMORE);
+    zmq_send(z, full, len, 0);
+    free(full);
+}
+
+static void send_request(void *z, const char *method, Loom__V1__Request *rq) {
+    size_t len;
+    uint8_t *full = loom_wire_pack_request(rq, &len);
+    zmq_send(z, method, strlen(method), ZMQ_SNDMORE);
+    zmq_send(z, full, len, 0);
+    free(full);
+}
+
+/* A second connection with a serving worker's routing id: it registers and
+ * heartbeats while a request runs, and must receive nothing (no Assign, no
+ * step plan, not even an error), and the request must finish. */
+static void control_hijack(const char *ctl, const char *api, const char *worker_id) {
+    void *z = dealer(ctl, worker_id);
+    Loom__V1__Register reg = LOOM__V1__REGISTER__INIT;
+    reg.worker_id = (char *)worker_id;
+    reg.data_addr = "tcp://127.0.0.1:1";
+    reg.pid = 1;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_REGISTER;
+    m.register_ = &reg;
+    size_t len;
+    void *p = loom_wire_pack_control(&m, &len);
+    zmq_send(z, p, len, 0);
+    free(p);
+    Loom__V1__Heartbeat hb = LOOM__V1__HEARTBEAT__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
+    m.heartbeat = &hb;
+    p = loom_wire_pack_control(&m, &len);
+    zmq_send(z, p, len, 0);
+    free(p);
+    void *c = dealer(api, NULL);
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.prompt = "Once upon a time";
+    g.max_tokens = 16;
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    rq.request_id = 60;
+    rq.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
+    rq.generate = &g;
+    send_request(c, "loom.v1.Generate", &rq);
+    int final_ok = 0, chunks = 0;
+    uint8_t buf[65536];
+    for (int k = 0; k < 100 && !final_ok; k++) {
+        int n = recv_reply(c, buf, sizeof buf);
+        if (n <= 0) break;
+        Loom__V1__Reply *r = loom_wire_unpack_reply(buf, (size_t)n, NULL);
+        if (r && r->body_case == LOOM__V1__REPLY__BODY_CHUNK) {
+            chunks++;
+            if (r->chunk->final) final_ok = r->code == LOOM__V1__STATUS_CODE__OK ? 1 : -1;
+        }
+        if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    CHECKF(final_ok == 1, "hijack: the request did not finish OK while a peer claimed %s (%d chunks)", worker_id,
+           chunks);
+    int to = 500;
+    zmq_setsockopt(z, ZMQ_RCVTIMEO, &to, sizeof to);
+    int got = recv_reply(z, buf, sizeof buf);
+    CHECKF(got < 0, "hijack: a second connection as %s received a %d-byte message", worker_id, got);
+    fprintf(stderr, "  second connection as %s -> %s; the request %s (%d chunks)\n", worker_id,
+            got < 0 ? "received nothing" : "RECEIVED A MESSAGE", final_ok == 1 ? "finished" : "FAILED", chunks);
+    zmq_close(c);
+    zmq_close(z);
+}
+
+/* Text the decoder would cut or could not tokenize, and request ids that
+ * collide or name nothing. */
+static void api_text_and_ids(const char *addr) {
+    void *z = dealer(addr, NULL);
+    send_patched_prompt(z, 31, 0x00);
+    expect_error_among(z, "embedded NUL", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, "generate.prompt contains a NUL");
+    send_patched_prompt(z, 32, 0xff);
+    expect_error_among(z, "invalid UTF-8", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, "generate.prompt is not valid UTF-8");
+    /* the same id twice while the first is in flight */
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.prompt = "Once upon a time";
+    g.max_tokens = 200;
+    g.ignore_eos = 1;
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    rq.request_id = 40;
+    rq.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
+    rq.generate = &g;
+    send_request(z, "loom.v1.Generate", &rq);
+    send_request(z, "loom.v1.Generate", &rq);
+    expect_error_among(z, "duplicate request id", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, "already in flight");
+    /* Cancel of an id that is not in flight */
+    Loom__V1__CancelRequest cr = LOOM__V1__CANCEL_REQUEST__INIT;
+    cr.target_request_id = 4242;
+    Loom__V1__Request cq = LOOM__V1__REQUEST__INIT;
+    cq.request_id = 41;
+    cq.body_case = LOOM__V1__REQUEST__BODY_CANCEL;
+    cq.cancel = &cr;
+    send_request(z, "loom.v1.Cancel", &cq);
+    expect_error_among(z, "cancel of an unknown id", LOOM__V1__STATUS_CODE__NOT_FOUND, "no request 4242");
+    cr.target_request_id = 40; /* the stream in flight: found */
+    cq.request_id = 42;
+    send_request(z, "loom.v1.Cancel", &cq);
+    expect_error_among(z, "cancel of the stream", LOOM__V1__STATUS_CODE__CANCELLED, "cancelled");
+    zmq_close(z);
 }
 
 static void api_garbage(const char *addr) {
@@ -240,12 +379,13 @@ static void health_still_ok(const char *addr) {
 }
 
 int main(int argc, char **argv) {
-    const char *api = NULL, *control = NULL;
+    const char *api = NULL, *control = NULL, *worker = NULL;
     loom_opt_t opts[] = {
         {"api", LOOM_OPT_STR, &api, "ADDR", "coordinator client API", 1, 0, NULL},
         {"control", LOOM_OPT_STR, &control, "ADDR", "coordinator control socket", 1, 0, NULL},
+        {"worker-id", LOOM_OPT_STR, &worker, "ID", "a serving worker's id: a second connection claims it", 1, 0, NULL},
     };
-    int r = loom_cli_parse(argc, argv, 1, opts, 2, "garbage --api ADDR --control ADDR",
+    int r = loom_cli_parse(argc, argv, 1, opts, 3, "garbage --api ADDR --control ADDR [--worker-id ID]",
                            "Sends hostile input to a coordinator and checks it is refused.");
     if (r) return r < 0 ? 2 : 0;
     if (!api || !control) return 2;
@@ -254,7 +394,9 @@ int main(int argc, char **argv) {
     raw_tcp(api);
     raw_tcp(control);
     api_garbage(api);
+    api_text_and_ids(api);
     control_garbage(control);
+    if (worker) control_hijack(control, api, worker);
     health_still_ok(api);
     zmq_ctx_term(g_ctx);
     return test_summary();

@@ -6,7 +6,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, Cluster, STORIES, check, gen_model, kill, run_local, run_tests  # noqa: E402
+from harness import BIN, Cluster, STORIES, check, gen_model, kill, run_local, run_tests, wait_for  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-cluster")
 
@@ -47,7 +47,9 @@ def test_killed_worker_gives_unavailable():
         check("UNAVAILABLE" in err, "no UNAVAILABLE in %r" % err)
         check(elapsed < 5.0, "UNAVAILABLE took %.1f s" % elapsed)
         # the coordinator keeps running, answers Health, and says what happened
-        time.sleep(2.0)
+        # (once its probes have settled who is gone)
+        wait_for(lambda: "worker-3" in c.health()[1] and "ready: no" in c.health()[1], 10,
+                 "Health to name the lost worker")
         rc, health = c.health()
         check("ready: no" in health, "health after the loss: %r" % health)
         check("worker-3" in health, "health does not name the lost worker: %r" % health)
@@ -170,7 +172,7 @@ def test_spare_takes_over_with_defaults():
 def test_garbage_is_refused():
     with Cluster(STORIES, 1, 1) as c:
         p = subprocess.run([os.path.join(BIN, "..", "tests", "garbage"), "--api", c.addr,
-                            "--control", "tcp://127.0.0.1:%d" % (c.port + 1)],
+                            "--control", "tcp://127.0.0.1:%d" % (c.port + 1), "--worker-id", "worker-0"],
                            capture_output=True, text=True, timeout=120)
         sys.stdout.write(p.stderr[-2000:])
         check(p.returncode == 0, "garbage test failed")

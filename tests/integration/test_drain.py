@@ -301,7 +301,113 @@ def test_workers_follow_coordinator_through_etcd():
             check(loads(P, "w%d" % i) == 1, "w%d loaded its shard again" % i)
 
 
+def test_fast_restart_after_aborts_serves():
+    # D2: a coordinator restarted before the workers noticed the crash starts
+    # again at epoch 1; workers that saw epoch 1 aborted under the old one must
+    # not fail its steps (the incarnation in Assign tells them apart)
+    expect = run_local(STORIES, PROMPT, 16)[1]
+    port = free_port_pair()
+    addr = "tcp://127.0.0.1:%d" % port
+    with Procs() as P:
+        co = P.coordinator(STORIES, port, extra=["--tp", "2"])
+        P.worker("w0", port)
+        w1 = P.worker("w1", port)
+        wait_ready(co)
+        w1.kill()
+        w1.wait()
+        P.worker("w1", port)  # the same id again: epoch 1 is aborted, epoch 2 forms
+        wait_for(lambda: "grid ready (epoch 2" in P.log("coordinator"), 30, "the grid to form again (epoch 2)")
+        check("abort of epoch 1" in P.log("w0"), "w0 saw no abort")
+        co.kill()
+        co.wait()
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--recovery-timeout-ms", "0"], name="coordinator2")
+        wait_ready(co, 30)
+        check("leaving the grid" not in P.log("w0"), "w0 noticed the crash first: the case is not tested")
+        for i in range(3):
+            rc, _, ids, err = generate(addr, PROMPT, 16)
+            check(rc == 0 and ids == expect, "request %d after the fast restart: %s" % (i, err))
+        check("forgetting the epochs of the previous one" in P.log("w0"), "w0 did not see a new incarnation")
+
+
+def test_restart_keeps_every_shard_2x2_etcd():
+    # every worker of a 2x2 grid found through etcd gets its own slot back from
+    # the next coordinator and keeps its weights
+    expect = run_local(STORIES, PROMPT, 24)[1]
+    with Etcd() as etcd, Procs() as P:
+        etcd_args = ["--etcd", etcd.url, "--cluster", "keep"]
+        port = free_port_pair()
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--pp", "2"] + etcd_args)
+        for i in range(4):
+            P.start("w%d" % i, [os.path.join(BIN, "loom-worker"), "--threads", "1", "--id", "w%d" % i] + etcd_args)
+        wait_ready(co)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 24)
+        check(rc == 0 and ids == expect, "before the restart: %s" % err)
+        co.send_signal(signal.SIGTERM)
+        check(co.wait(timeout=30) == 0, "the first coordinator did not exit cleanly")
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--pp", "2"] + etcd_args, name="coordinator2")
+        wait_ready(co, 60)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 24)
+        check(rc == 0 and ids == expect, "after the restart: %s" % err)
+        # a crash (kill -9) within the lease TTL: the next coordinator takes over the dead one's key
+        co.kill()
+        co.wait()
+        co = P.coordinator(STORIES, port, extra=["--tp", "2", "--pp", "2"] + etcd_args, name="coordinator3")
+        wait_ready(co, 60)
+        check("taking it over" in P.log("coordinator3"), "coordinator3: %s" % P.log("coordinator3")[-500:])
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 24)
+        check(rc == 0 and ids == expect, "after the crash: %s" % err)
+        counts = [loads(P, "w%d" % i) for i in range(4)]
+        print("  shard loads per worker over three coordinators: %s" % counts)
+        check(counts == [1, 1, 1, 1], "a worker loaded its shard again: %s" % counts)
+        for name in ("coordinator2", "coordinator3"):
+            check(P.log(name).count("loaded its shard") == 4, "%s did not form the grid" % name)
+
+
+def test_restarted_worker_takes_its_etcd_key():
+    # D4: a worker restarted with the same id within its lease TTL takes over
+    # the key its dead predecessor left; a second live process with that id waits
+    with Etcd() as etcd, Procs() as P:
+        etcd_args = ["--etcd", etcd.url, "--cluster", "d4"]
+        port = free_port_pair()
+        co = P.coordinator(STORIES, port, extra=etcd_args)
+        wargs = [os.path.join(BIN, "loom-worker"), "--threads", "1", "--id", "w0", "--etcd-ttl", "30"] + etcd_args
+        w = P.start("w0", wargs)
+        wait_ready(co)
+        w.kill()
+        w.wait()
+        w = P.start("w0b", wargs)
+        wait_for(lambda: P.log("coordinator").count("grid ready") >= 2 or w.poll() is not None, 30,
+                 "the restarted worker to join")
+        check(w.poll() is None, "the restarted worker exited: %s" % P.log("w0b")[-500:])
+        check("taking it over" in P.log("w0b"), "no takeover logged: %s" % P.log("w0b")[-500:])
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 8)
+        check(rc == 0 and ids, "after the takeover: %s" % err)
+        twin = P.start("w0c", wargs)
+        wait_for(lambda: "waiting for its lease to expire" in P.log("w0c") or twin.poll() is not None, 15,
+                 "the twin to wait")
+        check(twin.poll() is None and "waiting for its lease" in P.log("w0c"), "the twin: %s" % P.log("w0c")[-500:])
+        twin.send_signal(signal.SIGTERM)
+        twin.wait(timeout=10)
+        check(w.poll() is None, "the serving worker exited")
+
+
+def test_worker_says_it_waits():
+    # a worker whose coordinator is not there says so every few seconds, with
+    # the address, and joins once one starts there
+    port = free_port_pair()
+    with Procs() as P:
+        P.worker("w0", port)
+        addr = "waiting for a coordinator at tcp://127.0.0.1:%d" % (port + 1)
+        wait_for(lambda: P.log("w0").count(addr) >= 2, 20, "two waiting lines with the address")
+        co = P.coordinator(STORIES, port)
+        wait_ready(co, 30)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 8)
+        check(rc == 0 and ids, "after the late start: %s" % err)
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_sigterm_drains, test_shutdown_timeout_cuts_streams, test_second_signal_exits_at_once,
-               test_workers_survive_coordinator_restart, test_workers_follow_coordinator_through_etcd])
+               test_workers_survive_coordinator_restart, test_workers_follow_coordinator_through_etcd,
+               test_fast_restart_after_aborts_serves, test_restart_keeps_every_shard_2x2_etcd,
+               test_restarted_worker_takes_its_etcd_key, test_worker_says_it_waits])

@@ -60,7 +60,10 @@ def test_worker_waits_for_coordinator():
         w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--etcd", etcd.url, "--cluster", "late",
                               "--threads", "1", "--id", "early"], stdout=subprocess.DEVNULL, stderr=wlog)
         try:
-            time.sleep(1.0)
+            def says_waiting():
+                wlog.seek(0)
+                return "to appear in etcd" in wlog.read()
+            check(wait_for(says_waiting, 10), "the worker did not say it waits")
             check(w.poll() is None, "the worker gave up")
             ready = os.path.join(etcd.dir, "ready")
             co = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",

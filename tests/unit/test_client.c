@@ -575,6 +575,35 @@ static void test_misbehaving_server(void) {
     loom_client_close(&c);
 }
 
+static void *stop_later(void *arg) {
+    usleep(300000);
+    fake_stop((fake_t **)arg);
+    return NULL;
+}
+
+/* The server goes away mid-stream: UNAVAILABLE at once, not at the timeout. */
+static void test_server_gone(void) {
+    fake_t *f = fake_start();
+    loom_client_options_t o = {.timeout_ms = 30000};
+    loom_client_t *c = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_client_connect(f->endpoint, &o, &c, &err) == LOOM_OK);
+    char endpoint[128];
+    snprintf(endpoint, sizeof endpoint, "%s", f->endpoint);
+    pthread_t t;
+    pthread_create(&t, NULL, stop_later, &f);
+    loom_gen_params_t p = {.prompt = "silent", .max_tokens = 3};
+    double t0 = loom_now_s();
+    loom_status_t s = loom_client_generate(c, &p, NULL, NULL, &err);
+    double dt = loom_now_s() - t0;
+    pthread_join(t, NULL);
+    CHECK(s == LOOM_ERR_UNAVAILABLE);
+    CHECKF(strstr(err.msg, "connection to") && strstr(err.msg, endpoint) && strstr(err.msg, "was lost"), "%s",
+           err.msg);
+    CHECKF(dt >= 0.25 && dt < 3.5, "noticed after %.3f s", dt);
+    loom_client_close(&c);
+}
+
 static void test_unary(void) {
     loom_client_t *c = connect_client(5000, "k3y");
     REQUIRE(c);
@@ -898,6 +927,7 @@ int main(void) {
     RUN(test_generate_stream);
     RUN(test_refusals);
     RUN(test_misbehaving_server);
+    RUN(test_server_gone);
     RUN(test_unary);
     RUN(test_cancel_by_callback);
     RUN(test_async_interleaved);

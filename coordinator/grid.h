@@ -1,0 +1,148 @@
+/* The grid lifecycle: the coordinator's side of the control plane. One grid
+ * is tp x pp worker slots (slot = stage * tp + tp_rank) on one ROUTER socket.
+ * It knows no requests, tokens or tokenizer: it forms the grid, keeps it
+ * alive, carries step plans out and step results back, and reports through
+ * a few callbacks (ready, failed, a step done or dropped).
+ *
+ * States (loom_grid_state):
+ *   WAITING  slots not all filled; workers register into free slots. With
+ *            probes out (loom_grid_probing) every slot is filled but the
+ *            last epoch failed: each member's data-plane listener is being
+ *            probed (a TCP connect, PROBE_MS at most) to learn who is alive.
+ *   LOADING  every slot filled; Assign (epoch e) sent; waiting for Loaded
+ *            from every slot
+ *   JOINING  the KV pool is sized (the smallest worker decides); KvConfig
+ *            (with the comm-group ids the Loaded messages carried) sent;
+ *            waiting for Ready from every slot
+ *   READY    serving: step plans go out, up to pp micro-batches in flight
+ *
+ * Transitions:
+ *   WAITING --last free slot registered--> LOADING (epoch e+1, Assign to all)
+ *   WAITING(probing) --every member answered--> LOADING (epoch e+1)
+ *   WAITING(probing) --a member refused/timed out--> WAITING (its slot freed)
+ *   LOADING --Loaded of epoch e from all--> JOINING (or stays LOADING with
+ *            last_failure set when no memory is left for the KV cache)
+ *   JOINING --Ready of epoch e from all--> READY (callback on_ready)
+ *   any    --a member lost (missed heartbeats, its etcd key gone, it
+ *            registered again)--> WAITING, the slot freed
+ *   any    --a step failed, a result out of order or malformed, a worker's
+ *            Error while READY--> WAITING with probes out
+ *   Each of the last two aborts epoch e (Abort to every member; in-flight
+ *   micro-batches go back through on_step_failed, then on_failed).
+ *
+ * Invariants:
+ *   - A slot's worker id equals the ZeroMQ routing id its messages come on;
+ *     a message from a routing id without a slot is answered NOT_FOUND
+ *     ("register first") and changes nothing. The routing id of a taken slot
+ *     cannot be taken over by a second connection (no ZMQ_ROUTER_HANDOVER:
+ *     libzmq drops the newcomer while the first is connected; ZMTP
+ *     heartbeats reap the connection of a dead worker within the heartbeat
+ *     timeout, so a restarted worker gets through). When peers authenticate
+ *     (CURVE, ZAP), loom_grid_peer_allowed binds a slot to the identity that
+ *     registered it: a message from another identity is refused.
+ *   - Loaded/Ready/StepResult of an epoch other than the current one, or in
+ *     a state that does not wait for them, are leftovers and are dropped.
+ *   - Step plans leave only in READY; step results come back in plan order
+ *     (a FIFO of at most pp entries); every planned micro-batch is answered
+ *     exactly once, by on_step_done or on_step_failed.
+ *   - Every Assign and Abort carries the coordinator's incarnation (random
+ *     per process, never 0): a worker assigned by a new incarnation forgets
+ *     the epochs (and aborts) of the old coordinator, and ignores an Abort of
+ *     another incarnation.
+ *   - A Register from the process that already holds a slot (same pid, data
+ *     address and host) is a retry: answered with a heartbeat, nothing else
+ *     changes. From a new process with the same id it is a restart: the slot
+ *     is lost (the epoch aborted) and registered afresh.
+ *   - A worker that registers naming the shard it holds (has_shard, same
+ *     grid shape and model) gets that slot when it is free, so a restarted
+ *     coordinator gives every worker its own weights back. */
+#ifndef LOOM_GRID_H
+#define LOOM_GRID_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "coordinator/sched.h"
+
+typedef enum { LOOM_GRID_WAITING = 0, LOOM_GRID_LOADING, LOOM_GRID_JOINING, LOOM_GRID_READY } loom_grid_state_t;
+
+typedef struct loom_grid loom_grid_t;
+
+typedef struct loom_grid_callbacks {
+    void *ctx;
+    /* The grid became READY (epoch loom_grid_epoch, loom_grid_n_blocks KV blocks). */
+    void (*on_ready)(void *ctx, loom_grid_t *g);
+    /* The epoch was aborted (why: what happened). In-flight micro-batches were
+     * handed back through on_step_failed first. */
+    void (*on_failed)(void *ctx, loom_grid_t *g, const char *why);
+    /* A micro-batch ran: one sampled id per logit row (ids checked against the
+     * vocabulary); step_s from plan sent to result received. */
+    void (*on_step_done)(void *ctx, loom_microbatch_t *mb, const int32_t *ids, double step_s);
+    /* A micro-batch did not run (its epoch was aborted). */
+    void (*on_step_failed)(void *ctx, loom_microbatch_t *mb);
+} loom_grid_callbacks_t;
+
+typedef struct loom_grid_config {
+    const char *control;      /* ROUTER bind address for workers, e.g. tcp://127.0.0.1:5556 */
+    const char *model_dir;    /* as workers should open it (absolute) */
+    const char *model_name;   /* published with the plan */
+    int n_layers, vocab_size; /* of the model */
+    int tp, pp;
+    const char *comm;         /* auto, shm, tcp, nccl */
+    const char *weight_dtype, *quantization, *kv_cache_dtype;
+    int max_num_seqs, max_batched_tokens, block_size, num_kv_blocks, max_model_len;
+    uint64_t kv_memory;
+    float kv_fraction;
+    int heartbeat_timeout_ms;
+    /* etcd membership (etcd_url NULL: heartbeats only) */
+    const char *etcd_url, *cluster, *advertise_host, *api_addr; /* api_addr: published for clients */
+    int etcd_ttl;
+    struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
+} loom_grid_config_t;
+
+/* Binds the control socket on zctx (the caller's context) and, with etcd,
+ * claims /loom/<cluster>/coordinator and watches the workers' keys. */
+loom_status_t loom_grid_create(const loom_grid_config_t *cfg, void *zctx, const loom_grid_callbacks_t *cb,
+                               loom_grid_t **out, loom_err_t *err);
+void loom_grid_destroy(loom_grid_t **g_p);
+
+/* The reactor: poll loom_grid_socket for ZMQ_POLLIN, then call
+ * loom_grid_on_readable; call loom_grid_tick every loop (liveness checks,
+ * heartbeats, probes, etcd events). */
+void *loom_grid_socket(loom_grid_t *g);
+void loom_grid_on_readable(loom_grid_t *g);
+void loom_grid_tick(loom_grid_t *g);
+
+/* Step plans: loom_grid_can_send says READY with a free in-flight place. */
+int loom_grid_can_send(const loom_grid_t *g);
+void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb);
+int loom_grid_n_inflight(const loom_grid_t *g);
+
+/* Tells every member the coordinator is going away (they keep their weights). */
+void loom_grid_shutdown(loom_grid_t *g, const char *reason);
+
+/* Whether a message from a peer whose authenticated identity is user_id
+ * (ZMQ "User-Id" metadata; NULL when the socket does not authenticate) may
+ * speak for slot i. The identity is bound to the slot at registration. */
+int loom_grid_peer_allowed(const loom_grid_t *g, int slot, const char *user_id);
+
+loom_grid_state_t loom_grid_state(const loom_grid_t *g);
+const char *loom_grid_state_name(loom_grid_state_t st);
+int loom_grid_probing(const loom_grid_t *g);
+int loom_grid_n_slots(const loom_grid_t *g);
+int loom_grid_n_registered(const loom_grid_t *g);
+int loom_grid_n_ready(const loom_grid_t *g);
+uint64_t loom_grid_epoch(const loom_grid_t *g);
+uint64_t loom_grid_incarnation(const loom_grid_t *g);
+int loom_grid_n_blocks(const loom_grid_t *g);
+const char *loom_grid_kv_dtype(const loom_grid_t *g);     /* "mixed" when workers differ */
+uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g); /* the largest worker's */
+const char *loom_grid_last_failure(const loom_grid_t *g); /* "" when none since the last READY */
+/* The worker id in slot i, or NULL when the slot is free. */
+const char *loom_grid_slot_worker(const loom_grid_t *g, int i);
+const char *loom_grid_bound_addr(const loom_grid_t *g); /* the control endpoint bound */
+/* "the grid is not ready (STATE, R of N workers registered)[: last failure: ...]" */
+void loom_grid_describe(const loom_grid_t *g, char *out, size_t n);
+
+#endif
