@@ -57,6 +57,7 @@
 #include "common/util.h"
 #include "common/shard.h"
 #include "coordinator/metrics.h"
+#include "coordinator/sampling_params.h"
 #include "coordinator/sched.h"
 #include "coordinator/stop.h"
 #include "proto/wire.h"
@@ -99,6 +100,10 @@ typedef struct request {
     int n_stop_ids;
     int ignore_eos, max_tokens, prompt_tokens, completion_tokens;
     char tag[MAX_TAG + 1]; /* the caller's id, for log lines ("" if none) */
+    /* sampling controls (sampling_params.h) */
+    loom_sparams_t *sparams;
+    int min_tokens;       /* EOS, stop ids and stop strings end nothing before this many tokens */
+    int include_stop_str; /* a stop string that ends the request stays in the text */
     uint64_t t_arrival, t_queued, t_last_token; /* loom_now_ns() */
     uint64_t tokenize_ns, detok_ns, send_ns;    /* time spent in each, summed */
     struct request *prev, *next;
@@ -154,6 +159,7 @@ struct loom_server {
     /* step plan scratch */
     Loom__V1__SampleParams *sp;
     Loom__V1__SampleParams **sp_ptrs;
+    loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
     /* counters */
     uint64_t steps, requests_finished, requests_rejected, prompt_tokens_total, gen_tokens_total;
@@ -261,6 +267,7 @@ static void req_unlink(loom_server_t *s, request_t *q) {
 static void req_free(request_t *q) {
     for (int i = 0; i < q->n_stop; i++) free(q->stop[i]);
     free(q->pending);
+    loom_sparams_destroy(&q->sparams);
     free(q);
 }
 
@@ -397,7 +404,8 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     }
     s->rate_tokens[sec % RATE_WINDOW]++;
 
-    if ((!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id)) {
+    int may_stop = q->completion_tokens > q->min_tokens; /* min_tokens: the workers ban EOS and stop ids */
+    if (may_stop && ((!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id))) {
         size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
         pending_append(q, s->text_buf, n);
         q->detok_ns += loom_now_ns() - t0;
@@ -412,8 +420,9 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
         pending_append(q, s->text_buf, n);
     }
     /* the earliest stop string ends the text before it */
-    long hit = loom_stop_find(q->stop, q->n_stop, q->pending, q->n_pending);
+    long hit = may_stop ? loom_stop_find(q->stop, q->n_stop, q->pending, q->n_pending) : -1;
     if (hit >= 0) {
+        if (q->include_stop_str) hit += (long)loom_stop_len_at(q->stop, q->n_stop, q->pending, q->n_pending, (size_t)hit);
         q->detok_ns += loom_now_ns() - t0;
         req_emit(s, q, &id, 1, q->pending, (size_t)hit, LOOM__V1__FINISH_REASON__FINISH_STOP, LOOM_OK, NULL);
         return;
@@ -983,6 +992,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     loom_status_t code = LOOM_ERR_INVALID_ARGUMENT;
     int32_t *ids = NULL;
     int n_ids = 0, cap = 0;
+    loom_sparams_t *sparams = NULL;
     uint64_t t_arrival = loom_now_ns(), tokenize_ns = 0;
     const char *tag = g->tag && valid_tag(g->tag) ? g->tag : "";
     if (s->draining) {
@@ -1041,6 +1051,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
                      s->mcfg.vocab_size);
             goto refuse;
         }
+    if (loom_sparams_create(g, s->tok, &s->mcfg, &sparams, &err) < 0) {
+        snprintf(msg, sizeof msg, "%s", err.msg);
+        goto refuse;
+    }
     if (g->max_tokens > (uint32_t)s->max_model_len) {
         snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
         goto refuse;
@@ -1069,6 +1083,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         memcpy(ids, g->prompt_ids, (size_t)n_ids * sizeof *ids);
     }
     request_t *q = loom_xcalloc(1, sizeof *q);
+    q->sparams = sparams;
+    sparams = NULL;
+    q->min_tokens = loom_sparams_min_tokens(q->sparams);
+    q->include_stop_str = g->include_stop_str_in_output;
     memcpy(q->rid, rid, rid_len);
     q->rid_len = rid_len;
     q->request_id = rq->request_id;
@@ -1094,6 +1112,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         goto refuse;
     }
     q->max_tokens = q->seq->max_tokens;
+    q->seq->sparams = q->sparams;
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;
@@ -1104,6 +1123,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     return;
 refuse:
     free(ids);
+    loom_sparams_destroy(&sparams);
     s->requests_rejected++;
     loom_log_req(LOOM_LOG_DEBUG, g->tag && valid_tag(g->tag) ? g->tag : NULL, "refused request %llu: %s",
                  (unsigned long long)rq->request_id, msg);
@@ -1273,6 +1293,7 @@ static void send_plan(loom_server_t *s, loom_microbatch_t *mb) {
         sp->step = mb->steps[i];
         s->sp_ptrs[i] = sp;
     }
+    loom_sparams_fill_plan(&s->sp_arena, mb, s->sp_ptrs);
     p.sampling = s->sp_ptrs;
     p.n_sampling = (size_t)mb->n_logits;
     p.copy_src = mb->copy_src;
@@ -1642,6 +1663,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     free(s->inflight);
     free(s->sp);
     free(s->sp_ptrs);
+    loom_sparams_arena_free(&s->sp_arena);
     free(s->text_buf);
     free(s);
 }

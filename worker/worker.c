@@ -37,6 +37,7 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "proto/wire.h"
 #include "worker/comm.h"
+#include "worker/logits_proc.h"
 #include "worker/model.h"
 
 #define HEARTBEAT_MS 200
@@ -88,6 +89,8 @@ typedef struct worker {
     uint8_t *gather_send, *gather_recv;
     size_t gather_cap;
     int32_t *ids;
+    float *edit_row; /* one logit row edited on the host (logits_proc.h) */
+    size_t edit_cap;
     /* trace: (step, begin_ns, end_ns) of recent steps */
     uint64_t (*trace)[3];
     int n_trace, cap_trace;
@@ -467,11 +470,15 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     for (int r = 0; r < rows; r++) {
         const Loom__V1__SampleParams *sp = p->sampling[r];
         w->sp[r] = (loom_sampling_t){.temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p,
-                                     .seed = sp->seed};
+                                     .seed = sp->seed, .min_p = sp->min_p};
         w->steps_buf[r] = sp->step;
         kk[r] = loom_sample_k(&w->sp[r], vocab);
     }
     if (w->dump) dump_logits(w, p->step_id, rows);
+    const loom_shard_dims_t *dims = loom_model_dims(w->model);
+    if ((s = loom_logits_process(w->be, loom_model_logits(w->model), rows, dims->vocab_begin, dims->vocab, vocab,
+                                 p->sampling, &w->edit_row, &w->edit_cap, &err)) < 0)
+        goto report;
     loom_model_sample_parts(w->model, rows, w->sp, w->steps_buf, w->parts);
     int tp = (int)a->tp_size;
     if (tp == 1) {
@@ -995,6 +1002,7 @@ int main(int argc, char **argv) {
     free(w.sp);
     free(w.steps_buf);
     free(w.ids);
+    free(w.edit_row);
     free(w.gather_send);
     free(w.gather_recv);
     free(w.trace);
