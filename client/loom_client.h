@@ -45,6 +45,19 @@ typedef struct loom_gen_params {
     const char *tag;            /* the caller's id for the coordinator's log lines (NULL: none) */
     const int32_t *stop_token_ids; /* generating one ends the request (not in the text) */
     int n_stop_token_ids;
+    /* sampling controls (api.proto SamplingParams / GenerateRequest); zero: off */
+    float min_p;
+    float presence_penalty, frequency_penalty; /* [-2, 2] */
+    float repetition_penalty;                  /* 0 or 1: off */
+    const int32_t *logit_bias_ids;             /* (n_logit_bias) */
+    const float *logit_bias_values;
+    int n_logit_bias;
+    const int32_t *allowed_token_ids;          /* (n_allowed_token_ids) only these may be generated */
+    int n_allowed_token_ids;
+    const char *const *bad_words;              /* (n_bad_words) never generated */
+    int n_bad_words;
+    int min_tokens;                            /* EOS and stops end nothing before this many tokens */
+    int include_stop_str_in_output;
 } loom_gen_params_t;
 
 typedef enum {

@@ -73,6 +73,9 @@
 #define OVERFLOW_CONNECTIONS 64 /* connections over the limit that still get a 503 */
 #define MAX_REQUEST_ID 128
 #define MAX_STOP_IDS 64
+#define MAX_LOGIT_BIAS 1024  /* as the coordinator's LOOM_MAX_LOGIT_BIAS */
+#define MAX_BAD_WORDS 64
+#define MAX_ALLOWED_IDS 131072
 #define RETRY_AFTER_S "1"
 
 struct loom_http {
@@ -132,6 +135,7 @@ typedef struct req {
     int www_auth;         /* WWW-Authenticate header of a 401 */
     int close_after;      /* Retry-After and Connection: close (over the connection limit) */
     char xid[MAX_REQUEST_ID + 1]; /* X-Request-Id */
+    char ignored[256];    /* X-Loom-Ignored-Fields: unknown request fields, comma-separated */
     /* the body */
     loom_sbuf_t body;
     int too_big;
@@ -224,6 +228,7 @@ static enum MHD_Result respond(req_t *q, unsigned status, const char *ctype, cha
     if (q->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, q->allow);
     if (q->www_auth) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (q->xid[0]) MHD_add_response_header(r, "X-Request-Id", q->xid);
+    if (q->ignored[0]) MHD_add_response_header(r, "X-Loom-Ignored-Fields", q->ignored);
     if (q->close_after || status == MHD_HTTP_SERVICE_UNAVAILABLE)
         MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, RETRY_AFTER_S);
     if (q->close_after) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
@@ -446,8 +451,9 @@ static int opt_bool(const cJSON *o, const char *k, int *v, perr_t *e) {
 /* Which fields a request may carry. Loom answers every field it accepts:
  * one it does not implement (an OpenAI feature, or one of vLLM's
  * extensions) is refused with 400 naming it unless it holds the value
- * that turns the feature off, and a field no one defines is refused too,
- * so a client never gets an answer computed without what it asked for. */
+ * that turns the feature off, so a client never gets an answer computed
+ * without what it asked for. A field no one here defines is ignored
+ * (ignore_field): a new SDK's field must not break requests. */
 typedef enum {
     F_ALL = 0,  /* implemented by every generation route */
     F_PROMPT,   /* implemented by /v1/completions */
@@ -467,11 +473,13 @@ static const struct {
     {"seed", F_ALL}, {"stop", F_ALL}, {"stream", F_ALL}, {"stream_options", F_ALL}, {"ignore_eos", F_ALL},
     {"priority", F_ALL}, {"n", F_ALL}, {"best_of", F_ALL}, {"response_format", F_ALL}, {"stop_token_ids", F_ALL},
     {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
+    {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
+    {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
+    {"include_stop_str_in_output", F_ALL},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     /* OpenAI features Loom does not implement */
-    {"echo", F_FALSY}, {"logprobs", F_FALSY}, {"top_logprobs", F_FALSY}, {"presence_penalty", F_FALSY},
-    {"frequency_penalty", F_FALSY}, {"logit_bias", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
+    {"echo", F_FALSY}, {"logprobs", F_FALSY}, {"top_logprobs", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
     {"tool_choice", F_NONE_AUTO}, {"parallel_tool_calls", F_TRUE}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
     {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
@@ -479,11 +487,10 @@ static const struct {
     /* vLLM's extensions Loom does not implement */
     {"guided_json", F_FALSY}, {"guided_regex", F_FALSY}, {"guided_choice", F_FALSY}, {"guided_grammar", F_FALSY},
     {"guided_decoding_backend", F_FALSY}, {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY},
-    {"structured_outputs", F_FALSY}, {"repetition_penalty", F_ONE}, {"min_p", F_FALSY}, {"min_tokens", F_FALSY},
-    {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
-    {"stop_token_ids_str", F_FALSY}, {"include_stop_str_in_output", F_FALSY},
+    {"structured_outputs", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
+    {"stop_token_ids_str", F_FALSY},
     {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY}, {"prompt_logprobs", F_FALSY},
-    {"allowed_token_ids", F_FALSY}, {"bad_words", F_FALSY}, {"logits_processors", F_FALSY},
+    {"logits_processors", F_FALSY},
     {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
     {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
     {"chat_template", F_FALSY}, {"chat_template_kwargs", F_FALSY}, {"continue_final_message", F_FALSY},
@@ -506,15 +513,32 @@ static int field_is_off(const cJSON *x, field_kind_t kind) {
     }
 }
 
+/* A field no table here names (a newer SDK's, another server's) is accepted
+ * and ignored: logged, and named in the X-Loom-Ignored-Fields response
+ * header (printable ASCII names only; others are listed as "?"). */
+static void ignore_field(req_t *q, const char *name) {
+    char clean[65];
+    size_t n = 0;
+    for (const char *c = name; *c && n < 64; c++) clean[n++] = *c > 32 && *c < 127 && *c != ',' ? *c : '?';
+    clean[n] = '\0';
+    LOOM_WARN("request %s: ignoring the unknown field '%s'", q->xid, clean);
+    size_t used = strlen(q->ignored);
+    if (used + n + 3 < sizeof q->ignored)
+        snprintf(q->ignored + used, sizeof q->ignored - used, "%s%s", used ? ", " : "", clean);
+}
+
 /* Every top-level field of a generation request is one this route
- * implements or one that is off (see k_fields). */
-static int check_fields(const cJSON *o, int chat, perr_t *e) {
+ * implements, one that is off (see k_fields), or one no one here knows
+ * (ignored, see ignore_field). */
+static int check_fields(req_t *q, const cJSON *o, int chat, perr_t *e) {
     const cJSON *x;
     cJSON_ArrayForEach(x, o) {
         size_t i = 0;
         while (i < LOOM_ARRAY_LEN(k_fields) && strcmp(k_fields[i].name, x->string) != 0) i++;
-        if (i == LOOM_ARRAY_LEN(k_fields))
-            return bad(e, x->string, "%.64s is not a field this server knows", x->string);
+        if (i == LOOM_ARRAY_LEN(k_fields)) {
+            ignore_field(q, x->string);
+            continue;
+        }
         field_kind_t k = k_fields[i].kind;
         if (k == F_ALL || (k == F_PROMPT && !chat) || (k == F_CHAT && chat)) continue;
         if (k == F_PROMPT || k == F_CHAT)
@@ -529,6 +553,11 @@ typedef struct gen {
     loom_gen_params_t p;
     const char *stop[MAX_STOP];
     int32_t stop_ids[MAX_STOP_IDS];
+    /* sampling controls */
+    int32_t bias_ids[MAX_LOGIT_BIAS];
+    float bias_values[MAX_LOGIT_BIAS];
+    int32_t *allowed; /* owned */
+    const char *bad_words[MAX_BAD_WORDS];
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char **parts; /* owned: message contents joined from parts */
@@ -536,16 +565,90 @@ typedef struct gen {
 } gen_t;
 
 static void gen_free(gen_t *g) {
+    free(g->allowed);
     free(g->prompt);
     free(g->ids);
     for (int i = 0; i < g->n_parts; i++) free(g->parts[i]);
     free(g->parts);
 }
 
+static int is_token_id(const cJSON *t) {
+    return cJSON_IsNumber(t) && t->valuedouble == floor(t->valuedouble) && t->valuedouble >= 0 &&
+           t->valuedouble <= 2147483647.0;
+}
+
+/* Sampling controls: OpenAI's penalties and logit_bias, vLLM's
+ * repetition_penalty, min_p, allowed_token_ids, bad_words, min_tokens and
+ * include_stop_str_in_output. The coordinator checks ids against the
+ * vocabulary and min_tokens against max_tokens. */
+static int parse_controls(const cJSON *o, gen_t *g, perr_t *e) {
+    double v;
+    int r, b = 0;
+    if ((r = opt_number(o, "presence_penalty", -2, 2, &v, e)) < 0) return -1;
+    if (r) g->p.presence_penalty = (float)v;
+    if ((r = opt_number(o, "frequency_penalty", -2, 2, &v, e)) < 0) return -1;
+    if (r) g->p.frequency_penalty = (float)v;
+    if ((r = opt_number(o, "repetition_penalty", 0, 10, &v, e)) < 0) return -1;
+    if (r && v <= 0) return bad(e, "repetition_penalty", "repetition_penalty must be greater than 0 (got %g)", v);
+    if (r) g->p.repetition_penalty = (float)v;
+    if ((r = opt_number(o, "min_p", 0, 1, &v, e)) < 0) return -1;
+    if (r) g->p.min_p = (float)v;
+    if ((r = opt_int(o, "min_tokens", 0, 1 << 30, &v, e)) < 0) return -1;
+    if (r) g->p.min_tokens = (int)v;
+    if ((r = opt_bool(o, "include_stop_str_in_output", &b, e)) < 0) return -1;
+    g->p.include_stop_str_in_output = r && b;
+    const cJSON *x = field(o, "logit_bias"), *t;
+    if (x) { /* {"token id": bias}, the keys strings as JSON requires */
+        if (!cJSON_IsObject(x)) return bad(e, "logit_bias", "logit_bias must be an object of token id -> bias");
+        cJSON_ArrayForEach(t, x) {
+            char *end;
+            errno = 0;
+            long id = strtol(t->string, &end, 10);
+            if (!t->string[0] || *end || errno || id < 0 || id > 2147483647L)
+                return bad(e, "logit_bias", "logit_bias key '%.64s' is not a token id (a non-negative integer)",
+                           t->string);
+            if (!cJSON_IsNumber(t) || !(t->valuedouble >= -100 && t->valuedouble <= 100))
+                return bad(e, "logit_bias", "logit_bias['%.64s'] must be a number in [-100, 100]", t->string);
+            if (g->p.n_logit_bias == MAX_LOGIT_BIAS)
+                return bad(e, "logit_bias", "logit_bias has more than %d entries", MAX_LOGIT_BIAS);
+            g->bias_ids[g->p.n_logit_bias] = (int32_t)id;
+            g->bias_values[g->p.n_logit_bias++] = (float)t->valuedouble;
+        }
+        g->p.logit_bias_ids = g->bias_ids;
+        g->p.logit_bias_values = g->bias_values;
+    }
+    x = field(o, "allowed_token_ids");
+    if (x) {
+        int n = cJSON_IsArray(x) ? cJSON_GetArraySize(x) : -1;
+        if (n <= 0) return bad(e, "allowed_token_ids", "allowed_token_ids must be a non-empty array of token ids");
+        if (n > MAX_ALLOWED_IDS) return bad(e, "allowed_token_ids", "at most %d allowed_token_ids", MAX_ALLOWED_IDS);
+        g->allowed = loom_xmalloc((size_t)n * sizeof *g->allowed);
+        cJSON_ArrayForEach(t, x) {
+            if (!is_token_id(t))
+                return bad(e, "allowed_token_ids", "allowed_token_ids[%d] is not a token id (a non-negative integer)",
+                           g->p.n_allowed_token_ids);
+            g->allowed[g->p.n_allowed_token_ids++] = (int32_t)t->valuedouble;
+        }
+        g->p.allowed_token_ids = g->allowed;
+    }
+    x = field(o, "bad_words");
+    if (x) {
+        if (!cJSON_IsArray(x)) return bad(e, "bad_words", "bad_words must be an array of strings");
+        cJSON_ArrayForEach(t, x) {
+            if (!cJSON_IsString(t) || !t->valuestring[0])
+                return bad(e, "bad_words", "bad_words[%d] must be a non-empty string", g->p.n_bad_words);
+            if (g->p.n_bad_words == MAX_BAD_WORDS) return bad(e, "bad_words", "at most %d bad_words", MAX_BAD_WORDS);
+            g->bad_words[g->p.n_bad_words++] = t->valuestring;
+        }
+        g->p.bad_words = g->bad_words;
+    }
+    return 0;
+}
+
 static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     double v;
     int r, b = 0;
-    if (check_fields(o, q->chat, e) < 0) return -1;
+    if (check_fields(q, o, q->chat, e) < 0) return -1;
     const cJSON *x = field(o, "model");
     if (x && !cJSON_IsString(x)) return bad(e, "model", "model must be a string");
     if (x && x->valuestring[0]) g->p.model = x->valuestring;
@@ -640,7 +743,7 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     g->p.ignore_eos = r && b;
     if ((r = opt_int(o, "priority", -1e6, 1e6, &v, e)) < 0) return -1;
     if (r) g->p.priority = (int)v;
-    return 0;
+    return parse_controls(o, g, e);
 }
 
 /* /v1/completions: prompt is a string, an array of token ids, or a batch of
@@ -1062,6 +1165,7 @@ static enum MHD_Result handle_generate(req_t *q) {
         MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(r, "X-Accel-Buffering", "no");
         MHD_add_response_header(r, "X-Request-Id", q->xid);
+        if (q->ignored[0]) MHD_add_response_header(r, "X-Loom-Ignored-Fields", q->ignored);
         refresh_timeout(q);
         res = MHD_queue_response(q->mc, MHD_HTTP_OK, r);
         MHD_destroy_response(r);

@@ -1,0 +1,172 @@
+"""Sampling controls on real processes (stories260K).
+
+- Greedy ids with presence / frequency / repetition penalties and a logit
+  bias equal the float64 torch reference (tests/reference/llama_ref.py,
+  vLLM's formulas) on grids 1x1, 2x1, 1x2 and 2x2: the edits are applied on
+  each TP rank's slice of the vocabulary before the winners are merged.
+- Seeded sampling with penalties, min_p and top_p gives the same ids on
+  every grid.
+- Over HTTP (/v1/completions and /v1/chat/completions): logit_bias,
+  allowed_token_ids, bad_words, min_tokens (EOS and stop ids masked on the
+  workers), include_stop_str_in_output, min_p; a field no one knows is
+  ignored and named in X-Loom-Ignored-Fields; bad values are a 400 naming
+  the field, and the server keeps serving."""
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import PYTHON, ROOT, STORIES, Cluster, check, run_tests  # noqa: E402
+from test_http import CHAT, expect_error, free_port, post, request  # noqa: E402
+
+PROMPT = "Once upon a time"
+N = 40
+GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# (loom generate flags, llama_ref.py flags)
+PENALTIES = [
+    (["--presence-penalty", "1.5"], ["--presence-penalty", "1.5"]),
+    (["--frequency-penalty", "0.8"], ["--frequency-penalty", "0.8"]),
+    (["--repetition-penalty", "1.6"], ["--repetition-penalty", "1.6"]),
+    (["--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--repetition-penalty", "1.2",
+      "--logit-bias", "267:-3", "--logit-bias", "400:2.5"],
+     ["--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--repetition-penalty", "1.2",
+      "--logit-bias", "267:-3", "--logit-bias", "400:2.5"]),
+]
+SAMPLED = ["--temperature", "0.9", "--top-k", "0", "--top-p", "0.9", "--min-p", "0.05", "--seed", "17",
+           "--presence-penalty", "0.7", "--repetition-penalty", "1.1"]
+
+
+def prompt_ids(port):
+    status, _, data = request(port, "POST", "/tokenize", {"prompt": PROMPT})
+    check(status == 200, "/tokenize: %d %r" % (status, data[:200]))
+    return json.loads(data)["tokens"]
+
+
+def reference(ids, flags):
+    p = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "llama_ref.py"), "--model", STORIES,
+                        "--ids", ",".join(map(str, ids)), "--greedy", str(N)] + flags,
+                       capture_output=True, text=True, timeout=600)
+    check(p.returncode == 0, "llama_ref.py failed: %s" % p.stderr[-500:])
+    return [int(x) for x in p.stdout.strip().split(",")]
+
+
+def gen_ids(c, extra, temperature=0.0):
+    rc, _, ids, err = c.generate(PROMPT, max_tokens=N, temperature=temperature,
+                                 extra=["--top-k", "0", "--top-p", "1", "--ignore-eos"] + list(extra))
+    check(rc == 0 and ids is not None, "loom generate %s failed: %s" % (extra, err[-400:]))
+    return ids
+
+
+def test_penalties_on_every_grid():
+    refs, plain_ref, sampled = None, None, {}
+    for tp, pp in GRIDS:
+        port = free_port()
+        with Cluster(STORIES, tp=tp, pp=pp, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
+            if refs is None:
+                ids = prompt_ids(port)
+                plain_ref = reference(ids, [])
+                refs = [reference(ids, rf) for _, rf in PENALTIES]
+                check(all(r != plain_ref for r in refs), "a penalty changed nothing in the reference: %r" % refs)
+            check(gen_ids(c, []) == plain_ref, "%dx%d: plain greedy differs from the reference" % (tp, pp))
+            for (flags, _), want in zip(PENALTIES, refs):
+                got = gen_ids(c, flags)
+                check(got == want, "%dx%d %s:\n  loom %r\n  ref  %r" % (tp, pp, " ".join(flags), got, want))
+            sampled[(tp, pp)] = gen_ids(c, SAMPLED, temperature=0.9)
+    first = sampled[GRIDS[0]]
+    for g, ids in sampled.items():
+        check(ids == first, "seeded sampling with penalties and min_p differs on %dx%d: %r vs %r" % (g + (ids, first)))
+
+
+def completion(port, body, chat=False):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"messages": CHAT} if chat else {"prompt": PROMPT}
+    status, hdrs, data = request(port, "POST", path, dict(base, **body))
+    return status, hdrs, data
+
+
+def tokens_of(port, text):
+    status, _, data = request(port, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    check(status == 200, "/tokenize: %d" % status)
+    return json.loads(data)["tokens"]
+
+
+def ok_text(port, body, chat=False):
+    status, hdrs, data = completion(port, body, chat)
+    check(status == 200, "%r: %d %r" % (body, status, data[:300]))
+    ch = json.loads(data)["choices"][0]
+    return (ch["message"]["content"] if chat else ch["text"]), ch["finish_reason"], hdrs
+
+
+def test_http_controls():
+    port = free_port()
+    with Cluster(STORIES, tp=2, pp=1, coord_args=["--http", "127.0.0.1:%d" % port, "--chat-template", "chatml"]) as c:
+        greedy = {"max_tokens": 24, "temperature": 0}
+        plain, _, _ = ok_text(port, greedy)
+        check(len(plain) > 20, "plain text %r" % plain)
+        # logit_bias +100 on one token: only that token, on both routes
+        a_id = tokens_of(port, "a")[-1]
+        for chat in (False, True):
+            text, _, _ = ok_text(port, dict(greedy, max_tokens=6, logit_bias={str(a_id): 100}), chat)
+            one, _, _ = ok_text(port, dict(greedy, max_tokens=1, logit_bias={str(a_id): 100}), chat)
+            check(one and text == one * 6, "logit_bias +100 (chat %s): %r" % (chat, text))
+        # allowed_token_ids: the output decodes from those ids only
+        allowed = tokens_of(port, " the cat sat on a mat.")
+        text, _, _ = ok_text(port, dict(greedy, max_tokens=12, allowed_token_ids=allowed))
+        ids = tokens_of(port, text)
+        check(set(ids) <= set(allowed), "allowed_token_ids: %r gave ids %r outside %r" % (text, ids, allowed))
+        # bad_words: a word of the plain greedy text never comes, the text changes
+        word = "Lily"
+        check(word in plain, "plain greedy text %r lacks %r" % (plain, word))
+        text, _, _ = ok_text(port, dict(greedy, bad_words=[word]))
+        check(word not in text and text != plain, "bad_words %r: %r" % (word, text))
+        # min_tokens with a stop id: the stop id (the 3rd greedy token) is masked until then
+        rc, _, gids, err = c.generate(PROMPT, max_tokens=8)
+        check(rc == 0 and gids, "loom generate: %s" % err[-300:])
+        stop_id = next(t for i, t in enumerate(gids) if i >= 2 and t not in gids[:i])
+        cut, fin, _ = ok_text(port, dict(greedy, stop_token_ids=[stop_id]))
+        check(fin == "stop" and len(cut) < len(plain), "stop_token_ids alone: %r %s" % (cut, fin))
+        text, fin, _ = ok_text(port, dict(greedy, stop_token_ids=[stop_id], min_tokens=24))
+        check(fin == "length" and len(tokens_of(port, text)) >= 20 and text != cut,
+              "min_tokens 24 with stop id %d: %r %s" % (stop_id, text, fin))
+        # include_stop_str_in_output: the stop string stays in the text
+        stop = plain[10:14]
+        without, fin1, _ = ok_text(port, dict(greedy, stop=[stop]))
+        with_, fin2, _ = ok_text(port, dict(greedy, stop=[stop], include_stop_str_in_output=True))
+        check(fin1 == fin2 == "stop" and with_ == without + stop, "include_stop_str_in_output: %r / %r" %
+              (without, with_))
+        # min_tokens also holds stop strings back
+        text, _, _ = ok_text(port, dict(greedy, stop=[stop], min_tokens=24))
+        check(text == plain, "min_tokens with a stop string: %r" % text)
+        # penalties and min_p are accepted on chat; seeded sampling repeats itself
+        body = {"max_tokens": 16, "temperature": 1.0, "seed": 5, "min_p": 0.2, "presence_penalty": 1.0,
+                "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+        t1, _, _ = ok_text(port, body, chat=True)
+        t2, _, _ = ok_text(port, body, chat=True)
+        check(t1 == t2 and t1, "seeded chat with controls: %r vs %r" % (t1, t2))
+        # unknown fields: accepted, ignored, named in a header and the log
+        text, _, hdrs = ok_text(port, dict(greedy, no_such_field=1, another_new_one={"x": 1}))
+        check(text == plain, "an unknown field changed the answer: %r" % text)
+        check(hdrs.get("x-loom-ignored-fields") == "no_such_field, another_new_one",
+              "X-Loom-Ignored-Fields: %r" % hdrs.get("x-loom-ignored-fields"))
+        check("ignoring the unknown field 'no_such_field'" in c.log("coordinator"), "no warning logged")
+        _, _, hdrs = ok_text(port, greedy)
+        check("x-loom-ignored-fields" not in hdrs, "header without unknown fields")
+        # bad input: 400 naming the problem, and the server keeps serving
+        bad = [({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+               ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
+               ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
+               ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+               ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+               ({"min_tokens": 30, "max_tokens": 10}, "min_tokens"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+               ({"allowed_token_ids": [1, 1e9]}, "allowed_token_ids"), ({"bad_words": "x"}, "bad_words"),
+               ({"include_stop_str_in_output": 1}, "include_stop_str_in_output")]
+        for body, name in bad:
+            status, _, data = completion(port, dict(greedy, **body))
+            expect_error(status, data, 400, contains=name)
+        text, _, _ = ok_text(port, greedy)
+        check(text == plain, "the server answers differently after bad requests: %r" % text)
+
+
+if __name__ == "__main__":
+    run_tests([test_penalties_on_every_grid, test_http_controls])
