@@ -348,6 +348,16 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
         ch->text_len = strlen(g->text);
         ch->finish = finish_from_wire(g->finish_reason);
         ch->final = g->final;
+        size_t tops = 0;
+        for (size_t i = 0; i < g->n_n_top; i++) tops += g->n_top[i];
+        if (g->n_logprobs == g->n_ids && g->n_n_top == g->n_ids && g->n_top_ids == tops &&
+            g->n_top_logprobs == tops && g->n_ids > 0) { /* a malformed list is dropped, not trusted */
+            ch->has_logprobs = 1;
+            ch->logprobs = g->logprobs;
+            ch->n_top = g->n_top;
+            ch->top_ids = g->top_ids;
+            ch->top_logprobs = g->top_logprobs;
+        }
         if (g->usage) {
             ch->prompt_tokens = (int)LOOM_MIN(g->usage->prompt_tokens, (uint32_t)INT32_MAX);
             ch->completion_tokens = (int)LOOM_MIN(g->usage->completion_tokens, (uint32_t)INT32_MAX);
@@ -494,6 +504,8 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.bad_words = (char **)p->bad_words;
     g.min_tokens = (uint32_t)p->min_tokens;
     g.include_stop_str_in_output = p->include_stop_str_in_output != 0;
+    g.logprobs = p->logprobs != 0;
+    g.top_logprobs = p->top_logprobs > 0 ? (uint32_t)p->top_logprobs : 0;
     Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
     req.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
     req.generate = &g;

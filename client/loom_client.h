@@ -58,6 +58,8 @@ typedef struct loom_gen_params {
     int n_bad_words;
     int min_tokens;                            /* EOS and stops end nothing before this many tokens */
     int include_stop_str_in_output;
+    int logprobs;                              /* chunks carry their tokens' log probabilities */
+    int top_logprobs;                          /* and the most likely tokens', at most 20 */
 } loom_gen_params_t;
 
 typedef enum {
@@ -86,6 +88,13 @@ typedef struct loom_chunk {
     /* in the final chunk of an admitted request (has_timings = 1) */
     loom_timings_t timings;
     int has_timings;
+    /* with loom_gen_params_t.logprobs (has_logprobs = 1), per id: its log
+     * probability, and n_top[i] (id, logprob) pairs, concatenated over ids */
+    int has_logprobs;
+    const float *logprobs;
+    const uint32_t *n_top;
+    const int32_t *top_ids;
+    const float *top_logprobs;
     /* the stream's status in the final chunk (OK unless it failed) */
     loom_status_t status;
     const char *message;

@@ -75,6 +75,7 @@
 #define MAX_STOP_IDS 64
 #define MAX_LOGIT_BIAS 1024  /* as the coordinator's LOOM_MAX_LOGIT_BIAS */
 #define MAX_BAD_WORDS 64
+#define MAX_TOP_LOGPROBS 20 /* as kernels/sampling.h LOOM_MAX_TOP_LOGPROBS */
 #define MAX_ALLOWED_IDS 131072
 #define RETRY_AFTER_S "1"
 
@@ -150,6 +151,11 @@ typedef struct req {
     loom_sbuf_t prefix; /* "data: {...,"choices":[{"index":0," of every chunk of this stream */
     size_t out_off;
     loom_sbuf_t text; /* the completion, when not streaming */
+    /* logprobs: asked for (completions: logprobs N; chat: logprobs + top_logprobs N) */
+    int logprobs, top_logprobs;
+    cJSON *lp_acc;    /* the collected logprobs object, when not streaming */
+    size_t lp_offset; /* text_offset of the next token (completions) */
+    char *lp_json;    /* this chunk's logprobs for sse_choice (NULL: null) */
     char fail_msg[600];
     /* timings: the coordinator's, and the gateway's own time handing chunks on */
     loom_timings_t timings;
@@ -475,11 +481,11 @@ static const struct {
     {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
     {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
     {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
-    {"include_stop_str_in_output", F_ALL},
+    {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     /* OpenAI features Loom does not implement */
-    {"echo", F_FALSY}, {"logprobs", F_FALSY}, {"top_logprobs", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
+    {"echo", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
     {"tool_choice", F_NONE_AUTO}, {"parallel_tool_calls", F_TRUE}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
     {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
@@ -581,7 +587,7 @@ static int is_token_id(const cJSON *t) {
  * repetition_penalty, min_p, allowed_token_ids, bad_words, min_tokens and
  * include_stop_str_in_output. The coordinator checks ids against the
  * vocabulary and min_tokens against max_tokens. */
-static int parse_controls(const cJSON *o, gen_t *g, perr_t *e) {
+static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
     double v;
     int r, b = 0;
     if ((r = opt_number(o, "presence_penalty", -2, 2, &v, e)) < 0) return -1;
@@ -597,6 +603,22 @@ static int parse_controls(const cJSON *o, gen_t *g, perr_t *e) {
     if (r) g->p.min_tokens = (int)v;
     if ((r = opt_bool(o, "include_stop_str_in_output", &b, e)) < 0) return -1;
     g->p.include_stop_str_in_output = r && b;
+    if (!chat) { /* completions: logprobs N, the sampled token's and the N most likely */
+        if ((r = opt_int(o, "logprobs", 0, 1e9, &v, e)) < 0) return -1;
+        if (r && v > MAX_TOP_LOGPROBS)
+            return bad(e, "logprobs", "logprobs %g is over the limit of %d", v, MAX_TOP_LOGPROBS);
+        g->p.logprobs = r;
+        g->p.top_logprobs = r ? (int)v : 0;
+    } else { /* chat: logprobs true, top_logprobs N */
+        if ((r = opt_bool(o, "logprobs", &b, e)) < 0) return -1;
+        g->p.logprobs = r && b;
+        if ((r = opt_int(o, "top_logprobs", 0, 1e9, &v, e)) < 0) return -1;
+        if (r && v > MAX_TOP_LOGPROBS)
+            return bad(e, "top_logprobs", "top_logprobs %g is over the limit of %d", v, MAX_TOP_LOGPROBS);
+        if (r && v > 0 && !g->p.logprobs)
+            return bad(e, "top_logprobs", "top_logprobs needs logprobs set to true");
+        g->p.top_logprobs = r ? (int)v : 0;
+    }
     const cJSON *x = field(o, "logit_bias"), *t;
     if (x) { /* {"token id": bias}, the keys strings as JSON requires */
         if (!cJSON_IsObject(x)) return bad(e, "logit_bias", "logit_bias must be an object of token id -> bias");
@@ -743,7 +765,10 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     g->p.ignore_eos = r && b;
     if ((r = opt_int(o, "priority", -1e6, 1e6, &v, e)) < 0) return -1;
     if (r) g->p.priority = (int)v;
-    return parse_controls(o, g, e);
+    if (parse_controls(o, q->chat, g, e) < 0) return -1;
+    q->logprobs = g->p.logprobs;
+    q->top_logprobs = g->p.top_logprobs;
+    return 0;
 }
 
 /* /v1/completions: prompt is a string, an array of token ids, or a batch of
@@ -981,7 +1006,9 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
         loom_sbuf_str(b, "\"text\":");
         sb_json_str(b, text ? text : "", text ? len : 0);
     }
-    loom_sbuf_str(b, ",\"logprobs\":null,\"finish_reason\":");
+    loom_sbuf_str(b, ",\"logprobs\":");
+    loom_sbuf_str(b, q->lp_json ? q->lp_json : "null");
+    loom_sbuf_str(b, ",\"finish_reason\":");
     if (finish) {
         loom_sbuf_str(b, "\"");
         loom_sbuf_str(b, finish);
@@ -1002,10 +1029,89 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
     loom_sbuf_str(b, q->include_usage ? ",\"usage\":null}\n\n" : "}\n\n");
 }
 
+/* A token's text as it continues the output (a SentencePiece space kept),
+ * NUL bytes left out (JSON strings here cannot hold them). */
+static char *token_text(const req_t *q, int32_t id) {
+    if (!q->h->tok) return loom_xstrdup("");
+    char buf[1024];
+    loom_detok_t d;
+    loom_detok_init(&d, q->h->tok, 0, 0);
+    size_t n = loom_detok_push(&d, id, buf, sizeof buf);
+    n += loom_detok_flush(&d, buf + n, sizeof buf - n);
+    return text_dup(buf, n);
+}
+
+static double clamp_lp(float lp) {
+    return lp > -9999.0f ? (double)lp : -9999.0; /* as vLLM: -inf is not JSON */
+}
+
+static cJSON *bytes_arr(const char *t) {
+    cJSON *a = cJSON_CreateArray();
+    for (const unsigned char *c = (const unsigned char *)t; *c; c++) cJSON_AddItemToArray(a, cJSON_CreateNumber(*c));
+    return a;
+}
+
+static cJSON *arr_of(cJSON *o, const char *k) {
+    cJSON *a = cJSON_GetObjectItemCaseSensitive(o, k);
+    return a ? a : cJSON_AddArrayToObject(o, k);
+}
+
+/* Appends the chunk's tokens to a logprobs object: completions' {tokens,
+ * token_logprobs, top_logprobs, text_offset}, or chat's {content: [...]}. */
+static void add_logprobs(req_t *q, cJSON *lp, const loom_chunk_t *ch) {
+    size_t top = 0;
+    for (int i = 0; i < ch->n_ids; i++) {
+        char *t = token_text(q, ch->ids[i]);
+        int nt = (int)LOOM_MIN(ch->n_top[i], (uint32_t)q->top_logprobs);
+        if (q->chat) {
+            cJSON *it = cJSON_CreateObject();
+            cJSON_AddStringToObject(it, "token", t);
+            cJSON_AddNumberToObject(it, "logprob", clamp_lp(ch->logprobs[i]));
+            cJSON_AddItemToObject(it, "bytes", bytes_arr(t));
+            cJSON *tl = cJSON_AddArrayToObject(it, "top_logprobs");
+            for (int j = 0; j < nt; j++) {
+                char *tt = token_text(q, ch->top_ids[top + (size_t)j]);
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "token", tt);
+                cJSON_AddNumberToObject(e, "logprob", clamp_lp(ch->top_logprobs[top + (size_t)j]));
+                cJSON_AddItemToObject(e, "bytes", bytes_arr(tt));
+                cJSON_AddItemToArray(tl, e);
+                free(tt);
+            }
+            cJSON_AddItemToArray(arr_of(lp, "content"), it);
+        } else {
+            cJSON_AddItemToArray(arr_of(lp, "tokens"), cJSON_CreateString(t));
+            cJSON_AddItemToArray(arr_of(lp, "token_logprobs"), cJSON_CreateNumber(clamp_lp(ch->logprobs[i])));
+            cJSON *d = cJSON_CreateObject();
+            for (int j = 0; j < nt; j++) {
+                char *tt = token_text(q, ch->top_ids[top + (size_t)j]);
+                if (!cJSON_GetObjectItemCaseSensitive(d, tt)) /* two ids may read alike: the likelier stays */
+                    cJSON_AddNumberToObject(d, tt, clamp_lp(ch->top_logprobs[top + (size_t)j]));
+                free(tt);
+            }
+            cJSON_AddItemToArray(arr_of(lp, "top_logprobs"), d);
+            cJSON_AddItemToArray(arr_of(lp, "text_offset"), cJSON_CreateNumber((double)q->lp_offset));
+            q->lp_offset += strlen(t);
+        }
+        top += ch->n_top[i];
+        free(t);
+    }
+}
+
 /* Turns one coordinator chunk into SSE events in q->out. */
 static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
     uint64_t t0 = loom_now_ns();
-    if (ch->n_ids > 0 || ch->text_len > 0) sse_choice(q, ch->text, ch->text_len, 0, NULL);
+    if (ch->n_ids > 0 || ch->text_len > 0) {
+        cJSON *lp = q->logprobs && ch->has_logprobs ? cJSON_CreateObject() : NULL;
+        if (lp) {
+            add_logprobs(q, lp, ch);
+            q->lp_json = cJSON_PrintUnformatted(lp);
+            cJSON_Delete(lp);
+        }
+        sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        free(q->lp_json);
+        q->lp_json = NULL;
+    }
     q->send_ns += loom_now_ns() - t0;
     if (!ch->final) return;
     take_timings(q, ch);
@@ -1061,7 +1167,19 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
         cJSON_AddStringToObject(c, "text", t);
     }
     free(t);
-    cJSON_AddNullToObject(c, "logprobs");
+    if (q->logprobs) { /* asked for: an object even when no token came */
+        cJSON *lp = q->lp_acc ? q->lp_acc : cJSON_CreateObject();
+        q->lp_acc = NULL;
+        if (q->chat) {
+            arr_of(lp, "content");
+            cJSON_AddNullToObject(lp, "refusal");
+        } else {
+            arr_of(lp, "tokens"), arr_of(lp, "token_logprobs"), arr_of(lp, "top_logprobs"), arr_of(lp, "text_offset");
+        }
+        cJSON_AddItemToObject(c, "logprobs", lp);
+    } else {
+        cJSON_AddNullToObject(c, "logprobs");
+    }
     cJSON_AddStringToObject(c, "finish_reason", finish_name(ch->finish));
     cJSON_AddItemToArray(choices, c);
     cJSON_AddItemToObject(o, "usage", usage_obj(ch));
@@ -1175,6 +1293,10 @@ static enum MHD_Result handle_generate(req_t *q) {
     for (;;) {
         uint64_t t0 = loom_now_ns();
         loom_sbuf_add(&q->text, ch.text, ch.text_len);
+        if (q->logprobs && ch.has_logprobs) {
+            if (!q->lp_acc) q->lp_acc = cJSON_CreateObject();
+            add_logprobs(q, q->lp_acc, &ch);
+        }
         q->send_ns += loom_now_ns() - t0;
         if (ch.final) break;
         if (!next_chunk(q, &ch)) {
@@ -1585,6 +1707,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     free(q->out.p);
     free(q->prefix.p);
     free(q->text.p);
+    cJSON_Delete(q->lp_acc);
     free(q);
     *con_cls = NULL;
 }

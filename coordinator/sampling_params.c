@@ -2,6 +2,7 @@
 #include "coordinator/sampling_params.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +21,7 @@ struct loom_sparams {
     int min_tokens;
     int32_t *end_ids; /* (n_end) EOS and stop ids: banned while fewer than min_tokens are generated */
     int n_end;
+    int logprobs, top_logprobs;
 };
 
 static int cmp_i32(const void *a, const void *b) {
@@ -87,13 +89,18 @@ loom_status_t loom_sparams_create(const Loom__V1__GenerateRequest *g, const loom
     if (g->max_tokens > 0 && g->min_tokens > g->max_tokens)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "min_tokens %u is more than max_tokens %u", g->min_tokens,
                             g->max_tokens);
+    if (g->top_logprobs > LOOM_MAX_TOP_LOGPROBS)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "top_logprobs %u is over the limit of %d", g->top_logprobs,
+                            LOOM_MAX_TOP_LOGPROBS);
     int rep_on = rep > 0.0f && rep != 1.0f;
-    if (min_p == 0.0f && pres == 0.0f && freq == 0.0f && !rep_on && !g->n_logit_bias_ids && !g->n_allowed_token_ids &&
+    if (!g->logprobs && min_p == 0.0f && pres == 0.0f && freq == 0.0f && !rep_on && !g->n_logit_bias_ids && !g->n_allowed_token_ids &&
         !g->n_bad_words && !g->min_tokens)
         return LOOM_OK;
 
     loom_sparams_t *p = loom_xcalloc(1, sizeof *p);
     p->min_p = min_p;
+    p->logprobs = g->logprobs;
+    p->top_logprobs = g->logprobs ? (int)g->top_logprobs : 0;
     p->presence = pres;
     p->frequency = freq;
     p->repetition = rep_on ? rep : 0.0f;
@@ -191,6 +198,8 @@ static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loo
     const int32_t *out = q->tokens + q->n_prompt;
     int n_out = q->n_tokens - q->n_prompt;
     sp->min_p = p->min_p;
+    sp->logprobs = p->logprobs != 0;
+    sp->top_logprobs = (uint32_t)p->top_logprobs;
     sp->presence_penalty = p->presence;
     sp->frequency_penalty = p->frequency;
     sp->repetition_penalty = p->repetition;
@@ -245,4 +254,58 @@ void loom_sparams_fill_plan(loom_sparams_arena_t *a, const loom_microbatch_t *mb
         const loom_seq_t *q = mb->logit_seq[i];
         if (q && q->sparams) fill_row(a, q->sparams, q, sp[i]);
     }
+}
+
+int loom_lp_view_bind(loom_lp_view_t *v, const loom_microbatch_t *mb, const Loom__V1__StepResult *r, int vocab_size,
+                      char *msg, size_t n) {
+    v->r = NULL;
+    if (!r->n_logprobs && !r->n_n_top && !r->n_top_ids && !r->n_top_logprobs) return 0;
+    int rows = mb->n_logits;
+    if (r->n_logprobs != (size_t)rows || r->n_n_top != (size_t)rows || r->n_top_ids != r->n_top_logprobs) {
+        snprintf(msg, n, "a worker returned logprobs for %zu of %d rows", r->n_logprobs, rows);
+        return -1;
+    }
+    if (rows > v->cap) {
+        v->cap = rows;
+        v->top_off = loom_xrealloc(v->top_off, (size_t)rows * sizeof *v->top_off);
+    }
+    size_t off = 0;
+    for (int i = 0; i < rows; i++) {
+        if (r->n_top[i] > LOOM_MAX_TOP_LOGPROBS || off + r->n_top[i] > r->n_top_ids) {
+            snprintf(msg, n, "a worker returned a malformed top_logprobs list");
+            return -1;
+        }
+        v->top_off[i] = (int)off;
+        off += r->n_top[i];
+    }
+    for (size_t i = 0; i < r->n_top_ids; i++)
+        if (r->top_ids[i] < 0 || r->top_ids[i] >= vocab_size) {
+            snprintf(msg, n, "a worker returned a top_logprobs id outside the vocabulary");
+            return -1;
+        }
+    v->mb = mb;
+    v->r = r;
+    return 0;
+}
+
+void loom_lp_view_unbind(loom_lp_view_t *v) {
+    v->r = NULL;
+    v->mb = NULL;
+}
+
+void loom_lp_view_free(loom_lp_view_t *v) {
+    free(v->top_off);
+    *v = (loom_lp_view_t){0};
+}
+
+const loom_token_lp_t *loom_lp_view_get(loom_lp_view_t *v, const loom_seq_t *seq) {
+    if (!v->r) return NULL;
+    for (int i = 0; i < v->mb->n_logits; i++) {
+        if (v->mb->logit_seq[i] != seq) continue;
+        if (isnan(v->r->logprobs[i])) return NULL;
+        v->cur = (loom_token_lp_t){.logprob = v->r->logprobs[i], .n_top = (int)v->r->n_top[i],
+                                   .top_ids = v->r->top_ids + v->top_off[i], .top_lps = v->r->top_logprobs + v->top_off[i]};
+        return &v->cur;
+    }
+    return NULL;
 }

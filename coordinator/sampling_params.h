@@ -43,4 +43,30 @@ void loom_sparams_arena_free(loom_sparams_arena_t *a);
  * of mb) from each row's sequence (seq->sparams). */
 void loom_sparams_fill_plan(loom_sparams_arena_t *a, const loom_microbatch_t *mb, Loom__V1__SampleParams *const *sp);
 
+/* One sampled token's log probabilities, from a StepResult. */
+typedef struct loom_token_lp {
+    float logprob;
+    int n_top;
+    const int32_t *top_ids;
+    const float *top_lps;
+} loom_token_lp_t;
+
+/* A completed micro-batch's logprobs, by sequence. */
+typedef struct loom_lp_view {
+    const loom_microbatch_t *mb;
+    const Loom__V1__StepResult *r; /* NULL: nothing bound */
+    int *top_off;                  /* (rows) offset of each row's top entries */
+    int cap;
+    loom_token_lp_t cur;
+} loom_lp_view_t;
+
+/* Binds r's logprob arrays to mb's rows after checking their sizes and ids
+ * (-1 with a message when malformed; no logprobs in r is fine). */
+int loom_lp_view_bind(loom_lp_view_t *v, const loom_microbatch_t *mb, const Loom__V1__StepResult *r, int vocab_size,
+                      char *msg, size_t n);
+void loom_lp_view_unbind(loom_lp_view_t *v);
+void loom_lp_view_free(loom_lp_view_t *v);
+/* The bound logprobs of seq's token, NULL when it has none. */
+const loom_token_lp_t *loom_lp_view_get(loom_lp_view_t *v, const loom_seq_t *seq);
+
 #endif

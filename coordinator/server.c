@@ -160,6 +160,8 @@ struct loom_server {
     Loom__V1__SampleParams *sp;
     Loom__V1__SampleParams **sp_ptrs;
     loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
+    loom_lp_view_t lp_view;        /* the completing step's logprobs, by sequence */
+    const loom_token_lp_t *emit_lp; /* the logprobs of the token on_token is emitting */
 
     /* counters */
     uint64_t steps, requests_finished, requests_rejected, prompt_tokens_total, gen_tokens_total;
@@ -315,6 +317,20 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
     ch.ids = (int32_t *)ids;
     ch.n_ids = (size_t)n_ids;
+    float lp = 0.0f;
+    uint32_t n_top = 0;
+    if (n_ids == 1 && s->emit_lp) {
+        lp = s->emit_lp->logprob;
+        n_top = (uint32_t)s->emit_lp->n_top;
+        ch.logprobs = &lp;
+        ch.n_logprobs = 1;
+        ch.n_top = &n_top;
+        ch.n_n_top = 1;
+        ch.top_ids = (int32_t *)s->emit_lp->top_ids;
+        ch.top_logprobs = (float *)s->emit_lp->top_lps;
+        ch.n_top_ids = ch.n_top_logprobs = n_top;
+    }
+    s->emit_lp = NULL;
     char *t = s->text_buf;
     if (text_len) {
         t = text_len < s->max_piece * 4 + 4096 ? s->text_buf : loom_xmalloc(text_len + 1);
@@ -392,6 +408,7 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     loom_server_t *s = ctx;
     request_t *q = seq->user;
     uint64_t t0 = loom_now_ns();
+    s->emit_lp = loom_lp_view_get(&s->lp_view, seq); /* sent with the token by req_emit */
     if (q->t_last_token) loom_metrics_observe_itl(s->metrics, (double)(t0 - q->t_last_token) * 1e-9);
     q->t_last_token = t0;
     q->completion_tokens++;
@@ -879,7 +896,14 @@ static void on_result(loom_server_t *s, int wi, const Loom__V1__StepResult *r) {
     double step_s = (double)(loom_now_ns() - f.t_sent) * 1e-9;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
+    char lp_msg[256];
+    if (loom_lp_view_bind(&s->lp_view, f.mb, r, s->mcfg.vocab_size, lp_msg, sizeof lp_msg) < 0) {
+        loom_sched_fail(s->sched, f.mb);
+        fail_grid(s, lp_msg);
+        return;
+    }
     loom_sched_complete(s->sched, f.mb, r->ids, on_token, s);
+    loom_lp_view_unbind(&s->lp_view);
 }
 
 static void on_control(loom_server_t *s, const void *rid, size_t rid_len, const void *data, size_t len) {
@@ -1664,6 +1688,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     free(s->sp);
     free(s->sp_ptrs);
     loom_sparams_arena_free(&s->sp_arena);
+    loom_lp_view_free(&s->lp_view);
     free(s->text_buf);
     free(s);
 }

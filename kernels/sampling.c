@@ -249,3 +249,48 @@ void loom_logits_edit(float *logits, int n, int id_offset, const loom_logit_edit
     }
 #undef IN_SLICE
 }
+
+void loom_logprob_shard(const float *logits, int n, int id_offset, int top_n, loom_lp_part_t *out) {
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++)
+        if (logits[i] > m) m = logits[i];
+    double sum = 0.0;
+    int cnt = 0;
+    for (int i = 0; i < n; i++) {
+        if (m > -INFINITY) sum += exp((double)logits[i] - (double)m);
+        if (top_n > 0) heap_push(out->vals, out->ids, &cnt, top_n, logits[i], id_offset + i);
+    }
+    heap_sort_best_first(out->vals, out->ids, cnt);
+    out->n = cnt;
+    out->max = m;
+    out->sum_exp = (float)sum;
+}
+
+double loom_logprob_log_z(const loom_lp_part_t *parts, int n_parts) {
+    double M = -INFINITY, S = 0.0;
+    for (int p = 0; p < n_parts; p++)
+        if (parts[p].max > M) M = parts[p].max;
+    if (M == -INFINITY) return M;
+    for (int p = 0; p < n_parts; p++)
+        if (parts[p].max > -INFINITY) S += (double)parts[p].sum_exp * exp((double)parts[p].max - M);
+    return M + log(S);
+}
+
+int loom_logprob_top(const loom_lp_part_t *parts, int n_parts, int top_n, double log_z, int32_t *ids, float *lps) {
+    int cur[LOOM_SAMPLE_MAX_PARTS] = {0}, n = 0;
+    if (n_parts > LOOM_SAMPLE_MAX_PARTS) return 0;
+    while (n < top_n) {
+        int bp = -1;
+        for (int p = 0; p < n_parts; p++) {
+            if (cur[p] >= parts[p].n) continue;
+            if (bp < 0 || better(parts[p].vals[cur[p]], parts[p].ids[cur[p]], parts[bp].vals[cur[bp]],
+                                 parts[bp].ids[cur[bp]]))
+                bp = p;
+        }
+        if (bp < 0) break;
+        ids[n] = parts[bp].ids[cur[bp]];
+        lps[n++] = (float)((double)parts[bp].vals[cur[bp]] - log_z);
+        cur[bp]++;
+    }
+    return n;
+}

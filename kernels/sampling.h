@@ -93,4 +93,26 @@ int loom_logits_edits_active(const loom_logit_edits_t *e);
  * occurrence). */
 void loom_logits_edit(float *logits, int n, int id_offset, const loom_logit_edits_t *e);
 
+/* Log probabilities over a vocabulary-parallel head. They are the model's
+ * raw ones, log_softmax(logits), before temperature, penalties, bias and
+ * masks (vLLM's default, logprobs_mode "raw_logprobs"). Each shard reports
+ * its max, its sum of exp(logit - max) and its top_n (id, logit); the merge
+ * gives log Z = M + log sum_s S_s exp(m_s - M), and a token's logprob is its
+ * logit - log Z. Only these travel, never vocabulary-sized rows. */
+#define LOOM_MAX_TOP_LOGPROBS 20
+
+typedef struct loom_lp_part {
+    float max;      /* largest logit of the shard */
+    float sum_exp;  /* sum of exp(logit - max) over the shard */
+    int n;          /* entries in ids / vals */
+    int32_t *ids;   /* (top_n) global ids, best first (ties: smaller id) */
+    float *vals;    /* (top_n) their logits */
+} loom_lp_part_t;
+
+void loom_logprob_shard(const float *logits, int n, int id_offset, int top_n, loom_lp_part_t *out);
+/* log Z of the whole row from the shards' parts. */
+double loom_logprob_log_z(const loom_lp_part_t *parts, int n_parts);
+/* The global top_n (ids best first, logprobs) from the parts; returns how many. */
+int loom_logprob_top(const loom_lp_part_t *parts, int n_parts, int top_n, double log_z, int32_t *ids, float *lps);
+
 #endif
