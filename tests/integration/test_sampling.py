@@ -15,6 +15,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import PYTHON, ROOT, STORIES, Cluster, check, run_tests  # noqa: E402
@@ -51,6 +54,41 @@ def reference(ids, flags):
     return [int(x) for x in p.stdout.strip().split(",")]
 
 
+def reference_logprobs(ids, n_prompt):
+    """float64 log_softmax of the reference's logits at positions n_prompt-1 .. len(ids)-2."""
+    with tempfile.NamedTemporaryFile(suffix=".f32") as f:
+        p = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "llama_ref.py"), "--model", STORIES,
+                            "--ids", ",".join(map(str, ids)), "--logits-out", f.name,
+                            "--positions-from", str(n_prompt - 1)], capture_output=True, text=True, timeout=600)
+        check(p.returncode == 0, "llama_ref.py failed: %s" % p.stderr[-500:])
+        x = np.fromfile(f.name, dtype="<f4").astype(np.float64).reshape(len(ids) - n_prompt + 1, -1)
+    m = x.max(axis=1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:-1]
+
+
+def check_logprobs(port, grid, pids, body, ids, ref, chat=False):
+    """token_logprobs and top_logprobs of a completion equal the reference within 1e-4."""
+    status, _, data = request(port, "POST", "/v1/completions", dict({"prompt": pids, "max_tokens": len(ids),
+                                                                     "logprobs": 5}, **body))
+    check(status == 200, "%s logprobs: %d %r" % (grid, status, data[:300]))
+    lp = json.loads(data)["choices"][0]["logprobs"]
+    check(len(lp["token_logprobs"]) == len(ids), "%s: %d logprobs for %d tokens" % (grid, len(lp["token_logprobs"]),
+                                                                                     len(ids)))
+    worst = 0.0
+    for i, t in enumerate(ids):
+        worst = max(worst, abs(lp["token_logprobs"][i] - ref[i][t]))
+        want_top = np.sort(ref[i])[::-1][:5]
+        got_top = sorted(lp["top_logprobs"][i].values(), reverse=True)
+        check(len(got_top) >= 1, "%s: empty top_logprobs at %d" % (grid, i))
+        for g in got_top:  # two ids reading alike collapse into one key
+            worst = max(worst, min(abs(g - w) for w in want_top))
+        worst = max(worst, abs(got_top[0] - want_top[0]))
+    check(worst < 1e-4, "%s %s: logprobs differ from the float64 reference by %.3g" % (grid, body, worst))
+    check(lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"]), "text_offset %r" %
+          lp["text_offset"])
+    return worst
+
+
 def gen_ids(c, extra, temperature=0.0):
     rc, _, ids, err = c.generate(PROMPT, max_tokens=N, temperature=temperature,
                                  extra=["--top-k", "0", "--top-p", "1", "--ignore-eos"] + list(extra))
@@ -59,7 +97,7 @@ def gen_ids(c, extra, temperature=0.0):
 
 
 def test_penalties_on_every_grid():
-    refs, plain_ref, sampled = None, None, {}
+    refs, plain_ref, sampled, lp_refs = None, None, {}, {}
     for tp, pp in GRIDS:
         port = free_port()
         with Cluster(STORIES, tp=tp, pp=pp, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
@@ -73,6 +111,19 @@ def test_penalties_on_every_grid():
                 got = gen_ids(c, flags)
                 check(got == want, "%dx%d %s:\n  loom %r\n  ref  %r" % (tp, pp, " ".join(flags), got, want))
             sampled[(tp, pp)] = gen_ids(c, SAMPLED, temperature=0.9)
+            # logprobs: raw (before temperature and penalties), greedy and sampled, against float64
+            pids = prompt_ids(port)
+            for flags, body in [([], {"temperature": 0}),
+                                (["--seed", "9"], {"temperature": 1.0, "seed": 9, "top_p": 1}),
+                                (["--presence-penalty", "1.5"], {"temperature": 0, "presence_penalty": 1.5})]:
+                rc, _, ids, err = c.generate(PROMPT, max_tokens=12, temperature=body["temperature"],
+                                             extra=["--top-k", "0", "--top-p", "1", "--ignore-eos"] + flags)
+                check(rc == 0 and ids, "loom generate: %s" % err[-300:])
+                key = (tuple(flags), tuple(ids))
+                if key not in lp_refs:
+                    lp_refs[key] = reference_logprobs(pids + ids, len(pids))
+                worst = check_logprobs(port, "%dx%d" % (tp, pp), pids, dict(body, ignore_eos=True), ids, lp_refs[key])
+                print("  %dx%d %s: logprobs within %.2g of the float64 reference" % (tp, pp, body, worst))
     first = sampled[GRIDS[0]]
     for g, ids in sampled.items():
         check(ids == first, "seeded sampling with penalties and min_p differs on %dx%d: %r vs %r" % (g + (ids, first)))
@@ -152,7 +203,31 @@ def test_http_controls():
         check("ignoring the unknown field 'no_such_field'" in c.log("coordinator"), "no warning logged")
         _, _, hdrs = ok_text(port, greedy)
         check("x-loom-ignored-fields" not in hdrs, "header without unknown fields")
+        # chat logprobs, streamed and not: one entry per token, top_logprobs of the asked size, best first
+        body = {"max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+        status, _, data = completion(port, body, chat=True)
+        check(status == 200, "chat logprobs: %d %r" % (status, data[:300]))
+        ch = json.loads(data)["choices"][0]
+        content = ch["logprobs"]["content"]
+        check(len(content) == 5 and "".join(t["token"] for t in content) == ch["message"]["content"],
+              "chat logprobs tokens %r vs %r" % ([t["token"] for t in content], ch["message"]["content"]))
+        for t in content:
+            tops = [x["logprob"] for x in t["top_logprobs"]]
+            check(len(tops) == 3 and tops == sorted(tops, reverse=True) and abs(tops[0] - t["logprob"]) < 1e-6,
+                  "greedy: the token is the top one: %r" % t)
+            check(bytes(t["bytes"]).decode() == t["token"], "bytes of %r" % t)
+        status, _, data = completion(port, dict(body, stream=True), chat=True)
+        events = [json.loads(ln[6:]) for ln in data.decode().splitlines() if ln.startswith("data: {")]
+        streamed = [t for e in events for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["content"]]
+        check([t["logprob"] for t in streamed] == [t["logprob"] for t in content],
+              "streamed logprobs differ: %r vs %r" % (streamed, content))
         # bad input: 400 naming the problem, and the server keeps serving
+        for body, chat, name in [({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+                                 ({"top_logprobs": 2}, True, "top_logprobs"),
+                                 ({"logprobs": 21}, False, "logprobs"), ({"logprobs": True}, False, "logprobs"),
+                                 ({"logprobs": 2}, True, "logprobs")]:
+            status, _, data = completion(port, dict(greedy, **body), chat)
+            expect_error(status, data, 400, param=name)
         bad = [({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
                ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
                ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),

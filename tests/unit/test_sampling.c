@@ -401,6 +401,50 @@ static void test_logit_edits(void) {
     CHECK(sample_one(got, vocab, &g, 0) == 123);
 }
 
+/* Log probabilities merged over shards equal log_softmax over the whole row
+ * (double reference), with the top-n in order, ties to the smaller id. */
+static void test_logprobs(void) {
+    const int vocab = 777;
+    float logits[777];
+    unsigned long long st = 11;
+    make_logits(logits, vocab, &st, 6.0f);
+    logits[5] = logits[600] = 9.0f; /* a tie at the top */
+    logits[42] = -INFINITY;         /* a masked token */
+    double m = -INFINITY, z = 0;
+    for (int i = 0; i < vocab; i++) m = logits[i] > m ? logits[i] : m;
+    for (int i = 0; i < vocab; i++) z += exp((double)logits[i] - m);
+    double log_z = m + log(z);
+    static const int cuts[][4] = {{777, 0, 0, 0}, {300, 777, 0, 0}, {1, 5, 601, 777}, {6, 600, 700, 777}};
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cuts); c++) {
+        int32_t ids[4][LOOM_MAX_TOP_LOGPROBS];
+        float vals[4][LOOM_MAX_TOP_LOGPROBS];
+        loom_lp_part_t parts[4];
+        int lo = 0, np = 0;
+        for (; np < 4 && lo < vocab; np++) {
+            int hi = cuts[c][np];
+            parts[np] = (loom_lp_part_t){.ids = ids[np], .vals = vals[np]};
+            loom_logprob_shard(logits + lo, hi - lo, lo, 20, &parts[np]);
+            lo = hi;
+        }
+        double got_z = loom_logprob_log_z(parts, np);
+        CHECKF(fabs(got_z - log_z) < 1e-5, "cut %zu: log Z %.9g, want %.9g", c, got_z, log_z);
+        int32_t top[20];
+        float lps[20];
+        int n = loom_logprob_top(parts, np, 20, got_z, top, lps);
+        CHECK(n == 20 && top[0] == 5 && top[1] == 600);
+        for (int j = 0; j < n; j++) {
+            CHECKF(fabs(lps[j] - ((double)logits[top[j]] - log_z)) < 1e-5, "cut %zu: top %d", c, j);
+            if (j) CHECK(lps[j] <= lps[j - 1]);
+            for (int i = 0; i < vocab; i++) /* nothing outside the top beats its last entry */
+                if (logits[i] > logits[top[n - 1]]) {
+                    int in = 0;
+                    for (int k = 0; k < n; k++) in |= top[k] == i;
+                    CHECKF(in, "cut %zu: id %d missing from the top", c, i);
+                }
+        }
+    }
+}
+
 int main(void) {
     RUN(test_modes);
     RUN(test_greedy);
@@ -412,5 +456,6 @@ int main(void) {
     RUN(test_top_p_nucleus);
     RUN(test_large_top_k);
     RUN(test_logit_edits);
+    RUN(test_logprobs);
     return test_summary();
 }
