@@ -302,7 +302,7 @@ def test_errors_and_api_key():
         expect_error(*post(port, C, dict(ok, stream="yes")), 400, param="stream")
         expect_error(*post(port, C, dict(ok, stop=5)), 400, param="stop")
         expect_error(*post(port, C, dict(ok, top_k=-3)), 400, param="top_k")
-        expect_error(*post(port, C, dict(ok, logprobs=2)), 400, param="logprobs")
+        expect_error(*post(port, C, dict(ok, logprobs=21)), 400, param="logprobs")
         expect_error(*post(port, C, {"max_tokens": 4}), 400, param="prompt")
         expect_error(*post(port, C, dict(ok, prompt=5)), 400, param="prompt")
         expect_error(*post(port, C, dict(ok, prompt="")), 400, param="prompt")

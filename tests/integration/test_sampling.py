@@ -243,5 +243,38 @@ def test_http_controls():
         check(text == plain, "the server answers differently after bad requests: %r" % text)
 
 
+def test_sdks():
+    """The OpenAI SDK, LangChain JS and the Vercel AI SDK: logprobs, penalties, bad input."""
+    node_modules = os.path.join(ROOT, "tests", "reference", "node_modules")
+    for pkg in ("openai", "@langchain/openai", "ai", "@ai-sdk/openai-compatible"):
+        check(os.path.isdir(os.path.join(node_modules, pkg)), "%s is missing: run npm ci --prefix tests/reference" % pkg)
+    port = free_port()
+    with Cluster(STORIES, tp=2, pp=1, coord_args=["--http", "127.0.0.1:%d" % port, "--chat-template", "chatml"]):
+        p = subprocess.run(["node", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk_sampling.mjs"),
+                            "http://127.0.0.1:%d/v1" % port, "sk-none"], capture_output=True, text=True, timeout=300)
+        check(p.returncode == 0, "sdk_sampling.mjs failed: %s" % p.stderr[-1500:])
+        out = json.loads(p.stdout)
+    lp = out["openai_logprobs"]["logprobs"]
+    check(out["openai_logprobs"]["text"] == out["openai_plain"], "logprobs changed the text")
+    check(len(lp["token_logprobs"]) == 24 and all(x <= 0 for x in lp["token_logprobs"]) and
+          "".join(lp["tokens"]) == out["openai_plain"] and all(len(t) == 3 for t in lp["top_logprobs"]),
+          "openai completions logprobs: %r" % lp)
+    check(out["openai_penalized"] != out["openai_long"], "penalties changed nothing: %r" % out["openai_penalized"])
+    content = out["openai_chat"]["logprobs"]["content"]
+    check(len(content) == 24 and all(len(t["top_logprobs"]) == 2 for t in content), "openai chat logprobs: %r" %
+          content[:2])
+    check(out["openai_top21"]["status"] == 400 and "top_logprobs" in out["openai_top21"]["message"],
+          "top_logprobs 21: %r" % out["openai_top21"])
+    check(out["openai_bad_bias"]["status"] == 400 and "logit_bias" in out["openai_bad_bias"]["message"],
+          "bad logit_bias: %r" % out["openai_bad_bias"])
+    check(out["openai_after"] == out["openai_plain"], "the server answers differently after bad requests")
+    lc = out["langchain"]
+    check(lc["plain"] and lc["penalized"] != lc["plain"], "langchain penalties: %r" % lc)
+    check(lc["logprobs"] and len(lc["logprobs"]["content"]) > 0 and
+          all(len(t["top_logprobs"]) == 2 for t in lc["logprobs"]["content"]), "langchain logprobs: %r" % lc["logprobs"])
+    v = out["vercel"]
+    check(v["plain"] and v["penalized"] != v["plain"], "vercel penalties: %r" % v)
+
+
 if __name__ == "__main__":
-    run_tests([test_penalties_on_every_grid, test_http_controls])
+    run_tests([test_penalties_on_every_grid, test_http_controls, test_sdks])
