@@ -75,7 +75,8 @@
 #define MAX_STOP_IDS 64
 #define MAX_LOGIT_BIAS 1024  /* as the coordinator's LOOM_MAX_LOGIT_BIAS */
 #define MAX_BAD_WORDS 64
-#define MAX_TOP_LOGPROBS 20 /* as kernels/sampling.h LOOM_MAX_TOP_LOGPROBS */
+#define MAX_TOP_LOGPROBS 20
+#define MAX_CHOICES 64 /* n x prompts of one request */ /* as kernels/sampling.h LOOM_MAX_TOP_LOGPROBS */
 #define MAX_ALLOWED_IDS 131072
 #define RETRY_AFTER_S "1"
 
@@ -564,6 +565,12 @@ typedef struct gen {
     float bias_values[MAX_LOGIT_BIAS];
     int32_t *allowed; /* owned */
     const char *bad_words[MAX_BAD_WORDS];
+    /* a batch of prompts (n_batch > 1: answered by handle_multi) */
+    const char **batch_text; /* (n_batch) a string, or NULL ... */
+    int32_t **batch_ids;     /* ... token ids (owned) */
+    int *batch_n_ids;
+    int n_batch;
+    int n;                   /* choices per prompt */
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char **parts; /* owned: message contents joined from parts */
@@ -571,6 +578,10 @@ typedef struct gen {
 } gen_t;
 
 static void gen_free(gen_t *g) {
+    for (int i = 0; i < g->n_batch; i++) free(g->batch_ids[i]);
+    free(g->batch_ids);
+    free(g->batch_text);
+    free(g->batch_n_ids);
     free(g->allowed);
     free(g->prompt);
     free(g->ids);
@@ -674,10 +685,12 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     const cJSON *x = field(o, "model");
     if (x && !cJSON_IsString(x)) return bad(e, "model", "model must be a string");
     if (x && x->valuestring[0]) g->p.model = x->valuestring;
+    g->n = 1;
     if ((r = opt_int(o, "n", -1e9, 1e9, &v, e)) < 0) return -1;
-    if (r && v != 1) return bad(e, "n", "n must be 1: this server returns one choice per request (got %g)", v);
+    if (r && (v < 1 || v > MAX_CHOICES)) return bad(e, "n", "n must be in [1, %d] (got %g)", MAX_CHOICES, v);
+    if (r) g->n = (int)v;
     if ((r = opt_int(o, "best_of", -1e9, 1e9, &v, e)) < 0) return -1;
-    if (r && v != 1) return bad(e, "best_of", "best_of must be 1 (got %g)", v);
+    if (r && v != g->n) return bad(e, "best_of", "best_of must equal n, %d (got %g)", g->n, v);
     if ((r = opt_bool(o, "skip_special_tokens", &b, e)) < 0) return -1;
     g->p.keep_special = r && !b;
     x = field(o, "stop_token_ids");
@@ -771,34 +784,60 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     return 0;
 }
 
-/* /v1/completions: prompt is a string, an array of token ids, or a batch of
- * one of either. add_special_tokens: false (an extension, as in vLLM) sends
- * the text as already formatted: special tokens parsed, no BOS added. */
+/* One prompt: a non-empty string, or an array of token ids (*ids owned by
+ * the caller). `what` names it in errors ("prompt", "prompt[2]"). */
+static int parse_one_prompt(const cJSON *x, const char *what, const char **text, int32_t **ids, int *n_ids,
+                            perr_t *e) {
+    if (cJSON_IsString(x)) {
+        if (!x->valuestring[0]) return bad(e, "prompt", "%s must not be empty", what);
+        *text = x->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(x)) return bad(e, "prompt", "%s must be a string or an array of token ids", what);
+    int n = cJSON_GetArraySize(x);
+    if (n == 0) return bad(e, "prompt", "%s must not be empty", what);
+    *ids = loom_xmalloc((size_t)n * sizeof **ids);
+    const cJSON *t;
+    int k = 0;
+    cJSON_ArrayForEach(t, x) {
+        if (!is_token_id(t)) return bad(e, "prompt", "%s[%d] is not a token id (a non-negative integer)", what, k);
+        (*ids)[k++] = (int32_t)t->valuedouble;
+    }
+    *n_ids = n;
+    return 0;
+}
+
+/* /v1/completions: prompt is a string, an array of token ids, or a batch
+ * (an array) of either, answered as choices in prompt order (OpenAI's
+ * index: prompt i, choice j of n is i * n + j). add_special_tokens: false
+ * (an extension, as in vLLM) sends the text as already formatted: special
+ * tokens parsed, no BOS added. */
 static int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
     const cJSON *x = field(o, "prompt");
     if (!x) return bad(e, "prompt", "prompt is required");
-    if (cJSON_IsArray(x) && cJSON_GetArraySize(x) == 1 && !cJSON_IsNumber(x->child)) x = x->child;
-    if (cJSON_IsString(x)) {
-        if (!x->valuestring[0]) return bad(e, "prompt", "prompt must not be empty");
-        g->p.prompt = x->valuestring;
-    } else if (cJSON_IsArray(x)) {
+    if (cJSON_IsArray(x) && cJSON_GetArraySize(x) >= 1 && !cJSON_IsNumber(x->child)) { /* a batch */
         int n = cJSON_GetArraySize(x);
-        if (n == 0) return bad(e, "prompt", "prompt must not be empty");
-        if (!cJSON_IsNumber(x->child))
-            return bad(e, "prompt", "batched prompts (%d of them) are not supported: send one prompt per request", n);
-        g->ids = loom_xmalloc((size_t)n * sizeof *g->ids);
+        if (n > MAX_CHOICES) return bad(e, "prompt", "a batch of %d prompts; at most %d", n, MAX_CHOICES);
+        g->batch_text = loom_xcalloc((size_t)n, sizeof *g->batch_text);
+        g->batch_ids = loom_xcalloc((size_t)n, sizeof *g->batch_ids);
+        g->batch_n_ids = loom_xcalloc((size_t)n, sizeof *g->batch_n_ids);
+        g->n_batch = n;
         const cJSON *t;
-        int k = 0;
+        int i = 0;
         cJSON_ArrayForEach(t, x) {
-            if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
-                t->valuedouble > 2147483647.0)
-                return bad(e, "prompt", "prompt[%d] is not a token id (a non-negative integer)", k);
-            g->ids[k++] = (int32_t)t->valuedouble;
+            char what[32];
+            snprintf(what, sizeof what, "prompt[%d]", i);
+            if (parse_one_prompt(t, what, &g->batch_text[i], &g->batch_ids[i], &g->batch_n_ids[i], e) < 0) return -1;
+            i++;
         }
-        g->p.prompt_ids = g->ids;
-        g->p.n_prompt_ids = n;
+        if (n == 1) { /* a batch of one is the prompt itself */
+            g->p.prompt = g->batch_text[0];
+            g->p.prompt_ids = g->batch_ids[0];
+            g->p.n_prompt_ids = g->batch_n_ids[0];
+        }
     } else {
-        return bad(e, "prompt", "prompt must be a string or an array of token ids");
+        if (parse_one_prompt(x, "prompt", &g->p.prompt, &g->ids, &g->p.n_prompt_ids, e) < 0) return -1;
+        g->p.prompt_ids = g->ids;
     }
     int r, b = 0;
     if ((r = opt_bool(o, "add_special_tokens", &b, e)) < 0) return -1;
@@ -1188,6 +1227,153 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     return respond_json(q, MHD_HTTP_OK, o);
 }
 
+/* ---- several choices: n > 1 and batched prompts ---- */
+
+typedef struct choice {
+    uint64_t gen_id;
+    int done;
+    loom_sbuf_t text;
+    cJSON *lp;
+    size_t lp_offset;
+    loom_finish_t finish;
+    int prompt_tokens, completion_tokens, cached_tokens;
+} choice_t;
+
+/* Cancels every unfinished choice and drops the connection's client (what
+ * abandon does for one). */
+static void abandon_multi(req_t *q, choice_t *cs, int n) {
+    loom_client_t *c = q->conn->client;
+    q->active = 0;
+    if (!c) return;
+    loom_err_t err = {0};
+    for (int i = 0; i < n; i++)
+        if (cs[i].gen_id && !cs[i].done) loom_client_cancel(c, cs[i].gen_id, &err);
+    loom_client_close(&q->conn->client);
+}
+
+/* Each (prompt i, choice j) is one generation on the coordinator, with the
+ * seed (when given) mixed with j so that the n choices differ and a seed
+ * still gives the same answer; they run concurrently (the prefix cache
+ * shares the prompt's full blocks once computed). Answered without
+ * streaming; usage counts each prompt once. */
+static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
+    int n_prompts = g->n_batch > 1 ? g->n_batch : 1, n = n_prompts * g->n;
+    choice_t *cs = loom_xcalloc((size_t)n, sizeof *cs);
+    enum MHD_Result res;
+    loom_err_t err = {0};
+    q->active = 1;
+    q->counted = 1;
+    atomic_fetch_add(&q->h->generating, 1);
+    for (int i = 0; i < n; i++) {
+        loom_gen_params_t p = g->p;
+        int pi = i / g->n, j = i % g->n;
+        if (g->n_batch > 1) {
+            p.prompt = g->batch_text[pi];
+            p.prompt_ids = g->batch_ids[pi];
+            p.n_prompt_ids = g->batch_n_ids[pi];
+        }
+        if (p.has_seed && j > 0) p.seed ^= mix64((uint64_t)j);
+        if (loom_client_submit(q->conn->client, &p, &cs[i].gen_id, &err) < 0) {
+            abandon_multi(q, cs, i);
+            res = respond_status(q, err.code, err.msg);
+            goto done;
+        }
+    }
+    MHD_set_connection_option(q->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    int left = n;
+    loom_status_t fail = LOOM_OK;
+    char fail_msg[600] = "";
+    while (left > 0) {
+        if (atomic_load(&q->h->stopping) || peer_gone(q)) {
+            abandon_multi(q, cs, n);
+            res = MHD_NO;
+            goto done;
+        }
+        loom_chunk_t ch;
+        int got = 0;
+        if (loom_client_poll(q->conn->client, SLICE_MS, &ch, &got, &err) < 0) {
+            abandon_multi(q, cs, n);
+            res = respond_status(q, err.code, err.msg);
+            goto done;
+        }
+        if (!got) continue;
+        int i = 0;
+        while (i < n && cs[i].gen_id != ch.request_id) i++;
+        if (i == n || cs[i].done) continue;
+        choice_t *c = &cs[i];
+        loom_sbuf_add(&c->text, ch.text, ch.text_len);
+        if (q->logprobs && ch.has_logprobs) {
+            if (!c->lp) c->lp = cJSON_CreateObject();
+            q->lp_offset = c->lp_offset;
+            add_logprobs(q, c->lp, &ch);
+            c->lp_offset = q->lp_offset;
+        }
+        if (!ch.final) continue;
+        c->done = 1;
+        left--;
+        c->finish = ch.finish;
+        c->prompt_tokens = ch.prompt_tokens;
+        c->completion_tokens = ch.completion_tokens;
+        c->cached_tokens = ch.cached_tokens;
+        if (ch.status != LOOM_OK && fail == LOOM_OK) {
+            fail = ch.status;
+            snprintf(fail_msg, sizeof fail_msg, "%s", ch.message ? ch.message : "");
+        }
+    }
+    q->active = 0;
+    refresh_timeout(q);
+    if (fail != LOOM_OK) {
+        res = respond_status(q, fail, fail_msg);
+        goto done;
+    }
+    cJSON *o = head_obj(q, q->chat ? "chat.completion" : "text_completion");
+    cJSON *choices = cJSON_AddArrayToObject(o, "choices");
+    loom_chunk_t usage = {0};
+    for (int i = 0; i < n; i++) {
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddNumberToObject(c, "index", i);
+        char *t = text_dup(cs[i].text.p ? cs[i].text.p : "", cs[i].text.len);
+        if (q->chat) {
+            cJSON *m = cJSON_AddObjectToObject(c, "message");
+            cJSON_AddStringToObject(m, "role", "assistant");
+            cJSON_AddStringToObject(m, "content", t);
+        } else {
+            cJSON_AddStringToObject(c, "text", t);
+        }
+        free(t);
+        if (q->logprobs) {
+            cJSON *lp = cs[i].lp ? cs[i].lp : cJSON_CreateObject();
+            cs[i].lp = NULL;
+            if (q->chat) {
+                arr_of(lp, "content");
+                cJSON_AddNullToObject(lp, "refusal");
+            } else {
+                arr_of(lp, "tokens"), arr_of(lp, "token_logprobs"), arr_of(lp, "top_logprobs"),
+                    arr_of(lp, "text_offset");
+            }
+            cJSON_AddItemToObject(c, "logprobs", lp);
+        } else {
+            cJSON_AddNullToObject(c, "logprobs");
+        }
+        cJSON_AddStringToObject(c, "finish_reason", finish_name(cs[i].finish));
+        cJSON_AddItemToArray(choices, c);
+        if (i % g->n == 0) { /* the prompt once per prompt */
+            usage.prompt_tokens += cs[i].prompt_tokens;
+            usage.cached_tokens += cs[i].cached_tokens;
+        }
+        usage.completion_tokens += cs[i].completion_tokens;
+    }
+    cJSON_AddItemToObject(o, "usage", usage_obj(&usage));
+    res = respond_json(q, MHD_HTTP_OK, o);
+done:
+    for (int i = 0; i < n; i++) {
+        free(cs[i].text.p);
+        cJSON_Delete(cs[i].lp);
+    }
+    free(cs);
+    return res;
+}
+
 /* ---- generation ---- */
 
 static enum MHD_Result handle_generate(req_t *q) {
@@ -1248,6 +1434,15 @@ static enum MHD_Result handle_generate(req_t *q) {
         goto done;
     }
     g.p.tag = q->xid;
+    if (g.n > 1 || g.n_batch > 1) {
+        if (q->stream) {
+            res = respond_error(q, 400, "invalid_request_error", g.n > 1 ? "n" : "prompt", NULL,
+                                "n > 1 and batched prompts are answered without streaming: set stream to false");
+            goto done;
+        }
+        res = handle_multi(q, &g);
+        goto done;
+    }
     if (loom_client_submit(q->conn->client, &g.p, &q->gen_id, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;

@@ -52,6 +52,13 @@ out.openai_chat = { text: chat.choices[0].message.content, logprobs: chat.choice
 out.openai_top21 = await status(() => client.chat.completions.create({ ...greedy, messages, logprobs: true,
                                                                          top_logprobs: 21 }));
 out.openai_bad_bias = await status(() => client.completions.create({ ...greedy, prompt, logit_bias: { x: 1 } }));
+// n = 2 and a two-prompt batch
+const n2 = await client.completions.create({ model, prompt, max_tokens: 24, temperature: 1.5, seed: 4, n: 2 });
+out.openai_n2 = n2.choices.sort((x, y) => x.index - y.index).map((c) => c.text);
+const batch = await client.completions.create({ ...greedy, prompt: [prompt, "The little dog"] });
+out.openai_batch = batch.choices.sort((x, y) => x.index - y.index).map((c) => c.text);
+out.openai_batch_b = (await client.completions.create({ ...greedy, prompt: "The little dog" })).choices[0].text;
+out.openai_n0 = await status(() => client.completions.create({ ...greedy, prompt, n: 0 }));
 out.openai_after = (await client.completions.create({ ...greedy, prompt })).choices[0].text;
 
 // LangChain: penalties and logprobs on ChatOpenAI

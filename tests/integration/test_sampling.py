@@ -89,6 +89,33 @@ def check_logprobs(port, grid, pids, body, ids, ref, chat=False):
     return worst
 
 
+def texts(port, body):
+    status, _, data = request(port, "POST", "/v1/completions", body)
+    check(status == 200, "%r: %d %r" % (body, status, data[:300]))
+    o = json.loads(data)
+    check([c["index"] for c in o["choices"]] == list(range(len(o["choices"]))), "choice indexes %r" % o["choices"])
+    return [c["text"] for c in o["choices"]], o["usage"]
+
+
+def check_multi(port, grid):
+    """n = 3 with a seed, and a two-prompt batch (text and token ids) with n = 2: choices in OpenAI's index
+    order, choice 0 of each prompt equal to the single request, usage counting each prompt once."""
+    sampled = {"max_tokens": 24, "temperature": 1.5, "top_p": 1, "seed": 11}
+    n3, usage = texts(port, dict(sampled, prompt=PROMPT, n=3))
+    one, u1 = texts(port, dict(sampled, prompt=PROMPT))
+    check(len(n3) == 3 and n3[0] == one[0] and len(set(n3)) == 3, "%s n=3: %r (single %r)" % (grid, n3, one))
+    check(usage["prompt_tokens"] == u1["prompt_tokens"], "%s n=3 counts the prompt %r" % (grid, usage))
+    ids = prompt_ids(port)
+    batch, ub = texts(port, {"prompt": [PROMPT, ids[:3]], "max_tokens": 8, "temperature": 0, "n": 2})
+    a, ua = texts(port, {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    b, ub1 = texts(port, {"prompt": ids[:3], "max_tokens": 8, "temperature": 0})
+    check(batch == [a[0], a[0], b[0], b[0]], "%s batch: %r vs %r, %r" % (grid, batch, a, b))
+    check(ub["prompt_tokens"] == ua["prompt_tokens"] + ub1["prompt_tokens"] and
+          ub["completion_tokens"] == 2 * (ua["completion_tokens"] + ub1["completion_tokens"]),
+          "%s batch usage %r (singles %r, %r)" % (grid, ub, ua, ub1))
+    return n3 + batch
+
+
 def gen_ids(c, extra, temperature=0.0):
     rc, _, ids, err = c.generate(PROMPT, max_tokens=N, temperature=temperature,
                                  extra=["--top-k", "0", "--top-p", "1", "--ignore-eos"] + list(extra))
@@ -97,7 +124,7 @@ def gen_ids(c, extra, temperature=0.0):
 
 
 def test_penalties_on_every_grid():
-    refs, plain_ref, sampled, lp_refs = None, None, {}, {}
+    refs, plain_ref, sampled, lp_refs, multi = None, None, {}, {}, {}
     for tp, pp in GRIDS:
         port = free_port()
         with Cluster(STORIES, tp=tp, pp=pp, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
@@ -124,6 +151,9 @@ def test_penalties_on_every_grid():
                     lp_refs[key] = reference_logprobs(pids + ids, len(pids))
                 worst = check_logprobs(port, "%dx%d" % (tp, pp), pids, dict(body, ignore_eos=True), ids, lp_refs[key])
                 print("  %dx%d %s: logprobs within %.2g of the float64 reference" % (tp, pp, body, worst))
+            multi[(tp, pp)] = check_multi(port, "%dx%d" % (tp, pp))
+    for g, m in multi.items():
+        check(m == multi[GRIDS[0]], "n and batched prompts differ on %dx%d: %r vs %r" % (g + (m, multi[GRIDS[0]])))
     first = sampled[GRIDS[0]]
     for g, ids in sampled.items():
         check(ids == first, "seeded sampling with penalties and min_p differs on %dx%d: %r vs %r" % (g + (ids, first)))
@@ -222,7 +252,9 @@ def test_http_controls():
         check([t["logprob"] for t in streamed] == [t["logprob"] for t in content],
               "streamed logprobs differ: %r vs %r" % (streamed, content))
         # bad input: 400 naming the problem, and the server keeps serving
-        for body, chat, name in [({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+        for body, chat, name in [({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 2, "stream": True}, True, "n"),
+                                 ({"prompt": ["a", ""]}, False, "prompt"), ({"prompt": ["a", [1, -1]]}, False, "prompt"),
+({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
                                  ({"top_logprobs": 2}, True, "top_logprobs"),
                                  ({"logprobs": 21}, False, "logprobs"), ({"logprobs": True}, False, "logprobs"),
                                  ({"logprobs": 2}, True, "logprobs")]:
@@ -269,6 +301,9 @@ def test_sdks():
           "bad logit_bias: %r" % out["openai_bad_bias"])
     check(out["openai_after"] == out["openai_plain"], "the server answers differently after bad requests")
     lc = out["langchain"]
+    check(len(out["openai_n2"]) == 2 and out["openai_n2"][0] != out["openai_n2"][1], "openai n=2: %r" % out["openai_n2"])
+    check(out["openai_batch"] == [out["openai_plain"], out["openai_batch_b"]], "openai batch: %r" % out["openai_batch"])
+    check(out["openai_n0"]["status"] == 400, "openai n=0: %r" % out["openai_n0"])
     check(lc["plain"] and lc["penalized"] != lc["plain"], "langchain penalties: %r" % lc)
     check(lc["logprobs"] and len(lc["logprobs"]["content"]) > 0 and
           all(len(t["top_logprobs"]) == 2 for t in lc["logprobs"]["content"]), "langchain logprobs: %r" % lc["logprobs"])
