@@ -157,6 +157,7 @@ typedef struct req {
     cJSON *lp_acc;    /* the collected logprobs object, when not streaming */
     size_t lp_offset; /* text_offset of the next token (completions) */
     char *lp_json;    /* this chunk's logprobs for sse_choice (NULL: null) */
+    int echo;         /* completions: the prompt's text starts each choice */
     char fail_msg[600];
     /* timings: the coordinator's, and the gateway's own time handing chunks on */
     loom_timings_t timings;
@@ -482,11 +483,11 @@ static const struct {
     {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
     {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
     {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
-    {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT},
+    {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT}, {"echo", F_ALL},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     /* OpenAI features Loom does not implement */
-    {"echo", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
+    {"suffix", F_FALSY}, {"tools", F_FALSY},
     {"tool_choice", F_NONE_AUTO}, {"parallel_tool_calls", F_TRUE}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
     {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
@@ -571,6 +572,7 @@ typedef struct gen {
     int *batch_n_ids;
     int n_batch;
     int n;                   /* choices per prompt */
+    int echo;
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char **parts; /* owned: message contents joined from parts */
@@ -614,6 +616,9 @@ static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
     if (r) g->p.min_tokens = (int)v;
     if ((r = opt_bool(o, "include_stop_str_in_output", &b, e)) < 0) return -1;
     g->p.include_stop_str_in_output = r && b;
+    if ((r = opt_bool(o, "echo", &b, e)) < 0) return -1;
+    if (r && b && chat) return bad(e, "echo", "echo is not supported on /v1/chat/completions");
+    g->echo = r && b;
     if (!chat) { /* completions: logprobs N, the sampled token's and the N most likely */
         if ((r = opt_int(o, "logprobs", 0, 1e9, &v, e)) < 0) return -1;
         if (r && v > MAX_TOP_LOGPROBS)
@@ -781,6 +786,9 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (parse_controls(o, q->chat, g, e) < 0) return -1;
     q->logprobs = g->p.logprobs;
     q->top_logprobs = g->p.top_logprobs;
+    if (g->echo && g->p.logprobs)
+        return bad(e, "echo", "echo with logprobs needs the prompt's logprobs, which this server does not compute");
+    q->echo = g->echo;
     return 0;
 }
 
@@ -1227,6 +1235,19 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     return respond_json(q, MHD_HTTP_OK, o);
 }
 
+/* The text echo puts before a choice: the prompt string, or its token ids
+ * decoded (special tokens left out). */
+static void add_echo(const req_t *q, loom_sbuf_t *b, const char *text, const int32_t *ids, int n_ids) {
+    if (text) {
+        loom_sbuf_str(b, text);
+    } else if (q->h->tok && n_ids > 0) {
+        size_t len = 0;
+        char *t = loom_tokenizer_decode(q->h->tok, ids, n_ids, 1, &len);
+        if (t) loom_sbuf_add(b, t, len);
+        free(t);
+    }
+}
+
 /* ---- several choices: n > 1 and batched prompts ---- */
 
 typedef struct choice {
@@ -1273,6 +1294,7 @@ static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
             p.n_prompt_ids = g->batch_n_ids[pi];
         }
         if (p.has_seed && j > 0) p.seed ^= mix64((uint64_t)j);
+        if (q->echo) add_echo(q, &cs[i].text, p.prompt, p.prompt_ids, p.n_prompt_ids);
         if (loom_client_submit(q->conn->client, &p, &cs[i].gen_id, &err) < 0) {
             abandon_multi(q, cs, i);
             res = respond_status(q, err.code, err.msg);
@@ -1450,6 +1472,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     q->active = 1;
     q->counted = 1;
     atomic_fetch_add(&q->h->generating, 1);
+    if (q->echo) add_echo(q, &q->text, g.p.prompt, g.p.prompt_ids, g.p.n_prompt_ids); /* the choice starts so */
     cJSON_Delete(root);
     root = NULL;
     gen_free(&g);
@@ -1468,6 +1491,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     }
     if (q->stream) {
         if (q->chat) sse_choice(q, "", 0, 1, NULL);
+        if (q->text.len) sse_choice(q, q->text.p, q->text.len, 0, NULL); /* echo */
         stream_chunk(q, &ch);
         struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, SSE_BLOCK, sse_read, q, NULL);
         if (!r) {

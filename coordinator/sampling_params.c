@@ -211,7 +211,7 @@ static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loo
 
     int n_ban = n_out < p->min_tokens ? p->n_end : 0;
     int32_t *ban = arena_alloc(a, (size_t)(n_ban + p->n_bad) * sizeof *ban);
-    memcpy(ban, p->end_ids, (size_t)n_ban * sizeof *ban);
+    if (n_ban) memcpy(ban, p->end_ids, (size_t)n_ban * sizeof *ban);
     for (int i = 0; i < p->n_bad; i++) { /* the last token of a bad word whose other tokens end the output */
         int l = p->bad_len[i] - 1;
         if (l <= n_out && !memcmp(out + n_out - l, p->bad[i], (size_t)l * sizeof *out)) ban[n_ban++] = p->bad[i][l];

@@ -166,7 +166,7 @@ def test_refused_fields_and_stop_token_ids():
         refused = {"guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
                    "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
                    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3, "prompt_logprobs": 1,
-                   "use_beam_search": True, "length_penalty": 0.5, "echo": True,
+                   "use_beam_search": True, "length_penalty": 0.5,
                    "suffix": "x", "request_id": "abc", "structured_outputs": {"json": {}}}
         for k, v in refused.items():
             status, data = post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, k: v})

@@ -251,8 +251,18 @@ def test_http_controls():
         streamed = [t for e in events for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["content"]]
         check([t["logprob"] for t in streamed] == [t["logprob"] for t in content],
               "streamed logprobs differ: %r vs %r" % (streamed, content))
+        # echo: the prompt's text starts the choice, streamed or not, text or token ids
+        text, _, _ = ok_text(port, dict(greedy, echo=True))
+        check(text == PROMPT + plain, "echo: %r" % text)
+        status, _, data = completion(port, dict(greedy, echo=True, stream=True))
+        events = [json.loads(ln[6:]) for ln in data.decode().splitlines() if ln.startswith("data: {")]
+        streamed = "".join(c["text"] for e in events for c in e["choices"])
+        check(streamed == PROMPT + plain, "streamed echo: %r" % streamed)
+        status, _, data = request(port, "POST", "/v1/completions", dict(greedy, echo=True, prompt=prompt_ids(port)))
+        check(status == 200 and json.loads(data)["choices"][0]["text"] == PROMPT + plain, "echo of ids: %r" % data[:300])
         # bad input: 400 naming the problem, and the server keeps serving
-        for body, chat, name in [({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 2, "stream": True}, True, "n"),
+        for body, chat, name in [({"echo": True, "logprobs": 1}, False, "echo"), ({"echo": True}, True, "echo"),
+({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 2, "stream": True}, True, "n"),
                                  ({"prompt": ["a", ""]}, False, "prompt"), ({"prompt": ["a", [1, -1]]}, False, "prompt"),
 ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
                                  ({"top_logprobs": 2}, True, "top_logprobs"),
