@@ -3,6 +3,7 @@
  * 2 usage, 3 refused by the server (bad request, overloaded, unknown model,
  * bad API key), 4 server unavailable, 130 interrupted. */
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,6 +138,9 @@ int loom_cmd_generate(int argc, char **argv) {
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
     float temperature = 0.8f, top_p = 0.95f;
+    float min_p = 0.0f, presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
+    int min_tokens = 0;
+    const char *bias_opt = NULL, *bad_opt = NULL;
     uint64_t seed = 0;
     loom_opt_t opts[] = {
         LOOM_CMD_OPT_ADDR(addr),
@@ -147,6 +151,13 @@ int loom_cmd_generate(int argc, char **argv) {
         {"top-k", LOOM_OPT_INT, &top_k, "K", "sample among the K most likely tokens, 0 = off (default 40)", 0, 1e9, NULL},
         {"seed", LOOM_OPT_U64, &seed, "S", "sampling seed (default: the server picks one)", 1, 0, &seed_given},
         {"stop", LOOM_OPT_STR, &stop, "STR", "stop string, not printed; repeat for several", 1, 0, NULL},
+        {"min-p", LOOM_OPT_FLOAT, &min_p, "P", "drop tokens less likely than P times the most likely one (default 0: off)", -1e9, 1e9, NULL},
+        {"presence-penalty", LOOM_OPT_FLOAT, &presence, "X", "subtracted from every generated token's logit, [-2, 2]", -1e9, 1e9, NULL},
+        {"frequency-penalty", LOOM_OPT_FLOAT, &frequency, "X", "subtracted per occurrence in the output, [-2, 2]", -1e9, 1e9, NULL},
+        {"repetition-penalty", LOOM_OPT_FLOAT, &repetition, "X", "divides (>0) or multiplies a seen token's logit; 1 = off", -1e9, 1e9, NULL},
+        {"logit-bias", LOOM_OPT_STR, &bias_opt, "ID:B", "add B to token ID's logit; repeat for several", 1, 0, NULL},
+        {"bad-word", LOOM_OPT_STR, &bad_opt, "STR", "never generate this word; repeat for several", 1, 0, NULL},
+        {"min-tokens", LOOM_OPT_INT, &min_tokens, "N", "EOS and stops end nothing before N tokens (default 0)", 0, 1e9, NULL},
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
@@ -169,6 +180,30 @@ int loom_cmd_generate(int argc, char **argv) {
         fprintf(stderr, "error: at most %d --stop strings\n", MAX_STOPS);
         return EXIT_USAGE;
     }
+    const char *bias_strs[MAX_STOPS], *bad_words[MAX_STOPS];
+    int n_bias = collect_repeated(argc, argv, 2, opts, n_opts, "logit-bias", bias_strs, MAX_STOPS);
+    int n_bad = collect_repeated(argc, argv, 2, opts, n_opts, "bad-word", bad_words, MAX_STOPS);
+    if (n_bias < 0 || n_bad < 0) {
+        fprintf(stderr, "error: at most %d --logit-bias and --bad-word each\n", MAX_STOPS);
+        return EXIT_USAGE;
+    }
+    int32_t bias_ids[MAX_STOPS];
+    float bias_values[MAX_STOPS];
+    for (int i = 0; i < n_bias; i++) {
+        char *end;
+        long id = strtol(bias_strs[i], &end, 10);
+        if (end == bias_strs[i] || *end != ':' || id < 0 || id > INT32_MAX) {
+            fprintf(stderr, "error: --logit-bias '%s' is not ID:BIAS\n", bias_strs[i]);
+            return EXIT_USAGE;
+        }
+        const char *v = end + 1;
+        bias_values[i] = strtof(v, &end);
+        if (end == v || *end) {
+            fprintf(stderr, "error: --logit-bias '%s' is not ID:BIAS\n", bias_strs[i]);
+            return EXIT_USAGE;
+        }
+        bias_ids[i] = (int32_t)id;
+    }
     if (!prompt || !prompt[0]) {
         fprintf(stderr, "error: --prompt is required (see loom generate --help)\n");
         return EXIT_USAGE;
@@ -180,7 +215,11 @@ int loom_cmd_generate(int argc, char **argv) {
     loom_gen_params_t p = {.prompt = prompt, .max_tokens = max_tokens, .temperature = temperature,
                            .top_p = top_p, .top_k = top_k, .seed = seed, .has_seed = seed_given,
                            .stop = stops, .n_stop = n_stop, .ignore_eos = ignore_eos,
-                           .priority = priority, .keep_special = keep_special, .model = model};
+                           .priority = priority, .keep_special = keep_special, .model = model,
+                           .min_p = min_p, .presence_penalty = presence, .frequency_penalty = frequency,
+                           .repetition_penalty = repetition, .logit_bias_ids = bias_ids,
+                           .logit_bias_values = bias_values, .n_logit_bias = n_bias, .bad_words = bad_words,
+                           .n_bad_words = n_bad, .min_tokens = min_tokens};
     gen_out_t o = {.print_ids = print_ids};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = (int)SA_RESETHAND}, old_sa;
     sigemptyset(&sa.sa_mask);

@@ -394,6 +394,16 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
         ch->text_len = strlen(g->text);
         ch->finish = finish_from_wire(g->finish_reason);
         ch->final = g->final;
+        size_t tops = 0;
+        for (size_t i = 0; i < g->n_n_top; i++) tops += g->n_top[i];
+        if (g->n_logprobs == g->n_ids && g->n_n_top == g->n_ids && g->n_top_ids == tops &&
+            g->n_top_logprobs == tops && g->n_ids > 0) { /* a malformed list is dropped, not trusted */
+            ch->has_logprobs = 1;
+            ch->logprobs = g->logprobs;
+            ch->n_top = g->n_top;
+            ch->top_ids = g->top_ids;
+            ch->top_logprobs = g->top_logprobs;
+        }
         if (g->usage) {
             ch->prompt_tokens = (int)LOOM_MIN(g->usage->prompt_tokens, (uint32_t)INT32_MAX);
             ch->completion_tokens = (int)LOOM_MIN(g->usage->completion_tokens, (uint32_t)INT32_MAX);
@@ -514,18 +524,28 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     if (!p || ((!p->prompt || !p->prompt[0]) && p->n_prompt_ids <= 0))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: a prompt or prompt ids are needed");
     if (p->n_prompt_ids < 0 || (p->n_prompt_ids > 0 && !p->prompt_ids) || p->max_tokens < 0 || p->n_stop < 0 ||
-        (p->n_stop > 0 && !p->stop) || p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
+        (p->n_stop > 0 && !p->stop) || p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids) ||
+        p->n_logit_bias < 0 || (p->n_logit_bias > 0 && (!p->logit_bias_ids || !p->logit_bias_values)) ||
+        p->n_allowed_token_ids < 0 || (p->n_allowed_token_ids > 0 && !p->allowed_token_ids) || p->n_bad_words < 0 ||
+        (p->n_bad_words > 0 && !p->bad_words) || p->min_tokens < 0)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "INVALID_ARGUMENT: negative counts or missing arrays in the generation parameters");
     for (int i = 0; i < p->n_stop; i++)
         if (!p->stop[i])
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: stop string %d is NULL", i);
+    for (int i = 0; i < p->n_bad_words; i++)
+        if (!p->bad_words[i])
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: bad word %d is NULL", i);
     Loom__V1__SamplingParams sp = LOOM__V1__SAMPLING_PARAMS__INIT;
     sp.temperature = p->temperature;
     sp.top_p = p->top_p;
     sp.top_k = p->top_k;
     sp.seed = p->seed;
     sp.has_seed = p->has_seed != 0;
+    sp.min_p = p->min_p;
+    sp.presence_penalty = p->presence_penalty;
+    sp.frequency_penalty = p->frequency_penalty;
+    sp.repetition_penalty = p->repetition_penalty;
     Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
     g.model = (char *)(p->model ? p->model : "");
     g.prompt = (char *)(p->prompt ? p->prompt : "");
@@ -542,6 +562,17 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.tag = (char *)(p->tag ? p->tag : "");
     g.n_stop_token_ids = (size_t)p->n_stop_token_ids;
     g.stop_token_ids = (int32_t *)p->stop_token_ids;
+    g.n_logit_bias_ids = g.n_logit_bias_values = (size_t)p->n_logit_bias;
+    g.logit_bias_ids = (int32_t *)p->logit_bias_ids;
+    g.logit_bias_values = (float *)p->logit_bias_values;
+    g.n_allowed_token_ids = (size_t)p->n_allowed_token_ids;
+    g.allowed_token_ids = (int32_t *)p->allowed_token_ids;
+    g.n_bad_words = (size_t)p->n_bad_words;
+    g.bad_words = (char **)p->bad_words;
+    g.min_tokens = (uint32_t)p->min_tokens;
+    g.include_stop_str_in_output = p->include_stop_str_in_output != 0;
+    g.logprobs = p->logprobs != 0;
+    g.top_logprobs = p->top_logprobs > 0 ? (uint32_t)p->top_logprobs : 0;
     Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
     req.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
     req.generate = &g;

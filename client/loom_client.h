@@ -45,6 +45,21 @@ typedef struct loom_gen_params {
     const char *tag;            /* the caller's id for the coordinator's log lines (NULL: none) */
     const int32_t *stop_token_ids; /* generating one ends the request (not in the text) */
     int n_stop_token_ids;
+    /* sampling controls (api.proto SamplingParams / GenerateRequest); zero: off */
+    float min_p;
+    float presence_penalty, frequency_penalty; /* [-2, 2] */
+    float repetition_penalty;                  /* 0 or 1: off */
+    const int32_t *logit_bias_ids;             /* (n_logit_bias) */
+    const float *logit_bias_values;
+    int n_logit_bias;
+    const int32_t *allowed_token_ids;          /* (n_allowed_token_ids) only these may be generated */
+    int n_allowed_token_ids;
+    const char *const *bad_words;              /* (n_bad_words) never generated */
+    int n_bad_words;
+    int min_tokens;                            /* EOS and stops end nothing before this many tokens */
+    int include_stop_str_in_output;
+    int logprobs;                              /* chunks carry their tokens' log probabilities */
+    int top_logprobs;                          /* and the most likely tokens', at most 20 */
 } loom_gen_params_t;
 
 typedef enum {
@@ -73,6 +88,13 @@ typedef struct loom_chunk {
     /* in the final chunk of an admitted request (has_timings = 1) */
     loom_timings_t timings;
     int has_timings;
+    /* with loom_gen_params_t.logprobs (has_logprobs = 1), per id: its log
+     * probability, and n_top[i] (id, logprob) pairs, concatenated over ids */
+    int has_logprobs;
+    const float *logprobs;
+    const uint32_t *n_top;
+    const int32_t *top_ids;
+    const float *top_logprobs;
     /* the stream's status in the final chunk (OK unless it failed) */
     loom_status_t status;
     const char *message;

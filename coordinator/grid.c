@@ -22,6 +22,7 @@
 #include "common/shard.h"
 #include "common/util.h"
 #include "coordinator/metrics.h"
+#include "coordinator/sampling_params.h"
 #include "proto/wire.h"
 
 #define PROBE_MS 1000       /* a member's data-plane listener that does not answer a connect this long is gone */
@@ -80,6 +81,7 @@ struct loom_grid {
     int n_inflight;
     Loom__V1__SampleParams *sp; /* step plan scratch, max_num_seqs entries */
     Loom__V1__SampleParams **sp_ptrs;
+    loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
     uint64_t last_hb_sent, last_check;
 
@@ -549,7 +551,10 @@ static void on_result(loom_grid_t *g, int wi, const Loom__V1__StepResult *r) {
         return;
     }
     double step_s = (double)(loom_now_ns() - f.t_sent) * 1e-9;
-    if (g->cb.on_step_done) g->cb.on_step_done(g->cb.ctx, f.mb, r->ids, step_s);
+    if (g->cb.on_step_done && g->cb.on_step_done(g->cb.ctx, f.mb, r, step_s, msg, sizeof msg) < 0) {
+        if (g->cb.on_step_failed) g->cb.on_step_failed(g->cb.ctx, f.mb);
+        fail_grid(g, msg);
+    }
 }
 
 static void on_loaded(loom_grid_t *g, worker_slot_t *w, const Loom__V1__Loaded *l) {
@@ -705,6 +710,7 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
         sp->step = mb->steps[i];
         g->sp_ptrs[i] = sp;
     }
+    loom_sparams_fill_plan(&g->sp_arena, mb, g->sp_ptrs);
     p->sampling = g->sp_ptrs;
     p->n_sampling = (size_t)mb->n_logits;
     p->copy_src = mb->copy_src;
@@ -973,6 +979,7 @@ void loom_grid_destroy(loom_grid_t **g_p) {
     free(g->inflight);
     free(g->sp);
     free(g->sp_ptrs);
+    loom_sparams_arena_free(&g->sp_arena);
     free(g);
 }
 

@@ -64,6 +64,7 @@
 
 #include "common/status.h"
 #include "coordinator/sched.h"
+#include "loom/v1/control.pb-c.h"
 
 typedef enum { LOOM_GRID_WAITING = 0, LOOM_GRID_LOADING, LOOM_GRID_JOINING, LOOM_GRID_READY } loom_grid_state_t;
 
@@ -76,9 +77,13 @@ typedef struct loom_grid_callbacks {
     /* The epoch was aborted (why: what happened). In-flight micro-batches were
      * handed back through on_step_failed first. */
     void (*on_failed)(void *ctx, loom_grid_t *g, const char *why);
-    /* A micro-batch ran: one sampled id per logit row (ids checked against the
-     * vocabulary); step_s from plan sent to result received. */
-    void (*on_step_done)(void *ctx, loom_microbatch_t *mb, const int32_t *ids, double step_s);
+    /* A micro-batch ran: its result holds one sampled id per logit row (ids
+     * checked against the vocabulary) and the rows' logprobs; step_s from plan
+     * sent to result received. Returns < 0 with err filled when the result is
+     * unusable: the micro-batch then goes back through on_step_failed and the
+     * epoch is aborted with err. */
+    int (*on_step_done)(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
+                        size_t err_n);
     /* A micro-batch did not run (its epoch was aborted). */
     void (*on_step_failed)(void *ctx, loom_microbatch_t *mb);
 } loom_grid_callbacks_t;

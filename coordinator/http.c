@@ -84,6 +84,11 @@
 #define OVERFLOW_CONNECTIONS 64 /* connections over the limit that still get a 503 */
 #define MAX_REQUEST_ID 128
 #define MAX_STOP_IDS 64
+#define MAX_LOGIT_BIAS 1024  /* as the coordinator's LOOM_MAX_LOGIT_BIAS */
+#define MAX_BAD_WORDS 64
+#define MAX_TOP_LOGPROBS 20
+#define MAX_CHOICES 64 /* n x prompts of one request */ /* as kernels/sampling.h LOOM_MAX_TOP_LOGPROBS */
+#define MAX_ALLOWED_IDS 131072
 #define RETRY_AFTER_S "1"
 #define DEFAULT_HEADER_TIMEOUT_S 10 /* headers complete this long after accept (or the last response) */
 #define DEFAULT_BODY_TIMEOUT_S 60   /* the body complete this long after the headers */
@@ -165,6 +170,7 @@ typedef struct req {
     int www_auth;         /* WWW-Authenticate header of a 401 */
     int close_after;      /* Retry-After and Connection: close (over the connection limit) */
     char xid[MAX_REQUEST_ID + 1]; /* X-Request-Id */
+    char ignored[256];    /* X-Loom-Ignored-Fields: unknown request fields, comma-separated */
     /* the body */
     loom_sbuf_t body;
     int too_big;
@@ -179,6 +185,12 @@ typedef struct req {
     loom_sbuf_t prefix; /* "data: {...,"choices":[{"index":0," of every chunk of this stream */
     size_t out_off;
     loom_sbuf_t text; /* the completion, when not streaming */
+    /* logprobs: asked for (completions: logprobs N; chat: logprobs + top_logprobs N) */
+    int logprobs, top_logprobs;
+    cJSON *lp_acc;    /* the collected logprobs object, when not streaming */
+    size_t lp_offset; /* text_offset of the next token (completions) */
+    char *lp_json;    /* this chunk's logprobs for sse_choice (NULL: null) */
+    int echo;         /* completions: the prompt's text starts each choice */
     char fail_msg[600];
     /* timings: the coordinator's, and the gateway's own time handing chunks on */
     loom_timings_t timings;
@@ -302,6 +314,7 @@ static enum MHD_Result respond(req_t *q, unsigned status, const char *ctype, cha
     if (q->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, q->allow);
     if (q->www_auth) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (q->xid[0]) MHD_add_response_header(r, "X-Request-Id", q->xid);
+    if (q->ignored[0]) MHD_add_response_header(r, "X-Loom-Ignored-Fields", q->ignored);
     if (q->close_after || status == MHD_HTTP_SERVICE_UNAVAILABLE)
         MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, RETRY_AFTER_S);
     if (q->close_after) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
@@ -531,8 +544,9 @@ static int opt_bool(const cJSON *o, const char *k, int *v, perr_t *e) {
 /* Which fields a request may carry. Loom answers every field it accepts:
  * one it does not implement (an OpenAI feature, or one of vLLM's
  * extensions) is refused with 400 naming it unless it holds the value
- * that turns the feature off, and a field no one defines is refused too,
- * so a client never gets an answer computed without what it asked for. */
+ * that turns the feature off, so a client never gets an answer computed
+ * without what it asked for. A field no one here defines is ignored
+ * (ignore_field): a new SDK's field must not break requests. */
 typedef enum {
     F_ALL = 0,  /* implemented by every generation route */
     F_PROMPT,   /* implemented by /v1/completions */
@@ -552,11 +566,13 @@ static const struct {
     {"seed", F_ALL}, {"stop", F_ALL}, {"stream", F_ALL}, {"stream_options", F_ALL}, {"ignore_eos", F_ALL},
     {"priority", F_ALL}, {"n", F_ALL}, {"best_of", F_ALL}, {"response_format", F_ALL}, {"stop_token_ids", F_ALL},
     {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
+    {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
+    {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
+    {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT}, {"echo", F_ALL},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     /* OpenAI features Loom does not implement */
-    {"echo", F_FALSY}, {"logprobs", F_FALSY}, {"top_logprobs", F_FALSY}, {"presence_penalty", F_FALSY},
-    {"frequency_penalty", F_FALSY}, {"logit_bias", F_FALSY}, {"suffix", F_FALSY}, {"tools", F_FALSY},
+    {"suffix", F_FALSY}, {"tools", F_FALSY},
     {"tool_choice", F_NONE_AUTO}, {"parallel_tool_calls", F_TRUE}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
     {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
@@ -564,11 +580,10 @@ static const struct {
     /* vLLM's extensions Loom does not implement */
     {"guided_json", F_FALSY}, {"guided_regex", F_FALSY}, {"guided_choice", F_FALSY}, {"guided_grammar", F_FALSY},
     {"guided_decoding_backend", F_FALSY}, {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY},
-    {"structured_outputs", F_FALSY}, {"repetition_penalty", F_ONE}, {"min_p", F_FALSY}, {"min_tokens", F_FALSY},
-    {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
-    {"stop_token_ids_str", F_FALSY}, {"include_stop_str_in_output", F_FALSY},
+    {"structured_outputs", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
+    {"stop_token_ids_str", F_FALSY},
     {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY}, {"prompt_logprobs", F_FALSY},
-    {"allowed_token_ids", F_FALSY}, {"bad_words", F_FALSY}, {"logits_processors", F_FALSY},
+    {"logits_processors", F_FALSY},
     {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
     {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
     {"chat_template", F_FALSY}, {"chat_template_kwargs", F_FALSY}, {"continue_final_message", F_FALSY},
@@ -591,15 +606,32 @@ static int field_is_off(const cJSON *x, field_kind_t kind) {
     }
 }
 
+/* A field no table here names (a newer SDK's, another server's) is accepted
+ * and ignored: logged, and named in the X-Loom-Ignored-Fields response
+ * header (printable ASCII names only; others are listed as "?"). */
+static void ignore_field(req_t *q, const char *name) {
+    char clean[65];
+    size_t n = 0;
+    for (const char *c = name; *c && n < 64; c++) clean[n++] = *c > 32 && *c < 127 && *c != ',' ? *c : '?';
+    clean[n] = '\0';
+    LOOM_WARN("request %s: ignoring the unknown field '%s'", q->xid, clean);
+    size_t used = strlen(q->ignored);
+    if (used + n + 3 < sizeof q->ignored)
+        snprintf(q->ignored + used, sizeof q->ignored - used, "%s%s", used ? ", " : "", clean);
+}
+
 /* Every top-level field of a generation request is one this route
- * implements or one that is off (see k_fields). */
-static int check_fields(const cJSON *o, int chat, perr_t *e) {
+ * implements, one that is off (see k_fields), or one no one here knows
+ * (ignored, see ignore_field). */
+static int check_fields(req_t *q, const cJSON *o, int chat, perr_t *e) {
     const cJSON *x;
     cJSON_ArrayForEach(x, o) {
         size_t i = 0;
         while (i < LOOM_ARRAY_LEN(k_fields) && strcmp(k_fields[i].name, x->string) != 0) i++;
-        if (i == LOOM_ARRAY_LEN(k_fields))
-            return bad(e, x->string, "%.64s is not a field this server knows", x->string);
+        if (i == LOOM_ARRAY_LEN(k_fields)) {
+            ignore_field(q, x->string);
+            continue;
+        }
         field_kind_t k = k_fields[i].kind;
         if (k == F_ALL || (k == F_PROMPT && !chat) || (k == F_CHAT && chat)) continue;
         if (k == F_PROMPT || k == F_CHAT)
@@ -614,6 +646,18 @@ typedef struct gen {
     loom_gen_params_t p;
     const char *stop[MAX_STOP];
     int32_t stop_ids[MAX_STOP_IDS];
+    /* sampling controls */
+    int32_t bias_ids[MAX_LOGIT_BIAS];
+    float bias_values[MAX_LOGIT_BIAS];
+    int32_t *allowed; /* owned */
+    const char *bad_words[MAX_BAD_WORDS];
+    /* a batch of prompts (n_batch > 1: answered by handle_multi) */
+    const char **batch_text; /* (n_batch) a string, or NULL ... */
+    int32_t **batch_ids;     /* ... token ids (owned) */
+    int *batch_n_ids;
+    int n_batch;
+    int n;                   /* choices per prompt */
+    int echo;
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char **parts; /* owned: message contents joined from parts */
@@ -622,23 +666,122 @@ typedef struct gen {
 } gen_t;
 
 static void gen_free(gen_t *g) {
+    for (int i = 0; i < g->n_batch; i++) free(g->batch_ids[i]);
+    free(g->batch_ids);
+    free(g->batch_text);
+    free(g->batch_n_ids);
+    free(g->allowed);
     free(g->prompt);
     free(g->ids);
     for (int i = 0; i < g->n_parts; i++) free(g->parts[i]);
     free(g->parts);
 }
 
+static int is_token_id(const cJSON *t) {
+    return cJSON_IsNumber(t) && t->valuedouble == floor(t->valuedouble) && t->valuedouble >= 0 &&
+           t->valuedouble <= 2147483647.0;
+}
+
+/* Sampling controls: OpenAI's penalties and logit_bias, vLLM's
+ * repetition_penalty, min_p, allowed_token_ids, bad_words, min_tokens and
+ * include_stop_str_in_output. The coordinator checks ids against the
+ * vocabulary and min_tokens against max_tokens. */
+static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
+    double v;
+    int r, b = 0;
+    if ((r = opt_number(o, "presence_penalty", -2, 2, &v, e)) < 0) return -1;
+    if (r) g->p.presence_penalty = (float)v;
+    if ((r = opt_number(o, "frequency_penalty", -2, 2, &v, e)) < 0) return -1;
+    if (r) g->p.frequency_penalty = (float)v;
+    if ((r = opt_number(o, "repetition_penalty", 0, 10, &v, e)) < 0) return -1;
+    if (r && v <= 0) return bad(e, "repetition_penalty", "repetition_penalty must be greater than 0 (got %g)", v);
+    if (r) g->p.repetition_penalty = (float)v;
+    if ((r = opt_number(o, "min_p", 0, 1, &v, e)) < 0) return -1;
+    if (r) g->p.min_p = (float)v;
+    if ((r = opt_int(o, "min_tokens", 0, 1 << 30, &v, e)) < 0) return -1;
+    if (r) g->p.min_tokens = (int)v;
+    if ((r = opt_bool(o, "include_stop_str_in_output", &b, e)) < 0) return -1;
+    g->p.include_stop_str_in_output = r && b;
+    if ((r = opt_bool(o, "echo", &b, e)) < 0) return -1;
+    if (r && b && chat) return bad(e, "echo", "echo is not supported on /v1/chat/completions");
+    g->echo = r && b;
+    if (!chat) { /* completions: logprobs N, the sampled token's and the N most likely */
+        if ((r = opt_int(o, "logprobs", 0, 1e9, &v, e)) < 0) return -1;
+        if (r && v > MAX_TOP_LOGPROBS)
+            return bad(e, "logprobs", "logprobs %g is over the limit of %d", v, MAX_TOP_LOGPROBS);
+        g->p.logprobs = r;
+        g->p.top_logprobs = r ? (int)v : 0;
+    } else { /* chat: logprobs true, top_logprobs N */
+        if ((r = opt_bool(o, "logprobs", &b, e)) < 0) return -1;
+        g->p.logprobs = r && b;
+        if ((r = opt_int(o, "top_logprobs", 0, 1e9, &v, e)) < 0) return -1;
+        if (r && v > MAX_TOP_LOGPROBS)
+            return bad(e, "top_logprobs", "top_logprobs %g is over the limit of %d", v, MAX_TOP_LOGPROBS);
+        if (r && v > 0 && !g->p.logprobs)
+            return bad(e, "top_logprobs", "top_logprobs needs logprobs set to true");
+        g->p.top_logprobs = r ? (int)v : 0;
+    }
+    const cJSON *x = field(o, "logit_bias"), *t;
+    if (x) { /* {"token id": bias}, the keys strings as JSON requires */
+        if (!cJSON_IsObject(x)) return bad(e, "logit_bias", "logit_bias must be an object of token id -> bias");
+        cJSON_ArrayForEach(t, x) {
+            char *end;
+            errno = 0;
+            long id = strtol(t->string, &end, 10);
+            if (!t->string[0] || *end || errno || id < 0 || id > 2147483647L)
+                return bad(e, "logit_bias", "logit_bias key '%.64s' is not a token id (a non-negative integer)",
+                           t->string);
+            if (!cJSON_IsNumber(t) || !(t->valuedouble >= -100 && t->valuedouble <= 100))
+                return bad(e, "logit_bias", "logit_bias['%.64s'] must be a number in [-100, 100]", t->string);
+            if (g->p.n_logit_bias == MAX_LOGIT_BIAS)
+                return bad(e, "logit_bias", "logit_bias has more than %d entries", MAX_LOGIT_BIAS);
+            g->bias_ids[g->p.n_logit_bias] = (int32_t)id;
+            g->bias_values[g->p.n_logit_bias++] = (float)t->valuedouble;
+        }
+        g->p.logit_bias_ids = g->bias_ids;
+        g->p.logit_bias_values = g->bias_values;
+    }
+    x = field(o, "allowed_token_ids");
+    if (x) {
+        int n = cJSON_IsArray(x) ? cJSON_GetArraySize(x) : -1;
+        if (n <= 0) return bad(e, "allowed_token_ids", "allowed_token_ids must be a non-empty array of token ids");
+        if (n > MAX_ALLOWED_IDS) return bad(e, "allowed_token_ids", "at most %d allowed_token_ids", MAX_ALLOWED_IDS);
+        g->allowed = loom_xmalloc((size_t)n * sizeof *g->allowed);
+        cJSON_ArrayForEach(t, x) {
+            if (!is_token_id(t))
+                return bad(e, "allowed_token_ids", "allowed_token_ids[%d] is not a token id (a non-negative integer)",
+                           g->p.n_allowed_token_ids);
+            g->allowed[g->p.n_allowed_token_ids++] = (int32_t)t->valuedouble;
+        }
+        g->p.allowed_token_ids = g->allowed;
+    }
+    x = field(o, "bad_words");
+    if (x) {
+        if (!cJSON_IsArray(x)) return bad(e, "bad_words", "bad_words must be an array of strings");
+        cJSON_ArrayForEach(t, x) {
+            if (!cJSON_IsString(t) || !t->valuestring[0])
+                return bad(e, "bad_words", "bad_words[%d] must be a non-empty string", g->p.n_bad_words);
+            if (g->p.n_bad_words == MAX_BAD_WORDS) return bad(e, "bad_words", "at most %d bad_words", MAX_BAD_WORDS);
+            g->bad_words[g->p.n_bad_words++] = t->valuestring;
+        }
+        g->p.bad_words = g->bad_words;
+    }
+    return 0;
+}
+
 static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     double v;
     int r, b = 0;
-    if (check_fields(o, q->chat, e) < 0) return -1;
+    if (check_fields(q, o, q->chat, e) < 0) return -1;
     const cJSON *x = field(o, "model");
     if (x && !cJSON_IsString(x)) return bad(e, "model", "model must be a string");
     if (x && x->valuestring[0]) g->p.model = x->valuestring;
+    g->n = 1;
     if ((r = opt_int(o, "n", -1e9, 1e9, &v, e)) < 0) return -1;
-    if (r && v != 1) return bad(e, "n", "n must be 1: this server returns one choice per request (got %g)", v);
+    if (r && (v < 1 || v > MAX_CHOICES)) return bad(e, "n", "n must be in [1, %d] (got %g)", MAX_CHOICES, v);
+    if (r) g->n = (int)v;
     if ((r = opt_int(o, "best_of", -1e9, 1e9, &v, e)) < 0) return -1;
-    if (r && v != 1) return bad(e, "best_of", "best_of must be 1 (got %g)", v);
+    if (r && v != g->n) return bad(e, "best_of", "best_of must equal n, %d (got %g)", g->n, v);
     if ((r = opt_bool(o, "skip_special_tokens", &b, e)) < 0) return -1;
     g->p.keep_special = r && !b;
     x = field(o, "stop_token_ids");
@@ -728,37 +871,69 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     g->p.ignore_eos = r && b;
     if ((r = opt_int(o, "priority", -1e6, 1e6, &v, e)) < 0) return -1;
     if (r) g->p.priority = (int)v;
+    if (parse_controls(o, q->chat, g, e) < 0) return -1;
+    q->logprobs = g->p.logprobs;
+    q->top_logprobs = g->p.top_logprobs;
+    if (g->echo && g->p.logprobs)
+        return bad(e, "echo", "echo with logprobs needs the prompt's logprobs, which this server does not compute");
+    q->echo = g->echo;
     return 0;
 }
 
-/* /v1/completions: prompt is a string, an array of token ids, or a batch of
- * one of either. add_special_tokens: false (an extension, as in vLLM) sends
- * the text as already formatted: special tokens parsed, no BOS added. */
+/* One prompt: a non-empty string, or an array of token ids (*ids owned by
+ * the caller). `what` names it in errors ("prompt", "prompt[2]"). */
+static int parse_one_prompt(const cJSON *x, const char *what, const char **text, int32_t **ids, int *n_ids,
+                            perr_t *e) {
+    if (cJSON_IsString(x)) {
+        if (!x->valuestring[0]) return bad(e, "prompt", "%s must not be empty", what);
+        *text = x->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(x)) return bad(e, "prompt", "%s must be a string or an array of token ids", what);
+    int n = cJSON_GetArraySize(x);
+    if (n == 0) return bad(e, "prompt", "%s must not be empty", what);
+    *ids = loom_xmalloc((size_t)n * sizeof **ids);
+    const cJSON *t;
+    int k = 0;
+    cJSON_ArrayForEach(t, x) {
+        if (!is_token_id(t)) return bad(e, "prompt", "%s[%d] is not a token id (a non-negative integer)", what, k);
+        (*ids)[k++] = (int32_t)t->valuedouble;
+    }
+    *n_ids = n;
+    return 0;
+}
+
+/* /v1/completions: prompt is a string, an array of token ids, or a batch
+ * (an array) of either, answered as choices in prompt order (OpenAI's
+ * index: prompt i, choice j of n is i * n + j). add_special_tokens: false
+ * (an extension, as in vLLM) sends the text as already formatted: special
+ * tokens parsed, no BOS added. */
 static int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
     const cJSON *x = field(o, "prompt");
     if (!x) return bad(e, "prompt", "prompt is required");
-    if (cJSON_IsArray(x) && cJSON_GetArraySize(x) == 1 && !cJSON_IsNumber(x->child)) x = x->child;
-    if (cJSON_IsString(x)) {
-        if (!x->valuestring[0]) return bad(e, "prompt", "prompt must not be empty");
-        g->p.prompt = x->valuestring;
-    } else if (cJSON_IsArray(x)) {
+    if (cJSON_IsArray(x) && cJSON_GetArraySize(x) >= 1 && !cJSON_IsNumber(x->child)) { /* a batch */
         int n = cJSON_GetArraySize(x);
-        if (n == 0) return bad(e, "prompt", "prompt must not be empty");
-        if (!cJSON_IsNumber(x->child))
-            return bad(e, "prompt", "batched prompts (%d of them) are not supported: send one prompt per request", n);
-        g->ids = loom_xmalloc((size_t)n * sizeof *g->ids);
+        if (n > MAX_CHOICES) return bad(e, "prompt", "a batch of %d prompts; at most %d", n, MAX_CHOICES);
+        g->batch_text = loom_xcalloc((size_t)n, sizeof *g->batch_text);
+        g->batch_ids = loom_xcalloc((size_t)n, sizeof *g->batch_ids);
+        g->batch_n_ids = loom_xcalloc((size_t)n, sizeof *g->batch_n_ids);
+        g->n_batch = n;
         const cJSON *t;
-        int k = 0;
+        int i = 0;
         cJSON_ArrayForEach(t, x) {
-            if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
-                t->valuedouble > 2147483647.0)
-                return bad(e, "prompt", "prompt[%d] is not a token id (a non-negative integer)", k);
-            g->ids[k++] = (int32_t)t->valuedouble;
+            char what[32];
+            snprintf(what, sizeof what, "prompt[%d]", i);
+            if (parse_one_prompt(t, what, &g->batch_text[i], &g->batch_ids[i], &g->batch_n_ids[i], e) < 0) return -1;
+            i++;
         }
-        g->p.prompt_ids = g->ids;
-        g->p.n_prompt_ids = n;
+        if (n == 1) { /* a batch of one is the prompt itself */
+            g->p.prompt = g->batch_text[0];
+            g->p.prompt_ids = g->batch_ids[0];
+            g->p.n_prompt_ids = g->batch_n_ids[0];
+        }
     } else {
-        return bad(e, "prompt", "prompt must be a string or an array of token ids");
+        if (parse_one_prompt(x, "prompt", &g->p.prompt, &g->ids, &g->p.n_prompt_ids, e) < 0) return -1;
+        g->p.prompt_ids = g->ids;
     }
     int r, b = 0;
     if ((r = opt_bool(o, "add_special_tokens", &b, e)) < 0) return -1;
@@ -1012,7 +1187,9 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
         loom_sbuf_str(b, "\"text\":");
         sb_json_str(b, text ? text : "", text ? len : 0);
     }
-    loom_sbuf_str(b, ",\"logprobs\":null,\"finish_reason\":");
+    loom_sbuf_str(b, ",\"logprobs\":");
+    loom_sbuf_str(b, q->lp_json ? q->lp_json : "null");
+    loom_sbuf_str(b, ",\"finish_reason\":");
     if (finish) {
         loom_sbuf_str(b, "\"");
         loom_sbuf_str(b, finish);
@@ -1033,10 +1210,89 @@ static void sse_choice(req_t *q, const char *text, size_t len, int role, const c
     loom_sbuf_str(b, q->include_usage ? ",\"usage\":null}\n\n" : "}\n\n");
 }
 
+/* A token's text as it continues the output (a SentencePiece space kept),
+ * NUL bytes left out (JSON strings here cannot hold them). */
+static char *token_text(const req_t *q, int32_t id) {
+    if (!q->h->tok) return loom_xstrdup("");
+    char buf[1024];
+    loom_detok_t d;
+    loom_detok_init(&d, q->h->tok, 0, 0);
+    size_t n = loom_detok_push(&d, id, buf, sizeof buf);
+    n += loom_detok_flush(&d, buf + n, sizeof buf - n);
+    return text_dup(buf, n);
+}
+
+static double clamp_lp(float lp) {
+    return lp > -9999.0f ? (double)lp : -9999.0; /* as vLLM: -inf is not JSON */
+}
+
+static cJSON *bytes_arr(const char *t) {
+    cJSON *a = cJSON_CreateArray();
+    for (const unsigned char *c = (const unsigned char *)t; *c; c++) cJSON_AddItemToArray(a, cJSON_CreateNumber(*c));
+    return a;
+}
+
+static cJSON *arr_of(cJSON *o, const char *k) {
+    cJSON *a = cJSON_GetObjectItemCaseSensitive(o, k);
+    return a ? a : cJSON_AddArrayToObject(o, k);
+}
+
+/* Appends the chunk's tokens to a logprobs object: completions' {tokens,
+ * token_logprobs, top_logprobs, text_offset}, or chat's {content: [...]}. */
+static void add_logprobs(req_t *q, cJSON *lp, const loom_chunk_t *ch) {
+    size_t top = 0;
+    for (int i = 0; i < ch->n_ids; i++) {
+        char *t = token_text(q, ch->ids[i]);
+        int nt = (int)LOOM_MIN(ch->n_top[i], (uint32_t)q->top_logprobs);
+        if (q->chat) {
+            cJSON *it = cJSON_CreateObject();
+            cJSON_AddStringToObject(it, "token", t);
+            cJSON_AddNumberToObject(it, "logprob", clamp_lp(ch->logprobs[i]));
+            cJSON_AddItemToObject(it, "bytes", bytes_arr(t));
+            cJSON *tl = cJSON_AddArrayToObject(it, "top_logprobs");
+            for (int j = 0; j < nt; j++) {
+                char *tt = token_text(q, ch->top_ids[top + (size_t)j]);
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "token", tt);
+                cJSON_AddNumberToObject(e, "logprob", clamp_lp(ch->top_logprobs[top + (size_t)j]));
+                cJSON_AddItemToObject(e, "bytes", bytes_arr(tt));
+                cJSON_AddItemToArray(tl, e);
+                free(tt);
+            }
+            cJSON_AddItemToArray(arr_of(lp, "content"), it);
+        } else {
+            cJSON_AddItemToArray(arr_of(lp, "tokens"), cJSON_CreateString(t));
+            cJSON_AddItemToArray(arr_of(lp, "token_logprobs"), cJSON_CreateNumber(clamp_lp(ch->logprobs[i])));
+            cJSON *d = cJSON_CreateObject();
+            for (int j = 0; j < nt; j++) {
+                char *tt = token_text(q, ch->top_ids[top + (size_t)j]);
+                if (!cJSON_GetObjectItemCaseSensitive(d, tt)) /* two ids may read alike: the likelier stays */
+                    cJSON_AddNumberToObject(d, tt, clamp_lp(ch->top_logprobs[top + (size_t)j]));
+                free(tt);
+            }
+            cJSON_AddItemToArray(arr_of(lp, "top_logprobs"), d);
+            cJSON_AddItemToArray(arr_of(lp, "text_offset"), cJSON_CreateNumber((double)q->lp_offset));
+            q->lp_offset += strlen(t);
+        }
+        top += ch->n_top[i];
+        free(t);
+    }
+}
+
 /* Turns one coordinator chunk into SSE events in q->out. */
 static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
     uint64_t t0 = loom_now_ns();
-    if (ch->n_ids > 0 || ch->text_len > 0) sse_choice(q, ch->text, ch->text_len, 0, NULL);
+    if (ch->n_ids > 0 || ch->text_len > 0) {
+        cJSON *lp = q->logprobs && ch->has_logprobs ? cJSON_CreateObject() : NULL;
+        if (lp) {
+            add_logprobs(q, lp, ch);
+            q->lp_json = cJSON_PrintUnformatted(lp);
+            cJSON_Delete(lp);
+        }
+        sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        free(q->lp_json);
+        q->lp_json = NULL;
+    }
     q->send_ns += loom_now_ns() - t0;
     if (!ch->final) return;
     take_timings(q, ch);
@@ -1094,13 +1350,186 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
         cJSON_AddStringToObject(c, "text", t);
     }
     free(t);
-    cJSON_AddNullToObject(c, "logprobs");
+    if (q->logprobs) { /* asked for: an object even when no token came */
+        cJSON *lp = q->lp_acc ? q->lp_acc : cJSON_CreateObject();
+        q->lp_acc = NULL;
+        if (q->chat) {
+            arr_of(lp, "content");
+            cJSON_AddNullToObject(lp, "refusal");
+        } else {
+            arr_of(lp, "tokens"), arr_of(lp, "token_logprobs"), arr_of(lp, "top_logprobs"), arr_of(lp, "text_offset");
+        }
+        cJSON_AddItemToObject(c, "logprobs", lp);
+    } else {
+        cJSON_AddNullToObject(c, "logprobs");
+    }
     cJSON_AddStringToObject(c, "finish_reason", finish_name(ch->finish));
     cJSON_AddItemToArray(choices, c);
     cJSON_AddItemToObject(o, "usage", usage_obj(ch));
     take_timings(q, ch);
     if (q->has_timings) cJSON_AddItemToObject(o, "timings", timings_obj(q));
     return respond_json(q, MHD_HTTP_OK, o);
+}
+
+/* The text echo puts before a choice: the prompt string, or its token ids
+ * decoded (special tokens left out). */
+static void add_echo(const req_t *q, loom_sbuf_t *b, const char *text, const int32_t *ids, int n_ids) {
+    if (text) {
+        loom_sbuf_str(b, text);
+    } else if (q->h->tok && n_ids > 0) {
+        size_t len = 0;
+        char *t = loom_tokenizer_decode(q->h->tok, ids, n_ids, 1, &len);
+        if (t) loom_sbuf_add(b, t, len);
+        free(t);
+    }
+}
+
+/* ---- several choices: n > 1 and batched prompts ---- */
+
+typedef struct choice {
+    uint64_t gen_id;
+    int done;
+    loom_sbuf_t text;
+    cJSON *lp;
+    size_t lp_offset;
+    loom_finish_t finish;
+    int prompt_tokens, completion_tokens, cached_tokens;
+} choice_t;
+
+/* Cancels every unfinished choice and drops the connection's client (what
+ * abandon does for one). */
+static void abandon_multi(req_t *q, choice_t *cs, int n) {
+    loom_client_t *c = q->conn->client;
+    q->active = 0;
+    if (!c) return;
+    loom_err_t err = {0};
+    for (int i = 0; i < n; i++)
+        if (cs[i].gen_id && !cs[i].done) loom_client_cancel(c, cs[i].gen_id, &err);
+    loom_client_close(&q->conn->client);
+}
+
+/* Each (prompt i, choice j) is one generation on the coordinator, with the
+ * seed (when given) mixed with j so that the n choices differ and a seed
+ * still gives the same answer; they run concurrently (the prefix cache
+ * shares the prompt's full blocks once computed). Answered without
+ * streaming; usage counts each prompt once. */
+static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
+    int n_prompts = g->n_batch > 1 ? g->n_batch : 1, n = n_prompts * g->n;
+    choice_t *cs = loom_xcalloc((size_t)n, sizeof *cs);
+    enum MHD_Result res;
+    loom_err_t err = {0};
+    q->active = 1;
+    q->counted = 1;
+    atomic_fetch_add(&q->h->generating, 1);
+    for (int i = 0; i < n; i++) {
+        loom_gen_params_t p = g->p;
+        int pi = i / g->n, j = i % g->n;
+        if (g->n_batch > 1) {
+            p.prompt = g->batch_text[pi];
+            p.prompt_ids = g->batch_ids[pi];
+            p.n_prompt_ids = g->batch_n_ids[pi];
+        }
+        if (p.has_seed && j > 0) p.seed ^= mix64((uint64_t)j);
+        if (q->echo) add_echo(q, &cs[i].text, p.prompt, p.prompt_ids, p.n_prompt_ids);
+        if (loom_client_submit(q->conn->client, &p, &cs[i].gen_id, &err) < 0) {
+            abandon_multi(q, cs, i);
+            res = respond_status(q, err.code, err.msg);
+            goto done;
+        }
+    }
+    MHD_set_connection_option(q->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    int left = n;
+    loom_status_t fail = LOOM_OK;
+    char fail_msg[600] = "";
+    while (left > 0) {
+        if (atomic_load(&q->h->stopping) || peer_gone(q)) {
+            abandon_multi(q, cs, n);
+            res = MHD_NO;
+            goto done;
+        }
+        loom_chunk_t ch;
+        int got = 0;
+        if (loom_client_poll(q->conn->client, SLICE_MS, &ch, &got, &err) < 0) {
+            abandon_multi(q, cs, n);
+            res = respond_status(q, err.code, err.msg);
+            goto done;
+        }
+        if (!got) continue;
+        int i = 0;
+        while (i < n && cs[i].gen_id != ch.request_id) i++;
+        if (i == n || cs[i].done) continue;
+        choice_t *c = &cs[i];
+        loom_sbuf_add(&c->text, ch.text, ch.text_len);
+        if (q->logprobs && ch.has_logprobs) {
+            if (!c->lp) c->lp = cJSON_CreateObject();
+            q->lp_offset = c->lp_offset;
+            add_logprobs(q, c->lp, &ch);
+            c->lp_offset = q->lp_offset;
+        }
+        if (!ch.final) continue;
+        c->done = 1;
+        left--;
+        c->finish = ch.finish;
+        c->prompt_tokens = ch.prompt_tokens;
+        c->completion_tokens = ch.completion_tokens;
+        c->cached_tokens = ch.cached_tokens;
+        if (ch.status != LOOM_OK && fail == LOOM_OK) {
+            fail = ch.status;
+            snprintf(fail_msg, sizeof fail_msg, "%s", ch.message ? ch.message : "");
+        }
+    }
+    q->active = 0;
+    refresh_timeout(q);
+    if (fail != LOOM_OK) {
+        res = respond_status(q, fail, fail_msg);
+        goto done;
+    }
+    cJSON *o = head_obj(q, q->chat ? "chat.completion" : "text_completion");
+    cJSON *choices = cJSON_AddArrayToObject(o, "choices");
+    loom_chunk_t usage = {0};
+    for (int i = 0; i < n; i++) {
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddNumberToObject(c, "index", i);
+        char *t = text_dup(cs[i].text.p ? cs[i].text.p : "", cs[i].text.len);
+        if (q->chat) {
+            cJSON *m = cJSON_AddObjectToObject(c, "message");
+            cJSON_AddStringToObject(m, "role", "assistant");
+            cJSON_AddStringToObject(m, "content", t);
+        } else {
+            cJSON_AddStringToObject(c, "text", t);
+        }
+        free(t);
+        if (q->logprobs) {
+            cJSON *lp = cs[i].lp ? cs[i].lp : cJSON_CreateObject();
+            cs[i].lp = NULL;
+            if (q->chat) {
+                arr_of(lp, "content");
+                cJSON_AddNullToObject(lp, "refusal");
+            } else {
+                arr_of(lp, "tokens"), arr_of(lp, "token_logprobs"), arr_of(lp, "top_logprobs"),
+                    arr_of(lp, "text_offset");
+            }
+            cJSON_AddItemToObject(c, "logprobs", lp);
+        } else {
+            cJSON_AddNullToObject(c, "logprobs");
+        }
+        cJSON_AddStringToObject(c, "finish_reason", finish_name(cs[i].finish));
+        cJSON_AddItemToArray(choices, c);
+        if (i % g->n == 0) { /* the prompt once per prompt */
+            usage.prompt_tokens += cs[i].prompt_tokens;
+            usage.cached_tokens += cs[i].cached_tokens;
+        }
+        usage.completion_tokens += cs[i].completion_tokens;
+    }
+    cJSON_AddItemToObject(o, "usage", usage_obj(&usage));
+    res = respond_json(q, MHD_HTTP_OK, o);
+done:
+    for (int i = 0; i < n; i++) {
+        free(cs[i].text.p);
+        cJSON_Delete(cs[i].lp);
+    }
+    free(cs);
+    return res;
 }
 
 /* ---- generation ---- */
@@ -1147,6 +1576,15 @@ static enum MHD_Result handle_generate(req_t *q) {
         goto done;
     }
     g.p.tag = q->xid;
+    if (g.n > 1 || g.n_batch > 1) {
+        if (q->stream) {
+            res = respond_error(q, 400, "invalid_request_error", g.n > 1 ? "n" : "prompt", NULL,
+                                "n > 1 and batched prompts are answered without streaming: set stream to false");
+            goto done;
+        }
+        res = handle_multi(q, &g);
+        goto done;
+    }
     if (loom_client_submit(q->conn->client, &g.p, &q->gen_id, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;
@@ -1155,6 +1593,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     q->counted = 1;
     q->tok_ns = g.tok_ns;
     atomic_fetch_add(&q->h->generating, 1);
+    if (q->echo) add_echo(q, &q->text, g.p.prompt, g.p.prompt_ids, g.p.n_prompt_ids); /* the choice starts so */
     cJSON_Delete(root);
     root = NULL;
     gen_free(&g);
@@ -1173,6 +1612,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     }
     if (q->stream) {
         if (q->chat) sse_choice(q, "", 0, 1, NULL);
+        if (q->text.len) sse_choice(q, q->text.p, q->text.len, 0, NULL); /* echo */
         stream_chunk(q, &ch);
         struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, SSE_BLOCK, sse_read, q, NULL);
         if (!r) {
@@ -1183,6 +1623,7 @@ static enum MHD_Result handle_generate(req_t *q) {
         MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(r, "X-Accel-Buffering", "no");
         MHD_add_response_header(r, "X-Request-Id", q->xid);
+        if (q->ignored[0]) MHD_add_response_header(r, "X-Loom-Ignored-Fields", q->ignored);
         refresh_timeout(q);
         res = MHD_queue_response(q->mc, MHD_HTTP_OK, r);
         MHD_destroy_response(r);
@@ -1192,6 +1633,10 @@ static enum MHD_Result handle_generate(req_t *q) {
     for (;;) {
         uint64_t t0 = loom_now_ns();
         loom_sbuf_add(&q->text, ch.text, ch.text_len);
+        if (q->logprobs && ch.has_logprobs) {
+            if (!q->lp_acc) q->lp_acc = cJSON_CreateObject();
+            add_logprobs(q, q->lp_acc, &ch);
+        }
         q->send_ns += loom_now_ns() - t0;
         if (ch.final) break;
         if (!next_chunk(q, &ch)) {
@@ -1606,6 +2051,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     free(q->out.p);
     free(q->prefix.p);
     free(q->text.p);
+    cJSON_Delete(q->lp_acc);
     free(q);
     *con_cls = NULL;
 }

@@ -41,6 +41,7 @@ typedef struct loom_seq {
     int n_hashed;            /* full blocks whose chain hash is known */
     uint64_t chain;          /* chain hash of block n_hashed - 1 */
     loom_sampling_t sampling;
+    const struct loom_sparams *sparams; /* the caller's sampling controls (sampling_params.h), NULL: none */
     int priority;
     uint64_t arrival;        /* admission order, kept across preemption */
     loom_seq_state_t state;

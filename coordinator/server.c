@@ -39,6 +39,7 @@
 #include "common/shard.h"
 #include "coordinator/grid.h"
 #include "coordinator/metrics.h"
+#include "coordinator/sampling_params.h"
 #include "coordinator/sched.h"
 #include "coordinator/stop.h"
 #include "proto/wire.h"
@@ -63,6 +64,10 @@ typedef struct request {
     int n_stop_ids;
     int ignore_eos, max_tokens, prompt_tokens, completion_tokens;
     char tag[MAX_TAG + 1]; /* the caller's id, for log lines ("" if none) */
+    /* sampling controls (sampling_params.h) */
+    loom_sparams_t *sparams;
+    int min_tokens;       /* EOS, stop ids and stop strings end nothing before this many tokens */
+    int include_stop_str; /* a stop string that ends the request stays in the text */
     uint64_t t_arrival, t_queued, t_last_token; /* loom_now_ns() */
     uint64_t tokenize_ns, detok_ns, send_ns;    /* time spent in each, summed */
     struct request *prev, *next;
@@ -90,6 +95,9 @@ struct loom_server {
     size_t max_piece;
     char *text_buf;
     uint64_t seed_state;
+
+    loom_lp_view_t lp_view;        /* the completing step's logprobs, by sequence */
+    const loom_token_lp_t *emit_lp; /* the logprobs of the token on_token is emitting */
 
     /* counters */
     uint64_t steps, requests_finished, requests_rejected, prompt_tokens_total, gen_tokens_total;
@@ -158,6 +166,7 @@ static void req_unlink(loom_server_t *s, request_t *q) {
 static void req_free(request_t *q) {
     for (int i = 0; i < q->n_stop; i++) free(q->stop[i]);
     free(q->pending);
+    loom_sparams_destroy(&q->sparams);
     free(q);
 }
 
@@ -209,6 +218,20 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
     ch.ids = (int32_t *)ids;
     ch.n_ids = (size_t)n_ids;
+    float lp = 0.0f;
+    uint32_t n_top = 0;
+    if (n_ids == 1 && s->emit_lp) {
+        lp = s->emit_lp->logprob;
+        n_top = (uint32_t)s->emit_lp->n_top;
+        ch.logprobs = &lp;
+        ch.n_logprobs = 1;
+        ch.n_top = &n_top;
+        ch.n_n_top = 1;
+        ch.top_ids = (int32_t *)s->emit_lp->top_ids;
+        ch.top_logprobs = (float *)s->emit_lp->top_lps;
+        ch.n_top_ids = ch.n_top_logprobs = n_top;
+    }
+    s->emit_lp = NULL;
     char *t = s->text_buf;
     if (text_len) {
         t = text_len < s->max_piece * 4 + 4096 ? s->text_buf : loom_xmalloc(text_len + 1);
@@ -286,6 +309,7 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     loom_server_t *s = ctx;
     request_t *q = seq->user;
     uint64_t t0 = loom_now_ns();
+    s->emit_lp = loom_lp_view_get(&s->lp_view, seq); /* sent with the token by req_emit */
     if (q->t_last_token) loom_metrics_observe_itl(s->metrics, (double)(t0 - q->t_last_token) * 1e-9);
     q->t_last_token = t0;
     q->completion_tokens++;
@@ -298,7 +322,8 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     }
     s->rate_tokens[sec % RATE_WINDOW]++;
 
-    if ((!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id)) {
+    int may_stop = q->completion_tokens > q->min_tokens; /* min_tokens: the workers ban EOS and stop ids */
+    if (may_stop && ((!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id))) {
         size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
         pending_append(q, s->text_buf, n);
         q->detok_ns += loom_now_ns() - t0;
@@ -313,8 +338,9 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
         pending_append(q, s->text_buf, n);
     }
     /* the earliest stop string ends the text before it */
-    long hit = loom_stop_find(q->stop, q->n_stop, q->pending, q->n_pending);
+    long hit = may_stop ? loom_stop_find(q->stop, q->n_stop, q->pending, q->n_pending) : -1;
     if (hit >= 0) {
+        if (q->include_stop_str) hit += (long)loom_stop_len_at(q->stop, q->n_stop, q->pending, q->n_pending, (size_t)hit);
         q->detok_ns += loom_now_ns() - t0;
         req_emit(s, q, &id, 1, q->pending, (size_t)hit, LOOM__V1__FINISH_REASON__FINISH_STOP, LOOM_OK, NULL);
         return;
@@ -395,12 +421,16 @@ static void on_grid_failed(void *ctx, loom_grid_t *g, const char *why) {
     }
 }
 
-static void on_step_done(void *ctx, loom_microbatch_t *mb, const int32_t *ids, double step_s) {
+static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
+                        size_t err_n) {
     loom_server_t *s = ctx;
     s->steps++;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
-    loom_sched_complete(s->sched, mb, ids, on_token, s);
+    if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
+    loom_sched_complete(s->sched, mb, r->ids, on_token, s);
+    loom_lp_view_unbind(&s->lp_view);
+    return 0;
 }
 
 static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
@@ -431,6 +461,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     loom_status_t code = LOOM_ERR_INVALID_ARGUMENT;
     int32_t *ids = NULL;
     int n_ids = 0, cap = 0;
+    loom_sparams_t *sparams = NULL;
     uint64_t t_arrival = loom_now_ns(), tokenize_ns = 0;
     const char *tag = g->tag && valid_tag(g->tag) ? g->tag : "";
     if (s->draining) {
@@ -496,6 +527,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
                      s->mcfg.vocab_size);
             goto refuse;
         }
+    if (loom_sparams_create(g, s->tok, &s->mcfg, &sparams, &err) < 0) {
+        snprintf(msg, sizeof msg, "%s", err.msg);
+        goto refuse;
+    }
     if (g->max_tokens > (uint32_t)s->max_model_len) {
         snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
         goto refuse;
@@ -524,6 +559,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         memcpy(ids, g->prompt_ids, (size_t)n_ids * sizeof *ids);
     }
     request_t *q = loom_xcalloc(1, sizeof *q);
+    q->sparams = sparams;
+    sparams = NULL;
+    q->min_tokens = loom_sparams_min_tokens(q->sparams);
+    q->include_stop_str = g->include_stop_str_in_output;
     memcpy(q->rid, rid, rid_len);
     q->rid_len = rid_len;
     q->request_id = rq->request_id;
@@ -549,6 +588,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         goto refuse;
     }
     q->max_tokens = q->seq->max_tokens;
+    q->seq->sparams = q->sparams;
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;
@@ -559,6 +599,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     return;
 refuse:
     free(ids);
+    loom_sparams_destroy(&sparams);
     s->requests_rejected++;
     loom_log_req(LOOM_LOG_DEBUG, g->tag && valid_tag(g->tag) ? g->tag : NULL, "refused request %llu: %s",
                  (unsigned long long)rq->request_id, msg);
@@ -949,6 +990,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     if (s->api) zmq_close(s->api);
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
+    loom_lp_view_free(&s->lp_view);
     free(s->text_buf);
     free(s);
 }

@@ -32,3 +32,11 @@ size_t loom_stop_safe_prefix(char *const *stops, int n, const char *text, size_t
     while (out > 0 && out < len && ((unsigned char)text[out] & 0xc0) == 0x80) out--; /* whole characters */
     return out;
 }
+
+size_t loom_stop_len_at(char *const *stops, int n, const char *text, size_t len, size_t pos) {
+    for (int i = 0; i < n; i++) {
+        size_t ls = strlen(stops[i]);
+        if (ls && pos + ls <= len && !memcmp(text + pos, stops[i], ls)) return ls;
+    }
+    return 0;
+}

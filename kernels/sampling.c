@@ -27,7 +27,8 @@ loom_sample_mode_t loom_sample_mode(const loom_sampling_t *s, int vocab_size) {
     if (!(s->temperature > 0.0f)) return LOOM_SAMPLE_GREEDY;
     int has_k = s->top_k > 0 && s->top_k < vocab_size;
     int has_p = s->top_p > 0.0f && s->top_p < 1.0f;
-    return has_k || has_p ? LOOM_SAMPLE_FILTERED : LOOM_SAMPLE_GUMBEL;
+    int has_min_p = s->min_p > 0.0f;
+    return has_k || has_p || has_min_p ? LOOM_SAMPLE_FILTERED : LOOM_SAMPLE_GUMBEL;
 }
 
 int loom_sample_k(const loom_sampling_t *s, int vocab_size) {
@@ -182,7 +183,13 @@ int32_t loom_sample_merge(const loom_sample_part_t *parts, int n_parts, int voca
     double M = -INFINITY, S = 0.0;
     for (int p = 0; p < n_parts; p++)
         if (parts[p].max_z > M) M = parts[p].max_z;
-    if (s->top_k > 0 && s->top_k < vocab_size) {
+    if (s->min_p > 0.0f) { /* drop p < min_p * p_max, i.e. z < M + log(min_p); the list is best first */
+        double cut = M + log((double)s->min_p);
+        int j = 1; /* the best candidate always survives */
+        while (j < k && (double)keys[j] >= cut) j++;
+        k = j;
+    }
+    if ((s->top_k > 0 && s->top_k < vocab_size) || s->min_p > 0.0f) {
         for (int j = 0; j < k; j++) S += exp((double)keys[j] - M);
     } else {
         for (int p = 0; p < n_parts; p++)
@@ -209,4 +216,81 @@ int32_t loom_sample_merge(const loom_sample_part_t *parts, int n_parts, int voca
         }
     }
     return best_id;
+}
+
+int loom_logits_edits_active(const loom_logit_edits_t *e) {
+    if (e->n_allowed > 0 || e->n_banned > 0 || e->n_bias > 0) return 1;
+    int rep = e->repetition > 0.0f && e->repetition != 1.0f;
+    return e->n_seen > 0 && (rep || e->frequency != 0.0f || e->presence != 0.0f);
+}
+
+void loom_logits_edit(float *logits, int n, int id_offset, const loom_logit_edits_t *e) {
+    int lo = id_offset, hi = id_offset + n;
+#define IN_SLICE(id) ((id) >= lo && (id) < hi)
+    if (e->n_allowed > 0) { /* allowed is ascending: one merge walk over the slice */
+        int j = 0;
+        for (int i = 0; i < n; i++) {
+            while (j < e->n_allowed && e->allowed[j] < lo + i) j++;
+            if (j == e->n_allowed || e->allowed[j] != lo + i) logits[i] = -INFINITY;
+        }
+    }
+    for (int i = 0; i < e->n_banned; i++)
+        if (IN_SLICE(e->banned[i])) logits[e->banned[i] - lo] = -INFINITY;
+    for (int i = 0; i < e->n_bias; i++)
+        if (IN_SLICE(e->bias_ids[i])) logits[e->bias_ids[i] - lo] += e->bias[i];
+    int rep = e->repetition > 0.0f && e->repetition != 1.0f;
+    for (int i = 0; i < e->n_seen; i++) {
+        int32_t id = e->seen_ids[i];
+        if (!IN_SLICE(id)) continue;
+        float *x = &logits[id - lo];
+        if (rep) *x = *x > 0.0f ? *x / e->repetition : *x * e->repetition;
+        int c = e->out_counts[i];
+        if (c > 0) *x -= e->frequency * (float)c + e->presence;
+    }
+#undef IN_SLICE
+}
+
+void loom_logprob_shard(const float *logits, int n, int id_offset, int top_n, loom_lp_part_t *out) {
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++)
+        if (logits[i] > m) m = logits[i];
+    double sum = 0.0;
+    int cnt = 0;
+    for (int i = 0; i < n; i++) {
+        if (m > -INFINITY) sum += exp((double)logits[i] - (double)m);
+        if (top_n > 0) heap_push(out->vals, out->ids, &cnt, top_n, logits[i], id_offset + i);
+    }
+    heap_sort_best_first(out->vals, out->ids, cnt);
+    out->n = cnt;
+    out->max = m;
+    out->sum_exp = (float)sum;
+}
+
+double loom_logprob_log_z(const loom_lp_part_t *parts, int n_parts) {
+    double M = -INFINITY, S = 0.0;
+    for (int p = 0; p < n_parts; p++)
+        if (parts[p].max > M) M = parts[p].max;
+    if (M == -INFINITY) return M;
+    for (int p = 0; p < n_parts; p++)
+        if (parts[p].max > -INFINITY) S += (double)parts[p].sum_exp * exp((double)parts[p].max - M);
+    return M + log(S);
+}
+
+int loom_logprob_top(const loom_lp_part_t *parts, int n_parts, int top_n, double log_z, int32_t *ids, float *lps) {
+    int cur[LOOM_SAMPLE_MAX_PARTS] = {0}, n = 0;
+    if (n_parts > LOOM_SAMPLE_MAX_PARTS) return 0;
+    while (n < top_n) {
+        int bp = -1;
+        for (int p = 0; p < n_parts; p++) {
+            if (cur[p] >= parts[p].n) continue;
+            if (bp < 0 || better(parts[p].vals[cur[p]], parts[p].ids[cur[p]], parts[bp].vals[cur[bp]],
+                                 parts[bp].ids[cur[bp]]))
+                bp = p;
+        }
+        if (bp < 0) break;
+        ids[n] = parts[bp].ids[cur[bp]];
+        lps[n++] = (float)((double)parts[bp].vals[cur[bp]] - log_z);
+        cur[bp]++;
+    }
+    return n;
 }

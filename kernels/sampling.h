@@ -15,9 +15,19 @@
  *    do) or over the *whole* vocabulary when only top-p is, and samples inside
  *    it by Gumbel-max with the same noise. A nucleus larger than
  *    LOOM_SAMPLE_MAX_CAND tokens is cut there.
+ *  - min_p > 0 (with temperature > 0) makes the row filtered too: candidates
+ *    whose probability is below min_p times the largest one are dropped, and
+ *    top-p renormalises over the survivors (vLLM's order: temperature, min-p,
+ *    top-k, top-p). At most LOOM_SAMPLE_MAX_CAND survivors per shard count.
  * The noise depends only on (seed, step, id), where step is the index of the
  * generated token in its sequence: the same seed gives the same text alone or
- * inside any batch, and a recomputed (preempted) sequence samples the same ids. */
+ * inside any batch, and a recomputed (preempted) sequence samples the same ids.
+ *
+ * Logit edits (loom_logits_edit) come before all of this, on each shard's own
+ * slice of the vocabulary: an allow-list, bans, logit_bias, then the
+ * repetition, frequency and presence penalties (vLLM's formulas). Everything
+ * they read (counts, bans) is carried per row by the step plan, so they too
+ * are a pure function of the sequence. */
 #ifndef LOOM_SAMPLING_H
 #define LOOM_SAMPLING_H
 
@@ -31,6 +41,7 @@ typedef struct loom_sampling {
     int top_k;         /* 0: off */
     float top_p;       /* >= 1: off */
     uint64_t seed;
+    float min_p;       /* 0: off */
 } loom_sampling_t;
 
 typedef enum { LOOM_SAMPLE_GREEDY = 0, LOOM_SAMPLE_GUMBEL, LOOM_SAMPLE_FILTERED } loom_sample_mode_t;
@@ -56,5 +67,52 @@ void loom_sample_shard(const float *logits, int n, int id_offset, int vocab_size
 /* Picks the token from the shards' parts. */
 int32_t loom_sample_merge(const loom_sample_part_t *parts, int n_parts, int vocab_size,
                           const loom_sampling_t *s, uint64_t step);
+
+/* Edits of one row's logits before sampling (see the top). Ids are global;
+ * each shard applies those in its own slice and ignores the rest. */
+typedef struct loom_logit_edits {
+    const int32_t *allowed;    /* (n_allowed) ascending; when n_allowed > 0 every other id is -inf */
+    int n_allowed;
+    const int32_t *banned;     /* (n_banned) these ids are -inf (bad words, EOS before min_tokens) */
+    int n_banned;
+    const int32_t *bias_ids;   /* (n_bias) logit_bias: added to the logit */
+    const float *bias;
+    int n_bias;
+    const int32_t *seen_ids;   /* (n_seen) distinct ids of the sequence (prompt and output) */
+    const int32_t *out_counts; /* (n_seen) times each was generated (0: only in the prompt) */
+    int n_seen;
+    float repetition;          /* 0 or 1: off; a seen id's logit is divided by it when > 0, else multiplied */
+    float frequency;           /* subtracted times the output count */
+    float presence;            /* subtracted once for an id generated at least once */
+} loom_logit_edits_t;
+
+/* 1 when the edits change anything. */
+int loom_logits_edits_active(const loom_logit_edits_t *e);
+/* Applies the edits to logits[0..n) whose global ids start at id_offset.
+ * seen_ids must be distinct (the effect of a repeated one is applied once per
+ * occurrence). */
+void loom_logits_edit(float *logits, int n, int id_offset, const loom_logit_edits_t *e);
+
+/* Log probabilities over a vocabulary-parallel head. They are the model's
+ * raw ones, log_softmax(logits), before temperature, penalties, bias and
+ * masks (vLLM's default, logprobs_mode "raw_logprobs"). Each shard reports
+ * its max, its sum of exp(logit - max) and its top_n (id, logit); the merge
+ * gives log Z = M + log sum_s S_s exp(m_s - M), and a token's logprob is its
+ * logit - log Z. Only these travel, never vocabulary-sized rows. */
+#define LOOM_MAX_TOP_LOGPROBS 20
+
+typedef struct loom_lp_part {
+    float max;      /* largest logit of the shard */
+    float sum_exp;  /* sum of exp(logit - max) over the shard */
+    int n;          /* entries in ids / vals */
+    int32_t *ids;   /* (top_n) global ids, best first (ties: smaller id) */
+    float *vals;    /* (top_n) their logits */
+} loom_lp_part_t;
+
+void loom_logprob_shard(const float *logits, int n, int id_offset, int top_n, loom_lp_part_t *out);
+/* log Z of the whole row from the shards' parts. */
+double loom_logprob_log_z(const loom_lp_part_t *parts, int n_parts);
+/* The global top_n (ids best first, logprobs) from the parts; returns how many. */
+int loom_logprob_top(const loom_lp_part_t *parts, int n_parts, int top_n, double log_z, int32_t *ids, float *lps);
 
 #endif

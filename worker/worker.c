@@ -39,6 +39,7 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "proto/wire.h"
 #include "worker/comm.h"
+#include "worker/logits_proc.h"
 #include "worker/model.h"
 
 #define HEARTBEAT_MS 200
@@ -92,6 +93,9 @@ typedef struct worker {
     uint8_t *gather_send, *gather_recv;
     size_t gather_cap;
     int32_t *ids;
+    float *edit_row; /* one logit row edited on the host (logits_proc.h) */
+    size_t edit_cap;
+    loom_logprobs_t lp; /* the rows' log probabilities (logits_proc.h) */
     /* trace: (step, begin_ns, end_ns) of recent steps */
     uint64_t (*trace)[3];
     int n_trace, cap_trace;
@@ -132,8 +136,18 @@ static void post_error(worker_t *w, loom_status_t code, const char *msg) {
 }
 
 static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int32_t *ids, size_t n,
-                        loom_status_t code, const char *msg, double compute_s, double comm_s) {
+                        loom_status_t code, const char *msg, double compute_s, double comm_s,
+                        const loom_logprobs_t *lp) {
     Loom__V1__StepResult r = LOOM__V1__STEP_RESULT__INIT;
+    if (lp && lp->n_lp) {
+        r.logprobs = lp->lp;
+        r.n_logprobs = (size_t)lp->n_lp;
+        r.n_top = lp->n_top;
+        r.n_n_top = (size_t)lp->n_lp;
+        r.top_ids = lp->top_ids;
+        r.top_logprobs = lp->top_lps;
+        r.n_top_ids = r.n_top_logprobs = (size_t)lp->n_tops;
+    }
     r.epoch = epoch;
     r.step_id = step_id;
     r.ids = (int32_t *)ids;
@@ -324,7 +338,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     loom_comm_peer_t prev = {0}, next = {0};
     if (cs->prev) prev = (loom_comm_peer_t){cs->prev->worker_id, cs->prev->data_addr};
     if (cs->next) next = (loom_comm_peer_t){cs->next->worker_id, cs->next->data_addr};
-    size_t gather = (size_t)w->max_seqs * part_bytes(LOOM_SAMPLE_MAX_CAND);
+    size_t gather = (size_t)w->max_seqs * (part_bytes(LOOM_SAMPLE_MAX_CAND) + loom_logprobs_max_extra_bytes());
     size_t hidden = (size_t)w->max_tokens * (size_t)w->cfg.dim * sizeof(float);
     loom_comm_config_t cc = {.version = LOOM_COMM_CONFIG_VERSION, .backend = cs->backend, .name = cs->name,
                              .self_id = w->id, .tp_rank = (int)a->tp_rank, .tp_size = (int)a->tp_size,
@@ -371,8 +385,10 @@ done:
 
 /* ---- compute thread: steps ------------------------------------------------ */
 
-/* Serializes rows' parts as [max_z, sum_exp, n, ids[k], keys[k]] with k per row. */
-static size_t pack_parts(const loom_sample_part_t *parts, const int *k, int rows, uint8_t *out) {
+/* Serializes rows' parts as [max_z, sum_exp, n, ids[k], keys[k]] with k per
+ * row, each followed by its logprob part when the row asks for logprobs. */
+static size_t pack_parts(const worker_t *w, Loom__V1__SampleParams *const *sp, const loom_sample_part_t *parts,
+                         const int *k, int rows, uint8_t *out) {
     uint8_t *p = out;
     for (int r = 0; r < rows; r++) {
         memcpy(p, &parts[r].max_z, 4);
@@ -382,6 +398,7 @@ static size_t pack_parts(const loom_sample_part_t *parts, const int *k, int rows
         memcpy(p + 12, parts[r].ids, (size_t)k[r] * 4);
         memcpy(p + 12 + (size_t)k[r] * 4, parts[r].keys, (size_t)k[r] * 4);
         p += part_bytes(k[r]);
+        p = loom_logprobs_pack(&w->lp, r, sp[r], k[r], p);
     }
     return (size_t)(p - out);
 }
@@ -432,6 +449,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     const Loom__V1__Assign *a = w->assign;
     int last = a && a->stage + 1 == a->n_stages, rank0 = a && a->tp_rank == 0;
     loom_status_t s = LOOM_OK;
+    loom_logprobs_reset_results(&w->lp);
     if (!w->model || !w->comm || !a || p->epoch != w->epoch) {
         s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "worker %s is not serving epoch %llu", w->id,
                          (unsigned long long)p->epoch);
@@ -471,17 +489,31 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     for (int r = 0; r < rows; r++) {
         const Loom__V1__SampleParams *sp = p->sampling[r];
         w->sp[r] = (loom_sampling_t){.temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p,
-                                     .seed = sp->seed};
+                                     .seed = sp->seed, .min_p = sp->min_p};
         w->steps_buf[r] = sp->step;
         kk[r] = loom_sample_k(&w->sp[r], vocab);
     }
     if (w->dump) dump_logits(w, p->step_id, rows);
+    const loom_shard_dims_t *dims = loom_model_dims(w->model);
+    if ((s = loom_logprobs_capture(&w->lp, w->be, loom_model_logits(w->model), rows, dims->vocab_begin, dims->vocab,
+                                   p->sampling, &err)) < 0)
+        goto report;
+    if ((s = loom_logits_process(w->be, loom_model_logits(w->model), rows, dims->vocab_begin, dims->vocab, vocab,
+                                 p->sampling, &w->edit_row, &w->edit_cap, &err)) < 0)
+        goto report;
     loom_model_sample_parts(w->model, rows, w->sp, w->steps_buf, w->parts);
+    for (int r = 0; r < rows; r++)
+        if (p->sampling[r]->logprobs) loom_logprobs_candidates(&w->lp, r, &w->parts[r]);
     int tp = (int)a->tp_size;
     if (tp == 1) {
-        for (int r = 0; r < rows; r++) w->ids[r] = loom_sample_merge(&w->parts[r], 1, vocab, &w->sp[r], w->steps_buf[r]);
+        for (int r = 0; r < rows; r++) {
+            w->ids[r] = loom_sample_merge(&w->parts[r], 1, vocab, &w->sp[r], w->steps_buf[r]);
+            if (!w->lp.any) continue;
+            const float *cr = w->lp.cand_raw + (size_t)r * LOOM_SAMPLE_MAX_CAND;
+            loom_logprobs_finish(&w->lp, p->sampling[r], &w->lp.parts[r], &cr, &w->parts[r], 1, w->ids[r]);
+        }
     } else {
-        size_t bytes = pack_parts(w->parts, kk, rows, w->gather_send);
+        size_t bytes = pack_parts(w, p->sampling, w->parts, kk, rows, w->gather_send);
         if ((s = loom_comm_gather(w->comm, w->gather_send, bytes, rank0 ? w->gather_recv : NULL, &err)) < 0)
             goto report;
         if (rank0) {
@@ -489,9 +521,15 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
             LOOM_ASSERT(tp <= LOOM_SAMPLE_MAX_PARTS);
             const uint8_t *base[LOOM_SAMPLE_MAX_PARTS];
             for (int q = 0; q < tp; q++) base[q] = w->gather_recv + (size_t)q * bytes;
+            loom_lp_part_t lps[LOOM_SAMPLE_MAX_PARTS];
+            const float *cand_raw[LOOM_SAMPLE_MAX_PARTS];
             for (int r = 0; r < rows; r++) {
-                for (int q = 0; q < tp; q++) base[q] = unpack_part(base[q], kk[r], &merged[q]);
+                for (int q = 0; q < tp; q++) {
+                    base[q] = unpack_part(base[q], kk[r], &merged[q]);
+                    base[q] = loom_logprobs_unpack(base[q], p->sampling[r], kk[r], &lps[q], &cand_raw[q]);
+                }
                 w->ids[r] = loom_sample_merge(merged, tp, vocab, &w->sp[r], w->steps_buf[r]);
+                loom_logprobs_finish(&w->lp, p->sampling[r], lps, cand_raw, merged, tp, w->ids[r]);
             }
         }
     }
@@ -505,10 +543,10 @@ report:;
     if (s < 0) {
         if (s != LOOM_ERR_UNAVAILABLE || p->epoch > atomic_load(&w->aborted_epoch))
             LOOM_WARN("step %llu failed: %s", (unsigned long long)p->step_id, err.msg);
-        post_result(w, p->epoch, p->step_id, NULL, 0, s, err.msg, (double)(t1 - t0) * 1e-9, comm_s);
+        post_result(w, p->epoch, p->step_id, NULL, 0, s, err.msg, (double)(t1 - t0) * 1e-9, comm_s, NULL);
     } else if (last && rank0) {
         post_result(w, p->epoch, p->step_id, w->ids, p->n_logit_rows, LOOM_OK, NULL, (double)(t1 - t0) * 1e-9,
-                    comm_s);
+                    comm_s, &w->lp);
     }
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
@@ -1080,6 +1118,8 @@ int main(int argc, char **argv) {
     free(w.sp);
     free(w.steps_buf);
     free(w.ids);
+    free(w.edit_row);
+    loom_logprobs_free(&w.lp);
     free(w.gather_send);
     free(w.gather_recv);
     free(w.trace);

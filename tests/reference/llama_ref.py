@@ -202,14 +202,35 @@ def argmax_lowest(row):
     return best, float(m - rest.max()) if row.numel() > 1 else float("inf")
 
 
-def greedy(model, ids, n):
-    """-> (n generated ids, smallest top1-top2 gap seen)."""
+def penalize(row, prompt, out, pen):
+    """vLLM's logits processing, written from its documented formulas:
+    logit_bias added, then repetition_penalty over prompt and output tokens
+    (a positive logit divided, a negative one multiplied), then
+    frequency_penalty * count and presence_penalty over output tokens."""
+    row = row.clone()
+    for tid, b in pen.get("logit_bias", {}).items():
+        row[tid] += b
+    rep = pen.get("repetition", 1.0)
+    if rep != 1.0:
+        for tid in set(prompt) | set(out):
+            row[tid] = row[tid] / rep if row[tid] > 0 else row[tid] * rep
+    counts = {}
+    for t in out:
+        counts[t] = counts.get(t, 0) + 1
+    for tid, c in counts.items():
+        row[tid] -= pen.get("frequency", 0.0) * c + pen.get("presence", 0.0)
+    return row
+
+
+def greedy(model, ids, n, pen=None):
+    """-> (n generated ids, smallest top1-top2 gap seen); pen: penalize()'s controls."""
     seq = list(ids)
     out = []
     min_gap = float("inf")
     for _ in range(n):
         logits = forward(model, seq)
-        tok, gap = argmax_lowest(logits[-1])
+        row = penalize(logits[-1], ids, out, pen) if pen else logits[-1]
+        tok, gap = argmax_lowest(row)
         min_gap = min(min_gap, gap)
         out.append(tok)
         seq.append(tok)
@@ -444,6 +465,10 @@ def main(argv=None):
     p.add_argument("--positions-from", type=int, default=0,
                    help="--logits-out holds only positions K..n_ids-1")
     p.add_argument("--greedy", type=int, default=0, help="greedy-generate N ids, printed on stdout")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="--greedy with vLLM's presence penalty")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="--greedy with vLLM's frequency penalty")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="--greedy with vLLM's repetition penalty")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID:B", help="--greedy with a logit bias")
     p.add_argument("--decode-with", help="tokenizer directory: print decoded text to stderr")
     p.add_argument("--self-test", action="store_true")
     a = p.parse_args(argv)
@@ -463,7 +488,10 @@ def main(argv=None):
             % (a.logits_out, logits.shape[0], logits.shape[1], a.positions_from, len(a.ids) - 1))
     gen = []
     if a.greedy > 0:
-        gen, min_gap = greedy(model, a.ids, a.greedy)
+        pen = {"presence": a.presence_penalty, "frequency": a.frequency_penalty,
+               "repetition": a.repetition_penalty,
+               "logit_bias": {int(x.split(":")[0]): float(x.split(":")[1]) for x in a.logit_bias}}
+        gen, min_gap = greedy(model, a.ids, a.greedy, pen)
         print(",".join(str(t) for t in gen))
         sys.stdout.flush()
         log("greedy: %d ids, smallest top1-top2 gap %.4g" % (len(gen), min_gap))

@@ -46,12 +46,16 @@ static void cb_failed(void *ctx, loom_grid_t *g, const char *why) {
     e->n_failed++;
     snprintf(e->why, sizeof e->why, "%s", why);
 }
-static void cb_done(void *ctx, loom_microbatch_t *mb, const int32_t *ids, double step_s) {
+static int cb_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
+                   size_t err_n) {
+    (void)err;
+    (void)err_n;
     env_t *e = ctx;
-    for (int i = 0; i < mb->n_logits; i++) e->bad_ids += ids[i] != 7;
+    for (int i = 0; i < mb->n_logits; i++) e->bad_ids += r->ids[i] != 7;
     e->bad_ids += step_s < 0;
     if (e->n_done < 8) e->done_order[e->n_done] = mb->id;
     e->n_done++;
+    return 0;
 }
 static void cb_dropped(void *ctx, loom_microbatch_t *mb) {
     (void)mb;

@@ -901,8 +901,8 @@ static void test_sample_shard(void) {
     float *logits = alloc_f((size_t)n_rows * shard);
     fill(logits, (size_t)n_rows * shard, &st, 5.0f);
     loom_sampling_t params[6] = {
-        {0.0f, 0, 1.0f, 1}, {0.8f, 0, 1.0f, 2}, {1.0f, 40, 1.0f, 3},
-        {0.7f, 0, 0.9f, 4}, {1.2f, 5, 0.5f, 5}, {0.0f, 0, 1.0f, 6},
+        {0.0f, 0, 1.0f, 1, 0.0f}, {0.8f, 0, 1.0f, 2, 0.1f}, {1.0f, 40, 1.0f, 3, 0.0f},
+        {0.7f, 0, 0.9f, 4, 0.0f}, {1.2f, 5, 0.5f, 5, 0.0f}, {0.0f, 0, 1.0f, 6, 0.0f},
     };
     uint64_t steps[6] = {0, 1, 2, 3, 100, 7};
     int k[6];

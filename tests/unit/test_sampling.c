@@ -94,6 +94,8 @@ static void test_shard_merge_equals_one_shard(void) {
         {.temperature = 0.7f, .top_p = 0.9f},               /* top-p */
         {.temperature = 1.5f, .top_k = 300, .top_p = 0.6f}, /* both */
         {.temperature = 2.0f, .top_k = 1, .top_p = 1.0f},   /* top-1 */
+        {.temperature = 1.0f, .top_p = 1.0f, .min_p = 0.05f}, /* min-p */
+        {.temperature = 0.9f, .top_k = 50, .top_p = 0.8f, .min_p = 0.1f}, /* all three */
     };
     int bad = 0, checks = 0;
     for (size_t m = 0; m < LOOM_ARRAY_LEN(modes); m++)
@@ -201,12 +203,18 @@ static int filtered_probs(const float *logits, int vocab, const loom_sampling_t 
     for (int i = 0; i < vocab; i++)
         z += (full[i] = exp(logits[i] / s->temperature));
     int keep = s->top_k > 0 && s->top_k < vocab ? s->top_k : vocab;
+    if (s->min_p > 0) { /* p_i >= min_p * p_max survive */
+        int j = 1;
+        while (j < keep && full[order[j]] >= s->min_p * full[order[0]]) j++;
+        keep = j;
+    }
+    int renorm = keep < vocab; /* top-k or min-p cut something: renormalise over the survivors */
     if (s->top_p > 0 && s->top_p < 1) {
         /* the nucleus is cut on probabilities renormalised over the top-k (HF, vLLM) */
         double zt = 0, cum = 0;
         for (int j = 0; j < keep; j++)
             zt += full[order[j]];
-        if (keep == vocab) zt = z;
+        if (!renorm) zt = z;
         for (int j = 0; j < keep; j++) {
             cum += full[order[j]] / zt;
             if (cum >= s->top_p) {
@@ -234,6 +242,9 @@ static void test_filtered_distribution(void) {
         {.temperature = 1.0f, .top_p = 0.7f, .seed = 23},
         {.temperature = 0.5f, .top_p = 0.9f, .seed = 24},
         {.temperature = 2.0f, .top_k = 5, .top_p = 0.5f, .seed = 25},
+        {.temperature = 1.0f, .top_p = 1.0f, .seed = 26, .min_p = 0.3f},
+        {.temperature = 0.7f, .top_p = 0.9f, .seed = 27, .min_p = 0.1f},
+        {.temperature = 1.5f, .top_k = 4, .top_p = 1.0f, .seed = 28, .min_p = 0.5f},
     };
     for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
         double p[10];
@@ -318,6 +329,122 @@ static void test_large_top_k(void) {
     CHECK(loom_sample_k(&s, vocab) == 1);
 }
 
+/* The logit edits against a plain reference of their formulas (vLLM's), and
+ * applied shard by shard equal to applied once over the whole row. */
+static void test_logit_edits(void) {
+    const int vocab = 600;
+    float base[600], want[600], got[600];
+    unsigned long long st = 5;
+    make_logits(base, vocab, &st, 3.0f);
+    const int32_t allowed[] = {3, 17, 250, 251, 400, 599};
+    const int32_t banned[] = {17, 401};
+    const int32_t bias_ids[] = {250, 9, 599};
+    const float bias[] = {5.0f, -2.0f, -100.0f};
+    const int32_t seen[] = {3, 9, 250, 300, 598};
+    const int32_t counts[] = {2, 0, 1, 4, 0};
+    for (int variant = 0; variant < 3; variant++) {
+        loom_logit_edits_t e = {.banned = banned, .n_banned = 2, .bias_ids = bias_ids, .bias = bias, .n_bias = 3,
+                                .seen_ids = seen, .out_counts = counts, .n_seen = 5, .repetition = 1.3f,
+                                .frequency = 0.4f, .presence = 0.25f};
+        if (variant == 1) e.allowed = allowed, e.n_allowed = 6;
+        if (variant == 2) e.repetition = 0.0f, e.n_banned = 0;
+        CHECK(loom_logits_edits_active(&e));
+        /* reference: allow-list, bans, bias, repetition, frequency + presence */
+        for (int i = 0; i < vocab; i++) {
+            double x = base[i];
+            int ok = 1;
+            if (e.n_allowed) {
+                ok = 0;
+                for (int j = 0; j < e.n_allowed; j++) ok |= allowed[j] == i;
+            }
+            for (int j = 0; j < e.n_banned; j++) ok &= banned[j] != i;
+            for (int j = 0; j < 3; j++)
+                if (bias_ids[j] == i) x += bias[j];
+            for (int j = 0; j < 5; j++)
+                if (seen[j] == i) {
+                    if (e.repetition > 0.0f) x = x > 0 ? x / e.repetition : x * e.repetition;
+                    x -= e.frequency * counts[j] + (counts[j] > 0 ? e.presence : 0.0);
+                }
+            want[i] = ok ? (float)x : -INFINITY;
+        }
+        static const int cuts[][3] = {{600, 0, 0}, {250, 600, 0}, {1, 300, 600}, {251, 252, 600}};
+        for (size_t c = 0; c < LOOM_ARRAY_LEN(cuts); c++) {
+            memcpy(got, base, sizeof got);
+            int lo = 0;
+            for (int p = 0; p < 3 && lo < vocab; p++) {
+                int hi = cuts[c][p];
+                loom_logits_edit(got + lo, hi - lo, lo, &e);
+                lo = hi;
+            }
+            int bad = 0;
+            for (int i = 0; i < vocab; i++) {
+                int same = (isinf(want[i]) && isinf(got[i])) || fabsf(want[i] - got[i]) <= 1e-5f * (1 + fabsf(want[i]));
+                if (!same && bad++ < 4) printf("  variant %d cut %zu: id %d want %g got %g\n", variant, c, i,
+                                               (double)want[i], (double)got[i]);
+            }
+            CHECKF(bad == 0, "variant %d cut %zu: %d logits differ", variant, c, bad);
+        }
+    }
+    loom_logit_edits_t off = {.seen_ids = seen, .out_counts = counts, .n_seen = 5, .repetition = 1.0f};
+    CHECK(!loom_logits_edits_active(&off));
+    /* Greedy over edited logits: a banned argmax is never picked, the bias moves the winner. */
+    loom_sampling_t g = {.temperature = 0.0f, .top_p = 1.0f};
+    memcpy(got, base, sizeof got);
+    int32_t top = sample_one(got, vocab, &g, 0);
+    loom_logit_edits_t ban = {.banned = &top, .n_banned = 1};
+    loom_logits_edit(got, vocab, 0, &ban);
+    CHECK(sample_one(got, vocab, &g, 0) != top);
+    int32_t pick = 123;
+    float plus = 100.0f;
+    loom_logit_edits_t b2 = {.bias_ids = &pick, .bias = &plus, .n_bias = 1};
+    loom_logits_edit(got, vocab, 0, &b2);
+    CHECK(sample_one(got, vocab, &g, 0) == 123);
+}
+
+/* Log probabilities merged over shards equal log_softmax over the whole row
+ * (double reference), with the top-n in order, ties to the smaller id. */
+static void test_logprobs(void) {
+    const int vocab = 777;
+    float logits[777];
+    unsigned long long st = 11;
+    make_logits(logits, vocab, &st, 6.0f);
+    logits[5] = logits[600] = 9.0f; /* a tie at the top */
+    logits[42] = -INFINITY;         /* a masked token */
+    double m = -INFINITY, z = 0;
+    for (int i = 0; i < vocab; i++) m = logits[i] > m ? logits[i] : m;
+    for (int i = 0; i < vocab; i++) z += exp((double)logits[i] - m);
+    double log_z = m + log(z);
+    static const int cuts[][4] = {{777, 0, 0, 0}, {300, 777, 0, 0}, {1, 5, 601, 777}, {6, 600, 700, 777}};
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cuts); c++) {
+        int32_t ids[4][LOOM_MAX_TOP_LOGPROBS];
+        float vals[4][LOOM_MAX_TOP_LOGPROBS];
+        loom_lp_part_t parts[4];
+        int lo = 0, np = 0;
+        for (; np < 4 && lo < vocab; np++) {
+            int hi = cuts[c][np];
+            parts[np] = (loom_lp_part_t){.ids = ids[np], .vals = vals[np]};
+            loom_logprob_shard(logits + lo, hi - lo, lo, 20, &parts[np]);
+            lo = hi;
+        }
+        double got_z = loom_logprob_log_z(parts, np);
+        CHECKF(fabs(got_z - log_z) < 1e-5, "cut %zu: log Z %.9g, want %.9g", c, got_z, log_z);
+        int32_t top[20];
+        float lps[20];
+        int n = loom_logprob_top(parts, np, 20, got_z, top, lps);
+        CHECK(n == 20 && top[0] == 5 && top[1] == 600);
+        for (int j = 0; j < n; j++) {
+            CHECKF(fabs(lps[j] - ((double)logits[top[j]] - log_z)) < 1e-5, "cut %zu: top %d", c, j);
+            if (j) CHECK(lps[j] <= lps[j - 1]);
+            for (int i = 0; i < vocab; i++) /* nothing outside the top beats its last entry */
+                if (logits[i] > logits[top[n - 1]]) {
+                    int in = 0;
+                    for (int k = 0; k < n; k++) in |= top[k] == i;
+                    CHECKF(in, "cut %zu: id %d missing from the top", c, i);
+                }
+        }
+    }
+}
+
 int main(void) {
     RUN(test_modes);
     RUN(test_greedy);
@@ -328,5 +455,7 @@ int main(void) {
     RUN(test_top_k1_is_greedy);
     RUN(test_top_p_nucleus);
     RUN(test_large_top_k);
+    RUN(test_logit_edits);
+    RUN(test_logprobs);
     return test_summary();
 }

@@ -1,0 +1,6 @@
+# Sampling controls end to end (test_sampling.py): penalties against the
+# float64 torch reference on every grid, min_p / logit_bias / allowed ids /
+# bad words / min_tokens / include_stop_str_in_output over HTTP, unknown
+# fields ignored, bad input refused. Sorted after integration.cmake, whose
+# loom_add_it it uses.
+loom_add_it(it_sampling test_sampling.py)

@@ -1,0 +1,204 @@
+/* Tests of the coordinator's sampling controls (coordinator/sampling_params.c):
+ * validation naming the field, the plan rows it fills from a sequence's
+ * tokens (distinct ids with output counts, bad-word prefixes, min_tokens
+ * bans, sorted allow-list), and the checks on a StepResult's logprobs. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/model_config.h"
+#include "common/util.h"
+#include "common/tokenizer.h"
+#include "coordinator/sampling_params.h"
+#include "tests/test.h"
+
+static loom_tokenizer_t *g_tok;
+static loom_model_config_t g_cfg;
+
+static int has(const int32_t *a, size_t n, int32_t v) {
+    for (size_t i = 0; i < n; i++)
+        if (a[i] == v) return 1;
+    return 0;
+}
+
+static void test_validation(void) {
+    static const struct {
+        float pres, freq, rep, min_p;
+        int32_t bias_id;
+        float bias;
+        uint32_t min_tokens, max_tokens, top;
+        const char *want;
+    } cases[] = {
+        {3, 0, 0, 0, -1, 0, 0, 0, 0, "presence_penalty"}, {0, -2.5f, 0, 0, -1, 0, 0, 0, 0, "frequency_penalty"},
+        {0, 0, -1, 0, -1, 0, 0, 0, 0, "repetition_penalty"}, {0, 0, 0, 1.5f, -1, 0, 0, 0, 0, "min_p"},
+        {0, 0, 0, 0, 100000, 1, 0, 0, 0, "logit_bias"}, {0, 0, 0, 0, 5, 200, 0, 0, 0, "logit_bias"},
+        {0, 0, 0, 0, -1, 0, 9, 4, 0, "min_tokens"}, {0, 0, 0, 0, -1, 0, 0, 0, 21, "top_logprobs"},
+    };
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        Loom__V1__SamplingParams sp = LOOM__V1__SAMPLING_PARAMS__INIT;
+        sp.presence_penalty = cases[c].pres;
+        sp.frequency_penalty = cases[c].freq;
+        sp.repetition_penalty = cases[c].rep;
+        sp.min_p = cases[c].min_p;
+        Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+        g.sampling = &sp;
+        int32_t id = cases[c].bias_id;
+        float b = cases[c].bias;
+        if (id >= 0) {
+            g.logit_bias_ids = &id;
+            g.logit_bias_values = &b;
+            g.n_logit_bias_ids = g.n_logit_bias_values = 1;
+        }
+        g.min_tokens = cases[c].min_tokens;
+        g.max_tokens = cases[c].max_tokens;
+        g.logprobs = cases[c].top > 0;
+        g.top_logprobs = cases[c].top;
+        loom_sparams_t *p = NULL;
+        loom_err_t err = {0};
+        CHECKF(loom_sparams_create(&g, g_tok, &g_cfg, &p, &err) == LOOM_ERR_INVALID_ARGUMENT && !p &&
+                   strstr(err.msg, cases[c].want),
+               "case %zu: %s", c, err.msg);
+    }
+    /* nothing asked: no controls at all */
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    loom_sparams_t *p = (loom_sparams_t *)&g;
+    loom_err_t err = {0};
+    CHECK(loom_sparams_create(&g, g_tok, &g_cfg, &p, &err) == LOOM_OK && p == NULL);
+}
+
+static void test_plan_rows(void) {
+    int32_t bad_ids[8];
+    int n_bad = 0;
+    {
+        int32_t *ids = NULL;
+        int n = 0, cap = 0;
+        loom_err_t err = {0};
+        CHECK(loom_tokenizer_encode(g_tok, "Lily", 4, 0, 0, &ids, &n, &cap, &err) == LOOM_OK && n >= 1 && n <= 8);
+        memcpy(bad_ids, ids, (size_t)n * sizeof *ids);
+        n_bad = n;
+        free(ids);
+    }
+    Loom__V1__SamplingParams sp = LOOM__V1__SAMPLING_PARAMS__INIT;
+    sp.presence_penalty = 0.5f;
+    sp.frequency_penalty = 0.25f;
+    sp.repetition_penalty = 1.2f;
+    sp.min_p = 0.1f;
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.sampling = &sp;
+    int32_t allowed[] = {40, 3, 40, 17, 3};
+    g.allowed_token_ids = allowed;
+    g.n_allowed_token_ids = 5;
+    char *bad[] = {"Lily"};
+    g.bad_words = bad;
+    g.n_bad_words = 1;
+    int32_t stop_id = 7;
+    g.stop_token_ids = &stop_id;
+    g.n_stop_token_ids = 1;
+    g.min_tokens = 4;
+    g.logprobs = 1;
+    g.top_logprobs = 3;
+    loom_sparams_t *p = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_sparams_create(&g, g_tok, &g_cfg, &p, &err) == LOOM_OK && p);
+    CHECK(loom_sparams_min_tokens(p) == 4);
+
+    /* prompt 1 5 5 9, output 9 12 then the bad word's first tokens */
+    int32_t toks[16] = {1, 5, 5, 9, 9, 12};
+    int n_tok = 6;
+    for (int i = 0; i < n_bad - 1; i++) toks[n_tok++] = bad_ids[i];
+    loom_seq_t seq = {.tokens = toks, .n_tokens = n_tok, .n_prompt = 4, .sparams = p};
+    loom_seq_t *seqs[1] = {&seq};
+    loom_microbatch_t mb = {.n_logits = 1, .logit_seq = seqs};
+    Loom__V1__SampleParams row = LOOM__V1__SAMPLE_PARAMS__INIT, *rows[1] = {&row};
+    loom_sparams_arena_t a = {0};
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(row.min_p == 0.1f && row.presence_penalty == 0.5f && row.repetition_penalty == 1.2f);
+    CHECK(row.logprobs && row.top_logprobs == 3);
+    CHECK(row.n_allowed_ids == 3 && row.allowed_ids[0] == 3 && row.allowed_ids[1] == 17 && row.allowed_ids[2] == 40);
+    /* distinct ids of prompt and output, ascending, with output counts */
+    CHECK(row.n_seen_ids == row.n_out_counts && row.n_seen_ids >= 4);
+    for (size_t i = 1; i < row.n_seen_ids; i++) CHECK(row.seen_ids[i] > row.seen_ids[i - 1]);
+    for (size_t i = 0; i < row.n_seen_ids; i++) {
+        int want = 0;
+        for (int k = 4; k < n_tok; k++) want += toks[k] == row.seen_ids[i];
+        CHECKF(row.out_counts[i] == want, "id %d: count %d, want %d", row.seen_ids[i], row.out_counts[i], want);
+    }
+    CHECK(has(row.seen_ids, row.n_seen_ids, 1) && has(row.seen_ids, row.n_seen_ids, 5));
+    /* fewer than min_tokens generated: EOS and the stop id banned; the bad word's last token too */
+    CHECK(n_tok - 4 < 4 || !has(row.banned_ids, row.n_banned_ids, stop_id));
+    if (n_tok - 4 < 4) CHECK(has(row.banned_ids, row.n_banned_ids, stop_id));
+    for (int i = 0; i < g_cfg.n_eos && n_tok - 4 < 4; i++) CHECK(has(row.banned_ids, row.n_banned_ids, g_cfg.eos_ids[i]));
+    CHECK(has(row.banned_ids, row.n_banned_ids, bad_ids[n_bad - 1]));
+
+    /* past min_tokens, with the output not ending in the bad word's prefix */
+    int32_t toks2[16] = {1, 5, 5, 9, 9, 12, 12, 12, 30};
+    loom_seq_t seq2 = {.tokens = toks2, .n_tokens = 9, .n_prompt = 4, .sparams = p};
+    seqs[0] = &seq2;
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(!has(row.banned_ids, row.n_banned_ids, stop_id));
+    if (n_bad > 1) CHECK(!has(row.banned_ids, row.n_banned_ids, bad_ids[n_bad - 1]));
+    for (size_t i = 0; i < row.n_seen_ids; i++)
+        if (row.seen_ids[i] == 12) CHECK(row.out_counts[i] == 3);
+    /* a sequence without controls is left as it was */
+    loom_seq_t plain = {.tokens = toks2, .n_tokens = 9, .n_prompt = 4};
+    seqs[0] = &plain;
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(row.n_seen_ids == 0 && row.n_banned_ids == 0 && !row.logprobs);
+    loom_sparams_arena_free(&a);
+    loom_sparams_destroy(&p);
+    loom_sparams_destroy(&p); /* twice is fine */
+    CHECK(p == NULL);
+}
+
+static void test_lp_view(void) {
+    loom_seq_t s0 = {0}, s1 = {0};
+    loom_seq_t *seqs[2] = {&s0, &s1};
+    loom_microbatch_t mb = {.n_logits = 2, .logit_seq = seqs};
+    float lps[2] = {-0.5f, NAN};
+    uint32_t n_top[2] = {2, 0};
+    int32_t top_ids[2] = {4, 9};
+    float top_lps[2] = {-0.5f, -1.5f};
+    Loom__V1__StepResult r = LOOM__V1__STEP_RESULT__INIT;
+    r.logprobs = lps;
+    r.n_logprobs = 2;
+    r.n_top = n_top;
+    r.n_n_top = 2;
+    r.top_ids = top_ids;
+    r.top_logprobs = top_lps;
+    r.n_top_ids = r.n_top_logprobs = 2;
+    loom_lp_view_t v = {0};
+    char msg[256];
+    CHECK(loom_lp_view_bind(&v, &mb, &r, 32000, msg, sizeof msg) == 0);
+    const loom_token_lp_t *t = loom_lp_view_get(&v, &s0);
+    CHECK(t && t->logprob == -0.5f && t->n_top == 2 && t->top_ids[1] == 9);
+    CHECK(loom_lp_view_get(&v, &s1) == NULL); /* NaN: that row did not ask */
+    loom_lp_view_unbind(&v);
+    CHECK(loom_lp_view_get(&v, &s0) == NULL);
+    r.n_logprobs = 1; /* one entry for two rows */
+    CHECK(loom_lp_view_bind(&v, &mb, &r, 32000, msg, sizeof msg) < 0 && strstr(msg, "logprobs"));
+    r.n_logprobs = 2;
+    n_top[1] = 5; /* more top entries than sent */
+    CHECK(loom_lp_view_bind(&v, &mb, &r, 32000, msg, sizeof msg) < 0);
+    n_top[1] = 0;
+    top_ids[0] = 40000; /* outside the vocabulary */
+    CHECK(loom_lp_view_bind(&v, &mb, &r, 32000, msg, sizeof msg) < 0);
+    loom_lp_view_free(&v);
+}
+
+int main(void) {
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/stories260K", test_models_dir());
+    loom_err_t err = {0};
+    if (loom_tokenizer_load(dir, &g_tok, &err) < 0 || loom_model_config_load(dir, &g_cfg, &err) < 0) {
+        fprintf(stderr, "cannot load %s: %s\n", dir, err.msg);
+        return 1;
+    }
+    RUN(test_validation);
+    RUN(test_plan_rows);
+    RUN(test_lp_view);
+    loom_tokenizer_destroy(&g_tok);
+    return test_summary();
+}

@@ -1,0 +1,215 @@
+/* The worker's side of the sampling controls (see logits_proc.h). */
+#include "worker/logits_proc.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "kernels/sampling.h"
+
+static void edits_of(const Loom__V1__SampleParams *sp, loom_logit_edits_t *e) {
+    *e = (loom_logit_edits_t){.allowed = sp->allowed_ids, .n_allowed = (int)sp->n_allowed_ids,
+                              .banned = sp->banned_ids, .n_banned = (int)sp->n_banned_ids,
+                              .bias_ids = sp->bias_ids, .bias = sp->bias_values, .n_bias = (int)sp->n_bias_ids,
+                              .seen_ids = sp->seen_ids, .out_counts = sp->out_counts, .n_seen = (int)sp->n_seen_ids,
+                              .repetition = sp->repetition_penalty, .frequency = sp->frequency_penalty,
+                              .presence = sp->presence_penalty};
+}
+
+static loom_status_t check_ids(const int32_t *ids, size_t n, int vocab_size, int ascending, const char *what,
+                               int row, loom_err_t *err) {
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= vocab_size)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: %s id %d is outside the vocabulary [0, %d)",
+                                row, what, ids[i], vocab_size);
+        if (ascending && i > 0 && ids[i] <= ids[i - 1])
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: %s ids are not strictly ascending", row,
+                                what);
+    }
+    return LOOM_OK;
+}
+
+static loom_status_t check_row(const Loom__V1__SampleParams *sp, int vocab_size, int r, loom_err_t *err) {
+    if (sp->n_bias_ids != sp->n_bias_values || sp->n_seen_ids != sp->n_out_counts)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: bias or count arrays of unequal length", r);
+    LOOM_CHECK(check_ids(sp->allowed_ids, sp->n_allowed_ids, vocab_size, 1, "allowed", r, err));
+    LOOM_CHECK(check_ids(sp->banned_ids, sp->n_banned_ids, vocab_size, 0, "banned", r, err));
+    LOOM_CHECK(check_ids(sp->bias_ids, sp->n_bias_ids, vocab_size, 0, "bias", r, err));
+    LOOM_CHECK(check_ids(sp->seen_ids, sp->n_seen_ids, vocab_size, 1, "seen", r, err));
+    for (size_t i = 0; i < sp->n_bias_values; i++)
+        if (!isfinite(sp->bias_values[i]))
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: a logit bias is not finite", r);
+    for (size_t i = 0; i < sp->n_out_counts; i++)
+        if (sp->out_counts[i] < 0)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: a negative token count", r);
+    if (!isfinite(sp->repetition_penalty) || sp->repetition_penalty < 0.0f || !isfinite(sp->frequency_penalty) ||
+        !isfinite(sp->presence_penalty) || !(sp->min_p >= 0.0f && sp->min_p <= 1.0f))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: a penalty or min_p out of range", r);
+    return LOOM_OK;
+}
+
+loom_status_t loom_logits_process(loom_backend_t *be, float *logits, int n_rows, int vocab_begin, int vocab_len,
+                                  int vocab_size, Loom__V1__SampleParams *const *sp, float **buf, size_t *cap,
+                                  loom_err_t *err) {
+    for (int r = 0; r < n_rows; r++) LOOM_CHECK(check_row(sp[r], vocab_size, r, err));
+    size_t row_bytes = (size_t)vocab_len * sizeof(float);
+    for (int r = 0; r < n_rows; r++) {
+        loom_logit_edits_t e;
+        edits_of(sp[r], &e);
+        if (!loom_logits_edits_active(&e)) continue;
+        if (*cap < (size_t)vocab_len) { /* once per shard: the row size never changes */
+            free(*buf);
+            *buf = loom_xmalloc(row_bytes);
+            *cap = (size_t)vocab_len;
+        }
+        float *dev = logits + (size_t)r * (size_t)vocab_len;
+        loom_backend_download(be, *buf, dev, row_bytes);
+        loom_logits_edit(*buf, vocab_len, vocab_begin, &e);
+        loom_backend_upload(be, dev, *buf, row_bytes);
+    }
+    return LOOM_OK;
+}
+
+/* ---- log probabilities ---- */
+
+void loom_logprobs_free(loom_logprobs_t *l) {
+    free(l->raw);
+    free(l->slot);
+    free(l->parts);
+    free(l->ids);
+    free(l->vals);
+    free(l->cand_raw);
+    free(l->lp);
+    free(l->n_top);
+    free(l->top_ids);
+    free(l->top_lps);
+    *l = (loom_logprobs_t){0};
+}
+
+static void grow_rows(loom_logprobs_t *l, int rows) {
+    if (rows <= l->cap_rows) return;
+    loom_logprobs_free(l);
+    size_t n = (size_t)rows;
+    l->slot = loom_xmalloc(n * sizeof *l->slot);
+    l->parts = loom_xcalloc(n, sizeof *l->parts);
+    l->ids = loom_xmalloc(n * LOOM_MAX_TOP_LOGPROBS * sizeof *l->ids);
+    l->vals = loom_xmalloc(n * LOOM_MAX_TOP_LOGPROBS * sizeof *l->vals);
+    l->cand_raw = loom_xmalloc(n * LOOM_SAMPLE_MAX_CAND * sizeof *l->cand_raw);
+    l->lp = loom_xmalloc(n * sizeof *l->lp);
+    l->n_top = loom_xmalloc(n * sizeof *l->n_top);
+    l->top_ids = loom_xmalloc(n * LOOM_MAX_TOP_LOGPROBS * sizeof *l->top_ids);
+    l->top_lps = loom_xmalloc(n * LOOM_MAX_TOP_LOGPROBS * sizeof *l->top_lps);
+    l->cap_rows = rows;
+}
+
+loom_status_t loom_logprobs_capture(loom_logprobs_t *l, loom_backend_t *be, const float *logits, int n_rows,
+                                    int vocab_begin, int vocab_len, Loom__V1__SampleParams *const *sp,
+                                    loom_err_t *err) {
+    int n_lp = 0;
+    for (int r = 0; r < n_rows; r++) {
+        if (sp[r]->top_logprobs > LOOM_MAX_TOP_LOGPROBS)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: top_logprobs %u is over %d", r,
+                                sp[r]->top_logprobs, LOOM_MAX_TOP_LOGPROBS);
+        n_lp += sp[r]->logprobs != 0;
+    }
+    if (n_lp == 0) return LOOM_OK;
+    grow_rows(l, n_rows);
+    l->any = 1;
+    size_t need = (size_t)n_lp * (size_t)vocab_len;
+    if (need > l->cap_raw) {
+        free(l->raw);
+        l->raw = loom_xmalloc(need * sizeof *l->raw);
+        l->cap_raw = need;
+    }
+    l->vocab_begin = vocab_begin;
+    l->vocab_len = vocab_len;
+    int s = 0;
+    for (int r = 0; r < n_rows; r++) {
+        l->slot[r] = -1;
+        if (!sp[r]->logprobs) continue;
+        float *row = l->raw + (size_t)s * (size_t)vocab_len;
+        loom_backend_download(be, row, logits + (size_t)r * (size_t)vocab_len, (size_t)vocab_len * sizeof(float));
+        l->parts[r] = (loom_lp_part_t){.ids = l->ids + (size_t)r * LOOM_MAX_TOP_LOGPROBS,
+                                       .vals = l->vals + (size_t)r * LOOM_MAX_TOP_LOGPROBS};
+        loom_logprob_shard(row, vocab_len, vocab_begin, (int)sp[r]->top_logprobs, &l->parts[r]);
+        l->slot[r] = s++;
+    }
+    return LOOM_OK;
+}
+
+void loom_logprobs_candidates(loom_logprobs_t *l, int r, const loom_sample_part_t *part) {
+    if (!l->slot || l->slot[r] < 0) return;
+    const float *row = l->raw + (size_t)l->slot[r] * (size_t)l->vocab_len;
+    float *out = l->cand_raw + (size_t)r * LOOM_SAMPLE_MAX_CAND;
+    for (int j = 0; j < part->n; j++) {
+        int i = part->ids[j] - l->vocab_begin;
+        out[j] = i >= 0 && i < l->vocab_len ? row[i] : -INFINITY;
+    }
+}
+
+size_t loom_logprobs_extra_bytes(const Loom__V1__SampleParams *sp, int k) {
+    return sp->logprobs ? 12 + 8 * (size_t)sp->top_logprobs + 4 * (size_t)k : 0;
+}
+
+size_t loom_logprobs_max_extra_bytes(void) {
+    return 12 + 8 * (size_t)LOOM_MAX_TOP_LOGPROBS + 4 * (size_t)LOOM_SAMPLE_MAX_CAND;
+}
+
+/* [max, sum_exp, n, ids[top], vals[top], cand_raw[k]] */
+uint8_t *loom_logprobs_pack(const loom_logprobs_t *l, int r, const Loom__V1__SampleParams *sp, int k, uint8_t *p) {
+    if (!sp->logprobs) return p;
+    const loom_lp_part_t *lp = &l->parts[r];
+    size_t top = sp->top_logprobs;
+    int32_t n = lp->n;
+    memcpy(p, &lp->max, 4);
+    memcpy(p + 4, &lp->sum_exp, 4);
+    memcpy(p + 8, &n, 4);
+    memcpy(p + 12, lp->ids, top * 4);
+    memcpy(p + 12 + top * 4, lp->vals, top * 4);
+    memcpy(p + 12 + top * 8, l->cand_raw + (size_t)r * LOOM_SAMPLE_MAX_CAND, (size_t)k * 4);
+    return p + loom_logprobs_extra_bytes(sp, k);
+}
+
+const uint8_t *loom_logprobs_unpack(const uint8_t *p, const Loom__V1__SampleParams *sp, int k, loom_lp_part_t *lp,
+                                    const float **cand_raw) {
+    if (!sp->logprobs) return p;
+    size_t top = sp->top_logprobs;
+    int32_t n;
+    memcpy(&lp->max, p, 4);
+    memcpy(&lp->sum_exp, p + 4, 4);
+    memcpy(&n, p + 8, 4);
+    lp->n = n < 0 ? 0 : n > (int32_t)top ? (int)top : n;
+    lp->ids = (int32_t *)(uintptr_t)(p + 12);
+    lp->vals = (float *)(uintptr_t)(p + 12 + top * 4);
+    *cand_raw = (const float *)(uintptr_t)(p + 12 + top * 8);
+    return p + loom_logprobs_extra_bytes(sp, k);
+}
+
+void loom_logprobs_reset_results(loom_logprobs_t *l) {
+    l->n_lp = l->n_tops = l->any = 0;
+}
+
+void loom_logprobs_finish(loom_logprobs_t *l, const Loom__V1__SampleParams *sp, const loom_lp_part_t *lp,
+                          const float *const *cand_raw, const loom_sample_part_t *parts, int n_parts, int32_t id) {
+    if (!sp->logprobs) {
+        if (l->any) { /* a row without logprobs in a step with some: NaN, no top */
+            l->lp[l->n_lp] = NAN;
+            l->n_top[l->n_lp++] = 0;
+        }
+        return;
+    }
+    double log_z = loom_logprob_log_z(lp, n_parts);
+    float raw = -INFINITY; /* the sampled id is a candidate of exactly one shard */
+    for (int q = 0; q < n_parts && raw == -INFINITY; q++)
+        for (int j = 0; j < parts[q].n; j++)
+            if (parts[q].ids[j] == id) {
+                raw = cand_raw[q][j];
+                break;
+            }
+    l->lp[l->n_lp] = (float)((double)raw - log_z);
+    int n = loom_logprob_top(lp, n_parts, (int)sp->top_logprobs, log_z, l->top_ids + l->n_tops, l->top_lps + l->n_tops);
+    l->n_top[l->n_lp++] = (uint32_t)n;
+    l->n_tops += n;
+}
