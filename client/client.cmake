@@ -2,7 +2,7 @@
 # (loom_client_cmds: `loom generate`, `loom health`, `loom stats`, `loom bench`).
 # Included by client/CMakeLists.txt; the `loom` tool links loom_client_cmds.
 add_library(loom_client STATIC ${CMAKE_CURRENT_LIST_DIR}/loom_client.c)
-target_link_libraries(loom_client PUBLIC loom_proto Loom::ZeroMQ loom_base)
+target_link_libraries(loom_client PUBLIC loom_proto Loom::ZeroMQ loom_base loom_keys)
 
 add_library(loom_client_cmds STATIC ${CMAKE_CURRENT_LIST_DIR}/cmd_generate.c
             ${CMAKE_CURRENT_LIST_DIR}/cmd_bench.c)

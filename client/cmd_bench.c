@@ -1289,7 +1289,7 @@ static int parse_rates(const char *list, double *rates, int max) {
 int loom_cmd_bench(int argc, char **argv) {
     const char *addr = NULL, *rate_s = NULL, *rates_s = NULL, *json = NULL, *plot = NULL, *api = "zmq";
     const char *stage_plot = NULL;
-    const char *api_key = NULL, *url = NULL;
+    const char *api_key = NULL, *url = NULL, *curve_server = NULL, *curve_secret = NULL;
     int num_requests = 100, prompt_len = 128, output_len = 128, vocab = 0, max_conc = 0, timeout_s = 300;
     float prompt_range = 0, output_range = 0, temperature = 0;
     uint64_t seed = 0;
@@ -1313,6 +1313,7 @@ int loom_cmd_bench(int argc, char **argv) {
         {"api", LOOM_OPT_STR, &api, "zmq|http", "transport: the ZeroMQ API, or the OpenAI-compatible HTTP gateway (default zmq)", 1, 0, NULL},
         {"url", LOOM_OPT_STR, &url, "URL", "with --api http: the gateway, e.g. http://127.0.0.1:8000", 1, 0, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
+        LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom bench --addr ADDR [options]",
                            "Load-tests a Loom coordinator like vLLM's benchmark_serving: random token-id prompts\n"
@@ -1320,6 +1321,7 @@ int loom_cmd_bench(int argc, char **argv) {
                            "ITL and end-to-end latency (mean/p50/p90/p99) and throughput per rate.\n"
                            "Exit codes: 0 all requests succeeded, 1 some failed, 2 usage, 4 server unavailable.");
     if (r) return r < 0 ? EXIT_USAGE : 0;
+    loom_cmd_curve_env(curve_server, curve_secret);
     double rates[MAX_RATES];
     int n_rates = 1, sweep = rates_s != NULL;
     rates[0] = INFINITY;

@@ -22,6 +22,7 @@
 #include <zmq.h>
 
 #include "common/log.h"
+#include "common/keys.h"
 #include "common/util.h"
 #include "proto/wire.h"
 
@@ -414,6 +415,15 @@ loom_status_t loom_client_connect(const char *addr, const loom_client_options_t 
      * slowly, and a burst of submits must not be refused while connecting. */
     zmq_setsockopt(c->sock, ZMQ_RCVHWM, &zero, sizeof zero);
     zmq_setsockopt(c->sock, ZMQ_SNDHWM, &zero, sizeof zero);
+    if (strncmp(addr, "inproc://", 9) != 0) {
+        int keyed = 0;
+        loom_status_t kst = loom_keys_client(c->sock, opt ? opt->curve_server_key : NULL,
+                                             opt ? opt->curve_secret : NULL, &keyed, err);
+        if (kst < 0) {
+            loom_client_close(&c);
+            return kst;
+        }
+    }
     if (zmq_connect(c->sock, addr) < 0) {
         loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "INVALID_ARGUMENT: cannot connect to '%s': %s", addr,
                      zmq_strerror(errno));

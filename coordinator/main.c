@@ -68,6 +68,10 @@ int main(int argc, char **argv) {
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N", "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N", "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
         {"log-format", LOOM_OPT_STR, &log_format, "FMT", "log lines as text or json (one object per line: ts, level, component, msg, request_id) (default text, or LOOM_LOG_FORMAT)", 1, 0, NULL},
+        {"curve-secret", LOOM_OPT_STR, &c.security.curve_secret, "FILE", "the coordinator's CURVE secret key (from 'loom keygen'; or LOOM_CURVE_SECRET: a file or the Z85 key); needs --worker-keys and/or --client-keys", 1, 0, NULL},
+        {"worker-keys", LOOM_OPT_STR, &c.security.worker_keys, "FILE", "allow-list of worker public keys ('NAME KEY' lines, NAME = the worker's --id): only these workers may connect, each under its own id (or LOOM_WORKER_KEYS)", 1, 0, NULL},
+        {"client-keys", LOOM_OPT_STR, &c.security.client_keys, "FILE", "allow-list of client public keys: the client API then takes only these clients, encrypted (or LOOM_CLIENT_KEYS); required when --listen is not a loopback address", 1, 0, NULL},
+        {"insecure-api", LOOM_OPT_FLAG, &c.security.insecure_api, NULL, "serve a client API bound to a non-loopback address without client keys (anyone who reaches it may use it)", 1, 0, NULL},
         {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S", "close an HTTP connection idle this long, e.g. a client that stops sending (default 60)", 1, 86400, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",

@@ -124,6 +124,7 @@ struct loom_server {
     int max_model_len;
 
     void *zctx, *api, *ctl;
+    loom_zap_t *zap, *ctl_zap; /* CURVE: the ZAP handler; ctl_zap when the control plane is keyed */
     char api_addr[256], ctl_addr[256], inproc_addr[64];
     volatile sig_atomic_t stop, drain_requested; /* set by loom_server_stop (signal handlers) */
     int draining;
@@ -1445,7 +1446,8 @@ int loom_server_run(loom_server_t *s) {
             zmq_msg_t f[8];
             int n = recv_frames(s->ctl, f, 8);
             if (n == 0) break;
-            if (n == 2) on_control(s, zmq_msg_data(&f[0]), zmq_msg_size(&f[0]), zmq_msg_data(&f[1]), zmq_msg_size(&f[1]));
+            if (n == 2 && !loom_zap_identity_ok(s->ctl_zap, &f[1], zmq_msg_data(&f[0]), zmq_msg_size(&f[0]))) {
+            } else if (n == 2) on_control(s, zmq_msg_data(&f[0]), zmq_msg_size(&f[0]), zmq_msg_data(&f[1]), zmq_msg_size(&f[1]));
             else LOOM_WARN("refused a control message of %d frames", n - 1);
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
@@ -1592,6 +1594,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     zmq_setsockopt(s->api, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
     zmq_setsockopt(s->ctl, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
     zmq_setsockopt(s->ctl, ZMQ_ROUTER_HANDOVER, &one, sizeof one);
+    st = loom_coord_security_setup(&cfg->security, s->zctx, s->api, s->ctl, cfg->listen, cfg->control, &s->zap,
+                                   &s->ctl_zap, err);
+    if (st < 0) goto fail;
     st = bind_sock(s->api, cfg->listen, s->api_addr, sizeof s->api_addr, err);
     if (st < 0) goto fail;
     st = bind_sock(s->ctl, cfg->control, s->ctl_addr, sizeof s->ctl_addr, err);
@@ -1634,6 +1639,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_metrics_destroy(&s->metrics);
     if (s->api) zmq_close(s->api);
     if (s->ctl) zmq_close(s->ctl);
+    loom_zap_stop(&s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
     if (s->probe_fd) probes_stop(s);

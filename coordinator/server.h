@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "coordinator/security.h"
 
 typedef struct loom_server_config {
     const char *model_dir;
@@ -36,6 +37,7 @@ typedef struct loom_server_config {
     const char *advertise_host; /* host workers and clients should dial (published in etcd) */
     int etcd_ttl;             /* lease TTL in seconds */
     int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
+    loom_coord_security_t security; /* CURVE keys of the control plane and the client API */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;
