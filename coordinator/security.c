@@ -2,6 +2,7 @@
 #include "coordinator/security.h"
 
 #include <string.h>
+#include <sys/random.h>
 #include <zmq.h>
 
 #include "common/keys.h"
@@ -63,4 +64,13 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
                   "it can send requests and read their output in clear text. ***",
                   listen);
     return LOOM_OK;
+}
+
+void loom_coord_epoch_secret(uint8_t *out, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = getrandom(out + got, n - got, 0);
+        LOOM_ASSERT(r > 0); /* getrandom(2) on Linux >= 3.17 only fails for bad arguments */
+        got += (size_t)r;
+    }
 }

@@ -4,6 +4,9 @@
 #ifndef LOOM_COORD_SECURITY_H
 #define LOOM_COORD_SECURITY_H
 
+#include <stddef.h>
+#include <stdint.h>
+
 #include "common/status.h"
 #include "common/zap.h"
 
@@ -22,5 +25,8 @@ typedef struct loom_coord_security {
 loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *zctx, void *api, void *ctl,
                                         const char *listen, const char *control, loom_zap_t **zap,
                                         loom_zap_t **ctl_zap, loom_err_t *err);
+
+/* A fresh data-plane secret for an epoch (the kernel's random bytes). */
+void loom_coord_epoch_secret(uint8_t *out, size_t n);
 
 #endif

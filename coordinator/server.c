@@ -507,6 +507,8 @@ static void start_epoch(loom_server_t *s) {
              (unsigned long long)s->epoch);
     LOOM_INFO("plan (epoch %llu): %d pipeline stage(s) x %d tensor-parallel rank(s), data plane %s",
               (unsigned long long)s->epoch, pp, tp, backend);
+    uint8_t data_secret[32]; /* this epoch's data-plane secret (coordinator/security.h) */
+    loom_coord_epoch_secret(data_secret, sizeof data_secret);
     Loom__V1__CommPeer *peers = loom_xcalloc((size_t)s->n_slots, sizeof *peers);
     Loom__V1__CommPeer **tp_ptrs = loom_xcalloc((size_t)tp, sizeof *tp_ptrs);
     for (int i = 0; i < s->n_slots; i++) fill_peer(&peers[i], &s->slots[i]);
@@ -545,6 +547,8 @@ static void start_epoch(loom_server_t *s) {
             a.epoch = s->epoch;
             a.kv_memory = s->cfg.kv_memory;
             a.kv_fraction = s->cfg.kv_fraction / (float)(same > 0 ? same : 1);
+            a.data_secret.data = data_secret;
+            a.data_secret.len = sizeof data_secret;
             Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
             m.body_case = LOOM__V1__CONTROL_MSG__BODY_ASSIGN;
             m.assign = &a;

@@ -11,7 +11,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 sudo=""
 [ "$(id -u)" = 0 ] || sudo="sudo"
 packages=(build-essential cmake pkg-config git curl ca-certificates
-          libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libmicrohttpd-dev libcjson-dev
+          libzmq3-dev libsodium-dev libprotobuf-c-dev protobuf-c-compiler libmicrohttpd-dev libcjson-dev
           libcurl4-openssl-dev libopenblas-dev etcd-server etcd-client iproute2 tcpdump
           python3 python3-numpy python3-torch python3-yaml python3-kubernetes gnuplot-nox clang libclang-rt-14-dev)
 # Node.js: use the one on the machine when there is one (Debian's npm conflicts with others).

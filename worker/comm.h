@@ -42,6 +42,11 @@ typedef struct loom_comm_config {
     const void *nccl_tp_id, *nccl_prev_id, *nccl_next_id;
     int cuda_device;
     void *cuda_stream;
+    /* tcp: the epoch's shared secret (Assign.data_secret); when set, every
+     * link proves both ends hold it (HMAC-SHA256 challenge) before any frame
+     * is read. NULL: links are not authenticated. */
+    const uint8_t *auth_secret;
+    size_t auth_secret_len;
 } loom_comm_config_t;
 
 /* A worker's data-plane listening socket, opened at start-up (before it knows

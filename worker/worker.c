@@ -332,7 +332,9 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .nccl_prev_id = k->nccl_prev_id.len ? k->nccl_prev_id.data : NULL,
                              .nccl_next_id = k->nccl_next_id.len ? k->nccl_next_id.data : NULL,
                              .cuda_device = loom_backend_device_index(w->be),
-                             .cuda_stream = loom_backend_stream(w->be)};
+                             .cuda_stream = loom_backend_stream(w->be),
+                             .auth_secret = a->data_secret.len ? a->data_secret.data : NULL,
+                             .auth_secret_len = a->data_secret.len};
     if (w->gather_cap < gather) {
         free(w->gather_send);
         free(w->gather_recv);
