@@ -18,7 +18,7 @@ int loom_cmd_keygen(int argc, char **argv) {
         {"name", LOOM_OPT_STR, &name, "NAME", "make one key pair: DIR/NAME.key (secret, mode 0600) and DIR/NAME.pub", 1, 0, NULL},
         {"allow", LOOM_OPT_STR, &allow, "FILE", "with --name: also append 'NAME PUBLIC_KEY' to this allow-list", 1, 0, NULL},
         {"cluster", LOOM_OPT_FLAG, &cluster, NULL, "make a cluster's key set: coordinator.key/.pub, --workers worker pairs listed in workers.allow, --clients client pairs in clients.allow", 1, 0, NULL},
-        {"workers", LOOM_OPT_INT, &workers, "N", "with --cluster: worker key pairs, named PREFIX0..PREFIX(N-1) like the workers' --id", 0, 65536, NULL},
+        {"workers", LOOM_OPT_INT, &workers, "N", "with --cluster: worker key pairs, named PREFIX0..PREFIX(N-1) like the workers' --id (default 0: add them with --name NAME --allow workers.allow)", 0, 65536, NULL},
         {"worker-prefix", LOOM_OPT_STR, &prefix, "PREFIX", "with --cluster: worker key names (default worker-)", 1, 0, NULL},
         {"clients", LOOM_OPT_INT, &clients, "M", "with --cluster: client key pairs client-0.. in clients.allow (default 0: no client keys)", 0, 65536, NULL},
         {"force", LOOM_OPT_FLAG, &force, NULL, "replace existing secret keys", 1, 0, NULL},
@@ -38,10 +38,6 @@ int loom_cmd_keygen(int argc, char **argv) {
     }
     loom_err_t err = {0};
     if (cluster) {
-        if (workers < 1) {
-            fprintf(stderr, "error: --cluster needs --workers N (N >= 1)\n");
-            return 2;
-        }
         if (loom_keys_make_set(dir, workers, prefix, clients, 0, force, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             return 1;
