@@ -159,7 +159,7 @@ loom_status_t loom_allow_parse(const char *text, size_t len, const char *path, l
             cap = cap ? cap * 2 : 8;
             out->e = loom_xrealloc(out->e, (size_t)cap * sizeof *out->e);
         }
-        snprintf(out->e[out->n].name, sizeof out->e[out->n].name, "%s", name);
+        snprintf(out->e[out->n].name, sizeof out->e[out->n].name, "%.63s", name);
         memcpy(out->e[out->n].key, bin, 32);
         out->n++;
     }

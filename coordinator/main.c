@@ -71,6 +71,7 @@ int main(int argc, char **argv) {
         {"curve-secret", LOOM_OPT_STR, &c.security.curve_secret, "FILE", "the coordinator's CURVE secret key (from 'loom keygen'; or LOOM_CURVE_SECRET: a file or the Z85 key); needs --worker-keys and/or --client-keys", 1, 0, NULL},
         {"worker-keys", LOOM_OPT_STR, &c.security.worker_keys, "FILE", "allow-list of worker public keys ('NAME KEY' lines, NAME = the worker's --id): only these workers may connect, each under its own id (or LOOM_WORKER_KEYS)", 1, 0, NULL},
         {"client-keys", LOOM_OPT_STR, &c.security.client_keys, "FILE", "allow-list of client public keys: the client API then takes only these clients, encrypted (or LOOM_CLIENT_KEYS); required when --listen is not a loopback address", 1, 0, NULL},
+        {"encrypt-data-plane", LOOM_OPT_FLAG, &c.security.encrypt_data, NULL, "tcp data plane: encrypt every frame (ChaCha20-Poly1305, keys from the epoch's secret); costs CPU per MB, see docs/benchmarks.md (shm and nccl are not affected)", 1, 0, NULL},
         {"insecure-api", LOOM_OPT_FLAG, &c.security.insecure_api, NULL, "serve a client API bound to a non-loopback address without client keys (anyone who reaches it may use it)", 1, 0, NULL},
         {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S", "close an HTTP connection idle this long, e.g. a client that stops sending (default 60)", 1, 86400, NULL},
     };

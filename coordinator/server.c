@@ -549,6 +549,7 @@ static void start_epoch(loom_server_t *s) {
             a.kv_fraction = s->cfg.kv_fraction / (float)(same > 0 ? same : 1);
             a.data_secret.data = data_secret;
             a.data_secret.len = sizeof data_secret;
+            a.data_encrypt = s->cfg.security.encrypt_data != 0;
             Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
             m.body_case = LOOM__V1__CONTROL_MSG__BODY_ASSIGN;
             m.assign = &a;

@@ -47,6 +47,10 @@ typedef struct loom_comm_config {
      * is read. NULL: links are not authenticated. */
     const uint8_t *auth_secret;
     size_t auth_secret_len;
+    /* tcp, with auth_secret: encrypt every frame (ChaCha20-Poly1305, a key
+     * per link and direction derived from the secret and the handshake's
+     * nonces); a frame that fails its tag aborts the comm. */
+    int encrypt;
 } loom_comm_config_t;
 
 /* A worker's data-plane listening socket, opened at start-up (before it knows

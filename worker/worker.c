@@ -334,7 +334,8 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .cuda_device = loom_backend_device_index(w->be),
                              .cuda_stream = loom_backend_stream(w->be),
                              .auth_secret = a->data_secret.len ? a->data_secret.data : NULL,
-                             .auth_secret_len = a->data_secret.len};
+                             .auth_secret_len = a->data_secret.len,
+                             .encrypt = a->data_encrypt && !strcmp(cs->backend, "tcp")};
     if (w->gather_cap < gather) {
         free(w->gather_send);
         free(w->gather_recv);

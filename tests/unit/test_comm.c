@@ -45,6 +45,7 @@ typedef struct grid {
     loom_comm_listener_t *listeners[MAX_PROCS];
     const uint8_t *secret[MAX_PROCS]; /* tcp: each worker's data-plane secret (NULL: none) */
     size_t secret_len;
+    int encrypt;
 } grid_t;
 
 static char g_prefix[64]; /* "tc<pid>": every comm name of this run starts with it */
@@ -98,6 +99,7 @@ static void grid_config(const grid_t *g, int idx, loom_comm_config_t *cfg) {
     cfg->listener = g->listeners[idx];
     cfg->auth_secret = g->secret[idx];
     cfg->auth_secret_len = g->secret[idx] ? g->secret_len : 0;
+    cfg->encrypt = g->encrypt;
 }
 
 /* In a child: drops the other workers' listeners and joins the grid. */
@@ -887,6 +889,28 @@ static void test_auth_tcp(void) {
     grid_free(&g);
 }
 
+/* The same grid with every frame encrypted: results bit-identical. */
+static void test_encrypted_tcp(void) {
+    grid_t g;
+    grid_init(&g, "tcp", "enc", 2, 2, 100000 * sizeof(float));
+    for (int i = 0; i < 4; i++) g.secret[i] = k_secret;
+    g.secret_len = 32;
+    g.encrypt = 1;
+    static run_t run;
+    run_init(&run);
+    run_children(&run, 4, child_grid, &g, NULL, GROUP_TIMEOUT_MS);
+    grid_free(&g);
+    /* encryption without the secret is refused */
+    grid_init(&g, "tcp", "encnokey", 1, 2, 1024);
+    g.encrypt = 1;
+    loom_comm_config_t cfg;
+    grid_config(&g, 0, &cfg);
+    loom_comm_t *c = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_comm_create(&cfg, &c, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "secret"));
+    grid_free(&g);
+}
+
 typedef struct impostor {
     int fd;
     int acked, closed; /* got an ack; was closed after its wrong proof */
@@ -999,6 +1023,7 @@ int main(void) {
     RUN(test_killed_tcp);
     RUN(test_stranger_tcp);
     RUN(test_auth_tcp);
+    RUN(test_encrypted_tcp);
     RUN(test_impostor_tcp);
     RUN(test_wrong_secret_tcp);
     int leftovers = shm_leftovers();
