@@ -196,7 +196,9 @@ def test_loopback_capture_holds_no_prompt_text():
     marker = "Zorblax%dQuixotic" % random.randint(100000, 999999)
     prompt = "Once upon a time %s met a cat" % marker
     pcap = tempfile.mktemp(suffix=".pcap")
-    with Cluster(STORIES, 2, 1, launch_args=["--client-keys", "1"], coord_args=["--comm", "tcp"]) as c:
+    expect = run_local(STORIES, prompt, 24, extra=["--ignore-eos"])[1]
+    with Cluster(STORIES, 2, 1, launch_args=["--client-keys", "1"],
+                 coord_args=["--comm", "tcp", "--encrypt-data-plane"]) as c:
         keys = os.path.join(c.run_dir, "keys")
         cap = subprocess.Popen([tcpdump, "-i", "lo", "-U", "-s", "0", "-w", pcap, "tcp"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -207,7 +209,7 @@ def test_loopback_capture_holds_no_prompt_text():
             rc, _, ids, err = generate(c.addr, prompt, 24, extra=[
                 "--ignore-eos", "--curve-server-key", os.path.join(keys, "coordinator.pub"),
                 "--curve-secret", os.path.join(keys, "client-0.key")])
-            check(rc == 0 and ids, "the keyed client: %s" % err)
+            check(rc == 0 and ids == expect, "the keyed client over an encrypted data plane: %s" % err)
             plain_bytes(b"after " + marker.encode())
             time.sleep(1.0)
         finally:
