@@ -45,9 +45,14 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
         }
         *zap = z;
         if (workers) {
-            /* a routing id is bound to a key: no connection takes over another's */
-            int zero = 0;
+            /* a routing id is bound to a key: no connection takes over another's.
+             * A worker that comes back under its id then needs its old
+             * connection gone: ZMTP heartbeats close a silent one (a host cut
+             * off, a peer that died without a FIN) within 2 s. */
+            int zero = 0, ivl = 500, timeout = 2000;
             zmq_setsockopt(ctl, ZMQ_ROUTER_HANDOVER, &zero, sizeof zero);
+            zmq_setsockopt(ctl, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+            zmq_setsockopt(ctl, ZMQ_HEARTBEAT_TIMEOUT, &timeout, sizeof timeout);
             *ctl_zap = z;
         }
         LOOM_INFO("CURVE: control plane %s, client API %s (server key %.8s...)",
