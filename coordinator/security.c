@@ -64,6 +64,9 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
                   "as a worker, see every prompt's tokens and choose the output. Give --curve-secret and "
                   "--worker-keys (deploy/local/launch.sh does). ***",
                   control);
+    if (cfg->encrypt_data && !workers)
+        LOOM_WARN("--encrypt-data-plane without --worker-keys: each epoch's data-plane secret, and so the frame "
+                  "keys, cross the unkeyed control plane in clear");
     if (!clients && !api_local)
         LOOM_WARN("*** SECURITY: --insecure-api: the client API binds %s without client keys; anyone who reaches "
                   "it can send requests and read their output in clear text. ***",
