@@ -847,9 +847,11 @@ int main(int argc, char **argv) {
     worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 3000, .cluster = "default",
                   .etcd_ttl = 5, .coord_wait_s = 120};
     const char *id = NULL, *log_format = NULL, *curve_server = NULL, *curve_secret = NULL;
+    loom_etcd_security_t etcd_sec = {0};
     loom_opt_t opts[] = {
         {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. tcp://127.0.0.1:5556 (or find it with --etcd)", 1, 0, NULL},
         {"etcd", LOOM_OPT_STR, &w.etcd_url, "URL", "register in etcd (e.g. http://127.0.0.1:2379) and find the coordinator there", 1, 0, NULL},
+        LOOM_ETCD_SECURITY_OPTS(etcd_sec),
         {"cluster", LOOM_OPT_STR, &w.cluster, "NAME", "cluster name in etcd (default 'default')", 1, 0, NULL},
         {"etcd-ttl", LOOM_OPT_INT, &w.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
         {"coordinator-wait-s", LOOM_OPT_INT, &w.coord_wait_s, "S", "with --etcd: how long to wait for the coordinator to appear (default 120)", 1, 86400, NULL},
@@ -934,6 +936,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: %s\n", err.msg);
         return 1;
     }
+    loom_etcd_security_env(&etcd_sec);
     loom_etcd_t *etcd = NULL;
     loom_etcd_keeper_t *keeper = NULL;
     if (w.etcd_url) {
