@@ -21,6 +21,7 @@ static const struct {
     {"health", loom_cmd_health, "ask a cluster whether it is ready", 0},
     {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics", 0},
     {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)", 0},
+    {"keygen", loom_cmd_keygen, "make CURVE key pairs and allow-lists for a cluster's planes", 0},
 };
 
 static void usage(void) {
