@@ -86,7 +86,9 @@ static int first_line(const char *text, size_t len, char *out, size_t cap) {
 
 loom_status_t loom_key_read(const char *value, const char *what, char out[LOOM_KEY_Z85 + 1], loom_err_t *err) {
     if (!value || !value[0]) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: no key given", what);
-    if (loom_key_z85_ok(value)) {
+    /* 40 characters of the Z85 alphabet ('/' and '.' among them) can also be a
+     * path: an existing file wins */
+    if (loom_key_z85_ok(value) && access(value, F_OK) != 0) {
         memcpy(out, value, LOOM_KEY_Z85 + 1);
         return LOOM_OK;
     }

@@ -93,7 +93,29 @@ int main(int argc, char **argv) {
         Loom__V1__ControlMsg *m = loom_wire_unpack_control(zmq_msg_data(&f), zmq_msg_size(&f), &err);
         zmq_msg_close(&f);
         if (!m) continue;
-        if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_STEP) {
+        if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_ASSIGN && !silent) {
+            /* a slot was given: play a loaded worker, so the grid goes on with it */
+            Loom__V1__Loaded l = LOOM__V1__LOADED__INIT;
+            uint8_t group[8] = {'h', 'i', 'j', 'a', 'c', 'k', 0, 0};
+            l.epoch = m->assign->epoch;
+            l.weight_bytes = 1000;
+            l.kv_block_bytes = 4096;
+            l.kv_budget = 64ull << 20;
+            l.kv_cache_dtype = "f32";
+            l.tp_group_id = (ProtobufCBinaryData){sizeof group, group};
+            l.next_group_id = (ProtobufCBinaryData){sizeof group, group};
+            Loom__V1__ControlMsg out = LOOM__V1__CONTROL_MSG__INIT;
+            out.body_case = LOOM__V1__CONTROL_MSG__BODY_LOADED;
+            out.loaded = &l;
+            send_msg(z, &out);
+        } else if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG && !silent) {
+            Loom__V1__Ready rd = LOOM__V1__READY__INIT;
+            rd.epoch = m->kv_config->epoch;
+            Loom__V1__ControlMsg out = LOOM__V1__CONTROL_MSG__INIT;
+            out.body_case = LOOM__V1__CONTROL_MSG__BODY_READY;
+            out.ready = &rd;
+            send_msg(z, &out);
+        } else if (m->body_case == LOOM__V1__CONTROL_MSG__BODY_STEP) {
             plans++;
             Loom__V1__StepResult res = LOOM__V1__STEP_RESULT__INIT;
             res.epoch = m->step->epoch;

@@ -432,7 +432,7 @@ def rules_cluster(manifests):
 
 def rules_autoscaler(manifests):
     with open(os.path.join(ROOT, "coordinator", "metrics.c")) as f:
-        gauges = set(re.findall(r'gauge\(&o, m, "([a-z_:]+)"', f.read()))
+        gauges = set(re.findall(r'gauge2?\(&o, [a-z_>-]+, "([a-z_:]+)"', f.read()))
     hpas = 0
     for name, docs in manifests.items():
         workloads = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in WORKLOADS}

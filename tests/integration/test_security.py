@@ -14,7 +14,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, Cluster, STORIES, check, generate, run_local, run_tests, wait_for  # noqa: E402
+from harness import BIN, Cluster, STORIES, check, generate, kill, run_local, run_tests, wait_for  # noqa: E402
 
 HIJACK = os.path.join(BIN, "..", "tests", "hijack")
 LOOM = os.path.join(BIN, "loom")
@@ -93,11 +93,16 @@ def test_control_plane_hijack_is_refused():
 
 
 def test_unkeyed_control_plane_is_hijacked():
-    """The same attack on --insecure (the old default) works: the test can fail."""
+    """The same attack on --insecure works: the test can fail. Without keys a
+    connected worker's routing id is not taken over (no ROUTER_HANDOVER), but
+    any peer may take a slot that is free, under any id: here worker-0's, once
+    it died."""
     with Cluster(STORIES, 1, 1, launch_args=["--insecure"]) as c:
-        h = hijack("tcp://127.0.0.1:%d" % (c.port + 1), "worker-0", seconds=5, silent=True)
-        time.sleep(0.7)
-        generate(c.addr, PROMPT, 32, extra=["--ignore-eos", "--timeout-ms", "4000"], timeout=30)
+        kill(c.pid("worker-0"))
+        wait_for(lambda: "waiting for a worker to take its place" in c.log("coordinator"), 20, "the slot to free")
+        h = hijack("tcp://127.0.0.1:%d" % (c.port + 1), "intruder", seconds=8)
+        time.sleep(2)  # registered, "loaded", joined
+        generate(c.addr, PROMPT, 32, extra=["--ignore-eos", "--timeout-ms", "3000"], timeout=30)
         msgs, plans = hijack_counts(h)
         check(plans > 0, "the unkeyed control plane was not taken over (%d messages): the attack is broken" % msgs)
 
@@ -124,10 +129,10 @@ def test_client_keys_are_required():
                                  ["--curve-server-key", pub, "--curve-secret", os.path.join(other, "client-0.key")]),
                                 ("a worker key", ["--curve-server-key", pub,
                                                   "--curve-secret", os.path.join(keys, "worker-0.key")])]:
-                t0 = time.time()
                 rc, _, ids, err = generate(c.addr, PROMPT, 8, extra=["--timeout-ms", "2500"] + extra, timeout=30)
                 check(rc != 0 and not ids, "%s: the client was served" % what)
-                check("UNAVAILABLE" in err and time.time() - t0 >= 2, "%s: %s" % (what, err))
+                # told at once (the refused handshake drops the connection) or at its own timeout
+                check("UNAVAILABLE" in err, "%s: %s" % (what, err))
             log = c.log("coordinator")
             check("refused a client connection from 127.0.0.1" in log, "client refusals are not logged")
             check("is not in the client allow-list" in log, "the client refusal names no reason")

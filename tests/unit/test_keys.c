@@ -59,6 +59,24 @@ static void test_key_files(void) {
     CHECKF(loom_key_read("/no/such/file", "the server's key", pub, &err) == LOOM_ERR_INVALID_ARGUMENT &&
                strstr(err.msg, "the server's key"),
            "%s", err.msg);
+    /* a path of exactly 40 Z85-alphabet characters is a file, not key text
+     * ("/tmp/loom-serve-XXXXXX/keys/worker-0.key" is one) */
+    char dir40[32], p40[96];
+    snprintf(dir40, sizeof dir40, "/tmp/loom-k40-XXXXXX");
+    REQUIRE(mkdtemp(dir40));
+    REQUIRE(loom_keys_write(dir40, "w", &kp, 0, &err) == LOOM_OK);
+    snprintf(p40, sizeof p40, "%s/w.key", dir40);
+    char pad[96];
+    snprintf(pad, sizeof pad, "%s/%.*s.key", dir40, (int)(LOOM_KEY_Z85 - strlen(dir40) - 5), "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+    REQUIRE(strlen(pad) == LOOM_KEY_Z85 && loom_key_z85_ok(pad));
+    REQUIRE(rename(p40, pad) == 0);
+    CHECKF(loom_keypair_read(pad, "a 40-character path", &back, &err) == LOOM_OK &&
+               !strcmp(back.public_z85, kp.public_z85),
+           "%s", err.msg);
+    unlink(pad);
+    snprintf(p40, sizeof p40, "%s/w.pub", dir40);
+    unlink(p40);
+    rmdir(dir40);
     /* a cluster's set */
     char set[300];
     path_of(set, sizeof set, "set");
