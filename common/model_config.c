@@ -6,6 +6,7 @@
 
 #include <cjson/cJSON.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +16,20 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2"};
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3"};
+
+/* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
+static const struct {
+    const char *name;
+    loom_hidden_act_t act;
+} k_acts[] = {
+    {"silu", LOOM_HIDDEN_SILU},           {"swish", LOOM_HIDDEN_SILU},
+    {"gelu", LOOM_HIDDEN_GELU},           {"gelu_python", LOOM_HIDDEN_GELU},
+    {"gelu_new", LOOM_HIDDEN_GELU_TANH},  {"gelu_pytorch_tanh", LOOM_HIDDEN_GELU_TANH},
+    {"gelu_fast", LOOM_HIDDEN_GELU_TANH}, {"gelu_accurate", LOOM_HIDDEN_GELU_TANH},
+    {"quick_gelu", LOOM_HIDDEN_QUICK_GELU}, {"relu", LOOM_HIDDEN_RELU},
+    {"relu2", LOOM_HIDDEN_RELU2},
+};
 
 
 /* An absent key and an explicit null both mean "use the default". */
@@ -115,10 +129,44 @@ static loom_status_t merge_eos(loom_model_config_t *cfg, const cJSON *root, cons
     return add_eos(cfg, id, path, err);
 }
 
-static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *root,
-                                        const char *path, loom_err_t *err) {
+static loom_status_t rope_num(const cJSON *rs, const char *name, int required, double dflt, double *out,
+                              const char *path, loom_err_t *err) {
+    const cJSON *v = field(rs, name);
+    if (!v) {
+        if (required) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s is missing", path, name);
+        *out = dflt;
+        return LOOM_OK;
+    }
+    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0 && v->valuedouble <= 1e30))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s must be a positive number", path, name);
+    *out = v->valuedouble;
+    return LOOM_OK;
+}
+
+static loom_status_t rope_orig(loom_model_config_t *cfg, const cJSON *rs, int required, const char *path,
+                               loom_err_t *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rs, "original_max_position_embeddings");
+    if (!v || cJSON_IsNull(v)) {
+        if (required)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.original_max_position_embeddings is missing",
+                                path);
+        cfg->rope_orig_max_pos = cfg->max_seq_len;
+        return LOOM_OK;
+    }
+    if (!json_int(v, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: rope_scaling.original_max_position_embeddings must be a positive integer", path);
+    return LOOM_OK;
+}
+
+/* rope_scaling (or Transformers 5's rope_parameters): default, linear,
+ * llama3 and yarn are computed (worker/model.c rope_inv_freq); dynamic
+ * (NTK that changes with each sequence's length) and longrope (factor sets
+ * chosen by length) are refused by name. */
+static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *rs, const char *path,
+                                        loom_err_t *err) {
     cfg->rope_scaling = LOOM_ROPE_NONE;
-    const cJSON *rs = field(root, "rope_scaling");
+    cfg->rope_attn_factor = 1.0f;
     if (!rs) return LOOM_OK;
     if (!cJSON_IsObject(rs))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling must be an object or null",
@@ -128,11 +176,54 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
     if (!cJSON_IsString(type))
         return loom_err_set(err, LOOM_ERR_FORMAT,
                             "%s: rope_scaling needs a string \"rope_type\" (or \"type\")", path);
-    if (!strcmp(type->valuestring, "default")) return LOOM_OK;
-    if (strcmp(type->valuestring, "llama3") != 0)
+    const char *t = type->valuestring;
+    double f = 0;
+    if (!strcmp(t, "default")) return LOOM_OK;
+    if (!strcmp(t, "linear")) {
+        LOOM_CHECK(rope_num(rs, "factor", 1, 0, &f, path, err));
+        cfg->rope_scaling = LOOM_ROPE_LINEAR;
+        cfg->rope_factor = (float)f;
+        return LOOM_OK;
+    }
+    if (!strcmp(t, "yarn")) {
+        static const char *const refused[] = {"mscale", "mscale_all_dim"};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(refused); i++)
+            if (field(rs, refused[i]))
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                    "%s: rope_scaling.%s (DeepSeek's yarn variant) is not supported", path,
+                                    refused[i]);
+        cfg->rope_scaling = LOOM_ROPE_YARN;
+        double bf = 0, bs = 0, af = 1;
+        LOOM_CHECK(rope_num(rs, "factor", 1, 0, &f, path, err));
+        LOOM_CHECK(rope_num(rs, "beta_fast", 0, 32, &bf, path, err));
+        LOOM_CHECK(rope_num(rs, "beta_slow", 0, 1, &bs, path, err));
+        LOOM_CHECK(rope_orig(cfg, rs, 0, path, err));
+        LOOM_CHECK(get_bool(rs, "truncate", 1, &cfg->rope_truncate, path, err));
+        cfg->rope_factor = (float)f;
+        cfg->rope_beta_fast = (float)bf;
+        cfg->rope_beta_slow = (float)bs;
+        if (field(rs, "attention_factor")) {
+            LOOM_CHECK(rope_num(rs, "attention_factor", 1, 0, &af, path, err));
+        } else {
+            /* Transformers versions differ on the default when
+             * max_position_embeddings / original_max_position_embeddings is
+             * not the factor; refuse rather than pick one. */
+            double ratio = (double)cfg->max_seq_len / cfg->rope_orig_max_pos;
+            if (field(rs, "original_max_position_embeddings") && fabs(ratio - f) > 1e-6 * f)
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                    "%s: rope_scaling yarn: factor %g is not max_position_embeddings / "
+                                    "original_max_position_embeddings (%g); give rope_scaling.attention_factor",
+                                    path, f, ratio);
+            af = f <= 1 ? 1.0 : 0.1 * log(f) + 1.0;
+        }
+        cfg->rope_attn_factor = (float)af;
+        return LOOM_OK;
+    }
+    if (strcmp(t, "llama3") != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: rope_scaling type '%s' is not supported (Loom supports 'llama3')",
-                            path, type->valuestring);
+                            "%s: rope_scaling type '%s' is not supported (Loom supports default, linear, llama3 "
+                            "and yarn)",
+                            path, t);
 
     cfg->rope_scaling = LOOM_ROPE_LLAMA3;
     char key[64];
@@ -152,16 +243,69 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
             err, LOOM_ERR_FORMAT,
             "%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path,
             (double)cfg->rope_high_freq_factor, (double)cfg->rope_low_freq_factor);
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rs, "original_max_position_embeddings");
-    if (!v)
-        return loom_err_set(err, LOOM_ERR_FORMAT,
-                            "%s: rope_scaling.original_max_position_embeddings is missing", path);
-    if (!json_int(v, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0)
-        return loom_err_set(err, LOOM_ERR_FORMAT,
-                            "%s: rope_scaling.original_max_position_embeddings must be a positive "
-                            "integer",
+    return rope_orig(cfg, rs, 1, path, err);
+}
+
+/* Keys that change the math of architectures Loom does not run (or of
+ * variants of the ones it does): refused by name rather than ignored.
+ * docs/model-format.md lists them. */
+static loom_status_t refuse_keys(const cJSON *root, const loom_model_config_t *cfg, const char *path,
+                                 loom_err_t *err) {
+    static const char *const numbers[] = {
+        "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+        "num_local_experts",      "num_experts",            "n_routed_experts",
+        "embedding_multiplier",   "residual_multiplier",    "logits_scaling",
+        "attention_multiplier",
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(numbers); i++) {
+        const cJSON *v = field(root, numbers[i]);
+        if (v && !(cJSON_IsNumber(v) && v->valuedouble == 0 && strstr(numbers[i], "experts")))
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: %s is not supported for model_type '%s'", path,
+                                numbers[i], cfg->model_type);
+    }
+    const cJSON *v = field(root, "partial_rotary_factor");
+    if (v && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: partial_rotary_factor other than 1 is not supported",
                             path);
+    v = field(root, "use_sliding_window");
+    if (v && !cJSON_IsFalse(v))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: use_sliding_window is not supported for model_type '%s' (Mistral's "
+                            "sliding_window is)",
+                            path, cfg->model_type);
+    v = field(root, "layer_types");
+    if (v) {
+        const char *want = cfg->sliding_window ? "sliding_attention" : "full_attention";
+        const cJSON *e;
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != cfg->n_layers)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: layer_types must list num_hidden_layers (%d) entries",
+                                path, cfg->n_layers);
+        cJSON_ArrayForEach(e, v) {
+            if (!cJSON_IsString(e) || strcmp(e->valuestring, want))
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                    "%s: layer_types entry '%s' is not supported for model_type '%s' (every "
+                                    "layer must be %s)",
+                                    path, cJSON_IsString(e) ? e->valuestring : "?", cfg->model_type, want);
+        }
+    }
     return LOOM_OK;
+}
+
+static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const cJSON *root, const char *path,
+                                      loom_err_t *err) {
+    const cJSON *v = field(root, "hidden_act");
+    cfg->hidden_act = LOOM_HIDDEN_SILU;
+    if (!v) return LOOM_OK;
+    if (!cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: hidden_act must be a string", path);
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_acts); i++)
+        if (!strcmp(v->valuestring, k_acts[i].name)) {
+            cfg->hidden_act = k_acts[i].act;
+            return LOOM_OK;
+        }
+    return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                        "%s: hidden_act '%s' is not supported (Loom runs silu, swish, gelu, gelu_python, gelu_new, "
+                        "gelu_pytorch_tanh, gelu_fast, gelu_accurate, quick_gelu, relu, relu2)",
+                        path, v->valuestring);
 }
 
 /* quantization_config: loom (`loom quantize`), or 4-bit AWQ (GEMM) and GPTQ. */
@@ -237,8 +381,8 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
         known |= !strcmp(mt->valuestring, k_model_types[i]);
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: model_type '%s' is not supported (Loom runs llama, mistral and "
-                            "qwen2)",
+                            "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
+                            "qwen2 and qwen3)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
@@ -253,8 +397,28 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     LOOM_CHECK(get_pos_int(root, "vocab_size", 1, 0, &cfg->vocab_size, path, err));
     LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, 2048, &cfg->max_seq_len, path, err));
     LOOM_CHECK(get_pos_float(root, "rms_norm_eps", 0, 1e-6f, &cfg->norm_eps, path, err));
-    LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
-    LOOM_CHECK(parse_rope_scaling(cfg, root, path, err));
+    /* Transformers 5 keeps rope_theta and the scaling in rope_parameters */
+    const cJSON *rp = field(root, "rope_parameters");
+    if (rp && !cJSON_IsObject(rp))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_parameters must be an object", path);
+    if (rp && field(rp, "rope_theta"))
+        LOOM_CHECK(get_pos_float(rp, "rope_theta", 1, 0, &cfg->rope_theta, path, err));
+    else
+        LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
+    if (rp && field(root, "rope_scaling"))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: both rope_scaling and rope_parameters are given", path);
+    LOOM_CHECK(parse_rope_scaling(cfg, rp ? rp : field(root, "rope_scaling"), path, err));
+    LOOM_CHECK(parse_hidden_act(cfg, root, path, err));
+    cfg->qk_norm = !strcmp(cfg->model_type, "qwen3");
+    if (!strcmp(cfg->model_type, "mistral")) {
+        /* as MistralConfig: absent means 4096, null means none */
+        const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+        if (!sw) cfg->sliding_window = 4096;
+        else if (!cJSON_IsNull(sw))
+            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0; /* never reached */
+    }
+    LOOM_CHECK(refuse_keys(root, cfg, path, err));
     LOOM_CHECK(get_bool(root, "tie_word_embeddings", 0, &cfg->tie_embeddings, path, err));
     LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2, &cfg->attention_bias, path, err));
     int mlp_bias = 0;
@@ -364,4 +528,15 @@ int loom_model_config_is_eos(const loom_model_config_t *cfg, int id) {
     for (int i = 0; i < cfg->n_eos; i++)
         if (cfg->eos_ids[i] == id) return 1;
     return 0;
+}
+
+int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer) {
+    (void)layer; /* Mistral windows every layer */
+    return cfg->sliding_window;
+}
+
+int loom_model_config_all_windowed(const loom_model_config_t *cfg) {
+    for (int l = 0; l < cfg->n_layers; l++)
+        if (!loom_model_config_layer_window(cfg, l)) return 0;
+    return cfg->n_layers > 0;
 }

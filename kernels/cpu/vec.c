@@ -282,6 +282,30 @@ void loom_vec_silu_mul(float *out, const float *gate, const float *up, int hidde
         out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+/* Scalar: these activations serve the non-Llama families, whose decode is
+ * bound by the weight reads, not by this pass over the hidden rows. */
+void loom_vec_act_mul(loom_act_t act, float *out, const float *gate, const float *up, int hidden) {
+    if (act == LOOM_ACT_SILU) {
+        loom_vec_silu_mul(out, gate, up, hidden);
+        return;
+    }
+    for (int i = 0; i < hidden; i++) {
+        const float x = gate[i];
+        float a;
+        switch (act) {
+        case LOOM_ACT_GELU: a = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); break;
+        case LOOM_ACT_GELU_TANH:
+            a = 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+            break;
+        case LOOM_ACT_QUICK_GELU: a = x / (1.0f + expf(-1.702f * x)); break;
+        case LOOM_ACT_RELU: a = x > 0 ? x : 0.0f; break;
+        case LOOM_ACT_RELU2: a = x > 0 ? x * x : 0.0f; break;
+        default: LOOM_ASSERT(!"unknown activation"); a = 0; break;
+        }
+        out[i] = a * up[i];
+    }
+}
+
 void loom_vec_rope(float *x, int n_heads, int hd, int32_t pos, const float *inv_freq) {
     LOOM_ASSERT(hd % 2 == 0 && hd <= LOOM_VEC_ROPE_MAX_HD);
     const int half = hd / 2;
