@@ -43,9 +43,14 @@ def parse_args(argv):
     p.add_argument("--max-pos", type=int, default=1024)
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
-                   help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases")
+                   help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral"], default=None,
+                   help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
+                        "mistral takes --sliding-window")
+    p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
+    p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
+    p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
     p.add_argument("--rope-low-freq-factor", type=float, default=1.0)
     p.add_argument("--rope-high-freq-factor", type=float, default=4.0)
@@ -60,6 +65,9 @@ def parse_args(argv):
     p.add_argument("--stats", action="store_true",
                    help="run the reference forward pass and print logit statistics")
     a = p.parse_args(argv)
+    if a.arch is None:
+        a.arch = "qwen2" if a.qwen2 else "llama"
+    a.qwen2 = a.arch == "qwen2"
     if a.kv_heads is None:
         a.kv_heads = a.heads
     if a.head_dim is None:
@@ -93,6 +101,9 @@ def tensor_specs(a):
         if a.qwen2:
             specs += [(pre + "self_attn.%s_proj.bias" % n, (rows * hd,), "bias")
                       for n, rows in (("q", a.heads), ("k", a.kv_heads), ("v", a.kv_heads))]
+        if a.arch == "qwen3":  # per-head RMSNorm gains of q and k
+            specs += [(pre + "self_attn.q_norm.weight", (hd,), "qknorm"),
+                      (pre + "self_attn.k_norm.weight", (hd,), "qknorm")]
         specs += [
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
             (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
@@ -116,6 +127,10 @@ def make_tensor(seed, name, shape, kind):
         x *= np.float32(NORM_NOISE)
         x += np.float32(1.0)
         return x
+    if kind == "qknorm":  # far from 1, so a loader that skips them gives other logits
+        x *= np.float32(0.5)
+        x += np.float32(1.5)
+        return x
     # The embedding rows double as lm_head rows when tied; the final RMSNorm
     # makes the hidden state's rms ~1, so std LOGIT_GAIN/sqrt(dim) per weight
     # gives logits of std ~LOGIT_GAIN. The input side is renormalised anyway.
@@ -134,9 +149,16 @@ def make_config(a, st_dtype):
             "original_max_position_embeddings": a.rope_original_max_pos,
             "rope_type": "llama3",
         }
+    elif a.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": a.rope_factor}
+    elif a.rope_scaling == "yarn":  # max_position_embeddings = factor * original
+        rope_scaling = {"rope_type": "yarn", "factor": a.rope_factor,
+                        "original_max_position_embeddings": a.rope_original_max_pos}
+    arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
     c = {
-        "architectures": ["Qwen2ForCausalLM" if a.qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if a.qwen2 else "llama",
+        "architectures": [arch_names[a.arch]],
+        "model_type": a.arch,
         "hidden_size": a.dim,
         "intermediate_size": a.hidden_dim,
         "num_hidden_layers": a.layers,
@@ -148,7 +170,7 @@ def make_config(a, st_dtype):
         "rms_norm_eps": 1e-05,
         "rope_theta": a.rope_theta,
         "rope_scaling": rope_scaling,
-        "hidden_act": "silu",
+        "hidden_act": a.hidden_act,
         "tie_word_embeddings": bool(a.tie),
         "attention_bias": False,
         "mlp_bias": False,
@@ -162,6 +184,12 @@ def make_config(a, st_dtype):
     if a.qwen2:  # as Qwen2's config.json: biases implied, sliding window off
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": a.layers})
+    if a.arch == "qwen3":  # as Qwen3's config.json
+        del c["mlp_bias"], c["pretraining_tp"]
+        c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": a.layers})
+    if a.arch == "mistral":
+        del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
+        c["sliding_window"] = a.sliding_window
     return c
 
 
