@@ -16,7 +16,7 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3"};
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3"};
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -163,8 +163,53 @@ static loom_status_t rope_orig(loom_model_config_t *cfg, const cJSON *rs, int re
  * llama3 and yarn are computed (worker/model.c rope_inv_freq); dynamic
  * (NTK that changes with each sequence's length) and longrope (factor sets
  * chosen by length) are refused by name. */
-static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *rs, const char *path,
-                                        loom_err_t *err) {
+/* longrope (Phi-3's "su"): inv_freq_j = 1 / (ext_j * theta^(2j/hd)) with
+ * short_factor below original_max_position_embeddings and long_factor
+ * beyond, where Transformers switches by the sequence's length. Loom runs
+ * the short factors only and cuts max_seq_len to the original context, so
+ * every sequence it serves is computed as Transformers computes it. */
+static loom_status_t parse_longrope(loom_model_config_t *cfg, const cJSON *root, const cJSON *rs, const char *path,
+                                    loom_err_t *err) {
+    const char *names[2] = {"short_factor", "long_factor"};
+    int pairs = cfg->head_dim / 2;
+    for (int k = 0; k < 2; k++) {
+        const cJSON *a = field(rs, names[k]), *e;
+        if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != pairs)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s must list head_dim / 2 (%d) numbers", path,
+                                names[k], pairs);
+        int j = 0;
+        cJSON_ArrayForEach(e, a) {
+            if (!cJSON_IsNumber(e) || !(e->valuedouble > 0 && e->valuedouble < 1e30))
+                return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s[%d] must be a positive number", path,
+                                    names[k], j);
+            if (k == 0) cfg->rope_ext_factor[j] = (float)e->valuedouble;
+            j++;
+        }
+    }
+    const cJSON *o = field(rs, "original_max_position_embeddings");
+    if (!o) o = field(root, "original_max_position_embeddings");
+    cfg->rope_orig_max_pos = cfg->max_seq_len;
+    if (o && (!json_int(o, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: original_max_position_embeddings must be a positive integer",
+                            path);
+    double factor = (double)cfg->max_seq_len / cfg->rope_orig_max_pos, af = 1;
+    LOOM_CHECK(rope_num(rs, "factor", 0, factor, &factor, path, err));
+    if (field(rs, "attention_factor"))
+        LOOM_CHECK(rope_num(rs, "attention_factor", 1, 0, &af, path, err));
+    else
+        af = factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)cfg->rope_orig_max_pos));
+    cfg->rope_scaling = LOOM_ROPE_LONGROPE;
+    cfg->rope_factor = (float)factor;
+    cfg->rope_attn_factor = (float)af;
+    if (cfg->max_seq_len > cfg->rope_orig_max_pos) {
+        cfg->max_seq_len = cfg->rope_orig_max_pos;
+        cfg->rope_ctx_capped = 1;
+    }
+    return LOOM_OK;
+}
+
+static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *root, const cJSON *rs,
+                                        const char *path, loom_err_t *err) {
     cfg->rope_scaling = LOOM_ROPE_NONE;
     cfg->rope_attn_factor = 1.0f;
     if (!rs) return LOOM_OK;
@@ -179,6 +224,12 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
     const char *t = type->valuestring;
     double f = 0;
     if (!strcmp(t, "default")) return LOOM_OK;
+    if (!strcmp(t, "longrope") || !strcmp(t, "su")) {
+        if (cfg->head_dim / 2 > LOOM_MAX_ROPE_PAIRS)
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: head_dim %d is too large for longrope", path,
+                                cfg->head_dim);
+        return parse_longrope(cfg, root, rs, path, err);
+    }
     if (!strcmp(t, "linear")) {
         LOOM_CHECK(rope_num(rs, "factor", 1, 0, &f, path, err));
         cfg->rope_scaling = LOOM_ROPE_LINEAR;
@@ -221,8 +272,8 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
     }
     if (strcmp(t, "llama3") != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: rope_scaling type '%s' is not supported (Loom supports default, linear, llama3 "
-                            "and yarn)",
+                            "%s: rope_scaling type '%s' is not supported (Loom supports default, linear, llama3, "
+                            "yarn and longrope)",
                             path, t);
 
     cfg->rope_scaling = LOOM_ROPE_LLAMA3;
@@ -382,7 +433,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-                            "qwen2 and qwen3)",
+                            "qwen2, qwen3 and phi3)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
@@ -407,9 +458,17 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
         LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
     if (rp && field(root, "rope_scaling"))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: both rope_scaling and rope_parameters are given", path);
-    LOOM_CHECK(parse_rope_scaling(cfg, rp ? rp : field(root, "rope_scaling"), path, err));
+    /* head_dim is needed first (longrope lists a factor per frequency) */
+    if (cfg->head_dim == 0 && cfg->dim % cfg->n_heads == 0) cfg->head_dim = cfg->dim / cfg->n_heads;
+    LOOM_CHECK(parse_rope_scaling(cfg, root, rp ? rp : field(root, "rope_scaling"), path, err));
     LOOM_CHECK(parse_hidden_act(cfg, root, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3");
+    cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
+    if (!strcmp(cfg->model_type, "phi3")) { /* Phi3Config: sliding_window defaults to none */
+        if (field(root, "sliding_window"))
+            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
+    }
     if (!strcmp(cfg->model_type, "mistral")) {
         /* as MistralConfig: absent means 4096, null means none */
         const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");

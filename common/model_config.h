@@ -15,7 +15,10 @@ typedef enum {
     LOOM_ROPE_LLAMA3 = 1,
     LOOM_ROPE_LINEAR = 2, /* inv_freq / factor */
     LOOM_ROPE_YARN = 3,   /* NTK-by-parts blend + attention factor */
+    LOOM_ROPE_LONGROPE = 4, /* Phi-3: per-frequency factors (the short ones) + attention factor */
 } loom_rope_scaling_t;
+
+#define LOOM_MAX_ROPE_PAIRS 512 /* head_dim / 2 */
 
 /* hidden_act (config.json), the same order as kernels/backend.h's loom_act_t. */
 typedef enum {
@@ -55,7 +58,10 @@ typedef struct loom_model_config {
     int rope_orig_max_pos;       /* llama3, yarn: original_max_position_embeddings */
     float rope_beta_fast, rope_beta_slow; /* yarn: beta_fast (32), beta_slow (1) */
     int rope_truncate;                    /* yarn: truncate (true) */
-    float rope_attn_factor;      /* yarn: attention_factor; q and k are scaled by it (1 otherwise) */
+    float rope_attn_factor;      /* yarn, longrope: attention_factor; q and k are scaled by it (1 otherwise) */
+    float rope_ext_factor[LOOM_MAX_ROPE_PAIRS]; /* longrope: short_factor, one per frequency */
+    int rope_ctx_capped;         /* longrope: max_seq_len was cut to original_max_position_embeddings */
+    int fused_qkv;               /* Phi-3: qkv_proj and gate_up_proj hold the stacked projections */
     loom_hidden_act_t hidden_act; /* hidden_act: the MLP's gate activation */
     int qk_norm;                 /* Qwen3: per-head RMSNorm on q and k before RoPE */
     int sliding_window;          /* Mistral: every layer attends to the latest N positions; 0 = none */

@@ -269,6 +269,13 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         {PNAME(pk, "self_attn.k_proj"), kvrows, (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd},
         {PNAME(pv, "self_attn.v_proj"), kvrows, (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd},
     };
+    if (c->fused_qkv) { /* Phi-3: one qkv_proj of q rows, then k rows, then v rows; this rank's heads of each */
+        const char *f = PNAME(pq, "self_attn.qkv_proj");
+        int64_t all = qrows + 2 * kvrows;
+        qkv[0] = (lin_part_t){f, all, qkv[0].r0, qkv[0].nr};
+        qkv[1] = (lin_part_t){f, all, qrows + qkv[1].r0, qkv[1].nr};
+        qkv[2] = (lin_part_t){f, all, qrows + kvrows + qkv[2].r0, qkv[2].nr};
+    }
     LOOM_CHECK(load_linear(L, &ly->wqkv, LNAME("self_attn.qkv"), qkv, 3, dim, 0, dim, err));
     if (c->attention_bias) {
         /* the biases of the same rows, stacked the same way */
@@ -293,7 +300,7 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     ly->window = loom_model_config_layer_window(c, gl);
 
     /* o: row-parallel, this rank's input columns */
-    lin_part_t o = {PNAME(pq, "self_attn.o_proj"), dim, 0, dim};
+    lin_part_t o = {PNAME(pk, "self_attn.o_proj"), dim, 0, dim};
     LOOM_CHECK(load_linear(L, &ly->wo, LNAME("self_attn.o_proj"), &o, 1, qrows, (int64_t)d->q_head_begin * hd,
                            (int64_t)d->n_heads * hd, err));
 
@@ -302,6 +309,11 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         {PNAME(pq, "mlp.gate_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
         {PNAME(pk, "mlp.up_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
     };
+    if (c->fused_qkv) { /* Phi-3: gate_up_proj holds the gate rows, then the up rows */
+        const char *f = PNAME(pq, "mlp.gate_up_proj");
+        gu[0] = (lin_part_t){f, 2 * (int64_t)c->hidden_dim, d->hidden_begin, d->hidden};
+        gu[1] = (lin_part_t){f, 2 * (int64_t)c->hidden_dim, c->hidden_dim + d->hidden_begin, d->hidden};
+    }
     LOOM_CHECK(load_linear(L, &ly->ffn.w13, LNAME("mlp.gate_up"), gu, 2, dim, 0, dim, err));
 
     /* down: row-parallel */
@@ -342,7 +354,9 @@ static void rope_inv_freq(const loom_model_config_t *c, float *out) {
     int half = c->head_dim / 2;
     for (int j = 0; j < half; j++) {
         double inv = pow((double)c->rope_theta, -2.0 * j / (double)c->head_dim);
-        if (c->rope_scaling == LOOM_ROPE_LINEAR) {
+        if (c->rope_scaling == LOOM_ROPE_LONGROPE) {
+            inv /= c->rope_ext_factor[j];
+        } else if (c->rope_scaling == LOOM_ROPE_LINEAR) {
             inv /= c->rope_factor;
         } else if (c->rope_scaling == LOOM_ROPE_YARN) {
             /* NTK-by-parts: dimensions that turn fewer than beta_slow times
@@ -383,9 +397,12 @@ static void rope_inv_freq(const loom_model_config_t *c, float *out) {
  * architecture reads. Linears may be stored float (.weight) or quantized
  * (.qweight with .scales / .mins, or AWQ/GPTQ's .qzeros and .g_idx). */
 static int layer_tensor_used(const loom_model_config_t *c, const char *suffix) {
-    static const char *const linears[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                          "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
-                                          "mlp.down_proj"};
+    static const char *const split[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                        "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                        "mlp.down_proj"};
+    static const char *const fused[] = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                        "mlp.down_proj", "", "", ""};
+    const char *const *linears = c->fused_qkv ? fused : split;
     static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
     if (!strcmp(suffix, "input_layernorm.weight") || !strcmp(suffix, "post_attention_layernorm.weight"))
         return 1;
@@ -394,8 +411,9 @@ static int layer_tensor_used(const loom_model_config_t *c, const char *suffix) {
     if (c->attention_bias && (!strcmp(suffix, "self_attn.q_proj.bias") || !strcmp(suffix, "self_attn.k_proj.bias") ||
                               !strcmp(suffix, "self_attn.v_proj.bias")))
         return 1;
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(linears); i++) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(split); i++) {
         size_t n = strlen(linears[i]);
+        if (!n) continue;
         if (strncmp(suffix, linears[i], n) || suffix[n] != '.') continue;
         for (size_t j = 0; j < LOOM_ARRAY_LEN(parts); j++)
             if (!strcmp(suffix + n + 1, parts[j])) return 1;
@@ -493,6 +511,10 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                                 "the %s backend has no sliding-window attention (layer %d has a window of %d)",
                                 loom_backend_name(be), l, loom_model_config_layer_window(cfg, l));
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
+    if (cfg->rope_ctx_capped)
+        LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
+                  "apply; the long factors beyond are not supported",
+                  cfg->max_seq_len);
     loom_model_t *m = loom_xcalloc(1, sizeof *m);
     m->be = be;
     m->cfg = *cfg;

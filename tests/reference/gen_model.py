@@ -44,13 +44,13 @@ def parse_args(argv):
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
                    help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
-    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral"], default=None,
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3"], default=None,
                    help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
-                        "mistral takes --sliding-window")
+                        "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj")
     p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn"], default="none")
+    p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn", "longrope"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
     p.add_argument("--rope-low-freq-factor", type=float, default=1.0)
     p.add_argument("--rope-high-freq-factor", type=float, default=4.0)
@@ -114,10 +114,33 @@ def tensor_specs(a):
     specs.append(("model.norm.weight", (a.dim,), "norm"))
     if not a.tie:
         specs.append(("lm_head.weight", (a.vocab, a.dim), "lm_head"))
-    return specs
+    return fuse_specs(a, specs) if a.arch == "phi3" else specs
+
+
+def fuse_specs(a, specs):
+    """Phi-3's layout: q/k/v stacked into qkv_proj, gate/up into gate_up_proj.
+    Each part keeps its own name's values (and gain)."""
+    out = []
+    for name, shape, kind in specs:
+        for first, rest, fused in (("self_attn.q_proj.weight", ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                                    "self_attn.qkv_proj.weight"),
+                                   ("mlp.gate_proj.weight", ("mlp.up_proj.weight",), "mlp.gate_up_proj.weight")):
+            if name.endswith(first):
+                pre = name[:-len(first)]
+                parts = [(name, shape, kind)] + [s for s in specs if s[0] in [pre + r for r in rest]]
+                rows = sum(p[1][0] for p in parts)
+                out.append((pre + fused, (rows, shape[1]), ("fused", parts)))
+                break
+        else:
+            if not any(name.endswith(r) for r in ("self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                                   "mlp.up_proj.weight")):
+                out.append((name, shape, kind))
+    return out
 
 
 def make_tensor(seed, name, shape, kind):
+    if isinstance(kind, tuple):  # fused: the parts stacked by rows
+        return np.concatenate([make_tensor(seed, n, s, k) for n, s, k in kind[1]], axis=0)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
@@ -154,8 +177,13 @@ def make_config(a, st_dtype):
     elif a.rope_scaling == "yarn":  # max_position_embeddings = factor * original
         rope_scaling = {"rope_type": "yarn", "factor": a.rope_factor,
                         "original_max_position_embeddings": a.rope_original_max_pos}
+    elif a.rope_scaling == "longrope":  # Phi-3: factors per frequency; max_pos is the extended context
+        rng = np.random.default_rng([a.seed, 2])
+        rope_scaling = {"type": "longrope",
+                        "short_factor": [float(x) for x in np.round(rng.uniform(1.0, 4.0, a.head_dim // 2), 3)],
+                        "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, a.head_dim // 2), 3)]}
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
+                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
     c = {
         "architectures": [arch_names[a.arch]],
         "model_type": a.arch,
@@ -187,6 +215,10 @@ def make_config(a, st_dtype):
     if a.arch == "qwen3":  # as Qwen3's config.json
         del c["mlp_bias"], c["pretraining_tp"]
         c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": a.layers})
+    if a.arch == "phi3":  # as Phi-3's config.json
+        del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"], c["head_dim"]
+        c.update({"sliding_window": a.sliding_window, "original_max_position_embeddings": a.rope_original_max_pos,
+                  "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attention_dropout": 0.0})
     if a.arch == "mistral":
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c["sliding_window"] = a.sliding_window

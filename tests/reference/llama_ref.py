@@ -42,7 +42,7 @@ def read_config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
     mt = c.get("model_type")
-    if mt not in ("llama", "qwen2", "qwen3", "mistral", None):
+    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", None):
         log("warning: model_type %r, treating it as llama" % mt)
     act = c.get("hidden_act", "silu")
     if act not in ACTS:
@@ -70,14 +70,19 @@ def read_config(model_dir):
         "act": act,
         "qk_norm": mt == "qwen3",
         # MistralConfig: an absent sliding_window is 4096, null is none
-        "window": (c.get("sliding_window", 4096) if mt == "mistral" else None),
+        "window": (c.get("sliding_window", 4096) if mt == "mistral" else
+                   c.get("sliding_window") if mt == "phi3" else None),
+        "fused": mt == "phi3",
+        "orig_max_pos": c.get("original_max_position_embeddings"),
     }
     rs = cfg["rope_scaling"]
     if rs is not None:
         kind = rs.get("rope_type", rs.get("type"))
         if kind == "default":
             cfg["rope_scaling"] = None
-        elif kind not in ("llama3", "linear", "yarn"):
+        elif kind == "su":
+            rs["kind"] = "longrope"
+        elif kind not in ("llama3", "linear", "yarn", "longrope"):
             raise ValueError("unsupported rope_scaling type %r" % kind)
         else:
             rs["kind"] = kind
@@ -90,6 +95,18 @@ def load_model(model_dir):
     """-> dict with "cfg", "inv_freq" and float64 weights under their HF names."""
     cfg = read_config(model_dir)
     tensors, dtypes = safetensors_io.read_model_dir(model_dir)
+    if cfg["fused"]:  # Phi-3: split qkv_proj and gate_up_proj by rows, as Phi3Attention / Phi3MLP do
+        hd0 = cfg["head_dim"]
+        for i in range(cfg["n_layers"]):
+            p = "model.layers.%d." % i
+            qkv = tensors.pop(p + "self_attn.qkv_proj.weight")
+            nq, nk = cfg["n_heads"] * hd0, cfg["n_kv_heads"] * hd0
+            tensors[p + "self_attn.q_proj.weight"] = qkv[:nq]
+            tensors[p + "self_attn.k_proj.weight"] = qkv[nq:nq + nk]
+            tensors[p + "self_attn.v_proj.weight"] = qkv[nq + nk:]
+            gu = tensors.pop(p + "mlp.gate_up_proj.weight")
+            tensors[p + "mlp.gate_proj.weight"] = gu[:cfg["hidden_dim"]]
+            tensors[p + "mlp.up_proj.weight"] = gu[cfg["hidden_dim"]:]
     hd = cfg["head_dim"]
     want = {"model.embed_tokens.weight": (cfg["vocab"], cfg["dim"]),
             "model.norm.weight": (cfg["dim"],)}
@@ -157,6 +174,8 @@ def rope_params(cfg):
         return rope_inv_freq(dict(cfg, rope_scaling=None)) / float(rs["factor"]), 1.0
     if rs is not None and rs["kind"] == "yarn":
         return yarn_inv_freq(cfg)
+    if rs is not None and rs["kind"] == "longrope":
+        return longrope_inv_freq(cfg)
     return rope_inv_freq(cfg), 1.0
 
 
@@ -182,6 +201,17 @@ def yarn_inv_freq(cfg):
     inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     af = rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
     return inv, af
+
+
+def longrope_inv_freq(cfg):
+    """_compute_longrope_parameters for sequences within original_max_position_embeddings
+    (the short factors), and its attention factor sqrt(1 + ln(factor) / ln(original))."""
+    rs, hd = cfg["rope_scaling"], cfg["head_dim"]
+    orig = rs.get("original_max_position_embeddings") or cfg["orig_max_pos"] or cfg["max_pos"]
+    factor = rs.get("factor") or cfg["max_pos"] / orig
+    af = rs.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+    ext = torch.tensor(rs["short_factor"], dtype=DT)
+    return 1.0 / (ext * cfg["theta"] ** (torch.arange(0, hd, 2, dtype=DT) / hd)), af
 
 
 def rope_inv_freq(cfg):

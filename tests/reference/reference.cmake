@@ -33,6 +33,12 @@ add_test(NAME reference_mistral_window
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_mistral random
                  --arch mistral --sliding-window 24 --hidden-act gelu_pytorch_tanh --dim 64 --hidden-dim 100
                  --layers 3 --heads 8 --kv-heads 2 --vocab 512 --seed 19)
+# Phi-3: fused qkv_proj and gate_up_proj, longrope (short factors; the context is cut to the original 128
+# positions), a sliding window of 32.
+add_test(NAME reference_phi3
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_phi3 random
+                 --arch phi3 --sliding-window 32 --rope-scaling longrope --rope-original-max-pos 128 --max-pos 1024
+                 --dim 64 --hidden-dim 96 --layers 3 --heads 4 --vocab 512 --seed 29)
 # Llama with the erf gelu (a config Loom once ran as SiLU) and linear RoPE scaling.
 add_test(NAME reference_gelu_linear_rope
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
@@ -48,6 +54,6 @@ add_test(NAME reference_gptq_v2
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_gelu_linear_rope
+                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gelu_linear_rope
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

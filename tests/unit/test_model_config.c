@@ -245,8 +245,10 @@ static void test_errors(void) {
     expect_err(__LINE__, "model_type", "\"gpt2\"", LOOM_ERR_UNSUPPORTED,
                "config.json: model_type 'gpt2' is not supported");
     expect_err(__LINE__, "mlp_bias", "true", LOOM_ERR_UNSUPPORTED, "config.json: mlp_bias is true");
-    expect_err(__LINE__, "rope_scaling", "{\"type\":\"longrope\",\"factor\":2}", LOOM_ERR_UNSUPPORTED,
-               "config.json: rope_scaling type 'longrope' is not supported");
+    ERR("rope_scaling", "{\"type\":\"longrope\",\"factor\":2}",
+        "config.json: rope_scaling.short_factor must list head_dim / 2 (4) numbers");
+    ERR("rope_scaling", "{\"type\":\"su\",\"short_factor\":[1,1,1,1],\"long_factor\":[1,1,1,-1]}",
+        "rope_scaling.long_factor[3] must be a positive number");
     expect_err(__LINE__, "rope_scaling", "{\"rope_type\":\"yarn\",\"factor\":4,\"mscale\":1}",
                LOOM_ERR_UNSUPPORTED, "rope_scaling.mscale");
     ERR("rope_scaling", "{\"type\":\"linear\"}", "rope_scaling.factor is missing");
@@ -397,9 +399,23 @@ static void test_families_and_refused_keys(void) {
                 "\"rope_theta\":500000}}",
                 &c, &err) == LOOM_OK);
     CHECK(c.rope_theta == 500000.0f && c.rope_scaling == LOOM_ROPE_NONE);
-    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"rope_parameters\":{\"rope_type\":\"longrope\","
+    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"rope_parameters\":{\"rope_type\":\"dynamic\","
                 "\"rope_theta\":500000}}",
                 &c, &err) == LOOM_ERR_UNSUPPORTED);
+    /* Phi-3: fused projections, its sliding window, longrope cut to the original context */
+    CHECKF(parse("{\"model_type\":\"phi3\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                 "\"num_attention_heads\":8,\"vocab_size\":100,\"max_position_embeddings\":131072,"
+                 "\"original_max_position_embeddings\":4096,\"sliding_window\":2047,\"rope_scaling\":{\"type\":"
+                 "\"longrope\",\"short_factor\":[1,2,3,4],\"long_factor\":[5,6,7,8]}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.fused_qkv && c.sliding_window == 2047 && c.rope_scaling == LOOM_ROPE_LONGROPE);
+    CHECK(c.max_seq_len == 4096 && c.rope_ctx_capped && c.rope_orig_max_pos == 4096 && c.rope_ext_factor[2] == 3.0f);
+    CHECKF(fabsf(c.rope_attn_factor - (float)sqrt(1.0 + log(32.0) / log(4096.0))) < 1e-6f, "%g",
+           (double)c.rope_attn_factor);
+    CHECK(parse("{\"model_type\":\"phi3\"," BASE "}", &c, &err) == LOOM_OK);
+    CHECK(c.fused_qkv && c.sliding_window == 0 && !c.rope_ctx_capped && c.max_seq_len == 4096);
+
     /* absurd sizes parse (they fit an int); the loader checks them against the checkpoint */
     CHECK(parse("{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":1e9,"
                 "\"num_attention_heads\":8,\"vocab_size\":100}",
