@@ -713,7 +713,8 @@ static void grid_ready(loom_server_t *s) {
         loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
                                   .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len,
                                   .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = s->n_blocks,
-                                  .prefix_cache = s->cfg.prefix_cache};
+                                  .prefix_cache = s->cfg.prefix_cache,
+                                  .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
     }
     s->state = GRID_READY;
