@@ -16,7 +16,7 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3"};
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"};
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -300,7 +300,7 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
 /* Keys that change the math of architectures Loom does not run (or of
  * variants of the ones it does): refused by name rather than ignored.
  * docs/model-format.md lists them. */
-static loom_status_t refuse_keys(const cJSON *root, const loom_model_config_t *cfg, const char *path,
+static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, const char *path,
                                  loom_err_t *err) {
     static const char *const numbers[] = {
         "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
@@ -310,6 +310,7 @@ static loom_status_t refuse_keys(const cJSON *root, const loom_model_config_t *c
     };
     for (size_t i = 0; i < LOOM_ARRAY_LEN(numbers); i++) {
         const cJSON *v = field(root, numbers[i]);
+        if (cfg->gemma && !strcmp(numbers[i], "query_pre_attn_scalar")) continue; /* read below */
         if (v && !(cJSON_IsNumber(v) && v->valuedouble == 0 && strstr(numbers[i], "experts")))
             return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: %s is not supported for model_type '%s'", path,
                                 numbers[i], cfg->model_type);
@@ -324,8 +325,25 @@ static loom_status_t refuse_keys(const cJSON *root, const loom_model_config_t *c
                             "%s: use_sliding_window is not supported for model_type '%s' (Mistral's "
                             "sliding_window is)",
                             path, cfg->model_type);
+    v = field(root, "use_bidirectional_attention");
+    if (v && !cJSON_IsFalse(v))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: use_bidirectional_attention is not supported", path);
     v = field(root, "layer_types");
-    if (v) {
+    if (v && cfg->gemma) {
+        const cJSON *e;
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != cfg->n_layers || cfg->n_layers > LOOM_MAX_LAYER_TYPES)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: layer_types must list num_hidden_layers (%d) entries",
+                                path, cfg->n_layers);
+        int i = 0;
+        cJSON_ArrayForEach(e, v) {
+            int sl = cJSON_IsString(e) && !strcmp(e->valuestring, "sliding_attention");
+            if (!sl && !(cJSON_IsString(e) && !strcmp(e->valuestring, "full_attention")))
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: layer_types entry '%s' is not supported", path,
+                                    cJSON_IsString(e) ? e->valuestring : "?");
+            cfg->layer_sliding[i++] = (unsigned char)sl;
+        }
+        cfg->has_layer_types = 1;
+    } else if (v) {
         const char *want = cfg->sliding_window ? "sliding_attention" : "full_attention";
         const cJSON *e;
         if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != cfg->n_layers)
@@ -342,9 +360,31 @@ static loom_status_t refuse_keys(const cJSON *root, const loom_model_config_t *c
     return LOOM_OK;
 }
 
+/* Gemma 3's text model (Gemma3TextConfig): (1+w) norms around both blocks,
+ * q/k norms, embeddings scaled by sqrt(hidden_size), query_pre_attn_scalar,
+ * sliding layers (sliding_window wide, rope_local_base_freq, no scaling)
+ * and global ones (rope_theta and rope_scaling) as layer_types or
+ * sliding_window_pattern say. */
+static loom_status_t parse_gemma3(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+    cfg->gemma = 1;
+    cfg->qk_norm = 1;
+    cfg->embed_scale = sqrtf((float)cfg->dim);
+    int qpas = 0;
+    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, cfg->head_dim, &qpas, path, err));
+    cfg->query_scale = 1.0f / sqrtf((float)qpas);
+    LOOM_CHECK(get_pos_float(root, "rope_local_base_freq", 0, 10000.0f, &cfg->rope_local_theta, path, err));
+    LOOM_CHECK(get_pos_int(root, "sliding_window_pattern", 0, 6, &cfg->sliding_pattern, path, err));
+    LOOM_CHECK(get_pos_int(root, "sliding_window", 0, 4096, &cfg->sliding_window, path, err));
+    if (!field(root, "hidden_act") && !field(root, "hidden_activation")) cfg->hidden_act = LOOM_HIDDEN_GELU_TANH;
+    if (cfg->rope_scaling != LOOM_ROPE_NONE && cfg->rope_scaling != LOOM_ROPE_LINEAR)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gemma3_text with rope_scaling other than linear", path);
+    return LOOM_OK;
+}
+
 static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const cJSON *root, const char *path,
                                       loom_err_t *err) {
     const cJSON *v = field(root, "hidden_act");
+    if (!v) v = field(root, "hidden_activation"); /* Gemma's name */
     cfg->hidden_act = LOOM_HIDDEN_SILU;
     if (!v) return LOOM_OK;
     if (!cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: hidden_act must be a string", path);
@@ -433,7 +473,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-                            "qwen2, qwen3 and phi3)",
+                            "qwen2, qwen3, phi3 and gemma3_text)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
@@ -464,6 +504,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     LOOM_CHECK(parse_hidden_act(cfg, root, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3");
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
+    if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
     if (!strcmp(cfg->model_type, "phi3")) { /* Phi3Config: sliding_window defaults to none */
         if (field(root, "sliding_window"))
             LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
@@ -590,8 +631,10 @@ int loom_model_config_is_eos(const loom_model_config_t *cfg, int id) {
 }
 
 int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer) {
-    (void)layer; /* Mistral windows every layer */
-    return cfg->sliding_window;
+    if (!cfg->gemma) return cfg->sliding_window; /* Mistral, Phi-3: every layer */
+    int sliding = cfg->has_layer_types ? layer >= 0 && layer < LOOM_MAX_LAYER_TYPES && cfg->layer_sliding[layer]
+                                       : (layer + 1) % cfg->sliding_pattern != 0;
+    return sliding && cfg->sliding_window < cfg->max_seq_len ? cfg->sliding_window : 0;
 }
 
 int loom_model_config_all_windowed(const loom_model_config_t *cfg) {

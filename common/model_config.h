@@ -19,6 +19,7 @@ typedef enum {
 } loom_rope_scaling_t;
 
 #define LOOM_MAX_ROPE_PAIRS 512 /* head_dim / 2 */
+#define LOOM_MAX_LAYER_TYPES 1024 /* layer_types entries kept (Gemma 3) */
 
 /* hidden_act (config.json), the same order as kernels/backend.h's loom_act_t. */
 typedef enum {
@@ -62,6 +63,14 @@ typedef struct loom_model_config {
     float rope_ext_factor[LOOM_MAX_ROPE_PAIRS]; /* longrope: short_factor, one per frequency */
     int rope_ctx_capped;         /* longrope: max_seq_len was cut to original_max_position_embeddings */
     int fused_qkv;               /* Phi-3: qkv_proj and gate_up_proj hold the stacked projections */
+    /* Gemma 3 (gemma3_text) */
+    int gemma;                   /* (1+w) RMSNorms; post-attention and pre/post-feed-forward norms */
+    float query_scale;           /* 1/sqrt(query_pre_attn_scalar); 0: 1/sqrt(head_dim) */
+    float embed_scale;           /* embeddings times sqrt(hidden_size); 0: none */
+    float rope_local_theta;      /* rope_local_base_freq of the sliding layers (no scaling there) */
+    int sliding_pattern;         /* sliding_window_pattern: layer i global when (i+1) % pattern == 0 */
+    int has_layer_types;         /* layer_sliding below comes from layer_types */
+    unsigned char layer_sliding[LOOM_MAX_LAYER_TYPES];
     loom_hidden_act_t hidden_act; /* hidden_act: the MLP's gate activation */
     int qk_norm;                 /* Qwen3: per-head RMSNorm on q and k before RoPE */
     int sliding_window;          /* Mistral: every layer attends to the latest N positions; 0 = none */

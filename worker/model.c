@@ -29,6 +29,9 @@ typedef struct loom_layer {
     int window;         /* attention window in positions; 0 = full attention */
     loom_weight_t wo;   /* (dim, n_heads*hd): this rank's input columns */
     float *ffn_norm;    /* (dim) */
+    float *post_attn_norm; /* (dim) Gemma: norm of the attention output before the residual add, or NULL */
+    float *post_ffn_norm;  /* (dim) Gemma: the same for the feed-forward output */
+    const float *inv_freq; /* RoPE table of this layer (Gemma's sliding layers have their own) */
     loom_ffn_t ffn;
     loom_kv_layer_t kv; /* (n_blocks, B, n_kv_heads, hd) K and V in opt.kv_dtype */
 } loom_layer_t;
@@ -47,6 +50,7 @@ struct loom_model {
     float *final_norm;    /* (dim), last stage */
     loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
     float *inv_freq;       /* (hd / 2) */
+    float *inv_freq_local; /* (hd / 2) Gemma 3's sliding layers: rope_local_base_freq, unscaled; or NULL */
     size_t weight_bytes;
     size_t matmul_bytes; /* of the matmul weights: what one decode step reads */
     int n_quantized;     /* matmul weights stored quantized */
@@ -125,10 +129,12 @@ static loom_status_t read_slice(loader_t *L, const char *name, int64_t n, int64_
     return check_finite(dst, (size_t)ne, name, t->file, err);
 }
 
-static loom_status_t upload_vec(loader_t *L, const char *name, int64_t n, float **out, loom_err_t *err) {
+static loom_status_t upload_vec_add(loader_t *L, const char *name, int64_t n, float add, float **out,
+                                    loom_err_t *err) {
     float *h = staging(L, (size_t)n);
     if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
     LOOM_CHECK(read_block(L, name, n, 0, 0, 1, 0, n, h, err));
+    for (int64_t i = 0; add != 0.0f && i < n; i++) h[i] += add;
     *out = loom_backend_alloc(L->m->be, (size_t)n * sizeof(float));
     if (!*out) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for %s", name);
     loom_backend_upload(L->m->be, *out, h, (size_t)n * sizeof(float));
@@ -163,6 +169,11 @@ static loom_status_t upload_qweight(loader_t *L, loom_weight_t *w, const loom_qt
     L->m->matmul_bytes += loom_weight_bytes(w);
     L->m->n_quantized++;
     return LOOM_OK;
+}
+
+/* An RMSNorm gain: Gemma stores w and scales by (1 + w), folded in here. */
+static loom_status_t upload_norm(loader_t *L, const char *name, int64_t n, float **out, loom_err_t *err) {
+    return upload_vec_add(L, name, n, L->m->cfg.gemma ? 1.0f : 0.0f, out, err);
 }
 
 /* One stored linear (its name without ".weight") and the block of its rows
@@ -259,8 +270,14 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
 #define LNAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", gl, suffix), name)
 #define PNAME(buf, suffix) (snprintf(buf, sizeof buf, "model.layers.%d.%s", gl, suffix), buf)
 
-    LOOM_CHECK(upload_vec(L, LNAME("input_layernorm.weight"), dim, &ly->attn_norm, err));
-    LOOM_CHECK(upload_vec(L, LNAME("post_attention_layernorm.weight"), dim, &ly->ffn_norm, err));
+    LOOM_CHECK(upload_norm(L, LNAME("input_layernorm.weight"), dim, &ly->attn_norm, err));
+    if (c->gemma) { /* post_attention_layernorm normalises the attention output; the MLP has its own pair */
+        LOOM_CHECK(upload_norm(L, LNAME("post_attention_layernorm.weight"), dim, &ly->post_attn_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("pre_feedforward_layernorm.weight"), dim, &ly->ffn_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("post_feedforward_layernorm.weight"), dim, &ly->post_ffn_norm, err));
+    } else {
+        LOOM_CHECK(upload_norm(L, LNAME("post_attention_layernorm.weight"), dim, &ly->ffn_norm, err));
+    }
 
     /* q, k, v: this rank's heads stacked into one (qkv_dim, dim) matrix */
     int64_t qrows = (int64_t)c->n_heads * hd, kvrows = (int64_t)c->n_kv_heads * hd;
@@ -294,8 +311,8 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     }
 
     if (c->qk_norm) { /* Qwen3: one gain per head dimension, shared by the heads */
-        LOOM_CHECK(upload_vec(L, LNAME("self_attn.q_norm.weight"), hd, &ly->q_norm, err));
-        LOOM_CHECK(upload_vec(L, LNAME("self_attn.k_norm.weight"), hd, &ly->k_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("self_attn.q_norm.weight"), hd, &ly->q_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("self_attn.k_norm.weight"), hd, &ly->k_norm, err));
     }
     ly->window = loom_model_config_layer_window(c, gl);
 
@@ -406,6 +423,9 @@ static int layer_tensor_used(const loom_model_config_t *c, const char *suffix) {
     static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
     if (!strcmp(suffix, "input_layernorm.weight") || !strcmp(suffix, "post_attention_layernorm.weight"))
         return 1;
+    if (c->gemma &&
+        (!strcmp(suffix, "pre_feedforward_layernorm.weight") || !strcmp(suffix, "post_feedforward_layernorm.weight")))
+        return 1;
     if (c->qk_norm && (!strcmp(suffix, "self_attn.q_norm.weight") || !strcmp(suffix, "self_attn.k_norm.weight")))
         return 1;
     if (c->attention_bias && (!strcmp(suffix, "self_attn.q_proj.bias") || !strcmp(suffix, "self_attn.k_proj.bias") ||
@@ -487,6 +507,28 @@ loom_status_t loom_model_check_checkpoint(const loom_model_config_t *c, const lo
     return LOOM_OK;
 }
 
+/* x rounded to the precision of dtype (BF16 / F16: nearest even), as the
+ * checkpoint's dtype holds it. */
+static float round_to(float x, loom_dtype_t dt) {
+    if (dt == LOOM_DT_BF16) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(&x, &u, 4);
+        return x;
+    }
+    if (dt == LOOM_DT_F16) return (float)(_Float16)x;
+    return x;
+}
+
+/* Gemma scales the embedding rows by sqrt(hidden_size), the factor and the
+ * product in the embedding's dtype (Gemma3TextScaledWordEmbedding); done
+ * once here on the table. A tied LM head reads the unscaled checkpoint. */
+static void scale_embedding(float *h, size_t n, float scale, loom_dtype_t dt) {
+    const float s = round_to(scale, dt);
+    for (size_t i = 0; i < n; i++) h[i] = round_to(h[i] * s, dt);
+}
+
 static void *act_alloc(loom_model_t *m, size_t n, int *fail) {
     void *p = loom_backend_alloc(m->be, n * sizeof(float));
     if (!p) *fail = 1;
@@ -552,6 +594,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
             s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the embedding table");
             goto fail_loader;
         }
+        if (cfg->embed_scale > 0) scale_embedding(h, (size_t)cfg->vocab_size * dim, cfg->embed_scale,
+                                                  loom_st_find(st, "model.embed_tokens.weight")->dtype);
         loom_backend_upload(be, m->embed, h, bytes);
         m->weight_bytes += bytes;
     }
@@ -568,7 +612,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         }
     }
     if (spec->has_head) {
-        s = upload_vec(&L, "model.norm.weight", dim, &m->final_norm, err);
+        s = upload_norm(&L, "model.norm.weight", dim, &m->final_norm, err);
         if (s < 0) goto fail_loader;
         /* a tied head reads the embedding, unless `loom quantize` stored it quantized */
         const char *head = cfg->tie_embeddings && !loom_qw_stored(st, "lm_head") ? "model.embed_tokens" : "lm_head";
@@ -591,6 +635,20 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         goto fail;
     }
     loom_backend_upload(be, m->inv_freq, inv, (size_t)(hd / 2) * sizeof(float));
+    if (cfg->gemma) { /* the sliding layers: their own base, no scaling */
+        loom_model_config_t local = *cfg;
+        local.rope_theta = cfg->rope_local_theta;
+        local.rope_scaling = LOOM_ROPE_NONE;
+        rope_inv_freq(&local, inv);
+        m->inv_freq_local = loom_backend_alloc(be, (size_t)(hd / 2) * sizeof(float));
+        if (!m->inv_freq_local) {
+            s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory");
+            goto fail;
+        }
+        loom_backend_upload(be, m->inv_freq_local, inv, (size_t)(hd / 2) * sizeof(float));
+    }
+    for (int i = 0; i < d->n_layers; i++)
+        m->layers[i].inv_freq = m->inv_freq_local && m->layers[i].window ? m->inv_freq_local : m->inv_freq;
 
     size_t T = (size_t)m->opt.max_tokens, NL = (size_t)m->opt.max_logits;
     int oom = 0;
@@ -643,6 +701,8 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_backend_free(be, ly->attn_norm);
             loom_backend_free(be, ly->bqkv);
             loom_backend_free(be, ly->q_norm);
+            loom_backend_free(be, ly->post_attn_norm);
+            loom_backend_free(be, ly->post_ffn_norm);
             loom_backend_free(be, ly->k_norm);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
@@ -656,6 +716,7 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->final_norm);
     loom_weight_free(be, &m->lm_head);
     loom_backend_free(be, m->inv_freq);
+    loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
     float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) loom_backend_free(be, acts[i]);
@@ -796,10 +857,12 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
             loom_op_head_rmsnorm(be, q, qd, n, nh, hd, ly->q_norm, c->norm_eps);
             loom_op_head_rmsnorm(be, k, qd, n, nkv, hd, ly->k_norm, c->norm_eps);
         }
-        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, m->inv_freq, &ly->kv, d_slots);
+        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, ly->inv_freq, &ly->kv, d_slots);
         loom_attn_args_t a = {
             .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
-            .scale = c->rope_attn_factor * c->rope_attn_factor / sqrtf((float)hd), /* yarn scales q and k */
+            /* yarn and longrope scale q and k by their attention factor; Gemma sets the scale */
+            .scale = c->rope_attn_factor * c->rope_attn_factor *
+                     (c->query_scale > 0 ? c->query_scale : 1.0f / sqrtf((float)hd)),
             .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
             .kv = ly->kv, .block_size = m->block_size,
             .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
@@ -808,8 +871,10 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_op_attention(be, &a);
         loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
         LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        if (ly->post_attn_norm) loom_op_rmsnorm(be, m->xb2, m->xb2, ly->post_attn_norm, n, dim, c->norm_eps);
         loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, ly->ffn_norm, n, dim, c->norm_eps);
         LOOM_CHECK(run_ffn(m, &ly->ffn, n, err));
+        if (ly->post_ffn_norm) loom_op_rmsnorm(be, m->xb2, m->xb2, ly->post_ffn_norm, n, dim, c->norm_eps);
         if (l + 1 < d->n_layers)
             loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, m->layers[l + 1].attn_norm, n, dim, c->norm_eps);
         else

@@ -3,7 +3,8 @@
 - Qwen3 (per-head q/k RMSNorm, yarn RoPE), Mistral (a sliding window of
   16 positions, shorter than every run, with the tanh GeGLU) and Phi-3
   (fused qkv_proj / gate_up_proj sliced per TP rank, longrope, a window of
-  32) give the
+  32) and Gemma 3 text ((1+w) norms around both blocks, sliding and global
+  layers with their own RoPE) give the
   one-process ids on every grid, and logits within 1e-5 of their 1x1 run
   (their agreement with the float64 reference is reference_qwen3 and
   reference_mistral_window). Quantized on load, int8 and q4 stay within a
@@ -53,10 +54,18 @@ def phi3():
                      "--seed", "29")
 
 
+def gemma3():
+    return gen_model(os.path.join(WORK, "gemma3"), "--arch", "gemma3", "--sliding-window", "16", "--sliding-pattern",
+                     "2", "--query-pre-attn-scalar", "24", "--rope-scaling", "linear", "--rope-factor", "2",
+                     "--rope-theta", "1000000", "--dim", "64", "--hidden-dim", "96", "--layers", "4", "--heads", "4",
+                     "--kv-heads", "2", "--head-dim", "32", "--vocab", "512", "--tie", "--seed", "31")
+
+
 def test_new_family_grids():
     check_model(qwen3(), GRIDS)
     check_model(mistral(), [(1, 1), (2, 2)])
     check_model(phi3(), [(1, 1), (2, 1), (2, 2)])  # TP slices of the fused qkv_proj / gate_up_proj
+    check_model(gemma3(), [(1, 1), (1, 2), (2, 2)])  # sliding and global layers on different stages
 
 
 def kl_scores(model, *args):
@@ -85,7 +94,7 @@ def test_quantized_kl():
     # and measure int8 1.5-6x and q4 1.5-2.4x their Llama twin (Phi-3 the most): the bounds are 8x and 3x,
     # int8 below q4, and int8 keeping top-1 agreement above 0.85.
     ref = {q: kl_scores(llama_twin(), "--quantization", q)["mean_kl"] for q in ("int8", "q4")}
-    for model in (qwen3(), mistral(), phi3()):
+    for model in (qwen3(), mistral(), phi3(), gemma3()):
         int8 = kl_scores(model, "--quantization", "int8")
         q4 = kl_scores(model, "--quantization", "q4")
         check(0.0 < int8["mean_kl"] < 8 * ref["int8"] and int8["top1_agreement"] > 0.85,

@@ -44,11 +44,14 @@ def parse_args(argv):
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
                    help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
-    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3"], default=None,
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"], default=None,
                    help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
                         "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj")
     p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
+    p.add_argument("--sliding-pattern", type=int, default=2,
+                   help="gemma3: every Nth layer is global, the others slide (sliding_window_pattern)")
+    p.add_argument("--query-pre-attn-scalar", type=int, default=None, help="gemma3 (default: head dim)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn", "longrope"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
@@ -104,6 +107,11 @@ def tensor_specs(a):
         if a.arch == "qwen3":  # per-head RMSNorm gains of q and k
             specs += [(pre + "self_attn.q_norm.weight", (hd,), "qknorm"),
                       (pre + "self_attn.k_norm.weight", (hd,), "qknorm")]
+        if a.arch == "gemma3":  # (1+w) gains: stored near 0
+            specs += [(pre + "self_attn.q_norm.weight", (hd,), "gqknorm"),
+                      (pre + "self_attn.k_norm.weight", (hd,), "gqknorm"),
+                      (pre + "pre_feedforward_layernorm.weight", (a.dim,), "gnorm"),
+                      (pre + "post_feedforward_layernorm.weight", (a.dim,), "gnorm")]
         specs += [
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
             (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
@@ -150,6 +158,10 @@ def make_tensor(seed, name, shape, kind):
         x *= np.float32(NORM_NOISE)
         x += np.float32(1.0)
         return x
+    if kind == "gnorm":  # Gemma scales by 1 + w
+        return x * np.float32(NORM_NOISE)
+    if kind == "gqknorm":
+        return x * np.float32(0.5) + np.float32(0.5)
     if kind == "qknorm":  # far from 1, so a loader that skips them gives other logits
         x *= np.float32(0.5)
         x += np.float32(1.5)
@@ -183,7 +195,7 @@ def make_config(a, st_dtype):
                         "short_factor": [float(x) for x in np.round(rng.uniform(1.0, 4.0, a.head_dim // 2), 3)],
                         "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, a.head_dim // 2), 3)]}
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     c = {
         "architectures": [arch_names[a.arch]],
         "model_type": a.arch,
@@ -219,6 +231,13 @@ def make_config(a, st_dtype):
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"], c["head_dim"]
         c.update({"sliding_window": a.sliding_window, "original_max_position_embeddings": a.rope_original_max_pos,
                   "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attention_dropout": 0.0})
+    if a.arch == "gemma3":  # as Gemma3TextConfig's config.json
+        del c["mlp_bias"], c["pretraining_tp"], c["hidden_act"]
+        c.update({"model_type": "gemma3_text", "hidden_activation": a.hidden_act if a.hidden_act != "silu"
+                  else "gelu_pytorch_tanh", "query_pre_attn_scalar": a.query_pre_attn_scalar or a.head_dim,
+                  "sliding_window": a.sliding_window or 16, "sliding_window_pattern": a.sliding_pattern,
+                  "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
+                  "attn_logit_softcapping": None, "rms_norm_eps": 1e-06})
     if a.arch == "mistral":
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c["sliding_window"] = a.sliding_window

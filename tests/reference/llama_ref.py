@@ -42,7 +42,10 @@ def read_config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
     mt = c.get("model_type")
-    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", None):
+    gemma = mt == "gemma3_text"
+    if gemma and "hidden_act" not in c:
+        c["hidden_act"] = c.get("hidden_activation", "gelu_pytorch_tanh")
+    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", None):
         log("warning: model_type %r, treating it as llama" % mt)
     act = c.get("hidden_act", "silu")
     if act not in ACTS:
@@ -68,11 +71,12 @@ def read_config(model_dir):
         "max_pos": c.get("max_position_embeddings"),
         "qkv_bias": qkv_bias,
         "act": act,
-        "qk_norm": mt == "qwen3",
+        "qk_norm": mt in ("qwen3", "gemma3_text"),
         # MistralConfig: an absent sliding_window is 4096, null is none
         "window": (c.get("sliding_window", 4096) if mt == "mistral" else
                    c.get("sliding_window") if mt == "phi3" else None),
         "fused": mt == "phi3",
+        "gemma": gemma,
         "orig_max_pos": c.get("original_max_position_embeddings"),
     }
     rs = cfg["rope_scaling"]
@@ -86,6 +90,13 @@ def read_config(model_dir):
             raise ValueError("unsupported rope_scaling type %r" % kind)
         else:
             rs["kind"] = kind
+    if gemma:  # Gemma3TextConfig: sliding layers (every layer but each pattern-th) and their RoPE base
+        n, pat = cfg["n_layers"], c.get("sliding_window_pattern", 6)
+        types = c.get("layer_types") or ["full_attention" if (i + 1) % pat == 0 else "sliding_attention"
+                                         for i in range(n)]
+        cfg["layer_window"] = [c.get("sliding_window", 4096) if t == "sliding_attention" else None for t in types]
+        cfg["local_theta"] = float(c.get("rope_local_base_freq", 10000.0))
+        cfg["scale"] = float(c.get("query_pre_attn_scalar", cfg["head_dim"])) ** -0.5
     if cfg["n_heads"] % cfg["n_kv_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
@@ -123,6 +134,9 @@ def load_model(model_dir):
         if cfg["qk_norm"]:
             want[p + "self_attn.q_norm.weight"] = (hd,)
             want[p + "self_attn.k_norm.weight"] = (hd,)
+        if cfg["gemma"]:
+            want[p + "pre_feedforward_layernorm.weight"] = (cfg["dim"],)
+            want[p + "post_feedforward_layernorm.weight"] = (cfg["dim"],)
         want[p + "self_attn.o_proj.weight"] = (cfg["dim"], cfg["n_heads"] * hd)
         want[p + "post_attention_layernorm.weight"] = (cfg["dim"],)
         want[p + "mlp.gate_proj.weight"] = (cfg["hidden_dim"], cfg["dim"])
@@ -147,7 +161,10 @@ def load_model(model_dir):
         % (model_dir, cfg["n_layers"], cfg["dim"], cfg["n_heads"], cfg["n_kv_heads"], hd,
            cfg["vocab"], ",".join(sorted(set(dtypes.values())))))
     inv_freq, attn_factor = rope_params(cfg)
-    return {"cfg": cfg, "w": w, "inv_freq": inv_freq, "attn_factor": attn_factor}
+    model = {"cfg": cfg, "w": w, "inv_freq": inv_freq, "attn_factor": attn_factor}
+    if cfg["gemma"]:
+        model["inv_freq_local"] = rope_inv_freq(dict(cfg, theta=cfg["local_theta"], rope_scaling=None))
+    return model
 
 
 # ---------------------------------------------------------------- the model
@@ -256,45 +273,64 @@ def bias(w, p, n):
     return w.get(p + "self_attn.%s_proj.bias" % n, 0.0)
 
 
+def gemma_norm(x, weight, eps):
+    """Gemma3RMSNorm: x / rms(x) * (1 + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight)
+
+
 def forward(model, ids):
     """-> float64 logits (len(ids), vocab) for every position."""
     cfg, w = model["cfg"], model["w"]
     T = len(ids)
     H, KV, hd = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
+    gemma = cfg.get("gemma")
+    norm = gemma_norm if gemma else rmsnorm
     for t in ids:
         if not 0 <= t < cfg["vocab"]:
             raise ValueError("token id %d out of range [0, %d)" % (t, cfg["vocab"]))
     x = w["model.embed_tokens.weight"][torch.tensor(ids, dtype=torch.long)]  # (T, dim)
-    cos, sin = rope_cos_sin(model["inv_freq"], T)  # (T, hd)
+    if gemma:  # Gemma3TextScaledWordEmbedding (the checkpoints here are F32)
+        x = x * math.sqrt(cfg["dim"])
     af = model.get("attn_factor", 1.0)
-    cos, sin = cos * af, sin * af
-    mask = torch.full((T, T), float("-inf"), dtype=DT).triu(1)
-    if cfg.get("window"):  # key j is seen by query i when i - window < j <= i
-        mask = mask + torch.full((T, T), float("-inf"), dtype=DT).tril(-cfg["window"])
+    causal = torch.full((T, T), float("-inf"), dtype=DT).triu(1)
     act = ACTS[cfg.get("act", "silu")]
+    scale = cfg.get("scale") or 1.0 / math.sqrt(hd)
     for i in range(cfg["n_layers"]):
         p = "model.layers.%d." % i
-        h = rmsnorm(x, w[p + "input_layernorm.weight"], cfg["eps"])
+        window = cfg["layer_window"][i] if gemma else cfg.get("window")
+        mask = causal
+        if window:  # key j is seen by query i when i - window < j <= i
+            mask = mask + torch.full((T, T), float("-inf"), dtype=DT).tril(-window)
+        inv = model["inv_freq_local"] if gemma and window else model["inv_freq"]
+        cos, sin = rope_cos_sin(inv, T)  # (T, hd)
+        if not (gemma and window):
+            cos, sin = cos * af, sin * af
+        h = norm(x, w[p + "input_layernorm.weight"], cfg["eps"])
         q, k, v = (h @ w[p + "self_attn.%s_proj.weight" % n].T + bias(w, p, n) for n in "qkv")
         q = q.view(T, H, hd).transpose(0, 1)
         k = k.view(T, KV, hd).transpose(0, 1)
         v = v.view(T, KV, hd).transpose(0, 1)
         if cfg.get("qk_norm"):
-            q = rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg["eps"])
-            k = rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg["eps"])
+            q = norm(q, w[p + "self_attn.q_norm.weight"], cfg["eps"])
+            k = norm(k, w[p + "self_attn.k_norm.weight"], cfg["eps"])
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // KV, dim=0)  # (H, T, hd): head j reads kv head j // (H/KV)
         v = v.repeat_interleave(H // KV, dim=0)
-        scores = q @ k.transpose(1, 2) / math.sqrt(hd) + mask
+        scores = q @ k.transpose(1, 2) * scale + mask
         att = torch.softmax(scores, dim=-1)
-        o = (att @ v).transpose(0, 1).reshape(T, H * hd)
-        x = x + o @ w[p + "self_attn.o_proj.weight"].T
-        h = rmsnorm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
+        o = (att @ v).transpose(0, 1).reshape(T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
+        if gemma:  # post-attention norm, then the feed-forward between its pre and post norms
+            x = x + norm(o, w[p + "post_attention_layernorm.weight"], cfg["eps"])
+            h = norm(x, w[p + "pre_feedforward_layernorm.weight"], cfg["eps"])
+        else:
+            x = x + o
+            h = norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
         gate = h @ w[p + "mlp.gate_proj.weight"].T
         up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    x = rmsnorm(x, w["model.norm.weight"], cfg["eps"])
+        f = (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        x = x + (norm(f, w[p + "post_feedforward_layernorm.weight"], cfg["eps"]) if gemma else f)
+    x = norm(x, w["model.norm.weight"], cfg["eps"])
     return x @ w["lm_head.weight"].T
 
 

@@ -39,6 +39,14 @@ add_test(NAME reference_phi3
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_phi3 random
                  --arch phi3 --sliding-window 32 --rope-scaling longrope --rope-original-max-pos 128 --max-pos 1024
                  --dim 64 --hidden-dim 96 --layers 3 --heads 4 --vocab 512 --seed 29)
+# Gemma 3 text: (1+w) norms around both blocks, q/k norms, embeddings times sqrt(hidden), query_pre_attn_scalar
+# 24, layers alternating sliding (window 24, rope_local_base_freq) and global (rope_theta 1e6, linear scaling 2),
+# 4 heads of 32 over hidden 64, GeGLU (tanh), tied embeddings.
+add_test(NAME reference_gemma3
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gemma3 random
+                 --arch gemma3 --sliding-window 24 --sliding-pattern 2 --query-pre-attn-scalar 24 --rope-scaling linear
+                 --rope-factor 2 --rope-theta 1000000 --dim 64 --hidden-dim 96 --layers 4 --heads 4 --kv-heads 2
+                 --head-dim 32 --vocab 512 --tie --seed 31)
 # Llama with the erf gelu (a config Loom once ran as SiLU) and linear RoPE scaling.
 add_test(NAME reference_gelu_linear_rope
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
@@ -54,6 +62,6 @@ add_test(NAME reference_gptq_v2
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gelu_linear_rope
+                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3 reference_gelu_linear_rope
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

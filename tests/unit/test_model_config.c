@@ -416,6 +416,28 @@ static void test_families_and_refused_keys(void) {
     CHECK(parse("{\"model_type\":\"phi3\"," BASE "}", &c, &err) == LOOM_OK);
     CHECK(c.fused_qkv && c.sliding_window == 0 && !c.rope_ctx_capped && c.max_seq_len == 4096);
 
+    /* Gemma 3 text: its defaults, and layer_types over sliding_window_pattern */
+    CHECKF(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"head_dim\":32,\"query_pre_attn_scalar\":24,"
+                 "\"sliding_window\":512,\"final_logit_softcapping\":null,\"attn_logit_softcapping\":null}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.gemma && c.qk_norm && c.hidden_act == LOOM_HIDDEN_GELU_TANH && c.sliding_pattern == 6);
+    CHECK(fabsf(c.query_scale - 1.0f / sqrtf(24.0f)) < 1e-7f && fabsf(c.embed_scale - 8.0f) < 1e-6f);
+    CHECK(c.rope_local_theta == 10000.0f && loom_model_config_layer_window(&c, 0) == 512 &&
+          loom_model_config_layer_window(&c, 5) == 0);
+    CHECK(loom_model_config_all_windowed(&c)); /* 2 layers under a pattern of 6: both slide */
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"sliding_window\":8,\"layer_types\":"
+                "[\"full_attention\",\"sliding_attention\"]}",
+                &c, &err) == LOOM_OK);
+    CHECK(loom_model_config_layer_window(&c, 0) == 0 && loom_model_config_layer_window(&c, 1) == 8);
+    CHECK(!loom_model_config_all_windowed(&c));
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"attn_logit_softcapping\":50}", &c, &err) ==
+          LOOM_ERR_UNSUPPORTED);
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE "}", &c, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"rope_scaling\":{\"rope_type\":\"yarn\","
+                "\"factor\":2}}",
+                &c, &err) == LOOM_ERR_UNSUPPORTED);
+
     /* absurd sizes parse (they fit an int); the loader checks them against the checkpoint */
     CHECK(parse("{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":1e9,"
                 "\"num_attention_heads\":8,\"vocab_size\":100}",
