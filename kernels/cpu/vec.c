@@ -289,7 +289,21 @@ void loom_vec_act_mul(loom_act_t act, float *out, const float *gate, const float
         loom_vec_silu_mul(out, gate, up, hidden);
         return;
     }
-    for (int i = 0; i < hidden; i++) {
+    int i = 0;
+#ifdef LOOM_VEC_SIMD
+    if (act == LOOM_ACT_GELU_TANH) { /* Gemma's GeGLU: 0.5(1 + tanh z) = sigmoid(2z), z = k(x + 0.044715x^3) */
+        const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.044715f),
+                     m2k = _mm256_set1_ps(-2.0f * 0.79788456080286536f);
+        for (; i + 8 <= hidden; i += 8) {
+            __m256 x = _mm256_loadu_ps(gate + i);
+            __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            __m256 e = exp8(_mm256_mul_ps(m2k, _mm256_add_ps(x, _mm256_mul_ps(c, x3))));
+            __m256 g = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(g, _mm256_loadu_ps(up + i)));
+        }
+    }
+#endif
+    for (; i < hidden; i++) {
         const float x = gate[i];
         float a;
         switch (act) {
