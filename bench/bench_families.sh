@@ -9,6 +9,10 @@
 # its ratio to Llama's (best of the rounds: the least disturbed run on a
 # shared machine). Every family reads the same 226.5 MB per token.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+fi
 build=${1:-build} work=${2:-/tmp/loom-bench-families} rounds=${3:-4}
 here=$(cd "$(dirname "$0")/.." && pwd)
 py=${LOOM_PYTHON:-/usr/bin/python3}
