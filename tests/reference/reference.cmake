@@ -47,11 +47,10 @@ add_test(NAME reference_gemma3
                  --arch gemma3 --sliding-window 24 --sliding-pattern 2 --query-pre-attn-scalar 24 --rope-scaling linear
                  --rope-factor 2 --rope-theta 1000000 --dim 64 --hidden-dim 96 --layers 4 --heads 4 --kv-heads 2
                  --head-dim 32 --vocab 512 --tie --seed 31)
-# Llama with the erf gelu (a config Loom once ran as SiLU) and linear RoPE scaling.
-add_test(NAME reference_gelu_linear_rope
+# Llama with the erf gelu: a config Loom once loaded and ran as SiLU (linear RoPE scaling is reference_gemma3's).
+add_test(NAME reference_gelu
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
-                 --hidden-act gelu --rope-scaling linear --rope-factor 2 --dim 64 --hidden-dim 96 --layers 2
-                 --heads 4 --vocab 512 --seed 23)
+                 --hidden-act gelu --dim 64 --hidden-dim 96 --layers 2 --heads 4 --vocab 512 --seed 23)
 # 4-bit checkpoints in the AWQ (GEMM, interleaved nibbles, zero point) and GPTQ layouts (v1 stores
 # zero points minus one; v2 symmetric with a trivial g_idx), against the reference on their dequantized weights.
 add_test(NAME reference_awq
@@ -62,6 +61,6 @@ add_test(NAME reference_gptq_v2
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3 reference_gelu_linear_rope
+                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3 reference_gelu
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)
