@@ -37,7 +37,8 @@ static int is_linear(const char *name) {
     static const char *const k_sfx[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
                                         ".self_attn.v_proj.weight", ".self_attn.o_proj.weight",
                                         ".mlp.gate_proj.weight",    ".mlp.up_proj.weight",
-                                        ".mlp.down_proj.weight"};
+                                        ".mlp.down_proj.weight",    ".self_attn.qkv_proj.weight",
+                                        ".mlp.gate_up_proj.weight"}; /* the last two: Phi-3's fused ones */
     if (!strcmp(name, "lm_head.weight")) return 1;
     if (strncmp(name, "model.layers.", 13)) return 0;
     size_t n = strlen(name);

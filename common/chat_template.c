@@ -73,6 +73,9 @@ static const struct {
     {LOOM_CHAT_LLAMA3, "llama3", "<|begin_of_text|>", "<|eot_id|>"},
     {LOOM_CHAT_CHATML, "chatml", "", ""},
     {LOOM_CHAT_MISTRAL, "mistral", "<s>", "</s>"},
+    {LOOM_CHAT_QWEN3, "qwen3", "", ""},
+    {LOOM_CHAT_GEMMA, "gemma", "<bos>", "<eos>"},
+    {LOOM_CHAT_PHI3, "phi3", "", "<|endoftext|>"},
 };
 
 const char *loom_chat_family_name(loom_chat_family_t f) {
@@ -92,7 +95,10 @@ loom_chat_family_t loom_chat_detect(const char *t) {
     /* Most specific first: a Llama 3 or ChatML template never holds [INST],
      * and Llama 2's is the [INST] template with a <<SYS>> block. */
     if (strstr(t, "<|start_header_id|>") && strstr(t, "<|end_header_id|>")) return LOOM_CHAT_LLAMA3;
-    if (strstr(t, "<|im_start|>") && strstr(t, "<|im_end|>")) return LOOM_CHAT_CHATML;
+    if (strstr(t, "<|im_start|>") && strstr(t, "<|im_end|>"))
+        return strstr(t, "<think>") && strstr(t, "</think>") ? LOOM_CHAT_QWEN3 : LOOM_CHAT_CHATML;
+    if (strstr(t, "<start_of_turn>") && strstr(t, "<end_of_turn>")) return LOOM_CHAT_GEMMA;
+    if (strstr(t, "<|user|>") && strstr(t, "<|assistant|>") && strstr(t, "<|end|>")) return LOOM_CHAT_PHI3;
     if (strstr(t, "[INST]") && strstr(t, "<<SYS>>")) return LOOM_CHAT_LLAMA2;
     if (strstr(t, "[INST]") && strstr(t, "[/INST]")) return LOOM_CHAT_MISTRAL;
     return LOOM_CHAT_NONE;
@@ -173,8 +179,10 @@ loom_status_t loom_chat_template_from_text(const char *text, const char *overrid
                             LOOM_CHAT_FAMILY_NAMES);
     }
     char *sys = family == LOOM_CHAT_CHATML && detected == LOOM_CHAT_CHATML ? chatml_default_system(text) : NULL;
-    /* ChatML templates rarely write BOS; those that do name bos_token */
-    if (family == LOOM_CHAT_CHATML && !(detected == LOOM_CHAT_CHATML && strstr(text, "bos_token"))) bos = "";
+    /* ChatML (Qwen3 included) and Phi-3 templates rarely write BOS; those that do name bos_token */
+    if ((family == LOOM_CHAT_CHATML || family == LOOM_CHAT_QWEN3 || family == LOOM_CHAT_PHI3) &&
+        !(detected == family && strstr(text, "bos_token")))
+        bos = "";
     *out = loom_chat_template_create(family, bos, eos, sys);
     free(sys);
     return LOOM_OK;
@@ -362,6 +370,92 @@ static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *
     if (gen) loom_sbuf_str(b, "<|im_start|>assistant\n");
 }
 
+/* Qwen3: ChatML whose assistant turns may hold reasoning in <think>...</think>.
+ * As its template: the reasoning of assistant turns before the last user
+ * message is dropped (only the text after </think> stays); turns after it
+ * keep it, rewritten as "<think>\nREASONING\n</think>\n\nANSWER". The
+ * generation prompt leaves the model free to think. */
+static void render_qwen3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
+                         spans_t *sp) {
+    int last_user = -1;
+    for (int i = 0; i < n; i++)
+        if (role_of(m[i].role) == ROLE_USER) last_user = i;
+    loom_sbuf_str(b, t->bos);
+    for (int i = 0; i < n; i++) {
+        role_t r = role_of(m[i].role);
+        const char *c = m[i].content;
+        loom_sbuf_str(b, "<|im_start|>");
+        loom_sbuf_str(b, role_name(r));
+        loom_sbuf_str(b, "\n");
+        const char *end = r == ROLE_ASSISTANT ? strstr(c, "</think>") : NULL;
+        if (!end) {
+            sb_content(b, c, 0, sp);
+        } else {
+            const char *after = end + strlen("</think>"), *why = c;
+            for (const char *p = strstr(c, "<think>"); p && p < end; p = strstr(p + 1, "<think>"))
+                why = p + strlen("<think>");
+            for (const char *p = strstr(after, "</think>"); p; p = strstr(p + 1, "</think>"))
+                after = p + strlen("</think>"); /* the text after the last </think> */
+            while (*after == '\n') after++;
+            while (why < end && *why == '\n') why++;
+            const char *why_end = end;
+            while (why_end > why && why_end[-1] == '\n') why_end--;
+            if (i > last_user) {
+                loom_sbuf_str(b, "<think>\n");
+                size_t base = b->len;
+                loom_sbuf_add(b, why, (size_t)(why_end - why));
+                spans_add(sp, base, b->len);
+                loom_sbuf_str(b, "\n</think>\n\n");
+            }
+            sb_content(b, after, 0, sp);
+        }
+        loom_sbuf_str(b, "<|im_end|>\n");
+    }
+    if (gen) loom_sbuf_str(b, "<|im_start|>assistant\n");
+}
+
+/* Gemma: <start_of_turn>user / model turns, alternating from user; a leading
+ * system message is folded into the first user turn (Gemma 3's template),
+ * every text trimmed. */
+static loom_status_t render_gemma(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen,
+                                  loom_sbuf_t *b, spans_t *sp, loom_err_t *err) {
+    int start = n > 0 && role_of(m[0].role) == ROLE_SYSTEM;
+    if (n - start < 1)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the conversation needs a user message after the system message");
+    loom_sbuf_str(b, t->bos);
+    for (int i = start; i < n; i++) {
+        role_t r = role_of(m[i].role), want = (i - start) % 2 == 0 ? ROLE_USER : ROLE_ASSISTANT;
+        if (r != want)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "messages[%d] has role '%s' but the gemma chat template needs '%s' there: after an "
+                                "optional first system message, roles must alternate user/assistant/user/...",
+                                i, m[i].role, role_name(want));
+        loom_sbuf_str(b, r == ROLE_USER ? "<start_of_turn>user\n" : "<start_of_turn>model\n");
+        if (i == start && start) {
+            sb_content(b, m[0].content, 1, sp);
+            loom_sbuf_str(b, "\n\n");
+        }
+        sb_content(b, m[i].content, 1, sp);
+        loom_sbuf_str(b, "<end_of_turn>\n");
+    }
+    if (gen) loom_sbuf_str(b, "<start_of_turn>model\n");
+    return LOOM_OK;
+}
+
+/* Phi-3 / Phi-4-mini: <|system|>, <|user|>, <|assistant|> turns ended by
+ * <|end|>; without a generation prompt the text ends with eos_token. */
+static void render_phi3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
+                        spans_t *sp) {
+    loom_sbuf_str(b, t->bos);
+    for (int i = 0; i < n; i++) {
+        role_t r = role_of(m[i].role);
+        loom_sbuf_str(b, r == ROLE_SYSTEM ? "<|system|>\n" : r == ROLE_USER ? "<|user|>\n" : "<|assistant|>\n");
+        sb_content(b, m[i].content, 0, sp);
+        loom_sbuf_str(b, "<|end|>\n");
+    }
+    loom_sbuf_str(b, gen ? "<|assistant|>\n" : t->eos);
+}
+
 loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
                                int add_generation_prompt, char **out, size_t *out_len, loom_err_t *err) {
     return loom_chat_render_spans(t, msgs, n_msgs, add_generation_prompt, out, out_len, NULL, NULL, err);
@@ -400,6 +494,16 @@ loom_status_t loom_chat_render_spans(const loom_chat_template_t *t, const loom_c
     }
     case LOOM_CHAT_LLAMA3: render_llama3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
     case LOOM_CHAT_CHATML: render_chatml(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
+    case LOOM_CHAT_QWEN3: render_qwen3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
+    case LOOM_CHAT_PHI3: render_phi3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
+    case LOOM_CHAT_GEMMA: {
+        loom_status_t st = render_gemma(t, msgs, n_msgs, add_generation_prompt, &b, sp, err);
+        if (st < 0) {
+            free(b.p);
+            return st;
+        }
+        break;
+    }
     default: LOOM_ASSERT(!"chat template without a family");
     }
     *out = b.p;

@@ -7,6 +7,9 @@
  *   llama3   <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ntext<|eot_id|>
  *   chatml   <|im_start|>role\ntext<|im_end|>\n            (Qwen, Yi, many others)
  *   mistral  <s>[INST] sys\n\nuser [/INST]answer</s>
+ *   qwen3    chatml, with <think>reasoning</think> dropped from turns before the last user message
+ *   gemma    <bos><start_of_turn>user\nsys\n\ntext<end_of_turn>\n<start_of_turn>model\n...
+ *   phi3     <|system|>\ntext<|end|>\n<|user|>\ntext<|end|>\n<|assistant|>\n
  *
  * The rendered text contains the special tokens as text; the coordinator
  * parses them (raw_prompt) and adds no BOS of its own. The renderer also
@@ -25,10 +28,13 @@ typedef enum {
     LOOM_CHAT_LLAMA3,
     LOOM_CHAT_CHATML,
     LOOM_CHAT_MISTRAL,
+    LOOM_CHAT_QWEN3,
+    LOOM_CHAT_GEMMA,
+    LOOM_CHAT_PHI3,
 } loom_chat_family_t;
 
-/* "llama2, llama3, chatml, mistral": for messages that list the choices. */
-#define LOOM_CHAT_FAMILY_NAMES "llama2, llama3, chatml, mistral"
+/* "llama2, llama3, chatml, mistral, ...": for messages that list the choices. */
+#define LOOM_CHAT_FAMILY_NAMES "llama2, llama3, chatml, mistral, qwen3, gemma, phi3"
 
 typedef struct loom_chat_template {
     loom_chat_family_t family;

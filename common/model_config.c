@@ -6,6 +6,7 @@
 
 #include <cjson/cJSON.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +16,20 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2"};
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"};
+
+/* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
+static const struct {
+    const char *name;
+    loom_hidden_act_t act;
+} k_acts[] = {
+    {"silu", LOOM_HIDDEN_SILU},           {"swish", LOOM_HIDDEN_SILU},
+    {"gelu", LOOM_HIDDEN_GELU},           {"gelu_python", LOOM_HIDDEN_GELU},
+    {"gelu_new", LOOM_HIDDEN_GELU_TANH},  {"gelu_pytorch_tanh", LOOM_HIDDEN_GELU_TANH},
+    {"gelu_fast", LOOM_HIDDEN_GELU_TANH}, {"gelu_accurate", LOOM_HIDDEN_GELU_TANH},
+    {"quick_gelu", LOOM_HIDDEN_QUICK_GELU}, {"relu", LOOM_HIDDEN_RELU},
+    {"relu2", LOOM_HIDDEN_RELU2},
+};
 
 
 /* An absent key and an explicit null both mean "use the default". */
@@ -115,10 +129,89 @@ static loom_status_t merge_eos(loom_model_config_t *cfg, const cJSON *root, cons
     return add_eos(cfg, id, path, err);
 }
 
-static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *root,
+static loom_status_t rope_num(const cJSON *rs, const char *name, int required, double dflt, double *out,
+                              const char *path, loom_err_t *err) {
+    const cJSON *v = field(rs, name);
+    if (!v) {
+        if (required) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s is missing", path, name);
+        *out = dflt;
+        return LOOM_OK;
+    }
+    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0 && v->valuedouble <= 1e30))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s must be a positive number", path, name);
+    *out = v->valuedouble;
+    return LOOM_OK;
+}
+
+static loom_status_t rope_orig(loom_model_config_t *cfg, const cJSON *rs, int required, const char *path,
+                               loom_err_t *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rs, "original_max_position_embeddings");
+    if (!v || cJSON_IsNull(v)) {
+        if (required)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.original_max_position_embeddings is missing",
+                                path);
+        cfg->rope_orig_max_pos = cfg->max_seq_len;
+        return LOOM_OK;
+    }
+    if (!json_int(v, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: rope_scaling.original_max_position_embeddings must be a positive integer", path);
+    return LOOM_OK;
+}
+
+/* rope_scaling (or Transformers 5's rope_parameters): default, linear,
+ * llama3 and yarn are computed (worker/model.c rope_inv_freq); dynamic
+ * (NTK that changes with each sequence's length) and longrope (factor sets
+ * chosen by length) are refused by name. */
+/* longrope (Phi-3's "su"): inv_freq_j = 1 / (ext_j * theta^(2j/hd)) with
+ * short_factor below original_max_position_embeddings and long_factor
+ * beyond, where Transformers switches by the sequence's length. Loom runs
+ * the short factors only and cuts max_seq_len to the original context, so
+ * every sequence it serves is computed as Transformers computes it. */
+static loom_status_t parse_longrope(loom_model_config_t *cfg, const cJSON *root, const cJSON *rs, const char *path,
+                                    loom_err_t *err) {
+    const char *names[2] = {"short_factor", "long_factor"};
+    int pairs = cfg->head_dim / 2;
+    for (int k = 0; k < 2; k++) {
+        const cJSON *a = field(rs, names[k]), *e;
+        if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != pairs)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s must list head_dim / 2 (%d) numbers", path,
+                                names[k], pairs);
+        int j = 0;
+        cJSON_ArrayForEach(e, a) {
+            if (!cJSON_IsNumber(e) || !(e->valuedouble > 0 && e->valuedouble < 1e30))
+                return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s[%d] must be a positive number", path,
+                                    names[k], j);
+            if (k == 0) cfg->rope_ext_factor[j] = (float)e->valuedouble;
+            j++;
+        }
+    }
+    const cJSON *o = field(rs, "original_max_position_embeddings");
+    if (!o) o = field(root, "original_max_position_embeddings");
+    cfg->rope_orig_max_pos = cfg->max_seq_len;
+    if (o && (!json_int(o, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: original_max_position_embeddings must be a positive integer",
+                            path);
+    double factor = (double)cfg->max_seq_len / cfg->rope_orig_max_pos, af = 1;
+    LOOM_CHECK(rope_num(rs, "factor", 0, factor, &factor, path, err));
+    if (field(rs, "attention_factor"))
+        LOOM_CHECK(rope_num(rs, "attention_factor", 1, 0, &af, path, err));
+    else
+        af = factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)cfg->rope_orig_max_pos));
+    cfg->rope_scaling = LOOM_ROPE_LONGROPE;
+    cfg->rope_factor = (float)factor;
+    cfg->rope_attn_factor = (float)af;
+    if (cfg->max_seq_len > cfg->rope_orig_max_pos) {
+        cfg->max_seq_len = cfg->rope_orig_max_pos;
+        cfg->rope_ctx_capped = 1;
+    }
+    return LOOM_OK;
+}
+
+static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *root, const cJSON *rs,
                                         const char *path, loom_err_t *err) {
     cfg->rope_scaling = LOOM_ROPE_NONE;
-    const cJSON *rs = field(root, "rope_scaling");
+    cfg->rope_attn_factor = 1.0f;
     if (!rs) return LOOM_OK;
     if (!cJSON_IsObject(rs))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling must be an object or null",
@@ -128,11 +221,60 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
     if (!cJSON_IsString(type))
         return loom_err_set(err, LOOM_ERR_FORMAT,
                             "%s: rope_scaling needs a string \"rope_type\" (or \"type\")", path);
-    if (!strcmp(type->valuestring, "default")) return LOOM_OK;
-    if (strcmp(type->valuestring, "llama3") != 0)
+    const char *t = type->valuestring;
+    double f = 0;
+    if (!strcmp(t, "default")) return LOOM_OK;
+    if (!strcmp(t, "longrope") || !strcmp(t, "su")) {
+        if (cfg->head_dim / 2 > LOOM_MAX_ROPE_PAIRS)
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: head_dim %d is too large for longrope", path,
+                                cfg->head_dim);
+        return parse_longrope(cfg, root, rs, path, err);
+    }
+    if (!strcmp(t, "linear")) {
+        LOOM_CHECK(rope_num(rs, "factor", 1, 0, &f, path, err));
+        cfg->rope_scaling = LOOM_ROPE_LINEAR;
+        cfg->rope_factor = (float)f;
+        return LOOM_OK;
+    }
+    if (!strcmp(t, "yarn")) {
+        static const char *const refused[] = {"mscale", "mscale_all_dim"};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(refused); i++)
+            if (field(rs, refused[i]))
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                    "%s: rope_scaling.%s (DeepSeek's yarn variant) is not supported", path,
+                                    refused[i]);
+        cfg->rope_scaling = LOOM_ROPE_YARN;
+        double bf = 0, bs = 0, af = 1;
+        LOOM_CHECK(rope_num(rs, "factor", 1, 0, &f, path, err));
+        LOOM_CHECK(rope_num(rs, "beta_fast", 0, 32, &bf, path, err));
+        LOOM_CHECK(rope_num(rs, "beta_slow", 0, 1, &bs, path, err));
+        LOOM_CHECK(rope_orig(cfg, rs, 0, path, err));
+        LOOM_CHECK(get_bool(rs, "truncate", 1, &cfg->rope_truncate, path, err));
+        cfg->rope_factor = (float)f;
+        cfg->rope_beta_fast = (float)bf;
+        cfg->rope_beta_slow = (float)bs;
+        if (field(rs, "attention_factor")) {
+            LOOM_CHECK(rope_num(rs, "attention_factor", 1, 0, &af, path, err));
+        } else {
+            /* Transformers versions differ on the default when
+             * max_position_embeddings / original_max_position_embeddings is
+             * not the factor; refuse rather than pick one. */
+            double ratio = (double)cfg->max_seq_len / cfg->rope_orig_max_pos;
+            if (field(rs, "original_max_position_embeddings") && fabs(ratio - f) > 1e-6 * f)
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                    "%s: rope_scaling yarn: factor %g is not max_position_embeddings / "
+                                    "original_max_position_embeddings (%g); give rope_scaling.attention_factor",
+                                    path, f, ratio);
+            af = f <= 1 ? 1.0 : 0.1 * log(f) + 1.0;
+        }
+        cfg->rope_attn_factor = (float)af;
+        return LOOM_OK;
+    }
+    if (strcmp(t, "llama3") != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: rope_scaling type '%s' is not supported (Loom supports 'llama3')",
-                            path, type->valuestring);
+                            "%s: rope_scaling type '%s' is not supported (Loom supports default, linear, llama3, "
+                            "yarn and longrope)",
+                            path, t);
 
     cfg->rope_scaling = LOOM_ROPE_LLAMA3;
     char key[64];
@@ -152,16 +294,109 @@ static loom_status_t parse_rope_scaling(loom_model_config_t *cfg, const cJSON *r
             err, LOOM_ERR_FORMAT,
             "%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path,
             (double)cfg->rope_high_freq_factor, (double)cfg->rope_low_freq_factor);
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rs, "original_max_position_embeddings");
-    if (!v)
-        return loom_err_set(err, LOOM_ERR_FORMAT,
-                            "%s: rope_scaling.original_max_position_embeddings is missing", path);
-    if (!json_int(v, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0)
-        return loom_err_set(err, LOOM_ERR_FORMAT,
-                            "%s: rope_scaling.original_max_position_embeddings must be a positive "
-                            "integer",
+    return rope_orig(cfg, rs, 1, path, err);
+}
+
+/* Keys that change the math of architectures Loom does not run (or of
+ * variants of the ones it does): refused by name rather than ignored.
+ * docs/model-format.md lists them. */
+static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, const char *path,
+                                 loom_err_t *err) {
+    static const char *const numbers[] = {
+        "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+        "num_local_experts",      "num_experts",            "n_routed_experts",
+        "embedding_multiplier",   "residual_multiplier",    "logits_scaling",
+        "attention_multiplier",
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(numbers); i++) {
+        const cJSON *v = field(root, numbers[i]);
+        if (cfg->gemma && !strcmp(numbers[i], "query_pre_attn_scalar")) continue; /* read below */
+        if (v && !(cJSON_IsNumber(v) && v->valuedouble == 0 && strstr(numbers[i], "experts")))
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: %s is not supported for model_type '%s'", path,
+                                numbers[i], cfg->model_type);
+    }
+    const cJSON *v = field(root, "partial_rotary_factor");
+    if (v && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: partial_rotary_factor other than 1 is not supported",
                             path);
+    v = field(root, "use_sliding_window");
+    if (v && !cJSON_IsFalse(v))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: use_sliding_window is not supported for model_type '%s' (Mistral's "
+                            "sliding_window is)",
+                            path, cfg->model_type);
+    v = field(root, "use_bidirectional_attention");
+    if (v && !cJSON_IsFalse(v))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: use_bidirectional_attention is not supported", path);
+    v = field(root, "layer_types");
+    if (v && cfg->gemma) {
+        const cJSON *e;
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != cfg->n_layers || cfg->n_layers > LOOM_MAX_LAYER_TYPES)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: layer_types must list num_hidden_layers (%d) entries",
+                                path, cfg->n_layers);
+        int i = 0;
+        cJSON_ArrayForEach(e, v) {
+            int sl = cJSON_IsString(e) && !strcmp(e->valuestring, "sliding_attention");
+            if (!sl && !(cJSON_IsString(e) && !strcmp(e->valuestring, "full_attention")))
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: layer_types entry '%s' is not supported", path,
+                                    cJSON_IsString(e) ? e->valuestring : "?");
+            cfg->layer_sliding[i++] = (unsigned char)sl;
+        }
+        cfg->has_layer_types = 1;
+    } else if (v) {
+        const char *want = cfg->sliding_window ? "sliding_attention" : "full_attention";
+        const cJSON *e;
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != cfg->n_layers)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: layer_types must list num_hidden_layers (%d) entries",
+                                path, cfg->n_layers);
+        cJSON_ArrayForEach(e, v) {
+            if (!cJSON_IsString(e) || strcmp(e->valuestring, want))
+                return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                    "%s: layer_types entry '%s' is not supported for model_type '%s' (every "
+                                    "layer must be %s)",
+                                    path, cJSON_IsString(e) ? e->valuestring : "?", cfg->model_type, want);
+        }
+    }
     return LOOM_OK;
+}
+
+/* Gemma 3's text model (Gemma3TextConfig): (1+w) norms around both blocks,
+ * q/k norms, embeddings scaled by sqrt(hidden_size), query_pre_attn_scalar,
+ * sliding layers (sliding_window wide, rope_local_base_freq, no scaling)
+ * and global ones (rope_theta and rope_scaling) as layer_types or
+ * sliding_window_pattern say. */
+static loom_status_t parse_gemma3(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+    cfg->gemma = 1;
+    cfg->qk_norm = 1;
+    cfg->embed_scale = sqrtf((float)cfg->dim);
+    int qpas = 0;
+    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, cfg->head_dim, &qpas, path, err));
+    cfg->query_scale = 1.0f / sqrtf((float)qpas);
+    LOOM_CHECK(get_pos_float(root, "rope_local_base_freq", 0, 10000.0f, &cfg->rope_local_theta, path, err));
+    LOOM_CHECK(get_pos_int(root, "sliding_window_pattern", 0, 6, &cfg->sliding_pattern, path, err));
+    LOOM_CHECK(get_pos_int(root, "sliding_window", 0, 4096, &cfg->sliding_window, path, err));
+    if (!field(root, "hidden_act") && !field(root, "hidden_activation")) cfg->hidden_act = LOOM_HIDDEN_GELU_TANH;
+    if (cfg->rope_scaling != LOOM_ROPE_NONE && cfg->rope_scaling != LOOM_ROPE_LINEAR)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gemma3_text with rope_scaling other than linear", path);
+    return LOOM_OK;
+}
+
+static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const cJSON *root, const char *path,
+                                      loom_err_t *err) {
+    const cJSON *v = field(root, "hidden_act");
+    if (!v) v = field(root, "hidden_activation"); /* Gemma's name */
+    cfg->hidden_act = LOOM_HIDDEN_SILU;
+    if (!v) return LOOM_OK;
+    if (!cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: hidden_act must be a string", path);
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_acts); i++)
+        if (!strcmp(v->valuestring, k_acts[i].name)) {
+            cfg->hidden_act = k_acts[i].act;
+            return LOOM_OK;
+        }
+    return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                        "%s: hidden_act '%s' is not supported (Loom runs silu, swish, gelu, gelu_python, gelu_new, "
+                        "gelu_pytorch_tanh, gelu_fast, gelu_accurate, quick_gelu, relu, relu2)",
+                        path, v->valuestring);
 }
 
 /* quantization_config: loom (`loom quantize`), or 4-bit AWQ (GEMM) and GPTQ. */
@@ -237,8 +472,8 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
         known |= !strcmp(mt->valuestring, k_model_types[i]);
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: model_type '%s' is not supported (Loom runs llama, mistral and "
-                            "qwen2)",
+                            "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
+                            "qwen2, qwen3, phi3 and gemma3_text)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
@@ -253,8 +488,37 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     LOOM_CHECK(get_pos_int(root, "vocab_size", 1, 0, &cfg->vocab_size, path, err));
     LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, 2048, &cfg->max_seq_len, path, err));
     LOOM_CHECK(get_pos_float(root, "rms_norm_eps", 0, 1e-6f, &cfg->norm_eps, path, err));
-    LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
-    LOOM_CHECK(parse_rope_scaling(cfg, root, path, err));
+    /* Transformers 5 keeps rope_theta and the scaling in rope_parameters */
+    const cJSON *rp = field(root, "rope_parameters");
+    if (rp && !cJSON_IsObject(rp))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_parameters must be an object", path);
+    if (rp && field(rp, "rope_theta"))
+        LOOM_CHECK(get_pos_float(rp, "rope_theta", 1, 0, &cfg->rope_theta, path, err));
+    else
+        LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
+    if (rp && field(root, "rope_scaling"))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: both rope_scaling and rope_parameters are given", path);
+    /* head_dim is needed first (longrope lists a factor per frequency) */
+    if (cfg->head_dim == 0 && cfg->dim % cfg->n_heads == 0) cfg->head_dim = cfg->dim / cfg->n_heads;
+    LOOM_CHECK(parse_rope_scaling(cfg, root, rp ? rp : field(root, "rope_scaling"), path, err));
+    LOOM_CHECK(parse_hidden_act(cfg, root, path, err));
+    cfg->qk_norm = !strcmp(cfg->model_type, "qwen3");
+    cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
+    if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
+    if (!strcmp(cfg->model_type, "phi3")) { /* Phi3Config: sliding_window defaults to none */
+        if (field(root, "sliding_window"))
+            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
+    }
+    if (!strcmp(cfg->model_type, "mistral")) {
+        /* as MistralConfig: absent means 4096, null means none */
+        const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+        if (!sw) cfg->sliding_window = 4096;
+        else if (!cJSON_IsNull(sw))
+            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0; /* never reached */
+    }
+    LOOM_CHECK(refuse_keys(root, cfg, path, err));
     LOOM_CHECK(get_bool(root, "tie_word_embeddings", 0, &cfg->tie_embeddings, path, err));
     LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2, &cfg->attention_bias, path, err));
     int mlp_bias = 0;
@@ -364,4 +628,17 @@ int loom_model_config_is_eos(const loom_model_config_t *cfg, int id) {
     for (int i = 0; i < cfg->n_eos; i++)
         if (cfg->eos_ids[i] == id) return 1;
     return 0;
+}
+
+int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer) {
+    if (!cfg->gemma) return cfg->sliding_window; /* Mistral, Phi-3: every layer */
+    int sliding = cfg->has_layer_types ? layer >= 0 && layer < LOOM_MAX_LAYER_TYPES && cfg->layer_sliding[layer]
+                                       : (layer + 1) % cfg->sliding_pattern != 0;
+    return sliding && cfg->sliding_window < cfg->max_seq_len ? cfg->sliding_window : 0;
+}
+
+int loom_model_config_all_windowed(const loom_model_config_t *cfg) {
+    for (int l = 0; l < cfg->n_layers; l++)
+        if (!loom_model_config_layer_window(cfg, l)) return 0;
+    return cfg->n_layers > 0;
 }

@@ -10,7 +10,26 @@
 
 #define LOOM_MAX_EOS 8
 
-typedef enum { LOOM_ROPE_NONE = 0, LOOM_ROPE_LLAMA3 = 1 } loom_rope_scaling_t;
+typedef enum {
+    LOOM_ROPE_NONE = 0,
+    LOOM_ROPE_LLAMA3 = 1,
+    LOOM_ROPE_LINEAR = 2, /* inv_freq / factor */
+    LOOM_ROPE_YARN = 3,   /* NTK-by-parts blend + attention factor */
+    LOOM_ROPE_LONGROPE = 4, /* Phi-3: per-frequency factors (the short ones) + attention factor */
+} loom_rope_scaling_t;
+
+#define LOOM_MAX_ROPE_PAIRS 512 /* head_dim / 2 */
+#define LOOM_MAX_LAYER_TYPES 1024 /* layer_types entries kept (Gemma 3) */
+
+/* hidden_act (config.json), the same order as kernels/backend.h's loom_act_t. */
+typedef enum {
+    LOOM_HIDDEN_SILU = 0,   /* silu, swish */
+    LOOM_HIDDEN_GELU,       /* gelu (erf) */
+    LOOM_HIDDEN_GELU_TANH,  /* gelu_new, gelu_pytorch_tanh, gelu_fast */
+    LOOM_HIDDEN_QUICK_GELU, /* quick_gelu */
+    LOOM_HIDDEN_RELU,       /* relu */
+    LOOM_HIDDEN_RELU2,      /* relu2 */
+} loom_hidden_act_t;
 
 /* How the checkpoint stores its linear weights (config.json's
  * quantization_config.quant_method; docs/model-format.md). */
@@ -37,7 +56,24 @@ typedef struct loom_model_config {
     float rope_factor;           /* llama3: factor */
     float rope_low_freq_factor;  /* llama3: low_freq_factor */
     float rope_high_freq_factor; /* llama3: high_freq_factor */
-    int rope_orig_max_pos;       /* llama3: original_max_position_embeddings */
+    int rope_orig_max_pos;       /* llama3, yarn: original_max_position_embeddings */
+    float rope_beta_fast, rope_beta_slow; /* yarn: beta_fast (32), beta_slow (1) */
+    int rope_truncate;                    /* yarn: truncate (true) */
+    float rope_attn_factor;      /* yarn, longrope: attention_factor; q and k are scaled by it (1 otherwise) */
+    float rope_ext_factor[LOOM_MAX_ROPE_PAIRS]; /* longrope: short_factor, one per frequency */
+    int rope_ctx_capped;         /* longrope: max_seq_len was cut to original_max_position_embeddings */
+    int fused_qkv;               /* Phi-3: qkv_proj and gate_up_proj hold the stacked projections */
+    /* Gemma 3 (gemma3_text) */
+    int gemma;                   /* (1+w) RMSNorms; post-attention and pre/post-feed-forward norms */
+    float query_scale;           /* 1/sqrt(query_pre_attn_scalar); 0: 1/sqrt(head_dim) */
+    float embed_scale;           /* embeddings times sqrt(hidden_size); 0: none */
+    float rope_local_theta;      /* rope_local_base_freq of the sliding layers (no scaling there) */
+    int sliding_pattern;         /* sliding_window_pattern: layer i global when (i+1) % pattern == 0 */
+    int has_layer_types;         /* layer_sliding below comes from layer_types */
+    unsigned char layer_sliding[LOOM_MAX_LAYER_TYPES];
+    loom_hidden_act_t hidden_act; /* hidden_act: the MLP's gate activation */
+    int qk_norm;                 /* Qwen3: per-head RMSNorm on q and k before RoPE */
+    int sliding_window;          /* Mistral: every layer attends to the latest N positions; 0 = none */
     int tie_embeddings;          /* tie_word_embeddings */
     int attention_bias;          /* q/k/v biases (Qwen2) */
     int bos_id;                  /* -1 if none */
@@ -56,5 +92,9 @@ loom_status_t loom_model_config_load(const char *dir, loom_model_config_t *cfg, 
 loom_status_t loom_model_config_parse(const char *json, size_t len, const char *path,
                                       loom_model_config_t *cfg, loom_err_t *err);
 int loom_model_config_is_eos(const loom_model_config_t *cfg, int id);
+/* The attention window of layer `layer` (0: full attention). */
+int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer);
+/* Whether every layer is windowed (blocks behind the window can be freed). */
+int loom_model_config_all_windowed(const loom_model_config_t *cfg);
 
 #endif

@@ -1092,6 +1092,7 @@ static loom_status_t load_model(loom_tokenizer_t *tok, const cJSON *root, load_c
         n_added++;
     }
     if (max_id < 0) return loom_err_set(c->err, LOOM_ERR_FORMAT, "%s: empty vocabulary", c->what);
+    if (n_model == 0) return loom_err_set(c->err, LOOM_ERR_FORMAT, "%s: model.vocab is empty", c->what);
     int nv = tok->n_vocab = max_id + 1;
     tok->piece = loom_xcalloc((size_t)nv, sizeof *tok->piece);
     tok->piece_len = loom_xcalloc((size_t)nv, sizeof *tok->piece_len);
@@ -1103,6 +1104,9 @@ static loom_status_t load_model(loom_tokenizer_t *tok, const cJSON *root, load_c
 
     cJSON_ArrayForEach(it, vocab) {
         json_id(it, &id);
+        if (tok->flags[id] & TOK_MODEL) /* two pieces for one id: one of them could never be decoded right */
+            return loom_err_set(c->err, LOOM_ERR_FORMAT, "%s: vocab id %d is given twice (\"%.100s\" and \"%.100s\")",
+                                c->what, (int)id, tok->piece[id] ? tok->piece[id] : "", it->string);
         set_piece(tok, id, it->string, strlen(it->string), false);
         tok->flags[id] |= TOK_MODEL;
     }

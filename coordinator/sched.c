@@ -138,7 +138,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
 }
 
 static void seq_free(loom_sched_t *s, loom_seq_t *q) {
-    for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
+    for (int i = q->n_dropped; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
     free(q->blocks);
     free(q->tokens);
     free(q);
@@ -232,10 +232,29 @@ loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt
 }
 
 /* Drops a running sequence's KV and sends it back to the waiting queue. */
+/* Releases every block of q's table (the dropped ones are gone already). */
+static void release_blocks(loom_sched_t *s, loom_seq_t *q) {
+    for (int i = q->n_dropped; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
+    q->n_blocks = 0;
+    q->n_dropped = 0;
+}
+
+/* Sliding window: releases the blocks wholly before the first position the
+ * next query attends to (n_computed + 1 - window), see sched.h. */
+static void drop_behind_window(loom_sched_t *s, loom_seq_t *q) {
+    const int W = s->cfg.window, B = s->cfg.block_size;
+    if (W <= 0) return;
+    const int first_seen = q->n_computed + 1 - W;
+    while (q->n_dropped < q->n_blocks && (q->n_dropped + 1) * B <= first_seen) {
+        LOOM_ASSERT(q->n_dropped < q->n_hashed); /* registered before it goes */
+        loom_kv_release(s->kv, q->blocks[q->n_dropped]);
+        q->blocks[q->n_dropped++] = -1;
+    }
+}
+
 static void preempt(loom_sched_t *s, loom_seq_t *q) {
     run_remove(s, q);
-    for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
-    q->n_blocks = 0;
+    release_blocks(s, q);
     q->n_computed = 0;
     q->n_hashed = 0;
     q->chain = 0;
@@ -343,9 +362,9 @@ static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
 }
 
 static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
-    for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
-    if (mb->n_copies > 0 && mb->copy_dst[mb->n_copies - 1] == q->blocks[q->n_blocks - 1]) mb->n_copies--;
-    q->n_blocks = 0;
+    if (mb->n_copies > 0 && q->n_blocks > 0 && mb->copy_dst[mb->n_copies - 1] == q->blocks[q->n_blocks - 1])
+        mb->n_copies--;
+    release_blocks(s, q);
     q->n_computed = 0;
     q->n_hashed = 0;
     q->chain = 0;
@@ -472,6 +491,7 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
         if (q->finish_pending) continue;
         q->n_computed += mb->chunk[i];
         register_blocks(s, q);
+        drop_behind_window(s, q);
     }
     for (int r = 0; r < mb->n_logits; r++) {
         loom_seq_t *q = mb->logit_seq[r];

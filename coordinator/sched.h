@@ -16,7 +16,13 @@
  *            flight, released once its micro-batch completes)
  * Invariants: a sequence is in at most one micro-batch in flight; tokens
  * [0, n_computed) have KV in the blocks of its table; only full blocks are
- * ever shared, and a shared block about to be written is copied first. */
+ * ever shared, and a shared block about to be written is copied first.
+ * With a sliding window (cfg.window > 0: every layer attends to the latest
+ * `window` positions) the first n_dropped entries of a table are -1: those
+ * blocks lie wholly before the window of the sequence's next token, so no
+ * query reads them again, and they went back to the ledger (kept in the
+ * prefix cache when registered). Tokens [0, n_computed) still count as
+ * computed; a preempted sequence recomputes from position 0. */
 #ifndef LOOM_SCHED_H
 #define LOOM_SCHED_H
 
@@ -36,8 +42,9 @@ typedef struct loom_seq {
     int n_prompt;
     int max_tokens;          /* most tokens to generate */
     int n_computed;          /* tokens whose KV is cached */
-    int *blocks;             /* block table */
+    int *blocks;             /* block table; -1 for the n_dropped leading blocks */
     int n_blocks, cap_blocks;
+    int n_dropped;           /* leading blocks released behind the sliding window */
     int n_hashed;            /* full blocks whose chain hash is known */
     uint64_t chain;          /* chain hash of block n_hashed - 1 */
     loom_sampling_t sampling;
@@ -63,6 +70,7 @@ typedef struct loom_sched_config {
     int block_size;
     int n_blocks;
     int prefix_cache;
+    int window;              /* every layer's sliding window in positions (0: none) */
 } loom_sched_config_t;
 
 /* One micro-batch, ready to be sent as a step plan. Arrays are owned by the

@@ -387,7 +387,8 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
                                   .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len,
                                   .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = n_blocks,
-                                  .prefix_cache = s->cfg.prefix_cache};
+                                  .prefix_cache = s->cfg.prefix_cache,
+                                  .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
     }
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",

@@ -146,6 +146,25 @@ void loom_op_add_bias(loom_backend_t *be, float *y, const float *bias, int n, in
 void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
     if (n > 0) be->ops->silu_mul(be, out, gu, n, hidden);
 }
+void loom_op_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden) {
+    if (n <= 0) return;
+    if (act == LOOM_ACT_SILU) {
+        be->ops->silu_mul(be, out, gu, n, hidden);
+        return;
+    }
+    LOOM_ASSERT(be->ops->act_mul);
+    be->ops->act_mul(be, act, out, gu, n, hidden);
+}
+int loom_backend_act_supported(const loom_backend_t *be, loom_act_t act) {
+    return act == LOOM_ACT_SILU || be->ops->act_mul != NULL;
+}
+void loom_op_head_rmsnorm(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd, const float *g,
+                          float eps) {
+    for (int i = 0; i < n; i++) {
+        float *row = x + (size_t)i * (size_t)stride;
+        be->ops->rmsnorm(be, row, row, g, n_heads, hd, eps);
+    }
+}
 void loom_op_embed(loom_backend_t *be, float *x, const float *table, const int32_t *ids, int n,
                    int dim) {
     if (n > 0) be->ops->embed(be, x, table, ids, n, dim);
@@ -218,8 +237,10 @@ void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float
     if (n > 0) be->ops->kv_write(be, kv, k, v, stride, slots, n, nkv, hd);
 }
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
+    LOOM_ASSERT(a->window >= 0 && (a->window == 0 || be->ops->attention_window));
     if (a->n > 0) be->ops->attention(be, a);
 }
+int loom_backend_attn_window_supported(const loom_backend_t *be) { return be->ops->attention_window; }
 void loom_op_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
                           int id_offset, int vocab_size, const loom_sampling_t *params,
                           const uint64_t *steps, const int *k, loom_sample_part_t *parts) {

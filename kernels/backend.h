@@ -102,6 +102,33 @@ void loom_op_add(loom_backend_t *be, float *y, const float *a, int64_t n);
 void loom_op_add_bias(loom_backend_t *be, float *y, const float *bias, int n, int cols);
 /* out(n, hidden) = silu(gu[:, :hidden]) * gu[:, hidden:], gu is (n, 2*hidden). */
 void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden);
+/* The gated MLP's activations (Hugging Face's ACT2FN names in
+ * docs/model-format.md): out = act(gate) * up as loom_op_silu_mul.
+ *   SILU        x * sigmoid(x)                    (silu, swish)
+ *   GELU        x * Phi(x), the erf form          (gelu)
+ *   GELU_TANH   0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))
+ *                                   (gelu_new, gelu_pytorch_tanh, gelu_fast)
+ *   QUICK_GELU  x * sigmoid(1.702x)
+ *   RELU        max(x, 0)
+ *   RELU2       max(x, 0)^2 */
+typedef enum {
+    LOOM_ACT_SILU = 0,
+    LOOM_ACT_GELU,
+    LOOM_ACT_GELU_TANH,
+    LOOM_ACT_QUICK_GELU,
+    LOOM_ACT_RELU,
+    LOOM_ACT_RELU2,
+} loom_act_t;
+/* SILU runs loom_op_silu_mul; the others need the optional act_mul slot
+ * (the CPU backend has it): loom_backend_act_supported says which. */
+void loom_op_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
+int loom_backend_act_supported(const loom_backend_t *be, loom_act_t act);
+/* Per-head RMSNorm (Qwen3's q_norm / k_norm): on each of n rows (row i at
+ * x + i*stride) the n_heads consecutive heads of hd are normalised with the
+ * one gain g(hd). Composed of loom_op_rmsnorm, one call per row, so every
+ * backend has it. */
+void loom_op_head_rmsnorm(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd, const float *g,
+                          float eps);
 /* x(n, dim) = table[ids[i]] for a (vocab, dim) float32 table (device). */
 void loom_op_embed(loom_backend_t *be, float *x, const float *table, const int32_t *ids, int n,
                    int dim);
@@ -175,8 +202,18 @@ typedef struct loom_attn_args {
     const int32_t *block_tables; /* (n_seqs, max_blocks) device */
     int max_blocks;
     int max_ctx;                 /* host: max(tok_pos) + 1 */
+    /* Sliding window (Mistral, Gemma's local layers): > 0 restricts token i
+     * to the positions (tok_pos[i] - window, tok_pos[i]], the `window`
+     * latest; block-table entries wholly before that are never read (they
+     * may be -1). 0 attends to every position. Backends without window
+     * support (loom_backend_attn_window_supported) must not be given one. */
+    int window;
 } loom_attn_args_t;
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
+/* Whether the backend's attention honours loom_attn_args_t.window: the CPU
+ * backend does; CUDA does not yet (docs/cuda.md), and a model that needs
+ * a window is refused there at load. */
+int loom_backend_attn_window_supported(const loom_backend_t *be);
 
 /* Sampling reduction over rows of a vocabulary shard: logits (n_rows,
  * vocab_shard) whose global ids start at id_offset. params/steps/k are

@@ -50,6 +50,9 @@ typedef struct loom_backend_ops {
                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
                           const loom_kv_layer_t *kv, const int32_t *slots);
     void (*add_bias)(loom_backend_t *be, float *y, const float *bias, int n, int cols);
+    /* optional: activations other than SiLU (loom_op_act_mul) */
+    void (*act_mul)(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
+    int attention_window; /* 1: attention honours loom_attn_args_t.window */
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;

@@ -12,14 +12,28 @@
 #include "common/util.h"
 #include "worker/qweights.h"
 
+/* The feed-forward block of a layer. Today every layer's is the dense gated
+ * MLP: down(act(gate(x)) * up(x)). A Mixture-of-Experts block would add a
+ * kind, a router and per-expert weights here; the layer loop calls
+ * run_ffn() and does not look inside. */
+typedef struct loom_ffn {
+    loom_weight_t w13; /* (2*hidden, dim): gate rows then up rows */
+    loom_weight_t w2;  /* (dim, hidden): this rank's input columns */
+} loom_ffn_t;
+
 typedef struct loom_layer {
     float *attn_norm;   /* (dim) */
     loom_weight_t wqkv; /* (qkv_dim, dim): this rank's q heads, then k heads, then v heads */
     float *bqkv;        /* (qkv_dim) the same rows' biases (Qwen2), or NULL */
+    float *q_norm;      /* (hd) per-head RMSNorm gain of q (Qwen3), or NULL */
+    float *k_norm;      /* (hd) the same for k */
+    int window;         /* attention window in positions; 0 = full attention */
     loom_weight_t wo;   /* (dim, n_heads*hd): this rank's input columns */
     float *ffn_norm;    /* (dim) */
-    loom_weight_t w13;  /* (2*hidden, dim): gate rows then up rows */
-    loom_weight_t w2;   /* (dim, hidden): this rank's input columns */
+    float *post_attn_norm; /* (dim) Gemma: norm of the attention output before the residual add, or NULL */
+    float *post_ffn_norm;  /* (dim) Gemma: the same for the feed-forward output */
+    const float *inv_freq; /* RoPE table of this layer (Gemma's sliding layers have their own) */
+    loom_ffn_t ffn;
     loom_kv_layer_t kv; /* (n_blocks, B, n_kv_heads, hd) K and V in opt.kv_dtype */
 } loom_layer_t;
 
@@ -37,6 +51,7 @@ struct loom_model {
     float *final_norm;    /* (dim), last stage */
     loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
     float *inv_freq;       /* (hd / 2) */
+    float *inv_freq_local; /* (hd / 2) Gemma 3's sliding layers: rope_local_base_freq, unscaled; or NULL */
     size_t weight_bytes;
     size_t matmul_bytes; /* of the matmul weights: what one decode step reads */
     int n_quantized;     /* matmul weights stored quantized */
@@ -84,6 +99,16 @@ static float *staging(loader_t *L, size_t n) {
     return L->tmp;
 }
 
+/* The cheap scan that refuses NaN and Inf weights, naming the tensor. One
+ * pass over what was just read, next to the conversion that read it. */
+static loom_status_t check_finite(const float *x, size_t n, const char *name, const char *file, loom_err_t *err) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s holds %s (element %zu of the slice read)",
+                                name, file ? file : "the checkpoint", isnan(x[i]) ? "NaN" : "Inf", i);
+    return LOOM_OK;
+}
+
 /* Reads rows [r0, r0+nr) x cols [c0, c0+nc) of a (rows, cols) tensor into dst. */
 static loom_status_t read_block(loader_t *L, const char *name, int64_t rows, int64_t cols,
                                 int64_t r0, int64_t nr, int64_t c0, int64_t nc, float *dst,
@@ -91,7 +116,9 @@ static loom_status_t read_block(loader_t *L, const char *name, int64_t rows, int
     const loom_st_tensor_t *t;
     int64_t shape[2] = {rows, cols};
     LOOM_CHECK(loom_st_get(L->st, name, cols > 0 ? 2 : 1, cols > 0 ? shape : &rows, &t, err));
-    return loom_st_read_f32(L->st, t, r0, nr, c0, cols > 0 ? nc : rows, dst, err);
+    int64_t ncols = cols > 0 ? nc : rows;
+    LOOM_CHECK(loom_st_read_f32(L->st, t, r0, nr, c0, ncols, dst, err));
+    return check_finite(dst, (size_t)nr * (size_t)ncols, name, t->file, err);
 }
 
 /* Reads elements [e0, e0+ne) of a 1-D tensor of n elements into dst. */
@@ -99,13 +126,16 @@ static loom_status_t read_slice(loader_t *L, const char *name, int64_t n, int64_
                                 loom_err_t *err) {
     const loom_st_tensor_t *t;
     LOOM_CHECK(loom_st_get(L->st, name, 1, &n, &t, err));
-    return loom_st_read_f32(L->st, t, 0, 1, e0, ne, dst, err);
+    LOOM_CHECK(loom_st_read_f32(L->st, t, 0, 1, e0, ne, dst, err));
+    return check_finite(dst, (size_t)ne, name, t->file, err);
 }
 
-static loom_status_t upload_vec(loader_t *L, const char *name, int64_t n, float **out, loom_err_t *err) {
+static loom_status_t upload_vec_add(loader_t *L, const char *name, int64_t n, float add, float **out,
+                                    loom_err_t *err) {
     float *h = staging(L, (size_t)n);
     if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
     LOOM_CHECK(read_block(L, name, n, 0, 0, 1, 0, n, h, err));
+    for (int64_t i = 0; add != 0.0f && i < n; i++) h[i] += add;
     *out = loom_backend_alloc(L->m->be, (size_t)n * sizeof(float));
     if (!*out) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for %s", name);
     loom_backend_upload(L->m->be, *out, h, (size_t)n * sizeof(float));
@@ -140,6 +170,11 @@ static loom_status_t upload_qweight(loader_t *L, loom_weight_t *w, const loom_qt
     L->m->matmul_bytes += loom_weight_bytes(w);
     L->m->n_quantized++;
     return LOOM_OK;
+}
+
+/* An RMSNorm gain: Gemma stores w and scales by (1 + w), folded in here. */
+static loom_status_t upload_norm(loader_t *L, const char *name, int64_t n, float **out, loom_err_t *err) {
+    return upload_vec_add(L, name, n, L->m->cfg.gemma ? 1.0f : 0.0f, out, err);
 }
 
 /* One stored linear (its name without ".weight") and the block of its rows
@@ -178,6 +213,14 @@ static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what
         for (int i = 0; i < n && s == LOOM_OK; i++)
             s = loom_qw_read(L->st, &m->cfg, parts[i].prefix, parts[i].rows, cols, parts[i].r0, parts[i].nr, c0, nc,
                              &qp[i], err);
+        for (int i = 0; i < n && s == LOOM_OK; i++) {
+            snprintf(name, sizeof name, "%s.scales", parts[i].prefix);
+            s = check_finite(qp[i].scales, loom_qtensor_scale_count(&qp[i]), name, NULL, err);
+            if (s == LOOM_OK && qp[i].mins) {
+                snprintf(name, sizeof name, "%s.mins", parts[i].prefix);
+                s = check_finite(qp[i].mins, loom_qtensor_scale_count(&qp[i]), name, NULL, err);
+            }
+        }
         if (s == LOOM_OK) s = loom_qw_stack_rows(qp, n, what, &qt, err);
         for (int i = 0; i < n; i++) loom_qtensor_free(&qp[i]);
         if (s == LOOM_OK) s = upload_qweight(L, w, &qt, what, err);
@@ -228,8 +271,14 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
 #define LNAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", gl, suffix), name)
 #define PNAME(buf, suffix) (snprintf(buf, sizeof buf, "model.layers.%d.%s", gl, suffix), buf)
 
-    LOOM_CHECK(upload_vec(L, LNAME("input_layernorm.weight"), dim, &ly->attn_norm, err));
-    LOOM_CHECK(upload_vec(L, LNAME("post_attention_layernorm.weight"), dim, &ly->ffn_norm, err));
+    LOOM_CHECK(upload_norm(L, LNAME("input_layernorm.weight"), dim, &ly->attn_norm, err));
+    if (c->gemma) { /* post_attention_layernorm normalises the attention output; the MLP has its own pair */
+        LOOM_CHECK(upload_norm(L, LNAME("post_attention_layernorm.weight"), dim, &ly->post_attn_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("pre_feedforward_layernorm.weight"), dim, &ly->ffn_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("post_feedforward_layernorm.weight"), dim, &ly->post_ffn_norm, err));
+    } else {
+        LOOM_CHECK(upload_norm(L, LNAME("post_attention_layernorm.weight"), dim, &ly->ffn_norm, err));
+    }
 
     /* q, k, v: this rank's heads stacked into one (qkv_dim, dim) matrix */
     int64_t qrows = (int64_t)c->n_heads * hd, kvrows = (int64_t)c->n_kv_heads * hd;
@@ -238,6 +287,13 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         {PNAME(pk, "self_attn.k_proj"), kvrows, (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd},
         {PNAME(pv, "self_attn.v_proj"), kvrows, (int64_t)d->kv_head_begin * hd, (int64_t)d->n_kv_heads * hd},
     };
+    if (c->fused_qkv) { /* Phi-3: one qkv_proj of q rows, then k rows, then v rows; this rank's heads of each */
+        const char *f = PNAME(pq, "self_attn.qkv_proj");
+        int64_t all = qrows + 2 * kvrows;
+        qkv[0] = (lin_part_t){f, all, qkv[0].r0, qkv[0].nr};
+        qkv[1] = (lin_part_t){f, all, qrows + qkv[1].r0, qkv[1].nr};
+        qkv[2] = (lin_part_t){f, all, qrows + kvrows + qkv[2].r0, qkv[2].nr};
+    }
     LOOM_CHECK(load_linear(L, &ly->wqkv, LNAME("self_attn.qkv"), qkv, 3, dim, 0, dim, err));
     if (c->attention_bias) {
         /* the biases of the same rows, stacked the same way */
@@ -255,8 +311,14 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         m->weight_bytes += (size_t)m->qkv_dim * sizeof(float);
     }
 
+    if (c->qk_norm) { /* Qwen3: one gain per head dimension, shared by the heads */
+        LOOM_CHECK(upload_norm(L, LNAME("self_attn.q_norm.weight"), hd, &ly->q_norm, err));
+        LOOM_CHECK(upload_norm(L, LNAME("self_attn.k_norm.weight"), hd, &ly->k_norm, err));
+    }
+    ly->window = loom_model_config_layer_window(c, gl);
+
     /* o: row-parallel, this rank's input columns */
-    lin_part_t o = {PNAME(pq, "self_attn.o_proj"), dim, 0, dim};
+    lin_part_t o = {PNAME(pk, "self_attn.o_proj"), dim, 0, dim};
     LOOM_CHECK(load_linear(L, &ly->wo, LNAME("self_attn.o_proj"), &o, 1, qrows, (int64_t)d->q_head_begin * hd,
                            (int64_t)d->n_heads * hd, err));
 
@@ -265,11 +327,16 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         {PNAME(pq, "mlp.gate_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
         {PNAME(pk, "mlp.up_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
     };
-    LOOM_CHECK(load_linear(L, &ly->w13, LNAME("mlp.gate_up"), gu, 2, dim, 0, dim, err));
+    if (c->fused_qkv) { /* Phi-3: gate_up_proj holds the gate rows, then the up rows */
+        const char *f = PNAME(pq, "mlp.gate_up_proj");
+        gu[0] = (lin_part_t){f, 2 * (int64_t)c->hidden_dim, d->hidden_begin, d->hidden};
+        gu[1] = (lin_part_t){f, 2 * (int64_t)c->hidden_dim, c->hidden_dim + d->hidden_begin, d->hidden};
+    }
+    LOOM_CHECK(load_linear(L, &ly->ffn.w13, LNAME("mlp.gate_up"), gu, 2, dim, 0, dim, err));
 
     /* down: row-parallel */
     lin_part_t dn = {PNAME(pq, "mlp.down_proj"), dim, 0, dim};
-    LOOM_CHECK(load_linear(L, &ly->w2, LNAME("mlp.down_proj"), &dn, 1, c->hidden_dim, d->hidden_begin, d->hidden,
+    LOOM_CHECK(load_linear(L, &ly->ffn.w2, LNAME("mlp.down_proj"), &dn, 1, c->hidden_dim, d->hidden_begin, d->hidden,
                            err));
 #undef LNAME
 #undef PNAME
@@ -305,7 +372,29 @@ static void rope_inv_freq(const loom_model_config_t *c, float *out) {
     int half = c->head_dim / 2;
     for (int j = 0; j < half; j++) {
         double inv = pow((double)c->rope_theta, -2.0 * j / (double)c->head_dim);
-        if (c->rope_scaling == LOOM_ROPE_LLAMA3) {
+        if (c->rope_scaling == LOOM_ROPE_LONGROPE) {
+            inv /= c->rope_ext_factor[j];
+        } else if (c->rope_scaling == LOOM_ROPE_LINEAR) {
+            inv /= c->rope_factor;
+        } else if (c->rope_scaling == LOOM_ROPE_YARN) {
+            /* NTK-by-parts: dimensions that turn fewer than beta_slow times
+             * over the original context are interpolated (/ factor), those
+             * that turn more than beta_fast times kept, a linear ramp between */
+            double d = c->head_dim, base = c->rope_theta, orig = c->rope_orig_max_pos;
+            double lo = d * log(orig / (c->rope_beta_fast * 2.0 * M_PI)) / (2.0 * log(base));
+            double hi = d * log(orig / (c->rope_beta_slow * 2.0 * M_PI)) / (2.0 * log(base));
+            if (c->rope_truncate) {
+                lo = floor(lo);
+                hi = ceil(hi);
+            }
+            if (lo < 0) lo = 0;
+            if (hi > d - 1) hi = d - 1;
+            if (lo == hi) hi += 0.001;
+            double ramp = ((double)j - lo) / (hi - lo);
+            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+            double extrap = 1.0 - ramp; /* weight of the unscaled frequency */
+            inv = inv / c->rope_factor * (1.0 - extrap) + inv * extrap;
+        } else if (c->rope_scaling == LOOM_ROPE_LLAMA3) {
             double orig = c->rope_orig_max_pos, factor = c->rope_factor;
             double lo = c->rope_low_freq_factor, hi = c->rope_high_freq_factor;
             double wavelen = 2.0 * M_PI / inv;
@@ -318,6 +407,127 @@ static void rope_inv_freq(const loom_model_config_t *c, float *out) {
         }
         out[j] = (float)inv;
     }
+}
+
+/* ---- checkpoint checks (before anything is allocated) ------------------ */
+
+/* Whether `suffix` (after "model.layers.N.") names a tensor this
+ * architecture reads. Linears may be stored float (.weight) or quantized
+ * (.qweight with .scales / .mins, or AWQ/GPTQ's .qzeros and .g_idx). */
+static int layer_tensor_used(const loom_model_config_t *c, const char *suffix) {
+    static const char *const split[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                        "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                        "mlp.down_proj"};
+    static const char *const fused[] = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                        "mlp.down_proj", "", "", ""};
+    const char *const *linears = c->fused_qkv ? fused : split;
+    static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
+    if (!strcmp(suffix, "input_layernorm.weight") || !strcmp(suffix, "post_attention_layernorm.weight"))
+        return 1;
+    if (c->gemma &&
+        (!strcmp(suffix, "pre_feedforward_layernorm.weight") || !strcmp(suffix, "post_feedforward_layernorm.weight")))
+        return 1;
+    if (c->qk_norm && (!strcmp(suffix, "self_attn.q_norm.weight") || !strcmp(suffix, "self_attn.k_norm.weight")))
+        return 1;
+    if (c->attention_bias && (!strcmp(suffix, "self_attn.q_proj.bias") || !strcmp(suffix, "self_attn.k_proj.bias") ||
+                              !strcmp(suffix, "self_attn.v_proj.bias")))
+        return 1;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(split); i++) {
+        size_t n = strlen(linears[i]);
+        if (!n) continue;
+        if (strncmp(suffix, linears[i], n) || suffix[n] != '.') continue;
+        for (size_t j = 0; j < LOOM_ARRAY_LEN(parts); j++)
+            if (!strcmp(suffix + n + 1, parts[j])) return 1;
+    }
+    return 0;
+}
+
+static int top_tensor_used(const loom_model_config_t *c, const char *name) {
+    static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
+    if (!strcmp(name, "model.embed_tokens.weight") || !strcmp(name, "model.norm.weight")) return 1;
+    /* a tied head reads the embedding; a stored lm_head is then not read
+     * (as in Transformers), except one `loom quantize` wrote */
+    if (!strcmp(name, "lm_head.weight")) return 1;
+    if (!strncmp(name, "lm_head.", 8))
+        for (size_t j = 0; j < LOOM_ARRAY_LEN(parts); j++)
+            if (!strcmp(name + 8, parts[j])) return 1;
+    (void)c;
+    return 0;
+}
+
+/* Tensors safe to skip: RoPE tables some exporters store (Loom computes them). */
+static int tensor_allowed_unused(const char *name) {
+    const char *p = strstr(name, "rotary_emb.inv_freq");
+    return p && p[strlen("rotary_emb.inv_freq")] == 0;
+}
+
+/* Checks config.json against the checkpoint before the shard allocates
+ * anything: the layer count, the embedding's shape, and that every tensor is
+ * one this architecture reads (the first that is not is named: a checkpoint
+ * relabelled to a model_type with fewer tensors fails here). */
+loom_status_t loom_model_check_checkpoint(const loom_model_config_t *c, const loom_st_t *st, loom_err_t *err) {
+    const loom_st_tensor_t *e = loom_st_find(st, "model.embed_tokens.weight");
+    if (!e) return loom_err_set(err, LOOM_ERR_FORMAT, "the checkpoint has no tensor 'model.embed_tokens.weight'");
+    if (e->n_dims != 2 || e->shape[0] != c->vocab_size || e->shape[1] != c->dim)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "tensor 'model.embed_tokens.weight' in %s has shape [%lld, %lld]; config.json says "
+                            "vocab_size %d, hidden_size %d",
+                            e->file, (long long)e->shape[0], (long long)(e->n_dims > 1 ? e->shape[1] : 0),
+                            c->vocab_size, c->dim);
+    long long layers = 0; /* 1 + the highest layer index present */
+    for (int i = 0; i < loom_st_count(st); i++) {
+        const loom_st_tensor_t *t = loom_st_at(st, i);
+        const char *name = t->name;
+        if (tensor_allowed_unused(name)) continue;
+        if (!strncmp(name, "model.layers.", 13)) {
+            char *end;
+            long long li = strtoll(name + 13, &end, 10);
+            if (end == name + 13 || *end != '.' || li < 0)
+                return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s: no layer index", name, t->file);
+            if (li >= c->n_layers)
+                return loom_err_set(err, LOOM_ERR_FORMAT,
+                                    "tensor '%s' in %s is in layer %lld, but config.json's num_hidden_layers is %d",
+                                    name, t->file, li, c->n_layers);
+            if (li + 1 > layers) layers = li + 1;
+            if (!layer_tensor_used(c, end + 1))
+                return loom_err_set(err, LOOM_ERR_FORMAT,
+                                    "tensor '%s' in %s is not used by a %s model (is config.json's model_type "
+                                    "right?)",
+                                    name, t->file, c->model_type);
+            continue;
+        }
+        if (!top_tensor_used(c, name))
+            return loom_err_set(err, LOOM_ERR_FORMAT,
+                                "tensor '%s' in %s is not used by a %s model (is config.json's model_type right?)",
+                                name, t->file, c->model_type);
+    }
+    if (layers != c->n_layers)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "config.json's num_hidden_layers is %d but the checkpoint has tensors for %lld layers",
+                            c->n_layers, layers);
+    return LOOM_OK;
+}
+
+/* x rounded to the precision of dtype (BF16 / F16: nearest even), as the
+ * checkpoint's dtype holds it. */
+static float round_to(float x, loom_dtype_t dt) {
+    if (dt == LOOM_DT_BF16) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(&x, &u, 4);
+        return x;
+    }
+    if (dt == LOOM_DT_F16) return (float)(_Float16)x;
+    return x;
+}
+
+/* Gemma scales the embedding rows by sqrt(hidden_size), the factor and the
+ * product in the embedding's dtype (Gemma3TextScaledWordEmbedding); done
+ * once here on the table. A tied LM head reads the unscaled checkpoint. */
+static void scale_embedding(float *h, size_t n, float scale, loom_dtype_t dt) {
+    const float s = round_to(scale, dt);
+    for (size_t i = 0; i < n; i++) h[i] = round_to(h[i] * s, dt);
 }
 
 static void *act_alloc(loom_model_t *m, size_t n, int *fail) {
@@ -360,9 +570,23 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (!loom_backend_kv_supported(be, opt->kv_dtype))
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "the %s backend has no %s KV cache", loom_backend_name(be),
                             loom_kv_dtype_name(opt->kv_dtype));
+    if (!loom_backend_act_supported(be, (loom_act_t)cfg->hidden_act))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "the %s backend has no kernel for this model's hidden_act",
+                            loom_backend_name(be));
+    for (int l = spec->layer_begin; l < spec->layer_end; l++)
+        if (loom_model_config_layer_window(cfg, l) && !loom_backend_attn_window_supported(be))
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                "the %s backend has no sliding-window attention (layer %d has a window of %d)",
+                                loom_backend_name(be), l, loom_model_config_layer_window(cfg, l));
+    LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
+    if (cfg->rope_ctx_capped)
+        LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
+                  "apply; the long factors beyond are not supported",
+                  cfg->max_seq_len);
     loom_model_t *m = loom_xcalloc(1, sizeof *m);
     m->be = be;
     m->cfg = *cfg;
+    if (!(m->cfg.rope_attn_factor > 0)) m->cfg.rope_attn_factor = 1.0f; /* a config not from the parser */
     m->spec = *spec;
     m->opt = *opt;
     m->scratch_block = -1;
@@ -401,6 +625,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
             s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the embedding table");
             goto fail_loader;
         }
+        if (cfg->embed_scale > 0) scale_embedding(h, (size_t)cfg->vocab_size * dim, cfg->embed_scale,
+                                                  loom_st_find(st, "model.embed_tokens.weight")->dtype);
         loom_backend_upload(be, m->embed, h, bytes);
         m->weight_bytes += bytes;
     }
@@ -411,7 +637,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         loom_progress_update(&prog, loom_st_bytes_read(st) - read0);
     }
     if (spec->has_head) {
-        s = upload_vec(&L, "model.norm.weight", dim, &m->final_norm, err);
+        s = upload_norm(&L, "model.norm.weight", dim, &m->final_norm, err);
         if (s < 0) goto fail_loader;
         /* a tied head reads the embedding, unless `loom quantize` stored it quantized */
         const char *head = cfg->tie_embeddings && !loom_qw_stored(st, "lm_head") ? "model.embed_tokens" : "lm_head";
@@ -435,6 +661,20 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         goto fail;
     }
     loom_backend_upload(be, m->inv_freq, inv, (size_t)(hd / 2) * sizeof(float));
+    if (cfg->gemma) { /* the sliding layers: their own base, no scaling */
+        loom_model_config_t local = *cfg;
+        local.rope_theta = cfg->rope_local_theta;
+        local.rope_scaling = LOOM_ROPE_NONE;
+        rope_inv_freq(&local, inv);
+        m->inv_freq_local = loom_backend_alloc(be, (size_t)(hd / 2) * sizeof(float));
+        if (!m->inv_freq_local) {
+            s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory");
+            goto fail;
+        }
+        loom_backend_upload(be, m->inv_freq_local, inv, (size_t)(hd / 2) * sizeof(float));
+    }
+    for (int i = 0; i < d->n_layers; i++)
+        m->layers[i].inv_freq = m->inv_freq_local && m->layers[i].window ? m->inv_freq_local : m->inv_freq;
 
     size_t T = (size_t)m->opt.max_tokens, NL = (size_t)m->opt.max_logits;
     int oom = 0;
@@ -486,11 +726,15 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_layer_t *ly = &m->layers[i];
             loom_backend_free(be, ly->attn_norm);
             loom_backend_free(be, ly->bqkv);
+            loom_backend_free(be, ly->q_norm);
+            loom_backend_free(be, ly->post_attn_norm);
+            loom_backend_free(be, ly->post_ffn_norm);
+            loom_backend_free(be, ly->k_norm);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
             loom_weight_free(be, &ly->wo);
-            loom_weight_free(be, &ly->w13);
-            loom_weight_free(be, &ly->w2);
+            loom_weight_free(be, &ly->ffn.w13);
+            loom_weight_free(be, &ly->ffn.w2);
         }
         free(m->layers);
     }
@@ -498,6 +742,7 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->final_norm);
     loom_weight_free(be, &m->lm_head);
     loom_backend_free(be, m->inv_freq);
+    loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
     float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) loom_backend_free(be, acts[i]);
@@ -603,6 +848,15 @@ typedef struct step_ops {
     const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
 } step_ops_t;
 
+/* The feed-forward block: xb (normed input) -> xb2, all-reduced. */
+static loom_status_t run_ffn(loom_model_t *m, const loom_ffn_t *f, int n, loom_err_t *err) {
+    loom_backend_t *be = m->be;
+    loom_op_matmul(be, m->gu, m->xb, &f->w13, n);
+    loom_op_act_mul(be, (loom_act_t)m->cfg.hidden_act, m->hb, m->gu, n, m->dims.hidden);
+    loom_op_matmul(be, m->xb2, m->hb, &f->w2, n);
+    return allreduce(m, m->xb2, (int64_t)n * m->cfg.dim, err);
+}
+
 /* Issues the step's ops: embedding, the layers, and the LM head. */
 static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *err) {
     const loom_model_config_t *c = &m->cfg;
@@ -625,24 +879,28 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_op_matmul(be, m->qkv, m->xb, &ly->wqkv, n);
         if (ly->bqkv) loom_op_add_bias(be, m->qkv, ly->bqkv, n, qd);
         float *q = m->qkv, *k = m->qkv + nh * hd, *v = k + nkv * hd;
-        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, m->inv_freq, &ly->kv, d_slots);
+        if (ly->q_norm) {
+            loom_op_head_rmsnorm(be, q, qd, n, nh, hd, ly->q_norm, c->norm_eps);
+            loom_op_head_rmsnorm(be, k, qd, n, nkv, hd, ly->k_norm, c->norm_eps);
+        }
+        loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, ly->inv_freq, &ly->kv, d_slots);
         loom_attn_args_t a = {
             .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
-            .scale = 1.0f / sqrtf((float)hd),
+            /* yarn and longrope scale q and k by their attention factor; Gemma sets the scale */
+            .scale = c->rope_attn_factor * c->rope_attn_factor *
+                     (c->query_scale > 0 ? c->query_scale : 1.0f / sqrtf((float)hd)),
             .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
             .kv = ly->kv, .block_size = m->block_size,
             .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
-            .max_blocks = so->max_blocks, .max_ctx = so->max_ctx,
+            .max_blocks = so->max_blocks, .max_ctx = so->max_ctx, .window = ly->window,
         };
         loom_op_attention(be, &a);
         loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
         LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        if (ly->post_attn_norm) loom_op_rmsnorm(be, m->xb2, m->xb2, ly->post_attn_norm, n, dim, c->norm_eps);
         loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, ly->ffn_norm, n, dim, c->norm_eps);
-        /* MLP */
-        loom_op_matmul(be, m->gu, m->xb, &ly->w13, n);
-        loom_op_silu_mul(be, m->hb, m->gu, n, d->hidden);
-        loom_op_matmul(be, m->xb2, m->hb, &ly->w2, n);
-        LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
+        LOOM_CHECK(run_ffn(m, &ly->ffn, n, err));
+        if (ly->post_ffn_norm) loom_op_rmsnorm(be, m->xb2, m->xb2, ly->post_ffn_norm, n, dim, c->norm_eps);
         if (l + 1 < d->n_layers)
             loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, m->layers[l + 1].attn_norm, n, dim, c->norm_eps);
         else

@@ -50,6 +50,11 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err);
 void loom_model_destroy(loom_model_t **m_p);
+/* What loom_model_load checks first, before allocating anything: config.json's
+ * layer count and embedding shape against the checkpoint, and that every
+ * tensor is one the architecture reads (or allow-listed, e.g.
+ * rotary_emb.inv_freq); errors name the tensor. */
+loom_status_t loom_model_check_checkpoint(const loom_model_config_t *cfg, const loom_st_t *st, loom_err_t *err);
 
 const loom_shard_dims_t *loom_model_dims(const loom_model_t *m);
 const loom_model_config_t *loom_model_config(const loom_model_t *m);

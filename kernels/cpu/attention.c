@@ -265,7 +265,12 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
     float *wblk = inv_sum + hpt;                    /* (hpt, B): I8 V weights */
     float *ksc = wblk + (int64_t)hpt * B;           /* (B): I8 key scales */
 
-    for (int p0 = 0; p0 < L; p0 += B) {
+    /* A sliding window starts at p_lo; whole blocks before it are skipped
+     * (their table entries may be freed), the positions of its first block
+     * before p_lo get no weight. */
+    const int p_lo = a->window > 0 && L > a->window ? L - a->window : 0;
+    const int b_lo = p_lo / B * B;
+    for (int p0 = b_lo; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
         const int64_t slot0 = (int64_t)bt[p0 / B] * B;
         const char *k = (const char *)a->kv.k + ((slot0 * kv_dim + (int64_t)kvh * hd) * (int64_t)esize);
@@ -280,17 +285,18 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
             g += G;
         }
     }
-    prefetch_ahead(a->kv.v, esize, bt, 0, L, B, kv_dim, kvh, hd); /* during the softmax */
+    prefetch_ahead(a->kv.v, esize, bt, b_lo, L, B, kv_dim, kvh, hd); /* during the softmax */
     for (int g = 0; g < hpt; g++) {
         float *s = scores + (int64_t)g * L;
-        inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s, L, loom_vec_max(s, L));
+        inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s + p_lo, L - p_lo, loom_vec_max(s + p_lo, L - p_lo));
+        for (int p = b_lo; p < p_lo; p++) s[p] = 0.0f;
     }
     memset(out, 0, sizeof(float) * (size_t)hpt * (size_t)hd);
-    for (int p0 = 0; p0 < L; p0 += B) {
+    for (int p0 = b_lo; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
         const int64_t slot0 = (int64_t)bt[p0 / B] * B;
         const char *v = (const char *)a->kv.v + ((slot0 * kv_dim + (int64_t)kvh * hd) * (int64_t)esize);
-        if (p0 > 0) prefetch_ahead(a->kv.v, esize, bt, p0, L, B, kv_dim, kvh, hd);
+        if (p0 > b_lo) prefetch_ahead(a->kv.v, esize, bt, p0, L, B, kv_dim, kvh, hd);
         const float *w = scores + p0;
         int64_t lw = L;
         if (dt == LOOM_DT_I8) { /* fold each row's scale into its weights */

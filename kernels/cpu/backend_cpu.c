@@ -542,6 +542,26 @@ static void cpu_silu_mul(loom_backend_t *be, float *out, const float *gu, int n,
     run_rows(cpu(be), &rc, 3 * (int64_t)hidden, silu_task);
 }
 
+struct act_ctx {
+    struct rows_ctx rc;
+    loom_act_t act;
+};
+
+static void act_task(void *p, int task, int thread) {
+    struct act_ctx *ac = p;
+    struct rows_ctx *rc = &ac->rc;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++) {
+        const float *gu = rc->x + (int64_t)i * 2 * rc->dim;
+        loom_vec_act_mul(ac->act, rc->y + (int64_t)i * rc->dim, gu, gu + rc->dim, rc->dim);
+    }
+}
+
+static void cpu_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden) {
+    struct act_ctx ac = {.rc = {.y = out, .x = gu, .n = n, .dim = hidden}, .act = act};
+    run_rows(cpu(be), &ac.rc, 8 * (int64_t)hidden, act_task); /* &ac.rc == &ac */
+}
+
 static void gather_task(void *p, int task, int thread) {
     struct rows_ctx *rc = p;
     ROW_RANGE(rc, task, i0, i1);
@@ -758,6 +778,8 @@ static const loom_backend_ops_t cpu_ops = {
     .add = cpu_add,
     .add_bias = cpu_add_bias,
     .silu_mul = cpu_silu_mul,
+    .act_mul = cpu_act_mul,
+    .attention_window = 1,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
     .rope = cpu_rope,

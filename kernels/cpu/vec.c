@@ -282,6 +282,44 @@ void loom_vec_silu_mul(float *out, const float *gate, const float *up, int hidde
         out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+/* Scalar: these activations serve the non-Llama families, whose decode is
+ * bound by the weight reads, not by this pass over the hidden rows. */
+void loom_vec_act_mul(loom_act_t act, float *out, const float *gate, const float *up, int hidden) {
+    if (act == LOOM_ACT_SILU) {
+        loom_vec_silu_mul(out, gate, up, hidden);
+        return;
+    }
+    int i = 0;
+#ifdef LOOM_VEC_SIMD
+    if (act == LOOM_ACT_GELU_TANH) { /* Gemma's GeGLU: 0.5(1 + tanh z) = sigmoid(2z), z = k(x + 0.044715x^3) */
+        const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.044715f),
+                     m2k = _mm256_set1_ps(-2.0f * 0.79788456080286536f);
+        for (; i + 8 <= hidden; i += 8) {
+            __m256 x = _mm256_loadu_ps(gate + i);
+            __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            __m256 e = exp8(_mm256_mul_ps(m2k, _mm256_add_ps(x, _mm256_mul_ps(c, x3))));
+            __m256 g = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(g, _mm256_loadu_ps(up + i)));
+        }
+    }
+#endif
+    for (; i < hidden; i++) {
+        const float x = gate[i];
+        float a;
+        switch (act) {
+        case LOOM_ACT_GELU: a = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); break;
+        case LOOM_ACT_GELU_TANH:
+            a = 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+            break;
+        case LOOM_ACT_QUICK_GELU: a = x / (1.0f + expf(-1.702f * x)); break;
+        case LOOM_ACT_RELU: a = x > 0 ? x : 0.0f; break;
+        case LOOM_ACT_RELU2: a = x > 0 ? x * x : 0.0f; break;
+        default: LOOM_ASSERT(!"unknown activation"); a = 0; break;
+        }
+        out[i] = a * up[i];
+    }
+}
+
 void loom_vec_rope(float *x, int n_heads, int hd, int32_t pos, const float *inv_freq) {
     LOOM_ASSERT(hd % 2 == 0 && hd <= LOOM_VEC_ROPE_MAX_HD);
     const int half = hd / 2;

@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 
+#include "kernels/backend.h"
+
 float loom_vec_dot(const float *a, const float *b, int n);
 /* y += a * x */
 void loom_vec_axpy(float *y, float a, const float *x, int n);
@@ -36,6 +38,8 @@ float loom_vec_f32_to_i8(int8_t *y, const float *x, int n);
 /* One row of each op (see backend.h for the semantics). */
 void loom_vec_rmsnorm(float *y, const float *x, const float *g, int dim, float eps);
 void loom_vec_silu_mul(float *out, const float *gate, const float *up, int hidden);
+/* out = act(gate) * up for any loom_act_t (kernels/backend.h). */
+void loom_vec_act_mul(loom_act_t act, float *out, const float *gate, const float *up, int hidden);
 /* Rotates n_heads heads of hd at x (head h at x + h*hd) by angles
  * pos * inv_freq[j], computed in double. hd is even and at most
  * LOOM_VEC_ROPE_MAX_HD. */

@@ -570,9 +570,9 @@ def test_chat_template_at_startup():
             with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
                 json.dump(cfg, f)
             return Coordinator(d, extra)
-        gemma = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' + "
-                 "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}")
-        co = start(gemma)
+        alpaca = ("{{ bos_token }}{% for message in messages %}{{ '### ' + message['role'] + ':\\n' + "
+                  "message['content'] | trim + '\\n\\n' }}{% endfor %}")  # a family Loom does not render
+        co = start(alpaca)
         try:
             rc = co.proc.wait(timeout=20)
             text = co.text()
@@ -580,13 +580,13 @@ def test_chat_template_at_startup():
                   "unrecognised template: rc %d, %s" % (rc, text[-800:]))
         finally:
             co.stop()
-        co = start(gemma, ["--chat-template", "llama3"])
+        co = start(alpaca, ["--chat-template", "llama3"])
         try:
             co.wait_http()
             check("chat template: llama3" in co.text(), "override not announced: %s" % co.text()[-800:])
         finally:
             co.stop()
-        co = start(gemma, ["--chat-template", "vicuna"])
+        co = start(alpaca, ["--chat-template", "vicuna"])
         try:
             rc = co.proc.wait(timeout=20)
             check(rc == 1 and "vicuna" in co.text() and "chatml" in co.text(), "bad name: %s" % co.text()[-500:])

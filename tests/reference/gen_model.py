@@ -43,9 +43,17 @@ def parse_args(argv):
     p.add_argument("--max-pos", type=int, default=1024)
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
-                   help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases")
+                   help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"], default=None,
+                   help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
+                        "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj")
+    p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
+    p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
+    p.add_argument("--sliding-pattern", type=int, default=2,
+                   help="gemma3: every Nth layer is global, the others slide (sliding_window_pattern)")
+    p.add_argument("--query-pre-attn-scalar", type=int, default=None, help="gemma3 (default: head dim)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
+    p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn", "longrope"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
     p.add_argument("--rope-low-freq-factor", type=float, default=1.0)
     p.add_argument("--rope-high-freq-factor", type=float, default=4.0)
@@ -60,6 +68,9 @@ def parse_args(argv):
     p.add_argument("--stats", action="store_true",
                    help="run the reference forward pass and print logit statistics")
     a = p.parse_args(argv)
+    if a.arch is None:
+        a.arch = "qwen2" if a.qwen2 else "llama"
+    a.qwen2 = a.arch == "qwen2"
     if a.kv_heads is None:
         a.kv_heads = a.heads
     if a.head_dim is None:
@@ -93,6 +104,14 @@ def tensor_specs(a):
         if a.qwen2:
             specs += [(pre + "self_attn.%s_proj.bias" % n, (rows * hd,), "bias")
                       for n, rows in (("q", a.heads), ("k", a.kv_heads), ("v", a.kv_heads))]
+        if a.arch == "qwen3":  # per-head RMSNorm gains of q and k
+            specs += [(pre + "self_attn.q_norm.weight", (hd,), "qknorm"),
+                      (pre + "self_attn.k_norm.weight", (hd,), "qknorm")]
+        if a.arch == "gemma3":  # (1+w) gains: stored near 0
+            specs += [(pre + "self_attn.q_norm.weight", (hd,), "gqknorm"),
+                      (pre + "self_attn.k_norm.weight", (hd,), "gqknorm"),
+                      (pre + "pre_feedforward_layernorm.weight", (a.dim,), "gnorm"),
+                      (pre + "post_feedforward_layernorm.weight", (a.dim,), "gnorm")]
         specs += [
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
             (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
@@ -103,10 +122,33 @@ def tensor_specs(a):
     specs.append(("model.norm.weight", (a.dim,), "norm"))
     if not a.tie:
         specs.append(("lm_head.weight", (a.vocab, a.dim), "lm_head"))
-    return specs
+    return fuse_specs(a, specs) if a.arch == "phi3" else specs
+
+
+def fuse_specs(a, specs):
+    """Phi-3's layout: q/k/v stacked into qkv_proj, gate/up into gate_up_proj.
+    Each part keeps its own name's values (and gain)."""
+    out = []
+    for name, shape, kind in specs:
+        for first, rest, fused in (("self_attn.q_proj.weight", ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                                    "self_attn.qkv_proj.weight"),
+                                   ("mlp.gate_proj.weight", ("mlp.up_proj.weight",), "mlp.gate_up_proj.weight")):
+            if name.endswith(first):
+                pre = name[:-len(first)]
+                parts = [(name, shape, kind)] + [s for s in specs if s[0] in [pre + r for r in rest]]
+                rows = sum(p[1][0] for p in parts)
+                out.append((pre + fused, (rows, shape[1]), ("fused", parts)))
+                break
+        else:
+            if not any(name.endswith(r) for r in ("self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                                   "mlp.up_proj.weight")):
+                out.append((name, shape, kind))
+    return out
 
 
 def make_tensor(seed, name, shape, kind):
+    if isinstance(kind, tuple):  # fused: the parts stacked by rows
+        return np.concatenate([make_tensor(seed, n, s, k) for n, s, k in kind[1]], axis=0)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
@@ -115,6 +157,14 @@ def make_tensor(seed, name, shape, kind):
     if kind == "norm":
         x *= np.float32(NORM_NOISE)
         x += np.float32(1.0)
+        return x
+    if kind == "gnorm":  # Gemma scales by 1 + w
+        return x * np.float32(NORM_NOISE)
+    if kind == "gqknorm":
+        return x * np.float32(0.5) + np.float32(0.5)
+    if kind == "qknorm":  # far from 1, so a loader that skips them gives other logits
+        x *= np.float32(0.5)
+        x += np.float32(1.5)
         return x
     # The embedding rows double as lm_head rows when tied; the final RMSNorm
     # makes the hidden state's rms ~1, so std LOGIT_GAIN/sqrt(dim) per weight
@@ -134,9 +184,21 @@ def make_config(a, st_dtype):
             "original_max_position_embeddings": a.rope_original_max_pos,
             "rope_type": "llama3",
         }
+    elif a.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": a.rope_factor}
+    elif a.rope_scaling == "yarn":  # max_position_embeddings = factor * original
+        rope_scaling = {"rope_type": "yarn", "factor": a.rope_factor,
+                        "original_max_position_embeddings": a.rope_original_max_pos}
+    elif a.rope_scaling == "longrope":  # Phi-3: factors per frequency; max_pos is the extended context
+        rng = np.random.default_rng([a.seed, 2])
+        rope_scaling = {"type": "longrope",
+                        "short_factor": [float(x) for x in np.round(rng.uniform(1.0, 4.0, a.head_dim // 2), 3)],
+                        "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, a.head_dim // 2), 3)]}
+    arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     c = {
-        "architectures": ["Qwen2ForCausalLM" if a.qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if a.qwen2 else "llama",
+        "architectures": [arch_names[a.arch]],
+        "model_type": a.arch,
         "hidden_size": a.dim,
         "intermediate_size": a.hidden_dim,
         "num_hidden_layers": a.layers,
@@ -148,7 +210,7 @@ def make_config(a, st_dtype):
         "rms_norm_eps": 1e-05,
         "rope_theta": a.rope_theta,
         "rope_scaling": rope_scaling,
-        "hidden_act": "silu",
+        "hidden_act": a.hidden_act,
         "tie_word_embeddings": bool(a.tie),
         "attention_bias": False,
         "mlp_bias": False,
@@ -162,6 +224,23 @@ def make_config(a, st_dtype):
     if a.qwen2:  # as Qwen2's config.json: biases implied, sliding window off
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": a.layers})
+    if a.arch == "qwen3":  # as Qwen3's config.json
+        del c["mlp_bias"], c["pretraining_tp"]
+        c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": a.layers})
+    if a.arch == "phi3":  # as Phi-3's config.json
+        del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"], c["head_dim"]
+        c.update({"sliding_window": a.sliding_window, "original_max_position_embeddings": a.rope_original_max_pos,
+                  "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attention_dropout": 0.0})
+    if a.arch == "gemma3":  # as Gemma3TextConfig's config.json
+        del c["mlp_bias"], c["pretraining_tp"], c["hidden_act"]
+        c.update({"model_type": "gemma3_text", "hidden_activation": a.hidden_act if a.hidden_act != "silu"
+                  else "gelu_pytorch_tanh", "query_pre_attn_scalar": a.query_pre_attn_scalar or a.head_dim,
+                  "sliding_window": a.sliding_window or 16, "sliding_window_pattern": a.sliding_pattern,
+                  "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
+                  "attn_logit_softcapping": None, "rms_norm_eps": 1e-06})
+    if a.arch == "mistral":
+        del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
+        c["sliding_window"] = a.sliding_window
     return c
 
 

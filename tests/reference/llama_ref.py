@@ -1,5 +1,11 @@
 """Independent reference for Loom's tests: the Hugging Face Llama forward pass in float64.
 
+Also the dense relatives as Transformers defines them: Qwen2 (q/k/v biases),
+Qwen3 (RMSNorm of each q and k head before RoPE), Mistral (a sliding window
+of `sliding_window` positions, the latest ones, the query's own included),
+the gated MLP with any hidden_act below, and RoPE scaling default, llama3,
+linear and yarn (whose attention factor multiplies cos and sin).
+
 Reads a model directory in Hugging Face layout (config.json plus safetensors,
 single or sharded; F32, F16 or BF16), runs the full forward pass with torch in
 float64 (no KV cache: every step recomputes the whole sequence), and writes
@@ -35,10 +41,15 @@ def log(*args):
 def read_config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
-    if c.get("model_type") not in ("llama", "qwen2", None):
-        log("warning: model_type %r, treating it as llama" % c.get("model_type"))
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError("unsupported hidden_act %r" % c.get("hidden_act"))
+    mt = c.get("model_type")
+    gemma = mt == "gemma3_text"
+    if gemma and "hidden_act" not in c:
+        c["hidden_act"] = c.get("hidden_activation", "gelu_pytorch_tanh")
+    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", None):
+        log("warning: model_type %r, treating it as llama" % mt)
+    act = c.get("hidden_act", "silu")
+    if act not in ACTS:
+        raise ValueError("unsupported hidden_act %r" % act)
     if c.get("mlp_bias"):
         raise ValueError("mlp biases are not supported")
     # Qwen2 has q/k/v biases without saying so in config.json
@@ -59,14 +70,33 @@ def read_config(model_dir):
         "tie": bool(c.get("tie_word_embeddings", False)),
         "max_pos": c.get("max_position_embeddings"),
         "qkv_bias": qkv_bias,
+        "act": act,
+        "qk_norm": mt in ("qwen3", "gemma3_text"),
+        # MistralConfig: an absent sliding_window is 4096, null is none
+        "window": (c.get("sliding_window", 4096) if mt == "mistral" else
+                   c.get("sliding_window") if mt == "phi3" else None),
+        "fused": mt == "phi3",
+        "gemma": gemma,
+        "orig_max_pos": c.get("original_max_position_embeddings"),
     }
     rs = cfg["rope_scaling"]
     if rs is not None:
         kind = rs.get("rope_type", rs.get("type"))
         if kind == "default":
             cfg["rope_scaling"] = None
-        elif kind != "llama3":
+        elif kind == "su":
+            rs["kind"] = "longrope"
+        elif kind not in ("llama3", "linear", "yarn", "longrope"):
             raise ValueError("unsupported rope_scaling type %r" % kind)
+        else:
+            rs["kind"] = kind
+    if gemma:  # Gemma3TextConfig: sliding layers (every layer but each pattern-th) and their RoPE base
+        n, pat = cfg["n_layers"], c.get("sliding_window_pattern", 6)
+        types = c.get("layer_types") or ["full_attention" if (i + 1) % pat == 0 else "sliding_attention"
+                                         for i in range(n)]
+        cfg["layer_window"] = [c.get("sliding_window", 4096) if t == "sliding_attention" else None for t in types]
+        cfg["local_theta"] = float(c.get("rope_local_base_freq", 10000.0))
+        cfg["scale"] = float(c.get("query_pre_attn_scalar", cfg["head_dim"])) ** -0.5
     if cfg["n_heads"] % cfg["n_kv_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
@@ -76,6 +106,18 @@ def load_model(model_dir):
     """-> dict with "cfg", "inv_freq" and float64 weights under their HF names."""
     cfg = read_config(model_dir)
     tensors, dtypes = safetensors_io.read_model_dir(model_dir)
+    if cfg["fused"]:  # Phi-3: split qkv_proj and gate_up_proj by rows, as Phi3Attention / Phi3MLP do
+        hd0 = cfg["head_dim"]
+        for i in range(cfg["n_layers"]):
+            p = "model.layers.%d." % i
+            qkv = tensors.pop(p + "self_attn.qkv_proj.weight")
+            nq, nk = cfg["n_heads"] * hd0, cfg["n_kv_heads"] * hd0
+            tensors[p + "self_attn.q_proj.weight"] = qkv[:nq]
+            tensors[p + "self_attn.k_proj.weight"] = qkv[nq:nq + nk]
+            tensors[p + "self_attn.v_proj.weight"] = qkv[nq + nk:]
+            gu = tensors.pop(p + "mlp.gate_up_proj.weight")
+            tensors[p + "mlp.gate_proj.weight"] = gu[:cfg["hidden_dim"]]
+            tensors[p + "mlp.up_proj.weight"] = gu[cfg["hidden_dim"]:]
     hd = cfg["head_dim"]
     want = {"model.embed_tokens.weight": (cfg["vocab"], cfg["dim"]),
             "model.norm.weight": (cfg["dim"],)}
@@ -89,6 +131,12 @@ def load_model(model_dir):
             want[p + "self_attn.q_proj.bias"] = (cfg["n_heads"] * hd,)
             want[p + "self_attn.k_proj.bias"] = (cfg["n_kv_heads"] * hd,)
             want[p + "self_attn.v_proj.bias"] = (cfg["n_kv_heads"] * hd,)
+        if cfg["qk_norm"]:
+            want[p + "self_attn.q_norm.weight"] = (hd,)
+            want[p + "self_attn.k_norm.weight"] = (hd,)
+        if cfg["gemma"]:
+            want[p + "pre_feedforward_layernorm.weight"] = (cfg["dim"],)
+            want[p + "post_feedforward_layernorm.weight"] = (cfg["dim"],)
         want[p + "self_attn.o_proj.weight"] = (cfg["dim"], cfg["n_heads"] * hd)
         want[p + "post_attention_layernorm.weight"] = (cfg["dim"],)
         want[p + "mlp.gate_proj.weight"] = (cfg["hidden_dim"], cfg["dim"])
@@ -112,10 +160,76 @@ def load_model(model_dir):
     log("loaded %s: %d layers, dim %d, heads %d/%d, head_dim %d, vocab %d, dtypes %s"
         % (model_dir, cfg["n_layers"], cfg["dim"], cfg["n_heads"], cfg["n_kv_heads"], hd,
            cfg["vocab"], ",".join(sorted(set(dtypes.values())))))
-    return {"cfg": cfg, "w": w, "inv_freq": rope_inv_freq(cfg)}
+    inv_freq, attn_factor = rope_params(cfg)
+    model = {"cfg": cfg, "w": w, "inv_freq": inv_freq, "attn_factor": attn_factor}
+    if cfg["gemma"]:
+        model["inv_freq_local"] = rope_inv_freq(dict(cfg, theta=cfg["local_theta"], rope_scaling=None))
+    return model
 
 
 # ---------------------------------------------------------------- the model
+
+# ACT2FN's definitions of the activations Loom runs.
+ACTS = {
+    "silu": lambda x: x * torch.sigmoid(x),
+    "swish": lambda x: x * torch.sigmoid(x),
+    "gelu": lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_python": lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+    "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": torch.relu,
+    "relu2": lambda x: torch.relu(x) ** 2,
+}
+
+
+def rope_params(cfg):
+    """-> (inv_freq, attention factor) for the config's rope_scaling."""
+    rs = cfg["rope_scaling"]
+    if rs is not None and rs["kind"] == "linear":
+        return rope_inv_freq(dict(cfg, rope_scaling=None)) / float(rs["factor"]), 1.0
+    if rs is not None and rs["kind"] == "yarn":
+        return yarn_inv_freq(cfg)
+    if rs is not None and rs["kind"] == "longrope":
+        return longrope_inv_freq(cfg)
+    return rope_inv_freq(cfg), 1.0
+
+
+def yarn_inv_freq(cfg):
+    """_compute_yarn_parameters: the NTK-by-parts blend of interpolated and
+    original frequencies, and the attention factor 0.1 ln(factor) + 1."""
+    rs, hd, base = cfg["rope_scaling"], cfg["head_dim"], cfg["theta"]
+    factor = float(rs["factor"])
+    orig = rs.get("original_max_position_embeddings") or cfg["max_pos"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return hd * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(hd // 2, dtype=DT) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, hd, 2, dtype=DT) / hd)
+    extra = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    af = rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv, af
+
+
+def longrope_inv_freq(cfg):
+    """_compute_longrope_parameters for sequences within original_max_position_embeddings
+    (the short factors), and its attention factor sqrt(1 + ln(factor) / ln(original))."""
+    rs, hd = cfg["rope_scaling"], cfg["head_dim"]
+    orig = rs.get("original_max_position_embeddings") or cfg["orig_max_pos"] or cfg["max_pos"]
+    factor = rs.get("factor") or cfg["max_pos"] / orig
+    af = rs.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+    ext = torch.tensor(rs["short_factor"], dtype=DT)
+    return 1.0 / (ext * cfg["theta"] ** (torch.arange(0, hd, 2, dtype=DT) / hd)), af
+
 
 def rope_inv_freq(cfg):
     """inv_freq as HF computes it, including _compute_llama3_parameters."""
@@ -159,37 +273,64 @@ def bias(w, p, n):
     return w.get(p + "self_attn.%s_proj.bias" % n, 0.0)
 
 
+def gemma_norm(x, weight, eps):
+    """Gemma3RMSNorm: x / rms(x) * (1 + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight)
+
+
 def forward(model, ids):
     """-> float64 logits (len(ids), vocab) for every position."""
     cfg, w = model["cfg"], model["w"]
     T = len(ids)
     H, KV, hd = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
+    gemma = cfg.get("gemma")
+    norm = gemma_norm if gemma else rmsnorm
     for t in ids:
         if not 0 <= t < cfg["vocab"]:
             raise ValueError("token id %d out of range [0, %d)" % (t, cfg["vocab"]))
     x = w["model.embed_tokens.weight"][torch.tensor(ids, dtype=torch.long)]  # (T, dim)
-    cos, sin = rope_cos_sin(model["inv_freq"], T)  # (T, hd)
-    mask = torch.full((T, T), float("-inf"), dtype=DT).triu(1)
+    if gemma:  # Gemma3TextScaledWordEmbedding (the checkpoints here are F32)
+        x = x * math.sqrt(cfg["dim"])
+    af = model.get("attn_factor", 1.0)
+    causal = torch.full((T, T), float("-inf"), dtype=DT).triu(1)
+    act = ACTS[cfg.get("act", "silu")]
+    scale = cfg.get("scale") or 1.0 / math.sqrt(hd)
     for i in range(cfg["n_layers"]):
         p = "model.layers.%d." % i
-        h = rmsnorm(x, w[p + "input_layernorm.weight"], cfg["eps"])
+        window = cfg["layer_window"][i] if gemma else cfg.get("window")
+        mask = causal
+        if window:  # key j is seen by query i when i - window < j <= i
+            mask = mask + torch.full((T, T), float("-inf"), dtype=DT).tril(-window)
+        inv = model["inv_freq_local"] if gemma and window else model["inv_freq"]
+        cos, sin = rope_cos_sin(inv, T)  # (T, hd)
+        if not (gemma and window):
+            cos, sin = cos * af, sin * af
+        h = norm(x, w[p + "input_layernorm.weight"], cfg["eps"])
         q, k, v = (h @ w[p + "self_attn.%s_proj.weight" % n].T + bias(w, p, n) for n in "qkv")
         q = q.view(T, H, hd).transpose(0, 1)
         k = k.view(T, KV, hd).transpose(0, 1)
         v = v.view(T, KV, hd).transpose(0, 1)
+        if cfg.get("qk_norm"):
+            q = norm(q, w[p + "self_attn.q_norm.weight"], cfg["eps"])
+            k = norm(k, w[p + "self_attn.k_norm.weight"], cfg["eps"])
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // KV, dim=0)  # (H, T, hd): head j reads kv head j // (H/KV)
         v = v.repeat_interleave(H // KV, dim=0)
-        scores = q @ k.transpose(1, 2) / math.sqrt(hd) + mask
+        scores = q @ k.transpose(1, 2) * scale + mask
         att = torch.softmax(scores, dim=-1)
-        o = (att @ v).transpose(0, 1).reshape(T, H * hd)
-        x = x + o @ w[p + "self_attn.o_proj.weight"].T
-        h = rmsnorm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
+        o = (att @ v).transpose(0, 1).reshape(T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
+        if gemma:  # post-attention norm, then the feed-forward between its pre and post norms
+            x = x + norm(o, w[p + "post_attention_layernorm.weight"], cfg["eps"])
+            h = norm(x, w[p + "pre_feedforward_layernorm.weight"], cfg["eps"])
+        else:
+            x = x + o
+            h = norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
         gate = h @ w[p + "mlp.gate_proj.weight"].T
         up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    x = rmsnorm(x, w["model.norm.weight"], cfg["eps"])
+        f = (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        x = x + (norm(f, w[p + "post_feedforward_layernorm.weight"], cfg["eps"]) if gemma else f)
+    x = norm(x, w["model.norm.weight"], cfg["eps"])
     return x @ w["lm_head.weight"].T
 
 
@@ -303,6 +444,25 @@ def alt_rope(vec, pos, freqs):
     return torch.cat([z.real, z.imag])
 
 
+def alt_act(name, g):
+    """The activations element by element with the math module."""
+    def one(x):
+        if name in ("silu", "swish"):
+            return x / (1 + math.exp(-x))
+        if name in ("gelu", "gelu_python"):
+            return 0.5 * x * (1 + math.erf(x / math.sqrt(2)))
+        if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+            return 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+        if name == "quick_gelu":
+            return x / (1 + math.exp(-1.702 * x))
+        if name == "relu":
+            return max(x, 0.0)
+        if name == "relu2":
+            return max(x, 0.0) ** 2
+        raise ValueError(name)
+    return torch.tensor([one(float(v)) for v in g], dtype=DT)
+
+
 def alt_forward(model, ids):
     """Second formulation of the forward pass: per-row norms, per-head per-query loops."""
     cfg, w = model["cfg"], model["w"]
@@ -323,6 +483,11 @@ def alt_forward(model, ids):
         hs = [norm(x[t], w[p + "input_layernorm.weight"]) for t in range(T)]
         qs = [wq @ h + bias(w, p, "q") for h in hs]
         ks = [wk @ h + bias(w, p, "k") for h in hs]
+        if cfg.get("qk_norm"):  # each head of hd on its own
+            qs = [torch.cat([norm(r[j * hd:(j + 1) * hd], w[p + "self_attn.q_norm.weight"]) for j in range(H)])
+                  for r in qs]
+            ks = [torch.cat([norm(r[j * hd:(j + 1) * hd], w[p + "self_attn.k_norm.weight"]) for j in range(KV)])
+                  for r in ks]
         vs = [wv @ h + bias(w, p, "v") for h in hs]
         attn_out = torch.zeros(T, H * hd, dtype=DT)
         for head in range(H):
@@ -330,13 +495,15 @@ def alt_forward(model, ids):
             q_rot = [alt_rope(qs[t][head * hd:(head + 1) * hd], t, freqs) for t in range(T)]
             k_rot = [alt_rope(ks[t][kvh * hd:(kvh + 1) * hd], t, freqs) for t in range(T)]
             for t in range(T):
-                s = [float(q_rot[t] @ k_rot[u]) / math.sqrt(hd) for u in range(t + 1)]
+                first = max(0, t - cfg["window"] + 1) if cfg.get("window") else 0
+                seen = range(first, t + 1)
+                s = [float(q_rot[t] @ k_rot[u]) / math.sqrt(hd) for u in seen]
                 top = max(s)
                 e = [math.exp(v - top) for v in s]
                 z = sum(e)
                 acc = torch.zeros(hd, dtype=DT)
-                for u in range(t + 1):
-                    acc += (e[u] / z) * vs[u][kvh * hd:(kvh + 1) * hd]
+                for ei, u in zip(e, seen):
+                    acc += (ei / z) * vs[u][kvh * hd:(kvh + 1) * hd]
                 attn_out[t, head * hd:(head + 1) * hd] = acc
         x = x + torch.stack([w[p + "self_attn.o_proj.weight"] @ attn_out[t] for t in range(T)])
         rows = []
@@ -344,7 +511,7 @@ def alt_forward(model, ids):
             h = norm(x[t], w[p + "post_attention_layernorm.weight"])
             g = w[p + "mlp.gate_proj.weight"] @ h
             u = w[p + "mlp.up_proj.weight"] @ h
-            rows.append(x[t] + w[p + "mlp.down_proj.weight"] @ (g / (1 + torch.exp(-g)) * u))
+            rows.append(x[t] + w[p + "mlp.down_proj.weight"] @ (alt_act(cfg.get("act", "silu"), g) * u))
         x = torch.stack(rows)
     emb = w["lm_head.weight"] if not cfg["tie"] else w["model.embed_tokens.weight"]
     return torch.stack([emb @ norm(x[t], w["model.norm.weight"]) for t in range(T)])
@@ -380,6 +547,10 @@ def self_test():
                             "--heads", "3", "--vocab", "61", "--tie", "--seed", "3",
                             "--rope-theta", "500"])
             gen_model.main(["--out", os.path.join(tmp, "qwen2"), "--qwen2"] + common)
+            gen_model.main(["--out", os.path.join(tmp, "qwen3"), "--arch", "qwen3", "--hidden-act",
+                            "gelu_pytorch_tanh"] + common[:-4])
+            gen_model.main(["--out", os.path.join(tmp, "mistral"), "--arch", "mistral", "--sliding-window", "5",
+                            "--hidden-act", "gelu"] + common[:-4])
         m = load_model(d_main)
         ms = load_model(d_shard)
         mt = load_model(d_tied)
@@ -406,9 +577,13 @@ def self_test():
         qb = alt_rope(v[0], 110, f_alt) @ alt_rope(v[1], 103, f_alt)
         check(abs(float(qa - qb)) < 1e-12, "RoPE scores depend on relative position only")
 
+        m3 = load_model(os.path.join(tmp, "qwen3"))
+        mm = load_model(os.path.join(tmp, "mistral"))
+        check(m3["cfg"]["qk_norm"] and mm["cfg"]["window"] == 5, "qwen3 q/k norms and mistral window read")
         ids = [1, 5, 17, 3, 96, 40, 2, 11, 64, 7, 0, 33]
         for name, model, toks in (("GQA+llama3", m, ids), ("tied MHA", mt, [t % 61 for t in ids]),
-                                  ("qwen2 biases", mq, ids)):
+                                  ("qwen2 biases", mq, ids), ("qwen3 q/k norms + gelu tanh", m3, ids),
+                                  ("mistral window 5 + gelu", mm, ids)):
             ref = forward(model, toks)
             alt = alt_forward(model, toks)
             err = float((ref - alt).abs().max() / ref.abs().max())
@@ -421,6 +596,15 @@ def self_test():
                "w": {k: v for k, v in mq["w"].items() if not k.endswith("_proj.bias")}}
         diff = float((forward(mq, ids) - forward(nob, ids)).abs().max() / forward(mq, ids).abs().max())
         check(diff > 1e-2, "qwen2 biases change the logits (rel %.2g)" % diff)
+
+        # The q/k norms and the window matter.
+        plain = {"cfg": dict(m3["cfg"], qk_norm=False), "inv_freq": m3["inv_freq"], "w": m3["w"]}
+        diff = float((forward(m3, ids) - forward(plain, ids)).abs().max() / forward(m3, ids).abs().max())
+        check(diff > 1e-2, "qwen3 q/k norms change the logits (rel %.2g)" % diff)
+        full_att = {"cfg": dict(mm["cfg"], window=None), "inv_freq": mm["inv_freq"], "w": mm["w"]}
+        a, b = forward(mm, ids), forward(full_att, ids)
+        check(float((a[:5] - b[:5]).abs().max()) < 1e-12 and float((a[5:] - b[5:]).abs().max()) > 1e-3,
+              "window 5: the first 5 positions see everything, later ones less")
 
         # Causality: the prefix's logits do not change when tokens are appended.
         full = forward(m, ids)

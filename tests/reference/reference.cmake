@@ -21,6 +21,36 @@ add_test(NAME reference_qwen2_bias
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_qwen2 random
                  --qwen2 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2 --vocab 512 --tie
                  --rope-theta 1000000 --seed 13)
+# Qwen3: per-head q/k RMSNorm before RoPE, head_dim 16 set apart from hidden/heads, yarn RoPE (factor 4 over
+# 256 positions: interpolated, ramped and kept frequencies), GQA, tied embeddings.
+add_test(NAME reference_qwen3
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_qwen3 random
+                 --arch qwen3 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2 --head-dim 16 --vocab 512
+                 --tie --rope-theta 1000000 --rope-scaling yarn --rope-factor 4 --rope-original-max-pos 256 --seed 17)
+# Mistral: a sliding window of 24 positions (the 88-token runs and 7-token prefill chunks cross it and the
+# 16-token blocks), GeGLU with the tanh gelu.
+add_test(NAME reference_mistral_window
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_mistral random
+                 --arch mistral --sliding-window 24 --hidden-act gelu_pytorch_tanh --dim 64 --hidden-dim 100
+                 --layers 3 --heads 8 --kv-heads 2 --vocab 512 --seed 19)
+# Phi-3: fused qkv_proj and gate_up_proj, longrope (short factors; the context is cut to the original 128
+# positions), a sliding window of 32.
+add_test(NAME reference_phi3
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_phi3 random
+                 --arch phi3 --sliding-window 32 --rope-scaling longrope --rope-original-max-pos 128 --max-pos 1024
+                 --dim 64 --hidden-dim 96 --layers 3 --heads 4 --vocab 512 --seed 29)
+# Gemma 3 text: (1+w) norms around both blocks, q/k norms, embeddings times sqrt(hidden), query_pre_attn_scalar
+# 24, layers alternating sliding (window 24, rope_local_base_freq) and global (rope_theta 1e6, linear scaling 2),
+# 4 heads of 32 over hidden 64, GeGLU (tanh), tied embeddings.
+add_test(NAME reference_gemma3
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gemma3 random
+                 --arch gemma3 --sliding-window 24 --sliding-pattern 2 --query-pre-attn-scalar 24 --rope-scaling linear
+                 --rope-factor 2 --rope-theta 1000000 --dim 64 --hidden-dim 96 --layers 4 --heads 4 --kv-heads 2
+                 --head-dim 32 --vocab 512 --tie --seed 31)
+# Llama with the erf gelu: a config Loom once loaded and ran as SiLU (linear RoPE scaling is reference_gemma3's).
+add_test(NAME reference_gelu
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
+                 --hidden-act gelu --dim 64 --hidden-dim 96 --layers 2 --heads 4 --vocab 512 --seed 23)
 # 4-bit checkpoints in the AWQ (GEMM, interleaved nibbles, zero point) and GPTQ layouts (v1 stores
 # zero points minus one; v2 symmetric with a trivial g_idx), against the reference on their dequantized weights.
 add_test(NAME reference_awq
@@ -31,5 +61,6 @@ add_test(NAME reference_gptq_v2
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias reference_awq reference_gptq reference_gptq_v2
+                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3 reference_gelu
+                     reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

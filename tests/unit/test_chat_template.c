@@ -62,6 +62,40 @@ static const char *k_gemma =
     "%}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if "
     "add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}";
 
+/* Gemma 3's template: a leading system message goes into the first user turn. */
+static const char *k_gemma3 =
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- endif -%}\n    {%- set "
+    "loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n    {%- set "
+    "loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n    {%- if (message['role'] == "
+    "'assistant') -%}\n        {%- set role = \"model\" -%}\n    {%- else -%}\n        {%- set role = message['role'] "
+    "-%}\n    {%- endif -%}\n    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{ message['content'] | trim }}\n    {{ '<end_of_turn>\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt "
+    "-%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n";
+
+/* Qwen3's template, cut to the parts that identify it: ChatML with <think> handling. */
+static const char *k_qwen3 =
+    "{%- for message in messages %}{%- if message.role == \"user\" or message.role == \"system\" %}{{- "
+    "'<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == "
+    "\"assistant\" %}{%- set content = message.content %}{%- if '</think>' in content %}{%- set content = "
+    "content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- if loop.index0 > ns.last_query_index %}{{- "
+    "'<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + "
+    "content.lstrip('\\n') }}{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}{{- "
+    "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- "
+    "endif %}{%- endif %}";
+
+static const char *k_phi3 =
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif "
+    "message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor "
+    "%}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}";
+
+/* A family Loom does not render (Alpaca-style headers). */
+static const char *k_alpaca =
+    "{{ bos_token }}{% for message in messages %}{{ '### ' + message['role'] + ':\\n' + message['content'] | trim + "
+    "'\\n\\n' }}{% endfor %}";
+
 static char *render(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen) {
     char *out = NULL;
     size_t len = 0;
@@ -89,14 +123,21 @@ static void test_detect(void) {
     CHECK(loom_chat_detect(k_qwen25) == LOOM_CHAT_CHATML);
     CHECK(loom_chat_detect(k_chatml) == LOOM_CHAT_CHATML);
     CHECK(loom_chat_detect(k_mistral) == LOOM_CHAT_MISTRAL);
-    CHECK(loom_chat_detect(k_gemma) == LOOM_CHAT_NONE);
+    CHECK(loom_chat_detect(k_gemma) == LOOM_CHAT_GEMMA);
+    CHECK(loom_chat_detect(k_gemma3) == LOOM_CHAT_GEMMA);
+    CHECK(loom_chat_detect(k_qwen3) == LOOM_CHAT_QWEN3);
+    CHECK(loom_chat_detect(k_phi3) == LOOM_CHAT_PHI3);
+    CHECK(loom_chat_detect(k_alpaca) == LOOM_CHAT_NONE);
     CHECK(loom_chat_detect("") == LOOM_CHAT_NONE);
     CHECK(loom_chat_detect(NULL) == LOOM_CHAT_NONE);
     CHECK(loom_chat_family_from_name("llama2") == LOOM_CHAT_LLAMA2);
     CHECK(loom_chat_family_from_name("llama3") == LOOM_CHAT_LLAMA3);
     CHECK(loom_chat_family_from_name("chatml") == LOOM_CHAT_CHATML);
     CHECK(loom_chat_family_from_name("mistral") == LOOM_CHAT_MISTRAL);
-    CHECK(loom_chat_family_from_name("gemma") == LOOM_CHAT_NONE);
+    CHECK(loom_chat_family_from_name("gemma") == LOOM_CHAT_GEMMA);
+    CHECK(loom_chat_family_from_name("qwen3") == LOOM_CHAT_QWEN3);
+    CHECK(loom_chat_family_from_name("phi3") == LOOM_CHAT_PHI3);
+    CHECK(loom_chat_family_from_name("vicuna") == LOOM_CHAT_NONE);
     CHECK(!strcmp(loom_chat_family_name(LOOM_CHAT_LLAMA3), "llama3"));
 }
 
@@ -227,14 +268,83 @@ static void test_mistral(void) {
     loom_chat_template_destroy(&t);
 }
 
+/* Strings written by hand from each family's Jinja template. */
+static void test_qwen3(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_chat_template_from_text(k_qwen3, NULL, NULL, "<|im_end|>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_QWEN3 && !t->default_system && !strcmp(t->bos, ""));
+    loom_chat_msg_t one[] = {{"user", "Hi"}};
+    CHECK_RENDER(t, one, 1, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    /* reasoning before the last user message is dropped; after it, kept and normalised */
+    loom_chat_msg_t conv[] = {{"system", "S"},
+                              {"user", "2+2?"},
+                              {"assistant", "<think>\nadd them\n</think>\n\n4"},
+                              {"user", "and 3+3?"},
+                              {"assistant", "<think>\n\nsame again\n\n</think>6"}};
+    CHECK_RENDER(t, conv, 0,
+                 "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                 "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nand 3+3?<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\nsame again\n</think>\n\n6<|im_end|>\n");
+    loom_chat_msg_t plain[] = {{"user", "a"}, {"assistant", "no thinking here"}, {"user", "b"}};
+    CHECK_RENDER(t, plain, 1,
+                 "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nno thinking here<|im_end|>\n"
+                 "<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n");
+    loom_chat_template_destroy(&t);
+}
+
+static void test_gemma(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_chat_template_from_text(k_gemma3, NULL, "<bos>", "<eos>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_GEMMA);
+    loom_chat_msg_t conv[] = {{"system", " Be brief. "}, {"user", "Hi "}, {"assistant", "Hello"}, {"user", "Bye"}};
+    CHECK_RENDER(t, conv, 1,
+                 "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+                 "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n");
+    loom_chat_msg_t one[] = {{"user", "Hi"}};
+    CHECK_RENDER(t, one, 0, "<bos><start_of_turn>user\nHi<end_of_turn>\n");
+    char *out = NULL;
+    loom_chat_msg_t bad[] = {{"user", "a"}, {"user", "b"}};
+    CHECK(loom_chat_render(t, bad, 2, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT && !out);
+    CHECKF(strstr(err.msg, "messages[1]") && strstr(err.msg, "gemma"), "%s", err.msg);
+    loom_chat_template_destroy(&t);
+}
+
+static void test_phi3(void) {
+    loom_chat_template_t *t = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_chat_template_from_text(k_phi3, NULL, "<s>", "<|endoftext|>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_PHI3);
+    loom_chat_msg_t conv[] = {{"system", "S"}, {"user", "Hi"}, {"assistant", "Hello"}, {"user", "Bye"}};
+    /* the template writes no bos_token (so the model's <s> is not added); eos_token ends a text without a
+     * generation prompt */
+    CHECK(!strcmp(t->bos, ""));
+    CHECK_RENDER(t, conv, 1,
+                 "<|system|>\nS<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n<|user|>\nBye<|end|>\n"
+                 "<|assistant|>\n");
+    loom_chat_msg_t one[] = {{"user", "Hi"}};
+    CHECK_RENDER(t, one, 0, "<|user|>\nHi<|end|>\n<|endoftext|>");
+    loom_chat_template_destroy(&t);
+    /* a Phi-3 template that writes bos_token keeps it */
+    REQUIRE(loom_chat_template_from_text("{{ bos_token }}", "phi3", "<s>", "<|endoftext|>", &t, &err) == LOOM_OK && t);
+    CHECK(!strcmp(t->bos, ""));
+    loom_chat_template_destroy(&t);
+    char with_bos[1024];
+    snprintf(with_bos, sizeof with_bos, "{{ bos_token }}%s", k_phi3);
+    REQUIRE(loom_chat_template_from_text(with_bos, NULL, "<s>", "<|endoftext|>", &t, &err) == LOOM_OK && t);
+    CHECK_RENDER(t, one, 1, "<s><|user|>\nHi<|end|>\n<|assistant|>\n");
+    loom_chat_template_destroy(&t);
+}
+
 static void test_override_and_errors(void) {
     loom_chat_template_t *t = NULL;
     loom_err_t err = {0};
     /* an unrecognised template is an error that names the choices ... */
-    CHECK(loom_chat_template_from_text(k_gemma, NULL, "<bos>", "<eos>", &t, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(loom_chat_template_from_text(k_alpaca, NULL, "<bos>", "<eos>", &t, &err) == LOOM_ERR_INVALID_ARGUMENT);
     CHECK(t == NULL && strstr(err.msg, "llama2, llama3, chatml, mistral") && strstr(err.msg, "--chat-template"));
     /* ... unless the override chooses a family */
-    CHECK(loom_chat_template_from_text(k_gemma, "llama3", "<bos>", "<eos>", &t, &err) == LOOM_OK && t &&
+    CHECK(loom_chat_template_from_text(k_alpaca, "llama3", "<bos>", "<eos>", &t, &err) == LOOM_OK && t &&
           t->family == LOOM_CHAT_LLAMA3 && !strcmp(t->bos, "<bos>"));
     loom_chat_template_destroy(&t);
     CHECK(loom_chat_template_from_text(k_llama2, "chatml", NULL, NULL, &t, &err) == LOOM_OK && t &&
@@ -306,7 +416,7 @@ static void test_load(void) {
     loom_chat_template_destroy(&t);
 
     /* an unrecognised template, and a broken config */
-    CHECK(write_file(dir, "chat_template.jinja", k_gemma) == 0);
+    CHECK(write_file(dir, "chat_template.jinja", k_alpaca) == 0);
     CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_ERR_INVALID_ARGUMENT && !t);
     CHECK(write_file(dir, "tokenizer_config.json", "{\"bos_token\": ") == 0);
     CHECK(loom_chat_template_load(dir, NULL, &t, &err) == LOOM_ERR_FORMAT && !t);
@@ -378,6 +488,9 @@ int main(void) {
     RUN(test_llama3);
     RUN(test_chatml);
     RUN(test_mistral);
+    RUN(test_qwen3);
+    RUN(test_gemma);
+    RUN(test_phi3);
     RUN(test_override_and_errors);
     RUN(test_load);
     RUN(test_spans);

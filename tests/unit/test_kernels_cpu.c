@@ -445,6 +445,80 @@ static void test_silu_mul(void) {
     }
 }
 
+/* Every activation of loom_op_act_mul against its definition in double. */
+static double act_ref(loom_act_t act, double x) {
+    switch (act) {
+    case LOOM_ACT_SILU: return x / (1.0 + exp(-x));
+    case LOOM_ACT_GELU: return 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
+    case LOOM_ACT_GELU_TANH: return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+    case LOOM_ACT_QUICK_GELU: return x / (1.0 + exp(-1.702 * x));
+    case LOOM_ACT_RELU: return x > 0 ? x : 0.0;
+    case LOOM_ACT_RELU2: return x > 0 ? x * x : 0.0;
+    }
+    return NAN;
+}
+
+static void test_act_mul(void) {
+    static const loom_act_t acts[] = {LOOM_ACT_SILU, LOOM_ACT_GELU, LOOM_ACT_GELU_TANH, LOOM_ACT_QUICK_GELU,
+                                      LOOM_ACT_RELU, LOOM_ACT_RELU2};
+    static const int hs[] = {1, 13, 257}, ns[] = {1, 40};
+    unsigned long long st = 15;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t k = 0; k < LOOM_ARRAY_LEN(acts); k++) {
+            CHECK(loom_backend_act_supported(be, acts[k]));
+            for (size_t a = 0; a < LOOM_ARRAY_LEN(hs); a++)
+                for (size_t b = 0; b < LOOM_ARRAY_LEN(ns); b++) {
+                    int n = ns[b], h = hs[a];
+                    float *gu = alloc_f((size_t)n * 2 * h), *out = alloc_f((size_t)n * h),
+                          *ref = alloc_f((size_t)n * h);
+                    fill(gu, (size_t)n * 2 * h, &st, 6.0f);
+                    gu[0] = -30.0f;
+                    for (int i = 0; i < n; i++)
+                        for (int j = 0; j < h; j++)
+                            ref[(int64_t)i * h + j] = (float)(act_ref(acts[k], gu[(int64_t)i * 2 * h + j]) *
+                                                              gu[(int64_t)i * 2 * h + h + j]);
+                    poison(out, (size_t)n * h);
+                    loom_op_act_mul(be, acts[k], out, gu, n, h);
+                    char what[64];
+                    snprintf(what, sizeof what, "act_mul %d t%d n%d h%d", (int)acts[k], k_threads[t], n, h);
+                    test_allclose(what, out, ref, (long)n * h, 1e-6, 1e-5);
+                    free(gu);
+                    free(out);
+                    free(ref);
+                }
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
+/* Per-head RMSNorm of strided rows (Qwen3's q/k norms) against the loop. */
+static void test_head_rmsnorm(void) {
+    unsigned long long st = 16;
+    loom_backend_t *be = make_backend(2, LOOM_DT_F32);
+    REQUIRE(be);
+    const int n = 7, heads = 3, hd = 24, stride = 100;
+    float *x = alloc_f((size_t)n * stride), *ref = alloc_f((size_t)n * stride), *g = alloc_f(hd);
+    fill(x, (size_t)n * stride, &st, 3.0f);
+    fill(g, hd, &st, 1.0f);
+    memcpy(ref, x, (size_t)n * stride * sizeof(float));
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < heads; h++) {
+            float *v = ref + (int64_t)i * stride + 5 + h * hd;
+            double ss = 0;
+            for (int d = 0; d < hd; d++) ss += (double)v[d] * v[d];
+            double inv = 1.0 / sqrt(ss / hd + 1e-6);
+            for (int d = 0; d < hd; d++) v[d] = (float)(v[d] * inv * g[d]);
+        }
+    loom_op_head_rmsnorm(be, x + 5, stride, n, heads, hd, g, 1e-6f);
+    test_allclose("head_rmsnorm (the columns around the heads untouched)", x, ref, (long)n * stride, 1e-6, 1e-5);
+    free(x);
+    free(ref);
+    free(g);
+    loom_backend_destroy(&be);
+}
+
 static void test_embed_gather(void) {
     unsigned long long st = 6;
     const int vocab = 37;
@@ -687,20 +761,22 @@ struct attn_case {
     int n_seqs;
     int seq_len[4];  /* cached positions after this step */
     int new_toks[4]; /* tokens of the sequence in this step (1 = decode) */
+    int window;      /* sliding window (0: none) */
 };
 
 static void naive_attention(float *out, int out_stride, const float *q, int q_stride,
                             const float *kc, const float *vc, int n, int nh, int nkv, int hd, int B,
                             const int32_t *tok_seq, const int32_t *tok_pos, const int32_t *bt,
-                            int max_blocks, float scale) {
+                            int max_blocks, float scale, int window) {
     int kv_dim = nkv * hd;
     double *sc = malloc(sizeof(double) * 20000);
     for (int i = 0; i < n; i++)
         for (int h = 0; h < nh; h++) {
             int kvh = h / (nh / nkv), L = tok_pos[i] + 1;
+            int p0 = window > 0 && L > window ? L - window : 0; /* (pos - window, pos] */
             const float *qh = q + (int64_t)i * q_stride + h * hd;
             double m = -INFINITY, sum = 0;
-            for (int p = 0; p < L; p++) {
+            for (int p = p0; p < L; p++) {
                 int64_t slot = (int64_t)bt[tok_seq[i] * max_blocks + p / B] * B + p % B;
                 const float *k = kc + slot * kv_dim + kvh * hd;
                 double s = 0;
@@ -709,11 +785,11 @@ static void naive_attention(float *out, int out_stride, const float *q, int q_st
                 sc[p] = s * scale;
                 if (sc[p] > m) m = sc[p];
             }
-            for (int p = 0; p < L; p++)
+            for (int p = p0; p < L; p++)
                 sum += (sc[p] = exp(sc[p] - m));
             for (int d = 0; d < hd; d++) {
                 double acc = 0;
-                for (int p = 0; p < L; p++) {
+                for (int p = p0; p < L; p++) {
                     int64_t slot = (int64_t)bt[tok_seq[i] * max_blocks + p / B] * B + p % B;
                     acc += sc[p] / sum * vc[slot * kv_dim + kvh * hd + d];
                 }
@@ -758,6 +834,17 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
         for (int b = 0; b < (c->seq_len[s] + B - 1) / B; b++)
             bt[s * max_blocks + b] = perm[next++];
 
+    /* A window: the blocks wholly before every query's window point at a
+     * spare (NaN) block, as freed blocks would be gone: reading one fails. */
+    if (c->window > 0) {
+        int first_tok = 0;
+        for (int s = 0; s < c->n_seqs; s++) {
+            int lo = c->seq_len[s] - c->new_toks[s] + 1 - c->window; /* the first query's first position */
+            for (int b = 0; lo > 0 && (b + 1) * B <= lo; b++) bt[s * max_blocks + b] = perm[total_blocks];
+            first_tok += c->new_toks[s];
+        }
+        (void)first_tok;
+    }
     /* Unwritten cache slots hold NaN: reading past a sequence's end fails. */
     size_t csz = (size_t)n_blocks * B * kv_dim;
     float *kc = alloc_f(csz), *vc = alloc_f(csz);
@@ -765,6 +852,7 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
     poison(vc, csz);
     for (int s = 0; s < c->n_seqs; s++)
         for (int p = 0; p < c->seq_len[s]; p++) {
+            if (bt[s * max_blocks + p / B] == perm[total_blocks]) continue; /* before the window: left NaN */
             int64_t slot = (int64_t)bt[s * max_blocks + p / B] * B + p % B;
             fill(kc + slot * kv_dim, kv_dim, st, 1.0f);
             fill(vc + slot * kv_dim, kv_dim, st, 1.0f);
@@ -803,9 +891,9 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
     }
     memcpy(ref32, ref, (size_t)n * out_stride * sizeof(float));
     naive_attention(ref, out_stride, q, q_stride, kd, vd, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
-                    max_blocks, scale);
+                    max_blocks, scale, c->window);
     naive_attention(ref32, out_stride, q, q_stride, kc, vc, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
-                    max_blocks, scale);
+                    max_blocks, scale, c->window);
     loom_attn_args_t a = {.n = n,
                           .n_heads = nh,
                           .n_kv_heads = nkv,
@@ -821,11 +909,12 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
                           .tok_pos = tok_pos,
                           .block_tables = bt,
                           .max_blocks = max_blocks,
-                          .max_ctx = max_ctx};
+                          .max_ctx = max_ctx,
+                          .window = c->window};
     loom_op_attention(be, &a);
-    char what[96];
-    snprintf(what, sizeof what, "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d",
-             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx);
+    char what[112];
+    snprintf(what, sizeof what, "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d window%d",
+             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx, c->window);
     int ok = test_allclose(what, out, ref, (long)n * out_stride, 1e-5, 1e-4);
     if (dt != LOOM_DT_F32) {
         const double tol = dt == LOOM_DT_BF16 ? 2e-2 : 4e-2;
@@ -888,6 +977,16 @@ static void test_attention(void) {
                                     .seq_len = {9000, 20},
                                     .new_toks = {1, 2}};
             run_attention_case(be, &lng, dt, &st);
+            /* Sliding windows: shorter and longer than the contexts, a block multiple and not, with the
+             * blocks wholly before the window poisoned (decodes and prefill chunks that straddle it). */
+            static const int windows[] = {1, 5, 24, 69}, wBs[] = {3, 16};
+            for (size_t w = 0; w < LOOM_ARRAY_LEN(windows); w++)
+                for (size_t b = 0; b < LOOM_ARRAY_LEN(wBs); b++) {
+                    struct attn_case c = {.nh = 6, .nkv = 2, .hd = 24, .B = wBs[b], .n_seqs = 4,
+                                          .seq_len = {1, 37, 70, 30}, .new_toks = {1, 5, 1, 9},
+                                          .window = windows[w]};
+                    run_attention_case(be, &c, dt, &st);
+                }
         }
         loom_backend_destroy(&be);
     }
@@ -949,6 +1048,8 @@ int main(void) {
     RUN(test_kv_dtypes);
     RUN(test_kv_write);
     RUN(test_attention);
+    RUN(test_act_mul);
+    RUN(test_head_rmsnorm);
     RUN(test_sample_shard);
     return test_summary();
 }

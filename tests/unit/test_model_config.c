@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -244,10 +245,13 @@ static void test_errors(void) {
     expect_err(__LINE__, "model_type", "\"gpt2\"", LOOM_ERR_UNSUPPORTED,
                "config.json: model_type 'gpt2' is not supported");
     expect_err(__LINE__, "mlp_bias", "true", LOOM_ERR_UNSUPPORTED, "config.json: mlp_bias is true");
-    expect_err(__LINE__, "rope_scaling", "{\"type\":\"linear\",\"factor\":2}", LOOM_ERR_UNSUPPORTED,
-               "config.json: rope_scaling type 'linear' is not supported");
-    expect_err(__LINE__, "rope_scaling", "{\"rope_type\":\"yarn\",\"factor\":4}",
-               LOOM_ERR_UNSUPPORTED, "rope_scaling type 'yarn'");
+    ERR("rope_scaling", "{\"type\":\"longrope\",\"factor\":2}",
+        "config.json: rope_scaling.short_factor must list head_dim / 2 (4) numbers");
+    ERR("rope_scaling", "{\"type\":\"su\",\"short_factor\":[1,1,1,1],\"long_factor\":[1,1,1,-1]}",
+        "rope_scaling.long_factor[3] must be a positive number");
+    expect_err(__LINE__, "rope_scaling", "{\"rope_type\":\"yarn\",\"factor\":4,\"mscale\":1}",
+               LOOM_ERR_UNSUPPORTED, "rope_scaling.mscale");
+    ERR("rope_scaling", "{\"type\":\"linear\"}", "rope_scaling.factor is missing");
     expect_err(__LINE__, "rope_scaling", "{\"type\":\"dynamic\",\"factor\":2}",
                LOOM_ERR_UNSUPPORTED, "rope_scaling type 'dynamic'");
     ERR("rope_scaling", "{\"factor\":2}", "rope_scaling needs a string \"rope_type\"");
@@ -312,6 +316,136 @@ static uint64_t rng_next(uint64_t *s) {
 }
 
 /* Mutated configs parse or fail with a status, never crash. */
+/* The families beyond Llama, and the keys that change the math: each is
+ * read into the config or refused by name (docs/model-format.md). */
+static void test_families_and_refused_keys(void) {
+#define BASE "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,\"num_attention_heads\":8," \
+             "\"num_key_value_heads\":4,\"vocab_size\":100,\"max_position_embeddings\":4096"
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    CHECKF(parse("{\"model_type\":\"qwen3\"," BASE ",\"head_dim\":16}", &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.qk_norm && !c.attention_bias && c.head_dim == 16 && c.hidden_act == LOOM_HIDDEN_SILU);
+    CHECK(!c.sliding_window && !loom_model_config_all_windowed(&c));
+    CHECKF(parse("{\"model_type\":\"qwen2\"," BASE "}", &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!c.qk_norm);
+
+    /* Mistral: sliding_window absent means 4096 (MistralConfig), null none */
+    CHECKF(parse("{\"model_type\":\"mistral\"," BASE ",\"sliding_window\":32}", &c, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECK(c.sliding_window == 32 && loom_model_config_layer_window(&c, 1) == 32 && loom_model_config_all_windowed(&c));
+    CHECK(parse("{\"model_type\":\"mistral\"," BASE ",\"sliding_window\":null}", &c, &err) == LOOM_OK);
+    CHECK(c.sliding_window == 0);
+    CHECK(parse("{\"model_type\":\"mistral\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                "\"num_attention_heads\":8,\"vocab_size\":100,\"max_position_embeddings\":32768}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.sliding_window == 4096);
+    /* a llama config's sliding_window is not read (LlamaConfig has none) */
+    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"sliding_window\":32}", &c, &err) == LOOM_OK);
+    CHECK(c.sliding_window == 0);
+
+    /* hidden_act */
+    static const struct {
+        const char *name;
+        loom_hidden_act_t act;
+    } acts[] = {{"silu", LOOM_HIDDEN_SILU},          {"gelu", LOOM_HIDDEN_GELU},
+                {"gelu_new", LOOM_HIDDEN_GELU_TANH}, {"gelu_pytorch_tanh", LOOM_HIDDEN_GELU_TANH},
+                {"relu", LOOM_HIDDEN_RELU},          {"quick_gelu", LOOM_HIDDEN_QUICK_GELU}};
+    char json[1024];
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) {
+        snprintf(json, sizeof json, "{\"model_type\":\"llama\"," BASE ",\"hidden_act\":\"%s\"}", acts[i].name);
+        CHECKF(parse(json, &c, &err) == LOOM_OK && c.hidden_act == acts[i].act, "%s: %s", acts[i].name, err.msg);
+    }
+    expect_err(__LINE__, "hidden_act", "\"mish\"", LOOM_ERR_UNSUPPORTED, "hidden_act 'mish' is not supported");
+    ERR("hidden_act", "3", "hidden_act must be a string");
+
+    /* keys Loom cannot honour are refused by name */
+    expect_err(__LINE__, "attn_logit_softcapping", "50.0", LOOM_ERR_UNSUPPORTED, "attn_logit_softcapping");
+    expect_err(__LINE__, "final_logit_softcapping", "30.0", LOOM_ERR_UNSUPPORTED, "final_logit_softcapping");
+    expect_err(__LINE__, "query_pre_attn_scalar", "256", LOOM_ERR_UNSUPPORTED, "query_pre_attn_scalar");
+    expect_err(__LINE__, "num_local_experts", "8", LOOM_ERR_UNSUPPORTED, "num_local_experts");
+    expect_err(__LINE__, "num_experts", "64", LOOM_ERR_UNSUPPORTED, "num_experts");
+    expect_err(__LINE__, "partial_rotary_factor", "0.75", LOOM_ERR_UNSUPPORTED, "partial_rotary_factor");
+    expect_err(__LINE__, "use_sliding_window", "true", LOOM_ERR_UNSUPPORTED, "use_sliding_window");
+    expect_err(__LINE__, "layer_types", "[\"sliding_attention\",\"full_attention\"]", LOOM_ERR_UNSUPPORTED,
+               "layer_types entry 'sliding_attention'");
+    ERR("layer_types", "[\"full_attention\"]", "layer_types must list num_hidden_layers (2) entries");
+    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"num_experts\":0,\"partial_rotary_factor\":1.0,"
+                "\"use_sliding_window\":false,\"layer_types\":[\"full_attention\",\"full_attention\"]}",
+                &c, &err) == LOOM_OK);
+
+    /* RoPE: linear and yarn */
+    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"rope_scaling\":{\"type\":\"linear\",\"factor\":4}}", &c,
+                &err) == LOOM_OK);
+    CHECK(c.rope_scaling == LOOM_ROPE_LINEAR && c.rope_factor == 4.0f && c.rope_attn_factor == 1.0f);
+    CHECKF(parse("{\"model_type\":\"qwen3\"," BASE ",\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":4,"
+                 "\"original_max_position_embeddings\":1024}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.rope_scaling == LOOM_ROPE_YARN && c.rope_orig_max_pos == 1024 && c.rope_beta_fast == 32.0f &&
+          c.rope_beta_slow == 1.0f && c.rope_truncate);
+    CHECKF(fabsf(c.rope_attn_factor - (float)(0.1 * log(4.0) + 1.0)) < 1e-6f, "%g", (double)c.rope_attn_factor);
+    /* factor disagreeing with max_position_embeddings / original: the default
+     * attention factor differs between Transformers versions, so refused */
+    CHECK(parse("{\"model_type\":\"qwen3\"," BASE ",\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":2,"
+                "\"original_max_position_embeddings\":1024}}",
+                &c, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECKF(strstr(err.msg, "attention_factor") != NULL, "%s", err.msg);
+    CHECK(parse("{\"model_type\":\"qwen3\"," BASE ",\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":2,"
+                "\"original_max_position_embeddings\":1024,\"attention_factor\":1.5,\"beta_fast\":16}}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.rope_attn_factor == 1.5f && c.rope_beta_fast == 16.0f);
+    /* Transformers 5: rope_parameters holds rope_theta and the type */
+    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"rope_parameters\":{\"rope_type\":\"default\","
+                "\"rope_theta\":500000}}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.rope_theta == 500000.0f && c.rope_scaling == LOOM_ROPE_NONE);
+    CHECK(parse("{\"model_type\":\"llama\"," BASE ",\"rope_parameters\":{\"rope_type\":\"dynamic\","
+                "\"rope_theta\":500000}}",
+                &c, &err) == LOOM_ERR_UNSUPPORTED);
+    /* Phi-3: fused projections, its sliding window, longrope cut to the original context */
+    CHECKF(parse("{\"model_type\":\"phi3\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                 "\"num_attention_heads\":8,\"vocab_size\":100,\"max_position_embeddings\":131072,"
+                 "\"original_max_position_embeddings\":4096,\"sliding_window\":2047,\"rope_scaling\":{\"type\":"
+                 "\"longrope\",\"short_factor\":[1,2,3,4],\"long_factor\":[5,6,7,8]}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.fused_qkv && c.sliding_window == 2047 && c.rope_scaling == LOOM_ROPE_LONGROPE);
+    CHECK(c.max_seq_len == 4096 && c.rope_ctx_capped && c.rope_orig_max_pos == 4096 && c.rope_ext_factor[2] == 3.0f);
+    CHECKF(fabsf(c.rope_attn_factor - (float)sqrt(1.0 + log(32.0) / log(4096.0))) < 1e-6f, "%g",
+           (double)c.rope_attn_factor);
+    CHECK(parse("{\"model_type\":\"phi3\"," BASE "}", &c, &err) == LOOM_OK);
+    CHECK(c.fused_qkv && c.sliding_window == 0 && !c.rope_ctx_capped && c.max_seq_len == 4096);
+
+    /* Gemma 3 text: its defaults, and layer_types over sliding_window_pattern */
+    CHECKF(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"head_dim\":32,\"query_pre_attn_scalar\":24,"
+                 "\"sliding_window\":512,\"final_logit_softcapping\":null,\"attn_logit_softcapping\":null}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.gemma && c.qk_norm && c.hidden_act == LOOM_HIDDEN_GELU_TANH && c.sliding_pattern == 6);
+    CHECK(fabsf(c.query_scale - 1.0f / sqrtf(24.0f)) < 1e-7f && fabsf(c.embed_scale - 8.0f) < 1e-6f);
+    CHECK(c.rope_local_theta == 10000.0f && loom_model_config_layer_window(&c, 0) == 512 &&
+          loom_model_config_layer_window(&c, 5) == 0);
+    CHECK(loom_model_config_all_windowed(&c)); /* 2 layers under a pattern of 6: both slide */
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"sliding_window\":8,\"layer_types\":"
+                "[\"full_attention\",\"sliding_attention\"]}",
+                &c, &err) == LOOM_OK);
+    CHECK(loom_model_config_layer_window(&c, 0) == 0 && loom_model_config_layer_window(&c, 1) == 8);
+    CHECK(!loom_model_config_all_windowed(&c));
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"attn_logit_softcapping\":50}", &c, &err) ==
+          LOOM_ERR_UNSUPPORTED);
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE "}", &c, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"rope_scaling\":{\"rope_type\":\"yarn\","
+                "\"factor\":2}}",
+                &c, &err) == LOOM_ERR_UNSUPPORTED);
+
+    /* absurd sizes parse (they fit an int); the loader checks them against the checkpoint */
+    CHECK(parse("{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":1e9,"
+                "\"num_attention_heads\":8,\"vocab_size\":100}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.n_layers == 1000000000);
+#undef BASE
+}
+
 static void test_fuzz(void) {
     size_t len = strlen(k_llama3);
     char *mut = loom_xmalloc(len + 1);
@@ -409,6 +543,7 @@ int main(void) {
     RUN(test_qwen2_and_defaults);
     RUN(test_generation_config);
     RUN(test_errors);
+    RUN(test_families_and_refused_keys);
     RUN(test_quantization_config);
     RUN(test_fuzz);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);

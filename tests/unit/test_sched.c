@@ -22,8 +22,12 @@ typedef struct sim {
     int32_t *kv_tok; /* (n_blocks * B) token at each slot */
     int32_t *kv_pos; /* position written at each slot */
     int B, n_slots;
+    int window;      /* a sliding-window model: position p reads (p - window, p] only */
     int bad;
 } sim_t;
+
+/* The first position a query at `pos` reads. */
+static int first_seen(int pos, int window) { return window > 0 && pos + 1 > window ? pos + 1 - window : 0; }
 
 /* Runs a micro-batch on the simulated model; returns the sampled ids. */
 static void sim_run(sim_t *sm, const loom_microbatch_t *mb, int32_t *ids) {
@@ -41,7 +45,8 @@ static void sim_run(sim_t *sm, const loom_microbatch_t *mb, int32_t *ids) {
     for (int r = 0; r < mb->n_logits; r++) {
         int row = mb->logit_rows[r], si = mb->tok_seq[row], pos = mb->pos[row];
         const int32_t *bt = mb->block_tables + (size_t)si * mb->max_blocks;
-        for (int p = 0; p <= pos; p++) {
+        int p0 = first_seen(pos, sm->window);
+        for (int p = p0; p <= pos; p++) {
             int b = bt[p / sm->B];
             if (b < 0) {
                 sm->bad++;
@@ -52,7 +57,7 @@ static void sim_run(sim_t *sm, const loom_microbatch_t *mb, int32_t *ids) {
             if (sm->kv_pos[slot] != p) sm->bad++;
             ctx[p] = sm->kv_tok[slot];
         }
-        ids[r] = next_token(ctx, pos + 1);
+        ids[r] = next_token(ctx + p0, pos + 1 - p0);
     }
 }
 
@@ -83,12 +88,13 @@ static void on_token(void *p, loom_seq_t *q, int32_t id) {
 }
 
 /* Reference: what the sequence must produce, from its tokens alone. */
-static int check_outputs(const req_t *r) {
+static int check_outputs(const req_t *r, int window) {
     int32_t ctx[1024];
     memcpy(ctx, r->prompt, (size_t)r->n_prompt * 4);
     int n = r->n_prompt;
     for (int i = 0; i < r->n_out; i++) {
-        int32_t want = next_token(ctx, n);
+        int p0 = first_seen(n - 1, window);
+        int32_t want = next_token(ctx + p0, n - p0);
         if (r->out[i] != want) return 0;
         ctx[n++] = want;
     }
@@ -97,13 +103,13 @@ static int check_outputs(const req_t *r) {
 
 /* Runs n requests to completion with n_micro micro-batches in flight,
  * completing the oldest first as a pipeline does. */
-static void run_load(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step,
-                     int shared_prefix, int cancel, uint64_t seed, loom_sched_stats_t *out_stats) {
+static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step,
+                            int shared_prefix, int cancel, uint64_t seed, int window, loom_sched_stats_t *out_stats) {
     loom_sched_config_t cfg = {.max_num_seqs = max_seqs, .max_batched_tokens = max_tokens_step,
                                .max_queue = 1000, .max_model_len = 512, .n_micro = n_micro,
-                               .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1};
+                               .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window};
     loom_sched_t *s = loom_sched_create(&cfg);
-    sim_t sm = {.B = 4, .n_slots = n_blocks * 4};
+    sim_t sm = {.B = 4, .n_slots = n_blocks * 4, .window = window};
     sm.kv_tok = calloc((size_t)sm.n_slots, 4);
     sm.kv_pos = malloc((size_t)sm.n_slots * 4);
     memset(sm.kv_pos, 0xff, (size_t)sm.n_slots * 4);
@@ -146,7 +152,7 @@ static void run_load(int n_reqs, int n_blocks, int n_micro, int max_seqs, int ma
     int wrong = 0;
     for (int i = 0; i < n_reqs; i++) {
         CHECK(reqs[i].done);
-        if (!check_outputs(&reqs[i])) wrong++;
+        if (!check_outputs(&reqs[i], window)) wrong++;
         if (!reqs[i].cancel_at) CHECK(reqs[i].n_out == reqs[i].max_tokens);
     }
     CHECKF(wrong == 0, "%d of %d sequences produced wrong tokens", wrong, n_reqs);
@@ -183,6 +189,29 @@ static void test_ledger_basics(void) {
     CHECK(loom_kv_check(L) == 0);
     loom_kv_destroy(&L);
     loom_kv_destroy(&L); /* twice is safe */
+}
+
+static void run_load(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step, int shared_prefix,
+                     int cancel, uint64_t seed, loom_sched_stats_t *out_stats) {
+    run_load_window(n_reqs, n_blocks, n_micro, max_seqs, max_tokens_step, shared_prefix, cancel, seed, 0, out_stats);
+}
+
+/* A model whose every layer has a window of 8 positions: blocks behind it
+ * are released (the simulated model counts a read of a released block as a
+ * failure) and the outputs are those of the windowed model, through chunked
+ * prefill, prefix sharing, cancellations, pipelining and preemption; the
+ * same pool preempts less than without the window. */
+static void test_sliding_window_frees_blocks(void) {
+    loom_sched_stats_t plain, win;
+    run_load_window(48, 40, 1, 16, 64, 0, 0, 2, 0, &plain);
+    run_load_window(48, 40, 1, 16, 64, 0, 0, 2, 8, &win);
+    CHECKF(win.preemptions < plain.preemptions, "window 8: %llu preemptions, without: %llu",
+           (unsigned long long)win.preemptions, (unsigned long long)plain.preemptions);
+    run_load_window(60, 48, 1, 12, 7, 1, 1, 4, 8, &win); /* 7-token chunks, shared prefixes, cancels */
+    CHECK(win.prefix_hits > 0);
+    run_load_window(50, 60, 3, 16, 32, 1, 0, 6, 5, &win); /* three micro-batches, window not a block multiple */
+    run_load_window(30, 4096, 1, 8, 128, 1, 0, 7, 13, &win);
+    CHECK(win.preemptions == 0);
 }
 
 static void test_plenty_of_memory(void) {
@@ -246,7 +275,7 @@ static void test_full_prompt_hit_copy_on_write(void) {
             sim_run(&sm, mb, ids);
             loom_sched_complete(s, mb, ids, on_token, &c);
         }
-        CHECK(r.done && check_outputs(&r));
+        CHECK(r.done && check_outputs(&r, 0));
         if (round == 0) first = r.out[0];
         else CHECK(r.out[0] == first);
         CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
@@ -316,5 +345,6 @@ int main(void) {
     RUN(test_prefix_sharing);
     RUN(test_pipeline_micro_batches);
     RUN(test_full_prompt_hit_copy_on_write);
+    RUN(test_sliding_window_frees_blocks);
     return test_summary();
 }

@@ -1121,6 +1121,13 @@ static void test_errors(void) {
     expect_load_error("bad vocab",
                       "{\"model\": {\"type\": \"BPE\", \"vocab\": [1], \"merges\": []}}",
                       LOOM_ERR_FORMAT, NULL);
+    expect_load_error("empty vocab",
+                      "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"added_tokens\": "
+                      "[{\"id\": 0, \"content\": \"<s>\", \"special\": true}]}",
+                      LOOM_ERR_FORMAT, "model.vocab is empty");
+    expect_load_error("duplicate id",
+                      "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"c\": 1}, \"merges\": []}}",
+                      LOOM_ERR_FORMAT, "vocab id 1 is given twice");
     expect_load_error("negative id",
                       "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -1}, \"merges\": []}}",
                       LOOM_ERR_FORMAT, NULL);
