@@ -76,7 +76,9 @@
 #define RETRY_AFTER_S "1"
 
 struct loom_http {
-    loom_server_t *srv;
+    loom_server_t *srv;  /* NULL when serving another endpoint (loom_http_start_at) */
+    loom_http_metrics_fn metrics_fn; /* /metrics of such an endpoint */
+    void *metrics_ctx;
     struct MHD_Daemon *daemon;
     void *zctx;
     char inproc[128];
@@ -572,6 +574,7 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     }
     x = field(o, "user");
     if (x && !cJSON_IsString(x)) return bad(e, "user", "user must be a string");
+    if (x) g->p.session = x->valuestring; /* a router's session affinity */
     x = field(o, "metadata");
     if (x && !cJSON_IsObject(x)) return bad(e, "metadata", "metadata must be an object");
     x = field(o, "response_format");
@@ -1027,6 +1030,8 @@ static enum MHD_Result handle_generate(req_t *q) {
         goto done;
     }
     g.p.tag = q->xid;
+    const char *session = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, "X-Session-Id");
+    if (session && session[0]) g.p.session = session;
     if (loom_client_submit(q->conn->client, &g.p, &q->gen_id, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;
@@ -1319,7 +1324,8 @@ done:
 
 static enum MHD_Result handle_metrics(req_t *q) {
     size_t len = 0;
-    char *text = loom_metrics_render(loom_server_metrics(q->h->srv), &len);
+    char *text = q->h->srv ? loom_metrics_render(loom_server_metrics(q->h->srv), &len)
+                           : q->h->metrics_fn ? q->h->metrics_fn(q->h->metrics_ctx, &len) : NULL;
     if (!text) return respond_error(q, 500, "server_error", NULL, "internal_error", "cannot render the metrics");
     return respond(q, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len);
 }
@@ -1552,6 +1558,14 @@ static loom_status_t resolve_bind(const char *bind, struct sockaddr_storage *ss,
 }
 
 loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err) {
+    loom_http_endpoint_t ep = {.zmq_context = loom_server_zmq_context(srv), .inproc_addr = loom_server_inproc_addr(srv)};
+    LOOM_CHECK(loom_http_start_at(&ep, cfg, out, err));
+    (*out)->srv = srv;
+    return LOOM_OK;
+}
+
+loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
+                                 loom_err_t *err) {
     *out = NULL;
     const char *bind = cfg->bind && cfg->bind[0] ? cfg->bind : DEFAULT_BIND;
     struct sockaddr_storage ss;
@@ -1563,10 +1577,11 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
     else LOOM_CHECK(loom_chat_template_from_text(NULL, cfg->chat_template, NULL, NULL, &tmpl, err));
 
     loom_http_t *h = loom_xcalloc(1, sizeof *h);
-    h->srv = srv;
     h->tmpl = tmpl;
-    h->zctx = loom_server_zmq_context(srv);
-    snprintf(h->inproc, sizeof h->inproc, "%s", loom_server_inproc_addr(srv));
+    h->zctx = ep->zmq_context;
+    snprintf(h->inproc, sizeof h->inproc, "%s", ep->inproc_addr);
+    h->metrics_fn = ep->metrics;
+    h->metrics_ctx = ep->metrics_ctx;
     snprintf(h->bind, sizeof h->bind, "%s", bind);
     h->api_key = cfg->api_key && cfg->api_key[0] ? loom_xstrdup(cfg->api_key) : NULL;
     h->max_body = cfg->max_body_bytes ? cfg->max_body_bytes : DEFAULT_MAX_BODY;
