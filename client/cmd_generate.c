@@ -133,7 +133,7 @@ static const char *finish_name(loom_finish_t f) {
 }
 
 int loom_cmd_generate(int argc, char **argv) {
-    const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL;
+    const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL, *session = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
     float temperature = 0.8f, top_p = 0.95f;
@@ -151,6 +151,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
+        {"session", LOOM_OPT_STR, &session, "KEY", "session key: a loom-router with --policy session keeps a session on one replica", 1, 0, NULL},
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 30000)", 1, 1e9, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
         {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
@@ -180,7 +181,8 @@ int loom_cmd_generate(int argc, char **argv) {
     loom_gen_params_t p = {.prompt = prompt, .max_tokens = max_tokens, .temperature = temperature,
                            .top_p = top_p, .top_k = top_k, .seed = seed, .has_seed = seed_given,
                            .stop = stops, .n_stop = n_stop, .ignore_eos = ignore_eos,
-                           .priority = priority, .keep_special = keep_special, .model = model};
+                           .priority = priority, .keep_special = keep_special, .model = model,
+                           .session = session};
     gen_out_t o = {.print_ids = print_ids};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = (int)SA_RESETHAND}, old_sa;
     sigemptyset(&sa.sa_mask);

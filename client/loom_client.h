@@ -45,6 +45,7 @@ typedef struct loom_gen_params {
     const char *tag;            /* the caller's id for the coordinator's log lines (NULL: none) */
     const int32_t *stop_token_ids; /* generating one ends the request (not in the text) */
     int n_stop_token_ids;
+    const char *session;        /* affinity key for a router's session policy (NULL: none) */
 } loom_gen_params_t;
 
 typedef enum {
