@@ -56,6 +56,7 @@
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/shard.h"
+#include "coordinator/kv_events.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sched.h"
 #include "coordinator/stop.h"
@@ -167,6 +168,7 @@ struct loom_server {
     /* etcd membership (optional) */
     loom_etcd_t *etcd;
     loom_etcd_keeper_t *etcd_keeper;
+    loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
     loom_etcd_watch_t *etcd_watch;
     pthread_mutex_t gone_mu;
     gone_key_t *gone;
@@ -1192,6 +1194,7 @@ static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1
     st.kv_block_size = (uint32_t)s->cfg.block_size;
     st.kv_cache_dtype = s->kv_dtype;
     st.kv_block_bytes = s->kv_block_bytes;
+    st.kv_events = (char *)loom_kv_events_addr(s->kv_events);
     uint64_t sec = loom_now_ns() / 1000000000ull, sum = 0;
     for (int i = 1; i < RATE_WINDOW; i++) /* full seconds only: skip the current one */
         if (sec >= (uint64_t)i && s->rate_second + RATE_WINDOW > sec - (uint64_t)i && s->rate_second >= sec - (uint64_t)i)
@@ -1361,6 +1364,7 @@ static void publish_state(loom_server_t *s) {
         st.preemptions = s->preemptions_base;
     }
     loom_metrics_set_state(s->metrics, &st);
+    loom_kv_events_publish(s->kv_events, s->sched);
 }
 
 static void timers(loom_server_t *s) {
@@ -1609,6 +1613,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         st = etcd_setup(s, err);
         if (st < 0) goto fail;
     }
+    if (cfg->kv_events && (st = loom_kv_events_create(s->zctx, cfg->kv_events, cfg->advertise_host, &s->kv_events, err)) < 0)
+        goto fail;
     snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
     if (zmq_bind(s->api, s->inproc_addr) != 0) {
         st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", s->inproc_addr);
@@ -1640,6 +1646,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     }
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);
+    loom_kv_events_destroy(&s->kv_events);
     if (s->api) zmq_close(s->api);
     if (s->ctl) zmq_close(s->ctl);
     if (s->zctx) zmq_ctx_term(s->zctx);

@@ -36,6 +36,7 @@ typedef struct loom_server_config {
     const char *advertise_host; /* host workers and clients should dial (published in etcd) */
     int etcd_ttl;             /* lease TTL in seconds */
     int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
+    const char *kv_events;    /* publish prefix-cache events here for routers (NULL: off) */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;
