@@ -60,7 +60,9 @@ static const char *rep_state_name[] = {"joining", "up", "down", "refused", "leav
 typedef struct replica {
     int used; /* this slot holds a replica */
     char addr[256];
-    void *sock; /* DEALER */
+    void *sock;          /* DEALER */
+    void *events;        /* SUB to its KV events (NULL: it publishes none) */
+    uint64_t events_seq; /* the last KvEvents seq seen */
     rep_state_t state;
     int from_etcd, listed;  /* discovered in etcd; still listed there */
     char why[320];          /* the last state change's reason */
@@ -135,6 +137,7 @@ struct loom_router {
     uint64_t routed[LOOM_POLICY_COUNT], failovers, failover_gave_up, unplaceable, cancels,
         disconnects;
     uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
+    uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
     etcd_thread_t etcd;
     pthread_mutex_t mu; /* guards metrics_text */
     char *metrics_text;
@@ -475,6 +478,10 @@ static void replica_down(loom_router_t *r, int i, const char *why) {
     if (p->backoff_ms > BACKOFF_MAX_MS) p->backoff_ms = BACKOFF_MAX_MS;
     p->open_until_ns = loom_now_ns() + (uint64_t)p->backoff_ms * 1000000ull;
     p->probe_sent_ns = 0;
+    if (p->events) { /* a restarted replica may publish elsewhere: its next Stats says where */
+        zmq_close(p->events);
+        p->events = NULL;
+    }
     set_state(r, i, REP_DOWN, "%s", why);
     for (route_t *q = r->routes, *nx; q; q = nx) {
         nx = q->next;
@@ -775,6 +782,8 @@ static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
     p->backoff_ms = 0;
 }
 
+static void events_open(loom_router_t *r, int i, const char *addr);
+
 static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
     p->probe_sent_ns = 0;
@@ -796,6 +805,8 @@ static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) 
         p->gen_tokens = s->gen_tokens_total;
         p->steps = s->steps;
         p->gen_tps = s->gen_tokens_per_s;
+        if (s->kv_events && s->kv_events[0] && !p->events && p->state == REP_UP)
+            events_open(r, i, s->kv_events);
     } else if (rep->body_case == LOOM__V1__REPLY__BODY_HEALTH && rep->health) {
         if (p->state == REP_DOWN && rep->health->ready && loom_now_ns() >= p->open_until_ns) {
             p->state = REP_JOINING; /* probed back: check its model again, then UP */
@@ -806,6 +817,57 @@ static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) 
                                                                          : "not ready");
         }
     }
+}
+
+/* ---- KV events: what the replicas' prefix caches really hold ------------------------------------
+ */
+
+static void events_open(loom_router_t *r, int i, const char *addr) {
+    replica_t *p = &r->reps[i];
+    void *s = zmq_socket(r->zctx, ZMQ_SUB);
+    int zero = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+    int64_t maxmsg = LOOM_MAX_MSG_BYTES;
+    zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    zmq_setsockopt(s, ZMQ_SUBSCRIBE, "", 0);
+    if (zmq_connect(s, addr) != 0) {
+        LOOM_WARN("replica %s: cannot subscribe to its KV events at %s: %s", p->addr, addr,
+                  zmq_strerror(errno));
+        zmq_close(s);
+        return;
+    }
+    p->events = s;
+    p->events_seq = 0;
+    LOOM_INFO("replica %s: following its KV events at %s", p->addr, addr);
+}
+
+static void on_events(loom_router_t *r, int i, const void *data, size_t len) {
+    replica_t *p = &r->reps[i];
+    Loom__V1__KvEvents *m = loom__v1__kv_events__unpack(NULL, len, data);
+    if (!m || m->magic != LOOM_PROTO_MAGIC || m->version != LOOM_PROTO_VERSION) {
+        r->garbage++;
+        if (m) loom__v1__kv_events__free_unpacked(m, NULL);
+        return;
+    }
+    r->kv_events++;
+    int gap = p->events_seq && m->seq != p->events_seq + 1;
+    if (gap) r->kv_event_gaps++;
+    if (m->cleared || gap)
+        loom_prefix_index_drop_replica(r->index, i); /* what we knew may be wrong */
+    p->events_seq = m->seq;
+    if (p->state == REP_UP) {
+        loom_prefix_index_insert(r->index, m->cached, (int)m->n_cached, i);
+        for (size_t k = 0; k < m->n_evicted; k++)
+            loom_prefix_index_remove(r->index, m->evicted[k], i);
+        r->kv_blocks_cached += m->n_cached;
+        r->kv_blocks_evicted += m->n_evicted;
+        p->running = (int)m->running;
+        p->waiting = (int)m->waiting;
+        p->kv_used = (int)m->kv_blocks_used;
+        p->kv_total = (int)m->kv_blocks_total;
+        if (m->block_size) p->block_size = (int)m->block_size;
+    }
+    loom__v1__kv_events__free_unpacked(m, NULL);
 }
 
 static void ttft_record(replica_t *p, double ms) {
@@ -941,6 +1003,7 @@ static void replica_close(loom_router_t *r, int i) {
     }
     loom_prefix_index_drop_replica(r->index, i);
     zmq_close(p->sock);
+    if (p->events) zmq_close(p->events);
     LOOM_INFO("replica %s removed", p->addr);
     memset(p, 0, sizeof *p);
 }
@@ -1207,10 +1270,15 @@ static void render_metrics(loom_router_t *r) {
                                "garbage_replies",
                                "refused_joins",
                                "prefix_index_hit_blocks",
-                               "prefix_index_query_blocks"};
-    uint64_t cv[] = {r->failovers,        r->failover_gave_up,  r->unplaceable, r->cancels,
-                     r->disconnects,      r->deadline_exceeded, r->garbage,     r->refused_joins,
-                     r->index_hit_blocks, r->index_query_blocks};
+                               "prefix_index_query_blocks",
+                               "kv_events",
+                               "kv_event_gaps",
+                               "kv_events_blocks_cached",
+                               "kv_events_blocks_evicted"};
+    uint64_t cv[] = {r->failovers,        r->failover_gave_up,   r->unplaceable, r->cancels,
+                     r->disconnects,      r->deadline_exceeded,  r->garbage,     r->refused_joins,
+                     r->index_hit_blocks, r->index_query_blocks, r->kv_events,   r->kv_event_gaps,
+                     r->kv_blocks_cached, r->kv_blocks_evicted};
     for (size_t k = 0; k < LOOM_ARRAY_LEN(cn); k++)
         sb_printf(&b, "# TYPE loom_router_%s_total counter\nloom_router_%s_total %llu\n", cn[k],
                   cn[k], (unsigned long long)cv[k]);
@@ -1243,8 +1311,8 @@ char *loom_router_metrics(void *router, size_t *len) {
  */
 
 int loom_router_run(loom_router_t *r) {
-    zmq_pollitem_t items[2 + MAX_REPLICAS];
-    int map[2 + MAX_REPLICAS];
+    zmq_pollitem_t items[2 + 2 * MAX_REPLICAS];
+    int map[2 + 2 * MAX_REPLICAS], is_events[2 + 2 * MAX_REPLICAS];
     LOOM_INFO("router on %s: policy %s, %d static replica(s)%s", r->api_addr,
               loom_policy_name(r->cfg.policy), r->cfg.n_replicas,
               r->cfg.etcd_url ? ", more from etcd" : "");
@@ -1255,7 +1323,13 @@ int loom_router_run(loom_router_t *r) {
         for (int i = 0; i < MAX_REPLICAS; i++)
             if (r->reps[i].used) {
                 map[n] = i;
+                is_events[n] = 0;
                 items[n++] = (zmq_pollitem_t){r->reps[i].sock, 0, ZMQ_POLLIN, 0};
+                if (r->reps[i].events) {
+                    map[n] = i;
+                    is_events[n] = 1;
+                    items[n++] = (zmq_pollitem_t){r->reps[i].events, 0, ZMQ_POLLIN, 0};
+                }
             }
         int rc = zmq_poll(items, n, 20);
         if (rc < 0 && errno != EINTR) {
@@ -1286,6 +1360,17 @@ int loom_router_run(loom_router_t *r) {
         for (int k = 2; k < n; k++) {
             if (!(items[k].revents & ZMQ_POLLIN)) continue;
             int i = map[k];
+            if (is_events[k]) {
+                zmq_msg_t m;
+                zmq_msg_init(&m);
+                for (int c = 0;
+                     c < 256 && r->reps[i].used && r->reps[i].events == items[k].socket &&
+                     zmq_msg_recv(&m, r->reps[i].events, ZMQ_DONTWAIT) >= 0;
+                     c++)
+                    on_events(r, i, zmq_msg_data(&m), zmq_msg_size(&m));
+                zmq_msg_close(&m);
+                continue;
+            }
             for (int m = 0; m < 256 && r->reps[i].used && r->reps[i].sock == items[k].socket; m++) {
                 int nf = recv_frames(r->reps[i].sock, f, 4);
                 if (!nf) break;
@@ -1401,7 +1486,10 @@ void loom_router_destroy(loom_router_t **r_p) {
     while (r->routes)
         route_free(r, r->routes);
     for (int i = 0; i < MAX_REPLICAS; i++)
-        if (r->reps[i].used) zmq_close(r->reps[i].sock);
+        if (r->reps[i].used) {
+            zmq_close(r->reps[i].sock);
+            if (r->reps[i].events) zmq_close(r->reps[i].events);
+        }
     if (r->pipe) zmq_close(r->pipe);
     if (r->api) zmq_close(r->api);
     if (r->zctx) zmq_ctx_term(r->zctx);

@@ -143,8 +143,9 @@ CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 def with_stories_pair(fn):
     """Two stories260K replicas, the first with the HTTP gateway, both requiring KEY."""
     http = free_port()
-    a_args = ["--api-key", KEY, "--http", "127.0.0.1:%d" % http, "--chat-template", "chatml"]
-    with Cluster(STORIES, 1, 1, coord_args=a_args) as a, Cluster(STORIES, 1, 1, coord_args=["--api-key", KEY]) as b:
+    ev = ["--kv-events", "tcp://127.0.0.1:0"]  # both publish their prefix-cache events
+    a_args = ["--api-key", KEY, "--http", "127.0.0.1:%d" % http, "--chat-template", "chatml"] + ev
+    with Cluster(STORIES, 1, 1, coord_args=a_args) as a, Cluster(STORIES, 1, 1, coord_args=["--api-key", KEY] + ev) as b:
         fn(a, b, http)
 
 
@@ -156,6 +157,7 @@ def test_stories_pair():
             check_aggregates(r, a, b)
             check_bad_input(r)
         check_prefix_affinity(a, b, common)
+        check_kv_events(a, b, common)
         check_session_affinity(a, b, common)
     with_stories_pair(run)
 
@@ -247,6 +249,7 @@ def check_prefix_affinity(a, b, common):
         rr_hits = run_conversations(rr, a, b, ["Lily", "Anna", "Mia"])
     with Router(common + ["--policy", "prefix"], http=True, expect_up=2) as px:
         px_hits = run_conversations(px, a, b, ["Sara", "Emma", "Zoe"])
+        time.sleep(0.6)  # /metrics is refreshed every 250 ms
         idx_hits = px.metric("loom_router_prefix_index_hit_blocks_total")
     print("  prefix-cache hits of 3 second turns: round-robin %d, prefix %d (router index saw %d blocks)" %
           (rr_hits, px_hits, idx_hits))
@@ -254,6 +257,29 @@ def check_prefix_affinity(a, b, common):
     # each first turn is ~75 tokens: 4 full blocks of 16 that its second turn shares
     check(px_hits >= 3 * 3, "prefix routing: only %d prefix-cache hits over 3 second turns" % px_hits)
     check(idx_hits >= 3 * 3, "the router's index matched %d blocks" % idx_hits)
+
+
+def check_kv_events(a, b, common):
+    # prompts sent to each replica directly, past the router: only the replicas' KV events tell the
+    # router where their blocks are, and the next turns must follow them
+    with Router(common + ["--policy", "prefix"], http=True, expect_up=2) as px:
+        wait_for(lambda: px.metric("loom_router_kv_events_total") > 4, 10, "KV events from the replicas")
+        before_idx = px.metric("loom_router_prefix_index_hit_blocks_total")
+        ha, hb = stats_key(a.addr)["prefix_cache_hits"], stats_key(b.addr)["prefix_cache_hits"]
+        for rep, name in ((a, "Olivia"), (b, "Grace")):
+            rc, _, ids, err = generate(rep.addr, conversation(name)[0], 4, extra=["--api-key", KEY])
+            check(rc == 0 and ids, "direct turn failed: %s" % err)
+        wait_for(lambda: px.metric("loom_router_kv_events_blocks_cached_total") >= 8, 10, "the blocks announced")
+        for name in ("Olivia", "Grace"):
+            rc, _, ids, err = generate(px.addr, conversation(name)[1], 4, extra=["--api-key", KEY])
+            check(rc == 0 and ids, "routed turn failed: %s" % err)
+        time.sleep(0.6)  # /metrics is refreshed every 250 ms
+        da = stats_key(a.addr)["prefix_cache_hits"] - ha
+        db = stats_key(b.addr)["prefix_cache_hits"] - hb
+        idx = px.metric("loom_router_prefix_index_hit_blocks_total") - before_idx
+        print("  KV events: second turns found %d + %d cached blocks; the index predicted %d" % (da, db, idx))
+        check(da >= 3 and db >= 3, "second turns did not follow the KV events: hits %d on a, %d on b" % (da, db))
+        check(idx >= 6, "the router's index knew %d of the blocks" % idx)
 
 
 def wait_health(r):

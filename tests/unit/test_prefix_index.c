@@ -141,7 +141,45 @@ static void test_ties_and_round_robin(void) {
     CHECK(loom_route_pick_least_loaded(c, 3, 2) == 2); /* the tie goes to the first from rr */
 }
 
+typedef struct seen {
+    uint64_t cached[8], evicted[8];
+    int n_cached, n_evicted;
+} seen_t;
+
+static void observe(void *ctx, uint64_t hash, int cached) {
+    seen_t *s = ctx;
+    if (cached && s->n_cached < 8) s->cached[s->n_cached++] = hash;
+    if (!cached && s->n_evicted < 8) s->evicted[s->n_evicted++] = hash;
+}
+
+/* The ledger tells its observer (the coordinator's KV events) of every
+ * block hash it caches and evicts: what feeds a router's index. */
+static void test_ledger_observer(void) {
+    loom_kv_ledger_t *L = loom_kv_create(2, 4, 1);
+    seen_t s = {0};
+    loom_kv_set_observer(L, observe, &s);
+    int32_t t1[4] = {1, 2, 3, 4}, t2[4] = {5, 6, 7, 8};
+    uint64_t h1 = loom_kv_chain_hash(0, t1, 4), h2 = loom_kv_chain_hash(h1, t2, 4);
+    int b1 = loom_kv_alloc(L), b2 = loom_kv_alloc(L);
+    loom_kv_register(L, b1, h1, t1);
+    loom_kv_register(L, b2, h2, t2);
+    loom_kv_register(L, b2, h2, t2); /* again: no second event */
+    CHECKF(s.n_cached == 2 && s.cached[0] == h1 && s.cached[1] == h2, "cached events: %d",
+           s.n_cached);
+    loom_kv_release(L, b1);
+    loom_kv_release(L, b2);
+    CHECK(s.n_evicted == 0);  /* released but still cached */
+    int b = loom_kv_alloc(L); /* evicts the least recently used: b1 */
+    CHECK(b == b1);
+    CHECKF(s.n_evicted == 1 && s.evicted[0] == h1, "evicted events: %d", s.n_evicted);
+    loom_kv_set_observer(L, NULL, NULL);
+    loom_kv_alloc(L);
+    CHECK(s.n_evicted == 1); /* no observer: nothing told */
+    loom_kv_destroy(&L);
+}
+
 int main(void) {
+    RUN(test_ledger_observer);
     RUN(test_hashes_match_the_ledger);
     RUN(test_match_counts_leading_blocks);
     RUN(test_bounded_and_recent_first);
