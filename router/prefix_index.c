@@ -26,7 +26,20 @@ struct loom_prefix_index {
     touch_t *ring; /* touches, oldest at head */
     size_t ring_cap, head, len;
     uint64_t clock;
+    /* drop_replica(r) in O(1): a bit r set in an entry last touched before
+     * dropped[r] is stale (cleared when the entry is next touched). */
+    uint64_t dropped[LOOM_PREFIX_MAX_REPLICAS];
 };
+
+/* The entry's mask without the bits of replicas dropped since its last touch. */
+static uint64_t live_mask(const loom_prefix_index_t *ix, const entry_t *e) {
+    uint64_t m = e->mask;
+    for (uint64_t bits = m; bits; bits &= bits - 1) {
+        int r = __builtin_ctzll(bits);
+        if (ix->dropped[r] > e->stamp) m &= ~(1ull << r);
+    }
+    return m;
+}
 
 static size_t slot_of(const loom_prefix_index_t *ix, uint64_t h) {
     return (size_t)(h * 0x9e3779b97f4a7c15ull) & (ix->cap - 1);
@@ -122,7 +135,7 @@ void loom_prefix_index_insert(loom_prefix_index_t *ix, const uint64_t *hashes, i
             e->mask = 0;
             ix->n++;
         }
-        e->mask |= 1ull << rep;
+        e->mask = live_mask(ix, e) | 1ull << rep;
         e->stamp = ++ix->clock;
         push_touch(ix, h, e->stamp);
     }
@@ -131,22 +144,13 @@ void loom_prefix_index_insert(loom_prefix_index_t *ix, const uint64_t *hashes, i
 void loom_prefix_index_remove(loom_prefix_index_t *ix, uint64_t hash, int rep) {
     entry_t *e = hash ? find(ix, hash) : NULL;
     if (!e) return;
-    e->mask &= ~(1ull << rep);
+    e->mask = live_mask(ix, e) & ~(1ull << rep);
     if (!e->mask) erase(ix, e);
 }
 
 void loom_prefix_index_drop_replica(loom_prefix_index_t *ix, int rep) {
-    uint64_t bit = 1ull << rep;
-    for (size_t i = 0; i < ix->cap;) {
-        if (ix->t[i].hash && (ix->t[i].mask & bit)) {
-            ix->t[i].mask &= ~bit;
-            if (!ix->t[i].mask) {
-                erase_at(ix, i); /* a later entry may have moved into i: look at it again */
-                continue;
-            }
-        }
-        i++;
-    }
+    LOOM_ASSERT(rep >= 0 && rep < LOOM_PREFIX_MAX_REPLICAS);
+    ix->dropped[rep] = ++ix->clock; /* O(1): the reactor calls this when a replica fails */
 }
 
 void loom_prefix_index_match(const loom_prefix_index_t *ix, const uint64_t *hashes, int n,
@@ -156,7 +160,7 @@ void loom_prefix_index_match(const loom_prefix_index_t *ix, const uint64_t *hash
         match[r] = 0;
     for (int k = 0; k < n && alive; k++) {
         const entry_t *e = find(ix, hashes[k]);
-        alive &= e ? e->mask : 0;
+        alive &= e ? live_mask(ix, e) : 0;
         for (int r = 0; r < n_reps; r++)
             if (alive & (1ull << r)) match[r] = k + 1;
     }

@@ -22,7 +22,8 @@ void loom_prefix_index_destroy(loom_prefix_index_t **ix_p); /* safe on NULL and 
 void loom_prefix_index_insert(loom_prefix_index_t *ix, const uint64_t *hashes, int n, int rep);
 /* Replica `rep` no longer holds this block (evicted). */
 void loom_prefix_index_remove(loom_prefix_index_t *ix, uint64_t hash, int rep);
-/* Replica `rep` left or restarted: it holds nothing. */
+/* Replica `rep` left or restarted: it holds nothing (O(1); its stale bits
+ * are cleared lazily, and their entries age out). */
 void loom_prefix_index_drop_replica(loom_prefix_index_t *ix, int rep);
 /* match[r] = how many leading blocks of hashes[0..n) replica r holds, for
  * r < n_reps. */

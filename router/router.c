@@ -102,6 +102,15 @@ typedef struct route {
     uint64_t t_arrival, t_sent, t_last, deadline;
     int got_first;  /* a chunk came from the current replica */
     int hit_blocks; /* prefix blocks the chosen replica held, per the index */
+    /* After a failover the router writes the text itself, from the ids, with
+     * a detokenizer primed with the ids already streamed: the new replica's
+     * detokenizer starts empty and would lose a character split across the
+     * failover point. (Not with stop strings: the replica's text holds those
+     * back.) */
+    int own_text;
+    loom_detok_t detok;
+    char *text;
+    size_t text_cap;
 } route_t;
 
 typedef struct etcd_thread {
@@ -257,6 +266,7 @@ static void route_free(loom_router_t *r, route_t *q) {
     protobuf_c_message_free_unpacked(&q->rq->base, NULL);
     free(q->prompt);
     free(q->gen);
+    free(q->text);
     free(q);
 }
 
@@ -417,6 +427,13 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
             g.prompt_ids = ids;
             g.n_prompt_ids = (size_t)(q->n_prompt + q->n_gen);
             if (g.max_tokens) g.max_tokens -= (uint32_t)q->n_gen;
+        }
+        if (q->n_gen > 0 && !q->own_text && r->tok && g.n_stop == 0 && g.n_stop_token_ids == 0) {
+            char scratch[1024];
+            loom_detok_init(&q->detok, r->tok, !g.keep_special, 0);
+            for (int k = 0; k < q->n_gen; k++)
+                loom_detok_push(&q->detok, q->gen[k], scratch, sizeof scratch);
+            q->own_text = 1; /* what it holds is what the old replica never sent */
         }
         int rc = send_replica(r, i, &rq);
         free(ids);
@@ -906,13 +923,26 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
         p->inflight_tokens += (long long)ch->n_ids;
     }
     int final = ch && ch->final;
+    char *replica_text = ch ? ch->text : NULL; /* put back before rep is freed */
+    if (ch && q->own_text) {
+        size_t per = loom_tokenizer_max_piece_len(r->tok) + 256, need = per * (ch->n_ids + 1) + 1,
+               len = 0;
+        if (need > q->text_cap) q->text = loom_xrealloc(q->text, q->text_cap = need);
+        for (size_t k = 0; k < ch->n_ids; k++)
+            len += loom_detok_push(&q->detok, ch->ids[k], q->text + len, per);
+        if (final) len += loom_detok_flush(&q->detok, q->text + len, per);
+        q->text[len] = 0;
+        ch->text = q->text;
+    }
     if (final && ch->usage && q->attempts > 1 &&
         q->prompt) { /* the client's view, not the last attempt's */
         ch->usage->prompt_tokens = (uint32_t)q->n_prompt;
         ch->usage->completion_tokens = (uint32_t)q->n_gen;
     }
     rep->request_id = q->client_id;
-    if (send_client(r, q->rid, q->rid_len, rep) < 0) { /* the client is gone */
+    int sent = send_client(r, q->rid, q->rid_len, rep);
+    if (ch) ch->text = replica_text;
+    if (sent < 0) { /* the client is gone */
         r->disconnects++;
         if (!final) cancel_upstream(r, q);
         route_free(r, q);
@@ -1069,7 +1099,7 @@ static void tick(loom_router_t *r) {
         } else if (q->rep >= 0 && r->reps[q->rep].state != REP_UP &&
                    r->reps[q->rep].state != REP_LEAVING) {
             fail_over(r, q, r->reps[q->rep].why);
-        } else if (q->rep >= 0 && now - q->t_last > stall) {
+        } else if (q->rep >= 0 && now > q->t_last && now - q->t_last > stall) {
             char why[400];
             snprintf(why, sizeof why, "replica %s sent nothing for %d ms", r->reps[q->rep].addr,
                      r->cfg.stall_timeout_ms);
@@ -1410,7 +1440,7 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     loom_router_t *r = loom_xcalloc(1, sizeof *r);
     r->cfg = *cfg;
     pthread_mutex_init(&r->mu, NULL);
-    r->index = loom_prefix_index_create(cfg->index_capacity > 0 ? cfg->index_capacity : 1 << 20);
+    r->index = loom_prefix_index_create(cfg->index_capacity > 0 ? cfg->index_capacity : 1 << 18);
     loom_status_t st = LOOM_OK;
     if (cfg->model_dir) {
         st = loom_tokenizer_load(cfg->model_dir, &r->tok, err);

@@ -14,13 +14,16 @@ the router, and fake replicas (tests/fake_replica) for the faults.
   refused at join naming the difference, and with nothing to place a
   request on the client gets UNAVAILABLE; bad client input is refused
 """
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -306,6 +309,29 @@ def slow_model():
                      "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
 
 
+@contextlib.contextmanager
+def started(*clusters):
+    """Starts clusters at the same time (launching is mostly waiting); stops them all."""
+    threads = [threading.Thread(target=c.start) for c in clusters]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = False
+    try:
+        for c in clusters:
+            check(c.addr is not None, "a cluster did not start")
+        yield clusters
+        ok = True
+    finally:
+        for c in clusters:
+            c.stop()
+            if ok:
+                shutil.rmtree(c.run_dir, ignore_errors=True)
+            else:
+                c.dump_logs()
+
+
 def serving_replica(r, addrs):
     m = r.metrics()
     busy = [a for a in addrs if m.get(("loom_router_replica_inflight", 'replica="%s",state="up"' % a), 0) > 0]
@@ -314,11 +340,11 @@ def serving_replica(r, addrs):
 
 def test_failover_and_disconnect():
     model = slow_model()
-    with Cluster(model, 1, 1) as a, Cluster(model, 1, 1) as b:
+    with started(Cluster(model, 1, 1), Cluster(model, 1, 1)) as (a, b):
         by_addr = {a.addr: a, b.addr: b}
         # the test model has stories260K's tokenizer, which the router loads
         with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=model) as r:
-            n = 300
+            n = 1200  # about a second of decoding here: the kill lands mid-stream
             ref = generate(b.addr, PROMPT, n, extra=["--ignore-eos"])
             check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
             # a long greedy stream; kill -9 the replica serving it once tokens flow
