@@ -41,6 +41,7 @@ int main(int argc, char **argv) {
         if (i > 0 && !strcmp(a, "--replica")) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "error: --replica needs an address\n");
+                free(args);
                 return 2;
             }
             a = argv[++i];
@@ -52,11 +53,13 @@ int main(int argc, char **argv) {
         }
         if (n_rep == MAX_STATIC) {
             fprintf(stderr, "error: at most %d --replica\n", MAX_STATIC);
+            free(args);
             return 2;
         }
         if (strncmp(a, "tcp://", 6) && strncmp(a, "ipc://", 6)) {
             fprintf(stderr, "error: --replica expects tcp://HOST:PORT or ipc://PATH, got '%s'\n",
                     a);
+            free(args);
             return 2;
         }
         replicas[n_rep++] = a;

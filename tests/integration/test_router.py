@@ -76,11 +76,15 @@ class Router:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if exc[0] is not None:
-            sys.stderr.write("---- router log\n%s\n" % self.log()[-4000:])
+        log = self.log()
+        sanitizer = any(s in log for s in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"))
+        if exc[0] is not None or sanitizer:
+            sys.stderr.write("---- router log\n%s\n" % log[-4000:])
         self.logf.close()
-        if exc[0] is None:
+        if exc[0] is None and not sanitizer:
             os.unlink(self.log_path)
+        if exc[0] is None and sanitizer:
+            raise AssertionError("sanitizer report in the router's log %s" % self.log_path)
         return False
 
     def log(self):
@@ -403,7 +407,7 @@ def test_failover_and_disconnect():
 
 def test_etcd_join_leave():
     with Etcd() as etcd:
-        with Router(["--etcd", etcd.url, "--cluster", "rt"], http=True) as r:
+        with Router(["--etcd", etcd.url, "--cluster", "rt", "--policy", "round-robin"], http=True) as r:
             with Cluster(STORIES, 1, 1, launch_args=["--etcd", etcd.url, "--cluster", "rt-a"]) as a:
                 wait_for(lambda: r.metric_sum("loom_router_replica_up") == 1, 15, "replica rt-a joined")
                 with Cluster(STORIES, 1, 1, launch_args=["--etcd", etcd.url, "--cluster", "rt-b"]) as b:
@@ -411,6 +415,7 @@ def test_etcd_join_leave():
                     for _ in range(4):
                         rc, _, ids, err = generate(r.addr, PROMPT, 8)
                         check(rc == 0 and len(ids) == 8, "with two replicas: %s" % err)
+                    time.sleep(0.6)  # /metrics is refreshed every 250 ms
                     check(r.metric("loom_router_replica_routed_total", b.addr) >= 1 and
                           r.metric("loom_router_replica_routed_total", a.addr) >= 1,
                           "round the two replicas: %r" % r.metrics())
