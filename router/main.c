@@ -30,7 +30,8 @@ int main(int argc, char **argv) {
                               .stall_timeout_ms = 30000,
                               .request_timeout_ms = 600000,
                               .lambda = 1.0,
-                              .index_capacity = 1 << 18};
+                              .index_capacity = 1 << 18,
+                              .tokenizer_threads = 2};
     /* --replica is repeatable: take them out before the table parse */
     const char *replicas[MAX_STATIC];
     int n_rep = 0;
@@ -111,6 +112,9 @@ int main(int argc, char **argv) {
          "no request lives longer: DEADLINE_EXCEEDED (default 600000)", 100, 86400000, NULL},
         {"prefix-index-blocks", LOOM_OPT_INT, &c.index_capacity, "N",
          "block hashes the prefix index keeps, about 40 bytes each (default 262144)", 16, 1 << 28,
+         NULL},
+        {"tokenizer-threads", LOOM_OPT_INT, &c.tokenizer_threads, "N",
+         "threads that tokenize prompts, off the reactor (0: the reactor does; default 2)", 0, 16,
          NULL},
         {"api-key", LOOM_OPT_STR, &c.api_key, "KEY",
          "require this key from clients (or set LOOM_API_KEY)", 1, 0, NULL},

@@ -111,7 +111,21 @@ typedef struct route {
     loom_detok_t detok;
     char *text;
     size_t text_cap;
+    int tokenizing; /* its prompt is on a tokenizer thread (keyed by up_id) */
 } route_t;
+
+/* A prompt to tokenize, handed to a tokenizer thread by pointer over inproc. */
+typedef struct tok_job {
+    uint64_t key; /* the waiting route's up_id */
+    char *text;
+    int raw;
+    int32_t *ids;
+    int n;
+    loom_status_t st;
+    loom_err_t err;
+} tok_job_t;
+
+#define MAX_TOK_THREADS 16
 
 typedef struct etcd_thread {
     pthread_t th;
@@ -148,6 +162,10 @@ struct loom_router {
     uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
     uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
     etcd_thread_t etcd;
+    void *tok_jobs, *tok_results; /* PUSH to and PULL from the tokenizer threads */
+    pthread_t tok_th[MAX_TOK_THREADS];
+    int n_tok_th;
+    volatile int tok_stop;
     pthread_mutex_t mu; /* guards metrics_text */
     char *metrics_text;
     size_t metrics_len;
@@ -526,6 +544,24 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
     q->policy = r->cfg.policy;
     q->t_arrival = loom_now_ns();
     q->deadline = q->t_arrival + (uint64_t)r->cfg.request_timeout_ms * 1000000ull;
+    if (has_text && r->tok && r->n_tok_th > 0) { /* off the reactor: it waits as `tokenizing` */
+        tok_job_t *job = loom_xcalloc(1, sizeof *job);
+        job->text = loom_xstrdup(g->prompt);
+        job->raw = g->raw_prompt;
+        route_rehash(r, q);
+        job->key = q->up_id;
+        if (zmq_send(r->tok_jobs, &job, sizeof job, ZMQ_DONTWAIT) == (int)sizeof job) {
+            q->tokenizing = 1;
+            q->next = r->routes;
+            if (r->routes) r->routes->prev = q;
+            r->routes = q;
+            r->n_routes++;
+            return;
+        }
+        route_unhash(r, q); /* the threads' queue is full: tokenize here */
+        free(job->text);
+        free(job);
+    }
     if (has_text && r->tok) {
         int cap = 0;
         loom_err_t err = {0};
@@ -550,6 +586,51 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
     r->routes = q;
     r->n_routes++;
     place(r, q, NULL);
+}
+
+static void *tok_main(void *arg) {
+    loom_router_t *r = arg;
+    void *in = zmq_socket(r->zctx, ZMQ_PULL), *out = zmq_socket(r->zctx, ZMQ_PUSH);
+    int zero = 0, slice = 100;
+    zmq_setsockopt(in, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(out, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(in, ZMQ_RCVTIMEO, &slice, sizeof slice);
+    zmq_connect(in, "inproc://loom-router-tok-jobs");
+    zmq_connect(out, "inproc://loom-router-tok-results");
+    while (!r->tok_stop) {
+        tok_job_t *job;
+        if (zmq_recv(in, &job, sizeof job, 0) != (int)sizeof job) continue;
+        int cap = 0;
+        job->st = loom_tokenizer_encode(r->tok, job->text, strlen(job->text), !job->raw, job->raw,
+                                        &job->ids, &job->n, &cap, &job->err);
+        zmq_send(out, &job, sizeof job, 0);
+    }
+    zmq_close(in);
+    zmq_close(out);
+    return NULL;
+}
+
+/* A tokenizer thread is done with a prompt: route its request, unless it
+ * ended meanwhile (cancelled, client gone, deadline). */
+static void on_tokenized(loom_router_t *r, tok_job_t *job) {
+    route_t *q = route_find(r, job->key);
+    if (q && q->tokenizing) {
+        q->tokenizing = 0;
+        if (job->st < 0) {
+            char msg[600];
+            snprintf(msg, sizeof msg, "cannot tokenize the prompt: %s", job->err.msg);
+            client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+            route_free(r, q);
+        } else {
+            q->prompt = job->ids;
+            q->n_prompt = job->n;
+            job->ids = NULL;
+            place(r, q, NULL);
+        }
+    }
+    free(job->ids);
+    free(job->text);
+    free(job);
 }
 
 static route_t *route_of_client(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id) {
@@ -1341,8 +1422,8 @@ char *loom_router_metrics(void *router, size_t *len) {
  */
 
 int loom_router_run(loom_router_t *r) {
-    zmq_pollitem_t items[2 + 2 * MAX_REPLICAS];
-    int map[2 + 2 * MAX_REPLICAS], is_events[2 + 2 * MAX_REPLICAS];
+    zmq_pollitem_t items[3 + 2 * MAX_REPLICAS];
+    int map[3 + 2 * MAX_REPLICAS], is_events[3 + 2 * MAX_REPLICAS];
     LOOM_INFO("router on %s: policy %s, %d static replica(s)%s", r->api_addr,
               loom_policy_name(r->cfg.policy), r->cfg.n_replicas,
               r->cfg.etcd_url ? ", more from etcd" : "");
@@ -1350,6 +1431,7 @@ int loom_router_run(loom_router_t *r) {
         int n = 0;
         items[n++] = (zmq_pollitem_t){r->api, 0, ZMQ_POLLIN, 0};
         items[n++] = (zmq_pollitem_t){r->pipe, 0, ZMQ_POLLIN, 0};
+        items[n++] = (zmq_pollitem_t){r->tok_results, 0, ZMQ_POLLIN, 0};
         for (int i = 0; i < MAX_REPLICAS; i++)
             if (r->reps[i].used) {
                 map[n] = i;
@@ -1387,7 +1469,14 @@ int loom_router_run(loom_router_t *r) {
             }
             zmq_msg_close(&m);
         }
-        for (int k = 2; k < n; k++) {
+        if (items[2].revents & ZMQ_POLLIN) {
+            tok_job_t *job;
+            for (int k = 0; k < 256 && zmq_recv(r->tok_results, &job, sizeof job, ZMQ_DONTWAIT) ==
+                                           (int)sizeof job;
+                 k++)
+                on_tokenized(r, job);
+        }
+        for (int k = 3; k < n; k++) {
             if (!(items[k].revents & ZMQ_POLLIN)) continue;
             int i = map[k];
             if (is_events[k]) {
@@ -1480,6 +1569,16 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     r->pipe = zmq_socket(r->zctx, ZMQ_PAIR);
     zmq_setsockopt(r->pipe, ZMQ_LINGER, &zero, sizeof zero);
     zmq_bind(r->pipe, r->etcd.pipe_addr);
+    r->tok_jobs = zmq_socket(r->zctx, ZMQ_PUSH);
+    r->tok_results = zmq_socket(r->zctx, ZMQ_PULL);
+    zmq_setsockopt(r->tok_jobs, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(r->tok_results, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_bind(r->tok_jobs, "inproc://loom-router-tok-jobs");
+    zmq_bind(r->tok_results, "inproc://loom-router-tok-results");
+    for (int k = 0; r->tok && k < cfg->tokenizer_threads && k < MAX_TOK_THREADS; k++) {
+        if (pthread_create(&r->tok_th[k], NULL, tok_main, r) != 0) break;
+        r->n_tok_th++;
+    }
     for (int k = 0; k < cfg->n_replicas; k++)
         if (replica_find(r, cfg->replicas[k]) < 0 && replica_open(r, cfg->replicas[k], 0) < 0) {
             st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
@@ -1513,6 +1612,17 @@ void loom_router_destroy(loom_router_t **r_p) {
         r->etcd.stop = 1;
         pthread_join(r->etcd.th, NULL);
     }
+    r->tok_stop = 1;
+    for (int k = 0; k < r->n_tok_th; k++)
+        pthread_join(r->tok_th[k], NULL);
+    if (r->tok_results) { /* prompts tokenized after the loop ended */
+        tok_job_t *job;
+        while (zmq_recv(r->tok_results, &job, sizeof job, ZMQ_DONTWAIT) == (int)sizeof job) {
+            free(job->ids);
+            free(job->text);
+            free(job);
+        }
+    }
     while (r->routes)
         route_free(r, r->routes);
     for (int i = 0; i < MAX_REPLICAS; i++)
@@ -1521,6 +1631,8 @@ void loom_router_destroy(loom_router_t **r_p) {
             if (r->reps[i].events) zmq_close(r->reps[i].events);
         }
     if (r->pipe) zmq_close(r->pipe);
+    if (r->tok_jobs) zmq_close(r->tok_jobs);
+    if (r->tok_results) zmq_close(r->tok_results);
     if (r->api) zmq_close(r->api);
     if (r->zctx) zmq_ctx_term(r->zctx);
     loom_prefix_index_destroy(&r->index);

@@ -41,6 +41,7 @@ typedef struct loom_router_config {
     int request_timeout_ms;      /* no request outlives this (DEADLINE_EXCEEDED) */
     double lambda;               /* prefix score: weight of load against cached tokens */
     int index_capacity;          /* block hashes the prefix index keeps */
+    int tokenizer_threads;       /* prompts are tokenized on these (0: on the reactor) */
 } loom_router_config_t;
 
 typedef struct loom_router loom_router_t;
