@@ -9,7 +9,8 @@ the router, and fake replicas (tests/fake_replica) for the faults.
 - kill -9 of the replica serving a stream: the stream completes on the other
   replica with the ids of an uninterrupted greedy run
 - a client that goes away has its request cancelled on the replica
-- replicas join and leave through etcd while the router runs
+- replicas join and leave through etcd while the router runs; a dead replica is
+  circuit-broken and probed back when it returns
 - a replica answering garbage is taken out, one with another model is
   refused at join naming the difference, and with nothing to place a
   request on the client gets UNAVAILABLE; bad client input is refused
@@ -467,6 +468,30 @@ def test_fake_replicas():
             p.wait()
 
 
+def test_probe_back():
+    # a replica that dies is circuit-broken; started again at its address, it is probed back
+    addr = "tcp://127.0.0.1:%d" % free_port()
+    cmd = [os.path.join(TESTS_BIN, "fake_replica"), "--listen", addr, "--mode", "model", "--model-name",
+           "stories260K", "--vocab", "512", "--context", "512"]
+    fake = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Router(["--replica", addr], http=True, expect_up=1) as r:
+            rc, _, ids, err = generate(r.addr, PROMPT, 4)
+            check(rc == 0 and ids == [1], "through the fake replica: %s" % err)
+            fake.kill()
+            fake.wait()
+            wait_for(lambda: r.metric_sum("loom_router_replica_up") == 0, 10, "the dead replica down")
+            rc, _, _, err = generate(r.addr, PROMPT, 4)
+            check(rc == 4 and "no replica" in err, "with the replica down: %d %s" % (rc, err))
+            fake = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_for(lambda: r.metric_sum("loom_router_replica_up") == 1, 20, "the replica probed back")
+            rc, _, ids, err = generate(r.addr, PROMPT, 4)
+            check(rc == 0 and ids == [1], "after the probe-back: %s" % err)
+    finally:
+        fake.kill()
+        fake.wait()
+
+
 def test_cli():
     p = subprocess.run([os.path.join(BIN, "loom-router"), "--help"], capture_output=True, text=True, timeout=10)
     check(p.returncode == 0 and "--policy" in p.stdout and "--replica" in p.stdout, "--help: %s" % p.stdout)
@@ -478,4 +503,4 @@ def test_cli():
 
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_etcd_join_leave,
-               test_fake_replicas])
+               test_fake_replicas, test_probe_back])
