@@ -500,6 +500,32 @@ static void fail_over(loom_router_t *r, route_t *q, const char *why) {
         route_free(r, q);
         return;
     }
+    uint32_t max = q->rq->generate->max_tokens;
+    if (max &&
+        (uint32_t)q->n_gen >= max) { /* every token was streamed; only the final chunk was lost */
+        Loom__V1__Reply fin = LOOM__V1__REPLY__INIT;
+        Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+        Loom__V1__Usage u = LOOM__V1__USAGE__INIT;
+        u.prompt_tokens = (uint32_t)q->n_prompt;
+        u.completion_tokens = (uint32_t)q->n_gen;
+        fin.request_id = q->client_id;
+        ch.final = 1;
+        ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_LENGTH;
+        ch.usage = &u;
+        char *tail = NULL;
+        if (q->own_text) { /* what the detokenizer still holds */
+            size_t per = loom_tokenizer_max_piece_len(r->tok) + 256;
+            tail = loom_xmalloc(per + 1);
+            tail[loom_detok_flush(&q->detok, tail, per)] = 0;
+            ch.text = tail;
+        }
+        fin.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+        fin.chunk = &ch;
+        send_client(r, q->rid, q->rid_len, &fin);
+        free(tail);
+        route_free(r, q);
+        return;
+    }
     r->failovers++;
     LOOM_INFO("request %llu: moving to another replica after %d streamed tokens (%s)",
               (unsigned long long)q->client_id, q->n_gen, why);
