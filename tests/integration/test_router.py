@@ -296,8 +296,7 @@ def wait_health(r):
 
 
 def check_session_affinity(a, b, common):
-    with Router(common + ["--policy", "session"], expect_up=None) as s:
-        wait_health(s)
+    with Router(common + ["--policy", "session"], http=True, expect_up=2) as s:
         before = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
         for _ in range(4):
             rc, _, ids, err = generate(s.addr, PROMPT, 4, extra=["--api-key", KEY, "--session", "session-one"])
@@ -305,6 +304,18 @@ def check_session_affinity(a, b, common):
         after = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
         d = sorted(x - y for x, y in zip(after, before))
         check(d == [0, 4], "a session's 4 requests went to replicas as %r" % d)
+        # over HTTP: the OpenAI `user` field, or an X-Session-Id header, is the session
+        for headers, body in (({}, {"user": "alice"}), ({"X-Session-Id": "bob"}, {})):
+            before = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
+            for _ in range(4):
+                req = dict(body, prompt=PROMPT, max_tokens=2)
+                h = dict(headers, **{"Content-Type": "application/json", "Authorization": "Bearer " + KEY})
+                with urllib.request.urlopen(urllib.request.Request(
+                        "http://127.0.0.1:%d/v1/completions" % s.http, json.dumps(req).encode(), h), timeout=30) as resp:
+                    check(resp.status == 200, "HTTP session request: %d" % resp.status)
+            after = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
+            d = sorted(x - y for x, y in zip(after, before))
+            check(d == [0, 4], "HTTP session %r: requests went to replicas as %r" % (headers or body, d))
 
 
 # ---- failover ----------------------------------------------------------------------------------
