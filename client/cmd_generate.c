@@ -134,7 +134,7 @@ static const char *finish_name(loom_finish_t f) {
 }
 
 int loom_cmd_generate(int argc, char **argv) {
-    const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL;
+    const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL, *session = NULL;
     const char *curve_server = NULL, *curve_secret = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
@@ -163,6 +163,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
+        {"session", LOOM_OPT_STR, &session, "KEY", "session key: a loom-router with --policy session keeps a session on one replica", 1, 0, NULL},
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 30000)", 1, 1e9, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
         LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
@@ -222,7 +223,7 @@ int loom_cmd_generate(int argc, char **argv) {
                            .min_p = min_p, .presence_penalty = presence, .frequency_penalty = frequency,
                            .repetition_penalty = repetition, .logit_bias_ids = bias_ids,
                            .logit_bias_values = bias_values, .n_logit_bias = n_bias, .bad_words = bad_words,
-                           .n_bad_words = n_bad, .min_tokens = min_tokens};
+                           .n_bad_words = n_bad, .min_tokens = min_tokens, .session = session};
     gen_out_t o = {.print_ids = print_ids};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = (int)SA_RESETHAND}, old_sa;
     sigemptyset(&sa.sa_mask);

@@ -570,6 +570,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;
     g.tag = (char *)(p->tag ? p->tag : "");
+    g.session = (char *)(p->session ? p->session : "");
     g.n_stop_token_ids = (size_t)p->n_stop_token_ids;
     g.stop_token_ids = (int32_t *)p->stop_token_ids;
     g.n_logit_bias_ids = g.n_logit_bias_values = (size_t)p->n_logit_bias;

@@ -66,6 +66,7 @@ typedef struct loom_gen_params {
     int include_stop_str_in_output;
     int logprobs;                              /* chunks carry their tokens' log probabilities */
     int top_logprobs;                          /* and the most likely tokens', at most 20 */
+    const char *session;        /* affinity key for a router's session policy (NULL: none) */
 } loom_gen_params_t;
 
 typedef enum {

@@ -105,7 +105,9 @@ typedef struct listener {
 } listener_t;
 
 struct loom_http {
-    loom_server_t *srv;
+    loom_server_t *srv;  /* NULL when serving another endpoint (loom_http_start_at) */
+    loom_http_metrics_fn metrics_fn; /* /metrics of such an endpoint */
+    void *metrics_ctx;
     struct MHD_Daemon *daemon;
     void *zctx;
     char inproc[128];
@@ -801,6 +803,7 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     }
     x = field(o, "user");
     if (x && !cJSON_IsString(x)) return bad(e, "user", "user must be a string");
+    if (x) g->p.session = x->valuestring; /* a router's session affinity */
     x = field(o, "metadata");
     if (x && !cJSON_IsObject(x)) return bad(e, "metadata", "metadata must be an object");
     x = field(o, "response_format");
@@ -1576,6 +1579,8 @@ static enum MHD_Result handle_generate(req_t *q) {
         goto done;
     }
     g.p.tag = q->xid;
+    const char *session = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, "X-Session-Id");
+    if (session && session[0]) g.p.session = session;
     if (g.n > 1 || g.n_batch > 1) {
         if (q->stream) {
             res = respond_error(q, 400, "invalid_request_error", g.n > 1 ? "n" : "prompt", NULL,
@@ -1880,7 +1885,8 @@ done:
 
 static enum MHD_Result handle_metrics(req_t *q) {
     size_t len = 0;
-    char *text = loom_metrics_render(loom_server_metrics(q->h->srv), &len);
+    char *text = q->h->srv ? loom_metrics_render(loom_server_metrics(q->h->srv), &len)
+                           : q->h->metrics_fn ? q->h->metrics_fn(q->h->metrics_ctx, &len) : NULL;
     if (!text) return respond_error(q, 500, "server_error", NULL, "internal_error", "cannot render the metrics");
     return respond(q, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len);
 }
@@ -2161,6 +2167,14 @@ static int daemon_port(struct MHD_Daemon *d) {
 }
 
 loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err) {
+    loom_http_endpoint_t ep = {.zmq_context = loom_server_zmq_context(srv), .inproc_addr = loom_server_inproc_addr(srv)};
+    LOOM_CHECK(loom_http_start_at(&ep, cfg, out, err));
+    (*out)->srv = srv;
+    return LOOM_OK;
+}
+
+loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
+                                 loom_err_t *err) {
     *out = NULL;
     const char *bind = cfg->bind && cfg->bind[0] ? cfg->bind : DEFAULT_BIND;
     const char *probe_bind = cfg->probe_bind && cfg->probe_bind[0] ? cfg->probe_bind : NULL;
@@ -2183,11 +2197,12 @@ loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg,
     }
 
     loom_http_t *h = loom_xcalloc(1, sizeof *h);
-    h->srv = srv;
     h->tmpl = tmpl;
     h->tls = tls;
-    h->zctx = loom_server_zmq_context(srv);
-    snprintf(h->inproc, sizeof h->inproc, "%s", loom_server_inproc_addr(srv));
+    h->zctx = ep->zmq_context;
+    snprintf(h->inproc, sizeof h->inproc, "%s", ep->inproc_addr);
+    h->metrics_fn = ep->metrics;
+    h->metrics_ctx = ep->metrics_ctx;
     snprintf(h->bind, sizeof h->bind, "%s", bind);
     h->api_key = cfg->api_key && cfg->api_key[0] ? loom_xstrdup(cfg->api_key) : NULL;
     h->max_body = cfg->max_body_bytes ? cfg->max_body_bytes : DEFAULT_MAX_BODY;

@@ -44,6 +44,18 @@ typedef struct loom_http loom_http_t;
  * Call after loom_server_create; requests wait until loom_server_run
  * turns. */
 loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err);
+/* The gateway in front of any loom.v1 endpoint served over inproc:// in
+ * this process (the router's): its context and address, and what renders
+ * its /metrics (malloc'ed text, *len bytes; NULL: 500). */
+typedef char *(*loom_http_metrics_fn)(void *ctx, size_t *len);
+typedef struct loom_http_endpoint {
+    void *zmq_context;
+    const char *inproc_addr;
+    loom_http_metrics_fn metrics;
+    void *metrics_ctx;
+} loom_http_endpoint_t;
+loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
+                                 loom_err_t *err);
 /* The bound TCP port (the ephemeral one when 0 was asked for). */
 int loom_http_port(const loom_http_t *h);
 /* The probe listener's port (0 without one). */

@@ -22,7 +22,14 @@ struct loom_kv_ledger {
     int lru_head, lru_tail, n_lru;
     int *table;          /* (cap) block ids or NONE; linear probing on hash */
     int cap;
+    loom_kv_observer_fn observer; /* told of every hash cached and evicted (NULL: none) */
+    void *observer_ctx;
 };
+
+void loom_kv_set_observer(loom_kv_ledger_t *L, loom_kv_observer_fn fn, void *ctx) {
+    L->observer = fn;
+    L->observer_ctx = ctx;
+}
 
 loom_kv_ledger_t *loom_kv_create(int n_blocks, int block_size, int prefix_cache) {
     loom_kv_ledger_t *L = loom_xcalloc(1, sizeof *L);
@@ -126,6 +133,7 @@ int loom_kv_alloc(loom_kv_ledger_t *L) {
         lru_unlink(L, b);
         table_remove(L, b);
         L->cached[b] = 0;
+        if (L->observer) L->observer(L->observer_ctx, L->hash[b], 0);
     } else {
         return NONE;
     }
@@ -188,6 +196,7 @@ void loom_kv_register(loom_kv_ledger_t *L, int b, uint64_t hash, const int32_t *
     size_t mask = (size_t)L->cap - 1, i = slot_of(L, hash);
     while (L->table[i] != NONE) i = (i + 1) & mask;
     L->table[i] = b;
+    if (L->observer) L->observer(L->observer_ctx, hash, 1);
 }
 
 int loom_kv_check(const loom_kv_ledger_t *L) {

@@ -29,6 +29,10 @@ int loom_kv_n_held(const loom_kv_ledger_t *L);   /* referenced by some sequence 
 /* A block with ref 1, taken from the free list, else by evicting the least
  * recently used cached block; -1 when every block is held. */
 int loom_kv_alloc(loom_kv_ledger_t *L);
+/* Told of each chain hash the prefix cache registers (cached = 1) and
+ * evicts (cached = 0), synchronously; the KV events publisher listens. */
+typedef void (*loom_kv_observer_fn)(void *ctx, uint64_t hash, int cached);
+void loom_kv_set_observer(loom_kv_ledger_t *L, loom_kv_observer_fn fn, void *ctx);
 void loom_kv_retain(loom_kv_ledger_t *L, int block);
 void loom_kv_release(loom_kv_ledger_t *L, int block);
 int loom_kv_ref(const loom_kv_ledger_t *L, int block);

@@ -38,6 +38,7 @@
 #include "common/util.h"
 #include "common/shard.h"
 #include "coordinator/grid.h"
+#include "coordinator/kv_events.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sampling_params.h"
 #include "coordinator/sched.h"
@@ -107,6 +108,7 @@ struct loom_server {
     uint64_t rate_tokens[RATE_WINDOW];
     uint64_t rate_second;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
+    loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
 };
 
 /* ---- small helpers ---------------------------------------------------------- */
@@ -693,6 +695,7 @@ static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1
     st.kv_block_size = (uint32_t)s->cfg.block_size;
     st.kv_cache_dtype = (char *)loom_grid_kv_dtype(s->grid);
     st.kv_block_bytes = loom_grid_kv_block_bytes(s->grid);
+    st.kv_events = (char *)loom_kv_events_addr(s->kv_events);
     uint64_t sec = loom_now_ns() / 1000000000ull, sum = 0;
     for (int i = 1; i < RATE_WINDOW; i++) /* full seconds only: skip the current one */
         if (sec >= (uint64_t)i && s->rate_second + RATE_WINDOW > sec - (uint64_t)i && s->rate_second >= sec - (uint64_t)i)
@@ -790,6 +793,7 @@ static void publish_state(loom_server_t *s) {
         st.preemptions = s->preemptions_base;
     }
     loom_metrics_set_state(s->metrics, &st);
+    loom_kv_events_publish(s->kv_events, s->sched);
 }
 
 static void timers(loom_server_t *s) {
@@ -975,6 +979,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     zmq_setsockopt(s->api, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
     st = grid_open(s, err); /* keys and binds the API socket too (secure_sockets) */
     if (st < 0) goto fail;
+    if (cfg->kv_events && (st = loom_kv_events_create(s->zctx, cfg->kv_events, cfg->advertise_host, &s->kv_events, err)) < 0)
+        goto fail;
     snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
     if (zmq_bind(s->api, s->inproc_addr) != 0) {
         st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", s->inproc_addr);
@@ -999,6 +1005,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_grid_destroy(&s->grid);
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);
+    loom_kv_events_destroy(&s->kv_events);
     if (s->api) zmq_close(s->api);
     loom_zap_stop(&s->zap); /* after every socket it guards is closed */
     if (s->zctx) zmq_ctx_term(s->zctx);

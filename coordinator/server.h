@@ -40,6 +40,7 @@ typedef struct loom_server_config {
     int has_seed;             /* --seed: requests without a seed get seeds derived from this one, */
     uint64_t seed;            /* so the same requests in the same order give the same text */
     loom_coord_security_t security; /* CURVE keys of the control plane and the client API */
+    const char *kv_events;    /* publish prefix-cache events here for routers (NULL: off) */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

@@ -28,3 +28,9 @@ loom_add_it(it_netns test_netns.py) # hosts as network namespaces: needs root, e
 set_tests_properties(it_netns PROPERTIES SKIP_RETURN_CODE 77)
 loom_add_it(it_quant test_quant.py)
 loom_add_it(it_perplexity test_perplexity.py)
+
+# The router (test_router.py): real replicas behind loom-router, and fake ones.
+add_executable(fake_replica ${CMAKE_CURRENT_LIST_DIR}/fake_replica.c)
+target_link_libraries(fake_replica PRIVATE loom_proto loom_base Loom::ZeroMQ)
+set_target_properties(fake_replica PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+loom_add_it(it_router test_router.py)

@@ -1,0 +1,211 @@
+/* loom-router: a loom.v1 endpoint (and, with --http, the OpenAI-compatible
+ * gateway) in front of many replicas, routing by cached prefix and load. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cli.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "coordinator/http.h"
+#include "router/router.h"
+
+#define MAX_STATIC 64
+
+static loom_router_t *g_router;
+
+static void on_signal(int sig) {
+    (void)sig;
+    if (g_router) loom_router_stop(g_router);
+}
+
+int main(int argc, char **argv) {
+    loom_log_init("router");
+    loom_router_config_t c = {.listen = "tcp://127.0.0.1:5550",
+                              .cluster = "default",
+                              .max_retries = 3,
+                              .probe_interval_ms = 200,
+                              .replica_timeout_ms = 1500,
+                              .stall_timeout_ms = 30000,
+                              .request_timeout_ms = 600000,
+                              .lambda = 1.0,
+                              .index_capacity = 1 << 18,
+                              .tokenizer_threads = 2};
+    /* --replica is repeatable: take them out before the table parse */
+    const char *replicas[MAX_STATIC];
+    int n_rep = 0;
+    char **args = loom_xcalloc((size_t)argc + 1, sizeof *args);
+    int nargs = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (i > 0 && !strcmp(a, "--replica")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "error: --replica needs an address\n");
+                free(args);
+                return 2;
+            }
+            a = argv[++i];
+        } else if (i > 0 && !strncmp(a, "--replica=", 10)) {
+            a += 10;
+        } else {
+            args[nargs++] = argv[i];
+            continue;
+        }
+        if (n_rep == MAX_STATIC) {
+            fprintf(stderr, "error: at most %d --replica\n", MAX_STATIC);
+            free(args);
+            return 2;
+        }
+        if (strncmp(a, "tcp://", 6) && strncmp(a, "ipc://", 6)) {
+            fprintf(stderr, "error: --replica expects tcp://HOST:PORT or ipc://PATH, got '%s'\n",
+                    a);
+            free(args);
+            return 2;
+        }
+        replicas[n_rep++] = a;
+    }
+    const char *policy = "prefix", *http_bind = NULL, *chat_template = NULL, *log_format = NULL,
+               *dummy = NULL;
+    const char *env_key = getenv("LOOM_API_KEY");
+    float lambda = 1.0f;
+    int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
+    loom_opt_t opts[] = {
+        {"listen", LOOM_OPT_STR, &c.listen, "ADDR",
+         "client API address (default tcp://127.0.0.1:5550)", 1, 0, NULL},
+        {"replica", LOOM_OPT_STR, &dummy, "ADDR",
+         "a replica's client API, tcp://HOST:PORT (repeatable)", 1, 0, NULL},
+        {"etcd", LOOM_OPT_STR, &c.etcd_url, "URL",
+         "also take replicas from etcd: the coordinators of clusters NAME, NAME-* and NAME/* (see "
+         "--cluster); they join and leave as they come and go",
+         1, 0, NULL},
+        {"cluster", LOOM_OPT_STR, &c.cluster, "NAME",
+         "replica clusters' name in etcd (default 'default')", 1, 0, NULL},
+        {"model", LOOM_OPT_STR, &c.model_dir, "DIR",
+         "the model's directory, for its tokenizer: prefix routing on the replicas' block hashes, "
+         "and continuing a stream on another replica when one fails (without it: prefix routing on "
+         "text, failover before the first token only)",
+         1, 0, NULL},
+        {"served-model-name", LOOM_OPT_STR, &c.model_name, "NAME",
+         "the model id every replica must serve; others are refused at join (default: the --model "
+         "directory's name, else the first replica's)",
+         1, 0, NULL},
+        {"policy", LOOM_OPT_STR, &policy, "NAME",
+         "prefix (cached prefix against load), round-robin, least-loaded, session (requests with "
+         "the same session key -- loom.v1 session, HTTP X-Session-Id or the OpenAI user field, "
+         "else the tag -- stick to one replica) (default prefix)",
+         1, 0, NULL},
+        {"prefix-lambda", LOOM_OPT_FLOAT, &lambda, "W",
+         "prefix policy: tokens of load worth one uncached prompt token (default 1)", 0, 1000,
+         NULL},
+        {"max-retries", LOOM_OPT_INT, &c.max_retries, "N",
+         "re-sends of a request to other replicas when its replica fails (default 3)", 0, 64, NULL},
+        {"probe-interval-ms", LOOM_OPT_INT, &c.probe_interval_ms, "MS",
+         "Health and Stats to each replica this often (default 200)", 10, 60000, NULL},
+        {"replica-timeout-ms", LOOM_OPT_INT, &c.replica_timeout_ms, "MS",
+         "a replica silent this long is down: its streams move on (default 1500)", 50, 600000,
+         NULL},
+        {"stall-timeout-ms", LOOM_OPT_INT, &c.stall_timeout_ms, "MS",
+         "a stream with no chunk for this long moves to another replica (default 30000)", 100,
+         86400000, NULL},
+        {"request-timeout-ms", LOOM_OPT_INT, &c.request_timeout_ms, "MS",
+         "no request lives longer: DEADLINE_EXCEEDED (default 600000)", 100, 86400000, NULL},
+        {"prefix-index-blocks", LOOM_OPT_INT, &c.index_capacity, "N",
+         "block hashes the prefix index keeps, about 40 bytes each (default 262144)", 16, 1 << 28,
+         NULL},
+        {"tokenizer-threads", LOOM_OPT_INT, &c.tokenizer_threads, "N",
+         "threads that tokenize prompts, off the reactor (0: the reactor does; default 2)", 0, 16,
+         NULL},
+        {"api-key", LOOM_OPT_STR, &c.api_key, "KEY",
+         "require this key from clients (or set LOOM_API_KEY)", 1, 0, NULL},
+        {"replica-api-key", LOOM_OPT_STR, &c.replica_api_key, "KEY",
+         "send this key to the replicas", 1, 0, NULL},
+        {"http", LOOM_OPT_STR, &http_bind, "HOST:PORT",
+         "also serve the OpenAI-compatible HTTP API, /health and /metrics here (port 0: any free "
+         "port)",
+         1, 0, NULL},
+        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME",
+         "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral (default: the "
+         "model's; needs --model)",
+         1, 0, NULL},
+        {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
+         "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
+        {"http-max-connections", LOOM_OPT_INT, &http_conns, "N",
+         "most simultaneous HTTP connections (default 256)", 1, 65536, NULL},
+        {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S",
+         "close an HTTP connection idle this long (default 60)", 1, 86400, NULL},
+        {"log-format", LOOM_OPT_STR, &log_format, "FMT",
+         "log lines as text or json (default text, or LOOM_LOG_FORMAT)", 1, 0, NULL},
+    };
+    int r = loom_cli_parse(
+        nargs, args, 1, opts, (int)LOOM_ARRAY_LEN(opts),
+        "loom-router --replica ADDR [--replica ADDR ...] | --etcd URL --cluster NAME [options]",
+        "The Loom router: one client endpoint (loom.v1 over ZeroMQ, and OpenAI HTTP with --http) "
+        "in\n"
+        "front of many replicas, each a coordinator with its grid. Routes by cached prefix and "
+        "load\n"
+        "(or round robin, least loaded, session), and moves a stream to another replica when its\n"
+        "replica fails. See docs/scale-out.md.");
+    if (r) {
+        free(args);
+        return r < 0 ? 2 : 0;
+    }
+    free(args);
+    if (log_format && loom_log_set_format_name(log_format) < 0) {
+        fprintf(stderr, "error: --log-format must be text or json, got '%s'\n", log_format);
+        return 2;
+    }
+    int p = loom_policy_parse(policy);
+    if (p < 0) {
+        fprintf(stderr,
+                "error: --policy must be prefix, round-robin, least-loaded or session, got '%s'\n",
+                policy);
+        return 2;
+    }
+    c.policy = (loom_policy_t)p;
+    c.lambda = lambda;
+    if (!n_rep && !c.etcd_url) {
+        fprintf(stderr, "error: give replicas with --replica ADDR or --etcd URL (see --help)\n");
+        return 2;
+    }
+    c.replicas = replicas;
+    c.n_replicas = n_rep;
+    if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
+    if (chat_template && !http_bind) {
+        fprintf(stderr, "error: --chat-template only matters with --http\n");
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    loom_err_t err = {0};
+    if (loom_router_create(&c, &g_router, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return 1;
+    }
+    loom_http_t *http = NULL;
+    if (http_bind) {
+        loom_http_endpoint_t ep = {.zmq_context = loom_router_zmq_context(g_router),
+                                   .inproc_addr = loom_router_inproc_addr(g_router),
+                                   .metrics = loom_router_metrics,
+                                   .metrics_ctx = g_router};
+        loom_http_config_t hc = {.bind = http_bind,
+                                 .api_key = c.api_key,
+                                 .model_dir = c.model_dir,
+                                 .chat_template = chat_template,
+                                 .max_body_bytes = (size_t)max_body,
+                                 .max_connections = http_conns,
+                                 .idle_timeout_s = http_timeout};
+        if (loom_http_start_at(&ep, &hc, &http, &err) < 0) {
+            fprintf(stderr, "error: %s\n", err.msg);
+            loom_router_destroy(&g_router);
+            return 1;
+        }
+    }
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    int rc = loom_router_run(g_router);
+    loom_http_drain(http, 2000);
+    loom_http_stop(&http);
+    loom_router_destroy(&g_router);
+    return rc;
+}

@@ -1,0 +1,1676 @@
+/* loom-router's reactor: the client API (ROUTER), one DEALER per replica,
+ * the etcd discovery thread's pipe, the probes and the request table.
+ *
+ * Replica lifecycle:
+ *   JOINING  --ListModels matches the reference model--> UP
+ *   JOINING  --another model, vocabulary or context--> REFUSED (never used; logged naming the
+ * difference) UP       --no answer for replica_timeout_ms, a send that fails, or garbage--> DOWN
+ *   DOWN     --circuit open for a backoff (0.5 s doubling to 8 s), then probed;
+ *              a Health that says ready--> UP (a failure doubles the backoff)
+ *   any      --removed from etcd--> LEAVING: takes no new request, closed once idle
+ * Only UP replicas are picked. A replica's bit in the prefix index is
+ * cleared when it goes DOWN or leaves (a restarted coordinator has an empty
+ * cache).
+ *
+ * Request lifecycle: a client Generate is tokenized (with --model), scored
+ * and sent to one replica under a fresh upstream id; chunks come back under
+ * that id and go to the client under its own id, their ids kept. When the
+ * replica goes DOWN, stalls (no chunk for stall_timeout_ms) or refuses with
+ * UNAVAILABLE / RESOURCE_EXHAUSTED, the request is re-sent to another UP
+ * replica as prompt_ids = prompt + the ids streamed so far and max_tokens
+ * reduced by them, under a new upstream id (late chunks of the old one are
+ * dropped), at most max_retries times; then it ends with UNAVAILABLE. A
+ * client that cancels or vanishes (ROUTER_MANDATORY: EHOSTUNREACH) gets its
+ * upstream request cancelled. No request outlives request_timeout_ms. */
+#include "router/router.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/etcd.h"
+#include "common/log.h"
+#include "common/tokenizer.h"
+#include "common/util.h"
+#include "proto/wire.h"
+#include "router/prefix_index.h"
+
+#define MAX_REPLICAS   LOOM_PREFIX_MAX_REPLICAS
+#define MAX_HASHES     4096         /* prompt blocks hashed for routing (64k tokens at block 16) */
+#define CTL_BIT        (1ull << 63) /* upstream ids of the router's own probes */
+#define TTFT_RING      128
+#define ROUTE_BUCKETS  4096
+#define SESSION_SLOTS  4096
+#define DEFAULT_BLOCK  16
+#define BACKOFF_MIN_MS 500
+#define BACKOFF_MAX_MS 8000
+#define ETCD_POLL_MS   1000
+
+typedef enum { REP_JOINING, REP_UP, REP_DOWN, REP_REFUSED, REP_LEAVING } rep_state_t;
+static const char *rep_state_name[] = {"joining", "up", "down", "refused", "leaving"};
+
+typedef struct replica {
+    int used; /* this slot holds a replica */
+    char addr[256];
+    void *sock;          /* DEALER */
+    void *events;        /* SUB to its KV events (NULL: it publishes none) */
+    uint64_t events_seq; /* the last KvEvents seq seen */
+    rep_state_t state;
+    int from_etcd, listed;  /* discovered in etcd; still listed there */
+    char why[320];          /* the last state change's reason */
+    uint64_t last_reply_ns; /* any answer */
+    uint64_t probe_sent_ns; /* the oldest unanswered probe (0: none) */
+    uint64_t open_until_ns; /* DOWN: the next probe after this */
+    int backoff_ms;
+    /* from the last Stats */
+    int running, waiting, kv_total, kv_used, block_size;
+    uint64_t prefix_queries, prefix_hits, finished, rejected, prompt_tokens, gen_tokens,
+        preemptions, steps;
+    double gen_tps;
+    /* the router's own view */
+    int inflight;
+    long long inflight_tokens;
+    uint64_t routed, failovers, failures;
+    double ttft_ms[TTFT_RING];
+    int n_ttft, ttft_pos;
+} replica_t;
+
+typedef struct route {
+    struct route *next, *prev; /* all requests */
+    struct route *hnext;       /* bucket by up_id */
+    uint64_t up_id;
+    unsigned char rid[256];
+    size_t rid_len;
+    uint64_t client_id;
+    Loom__V1__Request *rq; /* the client's request, kept for re-sending */
+    int32_t *prompt;       /* tokenized prompt (NULL without a tokenizer) */
+    int n_prompt;
+    int32_t *gen; /* ids streamed to the client so far */
+    int n_gen, cap_gen;
+    int rep;        /* current replica (-1: none) */
+    uint64_t tried; /* replicas tried (bits) */
+    int attempts;
+    loom_policy_t policy;
+    uint64_t t_arrival, t_sent, t_last, deadline;
+    int got_first;  /* a chunk came from the current replica */
+    int hit_blocks; /* prefix blocks the chosen replica held, per the index */
+    /* After a failover the router writes the text itself, from the ids, with
+     * a detokenizer primed with the ids already streamed: the new replica's
+     * detokenizer starts empty and would lose a character split across the
+     * failover point. (Not with stop strings: the replica's text holds those
+     * back.) */
+    int own_text;
+    loom_detok_t detok;
+    char *text;
+    size_t text_cap;
+    int tokenizing; /* its prompt is on a tokenizer thread (keyed by up_id) */
+} route_t;
+
+/* A prompt to tokenize, handed to a tokenizer thread by pointer over inproc. */
+typedef struct tok_job {
+    uint64_t key; /* the waiting route's up_id */
+    char *text;
+    int raw;
+    int32_t *ids;
+    int n;
+    loom_status_t st;
+    loom_err_t err;
+} tok_job_t;
+
+#define MAX_TOK_THREADS 16
+
+typedef struct etcd_thread {
+    pthread_t th;
+    int started;
+    volatile int stop;
+    char url[256], cluster[128];
+    char pipe_addr[64];
+    void *zctx;
+} etcd_thread_t;
+
+struct loom_router {
+    loom_router_config_t cfg;
+    void *zctx, *api, *pipe;
+    char api_addr[256], inproc_addr[64];
+    volatile sig_atomic_t stop;
+    loom_tokenizer_t *tok;
+    loom_prefix_index_t *index;
+    replica_t reps[MAX_REPLICAS];
+    int have_ref; /* the reference model (first replica that joined) */
+    char ref_model[256];
+    int ref_vocab, ref_ctx, ref_tp, ref_pp;
+    route_t *routes;
+    route_t *buckets[ROUTE_BUCKETS];
+    int n_routes;
+    uint64_t next_up, next_ctl;
+    unsigned rr;
+    struct {
+        uint64_t key;
+        int rep;
+    } sessions[SESSION_SLOTS];
+    /* counters */
+    uint64_t routed[LOOM_POLICY_COUNT], failovers, failover_gave_up, unplaceable, cancels,
+        disconnects;
+    uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
+    uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
+    etcd_thread_t etcd;
+    void *tok_jobs, *tok_results; /* PUSH to and PULL from the tokenizer threads */
+    pthread_t tok_th[MAX_TOK_THREADS];
+    int n_tok_th;
+    volatile int tok_stop;
+    pthread_mutex_t mu; /* guards metrics_text */
+    char *metrics_text;
+    size_t metrics_len;
+    uint64_t last_tick, last_metrics;
+};
+
+static const char *policy_names[] = {"prefix", "round-robin", "least-loaded", "session"};
+const char *loom_policy_name(loom_policy_t p) {
+    return p < LOOM_POLICY_COUNT ? policy_names[p] : "?";
+}
+int loom_policy_parse(const char *name) {
+    for (int i = 0; i < LOOM_POLICY_COUNT; i++)
+        if (!strcmp(name, policy_names[i])) return i;
+    return -1;
+}
+
+/* ---- small helpers --------------------------------------------------------------------------- */
+
+static int send_client(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Reply *rep) {
+    size_t len;
+    void *buf = loom_wire_pack_reply(rep, &len);
+    int rc = zmq_send(r->api, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    int gone = rc < 0 && errno == EHOSTUNREACH;
+    if (rc >= 0) rc = zmq_send(r->api, buf, len, ZMQ_DONTWAIT);
+    if (rc < 0 && !gone) LOOM_WARN("could not send a reply: %s", zmq_strerror(errno));
+    free(buf);
+    return gone ? -1 : 0;
+}
+
+static int client_error(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id,
+                        loom_status_t code, const char *msg) {
+    Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
+    rep.request_id = id;
+    rep.code = loom_wire_status_code(code);
+    rep.message = (char *)msg;
+    Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+    ch.final = 1;
+    ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_ERROR;
+    rep.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+    rep.chunk = &ch;
+    return send_client(r, rid, rid_len, &rep);
+}
+
+static int send_replica(loom_router_t *r, int i, Loom__V1__Request *rq) {
+    replica_t *p = &r->reps[i];
+    rq->api_key = (char *)(r->cfg.replica_api_key ? r->cfg.replica_api_key : "");
+    size_t len;
+    void *buf = loom_wire_pack_request(rq, &len);
+    const char *method = loom_wire_method(rq->body_case);
+    int rc = zmq_send(p->sock, method, strlen(method), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    if (rc >= 0) rc = zmq_send(p->sock, buf, len, ZMQ_DONTWAIT);
+    free(buf);
+    return rc < 0 ? -1 : 0;
+}
+
+static void set_state(loom_router_t *r, int i, rep_state_t st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void set_state(loom_router_t *r, int i, rep_state_t st, const char *fmt, ...) {
+    replica_t *p = &r->reps[i];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->why, sizeof p->why, fmt, ap);
+    va_end(ap);
+    if (p->state != st) {
+        if (st == REP_REFUSED)
+            LOOM_ERROR("replica %s refused: %s", p->addr, p->why);
+        else
+            LOOM_INFO("replica %s: %s -> %s (%s)", p->addr, rep_state_name[p->state],
+                      rep_state_name[st], p->why);
+    }
+    p->state = st;
+    if (st != REP_UP) loom_prefix_index_drop_replica(r->index, i);
+}
+
+/* ---- the request table ----------------------------------------------------------------------- */
+
+static route_t *route_find(loom_router_t *r, uint64_t up_id) {
+    route_t *q = r->buckets[up_id % ROUTE_BUCKETS];
+    while (q && q->up_id != up_id)
+        q = q->hnext;
+    return q;
+}
+
+static void route_unhash(loom_router_t *r, route_t *q) {
+    route_t **pp = &r->buckets[q->up_id % ROUTE_BUCKETS];
+    while (*pp && *pp != q)
+        pp = &(*pp)->hnext;
+    if (*pp) *pp = q->hnext;
+    q->hnext = NULL;
+}
+
+static void route_rehash(loom_router_t *r, route_t *q) {
+    route_unhash(r, q);
+    q->up_id = ++r->next_up;
+    q->hnext = r->buckets[q->up_id % ROUTE_BUCKETS];
+    r->buckets[q->up_id % ROUTE_BUCKETS] = q;
+}
+
+static void route_detach(loom_router_t *r, route_t *q) {
+    if (q->rep >= 0) {
+        r->reps[q->rep].inflight--;
+        r->reps[q->rep].inflight_tokens -= q->n_prompt + q->n_gen;
+        q->rep = -1;
+    }
+}
+
+static void route_free(loom_router_t *r, route_t *q) {
+    route_detach(r, q);
+    route_unhash(r, q);
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        r->routes = q->next;
+    if (q->next) q->next->prev = q->prev;
+    r->n_routes--;
+    protobuf_c_message_free_unpacked(&q->rq->base, NULL);
+    free(q->prompt);
+    free(q->gen);
+    free(q->text);
+    free(q);
+}
+
+static void cancel_upstream(loom_router_t *r, route_t *q) {
+    if (q->rep < 0 || r->reps[q->rep].state != REP_UP) return;
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    Loom__V1__CancelRequest c = LOOM__V1__CANCEL_REQUEST__INIT;
+    c.target_request_id = q->up_id;
+    rq.request_id = CTL_BIT | ++r->next_ctl;
+    rq.body_case = LOOM__V1__REQUEST__BODY_CANCEL;
+    rq.cancel = &c;
+    send_replica(r, q->rep, &rq);
+}
+
+/* ---- picking a replica ---------------------------------------------------------------------- */
+
+static uint64_t str_hash(const char *s) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return h | 1;
+}
+
+static int block_size(const loom_router_t *r) {
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        if (r->reps[i].used && r->reps[i].state == REP_UP && r->reps[i].block_size > 0)
+            return r->reps[i].block_size;
+    return DEFAULT_BLOCK;
+}
+
+/* The routing key's block hashes: token blocks with a tokenizer (the
+ * coordinators' own hashes), else blocks of 4 bytes per token of the text
+ * (the router's history only). */
+static int route_hashes(const loom_router_t *r, const route_t *q, uint64_t *h) {
+    int B = block_size(r);
+    if (q->prompt) return loom_prefix_hashes(q->prompt, q->n_prompt, B, h, MAX_HASHES);
+    const char *text = q->rq->generate->prompt;
+    size_t n = text ? strlen(text) : 0, bb = (size_t)B * 4;
+    int k = 0;
+    uint64_t parent = 0;
+    for (size_t off = 0; off + bb <= n && k < MAX_HASHES; off += bb) {
+        uint64_t x = parent ^ 0x84222325cbf29ce4ull;
+        for (size_t j = 0; j < bb; j++)
+            x = (x ^ (unsigned char)text[off + j]) * 0x100000001b3ull;
+        parent = h[k++] = x | 1;
+    }
+    return k;
+}
+
+static const char *session_key(const route_t *q) {
+    const Loom__V1__GenerateRequest *g = q->rq->generate;
+    if (g->session && g->session[0]) return g->session;
+    return g->tag && g->tag[0] ? g->tag : NULL;
+}
+
+/* Picks an UP replica not in `exclude`, by the request's policy; -1: none. */
+static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes, int n_hashes) {
+    loom_route_cand_t c[MAX_REPLICAS];
+    int slot[MAX_REPLICAS],
+        n = 0; /* candidates in slot order (round robin over the replicas that exist) */
+    int match[MAX_REPLICAS] = {0};
+    if (n_hashes) loom_prefix_index_match(r->index, hashes, n_hashes, match, MAX_REPLICAS);
+    int any = 0;
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        const replica_t *p = &r->reps[i];
+        if (!p->used) continue;
+        slot[n] = i;
+        c[n] =
+            (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)),
+                                .matched_blocks = match[i],
+                                .inflight = p->inflight,
+                                .inflight_tokens = p->inflight_tokens,
+                                .waiting = p->waiting,
+                                .kv_usage = p->kv_total ? (double)p->kv_used / p->kv_total : 0.0};
+        any |= c[n++].usable;
+    }
+    if (!any) return -1;
+    unsigned rr = r->rr++;
+    int n_tokens = q->prompt ? q->n_prompt : n_hashes * block_size(r), k;
+    switch (q->policy) {
+    case LOOM_POLICY_ROUND_ROBIN:
+        k = loom_route_pick_round_robin(c, n, rr);
+        break;
+    case LOOM_POLICY_LEAST_LOADED:
+        k = loom_route_pick_least_loaded(c, n, rr);
+        break;
+    case LOOM_POLICY_SESSION: {
+        const char *key = session_key(q);
+        uint64_t h = key ? str_hash(key) : 0;
+        int s = (int)(h % SESSION_SLOTS);
+        if (key && r->sessions[s].key == h) {
+            int i = r->sessions[s].rep;
+            for (int j = 0; j < n; j++)
+                if (slot[j] == i && c[j].usable) return i;
+        }
+        k = loom_route_pick_least_loaded(c, n, rr);
+        if (key && k >= 0) {
+            r->sessions[s].key = h;
+            r->sessions[s].rep = slot[k];
+        }
+        break;
+    }
+    default:
+        k = loom_route_pick_prefix(c, n, n_tokens, block_size(r), r->cfg.lambda, rr);
+        break;
+    }
+    return k < 0 ? -1 : slot[k];
+}
+
+/* Sends q (again) to a replica other than those tried; on failure ends it.
+ * Returns 0 when sent, -1 when q was ended and freed. */
+static int place(loom_router_t *r, route_t *q, const char *why) {
+    uint64_t hashes[MAX_HASHES];
+    int nh = q->policy == LOOM_POLICY_PREFIX ? route_hashes(r, q, hashes) : 0;
+    for (;;) {
+        uint64_t now = loom_now_ns();
+        if (now >= q->deadline) {
+            r->deadline_exceeded++;
+            client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_DEADLINE_EXCEEDED,
+                         "the request ran past the router's --request-timeout-ms");
+            route_free(r, q);
+            return -1;
+        }
+        if (q->attempts > r->cfg.max_retries) {
+            char msg[600];
+            snprintf(msg, sizeof msg,
+                     "no replica could complete the request after %d attempts (last: %s)",
+                     q->attempts, why);
+            r->failover_gave_up++;
+            client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_UNAVAILABLE, msg);
+            route_free(r, q);
+            return -1;
+        }
+        int i = pick(r, q, q->tried, hashes, nh);
+        if (i < 0 && q->tried)
+            i = pick(r, q, 0, hashes, nh); /* every replica tried: any UP one again */
+        if (i < 0) {
+            char msg[600];
+            snprintf(msg, sizeof msg, "no replica is available to serve the request%s%s",
+                     why ? ": " : "", why ? why : "");
+            r->unplaceable++;
+            client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_UNAVAILABLE, msg);
+            route_free(r, q);
+            return -1;
+        }
+        route_detach(r, q);
+        route_rehash(r, q);
+        Loom__V1__Request rq = *q->rq;
+        Loom__V1__GenerateRequest g = *q->rq->generate;
+        rq.generate = &g;
+        rq.request_id = q->up_id;
+        int32_t *ids = NULL;
+        if (q->n_gen > 0) { /* continue from the tokens already streamed */
+            ids = loom_xmalloc((size_t)(q->n_prompt + q->n_gen) * sizeof *ids);
+            memcpy(ids, q->prompt, (size_t)q->n_prompt * sizeof *ids);
+            memcpy(ids + q->n_prompt, q->gen, (size_t)q->n_gen * sizeof *ids);
+            g.prompt = (char *)"";
+            g.prompt_ids = ids;
+            g.n_prompt_ids = (size_t)(q->n_prompt + q->n_gen);
+            if (g.max_tokens) g.max_tokens -= (uint32_t)q->n_gen;
+        }
+        if (q->n_gen > 0 && !q->own_text && r->tok && g.n_stop == 0 && g.n_stop_token_ids == 0) {
+            char scratch[1024];
+            loom_detok_init(&q->detok, r->tok, !g.keep_special, 0);
+            for (int k = 0; k < q->n_gen; k++)
+                loom_detok_push(&q->detok, q->gen[k], scratch, sizeof scratch);
+            q->own_text = 1; /* what it holds is what the old replica never sent */
+        }
+        int rc = send_replica(r, i, &rq);
+        free(ids);
+        q->attempts++;
+        q->tried |= 1ull << i;
+        if (rc < 0) { /* its other requests move at the next tick */
+            replica_t *d = &r->reps[i];
+            d->failures++;
+            d->backoff_ms = BACKOFF_MIN_MS;
+            d->open_until_ns = now + (uint64_t)d->backoff_ms * 1000000ull;
+            d->probe_sent_ns = 0;
+            set_state(r, i, REP_DOWN, "cannot send to it: %s", zmq_strerror(errno));
+            continue;
+        }
+        replica_t *p = &r->reps[i];
+        q->rep = i;
+        q->got_first = 0;
+        q->t_sent = q->t_last = now;
+        p->inflight++;
+        p->inflight_tokens += q->n_prompt + q->n_gen;
+        p->routed++;
+        if (q->attempts == 1) r->routed[q->policy]++;
+        if (nh) { /* routing history: this replica will hold these blocks */
+            int match[MAX_REPLICAS];
+            loom_prefix_index_match(r->index, hashes, nh, match, MAX_REPLICAS);
+            q->hit_blocks = match[i];
+            r->index_hit_blocks += (uint64_t)match[i];
+            r->index_query_blocks += (uint64_t)nh;
+            loom_prefix_index_insert(r->index, hashes, nh, i);
+        }
+        return 0;
+    }
+}
+
+/* The request lost its replica (why): continue it elsewhere. */
+static void fail_over(loom_router_t *r, route_t *q, const char *why) {
+    if (q->rep >= 0) r->reps[q->rep].failovers++;
+    if (q->n_gen > 0 &&
+        !q->prompt) { /* without the tokenizer the prompt cannot be continued as ids */
+        char msg[600];
+        snprintf(msg, sizeof msg,
+                 "the replica serving the request failed mid-stream (%s), and the router has no "
+                 "tokenizer (--model) to continue it elsewhere",
+                 why);
+        client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_UNAVAILABLE, msg);
+        route_free(r, q);
+        return;
+    }
+    uint32_t max = q->rq->generate->max_tokens;
+    if (max &&
+        (uint32_t)q->n_gen >= max) { /* every token was streamed; only the final chunk was lost */
+        Loom__V1__Reply fin = LOOM__V1__REPLY__INIT;
+        Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+        Loom__V1__Usage u = LOOM__V1__USAGE__INIT;
+        u.prompt_tokens = (uint32_t)q->n_prompt;
+        u.completion_tokens = (uint32_t)q->n_gen;
+        fin.request_id = q->client_id;
+        ch.final = 1;
+        ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_LENGTH;
+        ch.usage = &u;
+        char *tail = NULL;
+        if (q->own_text) { /* what the detokenizer still holds */
+            size_t per = loom_tokenizer_max_piece_len(r->tok) + 256;
+            tail = loom_xmalloc(per + 1);
+            tail[loom_detok_flush(&q->detok, tail, per)] = 0;
+            ch.text = tail;
+        }
+        fin.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+        fin.chunk = &ch;
+        send_client(r, q->rid, q->rid_len, &fin);
+        free(tail);
+        route_free(r, q);
+        return;
+    }
+    r->failovers++;
+    LOOM_INFO("request %llu: moving to another replica after %d streamed tokens (%s)",
+              (unsigned long long)q->client_id, q->n_gen, why);
+    place(r, q, why);
+}
+
+static void replica_down(loom_router_t *r, int i, const char *why) {
+    replica_t *p = &r->reps[i];
+    p->failures++;
+    p->backoff_ms = p->backoff_ms ? p->backoff_ms * 2 : BACKOFF_MIN_MS;
+    if (p->backoff_ms > BACKOFF_MAX_MS) p->backoff_ms = BACKOFF_MAX_MS;
+    p->open_until_ns = loom_now_ns() + (uint64_t)p->backoff_ms * 1000000ull;
+    p->probe_sent_ns = 0;
+    if (p->events) { /* a restarted replica may publish elsewhere: its next Stats says where */
+        zmq_close(p->events);
+        p->events = NULL;
+    }
+    set_state(r, i, REP_DOWN, "%s", why);
+    for (route_t *q = r->routes, *nx; q; q = nx) {
+        nx = q->next;
+        if (q->rep == i) fail_over(r, q, why);
+    }
+}
+
+/* ---- client requests ------------------------------------------------------------------------- */
+
+static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__GenerateRequest *g = rq->generate;
+    int has_text = g->prompt && g->prompt[0];
+    if (!has_text && g->n_prompt_ids == 0) {
+        client_error(r, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT,
+                     "the request has neither a prompt nor prompt_ids");
+        protobuf_c_message_free_unpacked(&rq->base, NULL);
+        return;
+    }
+    route_t *q = loom_xcalloc(1, sizeof *q);
+    memcpy(q->rid, rid, rid_len);
+    q->rid_len = rid_len;
+    q->client_id = rq->request_id;
+    q->rq = rq;
+    q->rep = -1;
+    q->policy = r->cfg.policy;
+    q->t_arrival = loom_now_ns();
+    q->deadline = q->t_arrival + (uint64_t)r->cfg.request_timeout_ms * 1000000ull;
+    if (has_text && r->tok && r->n_tok_th > 0) { /* off the reactor: it waits as `tokenizing` */
+        tok_job_t *job = loom_xcalloc(1, sizeof *job);
+        job->text = loom_xstrdup(g->prompt);
+        job->raw = g->raw_prompt;
+        route_rehash(r, q);
+        job->key = q->up_id;
+        if (zmq_send(r->tok_jobs, &job, sizeof job, ZMQ_DONTWAIT) == (int)sizeof job) {
+            q->tokenizing = 1;
+            q->next = r->routes;
+            if (r->routes) r->routes->prev = q;
+            r->routes = q;
+            r->n_routes++;
+            return;
+        }
+        route_unhash(r, q); /* the threads' queue is full: tokenize here */
+        free(job->text);
+        free(job);
+    }
+    if (has_text && r->tok) {
+        int cap = 0;
+        loom_err_t err = {0};
+        int raw = g->raw_prompt;
+        if (loom_tokenizer_encode(r->tok, g->prompt, strlen(g->prompt), !raw, raw, &q->prompt,
+                                  &q->n_prompt, &cap, &err) < 0) {
+            char msg[600];
+            snprintf(msg, sizeof msg, "cannot tokenize the prompt: %s", err.msg);
+            client_error(r, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+            free(q->prompt);
+            free(q);
+            protobuf_c_message_free_unpacked(&rq->base, NULL);
+            return;
+        }
+    } else if (!has_text) {
+        q->n_prompt = (int)g->n_prompt_ids;
+        q->prompt = loom_xmalloc((size_t)q->n_prompt * sizeof *q->prompt);
+        memcpy(q->prompt, g->prompt_ids, (size_t)q->n_prompt * sizeof *q->prompt);
+    }
+    q->next = r->routes;
+    if (r->routes) r->routes->prev = q;
+    r->routes = q;
+    r->n_routes++;
+    place(r, q, NULL);
+}
+
+static void *tok_main(void *arg) {
+    loom_router_t *r = arg;
+    void *in = zmq_socket(r->zctx, ZMQ_PULL), *out = zmq_socket(r->zctx, ZMQ_PUSH);
+    int zero = 0, slice = 100;
+    zmq_setsockopt(in, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(out, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(in, ZMQ_RCVTIMEO, &slice, sizeof slice);
+    zmq_connect(in, "inproc://loom-router-tok-jobs");
+    zmq_connect(out, "inproc://loom-router-tok-results");
+    while (!r->tok_stop) {
+        tok_job_t *job;
+        if (zmq_recv(in, &job, sizeof job, 0) != (int)sizeof job) continue;
+        int cap = 0;
+        job->st = loom_tokenizer_encode(r->tok, job->text, strlen(job->text), !job->raw, job->raw,
+                                        &job->ids, &job->n, &cap, &job->err);
+        zmq_send(out, &job, sizeof job, 0);
+    }
+    zmq_close(in);
+    zmq_close(out);
+    return NULL;
+}
+
+/* A tokenizer thread is done with a prompt: route its request, unless it
+ * ended meanwhile (cancelled, client gone, deadline). */
+static void on_tokenized(loom_router_t *r, tok_job_t *job) {
+    route_t *q = route_find(r, job->key);
+    if (q && q->tokenizing) {
+        q->tokenizing = 0;
+        if (job->st < 0) {
+            char msg[600];
+            snprintf(msg, sizeof msg, "cannot tokenize the prompt: %s", job->err.msg);
+            client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+            route_free(r, q);
+        } else {
+            q->prompt = job->ids;
+            q->n_prompt = job->n;
+            job->ids = NULL;
+            place(r, q, NULL);
+        }
+    }
+    free(job->ids);
+    free(job->text);
+    free(job);
+}
+
+static route_t *route_of_client(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id) {
+    for (route_t *q = r->routes; q; q = q->next)
+        if (q->client_id == id && q->rid_len == rid_len && !memcmp(q->rid, rid, rid_len)) return q;
+    return NULL;
+}
+
+static void on_cancel(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    route_t *q = route_of_client(r, rid, rid_len, rq->cancel->target_request_id);
+    Loom__V1__CancelReply cr = LOOM__V1__CANCEL_REPLY__INIT;
+    cr.found = q != NULL;
+    Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
+    rep.request_id = rq->request_id;
+    rep.body_case = LOOM__V1__REPLY__BODY_CANCEL;
+    rep.cancel = &cr;
+    send_client(r, rid, rid_len, &rep);
+    if (!q) return;
+    r->cancels++;
+    cancel_upstream(r, q);
+    /* the replica's final chunk (CANCELLED) ends the stream; without a replica, end it here */
+    if (q->rep < 0 || r->reps[q->rep].state != REP_UP) {
+        Loom__V1__Reply fin = LOOM__V1__REPLY__INIT;
+        Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+        fin.request_id = q->client_id;
+        fin.code = loom_wire_status_code(LOOM_ERR_CANCELLED);
+        fin.message = (char *)"cancelled by the client";
+        ch.final = 1;
+        ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_CANCELLED;
+        fin.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+        fin.chunk = &ch;
+        send_client(r, q->rid, q->rid_len, &fin);
+        route_free(r, q);
+    }
+}
+
+static int n_state(const loom_router_t *r, rep_state_t st) {
+    int n = 0;
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        n += r->reps[i].used && r->reps[i].state == st;
+    return n;
+}
+
+static int n_known(const loom_router_t *r) {
+    int n = 0;
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        n += r->reps[i].used && r->reps[i].state != REP_REFUSED;
+    return n;
+}
+
+static void on_health(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__HealthReply h = LOOM__V1__HEALTH_REPLY__INIT;
+    int up = n_state(r, REP_UP), known = n_known(r);
+    char msg[600];
+    h.ready = up > 0;
+    h.state = (char *)(up == 0 ? "waiting_for_workers" : up < known ? "degraded" : "ready");
+    h.workers_ready = (uint32_t)up;
+    h.workers_expected = (uint32_t)known;
+    if (up)
+        snprintf(msg, sizeof msg, "routing %s to %d of %d replica(s) (policy %s)", r->ref_model, up,
+                 known, loom_policy_name(r->cfg.policy));
+    else
+        snprintf(msg, sizeof msg, "no replica is up (%d known, %d refused)", known,
+                 n_state(r, REP_REFUSED));
+    h.message = msg;
+    Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
+    rep.request_id = rq->request_id;
+    rep.body_case = LOOM__V1__REPLY__BODY_HEALTH;
+    rep.health = &h;
+    send_client(r, rid, rid_len, &rep);
+}
+
+static void on_list_models(loom_router_t *r, const void *rid, size_t rid_len,
+                           Loom__V1__Request *rq) {
+    Loom__V1__ModelInfo mi = LOOM__V1__MODEL_INFO__INIT;
+    Loom__V1__ModelInfo *mp = &mi;
+    Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
+    if (r->have_ref) {
+        mi.id = r->ref_model;
+        mi.context_length = (uint32_t)r->ref_ctx;
+        mi.vocab_size = (uint32_t)r->ref_vocab;
+        mi.tp = (uint32_t)r->ref_tp;
+        mi.pp = (uint32_t)r->ref_pp;
+        lm.models = &mp;
+        lm.n_models = 1;
+    }
+    Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
+    rep.request_id = rq->request_id;
+    if (!r->have_ref) {
+        rep.code = loom_wire_status_code(LOOM_ERR_UNAVAILABLE);
+        rep.message = (char *)"no replica has joined yet";
+    }
+    rep.body_case = LOOM__V1__REPLY__BODY_MODELS;
+    rep.models = &lm;
+    send_client(r, rid, rid_len, &rep);
+}
+
+/* Sums of the UP replicas' last Stats. */
+static void on_stats(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    Loom__V1__StatsReply st = LOOM__V1__STATS_REPLY__INIT;
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        const replica_t *p = &r->reps[i];
+        if (!p->used || p->state != REP_UP) continue;
+        st.running += (uint32_t)p->running;
+        st.waiting += (uint32_t)p->waiting;
+        st.kv_blocks_total += (uint32_t)p->kv_total;
+        st.kv_blocks_used += (uint32_t)p->kv_used;
+        st.prefix_cache_queries += p->prefix_queries;
+        st.prefix_cache_hits += p->prefix_hits;
+        st.gen_tokens_per_s += p->gen_tps;
+        st.requests_finished += p->finished;
+        st.requests_rejected += p->rejected;
+        st.preemptions += p->preemptions;
+        st.prompt_tokens_total += p->prompt_tokens;
+        st.gen_tokens_total += p->gen_tokens;
+        st.steps += p->steps;
+    }
+    st.kv_blocks_free = st.kv_blocks_total - st.kv_blocks_used;
+    st.prefix_cache_hit_rate = st.prefix_cache_queries
+                                   ? (double)st.prefix_cache_hits / (double)st.prefix_cache_queries
+                                   : 0.0;
+    st.kv_block_size = (uint32_t)block_size(r);
+    st.kv_cache_dtype = (char *)"";
+    Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
+    rep.request_id = rq->request_id;
+    rep.body_case = LOOM__V1__REPLY__BODY_STATS;
+    rep.stats = &st;
+    send_client(r, rid, rid_len, &rep);
+}
+
+static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
+    int n = 0, more = 1;
+    while (more) {
+        zmq_msg_t extra, *f = n < max ? &frames[n] : &extra;
+        zmq_msg_init(f);
+        if (zmq_msg_recv(f, sock, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(f);
+            break;
+        }
+        more = zmq_msg_more(f);
+        if (n < max)
+            n++;
+        else
+            zmq_msg_close(f);
+    }
+    return n;
+}
+
+static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
+    const void *rid = zmq_msg_data(&frames[0]);
+    size_t rid_len = zmq_msg_size(&frames[0]);
+    if (n != 3 || rid_len > sizeof((route_t *)0)->rid) {
+        client_error(
+            r, rid, rid_len, 0, LOOM_ERR_INVALID_ARGUMENT,
+            "malformed request: expected two frames, the method name and a loom.v1.Request");
+        return;
+    }
+    loom_err_t err = {0};
+    Loom__V1__Request *rq =
+        loom_wire_unpack_request(zmq_msg_data(&frames[2]), zmq_msg_size(&frames[2]), &err);
+    if (!rq) {
+        LOOM_WARN("refused a client request: %s", err.msg);
+        client_error(r, rid, rid_len, 0, LOOM_ERR_INVALID_ARGUMENT, err.msg);
+        return;
+    }
+    const char *method = loom_wire_method(rq->body_case);
+    size_t ml = zmq_msg_size(&frames[1]);
+    const char *key = r->cfg.api_key;
+    if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "the method frame does not name the request's body (%s)", method);
+        client_error(r, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+    } else if (key && !(rq->api_key &&
+                        loom_secret_equal(key, strlen(key), rq->api_key, strlen(rq->api_key)))) {
+        client_error(r, rid, rid_len, rq->request_id, LOOM_ERR_UNAUTHENTICATED,
+                     "missing or wrong API key");
+    } else {
+        switch (rq->body_case) {
+        case LOOM__V1__REQUEST__BODY_GENERATE:
+            on_generate(r, rid, rid_len, rq);
+            return; /* keeps rq */
+        case LOOM__V1__REQUEST__BODY_CANCEL:
+            on_cancel(r, rid, rid_len, rq);
+            break;
+        case LOOM__V1__REQUEST__BODY_HEALTH:
+            on_health(r, rid, rid_len, rq);
+            break;
+        case LOOM__V1__REQUEST__BODY_LIST_MODELS:
+            on_list_models(r, rid, rid_len, rq);
+            break;
+        case LOOM__V1__REQUEST__BODY_STATS:
+            on_stats(r, rid, rid_len, rq);
+            break;
+        default:
+            break;
+        }
+    }
+    protobuf_c_message_free_unpacked(&rq->base, NULL);
+}
+
+/* ---- replica replies ------------------------------------------------------------------------- */
+
+static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
+    replica_t *p = &r->reps[i];
+    if (p->state != REP_JOINING) return;
+    if (rep->code != LOOM__V1__STATUS_CODE__OK || !rep->models || rep->models->n_models < 1) {
+        snprintf(p->why, sizeof p->why, "ListModels failed: %s",
+                 rep->message ? rep->message : "no model");
+        return; /* asked again at the next probe */
+    }
+    const Loom__V1__ModelInfo *m = rep->models->models[0];
+    int tok_vocab = r->tok ? loom_tokenizer_vocab_size(r->tok) : 0;
+    if (tok_vocab && (int)m->vocab_size < tok_vocab) {
+        set_state(
+            r, i, REP_REFUSED,
+            "its model '%s' has a vocabulary of %u tokens; the router's tokenizer (--model) has %d",
+            m->id, m->vocab_size, tok_vocab);
+        r->refused_joins++;
+        return;
+    }
+    if (!r->have_ref && r->ref_model[0] && strcmp(m->id, r->ref_model)) {
+        set_state(r, i, REP_REFUSED,
+                  "it serves model '%s' (vocabulary %u) but the router serves '%s'", m->id,
+                  m->vocab_size, r->ref_model);
+        r->refused_joins++;
+        return;
+    }
+    if (!r->have_ref) {
+        r->have_ref = 1;
+        snprintf(r->ref_model, sizeof r->ref_model, "%s", m->id);
+        r->ref_vocab = (int)m->vocab_size;
+        r->ref_ctx = (int)m->context_length;
+        r->ref_tp = (int)m->tp;
+        r->ref_pp = (int)m->pp;
+        LOOM_INFO("serving model '%s' (vocabulary %d, context %d), as replica %s does",
+                  r->ref_model, r->ref_vocab, r->ref_ctx, p->addr);
+    } else if (strcmp(m->id, r->ref_model) || (int)m->vocab_size != r->ref_vocab ||
+               (int)m->context_length != r->ref_ctx) {
+        set_state(r, i, REP_REFUSED,
+                  "it serves model '%s' (vocabulary %u, context %u) but the router serves '%s' "
+                  "(vocabulary %d, context %d)",
+                  m->id, m->vocab_size, m->context_length, r->ref_model, r->ref_vocab, r->ref_ctx);
+        r->refused_joins++;
+        return;
+    }
+    set_state(r, i, REP_UP, "serves %s", m->id);
+    p->backoff_ms = 0;
+}
+
+static void events_open(loom_router_t *r, int i, const char *addr);
+
+static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
+    replica_t *p = &r->reps[i];
+    p->probe_sent_ns = 0;
+    if (rep->body_case == LOOM__V1__REPLY__BODY_MODELS) {
+        on_models(r, i, rep);
+    } else if (rep->body_case == LOOM__V1__REPLY__BODY_STATS && rep->stats) {
+        const Loom__V1__StatsReply *s = rep->stats;
+        p->running = (int)s->running;
+        p->waiting = (int)s->waiting;
+        p->kv_total = (int)s->kv_blocks_total;
+        p->kv_used = (int)s->kv_blocks_used;
+        if (s->kv_block_size) p->block_size = (int)s->kv_block_size;
+        p->prefix_queries = s->prefix_cache_queries;
+        p->prefix_hits = s->prefix_cache_hits;
+        p->finished = s->requests_finished;
+        p->rejected = s->requests_rejected;
+        p->preemptions = s->preemptions;
+        p->prompt_tokens = s->prompt_tokens_total;
+        p->gen_tokens = s->gen_tokens_total;
+        p->steps = s->steps;
+        p->gen_tps = s->gen_tokens_per_s;
+        if (s->kv_events && s->kv_events[0] && !p->events && p->state == REP_UP)
+            events_open(r, i, s->kv_events);
+    } else if (rep->body_case == LOOM__V1__REPLY__BODY_HEALTH && rep->health) {
+        if (p->state == REP_DOWN && rep->health->ready && loom_now_ns() >= p->open_until_ns) {
+            p->state = REP_JOINING; /* probed back: check its model again, then UP */
+            snprintf(p->why, sizeof p->why, "answers again");
+        } else if (p->state == REP_UP && !rep->health->ready) {
+            replica_down(r, i,
+                         rep->health->message && rep->health->message[0] ? rep->health->message
+                                                                         : "not ready");
+        }
+    }
+}
+
+/* ---- KV events: what the replicas' prefix caches really hold ------------------------------------
+ */
+
+static void events_open(loom_router_t *r, int i, const char *addr) {
+    replica_t *p = &r->reps[i];
+    void *s = zmq_socket(r->zctx, ZMQ_SUB);
+    int zero = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+    int64_t maxmsg = LOOM_MAX_MSG_BYTES;
+    zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    zmq_setsockopt(s, ZMQ_SUBSCRIBE, "", 0);
+    if (zmq_connect(s, addr) != 0) {
+        LOOM_WARN("replica %s: cannot subscribe to its KV events at %s: %s", p->addr, addr,
+                  zmq_strerror(errno));
+        zmq_close(s);
+        return;
+    }
+    p->events = s;
+    p->events_seq = 0;
+    LOOM_INFO("replica %s: following its KV events at %s", p->addr, addr);
+}
+
+static void on_events(loom_router_t *r, int i, const void *data, size_t len) {
+    replica_t *p = &r->reps[i];
+    Loom__V1__KvEvents *m = loom__v1__kv_events__unpack(NULL, len, data);
+    if (!m || m->magic != LOOM_PROTO_MAGIC || m->version != LOOM_PROTO_VERSION) {
+        r->garbage++;
+        if (m) loom__v1__kv_events__free_unpacked(m, NULL);
+        return;
+    }
+    r->kv_events++;
+    int gap = p->events_seq && m->seq != p->events_seq + 1;
+    if (gap) r->kv_event_gaps++;
+    if (m->cleared || gap)
+        loom_prefix_index_drop_replica(r->index, i); /* what we knew may be wrong */
+    p->events_seq = m->seq;
+    if (p->state == REP_UP) {
+        loom_prefix_index_insert(r->index, m->cached, (int)m->n_cached, i);
+        for (size_t k = 0; k < m->n_evicted; k++)
+            loom_prefix_index_remove(r->index, m->evicted[k], i);
+        r->kv_blocks_cached += m->n_cached;
+        r->kv_blocks_evicted += m->n_evicted;
+        p->running = (int)m->running;
+        p->waiting = (int)m->waiting;
+        p->kv_used = (int)m->kv_blocks_used;
+        p->kv_total = (int)m->kv_blocks_total;
+        if (m->block_size) p->block_size = (int)m->block_size;
+    }
+    loom__v1__kv_events__free_unpacked(m, NULL);
+}
+
+static void ttft_record(replica_t *p, double ms) {
+    p->ttft_ms[p->ttft_pos] = ms;
+    p->ttft_pos = (p->ttft_pos + 1) % TTFT_RING;
+    if (p->n_ttft < TTFT_RING) p->n_ttft++;
+}
+
+static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) {
+    replica_t *p = &r->reps[i];
+    Loom__V1__GenerateChunk *ch = rep->chunk;
+    uint64_t now = loom_now_ns();
+    if (rep->code != LOOM__V1__STATUS_CODE__OK) {
+        loom_status_t st = loom_wire_status_from_code(rep->code);
+        if (st == LOOM_ERR_UNAVAILABLE || st == LOOM_ERR_RESOURCE_EXHAUSTED ||
+            st == LOOM_ERR_INTERNAL) {
+            char why[400];
+            snprintf(why, sizeof why, "replica %s: %s", p->addr,
+                     rep->message ? rep->message : loom_wire_code_name(rep->code));
+            fail_over(r, q, why);
+            return;
+        }
+    }
+    q->t_last = now;
+    if (!q->got_first) {
+        q->got_first = 1;
+        ttft_record(p, (double)(now - q->t_sent) / 1e6);
+    }
+    if (ch && ch->n_ids) {
+        if (q->n_gen + (int)ch->n_ids > q->cap_gen) {
+            q->cap_gen = (q->n_gen + (int)ch->n_ids) * 2 + 16;
+            q->gen = loom_xrealloc(q->gen, (size_t)q->cap_gen * sizeof *q->gen);
+        }
+        memcpy(q->gen + q->n_gen, ch->ids, ch->n_ids * sizeof *ch->ids);
+        q->n_gen += (int)ch->n_ids;
+        p->inflight_tokens += (long long)ch->n_ids;
+    }
+    int final = ch && ch->final;
+    char *replica_text = ch ? ch->text : NULL; /* put back before rep is freed */
+    if (ch && q->own_text) {
+        size_t per = loom_tokenizer_max_piece_len(r->tok) + 256, need = per * (ch->n_ids + 1) + 1,
+               len = 0;
+        if (need > q->text_cap) q->text = loom_xrealloc(q->text, q->text_cap = need);
+        for (size_t k = 0; k < ch->n_ids; k++)
+            len += loom_detok_push(&q->detok, ch->ids[k], q->text + len, per);
+        if (final) len += loom_detok_flush(&q->detok, q->text + len, per);
+        q->text[len] = 0;
+        ch->text = q->text;
+    }
+    if (final && ch->usage && q->attempts > 1 &&
+        q->prompt) { /* the client's view, not the last attempt's */
+        ch->usage->prompt_tokens = (uint32_t)q->n_prompt;
+        ch->usage->completion_tokens = (uint32_t)q->n_gen;
+    }
+    rep->request_id = q->client_id;
+    int sent = send_client(r, q->rid, q->rid_len, rep);
+    if (ch) ch->text = replica_text;
+    if (sent < 0) { /* the client is gone */
+        r->disconnects++;
+        if (!final) cancel_upstream(r, q);
+        route_free(r, q);
+        return;
+    }
+    if (final) route_free(r, q);
+}
+
+static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
+    replica_t *p = &r->reps[i];
+    loom_err_t err = {0};
+    Loom__V1__Reply *rep =
+        n == 1 ? loom_wire_unpack_reply(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]), &err)
+               : NULL;
+    if (!rep) {
+        r->garbage++;
+        char why[600];
+        snprintf(why, sizeof why, "it sent a malformed reply (%s)",
+                 n == 1 ? err.msg : "wrong frame count");
+        LOOM_WARN("replica %s: %s", p->addr, why);
+        if (p->state == REP_UP || p->state == REP_JOINING) replica_down(r, i, why);
+        return;
+    }
+    p->last_reply_ns = loom_now_ns();
+    if (rep->request_id & CTL_BIT) {
+        on_probe_reply(r, i, rep);
+    } else {
+        route_t *q = route_find(r, rep->request_id);
+        if (q && q->rep == i) {
+            if (rep->body_case == LOOM__V1__REPLY__BODY_CHUNK && rep->chunk)
+                on_chunk(r, i, q, rep);
+            else if (rep->code != LOOM__V1__STATUS_CODE__OK)
+                fail_over(r, q, rep->message ? rep->message : "error");
+        } /* else: a late chunk of a request that moved on or ended */
+    }
+    protobuf_c_message_free_unpacked(&rep->base, NULL);
+}
+
+/* ---- replicas come and go ----------------------------------------------------------------------
+ */
+
+static int replica_find(const loom_router_t *r, const char *addr) {
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        if (r->reps[i].used && !strcmp(r->reps[i].addr, addr)) return i;
+    return -1;
+}
+
+static int replica_open(loom_router_t *r, const char *addr, int from_etcd) {
+    int i = 0;
+    while (i < MAX_REPLICAS && r->reps[i].used)
+        i++;
+    if (i == MAX_REPLICAS) {
+        LOOM_WARN("replica %s ignored: the router holds at most %d", addr, MAX_REPLICAS);
+        return -1;
+    }
+    void *s = zmq_socket(r->zctx, ZMQ_DEALER);
+    int zero = 0, one = 1, ivl = 100;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(s, ZMQ_IMMEDIATE, &one, sizeof one); /* no queueing towards a dead peer */
+    zmq_setsockopt(s, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
+    int64_t maxmsg = LOOM_MAX_MSG_BYTES;
+    zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    /* a CURVE client key pair for replicas that require one would be set here */
+    if (zmq_connect(s, addr) != 0) {
+        LOOM_WARN("replica %s ignored: cannot connect: %s", addr, zmq_strerror(errno));
+        zmq_close(s);
+        return -1;
+    }
+    replica_t *p = &r->reps[i];
+    memset(p, 0, sizeof *p);
+    p->used = 1;
+    p->sock = s;
+    p->from_etcd = from_etcd;
+    p->listed = 1;
+    p->state = REP_JOINING;
+    snprintf(p->addr, sizeof p->addr, "%s", addr);
+    snprintf(p->why, sizeof p->why, "joining");
+    p->last_reply_ns = loom_now_ns();
+    LOOM_INFO("replica %s added%s", addr, from_etcd ? " (etcd)" : "");
+    return i;
+}
+
+static void replica_close(loom_router_t *r, int i) {
+    replica_t *p = &r->reps[i];
+    for (route_t *q = r->routes, *nx; q; q = nx) {
+        nx = q->next;
+        if (q->rep == i) fail_over(r, q, "its replica left");
+    }
+    loom_prefix_index_drop_replica(r->index, i);
+    zmq_close(p->sock);
+    if (p->events) zmq_close(p->events);
+    LOOM_INFO("replica %s removed", p->addr);
+    memset(p, 0, sizeof *p);
+}
+
+static void send_probe(loom_router_t *r, int i, Loom__V1__Request__BodyCase body) {
+    Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
+    Loom__V1__HealthRequest h = LOOM__V1__HEALTH_REQUEST__INIT;
+    Loom__V1__StatsRequest s = LOOM__V1__STATS_REQUEST__INIT;
+    Loom__V1__ListModelsRequest m = LOOM__V1__LIST_MODELS_REQUEST__INIT;
+    rq.request_id = CTL_BIT | ++r->next_ctl;
+    rq.body_case = body;
+    if (body == LOOM__V1__REQUEST__BODY_HEALTH)
+        rq.health = &h;
+    else if (body == LOOM__V1__REQUEST__BODY_STATS)
+        rq.stats = &s;
+    else
+        rq.list_models = &m;
+    if (send_replica(r, i, &rq) == 0) {
+        if (!r->reps[i].probe_sent_ns) r->reps[i].probe_sent_ns = loom_now_ns();
+    } else if (r->reps[i].state == REP_UP) { /* ZMQ_IMMEDIATE: no connection to it any more */
+        replica_down(r, i, "connection lost");
+    }
+}
+
+/* Probes, stalls, deadlines; every probe_interval_ms. */
+static void tick(loom_router_t *r) {
+    uint64_t now = loom_now_ns(), timeout = (uint64_t)r->cfg.replica_timeout_ms * 1000000ull;
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        replica_t *p = &r->reps[i];
+        if (!p->used) continue;
+        if (p->state == REP_LEAVING) {
+            if (!p->inflight) replica_close(r, i);
+            continue;
+        }
+        if (p->state == REP_REFUSED) continue;
+        if (p->state == REP_UP && p->probe_sent_ns && now - p->probe_sent_ns > timeout) {
+            char why[128];
+            snprintf(why, sizeof why, "no answer for %d ms", r->cfg.replica_timeout_ms);
+            replica_down(r, i, why);
+            continue;
+        }
+        if (p->state == REP_DOWN && now < p->open_until_ns) continue;
+        if (p->state == REP_DOWN && p->probe_sent_ns &&
+            now - p->probe_sent_ns > timeout) { /* probe failed: stay open longer */
+            p->backoff_ms = p->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : p->backoff_ms * 2;
+            p->open_until_ns = now + (uint64_t)p->backoff_ms * 1000000ull;
+            p->probe_sent_ns = 0;
+            continue;
+        }
+        if (p->state == REP_JOINING) send_probe(r, i, LOOM__V1__REQUEST__BODY_LIST_MODELS);
+        send_probe(r, i, LOOM__V1__REQUEST__BODY_HEALTH);
+        if (p->used && p->state == REP_UP) send_probe(r, i, LOOM__V1__REQUEST__BODY_STATS);
+    }
+    uint64_t stall = (uint64_t)r->cfg.stall_timeout_ms * 1000000ull;
+    for (route_t *q = r->routes, *nx; q; q = nx) {
+        nx = q->next;
+        if (now >= q->deadline) {
+            r->deadline_exceeded++;
+            cancel_upstream(r, q);
+            client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_DEADLINE_EXCEEDED,
+                         "the request ran past the router's --request-timeout-ms");
+            route_free(r, q);
+        } else if (q->rep >= 0 && r->reps[q->rep].state != REP_UP &&
+                   r->reps[q->rep].state != REP_LEAVING) {
+            fail_over(r, q, r->reps[q->rep].why);
+        } else if (q->rep >= 0 && now > q->t_last && now - q->t_last > stall) {
+            char why[400];
+            snprintf(why, sizeof why, "replica %s sent nothing for %d ms", r->reps[q->rep].addr,
+                     r->cfg.stall_timeout_ms);
+            cancel_upstream(r, q);
+            fail_over(r, q, why);
+        }
+    }
+}
+
+/* ---- etcd discovery (its own thread: etcd calls block) ------------------------------------------
+ */
+
+/* Is key /loom/<cluster>/coordinator with cluster NAME, NAME-x or NAME/x? */
+static int replica_key(const char *key, const char *name) {
+    size_t nl = strlen(name), kl = strlen(key);
+    const char *tail = "/coordinator";
+    size_t tl = strlen(tail);
+    if (strncmp(key, "/loom/", 6) || kl < 6 + nl + tl || strcmp(key + kl - tl, tail)) return 0;
+    const char *c = key + 6;
+    if (strncmp(c, name, nl)) return 0;
+    return c + nl == key + kl - tl || c[nl] == '-' || c[nl] == '/';
+}
+
+static void *etcd_main(void *arg) {
+    etcd_thread_t *t = arg;
+    void *pipe = zmq_socket(t->zctx, ZMQ_PAIR);
+    int zero = 0;
+    zmq_setsockopt(pipe, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_connect(pipe, t->pipe_addr);
+    loom_etcd_t *e = NULL;
+    int warned = 0;
+    while (!t->stop) {
+        loom_err_t err = {0};
+        if (!e && loom_etcd_open(t->url, 2000, &e, &err) < 0) e = NULL;
+        loom_etcd_kv_t *kvs = NULL;
+        int n = 0;
+        if (e && loom_etcd_range_prefix(e, "/loom/", &kvs, &n, NULL, &err) == 0) {
+            warned = 0;
+            size_t cap = 4096, len = 0;
+            char *list = loom_xmalloc(cap);
+            list[0] = 0;
+            for (int k = 0; k < n; k++) {
+                if (!replica_key(kvs[k].key, t->cluster)) continue;
+                cJSON *j = cJSON_ParseWithLength(kvs[k].value, kvs[k].value_len);
+                const cJSON *api = j ? cJSON_GetObjectItemCaseSensitive(j, "api") : NULL;
+                if (cJSON_IsString(api)) {
+                    size_t l = strlen(api->valuestring);
+                    if (len + l + 2 > cap) list = loom_xrealloc(list, cap = (len + l + 2) * 2);
+                    memcpy(list + len, api->valuestring, l);
+                    len += l;
+                    list[len++] = '\n';
+                    list[len] = 0;
+                }
+                cJSON_Delete(j);
+            }
+            loom_etcd_kvs_free(kvs, n);
+            zmq_send(pipe, list, len, ZMQ_DONTWAIT);
+            free(list);
+        } else if (!warned) { /* routing goes on with the last known set */
+            LOOM_WARN("etcd %s: %s; keeping the last known replicas", t->url,
+                      err.msg[0] ? err.msg : "unreachable");
+            warned = 1;
+            loom_etcd_close(&e);
+        }
+        for (int k = 0; k < ETCD_POLL_MS / 50 && !t->stop; k++)
+            usleep(50000);
+    }
+    loom_etcd_close(&e);
+    zmq_close(pipe);
+    return NULL;
+}
+
+static void on_etcd_list(loom_router_t *r, char *list) {
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        if (r->reps[i].used && r->reps[i].from_etcd) r->reps[i].listed = 0;
+    for (char *save = NULL, *a = strtok_r(list, "\n", &save); a; a = strtok_r(NULL, "\n", &save)) {
+        int i = replica_find(r, a);
+        if (i >= 0)
+            r->reps[i].listed = 1;
+        else
+            replica_open(r, a, 1);
+    }
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        replica_t *p = &r->reps[i];
+        if (p->used && p->from_etcd && !p->listed && p->state != REP_LEAVING) {
+            LOOM_INFO("replica %s left etcd: draining it", p->addr);
+            p->state = REP_LEAVING;
+            loom_prefix_index_drop_replica(r->index, i);
+        }
+    }
+}
+
+/* ---- metrics ------------------------------------------------------------------------------------
+ */
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+} sbuf_t;
+
+static void sb_printf(sbuf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf_t *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+        va_end(ap);
+        if (n >= 0 && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        b->cap = b->cap * 2 + (size_t)(n > 0 ? n : 256);
+        b->p = loom_xrealloc(b->p, b->cap);
+    }
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double ttft_p90(const replica_t *p) {
+    if (!p->n_ttft) return 0.0;
+    double v[TTFT_RING];
+    memcpy(v, p->ttft_ms, (size_t)p->n_ttft * sizeof *v);
+    qsort(v, (size_t)p->n_ttft, sizeof *v, cmp_double);
+    return v[(int)(0.9 * (p->n_ttft - 1) + 0.5)] / 1e3;
+}
+
+static void render_metrics(loom_router_t *r) {
+    sbuf_t b = {loom_xmalloc(8192), 0, 8192};
+    b.p[0] = 0;
+    static const struct {
+        const char *name, *help;
+    } per[] = {
+        {"loom_router_replica_up", "1 when the replica takes requests"},
+        {"loom_router_replica_running", "requests running on the replica (its Stats)"},
+        {"loom_router_replica_waiting",
+         "requests queued on the replica (its Stats): the queue depth"},
+        {"loom_router_replica_kv_usage", "fraction of the replica's KV blocks in use"},
+        {"loom_router_replica_inflight", "requests the router has on the replica"},
+        {"loom_router_replica_ttft_p90_seconds",
+         "p90 time to first token through the router, last 128 requests"},
+        {"loom_router_replica_prefix_cache_hit_rate",
+         "the replica's prefix-cache hits per queried block"},
+    };
+    for (size_t m = 0; m < LOOM_ARRAY_LEN(per); m++) {
+        sb_printf(&b, "# HELP %s %s\n# TYPE %s gauge\n", per[m].name, per[m].help, per[m].name);
+        for (int i = 0; i < MAX_REPLICAS; i++) {
+            const replica_t *p = &r->reps[i];
+            if (!p->used) continue;
+            double v = 0;
+            switch (m) {
+            case 0:
+                v = p->state == REP_UP;
+                break;
+            case 1:
+                v = p->running;
+                break;
+            case 2:
+                v = p->waiting;
+                break;
+            case 3:
+                v = p->kv_total ? (double)p->kv_used / p->kv_total : 0;
+                break;
+            case 4:
+                v = p->inflight;
+                break;
+            case 5:
+                v = ttft_p90(p);
+                break;
+            default:
+                v = p->prefix_queries ? (double)p->prefix_hits / (double)p->prefix_queries : 0;
+                break;
+            }
+            sb_printf(&b, "%s{replica=\"%s\",state=\"%s\"} %g\n", per[m].name, p->addr,
+                      rep_state_name[p->state], v);
+        }
+    }
+    sb_printf(&b, "# HELP loom_router_replica_routed_total requests sent to the replica (failovers "
+                  "included)\n"
+                  "# TYPE loom_router_replica_routed_total counter\n");
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        if (r->reps[i].used)
+            sb_printf(&b, "loom_router_replica_routed_total{replica=\"%s\"} %llu\n",
+                      r->reps[i].addr, (unsigned long long)r->reps[i].routed);
+    sb_printf(&b, "# HELP loom_router_requests_total requests routed, by policy\n# TYPE "
+                  "loom_router_requests_total counter\n");
+    for (int k = 0; k < LOOM_POLICY_COUNT; k++)
+        sb_printf(&b, "loom_router_requests_total{policy=\"%s\"} %llu\n", policy_names[k],
+                  (unsigned long long)r->routed[k]);
+    static const char *cn[] = {"failovers",
+                               "failover_gave_up",
+                               "unplaceable",
+                               "cancels",
+                               "client_disconnects",
+                               "deadline_exceeded",
+                               "garbage_replies",
+                               "refused_joins",
+                               "prefix_index_hit_blocks",
+                               "prefix_index_query_blocks",
+                               "kv_events",
+                               "kv_event_gaps",
+                               "kv_events_blocks_cached",
+                               "kv_events_blocks_evicted"};
+    uint64_t cv[] = {r->failovers,        r->failover_gave_up,   r->unplaceable, r->cancels,
+                     r->disconnects,      r->deadline_exceeded,  r->garbage,     r->refused_joins,
+                     r->index_hit_blocks, r->index_query_blocks, r->kv_events,   r->kv_event_gaps,
+                     r->kv_blocks_cached, r->kv_blocks_evicted};
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(cn); k++)
+        sb_printf(&b, "# TYPE loom_router_%s_total counter\nloom_router_%s_total %llu\n", cn[k],
+                  cn[k], (unsigned long long)cv[k]);
+    sb_printf(&b, "# TYPE loom_router_requests_inflight gauge\nloom_router_requests_inflight %d\n",
+              r->n_routes);
+    sb_printf(&b,
+              "# TYPE loom_router_prefix_index_blocks gauge\nloom_router_prefix_index_blocks %d\n",
+              loom_prefix_index_size(r->index));
+    pthread_mutex_lock(&r->mu);
+    free(r->metrics_text);
+    r->metrics_text = b.p;
+    r->metrics_len = b.len;
+    pthread_mutex_unlock(&r->mu);
+}
+
+char *loom_router_metrics(void *router, size_t *len) {
+    loom_router_t *r = router;
+    pthread_mutex_lock(&r->mu);
+    char *t = NULL;
+    if (r->metrics_text) {
+        t = loom_xmalloc(r->metrics_len + 1);
+        memcpy(t, r->metrics_text, r->metrics_len + 1);
+        *len = r->metrics_len;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return t;
+}
+
+/* ---- the loop -----------------------------------------------------------------------------------
+ */
+
+int loom_router_run(loom_router_t *r) {
+    zmq_pollitem_t items[3 + 2 * MAX_REPLICAS];
+    int map[3 + 2 * MAX_REPLICAS], is_events[3 + 2 * MAX_REPLICAS];
+    LOOM_INFO("router on %s: policy %s, %d static replica(s)%s", r->api_addr,
+              loom_policy_name(r->cfg.policy), r->cfg.n_replicas,
+              r->cfg.etcd_url ? ", more from etcd" : "");
+    while (!r->stop) {
+        int n = 0;
+        items[n++] = (zmq_pollitem_t){r->api, 0, ZMQ_POLLIN, 0};
+        items[n++] = (zmq_pollitem_t){r->pipe, 0, ZMQ_POLLIN, 0};
+        items[n++] = (zmq_pollitem_t){r->tok_results, 0, ZMQ_POLLIN, 0};
+        for (int i = 0; i < MAX_REPLICAS; i++)
+            if (r->reps[i].used) {
+                map[n] = i;
+                is_events[n] = 0;
+                items[n++] = (zmq_pollitem_t){r->reps[i].sock, 0, ZMQ_POLLIN, 0};
+                if (r->reps[i].events) {
+                    map[n] = i;
+                    is_events[n] = 1;
+                    items[n++] = (zmq_pollitem_t){r->reps[i].events, 0, ZMQ_POLLIN, 0};
+                }
+            }
+        int rc = zmq_poll(items, n, 20);
+        if (rc < 0 && errno != EINTR) {
+            LOOM_ERROR("zmq_poll: %s", zmq_strerror(errno));
+            return 1;
+        }
+        zmq_msg_t f[4];
+        if (items[0].revents & ZMQ_POLLIN)
+            for (int k = 0; k < 256; k++) { /* bounded: replicas get their turn */
+                int nf = recv_frames(r->api, f, 4);
+                if (!nf) break;
+                on_api(r, f, nf);
+                for (int j = 0; j < nf; j++)
+                    zmq_msg_close(&f[j]);
+            }
+        if (items[1].revents & ZMQ_POLLIN) {
+            zmq_msg_t m;
+            zmq_msg_init(&m);
+            while (zmq_msg_recv(&m, r->pipe, ZMQ_DONTWAIT) >= 0) {
+                char *list = loom_xmalloc(zmq_msg_size(&m) + 1);
+                memcpy(list, zmq_msg_data(&m), zmq_msg_size(&m));
+                list[zmq_msg_size(&m)] = 0;
+                on_etcd_list(r, list);
+                free(list);
+            }
+            zmq_msg_close(&m);
+        }
+        if (items[2].revents & ZMQ_POLLIN) {
+            tok_job_t *job;
+            for (int k = 0; k < 256 && zmq_recv(r->tok_results, &job, sizeof job, ZMQ_DONTWAIT) ==
+                                           (int)sizeof job;
+                 k++)
+                on_tokenized(r, job);
+        }
+        for (int k = 3; k < n; k++) {
+            if (!(items[k].revents & ZMQ_POLLIN)) continue;
+            int i = map[k];
+            if (is_events[k]) {
+                zmq_msg_t m;
+                zmq_msg_init(&m);
+                for (int c = 0;
+                     c < 256 && r->reps[i].used && r->reps[i].events == items[k].socket &&
+                     zmq_msg_recv(&m, r->reps[i].events, ZMQ_DONTWAIT) >= 0;
+                     c++)
+                    on_events(r, i, zmq_msg_data(&m), zmq_msg_size(&m));
+                zmq_msg_close(&m);
+                continue;
+            }
+            for (int m = 0; m < 256 && r->reps[i].used && r->reps[i].sock == items[k].socket; m++) {
+                int nf = recv_frames(r->reps[i].sock, f, 4);
+                if (!nf) break;
+                on_replica(r, i, f, nf);
+                for (int j = 0; j < nf; j++)
+                    zmq_msg_close(&f[j]);
+            }
+        }
+        uint64_t now = loom_now_ns();
+        if (now - r->last_tick >= (uint64_t)r->cfg.probe_interval_ms * 1000000ull) {
+            r->last_tick = now;
+            tick(r);
+        }
+        if (now - r->last_metrics >= 250000000ull) {
+            r->last_metrics = now;
+            render_metrics(r);
+        }
+    }
+    LOOM_INFO("router stopping: %d request(s) in flight end", r->n_routes);
+    while (r->routes) {
+        route_t *q = r->routes;
+        cancel_upstream(r, q);
+        client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_UNAVAILABLE,
+                     "the router is shutting down");
+        route_free(r, q);
+    }
+    return 0;
+}
+
+void loom_router_stop(loom_router_t *r) {
+    r->stop = 1;
+}
+
+loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t **out,
+                                 loom_err_t *err) {
+    *out = NULL;
+    loom_router_t *r = loom_xcalloc(1, sizeof *r);
+    r->cfg = *cfg;
+    pthread_mutex_init(&r->mu, NULL);
+    r->index = loom_prefix_index_create(cfg->index_capacity > 0 ? cfg->index_capacity : 1 << 18);
+    loom_status_t st = LOOM_OK;
+    if (cfg->model_dir) {
+        st = loom_tokenizer_load(cfg->model_dir, &r->tok, err);
+        if (st < 0) goto fail;
+    }
+    const char *name = cfg->model_name;
+    char base[256];
+    if (!name && cfg->model_dir) { /* as a coordinator names its model by default */
+        snprintf(base, sizeof base, "%s", cfg->model_dir);
+        size_t bl = strlen(base);
+        while (bl > 1 && base[bl - 1] == '/')
+            base[--bl] = 0;
+        const char *slash = strrchr(base, '/');
+        name = slash ? slash + 1 : base;
+    }
+    if (name) snprintf(r->ref_model, sizeof r->ref_model, "%s", name);
+    r->zctx = zmq_ctx_new();
+    r->api = zmq_socket(r->zctx, ZMQ_ROUTER);
+    int zero = 0, one = 1;
+    int64_t maxmsg = LOOM_MAX_MSG_BYTES;
+    zmq_setsockopt(r->api, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(r->api, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    zmq_setsockopt(r->api, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    if (zmq_bind(r->api, cfg->listen) != 0) {
+        st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind %s: %s", cfg->listen,
+                          zmq_strerror(errno));
+        goto fail;
+    }
+    size_t l = sizeof r->api_addr;
+    zmq_getsockopt(r->api, ZMQ_LAST_ENDPOINT, r->api_addr, &l);
+    snprintf(r->inproc_addr, sizeof r->inproc_addr, "inproc://loom-router-api");
+    snprintf(r->etcd.pipe_addr, sizeof r->etcd.pipe_addr, "inproc://loom-router-etcd");
+    if (zmq_bind(r->api, r->inproc_addr) != 0) {
+        st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", r->inproc_addr);
+        goto fail;
+    }
+    r->pipe = zmq_socket(r->zctx, ZMQ_PAIR);
+    zmq_setsockopt(r->pipe, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_bind(r->pipe, r->etcd.pipe_addr);
+    r->tok_jobs = zmq_socket(r->zctx, ZMQ_PUSH);
+    r->tok_results = zmq_socket(r->zctx, ZMQ_PULL);
+    zmq_setsockopt(r->tok_jobs, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(r->tok_results, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_bind(r->tok_jobs, "inproc://loom-router-tok-jobs");
+    zmq_bind(r->tok_results, "inproc://loom-router-tok-results");
+    for (int k = 0; r->tok && k < cfg->tokenizer_threads && k < MAX_TOK_THREADS; k++) {
+        if (pthread_create(&r->tok_th[k], NULL, tok_main, r) != 0) break;
+        r->n_tok_th++;
+    }
+    for (int k = 0; k < cfg->n_replicas; k++)
+        if (replica_find(r, cfg->replicas[k]) < 0 && replica_open(r, cfg->replicas[k], 0) < 0) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "cannot use replica '%s' (see the log)", cfg->replicas[k]);
+            goto fail;
+        }
+    if (cfg->etcd_url) {
+        etcd_thread_t *t = &r->etcd;
+        snprintf(t->url, sizeof t->url, "%s", cfg->etcd_url);
+        snprintf(t->cluster, sizeof t->cluster, "%s", cfg->cluster ? cfg->cluster : "default");
+        t->zctx = r->zctx;
+        if (pthread_create(&t->th, NULL, etcd_main, t) != 0) {
+            st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot start the etcd thread");
+            goto fail;
+        }
+        t->started = 1;
+    }
+    render_metrics(r);
+    *out = r;
+    return LOOM_OK;
+fail:
+    loom_router_destroy(&r);
+    return st;
+}
+
+void loom_router_destroy(loom_router_t **r_p) {
+    if (!r_p || !*r_p) return;
+    loom_router_t *r = *r_p;
+    *r_p = NULL;
+    if (r->etcd.started) {
+        r->etcd.stop = 1;
+        pthread_join(r->etcd.th, NULL);
+    }
+    r->tok_stop = 1;
+    for (int k = 0; k < r->n_tok_th; k++)
+        pthread_join(r->tok_th[k], NULL);
+    if (r->tok_results) { /* prompts tokenized after the loop ended */
+        tok_job_t *job;
+        while (zmq_recv(r->tok_results, &job, sizeof job, ZMQ_DONTWAIT) == (int)sizeof job) {
+            free(job->ids);
+            free(job->text);
+            free(job);
+        }
+    }
+    while (r->routes)
+        route_free(r, r->routes);
+    for (int i = 0; i < MAX_REPLICAS; i++)
+        if (r->reps[i].used) {
+            zmq_close(r->reps[i].sock);
+            if (r->reps[i].events) zmq_close(r->reps[i].events);
+        }
+    if (r->pipe) zmq_close(r->pipe);
+    if (r->tok_jobs) zmq_close(r->tok_jobs);
+    if (r->tok_results) zmq_close(r->tok_results);
+    if (r->api) zmq_close(r->api);
+    if (r->zctx) zmq_ctx_term(r->zctx);
+    loom_prefix_index_destroy(&r->index);
+    loom_tokenizer_destroy(&r->tok);
+    pthread_mutex_destroy(&r->mu);
+    free(r->metrics_text);
+    free(r);
+}
+
+void *loom_router_zmq_context(loom_router_t *r) {
+    return r->zctx;
+}
+const char *loom_router_inproc_addr(const loom_router_t *r) {
+    return r->inproc_addr;
+}

@@ -1,0 +1,61 @@
+/* loom-router: one loom.v1 endpoint in front of many replicas (each a
+ * coordinator with its grid). One reactor thread owns the client socket
+ * and a DEALER per replica; it routes each Generate by policy, relays the
+ * stream, and moves a request to another replica when its replica dies or
+ * stalls (continuing from the tokens already streamed). See router.c for
+ * the request and replica lifecycles and docs/scale-out.md. */
+#ifndef LOOM_ROUTER_H
+#define LOOM_ROUTER_H
+
+#include <stddef.h>
+
+#include "common/status.h"
+
+typedef enum {
+    LOOM_POLICY_PREFIX = 0,
+    LOOM_POLICY_ROUND_ROBIN,
+    LOOM_POLICY_LEAST_LOADED,
+    LOOM_POLICY_SESSION,
+    LOOM_POLICY_COUNT
+} loom_policy_t;
+const char *loom_policy_name(loom_policy_t p);
+int loom_policy_parse(const char *name); /* -1 when unknown */
+
+typedef struct loom_router_config {
+    const char *listen;          /* client API, e.g. tcp://127.0.0.1:5550 */
+    const char *const *replicas; /* static replica API addresses */
+    int n_replicas;
+    const char *etcd_url;   /* discover replicas in etcd (NULL: static only) */
+    const char *cluster;    /* replicas: coordinators of clusters NAME, NAME-x and NAME/x */
+    const char *model_dir;  /* the model's tokenizer (prefix hashing, failover); NULL: none */
+    const char *model_name; /* the model id replicas must serve (NULL: the directory's name, or
+                               without model_dir the first replica's) */
+    loom_policy_t policy;
+    const char *api_key;         /* clients must send it (NULL: open) */
+    const char *replica_api_key; /* sent to replicas (NULL: none). Client keys for CURVE would go
+                                    next to it, set on each replica socket in replica_open(). */
+    int max_retries;             /* re-sends of one request to other replicas */
+    int probe_interval_ms;       /* Health + Stats to each replica */
+    int replica_timeout_ms;      /* no answer to probes this long: the replica is down */
+    int stall_timeout_ms;        /* a stream silent this long moves to another replica */
+    int request_timeout_ms;      /* no request outlives this (DEADLINE_EXCEEDED) */
+    double lambda;               /* prefix score: weight of load against cached tokens */
+    int index_capacity;          /* block hashes the prefix index keeps */
+    int tokenizer_threads;       /* prompts are tokenized on these (0: on the reactor) */
+} loom_router_config_t;
+
+typedef struct loom_router loom_router_t;
+
+loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t **out,
+                                 loom_err_t *err);
+int loom_router_run(loom_router_t *r);
+void loom_router_stop(loom_router_t *r); /* async-signal-safe */
+void loom_router_destroy(loom_router_t **r_p);
+
+/* For the HTTP gateway in this process. */
+void *loom_router_zmq_context(loom_router_t *r);
+const char *loom_router_inproc_addr(const loom_router_t *r);
+/* Prometheus text of the router's metrics (thread-safe; malloc'ed). */
+char *loom_router_metrics(void *router, size_t *len);
+
+#endif

@@ -1,0 +1,517 @@
+"""loom-router end to end: real replicas (coordinator + worker clusters) behind
+the router, and fake replicas (tests/fake_replica) for the faults.
+
+- answers through the router (ZeroMQ and the OpenAI SDK over HTTP) equal a
+  direct coordinator's; Health, Stats and /metrics aggregate the replicas
+- prefix routing sends a conversation's next turn to the replica that holds
+  its first turn (the replicas' own prefix-cache hits show it), where
+  round robin does not
+- kill -9 of the replica serving a stream: the stream completes on the other
+  replica with the ids of an uninterrupted greedy run
+- a client that goes away has its request cancelled on the replica
+- replicas join and leave through etcd while the router runs; a dead replica is
+  circuit-broken and probed back when it returns
+- a replica answering garbage is taken out, one with another model is
+  refused at join naming the difference, and with nothing to place a
+  request on the client gets UNAVAILABLE; bad client input is refused
+"""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (BIN, STORIES, Cluster, Etcd, check, gen_model, generate, kill, loom_generate_cmd,
+                     parse_ids, parse_stats, run_tests, wait_for)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORK = os.environ.get("LOOM_TEST_WORK", tempfile.gettempdir())
+TESTS_BIN = os.path.join(BIN, "..", "tests")
+KEY = "router-test-key"
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Router:
+    """A loom-router on free ports, stopped (and its log shown on failure) on exit."""
+
+    def __init__(self, args, http=False, expect_up=None, model=STORIES):
+        self.model = model
+        self.port = free_port()
+        self.addr = "tcp://127.0.0.1:%d" % self.port
+        self.http = free_port() if http else None
+        self.args = list(args)
+        self.expect_up = expect_up
+        self.log_path = tempfile.mktemp(prefix="loom-router-", suffix=".log")
+
+    def __enter__(self):
+        cmd = [os.path.join(BIN, "loom-router"), "--listen", self.addr, "--model", self.model] + self.args
+        if self.http:
+            cmd += ["--http", "127.0.0.1:%d" % self.http]
+        self.logf = open(self.log_path, "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=self.logf)
+        if self.expect_up is not None:
+            wait_for(lambda: self.metric_sum("loom_router_replica_up") == self.expect_up, 20,
+                     "%d replicas up behind the router" % self.expect_up)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        log = self.log()
+        sanitizer = any(s in log for s in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"))
+        if exc[0] is not None or sanitizer:
+            sys.stderr.write("---- router log\n%s\n" % log[-4000:])
+        self.logf.close()
+        if exc[0] is None and not sanitizer:
+            os.unlink(self.log_path)
+        if exc[0] is None and sanitizer:
+            raise AssertionError("sanitizer report in the router's log %s" % self.log_path)
+        return False
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def metrics(self):
+        """{(name, labels): value} from the router's /metrics (needs --http)."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.http, timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            name, _, labels = name_labels.partition("{")
+            out[(name, labels.rstrip("}"))] = float(value)
+        return out
+
+    def metric_sum(self, name):
+        try:
+            return sum(v for (n, _), v in self.metrics().items() if n == name)
+        except OSError:
+            return -1
+
+    def metric(self, name, label_part=""):
+        return sum(v for (n, l), v in self.metrics().items() if n == name and label_part in l)
+
+
+def loom(*args, timeout=60):
+    return subprocess.run([os.path.join(BIN, "loom")] + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def stats(addr):
+    p = loom("stats", "--addr", addr)
+    check(p.returncode == 0, "loom stats %s failed: %s" % (addr, p.stderr))
+    return parse_stats(p.stdout)
+
+
+def node_client(port, spec):
+    p = subprocess.run(["node", os.path.join(HERE, "openai_client.mjs"), "http://127.0.0.1:%d/v1" % port, KEY,
+                        json.dumps(spec)], capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "the OpenAI SDK client failed: %s" % (p.stderr[-2000:] or p.stdout[-500:]))
+    return json.loads(p.stdout)
+
+
+def comparable(out):
+    """The SDK client's output without what differs between any two runs (ids, timings)."""
+    keep = {}
+    for k, v in out.items():
+        if isinstance(v, dict):
+            v = {kk: vv for kk, vv in v.items() if kk not in ("id", "timings", "message")}
+            if isinstance(v.get("usage"), dict):  # cached_tokens: where the prefix cache already held it
+                v["usage"] = {kk: vv for kk, vv in v["usage"].items() if kk != "prompt_tokens_details"}
+        keep[k] = v
+    return keep
+
+
+PROMPT = "Once upon a time"
+CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+def with_stories_pair(fn):
+    """Two stories260K replicas, the first with the HTTP gateway, both requiring KEY."""
+    http = free_port()
+    ev = ["--kv-events", "tcp://127.0.0.1:0"]  # both publish their prefix-cache events
+    a_args = ["--api-key", KEY, "--http", "127.0.0.1:%d" % http, "--chat-template", "chatml"] + ev
+    with Cluster(STORIES, 1, 1, coord_args=a_args) as a, Cluster(STORIES, 1, 1, coord_args=["--api-key", KEY] + ev) as b:
+        fn(a, b, http)
+
+
+def test_stories_pair():
+    def run(a, b, a_http):
+        common = ["--api-key", KEY, "--replica-api-key", KEY, "--replica", a.addr, "--replica", b.addr]
+        with Router(common + ["--chat-template", "chatml"], http=True, expect_up=2) as r:
+            check_equal_answers(r, a, a_http)
+            check_aggregates(r, a, b)
+            check_bad_input(r)
+        check_prefix_affinity(a, b, common)
+        check_kv_events(a, b, common)
+        check_session_affinity(a, b, common)
+    with_stories_pair(run)
+
+
+def check_equal_answers(r, a, a_http):
+    # ZeroMQ: the same greedy ids and text as the replica itself, for several prompts
+    for prompt in (PROMPT, "The little dog", "Lily and Tom went to the park"):
+        direct = generate(a.addr, prompt, 40, extra=["--api-key", KEY])
+        routed = generate(r.addr, prompt, 40, extra=["--api-key", KEY])
+        check(direct[0] == 0 and routed[0] == 0, "generate failed: %s / %s" % (direct[3], routed[3]))
+        check(routed[1] == direct[1] and routed[2] == direct[2], "through the router %r, direct %r" %
+              (routed[1:3], direct[1:3]))
+    rc = loom("generate", "--addr", r.addr, "--prompt", PROMPT, "--max-tokens", "4")
+    check(rc.returncode != 0 and "API key" in rc.stderr, "no key: %d %s" % (rc.returncode, rc.stderr))
+    # HTTP: the OpenAI SDK sees the same through the router as from the coordinator's own gateway
+    spec = {"prompt": PROMPT, "messages": CHAT, "max_tokens": 24, "seed": 7}
+    direct, routed = node_client(a_http, spec), node_client(r.http, spec)
+    check(comparable(routed) == comparable(direct), "SDK through the router:\n%s\ndirect:\n%s" %
+          (json.dumps(comparable(routed), sort_keys=True), json.dumps(comparable(direct), sort_keys=True)))
+    check(routed["err_model"]["status"] == 404 and routed["err_key"]["status"] == 401, "errors %r" % routed)
+
+
+def check_aggregates(r, a, b):
+    p = loom("health", "--addr", r.addr, "--api-key", KEY)
+    check(p.returncode == 0 and "ready: yes" in p.stdout, "router health: %s %s" % (p.stdout, p.stderr))
+    time.sleep(0.6)  # a probe interval or two: the router's copy of the replicas' Stats
+    p = loom("stats", "--addr", r.addr, "--api-key", KEY)
+    check(p.returncode == 0, "router stats: %s" % p.stderr)
+    rs = parse_stats(p.stdout)
+    sa, sb = stats_key(a.addr), stats_key(b.addr)
+    check(rs["requests_finished"] == sa["requests_finished"] + sb["requests_finished"],
+          "finished: router %r, replicas %r + %r" % (rs["requests_finished"], sa["requests_finished"],
+                                                    sb["requests_finished"]))
+    check(rs["kv_blocks_total"] == sa["kv_blocks_total"] + sb["kv_blocks_total"], "kv blocks %r" % rs)
+    m = r.metrics()
+    routed = sum(v for (n, l), v in m.items() if n == "loom_router_requests_total" and 'policy="prefix"' in l)
+    check(routed >= 3, "requests routed by prefix: %r" % routed)
+    for addr in (a.addr, b.addr):
+        check(m.get(("loom_router_replica_up", 'replica="%s",state="up"' % addr)) == 1, "replica_up for %s" % addr)
+        for name in ("loom_router_replica_waiting", "loom_router_replica_kv_usage",
+                     "loom_router_replica_ttft_p90_seconds"):
+            check(any(n == name and addr in l for (n, l) in m), "%s for %s missing" % (name, addr))
+
+
+def stats_key(addr):
+    p = loom("stats", "--addr", addr, "--api-key", KEY)
+    check(p.returncode == 0, "loom stats %s failed: %s" % (addr, p.stderr))
+    return parse_stats(p.stdout)
+
+
+def check_bad_input(r):
+    # hostile frames and bytes at the router's API: refused, and it goes on serving
+    p = subprocess.run([os.path.join(TESTS_BIN, "garbage"), "--api", r.addr, "--control", "tcp://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=120)
+    refusals = [l for l in p.stderr.splitlines() if "->" in l and "INVALID_ARGUMENT" in l]
+    check(len(refusals) >= 3, "the router did not refuse the garbage: %s" % p.stderr[-1500:])
+    rc, _, ids, err = generate(r.addr, PROMPT, 8, extra=["--api-key", KEY])
+    check(rc == 0 and ids and len(ids) == 8, "serving after the garbage: %s" % err)
+    rc = loom("generate", "--addr", r.addr, "--api-key", KEY, "--prompt", PROMPT, "--max-tokens", "4",
+              "--temperature", "-1")
+    check(rc.returncode != 0 and "temperature" in rc.stderr, "bad temperature: %s" % rc.stderr)
+
+
+def conversation(seed_word):
+    first = ("%s was a happy little girl who lived in a small house near the big green forest with her mom and "
+             "dad and her dog. Every day she went outside to play in the sun and look at the birds." % seed_word)
+    return first, first + " One day she found a red ball under a tree and she wanted to"
+
+
+def prefix_hits(a, b):
+    return stats_key(a.addr)["prefix_cache_hits"] + stats_key(b.addr)["prefix_cache_hits"]
+
+
+def run_conversations(router, a, b, names):
+    before = prefix_hits(a, b)
+    for name in names:
+        first, second = conversation(name)
+        for prompt in (first, second):
+            rc, _, ids, err = generate(router.addr, prompt, 4, extra=["--api-key", KEY])
+            check(rc == 0 and ids, "turn through the router failed: %s" % err)
+    return prefix_hits(a, b) - before
+
+
+def check_prefix_affinity(a, b, common):
+    # conversations one after another: with two replicas round robin sends every second turn to the
+    # replica that did not serve the first, prefix routing to the one that did
+    with Router(common + ["--policy", "round-robin"], expect_up=None) as rr:
+        wait_health(rr)
+        rr_hits = run_conversations(rr, a, b, ["Lily", "Anna", "Mia"])
+    with Router(common + ["--policy", "prefix"], http=True, expect_up=2) as px:
+        px_hits = run_conversations(px, a, b, ["Sara", "Emma", "Zoe"])
+        time.sleep(0.6)  # /metrics is refreshed every 250 ms
+        idx_hits = px.metric("loom_router_prefix_index_hit_blocks_total")
+    print("  prefix-cache hits of 3 second turns: round-robin %d, prefix %d (router index saw %d blocks)" %
+          (rr_hits, px_hits, idx_hits))
+    check(rr_hits == 0, "round robin sent a second turn to the replica of the first: %d hits" % rr_hits)
+    # each first turn is ~75 tokens: 4 full blocks of 16 that its second turn shares
+    check(px_hits >= 3 * 3, "prefix routing: only %d prefix-cache hits over 3 second turns" % px_hits)
+    check(idx_hits >= 3 * 3, "the router's index matched %d blocks" % idx_hits)
+
+
+def check_kv_events(a, b, common):
+    # prompts sent to each replica directly, past the router: only the replicas' KV events tell the
+    # router where their blocks are, and the next turns must follow them
+    with Router(common + ["--policy", "prefix"], http=True, expect_up=2) as px:
+        wait_for(lambda: px.metric("loom_router_kv_events_total") > 4, 10, "KV events from the replicas")
+        before_idx = px.metric("loom_router_prefix_index_hit_blocks_total")
+        ha, hb = stats_key(a.addr)["prefix_cache_hits"], stats_key(b.addr)["prefix_cache_hits"]
+        for rep, name in ((a, "Olivia"), (b, "Grace")):
+            rc, _, ids, err = generate(rep.addr, conversation(name)[0], 4, extra=["--api-key", KEY])
+            check(rc == 0 and ids, "direct turn failed: %s" % err)
+        wait_for(lambda: px.metric("loom_router_kv_events_blocks_cached_total") >= 8, 10, "the blocks announced")
+        for name in ("Olivia", "Grace"):
+            rc, _, ids, err = generate(px.addr, conversation(name)[1], 4, extra=["--api-key", KEY])
+            check(rc == 0 and ids, "routed turn failed: %s" % err)
+        time.sleep(0.6)  # /metrics is refreshed every 250 ms
+        da = stats_key(a.addr)["prefix_cache_hits"] - ha
+        db = stats_key(b.addr)["prefix_cache_hits"] - hb
+        idx = px.metric("loom_router_prefix_index_hit_blocks_total") - before_idx
+        print("  KV events: second turns found %d + %d cached blocks; the index predicted %d" % (da, db, idx))
+        check(da >= 3 and db >= 3, "second turns did not follow the KV events: hits %d on a, %d on b" % (da, db))
+        check(idx >= 6, "the router's index knew %d of the blocks" % idx)
+
+
+def wait_health(r):
+    wait_for(lambda: "ready: yes" in loom("health", "--addr", r.addr, "--api-key", KEY).stdout, 20,
+             "router ready")
+
+
+def check_session_affinity(a, b, common):
+    with Router(common + ["--policy", "session"], http=True, expect_up=2) as s:
+        before = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
+        for _ in range(4):
+            rc, _, ids, err = generate(s.addr, PROMPT, 4, extra=["--api-key", KEY, "--session", "session-one"])
+            check(rc == 0 and ids, "session request failed: %s" % err)
+        after = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
+        d = sorted(x - y for x, y in zip(after, before))
+        check(d == [0, 4], "a session's 4 requests went to replicas as %r" % d)
+        # over HTTP: the OpenAI `user` field, or an X-Session-Id header, is the session
+        for headers, body in (({}, {"user": "alice"}), ({"X-Session-Id": "bob"}, {})):
+            before = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
+            for _ in range(4):
+                req = dict(body, prompt=PROMPT, max_tokens=2)
+                h = dict(headers, **{"Content-Type": "application/json", "Authorization": "Bearer " + KEY})
+                with urllib.request.urlopen(urllib.request.Request(
+                        "http://127.0.0.1:%d/v1/completions" % s.http, json.dumps(req).encode(), h), timeout=30) as resp:
+                    check(resp.status == 200, "HTTP session request: %d" % resp.status)
+            after = (stats_key(a.addr)["requests_finished"], stats_key(b.addr)["requests_finished"])
+            d = sorted(x - y for x, y in zip(after, before))
+            check(d == [0, 4], "HTTP session %r: requests went to replicas as %r" % (headers or body, d))
+
+
+# ---- failover ----------------------------------------------------------------------------------
+
+def slow_model():
+    return gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
+                     "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
+
+
+@contextlib.contextmanager
+def started(*clusters):
+    """Starts clusters at the same time (launching is mostly waiting); stops them all."""
+    threads = [threading.Thread(target=c.start) for c in clusters]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = False
+    try:
+        for c in clusters:
+            check(c.addr is not None, "a cluster did not start")
+        yield clusters
+        ok = True
+    finally:
+        for c in clusters:
+            c.stop()
+            if ok:
+                shutil.rmtree(c.run_dir, ignore_errors=True)
+            else:
+                c.dump_logs()
+
+
+def serving_replica(r, addrs):
+    m = r.metrics()
+    busy = [a for a in addrs if m.get(("loom_router_replica_inflight", 'replica="%s",state="up"' % a), 0) > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+def test_failover_and_disconnect():
+    model = slow_model()
+    with started(Cluster(model, 1, 1), Cluster(model, 1, 1)) as (a, b):
+        by_addr = {a.addr: a, b.addr: b}
+        # the test model has stories260K's tokenizer, which the router loads
+        with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=model) as r:
+            n = 1200  # about a second of decoding here: the kill lands mid-stream
+            ref = generate(b.addr, PROMPT, n, extra=["--ignore-eos"])
+            check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
+            # a long greedy stream; kill -9 the replica serving it once tokens flow
+            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.0, ["--ignore-eos", "--timeout-ms",
+                                                                                 "30000"]),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_for(lambda: serving_replica(r, by_addr) is not None, 10, "the stream on one replica")
+            victim = by_addr[serving_replica(r, by_addr)]
+            time.sleep(0.3)
+            kill(victim.pid("coordinator"))
+            kill(victim.pid("worker-0"))
+            out, err = proc.communicate(timeout=60)
+            check(proc.returncode == 0, "the stream failed across the kill: %s" % err[-500:])
+            ids = parse_ids(err)
+            failovers = r.metric("loom_router_failovers_total")
+            print("  killed %s mid-stream; %d ids, %d failover(s)" % (victim.addr, len(ids or []), failovers))
+            check(failovers >= 1, "no failover happened (the stream ended before the kill?)")
+            check(ids == ref[2], "ids across the failover differ from an uninterrupted run:\n%s\n%s" %
+                  (ids, ref[2]))
+            check(out.rstrip("\n") == ref[1].rstrip("\n"), "text across the failover differs:\n%r\n%r" %
+                  (out[-200:], ref[1][-200:]))
+            survivor = b if victim is a else a
+            # the router reports the dead replica down, and keeps serving on the other
+            wait_for(lambda: r.metric("loom_router_replica_up", victim.addr) == 0, 10, "the victim marked down")
+            rc, _, ids2, err2 = generate(r.addr, PROMPT, 16)
+            check(rc == 0 and ids2 == ref[2][:16], "after the failover: %s" % err2)
+            # a client that vanishes mid-stream: the replica's request is cancelled
+            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, 3000, 0.8, ["--ignore-eos", "--timeout-ms",
+                                                                                   "30000"]),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_for(lambda: stats(survivor.addr)["running"] == 1, 10, "the request running")
+            proc.kill()
+            proc.wait()
+            wait_for(lambda: stats(survivor.addr)["running"] == 0, 10, "the vanished client's request cancelled")
+            # nothing left to place a request on: UNAVAILABLE, at once
+            kill(survivor.pid("coordinator"))
+            kill(survivor.pid("worker-0"))
+            wait_for(lambda: r.metric_sum("loom_router_replica_up") == 0, 10, "both replicas down")
+            t0 = time.time()
+            rc, _, _, err3 = generate(r.addr, PROMPT, 8)
+            check(rc == 4 and "UNAVAILABLE" in err3 and "no replica" in err3, "with no replica: %d %s" % (rc, err3))
+            check(time.time() - t0 < 5, "UNAVAILABLE took %.1f s" % (time.time() - t0))
+            status = None
+            try:
+                with urllib.request.urlopen(urllib.request.Request(
+                        "http://127.0.0.1:%d/v1/completions" % r.http,
+                        json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode(),
+                        {"Content-Type": "application/json"}), timeout=30) as resp:
+                    status = resp.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            check(status == 503, "HTTP with no replica answered %r" % status)
+
+
+# ---- membership and faults --------------------------------------------------------------------
+
+def test_etcd_join_leave():
+    with Etcd() as etcd:
+        with Router(["--etcd", etcd.url, "--cluster", "rt", "--policy", "round-robin"], http=True) as r:
+            with Cluster(STORIES, 1, 1, launch_args=["--etcd", etcd.url, "--cluster", "rt-a"]) as a:
+                wait_for(lambda: r.metric_sum("loom_router_replica_up") == 1, 15, "replica rt-a joined")
+                with Cluster(STORIES, 1, 1, launch_args=["--etcd", etcd.url, "--cluster", "rt-b"]) as b:
+                    wait_for(lambda: r.metric_sum("loom_router_replica_up") == 2, 15, "replica rt-b joined")
+                    for _ in range(4):
+                        rc, _, ids, err = generate(r.addr, PROMPT, 8)
+                        check(rc == 0 and len(ids) == 8, "with two replicas: %s" % err)
+                    time.sleep(0.6)  # /metrics is refreshed every 250 ms
+                    check(r.metric("loom_router_replica_routed_total", b.addr) >= 1 and
+                          r.metric("loom_router_replica_routed_total", a.addr) >= 1,
+                          "round the two replicas: %r" % r.metrics())
+                # rt-b stopped: its key leaves etcd, the router lets it go
+                wait_for(lambda: r.metric_sum("loom_router_replica_up") == 1 and
+                         not any(b.addr in l for (_, l) in r.metrics()), 20, "replica rt-b gone")
+                rc, _, ids, err = generate(r.addr, PROMPT, 8)
+                check(rc == 0 and len(ids) == 8, "after rt-b left: %s" % err)
+                log = r.log()
+                check("left etcd" in log or "removed" in log, "the router log does not say rt-b left")
+
+
+def test_fake_replicas():
+    gport, mport = free_port(), free_port()
+    garbage = subprocess.Popen([os.path.join(TESTS_BIN, "fake_replica"), "--listen", "tcp://127.0.0.1:%d" % gport,
+                                "--mode", "garbage"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    other = subprocess.Popen([os.path.join(TESTS_BIN, "fake_replica"), "--listen", "tcp://127.0.0.1:%d" % mport,
+                              "--mode", "model", "--model-name", "other-model", "--vocab", "32000"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Cluster(STORIES, 1, 1) as c:
+            reps = ["--replica", "tcp://127.0.0.1:%d" % gport, "--replica", "tcp://127.0.0.1:%d" % mport,
+                    "--replica", c.addr]
+            with Router(reps + ["--policy", "round-robin"], http=True) as r:
+                wait_for(lambda: "refused" in r.log() and r.metric_sum("loom_router_replica_up") == 1, 15,
+                         "the other model refused, the real replica up")
+                log = r.log()
+                check("other-model" in log and "32000" in log and "stories260K" in log,
+                      "the refusal does not name the difference: %s" % log[-1500:])
+                ref = generate(c.addr, PROMPT, 12)
+                for _ in range(6):
+                    rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                    check(rc == 0 and ids == ref[2], "with a garbage replica: %s" % err)
+                m = r.metrics()
+                check(m.get(("loom_router_replica_up", 'replica="tcp://127.0.0.1:%d",state="refused"' % mport)) == 0,
+                      "the other model's state: %r" % m)
+                check(r.metric("loom_router_refused_joins_total") == 1, "refused joins")
+                check(r.metric("loom_router_replica_routed_total", "127.0.0.1:%d" % mport) == 0,
+                      "requests went to the refused replica")
+            # only garbage: nothing can take a request
+            with Router(["--replica", "tcp://127.0.0.1:%d" % gport]) as r2:
+                time.sleep(1.0)
+                rc, _, _, err = generate(r2.addr, PROMPT, 4, timeout=30)
+                check(rc == 4 and "no replica" in err, "garbage only: %d %s" % (rc, err))
+                check("malformed" in r2.log(), "the router log does not name the garbage")
+    finally:
+        for p in (garbage, other):
+            p.kill()
+            p.wait()
+
+
+def test_probe_back():
+    # a replica that dies is circuit-broken; started again at its address, it is probed back
+    addr = "tcp://127.0.0.1:%d" % free_port()
+    cmd = [os.path.join(TESTS_BIN, "fake_replica"), "--listen", addr, "--mode", "model", "--model-name",
+           "stories260K", "--vocab", "512", "--context", "512"]
+    fake = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Router(["--replica", addr], http=True, expect_up=1) as r:
+            rc, _, ids, err = generate(r.addr, PROMPT, 4)
+            check(rc == 0 and ids == [1], "through the fake replica: %s" % err)
+            fake.kill()
+            fake.wait()
+            wait_for(lambda: r.metric_sum("loom_router_replica_up") == 0, 10, "the dead replica down")
+            rc, _, _, err = generate(r.addr, PROMPT, 4)
+            check(rc == 4 and "no replica" in err, "with the replica down: %d %s" % (rc, err))
+            fake = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_for(lambda: r.metric_sum("loom_router_replica_up") == 1, 20, "the replica probed back")
+            rc, _, ids, err = generate(r.addr, PROMPT, 4)
+            check(rc == 0 and ids == [1], "after the probe-back: %s" % err)
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+def test_cli():
+    p = subprocess.run([os.path.join(BIN, "loom-router"), "--help"], capture_output=True, text=True, timeout=10)
+    check(p.returncode == 0 and "--policy" in p.stdout and "--replica" in p.stdout, "--help: %s" % p.stdout)
+    for bad, what in ((["--replica", "tcp://127.0.0.1:1", "--policy", "fastest"], "--policy"),
+                      ([], "--replica"), (["--replica", "localhost:5"], "tcp://")):
+        p = subprocess.run([os.path.join(BIN, "loom-router")] + bad, capture_output=True, text=True, timeout=10)
+        check(p.returncode == 2 and what in p.stderr, "%r: %d %s" % (bad, p.returncode, p.stderr))
+
+
+if __name__ == "__main__":
+    run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_etcd_join_leave,
+               test_fake_replicas, test_probe_back])

@@ -1,0 +1,3 @@
+# The router's prefix index and replica scores (router/prefix_index.c).
+loom_add_test(test_prefix_index SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prefix_index.c LIBS loom_router_core
+              LABELS unit TIMEOUT 30)
