@@ -38,6 +38,7 @@ typedef struct loom_server_config {
     int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
     int has_seed;             /* --seed: requests without a seed get seeds derived from this one, */
     uint64_t seed;            /* so the same requests in the same order give the same text */
+    int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;
