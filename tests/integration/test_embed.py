@@ -9,8 +9,8 @@
   token ids) gives the same vectors; base64 is the float32 values; usage
   counts the prompt tokens; the prefix cache gives the same last-token
   vector.
-- The openai SDK's embeddings.create and LangChain's OpenAIEmbeddings get
-  the same vectors (embed_sdk.mjs).
+- The openai SDK's embeddings.create, LangChain's OpenAIEmbeddings and
+  `loom embed` (the C client's Embed) get the same vectors (embed_sdk.mjs).
 - Bad input (empty input, an empty string, a too-long input, a bad
   encoding_format, dimensions other than the model's) is a 400 naming the
   field, and the server keeps serving."""
@@ -25,7 +25,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import PYTHON, ROOT, STORIES, Cluster, check, parse_ids, run_tests  # noqa: E402
+from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, parse_ids, run_tests  # noqa: E402
 from test_http import expect_error, free_port, request  # noqa: E402
 
 TEXTS = ["Once upon a time", "The little dog ran to the park and played with a red ball all day long.",
@@ -164,6 +164,17 @@ def test_bad_input_and_sdks():
         status, hdrs, data = request(port, "POST", "/v1/embeddings", {"input": TEXTS[0], "future_field": 1})
         check(status == 200 and "future_field" in {k.lower(): v for k, v in hdrs.items()}.get("x-loom-ignored-fields", ""), "unknown field: %d %r" %
               (status, hdrs))
+        # the C client through `loom embed`
+        p = subprocess.run([os.path.join(BIN, "loom"), "embed", "--addr", c.addr, "--text", TEXTS[0]],
+                           capture_output=True, text=True, timeout=60)
+        check(p.returncode == 0, "loom embed: %s" % p.stderr)
+        cli = json.loads(p.stdout)
+        check(cli["pooling"] == "last" and cli["prompt_tokens"] == len(ids), "loom embed: %r" % p.stdout[:200])
+        check(np.max(np.abs(np.array(cli["embedding"]) - good)) < 1e-6, "loom embed differs from /v1/embeddings")
+        p = subprocess.run([os.path.join(BIN, "loom"), "embed", "--addr", c.addr, "--text", ""],
+                           capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and "empty" in p.stderr, "loom embed of an empty text: %d %r" % (p.returncode,
+                                                                                             p.stderr))
         after = vectors(embed(port, {"input": TEXTS[0]}))[0]
         check(np.max(np.abs(after - good)) < 1e-6, "the server answers differently after bad requests")
         node_modules = os.path.join(ROOT, "tests", "reference", "node_modules")
