@@ -4,7 +4,12 @@
  * bandwidth (a one-way stream). Nothing is pinned: the OS places the two
  * processes as it would place workers.
  *
- *   bench_comm [shm|tcp]...     (default: both)
+ *   bench_comm [shm|tcp|tcp-auth|tcp-enc]...     (default: shm and tcp)
+ *
+ * tcp-auth: links authenticated with an epoch secret (the default in a
+ * cluster; costs only at setup); tcp-enc: every frame encrypted as well
+ * (ChaCha20-Poly1305, the coordinator's --encrypt-data-plane). Comparing
+ * tcp-enc with tcp-auth at 4 MB gives the encryption's cost per MB.
  *
  * Napkin math: an all-reduce of n floats writes 4n bytes and reads 2 x 4n on
  * each rank (shm); on tcp each rank sends and receives 4n bytes. GB/s below is
@@ -13,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,7 +28,9 @@
 #include "worker/comm.h"
 
 typedef struct setup {
-    const char *backend;
+    const char *backend; /* as printed: shm, tcp, tcp-auth, tcp-enc */
+    const char *kind;    /* the comm backend: shm or tcp */
+    int auth, encrypt;
     char ar_name[64], pp_name[64];
     loom_comm_peer_t ar_peers[2], pp_peers[2];
     loom_comm_listener_t *ar_l[2], *pp_l[2];
@@ -46,11 +54,17 @@ static void stats(double *us, int n, double *median, double *p99) {
 static loom_comm_t *join(setup_t *s, int rank, int pipeline) {
     loom_comm_config_t cfg = {
         .version = LOOM_COMM_CONFIG_VERSION,
-        .backend = s->backend,
+        .backend = s->kind,
         .self_id = k_ids[rank],
         .max_bytes = s->max_bytes,
         .timeout_ms = 20000,
     };
+    static const uint8_t secret[32] = "bench_comm's epoch secret ......";
+    if (s->auth) {
+        cfg.auth_secret = secret;
+        cfg.auth_secret_len = sizeof secret;
+        cfg.encrypt = s->encrypt;
+    }
     if (pipeline) {
         /* A ring of two one-rank stages: each process is the other's next and previous. */
         cfg.name = s->pp_name;
@@ -103,24 +117,29 @@ static void bench_allreduce(loom_comm_t *c, int rank, const char *backend, float
         double med, p99;
         stats(us, iters[k], &med, &p99);
         if (rank == 0)
-            printf("%-4s all-reduce   %8lld floats %9lld B   median %8.1f us   p99 %8.1f us   "
+            printf("%-8s all-reduce   %8lld floats %9lld B   median %8.1f us   p99 %8.1f us   "
                    "%6.2f GB/s\n",
                    backend, (long long)n, (long long)n * 4, med, p99, (double)n * 4 / (med * 1e3));
     }
     int64_t n = 1 << 20; /* 4 MB */
     for (int w = 0; w < 5; w++)
         CHECK_OK(loom_comm_allreduce(c, buf, n, &err));
+    struct timespec c0, c1; /* this rank's CPU time: what encryption adds, whatever the load */
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
     for (int it = 0; it < 40; it++) {
         uint64_t t0 = loom_now_ns();
         CHECK_OK(loom_comm_allreduce(c, buf, n, &err));
         us[it] = (double)(loom_now_ns() - t0) / 1e3;
     }
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+    double cpu_ms = ((double)(c1.tv_sec - c0.tv_sec) * 1e3 + (double)(c1.tv_nsec - c0.tv_nsec) / 1e6) / 40;
     double med, p99;
     stats(us, 40, &med, &p99);
     if (rank == 0)
-        printf("%-4s all-reduce   %8lld floats %9lld B   median %8.1f us   p99 %8.1f us   %6.2f "
-               "GB/s\n",
-               backend, (long long)n, (long long)n * 4, med, p99, (double)n * 4 / (med * 1e3));
+        printf("%-8s all-reduce   %8lld floats %9lld B   median %8.1f us   p99 %8.1f us   %6.2f "
+               "GB/s   CPU %.2f ms per call (%.2f ms per MB sent + received)\n",
+               backend, (long long)n, (long long)n * 4, med, p99, (double)n * 4 / (med * 1e3), cpu_ms,
+               cpu_ms / ((double)n * 8 / 1048576.0));
 }
 
 static void bench_sendrecv(loom_comm_t *c, int rank, const char *backend, float *buf) {
@@ -144,7 +163,7 @@ static void bench_sendrecv(loom_comm_t *c, int rank, const char *backend, float 
         double med, p99;
         stats(us, iters, &med, &p99);
         if (rank == 0)
-            printf("%-4s send/recv    %8zu floats %9zu B   median %8.1f us   p99 %8.1f us   (one "
+            printf("%-8s send/recv    %8zu floats %9zu B   median %8.1f us   p99 %8.1f us   (one "
                    "way, ping-pong / 2)\n",
                    backend, bytes / 4, bytes, med, p99);
     }
@@ -164,7 +183,7 @@ static void bench_sendrecv(loom_comm_t *c, int rank, const char *backend, float 
         }
         double s = (double)(loom_now_ns() - t0) / 1e9;
         if (rank == 0 && round == 1)
-            printf("%-4s send/recv    %8zu floats %9zu B   stream of %d: %6.2f GB/s\n", backend,
+            printf("%-8s send/recv    %8zu floats %9zu B   stream of %d: %6.2f GB/s\n", backend,
                    bytes / 4, bytes, msgs, (double)bytes * msgs / s / 1e9);
     }
 }
@@ -189,12 +208,14 @@ static void worker(setup_t *s, int rank) {
 }
 
 static int run_backend(const char *backend) {
-    setup_t s = {.backend = backend, .max_bytes = (size_t)4 << 20};
+    setup_t s = {.backend = backend, .kind = strncmp(backend, "tcp", 3) ? backend : "tcp",
+                 .auth = !strcmp(backend, "tcp-auth") || !strcmp(backend, "tcp-enc"),
+                 .encrypt = !strcmp(backend, "tcp-enc"), .max_bytes = (size_t)4 << 20};
     snprintf(s.ar_name, sizeof s.ar_name, "bench%d-ar-%s", (int)getpid(), backend);
     snprintf(s.pp_name, sizeof s.pp_name, "bench%d-pp-%s", (int)getpid(), backend);
     for (int r = 0; r < 2; r++) {
         s.ar_peers[r].worker_id = s.pp_peers[r].worker_id = k_ids[r];
-        if (!strcmp(backend, "tcp")) {
+        if (!strcmp(s.kind, "tcp")) {
             loom_err_t err;
             if (loom_comm_listener_create("127.0.0.1", 0, &s.ar_l[r], &err) != LOOM_OK ||
                 loom_comm_listener_create("127.0.0.1", 0, &s.pp_l[r], &err) != LOOM_OK) {

@@ -2,7 +2,7 @@
 # (loom_client_cmds: `loom generate`, `loom health`, `loom stats`, `loom bench`).
 # Included by client/CMakeLists.txt; the `loom` tool links loom_client_cmds.
 add_library(loom_client STATIC ${CMAKE_CURRENT_LIST_DIR}/loom_client.c)
-target_link_libraries(loom_client PUBLIC loom_proto Loom::ZeroMQ loom_base)
+target_link_libraries(loom_client PUBLIC loom_proto Loom::ZeroMQ loom_base loom_keys)
 
 # `loom bench` in parts (client/bench/bench.h): datasets, transports (ZeroMQ;
 # OpenAI-compatible HTTP over libcurl), the run loop, statistics, reports.

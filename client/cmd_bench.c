@@ -116,7 +116,7 @@ static int loom_bench_main(int argc, char **argv) {
     const char *addr = NULL, *rate_s = NULL, *rates_s = NULL, *json = NULL, *plot = NULL, *api = NULL;
     const char *stage_plot = NULL, *api_key = NULL, *url = NULL, *backend = NULL, *endpoint = NULL, *model_name = NULL;
     const char *dataset = "random", *dataset_path = NULL, *goodput_s = NULL, *pct_metrics = "ttft,tpot,itl";
-    const char *pcts_s = "99", *result_file = NULL;
+    const char *pcts_s = "99", *result_file = NULL, *curve_server = NULL, *curve_secret = NULL;
     int num_requests = 100, prompt_len = 128, output_len = 128, vocab = 0, max_conc = 0, timeout_s = 300;
     int sharegpt_out = 0, pre_len = 256, suf_len = 256, n_prefixes = 10, pre_out = 128, save_detailed = 0;
     int no_ignore_eos = 0, save_result = 0, range_seen = 0;
@@ -167,6 +167,8 @@ static int loom_bench_main(int argc, char **argv) {
         {"stage-plot", LOOM_OPT_STR, &stage_plot, "FILE.png", "plot the server-side stage breakdown (mean per stage, stacked, per rate; p50/p99 per stage) (gnuplot)", 1, 0, NULL},
         {"timeout-s", LOOM_OPT_INT, &timeout_s, "N", "cap on the whole run; unfinished requests fail (default 300)", 1, 1e6, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
+        LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
+        LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts),
                            "loom bench (--addr ADDR | --base-url URL [--backend openai|openai-chat]) [options]",
@@ -177,6 +179,7 @@ static int loom_bench_main(int argc, char **argv) {
                            "Exit codes: 0 all requests succeeded, 1 some failed, 2 usage, 4 server unavailable.");
     if (r) return r < 0 ? EXIT_USAGE : 0;
     if (range_seen) prompt_range = output_range = range_ratio;
+    loom_cmd_curve_env(curve_server, curve_secret);
     double rates[MAX_RATES];
     int n_rates = 1, sweep = rates_s != NULL;
     rates[0] = INFINITY;

@@ -135,6 +135,7 @@ static const char *finish_name(loom_finish_t f) {
 
 int loom_cmd_generate(int argc, char **argv) {
     const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL;
+    const char *curve_server = NULL, *curve_secret = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
     float temperature = 0.8f, top_p = 0.95f;
@@ -164,6 +165,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 30000)", 1, 1e9, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
+        LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
         {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no summary line on stderr", 1, 0, NULL},
     };
@@ -209,6 +211,7 @@ int loom_cmd_generate(int argc, char **argv) {
         return EXIT_USAGE;
     }
     loom_client_t *c = NULL;
+    loom_cmd_curve_env(curve_server, curve_secret);
     int rc = connect_or_report(addr, timeout_ms, api_key, "generate", &c);
     if (rc) return rc;
 
@@ -259,18 +262,20 @@ int loom_cmd_generate(int argc, char **argv) {
 }
 
 int loom_cmd_health(int argc, char **argv) {
-    const char *addr = NULL, *api_key = NULL;
+    const char *addr = NULL, *api_key = NULL, *curve_server = NULL, *curve_secret = NULL;
     int timeout_ms = 5000;
     loom_opt_t opts[] = {
         LOOM_CMD_OPT_ADDR(addr),
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 5000)", 1, 1e9, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
+        LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom health --addr ADDR [options]",
                            "Asks a Loom coordinator whether it is serving, and which models.\n"
                            "Exit codes: 0 ready, 1 up but not ready, 2 usage, 4 unavailable.");
     if (r) return r < 0 ? EXIT_USAGE : 0;
     loom_client_t *c = NULL;
+    loom_cmd_curve_env(curve_server, curve_secret);
     int rc = connect_or_report(addr, timeout_ms, api_key, "health", &c);
     if (rc) return rc;
     loom_err_t err = {0};
@@ -301,17 +306,19 @@ int loom_cmd_health(int argc, char **argv) {
 }
 
 int loom_cmd_stats(int argc, char **argv) {
-    const char *addr = NULL, *api_key = NULL;
+    const char *addr = NULL, *api_key = NULL, *curve_server = NULL, *curve_secret = NULL;
     int timeout_ms = 5000;
     loom_opt_t opts[] = {
         LOOM_CMD_OPT_ADDR(addr),
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 5000)", 1, 1e9, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
+        LOOM_CMD_OPT_CURVE(curve_server, curve_secret),
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom stats --addr ADDR [options]",
                            "Prints a Loom coordinator's scheduler and KV-cache counters as JSON, one field a line.");
     if (r) return r < 0 ? EXIT_USAGE : 0;
     loom_client_t *c = NULL;
+    loom_cmd_curve_env(curve_server, curve_secret);
     int rc = connect_or_report(addr, timeout_ms, api_key, "stats", &c);
     if (rc) return rc;
     loom_err_t err = {0};

@@ -38,6 +38,7 @@
 
 #include "client/commands.h"
 #include "common/cli.h"
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/util.h"
 
@@ -88,7 +89,8 @@ typedef enum { SERVE_STARTING, SERVE_SERVING, SERVE_STOPPING } serve_state_t;
 
 typedef struct serve {
     char bin_dir[PATH_MAX];
-    char run_dir[64];   /* private: the coordinator's ready file */
+    char run_dir[64];   /* private: the coordinator's ready file, the cluster's keys */
+    char keys_dir[80];  /* run_dir/keys ("": not keyed) */
     char ready_file[128];
     child_t coord;
     child_t *workers;
@@ -139,14 +141,69 @@ static int find_bin_dir(char *out, size_t n) {
     return 0;
 }
 
-/* CURVE keys for the internal planes (coordinator <-> workers control
- * socket, the client API socket): one key set per cluster, made here and
- * handed to the children on their command lines or in files under run_dir.
- * Pending `loom keygen`; until then the internal sockets are protected by
- * binding 127.0.0.1 only, on ports picked at random. */
-static int serve_cluster_keys(serve_t *s, argv_list_t *coord, argv_list_t *worker) {
-    (void)s, (void)coord, (void)worker;
+/* CURVE keys for the internal planes: one fresh key set per run in
+ * run_dir/keys (common/keys.h), the way deploy/local/launch.sh keys its
+ * clusters. The control plane is always keyed (each worker's routing id is
+ * bound to its own key); the client API is keyed only when it binds an
+ * address other hosts can reach (then a client key pair is made for the
+ * operator). `insecure` turns both off. Returns -1 on error (said). */
+static int serve_cluster_keys(serve_t *s, int insecure, const char *zmq_addr, argv_list_t *coord) {
+    if (insecure) {
+        LOOM_WARN("--insecure: the control plane between the coordinator and its workers is not keyed");
+        argv_push(coord, "--insecure-api");
+        return 0;
+    }
+    snprintf(s->keys_dir, sizeof s->keys_dir, "%s/keys", s->run_dir);
+    int clients = !loom_endpoint_is_local(zmq_addr);
+    loom_err_t err = {0};
+    if (mkdir(s->keys_dir, 0700) != 0 ||
+        loom_keys_make_set(s->keys_dir, s->n_workers, "worker-", clients, clients, 0, &err) < 0) {
+        fprintf(stderr, "error: cannot make the cluster's keys in %s: %s\n", s->keys_dir,
+                err.msg[0] ? err.msg : strerror(errno));
+        return -1;
+    }
+    argv_push(coord, "--curve-secret");
+    argv_push(coord, "%s/coordinator.key", s->keys_dir);
+    argv_push(coord, "--worker-keys");
+    argv_push(coord, "%s/workers.allow", s->keys_dir);
+    if (clients) {
+        argv_push(coord, "--client-keys");
+        argv_push(coord, "%s/clients.allow", s->keys_dir);
+        LOOM_INFO("the ZeroMQ API at %s is keyed: clients need --curve-server-key %s/coordinator.pub "
+                  "--curve-secret %s/client-0.key",
+                  zmq_addr, s->keys_dir, s->keys_dir);
+    }
     return 0;
+}
+
+/* A worker's own identity and key (with serve_cluster_keys' set). */
+static void serve_worker_keys(const serve_t *s, int i, argv_list_t *w) {
+    argv_push(w, "--id");
+    argv_push(w, "worker-%d", i);
+    if (!s->keys_dir[0]) return;
+    argv_push(w, "--curve-server-key");
+    argv_push(w, "%s/coordinator.pub", s->keys_dir);
+    argv_push(w, "--curve-secret");
+    argv_push(w, "%s/worker-%d.key", s->keys_dir, i);
+}
+
+/* Removes the run's key files (secrets do not outlive the run). */
+static void serve_remove_keys(const serve_t *s) {
+    if (!s->keys_dir[0]) return;
+    char path[PATH_MAX];
+    const char *fixed[] = {"coordinator.key", "coordinator.pub", "workers.allow", "clients.allow", "client-0.key",
+                           "client-0.pub"};
+    for (size_t k = 0; k < sizeof fixed / sizeof *fixed; k++) {
+        snprintf(path, sizeof path, "%s/%s", s->keys_dir, fixed[k]);
+        unlink(path);
+    }
+    for (int i = 0; i < s->n_workers; i++) {
+        snprintf(path, sizeof path, "%s/worker-%d.key", s->keys_dir, i);
+        unlink(path);
+        snprintf(path, sizeof path, "%s/worker-%d.pub", s->keys_dir, i);
+        unlink(path);
+    }
+    rmdir(s->keys_dir);
 }
 
 static pid_t spawn(const serve_t *s, child_t *c) {
@@ -309,7 +366,7 @@ int loom_cmd_serve(int argc, char **argv) {
     serve_t s = {.shutdown_timeout_s = 30};
     fwd_opts_t f = {0};
     const char *model = NULL, *host = "127.0.0.1", *device = "cpu", *zmq_listen = NULL;
-    int port = 8000, tp = 1, pp = 1, threads = 0;
+    int port = 8000, tp = 1, pp = 1, threads = 0, insecure = 0;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "the Hugging Face model directory (or give it first: loom serve DIR)", 1, 0, NULL},
         {"host", LOOM_OPT_STR, &host, "HOST", "HTTP address to bind (default 127.0.0.1: this machine only; vLLM's default is 0.0.0.0)", 1, 0, NULL},
@@ -344,6 +401,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"device", LOOM_OPT_STR, &device, "DEV", "cpu, or cuda (worker i gets cuda:i) (default cpu)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "compute threads per worker (default: cores / workers)", 0, 1024, NULL},
         {"zmq-listen", LOOM_OPT_STR, &zmq_listen, "ADDR", "also the loom.v1 ZeroMQ API here (default: a free port on 127.0.0.1, see the log)", 1, 0, NULL},
+        {"insecure", LOOM_OPT_FLAG, &insecure, NULL, "do not key the internal planes (CURVE on the control plane, and on --zmq-listen when other hosts can reach it); by default every run makes a fresh key set", 1, 0, NULL},
     };
     int first = 2;
     if (argc > 2 && argv[2][0] != '-') model = argv[first++];
@@ -450,8 +508,10 @@ int loom_cmd_serve(int argc, char **argv) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     if (threads == 0) threads = (int)LOOM_MAX(1, (cores > 0 ? cores : 1) / s.n_workers);
     s.workers = loom_xcalloc((size_t)s.n_workers, sizeof *s.workers);
-    argv_list_t worker_extra = {0};
-    if (serve_cluster_keys(&s, a, &worker_extra) < 0) return 1;
+    if (serve_cluster_keys(&s, insecure, zmq_addr, a) < 0) {
+        rmdir(s.run_dir);
+        return 1;
+    }
     for (int i = 0; i < s.n_workers; i++) {
         child_t *w = &s.workers[i];
         snprintf(w->name, sizeof w->name, "worker %d", i);
@@ -467,7 +527,7 @@ int loom_cmd_serve(int argc, char **argv) {
             argv_push(&w->argv, "--log-format");
             argv_push(&w->argv, "%s", f.log_format);
         }
-        for (int k = 0; k < worker_extra.n; k++) argv_push(&w->argv, "%s", worker_extra.v[k]);
+        serve_worker_keys(&s, i, &w->argv);
     }
     if (f.log_level) { /* the workers have no flag for it: LOOM_LOG_LEVEL, in vLLM's words */
         const char *lv = f.log_level;
@@ -501,10 +561,10 @@ int loom_cmd_serve(int argc, char **argv) {
     }
     LOOM_INFO("stopped (exit status %d)", rc);
     unlink(s.ready_file);
+    serve_remove_keys(&s);
     rmdir(s.run_dir);
     argv_free(&co->argv);
     for (int i = 0; i < s.n_workers; i++) argv_free(&s.workers[i].argv);
-    argv_free(&worker_extra);
     free(s.workers);
     return rc;
 }

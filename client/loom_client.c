@@ -25,6 +25,7 @@
 #include <zmq.h>
 
 #include "common/log.h"
+#include "common/keys.h"
 #include "common/util.h"
 #include "proto/wire.h"
 
@@ -213,8 +214,8 @@ static void file_reply(loom_client_t *c, const void *data, size_t len) {
  * its timeout. Replies still queued were filed before this. */
 static void connection_lost(loom_client_t *c) {
     char msg[400];
-    snprintf(msg, sizeof msg, "UNAVAILABLE: the connection to %s was lost (the coordinator went away, or was "
-                              "silent for %d ms)", c->addr, HEARTBEAT_TIMEOUT_MS);
+    snprintf(msg, sizeof msg, "UNAVAILABLE: the connection to %s was lost (the coordinator went away, refused "
+                              "this client's CURVE keys, or was silent for %d ms)", c->addr, HEARTBEAT_TIMEOUT_MS);
     for (int i = 0; i < c->n_pending; i++)
         if (c->pending[i].kind != KIND_CANCEL) push_failure(c, c->pending[i].id, LOOM_ERR_UNAVAILABLE, msg);
     c->n_pending = 0;
@@ -470,6 +471,15 @@ loom_status_t loom_client_connect(const char *addr, const loom_client_options_t 
      * slowly, and a burst of submits must not be refused while connecting. */
     zmq_setsockopt(c->sock, ZMQ_RCVHWM, &zero, sizeof zero);
     zmq_setsockopt(c->sock, ZMQ_SNDHWM, &zero, sizeof zero);
+    if (strncmp(addr, "inproc://", 9) != 0) {
+        int keyed = 0;
+        loom_status_t kst = loom_keys_client(c->sock, opt ? opt->curve_server_key : NULL,
+                                             opt ? opt->curve_secret : NULL, &keyed, err);
+        if (kst < 0) {
+            loom_client_close(&c);
+            return kst;
+        }
+    }
     /* A server that dies closes the connection; one that hangs or is cut off
      * stops answering PINGs: either way the monitor reports a disconnect. */
     if (!strncmp(addr, "tcp://", 6) || !strncmp(addr, "ipc://", 6)) {

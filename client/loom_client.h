@@ -17,6 +17,12 @@ typedef struct loom_client_options {
     int timeout_ms;      /* no reply for this long -> LOOM_ERR_UNAVAILABLE (default 30000) */
     const char *api_key; /* sent with every request when set */
     void *zmq_context;   /* share a context (needed for inproc:// addresses); NULL: own one */
+    /* CURVE (a coordinator started with --client-keys): the server's public
+     * key and this client's secret key, each a key file or the 40 Z85
+     * characters; NULL: $LOOM_CURVE_SERVER_KEY and $LOOM_CURVE_SECRET.
+     * Neither: a plain connection. Not used for inproc:// addresses. */
+    const char *curve_server_key;
+    const char *curve_secret;
 } loom_client_options_t;
 
 /* Connects to "tcp://host:port" (or ipc://, inproc:// with a shared context).

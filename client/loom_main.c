@@ -22,6 +22,7 @@ static const struct {
     {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics", 0},
     {"embed", loom_cmd_embed, "print a text's embedding from a running cluster", 0},
     {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)", 0},
+    {"keygen", loom_cmd_keygen, "make CURVE key pairs and allow-lists for a cluster's planes", 0},
 };
 
 static void usage(void) {

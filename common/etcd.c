@@ -255,19 +255,84 @@ static loom_status_t curl_error(const char *url, CURLcode rc, const char *detail
                             "etcd at %s did not answer within %d ms (%s)", url, timeout_ms, what);
     if (rc == CURLE_URL_MALFORMAT || rc == CURLE_UNSUPPORTED_PROTOCOL)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "etcd URL %s: %s", url, what);
+    if (rc == CURLE_PEER_FAILED_VERIFICATION || rc == CURLE_SSL_CACERT_BADFILE)
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "etcd at %s: refused its TLS certificate (%s); check --etcd-cacert", url, what);
+    if (rc == CURLE_SSL_CERTPROBLEM)
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "etcd at %s: this client's certificate or key cannot be used (%s); check --etcd-cert "
+                            "and --etcd-key",
+                            url, what);
+    if (rc == CURLE_SSL_CONNECT_ERROR || (rc == CURLE_RECV_ERROR && strstr(what, "alert")))
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "etcd at %s: the TLS handshake failed (%s): etcd refused this client's certificate, or "
+                            "needs one (--etcd-cert, --etcd-key)",
+                            url, what);
     return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "etcd at %s unreachable: %s", url, what);
 }
 
 /* ------------------------------------------------------------------ handle */
 
+/* TLS and authentication, from the environment at open (the binaries' flags
+ * put them there: docs/membership.md#security). */
+typedef struct etcd_sec {
+    char *cacert, *cert, *key; /* PEM files; NULL: the system's CAs, no client certificate */
+    char *user, *password;     /* v3 auth; NULL user: none */
+} etcd_sec_t;
+
 struct loom_etcd {
     char *url; /* scheme://host:port, no trailing slash */
     int timeout_ms;
     CURL *curl;
-    struct curl_slist *headers;
+    struct curl_slist *headers; /* JSON, plus Authorization once a token is held */
     loom_sbuf_t resp;
     char errbuf[CURL_ERROR_SIZE];
+    etcd_sec_t sec;
+    char token[1024]; /* from /v3/auth/authenticate; "" until then */
 };
+
+static void sodium_like_wipe(char *p) {
+    volatile char *v = p;
+    while (*v) *v++ = 0;
+}
+
+static char *env_dup(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] ? loom_xstrdup(v) : NULL;
+}
+
+static loom_status_t sec_load(etcd_sec_t *s, loom_err_t *err) {
+    memset(s, 0, sizeof *s);
+    s->cacert = env_dup("LOOM_ETCD_CACERT");
+    s->cert = env_dup("LOOM_ETCD_CERT");
+    s->key = env_dup("LOOM_ETCD_KEY");
+    s->user = env_dup("LOOM_ETCD_USER");
+    s->password = env_dup("LOOM_ETCD_PASSWORD");
+    const char *pf = getenv("LOOM_ETCD_PASSWORD_FILE");
+    if (!s->password && pf && pf[0]) {
+        char *data = NULL;
+        size_t len = 0;
+        LOOM_CHECK(loom_read_file(pf, &data, &len, err));
+        while (len > 0 && (data[len - 1] == '\n' || data[len - 1] == '\r')) data[--len] = 0;
+        s->password = data;
+    }
+    if (s->password && !s->user)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "an etcd password needs a user name (--etcd-user)");
+    if (!!s->cert != !!s->key)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "an etcd client certificate needs its key, and a key its certificate (--etcd-cert with "
+                            "--etcd-key)");
+    return LOOM_OK;
+}
+
+static void sec_free(etcd_sec_t *s) {
+    free(s->cacert);
+    free(s->cert);
+    free(s->key);
+    if (s->password) sodium_like_wipe(s->password);
+    free(s->password);
+    free(s->user);
+}
 
 /* Checks that url is http(s)://host[:port][/] and returns it without the
  * trailing slash. */
@@ -322,6 +387,12 @@ static size_t collect_cb(char *ptr, size_t size, size_t nmemb, void *userdata) {
     return size * nmemb;
 }
 
+static void curl_tls(CURL *c, const etcd_sec_t *s) {
+    if (s->cacert) curl_easy_setopt(c, CURLOPT_CAINFO, s->cacert);
+    if (s->cert) curl_easy_setopt(c, CURLOPT_SSLCERT, s->cert);
+    if (s->key) curl_easy_setopt(c, CURLOPT_SSLKEY, s->key);
+}
+
 /* Options shared by the request and the watch handles. */
 static void curl_common(CURL *c, struct curl_slist *headers, int timeout_ms) {
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
@@ -358,6 +429,11 @@ loom_status_t loom_etcd_open(const char *url, int timeout_ms, loom_etcd_t **out,
     loom_etcd_t *e = loom_xcalloc(1, sizeof *e);
     e->url = base;
     e->timeout_ms = timeout_ms;
+    s = sec_load(&e->sec, err);
+    if (s != LOOM_OK) {
+        loom_etcd_close(&e);
+        return s;
+    }
     e->curl = curl_easy_init();
     e->headers = json_headers();
     if (!e->curl || !e->headers) {
@@ -365,6 +441,7 @@ loom_status_t loom_etcd_open(const char *url, int timeout_ms, loom_etcd_t **out,
         return loom_err_set(err, LOOM_ERR_NOMEM, "out of memory creating an etcd client");
     }
     curl_common(e->curl, e->headers, timeout_ms);
+    curl_tls(e->curl, &e->sec);
     curl_easy_setopt(e->curl, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
     curl_easy_setopt(e->curl, CURLOPT_WRITEFUNCTION, collect_cb);
     curl_easy_setopt(e->curl, CURLOPT_WRITEDATA, &e->resp);
@@ -380,6 +457,7 @@ void loom_etcd_close(loom_etcd_t **e_p) {
     curl_slist_free_all(e->headers);
     free(e->resp.p);
     free(e->url);
+    sec_free(&e->sec);
     free(e);
     *e_p = NULL;
     curl_global_cleanup();
@@ -389,8 +467,74 @@ const char *loom_etcd_url(const loom_etcd_t *e) {
     return e->url;
 }
 
-/* POSTs body (consumed) to path and parses the reply object into *reply. */
+static loom_status_t etcd_post(loom_etcd_t *e, const char *path, cJSON *body, cJSON **reply, loom_err_t *err);
+
+/* A token for the configured user (v3 auth), in e->token and e->headers. */
+static loom_status_t etcd_authenticate(loom_etcd_t *e, loom_err_t *err) {
+    e->token[0] = 0;
+    curl_slist_free_all(e->headers);
+    e->headers = json_headers();
+    curl_easy_setopt(e->curl, CURLOPT_HTTPHEADER, e->headers);
+    cJSON *body = cJSON_CreateObject();
+    cJSON_AddStringToObject(body, "name", e->sec.user);
+    cJSON_AddStringToObject(body, "password", e->sec.password ? e->sec.password : "");
+    cJSON *reply = NULL;
+    loom_err_t aerr = {0};
+    loom_status_t s = etcd_post(e, "/v3/auth/authenticate", body, &reply, &aerr);
+    if (s != LOOM_OK) {
+        if (strstr(aerr.msg, "authentication failed") || strstr(aerr.msg, "invalid user") ||
+            strstr(aerr.msg, "password"))
+            return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                                "etcd at %s refused user '%s': wrong user name or password (%s)", e->url,
+                                e->sec.user, aerr.msg);
+        if (err) *err = aerr;
+        return s;
+    }
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(reply, "token");
+    if (!cJSON_IsString(t) || !t->valuestring[0] || strlen(t->valuestring) + 16 > sizeof e->token) {
+        cJSON_Delete(reply);
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "etcd at %s: /v3/auth/authenticate answered no token: is auth enabled there?", e->url);
+    }
+    snprintf(e->token, sizeof e->token, "%s", t->valuestring);
+    cJSON_Delete(reply);
+    char line[sizeof e->token + 32];
+    snprintf(line, sizeof line, "Authorization: %s", e->token);
+    e->headers = curl_slist_append(e->headers, line);
+    curl_easy_setopt(e->curl, CURLOPT_HTTPHEADER, e->headers);
+    return LOOM_OK;
+}
+
+/* POSTs body (consumed) to path and parses the reply object into *reply.
+ * With a user, first gets a token, and gets a new one once when etcd says
+ * the token is no longer valid (it expires when idle: --auth-token-ttl). */
 static loom_status_t etcd_call(loom_etcd_t *e, const char *path, cJSON *body, cJSON **reply,
+                               loom_err_t *err) {
+    *reply = NULL;
+    if (!e->sec.user) return etcd_post(e, path, body, reply, err);
+    loom_status_t s = LOOM_OK;
+    if (!e->token[0] && (s = etcd_authenticate(e, err)) != LOOM_OK) {
+        cJSON_Delete(body);
+        return s;
+    }
+    cJSON *again = cJSON_Duplicate(body, 1);
+    loom_err_t first = {0};
+    s = etcd_post(e, path, body, reply, &first);
+    if (s != LOOM_OK && strstr(first.msg, "auth token")) { /* expired or revoked: once more with a new one */
+        s = etcd_authenticate(e, err);
+        if (s == LOOM_OK) return etcd_post(e, path, again, reply, err);
+        return s;
+    }
+    cJSON_Delete(again);
+    if (s != LOOM_OK && strstr(first.msg, "permission denied"))
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "%s: etcd user '%s' may not do that (grant it a read-write role on the /loom/ prefix)",
+                            first.msg, e->sec.user);
+    if (s != LOOM_OK && err) *err = first;
+    return s;
+}
+
+static loom_status_t etcd_post(loom_etcd_t *e, const char *path, cJSON *body, cJSON **reply,
                                loom_err_t *err) {
     *reply = NULL;
     char *text = cJSON_PrintUnformatted(body);
@@ -660,6 +804,7 @@ enum { WATCH_BACKOFF_MIN_MS = 100, WATCH_BACKOFF_MAX_MS = 1000, WATCH_MAX_LINE =
 
 struct loom_etcd_watch {
     char *url;
+    loom_etcd_t *auth; /* with an etcd user: a handle whose token each connection presents */
     char *prefix;
     int timeout_ms;
     loom_etcd_watch_fn fn;
@@ -835,6 +980,22 @@ static conn_end_t watch_connect(loom_etcd_watch_t *w) {
         return CONN_BROKEN;
     }
 
+    if (w->auth) { /* a fresh token per connection: watches reconnect rarely, and tokens expire */
+        loom_err_t aerr = {0};
+        loom_status_t as = etcd_authenticate(w->auth, &aerr);
+        if (as != LOOM_OK) {
+            free(text);
+            w->conn_err = aerr;
+            w->conn_status = as;
+            return CONN_BROKEN;
+        }
+        curl_slist_free_all(w->headers);
+        w->headers = json_headers();
+        char line[sizeof w->auth->token + 32];
+        snprintf(line, sizeof line, "Authorization: %s", w->auth->token);
+        w->headers = curl_slist_append(w->headers, line);
+        curl_easy_setopt(w->curl, CURLOPT_HTTPHEADER, w->headers);
+    }
     char url[1024];
     snprintf(url, sizeof url, "%s/v3/watch", w->url);
     char errbuf[CURL_ERROR_SIZE] = "";
@@ -944,6 +1105,7 @@ static void watch_free(loom_etcd_watch_t *w) {
     free(w->line.p);
     free(w->url);
     free(w->prefix);
+    loom_etcd_close(&w->auth);
     free(w);
     curl_global_cleanup();
 }
@@ -975,6 +1137,14 @@ loom_status_t loom_etcd_watch_start(loom_etcd_t *e, const char *prefix, int64_t 
         return loom_err_set(err, LOOM_ERR_NOMEM, "out of memory creating an etcd watch");
     }
     curl_common(w->curl, w->headers, w->timeout_ms);
+    curl_tls(w->curl, &e->sec);
+    if (e->sec.user) {
+        loom_status_t s = loom_etcd_open(e->url, e->timeout_ms, &w->auth, err);
+        if (s != LOOM_OK) {
+            watch_free(w);
+            return s;
+        }
+    }
     curl_easy_setopt(w->curl, CURLOPT_WRITEFUNCTION, watch_write);
     curl_easy_setopt(w->curl, CURLOPT_WRITEDATA, w);
     int rc = pthread_create(&w->thread, NULL, watch_main, w);
@@ -1156,4 +1326,15 @@ void loom_etcd_keeper_stop(loom_etcd_keeper_t **k_p) {
 
 int64_t loom_etcd_keeper_lease(const loom_etcd_keeper_t *k) {
     return atomic_load(&k->lease);
+}
+
+void loom_etcd_security_env(const loom_etcd_security_t *s) {
+    if (s->cacert) setenv("LOOM_ETCD_CACERT", s->cacert, 1);
+    if (s->cert) setenv("LOOM_ETCD_CERT", s->cert, 1);
+    if (s->key) setenv("LOOM_ETCD_KEY", s->key, 1);
+    if (s->user) setenv("LOOM_ETCD_USER", s->user, 1);
+    if (s->password_file) {
+        setenv("LOOM_ETCD_PASSWORD_FILE", s->password_file, 1);
+        unsetenv("LOOM_ETCD_PASSWORD"); /* the flag wins */
+    }
 }

@@ -20,6 +20,26 @@
 
 typedef struct loom_etcd loom_etcd_t;
 
+/* TLS and authentication come from the environment, read by every open:
+ * LOOM_ETCD_CACERT (PEM CA bundle for an https:// URL), LOOM_ETCD_CERT and
+ * LOOM_ETCD_KEY (a client certificate, for etcd --client-cert-auth),
+ * LOOM_ETCD_USER with LOOM_ETCD_PASSWORD or LOOM_ETCD_PASSWORD_FILE (v3 auth:
+ * a token from /v3/auth/authenticate on every request, renewed when etcd
+ * says it expired). A refused certificate or password is
+ * LOOM_ERR_UNAUTHENTICATED naming what was refused. The binaries' --etcd-*
+ * flags set these (loom_etcd_security_env). */
+typedef struct loom_etcd_security {
+    const char *cacert, *cert, *key, *user, *password_file;
+} loom_etcd_security_t;
+/* Puts the flags that are set into the environment (they win over it). */
+void loom_etcd_security_env(const loom_etcd_security_t *s);
+#define LOOM_ETCD_SECURITY_OPTS(s)                                                                  \
+    {"etcd-cacert", LOOM_OPT_STR, &(s).cacert, "FILE", "CA certificates (PEM) to verify an https:// etcd (or LOOM_ETCD_CACERT)", 1, 0, NULL}, \
+    {"etcd-cert", LOOM_OPT_STR, &(s).cert, "FILE", "client certificate (PEM) for an etcd with --client-cert-auth (or LOOM_ETCD_CERT)", 1, 0, NULL}, \
+    {"etcd-key", LOOM_OPT_STR, &(s).key, "FILE", "the client certificate's key (PEM) (or LOOM_ETCD_KEY)", 1, 0, NULL}, \
+    {"etcd-user", LOOM_OPT_STR, &(s).user, "NAME", "etcd user (v3 auth); needs read-write on /loom/ (or LOOM_ETCD_USER)", 1, 0, NULL}, \
+    {"etcd-password-file", LOOM_OPT_STR, &(s).password_file, "FILE", "the etcd user's password, first line of FILE (or LOOM_ETCD_PASSWORD / LOOM_ETCD_PASSWORD_FILE)", 1, 0, NULL}
+
 /* url: "http://127.0.0.1:2379" (a trailing slash is fine). timeout_ms bounds
  * each call, connection included. Does not contact etcd. */
 loom_status_t loom_etcd_open(const char *url, int timeout_ms, loom_etcd_t **out, loom_err_t *err);

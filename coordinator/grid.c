@@ -23,6 +23,8 @@
 #include "common/util.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sampling_params.h"
+#include "coordinator/security.h"
+#include "common/zap.h"
 #include "proto/wire.h"
 
 #define PROBE_MS 1000       /* a member's data-plane listener that does not answer a connect this long is gone */
@@ -81,6 +83,7 @@ struct loom_grid {
     int n_inflight;
     Loom__V1__SampleParams *sp; /* step plan scratch, max_num_seqs entries */
     Loom__V1__SampleParams **sp_ptrs;
+    loom_zap_t *ctl_zap; /* authenticates the control plane's peers (NULL: not keyed) */
     loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
     uint64_t last_hb_sent, last_check;
@@ -205,6 +208,8 @@ static void start_epoch(loom_grid_t *g) {
     char name[128];
     snprintf(name, sizeof name, "loom-%d-%llx-e%llu", (int)getpid(), (unsigned long long)g->incarnation,
              (unsigned long long)g->epoch);
+    uint8_t data_secret[32]; /* this epoch's data-plane secret (coordinator/security.h) */
+    loom_coord_epoch_secret(data_secret, sizeof data_secret);
     LOOM_INFO("plan (epoch %llu): %d pipeline stage(s) x %d tensor-parallel rank(s), data plane %s",
               (unsigned long long)g->epoch, pp, tp, backend);
     Loom__V1__CommPeer *peers = loom_xcalloc((size_t)g->n_slots, sizeof *peers);
@@ -244,6 +249,9 @@ static void start_epoch(loom_grid_t *g) {
             a.kv_cache_dtype = (char *)(g->cfg.kv_cache_dtype ? g->cfg.kv_cache_dtype : "auto");
             a.epoch = g->epoch;
             a.incarnation = g->incarnation;
+            a.data_secret.data = data_secret;
+            a.data_secret.len = sizeof data_secret;
+            a.data_encrypt = g->cfg.encrypt_data != 0;
             a.kv_memory = g->cfg.kv_memory;
             a.kv_fraction = g->cfg.kv_fraction / (float)(same > 0 ? same : 1);
             Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
@@ -667,7 +675,9 @@ void loom_grid_on_readable(loom_grid_t *g) {
         zmq_msg_t f[MAX_FRAMES];
         int n = recv_frames(g->ctl, f, MAX_FRAMES);
         if (n == 0) break;
-        if (n == 2) {
+        if (n == 2 && !loom_zap_identity_ok(g->ctl_zap, &f[1], zmq_msg_data(&f[0]), zmq_msg_size(&f[0]))) {
+            /* keyed plane: the routing id is not the name of the peer's key (logged by the check) */
+        } else if (n == 2) {
             /* the peer's authenticated identity (set by a ZAP handler; NULL without one) */
             const char *user_id = zmq_msg_gets(&f[1], "User-Id");
             on_control(g, zmq_msg_data(&f[0]), zmq_msg_size(&f[0]), user_id, zmq_msg_data(&f[1]),
@@ -944,6 +954,10 @@ loom_status_t loom_grid_create(const loom_grid_config_t *cfg, void *zctx, const 
     if (!g->ctl) {
         st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot create the control socket: %s", zmq_strerror(errno));
         goto fail;
+    }
+    if (cfg->secure_ctl) {
+        st = cfg->secure_ctl(cfg->secure_ctx, g->ctl, &g->ctl_zap, err);
+        if (st < 0) goto fail;
     }
     if (zmq_bind(g->ctl, cfg->control) != 0) {
         st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind %s: %s", cfg->control, zmq_strerror(errno));

@@ -64,6 +64,7 @@
 
 #include "common/status.h"
 #include "coordinator/sched.h"
+#include "common/zap.h"
 #include "loom/v1/control.pb-c.h"
 
 typedef enum { LOOM_GRID_WAITING = 0, LOOM_GRID_LOADING, LOOM_GRID_JOINING, LOOM_GRID_READY } loom_grid_state_t;
@@ -102,6 +103,12 @@ typedef struct loom_grid_config {
     int heartbeat_timeout_ms;
     /* etcd membership (etcd_url NULL: heartbeats only) */
     const char *etcd_url, *cluster, *advertise_host, *api_addr; /* api_addr: published for clients */
+    /* Called once with the control socket before it binds (CURVE set-up);
+     * sets *ctl_zap to the ZAP handler that authenticates its peers, or NULL
+     * when the plane is not keyed. NULL: nothing to do. */
+    loom_status_t (*secure_ctl)(void *ctx, void *ctl, loom_zap_t **ctl_zap, loom_err_t *err);
+    void *secure_ctx;
+    int encrypt_data; /* tcp data plane: encrypt every frame (Assign.data_encrypt) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
 } loom_grid_config_t;

@@ -11,6 +11,7 @@
 #include "common/cpu_check.h"
 #include "common/endpoint.h"
 #include "common/gen_defaults.h"
+#include "common/etcd.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "coordinator/http.h"
@@ -119,6 +120,7 @@ int main(int argc, char **argv) {
     const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
     const char *pooling = NULL;
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
+    loom_etcd_security_t etcd_sec = {0};
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &c.model_dir, "DIR", "Hugging Face model directory (every worker reads it at this path)", 1, 0, NULL},
         {"tp", LOOM_OPT_INT, &c.tp, "N", "tensor-parallel ranks per pipeline stage (default 1)", 1, 64, NULL},
@@ -153,6 +155,12 @@ int main(int argc, char **argv) {
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N", "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N", "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
         {"log-format", LOOM_OPT_STR, &log_format, "FMT", "log lines as text or json (one object per line: ts, level, component, msg, request_id) (default text, or LOOM_LOG_FORMAT)", 1, 0, NULL},
+        LOOM_ETCD_SECURITY_OPTS(etcd_sec),
+        {"curve-secret", LOOM_OPT_STR, &c.security.curve_secret, "FILE", "the coordinator's CURVE secret key (from 'loom keygen'; or LOOM_CURVE_SECRET: a file or the Z85 key); needs --worker-keys and/or --client-keys", 1, 0, NULL},
+        {"worker-keys", LOOM_OPT_STR, &c.security.worker_keys, "FILE", "allow-list of worker public keys ('NAME KEY' lines, NAME = the worker's --id): only these workers may connect, each under its own id (or LOOM_WORKER_KEYS)", 1, 0, NULL},
+        {"client-keys", LOOM_OPT_STR, &c.security.client_keys, "FILE", "allow-list of client public keys: the client API then takes only these clients, encrypted (or LOOM_CLIENT_KEYS); required when --listen is not a loopback address", 1, 0, NULL},
+        {"encrypt-data-plane", LOOM_OPT_FLAG, &c.security.encrypt_data, NULL, "tcp data plane: encrypt every frame (ChaCha20-Poly1305, keys from the epoch's secret); costs CPU per MB, see docs/benchmarks.md (shm and nccl are not affected)", 1, 0, NULL},
+        {"insecure-api", LOOM_OPT_FLAG, &c.security.insecure_api, NULL, "serve a client API bound to a non-loopback address without client keys (anyone who reaches it may use it)", 1, 0, NULL},
         {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S", "close an HTTP connection idle this long, e.g. a client that stops sending (default 60)", 1, 86400, NULL},
         /* vLLM's spellings */
         {"tensor-parallel-size", LOOM_OPT_INT, &c.tp, "N", "vLLM's name for --tp (also -tp)", 1, 64, NULL},
@@ -255,6 +263,7 @@ int main(int argc, char **argv) {
         return 2;
     }
 
+    loom_etcd_security_env(&etcd_sec);
     loom_err_t err = {0};
     signal(SIGPIPE, SIG_IGN);
     if (loom_server_create(&c, &g_server, &err) < 0) {

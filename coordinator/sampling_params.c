@@ -251,7 +251,7 @@ static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loo
 void loom_sparams_fill_plan(loom_sparams_arena_t *a, const loom_microbatch_t *mb, Loom__V1__SampleParams *const *sp) {
     arena_reset(a);
     for (int i = 0; i < mb->n_logits; i++) {
-        const loom_seq_t *q = mb->logit_seq[i];
+        const loom_seq_t *q = mb->logit_seq ? mb->logit_seq[i] : NULL; /* NULL: rows without sequences (tests) */
         if (q && q->sparams) fill_row(a, q->sparams, q, sp[i]);
     }
 }

@@ -83,6 +83,7 @@ struct loom_server {
 
     void *zctx, *api;
     char api_addr[256], inproc_addr[64];
+    loom_zap_t *zap; /* CURVE: the ZAP handler of both sockets (NULL: nothing keyed) */
     volatile sig_atomic_t stop, drain_requested; /* set by loom_server_stop (signal handlers) */
     int draining;
     uint64_t drain_deadline;
@@ -1116,6 +1117,16 @@ static loom_status_t bind_sock(void *z, const char *addr, char *out, size_t n, l
 }
 
 /* The grid on the control socket (and etcd, when configured). */
+/* The grid's control socket, before it binds: CURVE on it and on the client
+ * API, one ZAP handler for both; then the API socket binds (its address is
+ * what the grid publishes in etcd). */
+static loom_status_t secure_sockets(void *ctx, void *ctl, loom_zap_t **ctl_zap, loom_err_t *err) {
+    loom_server_t *s = ctx;
+    LOOM_CHECK(loom_coord_security_setup(&s->cfg.security, s->zctx, s->api, ctl, s->cfg.listen, s->cfg.control,
+                                         &s->zap, ctl_zap, err));
+    return bind_sock(s->api, s->cfg.listen, s->api_addr, sizeof s->api_addr, err);
+}
+
 static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
     const loom_server_config_t *c = &s->cfg;
     loom_grid_config_t gc = {.control = c->control, .model_dir = c->model_dir, .model_name = s->model_name,
@@ -1127,7 +1138,9 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .max_model_len = s->max_model_len, .kv_memory = c->kv_memory,
                              .kv_fraction = c->kv_fraction, .heartbeat_timeout_ms = c->heartbeat_timeout_ms,
                              .etcd_url = c->etcd_url, .cluster = c->cluster, .advertise_host = c->advertise_host,
-                             .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics};
+                             .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
+                             .secure_ctl = secure_sockets, .secure_ctx = s,
+                             .encrypt_data = c->security.encrypt_data};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
@@ -1181,9 +1194,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     zmq_setsockopt(s->api, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     /* a slow client must not lose chunks: queue instead of dropping */
     zmq_setsockopt(s->api, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
-    st = bind_sock(s->api, cfg->listen, s->api_addr, sizeof s->api_addr, err);
-    if (st < 0) goto fail;
-    st = grid_open(s, err);
+    st = grid_open(s, err); /* keys and binds the API socket too (secure_sockets) */
     if (st < 0) goto fail;
     snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
     if (zmq_bind(s->api, s->inproc_addr) != 0) {
@@ -1211,6 +1222,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);
     if (s->api) zmq_close(s->api);
+    loom_zap_stop(&s->zap); /* after every socket it guards is closed */
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
     loom_lp_view_free(&s->lp_view);

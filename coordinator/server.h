@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "coordinator/security.h"
 
 typedef struct loom_server_config {
     const char *model_dir;
@@ -38,6 +39,7 @@ typedef struct loom_server_config {
     int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
     int has_seed;             /* --seed: requests without a seed get seeds derived from this one, */
     uint64_t seed;            /* so the same requests in the same order give the same text */
+    loom_coord_security_t security; /* CURVE keys of the control plane and the client API */
     int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
 } loom_server_config_t;
 

@@ -5,4 +5,4 @@ add_library(loom_comm STATIC
             ${CMAKE_CURRENT_LIST_DIR}/comm_shm.c
             ${CMAKE_CURRENT_LIST_DIR}/comm_tcp.c
             ${CMAKE_CURRENT_LIST_DIR}/comm_util.c)
-target_link_libraries(loom_comm PUBLIC loom_base)
+target_link_libraries(loom_comm PUBLIC loom_base PRIVATE Loom::Sodium)

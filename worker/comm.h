@@ -42,6 +42,15 @@ typedef struct loom_comm_config {
     const void *nccl_tp_id, *nccl_prev_id, *nccl_next_id;
     int cuda_device;
     void *cuda_stream;
+    /* tcp: the epoch's shared secret (Assign.data_secret); when set, every
+     * link proves both ends hold it (HMAC-SHA256 challenge) before any frame
+     * is read. NULL: links are not authenticated. */
+    const uint8_t *auth_secret;
+    size_t auth_secret_len;
+    /* tcp, with auth_secret: encrypt every frame (ChaCha20-Poly1305, a key
+     * per link and direction derived from the secret and the handshake's
+     * nonces); a frame that fails its tag aborts the comm. */
+    int encrypt;
 } loom_comm_config_t;
 
 /* A worker's data-plane listening socket, opened at start-up (before it knows

@@ -18,6 +18,21 @@
  * and create goes on. The answer is a hello of kind ack with the acceptor's
  * own name and id, which the dialler checks the same way.
  *
+ * Authentication (version 2, when the coordinator handed out the epoch's
+ * secret K in Assign): the dialler's hello ends with a random nonce nD; the
+ * ack ends with the acceptor's nonce nA and HMAC-SHA256(K, "ack" nD nA name
+ * dialler acceptor); the dialler checks it and answers HMAC-SHA256(K, "dial"
+ * nA nD name dialler acceptor). The acceptor gives the link its slot only
+ * once that proof is right, so a peer without K is dropped before any frame
+ * is read, and an impostor's hello cannot take the slot of the real peer.
+ * Nonces make every proof fresh: a recorded handshake does not replay.
+ * Encryption (cfg->encrypt, with K): each link and direction gets the key
+ * HMAC-SHA256(K, "enc" nD nA name dialler acceptor direction), and every
+ * frame's payload travels as ChaCha20-Poly1305 (IETF) ciphertext and tag,
+ * the header as associated data, the frame's seq as nonce (each key sends
+ * at most 2^32 frames: a new epoch brings new keys). Without it frames are
+ * in clear (docs/operations.md#security).
+ *
  * Data. Sockets are non-blocking with TCP_NODELAY. Every message is a frame:
  *
  *   u32 magic "LMF1" | u16 op | u16 version | u32 seq | u32 0 | u64 bytes | payload
@@ -54,17 +69,23 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 #include "common/log.h"
 #include "common/util.h"
 #include "worker/comm_impl.h"
 #include "worker/comm_util.h"
 
 #define TCP_VERSION           1
+#define TCP_VERSION_AUTH      2 /* hellos carry nonces and HMACs */
+#define NONCE_BYTES           16
+#define MAC_BYTES             crypto_auth_hmacsha256_BYTES
+#define TAG_BYTES             crypto_aead_chacha20poly1305_IETF_ABYTES
 #define HELLO_MAGIC           0x31484d4cu /* "LMH1" */
 #define FRAME_MAGIC           0x31464d4cu /* "LMF1" */
 #define HELLO_HDR             16
 #define HELLO_STR_MAX         1024
-#define HELLO_MAX             (HELLO_HDR + 2 * HELLO_STR_MAX)
+#define HELLO_MAX             (HELLO_HDR + 2 * HELLO_STR_MAX + NONCE_BYTES + MAC_BYTES)
 #define FRAME_HDR             24
 #define TCP_CREATE_DEFAULT_MS 30000
 #define TCP_MAX_PENDING       32 /* unidentified inbound connections held at once */
@@ -96,6 +117,10 @@ typedef struct tcp_link {
     int fd;              /* -1 when absent */
     uint32_t sseq, rseq; /* frames sent and received */
     char peer[48];       /* for messages: "tp rank 2", "next stage" */
+    uint8_t nonce[NONCE_BYTES]; /* a dialled link: the nonce of its hello */
+    int enc;                    /* frames are encrypted */
+    uint8_t skey[32], rkey[32]; /* ChaCha20-Poly1305 keys: sending, receiving */
+    uint8_t *sc, *rc;           /* (max_bytes + TAG_BYTES): ciphertext out and in */
 } tcp_link_t;
 
 /* One frame out and/or one frame in on a link, advanced without blocking. */
@@ -108,6 +133,7 @@ typedef struct xfer {
     unsigned rop;
     size_t rexpect;
     uint8_t *rbuf; /* NULL: the payload is read and dropped */
+    uint8_t *rdst; /* encrypted link: where rbuf's ciphertext is decrypted to */
     uint8_t rhdr[FRAME_HDR];
     size_t rhoff;
     uint64_t rlen, roff;
@@ -424,18 +450,33 @@ static void xfer_init(xfer_t *x, tcp_link_t *link) {
     x->link = link;
 }
 
+static void frame_nonce(uint8_t n[crypto_aead_chacha20poly1305_IETF_NPUBBYTES], uint32_t seq) {
+    memset(n, 0, crypto_aead_chacha20poly1305_IETF_NPUBBYTES);
+    put32(n, seq);
+}
+
 static void xfer_send_frame(xfer_t *x, unsigned op, const void *buf, size_t bytes) {
     uint8_t *h = x->shdr;
+    tcp_link_t *l = x->link;
+    uint32_t seq = l->sseq++;
     put32(h, FRAME_MAGIC);
     put16(h + 4, (uint16_t)op);
     put16(h + 6, TCP_VERSION);
-    put32(h + 8, x->link->sseq++);
+    put32(h + 8, seq);
     put32(h + 12, 0);
     put64(h + 16, bytes);
     x->sending = 1;
     x->sbuf = buf;
     x->slen = bytes;
     x->soff = 0;
+    if (l->enc) { /* the payload as ciphertext + tag; the header (plaintext length) authenticated */
+        uint8_t n[crypto_aead_chacha20poly1305_IETF_NPUBBYTES];
+        frame_nonce(n, seq);
+        unsigned long long clen = 0;
+        crypto_aead_chacha20poly1305_ietf_encrypt(l->sc, &clen, buf, bytes, h, FRAME_HDR, NULL, n, l->skey);
+        x->sbuf = l->sc;
+        x->slen = (size_t)clen;
+    }
 }
 
 static void xfer_recv_frame(xfer_t *x, unsigned op, void *buf, size_t bytes) {
@@ -443,6 +484,7 @@ static void xfer_recv_frame(xfer_t *x, unsigned op, void *buf, size_t bytes) {
     x->rop = op;
     x->rexpect = bytes;
     x->rbuf = buf;
+    x->rdst = NULL;
 }
 
 static loom_status_t link_lost(loom_comm_tcp_t *c, const tcp_link_t *l, const char *why,
@@ -498,6 +540,13 @@ static loom_status_t frame_check(loom_comm_tcp_t *c, xfer_t *x, loom_err_t *err)
         x->rmismatch = 1;
         x->rbuf = NULL;
     }
+    if (l->enc) { /* ciphertext and tag into the link's buffer, decrypted once complete */
+        x->rlen = bytes + TAG_BYTES;
+        if (!x->rmismatch) {
+            x->rdst = x->rbuf ? x->rbuf : l->rc; /* an empty frame: its tag is checked in place */
+            x->rbuf = l->rc;
+        }
+    }
     return LOOM_OK;
 }
 
@@ -534,7 +583,19 @@ static loom_status_t xfer_recv_some(loom_comm_tcp_t *c, xfer_t *x, loom_err_t *e
         } else {
             x->roff += (uint64_t)r;
         }
-        if (x->roff == x->rlen) x->receiving = 0;
+        if (x->roff == x->rlen) {
+            x->receiving = 0;
+            if (x->rdst) {
+                uint8_t n[crypto_aead_chacha20poly1305_IETF_NPUBBYTES];
+                frame_nonce(n, x->link->rseq - 1);
+                if (crypto_aead_chacha20poly1305_ietf_decrypt(x->rdst, NULL, NULL, x->rbuf, x->rlen, x->rhdr,
+                                                              FRAME_HDR, n, x->link->rkey) != 0)
+                    return tcp_fail(c, err, LOOM_ERR_PROTOCOL,
+                                    "tcp %s: a frame failed its authentication tag (tampered with, or not "
+                                    "from this epoch's peer)",
+                                    x->link->peer);
+            }
+        }
     }
     return LOOM_OK;
 }
@@ -669,12 +730,19 @@ static loom_status_t tcp_recv_prev(loom_comm_t *base, void *buf, size_t bytes, l
     return mismatch_error(&x, 1, bytes, "recv_prev", err);
 }
 
+static void link_free(tcp_link_t *l) {
+    if (l->fd >= 0) close(l->fd);
+    free(l->sc);
+    free(l->rc);
+    sodium_memzero(l->skey, sizeof l->skey);
+    sodium_memzero(l->rkey, sizeof l->rkey);
+}
+
 static void tcp_destroy(loom_comm_t *base) {
     loom_comm_tcp_t *c = (loom_comm_tcp_t *)base;
-    for (int r = 0; c->tp && r < base->tp_size; r++)
-        if (c->tp[r].fd >= 0) close(c->tp[r].fd);
-    if (c->next.fd >= 0) close(c->next.fd);
-    if (c->prev.fd >= 0) close(c->prev.fd);
+    for (int r = 0; c->tp && r < base->tp_size; r++) link_free(&c->tp[r]);
+    link_free(&c->next);
+    link_free(&c->prev);
     if (c->wake_fd >= 0) close(c->wake_fd);
     free(c->tp);
     free(c->scratch);
@@ -697,25 +765,66 @@ static const loom_comm_ops_t tcp_ops = {
 
 /* ---- link setup ---------------------------------------------------------- */
 
+/* auth: a version-2 hello, `tail` (NONCE_BYTES, or NONCE_BYTES + MAC_BYTES
+ * for an ack) appended. */
 static size_t hello_encode(uint8_t *out, unsigned kind, int rank, const char *name,
-                           const char *id) {
+                           const char *id, const uint8_t *tail, size_t tail_len) {
     size_t nl = strlen(name), il = strlen(id);
     put32(out, HELLO_MAGIC);
-    put16(out + 4, TCP_VERSION);
+    put16(out + 4, tail ? TCP_VERSION_AUTH : TCP_VERSION);
     put16(out + 6, (uint16_t)kind);
     put32(out + 8, (uint32_t)rank);
     put16(out + 12, (uint16_t)nl);
     put16(out + 14, (uint16_t)il);
     memcpy(out + HELLO_HDR, name, nl);
     memcpy(out + HELLO_HDR + nl, id, il);
-    return HELLO_HDR + nl + il;
+    if (tail) memcpy(out + HELLO_HDR + nl + il, tail, tail_len);
+    return HELLO_HDR + nl + il + (tail ? tail_len : 0);
+}
+
+/* The proof of one side: HMAC-SHA256 under the epoch secret of a tag, both
+ * nonces (this side's peer's first), the comm name and both ids. */
+static void link_mac(const loom_comm_config_t *cfg, const char *tag, const uint8_t *n1, const uint8_t *n2,
+                     const char *dialler, const char *acceptor, uint8_t out[MAC_BYTES]) {
+    crypto_auth_hmacsha256_state st;
+    crypto_auth_hmacsha256_init(&st, cfg->auth_secret, cfg->auth_secret_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, strlen(tag) + 1);
+    crypto_auth_hmacsha256_update(&st, n1, NONCE_BYTES);
+    crypto_auth_hmacsha256_update(&st, n2, NONCE_BYTES);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)cfg->name, strlen(cfg->name) + 1);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)dialler, strlen(dialler) + 1);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)acceptor, strlen(acceptor) + 1);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
+static int auth_on(const loom_comm_config_t *cfg) {
+    return cfg->auth_secret && cfg->auth_secret_len > 0;
+}
+
+/* An authenticated link's frame keys ("d2a": dialler to acceptor), and its
+ * ciphertext buffers, when frames are encrypted. */
+static void link_keys(const loom_comm_config_t *cfg, tcp_link_t *l, int dialler_side, const uint8_t *nd,
+                      const uint8_t *na, const char *dialler, const char *acceptor) {
+    if (!cfg->encrypt || !auth_on(cfg)) return;
+    uint8_t d2a[MAC_BYTES], a2d[MAC_BYTES];
+    link_mac(cfg, "enc d2a", nd, na, dialler, acceptor, d2a);
+    link_mac(cfg, "enc a2d", nd, na, dialler, acceptor, a2d);
+    memcpy(l->skey, dialler_side ? d2a : a2d, 32);
+    memcpy(l->rkey, dialler_side ? a2d : d2a, 32);
+    sodium_memzero(d2a, sizeof d2a);
+    sodium_memzero(a2d, sizeof a2d);
+    l->sc = loom_xmalloc(cfg->max_bytes + TAG_BYTES);
+    l->rc = loom_xmalloc(cfg->max_bytes + TAG_BYTES);
+    l->enc = 1;
 }
 
 /* A hello's fixed part; returns the total length, or 0 when it is not one. */
 static size_t hello_len(const uint8_t *h) {
-    if (get32(h) != HELLO_MAGIC || get16(h + 4) != TCP_VERSION) return 0;
+    unsigned v = get16(h + 4);
+    if (get32(h) != HELLO_MAGIC || (v != TCP_VERSION && v != TCP_VERSION_AUTH)) return 0;
     if (get16(h + 12) > HELLO_STR_MAX || get16(h + 14) > HELLO_STR_MAX) return 0;
-    return HELLO_HDR + get16(h + 12) + get16(h + 14);
+    size_t tail = v == TCP_VERSION ? 0 : get16(h + 6) == LINK_ACK ? NONCE_BYTES + MAC_BYTES : NONCE_BYTES;
+    return HELLO_HDR + get16(h + 12) + get16(h + 14) + tail;
 }
 
 static int str_is(const uint8_t *p, size_t len, const char *s) {
@@ -726,6 +835,9 @@ typedef struct pending {
     int fd;
     size_t have, need; /* need: HELLO_HDR until the header is read, then the whole hello */
     uint8_t buf[HELLO_MAX];
+    tcp_link_t *link;         /* authenticating: the link its hello claims; its proof comes next */
+    uint8_t nd[NONCE_BYTES], na[NONCE_BYTES]; /* the dialler's and our nonce */
+    uint8_t expect[MAC_BYTES]; /* the proof that peer must send */
 } pending_t;
 
 /* Matches a complete hello to an expected inbound link; NULL (with *why) if
@@ -736,6 +848,11 @@ static tcp_link_t *hello_match(loom_comm_tcp_t *c, const loom_comm_config_t *cfg
     const uint8_t *name = h + HELLO_HDR, *id = name + nl;
     unsigned kind = get16(h + 6);
     int rank = (int)get32(h + 8);
+    if ((get16(h + 4) == TCP_VERSION_AUTH) != auth_on(cfg)) {
+        *why = auth_on(cfg) ? "hello without the data-plane authentication this epoch requires"
+                            : "hello with authentication this comm does not use";
+        return NULL;
+    }
     if (!str_is(name, nl, cfg->name)) {
         *why = "hello for another comm (an old grid epoch?)";
         return NULL;
@@ -804,6 +921,30 @@ static loom_status_t accept_links(loom_comm_tcp_t *c, const loom_comm_config_t *
             if (p->have < p->need) continue;
             char who[96];
             peer_name(p->fd, who, sizeof who);
+            if (p->link) { /* the proof after our ack */
+                tcp_link_t *l = p->link;
+                if (sodium_memcmp(p->buf, p->expect, MAC_BYTES) != 0) {
+                    LOOM_WARN("tcp comm '%s': refused a connection from %s claiming the %s: it does not hold "
+                              "this epoch's data-plane secret",
+                              cfg->name, who, l->peer);
+                    pending_drop(pend, &np, i);
+                    continue;
+                }
+                if (l->fd >= 0) {
+                    LOOM_WARN("tcp comm '%s': refused a connection from %s: the %s is already connected",
+                              cfg->name, who, l->peer);
+                    pending_drop(pend, &np, i);
+                    continue;
+                }
+                l->fd = p->fd;
+                p->fd = -1;
+                link_keys(cfg, l, 0, p->nd, p->na,
+                          l == &c->prev ? cfg->prev->worker_id : cfg->tp_group[l - c->tp].worker_id, cfg->self_id);
+                pend[i] = pend[np - 1];
+                np--;
+                need--;
+                continue;
+            }
             if (p->need == HELLO_HDR) {
                 p->need = hello_len(p->buf);
                 if (!p->need || get16(p->buf + 6) == LINK_ACK) {
@@ -822,8 +963,18 @@ static loom_status_t accept_links(loom_comm_tcp_t *c, const loom_comm_config_t *
                 pending_drop(pend, &np, i);
                 continue;
             }
-            uint8_t ack[HELLO_MAX];
-            size_t len = hello_encode(ack, LINK_ACK, cfg->tp_rank, cfg->name, cfg->self_id);
+            uint8_t ack[HELLO_MAX], tail[NONCE_BYTES + MAC_BYTES];
+            const char *dialler = l == &c->prev ? cfg->prev->worker_id : cfg->tp_group[l - c->tp].worker_id;
+            if (auth_on(cfg)) {
+                const uint8_t *nd = p->buf + p->need - NONCE_BYTES;
+                randombytes_buf(tail, NONCE_BYTES);
+                memcpy(p->nd, nd, NONCE_BYTES);
+                memcpy(p->na, tail, NONCE_BYTES);
+                link_mac(cfg, "ack", nd, tail, dialler, cfg->self_id, tail + NONCE_BYTES);
+                link_mac(cfg, "dial", tail, nd, dialler, cfg->self_id, p->expect);
+            }
+            size_t len = hello_encode(ack, LINK_ACK, cfg->tp_rank, cfg->name, cfg->self_id,
+                                      auth_on(cfg) ? tail : NULL, sizeof tail);
             loom_err_t werr;
             if (write_full(p->fd, ack, len, deadline, l->peer, &werr) < 0) {
                 LOOM_WARN("tcp comm '%s': %s", cfg->name, werr.msg);
@@ -831,6 +982,12 @@ static loom_status_t accept_links(loom_comm_tcp_t *c, const loom_comm_config_t *
                 continue;
             }
             set_nodelay(p->fd);
+            if (auth_on(cfg)) { /* the slot is its once the proof is right */
+                p->link = l;
+                p->have = 0;
+                p->need = MAC_BYTES;
+                continue;
+            }
             l->fd = p->fd;
             p->fd = -1;
             pend[i] = pend[np - 1];
@@ -880,6 +1037,22 @@ static loom_status_t read_ack(tcp_link_t *l, const loom_comm_config_t *cfg, cons
                             "tcp %s: answered by '%.*s' in comm '%.*s', expected '%s' in '%s'",
                             l->peer, (int)il, (const char *)h + HELLO_HDR + nl, (int)nl,
                             (const char *)h + HELLO_HDR, peer_id, cfg->name);
+    if (!auth_on(cfg)) return LOOM_OK;
+    if (get16(h + 4) != TCP_VERSION_AUTH)
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "tcp %s: the peer answered without the data-plane authentication this epoch requires",
+                            l->peer);
+    const uint8_t *na = h + HELLO_HDR + nl + il, *mac = na + NONCE_BYTES;
+    uint8_t want[MAC_BYTES], proof[MAC_BYTES];
+    link_mac(cfg, "ack", l->nonce, na, cfg->self_id, peer_id, want);
+    if (sodium_memcmp(want, mac, MAC_BYTES) != 0)
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "tcp %s: refused the peer at the other end: it does not hold this epoch's data-plane "
+                            "secret",
+                            l->peer);
+    link_mac(cfg, "dial", na, l->nonce, cfg->self_id, peer_id, proof);
+    LOOM_CHECK(write_full(l->fd, proof, MAC_BYTES, deadline, l->peer, err));
+    link_keys(cfg, l, 1, l->nonce, na, cfg->self_id, peer_id);
     return LOOM_OK;
 }
 
@@ -887,7 +1060,9 @@ static loom_status_t dial_link(tcp_link_t *l, const loom_comm_config_t *cfg, uns
                                const char *addr, uint64_t deadline, loom_err_t *err) {
     LOOM_CHECK(tcp_dial(addr, deadline, &l->fd, err));
     uint8_t hello[HELLO_MAX];
-    size_t len = hello_encode(hello, kind, cfg->tp_rank, cfg->name, cfg->self_id);
+    if (auth_on(cfg)) randombytes_buf(l->nonce, NONCE_BYTES);
+    size_t len = hello_encode(hello, kind, cfg->tp_rank, cfg->name, cfg->self_id,
+                              auth_on(cfg) ? l->nonce : NULL, NONCE_BYTES);
     return write_full(l->fd, hello, len, deadline, l->peer, err);
 }
 
@@ -916,6 +1091,11 @@ loom_status_t loom_comm_tcp_create(const loom_comm_config_t *cfg, loom_comm_t **
     if (need && !cfg->listener)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "tcp comm: a listener is required to accept %d link(s)", need);
+    if (auth_on(cfg) && sodium_init() < 0)
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "tcp comm: libsodium failed to start");
+    if (cfg->encrypt && !auth_on(cfg))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "tcp comm: encrypted frames need the epoch's data-plane secret");
     if (cfg->max_bytes > TCP_MAX_BYTES)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tcp comm: max_bytes %zu is too large",
                             cfg->max_bytes);

@@ -31,6 +31,7 @@
 #include "common/cpu_check.h"
 #include "common/endpoint.h"
 #include "common/etcd.h"
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
@@ -355,7 +356,10 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .nccl_prev_id = k->prev_group_id.len ? k->prev_group_id.data : NULL,
                              .nccl_next_id = k->next_group_id.len ? k->next_group_id.data : NULL,
                              .cuda_device = loom_backend_device_index(w->be),
-                             .cuda_stream = loom_backend_stream(w->be)};
+                             .cuda_stream = loom_backend_stream(w->be),
+                             .auth_secret = a->data_secret.len ? a->data_secret.data : NULL,
+                             .auth_secret_len = a->data_secret.len,
+                             .encrypt = a->data_encrypt && !strcmp(cs->backend, "tcp")};
     if (w->gather_cap < gather) {
         free(w->gather_send);
         free(w->gather_recv);
@@ -979,16 +983,20 @@ int main(int argc, char **argv) {
     loom_log_init("worker");
     worker_t w = {.device = "cpu", .data_host = "127.0.0.1", .coord_timeout_ms = 3000, .cluster = "default",
                   .etcd_ttl = 5, .coord_wait_s = 120};
-    const char *id = NULL, *log_format = NULL;
+    const char *id = NULL, *log_format = NULL, *curve_server = NULL, *curve_secret = NULL;
+    loom_etcd_security_t etcd_sec = {0};
     loom_opt_t opts[] = {
         {"coordinator", LOOM_OPT_STR, &w.coord_addr, "ADDR", "coordinator control address, e.g. 127.0.0.1:5556 or tcp://127.0.0.1:5556 (or find it with --etcd)", 1, 0, NULL},
         {"etcd", LOOM_OPT_STR, &w.etcd_url, "URL", "register in etcd (e.g. http://127.0.0.1:2379) and find the coordinator there", 1, 0, NULL},
+        LOOM_ETCD_SECURITY_OPTS(etcd_sec),
         {"cluster", LOOM_OPT_STR, &w.cluster, "NAME", "cluster name in etcd (default 'default')", 1, 0, NULL},
         {"etcd-ttl", LOOM_OPT_INT, &w.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
         {"coordinator-wait-s", LOOM_OPT_INT, &w.coord_wait_s, "S", "with --etcd: how long to wait for the coordinator to appear (default 120)", 1, 86400, NULL},
         {"device", LOOM_OPT_STR, &w.device, "DEV", "cpu or cuda:N (default cpu)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &w.threads, "N", "CPU threads for compute (default: all cores)", 0, 1024, NULL},
         {"id", LOOM_OPT_STR, &id, "NAME", "worker id (default HOST-PID)", 1, 0, NULL},
+        {"curve-server-key", LOOM_OPT_STR, &curve_server, "FILE", "the coordinator's CURVE public key: the control plane is then encrypted and authenticated (or LOOM_CURVE_SERVER_KEY: a file or the Z85 key)", 1, 0, NULL},
+        {"curve-secret", LOOM_OPT_STR, &curve_secret, "FILE", "this worker's CURVE secret key; its public key must be in the coordinator's --worker-keys under this worker's --id (or LOOM_CURVE_SECRET)", 1, 0, NULL},
         {"data-host", LOOM_OPT_STR, &w.data_host, "ADDR", "address the data plane listens on (default 127.0.0.1)", 1, 0, NULL},
         {"coordinator-timeout-ms", LOOM_OPT_INT, &w.coord_timeout_ms, "MS", "when the coordinator is silent this long, leave the grid (keeping the weights) and register with the next one (default 3000)", 100, 1e9, NULL},
         {"trace", LOOM_OPT_STR, &w.trace_path, "FILE", "write per-step spans as a Chrome trace at exit (%i = worker id)", 1, 0, NULL},
@@ -1073,6 +1081,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: %s\n", err.msg);
         return 1;
     }
+    loom_etcd_security_env(&etcd_sec);
     loom_etcd_t *etcd = NULL;
     loom_etcd_keeper_t *keeper = NULL;
     if (w.etcd_url) {
@@ -1094,6 +1103,12 @@ int main(int argc, char **argv) {
     zmq_setsockopt(w.ctl, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(w.ctl, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(w.ctl, ZMQ_ROUTING_ID, w.id, strlen(w.id));
+    int keyed = 0;
+    if (loom_keys_client(w.ctl, curve_server, curve_secret, &keyed, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return 1;
+    }
+    if (keyed) LOOM_INFO("control plane: CURVE (encrypted; this worker's key must be listed as '%s')", w.id);
     /* a connect to an unreachable host gives up after 2 s and is retried,
      * instead of waiting out the kernel's SYN retries (about two minutes) */
     int connect_timeout_ms = 2000;

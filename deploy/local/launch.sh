@@ -11,6 +11,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 model="" tp=1 pp=1 port=5555 host=127.0.0.1 threads="" device=cpu timeout=120 stop=0 pin=1 etcd="" cluster=""
+insecure=0 client_keys=""
 bin="${LOOM_BIN:-$root/build/bin}"
 run_dir="${LOOM_RUN_DIR:-${XDG_RUNTIME_DIR:-/tmp}/loom-$(id -un)-local}"
 worker_args=()
@@ -36,6 +37,11 @@ options:
   --worker-arg ARG   extra argument for every worker (repeatable)
   --etcd URL         membership in etcd: workers find the coordinator there (e.g. http://127.0.0.1:2379)
   --cluster NAME     cluster name in etcd (default: loom-<port>)
+  --client-keys M    key the client API too: M client key pairs (client-0.key ...) in RUN_DIR/keys;
+                     clients then need --curve-server-key RUN_DIR/keys/coordinator.pub --curve-secret
+                     RUN_DIR/keys/client-0.key (default: 0 on a loopback --host, 1 on any other)
+  --insecure         do not key the control plane (CURVE is on by default: a fresh key set per
+                     launch in RUN_DIR/keys; workers get theirs, no other process can join)
   --bin DIR          where the binaries are (default build/bin)
   --run-dir DIR      pid files and logs (default $run_dir)
   --timeout S        give up when the grid is not ready after S seconds (default 120);
@@ -58,6 +64,8 @@ while [ $# -gt 0 ]; do
         --worker-arg) worker_args+=("$2"); shift 2 ;;
         --etcd) etcd=$2; shift 2 ;;
         --cluster) cluster=$2; shift 2 ;;
+        --client-keys) client_keys=$2; shift 2 ;;
+        --insecure) insecure=1; shift ;;
         --bin) bin=$2; shift 2 ;;
         --run-dir) run_dir=$2; shift 2 ;;
         --timeout) timeout=$2; shift 2 ;;
@@ -108,7 +116,7 @@ fi
 
 [ -n "$model" ] || { echo "launch.sh: --model is required (see --help)" >&2; exit 2; }
 [ -f "$model/config.json" ] || { echo "launch.sh: $model/config.json not found: is --model a Hugging Face model directory?" >&2; exit 2; }
-for b in loom-coordinator loom-worker; do
+for b in loom-coordinator loom-worker loom; do
     [ -x "$bin/$b" ] || { echo "launch.sh: $bin/$b not found: build first (cmake --build build)" >&2; exit 2; }
 done
 mkdir -p "$run_dir"
@@ -142,8 +150,24 @@ cleanup_on_error() {
     stop_cluster
 }
 
+# CURVE: a fresh key set for this cluster (coordinator, worker-I, client-J),
+# readable by this user only; the workers' ids are their key names.
+keys="$run_dir/keys"
+security=()
+case "$host" in 127.*|localhost|::1) local_host=1 ;; *) local_host=0 ;; esac
+[ -n "$client_keys" ] || { [ $local_host = 1 ] && client_keys=0 || client_keys=1; }
+rm -rf "$keys"
+if [ $insecure = 0 ] || [ "$client_keys" -gt 0 ]; then
+    "$bin/loom" keygen --cluster --dir "$keys" --workers "$n" --clients "$client_keys" >/dev/null
+    security=(--curve-secret "$keys/coordinator.key")
+    [ $insecure = 1 ] || security+=(--worker-keys "$keys/workers.allow")
+    [ "$client_keys" -eq 0 ] || security+=(--client-keys "$keys/clients.allow")
+fi
+[ $local_host = 1 ] || [ "$client_keys" -gt 0 ] || security+=(--insecure-api)
+
 "$bin/loom-coordinator" --model "$model" --tp "$tp" --pp "$pp" --listen "$api" --control "$ctl" \
-    --ready-file "$run_dir/ready" ${membership[@]+"${membership[@]}"} ${coord_args[@]+"${coord_args[@]}"} \
+    --ready-file "$run_dir/ready" ${membership[@]+"${membership[@]}"} ${security[@]+"${security[@]}"} \
+    ${coord_args[@]+"${coord_args[@]}"} \
     >"$run_dir/coordinator.log" 2>&1 &
 echo $! >"$run_dir/coordinator.pid"
 
@@ -152,8 +176,10 @@ for ((i = 0; i < n; i++)); do
     [ "$device" = cuda ] && dev="cuda:$i"
     # with etcd the workers find the coordinator there instead of being told
     if [ -n "$etcd" ]; then where=("${membership[@]}"); else where=(--coordinator "$ctl"); fi
+    wkeys=()
+    [ $insecure = 1 ] || wkeys=(--curve-server-key "$keys/coordinator.pub" --curve-secret "$keys/worker-$i.key")
     cmd=("$bin/loom-worker" "${where[@]}" --device "$dev" --threads "$threads" --id "worker-$i"
-         ${worker_args[@]+"${worker_args[@]}"})
+         ${wkeys[@]+"${wkeys[@]}"} ${worker_args[@]+"${worker_args[@]}"})
     if [ $pin = 1 ]; then
         first=$((i * threads))
         cmd=(taskset -c "$first-$((first + threads - 1))" "${cmd[@]}")
@@ -185,4 +211,12 @@ while [ ! -f "$run_dir/ready" ]; do
     sleep 0.05
 done
 echo "launch.sh: $n worker(s) ($tp x $pp, $threads thread(s) each) ready; logs in $run_dir; stop with: $0 --stop --run-dir $run_dir" >&2
+if [ $insecure = 0 ]; then
+    echo "launch.sh: control plane keyed (CURVE; keys in $keys)" >&2
+else
+    echo "launch.sh: --insecure: the control plane is NOT keyed" >&2
+fi
+if [ "$client_keys" -gt 0 ]; then
+    echo "launch.sh: client API keyed: clients need --curve-server-key $keys/coordinator.pub --curve-secret $keys/client-0.key" >&2
+fi
 echo "$api"

@@ -152,6 +152,18 @@ class Cluster:
             if name.endswith(".log"):
                 sys.stderr.write("---- %s\n%s\n" % (name, self.log(name[:-4])[-3000:]))
 
+    def worker_keys(self, name):
+        """The flags of a worker `name` outside the launch: a key pair of its
+        own, added to the cluster's allow-list (the coordinator re-reads it)."""
+        keys = os.path.join(self.run_dir, "keys")
+        p = subprocess.run([os.path.join(BIN, "loom"), "keygen", "--name", name, "--dir", keys, "--force",
+                            "--allow", os.path.join(keys, "workers.allow")], capture_output=True, text=True,
+                           timeout=30)
+        check(p.returncode == 0, "loom keygen failed: %s" % p.stderr)
+        time.sleep(1.2)  # the allow-list is checked for changes once a second
+        return ["--curve-server-key", os.path.join(keys, "coordinator.pub"),
+                "--curve-secret", os.path.join(keys, name + ".key")]
+
     def generate(self, prompt, max_tokens=48, temperature=0.0, extra=(), timeout=60):
         return generate(self.addr, prompt, max_tokens, temperature, extra, timeout)
 

@@ -68,7 +68,8 @@ def test_replacement_worker_restores_the_grid():
         check("waiting_for_workers" in c.health()[1], "the loss was not noticed")
         ctl = "tcp://127.0.0.1:%d" % (c.port + 1)
         w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
-                              "--id", "replacement"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              "--id", "replacement"] + c.worker_keys("replacement"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.time() + 20
             while time.time() < deadline and "ready: yes" not in c.health()[1]:
@@ -94,7 +95,8 @@ def test_stream_survives_worker_loss():
         time.sleep(0.5)
         ctl = "tcp://127.0.0.1:%d" % (c.port + 1)
         w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
-                              "--id", "replacement"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              "--id", "replacement"] + c.worker_keys("replacement"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             out, err = proc.communicate(timeout=120)
         finally:
@@ -130,7 +132,8 @@ def test_spare_takes_over_with_defaults():
         spare_log = os.path.join(c.run_dir, "spare.log")
         with open(spare_log, "w") as f:
             w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator",
-                                  "tcp://127.0.0.1:%d" % (c.port + 1), "--threads", "1", "--id", "spare"],
+                                  "tcp://127.0.0.1:%d" % (c.port + 1), "--threads", "1", "--id", "spare"]
+                                 + c.worker_keys("spare"),
                                  stdout=subprocess.DEVNULL, stderr=f)
         try:
             deadline = time.time() + 10
@@ -170,7 +173,9 @@ def test_spare_takes_over_with_defaults():
 
 
 def test_garbage_is_refused():
-    with Cluster(STORIES, 1, 1) as c:
+    # hostile messages need an open control plane to reach the parser: --insecure
+    # (test_security.py shows that a keyed one lets none of them in)
+    with Cluster(STORIES, 1, 1, launch_args=["--insecure"]) as c:
         p = subprocess.run([os.path.join(BIN, "..", "tests", "garbage"), "--api", c.addr,
                             "--control", "tcp://127.0.0.1:%d" % (c.port + 1), "--worker-id", "worker-0"],
                            capture_output=True, text=True, timeout=120)

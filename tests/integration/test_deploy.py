@@ -331,6 +331,30 @@ def rules_containers(manifests):
                                   what + ": a CUDA worker must tolerate the nvidia.com/gpu taint")
 
 
+def rules_security(manifests):
+    """Both ZeroMQ planes are keyed (CURVE) from Secret volumes, and every
+    worker presents a key named after its --id."""
+    for name, docs in manifests.items():
+        for d, t, c, cmd in loom_containers(docs):
+            args = arg_map(c)
+            what = "%s %s container %s" % (name, d["metadata"]["name"], c["name"])
+            want = (("--curve-secret", "--worker-keys", "--client-keys") if cmd == "loom-coordinator"
+                    else ("--curve-server-key", "--curve-secret"))
+            for opt in want:
+                check(opt in args, what + ": %s is missing: the plane is not keyed" % opt)
+            check("--insecure-api" not in args, what + ": --insecure-api serves the API to anyone")
+            if cmd == "loom-worker":
+                check("$(POD_NAME)" in args["--curve-secret"] and args.get("--id") == "$(POD_NAME)",
+                      what + ": the worker's key must be the one named after its --id")
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            vols = {v["name"]: v for v in t["spec"].get("volumes", [])}
+            for opt in want:
+                path = args[opt]
+                mount = next((m for m in mounts if path.startswith(m.rstrip("/") + "/")), None)
+                check(mount and "secret" in vols.get(mounts[mount], {}),
+                      what + ": %s=%s is not on a Secret volume" % (opt, path))
+
+
 def rules_cluster(manifests):
     for name, docs in manifests.items():
         services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
@@ -408,7 +432,7 @@ def rules_cluster(manifests):
 
 def rules_autoscaler(manifests):
     with open(os.path.join(ROOT, "coordinator", "metrics.c")) as f:
-        gauges = set(re.findall(r'gauge\(&o, m, "([a-z_:]+)"', f.read()))
+        gauges = set(re.findall(r'gauge2?\(&o, [a-z_>-]+, "([a-z_:]+)"', f.read()))
     hpas = 0
     for name, docs in manifests.items():
         workloads = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in WORKLOADS}
@@ -428,7 +452,7 @@ def rules_autoscaler(manifests):
     check(hpas >= 1, "no HorizontalPodAutoscaler in deploy/k8s")
 
 
-RULES = (rules_binaries, rules_containers, rules_cluster, rules_autoscaler)
+RULES = (rules_binaries, rules_containers, rules_cluster, rules_security, rules_autoscaler)
 
 
 def test_k8s_manifests_form_drain_and_fail_over():
@@ -476,6 +500,11 @@ def test_k8s_rules_catch_mistakes():
          lambda docs: coordinator(docs)["args"].append("--max-num-seq=8")),
         ("a grace period below the shutdown timeout", "must exceed --shutdown-timeout",
          lambda docs: find(docs, "Deployment")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=10)),
+        ("a control plane without keys", "--worker-keys is missing",
+         lambda docs: coordinator(docs)["args"].remove("--worker-keys=/etc/loom/curve/workers.allow")),
+        ("worker keys on an emptyDir", "is not on a Secret volume",
+         lambda docs: find(docs, "StatefulSet", "loom-worker")["spec"]["template"]["spec"]["volumes"].__setitem__(
+             -1, {"name": "curve", "emptyDir": {}})),
         ("fewer workers than the grid", "workers for a grid",
          lambda docs: find(docs, "StatefulSet", "loom-worker")["spec"].update(replicas=3)),
     ]

@@ -47,11 +47,12 @@ class Procs:
         log.close()
         return self.procs[name]
 
-    def coordinator(self, model, port, http_port=None, extra=(), name="coordinator"):
+    def coordinator(self, model, port, http_port=None, extra=(), name="coordinator", api_port=None):
         ready = os.path.join(self.dir, name + ".ready")
         if os.path.exists(ready):
             os.unlink(ready)
-        argv = [os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", "tcp://127.0.0.1:%d" % port,
+        api = api_port if api_port else port  # the control port is always port + 1
+        argv = [os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", "tcp://127.0.0.1:%d" % api,
                 "--control", "tcp://127.0.0.1:%d" % (port + 1), "--ready-file", ready] + list(extra)
         if http_port:
             argv += ["--http", "127.0.0.1:%d" % http_port]
@@ -399,9 +400,11 @@ def test_worker_says_it_waits():
         P.worker("w0", port)
         addr = "waiting for a coordinator at tcp://127.0.0.1:%d" % (port + 1)
         wait_for(lambda: P.log("w0").count(addr) >= 2, 20, "two waiting lines with the address")
-        co = P.coordinator(STORIES, port)
+        # the API port is picked now: one picked 10 s ago may have been taken since
+        api = free_port_pair()
+        co = P.coordinator(STORIES, port, api_port=api)
         wait_ready(co, 30)
-        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % port, PROMPT, 8)
+        rc, _, ids, err = generate("tcp://127.0.0.1:%d" % api, PROMPT, 8)
         check(rc == 0 and ids, "after the late start: %s" % err)
 
 

@@ -148,24 +148,48 @@ def test_host_cut_off_mid_stream():
             "true") >= 0, 15, "etcd to be healthy")
         ready = os.path.join(net.dir, "ready")
         addr = "tcp://%s:5555" % H["coord"]
+        # both ZeroMQ planes keyed, as across real hosts (docs/operations.md#security)
+        keys = os.path.join(net.dir, "keys")
+        loom = os.path.join(BIN, "loom")
+        subprocess.run([loom, "keygen", "--cluster", "--dir", keys, "--clients", "1"], check=True,
+                       capture_output=True, timeout=30)
+        for h in ["a", "b", "c"]:
+            subprocess.run([loom, "keygen", "--name", h, "--dir", keys, "--allow", os.path.join(keys, "workers.allow")],
+                           check=True, capture_output=True, timeout=30)
+        coord_keys = ["--curve-secret", os.path.join(keys, "coordinator.key"),
+                      "--worker-keys", os.path.join(keys, "workers.allow"),
+                      "--client-keys", os.path.join(keys, "clients.allow")]
+
+        def wkeys(h):
+            return ["--curve-server-key", os.path.join(keys, "coordinator.pub"),
+                    "--curve-secret", os.path.join(keys, h + ".key")]
         member = ["--etcd", etcd_url, "--cluster", "netns"]
         # a small KV pool: a spare's join is then the control plane's time, not a GB of KV memory being cleared
         net.start("coordinator", "coord", [os.path.join(BIN, "loom-coordinator"), "--model", model, "--pp", "2",
                                            "--comm", "tcp", "--num-kv-blocks", "512", "--listen", addr, "--control",
-                                           "tcp://%s:5556" % H["coord"], "--ready-file", ready] + member)
+                                           "tcp://%s:5556" % H["coord"], "--ready-file", ready] + member
+                  + coord_keys)
         for h in ["a", "b"]:
             net.start("worker-" + h, h, [os.path.join(BIN, "loom-worker"), "--id", h, "--threads", "1",
-                                          "--data-host", H[h]] + member)
+                                          "--data-host", H[h]] + member + wkeys(h))
         wait_for(lambda: os.path.exists(ready), 60, "the grid to form")
         net.start("worker-c", "c", [os.path.join(BIN, "loom-worker"), "--id", "c", "--threads", "1",
-                                     "--data-host", H["c"]] + member)
+                                     "--data-host", H["c"]] + member + wkeys("c"))
         wait_for(lambda: "standing by" in net.log("worker-c"), 20, "the spare on host c to stand by")
         log = net.log("coordinator")
         check("data plane tcp" in log, "the data plane is not tcp: %s" % log[-800:])
         check("tcp://%s:" % H["a"] in log and "tcp://%s:" % H["b"] in log, "workers not on their hosts")
 
         client = ["ip", "netns", "exec", net.ns("client"), os.path.join(BIN, "loom"), "generate", "--addr", addr,
-                  "--prompt", PROMPT, "--temperature", "0", "--ignore-eos", "--ids", "--timeout-ms", "60000"]
+                  "--prompt", PROMPT, "--temperature", "0", "--ignore-eos", "--ids", "--timeout-ms", "60000",
+                  "--curve-server-key", os.path.join(keys, "coordinator.pub"),
+                  "--curve-secret", os.path.join(keys, "client-0.key")]
+        # another host that claims worker a's id without a key sees nothing
+        hj = subprocess.run(["ip", "netns", "exec", net.ns("client"), os.path.join(BIN, "..", "tests", "hijack"),
+                             "--control", "tcp://%s:5556" % H["coord"], "--id", "a", "--seconds", "2", "--silent"],
+                            capture_output=True, text=True, timeout=60)
+        check(hj.returncode == 0 and hj.stdout.startswith("hijack: 0 message(s), 0 step plan(s)"),
+              "a keyless peer on another host: %s %s" % (hj.stdout, hj.stderr))
         stream = subprocess.Popen(client + ["--max-tokens", str(n)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         try:

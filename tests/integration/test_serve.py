@@ -203,6 +203,20 @@ def test_serve_tp2_sdk_restart_sigterm():
                       "no loading progress line for %s" % rank)
             check("\r" not in s.log(), "a refreshed terminal line in a log file")
             check(names == ["loom-coordinator", "loom-worker", "loom-worker"], "children %r" % kids)
+            # the internal control plane is keyed with this run's own keys (secure by default)
+            check("CURVE: control plane keyed" in s.log(), "the control plane is not keyed")
+            for w in ("worker-0", "worker-1"):
+                check("worker %s: control plane: CURVE" % w in s.log(), "%s did not connect with its key" % w)
+            keys_dirs = set()
+            for pid in kids:
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    argv = f.read().split(b"\0")
+                for i, a in enumerate(argv[:-1]):
+                    if a == b"--curve-secret":
+                        keys_dirs.add(os.path.dirname(argv[i + 1].decode()))
+            check(len(keys_dirs) == 1, "not one key set for the run: %r" % keys_dirs)
+            keys_dir = keys_dirs.pop()
+            check(os.stat(keys_dir).st_mode & 0o077 == 0, "the key directory is readable by others")
             # the first request: a seeded sampling run (compared with the SIGKILL run's)
             st, seeded = http(s.port, "POST", "/v1/completions",
                               {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0})
@@ -263,6 +277,7 @@ def test_serve_tp2_sdk_restart_sigterm():
             log = s.log()
             check("coordinator exited with status 0" in log, "the coordinator did not stop cleanly")
             check(log.count("exited with status 0") >= 3, "not every child stopped cleanly: %s" % log[-2000:])
+            check(not os.path.exists(keys_dir), "the run's keys outlived it: %s" % keys_dir)
             return seeded["choices"][0]["text"]
     finally:
         shutil.rmtree(gen_dir, ignore_errors=True)

@@ -43,6 +43,9 @@ typedef struct grid {
     char addrs[MAX_PROCS][320]; /* copies: a child closes the listeners that are not its own */
     loom_comm_peer_t peers[MAX_PROCS]; /* worker (s, r) is peers[s * tp + r] */
     loom_comm_listener_t *listeners[MAX_PROCS];
+    const uint8_t *secret[MAX_PROCS]; /* tcp: each worker's data-plane secret (NULL: none) */
+    size_t secret_len;
+    int encrypt;
 } grid_t;
 
 static char g_prefix[64]; /* "tc<pid>": every comm name of this run starts with it */
@@ -94,6 +97,9 @@ static void grid_config(const grid_t *g, int idx, loom_comm_config_t *cfg) {
     cfg->max_bytes = g->max_bytes;
     cfg->timeout_ms = g->timeout_ms;
     cfg->listener = g->listeners[idx];
+    cfg->auth_secret = g->secret[idx];
+    cfg->auth_secret_len = g->secret[idx] ? g->secret_len : 0;
+    cfg->encrypt = g->encrypt;
 }
 
 /* In a child: drops the other workers' listeners and joins the grid. */
@@ -860,6 +866,142 @@ static void test_stranger_tcp(void) {
     grid_free(&g);
 }
 
+/* ---- authenticated links (the epoch secret) ------------------------------------- */
+
+static const uint8_t k_secret[32] = "an epoch secret of 32 bytes ...";
+static const uint8_t k_other[32] = "another cluster's secret .......";
+
+static void set_secret(grid_t *g, const uint8_t *a, const uint8_t *b) {
+    g->secret[0] = a;
+    g->secret[1] = b;
+    g->secret_len = 32;
+}
+
+/* Every collective works on authenticated links, tp and pipeline. */
+static void test_auth_tcp(void) {
+    grid_t g;
+    grid_init(&g, "tcp", "auth", 2, 2, 100000 * sizeof(float));
+    for (int i = 0; i < 4; i++) g.secret[i] = k_secret;
+    g.secret_len = 32;
+    static run_t run;
+    run_init(&run);
+    run_children(&run, 4, child_grid, &g, NULL, GROUP_TIMEOUT_MS);
+    grid_free(&g);
+}
+
+/* The same grid with every frame encrypted: results bit-identical. */
+static void test_encrypted_tcp(void) {
+    grid_t g;
+    grid_init(&g, "tcp", "enc", 2, 2, 100000 * sizeof(float));
+    for (int i = 0; i < 4; i++) g.secret[i] = k_secret;
+    g.secret_len = 32;
+    g.encrypt = 1;
+    static run_t run;
+    run_init(&run);
+    run_children(&run, 4, child_grid, &g, NULL, GROUP_TIMEOUT_MS);
+    grid_free(&g);
+    /* encryption without the secret is refused */
+    grid_init(&g, "tcp", "encnokey", 1, 2, 1024);
+    g.encrypt = 1;
+    loom_comm_config_t cfg;
+    grid_config(&g, 0, &cfg);
+    loom_comm_t *c = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_comm_create(&cfg, &c, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "secret"));
+    grid_free(&g);
+}
+
+typedef struct impostor {
+    int fd;
+    int acked, closed; /* got an ack; was closed after its wrong proof */
+} impostor_t;
+
+static void *impostor_main(void *arg) {
+    impostor_t *im = arg;
+    uint8_t buf[512];
+    struct pollfd pf = {im->fd, POLLIN, 0};
+    if (poll(&pf, 1, 10000) == 1 && read(im->fd, buf, sizeof buf) > 16) im->acked = 1;
+    uint8_t proof[32] = {0};
+    if (write(im->fd, proof, sizeof proof) != (ssize_t)sizeof proof) return NULL;
+    if (poll(&pf, 1, 10000) == 1 && read(im->fd, buf, sizeof buf) == 0) im->closed = 1;
+    return NULL;
+}
+
+/* A hello for comm `name` claiming worker w0.0 (tp rank 0), version v. */
+static size_t claim_hello(uint8_t *out, const char *name, int v) {
+    size_t nl = strlen(name);
+    uint8_t hdr[16] = {0x4c, 0x4d, 0x48, 0x31, (uint8_t)v, 0, 1, 0, 0, 0, 0, 0, (uint8_t)nl, 0, 4, 0};
+    memcpy(out, hdr, 16);
+    memcpy(out + 16, name, nl);
+    memcpy(out + 16 + nl, "w0.0", 4);
+    memset(out + 20 + nl, 0x5a, 16); /* a nonce */
+    return 20 + nl + (v == 2 ? 16 : 0);
+}
+
+/* Peers at rank 1's listener that claim to be rank 0 but do not hold the
+ * secret: one without authentication, one that never proves, one that sends
+ * a wrong proof. None takes the slot; the real rank 0 joins and the
+ * all-reduce is right. */
+static void test_impostor_tcp(void) {
+    grid_t g;
+    grid_init(&g, "tcp", "impostor", 1, 2, 768 * sizeof(float));
+    set_secret(&g, k_secret, k_secret);
+    const char *addr = g.peers[1].data_addr;
+    uint8_t h[256];
+    int plain = connect_to(addr), silent = connect_to(addr);
+    impostor_t im = {.fd = connect_to(addr)};
+    CHECK(plain >= 0 && silent >= 0 && im.fd >= 0);
+    size_t n = claim_hello(h, g.name, 1);
+    CHECK(write(plain, h, n) == (ssize_t)n);
+    n = claim_hello(h, g.name, 2);
+    CHECK(write(silent, h, n) == (ssize_t)n);
+    CHECK(write(im.fd, h, n) == (ssize_t)n);
+    pthread_t t;
+    pthread_create(&t, NULL, impostor_main, &im);
+    static run_t run;
+    run_init(&run);
+    run_children(&run, 2, child_stranger, &g, NULL, GROUP_TIMEOUT_MS);
+    pthread_join(t, NULL);
+    CHECKF(im.acked && im.closed, "the impostor with a wrong proof: acked %d, closed %d", im.acked, im.closed);
+    char tmp[8];
+    struct pollfd pf = {plain, POLLIN, 0};
+    CHECK(poll(&pf, 1, 1000) == 1 && read(plain, tmp, sizeof tmp) <= 0); /* refused at its hello */
+    close(plain);
+    close(silent);
+    close(im.fd);
+    grid_free(&g);
+}
+
+static void child_wrong_secret(child_t *ch) {
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (i != ch->idx) loom_comm_listener_destroy(&ch->g->listeners[i]);
+    loom_comm_config_t cfg;
+    grid_config(ch->g, ch->idx, &cfg);
+    loom_comm_t *c = NULL;
+    loom_err_t err = {0};
+    loom_status_t st = loom_comm_create(&cfg, &c, &err);
+    report(ch, KEY_FAILED, st);
+    if (ch->idx == 0) /* the dialler: the acceptor's proof is wrong */
+        CHECKF(st == LOOM_ERR_UNAUTHENTICATED && strstr(err.msg, "data-plane secret"), "rank 0: %s: %s",
+               loom_status_str(st), err.msg);
+    else /* the acceptor: rank 0 never proved itself */
+        CHECKF(st == LOOM_ERR_UNAVAILABLE, "rank 1: %s: %s", loom_status_str(st), err.msg);
+    loom_comm_destroy(&c);
+}
+
+/* Two workers of different epochs (or clusters): no link comes up. */
+static void test_wrong_secret_tcp(void) {
+    grid_t g;
+    grid_init(&g, "tcp", "wrongsecret", 1, 2, 1024);
+    g.timeout_ms = 1500;
+    set_secret(&g, k_secret, k_other);
+    static run_t run;
+    run_init(&run);
+    run_children(&run, 2, child_wrong_secret, &g, NULL, GROUP_TIMEOUT_MS);
+    CHECK(count_reports(&run, KEY_FAILED) == 2);
+    grid_free(&g);
+}
+
 int main(void) {
     loom_log_init("test_comm");
     if (!getenv("LOOM_LOG_LEVEL")) loom_log_set_level(LOOM_LOG_ERROR);
@@ -880,6 +1022,10 @@ int main(void) {
     RUN(test_killed_shm);
     RUN(test_killed_tcp);
     RUN(test_stranger_tcp);
+    RUN(test_auth_tcp);
+    RUN(test_encrypted_tcp);
+    RUN(test_impostor_tcp);
+    RUN(test_wrong_secret_tcp);
     int leftovers = shm_leftovers();
     g_test_checks++;
     if (leftovers) {

@@ -1,0 +1,33 @@
+/* The coordinator's side of CURVE: which planes are keyed, from flags and
+ * environment, and the refusal of a coordinator that would serve other
+ * hosts without keys. See docs/operations.md#security. */
+#ifndef LOOM_COORD_SECURITY_H
+#define LOOM_COORD_SECURITY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "common/zap.h"
+
+typedef struct loom_coord_security {
+    const char *curve_secret; /* the coordinator's secret key: FILE or Z85 (else $LOOM_CURVE_SECRET) */
+    const char *worker_keys;  /* allow-list of worker keys: keys the control plane (else $LOOM_WORKER_KEYS) */
+    const char *client_keys;  /* allow-list of client keys: keys the client API (else $LOOM_CLIENT_KEYS) */
+    int insecure_api;         /* serve a non-loopback client API without client keys */
+    int encrypt_data;         /* tcp data plane: encrypt every frame (Assign.data_encrypt) */
+} loom_coord_security_t;
+
+/* Sets up CURVE on the API and control sockets (before they bind) and
+ * starts the ZAP handler when either is keyed. *zap is the handler (NULL:
+ * nothing keyed); *ctl_zap is it when the control plane is keyed, for
+ * loom_zap_identity_ok. `listen` and `control` are the addresses the
+ * sockets will bind, for the loopback checks. */
+loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *zctx, void *api, void *ctl,
+                                        const char *listen, const char *control, loom_zap_t **zap,
+                                        loom_zap_t **ctl_zap, loom_err_t *err);
+
+/* A fresh data-plane secret for an epoch (the kernel's random bytes). */
+void loom_coord_epoch_secret(uint8_t *out, size_t n);
+
+#endif
