@@ -350,3 +350,40 @@ int loom_cmd_stats(int argc, char **argv) {
            (unsigned long long)s.gen_tokens_total, (unsigned long long)s.steps, s.step_ms_mean);
     return 0;
 }
+
+int loom_cmd_embed(int argc, char **argv) {
+    const char *addr = NULL, *api_key = NULL, *text = NULL;
+    int timeout_ms = 30000;
+    loom_opt_t opts[] = {
+        LOOM_CMD_OPT_ADDR(addr),
+        {"text", LOOM_OPT_STR, &text, "TEXT", "the text to embed (required)", 1, 0, NULL},
+        {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 30000)", 1, 1e9, NULL},
+        LOOM_CMD_OPT_API_KEY(api_key),
+    };
+    int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts), "loom embed --addr ADDR --text TEXT [options]",
+                           "Prints the embedding of TEXT from a Loom coordinator (its Embed method: the final hidden\n"
+                           "state pooled as its --embedding-pooling says, L2-normalised) as JSON:\n"
+                           "{\"pooling\", \"prompt_tokens\", \"embedding\": [...]}.");
+    if (r) return r < 0 ? EXIT_USAGE : 0;
+    if (!text) {
+        fprintf(stderr, "error: --text is required (see --help)\n");
+        return EXIT_USAGE;
+    }
+    loom_client_t *c = NULL;
+    int rc = connect_or_report(addr, timeout_ms, api_key, "embed", &c);
+    if (rc) return rc;
+    loom_err_t err = {0};
+    loom_embed_input_t in = {.text = text};
+    loom_embed_result_t out;
+    loom_status_t s = loom_client_embed(c, NULL, &in, 1, NULL, &out, &err);
+    loom_client_close(&c);
+    if (s < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return exit_code(s);
+    }
+    printf("{\"pooling\": \"%s\", \"prompt_tokens\": %d, \"embedding\": [", out.pooling, out.prompt_tokens);
+    for (int j = 0; j < out.dim; j++) printf("%s%.9g", j ? ", " : "", (double)out.values[j]);
+    printf("]}\n");
+    loom_embed_result_free(&out);
+    return 0;
+}

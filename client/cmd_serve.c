@@ -357,7 +357,7 @@ static int supervise(serve_t *s, const char *url, const char *zmq_addr, const ch
 typedef struct fwd_opts {
     const char *max_model_len, *max_num_seqs, *max_batched, *served_name, *quantization, *kv_dtype, *api_key,
         *block_size, *seed, *chat_template, *generation_config, *log_level, *dtype, *max_queue, *kv_memory,
-        *recovery_ms, *log_format;
+        *recovery_ms, *log_format, *embedding_pooling;
     int prefix_on, prefix_off;
 } fwd_opts_t;
 
@@ -388,6 +388,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"no-enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_off, NULL, "no automatic prefix caching", 1, 0, NULL},
         {"api-key", LOOM_OPT_STR, &f.api_key, "KEY", "require this key (Authorization: Bearer KEY) on /v1/... (default: open, or LOOM_API_KEY)", 1, 0, NULL},
         {"seed", LOOM_OPT_STR, &f.seed, "N", "seeds of requests that bring none are drawn from this one (reproducible runs)", 1, 0, NULL},
+        {"embedding-pooling", LOOM_OPT_STR, &f.embedding_pooling, "last|mean", "/v1/embeddings: the last token's final hidden state (default) or the mean over all tokens, L2-normalised", 1, 0, NULL},
         {"chat-template", LOOM_OPT_STR, &f.chat_template, "NAME|FILE", "llama2, llama3, chatml, mistral, or a Jinja template file of one of those families (default: the model's)", 1, 0, NULL},
         {"generation-config", LOOM_OPT_STR, &f.generation_config, "auto|vllm|DIR", "sampling defaults for requests that leave them out: auto (the model's generation_config.json), vllm (built-in), or DIR (default auto)", 1, 0, NULL},
         {"log-level", LOOM_OPT_STR, &f.log_level, "LEVEL", "debug, info, warning, error, critical (default info)", 1, 0, NULL},
@@ -492,7 +493,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"block-size", f.block_size}, {"seed", f.seed}, {"chat-template", f.chat_template},
         {"generation-config", f.generation_config}, {"log-level", f.log_level}, {"dtype", f.dtype},
         {"max-queue", f.max_queue}, {"kv-cache-memory", f.kv_memory}, {"recovery-timeout-ms", f.recovery_ms},
-        {"log-format", f.log_format},
+        {"log-format", f.log_format}, {"embedding-pooling", f.embedding_pooling},
     };
     for (size_t i = 0; i < LOOM_ARRAY_LEN(fwd); i++)
         if (fwd[i].value) {

@@ -11,6 +11,7 @@ int loom_cmd_perplexity(int argc, char **argv); /* cmd_perplexity.c: a storage s
 int loom_cmd_generate(int argc, char **argv); /* cmd_generate.c: a completion from a cluster */
 int loom_cmd_health(int argc, char **argv);
 int loom_cmd_stats(int argc, char **argv);
+int loom_cmd_embed(int argc, char **argv);    /* cmd_generate.c: a text's embedding from a cluster */
 int loom_cmd_bench(int argc, char **argv);    /* cmd_bench.c: the serving load generator */
 int loom_cmd_keygen(int argc, char **argv);   /* cmd_keygen.c: CURVE key pairs and allow-lists */
 

@@ -762,3 +762,58 @@ loom_status_t loom_client_list_models(loom_client_t *c, loom_model_info_t *model
     loom__v1__reply__free_unpacked(r, NULL);
     return LOOM_OK;
 }
+
+loom_status_t loom_client_embed(loom_client_t *c, const char *model, const loom_embed_input_t *in, int n,
+                                const char *tag, loom_embed_result_t *out, loom_err_t *err) {
+    memset(out, 0, sizeof *out);
+    if (n < 0) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d embedding inputs", n);
+    Loom__V1__EmbedInput *ins = loom_xcalloc((size_t)n + 1, sizeof *ins);
+    Loom__V1__EmbedInput **ptrs = loom_xcalloc((size_t)n + 1, sizeof *ptrs);
+    for (int i = 0; i < n; i++) {
+        loom__v1__embed_input__init(&ins[i]);
+        ins[i].text = (char *)(in[i].text ? in[i].text : "");
+        ins[i].ids = (int32_t *)in[i].ids;
+        ins[i].n_ids = in[i].text ? 0 : (size_t)(in[i].n_ids > 0 ? in[i].n_ids : 0);
+        ptrs[i] = &ins[i];
+    }
+    Loom__V1__EmbedRequest er = LOOM__V1__EMBED_REQUEST__INIT;
+    er.model = (char *)(model ? model : "");
+    er.tag = (char *)(tag ? tag : "");
+    er.inputs = ptrs;
+    er.n_inputs = (size_t)n;
+    Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
+    req.body_case = LOOM__V1__REQUEST__BODY_EMBED;
+    req.embed = &er;
+    Loom__V1__Reply *r;
+    loom_status_t s = unary(c, &req, LOOM__V1__REPLY__BODY_EMBED, &r, err);
+    free(ptrs);
+    free(ins);
+    if (s < 0) return s;
+    const Loom__V1__EmbedReply *x = r->embed;
+    size_t dim = x->n_data ? x->data[0]->n_values : 0;
+    if (x->n_data != (size_t)n || dim == 0) {
+        loom__v1__reply__free_unpacked(r, NULL);
+        return loom_err_set(err, LOOM_ERR_PROTOCOL, "the Embed reply has %zu vectors for %d inputs", x->n_data, n);
+    }
+    out->values = loom_xmalloc((size_t)n * dim * sizeof(float));
+    for (size_t i = 0; i < x->n_data; i++) {
+        if (x->data[i]->n_values != dim) {
+            loom__v1__reply__free_unpacked(r, NULL);
+            loom_embed_result_free(out);
+            return loom_err_set(err, LOOM_ERR_PROTOCOL, "the Embed reply's vectors differ in length");
+        }
+        memcpy(out->values + i * dim, x->data[i]->values, dim * sizeof(float));
+    }
+    out->n = n;
+    out->dim = (int)dim;
+    out->prompt_tokens = (int)LOOM_MIN(x->prompt_tokens, (uint32_t)INT32_MAX);
+    snprintf(out->pooling, sizeof out->pooling, "%s", x->pooling ? x->pooling : "");
+    loom__v1__reply__free_unpacked(r, NULL);
+    return LOOM_OK;
+}
+
+void loom_embed_result_free(loom_embed_result_t *r) {
+    if (!r) return;
+    free(r->values);
+    memset(r, 0, sizeof *r);
+}

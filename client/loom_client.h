@@ -160,4 +160,22 @@ typedef struct loom_model_info {
 loom_status_t loom_client_list_models(loom_client_t *c, loom_model_info_t *models, int max, int *n,
                                       loom_err_t *err);
 
+/* Embed: the embeddings of inputs (texts, or token ids when text is NULL),
+ * computed together: out->values holds n unit vectors of out->dim floats,
+ * in order (free with loom_embed_result_free). */
+typedef struct loom_embed_input {
+    const char *text;       /* encoded with the model's tokenizer (BOS per its config); NULL: ids */
+    const int32_t *ids;
+    int n_ids;
+} loom_embed_input_t;
+typedef struct loom_embed_result {
+    int n, dim;
+    float *values;          /* (n, dim) */
+    int prompt_tokens;      /* of all the inputs */
+    char pooling[8];        /* "last" or "mean" */
+} loom_embed_result_t;
+loom_status_t loom_client_embed(loom_client_t *c, const char *model, const loom_embed_input_t *in, int n,
+                                const char *tag, loom_embed_result_t *out, loom_err_t *err);
+void loom_embed_result_free(loom_embed_result_t *r);
+
 #endif

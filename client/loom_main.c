@@ -20,6 +20,7 @@ static const struct {
     {"generate", loom_cmd_generate, "stream a completion from a running cluster", 0},
     {"health", loom_cmd_health, "ask a cluster whether it is ready", 0},
     {"stats", loom_cmd_stats, "show a cluster's scheduler and KV cache statistics", 0},
+    {"embed", loom_cmd_embed, "print a text's embedding from a running cluster", 0},
     {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)", 0},
     {"keygen", loom_cmd_keygen, "make CURVE key pairs and allow-lists for a cluster's planes", 0},
 };

@@ -726,6 +726,9 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->copy_src = mb->copy_src;
     p->copy_dst = mb->copy_dst;
     p->n_copy_src = p->n_copy_dst = (size_t)mb->n_copies;
+    p->embed_begin = mb->embed_begin;
+    p->embed_end = mb->embed_end;
+    p->n_embed_begin = p->n_embed_end = (size_t)mb->n_embeds;
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {

@@ -62,6 +62,7 @@
 #include "client/loom_client.h"
 #include "common/chat_template.h"
 #include "common/json.h"
+#include "common/etcd.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
@@ -156,7 +157,8 @@ typedef enum {
     R_CHAT,
     R_TOKENIZE,
     R_DETOKENIZE,
-    R_VERSION
+    R_VERSION,
+    R_EMBEDDINGS
 } route_t;
 
 /* One per HTTP request (MHD's con_cls). */
@@ -1904,6 +1906,161 @@ static int authorized(const req_t *q, int *given) {
     return loom_secret_equal(key, strlen(key), a, strlen(a));
 }
 
+/* ---- /v1/embeddings ---- */
+
+#define MAX_EMBED_INPUTS 2048 /* as the coordinator's Embed */
+
+/* One input of /v1/embeddings: a string, or an array of token ids. */
+static int embed_input(const cJSON *x, int i, loom_embed_input_t *in, int32_t **owned, perr_t *e) {
+    if (cJSON_IsString(x)) {
+        if (!x->valuestring[0]) return bad(e, "input", "input %d is an empty string", i);
+        in->text = x->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(x)) return bad(e, "input", "input %d must be a string or an array of token ids", i);
+    int n = cJSON_GetArraySize(x);
+    if (n == 0) return bad(e, "input", "input %d is an empty list of token ids", i);
+    int32_t *ids = loom_xmalloc((size_t)n * sizeof *ids);
+    int k = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, x) {
+        if (!is_token_id(t)) {
+            free(ids);
+            return bad(e, "input", "input %d: token ids must be non-negative integers", i);
+        }
+        ids[k++] = (int32_t)t->valuedouble;
+    }
+    *owned = ids;
+    in->ids = ids;
+    in->n_ids = n;
+    return 0;
+}
+
+/* OpenAI's input: a string, an array of strings, an array of token ids, or
+ * an array of token-id arrays. Returns the number of inputs, -1 on error. */
+static int embed_inputs(const cJSON *x, loom_embed_input_t **ins, int32_t ***owned, int *n_alloc, perr_t *e) {
+    *ins = NULL;
+    *owned = NULL;
+    *n_alloc = 0;
+    if (!x || cJSON_IsNull(x)) return bad(e, "input", "input is required");
+    int n = 1, flat = !cJSON_IsArray(x) || (cJSON_GetArraySize(x) > 0 && cJSON_IsNumber(cJSON_GetArrayItem(x, 0)));
+    if (!flat) n = cJSON_GetArraySize(x);
+    if (n == 0) return bad(e, "input", "input is empty: give a string, token ids, or a non-empty list of them");
+    if (n > MAX_EMBED_INPUTS)
+        return bad(e, "input", "input has %d items; at most %d are allowed", n, MAX_EMBED_INPUTS);
+    *ins = loom_xcalloc((size_t)n, sizeof **ins);
+    *owned = loom_xcalloc((size_t)n, sizeof **owned);
+    *n_alloc = n;
+    if (flat) return embed_input(x, 0, &(*ins)[0], &(*owned)[0], e) < 0 ? -1 : 1;
+    int i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, x) {
+        if (embed_input(it, i, &(*ins)[i], &(*owned)[i], e) < 0) return -1;
+        i++;
+    }
+    return n;
+}
+
+/* POST /v1/embeddings {"input", "model", "encoding_format", "dimensions",
+ * "user"}: OpenAI's list of embeddings (float arrays, or base64 of the
+ * little-endian float32 values), computed by the coordinator's Embed. */
+static enum MHD_Result handle_embeddings(req_t *q) {
+    enum MHD_Result res;
+    cJSON *root = json_body(q, &res);
+    if (!root) return res;
+    static const char *const known[] = {"input", "model", "encoding_format", "dimensions", "user"};
+    perr_t e = {0};
+    loom_err_t err = {0};
+    loom_model_info_t mi;
+    loom_embed_input_t *ins = NULL;
+    int32_t **owned = NULL;
+    int n = 0, n_alloc = 0, b64 = 0;
+    double dims = 0;
+    loom_embed_result_t out = {0};
+    if (!cJSON_IsObject(root)) {
+        res = respond_error(q, 400, "invalid_request_error", NULL, NULL, "the body must be a JSON object");
+        goto done;
+    }
+    const cJSON *x;
+    cJSON_ArrayForEach(x, root) {
+        size_t i = 0;
+        while (i < LOOM_ARRAY_LEN(known) && strcmp(known[i], x->string) != 0) i++;
+        if (i == LOOM_ARRAY_LEN(known)) ignore_field(q, x->string);
+    }
+    if (served_model(q, &mi, &err) < 0) {
+        res = respond_status(q, err.code, err.msg);
+        goto done;
+    }
+    x = field(root, "model");
+    if (x && !cJSON_IsNull(x) && (!cJSON_IsString(x) || (x->valuestring[0] && strcmp(x->valuestring, mi.id) != 0))) {
+        res = respond_error(q, 404, "invalid_request_error", "model", "model_not_found",
+                            "The model '%.300s' does not exist; this server serves '%s'",
+                            cJSON_IsString(x) ? x->valuestring : "?", mi.id);
+        goto done;
+    }
+    x = field(root, "encoding_format");
+    if (x && !cJSON_IsNull(x)) {
+        if (!cJSON_IsString(x) || (strcmp(x->valuestring, "float") && strcmp(x->valuestring, "base64"))) {
+            bad(&e, "encoding_format", "encoding_format must be \"float\" or \"base64\"");
+            goto bad_field;
+        }
+        b64 = !strcmp(x->valuestring, "base64");
+    }
+    if (opt_int(root, "dimensions", 1, 1 << 20, &dims, &e) < 0) goto bad_field;
+    if ((n = embed_inputs(field(root, "input"), &ins, &owned, &n_alloc, &e)) < 0) goto bad_field;
+    if (ensure_client(q, &err) < 0 || loom_client_embed(q->conn->client, NULL, ins, n, q->xid, &out, &err) < 0) {
+        if (err.code == LOOM_ERR_INVALID_ARGUMENT)
+            res = respond_error(q, 400, "invalid_request_error", "input", NULL, "%s", err.msg);
+        else res = respond_status(q, err.code, err.msg);
+        goto done;
+    }
+    if (dims > 0 && (int)dims != out.dim) {
+        bad(&e, "dimensions", "dimensions %d is not supported: this model's embeddings have %d", (int)dims, out.dim);
+        goto bad_field;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "object", "list");
+    cJSON *data = cJSON_AddArrayToObject(o, "data");
+    char *b = b64 ? loom_xmalloc(4 * (((size_t)out.dim * 4 + 2) / 3) + 1) : NULL;
+    for (int i = 0; i < out.n; i++) {
+        const float *v = out.values + (size_t)i * out.dim;
+        cJSON *d = cJSON_CreateObject();
+        cJSON_AddStringToObject(d, "object", "embedding");
+        cJSON_AddNumberToObject(d, "index", i);
+        if (b64) {
+            uint8_t *le = loom_xmalloc((size_t)out.dim * 4);
+            for (int j = 0; j < out.dim; j++) {
+                uint32_t u;
+                memcpy(&u, &v[j], 4);
+                for (int k = 0; k < 4; k++) le[(size_t)j * 4 + k] = (uint8_t)(u >> (8 * k));
+            }
+            loom_b64_encode(le, (size_t)out.dim * 4, b);
+            free(le);
+            cJSON_AddStringToObject(d, "embedding", b);
+        } else {
+            cJSON *arr = cJSON_AddArrayToObject(d, "embedding");
+            for (int j = 0; j < out.dim; j++) cJSON_AddItemToArray(arr, cJSON_CreateNumber((double)v[j]));
+        }
+        cJSON_AddItemToArray(data, d);
+    }
+    free(b);
+    cJSON_AddStringToObject(o, "model", mi.id);
+    cJSON *u = cJSON_AddObjectToObject(o, "usage");
+    cJSON_AddNumberToObject(u, "prompt_tokens", out.prompt_tokens);
+    cJSON_AddNumberToObject(u, "total_tokens", out.prompt_tokens);
+    res = respond_json(q, MHD_HTTP_OK, o);
+    goto done;
+bad_field:
+    res = respond_error(q, 400, "invalid_request_error", e.param[0] ? e.param : NULL, NULL, "%s", e.msg);
+done:
+    for (int i = 0; i < n_alloc; i++) free(owned[i]);
+    free(owned);
+    free(ins);
+    loom_embed_result_free(&out);
+    cJSON_Delete(root);
+    return res;
+}
+
 static const struct {
     const char *path;
     route_t route;
@@ -1917,6 +2074,7 @@ static const struct {
     {"/tokenize", R_TOKENIZE, 1, 0},
     {"/detokenize", R_DETOKENIZE, 1, 0},
     {"/version", R_VERSION, 0, 1},
+    {"/v1/embeddings", R_EMBEDDINGS, 1, 0},
 };
 
 /* Routes a request on its first call; a body over the limit is refused
@@ -1925,7 +2083,8 @@ static enum MHD_Result on_headers(req_t *q, const char *url) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_routes); i++)
         if (!strcmp(url, k_routes[i].path)) q->route = k_routes[i].route;
     if (q->route == R_NONE && !strncmp(url, "/v1/models/", 11) && url[11]) q->route = R_MODEL;
-    int post = q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_TOKENIZE || q->route == R_DETOKENIZE;
+    int post = q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_TOKENIZE || q->route == R_DETOKENIZE ||
+               q->route == R_EMBEDDINGS;
     if (post && !strcmp(q->method, "POST")) {
         const char *cl = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
@@ -1986,6 +2145,7 @@ static enum MHD_Result dispatch(req_t *q) {
     case R_TOKENIZE: return handle_tokenize(q);
     case R_DETOKENIZE: return handle_detokenize(q);
     case R_VERSION: return handle_version(q);
+    case R_EMBEDDINGS: return handle_embeddings(q);
     default: return MHD_NO;
     }
 }

@@ -118,6 +118,7 @@ int main(int argc, char **argv) {
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     vllm_opts_t vo = {.port = -1};
     const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
+    const char *pooling = NULL;
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
     loom_opt_t opts[] = {
@@ -179,6 +180,7 @@ int main(int argc, char **argv) {
         {"http-header-timeout-s", LOOM_OPT_INT, &header_timeout, "S", "close an HTTP connection whose request headers are not complete this long after it opened or its last response ended (slow clients; default 10)", 1, 86400, NULL},
         {"http-body-timeout-s", LOOM_OPT_INT, &body_timeout, "S", "close an HTTP connection whose request body is not complete this long after its headers (default 60)", 1, 86400, NULL},
         {"http-max-connections-per-ip", LOOM_OPT_INT, &conns_per_ip, "N", "most simultaneous HTTP connections from one client address; more are closed at once (default 0: only --http-max-connections)", 0, 65536, NULL},
+        {"embedding-pooling", LOOM_OPT_STR, &pooling, "last|mean", "/v1/embeddings and Embed: pool the final hidden states of the last token (vLLM's default for decoder models) or the mean over all tokens, L2-normalised (default last)", 1, 0, NULL},
         {"chat-special-tokens-in-content", LOOM_OPT_FLAG, &special_in_content, NULL, "parse special-token text in chat message content (e.g. <|im_start|>) as control tokens; by default it is plain text", 1, 0, NULL},
     };
     int r = loom_cli_parse_vllm(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
@@ -194,6 +196,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --model is required (see --help)\n");
         return 2;
     }
+    if (pooling && strcmp(pooling, "last") && strcmp(pooling, "mean")) {
+        fprintf(stderr, "error: --embedding-pooling must be last or mean, got '%s'\n", pooling);
+        return 2;
+    }
+    c.embedding_pooling = pooling && !strcmp(pooling, "mean") ? 2 : 1;
     char listen_ep[512], control_ep[512], bind_buf[300], family_buf[32];
     if (loom_endpoint_normalize(c.listen, listen_ep, sizeof listen_ep) < 0 ||
         loom_endpoint_normalize(c.control, control_ep, sizeof control_ep) < 0) {

@@ -133,6 +133,11 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
         mb->steps = loom_xmalloc(S * sizeof(uint64_t));
         mb->copy_src = loom_xmalloc(S * sizeof(int32_t));
         mb->copy_dst = loom_xmalloc(S * sizeof(int32_t));
+        mb->embed_begin = loom_xmalloc(S * sizeof(int32_t));
+        mb->embed_end = loom_xmalloc(S * sizeof(int32_t));
+        mb->embed_pos = loom_xmalloc(S * sizeof(int32_t));
+        mb->embed_seq = loom_xmalloc(S * sizeof(loom_seq_t *));
+        mb->embed_final = loom_xmalloc(S * sizeof(int));
     }
     return s;
 }
@@ -172,6 +177,11 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->steps);
         free(mb->copy_src);
         free(mb->copy_dst);
+        free(mb->embed_begin);
+        free(mb->embed_end);
+        free(mb->embed_pos);
+        free(mb->embed_seq);
+        free(mb->embed_final);
     }
     free(s->mbs);
     free(s->running);
@@ -229,6 +239,31 @@ loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt
     heap_push(s, q);
     *out = q;
     return LOOM_OK;
+}
+
+loom_status_t loom_sched_add_embed(loom_sched_t *s, uint64_t id, const int32_t *prompt, int n_prompt,
+                                   loom_pooling_t pooling, int priority, void *user, loom_seq_t **out,
+                                   loom_err_t *err) {
+    if (pooling != LOOM_POOL_LAST && pooling != LOOM_POOL_MEAN)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown pooling %d", (int)pooling);
+    loom_sampling_t none = {0};
+    LOOM_CHECK(loom_sched_add(s, id, prompt, n_prompt, 1, priority, &none, user, out, err));
+    (*out)->embed = pooling;
+    return LOOM_OK;
+}
+
+/* An embedding sequence's share of a chunk: the whole chunk (mean), or its
+ * last token once the chunk reaches the end of the prompt (last). */
+static void add_embed_range(loom_microbatch_t *mb, loom_seq_t *q, int take) {
+    int end = q->n_computed + take == q->n_tokens;
+    if (q->embed == LOOM_POOL_LAST && !end) return;
+    int e = mb->n_embeds++, t1 = mb->n_tokens;
+    int t0 = q->embed == LOOM_POOL_LAST ? t1 - 1 : t1 - take;
+    mb->embed_begin[e] = t0;
+    mb->embed_end[e] = t1;
+    mb->embed_pos[e] = mb->pos[t0];
+    mb->embed_seq[e] = q;
+    mb->embed_final[e] = end;
 }
 
 /* Drops a running sequence's KV and sends it back to the waiting queue. */
@@ -312,7 +347,9 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->slots[t] = q->blocks[p / B] * B + p % B;
         mb->tok_seq[t] = si;
     }
-    if (q->n_computed + take == q->n_tokens) { /* the chunk reaches the end: sample the next token */
+    if (q->embed) {
+        add_embed_range(mb, q, take);
+    } else if (q->n_computed + take == q->n_tokens) { /* the chunk reaches the end: sample the next token */
         int r = mb->n_logits++;
         mb->logit_rows[r] = mb->n_tokens - 1;
         mb->logit_seq[r] = q;
@@ -393,7 +430,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             break;
         }
     if (!mb) return NULL;
-    mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = 0;
+    mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = 0;
     int budget = c->max_batched_tokens;
     int cap = c->max_num_seqs;
     if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */
@@ -435,7 +472,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
     /* 3. admissions: priority, then first come first served */
     while (s->n_waiting > 0 && budget > 0 && mb->n_seqs < cap && s->n_running < c->max_num_seqs) {
         loom_seq_t *q = s->heap[0];
-        if (q->n_blocks == 0) prefix_lookup(s, mb, q);
+        if (q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN) prefix_lookup(s, mb, q);
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
         int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
         if (take > room) take = room;

@@ -34,6 +34,12 @@
 
 typedef enum { LOOM_SEQ_WAITING = 0, LOOM_SEQ_RUNNING, LOOM_SEQ_FINISHED } loom_seq_state_t;
 
+/* An embedding sequence's pooling: nothing is sampled for it; its prefill
+ * asks the last stage for the final-normed hidden state of its last token,
+ * or for the sum over all its tokens (mean: the prefix cache is not used,
+ * every token must run). */
+typedef enum { LOOM_POOL_NONE = 0, LOOM_POOL_LAST, LOOM_POOL_MEAN } loom_pooling_t;
+
 typedef struct loom_seq {
     uint64_t id;
     void *user;              /* the caller's request record */
@@ -59,6 +65,7 @@ typedef struct loom_seq {
     int n_preempted;
     int heap_pos, run_pos;   /* positions in the waiting heap / running array */
     uint64_t t_arrival_ns, t_first_token_ns, t_admitted_ns;
+    loom_pooling_t embed;    /* LOOM_POOL_NONE: a generation */
 } loom_seq_t;
 
 typedef struct loom_sched_config {
@@ -91,6 +98,13 @@ typedef struct loom_microbatch {
     uint64_t *steps;         /* (n_logits) generated-token index */
     int n_copies;
     int32_t *copy_src, *copy_dst; /* block copies to do before the step */
+    /* embedding ranges: the hidden states of tokens [embed_begin, embed_end)
+     * of this batch are summed for embed_seq, whose positions they are from
+     * embed_pos on; embed_final: the range ends the sequence's prompt */
+    int n_embeds;
+    int32_t *embed_begin, *embed_end, *embed_pos;
+    loom_seq_t **embed_seq;
+    int *embed_final;
     int in_use;
 } loom_microbatch_t;
 
@@ -115,6 +129,13 @@ loom_kv_ledger_t *loom_sched_ledger(loom_sched_t *s);
 loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt, int n_prompt,
                              int max_tokens, int priority, const loom_sampling_t *sampling,
                              void *user, loom_seq_t **out, loom_err_t *err);
+
+/* Queues an embedding of the prompt (pooling LAST or MEAN): errors as
+ * loom_sched_add. The sequence is prefilled, never sampled; the caller
+ * finishes it when its final embedding range has completed. */
+loom_status_t loom_sched_add_embed(loom_sched_t *s, uint64_t id, const int32_t *prompt, int n_prompt,
+                                   loom_pooling_t pooling, int priority, void *user, loom_seq_t **out,
+                                   loom_err_t *err);
 
 /* Builds the next micro-batch; NULL when there is nothing to run or every
  * micro-batch slot is in flight. */

@@ -93,6 +93,9 @@ struct loom_server {
     loom_sched_t *sched;
     loom_metrics_t *metrics;
     request_t *reqs; /* doubly linked list of live requests */
+    struct embed_req *embeds; /* live Embed calls */
+    loom_seq_t **embed_done;  /* the completing step's finished embedding sequences */
+    int n_embed_done, cap_embed_done;
     int n_reqs;
     size_t max_piece;
     char *text_buf;
@@ -360,12 +363,226 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     q->n_pending -= emit;
 }
 
+/* ---- embeddings (the Embed method) ------------------------------------------------------ */
+
+/* One Embed call: each input is a sequence of its own (sched.h
+ * loom_sched_add_embed), all queued at once; the reply goes when the last
+ * has its vector. */
+typedef struct embed_item {
+    struct embed_req *req;
+    loom_seq_t *seq;  /* NULL once its vector is complete */
+    int index;
+} embed_item_t;
+
+typedef struct embed_req {
+    uint8_t rid[256];
+    size_t rid_len;
+    uint64_t request_id;
+    char tag[MAX_TAG + 1];
+    int n, n_left, prompt_tokens;
+    embed_item_t *items; /* (n) */
+    float *vec;          /* (n, dim) sums, then unit vectors */
+    struct embed_req *prev, *next;
+} embed_req_t;
+
+static int valid_tag(const char *t);
+
+static void embed_unlink_free(loom_server_t *s, embed_req_t *e) {
+    if (e->prev) e->prev->next = e->next;
+    else s->embeds = e->next;
+    if (e->next) e->next->prev = e->prev;
+    for (int i = 0; i < e->n; i++)
+        if (e->items[i].seq && s->sched) loom_sched_finish(s->sched, e->items[i].seq);
+    free(e->items);
+    free(e->vec);
+    free(e);
+}
+
+static void embed_fail(loom_server_t *s, embed_req_t *e, loom_status_t code, const char *msg) {
+    reply_error(s, e->rid, e->rid_len, e->request_id, code, msg);
+    embed_unlink_free(s, e);
+}
+
+static void embed_fail_all(loom_server_t *s, loom_status_t code, const char *msg) {
+    while (s->embeds) embed_fail(s, s->embeds, code, msg);
+}
+
+static void embed_reply(loom_server_t *s, embed_req_t *e) {
+    size_t dim = (size_t)s->mcfg.dim;
+    Loom__V1__Embedding *rows = loom_xcalloc((size_t)e->n, sizeof *rows);
+    Loom__V1__Embedding **ptrs = loom_xcalloc((size_t)e->n, sizeof *ptrs);
+    for (int i = 0; i < e->n; i++) {
+        loom__v1__embedding__init(&rows[i]);
+        rows[i].values = e->vec + (size_t)i * dim;
+        rows[i].n_values = dim;
+        ptrs[i] = &rows[i];
+    }
+    Loom__V1__EmbedReply er = LOOM__V1__EMBED_REPLY__INIT;
+    er.data = ptrs;
+    er.n_data = (size_t)e->n;
+    er.prompt_tokens = (uint32_t)e->prompt_tokens;
+    er.pooling = s->cfg.embedding_pooling == LOOM_POOL_MEAN ? "mean" : "last";
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = e->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_EMBED;
+    r.embed = &er;
+    send_reply(s, e->rid, e->rid_len, &r);
+    loom_log_req(LOOM_LOG_DEBUG, e->tag, "embed %llu done: %d input(s), %d tokens",
+                 (unsigned long long)e->request_id, e->n, e->prompt_tokens);
+    s->requests_finished++;
+    free(ptrs);
+    free(rows);
+    embed_unlink_free(s, e);
+}
+
+/* A completed micro-batch's embedding ranges (before loom_sched_complete):
+ * the sums are added up per sequence (a range starting at position 0 starts
+ * over: a preempted sequence is prefilled again); a sequence's final range
+ * makes its vector, L2-normalised (which makes sum and mean the same). */
+static int embed_step(loom_server_t *s, loom_microbatch_t *mb, const Loom__V1__StepResult *r, char *err,
+                      size_t err_n) {
+    size_t dim = (size_t)s->mcfg.dim;
+    if (r->n_embeddings != (size_t)mb->n_embeds * dim) {
+        snprintf(err, err_n, "the last stage returned %zu embedding values for %d range(s) of %zu", r->n_embeddings,
+                 mb->n_embeds, dim);
+        return -1;
+    }
+    for (int k = 0; k < mb->n_embeds; k++) {
+        loom_seq_t *q = mb->embed_seq[k];
+        if (q->finish_pending) continue;
+        embed_item_t *it = q->user;
+        embed_req_t *e = it->req;
+        float *v = e->vec + (size_t)it->index * dim;
+        const float *src = r->embeddings + (size_t)k * dim;
+        if (mb->embed_pos[k] == 0 || q->embed == LOOM_POOL_LAST) memset(v, 0, dim * sizeof *v);
+        for (size_t j = 0; j < dim; j++) v[j] += src[j];
+        if (!mb->embed_final[k]) continue;
+        double ss = 0;
+        for (size_t j = 0; j < dim; j++) ss += (double)v[j] * v[j];
+        double inv = ss > 0 ? 1.0 / sqrt(ss) : 0.0;
+        for (size_t j = 0; j < dim; j++) v[j] = (float)(v[j] * inv);
+        /* finished after loom_sched_complete, so that its blocks join the prefix cache */
+        if (s->n_embed_done == s->cap_embed_done) {
+            s->cap_embed_done = s->cap_embed_done ? 2 * s->cap_embed_done : 64;
+            s->embed_done = loom_xrealloc(s->embed_done, (size_t)s->cap_embed_done * sizeof *s->embed_done);
+        }
+        s->embed_done[s->n_embed_done++] = q;
+        it->seq = NULL;
+        if (--e->n_left == 0) embed_reply(s, e);
+    }
+    return 0;
+}
+
+#define MAX_EMBED_INPUTS 2048
+
+static void on_embed(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    const Loom__V1__EmbedRequest *g = rq->embed;
+    char msg[600];
+    loom_err_t err = {0};
+    loom_status_t code = LOOM_ERR_INVALID_ARGUMENT;
+    int32_t *ids = NULL;
+    int n_ids = 0, cap = 0;
+    embed_req_t *e = NULL;
+    if (s->draining) {
+        snprintf(msg, sizeof msg, "draining: this coordinator is shutting down and admits no new requests");
+        code = LOOM_ERR_UNAVAILABLE;
+        goto refuse;
+    }
+    if (loom_grid_state(s->grid) != LOOM_GRID_READY || !s->sched) {
+        loom_grid_describe(s->grid, msg, sizeof msg);
+        code = LOOM_ERR_UNAVAILABLE;
+        goto refuse;
+    }
+    if (g->model && g->model[0] && strcmp(g->model, s->model_name) != 0) {
+        snprintf(msg, sizeof msg, "model '%s' is not served here; this server serves '%s'", g->model, s->model_name);
+        code = LOOM_ERR_NOT_FOUND;
+        goto refuse;
+    }
+    if (g->tag && g->tag[0] && !valid_tag(g->tag)) {
+        snprintf(msg, sizeof msg, "tag must be at most %d printable ASCII characters", MAX_TAG);
+        goto refuse;
+    }
+    if (g->n_inputs == 0) {
+        snprintf(msg, sizeof msg, "input is empty: give at least one text or list of token ids");
+        goto refuse;
+    }
+    if (g->n_inputs > MAX_EMBED_INPUTS) {
+        snprintf(msg, sizeof msg, "input has %zu items; at most %d are allowed", g->n_inputs, MAX_EMBED_INPUTS);
+        goto refuse;
+    }
+    e = loom_xcalloc(1, sizeof *e);
+    memcpy(e->rid, rid, rid_len);
+    e->rid_len = rid_len;
+    e->request_id = rq->request_id;
+    snprintf(e->tag, sizeof e->tag, "%s", g->tag ? g->tag : "");
+    e->n = (int)g->n_inputs;
+    e->items = loom_xcalloc(g->n_inputs, sizeof *e->items);
+    e->vec = loom_xcalloc(g->n_inputs * (size_t)s->mcfg.dim, sizeof *e->vec);
+    e->next = s->embeds;
+    if (s->embeds) s->embeds->prev = e;
+    s->embeds = e;
+    loom_pooling_t pool = s->cfg.embedding_pooling == LOOM_POOL_MEAN ? LOOM_POOL_MEAN : LOOM_POOL_LAST;
+    for (size_t i = 0; i < g->n_inputs; i++) {
+        const Loom__V1__EmbedInput *in = g->inputs[i];
+        n_ids = 0;
+        if (in->text && in->text[0]) {
+            if (loom_tokenizer_encode(s->tok, in->text, strlen(in->text), 1, 0, &ids, &n_ids, &cap, &err) < 0) {
+                snprintf(msg, sizeof msg, "cannot tokenize input %zu: %s", i, err.msg);
+                goto refuse;
+            }
+        } else {
+            for (size_t j = 0; j < in->n_ids; j++)
+                if (in->ids[j] < 0 || in->ids[j] >= s->mcfg.vocab_size) {
+                    snprintf(msg, sizeof msg, "input %zu: token id %d at %zu is outside the vocabulary [0, %d)", i,
+                             in->ids[j], j, s->mcfg.vocab_size);
+                    goto refuse;
+                }
+            if (cap < (int)in->n_ids) {
+                cap = (int)in->n_ids;
+                ids = loom_xrealloc(ids, (size_t)cap * sizeof *ids);
+            }
+            if (in->n_ids) memcpy(ids, in->ids, in->n_ids * sizeof *ids);
+            n_ids = (int)in->n_ids;
+        }
+        if (n_ids == 0) {
+            snprintf(msg, sizeof msg, "input %zu is empty", i);
+            goto refuse;
+        }
+        if (n_ids >= s->max_model_len) {
+            snprintf(msg, sizeof msg, "input %zu is %d tokens; the context length is %d", i, n_ids, s->max_model_len);
+            goto refuse;
+        }
+        e->items[i].req = e;
+        e->items[i].index = (int)i;
+        loom_status_t st = loom_sched_add_embed(s->sched, rq->request_id, ids, n_ids, pool, g->priority,
+                                                &e->items[i], &e->items[i].seq, &err);
+        if (st < 0) {
+            code = st;
+            snprintf(msg, sizeof msg, "input %zu: %s", i, err.msg);
+            goto refuse;
+        }
+        e->prompt_tokens += n_ids;
+    }
+    free(ids);
+    e->n_left = e->n;
+    s->prompt_tokens_total += (uint64_t)e->prompt_tokens;
+    loom_log_req(LOOM_LOG_DEBUG, e->tag, "embed %llu queued: %d input(s), %d tokens", (unsigned long long)e->request_id,
+                 e->n, e->prompt_tokens);
+    return;
+refuse:
+    free(ids);
+    s->requests_rejected++;
+    if (e) embed_unlink_free(s, e);
+    reply_error(s, rid, rid_len, rq->request_id, code, msg);
+}
+
 /* Ends every live request with an error (the grid failed or is going away). */
 static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *msg) {
     while (s->reqs) {
         request_t *q = s->reqs;
         req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, code, msg);
     }
+    embed_fail_all(s, code, msg);
 }
 
 /* ---- the grid's callbacks ---------------------------------------------------------- */
@@ -432,7 +649,10 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
+    s->n_embed_done = 0;
+    if (embed_step(s, mb, r, err, err_n) < 0) return -1;
     loom_sched_complete(s->sched, mb, r->ids, on_token, s);
+    for (int i = 0; i < s->n_embed_done; i++) loom_sched_finish(s->sched, s->embed_done[i]);
     loom_lp_view_unbind(&s->lp_view);
     return 0;
 }
@@ -751,6 +971,7 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
         case LOOM__V1__REQUEST__BODY_HEALTH: on_health(s, rid, rid_len, rq); break;
         case LOOM__V1__REQUEST__BODY_LIST_MODELS: on_list_models(s, rid, rid_len, rq); break;
         case LOOM__V1__REQUEST__BODY_STATS: on_stats(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_EMBED: on_embed(s, rid, rid_len, rq); break;
         default: break;
         }
     }
@@ -847,13 +1068,14 @@ static int drain_step(loom_server_t *s) {
         LOOM_INFO("draining: new requests are refused; %d request(s) in flight get up to %d ms to finish", s->n_reqs,
                   s->cfg.shutdown_timeout_ms);
     }
-    if (s->n_reqs == 0) {
+    if (s->n_reqs == 0 && !s->embeds) {
         LOOM_INFO("drained: no request left in flight");
         return 1;
     }
     if (now < s->drain_deadline) return 0;
     LOOM_WARN("shutdown timeout: ending %d request(s) still in flight", s->n_reqs);
     while (s->reqs) cut_request(s, s->reqs);
+    embed_fail_all(s, LOOM_ERR_UNAVAILABLE, "the coordinator shut down before the embeddings were computed");
     return 1;
 }
 
@@ -1002,6 +1224,7 @@ void loom_server_destroy(loom_server_t **s_p) {
         req_unlink(s, q);
         req_free(q);
     }
+    embed_fail_all(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
     loom_grid_destroy(&s->grid);
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);
@@ -1011,6 +1234,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     if (s->zctx) zmq_ctx_term(s->zctx);
     loom_tokenizer_destroy(&s->tok);
     loom_lp_view_free(&s->lp_view);
+    free(s->embed_done);
     free(s->text_buf);
     free(s);
 }

@@ -41,6 +41,7 @@ typedef struct loom_server_config {
     uint64_t seed;            /* so the same requests in the same order give the same text */
     loom_coord_security_t security; /* CURVE keys of the control plane and the client API */
     const char *kv_events;    /* publish prefix-cache events here for routers (NULL: off) */
+    int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

@@ -77,6 +77,7 @@ const char *loom_wire_method(Loom__V1__Request__BodyCase body) {
     case LOOM__V1__REQUEST__BODY_HEALTH: return "loom.v1.Health";
     case LOOM__V1__REQUEST__BODY_LIST_MODELS: return "loom.v1.ListModels";
     case LOOM__V1__REQUEST__BODY_STATS: return "loom.v1.Stats";
+    case LOOM__V1__REQUEST__BODY_EMBED: return "loom.v1.Embed";
     default: return "";
     }
 }
@@ -124,6 +125,12 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
         if (p->copy_src[i] < 0 || p->copy_src[i] >= lim->n_blocks || p->copy_dst[i] < 0 ||
             p->copy_dst[i] >= lim->n_blocks)
             return loom_err_set(err, LOOM_ERR_FORMAT, "block copy %zu out of range", i);
+    if (p->n_embed_begin != p->n_embed_end || p->n_embed_begin > p->n_tokens)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "embedding ranges: %zu begins, %zu ends", p->n_embed_begin,
+                            p->n_embed_end);
+    for (size_t i = 0; i < p->n_embed_begin; i++)
+        if (p->embed_begin[i] < 0 || p->embed_end[i] <= p->embed_begin[i] || (size_t)p->embed_end[i] > p->n_tokens)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "embedding range %zu out of range", i);
     return LOOM_OK;
 }
 

@@ -1049,3 +1049,20 @@ void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t 
 void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows) {
     loom_backend_download(m->be, dst, m->logits, (size_t)n_rows * m->dims.vocab * sizeof(float));
 }
+
+void loom_model_pool_hidden(loom_model_t *m, int t0, int t1, float *out) {
+    LOOM_ASSERT(m->spec.has_head && t0 >= 0 && t0 < t1 && t1 <= m->opt.max_tokens);
+    const int dim = m->cfg.dim, cap = m->opt.max_logits;
+    float *rows = loom_xmalloc((size_t)LOOM_MIN(cap, t1 - t0) * (size_t)dim * sizeof(float));
+    memset(out, 0, (size_t)dim * sizeof(float));
+    for (int t = t0; t < t1; t += cap) {
+        int n = LOOM_MIN(cap, t1 - t);
+        /* xl is free once the head has run: the rows are normed there as the head's input is */
+        loom_backend_copy(m->be, m->xl, m->x + (size_t)t * dim, (size_t)n * dim * sizeof(float));
+        loom_op_rmsnorm(m->be, m->xl, m->xl, m->final_norm, n, dim, m->cfg.norm_eps);
+        loom_backend_download(m->be, rows, m->xl, (size_t)n * dim * sizeof(float));
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < dim; j++) out[j] += rows[(size_t)i * dim + j];
+    }
+    free(rows);
+}

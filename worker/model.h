@@ -104,6 +104,10 @@ float *loom_model_logits(loom_model_t *m); /* device (max_logits, dims.vocab) */
  * row, with room for loom_sample_k candidates each (see kernels/sampling.h). */
 void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t *params,
                              const uint64_t *steps, loom_sample_part_t *parts);
+/* Last stage: sums the final-normed hidden states (the LM head's input) of
+ * tokens [t0, t1) of the last forward into out (host, dim floats). After
+ * the logits are taken (it reuses the head's input buffer). */
+void loom_model_pool_hidden(loom_model_t *m, int t0, int t1, float *out);
 /* Rows the last forward added to reach its bucket (0 when not padded). */
 int loom_model_last_pad(const loom_model_t *m);
 /* Downloads the logits of the last forward (n_logits x dims.vocab) to host. */

@@ -97,6 +97,8 @@ typedef struct worker {
     float *edit_row; /* one logit row edited on the host (logits_proc.h) */
     size_t edit_cap;
     loom_logprobs_t lp; /* the rows' log probabilities (logits_proc.h) */
+    float *emb;         /* (n_emb floats) the step's embedding sums (last stage, TP rank 0) */
+    size_t n_emb, cap_emb;
     /* trace: (step, begin_ns, end_ns) of recent steps */
     uint64_t (*trace)[3];
     int n_trace, cap_trace;
@@ -148,6 +150,10 @@ static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int
         r.top_ids = lp->top_ids;
         r.top_logprobs = lp->top_lps;
         r.n_top_ids = r.n_top_logprobs = (size_t)lp->n_tops;
+    }
+    if (code == LOOM_OK && w->n_emb) {
+        r.embeddings = w->emb;
+        r.n_embeddings = w->n_emb;
     }
     r.epoch = epoch;
     r.step_id = step_id;
@@ -445,6 +451,20 @@ static void dump_logits(worker_t *w, uint64_t step_id, int rows) {
     free(buf);
 }
 
+/* The plan's embedding ranges (checked by loom_wire_check_plan): one sum of
+ * final-normed hidden rows each. The hidden states are replicated on every
+ * TP rank after the last all-reduce, so rank 0 answers alone. */
+static void pool_embeddings(worker_t *w, const Loom__V1__StepPlan *p) {
+    size_t dim = (size_t)w->cfg.dim, need = p->n_embed_begin * dim;
+    if (need > w->cap_emb) {
+        w->emb = loom_xrealloc(w->emb, need * sizeof(float));
+        w->cap_emb = need;
+    }
+    for (size_t i = 0; i < p->n_embed_begin; i++)
+        loom_model_pool_hidden(w->model, p->embed_begin[i], p->embed_end[i], w->emb + i * dim);
+    w->n_emb = need;
+}
+
 static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__StepPlan *p = m->step;
     loom_err_t err = {0};
@@ -454,6 +474,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     int last = a && a->stage + 1 == a->n_stages, rank0 = a && a->tp_rank == 0;
     loom_status_t s = LOOM_OK;
     loom_logprobs_reset_results(&w->lp);
+    w->n_emb = 0;
     if (!w->model || !w->comm || !a || p->epoch != w->epoch) {
         s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "worker %s is not serving epoch %llu", w->id,
                          (unsigned long long)p->epoch);
@@ -485,6 +506,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;
     }
+    if (rank0 && p->n_embed_begin) pool_embeddings(w, p);
     int rows = (int)p->n_logit_rows;
     if (rows == 0) goto report;
     int vocab = w->cfg.vocab_size;
@@ -1135,6 +1157,7 @@ int main(int argc, char **argv) {
     free(w.ids);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);
+    free(w.emb);
     free(w.gather_send);
     free(w.gather_recv);
     free(w.trace);

@@ -128,6 +128,7 @@ def test_bad_input():
 def test_help_everywhere():
     for cmd in (["loom", "--help"], ["loom", "run", "--help"], ["loom", "generate", "--help"],
                 ["loom", "bench", "--help"], ["loom", "health", "--help"], ["loom", "stats", "--help"],
+                ["loom", "embed", "--help"],
                 ["loom-coordinator", "--help"], ["loom-worker", "--help"]):
         p = subprocess.run([os.path.join(BIN, cmd[0])] + cmd[1:], capture_output=True, text=True, timeout=30)
         check(p.returncode == 0 and "usage:" in p.stdout, "%s: %r" % (" ".join(cmd), p.stdout + p.stderr))

@@ -278,8 +278,9 @@ def gemma_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight)
 
 
-def forward(model, ids):
-    """-> float64 logits (len(ids), vocab) for every position."""
+def forward(model, ids, hidden=False):
+    """-> float64 logits (len(ids), vocab) for every position (hidden: the
+    final-normed hidden states (len(ids), dim), the LM head's input)."""
     cfg, w = model["cfg"], model["w"]
     T = len(ids)
     H, KV, hd = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
@@ -331,7 +332,15 @@ def forward(model, ids):
         f = (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         x = x + (norm(f, w[p + "post_feedforward_layernorm.weight"], cfg["eps"]) if gemma else f)
     x = norm(x, w["model.norm.weight"], cfg["eps"])
-    return x @ w["lm_head.weight"].T
+    return x if hidden else x @ w["lm_head.weight"].T
+
+
+def embedding(model, ids, pooling):
+    """vLLM's embed task for a decoder LM: the last token's (or the mean of
+    all) final-normed hidden state(s), L2-normalised; float64 (dim,)."""
+    h = forward(model, ids, hidden=True)
+    v = h[-1] if pooling == "last" else h.mean(dim=0)
+    return v / v.norm()
 
 
 def argmax_lowest(row):
@@ -653,6 +662,8 @@ def main(argv=None):
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="--greedy with vLLM's frequency penalty")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="--greedy with vLLM's repetition penalty")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID:B", help="--greedy with a logit bias")
+    p.add_argument("--embed-out", help="write the float64 LE embedding (dim,) of --ids (see --pooling)")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last", help="--embed-out pooling")
     p.add_argument("--decode-with", help="tokenizer directory: print decoded text to stderr")
     p.add_argument("--self-test", action="store_true")
     a = p.parse_args(argv)
@@ -670,6 +681,10 @@ def main(argv=None):
         np.ascontiguousarray(logits.numpy(), dtype="<f4").tofile(a.logits_out)
         log("wrote %s: %d x %d float32 logits (positions %d..%d)"
             % (a.logits_out, logits.shape[0], logits.shape[1], a.positions_from, len(a.ids) - 1))
+    if a.embed_out:
+        v = embedding(model, a.ids, a.pooling)
+        np.ascontiguousarray(v.numpy(), dtype="<f8").tofile(a.embed_out)
+        log("wrote %s: a %s-pooled embedding of %d values" % (a.embed_out, a.pooling, v.shape[0]))
     gen = []
     if a.greedy > 0:
         pen = {"presence": a.presence_penalty, "frequency": a.frequency_penalty,

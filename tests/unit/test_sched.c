@@ -336,6 +336,78 @@ static void test_priority_order(void) {
     loom_sched_destroy(&s);
 }
 
+/* Runs a micro-batch that has no logit rows (embeddings only). */
+static void complete_embeds(loom_sched_t *s, loom_microbatch_t *mb) {
+    CHECK(mb->n_logits == 0);
+    loom_sched_complete(s, mb, NULL, NULL, NULL);
+}
+
+static void test_embedding_ranges(void) {
+    /* Embedding sequences are prefilled in chunks and never sampled: mean
+     * pooling asks for every token of every chunk, last pooling for the
+     * last prompt token once; last pooling uses the prefix cache, mean
+     * pooling does not. */
+    loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 5, .max_queue = 8,
+                               .max_model_len = 64, .n_micro = 1, .block_size = 4, .n_blocks = 32,
+                               .prefix_cache = 1};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    int32_t p[12] = {10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21};
+    loom_seq_t *mean, *last;
+    loom_err_t err;
+    CHECK(loom_sched_add_embed(s, 1, p, 12, LOOM_POOL_NONE, 0, NULL, &mean, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    REQUIRE(loom_sched_add_embed(s, 1, p, 12, LOOM_POOL_MEAN, 0, NULL, &mean, &err) == LOOM_OK);
+    int want_pos[3] = {0, 5, 10}, want_len[3] = {5, 5, 2};
+    for (int k = 0; k < 3; k++) {
+        loom_microbatch_t *mb = loom_sched_schedule(s);
+        REQUIRE(mb && mb->n_embeds == 1);
+        CHECK(mb->embed_seq[0] == mean && mb->embed_pos[0] == want_pos[k]);
+        CHECK(mb->embed_end[0] - mb->embed_begin[0] == want_len[k] && mb->embed_final[0] == (k == 2));
+        CHECK(mb->pos[mb->embed_begin[0]] == want_pos[k]);
+        complete_embeds(s, mb);
+    }
+    CHECK(mean->n_computed == 12 && mean->n_tokens == 12);
+    CHECK(loom_sched_schedule(s) == NULL); /* done: nothing more runs until it is finished */
+    loom_sched_finish(s, mean);
+    /* last pooling of an 8-token prefix: the full blocks are cached now */
+    REQUIRE(loom_sched_add_embed(s, 2, p, 8, LOOM_POOL_LAST, 0, NULL, &last, &err) == LOOM_OK);
+    loom_microbatch_t *mb = loom_sched_schedule(s);
+    REQUIRE(mb);
+    CHECK(last->cached_tokens == 7 && mb->n_copies == 1 && mb->n_tokens == 1);
+    REQUIRE(mb->n_embeds == 1);
+    CHECK(mb->embed_pos[0] == 7 && mb->embed_end[0] - mb->embed_begin[0] == 1 && mb->embed_final[0]);
+    complete_embeds(s, mb);
+    loom_sched_finish(s, last);
+    /* mean pooling never takes cached blocks: every token's hidden state is needed */
+    REQUIRE(loom_sched_add_embed(s, 3, p, 8, LOOM_POOL_MEAN, 0, NULL, &mean, &err) == LOOM_OK);
+    mb = loom_sched_schedule(s);
+    REQUIRE(mb && mb->n_embeds == 1);
+    CHECK(mean->cached_tokens == 0 && mb->embed_pos[0] == 0 && mb->n_copies == 0);
+    /* preempted (a failed step): its ranges start again at position 0 */
+    loom_sched_fail(s, mb);
+    mb = loom_sched_schedule(s);
+    REQUIRE(mb && mb->n_embeds == 1 && mb->embed_pos[0] == 0);
+    complete_embeds(s, mb);
+    mb = loom_sched_schedule(s);
+    REQUIRE(mb && mb->n_embeds == 1 && mb->embed_pos[0] == 5 && mb->embed_final[0]);
+    /* a generation batched with it gets its logit row, the embedding none */
+    loom_sampling_t sp = {0};
+    loom_seq_t *gen;
+    complete_embeds(s, mb);
+    loom_sched_finish(s, mean);
+    REQUIRE(loom_sched_add(s, 4, p, 3, 2, 0, &sp, NULL, &gen, &err) == LOOM_OK);
+    REQUIRE(loom_sched_add_embed(s, 5, p + 4, 2, LOOM_POOL_LAST, 0, NULL, &last, &err) == LOOM_OK);
+    mb = loom_sched_schedule(s);
+    REQUIRE(mb && mb->n_seqs == 2);
+    CHECK(mb->n_logits == 1 && mb->logit_seq[0] == gen && mb->n_embeds == 1 && mb->embed_seq[0] == last);
+    CHECK(mb->embed_begin[0] == 4 && mb->embed_end[0] == 5);
+    int32_t ids[1] = {7};
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    loom_sched_finish(s, gen);
+    loom_sched_finish(s, last);
+    CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
+    loom_sched_destroy(&s);
+}
+
 int main(void) {
     RUN(test_ledger_basics);
     RUN(test_admission_errors);
@@ -346,5 +418,6 @@ int main(void) {
     RUN(test_pipeline_micro_batches);
     RUN(test_full_prompt_hit_copy_on_write);
     RUN(test_sliding_window_frees_blocks);
+    RUN(test_embedding_ranges);
     return test_summary();
 }
