@@ -38,6 +38,7 @@
 
 #include "client/commands.h"
 #include "common/cli.h"
+#include "common/endpoint.h"
 #include "common/keys.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -458,8 +459,12 @@ int loom_cmd_serve(int argc, char **argv) {
     snprintf(s.ready_file, sizeof s.ready_file, "%s/ready", s.run_dir);
 
     char zmq_addr[300], ctl_addr[64], url[300];
-    if (zmq_listen) snprintf(zmq_addr, sizeof zmq_addr, "%s", zmq_listen);
-    else snprintf(zmq_addr, sizeof zmq_addr, "tcp://127.0.0.1:%d", api_port);
+    if (zmq_listen && loom_endpoint_normalize(zmq_listen, zmq_addr, sizeof zmq_addr) < 0) {
+        fprintf(stderr, "error: --zmq-listen: '%s' is not an address\n", zmq_listen);
+        rmdir(s.run_dir);
+        return 2;
+    }
+    if (!zmq_listen) snprintf(zmq_addr, sizeof zmq_addr, "tcp://127.0.0.1:%d", api_port);
     snprintf(ctl_addr, sizeof ctl_addr, "127.0.0.1:%d", ctl_port); /* the control plane: this machine only */
     snprintf(url, sizeof url, strchr(host, ':') ? "http://[%s]:%d/v1" : "http://%s:%d/v1", host, port);
 

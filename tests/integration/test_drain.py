@@ -140,6 +140,19 @@ def async_generate(addr, max_tokens, extra=()):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def wait_running(addr, n, timeout=30):
+    """Until the coordinator runs n requests: a client's start-up (the loom
+    binary, its connect) takes longer than a fixed sleep on a loaded machine."""
+    def running():
+        p = subprocess.run([os.path.join(BIN, "loom"), "stats", "--addr", addr], capture_output=True, text=True,
+                           timeout=30)
+        try:
+            return p.returncode == 0 and json.loads(p.stdout)["running"] >= n
+        except ValueError:
+            return False
+    wait_for(running, timeout, "%d running request(s)" % n)
+
+
 def ids_of(err):
     return [int(x) for line in err.splitlines() if line.startswith("ids:") for x in line[4:].split()]
 
@@ -152,16 +165,19 @@ def test_sigterm_drains():
         co = P.coordinator(model, port, hport, extra=["--shutdown-timeout", "300"])
         P.worker("w0", port)
         wait_ready(co)
-        # streams of about 3 s, whatever the build's speed (the sanitizer build is ~50x slower)
+        # streams of about 6 s, whatever the build's speed (the sanitizer build is ~50x slower)
+        # (the time of 65 tokens less that of 1: the client's own start-up left out)
         t0 = time.time()
-        rc, _, _, err = generate(addr, PROMPT, 64, extra=["--ignore-eos"])
-        check(rc == 0, "warm-up: %s" % err)
-        n = max(100, min(2000, int(64 / (time.time() - t0) * 3)))
+        rc, _, _, err = generate(addr, PROMPT, 1, extra=["--ignore-eos"])
+        t1 = time.time()
+        rc2, _, _, err2 = generate(addr, PROMPT, 65, extra=["--ignore-eos"])
+        check(rc == 0 and rc2 == 0, "warm-up: %s %s" % (err, err2))
+        n = max(100, min(4000, int(64 / max(1e-3, (time.time() - t1) - (t1 - t0)) * 6)))
         expect = run_local(model, PROMPT, n, extra=["--ignore-eos"])[1]
         zs = async_generate(addr, n)
         hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0},
                               timeout=60)
-        time.sleep(0.3)
+        wait_running(addr, 2)
         check(zs.poll() is None, "the ZeroMQ stream ended before SIGTERM")
         t0 = time.time()
         co.send_signal(signal.SIGTERM)
@@ -200,7 +216,7 @@ def test_shutdown_timeout_cuts_streams():
         zs = async_generate(addr, 4000)
         hs, got = open_stream(hport, {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature": 0},
                               timeout=60)
-        time.sleep(0.3)
+        wait_running(addr, 2)
         t0 = time.time()
         co.send_signal(signal.SIGTERM)
         out, zerr = zs.communicate(timeout=30)
@@ -227,7 +243,7 @@ def test_second_signal_exits_at_once():
         P.worker("w0", port)
         wait_ready(co)
         zs = async_generate("tcp://127.0.0.1:%d" % port, 4000)
-        time.sleep(0.3)
+        wait_running("tcp://127.0.0.1:%d" % port, 1)
         t0 = time.time()
         co.send_signal(signal.SIGTERM)
         time.sleep(0.2)
