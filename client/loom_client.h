@@ -60,6 +60,8 @@ typedef struct loom_gen_params {
     int include_stop_str_in_output;
     int logprobs;                              /* chunks carry their tokens' log probabilities */
     int top_logprobs;                          /* and the most likely tokens', at most 20 */
+    int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
+    const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
 } loom_gen_params_t;
 
 typedef enum {

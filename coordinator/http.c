@@ -570,6 +570,8 @@ static const struct {
     {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
     {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT}, {"echo", F_ALL},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
+    {"guided_json", F_ALL}, {"guided_regex", F_ALL}, {"guided_choice", F_ALL}, {"guided_grammar", F_ALL},
+    {"guided_decoding_backend", F_ALL}, {"structured_outputs", F_ALL},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     /* OpenAI features Loom does not implement */
     {"suffix", F_FALSY}, {"tools", F_FALSY},
@@ -578,9 +580,7 @@ static const struct {
     {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
     {"service_tier", F_NONE_AUTO},
     /* vLLM's extensions Loom does not implement */
-    {"guided_json", F_FALSY}, {"guided_regex", F_FALSY}, {"guided_choice", F_FALSY}, {"guided_grammar", F_FALSY},
-    {"guided_decoding_backend", F_FALSY}, {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY},
-    {"structured_outputs", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
+    {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
     {"stop_token_ids_str", F_FALSY},
     {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY}, {"prompt_logprobs", F_FALSY},
     {"logits_processors", F_FALSY},
@@ -660,6 +660,7 @@ typedef struct gen {
     int echo;
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
+    char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
     char **parts; /* owned: message contents joined from parts */
     int n_parts;
     uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
@@ -671,6 +672,7 @@ static void gen_free(gen_t *g) {
     free(g->batch_text);
     free(g->batch_n_ids);
     free(g->allowed);
+    free(g->guide_spec);
     free(g->prompt);
     free(g->ids);
     for (int i = 0; i < g->n_parts; i++) free(g->parts[i]);
@@ -769,6 +771,107 @@ static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
     return 0;
 }
 
+/* ---- Constrained decoding: response_format, vLLM's guided_* and
+ * structured_outputs become one (guide_kind, guide_spec) pair; the
+ * coordinator compiles it (a bad spec is a 400 with the compiler's message). */
+enum { GUIDE_JSON_OBJECT = 1, GUIDE_JSON_SCHEMA = 2, GUIDE_REGEX = 3, GUIDE_CHOICE = 4, GUIDE_GRAMMAR = 5 };
+
+static int set_guide(gen_t *g, int kind, const cJSON *x, const char *param, perr_t *e) {
+    if (g->p.guide_kind)
+        return bad(e, param, "%s: only one of response_format, guided_json, guided_regex, guided_choice, "
+                             "guided_grammar and structured_outputs may constrain the output", param);
+    char *spec = NULL;
+    switch (kind) {
+    case GUIDE_JSON_OBJECT: spec = loom_xstrdup(""); break;
+    case GUIDE_JSON_SCHEMA: /* a schema object, or its JSON text */
+        if (cJSON_IsString(x)) spec = loom_xstrdup(x->valuestring);
+        else if (cJSON_IsObject(x) || cJSON_IsBool(x)) spec = cJSON_PrintUnformatted(x);
+        else return bad(e, param, "%s must be a JSON Schema (an object, or its JSON text)", param);
+        break;
+    case GUIDE_CHOICE: {
+        const cJSON *t;
+        if (!cJSON_IsArray(x) || !x->child) return bad(e, param, "%s must be a non-empty array of strings", param);
+        cJSON_ArrayForEach(t, x) if (!cJSON_IsString(t)) return bad(e, param, "%s must be a non-empty array of strings", param);
+        spec = cJSON_PrintUnformatted(x);
+        break;
+    }
+    default: /* regex, grammar */
+        if (!cJSON_IsString(x) || !x->valuestring[0]) return bad(e, param, "%s must be a non-empty string", param);
+        spec = loom_xstrdup(x->valuestring);
+    }
+    if (!spec) return bad(e, param, "%s cannot be serialised", param);
+    g->guide_spec = spec;
+    g->p.guide_kind = kind;
+    g->p.guide_spec = spec;
+    return 0;
+}
+
+static int parse_response_format(const cJSON *x, gen_t *g, perr_t *e) {
+    const cJSON *t = cJSON_IsObject(x) ? field(x, "type") : NULL;
+    if (!cJSON_IsString(t)) return bad(e, "response_format", "response_format must be an object with a type");
+    if (!strcmp(t->valuestring, "text")) return 0;
+    if (!strcmp(t->valuestring, "json_object")) return set_guide(g, GUIDE_JSON_OBJECT, NULL, "response_format", e);
+    if (strcmp(t->valuestring, "json_schema") != 0)
+        return bad(e, "response_format",
+                   "response_format type '%.64s' is not supported (text, json_object or json_schema)", t->valuestring);
+    const cJSON *js = field(x, "json_schema");
+    if (!cJSON_IsObject(js))
+        return bad(e, "response_format", "response_format.json_schema must be an object with a schema");
+    const cJSON *strict = field(js, "strict"), *name = field(js, "name");
+    if (strict && !cJSON_IsBool(strict) && !cJSON_IsNull(strict))
+        return bad(e, "response_format", "response_format.json_schema.strict must be a boolean");
+    if (name && !cJSON_IsString(name))
+        return bad(e, "response_format", "response_format.json_schema.name must be a string");
+    const cJSON *schema = field(js, "schema");
+    if (!schema) return bad(e, "response_format", "response_format.json_schema.schema is required");
+    /* strict or not, the output follows the schema exactly */
+    return set_guide(g, GUIDE_JSON_SCHEMA, schema, "response_format", e);
+}
+
+static int parse_guide(const cJSON *o, gen_t *g, perr_t *e) {
+    const cJSON *x = field(o, "response_format");
+    if (x && parse_response_format(x, g, e) < 0) return -1;
+    static const struct {
+        const char *name;
+        int kind;
+    } guided[] = {{"guided_json", GUIDE_JSON_SCHEMA}, {"guided_regex", GUIDE_REGEX},
+                  {"guided_choice", GUIDE_CHOICE}, {"guided_grammar", GUIDE_GRAMMAR}};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(guided); i++) {
+        x = field(o, guided[i].name);
+        if (x && set_guide(g, guided[i].kind, x, guided[i].name, e) < 0) return -1;
+    }
+    x = field(o, "guided_decoding_backend"); /* one engine here: any name is accepted */
+    if (x && !cJSON_IsString(x)) return bad(e, "guided_decoding_backend", "guided_decoding_backend must be a string");
+    x = field(o, "structured_outputs");
+    if (x) {
+        if (!cJSON_IsObject(x)) return bad(e, "structured_outputs", "structured_outputs must be an object");
+        static const struct {
+            const char *name;
+            int kind;
+        } so[] = {{"json", GUIDE_JSON_SCHEMA}, {"regex", GUIDE_REGEX}, {"choice", GUIDE_CHOICE},
+                  {"grammar", GUIDE_GRAMMAR}};
+        const cJSON *t;
+        cJSON_ArrayForEach(t, x) {
+            char what[96];
+            snprintf(what, sizeof what, "structured_outputs.%.64s", t->string);
+            if (cJSON_IsNull(t)) continue;
+            size_t i = 0;
+            while (i < LOOM_ARRAY_LEN(so) && strcmp(so[i].name, t->string) != 0) i++;
+            if (i < LOOM_ARRAY_LEN(so)) {
+                if (set_guide(g, so[i].kind, t, what, e) < 0) return -1;
+            } else if (!strcmp(t->string, "json_object")) {
+                if (!cJSON_IsBool(t)) return bad(e, "structured_outputs", "%s must be a boolean", what);
+                if (cJSON_IsTrue(t) && set_guide(g, GUIDE_JSON_OBJECT, NULL, what, e) < 0) return -1;
+            } else if (strcmp(t->string, "backend") != 0 && strcmp(t->string, "disable_fallback") != 0 &&
+                       strcmp(t->string, "disable_any_whitespace") != 0 &&
+                       strcmp(t->string, "disable_additional_properties") != 0) {
+                return bad(e, "structured_outputs", "%s is not supported by this server", what);
+            }
+        }
+    }
+    return 0;
+}
+
 static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     double v;
     int r, b = 0;
@@ -803,13 +906,7 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (x && !cJSON_IsString(x)) return bad(e, "user", "user must be a string");
     x = field(o, "metadata");
     if (x && !cJSON_IsObject(x)) return bad(e, "metadata", "metadata must be an object");
-    x = field(o, "response_format");
-    if (x) {
-        const cJSON *t = cJSON_IsObject(x) ? field(x, "type") : NULL;
-        if (!cJSON_IsString(t)) return bad(e, "response_format", "response_format must be an object with a type");
-        if (strcmp(t->valuestring, "text") != 0)
-            return bad(e, "response_format", "response_format '%.64s' is not supported (only 'text')", t->valuestring);
-    }
+    if (parse_guide(o, g, e) < 0) return -1;
 
     /* max_tokens; for chat max_completion_tokens wins */
     const loom_gen_defaults_t *gd = &q->h->gen;
