@@ -27,8 +27,9 @@ struct loom_guide {
     loom_structured_t *s;
     loom_grammar_t *grammar;
     loom_grammar_matcher_t *m;
-    uint32_t *mask; /* (words) */
-    size_t words;
+    uint32_t *mask; /* (words) over the model's vocabulary */
+    size_t words;   /* ceil(vocab_size / 32): the model's rows, which may be longer than the tokenizer's */
+    size_t tok_words; /* the grammar's mask words (the tokenizer's vocabulary) */
     int broken; /* the matcher refused a token: the output can no longer match */
     char *text;
     size_t n_text, cap_text;
@@ -83,8 +84,9 @@ loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec
     g->s = s;
     g->grammar = gr;
     g->m = m;
-    g->words = loom_grammar_mask_words(s->vocab);
-    g->mask = loom_xmalloc(g->words * sizeof *g->mask);
+    g->words = ((size_t)s->mcfg->vocab_size + 31) / 32;
+    g->tok_words = loom_grammar_mask_words(s->vocab);
+    g->mask = loom_xmalloc(LOOM_MAX(g->words, g->tok_words) * sizeof *g->mask);
     *out = g;
     return LOOM_OK;
 }
@@ -125,6 +127,10 @@ void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, void *(
     size_t n_set = 0;
     if (!g->broken) {
         loom_grammar_matcher_fill_mask(g->m, g->mask);
+        /* ids past the tokenizer's vocabulary (padded rows) are never allowed, nor past the model's */
+        for (size_t w = g->tok_words; w < g->words; w++) g->mask[w] = 0;
+        unsigned tail = (unsigned)(g->s->mcfg->vocab_size % 32);
+        if (tail && g->words <= g->tok_words) g->mask[g->words - 1] &= (1u << tail) - 1u;
         for (size_t w = 0; w < g->words; w++) n_set += (size_t)__builtin_popcount(g->mask[w]);
     }
     if (g->broken || n_set == 0) { /* nothing is allowed: EOS ends it (the text check reports length) */

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -224,6 +225,30 @@ def test_property_tp2_and_mix():
         validate([(PERSON, got[("guided", i)][0]) for i in range(6) if got[("guided", i)][1] == "stop"])
 
 
+def test_padded_vocabulary():
+    """A model whose vocabulary is longer than its tokenizer's (padded rows,
+    as Qwen's): the mask covers the model's rows, the padding never allowed."""
+    d = tempfile.mkdtemp(prefix="loom-padded-")
+    model = os.path.join(d, "m")
+    subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "gen_model.py"), "--out", model, "--dim", "64",
+                    "--hidden-dim", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "1000",
+                    "--max-pos", "512", "--seed", "3", "--tokenizer-from", STORIES], check=True, capture_output=True,
+                   timeout=120)
+    port = free_port()
+    with Cluster(model, tp=2, coord_args=["--http", "127.0.0.1:%d" % port]):
+        pairs = []
+        for seed in range(4):
+            text, finish = gen(port, {"max_tokens": 60, "temperature": 1.0, "seed": seed, "guided_json": PERSON})
+            check(finish in ("stop", "length"), "finish %r" % finish)
+            if finish == "stop":
+                pairs.append((PERSON, text))
+            text, finish = gen(port, {"max_tokens": 20, "temperature": 1.0, "seed": seed,
+                                      "guided_choice": ["alpha", "beta"]})
+            check(finish == "stop" and text in ("alpha", "beta"), "choice on the padded model: %r %r" % (text, finish))
+        validate(pairs)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def test_sdks():
     if not os.path.isdir(os.path.join(NODE_MODULES, "openai")):
         raise AssertionError("tests/reference/node_modules is missing: run scripts/setup-debian.sh")
@@ -250,4 +275,4 @@ def test_sdks():
 
 
 if __name__ == "__main__":
-    run_tests([test_http_specs, test_property_tp2_and_mix, test_sdks])
+    run_tests([test_http_specs, test_property_tp2_and_mix, test_padded_vocabulary, test_sdks])
