@@ -8,3 +8,4 @@ loom_add_it(it_sampling test_sampling.py)
 # both routes, streamed or not; 50 generated schemas on tp 2; a constrained
 # and free batch mix; bad specs; the three SDKs' structured-output calls.
 loom_add_it(it_structured test_structured.py)
+loom_add_it(it_tools test_tools.py)
