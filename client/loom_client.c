@@ -584,6 +584,8 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.include_stop_str_in_output = p->include_stop_str_in_output != 0;
     g.logprobs = p->logprobs != 0;
     g.top_logprobs = p->top_logprobs > 0 ? (uint32_t)p->top_logprobs : 0;
+    g.guide_kind = p->guide_kind > 0 ? (uint32_t)p->guide_kind : 0;
+    g.guide_spec = (char *)(p->guide_spec ? p->guide_spec : "");
     Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
     req.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
     req.generate = &g;

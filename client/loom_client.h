@@ -67,6 +67,8 @@ typedef struct loom_gen_params {
     int logprobs;                              /* chunks carry their tokens' log probabilities */
     int top_logprobs;                          /* and the most likely tokens', at most 20 */
     const char *session;        /* affinity key for a router's session policy (NULL: none) */
+    int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
+    const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
 } loom_gen_params_t;
 
 typedef enum {

@@ -5,7 +5,7 @@
  * always present, optional ones may be left out; "additionalProperties"
  * absent or false allows no other keys (strict), true or a schema allows
  * further "key": value pairs after the listed ones. Whitespace between
- * tokens is free ([ \t\n]*). oneOf is matched as anyOf (its branches are
+ * tokens is free up to 4 characters ([ \t\n]{0,4}). oneOf is matched as anyOf (its branches are
  * expected to be disjoint, as discriminated unions are). Numeric bounds
  * (minimum, multipleOf, ...) and the other keywords not listed in KNOWN are
  * refused by name. Formats: date, time, date-time, uuid, email (generated
@@ -57,6 +57,11 @@ static int js_regex(js_t *j, const char *re, int json_string) {
     return r;
 }
 
+/* Whitespace between tokens: at most this many characters, so a model that
+ * favours blanks cannot run out its budget on them (a compact or indented
+ * document still fits). */
+#define LOOM_JSON_MAX_WS 4
+
 static int rule_ws(js_t *j) {
     if (j->ws < 0) {
         loom_gb_set_t s = {{0}};
@@ -66,7 +71,7 @@ static int rule_ws(js_t *j) {
         int one = loom_gb_rule(j->gb, NULL);
         loom_gb_alt(j->gb, one);
         loom_gb_add_set(j->gb, one, &s);
-        j->ws = loom_gb_star(j->gb, one);
+        j->ws = loom_gb_repeat(j->gb, one, 0, LOOM_JSON_MAX_WS);
     }
     return j->ws;
 }

@@ -70,6 +70,7 @@
 #include "coordinator/http_parse.h"
 #include "coordinator/http_tls.h"
 #include "coordinator/metrics.h"
+#include "coordinator/tool_calls.h"
 
 #define DEFAULT_BIND "127.0.0.1:8000"
 #define DEFAULT_MAX_BODY ((size_t)2 << 20)
@@ -201,6 +202,9 @@ typedef struct req {
     int has_timings;
     uint64_t send_ns;
     uint64_t tok_ns; /* the gateway's tokenization of a chat prompt (before the coordinator's clock) */
+    loom_tools_t tools; /* chat: tools, tool_choice (tool_calls.h); mode OFF: none */
+    cJSON *tools_req;   /* the request's tools array, kept for parsing the output */
+    loom_sbuf_t tool_text; /* a streamed tool-calling answer, held until the end */
 } req_t;
 
 /* ---- small helpers ---- */
@@ -574,17 +578,17 @@ static const struct {
     {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
     {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT}, {"echo", F_ALL},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
+    {"guided_json", F_ALL}, {"guided_regex", F_ALL}, {"guided_choice", F_ALL}, {"guided_grammar", F_ALL},
+    {"guided_decoding_backend", F_ALL}, {"structured_outputs", F_ALL},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
+    {"tools", F_CHAT}, {"tool_choice", F_CHAT}, {"parallel_tool_calls", F_CHAT},
     /* OpenAI features Loom does not implement */
-    {"suffix", F_FALSY}, {"tools", F_FALSY},
-    {"tool_choice", F_NONE_AUTO}, {"parallel_tool_calls", F_TRUE}, {"functions", F_FALSY},
+    {"suffix", F_FALSY}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
     {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
     {"service_tier", F_NONE_AUTO},
     /* vLLM's extensions Loom does not implement */
-    {"guided_json", F_FALSY}, {"guided_regex", F_FALSY}, {"guided_choice", F_FALSY}, {"guided_grammar", F_FALSY},
-    {"guided_decoding_backend", F_FALSY}, {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY},
-    {"structured_outputs", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
+    {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
     {"stop_token_ids_str", F_FALSY},
     {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY}, {"prompt_logprobs", F_FALSY},
     {"logits_processors", F_FALSY},
@@ -664,6 +668,8 @@ typedef struct gen {
     int echo;
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
+    char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
+    loom_tools_t tools; /* chat: tools and tool_choice (tool_calls.h), owned */
     char **parts; /* owned: message contents joined from parts */
     int n_parts;
     uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
@@ -675,6 +681,8 @@ static void gen_free(gen_t *g) {
     free(g->batch_text);
     free(g->batch_n_ids);
     free(g->allowed);
+    free(g->guide_spec);
+    loom_tools_free(&g->tools);
     free(g->prompt);
     free(g->ids);
     for (int i = 0; i < g->n_parts; i++) free(g->parts[i]);
@@ -773,6 +781,126 @@ static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
     return 0;
 }
 
+/* ---- Constrained decoding: response_format, vLLM's guided_* and
+ * structured_outputs become one (guide_kind, guide_spec) pair; the
+ * coordinator compiles it (a bad spec is a 400 with the compiler's message). */
+enum { GUIDE_JSON_OBJECT = 1, GUIDE_JSON_SCHEMA = 2, GUIDE_REGEX = 3, GUIDE_CHOICE = 4, GUIDE_GRAMMAR = 5 };
+
+static int set_guide(gen_t *g, int kind, const cJSON *x, const char *param, perr_t *e) {
+    if (g->p.guide_kind)
+        return bad(e, param, "%s: only one of response_format, guided_json, guided_regex, guided_choice, "
+                             "guided_grammar and structured_outputs may constrain the output", param);
+    char *spec = NULL;
+    switch (kind) {
+    case GUIDE_JSON_OBJECT: spec = loom_xstrdup(""); break;
+    case GUIDE_JSON_SCHEMA: /* a schema object, or its JSON text */
+        if (cJSON_IsString(x)) spec = loom_xstrdup(x->valuestring);
+        else if (cJSON_IsObject(x) || cJSON_IsBool(x)) spec = cJSON_PrintUnformatted(x);
+        else return bad(e, param, "%s must be a JSON Schema (an object, or its JSON text)", param);
+        break;
+    case GUIDE_CHOICE: {
+        const cJSON *t;
+        if (!cJSON_IsArray(x) || !x->child) return bad(e, param, "%s must be a non-empty array of strings", param);
+        cJSON_ArrayForEach(t, x) if (!cJSON_IsString(t)) return bad(e, param, "%s must be a non-empty array of strings", param);
+        spec = cJSON_PrintUnformatted(x);
+        break;
+    }
+    default: /* regex, grammar */
+        if (!cJSON_IsString(x) || !x->valuestring[0]) return bad(e, param, "%s must be a non-empty string", param);
+        spec = loom_xstrdup(x->valuestring);
+    }
+    if (!spec) return bad(e, param, "%s cannot be serialised", param);
+    g->guide_spec = spec;
+    g->p.guide_kind = kind;
+    g->p.guide_spec = spec;
+    return 0;
+}
+
+static int parse_response_format(const cJSON *x, gen_t *g, perr_t *e) {
+    const cJSON *t = cJSON_IsObject(x) ? field(x, "type") : NULL;
+    if (!cJSON_IsString(t)) return bad(e, "response_format", "response_format must be an object with a type");
+    if (!strcmp(t->valuestring, "text")) return 0;
+    if (!strcmp(t->valuestring, "json_object")) return set_guide(g, GUIDE_JSON_OBJECT, NULL, "response_format", e);
+    if (strcmp(t->valuestring, "json_schema") != 0)
+        return bad(e, "response_format",
+                   "response_format type '%.64s' is not supported (text, json_object or json_schema)", t->valuestring);
+    const cJSON *js = field(x, "json_schema");
+    if (!cJSON_IsObject(js))
+        return bad(e, "response_format", "response_format.json_schema must be an object with a schema");
+    const cJSON *strict = field(js, "strict"), *name = field(js, "name");
+    if (strict && !cJSON_IsBool(strict) && !cJSON_IsNull(strict))
+        return bad(e, "response_format", "response_format.json_schema.strict must be a boolean");
+    if (name && !cJSON_IsString(name))
+        return bad(e, "response_format", "response_format.json_schema.name must be a string");
+    const cJSON *schema = field(js, "schema");
+    if (!schema) return bad(e, "response_format", "response_format.json_schema.schema is required");
+    /* strict or not, the output follows the schema exactly */
+    return set_guide(g, GUIDE_JSON_SCHEMA, schema, "response_format", e);
+}
+
+static int parse_guide(const cJSON *o, gen_t *g, perr_t *e) {
+    const cJSON *x = field(o, "response_format");
+    if (x && parse_response_format(x, g, e) < 0) return -1;
+    static const struct {
+        const char *name;
+        int kind;
+    } guided[] = {{"guided_json", GUIDE_JSON_SCHEMA}, {"guided_regex", GUIDE_REGEX},
+                  {"guided_choice", GUIDE_CHOICE}, {"guided_grammar", GUIDE_GRAMMAR}};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(guided); i++) {
+        x = field(o, guided[i].name);
+        if (x && set_guide(g, guided[i].kind, x, guided[i].name, e) < 0) return -1;
+    }
+    x = field(o, "guided_decoding_backend"); /* one engine here: any name is accepted */
+    if (x && !cJSON_IsString(x)) return bad(e, "guided_decoding_backend", "guided_decoding_backend must be a string");
+    x = field(o, "structured_outputs");
+    if (x) {
+        if (!cJSON_IsObject(x)) return bad(e, "structured_outputs", "structured_outputs must be an object");
+        static const struct {
+            const char *name;
+            int kind;
+        } so[] = {{"json", GUIDE_JSON_SCHEMA}, {"regex", GUIDE_REGEX}, {"choice", GUIDE_CHOICE},
+                  {"grammar", GUIDE_GRAMMAR}};
+        const cJSON *t;
+        cJSON_ArrayForEach(t, x) {
+            char what[96];
+            snprintf(what, sizeof what, "structured_outputs.%.64s", t->string);
+            if (cJSON_IsNull(t)) continue;
+            size_t i = 0;
+            while (i < LOOM_ARRAY_LEN(so) && strcmp(so[i].name, t->string) != 0) i++;
+            if (i < LOOM_ARRAY_LEN(so)) {
+                if (set_guide(g, so[i].kind, t, what, e) < 0) return -1;
+            } else if (!strcmp(t->string, "json_object")) {
+                if (!cJSON_IsBool(t)) return bad(e, "structured_outputs", "%s must be a boolean", what);
+                if (cJSON_IsTrue(t) && set_guide(g, GUIDE_JSON_OBJECT, NULL, what, e) < 0) return -1;
+            } else if (strcmp(t->string, "backend") != 0 && strcmp(t->string, "disable_fallback") != 0 &&
+                       strcmp(t->string, "disable_any_whitespace") != 0 &&
+                       strcmp(t->string, "disable_additional_properties") != 0) {
+                return bad(e, "structured_outputs", "%s is not supported by this server", what);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- Tool calling (tool_calls.h): a forced call (tool_choice "required"
+ * or a named function) becomes a JSON Schema guide, so its arguments always
+ * match the tool's schema. */
+static int parse_tools(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
+    const char *param = "tools";
+    char msg[300];
+    loom_chat_family_t fam = q->h && q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
+    if (loom_tools_parse(o, fam, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
+    if (!g->tools.schema) return 0;
+    if (g->p.guide_kind)
+        return bad(e, "tool_choice", "tool_choice '%s' forces the output; it cannot be combined with response_format, "
+                                     "guided_* or structured_outputs",
+                   g->tools.mode == LOOM_TOOLS_NAMED ? g->tools.named : "required");
+    g->guide_spec = loom_xstrdup(g->tools.schema);
+    g->p.guide_kind = GUIDE_JSON_SCHEMA;
+    g->p.guide_spec = g->guide_spec;
+    return 0;
+}
+
 static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     double v;
     int r, b = 0;
@@ -808,16 +936,12 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (x) g->p.session = x->valuestring; /* a router's session affinity */
     x = field(o, "metadata");
     if (x && !cJSON_IsObject(x)) return bad(e, "metadata", "metadata must be an object");
-    x = field(o, "response_format");
-    if (x) {
-        const cJSON *t = cJSON_IsObject(x) ? field(x, "type") : NULL;
-        if (!cJSON_IsString(t)) return bad(e, "response_format", "response_format must be an object with a type");
-        if (strcmp(t->valuestring, "text") != 0)
-            return bad(e, "response_format", "response_format '%.64s' is not supported (only 'text')", t->valuestring);
-    }
+    if (parse_guide(o, g, e) < 0) return -1;
+    if (q->chat && parse_tools(q, o, g, e) < 0) return -1;
 
     /* max_tokens; for chat max_completion_tokens wins */
-    const loom_gen_defaults_t *gd = &q->h->gen;
+    static const loom_gen_defaults_t no_defaults; /* loom_http_parse_generate has no gateway */
+    const loom_gen_defaults_t *gd = q->h ? &q->h->gen : &no_defaults;
     g->p.max_tokens = gd->has_max_tokens ? gd->max_tokens : q->chat ? 0 : COMPLETIONS_DEFAULT_MAX_TOKENS;
     if ((r = opt_int(o, "max_tokens", -1e18, 1e18, &v, e)) < 0) return -1;
     const char *mt = "max_tokens";
@@ -952,6 +1076,77 @@ static int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
  * control tokens), and sent as ids; with special_in_content (the
  * --chat-special-tokens-in-content flag) the rendered text goes to the
  * coordinator, which parses every special token in it. */
+/* A message of the tool-calling history, in the family's conventions:
+ * an assistant message with tool_calls, or a tool result (as a user turn;
+ * consecutive results share one). 1: handled (m[*i] set, *i advanced or
+ * merged), 0: an ordinary message, -1: bad input. */
+static int tool_message(const loom_chat_template_t *tmpl, const cJSON *msg, loom_chat_msg_t *m, int *i,
+                        int *prev_tool, gen_t *g, perr_t *e) {
+    loom_chat_family_t fam = tmpl ? tmpl->family : LOOM_CHAT_CHATML;
+    const char *role = field(msg, "role")->valuestring;
+    const cJSON *calls = field(msg, "tool_calls"), *c = field(msg, "content");
+    int was_tool = *prev_tool;
+    *prev_tool = 0;
+    if (!strcmp(role, "assistant") && calls && !cJSON_IsNull(calls) && !(cJSON_IsArray(calls) && !calls->child)) {
+        char msgbuf[256];
+        char *t = loom_tools_render_calls(fam, calls, cJSON_IsString(c) ? c->valuestring : NULL, msgbuf, sizeof msgbuf);
+        if (!t) return bad(e, "messages", "messages[%d].%s", *i, msgbuf);
+        g->parts[g->n_parts++] = t;
+        m[*i].content = t;
+        (*i)++;
+        return 1;
+    }
+    if (strcmp(role, "tool") != 0) return 0;
+    if (!cJSON_IsString(c)) return bad(e, "messages", "messages[%d] (a tool result) must have string content", *i);
+    char *t = loom_tools_render_result(fam, c->valuestring);
+    if (was_tool && *i > 0) { /* one user turn for consecutive results */
+        char *prev = g->parts[g->n_parts - 1];
+        size_t a = strlen(prev), b = strlen(t);
+        prev = loom_xrealloc(prev, a + b + 2);
+        prev[a] = '\n';
+        memcpy(prev + a + 1, t, b + 1);
+        free(t);
+        g->parts[g->n_parts - 1] = prev;
+        m[*i - 1].content = prev;
+    } else {
+        g->parts[g->n_parts++] = t;
+        m[*i].role = "user";
+        m[*i].content = t;
+        (*i)++;
+    }
+    *prev_tool = 1;
+    return 1;
+}
+
+/* The tools where the family lists them: chatml in the system turn (one is
+ * added when there is none), llama3 before the first user text, mistral
+ * before the last user text. */
+static void add_tools_turn(const loom_chat_template_t *tmpl, loom_chat_msg_t *m, int *n, gen_t *g) {
+    loom_chat_family_t fam = tmpl ? tmpl->family : LOOM_CHAT_CHATML;
+    const char *r = g->tools.render;
+    int at = -1, before = 1;
+    if (fam == LOOM_CHAT_LLAMA3 || fam == LOOM_CHAT_MISTRAL) {
+        for (int k = 0; k < *n; k++)
+            if (!strcmp(m[k].role, "user") && (at < 0 || fam == LOOM_CHAT_MISTRAL)) at = k;
+    } else {
+        before = 0;
+        if (*n > 0 && (!strcmp(m[0].role, "system") || !strcmp(m[0].role, "developer"))) at = 0;
+    }
+    if (at < 0) { /* a system turn of its own (chatml), or the first turn */
+        memmove(m + 1, m, (size_t)*n * sizeof *m);
+        (*n)++;
+        m[0].role = fam == LOOM_CHAT_LLAMA3 || fam == LOOM_CHAT_MISTRAL ? "user" : "system";
+        m[0].content = r;
+        return;
+    }
+    loom_sbuf_t b = {0};
+    loom_sbuf_add(&b, "", 0);
+    if (before) loom_sbuf_printf(&b, "%s%s", r, m[at].content);
+    else loom_sbuf_printf(&b, "%s%s%s", m[at].content, m[at].content[0] ? "\n\n" : "", r);
+    g->parts[g->n_parts++] = b.p;
+    m[at].content = b.p;
+}
+
 static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
                           const cJSON *o, gen_t *g, perr_t *e) {
     const cJSON *x = field(o, "messages");
@@ -959,9 +1154,9 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
     if (!cJSON_IsArray(x) || cJSON_GetArraySize(x) == 0)
         return bad(e, "messages", "messages must be a non-empty array of {role, content} objects");
     int n = cJSON_GetArraySize(x);
-    loom_chat_msg_t *m = loom_xcalloc((size_t)n, sizeof *m);
-    g->parts = loom_xcalloc((size_t)n, sizeof *g->parts);
-    int i = 0, rc = -1;
+    loom_chat_msg_t *m = loom_xcalloc((size_t)n + 1, sizeof *m); /* + a system turn for the tools */
+    g->parts = loom_xcalloc((size_t)n + 2, sizeof *g->parts);
+    int i = 0, rc = -1, prev_tool = 0;
     size_t len, *plain = NULL, n_plain = 0; /* before the first goto done */
     const cJSON *msg;
     cJSON_ArrayForEach(msg, x) {
@@ -971,6 +1166,9 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
             goto done;
         }
         m[i].role = role->valuestring;
+        int tr = tool_message(tmpl, msg, m, &i, &prev_tool, g, e);
+        if (tr < 0) goto done;
+        if (tr) continue;
         const cJSON *c = field(msg, "content");
         if (!c) {
             if (strcmp(role->valuestring, "assistant") != 0) {
@@ -1005,6 +1203,8 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
         }
         i++;
     }
+    n = i;
+    if (g->tools.render) add_tools_turn(tmpl, m, &n, g);
     loom_err_t err = {0};
     int add_gen = 1, r = opt_bool(o, "add_generation_prompt", &add_gen, e);
     if (r < 0) goto done;
@@ -1284,6 +1484,67 @@ static void add_logprobs(req_t *q, cJSON *lp, const loom_chunk_t *ch) {
     }
 }
 
+/* The request's tools outlive its JSON body: copied for parsing the output. */
+static void keep_tools(req_t *q, gen_t *g) {
+    if (g->tools.mode == LOOM_TOOLS_OFF) return;
+    q->tools = g->tools;
+    memset(&g->tools, 0, sizeof g->tools);
+    q->tools_req = cJSON_Duplicate(q->tools.tools, 1);
+    q->tools.tools = q->tools_req;
+    if (q->tools.named) { /* the same name, inside the copy */
+        const cJSON *t;
+        cJSON_ArrayForEach(t, q->tools_req) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(t, "function"), "name");
+            if (cJSON_IsString(nm) && !strcmp(nm->valuestring, q->tools.named)) q->tools.named = nm->valuestring;
+        }
+    }
+}
+
+/* The OpenAI tool_calls of a finished chat answer (NULL: none, the text is
+ * the content). A forced call (required, named) that the budget cut short
+ * stays text with finish length; auto and required finish as "tool_calls",
+ * a named function as "stop" (as OpenAI). */
+static cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_chunk_t *ch, char **rest,
+                            const char **finish) {
+    *rest = NULL;
+    if (q->tools.mode == LOOM_TOOLS_OFF || ch->finish != LOOM_FINISH_STOP) return NULL;
+    loom_chat_family_t fam = q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
+    unsigned long long seed = 1469598103934665603ull; /* call ids from the completion id (FNV-1a) */
+    for (const char *p = q->id; *p; p++) seed = (seed ^ (unsigned char)*p) * 1099511628211ull;
+    cJSON *calls = loom_tools_parse_output(&q->tools, fam, text, len, seed, rest);
+    if (calls) *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
+    return calls;
+}
+
+/* A streamed tool-calling answer, at its end: the calls as OpenAI streams
+ * them, one delta per call ({index, id, type, function: {name, arguments}}),
+ * or the held text as content when it holds none. */
+static void stream_tool_calls(req_t *q, const loom_chunk_t *ch, const char **finish) {
+    char *rest = NULL;
+    cJSON *calls = tool_calls_of(q, q->tool_text.p ? q->tool_text.p : "", q->tool_text.len, ch, &rest, finish);
+    if (!calls) {
+        if (q->tool_text.len) sse_choice(q, q->tool_text.p, q->tool_text.len, 0, NULL);
+        return;
+    }
+    if (rest) sse_choice(q, rest, strlen(rest), 0, NULL);
+    free(rest);
+    int k = 0;
+    cJSON *c;
+    cJSON_ArrayForEach(c, calls) {
+        cJSON *o = head_obj(q, "chat.completion.chunk"), *choices = cJSON_AddArrayToObject(o, "choices");
+        cJSON *choice = cJSON_CreateObject(), *delta = cJSON_AddObjectToObject(choice, "delta");
+        cJSON_AddNumberToObject(choice, "index", 0);
+        cJSON *arr = cJSON_AddArrayToObject(delta, "tool_calls"), *call = cJSON_Duplicate(c, 1);
+        cJSON_AddNumberToObject(call, "index", k++);
+        cJSON_AddItemToArray(arr, call);
+        cJSON_AddNullToObject(choice, "logprobs");
+        cJSON_AddNullToObject(choice, "finish_reason");
+        cJSON_AddItemToArray(choices, choice);
+        sse_event(q, o);
+    }
+    cJSON_Delete(calls);
+}
+
 /* Turns one coordinator chunk into SSE events in q->out. */
 static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
     uint64_t t0 = loom_now_ns();
@@ -1294,7 +1555,8 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
             q->lp_json = cJSON_PrintUnformatted(lp);
             cJSON_Delete(lp);
         }
-        sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        if (q->tools.mode != LOOM_TOOLS_OFF) loom_sbuf_add(&q->tool_text, ch->text, ch->text_len); /* held */
+        else sse_choice(q, ch->text, ch->text_len, 0, NULL);
         free(q->lp_json);
         q->lp_json = NULL;
     }
@@ -1314,7 +1576,9 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
         loom_sbuf_str(&q->out, "data: [DONE]\n\n");
         return;
     }
-    sse_choice(q, NULL, 0, 0, finish_name(ch->finish));
+    const char *finish = finish_name(ch->finish);
+    if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_calls(q, ch, &finish);
+    sse_choice(q, NULL, 0, 0, finish);
     if (q->include_usage) {
         cJSON *o = head_obj(q, q->chat ? "chat.completion.chunk" : "text_completion");
         cJSON_AddArrayToObject(o, "choices");
@@ -1347,10 +1611,20 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     cJSON *c = cJSON_CreateObject();
     cJSON_AddNumberToObject(c, "index", 0);
     char *t = text_dup(q->text.p ? q->text.p : "", q->text.len);
+    const char *finish = finish_name(ch->finish);
     if (q->chat) {
         cJSON *m = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
-        cJSON_AddStringToObject(m, "content", t);
+        char *rest = NULL;
+        cJSON *calls = tool_calls_of(q, t, strlen(t), ch, &rest, &finish);
+        if (calls) {
+            if (rest) cJSON_AddStringToObject(m, "content", rest);
+            else cJSON_AddNullToObject(m, "content");
+            cJSON_AddItemToObject(m, "tool_calls", calls);
+            free(rest);
+        } else {
+            cJSON_AddStringToObject(m, "content", t);
+        }
     } else {
         cJSON_AddStringToObject(c, "text", t);
     }
@@ -1368,7 +1642,7 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     } else {
         cJSON_AddNullToObject(c, "logprobs");
     }
-    cJSON_AddStringToObject(c, "finish_reason", finish_name(ch->finish));
+    cJSON_AddStringToObject(c, "finish_reason", finish);
     cJSON_AddItemToArray(choices, c);
     cJSON_AddItemToObject(o, "usage", usage_obj(ch));
     take_timings(q, ch);
@@ -1583,6 +1857,10 @@ static enum MHD_Result handle_generate(req_t *q) {
     g.p.tag = q->xid;
     const char *session = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, "X-Session-Id");
     if (session && session[0]) g.p.session = session;
+    if (g.tools.mode != LOOM_TOOLS_OFF && g.n > 1) {
+        res = respond_error(q, 400, "invalid_request_error", "n", NULL, "tools are answered with n = 1 only");
+        goto done;
+    }
     if (g.n > 1 || g.n_batch > 1) {
         if (q->stream) {
             res = respond_error(q, 400, "invalid_request_error", g.n > 1 ? "n" : "prompt", NULL,
@@ -1599,6 +1877,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     q->active = 1;
     q->counted = 1;
     q->tok_ns = g.tok_ns;
+    keep_tools(q, &g);
     atomic_fetch_add(&q->h->generating, 1);
     if (q->echo) add_echo(q, &q->text, g.p.prompt, g.p.prompt_ids, g.p.n_prompt_ids); /* the choice starts so */
     cJSON_Delete(root);
@@ -2218,6 +2497,9 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     free(q->prefix.p);
     free(q->text.p);
     cJSON_Delete(q->lp_acc);
+    loom_tools_free(&q->tools);
+    cJSON_Delete(q->tools_req);
+    free(q->tool_text.p);
     free(q);
     *con_cls = NULL;
 }

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/util.h"
+#include "coordinator/structured.h"
 
 struct loom_sparams {
     float min_p, presence, frequency, repetition;
@@ -22,6 +23,7 @@ struct loom_sparams {
     int32_t *end_ids; /* (n_end) EOS and stop ids: banned while fewer than min_tokens are generated */
     int n_end;
     int logprobs, top_logprobs;
+    loom_guide_t *guide; /* constrained decoding (structured.h), owned */
 };
 
 static int cmp_i32(const void *a, const void *b) {
@@ -163,12 +165,25 @@ void loom_sparams_destroy(loom_sparams_t **p_p) {
     free(p->bad);
     free(p->bad_len);
     free(p->end_ids);
+    loom_guide_destroy(&p->guide);
     free(p);
     *p_p = NULL;
 }
 
 int loom_sparams_min_tokens(const loom_sparams_t *p) {
     return p ? p->min_tokens : 0;
+}
+
+void loom_sparams_set_guide(loom_sparams_t **p, loom_guide_t *guide) {
+    if (!*p) *p = loom_xcalloc(1, sizeof **p);
+    loom_guide_destroy(&(*p)->guide);
+    (*p)->guide = guide;
+    (*p)->min_tokens = 0;
+    (*p)->n_end = 0;
+}
+
+loom_guide_t *loom_sparams_guide(const loom_sparams_t *p) {
+    return p ? p->guide : NULL;
 }
 
 void loom_sparams_arena_free(loom_sparams_arena_t *a) {
@@ -183,6 +198,10 @@ static void *arena_alloc(loom_sparams_arena_t *a, size_t bytes) {
         a->blocks = loom_xrealloc(a->blocks, (size_t)a->cap * sizeof *a->blocks);
     }
     return a->blocks[a->n++] = loom_xmalloc(bytes ? bytes : 1);
+}
+
+static void *arena_alloc_cb(void *ctx, size_t bytes) {
+    return arena_alloc(ctx, bytes);
 }
 
 static void arena_reset(loom_sparams_arena_t *a) {
@@ -218,6 +237,7 @@ static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loo
     }
     sp->banned_ids = ban;
     sp->n_banned_ids = (size_t)n_ban;
+    if (p->guide) loom_guide_fill_row(p->guide, out, n_out, arena_alloc_cb, a, sp);
 
     int rep = p->repetition > 0.0f;
     if (!rep && p->presence == 0.0f && p->frequency == 0.0f) return;

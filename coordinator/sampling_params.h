@@ -23,6 +23,7 @@
 #define LOOM_MAX_BAD_WORDS 64
 
 typedef struct loom_sparams loom_sparams_t;
+struct loom_guide;
 
 /* Validates and compiles g's controls. *out is NULL when the request asks
  * for none. stop_ids are the request's stop_token_ids (banned with EOS
@@ -31,6 +32,10 @@ loom_status_t loom_sparams_create(const Loom__V1__GenerateRequest *g, const loom
                                   const loom_model_config_t *mcfg, loom_sparams_t **out, loom_err_t *err);
 void loom_sparams_destroy(loom_sparams_t **p_p); /* safe on NULL and twice */
 int loom_sparams_min_tokens(const loom_sparams_t *p); /* 0 for NULL */
+/* Constrained decoding: *p takes the guide (created when NULL). min_tokens
+ * is off with a grammar: the grammar alone decides where the output may end. */
+void loom_sparams_set_guide(loom_sparams_t **p, struct loom_guide *guide);
+struct loom_guide *loom_sparams_guide(const loom_sparams_t *p); /* NULL for none */
 
 /* Memory for the plan rows' arrays, valid until the next fill. */
 typedef struct loom_sparams_arena {

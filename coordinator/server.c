@@ -41,6 +41,7 @@
 #include "coordinator/kv_events.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sampling_params.h"
+#include "coordinator/structured.h"
 #include "coordinator/sched.h"
 #include "coordinator/stop.h"
 #include "proto/wire.h"
@@ -81,6 +82,7 @@ struct loom_server {
     loom_model_config_t mcfg;
     loom_tokenizer_t *tok;
     int max_model_len;
+    loom_structured_t *structured; /* constrained decoding: vocabulary and grammar cache */
 
     void *zctx, *api;
     char api_addr[256], inproc_addr[64];
@@ -216,6 +218,16 @@ static void record_done(loom_server_t *s, const request_t *q, Loom__V1__FinishRe
                  ms_or_none(t.send_s), ms_or_none(t.ttft_s), ms_or_none(t.e2e_s));
 }
 
+/* A constrained request's text is kept and, at the end, checked against its
+ * grammar: an end on anything but a complete match (the budget, a stop
+ * string or id cutting it short) is reported as length. */
+static Loom__V1__FinishReason guided_finish(loom_guide_t *g, const char *text, size_t n, Loom__V1__FinishReason f) {
+    loom_guide_text_append(g, text, n);
+    if (f == LOOM__V1__FINISH_REASON__FINISH_STOP && !loom_guide_text_complete(g))
+        return LOOM__V1__FINISH_REASON__FINISH_LENGTH;
+    return f;
+}
+
 /* Sends a chunk; finish != NONE makes it the final one and ends the request.
  * Returns 1 when the request ended (it is freed: do not touch it again),
  * which also happens when its client is gone. */
@@ -238,6 +250,8 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
         ch.n_top_ids = ch.n_top_logprobs = n_top;
     }
     s->emit_lp = NULL;
+    loom_guide_t *guide = loom_sparams_guide(q->sparams);
+    if (guide) finish = guided_finish(guide, text, text_len, finish);
     char *t = s->text_buf;
     if (text_len) {
         t = text_len < s->max_piece * 4 + 4096 ? s->text_buf : loom_xmalloc(text_len + 1);
@@ -329,7 +343,9 @@ static void on_token(void *ctx, loom_seq_t *seq, int32_t id) {
     s->rate_tokens[sec % RATE_WINDOW]++;
 
     int may_stop = q->completion_tokens > q->min_tokens; /* min_tokens: the workers ban EOS and stop ids */
-    if (may_stop && ((!q->ignore_eos && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id))) {
+    /* a grammar allows EOS only where it accepts: that ends the output even with ignore_eos */
+    int eos_ends = !q->ignore_eos || loom_sparams_guide(q->sparams);
+    if (may_stop && ((eos_ends && loom_model_config_is_eos(&s->mcfg, id)) || is_stop_id(q, id))) {
         size_t n = loom_detok_flush(&q->detok, s->text_buf, s->max_piece * 4 + 4096);
         pending_append(q, s->text_buf, n);
         q->detok_ns += loom_now_ns() - t0;
@@ -754,6 +770,15 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     if (loom_sparams_create(g, s->tok, &s->mcfg, &sparams, &err) < 0) {
         snprintf(msg, sizeof msg, "%s", err.msg);
         goto refuse;
+    }
+    if (g->guide_kind) {
+        loom_guide_t *guide = NULL;
+        const char *spec = g->guide_spec ? g->guide_spec : "";
+        if (loom_guide_create(s->structured, (int)g->guide_kind, spec, strlen(spec), &guide, &err) < 0) {
+            snprintf(msg, sizeof msg, "%s", err.msg);
+            goto refuse;
+        }
+        loom_sparams_set_guide(&sparams, guide);
     }
     if (g->max_tokens > (uint32_t)s->max_model_len) {
         snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
@@ -1189,6 +1214,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
+    s->structured = loom_structured_create(s->tok, &s->mcfg);
     s->seed_state = loom_now_ns() ^ ((uint64_t)getpid() << 32);
     if (cfg->has_seed) s->seed_state = cfg->seed; /* --seed: reproducible seeds for requests without one */
     s->metrics = loom_metrics_create(s->model_name, cfg->pp, s->max_model_len);
@@ -1232,6 +1258,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     if (s->api) zmq_close(s->api);
     loom_zap_stop(&s->zap); /* after every socket it guards is closed */
     if (s->zctx) zmq_ctx_term(s->zctx);
+    loom_structured_destroy(&s->structured);
     loom_tokenizer_destroy(&s->tok);
     loom_lp_view_free(&s->lp_view);
     free(s->embed_done);

@@ -44,10 +44,32 @@ static loom_status_t check_row(const Loom__V1__SampleParams *sp, int vocab_size,
     for (size_t i = 0; i < sp->n_out_counts; i++)
         if (sp->out_counts[i] < 0)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: a negative token count", r);
+    if (sp->n_grammar_mask && sp->n_grammar_mask != ((size_t)vocab_size + 31) / 32)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: grammar mask of %zu words for a vocabulary of %d",
+                            r, sp->n_grammar_mask, vocab_size);
+    LOOM_CHECK(check_ids(sp->grammar_ids, sp->n_grammar_ids, vocab_size, 1, "grammar", r, err));
     if (!isfinite(sp->repetition_penalty) || sp->repetition_penalty < 0.0f || !isfinite(sp->frequency_penalty) ||
         !isfinite(sp->presence_penalty) || !(sp->min_p >= 0.0f && sp->min_p <= 1.0f))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "row %d: a penalty or min_p out of range", r);
     return LOOM_OK;
+}
+
+/* The grammar's allowed tokens (control.proto grammar_mask / grammar_ids)
+ * on this rank's slice: every other token is -inf. */
+static void apply_grammar(float *row, int n, int lo, const Loom__V1__SampleParams *sp) {
+    if (sp->n_grammar_mask) {
+        const uint32_t *m = sp->grammar_mask;
+        for (int i = 0; i < n; i++) {
+            uint32_t id = (uint32_t)(lo + i);
+            if (!(m[id >> 5] >> (id & 31) & 1u)) row[i] = -INFINITY;
+        }
+        return;
+    }
+    size_t j = 0; /* ascending ids: one merge walk */
+    for (int i = 0; i < n; i++) {
+        while (j < sp->n_grammar_ids && sp->grammar_ids[j] < lo + i) j++;
+        if (j == sp->n_grammar_ids || sp->grammar_ids[j] != lo + i) row[i] = -INFINITY;
+    }
 }
 
 loom_status_t loom_logits_process(loom_backend_t *be, float *logits, int n_rows, int vocab_begin, int vocab_len,
@@ -58,7 +80,7 @@ loom_status_t loom_logits_process(loom_backend_t *be, float *logits, int n_rows,
     for (int r = 0; r < n_rows; r++) {
         loom_logit_edits_t e;
         edits_of(sp[r], &e);
-        if (!loom_logits_edits_active(&e)) continue;
+        if (!loom_logits_edits_active(&e) && !sp[r]->grammar) continue;
         if (*cap < (size_t)vocab_len) { /* once per shard: the row size never changes */
             free(*buf);
             *buf = loom_xmalloc(row_bytes);
@@ -67,6 +89,7 @@ loom_status_t loom_logits_process(loom_backend_t *be, float *logits, int n_rows,
         float *dev = logits + (size_t)r * (size_t)vocab_len;
         loom_backend_download(be, *buf, dev, row_bytes);
         loom_logits_edit(*buf, vocab_len, vocab_begin, &e);
+        if (sp[r]->grammar) apply_grammar(*buf, vocab_len, vocab_begin, sp[r]);
         loom_backend_upload(be, dev, *buf, row_bytes);
     }
     return LOOM_OK;

@@ -29,11 +29,7 @@ loom_add_fuzz(fuzz_chat_template LIBS loom_chat_template loom_tokenizer)
 loom_add_fuzz(fuzz_http_request LIBS loom_http)
 loom_add_fuzz(fuzz_api_proto LIBS loom_proto)
 loom_add_fuzz(fuzz_control_proto LIBS loom_proto)
-# The grammar compiler (structured output) gets fuzz_grammar here when it
-# lands: loom_add_fuzz(fuzz_grammar LIBS <its library>), a seed corpus in
-# corpus/fuzz_grammar/ (JSON schemas, regexes, EBNF) and a line in
-# docs/fuzzing.md. Its target should compile the input and, when it
-# compiles, run the matcher over a few token strings.
+loom_add_fuzz(fuzz_grammar LIBS loom_grammar loom_tokenizer)
 
 get_property(_fuzz_targets GLOBAL PROPERTY LOOM_FUZZ_TARGETS)
 add_custom_target(fuzz_all DEPENDS ${_fuzz_targets})

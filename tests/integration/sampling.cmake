@@ -4,3 +4,8 @@
 # fields ignored, bad input refused. Sorted after integration.cmake, whose
 # loom_add_it it uses.
 loom_add_it(it_sampling test_sampling.py)
+# Constrained decoding end to end (test_structured.py): every spec kind on
+# both routes, streamed or not; 50 generated schemas on tp 2; a constrained
+# and free batch mix; bad specs; the three SDKs' structured-output calls.
+loom_add_it(it_structured test_structured.py)
+loom_add_it(it_tools test_tools.py)

@@ -3,3 +3,8 @@ if(TARGET loom_chat_template)
   loom_add_test(test_chat_template SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_chat_template.c
                 LIBS loom_chat_template LABELS unit TIMEOUT 30)
 endif()
+# Tool calling: tools / tool_choice, rendering per family, output parsing (coordinator/tool_calls.c).
+if(TARGET loom_http)
+  loom_add_test(test_tool_calls SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_tool_calls.c
+                LIBS loom_http LABELS unit TIMEOUT 30)
+endif()

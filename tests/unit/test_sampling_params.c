@@ -11,6 +11,7 @@
 #include "common/util.h"
 #include "common/tokenizer.h"
 #include "coordinator/sampling_params.h"
+#include "coordinator/structured.h"
 #include "tests/test.h"
 
 static loom_tokenizer_t *g_tok;
@@ -188,6 +189,104 @@ static void test_lp_view(void) {
     loom_lp_view_free(&v);
 }
 
+/* Constrained decoding rows (coordinator/structured.c): the encoding, the
+ * matcher following the sequence's output (forward and after a rollback),
+ * EOS only where the grammar accepts, the end-of-text check. */
+static int row_allows(const Loom__V1__SampleParams *r, int32_t id) {
+    if (r->n_grammar_mask) return (int)(r->grammar_mask[id / 32] >> (id % 32) & 1u);
+    return has(r->grammar_ids, r->n_grammar_ids, id);
+}
+
+static void test_guide_rows(void) {
+    loom_structured_t *st = loom_structured_create(g_tok, &g_cfg);
+    loom_guide_t *gd = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_guide_create(st, 1 + 3 /* choice */, "{\"x\"", 4, &gd, &err) < 0 && !gd && err.msg[0]);
+    CHECK(loom_guide_create(st, 9, "", 0, &gd, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "guide_kind"));
+    const char *spec = "[\"cat\", \"dog\"]";
+    CHECK(loom_guide_create(st, 4, spec, strlen(spec), &gd, &err) == LOOM_OK && gd);
+    loom_sparams_t *p = NULL;
+    loom_sparams_set_guide(&p, gd);
+    CHECK(p && loom_sparams_guide(p) == gd && loom_sparams_min_tokens(p) == 0);
+    int32_t toks[16] = {1, 9};
+    loom_seq_t seq = {.tokens = toks, .n_tokens = 2, .n_prompt = 2, .sparams = p};
+    loom_seq_t *seqs[1] = {&seq};
+    loom_microbatch_t mb = {.n_logits = 1, .logit_seq = seqs};
+    Loom__V1__SampleParams row = LOOM__V1__SAMPLE_PARAMS__INIT, *rows[1] = {&row};
+    loom_sparams_arena_t a = {0};
+    int32_t eos = g_cfg.eos_ids[0];
+    /* walk: take the last allowed id each step (EOS only once complete) */
+    char text[64] = "";
+    size_t n_text = 0;
+    int done = 0, first_id = -1;
+    for (int k = 0; k < 8 && !done; k++) {
+        loom__v1__sample_params__init(&row);
+        loom_sparams_fill_plan(&a, &mb, rows);
+        CHECK(row.grammar);
+        CHECKF(row.n_grammar_ids > 0 && row.n_grammar_mask == 0, "step %d: a short list (%zu ids, %zu words)", k,
+               row.n_grammar_ids, row.n_grammar_mask);
+        if (!row.n_grammar_ids) break;
+        for (size_t i = 1; i < row.n_grammar_ids; i++) CHECK(row.grammar_ids[i] > row.grammar_ids[i - 1]);
+        int32_t pick = row.grammar_ids[row.n_grammar_ids - 1];
+        if (pick == eos && row.n_grammar_ids == 1) {
+            done = 1;
+            break;
+        }
+        CHECKF(!row_allows(&row, eos), "step %d: EOS allowed before the end (%s)", k, text);
+        size_t l = 0;
+        const char *b = loom_tokenizer_token_bytes(g_tok, pick, &l);
+        CHECK(b && n_text + l < sizeof text);
+        if (!b || n_text + l >= sizeof text) break;
+        memcpy(text + n_text, b, l);
+        text[n_text += l] = '\0';
+        if (first_id < 0) first_id = pick;
+        toks[seq.n_tokens++] = pick;
+    }
+    CHECKF(done && (!strcmp(text, "cat") || !strcmp(text, "dog")), "walked to %s", text);
+    /* a rollback (re-prefill with a shorter output): the mask of the first step again */
+    Loom__V1__SampleParams first = LOOM__V1__SAMPLE_PARAMS__INIT, *frows[1] = {&first};
+    seq.n_tokens = 2;
+    loom_sparams_arena_t a2 = {0};
+    loom_sparams_fill_plan(&a2, &mb, frows);
+    CHECK(first_id >= 0 && row_allows(&first, first_id) && !row_allows(&first, eos));
+    /* the text check: "ca" is a prefix, "cat" is complete */
+    loom_guide_text_append(gd, "ca", 2);
+    CHECK(!loom_guide_text_complete(gd));
+    loom_guide_text_append(gd, "t", 1);
+    CHECK(loom_guide_text_complete(gd));
+    loom_sparams_destroy(&p);
+
+    /* any JSON object: inside a string most of the vocabulary is allowed -> the bitset */
+    CHECK(loom_guide_create(st, 1, "", 0, &gd, &err) == LOOM_OK);
+    p = NULL;
+    loom_sparams_set_guide(&p, gd);
+    static const char *const obj[] = {"{", "\"", "a"}; /* into a key's string body, by single-byte tokens */
+    seq = (loom_seq_t){.tokens = toks, .n_tokens = 2, .n_prompt = 2, .sparams = p};
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(obj); k++) {
+        int32_t found = -1;
+        for (int32_t id = 0; id < g_cfg.vocab_size && found < 0; id++) {
+            size_t l = 0;
+            const char *b = loom_tokenizer_token_bytes(g_tok, id, &l);
+            if (b && l == 1 && b[0] == obj[k][0]) found = id;
+        }
+        CHECK(found >= 0);
+        toks[seq.n_tokens++] = found;
+    }
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECKF(row.grammar && row.n_grammar_mask == ((size_t)g_cfg.vocab_size + 31) / 32,
+           "a string body: %zu mask words, %zu ids", row.n_grammar_mask, row.n_grammar_ids);
+    CHECK(!row_allows(&row, eos));
+    loom_structured_stats_t stats;
+    loom_structured_stats(st, &stats);
+    CHECK(stats.masks >= 3 && stats.bitset_rows >= 1 && stats.list_rows >= 3 && stats.refused == 0);
+    loom_sparams_arena_free(&a);
+    loom_sparams_arena_free(&a2);
+    loom_sparams_destroy(&p);
+    loom_structured_destroy(&st);
+    loom_structured_destroy(&st);
+}
+
 int main(void) {
     char dir[1024];
     snprintf(dir, sizeof dir, "%s/stories260K", test_models_dir());
@@ -199,6 +298,7 @@ int main(void) {
     RUN(test_validation);
     RUN(test_plan_rows);
     RUN(test_lp_view);
+    RUN(test_guide_rows);
     loom_tokenizer_destroy(&g_tok);
     return test_summary();
 }

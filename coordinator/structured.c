@@ -1,0 +1,181 @@
+/* Constrained decoding in the coordinator (see structured.h). */
+#include "coordinator/structured.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/grammar.h"
+#include "common/log.h"
+#include "common/util.h"
+
+#define GRAMMAR_CACHE_CAPACITY 64
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+struct loom_structured {
+    const loom_tokenizer_t *tok;
+    const loom_model_config_t *mcfg;
+    loom_grammar_vocab_t *vocab; /* built on first use */
+    loom_grammar_cache_t *cache;
+    loom_structured_stats_t stats;
+};
+
+struct loom_guide {
+    loom_structured_t *s;
+    loom_grammar_t *grammar;
+    loom_grammar_matcher_t *m;
+    uint32_t *mask; /* (words) over the model's vocabulary */
+    size_t words;   /* ceil(vocab_size / 32): the model's rows, which may be longer than the tokenizer's */
+    size_t tok_words; /* the grammar's mask words (the tokenizer's vocabulary) */
+    int broken; /* the matcher refused a token: the output can no longer match */
+    char *text;
+    size_t n_text, cap_text;
+};
+
+loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg) {
+    loom_structured_t *s = loom_xcalloc(1, sizeof *s);
+    s->tok = tok;
+    s->mcfg = mcfg;
+    s->cache = loom_grammar_cache_create(GRAMMAR_CACHE_CAPACITY);
+    return s;
+}
+
+void loom_structured_destroy(loom_structured_t **s_p) {
+    if (!s_p || !*s_p) return;
+    loom_structured_t *s = *s_p;
+    loom_grammar_vocab_destroy(&s->vocab);
+    loom_grammar_cache_destroy(&s->cache);
+    free(s);
+    *s_p = NULL;
+}
+
+void loom_structured_stats(const loom_structured_t *s, loom_structured_stats_t *out) {
+    *out = s->stats;
+}
+
+static loom_status_t ensure_vocab(loom_structured_t *s, loom_err_t *err) {
+    if (s->vocab) return LOOM_OK;
+    uint64_t t0 = loom_now_ns();
+    LOOM_CHECK(loom_grammar_vocab_create(s->tok, &s->vocab, err));
+    for (int i = 0; i < s->mcfg->n_eos; i++) loom_grammar_vocab_add_eos(s->vocab, s->mcfg->eos_ids[i]);
+    LOOM_INFO("constrained decoding: vocabulary of %d tokens indexed in %.1f ms", loom_grammar_vocab_size(s->vocab),
+              (double)(loom_now_ns() - t0) * 1e-6);
+    return LOOM_OK;
+}
+
+loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, loom_guide_t **out,
+                                loom_err_t *err) {
+    *out = NULL;
+    if (kind < LOOM_GRAMMAR_JSON_OBJECT || kind > LOOM_GRAMMAR_EBNF)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guide_kind %d is not one of 1 to 5", kind);
+    loom_grammar_t *gr = NULL;
+    LOOM_CHECK(loom_grammar_cache_get(s->cache, (loom_grammar_kind_t)kind, spec, len, &gr, err));
+    loom_status_t st = ensure_vocab(s, err);
+    loom_grammar_matcher_t *m = NULL;
+    if (st == LOOM_OK) st = loom_grammar_matcher_create(gr, s->vocab, &m, err);
+    if (st < 0) {
+        loom_grammar_destroy(&gr);
+        return st;
+    }
+    loom_guide_t *g = loom_xcalloc(1, sizeof *g);
+    g->s = s;
+    g->grammar = gr;
+    g->m = m;
+    g->words = ((size_t)s->mcfg->vocab_size + 31) / 32;
+    g->tok_words = loom_grammar_mask_words(s->vocab);
+    g->mask = loom_xmalloc(LOOM_MAX(g->words, g->tok_words) * sizeof *g->mask);
+    *out = g;
+    return LOOM_OK;
+}
+
+void loom_guide_destroy(loom_guide_t **g_p) {
+    if (!g_p || !*g_p) return;
+    loom_guide_t *g = *g_p;
+    loom_grammar_matcher_destroy(&g->m);
+    loom_grammar_destroy(&g->grammar);
+    free(g->mask);
+    free(g->text);
+    free(g);
+    *g_p = NULL;
+}
+
+/* Brings the matcher to out[0..n_out): accepts the new tokens, or replays
+ * when the output is shorter than what it saw (a rollback). */
+static void sync(loom_guide_t *g, const int32_t *out, int n_out) {
+    if (g->broken) return;
+    int have = loom_grammar_matcher_n_accepted(g->m);
+    if (have > n_out) {
+        if (loom_grammar_matcher_replay(g->m, out, n_out) < 0) g->broken = 1;
+    } else {
+        for (int i = have; i < n_out && !g->broken; i++)
+            if (loom_grammar_matcher_accept_token(g->m, out[i]) < 0) g->broken = 1;
+    }
+    if (g->broken) {
+        g->s->stats.refused++;
+        LOOM_WARN("constrained decoding: a sampled token is outside the grammar; the request will end as 'length'");
+    }
+}
+
+void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, void *(*alloc)(void *ctx, size_t bytes),
+                         void *ctx, Loom__V1__SampleParams *sp) {
+    sync(g, out, n_out);
+    sp->grammar = 1;
+    g->s->stats.masks++;
+    size_t n_set = 0;
+    if (!g->broken) {
+        loom_grammar_matcher_fill_mask(g->m, g->mask);
+        /* ids past the tokenizer's vocabulary (padded rows) are never allowed, nor past the model's */
+        for (size_t w = g->tok_words; w < g->words; w++) g->mask[w] = 0;
+        unsigned tail = (unsigned)(g->s->mcfg->vocab_size % 32);
+        if (tail && g->words <= g->tok_words) g->mask[g->words - 1] &= (1u << tail) - 1u;
+        for (size_t w = 0; w < g->words; w++) n_set += (size_t)__builtin_popcount(g->mask[w]);
+    }
+    if (g->broken || n_set == 0) { /* nothing is allowed: EOS ends it (the text check reports length) */
+        const loom_model_config_t *mc = g->s->mcfg;
+        int32_t *ids = alloc(ctx, (size_t)(mc->n_eos + 1) * sizeof *ids);
+        size_t k = 0;
+        for (int i = 0; i < mc->n_eos; i++)
+            if (mc->eos_ids[i] >= 0 && mc->eos_ids[i] < mc->vocab_size) ids[k++] = mc->eos_ids[i];
+        qsort(ids, k, sizeof *ids, cmp_i32);
+        size_t d = 0; /* distinct */
+        for (size_t i = 0; i < k; i++)
+            if (!d || ids[d - 1] != ids[i]) ids[d++] = ids[i];
+        sp->grammar_ids = ids;
+        sp->n_grammar_ids = d;
+        g->s->stats.list_rows++;
+        return;
+    }
+    if (n_set < g->words) { /* the id list is smaller than the bitset */
+        int32_t *ids = alloc(ctx, n_set * sizeof *ids);
+        size_t k = 0;
+        for (size_t w = 0; w < g->words; w++)
+            for (uint32_t b = g->mask[w]; b; b &= b - 1) ids[k++] = (int32_t)(w * 32 + (size_t)__builtin_ctz(b));
+        sp->grammar_ids = ids;
+        sp->n_grammar_ids = k;
+        g->s->stats.list_rows++;
+    } else {
+        uint32_t *m = alloc(ctx, g->words * sizeof *m);
+        memcpy(m, g->mask, g->words * sizeof *m);
+        sp->grammar_mask = m;
+        sp->n_grammar_mask = g->words;
+        g->s->stats.bitset_rows++;
+    }
+}
+
+void loom_guide_text_append(loom_guide_t *g, const char *text, size_t n) {
+    if (n == 0) return;
+    if (g->n_text + n + 1 > g->cap_text) {
+        g->cap_text = (g->n_text + n + 1) * 2;
+        g->text = loom_xrealloc(g->text, g->cap_text);
+    }
+    memcpy(g->text + g->n_text, text, n);
+    g->n_text += n;
+    g->text[g->n_text] = '\0';
+}
+
+int loom_guide_text_complete(const loom_guide_t *g) {
+    return loom_grammar_check(g->grammar, g->text ? g->text : "", g->n_text) == LOOM_GRAMMAR_MATCH;
+}
