@@ -19,14 +19,26 @@ struct loom_local {
     int ctx, chunk, max_blocks;
     /* step buffers (host), sized for one chunk */
     int32_t *pos, *slots, *tok_seq, *rows, *block_table;
-    int32_t *cand_ids;
+    int32_t *cand_ids;       /* (LOCAL_MAX_ROWS, LOOM_SAMPLE_MAX_CAND) sampling candidates per row */
     float *cand_keys;
+    loom_spec_config_t spec; /* speculation (method OFF: none) */
+    int32_t *hist;           /* (ctx) prompt and generated ids: the ngram drafter's history */
 };
+
+#define LOCAL_MAX_ROWS (LOOM_SPEC_MAX_K + 1) /* logit rows a verify step samples */
 
 loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **out, loom_err_t *err) {
     *out = NULL;
     loom_local_t *l = loom_xcalloc(1, sizeof *l);
-    loom_status_t s = loom_model_config_load(opt->model_dir, &l->cfg, err);
+    loom_status_t s = loom_spec_config_check(&opt->spec, err);
+    if (s < 0) goto fail;
+    if (opt->spec.method == LOOM_SPEC_DRAFT) {
+        s = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                         "speculative method 'draft' is not available yet (use ngram)");
+        goto fail;
+    }
+    l->spec = opt->spec;
+    s = loom_model_config_load(opt->model_dir, &l->cfg, err);
     if (s < 0) goto fail;
     if (!opt->no_tokenizer) {
         s = loom_tokenizer_load(opt->model_dir, &l->tok, err);
@@ -66,8 +78,9 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     l->rows = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
     l->block_table = loom_xmalloc((size_t)l->max_blocks * sizeof(int32_t));
     for (int i = 0; i < l->max_blocks; i++) l->block_table[i] = i;
-    l->cand_ids = loom_xmalloc(LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
-    l->cand_keys = loom_xmalloc(LOOM_SAMPLE_MAX_CAND * sizeof(float));
+    l->cand_ids = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
+    l->cand_keys = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(float));
+    l->hist = loom_xmalloc((size_t)l->ctx * sizeof(int32_t));
     *out = l;
     return LOOM_OK;
 fail:
@@ -90,6 +103,7 @@ void loom_local_close(loom_local_t **l_p) {
     free(l->block_table);
     free(l->cand_ids);
     free(l->cand_keys);
+    free(l->hist);
     free(l);
 }
 
@@ -112,10 +126,19 @@ static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, in
     return loom_model_forward(l->model, &b, err);
 }
 
-static int32_t sample_last(loom_local_t *l, const loom_sampling_t *s, uint64_t step) {
-    loom_sample_part_t part = {.ids = l->cand_ids, .keys = l->cand_keys};
-    loom_model_sample_parts(l->model, 1, s, &step, &part);
-    return loom_sample_merge(&part, 1, l->cfg.vocab_size, s, step);
+/* Samples the last forward's rows 0..n_rows as generated tokens step0.. */
+static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step0, int n_rows, int32_t *ids) {
+    loom_sample_part_t parts[LOCAL_MAX_ROWS];
+    uint64_t steps[LOCAL_MAX_ROWS];
+    loom_sampling_t params[LOCAL_MAX_ROWS];
+    for (int i = 0; i < n_rows; i++) {
+        steps[i] = step0 + (uint64_t)i;
+        params[i] = *s;
+        parts[i] = (loom_sample_part_t){.ids = l->cand_ids + (size_t)i * LOOM_SAMPLE_MAX_CAND,
+                                        .keys = l->cand_keys + (size_t)i * LOOM_SAMPLE_MAX_CAND};
+    }
+    loom_model_sample_parts(l->model, n_rows, params, steps, parts);
+    for (int i = 0; i < n_rows; i++) ids[i] = loom_sample_merge(&parts[i], 1, l->cfg.vocab_size, s, steps[i]);
 }
 
 loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
@@ -153,22 +176,60 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         l->rows[0] = 0;
         LOOM_CHECK(run_chunk(l, prompt + n_prompt - 1, 1, n_prompt - 1, 1, err));
     }
-    int pos = n_prompt;
+    /* Each pass of the loop samples the last forward's rows (the token after
+     * pos - 1, then one per draft fed with it), emits the sampled tokens up to
+     * and including the first one that differs from its draft, and runs the
+     * next forward: the last emitted token at pos plus the new drafts. KV of
+     * rejected drafts (positions past the accepted ones) is simply rewritten
+     * by later steps: the cache's slots are the positions. */
+    memcpy(l->hist, prompt, (size_t)n_prompt * sizeof *prompt);
+    int n_hist = n_prompt, pos = n_prompt, g = 0, n_draft = 0, done = max_new <= 0;
+    int32_t feed[LOCAL_MAX_ROWS], sampled[LOCAL_MAX_ROWS];
+    loom_spec_adapt_t adapt;
+    loom_spec_adapt_init(&adapt);
     uint64_t t1 = 0;
-    for (int g = 0; g < max_new; g++) {
-        int32_t id = sample_last(l, s, (uint64_t)g);
+    while (!done) {
+        sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
         if (g == 0) {
             t1 = loom_now_ns();
             st.prefill_s = (double)(t1 - t0) * 1e-9;
         }
-        st.gen_tokens++;
-        int stop = on_token ? on_token(ctx, id) : 0;
-        if (stop || (!ignore_eos && loom_model_config_is_eos(&l->cfg, id))) break;
-        if (g + 1 == max_new || pos >= l->ctx) break;
-        l->rows[0] = 0;
-        LOOM_CHECK(run_chunk(l, &id, 1, pos, 1, err));
+        int accepted = 0, emitted = 0;
+        for (int i = 0; i <= n_draft; i++) {
+            int32_t id = sampled[i];
+            emitted++;
+            g++;
+            l->hist[n_hist++] = id;
+            int match = i < n_draft && id == feed[i + 1];
+            int stop = on_token ? on_token(ctx, id) : 0;
+            if (stop || (!ignore_eos && loom_model_config_is_eos(&l->cfg, id)) || g == max_new) done = 1;
+            if (match) accepted++;
+            if (done || !match) break;
+        }
+        loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
+        loom_spec_adapt_update(&adapt, n_draft, accepted);
+        pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
+        if (done || pos + 1 > l->ctx) break;
+        /* the last emitted token goes in at position pos (its predecessor's
+         * KV is at pos - 1) */
+        feed[0] = l->hist[n_hist - 1];
+        int k = 0;
+        if (l->spec.method == LOOM_SPEC_NGRAM) {
+            k = loom_spec_adapt_k(&adapt, &l->spec, 0);
+            k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
+            k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
+            k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
+            n_draft = k > 0 ? loom_spec_ngram_propose(l->hist, n_hist, l->spec.ngram_min, l->spec.ngram_max,
+                                                      k, feed + 1)
+                            : 0;
+        } else {
+            n_draft = 0;
+        }
+        for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
+        LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         pos++;
     }
+    st.gen_tokens = g;
     if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
     if (stats) *stats = st;
     return LOOM_OK;
