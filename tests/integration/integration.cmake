@@ -21,3 +21,4 @@ loom_add_it(it_netns test_netns.py) # hosts as network namespaces: needs root, e
 set_tests_properties(it_netns PROPERTIES SKIP_RETURN_CODE 77)
 loom_add_it(it_quant test_quant.py)
 loom_add_it(it_perplexity test_perplexity.py)
+loom_add_it(it_spec test_spec.py)

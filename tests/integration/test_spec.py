@@ -1,0 +1,116 @@
+"""Speculative decoding in `loom run` (ngram prompt lookup): the ids are the
+same as without speculation (greedy and seeded sampling, any K, tiny
+chunks and contexts, max_tokens and EOS respected), the acceptance and
+`tokens per target step` lines are printed, and bad settings are refused
+with a clear message."""
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import BIN, STORIES, check, gen_model, parse_ids, run_tests  # noqa: E402
+
+WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-spec")
+LOOM = os.path.join(BIN, "loom")
+PROMPTS = [
+    "Once upon a time",
+    "Tom had a red ball. Tom had a red ball. Tom had a",
+    "The cat sat on the mat. The dog sat on the log. The cat",
+]
+
+
+def run(model, prompt, *extra, max_tokens=80, temperature="0"):
+    p = subprocess.run([LOOM, "run", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens),
+                        "--temperature", temperature, "--threads", "1", "--ids"] + list(extra),
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "loom run failed: %s" % p.stderr)
+    return p.stdout, parse_ids(p.stderr), p.stderr
+
+
+def tokens_per_step(stderr):
+    m = re.search(r"^tokens per target step: (\d+\.\d\d)$", stderr, re.M)
+    check(m, "no 'tokens per target step' line: %r" % stderr)
+    check(re.search(r"acceptance rate \d+\.\d%", stderr), "no acceptance rate: %r" % stderr)
+    return float(m.group(1))
+
+
+def test_greedy_identical():
+    best = 0.0
+    for prompt in PROMPTS:
+        _, base, err = run(STORIES, prompt, "--ignore-eos")
+        check(len(base) == 80, "expected 80 ids, got %d" % len(base))
+        check("tokens per target step" not in err, "speculation line printed with speculation off")
+        for extra in (["--num-speculative-tokens", "1"], ["--num-speculative-tokens", "4"],
+                      ["--num-speculative-tokens", "16", "--speculative-fixed-k"],
+                      ["--num-speculative-tokens", "8", "--ngram-min", "2", "--ngram-max", "3"],
+                      ["--num-speculative-tokens", "16", "--speculative-fixed-k", "--chunk", "3"]):
+            _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "ngram", *extra)
+            check(ids == base, "%r %s: ids differ from non-speculative\n%s\n%s" % (prompt, extra, base, ids))
+            best = max(best, tokens_per_step(err))
+    check(best > 1.2, "ngram never got more than one token per target step (best %.2f)" % best)
+
+
+def test_reference_story():
+    # the reference implementation's greedy continuation (as in test_cli.py)
+    out, _, _ = run(STORIES, "Once upon a time", "--speculative-method", "ngram", max_tokens=64)
+    check(out.startswith(", there was a little girl named Lily. She loved to play outside in the park."),
+          "not the reference story: %r" % out)
+
+
+def test_sampled_identical():
+    # the rule accepts a draft iff the row's seeded sample equals it, so the
+    # same seed gives the same ids with speculation on and off
+    for prompt in PROMPTS[1:]:
+        for seed, extra in ((3, []), (4, ["--top-k", "0", "--top-p", "1"]), (5, ["--top-p", "0.5"])):
+            args = ["--seed", str(seed), "--ignore-eos"] + extra
+            _, base, _ = run(STORIES, prompt, *args, temperature="0.9")
+            _, ids, _ = run(STORIES, prompt, *args, "--speculative-method", "ngram", "--num-speculative-tokens",
+                            "6", temperature="0.9")
+            check(ids == base, "seed %d %s: sampled ids differ" % (seed, extra))
+
+
+def test_limits():
+    prompt = PROMPTS[1]
+    for n in (1, 2, 5, 17):  # never more than asked, whatever K
+        _, ids, _ = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "ngram",
+                        "--num-speculative-tokens", "16", "--speculative-fixed-k", max_tokens=n)
+        check(len(ids) == n, "max_tokens %d gave %d ids" % (n, len(ids)))
+    # a context that ends mid-draft: the same ids as without speculation
+    _, base, _ = run(STORIES, prompt, "--ignore-eos", "--ctx", "40", max_tokens=200)
+    _, ids, _ = run(STORIES, prompt, "--ignore-eos", "--ctx", "40", "--speculative-method", "ngram",
+                    "--num-speculative-tokens", "16", "--speculative-fixed-k", max_tokens=200)
+    check(ids == base and len(ids) > 0, "context limit: %s vs %s" % (base, ids))
+    # stopping at EOS: same ids, EOS last
+    _, base, _ = run(STORIES, PROMPTS[0], max_tokens=400)
+    _, ids, _ = run(STORIES, PROMPTS[0], "--speculative-method", "ngram", max_tokens=400)
+    check(ids == base, "EOS stop: ids differ")
+
+
+def test_gqa_random_model():
+    # a random GQA model with other shapes (stories260K's tokenizer)
+    model = gen_model(os.path.join(WORK, "spec-gqa"), "--dim", "96", "--hidden-dim", "160", "--layers", "3",
+                      "--heads", "6", "--kv-heads", "2", "--vocab", "512", "--seed", "19")
+    for prompt in PROMPTS[1:]:
+        _, base, _ = run(model, prompt, "--ignore-eos", max_tokens=60)
+        _, ids, _ = run(model, prompt, "--ignore-eos", "--speculative-method", "ngram",
+                        "--num-speculative-tokens", "8", "--speculative-fixed-k", max_tokens=60)
+        check(ids == base, "random GQA model: ids differ")
+
+
+def test_bad_input():
+    for extra, want in ((["--num-speculative-tokens", "0"], "[1, 16]"),
+                        (["--num-speculative-tokens", "64"], "[1, 16]"),
+                        (["--speculative-method", "eagle"], "must be none or ngram"),
+                        (["--speculative-method", "ngram", "--ngram-min", "4", "--ngram-max", "2"], "ngram_min"),
+                        (["--speculative-method", "draft"], "draft")):
+        p = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "hi"] + extra,
+                           capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr,
+              "%s: rc %d, %r" % (extra, p.returncode, p.stderr))
+
+
+if __name__ == "__main__":
+    os.makedirs(WORK, exist_ok=True)
+    run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
+               test_gqa_random_model, test_bad_input])
