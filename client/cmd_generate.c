@@ -136,6 +136,7 @@ static const char *finish_name(loom_finish_t f) {
 int loom_cmd_generate(int argc, char **argv) {
     const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
+    int no_spec = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
     float temperature = 0.8f, top_p = 0.95f;
     float min_p = 0.0f, presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
@@ -159,6 +160,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"bad-word", LOOM_OPT_STR, &bad_opt, "STR", "never generate this word; repeat for several", 1, 0, NULL},
         {"min-tokens", LOOM_OPT_INT, &min_tokens, "N", "EOS and stops end nothing before N tokens (default 0)", 0, 1e9, NULL},
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
+        {"no-speculation", LOOM_OPT_FLAG, &no_spec, NULL, "never speculate for this request (same output, one token per step)", 1, 0, NULL},
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
@@ -219,7 +221,7 @@ int loom_cmd_generate(int argc, char **argv) {
                            .min_p = min_p, .presence_penalty = presence, .frequency_penalty = frequency,
                            .repetition_penalty = repetition, .logit_bias_ids = bias_ids,
                            .logit_bias_values = bias_values, .n_logit_bias = n_bias, .bad_words = bad_words,
-                           .n_bad_words = n_bad, .min_tokens = min_tokens};
+                           .n_bad_words = n_bad, .min_tokens = min_tokens, .no_speculation = no_spec};
     gen_out_t o = {.print_ids = print_ids};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = (int)SA_RESETHAND}, old_sa;
     sigemptyset(&sa.sa_mask);

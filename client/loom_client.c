@@ -556,6 +556,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.n_stop = (size_t)p->n_stop;
     g.stop = (char **)p->stop;
     g.ignore_eos = p->ignore_eos != 0;
+    g.no_speculation = p->no_speculation != 0;
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;

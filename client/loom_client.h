@@ -60,6 +60,7 @@ typedef struct loom_gen_params {
     int include_stop_str_in_output;
     int logprobs;                              /* chunks carry their tokens' log probabilities */
     int top_logprobs;                          /* and the most likely tokens', at most 20 */
+    int no_speculation;                        /* never speculate for this request */
 } loom_gen_params_t;
 
 typedef enum {

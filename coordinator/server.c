@@ -388,6 +388,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
                                   .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = n_blocks,
                                   .prefix_cache = s->cfg.prefix_cache};
         s->sched = loom_sched_create(&sc);
+        loom_sched_set_spec(s->sched, &s->cfg.spec);
     }
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
@@ -589,6 +590,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     }
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
+    q->seq->spec_off = g->no_speculation;
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;
@@ -763,6 +765,17 @@ static void schedule(loom_server_t *s) {
     }
 }
 
+/* Speculative decoding counters for /metrics (vLLM's spec_decode family). */
+static void set_spec_metrics(const loom_server_t *s, loom_metrics_state_t *st) {
+    if (s->cfg.spec.method == LOOM_SPEC_OFF) return;
+    const loom_spec_stats_t *sp = loom_sched_spec_stats(s->sched);
+    st->spec_k = s->cfg.spec.k;
+    st->spec_drafts = (uint64_t)sp->num_drafts;
+    st->spec_draft_tokens = (uint64_t)sp->num_draft_tokens;
+    st->spec_accepted_tokens = (uint64_t)sp->num_accepted_tokens;
+    for (int i = 0; i < LOOM_SPEC_MAX_K; i++) st->spec_accepted_per_pos[i] = (uint64_t)sp->accepted_per_pos[i];
+}
+
 static void publish_state(loom_server_t *s) {
     loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
                                .requests_rejected = s->requests_rejected,
@@ -782,6 +795,7 @@ static void publish_state(loom_server_t *s) {
         st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
         st.prefix_cache_hits = s->prefix_hits_base + ss.prefix_hits;
         st.preemptions = s->preemptions_base + ss.preemptions;
+        set_spec_metrics(s, &st);
     } else {
         st.prefix_cache_queries = s->prefix_queries_base;
         st.prefix_cache_hits = s->prefix_hits_base;

@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 
+#include "common/spec.h"
 #include "common/status.h"
 
 typedef struct loom_server_config {
@@ -38,6 +39,7 @@ typedef struct loom_server_config {
     int shutdown_timeout_ms;  /* draining: how long requests in flight may run on after a stop */
     int has_seed;             /* --seed: requests without a seed get seeds derived from this one, */
     uint64_t seed;            /* so the same requests in the same order give the same text */
+    loom_spec_config_t spec;  /* speculative decoding (method OFF: none), common/spec.h */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

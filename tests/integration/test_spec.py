@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, STORIES, check, gen_model, parse_ids, run_tests  # noqa: E402
+from test_http import free_port, get_metrics, metric  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, gen_model, parse_ids, run_local, run_tests  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-spec")
 LOOM = os.path.join(BIN, "loom")
@@ -110,7 +111,43 @@ def test_bad_input():
               "%s: rc %d, %r" % (extra, p.returncode, p.stderr))
 
 
+GRID_PROMPTS = PROMPTS + ["Lily and Ben went to the park. They saw", "Once upon a time, there was a boy. The boy"]
+SPEC_ARGS = ["--speculative-method", "ngram", "--num-speculative-tokens", "8"]
+
+
+def test_grids():
+    # every grid, several requests at once (a batch mix of decodes, drafts and
+    # prefills): greedy ids equal `loom run` without speculation
+    n = 48
+    expect = {p: run_local(STORIES, p, n, extra=["--ignore-eos"])[1] for p in GRID_PROMPTS}
+    seeded = run_local(STORIES, GRID_PROMPTS[1], n, temperature=0.9, extra=["--ignore-eos", "--seed", "7"])[1]
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        port = free_port()
+        with Cluster(STORIES, tp, pp, coord_args=SPEC_ARGS + ["--http", "127.0.0.1:%d" % port]) as c:
+            procs = [(p, c.generate_async(p, n, extra=["--ignore-eos"])) for p in GRID_PROMPTS]
+            procs.append(("seeded", c.generate_async(GRID_PROMPTS[1], n, 0.9, extra=["--ignore-eos", "--seed", "7"])))
+            procs.append(("off", c.generate_async(GRID_PROMPTS[2], n, extra=["--ignore-eos", "--no-speculation"])))
+            for p, proc in procs:
+                out, err = proc.communicate(timeout=120)
+                check(proc.returncode == 0, "%dx%d: generate failed: %s" % (tp, pp, err))
+                want = seeded if p == "seeded" else expect[GRID_PROMPTS[2]] if p == "off" else expect[p]
+                check(parse_ids(err) == want, "%dx%d %r: ids %s differ from loom run %s" %
+                      (tp, pp, p, parse_ids(err), want))
+            # max_tokens is never exceeded, and a short one ends exactly
+            rc, _, ids, err = c.generate(GRID_PROMPTS[1], 3, extra=["--ignore-eos"])
+            check(rc == 0 and ids == expect[GRID_PROMPTS[1]][:3], "%dx%d: max_tokens 3 gave %s" % (tp, pp, ids))
+            # vLLM's spec_decode counters: drafts were verified and some accepted
+            _, samples = get_metrics(port)
+            drafts = metric(samples, "vllm:spec_decode_num_draft_tokens_total")
+            acc = metric(samples, "vllm:spec_decode_num_accepted_tokens_total")
+            pos0 = metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
+            pos7 = metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="7")
+            check(metric(samples, "vllm:spec_decode_num_drafts_total") > 0 and drafts >= acc > 0,
+                  "%dx%d: %s draft tokens, %s accepted" % (tp, pp, drafts, acc))
+            check(pos0 >= pos7 and pos0 > 0, "per-position acceptance %s .. %s" % (pos0, pos7))
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
-               test_gqa_random_model, test_bad_input])
+               test_gqa_random_model, test_bad_input, test_grids])
