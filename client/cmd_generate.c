@@ -249,6 +249,12 @@ int loom_cmd_generate(int argc, char **argv) {
             if (f->completion_tokens > 1 && o.t_first > 0 && dec > 0)
                 fprintf(stderr, ", %.1f tokens/s", (f->completion_tokens - 1) / dec);
             fprintf(stderr, ", %.3f s total\n", o.t_end - o.t_send);
+            if (f->spec_draft_tokens > 0 && f->target_steps > 0) {
+                fprintf(stderr, "speculative: %d draft tokens, %d accepted (acceptance rate %.1f%%)\n",
+                        f->spec_draft_tokens, f->spec_accepted_tokens,
+                        100.0 * f->spec_accepted_tokens / f->spec_draft_tokens);
+                fprintf(stderr, "tokens per target step: %.2f\n", (double)f->completion_tokens / f->target_steps);
+            }
         }
         rc = s == LOOM_OK ? 0 : EXIT_INTERRUPTED;
     } else {

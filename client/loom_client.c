@@ -408,6 +408,9 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
             ch->prompt_tokens = (int)LOOM_MIN(g->usage->prompt_tokens, (uint32_t)INT32_MAX);
             ch->completion_tokens = (int)LOOM_MIN(g->usage->completion_tokens, (uint32_t)INT32_MAX);
             ch->cached_tokens = (int)LOOM_MIN(g->usage->cached_tokens, (uint32_t)INT32_MAX);
+            ch->spec_draft_tokens = (int)LOOM_MIN(g->usage->spec_draft_tokens, (uint32_t)INT32_MAX);
+            ch->spec_accepted_tokens = (int)LOOM_MIN(g->usage->spec_accepted_tokens, (uint32_t)INT32_MAX);
+            ch->target_steps = (int)LOOM_MIN(g->usage->target_steps, (uint32_t)INT32_MAX);
         }
         if (g->timings) {
             const Loom__V1__Timings *t = g->timings;

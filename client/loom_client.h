@@ -86,6 +86,7 @@ typedef struct loom_chunk {
     int final;
     /* usage, in the final chunk */
     int prompt_tokens, completion_tokens, cached_tokens;
+    int spec_draft_tokens, spec_accepted_tokens, target_steps; /* speculative decoding */
     /* in the final chunk of an admitted request (has_timings = 1) */
     loom_timings_t timings;
     int has_timings;

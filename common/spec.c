@@ -67,7 +67,10 @@ int loom_spec_ngram_propose(const int32_t *hist, int n, int ngram_min, int ngram
     return 0;
 }
 
-void loom_spec_adapt_init(loom_spec_adapt_t *a) { a->tried = a->accepted = 0; }
+void loom_spec_adapt_init(loom_spec_adapt_t *a) {
+    a->tried = a->accepted = 0;
+    a->idle = 0;
+}
 
 double loom_spec_adapt_rate(const loom_spec_adapt_t *a) { return (a->accepted + 1.0) / (a->tried + 2.0); }
 
@@ -83,7 +86,29 @@ double loom_spec_expected_tokens(double a, int k) {
     return (1.0 - pow(a, k + 1)) / (1.0 - a);
 }
 
-int loom_spec_adapt_k(const loom_spec_adapt_t *a, const loom_spec_config_t *c, int step_tokens) {
+#define COST_DECAY 0.98 /* weight of the past per observed step in the cost line */
+
+void loom_spec_cost_observe(loom_spec_cost_t *c, int n_tokens, double seconds) {
+    if (n_tokens <= 0 || !(seconds > 0)) return;
+    double n = n_tokens;
+    c->w = COST_DECAY * c->w + 1;
+    c->sn = COST_DECAY * c->sn + n;
+    c->snn = COST_DECAY * c->snn + n * n;
+    c->st = COST_DECAY * c->st + seconds;
+    c->snt = COST_DECAY * c->snt + n * seconds;
+}
+
+double loom_spec_cost_relative(const loom_spec_cost_t *c, int d, double fallback) {
+    double var = c->w * c->snn - c->sn * c->sn;
+    if (c->w < 4 || var <= 1e-9 * c->w * c->w) return fallback;
+    double b = (c->w * c->snt - c->sn * c->st) / var, a = (c->st - b * c->sn) / c->w;
+    if (b < 0) b = 0;
+    if (a < 0) a = 0;
+    double step = a + b * (d > 0 ? d : 1);
+    return step > 0 ? b * (d > 0 ? d : 1) / step : fallback;
+}
+
+int loom_spec_adapt_k(loom_spec_adapt_t *a, const loom_spec_config_t *c, int step_tokens) {
     if (c->method == LOOM_SPEC_OFF) return 0;
     if (c->compute_knee > 0 && step_tokens >= c->compute_knee) return 0;
     int kmax = c->k;
@@ -91,13 +116,17 @@ int loom_spec_adapt_k(const loom_spec_adapt_t *a, const loom_spec_config_t *c, i
     if (kmax < 1) return 0;
     if (c->fixed_k) return kmax;
     double rate = loom_spec_adapt_rate(a), best = 1.0;
-    int best_k = 1; /* always probe with one draft: its cost is small and it keeps the estimate alive */
+    int best_k = 0;
     for (int k = 1; k <= kmax; k++) {
         double v = loom_spec_expected_tokens(rate, k) / (1.0 + c->verify_cost * k);
         if (v > best) {
             best = v;
             best_k = k;
         }
+    }
+    if (best_k == 0 && ++a->idle >= 16) { /* probe now and then */
+        a->idle = 0;
+        return 1;
     }
     return best_k;
 }

@@ -59,15 +59,32 @@ int loom_spec_ngram_propose(const int32_t *hist, int n, int ngram_min, int ngram
 
 typedef struct loom_spec_adapt {
     double tried, accepted; /* decayed counts */
+    int idle;               /* steps since the last draft while speculation did not pay */
 } loom_spec_adapt_t;
+
+/* The measured step cost: a least-squares line t = a + b n through the
+ * (tokens, seconds) of recent steps (decayed sums). Speculating K tokens in
+ * a step of d decode tokens costs c K more, c = b d / (a + b d): near 0
+ * while the step is bound by reading the weights, near 1 once every token
+ * costs its own compute (a tiny model, or a large batch). */
+typedef struct loom_spec_cost {
+    double w, sn, snn, st, snt;
+} loom_spec_cost_t;
+
+void loom_spec_cost_observe(loom_spec_cost_t *c, int n_tokens, double seconds);
+/* c for a step of d decode tokens; `fallback` until the steps seen differ in size. */
+double loom_spec_cost_relative(const loom_spec_cost_t *c, int d, double fallback);
 
 void loom_spec_adapt_init(loom_spec_adapt_t *a);
 /* Acceptance estimate in (0, 1) (Laplace-smoothed). */
 double loom_spec_adapt_rate(const loom_spec_adapt_t *a);
 /* After a verify step that drafted n and accepted j (0 <= j <= n). */
 void loom_spec_adapt_update(loom_spec_adapt_t *a, int n, int j);
-/* Drafts to ask for in a step that carries step_tokens other tokens. */
-int loom_spec_adapt_k(const loom_spec_adapt_t *a, const loom_spec_config_t *c, int step_tokens);
+/* Drafts to ask for in a step that carries step_tokens decode tokens, with
+ * c->verify_cost the relative cost of one more token (loom_spec_cost_relative).
+ * 0 when no K pays for itself, except one probing draft every 16 such steps
+ * so the acceptance estimate stays current. */
+int loom_spec_adapt_k(loom_spec_adapt_t *a, const loom_spec_config_t *c, int step_tokens);
 /* Expected tokens per verify step with per-token acceptance a and K drafts. */
 double loom_spec_expected_tokens(double a, int k);
 

@@ -22,6 +22,7 @@ struct loom_sched {
     loom_sched_stats_t stats;
     loom_spec_config_t spec;       /* speculation (method OFF: none) */
     loom_spec_stats_t spec_stats;
+    loom_spec_cost_t spec_cost;    /* measured step times (loom_sched_observe_step) */
 };
 
 /* ---- waiting heap ----------------------------------------------------------- */
@@ -382,6 +383,10 @@ static void register_blocks(loom_sched_t *s, loom_seq_t *q);
 void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c) { s->spec = *c; }
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s) { return &s->spec_stats; }
 
+void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
+    if (n_tokens <= 2 * LOOM_MAX(s->spec.compute_knee, 32)) loom_spec_cost_observe(&s->spec_cost, n_tokens, seconds);
+}
+
 static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
     return s->spec.method == LOOM_SPEC_NGRAM && !q->spec_off && !q->sparams;
 }
@@ -393,7 +398,9 @@ static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
 static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int budget, int rows_reserved,
                         int step_tokens) {
     int si = mb->n_seqs - 1;
-    int k = loom_spec_adapt_k(&q->spec_adapt, &s->spec, step_tokens);
+    loom_spec_config_t c = s->spec;
+    c.verify_cost = loom_spec_cost_relative(&s->spec_cost, step_tokens, s->spec.verify_cost);
+    int k = loom_spec_adapt_k(&q->spec_adapt, &c, step_tokens);
     k = LOOM_MIN(k, q->max_tokens - (q->n_tokens - q->n_prompt) - 1); /* never more than asked */
     k = LOOM_MIN(k, budget);
     k = LOOM_MIN(k, s->cfg.max_num_seqs - mb->n_logits - rows_reserved); /* the workers' logit rows */
@@ -452,6 +459,9 @@ static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const 
         register_blocks(s, q);
     }
     loom_spec_adapt_update(&q->spec_adapt, n, accepted);
+    q->spec_drafted += n;
+    q->spec_accepted += accepted;
+    q->n_steps++;
     loom_spec_stats_record(&s->spec_stats, n, accepted, emitted);
 }
 
@@ -576,6 +586,7 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
         if (q->finish_pending || mb->spec_row[r]) continue;
         LOOM_ASSERT(q->n_tokens < q->cap_tokens);
         q->tokens[q->n_tokens++] = ids[r];
+        q->n_steps++;
         if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
         if (on_token) on_token(ctx, q, ids[r]);
     }

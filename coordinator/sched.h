@@ -54,6 +54,8 @@ typedef struct loom_seq {
     int heap_pos, run_pos;   /* positions in the waiting heap / running array */
     uint64_t t_arrival_ns, t_first_token_ns, t_admitted_ns;
     int spec_off;            /* 1: never speculate for this sequence (the request said so) */
+    int spec_drafted, spec_accepted; /* its drafted tokens verified, and accepted */
+    int n_steps;             /* steps that produced its tokens */
     loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
 } loom_seq_t;
 
@@ -160,5 +162,8 @@ void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
  * decode tokens approach the config's compute knee. */
 void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c);
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s);
+/* A step of n_tokens took `seconds`: feeds the measured cost model that
+ * adaptive K weighs drafts against (small steps only: the decode regime). */
+void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
 
 #endif

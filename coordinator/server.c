@@ -249,6 +249,11 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
         usage.prompt_tokens = (uint32_t)q->prompt_tokens;
         usage.completion_tokens = (uint32_t)q->completion_tokens;
         usage.cached_tokens = q->seq ? (uint32_t)q->seq->cached_tokens : 0;
+        if (q->seq) {
+            usage.spec_draft_tokens = (uint32_t)q->seq->spec_drafted;
+            usage.spec_accepted_tokens = (uint32_t)q->seq->spec_accepted;
+            usage.target_steps = (uint32_t)q->seq->n_steps;
+        }
         ch.usage = &usage;
         /* a stage not reached reads 0 */
         loom_request_times_t tt = req_times(q, t_send);
@@ -428,6 +433,7 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     s->steps++;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
+    loom_sched_observe_step(s->sched, mb->n_tokens, step_s);
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
     loom_sched_complete(s->sched, mb, r->ids, on_token, s);
     loom_lp_view_unbind(&s->lp_view);

@@ -187,13 +187,15 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     int32_t feed[LOCAL_MAX_ROWS], sampled[LOCAL_MAX_ROWS];
     loom_spec_adapt_t adapt;
     loom_spec_adapt_init(&adapt);
+    loom_spec_cost_t cost = {0}; /* measured decode / verify step times */
+    loom_spec_config_t spec = l->spec;
     uint64_t t1 = 0;
+    if (!done) {
+        sample_rows(l, s, 0, 1, sampled);
+        t1 = loom_now_ns();
+        st.prefill_s = (double)(t1 - t0) * 1e-9;
+    }
     while (!done) {
-        sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
-        if (g == 0) {
-            t1 = loom_now_ns();
-            st.prefill_s = (double)(t1 - t0) * 1e-9;
-        }
         int accepted = 0, emitted = 0;
         for (int i = 0; i <= n_draft; i++) {
             int32_t id = sampled[i];
@@ -215,7 +217,8 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
         if (l->spec.method == LOOM_SPEC_NGRAM) {
-            k = loom_spec_adapt_k(&adapt, &l->spec, 0);
+            spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
+            k = loom_spec_adapt_k(&adapt, &spec, 1);
             k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
             k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
             k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
@@ -226,7 +229,10 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             n_draft = 0;
         }
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
+        uint64_t ts = loom_now_ns();
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
+        sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
+        loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);
         pos++;
     }
     st.gen_tokens = g;

@@ -67,7 +67,13 @@ static void test_adapt(void) {
     loom_spec_adapt_init(&a);
     for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 4, 0); /* nothing accepted */
     CHECK(loom_spec_adapt_rate(&a) < 0.05);
-    CHECK(loom_spec_adapt_k(&a, &c, 0) == 1); /* keeps probing with one */
+    int probes = 0, zeros = 0;
+    for (int i = 0; i < 64; i++) {
+        int k = loom_spec_adapt_k(&a, &c, 0);
+        probes += k == 1;
+        zeros += k == 0;
+    }
+    CHECKF(probes == 4 && zeros == 60, "probes %d zeros %d", probes, zeros); /* one draft every 16 steps */
     /* a middling rate picks a middling K, and a dearer verify a smaller one */
     loom_spec_adapt_init(&a);
     for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 4, i % 2 ? 1 : 2);
@@ -85,6 +91,31 @@ static void test_adapt(void) {
     CHECK(loom_spec_adapt_k(&a, &c, 0) == 0);
     CHECK(fabs(loom_spec_expected_tokens(0.5, 3) - 1.875) < 1e-12);
     CHECK(loom_spec_expected_tokens(1.0, 3) == 4.0);
+}
+
+static void test_cost(void) {
+    loom_spec_cost_t c = {0};
+    CHECK(loom_spec_cost_relative(&c, 1, 0.25) == 0.25); /* nothing seen */
+    for (int i = 0; i < 20; i++) loom_spec_cost_observe(&c, 1, 0.010);
+    CHECK(loom_spec_cost_relative(&c, 1, 0.25) == 0.25); /* one size only: no slope */
+    /* memory-bound: 10 ms + 0.1 ms per token */
+    for (int i = 0; i < 40; i++) loom_spec_cost_observe(&c, 1 + i % 9, 0.010 + 0.0001 * (1 + i % 9));
+    double r1 = loom_spec_cost_relative(&c, 1, 0.25), r32 = loom_spec_cost_relative(&c, 32, 0.25);
+    CHECKF(fabs(r1 - 0.0001 / 0.0101) < 1e-3, "relative cost %g", r1);
+    CHECKF(r32 > 5 * r1 && r32 < 1, "at 32 decodes %g", r32);
+    /* compute-bound (every token costs 1 ms, no fixed part): c ~ 1, no K pays */
+    loom_spec_cost_t d = {0};
+    for (int i = 0; i < 60; i++) loom_spec_cost_observe(&d, 1 + i % 5, 0.001 * (1 + i % 5));
+    double r = loom_spec_cost_relative(&d, 1, 0.05);
+    CHECKF(r > 0.95, "compute-bound relative cost %g", r);
+    loom_spec_config_t cfg;
+    loom_spec_config_defaults(&cfg);
+    cfg.method = LOOM_SPEC_NGRAM;
+    cfg.verify_cost = r;
+    loom_spec_adapt_t a;
+    loom_spec_adapt_init(&a);
+    for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 4, i % 2 ? 1 : 2); /* acceptance ~0.6 */
+    CHECK(loom_spec_adapt_k(&a, &cfg, 1) == 0);
 }
 
 static void test_stats(void) {
@@ -179,6 +210,7 @@ int main(void) {
     RUN(test_ngram);
     RUN(test_config);
     RUN(test_adapt);
+    RUN(test_cost);
     RUN(test_stats);
     RUN(test_rule_distribution);
     return test_summary();
