@@ -355,7 +355,8 @@ static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
 
 static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     for (int i = 0; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
-    if (mb->n_copies > 0 && mb->copy_dst[mb->n_copies - 1] == q->blocks[q->n_blocks - 1]) mb->n_copies--;
+    if (mb->n_copies > 0 && q->n_blocks > 0 && mb->copy_dst[mb->n_copies - 1] == q->blocks[q->n_blocks - 1])
+        mb->n_copies--;
     q->n_blocks = 0;
     q->n_computed = 0;
     q->n_hashed = 0;

@@ -127,12 +127,18 @@ def test_grids():
             procs = [(p, c.generate_async(p, n, extra=["--ignore-eos"])) for p in GRID_PROMPTS]
             procs.append(("seeded", c.generate_async(GRID_PROMPTS[1], n, 0.9, extra=["--ignore-eos", "--seed", "7"])))
             procs.append(("off", c.generate_async(GRID_PROMPTS[2], n, extra=["--ignore-eos", "--no-speculation"])))
+            lines = 0
             for p, proc in procs:
                 out, err = proc.communicate(timeout=120)
+                if p != "off" and re.search(r"^tokens per target step: \d+\.\d\d$", err, re.M):
+                    lines += 1
+                if p == "off":
+                    check("tokens per target step" not in err, "speculation reported for a request that turned it off")
                 check(proc.returncode == 0, "%dx%d: generate failed: %s" % (tp, pp, err))
                 want = seeded if p == "seeded" else expect[GRID_PROMPTS[2]] if p == "off" else expect[p]
                 check(parse_ids(err) == want, "%dx%d %r: ids %s differ from loom run %s" %
                       (tp, pp, p, parse_ids(err), want))
+            check(lines > 0, "%dx%d: loom generate printed no 'tokens per target step' line" % (tp, pp))
             # max_tokens is never exceeded, and a short one ends exactly
             rc, _, ids, err = c.generate(GRID_PROMPTS[1], 3, extra=["--ignore-eos"])
             check(rc == 0 and ids == expect[GRID_PROMPTS[1]][:3], "%dx%d: max_tokens 3 gave %s" % (tp, pp, ids))
