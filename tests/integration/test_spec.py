@@ -109,6 +109,15 @@ def test_bad_input():
                            capture_output=True, text=True, timeout=60)
         check(p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr,
               "%s: rc %d, %r" % (extra, p.returncode, p.stderr))
+    # the coordinator refuses them too, also when `loom serve` passes them on
+    for extra, want in ((["--num-speculative-tokens", "64"], "[1, 16]"),
+                        (["--speculative-method", "eagle"], "must be none or ngram")):
+        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES] + extra,
+                           capture_output=True, text=True, timeout=60)
+        check(p.returncode == 2 and want in p.stderr, "coordinator %s: rc %d, %r" % (extra, p.returncode, p.stderr))
+    p = subprocess.run([LOOM, "serve", STORIES, "--port", "0", "--speculative-method", "ngram",
+                        "--num-speculative-tokens", "0"], capture_output=True, text=True, timeout=120)
+    check(p.returncode != 0 and "[1, 16]" in p.stderr, "loom serve with K 0: rc %d, %r" % (p.returncode, p.stderr[-500:]))
 
 
 GRID_PROMPTS = PROMPTS + ["Lily and Ben went to the park. They saw", "Once upon a time, there was a boy. The boy"]
