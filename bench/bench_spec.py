@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Speculative decoding (ngram) on stories260K, over prompts the tests do not use:
-tokens per target step and batch-1 decode speed-up of `loom run`, then output
+tokens per target step and batch-1 decode speed-up of `loom run` (ngram, int8 and q4 self-drafts), then output
 throughput of a 1x1 cluster at 32 concurrent streams with speculation on
 against off (`loom bench`, random prompts, rounds interleaved).
 
@@ -42,9 +42,8 @@ def loom_run(model, prompt, tokens, extra):
     return rate, float(m.group(1)) if m else 1.0, float(acc.group(1)) if acc else 0.0
 
 
-def bench_local(model, tokens, rounds, k):
-    spec = ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)]
-    print("loom run, batch 1, greedy, %d tokens per prompt, ngram K=%d (adaptive)" % (tokens, k))
+def bench_local(model, tokens, rounds, k, name, spec):
+    print("loom run, batch 1, greedy, %d tokens per prompt, %s K=%d (adaptive)" % (tokens, name, k))
     print("%-40s %10s %10s %8s %8s %8s" % ("prompt", "off tok/s", "on tok/s", "speedup", "tok/step", "accept%"))
     speedups, tps = [], []
     for prompt in PROMPTS:
@@ -94,7 +93,11 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--skip-load", action="store_true")
     a = ap.parse_args()
-    bench_local(a.model, a.tokens, a.rounds, a.k)
+    methods = {"ngram": ["--speculative-method", "ngram"],
+               "int8 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "int8"],
+               "q4 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "q4"]}
+    for name, spec in methods.items():
+        bench_local(a.model, a.tokens, a.rounds, a.k, name, spec + ["--num-speculative-tokens", str(a.k)])
     if not a.skip_load:
         bench_load(a.model, a.rounds, a.k)
 

@@ -23,20 +23,44 @@ struct loom_local {
     float *cand_keys;
     loom_spec_config_t spec; /* speculation (method OFF: none) */
     int32_t *hist;           /* (ctx) prompt and generated ids: the ngram drafter's history */
+    loom_local_t *draft;     /* method DRAFT: the draft model, its own KV cache */
+    int draft_n;             /* hist tokens whose KV the draft's cache holds */
 };
 
 #define LOCAL_MAX_ROWS (LOOM_SPEC_MAX_K + 1) /* logit rows a verify step samples */
+
+/* The draft model of method DRAFT: greedy, one sequence, the target's
+ * context, refused when its vocabulary or special ids differ. */
+static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt, loom_err_t *err) {
+    loom_local_options_t d = *opt;
+    d.model_dir = opt->draft_model_dir ? opt->draft_model_dir : opt->model_dir;
+    d.quant = opt->draft_quant;
+    d.spec.method = LOOM_SPEC_OFF;
+    d.no_tokenizer = 1;
+    d.ctx = l->ctx;
+    loom_err_t e = {0};
+    if (loom_local_open(&d, &l->draft, &e) < 0)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the draft model %s cannot be loaded: %s", d.model_dir,
+                            e.msg);
+    const loom_model_config_t *dc = &l->draft->cfg, *tc = &l->cfg;
+    if (dc->vocab_size != tc->vocab_size)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s has a vocabulary of %d tokens, the target's has %d", d.model_dir,
+                            dc->vocab_size, tc->vocab_size);
+    if (dc->bos_id != tc->bos_id || dc->n_eos != tc->n_eos || (tc->n_eos > 0 && dc->eos_ids[0] != tc->eos_ids[0]))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s has other special tokens (bos %d, eos %d) than the target (bos %d, eos %d)",
+                            d.model_dir, dc->bos_id, dc->n_eos ? dc->eos_ids[0] : -1, tc->bos_id,
+                            tc->n_eos ? tc->eos_ids[0] : -1);
+    if (l->draft->ctx < l->ctx) l->ctx = l->draft->ctx;
+    return LOOM_OK;
+}
 
 loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **out, loom_err_t *err) {
     *out = NULL;
     loom_local_t *l = loom_xcalloc(1, sizeof *l);
     loom_status_t s = loom_spec_config_check(&opt->spec, err);
     if (s < 0) goto fail;
-    if (opt->spec.method == LOOM_SPEC_DRAFT) {
-        s = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                         "speculative method 'draft' is not available yet (use ngram)");
-        goto fail;
-    }
     l->spec = opt->spec;
     s = loom_model_config_load(opt->model_dir, &l->cfg, err);
     if (s < 0) goto fail;
@@ -81,6 +105,10 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     l->cand_ids = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
     l->cand_keys = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(float));
     l->hist = loom_xmalloc((size_t)l->ctx * sizeof(int32_t));
+    if (opt->spec.method == LOOM_SPEC_DRAFT) {
+        s = open_draft(l, opt, err);
+        if (s < 0) goto fail;
+    }
     *out = l;
     return LOOM_OK;
 fail:
@@ -92,6 +120,7 @@ void loom_local_close(loom_local_t **l_p) {
     if (!l_p || !*l_p) return;
     loom_local_t *l = *l_p;
     *l_p = NULL;
+    loom_local_close(&l->draft);
     loom_model_destroy(&l->model);
     loom_backend_destroy(&l->be);
     loom_st_close(&l->st);
@@ -141,6 +170,33 @@ static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step
     for (int i = 0; i < n_rows; i++) ids[i] = loom_sample_merge(&parts[i], 1, l->cfg.vocab_size, s, steps[i]);
 }
 
+/* Method DRAFT: the draft model catches up with hist[draft_n, n_hist) and
+ * proposes k tokens greedily (a point mass, so spec.h's rule holds). */
+static loom_status_t draft_propose(loom_local_t *l, int n_hist, int k, int32_t *out, loom_err_t *err) {
+    loom_local_t *d = l->draft;
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    int32_t id;
+    for (int p0 = l->draft_n; p0 < n_hist; p0 += d->chunk) {
+        int n = LOOM_MIN(d->chunk, n_hist - p0);
+        d->rows[0] = n - 1;
+        LOOM_CHECK(run_chunk(d, l->hist + p0, n, p0, 1, err));
+    }
+    if (l->draft_n >= n_hist) { /* nothing new (cannot happen: the last emitted token is new) */
+        d->rows[0] = 0;
+        LOOM_CHECK(run_chunk(d, l->hist + n_hist - 1, 1, n_hist - 1, 1, err));
+    }
+    for (int j = 0; j < k; j++) {
+        sample_rows(d, &greedy, 0, 1, &id);
+        out[j] = id;
+        if (j + 1 < k) {
+            d->rows[0] = 0;
+            LOOM_CHECK(run_chunk(d, &out[j], 1, n_hist + j, 1, err));
+        }
+    }
+    l->draft_n = n_hist + k - 1; /* drafts 0..k-2 are in its cache */
+    return LOOM_OK;
+}
+
 loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
                                   const loom_sampling_t *s, int ignore_eos, loom_token_fn on_token,
                                   void *ctx, float *prompt_logits, loom_gen_stats_t *stats,
@@ -183,6 +239,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
      * rejected drafts (positions past the accepted ones) is simply rewritten
      * by later steps: the cache's slots are the positions. */
     memcpy(l->hist, prompt, (size_t)n_prompt * sizeof *prompt);
+    l->draft_n = 0; /* a new sequence: the draft's cache is stale */
     int n_hist = n_prompt, pos = n_prompt, g = 0, n_draft = 0, done = max_new <= 0;
     int32_t feed[LOCAL_MAX_ROWS], sampled[LOCAL_MAX_ROWS];
     loom_spec_adapt_t adapt;
@@ -210,26 +267,33 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         }
         loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
         loom_spec_adapt_update(&adapt, n_draft, accepted);
+        if (l->draft) /* the draft's cache stays valid up to the last accepted draft it holds */
+            l->draft_n = LOOM_MIN(l->draft_n, n_hist - emitted + LOOM_MIN(accepted, LOOM_MAX(n_draft - 1, 0)));
         pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
         if (done || pos + 1 > l->ctx) break;
         /* the last emitted token goes in at position pos (its predecessor's
          * KV is at pos - 1) */
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
-        if (l->spec.method == LOOM_SPEC_NGRAM) {
+        uint64_t ts = loom_now_ns();
+        if (l->spec.method != LOOM_SPEC_OFF) {
             spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
             k = loom_spec_adapt_k(&adapt, &spec, 1);
             k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
             k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
             k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
-            n_draft = k > 0 ? loom_spec_ngram_propose(l->hist, n_hist, l->spec.ngram_min, l->spec.ngram_max,
-                                                      k, feed + 1)
-                            : 0;
+            if (l->draft) {
+                n_draft = k > 0 ? k : 0;
+                if (n_draft) LOOM_CHECK(draft_propose(l, n_hist, n_draft, feed + 1, err));
+            } else {
+                n_draft = k > 0 ? loom_spec_ngram_propose(l->hist, n_hist, l->spec.ngram_min, l->spec.ngram_max,
+                                                          k, feed + 1)
+                                : 0;
+            }
         } else {
             n_draft = 0;
         }
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
-        uint64_t ts = loom_now_ns();
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
         loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);

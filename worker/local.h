@@ -23,6 +23,10 @@ typedef struct loom_local_options {
     const char *kv_cache_dtype; /* auto (NULL), f32, bf16, int8, fp8: see loom_backend_kv_resolve */
     int no_tokenizer;        /* skip tokenizer.json (benchmarks on generated models) */
     loom_spec_config_t spec; /* speculative decoding (method OFF, the zero value: none); see common/spec.h */
+    /* method DRAFT: the draft model's directory (NULL: the target's own, a
+     * quantized self-draft) and its quantization on load */
+    const char *draft_model_dir;
+    loom_quant_spec_t draft_quant;
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;

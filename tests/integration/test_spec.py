@@ -99,12 +99,46 @@ def test_gqa_random_model():
         check(ids == base, "random GQA model: ids differ")
 
 
+def test_draft_self_int8():
+    # a quantized self-draft: the same ids (greedy and seeded), and with int8
+    # at least 2.5 tokens per target step
+    best = 0.0
+    for prompt in PROMPTS:
+        _, base, _ = run(STORIES, prompt, "--ignore-eos", max_tokens=96)
+        for q in ("int8", "q4"):
+            _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "draft",
+                              "--speculative-quantization", q, "--num-speculative-tokens", "4", max_tokens=96)
+            check(ids == base, "%r draft %s: ids differ" % (prompt, q))
+            if q == "int8":
+                best = max(best, tokens_per_step(err))
+    check(best >= 2.5, "int8 self-draft: %.2f tokens per target step" % best)
+    _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", "--seed", "9", max_tokens=64, temperature="0.8")
+    _, ids, _ = run(STORIES, PROMPTS[0], "--ignore-eos", "--seed", "9", "--speculative-method", "draft",
+                    "--speculative-quantization", "int8", "--speculative-fixed-k", max_tokens=64, temperature="0.8")
+    check(ids == base, "seeded sampling with the int8 self-draft: ids differ")
+    # a separate draft checkpoint with the same vocabulary (a random model: few accepted, same ids)
+    draft = gen_model(os.path.join(WORK, "spec-draft"), "--dim", "32", "--hidden-dim", "64", "--layers", "2",
+                      "--heads", "4", "--vocab", "512", "--seed", "5")
+    _, ids, err = run(STORIES, PROMPTS[1], "--ignore-eos", "--speculative-method", "draft", "--speculative-model",
+                      draft, "--speculative-fixed-k", max_tokens=64)
+    _, base, _ = run(STORIES, PROMPTS[1], "--ignore-eos", max_tokens=64)
+    check(ids == base and "tokens per target step" in err, "draft model: ids differ")
+
+
 def test_bad_input():
     for extra, want in ((["--num-speculative-tokens", "0"], "[1, 16]"),
                         (["--num-speculative-tokens", "64"], "[1, 16]"),
-                        (["--speculative-method", "eagle"], "must be none or ngram"),
+                        (["--speculative-method", "eagle"], "must be none, ngram or draft"),
                         (["--speculative-method", "ngram", "--ngram-min", "4", "--ngram-max", "2"], "ngram_min"),
-                        (["--speculative-method", "draft"], "draft")):
+                        (["--speculative-method", "draft"], "needs --speculative-model"),
+                        (["--speculative-quantization", "int8"], "need --speculative-method draft"),
+                        (["--speculative-method", "draft", "--speculative-quantization", "int3"], "int3"),
+                        (["--speculative-method", "draft", "--speculative-model", "/nonexistent"],
+                         "the draft model /nonexistent cannot be loaded"),
+                        (["--speculative-method", "draft", "--speculative-model",
+                          gen_model(os.path.join(WORK, "spec-v1024"), "--dim", "32", "--hidden-dim", "64", "--layers",
+                                    "1", "--heads", "4", "--vocab", "1024", "--seed", "3")],
+                         "vocabulary of 1024 tokens, the target's has 512")):
         p = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "hi"] + extra,
                            capture_output=True, text=True, timeout=60)
         check(p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr,
@@ -165,4 +199,4 @@ def test_grids():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
-               test_gqa_random_model, test_bad_input, test_grids])
+               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids])
