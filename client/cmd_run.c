@@ -61,7 +61,7 @@ int loom_cmd_run(int argc, char **argv) {
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
         {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines and no timing on stderr", 1, 0, NULL},
-        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default) or ngram (prompt lookup); same output either way", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup) or draft (--speculative-model / --speculative-quantization); same output either way", 1, 0, NULL},
         {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per target step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
         {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
         {"ngram-max", LOOM_OPT_INT, &ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 64, NULL},
