@@ -137,6 +137,7 @@ int loom_cmd_generate(int argc, char **argv) {
     const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL, *session = NULL;
     const char *curve_server = NULL, *curve_secret = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
+    int no_spec = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
     float temperature = 0.8f, top_p = 0.95f;
     float min_p = 0.0f, presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
@@ -160,6 +161,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"bad-word", LOOM_OPT_STR, &bad_opt, "STR", "never generate this word; repeat for several", 1, 0, NULL},
         {"min-tokens", LOOM_OPT_INT, &min_tokens, "N", "EOS and stops end nothing before N tokens (default 0)", 0, 1e9, NULL},
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
+        {"no-speculation", LOOM_OPT_FLAG, &no_spec, NULL, "never speculate for this request (same output, one token per step)", 1, 0, NULL},
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
@@ -223,7 +225,8 @@ int loom_cmd_generate(int argc, char **argv) {
                            .min_p = min_p, .presence_penalty = presence, .frequency_penalty = frequency,
                            .repetition_penalty = repetition, .logit_bias_ids = bias_ids,
                            .logit_bias_values = bias_values, .n_logit_bias = n_bias, .bad_words = bad_words,
-                           .n_bad_words = n_bad, .min_tokens = min_tokens, .session = session};
+                           .n_bad_words = n_bad, .min_tokens = min_tokens, .session = session,
+                           .no_speculation = no_spec};
     gen_out_t o = {.print_ids = print_ids};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = (int)SA_RESETHAND}, old_sa;
     sigemptyset(&sa.sa_mask);
@@ -251,6 +254,12 @@ int loom_cmd_generate(int argc, char **argv) {
             if (f->completion_tokens > 1 && o.t_first > 0 && dec > 0)
                 fprintf(stderr, ", %.1f tokens/s", (f->completion_tokens - 1) / dec);
             fprintf(stderr, ", %.3f s total\n", o.t_end - o.t_send);
+            if (f->spec_draft_tokens > 0 && f->target_steps > 0) {
+                fprintf(stderr, "speculative: %d draft tokens, %d accepted (acceptance rate %.1f%%)\n",
+                        f->spec_draft_tokens, f->spec_accepted_tokens,
+                        100.0 * f->spec_accepted_tokens / f->spec_draft_tokens);
+                fprintf(stderr, "tokens per target step: %.2f\n", (double)f->completion_tokens / f->target_steps);
+            }
         }
         rc = s == LOOM_OK ? 0 : EXIT_INTERRUPTED;
     } else {

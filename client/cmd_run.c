@@ -40,6 +40,9 @@ int loom_cmd_run(int argc, char **argv) {
     float temperature = 0.8f, top_p = 0.95f;
     uint64_t seed = 0;
     int seed_given = 0;
+    const char *spec_method = "none";
+    int spec_k = 4, ngram_min = 1, ngram_max = 4, spec_fixed = 0;
+    const char *spec_model = NULL, *spec_quant = NULL;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)", 1, 0, NULL},
         {"prompt", LOOM_OPT_STR, &prompt, "TEXT", "prompt text; the completion (only) is streamed to stdout", 1, 0, NULL},
@@ -58,6 +61,13 @@ int loom_cmd_run(int argc, char **argv) {
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
         {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines and no timing on stderr", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup) or draft (--speculative-model / --speculative-quantization); same output either way", 1, 0, NULL},
+        {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per target step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
+        {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
+        {"ngram-max", LOOM_OPT_INT, &ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 64, NULL},
+        {"speculative-model", LOOM_OPT_STR, &spec_model, "DIR", "method draft: a smaller model with the same vocabulary (default: the target itself)", 1, 0, NULL},
+        {"speculative-quantization", LOOM_OPT_STR, &spec_quant, "SCHEME", "method draft: quantize the draft on load (int8, q4, ...): with no --speculative-model, a quantized self-draft", 1, 0, NULL},
+        {"speculative-fixed-k", LOOM_OPT_FLAG, &spec_fixed, NULL, "always draft K tokens (no adaptation; for measurements)", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts),
                            "loom run --model DIR --prompt TEXT [options]",
@@ -81,13 +91,44 @@ int loom_cmd_run(int argc, char **argv) {
         fprintf(stderr, "error: --quantization must be none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:64 or q4_min:128, got '%s'\n", quantization);
         return 2;
     }
+    loom_spec_config_t spec;
+    loom_spec_config_defaults(&spec);
+    if (!loom_spec_method_parse(spec_method, &spec.method)) {
+        fprintf(stderr, "error: --speculative-method must be none, ngram or draft, got '%s'\n", spec_method);
+        return 2;
+    }
+    loom_quant_spec_t draft_quant = {0};
+    if ((spec_model || spec_quant) && spec.method != LOOM_SPEC_DRAFT) {
+        fprintf(stderr, "error: --speculative-model and --speculative-quantization need --speculative-method draft\n");
+        return 2;
+    }
+    if (spec.method == LOOM_SPEC_DRAFT) {
+        if (!spec_model && !spec_quant) {
+            fprintf(stderr, "error: --speculative-method draft needs --speculative-model DIR or --speculative-quantization SCHEME\n");
+            return 2;
+        }
+        if (spec_quant && !loom_quant_spec_parse(spec_quant, &draft_quant)) {
+            fprintf(stderr, "error: --speculative-quantization must be int8, fp8, q4, q4:64, q4:128, q4_min, ..., got '%s'\n", spec_quant);
+            return 2;
+        }
+    }
+    spec.k = spec_k;
+    spec.ngram_min = ngram_min;
+    spec.ngram_max = ngram_max;
+    spec.fixed_k = spec_fixed;
+    loom_err_t serr = {0};
+    if (loom_spec_config_check(&spec, &serr) < 0) {
+        fprintf(stderr, "error: %s\n", serr.msg);
+        return 2;
+    }
     if (quiet) loom_log_set_level(LOOM_LOG_WARN);
     if (!seed_given) seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
 
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .device = device, .n_threads = threads,
                                .chunk = chunk, .ctx = ctx, .weight_dtype = wdt,
-                               .quant = quant, .kv_cache_dtype = kv_cache_dtype};
+                               .quant = quant, .kv_cache_dtype = kv_cache_dtype, .spec = spec,
+                               .draft_model_dir = spec_model, .draft_quant = draft_quant};
     loom_local_t *l = NULL;
     if (loom_local_open(&lo, &l, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);
@@ -127,6 +168,13 @@ int loom_cmd_run(int argc, char **argv) {
                     st.prompt_tokens, st.prefill_s * 1e3,
                     st.prefill_s > 0 ? st.prompt_tokens / st.prefill_s : 0.0, st.gen_tokens,
                     st.decode_s > 0 ? dec / st.decode_s : 0.0);
+            if (spec.method != LOOM_SPEC_OFF) {
+                fprintf(stderr, "speculative %s: %lld drafts, %lld draft tokens, %lld accepted (acceptance rate %.1f%%)\n",
+                        loom_spec_method_name(spec.method), (long long)st.spec.num_drafts,
+                        (long long)st.spec.num_draft_tokens, (long long)st.spec.num_accepted_tokens,
+                        100.0 * loom_spec_stats_acceptance(&st.spec));
+                fprintf(stderr, "tokens per target step: %.2f\n", loom_spec_stats_tokens_per_step(&st.spec));
+            }
         }
     }
     free(out.buf);

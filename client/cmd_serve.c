@@ -359,6 +359,7 @@ typedef struct fwd_opts {
     const char *max_model_len, *max_num_seqs, *max_batched, *served_name, *quantization, *kv_dtype, *api_key,
         *block_size, *seed, *chat_template, *generation_config, *log_level, *dtype, *max_queue, *kv_memory,
         *recovery_ms, *log_format, *embedding_pooling;
+    const char *spec_method, *spec_k, *ngram_min, *ngram_max; /* speculative decoding */
     int prefix_on, prefix_off;
 } fwd_opts_t;
 
@@ -379,6 +380,10 @@ int loom_cmd_serve(int argc, char **argv) {
         {"max-model-len", LOOM_OPT_STR, &f.max_model_len, "N", "context length (default: the model's)", 1, 0, NULL},
         {"max-num-seqs", LOOM_OPT_STR, &f.max_num_seqs, "N", "most running sequences (default 64)", 1, 0, NULL},
         {"max-num-batched-tokens", LOOM_OPT_STR, &f.max_batched, "N", "most tokens per step (default 512)", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &f.spec_method, "METHOD", "speculative decoding: none (default) or ngram", 1, 0, NULL},
+        {"num-speculative-tokens", LOOM_OPT_STR, &f.spec_k, "K", "most drafted tokens per sequence per step, 1..16 (default 4)", 1, 0, NULL},
+        {"ngram-min", LOOM_OPT_STR, &f.ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 0, NULL},
+        {"ngram-max", LOOM_OPT_STR, &f.ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 0, NULL},
         {"served-model-name", LOOM_OPT_STR, &f.served_name, "NAME", "model id clients use (default: the directory name)", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &f.dtype, "TYPE", "weight storage: auto (f32), float32, bfloat16, float16/half, or f32, bf16, f16", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &f.quantization, "SCHEME", "quantize weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 (AWQ/GPTQ checkpoints are read as they are)", 1, 0, NULL},
@@ -499,6 +504,8 @@ int loom_cmd_serve(int argc, char **argv) {
         {"generation-config", f.generation_config}, {"log-level", f.log_level}, {"dtype", f.dtype},
         {"max-queue", f.max_queue}, {"kv-cache-memory", f.kv_memory}, {"recovery-timeout-ms", f.recovery_ms},
         {"log-format", f.log_format}, {"embedding-pooling", f.embedding_pooling},
+        {"speculative-method", f.spec_method},
+        {"num-speculative-tokens", f.spec_k}, {"ngram-min", f.ngram_min}, {"ngram-max", f.ngram_max},
     };
     for (size_t i = 0; i < LOOM_ARRAY_LEN(fwd); i++)
         if (fwd[i].value) {

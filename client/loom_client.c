@@ -409,6 +409,9 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
             ch->prompt_tokens = (int)LOOM_MIN(g->usage->prompt_tokens, (uint32_t)INT32_MAX);
             ch->completion_tokens = (int)LOOM_MIN(g->usage->completion_tokens, (uint32_t)INT32_MAX);
             ch->cached_tokens = (int)LOOM_MIN(g->usage->cached_tokens, (uint32_t)INT32_MAX);
+            ch->spec_draft_tokens = (int)LOOM_MIN(g->usage->spec_draft_tokens, (uint32_t)INT32_MAX);
+            ch->spec_accepted_tokens = (int)LOOM_MIN(g->usage->spec_accepted_tokens, (uint32_t)INT32_MAX);
+            ch->target_steps = (int)LOOM_MIN(g->usage->target_steps, (uint32_t)INT32_MAX);
         }
         if (g->timings) {
             const Loom__V1__Timings *t = g->timings;
@@ -566,6 +569,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.n_stop = (size_t)p->n_stop;
     g.stop = (char **)p->stop;
     g.ignore_eos = p->ignore_eos != 0;
+    g.no_speculation = p->no_speculation != 0;
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;

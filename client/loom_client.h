@@ -69,6 +69,7 @@ typedef struct loom_gen_params {
     const char *session;        /* affinity key for a router's session policy (NULL: none) */
     int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
     const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
+    int no_speculation;                        /* never speculate for this request */
 } loom_gen_params_t;
 
 typedef enum {
@@ -94,6 +95,7 @@ typedef struct loom_chunk {
     int final;
     /* usage, in the final chunk */
     int prompt_tokens, completion_tokens, cached_tokens;
+    int spec_draft_tokens, spec_accepted_tokens, target_steps; /* speculative decoding */
     /* in the final chunk of an admitted request (has_timings = 1) */
     loom_timings_t timings;
     int has_timings;

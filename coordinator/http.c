@@ -572,6 +572,7 @@ static const struct {
     /* implemented */
     {"model", F_ALL}, {"max_tokens", F_ALL}, {"temperature", F_ALL}, {"top_p", F_ALL}, {"top_k", F_ALL},
     {"seed", F_ALL}, {"stop", F_ALL}, {"stream", F_ALL}, {"stream_options", F_ALL}, {"ignore_eos", F_ALL},
+    {"speculative", F_ALL},
     {"priority", F_ALL}, {"n", F_ALL}, {"best_of", F_ALL}, {"response_format", F_ALL}, {"stop_token_ids", F_ALL},
     {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
     {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
@@ -998,6 +999,8 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     }
     if ((r = opt_bool(o, "ignore_eos", &b, e)) < 0) return -1;
     g->p.ignore_eos = r && b;
+    if ((r = opt_bool(o, "speculative", &b, e)) < 0) return -1; /* false: no speculation for this request */
+    g->p.no_speculation = r && !b;
     if ((r = opt_int(o, "priority", -1e6, 1e6, &v, e)) < 0) return -1;
     if (r) g->p.priority = (int)v;
     if (parse_controls(o, q->chat, g, e) < 0) return -1;

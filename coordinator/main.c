@@ -121,7 +121,13 @@ int main(int argc, char **argv) {
     const char *pooling = NULL;
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
+    const char *spec_method = "none";
+    int spec_k = 4, ngram_min = 1, ngram_max = 4;
     loom_opt_t opts[] = {
+        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default) or ngram (prompt lookup); same output either way (docs/speculative.md)", 1, 0, NULL},
+        {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per sequence per step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
+        {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
+        {"ngram-max", LOOM_OPT_INT, &ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 64, NULL},
         {"model", LOOM_OPT_STR, &c.model_dir, "DIR", "Hugging Face model directory (every worker reads it at this path)", 1, 0, NULL},
         {"tp", LOOM_OPT_INT, &c.tp, "N", "tensor-parallel ranks per pipeline stage (default 1)", 1, 64, NULL},
         {"pp", LOOM_OPT_INT, &c.pp, "M", "pipeline stages (default 1)", 1, 64, NULL},
@@ -251,6 +257,21 @@ int main(int argc, char **argv) {
         c.kv_memory = (uint64_t)(v * mul);
     }
     c.prefix_cache = !no_prefix;
+    loom_spec_config_defaults(&c.spec);
+    if (!loom_spec_method_parse(spec_method, &c.spec.method) || c.spec.method == LOOM_SPEC_DRAFT) {
+        fprintf(stderr, "error: --speculative-method must be none or ngram, got '%s'\n", spec_method);
+        return 2;
+    }
+    c.spec.k = spec_k;
+    c.spec.ngram_min = ngram_min;
+    c.spec.ngram_max = ngram_max;
+    {
+        loom_err_t serr = {0};
+        if (loom_spec_config_check(&c.spec, &serr) < 0) {
+            fprintf(stderr, "error: %s\n", serr.msg);
+            return 2;
+        }
+    }
     c.shutdown_timeout_ms = shutdown_timeout_s * 1000;
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
     if (c.max_batched_tokens < c.max_num_seqs) c.max_batched_tokens = c.max_num_seqs;

@@ -307,6 +307,25 @@ static void counter2(loom_sbuf_t *o, const loom_metrics_t *m, const char *loom_n
     counter(o, m->lbl_vllm, vllm_name, help, vllm_v);
 }
 
+/* Speculative decoding counters, vLLM's spec_decode family (both names). */
+static void render_spec(loom_sbuf_t *o, const loom_metrics_t *m, const loom_metrics_state_t *st) {
+    counter2(o, m, "loom_spec_decode_num_drafts_total", st->spec_drafts, "vllm:spec_decode_num_drafts_total",
+             st->spec_drafts, "Verify steps of a sequence that carried drafted tokens.");
+    counter2(o, m, "loom_spec_decode_num_draft_tokens_total", st->spec_draft_tokens,
+             "vllm:spec_decode_num_draft_tokens_total", st->spec_draft_tokens, "Drafted tokens verified.");
+    counter2(o, m, "loom_spec_decode_num_accepted_tokens_total", st->spec_accepted_tokens,
+             "vllm:spec_decode_num_accepted_tokens_total", st->spec_accepted_tokens, "Drafted tokens accepted.");
+    int k = st->spec_k < 16 ? st->spec_k : 16;
+    for (int v = 0; v < 2; v++) {
+        const char *name = v ? "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                             : "loom_spec_decode_num_accepted_tokens_per_pos_total";
+        family(o, name, "counter", "Accepted drafted tokens by position in the draft.");
+        for (int i = 0; i < k; i++)
+            loom_sbuf_printf(o, "%s{%s,position=\"%d\"} %llu\n", name, v ? m->lbl_vllm : m->lbl, i,
+                             (unsigned long long)st->spec_accepted_per_pos[i]);
+    }
+}
+
 char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     loom_sbuf_t o = {0};
     pthread_mutex_lock(&m->mu);
@@ -369,6 +388,7 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
              st->preemptions, "Sequences preempted (KV dropped, recomputed later).");
     counter(&o, m->lbl, "loom_requests_rejected_total", "Requests refused before scheduling.",
             st->requests_rejected);
+    if (st->spec_k > 0) render_spec(&o, m, st);
     static const char *const reasons[LOOM_FINISHED_COUNT] = {"stop", "length", "abort", "error"};
     for (int v = 0; v < 2; v++) {
         const char *name = v ? "vllm:request_success_total" : "loom_request_success_total";

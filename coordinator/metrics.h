@@ -55,6 +55,10 @@ typedef struct loom_metrics_state {
     uint64_t prefix_cache_queries, prefix_cache_hits; /* in full blocks */
     uint64_t preemptions, requests_rejected;
     int grid_ready;
+    /* speculative decoding (rendered only when spec_k > 0) */
+    int spec_k;                /* most drafts per step (0: speculation off) */
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    uint64_t spec_accepted_per_pos[16]; /* accepted drafts by position in the draft */
 } loom_metrics_state_t;
 /* Gauges and counters the reactor owns, copied in once per loop turn. */
 void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st);

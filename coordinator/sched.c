@@ -20,6 +20,9 @@ struct loom_sched {
     int max_blocks_per_seq;
     uint64_t next_arrival, next_mb_id;
     loom_sched_stats_t stats;
+    loom_spec_config_t spec;       /* speculation (method OFF: none) */
+    loom_spec_stats_t spec_stats;
+    loom_spec_cost_t spec_cost;    /* measured step times (loom_sched_observe_step) */
 };
 
 /* ---- waiting heap ----------------------------------------------------------- */
@@ -138,6 +141,9 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
         mb->embed_pos = loom_xmalloc(S * sizeof(int32_t));
         mb->embed_seq = loom_xmalloc(S * sizeof(loom_seq_t *));
         mb->embed_final = loom_xmalloc(S * sizeof(int));
+        mb->spec_n = loom_xcalloc(S, sizeof(int));
+        mb->spec_row0 = loom_xcalloc(S, sizeof(int));
+        mb->spec_row = loom_xcalloc(S, sizeof(uint8_t));
     }
     return s;
 }
@@ -182,6 +188,9 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->embed_pos);
         free(mb->embed_seq);
         free(mb->embed_final);
+        free(mb->spec_n);
+        free(mb->spec_row0);
+        free(mb->spec_row);
     }
     free(s->mbs);
     free(s->running);
@@ -340,6 +349,7 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
     int B = s->cfg.block_size, si = mb->n_seqs++;
     mb->seqs[si] = q;
     mb->chunk[si] = take;
+    mb->spec_n[si] = 0;
     for (int i = 0; i < take; i++) {
         int p = q->n_computed + i, t = mb->n_tokens++;
         mb->tokens[t] = q->tokens[p];
@@ -355,6 +365,7 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->logit_seq[r] = q;
         mb->sampling[r] = q->sampling;
         mb->steps[r] = (uint64_t)(q->n_tokens - q->n_prompt);
+        mb->spec_row[r] = 0;
     }
     q->in_flight = 1;
     s->stats.scheduled_tokens += (uint64_t)take;
@@ -421,6 +432,95 @@ static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
     (void)s;
 }
 
+/* ---- speculative decoding ------------------------------------------------- */
+
+static void register_blocks(loom_sched_t *s, loom_seq_t *q);
+
+void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c) { s->spec = *c; }
+const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s) { return &s->spec_stats; }
+
+void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
+    if (n_tokens <= 2 * LOOM_MAX(s->spec.compute_knee, 32)) loom_spec_cost_observe(&s->spec_cost, n_tokens, seconds);
+}
+
+static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
+    return s->spec.method == LOOM_SPEC_NGRAM && !q->spec_off && !q->sparams;
+}
+
+/* After add_chunk(q, 1) of a decode: appends up to K ngram drafts of q as
+ * tokens n_computed + 1.. with a logit row each. rows_reserved: logit rows
+ * the rest of this micro-batch may still need; step_tokens: the decode
+ * tokens the step will carry (for the compute knee). */
+static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int budget, int rows_reserved,
+                        int step_tokens) {
+    int si = mb->n_seqs - 1;
+    loom_spec_config_t c = s->spec;
+    c.verify_cost = loom_spec_cost_relative(&s->spec_cost, step_tokens, s->spec.verify_cost);
+    int k = loom_spec_adapt_k(&q->spec_adapt, &c, step_tokens);
+    k = LOOM_MIN(k, q->max_tokens - (q->n_tokens - q->n_prompt) - 1); /* never more than asked */
+    k = LOOM_MIN(k, budget);
+    k = LOOM_MIN(k, s->cfg.max_num_seqs - mb->n_logits - rows_reserved); /* the workers' logit rows */
+    int room = (q->n_blocks + loom_kv_n_free(s->kv)) * s->cfg.block_size - (q->n_computed + 1);
+    k = LOOM_MIN(k, room); /* drafts use free blocks only, never a preemption */
+    if (k <= 0) return;
+    int32_t drafts[LOOM_SPEC_MAX_K];
+    int n = loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min, s->spec.ngram_max, k, drafts);
+    if (n <= 0) return;
+    grow(s, q, q->n_computed + 1 + n);
+    int B = s->cfg.block_size;
+    mb->spec_n[si] = n;
+    mb->spec_row0[si] = mb->n_logits - 1;
+    mb->chunk[si] = 1 + n;
+    for (int j = 0; j < n; j++) {
+        int p = q->n_computed + 1 + j, t = mb->n_tokens++;
+        mb->tokens[t] = drafts[j];
+        mb->pos[t] = p;
+        mb->slots[t] = q->blocks[p / B] * B + p % B;
+        mb->tok_seq[t] = si;
+        int r = mb->n_logits++;
+        mb->logit_rows[r] = t;
+        mb->logit_seq[r] = q;
+        mb->sampling[r] = q->sampling;
+        mb->steps[r] = (uint64_t)(q->n_tokens - q->n_prompt + 1 + j);
+        mb->spec_row[r] = 1;
+    }
+    mb->spec_row[mb->spec_row0[si]] = 1;
+    s->stats.scheduled_tokens += (uint64_t)n;
+}
+
+/* Accepts, emits and rolls back one speculating sequence of a completed
+ * micro-batch (see loom_sched_set_spec). */
+static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const int32_t *ids,
+                          loom_sched_token_fn on_token, void *ctx) {
+    loom_seq_t *q = mb->seqs[si];
+    int n = mb->spec_n[si], r0 = mb->spec_row0[si], t0 = mb->logit_rows[r0];
+    int base = q->n_computed, accepted = 0, emitted = 0;
+    for (int j = 0; j <= n && !q->finish_pending; j++) {
+        int32_t id = ids[r0 + j];
+        int match = j < n && id == mb->tokens[t0 + 1 + j];
+        LOOM_ASSERT(q->n_tokens < q->cap_tokens);
+        q->tokens[q->n_tokens++] = id;
+        emitted++;
+        if (match) accepted++;
+        /* KV is kept for the fed token and the accepted drafts */
+        q->n_computed = base + 1 + accepted;
+        if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
+        if (on_token) on_token(ctx, q, id);
+        if (!match) break;
+    }
+    if (!q->finish_pending) {
+        /* roll back: blocks that only rejected drafts wrote go back to the pool */
+        int keep = (q->n_tokens + s->cfg.block_size - 1) / s->cfg.block_size;
+        while (q->n_blocks > keep && q->n_blocks > q->n_hashed) loom_kv_release(s->kv, q->blocks[--q->n_blocks]);
+        register_blocks(s, q);
+    }
+    loom_spec_adapt_update(&q->spec_adapt, n, accepted);
+    q->spec_drafted += n;
+    q->spec_accepted += accepted;
+    q->n_steps++;
+    loom_spec_stats_record(&s->spec_stats, n, accepted, emitted);
+}
+
 loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
     const loom_sched_config_t *c = &s->cfg;
     loom_microbatch_t *mb = NULL;
@@ -454,6 +554,12 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         grow(s, q, q->n_computed + 1);
         add_chunk(s, mb, q, 1);
         budget--;
+        if (spec_eligible(s, q)) {
+            int others = LOOM_MIN(cap, s->n_running + s->n_waiting) - mb->n_seqs; /* rows they may need */
+            int before = mb->n_tokens;
+            spec_extend(s, mb, q, budget, others > 0 ? others : 0, LOOM_MIN(cap, s->n_running));
+            budget -= mb->n_tokens - before;
+        }
     }
     /* 2. prefills already running, continued in chunks */
     for (int i = 0; i < s->n_running && budget > 0 && mb->n_seqs < cap; i++) {
@@ -525,16 +631,19 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
                          loom_sched_token_fn on_token, void *ctx) {
     for (int i = 0; i < mb->n_seqs; i++) {
         loom_seq_t *q = mb->seqs[i];
-        if (q->finish_pending) continue;
+        if (q->finish_pending || mb->spec_n[i] > 0) continue;
         q->n_computed += mb->chunk[i];
         register_blocks(s, q);
         drop_behind_window(s, q);
     }
+    for (int i = 0; i < mb->n_seqs; i++)
+        if (mb->spec_n[i] > 0 && !mb->seqs[i]->finish_pending) spec_complete(s, mb, i, ids, on_token, ctx);
     for (int r = 0; r < mb->n_logits; r++) {
         loom_seq_t *q = mb->logit_seq[r];
-        if (q->finish_pending) continue;
+        if (q->finish_pending || mb->spec_row[r]) continue;
         LOOM_ASSERT(q->n_tokens < q->cap_tokens);
         q->tokens[q->n_tokens++] = ids[r];
+        q->n_steps++;
         if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
         if (on_token) on_token(ctx, q, ids[r]);
     }

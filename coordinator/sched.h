@@ -28,6 +28,7 @@
 
 #include <stdint.h>
 
+#include "common/spec.h"
 #include "common/status.h"
 #include "coordinator/kv_ledger.h"
 #include "kernels/sampling.h"
@@ -66,6 +67,10 @@ typedef struct loom_seq {
     int heap_pos, run_pos;   /* positions in the waiting heap / running array */
     uint64_t t_arrival_ns, t_first_token_ns, t_admitted_ns;
     loom_pooling_t embed;    /* LOOM_POOL_NONE: a generation */
+    int spec_off;            /* 1: never speculate for this sequence (the request said so) */
+    int spec_drafted, spec_accepted; /* its drafted tokens verified, and accepted */
+    int n_steps;             /* steps that produced its tokens */
+    loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
 } loom_seq_t;
 
 typedef struct loom_sched_config {
@@ -106,6 +111,9 @@ typedef struct loom_microbatch {
     loom_seq_t **embed_seq;
     int *embed_final;
     int in_use;
+    int *spec_n;             /* (n_seqs) drafts verified for the sequence (0: none) */
+    int *spec_row0;          /* (n_seqs) its first logit row when spec_n > 0 */
+    uint8_t *spec_row;       /* (n_logits) 1: the row belongs to a speculating sequence */
 } loom_microbatch_t;
 
 typedef struct loom_sched_stats {
@@ -169,5 +177,22 @@ loom_seq_t *loom_sched_seq_at(loom_sched_t *s, int i); /* running first, then wa
 int loom_sched_in_flight(const loom_sched_t *s);       /* micro-batches */
 
 void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
+
+/* Speculative decoding (common/spec.h): with a method set, a decode of a
+ * sequence without sampling controls (seq->sparams NULL) and not turned off
+ * (spec_off) carries up to K ngram drafts after its last token, with one
+ * logit row each (steps g..g+K, so each row samples exactly what decoding
+ * would). loom_sched_complete accepts the drafts that equal the sampled ids,
+ * emits them and the first differing (or bonus) id in order through
+ * on_token (stopping at once when the callee finishes the sequence), keeps
+ * their KV and releases the blocks only rejected drafts used. Drafts never
+ * cause a preemption, never exceed max_tokens, the token budget or the
+ * workers' logit rows (max_num_seqs per step), and back off as the step's
+ * decode tokens approach the config's compute knee. */
+void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c);
+const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s);
+/* A step of n_tokens took `seconds`: feeds the measured cost model that
+ * adaptive K weighs drafts against (small steps only: the decode regime). */
+void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
 
 #endif

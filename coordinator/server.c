@@ -269,6 +269,11 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
         usage.prompt_tokens = (uint32_t)q->prompt_tokens;
         usage.completion_tokens = (uint32_t)q->completion_tokens;
         usage.cached_tokens = q->seq ? (uint32_t)q->seq->cached_tokens : 0;
+        if (q->seq) {
+            usage.spec_draft_tokens = (uint32_t)q->seq->spec_drafted;
+            usage.spec_accepted_tokens = (uint32_t)q->seq->spec_accepted;
+            usage.target_steps = (uint32_t)q->seq->n_steps;
+        }
         ch.usage = &usage;
         /* a stage not reached reads 0 */
         loom_request_times_t tt = req_times(q, t_send);
@@ -625,6 +630,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
                                   .prefix_cache = s->cfg.prefix_cache,
                                   .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
+        loom_sched_set_spec(s->sched, &s->cfg.spec);
     }
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
@@ -664,6 +670,7 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     s->steps++;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
+    loom_sched_observe_step(s->sched, mb->n_tokens, step_s);
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
     s->n_embed_done = 0;
     if (embed_step(s, mb, r, err, err_n) < 0) return -1;
@@ -838,6 +845,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     }
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
+    q->seq->spec_off = g->no_speculation;
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;
@@ -1014,6 +1022,17 @@ static void schedule(loom_server_t *s) {
     }
 }
 
+/* Speculative decoding counters for /metrics (vLLM's spec_decode family). */
+static void set_spec_metrics(const loom_server_t *s, loom_metrics_state_t *st) {
+    if (s->cfg.spec.method == LOOM_SPEC_OFF) return;
+    const loom_spec_stats_t *sp = loom_sched_spec_stats(s->sched);
+    st->spec_k = s->cfg.spec.k;
+    st->spec_drafts = (uint64_t)sp->num_drafts;
+    st->spec_draft_tokens = (uint64_t)sp->num_draft_tokens;
+    st->spec_accepted_tokens = (uint64_t)sp->num_accepted_tokens;
+    for (int i = 0; i < LOOM_SPEC_MAX_K; i++) st->spec_accepted_per_pos[i] = (uint64_t)sp->accepted_per_pos[i];
+}
+
 static void publish_state(loom_server_t *s) {
     loom_metrics_state_t st = {.prompt_tokens = s->prompt_tokens_total, .generation_tokens = s->gen_tokens_total,
                                .requests_rejected = s->requests_rejected,
@@ -1033,6 +1052,7 @@ static void publish_state(loom_server_t *s) {
         st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
         st.prefix_cache_hits = s->prefix_hits_base + ss.prefix_hits;
         st.preemptions = s->preemptions_base + ss.preemptions;
+        set_spec_metrics(s, &st);
     } else {
         st.prefix_cache_queries = s->prefix_queries_base;
         st.prefix_cache_hits = s->prefix_hits_base;

@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 
+#include "common/spec.h"
 #include "common/status.h"
 #include "coordinator/security.h"
 
@@ -42,6 +43,7 @@ typedef struct loom_server_config {
     loom_coord_security_t security; /* CURVE keys of the control plane and the client API */
     const char *kv_events;    /* publish prefix-cache events here for routers (NULL: off) */
     int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
+    loom_spec_config_t spec;  /* speculative decoding (method OFF: none), common/spec.h */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

@@ -19,14 +19,50 @@ struct loom_local {
     int ctx, chunk, max_blocks;
     /* step buffers (host), sized for one chunk */
     int32_t *pos, *slots, *tok_seq, *rows, *block_table;
-    int32_t *cand_ids;
+    int32_t *cand_ids;       /* (LOCAL_MAX_ROWS, LOOM_SAMPLE_MAX_CAND) sampling candidates per row */
     float *cand_keys;
+    loom_spec_config_t spec; /* speculation (method OFF: none) */
+    int32_t *hist;           /* (ctx) prompt and generated ids: the ngram drafter's history */
+    loom_local_t *draft;     /* method DRAFT: the draft model, its own KV cache */
+    int draft_n;             /* hist tokens whose KV the draft's cache holds */
 };
+
+#define LOCAL_MAX_ROWS (LOOM_SPEC_MAX_K + 1) /* logit rows a verify step samples */
+
+/* The draft model of method DRAFT: greedy, one sequence, the target's
+ * context, refused when its vocabulary or special ids differ. */
+static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt, loom_err_t *err) {
+    loom_local_options_t d = *opt;
+    d.model_dir = opt->draft_model_dir ? opt->draft_model_dir : opt->model_dir;
+    d.quant = opt->draft_quant;
+    d.spec.method = LOOM_SPEC_OFF;
+    d.no_tokenizer = 1;
+    d.ctx = l->ctx;
+    loom_err_t e = {0};
+    if (loom_local_open(&d, &l->draft, &e) < 0)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the draft model %s cannot be loaded: %s", d.model_dir,
+                            e.msg);
+    const loom_model_config_t *dc = &l->draft->cfg, *tc = &l->cfg;
+    if (dc->vocab_size != tc->vocab_size)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s has a vocabulary of %d tokens, the target's has %d", d.model_dir,
+                            dc->vocab_size, tc->vocab_size);
+    if (dc->bos_id != tc->bos_id || dc->n_eos != tc->n_eos || (tc->n_eos > 0 && dc->eos_ids[0] != tc->eos_ids[0]))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s has other special tokens (bos %d, eos %d) than the target (bos %d, eos %d)",
+                            d.model_dir, dc->bos_id, dc->n_eos ? dc->eos_ids[0] : -1, tc->bos_id,
+                            tc->n_eos ? tc->eos_ids[0] : -1);
+    if (l->draft->ctx < l->ctx) l->ctx = l->draft->ctx;
+    return LOOM_OK;
+}
 
 loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **out, loom_err_t *err) {
     *out = NULL;
     loom_local_t *l = loom_xcalloc(1, sizeof *l);
-    loom_status_t s = loom_model_config_load(opt->model_dir, &l->cfg, err);
+    loom_status_t s = loom_spec_config_check(&opt->spec, err);
+    if (s < 0) goto fail;
+    l->spec = opt->spec;
+    s = loom_model_config_load(opt->model_dir, &l->cfg, err);
     if (s < 0) goto fail;
     if (!opt->no_tokenizer) {
         s = loom_tokenizer_load(opt->model_dir, &l->tok, err);
@@ -66,8 +102,13 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     l->rows = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
     l->block_table = loom_xmalloc((size_t)l->max_blocks * sizeof(int32_t));
     for (int i = 0; i < l->max_blocks; i++) l->block_table[i] = i;
-    l->cand_ids = loom_xmalloc(LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
-    l->cand_keys = loom_xmalloc(LOOM_SAMPLE_MAX_CAND * sizeof(float));
+    l->cand_ids = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
+    l->cand_keys = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(float));
+    l->hist = loom_xmalloc((size_t)l->ctx * sizeof(int32_t));
+    if (opt->spec.method == LOOM_SPEC_DRAFT) {
+        s = open_draft(l, opt, err);
+        if (s < 0) goto fail;
+    }
     *out = l;
     return LOOM_OK;
 fail:
@@ -79,6 +120,7 @@ void loom_local_close(loom_local_t **l_p) {
     if (!l_p || !*l_p) return;
     loom_local_t *l = *l_p;
     *l_p = NULL;
+    loom_local_close(&l->draft);
     loom_model_destroy(&l->model);
     loom_backend_destroy(&l->be);
     loom_st_close(&l->st);
@@ -90,6 +132,7 @@ void loom_local_close(loom_local_t **l_p) {
     free(l->block_table);
     free(l->cand_ids);
     free(l->cand_keys);
+    free(l->hist);
     free(l);
 }
 
@@ -112,10 +155,46 @@ static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, in
     return loom_model_forward(l->model, &b, err);
 }
 
-static int32_t sample_last(loom_local_t *l, const loom_sampling_t *s, uint64_t step) {
-    loom_sample_part_t part = {.ids = l->cand_ids, .keys = l->cand_keys};
-    loom_model_sample_parts(l->model, 1, s, &step, &part);
-    return loom_sample_merge(&part, 1, l->cfg.vocab_size, s, step);
+/* Samples the last forward's rows 0..n_rows as generated tokens step0.. */
+static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step0, int n_rows, int32_t *ids) {
+    loom_sample_part_t parts[LOCAL_MAX_ROWS];
+    uint64_t steps[LOCAL_MAX_ROWS];
+    loom_sampling_t params[LOCAL_MAX_ROWS];
+    for (int i = 0; i < n_rows; i++) {
+        steps[i] = step0 + (uint64_t)i;
+        params[i] = *s;
+        parts[i] = (loom_sample_part_t){.ids = l->cand_ids + (size_t)i * LOOM_SAMPLE_MAX_CAND,
+                                        .keys = l->cand_keys + (size_t)i * LOOM_SAMPLE_MAX_CAND};
+    }
+    loom_model_sample_parts(l->model, n_rows, params, steps, parts);
+    for (int i = 0; i < n_rows; i++) ids[i] = loom_sample_merge(&parts[i], 1, l->cfg.vocab_size, s, steps[i]);
+}
+
+/* Method DRAFT: the draft model catches up with hist[draft_n, n_hist) and
+ * proposes k tokens greedily (a point mass, so spec.h's rule holds). */
+static loom_status_t draft_propose(loom_local_t *l, int n_hist, int k, int32_t *out, loom_err_t *err) {
+    loom_local_t *d = l->draft;
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    int32_t id;
+    for (int p0 = l->draft_n; p0 < n_hist; p0 += d->chunk) {
+        int n = LOOM_MIN(d->chunk, n_hist - p0);
+        d->rows[0] = n - 1;
+        LOOM_CHECK(run_chunk(d, l->hist + p0, n, p0, 1, err));
+    }
+    if (l->draft_n >= n_hist) { /* nothing new (cannot happen: the last emitted token is new) */
+        d->rows[0] = 0;
+        LOOM_CHECK(run_chunk(d, l->hist + n_hist - 1, 1, n_hist - 1, 1, err));
+    }
+    for (int j = 0; j < k; j++) {
+        sample_rows(d, &greedy, 0, 1, &id);
+        out[j] = id;
+        if (j + 1 < k) {
+            d->rows[0] = 0;
+            LOOM_CHECK(run_chunk(d, &out[j], 1, n_hist + j, 1, err));
+        }
+    }
+    l->draft_n = n_hist + k - 1; /* drafts 0..k-2 are in its cache */
+    return LOOM_OK;
 }
 
 loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
@@ -153,22 +232,74 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         l->rows[0] = 0;
         LOOM_CHECK(run_chunk(l, prompt + n_prompt - 1, 1, n_prompt - 1, 1, err));
     }
-    int pos = n_prompt;
+    /* Each pass of the loop samples the last forward's rows (the token after
+     * pos - 1, then one per draft fed with it), emits the sampled tokens up to
+     * and including the first one that differs from its draft, and runs the
+     * next forward: the last emitted token at pos plus the new drafts. KV of
+     * rejected drafts (positions past the accepted ones) is simply rewritten
+     * by later steps: the cache's slots are the positions. */
+    memcpy(l->hist, prompt, (size_t)n_prompt * sizeof *prompt);
+    l->draft_n = 0; /* a new sequence: the draft's cache is stale */
+    int n_hist = n_prompt, pos = n_prompt, g = 0, n_draft = 0, done = max_new <= 0;
+    int32_t feed[LOCAL_MAX_ROWS], sampled[LOCAL_MAX_ROWS];
+    loom_spec_adapt_t adapt;
+    loom_spec_adapt_init(&adapt);
+    loom_spec_cost_t cost = {0}; /* measured decode / verify step times */
+    loom_spec_config_t spec = l->spec;
     uint64_t t1 = 0;
-    for (int g = 0; g < max_new; g++) {
-        int32_t id = sample_last(l, s, (uint64_t)g);
-        if (g == 0) {
-            t1 = loom_now_ns();
-            st.prefill_s = (double)(t1 - t0) * 1e-9;
+    if (!done) {
+        sample_rows(l, s, 0, 1, sampled);
+        t1 = loom_now_ns();
+        st.prefill_s = (double)(t1 - t0) * 1e-9;
+    }
+    while (!done) {
+        int accepted = 0, emitted = 0;
+        for (int i = 0; i <= n_draft; i++) {
+            int32_t id = sampled[i];
+            emitted++;
+            g++;
+            l->hist[n_hist++] = id;
+            int match = i < n_draft && id == feed[i + 1];
+            int stop = on_token ? on_token(ctx, id) : 0;
+            if (stop || (!ignore_eos && loom_model_config_is_eos(&l->cfg, id)) || g == max_new) done = 1;
+            if (match) accepted++;
+            if (done || !match) break;
         }
-        st.gen_tokens++;
-        int stop = on_token ? on_token(ctx, id) : 0;
-        if (stop || (!ignore_eos && loom_model_config_is_eos(&l->cfg, id))) break;
-        if (g + 1 == max_new || pos >= l->ctx) break;
-        l->rows[0] = 0;
-        LOOM_CHECK(run_chunk(l, &id, 1, pos, 1, err));
+        loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
+        loom_spec_adapt_update(&adapt, n_draft, accepted);
+        if (l->draft) /* the draft's cache stays valid up to the last accepted draft it holds */
+            l->draft_n = LOOM_MIN(l->draft_n, n_hist - emitted + LOOM_MIN(accepted, LOOM_MAX(n_draft - 1, 0)));
+        pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
+        if (done || pos + 1 > l->ctx) break;
+        /* the last emitted token goes in at position pos (its predecessor's
+         * KV is at pos - 1) */
+        feed[0] = l->hist[n_hist - 1];
+        int k = 0;
+        uint64_t ts = loom_now_ns();
+        if (l->spec.method != LOOM_SPEC_OFF) {
+            spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
+            k = loom_spec_adapt_k(&adapt, &spec, 1);
+            k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
+            k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
+            k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
+            if (l->draft) {
+                n_draft = k > 0 ? k : 0;
+                if (n_draft) LOOM_CHECK(draft_propose(l, n_hist, n_draft, feed + 1, err));
+            } else {
+                n_draft = k > 0 ? loom_spec_ngram_propose(l->hist, n_hist, l->spec.ngram_min, l->spec.ngram_max,
+                                                          k, feed + 1)
+                                : 0;
+            }
+        } else {
+            n_draft = 0;
+        }
+        for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
+        LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
+        sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
+        loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);
         pos++;
     }
+    st.gen_tokens = g;
     if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
     if (stats) *stats = st;
     return LOOM_OK;

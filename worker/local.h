@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "common/model_config.h"
+#include "common/spec.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
 #include "kernels/backend.h"
@@ -21,6 +22,11 @@ typedef struct loom_local_options {
     loom_quant_spec_t quant;   /* matmul weights quantized on load (kernels/quant.h); zero: none */
     const char *kv_cache_dtype; /* auto (NULL), f32, bf16, int8, fp8: see loom_backend_kv_resolve */
     int no_tokenizer;        /* skip tokenizer.json (benchmarks on generated models) */
+    loom_spec_config_t spec; /* speculative decoding (method OFF, the zero value: none); see common/spec.h */
+    /* method DRAFT: the draft model's directory (NULL: the target's own, a
+     * quantized self-draft) and its quantization on load */
+    const char *draft_model_dir;
+    loom_quant_spec_t draft_quant;
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;
@@ -30,6 +36,7 @@ typedef struct loom_gen_stats {
     int gen_tokens;
     double prefill_s; /* prompt in, first token out (time to first token) */
     double decode_s;  /* the remaining tokens */
+    loom_spec_stats_t spec; /* target steps and (with speculation) drafts and acceptance */
 } loom_gen_stats_t;
 
 /* Called for each generated id; return nonzero to stop. */
@@ -44,6 +51,7 @@ loom_model_t *loom_local_model(loom_local_t *l);
 int loom_local_ctx(const loom_local_t *l);
 
 /* Prefills the prompt (in chunks) then generates up to max_new tokens,
+ * with speculation when the options ask for it (the same ids either way),
  * stopping early at an EOS id (unless ignore_eos) or when on_token says so.
  * prompt_logits, when not NULL, receives the logits of every prompt
  * position (n_prompt x vocab). Errors: an empty prompt, or a prompt that

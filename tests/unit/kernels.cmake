@@ -10,3 +10,6 @@ loom_add_test(test_quant SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_quant.c
 # no CUDA toolkit needed).
 loom_add_test(test_qformat SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_qformat.c
               LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
+# Speculative decoding helpers and the verification rule's distribution.
+loom_add_test(test_spec SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_spec.c
+              LIBS loom_kernels loom_base LABELS unit TIMEOUT 60)

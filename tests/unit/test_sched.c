@@ -12,7 +12,14 @@
 
 #define VOCAB 1000
 
+/* Speculation tests: an order-1 model over a few ids, perturbed at every 23rd position (repetitive, so ngram
+ * drafts are often right) and the scheduler's speculation config. */
+static int g_markov;
+static const loom_spec_config_t *g_spec;
+static loom_spec_stats_t g_spec_stats;
+
 static int32_t next_token(const int32_t *ctx, int n) {
+    if (g_markov && n >= 2) return (int32_t)(3 + ((uint32_t)ctx[n - 1] * 3u + (uint32_t)(n % 23 == 0)) % 7u);
     uint64_t h = 1469598103934665603ull;
     for (int i = 0; i < n; i++) h = (h ^ (uint32_t)ctx[i]) * 1099511628211ull;
     return (int32_t)(3 + h % (VOCAB - 3));
@@ -109,6 +116,7 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
                                .max_queue = 1000, .max_model_len = 512, .n_micro = n_micro,
                                .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window};
     loom_sched_t *s = loom_sched_create(&cfg);
+    if (g_spec) loom_sched_set_spec(s, g_spec);
     sim_t sm = {.B = 4, .n_slots = n_blocks * 4, .window = window};
     sm.kv_tok = calloc((size_t)sm.n_slots, 4);
     sm.kv_pos = malloc((size_t)sm.n_slots * 4);
@@ -144,6 +152,10 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
         loom_sched_complete(s, mb, ids, on_token, &c);
         memmove(inflight, inflight + 1, (size_t)(n_in - 1) * sizeof *inflight);
         n_in--;
+        for (int i = 0; i < loom_sched_n_seqs(s); i++) { /* no block held past the tokens (drafts rolled back) */
+            const loom_seq_t *q = loom_sched_seq_at(s, i);
+            if (!q->in_flight) CHECK(q->n_blocks <= (q->n_tokens + 3) / 4);
+        }
         int bad = loom_kv_check(loom_sched_ledger(s));
         CHECKF(bad == 0, "ledger inconsistent (%d)", bad);
         if (bad) break;
@@ -158,6 +170,7 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
     CHECKF(wrong == 0, "%d of %d sequences produced wrong tokens", wrong, n_reqs);
     CHECK(loom_kv_n_held(loom_sched_ledger(s)) == 0);
     loom_sched_get_stats(s, out_stats);
+    g_spec_stats = *loom_sched_spec_stats(s);
     loom_sched_destroy(&s);
     free(sm.kv_tok);
     free(sm.kv_pos);
@@ -408,6 +421,47 @@ static void test_embedding_ranges(void) {
     loom_sched_destroy(&s);
 }
 
+/* Speculative decoding: every load above, with ngram drafts verified in the
+ * same steps, gives exactly the sequential tokens (check_outputs), never more
+ * than max_tokens, a consistent ledger with every block back at the end
+ * (rejected drafts' blocks released), and more than one token per step. */
+static void test_speculative(void) {
+    loom_spec_config_t c;
+    loom_spec_config_defaults(&c);
+    c.method = LOOM_SPEC_NGRAM;
+    c.k = 8;
+    g_spec = &c;
+    loom_sched_stats_t st;
+    for (int markov = 1; markov >= 0; markov--) {
+        g_markov = markov;
+        run_load(64, 4096, 1, 32, 256, 0, 0, 11, &st);
+        if (markov) {
+            CHECKF(g_spec_stats.num_accepted_tokens > 0 && loom_spec_stats_tokens_per_step(&g_spec_stats) > 1.5,
+                   "accepted %lld, %.2f tokens per step", (long long)g_spec_stats.num_accepted_tokens,
+                   loom_spec_stats_tokens_per_step(&g_spec_stats));
+            CHECK(g_spec_stats.accepted_per_pos[0] >= g_spec_stats.accepted_per_pos[1]);
+        }
+        run_load(48, 40, 1, 16, 64, 0, 0, 12, &st); /* preemption */
+        CHECK(st.preemptions > 0);
+        run_load(60, 48, 1, 12, 48, 1, 1, 13, &st); /* prefix sharing, cancellations */
+        run_load(50, 60, 3, 16, 32, 1, 0, 14, &st); /* pipeline micro-batches */
+        run_load(20, 4096, 1, 4, 8, 0, 0, 15, &st); /* tiny token budget and few logit rows */
+    }
+    /* fixed K, 16 drafts */
+    c.k = 16;
+    c.fixed_k = 1;
+    g_markov = 1;
+    run_load(30, 4096, 2, 8, 128, 1, 1, 16, &st);
+    CHECK(g_spec_stats.num_drafts > 0);
+    /* a step at the compute knee carries no drafts */
+    c.fixed_k = 0;
+    c.compute_knee = 1;
+    run_load(10, 4096, 1, 8, 128, 0, 0, 17, &st);
+    CHECK(g_spec_stats.num_draft_tokens == 0);
+    g_spec = NULL;
+    g_markov = 0;
+}
+
 int main(void) {
     RUN(test_ledger_basics);
     RUN(test_admission_errors);
@@ -419,5 +473,6 @@ int main(void) {
     RUN(test_full_prompt_hit_copy_on_write);
     RUN(test_sliding_window_frees_blocks);
     RUN(test_embedding_ranges);
+    RUN(test_speculative);
     return test_summary();
 }

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Speculative decoding (ngram) on stories260K, over prompts the tests do not use:
+tokens per target step and batch-1 decode speed-up of `loom run` (ngram, int8 and q4 self-drafts), then output
+throughput of a 1x1 cluster at 32 concurrent streams with speculation on
+against off (`loom bench`, random prompts, rounds interleaved).
+
+    /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4]
+
+The verify-cost side (K+1 tokens against one, on a model beyond the L3) is
+build/bin/bench_spec; docs/speculative.md has the figures.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+import harness  # noqa: E402
+
+PROMPTS = [  # held out: no test uses these
+    "Sam found a shiny stone by the river. He showed the stone to his mom and said",
+    "The bird sang a song every morning. One morning the bird did not sing, so",
+    "Anna had a big box of crayons. She drew a sun, a tree and a house. Then she",
+    "Max the dog liked to dig. He dug in the garden and found an old bone. Max",
+]
+
+
+def loom_run(model, prompt, tokens, extra):
+    p = subprocess.run([os.path.join(harness.BIN, "loom"), "run", "--model", model, "--prompt", prompt,
+                        "--max-tokens", str(tokens), "--temperature", "0", "--ignore-eos", "--threads", "1"] + extra,
+                       capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr)
+    rate = float(re.search(r"decode ([\d.]+) tokens/s", p.stderr).group(1))
+    m = re.search(r"tokens per target step: ([\d.]+)", p.stderr)
+    acc = re.search(r"acceptance rate ([\d.]+)%", p.stderr)
+    return rate, float(m.group(1)) if m else 1.0, float(acc.group(1)) if acc else 0.0
+
+
+def bench_local(model, tokens, rounds, k, name, spec):
+    print("loom run, batch 1, greedy, %d tokens per prompt, %s K=%d (adaptive)" % (tokens, name, k))
+    print("%-40s %10s %10s %8s %8s %8s" % ("prompt", "off tok/s", "on tok/s", "speedup", "tok/step", "accept%"))
+    speedups, tps = [], []
+    for prompt in PROMPTS:
+        off, on, steps, accs = [], [], [], []
+        for _ in range(rounds):
+            off.append(loom_run(model, prompt, tokens, [])[0])
+            r, t, a = loom_run(model, prompt, tokens, spec)
+            on.append(r)
+            steps.append(t)
+            accs.append(a)
+        o, n = statistics.median(off), statistics.median(on)
+        speedups.append(n / o)
+        tps.append(statistics.median(steps))
+        print("%-40s %10.0f %10.0f %8.2f %8.2f %8.1f" % (prompt[:40], o, n, n / o, tps[-1], statistics.median(accs)))
+    print("mean: speed-up %.2fx, %.2f tokens per target step" % (statistics.mean(speedups), statistics.mean(tps)))
+
+
+def bench_load(model, rounds, k):
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = min(json.load(f)["vocab_size"], 512)
+    out = tempfile.mkdtemp(prefix="loom-bench-spec-")
+    args = ["--num-requests", "64", "--max-concurrency", "32", "--rate", "inf", "--prompt-len", "64",
+            "--output-len", "64", "--vocab", str(vocab), "--seed", "7"]
+    clusters = {"off": [], "on": ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)]}
+    res = {"off": [], "on": []}
+    threads = max(1, (os.cpu_count() or 2))
+    for name, coord in clusters.items():
+        with harness.Cluster(model, 1, 1, coord_args=coord, threads=threads) as c:
+            for r in range(rounds + 1):
+                path = os.path.join(out, "%s-%d.json" % (name, r))
+                p = subprocess.run([os.path.join(harness.BIN, "loom"), "bench", "--addr", c.addr, "--json", path] + args,
+                                   capture_output=True, text=True, timeout=1800)
+                if p.returncode not in (0, 1):
+                    raise RuntimeError(p.stderr)
+                with open(path) as f:
+                    if r:  # the first round warms up
+                        res[name].append(json.load(f)["output_throughput"])
+    off, on = statistics.median(res["off"]), statistics.median(res["on"])
+    print("32 concurrent streams: off %.0f tok/s, on %.0f tok/s, ratio %.3f" % (off, on, on / off))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=harness.STORIES)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--skip-load", action="store_true")
+    a = ap.parse_args()
+    methods = {"ngram": ["--speculative-method", "ngram"],
+               "int8 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "int8"],
+               "q4 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "q4"]}
+    for name, spec in methods.items():
+        bench_local(a.model, a.tokens, a.rounds, a.k, name, spec + ["--num-speculative-tokens", str(a.k)])
+    if not a.skip_load:
+        bench_load(a.model, a.rounds, a.k)
+
+
+if __name__ == "__main__":
+    main()

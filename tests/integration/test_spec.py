@@ -1,0 +1,202 @@
+"""Speculative decoding in `loom run` (ngram prompt lookup): the ids are the
+same as without speculation (greedy and seeded sampling, any K, tiny
+chunks and contexts, max_tokens and EOS respected), the acceptance and
+`tokens per target step` lines are printed, and bad settings are refused
+with a clear message."""
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_http import free_port, get_metrics, metric  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, gen_model, parse_ids, run_local, run_tests  # noqa: E402
+
+WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-spec")
+LOOM = os.path.join(BIN, "loom")
+PROMPTS = [
+    "Once upon a time",
+    "Tom had a red ball. Tom had a red ball. Tom had a",
+    "The cat sat on the mat. The dog sat on the log. The cat",
+]
+
+
+def run(model, prompt, *extra, max_tokens=80, temperature="0"):
+    p = subprocess.run([LOOM, "run", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens),
+                        "--temperature", temperature, "--threads", "1", "--ids"] + list(extra),
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "loom run failed: %s" % p.stderr)
+    return p.stdout, parse_ids(p.stderr), p.stderr
+
+
+def tokens_per_step(stderr):
+    m = re.search(r"^tokens per target step: (\d+\.\d\d)$", stderr, re.M)
+    check(m, "no 'tokens per target step' line: %r" % stderr)
+    check(re.search(r"acceptance rate \d+\.\d%", stderr), "no acceptance rate: %r" % stderr)
+    return float(m.group(1))
+
+
+def test_greedy_identical():
+    best = 0.0
+    for prompt in PROMPTS:
+        _, base, err = run(STORIES, prompt, "--ignore-eos")
+        check(len(base) == 80, "expected 80 ids, got %d" % len(base))
+        check("tokens per target step" not in err, "speculation line printed with speculation off")
+        for extra in (["--num-speculative-tokens", "1"], ["--num-speculative-tokens", "4"],
+                      ["--num-speculative-tokens", "16", "--speculative-fixed-k"],
+                      ["--num-speculative-tokens", "8", "--ngram-min", "2", "--ngram-max", "3"],
+                      ["--num-speculative-tokens", "16", "--speculative-fixed-k", "--chunk", "3"]):
+            _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "ngram", *extra)
+            check(ids == base, "%r %s: ids differ from non-speculative\n%s\n%s" % (prompt, extra, base, ids))
+            best = max(best, tokens_per_step(err))
+    check(best > 1.2, "ngram never got more than one token per target step (best %.2f)" % best)
+
+
+def test_reference_story():
+    # the reference implementation's greedy continuation (as in test_cli.py)
+    out, _, _ = run(STORIES, "Once upon a time", "--speculative-method", "ngram", max_tokens=64)
+    check(out.startswith(", there was a little girl named Lily. She loved to play outside in the park."),
+          "not the reference story: %r" % out)
+
+
+def test_sampled_identical():
+    # the rule accepts a draft iff the row's seeded sample equals it, so the
+    # same seed gives the same ids with speculation on and off
+    for prompt in PROMPTS[1:]:
+        for seed, extra in ((3, []), (4, ["--top-k", "0", "--top-p", "1"]), (5, ["--top-p", "0.5"])):
+            args = ["--seed", str(seed), "--ignore-eos"] + extra
+            _, base, _ = run(STORIES, prompt, *args, temperature="0.9")
+            _, ids, _ = run(STORIES, prompt, *args, "--speculative-method", "ngram", "--num-speculative-tokens",
+                            "6", temperature="0.9")
+            check(ids == base, "seed %d %s: sampled ids differ" % (seed, extra))
+
+
+def test_limits():
+    prompt = PROMPTS[1]
+    for n in (1, 2, 5, 17):  # never more than asked, whatever K
+        _, ids, _ = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "ngram",
+                        "--num-speculative-tokens", "16", "--speculative-fixed-k", max_tokens=n)
+        check(len(ids) == n, "max_tokens %d gave %d ids" % (n, len(ids)))
+    # a context that ends mid-draft: the same ids as without speculation
+    _, base, _ = run(STORIES, prompt, "--ignore-eos", "--ctx", "40", max_tokens=200)
+    _, ids, _ = run(STORIES, prompt, "--ignore-eos", "--ctx", "40", "--speculative-method", "ngram",
+                    "--num-speculative-tokens", "16", "--speculative-fixed-k", max_tokens=200)
+    check(ids == base and len(ids) > 0, "context limit: %s vs %s" % (base, ids))
+    # stopping at EOS: same ids, EOS last
+    _, base, _ = run(STORIES, PROMPTS[0], max_tokens=400)
+    _, ids, _ = run(STORIES, PROMPTS[0], "--speculative-method", "ngram", max_tokens=400)
+    check(ids == base, "EOS stop: ids differ")
+
+
+def test_gqa_random_model():
+    # a random GQA model with other shapes (stories260K's tokenizer)
+    model = gen_model(os.path.join(WORK, "spec-gqa"), "--dim", "96", "--hidden-dim", "160", "--layers", "3",
+                      "--heads", "6", "--kv-heads", "2", "--vocab", "512", "--seed", "19")
+    for prompt in PROMPTS[1:]:
+        _, base, _ = run(model, prompt, "--ignore-eos", max_tokens=60)
+        _, ids, _ = run(model, prompt, "--ignore-eos", "--speculative-method", "ngram",
+                        "--num-speculative-tokens", "8", "--speculative-fixed-k", max_tokens=60)
+        check(ids == base, "random GQA model: ids differ")
+
+
+def test_draft_self_int8():
+    # a quantized self-draft: the same ids (greedy and seeded), and with int8
+    # at least 2.5 tokens per target step
+    best = 0.0
+    for prompt in PROMPTS:
+        _, base, _ = run(STORIES, prompt, "--ignore-eos", max_tokens=96)
+        for q in ("int8", "q4"):
+            _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "draft",
+                              "--speculative-quantization", q, "--num-speculative-tokens", "4", max_tokens=96)
+            check(ids == base, "%r draft %s: ids differ" % (prompt, q))
+            if q == "int8":
+                best = max(best, tokens_per_step(err))
+    check(best >= 2.5, "int8 self-draft: %.2f tokens per target step" % best)
+    _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", "--seed", "9", max_tokens=64, temperature="0.8")
+    _, ids, _ = run(STORIES, PROMPTS[0], "--ignore-eos", "--seed", "9", "--speculative-method", "draft",
+                    "--speculative-quantization", "int8", "--speculative-fixed-k", max_tokens=64, temperature="0.8")
+    check(ids == base, "seeded sampling with the int8 self-draft: ids differ")
+    # a separate draft checkpoint with the same vocabulary (a random model: few accepted, same ids)
+    draft = gen_model(os.path.join(WORK, "spec-draft"), "--dim", "32", "--hidden-dim", "64", "--layers", "2",
+                      "--heads", "4", "--vocab", "512", "--seed", "5")
+    _, ids, err = run(STORIES, PROMPTS[1], "--ignore-eos", "--speculative-method", "draft", "--speculative-model",
+                      draft, "--speculative-fixed-k", max_tokens=64)
+    _, base, _ = run(STORIES, PROMPTS[1], "--ignore-eos", max_tokens=64)
+    check(ids == base and "tokens per target step" in err, "draft model: ids differ")
+
+
+def test_bad_input():
+    for extra, want in ((["--num-speculative-tokens", "0"], "[1, 16]"),
+                        (["--num-speculative-tokens", "64"], "[1, 16]"),
+                        (["--speculative-method", "eagle"], "must be none, ngram or draft"),
+                        (["--speculative-method", "ngram", "--ngram-min", "4", "--ngram-max", "2"], "ngram_min"),
+                        (["--speculative-method", "draft"], "needs --speculative-model"),
+                        (["--speculative-quantization", "int8"], "need --speculative-method draft"),
+                        (["--speculative-method", "draft", "--speculative-quantization", "int3"], "int3"),
+                        (["--speculative-method", "draft", "--speculative-model", "/nonexistent"],
+                         "the draft model /nonexistent cannot be loaded"),
+                        (["--speculative-method", "draft", "--speculative-model",
+                          gen_model(os.path.join(WORK, "spec-v1024"), "--dim", "32", "--hidden-dim", "64", "--layers",
+                                    "1", "--heads", "4", "--vocab", "1024", "--seed", "3")],
+                         "vocabulary of 1024 tokens, the target's has 512")):
+        p = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "hi"] + extra,
+                           capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr,
+              "%s: rc %d, %r" % (extra, p.returncode, p.stderr))
+    # the coordinator refuses them too, also when `loom serve` passes them on
+    for extra, want in ((["--num-speculative-tokens", "64"], "[1, 16]"),
+                        (["--speculative-method", "eagle"], "must be none or ngram")):
+        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES] + extra,
+                           capture_output=True, text=True, timeout=60)
+        check(p.returncode == 2 and want in p.stderr, "coordinator %s: rc %d, %r" % (extra, p.returncode, p.stderr))
+    p = subprocess.run([LOOM, "serve", STORIES, "--port", "0", "--speculative-method", "ngram",
+                        "--num-speculative-tokens", "0"], capture_output=True, text=True, timeout=120)
+    check(p.returncode != 0 and "[1, 16]" in p.stderr, "loom serve with K 0: rc %d, %r" % (p.returncode, p.stderr[-500:]))
+
+
+GRID_PROMPTS = PROMPTS + ["Lily and Ben went to the park. They saw", "Once upon a time, there was a boy. The boy"]
+SPEC_ARGS = ["--speculative-method", "ngram", "--num-speculative-tokens", "8"]
+
+
+def test_grids():
+    # every grid, several requests at once (a batch mix of decodes, drafts and
+    # prefills): greedy ids equal `loom run` without speculation
+    n = 48
+    expect = {p: run_local(STORIES, p, n, extra=["--ignore-eos"])[1] for p in GRID_PROMPTS}
+    seeded = run_local(STORIES, GRID_PROMPTS[1], n, temperature=0.9, extra=["--ignore-eos", "--seed", "7"])[1]
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        port = free_port()
+        with Cluster(STORIES, tp, pp, coord_args=SPEC_ARGS + ["--http", "127.0.0.1:%d" % port]) as c:
+            procs = [(p, c.generate_async(p, n, extra=["--ignore-eos"])) for p in GRID_PROMPTS]
+            procs.append(("seeded", c.generate_async(GRID_PROMPTS[1], n, 0.9, extra=["--ignore-eos", "--seed", "7"])))
+            procs.append(("off", c.generate_async(GRID_PROMPTS[2], n, extra=["--ignore-eos", "--no-speculation"])))
+            lines = 0
+            for p, proc in procs:
+                out, err = proc.communicate(timeout=120)
+                if p != "off" and re.search(r"^tokens per target step: \d+\.\d\d$", err, re.M):
+                    lines += 1
+                if p == "off":
+                    check("tokens per target step" not in err, "speculation reported for a request that turned it off")
+                check(proc.returncode == 0, "%dx%d: generate failed: %s" % (tp, pp, err))
+                want = seeded if p == "seeded" else expect[GRID_PROMPTS[2]] if p == "off" else expect[p]
+                check(parse_ids(err) == want, "%dx%d %r: ids %s differ from loom run %s" %
+                      (tp, pp, p, parse_ids(err), want))
+            check(lines > 0, "%dx%d: loom generate printed no 'tokens per target step' line" % (tp, pp))
+            # max_tokens is never exceeded, and a short one ends exactly
+            rc, _, ids, err = c.generate(GRID_PROMPTS[1], 3, extra=["--ignore-eos"])
+            check(rc == 0 and ids == expect[GRID_PROMPTS[1]][:3], "%dx%d: max_tokens 3 gave %s" % (tp, pp, ids))
+            # vLLM's spec_decode counters: drafts were verified and some accepted
+            _, samples = get_metrics(port)
+            drafts = metric(samples, "vllm:spec_decode_num_draft_tokens_total")
+            acc = metric(samples, "vllm:spec_decode_num_accepted_tokens_total")
+            pos0 = metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
+            pos7 = metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="7")
+            check(metric(samples, "vllm:spec_decode_num_drafts_total") > 0 and drafts >= acc > 0,
+                  "%dx%d: %s draft tokens, %s accepted" % (tp, pp, drafts, acc))
+            check(pos0 >= pos7 and pos0 > 0, "per-position acceptance %s .. %s" % (pos0, pos7))
+
+
+if __name__ == "__main__":
+    os.makedirs(WORK, exist_ok=True)
+    run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
+               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids])

@@ -1,0 +1,217 @@
+/* Speculative decoding helpers (common/spec.h): the ngram drafter, adaptive
+ * K, the counters, and the verification rule's distribution: accepting a
+ * point-mass draft d iff the row's sample equals d accepts with probability
+ * p(d), rejected rows follow the residual p without d, and the emitted token
+ * follows p (chi-square over thousands of draws). */
+#include <stdint.h>
+
+#include "common/spec.h"
+#include "common/util.h"
+#include "kernels/sampling.h"
+#include "tests/test.h"
+
+static void test_ngram(void) {
+    int32_t out[16];
+    /* 5 6 7 ... 5 6 -> the 7 8 that followed "5 6" */
+    const int32_t h1[] = {1, 5, 6, 7, 8, 9, 5, 6};
+    int n = loom_spec_ngram_propose(h1, 8, 1, 4, 2, out);
+    CHECK(n == 2 && out[0] == 7 && out[1] == 8);
+    /* k larger than what follows: stops at the end of the history */
+    n = loom_spec_ngram_propose(h1, 8, 1, 4, 16, out);
+    CHECK(n == 5 && out[0] == 7 && out[4] == 6);
+    /* the longest suffix wins over a more recent shorter match */
+    const int32_t h2[] = {3, 4, 10, 2, 4, 11, 3, 4};
+    n = loom_spec_ngram_propose(h2, 8, 1, 3, 1, out);
+    CHECK(n == 1 && out[0] == 10);
+    /* with ngram_min 2 a lone repeated token is not a match */
+    const int32_t h3[] = {1, 2, 3, 9, 3};
+    CHECK(loom_spec_ngram_propose(h3, 5, 2, 3, 4, out) == 0);
+    CHECK(loom_spec_ngram_propose(h3, 5, 1, 3, 4, out) == 2 && out[0] == 9 && out[1] == 3);
+    /* the most recent earlier occurrence of the suffix */
+    const int32_t h4[] = {7, 1, 7, 2, 7};
+    CHECK(loom_spec_ngram_propose(h4, 5, 1, 1, 1, out) == 1 && out[0] == 2);
+    CHECK(loom_spec_ngram_propose(h4, 1, 1, 4, 4, out) == 0);
+    CHECK(loom_spec_ngram_propose(h4, 5, 1, 4, 0, out) == 0);
+}
+
+static void test_config(void) {
+    loom_spec_config_t c;
+    loom_spec_config_defaults(&c);
+    loom_err_t err = {0};
+    CHECK(loom_spec_config_check(&c, &err) == LOOM_OK); /* OFF is always fine */
+    loom_spec_method_t m;
+    CHECK(loom_spec_method_parse("ngram", &m) && m == LOOM_SPEC_NGRAM);
+    CHECK(!loom_spec_method_parse("eagle", &m));
+    c.method = LOOM_SPEC_NGRAM;
+    CHECK(loom_spec_config_check(&c, &err) == LOOM_OK);
+    c.k = 0;
+    CHECK(loom_spec_config_check(&c, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "1..16"));
+    c.k = 64;
+    CHECK(loom_spec_config_check(&c, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "64"));
+    c.k = 16;
+    c.ngram_min = 5;
+    c.ngram_max = 3;
+    CHECK(loom_spec_config_check(&c, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "ngram"));
+}
+
+static void test_adapt(void) {
+    loom_spec_config_t c;
+    loom_spec_config_defaults(&c);
+    c.method = LOOM_SPEC_NGRAM;
+    c.k = 8;
+    loom_spec_adapt_t a;
+    loom_spec_adapt_init(&a);
+    for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 8, 8); /* everything accepted */
+    CHECK(loom_spec_adapt_rate(&a) > 0.95);
+    CHECK(loom_spec_adapt_k(&a, &c, 0) == 8);
+    loom_spec_adapt_init(&a);
+    for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 4, 0); /* nothing accepted */
+    CHECK(loom_spec_adapt_rate(&a) < 0.05);
+    int probes = 0, zeros = 0;
+    for (int i = 0; i < 64; i++) {
+        int k = loom_spec_adapt_k(&a, &c, 0);
+        probes += k == 1;
+        zeros += k == 0;
+    }
+    CHECKF(probes == 4 && zeros == 60, "probes %d zeros %d", probes, zeros); /* one draft every 16 steps */
+    /* a middling rate picks a middling K, and a dearer verify a smaller one */
+    loom_spec_adapt_init(&a);
+    for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 4, i % 2 ? 1 : 2);
+    int k_cheap = loom_spec_adapt_k(&a, &c, 0);
+    c.verify_cost = 0.4;
+    int k_dear = loom_spec_adapt_k(&a, &c, 0);
+    CHECKF(k_cheap > 1 && k_cheap < 8 && k_dear < k_cheap, "cheap %d dear %d", k_cheap, k_dear);
+    /* the step is compute-bound: off; near the knee: only what fits */
+    c.verify_cost = 0.05;
+    c.fixed_k = 1;
+    CHECK(loom_spec_adapt_k(&a, &c, 32) == 0);
+    CHECK(loom_spec_adapt_k(&a, &c, 28) == 3);
+    CHECK(loom_spec_adapt_k(&a, &c, 0) == 8);
+    c.method = LOOM_SPEC_OFF;
+    CHECK(loom_spec_adapt_k(&a, &c, 0) == 0);
+    CHECK(fabs(loom_spec_expected_tokens(0.5, 3) - 1.875) < 1e-12);
+    CHECK(loom_spec_expected_tokens(1.0, 3) == 4.0);
+}
+
+static void test_cost(void) {
+    loom_spec_cost_t c = {0};
+    CHECK(loom_spec_cost_relative(&c, 1, 0.25) == 0.25); /* nothing seen */
+    for (int i = 0; i < 20; i++) loom_spec_cost_observe(&c, 1, 0.010);
+    CHECK(loom_spec_cost_relative(&c, 1, 0.25) == 0.25); /* one size only: no slope */
+    /* memory-bound: 10 ms + 0.1 ms per token */
+    for (int i = 0; i < 40; i++) loom_spec_cost_observe(&c, 1 + i % 9, 0.010 + 0.0001 * (1 + i % 9));
+    double r1 = loom_spec_cost_relative(&c, 1, 0.25), r32 = loom_spec_cost_relative(&c, 32, 0.25);
+    CHECKF(fabs(r1 - 0.0001 / 0.0101) < 1e-3, "relative cost %g", r1);
+    CHECKF(r32 > 5 * r1 && r32 < 1, "at 32 decodes %g", r32);
+    /* compute-bound (every token costs 1 ms, no fixed part): c ~ 1, no K pays */
+    loom_spec_cost_t d = {0};
+    for (int i = 0; i < 60; i++) loom_spec_cost_observe(&d, 1 + i % 5, 0.001 * (1 + i % 5));
+    double r = loom_spec_cost_relative(&d, 1, 0.05);
+    CHECKF(r > 0.95, "compute-bound relative cost %g", r);
+    loom_spec_config_t cfg;
+    loom_spec_config_defaults(&cfg);
+    cfg.method = LOOM_SPEC_NGRAM;
+    cfg.verify_cost = r;
+    loom_spec_adapt_t a;
+    loom_spec_adapt_init(&a);
+    for (int i = 0; i < 50; i++) loom_spec_adapt_update(&a, 4, i % 2 ? 1 : 2); /* acceptance ~0.6 */
+    CHECK(loom_spec_adapt_k(&a, &cfg, 1) == 0);
+}
+
+static void test_stats(void) {
+    loom_spec_stats_t s = {0};
+    loom_spec_stats_record(&s, 0, 0, 1); /* a plain step */
+    loom_spec_stats_record(&s, 4, 2, 3);
+    loom_spec_stats_record(&s, 4, 4, 5);
+    CHECK(s.num_drafts == 2 && s.num_draft_tokens == 8 && s.num_accepted_tokens == 6);
+    CHECK(s.accepted_per_pos[0] == 2 && s.accepted_per_pos[1] == 2 && s.accepted_per_pos[2] == 1 &&
+          s.accepted_per_pos[3] == 1 && s.accepted_per_pos[4] == 0);
+    CHECK(s.target_steps == 3 && s.emitted_tokens == 9);
+    CHECK(fabs(loom_spec_stats_tokens_per_step(&s) - 3.0) < 1e-12);
+    CHECK(fabs(loom_spec_stats_acceptance(&s) - 0.75) < 1e-12);
+}
+
+static int32_t sample_row(const float *logits, int vocab, const loom_sampling_t *s, uint64_t step) {
+    int32_t ids[LOOM_SAMPLE_MAX_CAND];
+    float keys[LOOM_SAMPLE_MAX_CAND];
+    loom_sample_part_t part = {.ids = ids, .keys = keys};
+    int k = loom_sample_k(s, vocab);
+    loom_sample_shard(logits, vocab, 0, vocab, s, step, k, &part);
+    return loom_sample_merge(&part, 1, vocab, s, step);
+}
+
+/* 0.999 quantiles of chi-square, df = 1..9 */
+static const double k_chi999[] = {0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88};
+
+/* The verification rule on one row, thousands of times (steps and seeds vary
+ * the noise): a draft d is accepted iff the row's sample is d. */
+static void check_rule(const float *logits, int vocab, const loom_sampling_t *base, const double *p, int d) {
+    enum { DRAWS = 6000 };
+    int acc = 0, n_rej = 0, emitted[16] = {0}, rejected[16] = {0};
+    for (int i = 0; i < DRAWS; i++) {
+        loom_sampling_t s = *base;
+        s.seed = base->seed + (uint64_t)(i / 1000);
+        int32_t x = sample_row(logits, vocab, &s, (uint64_t)(i % 1000));
+        REQUIRE(x >= 0 && x < vocab);
+        emitted[x]++;
+        if (x == d) acc++;
+        else {
+            rejected[x]++;
+            n_rej++;
+        }
+    }
+    /* acceptance ~ Binomial(DRAWS, p(d)) */
+    double mean = DRAWS * p[d], sd = sqrt(DRAWS * p[d] * (1 - p[d]));
+    CHECKF(fabs(acc - mean) < 4.5 * sd + 1, "accepted %d of %d, expected %.1f", acc, DRAWS, mean);
+    /* rejected draws follow the residual p(x) / (1 - p(d)), x != d; emitted ones follow p */
+    double chi_r = 0, chi_e = 0;
+    int df_r = -1, df_e = -1;
+    for (int x = 0; x < vocab; x++) {
+        if (p[x] <= 0) {
+            CHECKF(emitted[x] == 0, "token %d has probability 0 but was drawn", x);
+            continue;
+        }
+        double e = p[x] * DRAWS;
+        chi_e += (emitted[x] - e) * (emitted[x] - e) / e;
+        df_e++;
+        if (x == d) continue;
+        double er = p[x] / (1 - p[d]) * n_rej;
+        chi_r += (rejected[x] - er) * (rejected[x] - er) / er;
+        df_r++;
+    }
+    CHECKF(chi_e < k_chi999[df_e], "emitted chi-square %.2f (df %d)", chi_e, df_e);
+    CHECKF(chi_r < k_chi999[df_r], "residual chi-square %.2f (df %d)", chi_r, df_r);
+}
+
+static void test_rule_distribution(void) {
+    const float logits[8] = {1.0f, 0.4f, -0.3f, 1.6f, 0.0f, 1.1f, -1.0f, 0.7f};
+    const int vocab = 8;
+    /* plain temperature sampling (Gumbel-max) */
+    loom_sampling_t s = {.temperature = 0.9f, .top_p = 1.0f, .seed = 101};
+    double p[8], z = 0, m = 1.6 / 0.9;
+    for (int i = 0; i < vocab; i++) z += exp(logits[i] / 0.9 - m);
+    for (int i = 0; i < vocab; i++) p[i] = exp(logits[i] / 0.9 - m) / z;
+    check_rule(logits, vocab, &s, p, 3); /* the likeliest token drafted */
+    check_rule(logits, vocab, &s, p, 6); /* an unlikely one */
+    /* top-k 4: the target is p over the 4 best, renormalised */
+    loom_sampling_t sk = {.temperature = 1.0f, .top_k = 4, .top_p = 1.0f, .seed = 202};
+    const int best4[4] = {3, 5, 0, 7};
+    double pk[8] = {0}, zk = 0;
+    for (int i = 0; i < 4; i++) zk += exp(logits[best4[i]]);
+    for (int i = 0; i < 4; i++) pk[best4[i]] = exp(logits[best4[i]]) / zk;
+    check_rule(logits, vocab, &sk, pk, 5);
+    /* a draft outside the top-k is never accepted */
+    int acc = 0;
+    for (uint64_t st = 0; st < 500; st++) acc += sample_row(logits, vocab, &sk, st) == 6;
+    CHECK(acc == 0);
+}
+
+int main(void) {
+    RUN(test_ngram);
+    RUN(test_config);
+    RUN(test_adapt);
+    RUN(test_cost);
+    RUN(test_stats);
+    RUN(test_rule_distribution);
+    return test_summary();
+}
