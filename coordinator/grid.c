@@ -26,6 +26,7 @@
 #include "coordinator/security.h"
 #include "common/zap.h"
 #include "proto/wire.h"
+#include "proto/zapi.h"
 
 #define PROBE_MS 1000       /* a member's data-plane listener that does not answer a connect this long is gone */
 #define HEARTBEAT_SEND_MS 500
@@ -652,28 +653,10 @@ done:
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
 
-/* Reads one multipart message; frames beyond `max` are dropped (the count
- * then equals max, which no valid message has). */
-static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
-    int n = 0, more = 1;
-    while (more) {
-        zmq_msg_t extra, *f = n < max ? &frames[n] : &extra;
-        zmq_msg_init(f);
-        if (zmq_msg_recv(f, sock, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(f);
-            break;
-        }
-        more = zmq_msg_more(f);
-        if (n < max) n++;
-        else zmq_msg_close(f);
-    }
-    return n;
-}
-
 void loom_grid_on_readable(loom_grid_t *g) {
     for (int burst = 0; burst < 256; burst++) {
         zmq_msg_t f[MAX_FRAMES];
-        int n = recv_frames(g->ctl, f, MAX_FRAMES);
+        int n = loom_zapi_recv_frames(g->ctl, f, MAX_FRAMES);
         if (n == 0) break;
         if (n == 2 && !loom_zap_identity_ok(g->ctl_zap, &f[1], zmq_msg_data(&f[0]), zmq_msg_size(&f[0]))) {
             /* keyed plane: the routing id is not the name of the peer's key (logged by the check) */

@@ -45,6 +45,7 @@
 #include "coordinator/sched.h"
 #include "coordinator/stop.h"
 #include "proto/wire.h"
+#include "proto/zapi.h"
 
 #define MAX_STOP 8
 #define MAX_STOP_IDS 64
@@ -134,32 +135,14 @@ static uint64_t next_seed(loom_server_t *s) {
     return x ^ (x >> 31);
 }
 
-/* Sends one Reply to a client; returns -1 when the client is gone (the
- * ROUTER knows no such peer any more). */
+/* Replies to a client (proto/zapi.h); -1: the client is gone. */
 static int send_reply(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Reply *r) {
-    size_t len;
-    void *buf = loom_wire_pack_reply(r, &len);
-    int rc = zmq_send(s->api, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-    int gone = rc < 0 && errno == EHOSTUNREACH;
-    if (rc >= 0) rc = zmq_send(s->api, buf, len, ZMQ_DONTWAIT);
-    if (rc < 0 && !gone) LOOM_WARN("could not send a reply: %s", zmq_strerror(errno));
-    free(buf);
-    return gone ? -1 : 0;
+    return loom_zapi_send_reply(s->api, rid, rid_len, r);
 }
 
 static int reply_error(loom_server_t *s, const void *rid, size_t rid_len, uint64_t request_id,
                        loom_status_t code, const char *msg) {
-    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
-    r.request_id = request_id;
-    r.code = loom_wire_status_code(code);
-    r.message = (char *)msg;
-    /* a Generate stream ends with a final chunk even on error */
-    Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
-    ch.final = 1;
-    ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_ERROR;
-    r.body_case = LOOM__V1__REPLY__BODY_CHUNK;
-    r.chunk = &ch;
-    return send_reply(s, rid, rid_len, &r);
+    return loom_zapi_reply_error(s->api, rid, rid_len, request_id, code, msg);
 }
 
 /* ---- requests ------------------------------------------------------------------- */
@@ -1073,24 +1056,6 @@ static void timers(loom_server_t *s) {
     }
 }
 
-/* Reads one multipart message; frames beyond `max` are dropped (the count
- * then equals max, which no valid message has). */
-static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
-    int n = 0, more = 1;
-    while (more) {
-        zmq_msg_t extra, *f = n < max ? &frames[n] : &extra;
-        zmq_msg_init(f);
-        if (zmq_msg_recv(f, sock, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(f);
-            break;
-        }
-        more = zmq_msg_more(f);
-        if (n < max) n++;
-        else zmq_msg_close(f);
-    }
-    return n;
-}
-
 /* Ends a request still running when the drain runs out of time: its text so
  * far and a final chunk with finish LENGTH, as a length limit would. */
 static void cut_request(loom_server_t *s, request_t *q) {
@@ -1134,7 +1099,7 @@ int loom_server_run(loom_server_t *s) {
         if (items[0].revents & ZMQ_POLLIN) loom_grid_on_readable(s->grid);
         for (int burst = 0; burst < 256 && (items[1].revents & ZMQ_POLLIN); burst++) {
             zmq_msg_t f[8];
-            int n = recv_frames(s->api, f, 8);
+            int n = loom_zapi_recv_frames(s->api, f, 8);
             if (n == 0) break;
             on_api(s, f, n);
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);

@@ -41,6 +41,7 @@
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "proto/wire.h"
+#include "proto/zapi.h"
 #include "router/prefix_index.h"
 
 #define MAX_REPLICAS   LOOM_PREFIX_MAX_REPLICAS
@@ -185,28 +186,12 @@ int loom_policy_parse(const char *name) {
 /* ---- small helpers --------------------------------------------------------------------------- */
 
 static int send_client(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Reply *rep) {
-    size_t len;
-    void *buf = loom_wire_pack_reply(rep, &len);
-    int rc = zmq_send(r->api, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-    int gone = rc < 0 && errno == EHOSTUNREACH;
-    if (rc >= 0) rc = zmq_send(r->api, buf, len, ZMQ_DONTWAIT);
-    if (rc < 0 && !gone) LOOM_WARN("could not send a reply: %s", zmq_strerror(errno));
-    free(buf);
-    return gone ? -1 : 0;
+    return loom_zapi_send_reply(r->api, rid, rid_len, rep);
 }
 
-static int client_error(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id,
-                        loom_status_t code, const char *msg) {
-    Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
-    rep.request_id = id;
-    rep.code = loom_wire_status_code(code);
-    rep.message = (char *)msg;
-    Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
-    ch.final = 1;
-    ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_ERROR;
-    rep.body_case = LOOM__V1__REPLY__BODY_CHUNK;
-    rep.chunk = &ch;
-    return send_client(r, rid, rid_len, &rep);
+static int client_error(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id, loom_status_t code,
+                        const char *msg) {
+    return loom_zapi_reply_error(r->api, rid, rid_len, id, code, msg);
 }
 
 static int send_replica(loom_router_t *r, int i, Loom__V1__Request *rq) {
@@ -785,24 +770,6 @@ static void on_stats(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1
     rep.body_case = LOOM__V1__REPLY__BODY_STATS;
     rep.stats = &st;
     send_client(r, rid, rid_len, &rep);
-}
-
-static int recv_frames(void *sock, zmq_msg_t *frames, int max) {
-    int n = 0, more = 1;
-    while (more) {
-        zmq_msg_t extra, *f = n < max ? &frames[n] : &extra;
-        zmq_msg_init(f);
-        if (zmq_msg_recv(f, sock, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(f);
-            break;
-        }
-        more = zmq_msg_more(f);
-        if (n < max)
-            n++;
-        else
-            zmq_msg_close(f);
-    }
-    return n;
 }
 
 static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
@@ -1477,7 +1444,7 @@ int loom_router_run(loom_router_t *r) {
         zmq_msg_t f[4];
         if (items[0].revents & ZMQ_POLLIN)
             for (int k = 0; k < 256; k++) { /* bounded: replicas get their turn */
-                int nf = recv_frames(r->api, f, 4);
+                int nf = loom_zapi_recv_frames(r->api, f, 4);
                 if (!nf) break;
                 on_api(r, f, nf);
                 for (int j = 0; j < nf; j++)
@@ -1517,7 +1484,7 @@ int loom_router_run(loom_router_t *r) {
                 continue;
             }
             for (int m = 0; m < 256 && r->reps[i].used && r->reps[i].sock == items[k].socket; m++) {
-                int nf = recv_frames(r->reps[i].sock, f, 4);
+                int nf = loom_zapi_recv_frames(r->reps[i].sock, f, 4);
                 if (!nf) break;
                 on_replica(r, i, f, nf);
                 for (int j = 0; j < nf; j++)
