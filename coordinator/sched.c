@@ -675,9 +675,12 @@ void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
         preempt(s, s->running[s->n_running - 1]);
         s->stats.preemptions--; /* a lost cache, not memory pressure */
     }
-    loom_kv_destroy(&s->kv);
+    /* the new ledger is made before the old one goes, so it never has the
+     * old one's address (observers such as kv_events.c tell them apart by it) */
+    loom_kv_ledger_t *old = s->kv;
     s->cfg.n_blocks = n_blocks;
     s->kv = loom_kv_create(n_blocks, s->cfg.block_size, s->cfg.prefix_cache);
+    loom_kv_destroy(&old);
 }
 
 int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q) {

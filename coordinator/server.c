@@ -615,6 +615,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         s->sched = loom_sched_create(&sc);
         loom_sched_set_spec(s->sched, &s->cfg.spec);
     }
+    loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
               s->model_name, s->api_addr);
@@ -1237,9 +1238,9 @@ void loom_server_destroy(loom_server_t **s_p) {
     }
     embed_fail_all(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
     loom_grid_destroy(&s->grid);
+    loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);
     loom_metrics_destroy(&s->metrics);
-    loom_kv_events_destroy(&s->kv_events);
     if (s->api) zmq_close(s->api);
     loom_zap_stop(&s->zap); /* after every socket it guards is closed */
     if (s->zctx) zmq_ctx_term(s->zctx);
