@@ -163,17 +163,14 @@ def test_timings_metrics_and_request_ids():
 def test_refused_fields_and_stop_token_ids():
     def run(c, port):
         # (the sampling controls are implemented now: tests/integration/test_sampling.py)
-        refused = {"guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
-                   "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
-                   "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3, "prompt_logprobs": 1,
-                   "use_beam_search": True, "length_penalty": 0.5,
-                   "suffix": "x", "request_id": "abc", "structured_outputs": {"json": {}}}
+        # (so is constrained decoding: test_structured.py, and tool calling: test_tools.py)
+        refused = {"spaces_between_special_tokens": False, "truncate_prompt_tokens": 3, "prompt_logprobs": 1,
+                   "use_beam_search": True, "length_penalty": 0.5, "suffix": "x", "request_id": "abc"}
         for k, v in refused.items():
             status, data = post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, k: v})
             e = expect_error(status, data, 400, param=k)
             check(k in e["message"], "message does not name %s: %r" % (k, e["message"]))
-        chat_refused = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-                        "top_logprobs": 2, "chat_template": "{{x}}", "continue_final_message": True,
+        chat_refused = {"top_logprobs": 2, "chat_template": "{{x}}", "continue_final_message": True,
                         "prompt": "not a chat field"}
         for k, v in chat_refused.items():
             status, data = post(port, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, k: v})
