@@ -412,10 +412,16 @@ def test_worker_says_it_waits():
     # a worker whose coordinator is not there says so every few seconds, with
     # the address, and joins once one starts there
     port = free_port_pair()
+    # the control port stays bound (not listening: connects are refused) while
+    # the worker waits, so no test running beside this one picks it for its own
+    # coordinator, whose grid this worker would then join
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hold.bind(("127.0.0.1", port + 1))
     with Procs() as P:
         P.worker("w0", port)
         addr = "waiting for a coordinator at tcp://127.0.0.1:%d" % (port + 1)
         wait_for(lambda: P.log("w0").count(addr) >= 2, 20, "two waiting lines with the address")
+        hold.close()
         # the API port is picked now: one picked 10 s ago may have been taken since
         api = free_port_pair()
         co = P.coordinator(STORIES, port, api_port=api)
