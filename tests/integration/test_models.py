@@ -21,13 +21,12 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import BIN, ROOT, check, free_port_pair, gen_model, run_tests  # noqa: E402
+from harness import BIN, ROOT, check, check_refused_shard, gen_model, run_tests  # noqa: E402
 from test_grid import check_model  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-models")
@@ -189,38 +188,8 @@ def test_refusals():
 
 def test_cluster_keeps_serving_on_nan():
     bad = variant("nan-cluster", qwen3(), tensors=poison("model.layers.1.self_attn.k_proj.weight", np.nan))
-    port = free_port_pair()
-    api, ctl = "tcp://127.0.0.1:%d" % port, "tcp://127.0.0.1:%d" % (port + 1)
-    logs = os.path.join(WORK, "nan-cluster-logs")
-    os.makedirs(logs, exist_ok=True)
-    with open(os.path.join(logs, "coordinator.log"), "w") as cl, open(os.path.join(logs, "worker.log"), "w") as wl:
-        coord = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", bad, "--listen", api,
-                                  "--control", ctl], stdout=cl, stderr=subprocess.STDOUT)
-        worker = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
-                                   "--id", "worker-0"], stdout=wl, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 30
-            text = ""
-            while time.time() < deadline and "failed to load its shard" not in text:
-                time.sleep(0.2)
-                with open(os.path.join(logs, "coordinator.log")) as f:
-                    text = f.read()
-            check("model.layers.1.self_attn.k_proj.weight" in text and "NaN" in text,
-                  "coordinator log does not name the NaN tensor:\n%s" % text[-2000:])
-            check(coord.poll() is None, "the coordinator exited")
-            p = subprocess.run([os.path.join(BIN, "loom"), "health", "--addr", api, "--timeout-ms", "5000"],
-                               capture_output=True, text=True, timeout=30)
-            out = p.stdout + p.stderr
-            check(p.returncode != 0 and "k_proj.weight" in out, "loom health: rc %d: %s" % (p.returncode, out))
-            print("  coordinator up; loom health says: %s" % out.strip().splitlines()[-1][:200])
-        finally:
-            for proc in (worker, coord):
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    check_refused_shard(bad, os.path.join(WORK, "nan-cluster-logs"),
+                        ["model.layers.1.self_attn.k_proj.weight", "NaN"], "k_proj.weight")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
-from harness import BIN, PYTHON, STORIES, Cluster, check, free_port_pair, run_local, run_tests  # noqa: E402
+from harness import BIN, PYTHON, STORIES, Cluster, check, check_refused_shard, run_local, run_tests  # noqa: E402
 import gen_quant_ckpt  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-quant")
@@ -188,39 +187,8 @@ def test_cluster_reports_bad_checkpoint():
     # A coordinator and one worker on a checkpoint without scales: the worker
     # refuses to load, and the coordinator stays up and tells clients why.
     bad = corrupt_loom("missing_scales_cluster", lambda hdr, raw: hdr.pop("model.layers.1.self_attn.q_proj.scales"))
-    port = free_port_pair()
-    api, ctl = "tcp://127.0.0.1:%d" % port, "tcp://127.0.0.1:%d" % (port + 1)
-    logs = os.path.join(WORK, "bad-cluster")
-    os.makedirs(logs, exist_ok=True)
-    with open(os.path.join(logs, "coordinator.log"), "w") as cl, open(os.path.join(logs, "worker.log"), "w") as wl:
-        coord = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", bad, "--listen", api,
-                                  "--control", ctl], stdout=cl, stderr=subprocess.STDOUT)
-        worker = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
-                                   "--id", "worker-0"], stdout=wl, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 30
-            text = ""
-            while time.time() < deadline and "failed to load its shard" not in text:
-                time.sleep(0.2)
-                with open(os.path.join(logs, "coordinator.log")) as f:
-                    text = f.read()
-            check("model.layers.1.self_attn.q_proj.scales" in text,
-                  "coordinator log does not report the load failure:\n%s" % text[-2000:])
-            check(coord.poll() is None, "the coordinator exited")
-            p = subprocess.run([os.path.join(BIN, "loom"), "health", "--addr", api, "--timeout-ms", "5000"],
-                               capture_output=True, text=True, timeout=30)
-            out = p.stdout + p.stderr
-            check(p.returncode != 0 and "model.layers.1.self_attn.q_proj.scales" in out,
-                  "loom health on the failed grid: rc %d: %s" % (p.returncode, out))
-            print("  coordinator up; loom health says: %s" % out.strip().splitlines()[-1][:200])
-        finally:
-            for proc in (worker, coord):
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    check_refused_shard(bad, os.path.join(WORK, "bad-cluster"), ["model.layers.1.self_attn.q_proj.scales"],
+                        "model.layers.1.self_attn.q_proj.scales")
 
 
 if __name__ == "__main__":
