@@ -911,20 +911,22 @@ static void test_encrypted_tcp(void) {
     grid_free(&g);
 }
 
-typedef struct impostor {
-    int fd;
-    int acked, closed; /* got an ack; was closed after its wrong proof */
-} impostor_t;
-
-static void *impostor_main(void *arg) {
-    impostor_t *im = arg;
+/* The peer that sends a wrong proof, run in its own process (a thread
+ * alive across run_children()'s fork() can leave the children a held
+ * allocator lock: under ASan a child then hung at exit). Exits with bit 0
+ * set when it got an ack, bit 1 when it was closed after its proof. */
+static pid_t impostor_start(int fd) {
+    pid_t pid = fork();
+    if (pid != 0) return pid;
     uint8_t buf[512];
-    struct pollfd pf = {im->fd, POLLIN, 0};
-    if (poll(&pf, 1, 10000) == 1 && read(im->fd, buf, sizeof buf) > 16) im->acked = 1;
+    struct pollfd pf = {fd, POLLIN, 0};
+    int acked = 0, closed = 0;
+    if (poll(&pf, 1, 10000) == 1 && read(fd, buf, sizeof buf) > 16) acked = 1;
     uint8_t proof[32] = {0};
-    if (write(im->fd, proof, sizeof proof) != (ssize_t)sizeof proof) return NULL;
-    if (poll(&pf, 1, 10000) == 1 && read(im->fd, buf, sizeof buf) == 0) im->closed = 1;
-    return NULL;
+    if (write(fd, proof, sizeof proof) == (ssize_t)sizeof proof && poll(&pf, 1, 10000) == 1 &&
+        read(fd, buf, sizeof buf) == 0)
+        closed = 1;
+    _exit(acked | closed << 1);
 }
 
 /* A hello for comm `name` claiming worker w0.0 (tp rank 0), version v. */
@@ -949,26 +951,28 @@ static void test_impostor_tcp(void) {
     const char *addr = g.peers[1].data_addr;
     uint8_t h[256];
     int plain = connect_to(addr), silent = connect_to(addr);
-    impostor_t im = {.fd = connect_to(addr)};
-    CHECK(plain >= 0 && silent >= 0 && im.fd >= 0);
+    int wrong = connect_to(addr);
+    CHECK(plain >= 0 && silent >= 0 && wrong >= 0);
     size_t n = claim_hello(h, g.name, 1);
     CHECK(write(plain, h, n) == (ssize_t)n);
     n = claim_hello(h, g.name, 2);
     CHECK(write(silent, h, n) == (ssize_t)n);
-    CHECK(write(im.fd, h, n) == (ssize_t)n);
-    pthread_t t;
-    pthread_create(&t, NULL, impostor_main, &im);
+    CHECK(write(wrong, h, n) == (ssize_t)n);
+    pid_t imp = impostor_start(wrong);
+    CHECK(imp > 0);
     static run_t run;
     run_init(&run);
     run_children(&run, 2, child_stranger, &g, NULL, GROUP_TIMEOUT_MS);
-    pthread_join(t, NULL);
-    CHECKF(im.acked && im.closed, "the impostor with a wrong proof: acked %d, closed %d", im.acked, im.closed);
+    int st = 0;
+    CHECK(waitpid(imp, &st, 0) == imp && WIFEXITED(st));
+    CHECKF(WEXITSTATUS(st) == 3, "the impostor with a wrong proof: acked %d, closed %d",
+           WEXITSTATUS(st) & 1, WEXITSTATUS(st) >> 1 & 1);
     char tmp[8];
     struct pollfd pf = {plain, POLLIN, 0};
     CHECK(poll(&pf, 1, 1000) == 1 && read(plain, tmp, sizeof tmp) <= 0); /* refused at its hello */
     close(plain);
     close(silent);
-    close(im.fd);
+    close(wrong);
     grid_free(&g);
 }
 
