@@ -23,7 +23,6 @@
  * launches. Up to MAX_GRAPHS are kept, least recently used evicted; all are
  * dropped when device memory is freed. Not thread-safe: one caller at a
  * time, as the CPU backend. */
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +32,7 @@
 #include "common/util.h"
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/cublas_dl.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/qformat.h"
 
@@ -65,6 +65,7 @@ typedef struct cuda_backend {
     size_t smem_optin;
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     cudaStream_t stream;
+    const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
     void *blas_ws;
 
@@ -131,7 +132,7 @@ static loom_status_t cuda_err(loom_err_t *err, const char *what, cudaError_t e, 
     do {                                                                                           \
         cublasStatus_t s_ = (call);                                                                \
         if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
-            cuda_fail(#call, cublasGetStatusString(s_), __FILE__, __LINE__);                       \
+            cuda_fail(#call, loom_cublas_status_str(s_), __FILE__, __LINE__);                       \
     } while (0)
 
 /* Every entry point makes the backend's device current for the calling thread. */
@@ -528,7 +529,7 @@ static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom
         CUDA_ASSERT(loom_cuda_dequant(wd, kind, w->data, w->scales, w->mins, (int)w->quant, r0, r0 + m, cols,
                                       w->group, c->stream));
         /* y^T rows [r0, r0 + m) (column-major, ldc = rows) = panel . x^T */
-        BLAS_ASSERT(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, (int)cols, &one, wd, blas_type(kind),
+        BLAS_ASSERT(c->blas_api->gemm_ex(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, (int)cols, &one, wd, blas_type(kind),
                                  (int)cols, b, blas_type(kind), (int)cols, &zero, y + r0, CUDA_R_32F, (int)rows,
                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
@@ -557,7 +558,7 @@ static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom
     const float one = 1.0f, zero = 0.0f;
     const void *b = gemm_input(c, x, n, cols, kind);
     /* Column-major view: y^T (rows, n) = W (cols, rows)^T . x^T (cols, n). */
-    BLAS_ASSERT(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, n, (int)cols, &one, w->data,
+    BLAS_ASSERT(c->blas_api->gemm_ex(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, n, (int)cols, &one, w->data,
                              blas_type(kind), (int)cols, b, blas_type(kind), (int)cols, &zero, y, CUDA_R_32F,
                              (int)rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
@@ -858,7 +859,7 @@ static void cuda_destroy(loom_backend_t *be) {
     if (c->stage) (void)cudaFreeHost(c->stage);
     for (int h = 0; h < 2; h++)
         if (c->stage_ev[h]) (void)cudaEventDestroy(c->stage_ev[h]);
-    if (c->blas) (void)cublasDestroy(c->blas);
+    if (c->blas) (void)c->blas_api->destroy(c->blas);
     if (c->blas_ws) (void)cudaFree(c->blas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
@@ -918,15 +919,17 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
     c->n_sms = sms;
     c->smem_optin = (size_t)optin;
     CUDA_CHECK(err, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-    cublasStatus_t bs = cublasCreate(&c->blas);
+    loom_status_t st = loom_cublas_load(&c->blas_api, err);
+    if (st != LOOM_OK) return st;
+    cublasStatus_t bs = c->blas_api->create(&c->blas);
     if (bs != CUBLAS_STATUS_SUCCESS) {
         c->blas = NULL;
-        return loom_err_set(err, LOOM_ERR_INTERNAL, "%s: cuBLAS: %s", c->base.name, cublasGetStatusString(bs));
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "%s: cuBLAS: %s", c->base.name, loom_cublas_status_str(bs));
     }
     CUDA_CHECK(err, cudaMalloc(&c->blas_ws, BLAS_WS_BYTES));
-    if ((bs = cublasSetStream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
-        (bs = cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WS_BYTES)) != CUBLAS_STATUS_SUCCESS)
-        return loom_err_set(err, LOOM_ERR_INTERNAL, "%s: cuBLAS: %s", c->base.name, cublasGetStatusString(bs));
+    if ((bs = c->blas_api->set_stream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = c->blas_api->set_workspace(c->blas, c->blas_ws, BLAS_WS_BYTES)) != CUBLAS_STATUS_SUCCESS)
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "%s: cuBLAS: %s", c->base.name, loom_cublas_status_str(bs));
     CUDA_CHECK(err, cudaHostAlloc((void **)&c->stage, 2 * STAGE_BYTES, cudaHostAllocDefault));
     for (int h = 0; h < 2; h++) CUDA_CHECK(err, cudaEventCreateWithFlags(&c->stage_ev[h], cudaEventDisableTiming));
     CUDA_CHECK(err, loom_cuda_attention_init(c->smem_optin));

@@ -14,13 +14,18 @@ add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/gemv.cu
             ${LOOM_CUDA_DIR}/qgemv.cu
             ${LOOM_CUDA_DIR}/attention.cu
-            ${LOOM_CUDA_DIR}/sampling.cu)
+            ${LOOM_CUDA_DIR}/sampling.cu
+            ${LOOM_CUDA_DIR}/cublas_dl.c)
 target_include_directories(loom_cuda PRIVATE ${LOOM_CUDA_ROOT})
 set_target_properties(loom_cuda PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
 target_compile_options(loom_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo -Xptxas=-warn-spills>
     $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${LOOM_WERROR}>>:-Werror=all-warnings>)
-target_link_libraries(loom_cuda PUBLIC CUDA::cudart CUDA::cublas)
+# cuBLAS is dlopen()ed by cublas_dl.c when a CUDA backend is created: linked,
+# its static initializers cost every process ~0.4 s at start-up. Only its
+# headers are needed here.
+target_link_libraries(loom_cuda PUBLIC loom_base CUDA::cudart ${CMAKE_DL_LIBS})
+target_include_directories(loom_cuda PUBLIC ${CUDAToolkit_INCLUDE_DIRS})
 
 target_sources(loom_kernels PRIVATE ${LOOM_CUDA_DIR}/backend_cuda.c)
 target_compile_definitions(loom_kernels PUBLIC LOOM_HAVE_CUDA=1)

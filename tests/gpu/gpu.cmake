@@ -1,5 +1,6 @@
 # GPU tests (need the CUDA backend). Without a GPU they print "skipped: no
 # GPU" and exit 77, which ctest reports as skipped (SKIP_RETURN_CODE).
+#   test_cublas_dl  cuBLAS loads by dlopen with every symbol (no GPU needed)
 #   test_cuda_ops   every op against the CPU backend
 #   test_cuda_e2e   stories260K through model.c on cuda:0 against the CPU
 #   test_nccl_comm  the NCCL data plane between two GPU processes (needs 2 GPUs)
@@ -9,6 +10,9 @@
 #                   CUDA toolkit alone, sm_90) here, GPU or not, so that a GPU
 #                   machine never meets a build broken since it was last used
 if(LOOM_HAVE_CUDA)
+  # runs without a GPU: cuBLAS is dlopen()ed, and every symbol must resolve
+  loom_add_test(test_cublas_dl SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cublas_dl.c
+                LIBS loom_kernels LABELS unit)
   loom_add_test(test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c
                 LIBS loom_kernels LABELS gpu TIMEOUT 300)
   loom_add_test(test_cuda_e2e SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_e2e.c
