@@ -158,8 +158,8 @@ static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, in
 /* Samples the last forward's rows 0..n_rows as generated tokens step0.. */
 static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step0, int n_rows, int32_t *ids) {
     loom_sample_part_t parts[LOCAL_MAX_ROWS];
-    uint64_t steps[LOCAL_MAX_ROWS];
-    loom_sampling_t params[LOCAL_MAX_ROWS];
+    uint64_t steps[LOCAL_MAX_ROWS] = {0};
+    loom_sampling_t params[LOCAL_MAX_ROWS] = {0};
     for (int i = 0; i < n_rows; i++) {
         steps[i] = step0 + (uint64_t)i;
         params[i] = *s;

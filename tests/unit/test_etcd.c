@@ -510,7 +510,7 @@ static void test_watch_from_revision(void) {
     REQUIRE(loom_etcd_range_prefix(e, prefix, &kvs, &n, &rev, &err) == LOOM_OK);
     loom_etcd_kvs_free(kvs, n);
     for (int i = 0; i < 3; i++) {
-        char v[8];
+        char v[16];
         snprintf(k, sizeof k, "%sk%d", prefix, i);
         snprintf(v, sizeof v, "%d", i);
         CHECK(loom_etcd_put(e, k, v, strlen(v), 0, &err) == LOOM_OK);
@@ -522,7 +522,7 @@ static void test_watch_from_revision(void) {
            err.msg);
     CHECK(collector_wait(&c, 3, 3000) == 3);
     for (int i = 0; i < c.n && i < 3; i++) {
-        char v[8];
+        char v[16];
         snprintf(k, sizeof k, "%sk%d", prefix, i);
         snprintf(v, sizeof v, "%d", i);
         CHECK(event_is(&c.ev[i], LOOM_ETCD_PUT, k, v) && c.ev[i].revision > rev);
