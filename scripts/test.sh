@@ -13,7 +13,7 @@ jobs=$(nproc)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON
 cmake --build build -j "$jobs"
 echo "== sanitizer build (address, undefined): every test" >&2
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOOM_CUDA=OFF -DLOOM_WERROR=ON \
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DLOOM_CUDA=OFF -DLOOM_WERROR=ON \
       -DLOOM_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --no-tests=error --output-on-failure -j "$jobs")
