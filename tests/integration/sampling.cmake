@@ -9,3 +9,6 @@ loom_add_it(it_sampling test_sampling.py)
 # and free batch mix; bad specs; the three SDKs' structured-output calls.
 loom_add_it(it_structured test_structured.py)
 loom_add_it(it_tools test_tools.py)
+# Prompt logprobs and echo with logprobs (test_prompt_logprobs.py): against
+# the float64 reference on every grid with chunked prefill, the openai SDK.
+loom_add_it(it_prompt_logprobs test_prompt_logprobs.py)
