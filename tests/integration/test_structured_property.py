@@ -71,7 +71,8 @@ def node(rng, depth, defs):
         return o
     if k == "array":
         lo = rng.randint(0, 2)
-        return {"type": "array", "items": node(rng, depth + 1, defs), "minItems": lo, "maxItems": lo + rng.randint(0, 2)}
+        return {"type": "array", "items": node(rng, depth + 1, defs), "minItems": lo,
+                "maxItems": lo + rng.randint(0, 2)}
     if k == "anyOf":
         return {"anyOf": [node(rng, depth + 1, defs) for _ in range(rng.randint(2, 3))]}
     if k == "oneOf":  # disjoint branches, as discriminated unions are
