@@ -405,6 +405,19 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
             ch->top_ids = g->top_ids;
             ch->top_logprobs = g->top_logprobs;
         }
+        size_t ptops = 0;
+        for (size_t i = 0; i < g->n_prompt_n_top; i++) ptops += g->prompt_n_top[i];
+        if (g->n_prompt_ids > 0 && g->n_prompt_logprobs + 1 == g->n_prompt_ids &&
+            g->n_prompt_ranks == g->n_prompt_logprobs && g->n_prompt_n_top == g->n_prompt_logprobs &&
+            g->n_prompt_top_ids == ptops && g->n_prompt_top_logprobs == ptops && g->n_prompt_ids <= INT32_MAX) {
+            ch->n_prompt_ids = (int)g->n_prompt_ids;
+            ch->prompt_ids = g->prompt_ids;
+            ch->prompt_logprobs = g->prompt_logprobs;
+            ch->prompt_ranks = g->prompt_ranks;
+            ch->prompt_n_top = g->prompt_n_top;
+            ch->prompt_top_ids = g->prompt_top_ids;
+            ch->prompt_top_logprobs = g->prompt_top_logprobs;
+        }
         if (g->usage) {
             ch->prompt_tokens = (int)LOOM_MIN(g->usage->prompt_tokens, (uint32_t)INT32_MAX);
             ch->completion_tokens = (int)LOOM_MIN(g->usage->completion_tokens, (uint32_t)INT32_MAX);
@@ -588,6 +601,8 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.include_stop_str_in_output = p->include_stop_str_in_output != 0;
     g.logprobs = p->logprobs != 0;
     g.top_logprobs = p->top_logprobs > 0 ? (uint32_t)p->top_logprobs : 0;
+    g.prompt_logprobs = p->prompt_logprobs != 0;
+    g.prompt_top_logprobs = p->prompt_top_logprobs > 0 ? (uint32_t)p->prompt_top_logprobs : 0;
     g.guide_kind = p->guide_kind > 0 ? (uint32_t)p->guide_kind : 0;
     g.guide_spec = (char *)(p->guide_spec ? p->guide_spec : "");
     Loom__V1__Request req = LOOM__V1__REQUEST__INIT;

@@ -70,6 +70,8 @@ typedef struct loom_gen_params {
     int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
     const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
     int no_speculation;                        /* never speculate for this request */
+    int prompt_logprobs;                       /* the first chunk carries the prompt's logprobs */
+    int prompt_top_logprobs;                   /* and the most likely tokens' at each position, at most 20 */
 } loom_gen_params_t;
 
 typedef enum {
@@ -106,6 +108,17 @@ typedef struct loom_chunk {
     const uint32_t *n_top;
     const int32_t *top_ids;
     const float *top_logprobs;
+    /* with loom_gen_params_t.prompt_logprobs, in the first chunk
+     * (n_prompt_ids > 0): the prompt's ids, and for each prompt token after
+     * the first (n_prompt_ids - 1 entries) its log probability, its rank
+     * (1: the most likely) and prompt_n_top[i] (id, logprob) pairs,
+     * concatenated */
+    int n_prompt_ids;
+    const int32_t *prompt_ids;
+    const float *prompt_logprobs;
+    const uint32_t *prompt_ranks, *prompt_n_top;
+    const int32_t *prompt_top_ids;
+    const float *prompt_top_logprobs;
     /* the stream's status in the final chunk (OK unless it failed) */
     loom_status_t status;
     const char *message;

@@ -712,6 +712,10 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->embed_begin = mb->embed_begin;
     p->embed_end = mb->embed_end;
     p->n_embed_begin = p->n_embed_end = (size_t)mb->n_embeds;
+    p->prompt_lp_rows = mb->plp_rows;
+    p->prompt_lp_ids = mb->plp_ids;
+    p->prompt_lp_top = mb->plp_top;
+    p->n_prompt_lp_rows = p->n_prompt_lp_ids = p->n_prompt_lp_top = (size_t)mb->n_plp;
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {

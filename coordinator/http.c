@@ -196,6 +196,8 @@ typedef struct req {
     size_t lp_offset; /* text_offset of the next token (completions) */
     char *lp_json;    /* this chunk's logprobs for sse_choice (NULL: null) */
     int echo;         /* completions: the prompt's text starts each choice */
+    int prompt_lp;    /* vLLM's prompt_logprobs: its top size, -1 not asked */
+    cJSON *plp;       /* the collected prompt_logprobs list */
     char fail_msg[600];
     /* timings: the coordinator's, and the gateway's own time handing chunks on */
     loom_timings_t timings;
@@ -578,6 +580,7 @@ static const struct {
     {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
     {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
     {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT}, {"echo", F_ALL},
+    {"prompt_logprobs", F_ALL},
     {"prompt", F_PROMPT}, {"add_special_tokens", F_PROMPT},
     {"guided_json", F_ALL}, {"guided_regex", F_ALL}, {"guided_choice", F_ALL}, {"guided_grammar", F_ALL},
     {"guided_decoding_backend", F_ALL}, {"structured_outputs", F_ALL},
@@ -591,7 +594,7 @@ static const struct {
     /* vLLM's extensions Loom does not implement */
     {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
     {"stop_token_ids_str", F_FALSY},
-    {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY}, {"prompt_logprobs", F_FALSY},
+    {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY},
     {"logits_processors", F_FALSY},
     {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
     {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
@@ -667,6 +670,7 @@ typedef struct gen {
     int n_batch;
     int n;                   /* choices per prompt */
     int echo;
+    int prompt_lp;           /* prompt_logprobs: its top size, -1 not asked */
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
@@ -718,6 +722,11 @@ static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
     if ((r = opt_bool(o, "echo", &b, e)) < 0) return -1;
     if (r && b && chat) return bad(e, "echo", "echo is not supported on /v1/chat/completions");
     g->echo = r && b;
+    if ((r = opt_int(o, "prompt_logprobs", -1e9, 1e9, &v, e)) < 0) return -1;
+    if (r && v < 0) return bad(e, "prompt_logprobs", "prompt_logprobs must be a non-negative integer (got %g)", v);
+    if (r && v > MAX_TOP_LOGPROBS)
+        return bad(e, "prompt_logprobs", "prompt_logprobs %g is over the limit of %d", v, MAX_TOP_LOGPROBS);
+    g->prompt_lp = r ? (int)v : -1;
     if (!chat) { /* completions: logprobs N, the sampled token's and the N most likely */
         if ((r = opt_int(o, "logprobs", 0, 1e9, &v, e)) < 0) return -1;
         if (r && v > MAX_TOP_LOGPROBS)
@@ -1006,9 +1015,14 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (parse_controls(o, q->chat, g, e) < 0) return -1;
     q->logprobs = g->p.logprobs;
     q->top_logprobs = g->p.top_logprobs;
-    if (g->echo && g->p.logprobs)
-        return bad(e, "echo", "echo with logprobs needs the prompt's logprobs, which this server does not compute");
     q->echo = g->echo;
+    q->prompt_lp = g->prompt_lp;
+    if (q->prompt_lp >= 0 && q->stream) /* as vLLM */
+        return bad(e, "prompt_logprobs", "prompt_logprobs are not available when stream is true");
+    if (q->prompt_lp >= 0 || (g->echo && g->p.logprobs)) { /* echo with logprobs covers the prompt's tokens too */
+        g->p.prompt_logprobs = 1;
+        g->p.prompt_top_logprobs = LOOM_MAX(q->prompt_lp, g->echo && g->p.logprobs ? g->p.top_logprobs : 0);
+    }
     return 0;
 }
 
@@ -1487,6 +1501,76 @@ static void add_logprobs(req_t *q, cJSON *lp, const loom_chunk_t *ch) {
     }
 }
 
+/* vLLM's prompt_logprobs from the chunk that carries them: null for the
+ * first prompt token, then per token {"id": {logprob, rank, decoded_token}},
+ * the prompt's token first, then the q->prompt_lp most likely. */
+static cJSON *prompt_lp_json(const req_t *q, const loom_chunk_t *ch) {
+    cJSON *a = cJSON_CreateArray();
+    if (ch->n_prompt_ids > 0) cJSON_AddItemToArray(a, cJSON_CreateNull());
+    size_t top = 0;
+    for (int i = 1; i < ch->n_prompt_ids; i++) {
+        cJSON *d = cJSON_CreateObject();
+        char key[16];
+        int32_t id = ch->prompt_ids[i];
+        char *t = token_text(q, id);
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "logprob", clamp_lp(ch->prompt_logprobs[i - 1]));
+        cJSON_AddNumberToObject(e, "rank", ch->prompt_ranks[i - 1]);
+        cJSON_AddStringToObject(e, "decoded_token", t);
+        free(t);
+        snprintf(key, sizeof key, "%d", (int)id);
+        cJSON_AddItemToObject(d, key, e);
+        int nt = (int)LOOM_MIN(ch->prompt_n_top[i - 1], (uint32_t)LOOM_MAX(q->prompt_lp, 0));
+        for (int j = 0; j < nt; j++) {
+            int32_t tid = ch->prompt_top_ids[top + (size_t)j];
+            if (tid == id) continue; /* already there, with its rank */
+            snprintf(key, sizeof key, "%d", (int)tid);
+            char *tt = token_text(q, tid);
+            cJSON *te = cJSON_CreateObject();
+            cJSON_AddNumberToObject(te, "logprob", clamp_lp(ch->prompt_top_logprobs[top + (size_t)j]));
+            cJSON_AddNumberToObject(te, "rank", j + 1);
+            cJSON_AddStringToObject(te, "decoded_token", tt);
+            free(tt);
+            cJSON_AddItemToObject(d, key, te);
+        }
+        top += ch->prompt_n_top[i - 1];
+        cJSON_AddItemToArray(a, d);
+    }
+    return a;
+}
+
+/* echo with logprobs (completions): the prompt's tokens open the logprobs
+ * object as OpenAI's legacy API has them, the first with null logprob and
+ * top_logprobs; text_offset counts from 0 over the prompt's tokens, and the
+ * generated tokens' go on from echo_len, the echoed text's length (as vLLM). */
+static void add_echo_logprobs(req_t *q, cJSON *lp, const loom_chunk_t *ch, size_t echo_len) {
+    size_t top = 0, off = 0;
+    for (int i = 0; i < ch->n_prompt_ids; i++) {
+        char *t = token_text(q, ch->prompt_ids[i]);
+        cJSON_AddItemToArray(arr_of(lp, "tokens"), cJSON_CreateString(t));
+        cJSON_AddItemToArray(arr_of(lp, "text_offset"), cJSON_CreateNumber((double)off));
+        off += strlen(t);
+        free(t);
+        if (i == 0) {
+            cJSON_AddItemToArray(arr_of(lp, "token_logprobs"), cJSON_CreateNull());
+            cJSON_AddItemToArray(arr_of(lp, "top_logprobs"), cJSON_CreateNull());
+            continue;
+        }
+        cJSON_AddItemToArray(arr_of(lp, "token_logprobs"), cJSON_CreateNumber(clamp_lp(ch->prompt_logprobs[i - 1])));
+        cJSON *d = cJSON_CreateObject();
+        int nt = (int)LOOM_MIN(ch->prompt_n_top[i - 1], (uint32_t)q->top_logprobs);
+        for (int j = 0; j < nt; j++) {
+            char *tt = token_text(q, ch->prompt_top_ids[top + (size_t)j]);
+            if (!cJSON_GetObjectItemCaseSensitive(d, tt))
+                cJSON_AddNumberToObject(d, tt, clamp_lp(ch->prompt_top_logprobs[top + (size_t)j]));
+            free(tt);
+        }
+        top += ch->prompt_n_top[i - 1];
+        cJSON_AddItemToArray(arr_of(lp, "top_logprobs"), d);
+    }
+    q->lp_offset = echo_len;
+}
+
 /* The request's tools outlive its JSON body: copied for parsing the output. */
 static void keep_tools(req_t *q, gen_t *g) {
     if (g->tools.mode == LOOM_TOOLS_OFF) return;
@@ -1646,7 +1730,11 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
         cJSON_AddNullToObject(c, "logprobs");
     }
     cJSON_AddStringToObject(c, "finish_reason", finish);
+    cJSON *plp = q->prompt_lp >= 0 ? (q->plp ? q->plp : cJSON_CreateArray()) : NULL;
+    q->plp = NULL;
+    if (plp && !q->chat) cJSON_AddItemToObject(c, "prompt_logprobs", plp); /* vLLM: the choice's */
     cJSON_AddItemToArray(choices, c);
+    if (plp && q->chat) cJSON_AddItemToObject(o, "prompt_logprobs", plp); /* vLLM: the response's */
     cJSON_AddItemToObject(o, "usage", usage_obj(ch));
     take_timings(q, ch);
     if (q->has_timings) cJSON_AddItemToObject(o, "timings", timings_obj(q));
@@ -1674,6 +1762,7 @@ typedef struct choice {
     loom_sbuf_t text;
     cJSON *lp;
     size_t lp_offset;
+    cJSON *plp; /* prompt_logprobs */
     loom_finish_t finish;
     int prompt_tokens, completion_tokens, cached_tokens;
 } choice_t;
@@ -1741,6 +1830,14 @@ static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
         while (i < n && cs[i].gen_id != ch.request_id) i++;
         if (i == n || cs[i].done) continue;
         choice_t *c = &cs[i];
+        if (ch.n_prompt_ids > 0) {
+            if (q->echo && q->logprobs) {
+                if (!c->lp) c->lp = cJSON_CreateObject();
+                add_echo_logprobs(q, c->lp, &ch, c->text.len);
+                c->lp_offset = q->lp_offset;
+            }
+            if (q->prompt_lp >= 0 && !c->plp) c->plp = prompt_lp_json(q, &ch);
+        }
         loom_sbuf_add(&c->text, ch.text, ch.text_len);
         if (q->logprobs && ch.has_logprobs) {
             if (!c->lp) c->lp = cJSON_CreateObject();
@@ -1796,6 +1893,10 @@ static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
             cJSON_AddNullToObject(c, "logprobs");
         }
         cJSON_AddStringToObject(c, "finish_reason", finish_name(cs[i].finish));
+        if (q->prompt_lp >= 0 && !q->chat) {
+            cJSON_AddItemToObject(c, "prompt_logprobs", cs[i].plp ? cs[i].plp : cJSON_CreateArray());
+            cs[i].plp = NULL;
+        }
         cJSON_AddItemToArray(choices, c);
         if (i % g->n == 0) { /* the prompt once per prompt */
             usage.prompt_tokens += cs[i].prompt_tokens;
@@ -1803,12 +1904,17 @@ static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
         }
         usage.completion_tokens += cs[i].completion_tokens;
     }
+    if (q->prompt_lp >= 0 && q->chat) { /* one prompt: the response's */
+        cJSON_AddItemToObject(o, "prompt_logprobs", cs[0].plp ? cs[0].plp : cJSON_CreateArray());
+        cs[0].plp = NULL;
+    }
     cJSON_AddItemToObject(o, "usage", usage_obj(&usage));
     res = respond_json(q, MHD_HTTP_OK, o);
 done:
     for (int i = 0; i < n; i++) {
         free(cs[i].text.p);
         cJSON_Delete(cs[i].lp);
+        cJSON_Delete(cs[i].plp);
     }
     free(cs);
     return res;
@@ -1901,7 +2007,17 @@ static enum MHD_Result handle_generate(req_t *q) {
     }
     if (q->stream) {
         if (q->chat) sse_choice(q, "", 0, 1, NULL);
-        if (q->text.len) sse_choice(q, q->text.p, q->text.len, 0, NULL); /* echo */
+        if (q->text.len || ch.n_prompt_ids > 0) { /* echo, with the prompt's logprobs when asked */
+            if (q->logprobs && ch.n_prompt_ids > 0) {
+                cJSON *lp = cJSON_CreateObject();
+                add_echo_logprobs(q, lp, &ch, q->text.len);
+                q->lp_json = cJSON_PrintUnformatted(lp);
+                cJSON_Delete(lp);
+            }
+            sse_choice(q, q->text.p, q->text.len, 0, NULL);
+            free(q->lp_json);
+            q->lp_json = NULL;
+        }
         stream_chunk(q, &ch);
         struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, SSE_BLOCK, sse_read, q, NULL);
         if (!r) {
@@ -1921,6 +2037,13 @@ static enum MHD_Result handle_generate(req_t *q) {
     }
     for (;;) {
         uint64_t t0 = loom_now_ns();
+        if (ch.n_prompt_ids > 0) {
+            if (q->echo && q->logprobs) {
+                if (!q->lp_acc) q->lp_acc = cJSON_CreateObject();
+                add_echo_logprobs(q, q->lp_acc, &ch, q->text.len);
+            }
+            if (q->prompt_lp >= 0 && !q->plp) q->plp = prompt_lp_json(q, &ch);
+        }
         loom_sbuf_add(&q->text, ch.text, ch.text_len);
         if (q->logprobs && ch.has_logprobs) {
             if (!q->lp_acc) q->lp_acc = cJSON_CreateObject();
@@ -2440,6 +2563,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
     if (!q) {
         q = loom_xcalloc(1, sizeof *q);
         q->h = h;
+        q->prompt_lp = -1;
         q->mc = mc;
         q->t0 = loom_now_ns();
         const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
@@ -2500,6 +2624,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     free(q->prefix.p);
     free(q->text.p);
     cJSON_Delete(q->lp_acc);
+    cJSON_Delete(q->plp);
     loom_tools_free(&q->tools);
     cJSON_Delete(q->tools_req);
     free(q->tool_text.p);

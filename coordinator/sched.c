@@ -141,6 +141,11 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
         mb->embed_pos = loom_xmalloc(S * sizeof(int32_t));
         mb->embed_seq = loom_xmalloc(S * sizeof(loom_seq_t *));
         mb->embed_final = loom_xmalloc(S * sizeof(int));
+        mb->plp_rows = loom_xmalloc(T * sizeof(int32_t));
+        mb->plp_ids = loom_xmalloc(T * sizeof(int32_t));
+        mb->plp_pos = loom_xmalloc(T * sizeof(int32_t));
+        mb->plp_top = loom_xmalloc(T * sizeof(uint32_t));
+        mb->plp_seq = loom_xmalloc(T * sizeof(loom_seq_t *));
         mb->spec_n = loom_xcalloc(S, sizeof(int));
         mb->spec_row0 = loom_xcalloc(S, sizeof(int));
         mb->spec_row = loom_xcalloc(S, sizeof(uint8_t));
@@ -188,6 +193,11 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->embed_pos);
         free(mb->embed_seq);
         free(mb->embed_final);
+        free(mb->plp_rows);
+        free(mb->plp_ids);
+        free(mb->plp_pos);
+        free(mb->plp_top);
+        free(mb->plp_seq);
         free(mb->spec_n);
         free(mb->spec_row0);
         free(mb->spec_row);
@@ -356,6 +366,14 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->pos[t] = p;
         mb->slots[t] = q->blocks[p / B] * B + p % B;
         mb->tok_seq[t] = si;
+        if (q->prompt_lp && p + 1 < q->n_prompt) {
+            int e = mb->n_plp++;
+            mb->plp_rows[e] = t;
+            mb->plp_ids[e] = q->tokens[p + 1];
+            mb->plp_pos[e] = p;
+            mb->plp_top[e] = (uint32_t)q->prompt_lp_top;
+            mb->plp_seq[e] = q;
+        }
     }
     if (q->embed) {
         add_embed_range(mb, q, take);
@@ -530,7 +548,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             break;
         }
     if (!mb) return NULL;
-    mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = 0;
+    mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = mb->n_plp = 0;
     int budget = c->max_batched_tokens;
     int cap = c->max_num_seqs;
     if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */
@@ -578,7 +596,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
     /* 3. admissions: priority, then first come first served */
     while (s->n_waiting > 0 && budget > 0 && mb->n_seqs < cap && s->n_running < c->max_num_seqs) {
         loom_seq_t *q = s->heap[0];
-        if (q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN) prefix_lookup(s, mb, q);
+        if (q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp) prefix_lookup(s, mb, q);
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
         int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
         if (take > room) take = room;

@@ -71,6 +71,12 @@ typedef struct loom_seq {
     int spec_drafted, spec_accepted; /* its drafted tokens verified, and accepted */
     int n_steps;             /* steps that produced its tokens */
     loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
+    /* prompt logprobs (vLLM's prompt_logprobs): each prefill chunk asks the
+     * last stage for the logprob of every prompt token after the first and
+     * the prompt_lp_top most likely at its position. Such a sequence skips
+     * the prefix cache (cached positions would have none); a re-prefill
+     * after preemption recomputes them (the caller keeps them by position). */
+    int prompt_lp, prompt_lp_top;
 } loom_seq_t;
 
 typedef struct loom_sched_config {
@@ -110,6 +116,13 @@ typedef struct loom_microbatch {
     int32_t *embed_begin, *embed_end, *embed_pos;
     loom_seq_t **embed_seq;
     int *embed_final;
+    /* prompt logprobs: for entry i, the logprob of token plp_ids[i] (the
+     * prompt of plp_seq[i] at position plp_pos[i] + 1) after batch token
+     * plp_rows[i], and the plp_top[i] most likely */
+    int n_plp;
+    int32_t *plp_rows, *plp_ids, *plp_pos;
+    uint32_t *plp_top;
+    loom_seq_t **plp_seq;
     int in_use;
     int *spec_n;             /* (n_seqs) drafts verified for the sequence (0: none) */
     int *spec_row0;          /* (n_seqs) its first logit row when spec_n > 0 */

@@ -71,6 +71,15 @@ typedef struct request {
     loom_sparams_t *sparams;
     int min_tokens;       /* EOS, stop ids and stop strings end nothing before this many tokens */
     int include_stop_str; /* a stop string that ends the request stays in the text */
+    /* prompt logprobs (GenerateRequest.prompt_logprobs), by position: entry
+     * p is prompt token p + 1's, written as the prefill chunks complete (a
+     * re-prefill writes the same again) and sent with the first chunk */
+    int plp_on, plp_top, plp_sent;
+    int32_t *plp_prompt; /* (prompt_tokens) */
+    float *plp_lp;       /* (prompt_tokens - 1) */
+    uint32_t *plp_rank, *plp_ntop;
+    int32_t *plp_ids;    /* (prompt_tokens - 1, LOOM_MAX_TOP_LOGPROBS) */
+    float *plp_tlp;
     uint64_t t_arrival, t_queued, t_last_token; /* loom_now_ns() */
     uint64_t tokenize_ns, detok_ns, send_ns;    /* time spent in each, summed */
     struct request *prev, *next;
@@ -156,6 +165,12 @@ static void req_unlink(loom_server_t *s, request_t *q) {
 
 static void req_free(request_t *q) {
     for (int i = 0; i < q->n_stop; i++) free(q->stop[i]);
+    free(q->plp_prompt);
+    free(q->plp_lp);
+    free(q->plp_rank);
+    free(q->plp_ntop);
+    free(q->plp_ids);
+    free(q->plp_tlp);
     free(q->pending);
     loom_sparams_destroy(&q->sparams);
     free(q);
@@ -233,6 +248,31 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
         ch.n_top_ids = ch.n_top_logprobs = n_top;
     }
     s->emit_lp = NULL;
+    int32_t *p_ids = NULL;
+    float *p_lps = NULL;
+    if (q->plp_on && !q->plp_sent && n_ids > 0) { /* the prefill is done: the prompt's logprobs go first */
+        int np = q->prompt_tokens - 1;
+        size_t nt = 0;
+        for (int i = 0; i < np; i++) nt += q->plp_ntop[i];
+        p_ids = loom_xmalloc((nt + 1) * sizeof *p_ids);
+        p_lps = loom_xmalloc((nt + 1) * sizeof *p_lps);
+        nt = 0;
+        for (int i = 0; i < np; i++) {
+            memcpy(p_ids + nt, q->plp_ids + (size_t)i * LOOM_MAX_TOP_LOGPROBS, q->plp_ntop[i] * sizeof *p_ids);
+            memcpy(p_lps + nt, q->plp_tlp + (size_t)i * LOOM_MAX_TOP_LOGPROBS, q->plp_ntop[i] * sizeof *p_lps);
+            nt += q->plp_ntop[i];
+        }
+        ch.prompt_ids = q->plp_prompt;
+        ch.n_prompt_ids = (size_t)q->prompt_tokens;
+        ch.prompt_logprobs = q->plp_lp;
+        ch.prompt_ranks = q->plp_rank;
+        ch.prompt_n_top = q->plp_ntop;
+        ch.n_prompt_logprobs = ch.n_prompt_ranks = ch.n_prompt_n_top = (size_t)np;
+        ch.prompt_top_ids = p_ids;
+        ch.prompt_top_logprobs = p_lps;
+        ch.n_prompt_top_ids = ch.n_prompt_top_logprobs = nt;
+        q->plp_sent = 1;
+    }
     loom_guide_t *guide = loom_sparams_guide(q->sparams);
     if (guide) finish = guided_finish(guide, text, text_len, finish);
     char *t = s->text_buf;
@@ -278,6 +318,8 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     r.body_case = LOOM__V1__REPLY__BODY_CHUNK;
     r.chunk = &ch;
     int gone = send_reply(s, q->rid, q->rid_len, &r) < 0;
+    free(p_ids);
+    free(p_lps);
     if (t != s->text_buf) free(t);
     uint64_t t_sent = loom_now_ns();
     q->send_ns += t_sent - t_send;
@@ -648,6 +690,47 @@ static void on_grid_failed(void *ctx, loom_grid_t *g, const char *why) {
     }
 }
 
+/* A completed micro-batch's prompt logprobs (checked first: a malformed
+ * result fails the step), stored by position in their requests. */
+static int prompt_lp_step(loom_server_t *s, const loom_microbatch_t *mb, const Loom__V1__StepResult *r, char *err,
+                          size_t err_n) {
+    size_t n = (size_t)mb->n_plp;
+    if (r->n_prompt_logprobs != n || r->n_prompt_ranks != n || r->n_prompt_n_top != n ||
+        r->n_prompt_top_ids != r->n_prompt_top_logprobs) {
+        snprintf(err, err_n, "a worker returned prompt logprobs for %zu of %zu positions", r->n_prompt_logprobs, n);
+        return -1;
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (r->prompt_n_top[i] > mb->plp_top[i] || off + r->prompt_n_top[i] > r->n_prompt_top_ids) {
+            snprintf(err, err_n, "a worker returned a malformed prompt top_logprobs list");
+            return -1;
+        }
+        for (size_t j = off; j < off + r->prompt_n_top[i]; j++)
+            if (r->prompt_top_ids[j] < 0 || r->prompt_top_ids[j] >= s->mcfg.vocab_size) {
+                snprintf(err, err_n, "a worker returned a prompt top_logprobs id outside the vocabulary");
+                return -1;
+            }
+        off += r->prompt_n_top[i];
+    }
+    off = 0;
+    for (size_t i = 0; i < n; i++) {
+        const loom_seq_t *seq = mb->plp_seq[i];
+        size_t k = r->prompt_n_top[i];
+        request_t *q = seq->finish_pending ? NULL : seq->user; /* finished while in flight: gone */
+        int p = mb->plp_pos[i];
+        if (q && q->plp_on && p >= 0 && p + 1 < q->prompt_tokens) {
+            q->plp_lp[p] = r->prompt_logprobs[i];
+            q->plp_rank[p] = r->prompt_ranks[i];
+            q->plp_ntop[p] = (uint32_t)k;
+            memcpy(q->plp_ids + (size_t)p * LOOM_MAX_TOP_LOGPROBS, r->prompt_top_ids + off, k * sizeof(int32_t));
+            memcpy(q->plp_tlp + (size_t)p * LOOM_MAX_TOP_LOGPROBS, r->prompt_top_logprobs + off, k * sizeof(float));
+        }
+        off += k;
+    }
+    return 0;
+}
+
 static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
                         size_t err_n) {
     loom_server_t *s = ctx;
@@ -656,6 +739,7 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     loom_metrics_observe_step(s->metrics, step_s);
     loom_sched_observe_step(s->sched, mb->n_tokens, step_s);
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
+    if (prompt_lp_step(s, mb, r, err, err_n) < 0) return -1;
     s->n_embed_done = 0;
     if (embed_step(s, mb, r, err, err_n) < 0) return -1;
     loom_sched_complete(s->sched, mb, r->ids, on_token, s);
@@ -771,6 +855,11 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         }
         loom_sparams_set_guide(&sparams, guide);
     }
+    if (g->prompt_logprobs && g->prompt_top_logprobs > LOOM_MAX_TOP_LOGPROBS) {
+        snprintf(msg, sizeof msg, "prompt_logprobs %u is over the limit of %d", g->prompt_top_logprobs,
+                 LOOM_MAX_TOP_LOGPROBS);
+        goto refuse;
+    }
     if (g->max_tokens > (uint32_t)s->max_model_len) {
         snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
         goto refuse;
@@ -830,6 +919,20 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    if (g->prompt_logprobs) {
+        size_t np = (size_t)n_ids;
+        q->plp_on = 1;
+        q->plp_top = (int)g->prompt_top_logprobs;
+        q->plp_prompt = loom_xmalloc(np * sizeof *q->plp_prompt);
+        memcpy(q->plp_prompt, q->seq->tokens, np * sizeof *q->plp_prompt);
+        q->plp_lp = loom_xcalloc(np, sizeof *q->plp_lp);
+        q->plp_rank = loom_xcalloc(np, sizeof *q->plp_rank);
+        q->plp_ntop = loom_xcalloc(np, sizeof *q->plp_ntop);
+        q->plp_ids = loom_xcalloc(np * LOOM_MAX_TOP_LOGPROBS, sizeof *q->plp_ids);
+        q->plp_tlp = loom_xcalloc(np * LOOM_MAX_TOP_LOGPROBS, sizeof *q->plp_tlp);
+        q->seq->prompt_lp = 1;
+        q->seq->prompt_lp_top = q->plp_top;
+    }
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;

@@ -131,6 +131,14 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
     for (size_t i = 0; i < p->n_embed_begin; i++)
         if (p->embed_begin[i] < 0 || p->embed_end[i] <= p->embed_begin[i] || (size_t)p->embed_end[i] > p->n_tokens)
             return loom_err_set(err, LOOM_ERR_FORMAT, "embedding range %zu out of range", i);
+    if (p->n_prompt_lp_ids != p->n_prompt_lp_rows || p->n_prompt_lp_top != p->n_prompt_lp_rows ||
+        p->n_prompt_lp_rows > p->n_tokens)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "prompt logprobs: %zu rows, %zu ids, %zu top sizes",
+                            p->n_prompt_lp_rows, p->n_prompt_lp_ids, p->n_prompt_lp_top);
+    for (size_t i = 0; i < p->n_prompt_lp_rows; i++)
+        if (p->prompt_lp_rows[i] < 0 || (size_t)p->prompt_lp_rows[i] >= p->n_tokens || p->prompt_lp_ids[i] < 0 ||
+            p->prompt_lp_ids[i] >= lim->vocab_size || p->prompt_lp_top[i] > 20)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "prompt logprob row %zu out of range", i);
     return LOOM_OK;
 }
 

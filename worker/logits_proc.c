@@ -236,3 +236,132 @@ void loom_logprobs_finish(loom_logprobs_t *l, const Loom__V1__SampleParams *sp, 
     l->n_top[l->n_lp++] = (uint32_t)n;
     l->n_tops += n;
 }
+
+/* ---- prompt log probabilities ---- */
+
+void loom_prompt_lp_free(loom_prompt_lp_t *l) {
+    free(l->host);
+    free(l->target);
+    free(l->count);
+    free(l->parts);
+    free(l->ids);
+    free(l->vals);
+    free(l->lp);
+    free(l->rank);
+    free(l->n_top);
+    free(l->top_ids);
+    free(l->top_lps);
+    *l = (loom_prompt_lp_t){0};
+}
+
+void loom_prompt_lp_reset(loom_prompt_lp_t *l, int n_rows) {
+    l->n = l->n_tops = 0;
+    if (n_rows <= l->cap_res) return;
+    size_t n = (size_t)n_rows;
+    l->lp = loom_xrealloc(l->lp, n * sizeof *l->lp);
+    l->rank = loom_xrealloc(l->rank, n * sizeof *l->rank);
+    l->n_top = loom_xrealloc(l->n_top, n * sizeof *l->n_top);
+    l->top_ids = loom_xrealloc(l->top_ids, n * LOOM_MAX_TOP_LOGPROBS * sizeof *l->top_ids);
+    l->top_lps = loom_xrealloc(l->top_lps, n * LOOM_MAX_TOP_LOGPROBS * sizeof *l->top_lps);
+    l->cap_res = n_rows;
+}
+
+float *loom_prompt_lp_batch(loom_prompt_lp_t *l, int n, int vocab_len) {
+    size_t need = (size_t)n * (size_t)vocab_len;
+    if (need > l->cap_host) {
+        free(l->host);
+        l->host = loom_xmalloc(need * sizeof *l->host);
+        l->cap_host = need;
+    }
+    if (n > l->cap_batch) {
+        size_t b = (size_t)n;
+        l->target = loom_xrealloc(l->target, b * sizeof *l->target);
+        l->count = loom_xrealloc(l->count, b * sizeof *l->count);
+        l->parts = loom_xrealloc(l->parts, b * sizeof *l->parts);
+        l->ids = loom_xrealloc(l->ids, b * LOOM_MAX_TOP_LOGPROBS * sizeof *l->ids);
+        l->vals = loom_xrealloc(l->vals, b * LOOM_MAX_TOP_LOGPROBS * sizeof *l->vals);
+        l->cap_batch = n;
+    }
+    return l->host;
+}
+
+void loom_prompt_lp_parts(loom_prompt_lp_t *l, int n, int vocab_begin, int vocab_len, const uint32_t *tops,
+                          const int32_t *ids) {
+    for (int i = 0; i < n; i++) {
+        const float *row = l->host + (size_t)i * (size_t)vocab_len;
+        l->parts[i] = (loom_lp_part_t){.ids = l->ids + (size_t)i * LOOM_MAX_TOP_LOGPROBS,
+                                       .vals = l->vals + (size_t)i * LOOM_MAX_TOP_LOGPROBS};
+        loom_logprob_shard(row, vocab_len, vocab_begin, (int)tops[i], &l->parts[i]);
+        int j = ids[i] - vocab_begin;
+        l->target[i] = j >= 0 && j < vocab_len ? row[j] : 0.0f;
+    }
+}
+
+void loom_prompt_lp_count(loom_prompt_lp_t *l, int n, int vocab_len) {
+    for (int i = 0; i < n; i++) {
+        const float *row = l->host + (size_t)i * (size_t)vocab_len;
+        float t = l->target[i];
+        uint32_t c = 0;
+        for (int j = 0; j < vocab_len; j++) c += row[j] >= t;
+        l->count[i] = c;
+    }
+}
+
+/* per row: [max, sum_exp, n, count, ids[top], vals[top]] */
+static size_t row_bytes(uint32_t top) { return 16 + 8 * (size_t)top; }
+
+size_t loom_prompt_lp_bytes(const uint32_t *tops, int n) {
+    size_t b = 0;
+    for (int i = 0; i < n; i++) b += row_bytes(tops[i]);
+    return b;
+}
+
+void loom_prompt_lp_pack(const loom_prompt_lp_t *l, int n, const uint32_t *tops, uint8_t *out) {
+    for (int i = 0; i < n; i++) {
+        const loom_lp_part_t *pt = &l->parts[i];
+        int32_t k = pt->n;
+        memcpy(out, &pt->max, 4);
+        memcpy(out + 4, &pt->sum_exp, 4);
+        memcpy(out + 8, &k, 4);
+        memcpy(out + 12, &l->count[i], 4);
+        memcpy(out + 16, pt->ids, (size_t)tops[i] * 4);
+        memcpy(out + 16 + (size_t)tops[i] * 4, pt->vals, (size_t)tops[i] * 4);
+        out += row_bytes(tops[i]);
+    }
+}
+
+void loom_prompt_lp_merge(loom_prompt_lp_t *l, int n, const uint32_t *tops, const uint8_t *recv, size_t bytes,
+                          int n_parts) {
+    LOOM_ASSERT(n_parts >= 1 && n_parts <= LOOM_SAMPLE_MAX_PARTS);
+    const uint8_t *base[LOOM_SAMPLE_MAX_PARTS];
+    for (int q = 0; q < n_parts && recv; q++) base[q] = recv + (size_t)q * bytes;
+    for (int i = 0; i < n; i++) {
+        loom_lp_part_t parts[LOOM_SAMPLE_MAX_PARTS];
+        uint32_t rank = 0;
+        if (!recv) {
+            parts[0] = l->parts[i];
+            rank = l->count[i];
+        } else {
+            for (int q = 0; q < n_parts; q++) {
+                const uint8_t *p = base[q];
+                int32_t k;
+                uint32_t c;
+                memcpy(&parts[q].max, p, 4);
+                memcpy(&parts[q].sum_exp, p + 4, 4);
+                memcpy(&k, p + 8, 4);
+                memcpy(&c, p + 12, 4);
+                parts[q].n = k < 0 ? 0 : k > (int32_t)tops[i] ? (int)tops[i] : k;
+                parts[q].ids = (int32_t *)(uintptr_t)(p + 16);
+                parts[q].vals = (float *)(uintptr_t)(p + 16 + (size_t)tops[i] * 4);
+                rank += c;
+                base[q] += row_bytes(tops[i]);
+            }
+        }
+        double log_z = loom_logprob_log_z(parts, n_parts);
+        l->lp[l->n] = (float)((double)l->target[i] - log_z);
+        l->rank[l->n] = rank;
+        int k = loom_logprob_top(parts, n_parts, (int)tops[i], log_z, l->top_ids + l->n_tops, l->top_lps + l->n_tops);
+        l->n_top[l->n++] = (uint32_t)k;
+        l->n_tops += k;
+    }
+}

@@ -64,3 +64,45 @@ const uint8_t *loom_logprobs_unpack(const uint8_t *p, const Loom__V1__SamplePara
 void loom_logprobs_reset_results(loom_logprobs_t *l);
 void loom_logprobs_finish(loom_logprobs_t *l, const Loom__V1__SampleParams *sp, const loom_lp_part_t *lp,
                           const float *const *cand_raw, const loom_sample_part_t *parts, int n_parts, int32_t id);
+
+/* Prompt logprobs (StepPlan.prompt_lp_*): the LM head runs again at the
+ * plan's prompt positions, in batches of at most the model's logit rows.
+ * Per batch each shard downloads the rows, takes its (max, sum_exp, top-n)
+ * part and the raw logit of the row's prompt token (its owner's; the TP
+ * group sums them by an all-reduce so every shard knows it), and counts its
+ * logits >= that one (the rank, as vLLM counts it). Only these parts travel
+ * to TP rank 0, which merges them by log-sum-exp as for generated tokens. */
+typedef struct loom_prompt_lp {
+    float *host;             /* (batch, vocab_len) the batch's logits, host */
+    size_t cap_host;
+    float *target;           /* (batch) raw logit of each row's prompt token */
+    uint32_t *count;         /* (batch) this shard's logits >= target */
+    loom_lp_part_t *parts;   /* (batch) */
+    int32_t *ids;            /* (batch, LOOM_MAX_TOP_LOGPROBS) */
+    float *vals;
+    int cap_batch;
+    /* results (TP rank 0), one per plan row, for StepResult */
+    float *lp;
+    uint32_t *rank, *n_top;
+    int32_t *top_ids;        /* (n_tops) */
+    float *top_lps;
+    int n, n_tops, cap_res;
+} loom_prompt_lp_t;
+
+void loom_prompt_lp_free(loom_prompt_lp_t *l);
+void loom_prompt_lp_reset(loom_prompt_lp_t *l, int n_rows); /* a step of n_rows plan rows */
+/* Host logits of a batch of n rows (vocab_len each) to fill. */
+float *loom_prompt_lp_batch(loom_prompt_lp_t *l, int n, int vocab_len);
+/* This shard's parts of the batch: tops[i] the top size, ids[i] the prompt
+ * token; the targets are this shard's contribution (0 where it does not own
+ * the id), to be summed across the TP group before loom_prompt_lp_count. */
+void loom_prompt_lp_parts(loom_prompt_lp_t *l, int n, int vocab_begin, int vocab_len, const uint32_t *tops,
+                          const int32_t *ids);
+void loom_prompt_lp_count(loom_prompt_lp_t *l, int n, int vocab_len);
+size_t loom_prompt_lp_bytes(const uint32_t *tops, int n);
+void loom_prompt_lp_pack(const loom_prompt_lp_t *l, int n, const uint32_t *tops, uint8_t *out);
+/* TP rank 0: appends the batch's results from the shards' packed parts
+ * (recv: n_parts blocks of `bytes` each; NULL with n_parts 1: this shard's
+ * own parts). */
+void loom_prompt_lp_merge(loom_prompt_lp_t *l, int n, const uint32_t *tops, const uint8_t *recv, size_t bytes,
+                          int n_parts);

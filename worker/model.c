@@ -1046,6 +1046,22 @@ void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t 
                          m->cfg.vocab_size, params, steps, m->sample_k, parts);
 }
 
+void loom_model_head_rows(loom_model_t *m, const int32_t *rows, int n_rows) {
+    LOOM_ASSERT(m->spec.has_head && n_rows >= 0 && n_rows <= m->opt.max_logits);
+    const int dim = m->cfg.dim;
+    for (int i = 0; i < n_rows;) { /* runs of consecutive tokens, one copy each */
+        int j = i + 1;
+        while (j < n_rows && rows[j] == rows[j - 1] + 1) j++;
+        loom_backend_copy(m->be, m->xl + (size_t)i * dim, m->x + (size_t)rows[i] * dim,
+                          (size_t)(j - i) * dim * sizeof(float));
+        i = j;
+    }
+    loom_op_rmsnorm(m->be, m->xl, m->xl, m->final_norm, n_rows, dim, m->cfg.norm_eps);
+    loom_op_matmul(m->be, m->logits, m->xl, &m->lm_head, n_rows);
+}
+
+int loom_model_max_logits(const loom_model_t *m) { return m->opt.max_logits; }
+
 void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows) {
     loom_backend_download(m->be, dst, m->logits, (size_t)n_rows * m->dims.vocab * sizeof(float));
 }

@@ -108,6 +108,11 @@ void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t 
  * tokens [t0, t1) of the last forward into out (host, dim floats). After
  * the logits are taken (it reuses the head's input buffer). */
 void loom_model_pool_hidden(loom_model_t *m, int t0, int t1, float *out);
+/* Last stage, after the last forward's logits are used (it overwrites them
+ * and the head's input buffer): the LM head at tokens rows[0..n_rows) of
+ * that forward (n_rows at most max_logits), into loom_model_logits(). */
+void loom_model_head_rows(loom_model_t *m, const int32_t *rows, int n_rows);
+int loom_model_max_logits(const loom_model_t *m);
 /* Rows the last forward added to reach its bucket (0 when not padded). */
 int loom_model_last_pad(const loom_model_t *m);
 /* Downloads the logits of the last forward (n_logits x dims.vocab) to host. */

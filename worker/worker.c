@@ -97,6 +97,7 @@ typedef struct worker {
     float *edit_row; /* one logit row edited on the host (logits_proc.h) */
     size_t edit_cap;
     loom_logprobs_t lp; /* the rows' log probabilities (logits_proc.h) */
+    loom_prompt_lp_t plp; /* the plan's prompt logprobs (logits_proc.h) */
     float *emb;         /* (n_emb floats) the step's embedding sums (last stage, TP rank 0) */
     size_t n_emb, cap_emb;
     /* trace: (step, begin_ns, end_ns) of recent steps */
@@ -150,6 +151,17 @@ static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int
         r.top_ids = lp->top_ids;
         r.top_logprobs = lp->top_lps;
         r.n_top_ids = r.n_top_logprobs = (size_t)lp->n_tops;
+    }
+    if (code == LOOM_OK && w->plp.n) {
+        r.prompt_logprobs = w->plp.lp;
+        r.n_prompt_logprobs = (size_t)w->plp.n;
+        r.prompt_ranks = w->plp.rank;
+        r.n_prompt_ranks = (size_t)w->plp.n;
+        r.prompt_n_top = w->plp.n_top;
+        r.n_prompt_n_top = (size_t)w->plp.n;
+        r.prompt_top_ids = w->plp.top_ids;
+        r.prompt_top_logprobs = w->plp.top_lps;
+        r.n_prompt_top_ids = r.n_prompt_top_logprobs = (size_t)w->plp.n_tops;
     }
     if (code == LOOM_OK && w->n_emb) {
         r.embeddings = w->emb;
@@ -465,6 +477,42 @@ static void pool_embeddings(worker_t *w, const Loom__V1__StepPlan *p) {
     w->n_emb = need;
 }
 
+/* The plan's prompt logprobs (last stage), in batches of the model's logit
+ * rows: the head at those positions, this shard's parts, the prompt
+ * tokens' logits summed across the TP group, the parts gathered and merged
+ * on TP rank 0 (logits_proc.h). After the sampled rows are done. */
+static loom_status_t prompt_logprobs(worker_t *w, const Loom__V1__StepPlan *p, loom_err_t *err) {
+    const loom_shard_dims_t *d = loom_model_dims(w->model);
+    int tp = (int)w->assign->tp_size, rank0 = w->assign->tp_rank == 0;
+    int total = (int)p->n_prompt_lp_rows, cap = loom_model_max_logits(w->model);
+    loom_prompt_lp_reset(&w->plp, total);
+    for (int b0 = 0; b0 < total; b0 += cap) {
+        int n = LOOM_MIN(cap, total - b0);
+        const uint32_t *tops = p->prompt_lp_top + b0;
+        loom_model_head_rows(w->model, p->prompt_lp_rows + b0, n);
+        float *host = loom_prompt_lp_batch(&w->plp, n, d->vocab);
+        float *dev = loom_model_logits(w->model);
+        loom_backend_download(w->be, host, dev, (size_t)n * (size_t)d->vocab * sizeof(float));
+        loom_prompt_lp_parts(&w->plp, n, d->vocab_begin, d->vocab, tops, p->prompt_lp_ids + b0);
+        if (tp > 1) { /* each token has one owner: the sum is its logit, on every shard */
+            loom_backend_upload(w->be, dev, w->plp.target, (size_t)n * sizeof(float));
+            LOOM_CHECK(loom_comm_allreduce(w->comm, dev, n, err));
+            loom_backend_download(w->be, w->plp.target, dev, (size_t)n * sizeof(float));
+        }
+        loom_prompt_lp_count(&w->plp, n, d->vocab);
+        if (tp == 1) {
+            loom_prompt_lp_merge(&w->plp, n, tops, NULL, 0, 1);
+            continue;
+        }
+        size_t bytes = loom_prompt_lp_bytes(tops, n);
+        LOOM_ASSERT(bytes <= w->gather_cap);
+        loom_prompt_lp_pack(&w->plp, n, tops, w->gather_send);
+        LOOM_CHECK(loom_comm_gather(w->comm, w->gather_send, bytes, rank0 ? w->gather_recv : NULL, err));
+        if (rank0) loom_prompt_lp_merge(&w->plp, n, tops, w->gather_recv, bytes, tp);
+    }
+    return LOOM_OK;
+}
+
 static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__StepPlan *p = m->step;
     loom_err_t err = {0};
@@ -474,6 +522,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     int last = a && a->stage + 1 == a->n_stages, rank0 = a && a->tp_rank == 0;
     loom_status_t s = LOOM_OK;
     loom_logprobs_reset_results(&w->lp);
+    w->plp.n = w->plp.n_tops = 0;
     w->n_emb = 0;
     if (!w->model || !w->comm || !a || p->epoch != w->epoch) {
         s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "worker %s is not serving epoch %llu", w->id,
@@ -508,7 +557,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     }
     if (rank0 && p->n_embed_begin) pool_embeddings(w, p);
     int rows = (int)p->n_logit_rows;
-    if (rows == 0) goto report;
+    if (rows == 0) goto prompt;
     int vocab = w->cfg.vocab_size;
     int kk[4096];
     LOOM_ASSERT(rows <= (int)LOOM_ARRAY_LEN(kk));
@@ -559,6 +608,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
             }
         }
     }
+prompt:
+    if (p->n_prompt_lp_rows) s = prompt_logprobs(w, p, &err);
 report:;
     uint64_t t1 = loom_now_ns();
     double comm_s = w->comm ? loom_comm_seconds(w->comm) - comm0 : 0;
@@ -1157,6 +1208,7 @@ int main(int argc, char **argv) {
     free(w.ids);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);
+    loom_prompt_lp_free(&w.plp);
     free(w.emb);
     free(w.gather_send);
     free(w.gather_recv);

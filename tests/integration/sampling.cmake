@@ -8,4 +8,11 @@ loom_add_it(it_sampling test_sampling.py)
 # both routes, streamed or not; 50 generated schemas on tp 2; a constrained
 # and free batch mix; bad specs; the three SDKs' structured-output calls.
 loom_add_it(it_structured test_structured.py)
+# The property test (test_structured_property.py): 250 generated schemas x 2
+# seeds on 1x1, 2x1, 1x2 and 2x2, 24 requests at a time; every finished
+# output validates, and a seed gives the same text on every grid.
+loom_add_it(it_structured_property test_structured_property.py)
 loom_add_it(it_tools test_tools.py)
+# Prompt logprobs and echo with logprobs (test_prompt_logprobs.py): against
+# the float64 reference on every grid with chunked prefill, the openai SDK.
+loom_add_it(it_prompt_logprobs test_prompt_logprobs.py)

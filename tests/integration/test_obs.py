@@ -164,7 +164,8 @@ def test_refused_fields_and_stop_token_ids():
     def run(c, port):
         # (the sampling controls are implemented now: tests/integration/test_sampling.py)
         # (so is constrained decoding: test_structured.py, and tool calling: test_tools.py)
-        refused = {"spaces_between_special_tokens": False, "truncate_prompt_tokens": 3, "prompt_logprobs": 1,
+        # (and prompt_logprobs: test_prompt_logprobs.py)
+        refused = {"spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
                    "use_beam_search": True, "length_penalty": 0.5, "suffix": "x", "request_id": "abc"}
         for k, v in refused.items():
             status, data = post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, k: v})
@@ -177,7 +178,8 @@ def test_refused_fields_and_stop_token_ids():
             expect_error(status, data, 400, param=k)
         # the values that turn a feature off are accepted
         off = {"repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "guided_json": None, "logprobs": None,
-               "echo": False, "presence_penalty": 0, "spaces_between_special_tokens": True, "user": "u-1",
+               "prompt_logprobs": None, "echo": False, "presence_penalty": 0, "spaces_between_special_tokens": True,
+               "user": "u-1",
                "include_stop_str_in_output": False, "skip_special_tokens": True}
         status, data = post(port, "/v1/completions", dict({"prompt": PROMPT, "max_tokens": 2}, **off))
         check(status == 200, "neutral values refused: %d %r" % (status, data[:300]))
