@@ -583,6 +583,7 @@ def test_chat_template_at_startup():
         co = start(alpaca, ["--chat-template", "llama3"])
         try:
             co.wait_http()
+            wait_for(lambda: "chat template: llama3" in co.text(), 10, "the template line in the log")
             check("chat template: llama3" in co.text(), "override not announced: %s" % co.text()[-800:])
         finally:
             co.stop()
@@ -598,6 +599,7 @@ def test_chat_template_at_startup():
         co = start(llama2)
         try:
             co.wait_http()
+            wait_for(lambda: "chat template: llama2" in co.text(), 10, "the template line in the log")
             check("chat template: llama2" in co.text(), "llama2 not detected: %s" % co.text()[-800:])
         finally:
             co.stop()
