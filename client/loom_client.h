@@ -70,6 +70,7 @@ typedef struct loom_gen_params {
     int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
     const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
     int no_speculation;                        /* never speculate for this request */
+    int no_cache;                              /* a router's response cache neither answers nor keeps it */
 } loom_gen_params_t;
 
 typedef enum {
@@ -109,6 +110,7 @@ typedef struct loom_chunk {
     /* the stream's status in the final chunk (OK unless it failed) */
     loom_status_t status;
     const char *message;
+    int retry_after_ms; /* RESOURCE_EXHAUSTED from a router's tenant limits: when to try again (0: not said) */
 } loom_chunk_t;
 
 /* Called for each chunk; return nonzero to cancel the request (the call

@@ -798,6 +798,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         ids = loom_xmalloc((size_t)n_ids * sizeof *ids);
         memcpy(ids, g->prompt_ids, (size_t)n_ids * sizeof *ids);
     }
+    if (g->sample_step_offset > (uint32_t)n_ids) {
+        snprintf(msg, sizeof msg, "sample_step_offset %u exceeds the prompt's %d tokens", g->sample_step_offset, n_ids);
+        goto refuse;
+    }
     request_t *q = loom_xcalloc(1, sizeof *q);
     q->sparams = sparams;
     sparams = NULL;
@@ -830,6 +834,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    q->seq->step_offset = g->sample_step_offset;
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;
