@@ -38,8 +38,8 @@ struct loom_rcache_rec {
     unsigned char **msg;
     size_t *len;
     size_t bytes, max_bytes;
-    int ok;       /* the final chunk came, with a status and finish reason worth keeping */
-    int too_big;  /* grew past the whole cache: nothing kept */
+    int ok;      /* the final chunk came, with a status and finish reason worth keeping */
+    int too_big; /* grew past the whole cache: nothing kept */
 };
 
 struct loom_rcache {
@@ -278,8 +278,8 @@ loom_rcache_stats_t loom_rcache_stats(const loom_rcache_t *c) {
     return s;
 }
 
-long long loom_rcache_replay(const loom_rcache_hit_t *hit, void *sock, const void *rid, size_t rid_len,
-                             uint64_t request_id) {
+long long loom_rcache_replay(const loom_rcache_hit_t *hit, void *sock, const void *rid,
+                             size_t rid_len, uint64_t request_id) {
     long long tokens = 0;
     for (int i = 0; i < hit->n; i++) {
         loom_err_t err = {0};
@@ -287,7 +287,8 @@ long long loom_rcache_replay(const loom_rcache_hit_t *hit, void *sock, const voi
         if (!rep) continue; /* packed here: cannot happen */
         rep->request_id = request_id;
         if (rep->chunk && rep->chunk->usage)
-            tokens = (long long)rep->chunk->usage->prompt_tokens + rep->chunk->usage->completion_tokens;
+            tokens =
+                (long long)rep->chunk->usage->prompt_tokens + rep->chunk->usage->completion_tokens;
         int rc = loom_zapi_send_reply(sock, rid, rid_len, rep);
         protobuf_c_message_free_unpacked(&rep->base, NULL);
         if (rc < 0) return -1;
@@ -298,36 +299,40 @@ long long loom_rcache_replay(const loom_rcache_hit_t *hit, void *sock, const voi
 char *loom_rcache_metrics_text(const loom_rcache_t *c) {
     loom_rcache_stats_t s = loom_rcache_stats(c);
     char *t = loom_xmalloc(2048);
-    snprintf(t, 2048,
-             "# HELP loom_router_response_cache_hits_total requests answered from the response cache\n"
-             "# TYPE loom_router_response_cache_hits_total counter\n"
-             "loom_router_response_cache_hits_total %llu\n"
-             "# HELP loom_router_response_cache_misses_total cacheable requests not in the cache\n"
-             "# TYPE loom_router_response_cache_misses_total counter\n"
-             "loom_router_response_cache_misses_total %llu\n"
-             "# HELP loom_router_response_cache_bypassed_total requests not cacheable (sampled without a "
-             "seed, or opted out)\n"
-             "# TYPE loom_router_response_cache_bypassed_total counter\n"
-             "loom_router_response_cache_bypassed_total %llu\n"
-             "# TYPE loom_router_response_cache_stored_total counter\n"
-             "loom_router_response_cache_stored_total %llu\n"
-             "# HELP loom_router_response_cache_evictions_total entries evicted to keep the byte bound\n"
-             "# TYPE loom_router_response_cache_evictions_total counter\n"
-             "loom_router_response_cache_evictions_total %llu\n"
-             "# HELP loom_router_response_cache_expired_total entries dropped past their TTL\n"
-             "# TYPE loom_router_response_cache_expired_total counter\n"
-             "loom_router_response_cache_expired_total %llu\n"
-             "# HELP loom_router_response_cache_too_big_total streams larger than the whole cache, not kept\n"
-             "# TYPE loom_router_response_cache_too_big_total counter\n"
-             "loom_router_response_cache_too_big_total %llu\n"
-             "# TYPE loom_router_response_cache_bytes gauge\n"
-             "loom_router_response_cache_bytes %zu\n"
-             "# TYPE loom_router_response_cache_max_bytes gauge\n"
-             "loom_router_response_cache_max_bytes %zu\n"
-             "# TYPE loom_router_response_cache_entries gauge\n"
-             "loom_router_response_cache_entries %d\n",
-             (unsigned long long)s.hits, (unsigned long long)s.misses, (unsigned long long)s.bypassed,
-             (unsigned long long)s.stored, (unsigned long long)s.evictions, (unsigned long long)s.expired,
-             (unsigned long long)s.too_big, s.bytes, s.max_bytes, s.entries);
+    snprintf(
+        t, 2048,
+        "# HELP loom_router_response_cache_hits_total requests answered from the response cache\n"
+        "# TYPE loom_router_response_cache_hits_total counter\n"
+        "loom_router_response_cache_hits_total %llu\n"
+        "# HELP loom_router_response_cache_misses_total cacheable requests not in the cache\n"
+        "# TYPE loom_router_response_cache_misses_total counter\n"
+        "loom_router_response_cache_misses_total %llu\n"
+        "# HELP loom_router_response_cache_bypassed_total requests not cacheable (sampled without "
+        "a "
+        "seed, or opted out)\n"
+        "# TYPE loom_router_response_cache_bypassed_total counter\n"
+        "loom_router_response_cache_bypassed_total %llu\n"
+        "# TYPE loom_router_response_cache_stored_total counter\n"
+        "loom_router_response_cache_stored_total %llu\n"
+        "# HELP loom_router_response_cache_evictions_total entries evicted to keep the byte bound\n"
+        "# TYPE loom_router_response_cache_evictions_total counter\n"
+        "loom_router_response_cache_evictions_total %llu\n"
+        "# HELP loom_router_response_cache_expired_total entries dropped past their TTL\n"
+        "# TYPE loom_router_response_cache_expired_total counter\n"
+        "loom_router_response_cache_expired_total %llu\n"
+        "# HELP loom_router_response_cache_too_big_total streams larger than the whole cache, not "
+        "kept\n"
+        "# TYPE loom_router_response_cache_too_big_total counter\n"
+        "loom_router_response_cache_too_big_total %llu\n"
+        "# TYPE loom_router_response_cache_bytes gauge\n"
+        "loom_router_response_cache_bytes %zu\n"
+        "# TYPE loom_router_response_cache_max_bytes gauge\n"
+        "loom_router_response_cache_max_bytes %zu\n"
+        "# TYPE loom_router_response_cache_entries gauge\n"
+        "loom_router_response_cache_entries %d\n",
+        (unsigned long long)s.hits, (unsigned long long)s.misses, (unsigned long long)s.bypassed,
+        (unsigned long long)s.stored, (unsigned long long)s.evictions,
+        (unsigned long long)s.expired, (unsigned long long)s.too_big, s.bytes, s.max_bytes,
+        s.entries);
     return t;
 }

@@ -58,8 +58,8 @@ void loom_rcache_rec_abort(loom_rcache_rec_t **rec_p);
 /* Sends a stored stream on a ROUTER socket as request_id's replies. Returns
  * the tokens its final usage counts (prompt + completion), -1 when the
  * client is gone (a send failed). */
-long long loom_rcache_replay(const loom_rcache_hit_t *hit, void *sock, const void *rid, size_t rid_len,
-                             uint64_t request_id);
+long long loom_rcache_replay(const loom_rcache_hit_t *hit, void *sock, const void *rid,
+                             size_t rid_len, uint64_t request_id);
 
 void loom_rcache_note_bypass(loom_rcache_t *c); /* a request not cacheable */
 /* Prometheus text of the counters (malloc'ed). */

@@ -38,38 +38,45 @@ struct loom_tenants {
 };
 
 static loom_status_t parse_limits(const cJSON *o, const char *what, tenant_t *t, loom_err_t *err) {
-    if (!cJSON_IsObject(o)) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s must be an object", what);
+    if (!cJSON_IsObject(o))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s must be an object", what);
     const cJSON *x;
     cJSON_ArrayForEach(x, o) {
         const char *k = x->string;
         if (!strcmp(k, "name")) {
-            if (!cJSON_IsString(x) || !x->valuestring[0] || strlen(x->valuestring) >= sizeof t->name)
-                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s.name must be a string of 1 to %zu bytes",
-                                    what, sizeof t->name - 1);
+            if (!cJSON_IsString(x) || !x->valuestring[0] ||
+                strlen(x->valuestring) >= sizeof t->name)
+                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                    "%s.name must be a string of 1 to %zu bytes", what,
+                                    sizeof t->name - 1);
             for (const char *c = x->valuestring; *c; c++)
                 if (*c < 32 || *c > 126 || *c == '"' || *c == '\\')
-                    return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                                        "%s.name must be printable ASCII without quotes or backslashes", what);
+                    return loom_err_set(
+                        err, LOOM_ERR_INVALID_ARGUMENT,
+                        "%s.name must be printable ASCII without quotes or backslashes", what);
             snprintf(t->name, sizeof t->name, "%s", x->valuestring);
             continue;
         }
-        double *dst = !strcmp(k, "requests_per_s") ? &t->rps
-                      : !strcmp(k, "burst")        ? &t->burst
+        double *dst = !strcmp(k, "requests_per_s")   ? &t->rps
+                      : !strcmp(k, "burst")          ? &t->burst
                       : !strcmp(k, "tokens_per_min") ? &t->tpm
                                                      : NULL;
         if (!dst && strcmp(k, "max_concurrent"))
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                                "%s: unknown field '%s' (name, requests_per_s, burst, tokens_per_min, max_concurrent)",
+                                "%s: unknown field '%s' (name, requests_per_s, burst, "
+                                "tokens_per_min, max_concurrent)",
                                 what, k);
-        if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble) || x->valuedouble <= 0 || x->valuedouble > 1e12)
-            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s.%s must be a positive number, got %s", what, k,
+        if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble) || x->valuedouble <= 0 ||
+            x->valuedouble > 1e12)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "%s.%s must be a positive number, got %s", what, k,
                                 cJSON_IsNumber(x) ? "a number out of range" : "another type");
         if (dst) {
             *dst = x->valuedouble;
         } else {
             if (x->valuedouble != floor(x->valuedouble) || x->valuedouble > 1e6)
-                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s.max_concurrent must be an integer in [1, 1e6]",
-                                    what);
+                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                    "%s.max_concurrent must be an integer in [1, 1e6]", what);
             t->max_concurrent = (int)x->valuedouble;
         }
     }
@@ -83,7 +90,8 @@ static loom_status_t parse_limits(const cJSON *o, const char *what, tenant_t *t,
     return LOOM_OK;
 }
 
-loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **out, loom_err_t *err) {
+loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **out,
+                                 loom_err_t *err) {
     *out = NULL;
     cJSON *root = cJSON_ParseWithLength(json, len);
     if (!root || !cJSON_IsObject(root)) {
@@ -97,13 +105,14 @@ loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **
     const cJSON *x;
     cJSON_ArrayForEach(x, root) {
         if (strcmp(x->string, "default") && strcmp(x->string, "tenants")) {
-            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown top-level field '%s' (default, tenants)",
-                              x->string);
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "unknown top-level field '%s' (default, tenants)", x->string);
             goto fail;
         }
     }
     if (list && !cJSON_IsObject(list)) {
-        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tenants must be an object of API key -> limits");
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                          "tenants must be an object of API key -> limits");
         goto fail;
     }
     int n = list ? cJSON_GetArraySize(list) : 0;
@@ -126,7 +135,8 @@ loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **
         }
         for (int k = 1; k < ts->n; k++)
             if (!strcmp(ts->t[k].key, x->string)) {
-                st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: the same API key as entry %d", what, k);
+                st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                  "%s: the same API key as entry %d", what, k);
                 goto fail;
             }
         snprintf(t->name, sizeof t->name, "tenant-%d", ts->n);
@@ -134,7 +144,8 @@ loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **
         t->key = loom_xstrdup(x->string);
         ts->n++;
         if (!strcmp(t->name, "default")) {
-            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: the name 'default' is the default tenant's", what);
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "%s: the name 'default' is the default tenant's", what);
             goto fail;
         }
     }
@@ -174,7 +185,8 @@ int loom_tenants_find(const loom_tenants_t *ts, const char *key, int *listed) {
     *listed = 0;
     if (!key || !key[0]) return 0;
     size_t kl = strlen(key);
-    for (int i = 1; i < ts->n; i++) /* constant time per key compared: no timing hint of a near miss */
+    for (int i = 1; i < ts->n;
+         i++) /* constant time per key compared: no timing hint of a near miss */
         if (loom_secret_equal(ts->t[i].key, strlen(ts->t[i].key), key, kl)) {
             *listed = 1;
             return i;
@@ -207,22 +219,25 @@ loom_status_t loom_tenants_admit(loom_tenants_t *ts, int i, uint64_t now_ns, int
     if (t->max_concurrent && t->inflight >= t->max_concurrent) {
         t->st.concurrency_limited++;
         *retry_after_ms = 1000;
-        snprintf(msg, msg_cap, "tenant '%s' has %d requests in flight, its max_concurrent: retry after one ends",
+        snprintf(msg, msg_cap,
+                 "tenant '%s' has %d requests in flight, its max_concurrent: retry after one ends",
                  t->name, t->inflight);
         return LOOM_ERR_RESOURCE_EXHAUSTED;
     }
     if (t->rps && t->req_level < 1.0) {
         t->st.rate_limited++;
         *retry_after_ms = (int)ceil((1.0 - t->req_level) / t->rps * 1000.0);
-        snprintf(msg, msg_cap, "tenant '%s' is over its rate limit of %g requests/s (burst %g): retry after %d ms",
-                 t->name, t->rps, t->burst, *retry_after_ms);
+        snprintf(
+            msg, msg_cap,
+            "tenant '%s' is over its rate limit of %g requests/s (burst %g): retry after %d ms",
+            t->name, t->rps, t->burst, *retry_after_ms);
         return LOOM_ERR_RESOURCE_EXHAUSTED;
     }
     if (t->tpm && t->tok_level <= 0.0) {
         t->st.token_limited++;
         *retry_after_ms = (int)ceil((1.0 - t->tok_level) / (t->tpm / 60.0) * 1000.0);
-        snprintf(msg, msg_cap, "tenant '%s' is over its limit of %g tokens/min: retry after %d ms", t->name, t->tpm,
-                 *retry_after_ms);
+        snprintf(msg, msg_cap, "tenant '%s' is over its limit of %g tokens/min: retry after %d ms",
+                 t->name, t->tpm, *retry_after_ms);
         return LOOM_ERR_RESOURCE_EXHAUSTED;
     }
     if (t->rps) t->req_level -= 1.0;
@@ -245,24 +260,29 @@ loom_tenant_stats_t loom_tenants_stats(const loom_tenants_t *ts, int i) {
 }
 
 char *loom_tenants_metrics_text(const loom_tenants_t *ts) {
-    size_t cap = 1024 + (size_t)ts->n * 512, len = 0;
+    size_t cap = 1024 + (size_t)ts->n * 1024,
+           len = 0; /* a tenant's lines: < 800 bytes with a 63-byte name */
     char *t = loom_xmalloc(cap);
-    len += (size_t)snprintf(t + len, cap - len,
-                            "# HELP loom_router_tenant_requests_total Generate requests by tenant and outcome "
-                            "(admitted, or refused with RESOURCE_EXHAUSTED / 429 by the limit named)\n"
-                            "# TYPE loom_router_tenant_requests_total counter\n");
+    len += (size_t)snprintf(
+        t + len, cap - len,
+        "# HELP loom_router_tenant_requests_total Generate requests by tenant and outcome "
+        "(admitted, or refused with RESOURCE_EXHAUSTED / 429 by the limit named)\n"
+        "# TYPE loom_router_tenant_requests_total counter\n");
     for (int i = 0; i < ts->n; i++) {
         const tenant_t *x = &ts->t[i];
         const char *oc[] = {"admitted", "rate_limited", "token_limited", "concurrency_limited"};
-        uint64_t v[] = {x->st.admitted, x->st.rate_limited, x->st.token_limited, x->st.concurrency_limited};
+        uint64_t v[] = {x->st.admitted, x->st.rate_limited, x->st.token_limited,
+                        x->st.concurrency_limited};
         for (int k = 0; k < 4; k++)
-            len += (size_t)snprintf(t + len, cap - len,
-                                    "loom_router_tenant_requests_total{tenant=\"%s\",outcome=\"%s\"} %llu\n",
-                                    x->name, oc[k], (unsigned long long)v[k]);
+            len += (size_t)snprintf(
+                t + len, cap - len,
+                "loom_router_tenant_requests_total{tenant=\"%s\",outcome=\"%s\"} %llu\n", x->name,
+                oc[k], (unsigned long long)v[k]);
     }
     len += (size_t)snprintf(t + len, cap - len, "# TYPE loom_router_tenant_inflight gauge\n");
     for (int i = 0; i < ts->n; i++)
-        len += (size_t)snprintf(t + len, cap - len, "loom_router_tenant_inflight{tenant=\"%s\"} %d\n",
-                                ts->t[i].name, ts->t[i].inflight);
+        len +=
+            (size_t)snprintf(t + len, cap - len, "loom_router_tenant_inflight{tenant=\"%s\"} %d\n",
+                             ts->t[i].name, ts->t[i].inflight);
     return t;
 }

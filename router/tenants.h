@@ -20,7 +20,8 @@ typedef struct loom_tenants loom_tenants_t;
  * generated, charged when a request ends), "max_concurrent" (>= 1). A limit
  * left out is no limit. INVALID_ARGUMENT naming the file and field on a bad one. */
 loom_status_t loom_tenants_load(const char *path, loom_tenants_t **out, loom_err_t *err);
-loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **out, loom_err_t *err);
+loom_status_t loom_tenants_parse(const char *json, size_t len, loom_tenants_t **out,
+                                 loom_err_t *err);
 void loom_tenants_destroy(loom_tenants_t **t_p);
 
 /* The tenant of an API key (NULL or "": none): its index, and *listed = 1

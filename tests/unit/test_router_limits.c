@@ -15,7 +15,8 @@
 #define MS 1000000ull
 
 /* Records a stream of n chunks of one id each, the last final with `finish`. */
-static void record(loom_rcache_t *c, const Loom__V1__GenerateRequest *g, int n, int finish, uint64_t now) {
+static void record(loom_rcache_t *c, const Loom__V1__GenerateRequest *g, int n, int finish,
+                   uint64_t now) {
     size_t kl;
     unsigned char *key = loom_rcache_key(g, "m", &kl);
     loom_rcache_rec_t *rec = loom_rcache_rec_begin(c, key, kl);
@@ -66,7 +67,8 @@ static void test_cacheable_and_key(void) {
     g.no_cache = 1;
     CHECK(!loom_rcache_cacheable(&g));
     g.no_cache = 0;
-    /* tag, session, priority and the served model's name spelled out change nothing; the rest does */
+    /* tag, session, priority and the served model's name spelled out change nothing; the rest does
+     */
     size_t l1, l2;
     unsigned char *k1 = loom_rcache_key(&g, "m", &l1);
     Loom__V1__GenerateRequest h = g;
@@ -121,12 +123,14 @@ static void test_store_replay_lru_ttl(void) {
     loom_err_t err = {0};
     Loom__V1__Reply *last = loom_wire_unpack_reply(hit.msg[hit.n - 1], hit.len[hit.n - 1], &err);
     CHECK(last && last->request_id == 0 && last->chunk->final && !last->chunk->timings &&
-          last->chunk->finish_reason == LOOM__V1__FINISH_REASON__FINISH_LENGTH && last->chunk->ids[0] == 104);
+          last->chunk->finish_reason == LOOM__V1__FINISH_REASON__FINISH_LENGTH &&
+          last->chunk->ids[0] == 104);
     if (last) protobuf_c_message_free_unpacked(&last->base, NULL);
     /* an error or a cancel is not kept */
     record(c, &g[1], 3, LOOM__V1__FINISH_REASON__FINISH_CANCELLED, 0);
     CHECK(!has(c, &g[1], 3 * MS));
-    /* the byte bound: entries of ~5 chunks take a few hundred bytes; fill, then the least recently used goes */
+    /* the byte bound: entries of ~5 chunks take a few hundred bytes; fill, then the least recently
+     * used goes */
     loom_rcache_stats_t st = loom_rcache_stats(c);
     size_t one = st.bytes;
     CHECKF(one > 128 && one < 700, "one entry: %zu bytes", one);
@@ -160,10 +164,11 @@ static void test_store_replay_lru_ttl(void) {
     loom_rcache_destroy(&c);
 }
 
-static const char *k_file = "{\"default\": {\"requests_per_s\": 2},"
-                            " \"tenants\": {\"ka\": {\"name\": \"a\", \"requests_per_s\": 1, \"burst\": 2},"
-                            "              \"kb\": {\"max_concurrent\": 1},"
-                            "              \"kc\": {\"name\": \"c\", \"tokens_per_min\": 600}}}";
+static const char *k_file =
+    "{\"default\": {\"requests_per_s\": 2},"
+    " \"tenants\": {\"ka\": {\"name\": \"a\", \"requests_per_s\": 1, \"burst\": 2},"
+    "              \"kb\": {\"max_concurrent\": 1},"
+    "              \"kc\": {\"name\": \"c\", \"tokens_per_min\": 600}}}";
 
 static void test_tenant_buckets(void) {
     loom_tenants_t *t = NULL;
@@ -182,8 +187,10 @@ static void test_tenant_buckets(void) {
     /* a: a burst of 2 at 1 request/s */
     CHECK(loom_tenants_admit(t, a, now, &retry, msg, sizeof msg) == LOOM_OK);
     CHECK(loom_tenants_admit(t, a, now, &retry, msg, sizeof msg) == LOOM_OK);
-    CHECK(loom_tenants_admit(t, a, now + 100 * MS, &retry, msg, sizeof msg) == LOOM_ERR_RESOURCE_EXHAUSTED);
-    CHECKF(retry == 900 && strstr(msg, "'a'") && strstr(msg, "1 requests/s"), "retry %d: %s", retry, msg);
+    CHECK(loom_tenants_admit(t, a, now + 100 * MS, &retry, msg, sizeof msg) ==
+          LOOM_ERR_RESOURCE_EXHAUSTED);
+    CHECKF(retry == 900 && strstr(msg, "'a'") && strstr(msg, "1 requests/s"), "retry %d: %s", retry,
+           msg);
     CHECK(loom_tenants_admit(t, a, now + 1000 * MS, &retry, msg, sizeof msg) == LOOM_OK);
     /* the default tenant is served all along */
     CHECK(loom_tenants_admit(t, 0, now + 100 * MS, &retry, msg, sizeof msg) == LOOM_OK);
@@ -198,7 +205,8 @@ static void test_tenant_buckets(void) {
     CHECK(loom_tenants_admit(t, c, now, &retry, msg, sizeof msg) == LOOM_OK);
     loom_tenants_release(t, c, 700, now);
     CHECK(loom_tenants_admit(t, c, now, &retry, msg, sizeof msg) == LOOM_ERR_RESOURCE_EXHAUSTED);
-    CHECKF(retry == 10100 && strstr(msg, "tokens/min"), "retry %d: %s", retry, msg); /* (100 + 1) / 10 s */
+    CHECKF(retry == 10100 && strstr(msg, "tokens/min"), "retry %d: %s", retry,
+           msg); /* (100 + 1) / 10 s */
     CHECK(loom_tenants_admit(t, c, now + 10100 * MS, &retry, msg, sizeof msg) == LOOM_OK);
     loom_tenant_stats_t s = loom_tenants_stats(t, a);
     CHECK(s.admitted == 3 && s.rate_limited == 1);
@@ -226,8 +234,9 @@ static void test_tenant_file_errors(void) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         loom_tenants_t *t = NULL;
         loom_err_t err = {0};
-        CHECKF(loom_tenants_parse(bad[i].json, strlen(bad[i].json), &t, &err) == LOOM_ERR_INVALID_ARGUMENT && !t &&
-                   strstr(err.msg, bad[i].want),
+        CHECKF(loom_tenants_parse(bad[i].json, strlen(bad[i].json), &t, &err) ==
+                       LOOM_ERR_INVALID_ARGUMENT &&
+                   !t && strstr(err.msg, bad[i].want),
                "%s -> %s", bad[i].json, err.msg);
     }
     loom_tenants_t *t = NULL;
