@@ -137,7 +137,7 @@ int loom_cmd_generate(int argc, char **argv) {
     const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL, *session = NULL;
     const char *curve_server = NULL, *curve_secret = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
-    int no_spec = 0;
+    int no_spec = 0, no_cache = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
     float temperature = 0.8f, top_p = 0.95f;
     float min_p = 0.0f, presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
@@ -162,6 +162,7 @@ int loom_cmd_generate(int argc, char **argv) {
         {"min-tokens", LOOM_OPT_INT, &min_tokens, "N", "EOS and stops end nothing before N tokens (default 0)", 0, 1e9, NULL},
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
         {"no-speculation", LOOM_OPT_FLAG, &no_spec, NULL, "never speculate for this request (same output, one token per step)", 1, 0, NULL},
+        {"no-cache", LOOM_OPT_FLAG, &no_cache, NULL, "a loom-router's response cache neither answers nor keeps this request", 1, 0, NULL},
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
@@ -226,7 +227,7 @@ int loom_cmd_generate(int argc, char **argv) {
                            .repetition_penalty = repetition, .logit_bias_ids = bias_ids,
                            .logit_bias_values = bias_values, .n_logit_bias = n_bias, .bad_words = bad_words,
                            .n_bad_words = n_bad, .min_tokens = min_tokens, .session = session,
-                           .no_speculation = no_spec};
+                           .no_speculation = no_spec, .no_cache = no_cache};
     gen_out_t o = {.print_ids = print_ids};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = (int)SA_RESETHAND}, old_sa;
     sigemptyset(&sa.sa_mask);

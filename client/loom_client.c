@@ -387,6 +387,7 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
         return;
     }
     ch->message = r->message;
+    ch->retry_after_ms = (int)LOOM_MIN(r->retry_after_ms, (uint32_t)INT32_MAX);
     const Loom__V1__GenerateChunk *g = r->body_case == LOOM__V1__REPLY__BODY_CHUNK ? r->chunk : NULL;
     if (g) {
         ch->ids = g->ids;
@@ -583,6 +584,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.stop = (char **)p->stop;
     g.ignore_eos = p->ignore_eos != 0;
     g.no_speculation = p->no_speculation != 0;
+    g.no_cache = p->no_cache != 0;
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;

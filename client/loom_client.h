@@ -72,6 +72,7 @@ typedef struct loom_gen_params {
     int no_speculation;                        /* never speculate for this request */
     int prompt_logprobs;                       /* the first chunk carries the prompt's logprobs */
     int prompt_top_logprobs;                   /* and the most likely tokens' at each position, at most 20 */
+    int no_cache;                              /* a router's response cache neither answers nor keeps it */
 } loom_gen_params_t;
 
 typedef enum {
@@ -122,6 +123,7 @@ typedef struct loom_chunk {
     /* the stream's status in the final chunk (OK unless it failed) */
     loom_status_t status;
     const char *message;
+    int retry_after_ms; /* RESOURCE_EXHAUSTED from a router's tenant limits: when to try again (0: not said) */
 } loom_chunk_t;
 
 /* Called for each chunk; return nonzero to cancel the request (the call

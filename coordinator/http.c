@@ -115,6 +115,7 @@ struct loom_http {
     char inproc[128];
     char bind[256];
     char *api_key;
+    int forward_api_keys; /* loom_http_config_t.forward_api_keys */
     loom_chat_template_t *tmpl; /* NULL: this model has no chat template */
     size_t max_body;
     unsigned idle_timeout_s;
@@ -143,6 +144,7 @@ struct loom_http {
 /* One per TCP connection (MHD's socket context). */
 typedef struct conn {
     loom_client_t *client;
+    char *client_key; /* forward_api_keys: the key the client was made with */
     int over_limit; /* accepted beyond --http-max-connections: answered 503 */
     int probe;      /* on the probe listener */
     loom_http_slot_t *slot; /* its read deadlines (NULL: unguarded) */
@@ -174,6 +176,7 @@ typedef struct req {
     const char *allow;    /* Allow header of a 405 */
     int www_auth;         /* WWW-Authenticate header of a 401 */
     int close_after;      /* Retry-After and Connection: close (over the connection limit) */
+    int retry_after_ms;   /* a router's tenant limit said when to try again (Retry-After on a 429) */
     char xid[MAX_REQUEST_ID + 1]; /* X-Request-Id */
     char ignored[256];    /* X-Loom-Ignored-Fields: unknown request fields, comma-separated */
     /* the body */
@@ -327,6 +330,11 @@ static enum MHD_Result respond(req_t *q, unsigned status, const char *ctype, cha
     if (q->ignored[0]) MHD_add_response_header(r, "X-Loom-Ignored-Fields", q->ignored);
     if (q->close_after || status == MHD_HTTP_SERVICE_UNAVAILABLE)
         MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, RETRY_AFTER_S);
+    else if (status == MHD_HTTP_TOO_MANY_REQUESTS && q->retry_after_ms > 0) {
+        char ra[16]; /* whole seconds, rounded up */
+        snprintf(ra, sizeof ra, "%d", (q->retry_after_ms + 999) / 1000);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, ra);
+    }
     if (q->close_after) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(q->mc, status, r);
     MHD_destroy_response(r);
@@ -404,9 +412,23 @@ static void refresh_timeout(req_t *q) {
     MHD_set_connection_option(q->mc, MHD_CONNECTION_OPTION_TIMEOUT, q->h->idle_timeout_s);
 }
 
+static const char *bearer(const req_t *q);
+
 static loom_status_t ensure_client(req_t *q, loom_err_t *err) {
+    const char *key = q->h->api_key;
+    if (q->h->forward_api_keys) {
+        if (q->route == R_COMPLETIONS || q->route == R_CHAT)
+            key = bearer(q); /* the router checks it, and finds its tenant */
+        const char *had = q->conn->client_key;
+        if (q->conn->client && !((had && key && !strcmp(had, key)) || (!had && !key)))
+            loom_client_close(&q->conn->client); /* another key on this connection */
+        if (!q->conn->client) {
+            free(q->conn->client_key);
+            q->conn->client_key = key ? loom_xstrdup(key) : NULL;
+        }
+    }
     if (q->conn->client) return LOOM_OK;
-    loom_client_options_t o = {.timeout_ms = q->h->request_timeout_ms, .api_key = q->h->api_key,
+    loom_client_options_t o = {.timeout_ms = q->h->request_timeout_ms, .api_key = key,
                                .zmq_context = q->h->zctx};
     return loom_client_connect(q->h->inproc, &o, &q->conn->client, err);
 }
@@ -574,7 +596,7 @@ static const struct {
     /* implemented */
     {"model", F_ALL}, {"max_tokens", F_ALL}, {"temperature", F_ALL}, {"top_p", F_ALL}, {"top_k", F_ALL},
     {"seed", F_ALL}, {"stop", F_ALL}, {"stream", F_ALL}, {"stream_options", F_ALL}, {"ignore_eos", F_ALL},
-    {"speculative", F_ALL},
+    {"speculative", F_ALL}, {"loom_cache", F_ALL},
     {"priority", F_ALL}, {"n", F_ALL}, {"best_of", F_ALL}, {"response_format", F_ALL}, {"stop_token_ids", F_ALL},
     {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
     {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
@@ -1010,6 +1032,8 @@ static int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     g->p.ignore_eos = r && b;
     if ((r = opt_bool(o, "speculative", &b, e)) < 0) return -1; /* false: no speculation for this request */
     g->p.no_speculation = r && !b;
+    if ((r = opt_bool(o, "loom_cache", &b, e)) < 0) return -1; /* false: a router's response cache is skipped */
+    g->p.no_cache = r && !b;
     if ((r = opt_int(o, "priority", -1e6, 1e6, &v, e)) < 0) return -1;
     if (r) g->p.priority = (int)v;
     if (parse_controls(o, q->chat, g, e) < 0) return -1;
@@ -1966,6 +1990,8 @@ static enum MHD_Result handle_generate(req_t *q) {
     g.p.tag = q->xid;
     const char *session = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, "X-Session-Id");
     if (session && session[0]) g.p.session = session;
+    const char *cc = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CACHE_CONTROL);
+    if (cc && (strcasestr(cc, "no-cache") || strcasestr(cc, "no-store"))) g.p.no_cache = 1;
     if (g.tools.mode != LOOM_TOOLS_OFF && g.n > 1) {
         res = respond_error(q, 400, "invalid_request_error", "n", NULL, "tools are answered with n = 1 only");
         goto done;
@@ -2003,6 +2029,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     }
     if (ch.final && ch.status != LOOM_OK) {
         refresh_timeout(q);
+        q->retry_after_ms = ch.retry_after_ms;
         return respond_status(q, ch.status, ch.message);
     }
     if (q->stream) {
@@ -2300,11 +2327,22 @@ static enum MHD_Result handle_metrics(req_t *q) {
 
 /* ---- MHD callbacks ---- */
 
+/* The request's Bearer key (NULL: none). */
+static const char *bearer(const req_t *q) {
+    const char *a = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!a || strncasecmp(a, "Bearer ", 7) != 0) return NULL;
+    a += 7;
+    while (*a == ' ') a++;
+    return a[0] ? a : NULL;
+}
+
 static int authorized(const req_t *q, int *given) {
     const char *key = q->h->api_key;
     const char *a = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
     *given = a != NULL;
     if (!key) return 1;
+    if (q->h->forward_api_keys && (q->route == R_COMPLETIONS || q->route == R_CHAT) && bearer(q))
+        return 1; /* the router decides */
     if (!a || strncasecmp(a, "Bearer ", 7) != 0) return 0;
     a += 7;
     while (*a == ' ') a++;
@@ -2647,6 +2685,7 @@ static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_co
         if (c) {
             loom_http_guard_remove(l->h->guard, &c->slot);
             loom_client_close(&c->client);
+            free(c->client_key);
             atomic_fetch_sub(&l->n_conns, 1);
         }
         free(c);
@@ -2775,6 +2814,7 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
     h->metrics_ctx = ep->metrics_ctx;
     snprintf(h->bind, sizeof h->bind, "%s", bind);
     h->api_key = cfg->api_key && cfg->api_key[0] ? loom_xstrdup(cfg->api_key) : NULL;
+    h->forward_api_keys = cfg->forward_api_keys;
     h->max_body = cfg->max_body_bytes ? cfg->max_body_bytes : DEFAULT_MAX_BODY;
     h->idle_timeout_s = (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : DEFAULT_IDLE_TIMEOUT_S);
     h->request_timeout_ms = cfg->request_timeout_ms > 0 ? cfg->request_timeout_ms : DEFAULT_REQUEST_TIMEOUT_MS;

@@ -35,6 +35,9 @@ typedef struct loom_http_config {
     int chat_special_in_content; /* special-token text in chat message content is parsed as control
                                     tokens (0: it is plain text; the template's own tokens are always
                                     special) */
+    int forward_api_keys;        /* a router with tenants: the completion routes send each request's own
+                                    Bearer key on and leave checking it to the router (whose keys are
+                                    api_key and its tenants'); other routes still need api_key */
 } loom_http_config_t;
 
 typedef struct loom_http loom_http_t;

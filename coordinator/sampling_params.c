@@ -211,11 +211,12 @@ static void arena_reset(loom_sparams_arena_t *a) {
 
 /* One row: bans (bad words whose prefix ends the output, end ids before
  * min_tokens) and, with a penalty on, the sequence's distinct ids and their
- * output counts. out = tokens[n_prompt, n_tokens). */
+ * output counts. out = tokens[n_prompt - step_offset, n_tokens): a continued request's
+ * earlier output is the tail of its prompt. */
 static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loom_seq_t *q,
                      Loom__V1__SampleParams *sp) {
-    const int32_t *out = q->tokens + q->n_prompt;
-    int n_out = q->n_tokens - q->n_prompt;
+    const int32_t *out = q->tokens + q->n_prompt - (int)q->step_offset;
+    int n_out = q->n_tokens - q->n_prompt + (int)q->step_offset;
     sp->min_p = p->min_p;
     sp->logprobs = p->logprobs != 0;
     sp->top_logprobs = (uint32_t)p->top_logprobs;

@@ -382,7 +382,7 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->logit_rows[r] = mb->n_tokens - 1;
         mb->logit_seq[r] = q;
         mb->sampling[r] = q->sampling;
-        mb->steps[r] = (uint64_t)(q->n_tokens - q->n_prompt);
+        mb->steps[r] = q->step_offset + (uint64_t)(q->n_tokens - q->n_prompt);
         mb->spec_row[r] = 0;
     }
     q->in_flight = 1;
@@ -499,7 +499,7 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
         mb->logit_rows[r] = t;
         mb->logit_seq[r] = q;
         mb->sampling[r] = q->sampling;
-        mb->steps[r] = (uint64_t)(q->n_tokens - q->n_prompt + 1 + j);
+        mb->steps[r] = q->step_offset + (uint64_t)(q->n_tokens - q->n_prompt + 1 + j);
         mb->spec_row[r] = 1;
     }
     mb->spec_row[mb->spec_row0[si]] = 1;

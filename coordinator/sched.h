@@ -70,6 +70,8 @@ typedef struct loom_seq {
     int spec_off;            /* 1: never speculate for this sequence (the request said so) */
     int spec_drafted, spec_accepted; /* its drafted tokens verified, and accepted */
     int n_steps;             /* steps that produced its tokens */
+    uint64_t step_offset;    /* sampling steps already taken before its prompt ended (a continued
+                                request: GenerateRequest.sample_step_offset) */
     loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
     /* prompt logprobs (vLLM's prompt_logprobs): each prefill chunk asks the
      * last stage for the logprob of every prompt token after the first and

@@ -887,6 +887,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         ids = loom_xmalloc((size_t)n_ids * sizeof *ids);
         memcpy(ids, g->prompt_ids, (size_t)n_ids * sizeof *ids);
     }
+    if (g->sample_step_offset > (uint32_t)n_ids) {
+        snprintf(msg, sizeof msg, "sample_step_offset %u exceeds the prompt's %d tokens", g->sample_step_offset, n_ids);
+        goto refuse;
+    }
     request_t *q = loom_xcalloc(1, sizeof *q);
     q->sparams = sparams;
     sparams = NULL;
@@ -933,6 +937,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         q->seq->prompt_lp = 1;
         q->seq->prompt_lp_top = q->plp_top;
     }
+    q->seq->step_offset = g->sample_step_offset;
     q->next = s->reqs;
     if (s->reqs) s->reqs->prev = q;
     s->reqs = q;

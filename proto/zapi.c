@@ -36,7 +36,13 @@ int loom_zapi_send_reply(void *sock, const void *rid, size_t rid_len, Loom__V1__
 
 int loom_zapi_reply_error(void *sock, const void *rid, size_t rid_len, uint64_t request_id, loom_status_t code,
                           const char *msg) {
+    return loom_zapi_reply_error_retry(sock, rid, rid_len, request_id, code, msg, 0);
+}
+
+int loom_zapi_reply_error_retry(void *sock, const void *rid, size_t rid_len, uint64_t request_id,
+                                loom_status_t code, const char *msg, uint32_t retry_after_ms) {
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.retry_after_ms = retry_after_ms;
     r.request_id = request_id;
     r.code = loom_wire_status_code(code);
     r.message = (char *)msg;

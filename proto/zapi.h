@@ -25,5 +25,8 @@ int loom_zapi_send_reply(void *sock, const void *rid, size_t rid_len, Loom__V1__
  * stream always ends with. Returns as loom_zapi_send_reply. */
 int loom_zapi_reply_error(void *sock, const void *rid, size_t rid_len, uint64_t request_id, loom_status_t code,
                           const char *msg);
+/* The same with Reply.retry_after_ms: when the client may try again. */
+int loom_zapi_reply_error_retry(void *sock, const void *rid, size_t rid_len, uint64_t request_id,
+                                loom_status_t code, const char *msg, uint32_t retry_after_ms);
 
 #endif

@@ -69,6 +69,8 @@ int main(int argc, char **argv) {
                *dummy = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
     float lambda = 1.0f;
+    uint64_t cache_bytes = 0;
+    int cache_ttl_s = 300;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     loom_opt_t opts[] = {
         {"listen", LOOM_OPT_STR, &c.listen, "ADDR",
@@ -116,6 +118,18 @@ int main(int argc, char **argv) {
         {"tokenizer-threads", LOOM_OPT_INT, &c.tokenizer_threads, "N",
          "threads that tokenize prompts, off the reactor (0: the reactor does; default 2)", 0, 16,
          NULL},
+        {"response-cache-bytes", LOOM_OPT_U64, &cache_bytes, "N",
+         "keep whole answers of deterministic requests (temperature 0, or a seed) in a cache of at "
+         "most N bytes, and answer the same request again from it; a request opts out with "
+         "no_cache (HTTP: Cache-Control: no-cache, or \"loom_cache\": false) (default 0: no cache)",
+         0, (double)(1ll << 40), NULL},
+        {"response-cache-ttl", LOOM_OPT_INT, &cache_ttl_s, "S",
+         "a cached answer lives this long (0: until evicted; default 300)", 0, 86400 * 7, NULL},
+        {"tenants", LOOM_OPT_STR, &c.tenants_path, "FILE",
+         "per-API-key limits, JSON: {\"default\": {LIMITS}, \"tenants\": {\"KEY\": {\"name\": N, "
+         "LIMITS}}} with LIMITS requests_per_s, burst, tokens_per_min, max_concurrent; over a limit: "
+         "RESOURCE_EXHAUSTED (HTTP 429) with a retry-after. Keys listed are accepted as API keys",
+         1, 0, NULL},
         {"api-key", LOOM_OPT_STR, &c.api_key, "KEY",
          "require this key from clients (or set LOOM_API_KEY)", 1, 0, NULL},
         {"replica-api-key", LOOM_OPT_STR, &c.replica_api_key, "KEY",
@@ -163,6 +177,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     c.policy = (loom_policy_t)p;
+    c.response_cache_bytes = (size_t)cache_bytes;
+    c.response_cache_ttl_ms = cache_ttl_s * 1000;
     c.lambda = lambda;
     if (!n_rep && !c.etcd_url) {
         fprintf(stderr, "error: give replicas with --replica ADDR or --etcd URL (see --help)\n");
@@ -193,7 +209,8 @@ int main(int argc, char **argv) {
                                  .chat_template = chat_template,
                                  .max_body_bytes = (size_t)max_body,
                                  .max_connections = http_conns,
-                                 .idle_timeout_s = http_timeout};
+                                 .idle_timeout_s = http_timeout,
+                                 .forward_api_keys = c.tenants_path != NULL};
         if (loom_http_start_at(&ep, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_router_destroy(&g_router);

@@ -43,6 +43,8 @@
 #include "proto/wire.h"
 #include "proto/zapi.h"
 #include "router/prefix_index.h"
+#include "router/response_cache.h"
+#include "router/tenants.h"
 
 #define MAX_REPLICAS   LOOM_PREFIX_MAX_REPLICAS
 #define MAX_HASHES     4096         /* prompt blocks hashed for routing (64k tokens at block 16) */
@@ -113,6 +115,8 @@ typedef struct route {
     char *text;
     size_t text_cap;
     int tokenizing; /* its prompt is on a tokenizer thread (keyed by up_id) */
+    int tenant;     /* admitted for this tenant (-1: no --tenants) */
+    loom_rcache_rec_t *crec; /* its stream, recorded for the response cache (NULL: not cached) */
 } route_t;
 
 /* A prompt to tokenize, handed to a tokenizer thread by pointer over inproc. */
@@ -144,6 +148,8 @@ struct loom_router {
     volatile sig_atomic_t stop;
     loom_tokenizer_t *tok;
     loom_prefix_index_t *index;
+    loom_rcache_t *rcache;     /* NULL: no response cache */
+    loom_tenants_t *tenants;   /* NULL: no tenant limits */
     replica_t reps[MAX_REPLICAS];
     int have_ref; /* the reference model (first replica that joined) */
     char ref_model[256];
@@ -258,6 +264,8 @@ static void route_detach(loom_router_t *r, route_t *q) {
 }
 
 static void route_free(loom_router_t *r, route_t *q) {
+    if (q->tenant >= 0) loom_tenants_release(r->tenants, q->tenant, q->n_prompt + q->n_gen, loom_now_ns());
+    loom_rcache_rec_abort(&q->crec);
     route_detach(r, q);
     route_unhash(r, q);
     if (q->prev)
@@ -430,6 +438,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
             g.prompt_ids = ids;
             g.n_prompt_ids = (size_t)(q->n_prompt + q->n_gen);
             if (g.max_tokens) g.max_tokens -= (uint32_t)q->n_gen;
+            g.sample_step_offset += (uint32_t)q->n_gen; /* seeded sampling goes on where it was */
         }
         if (q->n_gen > 0 && !q->own_text && r->tok && g.n_stop == 0 && g.n_stop_token_ids == 0) {
             char scratch[1024];
@@ -537,7 +546,43 @@ static void replica_down(loom_router_t *r, int i, const char *why) {
 
 /* ---- client requests ------------------------------------------------------------------------- */
 
-static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+/* Tenant limits and the response cache, before a request is routed: 1 when
+ * it was answered here (refused, or replayed from the cache), else 0 with
+ * *crec the recording of its stream (NULL: not cached). */
+static int front_door(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq,
+                      int tenant, loom_rcache_rec_t **crec) {
+    uint64_t now = loom_now_ns();
+    *crec = NULL;
+    if (tenant >= 0) {
+        char msg[300];
+        int retry_ms = 0;
+        if (loom_tenants_admit(r->tenants, tenant, now, &retry_ms, msg, sizeof msg) < 0) {
+            loom_zapi_reply_error_retry(r->api, rid, rid_len, rq->request_id,
+                                        LOOM_ERR_RESOURCE_EXHAUSTED, msg, (uint32_t)retry_ms);
+            return 1;
+        }
+    }
+    if (!r->rcache) return 0;
+    if (!loom_rcache_cacheable(rq->generate)) {
+        loom_rcache_note_bypass(r->rcache);
+        return 0;
+    }
+    size_t kl;
+    unsigned char *key = loom_rcache_key(rq->generate, r->ref_model, &kl);
+    loom_rcache_hit_t hit;
+    if (loom_rcache_get(r->rcache, key, kl, now, &hit)) {
+        long long tokens = loom_rcache_replay(&hit, r->api, rid, rid_len, rq->request_id);
+        if (tokens < 0) r->disconnects++;
+        if (tenant >= 0) loom_tenants_release(r->tenants, tenant, tokens > 0 ? tokens : 0, now);
+        free(key);
+        return 1;
+    }
+    *crec = loom_rcache_rec_begin(r->rcache, key, kl);
+    return 0;
+}
+
+static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Request *rq,
+                        int tenant) {
     Loom__V1__GenerateRequest *g = rq->generate;
     int has_text = g->prompt && g->prompt[0];
     if (!has_text && g->n_prompt_ids == 0) {
@@ -546,7 +591,14 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
         protobuf_c_message_free_unpacked(&rq->base, NULL);
         return;
     }
+    loom_rcache_rec_t *crec;
+    if (front_door(r, rid, rid_len, rq, tenant, &crec)) {
+        protobuf_c_message_free_unpacked(&rq->base, NULL);
+        return;
+    }
     route_t *q = loom_xcalloc(1, sizeof *q);
+    q->tenant = tenant;
+    q->crec = crec;
     memcpy(q->rid, rid, rid_len);
     q->rid_len = rid_len;
     q->client_id = rq->request_id;
@@ -582,6 +634,8 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
             char msg[600];
             snprintf(msg, sizeof msg, "cannot tokenize the prompt: %s", err.msg);
             client_error(r, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+            if (q->tenant >= 0) loom_tenants_release(r->tenants, q->tenant, 0, loom_now_ns());
+            loom_rcache_rec_abort(&q->crec);
             free(q->prompt);
             free(q);
             protobuf_c_message_free_unpacked(&rq->base, NULL);
@@ -792,6 +846,8 @@ static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
     const char *method = loom_wire_method(rq->body_case);
     size_t ml = zmq_msg_size(&frames[1]);
     const char *key = r->cfg.api_key;
+    int listed = 0, tenant = r->tenants ? loom_tenants_find(r->tenants, rq->api_key, &listed) : -1;
+    if (listed) key = NULL; /* a key the tenants file names is a key the router takes */
     if (strlen(method) != ml || memcmp(method, zmq_msg_data(&frames[1]), ml) != 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "the method frame does not name the request's body (%s)", method);
@@ -803,7 +859,7 @@ static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
     } else {
         switch (rq->body_case) {
         case LOOM__V1__REQUEST__BODY_GENERATE:
-            on_generate(r, rid, rid_len, rq);
+            on_generate(r, rid, rid_len, rq, tenant);
             return; /* keeps rq */
         case LOOM__V1__REQUEST__BODY_CANCEL:
             on_cancel(r, rid, rid_len, rq);
@@ -1014,6 +1070,7 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
         ch->usage->completion_tokens = (uint32_t)q->n_gen;
     }
     rep->request_id = q->client_id;
+    if (q->crec) loom_rcache_rec_add(q->crec, rep);
     int sent = send_client(r, q->rid, q->rid_len, rep);
     if (ch) ch->text = replica_text;
     if (sent < 0) { /* the client is gone */
@@ -1022,7 +1079,10 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
         route_free(r, q);
         return;
     }
-    if (final) route_free(r, q);
+    if (final) {
+        if (q->crec) loom_rcache_rec_commit(r->rcache, &q->crec, now);
+        route_free(r, q);
+    }
 }
 
 static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
@@ -1391,6 +1451,16 @@ static void render_metrics(loom_router_t *r) {
     sb_printf(&b,
               "# TYPE loom_router_prefix_index_blocks gauge\nloom_router_prefix_index_blocks %d\n",
               loom_prefix_index_size(r->index));
+    if (r->rcache) {
+        char *t = loom_rcache_metrics_text(r->rcache);
+        sb_printf(&b, "%s", t);
+        free(t);
+    }
+    if (r->tenants) {
+        char *t = loom_tenants_metrics_text(r->tenants);
+        sb_printf(&b, "%s", t);
+        free(t);
+    }
     pthread_mutex_lock(&r->mu);
     free(r->metrics_text);
     r->metrics_text = b.p;
@@ -1524,6 +1594,10 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     pthread_mutex_init(&r->mu, NULL);
     r->index = loom_prefix_index_create(cfg->index_capacity > 0 ? cfg->index_capacity : 1 << 18);
     loom_status_t st = LOOM_OK;
+    if (cfg->response_cache_bytes)
+        r->rcache = loom_rcache_create(cfg->response_cache_bytes, cfg->response_cache_ttl_ms);
+    if (cfg->tenants_path && (st = loom_tenants_load(cfg->tenants_path, &r->tenants, err)) < 0)
+        goto fail;
     if (cfg->model_dir) {
         st = loom_tokenizer_load(cfg->model_dir, &r->tok, err);
         if (st < 0) goto fail;
@@ -1629,6 +1703,8 @@ void loom_router_destroy(loom_router_t **r_p) {
     if (r->api) zmq_close(r->api);
     if (r->zctx) zmq_ctx_term(r->zctx);
     loom_prefix_index_destroy(&r->index);
+    loom_rcache_destroy(&r->rcache);
+    loom_tenants_destroy(&r->tenants);
     loom_tokenizer_destroy(&r->tok);
     pthread_mutex_destroy(&r->mu);
     free(r->metrics_text);

@@ -42,6 +42,9 @@ typedef struct loom_router_config {
     double lambda;               /* prefix score: weight of load against cached tokens */
     int index_capacity;          /* block hashes the prefix index keeps */
     int tokenizer_threads;       /* prompts are tokenized on these (0: on the reactor) */
+    size_t response_cache_bytes; /* the response cache's bound (0: no cache) */
+    int response_cache_ttl_ms;   /* its entries' lifetime (0: until evicted) */
+    const char *tenants_path;    /* per-API-key limits, JSON (NULL: none; tenants.h) */
 } loom_router_config_t;
 
 typedef struct loom_router loom_router_t;

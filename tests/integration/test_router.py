@@ -503,15 +503,226 @@ def test_probe_back():
         fake.wait()
 
 
+def test_seeded_failover():
+    # a seeded sampled stream continued on another replica draws the noise it would have drawn
+    # uninterrupted (GenerateRequest.sample_step_offset): the same ids and text
+    model = slow_model()
+    seeded = ["--ignore-eos", "--seed", "11", "--top-k", "0", "--top-p", "1"]
+    with started(Cluster(model, 1, 1), Cluster(model, 1, 1)) as (a, b):
+        by_addr = {a.addr: a, b.addr: b}
+        with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=model) as r:
+            n = 1200
+            ref = generate(b.addr, PROMPT, n, 0.9, extra=seeded)
+            check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
+            other = generate(b.addr, PROMPT, 64, 0.9, extra=["--ignore-eos", "--seed", "12"])
+            check(other[2] != ref[2][:64], "seeds 11 and 12 gave the same ids: not a sampled run")
+            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.9, seeded + ["--timeout-ms", "30000"]),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_for(lambda: serving_replica(r, by_addr) is not None, 10, "the stream on one replica")
+            victim = by_addr[serving_replica(r, by_addr)]
+            time.sleep(0.3)
+            kill(victim.pid("coordinator"))
+            kill(victim.pid("worker-0"))
+            out, err = proc.communicate(timeout=60)
+            check(proc.returncode == 0, "the seeded stream failed across the kill: %s" % err[-500:])
+            ids = parse_ids(err)
+            failovers = r.metric("loom_router_failovers_total")
+            print("  seeded: killed %s mid-stream; %d ids, %d failover(s)" % (victim.addr, len(ids or []), failovers))
+            check(failovers >= 1, "no failover happened (the stream ended before the kill?)")
+            first_diff = next((k for k, (x, y) in enumerate(zip(ids or [], ref[2])) if x != y), None)
+            check(ids == ref[2], "seeded ids across the failover differ from an uninterrupted run from index %r" %
+                  first_diff)
+            check(out.rstrip("\n") == ref[1].rstrip("\n"), "seeded text across the failover differs")
+
+
+# ---- response cache ------------------------------------------------------------------------------
+
+def finished(addr):
+    return stats_key(addr)["requests_finished"]
+
+
+def http_completion(port, body, headers=None, key=None):
+    """POST /v1/completions: (status, headers, json body)."""
+    h = {"Content-Type": "application/json"}
+    if key:
+        h["Authorization"] = "Bearer " + key
+    h.update(headers or {})
+    req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % port, json.dumps(body).encode(), h)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+
+def test_response_cache():
+    http = free_port()
+    with Cluster(STORIES, 1, 1, coord_args=["--api-key", KEY, "--http", "127.0.0.1:%d" % http,
+                                            "--chat-template", "chatml"]) as a:
+        common = ["--api-key", KEY, "--replica-api-key", KEY, "--replica", a.addr]
+        with Router(common + ["--chat-template", "chatml", "--response-cache-bytes", "1000000",
+                              "--response-cache-ttl", "3"], http=True, expect_up=1) as r:
+            k = ["--api-key", KEY]
+            n0 = finished(a.addr)
+            first = generate(r.addr, PROMPT, 40, extra=k)
+            again = generate(r.addr, PROMPT, 40, extra=k)
+            check(first[0] == 0 and again[0] == 0, "greedy requests failed: %s / %s" % (first[3], again[3]))
+            check(again[1:3] == first[1:3], "the cached answer differs: %r vs %r" % (again[1:3], first[1:3]))
+            check("finish" in again[3] or "length" in again[3], "the replay's summary: %s" % again[3])
+            check(finished(a.addr) - n0 == 1, "a cache hit reached the replica (%d requests)" % (finished(a.addr) - n0))
+            # opted out (ZeroMQ --no-cache; HTTP Cache-Control: no-cache or "loom_cache": false): to the replica
+            n0 = finished(a.addr)
+            out = generate(r.addr, PROMPT, 40, extra=k + ["--no-cache"])
+            check(out[0] == 0 and out[2] == first[2], "--no-cache: %s" % out[3])
+            body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+            st1, _, b1 = http_completion(r.http, body, key=KEY)
+            st2, _, b2 = http_completion(r.http, body, {"Cache-Control": "no-cache"}, key=KEY)
+            st3, _, b3 = http_completion(r.http, dict(body, loom_cache=False), key=KEY)
+            check(st1 == st2 == st3 == 200, "HTTP: %r %r %r" % (st1, st2, st3))
+            check(b1["choices"][0]["text"] == b2["choices"][0]["text"] == b3["choices"][0]["text"], "HTTP texts differ")
+            st4, _, b4 = http_completion(r.http, body, key=KEY)  # cached by the first
+            check(st4 == 200 and b4["choices"][0]["text"] == b1["choices"][0]["text"], "HTTP hit: %r" % b4)
+            check(finished(a.addr) - n0 == 4, "opt-outs: %d requests reached the replica, expected 4 (--no-cache, "
+                  "the first HTTP one, Cache-Control, loom_cache)" % (finished(a.addr) - n0))
+            # sampled without a seed: never cached; with a seed: cached
+            n0 = finished(a.addr)
+            for _ in range(2):
+                out = generate(r.addr, PROMPT, 16, 0.8, extra=k)
+                check(out[0] == 0, "sampled: %s" % out[3])
+            check(finished(a.addr) - n0 == 2, "a sampled request without a seed was answered from the cache")
+            s1 = generate(r.addr, PROMPT, 16, 0.8, extra=k + ["--seed", "5"])
+            s2 = generate(r.addr, PROMPT, 16, 0.8, extra=k + ["--seed", "5"])
+            check(s1[0] == 0 and s2[1:3] == s1[1:3], "seeded: %r %r" % (s1[1:3], s2[1:3]))
+            check(finished(a.addr) - n0 == 3, "the seeded repeat reached the replica")
+            # TTL: the greedy answer expires
+            time.sleep(3.2)
+            n0 = finished(a.addr)
+            out = generate(r.addr, PROMPT, 40, extra=k)
+            check(out[0] == 0 and out[2] == first[2] and finished(a.addr) - n0 == 1, "after the TTL: %s" % out[3])
+            # the OpenAI SDK: the streamed completion and chat are replays of the non-streamed ones (the same
+            # request), and read as the coordinator's own gateway's live streams do
+            hits = r.metric("loom_router_response_cache_hits_total")
+            spec = {"prompt": "The little dog", "messages": CHAT, "max_tokens": 24, "seed": 7}
+            direct, routed = node_client(http, spec), node_client(r.http, spec)
+            check(comparable(routed) == comparable(direct), "SDK through the cache:\n%s\ndirect:\n%s" %
+                  (json.dumps(comparable(routed), sort_keys=True), json.dumps(comparable(direct), sort_keys=True)))
+            time.sleep(0.6)  # /metrics is refreshed every 250 ms
+            m = r.metrics()
+            h = m[("loom_router_response_cache_hits_total", "")]
+            print("  response cache: %d hits, %d misses, %d bypassed, %d expired, %d bytes" % (
+                h, m[("loom_router_response_cache_misses_total", "")],
+                m[("loom_router_response_cache_bypassed_total", "")],
+                m[("loom_router_response_cache_expired_total", "")], m[("loom_router_response_cache_bytes", "")]))
+            check(h - hits >= 3, "the SDK's streams were not replayed from the cache (%d hits)" % (h - hits))
+            check(m[("loom_router_response_cache_expired_total", "")] >= 1, "no expiry counted")
+            check(m[("loom_router_response_cache_bypassed_total", "")] >= 5, "bypasses not counted")
+        # the byte bound: a small cache evicts the least recently used answer
+        with Router(common + ["--response-cache-bytes", "6000"], http=True, expect_up=1) as r:
+            k = ["--api-key", KEY]
+            prompts = ["Lily went to the park", "Tom had a red ball", "The sun was hot", "A cat sat on a mat"]
+            for p in prompts:
+                check(generate(r.addr, p, 40, extra=k)[0] == 0, "filling the cache")
+            time.sleep(0.6)
+            m = r.metrics()
+            used, ev = m[("loom_router_response_cache_bytes", "")], m[("loom_router_response_cache_evictions_total", "")]
+            print("  a 6000-byte cache after 4 answers: %d bytes, %d entries, %d evictions" % (
+                used, m[("loom_router_response_cache_entries", "")], ev))
+            check(ev >= 1 and 0 < used <= 6000, "byte bound: %d bytes, %d evictions" % (used, ev))
+            n0 = finished(a.addr)
+            check(generate(r.addr, prompts[-1], 40, extra=k)[0] == 0 and finished(a.addr) == n0,
+                  "the most recent answer was not kept")
+            check(generate(r.addr, prompts[0], 40, extra=k)[0] == 0 and finished(a.addr) == n0 + 1,
+                  "the oldest answer was not evicted")
+
+
+# ---- tenants ---------------------------------------------------------------------------------------
+
+def test_tenants():
+    spec = {"default": {"requests_per_s": 1000},
+            "tenants": {"key-slow": {"name": "slow", "requests_per_s": 0.5, "burst": 2},
+                        "key-one": {"name": "one", "max_concurrent": 1},
+                        "key-fast": {"name": "fast"},
+                        "key-tok": {"name": "tok", "tokens_per_min": 60}}}
+    path = tempfile.mktemp(prefix="loom-tenants-", suffix=".json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    try:
+        model = slow_model()  # its context holds a stream long enough to overlap the others
+        with Cluster(model, 1, 1) as a:
+            with Router(["--api-key", KEY, "--tenants", path, "--replica", a.addr], http=True, expect_up=1,
+                        model=model) as r:
+                def gen(key, n=4, extra=()):
+                    return generate(r.addr, PROMPT, n, extra=["--api-key", key] + list(extra))
+                # requests/s: a burst of 2, then RESOURCE_EXHAUSTED naming the limit and when to retry
+                for _ in range(2):
+                    out = gen("key-slow")
+                    check(out[0] == 0, "within the burst: %s" % out[3])
+                out = gen("key-slow")
+                check(out[0] == 3 and "RESOURCE_EXHAUSTED" in out[3] and "slow" in out[3] and "retry after" in out[3],
+                      "over the rate: %d %s" % (out[0], out[3]))
+                out = gen("key-fast")  # another tenant is served meanwhile
+                check(out[0] == 0, "the other tenant: %s" % out[3])
+                st, hdr, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4}, key="key-slow")
+                ra = hdr.get("Retry-After")
+                check(st == 429 and ra and ra.isdigit() and 1 <= int(ra) <= 2, "HTTP over the rate: %d %r %r" %
+                      (st, ra, body))
+                check(body["error"]["type"] == "rate_limit_error", "429 body: %r" % body)
+                st, _, _ = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4}, key="key-fast")
+                check(st == 200, "HTTP, the other tenant: %d" % st)
+                time.sleep(int(ra) + 0.1)
+                st, _, _ = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4}, key="key-slow")
+                check(st == 200, "after Retry-After: %d" % st)
+                # concurrency: one stream at a time for tenant "one"
+                proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, 3000, 0.0, ["--ignore-eos", "--api-key",
+                                                                                       "key-one"]),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                wait_for(lambda: r.metric("loom_router_tenant_inflight", 'tenant="one"') == 1, 10,
+                         "tenant one's stream in flight")
+                out = gen("key-one")
+                check(out[0] == 3 and "max_concurrent" in out[3], "a second stream of tenant one: %s" % out[3])
+                out = gen("key-fast")
+                check(out[0] == 0, "another tenant during tenant one's stream: %s" % out[3])
+                check(proc.wait(timeout=60) == 0, "tenant one's stream failed")
+                out = gen("key-one")
+                check(out[0] == 0, "tenant one after its stream: %s" % out[3])
+                # tokens/min: a request's tokens are charged when it ends; the next waits for the refill
+                out = gen("key-tok", 80)
+                check(out[0] == 0, "the first token-limited request: %s" % out[3])
+                out = gen("key-tok")
+                check(out[0] == 3 and "tokens/min" in out[3], "over the token limit: %s" % out[3])
+                # keys: the --api-key is the default tenant; a key nobody gave is refused
+                check(gen(KEY)[0] == 0, "the router's own key")
+                out = gen("key-nobody")
+                check(out[0] != 0 and "API key" in out[3], "an unknown key: %s" % out[3])
+                time.sleep(0.6)
+                m = r.metrics()
+                lim = m.get(("loom_router_tenant_requests_total", 'tenant="slow",outcome="rate_limited"'))
+                con = m.get(("loom_router_tenant_requests_total", 'tenant="one",outcome="concurrency_limited"'))
+                check(lim == 2 and con == 1, "tenant metrics: rate_limited %r, concurrency_limited %r" % (lim, con))
+                check(not any("key-" in l for (_, l) in m), "a tenant's key shows in /metrics")
+    finally:
+        os.unlink(path)
+
+
 def test_cli():
     p = subprocess.run([os.path.join(BIN, "loom-router"), "--help"], capture_output=True, text=True, timeout=10)
-    check(p.returncode == 0 and "--policy" in p.stdout and "--replica" in p.stdout, "--help: %s" % p.stdout)
+    check(p.returncode == 0 and "--policy" in p.stdout and "--replica" in p.stdout and
+          "--response-cache-bytes" in p.stdout and "--tenants" in p.stdout, "--help: %s" % p.stdout)
     for bad, what in ((["--replica", "tcp://127.0.0.1:1", "--policy", "fastest"], "--policy"),
                       ([], "--replica"), (["--replica", "localhost:5"], "tcp://")):
         p = subprocess.run([os.path.join(BIN, "loom-router")] + bad, capture_output=True, text=True, timeout=10)
         check(p.returncode == 2 and what in p.stderr, "%r: %d %s" % (bad, p.returncode, p.stderr))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write('{"tenants": {"k": {"requests_per_s": -1}}}')
+    try:
+        p = subprocess.run([os.path.join(BIN, "loom-router"), "--replica", "tcp://127.0.0.1:1", "--tenants", f.name],
+                           capture_output=True, text=True, timeout=10)
+        check(p.returncode != 0 and "requests_per_s" in p.stderr and f.name in p.stderr,
+              "a bad tenants file: %d %s" % (p.returncode, p.stderr))
+    finally:
+        os.unlink(f.name)
 
 
 if __name__ == "__main__":
-    run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_etcd_join_leave,
-               test_fake_replicas, test_probe_back])
+    run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
+               test_response_cache, test_tenants, test_etcd_join_leave, test_fake_replicas, test_probe_back])
