@@ -7,6 +7,7 @@ Clients are the real `loom` command-line tool.
 """
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,23 +24,39 @@ STORIES = os.path.join(MODELS, "stories260K")
 LAUNCH = os.path.join(ROOT, "deploy", "local", "launch.sh")
 
 
+# Ports for servers the tests start come from below the kernel's ephemeral
+# range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default), at
+# a random place per test process. A port that bind(0) handed out and that was
+# closed again can be taken by any outgoing connection or bind(0) of a test
+# running beside this one before our server binds it; a port out of that
+# range can only be taken by another test's pick, one in twelve thousand.
+_PORT_LO, _PORT_HI = 20000, 32700
+_port_rng = random.Random(os.getpid() ^ int(time.time() * 1e6))
+
+
+def _bindable(port):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def free_port(n=1):
+    """The first of n consecutive free TCP ports on loopback."""
+    for _ in range(200):
+        port = _port_rng.randrange(_PORT_LO, _PORT_HI - n)
+        if all(_bindable(port + i) for i in range(n)):
+            return port
+    raise RuntimeError("no %d free consecutive ports in %d-%d" % (n, _PORT_LO, _PORT_HI))
+
+
 def free_port_pair():
     """Two consecutive free TCP ports (API, control) on loopback."""
-    for _ in range(100):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        if port >= 65000:
-            continue
-        t = socket.socket()
-        try:
-            t.bind(("127.0.0.1", port + 1))
-            t.close()
-            return port
-        except OSError:
-            t.close()
-    raise RuntimeError("no free port pair")
+    return free_port(2)
 
 
 class Failure(Exception):

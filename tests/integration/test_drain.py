@@ -19,6 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from harness import (BIN, STORIES, Etcd, Failure, check, free_port_pair, gen_model, generate,  # noqa: E402
                      open_stream, run_local, run_tests, sanitizer_reports, wait_for)
 
@@ -94,11 +95,7 @@ def wait_ready(p, timeout=60):
 
 
 def http_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return harness.free_port()
 
 
 def http_post(port, body, timeout=10):

@@ -17,6 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from harness import BIN, Cluster, ROOT, STORIES, check, gen_model, open_stream, run_tests, wait_for  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,11 +30,7 @@ PROMPT = "Once upon a time"
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return harness.free_port()
 
 
 def request(port, method, path, body=None, key=None, headers=None, timeout=30):

@@ -19,6 +19,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from harness import BIN, STORIES, check, run_tests, wait_for  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,11 +31,7 @@ N_STREAMS = 256
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return harness.free_port()
 
 
 class Coordinator:

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from harness import (BIN, STORIES, Cluster, Etcd, check, gen_model, generate, kill, loom_generate_cmd,
                      parse_ids, parse_stats, run_tests, wait_for)
 
@@ -40,11 +40,7 @@ KEY = "router-test-key"
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return harness.free_port()
 
 
 class Router:

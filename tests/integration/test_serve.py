@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from harness import BIN, ROOT, STORIES, Failure, check, kill, run_tests, wait_for  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,11 +28,7 @@ KEY = "serve-test-key"
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return harness.free_port()
 
 
 def alive(pid):
