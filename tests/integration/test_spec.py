@@ -7,11 +7,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import json  # noqa: E402
 from test_http import free_port, get_metrics, metric, post  # noqa: E402
-from harness import BIN, STORIES, Cluster, check, gen_model, parse_ids, run_local, run_tests  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, gen_model, kill, parse_ids, run_local, run_tests  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-spec")
 LOOM = os.path.join(BIN, "loom")
@@ -257,7 +258,39 @@ def test_controls_identical():
               "no drafts were verified for the constrained requests")
 
 
+def test_failover():
+    # kill -9 a worker mid-stream with speculation on: the requests wait for
+    # the grid to be restored, re-prefill their accepted tokens and go on;
+    # greedy ids equal an uninterrupted run without speculation
+    n = 450
+    expect = {p: run_local(STORIES, p, n, extra=["--ignore-eos"])[1] for p in PROMPTS[1:]}
+    with Cluster(STORIES, 2, 1, coord_args=SPEC_ARGS + ["--recovery-timeout-ms", "30000"]) as c:
+        procs = [(p, c.generate_async(p, n, extra=["--ignore-eos", "--timeout-ms", "30000"]))
+                 for p in PROMPTS[1:] * 2]
+        for _, proc in procs:  # every stream has begun (a request sent to a broken grid is refused)
+            proc.stdout.read(1)
+        check(all(proc.poll() is None for _, proc in procs), "a stream ended before the kill")
+        kill(c.pid("worker-1"))
+        time.sleep(0.3)
+        w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", "tcp://127.0.0.1:%d" % (c.port + 1),
+                              "--threads", "1", "--id", "replacement"] + c.worker_keys("replacement"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            best = 0.0
+            for p, proc in procs:
+                out, err = proc.communicate(timeout=120)
+                check(proc.returncode == 0, "a stream did not survive: %s" % err[-300:])
+                check(parse_ids(err) == expect[p], "%r: after recovery the ids differ from an uninterrupted run" % p)
+                m = re.search(r"^tokens per target step: (\d+\.\d\d)$", err, re.M)
+                best = max(best, float(m.group(1)) if m else 0.0)
+        finally:
+            w.terminate()
+            w.wait(timeout=30)
+        check(best > 1.2, "the streams were hardly speculated (best %.2f tokens per target step)" % best)
+        check("resume" in c.log("coordinator"), "no recovery in the coordinator log")
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
-               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_controls_identical])
+               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_controls_identical,
+               test_failover])
