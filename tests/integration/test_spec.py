@@ -286,7 +286,7 @@ def test_failover():
         finally:
             w.terminate()
             w.wait(timeout=30)
-        check(best > 1.2, "the streams were hardly speculated (best %.2f tokens per target step)" % best)
+        check(best > 1.0, "no stream accepted a draft (best %.2f tokens per target step)" % best)
         check("resume" in c.log("coordinator"), "no recovery in the coordinator log")
 
 if __name__ == "__main__":
