@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Speculative decoding (ngram) on stories260K, over prompts the tests do not use:
 tokens per target step and batch-1 decode speed-up of `loom run` (ngram, int8 and q4 self-drafts), then output
+tokens per target step and wall-clock of requests with sampling controls on a 1x1 cluster, then output
 throughput of a 1x1 cluster at 32 concurrent streams with speculation on
 against off (`loom bench`, random prompts, rounds interleaved).
 
-    /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4]
+    /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4] [--grid-only]
 
 The verify-cost side (K+1 tokens against one, on a model beyond the L3) is
 build/bin/bench_spec; docs/speculative.md has the figures.
@@ -85,6 +86,36 @@ def bench_load(model, rounds, k):
     print("32 concurrent streams: off %.0f tok/s, on %.0f tok/s, ratio %.3f" % (off, on, on / off))
 
 
+def bench_controls(model, tokens, rounds, k):
+    """1x1 cluster, ngram, batch 1: requests with sampling controls (they speculate too)."""
+    print("1x1 cluster, batch 1, greedy, %d tokens, ngram K=%d (adaptive), requests with sampling controls" % (tokens, k))
+    print("%-34s %-28s %9s %9s %8s %8s" % ("prompt", "controls", "off s", "on s", "speedup", "tok/step"))
+    controls = [["--frequency-penalty", "0.3"], ["--presence-penalty", "-0.5"], ["--repetition-penalty", "0.9"]]
+    coord = ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)]
+    speedups, tps = [], []
+    with harness.Cluster(model, 1, 1, coord_args=coord) as c:
+        for prompt in PROMPTS:
+            for ctl in controls:
+                t = {"off": [], "on": []}
+                steps = []
+                for _ in range(rounds):  # interleaved
+                    for name, extra in (("off", ["--no-speculation"]), ("on", [])):
+                        p = subprocess.run(harness.loom_generate_cmd(c.addr, prompt, tokens, 0.0,
+                                                                     ctl + extra + ["--ignore-eos"]),
+                                           capture_output=True, text=True, timeout=300)
+                        if p.returncode != 0:
+                            raise RuntimeError(p.stderr)
+                        t[name].append(float(re.search(r"([\d.]+) s total", p.stderr).group(1)))
+                        m = re.search(r"tokens per target step: ([\d.]+)", p.stderr)
+                        if name == "on":
+                            steps.append(float(m.group(1)) if m else 1.0)
+                o, n = statistics.median(t["off"]), statistics.median(t["on"])
+                speedups.append(o / n)
+                tps.append(statistics.median(steps))
+                print("%-34s %-28s %9.3f %9.3f %8.2f %8.2f" % (prompt[:34], " ".join(ctl), o, n, o / n, tps[-1]))
+    print("mean: speed-up %.2fx, %.2f tokens per target step" % (statistics.mean(speedups), statistics.mean(tps)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=harness.STORIES)
@@ -92,12 +123,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--grid-only", action="store_true", help="only the cluster parts (controls, 32 streams)")
     a = ap.parse_args()
     methods = {"ngram": ["--speculative-method", "ngram"],
                "int8 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "int8"],
                "q4 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "q4"]}
-    for name, spec in methods.items():
+    for name, spec in ({} if a.grid_only else methods).items():
         bench_local(a.model, a.tokens, a.rounds, a.k, name, spec + ["--num-speculative-tokens", str(a.k)])
+    bench_controls(a.model, a.tokens, a.rounds, a.k)
     if not a.skip_load:
         bench_load(a.model, a.rounds, a.k)
 

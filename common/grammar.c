@@ -1394,6 +1394,22 @@ loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32
     return LOOM_OK;
 }
 
+loom_status_t loom_grammar_matcher_copy(loom_grammar_matcher_t *dst, const loom_grammar_matcher_t *src) {
+    if (dst->g != src->g || dst->v != src->v) return LOOM_ERR_INVALID_ARGUMENT;
+    if (dst->arena.cap < src->arena.n) {
+        dst->arena.cap = src->arena.n;
+        dst->arena.v = loom_xrealloc(dst->arena.v, (size_t)dst->arena.cap * sizeof *dst->arena.v);
+    }
+    if (src->arena.n) memcpy(dst->arena.v, src->arena.v, (size_t)src->arena.n * sizeof *dst->arena.v);
+    dst->arena.n = src->arena.n;
+    dst->live_n = src->live_n;
+    dst->compact_at = src->compact_at;
+    set_copy(&dst->cur, &src->cur);
+    dst->terminated = src->terminated;
+    dst->n_accepted = src->n_accepted;
+    return LOOM_OK;
+}
+
 loom_status_t loom_grammar_matcher_replay(loom_grammar_matcher_t *m, const int32_t *ids, int n) {
     loom_grammar_matcher_reset(m);
     for (int i = 0; i < n; i++)

@@ -93,6 +93,10 @@ loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32
 /* Rebuilds the state from the tokens accepted so far (after a re-prefill):
  * reset, then accept each; stops at the first refused token. */
 loom_status_t loom_grammar_matcher_replay(loom_grammar_matcher_t *m, const int32_t *ids, int n);
+/* Makes dst's state that of src (both made over the same grammar and
+ * vocabulary, else INVALID_ARGUMENT): dst can then be advanced through
+ * tokens not yet accepted (speculative drafts) while src stays put. */
+loom_status_t loom_grammar_matcher_copy(loom_grammar_matcher_t *dst, const loom_grammar_matcher_t *src);
 /* Advances by raw bytes (tests and choice/prefix checks). */
 loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s, size_t n);
 int loom_grammar_matcher_can_finish(const loom_grammar_matcher_t *m);    /* grammar accepts here */

@@ -211,12 +211,27 @@ static void arena_reset(loom_sparams_arena_t *a) {
 
 /* One row: bans (bad words whose prefix ends the output, end ids before
  * min_tokens) and, with a penalty on, the sequence's distinct ids and their
- * output counts. out = tokens[n_prompt - step_offset, n_tokens): a continued request's
- * earlier output is the tail of its prompt. */
-static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loom_seq_t *q,
-                     Loom__V1__SampleParams *sp) {
-    const int32_t *out = q->tokens + q->n_prompt - (int)q->step_offset;
-    int n_out = q->n_tokens - q->n_prompt + (int)q->step_offset;
+ * output counts. The row samples the token after q's tokens followed by
+ * drafts[0..n_drafts) (a speculative verify row; none for an ordinary
+ * one), so everything is computed as if the drafts were already output:
+ * that is what plain decoding would see if they are accepted, and the row
+ * is not used otherwise. out = tokens[n_prompt - step_offset, n_tokens): a
+ * continued request's earlier output is the tail of its prompt. */
+static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loom_seq_t *q, const int32_t *drafts,
+                     int n_drafts, Loom__V1__SampleParams *sp) {
+    const int32_t *tokens = q->tokens;
+    int n_tokens = q->n_tokens;
+    if (n_drafts > 0) {
+        int32_t *t = arena_alloc(a, (size_t)(n_tokens + n_drafts) * sizeof *t);
+        memcpy(t, q->tokens, (size_t)n_tokens * sizeof *t);
+        memcpy(t + n_tokens, drafts, (size_t)n_drafts * sizeof *t);
+        tokens = t;
+        n_tokens += n_drafts;
+    }
+    int first_out = q->n_prompt - (int)q->step_offset;
+    const int32_t *out = tokens + first_out;
+    int n_out = n_tokens - first_out;
+    int n_committed = q->n_tokens - first_out;
     sp->min_p = p->min_p;
     sp->logprobs = p->logprobs != 0;
     sp->top_logprobs = (uint32_t)p->top_logprobs;
@@ -238,13 +253,13 @@ static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loo
     }
     sp->banned_ids = ban;
     sp->n_banned_ids = (size_t)n_ban;
-    if (p->guide) loom_guide_fill_row(p->guide, out, n_out, arena_alloc_cb, a, sp);
+    if (p->guide) loom_guide_fill_row(p->guide, out, n_committed, drafts, n_drafts, arena_alloc_cb, a, sp);
 
     int rep = p->repetition > 0.0f;
     if (!rep && p->presence == 0.0f && p->frequency == 0.0f) return;
     /* repetition looks at prompt and output, frequency and presence at the output only */
-    const int32_t *src = rep ? q->tokens : out;
-    int n = rep ? q->n_tokens : n_out;
+    const int32_t *src = rep ? tokens : out;
+    int n = rep ? n_tokens : n_out;
     int32_t *sorted = arena_alloc(a, (size_t)n * sizeof *sorted);
     memcpy(sorted, src, (size_t)n * sizeof *sorted);
     qsort(sorted, (size_t)n, sizeof *sorted, cmp_i32);
@@ -273,7 +288,12 @@ void loom_sparams_fill_plan(loom_sparams_arena_t *a, const loom_microbatch_t *mb
     arena_reset(a);
     for (int i = 0; i < mb->n_logits; i++) {
         const loom_seq_t *q = mb->logit_seq ? mb->logit_seq[i] : NULL; /* NULL: rows without sequences (tests) */
-        if (q && q->sparams) fill_row(a, q->sparams, q, sp[i]);
+        if (!q || !q->sparams) continue;
+        /* a verify row j of a speculating sequence comes after its drafts 0..j-1,
+         * which follow the fed token (row i - j) in the batch */
+        int j = mb->spec_row && mb->spec_row[i] ? (int)(mb->steps[i] - (uint64_t)(q->n_tokens - q->n_prompt)) : 0;
+        const int32_t *drafts = j > 0 ? mb->tokens + mb->logit_rows[i - j] + 1 : NULL;
+        fill_row(a, q->sparams, q, drafts, j > 0 ? j : 0, sp[i]);
     }
 }
 
@@ -323,6 +343,8 @@ const loom_token_lp_t *loom_lp_view_get(loom_lp_view_t *v, const loom_seq_t *seq
     if (!v->r) return NULL;
     for (int i = 0; i < v->mb->n_logits; i++) {
         if (v->mb->logit_seq[i] != seq) continue;
+        /* a speculating sequence has several rows: the one that sampled its latest token */
+        if (v->mb->steps && v->mb->steps[i] != (uint64_t)(seq->n_tokens - seq->n_prompt - 1)) continue;
         if (isnan(v->r->logprobs[i])) return NULL;
         v->cur = (loom_token_lp_t){.logprob = v->r->logprobs[i], .n_top = (int)v->r->n_top[i],
                                    .top_ids = v->r->top_ids + v->top_off[i], .top_lps = v->r->top_logprobs + v->top_off[i]};

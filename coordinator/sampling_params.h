@@ -71,7 +71,8 @@ int loom_lp_view_bind(loom_lp_view_t *v, const loom_microbatch_t *mb, const Loom
                       char *msg, size_t n);
 void loom_lp_view_unbind(loom_lp_view_t *v);
 void loom_lp_view_free(loom_lp_view_t *v);
-/* The bound logprobs of seq's token, NULL when it has none. */
+/* The bound logprobs of seq's latest token (the row whose step is its
+ * index: a speculating sequence has several), NULL when it has none. */
 const loom_token_lp_t *loom_lp_view_get(loom_lp_view_t *v, const loom_seq_t *seq);
 
 #endif

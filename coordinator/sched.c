@@ -462,7 +462,9 @@ void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
 }
 
 static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
-    return s->spec.method == LOOM_SPEC_NGRAM && !q->spec_off && !q->sparams;
+    /* sampling controls and grammar masks too: each verify row's plan fields
+     * are computed with the earlier drafts as output (loom_sparams_fill_plan) */
+    return s->spec.method == LOOM_SPEC_NGRAM && !q->spec_off;
 }
 
 /* After add_chunk(q, 1) of a decode: appends up to K ngram drafts of q as

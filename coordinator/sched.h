@@ -194,8 +194,7 @@ int loom_sched_in_flight(const loom_sched_t *s);       /* micro-batches */
 void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
 
 /* Speculative decoding (common/spec.h): with a method set, a decode of a
- * sequence without sampling controls (seq->sparams NULL) and not turned off
- * (spec_off) carries up to K ngram drafts after its last token, with one
+ * sequence not turned off (spec_off) carries up to K ngram drafts after its last token, with one
  * logit row each (steps g..g+K, so each row samples exactly what decoding
  * would). loom_sched_complete accepts the drafts that equal the sampled ids,
  * emits them and the first differing (or bonus) id in order through

@@ -27,6 +27,9 @@ struct loom_guide {
     loom_structured_t *s;
     loom_grammar_t *grammar;
     loom_grammar_matcher_t *m;
+    loom_grammar_matcher_t *dm; /* speculative rows: a copy of m advanced through the drafts (NULL until needed) */
+    int dm_n;                   /* drafts dm has accepted past m (0: a fresh copy is due) */
+    int dm_bad;                 /* the grammar refused one of this step's drafts */
     uint32_t *mask; /* (words) over the model's vocabulary */
     size_t words;   /* ceil(vocab_size / 32): the model's rows, which may be longer than the tokenizer's */
     size_t tok_words; /* the grammar's mask words (the tokenizer's vocabulary) */
@@ -95,6 +98,7 @@ void loom_guide_destroy(loom_guide_t **g_p) {
     if (!g_p || !*g_p) return;
     loom_guide_t *g = *g_p;
     loom_grammar_matcher_destroy(&g->m);
+    loom_grammar_matcher_destroy(&g->dm);
     loom_grammar_destroy(&g->grammar);
     free(g->mask);
     free(g->text);
@@ -119,21 +123,47 @@ static void sync(loom_guide_t *g, const int32_t *out, int n_out) {
     }
 }
 
-void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, void *(*alloc)(void *ctx, size_t bytes),
-                         void *ctx, Loom__V1__SampleParams *sp) {
+/* The matcher for the row after n_drafts drafts: m itself, or dm brought
+ * from m through the drafts (NULL when the grammar refuses one: the row
+ * before it masks that draft out, so the target rejects it and this row's
+ * sample is never used). Rows of one sequence come in order, so dm usually
+ * takes one more draft per row. */
+static loom_grammar_matcher_t *draft_matcher(loom_guide_t *g, const int32_t *drafts, int n_drafts) {
+    if (n_drafts == 0) {
+        g->dm_n = 0;
+        g->dm_bad = 0;
+        return g->m;
+    }
+    if (g->dm_bad) return NULL;
+    if (!g->dm && loom_grammar_matcher_create(g->grammar, g->s->vocab, &g->dm, NULL) < 0) return NULL;
+    if (g->dm_n == 0 || g->dm_n > n_drafts) {
+        if (loom_grammar_matcher_copy(g->dm, g->m) < 0) return NULL;
+        g->dm_n = 0;
+    }
+    while (g->dm_n < n_drafts)
+        if (loom_grammar_matcher_accept_token(g->dm, drafts[g->dm_n++]) < 0) {
+            g->dm_bad = 1;
+            return NULL;
+        }
+    return g->dm;
+}
+
+void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, const int32_t *drafts, int n_drafts,
+                         void *(*alloc)(void *ctx, size_t bytes), void *ctx, Loom__V1__SampleParams *sp) {
     sync(g, out, n_out);
+    loom_grammar_matcher_t *mt = g->broken ? NULL : draft_matcher(g, drafts, n_drafts);
     sp->grammar = 1;
     g->s->stats.masks++;
     size_t n_set = 0;
-    if (!g->broken) {
-        loom_grammar_matcher_fill_mask(g->m, g->mask);
+    if (mt) {
+        loom_grammar_matcher_fill_mask(mt, g->mask);
         /* ids past the tokenizer's vocabulary (padded rows) are never allowed, nor past the model's */
         for (size_t w = g->tok_words; w < g->words; w++) g->mask[w] = 0;
         unsigned tail = (unsigned)(g->s->mcfg->vocab_size % 32);
         if (tail && g->words <= g->tok_words) g->mask[g->words - 1] &= (1u << tail) - 1u;
         for (size_t w = 0; w < g->words; w++) n_set += (size_t)__builtin_popcount(g->mask[w]);
     }
-    if (g->broken || n_set == 0) { /* nothing is allowed: EOS ends it (the text check reports length) */
+    if (!mt || n_set == 0) { /* nothing is allowed: EOS ends it (the text check reports length) */
         const loom_model_config_t *mc = g->s->mcfg;
         int32_t *ids = alloc(ctx, (size_t)(mc->n_eos + 1) * sizeof *ids);
         size_t k = 0;

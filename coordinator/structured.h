@@ -37,10 +37,15 @@ loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec
                                 loom_err_t *err);
 void loom_guide_destroy(loom_guide_t **g_p);
 
-/* Fills sp's grammar fields for the token after out[0..n_out). alloc gives
- * memory that lives until the plan is sent. */
-void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, void *(*alloc)(void *ctx, size_t bytes),
-                         void *ctx, Loom__V1__SampleParams *sp);
+/* Fills sp's grammar fields for the token after out[0..n_out) followed by
+ * drafts[0..n_drafts) (a speculative verify row; 0 drafts: an ordinary
+ * row). The matcher itself only ever follows out: the drafts advance a
+ * copy of it, so rejected drafts leave nothing behind. A draft the grammar
+ * refuses makes the later rows EOS-only (never used: the row before masks
+ * that draft out, so the target rejects it). alloc gives memory that lives
+ * until the plan is sent. */
+void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, const int32_t *drafts, int n_drafts,
+                         void *(*alloc)(void *ctx, size_t bytes), void *ctx, Loom__V1__SampleParams *sp);
 
 /* The text sent so far: appended piece by piece, checked at the end. */
 void loom_guide_text_append(loom_guide_t *g, const char *text, size_t n);

@@ -7,10 +7,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_http import free_port, get_metrics, metric  # noqa: E402
-from harness import BIN, STORIES, Cluster, check, gen_model, parse_ids, run_local, run_tests  # noqa: E402
+import json  # noqa: E402
+from test_http import free_port, get_metrics, metric, post  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, gen_model, kill, parse_ids, run_local, run_tests  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-spec")
 LOOM = os.path.join(BIN, "loom")
@@ -196,7 +198,98 @@ def test_grids():
             check(pos0 >= pos7 and pos0 > 0, "per-position acceptance %s .. %s" % (pos0, pos7))
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer"},
+                                           "pet": {"enum": ["cat", "dog", "bird"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+def test_controls_identical(tp=1, pp=1):
+    # rows with penalties, logit_bias, min_tokens or a grammar mask speculate
+    # too (each verify row's controls see the earlier drafts as output):
+    # the same ids, logprobs and text with speculation on and off
+    port = free_port()
+    with Cluster(STORIES, tp, pp, coord_args=SPEC_ARGS + ["--http", "127.0.0.1:%d" % port]) as c:
+        best = 0.0
+        # ngram drafts repeat earlier ids, so presence and repetition penalties
+        # see the same set with or without them: the frequency counts, bans and
+        # masks are what a verify row gets wrong if it ignores its drafts (the
+        # seeded cases below differ then)
+        cases = [(PROMPTS[1], 0.0, ["--frequency-penalty", "-1", "--ignore-eos"]),
+                 (PROMPTS[2], 0.0, ["--repetition-penalty", "0.8", "--logit-bias", "13:-2", "--min-tokens", "60"]),
+                 (PROMPTS[0], 0.9, ["--seed", "11", "--frequency-penalty", "-1", "--ignore-eos"]),
+                 (PROMPTS[1], 0.9, ["--seed", "12", "--frequency-penalty", "-1.5", "--ignore-eos"]),
+                 (PROMPTS[2], 0.9, ["--seed", "12", "--frequency-penalty", "-1.5", "--repetition-penalty", "1.05", "--ignore-eos"])]
+        for prompt, temp, ctl in cases:
+            outs = []
+            for off in ([], ["--no-speculation"]):
+                rc, _, ids, err = c.generate(prompt, 64, temp, extra=ctl + off)
+                check(rc == 0, "generate %s failed: %s" % (ctl, err))
+                outs.append(ids)
+                if not off:
+                    m = re.search(r"^tokens per target step: (\d+\.\d\d)$", err, re.M)
+                    check(m, "no 'tokens per target step' for a request with controls %s" % ctl)
+                    best = max(best, float(m.group(1)))
+            check(outs[0] == outs[1], "%r %s: ids differ with speculation\n%s\n%s" % (prompt, ctl, outs[0], outs[1]))
+        check(best > 1.2, "rows with sampling controls were not speculated (best %.2f)" % best)
+        _, samples = get_metrics(port)
+        drafts0 = metric(samples, "vllm:spec_decode_num_draft_tokens_total")
+        # a json_schema request (greedy and seeded) and logprobs: the same text and logprobs
+        for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                      "temperature": 0},
+                     {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                      "temperature": 0.8, "seed": 5},
+                     {"guided_json": PERSON, "temperature": 0.7, "seed": 2, "frequency_penalty": 0.2},
+                     {"prompt": PROMPTS[1], "temperature": 0, "logprobs": 2, "presence_penalty": 0.1,
+                      "ignore_eos": True}):
+            got = []
+            for spec in (True, False):
+                b = dict({"prompt": PROMPTS[0], "max_tokens": 64, "speculative": spec}, **body)
+                status, data = post(port, "/v1/completions", b, timeout=120)
+                check(status == 200, "%r: %d %r" % (body, status, data[:300]))
+                ch = json.loads(data)["choices"][0]
+                got.append((ch["text"], ch["finish_reason"], ch.get("logprobs")))
+            check(got[0] == got[1], "%r: speculation changed the output\n%r\n%r" % (body, got[0], got[1]))
+            if "response_format" in body and got[0][1] == "stop":
+                json.loads(got[0][0])
+        _, samples = get_metrics(port)
+        check(metric(samples, "vllm:spec_decode_num_draft_tokens_total") > drafts0,
+              "no drafts were verified for the constrained requests")
+
+
+def test_failover():
+    # kill -9 a worker mid-stream with speculation on: the requests wait for
+    # the grid to be restored, re-prefill their accepted tokens and go on;
+    # greedy ids equal an uninterrupted run without speculation
+    n = 450
+    expect = {p: run_local(STORIES, p, n, extra=["--ignore-eos"])[1] for p in PROMPTS[1:]}
+    with Cluster(STORIES, 2, 1, coord_args=SPEC_ARGS + ["--recovery-timeout-ms", "30000"]) as c:
+        procs = [(p, c.generate_async(p, n, extra=["--ignore-eos", "--timeout-ms", "30000"]))
+                 for p in PROMPTS[1:] * 2]
+        for _, proc in procs:  # every stream has begun (a request sent to a broken grid is refused)
+            proc.stdout.read(1)
+        check(all(proc.poll() is None for _, proc in procs), "a stream ended before the kill")
+        kill(c.pid("worker-1"))
+        time.sleep(0.3)
+        w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", "tcp://127.0.0.1:%d" % (c.port + 1),
+                              "--threads", "1", "--id", "replacement"] + c.worker_keys("replacement"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            best = 0.0
+            for p, proc in procs:
+                out, err = proc.communicate(timeout=120)
+                check(proc.returncode == 0, "a stream did not survive: %s" % err[-300:])
+                check(parse_ids(err) == expect[p], "%r: after recovery the ids differ from an uninterrupted run" % p)
+                m = re.search(r"^tokens per target step: (\d+\.\d\d)$", err, re.M)
+                best = max(best, float(m.group(1)) if m else 0.0)
+        finally:
+            w.terminate()
+            w.wait(timeout=30)
+        check(best > 1.0, "no stream accepted a draft (best %.2f tokens per target step)" % best)
+        check("resume" in c.log("coordinator"), "no recovery in the coordinator log")
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
-               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids])
+               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_controls_identical,
+               test_failover])

@@ -354,6 +354,25 @@ static void masks_vs_brute_force(loom_tokenizer_t *tok) {
             loom_grammar_matcher_fill_mask(m2, mask2);
             CHECK(memcmp(mask, mask2, loom_grammar_mask_words(v) * 4) == 0);
             CHECK(loom_grammar_matcher_n_accepted(m2) == n_ids);
+            /* a copy (speculative drafts): the same mask, advanced alone */
+            loom_grammar_matcher_t *m3 = NULL;
+            REQUIRE(loom_grammar_matcher_create(g, v, &m3, &err) == LOOM_OK);
+            REQUIRE(loom_grammar_matcher_copy(m3, m2) == LOOM_OK);
+            loom_grammar_matcher_fill_mask(m3, mask2);
+            CHECK(memcmp(mask, mask2, loom_grammar_mask_words(v) * 4) == 0);
+            int next = pick(&r, v, mask, eos, scratch);
+            if (next >= 0 && next != eos && n_ids < 256) {
+                REQUIRE(loom_grammar_matcher_accept_token(m3, next) == LOOM_OK);
+                CHECK(loom_grammar_matcher_n_accepted(m3) == n_ids + 1 && loom_grammar_matcher_n_accepted(m2) == n_ids);
+                loom_grammar_matcher_fill_mask(m2, mask2);
+                CHECK(memcmp(mask, mask2, loom_grammar_mask_words(v) * 4) == 0); /* the source stays put */
+                ids[n_ids] = next;
+                REQUIRE(loom_grammar_matcher_replay(m, ids, n_ids + 1) == LOOM_OK);
+                loom_grammar_matcher_fill_mask(m, mask);
+                loom_grammar_matcher_fill_mask(m3, mask2);
+                CHECK(memcmp(mask, mask2, loom_grammar_mask_words(v) * 4) == 0);
+            }
+            loom_grammar_matcher_destroy(&m3);
             loom_grammar_matcher_destroy(&m);
             loom_grammar_matcher_destroy(&m2);
         }

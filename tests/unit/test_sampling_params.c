@@ -154,6 +154,58 @@ static void test_plan_rows(void) {
     CHECK(p == NULL);
 }
 
+static int count_of(const Loom__V1__SampleParams *row, int32_t id) {
+    for (size_t i = 0; i < row->n_seen_ids; i++)
+        if (row->seen_ids[i] == id) return row->out_counts[i];
+    return -1; /* not seen */
+}
+
+/* Verify rows of a speculating sequence: row j sees the drafts before it as
+ * output (counts, min_tokens), the fed row and ordinary rows do not. */
+static void test_spec_rows(void) {
+    Loom__V1__SamplingParams sp = LOOM__V1__SAMPLING_PARAMS__INIT;
+    sp.frequency_penalty = 0.5f;
+    Loom__V1__GenerateRequest g = LOOM__V1__GENERATE_REQUEST__INIT;
+    g.sampling = &sp;
+    g.min_tokens = 4;
+    g.max_tokens = 32;
+    loom_sparams_t *p = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_sparams_create(&g, g_tok, &g_cfg, &p, &err) == LOOM_OK && p);
+    int32_t toks[8] = {1, 5, 5, 9, 9, 12}; /* prompt 1 5 5 9, output 9 12 */
+    loom_seq_t seq = {.tokens = toks, .n_tokens = 6, .n_prompt = 4, .sparams = p};
+    /* the fed token 12, then the drafts 12 30 12 */
+    int32_t mtoks[4] = {12, 12, 30, 12}, rows_at[4] = {0, 1, 2, 3};
+    uint64_t steps[4] = {2, 3, 4, 5};
+    uint8_t spec_row[4] = {1, 1, 1, 1};
+    loom_seq_t *seqs[4] = {&seq, &seq, &seq, &seq};
+    loom_microbatch_t mb = {.n_tokens = 4, .tokens = mtoks, .n_logits = 4, .logit_rows = rows_at,
+                            .logit_seq = seqs, .steps = steps, .spec_row = spec_row};
+    Loom__V1__SampleParams r[4], *rows[4];
+    for (int i = 0; i < 4; i++) {
+        loom__v1__sample_params__init(&r[i]);
+        rows[i] = &r[i];
+    }
+    loom_sparams_arena_t a = {0};
+    loom_sparams_fill_plan(&a, &mb, rows);
+    static const int want12[4] = {1, 2, 2, 3}, want30[4] = {-1, -1, 1, 1};
+    for (int j = 0; j < 4; j++) {
+        CHECKF(count_of(&r[j], 12) == want12[j] && count_of(&r[j], 30) == want30[j], "row %d: counts %d %d", j,
+               count_of(&r[j], 12), count_of(&r[j], 30));
+        CHECK(count_of(&r[j], 9) == 1);
+        /* 2 + j tokens output: EOS banned while fewer than min_tokens */
+        int banned = g_cfg.n_eos > 0 && has(r[j].banned_ids, r[j].n_banned_ids, g_cfg.eos_ids[0]);
+        CHECKF(banned == (2 + j < 4), "row %d: EOS banned %d", j, banned);
+    }
+    /* the same rows without the speculation marks: all as the fed row */
+    memset(spec_row, 0, sizeof spec_row);
+    for (int i = 0; i < 4; i++) loom__v1__sample_params__init(&r[i]);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    for (int j = 0; j < 4; j++) CHECK(count_of(&r[j], 12) == 1 && count_of(&r[j], 30) == -1);
+    loom_sparams_arena_free(&a);
+    loom_sparams_destroy(&p);
+}
+
 static void test_lp_view(void) {
     loom_seq_t s0 = {0}, s1 = {0};
     loom_seq_t *seqs[2] = {&s0, &s1};
@@ -297,6 +349,7 @@ int main(void) {
     }
     RUN(test_validation);
     RUN(test_plan_rows);
+    RUN(test_spec_rows);
     RUN(test_lp_view);
     RUN(test_guide_rows);
     loom_tokenizer_destroy(&g_tok);
