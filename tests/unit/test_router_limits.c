@@ -136,7 +136,7 @@ static void test_store_replay_lru_ttl(void) {
     CHECKF(one > 128 && one < 700, "one entry: %zu bytes", one);
     int fit = (int)(2000 / one);
     Loom__V1__GenerateRequest more[16];
-    char names[16][8];
+    char names[16][16];
     for (int i = 0; i < fit + 1 && i < 16; i++) {
         more[i] = g[2];
         snprintf(names[i], sizeof names[i], "p%d", i);
