@@ -122,11 +122,24 @@ void loom_cpu_qx_init(loom_cpu_qx_t *qx, void *scratch, const float *x, int n,
 #if defined(__x86_64__) && defined(__GNUC__)
 #define QGEMV_X86 1
 #include <immintrin.h>
+/* Regions compiled for a wider target than the build's, chosen at run time;
+ * GCC and clang spell them differently. */
+/* _Pragma takes one string literal, hence the long lines. */
+/* clang-format off */
+#if defined(__clang__)
+#define QGEMV_AVX2_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
+#define QGEMV_VNNI_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni\"))), apply_to = function)")
+#define QGEMV_TARGET_END _Pragma("clang attribute pop")
+#else
+#define QGEMV_AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define QGEMV_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni\")")
+#define QGEMV_TARGET_END _Pragma("GCC pop_options")
+#endif
+/* clang-format on */
 #endif
 
 #ifdef QGEMV_X86
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+QGEMV_AVX2_BEGIN
 
 /* One block of 32: max |x|, then q = round(x · 127 / max) (to nearest
  * even, as lrintf in the default rounding mode: both paths agree exactly). */
@@ -158,7 +171,7 @@ static void quantize_block_avx2(const float *x, int8_t *q, float *d, int32_t *su
     *sum = _mm_cvtsi128_si32(s4);
 }
 
-#pragma GCC pop_options
+QGEMV_TARGET_END
 #endif
 
 static void quantize_block_scalar(const float *x, int8_t *q, float *d, int32_t *sum) {
@@ -237,8 +250,7 @@ void loom_cpu_q_repack(void *dst, const loom_qtensor_t *t, int64_t r0, int64_t r
 #endif
 
 #ifdef QGEMV_X86
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+QGEMV_AVX2_BEGIN
 
 static inline __attribute__((always_inline)) float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -412,13 +424,12 @@ __attribute__((noinline)) static void dequant_avx2(float *dst, const loom_weight
     }
 }
 
-#pragma GCC pop_options
+QGEMV_TARGET_END
 
 /* The same tiles with VNNI: one vpdpbusd per block and row pair; INT8 codes
  * go in as unsigned (q + 128) and the 128 · sum(x) is taken off at the end.
  * 32 ymm registers allow 4 x 4 tiles. */
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+QGEMV_VNNI_BEGIN
 
 static inline __attribute__((always_inline)) __m256i dot_u8s8_vnni(__m256i w, __m256i x) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
@@ -441,7 +452,7 @@ static inline __attribute__((always_inline)) __m256i dot_u8s8_vnni(__m256i w, __
 #undef QT_RM
 #undef QT_NXM
 
-#pragma GCC pop_options
+QGEMV_TARGET_END
 #endif /* QGEMV_X86 */
 
 /* --- dispatch ---------------------------------------------------------- */
