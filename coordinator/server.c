@@ -723,8 +723,11 @@ static int prompt_lp_step(loom_server_t *s, const loom_microbatch_t *mb, const L
             q->plp_lp[p] = r->prompt_logprobs[i];
             q->plp_rank[p] = r->prompt_ranks[i];
             q->plp_ntop[p] = (uint32_t)k;
-            memcpy(q->plp_ids + (size_t)p * LOOM_MAX_TOP_LOGPROBS, r->prompt_top_ids + off, k * sizeof(int32_t));
-            memcpy(q->plp_tlp + (size_t)p * LOOM_MAX_TOP_LOGPROBS, r->prompt_top_logprobs + off, k * sizeof(float));
+            if (k) { /* protobuf-c leaves an empty repeated field NULL */
+                memcpy(q->plp_ids + (size_t)p * LOOM_MAX_TOP_LOGPROBS, r->prompt_top_ids + off, k * sizeof(int32_t));
+                memcpy(q->plp_tlp + (size_t)p * LOOM_MAX_TOP_LOGPROBS, r->prompt_top_logprobs + off,
+                       k * sizeof(float));
+            }
         }
         off += k;
     }
