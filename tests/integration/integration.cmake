@@ -7,11 +7,6 @@ add_executable(hijack ${CMAKE_CURRENT_LIST_DIR}/hijack.c)
 target_link_libraries(hijack PRIVATE loom_proto loom_keys Loom::ZeroMQ)
 set_target_properties(hijack PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
 
-function(loom_add_it name script)
-  add_test(NAME ${name} COMMAND ${LOOM_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/${script})
-  set_tests_properties(${name} PROPERTIES TIMEOUT 600 LABELS integration RESOURCE_LOCK cluster
-    ENVIRONMENT "LOOM_BIN=${CMAKE_BINARY_DIR}/bin;LOOM_MODELS_DIR=${LOOM_MODELS_DIR};LOOM_TEST_WORK=${CMAKE_BINARY_DIR}/tests/it_work;LOOM_PYTHON=${LOOM_PYTHON}")
-endfunction()
 loom_add_it(it_grid test_grid.py)
 loom_add_it(it_models test_models.py)
 loom_add_it(it_cluster test_cluster.py)
