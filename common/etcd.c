@@ -24,6 +24,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "common/cert.h"
 #include "common/log.h"
 #include "common/util.h"
 
@@ -322,6 +323,10 @@ static loom_status_t sec_load(etcd_sec_t *s, loom_err_t *err) {
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "an etcd client certificate needs its key, and a key its certificate (--etcd-cert with "
                             "--etcd-key)");
+    /* etcd (Go's TLS) answers an expired client certificate with a bare "bad
+     * certificate" alert: say what is wrong before asking */
+    if (s->cert) LOOM_CHECK(loom_cert_check_dates(s->cert, "the etcd client certificate --etcd-cert", time(NULL), err));
+    if (s->cacert) LOOM_CHECK(loom_cert_check_dates(s->cacert, "the etcd CA certificate --etcd-cacert", time(NULL), err));
     return LOOM_OK;
 }
 

@@ -1,8 +1,9 @@
 """etcd with TLS client certificates and v3 auth: a real etcd started with
 --client-cert-auth and auth enabled (certificates made here with openssl),
 a coordinator and a worker that find each other through it, and the errors
-of a wrong password, a missing or foreign client certificate and an unknown
-CA, each naming what was refused while the cluster keeps serving."""
+of a wrong password, a missing, foreign or expired client certificate, an
+unknown CA and an expired server certificate, each naming what was refused
+while the cluster keeps serving."""
 import os
 import shutil
 import subprocess
@@ -24,33 +25,35 @@ def make_ca(d, name):
             "-keyout", name + ".key", "-out", name + ".pem", cwd=d)
 
 
-def make_cert(d, ca, name, subject, ext):
+def make_cert(d, ca, name, subject, ext, days="2"):
     with open(os.path.join(d, name + ".ext"), "w") as f:
         f.write(ext)
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", name + ".key",
             "-out", name + ".csr", cwd=d)
     openssl("x509", "-req", "-in", name + ".csr", "-CA", ca + ".pem", "-CAkey", ca + ".key", "-CAcreateserial",
-            "-days", "2", "-extfile", name + ".ext", "-out", name + ".pem", cwd=d)
+            "-days", days, "-extfile", name + ".ext", "-out", name + ".pem", cwd=d)
 
 
 class SecureEtcd:
-    def __init__(self, d):
+    def __init__(self, d, server="server", data="data"):
         self.d = d
         port = free_port_pair()
         self.url = "https://127.0.0.1:%d" % port
         peer = "http://127.0.0.1:%d" % (port + 1)
         self.proc = subprocess.Popen(
-            [shutil.which("etcd") or "/usr/bin/etcd", "--name", "sec", "--data-dir", os.path.join(d, "data"),
+            [shutil.which("etcd") or "/usr/bin/etcd", "--name", "sec", "--data-dir", os.path.join(d, data),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", "sec=" + peer,
-             "--cert-file", os.path.join(d, "server.pem"), "--key-file", os.path.join(d, "server.key"),
+             "--cert-file", os.path.join(d, server + ".pem"), "--key-file", os.path.join(d, server + ".key"),
              "--client-cert-auth", "--trusted-ca-file", os.path.join(d, "ca.pem"), "--logger=zap",
              "--log-level=error"], stdout=subprocess.DEVNULL, stderr=open(os.path.join(d, "etcd.log"), "w"))
         self.tls = ["--cacert", os.path.join(d, "ca.pem"), "--cert", os.path.join(d, "client.pem"),
                     "--key", os.path.join(d, "client.key")]
+        # an expired server certificate is what a client must refuse: wait with -k then
+        insecure = ["-k"] if server != "server" else []
         wait_for(lambda: '"health":"true"' in subprocess.run(
-            ["curl", "-s", "-m", "1", self.url + "/health"] + self.tls, capture_output=True, text=True).stdout,
-            20, "the TLS etcd to be healthy")
+            ["curl", "-s", "-m", "1", self.url + "/health"] + insecure + self.tls, capture_output=True,
+            text=True).stdout, 20, "the TLS etcd to be healthy")
 
     def ctl(self, *args):
         env = dict(os.environ, ETCDCTL_API="3")
@@ -82,6 +85,10 @@ def test_tls_and_auth():
         # when auth is on (it would not be the user), so users come from passwords
         make_cert(d, "ca", "client", "/O=loom", "extendedKeyUsage=clientAuth\n")
         make_cert(d, "other-ca", "stranger", "/O=loom", "extendedKeyUsage=clientAuth\n")
+        # valid until yesterday (openssl's negative -days ends before it starts)
+        make_cert(d, "ca", "expired", "/O=loom", "extendedKeyUsage=clientAuth\n", days="-1")
+        make_cert(d, "ca", "server-expired", "/CN=etcd",
+                  "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n", days="-1")
         etcd = SecureEtcd(d)
         etcd.ctl("user", "add", "root", "--new-user-password", "rootpw")
         etcd.ctl("user", "grant-role", "root", "root")
@@ -126,18 +133,31 @@ def test_tls_and_auth():
             (sec(pw="badpw"), "refused user 'loom': wrong user name or password"),
             (sec(cert=None), "refused this client's certificate, or needs one"),
             (sec(cert="stranger"), "refused this client's certificate, or needs one"),
+            (sec(cert="expired"), ("the etcd client certificate --etcd-cert", "expired on")),
             (sec(ca=None), "refused its TLS certificate"),
             (sec(ca="other-ca"), "refused its TLS certificate"),
         ]
         for args, want in cases:
             p = subprocess.run([os.path.join(BIN, "loom-worker"), "--threads", "1", "--id", "bad",
                                 "--cluster", "sec"] + args, capture_output=True, text=True, timeout=60, env=env)
-            check(p.returncode != 0 and want in p.stderr, "%s: exit %d: %s (wanted %r)"
+            wants = want if isinstance(want, tuple) else (want,)
+            check(p.returncode != 0 and all(w in p.stderr for w in wants), "%s: exit %d: %s (wanted %r)"
                   % (" ".join(args[2:]), p.returncode, p.stderr[-400:], want))
         p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
                             "--control", "tcp://127.0.0.1:0", "--cluster", "other"] + sec(pw="badpw"),
                            capture_output=True, text=True, timeout=60, env=env)
         check(p.returncode != 0 and "wrong user name or password" in p.stderr, "coordinator: %s" % p.stderr[-400:])
+        # an etcd whose own certificate has expired is refused, naming why
+        stale = SecureEtcd(d, server="server-expired", data="data-expired")
+        try:
+            stale_args = sec()
+            stale_args[1] = stale.url
+            p = subprocess.run([os.path.join(BIN, "loom-worker"), "--threads", "1", "--id", "bad",
+                                "--cluster", "sec"] + stale_args, capture_output=True, text=True, timeout=60, env=env)
+            check(p.returncode != 0 and "refused its TLS certificate" in p.stderr and "expired" in p.stderr,
+                  "expired etcd server certificate: exit %d: %s" % (p.returncode, p.stderr[-400:]))
+        finally:
+            stale.stop()
         p = subprocess.run([os.path.join(BIN, "loom"), "health", "--addr", "tcp://127.0.0.1:%d" % port],
                            capture_output=True, text=True, timeout=30)
         check(p.returncode == 0 and "ready" in p.stdout + p.stderr, "not serving after the refusals: %s" % p.stderr)

@@ -21,3 +21,7 @@ if(TARGET loom_etcd)
   set_tests_properties(test_etcd PROPERTIES FIXTURES_REQUIRED etcd_unit
     ENVIRONMENT "LOOM_ETCD_DIR=${dir};LOOM_ETCD_FIXTURE=${LOOM_ETCD_FIXTURE_SH}")
 endif()
+
+if(TARGET loom_etcd)
+  loom_add_test(test_cert SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cert.c LIBS loom_etcd LABELS unit)
+endif()
