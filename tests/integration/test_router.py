@@ -791,6 +791,10 @@ def test_curve():
                     rc, _, ids, err = generate(r.addr, PROMPT, 4, extra=["--timeout-ms", "2000"] + extra, timeout=30)
                     check(rc != 0 and not ids and "UNAVAILABLE" in err, "%s: %d %s" % (what, rc, err))
                 check("refused a client connection from 127.0.0.1" in r.log(), "the router logged no refusal")
+                # its HTTP gateway (in-process, past CURVE) still answers the probes
+                with urllib.request.urlopen("http://127.0.0.1:%d/health" % r.http, timeout=10) as h:
+                    body = json.loads(h.read().decode())
+                check(h.status == 200 and body.get("status") == "ok", "/health of the keyed router: %r" % body)
         finally:
             shutil.rmtree(api_dir, ignore_errors=True)
         # start-up errors: a reachable API without keys, half a replica key pair, half an API key pair
