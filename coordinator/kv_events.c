@@ -19,7 +19,7 @@
 struct loom_kv_events {
     void *pub;
     char bind[256], advertise_host[256];
-    char addr[300]; /* what routers dial ("" until bound) */
+    char addr[300];           /* what routers dial ("" until bound) */
     loom_kv_ledger_t *ledger; /* the ledger observed (NULL: none yet) */
     uint64_t *cached, *evicted;
     size_t n_cached, n_evicted;
@@ -43,13 +43,16 @@ loom_status_t loom_kv_events_create(void *zctx, const char *bind, const char *ad
                                     loom_kv_events_t **out, loom_err_t *err) {
     *out = NULL;
     void *pub = zmq_socket(zctx, ZMQ_PUB);
-    if (!pub) return loom_err_set(err, LOOM_ERR_INTERNAL, "cannot make the --kv-events socket: %s", zmq_strerror(errno));
+    if (!pub)
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "cannot make the --kv-events socket: %s",
+                            zmq_strerror(errno));
     int zero = 0;
     zmq_setsockopt(pub, ZMQ_LINGER, &zero, sizeof zero);
     loom_kv_events_t *ev = loom_xcalloc(1, sizeof *ev);
     ev->pub = pub;
     snprintf(ev->bind, sizeof ev->bind, "%s", bind);
-    snprintf(ev->advertise_host, sizeof ev->advertise_host, "%s", advertise_host ? advertise_host : "");
+    snprintf(ev->advertise_host, sizeof ev->advertise_host, "%s",
+             advertise_host ? advertise_host : "");
     ev->cached = loom_xmalloc(MAX_PENDING * sizeof *ev->cached);
     ev->evicted = loom_xmalloc(MAX_PENDING * sizeof *ev->evicted);
     *out = ev;

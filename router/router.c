@@ -71,7 +71,7 @@ typedef struct replica {
     rep_state_t state;
     int from_etcd, listed;  /* discovered in etcd; still listed there */
     char why[320];          /* the last state change's reason */
-    int join_warned; /* said why a replica that never answered may be refusing us */
+    int join_warned;        /* said why a replica that never answered may be refusing us */
     uint64_t last_reply_ns; /* any answer */
     uint64_t probe_sent_ns; /* the oldest unanswered probe (0: none) */
     uint64_t open_until_ns; /* DOWN: the next probe after this */
@@ -147,8 +147,8 @@ typedef struct etcd_thread {
 struct loom_router {
     loom_router_config_t cfg;
     void *zctx, *api, *pipe;
-    loom_zap_t *zap;           /* NULL: the client API is not keyed */
-    int rep_keyed;             /* replica sockets are CURVE clients with these keys */
+    loom_zap_t *zap; /* NULL: the client API is not keyed */
+    int rep_keyed;   /* replica sockets are CURVE clients with these keys */
     char rep_server[LOOM_KEY_Z85 + 1];
     loom_keypair_t rep_kp;
     char api_addr[256], inproc_addr[64];
@@ -980,11 +980,9 @@ static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) 
  * replica keys. */
 static int replica_curve(const loom_router_t *r, void *s) {
     if (!r->rep_keyed) return 0;
-    return zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, r->rep_server, LOOM_KEY_Z85) != 0 ||
-                   zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, r->rep_kp.public_z85, LOOM_KEY_Z85) != 0 ||
-                   zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, r->rep_kp.secret_z85, LOOM_KEY_Z85) != 0
-               ? -1
-               : 0;
+    if (zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, r->rep_server, LOOM_KEY_Z85) != 0) return -1;
+    if (zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, r->rep_kp.public_z85, LOOM_KEY_Z85) != 0) return -1;
+    return zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, r->rep_kp.secret_z85, LOOM_KEY_Z85) != 0 ? -1 : 0;
 }
 
 static void events_open(loom_router_t *r, int i, const char *addr) {
@@ -1232,17 +1230,19 @@ static void tick(loom_router_t *r) {
         if (p->state == REP_REFUSED) continue;
         if (p->state == REP_JOINING && !p->join_warned && now - p->last_reply_ns > timeout) {
             p->join_warned = 1;
-            snprintf(p->why, sizeof p->why, "%s", r->rep_keyed ? "no answer: refused our CURVE key?"
-                                                               : "no answer: does it require CURVE keys?");
+            snprintf(p->why, sizeof p->why, "%s",
+                     r->rep_keyed ? "no answer: refused our CURVE key?"
+                                  : "no answer: does it require CURVE keys?");
             if (r->rep_keyed)
-                LOOM_WARN("replica %s: no answer for %d ms; if it is up, it refuses the router's CURVE keys: is "
-                          "--replica-server-key its coordinator's public key, and the router's public key %.8s... "
-                          "in its --client-keys?",
+                LOOM_WARN("replica %s: no answer for %d ms; if it is up, it refuses the router's "
+                          "CURVE keys: is --replica-server-key its coordinator's public key, and "
+                          "the router's public key %.8s... in its --client-keys?",
                           p->addr, r->cfg.replica_timeout_ms, r->rep_kp.public_z85);
             else
-                LOOM_WARN("replica %s: no answer for %d ms; if it is up, it may require CURVE keys: give "
-                          "--replica-server-key and --replica-secret",
-                          p->addr, r->cfg.replica_timeout_ms);
+                LOOM_WARN(
+                    "replica %s: no answer for %d ms; if it is up, it may require CURVE keys: give "
+                    "--replica-server-key and --replica-secret",
+                    p->addr, r->cfg.replica_timeout_ms);
         }
         if (p->state == REP_UP && p->probe_sent_ns && now - p->probe_sent_ns > timeout) {
             char why[128];
@@ -1636,30 +1636,34 @@ static loom_status_t router_keys(loom_router_t *r, loom_err_t *err) {
     const char *server = loom_key_source(c->replica_server_key, "LOOM_REPLICA_SERVER_KEY");
     const char *rsecret = loom_key_source(c->replica_secret, "LOOM_REPLICA_SECRET");
     if (!server != !rsecret)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "keyed replicas need both --replica-server-key (their coordinator's public key) and "
-                            "--replica-secret (the router's own secret key); only --%s was given",
-                            server ? "replica-server-key" : "replica-secret");
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "keyed replicas need both --replica-server-key (their coordinator's public key) and "
+            "--replica-secret (the router's own secret key); only --%s was given",
+            server ? "replica-server-key" : "replica-secret");
     if (server) {
-        LOOM_CHECK(loom_key_read(server, "the replicas' public key (--replica-server-key)", r->rep_server, err));
-        LOOM_CHECK(loom_keypair_read(rsecret, "the router's secret key for replicas (--replica-secret)", &r->rep_kp,
-                                     err));
+        LOOM_CHECK(loom_key_read(server, "the replicas' public key (--replica-server-key)",
+                                 r->rep_server, err));
+        LOOM_CHECK(loom_keypair_read(
+            rsecret, "the router's secret key for replicas (--replica-secret)", &r->rep_kp, err));
         r->rep_keyed = 1;
-        LOOM_INFO("CURVE: replicas keyed (server key %.8s..., the router's public key %s: list it in each "
-                  "replica's --client-keys)",
+        LOOM_INFO("CURVE: replicas keyed (server key %.8s..., the router's public key %s: list "
+                  "it in each replica's --client-keys)",
                   r->rep_server, r->rep_kp.public_z85);
     }
     const char *secret = loom_key_source(c->curve_secret, "LOOM_CURVE_SECRET");
     const char *clients = loom_key_source(c->client_keys, "LOOM_CLIENT_KEYS");
     if (clients && !secret)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "--client-keys needs the router's own key: --curve-secret FILE (or LOOM_CURVE_SECRET); "
-                            "make one with 'loom keygen'");
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "--client-keys needs the router's own key: --curve-secret FILE (or LOOM_CURVE_SECRET); "
+            "make one with 'loom keygen'");
     if (secret && !clients)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "--curve-secret needs an allow-list to check clients against: --client-keys FILE");
-    LOOM_CHECK(loom_zap_api_rule(c->listen, clients != NULL, c->insecure_api, "the router's client API (--listen)",
-                                 err));
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "--curve-secret needs an allow-list to check clients against: --client-keys FILE");
+    LOOM_CHECK(loom_zap_api_rule(c->listen, clients != NULL, c->insecure_api,
+                                 "the router's client API (--listen)", err));
     if (!clients) return LOOM_OK;
     loom_keypair_t kp;
     LOOM_CHECK(loom_keypair_read(secret, "the router's secret key (--curve-secret)", &kp, err));
