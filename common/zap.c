@@ -347,3 +347,17 @@ int loom_zap_identity_ok(loom_zap_t *z, zmq_msg_t *msg, const void *rid, size_t 
     }
     return 0;
 }
+
+loom_status_t loom_zap_api_rule(const char *listen, int keyed, int insecure, const char *who, loom_err_t *err) {
+    if (keyed || loom_endpoint_is_local(listen)) return LOOM_OK;
+    if (!insecure)
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "%s binds %s, which other hosts can reach: give the client keys "
+                            "(--curve-secret FILE --client-keys FILE), or --insecure-api to serve it without "
+                            "authentication",
+                            who, listen);
+    LOOM_WARN("*** SECURITY: --insecure-api: %s binds %s without client keys; anyone who reaches "
+              "it can send requests and read their output in clear text. ***",
+              who, listen);
+    return LOOM_OK;
+}

@@ -16,6 +16,7 @@
 
 #define LOOM_ZAP_CONTROL "loom-control"
 #define LOOM_ZAP_API     "loom-api"
+#define LOOM_ZAP_EVENTS  "loom-events" /* the coordinator's --kv-events PUB */
 
 typedef struct loom_zap loom_zap_t;
 
@@ -42,5 +43,11 @@ void loom_zap_counts(loom_zap_t *z, unsigned long *admitted, unsigned long *refu
  * the message may be handled (always, when z is NULL: the plane is not
  * keyed); else logs the refusal with the peer's address and returns 0. */
 int loom_zap_identity_ok(loom_zap_t *z, zmq_msg_t *msg, const void *rid, size_t rid_len);
+
+/* The rule for a client API (the coordinator's, the router's): one bound to
+ * `listen`, an address other hosts can reach, needs client keys (`keyed`)
+ * unless `insecure` (--insecure-api), which is warned about loudly. `who`
+ * names the server in the messages ("the client API"). */
+loom_status_t loom_zap_api_rule(const char *listen, int keyed, int insecure, const char *who, loom_err_t *err);
 
 #endif

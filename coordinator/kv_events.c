@@ -18,7 +18,8 @@
 
 struct loom_kv_events {
     void *pub;
-    char addr[300];
+    char bind[256], advertise_host[256];
+    char addr[300];           /* what routers dial ("" until bound) */
     loom_kv_ledger_t *ledger; /* the ledger observed (NULL: none yet) */
     uint64_t *cached, *evicted;
     size_t n_cached, n_evicted;
@@ -42,28 +43,39 @@ loom_status_t loom_kv_events_create(void *zctx, const char *bind, const char *ad
                                     loom_kv_events_t **out, loom_err_t *err) {
     *out = NULL;
     void *pub = zmq_socket(zctx, ZMQ_PUB);
+    if (!pub)
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "cannot make the --kv-events socket: %s",
+                            zmq_strerror(errno));
     int zero = 0;
     zmq_setsockopt(pub, ZMQ_LINGER, &zero, sizeof zero);
-    if (zmq_bind(pub, bind) != 0) {
-        loom_status_t st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind --kv-events %s: %s",
-                                        bind, zmq_strerror(errno));
-        zmq_close(pub);
-        return st;
-    }
     loom_kv_events_t *ev = loom_xcalloc(1, sizeof *ev);
     ev->pub = pub;
-    char last[256];
-    size_t l = sizeof last;
-    zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, last, &l);
-    const char *colon = strrchr(last, ':');
-    if (advertise_host && colon && !strncmp(last, "tcp://", 6))
-        snprintf(ev->addr, sizeof ev->addr, "tcp://%s%s", advertise_host, colon);
-    else
-        snprintf(ev->addr, sizeof ev->addr, "%s", last);
+    snprintf(ev->bind, sizeof ev->bind, "%s", bind);
+    snprintf(ev->advertise_host, sizeof ev->advertise_host, "%s",
+             advertise_host ? advertise_host : "");
     ev->cached = loom_xmalloc(MAX_PENDING * sizeof *ev->cached);
     ev->evicted = loom_xmalloc(MAX_PENDING * sizeof *ev->evicted);
-    LOOM_INFO("KV events on %s", ev->addr);
     *out = ev;
+    return LOOM_OK;
+}
+
+void *loom_kv_events_socket(loom_kv_events_t *ev) {
+    return ev ? ev->pub : NULL;
+}
+
+loom_status_t loom_kv_events_bind(loom_kv_events_t *ev, loom_err_t *err) {
+    if (zmq_bind(ev->pub, ev->bind) != 0)
+        return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind --kv-events %s: %s", ev->bind,
+                            zmq_strerror(errno));
+    char last[256];
+    size_t l = sizeof last;
+    zmq_getsockopt(ev->pub, ZMQ_LAST_ENDPOINT, last, &l);
+    const char *colon = strrchr(last, ':');
+    if (ev->advertise_host[0] && colon && !strncmp(last, "tcp://", 6))
+        snprintf(ev->addr, sizeof ev->addr, "tcp://%s%s", ev->advertise_host, colon);
+    else
+        snprintf(ev->addr, sizeof ev->addr, "%s", last);
+    LOOM_INFO("KV events on %s", ev->addr);
     return LOOM_OK;
 }
 

@@ -13,10 +13,14 @@
 
 typedef struct loom_kv_events loom_kv_events_t;
 
-/* Binds a PUB socket at `bind` (tcp://HOST:PORT, port 0: any). The address
- * it advertises has advertise_host in place of a wildcard host (NULL: keep). */
+/* A PUB socket for `bind` (tcp://HOST:PORT, port 0: any), not bound yet:
+ * key it first (loom_kv_events_socket, loom_zap_secure) when the client API
+ * is keyed, then loom_kv_events_bind. The address it advertises has
+ * advertise_host in place of a wildcard host (NULL: keep). */
 loom_status_t loom_kv_events_create(void *zctx, const char *bind, const char *advertise_host,
                                     loom_kv_events_t **out, loom_err_t *err);
+void *loom_kv_events_socket(loom_kv_events_t *ev); /* NULL on NULL */
+loom_status_t loom_kv_events_bind(loom_kv_events_t *ev, loom_err_t *err);
 void loom_kv_events_destroy(loom_kv_events_t **ev_p); /* safe on NULL and twice */
 /* The address routers dial ("" on NULL). */
 const char *loom_kv_events_addr(const loom_kv_events_t *ev);

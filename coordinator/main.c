@@ -156,7 +156,7 @@ int main(int argc, char **argv) {
         {"cluster", LOOM_OPT_STR, &c.cluster, "NAME", "cluster name in etcd: keys under /loom/NAME/ (default 'default')", 1, 0, NULL},
         {"etcd-ttl", LOOM_OPT_INT, &c.etcd_ttl, "S", "etcd lease TTL in seconds (default 5)", 1, 3600, NULL},
         {"advertise-host", LOOM_OPT_STR, &c.advertise_host, "HOST", "host name others dial, published in etcd when --listen/--control bind 0.0.0.0", 1, 0, NULL},
-        {"kv-events", LOOM_OPT_STR, &c.kv_events, "ADDR", "publish prefix-cache events (blocks cached and evicted) and load for loom-router on a ZeroMQ PUB socket here, e.g. tcp://127.0.0.1:5557 (port 0: any free port; routers learn it from Stats) (default off)", 1, 0, NULL},
+        {"kv-events", LOOM_OPT_STR, &c.kv_events, "ADDR", "publish prefix-cache events (blocks cached and evicted) and load for loom-router on a ZeroMQ PUB socket here, e.g. tcp://127.0.0.1:5557 (port 0: any free port; routers learn it from Stats; CURVE-keyed like the client API when --client-keys is given) (default off)", 1, 0, NULL},
         {"http", LOOM_OPT_STR, &http_bind, "HOST:PORT", "also serve the OpenAI-compatible HTTP API, /health and /metrics here, e.g. 127.0.0.1:8000 (port 0: any free port; default off)", 1, 0, NULL},
         {"chat-template", LOOM_OPT_STR, &chat_template, "NAME|FILE", "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral, qwen3, gemma, phi3, or a Jinja template file of one of those families (default: the model's)", 1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N", "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},

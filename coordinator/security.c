@@ -9,13 +9,13 @@
 #include "common/log.h"
 
 loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *zctx, void *api, void *ctl,
-                                        const char *listen, const char *control, loom_zap_t **zap,
+                                        void *events, const char *listen, const char *control, loom_zap_t **zap,
                                         loom_zap_t **ctl_zap, loom_err_t *err) {
     *zap = *ctl_zap = NULL;
     const char *secret = loom_key_source(cfg->curve_secret, "LOOM_CURVE_SECRET");
     const char *workers = loom_key_source(cfg->worker_keys, "LOOM_WORKER_KEYS");
     const char *clients = loom_key_source(cfg->client_keys, "LOOM_CLIENT_KEYS");
-    int api_local = loom_endpoint_is_local(listen), ctl_local = loom_endpoint_is_local(control);
+    int ctl_local = loom_endpoint_is_local(control);
     if ((workers || clients) && !secret)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--worker-keys/--client-keys need the coordinator's own key: --curve-secret FILE "
@@ -24,12 +24,7 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--curve-secret needs an allow-list to check peers against: --worker-keys FILE "
                             "and/or --client-keys FILE");
-    if (!api_local && !clients && !cfg->insecure_api)
-        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
-                            "the client API binds %s, which other hosts can reach: give the client keys "
-                            "(--curve-secret FILE --client-keys FILE), or --insecure-api to serve it without "
-                            "authentication",
-                            listen);
+    LOOM_CHECK(loom_zap_api_rule(listen, clients != NULL, cfg->insecure_api, "the client API", err));
     loom_keypair_t kp;
     if (secret) LOOM_CHECK(loom_keypair_read(secret, "the coordinator's secret key (--curve-secret)", &kp, err));
     if (workers || clients) {
@@ -38,6 +33,8 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
         loom_status_t st = LOOM_OK;
         if (workers) st = loom_zap_secure(z, ctl, LOOM_ZAP_CONTROL, "worker", &kp, workers, err);
         if (st >= 0 && clients) st = loom_zap_secure(z, api, LOOM_ZAP_API, "client", &kp, clients, err);
+        if (st >= 0 && clients && events)
+            st = loom_zap_secure(z, events, LOOM_ZAP_EVENTS, "KV-events subscriber", &kp, clients, err);
         if (st >= 0) st = loom_zap_start(z, err);
         if (st < 0) {
             loom_zap_stop(&z);
@@ -55,9 +52,10 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
             zmq_setsockopt(ctl, ZMQ_HEARTBEAT_TIMEOUT, &timeout, sizeof timeout);
             *ctl_zap = z;
         }
-        LOOM_INFO("CURVE: control plane %s, client API %s (server key %.8s...)",
+        LOOM_INFO("CURVE: control plane %s, client API %s%s (server key %.8s...)",
                   workers ? "keyed (workers from --worker-keys)" : "NOT keyed",
-                  clients ? "keyed (clients from --client-keys)" : "not keyed", kp.public_z85);
+                  clients ? "keyed (clients from --client-keys)" : "not keyed",
+                  clients && events ? ", KV events keyed (the same clients)" : "", kp.public_z85);
     }
     if (!workers && !ctl_local)
         LOOM_WARN("*** SECURITY: the control plane binds %s without keys: any host that reaches it can register "
@@ -67,10 +65,6 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
     if (cfg->encrypt_data && !workers)
         LOOM_WARN("--encrypt-data-plane without --worker-keys: each epoch's data-plane secret, and so the frame "
                   "keys, cross the unkeyed control plane in clear");
-    if (!clients && !api_local)
-        LOOM_WARN("*** SECURITY: --insecure-api: the client API binds %s without client keys; anyone who reaches "
-                  "it can send requests and read their output in clear text. ***",
-                  listen);
     return LOOM_OK;
 }
 

@@ -19,12 +19,15 @@ typedef struct loom_coord_security {
 } loom_coord_security_t;
 
 /* Sets up CURVE on the API and control sockets (before they bind) and
- * starts the ZAP handler when either is keyed. *zap is the handler (NULL:
- * nothing keyed); *ctl_zap is it when the control plane is keyed, for
- * loom_zap_identity_ok. `listen` and `control` are the addresses the
- * sockets will bind, for the loopback checks. */
+ * starts the ZAP handler when either is keyed. `events` is the --kv-events
+ * PUB socket (NULL: none): when the client API is keyed it is keyed too,
+ * with the same allow-list under its own ZAP domain (LOOM_ZAP_EVENTS), so
+ * only listed clients (routers) read the prefix-cache events. *zap is the
+ * handler (NULL: nothing keyed); *ctl_zap is it when the control plane is
+ * keyed, for loom_zap_identity_ok. `listen` and `control` are the
+ * addresses the sockets will bind, for the loopback checks. */
 loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *zctx, void *api, void *ctl,
-                                        const char *listen, const char *control, loom_zap_t **zap,
+                                        void *events, const char *listen, const char *control, loom_zap_t **zap,
                                         loom_zap_t **ctl_zap, loom_err_t *err);
 
 /* A fresh data-plane secret for an epoch (the kernel's random bytes). */

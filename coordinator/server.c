@@ -1249,8 +1249,8 @@ static loom_status_t bind_sock(void *z, const char *addr, char *out, size_t n, l
  * what the grid publishes in etcd). */
 static loom_status_t secure_sockets(void *ctx, void *ctl, loom_zap_t **ctl_zap, loom_err_t *err) {
     loom_server_t *s = ctx;
-    LOOM_CHECK(loom_coord_security_setup(&s->cfg.security, s->zctx, s->api, ctl, s->cfg.listen, s->cfg.control,
-                                         &s->zap, ctl_zap, err));
+    LOOM_CHECK(loom_coord_security_setup(&s->cfg.security, s->zctx, s->api, ctl, loom_kv_events_socket(s->kv_events),
+                                         s->cfg.listen, s->cfg.control, &s->zap, ctl_zap, err));
     return bind_sock(s->api, s->cfg.listen, s->api_addr, sizeof s->api_addr, err);
 }
 
@@ -1322,10 +1322,13 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     zmq_setsockopt(s->api, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     /* a slow client must not lose chunks: queue instead of dropping */
     zmq_setsockopt(s->api, ZMQ_SNDHWM, &unlimited, sizeof unlimited);
-    st = grid_open(s, err); /* keys and binds the API socket too (secure_sockets) */
-    if (st < 0) goto fail;
+    /* the KV events socket exists before the grid keys the sockets (it is
+     * keyed with the client API), and binds once it is keyed */
     if (cfg->kv_events && (st = loom_kv_events_create(s->zctx, cfg->kv_events, cfg->advertise_host, &s->kv_events, err)) < 0)
         goto fail;
+    st = grid_open(s, err); /* keys and binds the API socket too (secure_sockets) */
+    if (st < 0) goto fail;
+    if (s->kv_events && (st = loom_kv_events_bind(s->kv_events, err)) < 0) goto fail;
     snprintf(s->inproc_addr, sizeof s->inproc_addr, "inproc://loom-api");
     if (zmq_bind(s->api, s->inproc_addr) != 0) {
         st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot bind %s", s->inproc_addr);

@@ -67,7 +67,7 @@ int main(int argc, char **argv) {
     }
     const char *policy = "prefix", *http_bind = NULL, *chat_template = NULL, *log_format = NULL,
                *dummy = NULL;
-    const char *env_key = getenv("LOOM_API_KEY");
+    const char *env_key = getenv("LOOM_API_KEY"), *env_replica_key = getenv("LOOM_REPLICA_API_KEY");
     float lambda = 1.0f;
     uint64_t cache_bytes = 0;
     int cache_ttl_s = 300;
@@ -133,7 +133,27 @@ int main(int argc, char **argv) {
         {"api-key", LOOM_OPT_STR, &c.api_key, "KEY",
          "require this key from clients (or set LOOM_API_KEY)", 1, 0, NULL},
         {"replica-api-key", LOOM_OPT_STR, &c.replica_api_key, "KEY",
-         "send this key to the replicas", 1, 0, NULL},
+         "send this key to the replicas (or set LOOM_REPLICA_API_KEY)", 1, 0, NULL},
+        {"replica-server-key", LOOM_OPT_STR, &c.replica_server_key, "KEY",
+         "the replicas' coordinator public key (a file or the Z85 key; or LOOM_REPLICA_SERVER_KEY): the "
+         "router is then a CURVE client of every replica, its KV events too; needs --replica-secret",
+         1, 0, NULL},
+        {"replica-secret", LOOM_OPT_STR, &c.replica_secret, "KEY",
+         "the router's own CURVE secret key towards replicas (from 'loom keygen'; or "
+         "LOOM_REPLICA_SECRET); its public key must be in each replica coordinator's --client-keys",
+         1, 0, NULL},
+        {"curve-secret", LOOM_OPT_STR, &c.curve_secret, "FILE",
+         "the router's CURVE secret key as the server of --listen (or LOOM_CURVE_SECRET: a file or the "
+         "Z85 key); needs --client-keys",
+         1, 0, NULL},
+        {"client-keys", LOOM_OPT_STR, &c.client_keys, "FILE",
+         "allow-list of client public keys ('NAME KEY' lines): --listen then takes only these clients, "
+         "encrypted (or LOOM_CLIENT_KEYS); required when --listen is not a loopback address",
+         1, 0, NULL},
+        {"insecure-api", LOOM_OPT_FLAG, &c.insecure_api, NULL,
+         "serve a --listen bound to a non-loopback address without client keys (anyone who reaches it "
+         "may use it)",
+         1, 0, NULL},
         {"http", LOOM_OPT_STR, &http_bind, "HOST:PORT",
          "also serve the OpenAI-compatible HTTP API, /health and /metrics here (port 0: any free "
          "port)",
@@ -187,6 +207,7 @@ int main(int argc, char **argv) {
     c.replicas = replicas;
     c.n_replicas = n_rep;
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
+    if (!c.replica_api_key && env_replica_key && env_replica_key[0]) c.replica_api_key = env_replica_key;
     if (chat_template && !http_bind) {
         fprintf(stderr, "error: --chat-template only matters with --http\n");
         return 2;

@@ -37,9 +37,11 @@
 #include <cjson/cJSON.h>
 
 #include "common/etcd.h"
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
+#include "common/zap.h"
 #include "proto/wire.h"
 #include "proto/zapi.h"
 #include "router/prefix_index.h"
@@ -69,6 +71,7 @@ typedef struct replica {
     rep_state_t state;
     int from_etcd, listed;  /* discovered in etcd; still listed there */
     char why[320];          /* the last state change's reason */
+    int join_warned;        /* said why a replica that never answered may be refusing us */
     uint64_t last_reply_ns; /* any answer */
     uint64_t probe_sent_ns; /* the oldest unanswered probe (0: none) */
     uint64_t open_until_ns; /* DOWN: the next probe after this */
@@ -144,6 +147,10 @@ typedef struct etcd_thread {
 struct loom_router {
     loom_router_config_t cfg;
     void *zctx, *api, *pipe;
+    loom_zap_t *zap; /* NULL: the client API is not keyed */
+    int rep_keyed;   /* replica sockets are CURVE clients with these keys */
+    char rep_server[LOOM_KEY_Z85 + 1];
+    loom_keypair_t rep_kp;
     char api_addr[256], inproc_addr[64];
     volatile sig_atomic_t stop;
     loom_tokenizer_t *tok;
@@ -969,10 +976,24 @@ static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) 
 /* ---- KV events: what the replicas' prefix caches really hold ------------------------------------
  */
 
+/* Makes a socket towards a replica a CURVE client, when the router has
+ * replica keys. */
+static int replica_curve(const loom_router_t *r, void *s) {
+    if (!r->rep_keyed) return 0;
+    if (zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, r->rep_server, LOOM_KEY_Z85) != 0) return -1;
+    if (zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, r->rep_kp.public_z85, LOOM_KEY_Z85) != 0) return -1;
+    return zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, r->rep_kp.secret_z85, LOOM_KEY_Z85) != 0 ? -1 : 0;
+}
+
 static void events_open(loom_router_t *r, int i, const char *addr) {
     replica_t *p = &r->reps[i];
     void *s = zmq_socket(r->zctx, ZMQ_SUB);
     int zero = 0;
+    if (replica_curve(r, s) < 0) {
+        LOOM_WARN("replica %s: cannot key its KV events socket: %s", p->addr, zmq_strerror(errno));
+        zmq_close(s);
+        return;
+    }
     zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
     int64_t maxmsg = LOOM_MAX_MSG_BYTES;
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
@@ -1139,7 +1160,11 @@ static int replica_open(loom_router_t *r, const char *addr, int from_etcd) {
     zmq_setsockopt(s, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
     int64_t maxmsg = LOOM_MAX_MSG_BYTES;
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
-    /* a CURVE client key pair for replicas that require one would be set here */
+    if (replica_curve(r, s) < 0) {
+        LOOM_WARN("replica %s ignored: cannot set its CURVE keys: %s", addr, zmq_strerror(errno));
+        zmq_close(s);
+        return -1;
+    }
     if (zmq_connect(s, addr) != 0) {
         LOOM_WARN("replica %s ignored: cannot connect: %s", addr, zmq_strerror(errno));
         zmq_close(s);
@@ -1203,6 +1228,22 @@ static void tick(loom_router_t *r) {
             continue;
         }
         if (p->state == REP_REFUSED) continue;
+        if (p->state == REP_JOINING && !p->join_warned && now - p->last_reply_ns > timeout) {
+            p->join_warned = 1;
+            snprintf(p->why, sizeof p->why, "%s",
+                     r->rep_keyed ? "no answer: refused our CURVE key?"
+                                  : "no answer: does it require CURVE keys?");
+            if (r->rep_keyed)
+                LOOM_WARN("replica %s: no answer for %d ms; if it is up, it refuses the router's "
+                          "CURVE keys: is --replica-server-key its coordinator's public key, and "
+                          "the router's public key %.8s... in its --client-keys?",
+                          p->addr, r->cfg.replica_timeout_ms, r->rep_kp.public_z85);
+            else
+                LOOM_WARN(
+                    "replica %s: no answer for %d ms; if it is up, it may require CURVE keys: give "
+                    "--replica-server-key and --replica-secret",
+                    p->addr, r->cfg.replica_timeout_ms);
+        }
         if (p->state == REP_UP && p->probe_sent_ns && now - p->probe_sent_ns > timeout) {
             char why[128];
             snprintf(why, sizeof why, "no answer for %d ms", r->cfg.replica_timeout_ms);
@@ -1586,6 +1627,53 @@ void loom_router_stop(loom_router_t *r) {
     r->stop = 1;
 }
 
+/* CURVE: the router as a client of its replicas (--replica-server-key,
+ * --replica-secret) and as a server of its own API (--curve-secret,
+ * --client-keys), with the coordinator's rule for a client API other hosts
+ * can reach (loom_zap_api_rule). Before the API socket binds. */
+static loom_status_t router_keys(loom_router_t *r, loom_err_t *err) {
+    const loom_router_config_t *c = &r->cfg;
+    const char *server = loom_key_source(c->replica_server_key, "LOOM_REPLICA_SERVER_KEY");
+    const char *rsecret = loom_key_source(c->replica_secret, "LOOM_REPLICA_SECRET");
+    if (!server != !rsecret)
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "keyed replicas need both --replica-server-key (their coordinator's public key) and "
+            "--replica-secret (the router's own secret key); only --%s was given",
+            server ? "replica-server-key" : "replica-secret");
+    if (server) {
+        LOOM_CHECK(loom_key_read(server, "the replicas' public key (--replica-server-key)",
+                                 r->rep_server, err));
+        LOOM_CHECK(loom_keypair_read(
+            rsecret, "the router's secret key for replicas (--replica-secret)", &r->rep_kp, err));
+        r->rep_keyed = 1;
+        LOOM_INFO("CURVE: replicas keyed (server key %.8s..., the router's public key %s: list "
+                  "it in each replica's --client-keys)",
+                  r->rep_server, r->rep_kp.public_z85);
+    }
+    const char *secret = loom_key_source(c->curve_secret, "LOOM_CURVE_SECRET");
+    const char *clients = loom_key_source(c->client_keys, "LOOM_CLIENT_KEYS");
+    if (clients && !secret)
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "--client-keys needs the router's own key: --curve-secret FILE (or LOOM_CURVE_SECRET); "
+            "make one with 'loom keygen'");
+    if (secret && !clients)
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "--curve-secret needs an allow-list to check clients against: --client-keys FILE");
+    LOOM_CHECK(loom_zap_api_rule(c->listen, clients != NULL, c->insecure_api,
+                                 "the router's client API (--listen)", err));
+    if (!clients) return LOOM_OK;
+    loom_keypair_t kp;
+    LOOM_CHECK(loom_keypair_read(secret, "the router's secret key (--curve-secret)", &kp, err));
+    LOOM_CHECK(loom_zap_create(r->zctx, &r->zap, err));
+    LOOM_CHECK(loom_zap_secure(r->zap, r->api, LOOM_ZAP_API, "client", &kp, clients, err));
+    LOOM_CHECK(loom_zap_start(r->zap, err));
+    LOOM_INFO("CURVE: client API keyed (clients from --client-keys, server key %s)", kp.public_z85);
+    return LOOM_OK;
+}
+
 loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t **out,
                                  loom_err_t *err) {
     *out = NULL;
@@ -1620,6 +1708,8 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     zmq_setsockopt(r->api, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(r->api, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     zmq_setsockopt(r->api, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    st = router_keys(r, err);
+    if (st < 0) goto fail;
     if (zmq_bind(r->api, cfg->listen) != 0) {
         st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "cannot bind %s: %s", cfg->listen,
                           zmq_strerror(errno));
@@ -1701,6 +1791,7 @@ void loom_router_destroy(loom_router_t **r_p) {
     if (r->tok_jobs) zmq_close(r->tok_jobs);
     if (r->tok_results) zmq_close(r->tok_results);
     if (r->api) zmq_close(r->api);
+    loom_zap_stop(&r->zap);
     if (r->zctx) zmq_ctx_term(r->zctx);
     loom_prefix_index_destroy(&r->index);
     loom_rcache_destroy(&r->rcache);

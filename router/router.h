@@ -32,8 +32,13 @@ typedef struct loom_router_config {
                                without model_dir the first replica's) */
     loom_policy_t policy;
     const char *api_key;         /* clients must send it (NULL: open) */
-    const char *replica_api_key; /* sent to replicas (NULL: none). Client keys for CURVE would go
-                                    next to it, set on each replica socket in replica_open(). */
+    const char *replica_api_key; /* sent to replicas (NULL: none) */
+    /* CURVE, each a key or a key file as loom_key_read (docs/operations.md#security) */
+    const char *replica_server_key; /* the replicas' coordinator public key (NULL: unkeyed) */
+    const char *replica_secret;  /* the router's own secret key towards replicas (with the above) */
+    const char *curve_secret;    /* the router's secret key as a server of its --listen API */
+    const char *client_keys;     /* allow-list of clients' public keys for --listen (NULL: open) */
+    int insecure_api;            /* serve a non-loopback --listen without client keys */
     int max_retries;             /* re-sends of one request to other replicas */
     int probe_interval_ms;       /* Health + Stats to each replica */
     int replica_timeout_ms;      /* no answer to probes this long: the replica is down */

@@ -9,6 +9,8 @@ and fail over: workers reach the coordinator while it is unready, one
 coordinator at a time, probes and resources everywhere, the API key Secret
 required, disruption budgets and network policies that select real pods, an
 autoscaler on a gauge Loom exports, and only options the binaries have.
+The router (loom-router.yaml) is keyed both ways, probed on its /health and
+autoscaled.
 The worker's --health-file, which the worker probes read, is tested on real
 processes. The images build targets that exist.
 """
@@ -64,7 +66,7 @@ def load_manifests():
     for path in sorted(glob.glob(os.path.join(K8S, "*.yaml"))):
         with open(path) as f:
             out[os.path.basename(path)] = [d for d in yaml.safe_load_all(f) if d]
-    check(len(out) >= 3, "expected the CPU, GPU and LeaderWorkerSet manifests in %s, found %s" % (K8S, list(out)))
+    check(len(out) >= 4, "expected the CPU, GPU, LeaderWorkerSet and router manifests in %s, found %s" % (K8S, list(out)))
     return out
 
 
@@ -274,9 +276,15 @@ def loom_containers(docs):
                     yield d, t, c, cmd
 
 
+def is_router_manifest(docs):
+    """A file of routers only (loom-router.yaml): no grid of its own."""
+    cmds = {cmd for _, _, _, cmd in loom_containers(docs)}
+    return cmds == {"loom-router"}
+
+
 def rules_binaries(manifests):
     """Every option the manifests pass exists in the binary's --help."""
-    known = {b: options(b) for b in ("loom-coordinator", "loom-worker")}
+    known = {b: options(b) for b in ("loom-coordinator", "loom-worker", "loom-router")}
     for name, docs in manifests.items():
         grid = workers = None
         for d, t, c, cmd in loom_containers(docs):
@@ -294,6 +302,8 @@ def rules_binaries(manifests):
             if cmd == "loom-worker":
                 workers = (d["spec"]["replicas"] if d["kind"] == "StatefulSet"
                            else d["spec"]["leaderWorkerTemplate"]["size"] - 1)
+        if is_router_manifest(docs):
+            continue
         check(grid is not None and workers is not None and workers >= grid,
               "%s: %s workers for a grid of %s" % (name, workers, grid))
 
@@ -312,7 +322,7 @@ def rules_containers(manifests):
                         ref = e.get("valueFrom", {}).get("secretKeyRef")
                         check(not ref or ref.get("optional") is not True, what + ": Secret %s is optional" % e["name"])
                     cmd = c.get("command", [""])[0]
-                    if cmd == "loom-coordinator":
+                    if cmd in ("loom-coordinator", "loom-router"):
                         env = {e["name"]: e for e in c.get("env", [])}
                         check("LOOM_API_KEY" in env and "secretKeyRef" in env["LOOM_API_KEY"].get("valueFrom", {}),
                               what + ": LOOM_API_KEY must come from a Secret")
@@ -338,8 +348,10 @@ def rules_security(manifests):
         for d, t, c, cmd in loom_containers(docs):
             args = arg_map(c)
             what = "%s %s container %s" % (name, d["metadata"]["name"], c["name"])
-            want = (("--curve-secret", "--worker-keys", "--client-keys") if cmd == "loom-coordinator"
-                    else ("--curve-server-key", "--curve-secret"))
+            want = {"loom-coordinator": ("--curve-secret", "--worker-keys", "--client-keys"),
+                    # both ways: a client of the replicas, a server of its own API
+                    "loom-router": ("--replica-server-key", "--replica-secret", "--curve-secret", "--client-keys")
+                    }.get(cmd, ("--curve-server-key", "--curve-secret"))
             for opt in want:
                 check(opt in args, what + ": %s is missing: the plane is not keyed" % opt)
             check("--insecure-api" not in args, what + ": --insecure-api serves the API to anyone")
@@ -357,6 +369,8 @@ def rules_security(manifests):
 
 def rules_cluster(manifests):
     for name, docs in manifests.items():
+        if is_router_manifest(docs):
+            continue
         services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         pods = [(d, t["metadata"].get("labels", {})) for d in docs for _, t in pod_templates(d)]
         coord = [(d, t, c) for d, t, c, cmd in loom_containers(docs) if cmd == "loom-coordinator"]
@@ -442,6 +456,11 @@ def rules_autoscaler(manifests):
             hpas += 1
             ref = d["spec"]["scaleTargetRef"]
             check((ref["kind"], ref["name"]) in workloads, "%s: HPA scales %s, not in this file" % (name, ref))
+            if is_router_manifest(docs):  # routers: CPU (tokenizing, proxying)
+                check(ref["kind"] == "Deployment", "%s: HPA scales %s, not the router Deployment" % (name, ref))
+                check(all(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in d["spec"]["metrics"]),
+                      "%s: scale routers on CPU" % name)
+                continue
             check(ref["kind"] == "LeaderWorkerSet", "%s: scale whole Loom clusters (LeaderWorkerSet groups), not %s"
                   % (name, ref["kind"]))
             for m in d["spec"]["metrics"]:
@@ -452,7 +471,41 @@ def rules_autoscaler(manifests):
     check(hpas >= 1, "no HorizontalPodAutoscaler in deploy/k8s")
 
 
-RULES = (rules_binaries, rules_containers, rules_cluster, rules_security, rules_autoscaler)
+def rules_router(manifests):
+    """A keyed router Deployment behind a Service, probed on its HTTP /health."""
+    routers = 0
+    for name, docs in manifests.items():
+        services = [d for d in docs if d["kind"] == "Service"]
+        for d, t, c, cmd in loom_containers(docs):
+            if cmd != "loom-router":
+                continue
+            routers += 1
+            what = "%s %s container %s" % (name, d["metadata"]["name"], c["name"])
+            args = arg_map(c)
+            check(d["kind"] == "Deployment", what + ": routers are a Deployment")
+            check("--replica" in args or "--etcd" in args, what + ": no replicas (--replica or --etcd)")
+            check(args.get("--listen", "").startswith("tcp://0.0.0.0:"), what + ": --listen must serve the pod's peers")
+            check("--insecure-api" not in args, what + ": --insecure-api serves the router's API to anyone")
+            env = {e["name"] for e in c.get("env", [])}
+            check("--replica-api-key" in args or "LOOM_REPLICA_API_KEY" in env,
+                  what + ": the replicas require an API key: --replica-api-key or LOOM_REPLICA_API_KEY")
+            http = re.match(r".*:(\d+)$", args.get("--http", ""))
+            check(http, what + ": --http serves the probes' /health")
+            for probe in ("readinessProbe", "livenessProbe"):
+                get = c.get(probe, {}).get("httpGet", {})
+                check(get.get("path") == "/health" and str(get.get("port")) == http.group(1),
+                      "%s: %s must GET /health on the --http port %s" % (what, probe, http.group(1)))
+            labels = t["metadata"].get("labels", {})
+            svc = [s for s in services if s["spec"].get("selector") and selects(s["spec"]["selector"], labels)]
+            check(svc, what + ": no Service selects the router")
+            ports = {p["port"] for s in svc for p in s["spec"].get("ports", [])}
+            listen = int(args["--listen"].rsplit(":", 1)[1])
+            check(listen in ports and int(http.group(1)) in ports,
+                  "%s: the router's Service lacks the API %d or HTTP %s port" % (what, listen, http.group(1)))
+    check(routers >= 1, "no loom-router in deploy/k8s (loom-router.yaml)")
+
+
+RULES = (rules_binaries, rules_containers, rules_cluster, rules_security, rules_autoscaler, rules_router)
 
 
 def test_k8s_manifests_form_drain_and_fail_over():
@@ -515,6 +568,33 @@ def test_k8s_rules_catch_mistakes():
         try:
             for rule in RULES:
                 rule({"loom.yaml": docs})
+        except Failure as e:
+            check(needle in str(e), "%s: refused for another reason: %s" % (what, e))
+            continue
+        raise Failure("%s was not caught" % what)
+    def router(docs):
+        return find(docs, "Deployment", "loom-router")["spec"]["template"]["spec"]["containers"][0]
+
+    router_cases = [
+        ("a router API open to anyone", "--insecure-api", lambda docs: router(docs)["args"].append("--insecure-api")),
+        ("an unkeyed router API", "--client-keys is missing",
+         lambda docs: router(docs)["args"].remove("--client-keys=/etc/loom/curve/router-clients.allow")),
+        ("unkeyed replicas", "--replica-secret is missing",
+         lambda docs: router(docs)["args"].remove("--replica-secret=/etc/loom/curve/router.key")),
+        ("router keys on an emptyDir", "is not on a Secret volume",
+         lambda docs: find(docs, "Deployment", "loom-router")["spec"]["template"]["spec"]["volumes"].__setitem__(
+             -1, {"name": "curve", "emptyDir": {}})),
+        ("a router probed elsewhere", "must GET /health",
+         lambda docs: router(docs)["readinessProbe"]["httpGet"].update(path="/metrics")),
+        ("an option the router lacks", "has no option --replica-key",
+         lambda docs: router(docs)["args"].append("--replica-key=x")),
+    ]
+    for what, needle, change in router_cases:
+        docs = copy.deepcopy(base["loom-router.yaml"])
+        change(docs)
+        try:
+            for rule in RULES:
+                rule({"loom-router.yaml": docs})
         except Failure as e:
             check(needle in str(e), "%s: refused for another reason: %s" % (what, e))
             continue

@@ -11,6 +11,9 @@ the router, and fake replicas (tests/fake_replica) for the faults.
 - a client that goes away has its request cancelled on the replica
 - replicas join and leave through etcd while the router runs; a dead replica is
   circuit-broken and probed back when it returns
+- CURVE: a keyed replica (client API and KV events) serves a keyed router and
+  tells it its KV events; an unkeyed or wrongly keyed router gets no answer and
+  says why; the router's own API keyed with --curve-secret/--client-keys
 - a replica answering garbage is taken out, one with another model is
   refused at join naming the difference, and with nothing to place a
   request on the client gets UNAVAILABLE; bad client input is refused
@@ -719,6 +722,94 @@ def test_cli():
         os.unlink(f.name)
 
 
+def keygen(d, name, allow=None):
+    """A key pair d/NAME.key, d/NAME.pub (`loom keygen`), listed in `allow` when given."""
+    p = loom("keygen", "--name", name, "--dir", d, "--force", *(["--allow", allow] if allow else []), timeout=30)
+    check(p.returncode == 0, "loom keygen %s failed: %s" % (name, p.stderr))
+    return os.path.join(d, name + ".key"), os.path.join(d, name + ".pub")
+
+
+def test_curve():
+    """A replica whose client API is keyed (launch.sh --client-keys), its KV
+    events with it: only a router that holds an allowed key reaches either."""
+    ev = ["--kv-events", "tcp://127.0.0.1:0"]
+    with Cluster(STORIES, 1, 1, launch_args=["--client-keys", "1"], coord_args=ev) as c:
+        keys = os.path.join(c.run_dir, "keys")
+        server = os.path.join(keys, "coordinator.pub")
+        direct_keys = ["--curve-server-key", server, "--curve-secret", os.path.join(keys, "client-0.key")]
+        # the router's own pair, added to the replica's client allow-list (re-read once a second)
+        rsecret, rpub = keygen(keys, "router", os.path.join(keys, "clients.allow"))
+        time.sleep(1.2)
+        # the router's API keys: a server pair and one allowed client
+        api_dir = tempfile.mkdtemp(prefix="loom-router-keys-")
+        try:
+            api_secret, api_pub = keygen(api_dir, "router-api")
+            allow = os.path.join(api_dir, "clients.allow")
+            client_secret, _ = keygen(api_dir, "client", allow)
+            stranger_secret, _ = keygen(api_dir, "stranger")
+            keyed = ["--replica", c.addr, "--replica-server-key", server, "--replica-secret", rsecret]
+            with Router(keyed, http=True, expect_up=1) as r:
+                direct = generate(c.addr, PROMPT, 32, extra=["--ignore-eos"] + direct_keys)
+                routed = generate(r.addr, PROMPT, 32, extra=["--ignore-eos"])
+                check(direct[0] == 0 and routed[0] == 0, "generate failed: %s / %s" % (direct[3], routed[3]))
+                check(routed[1].strip() and routed[1:3] == direct[1:3],
+                      "through the keyed router %r, direct %r" % (routed[1:3], direct[1:3]))
+                wait_for(lambda: r.metric("loom_router_kv_events_total") > 2, 10, "KV events over CURVE")
+                wait_for(lambda: r.metric("loom_router_kv_events_blocks_cached_total") >= 1, 10,
+                         "the request's blocks announced over CURVE")
+                check("CURVE: replicas keyed" in r.log(), "the router does not say its replicas are keyed")
+                check("KV events keyed" in c.log("coordinator"), "the replica's KV events are not keyed")
+            # no keys, or keys the replica does not list: not one answer, and the log says why
+            wrong_secret, _ = keygen(api_dir, "not-listed")
+            for what, args, said in (
+                    ("no keys", ["--replica", c.addr], "may require CURVE keys"),
+                    ("a key not in the allow-list",
+                     ["--replica", c.addr, "--replica-server-key", server, "--replica-secret", wrong_secret],
+                     "refuses the router's CURVE keys"),
+                    ("another server key",
+                     ["--replica", c.addr, "--replica-server-key", api_pub, "--replica-secret", rsecret],
+                     "refuses the router's CURVE keys")):
+                with Router(args + ["--replica-timeout-ms", "800"], http=True) as r:
+                    wait_for(lambda: said in r.log(), 15, "%s: the router's warning" % what)
+                    check(r.metric_sum("loom_router_replica_up") == 0, "%s: the replica is up" % what)
+                    rc, _, ids, err = generate(r.addr, PROMPT, 4, extra=["--timeout-ms", "2000"], timeout=30)
+                    check(rc != 0 and not ids, "%s: a request was served: %s" % (what, err))
+                    check(r.metric("loom_router_kv_events_total") == 0, "%s: KV events got through" % what)
+            check("refused a client connection from 127.0.0.1" in c.log("coordinator") or
+                  "refused a KV-events subscriber connection" in c.log("coordinator"),
+                  "the replica logged no refusal of the wrong keys")
+            # the router's own API, keyed: an allowed client is served, others get nothing
+            api = keyed + ["--curve-secret", api_secret, "--client-keys", allow]
+            with Router(api, http=True, expect_up=1) as r:
+                p = loom("generate", "--addr", r.addr, "--prompt", PROMPT, "--max-tokens", "32", "--temperature",
+                         "0", "--ids", "--ignore-eos", "--curve-server-key", api_pub, "--curve-secret", client_secret)
+                check(p.returncode == 0 and p.stdout == direct[1] and parse_ids(p.stderr) == direct[2],
+                      "a keyed client through the keyed router: %d %r %s" % (p.returncode, p.stdout, p.stderr))
+                for what, extra in (("no key", []),
+                                    ("a key not listed", ["--curve-server-key", api_pub, "--curve-secret",
+                                                          stranger_secret])):
+                    rc, _, ids, err = generate(r.addr, PROMPT, 4, extra=["--timeout-ms", "2000"] + extra, timeout=30)
+                    check(rc != 0 and not ids and "UNAVAILABLE" in err, "%s: %d %s" % (what, rc, err))
+                check("refused a client connection from 127.0.0.1" in r.log(), "the router logged no refusal")
+                # its HTTP gateway (in-process, past CURVE) still answers the probes
+                with urllib.request.urlopen("http://127.0.0.1:%d/health" % r.http, timeout=10) as h:
+                    body = json.loads(h.read().decode())
+                check(h.status == 200 and body.get("status") == "ok", "/health of the keyed router: %r" % body)
+        finally:
+            shutil.rmtree(api_dir, ignore_errors=True)
+        # start-up errors: a reachable API without keys, half a replica key pair, half an API key pair
+        router = os.path.join(BIN, "loom-router")
+        port = free_port()
+        for args, said in (
+                (["--listen", "tcp://0.0.0.0:%d" % port], "--insecure-api"),
+                (["--replica-server-key", server], "only --replica-server-key"),
+                (["--replica-secret", rsecret], "only --replica-secret"),
+                (["--client-keys", os.path.join(keys, "clients.allow")], "--curve-secret")):
+            p = subprocess.run([router, "--model", STORIES, "--replica", c.addr] + args,
+                               capture_output=True, text=True, timeout=15)
+            check(p.returncode != 0 and said in p.stderr, "%r: %d %s" % (args, p.returncode, p.stderr[-600:]))
+
+
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
-               test_response_cache, test_tenants, test_etcd_join_leave, test_fake_replicas, test_probe_back])
+               test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back])
