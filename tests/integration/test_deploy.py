@@ -491,10 +491,12 @@ def rules_router(manifests):
                   what + ": the replicas require an API key: --replica-api-key or LOOM_REPLICA_API_KEY")
             http = re.match(r".*:(\d+)$", args.get("--http", ""))
             check(http, what + ": --http serves the probes' /health")
-            for probe in ("readinessProbe", "livenessProbe"):
+            # ready while a replica serves; alive while its reactor answers (restarting a
+            # router whose replicas are all down would not bring them back)
+            for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/metrics")):
                 get = c.get(probe, {}).get("httpGet", {})
-                check(get.get("path") == "/health" and str(get.get("port")) == http.group(1),
-                      "%s: %s must GET /health on the --http port %s" % (what, probe, http.group(1)))
+                check(get.get("path") == path and str(get.get("port")) == http.group(1),
+                      "%s: %s must GET %s on the --http port %s" % (what, probe, path, http.group(1)))
             labels = t["metadata"].get("labels", {})
             svc = [s for s in services if s["spec"].get("selector") and selects(s["spec"]["selector"], labels)]
             check(svc, what + ": no Service selects the router")
