@@ -4,7 +4,11 @@
 # test under AddressSanitizer + UBSan (a Debug build: unit, reference and the
 # integration tests with sanitized coordinator and workers), runs each
 # libFuzzer target for 20 s on its seed corpus (clang, ASan + UBSan), then
-# every test of the Release build, ending with ctest's summary.
+# the Release build's tests: every unit, reference, kernel and tokenizer test,
+# and the integration tests labelled `release` (tests/CMakeLists.txt: the
+# optimised kernels' grids, families and benchmark, and the first commands a
+# user runs), ending with ctest's summary. Integration tests run side by side
+# (ctest -j), each in its own work directory.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -22,6 +26,8 @@ CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DLOOM_CUDA=OFF -DLOO
       -DLOOM_FUZZ_SECONDS=20 >/dev/null
 cmake --build build-fuzz -j "$jobs" --target fuzz_all
 (cd build-fuzz && ctest --no-tests=error --output-on-failure -L fuzz -j "$jobs")
-echo "== all tests" >&2
+echo "== Release build: unit, reference, kernel and tokenizer tests" >&2
 cd build
-ctest --no-tests=error --output-on-failure -j "$jobs"
+ctest --no-tests=error --output-on-failure -j "$jobs" -LE integration
+echo "== Release build: the integration tests labelled release" >&2
+ctest --no-tests=error --output-on-failure -j "$jobs" -L release
