@@ -71,6 +71,7 @@
 #include "coordinator/http_tls.h"
 #include "coordinator/metrics.h"
 #include "coordinator/tool_calls.h"
+#include "coordinator/tool_stream.h"
 
 #define DEFAULT_BIND "127.0.0.1:8000"
 #define DEFAULT_MAX_BODY ((size_t)2 << 20)
@@ -209,7 +210,7 @@ typedef struct req {
     uint64_t tok_ns; /* the gateway's tokenization of a chat prompt (before the coordinator's clock) */
     loom_tools_t tools; /* chat: tools, tool_choice (tool_calls.h); mode OFF: none */
     cJSON *tools_req;   /* the request's tools array, kept for parsing the output */
-    loom_sbuf_t tool_text; /* a streamed tool-calling answer, held until the end */
+    loom_tstream_t *ts; /* a streamed tool-calling answer, read as it comes (tool_stream.h) */
 } req_t;
 
 /* ---- small helpers ---- */
@@ -1611,6 +1612,18 @@ static void keep_tools(req_t *q, gen_t *g) {
     }
 }
 
+static loom_chat_family_t chat_family(const req_t *q) {
+    return q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
+}
+
+/* The seed of this completion's call ids (FNV-1a of its id): the same
+ * streamed or not. */
+static unsigned long long call_seed(const req_t *q) {
+    unsigned long long seed = 1469598103934665603ull;
+    for (const char *p = q->id; *p; p++) seed = (seed ^ (unsigned char)*p) * 1099511628211ull;
+    return seed;
+}
+
 /* The OpenAI tool_calls of a finished chat answer (NULL: none, the text is
  * the content). A forced call (required, named) that the budget cut short
  * stays text with finish length; auto and required finish as "tool_calls",
@@ -1619,54 +1632,74 @@ static cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_c
                             const char **finish) {
     *rest = NULL;
     if (q->tools.mode == LOOM_TOOLS_OFF || ch->finish != LOOM_FINISH_STOP) return NULL;
-    loom_chat_family_t fam = q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
-    unsigned long long seed = 1469598103934665603ull; /* call ids from the completion id (FNV-1a) */
-    for (const char *p = q->id; *p; p++) seed = (seed ^ (unsigned char)*p) * 1099511628211ull;
-    cJSON *calls = loom_tools_parse_output(&q->tools, fam, text, len, seed, rest);
+    cJSON *calls = loom_tools_parse_output(&q->tools, chat_family(q), text, len, call_seed(q), rest);
     if (calls) *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
     return calls;
 }
 
-/* A streamed tool-calling answer, at its end: the calls as OpenAI streams
- * them, one delta per call ({index, id, type, function: {name, arguments}}),
- * or the held text as content when it holds none. */
-static void stream_tool_calls(req_t *q, const loom_chunk_t *ch, const char **finish) {
-    char *rest = NULL;
-    cJSON *calls = tool_calls_of(q, q->tool_text.p ? q->tool_text.p : "", q->tool_text.len, ch, &rest, finish);
-    if (!calls) {
-        if (q->tool_text.len) sse_choice(q, q->tool_text.p, q->tool_text.len, 0, NULL);
+/* An event of a streamed tool-calling answer (tool_stream.h) as OpenAI
+ * streams it: content as a content delta; a call's start as
+ * {index, id, type, function: {name, arguments: ""}}, then its arguments
+ * piece by piece as {index, function: {arguments}}. */
+static void tool_event(void *ctx, const loom_tse_t *e) {
+    req_t *q = ctx;
+    if (e->kind == LOOM_TSE_CONTENT) {
+        sse_choice(q, e->text, e->len, 0, NULL);
         return;
     }
-    if (rest) sse_choice(q, rest, strlen(rest), 0, NULL);
-    free(rest);
-    int k = 0;
-    cJSON *c;
-    cJSON_ArrayForEach(c, calls) {
-        cJSON *o = head_obj(q, "chat.completion.chunk"), *choices = cJSON_AddArrayToObject(o, "choices");
-        cJSON *choice = cJSON_CreateObject(), *delta = cJSON_AddObjectToObject(choice, "delta");
-        cJSON_AddNumberToObject(choice, "index", 0);
-        cJSON *arr = cJSON_AddArrayToObject(delta, "tool_calls"), *call = cJSON_Duplicate(c, 1);
-        cJSON_AddNumberToObject(call, "index", k++);
-        cJSON_AddItemToArray(arr, call);
-        cJSON_AddNullToObject(choice, "logprobs");
-        cJSON_AddNullToObject(choice, "finish_reason");
-        cJSON_AddItemToArray(choices, choice);
-        sse_event(q, o);
+    cJSON *o = head_obj(q, "chat.completion.chunk"), *choices = cJSON_AddArrayToObject(o, "choices");
+    cJSON *choice = cJSON_CreateObject(), *delta = cJSON_AddObjectToObject(choice, "delta");
+    cJSON_AddNumberToObject(choice, "index", 0);
+    cJSON *call = cJSON_CreateObject();
+    cJSON_AddNumberToObject(call, "index", e->index);
+    if (e->kind == LOOM_TSE_CALL) {
+        char id[48];
+        loom_tools_call_id(call_seed(q), e->index, id, sizeof id);
+        cJSON_AddStringToObject(call, "id", id);
+        cJSON_AddStringToObject(call, "type", "function");
     }
-    cJSON_Delete(calls);
+    cJSON *fn = cJSON_AddObjectToObject(call, "function");
+    if (e->kind == LOOM_TSE_CALL) {
+        cJSON_AddStringToObject(fn, "name", e->name);
+        cJSON_AddStringToObject(fn, "arguments", "");
+    } else {
+        char *piece = text_dup(e->text, e->len);
+        cJSON_AddStringToObject(fn, "arguments", piece);
+        free(piece);
+    }
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(delta, "tool_calls"), call);
+    cJSON_AddNullToObject(choice, "logprobs");
+    cJSON_AddNullToObject(choice, "finish_reason");
+    cJSON_AddItemToArray(choices, choice);
+    if (q->include_usage) cJSON_AddNullToObject(o, "usage");
+    sse_event(q, o);
+}
+
+/* A streamed tool-calling answer's text, as it comes (NULL at the end:
+ * what is still held goes out, and finish becomes tool_calls or, for a
+ * named function, stop when the answer was calls). */
+static void stream_tool_text(req_t *q, const loom_chunk_t *ch, const char **finish) {
+    if (!q->ts) q->ts = loom_tstream_create(&q->tools, chat_family(q), tool_event, q);
+    if (!finish) {
+        loom_tstream_feed(q->ts, ch->text, ch->text_len);
+        return;
+    }
+    if (loom_tstream_finish(q->ts, ch->finish == LOOM_FINISH_STOP) > 0)
+        *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
 }
 
 /* Turns one coordinator chunk into SSE events in q->out. */
 static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
     uint64_t t0 = loom_now_ns();
     if (ch->n_ids > 0 || ch->text_len > 0) {
-        cJSON *lp = q->logprobs && ch->has_logprobs ? cJSON_CreateObject() : NULL;
+        /* (not with tools: content may go out a chunk or more after its tokens) */
+        cJSON *lp = q->logprobs && ch->has_logprobs && q->tools.mode == LOOM_TOOLS_OFF ? cJSON_CreateObject() : NULL;
         if (lp) {
             add_logprobs(q, lp, ch);
             q->lp_json = cJSON_PrintUnformatted(lp);
             cJSON_Delete(lp);
         }
-        if (q->tools.mode != LOOM_TOOLS_OFF) loom_sbuf_add(&q->tool_text, ch->text, ch->text_len); /* held */
+        if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_text(q, ch, NULL);
         else sse_choice(q, ch->text, ch->text_len, 0, NULL);
         free(q->lp_json);
         q->lp_json = NULL;
@@ -1688,7 +1721,7 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
         return;
     }
     const char *finish = finish_name(ch->finish);
-    if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_calls(q, ch, &finish);
+    if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_text(q, ch, &finish);
     sse_choice(q, NULL, 0, 0, finish);
     if (q->include_usage) {
         cJSON *o = head_obj(q, q->chat ? "chat.completion.chunk" : "text_completion");
@@ -2665,7 +2698,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     cJSON_Delete(q->plp);
     loom_tools_free(&q->tools);
     cJSON_Delete(q->tools_req);
-    free(q->tool_text.p);
+    loom_tstream_destroy(&q->ts);
     free(q);
     *con_cls = NULL;
 }

@@ -9,7 +9,7 @@ add_library(loom_chat_template STATIC ${PROJECT_SOURCE_DIR}/common/chat_template
 target_link_libraries(loom_chat_template PUBLIC loom_base Loom::CJSON)
 
 add_library(loom_http STATIC ${CMAKE_CURRENT_LIST_DIR}/http.c ${CMAKE_CURRENT_LIST_DIR}/http_guard.c
-            ${CMAKE_CURRENT_LIST_DIR}/tool_calls.c
+            ${CMAKE_CURRENT_LIST_DIR}/tool_calls.c ${CMAKE_CURRENT_LIST_DIR}/tool_stream.c
             ${CMAKE_CURRENT_LIST_DIR}/http_tls.c)
 target_link_libraries(loom_http PUBLIC loom_server loom_client loom_chat_template Loom::MicroHTTPD Loom::CJSON
                       GnuTLS::GnuTLS Threads::Threads)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/util.h"
+#include "coordinator/tool_stream.h"
 
 #define MAX_TOOLS 128
 
@@ -251,124 +252,69 @@ char *loom_tools_render_result(loom_chat_family_t family, const char *content) {
     return b.p;
 }
 
-/* {"name": N, "arguments"|"parameters": {...}} -> an OpenAI tool call. */
-static int add_call(cJSON *calls, const cJSON *o, const loom_tools_t *t, unsigned long long seed) {
-    const cJSON *name = cJSON_IsObject(o) ? get(o, "name") : NULL;
-    const cJSON *args = cJSON_IsObject(o) ? get(o, "arguments") : NULL;
-    if (!args && cJSON_IsObject(o)) args = get(o, "parameters");
-    if (!cJSON_IsString(name) || !cJSON_IsObject(args)) return -1;
-    int known = 0;
-    const cJSON *tool;
-    cJSON_ArrayForEach(tool, t->tools) known |= !strcmp(get(fn_of(tool), "name")->valuestring, name->valuestring);
-    if (!known) return -1;
-    cJSON *c = cJSON_CreateObject();
-    char id[48];
-    snprintf(id, sizeof id, "call_%016llx%02d", seed, cJSON_GetArraySize(calls));
-    cJSON_AddStringToObject(c, "id", id);
-    cJSON_AddStringToObject(c, "type", "function");
-    cJSON *fn = cJSON_AddObjectToObject(c, "function");
-    cJSON_AddStringToObject(fn, "name", name->valuestring);
-    char *a = cJSON_PrintUnformatted(args);
-    cJSON_AddStringToObject(fn, "arguments", a ? a : "{}");
-    free(a);
-    cJSON_AddItemToArray(calls, c);
-    return 0;
+void loom_tools_call_id(unsigned long long id_seed, int index, char *buf, size_t cap) {
+    snprintf(buf, cap, "call_%016llx%02d", id_seed, index);
 }
 
-static int add_array(cJSON *calls, const cJSON *arr, const loom_tools_t *t, unsigned long long seed) {
-    const cJSON *o;
-    if (!cJSON_IsArray(arr) || !arr->child) return -1;
-    cJSON_ArrayForEach(o, arr) if (add_call(calls, o, t, seed) < 0) return -1;
-    return 0;
-}
+/* The unstreamed parse: the streaming reader (tool_stream.h) fed the whole
+ * answer, its events collected. */
+typedef struct {
+    loom_sbuf_t content;
+    char **names;
+    loom_sbuf_t *args;
+    int n;
+} collected_t;
 
-static const char *skip_ws(const char *p, const char *end) {
-    while (p < end && (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r')) p++;
-    return p;
+static void collect(void *ctx, const loom_tse_t *e) {
+    collected_t *c = ctx;
+    if (e->kind == LOOM_TSE_CONTENT) {
+        loom_sbuf_add(&c->content, e->text, e->len);
+    } else if (e->kind == LOOM_TSE_CALL) {
+        LOOM_ASSERT(e->index == c->n);
+        c->names = loom_xrealloc(c->names, (size_t)(c->n + 1) * sizeof *c->names);
+        c->args = loom_xrealloc(c->args, (size_t)(c->n + 1) * sizeof *c->args);
+        c->names[c->n] = loom_xstrdup(e->name);
+        c->args[c->n] = (loom_sbuf_t){0};
+        loom_sbuf_add(&c->args[c->n], "", 0);
+        c->n++;
+    } else {
+        LOOM_ASSERT(e->index == c->n - 1);
+        loom_sbuf_add(&c->args[e->index], e->text, e->len);
+    }
 }
 
 cJSON *loom_tools_parse_output(const loom_tools_t *t, loom_chat_family_t family, const char *text, size_t len,
                                unsigned long long id_seed, char **rest) {
     *rest = NULL;
     if (t->mode == LOOM_TOOLS_OFF) return NULL;
-    char *s = loom_xmalloc(len + 1);
-    memcpy(s, text, len);
-    s[len] = '\0';
-    const char *end = s + len;
-    cJSON *calls = cJSON_CreateArray();
-    int ok = -1;
-    if (t->mode == LOOM_TOOLS_NAMED) { /* the arguments object itself */
-        cJSON *args = cJSON_Parse(s);
-        if (cJSON_IsObject(args)) {
+    collected_t c = {0};
+    loom_tstream_t *s = loom_tstream_create(t, family, collect, &c);
+    loom_tstream_feed(s, text, len);
+    int n = loom_tstream_finish(s, 1);
+    loom_tstream_destroy(&s);
+    cJSON *calls = NULL;
+    if (n > 0) {
+        LOOM_ASSERT(n == c.n);
+        calls = cJSON_CreateArray();
+        for (int i = 0; i < c.n; i++) {
             cJSON *o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "name", t->named);
-            cJSON_AddItemToObject(o, "arguments", args);
-            ok = add_call(calls, o, t, id_seed);
-            cJSON_Delete(o);
-        } else {
-            cJSON_Delete(args);
+            char id[48];
+            loom_tools_call_id(id_seed, i, id, sizeof id);
+            cJSON_AddStringToObject(o, "id", id);
+            cJSON_AddStringToObject(o, "type", "function");
+            cJSON *fn = cJSON_AddObjectToObject(o, "function");
+            cJSON_AddStringToObject(fn, "name", c.names[i]);
+            cJSON_AddStringToObject(fn, "arguments", c.args[i].p);
+            cJSON_AddItemToArray(calls, o);
         }
-    } else if (t->mode == LOOM_TOOLS_REQUIRED) {
-        cJSON *arr = cJSON_Parse(s);
-        ok = add_array(calls, arr, t, id_seed);
-        cJSON_Delete(arr);
-    } else if (family == LOOM_CHAT_LLAMA3 || family == LOOM_CHAT_MISTRAL) {
-        const char *p = skip_ws(s, end);
-        static const char *const tags[] = {"<|python_tag|>", "[TOOL_CALLS]"};
-        for (size_t i = 0; i < LOOM_ARRAY_LEN(tags); i++)
-            if (!strncmp(p, tags[i], strlen(tags[i]))) p = skip_ws(p + strlen(tags[i]), end);
-        if (*p == '[' || *p == '{') {
-            cJSON *v = cJSON_Parse(p);
-            if (cJSON_IsArray(v)) ok = add_array(calls, v, t, id_seed);
-            else if (cJSON_IsObject(v)) ok = add_call(calls, v, t, id_seed);
-            cJSON_Delete(v);
-            if (!v && family == LOOM_CHAT_LLAMA3) { /* several objects separated by ';' */
-                char *dup = loom_xstrdup(p), *save = NULL;
-                ok = 0;
-                for (char *part = strtok_r(dup, ";", &save); part && ok == 0; part = strtok_r(NULL, ";", &save)) {
-                    cJSON *o = cJSON_Parse(part);
-                    ok = add_call(calls, o, t, id_seed);
-                    cJSON_Delete(o);
-                }
-                free(dup);
-            }
-        }
-        if (ok == 0 && !t->parallel && cJSON_GetArraySize(calls) > 1) ok = -1;
-    } else { /* <tool_call> blocks; the text around them stays content */
-        loom_sbuf_t keep = {0};
-        loom_sbuf_add(&keep, "", 0);
-        const char *p = s;
-        ok = 0;
-        int found = 0;
-        for (;;) {
-            const char *a = strstr(p, "<tool_call>");
-            if (!a) break;
-            const char *b = strstr(a, "</tool_call>");
-            if (!b) break;
-            loom_sbuf_add(&keep, p, (size_t)(a - p));
-            size_t n = (size_t)(b - a) - strlen("<tool_call>");
-            char *body = loom_xmalloc(n + 1);
-            memcpy(body, a + strlen("<tool_call>"), n);
-            body[n] = '\0';
-            cJSON *o = cJSON_Parse(body);
-            free(body);
-            if (add_call(calls, o, t, id_seed) < 0) ok = -1;
-            cJSON_Delete(o);
-            found = 1;
-            p = b + strlen("</tool_call>");
-        }
-        loom_sbuf_str(&keep, p);
-        if (!found || (!t->parallel && cJSON_GetArraySize(calls) > 1)) ok = -1;
-        const char *k = skip_ws(keep.p, keep.p + keep.len);
-        if (ok == 0 && *k) *rest = loom_xstrdup(k);
-        free(keep.p);
+        if (c.content.len) *rest = loom_xstrdup(c.content.p);
     }
-    free(s);
-    if (ok < 0 || cJSON_GetArraySize(calls) == 0) {
-        cJSON_Delete(calls);
-        free(*rest);
-        *rest = NULL;
-        return NULL;
+    for (int i = 0; i < c.n; i++) {
+        free(c.names[i]);
+        free(c.args[i].p);
     }
+    free(c.names);
+    free(c.args);
+    free(c.content.p);
     return calls;
 }

@@ -51,10 +51,15 @@ char *loom_tools_render_calls(loom_chat_family_t family, const cJSON *tool_calls
                               size_t cap);
 char *loom_tools_render_result(loom_chat_family_t family, const char *content);
 
-/* Parses output into an OpenAI tool_calls array (ids "call_" + id_seed
- * based); NULL when it holds no call. *rest: the text left as content
- * (malloc'ed, may be NULL). */
+/* Parses output into an OpenAI tool_calls array (ids from
+ * loom_tools_call_id); NULL when it is not calls (then all of it is
+ * content). *rest: the content besides the calls (malloc'ed, may be NULL).
+ * What is a call and what arguments and content are: tool_stream.h (this
+ * is its reader fed the whole output). */
 cJSON *loom_tools_parse_output(const loom_tools_t *t, loom_chat_family_t family, const char *text, size_t len,
                                unsigned long long id_seed, char **rest);
+
+/* Call index's id, "call_" + hex of id_seed + the index. */
+void loom_tools_call_id(unsigned long long id_seed, int index, char *buf, size_t cap);
 
 #endif

@@ -1,5 +1,6 @@
 // Tool calling through the official clients: the OpenAI Node SDK
-// (tool_choice "required" and a named function, streamed and not), LangChain
+// (tool_choice "required" and a named function, streamed and not, with the
+// streamed deltas), LangChain
 // JS (bindTools with tool_choice "required") and the Vercel AI SDK
 // (generateText with tools and toolChoice "required"), from
 // tests/reference/node_modules. Prints {"schema": ..., "results": {name:
@@ -53,12 +54,21 @@ await record("openai_named", async () => {
   const r = await client.chat.completions.create({ ...base, tool_choice: { type: "function", function: { name: "get_weather" } } });
   return { calls: plain(r.choices[0].message.tool_calls), finish: r.choices[0].finish_reason };
 });
-await record("openai_required_stream", async () => {
-  // the SDK's own accumulation of streamed delta.tool_calls
-  const s = client.chat.completions.stream({ ...base, tool_choice: "required", parallel_tool_calls: false });
+// streamed: the SDK's own accumulation of delta.tool_calls, and the deltas
+// as they came (test_tools.py checks their shape and that they add up to
+// the unstreamed answer above)
+async function streamed(body) {
+  const deltas = [];
+  const s = client.chat.completions.stream(body);
+  s.on("chunk", (c) => {
+    for (const ch of c.choices) for (const tc of ch.delta?.tool_calls ?? []) deltas.push(JSON.parse(JSON.stringify(tc)));
+  });
   const done = await s.finalChatCompletion();
-  return { calls: plain(done.choices[0].message.tool_calls), finish: done.choices[0].finish_reason };
-});
+  return { calls: plain(done.choices[0].message.tool_calls), finish: done.choices[0].finish_reason, deltas };
+}
+await record("openai_required_stream", () => streamed({ ...base, tool_choice: "required", parallel_tool_calls: false }));
+await record("openai_named_stream", () =>
+  streamed({ ...base, tool_choice: { type: "function", function: { name: "get_weather" } } }));
 await record("langchain_bind_tools", async () => {
   const lc = new ChatOpenAI({ model, apiKey, configuration: { baseURL }, temperature: 0, maxTokens: 250, maxRetries: 0 });
   const m = await lc.bindTools(tools, { tool_choice: "required", parallel_tool_calls: false }).invoke(messages);

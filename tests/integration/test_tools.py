@@ -12,9 +12,14 @@ tiny model's 512), chat template chatml (Hermes/Qwen conventions).
   call; assistant tool_calls and tool messages in the history render.
 - Bad tools / tool_choice are a 400 naming the field; the server keeps
   serving.
-- The three SDKs (sdk_tools.mjs): openai tool_choice required / named /
-  streamed, LangChain bindTools, Vercel generateText with toolChoice
-  required."""
+- Streamed tool calls arrive incrementally as OpenAI sends them: a call's
+  first delta {index, id, type, function: {name, arguments: ""}}, then
+  {index, function: {arguments}} pieces, adding up to the unstreamed
+  answer to the same request (same seed), finish_reason included.
+- The three SDKs (sdk_tools.mjs): openai tool_choice required / named,
+  streamed and not (the SDK's accumulation equals the unstreamed call, and
+  the deltas have OpenAI's shape), LangChain bindTools, Vercel generateText
+  with toolChoice required."""
 import json
 import os
 import shutil
@@ -58,7 +63,7 @@ def chat(port, body, stream=False):
     body["stream"] = True
     status, data = post(port, "/v1/chat/completions", body, timeout=120)
     check(status == 200, "stream %r: %d %r" % (body, status, data[:300]))
-    content, calls, finish = "", {}, None
+    content, calls, finish, deltas = "", {}, None, {}
     for line in data.decode().split("\n"):
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -67,6 +72,7 @@ def chat(port, body, stream=False):
             content += d.get("content") or ""
             for tc in d.get("tool_calls") or []:
                 check(isinstance(tc.get("index"), int), "a tool_calls delta without index: %r" % tc)
+                deltas.setdefault(tc["index"], []).append(tc)
                 c = calls.setdefault(tc["index"], {"id": None, "type": None, "function": {"name": "", "arguments": ""}})
                 if tc.get("id"):
                     c["id"] = tc["id"]
@@ -76,8 +82,41 @@ def chat(port, body, stream=False):
                 c["function"]["name"] += f.get("name") or ""
                 c["function"]["arguments"] += f.get("arguments") or ""
             finish = ch.get("finish_reason") or finish
-    msg = {"content": content or None, "tool_calls": [calls[k] for k in sorted(calls)] or None}
+    msg = {"content": content or None, "tool_calls": [calls[k] for k in sorted(calls)] or None,
+           "_deltas": [deltas[k] for k in sorted(deltas)]}
     return msg, finish
+
+
+def check_streamed(streamed, fs, whole, fw):
+    """A streamed answer arrived as OpenAI streams tool calls, and adds up to
+    the unstreamed answer to the same request (same seed): a call's first
+    delta has index, id, type and the name, with arguments "" (or a first
+    piece); the later ones only index and an arguments piece; arguments of
+    more than a couple of characters come in more than one piece."""
+    check(fs == fw, "finish streamed %r, not %r" % (fs, fw))
+    if fw == "length":  # cut short: unstreamed it is text, streamed the pieces sent stay (docs/http-api.md)
+        return 0
+    check(streamed.get("content") == whole.get("content"), "content streamed %r, not %r" % (
+        streamed.get("content"), whole.get("content")))
+    sc, wc = streamed.get("tool_calls") or [], whole.get("tool_calls") or []
+    check(len(sc) == len(wc), "%d calls streamed, %d not" % (len(sc), len(wc)))
+    pieces = 0
+    for i, (a, b) in enumerate(zip(sc, wc)):
+        check(a["function"] == b["function"] and a["type"] == b["type"],
+              "call %d streamed %r, not %r" % (i, a["function"], b["function"]))
+        ds = streamed["_deltas"][i]
+        first = ds[0]
+        check(set(first) == {"index", "id", "type", "function"} and first["id"].startswith("call_") and
+              first["type"] == "function" and first["function"].get("name") == b["function"]["name"] and
+              b["function"]["arguments"].startswith(first["function"].get("arguments", "")),
+              "first delta of call %d: %r" % (i, first))
+        for d in ds[1:]:
+            check(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"},
+                  "later delta of call %d: %r" % (i, d))
+        if len(b["function"]["arguments"]) > 2:
+            check(len(ds) >= 3, "call %d's arguments %r came in %d delta(s)" % (i, b["function"]["arguments"], len(ds)))
+        pieces += len(ds) - 1
+    return pieces
 
 
 def check_calls(msg, finish, want_finish, pairs, one=False, name=None):
@@ -104,22 +143,27 @@ def test_forced_calls():
         for tp in (1, 2):
             port = free_port()
             with Cluster(model, tp=tp, coord_args=["--http", "127.0.0.1:%d" % port, "--chat-template", "chatml"]):
-                pairs, done, total = [], 0, 0
+                pairs, done, total, pieces = [], 0, 0, 0
                 for seed in range(3):
-                    for stream in (False, True):
-                        base = {"temperature": 1.0, "seed": seed}
-                        m, f = chat(port, dict(base, tool_choice="required"), stream)
-                        done += check_calls(m, f, "tool_calls", pairs)
-                        m, f = chat(port, dict(base, tool_choice="required", parallel_tool_calls=False), stream)
-                        done += check_calls(m, f, "tool_calls", pairs, one=True)
-                        m, f = chat(port, dict(base, tool_choice={"type": "function",
-                                                                  "function": {"name": "get_time"}}), stream)
-                        done += check_calls(m, f, "stop", pairs, one=True, name="get_time")
-                        total += 3
+                    base = {"temperature": 1.0, "seed": seed}
+                    for extra, want, kw in ((dict(tool_choice="required"), "tool_calls", {}),
+                                            (dict(tool_choice="required", parallel_tool_calls=False), "tool_calls",
+                                             {"one": True}),
+                                            (dict(tool_choice={"type": "function", "function": {"name": "get_time"}}),
+                                             "stop", {"one": True, "name": "get_time"})):
+                        answers = []
+                        for stream in (False, True):
+                            m, f = chat(port, dict(base, **extra), stream)
+                            done += check_calls(m, f, want, pairs, **kw)
+                            answers.append((m, f))
+                            total += 1
+                        (mw, fw), (ms, fs) = answers
+                        pieces += check_streamed(ms, fs, mw, fw)
+                check(pieces > 0, "no streamed arguments pieces")
                 validate(pairs)
                 check(done >= total // 2, "tp %d: only %d of %d forced calls finished" % (tp, done, total))
-                print("  tp %d: %d of %d forced calls finished, %d argument objects validated" % (
-                    tp, done, total, len(pairs)))
+                print("  tp %d: %d of %d forced calls finished, %d argument objects validated, %d streamed pieces" % (
+                    tp, done, total, len(pairs), pieces))
                 if tp == 1:
                     check_auto_history_bad(port)
     finally:
@@ -187,6 +231,23 @@ def test_sdks():
                 ok.append(name)
             validate(pairs)
             check(len(ok) >= 3, "only %s of the SDK calls finished: %r" % (ok, out))
+            res = out["results"]
+            for st, whole in (("openai_required_stream", "openai_required"), ("openai_named_stream", "openai_named")):
+                r, w = res[st], res[whole]
+                if r.get("finish") == "length" or w.get("finish") == "length" or r.get("error"):
+                    continue
+                # the SDK's accumulation equals the unstreamed answer (temperature 0)
+                check(r["calls"] == w["calls"] and r["finish"] == w["finish"], "%s %r differs from %s %r" % (
+                    st, r, whole, w))
+                ds = r["deltas"]
+                check(ds and set(ds[0]) == {"index", "id", "type", "function"} and ds[0]["id"].startswith("call_")
+                      and ds[0]["function"]["name"] == "get_weather"
+                      and w["calls"][0]["arguments"].startswith(ds[0]["function"].get("arguments", "")),
+                      "%s: first delta %r" % (st, ds[:1]))
+                later = ds[1:]
+                check(len(later) >= 2 and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                                              for d in later), "%s: later deltas %r" % (st, later[:4]))
+                print("  %s: %d argument deltas add up to the unstreamed call" % (st, len(later)))
             print("  SDK tool calls validated: %s" % ", ".join(ok))
     finally:
         shutil.rmtree(d, ignore_errors=True)

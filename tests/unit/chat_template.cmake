@@ -8,3 +8,9 @@ if(TARGET loom_http)
   loom_add_test(test_tool_calls SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_tool_calls.c
                 LIBS loom_http LABELS unit TIMEOUT 30)
 endif()
+# Streaming tool calls (coordinator/tool_stream.c): every family and mode fed
+# in every split gives the unstreamed parse's content, names and arguments.
+if(TARGET loom_http)
+  loom_add_test(test_tool_stream SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_tool_stream.c
+                LIBS loom_http LABELS unit TIMEOUT 60)
+endif()

@@ -1,0 +1,307 @@
+/* Tests of the streaming tool-call reader (coordinator/tool_stream.c):
+ * answers of every family and mode, fed whole, a byte at a time, split at
+ * every byte boundary and in random token-like pieces, give the same
+ * events, and they rebuild what the unstreamed parse
+ * (loom_tools_parse_output) returns and what each case expects: content,
+ * each call's name and arguments. Also the fallbacks: text that is not
+ * calls goes out whole as content; a call that breaks after it started. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/util.h"
+#include "coordinator/tool_stream.h"
+#include "tests/test.h"
+
+#define MAX_CALLS 4
+
+/* What a run's events add up to. */
+typedef struct {
+    loom_sbuf_t content;
+    int n;
+    char names[MAX_CALLS][64];
+    loom_sbuf_t args[MAX_CALLS];
+    int n_args_events[MAX_CALLS];
+    size_t call_at[MAX_CALLS]; /* bytes fed when the call started */
+    size_t fed;
+    int order_ok;
+} got_t;
+
+static void on_event(void *ctx, const loom_tse_t *e) {
+    got_t *g = ctx;
+    switch (e->kind) {
+    case LOOM_TSE_CONTENT:
+        if (!e->len) g->order_ok = 0; /* no empty events */
+        loom_sbuf_add(&g->content, e->text, e->len);
+        break;
+    case LOOM_TSE_CALL:
+        if (e->index != g->n || g->n == MAX_CALLS) {
+            g->order_ok = 0;
+            return;
+        }
+        snprintf(g->names[g->n], sizeof g->names[0], "%s", e->name);
+        g->call_at[g->n] = g->fed;
+        loom_sbuf_add(&g->args[g->n], "", 0);
+        g->n++;
+        break;
+    case LOOM_TSE_ARGS:
+        if (e->index != g->n - 1 || !e->len) { /* only the latest call grows */
+            g->order_ok = 0;
+            return;
+        }
+        loom_sbuf_add(&g->args[e->index], e->text, e->len);
+        g->n_args_events[e->index]++;
+        break;
+    }
+}
+
+static void got_free(got_t *g) {
+    free(g->content.p);
+    for (int i = 0; i < MAX_CALLS; i++) free(g->args[i].p);
+}
+
+typedef struct {
+    loom_chat_family_t family;
+    const char *choice; /* the request's tool_choice and parallel_tool_calls, or "" */
+    const char *text;
+    int complete;       /* 0: cut by the budget */
+    int verdict;        /* LOOM_TS_* (LOOM_TS_CALLS: n calls) */
+    const char *content;
+    int n;
+    const char *names[2], *args[2];
+    int held; /* bit i: call i's arguments come before its name (held, then in one piece) */
+} case_t;
+
+#define CHATML LOOM_CHAT_CHATML
+#define LLAMA3 LOOM_CHAT_LLAMA3
+#define MISTRAL LOOM_CHAT_MISTRAL
+#define NAMED ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}"
+#define REQUIRED ", \"tool_choice\": \"required\""
+#define SINGLE ", \"parallel_tool_calls\": false"
+
+static const case_t k_cases[] = {
+    /* chatml (Hermes, Qwen) */
+    {CHATML, "", "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+     1, 1, "Let me look.", 1, {"get_weather"}, {"{\"city\":\"Paris\"}"}, 0},
+    {CHATML, "",
+     "<tool_call>{\"arguments\": {\"city\": \"a b\\\"}\", \"n\": [1, 2.5e3, -0.1e-2, true, null]}, \"id\": 3, \"name\": "
+     "\"get_weather\"}</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\nDone.",
+     1, 2, "Done.", 2, {"get_weather", "now"}, {"{\"city\":\"a b\\\"}\",\"n\":[1,2.5e3,-0.1e-2,true,null]}", "{}"}, 1},
+    {CHATML, "",
+     "  Hi <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Z\xc3\xbcrich </tool_call> \\u00e9\\n\", "
+     "\"o\": {\"x\": [[], {}], \"y\": false}}}</tool_call>  and  more <tool \n",
+     1, 1, "  Hi and  more <tool \n", 1, {"get_weather"},
+     {"{\"city\":\"Z\xc3\xbcrich </tool_call> \\u00e9\\n\",\"o\":{\"x\":[[],{}],\"y\":false}}"}, 0},
+    {CHATML, "", "<tool_call>{\"name\": \"now\", \"parameters\": {\"a\":0}, \"arguments\": {}}</tool_call>", 1, 1, "", 1,
+     {"now"}, {"{\"a\":0}"}, 0},
+    {CHATML, "", "Once upon a time <tool", 1, LOOM_TS_TEXT, "Once upon a time <tool", 0, {0}, {0}, 0},
+    {CHATML, "", "  \n", 1, LOOM_TS_TEXT, "  \n", 0, {0}, {0}, 0},
+    {CHATML, "", "Sure <tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>", 1, LOOM_TS_TEXT,
+     "Sure <tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>", 0, {0}, {0}, 0},
+    {CHATML, "", "<tool_call>{\"name\": \"now\", </tool_call> ok", 1, LOOM_TS_TEXT,
+     "<tool_call>{\"name\": \"now\", </tool_call> ok", 0, {0}, {0}, 0},
+    {CHATML, "", "<tool_call>{\"name\": \"now\"}</tool_call>", 1, LOOM_TS_TEXT, "<tool_call>{\"name\": \"now\"}</tool_call>",
+     0, {0}, {0}, 0},
+    {CHATML, "", "<tool_call>{\"name\": \"now\", \"arguments\": [1]}</tool_call>", 1, LOOM_TS_TEXT,
+     "<tool_call>{\"name\": \"now\", \"arguments\": [1]}</tool_call>", 0, {0}, {0}, 0},
+    /* started, then broken: the pieces stay, the rest goes out as content */
+    {CHATML, "", "<tool_call>{\"name\": \"now\", \"arguments\": {\"a\": 01}}</tool_call>", 1, LOOM_TS_BROKEN,
+     "1}}</tool_call>", 1, {"now"}, {"{\"a\":0"}, 0},
+    {CHATML, "", "<tool_call>{\"name\": \"now\", \"arguments\": {}}", 1, LOOM_TS_BROKEN, "", 1, {"now"}, {"{}"}, 0},
+    {CHATML, SINGLE, "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"now\", "
+     "\"arguments\": {}}</tool_call>", 1, LOOM_TS_BROKEN, "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>", 1,
+     {"now"}, {"{}"}, 0},
+    {CHATML, "", "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+     0, LOOM_TS_BROKEN, "Let me look.", 1, {"get_weather"}, {"{\"city\":\"Paris\"}"}, 0},
+    {CHATML, "", "Let me look.\n<tool_call>\n{\"name\": \"get_weather\"", 0, LOOM_TS_TEXT,
+     "Let me look.\n<tool_call>\n{\"name\": \"get_weather\"", 0, {0}, {0}, 0},
+    /* llama3 */
+    {LLAMA3, "", "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}", 1, 1, "", 1, {"get_weather"},
+     {"{\"city\":\"Oslo\"}"}, 0},
+    {LLAMA3, "", " <|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"get_weather\", \"parameters\": "
+     "{\"city\": \"x\"}}\n", 1, 2, "", 2, {"now", "get_weather"}, {"{}", "{\"city\":\"x\"}"}, 0},
+    {LLAMA3, "", "{\"name\": \"now\", \"parameters\": {}} and then text", 1, 1, "and then text", 1, {"now"}, {"{}"}, 0},
+    {LLAMA3, "", "{I think}", 1, LOOM_TS_TEXT, "{I think}", 0, {0}, {0}, 0},
+    {LLAMA3, "", "\n\nThe weather is nice.", 1, LOOM_TS_TEXT, "\n\nThe weather is nice.", 0, {0}, {0}, 0},
+    /* mistral */
+    {MISTRAL, "", "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}}, {\"name\": \"get_weather\", \"arguments\": "
+     "{\"city\": \"Rome\"}}]", 1, 2, "", 2, {"now", "get_weather"}, {"{}", "{\"city\":\"Rome\"}"}, 0},
+    {MISTRAL, "", "[TOOLS] hi", 1, LOOM_TS_TEXT, "[TOOLS] hi", 0, {0}, {0}, 0},
+    {MISTRAL, "", "[TOOL_CALLS] [1]", 1, LOOM_TS_TEXT, "[TOOL_CALLS] [1]", 0, {0}, {0}, 0},
+    /* required: an array of calls */
+    {CHATML, REQUIRED, "[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\", \"unit\": \"c\"}}]", 1, 1, "", 1,
+     {"get_weather"}, {"{\"city\":\"Lima\",\"unit\":\"c\"}"}, 0},
+    {LLAMA3, REQUIRED, "[ {\"name\":\"now\",\"arguments\":{ }} , {\"arguments\":{\"zone\":\"UTC\"},\"name\":\"now\"} ]", 1,
+     2, "", 2, {"now", "now"}, {"{}", "{\"zone\":\"UTC\"}"}, 2},
+    {CHATML, REQUIRED, "[]", 1, LOOM_TS_TEXT, "[]", 0, {0}, {0}, 0},
+    {CHATML, REQUIRED SINGLE, "[{\"name\": \"now\", \"arguments\": {}}, {\"name\": \"now\", \"arguments\": {}}]", 1,
+     LOOM_TS_BROKEN, ", {\"name\": \"now\", \"arguments\": {}}]", 1, {"now"}, {"{}"}, 0},
+    /* named: the arguments object */
+    {CHATML, NAMED, "{\"city\": \"Lima\"}", 1, 1, "", 1, {"get_weather"}, {"{\"city\":\"Lima\"}"}, 0},
+    {MISTRAL, NAMED, " {\"city\" : 1.5e-3 , \"u\":\"c\" }  ", 1, 1, "", 1, {"get_weather"},
+     {"{\"city\":1.5e-3,\"u\":\"c\"}"}, 0},
+    {CHATML, NAMED, "not json", 1, LOOM_TS_TEXT, "not json", 0, {0}, {0}, 0},
+};
+
+static const char *k_req =
+    "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": {\"type\": "
+    "\"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}},"
+    "{\"type\": \"function\", \"function\": {\"name\": \"now\"}}]%s}";
+
+/* Feeds text in pieces ending at cuts[0..n) (the last must be strlen). */
+static int run_split(const loom_tools_t *t, const case_t *c, const size_t *cuts, int n, got_t *g) {
+    memset(g, 0, sizeof *g);
+    g->order_ok = 1;
+    loom_sbuf_add(&g->content, "", 0);
+    loom_tstream_t *s = loom_tstream_create(t, c->family, on_event, g);
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        g->fed = cuts[i];
+        loom_tstream_feed(s, c->text + at, cuts[i] - at);
+        at = cuts[i];
+    }
+    int v = loom_tstream_finish(s, c->complete);
+    loom_tstream_destroy(&s);
+    loom_tstream_destroy(&s); /* safe twice */
+    return v;
+}
+
+static int same(const got_t *a, const got_t *b) {
+    if (a->n != b->n || strcmp(a->content.p, b->content.p) != 0) return 0;
+    for (int i = 0; i < a->n; i++)
+        if (strcmp(a->names[i], b->names[i]) != 0 || strcmp(a->args[i].p, b->args[i].p) != 0) return 0;
+    return 1;
+}
+
+static uint64_t rng_next(uint64_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+static void test_cases(void) {
+    for (size_t ci = 0; ci < LOOM_ARRAY_LEN(k_cases); ci++) {
+        const case_t *c = &k_cases[ci];
+        char buf[1024];
+        snprintf(buf, sizeof buf, k_req, c->choice);
+        cJSON *r = cJSON_Parse(buf);
+        loom_tools_t t;
+        const char *param;
+        char msg[256];
+        REQUIRE(r && loom_tools_parse(r, c->family, &t, &param, msg, sizeof msg) == 0);
+        size_t len = strlen(c->text);
+        /* whole: against the case and the unstreamed parse */
+        got_t whole;
+        size_t cut = len;
+        int v = run_split(&t, c, &cut, 1, &whole);
+        CHECKF(v == c->verdict, "case %zu: verdict %d, expected %d", ci, v, c->verdict);
+        CHECKF(whole.order_ok, "case %zu: events out of order", ci);
+        CHECKF(!strcmp(whole.content.p, c->content), "case %zu: content '%s', expected '%s'", ci, whole.content.p,
+               c->content);
+        CHECKF(whole.n == c->n, "case %zu: %d calls, expected %d", ci, whole.n, c->n);
+        for (int i = 0; i < whole.n && i < c->n; i++)
+            CHECKF(!strcmp(whole.names[i], c->names[i]) && !strcmp(whole.args[i].p, c->args[i]),
+                   "case %zu call %d: %s(%s), expected %s(%s)", ci, i, whole.names[i], whole.args[i].p, c->names[i],
+                   c->args[i]);
+        if (v == LOOM_TS_TEXT) CHECKF(!strcmp(whole.content.p, c->text), "case %zu: text not kept whole", ci);
+        if (c->complete) {
+            char *rest = NULL;
+            cJSON *calls = loom_tools_parse_output(&t, c->family, c->text, len, 9, &rest);
+            CHECKF((calls != NULL) == (v > 0), "case %zu: unstreamed parse disagrees on calls", ci);
+            if (calls && v > 0) {
+                CHECKF(cJSON_GetArraySize(calls) == whole.n, "case %zu: unstreamed call count", ci);
+                CHECKF(!strcmp(rest ? rest : "", whole.content.p), "case %zu: unstreamed content '%s'", ci, rest);
+                for (int i = 0; i < whole.n; i++) {
+                    const cJSON *call = cJSON_GetArrayItem(calls, i);
+                    const cJSON *fn = cJSON_GetObjectItem(call, "function");
+                    char id[48];
+                    loom_tools_call_id(9, i, id, sizeof id);
+                    CHECKF(!strcmp(cJSON_GetObjectItem(call, "id")->valuestring, id), "case %zu: id", ci);
+                    CHECKF(!strcmp(cJSON_GetObjectItem(fn, "name")->valuestring, whole.names[i]) &&
+                               !strcmp(cJSON_GetObjectItem(fn, "arguments")->valuestring, whole.args[i].p),
+                           "case %zu call %d: unstreamed differs", ci, i);
+                    cJSON *parsed = cJSON_Parse(whole.args[i].p); /* the arguments are JSON */
+                    CHECKF(cJSON_IsObject(parsed), "case %zu call %d: arguments not an object", ci, i);
+                    cJSON_Delete(parsed);
+                }
+            }
+            cJSON_Delete(calls);
+            free(rest);
+        }
+        /* a byte at a time: the same events; arguments in many pieces */
+        size_t *cuts = loom_xmalloc((len + 1) * sizeof *cuts);
+        for (size_t i = 0; i < len; i++) cuts[i] = i + 1;
+        got_t g;
+        int vb = run_split(&t, c, cuts, (int)len, &g);
+        CHECKF(vb == v && same(&g, &whole) && g.order_ok, "case %zu: byte by byte differs", ci);
+        for (int i = 0; i < g.n && v > 0; i++) {
+            size_t a = strlen(g.args[i].p);
+            CHECKF(a < 3 || (c->held >> i & 1) || g.n_args_events[i] >= 2, "case %zu call %d: arguments in %d piece(s)",
+                   ci, i,
+                   g.n_args_events[i]);
+            CHECKF(g.call_at[i] < len, "case %zu call %d: started only at the end", ci, i);
+        }
+        got_free(&g);
+        /* every boundary, two pieces */
+        for (size_t k = 0; k <= len; k++) {
+            size_t two[2] = {k, len};
+            int vk = run_split(&t, c, two, 2, &g);
+            CHECKF(vk == v && same(&g, &whole) && g.order_ok, "case %zu: split at %zu differs", ci, k);
+            got_free(&g);
+        }
+        /* token-like random pieces of 1 to 8 bytes */
+        uint64_t seed = 0x9e3779b97f4a7c15ull + ci;
+        for (int trial = 0; trial < 200; trial++) {
+            int n = 0;
+            for (size_t at = 0; at < len;) {
+                size_t step = 1 + rng_next(&seed) % 8;
+                at = LOOM_MIN(len, at + step);
+                cuts[n++] = at;
+            }
+            int vr = run_split(&t, c, cuts, n, &g);
+            CHECKF(vr == v && same(&g, &whole) && g.order_ok, "case %zu: random split %d: verdict %d, %d calls, '%s'", ci,
+                   trial, vr, g.n, g.content.p);
+            got_free(&g);
+        }
+        free(cuts);
+        got_free(&whole);
+        loom_tools_free(&t);
+        cJSON_Delete(r);
+    }
+}
+
+/* Content before a call goes out while the call is still being written;
+ * only the possible start of "<tool_call>" is held. */
+static void test_holds_little(void) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, k_req, "");
+    cJSON *r = cJSON_Parse(buf);
+    loom_tools_t t;
+    const char *param;
+    char msg[256];
+    REQUIRE(loom_tools_parse(r, CHATML, &t, &param, msg, sizeof msg) == 0);
+    got_t g = {.order_ok = 1};
+    loom_tstream_t *s = loom_tstream_create(&t, CHATML, on_event, &g);
+    loom_tstream_feed(s, "Hello there <tool", 17);
+    CHECK(!strcmp(g.content.p, "Hello there"));
+    loom_tstream_feed(s, "_call>{\"name\": \"now\"", 20);
+    CHECK(g.n == 0); /* not before its arguments begin */
+    loom_tstream_feed(s, ", \"arguments\": {\"a\"", 19);
+    CHECK(g.n == 1 && !strcmp(g.args[0].p, "{\"a\""));
+    loom_tstream_feed(s, ": 1}}</tool_call>", 17);
+    CHECK(!strcmp(g.args[0].p, "{\"a\":1}"));
+    CHECK(loom_tstream_finish(s, 1) == 1 && !strcmp(g.content.p, "Hello there"));
+    loom_tstream_destroy(&s);
+    got_free(&g);
+    loom_tools_free(&t);
+    cJSON_Delete(r);
+}
+
+int main(void) {
+    RUN(test_cases);
+    RUN(test_holds_little);
+    return test_summary();
+}
