@@ -564,16 +564,21 @@ def test_k8s_rules_catch_mistakes():
          lambda docs: find(docs, "StatefulSet", "loom-worker")["spec"].update(replicas=3)),
     ]
     base = load_manifests()
-    for what, needle, change in cases:
-        docs = copy.deepcopy(base["loom.yaml"])
-        change(docs)
-        try:
-            for rule in RULES:
-                rule({"loom.yaml": docs})
-        except Failure as e:
-            check(needle in str(e), "%s: refused for another reason: %s" % (what, e))
-            continue
-        raise Failure("%s was not caught" % what)
+
+    def caught(name, cases):
+        for what, needle, change in cases:
+            docs = copy.deepcopy(base[name])
+            change(docs)
+            try:
+                for rule in RULES:
+                    rule({name: docs})
+            except Failure as e:
+                check(needle in str(e), "%s: refused for another reason: %s" % (what, e))
+                continue
+            raise Failure("%s was not caught" % what)
+
+    caught("loom.yaml", cases)
+
     def router(docs):
         return find(docs, "Deployment", "loom-router")["spec"]["template"]["spec"]["containers"][0]
 
@@ -591,16 +596,7 @@ def test_k8s_rules_catch_mistakes():
         ("an option the router lacks", "has no option --replica-key",
          lambda docs: router(docs)["args"].append("--replica-key=x")),
     ]
-    for what, needle, change in router_cases:
-        docs = copy.deepcopy(base["loom-router.yaml"])
-        change(docs)
-        try:
-            for rule in RULES:
-                rule({"loom-router.yaml": docs})
-        except Failure as e:
-            check(needle in str(e), "%s: refused for another reason: %s" % (what, e))
-            continue
-        raise Failure("%s was not caught" % what)
+    caught("loom-router.yaml", router_cases)
     lws = copy.deepcopy(base["loom-lws.yaml"])
     find(lws, "HorizontalPodAutoscaler")["spec"]["metrics"][0]["pods"]["metric"]["name"] = "loom_requests_waiting"
     try:
