@@ -273,7 +273,18 @@ static double gemm_layer_s(bench_t *b, int m, cudaDataType_t dt) {
     void *x = dalloc(b, (size_t)m * maxk * 2);
     float *y = dalloc(b, (size_t)m * maxn * 4);
     loom_backend_memset(b->be, x, 0x3c, (size_t)m * maxk * 2); /* 0x3c3c: 0.0115 in bf16, 1.06 in f16 */
-    loom_weight_t *ws[4] = {&b->ly[0].wqkv, &b->ly[0].wo, &b->ly[0].w13, &b->ly[0].w2};
+    /* quantized layers hold codes, not bf16: cuBLAS then reads one dense
+     * scratch matrix of the largest shape (the timing does not depend on
+     * the values) */
+    const void *ws[4] = {b->ly[0].wqkv.data, b->ly[0].wo.data, b->ly[0].w13.data, b->ly[0].w2.data};
+    void *dense = NULL;
+    if (b->quant.quant != LOOM_QUANT_NONE) {
+        size_t maxw = 0;
+        for (int g = 0; g < 4; g++) maxw = LOOM_MAX(maxw, (size_t)shapes[g][0] * shapes[g][1]);
+        dense = dalloc(b, maxw * 2);
+        loom_backend_memset(b->be, dense, 0x3c, maxw * 2);
+        for (int g = 0; g < 4; g++) ws[g] = dense;
+    }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
@@ -282,7 +293,7 @@ static double gemm_layer_s(bench_t *b, int m, cudaDataType_t dt) {
     for (int rep = 0; rep < 7; rep++) {
         CK(cudaEventRecord(e0, s));
         for (int g = 0; g < 4; g++)
-            cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, shapes[g][0], m, shapes[g][1], &one, ws[g]->data, dt,
+            cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, shapes[g][0], m, shapes[g][1], &one, ws[g], dt,
                          shapes[g][1], x, dt, shapes[g][1], &zero, y, CUDA_R_32F, shapes[g][0], CUBLAS_COMPUTE_32F,
                          CUBLAS_GEMM_DEFAULT);
         CK(cudaEventRecord(e1, s));
@@ -296,6 +307,7 @@ static double gemm_layer_s(bench_t *b, int m, cudaDataType_t dt) {
     cublasDestroy(h);
     loom_backend_free(b->be, x);
     loom_backend_free(b->be, y);
+    if (dense) loom_backend_free(b->be, dense);
     return best;
 }
 
@@ -388,7 +400,12 @@ typedef struct qresult {
     char scheme[16];
     const char *shape;
     double gemv1_gbs, gemv8_gbs, prefill_ratio;
+    /* the crossover: GB/s of weight bytes at each of kCrossN through the
+     * GEMV kernel and through dequantize + cuBLAS */
+    double gemv_gbs[6], deq_gbs[6];
 } qresult_t;
+
+static const int kCrossN[6] = {1, 2, 3, 4, 6, 8};
 
 /* The quantized matmul alone on the MLP shapes: GEMV GB/s (weight bytes read
  * per second) at n = 1 and 8, and prefill time against bf16 weights. */
@@ -426,11 +443,21 @@ static int quant_gemv(bench_t *b, const char *list, int prefill, double copy, qr
             snprintf(r->scheme, sizeof r->scheme, "%s", tok);
             r->shape = names[h];
             const double bytes = (double)loom_weight_bytes(&wq);
-            r->gemv1_gbs = bytes / time_matmul(b, &wq, x, y, 1, 20) / 1e9;
-            r->gemv8_gbs = bytes / time_matmul(b, &wq, x, y, 8, 20) / 1e9;
+            for (int i = 0; i < 6; i++) {
+                loom_cuda_set_qgemv_max_n(b->be, 8);
+                r->gemv_gbs[i] = bytes / time_matmul(b, &wq, x, y, kCrossN[i], 20) / 1e9;
+                loom_cuda_set_qgemv_max_n(b->be, 0);
+                r->deq_gbs[i] = bytes / time_matmul(b, &wq, x, y, kCrossN[i], 20) / 1e9;
+            }
+            loom_cuda_set_qgemv_max_n(b->be, -1);
+            r->gemv1_gbs = r->gemv_gbs[0];
+            r->gemv8_gbs = r->gemv_gbs[5];
             r->prefill_ratio = time_matmul(b, &wb, x, y, prefill, 5) / time_matmul(b, &wq, x, y, prefill, 5);
             printf("  %-12s %-8s %10.0f %6.3f %10.0f %6.3f %14.2f\n", tok, names[h], r->gemv1_gbs, r->gemv1_gbs / copy,
                    r->gemv8_gbs, r->gemv8_gbs / copy, r->prefill_ratio);
+            printf("  %-12s %-8s GB/s at n =", "", "");
+            for (int i = 0; i < 6; i++) printf(" %d: %.0f|%.0f", kCrossN[i], r->gemv_gbs[i], r->deq_gbs[i]);
+            printf("  (GEMV|dequant+cuBLAS)\n");
             loom_weight_free(b->be, &wq);
             loom_weight_free(b->be, &wb);
         }
@@ -527,11 +554,16 @@ int main(int argc, char **argv) {
             if (f) {
                 fprintf(f, "{\"device\":\"%s\",\"copy_gbs\":%.1f,\"prefill_tokens\":%d,\"quant_gemv\":[", prop.name,
                         copy, prefill);
-                for (int i = 0; i < nq; i++)
+                for (int i = 0; i < nq; i++) {
                     fprintf(f, "%s{\"scheme\":\"%s\",\"shape\":\"%s\",\"gemv1_gbs\":%.1f,\"gemv8_gbs\":%.1f,"
-                               "\"mbu1\":%.4f,\"mbu8\":%.4f,\"prefill_vs_bf16\":%.4f}",
+                               "\"mbu1\":%.4f,\"mbu8\":%.4f,\"prefill_vs_bf16\":%.4f,\"crossover\":[",
                             i ? "," : "", qres[i].scheme, qres[i].shape, qres[i].gemv1_gbs, qres[i].gemv8_gbs,
                             qres[i].gemv1_gbs / copy, qres[i].gemv8_gbs / copy, qres[i].prefill_ratio);
+                    for (int j = 0; j < 6; j++)
+                        fprintf(f, "%s{\"n\":%d,\"gemv_gbs\":%.1f,\"dequant_gbs\":%.1f}", j ? "," : "",
+                                kCrossN[j], qres[i].gemv_gbs[j], qres[i].deq_gbs[j]);
+                    fprintf(f, "]}");
+                }
                 fprintf(f, "]}\n");
                 fclose(f);
             }

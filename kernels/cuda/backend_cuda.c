@@ -64,6 +64,7 @@ typedef struct cuda_backend {
     int cc; /* compute capability, 10 * major + minor */
     size_t smem_optin;
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
+    int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     cudaStream_t stream;
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
@@ -505,13 +506,31 @@ static const void *gemm_input(cuda_backend_t *c, const float *x, int n, int64_t 
     return b;
 }
 
-/* Quantized weights: the GEMV kernel for up to LOOM_CUDA_QGEMV_MAX_N rows
+/* Quantized weights: the GEMV kernel for up to qgemv_default_max_n() rows
  * of x; above, panels of W's rows (at most WDQ_BYTES) are dequantized into
  * the backend's weight dtype (bf16/f16, or f32 with exact_f32) and
  * multiplied by cuBLAS as float weights are. */
+/* The largest n served by the quantized GEMV, per scheme. The kernel reads
+ * x once per row and token, so its L1 traffic grows with n while the
+ * weight bytes do not; dequantizing into bf16 for cuBLAS costs about
+ * (1 + 2·2/bytes-per-weight) passes over the weights but reuses x in
+ * tensor-core tiles. bench_gpu --quant-gemv measures both paths at each n
+ * (docs/cuda.md, "Targets and results"); these are its crossovers on an
+ * H200. */
+static int qgemv_default_max_n(loom_quant_t q) {
+    switch (q) {
+    case LOOM_QUANT_Q4: return LOOM_CUDA_QGEMV_MAX_N_Q4;
+    default: return LOOM_CUDA_QGEMV_MAX_N_8BIT;
+    }
+}
+
+void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
+    cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
+}
+
 static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
     const int64_t rows = w->rows, cols = w->cols;
-    if (n <= LOOM_CUDA_QGEMV_MAX_N) {
+    if (n <= (c->qgemv_max_n < 0 ? qgemv_default_max_n(w->quant) : c->qgemv_max_n)) {
         CUDA_ASSERT(loom_cuda_qgemv(y, x, w->data, w->scales, w->mins, (int)w->quant, rows, cols, w->group, n,
                                     c->stream));
         shadow_clear(c);
@@ -958,6 +977,7 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     c->base.cfg.weight_dtype = dt;
     snprintf(c->base.name, sizeof c->base.name, "cuda:%d", cfg->device_index);
     c->dev = cfg->device_index;
+    c->qgemv_max_n = -1;
     c->wkind = kind_of(dt);
     loom_status_t s = init_device(c, err);
     if (s < 0) {

@@ -24,6 +24,10 @@ loom_status_t loom_cuda_weight_random_quant(loom_backend_t *be, loom_weight_t *w
 void loom_cuda_fill_uniform(loom_backend_t *be, float *dst, size_t n, uint64_t seed, float lo, float hi);
 /* Streaming multiprocessors of the backend's device. */
 int loom_cuda_sm_count(loom_backend_t *be);
+/* The quantized GEMV serves n <= this (at most LOOM_CUDA_QGEMV_MAX_N, 8);
+ * above, rows are dequantized for cuBLAS. 0: always cuBLAS; -1: the
+ * measured per-scheme defaults. For the benchmark's crossover table. */
+void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

@@ -63,8 +63,15 @@ cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, in
 /* Quantized weights in the canonical layout of kernels/quant.h (codes, f32
  * scales and mins (rows, cols / group), mins NULL unless Q4 with min);
  * quant is a loom_quant_t value (LOOM_QD_* in qformat.h). */
-/* Largest n served by the quantized GEMV; larger n dequantize + cuBLAS. */
+/* Largest n the quantized GEMV kernel takes; the backend's crossover to
+ * dequantize + cuBLAS is per scheme (measured by bench_gpu --quant-gemv). */
 #define LOOM_CUDA_QGEMV_MAX_N 8
+#ifndef LOOM_CUDA_QGEMV_MAX_N_8BIT
+#define LOOM_CUDA_QGEMV_MAX_N_8BIT 8 /* INT8, FP8 */
+#endif
+#ifndef LOOM_CUDA_QGEMV_MAX_N_Q4
+#define LOOM_CUDA_QGEMV_MAX_N_Q4 8
+#endif
 /* y(n, rows) = x(n, cols) . W^T, 1 <= n <= LOOM_CUDA_QGEMV_MAX_N. */
 cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
                             int quant, int64_t rows, int64_t cols, int group, int n, cudaStream_t s);

@@ -13,13 +13,14 @@
 #      the quantized matmul alone (GEMV GB/s per scheme, prefill against
 #      bf16) and a short decode of the same model with 4-bit weights;
 #   5. the regular build with ctest -L gpu and `loom run --device cuda:0`, when
-#      its packages (OpenBLAS, ZeroMQ, protobuf-c, cJSON) are installed or
-#      unpacked under LOOM_DEPS_PREFIX (e.g. `dpkg -x x.deb $LOOM_DEPS_PREFIX`);
-#      skipped with a message otherwise.
+#      its packages (OpenBLAS, ZeroMQ, libsodium, protobuf-c, cJSON,
+#      libmicrohttpd, GnuTLS, libcurl) are installed, unpacked under
+#      LOOM_DEPS_PREFIX, or given as .deb files in LOOM_DEPS_DEBS (made by
+#      tests/gpu/fetch-debs.sh); skipped with a message otherwise.
 # Usage: tests/gpu/run.sh OUT_DIR. Everything is logged to OUT_DIR/run.log
 # (with per-step logs and bench.json beside it); a short table ends the
 # output. Exit 0 when every check passed, 1 when one failed, 77 with no GPU.
-# Environment: LOOM_MODELS_DIR (holds stories260K), LOOM_DEPS_PREFIX,
+# Environment: LOOM_MODELS_DIR (holds stories260K), LOOM_DEPS_PREFIX, LOOM_DEPS_DEBS,
 # CUDA_ARCH, BENCH_ARGS (extra bench_gpu options), JOBS.
 set -uo pipefail
 
@@ -134,6 +135,23 @@ fi
 # --- 5. the regular build ---------------------------------------------------------------------
 full=$out/build-full
 cm_args=(-DLOOM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_BUILD_TYPE=Release)
+if [ -n "${LOOM_DEPS_DEBS:-}" ] && [ -z "${LOOM_DEPS_PREFIX:-}" ]; then
+    # .deb files from tests/gpu/fetch-debs.sh, unpacked without dpkg's database
+    LOOM_DEPS_PREFIX=$out/deps
+    mkdir -p "$LOOM_DEPS_PREFIX" "$out/debx"
+    debs=$(cd "$LOOM_DEPS_DEBS" && pwd)
+    for f in "$debs"/*.deb; do
+        if command -v dpkg-deb >/dev/null; then
+            dpkg-deb -x "$f" "$LOOM_DEPS_PREFIX"
+        else
+            (cd "$out/debx" && rm -f data.tar.* && ar x "$f" && tar -xf data.tar.* -C "$LOOM_DEPS_PREFIX")
+        fi
+    done
+    # Debian points libopenblas.so at the pthread build through update-alternatives
+    l=$LOOM_DEPS_PREFIX/usr/lib/x86_64-linux-gnu
+    ln -sf openblas-pthread/libopenblas.so "$l/libopenblas.so"
+    ln -sf openblas-pthread/libopenblas.so.0 "$l/libopenblas.so.0"
+fi
 if [ -n "${LOOM_DEPS_PREFIX:-}" ]; then
     p=$LOOM_DEPS_PREFIX
     cm_args+=(-DCMAKE_PREFIX_PATH="$p/usr;$p")

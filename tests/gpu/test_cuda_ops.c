@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/backend_cpu.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/quant.h"
 #include "tests/test.h"
@@ -203,7 +204,9 @@ static void check_qmatmul(const char *scheme, int t, int64_t rows, int64_t cols,
     LOOM_ASSERT(loom_weight_upload_quant(g_cpu[0], &wc, &q, &err) == LOOM_OK);
     CHECK(wg.quant == spec.quant && wg.group == q.group && loom_weight_bytes(&wg) == loom_weight_bytes(&wc));
     float *ref = loom_xmalloc((size_t)n * rows * sizeof *ref);
-    loom_op_matmul(g_cpu[0], ref, hx, &wc, n);
+    /* the sgemm path: the CPU's quantized GEMV rounds x to int8 (qgemv.c),
+     * which is not the reference the CUDA kernels are held to */
+    loom_cpu_matmul_path(g_cpu[0], ref, hx, &wc, n, LOOM_CPU_MM_SGEMM);
     float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
     loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
     double u = n <= 8 || t == 0 ? 2e-6 : 4e-3;
