@@ -19,4 +19,4 @@ apt-get download \
     libcurl4-openssl-dev libcurl4 libbrotli1 libnghttp2-14 libpsl5 librtmp1 libssh2-1 libssl3 libzstd1 \
     libgssapi-krb5-2 libk5crypto3 libkrb5-3 libkrb5support0 libcom-err2 libkeyutils1 \
     libldap-2.5-0 libsasl2-2 libsasl2-modules-db libdb5.3
-ls -1 "$dir"/*.deb | wc -l
+echo "$(find "$dir" -name "*.deb" | wc -l) .deb files in $dir"
