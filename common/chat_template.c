@@ -185,6 +185,7 @@ loom_status_t loom_chat_template_from_text(const char *text, const char *overrid
         bos = "";
     *out = loom_chat_template_create(family, bos, eos, sys);
     free(sys);
+    (*out)->no_system = family == LOOM_CHAT_GEMMA && detected == family && strstr(text, "System role not supported");
     return LOOM_OK;
 }
 
@@ -415,11 +416,16 @@ static void render_qwen3(const loom_chat_template_t *t, const loom_chat_msg_t *m
 }
 
 /* Gemma: <start_of_turn>user / model turns, alternating from user; a leading
- * system message is folded into the first user turn (Gemma 3's template),
- * every text trimmed. */
+ * system message is folded into the first user turn (Gemma 3's template) or
+ * refused (Gemma 1 and 2's, no_system), every text trimmed. */
 static loom_status_t render_gemma(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen,
                                   loom_sbuf_t *b, spans_t *sp, loom_err_t *err) {
     int start = n > 0 && role_of(m[0].role) == ROLE_SYSTEM;
+    if (start && t->no_system)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "messages[0] has role '%s' but this gemma chat template does not support a system "
+                            "message (Gemma 1 and 2 templates refuse it)",
+                            m[0].role);
     if (n - start < 1)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the conversation needs a user message after the system message");
     loom_sbuf_str(b, t->bos);

@@ -41,6 +41,8 @@ typedef struct loom_chat_template {
     char *bos, *eos;       /* the model's bos_token / eos_token strings ("" when it has none; chatml:
                               "" unless the model's ChatML template writes bos_token) */
     char *default_system;  /* chatml only: the system turn a template adds when there is none (Qwen), or NULL */
+    int no_system;         /* gemma: the template refuses a system message (Gemma 1 and 2's raise
+                              'System role not supported'; Gemma 3's folds it into the first user turn) */
 } loom_chat_template_t;
 
 typedef struct loom_chat_msg {

@@ -16,7 +16,7 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"};
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"};
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -310,7 +310,8 @@ static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, co
     };
     for (size_t i = 0; i < LOOM_ARRAY_LEN(numbers); i++) {
         const cJSON *v = field(root, numbers[i]);
-        if (cfg->gemma && !strcmp(numbers[i], "query_pre_attn_scalar")) continue; /* read below */
+        if (cfg->gemma && (!strcmp(numbers[i], "query_pre_attn_scalar") || strstr(numbers[i], "softcapping")))
+            continue; /* read by parse_gemma */
         if (v && !(cJSON_IsNumber(v) && v->valuedouble == 0 && strstr(numbers[i], "experts")))
             return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: %s is not supported for model_type '%s'", path,
                                 numbers[i], cfg->model_type);
@@ -360,6 +361,23 @@ static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, co
     return LOOM_OK;
 }
 
+/* attn_logit_softcapping / final_logit_softcapping: a positive number, or
+ * null for no cap; `dflt` when the key is absent. */
+static loom_status_t get_softcap(const cJSON *root, const char *key, float dflt, float *out, const char *path,
+                                 loom_err_t *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    *out = v ? 0.0f : dflt;
+    if (!v || cJSON_IsNull(v)) return LOOM_OK;
+    if (!cJSON_IsNumber(v))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a positive number or null", path, key);
+    double d = v->valuedouble;
+    if (!(d > 0 && d <= 3.0e38))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a positive number or null (got %g)", path, key,
+                            d);
+    *out = (float)d;
+    return LOOM_OK;
+}
+
 /* Gemma 3's text model (Gemma3TextConfig): (1+w) norms around both blocks,
  * q/k norms, embeddings scaled by sqrt(hidden_size), query_pre_attn_scalar,
  * sliding layers (sliding_window wide, rope_local_base_freq, no scaling)
@@ -378,16 +396,47 @@ static loom_status_t parse_gemma3(loom_model_config_t *cfg, const cJSON *root, c
     if (!field(root, "hidden_act") && !field(root, "hidden_activation")) cfg->hidden_act = LOOM_HIDDEN_GELU_TANH;
     if (cfg->rope_scaling != LOOM_ROPE_NONE && cfg->rope_scaling != LOOM_ROPE_LINEAR)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gemma3_text with rope_scaling other than linear", path);
-    return LOOM_OK;
+    /* Gemma3TextConfig: both default to none (the released configs say null) */
+    LOOM_CHECK(get_softcap(root, "attn_logit_softcapping", 0.0f, &cfg->attn_softcap, path, err));
+    return get_softcap(root, "final_logit_softcapping", 0.0f, &cfg->final_softcap, path, err);
 }
 
-static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const cJSON *root, const char *path,
+/* Gemma 2 (Gemma2Config, modeling_gemma2): Gemma 3's layer without the q/k
+ * norms, with attention and final logit soft-capping; the even layers
+ * (0, 2, ...) attend to the latest sliding_window positions and the odd
+ * ones to all (layer_types, when given, says which); one rope_theta for
+ * every layer. Absent keys take Gemma2Config's defaults: query_pre_attn_scalar
+ * 256, sliding_window 4096, soft caps 50 (attention) and 30 (final); an
+ * explicit null turns a cap off. */
+static loom_status_t parse_gemma2(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+    cfg->gemma = 1;
+    cfg->embed_scale = sqrtf((float)cfg->dim);
+    int qpas = 0;
+    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, 256, &qpas, path, err));
+    cfg->query_scale = 1.0f / sqrtf((float)qpas);
+    cfg->rope_local_theta = 0.0f; /* the sliding layers share rope_theta */
+    cfg->sliding_pattern = 2;
+    const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+    cfg->sliding_window = sw ? 0 : 4096; /* null: no window */
+    if (sw && !cJSON_IsNull(sw))
+        LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+    if (!field(root, "hidden_act") && !field(root, "hidden_activation")) cfg->hidden_act = LOOM_HIDDEN_GELU_TANH;
+    if (cfg->rope_scaling != LOOM_ROPE_NONE)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gemma2 with rope_scaling is not supported", path);
+    LOOM_CHECK(get_softcap(root, "attn_logit_softcapping", 50.0f, &cfg->attn_softcap, path, err));
+    return get_softcap(root, "final_logit_softcapping", 30.0f, &cfg->final_softcap, path, err);
+}
+
+/* hidden_act, or Gemma's hidden_activation: Gemma2MLP and Gemma3MLP read
+ * hidden_activation, so for them it wins when a config carries both. */
+static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const cJSON *root, int gemma, const char *path,
                                       loom_err_t *err) {
-    const cJSON *v = field(root, "hidden_act");
-    if (!v) v = field(root, "hidden_activation"); /* Gemma's name */
+    const char *key = gemma && field(root, "hidden_activation") ? "hidden_activation" : "hidden_act";
+    const cJSON *v = field(root, key);
+    if (!v) v = field(root, key = "hidden_activation");
     cfg->hidden_act = LOOM_HIDDEN_SILU;
     if (!v) return LOOM_OK;
-    if (!cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: hidden_act must be a string", path);
+    if (!cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a string", path, key);
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_acts); i++)
         if (!strcmp(v->valuestring, k_acts[i].name)) {
             cfg->hidden_act = k_acts[i].act;
@@ -473,7 +522,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-                            "qwen2, qwen3, phi3 and gemma3_text)",
+                            "qwen2, qwen3, phi3, gemma2 and gemma3_text)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
@@ -498,13 +547,18 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
         LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
     if (rp && field(root, "rope_scaling"))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: both rope_scaling and rope_parameters are given", path);
-    /* head_dim is needed first (longrope lists a factor per frequency) */
+    /* head_dim is needed first (longrope lists a factor per frequency);
+     * Gemma2Config and Gemma3TextConfig default it to 256 */
+    if (cfg->head_dim == 0 && (!strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text")))
+        cfg->head_dim = 256;
     if (cfg->head_dim == 0 && cfg->dim % cfg->n_heads == 0) cfg->head_dim = cfg->dim / cfg->n_heads;
     LOOM_CHECK(parse_rope_scaling(cfg, root, rp ? rp : field(root, "rope_scaling"), path, err));
-    LOOM_CHECK(parse_hidden_act(cfg, root, path, err));
+    int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
+    LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3");
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
     if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
+    if (!strcmp(cfg->model_type, "gemma2")) LOOM_CHECK(parse_gemma2(cfg, root, path, err));
     if (!strcmp(cfg->model_type, "phi3")) { /* Phi3Config: sliding_window defaults to none */
         if (field(root, "sliding_window"))
             LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
@@ -519,7 +573,8 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
         if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0; /* never reached */
     }
     LOOM_CHECK(refuse_keys(root, cfg, path, err));
-    LOOM_CHECK(get_bool(root, "tie_word_embeddings", 0, &cfg->tie_embeddings, path, err));
+    /* Gemma2Config and Gemma3TextConfig tie the head unless told otherwise */
+    LOOM_CHECK(get_bool(root, "tie_word_embeddings", cfg->gemma, &cfg->tie_embeddings, path, err));
     LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2, &cfg->attention_bias, path, err));
     int mlp_bias = 0;
     LOOM_CHECK(get_bool(root, "mlp_bias", 0, &mlp_bias, path, err));

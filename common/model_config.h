@@ -63,12 +63,16 @@ typedef struct loom_model_config {
     float rope_ext_factor[LOOM_MAX_ROPE_PAIRS]; /* longrope: short_factor, one per frequency */
     int rope_ctx_capped;         /* longrope: max_seq_len was cut to original_max_position_embeddings */
     int fused_qkv;               /* Phi-3: qkv_proj and gate_up_proj hold the stacked projections */
-    /* Gemma 3 (gemma3_text) */
+    /* Gemma 2 (gemma2) and Gemma 3 (gemma3_text) */
     int gemma;                   /* (1+w) RMSNorms; post-attention and pre/post-feed-forward norms */
     float query_scale;           /* 1/sqrt(query_pre_attn_scalar); 0: 1/sqrt(head_dim) */
     float embed_scale;           /* embeddings times sqrt(hidden_size); 0: none */
-    float rope_local_theta;      /* rope_local_base_freq of the sliding layers (no scaling there) */
-    int sliding_pattern;         /* sliding_window_pattern: layer i global when (i+1) % pattern == 0 */
+    float rope_local_theta;      /* Gemma 3: rope_local_base_freq of the sliding layers (no scaling there);
+                                  * 0: the sliding layers use rope_theta too (Gemma 2) */
+    int sliding_pattern;         /* sliding_window_pattern: layer i global when (i+1) % pattern == 0
+                                  * (Gemma 2: 2, the odd layers) */
+    float attn_softcap;          /* attn_logit_softcapping: scores s -> cap * tanh(s / cap); 0 = none */
+    float final_softcap;         /* final_logit_softcapping: the same on the LM head's logits; 0 = none */
     int has_layer_types;         /* layer_sliding below comes from layer_types */
     unsigned char layer_sliding[LOOM_MAX_LAYER_TYPES];
     loom_hidden_act_t hidden_act; /* hidden_act: the MLP's gate activation */

@@ -238,9 +238,16 @@ void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float
 }
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     LOOM_ASSERT(a->window >= 0 && (a->window == 0 || be->ops->attention_window));
+    LOOM_ASSERT(a->softcap >= 0 && (a->softcap == 0 || be->ops->attention_softcap));
     if (a->n > 0) be->ops->attention(be, a);
 }
 int loom_backend_attn_window_supported(const loom_backend_t *be) { return be->ops->attention_window; }
+int loom_backend_attn_softcap_supported(const loom_backend_t *be) { return be->ops->attention_softcap; }
+void loom_op_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
+    LOOM_ASSERT(cap > 0 && be->ops->softcap);
+    if (n > 0) be->ops->softcap(be, x, n, cap);
+}
+int loom_backend_softcap_supported(const loom_backend_t *be) { return be->ops->softcap != NULL; }
 void loom_op_sample_shard(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
                           int id_offset, int vocab_size, const loom_sampling_t *params,
                           const uint64_t *steps, const int *k, loom_sample_part_t *parts) {

@@ -208,12 +208,26 @@ typedef struct loom_attn_args {
      * may be -1). 0 attends to every position. Backends without window
      * support (loom_backend_attn_window_supported) must not be given one. */
     int window;
+    /* Logit soft-capping (Gemma 2's attn_logit_softcapping): > 0 replaces
+     * each scaled score s by softcap * tanh(s / softcap) before the mask and
+     * the softmax. 0 leaves the scores as they are. Backends without it
+     * (loom_backend_attn_softcap_supported) must not be given one. */
+    float softcap;
 } loom_attn_args_t;
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
 /* Whether the backend's attention honours loom_attn_args_t.window: the CPU
  * backend does; CUDA does not yet (docs/cuda.md), and a model that needs
  * a window is refused there at load. */
 int loom_backend_attn_window_supported(const loom_backend_t *be);
+/* Whether the backend's attention honours loom_attn_args_t.softcap: the
+ * CPU backend does; CUDA does not yet, and a soft-capped model is refused
+ * there at load. */
+int loom_backend_attn_softcap_supported(const loom_backend_t *be);
+/* x(n) = cap * tanh(x / cap), element-wise (Gemma 2's final logit
+ * soft-capping on the LM head's output); cap > 0. An optional slot:
+ * loom_backend_softcap_supported says whether the backend has it. */
+void loom_op_softcap(loom_backend_t *be, float *x, int64_t n, float cap);
+int loom_backend_softcap_supported(const loom_backend_t *be);
 
 /* Sampling reduction over rows of a vocabulary shard: logits (n_rows,
  * vocab_shard) whose global ids start at id_offset. params/steps/k are

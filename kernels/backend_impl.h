@@ -53,6 +53,9 @@ typedef struct loom_backend_ops {
     /* optional: activations other than SiLU (loom_op_act_mul) */
     void (*act_mul)(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
     int attention_window; /* 1: attention honours loom_attn_args_t.window */
+    int attention_softcap; /* 1: attention honours loom_attn_args_t.softcap */
+    /* optional: x = cap * tanh(x / cap) (loom_op_softcap) */
+    void (*softcap)(loom_backend_t *be, float *x, int64_t n, float cap);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;

@@ -578,6 +578,14 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
             return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                                 "the %s backend has no sliding-window attention (layer %d has a window of %d)",
                                 loom_backend_name(be), l, loom_model_config_layer_window(cfg, l));
+    if (cfg->attn_softcap > 0 && spec->layer_end > spec->layer_begin && !loom_backend_attn_softcap_supported(be))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "the %s backend has no attention logit soft-capping (attn_logit_softcapping %g)",
+                            loom_backend_name(be), (double)cfg->attn_softcap);
+    if (cfg->final_softcap > 0 && spec->has_head && !loom_backend_softcap_supported(be))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "the %s backend has no final logit soft-capping (final_logit_softcapping %g)",
+                            loom_backend_name(be), (double)cfg->final_softcap);
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
@@ -661,7 +669,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         goto fail;
     }
     loom_backend_upload(be, m->inv_freq, inv, (size_t)(hd / 2) * sizeof(float));
-    if (cfg->gemma) { /* the sliding layers: their own base, no scaling */
+    if (cfg->gemma && cfg->rope_local_theta > 0) { /* Gemma 3's sliding layers: their own base, no scaling */
         loom_model_config_t local = *cfg;
         local.rope_theta = cfg->rope_local_theta;
         local.rope_scaling = LOOM_ROPE_NONE;
@@ -857,6 +865,15 @@ static loom_status_t run_ffn(loom_model_t *m, const loom_ffn_t *f, int n, loom_e
     return allreduce(m, m->xb2, (int64_t)n * m->cfg.dim, err);
 }
 
+/* Gemma 2's final_logit_softcapping on the first n_rows rows of logits:
+ * element-wise, so each TP rank caps its own slice of the vocabulary, and
+ * everything downstream (logprobs, logit processors, grammar masks,
+ * sampling) reads the capped values. */
+static void final_softcap(loom_model_t *m, int n_rows) {
+    if (m->cfg.final_softcap > 0)
+        loom_op_softcap(m->be, m->logits, (int64_t)n_rows * m->dims.vocab, m->cfg.final_softcap);
+}
+
 /* Issues the step's ops: embedding, the layers, and the LM head. */
 static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *err) {
     const loom_model_config_t *c = &m->cfg;
@@ -893,6 +910,7 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
             .kv = ly->kv, .block_size = m->block_size,
             .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
             .max_blocks = so->max_blocks, .max_ctx = so->max_ctx, .window = ly->window,
+            .softcap = c->attn_softcap,
         };
         loom_op_attention(be, &a);
         loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
@@ -910,6 +928,7 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_op_gather_rows(be, m->xl, m->x, d_rows, nl, dim);
         loom_op_rmsnorm(be, m->xl, m->xl, m->final_norm, nl, dim, c->norm_eps);
         loom_op_matmul(be, m->logits, m->xl, &m->lm_head, nl);
+        final_softcap(m, nl);
     }
     return LOOM_OK;
 }
@@ -1058,6 +1077,7 @@ void loom_model_head_rows(loom_model_t *m, const int32_t *rows, int n_rows) {
     }
     loom_op_rmsnorm(m->be, m->xl, m->xl, m->final_norm, n_rows, dim, m->cfg.norm_eps);
     loom_op_matmul(m->be, m->logits, m->xl, &m->lm_head, n_rows);
+    final_softcap(m, n_rows);
 }
 
 int loom_model_max_logits(const loom_model_t *m) { return m->opt.max_logits; }

@@ -1,7 +1,8 @@
 /* Paged GQA attention (see attention.h). Per task, block by block of the
  * sequence's block table: pass 1 computes the scaled scores q·k of every
  * cached position [0, pos] for each query head of the task into scratch;
- * a numerically stable softmax follows (subtract the max, exp, sum); pass 2
+ * with a soft cap (Gemma 2) each score s becomes cap * tanh(s / cap); a
+ * numerically stable softmax follows (subtract the max, exp, sum); pass 2
  * accumulates the value rows weighted by the unnormalised probabilities,
  * one KV block (B rows) at a time, and divides by the sum at the end.
  * Both passes read the cache in its own dtype: a BF16 element is widened in
@@ -288,6 +289,7 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
     prefetch_ahead(a->kv.v, esize, bt, b_lo, L, B, kv_dim, kvh, hd); /* during the softmax */
     for (int g = 0; g < hpt; g++) {
         float *s = scores + (int64_t)g * L;
+        if (a->softcap > 0) loom_vec_softcap(s + p_lo, L - p_lo, a->softcap); /* before the softmax */
         inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s + p_lo, L - p_lo, loom_vec_max(s + p_lo, L - p_lo));
         for (int p = b_lo; p < p_lo; p++) s[p] = 0.0f;
     }

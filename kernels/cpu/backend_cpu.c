@@ -517,6 +517,20 @@ static void cpu_add(loom_backend_t *be, float *y, const float *a, int64_t n) {
     loom_vec_add(y + full * dim, a + full * dim, n - full * dim);
 }
 
+static void softcap_task(void *p, int task, int thread) {
+    struct rows_ctx *rc = p;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++) loom_vec_softcap(rc->y + (int64_t)i * rc->dim, rc->dim, rc->eps);
+}
+
+static void cpu_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
+    const int dim = 4096; /* rows as cpu_add cuts them */
+    int64_t full = n / dim;
+    struct rows_ctx rc = {.y = x, .n = (int)full, .dim = dim, .eps = cap}; /* eps carries the cap */
+    if (full > 0) run_rows(cpu(be), &rc, 8 * (int64_t)dim, softcap_task);
+    loom_vec_softcap(x + full * dim, (int)(n - full * dim), cap);
+}
+
 static void add_bias_task(void *p, int task, int thread) {
     struct rows_ctx *rc = p;
     ROW_RANGE(rc, task, i0, i1);
@@ -780,6 +794,8 @@ static const loom_backend_ops_t cpu_ops = {
     .silu_mul = cpu_silu_mul,
     .act_mul = cpu_act_mul,
     .attention_window = 1,
+    .attention_softcap = 1,
+    .softcap = cpu_softcap,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
     .rope = cpu_rope,

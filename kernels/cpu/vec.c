@@ -282,6 +282,22 @@ void loom_vec_silu_mul(float *out, const float *gate, const float *up, int hidde
         out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+void loom_vec_softcap(float *x, int n, float cap) {
+    const float inv = 1.0f / cap;
+    int i = 0;
+#ifdef LOOM_VEC_SIMD
+    const __m256 vinv = _mm256_set1_ps(inv), vcap = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f),
+                 sign = _mm256_set1_ps(-0.0f), m2 = _mm256_set1_ps(-2.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
+        const __m256 e = exp8(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, y))); /* exp(-2|y|) in (0, 1] */
+        const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(vcap, _mm256_or_ps(t, _mm256_and_ps(sign, y))));
+    }
+#endif
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] * inv);
+}
+
 /* Scalar: these activations serve the non-Llama families, whose decode is
  * bound by the weight reads, not by this pass over the hidden rows. */
 void loom_vec_act_mul(loom_act_t act, float *out, const float *gate, const float *up, int hidden) {

@@ -19,6 +19,11 @@ float loom_vec_max(const float *x, int n);
 /* x[i] = exp(x[i] - sub); returns the sum of the new values. */
 float loom_vec_exp_sub_sum(float *x, int n, float sub);
 
+/* x[i] = cap * tanh(x[i] / cap) (logit soft-capping; cap > 0). The SIMD
+ * path computes tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|): within
+ * a few float32 ulps of cap (absolute) of tanhf's result. */
+void loom_vec_softcap(float *x, int n, float cap);
+
 /* out[j] = dot(q, k + j*k_stride) for j in 0..3: four keys against one query. */
 void loom_vec_dot4(const float *q, const float *k, int64_t k_stride, int n, float out[4]);
 /* y[d] += sum_p w[p] * v[p*v_stride + d] for p in [0, np), d in [0, n). */

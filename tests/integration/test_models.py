@@ -4,14 +4,17 @@
   16 positions, shorter than every run, with the tanh GeGLU) and Phi-3
   (fused qkv_proj / gate_up_proj sliced per TP rank, longrope, a window of
   32) and Gemma 3 text ((1+w) norms around both blocks, sliding and global
-  layers with their own RoPE) give the
-  one-process ids on every grid, and logits within 1e-5 of their 1x1 run
+  layers with their own RoPE) and Gemma 2 (Gemma 3's layer without q/k
+  norms, attention and final logit soft caps that bite, the even layers
+  sliding) give the one-process ids on every grid, and logits within 1e-5 of their 1x1 run
   (their agreement with the float64 reference is reference_qwen3 and
   reference_mistral_window). Quantized on load, int8 and q4 stay within a
   small factor of the KL a Llama of the same shape and seed shows.
 - What used to load silently wrong is refused with a message naming the key
   or tensor: a Qwen3 checkpoint relabelled qwen2 (its q_norm), a key Loom
-  cannot honour (attn_logit_softcapping), an unknown hidden_act, NaN or Inf
+  cannot honour (attn_logit_softcapping outside the Gemma family), Gemma 2
+  soft caps that are not positive numbers, a Gemma 3 checkpoint relabelled
+  gemma2 (its q_norm), an unknown hidden_act, NaN or Inf
   weights, num_hidden_layers 1e9 (no abort), a tensor no layer reads. A
   cluster given NaN weights keeps its coordinator up and says why.
 """
@@ -21,13 +24,15 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import BIN, ROOT, check, check_refused_shard, gen_model, run_tests  # noqa: E402
-from test_grid import check_model  # noqa: E402
+from harness import BIN, PYTHON, ROOT, Cluster, check, check_refused_shard, free_port, gen_model, run_tests  # noqa: E402
+from test_grid import N_TOKENS, PROMPTS, check_model, merged_logits  # noqa: E402
+from test_http import request  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-models")
 GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -60,11 +65,71 @@ def gemma3():
                      "--kv-heads", "2", "--head-dim", "32", "--vocab", "512", "--tie", "--seed", "31")
 
 
+def gemma2():
+    # both caps bite (q/k gains of 6 put attention scores far beyond the cap of 50; a final cap of 8 on logits
+    # of std 4); a window of 8 is crossed by every prompt plus its 40 ids, and the longest prompt alone
+    return gen_model(os.path.join(WORK, "gemma2"), "--arch", "gemma2", "--sliding-window", "8", "--qk-gain", "6",
+                     "--final-softcap", "8", "--dim", "64", "--hidden-dim", "96", "--layers", "4", "--heads", "4",
+                     "--kv-heads", "2", "--head-dim", "32", "--vocab", "512", "--seed", "43")
+
+
 def test_new_family_grids():
     check_model(qwen3(), GRIDS)
     check_model(mistral(), [(1, 1), (2, 2)])
     check_model(phi3(), [(1, 1), (2, 1), (2, 2)])  # TP slices of the fused qkv_proj / gate_up_proj
     check_model(gemma3(), [(1, 1), (1, 2), (2, 2)])  # sliding and global layers on different stages
+
+
+def test_gemma2_grids():
+    # each TP rank caps its slice of the vocabulary; each stage holds a sliding and a global layer
+    check_model(gemma2(), GRIDS)
+
+
+def ref_logits(model, ids, first):
+    """The float64 reference's logits at positions first .. len(ids)-1."""
+    with tempfile.NamedTemporaryFile(suffix=".f32") as f:
+        p = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "llama_ref.py"), "--model", model,
+                            "--ids", ",".join(map(str, ids)), "--logits-out", f.name, "--positions-from", str(first)],
+                           capture_output=True, text=True, timeout=300)
+        check(p.returncode == 0, "llama_ref.py failed: %s" % p.stderr[-500:])
+        return np.fromfile(f.name, dtype="<f4").reshape(len(ids) - first, -1)
+
+
+def test_gemma2_reference_grids():
+    # Every grid against the float64 reference itself: the greedy ids, and each step's capped logits
+    # (the rows the sampler and logprobs read) within 1e-4 of the reference's, relative to the row's largest.
+    model = gemma2()
+    for tp, pp in GRIDS:
+        port = free_port()
+        c = Cluster(model, tp, pp, coord_args=["--http", "127.0.0.1:%d" % port])
+        c.worker_args = ["--dump-logits=%s/dump-%%i.bin" % c.run_dir]
+        runs = []
+        with c:
+            for text in PROMPTS:
+                status, _, data = request(port, "POST", "/tokenize", {"prompt": text})
+                check(status == 200, "/tokenize: %d %r" % (status, data[:200]))
+                rc, _, ids, err = c.generate(text, N_TOKENS, extra=["--ignore-eos"])
+                check(rc == 0, "%dx%d: generate failed (%d): %s" % (tp, pp, rc, err))
+                runs.append((json.loads(data)["tokens"], ids))
+            c.stop()
+            steps = merged_logits(c.run_dir)
+        check(len(steps) == len(PROMPTS) * N_TOKENS, "%dx%d: %d steps with logits" % (tp, pp, len(steps)))
+        worst = 0.0
+        for k, (prompt, ids) in enumerate(runs):
+            p = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "llama_ref.py"), "--model", model,
+                                "--ids", ",".join(map(str, prompt)), "--greedy", str(N_TOKENS)],
+                               capture_output=True, text=True, timeout=300)
+            check(p.returncode == 0, "llama_ref.py failed: %s" % p.stderr[-500:])
+            want = [int(t) for t in p.stdout.strip().split(",")]
+            check(ids == want, "%dx%d: ids %s, the reference %s" % (tp, pp, ids, want))
+            ref = ref_logits(model, prompt + ids, len(prompt) - 1)[:N_TOKENS]
+            got = np.concatenate([steps[k * N_TOKENS + j][:1] for j in range(N_TOKENS)])
+            check(np.abs(got).max() <= 8.0, "%dx%d: a logit beyond the final cap of 8" % (tp, pp))
+            worst = max(worst, float((np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)).max()))
+        print("  gemma2 %dx%d: %d prompts (%s tokens) x %d ids equal the float64 reference, worst logit "
+              "relative error %.2e" % (tp, pp, len(PROMPTS), "/".join(str(len(r[0])) for r in runs), N_TOKENS,
+                                       worst), flush=True)
+        check(worst <= 1e-4, "%dx%d: logits differ from the reference by %.3g (relative)" % (tp, pp, worst))
 
 
 def kl_scores(model, *args):
@@ -166,6 +231,13 @@ def test_refusals():
     run_fails(variant("softcap", q, config=lambda c: c.update(attn_logit_softcapping=50.0)),
               "attn_logit_softcapping")
     run_fails(variant("act", q, config=lambda c: c.update(hidden_act="mish")), "hidden_act 'mish'")
+    g = gemma2()
+    run_fails(variant("gemma2-cap", g, config=lambda c: c.update(attn_logit_softcapping=-50.0)),
+              "attn_logit_softcapping must be a positive number or null")
+    run_fails(variant("gemma2-final-cap", g, config=lambda c: c.update(final_logit_softcapping="30")),
+              "final_logit_softcapping must be a positive number or null")
+    run_fails(variant("gemma2-qk-norm", gemma3(), config=lambda c: c.update(model_type="gemma2", rope_scaling=None)),
+              "model.layers.0.self_attn.q_norm.weight", "not used by a gemma2 model")
     run_fails(variant("layers-1e9", q, config=lambda c: c.update(num_hidden_layers=1000000000)),
               "num_hidden_layers is 1000000000", "4 layers")
     run_fails(variant("nan", q, tensors=poison("model.layers.2.mlp.down_proj.weight", np.nan)),
@@ -194,4 +266,5 @@ def test_cluster_keeps_serving_on_nan():
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_quantized_kl])
+    run_tests([test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_gemma2_grids,
+               test_gemma2_reference_grids, test_quantized_kl])

@@ -44,14 +44,19 @@ def parse_args(argv):
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
                    help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
-    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"], default=None,
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"], default=None,
                    help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
                         "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj")
     p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
     p.add_argument("--sliding-pattern", type=int, default=2,
                    help="gemma3: every Nth layer is global, the others slide (sliding_window_pattern)")
-    p.add_argument("--query-pre-attn-scalar", type=int, default=None, help="gemma3 (default: head dim)")
+    p.add_argument("--query-pre-attn-scalar", type=int, default=None, help="gemma2, gemma3 (default: head dim)")
+    p.add_argument("--attn-softcap", default="50", help="gemma2: attn_logit_softcapping (a number, none: null, "
+                   "absent: the key left out)")
+    p.add_argument("--final-softcap", default="30", help="gemma2: final_logit_softcapping (as --attn-softcap)")
+    p.add_argument("--qk-gain", type=float, default=QK_GAIN,
+                   help="gain of q/k_proj on 1/sqrt(fan_in): attention scores have std about gain^2")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn", "longrope"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
@@ -109,8 +114,9 @@ def tensor_specs(a):
                       (pre + "self_attn.k_norm.weight", (hd,), "qknorm")]
         if a.arch == "gemma3":  # (1+w) gains: stored near 0
             specs += [(pre + "self_attn.q_norm.weight", (hd,), "gqknorm"),
-                      (pre + "self_attn.k_norm.weight", (hd,), "gqknorm"),
-                      (pre + "pre_feedforward_layernorm.weight", (a.dim,), "gnorm"),
+                      (pre + "self_attn.k_norm.weight", (hd,), "gqknorm")]
+        if a.arch in ("gemma2", "gemma3"):
+            specs += [(pre + "pre_feedforward_layernorm.weight", (a.dim,), "gnorm"),
                       (pre + "post_feedforward_layernorm.weight", (a.dim,), "gnorm")]
         specs += [
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
@@ -122,6 +128,8 @@ def tensor_specs(a):
     specs.append(("model.norm.weight", (a.dim,), "norm"))
     if not a.tie:
         specs.append(("lm_head.weight", (a.vocab, a.dim), "lm_head"))
+    if a.arch == "gemma2":  # every norm a (1+w) gain stored near 0, as in the released checkpoints
+        specs = [(n, sh, "gnorm" if k == "norm" else k) for n, sh, k in specs]
     return fuse_specs(a, specs) if a.arch == "phi3" else specs
 
 
@@ -146,9 +154,9 @@ def fuse_specs(a, specs):
     return out
 
 
-def make_tensor(seed, name, shape, kind):
+def make_tensor(seed, name, shape, kind, qk_gain=QK_GAIN):
     if isinstance(kind, tuple):  # fused: the parts stacked by rows
-        return np.concatenate([make_tensor(seed, n, s, k) for n, s, k in kind[1]], axis=0)
+        return np.concatenate([make_tensor(seed, n, s, k, qk_gain) for n, s, k in kind[1]], axis=0)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
@@ -169,7 +177,7 @@ def make_tensor(seed, name, shape, kind):
     # The embedding rows double as lm_head rows when tied; the final RMSNorm
     # makes the hidden state's rms ~1, so std LOGIT_GAIN/sqrt(dim) per weight
     # gives logits of std ~LOGIT_GAIN. The input side is renormalised anyway.
-    gain = {"embed": LOGIT_GAIN, "lm_head": LOGIT_GAIN, "qk": QK_GAIN, "linear": 1.0}[kind]
+    gain = {"embed": LOGIT_GAIN, "lm_head": LOGIT_GAIN, "qk": qk_gain, "linear": 1.0}[kind]
     x *= np.float32(gain / np.sqrt(fan_in))
     return x
 
@@ -195,7 +203,8 @@ def make_config(a, st_dtype):
                         "short_factor": [float(x) for x in np.round(rng.uniform(1.0, 4.0, a.head_dim // 2), 3)],
                         "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, a.head_dim // 2), 3)]}
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
     c = {
         "architectures": [arch_names[a.arch]],
         "model_type": a.arch,
@@ -238,6 +247,16 @@ def make_config(a, st_dtype):
                   "sliding_window": a.sliding_window or 16, "sliding_window_pattern": a.sliding_pattern,
                   "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
                   "attn_logit_softcapping": None, "rms_norm_eps": 1e-06})
+    if a.arch == "gemma2":  # as a released Gemma 2 config.json (both activation keys, the hybrid cache)
+        del c["mlp_bias"], c["pretraining_tp"]
+        act = a.hidden_act if a.hidden_act != "silu" else "gelu_pytorch_tanh"
+        c.update({"hidden_act": act, "hidden_activation": act,
+                  "query_pre_attn_scalar": a.query_pre_attn_scalar or a.head_dim,
+                  "sliding_window": a.sliding_window or 16, "sliding_window_size": a.sliding_window or 16,
+                  "cache_implementation": "hybrid", "rms_norm_eps": 1e-06, "attention_dropout": 0.0})
+        for key, v in (("attn_logit_softcapping", a.attn_softcap), ("final_logit_softcapping", a.final_softcap)):
+            if v != "absent":
+                c[key] = None if v == "none" else float(v)
     if a.arch == "mistral":
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c["sliding_window"] = a.sliding_window
@@ -286,7 +305,7 @@ def write_model(a):
     metadata = {"format": "pt"}
     total_bytes = 0
     if a.shards == 1:
-        tensors = [(name, make_tensor(a.seed, name, shape, kind)) for name, shape, kind in specs]
+        tensors = [(name, make_tensor(a.seed, name, shape, kind, a.qk_gain)) for name, shape, kind in specs]
         total_bytes = safetensors_io.write(os.path.join(a.out, "model.safetensors"),
                                            tensors, st_dtype, metadata)
     else:
@@ -294,7 +313,7 @@ def write_model(a):
         groups = split_shards(specs, a.shards)
         for i, group in enumerate(groups):
             fname = "model-%05d-of-%05d.safetensors" % (i + 1, a.shards)
-            tensors = [(name, make_tensor(a.seed, name, shape, kind)) for name, shape, kind in group]
+            tensors = [(name, make_tensor(a.seed, name, shape, kind, a.qk_gain)) for name, shape, kind in group]
             total_bytes += safetensors_io.write(os.path.join(a.out, fname), tensors, st_dtype, metadata)
             for name, _, _ in group:
                 weight_map[name] = fname

@@ -3,6 +3,9 @@
 Also the dense relatives as Transformers defines them: Qwen2 (q/k/v biases),
 Qwen3 (RMSNorm of each q and k head before RoPE), Mistral (a sliding window
 of `sliding_window` positions, the latest ones, the query's own included),
+Gemma 3 and Gemma 2 ((1+w) norms around both blocks, scaled embeddings,
+alternating sliding and global layers; Gemma 2's tanh soft caps on the
+attention scores and the final logits),
 the gated MLP with any hidden_act below, and RoPE scaling default, llama3,
 linear and yarn (whose attention factor multiplies cos and sin).
 
@@ -42,10 +45,10 @@ def read_config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
     mt = c.get("model_type")
-    gemma = mt == "gemma3_text"
-    if gemma and "hidden_act" not in c:
-        c["hidden_act"] = c.get("hidden_activation", "gelu_pytorch_tanh")
-    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", None):
+    gemma = mt in ("gemma2", "gemma3_text")
+    if gemma:  # Gemma2MLP / Gemma3MLP read hidden_activation (a released Gemma 2 config also says hidden_act)
+        c["hidden_act"] = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", None):
         log("warning: model_type %r, treating it as llama" % mt)
     act = c.get("hidden_act", "silu")
     if act not in ACTS:
@@ -62,12 +65,12 @@ def read_config(model_dir):
         "n_layers": c["num_hidden_layers"],
         "n_heads": heads,
         "n_kv_heads": c.get("num_key_value_heads") or heads,
-        "head_dim": c.get("head_dim") or dim // heads,
+        "head_dim": c.get("head_dim") or (256 if gemma else dim // heads),  # Gemma2Config / Gemma3TextConfig: 256
         "vocab": c["vocab_size"],
         "eps": float(c.get("rms_norm_eps", 1e-6)),
         "theta": float(c.get("rope_theta", 10000.0)),
         "rope_scaling": c.get("rope_scaling"),
-        "tie": bool(c.get("tie_word_embeddings", False)),
+        "tie": bool(c.get("tie_word_embeddings", gemma)),  # the Gemma configs tie by default
         "max_pos": c.get("max_position_embeddings"),
         "qkv_bias": qkv_bias,
         "act": act,
@@ -90,13 +93,33 @@ def read_config(model_dir):
             raise ValueError("unsupported rope_scaling type %r" % kind)
         else:
             rs["kind"] = kind
-    if gemma:  # Gemma3TextConfig: sliding layers (every layer but each pattern-th) and their RoPE base
+    if mt == "gemma2":
+        # Gemma2Config: absent caps are 50 (attention) and 30 (final), null is none; the even layers slide
+        # (Gemma2Attention: sliding_window if not layer_idx % 2), the odd ones are global; one RoPE base
+        n = cfg["n_layers"]
+        types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        sw = c.get("sliding_window", 4096)
+        cfg["layer_window"] = [sw if t == "sliding_attention" else None for t in types]
+        cfg["local_theta"] = cfg["theta"]
+        cfg["scale"] = float(c.get("query_pre_attn_scalar", 256)) ** -0.5
+        cfg["attn_softcap"] = c.get("attn_logit_softcapping", 50.0)
+        cfg["final_softcap"] = c.get("final_logit_softcapping", 30.0)
+        cfg["qk_norm"] = False
+        if cfg["rope_scaling"] is not None:
+            raise ValueError("gemma2 with rope_scaling is not supported here")
+    elif gemma:  # Gemma3TextConfig: sliding layers (every layer but each pattern-th) and their RoPE base
         n, pat = cfg["n_layers"], c.get("sliding_window_pattern", 6)
         types = c.get("layer_types") or ["full_attention" if (i + 1) % pat == 0 else "sliding_attention"
                                          for i in range(n)]
         cfg["layer_window"] = [c.get("sliding_window", 4096) if t == "sliding_attention" else None for t in types]
         cfg["local_theta"] = float(c.get("rope_local_base_freq", 10000.0))
         cfg["scale"] = float(c.get("query_pre_attn_scalar", cfg["head_dim"])) ** -0.5
+        cfg["attn_softcap"] = c.get("attn_logit_softcapping")
+        cfg["final_softcap"] = c.get("final_logit_softcapping")
+    for key in ("attn_softcap", "final_softcap"):
+        v = cfg.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+            raise ValueError("%s must be a positive number or null, got %r" % (key, v))
     if cfg["n_heads"] % cfg["n_kv_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
@@ -278,9 +301,10 @@ def gemma_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight)
 
 
-def forward(model, ids, hidden=False):
+def forward(model, ids, hidden=False, taps=None):
     """-> float64 logits (len(ids), vocab) for every position (hidden: the
-    final-normed hidden states (len(ids), dim), the LM head's input)."""
+    final-normed hidden states (len(ids), dim), the LM head's input).
+    taps: a list that receives each layer's attention output (heads, T, hd)."""
     cfg, w = model["cfg"], model["w"]
     T = len(ids)
     H, KV, hd = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
@@ -318,8 +342,12 @@ def forward(model, ids, hidden=False):
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // KV, dim=0)  # (H, T, hd): head j reads kv head j // (H/KV)
         v = v.repeat_interleave(H // KV, dim=0)
-        scores = q @ k.transpose(1, 2) * scale + mask
-        att = torch.softmax(scores, dim=-1)
+        scores = q @ k.transpose(1, 2) * scale
+        if cfg.get("attn_softcap"):  # Gemma 2: cap * tanh(scores / cap), before the mask
+            scores = torch.tanh(scores / cfg["attn_softcap"]) * cfg["attn_softcap"]
+        att = torch.softmax(scores + mask, dim=-1)
+        if taps is not None:
+            taps.append(att @ v)
         o = (att @ v).transpose(0, 1).reshape(T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
         if gemma:  # post-attention norm, then the feed-forward between its pre and post norms
             x = x + norm(o, w[p + "post_attention_layernorm.weight"], cfg["eps"])
@@ -332,7 +360,12 @@ def forward(model, ids, hidden=False):
         f = (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         x = x + (norm(f, w[p + "post_feedforward_layernorm.weight"], cfg["eps"]) if gemma else f)
     x = norm(x, w["model.norm.weight"], cfg["eps"])
-    return x if hidden else x @ w["lm_head.weight"].T
+    if hidden:
+        return x
+    logits = x @ w["lm_head.weight"].T
+    if cfg.get("final_softcap"):  # Gemma2ForCausalLM: the same tanh cap on the logits
+        logits = torch.tanh(logits / cfg["final_softcap"]) * cfg["final_softcap"]
+    return logits
 
 
 def embedding(model, ids, pooling):
@@ -560,6 +593,8 @@ def self_test():
                             "gelu_pytorch_tanh"] + common[:-4])
             gen_model.main(["--out", os.path.join(tmp, "mistral"), "--arch", "mistral", "--sliding-window", "5",
                             "--hidden-act", "gelu"] + common[:-4])
+            gen_model.main(["--out", os.path.join(tmp, "gemma2"), "--arch", "gemma2", "--sliding-window", "5",
+                            "--qk-gain", "6", "--final-softcap", "8"] + common[:-4])
         m = load_model(d_main)
         ms = load_model(d_shard)
         mt = load_model(d_tied)
@@ -614,6 +649,45 @@ def self_test():
         a, b = forward(mm, ids), forward(full_att, ids)
         check(float((a[:5] - b[:5]).abs().max()) < 1e-12 and float((a[5:] - b[5:]).abs().max()) > 1e-3,
               "window 5: the first 5 positions see everything, later ones less")
+
+        # Gemma 2: the even layers slide, the odd ones do not; both caps bite here (scores far above 50,
+        # logits above 8), the logits stay within the final cap, and a huge cap is no cap.
+        mg = load_model(os.path.join(tmp, "gemma2"))
+        gc = mg["cfg"]
+        check(gc["layer_window"] == [5, None] and not gc["qk_norm"] and gc["attn_softcap"] == 50.0
+              and gc["final_softcap"] == 8.0 and gc["act"] == "gelu_pytorch_tanh", "gemma2 config read")
+        capped = forward(mg, ids)
+        check(float(capped.abs().max()) < 8.0, "gemma2 logits within the final cap (%.3f)" % float(capped.abs().max()))
+        for key in ("attn_softcap", "final_softcap"):
+            off = forward(dict(mg, cfg=dict(gc, **{key: None})), ids)
+            huge = forward(dict(mg, cfg=dict(gc, **{key: 1e12})), ids)
+            d_off = float((capped - off).abs().max())
+            d_huge = float((huge - off).abs().max() / off.abs().max())
+            check(d_off > 1e-1 and d_huge < 1e-9, "gemma2 %s bites (%.2g) and a cap of 1e12 is none (%.1e)"
+                  % (key, d_off, d_huge))
+        # a second formulation of the capped attention of layer 0: one query at a time, scalar tanh
+        w = mg["w"]
+        T, H, KV, hd = len(ids), gc["n_heads"], gc["n_kv_heads"], gc["head_dim"]
+        x0 = w["model.embed_tokens.weight"][torch.tensor(ids)] * math.sqrt(gc["dim"])
+        h0 = gemma_norm(x0, w["model.layers.0.input_layernorm.weight"], gc["eps"])
+        cos, sin = rope_cos_sin(mg["inv_freq"], T)
+        qs = (h0 @ w["model.layers.0.self_attn.q_proj.weight"].T).view(T, H, hd)
+        ks = (h0 @ w["model.layers.0.self_attn.k_proj.weight"].T).view(T, KV, hd)
+        vs = (h0 @ w["model.layers.0.self_attn.v_proj.weight"].T).view(T, KV, hd)
+        qs = qs * cos[:, None] + rotate_half(qs) * sin[:, None]
+        ks = ks * cos[:, None] + rotate_half(ks) * sin[:, None]
+        taps = []
+        forward(mg, ids, taps=taps)
+        worst = 0.0
+        for t in range(T):
+            for head in range(H):
+                kvh = head // (H // KV)
+                seen = range(max(0, t - 4), t + 1)  # window 5: the query and the 4 before it
+                sc = [50.0 * math.tanh(float(qs[t, head] @ ks[u, kvh]) * gc["scale"] / 50.0) for u in seen]
+                e = [math.exp(v - max(sc)) for v in sc]
+                o = sum((ei / sum(e)) * vs[u, kvh] for ei, u in zip(e, seen))
+                worst = max(worst, float((o - taps[0][head, t]).abs().max()))
+        check(worst < 1e-12, "gemma2 capped sliding attention matches the scalar loop (%.1e)" % worst)
 
         # Causality: the prefix's logits do not change when tokens are appended.
         full = forward(m, ids)

@@ -47,6 +47,19 @@ add_test(NAME reference_gemma3
                  --arch gemma3 --sliding-window 24 --sliding-pattern 2 --query-pre-attn-scalar 24 --rope-scaling linear
                  --rope-factor 2 --rope-theta 1000000 --dim 64 --hidden-dim 96 --layers 4 --heads 4 --kv-heads 2
                  --head-dim 32 --vocab 512 --tie --seed 31)
+# Gemma 2: Gemma 3's layer without q/k norms, every norm a (1+w) gain, query_pre_attn_scalar 24, the even layers
+# sliding (window 24: the 88-token runs cross it) and the odd ones global with one rope_theta, soft caps 50 on the
+# attention scores and 30 on the logits (the released values), hidden_act and hidden_activation both given.
+add_test(NAME reference_gemma2
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gemma2 random
+                 --arch gemma2 --sliding-window 24 --query-pre-attn-scalar 24 --dim 64 --hidden-dim 96 --layers 4
+                 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 37)
+# Gemma 2 where both caps bite: q/k gains of 6 put half the attention scores beyond 25 (up to ~190 before the
+# cap of 50), and a final cap of 8 squeezes logit rows of std 4; 3 layers, so two slide.
+add_test(NAME reference_gemma2_capped
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gemma2_capped random
+                 --arch gemma2 --sliding-window 24 --qk-gain 6 --final-softcap 8 --dim 64 --hidden-dim 96 --layers 3
+                 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 41)
 # Llama with the erf gelu: a config Loom once loaded and ran as SiLU (linear RoPE scaling is reference_gemma3's).
 add_test(NAME reference_gelu
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
@@ -61,6 +74,7 @@ add_test(NAME reference_gptq_v2
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3 reference_gelu
+                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3
+                     reference_gemma2 reference_gemma2_capped reference_gelu
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

@@ -308,6 +308,19 @@ static void test_gemma(void) {
     loom_chat_msg_t bad[] = {{"user", "a"}, {"user", "b"}};
     CHECK(loom_chat_render(t, bad, 2, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT && !out);
     CHECKF(strstr(err.msg, "messages[1]") && strstr(err.msg, "gemma"), "%s", err.msg);
+    CHECK(!t->no_system);
+    loom_chat_template_destroy(&t);
+
+    /* Gemma 2's template (gemma-2-*-it tokenizer_config.json, Gemma 1's too): the same turns, and a system
+     * message is refused as the template's raise_exception does */
+    REQUIRE(loom_chat_template_from_text(k_gemma, NULL, "<bos>", "<eos>", &t, &err) == LOOM_OK && t);
+    CHECK(t->family == LOOM_CHAT_GEMMA && t->no_system);
+    loom_chat_msg_t turns[] = {{"user", " Hi "}, {"assistant", "Hello"}, {"user", "Bye"}};
+    CHECK_RENDER(t, turns, 1,
+                 "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+                 "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n");
+    CHECK(loom_chat_render(t, conv, 4, 1, &out, NULL, &err) == LOOM_ERR_INVALID_ARGUMENT && !out);
+    CHECKF(strstr(err.msg, "messages[0]") && strstr(err.msg, "system"), "%s", err.msg);
     loom_chat_template_destroy(&t);
 }
 

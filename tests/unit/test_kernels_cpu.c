@@ -762,12 +762,13 @@ struct attn_case {
     int seq_len[4];  /* cached positions after this step */
     int new_toks[4]; /* tokens of the sequence in this step (1 = decode) */
     int window;      /* sliding window (0: none) */
+    float softcap;   /* attention logit soft cap (0: none) */
 };
 
 static void naive_attention(float *out, int out_stride, const float *q, int q_stride,
                             const float *kc, const float *vc, int n, int nh, int nkv, int hd, int B,
                             const int32_t *tok_seq, const int32_t *tok_pos, const int32_t *bt,
-                            int max_blocks, float scale, int window) {
+                            int max_blocks, float scale, int window, double softcap) {
     int kv_dim = nkv * hd;
     double *sc = malloc(sizeof(double) * 20000);
     for (int i = 0; i < n; i++)
@@ -783,6 +784,7 @@ static void naive_attention(float *out, int out_stride, const float *q, int q_st
                 for (int d = 0; d < hd; d++)
                     s += (double)qh[d] * k[d];
                 sc[p] = s * scale;
+                if (softcap > 0) sc[p] = softcap * tanh(sc[p] / softcap); /* before the softmax */
                 if (sc[p] > m) m = sc[p];
             }
             for (int p = p0; p < L; p++)
@@ -891,9 +893,9 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
     }
     memcpy(ref32, ref, (size_t)n * out_stride * sizeof(float));
     naive_attention(ref, out_stride, q, q_stride, kd, vd, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
-                    max_blocks, scale, c->window);
+                    max_blocks, scale, c->window, c->softcap);
     naive_attention(ref32, out_stride, q, q_stride, kc, vc, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
-                    max_blocks, scale, c->window);
+                    max_blocks, scale, c->window, c->softcap);
     loom_attn_args_t a = {.n = n,
                           .n_heads = nh,
                           .n_kv_heads = nkv,
@@ -910,11 +912,13 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
                           .block_tables = bt,
                           .max_blocks = max_blocks,
                           .max_ctx = max_ctx,
-                          .window = c->window};
+                          .window = c->window,
+                          .softcap = c->softcap};
     loom_op_attention(be, &a);
-    char what[112];
-    snprintf(what, sizeof what, "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d window%d",
-             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx, c->window);
+    char what[128];
+    snprintf(what, sizeof what, "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d window%d softcap%g",
+             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx, c->window,
+             (double)c->softcap);
     int ok = test_allclose(what, out, ref, (long)n * out_stride, 1e-5, 1e-4);
     if (dt != LOOM_DT_F32) {
         const double tol = dt == LOOM_DT_BF16 ? 2e-2 : 4e-2;
@@ -987,7 +991,52 @@ static void test_attention(void) {
                                           .window = windows[w]};
                     run_attention_case(be, &c, dt, &st);
                 }
+            /* Soft-capped scores (Gemma 2): the scores here are about N(0, 1), so a cap of 0.3 flattens
+             * most of them and 2 only the tails; with windows and without, odd head dims. */
+            static const float caps[] = {0.3f, 2.0f};
+            static const int cwins[] = {0, 5}, chds[] = {13, 24};
+            for (size_t k = 0; k < LOOM_ARRAY_LEN(caps); k++)
+                for (size_t w = 0; w < LOOM_ARRAY_LEN(cwins); w++)
+                    for (size_t h = 0; h < LOOM_ARRAY_LEN(chds); h++) {
+                        struct attn_case c = {.nh = 6, .nkv = 2, .hd = chds[h], .B = 3, .n_seqs = 4,
+                                              .seq_len = {1, 37, 70, 30}, .new_toks = {1, 5, 1, 9},
+                                              .window = cwins[w], .softcap = caps[k]};
+                        run_attention_case(be, &c, dt, &st);
+                    }
         }
+        loom_backend_destroy(&be);
+    }
+}
+
+/* loom_op_softcap (final logit soft-capping) against tanh in double: odd
+ * lengths (the SIMD body and the scalar tail, one row and the threaded
+ * rows of 4096), values from tiny to far beyond the cap, and signed zero. */
+static void test_softcap(void) {
+    static const int ns[] = {1, 7, 8, 29, 3 * 4096 + 13};
+    static const float caps[] = {30.0f, 50.0f, 0.5f};
+    unsigned long long st = 21;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        for (size_t ci = 0; ci < LOOM_ARRAY_LEN(caps); ci++)
+            for (size_t ni = 0; ni < LOOM_ARRAY_LEN(ns); ni++) {
+                const int n = ns[ni];
+                const float cap = caps[ci];
+                float *x = alloc_f((size_t)n), *ref = alloc_f((size_t)n);
+                fill(x, (size_t)n, &st, 4.0f * cap); /* |x| up to 4 caps */
+                for (int i = 0; i < n; i += 5) x[i] *= 1e-4f;
+                if (n > 3) x[3] = 1e6f, x[2] = -1e6f, x[1] = -0.0f;
+                for (int i = 0; i < n; i++) ref[i] = (float)(cap * tanh((double)x[i] / cap));
+                loom_op_softcap(be, x, n, cap);
+                char what[96];
+                snprintf(what, sizeof what, "softcap t%d n%d cap%g", loom_backend_threads(be), n, (double)cap);
+                /* |d| <= a few float32 ulps of the cap, and tanh's own relative error */
+                test_allclose(what, x, ref, n, 4e-7 * cap, 2e-6);
+                for (int i = 0; i < n; i++)
+                    CHECKF(fabsf(x[i]) <= cap, "%s: |x[%d]| = %g beyond the cap", what, i, (double)x[i]);
+                free(x);
+                free(ref);
+            }
         loom_backend_destroy(&be);
     }
 }
@@ -1048,6 +1097,7 @@ int main(void) {
     RUN(test_kv_dtypes);
     RUN(test_kv_write);
     RUN(test_attention);
+    RUN(test_softcap);
     RUN(test_act_mul);
     RUN(test_head_rmsnorm);
     RUN(test_sample_shard);

@@ -431,9 +431,57 @@ static void test_families_and_refused_keys(void) {
                 &c, &err) == LOOM_OK);
     CHECK(loom_model_config_layer_window(&c, 0) == 0 && loom_model_config_layer_window(&c, 1) == 8);
     CHECK(!loom_model_config_all_windowed(&c));
-    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"attn_logit_softcapping\":50}", &c, &err) ==
+    CHECK(c.attn_softcap == 0 && c.final_softcap == 0); /* Gemma3TextConfig: no caps unless given */
+    CHECKF(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"attn_logit_softcapping\":50}", &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.attn_softcap == 50.0f && c.final_softcap == 0);
+
+    /* Gemma 2: Gemma2Config's defaults (caps 50 and 30, window 4096, query_pre_attn_scalar 256, head_dim
+     * 256, a tied head, gelu_pytorch_tanh), the even layers sliding, no q/k norms, one RoPE base */
+    CHECKF(parse("{\"model_type\":\"gemma2\"," BASE "}", &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.gemma && !c.qk_norm && c.hidden_act == LOOM_HIDDEN_GELU_TANH && c.tie_embeddings);
+    CHECK(c.attn_softcap == 50.0f && c.final_softcap == 30.0f && c.head_dim == 256 && c.sliding_window == 4096);
+    CHECK(fabsf(c.query_scale - 1.0f / 16.0f) < 1e-7f && fabsf(c.embed_scale - 8.0f) < 1e-6f);
+    CHECK(c.rope_local_theta == 0 && c.rope_theta == 10000.0f);
+    CHECK(loom_model_config_layer_window(&c, 0) == 0); /* a window of 4096 in 4096 positions is never reached */
+    /* a released config: both activation keys (hidden_activation is the one Gemma2MLP reads), null caps */
+    CHECKF(parse("{\"model_type\":\"gemma2\"," BASE ",\"head_dim\":32,\"query_pre_attn_scalar\":144,"
+                 "\"sliding_window\":1024,\"sliding_window_size\":1024,\"cache_implementation\":\"hybrid\","
+                 "\"hidden_act\":\"gelu\",\"hidden_activation\":\"gelu_pytorch_tanh\",\"tie_word_embeddings\":false,"
+                 "\"attn_logit_softcapping\":null,\"final_logit_softcapping\":null,\"rope_theta\":5000}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.hidden_act == LOOM_HIDDEN_GELU_TANH && !c.tie_embeddings && c.head_dim == 32);
+    CHECK(c.attn_softcap == 0 && c.final_softcap == 0 && c.rope_theta == 5000.0f);
+    CHECK(fabsf(c.query_scale - 1.0f / 12.0f) < 1e-7f);
+    CHECK(loom_model_config_layer_window(&c, 0) == 1024 && loom_model_config_layer_window(&c, 1) == 0 &&
+          loom_model_config_layer_window(&c, 2) == 1024 && !loom_model_config_all_windowed(&c));
+    CHECKF(parse("{\"model_type\":\"gemma2\"," BASE ",\"sliding_window\":16,\"layer_types\":"
+                 "[\"sliding_attention\",\"sliding_attention\"],\"attn_logit_softcapping\":20.5}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(loom_model_config_all_windowed(&c) && c.attn_softcap == 20.5f && c.final_softcap == 30.0f);
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE ",\"sliding_window\":null}", &c, &err) == LOOM_OK);
+    CHECK(loom_model_config_layer_window(&c, 0) == 0);
+    /* caps that are not positive numbers, and scaling Loom does not run, are refused by name */
+    static const char *const bad_caps[] = {"-1", "0", "\"50\"", "true", "1e39", "[50]"};
+    static const char *const cap_keys[] = {"attn_logit_softcapping", "final_logit_softcapping"};
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(cap_keys); k++)
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bad_caps); i++) {
+            char js[512];
+            snprintf(js, sizeof js, "{\"model_type\":\"gemma2\"," BASE ",\"%s\":%s}", cap_keys[k], bad_caps[i]);
+            loom_status_t st = parse(js, &c, &err);
+            CHECKF(st == LOOM_ERR_FORMAT && strstr(err.msg, cap_keys[k]) && strstr(err.msg, "positive number or null"),
+                   "%s: %s (%s)", js, loom_status_str(st), err.msg);
+        }
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE ",\"attn_logit_softcapping\":NaN}", &c, &err) ==
+          LOOM_ERR_FORMAT); /* not JSON */
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE ",\"rope_scaling\":{\"rope_type\":\"linear\",\"factor\":2}}",
+                &c, &err) == LOOM_ERR_UNSUPPORTED && strstr(err.msg, "gemma2 with rope_scaling"));
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE ",\"use_bidirectional_attention\":true}", &c, &err) ==
           LOOM_ERR_UNSUPPORTED);
-    CHECK(parse("{\"model_type\":\"gemma2\"," BASE "}", &c, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECK(parse("{\"model_type\":\"gemma2\"," BASE ",\"query_pre_attn_scalar\":-4}", &c, &err) == LOOM_ERR_FORMAT &&
+          strstr(err.msg, "query_pre_attn_scalar"));
     CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"rope_scaling\":{\"rope_type\":\"yarn\","
                 "\"factor\":2}}",
                 &c, &err) == LOOM_ERR_UNSUPPORTED);
