@@ -171,12 +171,12 @@ static loom_status_t rope_orig(loom_model_config_t *cfg, const cJSON *rs, int re
 static loom_status_t parse_longrope(loom_model_config_t *cfg, const cJSON *root, const cJSON *rs, const char *path,
                                     loom_err_t *err) {
     const char *names[2] = {"short_factor", "long_factor"};
-    int pairs = cfg->head_dim / 2;
+    int pairs = cfg->rotary_dim / 2;
     for (int k = 0; k < 2; k++) {
         const cJSON *a = field(rs, names[k]), *e;
         if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != pairs)
-            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s must list head_dim / 2 (%d) numbers", path,
-                                names[k], pairs);
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: rope_scaling.%s must list %s / 2 (%d) numbers", path,
+                                names[k], cfg->rotary_dim < cfg->head_dim ? "the rotary dims" : "head_dim", pairs);
         int j = 0;
         cJSON_ArrayForEach(e, a) {
             if (!cJSON_IsNumber(e) || !(e->valuedouble > 0 && e->valuedouble < 1e30))
@@ -205,6 +205,26 @@ static loom_status_t parse_longrope(loom_model_config_t *cfg, const cJSON *root,
         cfg->max_seq_len = cfg->rope_orig_max_pos;
         cfg->rope_ctx_capped = 1;
     }
+    return LOOM_OK;
+}
+
+/* Phi3Config's partial_rotary_factor (Phi-4-mini: 0.75): RoPE turns the
+ * first int(factor * head_dim) dims of each head, rotate-half within them,
+ * and the frequencies are those of a head that size
+ * (Transformers' apply_rotary_pos_emb with cos.shape[-1] < head_dim). */
+static loom_status_t parse_rotary_dim(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+    cfg->rotary_dim = cfg->head_dim;
+    const cJSON *v = field(root, "partial_rotary_factor");
+    if (!v || strcmp(cfg->model_type, "phi3")) return LOOM_OK; /* refuse_keys refuses it elsewhere */
+    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0 && v->valuedouble <= 1))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: partial_rotary_factor must be a number in (0, 1]", path);
+    int rd = (int)(v->valuedouble * cfg->head_dim);
+    if (rd < 2 || rd % 2)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: partial_rotary_factor %g of head_dim %d gives %d rotary dims; RoPE needs an even "
+                            "number, at least 2",
+                            path, v->valuedouble, cfg->head_dim, rd);
+    cfg->rotary_dim = rd;
     return LOOM_OK;
 }
 
@@ -317,9 +337,11 @@ static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, co
                                 numbers[i], cfg->model_type);
     }
     const cJSON *v = field(root, "partial_rotary_factor");
-    if (v && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: partial_rotary_factor other than 1 is not supported",
-                            path);
+    if (v && !(cJSON_IsNumber(v) && v->valuedouble == 1.0) && strcmp(cfg->model_type, "phi3"))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: partial_rotary_factor other than 1 is not supported for model_type '%s' (phi3's "
+                            "is)",
+                            path, cfg->model_type);
     v = field(root, "use_sliding_window");
     if (v && !cJSON_IsFalse(v))
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
@@ -552,6 +574,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (cfg->head_dim == 0 && (!strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text")))
         cfg->head_dim = 256;
     if (cfg->head_dim == 0 && cfg->dim % cfg->n_heads == 0) cfg->head_dim = cfg->dim / cfg->n_heads;
+    LOOM_CHECK(parse_rotary_dim(cfg, root, path, err));
     LOOM_CHECK(parse_rope_scaling(cfg, root, rp ? rp : field(root, "rope_scaling"), path, err));
     int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
     LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));

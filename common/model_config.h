@@ -48,6 +48,8 @@ typedef struct loom_model_config {
     int n_heads;           /* num_attention_heads */
     int n_kv_heads;        /* num_key_value_heads (defaults to n_heads) */
     int head_dim;          /* head_dim (defaults to dim / n_heads) */
+    int rotary_dim;        /* dims of each head RoPE turns: head_dim, or partial_rotary_factor x head_dim
+                            * (Phi-4-mini); the others pass through unrotated */
     int vocab_size;
     int max_seq_len;       /* max_position_embeddings */
     float norm_eps;        /* rms_norm_eps */

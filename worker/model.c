@@ -88,6 +88,7 @@ typedef struct loader {
     loom_st_t *st;
     float *tmp; /* host staging for one fused matrix */
     size_t tmp_cap;
+    int64_t rotary_rows; /* partial rotary: the first rows of the linear being loaded are q and k heads */
 } loader_t;
 
 static float *staging(loader_t *L, size_t n) {
@@ -177,6 +178,64 @@ static loom_status_t upload_norm(loader_t *L, const char *name, int64_t n, float
     return upload_vec_add(L, name, n, L->m->cfg.gemma ? 1.0f : 0.0f, out, err);
 }
 
+/* Partial rotary (Phi-4-mini): Transformers turns dims [0, rd) of each q
+ * and k head, pairing o with o + rd/2, and passes [rd, hd) through; the
+ * kernels pair p with p + hd/2. So dim o of a head is stored at
+ * rotary_slot(o): the rotary halves at [0, rd/2) and [hd/2, hd/2 + rd/2),
+ * the others in the gaps, whose frequencies are 0. q.k is unchanged (q and
+ * k are permuted alike; v is not). Longrope's and yarn's attention factor
+ * multiplies cos and sin, so only the rotary dims: it is folded into their
+ * rows here instead of the attention scale. */
+static int rotary_slot(int o, int hd, int rd) {
+    int half = hd / 2, r = rd / 2, pass = (hd - rd) / 2;
+    if (o < r) return o;
+    if (o < rd) return half + o - r;
+    if (o < rd + pass) return r + o - rd;
+    return half + r + o - rd - pass;
+}
+
+/* Rows [0, nrows) of a (., cols) float matrix are whole heads of hd rows:
+ * each head's rows moved to their slots, the rotary ones times af. */
+static void rotary_permute_f32(float *h, int64_t nrows, int64_t cols, int hd, int rd, float af) {
+    float *tmp = loom_xmalloc((size_t)hd * (size_t)cols * sizeof(float));
+    for (int64_t r0 = 0; r0 < nrows; r0 += hd) {
+        float *head = h + (size_t)r0 * (size_t)cols;
+        memcpy(tmp, head, (size_t)hd * (size_t)cols * sizeof(float));
+        for (int o = 0; o < hd; o++) {
+            float *dst = head + (size_t)rotary_slot(o, hd, rd) * (size_t)cols, *src = tmp + (size_t)o * (size_t)cols;
+            for (int64_t c = 0; c < cols; c++) dst[c] = o < rd ? src[c] * af : src[c];
+        }
+    }
+    free(tmp);
+}
+
+/* The same on a quantized tensor: codes, scales (and mins) row by row; the
+ * factor scales a row's scales and mins. */
+static void rotary_permute_q(loom_qtensor_t *t, int64_t nrows, int hd, int rd, float af) {
+    size_t cb = loom_qtensor_code_bytes(t) / (size_t)t->rows, sc = loom_qtensor_scale_count(t) / (size_t)t->rows;
+    uint8_t *tq = loom_xmalloc((size_t)hd * cb);
+    float *ts = loom_xmalloc((size_t)hd * sc * sizeof(float)), *tm = loom_xmalloc((size_t)hd * sc * sizeof(float));
+    for (int64_t r0 = 0; r0 < nrows; r0 += hd) {
+        uint8_t *q = (uint8_t *)t->q + (size_t)r0 * cb;
+        float *sv = t->scales + (size_t)r0 * sc, *mv = t->mins ? t->mins + (size_t)r0 * sc : NULL;
+        memcpy(tq, q, (size_t)hd * cb);
+        memcpy(ts, sv, (size_t)hd * sc * sizeof(float));
+        if (mv) memcpy(tm, mv, (size_t)hd * sc * sizeof(float));
+        for (int o = 0; o < hd; o++) {
+            size_t p = (size_t)rotary_slot(o, hd, rd);
+            float f = o < rd ? af : 1.0f;
+            memcpy(q + p * cb, tq + (size_t)o * cb, cb);
+            for (size_t j = 0; j < sc; j++) {
+                sv[p * sc + j] = ts[(size_t)o * sc + j] * f;
+                if (mv) mv[p * sc + j] = tm[(size_t)o * sc + j] * f;
+            }
+        }
+    }
+    free(tq);
+    free(ts);
+    free(tm);
+}
+
 /* One stored linear (its name without ".weight") and the block of its rows
  * (output features) this shard takes. */
 typedef struct lin_part {
@@ -223,6 +282,8 @@ static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what
         }
         if (s == LOOM_OK) s = loom_qw_stack_rows(qp, n, what, &qt, err);
         for (int i = 0; i < n; i++) loom_qtensor_free(&qp[i]);
+        if (s == LOOM_OK && L->rotary_rows)
+            rotary_permute_q(&qt, L->rotary_rows, m->cfg.head_dim, m->cfg.rotary_dim, m->cfg.rope_attn_factor);
         if (s == LOOM_OK) s = upload_qweight(L, w, &qt, what, err);
         loom_qtensor_free(&qt);
         return s;
@@ -250,6 +311,8 @@ static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what
                               h + (size_t)off * (size_t)rnc, err));
         off += parts[i].nr;
     }
+    if (L->rotary_rows)
+        rotary_permute_f32(h, L->rotary_rows, rnc, m->cfg.head_dim, m->cfg.rotary_dim, m->cfg.rope_attn_factor);
     if (q.quant == LOOM_QUANT_NONE) return upload_weight(L, w, rows, nc, what, err);
     LOOM_CHECK(loom_quantize(&q, h, rows, rnc, &qt, err));
     if (whole_rows) {
@@ -268,6 +331,7 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     const loom_shard_dims_t *d = &m->dims;
     int hd = c->head_dim, dim = c->dim;
     char name[256], pq[256], pk[256], pv[256];
+    loom_status_t s;
 #define LNAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", gl, suffix), name)
 #define PNAME(buf, suffix) (snprintf(buf, sizeof buf, "model.layers.%d.%s", gl, suffix), buf)
 
@@ -294,7 +358,11 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         qkv[1] = (lin_part_t){f, all, qrows + qkv[1].r0, qkv[1].nr};
         qkv[2] = (lin_part_t){f, all, qrows + kvrows + qkv[2].r0, qkv[2].nr};
     }
-    LOOM_CHECK(load_linear(L, &ly->wqkv, LNAME("self_attn.qkv"), qkv, 3, dim, 0, dim, err));
+    /* partial rotary: the q and k heads' rows to their kernel slots (rotary_slot) */
+    L->rotary_rows = c->rotary_dim < hd ? (int64_t)(d->n_heads + d->n_kv_heads) * hd : 0;
+    s = load_linear(L, &ly->wqkv, LNAME("self_attn.qkv"), qkv, 3, dim, 0, dim, err);
+    L->rotary_rows = 0;
+    LOOM_CHECK(s);
     if (c->attention_bias) {
         /* the biases of the same rows, stacked the same way */
         float *h = staging(L, (size_t)m->qkv_dim);
@@ -305,6 +373,9 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
                               (int64_t)d->n_kv_heads * hd, h + (size_t)d->n_heads * hd, err));
         LOOM_CHECK(read_slice(L, LNAME("self_attn.v_proj.bias"), kvrows, (int64_t)d->kv_head_begin * hd,
                               (int64_t)d->n_kv_heads * hd, h + (size_t)(d->n_heads + d->n_kv_heads) * hd, err));
+        if (c->rotary_dim < hd)
+            rotary_permute_f32(h, (int64_t)(d->n_heads + d->n_kv_heads) * hd, 1, hd, c->rotary_dim,
+                               c->rope_attn_factor);
         ly->bqkv = loom_backend_alloc(m->be, (size_t)m->qkv_dim * sizeof(float));
         if (!ly->bqkv) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for layer %d's biases", gl);
         loom_backend_upload(m->be, ly->bqkv, h, (size_t)m->qkv_dim * sizeof(float));
@@ -368,10 +439,19 @@ static loom_status_t align_hidden_split(const loom_model_config_t *cfg, const lo
     return LOOM_OK;
 }
 
+/* The RoPE table of the kernels: pair (j, j + head_dim/2) turns at pos x
+ * out[j]. With partial rotary the rows of q and k were permuted at load
+ * (rotary_perm) so that the first rotary_dim/2 pairs are the rotary ones,
+ * with the frequencies of a head rotary_dim wide; the rest get 0, which
+ * leaves them as they are. */
 static void rope_inv_freq(const loom_model_config_t *c, float *out) {
-    int half = c->head_dim / 2;
+    int half = c->head_dim / 2, rd = c->rotary_dim;
     for (int j = 0; j < half; j++) {
-        double inv = pow((double)c->rope_theta, -2.0 * j / (double)c->head_dim);
+        if (j >= rd / 2) {
+            out[j] = 0.0f;
+            continue;
+        }
+        double inv = pow((double)c->rope_theta, -2.0 * j / (double)rd);
         if (c->rope_scaling == LOOM_ROPE_LONGROPE) {
             inv /= c->rope_ext_factor[j];
         } else if (c->rope_scaling == LOOM_ROPE_LINEAR) {
@@ -380,7 +460,7 @@ static void rope_inv_freq(const loom_model_config_t *c, float *out) {
             /* NTK-by-parts: dimensions that turn fewer than beta_slow times
              * over the original context are interpolated (/ factor), those
              * that turn more than beta_fast times kept, a linear ramp between */
-            double d = c->head_dim, base = c->rope_theta, orig = c->rope_orig_max_pos;
+            double d = rd, base = c->rope_theta, orig = c->rope_orig_max_pos;
             double lo = d * log(orig / (c->rope_beta_fast * 2.0 * M_PI)) / (2.0 * log(base));
             double hi = d * log(orig / (c->rope_beta_slow * 2.0 * M_PI)) / (2.0 * log(base));
             if (c->rope_truncate) {
@@ -595,6 +675,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->be = be;
     m->cfg = *cfg;
     if (!(m->cfg.rope_attn_factor > 0)) m->cfg.rope_attn_factor = 1.0f; /* a config not from the parser */
+    if (m->cfg.rotary_dim <= 0 || m->cfg.rotary_dim > cfg->head_dim) m->cfg.rotary_dim = cfg->head_dim;
     m->spec = *spec;
     m->opt = *opt;
     m->scratch_block = -1;
@@ -903,8 +984,9 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, ly->inv_freq, &ly->kv, d_slots);
         loom_attn_args_t a = {
             .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
-            /* yarn and longrope scale q and k by their attention factor; Gemma sets the scale */
-            .scale = c->rope_attn_factor * c->rope_attn_factor *
+            /* yarn and longrope scale q and k by their attention factor (with partial rotary
+             * folded into the rotary rows at load); Gemma sets the scale */
+            .scale = (c->rotary_dim < hd ? 1.0f : c->rope_attn_factor * c->rope_attn_factor) *
                      (c->query_scale > 0 ? c->query_scale : 1.0f / sqrtf((float)hd)),
             .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
             .kv = ly->kv, .block_size = m->block_size,

@@ -30,7 +30,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import BIN, PYTHON, ROOT, Cluster, check, check_refused_shard, free_port, gen_model, run_tests  # noqa: E402
+from harness import (BIN, PYTHON, ROOT, Cluster, check, check_refused_shard, free_port, gen_model,  # noqa: E402
+                     run_local, run_tests)
 from test_grid import N_TOKENS, PROMPTS, check_model, merged_logits  # noqa: E402
 from test_http import request  # noqa: E402
 
@@ -58,6 +59,15 @@ def phi3():
                      "--seed", "29")
 
 
+def phi4mini():
+    # Phi-4-mini's layout: partial_rotary_factor 0.75 (12 of each head's 16 dims turn) with longrope, whose
+    # attention factor (1.19) scales only the rotary dims
+    return gen_model(os.path.join(WORK, "phi4mini"), "--arch", "phi3", "--partial-rotary", "0.75", "--rope-scaling",
+                     "longrope", "--rope-original-max-pos", "128", "--max-pos", "1024", "--dim", "64",
+                     "--hidden-dim", "96", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--vocab", "512",
+                     "--seed", "37")
+
+
 def gemma3():
     return gen_model(os.path.join(WORK, "gemma3"), "--arch", "gemma3", "--sliding-window", "16", "--sliding-pattern",
                      "2", "--query-pre-attn-scalar", "24", "--rope-scaling", "linear", "--rope-factor", "2",
@@ -78,6 +88,26 @@ def test_new_family_grids():
     check_model(mistral(), [(1, 1), (2, 2)])
     check_model(phi3(), [(1, 1), (2, 1), (2, 2)])  # TP slices of the fused qkv_proj / gate_up_proj
     check_model(gemma3(), [(1, 1), (1, 2), (2, 2)])  # sliding and global layers on different stages
+
+
+def test_partial_rotary():
+    # q and k rows are permuted at load so the kernels' pairs are the rotary ones: on TP slices of the fused
+    # qkv_proj, quantized on load (the permutation before the row scales), and from a `loom quantize`d
+    # checkpoint (the permutation after: codes and scales moved, the factor in the scales)
+    model = phi4mini()
+    check_model(model, [(1, 1), (2, 1), (2, 2)])
+    check_model(model, [(1, 1), (2, 1)], quant="int8")
+    out = os.path.join(WORK, "phi4mini-int8")
+    shutil.rmtree(out, ignore_errors=True)
+    p = subprocess.run([os.path.join(BIN, "loom"), "quantize", model, out, "--quantization", "int8"],
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "loom quantize: %s" % p.stderr[-500:])
+    for text in PROMPTS:
+        _, want = run_local(model, text, N_TOKENS, extra=["--ignore-eos", "--quantization", "int8"])
+        _, got = run_local(out, text, N_TOKENS, extra=["--ignore-eos"])
+        check(got == want, "the int8 checkpoint's ids %s, int8 on load %s" % (got, want))
+    print("  phi4mini int8 checkpoint: %d prompts x %d ids equal int8 on load" % (len(PROMPTS), N_TOKENS),
+          flush=True)
 
 
 def test_gemma2_grids():
@@ -158,7 +188,7 @@ def test_quantized_kl():
     # and measure int8 1.5-6x and q4 1.5-2.4x their Llama twin (Phi-3 the most): the bounds are 8x and 3x,
     # int8 below q4, and int8 keeping top-1 agreement above 0.85.
     ref = {q: kl_scores(llama_twin(), "--quantization", q)["mean_kl"] for q in ("int8", "q4")}
-    for model in (qwen3(), mistral(), phi3(), gemma3()):
+    for model in (qwen3(), mistral(), phi3(), phi4mini(), gemma3()):
         int8 = kl_scores(model, "--quantization", "int8")
         q4 = kl_scores(model, "--quantization", "q4")
         check(0.0 < int8["mean_kl"] < 8 * ref["int8"] and int8["top1_agreement"] > 0.85,
@@ -266,5 +296,6 @@ def test_cluster_keeps_serving_on_nan():
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_gemma2_grids,
+    run_tests([test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_partial_rotary,
+               test_gemma2_grids,
                test_gemma2_reference_grids, test_quantized_kl])

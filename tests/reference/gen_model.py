@@ -57,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--final-softcap", default="30", help="gemma2: final_logit_softcapping (as --attn-softcap)")
     p.add_argument("--qk-gain", type=float, default=QK_GAIN,
                    help="gain of q/k_proj on 1/sqrt(fan_in): attention scores have std about gain^2")
+    p.add_argument("--partial-rotary", type=float, default=None,
+                   help="phi3: partial_rotary_factor (Phi-4-mini: 0.75); RoPE turns that share of each head")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--rope-scaling", choices=["none", "llama3", "linear", "yarn", "longrope"], default="none")
     p.add_argument("--rope-factor", type=float, default=8.0)
@@ -199,9 +201,10 @@ def make_config(a, st_dtype):
                         "original_max_position_embeddings": a.rope_original_max_pos}
     elif a.rope_scaling == "longrope":  # Phi-3: factors per frequency; max_pos is the extended context
         rng = np.random.default_rng([a.seed, 2])
+        pairs = int(a.head_dim * (a.partial_rotary or 1.0)) // 2  # one factor per rotary frequency
         rope_scaling = {"type": "longrope",
-                        "short_factor": [float(x) for x in np.round(rng.uniform(1.0, 4.0, a.head_dim // 2), 3)],
-                        "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, a.head_dim // 2), 3)]}
+                        "short_factor": [float(x) for x in np.round(rng.uniform(1.0, 4.0, pairs), 3)],
+                        "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, pairs), 3)]}
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM"}
@@ -240,6 +243,8 @@ def make_config(a, st_dtype):
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"], c["head_dim"]
         c.update({"sliding_window": a.sliding_window, "original_max_position_embeddings": a.rope_original_max_pos,
                   "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attention_dropout": 0.0})
+        if a.partial_rotary is not None:  # as Phi-4-mini's config.json
+            c["partial_rotary_factor"] = a.partial_rotary
     if a.arch == "gemma3":  # as Gemma3TextConfig's config.json
         del c["mlp_bias"], c["pretraining_tp"], c["hidden_act"]
         c.update({"model_type": "gemma3_text", "hidden_activation": a.hidden_act if a.hidden_act != "silu"

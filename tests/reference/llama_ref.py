@@ -82,6 +82,11 @@ def read_config(model_dir):
         "gemma": gemma,
         "orig_max_pos": c.get("original_max_position_embeddings"),
     }
+    # Phi3Config's partial_rotary_factor (Phi-4-mini 0.75): RoPE turns the first int(factor * head_dim) dims of
+    # each head (apply_rotary_pos_emb splits q into q_rot and q_pass by cos.shape[-1]); the frequencies are those
+    # of a head that wide (dim = int(head_dim * partial_rotary_factor) in the rope initialisers)
+    cfg["rotary_dim"] = int(cfg["head_dim"] * float(c.get("partial_rotary_factor", 1.0))) if mt == "phi3" \
+        else cfg["head_dim"]
     rs = cfg["rope_scaling"]
     if rs is not None:
         kind = rs.get("rope_type", rs.get("type"))
@@ -222,7 +227,7 @@ def rope_params(cfg):
 def yarn_inv_freq(cfg):
     """_compute_yarn_parameters: the NTK-by-parts blend of interpolated and
     original frequencies, and the attention factor 0.1 ln(factor) + 1."""
-    rs, hd, base = cfg["rope_scaling"], cfg["head_dim"], cfg["theta"]
+    rs, hd, base = cfg["rope_scaling"], rot_dim(cfg), cfg["theta"]
     factor = float(rs["factor"])
     orig = rs.get("original_max_position_embeddings") or cfg["max_pos"]
     beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
@@ -246,7 +251,7 @@ def yarn_inv_freq(cfg):
 def longrope_inv_freq(cfg):
     """_compute_longrope_parameters for sequences within original_max_position_embeddings
     (the short factors), and its attention factor sqrt(1 + ln(factor) / ln(original))."""
-    rs, hd = cfg["rope_scaling"], cfg["head_dim"]
+    rs, hd = cfg["rope_scaling"], rot_dim(cfg)
     orig = rs.get("original_max_position_embeddings") or cfg["orig_max_pos"] or cfg["max_pos"]
     factor = rs.get("factor") or cfg["max_pos"] / orig
     af = rs.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
@@ -256,7 +261,7 @@ def longrope_inv_freq(cfg):
 
 def rope_inv_freq(cfg):
     """inv_freq as HF computes it, including _compute_llama3_parameters."""
-    hd = cfg["head_dim"]
+    hd = rot_dim(cfg)
     inv_freq = 1.0 / (cfg["theta"] ** (torch.arange(0, hd, 2, dtype=DT) / hd))
     rs = cfg["rope_scaling"]
     if rs is None:
@@ -273,6 +278,10 @@ def rope_inv_freq(cfg):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def rot_dim(cfg):
+    return cfg.get("rotary_dim") or cfg["head_dim"]
 
 
 def rope_cos_sin(inv_freq, n):
@@ -338,8 +347,9 @@ def forward(model, ids, hidden=False, taps=None):
         if cfg.get("qk_norm"):
             q = norm(q, w[p + "self_attn.q_norm.weight"], cfg["eps"])
             k = norm(k, w[p + "self_attn.k_norm.weight"], cfg["eps"])
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        rd = cos.shape[-1]  # partial rotary: the dims past rd pass through
+        q = torch.cat([q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]], dim=-1)
+        k = torch.cat([k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]], dim=-1)
         k = k.repeat_interleave(H // KV, dim=0)  # (H, T, hd): head j reads kv head j // (H/KV)
         v = v.repeat_interleave(H // KV, dim=0)
         scores = q @ k.transpose(1, 2) * scale

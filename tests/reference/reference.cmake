@@ -39,6 +39,12 @@ add_test(NAME reference_phi3
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_phi3 random
                  --arch phi3 --sliding-window 32 --rope-scaling longrope --rope-original-max-pos 128 --max-pos 1024
                  --dim 64 --hidden-dim 96 --layers 3 --heads 4 --vocab 512 --seed 29)
+# Phi-4-mini's partial rotary: RoPE turns 12 of each head's 16 dims (partial_rotary_factor 0.75), with
+# longrope's short factors (6 per head) and its attention factor (1.19 here) on the rotary dims only.
+add_test(NAME reference_phi3_partial_rotary
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_phi3_partial random
+                 --arch phi3 --partial-rotary 0.75 --rope-scaling longrope --rope-original-max-pos 128 --max-pos 1024
+                 --dim 64 --hidden-dim 96 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --seed 31)
 # Gemma 3 text: (1+w) norms around both blocks, q/k norms, embeddings times sqrt(hidden), query_pre_attn_scalar
 # 24, layers alternating sliding (window 24, rope_local_base_freq) and global (rope_theta 1e6, linear scaling 2),
 # 4 heads of 32 over hidden 64, GeGLU (tanh), tied embeddings.
@@ -74,7 +80,8 @@ add_test(NAME reference_gptq_v2
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gptq_v2 gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
-                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3 reference_gemma3
+                     reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3
+                     reference_phi3_partial_rotary reference_gemma3
                      reference_gemma2 reference_gemma2_capped reference_gelu
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

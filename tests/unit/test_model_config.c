@@ -415,6 +415,22 @@ static void test_families_and_refused_keys(void) {
            (double)c.rope_attn_factor);
     CHECK(parse("{\"model_type\":\"phi3\"," BASE "}", &c, &err) == LOOM_OK);
     CHECK(c.fused_qkv && c.sliding_window == 0 && !c.rope_ctx_capped && c.max_seq_len == 4096);
+    CHECK(c.rotary_dim == c.head_dim && c.head_dim == 8);
+    /* Phi-4-mini's partial rotary: int(0.75 * 8) = 6 dims turn; longrope lists one factor per rotary pair */
+    CHECKF(parse("{\"model_type\":\"phi3\"," BASE ",\"partial_rotary_factor\":0.75,\"rope_scaling\":{\"type\":"
+                 "\"longrope\",\"short_factor\":[1,2,3],\"long_factor\":[5,6,7]}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.rotary_dim == 6 && c.head_dim == 8 && c.rope_ext_factor[2] == 3.0f);
+    CHECK(parse("{\"model_type\":\"phi3\"," BASE ",\"partial_rotary_factor\":0.75,\"rope_scaling\":{\"type\":"
+                "\"longrope\",\"short_factor\":[1,2,3,4],\"long_factor\":[5,6,7,8]}}",
+                &c, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "the rotary dims / 2 (3)"));
+    CHECK(parse("{\"model_type\":\"phi3\"," BASE ",\"partial_rotary_factor\":0.1}", &c, &err) == LOOM_ERR_FORMAT &&
+          strstr(err.msg, "gives 0 rotary dims"));
+    CHECK(parse("{\"model_type\":\"phi3\"," BASE ",\"partial_rotary_factor\":0.5}", &c, &err) == LOOM_OK &&
+          c.rotary_dim == 4);
+    CHECK(parse("{\"model_type\":\"phi3\"," BASE ",\"partial_rotary_factor\":1.5}", &c, &err) == LOOM_ERR_FORMAT &&
+          strstr(err.msg, "(0, 1]"));
 
     /* Gemma 3 text: its defaults, and layer_types over sliding_window_pattern */
     CHECKF(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"head_dim\":32,\"query_pre_attn_scalar\":24,"
