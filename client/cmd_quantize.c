@@ -18,6 +18,7 @@
 #include "common/safetensors.h"
 #include "common/util.h"
 #include "kernels/quant.h"
+#include "worker/model.h"
 
 typedef enum { PART_COPY, PART_CODES, PART_SCALES, PART_MINS } part_kind_t;
 
@@ -156,8 +157,10 @@ int loom_cmd_quantize(int argc, char **argv) {
     loom_err_t err = {0};
     loom_model_config_t cfg;
     loom_st_t *st = NULL;
-    if (loom_model_config_load(in, &cfg, &err) < 0 || loom_st_open_dir(in, &st, &err) < 0) {
+    if (loom_model_config_load(in, &cfg, &err) < 0 || loom_st_open_dir(in, &st, &err) < 0 ||
+        loom_model_map_tensor_names(&cfg, st, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);
+        loom_st_close(&st);
         return 1;
     }
     if (cfg.ckpt_quant != LOOM_CKPT_FLOAT) {

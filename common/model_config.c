@@ -642,6 +642,48 @@ static loom_status_t check_eos_range(const loom_model_config_t *cfg, const char 
     return LOOM_OK;
 }
 
+/* Gemma 3's multimodal layout (Gemma3Config, model_type gemma3, as
+ * gemma-3-4b/12b/27b ship): the text model's keys sit in text_config, most
+ * left at Gemma3TextConfig's defaults (configuration_gemma3.py), and eos,
+ * bos, the dtype and a quantization_config may sit at the top. Loom serves
+ * the text model: a gemma3_text config of those defaults, overlaid with
+ * the top-level keys, overlaid with text_config. NULL when root is not one. */
+static const char k_gemma3_text_defaults[] =
+    "{\"vocab_size\":262208,\"hidden_size\":2304,\"intermediate_size\":9216,\"num_hidden_layers\":26,"
+    "\"num_attention_heads\":8,\"num_key_value_heads\":4,\"head_dim\":256,\"hidden_activation\":"
+    "\"gelu_pytorch_tanh\",\"max_position_embeddings\":131072,\"rms_norm_eps\":1e-6,\"bos_token_id\":2,"
+    "\"eos_token_id\":1,\"tie_word_embeddings\":true,\"rope_theta\":1000000.0,\"attention_bias\":false,"
+    "\"query_pre_attn_scalar\":256,\"sliding_window\":4096,\"sliding_window_pattern\":6,"
+    "\"rope_local_base_freq\":10000.0,\"final_logit_softcapping\":null,\"attn_logit_softcapping\":null}";
+
+static void json_set(cJSON *obj, const char *key, cJSON *v) {
+    cJSON_DeleteItemFromObjectCaseSensitive(obj, key);
+    cJSON_AddItemToObject(obj, key, v);
+}
+
+static loom_status_t gemma3_text_of(const cJSON *root, const char *path, cJSON **out, loom_err_t *err) {
+    static const char *const top_keys[] = {"eos_token_id", "bos_token_id", "torch_dtype", "dtype",
+                                           "quantization_config"};
+    *out = NULL;
+    const cJSON *mt = field(root, "model_type");
+    if (!cJSON_IsString(mt) || strcmp(mt->valuestring, "gemma3")) return LOOM_OK;
+    const cJSON *tc = field(root, "text_config");
+    if (!cJSON_IsObject(tc))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type gemma3 needs a text_config object", path);
+    const cJSON *tmt = field(tc, "model_type");
+    if (tmt && !(cJSON_IsString(tmt) && !strcmp(tmt->valuestring, "gemma3_text")))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: text_config.model_type must be gemma3_text", path);
+    cJSON *m = cJSON_Parse(k_gemma3_text_defaults);
+    LOOM_ASSERT(m);
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(top_keys); i++)
+        if (field(root, top_keys[i])) json_set(m, top_keys[i], cJSON_Duplicate(field(root, top_keys[i]), 1));
+    const cJSON *e;
+    cJSON_ArrayForEach(e, tc) json_set(m, e->string, cJSON_Duplicate(e, 1));
+    json_set(m, "model_type", cJSON_CreateString("gemma3_text"));
+    *out = m;
+    return LOOM_OK;
+}
+
 loom_status_t loom_model_config_parse(const char *json, size_t len, const char *path,
                                       loom_model_config_t *cfg, loom_err_t *err) {
     memset(cfg, 0, sizeof *cfg);
@@ -652,11 +694,15 @@ loom_status_t loom_model_config_parse(const char *json, size_t len, const char *
     if (!root)
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: not valid JSON (at byte %zu)", path, bad_at);
     loom_status_t s = LOOM_OK;
+    cJSON *text = NULL;
     if (!cJSON_IsObject(root))
         s = loom_err_set(err, LOOM_ERR_FORMAT, "%s: not a JSON object", path);
     else
-        s = parse_fields(root, path, cfg, err);
+        s = gemma3_text_of(root, path, &text, err);
+    if (s == LOOM_OK) s = parse_fields(text ? text : root, path, cfg, err);
+    if (s == LOOM_OK) cfg->multimodal = text != NULL;
     if (s == LOOM_OK) s = check_eos_range(cfg, path, err);
+    cJSON_Delete(text);
     cJSON_Delete(root);
     return s;
 }

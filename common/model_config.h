@@ -65,6 +65,9 @@ typedef struct loom_model_config {
     float rope_ext_factor[LOOM_MAX_ROPE_PAIRS]; /* longrope: short_factor, one per frequency */
     int rope_ctx_capped;         /* longrope: max_seq_len was cut to original_max_position_embeddings */
     int fused_qkv;               /* Phi-3: qkv_proj and gate_up_proj hold the stacked projections */
+    int multimodal;              /* the text model of a multimodal checkpoint (gemma3 with text_config):
+                                  * its tensors are renamed at load (loom_model_map_tensor_names), the
+                                  * vision tower's left unread */
     /* Gemma 2 (gemma2) and Gemma 3 (gemma3_text) */
     int gemma;                   /* (1+w) RMSNorms; post-attention and pre/post-feed-forward norms */
     float query_scale;           /* 1/sqrt(query_pre_attn_scalar); 0: 1/sqrt(head_dim) */

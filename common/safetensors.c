@@ -501,6 +501,47 @@ const loom_st_tensor_t *loom_st_at(const loom_st_t *st, int i) {
     return &st->tensors[i];
 }
 
+static char *renamed(const char *name, size_t nf, const char *to) {
+    size_t nt = strlen(to);
+    char *out = loom_xmalloc(nt + strlen(name + nf) + 1);
+    memcpy(out, to, nt);
+    strcpy(out + nt, name + nf);
+    return out;
+}
+
+loom_status_t loom_st_rename_prefix(loom_st_t *st, const char *from, const char *to, int *n_renamed,
+                                    loom_err_t *err) {
+    size_t nf = strlen(from);
+    int n = 0;
+    if (n_renamed) *n_renamed = 0;
+    for (int i = 0; i < st->n_tensors; i++) { /* all or nothing: every new name free first */
+        const char *name = st->tensors[i].name;
+        if (strncmp(name, from, nf)) continue;
+        char *to_name = renamed(name, nf, to);
+        int taken = loom_st_find(st, to_name) != NULL;
+        loom_status_t s = taken ? loom_err_set(err, LOOM_ERR_FORMAT,
+                                               "%s holds both '%s' and '%s', which name the same tensor",
+                                               st->source, name, to_name)
+                                : LOOM_OK;
+        free(to_name);
+        if (s < 0) return s;
+        n++;
+    }
+    if (!n) return LOOM_OK;
+    for (int i = 0; i < st->n_tensors; i++) {
+        loom_st_tensor_t *t = &st->tensors[i];
+        if (strncmp(t->name, from, nf)) continue;
+        char *to_name = renamed(t->name, nf, to);
+        free((char *)t->name);
+        t->name = to_name;
+    }
+    memset(st->slots, 0, st->n_slots * sizeof *st->slots); /* the names moved: rebuild the table */
+    for (int i = 0; i < st->n_tensors; i++)
+        st->slots[find_slot(st, st->tensors[i].name)] = i + 1;
+    if (n_renamed) *n_renamed = n;
+    return LOOM_OK;
+}
+
 const loom_st_tensor_t *loom_st_find(const loom_st_t *st, const char *name) {
     if (!st || !name) return NULL;
     int32_t v = st->slots[find_slot(st, name)];

@@ -35,6 +35,11 @@ void loom_st_close(loom_st_t **st_p); /* safe on NULL and twice */
 int loom_st_count(const loom_st_t *st);
 const loom_st_tensor_t *loom_st_at(const loom_st_t *st, int i);
 const loom_st_tensor_t *loom_st_find(const loom_st_t *st, const char *name); /* NULL if absent */
+/* Renames every tensor whose name starts with `from` to start with `to`
+ * instead (a checkpoint layout's prefix onto the one the loader reads);
+ * refuses, naming both, when a new name is already taken. */
+loom_status_t loom_st_rename_prefix(loom_st_t *st, const char *from, const char *to, int *n_renamed,
+                                    loom_err_t *err);
 
 /* Looks up a weight and checks it before use: present (else NOT_FOUND), dtype
  * F32/F16/BF16 (else UNSUPPORTED), and exactly the expected shape (n_dims

@@ -69,6 +69,7 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
         if (s < 0) goto fail;
     }
     s = loom_st_open_dir(opt->model_dir, &l->st, err);
+    if (s == LOOM_OK) s = loom_model_map_tensor_names(&l->cfg, l->st, err);
     if (s < 0) goto fail;
 
     loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION,

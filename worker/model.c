@@ -535,10 +535,37 @@ static int top_tensor_used(const loom_model_config_t *c, const char *name) {
     return 0;
 }
 
-/* Tensors safe to skip: RoPE tables some exporters store (Loom computes them). */
-static int tensor_allowed_unused(const char *name) {
+/* A multimodal checkpoint's vision tower and projector, which a text model leaves unread. */
+static const char *const k_vision_prefixes[] = {"vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                                "model.multi_modal_projector."};
+
+/* Tensors safe to skip: RoPE tables some exporters store (Loom computes
+ * them), and the vision half of a multimodal checkpoint served as text. */
+static int tensor_allowed_unused(const loom_model_config_t *c, const char *name) {
     const char *p = strstr(name, "rotary_emb.inv_freq");
-    return p && p[strlen("rotary_emb.inv_freq")] == 0;
+    if (p && p[strlen("rotary_emb.inv_freq")] == 0) return 1;
+    for (size_t i = 0; c->multimodal && i < LOOM_ARRAY_LEN(k_vision_prefixes); i++)
+        if (!strncmp(name, k_vision_prefixes[i], strlen(k_vision_prefixes[i]))) return 1;
+    return 0;
+}
+
+loom_status_t loom_model_map_tensor_names(const loom_model_config_t *c, loom_st_t *st, loom_err_t *err) {
+    static const char *const maps[][2] = {
+        {"language_model.model.", "model."},      /* Transformers < 4.52 */
+        {"language_model.lm_head.", "lm_head."},
+        {"model.language_model.", "model."},      /* Transformers >= 4.52 */
+    };
+    if (!c->multimodal) return LOOM_OK;
+    int total = 0, vision = 0;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(maps); i++) {
+        int n = 0;
+        LOOM_CHECK(loom_st_rename_prefix(st, maps[i][0], maps[i][1], &n, err));
+        total += n;
+    }
+    for (int i = 0; i < loom_st_count(st); i++) vision += tensor_allowed_unused(c, loom_st_at(st, i)->name);
+    LOOM_INFO("multimodal checkpoint: serving its text model (%d tensors renamed), %d vision tensors left unread",
+              total, vision);
+    return LOOM_OK;
 }
 
 /* Checks config.json against the checkpoint before the shard allocates
@@ -558,7 +585,7 @@ loom_status_t loom_model_check_checkpoint(const loom_model_config_t *c, const lo
     for (int i = 0; i < loom_st_count(st); i++) {
         const loom_st_tensor_t *t = loom_st_at(st, i);
         const char *name = t->name;
-        if (tensor_allowed_unused(name)) continue;
+        if (tensor_allowed_unused(c, name)) continue;
         if (!strncmp(name, "model.layers.", 13)) {
             char *end;
             long long li = strtoll(name + 13, &end, 10);

@@ -55,6 +55,11 @@ void loom_model_destroy(loom_model_t **m_p);
  * tensor is one the architecture reads (or allow-listed, e.g.
  * rotary_emb.inv_freq); errors name the tensor. */
 loom_status_t loom_model_check_checkpoint(const loom_model_config_t *cfg, const loom_st_t *st, loom_err_t *err);
+/* Renames a checkpoint layout's tensors onto the names the loader reads:
+ * the text model of a multimodal Gemma 3 (language_model.model.* or
+ * model.language_model.* -> model.*, language_model.lm_head.* -> lm_head.*).
+ * Call right after opening the checkpoint; nothing to do for other layouts. */
+loom_status_t loom_model_map_tensor_names(const loom_model_config_t *cfg, loom_st_t *st, loom_err_t *err);
 
 const loom_shard_dims_t *loom_model_dims(const loom_model_t *m);
 const loom_model_config_t *loom_model_config(const loom_model_t *m);

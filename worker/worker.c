@@ -214,6 +214,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     snprintf(w->model_dir, sizeof w->model_dir, "%s", a->model_dir);
     LOOM_CHECK(loom_model_config_load(a->model_dir, &w->cfg, err));
     LOOM_CHECK(loom_st_open_dir(a->model_dir, &w->st, err));
+    LOOM_CHECK(loom_model_map_tensor_names(&w->cfg, w->st, err));
     loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .n_threads = w->threads};
     if (!loom_device_parse(w->device, &bc.kind, &bc.device_index))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown device '%s'", w->device);

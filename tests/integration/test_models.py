@@ -110,6 +110,65 @@ def test_partial_rotary():
           flush=True)
 
 
+# Gemma3TextConfig's defaults (configuration_gemma3.py): a multimodal config's text_config leaves these out
+GEMMA3_TEXT_DEFAULTS = {"rms_norm_eps": 1e-06, "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+                        "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+                        "attention_bias": False}
+
+
+def multimodal(name, text_model, layout):
+    """text_model (gemma3_text) repackaged as Gemma3ForConditionalGeneration ships: config.json a Gemma3Config
+    (a sparse text_config, eos/bos and the dtype at the top, a vision_config), the text tensors under
+    language_model.model.* (layout "old", Transformers < 4.52) or model.language_model.* ("new"), and a
+    vision tower and projector."""
+    def config(c):
+        text = {k: v for k, v in c.items() if GEMMA3_TEXT_DEFAULTS.get(k, "-") != v and
+                k not in ("bos_token_id", "eos_token_id", "torch_dtype", "architectures")}
+        text["model_type"] = "gemma3_text"
+        top = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+               "bos_token_id": c["bos_token_id"], "eos_token_id": [c["eos_token_id"]], "torch_dtype": c["torch_dtype"],
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "patch_size": 14},
+               "mm_tokens_per_image": 4, "boi_token_index": 255999, "eoi_token_index": 256000,
+               "image_token_index": 262144}
+        c.clear()
+        c.update(top)
+
+    def tensors(hdr, raw):
+        for k in [k for k in raw]:
+            new = ("language_model.model." if layout == "old" else "model.language_model.") + k[len("model."):]
+            hdr[new], raw[new] = hdr.pop(k), raw.pop(k)
+        vision = "vision_tower." if layout == "old" else "model.vision_tower."
+        for k, n in ((vision + "vision_model.embeddings.patch_embedding.weight", 8 * 3 * 14 * 14),
+                     ("multi_modal_projector.mm_input_projection_weight" if layout == "old" else
+                      "model.multi_modal_projector.mm_input_projection_weight", 8 * 64)):
+            hdr[k] = {"dtype": "F32", "shape": [n]}
+            raw[k] = np.ones(n, np.float32).tobytes()
+    return variant(name, text_model, config=config, tensors=tensors)
+
+
+def test_gemma3_multimodal():
+    # the text model of a multimodal Gemma 3 checkpoint (gemma-3-4b/12b/27b's layout) is the gemma3_text model:
+    # the same ids and logits as the text-only layout (reference_gemma3 holds that one to the float64 reference)
+    text = gemma3()
+    for layout in ("old", "new"):
+        mm = multimodal("gemma3-mm-" + layout, text, layout)
+        for p in PROMPTS:
+            want = run_local(text, p, N_TOKENS, extra=["--ignore-eos"])
+            got = run_local(mm, p, N_TOKENS, extra=["--ignore-eos"])
+            check(got == want, "%s layout: %r, the text-only layout %r" % (layout, got, want))
+        print("  gemma3 multimodal (%s tensor names): %d prompts x %d ids equal the gemma3_text layout" %
+              (layout, len(PROMPTS), N_TOKENS), flush=True)
+    check_model(multimodal("gemma3-mm-grid", text, "new"), [(1, 1), (2, 1)])
+
+    def extra(hdr, raw):
+        hdr["language_model.model.layers.0.mlp.extra_proj.weight"] = {"dtype": "F32", "shape": [4]}
+        raw["language_model.model.layers.0.mlp.extra_proj.weight"] = np.zeros(4, np.float32).tobytes()
+    run_fails(variant("gemma3-mm-extra", multimodal("gemma3-mm-x", text, "old"), tensors=extra),
+              "model.layers.0.mlp.extra_proj.weight", "not used")
+    run_fails(variant("gemma3-mm-notext", multimodal("gemma3-mm-y", text, "old"),
+                      config=lambda c: c.pop("text_config")), "model_type gemma3 needs a text_config")
+
+
 def test_gemma2_grids():
     # each TP rank caps its slice of the vocabulary; each stage holds a sliding and a global layer
     check_model(gemma2(), GRIDS)
@@ -297,5 +356,5 @@ def test_cluster_keeps_serving_on_nan():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_partial_rotary,
-               test_gemma2_grids,
+               test_gemma3_multimodal, test_gemma2_grids,
                test_gemma2_reference_grids, test_quantized_kl])

@@ -432,6 +432,33 @@ static void test_families_and_refused_keys(void) {
     CHECK(parse("{\"model_type\":\"phi3\"," BASE ",\"partial_rotary_factor\":1.5}", &c, &err) == LOOM_ERR_FORMAT &&
           strstr(err.msg, "(0, 1]"));
 
+    /* Gemma 3 multimodal (gemma-3-4b-it's config.json, vision_config cut): the text model from a sparse
+     * text_config over Gemma3TextConfig's defaults, eos from the top */
+    CHECKF(parse("{\"architectures\":[\"Gemma3ForConditionalGeneration\"],\"boi_token_index\":255999,"
+                 "\"eoi_token_index\":256000,\"eos_token_id\":[1,106],\"image_token_index\":262144,"
+                 "\"initializer_range\":0.02,\"mm_tokens_per_image\":256,\"model_type\":\"gemma3\","
+                 "\"text_config\":{\"hidden_size\":2560,\"intermediate_size\":10240,\"model_type\":\"gemma3_text\","
+                 "\"num_hidden_layers\":34,\"rope_scaling\":{\"factor\":8.0,\"rope_type\":\"linear\"},"
+                 "\"sliding_window\":1024},\"torch_dtype\":\"bfloat16\",\"vision_config\":{\"hidden_size\":1152,"
+                 "\"model_type\":\"siglip_vision_model\",\"patch_size\":14}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.multimodal && c.gemma && c.qk_norm && !strcmp(c.model_type, "gemma3_text"));
+    CHECK(c.dim == 2560 && c.hidden_dim == 10240 && c.n_layers == 34 && c.n_heads == 8 && c.n_kv_heads == 4);
+    CHECK(c.head_dim == 256 && c.vocab_size == 262208 && c.max_seq_len == 131072 && c.tie_embeddings);
+    CHECK(c.rope_theta == 1000000.0f && c.rope_local_theta == 10000.0f && c.rope_scaling == LOOM_ROPE_LINEAR &&
+          c.rope_factor == 8.0f);
+    CHECK(c.sliding_window == 1024 && c.sliding_pattern == 6 && c.norm_eps == 1e-6f && c.bos_id == 2);
+    CHECK(c.hidden_act == LOOM_HIDDEN_GELU_TANH && c.attn_softcap == 0 && c.final_softcap == 0);
+    CHECK(fabsf(c.query_scale - 1.0f / 16.0f) < 1e-7f && c.torch_dtype == LOOM_DT_BF16);
+    CHECK(c.n_eos == 2 && c.eos_ids[0] == 1 && c.eos_ids[1] == 106);
+    CHECK(parse("{\"model_type\":\"gemma3\",\"vision_config\":{}}", &c, &err) == LOOM_ERR_FORMAT &&
+          strstr(err.msg, "needs a text_config"));
+    CHECK(parse("{\"model_type\":\"gemma3\",\"text_config\":{\"model_type\":\"llama\"}}", &c, &err) ==
+              LOOM_ERR_UNSUPPORTED &&
+          strstr(err.msg, "text_config.model_type must be gemma3_text"));
+    CHECK(parse("{\"model_type\":\"gemma3_text\"," BASE "}", &c, &err) == LOOM_OK && !c.multimodal);
+
     /* Gemma 3 text: its defaults, and layer_types over sliding_window_pattern */
     CHECKF(parse("{\"model_type\":\"gemma3_text\"," BASE ",\"head_dim\":32,\"query_pre_attn_scalar\":24,"
                  "\"sliding_window\":512,\"final_logit_softcapping\":null,\"attn_logit_softcapping\":null}",

@@ -701,6 +701,35 @@ static void test_fuzz(void) {
     free(img);
 }
 
+/* ---- renaming a layout's prefix --------------------------------------------------------------- */
+
+static void test_rename_prefix(void) {
+    float data[4] = {1, 2, 3, 4};
+    const char *header = "{\"language_model.model.a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                         "\"language_model.model.b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]},"
+                         "\"vision.c\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]},"
+                         "\"model.b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[12,16]}}";
+    char path[512];
+    tmp_path(path, sizeof path, "rename.safetensors");
+    write_st(path, header, data, sizeof data);
+    loom_st_t *st = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_st_open_file(path, &st, &err) == LOOM_OK);
+    int n = -1;
+    /* language_model.model.b would become model.b, which is taken: refused, naming both, and nothing renamed */
+    CHECK(loom_st_rename_prefix(st, "language_model.model.", "model.", &n, &err) == LOOM_ERR_FORMAT);
+    CHECKF(strstr(err.msg, "'language_model.model.b'") && strstr(err.msg, "'model.b'"), "%s", err.msg);
+    CHECK(loom_st_find(st, "language_model.model.a") && !loom_st_find(st, "model.a"));
+    CHECK(loom_st_rename_prefix(st, "nothing.", "x.", &n, &err) == LOOM_OK && n == 0);
+    CHECK(loom_st_rename_prefix(st, "vision.", "v.", &n, &err) == LOOM_OK && n == 1);
+    const loom_st_tensor_t *t = loom_st_find(st, "v.c");
+    float x = 0;
+    REQUIRE(t && !loom_st_find(st, "vision.c"));
+    CHECK(loom_st_read_f32(st, t, 0, 1, 0, 1, &x, &err) == LOOM_OK && x == 3.0f);
+    CHECK(loom_st_find(st, "model.b") && loom_st_count(st) == 4);
+    loom_st_close(&st);
+}
+
 int main(void) {
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_st_XXXXXX");
     if (!mkdtemp(g_tmp)) {
@@ -717,6 +746,7 @@ int main(void) {
     RUN(test_sharded);
     RUN(test_open_dir_choice);
     RUN(test_fuzz);
+    RUN(test_rename_prefix);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return test_summary();
 }
