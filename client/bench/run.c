@@ -86,12 +86,15 @@ static void turn_ended(pending_t *h, bench_rec_t *recs, int n, int i) {
     pending_push(h, i + 1);
 }
 
+/* a, b, c in a row, a space between two where neither side has one */
 static char *join_text(const char *a, const char *b, const char *c) {
     loom_sbuf_t s = {0};
     const char *part[3] = {a, b, c};
     for (int k = 0; k < 3; k++) {
         if (!part[k] || !part[k][0]) continue;
-        if (s.len) loom_sbuf_add(&s, " ", 1);
+        if (s.len && s.p[s.len - 1] != ' ' && s.p[s.len - 1] != '\n' && part[k][0] != ' ' &&
+            part[k][0] != '\n')
+            loom_sbuf_add(&s, " ", 1);
         loom_sbuf_str(&s, part[k]);
     }
     if (!s.p) loom_sbuf_add(&s, "", 0);
