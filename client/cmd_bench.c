@@ -121,7 +121,7 @@ static int loom_bench_main(int argc, char **argv) {
     int num_requests = 100, prompt_len = 128, output_len = 128, vocab = 0, max_conc = 0, timeout_s = 300;
     int sharegpt_out = 0, pre_len = 256, suf_len = 256, n_prefixes = 10, pre_out = 128, save_detailed = 0;
     int no_ignore_eos = 0, save_result = 0, range_seen = 0;
-    int mt_sessions = 50, mt_turns = 5, mt_sys_len = 128, mt_n_sys = 1, mt_user = 32, mt_out = 32, mt_seen = 0;
+    int mt_sessions = 50, mt_turns = 5, mt_sys_len = 128, mt_n_sys = 1, mt_user = 32, mt_out = 32, mt_seen = 0, n_seen = 0;
     float mt_think = 0.5f;
     float prompt_range = 0, output_range = 0, temperature = 0, range_ratio = 0, burstiness = 1;
     uint64_t seed = 0;
@@ -141,8 +141,8 @@ static int loom_bench_main(int argc, char **argv) {
         {"request-rate", LOOM_OPT_STR, &rate_s, "R", "the same as --rate", 1, 0, NULL},
         {"rates", LOOM_OPT_STR, &rates_s, "LIST", "a sweep, e.g. \"1,2,4,8,inf\" (one run per rate)", 1, 0, NULL},
         {"burstiness", LOOM_OPT_FLOAT, &burstiness, "F", "gaps between arrivals are gamma-distributed with this shape: 1 Poisson (default), < 1 burstier, > 1 more even", 0.001, 1000, NULL},
-        {"num-requests", LOOM_OPT_INT, &num_requests, "N", "requests per rate (default 100)", 1, 1e6, NULL},
-        {"num-prompts", LOOM_OPT_INT, &num_requests, "N", "the same as --num-requests", 1, 1e6, NULL},
+        {"num-requests", LOOM_OPT_INT, &num_requests, "N", "requests per rate (default 100)", 1, 1e6, &n_seen},
+        {"num-prompts", LOOM_OPT_INT, &num_requests, "N", "the same as --num-requests", 1, 1e6, &n_seen},
         {"max-concurrency", LOOM_OPT_INT, &max_conc, "C", "most requests in flight, 0 = no limit (default 0)", 0, 1e6, NULL},
         {"seed", LOOM_OPT_U64, &seed, "S", "seed for lengths, prompts and arrivals (default 0)", 1, 0, NULL},
         {"prompt-len", LOOM_OPT_INT, &prompt_len, "N", "random: mean prompt length in tokens (default 128)", 1, 1e7, NULL},
@@ -297,6 +297,11 @@ static int loom_bench_main(int argc, char **argv) {
         if ((long long)mt_sessions * mt_turns > 1000000) {
             fprintf(stderr, "error: --multiturn-sessions x --multiturn-turns is %lld requests, over 1000000\n",
                     (long long)mt_sessions * mt_turns);
+            return EXIT_USAGE;
+        }
+        if (n_seen && num_requests != mt_sessions * mt_turns) {
+            fprintf(stderr, "error: with --dataset-name multiturn the requests are --multiturn-sessions x "
+                            "--multiturn-turns (%d x %d); leave out --num-requests\n", mt_sessions, mt_turns);
             return EXIT_USAGE;
         }
         num_requests = mt_sessions * mt_turns;

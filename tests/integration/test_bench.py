@@ -274,7 +274,8 @@ def test_sharegpt_and_bad_input():
                  (["--dataset-name", "multiturn", "--multiturn-turns", "0"], "--multiturn-turns expects"),
                  (["--dataset-name", "multiturn", "--multiturn-turns", "65"], "--multiturn-turns expects"),
                  (["--dataset-name", "multiturn", "--multiturn-think-s", "-1"], "--multiturn-think-s expects"),
-                 (["--dataset-name", "multiturn", "--multiturn-num-system", "0"], "--multiturn-num-system")]
+                 (["--dataset-name", "multiturn", "--multiturn-num-system", "0"], "--multiturn-num-system"),
+                 (["--dataset-name", "multiturn", "--multiturn-sessions", "3"], "leave out --num-requests")]
         for extra, want in cases:
             p = bench("--base-url", s.url, "--vocab", "100", "--num-prompts", "1", *extra)
             check(p.returncode == 2 and want in p.stderr, "%s: rc %d, stderr %r" % (extra, p.returncode, p.stderr))
