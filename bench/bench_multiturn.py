@@ -26,7 +26,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(os.environ.get("LOOM_MODELS_DIR", os.path.join(ROOT, "..", "shared", "models")), "stories260K")
-POLICIES = ["prefix", "round-robin", "least-loaded"]
+POLICIES = ["prefix", "round-robin", "least-loaded"]  # --policies adds e.g. session
 
 
 def free_port(pair=False):
@@ -161,21 +161,25 @@ def one_run(args, work, policy, kill_at=None):
         path = os.path.join(work, tag + ".json")
         with open(os.path.join(work, tag + ".txt"), "w") as out:
             p = subprocess.Popen(bench_cmd(args, router.addr, path), stdout=out, stderr=subprocess.STDOUT)
-            victim, inflight_at_kill = None, 0
-            if kill_at is not None:  # the replica with the most requests in flight, once one has some
-                time.sleep(kill_at)
-                t_end = time.time() + 3
-                while True:
-                    m = router.metrics()
-                    busy = [(m.get('loom_router_replica_inflight{replica="%s",state="up"}' % r.addr, 0), r)
-                            for r in reps]
-                    n, victim = max(busy, key=lambda x: x[0])
-                    if n > 0 or time.time() > t_end:
-                        break
-                    time.sleep(0.02)
-                victim.kill9()
-                inflight_at_kill = n
-            rc = p.wait(timeout=180)
+            try:
+                victim, inflight_at_kill = None, 0
+                if kill_at is not None:  # the replica with the most requests in flight, once one has some
+                    time.sleep(kill_at)
+                    t_end = time.time() + 3
+                    while True:
+                        m = router.metrics()
+                        busy = [(m.get('loom_router_replica_inflight{replica="%s",state="up"}' % r.addr, 0), r)
+                                for r in reps]
+                        inflight_at_kill, victim = max(busy, key=lambda x: x[0])
+                        if inflight_at_kill > 0 or time.time() > t_end:
+                            break
+                        time.sleep(0.02)
+                    victim.kill9()
+                rc = p.wait(timeout=180)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         with open(path) as f:
             res = json.load(f)
         res["rc"] = rc
@@ -197,13 +201,18 @@ def main():
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--rate", type=float, default=10, help="sessions/s (Poisson)")
     ap.add_argument("--think", type=float, default=0.2, help="mean think time between turns, s")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, the first three compared "
+                    "per turn (default %(default)s)")
     ap.add_argument("--out", help="keep the JSON results and logs here")
     args = ap.parse_args()
     work = args.out or tempfile.mkdtemp(prefix="loom-bench-mt-")
     os.makedirs(work, exist_ok=True)
     t0 = time.time()
+    policies = [p for p in args.policies.split(",") if p]
+    if "round-robin" not in policies:
+        ap.error("--policies must include round-robin (the baseline)")
     rows = {}
-    for policy in POLICIES:
+    for policy in policies:
         rows[policy] = one_run(args, work, policy)
     # about 40% into the load: every session has started and most are mid-chat
     span = args.sessions / args.rate + args.turns * args.think
@@ -219,10 +228,10 @@ def main():
         print("| %s | %.1f%% | %.2f | %.2f | %.0f | %.2f | %d | %.2fx |" % (
             name, 100 * r.get("prefix_cache_hit_rate", 0), r["p50_ttft_ms"], r["p99_ttft_ms"],
             r["output_throughput"], r["request_throughput"], r["failed"], r["p50_ttft_ms"] / base["p50_ttft_ms"]))
-    print("\nper turn, prefix-cache hit rate (prefix / round-robin / least-loaded):")
+    print("\nper turn, prefix-cache hit rate (%s):" % " / ".join(policies))
     for k in range(args.turns):
         print("  turn %d: %s" % (k + 1, " / ".join("%.1f%%" % (100 * (rows[p]["turns"][k]["prefix_cache_hit_rate"]
-                                                                       or 0)) for p in POLICIES)))
+                                                                       or 0)) for p in policies)))
     kill = rows["prefix, kill -9 one replica"]
     print("\nkill -9 of %s (%d request(s) in flight on it by the router's /metrics): %d completed, %d failed, "
           "%d failover(s)" % (kill["victim"], kill["inflight_at_kill"], kill["completed"], kill["failed"],
