@@ -44,8 +44,8 @@ typedef struct bench_event {
     loom_status_t status;
     char message[300];
     int prompt_tokens, completion_tokens; /* 0: the server did not say */
-    int cached_tokens;                    /* prompt tokens found in the prefix cache (-1: not said) */
-    loom_timings_t timings;               /* the server's, in the final event (has_timings) */
+    int cached_tokens;      /* prompt tokens found in the prefix cache (-1: not said) */
+    loom_timings_t timings; /* the server's, in the final event (has_timings) */
     int has_timings;
 } bench_event_t;
 
@@ -113,7 +113,7 @@ typedef struct bench_item {
     int32_t *ids; /* NULL for text-only items (sharegpt) */
     int n_ids;
     char *text;     /* NULL: ids only */
-    int prompt_len; /* tokens (an estimate for text: about 4 bytes a token); a later turn: its own */
+    int prompt_len; /* tokens (about 4 bytes a token for text); a later turn: its new ones */
     int output_len;
     int session, turn; /* multiturn: which chat, and which of its turns (0 for other datasets) */
     double think_s;    /* a later turn: seconds between the previous turn's end and this one */
@@ -157,7 +157,7 @@ typedef struct bench_run_cfg {
     int num_requests, max_concurrency, ignore_eos;
     float temperature;
     uint64_t seed;
-    double deadline; /* loom_now_s() at which everything stops */
+    double deadline;  /* loom_now_s() at which everything stops */
     int text_prompts; /* send text even where the transport takes ids (a chat's answers are text) */
     int chat;         /* multiturn: every request carries its session's key (bench-SEED-SESSION) */
 } bench_run_cfg_t;
@@ -209,8 +209,8 @@ typedef struct bench_result {
     double duration_s, req_per_s, goodput_per_s, out_tok_per_s, total_tok_per_s,
         max_output_tokens_per_s;
     long long in_tokens, out_tokens;
-    long long cached_tokens; /* prompt tokens the servers' prefix caches held */
-    int n_cached_said;       /* completed requests whose server said how many */
+    long long cached_tokens;             /* prompt tokens the servers' prefix caches held */
+    int n_cached_said;                   /* completed requests whose server said how many */
     bench_stat_t ttft, tpot, itl, e2e;   /* milliseconds */
     bench_stat_t stages[BENCH_ST_COUNT]; /* server timings, ms (n = 0: the server sent none) */
     char errors[BENCH_MAX_ERROR_KINDS][300];
@@ -219,9 +219,9 @@ typedef struct bench_result {
     int n_turns;
     struct bench_turn_stat {
         int completed, failed;
-        double prompt_mean;         /* tokens sent */
-        double cached_frac;         /* cached / prompt tokens (NAN: not said) */
-        double ttft_p50, ttft_p99;  /* ms */
+        double prompt_mean;        /* tokens sent */
+        double cached_frac;        /* cached / prompt tokens (NAN: not said) */
+        double ttft_p50, ttft_p99; /* ms */
     } turns[BENCH_MAX_TURNS];
 } bench_result_t;
 

@@ -64,7 +64,8 @@ void bench_print_result(const bench_result_t *r, const bench_report_cfg_t *cfg) 
     printf("%-28s %lld\n", "output tokens", r->out_tokens);
     if (r->n_cached_said > 0)
         printf("%-28s %lld (prefix-cache hit rate %.1f%%)\n", "cached prompt tokens",
-               r->cached_tokens, r->in_tokens ? 100.0 * (double)r->cached_tokens / (double)r->in_tokens : 0.0);
+               r->cached_tokens,
+               r->in_tokens ? 100.0 * (double)r->cached_tokens / (double)r->in_tokens : 0.0);
     printf("%-8s %10s %10s %10s %10s %10s", "", "mean", "median", "std", "p90", "p99");
     for (int k = 0; k < cfg->n_pcts; k++) {
         if (shown(cfg->pcts[k])) continue;
@@ -263,9 +264,10 @@ static void json_result(FILE *f, const bench_result_t *r, const bench_report_cfg
                 if (i) fputs(", ", f);
                 switch (l) {
                 case 0:
-                    fprintf(f, "%d", q->prompt_tokens > 0 ? q->prompt_tokens
-                                     : q->sent_ids                ? q->n_sent
-                                                                  : q->item->prompt_len);
+                    fprintf(f, "%d",
+                            q->prompt_tokens > 0 ? q->prompt_tokens
+                            : q->sent_ids        ? q->n_sent
+                                                 : q->item->prompt_len);
                     break;
                 case 1:
                     fprintf(f, "%d",

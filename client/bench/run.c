@@ -108,8 +108,8 @@ int bench_turn_prompt(bench_rec_t *q, int text) {
     if (prev->state != 2 || prev->status != LOOM_OK) return -1;
     if (text) {
         free(q->sent_text);
-        q->sent_text = join_text(prev->sent_text ? prev->sent_text : prev->item->text, prev->text,
-                                 it->text);
+        q->sent_text =
+            join_text(prev->sent_text ? prev->sent_text : prev->item->text, prev->text, it->text);
         return 0;
     }
     if (prev->tokens_seen > 0 && prev->n_ids != prev->tokens_seen) return -1; /* ids unknown */
@@ -197,8 +197,9 @@ loom_status_t bench_run(const bench_transport_t *t, const bench_run_cfg_t *cfg, 
             if (it->turn > 0 && bench_turn_prompt(q, text) < 0) {
                 int failed = q[-1].status != LOOM_OK;
                 finish_rec(q, q->t_send, failed ? q[-1].status : LOOM_ERR_INVALID_ARGUMENT,
-                           failed ? "not sent: the chat's previous turn failed"
-                                  : "not sent: the previous answer came back without its token ids");
+                           failed
+                               ? "not sent: the chat's previous turn failed"
+                               : "not sent: the previous answer came back without its token ids");
                 done++;
                 turn_ended(&due, recs, n, i);
                 continue;
