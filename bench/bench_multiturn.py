@@ -180,6 +180,9 @@ def one_run(args, work, policy, kill_at=None):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+        if not os.path.exists(path):
+            with open(os.path.join(work, tag + ".txt")) as f:
+                raise RuntimeError("loom bench (%s) wrote no result, rc %d:\n%s" % (tag, rc, f.read()[-2000:]))
         with open(path) as f:
             res = json.load(f)
         res["rc"] = rc
