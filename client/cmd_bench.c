@@ -1,6 +1,7 @@
 /* `loom bench`: the serving load generator, a peer of `vllm bench serve`.
- * It sends a dataset's requests (random token ids, a ShareGPT file, or
- * repeated prefixes) at a rate with Poisson or gamma-distributed gaps, up
+ * It sends a dataset's requests (random token ids, a ShareGPT file,
+ * repeated prefixes, or multi-turn chats whose every turn resends the
+ * conversation so far) at a rate with Poisson or gamma-distributed gaps, up
  * to a concurrency, over the loom.v1 ZeroMQ API or to any OpenAI-compatible
  * server (/v1/completions or /v1/chat/completions), and reports TTFT, TPOT,
  * ITL and end-to-end latency, throughput and goodput for one rate or a
@@ -120,6 +121,8 @@ static int loom_bench_main(int argc, char **argv) {
     int num_requests = 100, prompt_len = 128, output_len = 128, vocab = 0, max_conc = 0, timeout_s = 300;
     int sharegpt_out = 0, pre_len = 256, suf_len = 256, n_prefixes = 10, pre_out = 128, save_detailed = 0;
     int no_ignore_eos = 0, save_result = 0, range_seen = 0;
+    int mt_sessions = 50, mt_turns = 5, mt_sys_len = 128, mt_n_sys = 1, mt_user = 32, mt_out = 32, mt_seen = 0, n_seen = 0;
+    float mt_think = 0.5f;
     float prompt_range = 0, output_range = 0, temperature = 0, range_ratio = 0, burstiness = 1;
     uint64_t seed = 0;
     loom_opt_t opts[] = {
@@ -131,15 +134,15 @@ static int loom_bench_main(int argc, char **argv) {
         {"endpoint", LOOM_OPT_STR, &endpoint, "PATH", "the path under --base-url (default /v1/completions, or /v1/chat/completions)", 1, 0, NULL},
         {"api", LOOM_OPT_STR, &api, "zmq|http", "zmq: --backend loom; http: --backend openai", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model_name, "NAME", "the model name to send (default: the first of GET /v1/models)", 1, 0, NULL},
-        {"dataset-name", LOOM_OPT_STR, &dataset, "NAME", "random (default), sharegpt (needs --dataset-path) or prefix_repetition", 1, 0, NULL},
+        {"dataset-name", LOOM_OPT_STR, &dataset, "NAME", "random (default), sharegpt (needs --dataset-path), prefix_repetition or multiturn", 1, 0, NULL},
         {"dataset-path", LOOM_OPT_STR, &dataset_path, "FILE", "a ShareGPT-format JSON file: a list of {\"conversations\": [{\"value\": PROMPT}, {\"value\": REPLY}]}", 1, 0, NULL},
         {"sharegpt-output-len", LOOM_OPT_INT, &sharegpt_out, "N", "output tokens of every ShareGPT request (default: the reply's length)", 1, 1e7, NULL},
         {"rate", LOOM_OPT_STR, &rate_s, "R", "requests/s (Poisson or gamma arrivals), or inf: all at once (default inf)", 1, 0, NULL},
         {"request-rate", LOOM_OPT_STR, &rate_s, "R", "the same as --rate", 1, 0, NULL},
         {"rates", LOOM_OPT_STR, &rates_s, "LIST", "a sweep, e.g. \"1,2,4,8,inf\" (one run per rate)", 1, 0, NULL},
         {"burstiness", LOOM_OPT_FLOAT, &burstiness, "F", "gaps between arrivals are gamma-distributed with this shape: 1 Poisson (default), < 1 burstier, > 1 more even", 0.001, 1000, NULL},
-        {"num-requests", LOOM_OPT_INT, &num_requests, "N", "requests per rate (default 100)", 1, 1e6, NULL},
-        {"num-prompts", LOOM_OPT_INT, &num_requests, "N", "the same as --num-requests", 1, 1e6, NULL},
+        {"num-requests", LOOM_OPT_INT, &num_requests, "N", "requests per rate (default 100)", 1, 1e6, &n_seen},
+        {"num-prompts", LOOM_OPT_INT, &num_requests, "N", "the same as --num-requests", 1, 1e6, &n_seen},
         {"max-concurrency", LOOM_OPT_INT, &max_conc, "C", "most requests in flight, 0 = no limit (default 0)", 0, 1e6, NULL},
         {"seed", LOOM_OPT_U64, &seed, "S", "seed for lengths, prompts and arrivals (default 0)", 1, 0, NULL},
         {"prompt-len", LOOM_OPT_INT, &prompt_len, "N", "random: mean prompt length in tokens (default 128)", 1, 1e7, NULL},
@@ -153,6 +156,13 @@ static int loom_bench_main(int argc, char **argv) {
         {"prefix-repetition-suffix-len", LOOM_OPT_INT, &suf_len, "N", "prefix_repetition: random tokens after the prefix (default 256)", 0, 1e7, NULL},
         {"prefix-repetition-num-prefixes", LOOM_OPT_INT, &n_prefixes, "N", "prefix_repetition: distinct prefixes (default 10)", 1, 1e6, NULL},
         {"prefix-repetition-output-len", LOOM_OPT_INT, &pre_out, "N", "prefix_repetition: output tokens (default 128)", 1, 1e7, NULL},
+        {"multiturn-sessions", LOOM_OPT_INT, &mt_sessions, "N", "multiturn: chat sessions; they start at --request-rate sessions/s (default 50)", 1, 1e5, &mt_seen},
+        {"multiturn-turns", LOOM_OPT_INT, &mt_turns, "T", "multiturn: turns per session, each sent only after the previous one ended; --num-requests is sessions x turns (default 5, at most 64)", 1, BENCH_MAX_TURNS, &mt_seen},
+        {"multiturn-system-len", LOOM_OPT_INT, &mt_sys_len, "N", "multiturn: tokens of the system prompt each session starts with (default 128)", 0, 1e7, &mt_seen},
+        {"multiturn-num-system", LOOM_OPT_INT, &mt_n_sys, "K", "multiturn: distinct system prompts the sessions share (default 1)", 1, 1e5, &mt_seen},
+        {"multiturn-user-len", LOOM_OPT_INT, &mt_user, "N", "multiturn: new user tokens per turn (default 32)", 1, 1e7, &mt_seen},
+        {"multiturn-output-len", LOOM_OPT_INT, &mt_out, "N", "multiturn: output tokens per turn; the next turn's prompt holds them (default 32)", 1, 1e7, &mt_seen},
+        {"multiturn-think-s", LOOM_OPT_FLOAT, &mt_think, "S", "multiturn: mean seconds (exponential) between a turn's end and the session's next turn (default 0.5)", 0, 3600, &mt_seen},
         {"vocab", LOOM_OPT_INT, &vocab, "V", "random prompt ids are drawn from [3, V) (default: the model's vocabulary)", 4, 1e8, NULL},
         {"temperature", LOOM_OPT_FLOAT, &temperature, "T", "sampling temperature (default 0: greedy)", 0, 100, NULL},
         {"no-ignore-eos", LOOM_OPT_FLAG, &no_ignore_eos, NULL, "let the model stop at EOS (by default ignore_eos is sent, so output lengths are exact)", 0, 0, NULL},
@@ -176,6 +186,11 @@ static int loom_bench_main(int argc, char **argv) {
                            "like vLLM's `vllm bench serve`: a dataset's prompts arrive at a Poisson or gamma rate, up\n"
                            "to a concurrency; reports TTFT, TPOT, ITL and end-to-end latency, throughput and goodput\n"
                            "per rate, and on a Loom server where the time went (tokenize, queue, prefill, decode).\n"
+                           "--dataset-name multiturn runs chats: sessions arrive at --request-rate, each turn's prompt\n"
+                           "is the whole conversation so far (system prompt, earlier prompts, the answers received)\n"
+                           "plus new user tokens, sent after the previous turn ended; requests carry the session as\n"
+                           "their key (loom.v1 session, the OpenAI user field), and the report adds per-turn counts\n"
+                           "and the prefix-cache hit rate the server reports.\n"
                            "Exit codes: 0 all requests succeeded, 1 some failed, 2 usage, 4 server unavailable.");
     if (r) return r < 0 ? EXIT_USAGE : 0;
     if (range_seen) prompt_range = output_range = range_ratio;
@@ -266,9 +281,31 @@ static int loom_bench_main(int argc, char **argv) {
     else if (!strcmp(dataset, "sharegpt")) kind = BENCH_DS_SHAREGPT;
     else if (!strcmp(dataset, "prefix_repetition") || !strcmp(dataset, "prefix-repetition"))
         kind = BENCH_DS_PREFIX_REPETITION;
+    else if (!strcmp(dataset, "multiturn") || !strcmp(dataset, "multi-turn"))
+        kind = BENCH_DS_MULTITURN;
     else {
-        fprintf(stderr, "error: --dataset-name must be random, sharegpt or prefix_repetition, got '%s'\n", dataset);
+        fprintf(stderr, "error: --dataset-name must be random, sharegpt, prefix_repetition or multiturn, got '%s'\n",
+                dataset);
         return EXIT_USAGE;
+    }
+    if (mt_seen && kind != BENCH_DS_MULTITURN) {
+        fprintf(stderr, "error: the --multiturn-* options are for --dataset-name multiturn\n");
+        return EXIT_USAGE;
+    }
+    int n_arrivals = num_requests; /* the requests, or the chats' first turns */
+    if (kind == BENCH_DS_MULTITURN) {
+        if ((long long)mt_sessions * mt_turns > 1000000) {
+            fprintf(stderr, "error: --multiturn-sessions x --multiturn-turns is %lld requests, over 1000000\n",
+                    (long long)mt_sessions * mt_turns);
+            return EXIT_USAGE;
+        }
+        if (n_seen && num_requests != mt_sessions * mt_turns) {
+            fprintf(stderr, "error: with --dataset-name multiturn the requests are --multiturn-sessions x "
+                            "--multiturn-turns (%d x %d); leave out --num-requests\n", mt_sessions, mt_turns);
+            return EXIT_USAGE;
+        }
+        num_requests = mt_sessions * mt_turns;
+        n_arrivals = mt_sessions;
     }
     if (kind == BENCH_DS_SHAREGPT && !dataset_path) {
         fprintf(stderr, "error: --dataset-name sharegpt needs --dataset-path FILE\n");
@@ -299,20 +336,32 @@ static int loom_bench_main(int argc, char **argv) {
     if (model_name) snprintf(model.id, sizeof model.id, "%s", model_name);
     if (!vocab) vocab = model.vocab_size;
     if (!vocab && chat) vocab = 67; /* text prompts only use the id to pick a word */
-    int longest = kind == BENCH_DS_PREFIX_REPETITION ? pre_len + suf_len + pre_out
+    long long mt_longest = (long long)mt_sys_len + (long long)mt_turns * (mt_user + mt_out);
+    int longest = kind == BENCH_DS_MULTITURN          ? (int)LOOM_MIN(mt_longest, INT32_MAX)
+                  : kind == BENCH_DS_PREFIX_REPETITION ? pre_len + suf_len + pre_out
                                                      : (int)ceil(prompt_len * (1.0 + prompt_range) - 1e-6) +
                                                            (int)ceil(output_len * (1.0 + output_range) - 1e-6);
     if (kind != BENCH_DS_SHAREGPT && model.context_length > 0 && longest > model.context_length) {
-        fprintf(stderr, "error: prompts and outputs reach %d tokens, over the context length %d of %s\n", longest,
-                model.context_length, model.id);
+        fprintf(stderr, "error: prompts and outputs reach %d tokens, over the context length %d of %s%s\n", longest,
+                model.context_length, model.id,
+                kind == BENCH_DS_MULTITURN ? " (the last turn holds the system prompt and every turn's user and "
+                                             "output tokens: shorten them or use fewer --multiturn-turns)"
+                                           : "");
         return EXIT_USAGE;
     }
     bench_ds_cfg_t dcfg = {.kind = kind, .num_requests = num_requests, .vocab = vocab, .seed = seed,
                            .want_text = chat, .input_len = prompt_len, .output_len = output_len,
                            .input_range = prompt_range, .output_range = output_range, .path = dataset_path,
                            .sharegpt_output_len = sharegpt_out, .prefix_len = pre_len, .suffix_len = suf_len,
-                           .num_prefixes = n_prefixes};
+                           .num_prefixes = n_prefixes, .sessions = mt_sessions, .turns = mt_turns,
+                           .system_len = mt_sys_len, .num_system = mt_n_sys, .user_len = mt_user,
+                           .think_s = mt_think};
     if (kind == BENCH_DS_PREFIX_REPETITION) dcfg.output_len = pre_out;
+    /* a chat resends its answers: over HTTP they come back as text, so its prompts are text */
+    if (kind == BENCH_DS_MULTITURN) {
+        dcfg.output_len = mt_out;
+        dcfg.want_text = chat || http;
+    }
     bench_item_t *items = NULL;
     char msg[512];
     if (bench_dataset_load(&dcfg, &items, msg, sizeof msg) < 0) {
@@ -334,13 +383,20 @@ static int loom_bench_main(int argc, char **argv) {
         lo = LOOM_MIN(lo, items[i].prompt_len), hi = LOOM_MAX(hi, items[i].prompt_len);
         olo = LOOM_MIN(olo, items[i].output_len), ohi = LOOM_MAX(ohi, items[i].output_len);
     }
-    printf("loom bench: %s at %s (%s), %s dataset, %d requests per rate, prompt %d..%d tokens, output %d..%d "
-           "tokens, vocab %d\n",
-           model.id, addr, t.name, dataset, num_requests, lo, hi, olo, ohi, vocab);
+    if (kind == BENCH_DS_MULTITURN)
+        printf("loom bench: %s at %s (%s), multiturn dataset, %d sessions x %d turns per rate (%d requests), "
+               "%d system prompt(s) of %d tokens, %d user and %d output tokens a turn, think %.2g s, vocab %d\n",
+               model.id, addr, t.name, mt_sessions, mt_turns, num_requests, mt_n_sys, mt_sys_len, mt_user, mt_out,
+               mt_think, vocab);
+    else
+        printf("loom bench: %s at %s (%s), %s dataset, %d requests per rate, prompt %d..%d tokens, output %d..%d "
+               "tokens, vocab %d\n",
+               model.id, addr, t.name, dataset, num_requests, lo, hi, olo, ohi, vocab);
     fflush(stdout);
 
     bench_run_cfg_t rcfg = {.num_requests = num_requests, .max_concurrency = max_conc, .ignore_eos = !no_ignore_eos,
-                            .temperature = temperature, .seed = seed, .deadline = loom_now_s() + timeout_s};
+                            .temperature = temperature, .seed = seed, .deadline = loom_now_s() + timeout_s,
+                            .text_prompts = kind == BENCH_DS_MULTITURN && http, .chat = kind == BENCH_DS_MULTITURN};
     bench_report_cfg_t rep = {.backend = t.name, .endpoint = http ? endpoint ? endpoint
                                                                              : chat ? "/v1/chat/completions"
                                                                                     : "/v1/completions"
@@ -353,7 +409,7 @@ static int loom_bench_main(int argc, char **argv) {
     bench_result_t *res = loom_xcalloc((size_t)n_rates, sizeof *res);
     bench_rec_t **kept = loom_xcalloc((size_t)n_rates, sizeof *kept);
     int *n_kept = loom_xcalloc((size_t)n_rates, sizeof *n_kept);
-    double *arrivals = loom_xmalloc((size_t)num_requests * sizeof *arrivals);
+    double *arrivals = loom_xmalloc((size_t)n_arrivals * sizeof *arrivals);
     int rc = 0, any_failed = 0;
     for (int i = 0; i < n_rates; i++) {
         res[i].rate = rates[i];
@@ -361,9 +417,13 @@ static int loom_bench_main(int argc, char **argv) {
             res[i].skipped = 1;
             continue;
         }
-        bench_arrivals(num_requests, rates[i], burstiness, seed, arrivals);
+        bench_arrivals(n_arrivals, rates[i], burstiness, seed, arrivals);
         bench_rec_t *recs = loom_xcalloc((size_t)num_requests, sizeof *recs);
-        for (int k = 0; k < num_requests; k++) recs[k] = (bench_rec_t){.item = &items[k], .t_arrival = arrivals[k]};
+        for (int k = 0; k < num_requests; k++) /* a chat's later turns are due when the turn before ends */
+            recs[k] = (bench_rec_t){.item = &items[k],
+                                    .t_arrival = kind == BENCH_DS_MULTITURN
+                                                     ? (items[k].turn == 0 ? arrivals[items[k].session] : 0)
+                                                     : arrivals[k]};
         double duration = 0;
         s = bench_run(&t, &rcfg, recs, num_requests, &res[i].peak_in_flight, &duration, &err);
         if (s == LOOM_OK) bench_compute(recs, num_requests, duration, pcts, n_pcts, &slo, &res[i]);

@@ -15,6 +15,7 @@
 
 #define BENCH_MAX_PCT         8
 #define BENCH_MAX_ERROR_KINDS 4
+#define BENCH_MAX_TURNS       64 /* multiturn: turns a session may have */
 
 /* ---- transports ---- */
 
@@ -28,6 +29,7 @@ typedef struct bench_req {
     float temperature;
     uint64_t seed;
     int ignore_eos;
+    const char *session; /* the conversation's key, for a router's session affinity (NULL: none) */
 } bench_req_t;
 
 /* Something that arrived for one request: tokens (n_tokens > 0, their text)
@@ -36,12 +38,14 @@ typedef struct bench_req {
 typedef struct bench_event {
     uint64_t handle;
     int n_tokens, final;
+    const int32_t *ids; /* the n_tokens ids, when the transport has them (NULL: text only) */
     const char *text;
     size_t text_len;
     loom_status_t status;
     char message[300];
     int prompt_tokens, completion_tokens; /* 0: the server did not say */
-    loom_timings_t timings;               /* the server's, in the final event (has_timings) */
+    int cached_tokens;      /* prompt tokens found in the prefix cache (-1: not said) */
+    loom_timings_t timings; /* the server's, in the final event (has_timings) */
     int has_timings;
 } bench_event_t;
 
@@ -72,7 +76,12 @@ loom_status_t bench_http_open(const char *base_url, const char *endpoint, int ch
 
 /* ---- datasets ---- */
 
-typedef enum { BENCH_DS_RANDOM, BENCH_DS_SHAREGPT, BENCH_DS_PREFIX_REPETITION } bench_ds_kind_t;
+typedef enum {
+    BENCH_DS_RANDOM,
+    BENCH_DS_SHAREGPT,
+    BENCH_DS_PREFIX_REPETITION,
+    BENCH_DS_MULTITURN
+} bench_ds_kind_t;
 
 typedef struct bench_ds_cfg {
     bench_ds_kind_t kind;
@@ -87,17 +96,31 @@ typedef struct bench_ds_cfg {
     int sharegpt_output_len; /* 0: from the reply's length */
     /* prefix repetition: num_prefixes shared prefixes, each followed by a random suffix */
     int prefix_len, suffix_len, num_prefixes;
+    /* multiturn: sessions x turns chats; every session starts with one of
+     * num_system system prompts of system_len tokens, and each turn adds
+     * user_len new tokens and asks for output_len; a turn is sent think_s
+     * (mean, exponential) after the session's previous one ended */
+    int sessions, turns, system_len, num_system, user_len;
+    double think_s;
 } bench_ds_cfg_t;
 
+/* One request, or one turn of a chat. A chat's turns are consecutive
+ * items, turn 0 first: turn 0's ids are its whole prompt (the system prompt
+ * and the first user tokens); a later turn's ids are only its new user
+ * tokens, and the run sends the previous turn's prompt, the answer that
+ * came back for it, and these (bench_turn_prompt). */
 typedef struct bench_item {
     int32_t *ids; /* NULL for text-only items (sharegpt) */
     int n_ids;
     char *text;     /* NULL: ids only */
-    int prompt_len; /* tokens (an estimate for text: about 4 bytes a token) */
+    int prompt_len; /* tokens (about 4 bytes a token for text); a later turn: its new ones */
     int output_len;
+    int session, turn; /* multiturn: which chat, and which of its turns (0 for other datasets) */
+    double think_s;    /* a later turn: seconds between the previous turn's end and this one */
 } bench_item_t;
 
-/* Builds cfg->num_requests items; on bad input fills msg and returns -1. */
+/* Builds cfg->num_requests items (multiturn: sessions * turns, session-major);
+ * on bad input fills msg and returns -1. */
 int bench_dataset_load(const bench_ds_cfg_t *cfg, bench_item_t **items, char *msg, size_t msg_len);
 void bench_dataset_free(bench_item_t *items, int n);
 /* Arrival times: t[0] = 0, then gaps drawn from a gamma distribution of
@@ -114,6 +137,12 @@ typedef struct bench_rec {
     double *chunk_t; /* arrival of each chunk that carried tokens */
     int n_chunks, cap_chunks;
     int tokens_seen, prompt_tokens, completion_tokens;
+    int cached_tokens; /* -1: the server did not say */
+    int32_t *ids;      /* what came back, as ids (when the transport has them) */
+    int n_ids, cap_ids;
+    int32_t *sent_ids; /* a chat's later turn: the whole prompt sent (else NULL: the item's) */
+    int n_sent;
+    char *sent_text;
     char *text; /* what came back */
     size_t text_len, text_cap;
     loom_timings_t timings; /* the server's (has_timings) */
@@ -128,10 +157,21 @@ typedef struct bench_run_cfg {
     int num_requests, max_concurrency, ignore_eos;
     float temperature;
     uint64_t seed;
-    double deadline; /* loom_now_s() at which everything stops */
+    double deadline;  /* loom_now_s() at which everything stops */
+    int text_prompts; /* send text even where the transport takes ids (a chat's answers are text) */
+    int chat;         /* multiturn: every request carries its session's key (bench-SEED-SESSION) */
 } bench_run_cfg_t;
 
-/* Runs recs[0..n) (item and t_arrival set) through t; fills in what happened. */
+/* A chat's later turn q (q[-1] is its previous turn, done): the prompt is
+ * the previous turn's prompt, then its answer, then q's new tokens. Fills
+ * q->sent_ids (ids, when the previous answer's ids are known) or
+ * q->sent_text (text); returns -1 when the previous turn failed. */
+int bench_turn_prompt(bench_rec_t *q, int text);
+
+/* Runs recs[0..n) (item and t_arrival set) through t; fills in what
+ * happened. The first turns of chats and all other requests go at their
+ * t_arrival; a chat's later turn only once its previous turn has ended,
+ * think_s later (its t_arrival is set then). */
 loom_status_t bench_run(const bench_transport_t *t, const bench_run_cfg_t *cfg, bench_rec_t *recs,
                         int n, int *peak, double *duration, loom_err_t *err);
 void bench_recs_reset(bench_rec_t *recs, int n); /* frees what a run collected */
@@ -169,10 +209,20 @@ typedef struct bench_result {
     double duration_s, req_per_s, goodput_per_s, out_tok_per_s, total_tok_per_s,
         max_output_tokens_per_s;
     long long in_tokens, out_tokens;
+    long long cached_tokens;             /* prompt tokens the servers' prefix caches held */
+    int n_cached_said;                   /* completed requests whose server said how many */
     bench_stat_t ttft, tpot, itl, e2e;   /* milliseconds */
     bench_stat_t stages[BENCH_ST_COUNT]; /* server timings, ms (n = 0: the server sent none) */
     char errors[BENCH_MAX_ERROR_KINDS][300];
     int error_counts[BENCH_MAX_ERROR_KINDS], n_error_kinds;
+    /* multiturn: per turn (n_turns > 0) */
+    int n_turns;
+    struct bench_turn_stat {
+        int completed, failed;
+        double prompt_mean;        /* tokens sent */
+        double cached_frac;        /* cached / prompt tokens (NAN: not said) */
+        double ttft_p50, ttft_p99; /* ms */
+    } turns[BENCH_MAX_TURNS];
 } bench_result_t;
 
 /* pcts: n_pcts percentiles in (0, 100]. */

@@ -5,7 +5,10 @@
  *                      ShareGPT-format JSON file, the reply's length as the
  *                      output length (about 4 bytes a token) unless given;
  *   prefix_repetition  a few shared prefixes, each followed by a random
- *                      suffix: what a prefix cache is for.
+ *                      suffix: what a prefix cache is for;
+ *   multiturn          chats: sessions of several turns over a few shared
+ *                      system prompts, each turn's prompt the whole
+ *                      conversation so far (built by the run, bench.h).
  * The same seed gives the same prompts and arrivals at every rate. Text
  * prompts (a chat endpoint) render each id as a word of a fixed list, so a
  * prompt of N ids is about N tokens in any tokenizer. */
@@ -174,6 +177,44 @@ static int load_sharegpt(const bench_ds_cfg_t *cfg, rng_t *r, bench_item_t *item
     return 0;
 }
 
+static int load_multiturn(const bench_ds_cfg_t *cfg, rng_t *r, bench_item_t *items, char *msg,
+                          size_t msg_len) {
+    if (cfg->sessions < 1 || cfg->turns < 1 || cfg->turns > BENCH_MAX_TURNS ||
+        cfg->num_system < 1 || cfg->system_len < 0 || cfg->user_len < 1 || cfg->output_len < 1 ||
+        !(cfg->think_s >= 0) || cfg->num_requests != cfg->sessions * cfg->turns) {
+        snprintf(msg, msg_len,
+                 "multiturn needs sessions >= 1, 1 <= turns <= %d, system prompts >= 1, system "
+                 "length >= 0, user and output lengths >= 1, think time >= 0",
+                 BENCH_MAX_TURNS);
+        return -1;
+    }
+    int32_t **sys = loom_xcalloc((size_t)cfg->num_system, sizeof *sys);
+    for (int p = 0; p < cfg->num_system; p++)
+        sys[p] = random_ids(r, cfg->system_len, cfg->vocab);
+    for (int s = 0; s < cfg->sessions; s++) {
+        const int32_t *pre = sys[rng_range(r, 0, cfg->num_system - 1)];
+        for (int k = 0; k < cfg->turns; k++) {
+            bench_item_t *it = &items[s * cfg->turns + k];
+            int n_pre = k == 0 ? cfg->system_len : 0;
+            it->n_ids = n_pre + cfg->user_len;
+            it->ids = loom_xmalloc((size_t)it->n_ids * sizeof *it->ids);
+            if (n_pre) memcpy(it->ids, pre, (size_t)n_pre * sizeof *pre);
+            for (int j = n_pre; j < it->n_ids; j++)
+                it->ids[j] = (int32_t)rng_range(r, 3, cfg->vocab - 1);
+            it->prompt_len = it->n_ids;
+            it->output_len = cfg->output_len;
+            it->session = s;
+            it->turn = k;
+            it->think_s = k > 0 ? -cfg->think_s * log(1.0 - rng_uniform(r)) : 0;
+            if (cfg->want_text) it->text = ids_to_text(it->ids, it->n_ids);
+        }
+    }
+    for (int p = 0; p < cfg->num_system; p++)
+        free(sys[p]);
+    free(sys);
+    return 0;
+}
+
 int bench_dataset_load(const bench_ds_cfg_t *cfg, bench_item_t **items_out, char *msg,
                        size_t msg_len) {
     rng_t r = {cfg->seed};
@@ -185,6 +226,7 @@ int bench_dataset_load(const bench_ds_cfg_t *cfg, bench_item_t **items_out, char
                  "random prompts need a vocabulary size: the server reports none; give --vocab");
         return -1;
     }
+    if (cfg->kind == BENCH_DS_MULTITURN) return load_multiturn(cfg, &r, items, msg, msg_len);
     int32_t **prefixes = NULL;
     if (cfg->kind == BENCH_DS_PREFIX_REPETITION) {
         prefixes = loom_xcalloc((size_t)cfg->num_prefixes, sizeof *prefixes);

@@ -27,7 +27,7 @@ typedef struct hreq {
     loom_sbuf_t data; /* data lines of the current event */
     loom_sbuf_t err;  /* the body of a non-200 answer */
     long status;
-    int prompt_tokens, completion_tokens, has_timings, failed;
+    int prompt_tokens, completion_tokens, cached_tokens, has_timings, failed;
     loom_timings_t timings;
     char fail_msg[300];
 } hreq_t;
@@ -148,6 +148,8 @@ static void on_sse_data(hreq_t *r, const char *data, size_t len) {
     if (cJSON_IsObject(u)) {
         r->prompt_tokens = int_item(u, "prompt_tokens", r->prompt_tokens);
         r->completion_tokens = int_item(u, "completion_tokens", r->completion_tokens);
+        const cJSON *d = cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens_details");
+        if (cJSON_IsObject(d)) r->cached_tokens = int_item(d, "cached_tokens", r->cached_tokens);
     }
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(j, "timings");
     if (cJSON_IsObject(tm) && cJSON_GetObjectItemCaseSensitive(tm, "total_ms")) {
@@ -225,6 +227,7 @@ static void finish(http_tr_t *t, int i, loom_status_t st, const char *msg) {
                         .status = st,
                         .prompt_tokens = r->prompt_tokens,
                         .completion_tokens = r->completion_tokens,
+                        .cached_tokens = r->cached_tokens,
                         .timings = r->timings,
                         .has_timings = r->has_timings};
     snprintf(ev.message, sizeof ev.message, "%s", msg ? msg : "");
@@ -310,6 +313,7 @@ static loom_status_t http_submit(void *self, const bench_req_t *br, uint64_t *ha
     cJSON_AddNumberToObject(o, "temperature", br->temperature);
     cJSON_AddNumberToObject(o, "seed", (double)(br->seed & ((1ull << 53) - 1)));
     if (br->ignore_eos) cJSON_AddBoolToObject(o, "ignore_eos", 1);
+    if (br->session) cJSON_AddStringToObject(o, "user", br->session);
     cJSON_AddBoolToObject(o, "stream", 1);
     cJSON_AddBoolToObject(cJSON_AddObjectToObject(o, "stream_options"), "include_usage", 1);
     hreq_t *r = loom_xcalloc(1, sizeof *r);
@@ -318,6 +322,7 @@ static loom_status_t http_submit(void *self, const bench_req_t *br, uint64_t *ha
     cJSON_Delete(o);
     LOOM_ASSERT(r->body);
     r->handle = ++t->next_handle;
+    r->cached_tokens = -1;
     r->easy = new_easy(t, t->url);
     curl_easy_setopt(r->easy, CURLOPT_POSTFIELDS, r->body);
     curl_easy_setopt(r->easy, CURLOPT_WRITEFUNCTION, on_write);

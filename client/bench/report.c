@@ -62,6 +62,10 @@ void bench_print_result(const bench_result_t *r, const bench_report_cfg_t *cfg) 
     printf("%-28s %.1f tok/s\n", "total token throughput", r->total_tok_per_s);
     printf("%-28s %lld\n", "input tokens", r->in_tokens);
     printf("%-28s %lld\n", "output tokens", r->out_tokens);
+    if (r->n_cached_said > 0)
+        printf("%-28s %lld (prefix-cache hit rate %.1f%%)\n", "cached prompt tokens",
+               r->cached_tokens,
+               r->in_tokens ? 100.0 * (double)r->cached_tokens / (double)r->in_tokens : 0.0);
     printf("%-8s %10s %10s %10s %10s %10s", "", "mean", "median", "std", "p90", "p99");
     for (int k = 0; k < cfg->n_pcts; k++) {
         if (shown(cfg->pcts[k])) continue;
@@ -94,6 +98,21 @@ void bench_print_result(const bench_result_t *r, const bench_report_cfg_t *cfg) 
             const double v[3] = {r->stages[k].mean, r->stages[k].p50, r->stages[k].p99};
             for (int j = 0; j < 3; j++)
                 print_ms(v[j], 11);
+            putchar('\n');
+        }
+    }
+    if (r->n_turns > 0) {
+        printf("per turn of the chats:\n%-5s %9s %7s %12s %10s %10s %10s\n", "turn", "completed",
+               "failed", "mean prompt", "cached", "TTFT p50", "TTFT p99");
+        for (int k = 0; k < r->n_turns; k++) {
+            const struct bench_turn_stat *ts = &r->turns[k];
+            printf("%-5d %9d %7d %12.1f", k + 1, ts->completed, ts->failed, ts->prompt_mean);
+            if (isfinite(ts->cached_frac))
+                printf(" %9.1f%%", 100.0 * ts->cached_frac);
+            else
+                printf(" %10s", "-");
+            print_ms(ts->ttft_p50, 11);
+            print_ms(ts->ttft_p99, 11);
             putchar('\n');
         }
     }
@@ -245,7 +264,10 @@ static void json_result(FILE *f, const bench_result_t *r, const bench_report_cfg
                 if (i) fputs(", ", f);
                 switch (l) {
                 case 0:
-                    fprintf(f, "%d", q->prompt_tokens > 0 ? q->prompt_tokens : q->item->prompt_len);
+                    fprintf(f, "%d",
+                            q->prompt_tokens > 0 ? q->prompt_tokens
+                            : q->sent_ids        ? q->n_sent
+                                                 : q->item->prompt_len);
                     break;
                 case 1:
                     fprintf(f, "%d",
@@ -282,6 +304,29 @@ static void json_result(FILE *f, const bench_result_t *r, const bench_report_cfg
             }
             fputc(']', f);
         }
+    }
+    if (r->n_cached_said > 0) {
+        key(f, "cached_prompt_tokens"), fprintf(f, "%lld", r->cached_tokens);
+        key(f, "prefix_cache_hit_rate");
+        json_num(f, r->in_tokens ? (double)r->cached_tokens / (double)r->in_tokens : 0.0);
+    }
+    if (r->n_turns > 0) {
+        key(f, "turns");
+        fputc('[', f);
+        for (int k = 0; k < r->n_turns; k++) {
+            const struct bench_turn_stat *ts = &r->turns[k];
+            fprintf(f, "%s{\"turn\": %d, \"completed\": %d, \"failed\": %d, \"mean_prompt_len\": ",
+                    k ? ", " : "", k + 1, ts->completed, ts->failed);
+            json_num(f, ts->prompt_mean);
+            fputs(", \"prefix_cache_hit_rate\": ", f);
+            json_num(f, ts->cached_frac);
+            fputs(", \"p50_ttft_ms\": ", f);
+            json_num(f, ts->ttft_p50);
+            fputs(", \"p99_ttft_ms\": ", f);
+            json_num(f, ts->ttft_p99);
+            fputc('}', f);
+        }
+        fputc(']', f);
     }
     key(f, "max_output_tokens_per_s"), json_num(f, r->max_output_tokens_per_s);
     key(f, "max_concurrent_requests"), fprintf(f, "%d", r->max_concurrent_requests);

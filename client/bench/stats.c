@@ -121,6 +121,49 @@ static void peaks(const bench_rec_t *recs, int n, bench_result_t *res) {
     free(edges);
 }
 
+/* Prompt tokens a request sent: the server's count, else ours. */
+static int sent_len(const bench_rec_t *q) {
+    if (q->prompt_tokens > 0) return q->prompt_tokens;
+    if (q->sent_ids) return q->n_sent;
+    if (q->sent_text) return LOOM_MAX(1, (int)((strlen(q->sent_text) + 3) / 4));
+    return q->item->prompt_len;
+}
+
+/* Multiturn: completions, prompt length, prefix-cache share and TTFT per turn. */
+static void per_turn(const bench_rec_t *recs, int n, bench_result_t *res) {
+    for (int i = 0; i < n; i++)
+        if (recs[i].item->turn > 0) res->n_turns = LOOM_MAX(res->n_turns, recs[i].item->turn + 1);
+    if (res->n_turns > BENCH_MAX_TURNS) res->n_turns = BENCH_MAX_TURNS;
+    double *ttft = loom_xmalloc((size_t)(n + 1) * sizeof *ttft);
+    for (int k = 0; k < res->n_turns; k++) {
+        struct bench_turn_stat *ts = &res->turns[k];
+        long long prompt = 0, cached = 0, said_prompt = 0;
+        int m = 0, said = 0;
+        for (int i = 0; i < n; i++) {
+            const bench_rec_t *q = &recs[i];
+            if (q->item->turn != k) continue;
+            if (q->status != LOOM_OK) {
+                ts->failed++;
+                continue;
+            }
+            ts->completed++;
+            prompt += sent_len(q);
+            if (q->cached_tokens >= 0) {
+                cached += q->cached_tokens;
+                said_prompt += sent_len(q);
+                said++;
+            }
+            if (q->n_chunks > 0) ttft[m++] = (q->t_first - q->t_send) * 1e3;
+        }
+        ts->prompt_mean = ts->completed ? (double)prompt / ts->completed : NAN;
+        ts->cached_frac = said && said_prompt ? (double)cached / (double)said_prompt : NAN;
+        bench_stat_t s = bench_summarize(ttft, m, NULL, 0);
+        ts->ttft_p50 = s.p50;
+        ts->ttft_p99 = s.p99;
+    }
+    free(ttft);
+}
+
 void bench_compute(const bench_rec_t *recs, int n, double duration, const double *pcts, int n_pcts,
                    const bench_goodput_t *slo, bench_result_t *res) {
     size_t n_itl = 0;
@@ -145,7 +188,11 @@ void bench_compute(const bench_rec_t *recs, int n, double duration, const double
         res->completed++;
         int out = q->completion_tokens > 0 ? q->completion_tokens : q->tokens_seen;
         res->out_tokens += out;
-        res->in_tokens += q->prompt_tokens > 0 ? q->prompt_tokens : q->item->prompt_len;
+        res->in_tokens += sent_len(q);
+        if (q->cached_tokens >= 0) {
+            res->cached_tokens += q->cached_tokens;
+            res->n_cached_said++;
+        }
         double e = (q->t_end - q->t_send) * 1e3, f = -1, tp = 0;
         e2e[n_e2e++] = e;
         if (q->n_chunks > 0) {
@@ -179,6 +226,7 @@ void bench_compute(const bench_rec_t *recs, int n, double duration, const double
         res->total_tok_per_s = (double)(res->in_tokens + res->out_tokens) / duration;
     }
     peaks(recs, n, res);
+    per_turn(recs, n, res);
     free(ttft);
     free(tpot);
     free(e2e);

@@ -15,7 +15,8 @@ static loom_status_t zmq_submit(void *self, const bench_req_t *r, uint64_t *hand
                            .temperature = r->temperature,
                            .seed = r->seed,
                            .has_seed = 1,
-                           .ignore_eos = r->ignore_eos};
+                           .ignore_eos = r->ignore_eos,
+                           .session = r->session};
     return loom_client_submit(self, &p, handle, err);
 }
 
@@ -26,12 +27,14 @@ static loom_status_t zmq_poll_event(void *self, int timeout_ms, bench_event_t *e
     if (!*got) return LOOM_OK;
     *ev = (bench_event_t){.handle = ch.request_id,
                           .n_tokens = ch.n_ids,
+                          .ids = ch.ids,
                           .final = ch.final,
                           .text = ch.text,
                           .text_len = ch.text_len,
                           .status = ch.status,
                           .prompt_tokens = ch.prompt_tokens,
                           .completion_tokens = ch.completion_tokens,
+                          .cached_tokens = ch.final ? ch.cached_tokens : -1,
                           .timings = ch.timings,
                           .has_timings = ch.has_timings};
     snprintf(ev->message, sizeof ev->message, "%s", ch.message ? ch.message : "");

@@ -12,8 +12,13 @@
 - Datasets: ShareGPT (the prompts the server saw are the file's human
   turns), random, prefix_repetition against Loom (its prefix cache hits),
   chat against Loom; gamma burstiness changes the spread of arrival gaps.
+- Multi-turn chats: every turn's prompt is the one before, the answer that
+  came back and new user tokens, one session key across a chat's turns
+  (the stub sees the text and the OpenAI user field); against Loom the
+  prompts grow turn by turn and later turns hit the prefix cache.
 - Bad input: a dataset that is not JSON, a rate of 0 or below, an unknown
-  flag, bad --goodput: a clear error and exit status 2."""
+  flag, bad --goodput, multiturn options out of range or without
+  multiturn: a clear error and exit status 2."""
 import http.server
 import json
 import math
@@ -264,7 +269,13 @@ def test_sharegpt_and_bad_input():
                  (["--goodput", "ttft:-1"], "--goodput expects"),
                  (["--metric-percentiles", "0,101"], "--metric-percentiles"),
                  (["--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
-                 (["--backend", "tgi"], "--backend must be")]
+                 (["--backend", "tgi"], "--backend must be"),
+                 (["--multiturn-turns", "3"], "are for --dataset-name multiturn"),
+                 (["--dataset-name", "multiturn", "--multiturn-turns", "0"], "--multiturn-turns expects"),
+                 (["--dataset-name", "multiturn", "--multiturn-turns", "65"], "--multiturn-turns expects"),
+                 (["--dataset-name", "multiturn", "--multiturn-think-s", "-1"], "--multiturn-think-s expects"),
+                 (["--dataset-name", "multiturn", "--multiturn-num-system", "0"], "--multiturn-num-system"),
+                 (["--dataset-name", "multiturn", "--multiturn-sessions", "3"], "leave out --num-requests")]
         for extra, want in cases:
             p = bench("--base-url", s.url, "--vocab", "100", "--num-prompts", "1", *extra)
             check(p.returncode == 2 and want in p.stderr, "%s: rc %d, stderr %r" % (extra, p.returncode, p.stderr))
@@ -283,6 +294,45 @@ def test_burstiness_spreads_arrivals():
     with StubServer() as s, tempfile.TemporaryDirectory() as tmp:
         bursty, even = gaps_cv("0.25", tmp), gaps_cv("16", tmp)
         check(bursty > 2 * even, "gap CV with burstiness 0.25: %.2f, with 16: %.2f" % (bursty, even))
+
+
+def test_multiturn_stub():
+    """Over HTTP the answers come back as text, so a chat's prompts are text: turn 2 of a session is its
+    turn-1 prompt, the stub's answer to it and new words, with the session in the user field."""
+    with StubServer() as s, tempfile.TemporaryDirectory() as tmp:
+        res, p = bench_json(["--base-url", s.url, "--dataset-name", "multiturn", "--vocab", "100",
+                             "--multiturn-sessions", "3", "--multiturn-turns", "3", "--multiturn-system-len", "5",
+                             "--multiturn-user-len", "2", "--multiturn-output-len", "3", "--multiturn-think-s", "0.01",
+                             "--request-rate", "50"], tmp)
+        check(res["completed"] == 9 and [t["completed"] for t in res["turns"]] == [3, 3, 3], p.stdout)
+        by_user = {}
+        for _, r in Stub.seen:
+            by_user.setdefault(r.get("user"), []).append(r["prompt"])
+        check(len(by_user) == 3 and None not in by_user, "session keys %s" % list(by_user))
+        for user, prompts in by_user.items():
+            check([len(x.split()) for x in prompts] == [7, 12, 17], "%s: prompt words %s" % (user, prompts))
+            for a, b in zip(prompts, prompts[1:]):
+                check(b.startswith(a + " tok0 tok1 tok2 "), "%s: %r does not follow %r and its answer" % (user, b, a))
+
+
+def test_multiturn_against_loom():
+    with Cluster(STORIES, 1, 1) as c, tempfile.TemporaryDirectory() as tmp:
+        res, p = bench_json(["--addr", c.addr, "--dataset-name", "multiturn", "--multiturn-sessions", "6",
+                             "--multiturn-turns", "3", "--multiturn-system-len", "64", "--multiturn-user-len", "16",
+                             "--multiturn-output-len", "16", "--multiturn-think-s", "0.05", "--request-rate", "20",
+                             "--save-detailed"], tmp)
+        check(res["completed"] == 18 and res["failed"] == 0, p.stdout)
+        turns = res["turns"]
+        check([t["completed"] for t in turns] == [6, 6, 6] and "per turn of the chats" in p.stdout, p.stdout)
+        lens = res["input_lens"]  # session-major: a session's turns are consecutive
+        for sess in range(6):
+            ln = lens[3 * sess:3 * sess + 3]
+            check(ln[1] - ln[0] == 32 and ln[2] - ln[1] == 32, "session %d prompt lengths %s (each turn adds its "
+                  "16 answer and 16 user tokens)" % (sess, ln))
+        check(turns[0]["mean_prompt_len"] < turns[1]["mean_prompt_len"] < turns[2]["mean_prompt_len"], turns)
+        check(turns[1]["prefix_cache_hit_rate"] > 0 and turns[2]["prefix_cache_hit_rate"] > 0,
+              "later turns hit the prefix cache: %s" % turns)
+        check(res["prefix_cache_hit_rate"] > 0 and res["cached_prompt_tokens"] > 0, p.stdout)
 
 
 def test_against_loom():
@@ -317,4 +367,4 @@ def test_against_loom():
 
 if __name__ == "__main__":
     run_tests([test_stub_completions_and_chat, test_sharegpt_and_bad_input, test_burstiness_spreads_arrivals,
-               test_against_loom])
+               test_multiturn_stub, test_multiturn_against_loom, test_against_loom])
