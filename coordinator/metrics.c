@@ -384,6 +384,13 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
             st->prefix_cache_queries * bs);
     counter(&o, m->lbl_vllm, "vllm:prefix_cache_hits_total",
             "Prompt tokens found in the prefix cache (full blocks).", st->prefix_cache_hits * bs);
+    counter(&o, m->lbl, "loom_prompt_tokens_computed_total",
+            "Prompt positions run (prefill and recompute; forked and cached ones are not).",
+            st->prompt_tokens_computed);
+    counter(&o, m->lbl, "loom_kv_forks_total",
+            "Sequences admitted as a fork of a running sequence with the same prompt (n > 1).", st->kv_forks);
+    counter(&o, m->lbl, "loom_kv_fork_tokens_total", "Prompt tokens taken over from the fork's leader.",
+            st->kv_fork_tokens);
     counter2(&o, m, "loom_num_preemptions_total", st->preemptions, "vllm:num_preemptions_total",
              st->preemptions, "Sequences preempted (KV dropped, recomputed later).");
     counter(&o, m->lbl, "loom_requests_rejected_total", "Requests refused before scheduling.",

@@ -54,6 +54,8 @@ typedef struct loom_metrics_state {
     uint64_t prompt_tokens, generation_tokens;
     uint64_t prefix_cache_queries, prefix_cache_hits; /* in full blocks */
     uint64_t preemptions, requests_rejected;
+    uint64_t prompt_tokens_computed;   /* prompt positions run by the workers */
+    uint64_t kv_forks, kv_fork_tokens; /* sequences forked from a twin's prompt KV; its tokens */
     int grid_ready;
     /* speculative decoding (rendered only when spec_k > 0) */
     int spec_k;                /* most drafts per step (0: speculation off) */

@@ -15,6 +15,7 @@ struct loom_sched {
     int n_running;
     loom_seq_t **heap;    /* waiting: max-heap on (priority, -arrival) */
     int n_waiting, cap_waiting;
+    loom_seq_t **parked;  /* (cap_waiting) taken off the heap during one admission pass */
     loom_microbatch_t *mbs;
     int n_mbs;
     int max_blocks_per_seq;
@@ -68,6 +69,7 @@ static void heap_push(loom_sched_t *s, loom_seq_t *q) {
     if (s->n_waiting == s->cap_waiting) {
         s->cap_waiting = s->cap_waiting ? 2 * s->cap_waiting : 64;
         s->heap = loom_xrealloc(s->heap, (size_t)s->cap_waiting * sizeof *s->heap);
+        s->parked = loom_xrealloc(s->parked, (size_t)s->cap_waiting * sizeof *s->parked);
     }
     heap_set(s, s->n_waiting++, q);
     heap_up(s, s->n_waiting - 1);
@@ -205,6 +207,7 @@ void loom_sched_destroy(loom_sched_t **s_p) {
     free(s->mbs);
     free(s->running);
     free(s->heap);
+    free(s->parked);
     loom_kv_destroy(&s->kv);
     free(s);
 }
@@ -255,6 +258,7 @@ loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt
     q->state = LOOM_SEQ_WAITING;
     q->run_pos = -1;
     q->t_arrival_ns = loom_now_ns();
+    q->prompt_hash = loom_kv_chain_hash(0, prompt, n_prompt);
     heap_push(s, q);
     *out = q;
     return LOOM_OK;
@@ -366,6 +370,7 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->pos[t] = p;
         mb->slots[t] = q->blocks[p / B] * B + p % B;
         mb->tok_seq[t] = si;
+        if (p < q->n_prompt) s->stats.prompt_tokens_computed++;
         if (q->prompt_lp && p + 1 < q->n_prompt) {
             int e = mb->n_plp++;
             mb->plp_rows[e] = t;
@@ -425,6 +430,53 @@ static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
         q->n_hashed = hits - 1;
         q->chain = prev;
     }
+}
+
+/* KV fork (sched.h): what admission does with a waiting q whose prompt a
+ * running sequence also has. */
+typedef enum { FORK_NONE = 0, FORK_PARK, FORK_DONE } fork_t;
+
+/* A running sequence with q's prompt whose KV q may share: no blocks
+ * dropped behind a window, not an embedding (finished after its prefill). */
+static loom_seq_t *fork_leader(loom_sched_t *s, const loom_seq_t *q) {
+    for (int i = 0; i < s->n_running; i++) {
+        loom_seq_t *l = s->running[i];
+        if (l->n_prompt != q->n_prompt || l->prompt_hash != q->prompt_hash || l->embed || l->n_dropped > 0 ||
+            l->n_blocks == 0 || memcmp(l->tokens, q->tokens, (size_t)q->n_prompt * sizeof *q->tokens))
+            continue;
+        return l;
+    }
+    return NULL;
+}
+
+/* Parks q behind a leader still in its prefill, or forks q from a leader
+ * whose prompt is computed: the full prompt blocks are shared, the one
+ * holding position n_prompt - 1 is copied into a fresh block before the
+ * step, which runs that position again for q's own logits. */
+static fork_t fork_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+    if (q->embed || q->prompt_lp || q->n_tokens != q->n_prompt || q->n_blocks != 0) return FORK_NONE;
+    loom_seq_t *l = fork_leader(s, q);
+    if (!l) return FORK_NONE;
+    if (l->n_computed < l->n_prompt) return FORK_PARK;
+    int B = s->cfg.block_size, last = (q->n_prompt - 1) / B; /* the block holding position n_prompt - 1 */
+    LOOM_ASSERT(l->n_blocks > last && q->cap_blocks > last);
+    int fresh = loom_kv_alloc(s->kv);
+    if (fresh < 0) return FORK_NONE;
+    uint64_t chain = 0;
+    for (int i = 0; i < last; i++) {
+        loom_kv_retain(s->kv, l->blocks[i]);
+        q->blocks[i] = l->blocks[i];
+        chain = loom_kv_chain_hash(chain, q->tokens + (size_t)i * B, B);
+    }
+    q->blocks[last] = fresh;
+    q->n_blocks = last + 1;
+    mb->copy_src[mb->n_copies] = l->blocks[last];
+    mb->copy_dst[mb->n_copies] = fresh;
+    mb->n_copies++;
+    q->n_hashed = last;
+    q->chain = chain;
+    q->n_computed = q->n_prompt - 1;
+    return FORK_DONE;
 }
 
 static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
@@ -595,10 +647,19 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         add_chunk(s, mb, q, take);
         budget -= take;
     }
-    /* 3. admissions: priority, then first come first served */
+    /* 3. admissions: priority, then first come first served; parked
+     * sequences (waiting for a leader's prefill) are passed over */
+    int n_parked = 0;
     while (s->n_waiting > 0 && budget > 0 && mb->n_seqs < cap && s->n_running < c->max_num_seqs) {
         loom_seq_t *q = s->heap[0];
-        if (q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp) prefix_lookup(s, mb, q);
+        fork_t f = q->n_blocks == 0 ? fork_lookup(s, mb, q) : FORK_NONE;
+        if (f == FORK_PARK) {
+            heap_remove(s, q);
+            s->parked[n_parked++] = q;
+            continue;
+        }
+        if (f == FORK_NONE && q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp)
+            prefix_lookup(s, mb, q);
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
         int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
         if (take > room) take = room;
@@ -608,9 +669,14 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         }
         heap_remove(s, q);
         q->state = LOOM_SEQ_RUNNING;
+        if (f == FORK_DONE) {
+            s->stats.forks++;
+            s->stats.fork_tokens += (uint64_t)q->n_computed;
+        }
         if (!q->admitted_once) {
             q->admitted_once = 1;
             q->cached_tokens = q->n_computed;
+            q->forked = f == FORK_DONE;
             q->t_admitted_ns = loom_now_ns();
         }
         run_insert(s, q);
@@ -618,6 +684,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         add_chunk(s, mb, q, take);
         budget -= take;
     }
+    for (int i = 0; i < n_parked; i++) heap_push(s, s->parked[i]);
     if (mb->n_seqs == 0) return NULL;
     fill_block_tables(s, mb);
     mb->id = ++s->next_mb_id;

@@ -14,6 +14,18 @@
  *            gives most of it back on readmission)
  *   RUNNING/WAITING ──loom_sched_finish──▶ FINISHED (blocks released; when in
  *            flight, released once its micro-batch completes)
+ * KV fork (the n choices of one request, or any requests with one prompt): a
+ * waiting sequence that has generated nothing and whose prompt equals that of
+ * a running sequence still in its prefill (the leader) is parked: it stays
+ * WAITING and is passed over by admission, which goes on to the sequences
+ * behind it. Once the leader's prompt is computed, the parked one is admitted
+ * as a fork: it retains the leader's full prompt blocks, gets a fresh block
+ * into which the block holding position n_prompt - 1 is copied (the step's
+ * copy_src/copy_dst), and starts at n_computed = n_prompt - 1, so its first
+ * step runs just the last prompt token for its own logits (its sampling
+ * stream is its own). A leader preempted, finished or windowed (n_dropped >
+ * 0) before that leads no one: the parked sequences are admitted as usual
+ * (prefix cache), and the first of them may lead the others.
  * Invariants: a sequence is in at most one micro-batch in flight; tokens
  * [0, n_computed) have KV in the blocks of its table; only full blocks are
  * ever shared, and a shared block about to be written is copied first.
@@ -61,7 +73,9 @@ typedef struct loom_seq {
     loom_seq_state_t state;
     int in_flight;
     int finish_pending;      /* finished while in flight */
-    int cached_tokens;       /* prompt tokens served by the prefix cache (first admission) */
+    int cached_tokens;       /* prompt tokens served by the prefix cache or forked (first admission) */
+    int forked;              /* admitted as a fork of a running sequence's prompt (first admission) */
+    uint64_t prompt_hash;    /* of tokens [0, n_prompt): finds a running twin to fork from */
     int admitted_once;
     int n_preempted;
     int heap_pos, run_pos;   /* positions in the waiting heap / running array */
@@ -136,6 +150,8 @@ typedef struct loom_sched_stats {
     uint64_t preemptions;
     uint64_t prefix_queries, prefix_hits; /* in blocks */
     uint64_t scheduled_tokens, batches;
+    uint64_t prompt_tokens_computed; /* prompt positions run (prefill, recompute included) */
+    uint64_t forks, fork_tokens;     /* sequences admitted as forks; prompt tokens they took over */
 } loom_sched_stats_t;
 
 typedef struct loom_sched loom_sched_t;

@@ -1147,6 +1147,9 @@ static void publish_state(loom_server_t *s) {
         st.prefix_cache_queries = s->prefix_queries_base + ss.prefix_queries;
         st.prefix_cache_hits = s->prefix_hits_base + ss.prefix_hits;
         st.preemptions = s->preemptions_base + ss.preemptions;
+        st.prompt_tokens_computed = ss.prompt_tokens_computed;
+        st.kv_forks = ss.forks;
+        st.kv_fork_tokens = ss.fork_tokens;
         set_spec_metrics(s, &st);
     } else {
         st.prefix_cache_queries = s->prefix_queries_base;

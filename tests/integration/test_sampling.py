@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import PYTHON, ROOT, STORIES, Cluster, check, run_tests  # noqa: E402
-from test_http import CHAT, expect_error, free_port, post, request  # noqa: E402
+from test_http import CHAT, expect_error, free_port, get_metrics, metric, post, request  # noqa: E402
 
 PROMPT = "Once upon a time"
 N = 40
@@ -179,6 +179,51 @@ def ok_text(port, body, chat=False):
     return (ch["message"]["content"] if chat else ch["text"]), ch["finish_reason"], hdrs
 
 
+def mix64(x):
+    """coordinator/http.c's mix64: choice j > 0 of a seeded n > 1 request samples with seed ^ mix64(j)."""
+    m = (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xbf58476d1ce4e5b9) & m
+    x = ((x ^ (x >> 27)) * 0x94d049bb133111eb) & m
+    return x ^ (x >> 31)
+
+
+def test_n_forks_the_prompt():
+    """n = 4 with a seed: the prompt is prefilled once and forked (loom_prompt_tokens_computed_total grows by
+    the prompt plus one token per other choice), and each choice is the text a single request with its seed
+    gives; greedy n = 4 gives four copies of the n = 1 text."""
+    port = free_port()
+    with Cluster(STORIES, tp=1, pp=1, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
+        prompt = "Once upon a time there was a little dog named Max who loved to run in the park"
+        status, _, data = request(port, "POST", "/tokenize", {"prompt": prompt})
+        check(status == 200, "/tokenize: %d" % status)
+        n_prompt = len(json.loads(data)["tokens"])
+        sampled = {"prompt": prompt, "max_tokens": 24, "temperature": 1.2, "top_p": 1, "seed": 5}
+        _, before = get_metrics(port)
+        n4, _ = texts(port, dict(sampled, n=4))
+        _, after = get_metrics(port)
+
+        def delta(name):
+            return metric(after, name) - metric(before, name)
+        computed, forked = delta("loom_prompt_tokens_computed_total"), delta("loom_kv_fork_tokens_total")
+        print("n=4, prompt of %d tokens: %d prompt tokens computed, %d forked" % (n_prompt, computed, forked))
+        check(delta("loom_kv_forks_total") == 3 and forked == 3 * (n_prompt - 1),
+              "forks %g, fork tokens %g (prompt %d)" % (delta("loom_kv_forks_total"), forked, n_prompt))
+        check(computed == n_prompt + 3, "%g prompt tokens computed for n = 4 (prompt %d)" % (computed, n_prompt))
+        # choice j's seed is 5 ^ mix64(j), beyond a JSON number's exact range: the CLI sends it as an integer
+        singles = []
+        for j in range(4):
+            rc, out, _, err = c.generate(prompt, max_tokens=24, temperature=1.2,
+                                         extra=["--top-p", "1", "--top-k", "0", "--seed", str(5 ^ mix64(j) if j else 5)])
+            check(rc == 0, "loom generate: %s" % err[-300:])
+            singles.append(out)
+        check([t.strip() for t in n4] == [t.strip() for t in singles] and len(set(n4)) == 4,
+              "forked choices %r, single requests %r" % (n4, singles))
+        greedy = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+        g4, _ = texts(port, dict(greedy, n=4))
+        g1, _ = texts(port, greedy)
+        check(g4 == g1 * 4, "greedy n=4 %r, n=1 %r" % (g4, g1))
+
+
 def test_http_controls():
     port = free_port()
     with Cluster(STORIES, tp=2, pp=1, coord_args=["--http", "127.0.0.1:%d" % port, "--chat-template", "chatml"]) as c:
@@ -323,4 +368,4 @@ def test_sdks():
 
 
 if __name__ == "__main__":
-    run_tests([test_penalties_on_every_grid, test_http_controls, test_sdks])
+    run_tests([test_penalties_on_every_grid, test_n_forks_the_prompt, test_http_controls, test_sdks])

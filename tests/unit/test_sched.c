@@ -462,6 +462,148 @@ static void test_speculative(void) {
     g_markov = 0;
 }
 
+/* Every block's reference count equals the number of tables holding it. */
+static int refs_match_tables(loom_sched_t *s) {
+    loom_kv_ledger_t *L = loom_sched_ledger(s);
+    int bad = 0;
+    for (int b = 0; b < loom_kv_n_blocks(L); b++) {
+        int n = 0;
+        for (int i = 0; i < loom_sched_n_seqs(s); i++) {
+            const loom_seq_t *q = loom_sched_seq_at(s, i);
+            for (int j = q->n_dropped; j < q->n_blocks; j++) n += q->blocks[j] == b;
+        }
+        if (loom_kv_ref(L, b) != n) bad++;
+    }
+    return bad;
+}
+
+/* n siblings with one prompt (an n > 1 request): the first prefills it, the
+ * others are parked, then forked: they share its full prompt blocks, get the
+ * block of the last prompt position copied, and run that position only.
+ * cancel_leader: the leader is cancelled during its prefill (the siblings
+ * fall back: the next one prefills and leads the rest); fail_first: the
+ * prefill step fails (the leader is preempted and prefills again). */
+static void run_siblings(int n_sib, int n_prompt, int n_blocks, int max_tokens, int prefix_cache, int cancel_leader,
+                         int fail_first, loom_sched_stats_t *out) {
+    loom_sched_config_t cfg = {.max_num_seqs = 8, .max_batched_tokens = 64, .max_queue = 16,
+                               .max_model_len = 128, .n_micro = 1, .block_size = 4, .n_blocks = n_blocks,
+                               .prefix_cache = prefix_cache};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    sim_t sm = {.B = 4, .n_slots = n_blocks * 4};
+    sm.kv_tok = calloc((size_t)sm.n_slots, 4);
+    sm.kv_pos = malloc((size_t)sm.n_slots * 4);
+    memset(sm.kv_pos, 0xff, (size_t)sm.n_slots * 4);
+    req_t r[8] = {0};
+    ctx_t c = {.s = s, .reqs = r};
+    loom_err_t err;
+    for (int i = 0; i < n_sib; i++) {
+        r[i].n_prompt = n_prompt;
+        r[i].max_tokens = max_tokens;
+        for (int j = 0; j < n_prompt; j++) r[i].prompt[j] = 50 + j * 7;
+        loom_sampling_t sp = {0};
+        REQUIRE(loom_sched_add(s, (uint64_t)i, r[i].prompt, n_prompt, max_tokens, 0, &sp, &r[i], &r[i].seq, &err) ==
+                LOOM_OK);
+    }
+    loom_microbatch_t *mb = loom_sched_schedule(s);
+    REQUIRE(mb != NULL);
+    CHECKF(mb->n_seqs == 1 && mb->n_tokens == n_prompt, "first step: %d seqs, %d tokens", mb->n_seqs, mb->n_tokens);
+    int32_t ids[64];
+    int leader = 0, forks = 0;
+    if (fail_first) {
+        loom_sched_fail(s, mb);
+        mb = loom_sched_schedule(s);
+        REQUIRE(mb != NULL);
+        CHECK(mb->n_seqs == 1 && mb->seqs[0] == r[0].seq && mb->n_tokens == n_prompt);
+    }
+    if (cancel_leader) {
+        loom_sched_finish(s, r[0].seq); /* in flight: freed when the step completes */
+        r[0].done = 1;
+        r[0].seq = NULL;
+        c.finished++;
+        leader = 1;
+    }
+    sim_run(&sm, mb, ids);
+    loom_sched_complete(s, mb, ids, on_token, &c);
+    if (cancel_leader) { /* the next sibling prefills on its own (nothing cached: the leader never finished a step) */
+        mb = loom_sched_schedule(s);
+        REQUIRE(mb != NULL);
+        CHECK(mb->n_seqs == 1 && mb->seqs[0] == r[1].seq && mb->n_tokens == n_prompt);
+        sim_run(&sm, mb, ids);
+        loom_sched_complete(s, mb, ids, on_token, &c);
+    }
+    int iters = 0;
+    while (c.finished < n_sib && iters++ < 1000) {
+        mb = loom_sched_schedule(s);
+        if (!mb) {
+            CHECKF(0, "stalled with %d of %d finished", c.finished, n_sib);
+            break;
+        }
+        for (int i = 0; i < mb->n_seqs; i++) {
+            loom_seq_t *q = mb->seqs[i];
+            if (!q->forked || q->n_steps > 0 || q->n_computed != n_prompt - 1) continue;
+            /* a fork's first step: the last prompt position, on the leader's full blocks and a copied one */
+            loom_seq_t *l = r[leader].seq;
+            int last = (n_prompt - 1) / 4;
+            CHECK(mb->chunk[i] == 1 && q->n_blocks == last + 1 && q->cached_tokens == n_prompt - 1);
+            if (l)
+                for (int j = 0; j < last; j++) CHECK(q->blocks[j] == l->blocks[j]);
+            int copied = 0;
+            for (int k = 0; k < mb->n_copies; k++)
+                copied += mb->copy_dst[k] == q->blocks[last] && (!l || mb->copy_src[k] == l->blocks[last]);
+            CHECK(copied == 1);
+            forks++;
+        }
+        sim_run(&sm, mb, ids);
+        loom_sched_complete(s, mb, ids, on_token, &c);
+        CHECK(refs_match_tables(s) == 0);
+        CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
+    }
+    CHECK(sm.bad == 0);
+    for (int i = leader; i < n_sib; i++) {
+        CHECK(r[i].done && r[i].n_out == max_tokens && check_outputs(&r[i], 0));
+        CHECK(!memcmp(r[i].out, r[leader].out, (size_t)max_tokens * sizeof *r[i].out)); /* greedy: all alike */
+    }
+    CHECK(loom_kv_n_held(loom_sched_ledger(s)) == 0);
+    loom_sched_get_stats(s, out);
+    CHECKF(out->forks == (uint64_t)forks, "%llu forks counted, %d seen", (unsigned long long)out->forks, forks);
+    loom_sched_destroy(&s);
+    free(sm.kv_tok);
+    free(sm.kv_pos);
+}
+
+static void test_fork_siblings(void) {
+    loom_sched_stats_t st;
+    for (int cache = 0; cache <= 1; cache++)
+        for (int np = 8; np <= 11; np++) { /* the last prompt block full, or holding 1..3 positions */
+            run_siblings(4, np, 64, 6, cache, 0, 0, &st);
+            CHECKF(st.forks == 3 && st.fork_tokens == 3u * (uint64_t)(np - 1), "prompt %d: %llu forks, %llu tokens",
+                   np, (unsigned long long)st.forks, (unsigned long long)st.fork_tokens);
+            /* the prompt is run once, then the last position once per sibling */
+            CHECKF(st.prompt_tokens_computed == (uint64_t)np + 3, "prompt %d: %llu prompt tokens computed", np,
+                   (unsigned long long)st.prompt_tokens_computed);
+            CHECK(st.preemptions == 0);
+        }
+}
+
+static void test_fork_leader_gone(void) {
+    loom_sched_stats_t st;
+    run_siblings(4, 10, 64, 6, 1, 1, 0, &st); /* cancelled: the second prefills, two fork from it */
+    CHECK(st.forks == 2 && st.prompt_tokens_computed == 10 + 10 + 2);
+    run_siblings(4, 10, 64, 6, 0, 0, 1, &st); /* preempted by a failed step: prefilled again, then forked */
+    CHECK(st.forks == 3 && st.prompt_tokens_computed == 10 + 10 + 3);
+}
+
+/* A pool too small for every sibling's decode: forks are preempted and
+ * readmitted, each preemption releasing only its own references (checked
+ * against the tables after every step), and the outputs stay right. */
+static void test_fork_preempted(void) {
+    loom_sched_stats_t st;
+    run_siblings(4, 10, 11, 10, 1, 0, 0, &st);
+    CHECK(st.preemptions > 0 && st.forks >= 3);
+    run_siblings(6, 9, 12, 12, 0, 0, 0, &st);
+    CHECK(st.preemptions > 0 && st.forks >= 5);
+}
+
 int main(void) {
     RUN(test_ledger_basics);
     RUN(test_admission_errors);
@@ -474,5 +616,8 @@ int main(void) {
     RUN(test_sliding_window_frees_blocks);
     RUN(test_embedding_ranges);
     RUN(test_speculative);
+    RUN(test_fork_siblings);
+    RUN(test_fork_leader_gone);
+    RUN(test_fork_preempted);
     return test_summary();
 }
