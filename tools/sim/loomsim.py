@@ -207,15 +207,17 @@ class PrefixIndex:
 
     def insert(self, hashes, rep):
         od, bit = self.od, 1 << rep
+        get, touch = od.get, od.move_to_end
         for h in hashes:
-            m = od.get(h)
+            m = get(h)
             if m is None:
                 if len(od) >= self.cap:
                     od.popitem(last=False)
                 od[h] = bit
             else:
-                od[h] = m | bit
-                od.move_to_end(h)
+                if not m & bit:
+                    od[h] = m | bit
+                touch(h)
 
     def remove(self, h, rep):
         m = self.od.get(h)
@@ -298,6 +300,7 @@ class Sim:
         self.max_tokens = max(args.max_batched_tokens or rc["max_batched_tokens"], self.max_seqs)
         self.max_len = args.max_model_len or rc["max_model_len"]
         n_blocks = args.kv_blocks or rc["kv_blocks"]
+        self.max_len = min(self.max_len, n_blocks * self.B)  # a longer request could never be admitted
         self.model = StepModel(cal)
         self.req_overhead = cal.get("request_overhead_s", 0.0) if args.request_overhead_ms is None \
             else args.request_overhead_ms / 1e3
@@ -388,7 +391,7 @@ class Sim:
             if q.n_prompt + q.n_out > self.max_len:
                 return None
         self.next_id += 1
-        q.measured = t >= self.a.warmup
+        q.measured = self.a.warmup <= t <= self.arrival_end
         self.requests.append(q)
         return q
 
@@ -527,9 +530,9 @@ class Sim:
         for h in q.held:
             ref = cache[h] - 1
             cache[h] = ref
-            if ref == 0:
+            if not ref:
                 lru[h] = None
-        q.held = []
+        q.held = None
         rep.private -= q.private
         q.private = 0
 
@@ -620,6 +623,7 @@ class Sim:
         self.maybe_start(rep)
 
     def done(self, rep, q):
+        assert q.t_done is None, "request %d finished twice" % q.id
         q.t_done = self.now
         rep.n_running -= 1
         # the answer's full blocks are registered too (the next turn of a conversation finds them)
@@ -684,9 +688,8 @@ class Sim:
         tpot = np.array([(q.t_done - q.t_first) / (q.n_out - 1) for q in meas if q.n_out > 1])
         good = [q for q in meas if q.t_first - q.t_arrive <= a.slo_ttft_ms / 1e3 and
                 (q.n_out <= 1 or (q.t_done - q.t_first) / (q.n_out - 1) <= a.slo_tpot_ms / 1e3)]
-        t0 = min((q.t_arrive for q in meas), default=0.0)
-        t1 = max((q.t_arrive for q in meas), default=0.0)
-        span = max(t1 - t0, 1e-9)
+        # the window: from --warmup to the last first arrival (of a request, or a session's first turn)
+        span = max(self.arrival_end - a.warmup, 1e-9)
         end = max((q.t_done for q in done), default=0.0)
         prompt = sum(q.n_prompt for q in meas)
         cached = sum(q.cached for q in meas)
@@ -763,8 +766,8 @@ def parser():
     g.add_argument("--user-len", type=int, default=128, help="multiturn: tokens of a user turn")
     g.add_argument("--user-len-range", type=float, default=0.5)
     g.add_argument("--turns-min", type=int, default=2)
-    g.add_argument("--turns-max", type=int, default=8)
-    g.add_argument("--think-s", type=float, default=2.0, help="multiturn: mean pause before the next turn")
+    g.add_argument("--turns-max", type=int, default=6)
+    g.add_argument("--think-s", type=float, default=1.0, help="multiturn: mean pause before the next turn")
     g.add_argument("--docs", type=int, default=256, help="rag: shared documents")
     g.add_argument("--doc-len", type=int, default=2048, help="rag")
     g.add_argument("--doc-len-range", type=float, default=0.25)
