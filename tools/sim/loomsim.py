@@ -631,6 +631,7 @@ class Sim:
         q.computed = full.n
         self.register(rep, q, full.hashes, (q.n_prompt + q.n_out - 1) // self.B)
         self.release(rep, q)
+        q.chain = q.hashes = None  # what is left of a finished request: its times and counts
         r = rep.idx
         self.inflight[r] -= 1
         self.prompt_sum[r] -= q.n_prompt
@@ -768,7 +769,7 @@ def parser():
     g.add_argument("--turns-min", type=int, default=2)
     g.add_argument("--turns-max", type=int, default=6)
     g.add_argument("--think-s", type=float, default=1.0, help="multiturn: mean pause before the next turn")
-    g.add_argument("--docs", type=int, default=256, help="rag: shared documents")
+    g.add_argument("--docs", type=int, default=1024, help="rag: shared documents")
     g.add_argument("--doc-len", type=int, default=2048, help="rag")
     g.add_argument("--doc-len-range", type=float, default=0.25)
     g.add_argument("--zipf", type=float, default=1.0, help="rag: document popularity exponent")
