@@ -526,8 +526,10 @@ class Sim:
             self.index.insert(new, rep.idx)  # a KV event
 
     def release(self, rep, q):
+        """q's blocks back to the ledger: in table order, as sched.c's seq_free does, so the first
+        block of a chain becomes the least recently used (--release-reverse: the last first)."""
         cache, lru = rep.cache, rep.lru
-        for h in q.held:
+        for h in (reversed(q.held) if self.a.release_reverse else q.held):
             ref = cache[h] - 1
             cache[h] = ref
             if not ref:
@@ -741,6 +743,8 @@ def parser():
     g.add_argument("--max-batched-tokens", type=int, default=0)
     g.add_argument("--block-size", type=int, default=0)
     g.add_argument("--kv-blocks", type=int, default=0)
+    g.add_argument("--release-reverse", action="store_true",
+                   help="a finished sequence releases its last block first (the real ledger: first first)")
     g.add_argument("--max-model-len", type=int, default=0)
     g = ap.add_argument_group("arrivals")
     g.add_argument("--rate", type=float, default=10.0, help="requests/s (multiturn: turns/s)")

@@ -24,6 +24,7 @@ OUT = os.path.join(HERE, "results")
 POLICY = {
     "prefix": ["--policy", "prefix"],
     "prefix-l0.02": ["--policy", "prefix", "--prefix-lambda", "0.02"],
+    "prefix-l0.02-ix4M": ["--policy", "prefix", "--prefix-lambda", "0.02", "--prefix-index-blocks", str(1 << 22)],
     "round-robin": ["--policy", "round-robin"],
     "least-loaded": ["--policy", "least-loaded"],
     "session": ["--policy", "session"],
@@ -32,8 +33,8 @@ POLICY = {
 PLAN = {
     ("multiturn", 4): (list(POLICY), [25, 50, 75, 100, 110, 120, 135, 150], ["--duration", "40", "--warmup", "10"]),
     ("multiturn", 64): (list(POLICY), [25, 50, 75, 100, 110, 120, 135, 150], ["--duration", "22", "--warmup", "8"]),
-    ("multiturn", 1024): (["prefix", "prefix-l0.02", "round-robin", "session"], [60, 100, 120],
-                          ["--duration", "13", "--warmup", "7"]),
+    ("multiturn", 1024): (["prefix", "prefix-l0.02", "prefix-l0.02-ix4M", "round-robin", "session"], [60, 110],
+                          ["--duration", "11", "--warmup", "6"]),
     ("rag", 4): (["prefix", "prefix-l0.02", "round-robin", "prefix@0.25", "round-robin@0.25"],
                  [10, 20, 35, 50, 60, 70, 85], ["--duration", "40", "--warmup", "10"]),
     ("rag", 64): (["prefix", "prefix-l0.02", "round-robin", "prefix@0.25", "round-robin@0.25"],
