@@ -354,15 +354,17 @@ class Sim:
         a = self.a
         if a.workload == "multiturn":
             mean_turns = (a.turns_min + a.turns_max) / 2.0
+            srate = a.rate / mean_turns  # sessions/s: turns/s = rate in the steady state
             n_sessions = a.num_requests // max(1, int(round(mean_turns))) if a.num_requests else \
-                int(a.duration * a.rate / mean_turns)
-            t = np.cumsum(self.gaps(n_sessions, a.rate / mean_turns))
+                int(a.duration * srate)
+            t = np.cumsum(self.gaps(n_sessions, srate))
             t -= t[0] if len(t) else 0
-            for sid, ts in enumerate(t):
-                sys_id = int(self.rng.integers(0, a.system_prompts))
-                ch = self.wl.shared_chain(10 ** 6 + sys_id, a.system_len)
-                s = Session(sid, ch, int(self.rng.integers(a.turns_min, a.turns_max + 1)))
-                self.push(float(ts), EV_ARRIVE, s)
+            sid = 0
+            if a.turn_s > 0:
+                sid = self.prepopulate(srate, mean_turns)
+            for ts in t:
+                self.push(float(ts), EV_ARRIVE, self.new_session(sid, 0))
+                sid += 1
             self.arrival_end = float(t[-1]) if len(t) else 0.0
             return
         n = a.num_requests or int(a.duration * a.rate)
@@ -372,6 +374,41 @@ class Sim:
         for ts in t:
             self.push(float(ts), EV_ARRIVE, None)
         self.arrival_end = float(t[-1])
+
+    def new_session(self, sid, done_turns, turns=0):
+        """A conversation on one of the shared system prompts, with done_turns turns behind it
+        (their content is no one else's, and no cache holds it)."""
+        a = self.a
+        ch = self.wl.shared_chain(10 ** 6 + int(self.rng.integers(0, a.system_prompts)), a.system_len)
+        turns = turns or int(self.rng.integers(a.turns_min, a.turns_max + 1))
+        for _ in range(done_turns):
+            ch.extend(self.wl.fresh(), self.wl.length(a.user_len, a.user_len_range))
+            ch.extend(self.wl.fresh(), self.wl.length(a.output_len, a.output_len_range))
+        s = Session(sid, ch, turns - done_turns)
+        s.turn = done_turns
+        return s
+
+    def prepopulate(self, srate, mean_turns):
+        """The conversations a steady state has going at time 0: sessions started in the past
+        (same arrivals), each turn taken to last --turn-s plus its pause; those not over by 0 come
+        in at their next turn, with the turns before it as their history. Without them the load
+        would ramp up over a conversation's whole length. Returns the next session id."""
+        a = self.a
+        past = a.turns_max * (a.turn_s + a.think_s) * 2.0
+        n = int(past * srate * 1.2) + 10
+        starts = -np.cumsum(self.gaps(n, srate))
+        sid = 0
+        for ts in starts[starts > -past]:
+            turns = int(self.rng.integers(a.turns_min, a.turns_max + 1))
+            t, k = float(ts), 0
+            while k < turns and t < 0:
+                t += a.turn_s + (float(self.rng.exponential(a.think_s)) if a.think_s > 0 else 0.0)
+                k += 1
+            if k < turns and t >= 0:
+                s = self.new_session(sid, k, turns)
+                self.push(t, EV_ARRIVE, s)
+                sid += 1
+        return sid
 
     def new_request(self, t, session=None):
         if session is None:
@@ -773,6 +810,9 @@ def parser():
     g.add_argument("--turns-min", type=int, default=2)
     g.add_argument("--turns-max", type=int, default=6)
     g.add_argument("--think-s", type=float, default=1.0, help="multiturn: mean pause before the next turn")
+    g.add_argument("--turn-s", type=float, default=2.5,
+                   help="multiturn: a turn's length assumed for the conversations going at time 0 "
+                        "(0: none, every conversation starts at 0 and the load ramps up)")
     g.add_argument("--docs", type=int, default=1024, help="rag: shared documents")
     g.add_argument("--doc-len", type=int, default=2048, help="rag")
     g.add_argument("--doc-len-range", type=float, default=0.25)

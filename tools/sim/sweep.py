@@ -29,16 +29,18 @@ POLICY = {
     "least-loaded": ["--policy", "least-loaded"],
     "session": ["--policy", "session"],
 }
-# per (workload, replicas): variants, requests/s per replica, timing
+# per (workload, replicas): [(variants, requests/s per replica, timing)]
+MT = [20, 40, 60, 75, 90, 105, 120, 140]
+RAG = [10, 20, 35, 50, 60, 70, 85]
+RAG_VARIANTS = ["prefix", "prefix-l0.02", "round-robin", "prefix@0.25", "round-robin@0.25"]
 PLAN = {
-    ("multiturn", 4): (list(POLICY), [25, 50, 75, 100, 110, 120, 135, 150], ["--duration", "40", "--warmup", "10"]),
-    ("multiturn", 64): (list(POLICY), [25, 50, 75, 100, 110, 120, 135, 150], ["--duration", "22", "--warmup", "8"]),
-    ("multiturn", 1024): (["prefix", "prefix-l0.02", "prefix-l0.02-ix4M", "round-robin", "session"], [60, 110],
-                          ["--duration", "11", "--warmup", "6"]),
-    ("rag", 4): (["prefix", "prefix-l0.02", "round-robin", "prefix@0.25", "round-robin@0.25"],
-                 [10, 20, 35, 50, 60, 70, 85], ["--duration", "40", "--warmup", "10"]),
-    ("rag", 64): (["prefix", "prefix-l0.02", "round-robin", "prefix@0.25", "round-robin@0.25"],
-                  [10, 20, 35, 50, 60, 70, 85], ["--duration", "20", "--warmup", "6"]),
+    ("multiturn", 4): [(list(POLICY), MT, ["--duration", "30", "--warmup", "6"])],
+    ("multiturn", 64): [(list(POLICY), MT, ["--duration", "14", "--warmup", "5"])],
+    ("multiturn", 1024): [(["prefix", "prefix-l0.02", "round-robin", "session"], [70, 100],
+                           ["--duration", "10", "--warmup", "5"]),
+                          (["prefix-l0.02-ix4M"], [100], ["--duration", "10", "--warmup", "5"])],
+    ("rag", 4): [(RAG_VARIANTS, RAG, ["--duration", "40", "--warmup", "10"])],
+    ("rag", 64): [(RAG_VARIANTS, RAG, ["--duration", "20", "--warmup", "6"])],
 }
 
 
@@ -65,8 +67,8 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     ns = [int(x) for x in args.replicas.split(",")]
     wls = args.workloads.split(",")
-    specs = [(wl, n, label, per, timing) for (wl, n), (labels, pers, timing) in PLAN.items()
-             if wl in wls and n in ns for label in labels for per in pers]
+    specs = [(wl, n, label, per, timing) for (wl, n), plan in PLAN.items() if wl in wls and n in ns
+             for labels, pers, timing in plan for label in labels for per in pers]
     path = os.path.join(OUT, "results.jsonl")
     done = {}
     if os.path.exists(path):
