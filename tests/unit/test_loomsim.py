@@ -4,7 +4,8 @@ would fail: an idle replica's TTFT is its prefill step; the prefix policy
 finds more cached blocks than round robin on a shared-prefix workload; every
 request finishes exactly once and the KV ledgers balance at the end; the same
 seed gives the same run; bursty arrivals raise p99 over Poisson at the same
-mean rate; the prefix index matches leading blocks as router/prefix_index.c."""
+mean rate; the prefix index matches leading blocks as router/prefix_index.c;
+the session policy keeps a conversation on one replica."""
 import os
 import sys
 
@@ -67,6 +68,18 @@ def test_conservation():
         check(once and r["completed"] == len(reqs) == sim.completed and ledgers and router,
               "%s: %d requests, each finished once; KV ledgers and the router's counts back to zero" %
               (pol, len(reqs)))
+
+
+def test_sessions():
+    sim, r = run(["--calib", "h200-8b", "--replicas", "8", "--policy", "session", "--workload", "multiturn",
+                  "--rate", "300", "--duration", "12", "--warmup", "4", "--seed", "6"])
+    where = {}
+    for q in sim.requests:
+        where.setdefault(q.session.id, set()).add(q.rep)
+    check(all(len(v) == 1 for v in where.values()) and len(where) > 100,
+          "session policy: each of %d conversations stays on one replica" % len(where))
+    check(abs(r["offered_rate"] / 300 - 1) < 0.15,
+          "multiturn starts in a steady state: %.0f turns/s offered for 300 asked" % r["offered_rate"])
 
 
 def test_determinism():

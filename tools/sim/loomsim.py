@@ -189,10 +189,10 @@ class Workload:
 class Session:
     """A multi-turn conversation: a shared system prompt, then user turns and
     the answers to them; each turn's prompt is the whole history."""
-    __slots__ = ("id", "chain", "turns_left", "turn")
+    __slots__ = ("id", "chain", "turns_left", "turn", "last")
 
     def __init__(self, sid, chain, turns):
-        self.id, self.chain, self.turns_left, self.turn = sid, chain, turns, 0
+        self.id, self.chain, self.turns_left, self.turn, self.last = sid, chain, turns, 0, 0.0
 
 
 # ---- the prefix index (router/prefix_index.c) -----------------------------------------------
@@ -360,8 +360,8 @@ class Sim:
             t = np.cumsum(self.gaps(n_sessions, srate))
             t -= t[0] if len(t) else 0
             sid = 0
-            if a.turn_s > 0:
-                sid = self.prepopulate(srate, mean_turns)
+            if a.steady_start:
+                sid = self.prepopulate(srate)
             for ts in t:
                 self.push(float(ts), EV_ARRIVE, self.new_session(sid, 0))
                 sid += 1
@@ -388,13 +388,13 @@ class Sim:
         s.turn = done_turns
         return s
 
-    def prepopulate(self, srate, mean_turns):
+    def prepopulate(self, srate):
         """The conversations a steady state has going at time 0: sessions started in the past
-        (same arrivals), each turn taken to last --turn-s plus its pause; those not over by 0 come
-        in at their next turn, with the turns before it as their history. Without them the load
-        would ramp up over a conversation's whole length. Returns the next session id."""
+        (same arrivals, same gaps between turns); those not over by 0 come in at their next turn,
+        with the turns before it as their history (taken as answered). Without them the load would
+        ramp up over a conversation's whole length. Returns the next session id."""
         a = self.a
-        past = a.turns_max * (a.turn_s + a.think_s) * 2.0
+        past = a.turns_max * a.think_s * 8.0
         n = int(past * srate * 1.2) + 10
         starts = -np.cumsum(self.gaps(n, srate))
         sid = 0
@@ -402,13 +402,17 @@ class Sim:
             turns = int(self.rng.integers(a.turns_min, a.turns_max + 1))
             t, k = float(ts), 0
             while k < turns and t < 0:
-                t += a.turn_s + (float(self.rng.exponential(a.think_s)) if a.think_s > 0 else 0.0)
+                t += self.turn_gap()
                 k += 1
             if k < turns and t >= 0:
                 s = self.new_session(sid, k, turns)
+                s.last = t
                 self.push(t, EV_ARRIVE, s)
                 sid += 1
         return sid
+
+    def turn_gap(self):
+        return float(self.rng.exponential(self.a.think_s)) if self.a.think_s > 0 else 0.0
 
     def new_request(self, t, session=None):
         if session is None:
@@ -421,6 +425,7 @@ class Sim:
             q = Request(self.next_id, ch.copy(), n_out, t, session, session.turn)
             session.turns_left -= 1
             session.turn += 1
+            session.last = t
         # a prompt longer than the model takes is cut from the front of what is left (never happens
         # within the defaults; counted as is)
         if q.n_prompt + q.n_out > self.max_len:
@@ -678,9 +683,8 @@ class Sim:
         s = q.session
         if s is not None:
             s.chain = full
-            if s.turns_left > 0:
-                think = float(self.rng.exponential(self.a.think_s)) if self.a.think_s > 0 else 0.0
-                self.push(self.now + think, EV_ARRIVE, s)
+            if s.turns_left > 0:  # the next turn: a gap after this one came, and never before its answer
+                self.push(max(self.now, s.last + self.turn_gap()), EV_ARRIVE, s)
 
     def poll(self, _):
         for rep in self.reps:
@@ -809,10 +813,12 @@ def parser():
     g.add_argument("--user-len-range", type=float, default=0.5)
     g.add_argument("--turns-min", type=int, default=2)
     g.add_argument("--turns-max", type=int, default=6)
-    g.add_argument("--think-s", type=float, default=1.0, help="multiturn: mean pause before the next turn")
-    g.add_argument("--turn-s", type=float, default=2.5,
-                   help="multiturn: a turn's length assumed for the conversations going at time 0 "
-                        "(0: none, every conversation starts at 0 and the load ramps up)")
+    g.add_argument("--think-s", type=float, default=3.0,
+                   help="multiturn: mean time (exponential) from one turn to the next of a conversation; "
+                        "a turn never comes before the answer to the one before it")
+    g.add_argument("--no-steady-start", dest="steady_start", action="store_false",
+                   help="multiturn: every conversation starts at 0 (the load ramps up over a conversation's "
+                        "length) instead of starting with the conversations a steady state has going")
     g.add_argument("--docs", type=int, default=1024, help="rag: shared documents")
     g.add_argument("--doc-len", type=int, default=2048, help="rag")
     g.add_argument("--doc-len-range", type=float, default=0.25)

@@ -30,15 +30,15 @@ POLICY = {
     "session": ["--policy", "session"],
 }
 # per (workload, replicas): [(variants, requests/s per replica, timing)]
-MT = [20, 40, 60, 75, 90, 105, 120, 140]
+MT = [20, 40, 60, 80, 90, 100, 110, 120, 135]
 RAG = [10, 20, 35, 50, 60, 70, 85]
 RAG_VARIANTS = ["prefix", "prefix-l0.02", "round-robin", "prefix@0.25", "round-robin@0.25"]
 PLAN = {
     ("multiturn", 4): [(list(POLICY), MT, ["--duration", "30", "--warmup", "6"])],
     ("multiturn", 64): [(list(POLICY), MT, ["--duration", "14", "--warmup", "5"])],
-    ("multiturn", 1024): [(["prefix", "prefix-l0.02", "round-robin", "session"], [70, 100],
+    ("multiturn", 1024): [(["prefix", "prefix-l0.02", "round-robin", "session"], [80, 110],
                            ["--duration", "10", "--warmup", "5"]),
-                          (["prefix-l0.02-ix4M"], [100], ["--duration", "10", "--warmup", "5"])],
+                          (["prefix-l0.02-ix4M"], [110], ["--duration", "10", "--warmup", "5"])],
     ("rag", 4): [(RAG_VARIANTS, RAG, ["--duration", "40", "--warmup", "10"])],
     ("rag", 64): [(RAG_VARIANTS, RAG, ["--duration", "20", "--warmup", "6"])],
 }
