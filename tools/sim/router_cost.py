@@ -29,6 +29,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results")
 
 
+def capacity_table(rows):
+    """Per (workload, replicas, variant): the highest rate per replica tried at which >= 95% of
+    requests met the SLO, the goodput per replica there and the prefix-cache hit rate."""
+    best = {}
+    for r in rows:
+        k = (r["workload"], r["replicas"], r["variant"])
+        if r["good_fraction"] >= 0.95 and r["per_replica_rate"] > best.get(k, (0,))[0]:
+            best[k] = (r["per_replica_rate"], r["goodput"] / r["replicas"], r["prefix_hit_rate_blocks"])
+    print("workload  replicas variant              SLO capacity (req/s a replica)  goodput/replica  hit rate")
+    for k in sorted(best):
+        print("%-9s %8d %-20s %12g %20.1f %12.2f" % (k + best[k]))
+
+
 def slo_capacity(rows, n):
     """The highest rate per replica at which the best variant serves >= 95% of requests within the SLO."""
     best = 0.0
@@ -48,6 +61,7 @@ def main():
                     help="req/s per replica (default: the SLO capacity the simulator found)")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(os.path.join(OUT, "results.jsonl"))]
+    capacity_table(rows)
     caps = {n: slo_capacity(rows, n) for n in (4, 64, 1024)}
     per = args.per_replica or max(c for c in caps.values())
     print("SLO capacity per replica (multiturn, best policy): %s; using %g req/s a replica" %
