@@ -434,6 +434,7 @@ class Sim:
                 return None
         self.next_id += 1
         q.measured = self.a.warmup <= t <= self.arrival_end
+        self.meas_left += q.measured
         self.requests.append(q)
         return q
 
@@ -680,6 +681,7 @@ class Sim:
         self.inflight[r] -= 1
         self.prompt_sum[r] -= q.n_prompt
         self.completed += 1
+        self.meas_left -= q.measured
         s = q.session
         if s is not None:
             s.chain = full
@@ -697,6 +699,7 @@ class Sim:
         self.completed = 0
         self.query_blocks = self.hit_blocks = 0
         self.n_made = 0
+        self.meas_left = 0
         self.schedule_arrivals()
         self.push(0.0, EV_POLL, None)
         ev = self.events
@@ -720,6 +723,8 @@ class Sim:
             elif kind == EV_POLL:
                 if not ev:
                     break  # nothing else left to happen
+                if self.a.stop_when_measured and self.meas_left == 0 and t > self.arrival_end:
+                    break  # what comes after cannot change a measured request
                 self.poll(obj)
         return self.summary()
 
@@ -798,6 +803,10 @@ def parser():
     g.add_argument("--warmup", type=float, default=0.0, help="requests arriving before this many seconds "
                    "are simulated but not counted")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop-when-measured", action="store_true",
+                   help="end at the first Stats poll after the last measured request finished (the "
+                        "measured figures are the same; completed, sim_end_s, replica_busy_mean and the "
+                        "prefix hit rate, over all requests routed, are not)")
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", choices=("random", "prefix-rep", "multiturn", "rag"), default="random")
     g.add_argument("--prompt-len", type=int, default=512)
