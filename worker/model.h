@@ -42,6 +42,9 @@ typedef struct loom_model_options {
      * (quant NONE: the backend's float dtype); linears the checkpoint
      * already stores quantized are used as stored (docs/model-format.md). */
     loom_quant_spec_t quant;
+    /* Mixture-of-Experts layers: the stage's TP ranks split the experts
+     * (whole experts per rank) instead of slicing each expert */
+    int expert_parallel;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it
