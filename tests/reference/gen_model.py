@@ -57,6 +57,10 @@ def parse_args(argv):
     p.add_argument("--norm-topk-prob", choices=["true", "false"], default="true", help="qwen3_moe: norm_topk_prob")
     p.add_argument("--sparse-step", type=int, default=1, help="qwen3_moe: decoder_sparse_step")
     p.add_argument("--mlp-only-layers", default="", help="qwen3_moe: mlp_only_layers, comma-separated")
+    p.add_argument("--expert-spread", type=float, default=1.0,
+                   help="mixtral, qwen3_moe: each expert weight is sqrt(1-s^2) * a part all experts of the layer "
+                        "share + s * its own (1: independent experts; below 1 they resemble each other, as "
+                        "experts upcycled from one dense MLP do, and a token routed elsewhere moves less)")
     p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
     p.add_argument("--sliding-pattern", type=int, default=2,
@@ -135,21 +139,22 @@ def tensor_specs(a):
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
             (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
         ]
+        ex = "expert:%r" % a.expert_spread
         if a.arch == "mixtral":  # MixtralSparseMoeBlock: gate (the router), experts.J.w1 / w3 / w2
             specs.append((pre + "block_sparse_moe.gate.weight", (a.experts, a.dim), "router"))
             for j in range(a.experts):
                 e = pre + "block_sparse_moe.experts.%d." % j
-                specs += [(e + "w1.weight", (a.hidden_dim, a.dim), "linear"),
-                          (e + "w2.weight", (a.dim, a.hidden_dim), "linear"),
-                          (e + "w3.weight", (a.hidden_dim, a.dim), "linear")]
+                specs += [(e + "w1.weight", (a.hidden_dim, a.dim), ex),
+                          (e + "w2.weight", (a.dim, a.hidden_dim), ex),
+                          (e + "w3.weight", (a.hidden_dim, a.dim), ex)]
             continue
         if a.arch == "qwen3_moe" and moe_layer(a, i):  # Qwen3MoeSparseMoeBlock
             specs.append((pre + "mlp.gate.weight", (a.experts, a.dim), "router"))
             for j in range(a.experts):
                 e = pre + "mlp.experts.%d." % j
-                specs += [(e + "gate_proj.weight", (a.moe_hidden_dim, a.dim), "linear"),
-                          (e + "up_proj.weight", (a.moe_hidden_dim, a.dim), "linear"),
-                          (e + "down_proj.weight", (a.dim, a.moe_hidden_dim), "linear")]
+                specs += [(e + "gate_proj.weight", (a.moe_hidden_dim, a.dim), ex),
+                          (e + "up_proj.weight", (a.moe_hidden_dim, a.dim), ex),
+                          (e + "down_proj.weight", (a.dim, a.moe_hidden_dim), ex)]
             continue
         specs += [
             (pre + "mlp.gate_proj.weight", (a.hidden_dim, a.dim), "linear"),
@@ -193,6 +198,14 @@ def fuse_specs(a, specs):
 def make_tensor(seed, name, shape, kind, qk_gain=QK_GAIN):
     if isinstance(kind, tuple):  # fused: the parts stacked by rows
         return np.concatenate([make_tensor(seed, n, s, k, qk_gain) for n, s, k in kind[1]], axis=0)
+    if isinstance(kind, str) and kind.startswith("expert:"):  # sqrt(1-s^2) * shared + s * own
+        s = float(kind[7:])
+        x = make_tensor(seed, name, shape, "linear")
+        if s < 1.0:
+            pre, rest = name.split(".experts.", 1)
+            shared = make_tensor(seed, pre + ".experts.shared." + rest.split(".", 1)[1], shape, "linear")
+            x = (np.float32(np.sqrt(1.0 - s * s)) * shared + np.float32(s) * x).astype(np.float32)
+        return x
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
