@@ -38,7 +38,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from harness import BIN, PYTHON, ROOT, Cluster, check, check_refused_shard, free_port, gen_model, run_tests  # noqa: E402
-from test_grid import N_TOKENS, PROMPTS, check_model, merged_logits  # noqa: E402
+from test_grid import N_TOKENS, PROMPTS, check_model, merged_logits, run_local  # noqa: E402
 from test_http import request  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-models")
@@ -180,6 +180,36 @@ def test_moe_reference_grids():
             print("  %s %dx%d%s: ids equal the float64 reference, worst logit relative error %.2e"
                   % (os.path.basename(model), tp, pp, "".join(" " + a for a in coord), worst), flush=True)
             check(worst <= 1e-4, "%dx%d: logits differ from the reference by %.3g" % (tp, pp, worst))
+
+
+def test_moe_quantized_checkpoints():
+    # `loom quantize` stores the experts quantized (the router float), and the stored checkpoint gives the ids
+    # of quantizing on load, on one process and on a grid with --expert-parallel
+    for model in (mixtral(), qwen3_moe()):
+        for scheme in ("int8", "q4"):
+            out = os.path.join(WORK, "%s-%s" % (os.path.basename(model), scheme))
+            shutil.rmtree(out, ignore_errors=True)
+            p = subprocess.run([os.path.join(BIN, "loom"), "quantize", model, out, "--quantization", scheme],
+                               capture_output=True, text=True, timeout=120)
+            check(p.returncode == 0, "loom quantize %s: %s" % (scheme, p.stderr))
+            with open(os.path.join(out, "model.safetensors"), "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                names = set(json.loads(f.read(n)))
+            router = "model.layers.1.%s.gate.weight" % ("block_sparse_moe" if "mixtral" in model else "mlp")
+            expert = ("model.layers.1.block_sparse_moe.experts.3.w2.qweight" if "mixtral" in model
+                      else "model.layers.1.mlp.experts.3.down_proj.qweight")
+            check(router in names and expert in names, "%s: router %s float and %s stored: %s"
+                  % (scheme, router, expert, sorted(names)[:8]))
+            for prompt in PROMPTS[:1]:
+                _, on_load = run_local(model, prompt, N_TOKENS, extra=["--ignore-eos", "--quantization", scheme])
+                _, stored = run_local(out, prompt, N_TOKENS, extra=["--ignore-eos"])
+                check(stored == on_load, "%s %s: stored %s, on load %s" % (model, scheme, stored, on_load))
+            print("  %s %s: loom quantize output and quantize-on-load agree on %d ids"
+                  % (os.path.basename(model), scheme, N_TOKENS), flush=True)
+        c = Cluster(out, 2, 1, coord_args=["--expert-parallel"])
+        with c:
+            rc, _, ids, err = c.generate(PROMPTS[0], N_TOKENS, extra=["--ignore-eos"])
+            check(rc == 0 and len(ids) == N_TOKENS, "2x1 --expert-parallel on the q4 checkpoint: %s" % err)
 
 
 def test_moe_refusals():
@@ -402,5 +432,6 @@ def test_cluster_keeps_serving_on_nan():
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_moe_refusals, test_moe_grids, test_moe_reference_grids, test_moe_int8_grids, test_refusals, test_cluster_keeps_serving_on_nan,
+    run_tests([test_moe_refusals, test_moe_grids, test_moe_reference_grids, test_moe_int8_grids, test_moe_quantized_checkpoints,
+               test_refusals, test_cluster_keeps_serving_on_nan,
                test_new_family_grids, test_gemma2_grids, test_gemma2_reference_grids, test_quantized_kl])
