@@ -58,7 +58,8 @@ struct loom_model {
     float *inv_freq;       /* (hd / 2) */
     float *inv_freq_local; /* (hd / 2) Gemma 3's sliding layers: rope_local_base_freq, unscaled; or NULL */
     size_t weight_bytes;
-    size_t matmul_bytes; /* of the matmul weights: what one decode step reads */
+    size_t matmul_bytes; /* of the matmul weights */
+    size_t expert_bytes; /* of them, the held experts' (a token reads k/E of these) */
     int n_quantized;     /* matmul weights stored quantized */
 
     /* KV pool; with decode buckets one more block, after the n_blocks the
@@ -313,6 +314,7 @@ static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *er
         snprintf(pg, sizeof pg, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w2" : "down_proj");
         lin_part_t dn = {pg, dim, 0, dim};
         LOOM_CHECK(load_linear(L, &f->e2[j], pg, &dn, 1, c->moe_hidden_dim, m->moe_hb, m->moe_hn, err));
+        m->expert_bytes += loom_weight_bytes(&f->e13[j]) + loom_weight_bytes(&f->e2[j]);
     }
     return LOOM_OK;
 }
@@ -927,6 +929,12 @@ const loom_shard_dims_t *loom_model_dims(const loom_model_t *m) { return &m->dim
 const loom_model_config_t *loom_model_config(const loom_model_t *m) { return &m->cfg; }
 size_t loom_model_weight_bytes(const loom_model_t *m) { return m->weight_bytes; }
 size_t loom_model_matmul_bytes(const loom_model_t *m) { return m->matmul_bytes; }
+size_t loom_model_active_bytes(const loom_model_t *m) {
+    if (!m->expert_bytes) return m->matmul_bytes;
+    /* a token's k experts of E: under expert parallelism k/tp of this rank's E/tp on average */
+    double active = (double)m->expert_bytes * m->cfg.n_experts_per_tok / m->cfg.n_experts;
+    return m->matmul_bytes - m->expert_bytes + (size_t)active;
+}
 int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
 int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
 float *loom_model_hidden(loom_model_t *m) { return m->x; }
