@@ -55,9 +55,10 @@ static int open_scheme(const char *model, const char *scheme, const loom_quant_s
     }
     const loom_model_config_t *c = loom_local_config(res->l);
     /* Bytes streamed per decoded token: every matmul weight (codes, scales
-     * and mins as stored) and norm once; of the embedding only one row. */
+     * and mins as stored) and norm once; of the embedding only one row; of a
+     * Mixture of Experts the router and the chosen experts' share. */
     double norms = (2.0 * c->n_layers + 1) * c->dim * 4.0;
-    res->wbytes = (double)loom_model_matmul_bytes(loom_local_model(res->l)) + norms;
+    res->wbytes = (double)loom_model_active_bytes(loom_local_model(res->l)) + norms;
     snprintf(res->scheme, sizeof res->scheme, "%.23s", scheme);
     return 0;
 }
@@ -140,10 +141,13 @@ int main(int argc, char **argv) {
             if (run_once(&res[i], prompt, n_prompt, n_gen, rep)) goto out_prompt;
         triad[rep] = loom_bench_triad_gbs(threads);
     }
-    /* matmul parameters: two FLOPs each per token */
+    /* matmul parameters a token uses: two FLOPs each per token (a Mixture of
+     * Experts layer: its router and n_experts_per_tok experts) */
     double qkv = (double)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim * c->dim;
     double o = (double)c->n_heads * c->head_dim * c->dim, mlp = 3.0 * c->dim * c->hidden_dim;
-    double params = c->n_layers * (qkv + o + mlp) + (double)c->vocab_size * c->dim;
+    double moe = 3.0 * c->dim * c->moe_hidden_dim * c->n_experts_per_tok + (double)c->n_experts * c->dim;
+    double params = (double)c->vocab_size * c->dim;
+    for (int l = 0; l < c->n_layers; l++) params += qkv + o + (loom_model_config_layer_moe(c, l) ? moe : mlp);
     double tr_best, tr_med;
     best_median(triad, reps, &tr_best, &tr_med);
     printf("model: %s (%.1fM matmul parameters, dim %d, %d layers, %d/%d heads, vocab %d), %s, %d threads\n"

@@ -40,9 +40,17 @@ static int is_linear(const char *name) {
                                         ".mlp.gate_proj.weight",    ".mlp.up_proj.weight",
                                         ".mlp.down_proj.weight",    ".self_attn.qkv_proj.weight",
                                         ".mlp.gate_up_proj.weight"}; /* the last two: Phi-3's fused ones */
+    /* Mixture-of-Experts experts (Mixtral's w1/w3/w2, Qwen3-MoE's *_proj); the router stays float */
+    static const char *const k_expert[] = {".w1.weight", ".w2.weight", ".w3.weight", ".gate_proj.weight",
+                                           ".up_proj.weight", ".down_proj.weight"};
     if (!strcmp(name, "lm_head.weight")) return 1;
     if (strncmp(name, "model.layers.", 13)) return 0;
     size_t n = strlen(name);
+    if (strstr(name, ".block_sparse_moe.experts.") || strstr(name, ".mlp.experts."))
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(k_expert); i++) {
+            size_t m = strlen(k_expert[i]);
+            if (n > m && !strcmp(name + n - m, k_expert[i])) return 1;
+        }
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_sfx); i++) {
         size_t m = strlen(k_sfx[i]);
         if (n > m && !strcmp(name + n - m, k_sfx[i])) return 1;

@@ -361,6 +361,7 @@ typedef struct fwd_opts {
         *recovery_ms, *log_format, *embedding_pooling;
     const char *spec_method, *spec_k, *ngram_min, *ngram_max; /* speculative decoding */
     int prefix_on, prefix_off;
+    int expert_parallel; /* Mixture-of-Experts layers: TP ranks split the experts */
 } fwd_opts_t;
 
 int loom_cmd_serve(int argc, char **argv) {
@@ -390,6 +391,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"q", LOOM_OPT_STR, &f.quantization, "SCHEME", "same as --quantization", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &f.kv_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (CPU), fp8 (CUDA)", 1, 0, NULL},
         {"block-size", LOOM_OPT_STR, &f.block_size, "N", "KV cache block size in tokens (default 16)", 1, 0, NULL},
+        {"enable-expert-parallel", LOOM_OPT_FLAG, &f.expert_parallel, NULL, "Mixture-of-Experts layers: each TP rank holds whole experts instead of a slice of every one (loom-coordinator --expert-parallel)", 1, 0, NULL},
         {"enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_on, NULL, "automatic prefix caching (the default)", 1, 0, NULL},
         {"no-enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_off, NULL, "no automatic prefix caching", 1, 0, NULL},
         {"api-key", LOOM_OPT_STR, &f.api_key, "KEY", "require this key (Authorization: Bearer KEY) on /v1/... (default: open, or LOOM_API_KEY)", 1, 0, NULL},
@@ -513,6 +515,7 @@ int loom_cmd_serve(int argc, char **argv) {
             argv_push(a, "%s", fwd[i].value);
         }
     if (f.prefix_off) argv_push(a, "--no-prefix-cache");
+    if (f.expert_parallel) argv_push(a, "--expert-parallel");
     /* the key goes in the environment, not on a command line other users can read in /proc */
     if (f.api_key) setenv("LOOM_API_KEY", f.api_key, 1);
 

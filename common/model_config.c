@@ -16,7 +16,8 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"};
+static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                                             "mixtral", "qwen3_moe"};
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -332,6 +333,8 @@ static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, co
         const cJSON *v = field(root, numbers[i]);
         if (cfg->gemma && (!strcmp(numbers[i], "query_pre_attn_scalar") || strstr(numbers[i], "softcapping")))
             continue; /* read by parse_gemma */
+        if (cfg->n_experts && (!strcmp(numbers[i], "num_local_experts") || !strcmp(numbers[i], "num_experts")))
+            continue; /* read by parse_moe */
         if (v && !(cJSON_IsNumber(v) && v->valuedouble == 0 && strstr(numbers[i], "experts")))
             return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: %s is not supported for model_type '%s'", path,
                                 numbers[i], cfg->model_type);
@@ -525,6 +528,59 @@ static loom_status_t parse_quantization(loom_model_config_t *cfg, const cJSON *r
     return LOOM_OK;
 }
 
+/* The Mixture-of-Experts keys of Mixtral (MixtralConfig: num_local_experts,
+ * every layer sparse, experts of intermediate_size, top-k always
+ * renormalised) and Qwen3-MoE (Qwen3MoeConfig: num_experts,
+ * moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
+ * mlp_only_layers: dense layers of intermediate_size). */
+static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+    int mixtral = !strcmp(cfg->model_type, "mixtral");
+    const char *ekey = mixtral ? "num_local_experts" : "num_experts";
+    const cJSON *v = field(root, ekey);
+    int e = mixtral ? 8 : 128; /* MixtralConfig / Qwen3MoeConfig defaults */
+    if (v && (!json_int(v, &e) || e < 0))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a non-negative integer", path, ekey);
+    int k = mixtral ? 2 : 8;
+    v = field(root, "num_experts_per_tok");
+    if (v && !json_int(v, &k))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok must be an integer", path);
+    cfg->moe_mixtral_names = mixtral;
+    cfg->moe_sparse_step = 1;
+    cfg->norm_topk_prob = mixtral;
+    cfg->moe_hidden_dim = cfg->hidden_dim;
+    if (e == 0) {
+        if (mixtral) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_local_experts must be positive", path);
+        return LOOM_OK; /* a qwen3_moe of dense layers */
+    }
+    if (k < 1 || k > e)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok (%d) must be between 1 and %s (%d)", path,
+                            k, ekey, e);
+    if (!mixtral) {
+        LOOM_CHECK(get_pos_int(root, "moe_intermediate_size", 0, 768, &cfg->moe_hidden_dim, path, err));
+        LOOM_CHECK(get_bool(root, "norm_topk_prob", 0, &cfg->norm_topk_prob, path, err));
+        LOOM_CHECK(get_pos_int(root, "decoder_sparse_step", 0, 1, &cfg->moe_sparse_step, path, err));
+        v = field(root, "mlp_only_layers");
+        if (v) {
+            const cJSON *it;
+            if (!cJSON_IsArray(v))
+                return loom_err_set(err, LOOM_ERR_FORMAT, "%s: mlp_only_layers must be a list of layer indices",
+                                    path);
+            cJSON_ArrayForEach(it, v) {
+                int l;
+                if (!json_int(it, &l) || l < 0 || l >= cfg->n_layers || l >= LOOM_MAX_LAYER_TYPES)
+                    return loom_err_set(err, LOOM_ERR_FORMAT,
+                                        "%s: mlp_only_layers entries must be layer indices below "
+                                        "num_hidden_layers (%d)",
+                                        path, cfg->n_layers);
+                cfg->mlp_only[l] = 1;
+            }
+        }
+    }
+    cfg->n_experts = e;
+    cfg->n_experts_per_tok = k;
+    return LOOM_OK;
+}
+
 static loom_dtype_t dtype_from_torch(const cJSON *v) {
     if (!cJSON_IsString(v)) return LOOM_DT_F32;
     if (!strcmp(v->valuestring, "float16")) return LOOM_DT_F16;
@@ -544,7 +600,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-                            "qwen2, qwen3, phi3, gemma2 and gemma3_text)",
+                            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral and qwen3_moe)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
@@ -578,11 +634,18 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     LOOM_CHECK(parse_rope_scaling(cfg, root, rp ? rp : field(root, "rope_scaling"), path, err));
     int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
     LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));
-    cfg->qk_norm = !strcmp(cfg->model_type, "qwen3");
+    cfg->qk_norm = !strcmp(cfg->model_type, "qwen3") || !strcmp(cfg->model_type, "qwen3_moe");
+    if (!strcmp(cfg->model_type, "mixtral") || !strcmp(cfg->model_type, "qwen3_moe"))
+        LOOM_CHECK(parse_moe(cfg, root, path, err));
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
     if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
     if (!strcmp(cfg->model_type, "gemma2")) LOOM_CHECK(parse_gemma2(cfg, root, path, err));
     if (!strcmp(cfg->model_type, "phi3")) { /* Phi3Config: sliding_window defaults to none */
+        if (field(root, "sliding_window"))
+            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
+    }
+    if (!strcmp(cfg->model_type, "mixtral")) { /* MixtralConfig: sliding_window defaults to none */
         if (field(root, "sliding_window"))
             LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
         if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
@@ -759,6 +822,12 @@ int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer) {
     int sliding = cfg->has_layer_types ? layer >= 0 && layer < LOOM_MAX_LAYER_TYPES && cfg->layer_sliding[layer]
                                        : (layer + 1) % cfg->sliding_pattern != 0;
     return sliding && cfg->sliding_window < cfg->max_seq_len ? cfg->sliding_window : 0;
+}
+
+int loom_model_config_layer_moe(const loom_model_config_t *cfg, int layer) {
+    if (cfg->n_experts <= 0 || layer < 0) return 0;
+    if (layer < LOOM_MAX_LAYER_TYPES && cfg->mlp_only[layer]) return 0;
+    return (layer + 1) % cfg->moe_sparse_step == 0;
 }
 
 int loom_model_config_all_windowed(const loom_model_config_t *cfg) {

@@ -93,6 +93,14 @@ typedef struct loom_model_config {
     int ckpt_group;              /* AWQ/GPTQ, loom 4-bit: group_size (input columns per scale); else 0 */
     int ckpt_zeros_minus1;       /* GPTQ checkpoint_format "gptq" (v1): stored zeros are z - 1 */
     int ckpt_desc_act;           /* GPTQ desc_act (act-order: g_idx is checked on load) */
+    /* Mixture of Experts (mixtral, qwen3_moe); n_experts 0 = every layer dense */
+    int n_experts;               /* num_local_experts (mixtral) / num_experts (qwen3_moe) */
+    int n_experts_per_tok;       /* num_experts_per_tok: experts each token is routed to */
+    int moe_hidden_dim;          /* an expert's intermediate size (moe_intermediate_size; mixtral: intermediate_size) */
+    int norm_topk_prob;          /* renormalise the chosen experts' router weights to sum 1 (mixtral: always) */
+    int moe_sparse_step;         /* decoder_sparse_step: layer L sparse when (L+1) % step == 0 */
+    int moe_mixtral_names;       /* block_sparse_moe.{gate,experts.J.w1/w3/w2} (else mlp.{gate,experts.J.*_proj}) */
+    unsigned char mlp_only[LOOM_MAX_LAYER_TYPES]; /* mlp_only_layers: dense layers of a qwen3_moe */
 } loom_model_config_t;
 
 /* Reads DIR/config.json; errors name the file and the offending field. */
@@ -103,6 +111,8 @@ loom_status_t loom_model_config_parse(const char *json, size_t len, const char *
 int loom_model_config_is_eos(const loom_model_config_t *cfg, int id);
 /* The attention window of layer `layer` (0: full attention). */
 int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer);
+/* Whether layer `layer`'s feed-forward block is a Mixture of Experts. */
+int loom_model_config_layer_moe(const loom_model_config_t *cfg, int layer);
 /* Whether every layer is windowed (blocks behind the window can be freed). */
 int loom_model_config_all_windowed(const loom_model_config_t *cfg);
 

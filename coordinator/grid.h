@@ -109,6 +109,7 @@ typedef struct loom_grid_config {
     loom_status_t (*secure_ctl)(void *ctx, void *ctl, loom_zap_t **ctl_zap, loom_err_t *err);
     void *secure_ctx;
     int encrypt_data; /* tcp data plane: encrypt every frame (Assign.data_encrypt) */
+    int expert_parallel; /* MoE layers: TP ranks split the experts (Assign.expert_parallel) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
 } loom_grid_config_t;

@@ -136,6 +136,8 @@ int main(int argc, char **argv) {
         {"served-model-name", LOOM_OPT_STR, &c.model_name, "NAME", "model id clients use (default: the directory name)", 1, 0, NULL},
         {"comm", LOOM_OPT_STR, &c.comm, "KIND", "data plane: auto (shm on one host, else tcp), shm, tcp", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &c.weight_dtype, "TYPE", "weight storage on workers: f32, bf16, f16, or vLLM's float32, bfloat16, float16/half, auto (= f32) (default f32)", 1, 0, NULL},
+        {"expert-parallel", LOOM_OPT_FLAG, &c.expert_parallel, NULL, "Mixture-of-Experts layers: each TP rank of a stage holds whole experts (num_experts / tp of them) instead of a slice of every expert; attention stays sliced", 1, 0, NULL},
+        {"enable-expert-parallel", LOOM_OPT_FLAG, &c.expert_parallel, NULL, "vLLM's name for --expert-parallel", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &c.quantization, "SCHEME", "quantize matmul weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &c.kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on CPU, bf16 on CUDA), f32, bf16, int8 (CPU), fp8 (CUDA; vLLM's fp8_e4m3 too) (default auto)", 1, 0, NULL},
         {"max-num-seqs", LOOM_OPT_INT, &c.max_num_seqs, "N", "most running sequences (default 64)", 1, 4096, NULL},

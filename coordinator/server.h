@@ -20,6 +20,7 @@ typedef struct loom_server_config {
     const char *weight_dtype; /* f32, bf16, f16 */
     const char *quantization; /* matmul weights quantized on load: none, int8, fp8, q4, ... */
     const char *kv_cache_dtype; /* auto, f32, bf16, int8, fp8 (workers resolve auto) */
+    int expert_parallel;      /* MoE layers: the TP ranks of a stage split the experts */
     int max_num_seqs;
     int max_batched_tokens;
     int max_queue;

@@ -12,13 +12,18 @@
 #include "common/util.h"
 #include "worker/qweights.h"
 
-/* The feed-forward block of a layer. Today every layer's is the dense gated
- * MLP: down(act(gate(x)) * up(x)). A Mixture-of-Experts block would add a
- * kind, a router and per-expert weights here; the layer loop calls
+/* The feed-forward block of a layer: the dense gated MLP
+ * down(act(gate(x)) * up(x)), or a Mixture of Experts (Mixtral, Qwen3-MoE):
+ * a router picks n_experts_per_tok experts per token and the block's output
+ * is their MLPs' outputs weighted by the router. The layer loop calls
  * run_ffn() and does not look inside. */
 typedef struct loom_ffn {
-    loom_weight_t w13; /* (2*hidden, dim): gate rows then up rows */
-    loom_weight_t w2;  /* (dim, hidden): this rank's input columns */
+    loom_weight_t w13; /* dense: (2*hidden, dim): gate rows then up rows */
+    loom_weight_t w2;  /* dense: (dim, hidden): this rank's input columns */
+    int moe;              /* a Mixture of Experts: the fields below, not w13 / w2 */
+    loom_weight_t router; /* (n_experts, dim), float, replicated on every rank */
+    loom_weight_t *e13;   /* (n_experts) each (2*moe_hn, dim); only the held experts are loaded */
+    loom_weight_t *e2;    /* (n_experts) each (dim, moe_hn) */
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -53,7 +58,8 @@ struct loom_model {
     float *inv_freq;       /* (hd / 2) */
     float *inv_freq_local; /* (hd / 2) Gemma 3's sliding layers: rope_local_base_freq, unscaled; or NULL */
     size_t weight_bytes;
-    size_t matmul_bytes; /* of the matmul weights: what one decode step reads */
+    size_t matmul_bytes; /* of the matmul weights */
+    size_t expert_bytes; /* of them, the held experts' (a token reads k/E of these) */
     int n_quantized;     /* matmul weights stored quantized */
 
     /* KV pool; with decode buckets one more block, after the n_blocks the
@@ -79,6 +85,25 @@ struct loom_model {
     int32_t *meta_host;
     int32_t *meta_dev;
     size_t meta_cap; /* int32 entries */
+
+    /* Mixture of Experts. With plain TP every rank holds every expert, its
+     * intermediate rows [moe_hb, moe_hb+moe_hn) sliced like a dense MLP's;
+     * with expert parallelism it holds whole experts [expert_begin,
+     * expert_end). Either way the rank's partial sums meet in the MLP's
+     * all-reduce. Routing runs on the host (the CPU backend's memory). */
+    int expert_begin, expert_end;
+    int moe_hb, moe_hn;
+    float *rl;      /* (T, n_experts) router logits (device) */
+    float *xg;      /* (T, dim) the rows routed to one expert (device) */
+    float *h_probs; /* (T, n_experts) host: router probabilities */
+    float *h_x;     /* (T, dim) host: the normed input */
+    float *h_y;     /* (T, dim) host: one expert's output rows */
+    float *h_acc;   /* (T, dim) host: the weighted sum */
+    int32_t *h_sel; /* (T, k) chosen experts */
+    float *h_w;     /* (T, k) their weights */
+    int32_t *h_cnt; /* (n_experts + 1) CSR offsets of the rows routed to each expert */
+    int32_t *h_rows; /* (T * k) token of each routed row, grouped by expert */
+    float *h_rw;     /* (T * k) its router weight */
 };
 
 /* ---- loading ------------------------------------------------------------ */
@@ -325,6 +350,38 @@ static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what
     return s;
 }
 
+/* A Mixture-of-Experts block: the router whole, and each held expert's
+ * gate / up rows and down columns [moe_hb, moe_hb+moe_hn) (all of them under
+ * expert parallelism), through load_linear as a dense MLP's are, so
+ * quantization on load and stored quantized experts work the same way. */
+static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *err) {
+    loom_model_t *m = L->m;
+    const loom_model_config_t *c = &m->cfg;
+    const int E = c->n_experts, dim = c->dim, mx = c->moe_mixtral_names;
+    const char *blk = mx ? "block_sparse_moe" : "mlp";
+    char name[256], pg[256], pu[256], what[256];
+    f->moe = 1;
+    snprintf(name, sizeof name, "model.layers.%d.%s.gate.weight", gl, blk);
+    float *h = staging(L, (size_t)E * dim);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
+    LOOM_CHECK(read_block(L, name, E, dim, 0, E, 0, dim, h, err));
+    LOOM_CHECK(upload_weight(L, &f->router, E, dim, name, err));
+    f->e13 = loom_xcalloc((size_t)E, sizeof *f->e13);
+    f->e2 = loom_xcalloc((size_t)E, sizeof *f->e2);
+    for (int j = m->expert_begin; j < m->expert_end; j++) {
+        snprintf(pg, sizeof pg, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w1" : "gate_proj");
+        snprintf(pu, sizeof pu, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w3" : "up_proj");
+        lin_part_t gu[2] = {{pg, c->moe_hidden_dim, m->moe_hb, m->moe_hn}, {pu, c->moe_hidden_dim, m->moe_hb, m->moe_hn}};
+        snprintf(what, sizeof what, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w1+w3" : "gate_up");
+        LOOM_CHECK(load_linear(L, &f->e13[j], what, gu, 2, dim, 0, dim, err));
+        snprintf(pg, sizeof pg, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w2" : "down_proj");
+        lin_part_t dn = {pg, dim, 0, dim};
+        LOOM_CHECK(load_linear(L, &f->e2[j], pg, &dn, 1, c->moe_hidden_dim, m->moe_hb, m->moe_hn, err));
+        m->expert_bytes += loom_weight_bytes(&f->e13[j]) + loom_weight_bytes(&f->e2[j]);
+    }
+    return LOOM_OK;
+}
+
 static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
     loom_model_t *m = L->m;
     const loom_model_config_t *c = &m->cfg;
@@ -393,6 +450,11 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
     LOOM_CHECK(load_linear(L, &ly->wo, LNAME("self_attn.o_proj"), &o, 1, qrows, (int64_t)d->q_head_begin * hd,
                            (int64_t)d->n_heads * hd, err));
 
+    if (loom_model_config_layer_moe(c, gl)) {
+        LOOM_CHECK(load_moe(L, gl, &ly->ffn, err));
+        return LOOM_OK;
+    }
+
     /* gate and up: column-parallel, stacked */
     lin_part_t gu[2] = {
         {PNAME(pq, "mlp.gate_proj"), c->hidden_dim, d->hidden_begin, d->hidden},
@@ -421,21 +483,63 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
  * (and groups) one process sees, so every grid gives the same ids. */
 #define QUANT_SPLIT_COLS 32
 
-static loom_status_t align_hidden_split(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
-                                        const loom_model_options_t *opt, loom_shard_dims_t *d, loom_err_t *err) {
+static loom_status_t align_split(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
+                                 const loom_model_options_t *opt, int hidden, int *begin, int *len,
+                                 loom_err_t *err) {
     int quantized = opt->quant.quant != LOOM_QUANT_NONE || cfg->ckpt_quant != LOOM_CKPT_FLOAT;
     if (!quantized || spec->tp_size == 1) return LOOM_OK;
     int group = opt->quant.quant == LOOM_QUANT_Q4 ? opt->quant.group : cfg->ckpt_group;
-    int unit = group > QUANT_SPLIT_COLS && cfg->hidden_dim % group == 0 ? group : QUANT_SPLIT_COLS;
-    int units = (cfg->hidden_dim + unit - 1) / unit, ub, ul;
+    int unit = group > QUANT_SPLIT_COLS && hidden % group == 0 ? group : QUANT_SPLIT_COLS;
+    int units = (hidden + unit - 1) / unit, ub, ul;
     if (units < spec->tp_size)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "intermediate size %d has %d blocks of %d columns, fewer than %d TP ranks: use fewer "
                             "ranks for quantized weights",
-                            cfg->hidden_dim, units, unit, spec->tp_size);
+                            hidden, units, unit, spec->tp_size);
     loom_split_range(units, spec->tp_size, spec->tp_rank, &ub, &ul);
-    d->hidden_begin = ub * unit;
-    d->hidden = LOOM_MIN((ub + ul) * unit, cfg->hidden_dim) - d->hidden_begin;
+    *begin = ub * unit;
+    *len = LOOM_MIN((ub + ul) * unit, hidden) - *begin;
+    return LOOM_OK;
+}
+
+static loom_status_t align_hidden_split(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
+                                        const loom_model_options_t *opt, loom_shard_dims_t *d, loom_err_t *err) {
+    return align_split(cfg, spec, opt, cfg->hidden_dim, &d->hidden_begin, &d->hidden, err);
+}
+
+/* Which experts this rank holds and which slice of their intermediate
+ * rows: all of them sliced like a dense MLP (plain TP), or whole experts
+ * {J : J*tp/E == rank} (expert parallelism), logged. */
+static loom_status_t moe_split(loom_model_t *m, loom_err_t *err) {
+    const loom_model_config_t *c = &m->cfg;
+    const loom_shard_spec_t *sp = &m->spec;
+    int any = 0;
+    for (int l = sp->layer_begin; l < sp->layer_end; l++) any |= loom_model_config_layer_moe(c, l);
+    if (!any) return LOOM_OK;
+    int tp = sp->tp_size > 0 ? sp->tp_size : 1, E = c->n_experts;
+    m->expert_begin = 0;
+    m->expert_end = E;
+    m->moe_hb = 0;
+    m->moe_hn = c->moe_hidden_dim;
+    if (m->opt.expert_parallel && tp > 1) {
+        if (E % tp)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "expert parallelism: num_experts %d is not divisible by the %d tensor-parallel ranks "
+                                "of the stage",
+                                E, tp);
+        m->expert_begin = sp->tp_rank * (E / tp);
+        m->expert_end = m->expert_begin + E / tp;
+        LOOM_INFO("expert parallel: tp rank %d/%d holds experts [%d, %d) of %d", sp->tp_rank, tp, m->expert_begin,
+                  m->expert_end, E);
+        return LOOM_OK;
+    }
+    if (c->moe_hidden_dim < tp)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "moe_intermediate_size %d is smaller than %d TP ranks",
+                            c->moe_hidden_dim, tp);
+    loom_split_range(c->moe_hidden_dim, tp, sp->tp_rank, &m->moe_hb, &m->moe_hn);
+    LOOM_CHECK(align_split(c, sp, &m->opt, c->moe_hidden_dim, &m->moe_hb, &m->moe_hn, err));
+    LOOM_INFO("experts: tp rank %d/%d holds all %d experts, intermediate rows [%d, %d) of %d", sp->tp_rank, tp, E,
+              m->moe_hb, m->moe_hb + m->moe_hn, c->moe_hidden_dim);
     return LOOM_OK;
 }
 
@@ -494,7 +598,33 @@ static void rope_inv_freq(const loom_model_config_t *c, float *out) {
 /* Whether `suffix` (after "model.layers.N.") names a tensor this
  * architecture reads. Linears may be stored float (.weight) or quantized
  * (.qweight with .scales / .mins, or AWQ/GPTQ's .qzeros and .g_idx). */
-static int layer_tensor_used(const loom_model_config_t *c, const char *suffix) {
+/* A Mixture-of-Experts layer's tensors: the router, and the experts'
+ * linears (J below n_experts). */
+static int moe_tensor_used(const loom_model_config_t *c, const char *suffix) {
+    static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
+    const int mx = c->moe_mixtral_names;
+    const char *blk = mx ? "block_sparse_moe." : "mlp.";
+    size_t nb = strlen(blk);
+    if (strncmp(suffix, blk, nb)) return 0;
+    suffix += nb;
+    if (!strcmp(suffix, "gate.weight")) return 1;
+    if (strncmp(suffix, "experts.", 8)) return 0;
+    char *end;
+    long j = strtol(suffix + 8, &end, 10);
+    if (end == suffix + 8 || *end != '.' || j < 0 || j >= c->n_experts) return 0;
+    static const char *const mx_names[] = {"w1", "w2", "w3"};
+    static const char *const qw_names[] = {"gate_proj", "up_proj", "down_proj"};
+    for (int i = 0; i < 3; i++) {
+        const char *lin = mx ? mx_names[i] : qw_names[i];
+        size_t n = strlen(lin);
+        if (strncmp(end + 1, lin, n) || end[1 + n] != '.') continue;
+        for (size_t k = 0; k < LOOM_ARRAY_LEN(parts); k++)
+            if (!strcmp(end + 2 + n, parts[k])) return 1;
+    }
+    return 0;
+}
+
+static int layer_tensor_used(const loom_model_config_t *c, int layer, const char *suffix) {
     static const char *const split[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                         "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                         "mlp.down_proj"};
@@ -512,6 +642,8 @@ static int layer_tensor_used(const loom_model_config_t *c, const char *suffix) {
     if (c->attention_bias && (!strcmp(suffix, "self_attn.q_proj.bias") || !strcmp(suffix, "self_attn.k_proj.bias") ||
                               !strcmp(suffix, "self_attn.v_proj.bias")))
         return 1;
+    int moe = loom_model_config_layer_moe(c, layer);
+    if (moe) return moe_tensor_used(c, suffix) || (strncmp(suffix, "mlp.", 4) && layer_tensor_used(c, -1, suffix));
     for (size_t i = 0; i < LOOM_ARRAY_LEN(split); i++) {
         size_t n = strlen(linears[i]);
         if (!n) continue;
@@ -596,7 +728,7 @@ loom_status_t loom_model_check_checkpoint(const loom_model_config_t *c, const lo
                                     "tensor '%s' in %s is in layer %lld, but config.json's num_hidden_layers is %d",
                                     name, t->file, li, c->n_layers);
             if (li + 1 > layers) layers = li + 1;
-            if (!layer_tensor_used(c, end + 1))
+            if (!layer_tensor_used(c, (int)li, end + 1))
                 return loom_err_set(err, LOOM_ERR_FORMAT,
                                     "tensor '%s' in %s is not used by a %s model (is config.json's model_type "
                                     "right?)",
@@ -693,6 +825,13 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "the %s backend has no final logit soft-capping (final_logit_softcapping %g)",
                             loom_backend_name(be), (double)cfg->final_softcap);
+    int moe_layers = 0;
+    for (int l = spec->layer_begin; l < spec->layer_end; l++) moe_layers += loom_model_config_layer_moe(cfg, l);
+    if (moe_layers && strcmp(loom_backend_name(be), "cpu"))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "the %s backend has no Mixture-of-Experts block (model_type %s, %d experts); run it on "
+                            "the CPU backend",
+                            loom_backend_name(be), cfg->model_type, cfg->n_experts);
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
@@ -712,6 +851,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     loom_status_t s = loom_shard_dims(cfg, spec, &m->dims, err);
     if (s < 0) goto fail;
     s = align_hidden_split(cfg, spec, opt, &m->dims, err);
+    if (s < 0) goto fail;
+    s = moe_split(m, err);
     if (s < 0) goto fail;
     const loom_shard_dims_t *d = &m->dims;
     int dim = cfg->dim, hd = cfg->head_dim;
@@ -799,8 +940,23 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->xb2 = act_alloc(m, T * dim, &oom);
     m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
     m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
-    m->gu = act_alloc(m, T * 2 * (size_t)d->hidden, &oom);
-    m->hb = act_alloc(m, T * (size_t)d->hidden, &oom);
+    size_t hid = (size_t)LOOM_MAX(d->hidden, m->moe_hn);
+    m->gu = act_alloc(m, T * 2 * hid, &oom);
+    m->hb = act_alloc(m, T * hid, &oom);
+    if (moe_layers) {
+        size_t E = (size_t)cfg->n_experts, K = (size_t)cfg->n_experts_per_tok;
+        m->rl = act_alloc(m, T * E, &oom);
+        m->xg = act_alloc(m, T * dim, &oom);
+        m->h_probs = loom_xmalloc(T * E * sizeof(float));
+        m->h_x = loom_xmalloc(T * dim * sizeof(float));
+        m->h_y = loom_xmalloc(T * dim * sizeof(float));
+        m->h_acc = loom_xmalloc(T * dim * sizeof(float));
+        m->h_sel = loom_xmalloc(T * K * sizeof(int32_t));
+        m->h_w = loom_xmalloc(T * K * sizeof(float));
+        m->h_cnt = loom_xmalloc((E + 1) * sizeof(int32_t));
+        m->h_rows = loom_xmalloc(T * K * sizeof(int32_t));
+        m->h_rw = loom_xmalloc(T * K * sizeof(float));
+    }
     if (spec->has_head) {
         m->xl = act_alloc(m, NL * dim, &oom);
         m->logits = act_alloc(m, NL * (size_t)d->vocab, &oom);
@@ -851,6 +1007,13 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_weight_free(be, &ly->wo);
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
+            loom_weight_free(be, &ly->ffn.router);
+            for (int j = 0; ly->ffn.e13 && j < m->cfg.n_experts; j++) {
+                loom_weight_free(be, &ly->ffn.e13[j]);
+                loom_weight_free(be, &ly->ffn.e2[j]);
+            }
+            free(ly->ffn.e13);
+            free(ly->ffn.e2);
         }
         free(m->layers);
     }
@@ -860,8 +1023,10 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
-    float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits};
+    float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits, m->rl, m->xg};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) loom_backend_free(be, acts[i]);
+    void *host[] = {m->h_probs, m->h_x, m->h_y, m->h_acc, m->h_sel, m->h_w, m->h_cnt, m->h_rows, m->h_rw};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(host); i++) free(host[i]);
     loom_backend_free(be, m->meta_dev);
     free(m->meta_host);
     free(m->sample_k);
@@ -872,6 +1037,12 @@ const loom_shard_dims_t *loom_model_dims(const loom_model_t *m) { return &m->dim
 const loom_model_config_t *loom_model_config(const loom_model_t *m) { return &m->cfg; }
 size_t loom_model_weight_bytes(const loom_model_t *m) { return m->weight_bytes; }
 size_t loom_model_matmul_bytes(const loom_model_t *m) { return m->matmul_bytes; }
+size_t loom_model_active_bytes(const loom_model_t *m) {
+    if (!m->expert_bytes) return m->matmul_bytes;
+    /* a token's k experts of E: under expert parallelism k/tp of this rank's E/tp on average */
+    double active = (double)m->expert_bytes * m->cfg.n_experts_per_tok / m->cfg.n_experts;
+    return m->matmul_bytes - m->expert_bytes + (size_t)active;
+}
 int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
 int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
 float *loom_model_hidden(loom_model_t *m) { return m->x; }
@@ -964,9 +1135,85 @@ typedef struct step_ops {
     const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
 } step_ops_t;
 
+/* The router of Transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock
+ * for one token: softmax in float32 over all E logits, the k largest
+ * probabilities (torch.topk; ties to the lower index), renormalised to sum 1
+ * when norm (Mixtral always, Qwen3-MoE as norm_topk_prob says). */
+static void moe_route(const float *logits, int E, int k, int norm, float *probs, int32_t *sel, float *w) {
+    float mx = logits[0];
+    for (int e = 1; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    float sum = 0.0f;
+    for (int e = 0; e < E; e++) sum += probs[e] = expf(logits[e] - mx);
+    for (int e = 0; e < E; e++) probs[e] /= sum;
+    float ksum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= sel[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        sel[j] = best;
+        w[j] = probs[best];
+        ksum += w[j];
+    }
+    for (int j = 0; norm && j < k; j++) w[j] /= ksum;
+}
+
+/* A Mixture-of-Experts block: xb -> xb2, all-reduced. Every rank routes
+ * every token (the router is replicated); the tokens routed to each held
+ * expert are gathered and run through its MLP as one matmul (a decode
+ * step's groups are single rows: GEMVs), and scatter-added weighted. */
+static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_err_t *err) {
+    loom_backend_t *be = m->be;
+    const loom_model_config_t *c = &m->cfg;
+    const int E = c->n_experts, K = c->n_experts_per_tok, dim = c->dim;
+    const size_t row = (size_t)dim * sizeof(float);
+    loom_op_matmul(be, m->rl, m->xb, &f->router, n);
+    loom_backend_download(be, m->h_probs, m->rl, (size_t)n * E * sizeof(float));
+    loom_backend_download(be, m->h_x, m->xb, (size_t)n * row);
+    for (int t = 0; t < n; t++) {
+        float *p = m->h_probs + (size_t)t * E;
+        moe_route(p, E, K, c->norm_topk_prob, p, m->h_sel + (size_t)t * K, m->h_w + (size_t)t * K);
+    }
+    /* group the (token, expert) pairs by expert: CSR offsets in h_cnt */
+    memset(m->h_cnt, 0, (size_t)(E + 1) * sizeof(int32_t));
+    for (int i = 0; i < n * K; i++) m->h_cnt[m->h_sel[i] + 1]++;
+    for (int e = 0; e < E; e++) m->h_cnt[e + 1] += m->h_cnt[e];
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < K; j++) {
+            int e = m->h_sel[(size_t)t * K + j];
+            int at = m->h_cnt[e]++;
+            m->h_rows[at] = t;
+            m->h_rw[at] = m->h_w[(size_t)t * K + j];
+        }
+    for (int e = E; e > 0; e--) m->h_cnt[e] = m->h_cnt[e - 1]; /* back to begin offsets */
+    m->h_cnt[0] = 0;
+    memset(m->h_acc, 0, (size_t)n * row);
+    for (int e = m->expert_begin; e < m->expert_end; e++) {
+        int b = m->h_cnt[e], g = m->h_cnt[e + 1] - b;
+        if (g == 0) continue;
+        for (int i = 0; i < g; i++)
+            memcpy(m->h_y + (size_t)i * dim, m->h_x + (size_t)m->h_rows[b + i] * dim, row);
+        loom_backend_upload(be, m->xg, m->h_y, (size_t)g * row);
+        loom_op_matmul(be, m->gu, m->xg, &f->e13[e], g);
+        loom_op_act_mul(be, (loom_act_t)c->hidden_act, m->hb, m->gu, g, m->moe_hn);
+        loom_op_matmul(be, m->xg, m->hb, &f->e2[e], g);
+        loom_backend_download(be, m->h_y, m->xg, (size_t)g * row);
+        for (int i = 0; i < g; i++) {
+            float *acc = m->h_acc + (size_t)m->h_rows[b + i] * dim;
+            const float *y = m->h_y + (size_t)i * dim, w = m->h_rw[b + i];
+            for (int d = 0; d < dim; d++) acc[d] += w * y[d];
+        }
+    }
+    loom_backend_upload(be, m->xb2, m->h_acc, (size_t)n * row);
+    return allreduce(m, m->xb2, (int64_t)n * dim, err);
+}
+
 /* The feed-forward block: xb (normed input) -> xb2, all-reduced. */
 static loom_status_t run_ffn(loom_model_t *m, const loom_ffn_t *f, int n, loom_err_t *err) {
     loom_backend_t *be = m->be;
+    if (f->moe) return run_moe(m, f, n, err);
     loom_op_matmul(be, m->gu, m->xb, &f->w13, n);
     loom_op_act_mul(be, (loom_act_t)m->cfg.hidden_act, m->hb, m->gu, n, m->dims.hidden);
     loom_op_matmul(be, m->xb2, m->hb, &f->w2, n);

@@ -42,6 +42,9 @@ typedef struct loom_model_options {
      * (quant NONE: the backend's float dtype); linears the checkpoint
      * already stores quantized are used as stored (docs/model-format.md). */
     loom_quant_spec_t quant;
+    /* Mixture-of-Experts layers: the stage's TP ranks split the experts
+     * (whole experts per rank) instead of slicing each expert */
+    int expert_parallel;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it
@@ -66,6 +69,10 @@ const loom_model_config_t *loom_model_config(const loom_model_t *m);
 size_t loom_model_weight_bytes(const loom_model_t *m);
 /* Bytes of the matmul weights (codes, scales, mins): what a decode step reads. */
 size_t loom_model_matmul_bytes(const loom_model_t *m);
+/* The matmul bytes one decoded token reads: all of them for a dense model;
+ * a Mixture of Experts reads its router and n_experts_per_tok of the
+ * n_experts experts of each sparse layer (their expected share). */
+size_t loom_model_active_bytes(const loom_model_t *m);
 /* The KV cache's element type (opt.kv_dtype). */
 loom_dtype_t loom_model_kv_dtype(const loom_model_t *m);
 /* Bytes of KV cache one block takes on this shard (all its layers, K and V,

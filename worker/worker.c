@@ -194,7 +194,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            a->layer_begin == b->layer_begin && a->layer_end == b->layer_end &&
            !strcmp(a->weight_dtype, b->weight_dtype) &&
            !strcmp(a->quantization, b->quantization) &&
-           !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) &&
+           !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) && a->expert_parallel == b->expert_parallel &&
            a->max_tokens == b->max_tokens &&
            a->max_seqs == b->max_seqs;
 }
@@ -233,7 +233,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
                                .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
                                .allreduce_ctx = w, .decode_buckets = w->decode_buckets, .quant = quant,
-                               .kv_dtype = kv_dtype};
+                               .kv_dtype = kv_dtype, .expert_parallel = a->expert_parallel};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     w->max_tokens = (int)a->max_tokens;
     w->max_seqs = (int)a->max_seqs;

@@ -253,40 +253,49 @@ def gen_model(out_dir, *flags):
 
 
 
-def check_refused_shard(model, logs, in_log, in_health):
-    """A coordinator and one worker on a checkpoint the worker must refuse:
-    the coordinator's log names the failure (every string of in_log), it
-    stays up, and `loom health` fails naming in_health. Logs go to logs/."""
+def check_refused_shard(model, logs, in_log, in_health, tp=1, coord_args=()):
+    """A coordinator and tp workers (one stage) on a checkpoint the workers
+    must refuse: the coordinator's log names the failure (every string of
+    in_log), it stays up, and `loom health` fails naming in_health. Logs go
+    to logs/."""
     port = free_port_pair()
     api, ctl = "tcp://127.0.0.1:%d" % port, "tcp://127.0.0.1:%d" % (port + 1)
     os.makedirs(logs, exist_ok=True)
-    with open(os.path.join(logs, "coordinator.log"), "w") as cl, open(os.path.join(logs, "worker.log"), "w") as wl:
-        coord = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", api,
-                                  "--control", ctl], stdout=cl, stderr=subprocess.STDOUT)
-        worker = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
-                                   "--id", "worker-0"], stdout=wl, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 30
-            text = ""
-            while time.time() < deadline and "failed to load its shard" not in text:
-                time.sleep(0.2)
-                with open(os.path.join(logs, "coordinator.log")) as f:
-                    text = f.read()
-            check(all(s in text for s in in_log), "coordinator log does not name %r:\n%s" % (in_log, text[-2000:]))
-            check(coord.poll() is None, "the coordinator exited")
-            p = subprocess.run([os.path.join(BIN, "loom"), "health", "--addr", api, "--timeout-ms", "5000"],
-                               capture_output=True, text=True, timeout=30)
-            out = p.stdout + p.stderr
-            check(p.returncode != 0 and in_health in out, "loom health on the failed grid: rc %d: %s" % (p.returncode, out))
-            print("  coordinator up; loom health says: %s" % out.strip().splitlines()[-1][:200])
-        finally:
-            for proc in (worker, coord):
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    files, workers = [], []
+    cl = open(os.path.join(logs, "coordinator.log"), "w")
+    files.append(cl)
+    coord = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", api,
+                              "--control", ctl, "--tp", str(tp)] + list(coord_args),
+                             stdout=cl, stderr=subprocess.STDOUT)
+    try:
+        for i in range(tp):
+            wl = open(os.path.join(logs, "worker.log" if tp == 1 else "worker-%d.log" % i), "w")
+            files.append(wl)
+            workers.append(subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads",
+                                             "1", "--id", "worker-%d" % i], stdout=wl, stderr=subprocess.STDOUT))
+        deadline = time.time() + 30
+        text = ""
+        while time.time() < deadline and "failed to load its shard" not in text:
+            time.sleep(0.2)
+            with open(os.path.join(logs, "coordinator.log")) as f:
+                text = f.read()
+        check(all(s in text for s in in_log), "coordinator log does not name %r:\n%s" % (in_log, text[-2000:]))
+        check(coord.poll() is None, "the coordinator exited")
+        p = subprocess.run([os.path.join(BIN, "loom"), "health", "--addr", api, "--timeout-ms", "5000"],
+                           capture_output=True, text=True, timeout=30)
+        out = p.stdout + p.stderr
+        check(p.returncode != 0 and in_health in out, "loom health on the failed grid: rc %d: %s" % (p.returncode, out))
+        print("  coordinator up; loom health says: %s" % out.strip().splitlines()[-1][:200])
+    finally:
+        for proc in workers + [coord]:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for f in files:
+            f.close()
 
 
 def run_tests(tests):

@@ -83,16 +83,19 @@ def check_shard_reads(c, tp, pp):
         print("  %dx%d: each worker read %s of the checkpoint" % (tp, pp, ", ".join("%.2f" % f for f in fractions)))
 
 
-def check_model(model, grids=GRIDS, quant=None, kv=None):
+def check_model(model, grids=GRIDS, quant=None, kv=None, coord=(), logs=None):
+    """coord: options for the coordinator only (loom run has no grid); logs:
+    tp -> the lines the grid's worker logs must hold between them."""
     qargs = (["--quantization", quant] if quant else []) + (["--kv-cache-dtype", kv] if kv else [])
-    what = os.path.basename(model) + (" " + quant if quant else "") + (" KV " + kv if kv else "")
+    what = os.path.basename(model) + (" " + quant if quant else "") + (" KV " + kv if kv else "") + \
+        "".join(" " + a for a in coord)
     tol = 1e-3 if kv else 1e-5
     expect = {p: run_local(model, p, N_TOKENS, extra=["--ignore-eos"] + qargs) for p in PROMPTS}
     for text, ids in expect.values():
         check(ids and len(ids) == N_TOKENS, "loom run gave %r" % (ids,))
     ref = None
     for tp, pp in grids:
-        c = Cluster(model, tp, pp, coord_args=qargs)
+        c = Cluster(model, tp, pp, coord_args=qargs + list(coord))
         c.worker_args = ["--dump-logits=%s/dump-%%i.bin" % c.run_dir]
         with c:
             for p in PROMPTS:
@@ -103,6 +106,9 @@ def check_model(model, grids=GRIDS, quant=None, kv=None):
                 check(text.rstrip("\n") == expect[p][0].rstrip("\n"), "%dx%d: text differs" % (tp, pp))
             c.stop()  # flush the dumps
             steps = merged_logits(c.run_dir)
+            worker_logs = "".join(c.log("worker-%d" % i) for i in range(tp * pp))
+            for text in logs(tp) if logs else ():
+                check(text in worker_logs, "%dx%d: no worker logged %r" % (tp, pp, text))
             if not quant:  # int8 and fp8 read whole rows of o and down for their scales
                 check_shard_reads(c, tp, pp)
         if ref is None:

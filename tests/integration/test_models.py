@@ -10,6 +10,13 @@
   (their agreement with the float64 reference is reference_qwen3 and
   reference_mistral_window). Quantized on load, int8 and q4 stay within a
   small factor of the KL a Llama of the same shape and seed shows.
+- Mixtral and Qwen3-MoE (Mixture-of-Experts blocks) on every grid, with the
+  experts TP-sliced and with --expert-parallel (whole experts per rank, the
+  ranges each worker logs checked), against loom run and against the
+  float64 reference; int8 on a 2x1 grid both ways within the quantization
+  KL bounds. A missing expert tensor, num_experts_per_tok outside
+  1..num_experts and num_experts not divisible by tp under expert
+  parallelism are refused naming the tensor or both numbers.
 - What used to load silently wrong is refused with a message naming the key
   or tensor: a Qwen3 checkpoint relabelled qwen2 (its q_norm), a key Loom
   cannot honour (attn_logit_softcapping outside the Gemma family), Gemma 2
@@ -81,6 +88,165 @@ def gemma2():
     return gen_model(os.path.join(WORK, "gemma2"), "--arch", "gemma2", "--sliding-window", "8", "--qk-gain", "6",
                      "--final-softcap", "8", "--dim", "64", "--hidden-dim", "96", "--layers", "4", "--heads", "4",
                      "--kv-heads", "2", "--head-dim", "32", "--vocab", "512", "--seed", "43")
+
+
+# The MoE models' experts share part of their weights (--expert-spread 0.35), as experts upcycled from one
+# dense MLP do: independent random experts make every routing decision that quantization noise flips cost as
+# much as a different MLP, and int8's KL ~20x its Llama twin's (with every expert chosen, top-k = 8, it is
+# 1.6x). A wrong expert still moves the logits by far more than the 1e-4 the reference checks allow.
+def mixtral():
+    # every layer sparse: 8 experts of 96, top-2 renormalised
+    return gen_model(os.path.join(WORK, "mixtral"), "--arch", "mixtral", "--experts", "8", "--top-k", "2", "--dim",
+                     "64", "--hidden-dim", "96", "--layers", "4", "--heads", "8", "--kv-heads", "2", "--vocab", "512",
+                     "--expert-spread", "0.35", "--seed", "47")
+
+
+def qwen3_moe():
+    # layer 0 dense (mlp_only_layers), layers 1-3 of 4 experts of 64, top-2 without renormalisation
+    return gen_model(os.path.join(WORK, "qwen3_moe"), "--arch", "qwen3_moe", "--experts", "4", "--top-k", "2",
+                     "--moe-hidden-dim", "64", "--norm-topk-prob", "false", "--mlp-only-layers", "0", "--dim", "64",
+                     "--hidden-dim", "96", "--layers", "4", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+                     "--vocab", "512", "--tie", "--rope-theta", "1000000", "--expert-spread", "0.35", "--seed", "53")
+
+
+def expert_logs(n):
+    """What the ranks of an expert-parallel stage log: rank r holds experts [r*n/tp, (r+1)*n/tp)."""
+    return lambda tp: ["expert parallel: tp rank %d/%d holds experts [%d, %d) of %d"
+                       % (r, tp, r * n // tp, (r + 1) * n // tp, n) for r in range(tp)] if tp > 1 else []
+
+
+def test_moe_grids():
+    # Plain TP slices every expert's gate/up rows and down columns; --expert-parallel gives each rank whole
+    # experts instead. Both give loom run's ids and its logits within 1e-5 on every grid.
+    check_model(mixtral(), GRIDS)
+    check_model(mixtral(), [(1, 1), (2, 1), (2, 2)], coord=["--expert-parallel"], logs=expert_logs(8))
+    check_model(qwen3_moe(), GRIDS)
+    check_model(qwen3_moe(), [(1, 1), (2, 1), (2, 2)], coord=["--expert-parallel"], logs=expert_logs(4))
+
+
+def grid_vs_reference(model, tp, pp, coord_args):
+    """Runs PROMPTS greedily on a grid with logit dumps: -> per prompt (prompt ids, generated ids, the grid's
+    logits of each generated id (N_TOKENS, vocab), the float64 reference's on the same context)."""
+    port = free_port()
+    c = Cluster(model, tp, pp, coord_args=["--http", "127.0.0.1:%d" % port] + list(coord_args))
+    c.worker_args = ["--dump-logits=%s/dump-%%i.bin" % c.run_dir]
+    runs = []
+    with c:
+        for text in PROMPTS:
+            status, _, data = request(port, "POST", "/tokenize", {"prompt": text})
+            check(status == 200, "/tokenize: %d %r" % (status, data[:200]))
+            rc, _, ids, err = c.generate(text, N_TOKENS, extra=["--ignore-eos"])
+            check(rc == 0, "%dx%d: generate failed (%d): %s" % (tp, pp, rc, err))
+            runs.append((json.loads(data)["tokens"], ids))
+        c.stop()
+        steps = merged_logits(c.run_dir)
+    check(len(steps) == len(PROMPTS) * N_TOKENS, "%dx%d: %d steps with logits" % (tp, pp, len(steps)))
+    out = []
+    for k, (prompt, ids) in enumerate(runs):
+        got = np.concatenate([steps[k * N_TOKENS + j][:1] for j in range(N_TOKENS)])
+        out.append((prompt, ids, got, ref_logits(model, prompt + ids, len(prompt) - 1)[:N_TOKENS]))
+    return out
+
+
+def kl_rows(ref, got):
+    """Mean KL(softmax(ref) || softmax(got)) over rows, and the share of rows with the same argmax."""
+    def log_softmax(x):
+        x = x.astype(np.float64) - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    lp, lq = log_softmax(ref), log_softmax(got)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=1)
+    return float(kl.mean()), float((ref.argmax(axis=1) == got.argmax(axis=1)).mean())
+
+
+def test_moe_int8_grids():
+    # int8 on load: the experts go through the dense weights' quantization. Routing is discrete, so a last-bit
+    # difference of a TP sum that moves one int8 activation code can pick another expert for a token and the
+    # greedy ids of two grids part; each grid is held instead to the quantization tests' KL bounds against the
+    # float64 reference on its own context (8x the int8 KL of a Llama twin, top-1 agreement above 0.85).
+    bound = 8 * kl_scores(llama_twin(), "--quantization", "int8")["mean_kl"]
+    for tp, pp, coord in ((2, 1, []), (2, 1, ["--expert-parallel"])):
+        rows = grid_vs_reference(mixtral(), tp, pp, ["--quantization", "int8"] + coord)
+        kl, top1 = kl_rows(np.concatenate([r[3] for r in rows]), np.concatenate([r[2] for r in rows]))
+        print("  mixtral int8 %dx%d%s: KL %.3g against the float64 reference (bound %.3g), top-1 %.4f"
+              % (tp, pp, "".join(" " + a for a in coord), kl, bound, top1), flush=True)
+        check(0.0 < kl < bound and top1 > 0.85, "int8 %dx%d %s: KL %g (bound %g), top-1 %g" %
+              (tp, pp, coord, kl, bound, top1))
+
+
+def test_moe_reference_grids():
+    # The fp32 grids against the float64 reference: the greedy ids and logits within 1e-4 of the row's largest.
+    for model, grids in ((mixtral(), [(2, 1, []), (2, 2, ["--expert-parallel"])]),
+                         (qwen3_moe(), [(2, 1, ["--expert-parallel"]), (2, 2, [])])):
+        for tp, pp, coord in grids:
+            worst = 0.0
+            for prompt, ids, got, ref in grid_vs_reference(model, tp, pp, coord):
+                p = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "llama_ref.py"), "--model",
+                                    model, "--ids", ",".join(map(str, prompt)), "--greedy", str(N_TOKENS)],
+                                   capture_output=True, text=True, timeout=300)
+                check(p.returncode == 0, "llama_ref.py failed: %s" % p.stderr[-500:])
+                want = [int(t) for t in p.stdout.strip().split(",")]
+                check(ids == want, "%dx%d: ids %s, the reference %s" % (tp, pp, ids, want))
+                worst = max(worst, float((np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)).max()))
+            print("  %s %dx%d%s: ids equal the float64 reference, worst logit relative error %.2e"
+                  % (os.path.basename(model), tp, pp, "".join(" " + a for a in coord), worst), flush=True)
+            check(worst <= 1e-4, "%dx%d: logits differ from the reference by %.3g" % (tp, pp, worst))
+
+
+def test_moe_quantized_checkpoints():
+    # `loom quantize` stores the experts quantized (the router float), and the stored checkpoint gives the ids
+    # of quantizing on load, on one process and on a grid with --expert-parallel
+    for model in (mixtral(), qwen3_moe()):
+        for scheme in ("int8", "q4"):
+            out = os.path.join(WORK, "%s-%s" % (os.path.basename(model), scheme))
+            shutil.rmtree(out, ignore_errors=True)
+            p = subprocess.run([os.path.join(BIN, "loom"), "quantize", model, out, "--quantization", scheme],
+                               capture_output=True, text=True, timeout=120)
+            check(p.returncode == 0, "loom quantize %s: %s" % (scheme, p.stderr))
+            with open(os.path.join(out, "model.safetensors"), "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                names = set(json.loads(f.read(n)))
+            router = "model.layers.1.%s.gate.weight" % ("block_sparse_moe" if "mixtral" in model else "mlp")
+            expert = ("model.layers.1.block_sparse_moe.experts.3.w2.qweight" if "mixtral" in model
+                      else "model.layers.1.mlp.experts.3.down_proj.qweight")
+            check(router in names and expert in names, "%s: router %s float and %s stored: %s"
+                  % (scheme, router, expert, sorted(names)[:8]))
+            for prompt in PROMPTS[:1]:
+                _, on_load = run_local(model, prompt, N_TOKENS, extra=["--ignore-eos", "--quantization", scheme])
+                _, stored = run_local(out, prompt, N_TOKENS, extra=["--ignore-eos"])
+                check(stored == on_load, "%s %s: stored %s, on load %s" % (model, scheme, stored, on_load))
+            print("  %s %s: loom quantize output and quantize-on-load agree on %d ids"
+                  % (os.path.basename(model), scheme, N_TOKENS), flush=True)
+        c = Cluster(out, 2, 1, coord_args=["--expert-parallel"])
+        with c:
+            rc, _, ids, err = c.generate(PROMPTS[0], N_TOKENS, extra=["--ignore-eos"])
+            check(rc == 0 and len(ids) == N_TOKENS, "2x1 --expert-parallel on the q4 checkpoint: %s" % err)
+
+
+def test_moe_refusals():
+    m = mixtral()
+
+    def drop(name):
+        def edit(hdr, raw):
+            del hdr[name], raw[name]
+        return edit
+    run_fails(variant("mixtral-missing-expert", m, tensors=drop("model.layers.2.block_sparse_moe.experts.5.w3.weight")),
+              "model.layers.2.block_sparse_moe.experts.5.w3.weight", "not found")
+    run_fails(variant("mixtral-top-k", m, config=lambda c: c.update(num_experts_per_tok=9)),
+              "num_experts_per_tok (9) must be between 1 and num_local_experts (8)")
+    run_fails(variant("mixtral-top-0", m, config=lambda c: c.update(num_experts_per_tok=0)),
+              "num_experts_per_tok (0) must be between 1 and num_local_experts (8)")
+    run_fails(variant("qwen3-moe-top-k", qwen3_moe(), config=lambda c: c.update(num_experts_per_tok=5)),
+              "num_experts_per_tok (5) must be between 1 and num_experts (4)")
+    run_fails(variant("mixtral-as-mistral", m, config=lambda c: c.update(model_type="mistral")),
+              "num_local_experts is not supported for model_type 'mistral'")
+    # expert parallelism needs num_experts divisible by the stage's TP ranks: 8 experts over 3 ranks (of 6
+    # heads) is refused by the shard, naming both numbers, and the coordinator stays up
+    odd = gen_model(os.path.join(WORK, "mixtral-6h"), "--arch", "mixtral", "--experts", "8", "--top-k", "2", "--dim",
+                    "48", "--hidden-dim", "96", "--layers", "2", "--heads", "6", "--kv-heads", "3", "--vocab", "512",
+                    "--seed", "59")
+    check_refused_shard(odd, os.path.join(WORK, "ep-odd-logs"),
+                        ["num_experts 8 is not divisible by the 3 tensor-parallel ranks"], "expert parallelism",
+                        tp=3, coord_args=["--expert-parallel"])
 
 
 def test_new_family_grids():
@@ -247,7 +413,7 @@ def test_quantized_kl():
     # and measure int8 1.5-6x and q4 1.5-2.4x their Llama twin (Phi-3 the most): the bounds are 8x and 3x,
     # int8 below q4, and int8 keeping top-1 agreement above 0.85.
     ref = {q: kl_scores(llama_twin(), "--quantization", q)["mean_kl"] for q in ("int8", "q4")}
-    for model in (qwen3(), mistral(), phi3(), phi4mini(), gemma3()):
+    for model in (qwen3(), mistral(), phi3(), phi4mini(), gemma3(), mixtral(), qwen3_moe()):
         int8 = kl_scores(model, "--quantization", "int8")
         q4 = kl_scores(model, "--quantization", "q4")
         check(0.0 < int8["mean_kl"] < 8 * ref["int8"] and int8["top1_agreement"] > 0.85,
@@ -355,6 +521,6 @@ def test_cluster_keeps_serving_on_nan():
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_partial_rotary,
-               test_gemma3_multimodal, test_gemma2_grids,
-               test_gemma2_reference_grids, test_quantized_kl])
+    run_tests([test_moe_refusals, test_moe_grids, test_moe_reference_grids, test_moe_int8_grids, test_moe_quantized_checkpoints,
+               test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_partial_rotary,
+               test_gemma3_multimodal, test_gemma2_grids, test_gemma2_reference_grids, test_quantized_kl])

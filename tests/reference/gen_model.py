@@ -28,6 +28,7 @@ QK_GAIN = 1.5
 LOGIT_GAIN = 4.0
 NORM_NOISE = 0.05
 BIAS_STD = 0.5  # q/k/v biases (--qwen2)
+ROUTER_GAIN = 2.0  # MoE router logits of std ~2: the chosen experts stand apart from the rest
 
 
 def parse_args(argv):
@@ -44,9 +45,22 @@ def parse_args(argv):
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
                    help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
-    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"], default=None,
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral",
+                                      "qwen3_moe"], default=None,
                    help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
-                        "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj")
+                        "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj, "
+                        "mixtral and qwen3_moe have Mixture-of-Experts blocks (--experts, --top-k)")
+    p.add_argument("--experts", type=int, default=4, help="mixtral, qwen3_moe: num_local_experts / num_experts")
+    p.add_argument("--top-k", type=int, default=2, help="mixtral, qwen3_moe: num_experts_per_tok")
+    p.add_argument("--moe-hidden-dim", type=int, default=None,
+                   help="qwen3_moe: moe_intermediate_size (default --hidden-dim; mixtral's experts use --hidden-dim)")
+    p.add_argument("--norm-topk-prob", choices=["true", "false"], default="true", help="qwen3_moe: norm_topk_prob")
+    p.add_argument("--sparse-step", type=int, default=1, help="qwen3_moe: decoder_sparse_step")
+    p.add_argument("--mlp-only-layers", default="", help="qwen3_moe: mlp_only_layers, comma-separated")
+    p.add_argument("--expert-spread", type=float, default=1.0,
+                   help="mixtral, qwen3_moe: each expert weight is sqrt(1-s^2) * a part all experts of the layer "
+                        "share + s * its own (1: independent experts; below 1 they resemble each other, as "
+                        "experts upcycled from one dense MLP do, and a token routed elsewhere moves less)")
     p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
     p.add_argument("--sliding-pattern", type=int, default=2,
@@ -90,6 +104,9 @@ def parse_args(argv):
         p.error("head dim must be even for RoPE")
     if a.shards < 1:
         p.error("--shards must be >= 1")
+    if a.moe_hidden_dim is None:
+        a.moe_hidden_dim = a.hidden_dim
+    a.mlp_only = [int(x) for x in a.mlp_only_layers.split(",") if x]
     for name in ("dim", "hidden_dim", "layers", "heads", "kv_heads", "vocab", "max_pos"):
         if getattr(a, name) < 1:
             p.error("--%s must be >= 1" % name.replace("_", "-"))
@@ -111,7 +128,7 @@ def tensor_specs(a):
         if a.qwen2:
             specs += [(pre + "self_attn.%s_proj.bias" % n, (rows * hd,), "bias")
                       for n, rows in (("q", a.heads), ("k", a.kv_heads), ("v", a.kv_heads))]
-        if a.arch == "qwen3":  # per-head RMSNorm gains of q and k
+        if a.arch in ("qwen3", "qwen3_moe"):  # per-head RMSNorm gains of q and k
             specs += [(pre + "self_attn.q_norm.weight", (hd,), "qknorm"),
                       (pre + "self_attn.k_norm.weight", (hd,), "qknorm")]
         if a.arch == "gemma3":  # (1+w) gains: stored near 0
@@ -123,6 +140,25 @@ def tensor_specs(a):
         specs += [
             (pre + "self_attn.o_proj.weight", (a.dim, a.heads * hd), "linear"),
             (pre + "post_attention_layernorm.weight", (a.dim,), "norm"),
+        ]
+        ex = "expert:%r" % a.expert_spread
+        if a.arch == "mixtral":  # MixtralSparseMoeBlock: gate (the router), experts.J.w1 / w3 / w2
+            specs.append((pre + "block_sparse_moe.gate.weight", (a.experts, a.dim), "router"))
+            for j in range(a.experts):
+                e = pre + "block_sparse_moe.experts.%d." % j
+                specs += [(e + "w1.weight", (a.hidden_dim, a.dim), ex),
+                          (e + "w2.weight", (a.dim, a.hidden_dim), ex),
+                          (e + "w3.weight", (a.hidden_dim, a.dim), ex)]
+            continue
+        if a.arch == "qwen3_moe" and moe_layer(a, i):  # Qwen3MoeSparseMoeBlock
+            specs.append((pre + "mlp.gate.weight", (a.experts, a.dim), "router"))
+            for j in range(a.experts):
+                e = pre + "mlp.experts.%d." % j
+                specs += [(e + "gate_proj.weight", (a.moe_hidden_dim, a.dim), ex),
+                          (e + "up_proj.weight", (a.moe_hidden_dim, a.dim), ex),
+                          (e + "down_proj.weight", (a.dim, a.moe_hidden_dim), ex)]
+            continue
+        specs += [
             (pre + "mlp.gate_proj.weight", (a.hidden_dim, a.dim), "linear"),
             (pre + "mlp.up_proj.weight", (a.hidden_dim, a.dim), "linear"),
             (pre + "mlp.down_proj.weight", (a.dim, a.hidden_dim), "linear"),
@@ -133,6 +169,11 @@ def tensor_specs(a):
     if a.arch == "gemma2":  # every norm a (1+w) gain stored near 0, as in the released checkpoints
         specs = [(n, sh, "gnorm" if k == "norm" else k) for n, sh, k in specs]
     return fuse_specs(a, specs) if a.arch == "phi3" else specs
+
+
+def moe_layer(a, i):
+    """Qwen3MoeDecoderLayer: sparse unless in mlp_only_layers, on every decoder_sparse_step-th layer."""
+    return i not in a.mlp_only and a.experts > 0 and (i + 1) % a.sparse_step == 0
 
 
 def fuse_specs(a, specs):
@@ -159,6 +200,14 @@ def fuse_specs(a, specs):
 def make_tensor(seed, name, shape, kind, qk_gain=QK_GAIN):
     if isinstance(kind, tuple):  # fused: the parts stacked by rows
         return np.concatenate([make_tensor(seed, n, s, k, qk_gain) for n, s, k in kind[1]], axis=0)
+    if isinstance(kind, str) and kind.startswith("expert:"):  # sqrt(1-s^2) * shared + s * own
+        s = float(kind[7:])
+        x = make_tensor(seed, name, shape, "linear")
+        if s < 1.0:
+            pre, rest = name.split(".experts.", 1)
+            shared = make_tensor(seed, pre + ".experts.shared." + rest.split(".", 1)[1], shape, "linear")
+            x = (np.float32(np.sqrt(1.0 - s * s)) * shared + np.float32(s) * x).astype(np.float32)
+        return x
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
@@ -179,7 +228,7 @@ def make_tensor(seed, name, shape, kind, qk_gain=QK_GAIN):
     # The embedding rows double as lm_head rows when tied; the final RMSNorm
     # makes the hidden state's rms ~1, so std LOGIT_GAIN/sqrt(dim) per weight
     # gives logits of std ~LOGIT_GAIN. The input side is renormalised anyway.
-    gain = {"embed": LOGIT_GAIN, "lm_head": LOGIT_GAIN, "qk": qk_gain, "linear": 1.0}[kind]
+    gain = {"embed": LOGIT_GAIN, "lm_head": LOGIT_GAIN, "qk": qk_gain, "linear": 1.0, "router": ROUTER_GAIN}[kind]
     x *= np.float32(gain / np.sqrt(fan_in))
     return x
 
@@ -207,7 +256,8 @@ def make_config(a, st_dtype):
                         "long_factor": [float(x) for x in np.round(rng.uniform(4.0, 16.0, pairs), 3)]}
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                  "gemma3": "Gemma3ForCausalLM"}
+                  "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
     c = {
         "architectures": [arch_names[a.arch]],
         "model_type": a.arch,
@@ -265,6 +315,18 @@ def make_config(a, st_dtype):
     if a.arch == "mistral":
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c["sliding_window"] = a.sliding_window
+    if a.arch == "mixtral":  # as Mixtral's config.json
+        del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
+        c.update({"sliding_window": a.sliding_window, "num_local_experts": a.experts,
+                  "num_experts_per_tok": a.top_k, "output_router_logits": False, "router_aux_loss_coef": 0.02,
+                  "router_jitter_noise": 0.0, "attention_dropout": 0.0})
+    if a.arch == "qwen3_moe":  # as Qwen3-MoE's config.json
+        del c["mlp_bias"], c["pretraining_tp"]
+        c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": a.layers,
+                  "num_experts": a.experts, "num_experts_per_tok": a.top_k,
+                  "moe_intermediate_size": a.moe_hidden_dim, "norm_topk_prob": a.norm_topk_prob == "true",
+                  "decoder_sparse_step": a.sparse_step, "mlp_only_layers": a.mlp_only,
+                  "output_router_logits": False, "router_aux_loss_coef": 0.001, "attention_dropout": 0.0})
     return c
 
 

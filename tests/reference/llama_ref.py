@@ -48,7 +48,8 @@ def read_config(model_dir):
     gemma = mt in ("gemma2", "gemma3_text")
     if gemma:  # Gemma2MLP / Gemma3MLP read hidden_activation (a released Gemma 2 config also says hidden_act)
         c["hidden_act"] = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
-    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", None):
+    if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                  None):
         log("warning: model_type %r, treating it as llama" % mt)
     act = c.get("hidden_act", "silu")
     if act not in ACTS:
@@ -74,10 +75,10 @@ def read_config(model_dir):
         "max_pos": c.get("max_position_embeddings"),
         "qkv_bias": qkv_bias,
         "act": act,
-        "qk_norm": mt in ("qwen3", "gemma3_text"),
-        # MistralConfig: an absent sliding_window is 4096, null is none
+        "qk_norm": mt in ("qwen3", "gemma3_text", "qwen3_moe"),
+        # MistralConfig: an absent sliding_window is 4096, null is none (MixtralConfig, Phi3Config: none)
         "window": (c.get("sliding_window", 4096) if mt == "mistral" else
-                   c.get("sliding_window") if mt == "phi3" else None),
+                   c.get("sliding_window") if mt in ("phi3", "mixtral") else None),
         "fused": mt == "phi3",
         "gemma": gemma,
         "orig_max_pos": c.get("original_max_position_embeddings"),
@@ -87,6 +88,25 @@ def read_config(model_dir):
     # of a head that wide (dim = int(head_dim * partial_rotary_factor) in the rope initialisers)
     cfg["rotary_dim"] = int(cfg["head_dim"] * float(c.get("partial_rotary_factor", 1.0))) if mt == "phi3" \
         else cfg["head_dim"]
+    # Mixture of Experts. MixtralSparseMoeBlock: every layer, experts of intermediate_size, the top-k
+    # weights always renormalised. Qwen3MoeSparseMoeBlock: layer i sparse when i is not in mlp_only_layers,
+    # num_experts > 0 and (i + 1) % decoder_sparse_step == 0; experts of moe_intermediate_size; renormalised
+    # only when norm_topk_prob.
+    cfg["moe_layers"] = [False] * cfg["n_layers"]
+    if mt == "mixtral":
+        cfg.update(n_experts=c.get("num_local_experts", 8), top_k=c.get("num_experts_per_tok", 2),
+                   moe_hidden=c["intermediate_size"], norm_topk=True, moe_prefix="block_sparse_moe.",
+                   expert_names=("w1", "w3", "w2"))
+        cfg["moe_layers"] = [True] * cfg["n_layers"]
+    elif mt == "qwen3_moe":
+        cfg.update(n_experts=c.get("num_experts", 128), top_k=c.get("num_experts_per_tok", 8),
+                   moe_hidden=c.get("moe_intermediate_size", 768), norm_topk=bool(c.get("norm_topk_prob", False)),
+                   moe_prefix="mlp.", expert_names=("gate_proj", "up_proj", "down_proj"))
+        step, only = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+        cfg["moe_layers"] = [i not in only and cfg["n_experts"] > 0 and (i + 1) % step == 0
+                             for i in range(cfg["n_layers"])]
+    if any(cfg["moe_layers"]) and not 1 <= cfg["top_k"] <= cfg["n_experts"]:
+        raise ValueError("num_experts_per_tok must be between 1 and the number of experts")
     rs = cfg["rope_scaling"]
     if rs is not None:
         kind = rs.get("rope_type", rs.get("type"))
@@ -167,6 +187,14 @@ def load_model(model_dir):
             want[p + "post_feedforward_layernorm.weight"] = (cfg["dim"],)
         want[p + "self_attn.o_proj.weight"] = (cfg["dim"], cfg["n_heads"] * hd)
         want[p + "post_attention_layernorm.weight"] = (cfg["dim"],)
+        if cfg["moe_layers"][i]:
+            mp, (g, u, d), mh = p + cfg["moe_prefix"], cfg["expert_names"], cfg["moe_hidden"]
+            want[mp + "gate.weight"] = (cfg["n_experts"], cfg["dim"])
+            for j in range(cfg["n_experts"]):
+                want[mp + "experts.%d.%s.weight" % (j, g)] = (mh, cfg["dim"])
+                want[mp + "experts.%d.%s.weight" % (j, u)] = (mh, cfg["dim"])
+                want[mp + "experts.%d.%s.weight" % (j, d)] = (cfg["dim"], mh)
+            continue
         want[p + "mlp.gate_proj.weight"] = (cfg["hidden_dim"], cfg["dim"])
         want[p + "mlp.up_proj.weight"] = (cfg["hidden_dim"], cfg["dim"])
         want[p + "mlp.down_proj.weight"] = (cfg["dim"], cfg["hidden_dim"])
@@ -310,6 +338,28 @@ def gemma_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight)
 
 
+def moe_block(cfg, w, p, h, act):
+    """A sparse MoE block as Transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock define it: softmax
+    over all the router's logits, torch.topk of the probabilities, the k weights renormalised to sum 1
+    (Mixtral always, Qwen3-MoE when norm_topk_prob), and each token's output the weighted sum of its
+    experts' gated MLPs."""
+    mp, (g, u, d) = p + cfg["moe_prefix"], cfg["expert_names"]
+    probs = torch.softmax(h @ w[mp + "gate.weight"].T, dim=-1)  # (T, E)
+    top_w, top_e = torch.topk(probs, cfg["top_k"], dim=-1)
+    if cfg["norm_topk"]:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for j in range(cfg["n_experts"]):
+        tok, slot = torch.nonzero(top_e == j, as_tuple=True)
+        if len(tok) == 0:
+            continue
+        e = mp + "experts.%d." % j
+        x = h[tok]
+        y = (act(x @ w[e + g + ".weight"].T) * (x @ w[e + u + ".weight"].T)) @ w[e + d + ".weight"].T
+        out.index_add_(0, tok, y * top_w[tok, slot, None])
+    return out
+
+
 def forward(model, ids, hidden=False, taps=None):
     """-> float64 logits (len(ids), vocab) for every position (hidden: the
     final-normed hidden states (len(ids), dim), the LM head's input).
@@ -365,9 +415,12 @@ def forward(model, ids, hidden=False, taps=None):
         else:
             x = x + o
             h = norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
-        gate = h @ w[p + "mlp.gate_proj.weight"].T
-        up = h @ w[p + "mlp.up_proj.weight"].T
-        f = (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        if cfg["moe_layers"][i]:
+            f = moe_block(cfg, w, p, h, act)
+        else:
+            gate = h @ w[p + "mlp.gate_proj.weight"].T
+            up = h @ w[p + "mlp.up_proj.weight"].T
+            f = (act(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         x = x + (norm(f, w[p + "post_feedforward_layernorm.weight"], cfg["eps"]) if gemma else f)
     x = norm(x, w["model.norm.weight"], cfg["eps"])
     if hidden:
@@ -561,6 +614,22 @@ def alt_forward(model, ids):
         rows = []
         for t in range(T):
             h = norm(x[t], w[p + "post_attention_layernorm.weight"])
+            if cfg["moe_layers"][i]:  # per token: the experts ranked by probability, the first top_k kept
+                mp, (gn, un, dn) = p + cfg["moe_prefix"], cfg["expert_names"]
+                logit = [float(v) for v in w[mp + "gate.weight"] @ h]
+                top = max(logit)
+                z = sum(math.exp(v - top) for v in logit)
+                prob = [math.exp(v - top) / z for v in logit]
+                chosen = sorted(range(len(prob)), key=lambda e: -prob[e])[:cfg["top_k"]]
+                ksum = sum(prob[e] for e in chosen) if cfg["norm_topk"] else 1.0
+                out = torch.zeros_like(h)
+                for e in chosen:
+                    ep = mp + "experts.%d." % e
+                    g = w[ep + gn + ".weight"] @ h
+                    u = w[ep + un + ".weight"] @ h
+                    out += prob[e] / ksum * (w[ep + dn + ".weight"] @ (alt_act(cfg.get("act", "silu"), g) * u))
+                rows.append(x[t] + out)
+                continue
             g = w[p + "mlp.gate_proj.weight"] @ h
             u = w[p + "mlp.up_proj.weight"] @ h
             rows.append(x[t] + w[p + "mlp.down_proj.weight"] @ (alt_act(cfg.get("act", "silu"), g) * u))
@@ -605,6 +674,11 @@ def self_test():
                             "--hidden-act", "gelu"] + common[:-4])
             gen_model.main(["--out", os.path.join(tmp, "gemma2"), "--arch", "gemma2", "--sliding-window", "5",
                             "--qk-gain", "6", "--final-softcap", "8"] + common[:-4])
+            gen_model.main(["--out", os.path.join(tmp, "mixtral"), "--arch", "mixtral", "--experts", "4",
+                            "--top-k", "2"] + common[:-4])
+            gen_model.main(["--out", os.path.join(tmp, "qwen3_moe"), "--arch", "qwen3_moe", "--experts", "6",
+                            "--top-k", "3", "--moe-hidden-dim", "24", "--norm-topk-prob", "false",
+                            "--mlp-only-layers", "0"] + common[:-4] + ["--layers", "3"])
         m = load_model(d_main)
         ms = load_model(d_shard)
         mt = load_model(d_tied)
@@ -633,11 +707,17 @@ def self_test():
 
         m3 = load_model(os.path.join(tmp, "qwen3"))
         mm = load_model(os.path.join(tmp, "mistral"))
+        mx = load_model(os.path.join(tmp, "mixtral"))
+        mqm = load_model(os.path.join(tmp, "qwen3_moe"))
+        check(mx["cfg"]["moe_layers"] == [True, True] and mx["cfg"]["norm_topk"]
+              and mqm["cfg"]["moe_layers"] == [False, True, True] and not mqm["cfg"]["norm_topk"]
+              and mqm["cfg"]["qk_norm"] and mqm["cfg"]["moe_hidden"] == 24, "mixtral and qwen3_moe configs read")
         check(m3["cfg"]["qk_norm"] and mm["cfg"]["window"] == 5, "qwen3 q/k norms and mistral window read")
         ids = [1, 5, 17, 3, 96, 40, 2, 11, 64, 7, 0, 33]
         for name, model, toks in (("GQA+llama3", m, ids), ("tied MHA", mt, [t % 61 for t in ids]),
                                   ("qwen2 biases", mq, ids), ("qwen3 q/k norms + gelu tanh", m3, ids),
-                                  ("mistral window 5 + gelu", mm, ids)):
+                                  ("mistral window 5 + gelu", mm, ids), ("mixtral 4 experts top-2", mx, ids),
+                                  ("qwen3_moe 6 experts top-3, unnormalised, a dense layer", mqm, ids)):
             ref = forward(model, toks)
             alt = alt_forward(model, toks)
             err = float((ref - alt).abs().max() / ref.abs().max())
@@ -650,6 +730,14 @@ def self_test():
                "w": {k: v for k, v in mq["w"].items() if not k.endswith("_proj.bias")}}
         diff = float((forward(mq, ids) - forward(nob, ids)).abs().max() / forward(mq, ids).abs().max())
         check(diff > 1e-2, "qwen2 biases change the logits (rel %.2g)" % diff)
+
+        # The renormalisation matters (qwen3_moe's norm_topk_prob), and so does each chosen expert.
+        renorm = dict(mqm, cfg=dict(mqm["cfg"], norm_topk=True))
+        diff = float((forward(mqm, ids) - forward(renorm, ids)).abs().max() / forward(mqm, ids).abs().max())
+        check(diff > 1e-2, "norm_topk_prob changes the logits (rel %.2g)" % diff)
+        top1 = dict(mx, cfg=dict(mx["cfg"], top_k=1))
+        diff = float((forward(mx, ids) - forward(top1, ids)).abs().max() / forward(mx, ids).abs().max())
+        check(diff > 1e-2, "mixtral's second expert changes the logits (rel %.2g)" % diff)
 
         # The q/k norms and the window matter.
         plain = {"cfg": dict(m3["cfg"], qk_norm=False), "inv_freq": m3["inv_freq"], "w": m3["w"]}

@@ -66,6 +66,19 @@ add_test(NAME reference_gemma2_capped
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gemma2_capped random
                  --arch gemma2 --sliding-window 24 --qk-gain 6 --final-softcap 8 --dim 64 --hidden-dim 96 --layers 3
                  --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 41)
+# Mixtral: every layer a Mixture of Experts (8 experts of intermediate size 96, top-2, the two weights
+# renormalised), GQA, a hidden size of 64.
+add_test(NAME reference_mixtral
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_mixtral random
+                 --arch mixtral --experts 8 --top-k 2 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2
+                 --vocab 512 --seed 47)
+# Qwen3-MoE: Qwen3 attention (q/k norms, head_dim 16), layer 0 dense (mlp_only_layers, intermediate size 96),
+# the others 6 experts of moe_intermediate_size 40, top-3 without renormalisation (norm_topk_prob false).
+add_test(NAME reference_qwen3_moe
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_qwen3_moe random
+                 --arch qwen3_moe --experts 6 --top-k 3 --moe-hidden-dim 40 --norm-topk-prob false
+                 --mlp-only-layers 0 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2 --head-dim 16
+                 --vocab 512 --tie --rope-theta 1000000 --seed 53)
 # Llama with the erf gelu: a config Loom once loaded and ran as SiLU (linear RoPE scaling is reference_gemma3's).
 add_test(NAME reference_gelu
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
@@ -82,6 +95,6 @@ add_test(NAME reference_gptq_v2
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
                      reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3
                      reference_phi3_partial_rotary reference_gemma3
-                     reference_gemma2 reference_gemma2_capped reference_gelu
+                     reference_gemma2 reference_gemma2_capped reference_gelu reference_mixtral reference_qwen3_moe
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

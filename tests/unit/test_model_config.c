@@ -623,6 +623,68 @@ static void test_quantization_config(void) {
           c.ckpt_quant == LOOM_CKPT_FLOAT);
 }
 
+/* Mixtral and Qwen3-MoE: the expert keys, their defaults, which layers are
+ * sparse, and the refusals that name the key. */
+static void test_moe(void) {
+#define MBASE "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,\"num_attention_heads\":8," \
+              "\"num_key_value_heads\":4,\"vocab_size\":100,\"max_position_embeddings\":4096"
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    CHECKF(parse("{\"model_type\":\"mixtral\"," MBASE ",\"num_local_experts\":8,\"num_experts_per_tok\":2,"
+                 "\"sliding_window\":null,\"router_jitter_noise\":0.0}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.n_experts == 8 && c.n_experts_per_tok == 2 && c.moe_hidden_dim == 128 && c.norm_topk_prob &&
+          c.moe_mixtral_names && !c.qk_norm && !c.sliding_window);
+    for (int l = 0; l < 4; l++) CHECK(loom_model_config_layer_moe(&c, l));
+    /* MixtralConfig's defaults: 8 experts, top-2 */
+    CHECK(parse("{\"model_type\":\"mixtral\"," MBASE "}", &c, &err) == LOOM_OK);
+    CHECK(c.n_experts == 8 && c.n_experts_per_tok == 2);
+
+    CHECKF(parse("{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":6,\"num_experts_per_tok\":3,"
+                 "\"moe_intermediate_size\":40,\"norm_topk_prob\":false,\"decoder_sparse_step\":2,"
+                 "\"mlp_only_layers\":[3],\"use_sliding_window\":false}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.n_experts == 6 && c.n_experts_per_tok == 3 && c.moe_hidden_dim == 40 && !c.norm_topk_prob &&
+          !c.moe_mixtral_names && c.qk_norm && c.hidden_dim == 128);
+    /* sparse iff not in mlp_only_layers and (L+1) % decoder_sparse_step == 0: only layer 1 here */
+    CHECK(!loom_model_config_layer_moe(&c, 0) && loom_model_config_layer_moe(&c, 1) &&
+          !loom_model_config_layer_moe(&c, 2) && !loom_model_config_layer_moe(&c, 3));
+    CHECK(parse("{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":4,\"norm_topk_prob\":true,"
+                "\"num_experts_per_tok\":4}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.norm_topk_prob && c.moe_hidden_dim == 768 && loom_model_config_layer_moe(&c, 2));
+    /* num_experts 0: every layer dense */
+    CHECK(parse("{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":0}", &c, &err) == LOOM_OK);
+    CHECK(c.n_experts == 0 && !loom_model_config_layer_moe(&c, 0));
+
+    struct {
+        const char *json, *want;
+    } bad[] = {
+        {"{\"model_type\":\"mixtral\"," MBASE ",\"num_local_experts\":4,\"num_experts_per_tok\":5}",
+         "num_experts_per_tok (5) must be between 1 and num_local_experts (4)"},
+        {"{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":4,\"num_experts_per_tok\":0}",
+         "num_experts_per_tok (0) must be between 1 and num_experts (4)"},
+        {"{\"model_type\":\"mixtral\"," MBASE ",\"num_local_experts\":0}", "num_local_experts must be positive"},
+        {"{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":-2}", "num_experts must be a non-negative"},
+        {"{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":4,\"num_experts_per_tok\":2,"
+         "\"mlp_only_layers\":[4]}",
+         "mlp_only_layers entries must be layer indices below num_hidden_layers (4)"},
+        {"{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":4,\"num_experts_per_tok\":2,"
+         "\"decoder_sparse_step\":0}",
+         "decoder_sparse_step must be positive"},
+        /* a dense family's expert keys are still refused by name */
+        {"{\"model_type\":\"qwen3\"," MBASE ",\"num_experts\":8}", "num_experts is not supported"},
+        {"{\"model_type\":\"mixtral\"," MBASE ",\"n_routed_experts\":8}", "n_routed_experts is not supported"},
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(bad); i++) {
+        err.msg[0] = 0;
+        CHECKF(parse(bad[i].json, &c, &err) < 0 && strstr(err.msg, bad[i].want), "case %zu: %s", i, err.msg);
+    }
+#undef MBASE
+}
+
 int main(void) {
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_cfg_XXXXXX");
     if (!mkdtemp(g_tmp)) {
@@ -636,6 +698,7 @@ int main(void) {
     RUN(test_errors);
     RUN(test_families_and_refused_keys);
     RUN(test_quantization_config);
+    RUN(test_moe);
     RUN(test_fuzz);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return test_summary();
