@@ -17,7 +17,7 @@
 #include "common/util.h"
 
 static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
-                                             "mixtral", "qwen3_moe"};
+                                             "mixtral", "qwen3_moe", "qwen2_moe"};
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -540,7 +540,9 @@ static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, cons
     int e = mixtral ? 8 : 128; /* MixtralConfig / Qwen3MoeConfig defaults */
     if (v && (!json_int(v, &e) || e < 0))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a non-negative integer", path, ekey);
-    int k = mixtral ? 2 : 8;
+    int qwen2 = !strcmp(cfg->model_type, "qwen2_moe");
+    if (qwen2 && !v) e = 60; /* Qwen2MoeConfig: 60 experts, top-4 */
+    int k = mixtral ? 2 : qwen2 ? 4 : 8;
     v = field(root, "num_experts_per_tok");
     if (v && !json_int(v, &k))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok must be an integer", path);
@@ -556,7 +558,10 @@ static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, cons
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok (%d) must be between 1 and %s (%d)", path,
                             k, ekey, e);
     if (!mixtral) {
-        LOOM_CHECK(get_pos_int(root, "moe_intermediate_size", 0, 768, &cfg->moe_hidden_dim, path, err));
+        LOOM_CHECK(get_pos_int(root, "moe_intermediate_size", 0, qwen2 ? 1408 : 768, &cfg->moe_hidden_dim, path, err));
+        if (qwen2)
+            LOOM_CHECK(get_pos_int(root, "shared_expert_intermediate_size", 0, 5632, &cfg->moe_shared_hidden, path,
+                                   err));
         LOOM_CHECK(get_bool(root, "norm_topk_prob", 0, &cfg->norm_topk_prob, path, err));
         LOOM_CHECK(get_pos_int(root, "decoder_sparse_step", 0, 1, &cfg->moe_sparse_step, path, err));
         v = field(root, "mlp_only_layers");
@@ -600,10 +605,10 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!known)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-                            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral and qwen3_moe)",
+                            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe and qwen2_moe)",
                             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
-    int is_qwen2 = !strcmp(cfg->model_type, "qwen2");
+    int is_qwen2 = !strcmp(cfg->model_type, "qwen2") || !strcmp(cfg->model_type, "qwen2_moe");
 
     LOOM_CHECK(get_pos_int(root, "hidden_size", 1, 0, &cfg->dim, path, err));
     LOOM_CHECK(get_pos_int(root, "intermediate_size", 1, 0, &cfg->hidden_dim, path, err));
@@ -635,7 +640,8 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
     LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3") || !strcmp(cfg->model_type, "qwen3_moe");
-    if (!strcmp(cfg->model_type, "mixtral") || !strcmp(cfg->model_type, "qwen3_moe"))
+    if (!strcmp(cfg->model_type, "mixtral") || !strcmp(cfg->model_type, "qwen3_moe") ||
+        !strcmp(cfg->model_type, "qwen2_moe"))
         LOOM_CHECK(parse_moe(cfg, root, path, err));
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
     if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));

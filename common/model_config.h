@@ -100,6 +100,8 @@ typedef struct loom_model_config {
     int norm_topk_prob;          /* renormalise the chosen experts' router weights to sum 1 (mixtral: always) */
     int moe_sparse_step;         /* decoder_sparse_step: layer L sparse when (L+1) % step == 0 */
     int moe_mixtral_names;       /* block_sparse_moe.{gate,experts.J.w1/w3/w2} (else mlp.{gate,experts.J.*_proj}) */
+    int moe_shared_hidden;       /* qwen2_moe: shared_expert_intermediate_size of the shared expert, gated by
+                                  * sigmoid(shared_expert_gate . x); 0 = none */
     unsigned char mlp_only[LOOM_MAX_LAYER_TYPES]; /* mlp_only_layers: dense layers of a qwen3_moe */
 } loom_model_config_t;
 

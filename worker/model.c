@@ -24,6 +24,11 @@ typedef struct loom_ffn {
     loom_weight_t router; /* (n_experts, dim), float, replicated on every rank */
     loom_weight_t *e13;   /* (n_experts) each (2*moe_hn, dim); only the held experts are loaded */
     loom_weight_t *e2;    /* (n_experts) each (dim, moe_hn) */
+    /* Qwen2-MoE's shared expert, added to every token scaled by
+     * sigmoid(shared_gate . x); TP-sliced as a dense MLP in both modes */
+    loom_weight_t s13;    /* (2*shared_hn, dim) */
+    loom_weight_t s2;     /* (dim, shared_hn) */
+    loom_weight_t sgate;  /* (1, dim), float, replicated */
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -93,6 +98,9 @@ struct loom_model {
      * all-reduce. Routing runs on the host (the CPU backend's memory). */
     int expert_begin, expert_end;
     int moe_hb, moe_hn;
+    int shared_hb, shared_hn; /* the shared expert's slice of shared_expert_intermediate_size */
+    float *sgl;     /* (T) shared-expert gate logits (device) */
+    float *h_sg;    /* (T) host: the same */
     float *rl;      /* (T, n_experts) router logits (device) */
     float *xg;      /* (T, dim) the rows routed to one expert (device) */
     float *h_probs; /* (T, n_experts) host: router probabilities */
@@ -368,6 +376,20 @@ static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *er
     LOOM_CHECK(upload_weight(L, &f->router, E, dim, name, err));
     f->e13 = loom_xcalloc((size_t)E, sizeof *f->e13);
     f->e2 = loom_xcalloc((size_t)E, sizeof *f->e2);
+    if (c->moe_shared_hidden) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.shared_expert_gate.weight", gl);
+        LOOM_CHECK(read_block(L, name, 1, dim, 0, 1, 0, dim, h, err));
+        LOOM_CHECK(upload_weight(L, &f->sgate, 1, dim, name, err));
+        snprintf(pg, sizeof pg, "model.layers.%d.mlp.shared_expert.gate_proj", gl);
+        snprintf(pu, sizeof pu, "model.layers.%d.mlp.shared_expert.up_proj", gl);
+        lin_part_t gu[2] = {{pg, c->moe_shared_hidden, m->shared_hb, m->shared_hn},
+                            {pu, c->moe_shared_hidden, m->shared_hb, m->shared_hn}};
+        snprintf(what, sizeof what, "model.layers.%d.mlp.shared_expert.gate_up", gl);
+        LOOM_CHECK(load_linear(L, &f->s13, what, gu, 2, dim, 0, dim, err));
+        snprintf(pg, sizeof pg, "model.layers.%d.mlp.shared_expert.down_proj", gl);
+        lin_part_t dn = {pg, dim, 0, dim};
+        LOOM_CHECK(load_linear(L, &f->s2, pg, &dn, 1, c->moe_shared_hidden, m->shared_hb, m->shared_hn, err));
+    }
     for (int j = m->expert_begin; j < m->expert_end; j++) {
         snprintf(pg, sizeof pg, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w1" : "gate_proj");
         snprintf(pu, sizeof pu, "model.layers.%d.%s.experts.%d.%s", gl, blk, j, mx ? "w3" : "up_proj");
@@ -521,6 +543,14 @@ static loom_status_t moe_split(loom_model_t *m, loom_err_t *err) {
     m->expert_end = E;
     m->moe_hb = 0;
     m->moe_hn = c->moe_hidden_dim;
+    if (c->moe_shared_hidden) {
+        if (c->moe_shared_hidden < tp)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "shared_expert_intermediate_size %d is smaller than %d TP ranks", c->moe_shared_hidden,
+                                tp);
+        loom_split_range(c->moe_shared_hidden, tp, sp->tp_rank, &m->shared_hb, &m->shared_hn);
+        LOOM_CHECK(align_split(c, sp, &m->opt, c->moe_shared_hidden, &m->shared_hb, &m->shared_hn, err));
+    }
     if (m->opt.expert_parallel && tp > 1) {
         if (E % tp)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
@@ -608,6 +638,17 @@ static int moe_tensor_used(const loom_model_config_t *c, const char *suffix) {
     if (strncmp(suffix, blk, nb)) return 0;
     suffix += nb;
     if (!strcmp(suffix, "gate.weight")) return 1;
+    if (c->moe_shared_hidden) {
+        if (!strcmp(suffix, "shared_expert_gate.weight")) return 1;
+        static const char *const shared[] = {"shared_expert.gate_proj.", "shared_expert.up_proj.",
+                                             "shared_expert.down_proj."};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(shared); i++) {
+            size_t n = strlen(shared[i]);
+            if (strncmp(suffix, shared[i], n)) continue;
+            for (size_t k = 0; k < LOOM_ARRAY_LEN(parts); k++)
+                if (!strcmp(suffix + n, parts[k])) return 1;
+        }
+    }
     if (strncmp(suffix, "experts.", 8)) return 0;
     char *end;
     long j = strtol(suffix + 8, &end, 10);
@@ -940,12 +981,14 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->xb2 = act_alloc(m, T * dim, &oom);
     m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
     m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
-    size_t hid = (size_t)LOOM_MAX(d->hidden, m->moe_hn);
+    size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
     if (moe_layers) {
         size_t E = (size_t)cfg->n_experts, K = (size_t)cfg->n_experts_per_tok;
         m->rl = act_alloc(m, T * E, &oom);
+        m->sgl = act_alloc(m, T, &oom);
+        m->h_sg = loom_xmalloc(T * sizeof(float));
         m->xg = act_alloc(m, T * dim, &oom);
         m->h_probs = loom_xmalloc(T * E * sizeof(float));
         m->h_x = loom_xmalloc(T * dim * sizeof(float));
@@ -1008,6 +1051,9 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
             loom_weight_free(be, &ly->ffn.router);
+            loom_weight_free(be, &ly->ffn.s13);
+            loom_weight_free(be, &ly->ffn.s2);
+            loom_weight_free(be, &ly->ffn.sgate);
             for (int j = 0; ly->ffn.e13 && j < m->cfg.n_experts; j++) {
                 loom_weight_free(be, &ly->ffn.e13[j]);
                 loom_weight_free(be, &ly->ffn.e2[j]);
@@ -1023,9 +1069,10 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
-    float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits, m->rl, m->xg};
+    float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits, m->rl, m->xg,
+                     m->sgl};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) loom_backend_free(be, acts[i]);
-    void *host[] = {m->h_probs, m->h_x, m->h_y, m->h_acc, m->h_sel, m->h_w, m->h_cnt, m->h_rows, m->h_rw};
+    void *host[] = {m->h_sg, m->h_probs, m->h_x, m->h_y, m->h_acc, m->h_sel, m->h_w, m->h_cnt, m->h_rows, m->h_rw};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(host); i++) free(host[i]);
     loom_backend_free(be, m->meta_dev);
     free(m->meta_host);
@@ -1204,6 +1251,19 @@ static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_e
             float *acc = m->h_acc + (size_t)m->h_rows[b + i] * dim;
             const float *y = m->h_y + (size_t)i * dim, w = m->h_rw[b + i];
             for (int d = 0; d < dim; d++) acc[d] += w * y[d];
+        }
+    }
+    if (c->moe_shared_hidden) { /* Qwen2-MoE: + sigmoid(shared_gate . x) * shared_expert(x), this rank's slice */
+        loom_op_matmul(be, m->sgl, m->xb, &f->sgate, n);
+        loom_backend_download(be, m->h_sg, m->sgl, (size_t)n * sizeof(float));
+        loom_op_matmul(be, m->gu, m->xb, &f->s13, n);
+        loom_op_act_mul(be, (loom_act_t)c->hidden_act, m->hb, m->gu, n, m->shared_hn);
+        loom_op_matmul(be, m->xg, m->hb, &f->s2, n);
+        loom_backend_download(be, m->h_y, m->xg, (size_t)n * row);
+        for (int t = 0; t < n; t++) {
+            float *acc = m->h_acc + (size_t)t * dim;
+            const float *y = m->h_y + (size_t)t * dim, g = 1.0f / (1.0f + expf(-m->h_sg[t]));
+            for (int d = 0; d < dim; d++) acc[d] += g * y[d];
         }
     }
     loom_backend_upload(be, m->xb2, m->h_acc, (size_t)n * row);

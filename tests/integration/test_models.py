@@ -109,6 +109,15 @@ def qwen3_moe():
                      "--vocab", "512", "--tie", "--rope-theta", "1000000", "--expert-spread", "0.35", "--seed", "53")
 
 
+def qwen2_moe():
+    # q/k/v biases; layers 1 and 3 sparse (decoder_sparse_step 2): 4 experts of 48, top-2, and a shared expert
+    # of 64 gated by sigmoid(shared_expert_gate . x)
+    return gen_model(os.path.join(WORK, "qwen2_moe"), "--arch", "qwen2_moe", "--experts", "4", "--top-k", "2",
+                     "--moe-hidden-dim", "48", "--shared-hidden-dim", "64", "--sparse-step", "2", "--dim", "64",
+                     "--hidden-dim", "96", "--layers", "4", "--heads", "8", "--kv-heads", "2", "--vocab", "512",
+                     "--expert-spread", "0.35", "--seed", "61")
+
+
 def expert_logs(n):
     """What the ranks of an expert-parallel stage log: rank r holds experts [r*n/tp, (r+1)*n/tp)."""
     return lambda tp: ["expert parallel: tp rank %d/%d holds experts [%d, %d) of %d"
@@ -122,6 +131,8 @@ def test_moe_grids():
     check_model(mixtral(), [(1, 1), (2, 1), (2, 2)], coord=["--expert-parallel"], logs=expert_logs(8))
     check_model(qwen3_moe(), GRIDS)
     check_model(qwen3_moe(), [(1, 1), (2, 1), (2, 2)], coord=["--expert-parallel"], logs=expert_logs(4))
+    check_model(qwen2_moe(), GRIDS)  # the shared expert TP-sliced in both modes
+    check_model(qwen2_moe(), [(1, 1), (2, 1), (2, 2)], coord=["--expert-parallel"], logs=expert_logs(4))
 
 
 def grid_vs_reference(model, tp, pp, coord_args):
@@ -176,7 +187,8 @@ def test_moe_int8_grids():
 def test_moe_reference_grids():
     # The fp32 grids against the float64 reference: the greedy ids and logits within 1e-4 of the row's largest.
     for model, grids in ((mixtral(), [(2, 1, []), (2, 2, ["--expert-parallel"])]),
-                         (qwen3_moe(), [(2, 1, ["--expert-parallel"]), (2, 2, [])])):
+                         (qwen3_moe(), [(2, 1, ["--expert-parallel"]), (2, 2, [])]),
+                         (qwen2_moe(), [(2, 1, []), (2, 2, ["--expert-parallel"])])):
         for tp, pp, coord in grids:
             worst = 0.0
             for prompt, ids, got, ref in grid_vs_reference(model, tp, pp, coord):

@@ -46,7 +46,7 @@ def parse_args(argv):
     p.add_argument("--qwen2", action="store_true",
                    help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
     p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral",
-                                      "qwen3_moe"], default=None,
+                                      "qwen3_moe", "qwen2_moe"], default=None,
                    help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
                         "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj, "
                         "mixtral and qwen3_moe have Mixture-of-Experts blocks (--experts, --top-k)")
@@ -54,6 +54,8 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=2, help="mixtral, qwen3_moe: num_experts_per_tok")
     p.add_argument("--moe-hidden-dim", type=int, default=None,
                    help="qwen3_moe: moe_intermediate_size (default --hidden-dim; mixtral's experts use --hidden-dim)")
+    p.add_argument("--shared-hidden-dim", type=int, default=None,
+                   help="qwen2_moe: shared_expert_intermediate_size (default --hidden-dim)")
     p.add_argument("--norm-topk-prob", choices=["true", "false"], default="true", help="qwen3_moe: norm_topk_prob")
     p.add_argument("--sparse-step", type=int, default=1, help="qwen3_moe: decoder_sparse_step")
     p.add_argument("--mlp-only-layers", default="", help="qwen3_moe: mlp_only_layers, comma-separated")
@@ -91,7 +93,7 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.arch is None:
         a.arch = "qwen2" if a.qwen2 else "llama"
-    a.qwen2 = a.arch == "qwen2"
+    a.qwen2 = a.arch in ("qwen2", "qwen2_moe")
     if a.kv_heads is None:
         a.kv_heads = a.heads
     if a.head_dim is None:
@@ -106,6 +108,8 @@ def parse_args(argv):
         p.error("--shards must be >= 1")
     if a.moe_hidden_dim is None:
         a.moe_hidden_dim = a.hidden_dim
+    if a.shared_hidden_dim is None:
+        a.shared_hidden_dim = a.hidden_dim
     a.mlp_only = [int(x) for x in a.mlp_only_layers.split(",") if x]
     for name in ("dim", "hidden_dim", "layers", "heads", "kv_heads", "vocab", "max_pos"):
         if getattr(a, name) < 1:
@@ -150,8 +154,14 @@ def tensor_specs(a):
                           (e + "w2.weight", (a.dim, a.hidden_dim), ex),
                           (e + "w3.weight", (a.hidden_dim, a.dim), ex)]
             continue
-        if a.arch == "qwen3_moe" and moe_layer(a, i):  # Qwen3MoeSparseMoeBlock
+        if a.arch in ("qwen3_moe", "qwen2_moe") and moe_layer(a, i):  # Qwen3MoeSparseMoeBlock / Qwen2Moe...
             specs.append((pre + "mlp.gate.weight", (a.experts, a.dim), "router"))
+            if a.arch == "qwen2_moe":  # the shared expert and its sigmoid gate
+                sh = a.shared_hidden_dim
+                specs += [(pre + "mlp.shared_expert.gate_proj.weight", (sh, a.dim), "linear"),
+                          (pre + "mlp.shared_expert.up_proj.weight", (sh, a.dim), "linear"),
+                          (pre + "mlp.shared_expert.down_proj.weight", (a.dim, sh), "linear"),
+                          (pre + "mlp.shared_expert_gate.weight", (1, a.dim), "router")]
             for j in range(a.experts):
                 e = pre + "mlp.experts.%d." % j
                 specs += [(e + "gate_proj.weight", (a.moe_hidden_dim, a.dim), ex),
@@ -257,7 +267,7 @@ def make_config(a, st_dtype):
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
     c = {
         "architectures": [arch_names[a.arch]],
         "model_type": a.arch,
@@ -283,7 +293,7 @@ def make_config(a, st_dtype):
         "pretraining_tp": 1,
         "use_cache": True,
     }
-    if a.qwen2:  # as Qwen2's config.json: biases implied, sliding window off
+    if a.qwen2:  # as Qwen2's (and Qwen2-MoE's) config.json: biases implied, sliding window off
         del c["attention_bias"], c["mlp_bias"], c["pretraining_tp"]
         c.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": a.layers})
     if a.arch == "qwen3":  # as Qwen3's config.json
@@ -320,6 +330,11 @@ def make_config(a, st_dtype):
         c.update({"sliding_window": a.sliding_window, "num_local_experts": a.experts,
                   "num_experts_per_tok": a.top_k, "output_router_logits": False, "router_aux_loss_coef": 0.02,
                   "router_jitter_noise": 0.0, "attention_dropout": 0.0})
+    if a.arch == "qwen2_moe":  # as Qwen2-MoE's (Qwen1.5-MoE) config.json: q/k/v biases implied
+        c.update({"num_experts": a.experts, "num_experts_per_tok": a.top_k,
+                  "moe_intermediate_size": a.moe_hidden_dim, "shared_expert_intermediate_size": a.shared_hidden_dim,
+                  "norm_topk_prob": a.norm_topk_prob == "true", "decoder_sparse_step": a.sparse_step,
+                  "mlp_only_layers": a.mlp_only, "output_router_logits": False, "router_aux_loss_coef": 0.001})
     if a.arch == "qwen3_moe":  # as Qwen3-MoE's config.json
         del c["mlp_bias"], c["pretraining_tp"]
         c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": a.layers,

@@ -49,7 +49,7 @@ def read_config(model_dir):
     if gemma:  # Gemma2MLP / Gemma3MLP read hidden_activation (a released Gemma 2 config also says hidden_act)
         c["hidden_act"] = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
     if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                  None):
+                  "qwen2_moe", None):
         log("warning: model_type %r, treating it as llama" % mt)
     act = c.get("hidden_act", "silu")
     if act not in ACTS:
@@ -57,7 +57,7 @@ def read_config(model_dir):
     if c.get("mlp_bias"):
         raise ValueError("mlp biases are not supported")
     # Qwen2 has q/k/v biases without saying so in config.json
-    qkv_bias = bool(c.get("attention_bias", c.get("model_type") == "qwen2"))
+    qkv_bias = bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))
     dim = c["hidden_size"]
     heads = c["num_attention_heads"]
     cfg = {
@@ -98,10 +98,13 @@ def read_config(model_dir):
                    moe_hidden=c["intermediate_size"], norm_topk=True, moe_prefix="block_sparse_moe.",
                    expert_names=("w1", "w3", "w2"))
         cfg["moe_layers"] = [True] * cfg["n_layers"]
-    elif mt == "qwen3_moe":
-        cfg.update(n_experts=c.get("num_experts", 128), top_k=c.get("num_experts_per_tok", 8),
-                   moe_hidden=c.get("moe_intermediate_size", 768), norm_topk=bool(c.get("norm_topk_prob", False)),
-                   moe_prefix="mlp.", expert_names=("gate_proj", "up_proj", "down_proj"))
+    elif mt in ("qwen3_moe", "qwen2_moe"):  # Qwen2MoeConfig: 60 experts, top-4, 1408; shared expert 5632
+        q2 = mt == "qwen2_moe"
+        cfg.update(n_experts=c.get("num_experts", 60 if q2 else 128), top_k=c.get("num_experts_per_tok", 4 if q2 else 8),
+                   moe_hidden=c.get("moe_intermediate_size", 1408 if q2 else 768),
+                   norm_topk=bool(c.get("norm_topk_prob", False)),
+                   moe_prefix="mlp.", expert_names=("gate_proj", "up_proj", "down_proj"),
+                   shared_hidden=c.get("shared_expert_intermediate_size", 5632) if q2 else 0)
         step, only = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
         cfg["moe_layers"] = [i not in only and cfg["n_experts"] > 0 and (i + 1) % step == 0
                              for i in range(cfg["n_layers"])]
@@ -190,6 +193,12 @@ def load_model(model_dir):
         if cfg["moe_layers"][i]:
             mp, (g, u, d), mh = p + cfg["moe_prefix"], cfg["expert_names"], cfg["moe_hidden"]
             want[mp + "gate.weight"] = (cfg["n_experts"], cfg["dim"])
+            if cfg.get("shared_hidden"):
+                sh = cfg["shared_hidden"]
+                want[mp + "shared_expert.gate_proj.weight"] = (sh, cfg["dim"])
+                want[mp + "shared_expert.up_proj.weight"] = (sh, cfg["dim"])
+                want[mp + "shared_expert.down_proj.weight"] = (cfg["dim"], sh)
+                want[mp + "shared_expert_gate.weight"] = (1, cfg["dim"])
             for j in range(cfg["n_experts"]):
                 want[mp + "experts.%d.%s.weight" % (j, g)] = (mh, cfg["dim"])
                 want[mp + "experts.%d.%s.weight" % (j, u)] = (mh, cfg["dim"])
@@ -357,6 +366,10 @@ def moe_block(cfg, w, p, h, act):
         x = h[tok]
         y = (act(x @ w[e + g + ".weight"].T) * (x @ w[e + u + ".weight"].T)) @ w[e + d + ".weight"].T
         out.index_add_(0, tok, y * top_w[tok, slot, None])
+    if cfg.get("shared_hidden"):  # Qwen2MoeSparseMoeBlock: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+        s = mp + "shared_expert."
+        y = (act(h @ w[s + "gate_proj.weight"].T) * (h @ w[s + "up_proj.weight"].T)) @ w[s + "down_proj.weight"].T
+        out = out + torch.sigmoid(h @ w[mp + "shared_expert_gate.weight"].T) * y
     return out
 
 
@@ -628,6 +641,12 @@ def alt_forward(model, ids):
                     g = w[ep + gn + ".weight"] @ h
                     u = w[ep + un + ".weight"] @ h
                     out += prob[e] / ksum * (w[ep + dn + ".weight"] @ (alt_act(cfg.get("act", "silu"), g) * u))
+                if cfg.get("shared_hidden"):
+                    sp = mp + "shared_expert."
+                    g = w[sp + "gate_proj.weight"] @ h
+                    u = w[sp + "up_proj.weight"] @ h
+                    z = float(w[mp + "shared_expert_gate.weight"][0] @ h)
+                    out += (w[sp + "down_proj.weight"] @ (alt_act(cfg.get("act", "silu"), g) * u)) / (1 + math.exp(-z))
                 rows.append(x[t] + out)
                 continue
             g = w[p + "mlp.gate_proj.weight"] @ h
@@ -676,6 +695,8 @@ def self_test():
                             "--qk-gain", "6", "--final-softcap", "8"] + common[:-4])
             gen_model.main(["--out", os.path.join(tmp, "mixtral"), "--arch", "mixtral", "--experts", "4",
                             "--top-k", "2"] + common[:-4])
+            gen_model.main(["--out", os.path.join(tmp, "qwen2_moe"), "--arch", "qwen2_moe", "--experts", "4",
+                            "--top-k", "2", "--moe-hidden-dim", "16", "--shared-hidden-dim", "40"] + common[:-4])
             gen_model.main(["--out", os.path.join(tmp, "qwen3_moe"), "--arch", "qwen3_moe", "--experts", "6",
                             "--top-k", "3", "--moe-hidden-dim", "24", "--norm-topk-prob", "false",
                             "--mlp-only-layers", "0"] + common[:-4] + ["--layers", "3"])
@@ -709,6 +730,8 @@ def self_test():
         mm = load_model(os.path.join(tmp, "mistral"))
         mx = load_model(os.path.join(tmp, "mixtral"))
         mqm = load_model(os.path.join(tmp, "qwen3_moe"))
+        mq2 = load_model(os.path.join(tmp, "qwen2_moe"))
+        check(mq2["cfg"]["shared_hidden"] == 40 and mq2["cfg"]["qkv_bias"], "qwen2_moe shared expert and biases read")
         check(mx["cfg"]["moe_layers"] == [True, True] and mx["cfg"]["norm_topk"]
               and mqm["cfg"]["moe_layers"] == [False, True, True] and not mqm["cfg"]["norm_topk"]
               and mqm["cfg"]["qk_norm"] and mqm["cfg"]["moe_hidden"] == 24, "mixtral and qwen3_moe configs read")
@@ -717,7 +740,8 @@ def self_test():
         for name, model, toks in (("GQA+llama3", m, ids), ("tied MHA", mt, [t % 61 for t in ids]),
                                   ("qwen2 biases", mq, ids), ("qwen3 q/k norms + gelu tanh", m3, ids),
                                   ("mistral window 5 + gelu", mm, ids), ("mixtral 4 experts top-2", mx, ids),
-                                  ("qwen3_moe 6 experts top-3, unnormalised, a dense layer", mqm, ids)):
+                                  ("qwen3_moe 6 experts top-3, unnormalised, a dense layer", mqm, ids),
+                                  ("qwen2_moe shared expert + biases", mq2, ids)):
             ref = forward(model, toks)
             alt = alt_forward(model, toks)
             err = float((ref - alt).abs().max() / ref.abs().max())

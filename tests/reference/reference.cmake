@@ -79,6 +79,12 @@ add_test(NAME reference_qwen3_moe
                  --arch qwen3_moe --experts 6 --top-k 3 --moe-hidden-dim 40 --norm-topk-prob false
                  --mlp-only-layers 0 --dim 64 --hidden-dim 96 --layers 3 --heads 8 --kv-heads 2 --head-dim 16
                  --vocab 512 --tie --rope-theta 1000000 --seed 53)
+# Qwen2-MoE: q/k/v biases, 4 experts of 40 (top-2, not renormalised) plus a shared expert of 64 scaled by
+# sigmoid(shared_expert_gate . x), every second layer sparse (decoder_sparse_step 2), the others dense MLPs of 96.
+add_test(NAME reference_qwen2_moe
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_qwen2_moe random
+                 --arch qwen2_moe --experts 4 --top-k 2 --moe-hidden-dim 40 --shared-hidden-dim 64 --sparse-step 2
+                 --dim 64 --hidden-dim 96 --layers 4 --heads 8 --kv-heads 2 --vocab 512 --seed 61)
 # Llama with the erf gelu: a config Loom once loaded and ran as SiLU (linear RoPE scaling is reference_gemma3's).
 add_test(NAME reference_gelu
          COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gelu random
@@ -96,5 +102,6 @@ set_tests_properties(reference_selftest reference_stories260k reference_random_g
                      reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3
                      reference_phi3_partial_rotary reference_gemma3
                      reference_gemma2 reference_gemma2_capped reference_gelu reference_mixtral reference_qwen3_moe
+                     reference_qwen2_moe
                      reference_awq reference_gptq reference_gptq_v2
                      PROPERTIES TIMEOUT 300 LABELS reference)

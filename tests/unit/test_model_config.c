@@ -655,6 +655,15 @@ static void test_moe(void) {
                 "\"num_experts_per_tok\":4}",
                 &c, &err) == LOOM_OK);
     CHECK(c.norm_topk_prob && c.moe_hidden_dim == 768 && loom_model_config_layer_moe(&c, 2));
+    /* Qwen2-MoE: Qwen2MoeConfig's defaults (60 experts, top-4, 1408, a shared expert of 5632), q/k/v biases */
+    CHECKF(parse("{\"model_type\":\"qwen2_moe\"," MBASE "}", &c, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(c.n_experts == 60 && c.n_experts_per_tok == 4 && c.moe_hidden_dim == 1408 && c.moe_shared_hidden == 5632 &&
+          c.attention_bias && !c.qk_norm && !c.norm_topk_prob);
+    CHECK(parse("{\"model_type\":\"qwen2_moe\"," MBASE ",\"num_experts\":8,\"shared_expert_intermediate_size\":64,"
+                "\"decoder_sparse_step\":2}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.n_experts == 8 && c.moe_shared_hidden == 64 && !loom_model_config_layer_moe(&c, 0) &&
+          loom_model_config_layer_moe(&c, 1));
     /* num_experts 0: every layer dense */
     CHECK(parse("{\"model_type\":\"qwen3_moe\"," MBASE ",\"num_experts\":0}", &c, &err) == LOOM_OK);
     CHECK(c.n_experts == 0 && !loom_model_config_layer_moe(&c, 0));
