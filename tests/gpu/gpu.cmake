@@ -8,7 +8,8 @@
 #                   8B-shape benchmark (about 5 minutes on an H200)
 #   gpu_standalone_build  compiles and links run.sh's standalone build (the
 #                   CUDA toolkit alone, sm_90) here, GPU or not, so that a GPU
-#                   machine never meets a build broken since it was last used
+#                   machine never meets a build broken since it was last used;
+#                   then runs test_model_config built against its cJSON shim
 if(LOOM_HAVE_CUDA)
   # runs without a GPU: cuBLAS is dlopen()ed, and every symbol must resolve
   loom_add_test(test_cublas_dl SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cublas_dl.c
@@ -27,7 +28,8 @@ if(LOOM_HAVE_CUDA)
   add_test(NAME gpu_standalone_build COMMAND bash -c
            "cmake -S '${CMAKE_CURRENT_LIST_DIR}' -B '${CMAKE_BINARY_DIR}/tests/gpu-standalone' \
             -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release >/dev/null && \
-            cmake --build '${CMAKE_BINARY_DIR}/tests/gpu-standalone' -j 2")
+            cmake --build '${CMAKE_BINARY_DIR}/tests/gpu-standalone' -j 2 && \
+            '${CMAKE_BINARY_DIR}/tests/gpu-standalone/bin/test_model_config_shim'")
   set_tests_properties(gpu_standalone_build PROPERTIES TIMEOUT 600 LABELS build)
   add_test(NAME gpu_run_sh COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run.sh ${CMAKE_BINARY_DIR}/tests/gpu-run)
   set_tests_properties(test_cuda_ops test_cuda_e2e test_cuda_e2e_f32 gpu_run_sh PROPERTIES SKIP_RETURN_CODE 77)

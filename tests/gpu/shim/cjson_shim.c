@@ -318,3 +318,78 @@ cJSON_bool cJSON_IsArray(const cJSON *item) {
 cJSON_bool cJSON_IsObject(const cJSON *item) {
     return item && item->type == cJSON_Object;
 }
+
+static char *dup_str(const char *s) {
+    if (!s) return NULL;
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+cJSON *cJSON_Duplicate(const cJSON *item, cJSON_bool recurse) {
+    if (!item) return NULL;
+    cJSON *d = new_item(item->type);
+    if (!d) return NULL;
+    d->valueint = item->valueint;
+    d->valuedouble = item->valuedouble;
+    if ((item->valuestring && !(d->valuestring = dup_str(item->valuestring))) ||
+        (item->string && !(d->string = dup_str(item->string))))
+        goto fail;
+    if (recurse) {
+        cJSON *tail = NULL;
+        for (const cJSON *c = item->child; c; c = c->next) {
+            cJSON *k = cJSON_Duplicate(c, 1);
+            if (!k) goto fail;
+            if (tail) {
+                tail->next = k;
+                k->prev = tail;
+            } else {
+                d->child = k;
+            }
+            tail = k;
+        }
+    }
+    return d;
+fail:
+    cJSON_Delete(d);
+    return NULL;
+}
+
+cJSON *cJSON_CreateString(const char *string) {
+    cJSON *c = new_item(cJSON_String);
+    if (c && !(c->valuestring = dup_str(string ? string : ""))) {
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+cJSON_bool cJSON_AddItemToObject(cJSON *object, const char *name, cJSON *item) {
+    if (!object || !name || !item || item == object) return 0;
+    char *key = dup_str(name);
+    if (!key) return 0;
+    free(item->string);
+    item->string = key;
+    item->next = NULL;
+    cJSON *c = object->child;
+    if (!c) {
+        object->child = item;
+        item->prev = NULL;
+        return 1;
+    }
+    while (c->next) c = c->next;
+    c->next = item;
+    item->prev = c;
+    return 1;
+}
+
+void cJSON_DeleteItemFromObjectCaseSensitive(cJSON *object, const char *name) {
+    cJSON *c = cJSON_GetObjectItemCaseSensitive(object, name);
+    if (!c) return;
+    if (c->prev) c->prev->next = c->next;
+    else object->child = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->next = c->prev = NULL;
+    cJSON_Delete(c);
+}

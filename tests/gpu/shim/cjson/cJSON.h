@@ -1,7 +1,8 @@
 /* A stand-in for <cjson/cJSON.h> in the standalone GPU test build, which
  * must build with the CUDA toolkit alone: the subset of the cJSON API that
  * common/safetensors.c and common/model_config.c use (parse, free, look-up,
- * type tests, iteration), implemented in ../cjson_shim.c. The regular build
+ * type tests, iteration, and the few edits model_config.c makes: duplicate,
+ * replace a member, create a string), implemented in ../cjson_shim.c. The regular build
  * links the real cJSON. */
 #ifndef LOOM_TEST_CJSON_SHIM_H
 #define LOOM_TEST_CJSON_SHIM_H
@@ -39,6 +40,14 @@ void cJSON_Delete(cJSON *item);
 cJSON *cJSON_GetObjectItemCaseSensitive(const cJSON *object, const char *name);
 cJSON *cJSON_GetArrayItem(const cJSON *array, int index);
 int cJSON_GetArraySize(const cJSON *array);
+
+/* Deep copy when recurse, else the item alone (no children). */
+cJSON *cJSON_Duplicate(const cJSON *item, cJSON_bool recurse);
+cJSON *cJSON_CreateString(const char *string);
+/* Appends item under name (copied); the object owns item afterwards. */
+cJSON_bool cJSON_AddItemToObject(cJSON *object, const char *name, cJSON *item);
+/* Unlinks and frees the first member called name, if any. */
+void cJSON_DeleteItemFromObjectCaseSensitive(cJSON *object, const char *name);
 
 cJSON_bool cJSON_IsInvalid(const cJSON *item);
 cJSON_bool cJSON_IsFalse(const cJSON *item);
