@@ -30,7 +30,8 @@ if(LOOM_HAVE_CUDA)
             -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release >/dev/null && \
             cmake --build '${CMAKE_BINARY_DIR}/tests/gpu-standalone' -j 2 && \
             '${CMAKE_BINARY_DIR}/tests/gpu-standalone/bin/test_model_config_shim'")
-  set_tests_properties(gpu_standalone_build PROPERTIES TIMEOUT 600 LABELS build)
+  set_tests_properties(gpu_standalone_build PROPERTIES TIMEOUT 600 LABELS build
+                       ENVIRONMENT "LOOM_MODELS_DIR=${LOOM_MODELS_DIR}")
   add_test(NAME gpu_run_sh COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run.sh ${CMAKE_BINARY_DIR}/tests/gpu-run)
   set_tests_properties(test_cuda_ops test_cuda_e2e test_cuda_e2e_f32 gpu_run_sh PROPERTIES SKIP_RETURN_CODE 77)
   set_tests_properties(test_cuda_e2e_f32 PROPERTIES TIMEOUT 300 LABELS gpu)
