@@ -39,8 +39,12 @@ static int is_linear(const char *name) {
                                         ".self_attn.v_proj.weight", ".self_attn.o_proj.weight",
                                         ".mlp.gate_proj.weight",    ".mlp.up_proj.weight",
                                         ".mlp.down_proj.weight",    ".self_attn.qkv_proj.weight",
-                                        ".mlp.gate_up_proj.weight"}; /* the last two: Phi-3's fused ones */
-    /* Mixture-of-Experts experts (Mixtral's w1/w3/w2, Qwen3-MoE's *_proj); the router stays float */
+                                        ".mlp.gate_up_proj.weight", /* Phi-3's fused ones */
+                                        ".mlp.shared_expert.gate_proj.weight", /* Qwen2-MoE's shared expert */
+                                        ".mlp.shared_expert.up_proj.weight",
+                                        ".mlp.shared_expert.down_proj.weight"};
+    /* Mixture-of-Experts experts (Mixtral's w1/w3/w2, Qwen3-MoE's *_proj); the router and Qwen2-MoE's
+     * shared_expert_gate stay float, as the loader reads them */
     static const char *const k_expert[] = {".w1.weight", ".w2.weight", ".w3.weight", ".gate_proj.weight",
                                            ".up_proj.weight", ".down_proj.weight"};
     if (!strcmp(name, "lm_head.weight")) return 1;

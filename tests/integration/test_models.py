@@ -206,8 +206,9 @@ def test_moe_reference_grids():
 
 def test_moe_quantized_checkpoints():
     # `loom quantize` stores the experts quantized (the router float), and the stored checkpoint gives the ids
-    # of quantizing on load, on one process and on a grid with --expert-parallel
-    for model in (mixtral(), qwen3_moe()):
+    # of quantizing on load, on one process and on a grid with --expert-parallel (Qwen2-MoE: its shared
+    # expert quantized too, its shared_expert_gate as the loader takes it)
+    for model in (mixtral(), qwen3_moe(), qwen2_moe()):
         for scheme in ("int8", "q4"):
             out = os.path.join(WORK, "%s-%s" % (os.path.basename(model), scheme))
             shutil.rmtree(out, ignore_errors=True)
@@ -222,6 +223,10 @@ def test_moe_quantized_checkpoints():
                       else "model.layers.1.mlp.experts.3.down_proj.qweight")
             check(router in names and expert in names, "%s: router %s float and %s stored: %s"
                   % (scheme, router, expert, sorted(names)[:8]))
+            if "qwen2_moe" in model:
+                shared = ("model.layers.1.mlp.shared_expert.down_proj.qweight",
+                          "model.layers.1.mlp.shared_expert_gate.weight")
+                check(all(n in names for n in shared), "%s: %s stored: %s" % (scheme, shared, sorted(names)[:8]))
             for prompt in PROMPTS[:1]:
                 _, on_load = run_local(model, prompt, N_TOKENS, extra=["--ignore-eos", "--quantization", scheme])
                 _, stored = run_local(out, prompt, N_TOKENS, extra=["--ignore-eos"])
@@ -425,7 +430,7 @@ def test_quantized_kl():
     # and measure int8 1.5-6x and q4 1.5-2.4x their Llama twin (Phi-3 the most): the bounds are 8x and 3x,
     # int8 below q4, and int8 keeping top-1 agreement above 0.85.
     ref = {q: kl_scores(llama_twin(), "--quantization", q)["mean_kl"] for q in ("int8", "q4")}
-    for model in (qwen3(), mistral(), phi3(), phi4mini(), gemma3(), mixtral(), qwen3_moe()):
+    for model in (qwen3(), mistral(), phi3(), phi4mini(), gemma3(), mixtral(), qwen3_moe(), qwen2_moe()):
         int8 = kl_scores(model, "--quantization", "int8")
         q4 = kl_scores(model, "--quantization", "q4")
         check(0.0 < int8["mean_kl"] < 8 * ref["int8"] and int8["top1_agreement"] > 0.85,
