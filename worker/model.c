@@ -866,13 +866,9 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "the %s backend has no final logit soft-capping (final_logit_softcapping %g)",
                             loom_backend_name(be), (double)cfg->final_softcap);
-    int moe_layers = 0;
-    for (int l = spec->layer_begin; l < spec->layer_end; l++) moe_layers += loom_model_config_layer_moe(cfg, l);
-    if (moe_layers && strcmp(loom_backend_name(be), "cpu"))
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "the %s backend has no Mixture-of-Experts block (model_type %s, %d experts); run it on "
-                            "the CPU backend",
-                            loom_backend_name(be), cfg->model_type, cfg->n_experts);
+    /* A Mixture-of-Experts block runs on any backend through run_moe's
+     * generic ops (routing on the host between them); the activation is
+     * checked with the dense MLP's above. */
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
@@ -984,7 +980,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
-    if (moe_layers) {
+    if (m->expert_end > 0) { /* the shard holds MoE layers (moe_split) */
         size_t E = (size_t)cfg->n_experts, K = (size_t)cfg->n_experts_per_tok;
         m->rl = act_alloc(m, T * E, &oom);
         m->sgl = act_alloc(m, T, &oom);
@@ -1398,7 +1394,8 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
      * device data uploaded below, before the replay. */
     int decode = n == b->n_seqs;
     int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) &&
-                !(m->spec.tp_size > 1 && m->opt.allreduce);
+                !(m->spec.tp_size > 1 && m->opt.allreduce) &&
+                m->expert_end == 0; /* run_moe routes on the host between ops: nothing a graph can record */
     int N = n; /* tokens after padding */
     if (m->scratch_block >= 0 && decode && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
         N = decode_bucket(n);

@@ -5,7 +5,8 @@
 #   2. test_cuda_ops: every op against the CPU backend on fresh random inputs;
 #   3. test_cuda_e2e: stories260K through worker/model.c on cuda:0 against the
 #      CPU, bf16 and exact f32, >= 32 greedy tokens; plus a generated model
-#      with head_dim 128 (the tensor-core attention tiles) when numpy is there;
+#      with head_dim 128 (the tensor-core attention tiles) and a Mixtral-shaped
+#      Mixture of Experts (f32) when numpy is there;
 #      test_nccl_comm: the NCCL data plane between two GPU processes (skipped
 #      with fewer than 2 GPUs);
 #   4. bench_gpu: decode tokens/s and MBU against the measured copy bandwidth,
@@ -115,6 +116,15 @@ else
             step e2e-hd128-bf16 120 "$bin/test_cuda_e2e" --model "$gen/hd128" --dtype bf16 --tokens 40
     else
         skip_row e2e-hd128 "no numpy"
+    fi
+    if [ $have_numpy = 1 ]; then # Mixture of Experts (run_moe's generic ops; decode without graphs), f32 so
+        # that no near-tie of the router picks another expert on one side
+        "$py" "$root/tests/reference/gen_model.py" --out "$gen/mixtral" --arch mixtral --experts 8 --top-k 2 \
+            --dim 256 --hidden-dim 512 --layers 3 --heads 8 --kv-heads 2 --vocab 1000 --max-pos 1024 \
+            --expert-spread 0.35 --seed 11 >/dev/null &&
+            step e2e-mixtral-f32 120 "$bin/test_cuda_e2e" --model "$gen/mixtral" --dtype f32 --tokens 40
+    else
+        skip_row e2e-mixtral "no numpy"
     fi
 
     if [ -x "$bin/test_nccl_comm" ]; then
