@@ -174,6 +174,7 @@ int main(int argc, char **argv) {
         /* vLLM's spellings */
         {"tensor-parallel-size", LOOM_OPT_INT, &c.tp, "N", "vLLM's name for --tp (also -tp)", 1, 64, NULL},
         {"pipeline-parallel-size", LOOM_OPT_INT, &c.pp, "M", "vLLM's name for --pp (also -pp)", 1, 64, NULL},
+        {"q", LOOM_OPT_STR, &c.quantization, "SCHEME", "vLLM's short name for --quantization", 1, 0, NULL},
         {"enable-prefix-caching", LOOM_OPT_FLAG, &vo.prefix_on, NULL, "automatic prefix caching on (the default)", 1, 0, NULL},
         {"no-enable-prefix-caching", LOOM_OPT_FLAG, &vo.prefix_off, NULL, "vLLM's name for --no-prefix-cache", 1, 0, NULL},
         {"host", LOOM_OPT_STR, &vo.host, "HOST", "serve HTTP on HOST (with --port; default 127.0.0.1, vLLM's is 0.0.0.0)", 1, 0, NULL},

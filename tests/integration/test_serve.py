@@ -329,6 +329,8 @@ def test_coordinator_vllm_aliases():
     p = subprocess.run([coord, "--model", STORIES, "--pipeline-parallel-size", "9"], capture_output=True, text=True,
                        timeout=60)
     check(p.returncode != 0 and "9" in p.stderr, "--pipeline-parallel-size 9 accepted: %r" % p.stderr)
+    p = subprocess.run([coord, "--model", STORIES, "-q", "q9"], capture_output=True, text=True, timeout=60)
+    check(p.returncode != 0 and "q9" in p.stderr, "-q q9 was not read as --quantization: %r" % p.stderr)
     p = subprocess.run([coord, "--model", STORIES, "--enable-lora"], capture_output=True, text=True, timeout=60)
     check(p.returncode == 2 and "vLLM flag --enable-lora is not supported by Loom" in p.stderr, "%r" % p.stderr)
     p = subprocess.run([coord, "--model", STORIES, "--log-level", "loud"], capture_output=True, text=True, timeout=60)
@@ -358,6 +360,35 @@ def test_coordinator_vllm_aliases():
         log.close()
 
 
+def test_serve_forwards_engine_flags():
+    """vLLM's engine flags on loom serve reach the grid: -pp, --max-model-len, --block-size,
+    --no-enable-prefix-caching, -q, --max-num-batched-tokens, each seen in what the server reports."""
+    with Serve("-pp", "2", "--max-model-len", "256", "--block-size", "32", "--no-enable-prefix-caching",
+               "-q", "int8", "--max-num-batched-tokens", "96", "--log-level", "debug") as s:
+        s.wait_ready()
+        log = s.log()
+        check("2 pipeline stage(s) x 1 tensor-parallel rank(s)" in log, "-pp 2 did not make two stages: %s"
+              % log[-2000:])
+        check("matmul weights quantized" in log and "(0 matmul weights quantized)" not in log,
+              "-q int8 did not quantize the shards: %s" % log[-2000:])
+        st, models = http(s.port, "GET", "/v1/models", key=None)
+        check(st == 200 and models["data"][0]["max_model_len"] == 256, "/v1/models: %s %s" % (st, models))
+        req = urllib.request.Request("http://127.0.0.1:%d/metrics" % s.port)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        line = [l for l in text.splitlines() if l.startswith("vllm:cache_config_info{")]
+        check(line and 'block_size="32"' in line[0] and 'enable_prefix_caching="False"' in line[0],
+              "vllm:cache_config_info: %s" % line)
+        # a prompt longer than --max-num-batched-tokens is prefilled in chunks and still answered
+        st, out = http(s.port, "POST", "/v1/completions", {"model": "stories260K", "prompt": "Once upon a time " * 30,
+                                                          "max_tokens": 4, "temperature": 0}, key=None)
+        check(st == 200 and out["usage"]["prompt_tokens"] > 96 and out["usage"]["completion_tokens"] == 4,
+              "completion: %s %s" % (st, out))
+        st, out = http(s.port, "POST", "/v1/completions", {"model": "stories260K", "prompt": "Once " * 300,
+                                                          "max_tokens": 4}, key=None)
+        check(st == 400, "a prompt beyond --max-model-len 256 was not refused: %s %s" % (st, out))
+
+
 def test_cpu_check():
     """Every binary refuses a CPU without the build's instruction sets, first thing."""
     for b in ("loom", "loom-coordinator", "loom-worker"):
@@ -382,4 +413,4 @@ if __name__ == "__main__":
                                                                       "openai")):
         print("the OpenAI SDK is missing: run npm ci --prefix tests/reference")
         sys.exit(1)
-    run_tests([test_bad_input, test_coordinator_vllm_aliases, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])
+    run_tests([test_bad_input, test_coordinator_vllm_aliases, test_serve_forwards_engine_flags, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])
