@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Speculative decoding (ngram) on stories260K, over prompts the tests do not use:
+"""Speculative decoding on stories260K, over prompts the tests do not use:
 tokens per target step and batch-1 decode speed-up of `loom run` (ngram, int8 and q4 self-drafts), then output
-tokens per target step and wall-clock of requests with sampling controls on a 1x1 cluster, then output
+tokens per target step and wall-clock of requests with sampling controls on a 1x1 cluster (ngram), and of
+plain requests on a 1x1 cluster whose coordinator runs an int8 self-draft, then output
 throughput of a 1x1 cluster at 32 concurrent streams with speculation on
-against off (`loom bench`, random prompts, rounds interleaved).
+against off (`loom bench`, random prompts, rounds interleaved), for ngram and the int8 self-draft.
 
-    /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4] [--grid-only]
+    /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4] [--grid-only] [--draft-only]
 
 The verify-cost side (K+1 tokens against one, on a model beyond the L3) is
 build/bin/bench_spec; docs/speculative.md has the figures.
@@ -62,13 +63,13 @@ def bench_local(model, tokens, rounds, k, name, spec):
     print("mean: speed-up %.2fx, %.2f tokens per target step" % (statistics.mean(speedups), statistics.mean(tps)))
 
 
-def bench_load(model, rounds, k):
+def bench_load(model, rounds, k, spec):
     with open(os.path.join(model, "config.json")) as f:
         vocab = min(json.load(f)["vocab_size"], 512)
     out = tempfile.mkdtemp(prefix="loom-bench-spec-")
     args = ["--num-requests", "64", "--max-concurrency", "32", "--rate", "inf", "--prompt-len", "64",
             "--output-len", "64", "--vocab", str(vocab), "--seed", "7"]
-    clusters = {"off": [], "on": ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)]}
+    clusters = {"off": [], "on": spec + ["--num-speculative-tokens", str(k)]}
     res = {"off": [], "on": []}
     threads = max(1, (os.cpu_count() or 2))
     for name, coord in clusters.items():
@@ -83,15 +84,14 @@ def bench_load(model, rounds, k):
                     if r:  # the first round warms up
                         res[name].append(json.load(f)["output_throughput"])
     off, on = statistics.median(res["off"]), statistics.median(res["on"])
-    print("32 concurrent streams: off %.0f tok/s, on %.0f tok/s, ratio %.3f" % (off, on, on / off))
+    print("32 concurrent streams, %s: off %.0f tok/s, on %.0f tok/s, ratio %.3f" % (" ".join(spec), off, on, on / off))
 
 
-def bench_controls(model, tokens, rounds, k):
-    """1x1 cluster, ngram, batch 1: requests with sampling controls (they speculate too)."""
-    print("1x1 cluster, batch 1, greedy, %d tokens, ngram K=%d (adaptive), requests with sampling controls" % (tokens, k))
+def bench_grid(model, tokens, rounds, k, spec, controls, title):
+    """1x1 cluster, batch 1: each prompt x controls case with speculation on and off per request, interleaved."""
+    print("1x1 cluster, batch 1, greedy, %d tokens, %s K=%d (adaptive), %s" % (tokens, " ".join(spec), k, title))
     print("%-34s %-28s %9s %9s %8s %8s" % ("prompt", "controls", "off s", "on s", "speedup", "tok/step"))
-    controls = [["--frequency-penalty", "0.3"], ["--presence-penalty", "-0.5"], ["--repetition-penalty", "0.9"]]
-    coord = ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)]
+    coord = spec + ["--num-speculative-tokens", str(k)]
     speedups, tps = [], []
     with harness.Cluster(model, 1, 1, coord_args=coord) as c:
         for prompt in PROMPTS:
@@ -116,6 +116,10 @@ def bench_controls(model, tokens, rounds, k):
     print("mean: speed-up %.2fx, %.2f tokens per target step" % (statistics.mean(speedups), statistics.mean(tps)))
 
 
+NGRAM = ["--speculative-method", "ngram"]
+SELF_INT8 = ["--speculative-method", "draft", "--speculative-quantization", "int8"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=harness.STORIES)
@@ -123,16 +127,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--skip-load", action="store_true")
-    ap.add_argument("--grid-only", action="store_true", help="only the cluster parts (controls, 32 streams)")
+    ap.add_argument("--grid-only", action="store_true", help="only the cluster parts (controls, draft, 32 streams)")
+    ap.add_argument("--draft-only", action="store_true", help="only the cluster parts with the coordinator's draft")
     a = ap.parse_args()
-    methods = {"ngram": ["--speculative-method", "ngram"],
-               "int8 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "int8"],
+    methods = {"ngram": NGRAM, "int8 self-draft": SELF_INT8,
                "q4 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "q4"]}
-    for name, spec in ({} if a.grid_only else methods).items():
+    for name, spec in ({} if a.grid_only or a.draft_only else methods).items():
         bench_local(a.model, a.tokens, a.rounds, a.k, name, spec + ["--num-speculative-tokens", str(a.k)])
-    bench_controls(a.model, a.tokens, a.rounds, a.k)
+    if not a.draft_only:
+        controls = [["--frequency-penalty", "0.3"], ["--presence-penalty", "-0.5"], ["--repetition-penalty", "0.9"]]
+        bench_grid(a.model, a.tokens, a.rounds, a.k, NGRAM, controls, "requests with sampling controls")
+    bench_grid(a.model, a.tokens, a.rounds, a.k, SELF_INT8, [[]], "the draft in the coordinator")
     if not a.skip_load:
-        bench_load(a.model, a.rounds, a.k)
+        for spec in ([SELF_INT8] if a.draft_only else [NGRAM, SELF_INT8]):
+            bench_load(a.model, a.rounds, a.k, spec)
 
 
 if __name__ == "__main__":

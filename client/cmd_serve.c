@@ -36,6 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "client/commands.h"
 #include "common/cli.h"
 #include "common/endpoint.h"
@@ -360,9 +362,84 @@ typedef struct fwd_opts {
         *block_size, *seed, *chat_template, *generation_config, *log_level, *dtype, *max_queue, *kv_memory,
         *recovery_ms, *log_format, *embedding_pooling;
     const char *spec_method, *spec_k, *ngram_min, *ngram_max; /* speculative decoding */
+    const char *spec_model, *spec_quant, *spec_max_seqs, *spec_threads;
     int prefix_on, prefix_off;
     int expert_parallel; /* Mixture-of-Experts layers: TP ranks split the experts */
+    char spec_buf[3][32]; /* what --speculative-config gave: numbers, the draft's directory and scheme */
+    char spec_model_buf[PATH_MAX], spec_quant_buf[64];
 } fwd_opts_t;
+
+/* vLLM's --speculative-config JSON mapped on the speculative flags:
+ * method (ngram, draft_model/draft; vLLM infers draft_model from "model"),
+ * model, num_speculative_tokens, prompt_lookup_min/max, quantization (the
+ * draft's). Anything else (EAGLE, Medusa, MTP heads, draft TP) is refused
+ * naming the key or the method. */
+static int speculative_config_apply(fwd_opts_t *f, cJSON *j);
+
+static int speculative_config(fwd_opts_t *f, const char *json) {
+    cJSON *j = cJSON_Parse(json);
+    int r = speculative_config_apply(f, j);
+    cJSON_Delete(j);
+    return r;
+}
+
+static int speculative_config_apply(fwd_opts_t *f, cJSON *j) {
+    if (f->spec_method || f->spec_k || f->ngram_min || f->ngram_max || f->spec_model || f->spec_quant) {
+        fprintf(stderr, "error: give --speculative-config or the --speculative-*/--ngram-* flags, not both\n");
+        return -1;
+    }
+    if (!cJSON_IsObject(j)) {
+        fprintf(stderr, "error: --speculative-config must be a JSON object, like "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'\n");
+        return -1;
+    }
+    static const char *const ints[] = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"};
+    const char **int_dst[] = {&f->spec_k, &f->ngram_min, &f->ngram_max};
+    for (cJSON *it = j->child; it; it = it->next) {
+        size_t i = 0;
+        while (i < LOOM_ARRAY_LEN(ints) && strcmp(it->string, ints[i]) != 0) i++;
+        if (i < LOOM_ARRAY_LEN(ints)) {
+            if (!cJSON_IsNumber(it) || it->valuedouble != (double)(int)it->valuedouble) {
+                fprintf(stderr, "error: --speculative-config: %s must be an integer\n", it->string);
+                return -1;
+            }
+            snprintf(f->spec_buf[i], sizeof f->spec_buf[i], "%d", (int)it->valuedouble);
+            *int_dst[i] = f->spec_buf[i];
+        } else if (!strcmp(it->string, "method") || !strcmp(it->string, "model") ||
+                   !strcmp(it->string, "quantization")) {
+            if (!cJSON_IsString(it) && !(cJSON_IsNull(it) && strcmp(it->string, "method") != 0)) {
+                fprintf(stderr, "error: --speculative-config: %s must be a string\n", it->string);
+                return -1;
+            }
+            if (!strcmp(it->string, "model") && cJSON_IsString(it)) {
+                snprintf(f->spec_model_buf, sizeof f->spec_model_buf, "%s", it->valuestring);
+                f->spec_model = f->spec_model_buf;
+            }
+            if (!strcmp(it->string, "quantization") && cJSON_IsString(it)) {
+                snprintf(f->spec_quant_buf, sizeof f->spec_quant_buf, "%s", it->valuestring);
+                f->spec_quant = f->spec_quant_buf;
+            }
+        } else {
+            fprintf(stderr, "error: --speculative-config: '%s' is not supported (Loom takes method, model, "
+                            "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, quantization)\n",
+                    it->string);
+            return -1;
+        }
+    }
+    cJSON *m = cJSON_GetObjectItemCaseSensitive(j, "method");
+    const char *method = cJSON_IsString(m) ? m->valuestring : f->spec_model ? "draft_model" : "";
+    if (!strcmp(method, "ngram")) {
+        f->spec_method = "ngram";
+    } else if (!strcmp(method, "draft_model") || !strcmp(method, "draft")) {
+        f->spec_method = "draft";
+    } else {
+        fprintf(stderr, "error: --speculative-config: method '%s' is not supported (ngram, or draft_model with "
+                        "\"model\"; Loom's --speculative-quantization gives a quantized self-draft)\n",
+                method);
+        return -1;
+    }
+    return 0;
+}
 
 int loom_cmd_serve(int argc, char **argv) {
     loom_log_init("serve");
@@ -370,6 +447,7 @@ int loom_cmd_serve(int argc, char **argv) {
     fwd_opts_t f = {0};
     const char *model = NULL, *host = "127.0.0.1", *device = "cpu", *zmq_listen = NULL;
     int port = 8000, tp = 1, pp = 1, threads = 0, insecure = 0;
+    const char *spec_config = NULL;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "the Hugging Face model directory (or give it first: loom serve DIR)", 1, 0, NULL},
         {"host", LOOM_OPT_STR, &host, "HOST", "HTTP address to bind (default 127.0.0.1: this machine only; vLLM's default is 0.0.0.0)", 1, 0, NULL},
@@ -381,7 +459,12 @@ int loom_cmd_serve(int argc, char **argv) {
         {"max-model-len", LOOM_OPT_STR, &f.max_model_len, "N", "context length (default: the model's)", 1, 0, NULL},
         {"max-num-seqs", LOOM_OPT_STR, &f.max_num_seqs, "N", "most running sequences (default 64)", 1, 0, NULL},
         {"max-num-batched-tokens", LOOM_OPT_STR, &f.max_batched, "N", "most tokens per step (default 512)", 1, 0, NULL},
-        {"speculative-method", LOOM_OPT_STR, &f.spec_method, "METHOD", "speculative decoding: none (default) or ngram", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &f.spec_method, "METHOD", "speculative decoding: none (default), ngram or draft (docs/speculative.md)", 1, 0, NULL},
+        {"speculative-model", LOOM_OPT_STR, &f.spec_model, "DIR", "method draft: a smaller model with the same vocabulary (default: the target itself)", 1, 0, NULL},
+        {"speculative-quantization", LOOM_OPT_STR, &f.spec_quant, "SCHEME", "method draft: quantize the draft on load (int8, q4, ...); alone, a quantized self-draft", 1, 0, NULL},
+        {"speculative-max-seqs", LOOM_OPT_STR, &f.spec_max_seqs, "N", "method draft: sequences drafted for at once (default 8)", 1, 0, NULL},
+        {"speculative-threads", LOOM_OPT_STR, &f.spec_threads, "N", "method draft: CPU threads of the draft (default 1)", 1, 0, NULL},
+        {"speculative-config", LOOM_OPT_STR, &spec_config, "JSON", "vLLM's form: {\"method\": \"ngram\"|\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"quantization\": SCHEME}", 1, 0, NULL},
         {"num-speculative-tokens", LOOM_OPT_STR, &f.spec_k, "K", "most drafted tokens per sequence per step, 1..16 (default 4)", 1, 0, NULL},
         {"ngram-min", LOOM_OPT_STR, &f.ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 0, NULL},
         {"ngram-max", LOOM_OPT_STR, &f.ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 0, NULL},
@@ -423,6 +506,7 @@ int loom_cmd_serve(int argc, char **argv) {
         fprintf(stderr, "error: loom serve needs a model directory: loom serve MODEL_DIR (see --help)\n");
         return 2;
     }
+    if (spec_config && speculative_config(&f, spec_config) < 0) return 2;
     char cfg_path[PATH_MAX];
     struct stat sb;
     if (!loom_path_join(cfg_path, sizeof cfg_path, model, "config.json") || stat(cfg_path, &sb) != 0 ||
@@ -508,6 +592,8 @@ int loom_cmd_serve(int argc, char **argv) {
         {"log-format", f.log_format}, {"embedding-pooling", f.embedding_pooling},
         {"speculative-method", f.spec_method},
         {"num-speculative-tokens", f.spec_k}, {"ngram-min", f.ngram_min}, {"ngram-max", f.ngram_max},
+        {"speculative-model", f.spec_model}, {"speculative-quantization", f.spec_quant},
+        {"speculative-max-seqs", f.spec_max_seqs}, {"speculative-threads", f.spec_threads},
     };
     for (size_t i = 0; i < LOOM_ARRAY_LEN(fwd); i++)
         if (fwd[i].value) {

@@ -16,6 +16,7 @@
 #include "common/util.h"
 #include "coordinator/http.h"
 #include "coordinator/server.h"
+#include "kernels/cpu/backend_cpu.h"
 #include "kernels/quant.h"
 
 static loom_server_t *g_server;
@@ -102,6 +103,11 @@ static int vllm_apply(vllm_opts_t *v, loom_server_config_t *c, int *no_prefix, c
 
 int main(int argc, char **argv) {
     loom_cpu_check_or_exit("loom-coordinator");
+    for (int i = 1; i < argc; i++) /* a draft model runs here (coordinator/draft.h): the BLAS core matters */
+        if (strcmp(argv[i], "draft") == 0 || strcmp(argv[i], "--speculative-method=draft") == 0) {
+            loom_cpu_blas_check(argv); /* it may re-execute */
+            break;
+        }
     loom_log_init("coordinator");
     loom_server_config_t c = {.tp = 1, .pp = 1, .listen = "tcp://127.0.0.1:5555", .control = "tcp://127.0.0.1:5556",
                               .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
@@ -124,7 +130,11 @@ int main(int argc, char **argv) {
     const char *spec_method = "none";
     int spec_k = 4, ngram_min = 1, ngram_max = 4;
     loom_opt_t opts[] = {
-        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default) or ngram (prompt lookup); same output either way (docs/speculative.md)", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup) or draft (--speculative-model / --speculative-quantization, run in this process); same output either way (docs/speculative.md)", 1, 0, NULL},
+        {"speculative-model", LOOM_OPT_STR, &c.spec_model, "DIR", "method draft: a smaller model with the same vocabulary (default: the target itself)", 1, 0, NULL},
+        {"speculative-quantization", LOOM_OPT_STR, &c.spec_quantization, "SCHEME", "method draft: quantize the draft on load (int8, q4, ...): with no --speculative-model, a quantized self-draft", 1, 0, NULL},
+        {"speculative-max-seqs", LOOM_OPT_INT, &c.spec_max_seqs, "N", "method draft: sequences drafted for at once, each with its own draft KV (default 8)", 1, 256, NULL},
+        {"speculative-threads", LOOM_OPT_INT, &c.spec_threads, "N", "method draft: CPU threads of the draft's forwards (default 1)", 1, 256, NULL},
         {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per sequence per step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
         {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
         {"ngram-max", LOOM_OPT_INT, &ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 64, NULL},
@@ -261,10 +271,29 @@ int main(int argc, char **argv) {
     }
     c.prefix_cache = !no_prefix;
     loom_spec_config_defaults(&c.spec);
-    if (!loom_spec_method_parse(spec_method, &c.spec.method) || c.spec.method == LOOM_SPEC_DRAFT) {
-        fprintf(stderr, "error: --speculative-method must be none or ngram, got '%s'\n", spec_method);
+    if (!loom_spec_method_parse(spec_method, &c.spec.method)) {
+        fprintf(stderr, "error: --speculative-method must be none, ngram or draft, got '%s'\n", spec_method);
         return 2;
     }
+    if ((c.spec_model || c.spec_quantization) && c.spec.method != LOOM_SPEC_DRAFT) {
+        fprintf(stderr, "error: --speculative-model and --speculative-quantization need --speculative-method draft\n");
+        return 2;
+    }
+    if (c.spec.method == LOOM_SPEC_DRAFT && !c.spec_model && !c.spec_quantization) {
+        fprintf(stderr, "error: --speculative-method draft needs --speculative-model DIR or --speculative-quantization "
+                        "SCHEME (a quantized self-draft)\n");
+        return 2;
+    }
+    {
+        loom_quant_spec_t dq;
+        if (c.spec_quantization && !loom_quant_spec_parse(c.spec_quantization, &dq)) {
+            fprintf(stderr, "error: --speculative-quantization: unknown scheme '%s' (none, int8, fp8, q4, q4:64, "
+                            "q4_min, ...)\n",
+                    c.spec_quantization);
+            return 2;
+        }
+    }
+    if (c.spec_threads <= 0) c.spec_threads = 1;
     c.spec.k = spec_k;
     c.spec.ngram_min = ngram_min;
     c.spec.ngram_max = ngram_max;

@@ -24,6 +24,9 @@ struct loom_sched {
     loom_spec_config_t spec;       /* speculation (method OFF: none) */
     loom_spec_stats_t spec_stats;
     loom_spec_cost_t spec_cost;    /* measured step times (loom_sched_observe_step) */
+    loom_sched_draft_fn draft;     /* method DRAFT's proposer (NULL: none) */
+    loom_sched_forget_fn draft_forget;
+    void *draft_ctx;
 };
 
 /* ---- waiting heap ----------------------------------------------------------- */
@@ -156,6 +159,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
 }
 
 static void seq_free(loom_sched_t *s, loom_seq_t *q) {
+    if (s->draft_forget) s->draft_forget(s->draft_ctx, q);
     for (int i = q->n_dropped; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
     free(q->blocks);
     free(q->tokens);
@@ -507,6 +511,13 @@ static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
 static void register_blocks(loom_sched_t *s, loom_seq_t *q);
 
 void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c) { s->spec = *c; }
+
+void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
+                            loom_sched_forget_fn forget, void *ctx) {
+    s->draft = propose;
+    s->draft_forget = forget;
+    s->draft_ctx = ctx;
+}
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s) { return &s->spec_stats; }
 
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
@@ -516,10 +527,11 @@ void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
 static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
     /* sampling controls and grammar masks too: each verify row's plan fields
      * are computed with the earlier drafts as output (loom_sparams_fill_plan) */
-    return s->spec.method == LOOM_SPEC_NGRAM && !q->spec_off;
+    if (q->spec_off) return 0;
+    return s->spec.method == LOOM_SPEC_NGRAM || (s->spec.method == LOOM_SPEC_DRAFT && s->draft);
 }
 
-/* After add_chunk(q, 1) of a decode: appends up to K ngram drafts of q as
+/* After add_chunk(q, 1) of a decode: appends up to K drafts of q as
  * tokens n_computed + 1.. with a logit row each. rows_reserved: logit rows
  * the rest of this micro-batch may still need; step_tokens: the decode
  * tokens the step will carry (for the compute knee). */
@@ -536,8 +548,12 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
     k = LOOM_MIN(k, room); /* drafts use free blocks only, never a preemption */
     if (k <= 0) return;
     int32_t drafts[LOOM_SPEC_MAX_K];
-    int n = loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min, s->spec.ngram_max, k, drafts);
+    int n = s->spec.method == LOOM_SPEC_DRAFT
+                ? s->draft(s->draft_ctx, q, k, drafts)
+                : loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min,
+                                          s->spec.ngram_max, k, drafts);
     if (n <= 0) return;
+    n = LOOM_MIN(n, k);
     grow(s, q, q->n_computed + 1 + n);
     int B = s->cfg.block_size;
     mb->spec_n[si] = n;

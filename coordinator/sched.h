@@ -210,7 +210,8 @@ int loom_sched_in_flight(const loom_sched_t *s);       /* micro-batches */
 void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
 
 /* Speculative decoding (common/spec.h): with a method set, a decode of a
- * sequence not turned off (spec_off) carries up to K ngram drafts after its last token, with one
+ * sequence not turned off (spec_off) carries up to K drafts (ngram, or the
+ * drafter's) after its last token, with one
  * logit row each (steps g..g+K, so each row samples exactly what decoding
  * would). loom_sched_complete accepts the drafts that equal the sampled ids,
  * emits them and the first differing (or bonus) id in order through
@@ -221,6 +222,13 @@ void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
  * decode tokens approach the config's compute knee. */
 void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c);
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s);
+/* Method DRAFT's proposer: up to k drafts for q (its tokens[0..n_tokens))
+ * into out, returning how many (0: none this step). `forget` is called as q
+ * is freed. Without a drafter, method DRAFT drafts nothing. */
+typedef int (*loom_sched_draft_fn)(void *ctx, const loom_seq_t *q, int k, int32_t *out);
+typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
+void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
+                            loom_sched_forget_fn forget, void *ctx);
 /* A step of n_tokens took `seconds`: feeds the measured cost model that
  * adaptive K weighs drafts against (small steps only: the decode regime). */
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);

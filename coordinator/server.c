@@ -37,6 +37,7 @@
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/shard.h"
+#include "coordinator/draft.h"
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
 #include "coordinator/metrics.h"
@@ -93,6 +94,7 @@ struct loom_server {
     loom_tokenizer_t *tok;
     int max_model_len;
     loom_structured_t *structured; /* constrained decoding: vocabulary and grammar cache */
+    loom_coord_draft_t *draft;     /* speculative method DRAFT's draft model (NULL: none) */
 
     void *zctx, *api;
     char api_addr[256], inproc_addr[64];
@@ -656,6 +658,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
                                   .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
         loom_sched_set_spec(s->sched, &s->cfg.spec);
+        if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
@@ -1301,6 +1304,16 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     s->max_model_len = cfg->max_model_len > 0 && cfg->max_model_len < s->mcfg.max_seq_len ? cfg->max_model_len
                                                                                               : s->mcfg.max_seq_len;
+    if (cfg->spec.method == LOOM_SPEC_DRAFT) {
+        loom_coord_draft_options_t dopt = {
+            .model_dir = cfg->spec_model ? cfg->spec_model : cfg->model_dir,
+            .quantization = cfg->spec_quantization,
+            .max_seqs = cfg->spec_max_seqs > 0 ? cfg->spec_max_seqs : 8,
+            .n_threads = cfg->spec_threads,
+            .ctx = s->max_model_len};
+        st = loom_coord_draft_open(&dopt, &s->mcfg, &s->draft, err);
+        if (st < 0) goto fail;
+    }
     if (cfg->model_name) {
         snprintf(s->model_name, sizeof s->model_name, "%s", cfg->model_name);
     } else {
@@ -1357,6 +1370,8 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_grid_destroy(&s->grid);
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);
+    loom_coord_draft_destroy(
+        &s->draft); /* after the scheduler: its sequences tell the draft as they go */
     loom_metrics_destroy(&s->metrics);
     if (s->api) zmq_close(s->api);
     loom_zap_stop(&s->zap); /* after every socket it guards is closed */

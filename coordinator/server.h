@@ -45,6 +45,13 @@ typedef struct loom_server_config {
     const char *kv_events;    /* publish prefix-cache events here for routers (NULL: off) */
     int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
     loom_spec_config_t spec;  /* speculative decoding (method OFF: none), common/spec.h */
+    /* method DRAFT (coordinator/draft.h): the draft's directory (NULL: the
+     * target's, a self-draft), its quantization on load, its sequence slots
+     * and CPU threads */
+    const char *spec_model;
+    const char *spec_quantization;
+    int spec_max_seqs;
+    int spec_threads;
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

@@ -24,10 +24,31 @@ struct loom_local {
     loom_spec_config_t spec; /* speculation (method OFF: none) */
     int32_t *hist;           /* (ctx) prompt and generated ids: the ngram drafter's history */
     loom_local_t *draft;     /* method DRAFT: the draft model, its own KV cache */
-    int draft_n;             /* hist tokens whose KV the draft's cache holds */
+    /* sequence slots (loom_local_propose): slot i owns KV blocks
+     * [i max_blocks, (i+1) max_blocks); held[i ctx ..] are the ids whose KV
+     * it holds at positions 0..held_n[i] */
+    int n_slots;
+    int32_t *held;
+    int *held_n;
 };
 
 #define LOCAL_MAX_ROWS (LOOM_SPEC_MAX_K + 1) /* logit rows a verify step samples */
+
+loom_status_t loom_local_check_draft(const loom_model_config_t *dc, const loom_model_config_t *tc,
+                                     const char *dir, loom_err_t *err) {
+    if (dc->vocab_size != tc->vocab_size)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s has a vocabulary of %d tokens, the target's has %d",
+                            dir, dc->vocab_size, tc->vocab_size);
+    if (dc->bos_id != tc->bos_id || dc->n_eos != tc->n_eos ||
+        (tc->n_eos > 0 && dc->eos_ids[0] != tc->eos_ids[0]))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s has other special tokens (bos %d, eos %d) than the "
+                            "target (bos %d, eos %d)",
+                            dir, dc->bos_id, dc->n_eos ? dc->eos_ids[0] : -1, tc->bos_id,
+                            tc->n_eos ? tc->eos_ids[0] : -1);
+    return LOOM_OK;
+}
 
 /* The draft model of method DRAFT: greedy, one sequence, the target's
  * context, refused when its vocabulary or special ids differ. */
@@ -38,20 +59,12 @@ static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt
     d.spec.method = LOOM_SPEC_OFF;
     d.no_tokenizer = 1;
     d.ctx = l->ctx;
+    d.n_slots = 1;
     loom_err_t e = {0};
     if (loom_local_open(&d, &l->draft, &e) < 0)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the draft model %s cannot be loaded: %s", d.model_dir,
                             e.msg);
-    const loom_model_config_t *dc = &l->draft->cfg, *tc = &l->cfg;
-    if (dc->vocab_size != tc->vocab_size)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "the draft model %s has a vocabulary of %d tokens, the target's has %d", d.model_dir,
-                            dc->vocab_size, tc->vocab_size);
-    if (dc->bos_id != tc->bos_id || dc->n_eos != tc->n_eos || (tc->n_eos > 0 && dc->eos_ids[0] != tc->eos_ids[0]))
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "the draft model %s has other special tokens (bos %d, eos %d) than the target (bos %d, eos %d)",
-                            d.model_dir, dc->bos_id, dc->n_eos ? dc->eos_ids[0] : -1, tc->bos_id,
-                            tc->n_eos ? tc->eos_ids[0] : -1);
+    LOOM_CHECK(loom_local_check_draft(&l->draft->cfg, &l->cfg, d.model_dir, err));
     if (l->draft->ctx < l->ctx) l->ctx = l->draft->ctx;
     return LOOM_OK;
 }
@@ -94,15 +107,19 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;
     l->max_blocks = (l->ctx + LOCAL_BLOCK - 1) / LOCAL_BLOCK;
-    s = loom_model_alloc_kv(l->model, l->max_blocks, LOCAL_BLOCK, err);
+    l->n_slots = opt->n_slots > 0 ? opt->n_slots : 1;
+    s = loom_model_alloc_kv(l->model, l->max_blocks * l->n_slots, LOCAL_BLOCK, err);
     if (s < 0) goto fail;
 
     l->pos = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
     l->slots = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
     l->tok_seq = loom_xcalloc((size_t)l->chunk, sizeof(int32_t));
     l->rows = loom_xmalloc((size_t)l->chunk * sizeof(int32_t));
-    l->block_table = loom_xmalloc((size_t)l->max_blocks * sizeof(int32_t));
-    for (int i = 0; i < l->max_blocks; i++) l->block_table[i] = i;
+    l->block_table = loom_xmalloc((size_t)l->max_blocks * l->n_slots * sizeof(int32_t));
+    for (int i = 0; i < l->max_blocks * l->n_slots; i++)
+        l->block_table[i] = i;
+    l->held = loom_xmalloc((size_t)l->ctx * l->n_slots * sizeof(int32_t));
+    l->held_n = loom_xcalloc((size_t)l->n_slots, sizeof(int));
     l->cand_ids = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
     l->cand_keys = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(float));
     l->hist = loom_xmalloc((size_t)l->ctx * sizeof(int32_t));
@@ -134,6 +151,8 @@ void loom_local_close(loom_local_t **l_p) {
     free(l->cand_ids);
     free(l->cand_keys);
     free(l->hist);
+    free(l->held);
+    free(l->held_n);
     free(l);
 }
 
@@ -143,17 +162,32 @@ loom_model_t *loom_local_model(loom_local_t *l) { return l->model; }
 int loom_local_ctx(const loom_local_t *l) { return l->ctx; }
 loom_dtype_t loom_local_kv_dtype(const loom_local_t *l) { return loom_model_kv_dtype(l->model); }
 
-/* Runs tokens[0..n) at positions p0.. and asks logits for the rows in rows[0..nr). */
-static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, int p0, int nr,
-                               loom_err_t *err) {
+/* Runs tokens[0..n) of sequence slot `slot` at positions p0.. and asks
+ * logits for the rows in rows[0..nr). */
+static loom_status_t run_slot(loom_local_t *l, int slot, const int32_t *tokens, int n, int p0,
+                              int nr, loom_err_t *err) {
+    int base = slot * l->max_blocks *
+               LOCAL_BLOCK; /* the slot's blocks are contiguous: slot = base + position */
     for (int i = 0; i < n; i++) {
         l->pos[i] = p0 + i;
-        l->slots[i] = p0 + i; /* block table is the identity: slot = position */
+        l->slots[i] = base + p0 + i;
     }
-    loom_step_batch_t b = {.n_tokens = n, .tokens = tokens, .pos = l->pos, .slots = l->slots,
-                           .tok_seq = l->tok_seq, .n_seqs = 1, .block_tables = l->block_table,
-                           .max_blocks = l->max_blocks, .n_logits = nr, .logit_rows = l->rows};
+    loom_step_batch_t b = {.n_tokens = n,
+                           .tokens = tokens,
+                           .pos = l->pos,
+                           .slots = l->slots,
+                           .tok_seq = l->tok_seq,
+                           .n_seqs = 1,
+                           .block_tables = l->block_table + (size_t)slot * l->max_blocks,
+                           .max_blocks = l->max_blocks,
+                           .n_logits = nr,
+                           .logit_rows = l->rows};
     return loom_model_forward(l->model, &b, err);
+}
+
+static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, int p0, int nr,
+                               loom_err_t *err) {
+    return run_slot(l, 0, tokens, n, p0, nr, err);
 }
 
 /* Samples the last forward's rows 0..n_rows as generated tokens step0.. */
@@ -171,31 +205,53 @@ static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step
     for (int i = 0; i < n_rows; i++) ids[i] = loom_sample_merge(&parts[i], 1, l->cfg.vocab_size, s, steps[i]);
 }
 
-/* Method DRAFT: the draft model catches up with hist[draft_n, n_hist) and
- * proposes k tokens greedily (a point mass, so spec.h's rule holds). */
-static loom_status_t draft_propose(loom_local_t *l, int n_hist, int k, int32_t *out, loom_err_t *err) {
-    loom_local_t *d = l->draft;
+int loom_local_slots(const loom_local_t *l) {
+    return l->n_slots;
+}
+
+void loom_local_forget(loom_local_t *l, int slot) {
+    if (slot >= 0 && slot < l->n_slots) l->held_n[slot] = 0;
+}
+
+int loom_local_propose(loom_local_t *l, int slot, const int32_t *hist, int n_hist, int k,
+                       int32_t *out, loom_err_t *err) {
+    if (slot < 0 || slot >= l->n_slots)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "slot %d of %d", slot, l->n_slots);
+    k = LOOM_MIN(k,
+                 l->ctx - n_hist); /* drafts 0..k-2 go in at n_hist.., and the history must fit */
+    if (n_hist < 1 || k <= 0) return 0;
+    for (int i = 0; i < n_hist; i++)
+        if (hist[i] < 0 || hist[i] >= l->cfg.vocab_size)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "token id %d is outside the vocabulary (%d)", hist[i],
+                                l->cfg.vocab_size);
+    int32_t *held = l->held + (size_t)slot * l->ctx;
+    /* the cache is valid for the longest prefix it holds of hist (the rest:
+     * rejected drafts, or another sequence's tokens); at least the last id
+     * runs again, for its logits */
+    int valid = 0, n_held = l->held_n[slot];
+    while (valid < n_held && valid < n_hist && held[valid] == hist[valid])
+        valid++;
+    if (valid >= n_hist) valid = n_hist - 1;
+    l->held_n[slot] = valid;
+    for (int p0 = valid; p0 < n_hist; p0 += l->chunk) {
+        int n = LOOM_MIN(l->chunk, n_hist - p0);
+        l->rows[0] = n - 1;
+        LOOM_CHECK(run_slot(l, slot, hist + p0, n, p0, 1, err));
+        memcpy(held + p0, hist + p0, (size_t)n * sizeof *hist);
+        l->held_n[slot] = p0 + n;
+    }
     const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
-    int32_t id;
-    for (int p0 = l->draft_n; p0 < n_hist; p0 += d->chunk) {
-        int n = LOOM_MIN(d->chunk, n_hist - p0);
-        d->rows[0] = n - 1;
-        LOOM_CHECK(run_chunk(d, l->hist + p0, n, p0, 1, err));
-    }
-    if (l->draft_n >= n_hist) { /* nothing new (cannot happen: the last emitted token is new) */
-        d->rows[0] = 0;
-        LOOM_CHECK(run_chunk(d, l->hist + n_hist - 1, 1, n_hist - 1, 1, err));
-    }
     for (int j = 0; j < k; j++) {
-        sample_rows(d, &greedy, 0, 1, &id);
-        out[j] = id;
+        sample_rows(l, &greedy, 0, 1, &out[j]);
         if (j + 1 < k) {
-            d->rows[0] = 0;
-            LOOM_CHECK(run_chunk(d, &out[j], 1, n_hist + j, 1, err));
+            l->rows[0] = 0;
+            LOOM_CHECK(run_slot(l, slot, &out[j], 1, n_hist + j, 1, err));
+            held[n_hist + j] = out[j];
+            l->held_n[slot] = n_hist + j + 1;
         }
     }
-    l->draft_n = n_hist + k - 1; /* drafts 0..k-2 are in its cache */
-    return LOOM_OK;
+    return k;
 }
 
 loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
@@ -214,6 +270,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
                                 prompt[i], l->cfg.vocab_size);
     if (max_new > l->ctx - n_prompt) max_new = l->ctx - n_prompt;
+    l->held_n[0] = 0; /* slot 0's cache is rewritten */
     uint64_t t0 = loom_now_ns();
     int vocab = l->cfg.vocab_size;
     for (int p0 = 0; p0 < n_prompt; p0 += l->chunk) {
@@ -240,7 +297,6 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
      * rejected drafts (positions past the accepted ones) is simply rewritten
      * by later steps: the cache's slots are the positions. */
     memcpy(l->hist, prompt, (size_t)n_prompt * sizeof *prompt);
-    l->draft_n = 0; /* a new sequence: the draft's cache is stale */
     int n_hist = n_prompt, pos = n_prompt, g = 0, n_draft = 0, done = max_new <= 0;
     int32_t feed[LOCAL_MAX_ROWS], sampled[LOCAL_MAX_ROWS];
     loom_spec_adapt_t adapt;
@@ -268,8 +324,6 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         }
         loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
         loom_spec_adapt_update(&adapt, n_draft, accepted);
-        if (l->draft) /* the draft's cache stays valid up to the last accepted draft it holds */
-            l->draft_n = LOOM_MIN(l->draft_n, n_hist - emitted + LOOM_MIN(accepted, LOOM_MAX(n_draft - 1, 0)));
         pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
         if (done || pos + 1 > l->ctx) break;
         /* the last emitted token goes in at position pos (its predecessor's
@@ -284,8 +338,11 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
             k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
             if (l->draft) {
-                n_draft = k > 0 ? k : 0;
-                if (n_draft) LOOM_CHECK(draft_propose(l, n_hist, n_draft, feed + 1, err));
+                n_draft = 0;
+                if (k > 0) {
+                    n_draft = loom_local_propose(l->draft, 0, l->hist, n_hist, k, feed + 1, err);
+                    if (n_draft < 0) return (loom_status_t)n_draft;
+                }
             } else {
                 n_draft = k > 0 ? loom_spec_ngram_propose(l->hist, n_hist, l->spec.ngram_min, l->spec.ngram_max,
                                                           k, feed + 1)
@@ -314,6 +371,7 @@ loom_status_t loom_local_logits(loom_local_t *l, const int32_t *tokens, int n, f
         if (tokens[i] < 0 || tokens[i] >= l->cfg.vocab_size)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
                                 tokens[i], l->cfg.vocab_size);
+    l->held_n[0] = 0;
     for (int p0 = 0; p0 < n; p0 += l->chunk) {
         int c = LOOM_MIN(l->chunk, n - p0);
         for (int i = 0; i < c; i++) l->rows[i] = i;

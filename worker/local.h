@@ -1,5 +1,7 @@
 /* A whole model in this process on one backend, running one sequence at a
- * time: what `loom run`, the reference tests and the decode benchmark use. */
+ * time: what `loom run`, the reference tests and the decode benchmark use;
+ * and, with several sequence slots, the draft model of speculative decoding
+ * (loom_local_propose), in `loom run` and in the coordinator. */
 #ifndef LOOM_LOCAL_H
 #define LOOM_LOCAL_H
 
@@ -27,6 +29,7 @@ typedef struct loom_local_options {
      * quantized self-draft) and its quantization on load */
     const char *draft_model_dir;
     loom_quant_spec_t draft_quant;
+    int n_slots; /* sequences whose KV is kept at once, for loom_local_propose (0: 1) */
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;
@@ -67,6 +70,25 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
  * otherwise, or for ids outside the vocabulary. */
 loom_status_t loom_local_logits(loom_local_t *l, const int32_t *tokens, int n, float *logits,
                                 loom_err_t *err);
+/* Greedy drafts for speculative decoding: sequence slot `slot` (0 ..
+ * loom_local_slots - 1) catches up with hist[0..n_hist), reusing the KV of
+ * the longest prefix of it that the slot already holds (so a slot follows
+ * one sequence at the cost of its new tokens, rejected drafts included, and
+ * any other history is simply recomputed), then proposes up to k tokens into
+ * out. Returns how many (fewer when the context ends; 0 for an empty
+ * history), or a negative status (ids outside the vocabulary). The slot
+ * shares the weights of every other; slot 0 is also the one
+ * loom_local_generate runs on. */
+int loom_local_propose(loom_local_t *l, int slot, const int32_t *hist, int n_hist, int k,
+                       int32_t *out, loom_err_t *err);
+/* The slot holds nothing any more (its sequence ended). */
+void loom_local_forget(loom_local_t *l, int slot);
+int loom_local_slots(const loom_local_t *l);
+/* A draft model's config against its target's: INVALID_ARGUMENT naming the
+ * difference (vocabulary size, BOS/EOS ids) and dir. */
+loom_status_t loom_local_check_draft(const loom_model_config_t *draft,
+                                     const loom_model_config_t *target, const char *dir,
+                                     loom_err_t *err);
 /* The KV cache's element type. */
 loom_dtype_t loom_local_kv_dtype(const loom_local_t *l);
 

@@ -389,6 +389,36 @@ def test_serve_forwards_engine_flags():
         check(st == 400, "a prompt beyond --max-model-len 256 was not refused: %s %s" % (st, out))
 
 
+def test_serve_speculative_config():
+    """vLLM's --speculative-config on loom serve: a draft model drafts on the grid (vLLM's
+    spec_decode counters move, the greedy text equals a run without speculation), and
+    what Loom does not take is refused naming it."""
+    for cfg, want in (('{"method": "eagle3", "model": "x"}', "method 'eagle3' is not supported"),
+                      ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "'draft_tensor_parallel_size' is not supported"),
+                      ('{"num_speculative_tokens": 4}', "method '' is not supported"),
+                      ('{"method": "ngram", "num_speculative_tokens": 2.5}', "must be an integer"),
+                      ("[1]", "must be a JSON object")):
+        p = loom("serve", STORIES, "--speculative-config", cfg)
+        check(p.returncode == 2 and want in p.stderr, "%s: %d %r" % (cfg, p.returncode, p.stderr))
+    p = loom("serve", STORIES, "--speculative-config", '{"method": "ngram"}', "--speculative-method", "ngram")
+    check(p.returncode == 2 and "not both" in p.stderr, "both forms: %r" % p.stderr)
+    body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True}
+    with Serve("--speculative-config", json.dumps({"method": "draft_model", "model": STORIES,
+                                                    "quantization": "int8", "num_speculative_tokens": 3})) as s:
+        s.wait_ready()
+        check("speculative draft: " in s.log() and "(int8," in s.log(), "no draft loaded: %s" % s.log()[-2000:])
+        st, on = http(s.port, "POST", "/v1/completions", body, key=None)
+        st2, off = http(s.port, "POST", "/v1/completions", dict(body, speculative=False), key=None)
+        check(st == st2 == 200 and on["choices"][0]["text"] == off["choices"][0]["text"],
+              "speculation changed the text: %s %s" % (on, off))
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % s.port, timeout=30) as r:
+            text = r.read().decode()
+        acc = [float(l.split()[-1]) for l in text.splitlines()
+               if l.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+        check(acc and acc[0] > 0, "no accepted drafts in /metrics: %s" % acc)
+
+
 def test_cpu_check():
     """Every binary refuses a CPU without the build's instruction sets, first thing."""
     for b in ("loom", "loom-coordinator", "loom-worker"):
@@ -413,4 +443,4 @@ if __name__ == "__main__":
                                                                       "openai")):
         print("the OpenAI SDK is missing: run npm ci --prefix tests/reference")
         sys.exit(1)
-    run_tests([test_bad_input, test_coordinator_vllm_aliases, test_serve_forwards_engine_flags, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])
+    run_tests([test_bad_input, test_coordinator_vllm_aliases, test_serve_forwards_engine_flags, test_serve_speculative_config, test_cpu_check, test_progress_on_a_terminal, test_main_run, test_sigkill_leaves_no_orphan])

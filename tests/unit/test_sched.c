@@ -17,6 +17,8 @@
 static int g_markov;
 static const loom_spec_config_t *g_spec;
 static loom_spec_stats_t g_spec_stats;
+static int
+    g_drafter; /* method DRAFT: a drafter that knows the model but gets every third draft wrong */
 
 static int32_t next_token(const int32_t *ctx, int n) {
     if (g_markov && n >= 2) return (int32_t)(3 + ((uint32_t)ctx[n - 1] * 3u + (uint32_t)(n % 23 == 0)) % 7u);
@@ -108,6 +110,45 @@ static int check_outputs(const req_t *r, int window) {
     return 1;
 }
 
+typedef struct drafter {
+    uint64_t live[256]; /* sequence ids it drafted for and was not told of yet */
+    int n_live, calls, bad;
+} drafter_t;
+
+static int drafter_propose(void *ctx, const loom_seq_t *q, int k, int32_t *out) {
+    drafter_t *d = ctx;
+    d->calls++;
+    int i = 0;
+    while (i < d->n_live && d->live[i] != q->id)
+        i++;
+    if (i == d->n_live) {
+        if (d->n_live == 256) return 0;
+        d->live[d->n_live++] = q->id;
+    }
+    int32_t ctxt[600];
+    int n = q->n_tokens;
+    if (n + k > 600 || k > LOOM_SPEC_MAX_K) {
+        d->bad++;
+        return 0;
+    }
+    memcpy(ctxt, q->tokens, (size_t)n * sizeof *ctxt);
+    for (int j = 0; j < k; j++) {
+        int32_t t = next_token(ctxt, n);
+        out[j] = (n + q->id) % 3 == 0 ? 3 + (t + 1) % 7 : t; /* wrong now and then */
+        ctxt[n++] = out[j];
+    }
+    return k;
+}
+
+static void drafter_forget(void *ctx, const loom_seq_t *q) {
+    drafter_t *d = ctx;
+    for (int i = 0; i < d->n_live; i++)
+        if (d->live[i] == q->id) {
+            d->live[i] = d->live[--d->n_live];
+            return;
+        }
+}
+
 /* Runs n requests to completion with n_micro micro-batches in flight,
  * completing the oldest first as a pipeline does. */
 static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step,
@@ -117,6 +158,8 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
                                .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window};
     loom_sched_t *s = loom_sched_create(&cfg);
     if (g_spec) loom_sched_set_spec(s, g_spec);
+    drafter_t dr = {0};
+    if (g_drafter) loom_sched_set_drafter(s, drafter_propose, drafter_forget, &dr);
     sim_t sm = {.B = 4, .n_slots = n_blocks * 4, .window = window};
     sm.kv_tok = calloc((size_t)sm.n_slots, 4);
     sm.kv_pos = malloc((size_t)sm.n_slots * 4);
@@ -172,6 +215,10 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
     loom_sched_get_stats(s, out_stats);
     g_spec_stats = *loom_sched_spec_stats(s);
     loom_sched_destroy(&s);
+    if (g_drafter) { /* every sequence that was asked for drafts was forgotten once, as it went */
+        CHECKF(dr.n_live == 0 && dr.bad == 0 && dr.calls > 0, "drafter: %d live, %d bad, %d calls",
+               dr.n_live, dr.bad, dr.calls);
+    }
     free(sm.kv_tok);
     free(sm.kv_pos);
     free(reqs);
@@ -457,6 +504,30 @@ static void test_speculative(void) {
     c.fixed_k = 0;
     c.compute_knee = 1;
     run_load(10, 4096, 1, 8, 128, 0, 0, 17, &st);
+    CHECK(g_spec_stats.num_draft_tokens == 0);
+    /* method DRAFT with a drafter: right most of the time, never wrong output */
+    loom_spec_config_defaults(&c);
+    c.method = LOOM_SPEC_DRAFT;
+    c.k = 6;
+    g_drafter = 1;
+    for (int markov = 1; markov >= 0; markov--) {
+        g_markov = markov;
+        run_load(40, 4096, 1, 16, 256, 0, 1, 18, &st);
+        CHECKF(g_spec_stats.num_accepted_tokens > 0 &&
+                   loom_spec_stats_tokens_per_step(&g_spec_stats) > 1.5,
+               "drafter: accepted %lld, %.2f tokens per step",
+               (long long)g_spec_stats.num_accepted_tokens,
+               loom_spec_stats_tokens_per_step(&g_spec_stats));
+        CHECK(g_spec_stats.num_accepted_tokens <
+              g_spec_stats.num_draft_tokens);       /* some were rejected */
+        run_load(48, 40, 1, 16, 64, 0, 0, 19, &st); /* preemption */
+        CHECK(st.preemptions > 0);
+        run_load(50, 60, 3, 16, 32, 1, 1, 20,
+                 &st); /* pipeline micro-batches, prefix sharing, cancellations */
+    }
+    /* method DRAFT without a drafter drafts nothing */
+    g_drafter = 0;
+    run_load(10, 4096, 1, 8, 128, 0, 0, 21, &st);
     CHECK(g_spec_stats.num_draft_tokens == 0);
     g_spec = NULL;
     g_markov = 0;
