@@ -548,10 +548,15 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
     k = LOOM_MIN(k, room); /* drafts use free blocks only, never a preemption */
     if (k <= 0) return;
     int32_t drafts[LOOM_SPEC_MAX_K];
-    int n = s->spec.method == LOOM_SPEC_DRAFT
-                ? s->draft(s->draft_ctx, q, k, drafts)
-                : loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min,
-                                          s->spec.ngram_max, k, drafts);
+    int n;
+    if (s->spec.method == LOOM_SPEC_DRAFT) {
+        uint64_t t0 = loom_now_ns();
+        n = s->draft(s->draft_ctx, q, k, drafts);
+        mb->draft_s += (double)(loom_now_ns() - t0) * 1e-9;
+    } else {
+        n = loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min, s->spec.ngram_max, k,
+                                    drafts);
+    }
     if (n <= 0) return;
     n = LOOM_MIN(n, k);
     grow(s, q, q->n_computed + 1 + n);
@@ -619,6 +624,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         }
     if (!mb) return NULL;
     mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = mb->n_plp = 0;
+    mb->draft_s = 0;
     int budget = c->max_batched_tokens;
     int cap = c->max_num_seqs;
     if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */

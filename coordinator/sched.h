@@ -143,6 +143,7 @@ typedef struct loom_microbatch {
     int *spec_n;             /* (n_seqs) drafts verified for the sequence (0: none) */
     int *spec_row0;          /* (n_seqs) its first logit row when spec_n > 0 */
     uint8_t *spec_row;       /* (n_logits) 1: the row belongs to a speculating sequence */
+    double draft_s;          /* seconds the drafter took for this batch's drafts (method DRAFT) */
 } loom_microbatch_t;
 
 typedef struct loom_sched_stats {
@@ -230,7 +231,8 @@ typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx);
 /* A step of n_tokens took `seconds`: feeds the measured cost model that
- * adaptive K weighs drafts against (small steps only: the decode regime). */
+ * adaptive K weighs drafts against (small steps only: the decode regime).
+ * The caller adds the batch's draft_s, so a draft model's cost counts too. */
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
 
 #endif
