@@ -20,7 +20,8 @@ struct loom_coord_draft {
 };
 
 loom_status_t loom_coord_draft_open(const loom_coord_draft_options_t *o,
-                                    const loom_model_config_t *target, loom_coord_draft_t **out,
+                                    const loom_model_config_t *target,
+                                    const loom_tokenizer_t *target_tok, loom_coord_draft_t **out,
                                     loom_err_t *err) {
     *out = NULL;
     loom_local_options_t lo = {.model_dir = o->model_dir,
@@ -40,6 +41,7 @@ loom_status_t loom_coord_draft_open(const loom_coord_draft_options_t *o,
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "the draft model %s cannot be loaded: %s", o->model_dir, e.msg);
     loom_status_t st = loom_local_check_draft(loom_local_config(l), target, o->model_dir, err);
+    if (st == LOOM_OK) st = loom_local_check_draft_tokenizer(o->model_dir, target_tok, err);
     if (st < 0) {
         loom_local_close(&l);
         return st;

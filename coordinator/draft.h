@@ -13,6 +13,7 @@
 
 #include "common/model_config.h"
 #include "common/status.h"
+#include "common/tokenizer.h"
 #include "coordinator/sched.h"
 
 typedef struct loom_coord_draft_options {
@@ -26,9 +27,11 @@ typedef struct loom_coord_draft_options {
 typedef struct loom_coord_draft loom_coord_draft_t;
 
 /* INVALID_ARGUMENT with the reason when the draft cannot be loaded, or its
- * vocabulary or special ids differ from the target's (naming both). */
+ * vocabulary, special ids or tokenizer (when its directory has one) differ
+ * from the target's (naming both). target_tok: the target's tokenizer. */
 loom_status_t loom_coord_draft_open(const loom_coord_draft_options_t *o,
-                                    const loom_model_config_t *target, loom_coord_draft_t **out,
+                                    const loom_model_config_t *target,
+                                    const loom_tokenizer_t *target_tok, loom_coord_draft_t **out,
                                     loom_err_t *err);
 void loom_coord_draft_destroy(loom_coord_draft_t **d_p);
 /* Makes d the drafter of s's method DRAFT (until s or d is destroyed:

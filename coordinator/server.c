@@ -1311,7 +1311,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
             .max_seqs = cfg->spec_max_seqs > 0 ? cfg->spec_max_seqs : 8,
             .n_threads = cfg->spec_threads,
             .ctx = s->max_model_len};
-        st = loom_coord_draft_open(&dopt, &s->mcfg, &s->draft, err);
+        st =
+            loom_coord_draft_open(&dopt, &s->mcfg, cfg->spec_model ? s->tok : NULL, &s->draft, err);
         if (st < 0) goto fail;
     }
     if (cfg->model_name) {

@@ -1,8 +1,10 @@
 /* Single-process, single-sequence generation over one full-model shard. */
 #include "worker/local.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -50,6 +52,39 @@ loom_status_t loom_local_check_draft(const loom_model_config_t *dc, const loom_m
     return LOOM_OK;
 }
 
+loom_status_t loom_local_check_draft_tokenizer(const char *dir, const loom_tokenizer_t *target,
+                                               loom_err_t *err) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (!target || access(path, R_OK) != 0)
+        return LOOM_OK; /* nothing to compare: the ids alone must agree */
+    loom_tokenizer_t *tok = NULL;
+    loom_err_t e = {0};
+    if (loom_tokenizer_load(dir, &tok, &e) < 0)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "the draft model %s's tokenizer cannot be loaded: %s", dir, e.msg);
+    loom_status_t st = LOOM_OK;
+    int n = loom_tokenizer_vocab_size(tok), nt = loom_tokenizer_vocab_size(target);
+    if (n != nt) {
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                          "the draft model %s's tokenizer has %d tokens, the target's has %d", dir,
+                          n, nt);
+    } else {
+        for (int32_t id = 0; id < n; id++) {
+            const char *a = loom_tokenizer_piece(tok, id), *b = loom_tokenizer_piece(target, id);
+            if (!strcmp(a ? a : "", b ? b : "")) continue;
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "the draft model %s has another tokenizer than the target: token %d "
+                              "is '%.40s' in the "
+                              "draft's and '%.40s' in the target's",
+                              dir, id, a ? a : "", b ? b : "");
+            break;
+        }
+    }
+    loom_tokenizer_destroy(&tok);
+    return st;
+}
+
 /* The draft model of method DRAFT: greedy, one sequence, the target's
  * context, refused when its vocabulary or special ids differ. */
 static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt, loom_err_t *err) {
@@ -65,6 +100,8 @@ static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the draft model %s cannot be loaded: %s", d.model_dir,
                             e.msg);
     LOOM_CHECK(loom_local_check_draft(&l->draft->cfg, &l->cfg, d.model_dir, err));
+    if (opt->draft_model_dir)
+        LOOM_CHECK(loom_local_check_draft_tokenizer(d.model_dir, l->tok, err));
     if (l->draft->ctx < l->ctx) l->ctx = l->draft->ctx;
     return LOOM_OK;
 }

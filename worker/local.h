@@ -89,6 +89,11 @@ int loom_local_slots(const loom_local_t *l);
 loom_status_t loom_local_check_draft(const loom_model_config_t *draft,
                                      const loom_model_config_t *target, const char *dir,
                                      loom_err_t *err);
+/* A draft directory's tokenizer.json against the target's tokenizer:
+ * INVALID_ARGUMENT naming the first token that differs (or the sizes). OK
+ * when the directory has no tokenizer.json or target is NULL. */
+loom_status_t loom_local_check_draft_tokenizer(const char *dir, const loom_tokenizer_t *target,
+                                               loom_err_t *err);
 /* The KV cache's element type. */
 loom_dtype_t loom_local_kv_dtype(const loom_local_t *l);
 

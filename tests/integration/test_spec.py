@@ -127,7 +127,23 @@ def test_draft_self_int8():
     check(ids == base and "tokens per target step" in err, "draft model: ids differ")
 
 
+def other_tokenizer_draft():
+    """A draft with the target's vocabulary size and special ids but another tokenizer (two pieces swapped)."""
+    d = gen_model(os.path.join(WORK, "spec-othertok"), "--dim", "32", "--hidden-dim", "64", "--layers", "1",
+                  "--heads", "4", "--vocab", "512", "--seed", "4")
+    with open(os.path.join(STORIES, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    by_id = {i: p for p, i in vocab.items()}
+    a, b = by_id[300], by_id[301]
+    vocab[a], vocab[b] = 301, 300
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    return d, "token 300 is '%s' in the draft's and '%s' in the target's" % (b, a)
+
+
 def test_bad_input():
+    othertok, othertok_msg = other_tokenizer_draft()
     for extra, want in ((["--num-speculative-tokens", "0"], "[1, 16]"),
                         (["--num-speculative-tokens", "64"], "[1, 16]"),
                         (["--speculative-method", "eagle"], "must be none, ngram or draft"),
@@ -140,7 +156,8 @@ def test_bad_input():
                         (["--speculative-method", "draft", "--speculative-model",
                           gen_model(os.path.join(WORK, "spec-v1024"), "--dim", "32", "--hidden-dim", "64", "--layers",
                                     "1", "--heads", "4", "--vocab", "1024", "--seed", "3")],
-                         "vocabulary of 1024 tokens, the target's has 512")):
+                         "vocabulary of 1024 tokens, the target's has 512"),
+                        (["--speculative-method", "draft", "--speculative-model", othertok], othertok_msg)):
         p = subprocess.run([LOOM, "run", "--model", STORIES, "--prompt", "hi"] + extra,
                            capture_output=True, text=True, timeout=60)
         check(p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr,
@@ -155,7 +172,8 @@ def test_bad_input():
                         (["--speculative-method", "draft", "--speculative-model", "/nonexistent"],
                          "cannot be loaded"),
                         (["--speculative-method", "draft", "--speculative-model", v1024],
-                         "vocabulary of 1024 tokens, the target's has 512")):
+                         "vocabulary of 1024 tokens, the target's has 512"),
+                        (["--speculative-method", "draft", "--speculative-model", othertok], othertok_msg)):
         p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
                             "tcp://127.0.0.1:%d" % free_port(), "--control", "tcp://127.0.0.1:%d" % free_port(),
                             ] + extra, capture_output=True, text=True, timeout=60)
