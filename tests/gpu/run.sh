@@ -13,7 +13,9 @@
 #      prefill TFLOP/s against cuBLAS, on a random Llama-3-8B-shaped model;
 #      the quantized matmul alone (GEMV GB/s per scheme, prefill against
 #      bf16) and a short decode of the same model with 4-bit weights;
-#   5. the regular build with ctest -L gpu and `loom run --device cuda:0`, when
+#   5. the regular build with ctest -L gpu, `loom run --device cuda:0` and
+#      speculative decoding on cuda:0 (tests/gpu/spec_check.sh: ngram and an
+#      int8 self-draft give the ids of plain decoding, greedy and seeded), when
 #      its packages (OpenBLAS, ZeroMQ, libsodium, protobuf-c, cJSON,
 #      libmicrohttpd, GnuTLS, libcurl) are installed, unpacked under
 #      LOOM_DEPS_PREFIX, or given as .deb files in LOOM_DEPS_DEBS (made by
@@ -175,6 +177,7 @@ if cmake -S "$root" -B "$full" "${cm_args[@]}" >"$out/full-configure.log" 2>&1; 
         if [ -n "$stories" ] && [ -f "$stories/tokenizer.json" ]; then
             step loom-run-cuda 120 "$full/bin/loom" run --model "$stories" --prompt "Once upon a time" \
                 --device cuda:0 --dtype bf16 --temperature 0 --max-tokens 48 --ids --ignore-eos
+            step spec-cuda 180 "$root/tests/gpu/spec_check.sh" "$full/bin/loom" "$stories" cuda:0
         fi
     fi
 else
