@@ -261,12 +261,12 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "pet"], "additionalProperties": False}
 
 
-def test_controls_identical(tp=1, pp=1):
+def test_controls_identical(tp=1, pp=1, spec_args=SPEC_ARGS):
     # rows with penalties, logit_bias, min_tokens or a grammar mask speculate
     # too (each verify row's controls see the earlier drafts as output):
     # the same ids, logprobs and text with speculation on and off
     port = free_port()
-    with Cluster(STORIES, tp, pp, coord_args=SPEC_ARGS + ["--http", "127.0.0.1:%d" % port]) as c:
+    with Cluster(STORIES, tp, pp, coord_args=spec_args + ["--http", "127.0.0.1:%d" % port]) as c:
         best = 0.0
         # ngram drafts repeat earlier ids, so presence and repetition penalties
         # see the same set with or without them: the frequency counts, bans and
@@ -314,13 +314,21 @@ def test_controls_identical(tp=1, pp=1):
               "no drafts were verified for the constrained requests")
 
 
-def test_failover():
+def test_controls_identical_draft():
+    # the same with the coordinator's int8 self-draft on a 2x1 grid (its
+    # drafts are the target's likely tokens, so the masks and counts see
+    # drafts that ngram would not propose)
+    test_controls_identical(2, 1, ["--speculative-method", "draft", "--speculative-quantization", "int8",
+                                   "--num-speculative-tokens", "4"])
+
+
+def failover(spec_args):
     # kill -9 a worker mid-stream with speculation on: the requests wait for
     # the grid to be restored, re-prefill their accepted tokens and go on;
     # greedy ids equal an uninterrupted run without speculation
     n = 450
     expect = {p: run_local(STORIES, p, n, extra=["--ignore-eos"])[1] for p in PROMPTS[1:]}
-    with Cluster(STORIES, 2, 1, coord_args=SPEC_ARGS + ["--recovery-timeout-ms", "30000"]) as c:
+    with Cluster(STORIES, 2, 1, coord_args=spec_args + ["--recovery-timeout-ms", "30000"]) as c:
         procs = [(p, c.generate_async(p, n, extra=["--ignore-eos", "--timeout-ms", "30000"]))
                  for p in PROMPTS[1:] * 2]
         for _, proc in procs:  # every stream has begun (a request sent to a broken grid is refused)
@@ -345,8 +353,18 @@ def test_failover():
         check(best > 1.0, "no stream accepted a draft (best %.2f tokens per target step)" % best)
         check("resume" in c.log("coordinator"), "no recovery in the coordinator log")
 
+
+def test_failover():
+    failover(SPEC_ARGS)
+
+
+def test_failover_draft():
+    # the coordinator's draft keeps its slots across the grid's loss; the
+    # re-prefilled sequences draft on from what their slots hold
+    failover(["--speculative-method", "draft", "--speculative-quantization", "int8", "--num-speculative-tokens", "4"])
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
                test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_grids_draft,
-               test_controls_identical, test_failover])
+               test_controls_identical, test_controls_identical_draft, test_failover, test_failover_draft])
