@@ -173,6 +173,27 @@ void loom_op_gather_rows(loom_backend_t *be, float *dst, const float *src, const
                          int n, int dim) {
     if (n > 0) be->ops->gather_rows(be, dst, src, rows, n, dim);
 }
+void loom_op_moe_combine(loom_backend_t *be, float *out, const float *y, const int32_t *pos,
+                         const float *w, int n, int k, int dim, int accumulate) {
+    LOOM_ASSERT(be->ops->moe_combine);
+    if (n > 0) be->ops->moe_combine(be, out, y, pos, w, n, k, dim, accumulate);
+}
+int loom_backend_moe_device(const loom_backend_t *be, loom_dtype_t weight_dtype, int n_experts,
+                            int k) {
+    return be->ops->moe_route && be->ops->moe_gemv && be->ops->moe_device &&
+           be->ops->moe_device(be, weight_dtype, n_experts, k);
+}
+void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
+                       int norm, int32_t *sel, float *w) {
+    LOOM_ASSERT(be->ops->moe_route && k >= 1 && k <= n_experts);
+    if (n > 0) be->ops->moe_route(be, logits, n, n_experts, k, norm, sel, w);
+}
+void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
+                      int n_pairs, const void *const *table, loom_dtype_t dtype, int64_t rows,
+                      int64_t cols) {
+    LOOM_ASSERT(be->ops->moe_gemv && xdiv >= 1);
+    if (n_pairs > 0) be->ops->moe_gemv(be, y, x, xdiv, sel, n_pairs, table, dtype, rows, cols);
+}
 void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
                   const int32_t *pos, const float *inv_freq) {
     if (n > 0) be->ops->rope(be, x, stride, n, n_heads, hd, pos, inv_freq);

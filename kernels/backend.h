@@ -136,6 +136,32 @@ void loom_op_embed(loom_backend_t *be, float *x, const float *table, const int32
 void loom_op_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows,
                          int n, int dim);
 
+/* --- Mixture of Experts ------------------------------------------------ */
+/* The weighted sum of the experts' outputs: for each token t of n,
+ * out(t) = [accumulate ? out(t) : 0] + sum over j = 0..k-1, in that order,
+ * of w[t k + j] * y(pos[t k + j]), skipping pos < 0 (an expert another rank
+ * holds). y holds one row of dim per routed pair, in any order. */
+void loom_op_moe_combine(loom_backend_t *be, float *out, const float *y, const int32_t *pos,
+                         const float *w, int n, int k, int dim, int accumulate);
+/* Optional (CUDA): a decode MoE block with no host round trip.
+ * loom_op_moe_route: sel, w (n, k) = the k largest of softmax(logits(n, E))
+ * per row, largest first (ties to the lower id), renormalised to sum 1 when
+ * norm; the host's routing bit for bit up to expf. loom_op_moe_gemv: the
+ * batched expert GEMV, y(p) = W_{sel[p]} x(p / xdiv) for the n_pairs pairs
+ * (rows of y), where table (device) holds the E experts' weight data,
+ * float weights of `dtype` (rows, cols) row-major, or NULL for an expert
+ * this rank does not hold (its rows of y are zeros). xdiv = k reads each
+ * token's row for its k pairs (the gate/up matmul), 1 a row per pair (down).
+ * loom_backend_moe_device says whether both take a model whose experts are
+ * weights of weight_dtype, n_experts of them, k per token. */
+int loom_backend_moe_device(const loom_backend_t *be, loom_dtype_t weight_dtype, int n_experts,
+                            int k);
+void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
+                       int norm, int32_t *sel, float *w);
+void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
+                      int n_pairs, const void *const *table, loom_dtype_t dtype, int64_t rows,
+                      int64_t cols);
+
 /* Rotary embedding, HF rotate-half convention, in place on `n_heads` heads of
  * each of n rows: row i starts at x + i*stride, head h at +h*hd; pair
  * (j, j+hd/2) is rotated by pos[i] * inv_freq[j]. inv_freq (hd/2) is a

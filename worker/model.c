@@ -29,6 +29,11 @@ typedef struct loom_ffn {
     loom_weight_t s13;    /* (2*shared_hn, dim) */
     loom_weight_t s2;     /* (dim, shared_hn) */
     loom_weight_t sgate;  /* (1, dim), float, replicated */
+    /* the backend's batched expert GEMV (loom_backend_moe_device): device
+     * tables of the E experts' weight data (NULL where another rank holds
+     * the expert), when every held expert is a float weight of edtype */
+    const void **t13, **t2;
+    loom_dtype_t edtype;
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -102,11 +107,21 @@ struct loom_model {
     float *sgl;     /* (T) shared-expert gate logits (device) */
     float *h_sg;    /* (T) host: the same */
     float *rl;      /* (T, n_experts) router logits (device) */
-    float *xg;      /* (T, dim) the rows routed to one expert (device) */
-    float *h_probs; /* (T, n_experts) host: router probabilities */
-    float *h_x;     /* (T, dim) host: the normed input */
-    float *h_y;     /* (T, dim) host: one expert's output rows */
-    float *h_acc;   /* (T, dim) host: the weighted sum */
+    float *xg;      /* (T k, dim) the routed rows, grouped by expert, then their outputs (device) */
+    float *mgu;     /* (T k, 2 moe_hn) their gate/up rows (device) */
+    float *mhb;     /* (T k, moe_hn) their activations (device) */
+    int32_t *d_rows; /* (T k) token of each routed row (device) */
+    int32_t
+        *d_pos;  /* (T k) row of xg of each (token, choice), -1: another rank's expert (device) */
+    float *d_pw; /* (T k) its weight (device) */
+    int32_t *d_sel;   /* (T k) decode on the device: the chosen experts */
+    float *d_w;       /* (T k) and their weights */
+    int32_t *d_ident; /* (T k) 0, 1, 2, ...: pair p's output is row p */
+    int moe_device;   /* every MoE layer has t13 / t2: decode needs no host (graphs allowed) */
+    int32_t *h_pos;   /* (T k) host: d_pos */
+    float *h_pw;      /* (T k) host: d_pw */
+    int32_t *h_fill;  /* (T) host: choices of each token placed so far */
+    float *h_probs;   /* (T, n_experts) host: router probabilities */
     int32_t *h_sel; /* (T, k) chosen experts */
     float *h_w;     /* (T, k) their weights */
     int32_t *h_cnt; /* (n_experts + 1) CSR offsets of the rows routed to each expert */
@@ -401,6 +416,55 @@ static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *er
         LOOM_CHECK(load_linear(L, &f->e2[j], pg, &dn, 1, c->moe_hidden_dim, m->moe_hb, m->moe_hn, err));
         m->expert_bytes += loom_weight_bytes(&f->e13[j]) + loom_weight_bytes(&f->e2[j]);
     }
+    return LOOM_OK;
+}
+
+/* Decode steps of at most this many tokens run a MoE block on the device
+ * when the backend can (loom_backend_moe_device): the batched expert GEMV
+ * reads one expert per (token, choice) pair, which beats grouping only
+ * while few pairs share an expert. */
+#define MOE_DEVICE_MAX_N 4
+
+/* The device tables of loom_op_moe_gemv for every MoE layer whose held
+ * experts are float weights of one dtype the backend's GEMV reads (not
+ * Qwen2-MoE's: its shared expert's gate is applied on the host). */
+static loom_status_t moe_tables(loom_model_t *m, loom_err_t *err) {
+    const int E = m->cfg.n_experts;
+    int n_moe = 0, n_dev = 0;
+    for (int l = 0; l < m->dims.n_layers; l++) {
+        loom_ffn_t *f = &m->layers[l].ffn;
+        if (!f->moe) continue;
+        n_moe++;
+        if (m->cfg.moe_shared_hidden || m->expert_end <= m->expert_begin) continue;
+        loom_dtype_t dt = f->e13[m->expert_begin].dtype;
+        int ok = loom_backend_moe_device(m->be, dt, E, m->cfg.n_experts_per_tok);
+        for (int e = m->expert_begin; ok && e < m->expert_end; e++)
+            ok = f->e13[e].quant == LOOM_QUANT_NONE && f->e2[e].quant == LOOM_QUANT_NONE &&
+                 f->e13[e].dtype == dt && f->e2[e].dtype == dt;
+        if (!ok) continue;
+        const void **h = loom_xcalloc((size_t)E * 2, sizeof *h);
+        for (int e = m->expert_begin; e < m->expert_end; e++) {
+            h[e] = f->e13[e].data;
+            h[E + e] = f->e2[e].data;
+        }
+        f->t13 = loom_backend_alloc(m->be, (size_t)E * sizeof *h);
+        f->t2 = loom_backend_alloc(m->be, (size_t)E * sizeof *h);
+        if (!f->t13 || !f->t2) {
+            free(h);
+            return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the expert tables");
+        }
+        loom_backend_upload(m->be, (void *)f->t13, h, (size_t)E * sizeof *h);
+        loom_backend_upload(m->be, (void *)f->t2, h + E, (size_t)E * sizeof *h);
+        free(h);
+        f->edtype = dt;
+        n_dev++;
+    }
+    m->moe_device = n_moe > 0 && n_dev == n_moe;
+    if (n_dev > 0)
+        LOOM_INFO("Mixture of Experts: decode steps of up to %d tokens route and run the experts "
+                  "on the %s device "
+                  "(%d of %d MoE layers)",
+                  MOE_DEVICE_MAX_N, loom_backend_name(m->be), n_dev, n_moe);
     return LOOM_OK;
 }
 
@@ -798,7 +862,7 @@ static float round_to(float x, loom_dtype_t dt) {
         memcpy(&x, &u, 4);
         return x;
     }
-    if (dt == LOOM_DT_F16) return (float)(_Float16)x;
+    if (dt == LOOM_DT_F16) return loom_f16_to_f32(loom_f32_to_f16(x));
     return x;
 }
 
@@ -942,6 +1006,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     loom_progress_end(&prog, loom_st_bytes_read(st) - read0);
     free(L.tmp);
     L.tmp = NULL;
+    s = moe_tables(m, err);
+    if (s < 0) goto fail;
 
     float inv[512];
     if (hd / 2 > (int)LOOM_ARRAY_LEN(inv)) {
@@ -985,11 +1051,24 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         m->rl = act_alloc(m, T * E, &oom);
         m->sgl = act_alloc(m, T, &oom);
         m->h_sg = loom_xmalloc(T * sizeof(float));
-        m->xg = act_alloc(m, T * dim, &oom);
+        m->xg = act_alloc(m, T * K * dim, &oom);
+        m->mgu = act_alloc(m, T * K * 2 * (size_t)m->moe_hn, &oom);
+        m->mhb = act_alloc(m, T * K * (size_t)m->moe_hn, &oom);
+        m->d_rows = (int32_t *)act_alloc(m, T * K, &oom); /* 4-byte elements, as floats */
+        m->d_pos = (int32_t *)act_alloc(m, T * K, &oom);
+        m->d_pw = act_alloc(m, T * K, &oom);
+        m->d_sel = (int32_t *)act_alloc(m, T * K, &oom);
+        m->d_w = act_alloc(m, T * K, &oom);
+        m->d_ident = (int32_t *)act_alloc(m, T * K, &oom);
+        m->h_pos = loom_xmalloc(T * K * sizeof(int32_t));
+        m->h_pw = loom_xmalloc(T * K * sizeof(float));
+        m->h_fill = loom_xmalloc(T * sizeof(int32_t));
+        if (m->d_ident) {
+            for (size_t i = 0; i < T * K; i++)
+                m->h_pos[i] = (int32_t)i;
+            loom_backend_upload(be, m->d_ident, m->h_pos, T * K * sizeof(int32_t));
+        }
         m->h_probs = loom_xmalloc(T * E * sizeof(float));
-        m->h_x = loom_xmalloc(T * dim * sizeof(float));
-        m->h_y = loom_xmalloc(T * dim * sizeof(float));
-        m->h_acc = loom_xmalloc(T * dim * sizeof(float));
         m->h_sel = loom_xmalloc(T * K * sizeof(int32_t));
         m->h_w = loom_xmalloc(T * K * sizeof(float));
         m->h_cnt = loom_xmalloc((E + 1) * sizeof(int32_t));
@@ -1054,6 +1133,8 @@ void loom_model_destroy(loom_model_t **m_p) {
                 loom_weight_free(be, &ly->ffn.e13[j]);
                 loom_weight_free(be, &ly->ffn.e2[j]);
             }
+            loom_backend_free(be, (void *)ly->ffn.t13);
+            loom_backend_free(be, (void *)ly->ffn.t2);
             free(ly->ffn.e13);
             free(ly->ffn.e2);
         }
@@ -1065,10 +1146,29 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
-    float *acts[] = {m->x, m->xb, m->xb2, m->qkv, m->att, m->gu, m->hb, m->xl, m->logits, m->rl, m->xg,
-                     m->sgl};
+    float *acts[] = {m->x,
+                     m->xb,
+                     m->xb2,
+                     m->qkv,
+                     m->att,
+                     m->gu,
+                     m->hb,
+                     m->xl,
+                     m->logits,
+                     m->rl,
+                     m->xg,
+                     m->sgl,
+                     m->mgu,
+                     m->mhb,
+                     (float *)m->d_rows,
+                     (float *)m->d_pos,
+                     m->d_pw,
+                     (float *)m->d_sel,
+                     m->d_w,
+                     (float *)m->d_ident};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(acts); i++) loom_backend_free(be, acts[i]);
-    void *host[] = {m->h_sg, m->h_probs, m->h_x, m->h_y, m->h_acc, m->h_sel, m->h_w, m->h_cnt, m->h_rows, m->h_rw};
+    void *host[] = {m->h_sg,   m->h_probs, m->h_sel, m->h_w,  m->h_cnt,
+                    m->h_rows, m->h_rw,    m->h_pos, m->h_pw, m->h_fill};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(host); i++) free(host[i]);
     loom_backend_free(be, m->meta_dev);
     free(m->meta_host);
@@ -1204,17 +1304,31 @@ static void moe_route(const float *logits, int E, int k, int norm, float *probs,
 }
 
 /* A Mixture-of-Experts block: xb -> xb2, all-reduced. Every rank routes
- * every token (the router is replicated); the tokens routed to each held
- * expert are gathered and run through its MLP as one matmul (a decode
- * step's groups are single rows: GEMVs), and scatter-added weighted. */
+ * every token (the router is replicated). Decode steps on a backend with
+ * the device ops (loom_backend_moe_device) route, run the chosen experts (a
+ * batched expert GEMV for gate/up and for down) and combine on the device.
+ * Otherwise the router's logits come to the host (n x E floats), which
+ * routes and groups the (token, choice) pairs by expert; the rows stay on
+ * the device: they are gathered grouped, each held expert's group runs
+ * through its MLP as one matmul (a GEMM, or GEMVs for a decode step's single
+ * rows), and each token's outputs are summed, weighted, in ascending expert
+ * order. */
 static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_err_t *err) {
     loom_backend_t *be = m->be;
     const loom_model_config_t *c = &m->cfg;
-    const int E = c->n_experts, K = c->n_experts_per_tok, dim = c->dim;
-    const size_t row = (size_t)dim * sizeof(float);
+    const int E = c->n_experts, K = c->n_experts_per_tok, dim = c->dim, H = m->moe_hn;
+    const loom_act_t act = (loom_act_t)c->hidden_act;
     loom_op_matmul(be, m->rl, m->xb, &f->router, n);
+    if (f->t13 && n <= MOE_DEVICE_MAX_N) {
+        loom_op_moe_route(be, m->rl, n, E, K, c->norm_topk_prob, m->d_sel, m->d_w);
+        loom_op_moe_gemv(be, m->mgu, m->xb, K, m->d_sel, n * K, f->t13, f->edtype, 2 * (int64_t)H,
+                         dim);
+        loom_op_act_mul(be, act, m->mhb, m->mgu, n * K, H);
+        loom_op_moe_gemv(be, m->xg, m->mhb, 1, m->d_sel, n * K, f->t2, f->edtype, dim, H);
+        loom_op_moe_combine(be, m->xb2, m->xg, m->d_ident, m->d_w, n, K, dim, 0);
+        return allreduce(m, m->xb2, (int64_t)n * dim, err);
+    }
     loom_backend_download(be, m->h_probs, m->rl, (size_t)n * E * sizeof(float));
-    loom_backend_download(be, m->h_x, m->xb, (size_t)n * row);
     for (int t = 0; t < n; t++) {
         float *p = m->h_probs + (size_t)t * E;
         moe_route(p, E, K, c->norm_topk_prob, p, m->h_sel + (size_t)t * K, m->h_w + (size_t)t * K);
@@ -1232,37 +1346,51 @@ static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_e
         }
     for (int e = E; e > 0; e--) m->h_cnt[e] = m->h_cnt[e - 1]; /* back to begin offsets */
     m->h_cnt[0] = 0;
-    memset(m->h_acc, 0, (size_t)n * row);
-    for (int e = m->expert_begin; e < m->expert_end; e++) {
-        int b = m->h_cnt[e], g = m->h_cnt[e + 1] - b;
-        if (g == 0) continue;
-        for (int i = 0; i < g; i++)
-            memcpy(m->h_y + (size_t)i * dim, m->h_x + (size_t)m->h_rows[b + i] * dim, row);
-        loom_backend_upload(be, m->xg, m->h_y, (size_t)g * row);
-        loom_op_matmul(be, m->gu, m->xg, &f->e13[e], g);
-        loom_op_act_mul(be, (loom_act_t)c->hidden_act, m->hb, m->gu, g, m->moe_hn);
-        loom_op_matmul(be, m->xg, m->hb, &f->e2[e], g);
-        loom_backend_download(be, m->h_y, m->xg, (size_t)g * row);
-        for (int i = 0; i < g; i++) {
-            float *acc = m->h_acc + (size_t)m->h_rows[b + i] * dim;
-            const float *y = m->h_y + (size_t)i * dim, w = m->h_rw[b + i];
-            for (int d = 0; d < dim; d++) acc[d] += w * y[d];
+    /* each token's choices in ascending expert order: row of xg (from the
+     * held experts' first) and weight; another rank's experts last, -1 */
+    const int i0 = m->h_cnt[m->expert_begin], nl = m->h_cnt[m->expert_end] - i0;
+    memset(m->h_fill, 0, (size_t)n * sizeof(int32_t));
+    for (int i = i0; i < i0 + nl; i++) {
+        int t = m->h_rows[i], at = t * K + m->h_fill[t]++;
+        m->h_pos[at] = i - i0;
+        m->h_pw[at] = m->h_rw[i];
+    }
+    for (int t = 0; t < n; t++)
+        for (int j = m->h_fill[t]; j < K; j++) {
+            m->h_pos[t * K + j] = -1;
+            m->h_pw[t * K + j] = 0.0f;
+        }
+    if (nl > 0) {
+        loom_backend_upload(be, m->d_rows, m->h_rows + i0, (size_t)nl * sizeof(int32_t));
+        loom_op_gather_rows(be, m->xg, m->xb, m->d_rows, nl, dim);
+        for (int e = m->expert_begin; e < m->expert_end; e++) {
+            int b = m->h_cnt[e] - i0, g = m->h_cnt[e + 1] - m->h_cnt[e];
+            if (g > 0)
+                loom_op_matmul(be, m->mgu + (size_t)b * 2 * H, m->xg + (size_t)b * dim, &f->e13[e],
+                               g);
+        }
+        loom_op_act_mul(be, act, m->mhb, m->mgu, nl, H);
+        for (int e = m->expert_begin; e < m->expert_end;
+             e++) { /* xg's rows are read: the outputs go there */
+            int b = m->h_cnt[e] - i0, g = m->h_cnt[e + 1] - m->h_cnt[e];
+            if (g > 0)
+                loom_op_matmul(be, m->xg + (size_t)b * dim, m->mhb + (size_t)b * H, &f->e2[e], g);
         }
     }
+    loom_backend_upload(be, m->d_pos, m->h_pos, (size_t)n * K * sizeof(int32_t));
+    loom_backend_upload(be, m->d_pw, m->h_pw, (size_t)n * K * sizeof(float));
+    loom_op_moe_combine(be, m->xb2, m->xg, m->d_pos, m->d_pw, n, K, dim, 0);
     if (c->moe_shared_hidden) { /* Qwen2-MoE: + sigmoid(shared_gate . x) * shared_expert(x), this rank's slice */
         loom_op_matmul(be, m->sgl, m->xb, &f->sgate, n);
         loom_backend_download(be, m->h_sg, m->sgl, (size_t)n * sizeof(float));
         loom_op_matmul(be, m->gu, m->xb, &f->s13, n);
-        loom_op_act_mul(be, (loom_act_t)c->hidden_act, m->hb, m->gu, n, m->shared_hn);
+        loom_op_act_mul(be, act, m->hb, m->gu, n, m->shared_hn);
         loom_op_matmul(be, m->xg, m->hb, &f->s2, n);
-        loom_backend_download(be, m->h_y, m->xg, (size_t)n * row);
-        for (int t = 0; t < n; t++) {
-            float *acc = m->h_acc + (size_t)t * dim;
-            const float *y = m->h_y + (size_t)t * dim, g = 1.0f / (1.0f + expf(-m->h_sg[t]));
-            for (int d = 0; d < dim; d++) acc[d] += g * y[d];
-        }
+        for (int t = 0; t < n; t++)
+            m->h_sg[t] = 1.0f / (1.0f + expf(-m->h_sg[t]));
+        loom_backend_upload(be, m->d_w, m->h_sg, (size_t)n * sizeof(float));
+        loom_op_moe_combine(be, m->xb2, m->xg, m->d_ident, m->d_w, n, 1, dim, 1);
     }
-    loom_backend_upload(be, m->xb2, m->h_acc, (size_t)n * row);
     return allreduce(m, m->xb2, (int64_t)n * dim, err);
 }
 
@@ -1395,7 +1523,8 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     int decode = n == b->n_seqs;
     int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce) &&
-                m->expert_end == 0; /* run_moe routes on the host between ops: nothing a graph can record */
+                /* run_moe routes on the host between ops, except decode steps on the device */
+                (m->expert_end == 0 || (m->moe_device && decode_bucket(n) <= MOE_DEVICE_MAX_N));
     int N = n; /* tokens after padding */
     if (m->scratch_block >= 0 && decode && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
         N = decode_bucket(n);

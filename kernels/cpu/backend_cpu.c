@@ -596,6 +596,40 @@ static void cpu_gather_rows(loom_backend_t *be, float *dst, const float *src, co
     run_rows(cpu(be), &rc, dim, gather_task);
 }
 
+struct combine_ctx {
+    struct rows_ctx rc; /* y = out, x = the pair rows, idx = pos, n tokens of dim */
+    const float *w;
+    int k, accumulate;
+};
+
+static void combine_task(void *p, int task, int thread) {
+    (void)thread;
+    struct combine_ctx *cc = p;
+    struct rows_ctx *rc = &cc->rc;
+    ROW_RANGE(rc, task, i0, i1);
+    const int64_t dim = rc->dim;
+    for (int t = i0; t < i1; t++) {
+        float *o = rc->y + (int64_t)t * dim;
+        if (!cc->accumulate) memset(o, 0, (size_t)dim * sizeof(float));
+        for (int j = 0; j < cc->k; j++) {
+            int64_t at = (int64_t)t * cc->k + j;
+            if (rc->idx[at] < 0) continue;
+            const float *y = rc->x + (int64_t)rc->idx[at] * dim, w = cc->w[at];
+            for (int64_t d = 0; d < dim; d++)
+                o[d] += w * y[d];
+        }
+    }
+}
+
+static void cpu_moe_combine(loom_backend_t *be, float *out, const float *y, const int32_t *pos,
+                            const float *w, int n, int k, int dim, int accumulate) {
+    struct combine_ctx cc = {.rc = {.y = out, .x = y, .idx = pos, .n = n, .dim = dim},
+                             .w = w,
+                             .k = k,
+                             .accumulate = accumulate};
+    run_rows(cpu(be), &cc.rc, (int64_t)k * dim, combine_task);
+}
+
 static void rope_task(void *p, int task, int thread) {
     struct rows_ctx *rc = p;
     ROW_RANGE(rc, task, i0, i1);
@@ -798,6 +832,7 @@ static const loom_backend_ops_t cpu_ops = {
     .softcap = cpu_softcap,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
+    .moe_combine = cpu_moe_combine,
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
     .kv_write = cpu_kv_write,

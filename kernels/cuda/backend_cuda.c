@@ -629,6 +629,43 @@ static void cuda_gather_rows(loom_backend_t *be, float *dst, const float *src, c
     CUDA_ASSERT(loom_cuda_gather_rows(dst, src, rows, n, dim, c->stream));
 }
 
+/* --- Mixture of Experts (moe.cu) ---------------------------------------------------------- */
+
+static void cuda_moe_combine(loom_backend_t *be, float *out, const float *y, const int32_t *pos,
+                             const float *w, int n, int k, int dim, int accumulate) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_moe_combine(out, y, pos, w, n, k, dim, accumulate, c->stream));
+}
+
+static void cuda_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
+                           int norm, int32_t *sel, float *w) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_moe_route(logits, n, n_experts, k, norm, sel, w, c->stream));
+}
+
+static void cuda_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv,
+                          const int32_t *sel, int n_pairs, const void *const *table,
+                          loom_dtype_t dtype, int64_t rows, int64_t cols) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(
+        loom_cuda_moe_gemv(y, x, xdiv, sel, n_pairs, table, kind_of(dtype), rows, cols, c->stream));
+}
+
+/* Float experts (the weight dtypes this backend stores) and the router
+ * sizes moe.cu takes. */
+static int cuda_moe_device(const loom_backend_t *be, loom_dtype_t dtype, int n_experts, int k) {
+    (void)be;
+    return (dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F16) &&
+           n_experts >= 1 && n_experts <= LOOM_CUDA_MOE_MAX_EXPERTS && k >= 1 && k <= 32 &&
+           k <= n_experts;
+}
+
 static void cuda_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
                       const float *inv_freq) {
     cuda_backend_t *c = cu(be);
@@ -906,6 +943,10 @@ static const loom_backend_ops_t cuda_ops = {
     .silu_mul = cuda_silu_mul,
     .embed = cuda_gather_rows,
     .gather_rows = cuda_gather_rows,
+    .moe_combine = cuda_moe_combine,
+    .moe_route = cuda_moe_route,
+    .moe_gemv = cuda_moe_gemv,
+    .moe_device = cuda_moe_device,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,

@@ -60,6 +60,22 @@ cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stri
 cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, int64_t rows,
                            int64_t cols, int n, cudaStream_t s);
 
+/* Mixture of Experts (loom_op_moe_* in kernels/backend.h). route: sel, w
+ * (n, k) = top-k of softmax(logits (n, E)), largest first, ties to the lower
+ * id, renormalised when norm; E <= LOOM_CUDA_MOE_MAX_EXPERTS, k <= 32.
+ * gemv: y(p, rows) = W_{sel[p]} x(p / xdiv) for n_pairs <= 65535 pairs, W
+ * (rows, cols) of `kind` at table[sel[p]] (a device array of E pointers;
+ * NULL: zeros). combine: out(t) = [accumulate ? out(t) : 0] + sum_j
+ * w[t k + j] y(pos[t k + j]) over pos >= 0. */
+#define LOOM_CUDA_MOE_MAX_EXPERTS 1024
+cudaError_t loom_cuda_moe_route(const float *logits, int n, int n_experts, int k, int norm,
+                                int32_t *sel, float *w, cudaStream_t s);
+cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
+                               const void *const *table, int kind, int64_t rows, int64_t cols,
+                               cudaStream_t s);
+cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos, const float *w,
+                                  int n, int k, int dim, int accumulate, cudaStream_t s);
+
 /* Quantized weights in the canonical layout of kernels/quant.h (codes, f32
  * scales and mins (rows, cols / group), mins NULL unless Q4 with min);
  * quant is a loom_quant_t value (LOOM_QD_* in qformat.h). */

@@ -23,6 +23,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/kernels.h"
 #include "kernels/quant.h"
 #include "tests/test.h"
 
@@ -422,6 +423,132 @@ static void test_silu_gather(void) {
     }
 }
 
+/* --- Mixture of Experts --------------------------------------------------------------- */
+
+/* The router on the device against a top-k written here (softmax, largest
+ * first, ties to the lower id); the batched expert GEMV against the CPU's
+ * matmul of each pair's expert (one expert NULL: zeros); the combine
+ * against the CPU backend's. Odd shapes take the kernels' scalar path. */
+static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, int norm) {
+    loom_backend_t *be = g_cuda[t], *cpu = g_cpu[t];
+    loom_err_t err = {0};
+    if (!loom_backend_moe_device(be, k_dts[t], E, k)) {
+        fprintf(stderr, "FAIL: cuda declines MoE on the device (%s, E %d, k %d)\n",
+                loom_dtype_name(k_dts[t]), E, k);
+        CHECK(0);
+        return;
+    }
+    char what[128];
+    snprintf(what, sizeof what, "moe %s E %d k %d n %d rows %lld cols %lld",
+             loom_dtype_name(k_dts[t]), E, k, n, (long long)rows, (long long)cols);
+    /* route */
+    float *logits = rand_host((size_t)n * E, 3.0f);
+    if (n > 1) logits[E + 1] = logits[E]; /* a tie */
+    int32_t *rsel = loom_xmalloc((size_t)n * k * 4);
+    float *rw = loom_xmalloc((size_t)n * k * 4);
+    for (int i = 0; i < n; i++) {
+        const float *l = logits + (size_t)i * E;
+        float mx = l[0], sum = 0.0f, ks = 0.0f;
+        for (int e = 1; e < E; e++)
+            mx = fmaxf(mx, l[e]);
+        for (int e = 0; e < E; e++)
+            sum += expf(l[e] - mx);
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int q = 0; q < j; q++)
+                    taken |= rsel[i * k + q] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            rsel[i * k + j] = best;
+            ks += rw[i * k + j] = expf(l[best] - mx) / sum;
+        }
+        for (int j = 0; norm && j < k; j++)
+            rw[i * k + j] /= ks;
+    }
+    float *dl = to_dev(be, logits, (size_t)n * E * 4), *dw = poisoned(be, (size_t)n * k * 4);
+    int32_t *dsel = poisoned(be, (size_t)n * k * 4);
+    loom_op_moe_route(be, dl, n, E, k, norm, dsel, dw);
+    int32_t *gsel = (int32_t *)from_dev(be, dsel, (size_t)n * k);
+    int same = 1;
+    for (int i = 0; i < n * k; i++)
+        same &= gsel[i] == rsel[i];
+    if (!same) fprintf(stderr, "FAIL: %s: the device routed to other experts\n", what);
+    CHECK(same);
+    CHECK(close_dev(what, be, dw, rw, (size_t)n * k, 1e-6, 1e-5));
+    /* gemv: expert E - 1 is another rank's */
+    float **hw = loom_xcalloc((size_t)E, sizeof *hw);
+    loom_weight_t *wg = loom_xcalloc((size_t)E, sizeof *wg),
+                  *wc = loom_xcalloc((size_t)E, sizeof *wc);
+    const void **tab = loom_xcalloc((size_t)E, sizeof *tab);
+    for (int e = 0; e < E - 1; e++) {
+        hw[e] = rand_host((size_t)rows * cols, 1.0f);
+        LOOM_ASSERT(loom_weight_upload(be, &wg[e], rows, cols, hw[e], &err) == LOOM_OK);
+        LOOM_ASSERT(loom_weight_upload(cpu, &wc[e], rows, cols, hw[e], &err) == LOOM_OK);
+        tab[e] = wg[e].data;
+    }
+    const int P = n * k;
+    for (int xdiv = 1; xdiv <= k; xdiv += k > 1 ? k - 1 : 1) {
+        const int nx = (P + xdiv - 1) / xdiv;
+        float *hx = rand_host((size_t)nx * cols, 1.0f), *ref = loom_xmalloc((size_t)P * rows * 4);
+        for (int q = 0; q < P; q++) {
+            if (rsel[q] == E - 1) {
+                memset(ref + (size_t)q * rows, 0, (size_t)rows * 4);
+                continue;
+            }
+            loom_op_matmul(cpu, ref + (size_t)q * rows, hx + (size_t)(q / xdiv) * cols,
+                           &wc[rsel[q]], 1);
+        }
+        float *dx = to_dev(be, hx, (size_t)nx * cols * 4), *dy = poisoned(be, (size_t)P * rows * 4);
+        const void **dtab = to_dev(be, tab, (size_t)E * sizeof *tab);
+        loom_op_moe_gemv(be, dy, dx, xdiv, dsel, P, (const void *const *)dtab, k_dts[t], rows,
+                         cols);
+        double u = t == 0 ? 1e-6 : 2e-6;
+        CHECK(close_dev(what, be, dy, ref, (size_t)P * rows, 4.0 * u * sqrt((double)cols) + 1e-5,
+                        1e-3));
+        loom_backend_free(be, dx), loom_backend_free(be, dy), loom_backend_free(be, (void *)dtab);
+        free(hx), free(ref);
+    }
+    /* combine: pairs in reverse order, one skipped; then accumulated */
+    int32_t *pos = loom_xmalloc((size_t)P * 4);
+    for (int q = 0; q < P; q++)
+        pos[q] = q == 1 ? -1 : P - 1 - q;
+    float *hy = rand_host((size_t)P * cols, 1.0f), *ref = rand_host((size_t)n * cols, 1.0f);
+    float *dout = to_dev(be, ref, (size_t)n * cols * 4), *dy = to_dev(be, hy, (size_t)P * cols * 4);
+    int32_t *dpos = to_dev(be, pos, (size_t)P * 4);
+    for (int acc = 0; acc <= 1; acc++) {
+        loom_op_moe_combine(cpu, ref, hy, pos, rw, n, k, (int)cols, acc);
+        loom_op_moe_combine(be, dout, dy, dpos, dw, n, k, (int)cols, acc);
+        CHECK(close_dev(what, be, dout, ref, (size_t)n * cols, 1e-5, 1e-5));
+    }
+    loom_backend_free(be, dout), loom_backend_free(be, dy), loom_backend_free(be, dpos);
+    free(pos), free(hy), free(ref);
+    for (int e = 0; e < E - 1; e++) {
+        loom_weight_free(be, &wg[e]);
+        loom_weight_free(cpu, &wc[e]);
+        free(hw[e]);
+    }
+    free(hw), free(wg), free(wc), free(tab);
+    loom_backend_free(be, dl), loom_backend_free(be, dw), loom_backend_free(be, dsel);
+    free(logits), free(rsel), free(rw), free(gsel);
+}
+
+static void test_moe(void) {
+    /* E, k, n, rows, cols, norm: Mixtral-like, Qwen3-MoE-like (128 experts,
+     * k 8), odd shapes (scalar path), one expert per token */
+    static const int cases[][6] = {
+        {8, 2, 4, 512, 256, 1}, {128, 8, 3, 96, 128, 1}, {60, 4, 2, 37, 101, 0},
+        {5, 1, 1, 8, 12, 0},    {40, 3, 4, 200, 72, 1},
+    };
+    for (int t = 0; t < 3; t++)
+        for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++)
+            check_moe(t, cases[c][0], cases[c][1], cases[c][2], cases[c][3], cases[c][4],
+                      cases[c][5]);
+    CHECK(!loom_backend_moe_device(g_cuda[1], LOOM_DT_F32, LOOM_CUDA_MOE_MAX_EXPERTS + 1, 2) &&
+          !loom_backend_moe_device(g_cuda[1], LOOM_DT_BF16, 64, 33));
+}
+
 /* --- RoPE and the KV write ---------------------------------------------------------- */
 
 static void test_rope_kv(void) {
@@ -805,6 +932,7 @@ int main(int argc, char **argv) {
     RUN(test_rmsnorm_add);
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);
+    RUN(test_moe);
     RUN(test_rope_kv);
     RUN(test_attention);
     RUN(test_sampling);

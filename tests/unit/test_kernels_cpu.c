@@ -553,6 +553,47 @@ static void test_embed_gather(void) {
     }
 }
 
+/* out(t) = [acc ? out(t) : 0] + sum_j w y(pos), in j order, pos < 0 skipped:
+ * against a double sum, over thread counts and a k of 1. The CPU has no
+ * device route / gemv: MoE decode there stays on the host path. */
+static void test_moe_combine(void) {
+    unsigned long long st = 11;
+    static const int shapes[][3] = {
+        {1, 1, 7}, {5, 2, 64}, {3, 8, 257}, {40, 4, 16}}; /* n, k, dim */
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        CHECK(!loom_backend_moe_device(be, LOOM_DT_F32, 8, 2));
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(shapes); a++) {
+            const int n = shapes[a][0], k = shapes[a][1], dim = shapes[a][2], P = n * k;
+            float *y = alloc_f((size_t)P * dim), *w = alloc_f((size_t)P),
+                  *out = alloc_f((size_t)n * dim), *ref = alloc_f((size_t)n * dim);
+            int32_t *pos = malloc((size_t)P * sizeof *pos);
+            fill(y, (size_t)P * dim, &st, 1.0f);
+            fill(w, (size_t)P, &st, 1.0f);
+            fill(out, (size_t)n * dim, &st, 1.0f);
+            for (int q = 0; q < P; q++)
+                pos[q] = q % 3 == 2 ? -1 : (q * 5 + 1) % P; /* any order, skips */
+            for (int acc = 0; acc <= 1; acc++) {
+                for (int i = 0; i < n; i++)
+                    for (int d = 0; d < dim; d++) {
+                        double v = acc ? out[(int64_t)i * dim + d] : 0.0;
+                        for (int j = 0; j < k; j++)
+                            if (pos[i * k + j] >= 0)
+                                v += (double)w[i * k + j] * y[(int64_t)pos[i * k + j] * dim + d];
+                        ref[(int64_t)i * dim + d] = (float)v;
+                    }
+                if (!acc) poison(out, (size_t)n * dim);
+                loom_op_moe_combine(be, out, y, pos, w, n, k, dim, acc);
+                test_allclose(acc ? "moe_combine accumulate" : "moe_combine", out, ref,
+                              (long)n * dim, 1e-6, 1e-5);
+            }
+            free(y), free(w), free(out), free(ref), free(pos);
+        }
+        loom_backend_destroy(&be);
+    }
+}
+
 static void test_rope(void) {
     static const int hds[] = {2, 6, 14, 64, 128};
     static const int nhs[] = {1, 3, 8};
@@ -1093,6 +1134,7 @@ int main(void) {
     RUN(test_add_bias);
     RUN(test_silu_mul);
     RUN(test_embed_gather);
+    RUN(test_moe_combine);
     RUN(test_rope);
     RUN(test_kv_dtypes);
     RUN(test_kv_write);

@@ -1,0 +1,275 @@
+/* Mixture-of-Experts kernels (loom_op_moe_* in kernels/backend.h): the
+ * router's top-k, the batched expert GEMV of a decode step and the weighted
+ * combine of the experts' outputs.
+ *
+ * The batched GEMV gives every (token, choice) pair its own slice of the
+ * grid (blockIdx.y): a decode step of n tokens and top-k reads n*k expert
+ * matrices, each once, which is what a memory-bound step costs anyway when
+ * the pairs mostly choose different experts (Mixtral: 8 experts, k = 2; a
+ * batch of 4 already touches most of them). The weight pointer comes from a
+ * device table indexed by the chosen expert, so no host round trip and no
+ * per-expert launch: the whole block is five kernels a CUDA graph records. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels/cuda/kernels.h"
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kRouteMaxExperts = LOOM_CUDA_MOE_MAX_EXPERTS; /* floats of shared memory per warp */
+constexpr int kRouteWarps = 4;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* One warp per token: softmax over E logits, then k rounds of arg-max over
+ * the experts not yet taken (ties to the lower id), as the host's
+ * moe_route in worker/model.c. */
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    route_kernel(const float *__restrict__ logits, int n, int E, int k, int norm,
+                 int32_t *__restrict__ sel, float *__restrict__ w) {
+    __shared__ float probs[kRouteWarps][kRouteMaxExperts];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t t = (int64_t)blockIdx.x * kRouteWarps + warp;
+    if (t >= n) return; /* whole warp */
+    const float *l = logits + (int64_t)t * E;
+    float *p = probs[warp];
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32)
+        mx = fmaxf(mx, l[e]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) {
+        p[e] = expf(l[e] - mx);
+        sum += p[e];
+    }
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += 32)
+        p[e] /= sum;
+    __syncwarp();
+    float ksum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float bv = -1.0f;
+        int be = E;
+        for (int e = lane; e < E; e += 32)
+            if (p[e] > bv) { /* ascending e per lane: the first of equals stays */
+                bv = p[e];
+                be = e;
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ov > bv || (ov == bv && oe < be)) {
+                bv = ov;
+                be = oe;
+            }
+        }
+        if (lane == 0) {
+            sel[(int64_t)t * k + j] = be;
+            w[(int64_t)t * k + j] = bv;
+        }
+        ksum += bv;
+        __syncwarp();
+        if (lane == 0) p[be] = -2.0f; /* taken: below every probability */
+        __syncwarp();
+    }
+    if (norm && lane < k) w[(int64_t)t * k + lane] /= ksum;
+}
+
+/* Weight elements, widened. */
+template <int KIND> __device__ __forceinline__ float load_w(const void *w, int64_t i) {
+    if (KIND == LOOM_CUDA_BF16)
+        return __uint_as_float((uint32_t) reinterpret_cast<const uint16_t *>(w)[i] << 16);
+    if (KIND == LOOM_CUDA_F16) return __half2float(reinterpret_cast<const __half *>(w)[i]);
+    return reinterpret_cast<const float *>(w)[i];
+}
+
+/* The 16 bytes of a load as floats: 8 bf16/f16 or 4 f32. */
+template <int KIND> struct Wide {
+    static constexpr int kElems = KIND == LOOM_CUDA_F32 ? 4 : 8;
+    __device__ __forceinline__ static void unpack(uint4 v, float *f) {
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+        if (KIND == LOOM_CUDA_F32) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                f[i] = __uint_as_float(u[i]);
+        } else if (KIND == LOOM_CUDA_BF16) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                f[2 * i] = __uint_as_float(u[i] << 16);
+                f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                __half2_raw r;
+                r.x = (unsigned short)(u[i] & 0xffffu);
+                r.y = (unsigned short)(u[i] >> 16);
+                float2 h = __half22float2(__half2(r));
+                f[2 * i] = h.x;
+                f[2 * i + 1] = h.y;
+            }
+        }
+    }
+};
+
+/* y(p, rows) = W_{sel[p]} x(p / xdiv): blockIdx.y is the pair, each warp R
+ * rows of its expert's matrix. VEC: cols % 8 == 0 and 16-byte aligned
+ * weights and x, read with 16-byte loads (weights streamed past L1). */
+template <int KIND, bool VEC>
+__global__ void __launch_bounds__(kWarps * 32)
+    moe_gemv_kernel(float *__restrict__ y, const float *__restrict__ x, int xdiv,
+                    const int32_t *__restrict__ sel, const void *const *__restrict__ table,
+                    int64_t rows, int64_t cols) {
+    constexpr int R = 2, U = 4, E = Wide<KIND>::kElems;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int p = blockIdx.y;
+    const int64_t row0 = ((int64_t)blockIdx.x * kWarps + warp) * R;
+    if (row0 >= rows) return; /* whole warp */
+    const void *w = table[sel[p]];
+    float *yp = y + (int64_t)p * rows;
+    if (!w) { /* another rank's expert: contributes nothing */
+        if (lane < R && row0 + lane < rows) yp[row0 + lane] = 0.0f;
+        return;
+    }
+    const float *xp = x + (int64_t)(p / xdiv) * cols;
+    float acc[R] = {0.0f, 0.0f};
+    if (VEC) {
+        const int64_t nv = cols / E;
+        const uint4 *wr[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            wr[r] = reinterpret_cast<const uint4 *>(w) + (row0 + r < rows ? row0 + r : row0) * nv;
+        for (int64_t v0 = lane; v0 < nv; v0 += 32 * U) {
+            uint4 wv[R][U];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    wv[r][u] =
+                        v0 + u * 32 < nv ? __ldcs(wr[r] + v0 + u * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int64_t v = v0 + u * 32;
+                if (v >= nv) break;
+                const float4 *x4 = reinterpret_cast<const float4 *>(xp + v * E);
+                float xf[E];
+#pragma unroll
+                for (int q = 0; q < E / 4; q++) {
+                    float4 xv = __ldg(x4 + q);
+                    xf[4 * q] = xv.x, xf[4 * q + 1] = xv.y, xf[4 * q + 2] = xv.z,
+                           xf[4 * q + 3] = xv.w;
+                }
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float wf[E];
+                    Wide<KIND>::unpack(wv[r][u], wf);
+#pragma unroll
+                    for (int e = 0; e < E; e++)
+                        acc[r] = fmaf(wf[e], xf[e], acc[r]);
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (row0 + r >= rows) break;
+            for (int64_t c = lane; c < cols; c += 32)
+                acc[r] = fmaf(load_w<KIND>(w, (row0 + r) * cols + c), xp[c], acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < rows) yp[row0 + r] = s;
+    }
+}
+
+template <int KIND>
+cudaError_t launch_gemv(float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
+                        const void *const *table, int64_t rows, int64_t cols, cudaStream_t s) {
+    const int64_t blocks = (rows + kWarps * 2 - 1) / (kWarps * 2);
+    const dim3 grid((unsigned)blocks, (unsigned)n_pairs);
+    /* x rows are 16-byte aligned when the base is and cols % 4 == 0; the
+     * experts' weights come from cudaMalloc (256-byte aligned) */
+    const bool vec = cols % 8 == 0 && ((uintptr_t)x & 15u) == 0;
+    if (vec)
+        moe_gemv_kernel<KIND, true>
+            <<<grid, kWarps * 32, 0, s>>>(y, x, xdiv, sel, table, rows, cols);
+    else
+        moe_gemv_kernel<KIND, false>
+            <<<grid, kWarps * 32, 0, s>>>(y, x, xdiv, sel, table, rows, cols);
+    return cudaGetLastError();
+}
+
+/* out(t) = [acc ? out(t) : 0] + sum_j w[t k + j] y(pos[t k + j]), j in order. */
+__global__ void combine_kernel(float *__restrict__ out, const float *__restrict__ y,
+                               const int32_t *__restrict__ pos, const float *__restrict__ w, int k,
+                               int dim, int accumulate) {
+    const int64_t t = blockIdx.x;
+    const int d = blockIdx.y * blockDim.x + threadIdx.x;
+    if (d >= dim) return;
+    float *o = out + (int64_t)t * dim + d;
+    float a = accumulate ? *o : 0.0f;
+    for (int j = 0; j < k; j++) {
+        const int q = pos[(int64_t)t * k + j];
+        if (q >= 0) a += w[(int64_t)t * k + j] * y[(int64_t)q * dim + d];
+    }
+    *o = a;
+}
+
+} /* namespace */
+
+extern "C" cudaError_t loom_cuda_moe_route(const float *logits, int n, int n_experts, int k,
+                                           int norm, int32_t *sel, float *w, cudaStream_t s) {
+    if (n <= 0) return cudaSuccess;
+    if (n_experts < 1 || n_experts > LOOM_CUDA_MOE_MAX_EXPERTS || k < 1 || k > n_experts || k > 32)
+        return cudaErrorInvalidValue;
+    route_kernel<<<(unsigned)((n + kRouteWarps - 1) / kRouteWarps), kRouteWarps * 32, 0, s>>>(
+        logits, n, n_experts, k, norm, sel, w);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, const int32_t *sel,
+                                          int n_pairs, const void *const *table, int kind,
+                                          int64_t rows, int64_t cols, cudaStream_t s) {
+    if (n_pairs <= 0 || rows <= 0)
+        return n_pairs == 0 || rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    if (cols <= 0 || xdiv < 1 || n_pairs > 65535 ||
+        (rows + 2 * kWarps - 1) / (2 * kWarps) > 0x7fffffff)
+        return cudaErrorInvalidValue;
+    switch (kind) {
+    case LOOM_CUDA_BF16:
+        return launch_gemv<LOOM_CUDA_BF16>(y, x, xdiv, sel, n_pairs, table, rows, cols, s);
+    case LOOM_CUDA_F16:
+        return launch_gemv<LOOM_CUDA_F16>(y, x, xdiv, sel, n_pairs, table, rows, cols, s);
+    default:
+        return launch_gemv<LOOM_CUDA_F32>(y, x, xdiv, sel, n_pairs, table, rows, cols, s);
+    }
+}
+
+extern "C" cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos,
+                                             const float *w, int n, int k, int dim, int accumulate,
+                                             cudaStream_t s) {
+    if (n <= 0 || dim <= 0) return cudaSuccess;
+    if (k < 1) return cudaErrorInvalidValue;
+    const int threads = 256;
+    const dim3 grid((unsigned)n, (unsigned)((dim + threads - 1) / threads));
+    combine_kernel<<<grid, threads, 0, s>>>(out, y, pos, w, k, dim, accumulate);
+    return cudaGetLastError();
+}
