@@ -26,6 +26,7 @@ loom_status_t loom_coord_draft_open(const loom_coord_draft_options_t *o,
     *out = NULL;
     loom_local_options_t lo = {.model_dir = o->model_dir,
                                .n_threads = o->n_threads,
+                               .device = o->device,
                                .ctx = o->ctx,
                                .no_tokenizer = 1,
                                .n_slots = LOOM_MAX(o->max_seqs, 1)};

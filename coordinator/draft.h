@@ -1,8 +1,8 @@
 /* The draft model of speculative method DRAFT, run inside the coordinator
  * (its own worker, in-process): a smaller model with the target's
  * vocabulary, or the target itself quantized (a self-draft), on the CPU
- * backend, with its own KV cache of `max_seqs` sequence slots. The
- * scheduler asks it for a sequence's drafts as it builds a step
+ * backend (or a GPU of the coordinator's host, --speculative-device), with its own KV cache of
+ * `max_seqs` sequence slots. The scheduler asks it for a sequence's drafts as it builds a step
  * (loom_sched_set_drafter); a slot follows one sequence and catches up with
  * the tokens it has not seen (the accepted ones, and the correction of a
  * rejected draft) before it proposes. A sequence that finds every slot busy
@@ -21,6 +21,7 @@ typedef struct loom_coord_draft_options {
     const char *quantization; /* quantized on load (int8, q4, ...); NULL or "none": as stored */
     int max_seqs;             /* sequences drafted for at once (KV slots), >= 1 */
     int n_threads;            /* CPU threads of its forwards (0: all cores) */
+    const char *device;       /* its backend: "cpu" (NULL) or "cuda:N" */
     int ctx;                  /* positions per slot: the coordinator's max_model_len */
 } loom_coord_draft_options_t;
 

@@ -1310,6 +1310,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
             .quantization = cfg->spec_quantization,
             .max_seqs = cfg->spec_max_seqs > 0 ? cfg->spec_max_seqs : 8,
             .n_threads = cfg->spec_threads,
+            .device = cfg->spec_device,
             .ctx = s->max_model_len};
         st =
             loom_coord_draft_open(&dopt, &s->mcfg, cfg->spec_model ? s->tok : NULL, &s->draft, err);

@@ -52,6 +52,7 @@ typedef struct loom_server_config {
     const char *spec_quantization;
     int spec_max_seqs;
     int spec_threads;
+    const char *spec_device; /* the draft's backend (NULL: cpu) */
 } loom_server_config_t;
 
 typedef struct loom_server loom_server_t;

@@ -168,6 +168,11 @@ def test_bad_input():
                         (["--speculative-method", "eagle"], "must be none, ngram or draft"),
                         (["--speculative-method", "draft"], "needs --speculative-model"),
                         (["--speculative-quantization", "int8"], "need --speculative-method draft"),
+                        (["--speculative-device", "cuda:0"], "need --speculative-method draft"),
+                        (["--speculative-method", "draft", "--speculative-quantization", "int8",
+                          "--speculative-device", "tpu:0"], "unknown device 'tpu:0'"),
+                        (["--speculative-method", "draft", "--speculative-quantization", "int8",
+                          "--speculative-device", "cuda:9"], "cannot be loaded"),
                         (["--speculative-method", "draft", "--speculative-quantization", "int3"], "int3"),
                         (["--speculative-method", "draft", "--speculative-model", "/nonexistent"],
                          "cannot be loaded"),
@@ -182,6 +187,11 @@ def test_bad_input():
     p = subprocess.run([LOOM, "serve", STORIES, "--port", "0", "--speculative-method", "ngram",
                         "--num-speculative-tokens", "0"], capture_output=True, text=True, timeout=120)
     check(p.returncode != 0 and "[1, 16]" in p.stderr, "loom serve with K 0: rc %d, %r" % (p.returncode, p.stderr[-500:]))
+    p = subprocess.run([LOOM, "serve", STORIES, "--port", "0", "--speculative-method", "draft",
+                        "--speculative-quantization", "int8", "--speculative-device", "tpu:0"],
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode != 0 and "unknown device 'tpu:0'" in p.stderr,
+          "loom serve --speculative-device tpu:0: rc %d, %r" % (p.returncode, p.stderr[-500:]))
 
 
 GRID_PROMPTS = PROMPTS + ["Lily and Ben went to the park. They saw", "Once upon a time, there was a boy. The boy"]
@@ -247,7 +257,8 @@ def test_grids_draft():
                           "--num-speculative-tokens", "4", "--speculative-max-seqs", "3"], min_best=2.0)
     print("int8 self-draft on the grids: best %.2f tokens per target step" % best)
     best = grid_identity(["--speculative-method", "draft", "--speculative-model", STORIES,
-                          "--num-speculative-tokens", "6", "--speculative-threads", "2"], grids=((1, 2),), min_best=3.0)
+                          "--num-speculative-tokens", "6", "--speculative-threads", "2",
+                          "--speculative-device", "cpu"], grids=((1, 2),), min_best=3.0)
     print("the target's checkpoint as the draft, 1x2: best %.2f tokens per target step" % best)
     draft = gen_model(os.path.join(WORK, "spec-draft"), "--dim", "32", "--hidden-dim", "64", "--layers", "2",
                       "--heads", "4", "--vocab", "512", "--seed", "5")
