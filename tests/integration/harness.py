@@ -20,6 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.environ.get("LOOM_BIN", os.path.join(ROOT, "build", "bin"))
 MODELS = os.environ.get("LOOM_MODELS_DIR", os.path.join(os.path.dirname(ROOT), "shared", "models"))
 PYTHON = os.environ.get("LOOM_PYTHON", "/usr/bin/python3")
+# The sanitizer build's run (scripts/test.sh runs every integration test there first, then the `release`
+# ones again on the Release build): tests whose cost is the float64 reference rather than Loom's code
+# check fewer grids there; the Release run checks them all.
+SANITIZED = os.environ.get("LOOM_SANITIZED") == "1"
 STORIES = os.path.join(MODELS, "stories260K")
 LAUNCH = os.path.join(ROOT, "deploy", "local", "launch.sh")
 
