@@ -15,26 +15,18 @@
 #include <stdint.h>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/wide.cuh"
 
 namespace {
+
+using loom_cuda::load_w;
+using loom_cuda::warp_max;
+using loom_cuda::warp_sum;
+using loom_cuda::Wide;
 
 constexpr int kWarps = 8;
 constexpr int kRouteMaxExperts = LOOM_CUDA_MOE_MAX_EXPERTS; /* floats of shared memory per warp */
 constexpr int kRouteWarps = 4;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 /* One warp per token: softmax over E logits, then k rounds of arg-max over
  * the experts not yet taken (ties to the lower id), as the host's
@@ -90,43 +82,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     }
     if (norm && lane < k) w[(int64_t)t * k + lane] /= ksum;
 }
-
-/* Weight elements, widened. */
-template <int KIND> __device__ __forceinline__ float load_w(const void *w, int64_t i) {
-    if (KIND == LOOM_CUDA_BF16)
-        return __uint_as_float((uint32_t) reinterpret_cast<const uint16_t *>(w)[i] << 16);
-    if (KIND == LOOM_CUDA_F16) return __half2float(reinterpret_cast<const __half *>(w)[i]);
-    return reinterpret_cast<const float *>(w)[i];
-}
-
-/* The 16 bytes of a load as floats: 8 bf16/f16 or 4 f32. */
-template <int KIND> struct Wide {
-    static constexpr int kElems = KIND == LOOM_CUDA_F32 ? 4 : 8;
-    __device__ __forceinline__ static void unpack(uint4 v, float *f) {
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-        if (KIND == LOOM_CUDA_F32) {
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                f[i] = __uint_as_float(u[i]);
-        } else if (KIND == LOOM_CUDA_BF16) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                f[2 * i] = __uint_as_float(u[i] << 16);
-                f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                __half2_raw r;
-                r.x = (unsigned short)(u[i] & 0xffffu);
-                r.y = (unsigned short)(u[i] >> 16);
-                float2 h = __half22float2(__half2(r));
-                f[2 * i] = h.x;
-                f[2 * i + 1] = h.y;
-            }
-        }
-    }
-};
 
 /* y(p, rows) = W_{sel[p]} x(p / xdiv): blockIdx.y is the pair, each warp R
  * rows of its expert's matrix. VEC: cols % 8 == 0 and 16-byte aligned
