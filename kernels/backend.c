@@ -1,6 +1,7 @@
 /* Backend dispatch: creation by device kind and thin wrappers over the vtable. */
 #include "kernels/backend_impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -178,10 +179,48 @@ void loom_op_moe_combine(loom_backend_t *be, float *out, const float *y, const i
     LOOM_ASSERT(be->ops->moe_combine);
     if (n > 0) be->ops->moe_combine(be, out, y, pos, w, n, k, dim, accumulate);
 }
-int loom_backend_moe_device(const loom_backend_t *be, loom_dtype_t weight_dtype, int n_experts,
+void loom_moe_route_row(const float *logits, int E, int k, int norm, float *probs, int32_t *sel,
+                        float *w) {
+    float mx = logits[0];
+    for (int e = 1; e < E; e++)
+        mx = logits[e] > mx ? logits[e] : mx;
+    float sum = 0.0f;
+    for (int e = 0; e < E; e++)
+        sum += probs[e] = expf(logits[e] - mx);
+    for (int e = 0; e < E; e++)
+        probs[e] /= sum;
+    float ksum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++)
+                taken |= sel[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        sel[j] = best;
+        w[j] = probs[best];
+        ksum += w[j];
+    }
+    for (int j = 0; norm && j < k; j++)
+        w[j] /= ksum;
+    for (int j = 1; j < k; j++) /* ascending expert order */
+        for (int i = j; i > 0 && sel[i - 1] > sel[i]; i--) {
+            int32_t s = sel[i];
+            float v = w[i];
+            sel[i] = sel[i - 1], w[i] = w[i - 1];
+            sel[i - 1] = s, w[i - 1] = v;
+        }
+}
+int loom_backend_moe_device(loom_backend_t *be, const loom_weight_t *experts, int n_experts,
                             int k) {
-    return be->ops->moe_route && be->ops->moe_gemv && be->ops->moe_device &&
-           be->ops->moe_device(be, weight_dtype, n_experts, k);
+    if (!be->ops->moe_route || !be->ops->moe_gemv || !be->ops->moe_device || !be->ops->moe_table)
+        return 0;
+    return be->ops->moe_device(be, experts, n_experts, k);
+}
+void *loom_backend_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts) {
+    LOOM_ASSERT(be->ops->moe_table);
+    return be->ops->moe_table(be, experts, n_experts);
 }
 void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                        int norm, int32_t *sel, float *w) {
@@ -189,7 +228,7 @@ void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_exp
     if (n > 0) be->ops->moe_route(be, logits, n, n_experts, k, norm, sel, w);
 }
 void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
-                      int n_pairs, const void *const *table, loom_dtype_t dtype, int64_t rows,
+                      int n_pairs, const void *table, loom_dtype_t dtype, int64_t rows,
                       int64_t cols) {
     LOOM_ASSERT(be->ops->moe_gemv && xdiv >= 1);
     if (n_pairs > 0) be->ops->moe_gemv(be, y, x, xdiv, sel, n_pairs, table, dtype, rows, cols);

@@ -143,23 +143,30 @@ void loom_op_gather_rows(loom_backend_t *be, float *dst, const float *src, const
  * holds). y holds one row of dim per routed pair, in any order. */
 void loom_op_moe_combine(loom_backend_t *be, float *out, const float *y, const int32_t *pos,
                          const float *w, int n, int k, int dim, int accumulate);
-/* Optional (CUDA): a decode MoE block with no host round trip.
- * loom_op_moe_route: sel, w (n, k) = the k largest of softmax(logits(n, E))
- * per row, largest first (ties to the lower id), renormalised to sum 1 when
- * norm; the host's routing bit for bit up to expf. loom_op_moe_gemv: the
- * batched expert GEMV, y(p) = W_{sel[p]} x(p / xdiv) for the n_pairs pairs
- * (rows of y), where table (device) holds the E experts' weight data,
- * float weights of `dtype` (rows, cols) row-major, or NULL for an expert
- * this rank does not hold (its rows of y are zeros). xdiv = k reads each
- * token's row for its k pairs (the gate/up matmul), 1 a row per pair (down).
- * loom_backend_moe_device says whether both take a model whose experts are
- * weights of weight_dtype, n_experts of them, k per token. */
-int loom_backend_moe_device(const loom_backend_t *be, loom_dtype_t weight_dtype, int n_experts,
-                            int k);
+/* Routing of one token (the host's, and the CPU backend's moe_route):
+ * probs(E) = softmax(logits) (probs may equal logits), then sel, w (k) =
+ * the k largest probabilities, ties to the lower id, renormalised to sum 1
+ * (summed largest first) when norm, and stored in ascending expert order. */
+void loom_moe_route_row(const float *logits, int n_experts, int k, int norm, float *probs,
+                        int32_t *sel, float *w);
+/* Optional (CPU, CUDA): a decode MoE block with no host round trip.
+ * loom_backend_moe_device: the most tokens a step may have for route and
+ * gemv to run a block whose experts are `experts` (an array of n_experts
+ * weights, data NULL where another rank holds the expert), k per token; 0
+ * when they cannot. loom_backend_moe_table: the backend's table of those
+ * experts for loom_op_moe_gemv (NULL: out of memory; loom_backend_free).
+ * loom_op_moe_route: sel, w (n, k) on the device, loom_moe_route_row per
+ * row (bit for bit up to expf). loom_op_moe_gemv: the batched expert GEMV,
+ * y(p) = W_{sel[p]} x(p / xdiv) for the n_pairs pairs (rows of y), W
+ * (rows, cols) of `dtype`; an expert this rank does not hold gives zeros.
+ * xdiv = k reads each token's row for its k pairs (the gate/up matmul), 1
+ * a row per pair (down). */
+int loom_backend_moe_device(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k);
+void *loom_backend_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
 void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                        int norm, int32_t *sel, float *w);
 void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
-                      int n_pairs, const void *const *table, loom_dtype_t dtype, int64_t rows,
+                      int n_pairs, const void *table, loom_dtype_t dtype, int64_t rows,
                       int64_t cols);
 
 /* Rotary embedding, HF rotate-half convention, in place on `n_heads` heads of

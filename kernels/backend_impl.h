@@ -57,16 +57,16 @@ typedef struct loom_backend_ops {
     /* optional: x = cap * tanh(x / cap) (loom_op_softcap) */
     void (*softcap)(loom_backend_t *be, float *x, int64_t n, float cap);
     /* Mixture of Experts (backend.h): combine is required of a backend that
-     * runs MoE models; route and gemv are optional (both or neither) */
+     * runs MoE models; device, table, route and gemv are optional (all or none) */
     void (*moe_combine)(loom_backend_t *be, float *out, const float *y, const int32_t *pos,
                         const float *w, int n, int k, int dim, int accumulate);
     void (*moe_route)(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                       int norm, int32_t *sel, float *w);
     void (*moe_gemv)(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
-                     int n_pairs, const void *const *table, loom_dtype_t dtype, int64_t rows,
+                     int n_pairs, const void *table, loom_dtype_t dtype, int64_t rows,
                      int64_t cols);
-    /* whether route and gemv take this model: its experts' weight dtype, E and k */
-    int (*moe_device)(const loom_backend_t *be, loom_dtype_t dtype, int n_experts, int k);
+    int (*moe_device)(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k);
+    void *(*moe_table)(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;

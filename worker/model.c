@@ -29,11 +29,10 @@ typedef struct loom_ffn {
     loom_weight_t s13;    /* (2*shared_hn, dim) */
     loom_weight_t s2;     /* (dim, shared_hn) */
     loom_weight_t sgate;  /* (1, dim), float, replicated */
-    /* the backend's batched expert GEMV (loom_backend_moe_device): device
-     * tables of the E experts' weight data (NULL where another rank holds
-     * the expert), when every held expert is a float weight of edtype */
-    const void **t13, **t2;
-    loom_dtype_t edtype;
+    /* the backend's tables of the E experts for its batched expert GEMV
+     * (loom_backend_moe_table), used by decode steps of up to dev_n tokens */
+    void *t13, *t2;
+    int dev_n;
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -117,7 +116,8 @@ struct loom_model {
     int32_t *d_sel;   /* (T k) decode on the device: the chosen experts */
     float *d_w;       /* (T k) and their weights */
     int32_t *d_ident; /* (T k) 0, 1, 2, ...: pair p's output is row p */
-    int moe_device;   /* every MoE layer has t13 / t2: decode needs no host (graphs allowed) */
+    int moe_device_n; /* every MoE layer runs decode steps of up to this many tokens without the
+                         host */
     int32_t *h_pos;   /* (T k) host: d_pos */
     float *h_pw;      /* (T k) host: d_pw */
     int32_t *h_fill;  /* (T) host: choices of each token placed so far */
@@ -419,52 +419,38 @@ static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *er
     return LOOM_OK;
 }
 
-/* Decode steps of at most this many tokens run a MoE block on the device
- * when the backend can (loom_backend_moe_device): the batched expert GEMV
- * reads one expert per (token, choice) pair, which beats grouping only
- * while few pairs share an expert. */
-#define MOE_DEVICE_MAX_N 4
-
-/* The device tables of loom_op_moe_gemv for every MoE layer whose held
- * experts are float weights of one dtype the backend's GEMV reads (not
- * Qwen2-MoE's: its shared expert's gate is applied on the host). */
+/* The backend's tables of loom_op_moe_gemv for every MoE layer whose held
+ * experts it can run per (token, choice) pair (loom_backend_moe_device: the
+ * CUDA backend up to 4 tokens, float experts; the CPU backend 1 token, where
+ * a pair reads what its group would), so those decode steps route, run the
+ * experts and combine without the host. Not Qwen2-MoE's layers: their
+ * shared expert's gate is applied on the host. */
 static loom_status_t moe_tables(loom_model_t *m, loom_err_t *err) {
-    const int E = m->cfg.n_experts;
-    int n_moe = 0, n_dev = 0;
+    const int E = m->cfg.n_experts, K = m->cfg.n_experts_per_tok;
+    int n_moe = 0, n_dev = 0, max_n = 1 << 30;
     for (int l = 0; l < m->dims.n_layers; l++) {
         loom_ffn_t *f = &m->layers[l].ffn;
         if (!f->moe) continue;
         n_moe++;
         if (m->cfg.moe_shared_hidden || m->expert_end <= m->expert_begin) continue;
-        loom_dtype_t dt = f->e13[m->expert_begin].dtype;
-        int ok = loom_backend_moe_device(m->be, dt, E, m->cfg.n_experts_per_tok);
-        for (int e = m->expert_begin; ok && e < m->expert_end; e++)
-            ok = f->e13[e].quant == LOOM_QUANT_NONE && f->e2[e].quant == LOOM_QUANT_NONE &&
-                 f->e13[e].dtype == dt && f->e2[e].dtype == dt;
-        if (!ok) continue;
-        const void **h = loom_xcalloc((size_t)E * 2, sizeof *h);
-        for (int e = m->expert_begin; e < m->expert_end; e++) {
-            h[e] = f->e13[e].data;
-            h[E + e] = f->e2[e].data;
-        }
-        f->t13 = loom_backend_alloc(m->be, (size_t)E * sizeof *h);
-        f->t2 = loom_backend_alloc(m->be, (size_t)E * sizeof *h);
-        if (!f->t13 || !f->t2) {
-            free(h);
+        int n13 = loom_backend_moe_device(m->be, f->e13, E, K),
+            n2 = loom_backend_moe_device(m->be, f->e2, E, K);
+        int dn = LOOM_MIN(n13, n2);
+        if (dn <= 0) continue;
+        f->t13 = loom_backend_moe_table(m->be, f->e13, E);
+        f->t2 = loom_backend_moe_table(m->be, f->e2, E);
+        if (!f->t13 || !f->t2)
             return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the expert tables");
-        }
-        loom_backend_upload(m->be, (void *)f->t13, h, (size_t)E * sizeof *h);
-        loom_backend_upload(m->be, (void *)f->t2, h + E, (size_t)E * sizeof *h);
-        free(h);
-        f->edtype = dt;
+        f->dev_n = dn;
+        max_n = LOOM_MIN(max_n, dn);
         n_dev++;
     }
-    m->moe_device = n_moe > 0 && n_dev == n_moe;
+    m->moe_device_n = n_moe > 0 && n_dev == n_moe ? max_n : 0;
     if (n_dev > 0)
-        LOOM_INFO("Mixture of Experts: decode steps of up to %d tokens route and run the experts "
+        LOOM_INFO("Mixture of Experts: decode steps of up to %d token(s) route and run the experts "
                   "on the %s device "
                   "(%d of %d MoE layers)",
-                  MOE_DEVICE_MAX_N, loom_backend_name(m->be), n_dev, n_moe);
+                  max_n, loom_backend_name(m->be), n_dev, n_moe);
     return LOOM_OK;
 }
 
@@ -1133,8 +1119,8 @@ void loom_model_destroy(loom_model_t **m_p) {
                 loom_weight_free(be, &ly->ffn.e13[j]);
                 loom_weight_free(be, &ly->ffn.e2[j]);
             }
-            loom_backend_free(be, (void *)ly->ffn.t13);
-            loom_backend_free(be, (void *)ly->ffn.t2);
+            loom_backend_free(be, ly->ffn.t13);
+            loom_backend_free(be, ly->ffn.t2);
             free(ly->ffn.e13);
             free(ly->ffn.e2);
         }
@@ -1282,27 +1268,6 @@ typedef struct step_ops {
  * for one token: softmax in float32 over all E logits, the k largest
  * probabilities (torch.topk; ties to the lower index), renormalised to sum 1
  * when norm (Mixtral always, Qwen3-MoE as norm_topk_prob says). */
-static void moe_route(const float *logits, int E, int k, int norm, float *probs, int32_t *sel, float *w) {
-    float mx = logits[0];
-    for (int e = 1; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
-    float sum = 0.0f;
-    for (int e = 0; e < E; e++) sum += probs[e] = expf(logits[e] - mx);
-    for (int e = 0; e < E; e++) probs[e] /= sum;
-    float ksum = 0.0f;
-    for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int i = 0; i < j; i++) taken |= sel[i] == e;
-            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
-        }
-        sel[j] = best;
-        w[j] = probs[best];
-        ksum += w[j];
-    }
-    for (int j = 0; norm && j < k; j++) w[j] /= ksum;
-}
-
 /* A Mixture-of-Experts block: xb -> xb2, all-reduced. Every rank routes
  * every token (the router is replicated). Decode steps on a backend with
  * the device ops (loom_backend_moe_device) route, run the chosen experts (a
@@ -1319,19 +1284,21 @@ static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_e
     const int E = c->n_experts, K = c->n_experts_per_tok, dim = c->dim, H = m->moe_hn;
     const loom_act_t act = (loom_act_t)c->hidden_act;
     loom_op_matmul(be, m->rl, m->xb, &f->router, n);
-    if (f->t13 && n <= MOE_DEVICE_MAX_N) {
+    if (f->t13 && n <= f->dev_n) {
         loom_op_moe_route(be, m->rl, n, E, K, c->norm_topk_prob, m->d_sel, m->d_w);
-        loom_op_moe_gemv(be, m->mgu, m->xb, K, m->d_sel, n * K, f->t13, f->edtype, 2 * (int64_t)H,
-                         dim);
+        loom_op_moe_gemv(be, m->mgu, m->xb, K, m->d_sel, n * K, f->t13,
+                         f->e13[m->expert_begin].dtype, 2 * (int64_t)H, dim);
         loom_op_act_mul(be, act, m->mhb, m->mgu, n * K, H);
-        loom_op_moe_gemv(be, m->xg, m->mhb, 1, m->d_sel, n * K, f->t2, f->edtype, dim, H);
+        loom_op_moe_gemv(be, m->xg, m->mhb, 1, m->d_sel, n * K, f->t2, f->e2[m->expert_begin].dtype,
+                         dim, H);
         loom_op_moe_combine(be, m->xb2, m->xg, m->d_ident, m->d_w, n, K, dim, 0);
         return allreduce(m, m->xb2, (int64_t)n * dim, err);
     }
     loom_backend_download(be, m->h_probs, m->rl, (size_t)n * E * sizeof(float));
     for (int t = 0; t < n; t++) {
         float *p = m->h_probs + (size_t)t * E;
-        moe_route(p, E, K, c->norm_topk_prob, p, m->h_sel + (size_t)t * K, m->h_w + (size_t)t * K);
+        loom_moe_route_row(p, E, K, c->norm_topk_prob, p, m->h_sel + (size_t)t * K,
+                           m->h_w + (size_t)t * K);
     }
     /* group the (token, expert) pairs by expert: CSR offsets in h_cnt */
     memset(m->h_cnt, 0, (size_t)(E + 1) * sizeof(int32_t));
@@ -1524,7 +1491,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce) &&
                 /* run_moe routes on the host between ops, except decode steps on the device */
-                (m->expert_end == 0 || (m->moe_device && decode_bucket(n) <= MOE_DEVICE_MAX_N));
+                (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
     int N = n; /* tokens after padding */
     if (m->scratch_block >= 0 && decode && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
         N = decode_bucket(n);

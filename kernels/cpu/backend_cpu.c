@@ -630,6 +630,46 @@ static void cpu_moe_combine(loom_backend_t *be, float *out, const float *y, cons
     run_rows(cpu(be), &cc.rc, (int64_t)k * dim, combine_task);
 }
 
+/* Decode steps of one token run a MoE block here without the grouping:
+ * its k pairs read the same k experts a group would. The table is the
+ * experts' weights themselves (any scheme the matmul reads). */
+static int cpu_moe_device(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k) {
+    (void)be, (void)experts;
+    return k >= 1 && k <= n_experts ? 1 : 0;
+}
+
+static void *cpu_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts) {
+    const loom_weight_t **t = cpu_alloc(be, (size_t)n_experts * sizeof *t);
+    if (!t) return NULL;
+    for (int e = 0; e < n_experts; e++)
+        t[e] = experts[e].data ? &experts[e] : NULL;
+    return t;
+}
+
+static void cpu_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
+                          int norm, int32_t *sel, float *w) {
+    (void)be;
+    float *probs = loom_xmalloc((size_t)n_experts * sizeof *probs);
+    for (int t = 0; t < n; t++)
+        loom_moe_route_row(logits + (int64_t)t * n_experts, n_experts, k, norm, probs,
+                           sel + (int64_t)t * k, w + (int64_t)t * k);
+    free(probs);
+}
+
+static void cpu_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
+                         int n_pairs, const void *table, loom_dtype_t dtype, int64_t rows,
+                         int64_t cols) {
+    (void)dtype;
+    const loom_weight_t *const *t = table;
+    for (int p = 0; p < n_pairs; p++) {
+        float *yp = y + (int64_t)p * rows;
+        if (t[sel[p]])
+            cpu_matmul(be, yp, x + (int64_t)(p / xdiv) * cols, t[sel[p]], 1);
+        else
+            memset(yp, 0, (size_t)rows * sizeof *yp);
+    }
+}
+
 static void rope_task(void *p, int task, int thread) {
     struct rows_ctx *rc = p;
     ROW_RANGE(rc, task, i0, i1);
@@ -833,6 +873,10 @@ static const loom_backend_ops_t cpu_ops = {
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
     .moe_combine = cpu_moe_combine,
+    .moe_route = cpu_moe_route,
+    .moe_gemv = cpu_moe_gemv,
+    .moe_device = cpu_moe_device,
+    .moe_table = cpu_moe_table,
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
     .kv_write = cpu_kv_write,

@@ -648,22 +648,44 @@ static void cuda_moe_route(loom_backend_t *be, const float *logits, int n, int n
 }
 
 static void cuda_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv,
-                          const int32_t *sel, int n_pairs, const void *const *table,
-                          loom_dtype_t dtype, int64_t rows, int64_t cols) {
+                          const int32_t *sel, int n_pairs, const void *table, loom_dtype_t dtype,
+                          int64_t rows, int64_t cols) {
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(
-        loom_cuda_moe_gemv(y, x, xdiv, sel, n_pairs, table, kind_of(dtype), rows, cols, c->stream));
+    CUDA_ASSERT(loom_cuda_moe_gemv(y, x, xdiv, sel, n_pairs, (const void *const *)table,
+                                   kind_of(dtype), rows, cols, c->stream));
 }
 
-/* Float experts (the weight dtypes this backend stores) and the router
- * sizes moe.cu takes. */
-static int cuda_moe_device(const loom_backend_t *be, loom_dtype_t dtype, int n_experts, int k) {
+/* Float experts of one dtype (moe.cu reads their data directly) and the
+ * router sizes moe.cu takes: decode steps of up to LOOM_CUDA_GEMV_MAX_N
+ * tokens (beyond, grouping by expert reads less). */
+static int cuda_moe_device(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k) {
     (void)be;
-    return (dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F16) &&
-           n_experts >= 1 && n_experts <= LOOM_CUDA_MOE_MAX_EXPERTS && k >= 1 && k <= 32 &&
-           k <= n_experts;
+    if (n_experts < 1 || n_experts > LOOM_CUDA_MOE_MAX_EXPERTS || k < 1 || k > 32 || k > n_experts)
+        return 0;
+    int dt = -1;
+    for (int e = 0; e < n_experts; e++) {
+        const loom_weight_t *w = &experts[e];
+        if (!w->data) continue;
+        if (w->quant != LOOM_QUANT_NONE ||
+            (w->dtype != LOOM_DT_F32 && w->dtype != LOOM_DT_BF16 && w->dtype != LOOM_DT_F16) ||
+            (dt >= 0 && (int)w->dtype != dt))
+            return 0;
+        dt = (int)w->dtype;
+    }
+    return dt >= 0 ? LOOM_CUDA_GEMV_MAX_N : 0;
+}
+
+/* A device array of the experts' data pointers (NULL: another rank's). */
+static void *cuda_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts) {
+    const void **h = loom_xcalloc((size_t)n_experts, sizeof *h);
+    for (int e = 0; e < n_experts; e++)
+        h[e] = experts[e].data;
+    void *d = cuda_alloc(be, (size_t)n_experts * sizeof *h);
+    if (d) cuda_upload(be, d, h, (size_t)n_experts * sizeof *h);
+    free(h);
+    return d;
 }
 
 static void cuda_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
@@ -947,6 +969,7 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_route = cuda_moe_route,
     .moe_gemv = cuda_moe_gemv,
     .moe_device = cuda_moe_device,
+    .moe_table = cuda_moe_table,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,

@@ -61,8 +61,8 @@ cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, in
                            int64_t cols, int n, cudaStream_t s);
 
 /* Mixture of Experts (loom_op_moe_* in kernels/backend.h). route: sel, w
- * (n, k) = top-k of softmax(logits (n, E)), largest first, ties to the lower
- * id, renormalised when norm; E <= LOOM_CUDA_MOE_MAX_EXPERTS, k <= 32.
+ * (n, k) = top-k of softmax(logits (n, E)), ties to the lower id,
+ * renormalised when norm, in ascending expert order; E <= LOOM_CUDA_MOE_MAX_EXPERTS, k <= 32.
  * gemv: y(p, rows) = W_{sel[p]} x(p / xdiv) for n_pairs <= 65535 pairs, W
  * (rows, cols) of `kind` at table[sel[p]] (a device array of E pointers;
  * NULL: zeros). combine: out(t) = [accumulate ? out(t) : 0] + sum_j

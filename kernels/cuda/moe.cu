@@ -29,8 +29,8 @@ constexpr int kRouteMaxExperts = LOOM_CUDA_MOE_MAX_EXPERTS; /* floats of shared 
 constexpr int kRouteWarps = 4;
 
 /* One warp per token: softmax over E logits, then k rounds of arg-max over
- * the experts not yet taken (ties to the lower id), as the host's
- * moe_route in worker/model.c. */
+ * the experts not yet taken (ties to the lower id), stored in ascending
+ * expert order, as loom_moe_route_row in kernels/backend.c. */
 __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const float *__restrict__ logits, int n, int E, int k, int norm,
                  int32_t *__restrict__ sel, float *__restrict__ w) {
@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     for (int e = lane; e < E; e += 32)
         p[e] /= sum;
     __syncwarp();
-    float ksum = 0.0f;
+    float ksum = 0.0f, mw = 0.0f;
+    int mine = E;
     for (int j = 0; j < k; j++) {
         float bv = -1.0f;
         int be = E;
@@ -71,16 +72,24 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
                 be = oe;
             }
         }
-        if (lane == 0) {
-            sel[(int64_t)t * k + j] = be;
-            w[(int64_t)t * k + j] = bv;
+        if (lane == j) { /* lane j keeps choice j */
+            mine = be;
+            mw = bv;
         }
-        ksum += bv;
+        ksum += bv; /* largest first, as the host sums */
         __syncwarp();
         if (lane == 0) p[be] = -2.0f; /* taken: below every probability */
         __syncwarp();
     }
-    if (norm && lane < k) w[(int64_t)t * k + lane] /= ksum;
+    if (norm) mw /= ksum;
+    /* stored in ascending expert order: lane j's place is the number of
+     * chosen experts below its own (they are distinct) */
+    int rank = 0;
+    for (int i = 0; i < k; i++) rank += __shfl_sync(0xffffffffu, mine, i) < mine;
+    if (lane < k) {
+        sel[(int64_t)t * k + rank] = mine;
+        w[(int64_t)t * k + rank] = mw;
+    }
 }
 
 /* y(p, rows) = W_{sel[p]} x(p / xdiv): blockIdx.y is the pair, each warp R

@@ -425,19 +425,12 @@ static void test_silu_gather(void) {
 
 /* --- Mixture of Experts --------------------------------------------------------------- */
 
-/* The router on the device against a top-k written here (softmax, largest
- * first, ties to the lower id); the batched expert GEMV against the CPU's
- * matmul of each pair's expert (one expert NULL: zeros); the combine
- * against the CPU backend's. Odd shapes take the kernels' scalar path. */
+/* The router on the device against the host's (loom_moe_route_row); the
+ * batched expert GEMV against the CPU's matmul of each pair's expert (one expert NULL: zeros); the
+ * combine against the CPU backend's. Odd shapes take the kernels' scalar path. */
 static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, int norm) {
     loom_backend_t *be = g_cuda[t], *cpu = g_cpu[t];
     loom_err_t err = {0};
-    if (!loom_backend_moe_device(be, k_dts[t], E, k)) {
-        fprintf(stderr, "FAIL: cuda declines MoE on the device (%s, E %d, k %d)\n",
-                loom_dtype_name(k_dts[t]), E, k);
-        CHECK(0);
-        return;
-    }
     char what[128];
     snprintf(what, sizeof what, "moe %s E %d k %d n %d rows %lld cols %lld",
              loom_dtype_name(k_dts[t]), E, k, n, (long long)rows, (long long)cols);
@@ -446,27 +439,14 @@ static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, in
     if (n > 1) logits[E + 1] = logits[E]; /* a tie */
     int32_t *rsel = loom_xmalloc((size_t)n * k * 4);
     float *rw = loom_xmalloc((size_t)n * k * 4);
-    for (int i = 0; i < n; i++) {
-        const float *l = logits + (size_t)i * E;
-        float mx = l[0], sum = 0.0f, ks = 0.0f;
-        for (int e = 1; e < E; e++)
-            mx = fmaxf(mx, l[e]);
-        for (int e = 0; e < E; e++)
-            sum += expf(l[e] - mx);
-        for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int q = 0; q < j; q++)
-                    taken |= rsel[i * k + q] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
-            }
-            rsel[i * k + j] = best;
-            ks += rw[i * k + j] = expf(l[best] - mx) / sum;
-        }
-        for (int j = 0; norm && j < k; j++)
-            rw[i * k + j] /= ks;
-    }
+    float *probs = loom_xmalloc((size_t)E * 4);
+    for (int i = 0; i < n; i++)
+        loom_moe_route_row(logits + (size_t)i * E, E, k, norm, probs, rsel + (size_t)i * k,
+                           rw + (size_t)i * k);
+    free(probs);
+    for (int i = 0; i < n; i++)
+        for (int j = 1; j < k; j++)
+            CHECK(rsel[i * k + j - 1] < rsel[i * k + j]); /* ascending experts */
     float *dl = to_dev(be, logits, (size_t)n * E * 4), *dw = poisoned(be, (size_t)n * k * 4);
     int32_t *dsel = poisoned(be, (size_t)n * k * 4);
     loom_op_moe_route(be, dl, n, E, k, norm, dsel, dw);
@@ -481,13 +461,18 @@ static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, in
     float **hw = loom_xcalloc((size_t)E, sizeof *hw);
     loom_weight_t *wg = loom_xcalloc((size_t)E, sizeof *wg),
                   *wc = loom_xcalloc((size_t)E, sizeof *wc);
-    const void **tab = loom_xcalloc((size_t)E, sizeof *tab);
     for (int e = 0; e < E - 1; e++) {
         hw[e] = rand_host((size_t)rows * cols, 1.0f);
         LOOM_ASSERT(loom_weight_upload(be, &wg[e], rows, cols, hw[e], &err) == LOOM_OK);
         LOOM_ASSERT(loom_weight_upload(cpu, &wc[e], rows, cols, hw[e], &err) == LOOM_OK);
-        tab[e] = wg[e].data;
     }
+    if (loom_backend_moe_device(be, wg, E, k) != LOOM_CUDA_GEMV_MAX_N) {
+        fprintf(stderr, "FAIL: cuda declines MoE on the device (%s, E %d, k %d)\n",
+                loom_dtype_name(k_dts[t]), E, k);
+        CHECK(0);
+    }
+    void *dtab = loom_backend_moe_table(be, wg, E);
+    LOOM_ASSERT(dtab != NULL);
     const int P = n * k;
     for (int xdiv = 1; xdiv <= k; xdiv += k > 1 ? k - 1 : 1) {
         const int nx = (P + xdiv - 1) / xdiv;
@@ -501,13 +486,11 @@ static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, in
                            &wc[rsel[q]], 1);
         }
         float *dx = to_dev(be, hx, (size_t)nx * cols * 4), *dy = poisoned(be, (size_t)P * rows * 4);
-        const void **dtab = to_dev(be, tab, (size_t)E * sizeof *tab);
-        loom_op_moe_gemv(be, dy, dx, xdiv, dsel, P, (const void *const *)dtab, k_dts[t], rows,
-                         cols);
+        loom_op_moe_gemv(be, dy, dx, xdiv, dsel, P, dtab, k_dts[t], rows, cols);
         double u = t == 0 ? 1e-6 : 2e-6;
         CHECK(close_dev(what, be, dy, ref, (size_t)P * rows, 4.0 * u * sqrt((double)cols) + 1e-5,
                         1e-3));
-        loom_backend_free(be, dx), loom_backend_free(be, dy), loom_backend_free(be, (void *)dtab);
+        loom_backend_free(be, dx), loom_backend_free(be, dy);
         free(hx), free(ref);
     }
     /* combine: pairs in reverse order, one skipped; then accumulated */
@@ -529,7 +512,8 @@ static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, in
         loom_weight_free(cpu, &wc[e]);
         free(hw[e]);
     }
-    free(hw), free(wg), free(wc), free(tab);
+    loom_backend_free(be, dtab);
+    free(hw), free(wg), free(wc);
     loom_backend_free(be, dl), loom_backend_free(be, dw), loom_backend_free(be, dsel);
     free(logits), free(rsel), free(rw), free(gsel);
 }
@@ -545,8 +529,22 @@ static void test_moe(void) {
         for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++)
             check_moe(t, cases[c][0], cases[c][1], cases[c][2], cases[c][3], cases[c][4],
                       cases[c][5]);
-    CHECK(!loom_backend_moe_device(g_cuda[1], LOOM_DT_F32, LOOM_CUDA_MOE_MAX_EXPERTS + 1, 2) &&
-          !loom_backend_moe_device(g_cuda[1], LOOM_DT_BF16, 64, 33));
+    /* taken: float experts of one dtype (the others another rank's);
+     * declined: too many experts, k above 32, a quantized or an other-dtype
+     * expert, no expert held */
+    static loom_weight_t ex[LOOM_CUDA_MOE_MAX_EXPERTS + 1];
+    static int dummy;
+    for (int e = 0; e < 8; e++)
+        ex[e] = (loom_weight_t){.data = &dummy, .dtype = LOOM_DT_BF16, .rows = 4, .cols = 8};
+    ex[5].data = NULL;
+    CHECK(loom_backend_moe_device(g_cuda[1], ex, 8, 2) == LOOM_CUDA_GEMV_MAX_N);
+    CHECK(loom_backend_moe_device(g_cuda[1], ex, LOOM_CUDA_MOE_MAX_EXPERTS + 1, 2) == 0);
+    CHECK(loom_backend_moe_device(g_cuda[1], ex, 64, 33) == 0);
+    ex[3].quant = LOOM_QUANT_INT8;
+    CHECK(loom_backend_moe_device(g_cuda[1], ex, 8, 2) == 0);
+    ex[3].quant = LOOM_QUANT_NONE, ex[3].dtype = LOOM_DT_F32;
+    CHECK(loom_backend_moe_device(g_cuda[1], ex, 8, 2) == 0);
+    CHECK(loom_backend_moe_device(g_cuda[1], ex + 16, 8, 2) == 0);
 }
 
 /* --- RoPE and the KV write ---------------------------------------------------------- */

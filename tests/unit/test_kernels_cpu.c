@@ -554,8 +554,7 @@ static void test_embed_gather(void) {
 }
 
 /* out(t) = [acc ? out(t) : 0] + sum_j w y(pos), in j order, pos < 0 skipped:
- * against a double sum, over thread counts and a k of 1. The CPU has no
- * device route / gemv: MoE decode there stays on the host path. */
+ * against a double sum, over thread counts and a k of 1. */
 static void test_moe_combine(void) {
     unsigned long long st = 11;
     static const int shapes[][3] = {
@@ -563,7 +562,6 @@ static void test_moe_combine(void) {
     for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
         loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
         REQUIRE(be);
-        CHECK(!loom_backend_moe_device(be, LOOM_DT_F32, 8, 2));
         for (size_t a = 0; a < LOOM_ARRAY_LEN(shapes); a++) {
             const int n = shapes[a][0], k = shapes[a][1], dim = shapes[a][2], P = n * k;
             float *y = alloc_f((size_t)P * dim), *w = alloc_f((size_t)P),
@@ -592,6 +590,68 @@ static void test_moe_combine(void) {
         }
         loom_backend_destroy(&be);
     }
+}
+
+/* The CPU's decode MoE ops: route against a brute-force top-k of a double
+ * softmax (ascending experts, renormalised or not), the batched GEMV against
+ * double dot products, an expert another rank holds giving zeros. */
+static void test_moe_route_gemv(void) {
+    unsigned long long st = 12;
+    enum { E = 6, K = 2, N = 3, ROWS = 5, COLS = 7 };
+    loom_backend_t *be = make_backend(2, LOOM_DT_F32);
+    REQUIRE(be);
+    float logits[N * E], w[N * K], hw[E][ROWS * COLS], x[N * COLS], y[N * K * ROWS];
+    int32_t sel[N * K];
+    fill(logits, N * E, &st, 3.0f);
+    for (int norm = 0; norm <= 1; norm++) {
+        loom_op_moe_route(be, logits, N, E, K, norm, sel, w);
+        for (int t = 0; t < N; t++) {
+            const float *l = logits + t * E;
+            double mx = l[0], sum = 0, p[E];
+            for (int e = 1; e < E; e++)
+                mx = l[e] > mx ? l[e] : mx;
+            for (int e = 0; e < E; e++)
+                sum += p[e] = exp(l[e] - mx);
+            int b0 = 0, b1 = -1;
+            for (int e = 1; e < E; e++)
+                b0 = p[e] > p[b0] ? e : b0;
+            for (int e = 0; e < E; e++)
+                if (e != b0 && (b1 < 0 || p[e] > p[b1])) b1 = e;
+            int lo = b0 < b1 ? b0 : b1, hi = b0 < b1 ? b1 : b0;
+            CHECK(sel[t * K] == lo && sel[t * K + 1] == hi);
+            double z = norm ? p[b0] + p[b1] : sum;
+            CHECK(fabs(w[t * K] - p[lo] / z) < 1e-6 && fabs(w[t * K + 1] - p[hi] / z) < 1e-6);
+        }
+    }
+    loom_weight_t ex[E] = {{0}};
+    for (int e = 0; e < E; e++) {
+        fill(hw[e], ROWS * COLS, &st, 1.0f);
+        if (e != 2) REQUIRE(loom_weight_upload(be, &ex[e], ROWS, COLS, hw[e], NULL) == LOOM_OK);
+    }
+    CHECK(loom_backend_moe_device(be, ex, E, K) == 1 &&
+          loom_backend_moe_device(be, ex, E, E + 1) == 0);
+    void *table = loom_backend_moe_table(be, ex, E);
+    REQUIRE(table);
+    for (int t = 0; t < N; t++)
+        sel[t * K] = 2, sel[t * K + 1] = (t * 2 + 1) % E; /* 2: not held */
+    fill(x, N * COLS, &st, 1.0f);
+    for (int xdiv = 1; xdiv <= K; xdiv++) {
+        poison(y, N * K * ROWS);
+        loom_op_moe_gemv(be, y, x, xdiv, sel, N * K / (3 - xdiv), table, LOOM_DT_F32, ROWS, COLS);
+        for (int p = 0; p < N * K / (3 - xdiv); p++)
+            for (int r = 0; r < ROWS; r++) {
+                double ref = 0;
+                for (int c = 0; c < COLS; c++)
+                    ref += sel[p] == 2
+                               ? 0.0
+                               : (double)hw[sel[p]][r * COLS + c] * x[(p / xdiv) * COLS + c];
+                CHECK(fabs(y[p * ROWS + r] - ref) < 1e-5);
+            }
+    }
+    loom_backend_free(be, table);
+    for (int e = 0; e < E; e++)
+        if (e != 2) loom_weight_free(be, &ex[e]);
+    loom_backend_destroy(&be);
 }
 
 static void test_rope(void) {
@@ -1135,6 +1195,7 @@ int main(void) {
     RUN(test_silu_mul);
     RUN(test_embed_gather);
     RUN(test_moe_combine);
+    RUN(test_moe_route_gemv);
     RUN(test_rope);
     RUN(test_kv_dtypes);
     RUN(test_kv_write);
