@@ -180,6 +180,17 @@ int loom_cmd_quantize(int argc, char **argv) {
         loom_st_close(&st);
         return 1;
     }
+    if (cfg.gpt_oss) { /* its experts are 3-D tensors (and most of the bytes): quantized on load
+                          instead */
+        fprintf(
+            stderr,
+            "error: %s is a gpt_oss checkpoint; `loom quantize` does not rewrite its experts (3-D "
+            "mlp.experts.* tensors); serve it with --quantization int8 or q4, which quantizes them "
+            "on load\n",
+            in);
+        loom_st_close(&st);
+        return 1;
+    }
     if (mkdir(out_dir, 0755) && errno != EEXIST) {
         fprintf(stderr, "error: cannot create %s: %s\n", out_dir, strerror(errno));
         loom_st_close(&st);

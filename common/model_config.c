@@ -16,8 +16,9 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
-                                             "mixtral", "qwen3_moe", "qwen2_moe"};
+static const char *const k_model_types[] = {"llama",     "mistral",   "qwen2",       "qwen3",
+                                            "phi3",      "gemma2",    "gemma3_text", "mixtral",
+                                            "qwen3_moe", "qwen2_moe", "gpt_oss"};
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -355,7 +356,7 @@ static loom_status_t refuse_keys(const cJSON *root, loom_model_config_t *cfg, co
     if (v && !cJSON_IsFalse(v))
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: use_bidirectional_attention is not supported", path);
     v = field(root, "layer_types");
-    if (v && cfg->gemma) {
+    if (v && (cfg->gemma || cfg->gpt_oss)) {
         const cJSON *e;
         if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != cfg->n_layers || cfg->n_layers > LOOM_MAX_LAYER_TYPES)
             return loom_err_set(err, LOOM_ERR_FORMAT, "%s: layer_types must list num_hidden_layers (%d) entries",
@@ -488,11 +489,22 @@ static loom_status_t parse_quantization(loom_model_config_t *cfg, const cJSON *r
         if (g && (!json_int(g, &cfg->ckpt_group) || cfg->ckpt_group < 0)) cfg->ckpt_group = 0;
         return LOOM_OK;
     }
+    if (!strcmp(m->valuestring, "mxfp4")) {
+        if (!cfg->gpt_oss)
+            return loom_err_set(
+                err, LOOM_ERR_UNSUPPORTED,
+                "%s: quantization_config.quant_method 'mxfp4' is read for gpt_oss only (not '%s')",
+                path, cfg->model_type);
+        cfg->ckpt_quant = LOOM_CKPT_MXFP4;
+        cfg->ckpt_group = 32;
+        return LOOM_OK;
+    }
     if (strcmp(m->valuestring, "awq") && strcmp(m->valuestring, "gptq"))
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: quantization_config.quant_method '%s' is not supported (Loom reads loom, awq "
-                            "and gptq checkpoints)",
-                            path, m->valuestring);
+        return loom_err_set(
+            err, LOOM_ERR_UNSUPPORTED,
+            "%s: quantization_config.quant_method '%s' is not supported (Loom reads loom, awq, "
+            "gptq and, for gpt_oss, mxfp4 checkpoints)",
+            path, m->valuestring);
     cfg->ckpt_quant = !strcmp(m->valuestring, "awq") ? LOOM_CKPT_AWQ : LOOM_CKPT_GPTQ;
     int bits = 0;
     LOOM_CHECK(get_pos_int(qc, "bits", 0, 0, &bits, path, err));
@@ -534,30 +546,34 @@ static loom_status_t parse_quantization(loom_model_config_t *cfg, const cJSON *r
  * moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
  * mlp_only_layers: dense layers of intermediate_size). */
 static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
-    int mixtral = !strcmp(cfg->model_type, "mixtral");
-    const char *ekey = mixtral ? "num_local_experts" : "num_experts";
+    int mixtral = !strcmp(cfg->model_type, "mixtral"), oss = cfg->gpt_oss;
+    const char *ekey = mixtral || oss ? "num_local_experts" : "num_experts";
     const cJSON *v = field(root, ekey);
-    int e = mixtral ? 8 : 128; /* MixtralConfig / Qwen3MoeConfig defaults */
+    int e = mixtral ? 8 : 128; /* MixtralConfig / Qwen3MoeConfig / GptOssConfig defaults */
     if (v && (!json_int(v, &e) || e < 0))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a non-negative integer", path, ekey);
     int qwen2 = !strcmp(cfg->model_type, "qwen2_moe");
     if (qwen2 && !v) e = 60; /* Qwen2MoeConfig: 60 experts, top-4 */
-    int k = mixtral ? 2 : qwen2 ? 4 : 8;
+    int k = mixtral ? 2 : qwen2 || oss ? 4 : 8;
     v = field(root, "num_experts_per_tok");
+    if (!v && oss) v = field(root, "experts_per_token"); /* the name of OpenAI's own config */
     if (v && !json_int(v, &k))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok must be an integer", path);
     cfg->moe_mixtral_names = mixtral;
     cfg->moe_sparse_step = 1;
-    cfg->norm_topk_prob = mixtral;
+    cfg->norm_topk_prob =
+        mixtral || oss; /* GPT-OSS: softmax over the top-k logits, the same weights */
     cfg->moe_hidden_dim = cfg->hidden_dim;
     if (e == 0) {
-        if (mixtral) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_local_experts must be positive", path);
+        if (mixtral || oss)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_local_experts must be positive",
+                                path);
         return LOOM_OK; /* a qwen3_moe of dense layers */
     }
     if (k < 1 || k > e)
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok (%d) must be between 1 and %s (%d)", path,
                             k, ekey, e);
-    if (!mixtral) {
+    if (!mixtral && !oss) {
         LOOM_CHECK(get_pos_int(root, "moe_intermediate_size", 0, qwen2 ? 1408 : 768, &cfg->moe_hidden_dim, path, err));
         if (qwen2)
             LOOM_CHECK(get_pos_int(root, "shared_expert_intermediate_size", 0, 5632, &cfg->moe_shared_hidden, path,
@@ -586,6 +602,33 @@ static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, cons
     return LOOM_OK;
 }
 
+/* GPT-OSS (GptOssConfig, modeling_gpt_oss): every layer a Mixture of
+ * Experts (parse_moe: num_local_experts, experts of intermediate_size,
+ * top-k softmax), alternating sliding (even layers) and full attention
+ * unless layer_types says otherwise, q/k/v/o biases (attention_bias,
+ * true by default), attention sinks, and the experts' clamped SwiGLU. */
+static loom_status_t parse_gpt_oss(loom_model_config_t *cfg, const cJSON *root, const char *path,
+                                   loom_err_t *err) {
+    const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+    cfg->sliding_window = sw ? 0 : 128; /* null: every layer full */
+    if (sw && !cJSON_IsNull(sw))
+        LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
+    if (cfg->n_layers > LOOM_MAX_LAYER_TYPES)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gpt_oss with more than %d layers", path,
+                            LOOM_MAX_LAYER_TYPES);
+    for (int l = 0; l < cfg->n_layers; l++)
+        cfg->layer_sliding[l] = (unsigned char)(l % 2 == 0);
+    cfg->has_layer_types = 1; /* refuse_keys reads layer_types over this */
+    LOOM_CHECK(get_pos_float(root, "swiglu_limit", 0, 7.0f, &cfg->swiglu_limit, path, err));
+    LOOM_CHECK(get_pos_float(root, "swiglu_alpha", 0, 1.702f, &cfg->swiglu_alpha, path, err));
+    if (!(cfg->swiglu_limit > 0 && isfinite(cfg->swiglu_limit)))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%s: swiglu_limit must be a positive number",
+                            path);
+    cfg->hidden_act = LOOM_HIDDEN_SILU; /* the experts' activation is the clamped SwiGLU whatever
+                                           hidden_act says */
+    return LOOM_OK;
+}
+
 static loom_dtype_t dtype_from_torch(const cJSON *v) {
     if (!cJSON_IsString(v)) return LOOM_DT_F32;
     if (!strcmp(v->valuestring, "float16")) return LOOM_DT_F16;
@@ -603,12 +646,14 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_model_types); i++)
         known |= !strcmp(mt->valuestring, k_model_types[i]);
     if (!known)
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-                            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe and qwen2_moe)",
-                            path, mt->valuestring);
+        return loom_err_set(
+            err, LOOM_ERR_UNSUPPORTED,
+            "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
+            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe, qwen2_moe and gpt_oss)",
+            path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2") || !strcmp(cfg->model_type, "qwen2_moe");
+    const int oss = !strcmp(cfg->model_type, "gpt_oss"); /* GptOssConfig's defaults below */
 
     LOOM_CHECK(get_pos_int(root, "hidden_size", 1, 0, &cfg->dim, path, err));
     LOOM_CHECK(get_pos_int(root, "intermediate_size", 1, 0, &cfg->hidden_dim, path, err));
@@ -618,8 +663,10 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
         get_pos_int(root, "num_key_value_heads", 0, cfg->n_heads, &cfg->n_kv_heads, path, err));
     LOOM_CHECK(get_pos_int(root, "head_dim", 0, 0, &cfg->head_dim, path, err));
     LOOM_CHECK(get_pos_int(root, "vocab_size", 1, 0, &cfg->vocab_size, path, err));
-    LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, 2048, &cfg->max_seq_len, path, err));
-    LOOM_CHECK(get_pos_float(root, "rms_norm_eps", 0, 1e-6f, &cfg->norm_eps, path, err));
+    LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, oss ? 131072 : 2048,
+                           &cfg->max_seq_len, path, err));
+    LOOM_CHECK(
+        get_pos_float(root, "rms_norm_eps", 0, oss ? 1e-5f : 1e-6f, &cfg->norm_eps, path, err));
     /* Transformers 5 keeps rope_theta and the scaling in rope_parameters */
     const cJSON *rp = field(root, "rope_parameters");
     if (rp && !cJSON_IsObject(rp))
@@ -627,22 +674,39 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (rp && field(rp, "rope_theta"))
         LOOM_CHECK(get_pos_float(rp, "rope_theta", 1, 0, &cfg->rope_theta, path, err));
     else
-        LOOM_CHECK(get_pos_float(root, "rope_theta", 0, 10000.0f, &cfg->rope_theta, path, err));
+        LOOM_CHECK(get_pos_float(root, "rope_theta", 0, oss ? 150000.0f : 10000.0f,
+                                 &cfg->rope_theta, path, err));
     if (rp && field(root, "rope_scaling"))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: both rope_scaling and rope_parameters are given", path);
     /* head_dim is needed first (longrope lists a factor per frequency);
      * Gemma2Config and Gemma3TextConfig default it to 256 */
     if (cfg->head_dim == 0 && (!strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text")))
         cfg->head_dim = 256;
+    if (cfg->head_dim == 0 && oss) cfg->head_dim = 64;
     if (cfg->head_dim == 0 && cfg->dim % cfg->n_heads == 0) cfg->head_dim = cfg->dim / cfg->n_heads;
     LOOM_CHECK(parse_rotary_dim(cfg, root, path, err));
-    LOOM_CHECK(parse_rope_scaling(cfg, root, rp ? rp : field(root, "rope_scaling"), path, err));
+    /* GptOssConfig: an absent rope_scaling is gpt-oss's yarn (an explicit null is none) */
+    cJSON *oss_yarn =
+        oss && !rp && !cJSON_GetObjectItemCaseSensitive(root, "rope_scaling")
+            ? cJSON_Parse("{\"rope_type\":\"yarn\",\"factor\":32.0,\"beta_fast\":32.0,"
+                          "\"beta_slow\":1.0,\"original_max_position_embeddings\":4096,"
+                          "\"truncate\":false}")
+            : NULL;
+    loom_status_t rs_st = parse_rope_scaling(cfg, root,
+                                             oss_yarn ? oss_yarn
+                                             : rp     ? rp
+                                                      : field(root, "rope_scaling"),
+                                             path, err);
+    cJSON_Delete(oss_yarn);
+    LOOM_CHECK(rs_st);
     int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
     LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3") || !strcmp(cfg->model_type, "qwen3_moe");
+    cfg->gpt_oss = !strcmp(cfg->model_type, "gpt_oss");
     if (!strcmp(cfg->model_type, "mixtral") || !strcmp(cfg->model_type, "qwen3_moe") ||
-        !strcmp(cfg->model_type, "qwen2_moe"))
+        !strcmp(cfg->model_type, "qwen2_moe") || cfg->gpt_oss)
         LOOM_CHECK(parse_moe(cfg, root, path, err));
+    if (cfg->gpt_oss) LOOM_CHECK(parse_gpt_oss(cfg, root, path, err));
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
     if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
     if (!strcmp(cfg->model_type, "gemma2")) LOOM_CHECK(parse_gemma2(cfg, root, path, err));
@@ -667,7 +731,8 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     LOOM_CHECK(refuse_keys(root, cfg, path, err));
     /* Gemma2Config and Gemma3TextConfig tie the head unless told otherwise */
     LOOM_CHECK(get_bool(root, "tie_word_embeddings", cfg->gemma, &cfg->tie_embeddings, path, err));
-    LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2, &cfg->attention_bias, path, err));
+    LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2 || cfg->gpt_oss, &cfg->attention_bias,
+                        path, err));
     int mlp_bias = 0;
     LOOM_CHECK(get_bool(root, "mlp_bias", 0, &mlp_bias, path, err));
     if (mlp_bias)
@@ -824,7 +889,7 @@ int loom_model_config_is_eos(const loom_model_config_t *cfg, int id) {
 }
 
 int loom_model_config_layer_window(const loom_model_config_t *cfg, int layer) {
-    if (!cfg->gemma) return cfg->sliding_window; /* Mistral, Phi-3: every layer */
+    if (!cfg->gemma && !cfg->gpt_oss) return cfg->sliding_window; /* Mistral, Phi-3: every layer */
     int sliding = cfg->has_layer_types ? layer >= 0 && layer < LOOM_MAX_LAYER_TYPES && cfg->layer_sliding[layer]
                                        : (layer + 1) % cfg->sliding_pattern != 0;
     return sliding && cfg->sliding_window < cfg->max_seq_len ? cfg->sliding_window : 0;

@@ -38,6 +38,7 @@ typedef enum {
     LOOM_CKPT_LOOM,      /* written by `loom quantize` */
     LOOM_CKPT_AWQ,       /* AutoAWQ GEMM layout, 4 bits */
     LOOM_CKPT_GPTQ,      /* AutoGPTQ / GPTQModel layout, 4 bits */
+    LOOM_CKPT_MXFP4,     /* GPT-OSS: the experts in OCP MXFP4 (_blocks, _scales), the rest float */
 } loom_ckpt_quant_t;
 
 typedef struct loom_model_config {
@@ -84,7 +85,7 @@ typedef struct loom_model_config {
     int qk_norm;                 /* Qwen3: per-head RMSNorm on q and k before RoPE */
     int sliding_window;          /* Mistral: every layer attends to the latest N positions; 0 = none */
     int tie_embeddings;          /* tie_word_embeddings */
-    int attention_bias;          /* q/k/v biases (Qwen2) */
+    int attention_bias;          /* q/k/v biases (Qwen2; GPT-OSS: and o's) */
     int bos_id;                  /* -1 if none */
     int n_eos;
     int eos_ids[LOOM_MAX_EOS];   /* eos_token_id (int or list) */
@@ -94,7 +95,7 @@ typedef struct loom_model_config {
     int ckpt_zeros_minus1;       /* GPTQ checkpoint_format "gptq" (v1): stored zeros are z - 1 */
     int ckpt_desc_act;           /* GPTQ desc_act (act-order: g_idx is checked on load) */
     /* Mixture of Experts (mixtral, qwen3_moe); n_experts 0 = every layer dense */
-    int n_experts;               /* num_local_experts (mixtral) / num_experts (qwen3_moe) */
+    int n_experts; /* num_local_experts (mixtral, gpt_oss) / num_experts (qwen3_moe) */
     int n_experts_per_tok;       /* num_experts_per_tok: experts each token is routed to */
     int moe_hidden_dim;          /* an expert's intermediate size (moe_intermediate_size; mixtral: intermediate_size) */
     int norm_topk_prob;          /* renormalise the chosen experts' router weights to sum 1 (mixtral: always) */
@@ -103,6 +104,13 @@ typedef struct loom_model_config {
     int moe_shared_hidden;       /* qwen2_moe: shared_expert_intermediate_size of the shared expert, gated by
                                   * sigmoid(shared_expert_gate . x); 0 = none */
     unsigned char mlp_only[LOOM_MAX_LAYER_TYPES]; /* mlp_only_layers: dense layers of a qwen3_moe */
+    /* GPT-OSS (gpt_oss): q/k/v and o biases, a learned attention sink per
+     * head, a router with a bias, and experts stored as 3-D tensors
+     * (mlp.experts.gate_up_proj [E, dim, 2I] with gate and up interleaved,
+     * down_proj [E, I, dim], and their biases) through a clamped SwiGLU */
+    int gpt_oss;
+    float swiglu_limit; /* swiglu_limit (7): gate <= limit, |up| <= limit */
+    float swiglu_alpha; /* swiglu_alpha (1.702): the gate is sigmoid(alpha * gate) times gate */
 } loom_model_config_t;
 
 /* Reads DIR/config.json; errors name the file and the offending field. */

@@ -159,6 +159,14 @@ void loom_op_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float
 int loom_backend_act_supported(const loom_backend_t *be, loom_act_t act) {
     return act == LOOM_ACT_SILU || be->ops->act_mul != NULL;
 }
+void loom_op_swiglu_clamp(loom_backend_t *be, float *out, const float *gu, int n, int hidden,
+                          float alpha, float limit) {
+    LOOM_ASSERT(be->ops->swiglu_clamp && limit > 0);
+    if (n > 0) be->ops->swiglu_clamp(be, out, gu, n, hidden, alpha, limit);
+}
+int loom_backend_swiglu_clamp_supported(const loom_backend_t *be) {
+    return be->ops->swiglu_clamp != NULL;
+}
 void loom_op_head_rmsnorm(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd, const float *g,
                           float eps) {
     for (int i = 0; i < n; i++) {
@@ -299,10 +307,14 @@ void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     LOOM_ASSERT(a->window >= 0 && (a->window == 0 || be->ops->attention_window));
     LOOM_ASSERT(a->softcap >= 0 && (a->softcap == 0 || be->ops->attention_softcap));
+    LOOM_ASSERT(!a->sinks || be->ops->attention_sinks);
     if (a->n > 0) be->ops->attention(be, a);
 }
 int loom_backend_attn_window_supported(const loom_backend_t *be) { return be->ops->attention_window; }
 int loom_backend_attn_softcap_supported(const loom_backend_t *be) { return be->ops->attention_softcap; }
+int loom_backend_attn_sinks_supported(const loom_backend_t *be) {
+    return be->ops->attention_sinks;
+}
 void loom_op_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
     LOOM_ASSERT(cap > 0 && be->ops->softcap);
     if (n > 0) be->ops->softcap(be, x, n, cap);

@@ -123,6 +123,14 @@ typedef enum {
  * (the CPU backend has it): loom_backend_act_supported says which. */
 void loom_op_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
 int loom_backend_act_supported(const loom_backend_t *be, loom_act_t act);
+/* GPT-OSS's expert activation on the same (n, 2*hidden) gate-then-up rows:
+ * g = min(gate, limit), u = clamp(up, -limit, limit),
+ * out = (u + 1) * g * sigmoid(alpha * g)   (alpha 1.702, limit swiglu_limit).
+ * An optional slot: loom_backend_swiglu_clamp_supported says whether the
+ * backend has it (the CPU backend does). */
+void loom_op_swiglu_clamp(loom_backend_t *be, float *out, const float *gu, int n, int hidden,
+                          float alpha, float limit);
+int loom_backend_swiglu_clamp_supported(const loom_backend_t *be);
 /* Per-head RMSNorm (Qwen3's q_norm / k_norm): on each of n rows (row i at
  * x + i*stride) the n_heads consecutive heads of hd are normalised with the
  * one gain g(hd). Composed of loom_op_rmsnorm, one call per row, so every
@@ -246,6 +254,11 @@ typedef struct loom_attn_args {
      * the softmax. 0 leaves the scores as they are. Backends without it
      * (loom_backend_attn_softcap_supported) must not be given one. */
     float softcap;
+    /* Attention sinks (GPT-OSS): one learned logit per query head (n_heads,
+     * device) that joins each softmax's denominator with no value row, so a
+     * head's weights may sum to less than 1. NULL: none. Backends without
+     * them (loom_backend_attn_sinks_supported) must not be given any. */
+    const float *sinks;
 } loom_attn_args_t;
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
 /* Whether the backend's attention honours loom_attn_args_t.window: the CPU
@@ -256,6 +269,9 @@ int loom_backend_attn_window_supported(const loom_backend_t *be);
  * CPU backend does; CUDA does not yet, and a soft-capped model is refused
  * there at load. */
 int loom_backend_attn_softcap_supported(const loom_backend_t *be);
+/* Whether the backend's attention honours loom_attn_args_t.sinks: the CPU
+ * backend does; CUDA does not yet, and such a model is refused there. */
+int loom_backend_attn_sinks_supported(const loom_backend_t *be);
 /* x(n) = cap * tanh(x / cap), element-wise (Gemma 2's final logit
  * soft-capping on the LM head's output); cap > 0. An optional slot:
  * loom_backend_softcap_supported says whether the backend has it. */

@@ -52,8 +52,12 @@ typedef struct loom_backend_ops {
     void (*add_bias)(loom_backend_t *be, float *y, const float *bias, int n, int cols);
     /* optional: activations other than SiLU (loom_op_act_mul) */
     void (*act_mul)(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
+    /* optional: GPT-OSS's clamped SwiGLU (loom_op_swiglu_clamp) */
+    void (*swiglu_clamp)(loom_backend_t *be, float *out, const float *gu, int n, int hidden,
+                         float alpha, float limit);
     int attention_window; /* 1: attention honours loom_attn_args_t.window */
     int attention_softcap; /* 1: attention honours loom_attn_args_t.softcap */
+    int attention_sinks;   /* 1: attention honours loom_attn_args_t.sinks */
     /* optional: x = cap * tanh(x / cap) (loom_op_softcap) */
     void (*softcap)(loom_backend_t *be, float *x, int64_t n, float cap);
     /* Mixture of Experts (backend.h): combine is required of a backend that

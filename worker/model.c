@@ -33,6 +33,11 @@ typedef struct loom_ffn {
      * (loom_backend_moe_table), used by decode steps of up to dev_n tokens */
     void *t13, *t2;
     int dev_n;
+    /* GPT-OSS: the router's bias (n_experts), and each expert's biases: of
+     * its gate then up rows (n_experts, 2*moe_hn), and of its down rows
+     * (n_experts, dim; on the rank whose slice starts at 0, so it is added
+     * once). NULL for the other families. */
+    float *rbias, *b13, *b2;
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -41,6 +46,8 @@ typedef struct loom_layer {
     float *bqkv;        /* (qkv_dim) the same rows' biases (Qwen2), or NULL */
     float *q_norm;      /* (hd) per-head RMSNorm gain of q (Qwen3), or NULL */
     float *k_norm;      /* (hd) the same for k */
+    float *sinks;       /* (n_heads) GPT-OSS: this rank's heads' attention sinks, or NULL */
+    float *bo;          /* (dim) GPT-OSS: o_proj's bias, on TP rank 0 only (added once), or NULL */
     int window;         /* attention window in positions; 0 = full attention */
     loom_weight_t wo;   /* (dim, n_heads*hd): this rank's input columns */
     float *ffn_norm;    /* (dim) */
@@ -192,6 +199,16 @@ static loom_status_t upload_vec_add(loader_t *L, const char *name, int64_t n, fl
     return LOOM_OK;
 }
 
+/* A float vector of the host to the device (biases, sinks). */
+static loom_status_t upload_host(loader_t *L, const float *h, size_t n, float **out,
+                                 const char *what, loom_err_t *err) {
+    *out = loom_backend_alloc(L->m->be, n * sizeof(float));
+    if (!*out) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for %s", what);
+    loom_backend_upload(L->m->be, *out, h, n * sizeof(float));
+    L->m->weight_bytes += n * sizeof(float);
+    return LOOM_OK;
+}
+
 static loom_status_t upload_weight(loader_t *L, loom_weight_t *w, int64_t rows, int64_t cols,
                                    const char *what, loom_err_t *err) {
     loom_status_t s = loom_weight_upload(L->m->be, w, rows, cols, L->tmp, err);
@@ -284,6 +301,62 @@ static void rotary_permute_q(loom_qtensor_t *t, int64_t nrows, int hd, int rd, f
     free(tm);
 }
 
+/* How a float linear's input columns [c0, c0+nc) of cols are read and
+ * quantized: the scheme (a 4-bit group that does not divide cols falls back
+ * to int8, logged), and the columns [rc0, rc0+rnc) to read: per-channel
+ * schemes (int8, fp8) quantize whole rows before taking the columns, so
+ * every grid gets the same scales; 4-bit groups are local, so a rank
+ * quantizes only its columns, which must be whole groups. */
+typedef struct float_cols {
+    loom_quant_spec_t q;
+    int64_t cols, c0, nc;
+    int whole_rows;
+    int64_t rc0, rnc;
+} float_cols_t;
+
+static loom_status_t float_cols(loader_t *L, const char *what, int64_t cols, int64_t c0, int64_t nc,
+                                float_cols_t *fc, loom_err_t *err) {
+    loom_quant_spec_t q = L->m->opt.quant;
+    if (q.quant == LOOM_QUANT_Q4 && cols % q.group) {
+        LOOM_WARN(
+            "%s: 4-bit group %d does not divide its %lld input columns; quantizing it as int8",
+            what, q.group, (long long)cols);
+        q = (loom_quant_spec_t){.quant = LOOM_QUANT_INT8};
+    }
+    if (q.quant == LOOM_QUANT_Q4 && (c0 % q.group || nc % q.group))
+        return loom_err_set(
+            err, LOOM_ERR_INVALID_ARGUMENT,
+            "%s: this tensor-parallel rank's input columns [%lld, %lld) are not whole 4-bit groups "
+            "of %d; use fewer TP ranks or a smaller group",
+            what, (long long)c0, (long long)(c0 + nc), q.group);
+    int whole_rows = q.quant != LOOM_QUANT_NONE && q.quant != LOOM_QUANT_Q4 && nc != cols;
+    *fc = (float_cols_t){.q = q,
+                         .cols = cols,
+                         .c0 = c0,
+                         .nc = nc,
+                         .whole_rows = whole_rows,
+                         .rc0 = whole_rows ? 0 : c0,
+                         .rnc = whole_rows ? cols : nc};
+    return LOOM_OK;
+}
+
+/* Uploads the (rows, fc->rnc) float matrix in the staging buffer as w,
+ * quantized as fc says, keeping input columns [c0, c0+nc). */
+static loom_status_t upload_float_linear(loader_t *L, loom_weight_t *w, const char *what,
+                                         const float_cols_t *fc, int64_t rows, loom_err_t *err) {
+    if (fc->q.quant == LOOM_QUANT_NONE) return upload_weight(L, w, rows, fc->nc, what, err);
+    loom_qtensor_t qt = {0};
+    LOOM_CHECK(loom_quantize(&fc->q, L->tmp, rows, fc->rnc, &qt, err));
+    if (fc->whole_rows) {
+        loom_qtensor_t full = qt;
+        loom_qw_slice_cols(&full, fc->c0, fc->nc, &qt);
+        loom_qtensor_free(&full);
+    }
+    loom_status_t s = upload_qweight(L, w, &qt, what, err);
+    loom_qtensor_free(&qt);
+    return s;
+}
+
 /* One stored linear (its name without ".weight") and the block of its rows
  * (output features) this shard takes. */
 typedef struct lin_part {
@@ -337,40 +410,223 @@ static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what
         return s;
     }
 
-    loom_quant_spec_t q = m->opt.quant;
-    if (q.quant == LOOM_QUANT_Q4 && cols % q.group) {
-        LOOM_WARN("%s: 4-bit group %d does not divide its %lld input columns; quantizing it as int8", what, q.group,
-                  (long long)cols);
-        q = (loom_quant_spec_t){.quant = LOOM_QUANT_INT8};
-    }
-    if (q.quant == LOOM_QUANT_Q4 && (c0 % q.group || nc % q.group))
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "%s: this tensor-parallel rank's input columns [%lld, %lld) are not whole 4-bit groups "
-                            "of %d; use fewer TP ranks or a smaller group",
-                            what, (long long)c0, (long long)(c0 + nc), q.group);
-    int whole_rows = q.quant != LOOM_QUANT_NONE && q.quant != LOOM_QUANT_Q4 && nc != cols;
-    int64_t rc0 = whole_rows ? 0 : c0, rnc = whole_rows ? cols : nc;
-    float *h = staging(L, (size_t)rows * (size_t)rnc);
+    float_cols_t fc;
+    LOOM_CHECK(float_cols(L, what, cols, c0, nc, &fc, err));
+    float *h = staging(L, (size_t)rows * (size_t)fc.rnc);
     if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", what);
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
         snprintf(name, sizeof name, "%s.weight", parts[i].prefix);
-        LOOM_CHECK(read_block(L, name, parts[i].rows, cols, parts[i].r0, parts[i].nr, rc0, rnc,
-                              h + (size_t)off * (size_t)rnc, err));
+        LOOM_CHECK(read_block(L, name, parts[i].rows, cols, parts[i].r0, parts[i].nr, fc.rc0,
+                              fc.rnc, h + (size_t)off * (size_t)fc.rnc, err));
         off += parts[i].nr;
     }
     if (L->rotary_rows)
-        rotary_permute_f32(h, L->rotary_rows, rnc, m->cfg.head_dim, m->cfg.rotary_dim, m->cfg.rope_attn_factor);
-    if (q.quant == LOOM_QUANT_NONE) return upload_weight(L, w, rows, nc, what, err);
-    LOOM_CHECK(loom_quantize(&q, h, rows, rnc, &qt, err));
-    if (whole_rows) {
-        loom_qtensor_t full = qt;
-        loom_qw_slice_cols(&full, c0, nc, &qt);
-        loom_qtensor_free(&full);
+        rotary_permute_f32(h, L->rotary_rows, fc.rnc, m->cfg.head_dim, m->cfg.rotary_dim,
+                           m->cfg.rope_attn_factor);
+    return upload_float_linear(L, w, what, &fc, rows, err);
+}
+
+/* ---- GPT-OSS's experts ---------------------------------------------------
+ * mlp.experts.gate_up_proj [E, dim, 2I] holds each expert's fused linear
+ * input-major (x @ W), gate unit j in column 2j and up unit j in 2j+1;
+ * down_proj [E, I, dim] likewise. An MXFP4 checkpoint stores them
+ * output-major instead: <name>_blocks [E, rows, cols/32, 16] (two E2M1
+ * codes a byte, the low nibble first) and <name>_scales [E, rows, cols/32]
+ * (E8M0: 2^(s-127)) per group of 32 inputs. A held expert's rows are
+ * assembled on the host in Loom's (out, in) layout -- gate rows
+ * [moe_hb, moe_hb+moe_hn), then the same up rows; down's columns that
+ * slice -- and take the float path of load_linear (quantized on load when
+ * asked), so TP slicing, expert parallelism and --quantization work as for
+ * the other families. */
+
+static const float k_e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static loom_status_t oss_tensor(loader_t *L, const char *name, loom_dtype_t dt, int n_dims,
+                                const int64_t *shape, const loom_st_tensor_t **out,
+                                loom_err_t *err) {
+    const loom_st_tensor_t *t = loom_st_find(L->st, name);
+    if (!t)
+        return loom_err_set(err, LOOM_ERR_NOT_FOUND, "tensor '%s' is missing from the checkpoint",
+                            name);
+    int ok = t->dtype == dt && t->n_dims == n_dims;
+    for (int i = 0; ok && i < n_dims; i++)
+        ok = t->shape[i] == shape[i];
+    if (!ok) {
+        char got[96] = "", want[96] = "";
+        for (int i = 0; i < t->n_dims && i < LOOM_ST_MAX_DIMS; i++)
+            snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", i ? ", " : "",
+                     (long long)t->shape[i]);
+        for (int i = 0; i < n_dims; i++)
+            snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", i ? ", " : "",
+                     (long long)shape[i]);
+        return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s is %s [%s], expected %s [%s]",
+                            name, t->file, loom_dtype_name(t->dtype), got, loom_dtype_name(dt),
+                            want);
     }
-    s = upload_qweight(L, w, &qt, what, err);
-    loom_qtensor_free(&qt);
+    *out = t;
+    return LOOM_OK;
+}
+
+/* Rows [r0, r0+nr) of expert e's (rows, cols) MXFP4 matrix `base` as floats
+ * (nr, cols) in dst. */
+static loom_status_t read_mxfp4_rows(loader_t *L, const char *base, int E, int64_t rows,
+                                     int64_t cols, int e, int64_t r0, int64_t nr, float *dst,
+                                     loom_err_t *err) {
+    char bn[300], sn[300];
+    snprintf(bn, sizeof bn, "%s_blocks", base);
+    snprintf(sn, sizeof sn, "%s_scales", base);
+    if (cols % 32)
+        return loom_err_set(err, LOOM_ERR_FORMAT,
+                            "%s: %lld input columns are not whole MXFP4 groups of 32", base,
+                            (long long)cols);
+    const int64_t G = cols / 32;
+    const loom_st_tensor_t *tb = NULL, *ts = NULL;
+    LOOM_CHECK(oss_tensor(L, bn, LOOM_DT_U8, 4, (int64_t[]){E, rows, G, 16}, &tb, err));
+    LOOM_CHECK(oss_tensor(L, sn, LOOM_DT_U8, 3, (int64_t[]){E, rows, G}, &ts, err));
+    uint8_t *codes = loom_xmalloc((size_t)(nr * G * 16)), *sc = loom_xmalloc((size_t)(nr * G));
+    loom_status_t s =
+        loom_st_read_raw(L->st, tb, ((int64_t)e * rows + r0) * G, nr * G, 0, 16, codes, err);
+    if (s == LOOM_OK) s = loom_st_read_raw(L->st, ts, (int64_t)e * rows + r0, nr, 0, G, sc, err);
+    for (int64_t g = 0; s == LOOM_OK && g < nr * G; g++) {
+        if (sc[g] == 255) {
+            s = loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s holds the E8M0 NaN scale 255",
+                             sn, ts->file);
+            break;
+        }
+        const float f = ldexpf(1.0f, (int)sc[g] - 127);
+        for (int b = 0; b < 16; b++) {
+            uint8_t c = codes[g * 16 + b];
+            dst[g * 32 + 2 * b] = k_e2m1[c & 15] * f;
+            dst[g * 32 + 2 * b + 1] = k_e2m1[c >> 4] * f;
+        }
+    }
+    free(codes);
+    free(sc);
     return s;
+}
+
+/* Expert e's gate/up rows (2*hn, dim) of the slice [hb, hb+hn): gate rows
+ * then up rows, in the staging buffer. */
+static loom_status_t oss_gate_up(loader_t *L, int gl, int e, int hb, int hn, loom_err_t *err) {
+    const loom_model_config_t *c = &L->m->cfg;
+    const int E = c->n_experts, dim = c->dim, I = c->moe_hidden_dim;
+    char name[300];
+    float *h = staging(L, (size_t)2 * hn * dim);
+    if (!h)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d's experts",
+                            gl);
+    float *t = loom_xmalloc((size_t)2 * hn * dim * sizeof(float));
+    loom_status_t s;
+    if (c->ckpt_quant == LOOM_CKPT_MXFP4) { /* output-major: rows 2hb .. 2(hb+hn), interleaved */
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", gl);
+        s = read_mxfp4_rows(L, name, E, 2 * (int64_t)I, dim, e, 2 * (int64_t)hb, 2 * (int64_t)hn, t,
+                            err);
+        for (int64_t j = 0; s == LOOM_OK && j < 2 * (int64_t)hn; j++)
+            memcpy(h + (size_t)((j & 1) * hn + j / 2) * dim, t + (size_t)j * dim,
+                   (size_t)dim * sizeof(float));
+    } else { /* input-major: rows of expert e are its dim inputs, columns 2hb .. 2(hb+hn) */
+        const loom_st_tensor_t *tt = NULL;
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", gl);
+        s = loom_st_get(L->st, name, 3, (int64_t[]){E, dim, 2 * (int64_t)I}, &tt, err);
+        if (s == LOOM_OK)
+            s = loom_st_read_f32(L->st, tt, (int64_t)e * dim, dim, 2 * (int64_t)hb, 2 * (int64_t)hn,
+                                 t, err);
+        for (int64_t d = 0; s == LOOM_OK && d < dim; d++)
+            for (int64_t j = 0; j < 2 * (int64_t)hn; j++)
+                h[(size_t)((j & 1) * hn + j / 2) * dim + d] = t[(size_t)d * 2 * hn + j];
+    }
+    free(t);
+    return s == LOOM_OK ? check_finite(h, (size_t)2 * hn * dim, name, NULL, err) : s;
+}
+
+/* Expert e's down rows (dim, fc->rnc): its input columns [rc0, rc0+rnc) of
+ * I, in the staging buffer. */
+static loom_status_t oss_down(loader_t *L, int gl, int e, const float_cols_t *fc, loom_err_t *err) {
+    const loom_model_config_t *c = &L->m->cfg;
+    const int E = c->n_experts, dim = c->dim, I = c->moe_hidden_dim;
+    char name[300];
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.down_proj", gl);
+    const int64_t rnc = fc->rnc, full = c->ckpt_quant == LOOM_CKPT_MXFP4 ? I : rnc;
+    float *h = staging(L, (size_t)(dim * rnc));
+    if (!h)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d's experts",
+                            gl);
+    float *t = loom_xmalloc((size_t)(dim * full) * sizeof(float));
+    loom_status_t s;
+    if (c->ckpt_quant ==
+        LOOM_CKPT_MXFP4) { /* output-major (dim, I): whole rows, then the columns */
+        s = read_mxfp4_rows(L, name, E, dim, I, e, 0, dim, t, err);
+        for (int64_t o = 0; s == LOOM_OK && o < dim; o++)
+            memcpy(h + (size_t)(o * rnc), t + (size_t)(o * I + fc->rc0),
+                   (size_t)rnc * sizeof(float));
+    } else { /* input-major (I, dim): rows rc0 .. rc0+rnc of expert e, transposed */
+        const loom_st_tensor_t *tt = NULL;
+        s = loom_st_get(L->st, name, 3, (int64_t[]){E, I, dim}, &tt, err);
+        if (s == LOOM_OK)
+            s = loom_st_read_f32(L->st, tt, (int64_t)e * I + fc->rc0, rnc, 0, dim, t, err);
+        for (int64_t r = 0; s == LOOM_OK && r < rnc; r++)
+            for (int64_t o = 0; o < dim; o++)
+                h[(size_t)(o * rnc + r)] = t[(size_t)(r * dim + o)];
+    }
+    free(t);
+    return s == LOOM_OK ? check_finite(h, (size_t)(dim * rnc), name, NULL, err) : s;
+}
+
+static loom_status_t load_oss_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *err) {
+    loom_model_t *m = L->m;
+    const loom_model_config_t *c = &m->cfg;
+    const int E = c->n_experts, dim = c->dim, I = c->moe_hidden_dim, hb = m->moe_hb, hn = m->moe_hn;
+    char name[256], what[256];
+    f->moe = 1;
+    snprintf(name, sizeof name, "model.layers.%d.mlp.router.weight", gl);
+    float *h = staging(L, (size_t)E * dim);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
+    LOOM_CHECK(read_block(L, name, E, dim, 0, E, 0, dim, h, err));
+    LOOM_CHECK(upload_weight(L, &f->router, E, dim, name, err));
+    snprintf(name, sizeof name, "model.layers.%d.mlp.router.bias", gl);
+    LOOM_CHECK(read_slice(L, name, E, 0, E, h, err));
+    LOOM_CHECK(upload_host(L, h, (size_t)E, &f->rbias, name, err));
+    /* the biases of the held experts' rows, gate then up as the weights */
+    float *b13 = loom_xcalloc((size_t)E * 2 * hn, sizeof(float)),
+          *b2 = loom_xcalloc((size_t)E * dim, sizeof(float));
+    float *row = loom_xmalloc((size_t)LOOM_MAX(2 * hn, dim) * sizeof(float));
+    loom_status_t s = LOOM_OK;
+    for (int j = m->expert_begin; j < m->expert_end && s == LOOM_OK; j++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj_bias", gl);
+        s = read_block(L, name, E, 2 * (int64_t)I, j, 1, 2 * (int64_t)hb, 2 * (int64_t)hn, row,
+                       err);
+        for (int i = 0; s == LOOM_OK && i < 2 * hn; i++)
+            b13[(size_t)j * 2 * hn + (size_t)((i & 1) * hn + i / 2)] = row[i];
+        if (s == LOOM_OK) {
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.down_proj_bias", gl);
+            s = read_block(L, name, E, dim, j, 1, 0, dim, b2 + (size_t)j * dim, err);
+        }
+    }
+    free(row);
+    if (s == LOOM_OK)
+        s = upload_host(L, b13, (size_t)E * 2 * hn, &f->b13, "the experts' gate/up biases", err);
+    if (s == LOOM_OK && hb == 0)
+        s = upload_host(L, b2, (size_t)E * dim, &f->b2, "the experts' down biases", err);
+    free(b13);
+    free(b2);
+    LOOM_CHECK(s);
+    f->e13 = loom_xcalloc((size_t)E, sizeof *f->e13);
+    f->e2 = loom_xcalloc((size_t)E, sizeof *f->e2);
+    for (int j = m->expert_begin; j < m->expert_end; j++) {
+        float_cols_t fc;
+        snprintf(what, sizeof what, "model.layers.%d.mlp.experts.%d.gate_up", gl, j);
+        LOOM_CHECK(float_cols(L, what, dim, 0, dim, &fc, err));
+        LOOM_CHECK(oss_gate_up(L, gl, j, hb, hn, err));
+        LOOM_CHECK(upload_float_linear(L, &f->e13[j], what, &fc, 2 * (int64_t)hn, err));
+        snprintf(what, sizeof what, "model.layers.%d.mlp.experts.%d.down", gl, j);
+        LOOM_CHECK(float_cols(L, what, I, hb, hn, &fc, err));
+        LOOM_CHECK(oss_down(L, gl, j, &fc, err));
+        LOOM_CHECK(upload_float_linear(L, &f->e2[j], what, &fc, dim, err));
+        m->expert_bytes += loom_weight_bytes(&f->e13[j]) + loom_weight_bytes(&f->e2[j]);
+    }
+    return LOOM_OK;
 }
 
 /* A Mixture-of-Experts block: the router whole, and each held expert's
@@ -383,6 +639,7 @@ static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *er
     const int E = c->n_experts, dim = c->dim, mx = c->moe_mixtral_names;
     const char *blk = mx ? "block_sparse_moe" : "mlp";
     char name[256], pg[256], pu[256], what[256];
+    if (c->gpt_oss) return load_oss_moe(L, gl, f, err);
     f->moe = 1;
     snprintf(name, sizeof name, "model.layers.%d.%s.gate.weight", gl, blk);
     float *h = staging(L, (size_t)E * dim);
@@ -423,8 +680,9 @@ static loom_status_t load_moe(loader_t *L, int gl, loom_ffn_t *f, loom_err_t *er
  * experts it can run per (token, choice) pair (loom_backend_moe_device: the
  * CUDA backend up to 4 tokens, float experts; the CPU backend 1 token, where
  * a pair reads what its group would), so those decode steps route, run the
- * experts and combine without the host. Not Qwen2-MoE's layers: their
- * shared expert's gate is applied on the host. */
+ * experts and combine without the host. Not Qwen2-MoE's layers (their
+ * shared expert's gate is applied on the host) nor GPT-OSS's (biases and
+ * the clamped SwiGLU are the grouped path's). */
 static loom_status_t moe_tables(loom_model_t *m, loom_err_t *err) {
     const int E = m->cfg.n_experts, K = m->cfg.n_experts_per_tok;
     int n_moe = 0, n_dev = 0, max_n = 1 << 30;
@@ -432,7 +690,8 @@ static loom_status_t moe_tables(loom_model_t *m, loom_err_t *err) {
         loom_ffn_t *f = &m->layers[l].ffn;
         if (!f->moe) continue;
         n_moe++;
-        if (m->cfg.moe_shared_hidden || m->expert_end <= m->expert_begin) continue;
+        if (m->cfg.moe_shared_hidden || m->cfg.gpt_oss || m->expert_end <= m->expert_begin)
+            continue;
         int n13 = loom_backend_moe_device(m->be, f->e13, E, K),
             n2 = loom_backend_moe_device(m->be, f->e2, E, K);
         int dn = LOOM_MIN(n13, n2);
@@ -511,6 +770,18 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         m->weight_bytes += (size_t)m->qkv_dim * sizeof(float);
     }
 
+    if (c->gpt_oss) { /* this rank's heads' sinks; o_proj's bias where the partial sums get it once
+                       */
+        float *h = staging(L, (size_t)LOOM_MAX(d->n_heads, dim));
+        if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+        LOOM_CHECK(read_slice(L, LNAME("self_attn.sinks"), c->n_heads, d->q_head_begin, d->n_heads,
+                              h, err));
+        LOOM_CHECK(upload_host(L, h, (size_t)d->n_heads, &ly->sinks, name, err));
+        if (c->attention_bias && m->spec.tp_rank == 0) {
+            LOOM_CHECK(read_slice(L, LNAME("self_attn.o_proj.bias"), dim, 0, dim, h, err));
+            LOOM_CHECK(upload_host(L, h, (size_t)dim, &ly->bo, name, err));
+        }
+    }
     if (c->qk_norm) { /* Qwen3: one gain per head dimension, shared by the heads */
         LOOM_CHECK(upload_norm(L, LNAME("self_attn.q_norm.weight"), hd, &ly->q_norm, err));
         LOOM_CHECK(upload_norm(L, LNAME("self_attn.k_norm.weight"), hd, &ly->k_norm, err));
@@ -687,6 +958,23 @@ static int moe_tensor_used(const loom_model_config_t *c, const char *suffix) {
     size_t nb = strlen(blk);
     if (strncmp(suffix, blk, nb)) return 0;
     suffix += nb;
+    if (c->gpt_oss) {
+        static const char *const flt[] = {
+            "router.weight",          "router.bias",          "experts.gate_up_proj_bias",
+            "experts.down_proj_bias", "experts.gate_up_proj", "experts.down_proj"};
+        static const char *const mx4[] = {"router.weight",
+                                          "router.bias",
+                                          "experts.gate_up_proj_bias",
+                                          "experts.down_proj_bias",
+                                          "experts.gate_up_proj_blocks",
+                                          "experts.gate_up_proj_scales",
+                                          "experts.down_proj_blocks",
+                                          "experts.down_proj_scales"};
+        int m4 = c->ckpt_quant == LOOM_CKPT_MXFP4;
+        for (size_t i = 0; i < (m4 ? LOOM_ARRAY_LEN(mx4) : LOOM_ARRAY_LEN(flt)); i++)
+            if (!strcmp(suffix, m4 ? mx4[i] : flt[i])) return 1;
+        return 0;
+    }
     if (!strcmp(suffix, "gate.weight")) return 1;
     if (c->moe_shared_hidden) {
         if (!strcmp(suffix, "shared_expert_gate.weight")) return 1;
@@ -732,6 +1020,9 @@ static int layer_tensor_used(const loom_model_config_t *c, int layer, const char
         return 1;
     if (c->attention_bias && (!strcmp(suffix, "self_attn.q_proj.bias") || !strcmp(suffix, "self_attn.k_proj.bias") ||
                               !strcmp(suffix, "self_attn.v_proj.bias")))
+        return 1;
+    if (c->gpt_oss && (!strcmp(suffix, "self_attn.sinks") ||
+                       (c->attention_bias && !strcmp(suffix, "self_attn.o_proj.bias"))))
         return 1;
     int moe = loom_model_config_layer_moe(c, layer);
     if (moe) return moe_tensor_used(c, suffix) || (strncmp(suffix, "mlp.", 4) && layer_tensor_used(c, -1, suffix));
@@ -916,6 +1207,16 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "the %s backend has no final logit soft-capping (final_logit_softcapping %g)",
                             loom_backend_name(be), (double)cfg->final_softcap);
+    if (cfg->gpt_oss && spec->layer_end > spec->layer_begin &&
+        !loom_backend_attn_sinks_supported(be))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "the %s backend has no attention sinks (gpt_oss)",
+                            loom_backend_name(be));
+    if (cfg->gpt_oss && spec->layer_end > spec->layer_begin &&
+        !loom_backend_swiglu_clamp_supported(be))
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "the %s backend has no clamped SwiGLU (gpt_oss's experts)",
+                            loom_backend_name(be));
     /* A Mixture-of-Experts block runs on any backend through run_moe's
      * generic ops (routing on the host between them); the activation is
      * checked with the dense MLP's above. */
@@ -1106,6 +1407,11 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_backend_free(be, ly->post_attn_norm);
             loom_backend_free(be, ly->post_ffn_norm);
             loom_backend_free(be, ly->k_norm);
+            loom_backend_free(be, ly->sinks);
+            loom_backend_free(be, ly->bo);
+            loom_backend_free(be, ly->ffn.rbias);
+            loom_backend_free(be, ly->ffn.b13);
+            loom_backend_free(be, ly->ffn.b2);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
             loom_weight_free(be, &ly->wo);
@@ -1284,6 +1590,7 @@ static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_e
     const int E = c->n_experts, K = c->n_experts_per_tok, dim = c->dim, H = m->moe_hn;
     const loom_act_t act = (loom_act_t)c->hidden_act;
     loom_op_matmul(be, m->rl, m->xb, &f->router, n);
+    if (f->rbias) loom_op_add_bias(be, m->rl, f->rbias, n, E);
     if (f->t13 && n <= f->dev_n) {
         loom_op_moe_route(be, m->rl, n, E, K, c->norm_topk_prob, m->d_sel, m->d_w);
         loom_op_moe_gemv(be, m->mgu, m->xb, K, m->d_sel, n * K, f->t13,
@@ -1335,13 +1642,21 @@ static loom_status_t run_moe(loom_model_t *m, const loom_ffn_t *f, int n, loom_e
             if (g > 0)
                 loom_op_matmul(be, m->mgu + (size_t)b * 2 * H, m->xg + (size_t)b * dim, &f->e13[e],
                                g);
+            if (g > 0 && f->b13)
+                loom_op_add_bias(be, m->mgu + (size_t)b * 2 * H, f->b13 + (size_t)e * 2 * H, g,
+                                 2 * H);
         }
-        loom_op_act_mul(be, act, m->mhb, m->mgu, nl, H);
+        if (c->gpt_oss)
+            loom_op_swiglu_clamp(be, m->mhb, m->mgu, nl, H, c->swiglu_alpha, c->swiglu_limit);
+        else
+            loom_op_act_mul(be, act, m->mhb, m->mgu, nl, H);
         for (int e = m->expert_begin; e < m->expert_end;
              e++) { /* xg's rows are read: the outputs go there */
             int b = m->h_cnt[e] - i0, g = m->h_cnt[e + 1] - m->h_cnt[e];
             if (g > 0)
                 loom_op_matmul(be, m->xg + (size_t)b * dim, m->mhb + (size_t)b * H, &f->e2[e], g);
+            if (g > 0 && f->b2)
+                loom_op_add_bias(be, m->xg + (size_t)b * dim, f->b2 + (size_t)e * dim, g, dim);
         }
     }
     loom_backend_upload(be, m->d_pos, m->h_pos, (size_t)n * K * sizeof(int32_t));
@@ -1408,19 +1723,32 @@ static loom_status_t run_ops(loom_model_t *m, const step_ops_t *so, loom_err_t *
         }
         loom_op_rope_kv_write(be, q, k, v, qd, n, nh, nkv, hd, d_pos, ly->inv_freq, &ly->kv, d_slots);
         loom_attn_args_t a = {
-            .n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+            .n = n,
+            .n_heads = nh,
+            .n_kv_heads = nkv,
+            .head_dim = hd,
             /* yarn and longrope scale q and k by their attention factor (with partial rotary
              * folded into the rotary rows at load); Gemma sets the scale */
             .scale = (c->rotary_dim < hd ? 1.0f : c->rope_attn_factor * c->rope_attn_factor) *
                      (c->query_scale > 0 ? c->query_scale : 1.0f / sqrtf((float)hd)),
-            .q = q, .q_stride = qd, .out = m->att, .out_stride = nh * hd,
-            .kv = ly->kv, .block_size = m->block_size,
-            .tok_seq = d_seq, .tok_pos = d_pos, .block_tables = d_bt,
-            .max_blocks = so->max_blocks, .max_ctx = so->max_ctx, .window = ly->window,
+            .q = q,
+            .q_stride = qd,
+            .out = m->att,
+            .out_stride = nh * hd,
+            .kv = ly->kv,
+            .block_size = m->block_size,
+            .tok_seq = d_seq,
+            .tok_pos = d_pos,
+            .block_tables = d_bt,
+            .max_blocks = so->max_blocks,
+            .max_ctx = so->max_ctx,
+            .window = ly->window,
             .softcap = c->attn_softcap,
+            .sinks = ly->sinks,
         };
         loom_op_attention(be, &a);
         loom_op_matmul(be, m->xb2, m->att, &ly->wo, n);
+        if (ly->bo) loom_op_add_bias(be, m->xb2, ly->bo, n, dim);
         LOOM_CHECK(allreduce(m, m->xb2, (int64_t)n * dim, err));
         if (ly->post_attn_norm) loom_op_rmsnorm(be, m->xb2, m->xb2, ly->post_attn_norm, n, dim, c->norm_eps);
         loom_op_add_rmsnorm(be, m->x, m->xb2, m->xb, ly->ffn_norm, n, dim, c->norm_eps);

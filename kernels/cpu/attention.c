@@ -2,7 +2,8 @@
  * sequence's block table: pass 1 computes the scaled scores q·k of every
  * cached position [0, pos] for each query head of the task into scratch;
  * with a soft cap (Gemma 2) each score s becomes cap * tanh(s / cap); a
- * numerically stable softmax follows (subtract the max, exp, sum); pass 2
+ * numerically stable softmax follows (subtract the max, exp, sum; an
+ * attention sink, GPT-OSS's, adds exp(sink) to the sum and no value); pass 2
  * accumulates the value rows weighted by the unnormalised probabilities,
  * one KV block (B rows) at a time, and divides by the sum at the end.
  * Both passes read the cache in its own dtype: a BF16 element is widened in
@@ -16,6 +17,7 @@
  * 2 bf16, 1 + 4/hd int8), and 4 * ctx * hd FLOPs per query head. */
 #include "kernels/cpu/attention.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "common/util.h"
@@ -290,7 +292,14 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
     for (int g = 0; g < hpt; g++) {
         float *s = scores + (int64_t)g * L;
         if (a->softcap > 0) loom_vec_softcap(s + p_lo, L - p_lo, a->softcap); /* before the softmax */
-        inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s + p_lo, L - p_lo, loom_vec_max(s + p_lo, L - p_lo));
+        float mx = loom_vec_max(s + p_lo, L - p_lo);
+        if (a->sinks) { /* GPT-OSS: one more logit in the denominator, with no value */
+            const float sk = a->sinks[h0 + g];
+            mx = sk > mx ? sk : mx;
+            inv_sum[g] = 1.0f / (loom_vec_exp_sub_sum(s + p_lo, L - p_lo, mx) + expf(sk - mx));
+        } else {
+            inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s + p_lo, L - p_lo, mx);
+        }
         for (int p = b_lo; p < p_lo; p++) s[p] = 0.0f;
     }
     memset(out, 0, sizeof(float) * (size_t)hpt * (size_t)hd);

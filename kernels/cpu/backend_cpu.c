@@ -12,6 +12,7 @@
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
  * measurements behind the thresholds. Not thread-safe: one caller at a time. */
 #include <cblas.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -576,6 +577,33 @@ static void cpu_act_mul(loom_backend_t *be, loom_act_t act, float *out, const fl
     run_rows(cpu(be), &ac.rc, 8 * (int64_t)hidden, act_task); /* &ac.rc == &ac */
 }
 
+struct swiglu_ctx {
+    struct rows_ctx rc;
+    float alpha, limit;
+};
+
+static void swiglu_clamp_task(void *p, int task, int thread) {
+    struct swiglu_ctx *sc = p;
+    struct rows_ctx *rc = &sc->rc;
+    ROW_RANGE(rc, task, i0, i1);
+    for (int i = i0; i < i1; i++) {
+        const float *g = rc->x + (int64_t)i * 2 * rc->dim, *u = g + rc->dim;
+        float *y = rc->y + (int64_t)i * rc->dim;
+        for (int j = 0; j < rc->dim; j++) {
+            float gj = g[j] < sc->limit ? g[j] : sc->limit; /* min(gate, limit); NaN stays NaN */
+            float uj = u[j] < -sc->limit ? -sc->limit : u[j] > sc->limit ? sc->limit : u[j];
+            y[j] = (uj + 1.0f) * (gj / (1.0f + expf(-sc->alpha * gj)));
+        }
+    }
+}
+
+static void cpu_swiglu_clamp(loom_backend_t *be, float *out, const float *gu, int n, int hidden,
+                             float alpha, float limit) {
+    struct swiglu_ctx sc = {
+        .rc = {.y = out, .x = gu, .n = n, .dim = hidden}, .alpha = alpha, .limit = limit};
+    run_rows(cpu(be), &sc.rc, 8 * (int64_t)hidden, swiglu_clamp_task); /* &sc.rc == &sc */
+}
+
 static void gather_task(void *p, int task, int thread) {
     struct rows_ctx *rc = p;
     ROW_RANGE(rc, task, i0, i1);
@@ -867,8 +895,10 @@ static const loom_backend_ops_t cpu_ops = {
     .add_bias = cpu_add_bias,
     .silu_mul = cpu_silu_mul,
     .act_mul = cpu_act_mul,
+    .swiglu_clamp = cpu_swiglu_clamp,
     .attention_window = 1,
     .attention_softcap = 1,
+    .attention_sinks = 1,
     .softcap = cpu_softcap,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,

@@ -9,6 +9,7 @@ set_target_properties(hijack PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_
 
 loom_add_it(it_grid test_grid.py)
 loom_add_it(it_models test_models.py)
+loom_add_it(it_gpt_oss test_gpt_oss.py)
 loom_add_it(it_cluster test_cluster.py)
 loom_add_it(it_security test_security.py)
 loom_add_it(it_etcd_secure test_etcd_secure.py)

@@ -429,14 +429,24 @@ def test_quantized_kl():
     # attention (q/k norms of gain ~1.5, yarn's and longrope's attention factors scale the scores by 1.2-1.4x)
     # and measure int8 1.5-6x and q4 1.5-2.4x their Llama twin (Phi-3 the most): the bounds are 8x and 3x,
     # int8 below q4, and int8 keeping top-1 agreement above 0.85.
-    ref = {q: kl_scores(llama_twin(), "--quantization", q)["mean_kl"] for q in ("int8", "q4")}
+    ref = twin_kl(llama_twin())
     for model in (qwen3(), mistral(), phi3(), phi4mini(), gemma3(), mixtral(), qwen3_moe(), qwen2_moe()):
-        int8 = kl_scores(model, "--quantization", "int8")
-        q4 = kl_scores(model, "--quantization", "q4")
-        check(0.0 < int8["mean_kl"] < 8 * ref["int8"] and int8["top1_agreement"] > 0.85,
-              "int8: KL %g (Llama twin %g), top-1 %g" % (int8["mean_kl"], ref["int8"], int8["top1_agreement"]))
-        check(int8["mean_kl"] < q4["mean_kl"] < 3 * ref["q4"], "q4: KL %g (int8 %g, Llama twin %g)" %
-              (q4["mean_kl"], int8["mean_kl"], ref["q4"]))
+        check_quantized_kl(model, ref)
+
+
+def twin_kl(twin):
+    return {q: kl_scores(twin, "--quantization", q)["mean_kl"] for q in ("int8", "q4")}
+
+
+def check_quantized_kl(model, ref):
+    """int8 and q4 on load against the float model: int8 within 8x its Llama twin's KL (ref: twin_kl) with
+    top-1 agreement above 0.85, q4 above int8 and within 3x the twin's."""
+    int8 = kl_scores(model, "--quantization", "int8")
+    q4 = kl_scores(model, "--quantization", "q4")
+    check(0.0 < int8["mean_kl"] < 8 * ref["int8"] and int8["top1_agreement"] > 0.85,
+          "int8: KL %g (Llama twin %g), top-1 %g" % (int8["mean_kl"], ref["int8"], int8["top1_agreement"]))
+    check(int8["mean_kl"] < q4["mean_kl"] < 3 * ref["q4"], "q4: KL %g (int8 %g, Llama twin %g)" %
+          (q4["mean_kl"], int8["mean_kl"], ref["q4"]))
 
 
 def variant(name, src, config=None, tensors=None):

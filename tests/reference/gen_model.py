@@ -1,5 +1,10 @@
 """Write a random-weight Llama-family model in Hugging Face layout, for Loom's tests.
 
+--arch gpt_oss writes GptOssForCausalLM (attention biases and sinks, alternating
+sliding and full layers, every layer a biased top-k MoE with clamped SwiGLU
+experts in GptOssExperts' fused, transposed layout, or with --mxfp4 those
+experts as MXFP4 _blocks/_scales byte tensors).
+
 The weights are deterministic from --seed (each tensor draws from its own
 generator seeded by (seed, name), so the dtype and sharding do not change the
 values beyond rounding). They are scaled so the model is numerically healthy
@@ -29,6 +34,21 @@ LOGIT_GAIN = 4.0
 NORM_NOISE = 0.05
 BIAS_STD = 0.5  # q/k/v biases (--qwen2)
 ROUTER_GAIN = 2.0  # MoE router logits of std ~2: the chosen experts stand apart from the rest
+# gpt_oss: gate/up pre-activations of std ~4, so a good share passes the swiglu_limit of 7 and the clamp bites;
+# sinks of std 1 (next to scores of std ~QK_GAIN^2) take a visible share of each softmax
+OSS_GATE_UP_GAIN = 4.0
+# (up + 1) * glu has an rms near 12 at that gain, so down_proj takes 1/8 of 1/sqrt(I): the experts' output is then
+# about as large as attention's (rms ~1) and the residual stream stays balanced; at 1/sqrt(I) it would be ~9 and
+# drown attention after the first layer
+OSS_DOWN_GAIN = 0.125
+OSS_SINK_STD = 1.0
+OSS_ROUTER_BIAS_STD = 0.5
+OSS_BIAS_STD = 0.3  # o_proj and the experts' biases
+OSS_SWIGLU_LIMIT = 7.0
+# MXFP4 (OCP microscaling): E2M1 code -> value; the high bit is the sign
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+MXFP4_GROUP = 32
 
 
 def parse_args(argv):
@@ -41,19 +61,26 @@ def parse_args(argv):
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=None, help="default: dim / heads")
     p.add_argument("--vocab", type=int, required=True)
-    p.add_argument("--max-pos", type=int, default=1024)
+    p.add_argument("--max-pos", type=int, default=None,
+                   help="max_position_embeddings (default 1024; gpt_oss with yarn: factor * original)")
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qwen2", action="store_true",
                    help="a Qwen2 layout: model_type qwen2, with q/k/v projection biases (= --arch qwen2)")
     p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral",
-                                      "qwen3_moe", "qwen2_moe"], default=None,
+                                      "qwen3_moe", "qwen2_moe", "gpt_oss"], default=None,
                    help="config layout and tensor names: qwen3 adds per-head q_norm/k_norm, "
                         "mistral and phi3 take --sliding-window, phi3 fuses qkv_proj and gate_up_proj, "
-                        "mixtral and qwen3_moe have Mixture-of-Experts blocks (--experts, --top-k)")
-    p.add_argument("--experts", type=int, default=4, help="mixtral, qwen3_moe: num_local_experts / num_experts")
-    p.add_argument("--top-k", type=int, default=2, help="mixtral, qwen3_moe: num_experts_per_tok")
+                        "mixtral and qwen3_moe have Mixture-of-Experts blocks (--experts, --top-k), "
+                        "gpt_oss too (experts of --hidden-dim, attention sinks, --sliding-window on even layers)")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="gpt_oss: store the experts' gate_up_proj and down_proj as MXFP4 _blocks/_scales (U8), "
+                        "with a quantization_config (needs --dim and --hidden-dim multiples of 32)")
+    p.add_argument("--experts", type=int, default=4,
+                   help="mixtral, qwen3_moe, gpt_oss: num_local_experts / num_experts")
+    p.add_argument("--top-k", type=int, default=2, help="mixtral, qwen3_moe, gpt_oss: num_experts_per_tok")
     p.add_argument("--moe-hidden-dim", type=int, default=None,
-                   help="qwen3_moe: moe_intermediate_size (default --hidden-dim; mixtral's experts use --hidden-dim)")
+                   help="qwen3_moe: moe_intermediate_size (default --hidden-dim; mixtral's experts use --hidden-dim); "
+                        "gpt_oss: the experts' intermediate_size, in place of --hidden-dim")
     p.add_argument("--shared-hidden-dim", type=int, default=None,
                    help="qwen2_moe: shared_expert_intermediate_size (default --hidden-dim)")
     p.add_argument("--norm-topk-prob", choices=["true", "false"], default="true", help="qwen3_moe: norm_topk_prob")
@@ -64,7 +91,8 @@ def parse_args(argv):
                         "share + s * its own (1: independent experts; below 1 they resemble each other, as "
                         "experts upcycled from one dense MLP do, and a token routed elsewhere moves less)")
     p.add_argument("--hidden-act", default="silu", help="config.json hidden_act (gelu, gelu_pytorch_tanh, relu...)")
-    p.add_argument("--sliding-window", type=int, default=None, help="mistral: sliding_window (default null)")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="mistral: sliding_window (default null); gpt_oss: the even layers' window (default 8)")
     p.add_argument("--sliding-pattern", type=int, default=2,
                    help="gemma3: every Nth layer is global, the others slide (sliding_window_pattern)")
     p.add_argument("--query-pre-attn-scalar", type=int, default=None, help="gemma2, gemma3 (default: head dim)")
@@ -106,6 +134,25 @@ def parse_args(argv):
         p.error("head dim must be even for RoPE")
     if a.shards < 1:
         p.error("--shards must be >= 1")
+    if a.arch == "gpt_oss":  # intermediate_size is the experts' width; --moe-hidden-dim, if given, says it too
+        if a.moe_hidden_dim is not None:
+            a.hidden_dim = a.moe_hidden_dim
+        if a.sliding_window is None:
+            a.sliding_window = 8
+        if a.sliding_window < 1:
+            p.error("--sliding-window must be >= 1")
+        if not 1 <= a.top_k <= a.experts:
+            p.error("gpt_oss needs 1 <= --top-k <= --experts")
+        if a.rope_scaling not in ("none", "yarn"):
+            p.error("gpt_oss takes --rope-scaling none or yarn")
+        if a.mxfp4 and (a.dim % MXFP4_GROUP or a.hidden_dim % MXFP4_GROUP):
+            p.error("--mxfp4 needs --dim and the experts' --hidden-dim to be multiples of %d (got %d and %d)"
+                    % (MXFP4_GROUP, a.dim, a.hidden_dim))
+    elif a.mxfp4:
+        p.error("--mxfp4 is for --arch gpt_oss only")
+    if a.max_pos is None:  # yarn as gpt-oss ships it: max_position_embeddings = factor * original
+        a.max_pos = (int(round(a.rope_factor * a.rope_original_max_pos))
+                     if a.arch == "gpt_oss" and a.rope_scaling == "yarn" else 1024)
     if a.moe_hidden_dim is None:
         a.moe_hidden_dim = a.hidden_dim
     if a.shared_hidden_dim is None:
@@ -119,6 +166,8 @@ def parse_args(argv):
 
 def tensor_specs(a):
     """-> list of (name, shape, kind) in HF LlamaForCausalLM order."""
+    if a.arch == "gpt_oss":
+        return oss_specs(a)
     hd = a.head_dim
     specs = [("model.embed_tokens.weight", (a.vocab, a.dim), "embed")]
     for i in range(a.layers):
@@ -181,6 +230,72 @@ def tensor_specs(a):
     return fuse_specs(a, specs) if a.arch == "phi3" else specs
 
 
+def oss_specs(a):
+    """GptOssForCausalLM's tensors. The experts' matrices are held as GptOssExperts holds them, (in, out):
+    gate_up_proj [E, H, 2I] with gate unit j in column 2j and up unit j in column 2j+1, down_proj [E, I, H].
+    With --mxfp4 each is replaced by _blocks [E, out, in/32, 16] and _scales [E, out, in/32] (out-major),
+    quantized from the very values the float layout would hold."""
+    H, I, E, hd = a.dim, a.hidden_dim, a.experts, a.head_dim
+    specs = [("model.embed_tokens.weight", (a.vocab, H), "embed")]
+    for i in range(a.layers):
+        pre = "model.layers.%d." % i
+        specs += [(pre + "input_layernorm.weight", (H,), "norm"),
+                  (pre + "self_attn.q_proj.weight", (a.heads * hd, H), "qk"),
+                  (pre + "self_attn.q_proj.bias", (a.heads * hd,), "bias"),
+                  (pre + "self_attn.k_proj.weight", (a.kv_heads * hd, H), "qk"),
+                  (pre + "self_attn.k_proj.bias", (a.kv_heads * hd,), "bias"),
+                  (pre + "self_attn.v_proj.weight", (a.kv_heads * hd, H), "linear"),
+                  (pre + "self_attn.v_proj.bias", (a.kv_heads * hd,), "bias"),
+                  (pre + "self_attn.o_proj.weight", (H, a.heads * hd), "linear"),
+                  (pre + "self_attn.o_proj.bias", (H,), "std:%r" % OSS_BIAS_STD),
+                  (pre + "self_attn.sinks", (a.heads,), "std:%r" % OSS_SINK_STD),
+                  (pre + "post_attention_layernorm.weight", (H,), "norm"),
+                  (pre + "mlp.router.weight", (E, H), "router"),
+                  (pre + "mlp.router.bias", (E,), "std:%r" % OSS_ROUTER_BIAS_STD)]
+        ex = pre + "mlp.experts."
+        gate_up = (ex + "gate_up_proj", (E, H, 2 * I), "in_out:%r" % OSS_GATE_UP_GAIN)
+        down = (ex + "down_proj", (E, I, H), "in_out:%r" % OSS_DOWN_GAIN)
+        for spec in (gate_up, down):
+            name, (_, n_in, n_out), _ = spec
+            if a.mxfp4:
+                groups = n_in // MXFP4_GROUP
+                specs += [(name + "_blocks", (E, n_out, groups, MXFP4_GROUP // 2), ("mxfp4", "blocks", spec)),
+                          (name + "_scales", (E, n_out, groups), ("mxfp4", "scales", spec))]
+            else:
+                specs.append(spec)
+            specs.append((name + "_bias", (E, n_out), "std:%r" % OSS_BIAS_STD))
+    specs.append(("model.norm.weight", (H,), "norm"))
+    if not a.tie:
+        specs.append(("lm_head.weight", (a.vocab, H), "lm_head"))
+    return specs
+
+
+def mxfp4_quantize(w):
+    """Out-major float weights [..., rows, n] (n a multiple of 32) -> (blocks uint8 [..., rows, n/32, 16],
+    scales uint8 [..., rows, n/32]). Per group of 32 consecutive values: the E8M0 scale s = 127 +
+    ceil(log2(amax / 6)) (clamped to 0..254; an all-zero group gets 127), then each value / 2^(s-127)
+    rounded to the nearest E2M1 value (ties to the even code), two codes a byte, the low nibble first."""
+    w = np.asarray(w, dtype=np.float64)
+    *lead, n = w.shape
+    if n % MXFP4_GROUP:
+        raise ValueError("MXFP4 wants rows of a multiple of %d values, got %d" % (MXFP4_GROUP, n))
+    g = w.reshape(*lead, n // MXFP4_GROUP, MXFP4_GROUP)
+    amax = np.abs(g).max(axis=-1)
+    # ceil(log2(amax / 6)) exactly: amax / 6 = m * 2^e with m in [0.5, 1), a power of two when m == 0.5
+    m, e = np.frexp(amax / 6.0)
+    exp = np.where(m == 0.5, e - 1, e)
+    s = np.where(amax > 0, np.clip(127 + exp, 0, 254), 127).astype(np.int64)
+    y = np.abs(g) / np.ldexp(1.0, s - 127)[..., None]
+    mags = FP4_VALUES[:8]
+    dist = np.abs(y[..., None] - mags)
+    nearest = dist.min(axis=-1, keepdims=True)
+    # among the (at most two, adjacent) nearest codes prefer the even one
+    code = np.argmin(np.where(dist == nearest, np.arange(8) & 1, 2), axis=-1)
+    code = np.where((g < 0) & (code > 0), code | 8, code).astype(np.uint8)  # a zero stays +0
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, s.astype(np.uint8)
+
+
 def moe_layer(a, i):
     """Qwen3MoeDecoderLayer: sparse unless in mlp_only_layers, on every decoder_sparse_step-th layer."""
     return i not in a.mlp_only and a.experts > 0 and (i + 1) % a.sparse_step == 0
@@ -208,6 +323,11 @@ def fuse_specs(a, specs):
 
 
 def make_tensor(seed, name, shape, kind, qk_gain=QK_GAIN):
+    if isinstance(kind, tuple) and kind[0] == "mxfp4":  # the float tensor's values, out-major, quantized
+        fname, fshape, fkind = kind[2]
+        w = make_tensor(seed, fname, fshape, fkind, qk_gain).transpose(0, 2, 1)  # (E, in, out) -> (E, out, in)
+        blocks, scales = mxfp4_quantize(w)
+        return blocks if kind[1] == "blocks" else scales
     if isinstance(kind, tuple):  # fused: the parts stacked by rows
         return np.concatenate([make_tensor(seed, n, s, k, qk_gain) for n, s, k in kind[1]], axis=0)
     if isinstance(kind, str) and kind.startswith("expert:"):  # sqrt(1-s^2) * shared + s * own
@@ -223,6 +343,10 @@ def make_tensor(seed, name, shape, kind, qk_gain=QK_GAIN):
     fan_in = shape[-1]
     if kind == "bias":  # large enough to move the attention pattern
         return x * np.float32(BIAS_STD)
+    if kind.startswith("std:"):  # plain N(0, std^2)
+        return x * np.float32(float(kind[4:]))
+    if kind.startswith("in_out:"):  # (E, in, out) stacks of experts: the fan-in is axis 1
+        return x * np.float32(float(kind[7:]) / np.sqrt(shape[1]))
     if kind == "norm":
         x *= np.float32(NORM_NOISE)
         x += np.float32(1.0)
@@ -255,6 +379,9 @@ def make_config(a, st_dtype):
         }
     elif a.rope_scaling == "linear":
         rope_scaling = {"rope_type": "linear", "factor": a.rope_factor}
+    elif a.rope_scaling == "yarn" and a.arch == "gpt_oss":  # as gpt-oss ships it: the ramp's ends not rounded
+        rope_scaling = {"rope_type": "yarn", "factor": a.rope_factor, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "original_max_position_embeddings": a.rope_original_max_pos, "truncate": False}
     elif a.rope_scaling == "yarn":  # max_position_embeddings = factor * original
         rope_scaling = {"rope_type": "yarn", "factor": a.rope_factor,
                         "original_max_position_embeddings": a.rope_original_max_pos}
@@ -267,7 +394,8 @@ def make_config(a, st_dtype):
     arch_names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
     c = {
         "architectures": [arch_names[a.arch]],
         "model_type": a.arch,
@@ -342,6 +470,18 @@ def make_config(a, st_dtype):
                   "moe_intermediate_size": a.moe_hidden_dim, "norm_topk_prob": a.norm_topk_prob == "true",
                   "decoder_sparse_step": a.sparse_step, "mlp_only_layers": a.mlp_only,
                   "output_router_logits": False, "router_aux_loss_coef": 0.001, "attention_dropout": 0.0})
+    if a.arch == "gpt_oss":  # as gpt-oss's config.json: biased attention with sinks, even layers slide
+        del c["mlp_bias"], c["pretraining_tp"]
+        c.update({"hidden_act": "silu", "attention_bias": True, "attention_dropout": 0.0,
+                  "num_local_experts": a.experts, "num_experts_per_tok": a.top_k, "experts_per_token": a.top_k,
+                  "sliding_window": a.sliding_window,
+                  "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(a.layers)],
+                  "swiglu_limit": OSS_SWIGLU_LIMIT, "router_aux_loss_coef": 0.9, "output_router_logits": False})
+        if a.mxfp4:  # the experts' two matrices only; attention, router, embedding and head stay float
+            c["quantization_config"] = {"quant_method": "mxfp4",
+                                        "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                   "model.layers.*.mlp.router",
+                                                                   "model.embed_tokens", "lm_head"]}
     return c
 
 
@@ -366,6 +506,14 @@ def split_shards(specs, n):
     return groups
 
 
+def stored(a, name, shape, kind):
+    """-> (name, array) for safetensors_io.write, or (name, array, "U8") for byte tensors (MXFP4)."""
+    x = make_tensor(a.seed, name, shape, kind, a.qk_gain)
+    if tuple(x.shape) != tuple(shape):
+        raise AssertionError("%s: made %s, wanted %s" % (name, x.shape, shape))
+    return (name, x, "U8") if x.dtype == np.uint8 else (name, x)
+
+
 def write_model(a):
     st_dtype = {"f32": "F32", "f16": "F16", "bf16": "BF16"}[a.dtype]
     os.makedirs(a.out, exist_ok=True)
@@ -387,7 +535,7 @@ def write_model(a):
     metadata = {"format": "pt"}
     total_bytes = 0
     if a.shards == 1:
-        tensors = [(name, make_tensor(a.seed, name, shape, kind, a.qk_gain)) for name, shape, kind in specs]
+        tensors = [stored(a, name, shape, kind) for name, shape, kind in specs]
         total_bytes = safetensors_io.write(os.path.join(a.out, "model.safetensors"),
                                            tensors, st_dtype, metadata)
     else:
@@ -395,7 +543,7 @@ def write_model(a):
         groups = split_shards(specs, a.shards)
         for i, group in enumerate(groups):
             fname = "model-%05d-of-%05d.safetensors" % (i + 1, a.shards)
-            tensors = [(name, make_tensor(a.seed, name, shape, kind, a.qk_gain)) for name, shape, kind in group]
+            tensors = [stored(a, name, shape, kind) for name, shape, kind in group]
             total_bytes += safetensors_io.write(os.path.join(a.out, fname), tensors, st_dtype, metadata)
             for name, _, _ in group:
                 weight_map[name] = fname
@@ -406,7 +554,9 @@ def write_model(a):
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(make_config(a, st_dtype), f, indent=2)
         f.write("\n")
-    n_params = sum(int(np.prod(shape)) for _, shape, _ in specs)
+    n_params = sum(int(np.prod(shape)) * (2 if kind[1] == "blocks" else 0)  # MXFP4: two weights a byte
+                   if isinstance(kind, tuple) and kind[0] == "mxfp4" else int(np.prod(shape))
+                   for _, shape, kind in specs)
     return n_params, total_bytes
 
 

@@ -8,6 +8,11 @@ alternating sliding and global layers; Gemma 2's tanh soft caps on the
 attention scores and the final logits),
 the gated MLP with any hidden_act below, and RoPE scaling default, llama3,
 linear and yarn (whose attention factor multiplies cos and sin).
+The Mixture-of-Experts families: Mixtral, Qwen3-MoE, Qwen2-MoE, and GPT-OSS
+(GptOssForCausalLM: q/k/v/o biases, a learned sink logit per head in every
+softmax, alternating sliding and full layers, and in every layer a biased
+router whose top-k logits are softmaxed, over experts with biases and a
+clamped SwiGLU; float experts or MXFP4 ones, dequantized here).
 
 Reads a model directory in Hugging Face layout (config.json plus safetensors,
 single or sharded; F32, F16 or BF16), runs the full forward pass with torch in
@@ -34,6 +39,12 @@ import safetensors_io  # noqa: E402
 
 DT = torch.float64
 
+# GptOssConfig's rope_scaling when config.json has none
+OSS_DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "truncate": False, "original_max_position_embeddings": 4096}
+# MXFP4's E2M1 codes (the high bit the sign) -> values
+FP4_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
 
 def log(*args):
     print(*args, file=sys.stderr)
@@ -48,16 +59,19 @@ def read_config(model_dir):
     gemma = mt in ("gemma2", "gemma3_text")
     if gemma:  # Gemma2MLP / Gemma3MLP read hidden_activation (a released Gemma 2 config also says hidden_act)
         c["hidden_act"] = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    oss = mt == "gpt_oss"
+    if oss:  # GptOssExperts has its own activation; hidden_act is not read
+        c["hidden_act"] = "silu"
     if mt not in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                  "qwen2_moe", None):
+                  "qwen2_moe", "gpt_oss", None):
         log("warning: model_type %r, treating it as llama" % mt)
     act = c.get("hidden_act", "silu")
     if act not in ACTS:
         raise ValueError("unsupported hidden_act %r" % act)
     if c.get("mlp_bias"):
         raise ValueError("mlp biases are not supported")
-    # Qwen2 has q/k/v biases without saying so in config.json
-    qkv_bias = bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))
+    # Qwen2 has q/k/v biases without saying so in config.json; GptOssConfig's attention_bias defaults to true
+    qkv_bias = bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe", "gpt_oss")))
     dim = c["hidden_size"]
     heads = c["num_attention_heads"]
     cfg = {
@@ -66,11 +80,13 @@ def read_config(model_dir):
         "n_layers": c["num_hidden_layers"],
         "n_heads": heads,
         "n_kv_heads": c.get("num_key_value_heads") or heads,
-        "head_dim": c.get("head_dim") or (256 if gemma else dim // heads),  # Gemma2Config / Gemma3TextConfig: 256
+        # Gemma2Config / Gemma3TextConfig: 256; GptOssConfig: 64
+        "head_dim": c.get("head_dim") or (256 if gemma else 64 if oss else dim // heads),
         "vocab": c["vocab_size"],
-        "eps": float(c.get("rms_norm_eps", 1e-6)),
-        "theta": float(c.get("rope_theta", 10000.0)),
-        "rope_scaling": c.get("rope_scaling"),
+        "eps": float(c.get("rms_norm_eps", 1e-5 if oss else 1e-6)),
+        "theta": float(c.get("rope_theta", 150000.0 if oss else 10000.0)),
+        # GptOssConfig: an absent rope_scaling is gpt-oss's yarn (factor 32 over 4096, not truncated); null is none
+        "rope_scaling": c.get("rope_scaling", OSS_DEFAULT_YARN if oss else None),
         "tie": bool(c.get("tie_word_embeddings", gemma)),  # the Gemma configs tie by default
         "max_pos": c.get("max_position_embeddings"),
         "qkv_bias": qkv_bias,
@@ -82,7 +98,12 @@ def read_config(model_dir):
         "fused": mt == "phi3",
         "gemma": gemma,
         "orig_max_pos": c.get("original_max_position_embeddings"),
+        "gpt_oss": oss,
+        "o_bias": oss and qkv_bias,  # GptOssAttention: o_proj has bias=attention_bias too
+        "sinks": oss,
     }
+    if cfg["rope_scaling"] is not None:
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"])  # read_config adds "kind"; keep the defaults untouched
     # Phi3Config's partial_rotary_factor (Phi-4-mini 0.75): RoPE turns the first int(factor * head_dim) dims of
     # each head (apply_rotary_pos_emb splits q into q_rot and q_pass by cos.shape[-1]); the frequencies are those
     # of a head that wide (dim = int(head_dim * partial_rotary_factor) in the rope initialisers)
@@ -108,6 +129,23 @@ def read_config(model_dir):
         step, only = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
         cfg["moe_layers"] = [i not in only and cfg["n_experts"] > 0 and (i + 1) % step == 0
                              for i in range(cfg["n_layers"])]
+    elif oss:  # GptOssMLP in every layer: GptOssTopKRouter over num_local_experts, GptOssExperts of intermediate_size
+        cfg.update(n_experts=c.get("num_local_experts", 128), top_k=c.get("num_experts_per_tok", 4),
+                   moe_hidden=c["intermediate_size"], norm_topk=True, moe_prefix="mlp.",
+                   swiglu_limit=float(c.get("swiglu_limit", 7.0)), swiglu_alpha=float(c.get("swiglu_alpha", 1.702)))
+        cfg["moe_layers"] = [True] * cfg["n_layers"]
+        # GptOssAttention: sliding_window on the layers layer_types calls sliding (GptOssConfig: the even ones)
+        n = cfg["n_layers"]
+        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ValueError("layer_types must say sliding_attention or full_attention for each of the %d layers"
+                             % n)
+        sw = c.get("sliding_window", 128)
+        cfg["layer_window"] = [sw if t == "sliding_attention" else None for t in types]
+        qc = c.get("quantization_config")
+        cfg["mxfp4"] = bool(qc) and qc.get("quant_method") == "mxfp4"
+        if qc and not cfg["mxfp4"]:
+            raise ValueError("gpt_oss: quantization_config.quant_method %r is not supported" % qc.get("quant_method"))
     if any(cfg["moe_layers"]) and not 1 <= cfg["top_k"] <= cfg["n_experts"]:
         raise ValueError("num_experts_per_tok must be between 1 and the number of experts")
     rs = cfg["rope_scaling"]
@@ -153,10 +191,65 @@ def read_config(model_dir):
     return cfg
 
 
+def mxfp4_dequantize(blocks, scales):
+    """MXFP4 (OCP microscaling) -> float64: blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32].
+    Byte b of a group holds element 2b in its low nibble and element 2b + 1 in its high one; each E2M1 code
+    is a FP4_TABLE value, times 2^(scale - 127) for the group's E8M0 scale (255 is NaN there)."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError("MXFP4 blocks and scales must be U8 tensors")
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError("MXFP4 blocks %s do not match scales %s" % (blocks.shape, scales.shape))
+    if (scales == 255).any():
+        raise ValueError("MXFP4 scale 255 (NaN)")
+    codes = np.empty(blocks.shape[:-1] + (32,), dtype=np.int64)
+    codes[..., 0::2] = blocks & 0x0F
+    codes[..., 1::2] = blocks >> 4
+    vals = np.array(FP4_TABLE, dtype=np.float64)[codes] * np.exp2(scales.astype(np.float64) - 127.0)[..., None]
+    return vals.reshape(blocks.shape[:-2] + (blocks.shape[-2] * 32,))
+
+
+# gpt_oss: the experts' matrices, out-major (one row per output unit), under these names
+OSS_GATE_UP = "mlp.experts.gate_up.out_major"  # (E, 2I, H): row 2j is gate unit j, row 2j + 1 up unit j
+OSS_DOWN = "mlp.experts.down.out_major"  # (E, H, I)
+
+
+def oss_experts(cfg, tensors):
+    """GptOssExperts' matrices -> float64 out-major, in place: from the float layout (gate_up_proj (E, H, 2I) and
+    down_proj (E, I, H), as x @ W uses them: transposed) or from MXFP4 _blocks/_scales, already out-major."""
+    E, H, I = cfg["n_experts"], cfg["dim"], cfg["moe_hidden"]
+    for i in range(cfg["n_layers"]):
+        p = "model.layers.%d.mlp.experts." % i
+        for src, out, n_out, n_in in (("gate_up_proj", OSS_GATE_UP, 2 * I, H), ("down_proj", OSS_DOWN, H, I)):
+            if cfg["mxfp4"]:
+                b, sc = p + src + "_blocks", p + src + "_scales"
+                for name, shape in ((b, (E, n_out, n_in // 32, 16)), (sc, (E, n_out, n_in // 32))):
+                    if n_in % 32:
+                        raise ValueError("MXFP4 %s: %d inputs are not whole groups of 32" % (name, n_in))
+                    if name not in tensors:
+                        raise ValueError("missing tensor %s" % name)
+                    if tuple(tensors[name].shape) != shape:
+                        raise ValueError("tensor %s has shape %s, expected %s"
+                                         % (name, tuple(tensors[name].shape), shape))
+                tensors["model.layers.%d.%s" % (i, out)] = mxfp4_dequantize(tensors.pop(b), tensors.pop(sc))
+            else:
+                name = p + src
+                if name not in tensors:
+                    raise ValueError("missing tensor %s" % name)
+                if tuple(tensors[name].shape) != (E, n_in, n_out):
+                    raise ValueError("tensor %s has shape %s, expected %s"
+                                     % (name, tuple(tensors[name].shape), (E, n_in, n_out)))
+                w = np.array(tensors.pop(name), dtype=np.float64)
+                tensors["model.layers.%d.%s" % (i, out)] = np.ascontiguousarray(w.transpose(0, 2, 1))
+
+
 def load_model(model_dir):
-    """-> dict with "cfg", "inv_freq" and float64 weights under their HF names."""
+    """-> dict with "cfg", "inv_freq" and float64 weights under their HF names (gpt_oss's experts:
+    out-major under OSS_GATE_UP / OSS_DOWN)."""
     cfg = read_config(model_dir)
     tensors, dtypes = safetensors_io.read_model_dir(model_dir)
+    if cfg["gpt_oss"]:
+        oss_experts(cfg, tensors)
     if cfg["fused"]:  # Phi-3: split qkv_proj and gate_up_proj by rows, as Phi3Attention / Phi3MLP do
         hd0 = cfg["head_dim"]
         for i in range(cfg["n_layers"]):
@@ -190,6 +283,16 @@ def load_model(model_dir):
             want[p + "post_feedforward_layernorm.weight"] = (cfg["dim"],)
         want[p + "self_attn.o_proj.weight"] = (cfg["dim"], cfg["n_heads"] * hd)
         want[p + "post_attention_layernorm.weight"] = (cfg["dim"],)
+        if cfg["o_bias"]:
+            want[p + "self_attn.o_proj.bias"] = (cfg["dim"],)
+        if cfg["sinks"]:
+            want[p + "self_attn.sinks"] = (cfg["n_heads"],)
+        if cfg["gpt_oss"]:  # GptOssTopKRouter (weight and bias) and GptOssExperts
+            E, I, D = cfg["n_experts"], cfg["moe_hidden"], cfg["dim"]
+            want.update({p + "mlp.router.weight": (E, D), p + "mlp.router.bias": (E,),
+                         p + OSS_GATE_UP: (E, 2 * I, D), p + "mlp.experts.gate_up_proj_bias": (E, 2 * I),
+                         p + OSS_DOWN: (E, D, I), p + "mlp.experts.down_proj_bias": (E, D)})
+            continue
         if cfg["moe_layers"][i]:
             mp, (g, u, d), mh = p + cfg["moe_prefix"], cfg["expert_names"], cfg["moe_hidden"]
             want[mp + "gate.weight"] = (cfg["n_experts"], cfg["dim"])
@@ -373,10 +476,48 @@ def moe_block(cfg, w, p, h, act):
     return out
 
 
-def forward(model, ids, hidden=False, taps=None):
+def topk_lowest(x, k):
+    """torch.topk along the last axis with ties going to the lower index: -> (values, indices)."""
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def oss_moe_block(cfg, w, p, h, stats=None):
+    """GptOssMLP as Transformers defines it. GptOssTopKRouter: logits = x W^T + b, the top_k logits, softmax over
+    those k. GptOssExperts, per chosen expert: gate_up = W x + b (out-major here), gate = the even units and up =
+    the odd ones, gate clamped from above and up on both sides at swiglu_limit, glu = gate * sigmoid(alpha *
+    gate), (up + 1) * glu through down_proj plus its bias; the outputs summed with the router's weights.
+    stats: a dict that counts the gate and up values the clamp changed ("gate", "up") and all of them ("n")."""
+    limit, alpha = cfg["swiglu_limit"], cfg["swiglu_alpha"]
+    logits = h @ w[p + "mlp.router.weight"].T + w[p + "mlp.router.bias"]  # (T, E)
+    top_v, top_e = topk_lowest(logits, cfg["top_k"])
+    top_w = torch.softmax(top_v, dim=-1)
+    gu_w, gu_b = w[p + OSS_GATE_UP], w[p + "mlp.experts.gate_up_proj_bias"]
+    dn_w, dn_b = w[p + OSS_DOWN], w[p + "mlp.experts.down_proj_bias"]
+    out = torch.zeros_like(h)
+    for j in range(cfg["n_experts"]):
+        tok, slot = torch.nonzero(top_e == j, as_tuple=True)
+        if len(tok) == 0:
+            continue
+        gu = h[tok] @ gu_w[j].T + gu_b[j]  # (n, 2I)
+        gate, up = gu[:, 0::2], gu[:, 1::2]
+        if stats is not None:
+            stats["gate"] = stats.get("gate", 0) + int((gate > limit).sum())
+            stats["up"] = stats.get("up", 0) + int((up.abs() > limit).sum())
+            stats["n"] = stats.get("n", 0) + gate.numel()
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        glu = gate * torch.sigmoid(gate * alpha)
+        y = ((up + 1) * glu) @ dn_w[j].T + dn_b[j]
+        out.index_add_(0, tok, y * top_w[tok, slot, None])
+    return out
+
+
+def forward(model, ids, hidden=False, taps=None, moe_stats=None):
     """-> float64 logits (len(ids), vocab) for every position (hidden: the
     final-normed hidden states (len(ids), dim), the LM head's input).
-    taps: a list that receives each layer's attention output (heads, T, hd)."""
+    taps: a list that receives each layer's attention output (heads, T, hd).
+    moe_stats: a dict for gpt_oss's clamp counts (oss_moe_block)."""
     cfg, w = model["cfg"], model["w"]
     T = len(ids)
     H, KV, hd = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
@@ -394,7 +535,7 @@ def forward(model, ids, hidden=False, taps=None):
     scale = cfg.get("scale") or 1.0 / math.sqrt(hd)
     for i in range(cfg["n_layers"]):
         p = "model.layers.%d." % i
-        window = cfg["layer_window"][i] if gemma else cfg.get("window")
+        window = cfg["layer_window"][i] if cfg.get("layer_window") else cfg.get("window")
         mask = causal
         if window:  # key j is seen by query i when i - window < j <= i
             mask = mask + torch.full((T, T), float("-inf"), dtype=DT).tril(-window)
@@ -418,17 +559,25 @@ def forward(model, ids, hidden=False, taps=None):
         scores = q @ k.transpose(1, 2) * scale
         if cfg.get("attn_softcap"):  # Gemma 2: cap * tanh(scores / cap), before the mask
             scores = torch.tanh(scores / cfg["attn_softcap"]) * cfg["attn_softcap"]
-        att = torch.softmax(scores + mask, dim=-1)
+        if cfg.get("sinks"):  # GPT-OSS: each head's sink logit joins every row's softmax, then is dropped
+            sink = w[p + "self_attn.sinks"].view(H, 1, 1).expand(H, T, 1)
+            att = torch.softmax(torch.cat([scores + mask, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            att = torch.softmax(scores + mask, dim=-1)
         if taps is not None:
             taps.append(att @ v)
         o = (att @ v).transpose(0, 1).reshape(T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
+        if cfg.get("o_bias"):
+            o = o + w[p + "self_attn.o_proj.bias"]
         if gemma:  # post-attention norm, then the feed-forward between its pre and post norms
             x = x + norm(o, w[p + "post_attention_layernorm.weight"], cfg["eps"])
             h = norm(x, w[p + "pre_feedforward_layernorm.weight"], cfg["eps"])
         else:
             x = x + o
             h = norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
-        if cfg["moe_layers"][i]:
+        if cfg.get("gpt_oss"):
+            f = oss_moe_block(cfg, w, p, h, moe_stats)
+        elif cfg["moe_layers"][i]:
             f = moe_block(cfg, w, p, h, act)
         else:
             gate = h @ w[p + "mlp.gate_proj.weight"].T
@@ -554,6 +703,60 @@ def alt_inv_freq(cfg):
     return torch.tensor(out, dtype=DT), bands
 
 
+def alt_yarn(cfg):
+    """Second formulation of yarn: per frequency, a scalar blend of itself and itself / factor by where its
+    pair index falls between the pairs that turn beta_fast and beta_slow times over the original context
+    (those ends rounded outwards only when truncate), and the attention factor; -> (freqs, factor)."""
+    rs, hd, base = cfg["rope_scaling"], cfg["head_dim"], cfg["theta"]
+    factor = float(rs["factor"])
+    orig = rs.get("original_max_position_embeddings") or cfg["max_pos"]
+
+    def pair_turning(rot):  # orig * base^(-2j/hd) / (2 pi) = rot, solved for j
+        return math.log(orig / (2 * math.pi * rot), base) * hd / 2
+    lo, hi = pair_turning(rs.get("beta_fast") or 32), pair_turning(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        lo, hi = float(math.floor(lo)), float(math.ceil(hi))
+    lo, hi = max(lo, 0.0), min(hi, hd - 1.0)
+    if hi == lo:
+        hi += 0.001
+    out = []
+    for j in range(hd // 2):
+        f = base ** (-2.0 * j / hd)
+        r = min(1.0, max(0.0, (j - lo) / (hi - lo)))  # 0: the original frequency kept, 1: fully interpolated
+        out.append(f * (1 - r) + (f / factor) * r)
+    af = rs.get("attention_factor") or (1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0)
+    return torch.tensor(out, dtype=DT), af
+
+
+def alt_sigmoid(z):
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def alt_oss_moe(cfg, w, p, h):
+    """Second formulation of GptOssMLP for one token: router logits expert by expert, the chosen ones ranked
+    by (logit, index), their weights by hand; the clamped SwiGLU element by element on separate gate / up rows."""
+    E, k = cfg["n_experts"], cfg["top_k"]
+    limit, alpha = cfg["swiglu_limit"], cfg["swiglu_alpha"]
+    wr, br = w[p + "mlp.router.weight"], w[p + "mlp.router.bias"]
+    logit = [float(wr[e] @ h) + float(br[e]) for e in range(E)]
+    chosen = sorted(range(E), key=lambda e: (-logit[e], e))[:k]
+    top = max(logit[e] for e in chosen)
+    z = sum(math.exp(logit[e] - top) for e in chosen)
+    out = torch.zeros_like(h)
+    for e in chosen:
+        wgu, bgu = w[p + OSS_GATE_UP][e], w[p + "mlp.experts.gate_up_proj_bias"][e]
+        g = wgu[0::2] @ h + bgu[0::2]
+        u = wgu[1::2] @ h + bgu[1::2]
+        mid = []
+        for gv, uv in zip(g.tolist(), u.tolist()):
+            gv = gv if gv < limit else limit
+            uv = -limit if uv < -limit else limit if uv > limit else uv
+            mid.append((uv + 1.0) * gv * alt_sigmoid(alpha * gv))
+        y = w[p + OSS_DOWN][e] @ torch.tensor(mid, dtype=DT) + w[p + "mlp.experts.down_proj_bias"][e]
+        out += (math.exp(logit[e] - top) / z) * y
+    return out
+
+
 def alt_rope(vec, pos, freqs):
     """Rotate one head vector: pairs (j, j + hd/2) as a complex number times e^(i*pos*f_j)."""
     half = vec.shape[0] // 2
@@ -584,7 +787,11 @@ def alt_act(name, g):
 def alt_forward(model, ids):
     """Second formulation of the forward pass: per-row norms, per-head per-query loops."""
     cfg, w = model["cfg"], model["w"]
-    freqs, _ = alt_inv_freq(cfg)
+    rs = cfg["rope_scaling"]
+    if rs is not None and rs.get("kind") == "yarn":  # q and k each scaled by the factor: the scores by its square
+        freqs, af = alt_yarn(cfg)
+    else:
+        (freqs, _), af = alt_inv_freq(cfg), 1.0
     H, KV, hd = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
     group = H // KV
     T = len(ids)
@@ -608,25 +815,31 @@ def alt_forward(model, ids):
                   for r in ks]
         vs = [wv @ h + bias(w, p, "v") for h in hs]
         attn_out = torch.zeros(T, H * hd, dtype=DT)
+        win = cfg["layer_window"][i] if cfg.get("layer_window") else cfg.get("window")
         for head in range(H):
             kvh = head // group
             q_rot = [alt_rope(qs[t][head * hd:(head + 1) * hd], t, freqs) for t in range(T)]
             k_rot = [alt_rope(ks[t][kvh * hd:(kvh + 1) * hd], t, freqs) for t in range(T)]
+            sink = float(w[p + "self_attn.sinks"][head]) if cfg.get("sinks") else None
             for t in range(T):
-                first = max(0, t - cfg["window"] + 1) if cfg.get("window") else 0
+                first = max(0, t - win + 1) if win else 0
                 seen = range(first, t + 1)
-                s = [float(q_rot[t] @ k_rot[u]) / math.sqrt(hd) for u in seen]
-                top = max(s)
+                s = [float(q_rot[t] @ k_rot[u]) * af * af / math.sqrt(hd) for u in seen]
+                top = max(s) if sink is None else max(max(s), sink)
                 e = [math.exp(v - top) for v in s]
-                z = sum(e)
+                z = sum(e) + (0.0 if sink is None else math.exp(sink - top))  # the sink's share goes nowhere
                 acc = torch.zeros(hd, dtype=DT)
                 for ei, u in zip(e, seen):
                     acc += (ei / z) * vs[u][kvh * hd:(kvh + 1) * hd]
                 attn_out[t, head * hd:(head + 1) * hd] = acc
-        x = x + torch.stack([w[p + "self_attn.o_proj.weight"] @ attn_out[t] for t in range(T)])
+        ob = w[p + "self_attn.o_proj.bias"] if cfg.get("o_bias") else 0.0
+        x = x + torch.stack([w[p + "self_attn.o_proj.weight"] @ attn_out[t] + ob for t in range(T)])
         rows = []
         for t in range(T):
             h = norm(x[t], w[p + "post_attention_layernorm.weight"])
+            if cfg.get("gpt_oss"):
+                rows.append(x[t] + alt_oss_moe(cfg, w, p, h))
+                continue
             if cfg["moe_layers"][i]:  # per token: the experts ranked by probability, the first top_k kept
                 mp, (gn, un, dn) = p + cfg["moe_prefix"], cfg["expert_names"]
                 logit = [float(v) for v in w[mp + "gate.weight"] @ h]
@@ -655,6 +868,111 @@ def alt_forward(model, ids):
         x = torch.stack(rows)
     emb = w["lm_head.weight"] if not cfg["tie"] else w["model.embed_tokens.weight"]
     return torch.stack([emb @ norm(x[t], w["model.norm.weight"]) for t in range(T)])
+
+
+def self_test_gpt_oss(tmp, check, gen_model):
+    """GPT-OSS: the config read, forward against alt_forward, each of its parts biting, and MXFP4."""
+    mo = load_model(os.path.join(tmp, "gpt_oss"))
+    mx = load_model(os.path.join(tmp, "gpt_oss_mxfp4"))
+    my = load_model(os.path.join(tmp, "gpt_oss_yarn"))
+    oc = mo["cfg"]
+    check(oc["gpt_oss"] and oc["layer_window"] == [4, None, 4, None] and oc["qkv_bias"] and oc["o_bias"]
+          and oc["sinks"] and oc["n_experts"] == 4 and oc["top_k"] == 2 and oc["moe_hidden"] == 32
+          and oc["swiglu_limit"] == 7.0 and oc["swiglu_alpha"] == 1.702 and not oc["mxfp4"] and mx["cfg"]["mxfp4"]
+          and oc["rope_scaling"] is None and my["cfg"]["rope_scaling"]["truncate"] is False, "gpt_oss config read")
+    ids = [1, 5, 17, 3, 96, 40, 2, 11, 64, 7, 0, 33]  # longer than the window of 4
+    ref = {}
+    for name, model in (("float", mo), ("mxfp4", mx), ("bf16 + yarn (untruncated)", my)):
+        ref[name] = forward(model, ids)
+        err = float((ref[name] - alt_forward(model, ids)).abs().max() / ref[name].abs().max())
+        check(err < 1e-10, "gpt_oss %s: batched forward matches the per-token loops (rel err %.1e)" % (name, err))
+        std = float(ref[name].std(dim=-1).mean())
+        check(0.5 < std < 20, "gpt_oss %s logits are healthy (row std %.2f)" % (name, std))
+    base = ref["float"]
+
+    def rel(other):
+        return float((base - other).abs().max() / base.abs().max())
+
+    # the sinks: at -inf they take no share, which is attention without them; at their values they change it
+    w_nosink = dict(mo["w"], **{k: torch.full_like(v, float("-inf")) for k, v in mo["w"].items()
+                               if k.endswith("self_attn.sinks")})
+    d_inf = rel(forward(dict(mo, w=w_nosink), ids))
+    d_off = float((forward(dict(mo, w=w_nosink), ids) - forward(dict(mo, cfg=dict(oc, sinks=False)), ids))
+                  .abs().max())
+    check(d_inf > 1e-2 and d_off < 1e-12, "gpt_oss sinks change the logits (rel %.2g); at -inf they are none (%.1e)"
+          % (d_inf, d_off))
+    # the clamp: a share of gate and up values passes the limit, and lifting it changes the logits
+    st = {}
+    forward(mo, ids[:6], moe_stats=st)
+    d = rel(forward(dict(mo, cfg=dict(oc, swiglu_limit=float("inf"))), ids))
+    check(st["gate"] > 0 and st["up"] > 0 and d > 1e-2,
+          "gpt_oss clamp bites: %.1f%% of gates above 7, %.1f%% of ups beyond +-7 on 6 tokens; no limit: rel %.2g"
+          % (100.0 * st["gate"] / st["n"], 100.0 * st["up"] / st["n"], d))
+    # o_proj's bias, the router's bias, the second expert, and the window
+    d_ob = rel(forward(dict(mo, cfg=dict(oc, o_bias=False)), ids))
+    w_norb = dict(mo["w"], **{k: torch.zeros_like(v) for k, v in mo["w"].items() if k.endswith("mlp.router.bias")})
+    d_rb = rel(forward(dict(mo, w=w_norb), ids))
+    d_k1 = rel(forward(dict(mo, cfg=dict(oc, top_k=1)), ids))
+    check(d_ob > 1e-2 and d_rb > 1e-2 and d_k1 > 1e-2, "gpt_oss o_proj bias (rel %.2g), router bias (%.2g) and the "
+          "second expert (%.2g) change the logits" % (d_ob, d_rb, d_k1))
+    full = forward(dict(mo, cfg=dict(oc, layer_window=[None] * oc["n_layers"])), ids)
+    check(float((base[:4] - full[:4]).abs().max()) < 1e-12 and float((base[4:] - full[4:]).abs().max()) > 1e-3,
+          "gpt_oss window 4 on the even layers: the first 4 positions see everything, later ones less")
+    tv, ti = topk_lowest(torch.tensor([1.0, 3.0, 3.0, 0.0, 3.0], dtype=DT), 2)
+    check(ti.tolist() == [1, 2] and tv.tolist() == [3.0, 3.0], "gpt_oss router ties go to the lower expert")
+    # yarn as gpt-oss has it: truncate false keeps the ramp's ends where they fall; the scalar version agrees
+    yc = my["cfg"]
+    f_alt, af_alt = alt_yarn(yc)
+    f_trunc, _ = yarn_inv_freq(dict(yc, rope_scaling=dict(yc["rope_scaling"], truncate=True)))
+    check(float((my["inv_freq"] - f_alt).abs().max() / f_alt.max()) < 1e-14 and af_alt == my["attn_factor"] > 1
+          and float((my["inv_freq"] - f_trunc).abs().max() / f_trunc.max()) > 1e-6,
+          "gpt_oss yarn: scalar formulation agrees, attention factor %.4f, truncate false differs from true"
+          % my["attn_factor"])
+
+    # MXFP4: every dequantized value is the nearest E2M1 value of the float weight at its group's scale, and
+    # that scale the smallest that holds the group's largest magnitude (amax / scale in (3, 6])
+    raw, _ = safetensors_io.read_model_dir(os.path.join(tmp, "gpt_oss_mxfp4"))
+    mags = torch.tensor(FP4_TABLE[:8], dtype=DT)
+    worst_pick, worst_scale, n_exact = 0.0, 0, 0
+    for i in range(oc["n_layers"]):
+        for src, name in (("gate_up_proj", OSS_GATE_UP), ("down_proj", OSS_DOWN)):
+            key = "model.layers.%d.%s" % (i, name)
+            sc = torch.from_numpy(np.exp2(raw["model.layers.%d.mlp.experts.%s_scales" % (i, src)].astype(np.float64)
+                                          - 127))
+            x = mo["w"][key].reshape(*sc.shape, 32)
+            q = mx["w"][key].reshape(*sc.shape, 32)
+            y = x / sc[..., None]  # exact: a power of two
+            best = (y.abs()[..., None] - mags).abs().min(dim=-1).values
+            worst_pick = max(worst_pick, float(((q / sc[..., None] - y).abs() - best).max()))
+            amax = x.abs().amax(dim=-1) / sc
+            worst_scale += int(((amax <= 3) | (amax > 6)).sum())
+            n_exact += int((q == x).sum())
+    check(worst_pick < 1e-15 and worst_scale == 0, "mxfp4 file holds the nearest E2M1 values (excess %.1e) at the "
+          "tightest scales (%d off); %d weights exactly representable" % (worst_pick, worst_scale, n_exact))
+    check(torch.equal(mx["w"]["model.layers.1.mlp.experts.down_proj_bias"],
+                      mo["w"]["model.layers.1.mlp.experts.down_proj_bias"]), "mxfp4 model keeps the float biases")
+    d = rel(ref["mxfp4"])
+    corr = float(torch.corrcoef(torch.stack([base.flatten(), ref["mxfp4"].flatten()]))[0, 1])
+    check(d > 1e-4 and corr > 0.7, "mxfp4 logits differ from the float model's (rel %.2g) but follow them "
+          "(correlation %.3f)" % (d, corr))
+    # representable values round-trip exactly through gen_model's quantizer and this dequantizer; a zero group
+    # gets scale 127; the low nibble is the even element
+    rng = np.random.default_rng(5)
+    e = rng.integers(-20, 20, size=(3, 5, 4))
+    codes = rng.integers(0, 16, size=(3, 5, 4, 32))
+    codes[..., 7] = 7  # one 6 in each group: the scale is exactly 2^e
+    vals = np.array(FP4_TABLE)[codes] * np.exp2(e)[..., None]
+    vals[1, 2, 3] = 0.0
+    vals = vals.reshape(3, 5, 128)
+    blocks, scales = gen_model.mxfp4_quantize(vals)
+    back = mxfp4_dequantize(blocks, scales)
+    want_s = e + 127
+    want_s[1, 2, 3] = 127
+    check(np.array_equal(back, vals) and np.array_equal(scales.astype(np.int64), want_s),
+          "mxfp4: representable values round-trip exactly, the scales are their exponents, a zero group has 127")
+    hand = mxfp4_dequantize(np.array([[0x71] + [0xF8] + [0] * 14], dtype=np.uint8), np.array([128], dtype=np.uint8))
+    check(hand.shape == (32,) and hand[:4].tolist() == [1.0, 12.0, -0.0, -12.0] and not hand[4:].any(),
+          "mxfp4 nibbles: low first (0x71 -> 0.5, 6), sign bit (0xF8 -> -0, -6), times 2^(128-127)")
 
 
 def self_test():
@@ -700,6 +1018,14 @@ def self_test():
             gen_model.main(["--out", os.path.join(tmp, "qwen3_moe"), "--arch", "qwen3_moe", "--experts", "6",
                             "--top-k", "3", "--moe-hidden-dim", "24", "--norm-topk-prob", "false",
                             "--mlp-only-layers", "0"] + common[:-4] + ["--layers", "3"])
+            # gpt_oss: float experts, the same weights in MXFP4, and a bf16 copy with gpt-oss's untruncated yarn
+            oss = ["--arch", "gpt_oss", "--dim", "64", "--hidden-dim", "32", "--layers", "4", "--heads", "4",
+                   "--kv-heads", "2", "--head-dim", "16", "--vocab", "97", "--experts", "4", "--top-k", "2",
+                   "--sliding-window", "4", "--seed", "11"]
+            gen_model.main(["--out", os.path.join(tmp, "gpt_oss")] + oss)
+            gen_model.main(["--out", os.path.join(tmp, "gpt_oss_mxfp4"), "--mxfp4"] + oss)
+            gen_model.main(["--out", os.path.join(tmp, "gpt_oss_yarn"), "--rope-scaling", "yarn", "--rope-factor", "8",
+                            "--rope-original-max-pos", "256", "--dtype", "bf16"] + oss)
         m = load_model(d_main)
         ms = load_model(d_shard)
         mt = load_model(d_tied)
@@ -810,6 +1136,8 @@ def self_test():
                 o = sum((ei / sum(e)) * vs[u, kvh] for ei, u in zip(e, seen))
                 worst = max(worst, float((o - taps[0][head, t]).abs().max()))
         check(worst < 1e-12, "gemma2 capped sliding attention matches the scalar loop (%.1e)" % worst)
+
+        self_test_gpt_oss(tmp, check, gen_model)
 
         # Causality: the prefix's logits do not change when tokens are appended.
         full = forward(m, ids)

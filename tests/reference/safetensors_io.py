@@ -1,9 +1,11 @@
-"""Minimal safetensors reader and writer (F32, F16, BF16) for Loom's test scripts.
+"""Minimal safetensors reader and writer (F32, F16, BF16, and U8 bytes) for Loom's test scripts.
 
 Format: an 8-byte little-endian u64 header length N, N bytes of JSON
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
 then the data section; offsets are relative to the start of the data section.
-Only numpy and the standard library are used.
+U8 tensors (MXFP4 blocks and E8M0 scales) are written from and read back as
+uint8 arrays, never converted to float. Only numpy and the standard library
+are used.
 """
 
 import json
@@ -12,7 +14,7 @@ import struct
 
 import numpy as np
 
-ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1}
 
 
 def f32_to_bf16_bits(a):
@@ -39,36 +41,46 @@ def encode(a, dtype):
         return np.ascontiguousarray(a, dtype="<f4").astype("<f2")
     if dtype == "BF16":
         return f32_to_bf16_bits(a)
+    if dtype == "U8":  # raw bytes: the array must already hold integers 0..255
+        a = np.asarray(a)
+        if a.dtype != np.uint8:
+            if not np.issubdtype(a.dtype, np.integer) or a.size and (a.min() < 0 or a.max() > 255):
+                raise ValueError("U8 tensors want integers in 0..255, got %s" % a.dtype)
+        return np.ascontiguousarray(a, dtype=np.uint8)
     raise ValueError("unsupported dtype %r" % dtype)
 
 
 def decode(raw, dtype, shape):
-    """bytes-like of the on-disk dtype -> float32 array of the given shape."""
+    """bytes-like of the on-disk dtype -> float32 array of the given shape (U8: a uint8 array)."""
     if dtype == "F32":
         a = np.frombuffer(raw, dtype="<f4")
     elif dtype == "F16":
         a = np.frombuffer(raw, dtype="<f2").astype(np.float32)
     elif dtype == "BF16":
         a = bf16_bits_to_f32(np.frombuffer(raw, dtype="<u2"))
+    elif dtype == "U8":
+        a = np.frombuffer(raw, dtype=np.uint8)
     else:
         raise ValueError("unsupported dtype %r" % dtype)
     return a.reshape(shape)
 
 
 def write(path, tensors, dtype="F32", metadata=None):
-    """Write tensors, a list of (name, float array), all stored as dtype.
+    """Write tensors, a list of (name, float array), all stored as dtype, or
+    (name, array, dtype) to store that one as its own dtype (e.g. "U8").
 
     The header is padded with spaces so the data section starts 8-byte aligned.
     Tensors are laid out back to back in the order given (no holes).
     """
-    encoded = [(name, encode(a, dtype)) for name, a in tensors]
+    encoded = [(t[0], encode(t[1], t[2] if len(t) > 2 else dtype), t[2] if len(t) > 2 else dtype)
+               for t in tensors]
     header = {}
     if metadata is not None:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
-    for name, e in encoded:
+    for name, e, dt in encoded:
         header[name] = {
-            "dtype": dtype,
+            "dtype": dt,
             "shape": list(e.shape),
             "data_offsets": [offset, offset + e.nbytes],
         }
@@ -78,7 +90,7 @@ def write(path, tensors, dtype="F32", metadata=None):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(hbytes)))
         f.write(hbytes)
-        for _, e in encoded:
+        for _, e, _ in encoded:
             f.write(memoryview(e.reshape(-1)).cast("B"))
     return offset
 
@@ -111,7 +123,7 @@ def read_header(path):
 
 
 def read(path):
-    """-> (dict name -> float32 numpy array, dict name -> dtype string, metadata)."""
+    """-> (dict name -> float32 numpy array (U8: uint8), dict name -> dtype string, metadata)."""
     header, metadata, data_start = read_header(path)
     with open(path, "rb") as f:
         f.seek(data_start)

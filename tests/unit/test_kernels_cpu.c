@@ -493,6 +493,43 @@ static void test_act_mul(void) {
     }
 }
 
+/* GPT-OSS's clamped SwiGLU against the formula in double: gate and up
+ * drawn in [-12, 12] so both clamps (gate above 7, |up| above 7) are hit. */
+static void test_swiglu_clamp(void) {
+    static const int hs[] = {1, 13, 257}, ns[] = {1, 40};
+    unsigned long long st = 16;
+    for (size_t t = 0; t < LOOM_ARRAY_LEN(k_threads); t++) {
+        loom_backend_t *be = make_backend(k_threads[t], LOOM_DT_F32);
+        REQUIRE(be);
+        CHECK(loom_backend_swiglu_clamp_supported(be));
+        for (size_t a = 0; a < LOOM_ARRAY_LEN(hs); a++)
+            for (size_t b = 0; b < LOOM_ARRAY_LEN(ns); b++) {
+                int n = ns[b], h = hs[a], clamped = 0;
+                float *gu = alloc_f((size_t)n * 2 * h), *out = alloc_f((size_t)n * h),
+                      *ref = alloc_f((size_t)n * h);
+                fill(gu, (size_t)n * 2 * h, &st, 12.0f);
+                for (int i = 0; i < n; i++)
+                    for (int j = 0; j < h; j++) {
+                        double g = gu[(int64_t)i * 2 * h + j], u = gu[(int64_t)i * 2 * h + h + j];
+                        clamped += g > 7.0 || fabs(u) > 7.0;
+                        g = g > 7.0 ? 7.0 : g;
+                        u = u > 7.0 ? 7.0 : u < -7.0 ? -7.0 : u;
+                        ref[(int64_t)i * h + j] = (float)((u + 1.0) * g / (1.0 + exp(-1.702 * g)));
+                    }
+                poison(out, (size_t)n * h);
+                loom_op_swiglu_clamp(be, out, gu, n, h, 1.702f, 7.0f);
+                char what[64];
+                snprintf(what, sizeof what, "swiglu_clamp t%d n%d h%d", k_threads[t], n, h);
+                test_allclose(what, out, ref, (long)n * h, 1e-6, 1e-5);
+                if (n * h > 100) CHECK(clamped > 0);
+                free(gu);
+                free(out);
+                free(ref);
+            }
+        loom_backend_destroy(&be);
+    }
+}
+
 /* Per-head RMSNorm of strided rows (Qwen3's q/k norms) against the loop. */
 static void test_head_rmsnorm(void) {
     unsigned long long st = 16;
@@ -864,12 +901,14 @@ struct attn_case {
     int new_toks[4]; /* tokens of the sequence in this step (1 = decode) */
     int window;      /* sliding window (0: none) */
     float softcap;   /* attention logit soft cap (0: none) */
+    int sinks;       /* GPT-OSS attention sinks: one logit per head in [-3, 3] (0: none) */
 };
 
 static void naive_attention(float *out, int out_stride, const float *q, int q_stride,
                             const float *kc, const float *vc, int n, int nh, int nkv, int hd, int B,
                             const int32_t *tok_seq, const int32_t *tok_pos, const int32_t *bt,
-                            int max_blocks, float scale, int window, double softcap) {
+                            int max_blocks, float scale, int window, double softcap,
+                            const float *sinks) {
     int kv_dim = nkv * hd;
     double *sc = malloc(sizeof(double) * 20000);
     for (int i = 0; i < n; i++)
@@ -888,8 +927,10 @@ static void naive_attention(float *out, int out_stride, const float *q, int q_st
                 if (softcap > 0) sc[p] = softcap * tanh(sc[p] / softcap); /* before the softmax */
                 if (sc[p] > m) m = sc[p];
             }
+            if (sinks && sinks[h] > m) m = sinks[h];
             for (int p = p0; p < L; p++)
                 sum += (sc[p] = exp(sc[p] - m));
+            if (sinks) sum += exp(sinks[h] - m); /* in the denominator, with no value */
             for (int d = 0; d < hd; d++) {
                 double acc = 0;
                 for (int p = p0; p < L; p++) {
@@ -993,10 +1034,15 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
         vd[e] = kv_value(&qc.kv, 1, e, hd);
     }
     memcpy(ref32, ref, (size_t)n * out_stride * sizeof(float));
+    float *sinks = NULL;
+    if (c->sinks) { /* some above every score of their head, some below */
+        sinks = alloc_f((size_t)nh);
+        fill(sinks, (size_t)nh, st, 3.0f);
+    }
     naive_attention(ref, out_stride, q, q_stride, kd, vd, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
-                    max_blocks, scale, c->window, c->softcap);
+                    max_blocks, scale, c->window, c->softcap, sinks);
     naive_attention(ref32, out_stride, q, q_stride, kc, vc, n, nh, nkv, hd, B, tok_seq, tok_pos, bt,
-                    max_blocks, scale, c->window, c->softcap);
+                    max_blocks, scale, c->window, c->softcap, sinks);
     loom_attn_args_t a = {.n = n,
                           .n_heads = nh,
                           .n_kv_heads = nkv,
@@ -1014,19 +1060,34 @@ static int run_attention_case(loom_backend_t *be, const struct attn_case *c, loo
                           .max_blocks = max_blocks,
                           .max_ctx = max_ctx,
                           .window = c->window,
-                          .softcap = c->softcap};
+                          .softcap = c->softcap,
+                          .sinks = sinks};
     loom_op_attention(be, &a);
     char what[128];
-    snprintf(what, sizeof what, "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d window%d softcap%g",
-             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx, c->window,
-             (double)c->softcap);
+    snprintf(what, sizeof what,
+             "attention %s t%d nh%d nkv%d hd%d B%d n%d ctx%d window%d softcap%g sinks%d",
+             loom_kv_dtype_name(dt), loom_backend_threads(be), nh, nkv, hd, B, n, max_ctx,
+             c->window, (double)c->softcap, c->sinks);
     int ok = test_allclose(what, out, ref, (long)n * out_stride, 1e-5, 1e-4);
     if (dt != LOOM_DT_F32) {
         const double tol = dt == LOOM_DT_BF16 ? 2e-2 : 4e-2;
         strncat(what, " vs f32", sizeof what - strlen(what) - 1);
         ok &= test_allclose(what, out, ref32, (long)n * out_stride, tol, tol);
     }
+    if (sinks) { /* without them the weights sum to 1: the outputs must move */
+        float *o2 = alloc_f((size_t)n * out_stride);
+        memcpy(o2, out, (size_t)n * out_stride * sizeof(float));
+        a.sinks = NULL;
+        a.out = o2;
+        loom_op_attention(be, &a);
+        double dmax = 0;
+        for (size_t e = 0; e < (size_t)n * out_stride; e++)
+            dmax = fmax(dmax, fabs((double)o2[e] - out[e]));
+        CHECKF(dmax > 1e-2, "%s: the sinks change the output by only %g", what, dmax);
+        free(o2);
+    }
     test_kv_free(&qc);
+    free(sinks);
     free(kd);
     free(vd);
     free(ref32);
@@ -1104,6 +1165,22 @@ static void test_attention(void) {
                                               .window = cwins[w], .softcap = caps[k]};
                         run_attention_case(be, &c, dt, &st);
                     }
+            /* Attention sinks (GPT-OSS), with GQA groups of 1 and 3, windows and without; a check
+             * that they matter: the same case without sinks must differ. */
+            static const int swins[] = {0, 4}, sgrp[] = {1, 3};
+            for (size_t w = 0; w < LOOM_ARRAY_LEN(swins); w++)
+                for (size_t g = 0; g < LOOM_ARRAY_LEN(sgrp); g++) {
+                    struct attn_case c = {.nh = 2 * sgrp[g],
+                                          .nkv = 2,
+                                          .hd = 16,
+                                          .B = 3,
+                                          .n_seqs = 4,
+                                          .seq_len = {1, 37, 70, 30},
+                                          .new_toks = {1, 5, 1, 9},
+                                          .window = swins[w],
+                                          .sinks = 1};
+                    run_attention_case(be, &c, dt, &st);
+                }
         }
         loom_backend_destroy(&be);
     }
@@ -1201,6 +1278,7 @@ int main(void) {
     RUN(test_kv_write);
     RUN(test_attention);
     RUN(test_softcap);
+    RUN(test_swiglu_clamp);
     RUN(test_act_mul);
     RUN(test_head_rmsnorm);
     RUN(test_sample_shard);

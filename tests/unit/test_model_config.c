@@ -694,6 +694,88 @@ static void test_moe(void) {
 #undef MBASE
 }
 
+/* GPT-OSS: the expert keys (both spellings of top-k), every layer sparse,
+ * the alternating windows (layer_types or the default), biases on by
+ * default, swiglu_limit, the MXFP4 checkpoint method, and the refusals. */
+static void test_gpt_oss(void) {
+#define OBASE                                                                                      \
+    "\"model_type\":\"gpt_oss\",\"hidden_size\":64,\"intermediate_size\":32,\"num_hidden_"         \
+    "layers\":4,"                                                                                  \
+    "\"num_attention_heads\":4,\"num_key_value_heads\":2,\"head_dim\":16,\"vocab_size\":100,"      \
+    "\"max_position_embeddings\":131072"
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    CHECKF(
+        parse(
+            "{" OBASE ",\"num_local_experts\":8,\"experts_per_token\":2,\"sliding_window\":16,"
+            "\"hidden_act\":\"silu\",\"router_aux_loss_coef\":0.9,\"output_router_logits\":false}",
+            &c, &err) == LOOM_OK,
+        "%s", err.msg);
+    CHECK(c.gpt_oss && c.n_experts == 8 && c.n_experts_per_tok == 2 && c.moe_hidden_dim == 32 &&
+          c.norm_topk_prob && c.attention_bias && !c.qk_norm && !c.gemma &&
+          c.swiglu_limit == 7.0f && c.ckpt_quant == LOOM_CKPT_FLOAT);
+    for (int l = 0; l < 4; l++) {
+        CHECK(loom_model_config_layer_moe(&c, l));
+        CHECKF(loom_model_config_layer_window(&c, l) == (l % 2 == 0 ? 16 : 0), "layer %d window %d",
+               l, loom_model_config_layer_window(&c, l));
+    }
+    CHECK(!loom_model_config_all_windowed(&c));
+    /* GptOssConfig's defaults: 128 experts top-4, window 128; layer_types wins over the default */
+    CHECKF(parse("{" OBASE
+                 ",\"layer_types\":[\"full_attention\",\"sliding_attention\",\"sliding_attention\","
+                 "\"full_attention\"],\"swiglu_limit\":5.5,\"attention_bias\":false,"
+                 "\"quantization_config\":{\"quant_method\":\"mxfp4\",\"modules_to_not_convert\":["
+                 "\"lm_head\"]}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.n_experts == 128 && c.n_experts_per_tok == 4 && c.swiglu_limit == 5.5f &&
+          !c.attention_bias && c.ckpt_quant == LOOM_CKPT_MXFP4);
+    CHECK(loom_model_config_layer_window(&c, 0) == 0 &&
+          loom_model_config_layer_window(&c, 1) == 128 &&
+          loom_model_config_layer_window(&c, 2) == 128 &&
+          loom_model_config_layer_window(&c, 3) == 0);
+    CHECK(parse("{" OBASE ",\"sliding_window\":null}", &c, &err) == LOOM_OK &&
+          !loom_model_config_layer_window(&c, 0));
+    /* GptOssConfig's defaults for what gpt-oss configs always carry: yarn over 4096 x 32 (truncate
+     * false), rope_theta 150000, eps 1e-5, head_dim 64, 131072 positions, swiglu_alpha 1.702;
+     * rope_scaling null: none */
+    CHECKF(parse("{\"model_type\":\"gpt_oss\",\"hidden_size\":64,\"intermediate_size\":32,\"num_"
+                 "hidden_layers\":2,"
+                 "\"num_attention_heads\":4,\"num_key_value_heads\":2,\"vocab_size\":100}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.rope_scaling == LOOM_ROPE_YARN && c.rope_factor == 32.0f &&
+          c.rope_orig_max_pos == 4096 && !c.rope_truncate && c.rope_theta == 150000.0f &&
+          c.norm_eps == 1e-5f && c.head_dim == 64 && c.max_seq_len == 131072 &&
+          c.swiglu_alpha == 1.702f);
+    CHECK(parse("{" OBASE ",\"rope_scaling\":null,\"swiglu_alpha\":1.5}", &c, &err) == LOOM_OK &&
+          c.rope_scaling == LOOM_ROPE_NONE && c.swiglu_alpha == 1.5f && c.head_dim == 16);
+    struct {
+        const char *json, *want;
+    } bad[] = {
+        {"{" OBASE ",\"num_local_experts\":0}", "num_local_experts must be positive"},
+        {"{" OBASE ",\"num_local_experts\":4,\"num_experts_per_tok\":5}",
+         "num_experts_per_tok (5) must be between 1 and num_local_experts (4)"},
+        {"{" OBASE ",\"swiglu_limit\":-1}", "swiglu_limit"},
+        {"{" OBASE ",\"layer_types\":[\"full_attention\"]}",
+         "layer_types must list num_hidden_layers (4)"},
+        {"{" OBASE
+         ",\"layer_types\":[\"full_attention\",\"x\",\"full_attention\",\"full_attention\"]}",
+         "layer_types entry 'x' is not supported"},
+        {"{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":32,\"num_hidden_"
+         "layers\":4,"
+         "\"num_attention_heads\":4,\"vocab_size\":100,\"quantization_config\":{\"quant_method\":"
+         "\"mxfp4\"}}",
+         "'mxfp4' is read for gpt_oss only"},
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(bad); i++) {
+        err.msg[0] = 0;
+        CHECKF(parse(bad[i].json, &c, &err) < 0 && strstr(err.msg, bad[i].want), "case %zu: %s", i,
+               err.msg);
+    }
+#undef OBASE
+}
+
 int main(void) {
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_cfg_XXXXXX");
     if (!mkdtemp(g_tmp)) {
@@ -708,6 +790,7 @@ int main(void) {
     RUN(test_families_and_refused_keys);
     RUN(test_quantization_config);
     RUN(test_moe);
+    RUN(test_gpt_oss);
     RUN(test_fuzz);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return test_summary();
