@@ -653,7 +653,8 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     int is_qwen2 = !strcmp(cfg->model_type, "qwen2") || !strcmp(cfg->model_type, "qwen2_moe");
-    const int oss = !strcmp(cfg->model_type, "gpt_oss"); /* GptOssConfig's defaults below */
+    cfg->gpt_oss = !strcmp(cfg->model_type, "gpt_oss");
+    const int oss = cfg->gpt_oss; /* GptOssConfig's defaults below */
 
     LOOM_CHECK(get_pos_int(root, "hidden_size", 1, 0, &cfg->dim, path, err));
     LOOM_CHECK(get_pos_int(root, "intermediate_size", 1, 0, &cfg->hidden_dim, path, err));
@@ -702,11 +703,10 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
     LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3") || !strcmp(cfg->model_type, "qwen3_moe");
-    cfg->gpt_oss = !strcmp(cfg->model_type, "gpt_oss");
     if (!strcmp(cfg->model_type, "mixtral") || !strcmp(cfg->model_type, "qwen3_moe") ||
-        !strcmp(cfg->model_type, "qwen2_moe") || cfg->gpt_oss)
+        !strcmp(cfg->model_type, "qwen2_moe") || oss)
         LOOM_CHECK(parse_moe(cfg, root, path, err));
-    if (cfg->gpt_oss) LOOM_CHECK(parse_gpt_oss(cfg, root, path, err));
+    if (oss) LOOM_CHECK(parse_gpt_oss(cfg, root, path, err));
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
     if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
     if (!strcmp(cfg->model_type, "gemma2")) LOOM_CHECK(parse_gemma2(cfg, root, path, err));

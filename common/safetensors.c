@@ -552,18 +552,24 @@ static int is_float_dtype(loom_dtype_t dt) {
     return dt == LOOM_DT_F32 || dt == LOOM_DT_F16 || dt == LOOM_DT_BF16;
 }
 
-loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, const int64_t *shape,
-                          const loom_st_tensor_t **out, loom_err_t *err) {
+/* loom_st_get and loom_st_get_dtype: dt < 0 accepts the float dtypes. */
+static loom_status_t get_checked(const loom_st_t *st, const char *name, int dt, int n_dims,
+                                 const int64_t *shape, const loom_st_tensor_t **out,
+                                 loom_err_t *err) {
     LOOM_ASSERT(st && name && out);
     *out = NULL;
     const loom_st_tensor_t *t = loom_st_find(st, name);
     if (!t)
         return loom_err_set(err, LOOM_ERR_NOT_FOUND, "tensor '%s' not found in %s", name,
                             st->source);
-    if (!is_float_dtype(t->dtype))
+    if (dt < 0 && !is_float_dtype(t->dtype))
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "tensor '%s' in %s has dtype %s; Loom reads F32, F16 and BF16 weights",
                             name, t->file, loom_dtype_name(t->dtype));
+    if (dt >= 0 && (int)t->dtype != dt)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s has dtype %s, expected %s",
+                            name, t->file, loom_dtype_name(t->dtype),
+                            loom_dtype_name((loom_dtype_t)dt));
     int same = n_dims == t->n_dims;
     for (int i = 0; same && i < n_dims; i++)
         same = shape[i] == t->shape[i];
@@ -576,6 +582,17 @@ loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, con
     }
     *out = t;
     return LOOM_OK;
+}
+
+loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, const int64_t *shape,
+                          const loom_st_tensor_t **out, loom_err_t *err) {
+    return get_checked(st, name, -1, n_dims, shape, out, err);
+}
+
+loom_status_t loom_st_get_dtype(const loom_st_t *st, const char *name, loom_dtype_t dtype,
+                                int n_dims, const int64_t *shape, const loom_st_tensor_t **out,
+                                loom_err_t *err) {
+    return get_checked(st, name, (int)dtype, n_dims, shape, out, err);
 }
 
 /* ---- reading -------------------------------------------------------------------------------- */

@@ -48,6 +48,10 @@ loom_status_t loom_st_rename_prefix(loom_st_t *st, const char *from, const char 
  * [500, 64]". */
 loom_status_t loom_st_get(const loom_st_t *st, const char *name, int n_dims, const int64_t *shape,
                           const loom_st_tensor_t **out, loom_err_t *err);
+/* The same for a tensor of exactly one dtype (MXFP4's U8 blocks and scales). */
+loom_status_t loom_st_get_dtype(const loom_st_t *st, const char *name, loom_dtype_t dtype,
+                                int n_dims, const int64_t *shape, const loom_st_tensor_t **out,
+                                loom_err_t *err);
 
 /* Copies the 2-D block rows [row0, row0+nrows) x cols [col0, col0+ncols) of a
  * tensor into dst (nrows x ncols, row-major), converting F32/F16/BF16 to

@@ -186,20 +186,7 @@ static loom_status_t read_slice(loader_t *L, const char *name, int64_t n, int64_
     return check_finite(dst, (size_t)ne, name, t->file, err);
 }
 
-static loom_status_t upload_vec_add(loader_t *L, const char *name, int64_t n, float add, float **out,
-                                    loom_err_t *err) {
-    float *h = staging(L, (size_t)n);
-    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
-    LOOM_CHECK(read_block(L, name, n, 0, 0, 1, 0, n, h, err));
-    for (int64_t i = 0; add != 0.0f && i < n; i++) h[i] += add;
-    *out = loom_backend_alloc(L->m->be, (size_t)n * sizeof(float));
-    if (!*out) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for %s", name);
-    loom_backend_upload(L->m->be, *out, h, (size_t)n * sizeof(float));
-    L->m->weight_bytes += (size_t)n * sizeof(float);
-    return LOOM_OK;
-}
-
-/* A float vector of the host to the device (biases, sinks). */
+/* A float vector of the host to the device (norm gains, biases, sinks). */
 static loom_status_t upload_host(loader_t *L, const float *h, size_t n, float **out,
                                  const char *what, loom_err_t *err) {
     *out = loom_backend_alloc(L->m->be, n * sizeof(float));
@@ -207,6 +194,16 @@ static loom_status_t upload_host(loader_t *L, const float *h, size_t n, float **
     loom_backend_upload(L->m->be, *out, h, n * sizeof(float));
     L->m->weight_bytes += n * sizeof(float);
     return LOOM_OK;
+}
+
+static loom_status_t upload_vec_add(loader_t *L, const char *name, int64_t n, float add,
+                                    float **out, loom_err_t *err) {
+    float *h = staging(L, (size_t)n);
+    if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
+    LOOM_CHECK(read_block(L, name, n, 0, 0, 1, 0, n, h, err));
+    for (int64_t i = 0; add != 0.0f && i < n; i++)
+        h[i] += add;
+    return upload_host(L, h, (size_t)n, out, name, err);
 }
 
 static loom_status_t upload_weight(loader_t *L, loom_weight_t *w, int64_t rows, int64_t cols,
@@ -443,32 +440,6 @@ static loom_status_t load_linear(loader_t *L, loom_weight_t *w, const char *what
 static const float k_e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-static loom_status_t oss_tensor(loader_t *L, const char *name, loom_dtype_t dt, int n_dims,
-                                const int64_t *shape, const loom_st_tensor_t **out,
-                                loom_err_t *err) {
-    const loom_st_tensor_t *t = loom_st_find(L->st, name);
-    if (!t)
-        return loom_err_set(err, LOOM_ERR_NOT_FOUND, "tensor '%s' is missing from the checkpoint",
-                            name);
-    int ok = t->dtype == dt && t->n_dims == n_dims;
-    for (int i = 0; ok && i < n_dims; i++)
-        ok = t->shape[i] == shape[i];
-    if (!ok) {
-        char got[96] = "", want[96] = "";
-        for (int i = 0; i < t->n_dims && i < LOOM_ST_MAX_DIMS; i++)
-            snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", i ? ", " : "",
-                     (long long)t->shape[i]);
-        for (int i = 0; i < n_dims; i++)
-            snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", i ? ", " : "",
-                     (long long)shape[i]);
-        return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s is %s [%s], expected %s [%s]",
-                            name, t->file, loom_dtype_name(t->dtype), got, loom_dtype_name(dt),
-                            want);
-    }
-    *out = t;
-    return LOOM_OK;
-}
-
 /* Rows [r0, r0+nr) of expert e's (rows, cols) MXFP4 matrix `base` as floats
  * (nr, cols) in dst. */
 static loom_status_t read_mxfp4_rows(loader_t *L, const char *base, int E, int64_t rows,
@@ -483,8 +454,8 @@ static loom_status_t read_mxfp4_rows(loader_t *L, const char *base, int E, int64
                             (long long)cols);
     const int64_t G = cols / 32;
     const loom_st_tensor_t *tb = NULL, *ts = NULL;
-    LOOM_CHECK(oss_tensor(L, bn, LOOM_DT_U8, 4, (int64_t[]){E, rows, G, 16}, &tb, err));
-    LOOM_CHECK(oss_tensor(L, sn, LOOM_DT_U8, 3, (int64_t[]){E, rows, G}, &ts, err));
+    LOOM_CHECK(loom_st_get_dtype(L->st, bn, LOOM_DT_U8, 4, (int64_t[]){E, rows, G, 16}, &tb, err));
+    LOOM_CHECK(loom_st_get_dtype(L->st, sn, LOOM_DT_U8, 3, (int64_t[]){E, rows, G}, &ts, err));
     uint8_t *codes = loom_xmalloc((size_t)(nr * G * 16)), *sc = loom_xmalloc((size_t)(nr * G));
     loom_status_t s =
         loom_st_read_raw(L->st, tb, ((int64_t)e * rows + r0) * G, nr * G, 0, 16, codes, err);
@@ -519,8 +490,8 @@ static loom_status_t oss_gate_up(loader_t *L, int gl, int e, int hb, int hn, loo
                             gl);
     float *t = loom_xmalloc((size_t)2 * hn * dim * sizeof(float));
     loom_status_t s;
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", gl);
     if (c->ckpt_quant == LOOM_CKPT_MXFP4) { /* output-major: rows 2hb .. 2(hb+hn), interleaved */
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", gl);
         s = read_mxfp4_rows(L, name, E, 2 * (int64_t)I, dim, e, 2 * (int64_t)hb, 2 * (int64_t)hn, t,
                             err);
         for (int64_t j = 0; s == LOOM_OK && j < 2 * (int64_t)hn; j++)
@@ -528,7 +499,6 @@ static loom_status_t oss_gate_up(loader_t *L, int gl, int e, int hb, int hn, loo
                    (size_t)dim * sizeof(float));
     } else { /* input-major: rows of expert e are its dim inputs, columns 2hb .. 2(hb+hn) */
         const loom_st_tensor_t *tt = NULL;
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", gl);
         s = loom_st_get(L->st, name, 3, (int64_t[]){E, dim, 2 * (int64_t)I}, &tt, err);
         if (s == LOOM_OK)
             s = loom_st_read_f32(L->st, tt, (int64_t)e * dim, dim, 2 * (int64_t)hb, 2 * (int64_t)hn,
@@ -764,10 +734,8 @@ static loom_status_t load_layer(loader_t *L, int gl, loom_layer_t *ly, loom_err_
         if (c->rotary_dim < hd)
             rotary_permute_f32(h, (int64_t)(d->n_heads + d->n_kv_heads) * hd, 1, hd, c->rotary_dim,
                                c->rope_attn_factor);
-        ly->bqkv = loom_backend_alloc(m->be, (size_t)m->qkv_dim * sizeof(float));
-        if (!ly->bqkv) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for layer %d's biases", gl);
-        loom_backend_upload(m->be, ly->bqkv, h, (size_t)m->qkv_dim * sizeof(float));
-        m->weight_bytes += (size_t)m->qkv_dim * sizeof(float);
+        LOOM_CHECK(
+            upload_host(L, h, (size_t)m->qkv_dim, &ly->bqkv, LNAME("self_attn.q/k/v biases"), err));
     }
 
     if (c->gpt_oss) { /* this rank's heads' sinks; o_proj's bias where the partial sums get it once

@@ -15,7 +15,8 @@
   the same shape (int8 on the MXFP4 model's independent experts: 12x), and
   an expert-parallel grid's int8 KL matches one process's.
 - Refused with a message naming what is wrong: a missing sink tensor, an
-  expert tensor of the wrong shape, an MXFP4 scale of 255 (E8M0's NaN),
+  expert tensor of the wrong shape, a missing MXFP4 scales tensor, MXFP4
+  blocks of another dtype, an MXFP4 scale of 255 (E8M0's NaN),
   swiglu_limit <= 0, `loom quantize` on a gpt_oss checkpoint (an MXFP4
   quantization_config on another family: test_model_config).
 """
@@ -133,6 +134,14 @@ def test_gpt_oss_refusals():
               "expected [4, 64, 128]")
     run_fails(test_models.variant("gpt_oss-nan-scale", mx, tensors=bad_scale),
               "model.layers.1.mlp.experts.down_proj_scales", "255")
+
+    def blocks_as_i8(hdr, raw):
+        hdr["model.layers.0.mlp.experts.gate_up_proj_blocks"]["dtype"] = "I8"
+    run_fails(test_models.variant("gpt_oss-no-scales", mx,
+                                  tensors=drop("model.layers.2.mlp.experts.gate_up_proj_scales")),
+              "model.layers.2.mlp.experts.gate_up_proj_scales", "not found")
+    run_fails(test_models.variant("gpt_oss-i8-blocks", mx, tensors=blocks_as_i8),
+              "model.layers.0.mlp.experts.gate_up_proj_blocks", "has dtype I8, expected U8")
     run_fails(test_models.variant("gpt_oss-limit", m, config=lambda c: c.update(swiglu_limit=0)), "swiglu_limit")
     out = os.path.join(WORK, "gpt_oss-int8")
     shutil.rmtree(out, ignore_errors=True)
