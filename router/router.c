@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -44,6 +45,7 @@
 #include "common/zap.h"
 #include "proto/wire.h"
 #include "proto/zapi.h"
+#include "router/lathist.h"
 #include "router/prefix_index.h"
 #include "router/response_cache.h"
 #include "router/tenants.h"
@@ -82,6 +84,8 @@ typedef struct replica {
         preemptions, steps;
     double gen_tps;
     /* the router's own view */
+    int dirty;       /* sent on since it was last read to EAGAIN (the reactor's watch) */
+    int probe_retry; /* a join probe found no connection yet: send it when the socket stirs */
     int inflight;
     long long inflight_tokens;
     uint64_t routed, failovers, failures;
@@ -106,7 +110,9 @@ typedef struct route {
     int attempts;
     loom_policy_t policy;
     uint64_t t_arrival, t_sent, t_last, deadline;
-    int got_first;  /* a chunk came from the current replica */
+    uint64_t inside_ns; /* arrival to its first send upstream (0: not yet sent) */
+    int got_first;      /* a chunk came from the current replica */
+    int delivered;      /* a chunk reached the client */
     int hit_blocks; /* prefix blocks the chosen replica held, per the index */
     /* After a failover the router writes the text itself, from the ids, with
      * a detokenizer primed with the ids already streamed: the new replica's
@@ -184,6 +190,14 @@ struct loom_router {
     char *metrics_text;
     size_t metrics_len;
     uint64_t last_tick, last_metrics;
+    uint64_t t_recv; /* when the message being handled was received */
+    int api_dirty;   /* sent on since it was last read to EAGAIN (the reactor's watch) */
+    /* Per request, the time spent inside the router before its first token
+     * reached the client: arrival to the request sent upstream (tokenizing
+     * and the decision included), plus the first chunk's arrival to its send
+     * to the client. Requests that failed over are left out (their wait on
+     * the lost replica is not the router's). */
+    loom_lathist_t overhead;
 };
 
 static const char *policy_names[] = {"prefix", "round-robin", "least-loaded", "session"};
@@ -199,11 +213,13 @@ int loom_policy_parse(const char *name) {
 /* ---- small helpers --------------------------------------------------------------------------- */
 
 static int send_client(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Reply *rep) {
+    r->api_dirty = 1;
     return loom_zapi_send_reply(r->api, rid, rid_len, rep);
 }
 
 static int client_error(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id, loom_status_t code,
                         const char *msg) {
+    r->api_dirty = 1;
     return loom_zapi_reply_error(r->api, rid, rid_len, id, code, msg);
 }
 
@@ -213,6 +229,7 @@ static int send_replica(loom_router_t *r, int i, Loom__V1__Request *rq) {
     size_t len;
     void *buf = loom_wire_pack_request(rq, &len);
     const char *method = loom_wire_method(rq->body_case);
+    p->dirty = 1;
     int rc = zmq_send(p->sock, method, strlen(method), ZMQ_SNDMORE | ZMQ_DONTWAIT);
     if (rc >= 0) rc = zmq_send(p->sock, buf, len, ZMQ_DONTWAIT);
     free(buf);
@@ -468,6 +485,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
             continue;
         }
         replica_t *p = &r->reps[i];
+        if (q->attempts == 1) q->inside_ns = loom_now_ns() - q->t_arrival;
         q->rep = i;
         q->got_first = 0;
         q->t_sent = q->t_last = now;
@@ -564,6 +582,7 @@ static int front_door(loom_router_t *r, const void *rid, size_t rid_len, Loom__V
         char msg[300];
         int retry_ms = 0;
         if (loom_tenants_admit(r->tenants, tenant, now, &retry_ms, msg, sizeof msg) < 0) {
+            r->api_dirty = 1;
             loom_zapi_reply_error_retry(r->api, rid, rid_len, rq->request_id,
                                         LOOM_ERR_RESOURCE_EXHAUSTED, msg, (uint32_t)retry_ms);
             return 1;
@@ -578,6 +597,7 @@ static int front_door(loom_router_t *r, const void *rid, size_t rid_len, Loom__V
     unsigned char *key = loom_rcache_key(rq->generate, r->ref_model, &kl);
     loom_rcache_hit_t hit;
     if (loom_rcache_get(r->rcache, key, kl, now, &hit)) {
+        r->api_dirty = 1;
         long long tokens = loom_rcache_replay(&hit, r->api, rid, rid_len, rq->request_id);
         if (tokens < 0) r->disconnects++;
         if (tenant >= 0) loom_tenants_release(r->tenants, tenant, tokens > 0 ? tokens : 0, now);
@@ -612,7 +632,7 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
     q->rq = rq;
     q->rep = -1;
     q->policy = r->cfg.policy;
-    q->t_arrival = loom_now_ns();
+    q->t_arrival = r->t_recv;
     q->deadline = q->t_arrival + (uint64_t)r->cfg.request_timeout_ms * 1000000ull;
     if (has_text && r->tok && r->n_tok_th > 0) { /* off the reactor: it waits as `tokenizing` */
         tok_job_t *job = loom_xcalloc(1, sizeof *job);
@@ -889,6 +909,8 @@ static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
 
 /* ---- replica replies ------------------------------------------------------------------------- */
 
+static void send_probe(loom_router_t *r, int i, Loom__V1__Request__BodyCase body);
+
 static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
     if (p->state != REP_JOINING) return;
@@ -934,6 +956,8 @@ static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
     }
     set_state(r, i, REP_UP, "serves %s", m->id);
     p->backoff_ms = 0;
+    send_probe(r, i,
+               LOOM__V1__REQUEST__BODY_STATS); /* its load and KV events now, not a tick later */
 }
 
 static void events_open(loom_router_t *r, int i, const char *addr);
@@ -1094,6 +1118,11 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
     if (q->crec) loom_rcache_rec_add(q->crec, rep);
     int sent = send_client(r, q->rid, q->rid_len, rep);
     if (ch) ch->text = replica_text;
+    if (sent >= 0 && !q->delivered) {
+        q->delivered = 1;
+        if (q->attempts == 1)
+            loom_lathist_add(&r->overhead, q->inside_ns + (loom_now_ns() - p->last_reply_ns));
+    }
     if (sent < 0) { /* the client is gone */
         r->disconnects++;
         if (!final) cancel_upstream(r, q);
@@ -1108,6 +1137,7 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
 
 static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
     replica_t *p = &r->reps[i];
+    uint64_t t_in = r->t_recv;
     loom_err_t err = {0};
     Loom__V1__Reply *rep =
         n == 1 ? loom_wire_unpack_reply(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]), &err)
@@ -1121,7 +1151,7 @@ static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
         if (p->state == REP_UP || p->state == REP_JOINING) replica_down(r, i, why);
         return;
     }
-    p->last_reply_ns = loom_now_ns();
+    p->last_reply_ns = t_in;
     if (rep->request_id & CTL_BIT) {
         on_probe_reply(r, i, rep);
     } else {
@@ -1214,6 +1244,8 @@ static void send_probe(loom_router_t *r, int i, Loom__V1__Request__BodyCase body
         if (!r->reps[i].probe_sent_ns) r->reps[i].probe_sent_ns = loom_now_ns();
     } else if (r->reps[i].state == REP_UP) { /* ZMQ_IMMEDIATE: no connection to it any more */
         replica_down(r, i, "connection lost");
+    } else if (r->reps[i].state == REP_JOINING) {
+        r->reps[i].probe_retry = 1;
     }
 }
 
@@ -1489,6 +1521,17 @@ static void render_metrics(loom_router_t *r) {
                   cn[k], (unsigned long long)cv[k]);
     sb_printf(&b, "# TYPE loom_router_requests_inflight gauge\nloom_router_requests_inflight %d\n",
               r->n_routes);
+    sb_printf(&b, "# HELP loom_router_overhead_seconds time a request spent inside the router "
+                  "before its first token reached the client (request in to request out, plus "
+                  "first chunk in to first chunk out; failed-over requests not counted)\n"
+                  "# TYPE loom_router_overhead_seconds summary\n");
+    static const char *oq[] = {"0.5", "0.9", "0.99", "0.999"};
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(oq); k++)
+        sb_printf(&b, "loom_router_overhead_seconds{quantile=\"%s\"} %.9f\n", oq[k],
+                  loom_lathist_quantile(&r->overhead, atof(oq[k])) / 1e9);
+    sb_printf(&b,
+              "loom_router_overhead_seconds_sum %.9f\nloom_router_overhead_seconds_count %llu\n",
+              (double)r->overhead.sum_ns / 1e9, (unsigned long long)r->overhead.n);
     sb_printf(&b,
               "# TYPE loom_router_prefix_index_blocks gauge\nloom_router_prefix_index_blocks %d\n",
               loom_prefix_index_size(r->index));
@@ -1525,93 +1568,234 @@ char *loom_router_metrics(void *router, size_t *len) {
 /* ---- the loop -----------------------------------------------------------------------------------
  */
 
+/* The reactor waits in epoll on the sockets' ZMQ_FDs instead of zmq_poll,
+ * which rebuilds its poll set and asks every socket for ZMQ_EVENTS (two
+ * system calls each) on every call. A ZMQ_FD only says that the socket's
+ * state may have changed, and any operation on the socket can consume that
+ * signal (libzmq reads its mailbox on a send too), so a socket is read to
+ * EAGAIN when its fd fires, when the router has sent on it since it was
+ * last read to EAGAIN (`dirty`: the client API and the replicas), or when
+ * a pass stopped at DRAIN_MAX with messages left; the reactor sleeps only
+ * after a pass that moved nothing and left nothing dirty. Each read that
+ * ends in EAGAIN costs libzmq two system calls, so only those sockets are
+ * read. */
+enum { W_API, W_PIPE, W_TOK, W_REP, W_EVENTS };
+#define W_TAG(kind, i) (((uint64_t)(kind) << 32) | (uint32_t)(i))
+#define DRAIN_MAX      256 /* messages per socket per pass: the others get their turn */
+
+typedef struct watch {
+    int ep;
+    void *rep[MAX_REPLICAS], *events[MAX_REPLICAS]; /* the sockets registered per slot */
+    int fd_rep[MAX_REPLICAS], fd_events[MAX_REPLICAS];
+    uint64_t pending_events, pending_rep; /* to read in the next pass (bits by slot) */
+    int pending_api, pending_pipe, pending_tok;
+} watch_t;
+
+static int zmq_fd(void *sock) {
+    int fd = -1;
+    size_t len = sizeof fd;
+    return zmq_getsockopt(sock, ZMQ_FD, &fd, &len) == 0 ? fd : -1;
+}
+
+static void watch_add(watch_t *w, void *sock, uint64_t tag, int *fd_out) {
+    int fd = zmq_fd(sock);
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = tag};
+    if (fd >= 0 && epoll_ctl(w->ep, EPOLL_CTL_ADD, fd, &ev) != 0 && errno == EEXIST)
+        epoll_ctl(w->ep, EPOLL_CTL_MOD, fd, &ev);
+    if (fd_out) *fd_out = fd;
+}
+
+/* Replicas and their event streams come and go between passes: register
+ * the new sockets (a closed one's fd leaves the epoll set with it; the stale
+ * ones are removed first, so an fd number reused by a new socket is added
+ * after). */
+static void watch_sync(loom_router_t *r, watch_t *w) {
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < MAX_REPLICAS; i++) {
+            void *sock = r->reps[i].used ? r->reps[i].sock : NULL;
+            void *evs = r->reps[i].used ? r->reps[i].events : NULL;
+            if (pass == 0) {
+                if (w->rep[i] && w->rep[i] != sock)
+                    epoll_ctl(w->ep, EPOLL_CTL_DEL, w->fd_rep[i], NULL);
+                if (w->events[i] && w->events[i] != evs)
+                    epoll_ctl(w->ep, EPOLL_CTL_DEL, w->fd_events[i], NULL);
+                continue;
+            }
+            if (sock && w->rep[i] != sock) {
+                watch_add(w, sock, W_TAG(W_REP, i), &w->fd_rep[i]);
+                w->pending_rep |= 1ull << i;
+            }
+            if (evs && w->events[i] != evs) {
+                watch_add(w, evs, W_TAG(W_EVENTS, i), &w->fd_events[i]);
+                w->pending_events |= 1ull << i; /* it may hold messages already */
+            }
+            w->rep[i] = sock;
+            w->events[i] = evs;
+        }
+}
+
+static int drain_api(loom_router_t *r) {
+    zmq_msg_t f[4];
+    int k = 0;
+    for (; k < DRAIN_MAX; k++) {
+        int nf = loom_zapi_recv_frames(r->api, f, 4);
+        if (!nf) break;
+        r->t_recv = loom_now_ns();
+        on_api(r, f, nf);
+        for (int j = 0; j < nf; j++)
+            zmq_msg_close(&f[j]);
+    }
+    return k;
+}
+
+static int drain_pipe(loom_router_t *r) {
+    zmq_msg_t m;
+    int k = 0;
+    zmq_msg_init(&m);
+    for (; k < DRAIN_MAX && zmq_msg_recv(&m, r->pipe, ZMQ_DONTWAIT) >= 0; k++) {
+        char *list = loom_xmalloc(zmq_msg_size(&m) + 1);
+        memcpy(list, zmq_msg_data(&m), zmq_msg_size(&m));
+        list[zmq_msg_size(&m)] = 0;
+        on_etcd_list(r, list);
+        free(list);
+    }
+    zmq_msg_close(&m);
+    return k;
+}
+
+static int drain_tok(loom_router_t *r) {
+    tok_job_t *job;
+    int k = 0;
+    for (; k < DRAIN_MAX &&
+           zmq_recv(r->tok_results, &job, sizeof job, ZMQ_DONTWAIT) == (int)sizeof job;
+         k++)
+        on_tokenized(r, job);
+    return k;
+}
+
+static int drain_events(loom_router_t *r, int i) {
+    void *s = r->reps[i].events;
+    zmq_msg_t m;
+    int k = 0;
+    zmq_msg_init(&m);
+    for (; k < DRAIN_MAX && r->reps[i].used && r->reps[i].events == s &&
+           zmq_msg_recv(&m, s, ZMQ_DONTWAIT) >= 0;
+         k++)
+        on_events(r, i, zmq_msg_data(&m), zmq_msg_size(&m));
+    zmq_msg_close(&m);
+    return k;
+}
+
+static int drain_replica(loom_router_t *r, int i) {
+    void *s = r->reps[i].sock;
+    zmq_msg_t f[4];
+    int k = 0;
+    for (; k < DRAIN_MAX && r->reps[i].used && r->reps[i].sock == s; k++) {
+        int nf = loom_zapi_recv_frames(s, f, 4);
+        if (!nf) break;
+        r->t_recv = loom_now_ns();
+        on_replica(r, i, f, nf);
+        for (int j = 0; j < nf; j++)
+            zmq_msg_close(&f[j]);
+    }
+    return k;
+}
+
+/* One pass over what may hold messages; the number moved. A socket cut
+ * short at DRAIN_MAX stays pending. */
+static int reactor_pass(loom_router_t *r, watch_t *w) {
+    int moved = 0, k;
+    if (w->pending_api || r->api_dirty) {
+        moved += k = drain_api(r);
+        w->pending_api = k == DRAIN_MAX;
+        r->api_dirty = 0; /* what its handlers sent came before the EAGAIN */
+    }
+    if (w->pending_pipe) {
+        moved += k = drain_pipe(r);
+        w->pending_pipe = k == DRAIN_MAX;
+    }
+    if (w->pending_tok) {
+        moved += k = drain_tok(r);
+        w->pending_tok = k == DRAIN_MAX;
+    }
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        if (!r->reps[i].used) continue;
+        replica_t *p = &r->reps[i];
+        if (p->probe_retry && p->state == REP_JOINING && ((w->pending_rep >> i) & 1)) {
+            p->probe_retry = 0; /* its connection may be up: join now, not a tick later */
+            send_probe(r, i, LOOM__V1__REQUEST__BODY_LIST_MODELS);
+            send_probe(r, i, LOOM__V1__REQUEST__BODY_HEALTH);
+        }
+        if (r->reps[i].dirty || ((w->pending_rep >> i) & 1)) {
+            moved += k = drain_replica(r, i);
+            r->reps[i].dirty = 0; /* its handlers' sends came before the EAGAIN */
+            if (k < DRAIN_MAX)
+                w->pending_rep &= ~(1ull << i);
+            else
+                w->pending_rep |= 1ull << i;
+        }
+        if ((w->pending_events >> i) & 1) {
+            moved += k = r->reps[i].events ? drain_events(r, i) : 0;
+            if (k < DRAIN_MAX) w->pending_events &= ~(1ull << i);
+        }
+    }
+    return moved;
+}
+
 int loom_router_run(loom_router_t *r) {
-    zmq_pollitem_t items[3 + 2 * MAX_REPLICAS];
-    int map[3 + 2 * MAX_REPLICAS], is_events[3 + 2 * MAX_REPLICAS];
     LOOM_INFO("router on %s: policy %s, %d static replica(s)%s", r->api_addr,
               loom_policy_name(r->cfg.policy), r->cfg.n_replicas,
               r->cfg.etcd_url ? ", more from etcd" : "");
+    watch_t w = {
+        .ep = epoll_create1(EPOLL_CLOEXEC), .pending_api = 1, .pending_pipe = 1, .pending_tok = 1};
+    if (w.ep < 0) {
+        LOOM_ERROR("epoll_create1: %s", strerror(errno));
+        return 1;
+    }
+    watch_add(&w, r->api, W_TAG(W_API, 0), NULL);
+    watch_add(&w, r->pipe, W_TAG(W_PIPE, 0), NULL);
+    watch_add(&w, r->tok_results, W_TAG(W_TOK, 0), NULL);
     while (!r->stop) {
-        int n = 0;
-        items[n++] = (zmq_pollitem_t){r->api, 0, ZMQ_POLLIN, 0};
-        items[n++] = (zmq_pollitem_t){r->pipe, 0, ZMQ_POLLIN, 0};
-        items[n++] = (zmq_pollitem_t){r->tok_results, 0, ZMQ_POLLIN, 0};
-        for (int i = 0; i < MAX_REPLICAS; i++)
-            if (r->reps[i].used) {
-                map[n] = i;
-                is_events[n] = 0;
-                items[n++] = (zmq_pollitem_t){r->reps[i].sock, 0, ZMQ_POLLIN, 0};
-                if (r->reps[i].events) {
-                    map[n] = i;
-                    is_events[n] = 1;
-                    items[n++] = (zmq_pollitem_t){r->reps[i].events, 0, ZMQ_POLLIN, 0};
-                }
-            }
-        int rc = zmq_poll(items, n, 20);
-        if (rc < 0 && errno != EINTR) {
-            LOOM_ERROR("zmq_poll: %s", zmq_strerror(errno));
-            return 1;
-        }
-        zmq_msg_t f[4];
-        if (items[0].revents & ZMQ_POLLIN)
-            for (int k = 0; k < 256; k++) { /* bounded: replicas get their turn */
-                int nf = loom_zapi_recv_frames(r->api, f, 4);
-                if (!nf) break;
-                on_api(r, f, nf);
-                for (int j = 0; j < nf; j++)
-                    zmq_msg_close(&f[j]);
-            }
-        if (items[1].revents & ZMQ_POLLIN) {
-            zmq_msg_t m;
-            zmq_msg_init(&m);
-            while (zmq_msg_recv(&m, r->pipe, ZMQ_DONTWAIT) >= 0) {
-                char *list = loom_xmalloc(zmq_msg_size(&m) + 1);
-                memcpy(list, zmq_msg_data(&m), zmq_msg_size(&m));
-                list[zmq_msg_size(&m)] = 0;
-                on_etcd_list(r, list);
-                free(list);
-            }
-            zmq_msg_close(&m);
-        }
-        if (items[2].revents & ZMQ_POLLIN) {
-            tok_job_t *job;
-            for (int k = 0; k < 256 && zmq_recv(r->tok_results, &job, sizeof job, ZMQ_DONTWAIT) ==
-                                           (int)sizeof job;
-                 k++)
-                on_tokenized(r, job);
-        }
-        for (int k = 3; k < n; k++) {
-            if (!(items[k].revents & ZMQ_POLLIN)) continue;
-            int i = map[k];
-            if (is_events[k]) {
-                zmq_msg_t m;
-                zmq_msg_init(&m);
-                for (int c = 0;
-                     c < 256 && r->reps[i].used && r->reps[i].events == items[k].socket &&
-                     zmq_msg_recv(&m, r->reps[i].events, ZMQ_DONTWAIT) >= 0;
-                     c++)
-                    on_events(r, i, zmq_msg_data(&m), zmq_msg_size(&m));
-                zmq_msg_close(&m);
-                continue;
-            }
-            for (int m = 0; m < 256 && r->reps[i].used && r->reps[i].sock == items[k].socket; m++) {
-                int nf = loom_zapi_recv_frames(r->reps[i].sock, f, 4);
-                if (!nf) break;
-                on_replica(r, i, f, nf);
-                for (int j = 0; j < nf; j++)
-                    zmq_msg_close(&f[j]);
-            }
-        }
         uint64_t now = loom_now_ns();
         if (now - r->last_tick >= (uint64_t)r->cfg.probe_interval_ms * 1000000ull) {
-            r->last_tick = now;
+            r->last_tick = now; /* before the pass, which reads what its sends touched */
             tick(r);
         }
         if (now - r->last_metrics >= 250000000ull) {
             r->last_metrics = now;
             render_metrics(r);
         }
+        watch_sync(r, &w);
+        int moved = reactor_pass(r, &w);
+        for (int i = 0; i < MAX_REPLICAS && !moved; i++)
+            moved = r->reps[i].used && r->reps[i].dirty; /* sent on after its read */
+        if (r->api_dirty) moved = 1;
+        /* After a pass that moved messages or left a socket dirty, look
+         * without waiting (a send may have consumed a hot socket's signal;
+         * the idle ones must not starve under load). */
+        watch_sync(r, &w);
+        struct epoll_event evs[16];
+        int n = epoll_wait(w.ep, evs, (int)LOOM_ARRAY_LEN(evs), moved ? 0 : 20);
+        if (n < 0 && errno != EINTR) {
+            LOOM_ERROR("epoll_wait: %s", strerror(errno));
+            close(w.ep);
+            return 1;
+        }
+        for (int k = 0; k < n; k++) {
+            uint32_t kind = (uint32_t)(evs[k].data.u64 >> 32), i = (uint32_t)evs[k].data.u64;
+            if (kind == W_API)
+                w.pending_api = 1;
+            else if (kind == W_REP && i < MAX_REPLICAS)
+                w.pending_rep |= 1ull << i;
+            else if (kind == W_PIPE)
+                w.pending_pipe = 1;
+            else if (kind == W_TOK)
+                w.pending_tok = 1;
+            else if (kind == W_EVENTS && i < MAX_REPLICAS)
+                w.pending_events |= 1ull << i;
+        }
     }
+    close(w.ep);
     LOOM_INFO("router stopping: %d request(s) in flight end", r->n_routes);
     while (r->routes) {
         route_t *q = r->routes;

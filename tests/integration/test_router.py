@@ -202,6 +202,13 @@ def check_aggregates(r, a, b):
     m = r.metrics()
     routed = sum(v for (n, l), v in m.items() if n == "loom_router_requests_total" and 'policy="prefix"' in l)
     check(routed >= 3, "requests routed by prefix: %r" % routed)
+    # the router's own time per request: one sample per request that streamed (none failed over here)
+    n_over = m.get(("loom_router_overhead_seconds_count", ""), 0)
+    over = [m.get(("loom_router_overhead_seconds", 'quantile="%s"' % q), -1) for q in ("0.5", "0.9", "0.99", "0.999")]
+    check(n_over == routed, "overhead samples %r for %r requests routed" % (n_over, routed))
+    check(0 < over[0] <= over[1] <= over[2] <= over[3] < 1.0, "overhead quantiles %r" % over)
+    check(0 < m.get(("loom_router_overhead_seconds_sum", ""), 0) <= n_over * over[3] * 1.05,
+          "overhead sum %r" % m.get(("loom_router_overhead_seconds_sum", "")))
     for addr in (a.addr, b.addr):
         check(m.get(("loom_router_replica_up", 'replica="%s",state="up"' % addr)) == 1, "replica_up for %s" % addr)
         for name in ("loom_router_replica_waiting", "loom_router_replica_kv_usage",

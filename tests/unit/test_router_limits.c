@@ -1,13 +1,15 @@
 /* The router's response cache (router/response_cache.c: what is cacheable,
  * the key, LRU within the byte bound, TTL) and tenant limits
  * (router/tenants.c: token buckets, concurrency, the file's errors), on a
- * clock the test sets. */
+ * clock the test sets; the latency histogram's quantiles (router/lathist.c)
+ * against the exact ones of the same samples. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "proto/wire.h"
+#include "router/lathist.h"
 #include "router/response_cache.h"
 #include "router/tenants.h"
 #include "tests/test.h"
@@ -245,7 +247,46 @@ static void test_tenant_file_errors(void) {
           strstr(err.msg, "/nonexistent/tenants.json"));
 }
 
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Samples spread over six decades (1 ns to 1 ms, log-uniform, plus a few
+ * huge ones that are clamped): every quantile within 3.2% of the sorted
+ * samples' own, sum and max exact. */
+static void test_lathist(void) {
+    static loom_lathist_t h;
+    CHECK(loom_lathist_quantile(&h, 0.5) == 0);
+    enum { N = 20000 };
+    uint64_t *v = malloc(N * sizeof *v), s = 12345, sum = 0;
+    for (int i = 0; i < N; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        double u = (double)(s >> 11) / 9007199254740992.0;
+        v[i] = (uint64_t)pow(10.0, 6.0 * u);
+        if (i % 5000 == 4999) v[i] = 1ull << 50; /* past the top: clamped */
+        loom_lathist_add(&h, v[i]);
+        if (v[i] >= (1ull << LOOM_LATHIST_MAX_BITS)) v[i] = (1ull << LOOM_LATHIST_MAX_BITS) - 1;
+        sum += v[i];
+    }
+    CHECK(h.n == N);
+    CHECK(h.sum_ns == sum);
+    qsort(v, N, sizeof *v, cmp_u64);
+    CHECK(h.max_ns == v[N - 1]);
+    const double qs[] = {0.001, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0};
+    for (size_t k = 0; k < sizeof qs / sizeof *qs; k++) {
+        double exact = (double)v[(size_t)ceil(qs[k] * N) - 1],
+               got = loom_lathist_quantile(&h, qs[k]);
+        CHECKF(fabs(got - exact) <= 0.032 * exact + 0.5, "q %g: %g against %g", qs[k], got, exact);
+    }
+    loom_lathist_t one = {0};
+    loom_lathist_add(&one, 7);
+    CHECK(loom_lathist_quantile(&one, 0.5) == 7 && loom_lathist_quantile(&one, 1) == 7);
+    free(v);
+}
+
 int main(void) {
+    RUN(test_lathist);
     RUN(test_cacheable_and_key);
     RUN(test_store_replay_lru_ttl);
     RUN(test_tenant_buckets);
