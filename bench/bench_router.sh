@@ -13,7 +13,8 @@
 # ROUTER_CPUS=1 OTHER_CPUS=0 pins the router (and the null proxy) to its own
 # core(s) and the client and fake replicas to the others (taskset), as a
 # router would run. ROUTER_BIN=PATH runs another loom-router build (an A/B
-# of two builds on one machine), ROUTER_ARGS adds its options.
+# of two builds on one machine), ROUTER_ARGS adds its options, DUMP_METRICS=FILE
+# keeps the router's /metrics page of the run.
 set -euo pipefail
 build=${1:-build}
 n=${2:-5000}

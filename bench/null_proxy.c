@@ -73,8 +73,11 @@ int main(int argc, char **argv) {
     int zero = 0;
     zmq_setsockopt(front, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(back, ZMQ_LINGER, &zero, sizeof zero);
-    if (zmq_bind(front, listen) != 0 || zmq_connect(back, replica) != 0) {
-        fprintf(stderr, "null_proxy: %s: %s\n", listen, zmq_strerror(zmq_errno()));
+    const char *bad = zmq_bind(front, listen) != 0      ? listen
+                      : zmq_connect(back, replica) != 0 ? replica
+                                                        : NULL;
+    if (bad) {
+        fprintf(stderr, "null_proxy: %s: %s\n", bad, zmq_strerror(zmq_errno()));
         return 1;
     }
     struct sigaction sa = {.sa_handler = on_signal};

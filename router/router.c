@@ -212,15 +212,20 @@ int loom_policy_parse(const char *name) {
 
 /* ---- small helpers --------------------------------------------------------------------------- */
 
-static int send_client(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Reply *rep) {
+/* The client socket for a send: marks it for the reactor to read again (a
+ * send may consume its read signal; see the reactor below). */
+static void *api_out(loom_router_t *r) {
     r->api_dirty = 1;
-    return loom_zapi_send_reply(r->api, rid, rid_len, rep);
+    return r->api;
+}
+
+static int send_client(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1__Reply *rep) {
+    return loom_zapi_send_reply(api_out(r), rid, rid_len, rep);
 }
 
 static int client_error(loom_router_t *r, const void *rid, size_t rid_len, uint64_t id, loom_status_t code,
                         const char *msg) {
-    r->api_dirty = 1;
-    return loom_zapi_reply_error(r->api, rid, rid_len, id, code, msg);
+    return loom_zapi_reply_error(api_out(r), rid, rid_len, id, code, msg);
 }
 
 static int send_replica(loom_router_t *r, int i, Loom__V1__Request *rq) {
@@ -582,8 +587,7 @@ static int front_door(loom_router_t *r, const void *rid, size_t rid_len, Loom__V
         char msg[300];
         int retry_ms = 0;
         if (loom_tenants_admit(r->tenants, tenant, now, &retry_ms, msg, sizeof msg) < 0) {
-            r->api_dirty = 1;
-            loom_zapi_reply_error_retry(r->api, rid, rid_len, rq->request_id,
+            loom_zapi_reply_error_retry(api_out(r), rid, rid_len, rq->request_id,
                                         LOOM_ERR_RESOURCE_EXHAUSTED, msg, (uint32_t)retry_ms);
             return 1;
         }
@@ -597,8 +601,7 @@ static int front_door(loom_router_t *r, const void *rid, size_t rid_len, Loom__V
     unsigned char *key = loom_rcache_key(rq->generate, r->ref_model, &kl);
     loom_rcache_hit_t hit;
     if (loom_rcache_get(r->rcache, key, kl, now, &hit)) {
-        r->api_dirty = 1;
-        long long tokens = loom_rcache_replay(&hit, r->api, rid, rid_len, rq->request_id);
+        long long tokens = loom_rcache_replay(&hit, api_out(r), rid, rid_len, rq->request_id);
         if (tokens < 0) r->disconnects++;
         if (tenant >= 0) loom_tenants_release(r->tenants, tenant, tokens > 0 ? tokens : 0, now);
         free(key);
@@ -1137,7 +1140,6 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
 
 static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
     replica_t *p = &r->reps[i];
-    uint64_t t_in = r->t_recv;
     loom_err_t err = {0};
     Loom__V1__Reply *rep =
         n == 1 ? loom_wire_unpack_reply(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]), &err)
@@ -1151,7 +1153,7 @@ static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
         if (p->state == REP_UP || p->state == REP_JOINING) replica_down(r, i, why);
         return;
     }
-    p->last_reply_ns = t_in;
+    p->last_reply_ns = r->t_recv;
     if (rep->request_id & CTL_BIT) {
         on_probe_reply(r, i, rep);
     } else {
@@ -1525,10 +1527,10 @@ static void render_metrics(loom_router_t *r) {
                   "before its first token reached the client (request in to request out, plus "
                   "first chunk in to first chunk out; failed-over requests not counted)\n"
                   "# TYPE loom_router_overhead_seconds summary\n");
-    static const char *oq[] = {"0.5", "0.9", "0.99", "0.999"};
+    static const double oq[] = {0.5, 0.9, 0.99, 0.999};
     for (size_t k = 0; k < LOOM_ARRAY_LEN(oq); k++)
-        sb_printf(&b, "loom_router_overhead_seconds{quantile=\"%s\"} %.9f\n", oq[k],
-                  loom_lathist_quantile(&r->overhead, atof(oq[k])) / 1e9);
+        sb_printf(&b, "loom_router_overhead_seconds{quantile=\"%g\"} %.9f\n", oq[k],
+                  loom_lathist_quantile(&r->overhead, oq[k]) / 1e9);
     sb_printf(&b,
               "loom_router_overhead_seconds_sum %.9f\nloom_router_overhead_seconds_count %llu\n",
               (double)r->overhead.sum_ns / 1e9, (unsigned long long)r->overhead.n);
@@ -1608,8 +1610,9 @@ static void watch_add(watch_t *w, void *sock, uint64_t tag, int *fd_out) {
 /* Replicas and their event streams come and go between passes: register
  * the new sockets (a closed one's fd leaves the epoll set with it; the stale
  * ones are removed first, so an fd number reused by a new socket is added
- * after). */
-static void watch_sync(loom_router_t *r, watch_t *w) {
+ * after). 1 when it added one, to be read in the next pass. */
+static int watch_sync(loom_router_t *r, watch_t *w) {
+    int added = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < MAX_REPLICAS; i++) {
             void *sock = r->reps[i].used ? r->reps[i].sock : NULL;
@@ -1624,24 +1627,33 @@ static void watch_sync(loom_router_t *r, watch_t *w) {
             if (sock && w->rep[i] != sock) {
                 watch_add(w, sock, W_TAG(W_REP, i), &w->fd_rep[i]);
                 w->pending_rep |= 1ull << i;
+                added = 1;
             }
             if (evs && w->events[i] != evs) {
                 watch_add(w, evs, W_TAG(W_EVENTS, i), &w->fd_events[i]);
                 w->pending_events |= 1ull << i; /* it may hold messages already */
+                added = 1;
             }
             w->rep[i] = sock;
             w->events[i] = evs;
         }
+    return added;
 }
 
-static int drain_api(loom_router_t *r) {
+/* Reads the client socket (i < 0) or replica i's DEALER, which a handler
+ * may close or replace, to EAGAIN or DRAIN_MAX; the number read. */
+static int drain_frames(loom_router_t *r, int i) {
+    void *s = i < 0 ? r->api : r->reps[i].sock;
     zmq_msg_t f[4];
     int k = 0;
-    for (; k < DRAIN_MAX; k++) {
-        int nf = loom_zapi_recv_frames(r->api, f, 4);
+    for (; k < DRAIN_MAX && (i < 0 || (r->reps[i].used && r->reps[i].sock == s)); k++) {
+        int nf = loom_zapi_recv_frames(s, f, 4);
         if (!nf) break;
         r->t_recv = loom_now_ns();
-        on_api(r, f, nf);
+        if (i < 0)
+            on_api(r, f, nf);
+        else
+            on_replica(r, i, f, nf);
         for (int j = 0; j < nf; j++)
             zmq_msg_close(&f[j]);
     }
@@ -1686,27 +1698,12 @@ static int drain_events(loom_router_t *r, int i) {
     return k;
 }
 
-static int drain_replica(loom_router_t *r, int i) {
-    void *s = r->reps[i].sock;
-    zmq_msg_t f[4];
-    int k = 0;
-    for (; k < DRAIN_MAX && r->reps[i].used && r->reps[i].sock == s; k++) {
-        int nf = loom_zapi_recv_frames(s, f, 4);
-        if (!nf) break;
-        r->t_recv = loom_now_ns();
-        on_replica(r, i, f, nf);
-        for (int j = 0; j < nf; j++)
-            zmq_msg_close(&f[j]);
-    }
-    return k;
-}
-
 /* One pass over what may hold messages; the number moved. A socket cut
  * short at DRAIN_MAX stays pending. */
 static int reactor_pass(loom_router_t *r, watch_t *w) {
     int moved = 0, k;
     if (w->pending_api || r->api_dirty) {
-        moved += k = drain_api(r);
+        moved += k = drain_frames(r, -1);
         w->pending_api = k == DRAIN_MAX;
         r->api_dirty = 0; /* what its handlers sent came before the EAGAIN */
     }
@@ -1719,16 +1716,16 @@ static int reactor_pass(loom_router_t *r, watch_t *w) {
         w->pending_tok = k == DRAIN_MAX;
     }
     for (int i = 0; i < MAX_REPLICAS; i++) {
-        if (!r->reps[i].used) continue;
         replica_t *p = &r->reps[i];
+        if (!p->used) continue;
         if (p->probe_retry && p->state == REP_JOINING && ((w->pending_rep >> i) & 1)) {
             p->probe_retry = 0; /* its connection may be up: join now, not a tick later */
             send_probe(r, i, LOOM__V1__REQUEST__BODY_LIST_MODELS);
             send_probe(r, i, LOOM__V1__REQUEST__BODY_HEALTH);
         }
-        if (r->reps[i].dirty || ((w->pending_rep >> i) & 1)) {
-            moved += k = drain_replica(r, i);
-            r->reps[i].dirty = 0; /* its handlers' sends came before the EAGAIN */
+        if (p->dirty || ((w->pending_rep >> i) & 1)) {
+            moved += k = drain_frames(r, i);
+            p->dirty = 0; /* its handlers' sends came before the EAGAIN */
             if (k < DRAIN_MAX)
                 w->pending_rep &= ~(1ull << i);
             else
@@ -1765,15 +1762,15 @@ int loom_router_run(loom_router_t *r) {
             r->last_metrics = now;
             render_metrics(r);
         }
-        watch_sync(r, &w);
         int moved = reactor_pass(r, &w);
         for (int i = 0; i < MAX_REPLICAS && !moved; i++)
             moved = r->reps[i].used && r->reps[i].dirty; /* sent on after its read */
         if (r->api_dirty) moved = 1;
-        /* After a pass that moved messages or left a socket dirty, look
-         * without waiting (a send may have consumed a hot socket's signal;
-         * the idle ones must not starve under load). */
-        watch_sync(r, &w);
+        /* Register what the tick and the pass opened, then, after a pass
+         * that moved messages or left a socket dirty, look without waiting
+         * (a send may have consumed a hot socket's signal; the idle ones
+         * must not starve under load). */
+        if (watch_sync(r, &w)) moved = 1;
         struct epoll_event evs[16];
         int n = epoll_wait(w.ep, evs, (int)LOOM_ARRAY_LEN(evs), moved ? 0 : 20);
         if (n < 0 && errno != EINTR) {

@@ -735,6 +735,15 @@ def test_cli():
               "a bad tenants file: %d %s" % (p.returncode, p.stderr))
     finally:
         os.unlink(f.name)
+    # the benchmark's frames-only proxy (bench/bench_router.sh)
+    proxy = os.path.join(BIN, "null_proxy")
+    p = subprocess.run([proxy, "--help"], capture_output=True, text=True, timeout=10)
+    check(p.returncode == 0 and "--listen" in p.stdout and "--replica" in p.stdout, "null_proxy --help: %s" % p.stdout)
+    for bad, rc, what in (([], 2, "--listen and --replica are required"),
+                          (["--listen", "tcp://127.0.0.1:0", "--replica", "127.0.0.1:5"], 1, "127.0.0.1:5:"),
+                          (["--listen", "localhost:5", "--replica", "tcp://127.0.0.1:5"], 1, "localhost:5:")):
+        p = subprocess.run([proxy] + bad, capture_output=True, text=True, timeout=10)
+        check(p.returncode == rc and what in p.stderr, "null_proxy %r: %d %s" % (bad, p.returncode, p.stderr))
 
 
 def keygen(d, name, allow=None):
