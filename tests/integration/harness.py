@@ -34,8 +34,13 @@ LAUNCH = os.path.join(ROOT, "deploy", "local", "launch.sh")
 # closed again can be taken by any outgoing connection or bind(0) of a test
 # running beside this one before our server binds it; a port out of that
 # range can only be taken by another test's pick, one in twelve thousand.
+# A port handed out is not bound until the server starts, so this process
+# remembers its picks and never gives one out twice (a test that picked an
+# HTTP port and then a cluster's pair could otherwise get the same port in
+# both, and the coordinator would fail to bind its second socket).
 _PORT_LO, _PORT_HI = 20000, 32700
 _port_rng = random.Random(os.getpid() ^ int(time.time() * 1e6))
+_ports_given = set()
 
 
 def _bindable(port):
@@ -53,7 +58,9 @@ def free_port(n=1):
     """The first of n consecutive free TCP ports on loopback."""
     for _ in range(200):
         port = _port_rng.randrange(_PORT_LO, _PORT_HI - n)
-        if all(_bindable(port + i) for i in range(n)):
+        span = range(port, port + n)
+        if not _ports_given.intersection(span) and all(_bindable(p) for p in span):
+            _ports_given.update(span)
             return port
     raise RuntimeError("no %d free consecutive ports in %d-%d" % (n, _PORT_LO, _PORT_HI))
 
@@ -329,6 +336,8 @@ class Etcd:
         if p.returncode != 0:
             raise Failure("etcd did not start: %s" % p.stderr)
         self.url = p.stdout.strip()
+        with open(os.path.join(self.dir, "ports")) as f:  # free while it is restarted
+            _ports_given.update(int(x) for x in f.read().split())
         return self
 
     def __exit__(self, *exc):
