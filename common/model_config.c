@@ -1,5 +1,6 @@
 /* Reads a Hugging Face config.json into loom_model_config_t: the fields a
- * Llama-family decoder needs, their defaults, and checks that refuse a config
+ * Llama-family decoder needs, their defaults (k_families: a row per family,
+ * from its Transformers config class), and checks that refuse a config
  * Loom would run wrongly (unknown architectures, unsupported RoPE scaling,
  * head counts that do not divide). generation_config.json adds EOS ids. */
 #include "common/model_config.h"
