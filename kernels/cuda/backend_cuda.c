@@ -980,7 +980,11 @@ static const loom_backend_ops_t cuda_ops = {
     .add_bias = cuda_add_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
+    /* no windows, soft caps, sinks, other activations or clamped SwiGLU yet (docs/cuda.md) */
+    .caps = LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_FP8,
 };
+
+uint32_t loom_backend_cuda_caps(void) { return cuda_ops.caps; }
 
 int loom_backend_cuda_device_count(void) {
     int n = 0;
