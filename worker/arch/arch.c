@@ -10,9 +10,10 @@
 #include "worker/engine/arch.h"
 
 extern const loom_arch_t loom_arch_llama;
+extern const loom_arch_t loom_arch_gemma;
 extern const loom_arch_t loom_arch_gpt_oss;
 
-static const loom_arch_t *const k_archs[] = {&loom_arch_llama, &loom_arch_gpt_oss};
+static const loom_arch_t *const k_archs[] = {&loom_arch_llama, &loom_arch_gemma, &loom_arch_gpt_oss};
 
 int loom_arch_count(void) { return (int)LOOM_ARRAY_LEN(k_archs); }
 const loom_arch_t *loom_arch_at(int i) { return i >= 0 && i < loom_arch_count() ? k_archs[i] : NULL; }

@@ -1,8 +1,7 @@
 /* The Llama family and those that share its layer: Llama, Mistral, Qwen2,
  * Qwen3 (q/k norms), Phi-3 (fused q/k/v and gate/up), and the Mixture-of-
  * Experts families on the same attention (Mixtral, Qwen3-MoE, Qwen2-MoE's
- * shared expert); Gemma 2 / Gemma 3 text, with their norms around both
- * blocks and Gemma 2's final soft cap. A layer is
+ * shared expert). A layer is
  *   x += attn(norm(x));  x += ffn(norm(x))
  * with the dense MLP or the MoE block as the layer's config says. */
 #include "common/util.h"
@@ -18,10 +17,7 @@ static const loom_tensor_name_t k_names[] = {
      * (as in Transformers), except one `loom quantize` wrote */
     {LOOM_TN_LM_HEAD, "lm_head", LIN, LOOM_TN_TOP},
     {LOOM_TN_ATTN_NORM, "input_layernorm.weight", TEN, 0},
-    {LOOM_TN_FFN_NORM, "post_attention_layernorm.weight", TEN, LOOM_TN_LLAMA_NORMS},
-    {LOOM_TN_POST_ATTN_NORM, "post_attention_layernorm.weight", TEN, LOOM_TN_GEMMA},
-    {LOOM_TN_FFN_NORM, "pre_feedforward_layernorm.weight", TEN, LOOM_TN_GEMMA},
-    {LOOM_TN_POST_FFN_NORM, "post_feedforward_layernorm.weight", TEN, LOOM_TN_GEMMA},
+    {LOOM_TN_FFN_NORM, "post_attention_layernorm.weight", TEN, 0},
     {LOOM_TN_Q, "self_attn.q_proj", LIN, LOOM_TN_SPLIT},
     {LOOM_TN_K, "self_attn.k_proj", LIN, LOOM_TN_SPLIT},
     {LOOM_TN_V, "self_attn.v_proj", LIN, LOOM_TN_SPLIT},
@@ -61,8 +57,6 @@ static const loom_arch_type_t k_types[] = {
     {"mixtral", LOOM_CAP_MOE, LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ACT},
     {"qwen3_moe", LOOM_CAP_MOE, LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ACT},
     {"qwen2_moe", LOOM_CAP_MOE, LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ACT},
-    {"gemma2", LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_LOGIT_SOFTCAP | LOOM_CAP_ACT, 0},
-    {"gemma3_text", LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ACT, 0},
     {NULL, 0, 0},
 };
 
@@ -76,13 +70,7 @@ static loom_status_t llama_load_layer(loom_loader_t *L, int gl, loom_layer_t *ly
     char name[256];
 #define TNAME(role) loom_load_name(L, gl, role, -1, name, sizeof name)
     LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_ATTN_NORM), dim, &ly->attn_norm, err));
-    if (c->gemma) { /* post_attention_layernorm normalises the attention output; the MLP has its own pair */
-        LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_POST_ATTN_NORM), dim, &ly->post_attn_norm, err));
-        LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_FFN_NORM), dim, &ly->ffn_norm, err));
-        LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_POST_FFN_NORM), dim, &ly->post_ffn_norm, err));
-    } else {
-        LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_FFN_NORM), dim, &ly->ffn_norm, err));
-    }
+    LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_FFN_NORM), dim, &ly->ffn_norm, err));
 #undef TNAME
     LOOM_CHECK(loom_blk_attn_load(L, gl, ly, err));
     if (loom_model_config_layer_moe(c, gl)) return loom_blk_moe_load(L, gl, &ly->ffn, err);
@@ -91,24 +79,11 @@ static loom_status_t llama_load_layer(loom_loader_t *L, int gl, loom_layer_t *ly
 
 static loom_status_t llama_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err) {
     const loom_layer_t *ly = &m->layers[l];
-    const int n = so->n, dim = m->cfg.dim;
-    const float eps = m->cfg.norm_eps;
     LOOM_CHECK(loom_blk_attn(m, so, l, err));
-    if (ly->post_attn_norm) loom_op_rmsnorm(m->be, m->xb2, m->xb2, ly->post_attn_norm, n, dim, eps);
-    loom_op_add_rmsnorm(m->be, m->x, m->xb2, m->xb, ly->ffn_norm, n, dim, eps);
+    loom_op_add_rmsnorm(m->be, m->x, m->xb2, m->xb, ly->ffn_norm, so->n, m->cfg.dim, m->cfg.norm_eps);
     LOOM_CHECK(loom_blk_ffn(m, so, l, err));
-    if (ly->post_ffn_norm) loom_op_rmsnorm(m->be, m->xb2, m->xb2, ly->post_ffn_norm, n, dim, eps);
     loom_blk_ffn_residual(m, so, l);
     return LOOM_OK;
-}
-
-/* Gemma 2's final_logit_softcapping on the first n_rows rows of logits:
- * element-wise, so each TP rank caps its own slice of the vocabulary, and
- * everything downstream (logprobs, logit processors, grammar masks,
- * sampling) reads the capped values. */
-static void llama_head(loom_model_t *m, int n_rows) {
-    if (m->cfg.final_softcap > 0)
-        loom_op_softcap(m->be, m->logits, (int64_t)n_rows * m->dims.vocab, m->cfg.final_softcap);
 }
 
 const loom_arch_t loom_arch_llama = {
@@ -119,5 +94,4 @@ const loom_arch_t loom_arch_llama = {
     .needs = llama_needs,
     .load_layer = llama_load_layer,
     .layer = llama_layer,
-    .head = llama_head,
 };
