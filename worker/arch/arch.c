@@ -34,7 +34,6 @@ uint32_t loom_arch_conds(const loom_model_config_t *c, int layer) {
     f |= c->moe_mixtral_names ? LOOM_TN_MIXTRAL : LOOM_TN_QWEN_MOE;
     if (c->moe_shared_hidden) f |= LOOM_TN_SHARED;
     f |= c->ckpt_quant == LOOM_CKPT_MXFP4 ? LOOM_TN_MXFP4 : LOOM_TN_FLOAT;
-    f |= c->gemma ? LOOM_TN_GEMMA : LOOM_TN_LLAMA_NORMS;
     return f;
 }
 

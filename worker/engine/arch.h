@@ -64,8 +64,6 @@ enum {
     LOOM_TN_SHARED = 1u << 9,   /* a shared expert (moe_shared_hidden) */
     LOOM_TN_MXFP4 = 1u << 10,   /* the checkpoint stores MXFP4 experts */
     LOOM_TN_FLOAT = 1u << 11,   /* ... float ones */
-    LOOM_TN_GEMMA = 1u << 12,   /* config gemma: (1+w) norms around both blocks */
-    LOOM_TN_LLAMA_NORMS = 1u << 13, /* not gemma: one norm before each block */
 };
 
 typedef enum {
