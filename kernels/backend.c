@@ -60,7 +60,7 @@ static const struct {
     {LOOM_CAP_ATTN_SOFTCAP, "attn_softcap", "attention logit soft capping"},
     {LOOM_CAP_ATTN_SINKS, "attn_sinks", "attention sinks"},
     {LOOM_CAP_LOGIT_SOFTCAP, "logit_softcap", "final logit soft capping"},
-    {LOOM_CAP_ACT, "act", "MLP activations other than SiLU (GeGLU, ReLU, ...)"},
+    {LOOM_CAP_ACT, "act", "MLP activations other than SiLU"},
     {LOOM_CAP_SWIGLU_CLAMP, "swiglu_clamp", "the clamped SwiGLU"},
     {LOOM_CAP_MOE, "moe", "Mixture-of-Experts blocks"},
     {LOOM_CAP_KV_BF16, "kv_bf16", "a bf16 KV cache"},
