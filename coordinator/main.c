@@ -14,7 +14,7 @@
 #include "common/etcd.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "coordinator/http.h"
+#include "coordinator/gateway.h"
 #include "coordinator/server.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/quant.h"

@@ -8,7 +8,7 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "coordinator/http.h"
+#include "gateway/http.h"
 #include "router/router.h"
 
 #define MAX_STATIC 64

@@ -1,9 +1,11 @@
-/* The coordinator's HTTP gateway: an OpenAI-compatible API
- * (/v1/completions, /v1/chat/completions, /v1/models), /health and
- * /metrics, served by libmicrohttpd with one thread per connection. Each
- * connection talks to the reactor as an in-process loom.v1 client over
- * inproc://, so the gateway adds no state of its own to the scheduler.
- * See docs/http-api.md. */
+/* The HTTP gateway: an OpenAI-compatible API (/v1/completions,
+ * /v1/chat/completions, /v1/models, ...), /health and /metrics, served by
+ * libmicrohttpd with one thread per connection, in front of any loom.v1
+ * endpoint served over inproc:// in this process (the coordinator's
+ * reactor, the router's). Each connection is an in-process loom.v1 client,
+ * so the gateway adds no state of its own to the scheduler. It knows
+ * neither process: the coordinator starts it through coordinator/gateway.h.
+ * See docs/http-api.md and docs/architecture.md. */
 #ifndef LOOM_HTTP_H
 #define LOOM_HTTP_H
 
@@ -11,7 +13,6 @@
 
 #include "common/gen_defaults.h"
 #include "common/status.h"
-#include "coordinator/server.h"
 
 typedef struct loom_http_config {
     const char *bind;          /* "HOST:PORT" or "[V6]:PORT"; port 0 = ephemeral (default "127.0.0.1:8000") */
@@ -42,14 +43,9 @@ typedef struct loom_http_config {
 
 typedef struct loom_http loom_http_t;
 
-/* Loads the chat template (an unrecognised template or an unknown
- * --chat-template name is an error naming the choices) and starts serving.
- * Call after loom_server_create; requests wait until loom_server_run
- * turns. */
-loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err);
-/* The gateway in front of any loom.v1 endpoint served over inproc:// in
- * this process (the router's): its context and address, and what renders
- * its /metrics (malloc'ed text, *len bytes; NULL: 500). */
+/* The loom.v1 endpoint the gateway fronts, served over inproc:// in this
+ * process: its ZeroMQ context and address, and what renders its /metrics
+ * (malloc'ed text, *len bytes; NULL: 500). */
 typedef char *(*loom_http_metrics_fn)(void *ctx, size_t *len);
 typedef struct loom_http_endpoint {
     void *zmq_context;
@@ -57,6 +53,9 @@ typedef struct loom_http_endpoint {
     loom_http_metrics_fn metrics;
     void *metrics_ctx;
 } loom_http_endpoint_t;
+/* Loads the chat template (an unrecognised template or an unknown
+ * --chat-template name is an error naming the choices) and starts serving
+ * ep. Requests wait until the endpoint's reactor turns. */
 loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
                                  loom_err_t *err);
 /* The bound TCP port (the ephemeral one when 0 was asked for). */

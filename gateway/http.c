@@ -37,7 +37,7 @@
  * http_guard.c, which closes it when its headers or body miss their
  * deadline. Request bodies are strict JSON (loom_http_parse_json_body);
  * chat prompts are tokenized here with the messages' text as plain text. */
-#include "coordinator/http.h"
+#include "gateway/http.h"
 
 #include <errno.h>
 #include <math.h>
@@ -66,12 +66,11 @@
 #include "common/log.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
-#include "coordinator/http_guard.h"
-#include "coordinator/http_parse.h"
-#include "coordinator/http_tls.h"
-#include "coordinator/metrics.h"
-#include "coordinator/tool_calls.h"
-#include "coordinator/tool_stream.h"
+#include "gateway/http_guard.h"
+#include "gateway/http_parse.h"
+#include "gateway/http_tls.h"
+#include "gateway/tool_calls.h"
+#include "gateway/tool_stream.h"
 
 #define DEFAULT_BIND "127.0.0.1:8000"
 #define DEFAULT_MAX_BODY ((size_t)2 << 20)
@@ -108,8 +107,7 @@ typedef struct listener {
 } listener_t;
 
 struct loom_http {
-    loom_server_t *srv;  /* NULL when serving another endpoint (loom_http_start_at) */
-    loom_http_metrics_fn metrics_fn; /* /metrics of such an endpoint */
+    loom_http_metrics_fn metrics_fn; /* /metrics of the endpoint */
     void *metrics_ctx;
     struct MHD_Daemon *daemon;
     void *zctx;
@@ -2352,8 +2350,7 @@ done:
 
 static enum MHD_Result handle_metrics(req_t *q) {
     size_t len = 0;
-    char *text = q->h->srv ? loom_metrics_render(loom_server_metrics(q->h->srv), &len)
-                           : q->h->metrics_fn ? q->h->metrics_fn(q->h->metrics_ctx, &len) : NULL;
+    char *text = q->h->metrics_fn ? q->h->metrics_fn(q->h->metrics_ctx, &len) : NULL;
     if (!text) return respond_error(q, 500, "server_error", NULL, "internal_error", "cannot render the metrics");
     return respond(q, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len);
 }
@@ -2806,13 +2803,6 @@ static struct MHD_Daemon *start_daemon(loom_http_t *h, listener_t *l, struct soc
 static int daemon_port(struct MHD_Daemon *d) {
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
     return di ? di->port : 0;
-}
-
-loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err) {
-    loom_http_endpoint_t ep = {.zmq_context = loom_server_zmq_context(srv), .inproc_addr = loom_server_inproc_addr(srv)};
-    LOOM_CHECK(loom_http_start_at(&ep, cfg, out, err));
-    (*out)->srv = srv;
-    return LOOM_OK;
 }
 
 loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
