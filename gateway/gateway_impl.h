@@ -64,6 +64,11 @@
 #define DEFAULT_BODY_TIMEOUT_S 60   /* the body complete this long after the headers */
 #define PROBE_MAX_CONNECTIONS 16    /* the probe listener: /health, /metrics, /version only */
 #define PROBE_OVERFLOW_CONNECTIONS 16
+#define DEFAULT_RESPONSES_STORE 1024                 /* stored responses kept (LRU) */
+#define DEFAULT_RESPONSES_STORE_BYTES ((size_t)64 << 20) /* and their bytes */
+
+typedef struct resp_ctx resp_ctx_t;     /* one Responses API request (responses.c) */
+typedef struct resp_store resp_store_t; /* stored responses (responses.c) */
 
 
 /* One libmicrohttpd daemon: the traffic listener (--http) or the probe
@@ -107,6 +112,7 @@ struct loom_http {
     loom_http_tls_t tls; /* empty: plain HTTP */
     int per_ip;          /* MHD's per-client-address cap on the traffic listener (0: none) */
     int special_in_content; /* --chat-special-tokens-in-content: message text may write control tokens */
+    resp_store_t *rstore;   /* stored responses for previous_response_id and GET /v1/responses/{id} */
 };
 
 /* One per TCP connection (MHD's socket context). */
@@ -129,7 +135,9 @@ typedef enum {
     R_TOKENIZE,
     R_DETOKENIZE,
     R_VERSION,
-    R_EMBEDDINGS
+    R_EMBEDDINGS,
+    R_RESPONSES, /* POST /v1/responses */
+    R_RESPONSE   /* GET or DELETE /v1/responses/{id} */
 } route_t;
 
 /* One per HTTP request (MHD's con_cls). */
@@ -178,6 +186,7 @@ typedef struct req {
     loom_tools_t tools; /* chat: tools, tool_choice (tool_calls.h); mode OFF: none */
     cJSON *tools_req;   /* the request's tools array, kept for parsing the output */
     loom_tstream_t *ts; /* a streamed tool-calling answer, read as it comes (tool_stream.h) */
+    resp_ctx_t *resp;   /* /v1/responses: rendered as a response, not a chat completion (responses.c) */
 } req_t;
 
 
@@ -230,6 +239,7 @@ loom_status_t ensure_client(req_t *q, loom_err_t *err);
 loom_status_t probe_client(const loom_http_t *h, loom_client_t **c, loom_err_t *err);
 loom_status_t served_model(req_t *q, loom_model_info_t *m, loom_err_t *err);
 int next_chunk(req_t *q, loom_chunk_t *ch);
+enum MHD_Result handle_generate(req_t *q);
 
 /* parse.c */
 int bad(perr_t *e, const char *param, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -260,6 +270,10 @@ void stream_chunk(req_t *q, const loom_chunk_t *ch);
 ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max);
 enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch);
 void add_echo(const req_t *q, loom_sbuf_t *b, const char *text, const int32_t *ids, int n_ids);
+void take_timings(req_t *q, const loom_chunk_t *ch);
+loom_chat_family_t chat_family(const req_t *q);
+unsigned long long call_seed(const req_t *q);
+cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_chunk_t *ch, char **rest, const char **finish);
 
 /* routes.c */
 enum MHD_Result handle_models(req_t *q, const char *one);
@@ -269,5 +283,15 @@ enum MHD_Result handle_tokenize(req_t *q);
 enum MHD_Result handle_detokenize(req_t *q);
 enum MHD_Result handle_metrics(req_t *q);
 enum MHD_Result handle_embeddings(req_t *q);
+
+/* responses.c */
+resp_store_t *resp_store_create(int max_entries, size_t max_bytes);
+void resp_store_destroy(resp_store_t **s_p);
+enum MHD_Result handle_responses(req_t *q);
+enum MHD_Result handle_response(req_t *q, const char *id);
+void resp_stream_begin(req_t *q);
+void resp_stream_chunk(req_t *q, const loom_chunk_t *ch);
+enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch);
+void resp_free(req_t *q);
 
 #endif

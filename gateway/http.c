@@ -432,9 +432,9 @@ done:
 
 /* ---- generation ---- */
 
-static enum MHD_Result handle_generate(req_t *q) {
+enum MHD_Result handle_generate(req_t *q) {
     loom_http_t *h = q->h;
-    q->chat = q->route == R_CHAT;
+    q->chat = q->route == R_CHAT || q->route == R_RESPONSES;
     char msg[600];
     cJSON *root = loom_http_parse_json_body(q->body.p, q->body.len, msg, sizeof msg);
     if (!root) return respond_error(q, 400, "invalid_request_error", NULL, NULL, "%s", msg);
@@ -519,7 +519,8 @@ static enum MHD_Result handle_generate(req_t *q) {
         return respond_status(q, ch.status, ch.message);
     }
     if (q->stream) {
-        if (q->chat) sse_choice(q, "", 0, 1, NULL);
+        if (q->resp) resp_stream_begin(q);
+        else if (q->chat) sse_choice(q, "", 0, 1, NULL);
         if (q->text.len || ch.n_prompt_ids > 0) { /* echo, with the prompt's logprobs when asked */
             if (q->logprobs && ch.n_prompt_ids > 0) {
                 cJSON *lp = cJSON_CreateObject();
@@ -616,6 +617,7 @@ static const struct {
     {"/detokenize", R_DETOKENIZE, 1, 0},
     {"/version", R_VERSION, 0, 1},
     {"/v1/embeddings", R_EMBEDDINGS, 1, 0},
+    {"/v1/responses", R_RESPONSES, 1, 0},
 };
 
 /* Routes a request on its first call; a body over the limit is refused
@@ -624,8 +626,9 @@ static enum MHD_Result on_headers(req_t *q, const char *url) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_routes); i++)
         if (!strcmp(url, k_routes[i].path)) q->route = k_routes[i].route;
     if (q->route == R_NONE && !strncmp(url, "/v1/models/", 11) && url[11]) q->route = R_MODEL;
+    if (q->route == R_NONE && !strncmp(url, "/v1/responses/", 14) && url[14]) q->route = R_RESPONSE;
     int post = q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_TOKENIZE || q->route == R_DETOKENIZE ||
-               q->route == R_EMBEDDINGS;
+               q->route == R_EMBEDDINGS || q->route == R_RESPONSES;
     if (post && !strcmp(q->method, "POST")) {
         const char *cl = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
@@ -659,8 +662,9 @@ static enum MHD_Result dispatch(req_t *q) {
             open = k_routes[i].open;
         }
     int is_get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), is_post = !strcmp(method, "POST");
-    if (post ? !is_post : !is_get) {
-        q->allow = post ? "POST" : "GET, HEAD";
+    int is_delete = q->route == R_RESPONSE && !strcmp(method, "DELETE"); /* a stored response */
+    if (post ? !is_post : !is_get && !is_delete) {
+        q->allow = post ? "POST" : q->route == R_RESPONSE ? "GET, HEAD, DELETE" : "GET, HEAD";
         return respond_error(q, 405, "invalid_request_error", NULL, "method_not_allowed",
                              "Method %s is not allowed for %.200s (use %s)", method, url, q->allow);
     }
@@ -687,6 +691,8 @@ static enum MHD_Result dispatch(req_t *q) {
     case R_DETOKENIZE: return handle_detokenize(q);
     case R_VERSION: return handle_version(q);
     case R_EMBEDDINGS: return handle_embeddings(q);
+    case R_RESPONSES: return handle_responses(q);
+    case R_RESPONSE: return handle_response(q, url + 14);
     default: return MHD_NO;
     }
 }
@@ -764,6 +770,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     loom_tools_free(&q->tools);
     cJSON_Delete(q->tools_req);
     loom_tstream_destroy(&q->ts);
+    resp_free(q);
     free(q);
     *con_cls = NULL;
 }
@@ -914,6 +921,10 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
     h->id_salt = loom_now_ns() ^ ((uint64_t)(uintptr_t)h << 16);
     h->per_ip = cfg->max_connections_per_ip > 0 ? cfg->max_connections_per_ip : 0;
     h->special_in_content = cfg->chat_special_in_content;
+    if (cfg->responses_store_max >= 0)
+        h->rstore = resp_store_create(cfg->responses_store_max ? cfg->responses_store_max : DEFAULT_RESPONSES_STORE,
+                                      cfg->responses_store_bytes ? cfg->responses_store_bytes
+                                                                 : DEFAULT_RESPONSES_STORE_BYTES);
     pthread_mutex_init(&h->mu, NULL);
     h->traffic = (listener_t){.h = h, .probe = 0};
     h->traffic.max_conns = cfg->max_connections > 0 ? cfg->max_connections : DEFAULT_MAX_CONNECTIONS;
@@ -993,6 +1004,7 @@ void loom_http_stop(loom_http_t **h_p) {
     loom_http_tls_free(&h->tls);
     loom_chat_template_destroy(&h->tmpl);
     loom_tokenizer_destroy(&h->tok);
+    resp_store_destroy(&h->rstore);
     pthread_mutex_destroy(&h->mu);
     free(h->api_key);
     free(h);

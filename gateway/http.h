@@ -39,6 +39,9 @@ typedef struct loom_http_config {
     int forward_api_keys;        /* a router with tenants: the completion routes send each request's own
                                     Bearer key on and leave checking it to the router (whose keys are
                                     api_key and its tenants'); other routes still need api_key */
+    int responses_store_max;     /* /v1/responses with store: responses kept for previous_response_id and
+                                    GET /v1/responses/{id}, least recently used dropped (0: 1024; < 0: none) */
+    size_t responses_store_bytes; /* and at most these bytes of them (0: 64 MiB) */
 } loom_http_config_t;
 
 typedef struct loom_http loom_http_t;

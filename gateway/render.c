@@ -58,7 +58,7 @@ static cJSON *timings_obj(const req_t *q) {
     return o;
 }
 
-static void take_timings(req_t *q, const loom_chunk_t *ch) {
+void take_timings(req_t *q, const loom_chunk_t *ch) {
     if (!ch->has_timings) return;
     q->timings = ch->timings;
     q->has_timings = 1;
@@ -310,13 +310,13 @@ void keep_tools(req_t *q, gen_t *g) {
     }
 }
 
-static loom_chat_family_t chat_family(const req_t *q) {
+loom_chat_family_t chat_family(const req_t *q) {
     return q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
 }
 
 /* The seed of this completion's call ids (FNV-1a of its id): the same
  * streamed or not. */
-static unsigned long long call_seed(const req_t *q) {
+unsigned long long call_seed(const req_t *q) {
     unsigned long long seed = 1469598103934665603ull;
     for (const char *p = q->id; *p; p++) seed = (seed ^ (unsigned char)*p) * 1099511628211ull;
     return seed;
@@ -326,8 +326,8 @@ static unsigned long long call_seed(const req_t *q) {
  * the content). A forced call (required, named) that the budget cut short
  * stays text with finish length; auto and required finish as "tool_calls",
  * a named function as "stop" (as OpenAI). */
-static cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_chunk_t *ch, char **rest,
-                            const char **finish) {
+cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_chunk_t *ch, char **rest,
+                     const char **finish) {
     *rest = NULL;
     if (q->tools.mode == LOOM_TOOLS_OFF || ch->finish != LOOM_FINISH_STOP) return NULL;
     cJSON *calls = loom_tools_parse_output(&q->tools, chat_family(q), text, len, call_seed(q), rest);
@@ -388,6 +388,10 @@ static void stream_tool_text(req_t *q, const loom_chunk_t *ch, const char **fini
 
 /* Turns one coordinator chunk into SSE events in q->out. */
 void stream_chunk(req_t *q, const loom_chunk_t *ch) {
+    if (q->resp) {
+        resp_stream_chunk(q, ch);
+        return;
+    }
     uint64_t t0 = loom_now_ns();
     if (ch->n_ids > 0 || ch->text_len > 0) {
         /* (not with tools: content may go out a chunk or more after its tokens) */
@@ -448,6 +452,7 @@ ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
 }
 
 enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
+    if (q->resp) return resp_finish(q, ch);
     cJSON *o = head_obj(q, q->chat ? "chat.completion" : "text_completion");
     cJSON *choices = cJSON_AddArrayToObject(o, "choices");
     cJSON *c = cJSON_CreateObject();
