@@ -187,6 +187,8 @@ typedef struct req {
     cJSON *tools_req;   /* the request's tools array, kept for parsing the output */
     loom_tstream_t *ts; /* a streamed tool-calling answer, read as it comes (tool_stream.h) */
     resp_ctx_t *resp;   /* /v1/responses: rendered as a response, not a chat completion (responses.c) */
+    int choice;         /* the index of the choice sse_choice writes (several streamed: n > 1) */
+    struct multi_stream *ms; /* several choices streamed (http.c); NULL: one */
 } req_t;
 
 

@@ -430,6 +430,191 @@ done:
     return res;
 }
 
+/* Several choices streamed (stream with n > 1 or batched prompts): the
+ * generations run as handle_multi's, and each chunk goes out as it comes
+ * with its choice's index (as vLLM streams them); the usage chunk, when
+ * asked for, follows the last choice's finish. */
+typedef struct multi_stream {
+    choice_t *cs;
+    int n, n_per, left;
+    loom_chunk_t usage;
+} multi_stream_t;
+
+static void multi_stream_free(req_t *q) {
+    multi_stream_t *ms = q->ms;
+    if (!ms) return;
+    q->ms = NULL;
+    for (int i = 0; i < ms->n; i++) {
+        free(ms->cs[i].text.p);
+        cJSON_Delete(ms->cs[i].lp);
+        cJSON_Delete(ms->cs[i].plp);
+    }
+    free(ms->cs);
+    free(ms);
+}
+
+/* One chunk of choice i into SSE events in q->out. */
+static void multi_stream_chunk(req_t *q, int i, const loom_chunk_t *ch) {
+    multi_stream_t *ms = q->ms;
+    choice_t *c = &ms->cs[i];
+    q->choice = i;
+    if (ch->text_len > 0 || (q->logprobs && ch->has_logprobs && ch->n_ids > 0)) {
+        if (q->logprobs && ch->has_logprobs) {
+            cJSON *lp = cJSON_CreateObject();
+            q->lp_offset = c->lp_offset;
+            add_logprobs(q, lp, ch);
+            c->lp_offset = q->lp_offset;
+            q->lp_json = cJSON_PrintUnformatted(lp);
+            cJSON_Delete(lp);
+        }
+        sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        free(q->lp_json);
+        q->lp_json = NULL;
+    }
+    if (!ch->final) return;
+    c->done = 1;
+    ms->left--;
+    if (i % ms->n_per == 0) { /* the prompt once per prompt */
+        ms->usage.prompt_tokens += ch->prompt_tokens;
+        ms->usage.cached_tokens += ch->cached_tokens;
+    }
+    ms->usage.completion_tokens += ch->completion_tokens;
+    if (ch->status != LOOM_OK) {
+        /* one choice broke: the others are cancelled, an error event and [DONE] end the stream */
+        unsigned http;
+        const char *type, *code;
+        status_http(ch->status, &http, &type, &code);
+        cJSON *e = error_obj(ch->message && ch->message[0] ? ch->message : loom_status_str(ch->status), type, NULL,
+                             code);
+        char *s = cJSON_PrintUnformatted(e);
+        cJSON_Delete(e);
+        loom_sbuf_printf(&q->out, "data: %s\n\n", s ? s : "{}");
+        free(s);
+        LOOM_WARN("http: %s %s: stream %s failed: %s", q->method, q->path, q->id, ch->message);
+        abandon_multi(q, ms->cs, ms->n);
+        loom_sbuf_str(&q->out, "data: [DONE]\n\n");
+        q->finished = 1;
+        return;
+    }
+    sse_choice(q, NULL, 0, 0, finish_name(ch->finish));
+    if (ms->left > 0) return;
+    q->active = 0;
+    q->finished = 1;
+    if (q->include_usage) {
+        cJSON *o = head_obj(q, q->chat ? "chat.completion.chunk" : "text_completion");
+        cJSON_AddArrayToObject(o, "choices");
+        cJSON_AddItemToObject(o, "usage", usage_obj(&ms->usage));
+        char *s = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        loom_sbuf_printf(&q->out, "data: %s\n\n", s ? s : "{}");
+        free(s);
+    }
+    loom_sbuf_str(&q->out, "data: [DONE]\n\n");
+}
+
+/* The next chunk of any of the choices (0: the peer left or the gateway
+ * stops; the caller abandons them). */
+static int multi_next_chunk(req_t *q, loom_chunk_t *ch, int *which) {
+    multi_stream_t *ms = q->ms;
+    for (;;) {
+        if (atomic_load(&q->h->stopping)) return 0;
+        uint64_t now = loom_now_ns();
+        if (now - q->last_peek_ns >= (uint64_t)SLICE_MS * 1000000u) {
+            q->last_peek_ns = now;
+            if (peer_gone(q)) return 0;
+        }
+        int got = 0;
+        loom_err_t err = {0};
+        if (loom_client_poll(q->conn->client, SLICE_MS, ch, &got, &err) < 0) {
+            snprintf(q->fail_msg, sizeof q->fail_msg, "%s", err.msg);
+            int i = 0;
+            while (i < ms->n && ms->cs[i].done) i++;
+            *which = i < ms->n ? i : 0;
+            *ch = (loom_chunk_t){.request_id = ms->cs[*which].gen_id, .text = "", .final = 1,
+                                 .finish = LOOM_FINISH_ERROR, .status = err.code < 0 ? err.code : LOOM_ERR_INTERNAL,
+                                 .message = q->fail_msg};
+            return 1;
+        }
+        if (!got) continue;
+        for (int i = 0; i < ms->n; i++)
+            if (ms->cs[i].gen_id == ch->request_id && !ms->cs[i].done) {
+                *which = i;
+                return 1;
+            }
+    }
+}
+
+static ssize_t multi_sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    req_t *q = cls;
+    while (q->out_off >= q->out.len) {
+        q->out.len = q->out_off = 0;
+        if (q->finished) return MHD_CONTENT_READER_END_OF_STREAM;
+        uint64_t t = loom_now_ns();
+        loom_chunk_t ch;
+        int i = 0;
+        if (!multi_next_chunk(q, &ch, &i)) {
+            abandon_multi(q, q->ms->cs, q->ms->n);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        multi_stream_chunk(q, i, &ch);
+        if (loom_now_ns() - t > 1000000000ull) refresh_timeout(q);
+    }
+    size_t n = LOOM_MIN(max, q->out.len - q->out_off);
+    memcpy(buf, q->out.p + q->out_off, n);
+    q->out_off += n;
+    return (ssize_t)n;
+}
+
+static enum MHD_Result handle_multi_stream(req_t *q, gen_t *g) {
+    int n_prompts = g->n_batch > 1 ? g->n_batch : 1;
+    multi_stream_t *ms = loom_xcalloc(1, sizeof *ms);
+    ms->n_per = g->n;
+    ms->n = ms->left = n_prompts * g->n;
+    ms->cs = loom_xcalloc((size_t)ms->n, sizeof *ms->cs);
+    q->ms = ms;
+    loom_err_t err = {0};
+    q->active = 1;
+    q->counted = 1;
+    atomic_fetch_add(&q->h->generating, 1);
+    for (int i = 0; i < ms->n; i++) {
+        loom_gen_params_t p = g->p;
+        int pi = i / g->n, j = i % g->n;
+        if (g->n_batch > 1) {
+            p.prompt = g->batch_text[pi];
+            p.prompt_ids = g->batch_ids[pi];
+            p.n_prompt_ids = g->batch_n_ids[pi];
+        }
+        if (p.has_seed && j > 0) p.seed ^= mix64((uint64_t)j);
+        if (q->echo) add_echo(q, &ms->cs[i].text, p.prompt, p.prompt_ids, p.n_prompt_ids);
+        if (loom_client_submit(q->conn->client, &p, &ms->cs[i].gen_id, &err) < 0) {
+            abandon_multi(q, ms->cs, i);
+            return respond_status(q, err.code, err.msg);
+        }
+    }
+    MHD_set_connection_option(q->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    for (int i = 0; i < ms->n; i++) { /* each choice opens: the role (chat), the echo (completions) */
+        q->choice = i;
+        if (q->chat) sse_choice(q, "", 0, 1, NULL);
+        if (ms->cs[i].text.len) sse_choice(q, ms->cs[i].text.p, ms->cs[i].text.len, 0, NULL);
+        ms->cs[i].lp_offset = ms->cs[i].text.len;
+    }
+    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, SSE_BLOCK, multi_sse_read, q, NULL);
+    if (!r) {
+        abandon_multi(q, ms->cs, ms->n);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(r, "X-Accel-Buffering", "no");
+    MHD_add_response_header(r, "X-Request-Id", q->xid);
+    if (q->ignored[0]) MHD_add_response_header(r, "X-Loom-Ignored-Fields", q->ignored);
+    refresh_timeout(q);
+    enum MHD_Result res = MHD_queue_response(q->mc, MHD_HTTP_OK, r);
+    MHD_destroy_response(r);
+    q->status = MHD_HTTP_OK;
+    return res;
+}
+
 /* ---- generation ---- */
 
 enum MHD_Result handle_generate(req_t *q) {
@@ -483,12 +668,13 @@ enum MHD_Result handle_generate(req_t *q) {
         goto done;
     }
     if (g.n > 1 || g.n_batch > 1) {
-        if (q->stream) {
+        if (q->stream && (q->prompt_lp >= 0 || (q->echo && q->logprobs))) {
             res = respond_error(q, 400, "invalid_request_error", g.n > 1 ? "n" : "prompt", NULL,
-                                "n > 1 and batched prompts are answered without streaming: set stream to false");
+                                "n > 1 and batched prompts are streamed without prompt logprobs: set stream to "
+                                "false, or leave out prompt_logprobs and echo with logprobs");
             goto done;
         }
-        res = handle_multi(q, &g);
+        res = q->stream ? handle_multi_stream(q, &g) : handle_multi(q, &g);
         goto done;
     }
     if (loom_client_submit(q->conn->client, &g.p, &q->gen_id, &err) < 0) {
@@ -753,7 +939,9 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     req_t *q = *con_cls;
     if (!q) return;
     if (q->conn) loom_http_guard_next(q->h->guard, q->conn->slot); /* keep-alive: the next headers' clock */
-    if (q->active) abandon(q); /* a stream cut short: the peer left, timed out, or we are stopping */
+    if (q->active && q->ms) abandon_multi(q, q->ms->cs, q->ms->n);
+    else if (q->active) abandon(q); /* a stream cut short: the peer left, timed out, or we are stopping */
+    multi_stream_free(q);
     if (q->counted) atomic_fetch_sub(&q->h->generating, 1);
     /* the access log: scrapes and probes only at debug level */
     int quiet = q->route == R_HEALTH || q->route == R_METRICS || q->route == R_VERSION;

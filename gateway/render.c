@@ -115,11 +115,12 @@ void sse_choice(req_t *q, const char *text, size_t len, int role, const char *fi
         if (!head) return;
         loom_sbuf_str(&q->prefix, "data: ");
         loom_sbuf_add(&q->prefix, head, strlen(head) - 1); /* without the closing brace */
-        loom_sbuf_str(&q->prefix, ",\"choices\":[{\"index\":0,");
+        loom_sbuf_str(&q->prefix, ",\"choices\":[{\"index\":");
         free(head);
     }
     loom_sbuf_t *b = &q->out;
     loom_sbuf_add(b, q->prefix.p, q->prefix.len);
+    loom_sbuf_printf(b, "%d,", q->choice);
     if (q->chat) {
         loom_sbuf_str(b, "\"delta\":{");
         if (role) loom_sbuf_str(b, text ? "\"role\":\"assistant\"," : "\"role\":\"assistant\"");

@@ -3,7 +3,8 @@
 // then its function_call_output, text.format json_schema,
 // previous_response_id, an unknown id), the Vercel AI SDK's responses model
 // (@ai-sdk/openai's openai.responses) and LangChain's ChatOpenAI with
-// useResponsesApi, from tests/reference/node_modules. Prints one JSON line
+// useResponsesApi, and streamed n = 2 on chat and completions through the
+// openai SDK, from tests/reference/node_modules. Prints one JSON line
 // {schema, results: {name: {...} | {error}}} for test_responses.py.
 //
 //   node sdk_responses.mjs BASE_URL API_KEY
@@ -151,5 +152,30 @@ await record("langchain", async () => {
   const m = await llm.invoke([["system", "Tell a story."], ["human", "Once upon a time"]]);
   return { text: typeof m.content === "string" ? m.content : m.content.map((p) => p.text ?? "").join("") };
 });
+
+// streamed n = 2 (chat and completions): each index's text and finish equal
+// the unstreamed seeded answer's
+async function n2(create, textOf) {
+  const body = { model, n: 2, max_tokens: 16, temperature: 1.0, seed: 7 };
+  const whole = await create({ ...body });
+  const stream = await create({ ...body, stream: true });
+  const got = {};
+  for await (const ch of stream)
+    for (const c of ch.choices) {
+      got[c.index] ??= { text: "", finish: null };
+      got[c.index].text += textOf(c, true) ?? "";
+      if (c.finish_reason) got[c.index].finish = c.finish_reason;
+    }
+  return {
+    indexes: Object.keys(got).map(Number).sort(),
+    streamed: [0, 1].map((i) => got[i]),
+    whole: whole.choices.map((c) => ({ text: textOf(c, false), finish: c.finish_reason })),
+  };
+}
+await record("chat_n2_stream", () =>
+  n2((b) => client.chat.completions.create({ ...b, messages: [{ role: "user", content: "Once upon a time" }] }),
+     (c, streamed) => (streamed ? c.delta.content : c.message.content)));
+await record("completions_n2_stream", () =>
+  n2((b) => client.completions.create({ ...b, prompt: "Once upon a time" }), (c) => c.text));
 
 console.log(JSON.stringify({ schema, results }));

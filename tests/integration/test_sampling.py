@@ -308,7 +308,7 @@ def test_http_controls():
         # bad input: 400 naming the problem, and the server keeps serving
         # (echo with logprobs is answered: test_prompt_logprobs.py)
         for body, chat, name in [({"echo": True}, True, "echo"),
-({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 2, "stream": True}, True, "n"),
+({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 65}, True, "n"),
                                  ({"prompt": ["a", ""]}, False, "prompt"), ({"prompt": ["a", [1, -1]]}, False, "prompt"),
 ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
                                  ({"top_logprobs": 2}, True, "top_logprobs"),
