@@ -180,7 +180,7 @@ def ok_text(port, body, chat=False):
 
 
 def mix64(x):
-    """coordinator/http.c's mix64: choice j > 0 of a seeded n > 1 request samples with seed ^ mix64(j)."""
+    """gateway/http.c's mix64: choice j > 0 of a seeded n > 1 request samples with seed ^ mix64(j)."""
     m = (1 << 64) - 1
     x = ((x ^ (x >> 30)) * 0xbf58476d1ce4e5b9) & m
     x = ((x ^ (x >> 27)) * 0x94d049bb133111eb) & m
