@@ -159,7 +159,7 @@ static const char *bearer(const req_t *q);
 loom_status_t ensure_client(req_t *q, loom_err_t *err) {
     const char *key = q->h->api_key;
     if (q->h->forward_api_keys) {
-        if (q->route == R_COMPLETIONS || q->route == R_CHAT)
+        if (q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_RESPONSES)
             key = bearer(q); /* the router checks it, and finds its tenant */
         const char *had = q->conn->client_key;
         if (q->conn->client && !((had && key && !strcmp(had, key)) || (!had && !key)))
@@ -781,7 +781,8 @@ static int authorized(const req_t *q, int *given) {
     const char *a = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
     *given = a != NULL;
     if (!key) return 1;
-    if (q->h->forward_api_keys && (q->route == R_COMPLETIONS || q->route == R_CHAT) && bearer(q))
+    if (q->h->forward_api_keys && (q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_RESPONSES) &&
+        bearer(q))
         return 1; /* the router decides */
     if (!a || strncasecmp(a, "Bearer ", 7) != 0) return 0;
     a += 7;

@@ -21,6 +21,7 @@ preamble does not fit the tiny model's 512), chat template chatml.
   keeps serving.
 - Streamed n = 2 on chat and completions: choices indexed 0 and 1, each
   equal to the unstreamed seeded twin.
+- loom-router serves it too (the same gateway library, its own store).
 - The SDKs (sdk_responses.mjs): openai responses.create (plain, streamed,
   the stream helper, a tool call and its output, json_schema,
   previous_response_id, an unknown id), the AI SDK's responses model and
@@ -34,9 +35,10 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import ROOT, Cluster, check, run_tests  # noqa: E402
+from harness import ROOT, STORIES, Cluster, check, run_tests  # noqa: E402
 from test_http import KEY, expect_error, free_port, post, request  # noqa: E402
 from test_structured import validate  # noqa: E402
+from test_router import Router  # noqa: E402
 from test_tools import WEATHER, make_model  # noqa: E402
 
 RTOOLS = [{"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER}]
@@ -330,5 +332,29 @@ def test_sdks():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_router():
+    # loom-router serves /v1/responses with the same gateway library (its own store)
+    port = free_port()
+    with Cluster(STORIES, 1, 1, coord_args=["--api-key", KEY, "--http", "127.0.0.1:%d" % port,
+                                            "--chat-template", "chatml"]) as a:
+        with Router(["--api-key", KEY, "--replica-api-key", KEY, "--replica", a.addr, "--chat-template", "chatml"],
+                    http=True, expect_up=1) as r:
+            body = {"instructions": "Tell a story.", "input": "Once upon a time", "max_output_tokens": 12,
+                    "temperature": 0}
+            direct, routed = respond(port, body), respond(r.http, body)
+            check(message_text(direct) == message_text(routed) and direct["usage"]["output_tokens"] ==
+                  routed["usage"]["output_tokens"], "router %r vs coordinator %r" % (routed, direct))
+            nxt = respond(r.http, {"input": "Then?", "previous_response_id": routed["id"], "max_output_tokens": 4})
+            check(nxt["usage"]["input_tokens"] > routed["usage"]["input_tokens"], "router store %r" % nxt["usage"])
+            status, data = post(port, "/v1/responses", {"input": "x", "previous_response_id": routed["id"]})
+            expect_error(status, data, 404, param="previous_response_id")  # each process has its own store
+            status, events = sse(r.http, "/v1/responses", dict(body, stream=True))
+            check(status == 200 and events[-1][1]["type"] in ("response.incomplete", "response.completed"),
+                  "router stream %r" % (events[-1:],))
+            check("".join(d["delta"] for _, d in events if d["type"] == "response.output_text.delta") ==
+                  message_text(direct), "router stream text")
+    print("  loom-router: the same answers, its own store")
+
+
 if __name__ == "__main__":
-    run_tests([test_responses, test_sdks])
+    run_tests([test_responses, test_sdks, test_router])
