@@ -337,8 +337,8 @@ def test_router():
     port = free_port()
     with Cluster(STORIES, 1, 1, coord_args=["--api-key", KEY, "--http", "127.0.0.1:%d" % port,
                                             "--chat-template", "chatml"]) as a:
-        with Router(["--api-key", KEY, "--replica-api-key", KEY, "--replica", a.addr, "--chat-template", "chatml"],
-                    http=True, expect_up=1) as r:
+        with Router(["--api-key", KEY, "--replica-api-key", KEY, "--replica", a.addr, "--chat-template", "chatml",
+                     "--responses-store", "3"], http=True, expect_up=1) as r:
             body = {"instructions": "Tell a story.", "input": "Once upon a time", "max_output_tokens": 12,
                     "temperature": 0}
             direct, routed = respond(port, body), respond(r.http, body)
@@ -348,12 +348,21 @@ def test_router():
             check(nxt["usage"]["input_tokens"] > routed["usage"]["input_tokens"], "router store %r" % nxt["usage"])
             status, data = post(port, "/v1/responses", {"input": "x", "previous_response_id": routed["id"]})
             expect_error(status, data, 404, param="previous_response_id")  # each process has its own store
+            # the store keeps 3: two more responses (and a GET, which counts as a use) evict the oldest
+            status, _, _ = request(r.http, "GET", "/v1/responses/" + nxt["id"], key=KEY)
+            check(status == 200, "GET %d" % status)
+            for _ in range(2):
+                respond(r.http, {"input": "x", "max_output_tokens": 2})
+            status, _, data = request(r.http, "GET", "/v1/responses/" + routed["id"], key=KEY)
+            expect_error(status, data, 404)
+            status, _, _ = request(r.http, "GET", "/v1/responses/" + nxt["id"], key=KEY)
+            check(status == 200, "the most recently used one was evicted: %d" % status)
             status, events = sse(r.http, "/v1/responses", dict(body, stream=True))
             check(status == 200 and events[-1][1]["type"] in ("response.incomplete", "response.completed"),
                   "router stream %r" % (events[-1:],))
             check("".join(d["delta"] for _, d in events if d["type"] == "response.output_text.delta") ==
                   message_text(direct), "router stream text")
-    print("  loom-router: the same answers, its own store")
+    print("  loom-router: the same answers, its own store (LRU of 3)")
 
 
 if __name__ == "__main__":
