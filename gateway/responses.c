@@ -561,18 +561,18 @@ enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
         const char *name = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fn, "name"));
         const char *args = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fn, "arguments"));
         char id[80];
-        snprintf(id, sizeof id, "fc_%s", call_id && !strncmp(call_id, "call_", 5) ? call_id + 5 : call_id ? call_id : "");
-        cJSON_AddItemToArray(output, call_item(id, "completed", call_id ? call_id : "", name ? name : "",
-                                               args ? args : ""));
-        keep_call(r, call_id ? call_id : "", name ? name : "", args ? args : "");
+        if (!call_id) call_id = "";
+        snprintf(id, sizeof id, "fc_%s", !strncmp(call_id, "call_", 5) ? call_id + 5 : call_id);
+        cJSON_AddItemToArray(output, call_item(id, "completed", call_id, name ? name : "", args ? args : ""));
+        keep_call(r, call_id, name ? name : "", args ? args : "");
     }
     cJSON_Delete(calls);
     free(rest);
     free(t);
     take_timings(q, ch);
     int cut = ch->finish == LOOM_FINISH_LENGTH;
-    cJSON *o = resp_object(q, cut ? "incomplete" : "completed", output, resp_usage(ch), cut ? "max_output_tokens" : NULL,
-                           NULL);
+    cJSON *o = resp_object(q, cut ? "incomplete" : "completed", output, resp_usage(ch),
+                           cut ? "max_output_tokens" : NULL, NULL);
     keep_response(q, o);
     return respond_json(q, MHD_HTTP_OK, o);
 }
@@ -707,8 +707,9 @@ static int map_tools(const cJSON *x, cJSON *chat, perr_t *e) {
         const char *type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(t, "type"));
         if (!cJSON_IsObject(t) || !type) return bad(e, "tools", "tools[%d] must be an object with a string type", i);
         if (strcmp(type, "function") != 0)
-            return bad(e, "tools", "tools[%d]: tools of type '%.64s' are not supported; this server runs function tools",
-                       i, type);
+            return bad(e, "tools",
+                       "tools[%d]: tools of type '%.64s' are not supported; this server runs function tools", i,
+                       type);
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(t, "name");
         if (!cJSON_IsString(name)) return bad(e, "tools", "tools[%d] (a function) needs a string name", i);
         cJSON *c = cJSON_CreateObject(), *fn = cJSON_CreateObject();
