@@ -29,7 +29,7 @@ static loom_model_config_t parse(const char *json) {
     return c;
 }
 
-#define DIMS "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,\"num_attention_heads\":4," \
+#define DIMS "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,\"num_attention_heads\":4,\"num_key_value_heads\":4," \
              "\"vocab_size\":100,\"max_position_embeddings\":4096"
 
 static void test_registry(void) {
@@ -118,7 +118,7 @@ static void test_info_agrees(void) {
     for (size_t i = 0; i < sizeof k_types / sizeof k_types[0]; i++) {
         snprintf(json, sizeof json,
                  "{\"model_type\":\"%s\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,"
-                 "\"num_attention_heads\":4,\"vocab_size\":100,\"max_position_embeddings\":131072%s}",
+                 "\"num_attention_heads\":4,\"num_key_value_heads\":4,\"vocab_size\":100,\"max_position_embeddings\":131072%s}",
                  k_types[i], extra[i]);
         loom_model_config_t c = parse(json);
         const loom_arch_t *a = loom_arch_find(k_types[i]);
@@ -166,7 +166,7 @@ static void test_refusal(void) {
            "%s", err.msg);
     ops.caps &= ~(uint32_t)(LOOM_CAP_ATTN_SINKS | LOOM_CAP_SWIGLU_CLAMP);
     loom_model_config_t oss = parse("{\"model_type\":\"gpt_oss\",\"hidden_size\":64,\"intermediate_size\":128,"
-                                    "\"num_hidden_layers\":4,\"num_attention_heads\":4,\"vocab_size\":100,"
+                                    "\"num_hidden_layers\":4,\"num_attention_heads\":4,\"num_key_value_heads\":4,\"vocab_size\":100,"
                                     "\"max_position_embeddings\":131072,\"head_dim\":16,\"num_local_experts\":4,"
                                     "\"num_experts_per_tok\":2,\"sliding_window\":128}");
     CHECK(loom_model_load(be, &oss, NULL, &spec, &opt, &m, &err) == LOOM_ERR_UNSUPPORTED);
