@@ -585,6 +585,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.ignore_eos = p->ignore_eos != 0;
     g.no_speculation = p->no_speculation != 0;
     g.no_cache = p->no_cache != 0;
+    g.gateway_tokenize_ns = p->gateway_tokenize_ns;
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;

@@ -73,6 +73,8 @@ typedef struct loom_gen_params {
     int prompt_logprobs;                       /* the first chunk carries the prompt's logprobs */
     int prompt_top_logprobs;                   /* and the most likely tokens' at each position, at most 20 */
     int no_cache;                              /* a router's response cache neither answers nor keeps it */
+    uint64_t gateway_tokenize_ns;              /* time the sender spent tokenizing prompt_ids (counted in the
+                                                  request's tokenize stage) */
 } loom_gen_params_t;
 
 typedef enum {

@@ -61,6 +61,7 @@
 
 #include "client/loom_client.h"
 #include "common/chat_template.h"
+#include "common/reasoning.h"
 #include "common/json.h"
 #include "common/etcd.h"
 #include "common/log.h"
@@ -118,6 +119,8 @@ struct loom_http {
     char *api_key;
     int forward_api_keys; /* loom_http_config_t.forward_api_keys */
     loom_chat_template_t *tmpl; /* NULL: this model has no chat template */
+    loom_toolfmt_t tool_fmt;    /* the model's tool-call syntax (--tool-call-parser or the template's) */
+    loom_reasoning_t reasoning; /* --reasoning-parser (NONE: the output is all content) */
     size_t max_body;
     unsigned idle_timeout_s;
     int request_timeout_ms;
@@ -211,6 +214,7 @@ typedef struct req {
     loom_tools_t tools; /* chat: tools, tool_choice (tool_calls.h); mode OFF: none */
     cJSON *tools_req;   /* the request's tools array, kept for parsing the output */
     loom_tstream_t *ts; /* a streamed tool-calling answer, read as it comes (tool_stream.h) */
+    loom_rsplit_t *rs;  /* chat with --reasoning-parser: the output's reasoning split off (reasoning.h) */
 } req_t;
 
 /* ---- small helpers ---- */
@@ -609,10 +613,12 @@ static const struct {
     {"guided_decoding_backend", F_ALL}, {"structured_outputs", F_ALL},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     {"tools", F_CHAT}, {"tool_choice", F_CHAT}, {"parallel_tool_calls", F_CHAT},
+    {"chat_template", F_CHAT}, {"chat_template_kwargs", F_CHAT}, {"continue_final_message", F_CHAT},
+    {"documents", F_CHAT}, {"reasoning_effort", F_CHAT},
     /* OpenAI features Loom does not implement */
     {"suffix", F_FALSY}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
-    {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
+    {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
     {"service_tier", F_NONE_AUTO},
     /* vLLM's extensions Loom does not implement */
     {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
@@ -621,8 +627,7 @@ static const struct {
     {"logits_processors", F_FALSY},
     {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
     {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
-    {"chat_template", F_FALSY}, {"chat_template_kwargs", F_FALSY}, {"continue_final_message", F_FALSY},
-    {"documents", F_FALSY}, {"mm_processor_kwargs", F_FALSY}, {"thinking_token_budget", F_FALSY},
+    {"mm_processor_kwargs", F_FALSY}, {"thinking_token_budget", F_FALSY},
 };
 
 static int field_is_off(const cJSON *x, field_kind_t kind) {
@@ -817,7 +822,8 @@ static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
 /* ---- Constrained decoding: response_format, vLLM's guided_* and
  * structured_outputs become one (guide_kind, guide_spec) pair; the
  * coordinator compiles it (a bad spec is a 400 with the compiler's message). */
-enum { GUIDE_JSON_OBJECT = 1, GUIDE_JSON_SCHEMA = 2, GUIDE_REGEX = 3, GUIDE_CHOICE = 4, GUIDE_GRAMMAR = 5 };
+enum { GUIDE_JSON_OBJECT = 1, GUIDE_JSON_SCHEMA = 2, GUIDE_REGEX = 3, GUIDE_CHOICE = 4, GUIDE_GRAMMAR = 5,
+       GUIDE_TOOL_CALLS = 6 };
 
 static int set_guide(gen_t *g, int kind, const cJSON *x, const char *param, perr_t *e) {
     if (g->p.guide_kind)
@@ -921,15 +927,15 @@ static int parse_guide(const cJSON *o, gen_t *g, perr_t *e) {
 static int parse_tools(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     const char *param = "tools";
     char msg[300];
-    loom_chat_family_t fam = q->h && q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
-    if (loom_tools_parse(o, fam, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
+    loom_toolfmt_t fmt = q->h ? q->h->tool_fmt : LOOM_TOOLFMT_HERMES;
+    if (loom_tools_parse(o, fmt, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
     if (!g->tools.schema) return 0;
     if (g->p.guide_kind)
         return bad(e, "tool_choice", "tool_choice '%s' forces the output; it cannot be combined with response_format, "
                                      "guided_* or structured_outputs",
                    g->tools.mode == LOOM_TOOLS_NAMED ? g->tools.named : "required");
     g->guide_spec = loom_xstrdup(g->tools.schema);
-    g->p.guide_kind = GUIDE_JSON_SCHEMA;
+    g->p.guide_kind = GUIDE_TOOL_CALLS;
     g->p.guide_spec = g->guide_spec;
     return 0;
 }
@@ -1112,153 +1118,24 @@ static int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
     return 0;
 }
 
-/* /v1/chat/completions: messages through the chat template. The prompt is
- * tokenized here, with special-token text inside the messages' content
- * encoded as plain text (only the template's own special tokens are
- * control tokens), and sent as ids; with special_in_content (the
- * --chat-special-tokens-in-content flag) the rendered text goes to the
- * coordinator, which parses every special token in it. */
-/* A message of the tool-calling history, in the family's conventions:
- * an assistant message with tool_calls, or a tool result (as a user turn;
- * consecutive results share one). 1: handled (m[*i] set, *i advanced or
- * merged), 0: an ordinary message, -1: bad input. */
-static int tool_message(const loom_chat_template_t *tmpl, const cJSON *msg, loom_chat_msg_t *m, int *i,
-                        int *prev_tool, gen_t *g, perr_t *e) {
-    loom_chat_family_t fam = tmpl ? tmpl->family : LOOM_CHAT_CHATML;
-    const char *role = field(msg, "role")->valuestring;
-    const cJSON *calls = field(msg, "tool_calls"), *c = field(msg, "content");
-    int was_tool = *prev_tool;
-    *prev_tool = 0;
-    if (!strcmp(role, "assistant") && calls && !cJSON_IsNull(calls) && !(cJSON_IsArray(calls) && !calls->child)) {
-        char msgbuf[256];
-        char *t = loom_tools_render_calls(fam, calls, cJSON_IsString(c) ? c->valuestring : NULL, msgbuf, sizeof msgbuf);
-        if (!t) return bad(e, "messages", "messages[%d].%s", *i, msgbuf);
-        g->parts[g->n_parts++] = t;
-        m[*i].content = t;
-        (*i)++;
-        return 1;
-    }
-    if (strcmp(role, "tool") != 0) return 0;
-    if (!cJSON_IsString(c)) return bad(e, "messages", "messages[%d] (a tool result) must have string content", *i);
-    char *t = loom_tools_render_result(fam, c->valuestring);
-    if (was_tool && *i > 0) { /* one user turn for consecutive results */
-        char *prev = g->parts[g->n_parts - 1];
-        size_t a = strlen(prev), b = strlen(t);
-        prev = loom_xrealloc(prev, a + b + 2);
-        prev[a] = '\n';
-        memcpy(prev + a + 1, t, b + 1);
-        free(t);
-        g->parts[g->n_parts - 1] = prev;
-        m[*i - 1].content = prev;
-    } else {
-        g->parts[g->n_parts++] = t;
-        m[*i].role = "user";
-        m[*i].content = t;
-        (*i)++;
-    }
-    *prev_tool = 1;
-    return 1;
-}
-
-/* The tools where the family lists them: chatml in the system turn (one is
- * added when there is none), llama3 before the first user text, mistral
- * before the last user text. */
-static void add_tools_turn(const loom_chat_template_t *tmpl, loom_chat_msg_t *m, int *n, gen_t *g) {
-    loom_chat_family_t fam = tmpl ? tmpl->family : LOOM_CHAT_CHATML;
-    const char *r = g->tools.render;
-    int at = -1, before = 1;
-    if (fam == LOOM_CHAT_LLAMA3 || fam == LOOM_CHAT_MISTRAL) {
-        for (int k = 0; k < *n; k++)
-            if (!strcmp(m[k].role, "user") && (at < 0 || fam == LOOM_CHAT_MISTRAL)) at = k;
-    } else {
-        before = 0;
-        if (*n > 0 && (!strcmp(m[0].role, "system") || !strcmp(m[0].role, "developer"))) at = 0;
-    }
-    if (at < 0) { /* a system turn of its own (chatml), or the first turn */
-        memmove(m + 1, m, (size_t)*n * sizeof *m);
-        (*n)++;
-        m[0].role = fam == LOOM_CHAT_LLAMA3 || fam == LOOM_CHAT_MISTRAL ? "user" : "system";
-        m[0].content = r;
-        return;
-    }
-    loom_sbuf_t b = {0};
-    loom_sbuf_add(&b, "", 0);
-    if (before) loom_sbuf_printf(&b, "%s%s", r, m[at].content);
-    else loom_sbuf_printf(&b, "%s%s%s", m[at].content, m[at].content[0] ? "\n\n" : "", r);
-    g->parts[g->n_parts++] = b.p;
-    m[at].content = b.p;
-}
-
+/* /v1/chat/completions: the request through the model's chat template
+ * (chat_template.h). The prompt is tokenized here, with special-token text
+ * inside the request's strings encoded as plain text (only the template's
+ * own special tokens are control tokens), and sent as ids; with
+ * special_in_content (the --chat-special-tokens-in-content flag) the
+ * rendered text goes to the coordinator, which parses every special token
+ * in it. The rendered text holds BOS already: none is added. */
 static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
                           const cJSON *o, gen_t *g, perr_t *e) {
-    const cJSON *x = field(o, "messages");
-    if (!x) return bad(e, "messages", "messages is required");
-    if (!cJSON_IsArray(x) || cJSON_GetArraySize(x) == 0)
-        return bad(e, "messages", "messages must be a non-empty array of {role, content} objects");
-    int n = cJSON_GetArraySize(x);
-    loom_chat_msg_t *m = loom_xcalloc((size_t)n + 1, sizeof *m); /* + a system turn for the tools */
-    g->parts = loom_xcalloc((size_t)n + 2, sizeof *g->parts);
-    int i = 0, rc = -1, prev_tool = 0;
-    size_t len, *plain = NULL, n_plain = 0; /* before the first goto done */
-    const cJSON *msg;
-    cJSON_ArrayForEach(msg, x) {
-        const cJSON *role = cJSON_IsObject(msg) ? field(msg, "role") : NULL;
-        if (!cJSON_IsString(role)) {
-            bad(e, "messages", "messages[%d] must be an object with a string role", i);
-            goto done;
-        }
-        m[i].role = role->valuestring;
-        int tr = tool_message(tmpl, msg, m, &i, &prev_tool, g, e);
-        if (tr < 0) goto done;
-        if (tr) continue;
-        const cJSON *c = field(msg, "content");
-        if (!c) {
-            if (strcmp(role->valuestring, "assistant") != 0) {
-                bad(e, "messages", "messages[%d] has no content", i);
-                goto done;
-            }
-            m[i].content = "";
-        } else if (cJSON_IsString(c)) {
-            m[i].content = c->valuestring;
-        } else if (cJSON_IsArray(c)) {
-            loom_sbuf_t s = {0};
-            loom_sbuf_add(&s, "", 0);
-            const cJSON *part;
-            int k = 0;
-            cJSON_ArrayForEach(part, c) {
-                const cJSON *type = cJSON_IsObject(part) ? field(part, "type") : NULL;
-                const cJSON *text = cJSON_IsObject(part) ? field(part, "text") : NULL;
-                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 || !cJSON_IsString(text)) {
-                    free(s.p);
-                    bad(e, "messages", "messages[%d].content[%d]: only {\"type\": \"text\", \"text\": ...} parts are supported",
-                        i, k);
-                    goto done;
-                }
-                if (k++) loom_sbuf_str(&s, "\n");
-                loom_sbuf_str(&s, text->valuestring);
-            }
-            g->parts[g->n_parts++] = s.p;
-            m[i].content = s.p;
-        } else {
-            bad(e, "messages", "messages[%d].content must be a string or an array of text parts", i);
-            goto done;
-        }
-        i++;
-    }
-    n = i;
-    if (g->tools.render) add_tools_turn(tmpl, m, &n, g);
     loom_err_t err = {0};
-    int add_gen = 1, r = opt_bool(o, "add_generation_prompt", &add_gen, e);
-    if (r < 0) goto done;
-    if (!special_in_content && !tok) {
-        bad(e, "messages", "this server has no tokenizer loaded to encode chat prompts");
-        goto done;
-    }
-    if (loom_chat_render_spans(tmpl, m, n, add_gen, &g->prompt, &len, special_in_content ? NULL : &plain,
-                               special_in_content ? NULL : &n_plain, &err) < 0) {
-        bad(e, "messages", "%s", err.msg);
-        goto done;
-    }
+    size_t len, *plain = NULL, n_plain = 0;
+    const char *param = NULL;
+    int rc = -1;
+    if (!special_in_content && !tok) return bad(e, "messages", "this server has no tokenizer loaded to encode chat prompts");
+    uint64_t t0 = loom_now_ns();
+    if (loom_chat_template_render(tmpl, o, &g->prompt, &len, special_in_content ? NULL : &plain,
+                                  special_in_content ? NULL : &n_plain, &param, &err) < 0)
+        return bad(e, param ? param : "messages", "%s", err.msg);
     if (len == 0) {
         bad(e, "messages", "the conversation renders to an empty prompt");
         goto done;
@@ -1267,11 +1144,9 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
     if (special_in_content) {
         g->p.prompt = g->prompt;
     } else {
-        uint64_t t0 = loom_now_ns();
         int n_ids = 0, cap = 0;
         loom_status_t st = loom_tokenizer_encode_spans(tok, g->prompt, len, 0, plain, n_plain, &g->ids, &n_ids, &cap,
                                                        &err);
-        g->tok_ns = loom_now_ns() - t0;
         if (st < 0) {
             bad(e, "messages", "cannot tokenize the conversation: %s", err.msg);
             goto done;
@@ -1279,10 +1154,11 @@ static int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer
         g->p.prompt_ids = g->ids;
         g->p.n_prompt_ids = n_ids;
     }
+    g->tok_ns = loom_now_ns() - t0;
+    g->p.gateway_tokenize_ns = g->tok_ns; /* the coordinator counts it in the tokenize stage */
     rc = 0;
 done:
     free(plain);
-    free(m);
     return rc;
 }
 
@@ -1350,7 +1226,7 @@ static cJSON *timings_obj(const req_t *q) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "queue_ms", t->queue_ms);
     double gw_tok_ms = (double)q->tok_ns * 1e-6; /* before the coordinator saw the request */
-    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms + gw_tok_ms);
+    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms); /* holds the gateway's (gateway_tokenize_ns) */
     cJSON_AddNumberToObject(o, "prefill_ms", t->prefill_ms);
     cJSON_AddNumberToObject(o, "decode_ms", t->decode_ms);
     cJSON_AddNumberToObject(o, "detokenize_ms", t->detokenize_ms);
@@ -1612,10 +1488,6 @@ static void keep_tools(req_t *q, gen_t *g) {
     }
 }
 
-static loom_chat_family_t chat_family(const req_t *q) {
-    return q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
-}
-
 /* The seed of this completion's call ids (FNV-1a of its id): the same
  * streamed or not. */
 static unsigned long long call_seed(const req_t *q) {
@@ -1632,7 +1504,7 @@ static cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_c
                             const char **finish) {
     *rest = NULL;
     if (q->tools.mode == LOOM_TOOLS_OFF || ch->finish != LOOM_FINISH_STOP) return NULL;
-    cJSON *calls = loom_tools_parse_output(&q->tools, chat_family(q), text, len, call_seed(q), rest);
+    cJSON *calls = loom_tools_parse_output(&q->tools, text, len, call_seed(q), rest);
     if (calls) *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
     return calls;
 }
@@ -1679,13 +1551,56 @@ static void tool_event(void *ctx, const loom_tse_t *e) {
  * what is still held goes out, and finish becomes tool_calls or, for a
  * named function, stop when the answer was calls). */
 static void stream_tool_text(req_t *q, const loom_chunk_t *ch, const char **finish) {
-    if (!q->ts) q->ts = loom_tstream_create(&q->tools, chat_family(q), tool_event, q);
+    if (!q->ts) q->ts = loom_tstream_create(&q->tools, tool_event, q);
     if (!finish) {
         loom_tstream_feed(q->ts, ch->text, ch->text_len);
         return;
     }
     if (loom_tstream_finish(q->ts, ch->finish == LOOM_FINISH_STOP) > 0)
         *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
+}
+
+/* A streamed piece of reasoning: {"delta": {"reasoning_content": ...}}. */
+static void sse_reasoning(req_t *q, const char *text, size_t len) {
+    if (!len) return;
+    cJSON *o = head_obj(q, "chat.completion.chunk"), *choices = cJSON_AddArrayToObject(o, "choices");
+    cJSON *choice = cJSON_CreateObject(), *delta = cJSON_AddObjectToObject(choice, "delta");
+    cJSON_AddNumberToObject(choice, "index", 0);
+    char *piece = text_dup(text, len);
+    cJSON_AddStringToObject(delta, "reasoning_content", piece);
+    free(piece);
+    cJSON_AddNullToObject(choice, "logprobs");
+    cJSON_AddNullToObject(choice, "finish_reason");
+    cJSON_AddItemToArray(choices, choice);
+    if (q->include_usage) cJSON_AddNullToObject(o, "usage");
+    sse_event(q, o);
+}
+
+/* The answer's text (after any reasoning): tool calls read from it, or content. */
+static void stream_answer(req_t *q, const loom_chunk_t *ch, const char *text, size_t len) {
+    if (q->tools.mode != LOOM_TOOLS_OFF) {
+        loom_chunk_t c = *ch;
+        c.text = (char *)text;
+        c.text_len = len;
+        stream_tool_text(q, &c, NULL);
+    } else if (len || !q->rs) {
+        sse_choice(q, text, len, 0, NULL);
+    }
+}
+
+/* A chat chunk's text: its reasoning and its answer split (reasoning.h). */
+static void stream_text(req_t *q, const loom_chunk_t *ch, int final) {
+    if (!q->rs) {
+        if (!final) stream_answer(q, ch, ch->text, ch->text_len);
+        return;
+    }
+    loom_sbuf_t r = {0}, c = {0};
+    if (final) loom_rsplit_finish(q->rs, &r, &c);
+    else loom_rsplit_feed(q->rs, ch->text, ch->text_len, &r, &c);
+    sse_reasoning(q, r.p, r.len);
+    if (c.len) stream_answer(q, ch, c.p, c.len);
+    free(r.p);
+    free(c.p);
 }
 
 /* Turns one coordinator chunk into SSE events in q->out. */
@@ -1699,8 +1614,7 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
             q->lp_json = cJSON_PrintUnformatted(lp);
             cJSON_Delete(lp);
         }
-        if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_text(q, ch, NULL);
-        else sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        stream_text(q, ch, 0);
         free(q->lp_json);
         q->lp_json = NULL;
     }
@@ -1721,6 +1635,7 @@ static void stream_chunk(req_t *q, const loom_chunk_t *ch) {
         return;
     }
     const char *finish = finish_name(ch->finish);
+    stream_text(q, ch, 1);
     if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_text(q, ch, &finish);
     sse_choice(q, NULL, 0, 0, finish);
     if (q->include_usage) {
@@ -1759,7 +1674,15 @@ static enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     if (q->chat) {
         cJSON *m = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
-        char *rest = NULL;
+        char *rest = NULL, *reasoning = NULL, *answer = NULL;
+        if (q->h->reasoning) { /* the reasoning split off; the rest is the answer */
+            loom_reasoning_split(q->h->reasoning, t, strlen(t), &reasoning, &answer);
+            free(t);
+            t = answer ? answer : loom_xstrdup("");
+            if (reasoning) cJSON_AddStringToObject(m, "reasoning_content", reasoning);
+            else cJSON_AddNullToObject(m, "reasoning_content");
+            free(reasoning);
+        }
         cJSON *calls = tool_calls_of(q, t, strlen(t), ch, &rest, &finish);
         if (calls) {
             if (rest) cJSON_AddStringToObject(m, "content", rest);
@@ -1992,9 +1915,9 @@ static enum MHD_Result handle_generate(req_t *q) {
     loom_model_info_t mi;
     if (q->chat && !h->tmpl) {
         res = respond_error(q, 400, "invalid_request_error", "messages", "no_chat_template",
-                            "this model has no chat template; start the coordinator with --chat-template NAME (%s), "
-                            "or use /v1/completions",
-                            LOOM_CHAT_FAMILY_NAMES);
+                            "this model has no chat template; start the coordinator with --chat-template FILE or "
+                            "a template Loom ships (%s), or use /v1/completions",
+                            LOOM_CHAT_SHIPPED_NAMES);
         goto done;
     }
     if (parse_common(q, root, &g, &e) < 0 ||
@@ -2046,6 +1969,7 @@ static enum MHD_Result handle_generate(req_t *q) {
     q->counted = 1;
     q->tok_ns = g.tok_ns;
     keep_tools(q, &g);
+    if (q->chat && h->reasoning) q->rs = loom_rsplit_create(h->reasoning);
     atomic_fetch_add(&q->h->generating, 1);
     if (q->echo) add_echo(q, &q->text, g.p.prompt, g.p.prompt_ids, g.p.n_prompt_ids); /* the choice starts so */
     cJSON_Delete(root);
@@ -2225,7 +2149,9 @@ static enum MHD_Result handle_tokenize(req_t *q) {
     enum MHD_Result res;
     cJSON *root = json_body(q, &res);
     if (!root) return res;
-    static const char *const names[] = {"prompt", "add_special_tokens", "messages", "add_generation_prompt"};
+    static const char *const names[] = {"prompt", "add_special_tokens", "messages", "add_generation_prompt",
+                                        "tools", "chat_template_kwargs", "continue_final_message", "documents",
+                                        "reasoning_effort", "chat_template", "tool_choice"};
     perr_t e = {0};
     loom_err_t err = {0};
     loom_model_info_t mi;
@@ -2699,6 +2625,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     loom_tools_free(&q->tools);
     cJSON_Delete(q->tools_req);
     loom_tstream_destroy(&q->ts);
+    loom_rsplit_destroy(&q->rs);
     free(q);
     *con_cls = NULL;
 }
@@ -2830,16 +2757,21 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
                             "--tls-cert/--tls-key: this libmicrohttpd is built without TLS support");
     loom_http_tls_t tls = {0};
     if (cfg->tls_cert || cfg->tls_key) LOOM_CHECK(loom_http_tls_load(cfg->tls_cert, cfg->tls_key, &tls, err));
-    loom_chat_template_t *tmpl = NULL;
-    loom_status_t tst = cfg->model_dir ? loom_chat_template_load(cfg->model_dir, cfg->chat_template, &tmpl, err)
-                                       : loom_chat_template_from_text(NULL, cfg->chat_template, NULL, NULL, &tmpl, err);
-    if (tst < 0) {
+    loom_toolfmt_t tool_fmt = LOOM_TOOLFMT_NONE;
+    loom_reasoning_t reasoning = LOOM_REASONING_NONE;
+    if (cfg->tool_call_parser && !(tool_fmt = loom_toolfmt_from_name(cfg->tool_call_parser))) {
         loom_http_tls_free(&tls);
-        return tst;
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--tool-call-parser %s: not one of %s",
+                            cfg->tool_call_parser, LOOM_TOOL_PARSER_NAMES);
+    }
+    if (cfg->reasoning_parser && !(reasoning = loom_reasoning_from_name(cfg->reasoning_parser))) {
+        loom_http_tls_free(&tls);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--reasoning-parser %s: not one of %s",
+                            cfg->reasoning_parser, LOOM_REASONING_PARSER_NAMES);
     }
 
     loom_http_t *h = loom_xcalloc(1, sizeof *h);
-    h->tmpl = tmpl;
+    h->reasoning = reasoning;
     h->tls = tls;
     h->zctx = ep->zmq_context;
     snprintf(h->inproc, sizeof h->inproc, "%s", ep->inproc_addr);
@@ -2873,6 +2805,16 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
         if (loom_tokenizer_load(cfg->model_dir, &h->tok, &terr) < 0)
             LOOM_WARN("http: no tokenizer for /tokenize and /detokenize: %s", terr.msg);
     }
+    /* the chat template, compiled once (a syntax error refuses start-up) */
+    loom_chat_template_opts_t topt = {.override = cfg->chat_template,
+                                      .trust_request = cfg->trust_request_chat_template};
+    loom_status_t tst = loom_chat_template_load(cfg->model_dir, &topt, h->tok, &h->tmpl, err);
+    if (tst < 0) {
+        loom_http_stop(&h);
+        return tst;
+    }
+    h->tool_fmt = tool_fmt ? tool_fmt : loom_toolfmt_detect(loom_chat_template_text(h->tmpl));
+    if (!h->tool_fmt) h->tool_fmt = LOOM_TOOLFMT_HERMES;
 
     /* MHD's threads leave SIGINT/SIGTERM to the main thread */
     sigset_t block, old;
@@ -2899,9 +2841,9 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
     h->port = daemon_port(h->daemon);
     if (h->probe_daemon) h->probe_port = daemon_port(h->probe_daemon);
     atomic_store(&h->serving, 1);
-    LOOM_INFO("HTTP gateway on %s (port %d, %s), chat template: %s%s", bind, h->port,
-              h->tls.cert_pem ? "HTTPS" : "plain HTTP", tmpl ? loom_chat_family_name(tmpl->family) : "none",
-              h->api_key ? ", API key required" : "");
+    LOOM_INFO("HTTP gateway on %s (port %d, %s), chat template: %s, tool calls: %s, reasoning: %s%s", bind, h->port,
+              h->tls.cert_pem ? "HTTPS" : "plain HTTP", h->tmpl ? loom_chat_template_origin(h->tmpl) : "none",
+              loom_toolfmt_name(h->tool_fmt), loom_reasoning_name(h->reasoning), h->api_key ? ", API key required" : "");
     if (h->probe_daemon)
         LOOM_INFO("HTTP probe listener (/health, /metrics, /version) on %s (port %d)", probe_bind, h->probe_port);
     *out = h;

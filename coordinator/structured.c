@@ -72,8 +72,8 @@ static loom_status_t ensure_vocab(loom_structured_t *s, loom_err_t *err) {
 loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, loom_guide_t **out,
                                 loom_err_t *err) {
     *out = NULL;
-    if (kind < LOOM_GRAMMAR_JSON_OBJECT || kind > LOOM_GRAMMAR_EBNF)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guide_kind %d is not one of 1 to 5", kind);
+    if (kind < LOOM_GRAMMAR_JSON_OBJECT || kind > LOOM_GRAMMAR_TOOL_CALLS)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guide_kind %d is not one of 1 to 6", kind);
     loom_grammar_t *gr = NULL;
     LOOM_CHECK(loom_grammar_cache_get(s->cache, (loom_grammar_kind_t)kind, spec, len, &gr, err));
     loom_status_t st = ensure_vocab(s, err);

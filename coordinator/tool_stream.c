@@ -198,10 +198,9 @@ static const char k_open[] = "<tool_call>", k_close[] = "</tool_call>";
 
 struct loom_tstream {
     const loom_tools_t *t;
-    loom_chat_family_t family;
     loom_tse_fn emit;
     void *ctx;
-    int blocks;        /* chatml auto: <tool_call> blocks within text */
+    int blocks;        /* hermes: <tool_call> blocks within text */
     loom_sbuf_t buf;   /* everything fed, NULs dropped */
     size_t pos, sent;  /* scanned up to; out or dropped up to (see the top) */
     int phase;
@@ -417,8 +416,8 @@ static int pre_char(loom_tstream_t *s, char c) {
         s->pos++;
         return 1;
     }
-    if (s->t->mode == LOOM_TOOLS_AUTO) {
-        static const char *const tags[] = {"<|python_tag|>", "[TOOL_CALLS]"};
+    {
+        static const char *const tags[] = {"<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>"};
         while (s->tag_i < (int)LOOM_ARRAY_LEN(tags)) {
             const char *tag = tags[s->tag_i];
             size_t n = strlen(tag), have = s->buf.len - s->pos;
@@ -430,12 +429,10 @@ static int pre_char(loom_tstream_t *s, char c) {
             }
         }
     }
-    if (c == '{' && s->t->mode == LOOM_TOOLS_NAMED) {
-        begin_value(s, 0);
-    } else if (c == '[' && s->t->mode != LOOM_TOOLS_NAMED) {
+    if (c == '[') {
         s->array = 1;
         begin_value(s, 2);
-    } else if (c == '{' && s->t->mode == LOOM_TOOLS_AUTO) {
+    } else if (c == '{') {
         begin_value(s, 1);
     } else {
         fail(s);
@@ -484,7 +481,7 @@ static void run(loom_tstream_t *s) {
         case P_TRAIL:
             if (is_ws(c)) {
                 s->sent = ++s->pos;
-            } else if (c == ';' && s->family == LOOM_CHAT_LLAMA3 && !s->array && s->t->mode == LOOM_TOOLS_AUTO) {
+            } else if (c == ';' && s->t->fmt == LOOM_TOOLFMT_LLAMA3_JSON && !s->array) {
                 s->semi_at = s->pos++;
                 s->phase = P_SEMI;
             } else {
@@ -510,14 +507,13 @@ static void run(loom_tstream_t *s) {
     }
 }
 
-loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_chat_family_t family, loom_tse_fn emit, void *ctx) {
+loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_tse_fn emit, void *ctx) {
     LOOM_ASSERT(t->mode != LOOM_TOOLS_OFF);
     loom_tstream_t *s = loom_xcalloc(1, sizeof *s);
     s->t = t;
-    s->family = family;
     s->emit = emit;
     s->ctx = ctx;
-    s->blocks = t->mode == LOOM_TOOLS_AUTO && family != LOOM_CHAT_LLAMA3 && family != LOOM_CHAT_MISTRAL;
+    s->blocks = t->fmt == LOOM_TOOLFMT_HERMES || t->fmt == LOOM_TOOLFMT_NONE;
     s->phase = s->blocks ? P_OUT : P_PRE;
     return s;
 }

@@ -158,9 +158,9 @@ int main(int argc, char **argv) {
          "also serve the OpenAI-compatible HTTP API, /health and /metrics here (port 0: any free "
          "port)",
          1, 0, NULL},
-        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME",
-         "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral (default: the "
-         "model's; needs --model)",
+        {"chat-template", LOOM_OPT_STR, &chat_template, "FILE|NAME",
+         "Jinja chat template for /v1/chat/completions: a file, its text, or a template Loom ships "
+         "(chatml) (default: the model's; needs --model)",
          1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
          "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},

@@ -14,3 +14,8 @@ if(TARGET loom_http)
   loom_add_test(test_tool_stream SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_tool_stream.c
                 LIBS loom_http LABELS unit TIMEOUT 60)
 endif()
+# Reasoning parsers (common/reasoning.c): each format whole and streamed in every split.
+if(TARGET loom_chat_template)
+  loom_add_test(test_reasoning SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_reasoning.c
+                LIBS loom_chat_template LABELS unit TIMEOUT 30)
+endif()
