@@ -1,0 +1,230 @@
+#!/usr/bin/python3
+"""Reference renderer for Loom's Jinja engine (common/jinja.h): python's jinja2
+set up exactly as transformers' apply_chat_template sets it up (an immutable
+sandbox with trim_blocks, lstrip_blocks, loop controls, the `generation` tag,
+raise_exception, strftime_now and its own tojson), and the comparison of its
+output with loom-jinja-render's.
+
+  jinja_ref.py conformance RENDERER CASES.json   # tests/data/jinja/cases.json
+  jinja_ref.py templates RENDERER CHAT_TEMPLATE_DIR  # the real chat templates
+  jinja_ref.py render CASES.json                  # print the reference results
+
+A case passes when both outputs are byte-identical, or both refuse; when the
+reference refuses through raise_exception, Loom's message must be the same.
+Exit 77 (skipped) when jinja2 is missing."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import datetime
+
+try:
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+except ImportError:
+    print("skipped: python3-jinja2 is not installed (apt-get install python3-jinja2)")
+    sys.exit(77)
+
+
+class _Raised(Exception):
+    """raise_exception's error (transformers raises TemplateError; kept apart here)."""
+
+
+def make_env():
+    class GenerationTracker(Extension):
+        # transformers' AssistantTracker: {% generation %}...{% endgeneration %} renders its body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise _Raised(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTracker, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+ENV = make_env()
+
+
+def render_ref(template, vars):
+    """('ok', text) | ('raise', message) | ('error', description)."""
+    try:
+        return ("ok", ENV.from_string(template).render(**vars))
+    except _Raised as e:
+        return ("raise", str(e.args[0]) if e.args else "")
+    except Exception as e:  # noqa: BLE001 - any refusal counts as a refusal
+        return ("error", f"{type(e).__name__}: {e}")
+
+
+def run_loom(renderer, cases):
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as f:
+        json.dump({"cases": cases}, f, ensure_ascii=False)
+        path = f.name
+    try:
+        p = subprocess.run([renderer, path], capture_output=True, timeout=300)
+    finally:
+        os.unlink(path)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr.decode("utf-8", "replace"))
+        raise SystemExit(f"{renderer} exited {p.returncode}")
+    return json.loads(p.stdout.decode("utf-8"))
+
+
+def compare(ref, loom):
+    """'same' | 'both refused' | a description of the difference."""
+    if ref[0] == "ok" and loom["ok"]:
+        if ref[1] == loom["out"]:
+            return "same"
+        a, b = ref[1], loom["out"]
+        i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        return f"differ at {i}: jinja2 {a[max(0, i - 30):i + 40]!r} loom {b[max(0, i - 30):i + 40]!r}"
+    if ref[0] != "ok" and not loom["ok"]:
+        if ref[0] == "raise" and loom["msg"] != ref[1]:
+            return f"both refused, messages differ: jinja2 {ref[1]!r} loom {loom['msg']!r}"
+        return "both refused"
+    if ref[0] == "ok":
+        return f"loom refused ({loom['msg']}), jinja2 rendered {ref[1][:80]!r}"
+    return f"jinja2 refused ({ref[1]}), loom rendered {loom['out'][:80]!r}"
+
+
+def conformance(renderer, cases_path):
+    with open(cases_path, encoding="utf-8") as f:
+        cases = json.load(f)["cases"]
+    results = run_loom(renderer, cases)
+    bad = 0
+    counts = {"same": 0, "both refused": 0}
+    for case, loom in zip(cases, results):
+        ref = render_ref(case["template"], case.get("vars", {}))
+        verdict = compare(ref, loom)
+        want = case.get("expect")  # "error" marks a case that must be refused
+        if want == "error" and ref[0] == "ok":
+            verdict = "the case expects an error but jinja2 rendered"
+        if verdict in counts:
+            counts[verdict] += 1
+        else:
+            bad += 1
+            print(f"FAIL {case['name']}: {verdict}")
+    print(f"{len(cases)} cases: {counts['same']} identical, {counts['both refused']} both refused, {bad} differ")
+    print(f"{len(cases) - bad} passed, {bad} failed")
+    return 1 if bad else 0
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "The city, e.g. Paris"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "Unit"}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the web.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "What to look for"},
+            "max_results": {"type": "integer", "description": "How many results"}},
+            "required": ["query"]}}},
+]
+CALL = {"id": "call12345", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+USER = {"role": "user", "content": "What's the weather like in Paris today?"}
+DOCS = [{"title": "Paris weather", "text": "Sunny, 22 degrees."},
+        {"title": "Lyon weather", "text": "Rain, 15 degrees."}]
+
+
+def conversations():
+    """(name, vars without the model's tokens)."""
+    multi = [SYSTEM, {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+             {"role": "user", "content": "Tell me a joke about \"quotes\", 'apostrophes' and {{ braces }}.\nTwo lines, ünïcödé ✓."}]
+    tool_turn = [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                 {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "{\"temperature\": 22, \"sky\": \"sunny\"}"}]
+    after_tool = tool_turn + [{"role": "assistant", "content": "It is sunny and 22 degrees in Paris."},
+                              {"role": "user", "content": "Thanks! And tomorrow?"}]
+    yield "plain", {"messages": [{"role": "user", "content": "Hello, who are you?"}], "add_generation_prompt": True}
+    yield "system", {"messages": [SYSTEM, USER], "add_generation_prompt": True}
+    yield "multi", {"messages": multi, "add_generation_prompt": True}
+    yield "no_gen", {"messages": multi[:3], "add_generation_prompt": False}
+    yield "tools", {"messages": [SYSTEM, USER], "tools": TOOLS, "add_generation_prompt": True}
+    yield "tool_call", {"messages": tool_turn, "tools": TOOLS, "add_generation_prompt": True}
+    yield "after_tool", {"messages": after_tool, "tools": TOOLS, "add_generation_prompt": True}
+    yield "continue", {"messages": [USER, {"role": "assistant", "content": "The weather in Paris is"}],
+                       "add_generation_prompt": False, "continue_final_message": True}
+    yield "no_think", {"messages": [SYSTEM, USER], "add_generation_prompt": True, "enable_thinking": False}
+    yield "documents", {"messages": [USER], "documents": DOCS, "add_generation_prompt": True}
+    yield "effort", {"messages": [SYSTEM, USER], "add_generation_prompt": True, "reasoning_effort": "high"}
+
+
+def templates(renderer, tdir):
+    with open(os.path.join(tdir, "index.json"), encoding="utf-8") as f:
+        index = json.load(f)
+    rows, cases, refs = [], [], []
+    convs = list(conversations())
+    for model in index:
+        for tf in model["files"]:
+            label = model["name"] + (f" ({tf['name']})" if tf["name"] else "")
+            with open(os.path.join(tdir, tf["file"]), encoding="utf-8") as f:
+                text = f.read()
+            for cname, v in convs:
+                vars = {"tools": None, "documents": None, **v,
+                        "bos_token": model["bos"] or "", "eos_token": model["eos"] or ""}
+                cases.append({"name": f"{tf['file']}:{cname}", "template": text, "vars": vars})
+                refs.append((label, cname, render_ref(text, vars)))
+    results = run_loom(renderer, cases)
+    table, bad = {}, 0
+    for (label, cname, ref), loom in zip(refs, results):
+        verdict = compare(ref, loom)
+        cell = {"same": "same", "both refused": "both-ref"}.get(verdict, "DIFF")
+        if cell == "DIFF":
+            bad += 1
+            print(f"DIFF {label} / {cname}: {verdict}")
+        table.setdefault(label, []).append(cell)
+    names = [c for c, _ in convs]
+    w = max(len(k) for k in table)
+    print(f"{'template':<{w}} " + " ".join(f"{n:>10}" for n in names))
+    for label, cells in table.items():
+        print(f"{label:<{w}} " + " ".join(f"{c:>10}" for c in cells))
+    total = len(cases)
+    same = sum(c == "same" for cells in table.values() for c in cells)
+    print(f"{len(table)} templates x {len(names)} conversations: {same} identical, "
+          f"{total - same - bad} both refused, {bad} differ")
+    print(f"{total - bad} passed, {bad} failed")
+    return 1 if bad else 0
+
+
+def main():
+    if len(sys.argv) >= 4 and sys.argv[1] == "conformance":
+        return conformance(sys.argv[2], sys.argv[3])
+    if len(sys.argv) >= 4 and sys.argv[1] == "templates":
+        if not os.path.isfile(os.path.join(sys.argv[3], "index.json")):
+            print(f"skipped: no chat templates at {sys.argv[3]}")
+            return 77
+        return templates(sys.argv[2], sys.argv[3])
+    if len(sys.argv) >= 3 and sys.argv[1] == "render":
+        with open(sys.argv[2], encoding="utf-8") as f:
+            for c in json.load(f)["cases"]:
+                print(json.dumps({"name": c["name"], "ref": render_ref(c["template"], c.get("vars", {}))}, ensure_ascii=False))
+        return 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
