@@ -306,7 +306,7 @@ static loom_status_t bad(loom_err_t *err, const char **param, const char *p, con
 }
 
 /* messages as vLLM hands them to templates: text parts joined into a
- * string, tool_calls' arguments parsed into objects. */
+ * string, no content as "", tool_calls' arguments parsed into objects. */
 static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **param, loom_err_t *err) {
     if (!msgs) return bad(err, param, "messages", "messages is required");
     if (!cJSON_IsArray(msgs) || !msgs->child)
@@ -346,6 +346,9 @@ static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **p
                        i);
         } else if (!content && strcmp(role->valuestring, "assistant") != 0) {
             return bad(err, param, "messages", "messages[%d] has no content", i);
+        } else if (!cJSON_IsString(content)) { /* vLLM: no content is "" (an assistant's tool calls) */
+            if (content) cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(""));
+            else cJSON_AddStringToObject(c, "content", "");
         }
         cJSON *calls = cJSON_GetObjectItemCaseSensitive(c, "tool_calls"), *call;
         if (calls && !cJSON_IsNull(calls) && !cJSON_IsArray(calls))

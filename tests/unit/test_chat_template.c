@@ -248,6 +248,11 @@ static void test_real_templates(void) {
             if (t) {
                 cJSON *r = cJSON_Parse("{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}, {\"role\": "
                                        "\"assistant\", \"content\": \"Hi\"}, {\"role\": \"user\", \"content\": \"Bye\"}]}");
+                const cJSON *nm = cJSON_GetObjectItem(f, "name");
+                if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "tool_use")) /* rendered only with tools */
+                    cJSON_AddItemToObject(r, "tools", cJSON_Parse("[{\"type\": \"function\", \"function\": {\"name\": "
+                                                                  "\"f\", \"description\": \"d\", \"parameters\": "
+                                                                  "{\"type\": \"object\", \"properties\": {}}}}]"));
                 char *out = NULL;
                 const char *param;
                 CHECKF(loom_chat_template_render(t, r, &out, &len, NULL, NULL, &param, &err) == LOOM_OK &&
