@@ -309,7 +309,8 @@ def test_errors_and_api_key():
         expect_error(*post(port, H, {"max_tokens": 4}), 400, param="messages")
         expect_error(*post(port, H, {"messages": "hi"}), 400, param="messages")
         expect_error(*post(port, H, {"messages": []}), 400, param="messages")
-        expect_error(*post(port, H, {"messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages")
+        # (any role string goes to the template, as in vLLM: the template decides what it renders)
+        expect_error(*post(port, H, {"messages": [{"role": 5, "content": "x"}]}), 400, param="messages")
         expect_error(*post(port, H, {"messages": [{"role": "user"}]}), 400, param="messages")
         expect_error(*post(port, H, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400)
         expect_error(*post(port, H, {"messages": CHAT, "max_completion_tokens": 0}), 400,
@@ -596,7 +597,8 @@ def test_chat_template_at_startup():
         co = start("{% if messages %}\n  {{ messages[0].content }\n{% endif %}")
         try:
             rc = co.proc.wait(timeout=20)
-            check(rc == 1 and "tokenizer_config.json:2:" in co.text(), "syntax error: %s" % co.text()[-500:])
+            check(rc == 1 and re.search(r"tokenizer_config\.json:\d+:\d+: ", co.text()),
+                  "syntax error: %s" % co.text()[-500:])
         finally:
             co.stop()
     finally:
