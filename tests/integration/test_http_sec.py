@@ -363,7 +363,7 @@ def test_https():
             f.write("not a certificate\n")
         refused(["--tls-cert", os.path.join(d, "junk.crt"), "--tls-key", key], "not a PEM file")
 
-        co = Coordinator(["--tls-cert", cert, "--tls-key", key, "--api-key", KEY, "--chat-template", "chatml",
+        co = Coordinator(["--tls-cert", cert, "--tls-key", key, "--api-key", KEY, "--chat-template", LLAMA2,
                           "--chat-special-tokens-in-content", "--http-max-connections-per-ip", "3"])
         try:
             co.wait_ready()

@@ -161,7 +161,9 @@ def test_bad_input():
     try:
         with Serve("--chat-template", junk.name) as s:
             rc = s.proc.wait(60)
-            check(rc == 2 and junk.name + ":2:" in s.log(), "a broken template: %r %s" % (rc, s.log()[-800:]))
+            # (compiled when the gateway starts: the coordinator exits 1, and serve with it)
+            check(rc not in (0, None) and junk.name + ":2:" in s.log(), "a broken template: %r %s" % (
+                rc, s.log()[-800:]))
     finally:
         os.unlink(junk.name)
     p = loom("serve", "--help")
