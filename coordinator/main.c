@@ -8,7 +8,7 @@
 
 #include "common/chat_template.h"
 #include "common/reasoning.h"
-#include "coordinator/tool_calls.h"
+#include "gateway/tool_calls.h"
 #include "common/cli.h"
 #include "common/cpu_check.h"
 #include "common/endpoint.h"
@@ -16,7 +16,7 @@
 #include "common/etcd.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "coordinator/http.h"
+#include "coordinator/gateway.h"
 #include "coordinator/server.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/quant.h"
@@ -104,6 +104,7 @@ int main(int argc, char **argv) {
     int trust_request_template = 0, auto_tool_choice = 0;
     const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
+    int responses_store = 1024, responses_store_mb = 64;
     vllm_opts_t vo = {.port = -1};
     const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
     const char *pooling = NULL;
@@ -244,6 +245,12 @@ int main(int argc, char **argv) {
          1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
          "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
+        {"responses-store", LOOM_OPT_INT, &responses_store, "N",
+         "/v1/responses: stored responses kept for previous_response_id and GET /v1/responses/{id}, least "
+         "recently used dropped first (default 1024; 0: none stored)",
+         0, 1 << 20, NULL},
+        {"responses-store-mb", LOOM_OPT_INT, &responses_store_mb, "MB",
+         "and at most this many MiB of them (default 64)", 1, 1 << 20, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N",
          "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
         {"log-format", LOOM_OPT_STR, &log_format, "FMT",
@@ -469,7 +476,9 @@ int main(int argc, char **argv) {
                                  .max_connections_per_ip = conns_per_ip,
                                  .chat_special_in_content = special_in_content,
                                  .trust_request_chat_template = trust_request_template,
-                                 .tool_call_parser = tool_parser, .reasoning_parser = reasoning_parser};
+                                 .tool_call_parser = tool_parser, .reasoning_parser = reasoning_parser,
+                                 .responses_store_max = responses_store ? responses_store : -1,
+                                 .responses_store_bytes = (size_t)responses_store_mb << 20};
         (void)auto_tool_choice;
         if (loom_http_start(g_server, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);

@@ -1,13 +1,13 @@
 /* Tests of tool calling's request reading, the parsers' names and
  * detection, the forced call's grammar in each model's syntax and output
- * parsing (coordinator/tool_calls.c). */
+ * parsing (gateway/tool_calls.c). */
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
 #include "common/grammar.h"
-#include "coordinator/tool_calls.h"
+#include "gateway/tool_calls.h"
 #include "tests/test.h"
 
 static const char *k_req =
