@@ -855,7 +855,8 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     if (g->guide_kind) {
         loom_guide_t *guide = NULL;
         const char *spec = g->guide_spec ? g->guide_spec : "";
-        if (loom_guide_create(s->structured, (int)g->guide_kind, spec, strlen(spec), &guide, &err) < 0) {
+        if (loom_guide_create(s->structured, (int)g->guide_kind, spec, strlen(spec), g->guide_after, &guide, &err) <
+            0) {
             snprintf(msg, sizeof msg, "%s", err.msg);
             goto refuse;
         }

@@ -259,6 +259,7 @@ int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e);
 int parse_prompt(const cJSON *o, gen_t *g, perr_t *e);
 int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
                    const cJSON *o, gen_t *g, perr_t *e);
+void guide_after_reasoning(const loom_http_t *h, gen_t *g);
 
 /* render.c */
 void new_id(req_t *q);

@@ -695,6 +695,23 @@ done:
     return rc;
 }
 
+/* A reasoning model answers after its reasoning: a guide (structured
+ * output, a forced tool call) holds from the parser's end-of-reasoning
+ * marker on, unless the rendered prompt closed the reasoning already (Qwen3
+ * with enable_thinking false). No speculation then: drafts would cross the
+ * marker unguided. */
+void guide_after_reasoning(const loom_http_t *h, gen_t *g) {
+    if (!h->reasoning || !g->p.guide_kind || !g->prompt) return;
+    const char *end = loom_reasoning_end_marker(h->reasoning);
+    size_t n = strlen(g->prompt), m = strlen(end);
+    while (n && (g->prompt[n - 1] == ' ' || g->prompt[n - 1] == '\n' || g->prompt[n - 1] == '\t' ||
+                 g->prompt[n - 1] == '\r'))
+        n--;
+    if (n >= m && !memcmp(g->prompt + n - m, end, m)) return;
+    g->p.guide_after = end;
+    g->p.no_speculation = 1;
+}
+
 int loom_http_parse_generate(const char *body, size_t len, int chat, const loom_chat_template_t *tmpl,
                              const loom_tokenizer_t *tok, int special_in_content, char *msg, size_t cap) {
     cJSON *root = loom_http_parse_json_body(body, len, msg, cap);

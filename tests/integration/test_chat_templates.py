@@ -14,8 +14,10 @@ tokenizer_config.json carries a real model's chat template
   own syntax (Hermes: <tool_call> blocks; Mistral: [TOOL_CALLS][...]), the
   grammar holding them to the tool's schema, and parse back into
   tool_calls, streamed and not; a tool-result turn renders and answers.
-- --reasoning-parser splits reasoning_content off (qwen3, forced with a
-  regex guide so the tiny model writes <think>...</think>).
+- --reasoning-parser splits reasoning_content off, streamed and not (qwen3,
+  forced with a regex guide so the tiny model writes <think>...</think>);
+  with deepseek_r1 (whose template opens <think>) a json_object guide
+  leaves the reasoning free: it holds only after </think>.
 - Bad input: a template with a syntax error refuses start-up naming
   file:line:col; an endless loop or a huge string is bounded (400);
   chat_template_kwargs not an object (400); raise_exception's message
@@ -252,8 +254,10 @@ def test_reasoning_parser():
     port = free_port()
     model = model_with("qwen3-0.6b")
     with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port, "--reasoning-parser", "qwen3"]):
+        # enable_thinking false: the template closed the reasoning, the guide holds from the start and
+        # makes the tiny model write a think block anyway, which the parser splits off
         body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 60, "temperature": 0,
-                "chat_template_kwargs": {"enable_thinking": True},
+                "chat_template_kwargs": {"enable_thinking": False},
                 "structured_outputs": {"regex": "<think>[a-z ]{1,12}</think>[a-z ]{1,10}"}}
         whole, f = chat(port, body)
         check(f == "stop", "finish %r: %r" % (f, whole))
@@ -263,6 +267,22 @@ def test_reasoning_parser():
         check(streamed["reasoning_content"] == whole["reasoning_content"] and
               streamed["content"] == whole["content"], "streamed %r, not %r" % (streamed, whole))
         print("  qwen3: reasoning %r, content %r" % (whole["reasoning_content"], whole["content"]))
+    # DeepSeek R1's template opens <think>: a guide holds only after </think>, so the reasoning is free text
+    port = free_port()
+    with Cluster(model_with("deepseek-r1"), coord_args=["--http", "127.0.0.1:%d" % port, "--reasoning-parser",
+                                                        "deepseek_r1"]):
+        free = 0
+        for seed in range(4):
+            body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 16, "temperature": 1.0,
+                    "seed": seed, "response_format": {"type": "json_object"}}
+            m, f = chat(port, body)
+            r = m.get("reasoning_content") or ""
+            check(f == "length" and r and not m.get("content"), "deepseek_r1: %r %r" % (m, f))
+            free += not r.lstrip().startswith("{")
+            s, fs = chat(port, body, stream=True)
+            check(s["reasoning_content"] == r and fs == f, "streamed %r, not %r" % (s, m))
+        check(free > 0, "the reasoning was held to the JSON grammar")
+        print("  deepseek_r1: %d of 4 reasoning texts free of the json_object guide" % free)
 
 
 def test_bad_input():
