@@ -17,7 +17,8 @@ tokenizer_config.json carries a real model's chat template
 - --reasoning-parser splits reasoning_content off, streamed and not (qwen3,
   forced with a regex guide so the tiny model writes <think>...</think>);
   with deepseek_r1 (whose template opens <think>) a json_object guide
-  leaves the reasoning free: it holds only after </think>.
+  leaves the reasoning free: it holds only after </think>; /v1/responses
+  answers with a reasoning item.
 - Bad input: a template with a syntax error refuses start-up naming
   file:line:col; an endless loop or a huge string is bounded (400);
   chat_template_kwargs not an object (400); raise_exception's message
@@ -282,6 +283,12 @@ def test_reasoning_parser():
             s, fs = chat(port, body, stream=True)
             check(s["reasoning_content"] == r and fs == f, "streamed %r, not %r" % (s, m))
         check(free > 0, "the reasoning was held to the JSON grammar")
+        # the Responses API splits it too: a reasoning item ahead of the message
+        status, data = post(port, "/v1/responses", {"input": "2+2?", "max_output_tokens": 16, "temperature": 0},
+                            key=None)
+        check(status == 200, "/v1/responses: %d %r" % (status, data[:300]))
+        out = json.loads(data)["output"]
+        check(out and out[0]["type"] == "reasoning" and out[0]["content"][0]["text"], "responses output %r" % out)
         print("  deepseek_r1: %d of 4 reasoning texts free of the json_object guide" % free)
 
 
