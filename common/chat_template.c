@@ -21,11 +21,13 @@ extern const char loom_chat_shipped_chatml[];
 struct loom_chat_template {
     loom_jinja_t *def, *tool_use; /* tool_use: when the request has tools (NULL: def) */
     char *text;                   /* def's source */
+    char *tool_text;              /* tool_use's source (NULL: none) */
     char *origin;                 /* "FILE" or "tokenizer_config.json" or "chatml (shipped)" */
     cJSON *specials;              /* {bos_token: "...", eos_token, unk_token, pad_token} */
     char **plain;                 /* special-token strings kept plain in request text, longest first */
     size_t *plain_len;
     int n_plain;
+    unsigned char first[256];     /* 1: some plain-kept string starts with this byte */
     loom_chat_template_opts_t o;
 };
 
@@ -62,7 +64,10 @@ static void collect_plain(loom_chat_template_t *t, const loom_tokenizer_t *tok) 
     }
     qsort(t->plain, (size_t)t->n_plain, sizeof *t->plain, cmp_len_desc);
     t->plain_len = loom_xcalloc((size_t)t->n_plain, sizeof *t->plain_len);
-    for (int i = 0; i < t->n_plain; i++) t->plain_len[i] = strlen(t->plain[i]);
+    for (int i = 0; i < t->n_plain; i++) {
+        t->plain_len[i] = strlen(t->plain[i]);
+        t->first[(unsigned char)t->plain[i][0]] = 1;
+    }
 }
 
 static loom_status_t compile(const char *src, const char *name, loom_jinja_t **out, loom_err_t *err) {
@@ -137,6 +142,7 @@ loom_status_t loom_chat_template_from_text(const char *text, const char *config_
         char nm[300];
         snprintf(nm, sizeof nm, "%s[tool_use]", t->origin);
         st = compile(tool_use, nm, &t->tool_use, err);
+        t->tool_text = loom_xstrdup(tool_use);
     }
     cJSON_Delete(cfg);
     if (st < 0) {
@@ -187,6 +193,7 @@ void loom_chat_template_destroy(loom_chat_template_t **t_p) {
     free(t->plain_len);
     cJSON_Delete(t->specials);
     free(t->text);
+    free(t->tool_text);
     free(t->origin);
     free(t);
     *t_p = NULL;
@@ -194,6 +201,10 @@ void loom_chat_template_destroy(loom_chat_template_t **t_p) {
 
 const char *loom_chat_template_text(const loom_chat_template_t *t) {
     return t ? t->text : NULL;
+}
+
+const char *loom_chat_template_tool_text(const loom_chat_template_t *t) {
+    return t ? (t->tool_text ? t->tool_text : t->text) : NULL;
 }
 
 const char *loom_chat_template_origin(const loom_chat_template_t *t) {
@@ -211,7 +222,7 @@ static char *swap_out(const loom_chat_template_t *t, const char *s) {
     size_t n = strlen(s), i = 0, from = 0;
     while (i < n) {
         int hit = -1;
-        for (int k = 0; k < t->n_plain && hit < 0; k++)
+        for (int k = 0; k < t->n_plain && hit < 0 && t->first[(unsigned char)s[i]]; k++)
             if (t->plain_len[k] <= n - i && !memcmp(s + i, t->plain[k], t->plain_len[k])) hit = k;
         if (hit < 0) {
             i++;

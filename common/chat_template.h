@@ -59,8 +59,10 @@ loom_status_t loom_chat_template_from_text(const char *text, const char *config_
                                            loom_chat_template_t **out, loom_err_t *err);
 void loom_chat_template_destroy(loom_chat_template_t **t_p);
 
-/* The template's source text (the default one) and where it came from. */
+/* The template's source text (the default one; the tool_use one, or the
+ * default when there is none) and where it came from. */
 const char *loom_chat_template_text(const loom_chat_template_t *t);
+const char *loom_chat_template_tool_text(const loom_chat_template_t *t);
 const char *loom_chat_template_origin(const loom_chat_template_t *t);
 
 /* Renders a chat request (the parsed body: messages, tools, documents,

@@ -53,8 +53,9 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
 loom_status_t loom_grammar_compile_ebnf(const char *text, size_t len, loom_grammar_t **out,
                                         loom_err_t *err);
 /* Tool calls wrapped in a model's markup: {"begin", "end", "item_begin",
- * "item_end", "sep", "min", "max", "items": [call object schemas]} gives
- * begin item (sep item)* end, item = item_begin call item_end. */
+ * "item_end", "sep", "min", "max", "items": [call object schemas],
+ * "prefixes": [per-item literals]} gives begin item (sep item)* end,
+ * item = item_begin prefix_i schema_i item_end. */
 loom_status_t loom_grammar_compile_tool_calls(const char *spec, size_t len, loom_grammar_t **out,
                                               loom_err_t *err);
 /* Grammars are reference counted: _ref adds a holder, _destroy drops one

@@ -732,7 +732,8 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
  *   item ::= item_begin ( schema_1 | schema_2 | ... ) item_end
  * The spec is {"begin", "end", "item_begin", "item_end", "sep": strings
  * (absent: ""), "min", "max": counts (max 0: any number), "items": [JSON
- * Schema of one call object, ...]}. */
+ * Schema of one call object, ...], "prefixes": [a literal before each
+ * item's schema (DeepSeek writes the name as markup), ...] (optional)}. */
 static const char *spec_str(const cJSON *spec, const char *k) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(spec, k);
     return cJSON_IsString(v) ? v->valuestring : "";
@@ -754,12 +755,15 @@ loom_status_t loom_grammar_compile_tool_calls(const char *spec_text, size_t len,
     js_t j;
     js_init(&j, err);
     int any = loom_gb_rule(j.gb, NULL);
-    const cJSON *it;
+    const cJSON *it, *prefixes = cJSON_GetObjectItemCaseSensitive(spec, "prefixes");
+    int k = 0;
     cJSON_ArrayForEach(it, items) {
         j.doc = it;
         int r = js_schema(&j, it);
         if (r < 0) break;
         loom_gb_alt(j.gb, any);
+        const cJSON *pre = cJSON_GetArrayItem(prefixes, k++);
+        if (cJSON_IsString(pre)) loom_gb_add_lit(j.gb, any, pre->valuestring, strlen(pre->valuestring));
         loom_gb_add_ref(j.gb, any, r);
     }
     if (j.st >= 0) {

@@ -1147,7 +1147,7 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
         loom_http_stop(&h);
         return tst;
     }
-    h->tool_fmt = tool_fmt ? tool_fmt : loom_toolfmt_detect(loom_chat_template_text(h->tmpl));
+    h->tool_fmt = tool_fmt ? tool_fmt : loom_toolfmt_detect(loom_chat_template_tool_text(h->tmpl));
     if (!h->tool_fmt) h->tool_fmt = LOOM_TOOLFMT_HERMES;
 
     /* MHD's threads leave SIGINT/SIGTERM to the main thread */

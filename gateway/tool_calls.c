@@ -11,6 +11,13 @@
 
 #define MAX_TOOLS 128
 
+/* DeepSeek V3's markers (tool_parsers.c reads them) */
+#define DS_CALLS_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
+#define DS_CALLS_END "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
+#define DS_CALL_END "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
+#define DS_SEP "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
+
 static int fail(char *msg, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(char *msg, size_t cap, const char *fmt, ...) {
     va_list ap;
@@ -46,6 +53,9 @@ static const struct {
     {LOOM_TOOLFMT_LLAMA3_JSON, "llama3_json"},
     {LOOM_TOOLFMT_MISTRAL, "mistral"},
     {LOOM_TOOLFMT_GRANITE, "granite"},
+    {LOOM_TOOLFMT_DEEPSEEK_V3, "deepseek_v3"},
+    {LOOM_TOOLFMT_DEEPSEEK_V31, "deepseek_v31"},
+    {LOOM_TOOLFMT_PYTHONIC, "pythonic"},
 };
 
 const char *loom_toolfmt_name(loom_toolfmt_t f) {
@@ -62,6 +72,9 @@ loom_toolfmt_t loom_toolfmt_from_name(const char *name) {
 
 loom_toolfmt_t loom_toolfmt_detect(const char *text) {
     if (!text) return LOOM_TOOLFMT_NONE;
+    if (strstr(text, "tool\xe2\x96\x81" "calls\xe2\x96\x81" "begin")) /* DeepSeek's markers */
+        return strstr(text, "```json") ? LOOM_TOOLFMT_DEEPSEEK_V3 : LOOM_TOOLFMT_DEEPSEEK_V31;
+    if (strstr(text, "[func_name1(")) return LOOM_TOOLFMT_PYTHONIC; /* Llama 3.2 / 4's pythonic instructions */
     if (strstr(text, "[TOOL_CALLS]")) return LOOM_TOOLFMT_MISTRAL;
     if (strstr(text, "<|tool_call|>")) return LOOM_TOOLFMT_GRANITE;
     if (strstr(text, "<tool_call>")) return LOOM_TOOLFMT_HERMES;
@@ -91,16 +104,35 @@ static cJSON *call_schema(const cJSON *tool, const char *args_key) {
 static char *forced_schema(const loom_tools_t *t) {
     cJSON *s = cJSON_CreateObject(), *items = cJSON_AddArrayToObject(s, "items");
     const char *args = t->fmt == LOOM_TOOLFMT_LLAMA3_JSON ? "parameters" : "arguments";
+    int ds = t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 || t->fmt == LOOM_TOOLFMT_DEEPSEEK_V31;
+    cJSON *prefixes = ds ? cJSON_AddArrayToObject(s, "prefixes") : NULL;
     const cJSON *tool;
     cJSON_ArrayForEach(tool, t->tools) {
         if (t->mode == LOOM_TOOLS_NAMED && strcmp(get(fn_of(tool), "name")->valuestring, t->named) != 0) continue;
-        cJSON_AddItemToArray(items, call_schema(tool, args));
+        if (!ds) {
+            cJSON_AddItemToArray(items, call_schema(tool, args));
+            continue;
+        }
+        /* DeepSeek: the name is markup before the arguments object */
+        const char *nm = get(fn_of(tool), "name")->valuestring;
+        char pre[256];
+        snprintf(pre, sizeof pre,
+                 t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 ? DS_CALL_BEGIN "function" DS_SEP "%s\n```json\n" : DS_CALL_BEGIN "%s" DS_SEP,
+                 nm);
+        cJSON_AddItemToArray(prefixes, cJSON_CreateString(pre));
+        cJSON_AddItemToArray(items, params_or_empty(fn_of(tool)));
     }
     cJSON_AddNumberToObject(s, "min", 1);
     cJSON_AddNumberToObject(s, "max", t->parallel && t->mode == LOOM_TOOLS_REQUIRED ? 0 : 1);
     switch (t->fmt) {
     case LOOM_TOOLFMT_LLAMA3_JSON:
         cJSON_AddStringToObject(s, "sep", "; ");
+        break;
+    case LOOM_TOOLFMT_DEEPSEEK_V3:
+    case LOOM_TOOLFMT_DEEPSEEK_V31:
+        cJSON_AddStringToObject(s, "begin", DS_CALLS_BEGIN);
+        cJSON_AddStringToObject(s, "end", DS_CALLS_END);
+        cJSON_AddStringToObject(s, "item_end", t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 ? "\n```" DS_CALL_END : DS_CALL_END);
         break;
     case LOOM_TOOLFMT_MISTRAL:
     case LOOM_TOOLFMT_GRANITE:
@@ -173,6 +205,9 @@ int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, cons
     }
     t->tools = tools;
     if (t->mode == LOOM_TOOLS_OFF) return 0;
+    if ((t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) && t->fmt == LOOM_TOOLFMT_PYTHONIC)
+        return fail(msg, cap, "tool_choice %s cannot be forced in the pythonic call syntax (use auto)",
+                    t->mode == LOOM_TOOLS_NAMED ? "a function" : "required");
     if (t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) {
         t->schema = forced_schema(t);
         if (!t->schema) return fail(msg, cap, "tools cannot be serialised");

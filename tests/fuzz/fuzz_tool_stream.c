@@ -72,15 +72,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static const char *choices[] = {
         "", ", \"tool_choice\": \"required\"",
         ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}"};
-    static const loom_toolfmt_t fams[] = {LOOM_TOOLFMT_HERMES, LOOM_TOOLFMT_LLAMA3_JSON, LOOM_TOOLFMT_MISTRAL,
-                                          LOOM_TOOLFMT_GRANITE};
-    loom_toolfmt_t fam = fams[(data[0] % 3) + (data[1] & 0x80 ? 1 : 0)];
+    static const loom_toolfmt_t fams[] = {LOOM_TOOLFMT_HERMES,      LOOM_TOOLFMT_LLAMA3_JSON,  LOOM_TOOLFMT_MISTRAL,
+                                          LOOM_TOOLFMT_GRANITE,     LOOM_TOOLFMT_DEEPSEEK_V3, LOOM_TOOLFMT_DEEPSEEK_V31,
+                                          LOOM_TOOLFMT_PYTHONIC};
+    loom_toolfmt_t fam = fams[(data[0] + data[1]) % 7];
     char req[768];
     snprintf(req, sizeof req,
              "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": "
              "{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}, {\"type\": "
              "\"function\", \"function\": {\"name\": \"now\", \"parameters\": {\"type\": \"object\"}}}]%s%s}",
-             choices[(data[0] / 3) % 3], (data[0] / 9) & 1 ? ", \"parallel_tool_calls\": false" : "");
+             fam == LOOM_TOOLFMT_PYTHONIC ? "" : choices[(data[0] / 3) % 3], /* (pythonic cannot be forced) */
+             (data[0] / 9) & 1 ? ", \"parallel_tool_calls\": false" : "");
     cJSON *o = cJSON_Parse(req);
     loom_tools_t t;
     const char *param = NULL;

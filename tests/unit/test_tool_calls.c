@@ -108,8 +108,9 @@ static void test_parse_output(void) {
 }
 
 static void test_names(void) {
-    static const char *const names[] = {"hermes", "llama3_json", "mistral", "granite"};
-    for (size_t i = 0; i < 4; i++) {
+    static const char *const names[] = {"hermes", "llama3_json", "mistral", "granite", "deepseek_v3", "deepseek_v31",
+                                        "pythonic"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         loom_toolfmt_t f = loom_toolfmt_from_name(names[i]);
         CHECKF(f != LOOM_TOOLFMT_NONE && !strcmp(loom_toolfmt_name(f), names[i]), "%s", names[i]);
         CHECK(strstr(LOOM_TOOL_PARSER_NAMES, names[i]) != NULL);
@@ -122,7 +123,22 @@ static void test_names(void) {
     CHECK(loom_toolfmt_detect("<|start_header_id|>{\"name\": function name, \"parameters\": ...") ==
           LOOM_TOOLFMT_LLAMA3_JSON);
     CHECK(loom_toolfmt_detect("{{ '<|tool_call|>' }}") == LOOM_TOOLFMT_GRANITE);
+    CHECK(loom_toolfmt_detect("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+                              "tool['function']['name'] + '\\n' + '```json' }}") == LOOM_TOOLFMT_DEEPSEEK_V3);
+    CHECK(loom_toolfmt_detect("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+                              "'<｜tool▁sep｜>' + tool['function']['arguments'] }}") == LOOM_TOOLFMT_DEEPSEEK_V31);
+    CHECK(loom_toolfmt_detect("[func_name1(params_name1=params_value1, params_name2=params_value2...)]") ==
+          LOOM_TOOLFMT_PYTHONIC);
     CHECK(loom_toolfmt_detect("{{ messages }}") == LOOM_TOOLFMT_NONE && loom_toolfmt_detect(NULL) == LOOM_TOOLFMT_NONE);
+    /* the pythonic syntax cannot be forced */
+    cJSON *r = req(", \"tool_choice\": \"required\"");
+    loom_tools_t t;
+    const char *param = NULL;
+    char msg[256] = "";
+    CHECK(loom_tools_parse(r, LOOM_TOOLFMT_PYTHONIC, &t, &param, msg, sizeof msg) < 0 && strstr(msg, "pythonic") &&
+          !strcmp(param, "tool_choice"));
+    loom_tools_free(&t);
+    cJSON_Delete(r);
 }
 
 /* The forced call's grammar accepts the model's own call syntax and only
@@ -143,6 +159,16 @@ static void test_forced_grammar(void) {
         {LOOM_TOOLFMT_GRANITE, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
          "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}]",
          "<|tool_call|>[{\"name\": \"now\", \"arguments\": {}}]", "get_weather", "{\"city\":\"x\"}"},
+        {LOOM_TOOLFMT_DEEPSEEK_V3, ", \"tool_choice\": \"required\"",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"x\"}\n```"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"town\": \"x\"}\n```"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "get_weather", "{\"city\":\"x\"}"},
+        {LOOM_TOOLFMT_DEEPSEEK_V31, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"now\"}}",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "now", "{}"},
         {LOOM_TOOLFMT_HERMES, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
          "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}\n</tool_call>",
          "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>", "get_weather", "{\"city\":\"x\"}"},

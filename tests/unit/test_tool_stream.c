@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/util.h"
+#include "gateway/tool_parsers.h"
 #include "gateway/tool_stream.h"
 #include "tests/test.h"
 
@@ -78,6 +79,14 @@ typedef struct {
 #define LLAMA3 LOOM_TOOLFMT_LLAMA3_JSON
 #define MISTRAL LOOM_TOOLFMT_MISTRAL
 #define GRANITE LOOM_TOOLFMT_GRANITE
+#define DSV3 LOOM_TOOLFMT_DEEPSEEK_V3
+#define DSV31 LOOM_TOOLFMT_DEEPSEEK_V31
+#define PYTHONIC LOOM_TOOLFMT_PYTHONIC
+#define DS_B "<｜tool▁calls▁begin｜>"
+#define DS_E "<｜tool▁calls▁end｜>"
+#define DS_CB "<｜tool▁call▁begin｜>"
+#define DS_CE "<｜tool▁call▁end｜>"
+#define DS_S "<｜tool▁sep｜>"
 #define NAMED ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}"
 #define REQUIRED ", \"tool_choice\": \"required\""
 #define SINGLE ", \"parallel_tool_calls\": false"
@@ -134,6 +143,27 @@ static const case_t k_cases[] = {
     /* granite */
     {GRANITE, "", "<|tool_call|>[{\"name\": \"now\", \"arguments\": {}}]", 1, 1, "", 1, {"now"}, {"{}"}, 0},
     {GRANITE, "", "<|tool_call|>nope", 1, LOOM_TS_TEXT, "<|tool_call|>nope", 0, {0}, {0}, 0},
+    /* read whole (tool_parsers.h): the calls start at the end, arguments in one piece */
+    {DSV3, "", "Sure." DS_B DS_CB "function" DS_S "get_weather\n```json\n{\"city\": \"Oslo\"}\n```" DS_CE DS_E, 1, 1,
+     "Sure.", 1, {"get_weather"}, {"{\"city\":\"Oslo\"}"}, 3},
+    {DSV3, "", DS_B DS_CB "function" DS_S "now\n```json\n{}\n```" DS_CE "\n" DS_CB "function" DS_S
+     "get_weather\n```json\n{\"city\": \"a b\"}\n```" DS_CE DS_E " ok", 1, 2, "ok", 2, {"now", "get_weather"},
+     {"{}", "{\"city\":\"a b\"}"}, 3},
+    {DSV3, "", "x" DS_B DS_CB "function" DS_S "rm\n```json\n{}\n```" DS_CE DS_E, 1, LOOM_TS_TEXT,
+     "x" DS_B DS_CB "function" DS_S "rm\n```json\n{}\n```" DS_CE DS_E, 0, {0}, {0}, 0},
+    {DSV3, "", "Hi <｜tool▁ca", 1, LOOM_TS_TEXT, "Hi <｜tool▁ca", 0, {0}, {0}, 0},
+    {DSV3, "", DS_B DS_CB "function" DS_S "now\n```json\n{}\n```" DS_CE, 1, LOOM_TS_TEXT,
+     DS_B DS_CB "function" DS_S "now\n```json\n{}\n```" DS_CE, 0, {0}, {0}, 0},
+    {DSV31, "", DS_B DS_CB "now" DS_S "{ }" DS_CE DS_E, 1, 1, "", 1, {"now"}, {"{}"}, 3},
+    {DSV31, "", DS_B DS_CB "now" DS_S "[1]" DS_CE DS_E, 1, LOOM_TS_TEXT, DS_B DS_CB "now" DS_S "[1]" DS_CE DS_E, 0, {0},
+     {0}, 0},
+    {PYTHONIC, "", " [get_weather(city='Oslo', n=[1, -2.5e3, True, None, {'k': \"v\\n\"}]), now()]\n", 1, 2, "", 2,
+     {"get_weather", "now"}, {"{\"city\":\"Oslo\",\"n\":[1,-2.5e3,true,null,{\"k\":\"v\\n\"}]}", "{}"}, 3},
+    {PYTHONIC, "", "Hello [now()]", 1, LOOM_TS_TEXT, "Hello [now()]", 0, {0}, {0}, 0},
+    {PYTHONIC, "", "[get_weather('Oslo')]", 1, LOOM_TS_TEXT, "[get_weather('Oslo')]", 0, {0}, {0}, 0},
+    {PYTHONIC, "", "[now()] and more", 1, LOOM_TS_TEXT, "[now()] and more", 0, {0}, {0}, 0},
+    {PYTHONIC, "", "[now(), rm()]", 1, LOOM_TS_TEXT, "[now(), rm()]", 0, {0}, {0}, 0},
+    {PYTHONIC, SINGLE, "[now(), now()]", 1, LOOM_TS_TEXT, "[now(), now()]", 0, {0}, {0}, 0},
     /* required and named: what the grammar forces, in the model's own syntax */
     {CHATML, REQUIRED, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\", \"unit\": \"c\"}}\n</tool_call>",
      1, 1, "", 1, {"get_weather"}, {"{\"city\":\"Lima\",\"unit\":\"c\"}"}, 0},
@@ -247,7 +277,7 @@ static void test_cases(void) {
             CHECKF(a < 3 || (c->held >> i & 1) || g.n_args_events[i] >= 2, "case %zu call %d: arguments in %d piece(s)",
                    ci, i,
                    g.n_args_events[i]);
-            CHECKF(g.call_at[i] < len, "case %zu call %d: started only at the end", ci, i);
+            CHECKF(g.call_at[i] < len || loom_tp_held(c->family), "case %zu call %d: started only at the end", ci, i);
         }
         got_free(&g);
         /* every boundary, two pieces */
