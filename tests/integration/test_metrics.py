@@ -301,7 +301,13 @@ def test_vllm_series_and_dashboards():
         status, _, data = request(port, "POST", "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "Tell me a story. " * 40}], "max_tokens": 1}, key=KEY)
         check(status == 200, "chat: %d %r" % (status, data[:200]))
-        _, after = get_metrics(port)
+        deadline = time.time() + 5
+        while True:  # (the request is observed when the reactor ends it, which may be just after the answer)
+            _, after = get_metrics(port)
+            if metric(after, "loom_request_tokenize_time_seconds_count") > \
+                    metric(before, "loom_request_tokenize_time_seconds_count") or time.time() > deadline:
+                break
+            time.sleep(0.05)
         tok = metric(after, "loom_request_tokenize_time_seconds_sum") - \
             metric(before, "loom_request_tokenize_time_seconds_sum")
         check(tok > 0 and metric(after, "loom_request_tokenize_time_seconds_count") -
