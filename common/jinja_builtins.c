@@ -28,7 +28,7 @@ static jv_t none(void) { return loom_jinja_none(); }
 
 static loom_jinja_str_t *need_str(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, const char *what) {
     if (v.t == JV_STR) return v.u.s;
-    if (v.t == JV_UNDEF && v.u.uname) FAIL("'%s' is undefined", v.u.uname);
+    if (v.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, v);
     FAIL("%s: expected a string, got %s", what, loom_jinja_type_name(v));
 }
 static int64_t need_int(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, const char *what) {
@@ -53,47 +53,103 @@ static jv_t strip(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv_
     return loom_jinja_substr(cx, s, a, b);
 }
 
-/* ASCII case mapping keeps the data spans (byte lengths do not change). */
-static jv_t map_case(loom_jinja_ctx_t *cx, loom_jinja_str_t *s, int mode /* 0 lower 1 upper 2 capitalize 3 swap */) {
+/* Case mapping of ASCII, Latin-1, Latin Extended-A, Greek and Cyrillic
+ * letters: each maps to a code point of the same UTF-8 length, so the data
+ * spans stay valid. Other letters are left as they are. */
+static uint32_t cp_upper(uint32_t c) {
+    if (c >= 'a' && c <= 'z') return c - 32;
+    if (c < 0x80) return c;
+    if ((c >= 0xE0 && c <= 0xFE && c != 0xF7)) return c - 0x20;
+    if (c == 0xFF) return 0x178;
+    if (c >= 0x100 && c <= 0x17F && c != 0x130 && c != 0x131 && c != 0x138 && c != 0x149 && c != 0x17F) {
+        bool odd_lower = (c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E);
+        if (odd_lower ? (c & 1) == 0 : (c & 1) == 1) return c - 1;
+        return c;
+    }
+    if (c >= 0x3B1 && c <= 0x3C9 && c != 0x3C2) return c - 0x20;
+    if (c >= 0x430 && c <= 0x44F) return c - 0x20;
+    if (c >= 0x450 && c <= 0x45F) return c - 0x50;
+    return c;
+}
+static uint32_t cp_lower(uint32_t c) {
+    if (c >= 'A' && c <= 'Z') return c + 32;
+    if (c < 0x80) return c;
+    if (c >= 0xC0 && c <= 0xDE && c != 0xD7) return c + 0x20;
+    if (c == 0x178) return 0xFF;
+    if (c >= 0x100 && c <= 0x17F && c != 0x130 && c != 0x131 && c != 0x138 && c != 0x149 && c != 0x17F) {
+        bool odd_lower = (c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E);
+        if (odd_lower ? (c & 1) == 1 : (c & 1) == 0) return c + 1;
+        return c;
+    }
+    if (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) return c + 0x20;
+    if (c >= 0x410 && c <= 0x42F) return c + 0x20;
+    if (c >= 0x400 && c <= 0x40F) return c + 0x50;
+    return c;
+}
+static bool cp_isupper(uint32_t c) { return cp_lower(c) != c; }
+static bool cp_islower(uint32_t c) { return cp_upper(c) != c; }
+
+/* Decodes the code point at P[*I] (advancing *I); invalid bytes come back as themselves. */
+static uint32_t utf8_next(const char *p, size_t n, size_t *i, size_t *len) {
+    unsigned char c = (unsigned char)p[*i];
+    size_t l = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+    if (*i + l > n) l = 1;
+    uint32_t cp = l == 1 ? c : l == 2 ? (c & 0x1Fu) : l == 3 ? (c & 0x0Fu) : (c & 0x07u);
+    for (size_t k = 1; k < l; k++) {
+        unsigned char d = (unsigned char)p[*i + k];
+        if ((d & 0xC0) != 0x80) { l = 1; cp = c; break; }
+        cp = (cp << 6) | (d & 0x3Fu);
+    }
+    *len = l;
+    *i += l;
+    return cp;
+}
+static void utf8_put_same(char *o, uint32_t cp, size_t len) {
+    if (len == 1) o[0] = (char)cp;
+    else if (len == 2) { o[0] = (char)(0xC0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3F)); }
+    else if (len == 3) { o[0] = (char)(0xE0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3F)); o[2] = (char)(0x80 | (cp & 0x3F)); }
+    else { o[0] = (char)(0xF0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3F)); o[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); o[3] = (char)(0x80 | (cp & 0x3F)); }
+}
+/* The code point mapped, if its UTF-8 length stays the same. */
+static uint32_t map_cp(uint32_t c, size_t len, bool up) {
+    if (len == 1 && c >= 0x80) return c; /* an invalid byte */
+    uint32_t m = up ? cp_upper(c) : cp_lower(c);
+    size_t ml = m < 0x80 ? 1 : m < 0x800 ? 2 : m < 0x10000 ? 3 : 4;
+    return ml == len ? m : c;
+}
+
+/* mode: 0 lower, 1 upper, 2 capitalize, 3 swapcase, 4 str.title, 5 the title filter */
+static jv_t map_case(loom_jinja_ctx_t *cx, loom_jinja_str_t *s, int mode) {
     char *p = loom_jinja_alloc(cx, s->len + 1);
-    for (size_t i = 0; i < s->len; i++) {
-        unsigned char c = (unsigned char)s->p[i];
-        if (mode == 0 || (mode == 2 && i > 0)) c = (unsigned char)tolower(c);
-        else if (mode == 1 || mode == 2) c = (unsigned char)toupper(c);
-        else c = (unsigned char)(isupper(c) ? tolower(c) : toupper(c));
-        p[i] = (char)c;
+    bool prev_cased = false, start = true;
+    for (size_t i = 0, at = 0; i < s->len;) {
+        size_t l;
+        uint32_t c = utf8_next(s->p, s->len, &i, &l);
+        bool up;
+        bool cased = cp_isupper(c) || cp_islower(c);
+        switch (mode) {
+        case 0: up = false; break;
+        case 1: up = true; break;
+        case 2: up = at == 0; break;
+        case 3: up = cp_islower(c); break;
+        case 4: up = !prev_cased; break;
+        default: {
+            bool sep = c == '-' || (c < 0x80 && py_space((unsigned char)c)) || c == '(' || c == '{' || c == '[' || c == '<';
+            up = start;
+            start = sep;
+            break;
+        }
+        }
+        prev_cased = cased;
+        utf8_put_same(p + at, map_cp(c, l, up), l);
+        at += l;
     }
     jv_t r = loom_jinja_str(cx, p, s->len, false);
-    r.u.s->sp = s->sp;
-    r.u.s->nsp = s->nsp;
+    if (mode <= 3) {
+        r.u.s->sp = s->sp;
+        r.u.s->nsp = s->nsp;
+    }
     return r;
-}
-
-/* str.title(): a letter after a non-letter is upper-cased, the others lower. */
-static jv_t py_title(loom_jinja_ctx_t *cx, loom_jinja_str_t *s) {
-    char *p = loom_jinja_alloc(cx, s->len + 1);
-    bool prev = false;
-    for (size_t i = 0; i < s->len; i++) {
-        unsigned char c = (unsigned char)s->p[i];
-        bool cased = isalpha(c) || c >= 0x80;
-        p[i] = (char)(isalpha(c) ? (prev ? tolower(c) : toupper(c)) : c);
-        prev = cased;
-    }
-    return loom_jinja_str(cx, p, s->len, false);
-}
-
-/* jinja2's title filter: words begin after runs of - space ( { [ <. */
-static jv_t jinja_title(loom_jinja_ctx_t *cx, loom_jinja_str_t *s) {
-    char *p = loom_jinja_alloc(cx, s->len + 1);
-    bool start = true;
-    for (size_t i = 0; i < s->len; i++) {
-        unsigned char c = (unsigned char)s->p[i];
-        bool sep = c == '-' || py_space(c) || c == '(' || c == '{' || c == '[' || c == '<';
-        if (sep) { p[i] = (char)c; start = true; continue; }
-        p[i] = (char)(start ? toupper(c) : tolower(c));
-        start = false;
-    }
-    return loom_jinja_str(cx, p, s->len, false);
 }
 
 static jv_t replace(loom_jinja_ctx_t *cx, loom_jinja_str_t *s, loom_jinja_str_t *old, loom_jinja_str_t *new_, int64_t count) {
@@ -419,6 +475,7 @@ static jv_t do_round(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, 
     else FAIL("round: expected a number, got %s", loom_jinja_type_name(v));
     double m = pow(10.0, (double)prec);
     double r;
+    if (STREQ(method, "common") && v.t != JV_FLOAT && prec >= 0) return loom_jinja_int(v.t == JV_INT ? v.u.i : v.u.b);
     if (STREQ(method, "common")) {
         /* Python's round() is round-half-even on the exact binary value */
         double x = f * m;
@@ -547,7 +604,7 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
     if (STREQ(name, "upper")) return map_case(cx, loom_jinja_to_str(cx, v).u.s, 1);
     if (STREQ(name, "lower")) return map_case(cx, loom_jinja_to_str(cx, v).u.s, 0);
     if (STREQ(name, "capitalize")) return map_case(cx, loom_jinja_to_str(cx, v).u.s, 2);
-    if (STREQ(name, "title")) return jinja_title(cx, loom_jinja_to_str(cx, v).u.s);
+    if (STREQ(name, "title")) return map_case(cx, loom_jinja_to_str(cx, v).u.s, 5);
     if (STREQ(name, "replace")) {
         jv_t c = arg(a, 2, "count", none());
         return replace(cx, loom_jinja_to_str(cx, v).u.s, loom_jinja_to_str(cx, arg(a, 0, "old", undef())).u.s,
@@ -555,10 +612,6 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
     }
     if (STREQ(name, "length") || STREQ(name, "count")) return length_of(cx, at, v);
     if (STREQ(name, "first") || STREQ(name, "last")) {
-        if (v.t == JV_UNDEF) undefined: {
-            if (v.u.uname) FAIL("'%s' is undefined", v.u.uname);
-            return undef();
-        }
         loom_jinja_list_t *l = loom_jinja_iterate(cx, at, v);
         if (!l->n) return loom_jinja_undef(NULL);
         return name[0] == 'f' ? l->v[0] : l->v[l->n - 1];
@@ -574,7 +627,6 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
         return v;
     }
     if (STREQ(name, "list")) {
-        if (v.t == JV_UNDEF) goto undefined;
         loom_jinja_list_t *l = loom_jinja_iterate(cx, at, v);
         jv_t r = loom_jinja_list_new(cx, l->n);
         memcpy(r.u.l->v, l->v, l->n * sizeof *l->v);
@@ -1041,12 +1093,12 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, l
         if (STREQ(m, "lower")) return map_case(cx, s, 0);
         if (STREQ(m, "capitalize")) return map_case(cx, s, 2);
         if (STREQ(m, "swapcase")) return map_case(cx, s, 3);
-        if (STREQ(m, "title")) return py_title(cx, s);
+        if (STREQ(m, "title")) return map_case(cx, s, 4);
         if (STREQ(m, "format")) return str_format(cx, at, s, a);
         if (STREQ(m, "find") || STREQ(m, "rfind") || STREQ(m, "index") || STREQ(m, "rindex")) {
             loom_jinja_str_t *sub = need_str(cx, at, arg(a, 0, NULL, undef()), m);
             int64_t r = find(s, sub, 0, m[0] == 'r');
-            if (r < 0 && (m[0] == 'i' || m[1] == 'i')) FAIL("substring not found");
+            if (r < 0 && (STREQ(m, "index") || STREQ(m, "rindex"))) FAIL("substring not found");
             return loom_jinja_int(r < 0 ? -1 : (int64_t)cps(s->p, (size_t)r));
         }
         if (STREQ(m, "count")) {

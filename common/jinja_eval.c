@@ -120,7 +120,8 @@ static jv_t lookup(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *
 }
 
 /* ---- attribute and item access (the sandbox: data only, and listed methods) ---- */
-static _Noreturn void undefined_error(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v) {
+_Noreturn void loom_jinja_undefined_error(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v) {
+    if (v.u.uname && v.u.uname[0] == '!') loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "%s", v.u.uname + 1);
     if (v.u.uname) loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "'%s' is undefined", v.u.uname);
     loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "a value is undefined");
 }
@@ -152,9 +153,23 @@ static jv_t loop_attr(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t ob
     return loom_jinja_undef(NULL);
 }
 
+/* An undefined value that says, when used, which attribute OBJ lacked. */
+static jv_t missing_attr(loom_jinja_ctx_t *cx, jv_t obj, const char *name, size_t len) {
+    size_t n = len + 64;
+    char *m = loom_jinja_alloc(cx, n);
+    snprintf(m, n, "!'%s' has no attribute '%.*s'", obj.t == JV_NONE ? "None" : loom_jinja_type_name(obj), (int)len, name);
+    return loom_jinja_undef(m);
+}
+
 jv_t loom_jinja_getattr(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, const char *name, size_t len) {
+    jv_t r = loom_jinja_getattr_raw(cx, at, obj, name, len);
+    if (r.t == JV_UNDEF && !r.u.uname) return missing_attr(cx, obj, name, len);
+    return r;
+}
+
+jv_t loom_jinja_getattr_raw(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, const char *name, size_t len) {
     switch (obj.t) {
-    case JV_UNDEF: undefined_error(cx, at, obj);
+    case JV_UNDEF: loom_jinja_undefined_error(cx, at, obj);
     case JV_DICT: {
         jv_t m = loom_jinja_method(cx, at, obj, name, len);
         if (m.t != JV_UNDEF) return m;
@@ -190,7 +205,7 @@ static size_t cp_offset(const loom_jinja_str_t *s, size_t cp) {
 
 jv_t loom_jinja_getitem(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, jv_t key) {
     switch (obj.t) {
-    case JV_UNDEF: undefined_error(cx, at, obj);
+    case JV_UNDEF: loom_jinja_undefined_error(cx, at, obj);
     case JV_DICT: case JV_NS: {
         jv_t *v = loom_jinja_dict_get(obj.u.d, key);
         if (v) return *v;
@@ -231,7 +246,7 @@ static int64_t slice_arg(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t
 }
 
 static jv_t do_slice(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, jv_t lo, jv_t hi, jv_t st) {
-    if (obj.t == JV_UNDEF) undefined_error(cx, at, obj);
+    if (obj.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, obj);
     if (obj.t != JV_LIST && obj.t != JV_STR) return loom_jinja_undef(NULL);
     int64_t step = slice_arg(cx, at, st, 1);
     if (step == 0) loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "slice step cannot be zero");
@@ -318,8 +333,8 @@ static double fval(jv_t v) { return v.t == JV_FLOAT ? v.u.f : v.t == JV_INT ? (d
 static int64_t ival(jv_t v) { return v.t == JV_INT ? v.u.i : (int64_t)v.u.b; }
 
 static _Noreturn void op_error(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, const char *op, jv_t a, jv_t b) {
-    if (a.t == JV_UNDEF) undefined_error(cx, at, a);
-    if (b.t == JV_UNDEF) undefined_error(cx, at, b);
+    if (a.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, a);
+    if (b.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, b);
     loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "unsupported operand type(s) for %s: '%s' and '%s'", op,
                     loom_jinja_type_name(a), loom_jinja_type_name(b));
 }
@@ -453,7 +468,7 @@ static bool contains(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t nee
             if (loom_jinja_eq(hay.u.l->v[i], needle)) return true;
         return false;
     case JV_DICT: case JV_NS: return loom_jinja_dict_get(hay.u.d, needle) != NULL;
-    case JV_UNDEF: undefined_error(cx, at, hay);
+    case JV_UNDEF: loom_jinja_undefined_error(cx, at, hay);
     default:
         loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "argument of type '%s' is not iterable", loom_jinja_type_name(hay));
     }
@@ -472,8 +487,8 @@ static bool compare(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, int op, j
     case JOP_NOTIN: return !contains(cx, at, a, b);
     default: break;
     }
-    if (a.t == JV_UNDEF) undefined_error(cx, at, a);
-    if (b.t == JV_UNDEF) undefined_error(cx, at, b);
+    if (a.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, a);
+    if (b.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, b);
     int c = loom_jinja_cmp(cx, at, a, b);
     switch (op) {
     case JOP_LT: return c < 0;
@@ -494,6 +509,7 @@ static jv_t call_macro(ectx_t *ec, const loom_jinja_node_t *at, loom_jinja_func_
     loom_jinja_scope_t *sc = scope_new(cx, fn->scope);
     int np = m->params.n;
     jv_t varargs = loom_jinja_list_new(cx, 0), kwargs = loom_jinja_dict_new(cx, 0);
+    varargs.u.l->tuple = true;
     bool *set = loom_jinja_alloc(cx, (size_t)np + 1);
     memset(set, 0, (size_t)np + 1);
     for (int i = 0; i < a->n; i++) {
@@ -548,7 +564,7 @@ jv_t loom_jinja_call_value(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const l
     (void)sc;
     ectx_t *ec = (ectx_t *)cx;
     loom_jinja_args_t a = {args, nargs, kwn, kwv, nkw};
-    if (fn.t == JV_UNDEF) undefined_error(cx, at, fn);
+    if (fn.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, fn);
     if (fn.t != JV_FUNC)
         loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "'%s' object is not callable", loom_jinja_type_name(fn));
     switch (fn.u.fn->kind) {
@@ -665,7 +681,7 @@ jv_t loom_jinja_eval(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
             return loom_jinja_int(n->op == JOP_NEG ? -i : i);
         }
         if (a.t == JV_FLOAT) return loom_jinja_float(n->op == JOP_NEG ? -a.u.f : a.u.f);
-        if (a.t == JV_UNDEF) undefined_error(cx, n, a);
+        if (a.t == JV_UNDEF) loom_jinja_undefined_error(cx, n, a);
         loom_jinja_fail(cx, n, LOOM_ERR_INVALID_ARGUMENT, "bad operand type for unary %c: '%s'", n->op == JOP_NEG ? '-' : '+',
                         loom_jinja_type_name(a));
     }
@@ -707,7 +723,6 @@ static void assign(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *
 static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *n) {
     loom_jinja_ctx_t *cx = &ec->cx;
     jv_t it = loom_jinja_eval(cx, sc, n->iter);
-    if (it.t == JV_UNDEF) undefined_error(cx, n->iter, it);
     loom_jinja_list_t *items = loom_jinja_iterate(cx, n->iter, it);
     if (n->cond) {
         jv_t f = loom_jinja_list_new(cx, items->n);

@@ -222,6 +222,8 @@ typedef struct loom_jinja_ctx {
 /* Stops the render: sets err and longjmps out. */
 _Noreturn void loom_jinja_fail(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_status_t code,
                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* Stops the render for using the undefined value V. */
+_Noreturn void loom_jinja_undefined_error(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v);
 _Noreturn void loom_jinja_raise(loom_jinja_ctx_t *cx, const char *msg, size_t len);
 
 void *loom_jinja_alloc(loom_jinja_ctx_t *cx, size_t n);
@@ -272,6 +274,8 @@ jv_t loom_jinja_call_value(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const l
                            jv_t *args, int nargs, const char **kwn, jv_t *kwv, int nkw);
 jv_t loom_jinja_getattr(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, const char *name,
                         size_t len);
+jv_t loom_jinja_getattr_raw(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, const char *name,
+                            size_t len);
 jv_t loom_jinja_getitem(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, jv_t key);
 void loom_jinja_step(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at);
 /* The items a for loop or a filter walks: a list value (dict keys, string chars). */

@@ -800,7 +800,7 @@ static loom_jinja_node_t *parse_statement(parser_t *ps) {
         PCHECK(n = mk(ps, t->s[0] == 'b' ? JN_BREAK : JN_CONTINUE, t));
         next(ps);
     } else {
-        return perr(ps, t, "unknown or unexpected tag '%s'", tok_desc(t, b, sizeof b));
+        return perr(ps, t, "unknown tag %s", tok_desc(t, b, sizeof b));
     }
     if (!expect_block_end(ps)) return NULL;
     ps->depth--;
@@ -813,12 +813,9 @@ static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const 
         loom_jinja_tok_t *t = cur(ps);
         if (t->kind == JT_EOF) {
             if (ends) {
-                perr(ps, opener ? opener : t, "unexpected end of template: missing '{%% %s %%}'",
-                     ends[0] && ends[1] ? ends[1] : ends[0]);
-                if (ends[0] && ends[1] && ends[2]) { /* if: name endif */
-                    ps->err->msg[0] = '\0';
-                    perr(ps, opener, "unexpected end of template: missing '{%% endif %%}'");
-                }
+                int last = 0;
+                while (ends[last + 1]) last++;
+                perr(ps, opener ? opener : t, "unexpected end of template: missing '{%% %s %%}'", ends[last]);
                 return -1;
             }
             return 0;
