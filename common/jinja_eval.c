@@ -642,6 +642,7 @@ jv_t loom_jinja_eval(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
     }
     case JN_CALL: {
         jv_t fn = loom_jinja_eval(cx, sc, n->a);
+        if (fn.t == JV_UNDEF) loom_jinja_undefined_error(cx, n->a, fn);
         loom_jinja_args_t a;
         eval_args(cx, sc, n, &a, 0);
         return loom_jinja_call_value(cx, sc, n, fn, a.v, a.n, a.kwn, a.kwv, a.nkw);
@@ -726,9 +727,11 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
     loom_jinja_list_t *items = loom_jinja_iterate(cx, n->iter, it);
     if (n->cond) {
         jv_t f = loom_jinja_list_new(cx, items->n);
+        loom_jinja_scope_t *s = NULL;
         for (size_t i = 0; i < items->n; i++) {
             loom_jinja_step(cx, n);
-            loom_jinja_scope_t *s = scope_new(cx, sc);
+            if (!s || s->captured) s = scope_new(cx, sc);
+            s->n = 0;
             assign(ec, s, n->target, items->v[i]);
             if (loom_jinja_truthy(loom_jinja_eval(cx, s, n->cond))) f.u.l->v[f.u.l->n++] = items->v[i];
         }
@@ -742,6 +745,7 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
     memset(lp, 0, sizeof *lp);
     lp->length = (int64_t)items->n;
     jv_t loopv = {.t = JV_LOOP, .u.loop = lp};
+    loom_jinja_scope_t *s = NULL; /* each iteration starts afresh; reused unless a macro holds it */
     for (size_t i = 0; i < items->n; i++) {
         loom_jinja_step(cx, n);
         lp->index0 = (int64_t)i;
@@ -749,7 +753,8 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
         if (i > 0) lp->prev = items->v[i - 1];
         lp->has_next = i + 1 < items->n;
         if (i + 1 < items->n) lp->next = items->v[i + 1];
-        loom_jinja_scope_t *s = scope_new(cx, sc);
+        if (!s || s->captured) s = scope_new(cx, sc);
+        s->n = 0;
         scope_set(cx, s, "loop", 4, loopv);
         assign(ec, s, n->target, items->v[i]);
         exec_body(ec, s, &n->body);
@@ -800,6 +805,7 @@ static void exec_node(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_
         f->kind = JF_MACRO;
         f->node = n;
         f->scope = sc;
+        sc->captured = true;
         scope_set(cx, sc, n->name, n->name_len, (jv_t){.t = JV_FUNC, .u.fn = f});
         return;
     }
@@ -812,6 +818,7 @@ static void exec_node(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_
         *f = *fn.u.fn;
         f->caller = n;
         f->caller_scope = sc;
+        sc->captured = true;
         loom_jinja_args_t a;
         eval_args(cx, sc, call, &a, 0);
         jv_t r = call_macro(ec, call, f, &a);

@@ -204,6 +204,7 @@ typedef struct loom_jinja_scope {
     const char **names;
     size_t *lens;
     int n, cap;
+    bool captured; /* a macro closed over it: a loop must not reuse it */
 } loom_jinja_scope_t;
 
 typedef struct loom_jinja_ctx {
