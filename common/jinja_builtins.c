@@ -312,7 +312,7 @@ static jv_t sorted(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja
     size_t n = l->n;
     jv_t r = loom_jinja_list_new(cx, n);
     jv_t *k = keys, *tk = loom_jinja_alloc(cx, (n + 1) * sizeof *tk), *tv = loom_jinja_alloc(cx, (n + 1) * sizeof *tv);
-    memcpy(r.u.l->v, l->v, n * sizeof *l->v);
+    if (n) memcpy(r.u.l->v, l->v, n * sizeof *l->v);
     r.u.l->n = n;
     cx->steps += n;
     sort_env_t e = {cx, at, cs};
@@ -629,7 +629,7 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
     if (STREQ(name, "list")) {
         loom_jinja_list_t *l = loom_jinja_iterate(cx, at, v);
         jv_t r = loom_jinja_list_new(cx, l->n);
-        memcpy(r.u.l->v, l->v, l->n * sizeof *l->v);
+        if (l->n) memcpy(r.u.l->v, l->v, l->n * sizeof *l->v);
         r.u.l->n = l->n;
         return r;
     }
@@ -1161,7 +1161,7 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, l
         }
         if (STREQ(m, "copy")) {
             jv_t r = loom_jinja_list_new(cx, self.u.l->n);
-            memcpy(r.u.l->v, self.u.l->v, self.u.l->n * sizeof(jv_t));
+            if (self.u.l->n) memcpy(r.u.l->v, self.u.l->v, self.u.l->n * sizeof(jv_t));
             r.u.l->n = self.u.l->n;
             return r;
         }

@@ -330,7 +330,7 @@ loom_jinja_list_t *loom_jinja_iterate(loom_jinja_ctx_t *cx, const loom_jinja_nod
 /* ---- arithmetic ---- */
 static bool isnum(jv_t v) { return v.t == JV_INT || v.t == JV_FLOAT || v.t == JV_BOOL; }
 static double fval(jv_t v) { return v.t == JV_FLOAT ? v.u.f : v.t == JV_INT ? (double)v.u.i : (double)v.u.b; }
-static int64_t ival(jv_t v) { return v.t == JV_INT ? v.u.i : (int64_t)v.u.b; }
+static int64_t ival(jv_t v) { return v.t == JV_INT ? v.u.i : v.t == JV_BOOL ? (int64_t)v.u.b : 0; }
 
 static _Noreturn void op_error(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, const char *op, jv_t a, jv_t b) {
     if (a.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, a);
