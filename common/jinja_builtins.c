@@ -234,7 +234,8 @@ static jv_t split(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_
     return r;
 }
 
-static jv_t join(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t seq, loom_jinja_str_t *sep, jv_t attribute) {
+static jv_t join(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t seq, loom_jinja_str_t *sep, jv_t attribute,
+                 bool strict) {
     loom_jinja_list_t *l = loom_jinja_iterate(cx, at, seq);
     loom_jinja_buf_t b = {0};
     for (size_t i = 0; i < l->n; i++) {
@@ -242,6 +243,8 @@ static jv_t join(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t seq, lo
         if (i && sep) loom_jinja_buf_put_str(cx, &b, sep);
         jv_t v = l->v[i];
         if (attribute.t == JV_STR) v = loom_jinja_getattr(cx, at, v, attribute.u.s->p, attribute.u.s->len);
+        if (strict && v.t != JV_STR)
+            FAIL("sequence item %zu: expected str instance, %s found", i, loom_jinja_type_name(v));
         loom_jinja_write_str(cx, &b, v);
     }
     return loom_jinja_buf_take(cx, &b);
@@ -618,7 +621,8 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
     }
     if (STREQ(name, "join")) {
         jv_t sep = arg(a, 0, "d", undef());
-        return join(cx, at, v, sep.t == JV_UNDEF ? NULL : loom_jinja_to_str(cx, sep).u.s, arg(a, 1, "attribute", none()));
+        return join(cx, at, v, sep.t == JV_UNDEF ? NULL : loom_jinja_to_str(cx, sep).u.s, arg(a, 1, "attribute", none()),
+                    false);
     }
     if (STREQ(name, "default") || STREQ(name, "d")) {
         jv_t dv = arg(a, 0, "default_value", loom_jinja_str(cx, "", 0, false));
@@ -1108,7 +1112,7 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, l
             for (int64_t f = find(s, sub, 0, false); f >= 0; f = find(s, sub, (size_t)f + sub->len, false)) n++;
             return loom_jinja_int(n);
         }
-        if (STREQ(m, "join")) return join(cx, at, arg(a, 0, NULL, undef()), s, none());
+        if (STREQ(m, "join")) return join(cx, at, arg(a, 0, NULL, undef()), s, none(), true);
         if (STREQ(m, "isdigit")) return loom_jinja_bool(char_class(s, isdigit));
         if (STREQ(m, "isalpha")) return loom_jinja_bool(char_class(s, isalpha));
         if (STREQ(m, "isalnum")) return loom_jinja_bool(char_class(s, isalnum));
@@ -1196,6 +1200,8 @@ jv_t loom_jinja_call_global(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, l
             FAIL("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
         jv_t r = loom_jinja_list_new(cx, (size_t)n);
         for (int64_t i = 0; i < (int64_t)n; i++) r.u.l->v[r.u.l->n++] = loom_jinja_int(start + i * step);
+        r.u.l->range = true;
+        r.u.l->r_start = start, r.u.l->r_stop = stop, r.u.l->r_step = step;
         return r;
     }
     case JG_NAMESPACE: case JG_DICT: {
@@ -1225,6 +1231,15 @@ jv_t loom_jinja_call_global(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, l
         char *p = loom_jinja_alloc(cx, n + 1);
         memcpy(p, out, n + 1);
         return loom_jinja_str(cx, p, n, false);
+    }
+    case JG_CHANGED: {
+        loom_jinja_loop_t *l = fn->self.u.loop;
+        jv_t t = loom_jinja_list_new(cx, (size_t)a->n);
+        for (int i = 0; i < a->n; i++) t.u.l->v[t.u.l->n++] = a->v[i];
+        bool changed = !l->changed_seen || !loom_jinja_eq(l->changed_last, t);
+        l->changed_seen = true;
+        l->changed_last = t;
+        return loom_jinja_bool(changed);
     }
     case JG_CYCLE: {
         if (a->n == 0) FAIL("no items for cycling given");

@@ -140,11 +140,11 @@ static jv_t loop_attr(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t ob
     if (IS("depth0")) return loom_jinja_int(0);
     if (IS("previtem")) return l->has_prev ? l->prev : loom_jinja_undef("previtem");
     if (IS("nextitem")) return l->has_next ? l->next : loom_jinja_undef("nextitem");
-    if (IS("cycle")) {
+    if (IS("cycle") || IS("changed")) {
         loom_jinja_func_t *f = loom_jinja_alloc(cx, sizeof *f);
         memset(f, 0, sizeof *f);
         f->kind = JF_GLOBAL;
-        f->id = JG_CYCLE;
+        f->id = name[1] == 'y' ? JG_CYCLE : JG_CHANGED;
         f->self = obj;
         return (jv_t){.t = JV_FUNC, .u.fn = f};
     }

@@ -160,6 +160,8 @@ struct loom_jinja_list {
     jv_t *v;
     size_t n, cap;
     bool tuple;
+    bool range; /* made by range(): prints as range(start, stop[, step]) */
+    int64_t r_start, r_stop, r_step;
 };
 
 struct loom_jinja_dict {
@@ -182,6 +184,8 @@ struct loom_jinja_loop {
     int64_t index0, length;
     jv_t prev, next;
     bool has_prev, has_next;
+    jv_t changed_last; /* loop.changed(...)'s last arguments */
+    bool changed_seen;
 };
 
 /* ---- render context ---- */
@@ -301,7 +305,7 @@ jv_t loom_jinja_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t o
                        size_t len);
 jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_func_t *fn,
                             loom_jinja_args_t *a);
-enum { JG_RANGE = 1, JG_NAMESPACE, JG_DICT, JG_RAISE, JG_STRFTIME, JG_CYCLE, JG_LIPSUM_UNUSED };
+enum { JG_RANGE = 1, JG_NAMESPACE, JG_DICT, JG_RAISE, JG_STRFTIME, JG_CYCLE, JG_CHANGED };
 jv_t loom_jinja_call_global(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_func_t *fn,
                             loom_jinja_args_t *a);
 int loom_jinja_global_id(const char *name, size_t len);

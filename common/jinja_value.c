@@ -103,6 +103,7 @@ jv_t loom_jinja_list_new(loom_jinja_ctx_t *cx, size_t cap) {
     l->n = 0;
     l->cap = cap;
     l->tuple = false;
+    l->range = false;
     l->v = cap ? loom_jinja_alloc(cx, cap * sizeof(jv_t)) : NULL;
     return (jv_t){.t = JV_LIST, .u.l = l};
 }
@@ -406,6 +407,12 @@ void loom_jinja_write_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
     case JV_STR: write_str_repr(cx, b, v.u.s->p, v.u.s->len); return;
     case JV_UNDEF: loom_jinja_buf_put(cx, b, "Undefined", 9); return;
     case JV_LIST: {
+        if (v.u.l->range) {
+            loom_jinja_buf_printf(cx, b, "range(%lld, %lld", (long long)v.u.l->r_start, (long long)v.u.l->r_stop);
+            if (v.u.l->r_step != 1) loom_jinja_buf_printf(cx, b, ", %lld", (long long)v.u.l->r_step);
+            loom_jinja_buf_putc(cx, b, ')');
+            return;
+        }
         loom_jinja_buf_putc(cx, b, v.u.l->tuple ? '(' : '[');
         for (size_t i = 0; i < v.u.l->n; i++) {
             if (i) loom_jinja_buf_put(cx, b, ", ", 2);
