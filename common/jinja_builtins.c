@@ -347,7 +347,7 @@ bool loom_jinja_test(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
     if (STREQ(name, "string")) return v.t == JV_STR;
     if (STREQ(name, "mapping")) return v.t == JV_DICT;
     if (STREQ(name, "iterable")) return v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT || v.t == JV_UNDEF;
-    if (STREQ(name, "sequence")) return v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT;
+    if (STREQ(name, "sequence")) return v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT || v.t == JV_UNDEF;
     if (STREQ(name, "number")) return v.t == JV_INT || v.t == JV_FLOAT || v.t == JV_BOOL;
     if (STREQ(name, "integer")) return v.t == JV_INT;
     if (STREQ(name, "float")) return v.t == JV_FLOAT;
@@ -381,12 +381,18 @@ bool loom_jinja_test(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
         return STREQ(name, "odd") ? (i % 2 != 0) : (i % 2 == 0);
     }
     if (STREQ(name, "divisibleby")) {
+        if (v.t == JV_FLOAT || x.t == JV_FLOAT) {
+            double fv = v.t == JV_FLOAT ? v.u.f : (double)need_int(cx, at, v, "divisibleby");
+            double fx = x.t == JV_FLOAT ? x.u.f : (double)need_int(cx, at, x, "divisibleby");
+            if (fx == 0) FAIL("float modulo");
+            return fmod(fv, fx) == 0;
+        }
         int64_t d = need_int(cx, at, x, "divisibleby"), i = need_int(cx, at, v, "divisibleby");
         if (d == 0) FAIL("integer division or modulo by zero");
         return d == -1 || i % d == 0;
     }
     if (STREQ(name, "lower") || STREQ(name, "upper")) {
-        if (v.t != JV_STR) FAIL("'%s' has no %s()", loom_jinja_type_name(v), name);
+        v = loom_jinja_to_str(cx, v); /* jinja2: str(value).islower() */
         bool cased = false;
         for (size_t i = 0; i < v.u.s->len; i++) {
             unsigned char c = (unsigned char)v.u.s->p[i];
@@ -405,6 +411,7 @@ bool loom_jinja_test(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
 /* select/reject/selectattr/rejectattr: ARGS from FIRST on name the test and its arguments. */
 static jv_t select_items(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_jinja_node_t *at, jv_t seq,
                          loom_jinja_args_t *a, bool attr, bool want) {
+    if (!loom_jinja_truthy(seq)) return loom_jinja_list_new(cx, 0); /* jinja2: `if value: for item in value` */
     loom_jinja_list_t *l = loom_jinja_iterate(cx, at, seq);
     jv_t r = loom_jinja_list_new(cx, l->n);
     int first = 0;
@@ -496,7 +503,8 @@ static jv_t do_round(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, 
 }
 
 static jv_t indent(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv_t width, bool first, bool blank) {
-    loom_jinja_str_t *s = v.t == JV_STR ? v.u.s : loom_jinja_to_str(cx, v).u.s;
+    if (v.t != JV_STR) FAIL("indent: can only concatenate str (not \"%s\") to str", loom_jinja_type_name(v));
+    loom_jinja_str_t *s = v.u.s;
     loom_jinja_buf_t ind = {0};
     if (width.t == JV_STR) loom_jinja_buf_put_str(cx, &ind, width.u.s);
     else for (int64_t i = 0, w = need_int(cx, at, width, "indent"); i < w; i++) loom_jinja_buf_putc(cx, &ind, ' ');
@@ -643,6 +651,7 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
     if (STREQ(name, "select")) return select_items(cx, sc, at, v, a, false, true);
     if (STREQ(name, "reject")) return select_items(cx, sc, at, v, a, false, false);
     if (STREQ(name, "map")) {
+        if (!loom_jinja_truthy(v)) return loom_jinja_list_new(cx, 0);
         loom_jinja_list_t *l = loom_jinja_iterate(cx, at, v);
         jv_t r = loom_jinja_list_new(cx, l->n);
         jv_t attribute = arg(a, -1, "attribute", undef());
@@ -712,6 +721,7 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
         for (size_t i = 0; i < l->n; i++) {
             jv_t k = attribute.t == JV_NONE ? l->v[i] : attr_path(cx, at, l->v[i], attribute);
             if (!cs && k.t == JV_STR) k = map_case(cx, k.u.s, 0);
+            if ((k.t == JV_LIST && !k.u.l->tuple) || k.t == JV_DICT) FAIL("unhashable type: '%s'", loom_jinja_type_name(k));
             bool dup = false;
             for (size_t j = 0; j < ns && !dup; j++) {
                 loom_jinja_step(cx, at);
@@ -725,6 +735,7 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
         return r;
     }
     if (STREQ(name, "string")) return loom_jinja_to_str(cx, v);
+    if ((STREQ(name, "int") || STREQ(name, "float")) && v.t == JV_UNDEF) loom_jinja_undefined_error(cx, at, v);
     if (STREQ(name, "int")) {
         jv_t base = arg(a, 1, "base", loom_jinja_int(10));
         return to_int(cx, at, v, arg(a, 0, "default", loom_jinja_int(0)), (int)need_int(cx, at, base, "int"));
@@ -942,7 +953,9 @@ jv_t loom_jinja_percent_format(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at
         }
         fmt_one(cx, at, &b, f->p[i], flags, width, prec, v);
     }
-    if (ai < an && args.t != JV_DICT) FAIL("not all arguments converted during string formatting");
+    /* Python skips this check for a mapping or a list (anything subscriptable that is not a tuple) */
+    if (ai < an && args.t != JV_DICT && args.t != JV_UNDEF && !(args.t == JV_LIST && !args.u.l->tuple))
+        FAIL("not all arguments converted during string formatting");
     return loom_jinja_buf_take(cx, &b);
 }
 

@@ -378,7 +378,17 @@ static jv_t binop(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, int op, jv_
             return loom_jinja_float(fx / fy);
         case JOP_FLOORDIV:
             if (fy == 0) loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "integer division or modulo by zero");
-            if (fl) return loom_jinja_float(floor(fx / fy));
+            if (fl) { /* Python's float_floor_div */
+                double mod = fmod(fx, fy), div = (fx - mod) / fy, fd;
+                if (mod != 0 && ((fy < 0) != (mod < 0))) div -= 1.0;
+                if (div != 0) {
+                    fd = floor(div);
+                    if (div - fd > 0.5) fd += 1.0;
+                } else {
+                    fd = copysign(0.0, fx / fy);
+                }
+                return loom_jinja_float(fd);
+            }
             if (x == INT64_MIN && y == -1) goto overflow;
             {
                 int64_t q = x / y;
@@ -390,6 +400,7 @@ static jv_t binop(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, int op, jv_
             if (fl) {
                 double m = fmod(fx, fy);
                 if (m != 0 && ((m < 0) != (fy < 0))) m += fy;
+                if (m == 0) m = copysign(0.0, fy);
                 return loom_jinja_float(m);
             }
             if (y == -1) return loom_jinja_int(0);
@@ -401,7 +412,12 @@ static jv_t binop(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, int op, jv_
         case JOP_POW:
             if (fl || y < 0) {
                 if (fx == 0 && fy < 0) loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "zero to a negative power");
-                return loom_jinja_float(pow(fx, fy));
+                if (fx < 0 && fy != floor(fy))
+                    loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "a negative number to a fractional power is complex");
+                double r = pow(fx, fy);
+                if (isinf(r) && isfinite(fx) && isfinite(fy))
+                    loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "(34, 'Numerical result out of range')");
+                return loom_jinja_float(r);
             } else {
                 int64_t r = 1;
                 for (int64_t k = 0; k < y; k++) {
@@ -467,8 +483,11 @@ static bool contains(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t nee
         for (size_t i = 0; i < hay.u.l->n; i++)
             if (loom_jinja_eq(hay.u.l->v[i], needle)) return true;
         return false;
-    case JV_DICT: case JV_NS: return loom_jinja_dict_get(hay.u.d, needle) != NULL;
-    case JV_UNDEF: loom_jinja_undefined_error(cx, at, hay);
+    case JV_DICT: case JV_NS:
+        if ((needle.t == JV_LIST && !needle.u.l->tuple) || needle.t == JV_DICT)
+            loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "unhashable type: '%s'", loom_jinja_type_name(needle));
+        return loom_jinja_dict_get(hay.u.d, needle) != NULL;
+    case JV_UNDEF: return false; /* jinja2's Undefined iterates as empty */
     default:
         loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "argument of type '%s' is not iterable", loom_jinja_type_name(hay));
     }
@@ -597,6 +616,24 @@ static jv_t apply_filter_chain(ectx_t *ec, loom_jinja_scope_t *sc, const loom_ji
 }
 
 /* ---- expressions ---- */
+
+/* Whether jinja2 would fold N to a constant at compile time (literals and operators over them). */
+static bool is_const_expr(const loom_jinja_node_t *n) {
+    switch (n->kind) {
+    case JN_CONST: return true;
+    case JN_UNOP: return is_const_expr(n->a);
+    case JN_BINOP: case JN_COMPARE: return is_const_expr(n->a) && is_const_expr(n->b);
+    case JN_CONDEXPR: return is_const_expr(n->a) && is_const_expr(n->b) && (!n->c3 || is_const_expr(n->c3));
+    default: return false;
+    }
+}
+
+/* jinja2 folds -3 to a constant and writes `-3 ** x` into Python, which
+ * reads it as -(3 ** x) when x is not constant; Loom gives the same. */
+static bool neg_literal_pow(const loom_jinja_node_t *n) {
+    return n->op == JOP_POW && n->a->kind == JN_UNOP && n->a->op == JOP_NEG && n->a->a->kind == JN_CONST &&
+           (n->a->a->c.type == JV_INT || n->a->a->c.type == JV_FLOAT) && !is_const_expr(n->b);
+}
 jv_t loom_jinja_eval(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_jinja_node_t *n) {
     ectx_t *ec = (ectx_t *)cx;
     loom_jinja_step(cx, n);
@@ -669,6 +706,13 @@ jv_t loom_jinja_eval(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
             jv_t a = loom_jinja_eval(cx, sc, n->a);
             return loom_jinja_truthy(a) ? a : loom_jinja_eval(cx, sc, n->b);
         } else {
+            if (neg_literal_pow(n)) {
+                jv_t a = loom_jinja_eval(cx, sc, n->a->a);
+                jv_t b = loom_jinja_eval(cx, sc, n->b);
+                jv_t r = binop(cx, n, n->op, a, b);
+                if (r.t == JV_INT) return loom_jinja_int(-r.u.i);
+                return loom_jinja_float(-r.u.f);
+            }
             jv_t a = loom_jinja_eval(cx, sc, n->a);
             jv_t b = loom_jinja_eval(cx, sc, n->b);
             return binop(cx, n, n->op, a, b);

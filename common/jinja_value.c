@@ -257,7 +257,7 @@ int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv
         if (c) return c < 0 ? -1 : 1;
         return a.u.s->len < b.u.s->len ? -1 : a.u.s->len > b.u.s->len ? 1 : 0;
     }
-    if (a.t == JV_LIST && b.t == JV_LIST) {
+    if (a.t == JV_LIST && b.t == JV_LIST && a.u.l->tuple == b.u.l->tuple) {
         size_t n = a.u.l->n < b.u.l->n ? a.u.l->n : b.u.l->n;
         for (size_t i = 0; i < n; i++) {
             if (loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) continue;
