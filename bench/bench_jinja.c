@@ -48,7 +48,9 @@ static cJSON *make_tools(void) {
     for (int i = 0; i < 20; i++) {
         char name[32], desc[128];
         snprintf(name, sizeof name, "tool_%02d", i);
-        snprintf(desc, sizeof desc, "Tool number %d: looks something up and returns a JSON object with the result.", i);
+        snprintf(desc, sizeof desc,
+                 "Tool number %d: looks something up and returns a JSON object with the result.",
+                 i);
         cJSON *t = cJSON_CreateObject(), *f = cJSON_AddObjectToObject(t, "function");
         cJSON_AddStringToObject(t, "type", "function");
         cJSON_AddStringToObject(f, "name", name);
@@ -82,13 +84,16 @@ static cJSON *make_messages(void) {
     cJSON *msgs = cJSON_CreateArray(), *m;
     m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "role", "system");
-    cJSON_AddStringToObject(m, "content", "You are a helpful assistant. Use the tools when they help; answer briefly.");
+    cJSON_AddStringToObject(
+        m, "content", "You are a helpful assistant. Use the tools when they help; answer briefly.");
     cJSON_AddItemToArray(msgs, m);
     for (int turn = 0; turn < 8; turn++) {
         char text[256];
         m = cJSON_CreateObject();
         cJSON_AddStringToObject(m, "role", "user");
-        snprintf(text, sizeof text, "Question %d: what can you tell me about topic %d, and how does it compare with the last one?",
+        snprintf(text, sizeof text,
+                 "Question %d: what can you tell me about topic %d, and how does it compare with "
+                 "the last one?",
                  turn, turn * 7);
         cJSON_AddStringToObject(m, "content", text);
         cJSON_AddItemToArray(msgs, m);
@@ -109,13 +114,16 @@ static cJSON *make_messages(void) {
             m = cJSON_CreateObject();
             cJSON_AddStringToObject(m, "role", "tool");
             cJSON_AddStringToObject(m, "tool_call_id", "call12345");
-            cJSON_AddStringToObject(m, "content", "{\"results\": [\"a\", \"b\", \"c\"], \"count\": 3}");
+            cJSON_AddStringToObject(m, "content",
+                                    "{\"results\": [\"a\", \"b\", \"c\"], \"count\": 3}");
             cJSON_AddItemToArray(msgs, m);
             m = cJSON_CreateObject();
             cJSON_AddStringToObject(m, "role", "assistant");
         }
-        snprintf(text, sizeof text, "Answer %d: topic %d is much like the previous one, with a few differences in detail.", turn,
-                 turn * 7);
+        snprintf(
+            text, sizeof text,
+            "Answer %d: topic %d is much like the previous one, with a few differences in detail.",
+            turn, turn * 7);
         cJSON_AddStringToObject(m, "content", text);
         cJSON_AddItemToArray(msgs, m);
     }
@@ -131,8 +139,8 @@ int main(int argc, char **argv) {
     static const char *eos[] = {"<|eot_id|>", "<|im_end|>"};
     cJSON *tools = make_tools(), *msgs = make_messages();
     /* wall time, and the thread's CPU time (which a busy shared machine does not inflate) */
-    printf("%-30s %8s %8s %8s %12s %12s %10s\n", "template", "p50 us", "p99 us", "mean us", "cpu p50 us",
-           "cpu p99 us", "out bytes");
+    printf("%-30s %8s %8s %8s %12s %12s %10s\n", "template", "p50 us", "p99 us", "mean us",
+           "cpu p50 us", "cpu p99 us", "out bytes");
     int rc = 0;
     for (int k = 0; k < 2; k++) {
         char path[1024];
@@ -157,7 +165,8 @@ int main(int argc, char **argv) {
         cJSON_AddStringToObject(vars, "bos_token", bos[k]);
         cJSON_AddStringToObject(vars, "eos_token", eos[k]);
         cJSON_AddStringToObject(vars, "date_string", "26 Jul 2024");
-        double *us = malloc((size_t)n * sizeof *us), *cpu = malloc((size_t)n * sizeof *cpu), sum = 0;
+        double *us = malloc((size_t)n * sizeof *us), *cpu = malloc((size_t)n * sizeof *cpu),
+               sum = 0;
         size_t out_len = 0;
         for (int i = -n / 10; i < n; i++) { /* the first tenth warms up */
             char *out = NULL;
@@ -178,8 +187,8 @@ int main(int argc, char **argv) {
         }
         qsort(us, (size_t)n, sizeof *us, cmp_d);
         qsort(cpu, (size_t)n, sizeof *cpu, cmp_d);
-        printf("%-30s %8.1f %8.1f %8.1f %12.1f %12.1f %10zu\n", files[k], us[n / 2], us[(size_t)n * 99 / 100], sum / n,
-               cpu[n / 2], cpu[(size_t)n * 99 / 100], out_len);
+        printf("%-30s %8.1f %8.1f %8.1f %12.1f %12.1f %10zu\n", files[k], us[n / 2],
+               us[(size_t)n * 99 / 100], sum / n, cpu[n / 2], cpu[(size_t)n * 99 / 100], out_len);
         free(us);
         free(cpu);
         cJSON_Delete(vars);

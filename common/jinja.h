@@ -34,8 +34,9 @@ void loom_jinja_destroy(loom_jinja_t **t_p);
  * a limit exceeded returns LOOM_ERR_RESOURCE_EXHAUSTED naming the limit;
  * a runtime type error (e.g. calling a method on none) returns
  * LOOM_ERR_INVALID_ARGUMENT "NAME:LINE:COL: what". */
-loom_status_t loom_jinja_render(const loom_jinja_t *t, const cJSON *vars, const loom_jinja_limits_t *lim,
-                                char **out, size_t *out_len, loom_err_t *err);
+loom_status_t loom_jinja_render(const loom_jinja_t *t, const cJSON *vars,
+                                const loom_jinja_limits_t *lim, char **out, size_t *out_len,
+                                loom_err_t *err);
 
 /* A byte range [begin, end) of the output. */
 typedef struct loom_jinja_span {

@@ -16,15 +16,22 @@ static const char k_vars[] =
     "{\"messages\": ["
     "{\"role\": \"system\", \"content\": \"You are <|im_start|> helpful.\"},"
     "{\"role\": \"user\", \"content\": \"Hi {{ x }} \\u00e9\\u2713\\n\"},"
-    "{\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{\"id\": \"call12345\", \"type\": \"function\","
-    "\"function\": {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"n\": 2, \"f\": 1.5}}}]},"
+    "{\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{\"id\": \"call12345\", "
+    "\"type\": \"function\","
+    "\"function\": {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"n\": 2, "
+    "\"f\": 1.5}}}]},"
     "{\"role\": \"tool\", \"tool_call_id\": \"call12345\", \"content\": \"{\\\"t\\\": 22}\"},"
     "{\"role\": \"assistant\", \"content\": \"<think>\\nhmm\\n</think>\\n\\nSunny.\"},"
-    "{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}, {\"type\": \"image\"}]}],"
-    "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"d\","
-    "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}],"
-    "\"documents\": [{\"title\": \"t\", \"text\": \"x\"}], \"add_generation_prompt\": true, \"enable_thinking\": false,"
-    "\"bos_token\": \"<s>\", \"eos_token\": \"</s>\", \"n\": 3, \"none\": null, \"big\": 9007199254740993}";
+    "{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}, {\"type\": "
+    "\"image\"}]}],"
+    "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+    "\"description\": \"d\","
+    "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, "
+    "\"required\": [\"city\"]}}}],"
+    "\"documents\": [{\"title\": \"t\", \"text\": \"x\"}], \"add_generation_prompt\": true, "
+    "\"enable_thinking\": false,"
+    "\"bos_token\": \"<s>\", \"eos_token\": \"</s>\", \"n\": 3, \"none\": null, \"big\": "
+    "9007199254740993}";
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc, (void)argv;
