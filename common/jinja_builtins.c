@@ -338,7 +338,6 @@ typedef struct {
     const loom_jinja_node_t *at;
     bool case_sensitive;
 } sort_env_t;
-static sort_env_t *g_sort_env_unused;
 
 static int sort_cmp_env(sort_env_t *e, jv_t a, jv_t b) {
     if (!e->case_sensitive && a.t == JV_STR && b.t == JV_STR) {
@@ -392,7 +391,6 @@ static jv_t sorted(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja
     r.u.l->n = n;
     cx->steps += n;
     sort_env_t e = {cx, at, cs};
-    (void)g_sort_env_unused;
     msort(&e, k, r.u.l->v, tk, tv, n, rev);
     return r;
 }
@@ -664,12 +662,10 @@ static jv_t tojson(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v,
     jv_t ea = arg(a, 0, "ensure_ascii", none());
     if (loom_jinja_truthy(ea)) FAIL("tojson: ensure_ascii=True is not supported");
     int indent = -1;
-    char indent_s[64] = "";
     if (ind.t == JV_INT)
         indent = (int)(ind.u.i < 0 ? 0 : ind.u.i > 32 ? 32 : ind.u.i);
     else if (ind.t != JV_NONE && ind.t != JV_UNDEF)
         FAIL("tojson: indent must be an integer");
-    (void)indent_s;
     const char *item_sep = indent >= 0 ? "," : ", ", *key_sep = ": ";
     if (seps.t == JV_LIST && seps.u.l->n == 2 && seps.u.l->v[0].t == JV_STR &&
         seps.u.l->v[1].t == JV_STR) {

@@ -638,7 +638,6 @@ static jv_t call_macro(ectx_t *ec, const loom_jinja_node_t *at, loom_jinja_func_
         }
     }
     loom_jinja_buf_t buf = {0}, *saved = cx->out;
-    buf.track = saved->track;
     cx->out = &buf;
     int saved_ctl = ec->ctl;
     exec_body(ec, sc, &m->body);

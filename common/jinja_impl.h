@@ -264,7 +264,6 @@ typedef struct loom_jinja_buf {
     size_t len, cap;
     loom_jinja_span_t *sp;
     size_t nsp, spcap;
-    bool track;
 } loom_jinja_buf_t;
 
 typedef struct loom_jinja_scope {
@@ -329,7 +328,6 @@ void loom_jinja_buf_printf(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char
     __attribute__((format(printf, 3, 4)));
 jv_t loom_jinja_buf_take(loom_jinja_ctx_t *cx,
                          loom_jinja_buf_t *b); /* as a string value; frees b */
-void loom_jinja_buf_free(loom_jinja_buf_t *b);
 
 /* str(v) as Python prints it (into B), and repr(v). */
 void loom_jinja_write_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v);

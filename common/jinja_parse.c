@@ -63,11 +63,6 @@ static void *perr(parser_t *ps, const loom_jinja_tok_t *t, const char *fmt, ...)
     va_end(ap);
     loom_err_set(ps->err, LOOM_ERR_INVALID_ARGUMENT, "%s:%d:%d: %s", ps->lx->name, t->line, t->col,
                  what);
-    if (!ps->err) {
-        static loom_err_t dummy;
-        ps->err = &dummy;
-        dummy.code = LOOM_ERR_INVALID_ARGUMENT;
-    }
     return NULL;
 }
 

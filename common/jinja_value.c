@@ -187,7 +187,7 @@ jv_t loom_jinja_from_json(loom_jinja_ctx_t *cx, const cJSON *j) {
     if (cJSON_IsObject(j)) {
         jv_t d = loom_jinja_dict_new(cx, (size_t)cJSON_GetArraySize(j));
         for (const cJSON *c = j->child; c; c = c->next)
-            loom_jinja_dict_set(cx, d.u.d, loom_jinja_str(cx, c->string, strlen(c->string), false),
+            loom_jinja_dict_set(cx, d.u.d, loom_jinja_str(cx, c->string, strlen(c->string), true),
                                 loom_jinja_from_json(cx, c));
         return d;
     }
@@ -377,10 +377,6 @@ jv_t loom_jinja_buf_take(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b) {
     r.u.s->nsp = (uint32_t)b->nsp;
     memset(b, 0, sizeof *b);
     return r;
-}
-
-void loom_jinja_buf_free(loom_jinja_buf_t *b) {
-    memset(b, 0, sizeof *b);
 }
 
 /* ---- str / repr ---- */
