@@ -105,7 +105,10 @@ static jv_t lookup(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *
         for (const cJSON *j = ec->root.vars->child; j; j = j->next)
             if (j->string && strlen(j->string) == n->name_len &&
                 memcmp(j->string, n->name, n->name_len) == 0) {
-                jv_t r = loom_jinja_from_json(cx, j);
+                /* a top-level string (bos_token, eos_token, date_string) is configuration,
+                 * not data: only what sits inside messages, tools, documents... is marked */
+                jv_t r = cJSON_IsString(j) ? loom_jinja_str(cx, j->valuestring, strlen(j->valuestring), false)
+                                           : loom_jinja_from_json(cx, j);
                 if (!ec->root.cache) ec->root.cache = loom_jinja_dict_new(cx, 8).u.d;
                 loom_jinja_dict_set(cx, ec->root.cache,
                                     loom_jinja_str(cx, n->name, n->name_len, false), r);

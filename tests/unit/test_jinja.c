@@ -220,6 +220,9 @@ static void test_spans(void) {
     expect_spans("{% set x %}[{{ m.role }}]{% endset %}{{ x }}", v, "[user]", ".DDDD.");
     /* a macro's output keeps its marks */
     expect_spans("{% macro q(s) %}<{{ s }}>{% endmacro %}{{ q(m.role) }}", v, "<user>", ".DDDD.");
+    /* top-level strings are configuration, not data */
+    expect_spans("{{ bos }}{{ m.role }}", "{\"bos\": \"<s>\", \"m\": {\"role\": \"user\"}}", "<s>user",
+                 "...DDDD");
     /* keys of VARS objects are data too */
     expect_spans("{% for k in m %}<{{ k }}>{% endfor %}", v, "<role><content>", ".DDDD..DDDDDDD.");
     /* adjacent data strings merge into one span */
