@@ -34,8 +34,9 @@ void loom_jinja_destroy(loom_jinja_t **t_p);
  * a limit exceeded returns LOOM_ERR_RESOURCE_EXHAUSTED naming the limit;
  * a runtime type error (e.g. calling a method on none) returns
  * LOOM_ERR_INVALID_ARGUMENT "NAME:LINE:COL: what". */
-loom_status_t loom_jinja_render(const loom_jinja_t *t, const cJSON *vars, const loom_jinja_limits_t *lim,
-                                char **out, size_t *out_len, loom_err_t *err);
+loom_status_t loom_jinja_render(const loom_jinja_t *t, const cJSON *vars,
+                                const loom_jinja_limits_t *lim, char **out, size_t *out_len,
+                                loom_err_t *err);
 
 /* A byte range [begin, end) of the output. */
 typedef struct loom_jinja_span {
@@ -44,7 +45,10 @@ typedef struct loom_jinja_span {
 
 /* As loom_jinja_render, and also reports the byte spans of the output that
  * came from string values taken from VARS (data), as opposed to template
- * literals: *spans is a malloc'd array (caller frees; NULL when *n_spans is
+ * literals. Data is every string (and object key) nested inside a top-level
+ * array or object of VARS (messages, tools, documents, ...); top-level
+ * strings (bos_token, eos_token, date_string, ...) are configuration and
+ * are not marked. *spans is a malloc'd array (caller frees; NULL when *n_spans is
  * 0) of *n_spans sorted, disjoint, non-adjacent spans. A data string keeps
  * its mark through concatenation, slicing, strip/trim, split, upper/lower
  * of ASCII text, join and the filters that pass a value through; filters

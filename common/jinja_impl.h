@@ -29,12 +29,39 @@ typedef enum {
 } loom_jinja_tok_kind_t;
 
 enum {
-    JOP_ADD = 1, JOP_SUB, JOP_MUL, JOP_DIV, JOP_FLOORDIV, JOP_MOD, JOP_POW, JOP_TILDE,
-    JOP_LPAREN, JOP_RPAREN, JOP_LBRACKET, JOP_RBRACKET, JOP_LBRACE, JOP_RBRACE,
-    JOP_COMMA, JOP_DOT, JOP_COLON, JOP_PIPE, JOP_ASSIGN,
-    JOP_EQ, JOP_NE, JOP_LT, JOP_LE, JOP_GT, JOP_GE,
+    JOP_ADD = 1,
+    JOP_SUB,
+    JOP_MUL,
+    JOP_DIV,
+    JOP_FLOORDIV,
+    JOP_MOD,
+    JOP_POW,
+    JOP_TILDE,
+    JOP_LPAREN,
+    JOP_RPAREN,
+    JOP_LBRACKET,
+    JOP_RBRACKET,
+    JOP_LBRACE,
+    JOP_RBRACE,
+    JOP_COMMA,
+    JOP_DOT,
+    JOP_COLON,
+    JOP_PIPE,
+    JOP_ASSIGN,
+    JOP_EQ,
+    JOP_NE,
+    JOP_LT,
+    JOP_LE,
+    JOP_GT,
+    JOP_GE,
     /* not tokens: operators the parser builds */
-    JOP_AND, JOP_OR, JOP_NOT, JOP_IN, JOP_NOTIN, JOP_NEG, JOP_POS,
+    JOP_AND,
+    JOP_OR,
+    JOP_NOT,
+    JOP_IN,
+    JOP_NOTIN,
+    JOP_NEG,
+    JOP_POS,
 };
 
 typedef struct loom_jinja_tok {
@@ -50,11 +77,35 @@ typedef struct loom_jinja_tok {
 /* ---- syntax tree ---- */
 typedef enum {
     /* statements */
-    JN_TEXT, JN_OUTPUT, JN_IF, JN_FOR, JN_SET, JN_SET_BLOCK, JN_MACRO, JN_CALL_BLOCK,
-    JN_FILTER_BLOCK, JN_BREAK, JN_CONTINUE, JN_BODY,
+    JN_TEXT,
+    JN_OUTPUT,
+    JN_IF,
+    JN_FOR,
+    JN_SET,
+    JN_SET_BLOCK,
+    JN_MACRO,
+    JN_CALL_BLOCK,
+    JN_FILTER_BLOCK,
+    JN_BREAK,
+    JN_CONTINUE,
+    JN_BODY,
     /* expressions */
-    JN_CONST, JN_NAME, JN_LIST, JN_TUPLE, JN_DICT, JN_GETATTR, JN_GETITEM, JN_SLICE,
-    JN_CALL, JN_FILTER, JN_TEST, JN_BINOP, JN_UNOP, JN_COMPARE, JN_CONDEXPR, JN_CONCAT,
+    JN_CONST,
+    JN_NAME,
+    JN_LIST,
+    JN_TUPLE,
+    JN_DICT,
+    JN_GETATTR,
+    JN_GETITEM,
+    JN_SLICE,
+    JN_CALL,
+    JN_FILTER,
+    JN_TEST,
+    JN_BINOP,
+    JN_UNOP,
+    JN_COMPARE,
+    JN_CONDEXPR,
+    JN_CONCAT,
     JN_NSREF, /* ns.attr as an assignment target */
 } loom_jinja_node_kind_t;
 
@@ -77,19 +128,21 @@ typedef struct loom_jinja_const {
 struct loom_jinja_node {
     loom_jinja_node_kind_t kind;
     int line, col;
-    int op;            /* binop/unop/compare operator */
-    const char *name;  /* NAME, GETATTR attribute, FILTER/TEST name, MACRO name, SET target name */
+    int op;           /* binop/unop/compare operator */
+    const char *name; /* NAME, GETATTR attribute, FILTER/TEST name, MACRO name, SET target name */
     size_t name_len;
-    loom_jinja_const_t c;          /* CONST */
-    loom_jinja_node_t *a, *b, *c3; /* operands: IF/CONDEXPR test,then,else; GETITEM obj,key; SLICE lo,hi,step */
-    loom_jinja_nodes_t args;       /* call/filter/test args (positional), list/tuple/dict items, body */
-    loom_jinja_nodes_t kwargs;     /* keyword args: each a CONST-named node: name + a = value */
+    loom_jinja_const_t c; /* CONST */
+    loom_jinja_node_t *a, *b,
+        *c3; /* operands: IF/CONDEXPR test,then,else; GETITEM obj,key; SLICE lo,hi,step */
+    loom_jinja_nodes_t args;   /* call/filter/test args (positional), list/tuple/dict items, body */
+    loom_jinja_nodes_t kwargs; /* keyword args: each a CONST-named node: name + a = value */
     loom_jinja_nodes_t body, else_body;
-    loom_jinja_node_t *target;     /* FOR/SET target (NAME, TUPLE or NSREF) */
-    loom_jinja_node_t *iter;       /* FOR iterable; SET value; CALL_BLOCK call; FILTER_BLOCK filter chain */
-    loom_jinja_node_t *cond;       /* FOR inline if */
-    loom_jinja_nodes_t params;     /* MACRO/CALL_BLOCK parameter names (NAME nodes, a = default) */
-    bool negate;                   /* TEST: is not */
+    loom_jinja_node_t *target; /* FOR/SET target (NAME, TUPLE or NSREF) */
+    loom_jinja_node_t
+        *iter; /* FOR iterable; SET value; CALL_BLOCK call; FILTER_BLOCK filter chain */
+    loom_jinja_node_t *cond;   /* FOR inline if */
+    loom_jinja_nodes_t params; /* MACRO/CALL_BLOCK parameter names (NAME nodes, a = default) */
+    bool negate;               /* TEST: is not */
     bool recursive;
 };
 
@@ -125,7 +178,19 @@ loom_status_t loom_jinja_lex_all(loom_jinja_lex_t *lx);
 loom_status_t loom_jinja_parse(loom_jinja_t *t, loom_jinja_lex_t *lx, loom_err_t *err);
 
 /* ---- run-time values ---- */
-enum { JV_UNDEF, JV_NONE, JV_BOOL, JV_INT, JV_FLOAT, JV_STR, JV_LIST, JV_DICT, JV_FUNC, JV_NS, JV_LOOP };
+enum {
+    JV_UNDEF,
+    JV_NONE,
+    JV_BOOL,
+    JV_INT,
+    JV_FLOAT,
+    JV_STR,
+    JV_LIST,
+    JV_DICT,
+    JV_FUNC,
+    JV_NS,
+    JV_LOOP
+};
 
 typedef struct loom_jinja_str loom_jinja_str_t;
 typedef struct loom_jinja_list loom_jinja_list_t;
@@ -160,6 +225,8 @@ struct loom_jinja_list {
     jv_t *v;
     size_t n, cap;
     bool tuple;
+    bool range; /* made by range(): prints as range(start, stop[, step]) */
+    int64_t r_start, r_stop, r_step;
 };
 
 struct loom_jinja_dict {
@@ -170,11 +237,11 @@ struct loom_jinja_dict {
 enum { JF_MACRO, JF_CALLER, JF_GLOBAL, JF_METHOD };
 struct loom_jinja_func {
     int kind;
-    const loom_jinja_node_t *node;  /* MACRO / CALL_BLOCK */
-    struct loom_jinja_scope *scope; /* defining scope */
+    const loom_jinja_node_t *node;   /* MACRO / CALL_BLOCK */
+    struct loom_jinja_scope *scope;  /* defining scope */
     const loom_jinja_node_t *caller; /* MACRO invoked from a call block */
     struct loom_jinja_scope *caller_scope;
-    int id;   /* GLOBAL / METHOD id */
+    int id;    /* GLOBAL / METHOD id */
     jv_t self; /* METHOD receiver */
 };
 
@@ -182,6 +249,8 @@ struct loom_jinja_loop {
     int64_t index0, length;
     jv_t prev, next;
     bool has_prev, has_next;
+    jv_t changed_last; /* loop.changed(...)'s last arguments */
+    bool changed_seen;
 };
 
 /* ---- render context ---- */
@@ -195,7 +264,6 @@ typedef struct loom_jinja_buf {
     size_t len, cap;
     loom_jinja_span_t *sp;
     size_t nsp, spcap;
-    bool track;
 } loom_jinja_buf_t;
 
 typedef struct loom_jinja_scope {
@@ -204,6 +272,7 @@ typedef struct loom_jinja_scope {
     const char **names;
     size_t *lens;
     int n, cap;
+    bool captured; /* a macro closed over it: a loop must not reuse it */
 } loom_jinja_scope_t;
 
 typedef struct loom_jinja_ctx {
@@ -220,8 +289,12 @@ typedef struct loom_jinja_ctx {
 } loom_jinja_ctx_t;
 
 /* Stops the render: sets err and longjmps out. */
-_Noreturn void loom_jinja_fail(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_status_t code,
-                               const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+_Noreturn void loom_jinja_fail(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
+                               loom_status_t code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Stops the render for using the undefined value V. */
+_Noreturn void loom_jinja_undefined_error(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
+                                          jv_t v);
 _Noreturn void loom_jinja_raise(loom_jinja_ctx_t *cx, const char *msg, size_t len);
 
 void *loom_jinja_alloc(loom_jinja_ctx_t *cx, size_t n);
@@ -253,8 +326,8 @@ void loom_jinja_buf_putc(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, char c);
 void loom_jinja_buf_put_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const loom_jinja_str_t *s);
 void loom_jinja_buf_printf(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-jv_t loom_jinja_buf_take(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b); /* as a string value; frees b */
-void loom_jinja_buf_free(loom_jinja_buf_t *b);
+jv_t loom_jinja_buf_take(loom_jinja_ctx_t *cx,
+                         loom_jinja_buf_t *b); /* as a string value; frees b */
 
 /* str(v) as Python prints it (into B), and repr(v). */
 void loom_jinja_write_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v);
@@ -262,16 +335,19 @@ void loom_jinja_write_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v);
 jv_t loom_jinja_to_str(loom_jinja_ctx_t *cx, jv_t v);
 void loom_jinja_write_float(loom_jinja_buf_t *b, loom_jinja_ctx_t *cx, double f);
 /* json.dumps(v, ensure_ascii=False, indent, separators, sort_keys) */
-void loom_jinja_write_json(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_buf_t *b, jv_t v,
-                           int indent, const char *item_sep, const char *key_sep, bool sort_keys,
-                           int level);
+void loom_jinja_write_json(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_buf_t *b,
+                           jv_t v, int indent, const char *item_sep, const char *key_sep,
+                           bool sort_keys, int level);
 
 /* evaluator (jinja_eval.c) */
 jv_t loom_jinja_eval(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_jinja_node_t *n);
-jv_t loom_jinja_call_value(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_jinja_node_t *at, jv_t fn,
-                           jv_t *args, int nargs, const char **kwn, jv_t *kwv, int nkw);
-jv_t loom_jinja_getattr(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, const char *name,
-                        size_t len);
+jv_t loom_jinja_call_value(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc,
+                           const loom_jinja_node_t *at, jv_t fn, jv_t *args, int nargs,
+                           const char **kwn, jv_t *kwv, int nkw);
+jv_t loom_jinja_getattr(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj,
+                        const char *name, size_t len);
+jv_t loom_jinja_getattr_raw(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj,
+                            const char *name, size_t len);
 jv_t loom_jinja_getitem(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, jv_t key);
 void loom_jinja_step(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at);
 /* The items a for loop or a filter walks: a list value (dict keys, string chars). */
@@ -292,13 +368,13 @@ bool loom_jinja_test(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_ji
 bool loom_jinja_has_filter(const char *name);
 bool loom_jinja_has_test(const char *name);
 /* Method lookup: returns a METHOD function value, or UNDEF when OBJ has no such method. */
-jv_t loom_jinja_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj, const char *name,
-                       size_t len);
-jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_func_t *fn,
-                            loom_jinja_args_t *a);
-enum { JG_RANGE = 1, JG_NAMESPACE, JG_DICT, JG_RAISE, JG_STRFTIME, JG_CYCLE, JG_LIPSUM_UNUSED };
-jv_t loom_jinja_call_global(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_func_t *fn,
-                            loom_jinja_args_t *a);
+jv_t loom_jinja_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj,
+                       const char *name, size_t len);
+jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
+                            loom_jinja_func_t *fn, loom_jinja_args_t *a);
+enum { JG_RANGE = 1, JG_NAMESPACE, JG_DICT, JG_RAISE, JG_STRFTIME, JG_CYCLE, JG_CHANGED };
+jv_t loom_jinja_call_global(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
+                            loom_jinja_func_t *fn, loom_jinja_args_t *a);
 int loom_jinja_global_id(const char *name, size_t len);
 
 #endif

@@ -9,10 +9,13 @@
 
 #include "common/jinja_impl.h"
 
-static bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+static bool is_ws(char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 static loom_status_t lex_error(loom_jinja_lex_t *lx, int line, int col, const char *what) {
-    return loom_err_set(lx->err, LOOM_ERR_INVALID_ARGUMENT, "%s:%d:%d: %s", lx->name, line, col, what);
+    return loom_err_set(lx->err, LOOM_ERR_INVALID_ARGUMENT, "%s:%d:%d: %s", lx->name, line, col,
+                        what);
 }
 
 /* Moves pos to NEWPOS, keeping line and col. */
@@ -46,13 +49,15 @@ static loom_jinja_tok_t *push(loom_jinja_lex_t *lx, loom_jinja_tok_kind_t kind, 
 
 /* Emits text [a, b) after the whitespace control of the tag that follows it:
  * SIGN is the tag's modifier ('-', '+' or 0), BLOCK whether lstrip_blocks applies. */
-static loom_status_t emit_text(loom_jinja_lex_t *lx, size_t a, size_t b, char sign, bool block, int line,
-                               int col) {
+static loom_status_t emit_text(loom_jinja_lex_t *lx, size_t a, size_t b, char sign, bool block,
+                               int line, int col) {
     if (sign == '-') {
-        while (b > a && is_ws(lx->src[b - 1])) b--;
+        while (b > a && is_ws(lx->src[b - 1]))
+            b--;
     } else if (sign != '+' && block) {
         size_t l = b;
-        while (l > a && lx->src[l - 1] != '\n') l--;
+        while (l > a && lx->src[l - 1] != '\n')
+            l--;
         if (l > a || lx->line_starting) {
             bool all_ws = l < b;
             for (size_t i = l; i < b; i++)
@@ -71,15 +76,25 @@ static loom_status_t emit_text(loom_jinja_lex_t *lx, size_t a, size_t b, char si
 
 /* Python's string-literal escapes (unicode-escape), written as UTF-8. */
 static size_t put_utf8(char *o, uint32_t cp) {
-    if (cp < 0x80) { o[0] = (char)cp; return 1; }
-    if (cp < 0x800) { o[0] = (char)(0xC0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3F)); return 2; }
+    if (cp < 0x80) {
+        o[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        o[0] = (char)(0xC0 | (cp >> 6));
+        o[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
     if (cp < 0x10000) {
-        o[0] = (char)(0xE0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        o[0] = (char)(0xE0 | (cp >> 12));
+        o[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
         o[2] = (char)(0x80 | (cp & 0x3F));
         return 3;
     }
-    o[0] = (char)(0xF0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-    o[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); o[3] = (char)(0x80 | (cp & 0x3F));
+    o[0] = (char)(0xF0 | (cp >> 18));
+    o[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    o[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    o[3] = (char)(0x80 | (cp & 0x3F));
     return 4;
 }
 
@@ -104,21 +119,47 @@ static loom_status_t lex_string(loom_jinja_lex_t *lx, loom_jinja_tok_t *t) {
     size_t n = 0;
     for (size_t k = a; k < b; k++) {
         char c = lx->src[k];
-        if (c != '\\' || k + 1 >= b) { o[n++] = c; continue; }
+        if (c != '\\' || k + 1 >= b) {
+            o[n++] = c;
+            continue;
+        }
         char e = lx->src[++k];
         switch (e) {
-        case '\n': break;
-        case '\\': o[n++] = '\\'; break;
-        case '\'': o[n++] = '\''; break;
-        case '"': o[n++] = '"'; break;
-        case 'a': o[n++] = '\a'; break;
-        case 'b': o[n++] = '\b'; break;
-        case 'f': o[n++] = '\f'; break;
-        case 'n': o[n++] = '\n'; break;
-        case 'r': o[n++] = '\r'; break;
-        case 't': o[n++] = '\t'; break;
-        case 'v': o[n++] = '\v'; break;
-        case 'x': case 'u': case 'U': {
+        case '\n':
+            break;
+        case '\\':
+            o[n++] = '\\';
+            break;
+        case '\'':
+            o[n++] = '\'';
+            break;
+        case '"':
+            o[n++] = '"';
+            break;
+        case 'a':
+            o[n++] = '\a';
+            break;
+        case 'b':
+            o[n++] = '\b';
+            break;
+        case 'f':
+            o[n++] = '\f';
+            break;
+        case 'n':
+            o[n++] = '\n';
+            break;
+        case 'r':
+            o[n++] = '\r';
+            break;
+        case 't':
+            o[n++] = '\t';
+            break;
+        case 'v':
+            o[n++] = '\v';
+            break;
+        case 'x':
+        case 'u':
+        case 'U': {
             int nd = e == 'x' ? 2 : e == 'u' ? 4 : 8;
             uint32_t cp = 0;
             int d = 0;
@@ -127,7 +168,8 @@ static loom_status_t lex_string(loom_jinja_lex_t *lx, loom_jinja_tok_t *t) {
                 if (h < 0) break;
                 cp = cp * 16 + (uint32_t)h;
             }
-            if (d < nd || cp > 0x10FFFF) return lex_error(lx, t->line, t->col, "bad escape in string");
+            if (d < nd || cp > 0x10FFFF)
+                return lex_error(lx, t->line, t->col, "bad escape in string");
             k += (size_t)nd;
             n += put_utf8(o + n, cp);
             break;
@@ -135,7 +177,8 @@ static loom_status_t lex_string(loom_jinja_lex_t *lx, loom_jinja_tok_t *t) {
         default:
             if (e >= '0' && e <= '7') {
                 uint32_t cp = (uint32_t)(e - '0');
-                for (int d = 0; d < 2 && k + 1 < b && lx->src[k + 1] >= '0' && lx->src[k + 1] <= '7'; d++)
+                for (int d = 0;
+                     d < 2 && k + 1 < b && lx->src[k + 1] >= '0' && lx->src[k + 1] <= '7'; d++)
                     cp = cp * 8 + (uint32_t)(lx->src[++k] - '0');
                 n += put_utf8(o + n, cp);
             } else {
@@ -158,7 +201,8 @@ static loom_status_t lex_number(loom_jinja_lex_t *lx, loom_jinja_tok_t *t, bool 
     char buf[128];
     size_t n = 0;
     bool is_float = false;
-    while (i < lx->len && (isdigit((unsigned char)s[i]) || (s[i] == '_' && i + 1 < lx->len && isdigit((unsigned char)s[i + 1])))) {
+    while (i < lx->len && (isdigit((unsigned char)s[i]) ||
+                           (s[i] == '_' && i + 1 < lx->len && isdigit((unsigned char)s[i + 1])))) {
         if (s[i] != '_' && n < sizeof buf - 1) buf[n++] = s[i];
         i++;
     }
@@ -175,7 +219,8 @@ static loom_status_t lex_number(loom_jinja_lex_t *lx, loom_jinja_tok_t *t, bool 
         if (j < lx->len && (s[j] == '+' || s[j] == '-')) j++;
         if (j < lx->len && isdigit((unsigned char)s[j])) {
             is_float = true;
-            while (i < j && n < sizeof buf - 1) buf[n++] = s[i++];
+            while (i < j && n < sizeof buf - 1)
+                buf[n++] = s[i++];
             while (i < lx->len && isdigit((unsigned char)s[i])) {
                 if (n < sizeof buf - 1) buf[n++] = s[i];
                 i++;
@@ -198,12 +243,17 @@ static loom_status_t lex_number(loom_jinja_lex_t *lx, loom_jinja_tok_t *t, bool 
     return LOOM_OK;
 }
 
-static const struct { const char *s; int op; } k_ops[] = {
-    {"//", JOP_FLOORDIV}, {"**", JOP_POW}, {"==", JOP_EQ}, {"!=", JOP_NE}, {"<=", JOP_LE}, {">=", JOP_GE},
-    {"+", JOP_ADD}, {"-", JOP_SUB}, {"*", JOP_MUL}, {"/", JOP_DIV}, {"%", JOP_MOD}, {"~", JOP_TILDE},
-    {"(", JOP_LPAREN}, {")", JOP_RPAREN}, {"[", JOP_LBRACKET}, {"]", JOP_RBRACKET}, {"{", JOP_LBRACE},
-    {"}", JOP_RBRACE}, {",", JOP_COMMA}, {".", JOP_DOT}, {":", JOP_COLON}, {"|", JOP_PIPE},
-    {"=", JOP_ASSIGN}, {"<", JOP_LT}, {">", JOP_GT},
+static const struct {
+    const char *s;
+    int op;
+} k_ops[] = {
+    {"//", JOP_FLOORDIV}, {"**", JOP_POW},   {"==", JOP_EQ},      {"!=", JOP_NE},
+    {"<=", JOP_LE},       {">=", JOP_GE},    {"+", JOP_ADD},      {"-", JOP_SUB},
+    {"*", JOP_MUL},       {"/", JOP_DIV},    {"%", JOP_MOD},      {"~", JOP_TILDE},
+    {"(", JOP_LPAREN},    {")", JOP_RPAREN}, {"[", JOP_LBRACKET}, {"]", JOP_RBRACKET},
+    {"{", JOP_LBRACE},    {"}", JOP_RBRACE}, {",", JOP_COMMA},    {".", JOP_DOT},
+    {":", JOP_COLON},     {"|", JOP_PIPE},   {"=", JOP_ASSIGN},   {"<", JOP_LT},
+    {">", JOP_GT},
 };
 
 /* Is "{% [-+]? \s* NAME \s* ([-+]?%})" at P? Returns the end of the tag (after trim) or 0. */
@@ -214,19 +264,23 @@ static size_t match_tag_word(loom_jinja_lex_t *lx, size_t p, const char *word, c
     p += 2;
     char sign = 0;
     if (p < lx->len && (s[p] == '-' || s[p] == '+')) sign = s[p++];
-    while (p < lx->len && is_ws(s[p])) p++;
+    while (p < lx->len && is_ws(s[p]))
+        p++;
     size_t wl = strlen(word);
     if (p + wl > lx->len || memcmp(s + p, word, wl) != 0) return 0;
     p += wl;
     if (p < lx->len && (isalnum((unsigned char)s[p]) || s[p] == '_')) return 0;
-    while (p < lx->len && is_ws(s[p])) p++;
+    while (p < lx->len && is_ws(s[p]))
+        p++;
     if (sign_out) *sign_out = sign;
     if (p + 3 <= lx->len && s[p] == '-' && s[p + 1] == '%' && s[p + 2] == '}') {
         p += 3;
-        while (p < lx->len && is_ws(s[p])) p++;
+        while (p < lx->len && is_ws(s[p]))
+            p++;
         return p;
     }
-    if (trim_newline && p + 3 <= lx->len && s[p] == '+' && s[p + 1] == '%' && s[p + 2] == '}') return p + 3;
+    if (trim_newline && p + 3 <= lx->len && s[p] == '+' && s[p + 1] == '%' && s[p + 2] == '}')
+        return p + 3;
     if (p + 2 <= lx->len && s[p] == '%' && s[p + 1] == '}') {
         p += 2;
         if (trim_newline && p < lx->len && s[p] == '\n') p++;
@@ -248,7 +302,10 @@ static loom_status_t lex_text_state(loom_jinja_lex_t *lx) {
         }
         p = (size_t)(q - s);
         char c = s[p + 1];
-        if (c != '{' && c != '%' && c != '#') { p++; continue; }
+        if (c != '{' && c != '%' && c != '#') {
+            p++;
+            continue;
+        }
         char sign = (p + 2 < lx->len && (s[p + 2] == '-' || s[p + 2] == '+')) ? s[p + 2] : 0;
         bool block = c != '{';
         if (c == '%') {
@@ -263,7 +320,8 @@ static loom_status_t lex_text_state(loom_jinja_lex_t *lx) {
                 size_t end = 0;
                 char es = 0;
                 for (; e + 1 < lx->len; e++)
-                    if (s[e] == '{' && s[e + 1] == '%' && (end = match_tag_word(lx, e, "endraw", &es, true)))
+                    if (s[e] == '{' && s[e + 1] == '%' &&
+                        (end = match_tag_word(lx, e, "endraw", &es, true)))
                         break;
                 if (!end) return lex_error(lx, rline, rcol, "missing endraw");
                 lx->line_starting = false;
@@ -280,12 +338,16 @@ static loom_status_t lex_text_state(loom_jinja_lex_t *lx) {
             int cl = lx->line, cc = lx->col;
             const char *e = NULL;
             for (size_t k = p + 2; k + 1 < lx->len; k++)
-                if (s[k] == '#' && s[k + 1] == '}') { e = s + k; break; }
+                if (s[k] == '#' && s[k + 1] == '}') {
+                    e = s + k;
+                    break;
+                }
             if (!e) return lex_error(lx, cl, cc, "unterminated comment");
             size_t k = (size_t)(e - s);
             size_t end = k + 2;
             if (k > p + 2 && s[k - 1] == '-') {
-                while (end < lx->len && is_ws(s[end])) end++;
+                while (end < lx->len && is_ws(s[end]))
+                    end++;
             } else if (!(k > p + 2 && s[k - 1] == '+') && end < lx->len && s[end] == '\n') {
                 end++;
             }
@@ -307,22 +369,27 @@ static loom_status_t lex_tag_state(loom_jinja_lex_t *lx) {
     int depth = 0;
     bool after_dot = false;
     for (;;) {
-        while (lx->pos < lx->len && is_ws(s[lx->pos])) adv_to(lx, lx->pos + 1);
+        while (lx->pos < lx->len && is_ws(s[lx->pos]))
+            adv_to(lx, lx->pos + 1);
         size_t p = lx->pos;
         if (p >= lx->len)
             return lex_error(lx, lx->line, lx->col,
-                             lx->tag_kind == JT_VAR_BEGIN ? "unexpected end of template, expected '}}'"
-                                                          : "unexpected end of template, expected '%}'");
+                             lx->tag_kind == JT_VAR_BEGIN
+                                 ? "unexpected end of template, expected '}}'"
+                                 : "unexpected end of template, expected '%}'");
         int line = lx->line, col = lx->col;
         if (depth == 0) {
             char ec = lx->tag_kind == JT_VAR_BEGIN ? '}' : '%';
             size_t q = p;
             char sign = 0;
-            if ((s[q] == '-' || s[q] == '+') && q + 2 < lx->len + 1 && q + 1 < lx->len && s[q + 1] == ec) sign = s[q++];
+            if ((s[q] == '-' || s[q] == '+') && q + 2 < lx->len + 1 && q + 1 < lx->len &&
+                s[q + 1] == ec)
+                sign = s[q++];
             if (q + 1 < lx->len && s[q] == ec && s[q + 1] == '}' && (sign != '+' || ec == '%')) {
                 size_t end = q + 2;
                 if (sign == '-') {
-                    while (end < lx->len && is_ws(s[end])) end++;
+                    while (end < lx->len && is_ws(s[end]))
+                        end++;
                 } else if (sign == 0 && ec == '%' && end < lx->len && s[end] == '\n') {
                     end++;
                 }
@@ -339,7 +406,8 @@ static loom_status_t lex_tag_state(loom_jinja_lex_t *lx) {
         char c = s[p];
         if (isalpha((unsigned char)c) || c == '_') {
             size_t e = p;
-            while (e < lx->len && (isalnum((unsigned char)s[e]) || s[e] == '_')) e++;
+            while (e < lx->len && (isalnum((unsigned char)s[e]) || s[e] == '_'))
+                e++;
             t->s = s + p;
             t->len = e - p;
             adv_to(lx, e);
@@ -391,8 +459,7 @@ loom_status_t loom_jinja_lex_all(loom_jinja_lex_t *lx) {
         else
             LOOM_CHECK(lex_text_state(lx));
     }
-    if (lx->in_tag)
-        return lex_error(lx, lx->line, lx->col, "unexpected end of template");
+    if (lx->in_tag) return lex_error(lx, lx->line, lx->col, "unexpected end of template");
     if (!push(lx, JT_EOF, lx->line, lx->col)) return LOOM_ERR_NOMEM;
     return LOOM_OK;
 }

@@ -61,16 +61,14 @@ static void *perr(parser_t *ps, const loom_jinja_tok_t *t, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
-    loom_err_set(ps->err, LOOM_ERR_INVALID_ARGUMENT, "%s:%d:%d: %s", ps->lx->name, t->line, t->col, what);
-    if (!ps->err) {
-        static loom_err_t dummy;
-        ps->err = &dummy;
-        dummy.code = LOOM_ERR_INVALID_ARGUMENT;
-    }
+    loom_err_set(ps->err, LOOM_ERR_INVALID_ARGUMENT, "%s:%d:%d: %s", ps->lx->name, t->line, t->col,
+                 what);
     return NULL;
 }
 
-static loom_jinja_tok_t *cur(parser_t *ps) { return &ps->tk[ps->i]; }
+static loom_jinja_tok_t *cur(parser_t *ps) {
+    return &ps->tk[ps->i];
+}
 static loom_jinja_tok_t *peek(parser_t *ps, size_t k) {
     size_t j = ps->i + k;
     return j < ps->lx->ntoks ? &ps->tk[j] : &ps->tk[ps->lx->ntoks - 1];
@@ -78,25 +76,41 @@ static loom_jinja_tok_t *peek(parser_t *ps, size_t k) {
 static void next(parser_t *ps) {
     if (ps->tk[ps->i].kind != JT_EOF) ps->i++;
 }
-static bool is_op(parser_t *ps, int op) { return cur(ps)->kind == JT_OP && cur(ps)->op == op; }
+static bool is_op(parser_t *ps, int op) {
+    return cur(ps)->kind == JT_OP && cur(ps)->op == op;
+}
 static bool is_name(const loom_jinja_tok_t *t, const char *s) {
     return t->kind == JT_NAME && t->len == strlen(s) && memcmp(t->s, s, t->len) == 0;
 }
 static bool accept_op(parser_t *ps, int op) {
-    if (is_op(ps, op)) { next(ps); return true; }
+    if (is_op(ps, op)) {
+        next(ps);
+        return true;
+    }
     return false;
 }
 static const char *tok_desc(const loom_jinja_tok_t *t, char *buf, size_t n) {
     switch (t->kind) {
-    case JT_EOF: return "end of template";
-    case JT_TEXT: return "template data";
-    case JT_VAR_BEGIN: return "'{{'";
-    case JT_VAR_END: return "'}}'";
-    case JT_BLOCK_BEGIN: return "'{%'";
-    case JT_BLOCK_END: return "'%}'";
-    case JT_STRING: return "string";
-    case JT_INT: case JT_FLOAT: return "number";
-    default: snprintf(buf, n, "'%.*s'", (int)(t->len > 40 ? 40 : t->len), t->s); return buf;
+    case JT_EOF:
+        return "end of template";
+    case JT_TEXT:
+        return "template data";
+    case JT_VAR_BEGIN:
+        return "'{{'";
+    case JT_VAR_END:
+        return "'}}'";
+    case JT_BLOCK_BEGIN:
+        return "'{%'";
+    case JT_BLOCK_END:
+        return "'%}'";
+    case JT_STRING:
+        return "string";
+    case JT_INT:
+    case JT_FLOAT:
+        return "number";
+    default:
+        snprintf(buf, n, "'%.*s'", (int)(t->len > 40 ? 40 : t->len), t->s);
+        return buf;
     }
 }
 static bool expect_op(parser_t *ps, int op, const char *what) {
@@ -156,7 +170,10 @@ static bool parse_call_args(parser_t *ps, loom_jinja_node_t *n) {
             if (!(kw->a = parse_expr(ps))) return false;
             if (!nodes_push(ps, &n->kwargs, kw)) return false;
         } else {
-            if (n->kwargs.n) { perr(ps, t, "positional argument after keyword argument"); return false; }
+            if (n->kwargs.n) {
+                perr(ps, t, "positional argument after keyword argument");
+                return false;
+            }
             loom_jinja_node_t *a = parse_expr(ps);
             if (!a || !nodes_push(ps, &n->args, a)) return false;
         }
@@ -186,7 +203,10 @@ static loom_jinja_node_t *parse_test(parser_t *ps, loom_jinja_node_t *n) {
     /* at 'is' */
     next(ps);
     bool neg = false;
-    if (is_name(cur(ps), "not")) { neg = true; next(ps); }
+    if (is_name(cur(ps), "not")) {
+        neg = true;
+        next(ps);
+    }
     loom_jinja_tok_t *t = cur(ps);
     if (t->kind != JT_NAME) return perr(ps, t, "expected a test name");
     loom_jinja_node_t *f = mk(ps, JN_TEST, t);
@@ -200,8 +220,9 @@ static loom_jinja_node_t *parse_test(parser_t *ps, loom_jinja_node_t *n) {
     loom_jinja_tok_t *c = cur(ps);
     if (is_op(ps, JOP_LPAREN)) {
         if (!parse_call_args(ps, f)) return NULL;
-    } else if ((c->kind == JT_NAME && !is_name(c, "else") && !is_name(c, "or") && !is_name(c, "and") &&
-                !is_name(c, "is") && !is_name(c, "in") && !is_name(c, "not") && !is_name(c, "if")) ||
+    } else if ((c->kind == JT_NAME && !is_name(c, "else") && !is_name(c, "or") &&
+                !is_name(c, "and") && !is_name(c, "is") && !is_name(c, "in") &&
+                !is_name(c, "not") && !is_name(c, "if")) ||
                c->kind == JT_STRING || c->kind == JT_INT || c->kind == JT_FLOAT ||
                (c->kind == JT_OP && (c->op == JOP_LBRACKET || c->op == JOP_LBRACE))) {
         loom_jinja_node_t *arg = parse_primary(ps);
@@ -307,7 +328,8 @@ static loom_jinja_node_t *parse_primary(parser_t *ps) {
     case JT_NAME:
         n = mk(ps, JN_CONST, t);
         PCHECK(n);
-        if (is_name(t, "true") || is_name(t, "True") || is_name(t, "false") || is_name(t, "False")) {
+        if (is_name(t, "true") || is_name(t, "True") || is_name(t, "false") ||
+            is_name(t, "False")) {
             n->c.type = JV_BOOL;
             n->c.i = t->s[0] == 't' || t->s[0] == 'T';
         } else if (is_name(t, "none") || is_name(t, "None")) {
@@ -328,7 +350,8 @@ static loom_jinja_node_t *parse_primary(parser_t *ps) {
         next(ps);
         if (cur(ps)->kind == JT_STRING) { /* adjacent literals concatenate */
             size_t total = n->c.len;
-            for (size_t k = ps->i; ps->tk[k].kind == JT_STRING; k++) total += ps->tk[k].len;
+            for (size_t k = ps->i; ps->tk[k].kind == JT_STRING; k++)
+                total += ps->tk[k].len;
             char *s = loom_jinja_pool_alloc(ps->pool, total + 1);
             PCHECK(s);
             memcpy(s, n->c.s, n->c.len);
@@ -343,7 +366,8 @@ static loom_jinja_node_t *parse_primary(parser_t *ps) {
         }
         break;
     }
-    case JT_INT: case JT_FLOAT:
+    case JT_INT:
+    case JT_FLOAT:
         n = mk(ps, JN_CONST, t);
         PCHECK(n);
         n->c.type = t->kind == JT_INT ? JV_INT : JV_FLOAT;
@@ -406,8 +430,8 @@ static loom_jinja_node_t *parse_primary(parser_t *ps) {
     return n;
 }
 
-static loom_jinja_node_t *binop(parser_t *ps, const loom_jinja_tok_t *t, int op, loom_jinja_node_t *a,
-                                loom_jinja_node_t *b) {
+static loom_jinja_node_t *binop(parser_t *ps, const loom_jinja_tok_t *t, int op,
+                                loom_jinja_node_t *a, loom_jinja_node_t *b) {
     loom_jinja_node_t *n = mk(ps, JN_BINOP, t);
     PCHECK(n);
     n->op = op;
@@ -448,7 +472,8 @@ static loom_jinja_node_t *parse_pow(parser_t *ps) {
 
 static loom_jinja_node_t *parse_math2(parser_t *ps) {
     loom_jinja_node_t *n = parse_pow(ps);
-    while (n && (is_op(ps, JOP_MUL) || is_op(ps, JOP_DIV) || is_op(ps, JOP_FLOORDIV) || is_op(ps, JOP_MOD))) {
+    while (n && (is_op(ps, JOP_MUL) || is_op(ps, JOP_DIV) || is_op(ps, JOP_FLOORDIV) ||
+                 is_op(ps, JOP_MOD))) {
         loom_jinja_tok_t *t = cur(ps);
         next(ps);
         loom_jinja_node_t *r = parse_pow(ps);
@@ -489,8 +514,8 @@ static loom_jinja_node_t *parse_compare(parser_t *ps) {
         PCHECK(n);
         loom_jinja_tok_t *t = cur(ps);
         int op = 0;
-        if (t->kind == JT_OP && (t->op == JOP_EQ || t->op == JOP_NE || t->op == JOP_LT || t->op == JOP_LE ||
-                                 t->op == JOP_GT || t->op == JOP_GE)) {
+        if (t->kind == JT_OP && (t->op == JOP_EQ || t->op == JOP_NE || t->op == JOP_LT ||
+                                 t->op == JOP_LE || t->op == JOP_GT || t->op == JOP_GE)) {
             op = t->op;
             next(ps);
         } else if (is_name(t, "in")) {
@@ -650,7 +675,8 @@ static bool expect_block_end(parser_t *ps) {
 
 /* Parses statements until {% NAME %} for one of the names in ENDS (NULL-terminated);
  * leaves the parser on that name and returns its index, or -1 on error. */
-static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const *ends, const loom_jinja_tok_t *opener);
+static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const *ends,
+                      const loom_jinja_tok_t *opener);
 
 static loom_jinja_node_t *parse_macro_params(parser_t *ps, loom_jinja_node_t *m) {
     if (!expect_op(ps, JOP_LPAREN, "(")) return NULL;
@@ -719,7 +745,8 @@ static loom_jinja_node_t *parse_statement(parser_t *ps) {
             next(ps);
             PCHECK(n->cond = parse_expr(ps));
         }
-        if (is_name(cur(ps), "recursive")) return perr(ps, cur(ps), "recursive loops are not supported");
+        if (is_name(cur(ps), "recursive"))
+            return perr(ps, cur(ps), "recursive loops are not supported");
         if (!expect_block_end(ps)) return NULL;
         static const char *const ends[] = {"else", "endfor", NULL};
         int e = parse_body(ps, &n->body, ends, open);
@@ -800,25 +827,25 @@ static loom_jinja_node_t *parse_statement(parser_t *ps) {
         PCHECK(n = mk(ps, t->s[0] == 'b' ? JN_BREAK : JN_CONTINUE, t));
         next(ps);
     } else {
-        return perr(ps, t, "unknown or unexpected tag '%s'", tok_desc(t, b, sizeof b));
+        return perr(ps, t, "unknown tag %s", tok_desc(t, b, sizeof b));
     }
     if (!expect_block_end(ps)) return NULL;
     ps->depth--;
     return n;
 }
 
-static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const *ends, const loom_jinja_tok_t *opener) {
+static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const *ends,
+                      const loom_jinja_tok_t *opener) {
     char b[64];
     for (;;) {
         loom_jinja_tok_t *t = cur(ps);
         if (t->kind == JT_EOF) {
             if (ends) {
+                int last = 0;
+                while (ends[last + 1])
+                    last++;
                 perr(ps, opener ? opener : t, "unexpected end of template: missing '{%% %s %%}'",
-                     ends[0] && ends[1] ? ends[1] : ends[0]);
-                if (ends[0] && ends[1] && ends[2]) { /* if: name endif */
-                    ps->err->msg[0] = '\0';
-                    perr(ps, opener, "unexpected end of template: missing '{%% endif %%}'");
-                }
+                     ends[last]);
                 return -1;
             }
             return 0;
@@ -836,7 +863,8 @@ static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const 
             loom_jinja_node_t *n = mk(ps, JN_OUTPUT, t);
             if (!n || !(n->a = parse_tuple_expr(ps))) return -1;
             if (cur(ps)->kind != JT_VAR_END) {
-                perr(ps, cur(ps), "expected end of print statement '}}', got %s", tok_desc(cur(ps), b, sizeof b));
+                perr(ps, cur(ps), "expected end of print statement '}}', got %s",
+                     tok_desc(cur(ps), b, sizeof b));
                 return -1;
             }
             next(ps);
@@ -844,8 +872,9 @@ static int parse_body(parser_t *ps, loom_jinja_nodes_t *body, const char *const 
         } else if (t->kind == JT_BLOCK_BEGIN) {
             loom_jinja_tok_t *nm = peek(ps, 1);
             if (nm->kind == JT_NAME) {
-                static const char *const closers[] = {"elif", "else", "endif", "endfor", "endset", "endmacro",
-                                                      "endcall", "endfilter", "endgeneration", "endraw", NULL};
+                static const char *const closers[] = {
+                    "elif",    "else",      "endif",         "endfor", "endset", "endmacro",
+                    "endcall", "endfilter", "endgeneration", "endraw", NULL};
                 for (int k = 0; ends && ends[k]; k++)
                     if (is_name(nm, ends[k])) {
                         next(ps);
@@ -870,7 +899,8 @@ loom_status_t loom_jinja_parse(loom_jinja_t *t, loom_jinja_lex_t *lx, loom_err_t
     loom_err_t local = {0};
     parser_t ps = {.lx = lx, .tk = lx->toks, .pool = t->pool, .err = err ? err : &local};
     ps.err->code = LOOM_OK;
-    if (parse_body(&ps, &t->body, NULL, NULL) < 0) return ps.err->code < 0 ? ps.err->code : LOOM_ERR_INVALID_ARGUMENT;
+    if (parse_body(&ps, &t->body, NULL, NULL) < 0)
+        return ps.err->code < 0 ? ps.err->code : LOOM_ERR_INVALID_ARGUMENT;
     return LOOM_OK;
 }
 

@@ -60,11 +60,21 @@ void loom_jinja_arena_free(loom_jinja_arena_t *a) {
     a->used = 0;
 }
 
-jv_t loom_jinja_undef(const char *name) { return (jv_t){.t = JV_UNDEF, .u.uname = name}; }
-jv_t loom_jinja_none(void) { return (jv_t){.t = JV_NONE}; }
-jv_t loom_jinja_bool(bool b) { return (jv_t){.t = JV_BOOL, .u.b = b}; }
-jv_t loom_jinja_int(int64_t i) { return (jv_t){.t = JV_INT, .u.i = i}; }
-jv_t loom_jinja_float(double f) { return (jv_t){.t = JV_FLOAT, .u.f = f}; }
+jv_t loom_jinja_undef(const char *name) {
+    return (jv_t){.t = JV_UNDEF, .u.uname = name};
+}
+jv_t loom_jinja_none(void) {
+    return (jv_t){.t = JV_NONE};
+}
+jv_t loom_jinja_bool(bool b) {
+    return (jv_t){.t = JV_BOOL, .u.b = b};
+}
+jv_t loom_jinja_int(int64_t i) {
+    return (jv_t){.t = JV_INT, .u.i = i};
+}
+jv_t loom_jinja_float(double f) {
+    return (jv_t){.t = JV_FLOAT, .u.f = f};
+}
 
 jv_t loom_jinja_str(loom_jinja_ctx_t *cx, const char *p, size_t len, bool data) {
     loom_jinja_str_t *s = loom_jinja_alloc(cx, sizeof *s + (data ? sizeof(loom_jinja_span_t) : 0));
@@ -80,7 +90,9 @@ jv_t loom_jinja_str(loom_jinja_ctx_t *cx, const char *p, size_t len, bool data) 
     return (jv_t){.t = JV_STR, .u.s = s};
 }
 
-jv_t loom_jinja_str_c(loom_jinja_ctx_t *cx, const char *p) { return loom_jinja_str(cx, p, strlen(p), false); }
+jv_t loom_jinja_str_c(loom_jinja_ctx_t *cx, const char *p) {
+    return loom_jinja_str(cx, p, strlen(p), false);
+}
 
 jv_t loom_jinja_substr(loom_jinja_ctx_t *cx, const loom_jinja_str_t *s, size_t a, size_t b) {
     if (a == 0 && b == s->len) return (jv_t){.t = JV_STR, .u.s = (loom_jinja_str_t *)s};
@@ -89,7 +101,8 @@ jv_t loom_jinja_substr(loom_jinja_ctx_t *cx, const loom_jinja_str_t *s, size_t a
         loom_jinja_span_t *sp = loom_jinja_alloc(cx, s->nsp * sizeof *sp);
         uint32_t n = 0;
         for (uint32_t k = 0; k < s->nsp; k++) {
-            size_t x = s->sp[k].begin > a ? s->sp[k].begin : a, y = s->sp[k].end < b ? s->sp[k].end : b;
+            size_t x = s->sp[k].begin > a ? s->sp[k].begin : a,
+                   y = s->sp[k].end < b ? s->sp[k].end : b;
             if (x < y) sp[n++] = (loom_jinja_span_t){x - a, y - a};
         }
         r.u.s->sp = sp;
@@ -103,6 +116,7 @@ jv_t loom_jinja_list_new(loom_jinja_ctx_t *cx, size_t cap) {
     l->n = 0;
     l->cap = cap;
     l->tuple = false;
+    l->range = false;
     l->v = cap ? loom_jinja_alloc(cx, cap * sizeof(jv_t)) : NULL;
     return (jv_t){.t = JV_LIST, .u.l = l};
 }
@@ -166,13 +180,14 @@ jv_t loom_jinja_from_json(loom_jinja_ctx_t *cx, const cJSON *j) {
     if (cJSON_IsString(j)) return loom_jinja_str(cx, j->valuestring, strlen(j->valuestring), true);
     if (cJSON_IsArray(j)) {
         jv_t l = loom_jinja_list_new(cx, (size_t)cJSON_GetArraySize(j));
-        for (const cJSON *c = j->child; c; c = c->next) loom_jinja_list_push(cx, l.u.l, loom_jinja_from_json(cx, c));
+        for (const cJSON *c = j->child; c; c = c->next)
+            loom_jinja_list_push(cx, l.u.l, loom_jinja_from_json(cx, c));
         return l;
     }
     if (cJSON_IsObject(j)) {
         jv_t d = loom_jinja_dict_new(cx, (size_t)cJSON_GetArraySize(j));
         for (const cJSON *c = j->child; c; c = c->next)
-            loom_jinja_dict_set(cx, d.u.d, loom_jinja_str(cx, c->string, strlen(c->string), false),
+            loom_jinja_dict_set(cx, d.u.d, loom_jinja_str(cx, c->string, strlen(c->string), true),
                                 loom_jinja_from_json(cx, c));
         return d;
     }
@@ -181,20 +196,35 @@ jv_t loom_jinja_from_json(loom_jinja_ctx_t *cx, const cJSON *j) {
 
 bool loom_jinja_truthy(jv_t v) {
     switch (v.t) {
-    case JV_UNDEF: case JV_NONE: return false;
-    case JV_BOOL: return v.u.b;
-    case JV_INT: return v.u.i != 0;
-    case JV_FLOAT: return v.u.f != 0;
-    case JV_STR: return v.u.s->len > 0;
-    case JV_LIST: return v.u.l->n > 0;
-    case JV_DICT: return v.u.d->n > 0;
-    default: return true;
+    case JV_UNDEF:
+    case JV_NONE:
+        return false;
+    case JV_BOOL:
+        return v.u.b;
+    case JV_INT:
+        return v.u.i != 0;
+    case JV_FLOAT:
+        return v.u.f != 0;
+    case JV_STR:
+        return v.u.s->len > 0;
+    case JV_LIST:
+        return v.u.l->n > 0;
+    case JV_DICT:
+        return v.u.d->n > 0;
+    default:
+        return true;
     }
 }
 
-static bool is_num(jv_t v) { return v.t == JV_INT || v.t == JV_FLOAT || v.t == JV_BOOL; }
-static double num_f(jv_t v) { return v.t == JV_FLOAT ? v.u.f : v.t == JV_INT ? (double)v.u.i : (double)v.u.b; }
-static int64_t num_i(jv_t v) { return v.t == JV_INT ? v.u.i : (int64_t)v.u.b; }
+static bool is_num(jv_t v) {
+    return v.t == JV_INT || v.t == JV_FLOAT || v.t == JV_BOOL;
+}
+static double num_f(jv_t v) {
+    return v.t == JV_FLOAT ? v.u.f : v.t == JV_INT ? (double)v.u.i : (double)v.u.b;
+}
+static int64_t num_i(jv_t v) {
+    return v.t == JV_INT ? v.u.i : (int64_t)v.u.b;
+}
 
 bool loom_jinja_eq(jv_t a, jv_t b) {
     if (is_num(a) && is_num(b)) {
@@ -203,14 +233,18 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
     }
     if (a.t != b.t) return false;
     switch (a.t) {
-    case JV_UNDEF: case JV_NONE: return true;
-    case JV_STR: return a.u.s->len == b.u.s->len && memcmp(a.u.s->p, b.u.s->p, a.u.s->len) == 0;
+    case JV_UNDEF:
+    case JV_NONE:
+        return true;
+    case JV_STR:
+        return a.u.s->len == b.u.s->len && memcmp(a.u.s->p, b.u.s->p, a.u.s->len) == 0;
     case JV_LIST:
         if (a.u.l->n != b.u.l->n || a.u.l->tuple != b.u.l->tuple) return false;
         for (size_t i = 0; i < a.u.l->n; i++)
             if (!loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) return false;
         return true;
-    case JV_DICT: case JV_NS:
+    case JV_DICT:
+    case JV_NS:
         if (a.u.d == b.u.d) return true;
         if (a.t == JV_NS || a.u.d->n != b.u.d->n) return false;
         for (size_t i = 0; i < a.u.d->n; i++) {
@@ -218,25 +252,39 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
             if (!o || !loom_jinja_eq(a.u.d->v[i], *o)) return false;
         }
         return true;
-    case JV_FUNC: return a.u.fn == b.u.fn;
-    case JV_LOOP: return a.u.loop == b.u.loop;
-    default: return false;
+    case JV_FUNC:
+        return a.u.fn == b.u.fn;
+    case JV_LOOP:
+        return a.u.loop == b.u.loop;
+    default:
+        return false;
     }
 }
 
 const char *loom_jinja_type_name(jv_t v) {
     switch (v.t) {
-    case JV_UNDEF: return "Undefined";
-    case JV_NONE: return "NoneType";
-    case JV_BOOL: return "bool";
-    case JV_INT: return "int";
-    case JV_FLOAT: return "float";
-    case JV_STR: return "str";
-    case JV_LIST: return v.u.l->tuple ? "tuple" : "list";
-    case JV_DICT: return "dict";
-    case JV_FUNC: return "function";
-    case JV_NS: return "Namespace";
-    case JV_LOOP: return "LoopContext";
+    case JV_UNDEF:
+        return "Undefined";
+    case JV_NONE:
+        return "NoneType";
+    case JV_BOOL:
+        return "bool";
+    case JV_INT:
+        return "int";
+    case JV_FLOAT:
+        return "float";
+    case JV_STR:
+        return "str";
+    case JV_LIST:
+        return v.u.l->tuple ? "tuple" : "list";
+    case JV_DICT:
+        return "dict";
+    case JV_FUNC:
+        return "function";
+    case JV_NS:
+        return "Namespace";
+    case JV_LOOP:
+        return "LoopContext";
     }
     return "object";
 }
@@ -256,7 +304,7 @@ int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv
         if (c) return c < 0 ? -1 : 1;
         return a.u.s->len < b.u.s->len ? -1 : a.u.s->len > b.u.s->len ? 1 : 0;
     }
-    if (a.t == JV_LIST && b.t == JV_LIST) {
+    if (a.t == JV_LIST && b.t == JV_LIST && a.u.l->tuple == b.u.l->tuple) {
         size_t n = a.u.l->n < b.u.l->n ? a.u.l->n : b.u.l->n;
         for (size_t i = 0; i < n; i++) {
             if (loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) continue;
@@ -264,18 +312,20 @@ int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv
         }
         return a.u.l->n < b.u.l->n ? -1 : a.u.l->n > b.u.l->n ? 1 : 0;
     }
-    loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "'<' not supported between instances of '%s' and '%s'",
-                    loom_jinja_type_name(a), loom_jinja_type_name(b));
+    loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                    "'<' not supported between instances of '%s' and '%s'", loom_jinja_type_name(a),
+                    loom_jinja_type_name(b));
 }
 
 /* ---- buffers ---- */
 static void buf_reserve(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, size_t n) {
     if (b->len + n <= b->cap) return;
     if (b->len + n > cx->max_output)
-        loom_jinja_fail(cx, NULL, LOOM_ERR_RESOURCE_EXHAUSTED, "max_output: the output (or a string) exceeds %zu bytes",
-                        cx->max_output);
+        loom_jinja_fail(cx, NULL, LOOM_ERR_RESOURCE_EXHAUSTED,
+                        "max_output: the output (or a string) exceeds %zu bytes", cx->max_output);
     size_t cap = b->cap ? b->cap * 2 : 64;
-    while (cap < b->len + n + 1) cap *= 2;
+    while (cap < b->len + n + 1)
+        cap *= 2;
     b->p = arena_grow(cx, b->p, b->len, cap);
     b->cap = cap;
 }
@@ -308,7 +358,8 @@ static void buf_span(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, size_t x, size_t
 void loom_jinja_buf_put_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const loom_jinja_str_t *s) {
     size_t base = b->len;
     loom_jinja_buf_put(cx, b, s->p, s->len);
-    for (uint32_t k = 0; k < s->nsp; k++) buf_span(cx, b, base + s->sp[k].begin, base + s->sp[k].end);
+    for (uint32_t k = 0; k < s->nsp; k++)
+        buf_span(cx, b, base + s->sp[k].begin, base + s->sp[k].end);
 }
 
 void loom_jinja_buf_printf(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char *fmt, ...) {
@@ -328,12 +379,16 @@ jv_t loom_jinja_buf_take(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b) {
     return r;
 }
 
-void loom_jinja_buf_free(loom_jinja_buf_t *b) { memset(b, 0, sizeof *b); }
-
 /* ---- str / repr ---- */
 void loom_jinja_write_float(loom_jinja_buf_t *b, loom_jinja_ctx_t *cx, double f) {
-    if (isnan(f)) { loom_jinja_buf_put(cx, b, "nan", 3); return; }
-    if (isinf(f)) { loom_jinja_buf_put(cx, b, f < 0 ? "-inf" : "inf", f < 0 ? 4 : 3); return; }
+    if (isnan(f)) {
+        loom_jinja_buf_put(cx, b, "nan", 3);
+        return;
+    }
+    if (isinf(f)) {
+        loom_jinja_buf_put(cx, b, f < 0 ? "-inf" : "inf", f < 0 ? 4 : 3);
+        return;
+    }
     char tmp[64];
     int p;
     for (p = 1; p <= 17; p++) {
@@ -344,35 +399,45 @@ void loom_jinja_write_float(loom_jinja_buf_t *b, loom_jinja_ctx_t *cx, double f)
     char digits[32];
     int nd = 0, neg = 0;
     const char *s = tmp;
-    if (*s == '-') { neg = 1; s++; }
+    if (*s == '-') {
+        neg = 1;
+        s++;
+    }
     for (; *s && *s != 'e'; s++)
         if (*s != '.') digits[nd++] = *s;
     int e = atoi(s + 1);
-    while (nd > 1 && digits[nd - 1] == '0') nd--;
+    while (nd > 1 && digits[nd - 1] == '0')
+        nd--;
     char out[64];
     int n = 0;
     if (neg) out[n++] = '-';
     if (e >= -5 + 1 && e < 16) {
         if (e >= 0) {
-            for (int i = 0; i <= e; i++) out[n++] = i < nd ? digits[i] : '0';
+            for (int i = 0; i <= e; i++)
+                out[n++] = i < nd ? digits[i] : '0';
             out[n++] = '.';
             if (nd > e + 1)
-                for (int i = e + 1; i < nd; i++) out[n++] = digits[i];
+                for (int i = e + 1; i < nd; i++)
+                    out[n++] = digits[i];
             else
                 out[n++] = '0';
         } else {
             out[n++] = '0';
             out[n++] = '.';
-            for (int i = 0; i < -e - 1; i++) out[n++] = '0';
-            for (int i = 0; i < nd; i++) out[n++] = digits[i];
+            for (int i = 0; i < -e - 1; i++)
+                out[n++] = '0';
+            for (int i = 0; i < nd; i++)
+                out[n++] = digits[i];
         }
     } else {
         out[n++] = digits[0];
         if (nd > 1) {
             out[n++] = '.';
-            for (int i = 1; i < nd; i++) out[n++] = digits[i];
+            for (int i = 1; i < nd; i++)
+                out[n++] = digits[i];
         }
-        n += snprintf(out + n, sizeof out - (size_t)n, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
+        n +=
+            snprintf(out + n, sizeof out - (size_t)n, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
     }
     loom_jinja_buf_put(cx, b, out, (size_t)n);
 }
@@ -403,9 +468,21 @@ static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char
 
 void loom_jinja_write_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
     switch (v.t) {
-    case JV_STR: write_str_repr(cx, b, v.u.s->p, v.u.s->len); return;
-    case JV_UNDEF: loom_jinja_buf_put(cx, b, "Undefined", 9); return;
+    case JV_STR:
+        write_str_repr(cx, b, v.u.s->p, v.u.s->len);
+        return;
+    case JV_UNDEF:
+        loom_jinja_buf_put(cx, b, "Undefined", 9);
+        return;
     case JV_LIST: {
+        if (v.u.l->range) {
+            loom_jinja_buf_printf(cx, b, "range(%lld, %lld", (long long)v.u.l->r_start,
+                                  (long long)v.u.l->r_stop);
+            if (v.u.l->r_step != 1)
+                loom_jinja_buf_printf(cx, b, ", %lld", (long long)v.u.l->r_step);
+            loom_jinja_buf_putc(cx, b, ')');
+            return;
+        }
         loom_jinja_buf_putc(cx, b, v.u.l->tuple ? '(' : '[');
         for (size_t i = 0; i < v.u.l->n; i++) {
             if (i) loom_jinja_buf_put(cx, b, ", ", 2);
@@ -426,19 +503,37 @@ void loom_jinja_write_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
         loom_jinja_buf_putc(cx, b, '}');
         return;
     }
-    default: loom_jinja_write_str(cx, b, v);
+    default:
+        loom_jinja_write_str(cx, b, v);
     }
 }
 
 void loom_jinja_write_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
     switch (v.t) {
-    case JV_UNDEF: return;
-    case JV_NONE: loom_jinja_buf_put(cx, b, "None", 4); return;
-    case JV_BOOL: if (v.u.b) loom_jinja_buf_put(cx, b, "True", 4); else loom_jinja_buf_put(cx, b, "False", 5); return;
-    case JV_INT: loom_jinja_buf_printf(cx, b, "%lld", (long long)v.u.i); return;
-    case JV_FLOAT: loom_jinja_write_float(b, cx, v.u.f); return;
-    case JV_STR: loom_jinja_buf_put_str(cx, b, v.u.s); return;
-    case JV_LIST: case JV_DICT: loom_jinja_write_repr(cx, b, v); return;
+    case JV_UNDEF:
+        return;
+    case JV_NONE:
+        loom_jinja_buf_put(cx, b, "None", 4);
+        return;
+    case JV_BOOL:
+        if (v.u.b)
+            loom_jinja_buf_put(cx, b, "True", 4);
+        else
+            loom_jinja_buf_put(cx, b, "False", 5);
+        return;
+    case JV_INT:
+        loom_jinja_buf_printf(cx, b, "%lld", (long long)v.u.i);
+        return;
+    case JV_FLOAT:
+        loom_jinja_write_float(b, cx, v.u.f);
+        return;
+    case JV_STR:
+        loom_jinja_buf_put_str(cx, b, v.u.s);
+        return;
+    case JV_LIST:
+    case JV_DICT:
+        loom_jinja_write_repr(cx, b, v);
+        return;
     case JV_NS: {
         loom_jinja_buf_put(cx, b, "<Namespace ", 11);
         jv_t d = v;
@@ -447,8 +542,12 @@ void loom_jinja_write_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
         loom_jinja_buf_putc(cx, b, '>');
         return;
     }
-    case JV_FUNC: loom_jinja_buf_put(cx, b, "<function>", 10); return;
-    case JV_LOOP: loom_jinja_buf_put(cx, b, "<LoopContext>", 13); return;
+    case JV_FUNC:
+        loom_jinja_buf_put(cx, b, "<function>", 10);
+        return;
+    case JV_LOOP:
+        loom_jinja_buf_put(cx, b, "<LoopContext>", 13);
+        return;
     }
 }
 
@@ -468,13 +567,27 @@ static void json_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char *p, s
         const char *esc = NULL;
         char tmp[8];
         switch (c) {
-        case '"': esc = "\\\""; break;
-        case '\\': esc = "\\\\"; break;
-        case '\n': esc = "\\n"; break;
-        case '\r': esc = "\\r"; break;
-        case '\t': esc = "\\t"; break;
-        case '\b': esc = "\\b"; break;
-        case '\f': esc = "\\f"; break;
+        case '"':
+            esc = "\\\"";
+            break;
+        case '\\':
+            esc = "\\\\";
+            break;
+        case '\n':
+            esc = "\\n";
+            break;
+        case '\r':
+            esc = "\\r";
+            break;
+        case '\t':
+            esc = "\\t";
+            break;
+        case '\b':
+            esc = "\\b";
+            break;
+        case '\f':
+            esc = "\\f";
+            break;
         default:
             if (c < 0x20) {
                 snprintf(tmp, sizeof tmp, "\\u%04x", c);
@@ -493,7 +606,8 @@ static void json_str(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char *p, s
 
 static void json_nl(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, int indent, int level) {
     loom_jinja_buf_putc(cx, b, '\n');
-    for (int i = 0; i < indent * level; i++) loom_jinja_buf_putc(cx, b, ' ');
+    for (int i = 0; i < indent * level; i++)
+        loom_jinja_buf_putc(cx, b, ' ');
 }
 
 static int key_cmp(const void *x, const void *y) {
@@ -504,37 +618,61 @@ static int key_cmp(const void *x, const void *y) {
     return a->u.s->len < c->u.s->len ? -1 : a->u.s->len > c->u.s->len;
 }
 
-void loom_jinja_write_json(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_buf_t *b, jv_t v,
-                           int indent, const char *item_sep, const char *key_sep, bool sort_keys, int level) {
-    if (level > 512) loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "tojson: value nested too deeply");
+void loom_jinja_write_json(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_buf_t *b,
+                           jv_t v, int indent, const char *item_sep, const char *key_sep,
+                           bool sort_keys, int level) {
+    if (level > 512)
+        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "tojson: value nested too deeply");
     switch (v.t) {
-    case JV_NONE: loom_jinja_buf_put(cx, b, "null", 4); return;
-    case JV_BOOL: if (v.u.b) loom_jinja_buf_put(cx, b, "true", 4); else loom_jinja_buf_put(cx, b, "false", 5); return;
-    case JV_INT: loom_jinja_buf_printf(cx, b, "%lld", (long long)v.u.i); return;
-    case JV_FLOAT:
-        if (isnan(v.u.f)) loom_jinja_buf_put(cx, b, "NaN", 3);
-        else if (isinf(v.u.f)) loom_jinja_buf_put(cx, b, v.u.f < 0 ? "-Infinity" : "Infinity", v.u.f < 0 ? 9 : 8);
-        else loom_jinja_write_float(b, cx, v.u.f);
+    case JV_NONE:
+        loom_jinja_buf_put(cx, b, "null", 4);
         return;
-    case JV_STR: json_str(cx, b, v.u.s->p, v.u.s->len); return;
+    case JV_BOOL:
+        if (v.u.b)
+            loom_jinja_buf_put(cx, b, "true", 4);
+        else
+            loom_jinja_buf_put(cx, b, "false", 5);
+        return;
+    case JV_INT:
+        loom_jinja_buf_printf(cx, b, "%lld", (long long)v.u.i);
+        return;
+    case JV_FLOAT:
+        if (isnan(v.u.f))
+            loom_jinja_buf_put(cx, b, "NaN", 3);
+        else if (isinf(v.u.f))
+            loom_jinja_buf_put(cx, b, v.u.f < 0 ? "-Infinity" : "Infinity", v.u.f < 0 ? 9 : 8);
+        else
+            loom_jinja_write_float(b, cx, v.u.f);
+        return;
+    case JV_STR:
+        json_str(cx, b, v.u.s->p, v.u.s->len);
+        return;
     case JV_LIST:
-        if (!v.u.l->n) { loom_jinja_buf_put(cx, b, "[]", 2); return; }
+        if (!v.u.l->n) {
+            loom_jinja_buf_put(cx, b, "[]", 2);
+            return;
+        }
         loom_jinja_buf_putc(cx, b, '[');
         for (size_t i = 0; i < v.u.l->n; i++) {
             if (i) loom_jinja_buf_put(cx, b, item_sep, strlen(item_sep));
             if (indent >= 0) json_nl(cx, b, indent, level + 1);
-            loom_jinja_write_json(cx, at, b, v.u.l->v[i], indent, item_sep, key_sep, sort_keys, level + 1);
+            loom_jinja_write_json(cx, at, b, v.u.l->v[i], indent, item_sep, key_sep, sort_keys,
+                                  level + 1);
         }
         if (indent >= 0) json_nl(cx, b, indent, level);
         loom_jinja_buf_putc(cx, b, ']');
         return;
     case JV_DICT: {
-        if (!v.u.d->n) { loom_jinja_buf_put(cx, b, "{}", 2); return; }
+        if (!v.u.d->n) {
+            loom_jinja_buf_put(cx, b, "{}", 2);
+            return;
+        }
         const jv_t **order = loom_jinja_alloc(cx, v.u.d->n * sizeof *order);
         for (size_t i = 0; i < v.u.d->n; i++) {
             order[i] = &v.u.d->k[i];
             if (v.u.d->k[i].t != JV_STR && sort_keys)
-                loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "tojson: sort_keys needs string keys");
+                loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                                "tojson: sort_keys needs string keys");
         }
         if (sort_keys) qsort(order, v.u.d->n, sizeof *order, key_cmp);
         loom_jinja_buf_putc(cx, b, '{');
@@ -550,18 +688,20 @@ void loom_jinja_write_json(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, lo
                 loom_jinja_write_json(cx, at, &kb, k, -1, ", ", ": ", false, level + 1);
                 json_str(cx, b, kb.p, kb.len);
             } else {
-                loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "tojson: keys must be str, int, float, bool or None, not %s",
+                loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                                "tojson: keys must be str, int, float, bool or None, not %s",
                                 loom_jinja_type_name(k));
             }
             loom_jinja_buf_put(cx, b, key_sep, strlen(key_sep));
-            loom_jinja_write_json(cx, at, b, v.u.d->v[idx], indent, item_sep, key_sep, sort_keys, level + 1);
+            loom_jinja_write_json(cx, at, b, v.u.d->v[idx], indent, item_sep, key_sep, sort_keys,
+                                  level + 1);
         }
         if (indent >= 0) json_nl(cx, b, indent, level);
         loom_jinja_buf_putc(cx, b, '}');
         return;
     }
     default:
-        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "Object of type %s is not JSON serializable",
-                        loom_jinja_type_name(v));
+        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                        "Object of type %s is not JSON serializable", loom_jinja_type_name(v));
     }
 }

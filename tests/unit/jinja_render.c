@@ -21,7 +21,10 @@ static char *read_all(const char *path, size_t *len) {
         if (n + 4096 > cap) {
             cap *= 2;
             char *b = realloc(buf, cap);
-            if (!b) { free(buf); return NULL; }
+            if (!b) {
+                free(buf);
+                return NULL;
+            }
             buf = b;
         }
         size_t r = fread(buf + n, 1, cap - n - 1, f);
@@ -38,8 +41,10 @@ int main(int argc, char **argv) {
     const char *path = NULL;
     int spans = 0;
     for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--spans") == 0) spans = 1;
-        else path = argv[i];
+        if (strcmp(argv[i], "--spans") == 0)
+            spans = 1;
+        else
+            path = argv[i];
     }
     if (!path) {
         fprintf(stderr, "usage: loom-jinja-render [--spans] CASES.json|-\n");
@@ -69,15 +74,19 @@ int main(int argc, char **argv) {
         loom_jinja_limits_t lim = {0};
         if (lim_j) {
             cJSON *x;
-            if ((x = cJSON_GetObjectItemCaseSensitive(lim_j, "max_output"))) lim.max_output = (size_t)x->valuedouble;
-            if ((x = cJSON_GetObjectItemCaseSensitive(lim_j, "max_steps"))) lim.max_steps = (uint64_t)x->valuedouble;
-            if ((x = cJSON_GetObjectItemCaseSensitive(lim_j, "max_depth"))) lim.max_depth = (int)x->valuedouble;
+            if ((x = cJSON_GetObjectItemCaseSensitive(lim_j, "max_output")))
+                lim.max_output = (size_t)x->valuedouble;
+            if ((x = cJSON_GetObjectItemCaseSensitive(lim_j, "max_steps")))
+                lim.max_steps = (uint64_t)x->valuedouble;
+            if ((x = cJSON_GetObjectItemCaseSensitive(lim_j, "max_depth")))
+                lim.max_depth = (int)x->valuedouble;
         }
         cJSON *r = cJSON_CreateObject();
         cJSON_AddStringToObject(r, "name", name ? name : "");
         loom_err_t err = {0};
         loom_jinja_t *t = NULL;
-        loom_status_t s = loom_jinja_compile(tpl ? tpl : "", tpl ? strlen(tpl) : 0, name ? name : "case", &t, &err);
+        loom_status_t s = loom_jinja_compile(tpl ? tpl : "", tpl ? strlen(tpl) : 0,
+                                             name ? name : "case", &t, &err);
         char *out = NULL;
         size_t out_len = 0, n_sp = 0;
         loom_jinja_span_t *sp = NULL;
