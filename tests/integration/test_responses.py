@@ -266,6 +266,19 @@ def check_streamed_n(port):
         tokens = ("prompt_tokens", "completion_tokens", "total_tokens")  # (cached_tokens grows: the prefix cache)
         check(usage and [usage[k] for k in tokens] == [whole["usage"][k] for k in tokens],
               "%s usage %r vs %r" % (path, usage, whole["usage"]))
+    # a client that leaves a streamed n = 4 early: its choices are cancelled, the server goes on
+    for path in ("/v1/completions", "/v1/responses"):
+        body = {"prompt": "Once", "n": 4, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        if path == "/v1/responses":
+            body = {"input": "Once", "max_output_tokens": 1500, "stream": True, "ignore_eos": True}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Authorization": "Bearer " + KEY, "Content-Type": "application/json"})
+        r = conn.getresponse()
+        check(r.status == 200 and r.read(200), "%s: %d" % (path, r.status))
+        conn.close()
+    status, data = post(port, "/v1/completions", {"prompt": "Once", "n": 2, "max_tokens": 4, "stream": True})
+    check(status == 200 and data.endswith(b"data: [DONE]\n\n"), "after the disconnects: %d %r" % (status, data[-80:]))
     print("  streamed n = 2 on chat and completions equals the seeded unstreamed answers")
 
 
@@ -298,7 +311,8 @@ def test_sdks():
             for name, r in sorted(res.items()):
                 check(r.get("error") is None, "%s failed: %s" % (name, r.get("error")))
             plain, st = res["plain"], res["stream"]
-            check(plain["object"] == "response" and plain["id"].startswith("resp_") and plain["text"], "plain %r" % plain)
+            check(plain["object"] == "response" and plain["id"].startswith("resp_") and plain["text"],
+                  "plain %r" % plain)
             check(st["text"] == plain["text"] and st["seqs"] == list(range(len(st["seqs"]))) and
                   st["types"][0] == "response.created", "stream %r vs %r" % (st, plain["text"]))
             check(res["stream_helper"]["text"] == plain["text"], "stream helper %r" % res["stream_helper"])
