@@ -56,6 +56,7 @@ static const struct {
     {LOOM_TOOLFMT_DEEPSEEK_V3, "deepseek_v3"},
     {LOOM_TOOLFMT_DEEPSEEK_V31, "deepseek_v31"},
     {LOOM_TOOLFMT_PYTHONIC, "pythonic"},
+    {LOOM_TOOLFMT_LLAMA4_PYTHONIC, "llama4_pythonic"},
 };
 
 const char *loom_toolfmt_name(loom_toolfmt_t f) {
@@ -74,7 +75,8 @@ loom_toolfmt_t loom_toolfmt_detect(const char *text) {
     if (!text) return LOOM_TOOLFMT_NONE;
     if (strstr(text, "tool\xe2\x96\x81" "calls\xe2\x96\x81" "begin")) /* DeepSeek's markers */
         return strstr(text, "```json") ? LOOM_TOOLFMT_DEEPSEEK_V3 : LOOM_TOOLFMT_DEEPSEEK_V31;
-    if (strstr(text, "[func_name1(")) return LOOM_TOOLFMT_PYTHONIC; /* Llama 3.2 / 4's pythonic instructions */
+    if (strstr(text, "[func_name1(")) /* Llama 3.2 / 4's pythonic instructions */
+        return strstr(text, "<|python_start|>") ? LOOM_TOOLFMT_LLAMA4_PYTHONIC : LOOM_TOOLFMT_PYTHONIC;
     if (strstr(text, "[TOOL_CALLS]")) return LOOM_TOOLFMT_MISTRAL;
     if (strstr(text, "<|tool_call|>")) return LOOM_TOOLFMT_GRANITE;
     if (strstr(text, "<tool_call>")) return LOOM_TOOLFMT_HERMES;
@@ -205,7 +207,8 @@ int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, cons
     }
     t->tools = tools;
     if (t->mode == LOOM_TOOLS_OFF) return 0;
-    if ((t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) && t->fmt == LOOM_TOOLFMT_PYTHONIC)
+    if ((t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) &&
+        (t->fmt == LOOM_TOOLFMT_PYTHONIC || t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC))
         return fail(msg, cap, "tool_choice %s cannot be forced in the pythonic call syntax (use auto)",
                     t->mode == LOOM_TOOLS_NAMED ? "a function" : "required");
     if (t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) {

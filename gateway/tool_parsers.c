@@ -14,7 +14,8 @@
 #define DS_SEP "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
 
 int loom_tp_held(loom_toolfmt_t f) {
-    return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 || f == LOOM_TOOLFMT_PYTHONIC;
+    return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 || f == LOOM_TOOLFMT_PYTHONIC ||
+           f == LOOM_TOOLFMT_LLAMA4_PYTHONIC;
 }
 
 static int is_space(char c) {
@@ -23,9 +24,17 @@ static int is_space(char c) {
 
 size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t *maybe) {
     *maybe = 0;
-    if (f == LOOM_TOOLFMT_PYTHONIC) { /* the answer itself, after whitespace */
-        size_t i = 0;
+    if (f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC) { /* the answer itself */
+        static const char tag[] = "<|python_start|>";
+        size_t i = 0, t = f == LOOM_TOOLFMT_LLAMA4_PYTHONIC ? sizeof tag - 1 : 0;
         while (i < len && is_space(text[i])) i++;
+        if (i < len && t && !memcmp(text + i, tag, LOOM_MIN(t, len - i))) { /* (a prefix of) the tag */
+            if (len - i < t) {
+                *maybe = len;
+                return len;
+            }
+            return 0;
+        }
         if (i == len) {
             *maybe = len;
             return len;
@@ -380,6 +389,20 @@ int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t
         return parse_deepseek(f == LOOM_TOOLFMT_DEEPSEEK_V31, tools, text, len, calls, end);
     case LOOM_TOOLFMT_PYTHONIC:
         return parse_pythonic(tools, text, len, calls, end);
+    case LOOM_TOOLFMT_LLAMA4_PYTHONIC: { /* the list, maybe between <|python_start|> and <|python_end|> */
+        size_t a = skip_ws(text, len, 0), b = len;
+        while (b > a && is_space(text[b - 1])) b--;
+        if (starts(text, len, a, "<|python_start|>")) {
+            a += strlen("<|python_start|>");
+            if (b - a >= strlen("<|python_end|>") && !memcmp(text + b - strlen("<|python_end|>"), "<|python_end|>",
+                                                             strlen("<|python_end|>")))
+                b -= strlen("<|python_end|>");
+        }
+        size_t e = 0;
+        int n = parse_pythonic(tools, text + a, b - a, calls, &e);
+        *end = len;
+        return n;
+    }
     default:
         return -1;
     }

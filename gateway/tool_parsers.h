@@ -6,6 +6,7 @@
  *   deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> ... <｜tool▁calls▁end｜>
  *   pythonic      the whole answer a Python list of calls: [get_weather(city="Oslo"), now()], keyword
  *                 arguments of Python literals (strings, numbers, True/False/None, lists, dicts)
+ *   llama4_pythonic  the same, optionally between <|python_start|> and <|python_end|>
  *
  * ARGS is a JSON object; a call's arguments are its JSON text less the
  * whitespace between tokens (pythonic: the literals converted to JSON). */

@@ -456,7 +456,8 @@ static void run_held(loom_tstream_t *s) {
             s->hold = 1;
             return;
         }
-        if (s->t->fmt == LOOM_TOOLFMT_PYTHONIC && !maybe) s->phase = P_TEXT; /* the answer is no call list */
+        if ((s->t->fmt == LOOM_TOOLFMT_PYTHONIC || s->t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC) && !maybe)
+            s->phase = P_TEXT; /* the answer is no call list */
     }
     emit_content(s, s->sent, s->buf.len - maybe);
     s->sent = s->pos = s->buf.len - maybe;

@@ -109,7 +109,7 @@ static void test_parse_output(void) {
 
 static void test_names(void) {
     static const char *const names[] = {"hermes", "llama3_json", "mistral", "granite", "deepseek_v3", "deepseek_v31",
-                                        "pythonic"};
+                                        "pythonic", "llama4_pythonic"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         loom_toolfmt_t f = loom_toolfmt_from_name(names[i]);
         CHECKF(f != LOOM_TOOLFMT_NONE && !strcmp(loom_toolfmt_name(f), names[i]), "%s", names[i]);

@@ -82,6 +82,7 @@ typedef struct {
 #define DSV3 LOOM_TOOLFMT_DEEPSEEK_V3
 #define DSV31 LOOM_TOOLFMT_DEEPSEEK_V31
 #define PYTHONIC LOOM_TOOLFMT_PYTHONIC
+#define LLAMA4 LOOM_TOOLFMT_LLAMA4_PYTHONIC
 #define DS_B "<｜tool▁calls▁begin｜>"
 #define DS_E "<｜tool▁calls▁end｜>"
 #define DS_CB "<｜tool▁call▁begin｜>"
@@ -160,6 +161,11 @@ static const case_t k_cases[] = {
     {PYTHONIC, "", " [get_weather(city='Oslo', n=[1, -2.5e3, True, None, {'k': \"v\\n\"}]), now()]\n", 1, 2, "", 2,
      {"get_weather", "now"}, {"{\"city\":\"Oslo\",\"n\":[1,-2.5e3,true,null,{\"k\":\"v\\n\"}]}", "{}"}, 3},
     {PYTHONIC, "", "Hello [now()]", 1, LOOM_TS_TEXT, "Hello [now()]", 0, {0}, {0}, 0},
+    {LLAMA4, "", "<|python_start|>[get_weather(city=\"Rome\")]<|python_end|>", 1, 1, "", 1, {"get_weather"},
+     {"{\"city\":\"Rome\"}"}, 3},
+    {LLAMA4, "", " [now()]", 1, 1, "", 1, {"now"}, {"{}"}, 3},
+    {LLAMA4, "", "<|python_sta", 1, LOOM_TS_TEXT, "<|python_sta", 0, {0}, {0}, 0},
+    {LLAMA4, "", "<|python_start|>now()", 1, LOOM_TS_TEXT, "<|python_start|>now()", 0, {0}, {0}, 0},
     {PYTHONIC, "", "[get_weather('Oslo')]", 1, LOOM_TS_TEXT, "[get_weather('Oslo')]", 0, {0}, {0}, 0},
     {PYTHONIC, "", "[now()] and more", 1, LOOM_TS_TEXT, "[now()] and more", 0, {0}, {0}, 0},
     {PYTHONIC, "", "[now(), rm()]", 1, LOOM_TS_TEXT, "[now(), rm()]", 0, {0}, {0}, 0},
