@@ -24,10 +24,10 @@ struct loom_chat_template {
     char *tool_text;              /* tool_use's source (NULL: none) */
     char *origin;                 /* "FILE" or "tokenizer_config.json" or "chatml (shipped)" */
     cJSON *specials;              /* {bos_token: "...", eos_token, unk_token, pad_token} */
-    char **plain;                 /* special-token strings kept plain in request text, longest first */
+    char **plain; /* special-token strings kept plain in request text, longest first */
     size_t *plain_len;
     int n_plain;
-    unsigned char first[256];     /* 1: some plain-kept string starts with this byte */
+    unsigned char first[256]; /* 1: some plain-kept string starts with this byte */
     loom_chat_template_opts_t o;
 };
 
@@ -54,7 +54,8 @@ static int cmp_len_desc(const void *a, const void *b) {
  * the placeholder's own lead character (so a client cannot forge one). */
 static void collect_plain(loom_chat_template_t *t, const loom_tokenizer_t *tok) {
     int n = tok ? loom_tokenizer_vocab_size(tok) : 0, cap = 1;
-    for (int id = 0; id < n; id++) cap += loom_tokenizer_is_special(tok, id) ? 1 : 0;
+    for (int id = 0; id < n; id++)
+        cap += loom_tokenizer_is_special(tok, id) ? 1 : 0;
     t->plain = loom_xcalloc((size_t)cap, sizeof *t->plain);
     t->plain[t->n_plain++] = loom_xstrdup("\xEE\x80\x80"); /* U+E000 */
     for (int id = 0; id < n; id++) {
@@ -70,7 +71,8 @@ static void collect_plain(loom_chat_template_t *t, const loom_tokenizer_t *tok) 
     }
 }
 
-static loom_status_t compile(const char *src, const char *name, loom_jinja_t **out, loom_err_t *err) {
+static loom_status_t compile(const char *src, const char *name, loom_jinja_t **out,
+                             loom_err_t *err) {
     loom_err_t e = {0};
     loom_status_t st = loom_jinja_compile(src, strlen(src), name, out, &e);
     if (st < 0) return loom_err_set(err, st, "chat template %s", e.msg);
@@ -101,13 +103,15 @@ static loom_status_t override_text(const char *ov, char **text, char **origin, l
                         LOOM_CHAT_SHIPPED_NAMES);
 }
 
-loom_status_t loom_chat_template_from_text(const char *text, const char *config_json, const char *name,
-                                           const loom_chat_template_opts_t *o, const loom_tokenizer_t *tok,
-                                           loom_chat_template_t **out, loom_err_t *err) {
+loom_status_t loom_chat_template_from_text(const char *text, const char *config_json,
+                                           const char *name, const loom_chat_template_opts_t *o,
+                                           const loom_tokenizer_t *tok, loom_chat_template_t **out,
+                                           loom_err_t *err) {
     *out = NULL;
     cJSON *cfg = config_json ? cJSON_Parse(config_json) : NULL;
     if (config_json && !cfg)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tokenizer_config.json is not valid JSON");
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "tokenizer_config.json is not valid JSON");
     const char *def = text, *tool_use = NULL;
     const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
     if (!def && cJSON_IsString(ct)) {
@@ -155,7 +159,8 @@ loom_status_t loom_chat_template_from_text(const char *text, const char *config_
 }
 
 loom_status_t loom_chat_template_load(const char *model_dir, const loom_chat_template_opts_t *o,
-                                      const loom_tokenizer_t *tok, loom_chat_template_t **out, loom_err_t *err) {
+                                      const loom_tokenizer_t *tok, loom_chat_template_t **out,
+                                      loom_err_t *err) {
     *out = NULL;
     char *cfg = NULL, *text = NULL, *origin = NULL;
     size_t len;
@@ -173,8 +178,10 @@ loom_status_t loom_chat_template_load(const char *model_dir, const loom_chat_tem
         int has = cJSON_GetObjectItemCaseSensitive(c, "chat_template") != NULL;
         cJSON_Delete(c);
         snprintf(path, sizeof path, "%s/chat_template.jinja", model_dir);
-        if (!has && loom_read_file(path, &text, &len, &ign) == LOOM_OK) origin = loom_xstrdup(path);
-        else if (has) origin = loom_xstrdup("tokenizer_config.json");
+        if (!has && loom_read_file(path, &text, &len, &ign) == LOOM_OK)
+            origin = loom_xstrdup(path);
+        else if (has)
+            origin = loom_xstrdup("tokenizer_config.json");
     }
     if (st == LOOM_OK) st = loom_chat_template_from_text(text, cfg, origin, o, tok, out, err);
     free(cfg);
@@ -188,7 +195,8 @@ void loom_chat_template_destroy(loom_chat_template_t **t_p) {
     if (!t) return;
     loom_jinja_destroy(&t->def);
     loom_jinja_destroy(&t->tool_use);
-    for (int i = 0; i < t->n_plain; i++) free(t->plain[i]);
+    for (int i = 0; i < t->n_plain; i++)
+        free(t->plain[i]);
     free(t->plain);
     free(t->plain_len);
     cJSON_Delete(t->specials);
@@ -213,7 +221,7 @@ const char *loom_chat_template_origin(const loom_chat_template_t *t) {
 
 /* ---- placeholders: U+E000 <index> U+E001 ---- */
 
-#define PH_OPEN "\xEE\x80\x80"
+#define PH_OPEN  "\xEE\x80\x80"
 #define PH_CLOSE "\xEE\x80\x81"
 
 /* s with every plain-kept string swapped for its placeholder (NULL: none in s). */
@@ -273,7 +281,8 @@ static void span_add(spans_t *sp, size_t a, size_t e) {
 }
 
 /* The rendered text with the placeholders swapped back, their spans noted. */
-static char *swap_in(const loom_chat_template_t *t, const char *s, size_t n, size_t *out_len, spans_t *sp) {
+static char *swap_in(const loom_chat_template_t *t, const char *s, size_t n, size_t *out_len,
+                     spans_t *sp) {
     loom_sbuf_t b = {0};
     loom_sbuf_add(&b, "", 0);
     size_t i = 0;
@@ -286,7 +295,8 @@ static char *swap_in(const loom_chat_template_t *t, const char *s, size_t n, siz
         size_t at = (size_t)(p - s), j = at + 3;
         long idx = 0;
         int digits = 0;
-        while (j < n && s[j] >= '0' && s[j] <= '9' && digits < 6) idx = idx * 10 + (s[j++] - '0'), digits++;
+        while (j < n && s[j] >= '0' && s[j] <= '9' && digits < 6)
+            idx = idx * 10 + (s[j++] - '0'), digits++;
         if (digits && idx < t->n_plain && j + 3 <= n && !memcmp(s + j, PH_CLOSE, 3)) {
             loom_sbuf_add(&b, s + i, at - i);
             size_t a = b.len;
@@ -318,10 +328,12 @@ static loom_status_t bad(loom_err_t *err, const char **param, const char *p, con
 
 /* messages as vLLM hands them to templates: text parts joined into a
  * string, no content as "", tool_calls' arguments parsed into objects. */
-static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **param, loom_err_t *err) {
+static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **param,
+                                  loom_err_t *err) {
     if (!msgs) return bad(err, param, "messages", "messages is required");
     if (!cJSON_IsArray(msgs) || !msgs->child)
-        return bad(err, param, "messages", "messages must be a non-empty array of {role, content} objects");
+        return bad(err, param, "messages",
+                   "messages must be a non-empty array of {role, content} objects");
     cJSON *arr = cJSON_CreateArray();
     *out = arr;
     int i = 0;
@@ -329,7 +341,8 @@ static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **p
     cJSON_ArrayForEach(m, msgs) {
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
         if (!cJSON_IsObject(m) || !cJSON_IsString(role))
-            return bad(err, param, "messages", "messages[%d] must be an object with a string role", i);
+            return bad(err, param, "messages", "messages[%d] must be an object with a string role",
+                       i);
         cJSON *c = cJSON_Duplicate(m, 1);
         cJSON_AddItemToArray(arr, c);
         cJSON *content = cJSON_GetObjectItemCaseSensitive(c, "content");
@@ -341,10 +354,12 @@ static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **p
             cJSON_ArrayForEach(part, content) {
                 const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type"),
                             *text = cJSON_GetObjectItemCaseSensitive(part, "text");
-                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 || !cJSON_IsString(text)) {
+                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 ||
+                    !cJSON_IsString(text)) {
                     free(s.p);
                     return bad(err, param, "messages",
-                               "messages[%d].content: only {\"type\": \"text\", \"text\": ...} parts are supported",
+                               "messages[%d].content: only {\"type\": \"text\", \"text\": ...} "
+                               "parts are supported",
                                i);
                 }
                 if (k++) loom_sbuf_str(&s, "\n");
@@ -353,13 +368,16 @@ static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **p
             cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(s.p));
             free(s.p);
         } else if (content && !cJSON_IsString(content) && !cJSON_IsNull(content)) {
-            return bad(err, param, "messages", "messages[%d].content must be a string or an array of text parts",
-                       i);
+            return bad(err, param, "messages",
+                       "messages[%d].content must be a string or an array of text parts", i);
         } else if (!content && strcmp(role->valuestring, "assistant") != 0) {
             return bad(err, param, "messages", "messages[%d] has no content", i);
-        } else if (!cJSON_IsString(content)) { /* vLLM: no content is "" (an assistant's tool calls) */
-            if (content) cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(""));
-            else cJSON_AddStringToObject(c, "content", "");
+        } else if (!cJSON_IsString(
+                       content)) { /* vLLM: no content is "" (an assistant's tool calls) */
+            if (content)
+                cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(""));
+            else
+                cJSON_AddStringToObject(c, "content", "");
         }
         cJSON *calls = cJSON_GetObjectItemCaseSensitive(c, "tool_calls"), *call;
         if (calls && !cJSON_IsNull(calls) && !cJSON_IsArray(calls))
@@ -368,15 +386,18 @@ static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **p
         if (!cJSON_IsArray(calls)) calls = NULL;
         cJSON_ArrayForEach(call, calls) {
             cJSON *fn = cJSON_GetObjectItemCaseSensitive(call, "function");
-            cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name"), *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+            cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name"),
+                  *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
             if (!cJSON_IsString(name) || !cJSON_IsString(args))
                 return bad(err, param, "messages",
-                           "messages[%d].tool_calls: each must have function.name and function.arguments (a JSON string)",
+                           "messages[%d].tool_calls: each must have function.name and "
+                           "function.arguments (a JSON string)",
                            i);
             cJSON *parsed = cJSON_Parse(args->valuestring);
             if (!parsed)
-                return bad(err, param, "messages", "messages[%d].tool_calls[%d]: function.arguments '%.80s' is not JSON", i, k,
-                           args->valuestring);
+                return bad(err, param, "messages",
+                           "messages[%d].tool_calls[%d]: function.arguments '%.80s' is not JSON", i,
+                           k, args->valuestring);
             cJSON_ReplaceItemInObjectCaseSensitive(fn, "arguments", parsed);
             k++;
         }
@@ -389,7 +410,8 @@ static const cJSON *get(const cJSON *o, const char *k) {
     return cJSON_GetObjectItemCaseSensitive(o, k);
 }
 
-static int opt_bool(const cJSON *req, const char *k, int dflt, int *out, const char **param, loom_err_t *err) {
+static int opt_bool(const cJSON *req, const char *k, int dflt, int *out, const char **param,
+                    loom_err_t *err) {
     const cJSON *v = get(req, k);
     *out = dflt;
     if (!v || cJSON_IsNull(v)) return 0;
@@ -401,8 +423,9 @@ static int opt_bool(const cJSON *req, const char *k, int dflt, int *out, const c
     return 0;
 }
 
-loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJSON *req, char **out, size_t *out_len,
-                                        size_t **plain, size_t *n_plain, const char **param, loom_err_t *err) {
+loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJSON *req, char **out,
+                                        size_t *out_len, size_t **plain, size_t *n_plain,
+                                        const char **param, loom_err_t *err) {
     *out = NULL;
     *out_len = 0;
     if (plain) {
@@ -423,7 +446,8 @@ loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJS
         st = LOOM_ERR_INVALID_ARGUMENT;
         goto done;
     }
-    if (add_gen && cont && get(req, "add_generation_prompt") && cJSON_IsTrue(get(req, "add_generation_prompt"))) {
+    if (add_gen && cont && get(req, "add_generation_prompt") &&
+        cJSON_IsTrue(get(req, "add_generation_prompt"))) {
         st = bad(err, param, "continue_final_message",
                  "continue_final_message and add_generation_prompt cannot both be true");
         goto done;
@@ -431,9 +455,11 @@ loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJS
     if (cont) add_gen = 0;
     cJSON_AddBoolToObject(vars, "add_generation_prompt", add_gen);
     cJSON_AddBoolToObject(vars, "continue_final_message", cont);
-    const cJSON *tools = get(req, "tools"), *docs = get(req, "documents"), *effort = get(req, "reasoning_effort");
+    const cJSON *tools = get(req, "tools"), *docs = get(req, "documents"),
+                *effort = get(req, "reasoning_effort");
     int has_tools = cJSON_IsArray(tools) && tools->child;
-    cJSON_AddItemToObject(vars, "tools", has_tools ? cJSON_Duplicate(tools, 1) : cJSON_CreateNull());
+    cJSON_AddItemToObject(vars, "tools",
+                          has_tools ? cJSON_Duplicate(tools, 1) : cJSON_CreateNull());
     if (docs && !cJSON_IsNull(docs)) {
         if (!cJSON_IsArray(docs)) {
             st = bad(err, param, "documents", "documents must be an array of objects");
@@ -441,7 +467,8 @@ loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJS
         }
         cJSON_AddItemToObject(vars, "documents", cJSON_Duplicate(docs, 1));
     }
-    if (cJSON_IsString(effort)) cJSON_AddStringToObject(vars, "reasoning_effort", effort->valuestring);
+    if (cJSON_IsString(effort))
+        cJSON_AddStringToObject(vars, "reasoning_effort", effort->valuestring);
     swap_tree(t, cJSON_GetObjectItemCaseSensitive(vars, "messages"));
     swap_tree(t, cJSON_GetObjectItemCaseSensitive(vars, "tools"));
     swap_tree(t, cJSON_GetObjectItemCaseSensitive(vars, "documents"));
@@ -471,7 +498,8 @@ loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJS
             goto done;
         }
         loom_err_t e = {0};
-        if (loom_jinja_compile(rt->valuestring, strlen(rt->valuestring), "chat_template", &own, &e) < 0) {
+        if (loom_jinja_compile(rt->valuestring, strlen(rt->valuestring), "chat_template", &own,
+                               &e) < 0) {
             st = bad(err, param, "chat_template", "%s", e.msg);
             goto done;
         }
@@ -485,7 +513,8 @@ loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJS
         if (st == LOOM_ERR_RESOURCE_EXHAUSTED)
             loom_err_set(err, st, "the chat template's render exceeded its limits: %s", e.msg);
         else
-            loom_err_set(err, st == LOOM_ERR_INVALID_ARGUMENT ? st : LOOM_ERR_INVALID_ARGUMENT, "%s", e.msg);
+            loom_err_set(err, st == LOOM_ERR_INVALID_ARGUMENT ? st : LOOM_ERR_INVALID_ARGUMENT,
+                         "%s", e.msg);
         st = err->code;
         goto done;
     }

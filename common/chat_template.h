@@ -38,10 +38,12 @@ struct loom_tokenizer;
 typedef struct loom_chat_template loom_chat_template_t;
 
 typedef struct loom_chat_template_opts {
-    const char *override;  /* --chat-template: FILE, a template text or a shipped name (NULL: the model's) */
-    int trust_request;     /* --trust-request-chat-template: a request's own chat_template is used */
-    size_t max_output;     /* a render longer than this is refused (0: 8 MiB) */
-    unsigned long long max_steps; /* a render running longer than this is refused (0: the engine's default) */
+    const char *
+        override; /* --chat-template: FILE, a template text or a shipped name (NULL: the model's) */
+    int trust_request; /* --trust-request-chat-template: a request's own chat_template is used */
+    size_t max_output; /* a render longer than this is refused (0: 8 MiB) */
+    unsigned long long
+        max_steps; /* a render running longer than this is refused (0: the engine's default) */
 } loom_chat_template_opts_t;
 
 /* The shipped template named NAME, or NULL. */
@@ -51,11 +53,13 @@ const char *loom_chat_template_shipped(const char *name);
  * the override). *out = NULL (LOOM_OK) when there is none. tok (may be
  * NULL) gives the special tokens kept plain in content. */
 loom_status_t loom_chat_template_load(const char *model_dir, const loom_chat_template_opts_t *o,
-                                      const struct loom_tokenizer *tok, loom_chat_template_t **out, loom_err_t *err);
+                                      const struct loom_tokenizer *tok, loom_chat_template_t **out,
+                                      loom_err_t *err);
 /* The same from a template text and a tokenizer_config.json text (either
  * may be NULL; the config's chat_template is used when text is NULL). */
-loom_status_t loom_chat_template_from_text(const char *text, const char *config_json, const char *name,
-                                           const loom_chat_template_opts_t *o, const struct loom_tokenizer *tok,
+loom_status_t loom_chat_template_from_text(const char *text, const char *config_json,
+                                           const char *name, const loom_chat_template_opts_t *o,
+                                           const struct loom_tokenizer *tok,
                                            loom_chat_template_t **out, loom_err_t *err);
 void loom_chat_template_destroy(loom_chat_template_t **t_p);
 
@@ -73,7 +77,8 @@ const char *loom_chat_template_origin(const loom_chat_template_t *t);
  * Errors: INVALID_ARGUMENT with *param naming the field (bad messages,
  * kwargs not an object, the template's raise_exception message),
  * RESOURCE_EXHAUSTED (the render outgrew its limits). */
-loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJSON *req, char **out, size_t *out_len,
-                                        size_t **plain, size_t *n_plain, const char **param, loom_err_t *err);
+loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJSON *req, char **out,
+                                        size_t *out_len, size_t **plain, size_t *n_plain,
+                                        const char **param, loom_err_t *err);
 
 #endif

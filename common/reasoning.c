@@ -16,7 +16,7 @@ typedef struct {
     const char *name;
     const char *starts[3]; /* NULL-terminated */
     const char *ends[3];
-    int default_reason;    /* no start marker: the output is reasoning */
+    int default_reason; /* no start marker: the output is reasoning */
 } fmt_t;
 
 static const fmt_t k_fmts[] = {
@@ -150,7 +150,8 @@ static void run(loom_rsplit_t *s, loom_sbuf_t *reasoning, loom_sbuf_t *content, 
     }
 }
 
-void loom_rsplit_feed(loom_rsplit_t *s, const char *text, size_t len, loom_sbuf_t *reasoning, loom_sbuf_t *content) {
+void loom_rsplit_feed(loom_rsplit_t *s, const char *text, size_t len, loom_sbuf_t *reasoning,
+                      loom_sbuf_t *content) {
     loom_sbuf_add(&s->buf, text, len);
     run(s, reasoning, content, 0);
 }
@@ -159,7 +160,8 @@ void loom_rsplit_finish(loom_rsplit_t *s, loom_sbuf_t *reasoning, loom_sbuf_t *c
     run(s, reasoning, content, 1);
 }
 
-void loom_reasoning_split(loom_reasoning_t r, const char *text, size_t len, char **reasoning, char **content) {
+void loom_reasoning_split(loom_reasoning_t r, const char *text, size_t len, char **reasoning,
+                          char **content) {
     *reasoning = *content = NULL;
     loom_rsplit_t *s = loom_rsplit_create(r);
     if (!s) {
@@ -174,8 +176,12 @@ void loom_reasoning_split(loom_reasoning_t r, const char *text, size_t len, char
     loom_rsplit_feed(s, text, len, &rb, &cb);
     loom_rsplit_finish(s, &rb, &cb);
     loom_rsplit_destroy(&s);
-    if (rb.len) *reasoning = rb.p;
-    else free(rb.p);
-    if (cb.len) *content = cb.p;
-    else free(cb.p);
+    if (rb.len)
+        *reasoning = rb.p;
+    else
+        free(rb.p);
+    if (cb.len)
+        *content = cb.p;
+    else
+        free(cb.p);
 }

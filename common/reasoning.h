@@ -44,7 +44,8 @@ loom_rsplit_t *loom_rsplit_create(loom_reasoning_t r);
 void loom_rsplit_destroy(loom_rsplit_t **s_p);
 /* The next piece: appends to *reasoning and *content (either may get
  * nothing) what is decided. */
-void loom_rsplit_feed(loom_rsplit_t *s, const char *text, size_t len, loom_sbuf_t *reasoning, loom_sbuf_t *content);
+void loom_rsplit_feed(loom_rsplit_t *s, const char *text, size_t len, loom_sbuf_t *reasoning,
+                      loom_sbuf_t *content);
 /* The end: what is still held goes out. */
 void loom_rsplit_finish(loom_rsplit_t *s, loom_sbuf_t *reasoning, loom_sbuf_t *content);
 /* 1 once the answer (content) has begun. */
@@ -52,6 +53,7 @@ int loom_rsplit_in_content(const loom_rsplit_t *s);
 
 /* The whole output at once: malloc'ed reasoning (NULL: none) and content
  * (NULL: none). */
-void loom_reasoning_split(loom_reasoning_t r, const char *text, size_t len, char **reasoning, char **content);
+void loom_reasoning_split(loom_reasoning_t r, const char *text, size_t len, char **reasoning,
+                          char **content);
 
 #endif

@@ -7,15 +7,29 @@
 
 #include "common/util.h"
 
-#define DS_CALLS_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALLS_END "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALL_END "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_SEP "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
+#define DS_CALLS_BEGIN                                                                             \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define DS_CALLS_END                                                                               \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN                                                                              \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define DS_CALL_END                                                                                \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
+#define DS_SEP                                                                                     \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "sep\xef\xbd\x9c>"
 
 int loom_tp_held(loom_toolfmt_t f) {
-    return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 || f == LOOM_TOOLFMT_PYTHONIC ||
-           f == LOOM_TOOLFMT_LLAMA4_PYTHONIC;
+    return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 ||
+           f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC;
 }
 
 static int is_space(char c) {
@@ -27,8 +41,10 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
     if (f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC) { /* the answer itself */
         static const char tag[] = "<|python_start|>";
         size_t i = 0, t = f == LOOM_TOOLFMT_LLAMA4_PYTHONIC ? sizeof tag - 1 : 0;
-        while (i < len && is_space(text[i])) i++;
-        if (i < len && t && !memcmp(text + i, tag, LOOM_MIN(t, len - i))) { /* (a prefix of) the tag */
+        while (i < len && is_space(text[i]))
+            i++;
+        if (i < len && t &&
+            !memcmp(text + i, tag, LOOM_MIN(t, len - i))) { /* (a prefix of) the tag */
             if (len - i < t) {
                 *maybe = len;
                 return len;
@@ -39,7 +55,9 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
             *maybe = len;
             return len;
         }
-        return text[i] == '[' ? 0 : len; /* held from the start: the whitespace too, content if not calls */
+        return text[i] == '['
+                   ? 0
+                   : len; /* held from the start: the whitespace too, content if not calls */
     }
     const char *m = DS_CALLS_BEGIN;
     size_t n = strlen(m);
@@ -64,8 +82,10 @@ void loom_tp_calls_free(loom_tp_call_t *calls, int n) {
 static int known(const cJSON *tools, const char *name, size_t n) {
     const cJSON *t;
     cJSON_ArrayForEach(t, tools) {
-        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(t, "function"), "name");
-        if (cJSON_IsString(nm) && strlen(nm->valuestring) == n && !memcmp(nm->valuestring, name, n)) return 1;
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(
+            cJSON_GetObjectItemCaseSensitive(t, "function"), "name");
+        if (cJSON_IsString(nm) && strlen(nm->valuestring) == n && !memcmp(nm->valuestring, name, n))
+            return 1;
     }
     return 0;
 }
@@ -93,9 +113,12 @@ static char *compact_object(const char *s, size_t n) {
     for (size_t i = 0; i < n; i++) {
         char c = copy[i];
         if (in_str) {
-            if (esc) esc = 0;
-            else if (c == '\\') esc = 1;
-            else if (c == '"') in_str = 0;
+            if (esc)
+                esc = 0;
+            else if (c == '\\')
+                esc = 1;
+            else if (c == '"')
+                in_str = 0;
         } else if (c == '"') {
             in_str = 1;
         } else if (is_space(c)) {
@@ -113,7 +136,8 @@ static int starts(const char *s, size_t n, size_t at, const char *lit) {
 }
 
 static size_t skip_ws(const char *s, size_t n, size_t i) {
-    while (i < n && is_space(s[i])) i++;
+    while (i < n && is_space(s[i]))
+        i++;
     return i;
 }
 
@@ -124,8 +148,8 @@ static void add_call(loom_tp_call_t **calls, int *nc, char *name, char *args) {
     (*nc)++;
 }
 
-static int parse_deepseek(int v31, const cJSON *tools, const char *s, size_t n, loom_tp_call_t **calls,
-                          size_t *end) {
+static int parse_deepseek(int v31, const cJSON *tools, const char *s, size_t n,
+                          loom_tp_call_t **calls, size_t *end) {
     size_t i = strlen(DS_CALLS_BEGIN);
     int nc = 0;
     for (;;) {
@@ -148,15 +172,18 @@ static int parse_deepseek(int v31, const cJSON *tools, const char *s, size_t n, 
         } else { /* TYPE<sep>NAME\n```json\nARGS\n```<end> */
             size_t after = (size_t)(sep - s) + strlen(DS_SEP);
             const char *fence = memmem(s + after, (size_t)(close - s) - after, "\n```json\n", 9);
-            if (!fence || (size_t)(close - s) < 4 || memcmp(close - 4, "\n```", 4) != 0 || fence + 9 > close - 4)
+            if (!fence || (size_t)(close - s) < 4 || memcmp(close - 4, "\n```", 4) != 0 ||
+                fence + 9 > close - 4)
                 goto fail;
             name_at = after;
             name_len = (size_t)(fence - s) - after;
             args_at = (size_t)(fence - s) + 9;
             args_len = (size_t)(close - 4 - s) - args_at;
         }
-        while (name_len && is_space(s[name_at + name_len - 1])) name_len--;
-        while (name_len && is_space(s[name_at])) name_at++, name_len--;
+        while (name_len && is_space(s[name_at + name_len - 1]))
+            name_len--;
+        while (name_len && is_space(s[name_at]))
+            name_at++, name_len--;
         if (!known(tools, s + name_at, name_len)) goto fail;
         char *args = compact_object(s + args_at, args_len);
         if (!args) goto fail;
@@ -190,10 +217,20 @@ static int py_string(py_t *p, loom_sbuf_t *out) {
         if (c == '\\' && p->i < p->n) {
             char e = p->s[p->i++];
             switch (e) {
-            case 'n': c = '\n'; break;
-            case 'r': c = '\r'; break;
-            case 't': c = '\t'; break;
-            case '\\': case '\'': case '"': c = e; break;
+            case 'n':
+                c = '\n';
+                break;
+            case 'r':
+                c = '\r';
+                break;
+            case 't':
+                c = '\t';
+                break;
+            case '\\':
+            case '\'':
+            case '"':
+                c = e;
+                break;
             default: /* kept as written */
                 loom_sbuf_add(&raw, "\\", 1);
                 c = e;
@@ -220,11 +257,13 @@ static int py_number(py_t *p, loom_sbuf_t *out) {
     size_t a = p->i;
     if (p->s[p->i] == '-' || p->s[p->i] == '+') p->i++;
     size_t digits = 0, frac = 0;
-    while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9') p->i++, digits++;
+    while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9')
+        p->i++, digits++;
     int dot = p->i < p->n && p->s[p->i] == '.';
     if (dot) {
         p->i++;
-        while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9') p->i++, frac++;
+        while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9')
+            p->i++, frac++;
     }
     if (!digits && !frac) return -1;
     size_t exp_at = p->i;
@@ -232,19 +271,25 @@ static int py_number(py_t *p, loom_sbuf_t *out) {
         p->i++;
         if (p->i < p->n && (p->s[p->i] == '+' || p->s[p->i] == '-')) p->i++;
         size_t e = 0;
-        while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9') p->i++, e++;
+        while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9')
+            p->i++, e++;
         if (!e) return -1;
     }
     /* as JSON: no '+', digits on both sides of a '.', no leading zeros beyond one */
     if (p->s[a] == '-') loom_sbuf_add(out, "-", 1);
     size_t k = a + (p->s[a] == '-' || p->s[a] == '+');
-    while (digits > 1 && p->s[k] == '0') k++, digits--;
-    if (digits) loom_sbuf_add(out, p->s + k, digits);
-    else loom_sbuf_add(out, "0", 1);
+    while (digits > 1 && p->s[k] == '0')
+        k++, digits--;
+    if (digits)
+        loom_sbuf_add(out, p->s + k, digits);
+    else
+        loom_sbuf_add(out, "0", 1);
     if (dot) {
         loom_sbuf_add(out, ".", 1);
-        if (frac) loom_sbuf_add(out, p->s + k + digits + 1, frac);
-        else loom_sbuf_add(out, "0", 1);
+        if (frac)
+            loom_sbuf_add(out, p->s + k + digits + 1, frac);
+        else
+            loom_sbuf_add(out, "0", 1);
     }
     loom_sbuf_add(out, p->s + exp_at, p->i - exp_at);
     return 0;
@@ -270,7 +315,8 @@ static int py_seq(py_t *p, loom_sbuf_t *out, char close, int dict) {
         }
         first = 0;
         if (dict) {
-            if (p->i >= p->n || (p->s[p->i] != '"' && p->s[p->i] != '\'') || py_string(p, out) < 0) return -1;
+            if (p->i >= p->n || (p->s[p->i] != '"' && p->s[p->i] != '\'') || py_string(p, out) < 0)
+                return -1;
             py_ws(p);
             if (p->i >= p->n || p->s[p->i] != ':') return -1;
             p->i++;
@@ -290,24 +336,33 @@ static int py_value(py_t *p, loom_sbuf_t *out) {
     if (p->i >= p->n || ++p->depth > 32) return -1;
     char c = p->s[p->i];
     int rc;
-    if (c == '"' || c == '\'') rc = py_string(p, out);
-    else if (c == '[') rc = py_seq(p, out, ']', 0);
-    else if (c == '(') rc = py_seq(p, out, ')', 0);
-    else if (c == '{') rc = py_seq(p, out, '}', 1);
-    else if (starts(p->s, p->n, p->i, "True")) p->i += 4, loom_sbuf_str(out, "true"), rc = 0;
-    else if (starts(p->s, p->n, p->i, "False")) p->i += 5, loom_sbuf_str(out, "false"), rc = 0;
-    else if (starts(p->s, p->n, p->i, "None")) p->i += 4, loom_sbuf_str(out, "null"), rc = 0;
-    else rc = py_number(p, out);
+    if (c == '"' || c == '\'')
+        rc = py_string(p, out);
+    else if (c == '[')
+        rc = py_seq(p, out, ']', 0);
+    else if (c == '(')
+        rc = py_seq(p, out, ')', 0);
+    else if (c == '{')
+        rc = py_seq(p, out, '}', 1);
+    else if (starts(p->s, p->n, p->i, "True"))
+        p->i += 4, loom_sbuf_str(out, "true"), rc = 0;
+    else if (starts(p->s, p->n, p->i, "False"))
+        p->i += 5, loom_sbuf_str(out, "false"), rc = 0;
+    else if (starts(p->s, p->n, p->i, "None"))
+        p->i += 4, loom_sbuf_str(out, "null"), rc = 0;
+    else
+        rc = py_number(p, out);
     p->depth--;
     return rc;
 }
 
 static int is_ident(char c, int first) {
-    return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (!first && ((c >= '0' && c <= '9') ||
-                                                                                       c == '.' || c == '-'));
+    return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+           (!first && ((c >= '0' && c <= '9') || c == '.' || c == '-'));
 }
 
-static int parse_pythonic(const cJSON *tools, const char *s, size_t n, loom_tp_call_t **calls, size_t *end) {
+static int parse_pythonic(const cJSON *tools, const char *s, size_t n, loom_tp_call_t **calls,
+                          size_t *end) {
     py_t p = {.s = s, .n = n, .i = 0};
     int nc = 0;
     loom_sbuf_t args = {0};
@@ -322,10 +377,12 @@ static int parse_pythonic(const cJSON *tools, const char *s, size_t n, loom_tp_c
             py_ws(&p);
         }
         size_t name_at = p.i;
-        while (p.i < n && is_ident(s[p.i], p.i == name_at)) p.i++;
+        while (p.i < n && is_ident(s[p.i], p.i == name_at))
+            p.i++;
         size_t name_len = p.i - name_at;
         py_ws(&p);
-        if (!name_len || p.i >= n || s[p.i] != '(' || !known(tools, s + name_at, name_len)) goto fail;
+        if (!name_len || p.i >= n || s[p.i] != '(' || !known(tools, s + name_at, name_len))
+            goto fail;
         p.i++;
         py_ws(&p);
         args = (loom_sbuf_t){0};
@@ -340,7 +397,8 @@ static int parse_pythonic(const cJSON *tools, const char *s, size_t n, loom_tp_c
                 loom_sbuf_add(&args, ",", 1);
             }
             size_t kw = p.i;
-            while (p.i < n && is_ident(s[p.i], p.i == kw) && s[p.i] != '.' && s[p.i] != '-') p.i++;
+            while (p.i < n && is_ident(s[p.i], p.i == kw) && s[p.i] != '.' && s[p.i] != '-')
+                p.i++;
             if (p.i == kw) goto fail; /* positional arguments are not calls (as vLLM) */
             cJSON *key = cJSON_CreateString("");
             char *kname = dup_n(s + kw, p.i - kw);
@@ -378,8 +436,8 @@ fail:
     return -1;
 }
 
-int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len, loom_tp_call_t **calls,
-                  size_t *end) {
+int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len,
+                  loom_tp_call_t **calls, size_t *end) {
     *calls = NULL;
     *end = 0;
     switch (f) {
@@ -389,13 +447,16 @@ int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t
         return parse_deepseek(f == LOOM_TOOLFMT_DEEPSEEK_V31, tools, text, len, calls, end);
     case LOOM_TOOLFMT_PYTHONIC:
         return parse_pythonic(tools, text, len, calls, end);
-    case LOOM_TOOLFMT_LLAMA4_PYTHONIC: { /* the list, maybe between <|python_start|> and <|python_end|> */
+    case LOOM_TOOLFMT_LLAMA4_PYTHONIC: { /* the list, maybe between <|python_start|> and
+                                            <|python_end|> */
         size_t a = skip_ws(text, len, 0), b = len;
-        while (b > a && is_space(text[b - 1])) b--;
+        while (b > a && is_space(text[b - 1]))
+            b--;
         if (starts(text, len, a, "<|python_start|>")) {
             a += strlen("<|python_start|>");
-            if (b - a >= strlen("<|python_end|>") && !memcmp(text + b - strlen("<|python_end|>"), "<|python_end|>",
-                                                             strlen("<|python_end|>")))
+            if (b - a >= strlen("<|python_end|>") &&
+                !memcmp(text + b - strlen("<|python_end|>"), "<|python_end|>",
+                        strlen("<|python_end|>")))
                 b -= strlen("<|python_end|>");
         }
         size_t e = 0;

@@ -1,12 +1,15 @@
 /* Call syntaxes read once the calls are complete (tool_stream.c holds their
  * text from the start marker on and parses it at the end):
  *
- *   deepseek_v3   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>
+ *   deepseek_v3
+ * <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>
  *                 ... <｜tool▁calls▁end｜>, after any content
- *   deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> ... <｜tool▁calls▁end｜>
- *   pythonic      the whole answer a Python list of calls: [get_weather(city="Oslo"), now()], keyword
- *                 arguments of Python literals (strings, numbers, True/False/None, lists, dicts)
- *   llama4_pythonic  the same, optionally between <|python_start|> and <|python_end|>
+ *   deepseek_v31
+ * <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> ...
+ * <｜tool▁calls▁end｜> pythonic      the whole answer a Python list of calls:
+ * [get_weather(city="Oslo"), now()], keyword arguments of Python literals (strings, numbers,
+ * True/False/None, lists, dicts) llama4_pythonic  the same, optionally between <|python_start|> and
+ * <|python_end|>
  *
  * ARGS is a JSON object; a call's arguments are its JSON text less the
  * whitespace between tokens (pythonic: the literals converted to JSON). */
@@ -34,8 +37,8 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
  * returns their number (> 0) and *calls (malloc'ed, free with
  * loom_tp_calls_free), *end the bytes they took (what follows is content);
  * -1 when it is not calls. */
-int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len, loom_tp_call_t **calls,
-                  size_t *end);
+int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len,
+                  loom_tp_call_t **calls, size_t *end);
 void loom_tp_calls_free(loom_tp_call_t *calls, int n);
 
 #endif

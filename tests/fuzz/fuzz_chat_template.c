@@ -20,8 +20,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     g_tok = fuzz_tokenizer();
     loom_err_t err = {0};
     loom_chat_template_opts_t o = {.max_output = 1 << 16, .max_steps = 100000};
-    if (loom_chat_template_from_text(loom_chat_template_shipped("chatml"), NULL, "chatml", &o, g_tok, &g_chatml,
-                                     &err) < 0)
+    if (loom_chat_template_from_text(loom_chat_template_shipped("chatml"), NULL, "chatml", &o,
+                                     g_tok, &g_chatml, &err) < 0)
         __builtin_trap();
     return 0;
 }
@@ -35,7 +35,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     loom_err_t err = {0};
     loom_chat_template_opts_t o = {.max_output = 1 << 16, .max_steps = 100000};
     if (data[0] & 2) { /* the input (up to its first NUL) as a template */
-        if (loom_chat_template_from_text(text + 1, "{\"bos_token\": \"<s>\"}", "fuzz", &o, g_tok, &own, &err) < 0)
+        if (loom_chat_template_from_text(text + 1, "{\"bos_token\": \"<s>\"}", "fuzz", &o, g_tok,
+                                         &own, &err) < 0)
             FUZZ_ASSERT(err.msg[0]);
         if (!own) {
             free(text);
@@ -49,7 +50,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t at = 1;
     for (int n = 0; at < size && n < MAX_MSGS; n++) {
         size_t end = at;
-        while (end < size && data[end]) end++;
+        while (end < size && data[end])
+            end++;
         cJSON *m = cJSON_CreateObject();
         cJSON_AddStringToObject(m, "role", roles[data[at] & 3]);
         cJSON_AddStringToObject(m, "content", end > at ? text + at + 1 : "");
@@ -59,7 +61,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *out = NULL;
     size_t len = 0, *plain = NULL, n_plain = 0;
     const char *param = NULL;
-    loom_status_t st = loom_chat_template_render(t, req, &out, &len, &plain, &n_plain, &param, &err);
+    loom_status_t st =
+        loom_chat_template_render(t, req, &out, &len, &plain, &n_plain, &param, &err);
     if (st == LOOM_OK) {
         FUZZ_ASSERT(strlen(out) == len);
         size_t prev = 0;
@@ -70,8 +73,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         int32_t *ids = NULL;
         int n_ids = 0, cap = 0;
-        if (len) FUZZ_ASSERT(loom_tokenizer_encode_spans(g_tok, out, len, 0, plain, n_plain, &ids, &n_ids, &cap, &err) ==
-                             LOOM_OK);
+        if (len)
+            FUZZ_ASSERT(loom_tokenizer_encode_spans(g_tok, out, len, 0, plain, n_plain, &ids,
+                                                    &n_ids, &cap, &err) == LOOM_OK);
         free(ids);
     } else {
         FUZZ_ASSERT(err.msg[0] && param);

@@ -13,7 +13,8 @@ typedef struct {
 
 static const case_t k_cases[] = {
     /* deepseek_r1: the template opened <think>; the output starts inside */
-    {"deepseek_r1", "Let me think.\nOK.</think>\n\nThe answer is 4.", "Let me think.\nOK.", "\n\nThe answer is 4."},
+    {"deepseek_r1", "Let me think.\nOK.</think>\n\nThe answer is 4.", "Let me think.\nOK.",
+     "\n\nThe answer is 4."},
     {"deepseek_r1", "<think>echoed</think>Hi", "echoed", "Hi"},
     {"deepseek_r1", "still thinking </thi", "still thinking </thi", NULL},
     {"deepseek_r1", "</think>", NULL, NULL},
@@ -23,12 +24,15 @@ static const case_t k_cases[] = {
     {"qwen3", "<thin", NULL, "<thin"},
     {"qwen3", "<think>cut short", "cut short", NULL},
     /* granite */
-    {"granite", "Here is my thought process: add them. Here is my response: 4", " add them. ", " 4"},
+    {"granite", "Here is my thought process: add them. Here is my response: 4", " add them. ",
+     " 4"},
     {"granite", "Here's my thought process:x Here's my response:y", "x ", "y"},
     {"granite", "Just 4.", NULL, "Just 4."},
     /* openai (GPT-OSS harmony) */
-    {"openai", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Done.", "Think.",
-     "Done."},
+    {"openai",
+     "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "Done.",
+     "Think.", "Done."},
     {"openai", "Hello", NULL, "Hello"},
 };
 
@@ -38,7 +42,8 @@ static int same(const char *a, const char *want) {
 }
 
 /* Feeds text cut at the given points; returns reasoning and content (NULL when empty). */
-static void fed(loom_reasoning_t r, const char *text, const size_t *cuts, int n, char **reason, char **content) {
+static void fed(loom_reasoning_t r, const char *text, const size_t *cuts, int n, char **reason,
+                char **content) {
     loom_rsplit_t *s = loom_rsplit_create(r);
     loom_sbuf_t rb = {0}, cb = {0};
     size_t at = 0;
@@ -61,20 +66,22 @@ static void test_cases(void) {
         size_t len = strlen(k->text);
         char *reason, *content;
         loom_reasoning_split(r, k->text, len, &reason, &content);
-        CHECKF(same(reason, k->reasoning) && same(content, k->content), "case %zu whole: [%s] [%s]", c,
-               reason ? reason : "(none)", content ? content : "(none)");
+        CHECKF(same(reason, k->reasoning) && same(content, k->content), "case %zu whole: [%s] [%s]",
+               c, reason ? reason : "(none)", content ? content : "(none)");
         free(reason);
         free(content);
         for (size_t cut = 0; cut <= len; cut++) { /* two pieces */
             size_t cuts[2] = {cut, len};
             fed(r, k->text, cuts, 2, &reason, &content);
-            CHECKF(same(reason, k->reasoning) && same(content, k->content), "case %zu cut at %zu: [%s] [%s]", c, cut,
-                   reason ? reason : "(none)", content ? content : "(none)");
+            CHECKF(same(reason, k->reasoning) && same(content, k->content),
+                   "case %zu cut at %zu: [%s] [%s]", c, cut, reason ? reason : "(none)",
+                   content ? content : "(none)");
             free(reason);
             free(content);
         }
         size_t *each = malloc((len + 1) * sizeof *each); /* one byte at a time */
-        for (size_t i = 0; i < len; i++) each[i] = i + 1;
+        for (size_t i = 0; i < len; i++)
+            each[i] = i + 1;
         fed(r, k->text, each, (int)len, &reason, &content);
         CHECKF(same(reason, k->reasoning) && same(content, k->content), "case %zu bytewise", c);
         free(reason);
