@@ -57,6 +57,7 @@ static const struct {
     {LOOM_TOOLFMT_DEEPSEEK_V31, "deepseek_v31"},
     {LOOM_TOOLFMT_PYTHONIC, "pythonic"},
     {LOOM_TOOLFMT_LLAMA4_PYTHONIC, "llama4_pythonic"},
+    {LOOM_TOOLFMT_QWEN3_CODER, "qwen3_coder"},
 };
 
 const char *loom_toolfmt_name(loom_toolfmt_t f) {
@@ -77,6 +78,7 @@ loom_toolfmt_t loom_toolfmt_detect(const char *text) {
         return strstr(text, "```json") ? LOOM_TOOLFMT_DEEPSEEK_V3 : LOOM_TOOLFMT_DEEPSEEK_V31;
     if (strstr(text, "[func_name1(")) /* Llama 3.2 / 4's pythonic instructions */
         return strstr(text, "<|python_start|>") ? LOOM_TOOLFMT_LLAMA4_PYTHONIC : LOOM_TOOLFMT_PYTHONIC;
+    if (strstr(text, "<function=") && strstr(text, "<parameter=")) return LOOM_TOOLFMT_QWEN3_CODER;
     if (strstr(text, "[TOOL_CALLS]")) return LOOM_TOOLFMT_MISTRAL;
     if (strstr(text, "<|tool_call|>")) return LOOM_TOOLFMT_GRANITE;
     if (strstr(text, "<tool_call>")) return LOOM_TOOLFMT_HERMES;
@@ -208,9 +210,10 @@ int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, cons
     t->tools = tools;
     if (t->mode == LOOM_TOOLS_OFF) return 0;
     if ((t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) &&
-        (t->fmt == LOOM_TOOLFMT_PYTHONIC || t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC))
-        return fail(msg, cap, "tool_choice %s cannot be forced in the pythonic call syntax (use auto)",
-                    t->mode == LOOM_TOOLS_NAMED ? "a function" : "required");
+        (t->fmt == LOOM_TOOLFMT_PYTHONIC || t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC ||
+         t->fmt == LOOM_TOOLFMT_QWEN3_CODER))
+        return fail(msg, cap, "tool_choice %s cannot be forced in the %s call syntax (use auto)",
+                    t->mode == LOOM_TOOLS_NAMED ? "a function" : "required", loom_toolfmt_name(t->fmt));
     if (t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) {
         t->schema = forced_schema(t);
         if (!t->schema) return fail(msg, cap, "tools cannot be serialised");

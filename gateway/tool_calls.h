@@ -11,7 +11,7 @@
  *                (several separated by ';')
  *   mistral      at the start, [TOOL_CALLS] then a JSON array [{"name": ..., "arguments": {...}}]
  *   granite      at the start, <|tool_call|> then a JSON array of the same
- *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic  read whole (tool_parsers.h)
+ *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder  read whole (tool_parsers.h)
  * A forced call's output is that syntax, its JSON held to the tool's schema
  * by the grammar engine (grammar kind LOOM_GRAMMAR_TOOL_CALLS). */
 #ifndef LOOM_TOOL_CALLS_H
@@ -37,10 +37,11 @@ typedef enum {
     LOOM_TOOLFMT_DEEPSEEK_V31,
     LOOM_TOOLFMT_PYTHONIC,
     LOOM_TOOLFMT_LLAMA4_PYTHONIC,
+    LOOM_TOOLFMT_QWEN3_CODER,
 } loom_toolfmt_t;
 
 /* For messages that list the choices. */
-#define LOOM_TOOL_PARSER_NAMES "hermes, llama3_json, mistral, granite, deepseek_v3, deepseek_v31, pythonic, llama4_pythonic"
+#define LOOM_TOOL_PARSER_NAMES "hermes, llama3_json, mistral, granite, deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder"
 
 const char *loom_toolfmt_name(loom_toolfmt_t f);
 /* The parser named NAME (vLLM's names); LOOM_TOOLFMT_NONE when unknown. */

@@ -29,7 +29,8 @@
 
 int loom_tp_held(loom_toolfmt_t f) {
     return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 ||
-           f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC;
+           f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC ||
+           f == LOOM_TOOLFMT_QWEN3_CODER;
 }
 
 static int is_space(char c) {
@@ -59,7 +60,7 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
                    ? 0
                    : len; /* held from the start: the whitespace too, content if not calls */
     }
-    const char *m = DS_CALLS_BEGIN;
+    const char *m = f == LOOM_TOOLFMT_QWEN3_CODER ? "<tool_call>" : DS_CALLS_BEGIN;
     size_t n = strlen(m);
     const char *p = memmem(text, len, m, n);
     if (p) return (size_t)(p - text);
@@ -97,12 +98,12 @@ static char *dup_n(const char *s, size_t n) {
     return d;
 }
 
-/* A JSON object's text less the whitespace between tokens; NULL when it is
- * not one JSON object. */
-static char *compact_object(const char *s, size_t n) {
+/* A JSON value's text less the whitespace between tokens (an object unless
+ * any); NULL when it is not one such value. */
+static char *compact_json(const char *s, size_t n, int any) {
     char *copy = dup_n(s, n);
     cJSON *o = cJSON_Parse(copy);
-    int ok = cJSON_IsObject(o);
+    int ok = o && (any || cJSON_IsObject(o));
     cJSON_Delete(o);
     if (!ok) {
         free(copy);
@@ -185,7 +186,7 @@ static int parse_deepseek(int v31, const cJSON *tools, const char *s, size_t n,
         while (name_len && is_space(s[name_at]))
             name_at++, name_len--;
         if (!known(tools, s + name_at, name_len)) goto fail;
-        char *args = compact_object(s + args_at, args_len);
+        char *args = compact_json(s + args_at, args_len, 0);
         if (!args) goto fail;
         add_call(calls, &nc, dup_n(s + name_at, name_len), args);
         i = (size_t)(close - s) + strlen(DS_CALL_END);
@@ -436,6 +437,122 @@ fail:
     return -1;
 }
 
+/* ---- qwen3_coder: XML-like blocks, values typed by the tool's schema ---- */
+
+static const cJSON *tool_params(const cJSON *tools, const char *name, size_t n) {
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tools) {
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(fn, "name");
+        if (cJSON_IsString(nm) && strlen(nm->valuestring) == n && !memcmp(nm->valuestring, name, n))
+            return cJSON_GetObjectItemCaseSensitive(fn, "parameters");
+    }
+    return NULL;
+}
+
+/* One parameter's value as JSON, by its schema type. */
+static void coder_value(const cJSON *params, const char *key, const char *v, size_t n,
+                        loom_sbuf_t *out) {
+    const cJSON *props = cJSON_GetObjectItemCaseSensitive(params, "properties");
+    const cJSON *type =
+        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(props, key), "type");
+    const char *ty = cJSON_IsString(type) ? type->valuestring : "string";
+    char *text = dup_n(v, n);
+    if (strcmp(ty, "string") != 0) { /* integer, number, boolean, object, array: JSON if it reads */
+        cJSON *j = cJSON_Parse(text);
+        int ok = 0;
+        if (!strcmp(ty, "integer") || !strcmp(ty, "number"))
+            ok = cJSON_IsNumber(j);
+        else if (!strcmp(ty, "boolean"))
+            ok = cJSON_IsBool(j);
+        else if (!strcmp(ty, "object"))
+            ok = cJSON_IsObject(j);
+        else if (!strcmp(ty, "array"))
+            ok = cJSON_IsArray(j);
+        else
+            ok = j != NULL;
+        cJSON_Delete(j);
+        char *c = ok ? compact_json(text, n, 1) : NULL;
+        if (c) {
+            loom_sbuf_str(out, c);
+            free(c);
+            free(text);
+            return;
+        }
+    }
+    cJSON *s = cJSON_CreateString(text);
+    char *js = cJSON_PrintUnformatted(s);
+    cJSON_Delete(s);
+    loom_sbuf_str(out, js ? js : "\"\"");
+    free(js);
+    free(text);
+}
+
+static int parse_coder(const cJSON *tools, const char *s, size_t n, loom_tp_call_t **calls,
+                       size_t *end) {
+    size_t i = 0;
+    int nc = 0;
+    loom_sbuf_t args = {0};
+    for (;;) {
+        i = skip_ws(s, n, i);
+        if (!starts(s, n, i, "<tool_call>")) break;
+        i = skip_ws(s, n, i + strlen("<tool_call>"));
+        if (!starts(s, n, i, "<function=")) goto fail;
+        i += strlen("<function=");
+        const char *gt = memchr(s + i, '>', n - i);
+        if (!gt) goto fail;
+        size_t name_at = i, name_len = (size_t)(gt - s) - i;
+        if (!known(tools, s + name_at, name_len)) goto fail;
+        const cJSON *params = tool_params(tools, s + name_at, name_len);
+        i = (size_t)(gt - s) + 1;
+        args = (loom_sbuf_t){0};
+        loom_sbuf_add(&args, "{", 1);
+        int k = 0;
+        for (;;) {
+            i = skip_ws(s, n, i);
+            if (!starts(s, n, i, "<parameter=")) break;
+            i += strlen("<parameter=");
+            const char *kg = memchr(s + i, '>', n - i);
+            if (!kg) goto fail;
+            char *key = dup_n(s + i, (size_t)(kg - s) - i);
+            i = (size_t)(kg - s) + 1;
+            const char *close = memmem(s + i, n - i, "</parameter>", strlen("</parameter>"));
+            if (!close) {
+                free(key);
+                goto fail;
+            }
+            size_t va = i, vb = (size_t)(close - s);
+            if (va < vb && s[va] == '\n') va++; /* the value sits on lines of its own */
+            if (vb > va && s[vb - 1] == '\n') vb--;
+            cJSON *kj = cJSON_CreateString(key);
+            char *ks = cJSON_PrintUnformatted(kj);
+            cJSON_Delete(kj);
+            if (k++) loom_sbuf_add(&args, ",", 1);
+            loom_sbuf_str(&args, ks ? ks : "\"\"");
+            loom_sbuf_add(&args, ":", 1);
+            free(ks);
+            coder_value(params, key, s + va, vb - va, &args);
+            free(key);
+            i = (size_t)(close - s) + strlen("</parameter>");
+        }
+        if (!starts(s, n, i, "</function>")) goto fail;
+        i = skip_ws(s, n, i + strlen("</function>"));
+        if (!starts(s, n, i, "</tool_call>")) goto fail;
+        i += strlen("</tool_call>");
+        loom_sbuf_add(&args, "}", 1);
+        add_call(calls, &nc, dup_n(s + name_at, name_len), args.p);
+        args = (loom_sbuf_t){0};
+    }
+    if (!nc) goto fail;
+    *end = i;
+    return nc;
+fail:
+    free(args.p);
+    loom_tp_calls_free(*calls, nc);
+    *calls = NULL;
+    return -1;
+}
+
 int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len,
                   loom_tp_call_t **calls, size_t *end) {
     *calls = NULL;
@@ -447,6 +564,8 @@ int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t
         return parse_deepseek(f == LOOM_TOOLFMT_DEEPSEEK_V31, tools, text, len, calls, end);
     case LOOM_TOOLFMT_PYTHONIC:
         return parse_pythonic(tools, text, len, calls, end);
+    case LOOM_TOOLFMT_QWEN3_CODER:
+        return parse_coder(tools, text, len, calls, end);
     case LOOM_TOOLFMT_LLAMA4_PYTHONIC: { /* the list, maybe between <|python_start|> and
                                             <|python_end|> */
         size_t a = skip_ws(text, len, 0), b = len;

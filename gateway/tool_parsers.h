@@ -1,15 +1,20 @@
 /* Call syntaxes read once the calls are complete (tool_stream.c holds their
- * text from the start marker on and parses it at the end):
+ * text from the start marker on and parses it at the end). With B, E, CB,
+ * CE and S for DeepSeek's markers <｜tool▁calls▁begin｜>,
+ * <｜tool▁calls▁end｜>, <｜tool▁call▁begin｜>, <｜tool▁call▁end｜> and
+ * <｜tool▁sep｜>:
  *
- *   deepseek_v3
- * <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>
- *                 ... <｜tool▁calls▁end｜>, after any content
- *   deepseek_v31
- * <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> ...
- * <｜tool▁calls▁end｜> pythonic      the whole answer a Python list of calls:
- * [get_weather(city="Oslo"), now()], keyword arguments of Python literals (strings, numbers,
- * True/False/None, lists, dicts) llama4_pythonic  the same, optionally between <|python_start|> and
- * <|python_end|>
+ *   deepseek_v3      after any content, B CB function S NAME\n```json\nARGS\n``` CE ... E
+ *   deepseek_v31     after any content, B CB NAME S ARGS CE ... E
+ *   pythonic         the whole answer a Python list of calls,
+ *                    [get_weather(city="Oslo"), now()], keyword arguments of
+ *                    Python literals (strings, numbers, True/False/None,
+ *                    lists, tuples, dicts)
+ *   llama4_pythonic  the same, maybe between <|python_start|> and <|python_end|>
+ *   qwen3_coder      after any content, blocks <tool_call>\n<function=NAME>\n
+ *                    <parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>;
+ *                    a VALUE is typed by the tool's schema (integer, number,
+ *                    boolean, object, array: read as JSON; else a string)
  *
  * ARGS is a JSON object; a call's arguments are its JSON text less the
  * whitespace between tokens (pythonic: the literals converted to JSON). */

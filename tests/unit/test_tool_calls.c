@@ -109,7 +109,7 @@ static void test_parse_output(void) {
 
 static void test_names(void) {
     static const char *const names[] = {"hermes", "llama3_json", "mistral", "granite", "deepseek_v3", "deepseek_v31",
-                                        "pythonic", "llama4_pythonic"};
+                                        "pythonic", "llama4_pythonic", "qwen3_coder"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         loom_toolfmt_t f = loom_toolfmt_from_name(names[i]);
         CHECKF(f != LOOM_TOOLFMT_NONE && !strcmp(loom_toolfmt_name(f), names[i]), "%s", names[i]);
@@ -129,6 +129,8 @@ static void test_names(void) {
                               "'<｜tool▁sep｜>' + tool['function']['arguments'] }}") == LOOM_TOOLFMT_DEEPSEEK_V31);
     CHECK(loom_toolfmt_detect("[func_name1(params_name1=params_value1, params_name2=params_value2...)]") ==
           LOOM_TOOLFMT_PYTHONIC);
+    CHECK(loom_toolfmt_detect("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + k }}") ==
+          LOOM_TOOLFMT_QWEN3_CODER);
     CHECK(loom_toolfmt_detect("{{ messages }}") == LOOM_TOOLFMT_NONE && loom_toolfmt_detect(NULL) == LOOM_TOOLFMT_NONE);
     /* the pythonic syntax cannot be forced */
     cJSON *r = req(", \"tool_choice\": \"required\"");

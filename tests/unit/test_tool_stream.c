@@ -83,6 +83,7 @@ typedef struct {
 #define DSV31 LOOM_TOOLFMT_DEEPSEEK_V31
 #define PYTHONIC LOOM_TOOLFMT_PYTHONIC
 #define LLAMA4 LOOM_TOOLFMT_LLAMA4_PYTHONIC
+#define CODER LOOM_TOOLFMT_QWEN3_CODER
 #define DS_B "<｜tool▁calls▁begin｜>"
 #define DS_E "<｜tool▁calls▁end｜>"
 #define DS_CB "<｜tool▁call▁begin｜>"
@@ -164,6 +165,13 @@ static const case_t k_cases[] = {
     {LLAMA4, "", "<|python_start|>[get_weather(city=\"Rome\")]<|python_end|>", 1, 1, "", 1, {"get_weather"},
      {"{\"city\":\"Rome\"}"}, 3},
     {LLAMA4, "", " [now()]", 1, 1, "", 1, {"now"}, {"{}"}, 3},
+    {CODER, "", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+     "<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+     1, 2, "Let me check.\n", 2, {"get_weather", "now"}, {"{\"city\":\"New York\",\"n\":\"5\"}", "{}"}, 3},
+    {CODER, "", "<tool_call>\n<function=get_weather>\n<parameter=city>\nx\n</parameter>\n</tool_call>", 1, LOOM_TS_TEXT,
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nx\n</parameter>\n</tool_call>", 0, {0}, {0}, 0},
+    {CODER, "", "<tool_call>\n<function=rm>\n</function>\n</tool_call>", 1, LOOM_TS_TEXT,
+     "<tool_call>\n<function=rm>\n</function>\n</tool_call>", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_sta", 1, LOOM_TS_TEXT, "<|python_sta", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_start|>now()", 1, LOOM_TS_TEXT, "<|python_start|>now()", 0, {0}, {0}, 0},
     {PYTHONIC, "", "[get_weather('Oslo')]", 1, LOOM_TS_TEXT, "[get_weather('Oslo')]", 0, {0}, {0}, 0},
