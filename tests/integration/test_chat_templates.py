@@ -12,7 +12,8 @@ tokenizer_config.json carries a real model's chat template
   text in message content stays plain text.
 - Forced tool calls (tool_choice required / named) come out in the model's
   own syntax (Hermes: <tool_call> blocks; Mistral: [TOOL_CALLS][...];
-  DeepSeek V3: its marked blocks, detected from its template), the
+  DeepSeek V3: its marked blocks; Llama 3.1: {"name", "parameters"}; each
+  detected from its template), the
   grammar holding them to the tool's schema, and parse back into
   tool_calls, streamed and not; a tool-result turn renders and answers.
 - --reasoning-parser splits reasoning_content off, streamed and not (qwen3,
@@ -241,7 +242,7 @@ def check_forced(port, family, max_tokens=200):
 
 def test_forced_calls_in_model_syntax():
     for name, fam, budget in (("hermes-3-llama-3.1-8b", "hermes", 200), ("mistral-7b-instruct-v0.3", "mistral", 200),
-                              ("deepseek-v3", "deepseek_v3", 500)):
+                              ("deepseek-v3", "deepseek_v3", 500), ("llama-3.1-8b-instruct", "llama3_json", 200)):
         port = free_port()
         with Cluster(model_with(name), coord_args=["--http", "127.0.0.1:%d" % port]) as c:
             wait_for(lambda: fam in c.log("coordinator"), 10, "the parser in the log")
