@@ -388,7 +388,7 @@ static void sse_reasoning(req_t *q, const char *text, size_t len) {
     if (!len) return;
     cJSON *o = head_obj(q, "chat.completion.chunk"), *choices = cJSON_AddArrayToObject(o, "choices");
     cJSON *choice = cJSON_CreateObject(), *delta = cJSON_AddObjectToObject(choice, "delta");
-    cJSON_AddNumberToObject(choice, "index", 0);
+    cJSON_AddNumberToObject(choice, "index", q->choice);
     char *piece = text_dup(text, len);
     cJSON_AddStringToObject(delta, "reasoning_content", piece);
     free(piece);
