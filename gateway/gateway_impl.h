@@ -223,8 +223,6 @@ typedef struct gen {
     int32_t *ids; /* owned: prompt token ids */
     char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
     loom_tools_t tools; /* chat: tools and tool_choice (tool_calls.h), owned */
-    char **parts; /* owned: message contents joined from parts */
-    int n_parts;
     uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
 } gen_t;
 

@@ -251,8 +251,6 @@ void gen_free(gen_t *g) {
     loom_tools_free(&g->tools);
     free(g->prompt);
     free(g->ids);
-    for (int i = 0; i < g->n_parts; i++) free(g->parts[i]);
-    free(g->parts);
 }
 
 int is_token_id(const cJSON *t) {
@@ -659,7 +657,7 @@ int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
  * rendered text goes to the coordinator, which parses every special token
  * in it. The rendered text holds BOS already: none is added. */
 int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
-                          const cJSON *o, gen_t *g, perr_t *e) {
+                   const cJSON *o, gen_t *g, perr_t *e) {
     loom_err_t err = {0};
     size_t len, *plain = NULL, n_plain = 0;
     const char *param = NULL;
