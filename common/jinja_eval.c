@@ -107,8 +107,9 @@ static jv_t lookup(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *
                 memcmp(j->string, n->name, n->name_len) == 0) {
                 /* a top-level string (bos_token, eos_token, date_string) is configuration,
                  * not data: only what sits inside messages, tools, documents... is marked */
-                jv_t r = cJSON_IsString(j) ? loom_jinja_str(cx, j->valuestring, strlen(j->valuestring), false)
-                                           : loom_jinja_from_json(cx, j);
+                jv_t r = cJSON_IsString(j)
+                             ? loom_jinja_str(cx, j->valuestring, strlen(j->valuestring), false)
+                             : loom_jinja_from_json(cx, j);
                 if (!ec->root.cache) ec->root.cache = loom_jinja_dict_new(cx, 8).u.d;
                 loom_jinja_dict_set(cx, ec->root.cache,
                                     loom_jinja_str(cx, n->name, n->name_len, false), r);
@@ -886,15 +887,12 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
         }
         items = f.u.l;
     }
-    if (items->n == 0) {
-        exec_body(ec, sc, &n->else_body);
-        return;
-    }
     loom_jinja_loop_t *lp = loom_jinja_alloc(cx, sizeof *lp);
     memset(lp, 0, sizeof *lp);
     lp->length = (int64_t)items->n;
     jv_t loopv = {.t = JV_LOOP, .u.loop = lp};
     loom_jinja_scope_t *s = NULL; /* each iteration starts afresh; reused unless a macro holds it */
+    bool completed = false;
     for (size_t i = 0; i < items->n; i++) {
         loom_jinja_step(cx, n);
         lp->index0 = (int64_t)i;
@@ -907,12 +905,16 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
         scope_set(cx, s, "loop", 4, loopv);
         assign(ec, s, n->target, items->v[i]);
         exec_body(ec, s, &n->body);
+        if (ec->ctl == CTL_NONE) completed = true;
         if (ec->ctl == CTL_BREAK) {
             ec->ctl = CTL_NONE;
             break;
         }
         ec->ctl = CTL_NONE;
     }
+    /* jinja2 runs `else` when no iteration ran to its end: an empty loop, or
+     * one whose every iteration left through break or continue */
+    if (!completed) exec_body(ec, scope_new(cx, sc), &n->else_body);
 }
 
 static void exec_node(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *n) {
@@ -942,9 +944,10 @@ static void exec_node(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_
         return;
     case JN_SET_BLOCK:
     case JN_FILTER_BLOCK: {
+        /* the body renders in a scope of its own, as jinja2's inner frame */
         loom_jinja_buf_t buf = {0}, *saved = cx->out;
         cx->out = &buf;
-        exec_body(ec, sc, &n->body);
+        exec_body(ec, scope_new(cx, sc), &n->body);
         cx->out = saved;
         jv_t v = apply_filter_chain(ec, sc, n->iter, loom_jinja_buf_take(cx, &buf));
         if (n->kind == JN_SET_BLOCK)
