@@ -286,6 +286,8 @@ typedef struct loom_jinja_ctx {
     loom_status_t status;
     jmp_buf jb;
     bool track_spans;
+    const void *repr_stack[256]; /* containers being printed (Python prints a cycle as {...}) */
+    int repr_depth;
 } loom_jinja_ctx_t;
 
 /* Stops the render: sets err and longjmps out. */

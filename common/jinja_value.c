@@ -226,7 +226,10 @@ static int64_t num_i(jv_t v) {
     return v.t == JV_INT ? v.u.i : (int64_t)v.u.b;
 }
 
-bool loom_jinja_eq(jv_t a, jv_t b) {
+/* Python's ==; past 1000 levels of nesting (where Python raises
+ * RecursionError) the values count as different. */
+static bool eq_depth(jv_t a, jv_t b, int depth) {
+    if (depth > 1000) return false;
     if (is_num(a) && is_num(b)) {
         if (a.t == JV_FLOAT || b.t == JV_FLOAT) return num_f(a) == num_f(b);
         return num_i(a) == num_i(b);
@@ -239,9 +242,10 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
     case JV_STR:
         return a.u.s->len == b.u.s->len && memcmp(a.u.s->p, b.u.s->p, a.u.s->len) == 0;
     case JV_LIST:
+        if (a.u.l == b.u.l) return true;
         if (a.u.l->n != b.u.l->n || a.u.l->tuple != b.u.l->tuple) return false;
         for (size_t i = 0; i < a.u.l->n; i++)
-            if (!loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) return false;
+            if (!eq_depth(a.u.l->v[i], b.u.l->v[i], depth + 1)) return false;
         return true;
     case JV_DICT:
     case JV_NS:
@@ -249,7 +253,7 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
         if (a.t == JV_NS || a.u.d->n != b.u.d->n) return false;
         for (size_t i = 0; i < a.u.d->n; i++) {
             jv_t *o = loom_jinja_dict_get(b.u.d, a.u.d->k[i]);
-            if (!o || !loom_jinja_eq(a.u.d->v[i], *o)) return false;
+            if (!o || !eq_depth(a.u.d->v[i], *o, depth + 1)) return false;
         }
         return true;
     case JV_FUNC:
@@ -259,6 +263,10 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
     default:
         return false;
     }
+}
+
+bool loom_jinja_eq(jv_t a, jv_t b) {
+    return eq_depth(a, b, 0);
 }
 
 const char *loom_jinja_type_name(jv_t v) {
@@ -289,7 +297,15 @@ const char *loom_jinja_type_name(jv_t v) {
     return "object";
 }
 
+static int cmp_depth(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv_t b, int depth);
+
 int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv_t b) {
+    return cmp_depth(cx, at, a, b, 0);
+}
+
+static int cmp_depth(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv_t b, int depth) {
+    if (depth > 1000)
+        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "values nested too deeply to compare");
     if (is_num(a) && is_num(b)) {
         if (a.t == JV_FLOAT || b.t == JV_FLOAT) {
             double x = num_f(a), y = num_f(b);
@@ -308,7 +324,7 @@ int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv
         size_t n = a.u.l->n < b.u.l->n ? a.u.l->n : b.u.l->n;
         for (size_t i = 0; i < n; i++) {
             if (loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) continue;
-            return loom_jinja_cmp(cx, at, a.u.l->v[i], b.u.l->v[i]);
+            return cmp_depth(cx, at, a.u.l->v[i], b.u.l->v[i], depth + 1);
         }
         return a.u.l->n < b.u.l->n ? -1 : a.u.l->n > b.u.l->n ? 1 : 0;
     }
@@ -466,7 +482,35 @@ static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char
     loom_jinja_buf_putc(cx, b, q);
 }
 
+static void write_repr_inner(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v);
+
+/* Enters container P for printing: false when it is already being printed (a cycle). */
+static bool repr_enter(loom_jinja_ctx_t *cx, const void *p) {
+    for (int i = 0; i < cx->repr_depth; i++)
+        if (cx->repr_stack[i] == p) return false;
+    if (cx->repr_depth == (int)(sizeof cx->repr_stack / sizeof cx->repr_stack[0]))
+        loom_jinja_fail(cx, NULL, LOOM_ERR_INVALID_ARGUMENT, "a value nested too deeply to print");
+    cx->repr_stack[cx->repr_depth++] = p;
+    return true;
+}
+
 void loom_jinja_write_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
+    if ((v.t == JV_LIST && !v.u.l->range) || v.t == JV_DICT) {
+        if (!repr_enter(cx, v.t == JV_LIST ? (const void *)v.u.l : (const void *)v.u.d)) {
+            if (v.t == JV_DICT)
+                loom_jinja_buf_put(cx, b, "{...}", 5);
+            else
+                loom_jinja_buf_put(cx, b, v.u.l->tuple ? "(...)" : "[...]", 5);
+            return;
+        }
+        write_repr_inner(cx, b, v);
+        cx->repr_depth--;
+        return;
+    }
+    write_repr_inner(cx, b, v);
+}
+
+static void write_repr_inner(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
     switch (v.t) {
     case JV_STR:
         write_str_repr(cx, b, v.u.s->p, v.u.s->len);

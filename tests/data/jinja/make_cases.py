@@ -139,6 +139,7 @@ case("set_in_if_leaks", "{% if t %}{% set x = 1 %}{% endif %}{{ x }}")
 case("namespace", "{% set ns = namespace(count=0, found=false) %}{% for u in users %}{% set ns.count = ns.count + 1 %}"
      "{% if u.admin %}{% set ns.found = true %}{% endif %}{% endfor %}{{ ns.count }} {{ ns.found }}")
 case("namespace_dict_arg", "{% set ns = namespace({'a': 1}, b=2) %}{{ ns.a }}{{ ns.b }}")
+case("namespace_cycle", "{% set ns = namespace(a=1) %}{% set ns.x = [ns] %}{{ ns }} {{ ns.x }}")
 case("namespace_missing", "[{{ namespace().x }}]")
 case("set_attr_not_namespace", "{% set d2 = {} %}{% set d2.x = 1 %}", expect="error")
 case("set_nested_loops", "{% set ns = namespace(s='') %}{% for a in [1, 2] %}{% for b in 'xy' %}{% set ns.s = ns.s ~ a ~ b %}{% endfor %}{% endfor %}{{ ns.s }}")
