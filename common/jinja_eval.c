@@ -604,6 +604,10 @@ static jv_t call_macro(ectx_t *ec, const loom_jinja_node_t *at, loom_jinja_func_
     varargs.u.l->tuple = true;
     bool *set = loom_jinja_alloc(cx, (size_t)np + 1);
     memset(set, 0, (size_t)np + 1);
+    const char *mname = m->kind == JN_MACRO ? m->name : "caller";
+    if (a->n > np && !m->uses_varargs)
+        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                        "macro '%s' takes not more than %d argument(s)", mname, np);
     for (int i = 0; i < a->n; i++) {
         if (i < np) {
             scope_set(cx, sc, m->params.v[i]->name, m->params.v[i]->name_len, a->v[i]);
@@ -620,6 +624,9 @@ static jv_t call_macro(ectx_t *ec, const loom_jinja_node_t *at, loom_jinja_func_
             scope_set(cx, sc, m->params.v[i]->name, m->params.v[i]->name_len, a->kwv[k]);
             set[i] = true;
         } else {
+            if (!m->uses_kwargs)
+                loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                                "macro '%s' takes no keyword argument '%s'", mname, a->kwn[k]);
             loom_jinja_dict_set(cx, kwargs.u.d, loom_jinja_str_c(cx, a->kwn[k]), a->kwv[k]);
         }
     }

@@ -340,6 +340,22 @@ case('misc_37', "{{ 'ABC'|lower is lower }}", EXTRA_VARS)
 case('misc_38', '{{ x|default }}|{{ none|default }}', EXTRA_VARS)
 case('misc_39', "{{ '  '.join(['a']) }}{{ ','.join([1,2]) }}", EXTRA_VARS)
 
+# --- macro scoping and arguments
+case('macro_scope_00', '{% macro m() %}{{ x }}{% endmacro %}{% set x = 1 %}{{ m() }}', {})
+case('macro_scope_01', '{% set x = 0 %}{% macro m() %}{{ x }}{% endmacro %}{% set x = 1 %}{{ m() }}', {})
+case('macro_scope_02', '{% for i in [1,2] %}{% macro m() %}{{ i }}{% endmacro %}{{ m() }}{% endfor %}', {})
+case('macro_scope_03', '{% macro m() %}{{ loop is defined }}{% endmacro %}{% for i in [1] %}{{ m() }}{% endfor %}', {})
+case('macro_scope_04', '{% macro m(x) %}{% set y = x %}{{ y }}{% endmacro %}{% set y = 5 %}{{ m(1) }}{{ y }}', {})
+case('macro_scope_05', '{% for i in [1,2] %}{% set x = i %}{% macro m() %}{{ x }}{% endmacro %}{{ m() }}{% endfor %}', {})
+case('macro_scope_06', '{% macro outer() %}{% macro inner() %}in{% endmacro %}{{ inner() }}{% endmacro %}{{ outer() }}[{{ inner is defined }}]', {})
+case('macro_scope_07', '{% macro m() %}{{ caller is defined }}{% endmacro %}{{ m() }}', {})
+case('macro_scope_08', '{% macro m(a) %}{{ a }}{{ varargs|length }}{% endmacro %}{{ m() }}', {})
+case('macro_scope_09', '{% macro m() %}{{ m2() }}{% endmacro %}{% macro m2() %}two{% endmacro %}{{ m() }}', {})
+case('macro_scope_10', '{% set ns = namespace(v=1) %}{% macro m() %}{% set ns.v = ns.v + 1 %}{% endmacro %}{{ m() }}{{ m() }}{{ ns.v }}', {})
+case('macro_scope_11', '{% macro m() %}{{ x }}{% endmacro %}{% if true %}{% set x = 3 %}{% endif %}{{ m() }}', {})
+case('macro_scope_12', '{% macro m(a, b) %}{{ a }}{{ b }}{% endmacro %}{{ m(1, 2, 3) }}', {}, expect="error")
+case('macro_scope_13', '{% macro m(a) %}{{ a }}{% endmacro %}{{ m(a=1, z=2) }}', {}, expect="error")
+
 os.chdir(os.path.dirname(os.path.abspath(__file__)))
 with open("cases.json", "w", encoding="utf-8") as f:
     f.write('{"cases": [\n')
