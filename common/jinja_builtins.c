@@ -48,6 +48,37 @@ static bool py_space(unsigned char c) {
     return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
 }
 
+static bool cp_space(uint32_t c) {
+    return (c < 0x80 && py_space((unsigned char)c)) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
+           c == 0x205F || c == 0x3000;
+}
+
+/* Byte length of the whitespace code point (str.isspace) at P[I], or 0. */
+static size_t ws_at(const char *p, size_t n, size_t i) {
+    unsigned char c = (unsigned char)p[i];
+    if (c < 0x80) return py_space(c) ? 1 : 0;
+    size_t l = (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : 0;
+    if (!l || i + l > n) return 0;
+    uint32_t cp = l == 2 ? (c & 0x1Fu) : (c & 0x0Fu);
+    for (size_t k = 1; k < l; k++) {
+        unsigned char d = (unsigned char)p[i + k];
+        if ((d & 0xC0) != 0x80) return 0;
+        cp = (cp << 6) | (d & 0x3Fu);
+    }
+    return cp_space(cp) ? l : 0;
+}
+
+/* Byte length of the whitespace code point that ends at P[I] (exclusive), at or after A, or 0. */
+static size_t ws_before(const char *p, size_t a, size_t i) {
+    if (i <= a) return 0;
+    size_t k = i - 1;
+    while (k > a && ((unsigned char)p[k] & 0xC0) == 0x80 && i - k < 4)
+        k--;
+    size_t l = ws_at(p, i, k);
+    return l == i - k ? l : 0;
+}
+
 static jv_t strip(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv_t chars, bool l,
                   bool r) {
     loom_jinja_str_t *s = need_str(cx, at, v, "strip");
@@ -61,12 +92,13 @@ static jv_t strip(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv_
             while (b > a && memchr(c->p, s->p[b - 1], c->len))
                 b--;
     } else {
+        size_t w;
         if (l)
-            while (a < b && py_space((unsigned char)s->p[a]))
-                a++;
+            while (a < b && (w = ws_at(s->p, b, a)))
+                a += w;
         if (r)
-            while (b > a && py_space((unsigned char)s->p[b - 1]))
-                b--;
+            while (b > a && (w = ws_before(s->p, a, b)))
+                b -= w;
     }
     return loom_jinja_substr(cx, s, a, b);
 }
@@ -269,19 +301,17 @@ static jv_t split(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_
     }
     size_t i = 0;
     int64_t n = 0;
+    size_t w;
     while (i < s->len) {
-        while (i < s->len && py_space((unsigned char)s->p[i]))
-            i++;
+        while (i < s->len && (w = ws_at(s->p, s->len, i)))
+            i += w;
         if (i >= s->len) break;
-        if (maxsplit >= 0 && n >= maxsplit) {
-            size_t e = s->len;
-            while (e > i && py_space((unsigned char)s->p[e - 1]))
-                e--;
-            loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, e));
+        if (maxsplit >= 0 && n >= maxsplit) { /* the rest as it is, trailing space included */
+            loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, s->len));
             break;
         }
         size_t j = i;
-        while (j < s->len && !py_space((unsigned char)s->p[j]))
+        while (j < s->len && !ws_at(s->p, s->len, j))
             j++;
         loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, j));
         n++;
@@ -906,11 +936,13 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
         loom_jinja_str_t *s = loom_jinja_to_str(cx, v).u.s;
         int64_t n = 0;
         bool in = false;
-        for (size_t i = 0; i < s->len; i++) {
+        for (size_t i = 0; i < s->len;) {
             unsigned char c = (unsigned char)s->p[i];
-            bool w = isalnum(c) || c == '_' || c >= 0x80;
+            size_t ws = c >= 0x80 ? ws_at(s->p, s->len, i) : 0;
+            bool w = isalnum(c) || c == '_' || (c >= 0x80 && !ws);
             if (w && !in) n++;
             in = w;
+            i += ws ? ws : 1;
         }
         return loom_jinja_int(n);
     }
@@ -1297,9 +1329,6 @@ static bool char_class(loom_jinja_str_t *s, int (*pred)(int)) {
         if (!pred((unsigned char)s->p[i])) return false;
     return true;
 }
-static int is_py_space_int(int c) {
-    return py_space((unsigned char)c);
-}
 
 jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
                             loom_jinja_func_t *fn, loom_jinja_args_t *a) {
@@ -1364,7 +1393,12 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
         if (STREQ(m, "isdigit")) return loom_jinja_bool(char_class(s, isdigit));
         if (STREQ(m, "isalpha")) return loom_jinja_bool(char_class(s, isalpha));
         if (STREQ(m, "isalnum")) return loom_jinja_bool(char_class(s, isalnum));
-        if (STREQ(m, "isspace")) return loom_jinja_bool(char_class(s, is_py_space_int));
+        if (STREQ(m, "isspace")) {
+            bool all = s->len > 0;
+            for (size_t i = 0, w; i < s->len && all; i += w)
+                all = (w = ws_at(s->p, s->len, i)) != 0;
+            return loom_jinja_bool(all);
+        }
         if (STREQ(m, "islower") || STREQ(m, "isupper")) {
             loom_jinja_node_t dummy = *at;
             return loom_jinja_bool(

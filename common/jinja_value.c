@@ -458,6 +458,15 @@ void loom_jinja_write_float(loom_jinja_buf_t *b, loom_jinja_ctx_t *cx, double f)
     loom_jinja_buf_put(cx, b, out, (size_t)n);
 }
 
+/* Code points Python's repr escapes besides ASCII controls: the C1 controls,
+ * separators other than the space, and common format characters. */
+static bool repr_escapes(uint32_t c) {
+    return (c >= 0x80 && c <= 0xA0) || c == 0xAD || c == 0x1680 || (c >= 0x2000 && c <= 0x200F) ||
+           (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x2064) ||
+           (c >= 0x2066 && c <= 0x206F) || c == 0x3000 || c == 0xFEFF ||
+           (c >= 0xFFF9 && c <= 0xFFFB) || (c >= 0xD800 && c <= 0xDFFF);
+}
+
 static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char *p, size_t len) {
     bool has_sq = memchr(p, '\'', len) != NULL, has_dq = memchr(p, '"', len) != NULL;
     char q = has_sq && !has_dq ? '"' : '\'';
@@ -475,6 +484,24 @@ static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char
             loom_jinja_buf_put(cx, b, "\\t", 2);
         } else if (c < 0x20 || c == 0x7f) {
             loom_jinja_buf_printf(cx, b, "\\x%02x", c);
+        } else if (c >= 0xC2 && c <= 0xEF) {
+            size_t l = c < 0xE0 ? 2 : 3;
+            uint32_t cp = l == 2 ? (c & 0x1Fu) : (c & 0x0Fu);
+            bool ok = i + l <= len;
+            for (size_t k = 1; ok && k < l; k++) {
+                unsigned char d = (unsigned char)p[i + k];
+                ok = (d & 0xC0) == 0x80;
+                cp = (cp << 6) | (d & 0x3Fu);
+            }
+            if (ok && repr_escapes(cp)) {
+                if (cp < 0x100)
+                    loom_jinja_buf_printf(cx, b, "\\x%02x", cp);
+                else
+                    loom_jinja_buf_printf(cx, b, "\\u%04x", cp);
+                i += l - 1;
+            } else {
+                loom_jinja_buf_putc(cx, b, (char)c);
+            }
         } else {
             loom_jinja_buf_putc(cx, b, (char)c);
         }
