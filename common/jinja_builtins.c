@@ -69,6 +69,19 @@ static size_t ws_at(const char *p, size_t n, size_t i) {
     return cp_space(cp) ? l : 0;
 }
 
+/* Byte length of the line break (str.splitlines) at P[I]: \r\n, \n, \r, \v,
+ * \f, \x1c-\x1e, U+0085, U+2028, U+2029; 0 when there is none. */
+static size_t line_break_at(const char *p, size_t n, size_t i) {
+    unsigned char c = (unsigned char)p[i];
+    if (c == '\r') return i + 1 < n && p[i + 1] == '\n' ? 2 : 1;
+    if (c == '\n' || c == '\v' || c == '\f' || (c >= 0x1c && c <= 0x1e)) return 1;
+    if (c == 0xC2 && i + 1 < n && (unsigned char)p[i + 1] == 0x85) return 2;
+    if (c == 0xE2 && i + 2 < n && (unsigned char)p[i + 1] == 0x80 &&
+        ((unsigned char)p[i + 2] == 0xA8 || (unsigned char)p[i + 2] == 0xA9))
+        return 3;
+    return 0;
+}
+
 /* Byte length of the whitespace code point that ends at P[I] (exclusive), at or after A, or 0. */
 static size_t ws_before(const char *p, size_t a, size_t i) {
     if (i <= a) return 0;
@@ -641,9 +654,8 @@ static jv_t indent(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv
     const char *p = s->p;
     size_t n = s->len, i = 0, line = 0;
     for (;;) {
-        size_t j = i;
-        while (j < n && p[j] != '\n' && p[j] != '\r' && p[j] != '\v' && p[j] != '\f' &&
-               !(p[j] >= 0x1c && p[j] <= 0x1e))
+        size_t j = i, lb = 0;
+        while (j < n && !(lb = line_break_at(p, n, j)))
             j++;
         if (line > 0) {
             loom_jinja_buf_putc(cx, &b, '\n');
@@ -652,8 +664,7 @@ static jv_t indent(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv
         loom_jinja_buf_put(cx, &b, p + i, j - i);
         line++;
         if (j >= n) break; /* the line the appended "\n" ends */
-        i = j + 1;
-        if (p[j] == '\r' && i < n && p[i] == '\n') i++;
+        i = j + lb;
     }
     return loom_jinja_buf_take(cx, &b);
 }
@@ -1408,12 +1419,11 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
             jv_t r = loom_jinja_list_new(cx, 4);
             size_t i = 0;
             while (i < s->len) {
-                size_t j = i;
-                while (j < s->len && s->p[j] != '\n' && s->p[j] != '\r')
+                size_t j = i, lb = 0;
+                while (j < s->len && !(lb = line_break_at(s->p, s->len, j)))
                     j++;
                 loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, j));
-                if (j < s->len && s->p[j] == '\r' && j + 1 < s->len && s->p[j + 1] == '\n') j++;
-                i = j + 1;
+                i = j + lb;
             }
             return r;
         }

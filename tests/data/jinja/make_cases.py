@@ -245,6 +245,7 @@ case("unicode_space", "[{{ u|trim }}][{{ u.strip() }}][{{ u.split() }}][{{ u.spl
      {"u": "\u3000\u00a0hello\u2003wide\u00a0world\u202f\u2028", "ws": "\u00a0 \u3000"})
 case("repr_unicode_escapes", "{{ [s] }}", {"s": "a\u00adb\u200bc\u2060d\ufeffe\u0085f\u00e9\u4e2d\U0001f600\x7f\x1b"})
 case("split_maxsplit_trailing", "{{ '  a b  c  '.split(None, 1) }}{{ ' a  b '.split(maxsplit=0) }}")
+case("unicode_lines", "{{ s|indent(2) }}|{{ s.splitlines() }}|{{ s|indent(2, true, true) }}", {"s": "a\u2028b\u2029c\u0085d\x1ce\r\nf\rg\x0bh\x0ci\n"})
 case("m_strip", "[{{ '  x '.strip() }}][{{ 'xyx'.strip('x') }}][{{ '  x '.lstrip() }}][{{ '  x '.rstrip() }}][{{ 'abc'.rstrip('c') }}]")
 case("m_replace", "{{ s.replace('l', 'L') }} {{ s.replace('l', 'L', 1) }}")
 case("m_case", "{{ s.upper() }} {{ s.lower() }} {{ 'hello wORLD'.title() }} {{ 'x1y'.title() }} {{ 'hello'.capitalize() }} {{ 'aB'.swapcase() }}")
