@@ -1157,12 +1157,12 @@ jv_t loom_jinja_percent_format(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at
             i++;
         }
         while (i < f->len && isdigit((unsigned char)f->p[i]))
-            width = (width < 0 ? 0 : width) * 10 + (f->p[i++] - '0');
+            width = (width < 0 ? 0 : width > 99999 ? 99999 : width) * 10 + (f->p[i++] - '0');
         if (i < f->len && f->p[i] == '.') {
             i++;
             prec = 0;
             while (i < f->len && isdigit((unsigned char)f->p[i]))
-                prec = prec * 10 + (f->p[i++] - '0');
+                prec = (prec > 99999 ? 99999 : prec) * 10 + (f->p[i++] - '0');
         }
         while (i < f->len && strchr("hlL", f->p[i]))
             i++;
@@ -1248,12 +1248,12 @@ static jv_t str_format(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_j
             }
             int width = 0, prec = -1;
             while (k < sl && isdigit((unsigned char)sp[k]))
-                width = width * 10 + (sp[k++] - '0');
+                width = (width > 99999 ? 99999 : width) * 10 + (sp[k++] - '0');
             if (k < sl && sp[k] == '.') {
                 k++;
                 prec = 0;
                 while (k < sl && isdigit((unsigned char)sp[k]))
-                    prec = prec * 10 + (sp[k++] - '0');
+                    prec = (prec > 99999 ? 99999 : prec) * 10 + (sp[k++] - '0');
             }
             char type = k < sl ? sp[k] : 0;
             if (width > 4096 || prec > 4096) FAIL("format width too large");

@@ -313,18 +313,20 @@ static jv_t do_slice(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj
     if (obj.t == JV_LIST) {
         jv_t r = loom_jinja_list_new(cx, 0);
         r.u.l->tuple = obj.u.l->tuple;
-        for (int64_t i = a; step > 0 ? i < b : i > b; i += step) {
+        for (int64_t i = a; step > 0 ? i < b : i > b;) {
             loom_jinja_step(cx, at);
             loom_jinja_list_push(cx, r.u.l, obj.u.l->v[i]);
+            if (__builtin_add_overflow(i, step, &i)) break;
         }
         return r;
     }
     loom_jinja_buf_t buf = {0};
-    for (int64_t i = a; step > 0 ? i < b : i > b; i += step) {
+    for (int64_t i = a; step > 0 ? i < b : i > b;) {
         loom_jinja_step(cx, at);
         size_t x = ascii ? (size_t)i : cp_offset(obj.u.s, (size_t)i);
         size_t y = ascii ? (size_t)i + 1 : cp_offset(obj.u.s, (size_t)i + 1);
         loom_jinja_buf_put(cx, &buf, obj.u.s->p + x, y - x);
+        if (__builtin_add_overflow(i, step, &i)) break;
     }
     return loom_jinja_buf_take(cx, &buf);
 }
