@@ -18,7 +18,7 @@ typedef struct loom_jinja loom_jinja_t; /* a compiled template, immutable, threa
 typedef struct loom_jinja_limits {
     size_t max_output;  /* bytes of output (0: 1 MiB default)                          */
     uint64_t max_steps; /* evaluation steps: loop iterations + node evaluations (0: 10M) */
-    int max_depth;      /* macro/call/include recursion depth (0: 64)                   */
+    int max_depth;      /* macro/call recursion depth (0: 64)                           */
 } loom_jinja_limits_t;
 
 /* Compiles SRC (LEN bytes; NAME used in messages). A syntax error returns
@@ -48,11 +48,11 @@ typedef struct loom_jinja_span {
  * literals. Data is every string (and object key) nested inside a top-level
  * array or object of VARS (messages, tools, documents, ...); top-level
  * strings (bos_token, eos_token, date_string, ...) are configuration and
- * are not marked. *spans is a malloc'd array (caller frees; NULL when *n_spans is
- * 0) of *n_spans sorted, disjoint, non-adjacent spans. A data string keeps
- * its mark through concatenation, slicing, strip/trim, split, upper/lower
- * of ASCII text, join and the filters that pass a value through; filters
- * that rewrite text (replace, tojson, format, title) drop it. */
+ * are not marked. *spans is a malloc'd array (caller frees; NULL when
+ * *n_spans is 0) of *n_spans sorted, disjoint, non-adjacent spans. A data
+ * string keeps its mark through concatenation, slicing, strip/trim, split,
+ * upper/lower, join and the filters that pass a value through; filters that
+ * rewrite text (replace, tojson, format, title, indent, escape) drop it. */
 loom_status_t loom_jinja_render_spans(const loom_jinja_t *t, const cJSON *vars,
                                       const loom_jinja_limits_t *lim, char **out, size_t *out_len,
                                       loom_jinja_span_t **spans, size_t *n_spans, loom_err_t *err);

@@ -48,6 +48,50 @@ static bool py_space(unsigned char c) {
     return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
 }
 
+static bool cp_space(uint32_t c) {
+    return (c < 0x80 && py_space((unsigned char)c)) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
+           c == 0x205F || c == 0x3000;
+}
+
+/* Byte length of the whitespace code point (str.isspace) at P[I], or 0. */
+static size_t ws_at(const char *p, size_t n, size_t i) {
+    unsigned char c = (unsigned char)p[i];
+    if (c < 0x80) return py_space(c) ? 1 : 0;
+    size_t l = (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : 0;
+    if (!l || i + l > n) return 0;
+    uint32_t cp = l == 2 ? (c & 0x1Fu) : (c & 0x0Fu);
+    for (size_t k = 1; k < l; k++) {
+        unsigned char d = (unsigned char)p[i + k];
+        if ((d & 0xC0) != 0x80) return 0;
+        cp = (cp << 6) | (d & 0x3Fu);
+    }
+    return cp_space(cp) ? l : 0;
+}
+
+/* Byte length of the line break (str.splitlines) at P[I]: \r\n, \n, \r, \v,
+ * \f, \x1c-\x1e, U+0085, U+2028, U+2029; 0 when there is none. */
+static size_t line_break_at(const char *p, size_t n, size_t i) {
+    unsigned char c = (unsigned char)p[i];
+    if (c == '\r') return i + 1 < n && p[i + 1] == '\n' ? 2 : 1;
+    if (c == '\n' || c == '\v' || c == '\f' || (c >= 0x1c && c <= 0x1e)) return 1;
+    if (c == 0xC2 && i + 1 < n && (unsigned char)p[i + 1] == 0x85) return 2;
+    if (c == 0xE2 && i + 2 < n && (unsigned char)p[i + 1] == 0x80 &&
+        ((unsigned char)p[i + 2] == 0xA8 || (unsigned char)p[i + 2] == 0xA9))
+        return 3;
+    return 0;
+}
+
+/* Byte length of the whitespace code point that ends at P[I] (exclusive), at or after A, or 0. */
+static size_t ws_before(const char *p, size_t a, size_t i) {
+    if (i <= a) return 0;
+    size_t k = i - 1;
+    while (k > a && ((unsigned char)p[k] & 0xC0) == 0x80 && i - k < 4)
+        k--;
+    size_t l = ws_at(p, i, k);
+    return l == i - k ? l : 0;
+}
+
 static jv_t strip(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv_t chars, bool l,
                   bool r) {
     loom_jinja_str_t *s = need_str(cx, at, v, "strip");
@@ -61,12 +105,13 @@ static jv_t strip(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv_
             while (b > a && memchr(c->p, s->p[b - 1], c->len))
                 b--;
     } else {
+        size_t w;
         if (l)
-            while (a < b && py_space((unsigned char)s->p[a]))
-                a++;
+            while (a < b && (w = ws_at(s->p, b, a)))
+                a += w;
         if (r)
-            while (b > a && py_space((unsigned char)s->p[b - 1]))
-                b--;
+            while (b > a && (w = ws_before(s->p, a, b)))
+                b -= w;
     }
     return loom_jinja_substr(cx, s, a, b);
 }
@@ -269,19 +314,17 @@ static jv_t split(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_jinja_
     }
     size_t i = 0;
     int64_t n = 0;
+    size_t w;
     while (i < s->len) {
-        while (i < s->len && py_space((unsigned char)s->p[i]))
-            i++;
+        while (i < s->len && (w = ws_at(s->p, s->len, i)))
+            i += w;
         if (i >= s->len) break;
-        if (maxsplit >= 0 && n >= maxsplit) {
-            size_t e = s->len;
-            while (e > i && py_space((unsigned char)s->p[e - 1]))
-                e--;
-            loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, e));
+        if (maxsplit >= 0 && n >= maxsplit) { /* the rest as it is, trailing space included */
+            loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, s->len));
             break;
         }
         size_t j = i;
-        while (j < s->len && !py_space((unsigned char)s->p[j]))
+        while (j < s->len && !ws_at(s->p, s->len, j))
             j++;
         loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, j));
         n++;
@@ -611,9 +654,8 @@ static jv_t indent(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv
     const char *p = s->p;
     size_t n = s->len, i = 0, line = 0;
     for (;;) {
-        size_t j = i;
-        while (j < n && p[j] != '\n' && p[j] != '\r' && p[j] != '\v' && p[j] != '\f' &&
-               !(p[j] >= 0x1c && p[j] <= 0x1e))
+        size_t j = i, lb = 0;
+        while (j < n && !(lb = line_break_at(p, n, j)))
             j++;
         if (line > 0) {
             loom_jinja_buf_putc(cx, &b, '\n');
@@ -622,8 +664,7 @@ static jv_t indent(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t v, jv
         loom_jinja_buf_put(cx, &b, p + i, j - i);
         line++;
         if (j >= n) break; /* the line the appended "\n" ends */
-        i = j + 1;
-        if (p[j] == '\r' && i < n && p[i] == '\n') i++;
+        i = j + lb;
     }
     return loom_jinja_buf_take(cx, &b);
 }
@@ -906,11 +947,13 @@ jv_t loom_jinja_filter(loom_jinja_ctx_t *cx, loom_jinja_scope_t *sc, const loom_
         loom_jinja_str_t *s = loom_jinja_to_str(cx, v).u.s;
         int64_t n = 0;
         bool in = false;
-        for (size_t i = 0; i < s->len; i++) {
+        for (size_t i = 0; i < s->len;) {
             unsigned char c = (unsigned char)s->p[i];
-            bool w = isalnum(c) || c == '_' || c >= 0x80;
+            size_t ws = c >= 0x80 ? ws_at(s->p, s->len, i) : 0;
+            bool w = isalnum(c) || c == '_' || (c >= 0x80 && !ws);
             if (w && !in) n++;
             in = w;
+            i += ws ? ws : 1;
         }
         return loom_jinja_int(n);
     }
@@ -1114,12 +1157,12 @@ jv_t loom_jinja_percent_format(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at
             i++;
         }
         while (i < f->len && isdigit((unsigned char)f->p[i]))
-            width = (width < 0 ? 0 : width) * 10 + (f->p[i++] - '0');
+            width = (width < 0 ? 0 : width > 99999 ? 99999 : width) * 10 + (f->p[i++] - '0');
         if (i < f->len && f->p[i] == '.') {
             i++;
             prec = 0;
             while (i < f->len && isdigit((unsigned char)f->p[i]))
-                prec = prec * 10 + (f->p[i++] - '0');
+                prec = (prec > 99999 ? 99999 : prec) * 10 + (f->p[i++] - '0');
         }
         while (i < f->len && strchr("hlL", f->p[i]))
             i++;
@@ -1205,12 +1248,12 @@ static jv_t str_format(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, loom_j
             }
             int width = 0, prec = -1;
             while (k < sl && isdigit((unsigned char)sp[k]))
-                width = width * 10 + (sp[k++] - '0');
+                width = (width > 99999 ? 99999 : width) * 10 + (sp[k++] - '0');
             if (k < sl && sp[k] == '.') {
                 k++;
                 prec = 0;
                 while (k < sl && isdigit((unsigned char)sp[k]))
-                    prec = prec * 10 + (sp[k++] - '0');
+                    prec = (prec > 99999 ? 99999 : prec) * 10 + (sp[k++] - '0');
             }
             char type = k < sl ? sp[k] : 0;
             if (width > 4096 || prec > 4096) FAIL("format width too large");
@@ -1297,9 +1340,6 @@ static bool char_class(loom_jinja_str_t *s, int (*pred)(int)) {
         if (!pred((unsigned char)s->p[i])) return false;
     return true;
 }
-static int is_py_space_int(int c) {
-    return py_space((unsigned char)c);
-}
 
 jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
                             loom_jinja_func_t *fn, loom_jinja_args_t *a) {
@@ -1364,7 +1404,12 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
         if (STREQ(m, "isdigit")) return loom_jinja_bool(char_class(s, isdigit));
         if (STREQ(m, "isalpha")) return loom_jinja_bool(char_class(s, isalpha));
         if (STREQ(m, "isalnum")) return loom_jinja_bool(char_class(s, isalnum));
-        if (STREQ(m, "isspace")) return loom_jinja_bool(char_class(s, is_py_space_int));
+        if (STREQ(m, "isspace")) {
+            bool all = s->len > 0;
+            for (size_t i = 0, w; i < s->len && all; i += w)
+                all = (w = ws_at(s->p, s->len, i)) != 0;
+            return loom_jinja_bool(all);
+        }
         if (STREQ(m, "islower") || STREQ(m, "isupper")) {
             loom_jinja_node_t dummy = *at;
             return loom_jinja_bool(
@@ -1374,12 +1419,11 @@ jv_t loom_jinja_call_method(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at,
             jv_t r = loom_jinja_list_new(cx, 4);
             size_t i = 0;
             while (i < s->len) {
-                size_t j = i;
-                while (j < s->len && s->p[j] != '\n' && s->p[j] != '\r')
+                size_t j = i, lb = 0;
+                while (j < s->len && !(lb = line_break_at(s->p, s->len, j)))
                     j++;
                 loom_jinja_list_push(cx, r.u.l, loom_jinja_substr(cx, s, i, j));
-                if (j < s->len && s->p[j] == '\r' && j + 1 < s->len && s->p[j + 1] == '\n') j++;
-                i = j + 1;
+                i = j + lb;
             }
             return r;
         }

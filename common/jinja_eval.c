@@ -107,8 +107,9 @@ static jv_t lookup(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *
                 memcmp(j->string, n->name, n->name_len) == 0) {
                 /* a top-level string (bos_token, eos_token, date_string) is configuration,
                  * not data: only what sits inside messages, tools, documents... is marked */
-                jv_t r = cJSON_IsString(j) ? loom_jinja_str(cx, j->valuestring, strlen(j->valuestring), false)
-                                           : loom_jinja_from_json(cx, j);
+                jv_t r = cJSON_IsString(j)
+                             ? loom_jinja_str(cx, j->valuestring, strlen(j->valuestring), false)
+                             : loom_jinja_from_json(cx, j);
                 if (!ec->root.cache) ec->root.cache = loom_jinja_dict_new(cx, 8).u.d;
                 loom_jinja_dict_set(cx, ec->root.cache,
                                     loom_jinja_str(cx, n->name, n->name_len, false), r);
@@ -312,18 +313,20 @@ static jv_t do_slice(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t obj
     if (obj.t == JV_LIST) {
         jv_t r = loom_jinja_list_new(cx, 0);
         r.u.l->tuple = obj.u.l->tuple;
-        for (int64_t i = a; step > 0 ? i < b : i > b; i += step) {
+        for (int64_t i = a; step > 0 ? i < b : i > b;) {
             loom_jinja_step(cx, at);
             loom_jinja_list_push(cx, r.u.l, obj.u.l->v[i]);
+            if (__builtin_add_overflow(i, step, &i)) break;
         }
         return r;
     }
     loom_jinja_buf_t buf = {0};
-    for (int64_t i = a; step > 0 ? i < b : i > b; i += step) {
+    for (int64_t i = a; step > 0 ? i < b : i > b;) {
         loom_jinja_step(cx, at);
         size_t x = ascii ? (size_t)i : cp_offset(obj.u.s, (size_t)i);
         size_t y = ascii ? (size_t)i + 1 : cp_offset(obj.u.s, (size_t)i + 1);
         loom_jinja_buf_put(cx, &buf, obj.u.s->p + x, y - x);
+        if (__builtin_add_overflow(i, step, &i)) break;
     }
     return loom_jinja_buf_take(cx, &buf);
 }
@@ -603,6 +606,10 @@ static jv_t call_macro(ectx_t *ec, const loom_jinja_node_t *at, loom_jinja_func_
     varargs.u.l->tuple = true;
     bool *set = loom_jinja_alloc(cx, (size_t)np + 1);
     memset(set, 0, (size_t)np + 1);
+    const char *mname = m->kind == JN_MACRO ? m->name : "caller";
+    if (a->n > np && !m->uses_varargs)
+        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                        "macro '%s' takes not more than %d argument(s)", mname, np);
     for (int i = 0; i < a->n; i++) {
         if (i < np) {
             scope_set(cx, sc, m->params.v[i]->name, m->params.v[i]->name_len, a->v[i]);
@@ -619,6 +626,9 @@ static jv_t call_macro(ectx_t *ec, const loom_jinja_node_t *at, loom_jinja_func_
             scope_set(cx, sc, m->params.v[i]->name, m->params.v[i]->name_len, a->kwv[k]);
             set[i] = true;
         } else {
+            if (!m->uses_kwargs)
+                loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT,
+                                "macro '%s' takes no keyword argument '%s'", mname, a->kwn[k]);
             loom_jinja_dict_set(cx, kwargs.u.d, loom_jinja_str_c(cx, a->kwn[k]), a->kwv[k]);
         }
     }
@@ -886,15 +896,12 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
         }
         items = f.u.l;
     }
-    if (items->n == 0) {
-        exec_body(ec, sc, &n->else_body);
-        return;
-    }
     loom_jinja_loop_t *lp = loom_jinja_alloc(cx, sizeof *lp);
     memset(lp, 0, sizeof *lp);
     lp->length = (int64_t)items->n;
     jv_t loopv = {.t = JV_LOOP, .u.loop = lp};
     loom_jinja_scope_t *s = NULL; /* each iteration starts afresh; reused unless a macro holds it */
+    bool completed = false;
     for (size_t i = 0; i < items->n; i++) {
         loom_jinja_step(cx, n);
         lp->index0 = (int64_t)i;
@@ -907,12 +914,16 @@ static void exec_for(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t
         scope_set(cx, s, "loop", 4, loopv);
         assign(ec, s, n->target, items->v[i]);
         exec_body(ec, s, &n->body);
+        if (ec->ctl == CTL_NONE) completed = true;
         if (ec->ctl == CTL_BREAK) {
             ec->ctl = CTL_NONE;
             break;
         }
         ec->ctl = CTL_NONE;
     }
+    /* jinja2 runs `else` when no iteration ran to its end: an empty loop, or
+     * one whose every iteration left through break or continue */
+    if (!completed) exec_body(ec, scope_new(cx, sc), &n->else_body);
 }
 
 static void exec_node(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_t *n) {
@@ -942,9 +953,10 @@ static void exec_node(ectx_t *ec, loom_jinja_scope_t *sc, const loom_jinja_node_
         return;
     case JN_SET_BLOCK:
     case JN_FILTER_BLOCK: {
+        /* the body renders in a scope of its own, as jinja2's inner frame */
         loom_jinja_buf_t buf = {0}, *saved = cx->out;
         cx->out = &buf;
-        exec_body(ec, sc, &n->body);
+        exec_body(ec, scope_new(cx, sc), &n->body);
         cx->out = saved;
         jv_t v = apply_filter_chain(ec, sc, n->iter, loom_jinja_buf_take(cx, &buf));
         if (n->kind == JN_SET_BLOCK)

@@ -143,7 +143,8 @@ struct loom_jinja_node {
     loom_jinja_node_t *cond;   /* FOR inline if */
     loom_jinja_nodes_t params; /* MACRO/CALL_BLOCK parameter names (NAME nodes, a = default) */
     bool negate;               /* TEST: is not */
-    bool recursive;
+    bool uses_varargs;         /* MACRO/CALL_BLOCK: the body reads varargs (else extra arguments */
+    bool uses_kwargs;          /* are errors), or kwargs (else unknown keywords are) */
 };
 
 struct loom_jinja {
@@ -286,6 +287,8 @@ typedef struct loom_jinja_ctx {
     loom_status_t status;
     jmp_buf jb;
     bool track_spans;
+    const void *repr_stack[256]; /* containers being printed (Python prints a cycle as {...}) */
+    int repr_depth;
 } loom_jinja_ctx_t;
 
 /* Stops the render: sets err and longjmps out. */

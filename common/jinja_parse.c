@@ -697,6 +697,27 @@ static loom_jinja_node_t *parse_macro_params(parser_t *ps, loom_jinja_node_t *m)
     return m;
 }
 
+/* Whether the tree under N reads the name NAME. */
+static bool uses_name(const loom_jinja_node_t *n, const char *name) {
+    if (!n) return false;
+    if (n->kind == JN_NAME && strcmp(n->name, name) == 0) return true;
+    const loom_jinja_node_t *kids[] = {n->a, n->b, n->c3, n->target, n->iter, n->cond};
+    for (size_t i = 0; i < sizeof kids / sizeof kids[0]; i++)
+        if (uses_name(kids[i], name)) return true;
+    const loom_jinja_nodes_t *lists[] = {&n->args, &n->kwargs, &n->body, &n->else_body, &n->params};
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++)
+        for (int k = 0; k < lists[i]->n; k++)
+            if (uses_name(lists[i]->v[k], name)) return true;
+    return false;
+}
+
+static void note_varargs(loom_jinja_node_t *m) {
+    for (int k = 0; k < m->body.n; k++) {
+        m->uses_varargs = m->uses_varargs || uses_name(m->body.v[k], "varargs");
+        m->uses_kwargs = m->uses_kwargs || uses_name(m->body.v[k], "kwargs");
+    }
+}
+
 static loom_jinja_node_t *parse_statement(parser_t *ps) {
     loom_jinja_tok_t *open = cur(ps); /* the {% */
     next(ps);
@@ -791,6 +812,7 @@ static loom_jinja_node_t *parse_statement(parser_t *ps) {
         if (!expect_block_end(ps)) return NULL;
         static const char *const ends[] = {"endmacro", NULL};
         if (parse_body(ps, &n->body, ends, open) < 0) return NULL;
+        note_varargs(n);
         next(ps);
         if (cur(ps)->kind == JT_NAME) next(ps); /* {% endmacro name %} */
     } else if (is_name(t, "call")) {
@@ -802,6 +824,7 @@ static loom_jinja_node_t *parse_statement(parser_t *ps) {
         if (!expect_block_end(ps)) return NULL;
         static const char *const ends[] = {"endcall", NULL};
         if (parse_body(ps, &n->body, ends, open) < 0) return NULL;
+        note_varargs(n);
         next(ps);
     } else if (is_name(t, "filter")) {
         PCHECK(n = mk(ps, JN_FILTER_BLOCK, t));

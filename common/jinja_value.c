@@ -226,7 +226,10 @@ static int64_t num_i(jv_t v) {
     return v.t == JV_INT ? v.u.i : (int64_t)v.u.b;
 }
 
-bool loom_jinja_eq(jv_t a, jv_t b) {
+/* Python's ==; past 1000 levels of nesting (where Python raises
+ * RecursionError) the values count as different. */
+static bool eq_depth(jv_t a, jv_t b, int depth) {
+    if (depth > 1000) return false;
     if (is_num(a) && is_num(b)) {
         if (a.t == JV_FLOAT || b.t == JV_FLOAT) return num_f(a) == num_f(b);
         return num_i(a) == num_i(b);
@@ -239,9 +242,10 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
     case JV_STR:
         return a.u.s->len == b.u.s->len && memcmp(a.u.s->p, b.u.s->p, a.u.s->len) == 0;
     case JV_LIST:
+        if (a.u.l == b.u.l) return true;
         if (a.u.l->n != b.u.l->n || a.u.l->tuple != b.u.l->tuple) return false;
         for (size_t i = 0; i < a.u.l->n; i++)
-            if (!loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) return false;
+            if (!eq_depth(a.u.l->v[i], b.u.l->v[i], depth + 1)) return false;
         return true;
     case JV_DICT:
     case JV_NS:
@@ -249,7 +253,7 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
         if (a.t == JV_NS || a.u.d->n != b.u.d->n) return false;
         for (size_t i = 0; i < a.u.d->n; i++) {
             jv_t *o = loom_jinja_dict_get(b.u.d, a.u.d->k[i]);
-            if (!o || !loom_jinja_eq(a.u.d->v[i], *o)) return false;
+            if (!o || !eq_depth(a.u.d->v[i], *o, depth + 1)) return false;
         }
         return true;
     case JV_FUNC:
@@ -259,6 +263,10 @@ bool loom_jinja_eq(jv_t a, jv_t b) {
     default:
         return false;
     }
+}
+
+bool loom_jinja_eq(jv_t a, jv_t b) {
+    return eq_depth(a, b, 0);
 }
 
 const char *loom_jinja_type_name(jv_t v) {
@@ -289,7 +297,15 @@ const char *loom_jinja_type_name(jv_t v) {
     return "object";
 }
 
+static int cmp_depth(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv_t b, int depth);
+
 int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv_t b) {
+    return cmp_depth(cx, at, a, b, 0);
+}
+
+static int cmp_depth(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv_t b, int depth) {
+    if (depth > 1000)
+        loom_jinja_fail(cx, at, LOOM_ERR_INVALID_ARGUMENT, "values nested too deeply to compare");
     if (is_num(a) && is_num(b)) {
         if (a.t == JV_FLOAT || b.t == JV_FLOAT) {
             double x = num_f(a), y = num_f(b);
@@ -308,7 +324,7 @@ int loom_jinja_cmp(loom_jinja_ctx_t *cx, const loom_jinja_node_t *at, jv_t a, jv
         size_t n = a.u.l->n < b.u.l->n ? a.u.l->n : b.u.l->n;
         for (size_t i = 0; i < n; i++) {
             if (loom_jinja_eq(a.u.l->v[i], b.u.l->v[i])) continue;
-            return loom_jinja_cmp(cx, at, a.u.l->v[i], b.u.l->v[i]);
+            return cmp_depth(cx, at, a.u.l->v[i], b.u.l->v[i], depth + 1);
         }
         return a.u.l->n < b.u.l->n ? -1 : a.u.l->n > b.u.l->n ? 1 : 0;
     }
@@ -442,6 +458,15 @@ void loom_jinja_write_float(loom_jinja_buf_t *b, loom_jinja_ctx_t *cx, double f)
     loom_jinja_buf_put(cx, b, out, (size_t)n);
 }
 
+/* Code points Python's repr escapes besides ASCII controls: the C1 controls,
+ * separators other than the space, and common format characters. */
+static bool repr_escapes(uint32_t c) {
+    return (c >= 0x80 && c <= 0xA0) || c == 0xAD || c == 0x1680 || (c >= 0x2000 && c <= 0x200F) ||
+           (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x2064) ||
+           (c >= 0x2066 && c <= 0x206F) || c == 0x3000 || c == 0xFEFF ||
+           (c >= 0xFFF9 && c <= 0xFFFB) || (c >= 0xD800 && c <= 0xDFFF);
+}
+
 static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char *p, size_t len) {
     bool has_sq = memchr(p, '\'', len) != NULL, has_dq = memchr(p, '"', len) != NULL;
     char q = has_sq && !has_dq ? '"' : '\'';
@@ -459,6 +484,24 @@ static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char
             loom_jinja_buf_put(cx, b, "\\t", 2);
         } else if (c < 0x20 || c == 0x7f) {
             loom_jinja_buf_printf(cx, b, "\\x%02x", c);
+        } else if (c >= 0xC2 && c <= 0xEF) {
+            size_t l = c < 0xE0 ? 2 : 3;
+            uint32_t cp = l == 2 ? (c & 0x1Fu) : (c & 0x0Fu);
+            bool ok = i + l <= len;
+            for (size_t k = 1; ok && k < l; k++) {
+                unsigned char d = (unsigned char)p[i + k];
+                ok = (d & 0xC0) == 0x80;
+                cp = (cp << 6) | (d & 0x3Fu);
+            }
+            if (ok && repr_escapes(cp)) {
+                if (cp < 0x100)
+                    loom_jinja_buf_printf(cx, b, "\\x%02x", cp);
+                else
+                    loom_jinja_buf_printf(cx, b, "\\u%04x", cp);
+                i += l - 1;
+            } else {
+                loom_jinja_buf_putc(cx, b, (char)c);
+            }
         } else {
             loom_jinja_buf_putc(cx, b, (char)c);
         }
@@ -466,7 +509,35 @@ static void write_str_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, const char
     loom_jinja_buf_putc(cx, b, q);
 }
 
+static void write_repr_inner(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v);
+
+/* Enters container P for printing: false when it is already being printed (a cycle). */
+static bool repr_enter(loom_jinja_ctx_t *cx, const void *p) {
+    for (int i = 0; i < cx->repr_depth; i++)
+        if (cx->repr_stack[i] == p) return false;
+    if (cx->repr_depth == (int)(sizeof cx->repr_stack / sizeof cx->repr_stack[0]))
+        loom_jinja_fail(cx, NULL, LOOM_ERR_INVALID_ARGUMENT, "a value nested too deeply to print");
+    cx->repr_stack[cx->repr_depth++] = p;
+    return true;
+}
+
 void loom_jinja_write_repr(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
+    if ((v.t == JV_LIST && !v.u.l->range) || v.t == JV_DICT) {
+        if (!repr_enter(cx, v.t == JV_LIST ? (const void *)v.u.l : (const void *)v.u.d)) {
+            if (v.t == JV_DICT)
+                loom_jinja_buf_put(cx, b, "{...}", 5);
+            else
+                loom_jinja_buf_put(cx, b, v.u.l->tuple ? "(...)" : "[...]", 5);
+            return;
+        }
+        write_repr_inner(cx, b, v);
+        cx->repr_depth--;
+        return;
+    }
+    write_repr_inner(cx, b, v);
+}
+
+static void write_repr_inner(loom_jinja_ctx_t *cx, loom_jinja_buf_t *b, jv_t v) {
     switch (v.t) {
     case JV_STR:
         write_str_repr(cx, b, v.u.s->p, v.u.s->len);

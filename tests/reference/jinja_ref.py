@@ -255,10 +255,13 @@ def templates(renderer, tdir):
 
 
 def random_cases(seed, count):
-    """Random templates of two kinds: text, tags and comments with every
+    """Random templates of three kinds: text, tags and comments with every
     whitespace modifier, nested ifs and fors (for trim_blocks, lstrip_blocks
-    and - / +); and expressions over mixed values through operators, filters,
-    tests and conditionals (for Python's semantics and jinja2's precedence)."""
+    and - / +); expressions over mixed values through operators, filters,
+    tests and conditionals (for Python's semantics and jinja2's precedence);
+    and statements: set (plain, tuple, namespace, block), for with loop
+    variables, inline if, else, break and continue, if/elif/else, macros and
+    call blocks, nested (for scoping)."""
     import random
     rnd = random.Random(seed)
     txt = ["\n", "  ", "\t", " \n", "x", "y\n", "\n\n", "  \n  ", "z "]
@@ -313,11 +316,57 @@ def random_cases(seed, count):
             return "(" + ex(d + 1) + " if " + ex(d + 1) + " else " + ex(d + 1) + ")"
         return "(not " + ex(d + 1) + ")"
 
+    def sx(inloop):
+        c = ["a", "b", "c", "ns.x", "1", "'s'", "a ~ b", "(a or 0) + 1", "[a, b]", "ns.x ~ '!'", "d.k", "l|length",
+             "l[0]", "a is defined", "c is none"]
+        if inloop:
+            c += ["i", "loop.index", "loop.first", "loop.last", "loop.length", "loop.revindex", "loop.previtem",
+                  "loop.nextitem", "loop.cycle('x', 'y')", "i * 2", "loop.index0"]
+        return rnd.choice(c)
+
+    def st(d, inloop):
+        out = ""
+        for _ in range(rnd.randint(1, 4)):
+            r = rnd.random()
+            if r < 0.25:
+                out += "{{ " + sx(inloop) + " }}"
+            elif r < 0.4:
+                out += "{% set " + rnd.choice("abc") + " = " + sx(inloop) + " %}"
+            elif r < 0.48:
+                out += "{% set ns.x = " + sx(inloop) + " %}"
+            elif r < 0.52:
+                out += "{% set a, b = " + sx(inloop) + ", " + sx(inloop) + " %}"
+            elif r < 0.56 and d < 3:
+                out += "{% set " + rnd.choice("abc") + " %}[" + st(d + 1, inloop) + "]{% endset %}"
+            elif d < 3 and r < 0.7:
+                out += ("{% for i in " + rnd.choice(["l", "[1, 2, 3]", "range(3)", "'ab'", "d", "[]"]) +
+                        (" if i != 2" if rnd.random() < 0.3 else "") + " %}" + st(d + 1, True))
+                if rnd.random() < 0.3:
+                    out += "{% if i == 1 %}{% " + rnd.choice(["break", "continue"]) + " %}{% endif %}"
+                out += (("{% else %}" + st(d + 1, inloop)) if rnd.random() < 0.2 else "") + "{% endfor %}"
+            elif d < 3 and r < 0.82:
+                out += ("{% if " + sx(inloop) + " %}" + st(d + 1, inloop) +
+                        ("{% elif " + sx(inloop) + " %}" + st(d + 1, inloop) if rnd.random() < 0.3 else "") +
+                        ("{% else %}" + st(d + 1, inloop) if rnd.random() < 0.4 else "") + "{% endif %}")
+            elif d < 2 and r < 0.9:
+                out += ("{% macro m(a, b=2) %}" + st(d + 1, False) + "{% endmacro %}{{ m(" + sx(inloop) + ") }}|"
+                        "{{ m(1, b=" + sx(inloop) + ") }}")
+            elif d < 2 and r < 0.95:
+                out += ("{% macro w(t) %}<{{ t }}{{ caller(t) }}>{% endmacro %}{% call(z) w(" + sx(inloop) +
+                        ") %}{{ z }}" + st(d + 1, inloop) + "{% endcall %}")
+            else:
+                out += rnd.choice(["x", "\n", "  y "])
+        return out
+
     wv = {"n": 1, "t": True, "l": [1, 2]}
+    sv = {"l": [1, 2, 3], "d": {"k": "v", "j": 2}}
     ev = {"n": 7, "s": "Hello", "l": [3, 1, 2], "d": {"k": 1, "j": "v"}, "f": -1.5, "u": "h\u00e9llo"}
     cases = []
     for i in range(count):
-        if i % 2 == 0:
+        if i % 3 == 2:
+            t = "{% set ns = namespace(x=0) %}" + st(0, False)
+            cases.append({"name": f"st{seed}.{i}", "template": t, "vars": sv})
+        elif i % 3 == 0:
             t = rnd.choice(["", "\n", "  "]) + ws(0) + rnd.choice(["", "\n", "\n\n"])
             cases.append({"name": f"ws{seed}.{i}", "template": t, "vars": wv})
         else:

@@ -12,8 +12,8 @@ if(TARGET loom_jinja)
   add_test(NAME jinja_chat_templates
            COMMAND ${LOOM_PYTHON} ${_jref} templates $<TARGET_FILE:loom-jinja-render>
                    ${LOOM_MODELS_DIR}/../chat_templates)
-  # 4000 random templates (whitespace control; expressions) against jinja2, fixed seed
-  add_test(NAME jinja_random COMMAND ${LOOM_PYTHON} ${_jref} random $<TARGET_FILE:loom-jinja-render> 1 4000)
+  # 6000 random templates (whitespace control; expressions; statements and scoping) against jinja2, a fixed seed
+  add_test(NAME jinja_random COMMAND ${LOOM_PYTHON} ${_jref} random $<TARGET_FILE:loom-jinja-render> 2 6000)
   set_tests_properties(jinja_conformance jinja_chat_templates jinja_random PROPERTIES LABELS unit TIMEOUT 120 SKIP_RETURN_CODE 77)
   loom_add_test(test_jinja SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_jinja.c LIBS loom_jinja LABELS unit TIMEOUT 60)
 endif()

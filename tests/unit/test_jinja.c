@@ -158,6 +158,28 @@ static void test_limits(void) {
     expect_exhausted("{% for i in range(1000) %}{% endfor %}", &steps, "max_steps");
     /* a list that multiplies past the steps */
     expect_exhausted("{% set l = [1] * 100000 %}{% set m = l * 1000 %}", NULL, "max_steps");
+    /* a value nested 100000 deep is refused when printed or serialised, not a stack overflow */
+    {
+        char *o;
+        loom_err_t e = {0};
+        const char *deep =
+            "{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}"
+            "{% endfor %}";
+        char tpl[512];
+        snprintf(tpl, sizeof tpl, "%s{{ ns.x }}", deep);
+        CHECK(render_s(tpl, NULL, NULL, &o, &e) == LOOM_ERR_INVALID_ARGUMENT);
+        CHECKF(strstr(e.msg, "nested too deeply") != NULL, "%s", e.msg);
+        snprintf(tpl, sizeof tpl,
+                 "%s{{ ns.x == ns.x }}{{ ns.x == [ns.x] }}{{ [ns.x] in [[ns.x]] }}", deep);
+        CHECK(render_s(tpl, NULL, NULL, &o, &e) == LOOM_OK);
+        CHECKF(o && strcmp(o, "TrueFalseTrue") == 0, "%s", o);
+        free(o);
+        snprintf(tpl, sizeof tpl, "%s{{ [ns.x] < [[ns.x]] }}", deep);
+        CHECK(render_s(tpl, NULL, NULL, &o, &e) == LOOM_ERR_INVALID_ARGUMENT);
+        snprintf(tpl, sizeof tpl, "%s{{ ns.x|tojson }}", deep);
+        CHECK(render_s(tpl, NULL, NULL, &o, &e) == LOOM_ERR_INVALID_ARGUMENT);
+        CHECKF(strstr(e.msg, "nested too deeply") != NULL, "%s", e.msg);
+    }
     /* within the limits */
     char *out;
     loom_err_t err = {0};
@@ -221,8 +243,8 @@ static void test_spans(void) {
     /* a macro's output keeps its marks */
     expect_spans("{% macro q(s) %}<{{ s }}>{% endmacro %}{{ q(m.role) }}", v, "<user>", ".DDDD.");
     /* top-level strings are configuration, not data */
-    expect_spans("{{ bos }}{{ m.role }}", "{\"bos\": \"<s>\", \"m\": {\"role\": \"user\"}}", "<s>user",
-                 "...DDDD");
+    expect_spans("{{ bos }}{{ m.role }}", "{\"bos\": \"<s>\", \"m\": {\"role\": \"user\"}}",
+                 "<s>user", "...DDDD");
     /* keys of VARS objects are data too */
     expect_spans("{% for k in m %}<{{ k }}>{% endfor %}", v, "<role><content>", ".DDDD..DDDDDDD.");
     /* adjacent data strings merge into one span */
