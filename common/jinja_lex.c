@@ -208,7 +208,8 @@ static loom_status_t lex_number(loom_jinja_lex_t *lx, loom_jinja_tok_t *t, bool 
     }
     if (!after_dot && i + 1 < lx->len && s[i] == '.' && isdigit((unsigned char)s[i + 1])) {
         is_float = true;
-        buf[n++] = s[i++];
+        if (n < sizeof buf - 1) buf[n++] = s[i];
+        i++;
         while (i < lx->len && (isdigit((unsigned char)s[i]) || s[i] == '_')) {
             if (s[i] != '_' && n < sizeof buf - 1) buf[n++] = s[i];
             i++;
@@ -227,6 +228,7 @@ static loom_status_t lex_number(loom_jinja_lex_t *lx, loom_jinja_tok_t *t, bool 
             }
         }
     }
+    if (n >= sizeof buf - 1) return lex_error(lx, t->line, t->col, "number literal too long");
     buf[n] = '\0';
     if (is_float) {
         t->kind = JT_FLOAT;
