@@ -35,11 +35,17 @@
 #include "kernels/cuda/cublas_dl.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
 
 _Static_assert((int)LOOM_QD_INT8 == (int)LOOM_QUANT_INT8 && (int)LOOM_QD_Q4 == (int)LOOM_QUANT_Q4 &&
                    (int)LOOM_QD_FP8 == (int)LOOM_QUANT_FP8,
                "qformat.h names the quantization kinds by their loom_quant_t values");
+_Static_assert((int)LOOM_OM_ACT_SILU == (int)LOOM_ACT_SILU && (int)LOOM_OM_ACT_GELU == (int)LOOM_ACT_GELU &&
+                   (int)LOOM_OM_ACT_GELU_TANH == (int)LOOM_ACT_GELU_TANH &&
+                   (int)LOOM_OM_ACT_QUICK_GELU == (int)LOOM_ACT_QUICK_GELU &&
+                   (int)LOOM_OM_ACT_RELU == (int)LOOM_ACT_RELU && (int)LOOM_OM_ACT_RELU2 == (int)LOOM_ACT_RELU2,
+               "opmath.h names the activations by their loom_act_t values");
 
 #define STAGE_BYTES   ((size_t)8 << 20)  /* each half of the pinned upload ring */
 #define BLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (Hopper wants 32 MiB) */
@@ -84,6 +90,7 @@ typedef struct cuda_backend {
     dbuf_t samp;      /* sampling parameters, output and slices */
     void *samp_host;  /* pinned mirror of the sampling parameters and output */
     size_t samp_host_bytes;
+    unsigned long long *fp8_clamped; /* device counter: fp8 KV values clamped to +-448 */
     const float *shadow_of; /* act16 holds this buffer narrowed ... */
     size_t shadow_elems;    /* ... this many elements of it */
 
@@ -606,6 +613,28 @@ static void cuda_silu_mul(loom_backend_t *be, float *out, const float *gu, int n
     CUDA_ASSERT(loom_cuda_silu_mul(out, o16, c->wkind, gu, n, hidden, c->stream));
 }
 
+static void cuda_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *o16 = shadow_for(c, out, n, hidden);
+    CUDA_ASSERT(loom_cuda_act_mul(out, o16, c->wkind, gu, n, hidden, (int)act, c->stream));
+}
+
+static void cuda_swiglu_clamp(loom_backend_t *be, float *out, const float *gu, int n, int hidden, float alpha,
+                              float limit) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *o16 = shadow_for(c, out, n, hidden);
+    CUDA_ASSERT(loom_cuda_swiglu_clamp(out, o16, c->wkind, gu, n, hidden, alpha, limit, c->stream));
+}
+
+static void cuda_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_softcap(x, n, cap, c->stream));
+}
+
 static void cuda_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows, int n,
                              int dim) {
     cuda_backend_t *c = cu(be);
@@ -681,15 +710,19 @@ static void cuda_rope(loom_backend_t *be, float *x, int stride, int n, int n_hea
     CUDA_ASSERT(loom_cuda_rope(x, stride, n, n_heads, hd, pos, inv_freq, c->stream));
 }
 
-/* KV caches: F32, BF16 and FP8 e4m3 (no I8 kernels). */
+/* KV caches: F32, BF16, FP8 e4m3 (clamped to +-448 and counted) and I8
+ * (the CPU backend's layout: a scale per token and KV head). */
 static int cuda_kv_supported(const loom_backend_t *be, loom_dtype_t dtype) {
     (void)be;
-    return dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F8_E4M3;
+    return dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F8_E4M3 || dtype == LOOM_DT_I8;
 }
 
 static int cuda_kv_kind(loom_dtype_t dtype) {
     LOOM_ASSERT(cuda_kv_supported(NULL, dtype));
-    return dtype == LOOM_DT_BF16 ? LOOM_CUDA_BF16 : dtype == LOOM_DT_F8_E4M3 ? LOOM_CUDA_FP8 : LOOM_CUDA_F32;
+    return dtype == LOOM_DT_BF16      ? LOOM_CUDA_BF16
+           : dtype == LOOM_DT_F8_E4M3 ? LOOM_CUDA_FP8
+           : dtype == LOOM_DT_I8      ? LOOM_CUDA_I8
+                                      : LOOM_CUDA_F32;
 }
 
 static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
@@ -697,8 +730,8 @@ static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const f
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), k, v, stride, slots, n, nkv * hd,
-                                   c->stream));
+    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, k, v, stride,
+                                   slots, n, nkv, hd, c->fp8_clamped, c->stream));
 }
 
 static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n, int nh,
@@ -708,7 +741,8 @@ static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const flo
     use(c);
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv->k, kv->v,
-                                        cuda_kv_kind(kv->dtype), slots, c->stream));
+                                        cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, slots, c->fp8_clamped,
+                                        c->stream));
 }
 
 /* --- attention ------------------------------------------------------------------------------- */
@@ -728,6 +762,8 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .k_cache = a->kv.k, .v_cache = a->kv.v, .kv_kind = cuda_kv_kind(a->kv.dtype),
         .block_size = a->block_size, .tok_seq = a->tok_seq,
         .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
+        .window = a->window, .softcap = a->softcap, .sinks = a->sinks,
+        .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
      * a recorded graph stays valid as contexts grow. */
@@ -910,6 +946,12 @@ static void cuda_destroy(loom_backend_t *be) {
         c->capturing = 0;
     }
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    if (c->fp8_clamped) {
+        unsigned long long n = 0;
+        if (cudaMemcpy(&n, c->fp8_clamped, sizeof n, cudaMemcpyDeviceToHost) == cudaSuccess && n)
+            LOOM_WARN("%s: %llu fp8 KV value(s) beyond +-448 were clamped", c->base.name, n);
+        (void)cudaFree(c->fp8_clamped);
+    }
     for (int i = 0; i < MAX_GRAPHS; i++)
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
@@ -965,8 +1007,13 @@ static const loom_backend_ops_t cuda_ops = {
     .add_bias = cuda_add_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
-    /* no windows, soft caps, sinks, other activations or clamped SwiGLU yet (docs/cuda.md) */
-    .caps = LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_FP8,
+    .act_mul = cuda_act_mul,
+    .swiglu_clamp = cuda_swiglu_clamp,
+    .softcap = cuda_softcap,
+    /* every capability the CPU backend has, and fp8 KV (docs/cuda.md) */
+    .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
+            LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8 |
+            LOOM_CAP_KV_FP8,
 };
 
 uint32_t loom_backend_cuda_caps(void) { return cuda_ops.caps; }
@@ -1005,6 +1052,8 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
     CUDA_CHECK(err, cudaHostAlloc((void **)&c->stage, 2 * STAGE_BYTES, cudaHostAllocDefault));
     for (int h = 0; h < 2; h++) CUDA_CHECK(err, cudaEventCreateWithFlags(&c->stage_ev[h], cudaEventDisableTiming));
     CUDA_CHECK(err, loom_cuda_attention_init(c->smem_optin));
+    CUDA_CHECK(err, cudaMalloc((void **)&c->fp8_clamped, sizeof *c->fp8_clamped));
+    CUDA_CHECK(err, cudaMemset(c->fp8_clamped, 0, sizeof *c->fp8_clamped));
     return LOOM_OK;
 }
 
