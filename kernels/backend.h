@@ -203,6 +203,13 @@ void loom_moe_route_row(const float *logits, int n_experts, int k, int norm, flo
  * xdiv = k reads each token's row for its k pairs (the gate/up matmul), 1
  * a row per pair (down). */
 int loom_backend_moe_device(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k);
+/* Optional (CUDA): y(p, cols) += bias(sel[p], cols) on the n_pairs rows of a
+ * loom_op_moe_gemv, bias (n_experts, cols) on the device (GPT-OSS's expert
+ * biases; zeros for experts another rank holds). Without it a block with
+ * expert biases takes the grouped path. */
+void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
+                          int cols);
+int loom_backend_moe_add_bias_supported(const loom_backend_t *be);
 void *loom_backend_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
 void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                        int norm, int32_t *sel, float *w);

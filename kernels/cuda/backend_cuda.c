@@ -671,6 +671,14 @@ static void cuda_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv
                                    kind_of(dtype), rows, cols, c->stream));
 }
 
+static void cuda_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
+                              int cols) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_moe_add_bias(y, sel, n_pairs, bias, cols, c->stream));
+}
+
 /* Float experts of one dtype (moe.cu reads their data directly) and the
  * router sizes moe.cu takes: decode steps of up to LOOM_CUDA_GEMV_MAX_N
  * tokens (beyond, grouping by expert reads less). */
@@ -997,6 +1005,7 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_gemv = cuda_moe_gemv,
     .moe_device = cuda_moe_device,
     .moe_table = cuda_moe_table,
+    .moe_add_bias = cuda_moe_add_bias,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,

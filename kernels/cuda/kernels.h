@@ -88,6 +88,9 @@ cudaError_t loom_cuda_moe_route(const float *logits, int n, int n_experts, int k
 cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
                                const void *const *table, int kind, int64_t rows, int64_t cols,
                                cudaStream_t s);
+/* y(p, cols) += bias(sel[p], cols) for n_pairs rows (expert biases). */
+cudaError_t loom_cuda_moe_add_bias(float *y, const int32_t *sel, int n_pairs, const float *bias, int cols,
+                                   cudaStream_t s);
 cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos, const float *w,
                                   int n, int k, int dim, int accumulate, cudaStream_t s);
 

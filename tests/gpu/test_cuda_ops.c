@@ -514,6 +514,19 @@ static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, in
     }
     loom_backend_free(be, dtab);
     free(hw), free(wg), free(wc);
+    /* expert biases on the pairs' rows (GPT-OSS): y(p) += bias(sel[p]) */
+    {
+        const int bc = (int)cols;
+        float *hb = rand_host((size_t)E * bc, 1.0f), *hy0 = rand_host((size_t)P * bc, 1.0f);
+        float *refb = loom_xmalloc((size_t)P * bc * 4);
+        for (int q = 0; q < P; q++)
+            for (int c = 0; c < bc; c++) refb[(size_t)q * bc + c] = hy0[(size_t)q * bc + c] + hb[(size_t)rsel[q] * bc + c];
+        float *db = to_dev(be, hb, (size_t)E * bc * 4), *dyb = to_dev(be, hy0, (size_t)P * bc * 4);
+        loom_op_moe_add_bias(be, dyb, dsel, P, db, bc);
+        CHECK(close_dev("moe_add_bias", be, dyb, refb, (size_t)P * bc, 0, 0));
+        loom_backend_free(be, db), loom_backend_free(be, dyb);
+        free(hb), free(hy0), free(refb);
+    }
     loom_backend_free(be, dl), loom_backend_free(be, dw), loom_backend_free(be, dsel);
     free(logits), free(rsel), free(rw), free(gsel);
 }
