@@ -693,14 +693,16 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
     const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
     pl.smem = decode_smem(a);
     const size_t tile_bytes = tile_smem_floats(hd) * sizeof(float);
-    /* Tiles only pay off for chunks of tokens; up to 8 tokens every one goes alone. */
-    if (use_vec(a) && hd % 16 == 0 && hd <= kMaxHd && G <= kTileRows / 2 && a->n > 8 && tile_bytes <= max_smem) {
+    /* Tiles only pay off for chunks of tokens; below tile_min_n (9) every one goes alone. */
+    const int tile_min_n = a->tile_min_n > 0 ? a->tile_min_n : 9;
+    if (use_vec(a) && hd % 16 == 0 && hd <= kMaxHd && G <= kTileRows / 2 && a->n >= tile_min_n &&
+        tile_bytes <= max_smem) {
         pl.tq = kTileRows / G;
         pl.smem_tile = tile_bytes;
     }
-    /* Enough blocks for two waves of the SMs when there are few units. */
-    const int64_t units = (int64_t)a->n * a->n_kv_heads;
-    int64_t ns = (2 * (int64_t)n_sms + units - 1) / units;
+    /* Enough blocks for split_waves (2) waves of the SMs when there are few units. */
+    const int64_t units = (int64_t)a->n * a->n_kv_heads, waves = a->split_waves > 0 ? a->split_waves : 2;
+    int64_t ns = (waves * (int64_t)n_sms + units - 1) / units;
     if (ns > kMaxSplit) ns = kMaxSplit;
     if (ns < 1) ns = 1;
     const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);

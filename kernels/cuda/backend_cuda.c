@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -72,6 +73,7 @@ typedef struct cuda_backend {
     size_t smem_optin;
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
+    int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     cudaStream_t stream;
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
@@ -772,6 +774,7 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
         .window = a->window, .softcap = a->softcap, .sinks = a->sinks,
         .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
+        .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
      * a recorded graph stays valid as contexts grow. */
@@ -1066,6 +1069,56 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
     return LOOM_OK;
 }
 
+/* The tuning table: `key value` lines ('#' starts a comment) that override
+ * compiled defaults, written by tests/gpu/run.sh from its measurements
+ * (docs/cuda.md, "Tuning"). Read from $LOOM_CUDA_TUNING, else from
+ * loom-cuda-tuning.tsv next to the binary; no file: the defaults. Keys:
+ *   attn_split_waves  waves of blocks per SM the attention splits aim at (2)
+ *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
+ *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme) */
+static void read_tuning(cuda_backend_t *c) {
+    char path[4096];
+    const char *env = getenv("LOOM_CUDA_TUNING");
+    if (env && *env) {
+        snprintf(path, sizeof path, "%s", env);
+    } else {
+        ssize_t len = readlink("/proc/self/exe", path, sizeof path - 32);
+        if (len <= 0) return;
+        path[len] = 0;
+        char *slash = strrchr(path, '/');
+        if (!slash) return;
+        strcpy(slash + 1, "loom-cuda-tuning.tsv");
+    }
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        if (env && *env) LOOM_WARN("%s: cannot read the tuning table %s; using the defaults", c->base.name, path);
+        return;
+    }
+    char line[256];
+    int n_set = 0;
+    while (fgets(line, sizeof line, f)) {
+        char key[64];
+        long v;
+        char *hash = strchr(line, '#');
+        if (hash) *hash = 0;
+        if (sscanf(line, "%63s", key) != 1) continue; /* blank */
+        if (sscanf(line, "%63s %ld", key, &v) != 2 || v < -1 || v > 4096) {
+            LOOM_WARN("%s: %s: ignoring the line '%s'", c->base.name, path, key);
+            continue;
+        }
+        if (!strcmp(key, "attn_split_waves") && v >= 1 && v <= 16) c->attn_split_waves = (int)v;
+        else if (!strcmp(key, "attn_tile_min_n") && v >= 2) c->attn_tile_min_n = (int)v;
+        else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
+        else {
+            LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
+            continue;
+        }
+        n_set++;
+    }
+    fclose(f);
+    LOOM_INFO("%s: tuning table %s (%d value%s)", c->base.name, path, n_set, n_set == 1 ? "" : "s");
+}
+
 loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_backend_t **out, loom_err_t *err) {
     *out = NULL;
     int count = loom_backend_cuda_device_count();
@@ -1090,6 +1143,7 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     c->dev = cfg->device_index;
     c->qgemv_max_n = -1;
     c->wkind = kind_of(dt);
+    read_tuning(c);
     loom_status_t s = init_device(c, err);
     if (s < 0) {
         cuda_destroy(&c->base);

@@ -133,6 +133,10 @@ typedef struct loom_cuda_attn {
     float softcap;                 /* > 0: logit soft cap */
     const float *sinks;            /* (n_heads) or NULL */
     const float *k_scale, *v_scale; /* I8: (n_blocks * B, n_kv_heads) */
+    /* tuning (0: the compiled default): key splits are sized for
+     * split_waves waves of blocks per SM (2); chunks of tile_min_n tokens
+     * or more use the tile kernel (9) */
+    int split_waves, tile_min_n;
 } loom_cuda_attn_t;
 
 /* The launch shape the attention kernels will use. */

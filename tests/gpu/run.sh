@@ -13,7 +13,9 @@
 #      plane (skipped with fewer than 2 GPUs);
 #   B. measurements, budget LOOM_RUN_MEASURE_S (240 s): bench_gpu's decode MBU
 #      at batch 1/8/32 and prefill TFLOP/s against cuBLAS on a Llama-3-8B
-#      shape, the quantized GEMVs alone, a 4-bit decode;
+#      shape, the quantized GEMVs alone, a 4-bit decode; then the tuning table
+#      (OUT_DIR/loom-cuda-tuning.tsv): each candidate of a kernel knob timed,
+#      the fastest kept (docs/cuda.md, "Tuning");
 #   C. only when LOOM_RUN_FULL=1 (it needs our Debian packages and ~10
 #      minutes): the regular build with ctest -L gpu, `loom run --device
 #      cuda:0` and speculative decoding on cuda:0 (tests/gpu/spec_check.sh).
@@ -22,7 +24,7 @@
 # Usage: tests/gpu/run.sh [OUT_DIR] (default $OUT). Writes OUT_DIR/run.log
 # (with per-step logs beside it), OUT_DIR/run.json (every step with its
 # phase, verdict and seconds, and the benchmark figures) and OUT_DIR/run.tsv
-# (the same steps as a table). Exit 0 when every check passed, 1 when one
+# (the same steps as a table), and OUT_DIR/loom-cuda-tuning.tsv. Exit 0 when every check passed, 1 when one
 # failed. Without a GPU every step is "SKIP (no GPU)", the JSON and the table
 # are still written, and the exit status is LOOM_RUN_NO_GPU_RC (0; ctest sets
 # 77, its skip code).
@@ -224,6 +226,29 @@ if [ $run_steps = 1 ]; then
         --json "$out/quant.json"
     step bench-q4 60 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
         --json "$out/bench-q4.json"
+    # the tuning table: each candidate of a knob on a short 4-layer decode at
+    # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
+    # reads the table from LOOM_CUDA_TUNING or next to the binary)
+    step tune 60 bash -c '
+        set -e
+        out=$1 bin=$2 py=$3
+        best= best_s=
+        for w in 1 2 4; do
+            printf "attn_split_waves %s\n" "$w" >"$out/tune-$w.tsv"
+            LOOM_CUDA_TUNING="$out/tune-$w.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
+                --prefill 256 --json "$out/tune-$w.json" >"$out/tune-$w.log" 2>&1
+            s=$("$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-$w.json")
+            echo "attn_split_waves $w: batch-1 step $s s"
+            if [ -z "$best" ] || "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$s" "$best_s"; then
+                best=$w best_s=$s
+            fi
+        done
+        {
+            echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+            echo "attn_split_waves $best"
+        } >"$out/loom-cuda-tuning.tsv"
+        cat "$out/loom-cuda-tuning.tsv"
+    ' tune "$out" "$bin" "$py"
 fi
 phase_end=0
 phase=full
