@@ -109,12 +109,18 @@ enum {
 /* act(x) of one gate element (the CPU's loom_vec_act_mul, scalar form). */
 LOOM_OM float loom_om_act(int act, float x) {
     switch (act) {
-    case LOOM_OM_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case LOOM_OM_ACT_GELU_TANH: return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
-    case LOOM_OM_ACT_QUICK_GELU: return x / (1.0f + expf(-1.702f * x));
-    case LOOM_OM_ACT_RELU: return x > 0.0f ? x : 0.0f;
-    case LOOM_OM_ACT_RELU2: return x > 0.0f ? x * x : 0.0f;
-    default: return x / (1.0f + expf(-x)); /* SILU */
+    case LOOM_OM_ACT_GELU:
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case LOOM_OM_ACT_GELU_TANH:
+        return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+    case LOOM_OM_ACT_QUICK_GELU:
+        return x / (1.0f + expf(-1.702f * x));
+    case LOOM_OM_ACT_RELU:
+        return x > 0.0f ? x : 0.0f;
+    case LOOM_OM_ACT_RELU2:
+        return x > 0.0f ? x * x : 0.0f;
+    default:
+        return x / (1.0f + expf(-x)); /* SILU */
     }
 }
 
