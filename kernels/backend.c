@@ -312,6 +312,14 @@ void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, co
     LOOM_ASSERT(be->ops->moe_gemv && xdiv >= 1);
     if (n_pairs > 0) be->ops->moe_gemv(be, y, x, xdiv, sel, n_pairs, table, dtype, rows, cols);
 }
+void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
+                          int cols) {
+    LOOM_ASSERT(be->ops->moe_add_bias);
+    if (n_pairs > 0) be->ops->moe_add_bias(be, y, sel, n_pairs, bias, cols);
+}
+int loom_backend_moe_add_bias_supported(const loom_backend_t *be) {
+    return be->ops->moe_add_bias != NULL;
+}
 void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
                   const int32_t *pos, const float *inv_freq) {
     if (n > 0) be->ops->rope(be, x, stride, n, n_heads, hd, pos, inv_freq);

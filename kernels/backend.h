@@ -153,14 +153,14 @@ typedef enum {
     LOOM_ACT_RELU2,
 } loom_act_t;
 /* SILU runs loom_op_silu_mul; the others need the optional act_mul slot
- * (the CPU backend has it): loom_backend_act_supported says which. */
+ * (the CPU and CUDA backends have it): loom_backend_act_supported says which. */
 void loom_op_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
 int loom_backend_act_supported(const loom_backend_t *be, loom_act_t act);
 /* GPT-OSS's expert activation on the same (n, 2*hidden) gate-then-up rows:
  * g = min(gate, limit), u = clamp(up, -limit, limit),
  * out = (u + 1) * g * sigmoid(alpha * g)   (alpha 1.702, limit swiglu_limit).
  * An optional slot: loom_backend_swiglu_clamp_supported says whether the
- * backend has it (the CPU backend does). */
+ * backend has it (the CPU and CUDA backends do). */
 void loom_op_swiglu_clamp(loom_backend_t *be, float *out, const float *gu, int n, int hidden,
                           float alpha, float limit);
 int loom_backend_swiglu_clamp_supported(const loom_backend_t *be);
@@ -203,6 +203,13 @@ void loom_moe_route_row(const float *logits, int n_experts, int k, int norm, flo
  * xdiv = k reads each token's row for its k pairs (the gate/up matmul), 1
  * a row per pair (down). */
 int loom_backend_moe_device(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k);
+/* Optional (CUDA): y(p, cols) += bias(sel[p], cols) on the n_pairs rows of a
+ * loom_op_moe_gemv, bias (n_experts, cols) on the device (GPT-OSS's expert
+ * biases; zeros for experts another rank holds). Without it a block with
+ * expert biases takes the grouped path. */
+void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
+                          int cols);
+int loom_backend_moe_add_bias_supported(const loom_backend_t *be);
 void *loom_backend_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
 void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                        int norm, int32_t *sel, float *w);
@@ -224,7 +231,9 @@ void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, 
  *   BF16     rounded to nearest even;
  *   I8       codes with one float32 scale per token and KV head in k_scale /
  *            v_scale, (n_blocks, B, nkv): x = scale * code, scale = absmax/127;
- *   F8_E4M3  e4m3 bytes, no scale (|x| saturates at 448).
+ *   F8_E4M3  e4m3 bytes, no scale (CUDA only): values beyond +-448 are
+ *            clamped to +-448, never NaN, and counted (the CUDA backend
+ *            logs the count when it is destroyed).
  * Which dtypes a backend has kernels for: loom_backend_kv_supported. */
 typedef struct loom_kv_layer {
     void *k, *v;
@@ -239,7 +248,7 @@ size_t loom_kv_head_bytes(loom_dtype_t dtype, int hd);
 int loom_kv_dtype_parse(const char *s, loom_dtype_t *out);
 const char *loom_kv_dtype_name(loom_dtype_t dtype);
 /* Whether the backend has kv_write and attention kernels for `dtype`:
- * CPU F32, BF16, I8; CUDA F32, BF16, F8_E4M3. */
+ * CPU F32, BF16, I8; CUDA F32, BF16, I8, F8_E4M3. */
 int loom_backend_kv_supported(const loom_backend_t *be, loom_dtype_t dtype);
 /* Turns a --kv-cache-dtype value into the dtype this backend stores:
  * "auto" is F32 on the CPU (the reference) and BF16 on CUDA (half the
@@ -294,16 +303,14 @@ typedef struct loom_attn_args {
     const float *sinks;
 } loom_attn_args_t;
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
-/* Whether the backend's attention honours loom_attn_args_t.window: the CPU
- * backend does; CUDA does not yet (docs/cuda.md), and a model that needs
- * a window is refused there at load. */
+/* Whether the backend's attention honours loom_attn_args_t.window (both
+ * built-in backends do; a backend without it refuses such a model at load). */
 int loom_backend_attn_window_supported(const loom_backend_t *be);
-/* Whether the backend's attention honours loom_attn_args_t.softcap: the
- * CPU backend does; CUDA does not yet, and a soft-capped model is refused
- * there at load. */
+/* Whether the backend's attention honours loom_attn_args_t.softcap (both
+ * built-in backends do). */
 int loom_backend_attn_softcap_supported(const loom_backend_t *be);
-/* Whether the backend's attention honours loom_attn_args_t.sinks: the CPU
- * backend does; CUDA does not yet, and such a model is refused there. */
+/* Whether the backend's attention honours loom_attn_args_t.sinks (both
+ * built-in backends do). */
 int loom_backend_attn_sinks_supported(const loom_backend_t *be);
 /* x(n) = cap * tanh(x / cap), element-wise (Gemma 2's final logit
  * soft-capping on the LM head's output); cap > 0. An optional slot:

@@ -73,6 +73,9 @@ typedef struct loom_backend_ops {
                      int64_t cols);
     int (*moe_device)(loom_backend_t *be, const loom_weight_t *experts, int n_experts, int k);
     void *(*moe_table)(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
+    /* optional: expert biases on the rows of moe_gemv (loom_op_moe_add_bias) */
+    void (*moe_add_bias)(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
+                         int cols);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;

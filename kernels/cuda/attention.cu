@@ -24,9 +24,24 @@
  *    products (Q K^T and P V) on tensor cores in TF32 (WMMA m16n16k8, fp32
  *    accumulation), the online softmax in fp32 in shared memory.
  *
- * The cache holds float32, bf16 or fp8 e4m3 elements (template KT): both
- * kernels widen each K and V element to float32 as they load it, so only
- * the bytes read change.
+ * The cache holds float32, bf16, fp8 e4m3 or int8 elements (template KT):
+ * both kernels widen each K and V element to float32 as they load it, so
+ * only the bytes read change. int8 rows carry one scale per token and KV
+ * head (the CPU backend's layout): the decode kernel multiplies a key's
+ * score by its scale and a value's weight by its scale, the tile kernel
+ * dequantizes the rows it stages in shared memory.
+ *
+ * The families' extras (kernels/cuda/opmath.h holds their math, replayed
+ * on the CPU by tests/unit/test_cuda_math.c):
+ *  - sliding window: a query at pos reads keys [window_lo(pos), pos]; the
+ *    split slices cut that range, so a windowed layer reads window keys
+ *    whatever the context (the tile kernel's range starts at its rows'
+ *    lowest bound and masks the rest per row);
+ *  - logit soft cap: each scaled score s becomes cap * tanh(s / cap) before
+ *    the running max;
+ *  - attention sink: one more partial state {max = sink, sum = 1, no value}
+ *    merged where the output is normalised (the one-split epilogue or the
+ *    combine kernel), so it is counted once however the keys were shared.
  *
  * Decode napkin math: per token and KV head, ctx * hd * 2 * e bytes of K
  * and V (e = 4, 2, 1); 4 * ctx * hd * group FLOPs. */
@@ -37,6 +52,8 @@
 #include <stdint.h>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
+#include "kernels/cuda/qformat.h"
 
 namespace {
 
@@ -44,7 +61,7 @@ using namespace nvcuda;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kKeys = 32;      /* keys per step, both kernels */
+constexpr int kKeys = LOOM_OM_KEYS; /* keys per step, both kernels */
 constexpr int kTileRows = 64;  /* query rows per tile */
 constexpr int kMaxSplit = 32;
 constexpr int kMaxHd = 256;    /* head_dim limit of both kernels */
@@ -58,6 +75,10 @@ struct Params {
     int n, nh, nkv, hd, group, q_stride, out_stride, B, max_blocks, tq, n_split;
     float scale;
     float *part; /* (n, nh, n_split, hd) accumulators, then (n, nh, n_split, 2) {max, sum} */
+    int window;          /* > 0: sliding window */
+    float softcap;       /* > 0: logit soft cap */
+    const float *sinks;  /* (nh) or NULL */
+    const float *ksc, *vsc; /* int8 cache: (n_blocks * B, nkv) scales; NULL otherwise */
 };
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -102,6 +123,31 @@ __device__ __forceinline__ float4 ld4(const __nv_fp8_e4m3 *row, int d4) {
     const unsigned u = __ldg(reinterpret_cast<const unsigned *>(row) + d4);
     return make_float4(fp8_byte(u), fp8_byte(u >> 8), fp8_byte(u >> 16), fp8_byte(u >> 24));
 }
+__device__ __forceinline__ float ld1(const int8_t *row, int d) {
+    return (float)row[d];
+}
+__device__ __forceinline__ float4 ld4(const int8_t *row, int d4) {
+    float f[4];
+    loom_qd_int8x4(__ldg(reinterpret_cast<const unsigned *>(row) + d4), f);
+    return make_float4(f[0], f[1], f[2], f[3]);
+}
+
+/* The int8 scale of a cache row (1 for the other element types). */
+template <typename KT>
+__device__ __forceinline__ float row_scale(const float *sc, int slot, int nkv, int kvh) {
+    return 1.0f;
+}
+template <>
+__device__ __forceinline__ float row_scale<int8_t>(const float *sc, int slot, int nkv, int kvh) {
+    return __ldg(sc + (int64_t)slot * nkv + kvh);
+}
+
+/* Normalised output of a finished softmax state (max m, sum l, unnormalised
+ * accumulator o), the head's sink folded in. */
+__device__ __forceinline__ float finish(const Params &p, int head, float m, float l, float o) {
+    if (p.sinks) o *= loom_om_sink_fold(&m, &l, p.sinks[head]);
+    return l > 0.0f ? o / l : 0.0f;
+}
 
 __device__ __forceinline__ bool unit_starts(const Params &p, int i) {
     return i % p.tq == 0 || p.tok_seq[i - 1] != p.tok_seq[i];
@@ -112,13 +158,9 @@ __device__ __forceinline__ bool unit_continues(const Params &p, int i) {
     return p.tq > 1 && i + 1 < p.n && (i + 1) % p.tq != 0 && p.tok_seq[i + 1] == p.tok_seq[i];
 }
 
-/* The key slice [k0, k1) of split s over a range of L keys: equal slices
- * rounded up to whole steps of kKeys. */
-__device__ __forceinline__ void split_range(const Params &p, int L, int s, int *k0, int *k1) {
-    int chunk = (L + p.n_split - 1) / p.n_split;
-    chunk = (chunk + kKeys - 1) / kKeys * kKeys;
-    *k0 = s * chunk;
-    *k1 = min(L, *k0 + chunk);
+/* The key slice [k0, k1) of split s over the keys [lo, hi). */
+__device__ __forceinline__ void split_range(const Params &p, int lo, int hi, int s, int *k0, int *k1) {
+    loom_om_split_range(lo, hi, p.n_split, s, k0, k1);
 }
 
 /* Cache slot (block * B + offset, an int32 like the slots of the API) of
@@ -155,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
     const int hd = p.hd, G = p.group;
     const int pos = p.tok_pos[i];
     int k0, k1;
-    split_range(p, pos + 1, split, &k0, &k1);
+    split_range(p, loom_om_window_lo(pos, p.window), pos + 1, split, &k0, &k1);
     if (k0 >= k1) { /* nothing in this slice: an empty partial (n_split > 1 here) */
         float *ml = part_ml(p);
         for (int g = threadIdx.x; g < G; g += blockDim.x) {
@@ -224,6 +266,10 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                     }
                 }
             }
+            /* int8 keys' scales, then the soft cap */
+            const float ks = slot >= 0 ? row_scale<KT>(p.ksc, slot, p.nkv, kvh) : 0.0f;
+#pragma unroll
+            for (int h = 0; h < GC; h++) s[h] = loom_om_softcap(s[h] * ks, p.softcap);
             /* online softmax per head over this group of keys */
             float pr[GC];
 #pragma unroll
@@ -247,6 +293,9 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
 #pragma unroll
                 for (int h = 0; h < GC; h++) pj[h] = __shfl_sync(kFull, pr[h], j);
                 if (slotj < 0) continue; /* same for the whole warp */
+                const float vs = row_scale<KT>(p.vsc, slotj, p.nkv, kvh);
+#pragma unroll
+                for (int h = 0; h < GC; h++) pj[h] *= vs;
                 const KT *vr = static_cast<const KT *>(p.vc) + slot_offset(p, slotj, kvh);
                 if (VEC) {
 #pragma unroll
@@ -315,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                 }
             const int head = kvh * G + g0 + h;
             if (p.n_split == 1) {
-                p.out[(int64_t)i * p.out_stride + (int64_t)head * hd + d] = L > 0.0f ? o / L : 0.0f;
+                p.out[(int64_t)i * p.out_stride + (int64_t)head * hd + d] = finish(p, head, M, L, o);
             } else {
                 const size_t pi = part_index(p, i, head, split);
                 p.part[pi * hd + d] = o;
@@ -339,7 +388,7 @@ __host__ __device__ constexpr int tile_ld(int hd) {
 constexpr int kLdS = kKeys + 4;
 __host__ __device__ constexpr size_t tile_smem_floats(int hd) {
     return (size_t)(2 * kTileRows + 2 * kKeys) * tile_ld(hd) /* Q, O, K, V */ + (size_t)kTileRows * kLdS /* S */ +
-           3 * kTileRows /* row max, sum, alpha */ + 3 * kTileRows /* row ints */ + kKeys /* key slots */ +
+           3 * kTileRows /* row max, sum, alpha */ + 4 * kTileRows /* row ints */ + kKeys /* key slots */ +
            8 /* unit info */;
 }
 
@@ -368,8 +417,8 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     float *Ss = Vs + kKeys * ld;
     float *rmax = Ss + kTileRows * kLdS, *rsum = rmax + kTileRows, *ralpha = rsum + kTileRows;
     int *rpos = reinterpret_cast<int *>(ralpha + kTileRows);
-    int *rflag = rpos + kTileRows, *rposu = rflag + kTileRows;
-    int *kslot = rposu + kTileRows, *info = kslot + kKeys;
+    int *rflag = rpos + kTileRows, *rposu = rflag + kTileRows, *rlo = rposu + kTileRows;
+    int *kslot = rlo + kTileRows, *info = kslot + kKeys;
 
     /* the unit's rows: consecutive tokens of this sequence up to the next multiple of tq */
     const int seq = p.tok_seq[i], lim = p.tq - i % p.tq;
@@ -381,15 +430,19 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int R = 1, mp = rposu[0];
-        while (R < kTileRows && rflag[R]) mp = max(mp, rposu[R++]);
+        int R = 1, mp = rposu[0], lp = rposu[0];
+        while (R < kTileRows && rflag[R]) {
+            mp = max(mp, rposu[R]);
+            lp = min(lp, rposu[R++]);
+        }
         info[0] = R;
         info[1] = mp;
+        info[2] = loom_om_window_lo(lp, p.window);
     }
     __syncthreads();
     const int R = info[0], QR = R * G;
     int k0, k1;
-    split_range(p, info[1] + 1, split, &k0, &k1);
+    split_range(p, info[2], info[1] + 1, split, &k0, &k1);
     float *ml = part_ml(p);
     if (k0 >= k1) {
         for (int r = threadIdx.x; r < QR; r += blockDim.x) {
@@ -417,6 +470,7 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     if (threadIdx.x < kTileRows) {
         const int r = threadIdx.x;
         rpos[r] = r < QR ? rposu[r / G] : -1;
+        rlo[r] = r < QR ? loom_om_window_lo(rposu[r / G], p.window) : 0;
         rmax[r] = -INFINITY;
         rsum[r] = 0.0f;
     }
@@ -436,6 +490,9 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
                 const int64_t off = slot_offset(p, slot, kvh);
                 kv = ld4(static_cast<const KT *>(p.kc) + off, d4);
                 vv = ld4(static_cast<const KT *>(p.vc) + off, d4);
+                const float ks = row_scale<KT>(p.ksc, slot, p.nkv, kvh), vs = row_scale<KT>(p.vsc, slot, p.nkv, kvh);
+                kv.x *= ks, kv.y *= ks, kv.z *= ks, kv.w *= ks;
+                vv.x *= vs, vv.y *= vs, vv.z *= vs, vv.w *= vs;
             }
             reinterpret_cast<float4 *>(Ks + j * ld)[d4] = kv;
             reinterpret_cast<float4 *>(Vs + j * ld)[d4] = vv;
@@ -463,8 +520,8 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
         /* online softmax, warp w owns rows w, w + 8, ...; lane = key; O rows rescaled here */
         for (int r = warp; r < QR; r += kWarps) {
             const int key = kb + lane;
-            const bool valid = kslot[lane] >= 0 && key <= rpos[r];
-            const float s = valid ? Ss[r * kLdS + lane] : -INFINITY;
+            const bool valid = kslot[lane] >= 0 && key <= rpos[r] && key >= rlo[r];
+            const float s = valid ? loom_om_softcap(Ss[r * kLdS + lane], p.softcap) : -INFINITY;
             const float mo = rmax[r], mn = fmaxf(mo, warp_max(s));
             const float alpha = mn == -INFINITY ? 1.0f : expf(mo - mn);
             const float pr = valid ? expf(s - mn) : 0.0f;
@@ -502,8 +559,8 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
         const int r = e / hd, d = e % hd;
         const int token = i + r / G, head = kvh * G + r % G;
         if (p.n_split == 1) {
-            const float L = rsum[r];
-            p.out[(int64_t)token * p.out_stride + (int64_t)head * hd + d] = L > 0.0f ? Os[r * ld + d] / L : 0.0f;
+            p.out[(int64_t)token * p.out_stride + (int64_t)head * hd + d] =
+                finish(p, head, rmax[r], rsum[r], Os[r * ld + d]);
         } else {
             const size_t pi = part_index(p, token, head, split);
             p.part[pi * hd + d] = Os[r * ld + d];
@@ -528,7 +585,8 @@ __global__ void attn_combine_kernel(Params p) {
         const float ms = ml[2 * (p0 + s)];
         if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
     }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const float f = p.sinks ? loom_om_sink_fold(&M, &L, p.sinks[head]) : 1.0f;
+    const float inv = L > 0.0f ? f / L : 0.0f;
     for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < p.n_split; s++) {
@@ -624,6 +682,7 @@ extern "C" cudaError_t loom_cuda_attention_init(size_t max_smem_optin) {
     set_attrs<float>(max_smem_optin, &e);
     set_attrs<__nv_bfloat16>(max_smem_optin, &e);
     set_attrs<__nv_fp8_e4m3>(max_smem_optin, &e);
+    set_attrs<int8_t>(max_smem_optin, &e);
     return e;
 }
 
@@ -634,14 +693,16 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
     const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
     pl.smem = decode_smem(a);
     const size_t tile_bytes = tile_smem_floats(hd) * sizeof(float);
-    /* Tiles only pay off for chunks of tokens; up to 8 tokens every one goes alone. */
-    if (use_vec(a) && hd % 16 == 0 && hd <= kMaxHd && G <= kTileRows / 2 && a->n > 8 && tile_bytes <= max_smem) {
+    /* Tiles only pay off for chunks of tokens; below tile_min_n (9) every one goes alone. */
+    const int tile_min_n = a->tile_min_n > 0 ? a->tile_min_n : 9;
+    if (use_vec(a) && hd % 16 == 0 && hd <= kMaxHd && G <= kTileRows / 2 && a->n >= tile_min_n &&
+        tile_bytes <= max_smem) {
         pl.tq = kTileRows / G;
         pl.smem_tile = tile_bytes;
     }
-    /* Enough blocks for two waves of the SMs when there are few units. */
-    const int64_t units = (int64_t)a->n * a->n_kv_heads;
-    int64_t ns = (2 * (int64_t)n_sms + units - 1) / units;
+    /* Enough blocks for split_waves (2) waves of the SMs when there are few units. */
+    const int64_t units = (int64_t)a->n * a->n_kv_heads, waves = a->split_waves > 0 ? a->split_waves : 2;
+    int64_t ns = (waves * (int64_t)n_sms + units - 1) / units;
     if (ns > kMaxSplit) ns = kMaxSplit;
     if (ns < 1) ns = 1;
     const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);
@@ -665,10 +726,15 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     p.n = a->n, p.nh = a->n_heads, p.nkv = a->n_kv_heads, p.hd = a->head_dim, p.group = G;
     p.q_stride = a->q_stride, p.out_stride = a->out_stride, p.B = a->block_size, p.max_blocks = a->max_blocks;
     p.tq = plan->tq, p.n_split = plan->n_split, p.scale = a->scale, p.part = part;
+    p.window = a->window, p.softcap = a->softcap, p.sinks = a->sinks;
+    p.ksc = a->k_scale, p.vsc = a->v_scale;
+    if (a->window < 0 || a->softcap < 0.0f || (a->kv_kind == LOOM_CUDA_I8 && (!p.ksc || !p.vsc)))
+        return cudaErrorInvalidValue;
     switch (a->kv_kind) {
     case LOOM_CUDA_F32: return launch_all<float>(p, plan, use_vec(a), s);
     case LOOM_CUDA_BF16: return launch_all<__nv_bfloat16>(p, plan, use_vec(a), s);
     case LOOM_CUDA_FP8: return launch_all<__nv_fp8_e4m3>(p, plan, use_vec(a), s);
+    case LOOM_CUDA_I8: return launch_all<int8_t>(p, plan, use_vec(a), s);
     default: return cudaErrorInvalidValue;
     }
 }

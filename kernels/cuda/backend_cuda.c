@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -35,11 +36,17 @@
 #include "kernels/cuda/cublas_dl.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
 
 _Static_assert((int)LOOM_QD_INT8 == (int)LOOM_QUANT_INT8 && (int)LOOM_QD_Q4 == (int)LOOM_QUANT_Q4 &&
                    (int)LOOM_QD_FP8 == (int)LOOM_QUANT_FP8,
                "qformat.h names the quantization kinds by their loom_quant_t values");
+_Static_assert((int)LOOM_OM_ACT_SILU == (int)LOOM_ACT_SILU && (int)LOOM_OM_ACT_GELU == (int)LOOM_ACT_GELU &&
+                   (int)LOOM_OM_ACT_GELU_TANH == (int)LOOM_ACT_GELU_TANH &&
+                   (int)LOOM_OM_ACT_QUICK_GELU == (int)LOOM_ACT_QUICK_GELU &&
+                   (int)LOOM_OM_ACT_RELU == (int)LOOM_ACT_RELU && (int)LOOM_OM_ACT_RELU2 == (int)LOOM_ACT_RELU2,
+               "opmath.h names the activations by their loom_act_t values");
 
 #define STAGE_BYTES   ((size_t)8 << 20)  /* each half of the pinned upload ring */
 #define BLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (Hopper wants 32 MiB) */
@@ -66,6 +73,7 @@ typedef struct cuda_backend {
     size_t smem_optin;
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
+    int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     cudaStream_t stream;
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
@@ -84,6 +92,7 @@ typedef struct cuda_backend {
     dbuf_t samp;      /* sampling parameters, output and slices */
     void *samp_host;  /* pinned mirror of the sampling parameters and output */
     size_t samp_host_bytes;
+    unsigned long long *fp8_clamped; /* device counter: fp8 KV values clamped to +-448 */
     const float *shadow_of; /* act16 holds this buffer narrowed ... */
     size_t shadow_elems;    /* ... this many elements of it */
 
@@ -606,6 +615,28 @@ static void cuda_silu_mul(loom_backend_t *be, float *out, const float *gu, int n
     CUDA_ASSERT(loom_cuda_silu_mul(out, o16, c->wkind, gu, n, hidden, c->stream));
 }
 
+static void cuda_act_mul(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *o16 = shadow_for(c, out, n, hidden);
+    CUDA_ASSERT(loom_cuda_act_mul(out, o16, c->wkind, gu, n, hidden, (int)act, c->stream));
+}
+
+static void cuda_swiglu_clamp(loom_backend_t *be, float *out, const float *gu, int n, int hidden, float alpha,
+                              float limit) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *o16 = shadow_for(c, out, n, hidden);
+    CUDA_ASSERT(loom_cuda_swiglu_clamp(out, o16, c->wkind, gu, n, hidden, alpha, limit, c->stream));
+}
+
+static void cuda_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_softcap(x, n, cap, c->stream));
+}
+
 static void cuda_gather_rows(loom_backend_t *be, float *dst, const float *src, const int32_t *rows, int n,
                              int dim) {
     cuda_backend_t *c = cu(be);
@@ -640,6 +671,14 @@ static void cuda_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_moe_gemv(y, x, xdiv, sel, n_pairs, (const void *const *)table,
                                    kind_of(dtype), rows, cols, c->stream));
+}
+
+static void cuda_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
+                              int cols) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_moe_add_bias(y, sel, n_pairs, bias, cols, c->stream));
 }
 
 /* Float experts of one dtype (moe.cu reads their data directly) and the
@@ -681,15 +720,19 @@ static void cuda_rope(loom_backend_t *be, float *x, int stride, int n, int n_hea
     CUDA_ASSERT(loom_cuda_rope(x, stride, n, n_heads, hd, pos, inv_freq, c->stream));
 }
 
-/* KV caches: F32, BF16 and FP8 e4m3 (no I8 kernels). */
+/* KV caches: F32, BF16, FP8 e4m3 (clamped to +-448 and counted) and I8
+ * (the CPU backend's layout: a scale per token and KV head). */
 static int cuda_kv_supported(const loom_backend_t *be, loom_dtype_t dtype) {
     (void)be;
-    return dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F8_E4M3;
+    return dtype == LOOM_DT_F32 || dtype == LOOM_DT_BF16 || dtype == LOOM_DT_F8_E4M3 || dtype == LOOM_DT_I8;
 }
 
 static int cuda_kv_kind(loom_dtype_t dtype) {
     LOOM_ASSERT(cuda_kv_supported(NULL, dtype));
-    return dtype == LOOM_DT_BF16 ? LOOM_CUDA_BF16 : dtype == LOOM_DT_F8_E4M3 ? LOOM_CUDA_FP8 : LOOM_CUDA_F32;
+    return dtype == LOOM_DT_BF16      ? LOOM_CUDA_BF16
+           : dtype == LOOM_DT_F8_E4M3 ? LOOM_CUDA_FP8
+           : dtype == LOOM_DT_I8      ? LOOM_CUDA_I8
+                                      : LOOM_CUDA_F32;
 }
 
 static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
@@ -697,8 +740,8 @@ static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const f
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), k, v, stride, slots, n, nkv * hd,
-                                   c->stream));
+    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, k, v, stride,
+                                   slots, n, nkv, hd, c->fp8_clamped, c->stream));
 }
 
 static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n, int nh,
@@ -708,7 +751,8 @@ static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const flo
     use(c);
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv->k, kv->v,
-                                        cuda_kv_kind(kv->dtype), slots, c->stream));
+                                        cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, slots, c->fp8_clamped,
+                                        c->stream));
 }
 
 /* --- attention ------------------------------------------------------------------------------- */
@@ -728,6 +772,9 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .k_cache = a->kv.k, .v_cache = a->kv.v, .kv_kind = cuda_kv_kind(a->kv.dtype),
         .block_size = a->block_size, .tok_seq = a->tok_seq,
         .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
+        .window = a->window, .softcap = a->softcap, .sinks = a->sinks,
+        .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
+        .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
      * a recorded graph stays valid as contexts grow. */
@@ -910,6 +957,12 @@ static void cuda_destroy(loom_backend_t *be) {
         c->capturing = 0;
     }
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    if (c->fp8_clamped) {
+        unsigned long long n = 0;
+        if (cudaMemcpy(&n, c->fp8_clamped, sizeof n, cudaMemcpyDeviceToHost) == cudaSuccess && n)
+            LOOM_WARN("%s: %llu fp8 KV value(s) beyond +-448 were clamped", c->base.name, n);
+        (void)cudaFree(c->fp8_clamped);
+    }
     for (int i = 0; i < MAX_GRAPHS; i++)
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
@@ -955,6 +1008,7 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_gemv = cuda_moe_gemv,
     .moe_device = cuda_moe_device,
     .moe_table = cuda_moe_table,
+    .moe_add_bias = cuda_moe_add_bias,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,
@@ -965,8 +1019,13 @@ static const loom_backend_ops_t cuda_ops = {
     .add_bias = cuda_add_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
-    /* no windows, soft caps, sinks, other activations or clamped SwiGLU yet (docs/cuda.md) */
-    .caps = LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_FP8,
+    .act_mul = cuda_act_mul,
+    .swiglu_clamp = cuda_swiglu_clamp,
+    .softcap = cuda_softcap,
+    /* every capability the CPU backend has, and fp8 KV (docs/cuda.md) */
+    .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
+            LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8 |
+            LOOM_CAP_KV_FP8,
 };
 
 uint32_t loom_backend_cuda_caps(void) { return cuda_ops.caps; }
@@ -1005,7 +1064,59 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
     CUDA_CHECK(err, cudaHostAlloc((void **)&c->stage, 2 * STAGE_BYTES, cudaHostAllocDefault));
     for (int h = 0; h < 2; h++) CUDA_CHECK(err, cudaEventCreateWithFlags(&c->stage_ev[h], cudaEventDisableTiming));
     CUDA_CHECK(err, loom_cuda_attention_init(c->smem_optin));
+    CUDA_CHECK(err, cudaMalloc((void **)&c->fp8_clamped, sizeof *c->fp8_clamped));
+    CUDA_CHECK(err, cudaMemset(c->fp8_clamped, 0, sizeof *c->fp8_clamped));
     return LOOM_OK;
+}
+
+/* The tuning table: `key value` lines ('#' starts a comment) that override
+ * compiled defaults, written by tests/gpu/run.sh from its measurements
+ * (docs/cuda.md, "Tuning"). Read from $LOOM_CUDA_TUNING, else from
+ * loom-cuda-tuning.tsv next to the binary; no file: the defaults. Keys:
+ *   attn_split_waves  waves of blocks per SM the attention splits aim at (2)
+ *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
+ *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme) */
+static void read_tuning(cuda_backend_t *c) {
+    char path[4096];
+    const char *env = getenv("LOOM_CUDA_TUNING");
+    if (env && *env) {
+        snprintf(path, sizeof path, "%s", env);
+    } else {
+        ssize_t len = readlink("/proc/self/exe", path, sizeof path - 32);
+        if (len <= 0) return;
+        path[len] = 0;
+        char *slash = strrchr(path, '/');
+        if (!slash) return;
+        strcpy(slash + 1, "loom-cuda-tuning.tsv");
+    }
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        if (env && *env) LOOM_WARN("%s: cannot read the tuning table %s; using the defaults", c->base.name, path);
+        return;
+    }
+    char line[256];
+    int n_set = 0;
+    while (fgets(line, sizeof line, f)) {
+        char key[64];
+        long v;
+        char *hash = strchr(line, '#');
+        if (hash) *hash = 0;
+        if (sscanf(line, "%63s", key) != 1) continue; /* blank */
+        if (sscanf(line, "%63s %ld", key, &v) != 2 || v < -1 || v > 4096) {
+            LOOM_WARN("%s: %s: ignoring the line '%s'", c->base.name, path, key);
+            continue;
+        }
+        if (!strcmp(key, "attn_split_waves") && v >= 1 && v <= 16) c->attn_split_waves = (int)v;
+        else if (!strcmp(key, "attn_tile_min_n") && v >= 2) c->attn_tile_min_n = (int)v;
+        else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
+        else {
+            LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
+            continue;
+        }
+        n_set++;
+    }
+    fclose(f);
+    LOOM_INFO("%s: tuning table %s (%d value%s)", c->base.name, path, n_set, n_set == 1 ? "" : "s");
 }
 
 loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_backend_t **out, loom_err_t *err) {
@@ -1032,6 +1143,7 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     c->dev = cfg->device_index;
     c->qgemv_max_n = -1;
     c->wkind = kind_of(dt);
+    read_tuning(c);
     loom_status_t s = init_device(c, err);
     if (s < 0) {
         cuda_destroy(&c->base);

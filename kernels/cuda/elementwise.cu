@@ -1,6 +1,8 @@
 /* Element-wise and row-wise kernels of the CUDA backend: dtype conversion,
- * RMSNorm (with the residual add fused in), SiLU*mul, row gathers, RoPE and
- * the paged KV write. All are memory-bound: each moves its bytes once, with
+ * RMSNorm (with the residual add fused in), SiLU*mul and the other gated
+ * activations (GeGLU, GPT-OSS's clamped SwiGLU), the logit soft cap, row
+ * gathers, RoPE and the paged KV write (f32, bf16, fp8 e4m3 clamped and
+ * counted, int8 with a scale per token and head). All are memory-bound: each moves its bytes once, with
  * 16-byte accesses when the row length is a multiple of 4 floats (rows are
  * then 16-byte aligned, since buffers come from cudaMalloc), plain 4-byte
  * accesses otherwise. Numerics follow the CPU reference (kernels/cpu/vec.c):
@@ -10,7 +12,10 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 
 namespace {
 
@@ -201,6 +206,24 @@ __global__ void silu_mul_kernel(float *out, void *out16, int kind16, const float
     }
 }
 
+/* out(n, hidden) = act(gate) * up, or the clamped SwiGLU when act < 0, on
+ * (n, 2 * hidden) rows of gate then up; out16 as silu_mul_kernel. */
+__global__ void act_mul_kernel(float *out, void *out16, int kind16, const float *gu, int n, int hidden, int act,
+                               float alpha, float limit) {
+    const int64_t total = (int64_t)n * hidden;
+    for (int64_t e = grid_index(); e < total; e += grid_stride()) {
+        const int64_t row = e / hidden, j = e % hidden;
+        const float g = gu[row * 2 * hidden + j], u = gu[row * 2 * hidden + hidden + j];
+        const float o = act < 0 ? loom_om_swiglu_clamp(g, u, alpha, limit) : loom_om_act(act, g) * u;
+        out[e] = o;
+        if (out16) store1(out16, kind16, e, o);
+    }
+}
+
+__global__ void softcap_kernel(float *x, int64_t n, float cap) {
+    for (int64_t e = grid_index(); e < n; e += grid_stride()) x[e] = loom_om_softcap(x[e], cap);
+}
+
 template <bool VEC>
 __global__ void gather_rows_kernel(float *dst, const float *src, const int32_t *idx, int dim) {
     const int64_t r = idx[blockIdx.x];
@@ -266,19 +289,58 @@ template <bool VEC>
 __device__ __forceinline__ void write_row(__nv_bfloat16 *dst, const float *src, int len) {
     for (int j = threadIdx.x; j < len; j += blockDim.x) dst[j] = __float2bfloat16_rn(src[j]);
 }
-template <bool VEC>
-__device__ __forceinline__ void write_row(__nv_fp8_e4m3 *dst, const float *src, int len) {
-    for (int j = threadIdx.x; j < len; j += blockDim.x) dst[j] = __nv_fp8_e4m3(src[j]); /* satfinite */
+/* The fp8 write clamps to +-448 (opmath.h) and counts the clamped values. */
+__device__ __forceinline__ void write_fp8(__nv_fp8_e4m3 *dst, const float *src, int len,
+                                          unsigned long long *clamped) {
+    unsigned n = 0;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const float x = src[j], c = loom_om_fp8_clamp(x);
+        n += c != x;
+        dst[j] = __nv_fp8_e4m3(c);
+    }
+    if (clamped && __syncthreads_or(n != 0) && n) atomicAdd(clamped, (unsigned long long)n);
+}
+
+/* int8 rows: warp w of the block takes heads w, w + warps, ...: the head's
+ * absmax, its scale into scales[head], then the codes (opmath.h). */
+__device__ __forceinline__ void write_i8(int8_t *dst, float *scales, const float *src, int nkv, int hd) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int h = threadIdx.x >> 5; h < nkv; h += warps) {
+        const float *x = src + (int64_t)h * hd;
+        float amax = 0.0f;
+        for (int j = lane; j < hd; j += 32) amax = fmaxf(amax, fabsf(x[j]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float inv = loom_om_i8_inv(amax);
+        for (int j = lane; j < hd; j += 32) dst[(int64_t)h * hd + j] = (int8_t)loom_om_i8_code(x[j], inv);
+        if (lane == 0) scales[h] = loom_om_i8_scale(amax);
+    }
+}
+
+/* One token's K and V rows into its slot (the whole block). */
+template <typename T, bool VEC>
+__device__ __forceinline__ void write_kv(T *kc, T *vc, float *ks, float *vs, int64_t slot, const float *k,
+                                         const float *v, int nkv, int hd, unsigned long long *clamped) {
+    const int64_t kv_dim = (int64_t)nkv * hd;
+    if constexpr (std::is_same<T, int8_t>::value) {
+        write_i8(kc + slot * kv_dim, ks + slot * nkv, k, nkv, hd);
+        write_i8(vc + slot * kv_dim, vs + slot * nkv, v, nkv, hd);
+    } else if constexpr (std::is_same<T, __nv_fp8_e4m3>::value) {
+        write_fp8(kc + slot * kv_dim, k, (int)kv_dim, clamped);
+        write_fp8(vc + slot * kv_dim, v, (int)kv_dim, clamped);
+    } else {
+        write_row<VEC>(kc + slot * kv_dim, k, (int)kv_dim);
+        write_row<VEC>(vc + slot * kv_dim, v, (int)kv_dim);
+    }
 }
 
 template <typename T, bool VEC>
-__global__ void kv_write_kernel(T *kc, T *vc, const float *k, const float *v, int stride,
-                                const int32_t *slots, int kv_dim) {
+__global__ void kv_write_kernel(T *kc, T *vc, float *ks, float *vs, const float *k, const float *v, int stride,
+                                const int32_t *slots, int nkv, int hd, unsigned long long *clamped) {
     const int64_t slot = slots[blockIdx.x];
     if (slot < 0) return; /* padding token */
     const int64_t src = (int64_t)blockIdx.x * stride;
-    write_row<VEC>(kc + slot * kv_dim, k + src, kv_dim);
-    write_row<VEC>(vc + slot * kv_dim, v + src, kv_dim);
+    write_kv<T, VEC>(kc, vc, ks, vs, slot, k + src, v + src, nkv, hd, clamped);
 }
 
 /* One block per token: rotate its q and k heads, then (after a barrier, so
@@ -287,7 +349,8 @@ __global__ void kv_write_kernel(T *kc, T *vc, const float *k, const float *v, in
 template <typename T, bool VEC>
 __global__ void rope_kv_write_kernel(float *q, float *k, const float *v, int stride, int nh, int nkv,
                                      int hd, const int32_t *pos, const float *inv_freq, T *kc,
-                                     T *vc, const int32_t *slots) {
+                                     T *vc, float *ks, float *vs, const int32_t *slots,
+                                     unsigned long long *clamped) {
     extern __shared__ float cs[];
     const int half = hd / 2;
     const int64_t src = (int64_t)blockIdx.x * stride;
@@ -297,34 +360,38 @@ __global__ void rope_kv_write_kernel(float *q, float *k, const float *v, int str
     __syncthreads();
     const int64_t slot = slots[blockIdx.x];
     if (slot < 0) return;
-    const int kv_dim = nkv * hd;
-    write_row<VEC>(kc + slot * kv_dim, k + src, kv_dim);
-    write_row<VEC>(vc + slot * kv_dim, v + src, kv_dim);
+    write_kv<T, VEC>(kc, vc, ks, vs, slot, k + src, v + src, nkv, hd, clamped);
 }
 
+struct KvDst {
+    void *k, *v;
+    float *ks, *vs;
+    unsigned long long *clamped;
+};
+
 template <typename T>
-cudaError_t launch_kv_write(void *k_cache, void *v_cache, const float *k, const float *v, int stride,
-                            const int32_t *slots, int n, int kv_dim, bool vec, cudaStream_t s) {
-    T *kc = static_cast<T *>(k_cache), *vc = static_cast<T *>(v_cache);
+cudaError_t launch_kv_write(const KvDst &d, const float *k, const float *v, int stride, const int32_t *slots, int n,
+                            int nkv, int hd, bool vec, cudaStream_t s) {
+    T *kc = static_cast<T *>(d.k), *vc = static_cast<T *>(d.v);
     if (vec)
-        kv_write_kernel<T, true><<<n, 128, 0, s>>>(kc, vc, k, v, stride, slots, kv_dim);
+        kv_write_kernel<T, true><<<n, 128, 0, s>>>(kc, vc, d.ks, d.vs, k, v, stride, slots, nkv, hd, d.clamped);
     else
-        kv_write_kernel<T, false><<<n, 128, 0, s>>>(kc, vc, k, v, stride, slots, kv_dim);
+        kv_write_kernel<T, false><<<n, 128, 0, s>>>(kc, vc, d.ks, d.vs, k, v, stride, slots, nkv, hd, d.clamped);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh, int nkv,
-                                 int hd, const int32_t *pos, const float *inv_freq, void *k_cache,
-                                 void *v_cache, const int32_t *slots, bool vec, cudaStream_t s) {
-    T *kc = static_cast<T *>(k_cache), *vc = static_cast<T *>(v_cache);
+                                 int hd, const int32_t *pos, const float *inv_freq, const KvDst &d,
+                                 const int32_t *slots, bool vec, cudaStream_t s) {
+    T *kc = static_cast<T *>(d.k), *vc = static_cast<T *>(d.v);
     const size_t smem = (size_t)hd * sizeof(float);
     if (vec)
         rope_kv_write_kernel<T, true><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, kc, vc,
-                                                           slots);
+                                                           d.ks, d.vs, slots, d.clamped);
     else
         rope_kv_write_kernel<T, false><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, kc, vc,
-                                                            slots);
+                                                            d.ks, d.vs, slots, d.clamped);
     return cudaGetLastError();
 }
 
@@ -410,40 +477,71 @@ extern "C" cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, 
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, const float *k,
-                                          const float *v, int stride, const int32_t *slots, int n, int kv_dim,
-                                          cudaStream_t s) {
+extern "C" cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, float *k_scale,
+                                          float *v_scale, const float *k, const float *v, int stride,
+                                          const int32_t *slots, int n, int nkv, int hd,
+                                          unsigned long long *clamped, cudaStream_t s) {
+    const int kv_dim = nkv * hd;
     if (n <= 0 || kv_dim <= 0) return cudaSuccess;
+    if (kv_kind == LOOM_CUDA_I8 && (!k_scale || !v_scale)) return cudaErrorInvalidValue;
     const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
                      aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
+    const KvDst d = {k_cache, v_cache, k_scale, v_scale, clamped};
     switch (kv_kind) {
-    case LOOM_CUDA_F32: return launch_kv_write<float>(k_cache, v_cache, k, v, stride, slots, n, kv_dim, vec, s);
-    case LOOM_CUDA_BF16:
-        return launch_kv_write<__nv_bfloat16>(k_cache, v_cache, k, v, stride, slots, n, kv_dim, false, s);
-    case LOOM_CUDA_FP8:
-        return launch_kv_write<__nv_fp8_e4m3>(k_cache, v_cache, k, v, stride, slots, n, kv_dim, false, s);
+    case LOOM_CUDA_F32: return launch_kv_write<float>(d, k, v, stride, slots, n, nkv, hd, vec, s);
+    case LOOM_CUDA_BF16: return launch_kv_write<__nv_bfloat16>(d, k, v, stride, slots, n, nkv, hd, false, s);
+    case LOOM_CUDA_FP8: return launch_kv_write<__nv_fp8_e4m3>(d, k, v, stride, slots, n, nkv, hd, false, s);
+    case LOOM_CUDA_I8: return launch_kv_write<int8_t>(d, k, v, stride, slots, n, nkv, hd, false, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
 extern "C" cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                                int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                                               void *k_cache, void *v_cache, int kv_kind, const int32_t *slots,
+                                               void *k_cache, void *v_cache, int kv_kind, float *k_scale,
+                                               float *v_scale, const int32_t *slots, unsigned long long *clamped,
                                                cudaStream_t s) {
     if (n <= 0 || hd < 2) return cudaSuccess;
+    if (kv_kind == LOOM_CUDA_I8 && (!k_scale || !v_scale)) return cudaErrorInvalidValue;
     const int kv_dim = nkv * hd;
     const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
                      aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
+    const KvDst d = {k_cache, v_cache, k_scale, v_scale, clamped};
     switch (kv_kind) {
     case LOOM_CUDA_F32:
-        return launch_rope_kv_write<float>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache, v_cache, slots,
-                                           vec, s);
+        return launch_rope_kv_write<float>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, d, slots, vec, s);
     case LOOM_CUDA_BF16:
-        return launch_rope_kv_write<__nv_bfloat16>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache,
-                                                   v_cache, slots, false, s);
+        return launch_rope_kv_write<__nv_bfloat16>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, d, slots, false,
+                                                   s);
     case LOOM_CUDA_FP8:
-        return launch_rope_kv_write<__nv_fp8_e4m3>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, k_cache,
-                                                   v_cache, slots, false, s);
+        return launch_rope_kv_write<__nv_fp8_e4m3>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, d, slots, false,
+                                                   s);
+    case LOOM_CUDA_I8:
+        return launch_rope_kv_write<int8_t>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, d, slots, false, s);
     default: return cudaErrorInvalidValue;
     }
+}
+
+extern "C" cudaError_t loom_cuda_act_mul(float *out, void *out16, int kind16, const float *gu, int n, int hidden,
+                                         int act, cudaStream_t s) {
+    if (n <= 0 || hidden <= 0) return cudaSuccess;
+    if (act < LOOM_OM_ACT_SILU || act > LOOM_OM_ACT_RELU2) return cudaErrorInvalidValue;
+    act_mul_kernel<<<grid_for((int64_t)n * hidden, kThreads), kThreads, 0, s>>>(out, out16, kind16, gu, n, hidden,
+                                                                                act, 0.0f, 0.0f);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t loom_cuda_swiglu_clamp(float *out, void *out16, int kind16, const float *gu, int n,
+                                              int hidden, float alpha, float limit, cudaStream_t s) {
+    if (n <= 0 || hidden <= 0) return cudaSuccess;
+    act_mul_kernel<<<grid_for((int64_t)n * hidden, kThreads), kThreads, 0, s>>>(out, out16, kind16, gu, n, hidden,
+                                                                                -1, alpha, limit);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t loom_cuda_softcap(float *x, int64_t n, float cap, cudaStream_t s) {
+    if (n <= 0) return cudaSuccess;
+    if (!(cap > 0.0f)) return cudaErrorInvalidValue;
+    softcap_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(x, n, cap);
+    return cudaGetLastError();
 }

@@ -16,8 +16,9 @@ extern "C" {
 #endif
 
 /* Storage of half-precision buffers (weights, converted activations) and of
- * the KV cache (F32, BF16, FP8 = e4m3 without scale). */
-enum { LOOM_CUDA_F32 = 0, LOOM_CUDA_BF16 = 1, LOOM_CUDA_F16 = 2, LOOM_CUDA_FP8 = 3 };
+ * the KV cache (F32, BF16, FP8 = e4m3 without scale, I8 = int8 codes with a
+ * float32 scale per token and KV head). */
+enum { LOOM_CUDA_F32 = 0, LOOM_CUDA_BF16 = 1, LOOM_CUDA_F16 = 2, LOOM_CUDA_FP8 = 3, LOOM_CUDA_I8 = 4 };
 
 /* dst(n) = src(n) narrowed to `kind` (round to nearest even). */
 cudaError_t loom_cuda_convert(void *dst, int kind, const float *src, int64_t n, cudaStream_t s);
@@ -42,16 +43,30 @@ cudaError_t loom_cuda_gather_rows(float *dst, const float *src, const int32_t *i
 /* HF rotate-half RoPE in place on n_heads heads of each of n rows (row i at x + i*stride). */
 cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
                            const float *inv_freq, cudaStream_t s);
-/* Paged KV write into a cache of kv_kind (LOOM_CUDA_F32, _BF16 or _FP8,
- * rounded to nearest even, fp8 saturating); slots < 0 are skipped. */
-cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, const float *k,
-                               const float *v, int stride, const int32_t *slots, int n, int kv_dim,
-                               cudaStream_t s);
+/* Paged KV write into a cache of kv_kind (LOOM_CUDA_F32, _BF16, _FP8 or
+ * _I8; rounded to nearest even; fp8 clamped to +-448, the number of
+ * clamped values added to *clamped when not NULL; int8 as kernels/cuda/
+ * opmath.h, its scales (n_blocks * B, nkv) in k_scale / v_scale, NULL for
+ * the other kinds); slots < 0 are skipped. */
+cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, float *k_scale,
+                               float *v_scale, const float *k, const float *v, int stride,
+                               const int32_t *slots, int n, int nkv, int hd,
+                               unsigned long long *clamped, cudaStream_t s);
 /* RoPE on q (nh heads) and k (nkv heads), then the paged write of k and v. */
 cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                     int nkv, int hd, const int32_t *pos, const float *inv_freq,
-                                    void *k_cache, void *v_cache, int kv_kind,
-                                    const int32_t *slots, cudaStream_t s);
+                                    void *k_cache, void *v_cache, int kv_kind, float *k_scale,
+                                    float *v_scale, const int32_t *slots,
+                                    unsigned long long *clamped, cudaStream_t s);
+/* out(n, hidden) = act(gu[:, :hidden]) * gu[:, hidden:] for act a
+ * loom_act_t value (opmath.h's loom_om_act); optional narrowed copy. */
+cudaError_t loom_cuda_act_mul(float *out, void *out16, int kind16, const float *gu, int n, int hidden,
+                              int act, cudaStream_t s);
+/* GPT-OSS's clamped SwiGLU (loom_om_swiglu_clamp) on the same rows. */
+cudaError_t loom_cuda_swiglu_clamp(float *out, void *out16, int kind16, const float *gu, int n,
+                                   int hidden, float alpha, float limit, cudaStream_t s);
+/* x(n) = cap * tanh(x / cap), cap > 0 (Gemma 2's final logit soft cap). */
+cudaError_t loom_cuda_softcap(float *x, int64_t n, float cap, cudaStream_t s);
 
 /* Largest n served by the GEMV kernel; larger n go to cuBLAS. */
 #define LOOM_CUDA_GEMV_MAX_N 4
@@ -73,6 +88,9 @@ cudaError_t loom_cuda_moe_route(const float *logits, int n, int n_experts, int k
 cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
                                const void *const *table, int kind, int64_t rows, int64_t cols,
                                cudaStream_t s);
+/* y(p, cols) += bias(sel[p], cols) for n_pairs rows (expert biases). */
+cudaError_t loom_cuda_moe_add_bias(float *y, const int32_t *sel, int n_pairs, const float *bias, int cols,
+                                   cudaStream_t s);
 cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos, const float *w,
                                   int n, int k, int dim, int accumulate, cudaStream_t s);
 
@@ -107,10 +125,18 @@ typedef struct loom_cuda_attn {
     float *out;
     int out_stride;
     const void *k_cache, *v_cache; /* elements of kv_kind */
-    int kv_kind;                   /* LOOM_CUDA_F32, _BF16 or _FP8 */
+    int kv_kind;                   /* LOOM_CUDA_F32, _BF16, _FP8 or _I8 */
     int block_size;
     const int32_t *tok_seq, *tok_pos, *block_tables;
     int max_blocks;
+    int window;                    /* > 0: sliding window */
+    float softcap;                 /* > 0: logit soft cap */
+    const float *sinks;            /* (n_heads) or NULL */
+    const float *k_scale, *v_scale; /* I8: (n_blocks * B, n_kv_heads) */
+    /* tuning (0: the compiled default): key splits are sized for
+     * split_waves waves of blocks per SM (2); chunks of tile_min_n tokens
+     * or more use the tile kernel (9) */
+    int split_waves, tile_min_n;
 } loom_cuda_attn_t;
 
 /* The launch shape the attention kernels will use. */

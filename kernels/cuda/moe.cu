@@ -227,6 +227,23 @@ extern "C" cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, co
     }
 }
 
+/* y(p, cols) += bias(sel[p], cols): GPT-OSS's expert biases on the rows of
+ * the batched expert GEMV. */
+__global__ void moe_add_bias_kernel(float *y, const int32_t *sel, const float *bias, int cols) {
+    const int p = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c < cols) y[(int64_t)p * cols + c] += bias[(int64_t)sel[p] * cols + c];
+}
+
+extern "C" cudaError_t loom_cuda_moe_add_bias(float *y, const int32_t *sel, int n_pairs, const float *bias,
+                                              int cols, cudaStream_t s) {
+    if (n_pairs <= 0 || cols <= 0) return cudaSuccess;
+    if (n_pairs > 65535 * 1024) return cudaErrorInvalidValue;
+    const int threads = 256;
+    const dim3 grid((unsigned)n_pairs, (unsigned)((cols + threads - 1) / threads));
+    moe_add_bias_kernel<<<grid, threads, 0, s>>>(y, sel, bias, cols);
+    return cudaGetLastError();
+}
+
 extern "C" cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos,
                                              const float *w, int n, int k, int dim, int accumulate,
                                              cudaStream_t s) {

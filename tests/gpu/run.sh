@@ -1,33 +1,42 @@
 #!/usr/bin/env bash
-# The CUDA backend's checks on a GPU machine, in one go (docs/cuda.md):
-#   1. standalone build with the CUDA toolkit alone (tests/gpu/CMakeLists.txt,
-#      sm_90 by default: CUDA_ARCH=80 for an A100);
-#   2. test_cuda_ops: every op against the CPU backend on fresh random inputs;
-#   3. test_cuda_e2e: stories260K through worker/model.c on cuda:0 against the
-#      CPU, bf16 and exact f32, >= 32 greedy tokens; plus a generated model
-#      with head_dim 128 (the tensor-core attention tiles) and a Mixtral-shaped
-#      Mixture of Experts (f32) when numpy is there;
-#      test_nccl_comm: the NCCL data plane between two GPU processes (skipped
-#      with fewer than 2 GPUs);
-#   4. bench_gpu: decode tokens/s and MBU against the measured copy bandwidth,
-#      prefill TFLOP/s against cuBLAS, on a random Llama-3-8B-shaped model;
-#      the quantized matmul alone (GEMV GB/s per scheme, prefill against
-#      bf16) and a short decode of the same model with 4-bit weights;
-#   5. the regular build with ctest -L gpu, `loom run --device cuda:0` and
-#      speculative decoding on cuda:0 (tests/gpu/spec_check.sh: ngram and an
-#      int8 self-draft give the ids of plain decoding, greedy and seeded), when
-#      its packages (OpenBLAS, ZeroMQ, libsodium, protobuf-c, cJSON,
-#      libmicrohttpd, GnuTLS, libcurl) are installed, unpacked under
-#      LOOM_DEPS_PREFIX, or given as .deb files in LOOM_DEPS_DEBS (made by
-#      tests/gpu/fetch-debs.sh); skipped with a message otherwise.
-# Usage: tests/gpu/run.sh OUT_DIR. Everything is logged to OUT_DIR/run.log
-# (with per-step logs and bench.json beside it); a short table ends the
-# output. Exit 0 when every check passed, 1 when one failed, 77 with no GPU.
+# The CUDA backend's checks on a lent GPU machine, in one go, ordered so that
+# every device minute counts (docs/cuda.md, "Running the GPU checks"):
+#   0. while the standalone build compiles (tests/gpu/CMakeLists.txt: the CUDA
+#      toolkit alone, sm_90 by default, CUDA_ARCH=80 for an A100), a tiny
+#      model of every family is generated on the CPU (needs numpy);
+#   A. correctness, budget LOOM_RUN_CORRECT_S (180 s) after the build:
+#      test_cuda_ops (every op against the CPU backend, fresh random inputs);
+#      test_cuda_e2e for stories260K (bf16, exact f32) and every family's tiny
+#      model (greedy ids equal to the CPU's in f32, within bf16 tolerance in
+#      bf16; int8 KV on two of them); the Mixture-of-Experts models; the LoRA
+#      kernels' test when this tree has one (test_cuda_lora); the NCCL data
+#      plane (skipped with fewer than 2 GPUs);
+#   B. measurements, budget LOOM_RUN_MEASURE_S (240 s): bench_gpu's decode MBU
+#      at batch 1/8/32 and prefill TFLOP/s against cuBLAS on a Llama-3-8B
+#      shape, the quantized GEMVs alone, a 4-bit decode; then the tuning table
+#      (OUT_DIR/loom-cuda-tuning.tsv): each candidate of a kernel knob timed,
+#      the fastest kept (docs/cuda.md, "Tuning");
+#   C. only when LOOM_RUN_FULL=1 (it needs our Debian packages and ~10
+#      minutes): the regular build with ctest -L gpu, `loom run --device
+#      cuda:0` and speculative decoding on cuda:0 (tests/gpu/spec_check.sh).
+# A step that does not fit what is left of its phase's budget is skipped
+# ("SKIP (budget)"), so a slow early step cannot eat the measurements.
+# Usage: tests/gpu/run.sh [OUT_DIR] (default $OUT). Writes OUT_DIR/run.log
+# (with per-step logs beside it), OUT_DIR/run.json (every step with its
+# phase, verdict and seconds, and the benchmark figures) and OUT_DIR/run.tsv
+# (the same steps as a table), and OUT_DIR/loom-cuda-tuning.tsv. Exit 0 when every check passed, 1 when one
+# failed. Without a GPU every step is "SKIP (no GPU)", the JSON and the table
+# are still written, and the exit status is LOOM_RUN_NO_GPU_RC (0; ctest sets
+# 77, its skip code).
 # Environment: LOOM_MODELS_DIR (holds stories260K), LOOM_DEPS_PREFIX, LOOM_DEPS_DEBS,
-# CUDA_ARCH, BENCH_ARGS (extra bench_gpu options), JOBS.
+# CUDA_ARCH, BENCH_ARGS (extra bench_gpu options), JOBS, LOOM_RUN_FULL.
 set -uo pipefail
 
-out=${1:?usage: tests/gpu/run.sh OUT_DIR}
+out=${1:-${OUT:-}}
+if [ -z "$out" ]; then
+    echo "usage: tests/gpu/run.sh OUT_DIR (or set OUT)" >&2
+    exit 2
+fi
 root=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -35,24 +44,49 @@ log=$out/run.log
 : >"$log"
 exec > >(tee -a "$log") 2>&1
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-    echo "skipped: no GPU"
-    exit 77
-fi
 t_start=$(date +%s)
 jobs=${JOBS:-$(nproc)}
 arch=${CUDA_ARCH:-90}
 py=${LOOM_PYTHON:-python3}
-declare -a rows=()
+correct_budget=${LOOM_RUN_CORRECT_S:-180}
+measure_budget=${LOOM_RUN_MEASURE_S:-240}
+declare -a rows=() jrows=()
 failed=0
 models=${LOOM_MODELS_DIR:-}
 stories=
+phase=setup
+phase_end=0 # epoch second the current phase's budget runs out (0: none)
+gpu=1
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    gpu=0
+fi
 
-# step NAME TIMEOUT_S CMD...: runs CMD with its output in OUT/NAME.log (and here)
+record() { # record NAME VERDICT SECONDS LIMIT
+    rows+=("$(printf '%-9s %-26s %-22s %5s %5s' "$phase" "$1" "$2" "$3" "$4")")
+    jrows+=("$(printf '{"phase": "%s", "name": "%s", "verdict": "%s", "seconds": %s, "limit_s": %s}' \
+        "$phase" "$1" "$2" "${3/-/null}" "${4/-/null}")")
+}
+
+# step NAME LIMIT_S CMD...: runs CMD with its output in OUT/NAME.log (and here),
+# within LIMIT_S and what is left of the phase's budget
 step() {
     local name=$1 limit=$2
     shift 2
-    local t0 rc verdict
+    local t0 rc verdict left
+    if [ $gpu = 0 ]; then
+        record "$name" "SKIP (no GPU)" - "$limit"
+        echo "=== $name: skipped: no GPU"
+        return 77
+    fi
+    if [ "$phase_end" -gt 0 ]; then
+        left=$((phase_end - $(date +%s)))
+        if [ "$left" -lt 5 ]; then
+            record "$name" "SKIP (budget)" - "$limit"
+            echo "=== $name: skipped: the $phase budget is spent"
+            return 77
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     t0=$(date +%s)
     echo
     echo "=== $name: $*"
@@ -64,88 +98,166 @@ step() {
     124 | 137) verdict="FAIL (timeout ${limit}s)"; failed=1 ;;
     *) verdict="FAIL (exit $rc)"; failed=1 ;;
     esac
-    rows+=("$(printf '%-26s %-22s %4ss' "$name" "$verdict" $(($(date +%s) - t0)))")
+    record "$name" "$verdict" $(($(date +%s) - t0)) "$limit"
     return "$rc"
 }
 
 skip_row() {
-    rows+=("$(printf '%-26s %-22s %4s' "$1" "SKIP ($2)" -)")
+    record "$1" "SKIP ($2)" - -
     echo
     echo "=== $1: skipped: $2"
 }
 
+begin_phase() { # begin_phase NAME BUDGET_S
+    phase=$1
+    phase_end=$(($(date +%s) + $2))
+    echo
+    echo "##### phase $1 (budget $2 s)"
+}
+
 echo "loom GPU checks, $(date -u +%FT%TZ), $(hostname)"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+device="none"
+if [ $gpu = 1 ]; then
+    device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+else
+    echo "skipped: no GPU (every step below is listed as skipped)"
+fi
 command -v nvcc >/dev/null && nvcc --version | tail -2
-echo "source: $root ($(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git')), logs: $out"
+commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git')
+echo "source: $root ($commit), logs: $out"
+
+# --- 0. the families' tiny models, generated while the build compiles -------------------------
+for d in "$models" "$root/../shared/models" "$root/shared/models"; do
+    if [ -n "$d" ] && [ -f "$d/stories260K/config.json" ]; then models=$d; break; fi
+done
+gen=$out/models
+have_numpy=0
+"$py" -c 'import numpy' 2>/dev/null && have_numpy=1
+# name | gen_model.py arguments | test_cuda_e2e arguments
+families=(
+    "llama-hd128|--dim 512 --hidden-dim 1400 --layers 3 --heads 8 --kv-heads 2 --head-dim 128 --vocab 1000 --seed 9|--dtype bf16"
+    "mistral-window|--arch mistral --sliding-window 24 --dim 128 --hidden-dim 344 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --seed 21|--dtype f32"
+    "qwen2-bias|--arch qwen2 --dim 128 --hidden-dim 344 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --seed 22|--dtype f32"
+    "qwen3-qknorm|--arch qwen3 --dim 128 --hidden-dim 344 --layers 3 --heads 4 --kv-heads 2 --head-dim 64 --vocab 512 --seed 23|--dtype f32"
+    "phi3|--arch phi3 --dim 128 --hidden-dim 344 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --seed 24|--dtype f32"
+    "gemma2-softcap|--arch gemma2 --sliding-window 20 --dim 128 --hidden-dim 344 --layers 4 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 25|--dtype f32"
+    "gemma2-softcap-bf16|=gemma2-softcap|--dtype bf16"
+    "gemma3-geglu|--arch gemma3 --sliding-window 20 --sliding-pattern 3 --dim 128 --hidden-dim 344 --layers 4 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 26|--dtype f32"
+    "mixtral|--arch mixtral --experts 8 --top-k 2 --dim 256 --hidden-dim 512 --layers 3 --heads 8 --kv-heads 2 --vocab 1000 --expert-spread 0.35 --seed 11|--dtype f32"
+    "qwen3-moe|--arch qwen3_moe --experts 8 --top-k 2 --dim 128 --hidden-dim 256 --layers 3 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --expert-spread 0.35 --seed 27|--dtype f32"
+    "qwen2-moe|--arch qwen2_moe --experts 8 --top-k 2 --dim 128 --hidden-dim 256 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --expert-spread 0.35 --seed 28|--dtype f32"
+    "gpt-oss-sinks|--arch gpt_oss --experts 4 --top-k 2 --sliding-window 12 --dim 128 --hidden-dim 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 29|--dtype f32"
+    "llama-kv-int8|=llama-hd128|--dtype f32 --kv int8"
+    "gemma2-kv-int8|=gemma2-softcap|--dtype f32 --kv int8"
+)
+gen_pid=
+if [ $gpu = 1 ] && [ $have_numpy = 1 ]; then
+    (
+        for f in "${families[@]}"; do
+            IFS='|' read -r name gargs _ <<<"$f"
+            case $gargs in =*) continue ;; esac
+            # shellcheck disable=SC2086
+            "$py" "$root/tests/reference/gen_model.py" --out "$gen/$name" --max-pos 1024 $gargs \
+                >"$out/gen-$name.log" 2>&1 || echo "gen_model.py failed for $name (see gen-$name.log)"
+        done
+        if [ ! -f "$models/stories260K/config.json" ]; then
+            "$py" "$root/tests/reference/gen_model.py" --out "$gen/stories-shape" --dim 64 --hidden-dim 172 \
+                --layers 5 --heads 8 --kv-heads 4 --vocab 512 --max-pos 512 --tie --seed 3 >/dev/null 2>&1
+        fi
+    ) &
+    gen_pid=$!
+fi
 
 # --- 1. standalone build ---------------------------------------------------------------
 bld=$out/build-gpu
-if ! step build 600 bash -c "cmake -S '$root/tests/gpu' -B '$bld' -DCMAKE_CUDA_ARCHITECTURES=$arch \
-        -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build '$bld' -j $jobs"; then
+built=0
+step build 600 bash -c "cmake -S '$root/tests/gpu' -B '$bld' -DCMAKE_CUDA_ARCHITECTURES=$arch \
+        -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build '$bld' -j $jobs" && built=1
+[ -n "$gen_pid" ] && wait "$gen_pid"
+bin=$bld/bin
+if [ $gpu = 1 ] && [ $built = 0 ]; then
     echo "the standalone build failed; nothing else can run"
-else
-    bin=$bld/bin
-    # --- 2. ops --------------------------------------------------------------------------
-    step ops 300 "$bin/test_cuda_ops"
+fi
+run_steps=$((gpu == 0 || built == 1))
 
-    # --- 3. end to end -------------------------------------------------------------------
-    for d in "$models" "$root/../shared/models" "$root/shared/models"; do
-        if [ -n "$d" ] && [ -f "$d/stories260K/config.json" ]; then models=$d; break; fi
-    done
-    gen=$out/models
-    have_numpy=0
-    "$py" -c 'import numpy' 2>/dev/null && have_numpy=1
+if [ $run_steps = 1 ]; then
+    # --- A. correctness --------------------------------------------------------------------
+    begin_phase correct "$correct_budget"
+    step ops 150 "$bin/test_cuda_ops"
     if [ -f "$models/stories260K/config.json" ]; then
         stories=$models/stories260K
-    elif [ $have_numpy = 1 ]; then
-        echo "stories260K not found (set LOOM_MODELS_DIR); using a generated model of its shape"
+    elif [ -f "$gen/stories-shape/config.json" ]; then
         stories=$gen/stories-shape
-        "$py" "$root/tests/reference/gen_model.py" --out "$stories" --dim 64 --hidden-dim 172 --layers 5 \
-            --heads 8 --kv-heads 4 --vocab 512 --max-pos 512 --tie --seed 3 >/dev/null
-    else
-        stories=
     fi
-    if [ -n "$stories" ]; then
-        step e2e-stories-bf16 120 "$bin/test_cuda_e2e" --model "$stories" --dtype bf16 --tokens 40
-        step e2e-stories-f32 120 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40
+    if [ -n "$stories" ] || [ $gpu = 0 ]; then
+        step e2e-stories-bf16 40 "$bin/test_cuda_e2e" --model "$stories" --dtype bf16 --tokens 40
+        step e2e-stories-f32 40 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40
     else
         skip_row e2e-stories "no stories260K, no numpy"
     fi
-    if [ $have_numpy = 1 ]; then
-        "$py" "$root/tests/reference/gen_model.py" --out "$gen/hd128" --dim 512 --hidden-dim 1400 --layers 3 \
-            --heads 8 --kv-heads 2 --head-dim 128 --vocab 1000 --max-pos 1024 --seed 9 >/dev/null &&
-            step e2e-hd128-bf16 120 "$bin/test_cuda_e2e" --model "$gen/hd128" --dtype bf16 --tokens 40
+    for f in "${families[@]}"; do
+        IFS='|' read -r name gargs eargs <<<"$f"
+        dir=$gen/$name
+        case $gargs in =*) dir=$gen/${gargs#=} ;; esac
+        if [ $gpu = 1 ] && [ ! -f "$dir/config.json" ]; then
+            skip_row "e2e-$name" "$([ $have_numpy = 1 ] && echo 'model not generated' || echo 'no numpy')"
+            continue
+        fi
+        # shellcheck disable=SC2086
+        step "e2e-$name" 30 "$bin/test_cuda_e2e" --model "$dir" $eargs --tokens 32
+    done
+    if [ -x "$bin/test_cuda_lora" ] || [ -f "$root/tests/gpu/test_cuda_lora.c" ]; then
+        step lora 40 "$bin/test_cuda_lora"
     else
-        skip_row e2e-hd128 "no numpy"
+        skip_row lora "no LoRA kernels in this tree"
     fi
-    if [ $have_numpy = 1 ]; then # Mixture of Experts (run_moe's generic ops; decode without graphs), f32 so
-        # that no near-tie of the router picks another expert on one side
-        "$py" "$root/tests/reference/gen_model.py" --out "$gen/mixtral" --arch mixtral --experts 8 --top-k 2 \
-            --dim 256 --hidden-dim 512 --layers 3 --heads 8 --kv-heads 2 --vocab 1000 --max-pos 1024 \
-            --expert-spread 0.35 --seed 11 >/dev/null &&
-            step e2e-mixtral-f32 120 "$bin/test_cuda_e2e" --model "$gen/mixtral" --dtype f32 --tokens 40
-    else
-        skip_row e2e-mixtral "no numpy"
-    fi
-
-    if [ -x "$bin/test_nccl_comm" ]; then
-        step nccl 180 "$bin/test_nccl_comm"
+    if [ -x "$bin/test_nccl_comm" ] || [ $gpu = 0 ]; then
+        step nccl 60 "$bin/test_nccl_comm"
     else
         skip_row nccl "built without NCCL"
     fi
 
-    # --- 4. benchmark ----------------------------------------------------------------------
+    # --- B. measurements -------------------------------------------------------------------
+    begin_phase measure "$measure_budget"
     # shellcheck disable=SC2086
-    step bench 420 "$bin/bench_gpu" --json "$out/bench.json" ${BENCH_ARGS:-}
-    step bench-quant 120 "$bin/bench_gpu" --skip-model --quant-gemv int8,fp8,q4,q4:128,q4_min,q4_min:128 \
+    step bench 150 "$bin/bench_gpu" --batches 1,8,32 --tokens 24 --json "$out/bench.json" ${BENCH_ARGS:-}
+    step bench-quant 50 "$bin/bench_gpu" --skip-model --quant-gemv int8,fp8,q4,q4:128,q4_min,q4_min:128 \
         --json "$out/quant.json"
-    step bench-q4 180 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
+    step bench-q4 60 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
         --json "$out/bench-q4.json"
+    # the tuning table: each candidate of a knob on a short 4-layer decode at
+    # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
+    # reads the table from LOOM_CUDA_TUNING or next to the binary)
+    step tune 60 bash -c '
+        set -e
+        out=$1 bin=$2 py=$3
+        best= best_s=
+        for w in 1 2 4; do
+            printf "attn_split_waves %s\n" "$w" >"$out/tune-$w.tsv"
+            LOOM_CUDA_TUNING="$out/tune-$w.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
+                --prefill 256 --json "$out/tune-$w.json" >"$out/tune-$w.log" 2>&1
+            s=$("$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-$w.json")
+            echo "attn_split_waves $w: batch-1 step $s s"
+            if [ -z "$best" ] || "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$s" "$best_s"; then
+                best=$w best_s=$s
+            fi
+        done
+        {
+            echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+            echo "attn_split_waves $best"
+        } >"$out/loom-cuda-tuning.tsv"
+        cat "$out/loom-cuda-tuning.tsv"
+    ' tune "$out" "$bin" "$py"
 fi
+phase_end=0
+phase=full
 
-# --- 5. the regular build ---------------------------------------------------------------------
+# --- C. the regular build (LOOM_RUN_FULL=1) ---------------------------------------------------------
 full=$out/build-full
+if [ "${LOOM_RUN_FULL:-0}" != 1 ] || [ $gpu = 0 ]; then
+    skip_row full-build "$([ $gpu = 0 ] && echo 'no GPU' || echo 'LOOM_RUN_FULL is not 1')"
+else
 cm_args=(-DLOOM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_BUILD_TYPE=Release)
 if [ -n "${LOOM_DEPS_DEBS:-}" ] && [ -z "${LOOM_DEPS_PREFIX:-}" ]; then
     # .deb files from tests/gpu/fetch-debs.sh, unpacked without dpkg's database
@@ -183,6 +295,7 @@ if cmake -S "$root" -B "$full" "${cm_args[@]}" >"$out/full-configure.log" 2>&1; 
 else
     skip_row full-build "packages missing: $(grep -m1 -iE 'could not find|not found|error' "$out/full-configure.log" | cut -c1-60)"
 fi
+fi # LOOM_RUN_FULL
 
 # --- summary ------------------------------------------------------------------------------------
 echo
@@ -223,5 +336,36 @@ if os.path.exists(sys.argv[2]):
     for d in b["decode"]:
         print(f"{d['variant']:<24}{d['batch']:>6}{d['step_s']*1e3:>9.2f}{d['tok_s']:>9.1f}{d['mbu']:>7.3f}")
 EOF
+fi
+
+# --- run.json and run.tsv --------------------------------------------------------------------------
+{
+    printf 'phase\tname\tverdict\tseconds\tlimit_s\n'
+    for r in "${jrows[@]}"; do
+        "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("\t".join("-" if r[k] is None else str(r[k]) for k in ("phase","name","verdict","seconds","limit_s")))' "$r" 2>/dev/null ||
+            echo "$r"
+    done
+} >"$out/run.tsv"
+{
+    printf '{"device": "%s", "commit": "%s", "gpu": %s, "seconds": %s, "failed": %s,\n "steps": [\n' \
+        "$device" "$commit" "$([ $gpu = 1 ] && echo true || echo false)" $(($(date +%s) - t_start)) "$failed"
+    n=${#jrows[@]}
+    for i in "${!jrows[@]}"; do
+        printf '  %s%s\n' "${jrows[$i]}" "$([ "$i" -lt $((n - 1)) ] && echo ,)"
+    done
+    printf ' ],\n "results": {'
+    sep=
+    for f in bench quant bench-q4; do
+        if [ -s "$out/$f.json" ]; then
+            printf '%s\n  "%s": ' "$sep" "$f"
+            cat "$out/$f.json"
+            sep=,
+        fi
+    done
+    printf '}}\n'
+} >"$out/run.json"
+echo "wrote $out/run.json and $out/run.tsv"
+if [ $gpu = 0 ]; then
+    exit "${LOOM_RUN_NO_GPU_RC:-0}"
 fi
 exit $failed

@@ -14,7 +14,11 @@
  * Passes when at least --tokens decode steps of the first sequence were
  * compared with no real mismatch. Exit 77 without a GPU.
  *
- *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--tokens 40] */
+ * Every model family the CPU runs runs here (tests/gpu/run.sh generates a
+ * tiny model of each: sliding windows, soft caps, sinks, GeGLU, the clamped
+ * SwiGLU, biased experts); --kv int8 puts both sides' caches in int8.
+ *
+ *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|int8] [--tokens 40] */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,12 +60,13 @@ static int argmax(const float *x, int n) {
 
 int main(int argc, char **argv) {
     loom_log_init("test_cuda_e2e");
-    const char *model = NULL, *dtype = "bf16";
+    const char *model = NULL, *dtype = "bf16", *kv = "f32";
     int n_gen = 40;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "checkpoint directory", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weights on both backends: f32 (exact on the GPU too), bf16, f16", 1,
          0, NULL},
+        {"kv", LOOM_OPT_STR, &kv, "TYPE", "KV cache of both backends: f32 (default) or int8", 1, 0, NULL},
         {"tokens", LOOM_OPT_INT, &n_gen, "N", "decode steps of the first sequence to compare (default 40)", 32, 150,
          NULL},
     };
@@ -108,7 +113,8 @@ int main(int argc, char **argv) {
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = cfg.n_layers,
                               .has_embed = 1, .has_head = 1};
     /* room for one more row: the device pads decodes of 3 sequences to its bucket of 4 */
-    loom_model_options_t mo = {.max_tokens = 128, .max_seqs = N_SEQ + 1, .max_logits = N_SEQ + 1};
+    loom_model_options_t mo = {.max_tokens = 128, .max_seqs = N_SEQ + 1, .max_logits = N_SEQ + 1,
+                               .kv_dtype = !strcmp(kv, "int8") ? LOOM_DT_I8 : LOOM_DT_F32};
     for (int k = 0; k < 2; k++) {
         loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION,
                                     .kind = k ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU,

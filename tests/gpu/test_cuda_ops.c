@@ -514,6 +514,19 @@ static void check_moe(int t, int E, int k, int n, int64_t rows, int64_t cols, in
     }
     loom_backend_free(be, dtab);
     free(hw), free(wg), free(wc);
+    /* expert biases on the pairs' rows (GPT-OSS): y(p) += bias(sel[p]) */
+    {
+        const int bc = (int)cols;
+        float *hb = rand_host((size_t)E * bc, 1.0f), *hy0 = rand_host((size_t)P * bc, 1.0f);
+        float *refb = loom_xmalloc((size_t)P * bc * 4);
+        for (int q = 0; q < P; q++)
+            for (int c = 0; c < bc; c++) refb[(size_t)q * bc + c] = hy0[(size_t)q * bc + c] + hb[(size_t)rsel[q] * bc + c];
+        float *db = to_dev(be, hb, (size_t)E * bc * 4), *dyb = to_dev(be, hy0, (size_t)P * bc * 4);
+        loom_op_moe_add_bias(be, dyb, dsel, P, db, bc);
+        CHECK(close_dev("moe_add_bias", be, dyb, refb, (size_t)P * bc, 0, 0));
+        loom_backend_free(be, db), loom_backend_free(be, dyb);
+        free(hb), free(hy0), free(refb);
+    }
     loom_backend_free(be, dl), loom_backend_free(be, dw), loom_backend_free(be, dsel);
     free(logits), free(rsel), free(rw), free(gsel);
 }
@@ -642,11 +655,19 @@ static void test_rope_kv(void) {
 /* --- attention ----------------------------------------------------------------------- */
 
 /* The KV cache dtypes the CUDA backend has. */
-static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F8_E4M3};
+static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F8_E4M3, LOOM_DT_I8};
 
 typedef struct attn_case {
     int nh, nkv, hd, B;
 } attn_case_t;
+
+/* The families' extras: a sliding window, a logit soft cap, sinks. */
+typedef struct attn_extra {
+    int window;
+    float softcap;
+    int sinks;
+} attn_extra_t;
+static const attn_extra_t *g_extra; /* of the run_attention calls in progress; NULL: none */
 
 /* A batch: n_seqs sequences with context lengths ctx[s]; tokens listed as
  * (seq, pos). Builds a random cache in dt and shuffled block tables, runs
@@ -677,11 +698,29 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
         for (int j = 0; j < max_blocks; j++) bt[(size_t)s * max_blocks + j] = j < nb ? perm[used + j] : -1;
         used += nb;
     }
+    const attn_extra_t ex = g_extra ? *g_extra : (attn_extra_t){0};
+    if (ex.window > 0) /* blocks wholly before every token's window are freed: never read */
+        for (int s = 0; s < n_seqs; s++) {
+            int lo = 1 << 30;
+            for (int i = 0; i < n; i++)
+                if (tok_seq[i] == s) lo = LOOM_MIN(lo, tok_pos[i] + 1 > ex.window ? tok_pos[i] + 1 - ex.window : 0);
+            for (int j = 0; j < max_blocks && (j + 1) * B <= lo; j++) bt[(size_t)s * max_blocks + j] = -1;
+        }
     size_t cache = (size_t)n_blocks * B * kv_dim;
     float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
     const size_t es = loom_dtype_size(dt);
     void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(cache * es); /* the cache in dt */
-    for (size_t e = 0; e < cache; e++) {
+    const size_t cells = (size_t)n_blocks * B;
+    float *ksc = NULL, *vsc = NULL;
+    if (dt == LOOM_DT_I8) { /* quantised by the CPU backend; both backends read the same codes */
+        ksc = loom_xmalloc(cells * nkv * 4), vsc = loom_xmalloc(cells * nkv * 4);
+        int32_t *all = loom_xmalloc(cells * 4);
+        for (size_t i = 0; i < cells; i++) all[i] = (int32_t)i;
+        loom_kv_layer_t ql = {.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
+        loom_op_kv_write(cpu, &ql, kc, vc, kv_dim, all, (int)cells, nkv, hd);
+        free(all);
+    }
+    for (size_t e = 0; e < cache && dt != LOOM_DT_I8; e++) {
         if (dt == LOOM_DT_BF16) {
             ((uint16_t *)kn)[e] = loom_f32_to_bf16(kc[e]);
             ((uint16_t *)vn)[e] = loom_f32_to_bf16(vc[e]);
@@ -703,25 +742,36 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
                           .kv = {.k = kc, .v = vc, .dtype = LOOM_DT_F32}, .block_size = B, .tok_seq = tok_seq,
                           .tok_pos = tok_pos, .block_tables = bt, .max_blocks = max_blocks, .max_ctx = max_ctx};
     if (dt == LOOM_DT_BF16) a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .dtype = LOOM_DT_BF16};
+    if (dt == LOOM_DT_I8)
+        a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
+    float *sinks = ex.sinks ? rand_host((size_t)nh, 3.0f) : NULL;
+    a.window = ex.window, a.softcap = ex.softcap, a.sinks = sinks;
     loom_op_attention(cpu, &a);
     loom_attn_args_t g = a;
     g.q = to_dev(be, q, (size_t)n * q_stride * 4);
     g.out = poisoned(be, (size_t)n * out_stride * 4);
     g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .v = to_dev(be, vn, cache * es), .dtype = dt};
+    if (dt == LOOM_DT_I8) {
+        g.kv.k_scale = to_dev(be, ksc, cells * nkv * 4);
+        g.kv.v_scale = to_dev(be, vsc, cells * nkv * 4);
+    }
+    g.sinks = sinks ? to_dev(be, sinks, (size_t)nh * 4) : NULL;
     g.tok_seq = to_dev(be, tok_seq, (size_t)n * 4);
     g.tok_pos = to_dev(be, tok_pos, (size_t)n * 4);
     g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
     loom_op_attention(be, &g);
     char buf[160];
-    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d, n %d)", loom_kv_dtype_name(dt), what, nh,
-             nkv, hd, B, n);
+    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d, n %d, window %d softcap %g sinks %d)",
+             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, n, ex.window, (double)ex.softcap, ex.sinks);
     /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
      * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values) */
     double tol = n <= 8 ? 2e-5 : 1e-2;
     CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, tol, tol));
-    void *bufs[] = {(void *)g.q, g.out, g.kv.k, g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos, (void *)g.block_tables};
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
-    free(perm), free(bt), free(kc), free(vc), free(kn), free(vn), free(q), free(ref);
+    void *bufs[] = {(void *)g.q, g.out, g.kv.k, g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos, (void *)g.block_tables,
+                    g.kv.k_scale, g.kv.v_scale, (void *)g.sinks};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
+        if (bufs[i]) loom_backend_free(be, bufs[i]);
+    free(perm), free(bt), free(kc), free(vc), free(kn), free(vn), free(q), free(ref), free(ksc), free(vsc), free(sinks);
 }
 
 static void test_attention(void) {
@@ -772,6 +822,146 @@ static void test_attention(void) {
         for (int p = 0; p < 20; p++) seq[p] = 0, pos[p] = 510 + p;
         for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
             run_attention(ac, k_kv_dts[d], 1, &sctx, 20, seq, pos, "prefill 20 at 510");
+    }
+}
+
+/* The families' attention: Mistral's window, Gemma 2's soft cap (and its
+ * local layers' window), GPT-OSS's sinks (and its banded layers), on
+ * decode batches, long single decodes (key splits), mixed batches and
+ * prefill chunks (the tile kernel), every KV dtype. */
+static void test_attention_extras(void) {
+    static const attn_case_t cases[] = {{8, 2, 64, 16}, {16, 8, 256, 16}, {64, 8, 64, 16}, {6, 3, 36, 7}};
+    static const attn_extra_t extras[] = {
+        {4096, 0.0f, 0}, {37, 0.0f, 0}, {0, 50.0f, 0}, {129, 50.0f, 0}, {0, 0.0f, 1}, {128, 0.0f, 1}, {61, 30.0f, 1},
+    };
+    enum { MAXN = 300 };
+    int32_t seq[MAXN], pos[MAXN];
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++)
+        for (size_t x = 0; x < LOOM_ARRAY_LEN(extras); x++) {
+            const attn_case_t *ac = &cases[c];
+            g_extra = &extras[x];
+            for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++) {
+                const loom_dtype_t dt = k_kv_dts[d];
+                int len = 5000;
+                seq[0] = 0, pos[0] = len - 1;
+                run_attention(ac, dt, 1, &len, 1, seq, pos, "decode");
+                int ctx[24];
+                for (int s = 0; s < 24; s++) ctx[s] = 1 + randi(600), seq[s] = s, pos[s] = ctx[s] - 1;
+                run_attention(ac, dt, 24, ctx, 24, seq, pos, "decode batch");
+                int n = 0, mctx[3] = {400, 260, 33};
+                seq[n] = 0, pos[n] = 399, n++;
+                for (int p = 60; p < 260; p++) seq[n] = 1, pos[n] = p, n++;
+                for (int p = 0; p < 33; p++) seq[n] = 2, pos[n] = p, n++;
+                run_attention(ac, dt, 3, mctx, n, seq, pos, "mixed");
+            }
+            g_extra = NULL;
+        }
+}
+
+/* --- the families' element-wise ops --------------------------------------------------------- */
+
+/* act_mul for every activation, the clamped SwiGLU and the soft cap
+ * against the CPU backend, odd shapes included. */
+static void test_family_ops(void) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    static const int shapes[][2] = {{1, 14336}, {3, 172}, {7, 101}, {9, 2880}, {2, 4}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        int n = shapes[s][0], hidden = shapes[s][1];
+        const size_t no = (size_t)n * hidden;
+        float *gu = rand_host(no * 2, 9.0f), *ref = loom_xmalloc(no * 4);
+        float *dgu = to_dev(be, gu, no * 2 * 4), *dout = poisoned(be, no * 4);
+        for (int act = LOOM_ACT_SILU; act <= LOOM_ACT_RELU2; act++) {
+            loom_op_act_mul(cpu, (loom_act_t)act, ref, gu, n, hidden);
+            loom_backend_memset(be, dout, 0xff, no * 4);
+            loom_op_act_mul(be, (loom_act_t)act, dout, dgu, n, hidden);
+            char what[64];
+            snprintf(what, sizeof what, "act_mul %d (n %d hidden %d)", act, n, hidden);
+            CHECK(close_dev(what, be, dout, ref, no, 1e-5, 1e-5));
+        }
+        loom_op_swiglu_clamp(cpu, ref, gu, n, hidden, 1.702f, 7.0f);
+        loom_backend_memset(be, dout, 0xff, no * 4);
+        loom_op_swiglu_clamp(be, dout, dgu, n, hidden, 1.702f, 7.0f);
+        CHECK(close_dev("swiglu_clamp", be, dout, ref, no, 1e-5, 1e-5));
+        for (size_t i = 0; i < no; i++) ref[i] = gu[i] * 10.0f;
+        float *dx = to_dev(be, ref, no * 4);
+        loom_op_softcap(cpu, ref, (int64_t)no, 30.0f);
+        loom_op_softcap(be, dx, (int64_t)no, 30.0f);
+        CHECK(close_dev("softcap", be, dx, ref, no, 1e-5, 1e-5));
+        loom_backend_free(be, dgu), loom_backend_free(be, dout), loom_backend_free(be, dx);
+        free(gu), free(ref);
+    }
+}
+
+/* The int8 KV write (plain and fused with RoPE) against the CPU backend's,
+ * code for code; the fp8 write clamps to +-448 instead of writing NaN. */
+static void test_kv_i8_fp8(void) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    static const int shapes[][4] = {{5, 8, 4, 8}, {7, 32, 8, 128}, {3, 6, 3, 36}, {2, 3, 1, 6}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        int n = shapes[s][0], nh = shapes[s][1], nkv = shapes[s][2], hd = shapes[s][3], kv_dim = nkv * hd;
+        int stride = (nh + 2 * nkv) * hd, cells = 64;
+        size_t total = (size_t)n * stride, cache = (size_t)cells * kv_dim;
+        float *x = rand_host(total, 3.0f), *inv = loom_xmalloc((size_t)hd / 2 * 4);
+        for (int j = 0; j < hd / 2; j++) inv[j] = (float)pow(10000.0, -2.0 * j / hd);
+        int32_t pos[8], slots[8];
+        for (int i = 0; i < n; i++) pos[i] = randi(5000), slots[i] = i == 1 ? -1 : (i * 13) % cells;
+        int8_t *kr = loom_xcalloc(cache, 1), *vr = loom_xcalloc(cache, 1), *kg = loom_xmalloc(cache),
+               *vg = loom_xmalloc(cache);
+        float *ksr = loom_xcalloc((size_t)cells * nkv, 4), *vsr = loom_xcalloc((size_t)cells * nkv, 4);
+        float *ksg = loom_xmalloc((size_t)cells * nkv * 4), *vsg = loom_xmalloc((size_t)cells * nkv * 4);
+        loom_kv_layer_t ckv = {.k = kr, .v = vr, .k_scale = ksr, .v_scale = vsr, .dtype = LOOM_DT_I8};
+        loom_kv_layer_t dkv = {.k = to_dev(be, kr, cache), .v = to_dev(be, vr, cache),
+                               .k_scale = to_dev(be, ksr, (size_t)cells * nkv * 4),
+                               .v_scale = to_dev(be, vsr, (size_t)cells * nkv * 4), .dtype = LOOM_DT_I8};
+        float *dx = to_dev(be, x, total * 4), *dinv = to_dev(be, inv, (size_t)hd / 2 * 4);
+        int32_t *dpos = to_dev(be, pos, (size_t)n * 4), *dslots = to_dev(be, slots, (size_t)n * 4);
+        for (int fused = 0; fused < 2; fused++) {
+            float *xr = loom_xmalloc(total * 4);
+            memcpy(xr, x, total * 4);
+            loom_backend_upload(be, dx, x, total * 4);
+            if (fused) {
+                loom_op_rope(cpu, xr, stride, n, nh, hd, pos, inv);
+                loom_op_rope(cpu, xr + nh * hd, stride, n, nkv, hd, pos, inv);
+                loom_op_rope_kv_write(be, dx, dx + nh * hd, dx + nh * hd + kv_dim, stride, n, nh, nkv, hd, dpos,
+                                      dinv, &dkv, dslots);
+            } else {
+                loom_op_kv_write(be, &dkv, dx + nh * hd, dx + nh * hd + kv_dim, stride, dslots, n, nkv, hd);
+            }
+            loom_op_kv_write(cpu, &ckv, xr + nh * hd, xr + nh * hd + kv_dim, stride, slots, n, nkv, hd);
+            loom_backend_download(be, kg, dkv.k, cache), loom_backend_download(be, vg, dkv.v, cache);
+            loom_backend_download(be, ksg, dkv.k_scale, (size_t)cells * nkv * 4);
+            loom_backend_download(be, vsg, dkv.v_scale, (size_t)cells * nkv * 4);
+            int bad = 0;
+            for (size_t e = 0; e < cache; e++) /* the rotated keys may differ by an ulp: one code */
+                bad += abs(kg[e] - kr[e]) > (fused ? 1 : 0) || vg[e] != vr[e];
+            for (int e = 0; e < cells * nkv; e++)
+                bad += fabsf(ksg[e] - ksr[e]) > (fused ? 1e-6f * fabsf(ksr[e]) : 0.0f) || vsg[e] != vsr[e];
+            CHECKF(!bad, "int8 kv_write%s (n %d nh %d nkv %d hd %d): %d mismatches", fused ? " fused" : "", n, nh,
+                   nkv, hd, bad);
+            free(xr);
+        }
+        /* fp8: values beyond 448 become 448 (0x7e), never NaN */
+        for (size_t i = 0; i < total; i++) x[i] *= 400.0f;
+        loom_backend_upload(be, dx, x, total * 4);
+        loom_kv_layer_t f8 = {.k = poisoned(be, cache), .v = poisoned(be, cache), .dtype = LOOM_DT_F8_E4M3};
+        loom_op_kv_write(be, &f8, dx + nh * hd, dx + nh * hd + kv_dim, stride, dslots, n, nkv, hd);
+        uint8_t *f8h = loom_xmalloc(cache);
+        loom_backend_download(be, f8h, f8.k, cache);
+        int badf = 0;
+        for (int i = 0; i < n; i++) {
+            if (slots[i] < 0) continue;
+            for (int e = 0; e < kv_dim; e++) {
+                const float want = x[(size_t)i * stride + nh * hd + e];
+                const uint8_t got = f8h[(size_t)slots[i] * kv_dim + e];
+                const uint8_t want8 = loom_f32_to_fp8_e4m3(want > 448.0f ? 448.0f : want < -448.0f ? -448.0f : want);
+                badf += got != want8;
+            }
+        }
+        CHECKF(!badf, "fp8 kv_write beyond 448: %d codes not clamped", badf);
+        void *bufs[] = {dkv.k, dkv.v, dkv.k_scale, dkv.v_scale, dx, dinv, dpos, dslots, f8.k, f8.v};
+        for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
+        free(x), free(inv), free(kr), free(vr), free(kg), free(vg), free(ksr), free(vsr), free(ksg), free(vsg);
+        free(f8h);
     }
 }
 
@@ -933,6 +1123,9 @@ int main(int argc, char **argv) {
     RUN(test_moe);
     RUN(test_rope_kv);
     RUN(test_attention);
+    RUN(test_attention_extras);
+    RUN(test_family_ops);
+    RUN(test_kv_i8_fp8);
     RUN(test_sampling);
     RUN(test_graphs);
     for (int t = 0; t < 3; t++) {

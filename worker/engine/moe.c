@@ -106,8 +106,9 @@ loom_status_t loom_blk_moe_load(loom_loader_t *L, int gl, loom_ffn_t *f, loom_er
  * CUDA backend up to 4 tokens, float experts; the CPU backend 1 token, where
  * a pair reads what its group would), so those decode steps route, run the
  * experts and combine without the host. Not Qwen2-MoE's layers (their
- * shared expert's gate is applied on the host) nor GPT-OSS's (biases and
- * the clamped SwiGLU are the grouped path's). */
+ * shared expert's gate is applied on the host); GPT-OSS's (expert biases,
+ * the clamped SwiGLU) only where the backend adds biases per pair
+ * (loom_backend_moe_add_bias_supported: CUDA). */
 loom_status_t loom_blk_moe_tables(loom_model_t *m, loom_err_t *err) {
     const int E = m->cfg.n_experts, K = m->cfg.n_experts_per_tok;
     int n_moe = 0, n_dev = 0, max_n = 1 << 30;
@@ -115,7 +116,8 @@ loom_status_t loom_blk_moe_tables(loom_model_t *m, loom_err_t *err) {
         loom_ffn_t *f = &m->layers[l].ffn;
         if (!f->moe) continue;
         n_moe++;
-        if (m->cfg.moe_shared_hidden || f->swiglu_clamp || m->expert_end <= m->expert_begin)
+        if (m->cfg.moe_shared_hidden || m->expert_end <= m->expert_begin ||
+            ((f->b13 || f->b2) && !loom_backend_moe_add_bias_supported(m->be)))
             continue;
         int n13 = loom_backend_moe_device(m->be, f->e13, E, K),
             n2 = loom_backend_moe_device(m->be, f->e2, E, K);
@@ -166,8 +168,13 @@ loom_status_t loom_blk_moe(loom_model_t *m, const loom_step_ops_t *so, int l, lo
         const loom_blk_linear_t e2 = {.w = &f->e2[m->expert_begin], .proj = LOOM_PROJ_EXPERT_DOWN, .layer = l,
                                       .expert = -1};
         loom_blk_linear_experts(m, ad, &e13, m->mgu, m->xb, K, m->d_sel, n * K, f->t13);
-        loom_op_act_mul(be, act, m->mhb, m->mgu, n * K, H);
+        if (f->b13) loom_op_moe_add_bias(be, m->mgu, m->d_sel, n * K, f->b13, 2 * H);
+        if (f->swiglu_clamp)
+            loom_op_swiglu_clamp(be, m->mhb, m->mgu, n * K, H, c->swiglu_alpha, c->swiglu_limit);
+        else
+            loom_op_act_mul(be, act, m->mhb, m->mgu, n * K, H);
         loom_blk_linear_experts(m, ad, &e2, m->xg, m->mhb, 1, m->d_sel, n * K, f->t2);
+        if (f->b2) loom_op_moe_add_bias(be, m->xg, m->d_sel, n * K, f->b2, dim);
         loom_op_moe_combine(be, m->xb2, m->xg, m->d_ident, m->d_w, n, K, dim, 0);
         return loom_blk_allreduce(m, m->xb2, (int64_t)n * dim, err);
     }

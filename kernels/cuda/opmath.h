@@ -1,0 +1,136 @@
+/* Per-element math of the CUDA kernels that are not plain arithmetic:
+ * attention's key range (sliding windows, flash-decoding splits), logit soft
+ * caps, the online softmax and its attention sink, the int8 and fp8 KV
+ * (de)quantisation, and the MLP activations. Every function is
+ * __host__ __device__ under nvcc and static inline C elsewhere, so
+ * tests/unit/test_cuda_math.c replays the very code the GPU runs against
+ * float64 and against the CPU backend (as qformat.h does for weights). */
+#ifndef LOOM_CUDA_OPMATH_H
+#define LOOM_CUDA_OPMATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define LOOM_OM static __host__ __device__ __forceinline__
+#else
+#define LOOM_OM static inline
+#endif
+
+/* --- attention's key range ------------------------------------------------------ */
+
+/* Keys per step of both attention kernels (a warp's 32 lanes). */
+#define LOOM_OM_KEYS 32
+
+/* First key position a query at `pos` attends to: pos + 1 - window under a
+ * sliding window of `window` (> 0) positions, else 0. */
+LOOM_OM int loom_om_window_lo(int pos, int window) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
+/* The key slice [*k0, *k1) of split s of n_split over the range [lo, hi):
+ * equal slices rounded up to whole steps of LOOM_OM_KEYS; a slice past the
+ * end is empty (*k0 >= *k1). */
+LOOM_OM void loom_om_split_range(int lo, int hi, int n_split, int s, int *k0, int *k1) {
+    const int len = hi - lo;
+    int chunk = (len + n_split - 1) / n_split;
+    chunk = (chunk + LOOM_OM_KEYS - 1) / LOOM_OM_KEYS * LOOM_OM_KEYS;
+    *k0 = lo + s * chunk;
+    *k1 = *k0 + chunk < hi ? *k0 + chunk : hi;
+}
+
+/* --- scores and the online softmax ------------------------------------------------ */
+
+/* Gemma 2's logit soft cap on a scaled score: cap * tanh(s / cap); cap <= 0
+ * leaves s as it is. */
+LOOM_OM float loom_om_softcap(float s, float cap) {
+    return cap > 0.0f ? cap * tanhf(s * (1.0f / cap)) : s;
+}
+
+/* The factor exp(m_old - m_new) that rescales a running sum and accumulator
+ * when the running max moves from m_old to m_new (>= m_old); 1 while both
+ * are -inf (no key seen yet), 0 for a state that saw no key merged into one
+ * that did. */
+LOOM_OM float loom_om_rescale(float m_old, float m_new) {
+    return m_new == -INFINITY ? 1.0f : m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+}
+
+/* Folds GPT-OSS's attention sink into a finished softmax state (max *m,
+ * sum *l, accumulator acc): the sink is one more partial state {max = sink,
+ * sum = 1, no value}, merged as the split partials are. This is the same as
+ * starting the running max at the sink logit and the sum at 1, but counts
+ * the sink once however many warps and splits shared the keys. Returns the
+ * factor acc must be multiplied by. */
+LOOM_OM float loom_om_sink_fold(float *m, float *l, float sink) {
+    const float mn = *m > sink ? *m : sink;
+    const float f = loom_om_rescale(*m, mn);
+    *l = *l * f + expf(sink - mn);
+    *m = mn;
+    return f;
+}
+
+/* --- KV cache element types ------------------------------------------------------- */
+
+/* int8 KV (the CPU backend's layout, kernels/backend.h): one float32 scale
+ * per token and KV head, scale = absmax / 127, code = round-half-even(x *
+ * 127 / absmax) clamped to [-127, 127]; an all-zero row has scale 0 and
+ * codes 0. x = scale * code. */
+LOOM_OM float loom_om_i8_scale(float absmax) {
+    return absmax / 127.0f;
+}
+LOOM_OM float loom_om_i8_inv(float absmax) {
+    return absmax > 0.0f ? 127.0f / absmax : 0.0f;
+}
+LOOM_OM int loom_om_i8_code(float x, float inv) {
+    const float r = rintf(x * inv); /* round half to even, as nearbyintf on the CPU */
+    return (int)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+}
+
+/* fp8 e4m3 KV: the largest finite magnitude. Values beyond it are clamped
+ * to +-448 on the write (never NaN) and counted (loom_cuda_kv_write's
+ * `clamped` counter). */
+#define LOOM_OM_FP8_MAX 448.0f
+LOOM_OM float loom_om_fp8_clamp(float x) {
+    return x > LOOM_OM_FP8_MAX ? LOOM_OM_FP8_MAX : x < -LOOM_OM_FP8_MAX ? -LOOM_OM_FP8_MAX : x;
+}
+
+/* --- MLP activations ------------------------------------------------------------------ */
+
+/* The activations of loom_act_t (kernels/backend.h), by value. */
+enum {
+    LOOM_OM_ACT_SILU = 0,
+    LOOM_OM_ACT_GELU,
+    LOOM_OM_ACT_GELU_TANH,
+    LOOM_OM_ACT_QUICK_GELU,
+    LOOM_OM_ACT_RELU,
+    LOOM_OM_ACT_RELU2,
+};
+
+/* act(x) of one gate element (the CPU's loom_vec_act_mul, scalar form). */
+LOOM_OM float loom_om_act(int act, float x) {
+    switch (act) {
+    case LOOM_OM_ACT_GELU:
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case LOOM_OM_ACT_GELU_TANH:
+        return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+    case LOOM_OM_ACT_QUICK_GELU:
+        return x / (1.0f + expf(-1.702f * x));
+    case LOOM_OM_ACT_RELU:
+        return x > 0.0f ? x : 0.0f;
+    case LOOM_OM_ACT_RELU2:
+        return x > 0.0f ? x * x : 0.0f;
+    default:
+        return x / (1.0f + expf(-x)); /* SILU */
+    }
+}
+
+/* GPT-OSS's clamped SwiGLU of one (gate, up) pair: g = min(gate, limit),
+ * u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g), with the
+ * CPU's comparisons (a NaN gate becomes limit there too). */
+LOOM_OM float loom_om_swiglu_clamp(float gate, float up, float alpha, float limit) {
+    const float g = gate < limit ? gate : limit;
+    const float u = up < -limit ? -limit : up > limit ? limit : up;
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
+#endif

@@ -1,0 +1,417 @@
+/* The CUDA kernels' per-element math (kernels/cuda/opmath.h), run on the
+ * CPU: the soft cap, activations and clamped SwiGLU against float64 and the
+ * CPU backend's ops; the int8 KV quantiser bit for bit against the CPU
+ * backend's kv_write; the window and split key ranges; and the attention
+ * kernels' online softmax -- the decode kernel's 8 warps of 32 keys, the
+ * tile kernel's rows against 32-key steps, flash-decoding splits and their
+ * combine, the sink folded in at the end -- emulated with the same helpers
+ * and tile boundaries and compared with the CPU backend's attention on odd
+ * shapes with windows, soft caps, sinks and int8 caches. Needs no GPU and
+ * no CUDA toolkit. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/opmath.h"
+#include "tests/test.h"
+
+static unsigned long long g_st = 0x9e3779b97f4a7c15ull;
+
+static loom_backend_t *cpu_backend(void) {
+    loom_backend_config_t cfg = {.version = LOOM_BACKEND_CONFIG_VERSION,
+                                 .kind = LOOM_DEVICE_CPU,
+                                 .n_threads = 1,
+                                 .weight_dtype = LOOM_DT_F32};
+    loom_backend_t *be = NULL;
+    loom_err_t err = {0};
+    if (loom_backend_create(&cfg, &be, &err) != LOOM_OK) return NULL;
+    return be;
+}
+
+static double act64(int act, double x) {
+    switch (act) {
+    case LOOM_OM_ACT_GELU:
+        return 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
+    case LOOM_OM_ACT_GELU_TANH:
+        return 0.5 * x *
+               (1.0 + tanh(sqrt(2.0 / 3.14159265358979323846) * (x + 0.044715 * x * x * x)));
+    case LOOM_OM_ACT_QUICK_GELU:
+        return x / (1.0 + exp(-1.702 * x));
+    case LOOM_OM_ACT_RELU:
+        return x > 0 ? x : 0.0;
+    case LOOM_OM_ACT_RELU2:
+        return x > 0 ? x * x : 0.0;
+    default:
+        return x / (1.0 + exp(-x));
+    }
+}
+
+/* Element math against float64, and the gated ops against the CPU backend. */
+static void test_elementwise(void) {
+    for (int i = 0; i < 4000; i++) {
+        const float x = test_randf(&g_st, 60.0f), cap = i % 2 ? 30.0f : 50.0f;
+        const double want = cap * tanh((double)x / cap);
+        CHECKF(fabs(loom_om_softcap(x, cap) - want) <= 1e-6 + 1e-5 * fabs(want), "softcap(%g, %g)",
+               (double)x, (double)cap);
+        CHECK(loom_om_softcap(x, 0.0f) == x);
+        const float g = test_randf(&g_st, 8.0f);
+        for (int act = LOOM_OM_ACT_SILU; act <= LOOM_OM_ACT_RELU2; act++) {
+            const double w = act64(act, g);
+            CHECKF(fabs(loom_om_act(act, g) - w) <= 1e-6 + 1e-5 * fabs(w),
+                   "act %d (%g): %g, want %g", act, (double)g, (double)loom_om_act(act, g), w);
+        }
+        const float u = test_randf(&g_st, 12.0f), lim = 7.0f, al = 1.702f;
+        const double gc = g < lim ? g : lim, uc = u < -lim ? -lim : u > lim ? lim : u;
+        const double sw = (uc + 1.0) * gc / (1.0 + exp(-al * gc));
+        CHECKF(fabs(loom_om_swiglu_clamp(g, u, al, lim) - sw) <= 1e-5 + 1e-5 * fabs(sw),
+               "swiglu_clamp(%g, %g)", (double)g, (double)u);
+        const float f = test_randf(&g_st, 1000.0f);
+        CHECK(loom_om_fp8_clamp(f) == (f > 448.0f ? 448.0f : f < -448.0f ? -448.0f : f));
+    }
+    loom_backend_t *be = cpu_backend();
+    REQUIRE(be);
+    const int n = 3, hidden = 37; /* odd: the CPU's SIMD loops and their tails */
+    float gu[3 * 2 * 37], out[3 * 37], caps[3 * 37], ref[3 * 37];
+    for (int i = 0; i < 2 * n * hidden; i++)
+        gu[i] = test_randf(&g_st, 9.0f);
+    for (int act = LOOM_OM_ACT_SILU; act <= LOOM_OM_ACT_RELU2; act++) {
+        loom_op_act_mul(be, (loom_act_t)act, out, gu, n, hidden);
+        for (int r = 0; r < n; r++)
+            for (int j = 0; j < hidden; j++)
+                ref[r * hidden + j] =
+                    loom_om_act(act, gu[r * 2 * hidden + j]) * gu[r * 2 * hidden + hidden + j];
+        char what[32];
+        snprintf(what, sizeof what, "act_mul %d", act);
+        test_allclose(what, ref, out, n * hidden, 1e-6, 1e-5);
+    }
+    loom_op_swiglu_clamp(be, out, gu, n, hidden, 1.702f, 7.0f);
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < hidden; j++)
+            ref[r * hidden + j] = loom_om_swiglu_clamp(
+                gu[r * 2 * hidden + j], gu[r * 2 * hidden + hidden + j], 1.702f, 7.0f);
+    test_allclose("swiglu_clamp", ref, out, n * hidden, 1e-6, 1e-5);
+    for (int i = 0; i < n * hidden; i++)
+        caps[i] = gu[i] * 10.0f;
+    loom_op_softcap(be, caps, n * hidden, 30.0f);
+    for (int i = 0; i < n * hidden; i++)
+        ref[i] = loom_om_softcap(gu[i] * 10.0f, 30.0f);
+    test_allclose("softcap", ref, caps, n * hidden, 1e-6, 1e-5);
+    loom_backend_destroy(&be);
+}
+
+/* The int8 quantiser is the CPU backend's, code for code and scale for scale. */
+static void test_i8_kv(void) {
+    loom_backend_t *be = cpu_backend();
+    REQUIRE(be);
+    enum { NKV = 3, HD = 40, NT = 5 };
+    int8_t kc[NT * NKV * HD], vc[NT * NKV * HD];
+    float ks[NT * NKV], vs[NT * NKV], k[NT * NKV * HD], v[NT * NKV * HD];
+    for (int i = 0; i < NT * NKV * HD; i++) {
+        k[i] = test_randf(&g_st, 4.0f);
+        v[i] = i < NKV * HD ? 0.0f : test_randf(&g_st, 0.01f); /* an all-zero token, small values */
+    }
+    int32_t slots[NT] = {4, 0, 2, 1, 3};
+    loom_kv_layer_t kv = {.k = kc, .v = vc, .k_scale = ks, .v_scale = vs, .dtype = LOOM_DT_I8};
+    loom_op_kv_write(be, &kv, k, v, NKV * HD, slots, NT, NKV, HD);
+    for (int t = 0; t < NT; t++)
+        for (int h = 0; h < NKV; h++)
+            for (int which = 0; which < 2; which++) {
+                const float *x = (which ? v : k) + (t * NKV + h) * HD;
+                float amax = 0.0f;
+                for (int j = 0; j < HD; j++)
+                    amax = fmaxf(amax, fabsf(x[j]));
+                const float sc = loom_om_i8_scale(amax), inv = loom_om_i8_inv(amax);
+                const float *scales = which ? vs : ks;
+                const int8_t *codes = (which ? vc : kc) + (slots[t] * NKV + h) * HD;
+                CHECKF(scales[slots[t] * NKV + h] == sc, "token %d head %d: scale", t, h);
+                for (int j = 0; j < HD; j++)
+                    CHECKF(codes[j] == loom_om_i8_code(x[j], inv),
+                           "token %d head %d elem %d: code %d vs %d", t, h, j, codes[j],
+                           loom_om_i8_code(x[j], inv));
+            }
+    CHECK(loom_om_i8_code(0.5f, 1.0f) == 0 && loom_om_i8_code(1.5f, 1.0f) == 2 &&
+          loom_om_i8_code(-2.5f, 1.0f) == -2);
+    CHECK(loom_om_i8_code(1000.0f, 1.0f) == 127 && loom_om_i8_code(-1000.0f, 1.0f) == -127);
+    loom_backend_destroy(&be);
+}
+
+/* Window bounds and split slices: the slices tile [lo, hi) in order, whole
+ * steps of 32 keys except the last. */
+static void test_ranges(void) {
+    CHECK(loom_om_window_lo(10, 0) == 0 && loom_om_window_lo(10, 11) == 0 &&
+          loom_om_window_lo(10, 4) == 7);
+    CHECK(loom_om_window_lo(0, 1) == 0 && loom_om_window_lo(5, 1) == 5);
+    for (int lo = 0; lo < 70; lo += 7)
+        for (int hi = lo + 1; hi < lo + 600; hi += 37)
+            for (int ns = 1; ns <= 32; ns++) {
+                int next = lo, bad = 0;
+                for (int s = 0; s < ns; s++) {
+                    int k0, k1;
+                    loom_om_split_range(lo, hi, ns, s, &k0, &k1);
+                    if (k0 >= k1) continue; /* an empty slice past the end */
+                    bad |= k0 != next || ((k1 - k0) % LOOM_OM_KEYS && k1 != hi);
+                    next = k1;
+                }
+                CHECKF(!bad && next == hi, "lo %d hi %d n_split %d", lo, hi, ns);
+            }
+}
+
+/* --- the attention kernels' online softmax, emulated ------------------------------- */
+
+typedef struct {
+    int nh, nkv, hd, B, max_blocks, window;
+    float scale, softcap;
+    const float *q, *sinks;
+    int q_stride;
+    loom_kv_layer_t kv;
+    const int32_t *bt, *tok_seq, *tok_pos;
+} emu_t;
+
+typedef struct {
+    float m, l;
+    double o[256]; /* float accumulators, widened only for storage */
+} state_t;
+
+static float kv_elem(const emu_t *e, int which, int slot, int kvh, int d) {
+    const int64_t off = ((int64_t)slot * e->nkv + kvh) * e->hd + d;
+    if (e->kv.dtype == LOOM_DT_I8) {
+        const int8_t *c = which ? e->kv.v : e->kv.k;
+        return (float)c[off];
+    }
+    return ((const float *)(which ? e->kv.v : e->kv.k))[off];
+}
+static float kv_scale(const emu_t *e, int which, int slot, int kvh) {
+    if (e->kv.dtype != LOOM_DT_I8) return 1.0f;
+    return (which ? e->kv.v_scale : e->kv.k_scale)[(int64_t)slot * e->nkv + kvh];
+}
+
+static int slot_of(const emu_t *e, int seq, int key) {
+    const int blk = e->bt[seq * e->max_blocks + key / e->B];
+    return blk < 0 ? -1 : blk * e->B + key % e->B;
+}
+
+/* One online-softmax step over keys [kb, kb + 32) of [.., k1) for query row
+ * (token i, head h), masking keys outside [lo, pos]: what a warp (decode
+ * kernel) or a row's owner (tile kernel) does per step. */
+static void step(const emu_t *e, state_t *st, int i, int h, int kb, int k1, int lo, int pos) {
+    const int kvh = h / (e->nh / e->nkv), seq = e->tok_seq[i];
+    const float *q = e->q + (int64_t)i * e->q_stride + (int64_t)h * e->hd;
+    float s[LOOM_OM_KEYS], mx = -INFINITY;
+    int slot[LOOM_OM_KEYS];
+    for (int j = 0; j < LOOM_OM_KEYS; j++) {
+        const int key = kb + j;
+        slot[j] = key < k1 && key >= lo && key <= pos ? slot_of(e, seq, key) : -1;
+        s[j] = -INFINITY;
+        if (slot[j] < 0) continue;
+        float acc = 0.0f;
+        for (int d = 0; d < e->hd; d++)
+            acc += q[d] * e->scale * kv_elem(e, 0, slot[j], kvh, d);
+        s[j] = loom_om_softcap(acc * kv_scale(e, 0, slot[j], kvh), e->softcap);
+        mx = fmaxf(mx, s[j]);
+    }
+    const float mn = fmaxf(st->m, mx);
+    const float alpha = mn == -INFINITY ? 1.0f : expf(st->m - mn);
+    float sum = 0.0f;
+    for (int d = 0; d < e->hd; d++)
+        st->o[d] *= alpha;
+    for (int j = 0; j < LOOM_OM_KEYS; j++) {
+        if (slot[j] < 0) continue;
+        const float p = expf(s[j] - mn);
+        sum += p;
+        const float pv = p * kv_scale(e, 1, slot[j], kvh);
+        for (int d = 0; d < e->hd; d++)
+            st->o[d] += pv * kv_elem(e, 1, slot[j], kvh, d);
+    }
+    st->l = st->l * alpha + sum;
+    st->m = mn;
+}
+
+/* Merges b into a (the warps' merge, the combine kernel). */
+static void merge(state_t *a, const state_t *b, int hd) {
+    const float M = fmaxf(a->m, b->m);
+    const float fa = loom_om_rescale(a->m, M), fb = loom_om_rescale(b->m, M);
+    a->l = a->l * fa + b->l * fb;
+    for (int d = 0; d < hd; d++)
+        a->o[d] = a->o[d] * fa + b->o[d] * fb;
+    a->m = M;
+}
+
+static void init(state_t *st, int hd) {
+    st->m = -INFINITY;
+    st->l = 0.0f;
+    for (int d = 0; d < hd; d++)
+        st->o[d] = 0.0;
+}
+
+/* Output row i of head h: n_split slices of the key range [rlo, rhi) (the
+ * unit's: one token's own range in the decode kernel, the tile's rows' hull
+ * in the tile kernel), each walked by 8 warps taking every 8th step of 32
+ * keys (decode) or by one owner in order (tile), merged, combined, and the
+ * sink folded in. */
+static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_split, int tile,
+                        float *out) {
+    const int pos = e->tok_pos[i], lo = loom_om_window_lo(pos, e->window);
+    state_t tot, part, w;
+    init(&tot, e->hd);
+    for (int s = 0; s < n_split; s++) {
+        int k0, k1;
+        loom_om_split_range(rlo, rhi, n_split, s, &k0, &k1);
+        init(&part, e->hd);
+        if (k0 < k1) {
+            const int warps = tile ? 1 : 8;
+            for (int wi = 0; wi < warps; wi++) {
+                init(&w, e->hd);
+                for (int kb = k0 + wi * LOOM_OM_KEYS; kb < k1; kb += warps * LOOM_OM_KEYS)
+                    step(e, &w, i, h, kb, k1, lo, pos);
+                merge(&part, &w, e->hd);
+            }
+        }
+        merge(&tot, &part, e->hd);
+    }
+    float f = 1.0f;
+    if (e->sinks) f = loom_om_sink_fold(&tot.m, &tot.l, e->sinks[h]);
+    for (int d = 0; d < e->hd; d++)
+        out[d] = tot.l > 0.0f ? (float)(tot.o[d] * f) / tot.l : 0.0f;
+}
+
+typedef struct {
+    int nh, nkv, hd, B, window, sinks, tq, n_split;
+    float softcap;
+    loom_dtype_t dt;
+} acase_t;
+
+static void run_case(const acase_t *c) {
+    loom_backend_t *be = cpu_backend();
+    REQUIRE(be);
+    /* two sequences: a decode token at 150 and a prefill chunk of 45 tokens at 60..104 */
+    enum { NSEQ = 2 };
+    const int n = 1 + 45, max_blocks = (151 + c->B - 1) / c->B, n_blocks = NSEQ * max_blocks;
+    const int nh = c->nh, nkv = c->nkv, hd = c->hd, kv_dim = nkv * hd;
+    int32_t *bt = malloc(sizeof(int32_t) * NSEQ * max_blocks), tok_seq[46], tok_pos[46],
+            slots[151 + 105];
+    for (int b = 0; b < NSEQ * max_blocks; b++)
+        bt[b] = (b * 7 + 3) % n_blocks; /* scattered blocks */
+    const size_t es = c->dt == LOOM_DT_I8 ? 1 : 4, cells = (size_t)n_blocks * c->B;
+    loom_kv_layer_t kv = {
+        .k = malloc(cells * kv_dim * es), .v = malloc(cells * kv_dim * es), .dtype = c->dt};
+    if (c->dt == LOOM_DT_I8) {
+        kv.k_scale = malloc(cells * nkv * sizeof(float));
+        kv.v_scale = malloc(cells * nkv * sizeof(float));
+    }
+    /* fill both sequences' caches through the CPU backend's kv_write */
+    const int lens[NSEQ] = {151, 105};
+    int ns = 0;
+    for (int s = 0; s < NSEQ; s++)
+        for (int p = 0; p < lens[s]; p++)
+            slots[ns++] = bt[s * max_blocks + p / c->B] * c->B + p % c->B;
+    float *kx = malloc(sizeof(float) * ns * kv_dim), *vx = malloc(sizeof(float) * ns * kv_dim);
+    for (int e = 0; e < ns * kv_dim; e++) {
+        kx[e] = test_randf(&g_st, 1.5f);
+        vx[e] = test_randf(&g_st, 1.0f);
+    }
+    loom_op_kv_write(be, &kv, kx, vx, kv_dim, slots, ns, nkv, hd);
+    tok_seq[0] = 0, tok_pos[0] = 150;
+    for (int j = 0; j < 45; j++)
+        tok_seq[1 + j] = 1, tok_pos[1 + j] = 60 + j;
+    const int q_stride = nh * hd + 5;
+    float *q = malloc(sizeof(float) * n * q_stride), *out = malloc(sizeof(float) * n * nh * hd),
+          *emu = malloc(sizeof(float) * n * nh * hd), sinks[64];
+    for (int e = 0; e < n * q_stride; e++)
+        q[e] = test_randf(&g_st, 2.0f);
+    for (int h = 0; h < nh; h++)
+        sinks[h] = test_randf(&g_st, 3.0f);
+    loom_attn_args_t a = {.n = n,
+                          .n_heads = nh,
+                          .n_kv_heads = nkv,
+                          .head_dim = hd,
+                          .scale = 1.0f / sqrtf((float)hd),
+                          .q = q,
+                          .q_stride = q_stride,
+                          .out = out,
+                          .out_stride = nh * hd,
+                          .kv = kv,
+                          .block_size = c->B,
+                          .tok_seq = tok_seq,
+                          .tok_pos = tok_pos,
+                          .block_tables = bt,
+                          .max_blocks = max_blocks,
+                          .max_ctx = 151,
+                          .window = c->window,
+                          .softcap = c->softcap,
+                          .sinks = c->sinks ? sinks : NULL};
+    loom_op_attention(be, &a);
+    const emu_t e = {.nh = nh,
+                     .nkv = nkv,
+                     .hd = hd,
+                     .B = c->B,
+                     .max_blocks = max_blocks,
+                     .window = c->window,
+                     .scale = a.scale,
+                     .softcap = c->softcap,
+                     .q = q,
+                     .sinks = a.sinks,
+                     .q_stride = q_stride,
+                     .kv = kv,
+                     .bt = bt,
+                     .tok_seq = tok_seq,
+                     .tok_pos = tok_pos};
+    /* units as attention.cu cuts them: the decode token alone; the chunk in
+     * tiles of tq rows that never cross a multiple of tq (token index) */
+    for (int i = 0; i < n;) {
+        int r = 1;
+        while (c->tq > 1 && i + r < n && (i + r) % c->tq != 0 && tok_seq[i + r] == tok_seq[i])
+            r++;
+        int lo = 1 << 30, hi = 0;
+        for (int t = i; t < i + r; t++) {
+            lo = tok_pos[t] < lo ? tok_pos[t] : lo;
+            hi = tok_pos[t] + 1 > hi ? tok_pos[t] + 1 : hi;
+        }
+        lo = loom_om_window_lo(lo, c->window);
+        for (int t = i; t < i + r; t++)
+            for (int h = 0; h < nh; h++) {
+                const int rlo = r > 1 ? lo : loom_om_window_lo(tok_pos[t], c->window);
+                const int rhi = r > 1 ? hi : tok_pos[t] + 1;
+                emulate_row(&e, t, h, rlo, rhi, c->n_split, r > 1,
+                            emu + ((int64_t)t * nh + h) * hd);
+            }
+        i += r;
+    }
+    char what[160];
+    snprintf(what, sizeof what,
+             "emulated attention %s nh%d nkv%d hd%d B%d window%d softcap%g sinks%d tq%d split%d",
+             loom_kv_dtype_name(c->dt), nh, nkv, hd, c->B, c->window, (double)c->softcap, c->sinks,
+             c->tq, c->n_split);
+    test_allclose(what, emu, out, (long)n * nh * hd, 1e-5, 1e-4);
+    free(q), free(out), free(emu), free(kx), free(vx), free(bt);
+    free(kv.k), free(kv.v), free(kv.k_scale), free(kv.v_scale);
+    loom_backend_destroy(&be);
+}
+
+static void test_attention_emulated(void) {
+    const acase_t cases[] = {
+        {4, 4, 16, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32}, /* plain */
+        {6, 2, 20, 7, 0, 0, 21, 3, 0.0f,
+         LOOM_DT_F32}, /* GQA, odd B and hd, tiles of 21 rows, 3 splits */
+        {8, 2, 32, 16, 33, 0, 16, 1, 0.0f, LOOM_DT_F32},  /* Mistral-like window */
+        {8, 4, 24, 5, 50, 0, 32, 7, 0.0f, LOOM_DT_F32},   /* window inside a tile, 7 splits */
+        {4, 2, 16, 16, 0, 0, 32, 2, 20.0f, LOOM_DT_F32},  /* Gemma 2 soft cap */
+        {4, 2, 16, 16, 17, 0, 32, 5, 20.0f, LOOM_DT_F32}, /* Gemma 2's local layer: window + cap */
+        {8, 2, 16, 16, 0, 1, 1, 4, 0.0f, LOOM_DT_F32},    /* GPT-OSS sinks, splits */
+        {8, 2, 16, 16, 40, 1, 32, 3, 0.0f,
+         LOOM_DT_F32},                                  /* GPT-OSS's banded layer: window + sinks */
+        {4, 2, 40, 16, 0, 0, 16, 1, 0.0f, LOOM_DT_I8},  /* int8 KV */
+        {6, 3, 36, 9, 30, 1, 32, 6, 15.0f, LOOM_DT_I8}, /* int8, everything at once */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_case(&cases[i]);
+}
+
+int main(void) {
+    RUN(test_elementwise);
+    RUN(test_i8_kv);
+    RUN(test_ranges);
+    RUN(test_attention_emulated);
+    return test_summary();
+}
