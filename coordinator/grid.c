@@ -53,6 +53,7 @@ typedef struct worker_slot {
 typedef struct inflight {
     loom_microbatch_t *mb;
     uint64_t step_id, t_sent;
+    uint64_t deadline; /* t_sent + the step's bound (0: none) */
 } inflight_t;
 
 /* A worker key that left etcd, handed from the watch thread to the reactor. */
@@ -88,6 +89,7 @@ struct loom_grid {
     loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
     uint64_t last_hb_sent, last_check;
+    uint64_t n_step_timeouts; /* steps failed for their deadline */
 
     /* etcd membership (optional) */
     loom_etcd_t *etcd;
@@ -478,7 +480,7 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
             LOOM_WARN("refused a registration as worker %.*s from another identity", (int)rid_len, (const char *)rid);
             return;
         }
-        if (w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
+        if (!r->left_grid && w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
             !strcmp(w->host_id, r->host_id)) {
             /* the same process again (its retry crossed our answer): it holds the slot */
             w->last_seen_ns = loom_now_ns();
@@ -489,7 +491,10 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
             send_ctl(g, w, &m);
             return;
         }
-        lose_worker(g, i, "registered again");
+        /* left_grid: the same process, but it found this coordinator silent
+         * (paused, or cut off) and aborted its data plane: its epoch is gone */
+        lose_worker(g, i, r->left_grid ? "left the grid (it found this coordinator silent) and registered again"
+                                       : "registered again");
     }
     if (!r->worker_id || strlen(r->worker_id) != rid_len || memcmp(r->worker_id, rid, rid_len) != 0 ||
         rid_len >= sizeof g->slots[0].id || !r->data_addr || !r->data_addr[0]) {
@@ -734,7 +739,12 @@ void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb) {
     void *buf = loom_wire_pack_control(&m, &len);
     for (int i = 0; i < g->n_slots; i++) send_to_worker(g, &g->slots[i], buf, len);
     free(buf);
-    g->inflight[g->n_inflight++] = (inflight_t){.mb = mb, .step_id = mb->id, .t_sent = loom_now_ns()};
+    uint64_t now = loom_now_ns(), bound = 0;
+    if (g->cfg.step_timeout_ms > 0)
+        bound = (uint64_t)g->cfg.step_timeout_ms * 1000000ull +
+                (uint64_t)(mb->n_tokens > 0 ? mb->n_tokens : 0) * (uint64_t)g->cfg.step_token_us * 1000ull;
+    g->inflight[g->n_inflight++] =
+        (inflight_t){.mb = mb, .step_id = mb->id, .t_sent = now, .deadline = bound ? now + bound : 0};
 }
 
 int loom_grid_n_inflight(const loom_grid_t *g) { return g->n_inflight; }
@@ -794,6 +804,19 @@ void loom_grid_tick(loom_grid_t *g) {
                 snprintf(why, sizeof why, "missed heartbeats for %d ms: lost", g->cfg.heartbeat_timeout_ms);
                 lose_worker(g, i, why);
             }
+        /* results come in plan order: the oldest step bounds them all. A step
+         * over its deadline is answered by no one (a worker that heartbeats
+         * but computes nothing, a plan lost on a dead connection): re-plan */
+        if (g->state == LOOM_GRID_READY && g->n_inflight > 0 && g->inflight[0].deadline &&
+            now > g->inflight[0].deadline) {
+            char why[256];
+            snprintf(why, sizeof why, "step %llu (%d tokens) got no result in %.1f s, past its deadline of %.1f s",
+                     (unsigned long long)g->inflight[0].step_id, g->inflight[0].mb->n_tokens,
+                     (double)(now - g->inflight[0].t_sent) * 1e-9,
+                     (double)(g->inflight[0].deadline - g->inflight[0].t_sent) * 1e-9);
+            g->n_step_timeouts++;
+            fail_grid(g, why);
+        }
     }
     if (now - g->last_hb_sent >= HEARTBEAT_SEND_MS * 1000000ull) {
         g->last_hb_sent = now;

@@ -26,9 +26,11 @@
 #include <limits.h>
 #include <math.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -126,6 +128,14 @@ struct loom_server {
     uint64_t rate_second;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
     loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
+
+    /* liveness, read by other threads (loom_server_liveness): the reactor's
+     * last turn, the last moment a step completed or none was due, and the
+     * requests waiting then */
+    _Atomic uint64_t live_turn_ns, live_progress_ns;
+    _Atomic int live_pending;
+    uint64_t stall_max_ns, stall_log_ns; /* the longest reactor turn since the last log of one */
+    const char *stall_file;               /* test hook LOOM_TEST_STALL_FILE (NULL: off) */
 };
 
 /* ---- small helpers ---------------------------------------------------------- */
@@ -744,6 +754,7 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
     loom_sched_observe_step(s->sched, mb->n_tokens, step_s + mb->draft_s); /* the draft's time is the step's too */
+    atomic_store(&s->live_progress_ns, loom_now_ns());
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
     if (prompt_lp_step(s, mb, r, err, err_n) < 0) return -1;
     s->n_embed_done = 0;
@@ -993,7 +1004,13 @@ static void on_health(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
     h.state = s->draining ? "draining" : (char *)loom_grid_state_name(loom_grid_state(s->grid));
     h.workers_ready = (uint32_t)loom_grid_n_ready(s->grid);
     h.workers_expected = (uint32_t)loom_grid_n_slots(s->grid);
+    int live = loom_server_liveness(s, msg, sizeof msg);
+    if (h.ready && !live) {
+        h.ready = 0;
+        h.state = "stalled";
+    }
     if (s->draining) snprintf(msg, sizeof msg, "draining: shutting down, %d request(s) in flight", s->n_reqs);
+    else if (!live) {} /* msg says why */
     else if (!h.ready) loom_grid_describe(s->grid, msg, sizeof msg);
     else snprintf(msg, sizeof msg, "serving %s", s->model_name);
     h.message = msg;
@@ -1207,6 +1224,57 @@ static int drain_step(loom_server_t *s) {
     return 1;
 }
 
+/* Liveness bookkeeping, once per reactor turn: the turn's time, and
+ * progress (a step completed, or no step is due: no request waits, or the
+ * grid is not READY, which Health reports by itself). A turn over 250 ms is
+ * logged (at most every 10 s, with the longest since): that is a stall of
+ * every stream. The test hook LOOM_TEST_STALL_FILE stalls one turn for the
+ * milliseconds the file holds, then removes it. */
+static void liveness_turn(loom_server_t *s) {
+    uint64_t now = loom_now_ns(), prev = atomic_load(&s->live_turn_ns);
+    if (prev && now - prev > s->stall_max_ns) s->stall_max_ns = now - prev;
+    if (s->stall_max_ns > 250000000ull && now - s->stall_log_ns > 10000000000ull) {
+        LOOM_WARN("the reactor stalled: a turn took %.0f ms (the longest in the last 10 s); streams, Health and the "
+                  "API waited that long", (double)s->stall_max_ns * 1e-6);
+        s->stall_log_ns = now;
+        s->stall_max_ns = 0;
+    }
+    atomic_store(&s->live_turn_ns, now);
+    int pending = s->n_reqs + (s->embeds != NULL);
+    atomic_store(&s->live_pending, s->n_reqs);
+    if (!pending || loom_grid_state(s->grid) != LOOM_GRID_READY) atomic_store(&s->live_progress_ns, now);
+    if (s->stall_file) {
+        char *txt = NULL;
+        if (loom_read_file(s->stall_file, &txt, NULL, NULL) == LOOM_OK) {
+            unlink(s->stall_file);
+            long ms = strtol(txt, NULL, 10);
+            free(txt);
+            LOOM_WARN("test hook: stalling the reactor for %ld ms", ms);
+            struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+            if (ms > 0) nanosleep(&ts, NULL);
+        }
+    }
+}
+
+int loom_server_liveness(const loom_server_t *s, char *msg, size_t cap) {
+    int limit_ms = s->cfg.liveness_timeout_ms;
+    if (limit_ms <= 0) return 1;
+    uint64_t now = loom_now_ns(), turn = atomic_load(&s->live_turn_ns), prog = atomic_load(&s->live_progress_ns);
+    uint64_t limit = (uint64_t)limit_ms * 1000000ull;
+    if (turn && now > turn && now - turn > limit) {
+        snprintf(msg, cap, "stalled: the coordinator's reactor has not turned for %.1f s (limit %d ms, "
+                           "--liveness-timeout-ms)", (double)(now - turn) * 1e-9, limit_ms);
+        return 0;
+    }
+    if (prog && now > prog && now - prog > limit) {
+        snprintf(msg, cap, "stalled: no step has completed for %.1f s while %d request(s) wait (limit %d ms, "
+                           "--liveness-timeout-ms)", (double)(now - prog) * 1e-9, atomic_load(&s->live_pending),
+                 limit_ms);
+        return 0;
+    }
+    return 1;
+}
+
 int loom_server_run(loom_server_t *s) {
     LOOM_INFO("coordinator for %s (tp %d x pp %d): API on %s, workers on %s; waiting for %d worker(s)",
               s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, loom_grid_bound_addr(s->grid),
@@ -1223,6 +1291,7 @@ int loom_server_run(loom_server_t *s) {
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
         loom_grid_tick(s->grid);
+        liveness_turn(s);
         timers(s);
         schedule(s);
         publish_state(s);
@@ -1270,6 +1339,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .block_size = c->block_size, .num_kv_blocks = c->num_kv_blocks,
                              .max_model_len = s->max_model_len, .kv_memory = c->kv_memory,
                              .kv_fraction = c->kv_fraction, .heartbeat_timeout_ms = c->heartbeat_timeout_ms,
+                             .step_timeout_ms = c->step_timeout_ms, .step_token_us = c->step_token_us,
                              .etcd_url = c->etcd_url, .cluster = c->cluster, .advertise_host = c->advertise_host,
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
@@ -1283,6 +1353,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     *out = NULL;
     loom_server_t *s = loom_xcalloc(1, sizeof *s);
     s->cfg = *cfg;
+    s->stall_file = getenv("LOOM_TEST_STALL_FILE");
     /* workers may run elsewhere: hand them an absolute path */
     if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;
     cfg = &s->cfg;

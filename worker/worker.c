@@ -651,7 +651,9 @@ static void *compute_main(void *arg) {
 
 /* ---- reactor -------------------------------------------------------------- */
 
-static void send_register(worker_t *w) {
+/* left_grid: this worker left the grid it was in (its coordinator fell
+ * silent or said it left) and serves no epoch, whatever the coordinator thinks. */
+static void send_register(worker_t *w, int left_grid) {
     char host[256] = "localhost", host_id[128] = "", mnt[64] = "";
     gethostname(host, sizeof host);
     /* Workers may share memory when they see the same /dev/shm: the same
@@ -679,6 +681,7 @@ static void send_register(worker_t *w) {
     r.shard_tp_rank = w->shard_tp_rank;
     r.shard_tp_size = w->shard_tp_size;
     r.shard_model_dir = w->shard_model_dir;
+    r.left_grid = left_grid != 0;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_REGISTER;
     m.register_ = &r;
@@ -771,7 +774,7 @@ static int reactor(worker_t *w) {
     int standby = 0, health_ok = 1;
     int registered = 0; /* the coordinator holds a slot for us (it sends Assign/heartbeats) */
     int orphan = 0;     /* the coordinator went away: the next Assign comes from a new one */
-    send_register(w);
+    send_register(w, 0);
     while (!g_stop) {
         zmq_pollitem_t items[] = {{w->ctl, 0, ZMQ_POLLIN, 0}, {w->pipe_r, 0, ZMQ_POLLIN, 0}};
         if (zmq_poll(items, 2, 50) < 0 && errno != EINTR) break;
@@ -872,7 +875,7 @@ static int reactor(worker_t *w) {
         /* not (yet) in the grid: the coordinator may have started later, or a slot may free up */
         if (!registered && now - last_register > (standby ? STANDBY_RETRY_MS : orphan ? 500 : 2000) * 1000000ull) {
             if (orphan) follow_coordinator(w);
-            send_register(w);
+            send_register(w, orphan);
             last_register = loom_now_ns();
         }
         /* no coordinator answers: say so every few seconds, and dial afresh (a
