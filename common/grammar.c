@@ -61,6 +61,8 @@ typedef struct {
 struct loom_gb {
     gb_rule_t *rules;
     int n_rules, cap_rules;
+    int *by_name; /* open addressing over rule names: rule id + 1, 0 empty (cap_by_name a power of 2) */
+    size_t cap_by_name;
     loom_gb_set_t *sets;
     int n_sets, cap_sets;
 };
@@ -80,9 +82,43 @@ void loom_gb_destroy(loom_gb_t **gb_p) {
         free(gb->rules[i].name);
     }
     free(gb->rules);
+    free(gb->by_name);
     free(gb->sets);
     free(gb);
     *gb_p = NULL;
+}
+
+static uint64_t name_hash(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+    return h;
+}
+
+/* The slot of name in by_name: its rule's, or the empty one where it goes. */
+static size_t name_slot(const loom_gb_t *gb, const char *name, size_t len) {
+    size_t mask = gb->cap_by_name - 1, i = (size_t)name_hash(name, len) & mask;
+    for (;; i = (i + 1) & mask) {
+        int id = gb->by_name[i] - 1;
+        if (id < 0) return i;
+        const char *rn = gb->rules[id].name;
+        if (strlen(rn) == len && memcmp(rn, name, len) == 0) return i;
+    }
+}
+
+/* Indexes rule id by its name (the first rule of a name keeps it). */
+static void name_index(loom_gb_t *gb, int id) {
+    if ((size_t)gb->n_rules * 2 > gb->cap_by_name) { /* grow and rehash: load stays under 1/2 */
+        int *old = gb->by_name;
+        size_t old_cap = gb->cap_by_name;
+        gb->cap_by_name = old_cap ? old_cap * 2 : 128;
+        gb->by_name = loom_xcalloc(gb->cap_by_name, sizeof *gb->by_name);
+        for (size_t i = 0; i < old_cap; i++)
+            if (old[i]) gb->by_name[name_slot(gb, gb->rules[old[i] - 1].name, strlen(gb->rules[old[i] - 1].name))] = old[i];
+        free(old);
+    }
+    const char *n = gb->rules[id].name;
+    size_t s = name_slot(gb, n, strlen(n));
+    if (!gb->by_name[s]) gb->by_name[s] = id + 1;
 }
 
 int loom_gb_rule(loom_gb_t *gb, const char *name) {
@@ -101,12 +137,15 @@ int loom_gb_rule(loom_gb_t *gb, const char *name) {
         r->name = loom_xstrdup(buf);
         r->defined = 1;
     }
+    name_index(gb, id);
     return id;
 }
 
 int loom_gb_rule_named(loom_gb_t *gb, const char *name, size_t len) {
-    for (int i = 0; i < gb->n_rules; i++)
-        if (strlen(gb->rules[i].name) == len && memcmp(gb->rules[i].name, name, len) == 0) return i;
+    if (gb->cap_by_name) {
+        int id = gb->by_name[name_slot(gb, name, len)] - 1;
+        if (id >= 0) return id;
+    }
     char *s = loom_xmalloc(len + 1);
     memcpy(s, name, len);
     s[len] = 0;
@@ -596,25 +635,42 @@ static int set_empty(const loom_gb_set_t *s) {
     return 1;
 }
 
-/* Left recursion: rule r can reach itself without consuming a byte. */
-static int left_dfs(const loom_gb_t *gb, const uint8_t *nullable, int r, uint8_t *state,
-                    int *culprit) {
+/* Left recursion: some rule reached from r reaches itself without consuming
+ * a byte. Depth-first on an explicit stack of (rule, alternative, element)
+ * frames, at most one per rule (stk: 3 x n_rules ints): a chain of
+ * thousands of rules must not exhaust the thread's stack. state: 0 unseen,
+ * 1 on the stack, 2 done. */
+static int left_dfs(const loom_gb_t *gb, const uint8_t *nullable, int r, uint8_t *state, int *culprit,
+                    int *stk) {
+    int sp = 1;
+    stk[0] = r, stk[1] = 0, stk[2] = 0;
     state[r] = 1;
-    const gb_rule_t *R = &gb->rules[r];
-    for (int a = 0; a < R->n_alts; a++) {
-        for (int i = 0; i < R->alts[a].n; i++) {
-            uint32_t e = R->alts[a].e[i];
-            if (EL_KIND(e) != K_REF) break;
-            int x = (int)EL_VAL(e);
-            if (state[x] == 1) {
-                *culprit = x;
-                return 1;
-            }
-            if (state[x] == 0 && left_dfs(gb, nullable, x, state, culprit)) return 1;
-            if (!nullable[x]) break;
+    while (sp > 0) {
+        int *f = &stk[3 * (sp - 1)];
+        const gb_rule_t *R = &gb->rules[f[0]];
+        if (f[1] >= R->n_alts) { /* every alternative seen */
+            state[f[0]] = 2;
+            sp--;
+            continue;
+        }
+        const gb_alt_t *A = &R->alts[f[1]];
+        if (f[2] >= A->n || EL_KIND(A->e[f[2]]) != K_REF) { /* this alternative consumes a byte here */
+            f[1]++, f[2] = 0;
+            continue;
+        }
+        int x = (int)EL_VAL(A->e[f[2]]);
+        if (state[x] == 1) {
+            *culprit = x;
+            return 1;
+        }
+        if (nullable[x]) f[2]++; /* what follows x may come first too */
+        else f[1]++, f[2] = 0;
+        if (state[x] == 0) {
+            state[x] = 1;
+            int *nf = &stk[3 * sp++];
+            nf[0] = x, nf[1] = 0, nf[2] = 0;
         }
     }
-    state[r] = 2;
     return 0;
 }
 
@@ -655,9 +711,11 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
                           "that cannot terminate)");
         goto done;
     }
+    int *stk = loom_xmalloc((size_t)n * 3 * sizeof *stk + 3 * sizeof *stk);
     for (int r = 0; r < n; r++) {
         int culprit = -1;
-        if (state[r] == 0 && left_dfs(gb, nullable, r, state, &culprit)) {
+        if (state[r] == 0 && left_dfs(gb, nullable, r, state, &culprit, stk)) {
+            free(stk);
             st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                               "grammar: rule '%s' is left-recursive (or repeats something that "
                               "can be empty)",
@@ -665,6 +723,7 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
             goto done;
         }
     }
+    free(stk);
     /* flatten, keeping only productive alternatives */
     g = loom_xcalloc(1, sizeof *g);
     g->refs = 1;
@@ -805,6 +864,21 @@ void loom_grammar_destroy(loom_grammar_t **g_p) {
     free(g->parena.v);
     walk_free(&g->pwalk);
     free(g);
+}
+
+size_t loom_grammar_bytes(const loom_grammar_t *g) {
+    if (!g) return 0;
+    size_t n = (size_t)g->n_rules, b = sizeof *g;
+    for (size_t i = 0; i < n; i++) b += sizeof *g->names + strlen(g->names[i]) + 1;
+    b += ((size_t)g->n_elems + 1) * (sizeof *g->elems + sizeof *g->elem_rule);
+    b += (n + 1) * sizeof *g->rule_alt0 + ((size_t)g->rule_alt0[n] + 1) * sizeof *g->alt_pos;
+    b += ((size_t)g->n_sets + 1) * sizeof *g->sets + n * sizeof *g->follow;
+    b += (size_t)g->tab_cap * sizeof *g->tab; /* the mask cache, as it has grown so far */
+    for (uint32_t i = 0; i < g->tab_cap; i++)
+        if (g->tab[i])
+            b += sizeof *g->tab[i] + ((size_t)g->tab[i]->n_ids + (size_t)g->tab[i]->n_unc) * sizeof(int32_t);
+    b += (size_t)g->parena.cap * sizeof *g->parena.v;
+    return b;
 }
 
 int loom_grammar_n_rules(const loom_grammar_t *g) {
@@ -1495,8 +1569,32 @@ typedef struct {
 struct loom_grammar_cache {
     gcache_entry_t *e;
     int n, cap;
+    size_t max_bytes; /* 0: no bound but the entry count */
     uint64_t tick, hits, misses;
 };
+
+void loom_grammar_cache_set_max_bytes(loom_grammar_cache_t *c, size_t max_bytes) { c->max_bytes = max_bytes; }
+
+/* The entries' bytes: spec copies and grammars as they are now (their mask
+ * caches grow as requests use them). */
+size_t loom_grammar_cache_bytes(const loom_grammar_cache_t *c) {
+    size_t b = 0;
+    for (int i = 0; i < c->n; i++) b += c->e[i].len + 1 + loom_grammar_bytes(c->e[i].g);
+    return b;
+}
+
+static void cache_drop(loom_grammar_cache_t *c, int i) {
+    free(c->e[i].spec);
+    loom_grammar_destroy(&c->e[i].g);
+    c->e[i] = c->e[--c->n];
+}
+
+static int cache_lru(const loom_grammar_cache_t *c) {
+    int slot = 0;
+    for (int i = 1; i < c->n; i++)
+        if (c->e[i].used < c->e[slot].used) slot = i;
+    return slot;
+}
 
 loom_grammar_cache_t *loom_grammar_cache_create(int capacity) {
     loom_grammar_cache_t *c = loom_xcalloc(1, sizeof *c);
@@ -1527,42 +1625,57 @@ static uint64_t spec_hash(int kind, const char *s, size_t n) {
 loom_status_t loom_grammar_cache_get(loom_grammar_cache_t *c, loom_grammar_kind_t kind,
                                      const char *spec, size_t len, loom_grammar_t **out,
                                      loom_err_t *err) {
-    uint64_t h = spec_hash((int)kind, spec, len);
-    c->tick++;
-    for (int i = 0; i < c->n; i++) {
-        gcache_entry_t *e = &c->e[i];
-        if (e->hash == h && e->kind == (int)kind && e->len == len &&
-            (len == 0 || memcmp(e->spec, spec, len) == 0)) {
-            e->used = c->tick;
-            c->hits++;
-            *out = loom_grammar_ref(e->g);
-            return LOOM_OK;
-        }
-    }
+    if (loom_grammar_cache_lookup(c, kind, spec, len, out)) return LOOM_OK;
     c->misses++;
     loom_grammar_t *g = NULL;
     LOOM_CHECK(loom_grammar_compile(kind, spec, len, &g, err));
-    int slot = c->n;
-    if (c->n == c->cap) { /* evict the least recently used */
-        slot = 0;
-        for (int i = 1; i < c->n; i++)
-            if (c->e[i].used < c->e[slot].used) slot = i;
-        free(c->e[slot].spec);
-        loom_grammar_destroy(&c->e[slot].g);
-    } else {
-        c->n++;
+    loom_grammar_cache_put(c, kind, spec, len, g);
+    *out = g;
+    return LOOM_OK;
+}
+
+static int gcache_find(const loom_grammar_cache_t *c, uint64_t h, int kind, const char *spec, size_t len) {
+    for (int i = 0; i < c->n; i++) {
+        const gcache_entry_t *e = &c->e[i];
+        if (e->hash == h && e->kind == kind && e->len == len && (len == 0 || memcmp(e->spec, spec, len) == 0))
+            return i;
     }
+    return -1;
+}
+
+int loom_grammar_cache_lookup(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                              loom_grammar_t **out) {
+    int i = gcache_find(c, spec_hash((int)kind, spec, len), (int)kind, spec, len);
+    c->tick++;
+    if (i < 0) return 0;
+    c->e[i].used = c->tick;
+    c->hits++;
+    *out = loom_grammar_ref(c->e[i].g);
+    return 1;
+}
+
+void loom_grammar_cache_put(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                            loom_grammar_t *g) {
+    uint64_t h = spec_hash((int)kind, spec, len);
+    if (gcache_find(c, h, (int)kind, spec, len) >= 0) return; /* compiled twice at once: one copy is enough */
+    size_t need = len + 1 + loom_grammar_bytes(g);
+    if (c->max_bytes && need > c->max_bytes) return; /* never fits: used, not kept */
+    while (c->n == c->cap) cache_drop(c, cache_lru(c)); /* evict the least recently used */
+    if (c->max_bytes)
+        while (c->n > 0 && loom_grammar_cache_bytes(c) + need > c->max_bytes) cache_drop(c, cache_lru(c));
+    int slot = c->n++;
+    c->tick++;
     gcache_entry_t *e = &c->e[slot];
     e->hash = h;
     e->kind = (int)kind;
     e->spec = loom_xmalloc(len + 1);
     if (len) memcpy(e->spec, spec, len);
     e->len = len;
-    e->g = g;
+    e->g = loom_grammar_ref(g);
     e->used = c->tick;
-    *out = loom_grammar_ref(g);
-    return LOOM_OK;
 }
+
+void loom_grammar_cache_miss(loom_grammar_cache_t *c) { c->misses++; }
 
 void loom_grammar_cache_stats(const loom_grammar_cache_t *c, uint64_t *hits, uint64_t *misses) {
     if (hits) *hits = c->hits;

@@ -112,5 +112,21 @@ loom_status_t loom_grammar_cache_get(loom_grammar_cache_t *c, loom_grammar_kind_
                                      const char *spec, size_t len, loom_grammar_t **out,
                                      loom_err_t *err);
 void loom_grammar_cache_stats(const loom_grammar_cache_t *c, uint64_t *hits, uint64_t *misses);
+/* The same in two halves, for compiling elsewhere (another thread): lookup
+ * gives a new reference and returns 1 on a hit, 0 on a miss (not counted:
+ * the caller counts it with _miss); put keeps its own reference to g. */
+int loom_grammar_cache_lookup(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                              loom_grammar_t **out);
+void loom_grammar_cache_put(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                            loom_grammar_t *g);
+void loom_grammar_cache_miss(loom_grammar_cache_t *c);
+/* Bounds the cache in bytes besides entries (0: no bound): the least recently
+ * used entries go until a new one fits; one larger than the bound alone is
+ * used but not kept. _bytes: what the entries hold now (spec copies, the
+ * grammars and their mask caches as they have grown). */
+void loom_grammar_cache_set_max_bytes(loom_grammar_cache_t *c, size_t max_bytes);
+size_t loom_grammar_cache_bytes(const loom_grammar_cache_t *c);
+/* A compiled grammar's bytes in memory (its mask cache included). */
+size_t loom_grammar_bytes(const loom_grammar_t *g);
 
 #endif
