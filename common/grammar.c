@@ -674,6 +674,131 @@ static int left_dfs(const loom_gb_t *gb, const uint8_t *nullable, int r, uint8_t
     return 0;
 }
 
+static void set_or(loom_gb_set_t *d, const loom_gb_set_t *s) {
+    for (int b = 0; b < 32; b++) d->b[b] |= s->b[b];
+}
+
+typedef struct {
+    int *from, *to;
+    int n, cap;
+} edges_t;
+
+static void edge_add(edges_t *e, int from, int to) {
+    if (e->n == e->cap) {
+        e->cap = e->cap ? e->cap * 2 : 256;
+        e->from = loom_xrealloc(e->from, (size_t)e->cap * sizeof *e->from);
+        e->to = loom_xrealloc(e->to, (size_t)e->cap * sizeof *e->to);
+    }
+    e->from[e->n] = from, e->to[e->n++] = to;
+}
+
+/* sets[to] |= sets[from] along every edge until nothing changes: a worklist
+ * of the rules whose set grew (each grows at most 256 times). */
+static void propagate(loom_gb_set_t *sets, int n, const edges_t *e) {
+    int *e0 = loom_xcalloc((size_t)n + 2, sizeof *e0), *out = loom_xmalloc(((size_t)e->n + 1) * sizeof *out);
+    for (int i = 0; i < e->n; i++) e0[e->from[i] + 1]++;
+    for (int x = 0; x < n; x++) e0[x + 1] += e0[x];
+    int *fill = loom_xmalloc(((size_t)n + 1) * sizeof *fill);
+    memcpy(fill, e0, (size_t)n * sizeof *fill);
+    for (int i = 0; i < e->n; i++) out[fill[e->from[i]]++] = e->to[i];
+    int *queue = loom_xmalloc(((size_t)n + 1) * sizeof *queue); /* a ring: each rule in it at most once */
+    uint8_t *in = loom_xcalloc((size_t)n + 1, 1);
+    int head = 0, len = 0;
+    for (int x = 0; x < n; x++)
+        if (e0[x + 1] > e0[x]) queue[len++] = x, in[x] = 1;
+    while (len > 0) {
+        int x = queue[head];
+        head = (head + 1) % n, len--;
+        in[x] = 0;
+        for (int o = e0[x]; o < e0[x + 1]; o++) {
+            loom_gb_set_t *d = &sets[out[o]];
+            int grew = 0;
+            for (int b = 0; b < 32; b++) {
+                uint8_t nb = (uint8_t)(d->b[b] | sets[x].b[b]);
+                if (nb != d->b[b]) d->b[b] = nb, grew = 1;
+            }
+            if (grew && !in[out[o]]) {
+                queue[(head + len) % n] = out[o], len++;
+                in[out[o]] = 1;
+            }
+        }
+    }
+    free(in);
+    free(queue);
+    free(fill);
+    free(out);
+    free(e0);
+}
+
+/* Nullable and productive rules, in time linear in the grammar (a fixpoint
+ * over all rules took a pass per level of a deep schema: quadratic). Each
+ * alternative counts the references it still waits for; a rule that becomes
+ * nullable (productive) pays its occurrences, and an alternative whose count
+ * reaches 0 makes its rule so. A byte set makes an alternative never
+ * nullable; an empty one, never productive. */
+static void nullable_productive(const loom_gb_t *gb, uint8_t *nullable, uint8_t *productive) {
+    int n = gb->n_rules, n_alts = 0, n_occ = 0;
+    for (int r = 0; r < n; r++) {
+        n_alts += gb->rules[r].n_alts;
+        for (int a = 0; a < gb->rules[r].n_alts; a++)
+            for (int i = 0; i < gb->rules[r].alts[a].n; i++) n_occ += EL_KIND(gb->rules[r].alts[a].e[i]) == K_REF;
+    }
+    int *alt_rule = loom_xmalloc(((size_t)n_alts + 1) * sizeof *alt_rule);
+    int *need_nul = loom_xmalloc(((size_t)n_alts + 1) * sizeof *need_nul); /* -1: never */
+    int *need_prod = loom_xmalloc(((size_t)n_alts + 1) * sizeof *need_prod);
+    int *occ0 = loom_xcalloc((size_t)n + 2, sizeof *occ0); /* occurrences of rule x: occ[occ0[x] .. occ0[x+1]) */
+    int *occ = loom_xmalloc(((size_t)n_occ + 1) * sizeof *occ);
+    int *queue = loom_xmalloc(((size_t)n * 2 + 1) * sizeof *queue);
+    for (int r = 0, k = 0; r < n; r++)
+        for (int a = 0; a < gb->rules[r].n_alts; a++, k++) {
+            const gb_alt_t *A = &gb->rules[r].alts[a];
+            alt_rule[k] = r;
+            need_nul[k] = need_prod[k] = 0;
+            for (int i = 0; i < A->n; i++) {
+                uint32_t e = A->e[i];
+                if (EL_KIND(e) == K_SET) {
+                    need_nul[k] = -1;
+                    if (set_empty(&gb->sets[EL_VAL(e)])) need_prod[k] = -1;
+                } else {
+                    occ0[EL_VAL(e) + 1]++;
+                    if (need_nul[k] >= 0) need_nul[k]++;
+                    if (need_prod[k] >= 0) need_prod[k]++;
+                }
+            }
+        }
+    for (int x = 0; x < n; x++) occ0[x + 1] += occ0[x];
+    int *fill = loom_xmalloc(((size_t)n + 1) * sizeof *fill);
+    memcpy(fill, occ0, (size_t)n * sizeof *fill);
+    for (int r = 0, k = 0; r < n; r++)
+        for (int a = 0; a < gb->rules[r].n_alts; a++, k++)
+            for (int i = 0; i < gb->rules[r].alts[a].n; i++) {
+                uint32_t e = gb->rules[r].alts[a].e[i];
+                if (EL_KIND(e) == K_REF) occ[fill[EL_VAL(e)]++] = k;
+            }
+    for (int pass = 0; pass < 2; pass++) { /* 0: nullable, 1: productive */
+        uint8_t *done = pass ? productive : nullable;
+        int *need = pass ? need_prod : need_nul;
+        int head = 0, tail = 0;
+        for (int k = 0; k < n_alts; k++)
+            if (need[k] == 0 && !done[alt_rule[k]]) done[alt_rule[k]] = 1, queue[tail++] = alt_rule[k];
+        while (head < tail) {
+            int x = queue[head++];
+            for (int o = occ0[x]; o < occ0[x + 1]; o++) {
+                int k = occ[o];
+                if (need[k] > 0 && --need[k] == 0 && !done[alt_rule[k]])
+                    done[alt_rule[k]] = 1, queue[tail++] = alt_rule[k];
+            }
+        }
+    }
+    free(fill);
+    free(queue);
+    free(occ);
+    free(occ0);
+    free(need_prod);
+    free(need_nul);
+    free(alt_rule);
+}
+
 loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, loom_err_t *err) {
     loom_gb_t *gb = *gb_p;
     loom_status_t st = gb_check_refs(gb, err);
@@ -683,28 +808,7 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
     uint8_t *state = loom_xcalloc((size_t)n, 1);
     loom_grammar_t *g = NULL;
     if (st < 0) goto done;
-    /* nullable and productive rules, by fixpoint */
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < n; r++) {
-            const gb_rule_t *R = &gb->rules[r];
-            for (int a = 0; a < R->n_alts; a++) {
-                int nul = 1, prod = 1;
-                for (int i = 0; i < R->alts[a].n; i++) {
-                    uint32_t e = R->alts[a].e[i];
-                    if (EL_KIND(e) == K_SET) {
-                        nul = 0;
-                        if (set_empty(&gb->sets[EL_VAL(e)])) prod = 0;
-                    } else {
-                        if (!nullable[EL_VAL(e)]) nul = 0;
-                        if (!productive[EL_VAL(e)]) prod = 0;
-                    }
-                }
-                if (nul && !nullable[r]) nullable[r] = 1, changed = 1;
-                if (prod && !productive[r]) productive[r] = 1, changed = 1;
-            }
-        }
-    }
+    nullable_productive(gb, nullable, productive);
     if (!productive[root]) {
         st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                           "grammar: no finite output satisfies it (unsatisfiable, or recursion "
@@ -767,54 +871,42 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
     g->n_sets = gb->n_sets;
     g->sets = loom_xcalloc((size_t)gb->n_sets + 1, sizeof *g->sets);
     if (gb->n_sets) memcpy(g->sets, gb->sets, (size_t)gb->n_sets * sizeof *g->sets);
-    /* FIRST and FOLLOW sets over bytes */
+    /* FIRST and FOLLOW sets over bytes: the byte sets each gets directly,
+     * then propagated along edges by a worklist (first: from a rule in an
+     * alternative's nullable prefix to the alternative's rule; follow: from
+     * a rule to one whose occurrence ends its alternative, up to nullables) */
     loom_gb_set_t *first = loom_xcalloc((size_t)n, sizeof *first);
     g->follow = loom_xcalloc((size_t)n, sizeof *g->follow);
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < n; r++) {
-            for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++) {
-                for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
-                    uint32_t e = g->elems[p];
-                    const loom_gb_set_t *s =
-                        EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)];
-                    for (int b = 0; b < 32; b++) {
-                        uint8_t nb = (uint8_t)(first[r].b[b] | s->b[b]);
-                        if (nb != first[r].b[b]) first[r].b[b] = nb, changed = 1;
-                    }
+    edges_t ed = {0};
+    for (int r = 0; r < n; r++)
+        for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++)
+            for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
+                uint32_t e = g->elems[p];
+                if (EL_KIND(e) == K_SET) {
+                    set_or(&first[r], &g->sets[EL_VAL(e)]);
+                    break;
+                }
+                edge_add(&ed, (int)EL_VAL(e), r);
+                if (!nullable[EL_VAL(e)]) break;
+            }
+    propagate(first, n, &ed);
+    ed.n = 0;
+    for (int r = 0; r < n; r++)
+        for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++)
+            for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
+                if (EL_KIND(g->elems[p]) != K_REF) continue;
+                int x = (int)EL_VAL(g->elems[p]);
+                int q = p + 1;
+                for (; EL_KIND(g->elems[q]) != K_END; q++) {
+                    uint32_t e = g->elems[q];
+                    set_or(&g->follow[x], EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)]);
                     if (EL_KIND(e) == K_SET || !nullable[EL_VAL(e)]) break;
                 }
+                if (EL_KIND(g->elems[q]) == K_END) edge_add(&ed, r, x);
             }
-        }
-    }
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < n; r++) {
-            for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++) {
-                for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
-                    if (EL_KIND(g->elems[p]) != K_REF) continue;
-                    int x = (int)EL_VAL(g->elems[p]);
-                    loom_gb_set_t f = {{0}};
-                    int q = p + 1;
-                    for (; EL_KIND(g->elems[q]) != K_END; q++) {
-                        uint32_t e = g->elems[q];
-                        const loom_gb_set_t *s =
-                            EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)];
-                        for (int b = 0; b < 32; b++)
-                            f.b[b] |= s->b[b];
-                        if (EL_KIND(e) == K_SET || !nullable[EL_VAL(e)]) break;
-                    }
-                    if (EL_KIND(g->elems[q]) == K_END)
-                        for (int b = 0; b < 32; b++)
-                            f.b[b] |= g->follow[r].b[b];
-                    for (int b = 0; b < 32; b++) {
-                        uint8_t nb = (uint8_t)(g->follow[x].b[b] | f.b[b]);
-                        if (nb != g->follow[x].b[b]) g->follow[x].b[b] = nb, changed = 1;
-                    }
-                }
-            }
-        }
-    }
+    propagate(g->follow, n, &ed);
+    free(ed.from);
+    free(ed.to);
     free(first);
     *out = g;
 done:
