@@ -63,13 +63,35 @@ struct loom_gb {
     int n_rules, cap_rules;
     int *by_name; /* open addressing over rule names: rule id + 1, 0 empty (cap_by_name a power of 2) */
     size_t cap_by_name;
+    loom_grammar_limits_t *lim; /* this compilation's bounds (NULL: none) */
+    size_t bytes;               /* what the builder holds, roughly */
+    uint64_t n_push;            /* elements pushed: the clock (and the stop flag) is read every 4Ki */
+    int over;                   /* past a bound: nothing more is added */
     loom_gb_set_t *sets;
     int n_sets, cap_sets;
 };
 
+/* The bounds of the compilation running on this thread (set by
+ * loom_grammar_compile_limited for the length of one call): the builders
+ * are made deep inside each compiler, which need not know of them. */
+static _Thread_local loom_grammar_limits_t *tl_limits;
+
 loom_gb_t *loom_gb_create(void) {
     loom_gb_t *gb = loom_xcalloc(1, sizeof *gb);
+    gb->lim = tl_limits;
     return gb;
+}
+
+/* Counts bytes added (and now and then the time) against the bounds. */
+static int gb_over(loom_gb_t *gb, size_t add) {
+    if (gb->over) return 1;
+    gb->bytes += add;
+    if (!gb->lim) return 0;
+    if (gb->lim->max_bytes && gb->bytes > gb->lim->max_bytes) gb->over = LOOM_GRAMMAR_LIMIT_BYTES;
+    else if ((++gb->n_push & 0xFFF) == 0 && ((gb->lim->stop && atomic_load(gb->lim->stop)) ||
+                                               (gb->lim->deadline_ns && loom_now_ns() > gb->lim->deadline_ns)))
+        gb->over = LOOM_GRAMMAR_LIMIT_TIME;
+    return gb->over != 0;
 }
 
 void loom_gb_destroy(loom_gb_t **gb_p) {
@@ -122,6 +144,7 @@ static void name_index(loom_gb_t *gb, int id) {
 }
 
 int loom_gb_rule(loom_gb_t *gb, const char *name) {
+    gb_over(gb, sizeof(gb_rule_t) + 2 * sizeof(int) + 16);
     if (gb->n_rules == gb->cap_rules) {
         gb->cap_rules = gb->cap_rules ? gb->cap_rules * 2 : 64;
         gb->rules = loom_xrealloc(gb->rules, (size_t)gb->cap_rules * sizeof *gb->rules);
@@ -175,6 +198,7 @@ void loom_gb_alt(loom_gb_t *gb, int rule) {
 }
 
 static void gb_push(loom_gb_t *gb, int rule, uint32_t e) {
+    if (gb_over(gb, sizeof e)) return;
     gb_rule_t *r = &gb->rules[rule];
     if (r->n_alts == 0) loom_gb_alt(gb, rule);
     gb_alt_t *a = &r->alts[r->n_alts - 1];
@@ -799,8 +823,24 @@ static void nullable_productive(const loom_gb_t *gb, uint8_t *nullable, uint8_t 
     free(alt_rule);
 }
 
+/* The error for a compilation past its bounds (sets lim->hit). */
+static loom_status_t over_error(loom_grammar_limits_t *lim, int why, size_t bytes, loom_err_t *err) {
+    lim->hit = why;
+    if (why == LOOM_GRAMMAR_LIMIT_BYTES)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "grammar too large: compiling it passed the limit of %zu bytes (reached %zu)",
+                            lim->max_bytes, bytes);
+    return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar too slow to compile: it passed its time limit");
+}
+
 loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, loom_err_t *err) {
     loom_gb_t *gb = *gb_p;
+    if (gb->over) {
+        loom_status_t st = over_error(gb->lim, gb->over, gb->bytes, err);
+        loom_gb_destroy(gb_p);
+        *out = NULL;
+        return st;
+    }
     loom_status_t st = gb_check_refs(gb, err);
     int n = gb->n_rules;
     uint8_t *nullable = loom_xcalloc((size_t)n, 1);
@@ -1772,6 +1812,23 @@ void loom_grammar_cache_miss(loom_grammar_cache_t *c) { c->misses++; }
 void loom_grammar_cache_stats(const loom_grammar_cache_t *c, uint64_t *hits, uint64_t *misses) {
     if (hits) *hits = c->hits;
     if (misses) *misses = c->misses;
+}
+
+loom_status_t loom_grammar_compile_limited(loom_grammar_kind_t kind, const char *spec, size_t len,
+                                           loom_grammar_limits_t *lim, loom_grammar_t **out, loom_err_t *err) {
+    lim->hit = 0;
+    tl_limits = lim;
+    loom_status_t st = loom_grammar_compile(kind, spec, len, out, err);
+    tl_limits = NULL;
+    if (st == LOOM_OK && lim->max_bytes && loom_grammar_bytes(*out) > lim->max_bytes) {
+        size_t b = loom_grammar_bytes(*out);
+        loom_grammar_destroy(out);
+        st = over_error(lim, LOOM_GRAMMAR_LIMIT_BYTES, b, err);
+    } else if (st == LOOM_OK && lim->deadline_ns && loom_now_ns() > lim->deadline_ns) {
+        loom_grammar_destroy(out);
+        st = over_error(lim, LOOM_GRAMMAR_LIMIT_TIME, 0, err);
+    }
+    return st;
 }
 
 loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, size_t len,

@@ -18,6 +18,7 @@
 #ifndef LOOM_GRAMMAR_H
 #define LOOM_GRAMMAR_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -42,6 +43,22 @@ typedef enum loom_grammar_kind {
  * message naming the problem). */
 loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, size_t len,
                                    loom_grammar_t **out, loom_err_t *err);
+
+/* Bounds on one compilation: its time, and the bytes its builder and the
+ * compiled grammar hold. Past either, compilation stops adding to the
+ * grammar and fails with LOOM_ERR_INVALID_ARGUMENT ("grammar too large" /
+ * "too slow to compile"), and hit says which (the caller names its flag). */
+typedef struct loom_grammar_limits {
+    uint64_t deadline_ns; /* loom_now_ns() past which it gives up (0: none) */
+    size_t max_bytes;     /* 0: no bound */
+    _Atomic int *stop;    /* non-zero: give up as at the deadline (another thread cancels; NULL: none) */
+    int hit;              /* out: LOOM_GRAMMAR_LIMIT_TIME or _BYTES (0: none) */
+} loom_grammar_limits_t;
+#define LOOM_GRAMMAR_LIMIT_TIME 1
+#define LOOM_GRAMMAR_LIMIT_BYTES 2
+/* loom_grammar_compile within lim (any thread: compilations share nothing). */
+loom_status_t loom_grammar_compile_limited(loom_grammar_kind_t kind, const char *spec, size_t len,
+                                           loom_grammar_limits_t *lim, loom_grammar_t **out, loom_err_t *err);
 loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, loom_grammar_t **out,
                                                loom_err_t *err);
 loom_status_t loom_grammar_compile_json_object(loom_grammar_t **out, loom_err_t *err);

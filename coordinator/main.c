@@ -113,7 +113,9 @@ int main(int argc, char **argv) {
                               .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
                               .max_queue = 1024, .block_size = 16, .kv_fraction = 0.25f, .prefix_cache = 1,
                               .heartbeat_timeout_ms = 1500, .step_timeout_ms = 30000, .step_token_us = 20000,
-                              .liveness_timeout_ms = 10000, .recovery_timeout_ms = 10000, .cluster = "default",
+                              .liveness_timeout_ms = 10000, .prepare_threads = 2,
+                              .grammar_compile_timeout_ms = 30000, .grammar_max_bytes = 256ull << 20,
+                              .grammar_cache_bytes = 1ull << 30, .recovery_timeout_ms = 10000, .cluster = "default",
                               .etcd_ttl = 5};
     int shutdown_timeout_s = 30;
     c.kv_cache_dtype = "auto";
@@ -217,6 +219,16 @@ int main(int argc, char **argv) {
         {"liveness-timeout-ms", LOOM_OPT_INT, &c.liveness_timeout_ms, "MS",
          "Health (and HTTP /health) reports not ready when the reactor has not turned, or no step has completed "
          "while requests wait, for this long; 0: off (default 10000)", 0, 3600000, NULL},
+        {"prepare-threads", LOOM_OPT_INT, &c.prepare_threads, "N",
+         "threads that compile grammars and tokenize long prompts off the reactor (default 2)", 1, 64, NULL},
+        {"grammar-compile-timeout-ms", LOOM_OPT_INT, &c.grammar_compile_timeout_ms, "MS",
+         "a request's grammar (JSON schema, regex, choice, EBNF) must compile within this, else 400 (default 30000)",
+         1, 3600000, NULL},
+        {"grammar-max-bytes", LOOM_OPT_U64, &c.grammar_max_bytes, "BYTES",
+         "a request's compiled grammar may hold this much memory, else 400 (default 268435456)", 4096, 1e15, NULL},
+        {"grammar-cache-bytes", LOOM_OPT_U64, &c.grammar_cache_bytes, "BYTES",
+         "compiled grammars kept for reuse, least recently used dropped first; 0: only the 64-entry bound "
+         "(default 1073741824)", 0, 1e15, NULL},
         {"heartbeat-timeout-ms", LOOM_OPT_INT, &c.heartbeat_timeout_ms, "MS",
          "declare a silent worker lost after this long (default 1500)", 200, 600000, NULL},
         {"recovery-timeout-ms", LOOM_OPT_INT, &c.recovery_timeout_ms, "MS",

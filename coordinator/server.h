@@ -33,6 +33,11 @@ typedef struct loom_server_config {
     int heartbeat_timeout_ms;
     int step_timeout_ms, step_token_us; /* a step's deadline: floor + tokens x per-token bound */
     int liveness_timeout_ms;            /* Health is not ready when the reactor or the steps stall this long */
+    /* the preparation pool (prepare.h): grammar compilation and long prompts off the reactor */
+    int prepare_threads;
+    int grammar_compile_timeout_ms; /* a request's grammar compiles within this, else 400 */
+    uint64_t grammar_max_bytes;     /* a grammar's compiled (and building) bytes, else 400 */
+    uint64_t grammar_cache_bytes;   /* the compiled grammars kept for reuse (0: only their count) */
     int recovery_timeout_ms;  /* how long requests wait for a broken grid to be restored */
     const char *api_key;      /* required in every request when set */
     const char *ready_file;   /* written with the API address once the grid is ready */

@@ -14,6 +14,7 @@
 
 #include "common/grammar.h"
 #include "common/tokenizer.h"
+#include "common/util.h"
 #include "tests/test.h"
 
 static const char *g_gen_dir = NULL, *g_work_dir = "/tmp", *g_python = "python3";
@@ -767,6 +768,34 @@ static void test_cache_bytes(void) {
     loom_grammar_cache_destroy(&c);
 }
 
+/* Compilation bounds: past the byte bound or the deadline (or when stopped
+ * from another thread) it fails with a message naming the bound, and hit
+ * says which; within them it compiles as usual. */
+static void test_limits(void) {
+    char *gr = chain_grammar(3000, 0);
+    REQUIRE(gr);
+    loom_grammar_t *g = NULL;
+    loom_err_t err = {0};
+    loom_grammar_limits_t lim = {.max_bytes = 20000};
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_EBNF, gr, strlen(gr), &lim, &g, &err) < 0 && !g);
+    CHECK(lim.hit == LOOM_GRAMMAR_LIMIT_BYTES);
+    CHECKF(strstr(err.msg, "grammar too large") && strstr(err.msg, "20000"), "message: %s", err.msg);
+    lim = (loom_grammar_limits_t){.deadline_ns = 1}; /* long past */
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_EBNF, gr, strlen(gr), &lim, &g, &err) < 0 && !g);
+    CHECK(lim.hit == LOOM_GRAMMAR_LIMIT_TIME);
+    CHECKF(strstr(err.msg, "time limit") != NULL, "message: %s", err.msg);
+    lim = (loom_grammar_limits_t){.max_bytes = 64u << 20, .deadline_ns = loom_now_ns() + 60000000000ull};
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_EBNF, gr, strlen(gr), &lim, &g, &err) == LOOM_OK && g);
+    CHECK(lim.hit == 0 && loom_grammar_bytes(g) < (64u << 20));
+    loom_grammar_destroy(&g);
+    /* the bound also holds what the builder makes before the grammar exists */
+    lim = (loom_grammar_limits_t){.max_bytes = 100000};
+    const char *rep = "[a-z]{0,4096}[0-9]{0,4096}";
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_REGEX, rep, strlen(rep), &lim, &g, &err) < 0 && !g);
+    CHECKF(lim.hit == LOOM_GRAMMAR_LIMIT_BYTES, "hit %d: %s", lim.hit, err.msg);
+    free(gr);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--gen-dir") == 0)
@@ -785,6 +814,7 @@ int main(int argc, char **argv) {
     RUN(test_cache);
     RUN(test_cache_bytes);
     RUN(test_long_chain);
+    RUN(test_limits);
     RUN(test_mutations);
     RUN(test_masks_stories);
     RUN(test_masks_bytelevel);
