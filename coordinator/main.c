@@ -295,6 +295,10 @@ int main(int argc, char **argv) {
          "tcp data plane: encrypt every frame (ChaCha20-Poly1305, keys from the epoch's secret); "
          "costs CPU per MB, see docs/benchmarks.md (shm and nccl are not affected)",
          1, 0, NULL},
+        {"insecure", LOOM_OPT_FLAG, &c.security.insecure, NULL,
+         "run the control plane without worker keys (needed when --control binds an address other hosts can "
+         "reach; on loopback it only silences the warning)",
+         1, 0, NULL},
         {"insecure-api", LOOM_OPT_FLAG, &c.security.insecure_api, NULL,
          "serve a client API bound to a non-loopback address without client keys (anyone who "
          "reaches it may use it)",

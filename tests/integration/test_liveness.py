@@ -92,6 +92,7 @@ def check_outcomes(res, since):
         if t < since:
             continue
         check(rc != "timeout", "a request never ended: %s" % line)
+        check("UNAVAILABLE: UNAVAILABLE" not in line, "a doubled status prefix: %s" % line)
         check(rc == 0 or "UNAVAILABLE" in line, "a request failed with a non-retryable error: %s" % line)
 
 
