@@ -27,6 +27,7 @@ typedef struct loom_http_config {
                                   /version, with slots of its own (NULL: none) */
     const char *tls_cert;      /* PEM certificate chain: serve HTTPS on bind (with tls_key; NULL: plain) */
     const char *tls_key;       /* PEM private key of tls_cert */
+    const char *tls_priorities; /* GnuTLS priority string (--ssl-ciphers; NULL: TLS 1.2+, forward secret, AEAD) */
     int header_timeout_s;      /* a request's headers must be complete this long after the connection
                                   opened or its previous response ended (0: 10; < 0: no deadline) */
     int body_timeout_s;        /* its body this long after the headers (0: 60; < 0: no deadline) */

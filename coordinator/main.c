@@ -126,7 +126,7 @@ int main(int argc, char **argv) {
     const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     vllm_opts_t vo = {.port = -1};
-    const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
+    const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL, *ssl_ciphers = NULL;
     const char *pooling = NULL;
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
@@ -342,6 +342,10 @@ int main(int argc, char **argv) {
         {"tls-cert", LOOM_OPT_STR, &tls_cert, "FILE",
          "serve --http over TLS (HTTPS) with this PEM certificate chain (with --tls-key)", 1, 0,
          NULL},
+        {"ssl-ciphers", LOOM_OPT_STR, &ssl_ciphers, "PRIORITIES",
+         "HTTPS protocol versions and cipher suites, as a GnuTLS priority string (default: TLS 1.2 and 1.3, "
+         "forward-secret key exchanges, AEAD ciphers only; 'NORMAL' is GnuTLS's own default)",
+         1, 0, NULL},
         {"tls-key", LOOM_OPT_STR, &tls_key, "FILE", "the PEM private key of --tls-cert", 1, 0,
          NULL},
         {"http-header-timeout-s", LOOM_OPT_INT, &header_timeout, "S",
@@ -479,6 +483,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --chat-template only matters with --http\n");
         return 2;
     }
+    if (ssl_ciphers && !tls_cert) {
+        fprintf(stderr, "error: --ssl-ciphers needs --tls-cert and --tls-key\n");
+        return 2;
+    }
     if ((probe_bind || tls_cert || tls_key) && !http_bind) {
         fprintf(stderr, "error: --probe-listen, --tls-cert and --tls-key need --http\n");
         return 2;
@@ -498,6 +506,7 @@ int main(int argc, char **argv) {
                                  .max_connections = http_conns, .idle_timeout_s = http_timeout,
                                  .gen_defaults = has_gen ? &gen : NULL,
                                  .probe_bind = probe_bind, .tls_cert = tls_cert, .tls_key = tls_key,
+                                 .tls_priorities = ssl_ciphers,
                                  .header_timeout_s = header_timeout, .body_timeout_s = body_timeout,
                                  .max_connections_per_ip = conns_per_ip,
                                  .chat_special_in_content = special_in_content};

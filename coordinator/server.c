@@ -1456,6 +1456,8 @@ static void liveness_turn(loom_server_t *s) {
     }
 }
 
+int loom_server_max_queue(const loom_server_t *s) { return s->cfg.max_queue; }
+
 int loom_server_liveness(const loom_server_t *s, char *msg, size_t cap) {
     int limit_ms = s->cfg.liveness_timeout_ms;
     if (limit_ms <= 0) return 1;

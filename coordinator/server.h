@@ -78,6 +78,9 @@ void loom_server_destroy(loom_server_t **s_p);
 struct loom_metrics;
 struct loom_metrics *loom_server_metrics(loom_server_t *s);
 
+/* --max-queue: the most requests that ever wait at once (constant). */
+int loom_server_max_queue(const loom_server_t *s);
+
 /* Thread-safe: 1 when the reactor turned and (with requests waiting on a
  * READY grid) a step completed within --liveness-timeout-ms; else 0 and
  * msg says which ("stalled: ..."). Health (ZeroMQ and HTTP) reports it. */

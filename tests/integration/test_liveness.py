@@ -18,7 +18,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Cluster, STORIES, check, free_port, run_tests, wait_for  # noqa: E402
+from harness import Cluster, STORIES, check, free_port, kill, open_stream, run_tests, wait_for  # noqa: E402
 
 PROMPT = "Once upon a time"
 
@@ -187,5 +187,30 @@ def test_step_deadline():
         served_after(c, t_cont)
 
 
+def test_stream_ends_with_error_event():
+    """The grid fails a streaming request mid-stream (its only worker killed,
+    not back within --recovery-timeout-ms): the SSE stream ends with one
+    error event, then data: [DONE]."""
+    http = free_port()
+    with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % http, "--recovery-timeout-ms", "500"]) as c:
+        s, got = open_stream(http, {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}, events=3)
+        kill(c.pid("worker-0"))
+        s.settimeout(60)
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            got += b
+        s.close()
+        events = [ln[6:] for ln in got.decode(errors="replace").splitlines() if ln.startswith("data: ")]
+        check(events[-1] == "[DONE]", "the stream does not end with [DONE]: %r" % events[-3:])
+        if "finish_reason\":\"length" in events[-2]:  # it finished before the kill took effect
+            return
+        err = json.loads(events[-2]).get("error")
+        check(err and "not restored" in err["message"] and err["code"] == "service_unavailable",
+              "the last event before [DONE] is not the error: %r" % events[-2])
+
+
 if __name__ == "__main__":
-    run_tests([test_pause_keyed_coordinator, test_health_stalled_reactor, test_step_deadline])
+    run_tests([test_pause_keyed_coordinator, test_health_stalled_reactor, test_step_deadline,
+               test_stream_ends_with_error_event])
