@@ -88,7 +88,7 @@ struct loom_grid {
     loom_zap_t *ctl_zap; /* authenticates the control plane's peers (NULL: not keyed) */
     loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
-    uint64_t last_hb_sent, last_check;
+    uint64_t last_hb_sent, last_check, last_tick;
     uint64_t n_step_timeouts; /* steps failed for their deadline */
 
     /* etcd membership (optional) */
@@ -795,6 +795,12 @@ void loom_grid_tick(loom_grid_t *g) {
     etcd_drain(g);
     probes_poll(g);
     uint64_t now = loom_now_ns();
+    /* the reactor itself stood still (paused, descheduled): that time is not
+     * the steps' to answer in; their results may be waiting unread */
+    if (g->last_tick && now - g->last_tick > 1000000000ull)
+        for (int i = 0; i < g->n_inflight; i++)
+            if (g->inflight[i].deadline) g->inflight[i].deadline += now - g->last_tick;
+    g->last_tick = now;
     if (now - g->last_check >= LIVENESS_CHECK_MS * 1000000ull) {
         g->last_check = now;
         uint64_t limit = (uint64_t)g->cfg.heartbeat_timeout_ms * 1000000ull;

@@ -112,7 +112,7 @@ int main(int argc, char **argv) {
     loom_server_config_t c = {.tp = 1, .pp = 1, .listen = "tcp://127.0.0.1:5555", .control = "tcp://127.0.0.1:5556",
                               .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
                               .max_queue = 1024, .block_size = 16, .kv_fraction = 0.25f, .prefix_cache = 1,
-                              .heartbeat_timeout_ms = 1500, .step_timeout_ms = 30000, .step_token_us = 20000,
+                              .heartbeat_timeout_ms = 1500, .step_timeout_ms = 30000, .step_token_us = 100000,
                               .liveness_timeout_ms = 10000, .prepare_threads = 2,
                               .grammar_compile_timeout_ms = 30000, .grammar_max_bytes = 256ull << 20,
                               .grammar_cache_bytes = 1ull << 30, .recovery_timeout_ms = 10000, .cluster = "default",
@@ -215,7 +215,7 @@ int main(int argc, char **argv) {
          "a step in flight longer than this plus --step-timeout-per-token-us per token fails the epoch as a lost "
          "worker does, and its requests are re-planned; 0: no bound (default 30000)", 0, 3600000, NULL},
         {"step-timeout-per-token-us", LOOM_OPT_INT, &c.step_token_us, "US",
-         "a step's deadline grows by this much per token it carries (default 20000)", 0, 10000000, NULL},
+         "a step's deadline grows by this much per token it carries (default 100000)", 0, 10000000, NULL},
         {"liveness-timeout-ms", LOOM_OPT_INT, &c.liveness_timeout_ms, "MS",
          "Health (and HTTP /health) reports not ready when the reactor has not turned, or no step has completed "
          "while requests wait, for this long; 0: off (default 10000)", 0, 3600000, NULL},

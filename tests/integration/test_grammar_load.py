@@ -208,6 +208,9 @@ def test_limits_and_disconnect():
             s.close()
         st, data = post(http_port, {"prompt": PROMPT, "max_tokens": 4})
         check(st == 200, "served after clients left: %d %r" % (st, data[:300]))
+        # a prompt over 16 KB is tokenized on the pool: this one is then over the context, a 400 naming it
+        st, data = post(http_port, {"prompt": "Once upon a time there was a dog. " * 1500, "max_tokens": 4})
+        check(st == 400 and b"context length" in data, "a 50 KB prompt: %d %r" % (st, data[:300]))
     with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % http_port, "--max-body-bytes", "8388608",
                                              "--grammar-compile-timeout-ms", "1"]) as c:
         st, data = post(http_port, body)
