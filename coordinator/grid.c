@@ -480,7 +480,10 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
             LOOM_WARN("refused a registration as worker %.*s from another identity", (int)rid_len, (const char *)rid);
             return;
         }
-        if (!r->left_grid && w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
+        /* left_grid naming this coordinator's current epoch: the worker left
+         * it (it found us silent); naming another grid: a retry */
+        int left = r->left_grid && r->left_incarnation == g->incarnation && r->left_epoch == g->epoch;
+        if (!left && w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
             !strcmp(w->host_id, r->host_id)) {
             /* the same process again (its retry crossed our answer): it holds the slot */
             w->last_seen_ns = loom_now_ns();
@@ -493,7 +496,7 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
         }
         /* left_grid: the same process, but it found this coordinator silent
          * (paused, or cut off) and aborted its data plane: its epoch is gone */
-        lose_worker(g, i, r->left_grid ? "left the grid (it found this coordinator silent) and registered again"
+        lose_worker(g, i, left ? "left the grid (it found this coordinator silent) and registered again"
                                        : "registered again");
     }
     if (!r->worker_id || strlen(r->worker_id) != rid_len || memcmp(r->worker_id, rid, rid_len) != 0 ||

@@ -52,9 +52,10 @@
  *   - A Register from the process that already holds a slot (same pid, data
  *     address and host) is a retry: answered with a heartbeat, nothing else
  *     changes. From a new process with the same id, or from the same one
- *     saying it left the grid (Register.left_grid: it found this coordinator
- *     silent, e.g. paused past --coordinator-timeout-ms, and aborted its data
- *     plane), it is a restart: the slot is lost (the epoch aborted) and
+ *     saying it left this coordinator's current epoch (Register.left_grid,
+ *     left_incarnation and left_epoch: it found this coordinator silent, e.g.
+ *     paused past --coordinator-timeout-ms, and aborted its data plane), it
+ *     is a restart: the slot is lost (the epoch aborted) and
  *     registered afresh. Taking that one for a retry wedged the grid: the
  *     worker drops plans of the epochs it left, the coordinator waited for
  *     their results forever.

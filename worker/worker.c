@@ -73,6 +73,8 @@ typedef struct worker {
     loom_comm_t *comm;
     _Atomic uint64_t aborted_epoch; /* plans of this epoch or older fail fast */
     uint64_t incarnation; /* reactor: the coordinator process of the last Assign (0: none yet) */
+    uint64_t assigned_epoch;                  /* reactor: the epoch of the last Assign */
+    uint64_t left_epoch, left_incarnation;    /* reactor: the grid it left last (Register.left_*) */
     _Atomic uint64_t busy_ns, comm_ns, steps, padded_steps;
     _Atomic uint64_t joined_epoch; /* the last epoch this worker sent Ready for */
 
@@ -682,6 +684,10 @@ static void send_register(worker_t *w, int left_grid) {
     r.shard_tp_size = w->shard_tp_size;
     r.shard_model_dir = w->shard_model_dir;
     r.left_grid = left_grid != 0;
+    if (left_grid) {
+        r.left_epoch = w->left_epoch;
+        r.left_incarnation = w->left_incarnation;
+    }
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_REGISTER;
     m.register_ = &r;
@@ -748,6 +754,8 @@ static loom_status_t etcd_lookup(worker_t *w, char *out, size_t n, loom_err_t *e
  * (abort the data plane), keep the weights, and look for the next one. */
 static void coordinator_gone(worker_t *w, const char *why) {
     LOOM_WARN("%s: leaving the grid, keeping the weights; registering with the next coordinator", why);
+    w->left_epoch = w->assigned_epoch;
+    w->left_incarnation = w->incarnation;
     atomic_store(&w->aborted_epoch, UINT64_MAX);
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_abort(w->comm);
@@ -805,6 +813,7 @@ static int reactor(worker_t *w) {
                             orphan = 0;
                         }
                         if (a->incarnation) w->incarnation = a->incarnation;
+                        w->assigned_epoch = a->epoch;
                         w->has_shard = 1;
                         w->shard_stage = a->stage;
                         w->shard_n_stages = a->n_stages;
