@@ -410,7 +410,8 @@ class Coordinator:
         self.log_path = os.path.join(self.dir, "coordinator.log")
         self.log = open(self.log_path, "w")
         self.addr = "tcp://127.0.0.1:%d" % self.api
-        self.proc = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", self.addr,
+        self.proc = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--insecure",
+                                      "--model", model, "--listen", self.addr,
                                       "--control", "tcp://127.0.0.1:%d" % self.ctl,
                                       "--http", "127.0.0.1:%d" % self.http] + list(extra),
                                      stdout=self.log, stderr=subprocess.STDOUT)

@@ -43,7 +43,7 @@ class Coordinator:
         self.log_path = os.path.join(self.dir, "coordinator.log")
         self.log = open(self.log_path, "w")
         self.addr = "tcp://127.0.0.1:%d" % self.api
-        argv = [os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", self.addr,
+        argv = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", self.addr,
                 "--control", "tcp://127.0.0.1:%d" % self.ctl, "--http", "127.0.0.1:%d" % self.http,
                 "--probe-listen", "127.0.0.1:%d" % self.probe] + list(extra)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
