@@ -31,6 +31,7 @@
 #define PROBE_MS 1000       /* a member's data-plane listener that does not answer a connect this long is gone */
 #define HEARTBEAT_SEND_MS 500
 #define LIVENESS_CHECK_MS 100
+#define ASSIGN_LOST_MS 3000 /* a worker still reporting an older epoch this long after its Assign never got it */
 #define MAX_FRAMES 8
 
 static const char *state_names[] = {"waiting_for_workers", "loading", "joining", "ready"};
@@ -41,6 +42,7 @@ typedef struct worker_slot {
     char user_id[128]; /* the authenticated identity that registered the slot ("" when none) */
     uint32_t pid;
     uint64_t last_seen_ns;
+    uint64_t assign_sent_ns; /* when the current epoch's Assign went out (0: none) */
     int loaded, ready;
     uint64_t kv_block_bytes, kv_budget, weight_bytes, bytes_read;
     char kv_dtype[16]; /* the worker's KV pool dtype, from Loaded */
@@ -262,6 +264,7 @@ static void start_epoch(loom_grid_t *g) {
             m.body_case = LOOM__V1__CONTROL_MSG__BODY_ASSIGN;
             m.assign = &a;
             w->loaded = w->ready = 0;
+            w->assign_sent_ns = loom_now_ns();
             send_ctl(g, w, &m);
         }
     }
@@ -596,6 +599,20 @@ static void on_loaded(loom_grid_t *g, worker_slot_t *w, const Loom__V1__Loaded *
 
 static void on_heartbeat(loom_grid_t *g, int wi, const Loom__V1__Heartbeat *hb) {
     worker_slot_t *w = &g->slots[wi];
+    /* the current epoch's Assign went out a while ago but the worker says it
+     * never got it: it was lost with a connection libzmq closed (a worker
+     * stopped past the ZMTP heartbeat timeout comes back on a new one, and
+     * the grid would wait for its Loaded forever). It registers again. */
+    if (g->state != LOOM_GRID_WAITING && w->assign_sent_ns && (hb->assigned_epoch || hb->assigned_incarnation) &&
+        (hb->assigned_epoch != g->epoch || hb->assigned_incarnation != g->incarnation) &&
+        loom_now_ns() - w->assign_sent_ns > ASSIGN_LOST_MS * 1000000ull) {
+        char why[200];
+        snprintf(why, sizeof why, "never got its assignment of epoch %llu (it reports epoch %llu): lost with its "
+                                  "connection; it registers again",
+                 (unsigned long long)g->epoch, (unsigned long long)hb->assigned_epoch);
+        lose_worker(g, wi, why);
+        return;
+    }
     w->busy_s = hb->busy_s;
     w->comm_s = hb->comm_s;
     w->steps = hb->steps;

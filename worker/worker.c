@@ -700,6 +700,8 @@ static void send_heartbeat(worker_t *w, uint64_t seq) {
     hb.busy_s = (double)atomic_load(&w->busy_ns) * 1e-9;
     hb.comm_s = (double)atomic_load(&w->comm_ns) * 1e-9;
     hb.steps = atomic_load(&w->steps);
+    hb.assigned_epoch = w->assigned_epoch;
+    hb.assigned_incarnation = w->incarnation;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
     m.heartbeat = &hb;
