@@ -551,8 +551,13 @@ static void fail_over(loom_router_t *r, route_t *q, const char *why) {
         return;
     }
     r->failovers++;
-    LOOM_INFO("request %llu: moving to another replica after %d streamed tokens (%s)",
-              (unsigned long long)q->client_id, q->n_gen, why);
+    /* named by the router-wide id (and the caller's tag): client ids count per
+     * connection, so every gateway connection's first request is "request 1" */
+    const char *tag = q->rq && q->rq->generate && q->rq->generate->tag ? q->rq->generate->tag : "";
+    for (const char *c = tag; *c; c++)
+        if (*c < 0x20 || *c > 0x7e || c - tag >= 128) tag = ""; /* only a printable tag is logged */
+    LOOM_INFO("request r%llu%s%.128s%s: moving to another replica after %d streamed tokens (%s)",
+              (unsigned long long)q->up_id, tag[0] ? " (" : "", tag, tag[0] ? ")" : "", q->n_gen, why);
     place(r, q, why);
 }
 

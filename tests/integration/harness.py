@@ -275,7 +275,7 @@ def check_refused_shard(model, logs, in_log, in_health, tp=1, coord_args=()):
     files, workers = [], []
     cl = open(os.path.join(logs, "coordinator.log"), "w")
     files.append(cl)
-    coord = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", api,
+    coord = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", model, "--listen", api,
                               "--control", ctl, "--tp", str(tp)] + list(coord_args),
                              stdout=cl, stderr=subprocess.STDOUT)
     try:

@@ -20,6 +20,8 @@ loom_add_it(it_serve test_serve.py)
 loom_add_it(it_membership test_membership.py)
 loom_add_it(it_deploy test_deploy.py)
 loom_add_it(it_drain test_drain.py)
+loom_add_it(it_liveness test_liveness.py) # a paused coordinator, a stalled reactor, a step past its deadline
+loom_add_it(it_grammar_load test_grammar_load.py) # a 2 MB JSON schema compiles off the reactor while streams run
 loom_add_it(it_netns test_netns.py) # hosts as network namespaces: needs root, else skipped (77)
 set_tests_properties(it_netns PROPERTIES SKIP_RETURN_CODE 77)
 loom_add_it(it_quant test_quant.py)

@@ -384,6 +384,9 @@ def test_failover_and_disconnect():
             failovers = r.metric("loom_router_failovers_total")
             print("  killed %s mid-stream; %d ids, %d failover(s)" % (victim.addr, len(ids or []), failovers))
             check(failovers >= 1, "no failover happened (the stream ended before the kill?)")
+            moved = [ln for ln in r.log().splitlines() if "moving to another replica" in ln]
+            check(moved and all("request r" in ln for ln in moved),
+                  "a failover is logged under the router-wide id (client ids count per connection): %r" % moved)
             check(ids == ref[2], "ids across the failover differ from an uninterrupted run:\n%s\n%s" %
                   (ids, ref[2]))
             check(out.rstrip("\n") == ref[1].rstrip("\n"), "text across the failover differs:\n%r\n%r" %
