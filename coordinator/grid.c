@@ -643,7 +643,10 @@ static void on_control(loom_grid_t *g, const void *rid, size_t rid_len, const ch
         snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
         LOOM_ERROR("%s", msg);
         snprintf(g->last_failure, sizeof g->last_failure, "%.500s", msg);
-        if (g->state == LOOM_GRID_READY) fail_grid(g, msg);
+        /* a failed join of this epoch (a peer dropped, a deadline passed): plan
+         * again with the same workers rather than stay joining */
+        if (g->state == LOOM_GRID_READY || (g->state == LOOM_GRID_JOINING && m->error->epoch == g->epoch))
+            fail_grid(g, msg);
         break;
     }
     default:
