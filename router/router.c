@@ -20,8 +20,13 @@
  * replica as prompt_ids = prompt + the ids streamed so far and max_tokens
  * reduced by them, under a new upstream id (late chunks of the old one are
  * dropped), at most max_retries times; then it ends with UNAVAILABLE. A
- * client that cancels or vanishes (ROUTER_MANDATORY: EHOSTUNREACH) gets its
- * upstream request cancelled. No request outlives request_timeout_ms. */
+ * chunk with a token id outside the vocabulary, or an empty final chunk, is
+ * the replica's fault: not relayed, the replica goes DOWN and its streams
+ * move on. A stream that moves is cancelled on the replica it leaves. A
+ * refusal that is the request's own fault (INVALID_ARGUMENT, ...) is relayed,
+ * never failed over. A client that cancels or vanishes (ROUTER_MANDATORY:
+ * EHOSTUNREACH) gets its upstream request cancelled. No request outlives
+ * request_timeout_ms. */
 #include "router/router.h"
 
 #include <errno.h>
@@ -180,6 +185,7 @@ struct loom_router {
     uint64_t routed[LOOM_POLICY_COUNT], failovers, failover_gave_up, unplaceable, cancels,
         disconnects;
     uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
+    uint64_t bad_chunks, relayed_errors; /* replica faults in a stream; request faults passed on */
     uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
     etcd_thread_t etcd;
     void *tok_jobs, *tok_results; /* PUSH to and PULL from the tokenizer threads */
@@ -310,8 +316,11 @@ static void route_free(loom_router_t *r, route_t *q) {
     free(q);
 }
 
+/* Cancels the request's stream on its current replica: when the client is
+ * gone, and whenever the stream moves away (a stall, a fault, the replica
+ * found down), so a replica that is only slow stops spending on it. */
 static void cancel_upstream(loom_router_t *r, route_t *q) {
-    if (q->rep < 0 || r->reps[q->rep].state != REP_UP) return;
+    if (q->rep < 0 || !r->reps[q->rep].sock || r->reps[q->rep].state == REP_REFUSED) return;
     Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
     Loom__V1__CancelRequest c = LOOM__V1__CANCEL_REQUEST__INIT;
     c.target_request_id = q->up_id;
@@ -512,6 +521,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
 
 /* The request lost its replica (why): continue it elsewhere. */
 static void fail_over(loom_router_t *r, route_t *q, const char *why) {
+    cancel_upstream(r, q); /* the old replica may still be streaming it */
     if (q->rep >= 0) r->reps[q->rep].failovers++;
     if (q->n_gen > 0 &&
         !q->prompt) { /* without the tokenizer the prompt cannot be continued as ids */
@@ -1071,6 +1081,34 @@ static void ttft_record(replica_t *p, double ms) {
     if (p->n_ttft < TTFT_RING) p->n_ttft++;
 }
 
+/* A chunk no healthy replica sends: a token id outside the vocabulary, or a
+ * final chunk that is empty (no finish reason, or no usage). Writes what is
+ * wrong to why; 0 when the chunk is fine. */
+static int chunk_fault(const loom_router_t *r, const Loom__V1__Reply *rep, char *why, size_t cap) {
+    const Loom__V1__GenerateChunk *ch = rep->chunk;
+    if (!ch) return 0;
+    for (size_t k = 0; k < ch->n_ids; k++)
+        if (ch->ids[k] < 0 || (r->ref_vocab > 0 && ch->ids[k] >= r->ref_vocab)) {
+            snprintf(why, cap, "token id %d, outside the vocabulary of %d", (int)ch->ids[k], r->ref_vocab);
+            return 1;
+        }
+    if (ch->final && rep->code == LOOM__V1__STATUS_CODE__OK &&
+        (ch->finish_reason == LOOM__V1__FINISH_REASON__FINISH_NONE || !ch->usage)) {
+        snprintf(why, cap, "an empty final chunk (%s)",
+                 ch->finish_reason == LOOM__V1__FINISH_REASON__FINISH_NONE ? "no finish reason" : "no usage");
+        return 1;
+    }
+    return 0;
+}
+
+/* The request's own fault (a bad argument, a prompt too long, a missing
+ * permission): every replica would say the same, so the error goes to the
+ * client instead of failing over. */
+static int request_fault(loom_status_t st) {
+    return st == LOOM_ERR_INVALID_ARGUMENT || st == LOOM_ERR_NOT_FOUND || st == LOOM_ERR_UNAUTHENTICATED ||
+           st == LOOM_ERR_FORMAT || st == LOOM_ERR_UNSUPPORTED;
+}
+
 static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
     Loom__V1__GenerateChunk *ch = rep->chunk;
@@ -1085,6 +1123,17 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
             fail_over(r, q, why);
             return;
         }
+        if (request_fault(st)) r->relayed_errors++; /* relayed below: every replica would say the same */
+    }
+    char fault[300];
+    if (chunk_fault(r, rep, fault, sizeof fault)) {
+        char why[600];
+        snprintf(why, sizeof why, "it sent %s (request %llu): not relayed", fault,
+                 (unsigned long long)q->client_id);
+        LOOM_WARN("replica %s: %s", p->addr, why);
+        r->bad_chunks++;
+        replica_down(r, i, why); /* circuit-broken; its streams, this one included, move on */
+        return;
     }
     q->t_last = now;
     if (!q->got_first) {
@@ -1159,10 +1208,17 @@ static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
     } else {
         route_t *q = route_find(r, rep->request_id);
         if (q && q->rep == i) {
-            if (rep->body_case == LOOM__V1__REPLY__BODY_CHUNK && rep->chunk)
+            if (rep->body_case == LOOM__V1__REPLY__BODY_CHUNK && rep->chunk) {
                 on_chunk(r, i, q, rep);
-            else if (rep->code != LOOM__V1__STATUS_CODE__OK)
+            } else if (rep->code != LOOM__V1__STATUS_CODE__OK &&
+                       request_fault(loom_wire_status_from_code(rep->code))) {
+                r->relayed_errors++; /* the request's own fault: every replica would refuse it */
+                client_error(r, q->rid, q->rid_len, q->client_id, loom_wire_status_from_code(rep->code),
+                             rep->message && rep->message[0] ? rep->message : loom_wire_code_name(rep->code));
+                route_free(r, q);
+            } else if (rep->code != LOOM__V1__STATUS_CODE__OK) {
                 fail_over(r, q, rep->message ? rep->message : "error");
+            }
         } /* else: a late chunk of a request that moved on or ended */
     }
     protobuf_c_message_free_unpacked(&rep->base, NULL);
@@ -1312,8 +1368,7 @@ static void tick(loom_router_t *r) {
             char why[400];
             snprintf(why, sizeof why, "replica %s sent nothing for %d ms", r->reps[q->rep].addr,
                      r->cfg.stall_timeout_ms);
-            cancel_upstream(r, q);
-            fail_over(r, q, why);
+            fail_over(r, q, why); /* cancels it there */
         }
     }
 }
@@ -1513,11 +1568,13 @@ static void render_metrics(loom_router_t *r) {
                                "kv_events",
                                "kv_event_gaps",
                                "kv_events_blocks_cached",
-                               "kv_events_blocks_evicted"};
+                               "kv_events_blocks_evicted",
+                               "bad_chunks",
+                               "relayed_errors"};
     uint64_t cv[] = {r->failovers,        r->failover_gave_up,   r->unplaceable, r->cancels,
                      r->disconnects,      r->deadline_exceeded,  r->garbage,     r->refused_joins,
                      r->index_hit_blocks, r->index_query_blocks, r->kv_events,   r->kv_event_gaps,
-                     r->kv_blocks_cached, r->kv_blocks_evicted};
+                     r->kv_blocks_cached, r->kv_blocks_evicted, r->bad_chunks, r->relayed_errors};
     for (size_t k = 0; k < LOOM_ARRAY_LEN(cn); k++)
         sb_printf(&b, "# TYPE loom_router_%s_total counter\nloom_router_%s_total %llu\n", cn[k],
                   cn[k], (unsigned long long)cv[k]);

@@ -860,6 +860,106 @@ def test_curve():
             check(p.returncode != 0 and said in p.stderr, "%r: %d %s" % (args, p.returncode, p.stderr[-600:]))
 
 
+# ---- replicas that misbehave in a stream ---------------------------------------------------------
+
+def fake(mode, log=None, name="stories260K", vocab=512, context=512):
+    """A fake_replica in `mode` (tests/integration/fake_replica.c) on a free port: (process, address)."""
+    addr = "tcp://127.0.0.1:%d" % free_port()
+    cmd = [os.path.join(TESTS_BIN, "fake_replica"), "--listen", addr, "--mode", mode, "--model-name", name,
+           "--vocab", str(vocab), "--context", str(context)] + (["--log", log] if log else [])
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), addr
+
+
+def seen(log, what):
+    try:
+        with open(log) as f:
+            return [int(l.split()[1]) for l in f if l.startswith(what + " ")]
+    except OSError:
+        return []
+
+
+def test_bad_chunks_fail_over():
+    # token ids outside the vocabulary and an empty final chunk are the replica's
+    # fault: never relayed; the replica is circuit-broken and the stream moves on
+    with Cluster(STORIES, 1, 1) as c:
+        ref = generate(c.addr, PROMPT, 12)
+        check(ref[0] == 0, "the real replica: %s" % ref[3])
+        for mode, said in (("bad-ids", "outside the vocabulary"), ("empty-final", "empty final chunk")):
+            log = os.path.join(WORK, "fake-%s.log" % mode)
+            if os.path.exists(log):
+                os.unlink(log)
+            proc, addr = fake(mode, log)
+            try:
+                with Router(["--replica", addr, "--replica", c.addr, "--policy", "round-robin"], http=True,
+                            expect_up=2) as r:
+                    for _ in range(4):
+                        rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                        check(rc == 0 and ids == ref[2], "%s: a request through the router: %s" % (mode, err))
+                    check(seen(log, "generate"), "%s: no request reached the fake replica" % mode)
+                    wait_for(lambda: r.metric("loom_router_bad_chunks_total") == 1, 5,
+                             "%s: the bad chunk counted in /metrics" % mode)
+                    check(r.metric("loom_router_replica_up", addr + '",state="up') == 0,
+                          "%s: the fake replica was not circuit-broken" % mode)
+                    check(said in r.log(), "%s: the router log does not name the fault: %s" % (mode, r.log()[-1500:]))
+                    print("  %s: %s" % (mode, [l for l in r.log().splitlines() if said in l][0].split("replica ", 1)[1][:160]))
+            finally:
+                proc.kill()
+                proc.wait()
+
+
+def test_slow_replica_cancelled():
+    # a stream that stalls on one replica moves to another, and is cancelled where it stalled
+    log = os.path.join(WORK, "fake-slow.log")
+    if os.path.exists(log):
+        os.unlink(log)
+    proc, addr = fake("slow", log)
+    try:
+        with Cluster(STORIES, 1, 1) as c:
+            ref = generate(c.addr, PROMPT, 12)
+            with Router(["--replica", addr, "--replica", c.addr, "--policy", "round-robin", "--stall-timeout-ms",
+                         "1000"], http=True, expect_up=2) as r:
+                for _ in range(2):
+                    rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                    check(rc == 0 and ids == ref[2], "a request through the router: %s" % err)
+                gens = seen(log, "generate")
+                check(gens, "no request reached the slow replica")
+                wait_for(lambda: set(seen(log, "cancel")) >= set(gens), 10, "the slow replica to see the Cancel")
+                check(r.metric("loom_router_failovers_total") >= 1, "no failover")
+                print("  the slow replica got %d request(s) and as many Cancels" % len(gens))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_request_fault_relayed():
+    # a replica that refuses a request as the request's own fault (INVALID_ARGUMENT)
+    # answers for every replica: the error goes to the client (HTTP 400), no failover
+    log = os.path.join(WORK, "fake-invalid.log")
+    if os.path.exists(log):
+        os.unlink(log)
+    proc, addr = fake("invalid", log)
+    try:
+        with Cluster(STORIES, 1, 1) as c:
+            with Router(["--replica", addr, "--replica", c.addr, "--policy", "round-robin"], http=True,
+                        expect_up=2) as r:
+                got = []
+                for _ in range(2):
+                    st, _, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4})
+                    got.append((st, body))
+                statuses = sorted(st for st, _ in got)
+                check(statuses == [200, 400], "round-robin over the refusing and the real replica: %r" % got)
+                bad = [b for st, b in got if st == 400][0]
+                check("fake replica" in json.dumps(bad), "the replica's message was not relayed: %r" % bad)
+                check(len(seen(log, "generate")) == 1, "the refused request was sent again: %r" % seen(log, "generate"))
+                wait_for(lambda: r.metric("loom_router_relayed_errors_total") == 1, 5, "the relayed error counted")
+                check(r.metric("loom_router_failovers_total") == 0, "a request fault was failed over")
+                check(r.metric("loom_router_replica_up", addr + '",state="up') == 1, "the replica was circuit-broken")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
-               test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back])
+               test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back,
+               test_bad_chunks_fail_over, test_slow_replica_cancelled, test_request_fault_relayed])
