@@ -34,6 +34,7 @@
 
 #include "common/log.h"
 #include "common/model_config.h"
+#include "common/model_digest.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/shard.h"
@@ -90,6 +91,7 @@ struct loom_server {
     loom_server_config_t cfg;
     char model_dir_abs[4096];
     char model_name[256];
+    char weights_digest[LOOM_DIGEST_HEX], tokenizer_digest[LOOM_DIGEST_HEX]; /* published in ListModels */
     loom_model_config_t mcfg;
     loom_tokenizer_t *tok;
     int max_model_len;
@@ -1011,6 +1013,8 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     mi.vocab_size = (uint32_t)s->mcfg.vocab_size;
     mi.tp = (uint32_t)s->cfg.tp;
     mi.pp = (uint32_t)s->cfg.pp;
+    mi.weights_digest = s->weights_digest;
+    mi.tokenizer_digest = s->tokenizer_digest;
     Loom__V1__ModelInfo *mp = &mi;
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
     lm.models = &mp;
@@ -1290,6 +1294,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     if (st < 0) goto fail;
     st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);
     if (st < 0) goto fail;
+    loom_err_t derr = {0};
+    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0)
+        LOOM_WARN("no model digest for ListModels (a router cannot check these weights): %s", derr.msg);
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
         loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};

@@ -45,6 +45,7 @@
 #include "common/etcd.h"
 #include "common/keys.h"
 #include "common/log.h"
+#include "common/model_digest.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/zap.h"
@@ -172,6 +173,10 @@ struct loom_router {
     int have_ref; /* the reference model (first replica that joined) */
     char ref_model[256];
     int ref_vocab, ref_ctx, ref_tp, ref_pp;
+    /* the reference model's digests (common/model_digest.h): the --model
+     * directory's, else the first replica's that published them; "": none */
+    char ref_weights[LOOM_DIGEST_HEX], ref_tokenizer[LOOM_DIGEST_HEX];
+    char ref_digest_from[300];
     route_t *routes;
     route_t *buckets[ROUTE_BUCKETS];
     int n_routes;
@@ -949,6 +954,21 @@ static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
         r->refused_joins++;
         return;
     }
+    const char *wd = m->weights_digest ? m->weights_digest : "", *td = m->tokenizer_digest ? m->tokenizer_digest : "";
+    if ((r->ref_weights[0] && wd[0] && strcmp(wd, r->ref_weights)) ||
+        (r->ref_tokenizer[0] && td[0] && strcmp(td, r->ref_tokenizer))) {
+        int w = r->ref_weights[0] && wd[0] && strcmp(wd, r->ref_weights);
+        set_state(r, i, REP_REFUSED, "it serves '%s' with other %s (digest %s; the reference, from %s, is %s)", m->id,
+                  w ? "weights" : "tokenizer files", w ? wd : td, r->ref_digest_from,
+                  w ? r->ref_weights : r->ref_tokenizer);
+        r->refused_joins++;
+        return;
+    }
+    if (!r->ref_weights[0] && wd[0]) { /* the first to publish them sets the reference */
+        snprintf(r->ref_weights, sizeof r->ref_weights, "%s", wd);
+        snprintf(r->ref_digest_from, sizeof r->ref_digest_from, "replica %s", p->addr);
+    }
+    if (!r->ref_tokenizer[0] && td[0]) snprintf(r->ref_tokenizer, sizeof r->ref_tokenizer, "%s", td);
     if (!r->have_ref) {
         r->have_ref = 1;
         snprintf(r->ref_model, sizeof r->ref_model, "%s", m->id);
@@ -1927,6 +1947,11 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     if (cfg->model_dir) {
         st = loom_tokenizer_load(cfg->model_dir, &r->tok, err);
         if (st < 0) goto fail;
+        loom_err_t derr = {0};
+        if (loom_model_digest(cfg->model_dir, r->ref_weights, r->ref_tokenizer, &derr) < 0)
+            LOOM_INFO("--model %s: no weights to digest (%s); the first replica's weights digest is the reference",
+                      cfg->model_dir, derr.msg);
+        snprintf(r->ref_digest_from, sizeof r->ref_digest_from, "--model %s", cfg->model_dir);
     }
     const char *name = cfg->model_name;
     char base[256];

@@ -2,7 +2,7 @@
  * told, without a model.
  *
  *   fake_replica --listen tcp://127.0.0.1:P --mode MODE [--model-name N --vocab V --context C
- *                --log PATH]
+ *                --weights-digest D --tokenizer-digest D --log PATH]
  *
  * garbage: every request gets a reply frame of junk bytes. The other modes
  * answer Health ready, ListModels with the given model, Stats zeros, and a
@@ -32,7 +32,8 @@ static void reply(void *s, zmq_msg_t *id, Loom__V1__Reply *r) {
 }
 
 int main(int argc, char **argv) {
-    const char *listen = NULL, *mode = "garbage", *name = "other-model", *log_path = NULL;
+    const char *listen = NULL, *mode = "garbage", *name = "other-model", *log_path = NULL, *wdigest = "",
+               *tdigest = "";
     int vocab = 32000, context = 2048;
     loom_opt_t opts[] = {
         {"listen", LOOM_OPT_STR, &listen, "ADDR", "bind here", 1, 0, NULL},
@@ -40,6 +41,8 @@ int main(int argc, char **argv) {
         {"model-name", LOOM_OPT_STR, &name, "NAME", "model id in ListModels", 1, 0, NULL},
         {"vocab", LOOM_OPT_INT, &vocab, "N", "vocabulary size in ListModels", 1, 1 << 24, NULL},
         {"context", LOOM_OPT_INT, &context, "N", "context length in ListModels", 1, 1 << 24, NULL},
+        {"weights-digest", LOOM_OPT_STR, &wdigest, "D", "weights digest in ListModels (default none)", 1, 0, NULL},
+        {"tokenizer-digest", LOOM_OPT_STR, &tdigest, "D", "tokenizer digest in ListModels (default none)", 1, 0, NULL},
         {"log", LOOM_OPT_STR, &log_path, "PATH", "append the Generate and Cancel requests seen here", 1, 0, NULL},
     };
     int rc = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts),
@@ -103,6 +106,8 @@ int main(int argc, char **argv) {
                     mi.id = (char *)name;
                     mi.vocab_size = (uint32_t)vocab;
                     mi.context_length = (uint32_t)context;
+                    mi.weights_digest = (char *)wdigest;
+                    mi.tokenizer_digest = (char *)tdigest;
                     lm.models = &mp;
                     lm.n_models = 1;
                     r.body_case = LOOM__V1__REPLY__BODY_MODELS;

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -862,11 +863,13 @@ def test_curve():
 
 # ---- replicas that misbehave in a stream ---------------------------------------------------------
 
-def fake(mode, log=None, name="stories260K", vocab=512, context=512):
+def fake(mode, log=None, name="stories260K", vocab=512, context=512, tokenizer=None):
     """A fake_replica in `mode` (tests/integration/fake_replica.c) on a free port: (process, address)."""
     addr = "tcp://127.0.0.1:%d" % free_port()
     cmd = [os.path.join(TESTS_BIN, "fake_replica"), "--listen", addr, "--mode", mode, "--model-name", name,
            "--vocab", str(vocab), "--context", str(context)] + (["--log", log] if log else [])
+    if tokenizer:
+        cmd += ["--tokenizer-digest", tokenizer]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), addr
 
 
@@ -959,7 +962,59 @@ def test_request_fault_relayed():
         proc.wait()
 
 
+def other_weights(out_dir):
+    """stories260K with the first 4 floats of its first tensor scaled by 1.5, under the same
+    name (the directory is named stories260K): same config, tokenizer and shapes."""
+    d = os.path.join(out_dir, "stories260K")
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(STORIES):
+            if os.path.isfile(os.path.join(STORIES, f)):
+                shutil.copy(os.path.join(STORIES, f), os.path.join(d, f))
+        path = os.path.join(d, "model.safetensors")
+        with open(path, "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            first = min((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
+            check(header[first[1]]["dtype"] == "F32", "stories260K's first tensor is not F32")
+            f.seek(8 + n + first[0])
+            xs = struct.unpack("<4f", f.read(16))
+            f.seek(8 + n + first[0])
+            f.write(struct.pack("<4f", *(x * 1.5 + 0.01 for x in xs)))
+    return d
+
+
+def test_other_weights_refused():
+    # the replicas' weights and tokenizer digests (ListModels) must be the reference's
+    # (the router's --model here): a replica serving stories260K with other weights,
+    # and one with other tokenizer files, are refused at join naming what differs
+    model = other_weights(os.path.join(WORK, "other-weights"))
+    proc, faddr = fake("model", tokenizer="b2:" + "1" * 32)
+    try:
+        with started(Cluster(STORIES, 1, 1), Cluster(model, 1, 1)) as (a, b):
+            with Router(["--replica", a.addr, "--replica", b.addr, "--replica", faddr], http=True) as r:
+                wait_for(lambda: r.metric_sum("loom_router_refused_joins_total") == 2 and
+                         r.metric_sum("loom_router_replica_up") == 1, 20, "two replicas refused, one up")
+                log = r.log()
+                check(r.metric("loom_router_replica_up", a.addr + '",state="up') == 1, "the real replica is not up")
+                line = [l for l in log.splitlines() if b.addr in l and "refused" in l]
+                check(line and "other weights" in line[0] and "--model" in line[0],
+                      "the refusal of other weights does not say so: %s" % log[-1500:])
+                print("  " + line[0].split("ERROR", 1)[-1].strip()[:220])
+                line = [l for l in log.splitlines() if faddr in l and "refused" in l]
+                check(line and "other tokenizer files" in line[0], "the refusal of another tokenizer: %s" % log[-1500:])
+                ref = generate(a.addr, PROMPT, 12)
+                for _ in range(3):
+                    rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                    check(rc == 0 and ids == ref[2], "through the router: %s" % err)
+                check(r.metric("loom_router_replica_routed_total", b.addr) == 0, "a request went to other weights")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
                test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back,
-               test_bad_chunks_fail_over, test_slow_replica_cancelled, test_request_fault_relayed])
+               test_bad_chunks_fail_over, test_slow_replica_cancelled, test_request_fault_relayed,
+               test_other_weights_refused])
