@@ -33,6 +33,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,6 +202,9 @@ struct loom_router {
     char *metrics_text;
     size_t metrics_len;
     uint64_t last_tick, last_metrics;
+    /* for the probe listener's thread (loom_router_probe_state) */
+    _Atomic uint64_t beat_ns; /* the reactor's last tick */
+    _Atomic int n_up, n_used;
     uint64_t t_recv; /* when the message being handled was received */
     int api_dirty;   /* sent on since it was last read to EAGAIN (the reactor's watch) */
     /* Per request, the time spent inside the router before its first token
@@ -1834,6 +1838,9 @@ int loom_router_run(loom_router_t *r) {
         if (now - r->last_tick >= (uint64_t)r->cfg.probe_interval_ms * 1000000ull) {
             r->last_tick = now; /* before the pass, which reads what its sends touched */
             tick(r);
+            atomic_store(&r->n_up, n_state(r, REP_UP));
+            atomic_store(&r->n_used, n_known(r));
+            atomic_store(&r->beat_ns, now);
         }
         if (now - r->last_metrics >= 250000000ull) {
             r->last_metrics = now;
@@ -1879,6 +1886,20 @@ int loom_router_run(loom_router_t *r) {
         route_free(r, q);
     }
     return 0;
+}
+
+void loom_router_probe_state(void *router, int *live, int *ready, char *msg, size_t cap) {
+    loom_router_t *r = router;
+    uint64_t beat = atomic_load(&r->beat_ns), now = loom_now_ns();
+    /* the reactor ticks every probe interval: alive while it did so lately */
+    uint64_t limit = (uint64_t)LOOM_MAX(5000, 10 * r->cfg.probe_interval_ms) * 1000000ull;
+    int up = atomic_load(&r->n_up), known = atomic_load(&r->n_used);
+    *live = beat && now - beat < limit;
+    *ready = *live && up > 0;
+    if (!*live)
+        snprintf(msg, cap, "the router's reactor has not turned for %.1f s", beat ? (double)(now - beat) / 1e9 : 0.0);
+    else
+        snprintf(msg, cap, "%d of %d replica(s) up", up, known);
 }
 
 void loom_router_stop(loom_router_t *r) {

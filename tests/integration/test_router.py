@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -1013,8 +1014,65 @@ def test_other_weights_refused():
         proc.wait()
 
 
+def probe_get(port, path):
+    """GET path on the router's probe listener: (status, seconds, body)."""
+    t0 = time.time()
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=scaled(5)) as resp:
+            return resp.status, time.time() - t0, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, time.time() - t0, e.read().decode()
+
+
+def test_probe_listener():
+    # --probe-listen: /health (the reactor turns) and /ready (a replica is up) on their own
+    # socket and thread; a slow-loris on the traffic port, and idle sockets on the probe
+    # port itself, leave them answering at once
+    pport = free_port()
+    with Cluster(STORIES, 1, 1) as c:
+        with Router(["--replica", c.addr, "--probe-listen", "127.0.0.1:%d" % pport, "--http-max-connections", "16",
+                     "--http-timeout-s", "120"], http=True, expect_up=1) as r:
+            for path in ("/health", "/ready"):
+                st, _, body = probe_get(pport, path)
+                check(st == 200 and "1 of 1 replica(s) up" in body, "%s: %d %r" % (path, st, body))
+            check(probe_get(pport, "/metrics")[0] == 404, "the probe listener serves only the probes")
+            loris = []
+            for _ in range(200):  # more than --http-max-connections, each a request that never ends
+                try:
+                    s = socket.create_connection(("127.0.0.1", r.http), timeout=5)
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loom\r\n")
+                    loris.append(s)
+                except OSError:
+                    break
+            idle = [socket.create_connection(("127.0.0.1", pport), timeout=5) for _ in range(48)]
+            try:
+                worst = 0.0
+                for _ in range(10):
+                    for s in loris:
+                        try:
+                            s.sendall(b"X-Slow: 1\r\n")
+                        except OSError:
+                            pass
+                    for path in ("/health", "/ready"):
+                        st, dt, body = probe_get(pport, path)
+                        check(st == 200, "%s during the slow-loris: %d %r" % (path, st, body))
+                        worst = max(worst, dt)
+                    time.sleep(0.1)
+                print("  %d slow-loris connections on the HTTP port, 48 idle on the probe port: probes answered "
+                      "within %.0f ms" % (len(loris), worst * 1e3))
+                check(worst < scaled(1.0), "a probe took %.2f s" % worst)
+            finally:
+                for s in loris + idle:
+                    s.close()
+            kill(c.pid("coordinator"))
+            kill(c.pid("worker-0"))
+            wait_for(lambda: probe_get(pport, "/ready")[0] == 503, 20, "/ready to turn 503 with no replica up")
+            st, _, body = probe_get(pport, "/health")
+            check(st == 200, "/health follows the reactor, not the replicas: %d %r" % (st, body))
+
+
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
                test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back,
                test_bad_chunks_fail_over, test_slow_replica_cancelled, test_request_fault_relayed,
-               test_other_weights_refused])
+               test_other_weights_refused, test_probe_listener])
