@@ -78,6 +78,7 @@ typedef struct request {
      * re-prefill writes the same again) and sent with the first chunk */
     int plp_on, plp_top, plp_sent;
     int32_t *plp_prompt; /* (prompt_tokens) */
+    int pids_want, pids_sent; /* GenerateRequest.return_prompt_ids: the ids (plp_prompt) go with the first chunk */
     float *plp_lp;       /* (prompt_tokens - 1) */
     uint32_t *plp_rank, *plp_ntop;
     int32_t *plp_ids;    /* (prompt_tokens - 1, LOOM_MAX_TOP_LOGPROBS) */
@@ -254,6 +255,11 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     s->emit_lp = NULL;
     int32_t *p_ids = NULL;
     float *p_lps = NULL;
+    if (q->pids_want && !q->pids_sent && !q->plp_on) { /* the prompt's ids alone, in the first chunk */
+        ch.prompt_ids = q->plp_prompt;
+        ch.n_prompt_ids = (size_t)q->prompt_tokens;
+        q->pids_sent = 1;
+    }
     if (q->plp_on && !q->plp_sent && n_ids > 0) { /* the prefill is done: the prompt's logprobs go first */
         int np = q->prompt_tokens - 1;
         size_t nt = 0;
@@ -931,6 +937,11 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    if (g->return_prompt_ids && !g->prompt_logprobs) {
+        q->pids_want = 1;
+        q->plp_prompt = loom_xmalloc((size_t)n_ids * sizeof *q->plp_prompt);
+        memcpy(q->plp_prompt, q->seq->tokens, (size_t)n_ids * sizeof *q->plp_prompt);
+    }
     if (g->prompt_logprobs) {
         size_t np = (size_t)n_ids;
         q->plp_on = 1;

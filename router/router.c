@@ -12,8 +12,9 @@
  * cleared when it goes DOWN or leaves (a restarted coordinator has an empty
  * cache).
  *
- * Request lifecycle: a client Generate is tokenized (with --model), scored
- * and sent to one replica under a fresh upstream id; chunks come back under
+ * Request lifecycle: a client Generate is tokenized (with --model; without
+ * it the replica is asked for the prompt's ids, return_prompt_ids, which its
+ * first chunk brings), scored and sent to one replica under a fresh upstream id; chunks come back under
  * that id and go to the client under its own id, their ids kept. When the
  * replica goes DOWN, stalls (no chunk for stall_timeout_ms) or refuses with
  * UNAVAILABLE / RESOURCE_EXHAUSTED, the request is re-sent to another UP
@@ -121,6 +122,7 @@ typedef struct route {
     int got_first;      /* a chunk came from the current replica */
     int delivered;      /* a chunk reached the client */
     int hit_blocks; /* prefix blocks the chosen replica held, per the index */
+    int strip_pids; /* the client did not ask for the prompt's ids: the router asked for them, for itself */
     /* After a failover the router writes the text itself, from the ids, with
      * a detokenizer primed with the ids already streamed: the new replica's
      * detokenizer starts empty and would lose a character split across the
@@ -476,6 +478,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         Loom__V1__GenerateRequest g = *q->rq->generate;
         rq.generate = &g;
         rq.request_id = q->up_id;
+        if (!q->prompt) g.return_prompt_ids = 1; /* no tokenizer: the replica tells us the prompt's ids */
         int32_t *ids = NULL;
         if (q->n_gen > 0) { /* continue from the tokens already streamed */
             ids = loom_xmalloc((size_t)(q->n_prompt + q->n_gen) * sizeof *ids);
@@ -536,8 +539,8 @@ static void fail_over(loom_router_t *r, route_t *q, const char *why) {
         !q->prompt) { /* without the tokenizer the prompt cannot be continued as ids */
         char msg[600];
         snprintf(msg, sizeof msg,
-                 "the replica serving the request failed mid-stream (%s), and the router has no "
-                 "tokenizer (--model) to continue it elsewhere",
+                 "the replica serving the request failed mid-stream (%s) before it sent the prompt's "
+                 "ids, and the router has no tokenizer (--model) to continue it elsewhere",
                  why);
         client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_UNAVAILABLE, msg);
         route_free(r, q);
@@ -695,6 +698,7 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
         q->prompt = loom_xmalloc((size_t)q->n_prompt * sizeof *q->prompt);
         memcpy(q->prompt, g->prompt_ids, (size_t)q->n_prompt * sizeof *q->prompt);
     }
+    q->strip_pids = !g->return_prompt_ids && !g->prompt_logprobs;
     q->next = r->routes;
     if (r->routes) r->routes->prev = q;
     r->routes = q;
@@ -1159,6 +1163,11 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
         replica_down(r, i, why); /* circuit-broken; its streams, this one included, move on */
         return;
     }
+    if (ch && ch->n_prompt_ids && !q->prompt) { /* what a failover continues from, without a tokenizer */
+        q->n_prompt = (int)ch->n_prompt_ids;
+        q->prompt = loom_xmalloc(ch->n_prompt_ids * sizeof *q->prompt);
+        memcpy(q->prompt, ch->prompt_ids, ch->n_prompt_ids * sizeof *q->prompt);
+    }
     q->t_last = now;
     if (!q->got_first) {
         q->got_first = 1;
@@ -1191,9 +1200,19 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
         ch->usage->completion_tokens = (uint32_t)q->n_gen;
     }
     rep->request_id = q->client_id;
+    int32_t *pids = ch ? ch->prompt_ids : NULL; /* put back before rep is freed */
+    size_t n_pids = ch ? ch->n_prompt_ids : 0;
+    if (ch && q->strip_pids) { /* asked for by the router, not by the client */
+        ch->prompt_ids = NULL;
+        ch->n_prompt_ids = 0;
+    }
     if (q->crec) loom_rcache_rec_add(q->crec, rep);
     int sent = send_client(r, q->rid, q->rid_len, rep);
-    if (ch) ch->text = replica_text;
+    if (ch) {
+        ch->text = replica_text;
+        ch->prompt_ids = pids;
+        ch->n_prompt_ids = n_pids;
+    }
     if (sent >= 0 && !q->delivered) {
         q->delivered = 1;
         if (q->attempts == 1)

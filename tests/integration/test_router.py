@@ -61,7 +61,8 @@ class Router:
         self.log_path = tempfile.mktemp(prefix="loom-router-", suffix=".log")
 
     def __enter__(self):
-        cmd = [os.path.join(BIN, "loom-router"), "--listen", self.addr, "--model", self.model] + self.args
+        cmd = [os.path.join(BIN, "loom-router"), "--listen", self.addr] + (["--model", self.model] if self.model else [])
+        cmd += self.args
         if self.http:
             cmd += ["--http", "127.0.0.1:%d" % self.http]
         self.logf = open(self.log_path, "w+")
@@ -1071,8 +1072,43 @@ def test_probe_listener():
             check(st == 200, "/health follows the reactor, not the replicas: %d %r" % (st, body))
 
 
+def test_failover_without_model():
+    # no --model: the router asks the replicas for the prompt's ids (GenerateRequest.return_prompt_ids,
+    # the first chunk's prompt_ids) and continues a stream elsewhere from them; the client, who did
+    # not ask for them, never sees them
+    model = slow_model()
+    with started(Cluster(model, 1, 1), Cluster(model, 1, 1)) as (a, b):
+        by_addr = {a.addr: a, b.addr: b}
+        with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=None) as r:
+            n = 1200
+            t0 = time.time()
+            ref = generate(b.addr, PROMPT, n, extra=["--ignore-eos"], timeout=240)
+            limit = max(scaled(30), 3 * (time.time() - t0) + scaled(15))
+            check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
+            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.0, ["--ignore-eos", "--timeout-ms",
+                                                                                 str(int(limit * 1000))]),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_for(lambda: serving_replica(r, by_addr) is not None, 10, "the stream on one replica")
+            victim = by_addr[serving_replica(r, by_addr)]
+            time.sleep(0.3)
+            kill(victim.pid("coordinator"))
+            kill(victim.pid("worker-0"))
+            out, err = proc.communicate(timeout=limit + 30)
+            check(proc.returncode == 0, "the stream failed across the kill without --model: %s" % err[-500:])
+            ids = parse_ids(err)
+            failovers = r.metric("loom_router_failovers_total")
+            print("  no --model: killed %s mid-stream; %d ids, %d failover(s)" % (victim.addr, len(ids or []),
+                                                                                  failovers))
+            check(failovers >= 1, "no failover happened (the stream ended before the kill?)")
+            check(ids == ref[2], "ids across the failover differ from an uninterrupted run")
+            # a client that did not ask for the prompt's ids does not get them (HTTP: no prompt_logprobs)
+            st, _, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4})
+            check(st == 200 and body["choices"][0].get("prompt_logprobs") is None,
+                  "prompt ids leaked to a client that did not ask: %r" % body)
+
+
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
                test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back,
                test_bad_chunks_fail_over, test_slow_replica_cancelled, test_request_fault_relayed,
-               test_other_weights_refused, test_probe_listener])
+               test_other_weights_refused, test_probe_listener, test_failover_without_model])
