@@ -908,12 +908,13 @@ static int pending_unidentified(const pending_t *p) {
 /* How readily a pending connection gives up its place: an idle one (no byte
  * yet) first, then one half way through its hello, a claimed one (its hello
  * named an expected peer, its proof is due) last; the oldest first within a
- * rank. Returns the index, -1 when np is 0. from: only that source (NULL: any). */
+ * rank. Returns the index, -1 when there is none. from: only the unidentified
+ * ones of that source (NULL: any). */
 static int pending_victim(const admit_t *ad, const char *from) {
     int best = -1, best_rank = 0;
     for (int i = 0; i < ad->np; i++) {
         const pending_t *p = &ad->pend[i];
-        if (from && strcmp(p->src, from)) continue;
+        if (from && (strcmp(p->src, from) || !pending_unidentified(p))) continue;
         int rank = p->link ? 2 : p->have ? 1 : 0;
         if (best < 0 || rank < best_rank || (rank == best_rank && p->since < ad->pend[best].since)) {
             best = i;
@@ -1007,10 +1008,11 @@ static void pending_read(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admi
 }
 
 /* Takes a new connection into the table. Admission never refuses the
- * newcomer: when its source already holds TCP_MAX_PER_SOURCE places, or the
- * table is full, the connection that gives up its place most readily
- * (pending_victim) is closed instead, so idle sockets cannot crowd out a
- * peer that connects after them. The newcomer is read at once: a peer sends
+ * newcomer: when its source already holds TCP_MAX_PER_SOURCE unidentified
+ * places, or the table is full, the connection that gives up its place most
+ * readily (pending_victim) is closed instead, so idle sockets cannot crowd
+ * out a peer that connects after them, and a peer whose hello named it (its
+ * proof due) is never pushed out by its own host's strangers. The newcomer is read at once: a peer sends
  * its hello right after connecting, so it is identified before the next
  * newcomer can push it out. */
 static void pending_add(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admit_t *ad, int fd, uint64_t deadline) {
@@ -1021,7 +1023,7 @@ static void pending_add(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admit
     if (colon) *colon = '\0';
     snprintf(p.src, sizeof p.src, "%s", who);
     int same = 0;
-    for (int i = 0; i < ad->np; i++) same += !strcmp(ad->pend[i].src, p.src);
+    for (int i = 0; i < ad->np; i++) same += pending_unidentified(&ad->pend[i]) && !strcmp(ad->pend[i].src, p.src);
     int victim = same >= TCP_MAX_PER_SOURCE ? pending_victim(ad, p.src)
                  : ad->np == TCP_MAX_PENDING ? pending_victim(ad, NULL)
                                             : -1;
