@@ -210,11 +210,11 @@ class Cluster:
         self.port = free_port_pair()
         cmd = [LAUNCH, "--model", self.model, "--tp", str(self.tp), "--pp", str(self.pp),
                "--port", str(self.port), "--run-dir", self.run_dir, "--bin", BIN,
-               "--threads", str(self.threads), "--no-pin", "--timeout", str(self.timeout)]
+               "--threads", str(self.threads), "--no-pin", "--timeout", str(int(scaled(self.timeout)))]
         for a in self.worker_args:
             cmd += ["--worker-arg", a]
         cmd += self.launch_args + ["--"] + self.coord_args
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout + 30)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(self.timeout) + 30)
         if p.returncode != 0:
             raise Failure("launch.sh failed (%d): %s" % (p.returncode, p.stderr))
         self.addr = p.stdout.strip()
