@@ -1864,6 +1864,8 @@ int loom_router_run(loom_router_t *r) {
         if (now - r->last_metrics >= 250000000ull) {
             r->last_metrics = now;
             render_metrics(r);
+            atomic_store(&r->n_up, n_state(r, REP_UP)); /* the probes agree with /metrics */
+            atomic_store(&r->n_used, n_known(r));
         }
         int moved = reactor_pass(r, &w);
         for (int i = 0; i < MAX_REPLICAS && !moved; i++)

@@ -1033,6 +1033,7 @@ def test_probe_listener():
     with Cluster(STORIES, 1, 1) as c:
         with Router(["--replica", c.addr, "--probe-listen", "127.0.0.1:%d" % pport, "--http-max-connections", "16",
                      "--http-timeout-s", "120"], http=True, expect_up=1) as r:
+            wait_for(lambda: probe_get(pport, "/ready")[0] == 200, 10, "/ready with the replica up")
             for path in ("/health", "/ready"):
                 st, _, body = probe_get(pport, path)
                 check(st == 200 and "1 of 1 replica(s) up" in body, "%s: %d %r" % (path, st, body))
