@@ -36,12 +36,13 @@ loom_add_it(it_perplexity test_perplexity.py)
 add_executable(fake_replica ${CMAKE_CURRENT_LIST_DIR}/fake_replica.c)
 target_link_libraries(fake_replica PRIVATE loom_proto loom_base Loom::ZeroMQ)
 set_target_properties(fake_replica PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
-# test_router.py in three entries: the basics (flags, one pair, the cache,
-# CURVE), failover and probing, and the rest (tenants, etcd, replicas that
-# misbehave or differ, the probe listener, and any test added later).
+# test_router.py in four entries: the basics (flags, one pair, the cache,
+# CURVE), failover and probing, streams resumed elsewhere (seeded, without
+# --model), and the rest (tenants, etcd, replicas that misbehave or differ,
+# the probe listener, and any test added later).
 loom_add_it(it_router_basic test_router.py test_cli test_stories_pair test_response_cache test_curve)
-loom_add_it(it_router_failover test_router.py test_failover_and_disconnect test_seeded_failover
-            test_failover_without_model test_probe_back)
+loom_add_it(it_router_failover test_router.py test_failover_and_disconnect test_probe_back)
+loom_add_it(it_router_resume test_router.py test_seeded_failover test_failover_without_model)
 loom_add_it(it_router_replicas test_router.py --except test_cli test_stories_pair test_response_cache test_curve
             test_failover_and_disconnect test_seeded_failover test_failover_without_model test_probe_back)
 loom_add_it(it_spec test_spec.py)
