@@ -421,9 +421,9 @@ static void test_probes_exclude_the_dead(void) {
     env_free(&e);
 }
 
-/* A worker whose join failed says so naming the epoch: the grid plans again
- * with the same workers (a new epoch) instead of staying JOINING; an error
- * naming another epoch changes nothing. */
+/* A worker whose join failed (UNAVAILABLE) says so naming the epoch: the grid
+ * plans again with the same workers (a new epoch) instead of staying JOINING;
+ * an error naming another epoch, or a deterministic one, changes nothing. */
 static void test_failed_join_plans_again(void) {
     env_t e;
     env_init(&e);
@@ -440,7 +440,12 @@ static void test_failed_join_plans_again(void) {
     fake_send(e.w[1], &m);
     pump_for(&e, 50);
     CHECK(loom_grid_state(e.g) == LOOM_GRID_JOINING && loom_grid_epoch(e.g) == epoch);
-    er.epoch = epoch;
+    er.epoch = epoch; /* this epoch, but a deterministic failure: reported, not retried */
+    er.code = LOOM_ERR_UNSUPPORTED;
+    fake_send(e.w[1], &m);
+    pump_for(&e, 50);
+    CHECK(loom_grid_state(e.g) == LOOM_GRID_JOINING && loom_grid_epoch(e.g) == epoch);
+    er.code = LOOM_ERR_UNAVAILABLE;
     fake_send(e.w[1], &m);
     REQUIRE(PUMP_UNTIL(&e, loom_grid_epoch(e.g) == epoch + 1, 3000));
     CHECK(strstr(loom_grid_last_failure(e.g), "timed out waiting for") != NULL);
