@@ -20,7 +20,7 @@
  * (docs/scale-out.md says what that leaves out). The tokenizer digest is
  * filled first: a directory without weights (a router's tokenizer-only
  * --model) gets it, and the weights' error. */
-loom_status_t loom_model_digest(const char *dir, char weights[LOOM_DIGEST_HEX], char tokenizer[LOOM_DIGEST_HEX],
-                                loom_err_t *err);
+loom_status_t loom_model_digest(const char *dir, char weights[LOOM_DIGEST_HEX],
+                                char tokenizer[LOOM_DIGEST_HEX], loom_err_t *err);
 
 #endif

@@ -18,9 +18,9 @@
 #include "common/log.h"
 #include "common/util.h"
 
-#define PROBE_CONNS    32
-#define PROBE_REQ_MAX  2048
-#define PROBE_READ_MS  2000
+#define PROBE_CONNS   32
+#define PROBE_REQ_MAX 2048
+#define PROBE_READ_MS 2000
 
 typedef struct conn {
     int fd;
@@ -60,10 +60,11 @@ static void answer(loom_probe_t *p, int i) {
     }
     char body[320], out[640];
     int bl = snprintf(body, sizeof body, "%s\n", code == 404 ? "GET /health or /ready" : msg);
-    int ol = snprintf(out, sizeof out,
-                      "HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n"
-                      "\r\n%s",
-                      code, what, bl, body);
+    int ol = snprintf(
+        out, sizeof out,
+        "HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n"
+        "\r\n%s",
+        code, what, bl, body);
     if (send(c->fd, out, (size_t)ol, MSG_DONTWAIT | MSG_NOSIGNAL) < 0)
         LOOM_DEBUG("probe listener: could not answer: %s", strerror(errno));
     conn_drop(p, i);
@@ -78,7 +79,8 @@ static void *probe_main(void *arg) {
             if (now - p->conns[i].since > (uint64_t)PROBE_READ_MS * 1000000ull) conn_drop(p, i);
         pf[0] = (struct pollfd){p->wake[0], POLLIN, 0};
         pf[1] = (struct pollfd){p->lfd, POLLIN, 0};
-        for (int i = 0; i < p->n; i++) pf[i + 2] = (struct pollfd){p->conns[i].fd, POLLIN, 0};
+        for (int i = 0; i < p->n; i++)
+            pf[i + 2] = (struct pollfd){p->conns[i].fd, POLLIN, 0};
         int n = p->n;
         if (poll(pf, (nfds_t)n + 2, 200) < 0 && errno != EINTR) break;
         if (pf[0].revents) break;
@@ -93,8 +95,10 @@ static void *probe_main(void *arg) {
             if (r < 0) continue;
             c->have += (size_t)r;
             c->buf[c->have] = '\0';
-            if (strstr(c->buf, "\r\n\r\n") || strstr(c->buf, "\n\n")) answer(p, i);
-            else if (c->have == PROBE_REQ_MAX) conn_drop(p, i);
+            if (strstr(c->buf, "\r\n\r\n") || strstr(c->buf, "\n\n"))
+                answer(p, i);
+            else if (c->have == PROBE_REQ_MAX)
+                conn_drop(p, i);
         }
         if (pf[1].revents) {
             for (;;) {
@@ -113,31 +117,36 @@ static void *probe_main(void *arg) {
     return NULL;
 }
 
-loom_status_t loom_probe_start(const char *bind_addr, loom_probe_state_fn state, void *ctx, loom_probe_t **out,
-                               loom_err_t *err) {
+loom_status_t loom_probe_start(const char *bind_addr, loom_probe_state_fn state, void *ctx,
+                               loom_probe_t **out, loom_err_t *err) {
     *out = NULL;
     char host[256];
     const char *colon = strrchr(bind_addr, ':');
     if (!colon || colon == bind_addr || (size_t)(colon - bind_addr) >= sizeof host || !colon[1])
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--probe-listen expects HOST:PORT, got '%s'", bind_addr);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "--probe-listen expects HOST:PORT, got '%s'", bind_addr);
     memcpy(host, bind_addr, (size_t)(colon - bind_addr));
     host[colon - bind_addr] = '\0';
     if (host[0] == '[' && host[strlen(host) - 1] == ']') {
         memmove(host, host + 1, strlen(host));
         host[strlen(host) - 1] = '\0';
     }
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE},
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE},
                     *res = NULL;
     int gai = getaddrinfo(host, colon + 1, &hints, &res);
     if (gai != 0 || !res)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--probe-listen %s: %s", bind_addr, gai_strerror(gai));
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--probe-listen %s: %s", bind_addr,
+                            gai_strerror(gai));
     int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
     if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 64) != 0) {
         int e = errno;
         if (fd >= 0) close(fd);
         freeaddrinfo(res);
-        return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "--probe-listen %s: %s", bind_addr, strerror(e));
+        return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "--probe-listen %s: %s", bind_addr,
+                            strerror(e));
     }
     freeaddrinfo(res);
     loom_probe_t *p = loom_xcalloc(1, sizeof *p);
@@ -177,7 +186,8 @@ void loom_probe_stop(loom_probe_t **p_p) {
     *p_p = NULL;
     if (write(p->wake[1], "x", 1) < 0) LOOM_WARN("probe listener: cannot wake its thread");
     pthread_join(p->th, NULL);
-    for (int i = 0; i < p->n; i++) close(p->conns[i].fd);
+    for (int i = 0; i < p->n; i++)
+        close(p->conns[i].fd);
     close(p->lfd);
     close(p->wake[0]);
     close(p->wake[1]);

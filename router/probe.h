@@ -20,8 +20,8 @@ typedef void (*loom_probe_state_fn)(void *ctx, int *live, int *ready, char *msg,
  * ready, else 503; anything else 404. A connection must send its request
  * within 2 s and is closed after the answer; at most 32 are held, the
  * oldest closed to make room. */
-loom_status_t loom_probe_start(const char *bind, loom_probe_state_fn state, void *ctx, loom_probe_t **out,
-                               loom_err_t *err);
+loom_status_t loom_probe_start(const char *bind, loom_probe_state_fn state, void *ctx,
+                               loom_probe_t **out, loom_err_t *err);
 int loom_probe_port(const loom_probe_t *p); /* the bound port */
 void loom_probe_stop(loom_probe_t **p_p);   /* joins the thread; safe on NULL and twice */
 

@@ -32,8 +32,8 @@ static void reply(void *s, zmq_msg_t *id, Loom__V1__Reply *r) {
 }
 
 int main(int argc, char **argv) {
-    const char *listen = NULL, *mode = "garbage", *name = "other-model", *log_path = NULL, *wdigest = "",
-               *tdigest = "";
+    const char *listen = NULL, *mode = "garbage", *name = "other-model", *log_path = NULL,
+               *wdigest = "", *tdigest = "";
     int vocab = 32000, context = 2048;
     loom_opt_t opts[] = {
         {"listen", LOOM_OPT_STR, &listen, "ADDR", "bind here", 1, 0, NULL},
@@ -41,9 +41,12 @@ int main(int argc, char **argv) {
         {"model-name", LOOM_OPT_STR, &name, "NAME", "model id in ListModels", 1, 0, NULL},
         {"vocab", LOOM_OPT_INT, &vocab, "N", "vocabulary size in ListModels", 1, 1 << 24, NULL},
         {"context", LOOM_OPT_INT, &context, "N", "context length in ListModels", 1, 1 << 24, NULL},
-        {"weights-digest", LOOM_OPT_STR, &wdigest, "D", "weights digest in ListModels (default none)", 1, 0, NULL},
-        {"tokenizer-digest", LOOM_OPT_STR, &tdigest, "D", "tokenizer digest in ListModels (default none)", 1, 0, NULL},
-        {"log", LOOM_OPT_STR, &log_path, "PATH", "append the Generate and Cancel requests seen here", 1, 0, NULL},
+        {"weights-digest", LOOM_OPT_STR, &wdigest, "D",
+         "weights digest in ListModels (default none)", 1, 0, NULL},
+        {"tokenizer-digest", LOOM_OPT_STR, &tdigest, "D",
+         "tokenizer digest in ListModels (default none)", 1, 0, NULL},
+        {"log", LOOM_OPT_STR, &log_path, "PATH",
+         "append the Generate and Cancel requests seen here", 1, 0, NULL},
     };
     int rc = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts),
                             "fake_replica --listen ADDR --mode MODE",
@@ -91,7 +94,8 @@ int main(int argc, char **argv) {
                         if (rq->body_case == LOOM__V1__REQUEST__BODY_GENERATE)
                             fprintf(lf, "generate %llu\n", (unsigned long long)rq->request_id);
                         else
-                            fprintf(lf, "cancel %llu\n", (unsigned long long)rq->cancel->target_request_id);
+                            fprintf(lf, "cancel %llu\n",
+                                    (unsigned long long)rq->cancel->target_request_id);
                         fclose(lf);
                     }
                 }
