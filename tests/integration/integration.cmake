@@ -8,11 +8,12 @@ target_link_libraries(hijack PRIVATE loom_proto loom_keys Loom::ZeroMQ)
 set_target_properties(hijack PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
 
 loom_add_it(it_grid test_grid.py)
-# test_models.py in five entries: the MoE families, their references and
-# quantized variants, Gemma, the other dense families, and the rest
+# test_models.py in six entries: the MoE families, their float64 references,
+# their quantized variants, Gemma, the other dense families, and the rest
 # (refusals, the NaN cluster, quantization KL, and any test added later).
 loom_add_it(it_models_moe test_models.py test_moe_refusals test_moe_grids)
-loom_add_it(it_models_moe_ref test_models.py test_moe_reference_grids test_moe_int8_grids test_moe_quantized_checkpoints)
+loom_add_it(it_models_moe_ref test_models.py test_moe_reference_grids)
+loom_add_it(it_models_moe_int8 test_models.py test_moe_int8_grids test_moe_quantized_checkpoints)
 loom_add_it(it_models_gemma test_models.py test_gemma)
 loom_add_it(it_models_dense test_models.py test_new_family_grids test_partial_rotary)
 loom_add_it(it_models_rest test_models.py --except test_moe_ test_gemma test_new_family_grids test_partial_rotary)
