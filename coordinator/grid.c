@@ -668,7 +668,13 @@ static void on_control(loom_grid_t *g, const void *rid, size_t rid_len, const ch
         snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
         LOOM_ERROR("%s", msg);
         snprintf(g->last_failure, sizeof g->last_failure, "%.500s", msg);
-        if (g->state == LOOM_GRID_READY) fail_grid(g, msg);
+        /* a join of this epoch that failed for a passing cause (a peer's link
+         * dropped, a deadline passed: UNAVAILABLE): plan again with the same
+         * workers rather than stay joining; a deterministic one (a setting the
+         * workers cannot honour) would only fail again, so it stays reported */
+        if (g->state == LOOM_GRID_READY || (g->state == LOOM_GRID_JOINING && m->error->epoch == g->epoch &&
+                                            m->error->code == LOOM_ERR_UNAVAILABLE))
+            fail_grid(g, msg);
         break;
     }
     default:

@@ -27,6 +27,10 @@
  *            registered again)--> WAITING, the slot freed
  *   any    --a step failed, a result out of order or malformed, a worker's
  *            Error while READY--> WAITING with probes out
+ *   JOINING --a worker's UNAVAILABLE Error naming epoch e (its join failed:
+ *            a peer's link dropped or timed out)--> WAITING with probes out,
+ *            so the same workers join again under epoch e+1 (other join
+ *            errors are deterministic: reported, the grid stays JOINING)
  *   Each of the last two aborts epoch e (Abort to every member; in-flight
  *   micro-batches go back through on_step_failed, then on_failed).
  *

@@ -45,6 +45,7 @@
 
 #include "common/log.h"
 #include "common/model_config.h"
+#include "common/model_digest.h"
 #include "common/request_limits.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
@@ -104,6 +105,7 @@ typedef struct request {
      * re-prefill writes the same again) and sent with the first chunk */
     int plp_on, plp_top, plp_sent;
     int32_t *plp_prompt; /* (prompt_tokens) */
+    int pids_want, pids_sent; /* GenerateRequest.return_prompt_ids: the ids (plp_prompt) go with the first chunk */
     float *plp_lp;       /* (prompt_tokens - 1) */
     uint32_t *plp_rank, *plp_ntop;
     int32_t *plp_ids;    /* (prompt_tokens - 1, LOOM_MAX_TOP_LOGPROBS) */
@@ -117,6 +119,7 @@ struct loom_server {
     loom_server_config_t cfg;
     char model_dir_abs[4096];
     char model_name[256];
+    char weights_digest[LOOM_DIGEST_HEX], tokenizer_digest[LOOM_DIGEST_HEX]; /* published in ListModels */
     loom_model_config_t mcfg;
     loom_tokenizer_t *tok;
     int max_model_len;
@@ -311,6 +314,11 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     s->emit_lp = NULL;
     int32_t *p_ids = NULL;
     float *p_lps = NULL;
+    if (q->pids_want && !q->pids_sent && !q->plp_on) { /* the prompt's ids alone, in the first chunk */
+        ch.prompt_ids = q->plp_prompt;
+        ch.n_prompt_ids = (size_t)q->prompt_tokens;
+        q->pids_sent = 1;
+    }
     if (q->plp_on && !q->plp_sent && n_ids > 0) { /* the prefill is done: the prompt's logprobs go first */
         int np = q->prompt_tokens - 1;
         size_t nt = 0;
@@ -1122,6 +1130,11 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    if (g->return_prompt_ids && !g->prompt_logprobs) {
+        q->pids_want = 1;
+        q->plp_prompt = loom_xmalloc((size_t)n_ids * sizeof *q->plp_prompt);
+        memcpy(q->plp_prompt, q->seq->tokens, (size_t)n_ids * sizeof *q->plp_prompt);
+    }
     if (g->prompt_logprobs) {
         size_t np = (size_t)n_ids;
         q->plp_on = 1;
@@ -1227,6 +1240,8 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     mi.vocab_size = (uint32_t)s->mcfg.vocab_size;
     mi.tp = (uint32_t)s->cfg.tp;
     mi.pp = (uint32_t)s->cfg.pp;
+    mi.weights_digest = s->weights_digest;
+    mi.tokenizer_digest = s->tokenizer_digest;
     Loom__V1__ModelInfo *mp = &mi;
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
     lm.models = &mp;
@@ -1567,6 +1582,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     if (st < 0) goto fail;
     st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);
     if (st < 0) goto fail;
+    loom_err_t derr = {0};
+    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0)
+        LOOM_WARN("no model digest for ListModels (a router cannot check these weights): %s", derr.msg);
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
         loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};

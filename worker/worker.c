@@ -168,14 +168,20 @@ static void post(worker_t *w, Loom__V1__ControlMsg *m) {
     free(buf);
 }
 
-static void post_error(worker_t *w, loom_status_t code, const char *msg) {
+/* An error; epoch: the epoch a join failed in (the coordinator plans again), 0 otherwise. */
+static void post_join_error(worker_t *w, uint64_t epoch, loom_status_t code, const char *msg) {
     Loom__V1__Error e = LOOM__V1__ERROR__INIT;
     e.code = code;
     e.message = (char *)msg;
+    e.epoch = epoch;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_ERROR;
     m.error = &e;
     post(w, &m);
+}
+
+static void post_error(worker_t *w, loom_status_t code, const char *msg) {
+    post_join_error(w, 0, code, msg);
 }
 
 static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int32_t *ids, size_t n,
@@ -371,6 +377,12 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
     post(w, &r);
 }
 
+/* The join of the current epoch is called off: the coordinator aborted it. */
+static int join_cancelled(void *ctx) {
+    worker_t *w = ctx;
+    return atomic_load(&w->aborted_epoch) >= w->epoch;
+}
+
 static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__KvConfig *k = m->kv_config;
     loom_err_t err = {0};
@@ -414,7 +426,8 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .cuda_stream = loom_backend_stream(w->be),
                              .auth_secret = a->data_secret.len ? a->data_secret.data : NULL,
                              .auth_secret_len = a->data_secret.len,
-                             .encrypt = a->data_encrypt && !strcmp(cs->backend, "tcp")};
+                             .encrypt = a->data_encrypt && !strcmp(cs->backend, "tcp"),
+                             .cancelled = join_cancelled, .cancel_ctx = w};
     if (w->gather_cap < gather) {
         free(w->gather_send);
         free(w->gather_recv);
@@ -443,7 +456,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     goto done;
 fail:
     LOOM_ERROR("joining failed: %s", err.msg);
-    post_error(w, err.code ? err.code : LOOM_ERR_INTERNAL, err.msg);
+    post_join_error(w, k->epoch, err.code ? err.code : LOOM_ERR_INTERNAL, err.msg);
 done:
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
