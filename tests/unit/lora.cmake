@@ -1,0 +1,4 @@
+# LoRA adapters: PEFT directories read and checked (loom_lora) and the
+# mixed-adapter CPU delta (kernels/cpu/lora.c) against its reference.
+loom_add_test(test_lora SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora.c
+              LIBS loom_lora loom_kernels LABELS unit TIMEOUT 60)
