@@ -124,7 +124,9 @@ def cmd_merge(a):
         tensors[w] = (tensors[w].astype(np.float64) + scale * (B @ A)).astype(np.float32)
     if os.path.exists(a.out_dir):
         shutil.rmtree(a.out_dir)
-    shutil.copytree(a.model_dir, a.out_dir)
+    # plain copies: the source may be read-only (shared/), the copy must not be
+    shutil.copytree(a.model_dir, a.out_dir, copy_function=shutil.copyfile)
+    os.chmod(a.out_dir, 0o755)
     stio.write(os.path.join(a.out_dir, "model.safetensors"),
                [(n, tensors[n], dtypes[n]) for n in sorted(tensors)], metadata=metadata or None)
 
