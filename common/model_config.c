@@ -1,5 +1,6 @@
 /* Reads a Hugging Face config.json into loom_model_config_t: the fields a
- * Llama-family decoder needs, their defaults, and checks that refuse a config
+ * Llama-family decoder needs, their defaults (k_families: a row per family,
+ * from its Transformers config class), and checks that refuse a config
  * Loom would run wrongly (unknown architectures, unsupported RoPE scaling,
  * head counts that do not divide). generation_config.json adds EOS ids. */
 #include "common/model_config.h"
@@ -16,9 +17,67 @@
 #include "common/json.h"
 #include "common/util.h"
 
-static const char *const k_model_types[] = {"llama",     "mistral",   "qwen2",       "qwen3",
-                                            "phi3",      "gemma2",    "gemma3_text", "mixtral",
-                                            "qwen3_moe", "qwen2_moe", "gpt_oss"};
+/* Every family's defaults, one row each, read from the __init__ (or the
+ * dataclass fields) of its Transformers config class in
+ * src/transformers/models/<family>/configuration_<family>.py, as of
+ * Transformers 5.0 (Gemma3TextConfig: 4.50). rope_theta is the class's
+ * default_theta where Transformers 5 moved it into rope_parameters. */
+static const loom_family_defaults_t k_families[] = {
+    /* LlamaConfig (configuration_llama.py) */
+    {.model_type = "llama", .config_class = "LlamaConfig", .max_position_embeddings = 2048,
+     .rms_norm_eps = 1e-6, .rope_theta = 10000.0, .hidden_act = "silu"},
+    /* MistralConfig (configuration_mistral.py): 4096 * 32 positions, 8 KV heads, a window of 4096 */
+    {.model_type = "mistral", .config_class = "MistralConfig", .n_kv_heads = 8, .max_position_embeddings = 131072,
+     .rms_norm_eps = 1e-6, .rope_theta = 10000.0, .hidden_act = "silu", .sliding_window = 4096},
+    /* Qwen2Config (configuration_qwen2.py): q/k/v biases always (Qwen2Attention); use_sliding_window false */
+    {.model_type = "qwen2", .config_class = "Qwen2Config", .n_kv_heads = 32, .max_position_embeddings = 32768,
+     .rms_norm_eps = 1e-6, .rope_theta = 10000.0, .hidden_act = "silu", .attention_bias = 1},
+    /* Qwen3Config (configuration_qwen3.py): head_dim 128 whatever hidden_size / heads is */
+    {.model_type = "qwen3", .config_class = "Qwen3Config", .n_kv_heads = 32, .head_dim = 128,
+     .max_position_embeddings = 32768, .rms_norm_eps = 1e-6, .rope_theta = 10000.0, .hidden_act = "silu"},
+    /* Phi3Config (configuration_phi3.py) */
+    {.model_type = "phi3", .config_class = "Phi3Config", .max_position_embeddings = 4096, .rms_norm_eps = 1e-5,
+     .rope_theta = 10000.0, .hidden_act = "silu", .original_max_position_embeddings = 4096},
+    /* Gemma2Config (configuration_gemma2.py) */
+    {.model_type = "gemma2", .config_class = "Gemma2Config", .n_kv_heads = 4, .head_dim = 256,
+     .max_position_embeddings = 8192, .rms_norm_eps = 1e-6, .rope_theta = 10000.0,
+     .hidden_act = "gelu_pytorch_tanh", .tie_word_embeddings = 1, .sliding_window = 4096,
+     .query_pre_attn_scalar = 256, .attn_logit_softcapping = 50.0, .final_logit_softcapping = 30.0},
+    /* Gemma3TextConfig (configuration_gemma3.py): the global layers' base 1e6, the sliding ones' 1e4 */
+    {.model_type = "gemma3_text", .config_class = "Gemma3TextConfig", .n_kv_heads = 4, .head_dim = 256,
+     .max_position_embeddings = 131072, .rms_norm_eps = 1e-6, .rope_theta = 1000000.0,
+     .hidden_act = "gelu_pytorch_tanh", .tie_word_embeddings = 1, .sliding_window = 4096,
+     .query_pre_attn_scalar = 256, .rope_local_base_freq = 10000.0, .sliding_window_pattern = 6},
+    /* MixtralConfig (configuration_mixtral.py): default_theta 1e6 */
+    {.model_type = "mixtral", .config_class = "MixtralConfig", .n_kv_heads = 8, .max_position_embeddings = 131072,
+     .rms_norm_eps = 1e-5, .rope_theta = 1000000.0, .hidden_act = "silu", .n_experts = 8, .n_experts_per_tok = 2},
+    /* Qwen3MoeConfig (configuration_qwen3_moe.py) */
+    {.model_type = "qwen3_moe", .config_class = "Qwen3MoeConfig", .n_kv_heads = 4, .max_position_embeddings = 32768,
+     .rms_norm_eps = 1e-6, .rope_theta = 10000.0, .hidden_act = "silu", .n_experts = 128, .n_experts_per_tok = 8,
+     .moe_intermediate_size = 768, .decoder_sparse_step = 1},
+    /* Qwen2MoeConfig (configuration_qwen2_moe.py): q/k/v biases always (qkv_bias) */
+    {.model_type = "qwen2_moe", .config_class = "Qwen2MoeConfig", .n_kv_heads = 16, .max_position_embeddings = 32768,
+     .rms_norm_eps = 1e-6, .rope_theta = 10000.0, .hidden_act = "silu", .attention_bias = 1, .n_experts = 60,
+     .n_experts_per_tok = 4, .moe_intermediate_size = 1408, .shared_expert_intermediate_size = 5632,
+     .decoder_sparse_step = 1},
+    /* GptOssConfig (configuration_gpt_oss.py): default_theta 150000, and gpt-oss's yarn when rope_scaling is absent */
+    {.model_type = "gpt_oss", .config_class = "GptOssConfig", .n_kv_heads = 8, .head_dim = 64,
+     .max_position_embeddings = 131072, .rms_norm_eps = 1e-5, .rope_theta = 150000.0, .hidden_act = "silu",
+     .attention_bias = 1, .sliding_window = 128, .n_experts = 128, .n_experts_per_tok = 4, .swiglu_limit = 7.0,
+     .swiglu_alpha = 1.702,
+     .rope_scaling = "{\"rope_type\":\"yarn\",\"factor\":32.0,\"beta_fast\":32.0,\"beta_slow\":1.0,"
+                     "\"original_max_position_embeddings\":4096,\"truncate\":false}"},
+};
+
+const loom_family_defaults_t *loom_model_family_defaults(const char *model_type) {
+    for (size_t i = 0; model_type && i < LOOM_ARRAY_LEN(k_families); i++)
+        if (!strcmp(model_type, k_families[i].model_type)) return &k_families[i];
+    return NULL;
+}
+
+const loom_family_defaults_t *loom_model_family_defaults_at(size_t i) {
+    return i < LOOM_ARRAY_LEN(k_families) ? &k_families[i] : NULL;
+}
 
 /* hidden_act values (Hugging Face's ACT2FN names) and what computes them. */
 static const struct {
@@ -190,7 +249,9 @@ static loom_status_t parse_longrope(loom_model_config_t *cfg, const cJSON *root,
     }
     const cJSON *o = field(rs, "original_max_position_embeddings");
     if (!o) o = field(root, "original_max_position_embeddings");
-    cfg->rope_orig_max_pos = cfg->max_seq_len;
+    const loom_family_defaults_t *d = loom_model_family_defaults(cfg->model_type);
+    cfg->rope_orig_max_pos = d && d->original_max_position_embeddings ? d->original_max_position_embeddings
+                                                                      : cfg->max_seq_len;
     if (o && (!json_int(o, &cfg->rope_orig_max_pos) || cfg->rope_orig_max_pos <= 0))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: original_max_position_embeddings must be a positive integer",
                             path);
@@ -409,22 +470,26 @@ static loom_status_t get_softcap(const cJSON *root, const char *key, float dflt,
  * sliding layers (sliding_window wide, rope_local_base_freq, no scaling)
  * and global ones (rope_theta and rope_scaling) as layer_types or
  * sliding_window_pattern say. */
-static loom_status_t parse_gemma3(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+static loom_status_t parse_gemma3(loom_model_config_t *cfg, const loom_family_defaults_t *d, const cJSON *root,
+                                  const char *path, loom_err_t *err) {
     cfg->gemma = 1;
     cfg->qk_norm = 1;
     cfg->embed_scale = sqrtf((float)cfg->dim);
     int qpas = 0;
-    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, cfg->head_dim, &qpas, path, err));
+    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, d->query_pre_attn_scalar, &qpas, path, err));
     cfg->query_scale = 1.0f / sqrtf((float)qpas);
-    LOOM_CHECK(get_pos_float(root, "rope_local_base_freq", 0, 10000.0f, &cfg->rope_local_theta, path, err));
-    LOOM_CHECK(get_pos_int(root, "sliding_window_pattern", 0, 6, &cfg->sliding_pattern, path, err));
-    LOOM_CHECK(get_pos_int(root, "sliding_window", 0, 4096, &cfg->sliding_window, path, err));
-    if (!field(root, "hidden_act") && !field(root, "hidden_activation")) cfg->hidden_act = LOOM_HIDDEN_GELU_TANH;
+    LOOM_CHECK(get_pos_float(root, "rope_local_base_freq", 0, (float)d->rope_local_base_freq, &cfg->rope_local_theta,
+                             path, err));
+    LOOM_CHECK(get_pos_int(root, "sliding_window_pattern", 0, d->sliding_window_pattern, &cfg->sliding_pattern, path,
+                           err));
+    LOOM_CHECK(get_pos_int(root, "sliding_window", 0, d->sliding_window, &cfg->sliding_window, path, err));
     if (cfg->rope_scaling != LOOM_ROPE_NONE && cfg->rope_scaling != LOOM_ROPE_LINEAR)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gemma3_text with rope_scaling other than linear", path);
     /* Gemma3TextConfig: both default to none (the released configs say null) */
-    LOOM_CHECK(get_softcap(root, "attn_logit_softcapping", 0.0f, &cfg->attn_softcap, path, err));
-    return get_softcap(root, "final_logit_softcapping", 0.0f, &cfg->final_softcap, path, err);
+    LOOM_CHECK(get_softcap(root, "attn_logit_softcapping", (float)d->attn_logit_softcapping, &cfg->attn_softcap,
+                           path, err));
+    return get_softcap(root, "final_logit_softcapping", (float)d->final_logit_softcapping, &cfg->final_softcap,
+                       path, err);
 }
 
 /* Gemma 2 (Gemma2Config, modeling_gemma2): Gemma 3's layer without the q/k
@@ -434,44 +499,46 @@ static loom_status_t parse_gemma3(loom_model_config_t *cfg, const cJSON *root, c
  * every layer. Absent keys take Gemma2Config's defaults: query_pre_attn_scalar
  * 256, sliding_window 4096, soft caps 50 (attention) and 30 (final); an
  * explicit null turns a cap off. */
-static loom_status_t parse_gemma2(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+static loom_status_t parse_gemma2(loom_model_config_t *cfg, const loom_family_defaults_t *d, const cJSON *root,
+                                  const char *path, loom_err_t *err) {
     cfg->gemma = 1;
     cfg->embed_scale = sqrtf((float)cfg->dim);
     int qpas = 0;
-    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, 256, &qpas, path, err));
+    LOOM_CHECK(get_pos_int(root, "query_pre_attn_scalar", 0, d->query_pre_attn_scalar, &qpas, path, err));
     cfg->query_scale = 1.0f / sqrtf((float)qpas);
     cfg->rope_local_theta = 0.0f; /* the sliding layers share rope_theta */
     cfg->sliding_pattern = 2;
     const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-    cfg->sliding_window = sw ? 0 : 4096; /* null: no window */
+    cfg->sliding_window = sw ? 0 : d->sliding_window; /* null: no window */
     if (sw && !cJSON_IsNull(sw))
         LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
-    if (!field(root, "hidden_act") && !field(root, "hidden_activation")) cfg->hidden_act = LOOM_HIDDEN_GELU_TANH;
     if (cfg->rope_scaling != LOOM_ROPE_NONE)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: gemma2 with rope_scaling is not supported", path);
-    LOOM_CHECK(get_softcap(root, "attn_logit_softcapping", 50.0f, &cfg->attn_softcap, path, err));
-    return get_softcap(root, "final_logit_softcapping", 30.0f, &cfg->final_softcap, path, err);
+    LOOM_CHECK(get_softcap(root, "attn_logit_softcapping", (float)d->attn_logit_softcapping, &cfg->attn_softcap,
+                           path, err));
+    return get_softcap(root, "final_logit_softcapping", (float)d->final_logit_softcapping, &cfg->final_softcap,
+                       path, err);
 }
 
 /* hidden_act, or Gemma's hidden_activation: Gemma2MLP and Gemma3MLP read
  * hidden_activation, so for them it wins when a config carries both. */
-static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const cJSON *root, int gemma, const char *path,
-                                      loom_err_t *err) {
+static loom_status_t parse_hidden_act(loom_model_config_t *cfg, const loom_family_defaults_t *d, const cJSON *root,
+                                      int gemma, const char *path, loom_err_t *err) {
     const char *key = gemma && field(root, "hidden_activation") ? "hidden_activation" : "hidden_act";
     const cJSON *v = field(root, key);
     if (!v) v = field(root, key = "hidden_activation");
+    const char *name = v && cJSON_IsString(v) ? v->valuestring : d->hidden_act;
     cfg->hidden_act = LOOM_HIDDEN_SILU;
-    if (!v) return LOOM_OK;
-    if (!cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a string", path, key);
+    if (v && !cJSON_IsString(v)) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a string", path, key);
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_acts); i++)
-        if (!strcmp(v->valuestring, k_acts[i].name)) {
+        if (!strcmp(name, k_acts[i].name)) {
             cfg->hidden_act = k_acts[i].act;
             return LOOM_OK;
         }
     return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                         "%s: hidden_act '%s' is not supported (Loom runs silu, swish, gelu, gelu_python, gelu_new, "
                         "gelu_pytorch_tanh, gelu_fast, gelu_accurate, quick_gelu, relu, relu2)",
-                        path, v->valuestring);
+                        path, name);
 }
 
 /* quantization_config: loom (`loom quantize`), or 4-bit AWQ (GEMM) and GPTQ. */
@@ -545,16 +612,16 @@ static loom_status_t parse_quantization(loom_model_config_t *cfg, const cJSON *r
  * renormalised) and Qwen3-MoE (Qwen3MoeConfig: num_experts,
  * moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
  * mlp_only_layers: dense layers of intermediate_size). */
-static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, const char *path, loom_err_t *err) {
+static loom_status_t parse_moe(loom_model_config_t *cfg, const loom_family_defaults_t *d, const cJSON *root,
+                               const char *path, loom_err_t *err) {
     int mixtral = !strcmp(cfg->model_type, "mixtral"), oss = cfg->gpt_oss;
     const char *ekey = mixtral || oss ? "num_local_experts" : "num_experts";
     const cJSON *v = field(root, ekey);
-    int e = mixtral ? 8 : 128; /* MixtralConfig / Qwen3MoeConfig / GptOssConfig defaults */
+    int e = d->n_experts;
     if (v && (!json_int(v, &e) || e < 0))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: %s must be a non-negative integer", path, ekey);
     int qwen2 = !strcmp(cfg->model_type, "qwen2_moe");
-    if (qwen2 && !v) e = 60; /* Qwen2MoeConfig: 60 experts, top-4 */
-    int k = mixtral ? 2 : qwen2 || oss ? 4 : 8;
+    int k = d->n_experts_per_tok;
     v = field(root, "num_experts_per_tok");
     if (!v && oss) v = field(root, "experts_per_token"); /* the name of OpenAI's own config */
     if (v && !json_int(v, &k))
@@ -574,12 +641,14 @@ static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, cons
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: num_experts_per_tok (%d) must be between 1 and %s (%d)", path,
                             k, ekey, e);
     if (!mixtral && !oss) {
-        LOOM_CHECK(get_pos_int(root, "moe_intermediate_size", 0, qwen2 ? 1408 : 768, &cfg->moe_hidden_dim, path, err));
+        LOOM_CHECK(get_pos_int(root, "moe_intermediate_size", 0, d->moe_intermediate_size, &cfg->moe_hidden_dim, path,
+                               err));
         if (qwen2)
-            LOOM_CHECK(get_pos_int(root, "shared_expert_intermediate_size", 0, 5632, &cfg->moe_shared_hidden, path,
-                                   err));
+            LOOM_CHECK(get_pos_int(root, "shared_expert_intermediate_size", 0, d->shared_expert_intermediate_size,
+                                   &cfg->moe_shared_hidden, path, err));
         LOOM_CHECK(get_bool(root, "norm_topk_prob", 0, &cfg->norm_topk_prob, path, err));
-        LOOM_CHECK(get_pos_int(root, "decoder_sparse_step", 0, 1, &cfg->moe_sparse_step, path, err));
+        LOOM_CHECK(get_pos_int(root, "decoder_sparse_step", 0, d->decoder_sparse_step, &cfg->moe_sparse_step, path,
+                               err));
         v = field(root, "mlp_only_layers");
         if (v) {
             const cJSON *it;
@@ -607,10 +676,10 @@ static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, cons
  * top-k softmax), alternating sliding (even layers) and full attention
  * unless layer_types says otherwise, q/k/v/o biases (attention_bias,
  * true by default), attention sinks, and the experts' clamped SwiGLU. */
-static loom_status_t parse_gpt_oss(loom_model_config_t *cfg, const cJSON *root, const char *path,
-                                   loom_err_t *err) {
+static loom_status_t parse_gpt_oss(loom_model_config_t *cfg, const loom_family_defaults_t *d, const cJSON *root,
+                                   const char *path, loom_err_t *err) {
     const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-    cfg->sliding_window = sw ? 0 : 128; /* null: every layer full */
+    cfg->sliding_window = sw ? 0 : d->sliding_window; /* null: every layer full */
     if (sw && !cJSON_IsNull(sw))
         LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
     if (cfg->n_layers > LOOM_MAX_LAYER_TYPES)
@@ -619,8 +688,8 @@ static loom_status_t parse_gpt_oss(loom_model_config_t *cfg, const cJSON *root, 
     for (int l = 0; l < cfg->n_layers; l++)
         cfg->layer_sliding[l] = (unsigned char)(l % 2 == 0);
     cfg->has_layer_types = 1; /* refuse_keys reads layer_types over this */
-    LOOM_CHECK(get_pos_float(root, "swiglu_limit", 0, 7.0f, &cfg->swiglu_limit, path, err));
-    LOOM_CHECK(get_pos_float(root, "swiglu_alpha", 0, 1.702f, &cfg->swiglu_alpha, path, err));
+    LOOM_CHECK(get_pos_float(root, "swiglu_limit", 0, (float)d->swiglu_limit, &cfg->swiglu_limit, path, err));
+    LOOM_CHECK(get_pos_float(root, "swiglu_alpha", 0, (float)d->swiglu_alpha, &cfg->swiglu_alpha, path, err));
     if (!(cfg->swiglu_limit > 0 && isfinite(cfg->swiglu_limit)))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: swiglu_limit must be a positive number",
                             path);
@@ -642,32 +711,32 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!mt) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type is missing", path);
     if (!cJSON_IsString(mt))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type must be a string", path);
-    int known = 0;
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_model_types); i++)
-        known |= !strcmp(mt->valuestring, k_model_types[i]);
-    if (!known)
+    const loom_family_defaults_t *d = loom_model_family_defaults(mt->valuestring);
+    if (!d)
         return loom_err_set(
             err, LOOM_ERR_UNSUPPORTED,
             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
             "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe, qwen2_moe and gpt_oss)",
             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
-    int is_qwen2 = !strcmp(cfg->model_type, "qwen2") || !strcmp(cfg->model_type, "qwen2_moe");
     cfg->gpt_oss = !strcmp(cfg->model_type, "gpt_oss");
-    const int oss = cfg->gpt_oss; /* GptOssConfig's defaults below */
+    const int oss = cfg->gpt_oss;
 
     LOOM_CHECK(get_pos_int(root, "hidden_size", 1, 0, &cfg->dim, path, err));
     LOOM_CHECK(get_pos_int(root, "intermediate_size", 1, 0, &cfg->hidden_dim, path, err));
     LOOM_CHECK(get_pos_int(root, "num_hidden_layers", 1, 0, &cfg->n_layers, path, err));
     LOOM_CHECK(get_pos_int(root, "num_attention_heads", 1, 0, &cfg->n_heads, path, err));
-    LOOM_CHECK(
-        get_pos_int(root, "num_key_value_heads", 0, cfg->n_heads, &cfg->n_kv_heads, path, err));
-    LOOM_CHECK(get_pos_int(root, "head_dim", 0, 0, &cfg->head_dim, path, err));
+    /* absent: the class's default; an explicit null: derived (num_attention_heads, hidden_size / heads), as the
+     * classes whose default is None derive it */
+    const int kv_given = cJSON_GetObjectItemCaseSensitive(root, "num_key_value_heads") != NULL;
+    const int hd_given = cJSON_GetObjectItemCaseSensitive(root, "head_dim") != NULL;
+    LOOM_CHECK(get_pos_int(root, "num_key_value_heads", 0, kv_given || !d->n_kv_heads ? cfg->n_heads : d->n_kv_heads,
+                           &cfg->n_kv_heads, path, err));
+    LOOM_CHECK(get_pos_int(root, "head_dim", 0, hd_given ? 0 : d->head_dim, &cfg->head_dim, path, err));
     LOOM_CHECK(get_pos_int(root, "vocab_size", 1, 0, &cfg->vocab_size, path, err));
-    LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, oss ? 131072 : 2048,
-                           &cfg->max_seq_len, path, err));
-    LOOM_CHECK(
-        get_pos_float(root, "rms_norm_eps", 0, oss ? 1e-5f : 1e-6f, &cfg->norm_eps, path, err));
+    LOOM_CHECK(get_pos_int(root, "max_position_embeddings", 0, d->max_position_embeddings, &cfg->max_seq_len, path,
+                           err));
+    LOOM_CHECK(get_pos_float(root, "rms_norm_eps", 0, (float)d->rms_norm_eps, &cfg->norm_eps, path, err));
     /* Transformers 5 keeps rope_theta and the scaling in rope_parameters */
     const cJSON *rp = field(root, "rope_parameters");
     if (rp && !cJSON_IsObject(rp))
@@ -675,64 +744,46 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (rp && field(rp, "rope_theta"))
         LOOM_CHECK(get_pos_float(rp, "rope_theta", 1, 0, &cfg->rope_theta, path, err));
     else
-        LOOM_CHECK(get_pos_float(root, "rope_theta", 0, oss ? 150000.0f : 10000.0f,
-                                 &cfg->rope_theta, path, err));
+        LOOM_CHECK(get_pos_float(root, "rope_theta", 0, (float)d->rope_theta, &cfg->rope_theta, path, err));
     if (rp && field(root, "rope_scaling"))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: both rope_scaling and rope_parameters are given", path);
-    /* head_dim is needed first (longrope lists a factor per frequency);
-     * Gemma2Config and Gemma3TextConfig default it to 256 */
-    if (cfg->head_dim == 0 && (!strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text")))
-        cfg->head_dim = 256;
-    if (cfg->head_dim == 0 && oss) cfg->head_dim = 64;
+    /* head_dim is needed first (longrope lists a factor per frequency) */
     if (cfg->head_dim == 0 && cfg->dim % cfg->n_heads == 0) cfg->head_dim = cfg->dim / cfg->n_heads;
     LOOM_CHECK(parse_rotary_dim(cfg, root, path, err));
-    /* GptOssConfig: an absent rope_scaling is gpt-oss's yarn (an explicit null is none) */
-    cJSON *oss_yarn =
-        oss && !rp && !cJSON_GetObjectItemCaseSensitive(root, "rope_scaling")
-            ? cJSON_Parse("{\"rope_type\":\"yarn\",\"factor\":32.0,\"beta_fast\":32.0,"
-                          "\"beta_slow\":1.0,\"original_max_position_embeddings\":4096,"
-                          "\"truncate\":false}")
-            : NULL;
+    /* a family's default scaling (GptOssConfig: gpt-oss's yarn) when the key is absent; an explicit null is none */
+    const int rs_absent = !rp && !cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    cJSON *rs_dflt = d->rope_scaling && rs_absent ? cJSON_Parse(d->rope_scaling) : NULL;
+    LOOM_ASSERT(!d->rope_scaling || !rs_absent || rs_dflt);
     loom_status_t rs_st = parse_rope_scaling(cfg, root,
-                                             oss_yarn ? oss_yarn
-                                             : rp     ? rp
-                                                      : field(root, "rope_scaling"),
+                                             rs_dflt ? rs_dflt
+                                             : rp    ? rp
+                                                     : field(root, "rope_scaling"),
                                              path, err);
-    cJSON_Delete(oss_yarn);
+    cJSON_Delete(rs_dflt);
     LOOM_CHECK(rs_st);
     int gemma = !strcmp(cfg->model_type, "gemma2") || !strcmp(cfg->model_type, "gemma3_text");
-    LOOM_CHECK(parse_hidden_act(cfg, root, gemma, path, err));
+    LOOM_CHECK(parse_hidden_act(cfg, d, root, gemma, path, err));
     cfg->qk_norm = !strcmp(cfg->model_type, "qwen3") || !strcmp(cfg->model_type, "qwen3_moe");
     if (!strcmp(cfg->model_type, "mixtral") || !strcmp(cfg->model_type, "qwen3_moe") ||
         !strcmp(cfg->model_type, "qwen2_moe") || oss)
-        LOOM_CHECK(parse_moe(cfg, root, path, err));
-    if (oss) LOOM_CHECK(parse_gpt_oss(cfg, root, path, err));
+        LOOM_CHECK(parse_moe(cfg, d, root, path, err));
+    if (oss) LOOM_CHECK(parse_gpt_oss(cfg, d, root, path, err));
     cfg->fused_qkv = !strcmp(cfg->model_type, "phi3");
-    if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, root, path, err));
-    if (!strcmp(cfg->model_type, "gemma2")) LOOM_CHECK(parse_gemma2(cfg, root, path, err));
-    if (!strcmp(cfg->model_type, "phi3")) { /* Phi3Config: sliding_window defaults to none */
-        if (field(root, "sliding_window"))
-            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
-        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
-    }
-    if (!strcmp(cfg->model_type, "mixtral")) { /* MixtralConfig: sliding_window defaults to none */
-        if (field(root, "sliding_window"))
-            LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
-        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
-    }
-    if (!strcmp(cfg->model_type, "mistral")) {
-        /* as MistralConfig: absent means 4096, null means none */
+    if (!strcmp(cfg->model_type, "gemma3_text")) LOOM_CHECK(parse_gemma3(cfg, d, root, path, err));
+    if (!strcmp(cfg->model_type, "gemma2")) LOOM_CHECK(parse_gemma2(cfg, d, root, path, err));
+    if (!strcmp(cfg->model_type, "mistral") || !strcmp(cfg->model_type, "mixtral") ||
+        !strcmp(cfg->model_type, "phi3")) {
+        /* one window on every layer: absent means the class's default (MistralConfig 4096, the others none),
+         * null means none; a window that is never reached is none */
         const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-        if (!sw) cfg->sliding_window = 4096;
-        else if (!cJSON_IsNull(sw))
+        cfg->sliding_window = sw ? 0 : d->sliding_window;
+        if (sw && !cJSON_IsNull(sw))
             LOOM_CHECK(get_pos_int(root, "sliding_window", 1, 0, &cfg->sliding_window, path, err));
-        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0; /* never reached */
+        if (cfg->sliding_window >= cfg->max_seq_len) cfg->sliding_window = 0;
     }
     LOOM_CHECK(refuse_keys(root, cfg, path, err));
-    /* Gemma2Config and Gemma3TextConfig tie the head unless told otherwise */
-    LOOM_CHECK(get_bool(root, "tie_word_embeddings", cfg->gemma, &cfg->tie_embeddings, path, err));
-    LOOM_CHECK(get_bool(root, "attention_bias", is_qwen2 || cfg->gpt_oss, &cfg->attention_bias,
-                        path, err));
+    LOOM_CHECK(get_bool(root, "tie_word_embeddings", d->tie_word_embeddings, &cfg->tie_embeddings, path, err));
+    LOOM_CHECK(get_bool(root, "attention_bias", d->attention_bias, &cfg->attention_bias, path, err));
     int mlp_bias = 0;
     LOOM_CHECK(get_bool(root, "mlp_bias", 0, &mlp_bias, path, err));
     if (mlp_bias)
@@ -740,8 +791,9 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
 
     if (cfg->n_heads % cfg->n_kv_heads != 0)
         return loom_err_set(err, LOOM_ERR_FORMAT,
-                            "%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)",
-                            path, cfg->n_kv_heads, cfg->n_heads);
+                            "%s: num_key_value_heads (%d%s%s) does not divide num_attention_heads (%d)", path,
+                            cfg->n_kv_heads, kv_given ? "" : ", absent: the default of ", kv_given ? "" : d->config_class,
+                            cfg->n_heads);
     if (cfg->head_dim == 0) {
         if (cfg->dim % cfg->n_heads != 0)
             return loom_err_set(err, LOOM_ERR_FORMAT,
@@ -780,15 +832,14 @@ static loom_status_t check_eos_range(const loom_model_config_t *cfg, const char 
  * gemma-3-4b/12b/27b ship): the text model's keys sit in text_config, most
  * left at Gemma3TextConfig's defaults (configuration_gemma3.py), and eos,
  * bos, the dtype and a quantization_config may sit at the top. Loom serves
- * the text model: a gemma3_text config of those defaults, overlaid with
- * the top-level keys, overlaid with text_config. NULL when root is not one. */
+ * the text model: a gemma3_text config of the keys below, overlaid with
+ * the top-level keys, overlaid with text_config; the gemma3_text row of
+ * k_families fills in the rest. NULL when root is not one. These are the
+ * keys a plain config.json must give (the sizes) or whose class default
+ * Loom does not take elsewhere (the token ids). */
 static const char k_gemma3_text_defaults[] =
     "{\"vocab_size\":262208,\"hidden_size\":2304,\"intermediate_size\":9216,\"num_hidden_layers\":26,"
-    "\"num_attention_heads\":8,\"num_key_value_heads\":4,\"head_dim\":256,\"hidden_activation\":"
-    "\"gelu_pytorch_tanh\",\"max_position_embeddings\":131072,\"rms_norm_eps\":1e-6,\"bos_token_id\":2,"
-    "\"eos_token_id\":1,\"tie_word_embeddings\":true,\"rope_theta\":1000000.0,\"attention_bias\":false,"
-    "\"query_pre_attn_scalar\":256,\"sliding_window\":4096,\"sliding_window_pattern\":6,"
-    "\"rope_local_base_freq\":10000.0,\"final_logit_softcapping\":null,\"attn_logit_softcapping\":null}";
+    "\"num_attention_heads\":8,\"bos_token_id\":2,\"eos_token_id\":1}";
 
 static void json_set(cJSON *obj, const char *key, cJSON *v) {
     cJSON_DeleteItemFromObjectCaseSensitive(obj, key);

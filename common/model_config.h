@@ -113,6 +113,44 @@ typedef struct loom_model_config {
     float swiglu_alpha; /* swiglu_alpha (1.702): the gate is sigmoid(alpha * gate) times gate */
 } loom_model_config_t;
 
+/* What a family's Transformers config class gives a key that config.json
+ * leaves out: one row per model_type (common/model_config.c cites the class
+ * beside each). docs/model-format.md's "Defaults by family" table is printed
+ * from these rows and test_model_config fails when the two differ. Keys Loom
+ * requires (hidden_size, intermediate_size, num_hidden_layers,
+ * num_attention_heads, vocab_size) and the special token ids are not here. */
+typedef struct loom_family_defaults {
+    const char *model_type;
+    const char *config_class;     /* the Transformers class the values are read from */
+    int n_kv_heads;               /* num_key_value_heads; 0: num_attention_heads */
+    int head_dim;                 /* 0: hidden_size / num_attention_heads */
+    int max_position_embeddings;
+    double rms_norm_eps;
+    double rope_theta;            /* rope_theta (Transformers 5: the class's default_theta) */
+    const char *hidden_act;       /* hidden_act (Gemma: hidden_activation) */
+    int tie_word_embeddings;
+    int attention_bias;           /* q/k/v (GPT-OSS: and o) biases; Qwen2's are implied */
+    int sliding_window;           /* an absent key; 0: none */
+    /* keys of some families only; 0 where a family has none */
+    int query_pre_attn_scalar;    /* gemma2, gemma3_text */
+    double rope_local_base_freq;  /* gemma3_text: the sliding layers' RoPE base */
+    int sliding_window_pattern;   /* gemma3_text */
+    double attn_logit_softcapping, final_logit_softcapping; /* gemma2 */
+    int n_experts;                /* num_local_experts / num_experts */
+    int n_experts_per_tok;        /* num_experts_per_tok */
+    int moe_intermediate_size;    /* qwen3_moe, qwen2_moe */
+    int shared_expert_intermediate_size; /* qwen2_moe */
+    int decoder_sparse_step;      /* qwen3_moe, qwen2_moe */
+    int original_max_position_embeddings; /* phi3 (longrope) */
+    double swiglu_limit, swiglu_alpha;    /* gpt_oss */
+    const char *rope_scaling;     /* the rope_scaling an absent key means, as JSON; NULL: none */
+} loom_family_defaults_t;
+
+/* The defaults of `model_type`; NULL for a family Loom does not run. */
+const loom_family_defaults_t *loom_model_family_defaults(const char *model_type);
+/* The i-th row of the table (in docs/model-format.md's order); NULL past the end. */
+const loom_family_defaults_t *loom_model_family_defaults_at(size_t i);
+
 /* Reads DIR/config.json; errors name the file and the offending field. */
 loom_status_t loom_model_config_load(const char *dir, loom_model_config_t *cfg, loom_err_t *err);
 /* Parses config.json text; `path` is used in error messages only. */

@@ -64,6 +64,7 @@
 #include "common/json.h"
 #include "common/etcd.h"
 #include "common/log.h"
+#include "common/request_limits.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "coordinator/http_guard.h"
@@ -81,12 +82,12 @@
 #define SLICE_MS 100           /* longest wait before checking the peer and the stop flag */
 #define CANCEL_WAIT_MS 2000    /* how long an abandoned request waits for its cancel to land */
 #define PROBE_TIMEOUT_MS 3000  /* Health and ListModels: the reactor answers at once when it runs */
-#define MAX_STOP 64            /* more is refused here; the coordinator allows fewer */
+#define MAX_STOP LOOM_MAX_STOP /* as the coordinator (common/request_limits.h) */
 #define COMPLETIONS_DEFAULT_MAX_TOKENS 16 /* OpenAI's default for /v1/completions */
 #define SSE_BLOCK 4096
 #define OVERFLOW_CONNECTIONS 64 /* connections over the limit that still get a 503 */
 #define MAX_REQUEST_ID 128
-#define MAX_STOP_IDS 64
+#define MAX_STOP_IDS LOOM_MAX_STOP_IDS
 #define MAX_LOGIT_BIAS 1024  /* as the coordinator's LOOM_MAX_LOGIT_BIAS */
 #define MAX_BAD_WORDS 64
 #define MAX_TOP_LOGPROBS 20

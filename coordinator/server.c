@@ -34,6 +34,7 @@
 
 #include "common/log.h"
 #include "common/model_config.h"
+#include "common/request_limits.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/shard.h"
@@ -48,10 +49,10 @@
 #include "proto/wire.h"
 #include "proto/zapi.h"
 
-#define MAX_STOP 8
-#define MAX_STOP_IDS 64
+#define MAX_STOP LOOM_MAX_STOP
+#define MAX_STOP_IDS LOOM_MAX_STOP_IDS
 #define MAX_TAG 128
-#define MAX_STOP_LEN 256
+#define MAX_STOP_LEN LOOM_MAX_STOP_LEN
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
 
 typedef struct request {

@@ -37,9 +37,17 @@ typedef struct loom_comm_config {
     size_t max_bytes;                 /* largest message: all-reduce buffer, hidden states, gather part */
     int timeout_ms;                   /* 0: wait until aborted */
     loom_comm_listener_t *listener;   /* tcp: this worker's listening socket */
-    /* nccl only: ncclUniqueId bytes made by the coordinator, the device and
-     * the CUDA stream (cudaStream_t) the collectives are ordered on. */
-    const void *nccl_tp_id, *nccl_prev_id, *nccl_next_id;
+    /* Backends whose groups need an id made by one member (nccl: the
+     * ncclUniqueId bytes of loom_comm_make_id): the worker at TP rank 0 makes
+     * its TP group's id, and the earlier worker of each pipeline pair the
+     * pair's; each sends its ids up in Loaded and the coordinator hands them
+     * to every member in KvConfig without reading them (control.proto's
+     * tp_group_id, prev_group_id, next_group_id). NULL where the backend
+     * needs none. nccl also takes the device and the CUDA stream
+     * (cudaStream_t) the collectives are ordered on. */
+    const void *tp_group_id;   /* this worker's TP group */
+    const void *prev_group_id; /* the pair (previous stage, this) */
+    const void *next_group_id; /* the pair (this, next stage) */
     int cuda_device;
     void *cuda_stream;
     /* tcp: the epoch's shared secret (Assign.data_secret); when set, every

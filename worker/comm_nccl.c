@@ -338,15 +338,15 @@ static loom_status_t init_comms(nccl_comm_t *c, const loom_comm_config_t *cfg, l
     ncclUniqueId id;
     NCCL_CHECK(c, err, ncclGroupStart());
     if (cfg->tp_size > 1) {
-        memcpy(&id, cfg->nccl_tp_id, sizeof id);
+        memcpy(&id, cfg->tp_group_id, sizeof id);
         NCCL_CHECK(c, err, ncclCommInitRankConfig(&c->comms[C_TP], cfg->tp_size, id, cfg->tp_rank, &conf));
     }
     if (cfg->prev) {
-        memcpy(&id, cfg->nccl_prev_id, sizeof id);
+        memcpy(&id, cfg->prev_group_id, sizeof id);
         NCCL_CHECK(c, err, ncclCommInitRankConfig(&c->comms[C_PREV], 2, id, 1, &conf));
     }
     if (cfg->next) {
-        memcpy(&id, cfg->nccl_next_id, sizeof id);
+        memcpy(&id, cfg->next_group_id, sizeof id);
         NCCL_CHECK(c, err, ncclCommInitRankConfig(&c->comms[C_NEXT], 2, id, 0, &conf));
     }
     NCCL_CHECK(c, err, ncclGroupEnd());
@@ -356,9 +356,9 @@ static loom_status_t init_comms(nccl_comm_t *c, const loom_comm_config_t *cfg, l
 
 loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t **out, loom_err_t *err) {
     *out = NULL;
-    if (cfg->tp_size > 1 && !cfg->nccl_tp_id)
+    if (cfg->tp_size > 1 && !cfg->tp_group_id)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: tp_size %d but no TP group id", cfg->tp_size);
-    if ((cfg->prev && !cfg->nccl_prev_id) || (cfg->next && !cfg->nccl_next_id))
+    if ((cfg->prev && !cfg->prev_group_id) || (cfg->next && !cfg->next_group_id))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: a pipeline link has no id");
     nccl_comm_t *c = loom_xcalloc(1, sizeof *c);
     loom_comm_base_init(&c->base, &nccl_ops, cfg);

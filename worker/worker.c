@@ -8,13 +8,39 @@
  * compute thread hands back packed replies. Abort (a peer died) is the one
  * cross-thread call: the reactor aborts the comm so a blocked step returns.
  *
- * Lifecycle:  REGISTERING ─Assign▶ LOADING ─Loaded▶ LOADED ─KvConfig▶ JOINING
- *             ─Ready▶ SERVING ─Abort▶ ABORTED ─Assign (new epoch)▶ LOADING ...
- * A new Assign for the same shard keeps the weights and only rebuilds the
- * KV pool and the comm. When the coordinator leaves (Shutdown) or falls
- * silent, the worker aborts its comm and goes back to REGISTERING with its
- * weights, naming the shard it holds; the next coordinator's epochs count
- * afresh. */
+ * States (worker_state_t, the reactor's standing with the coordinator):
+ *   REGISTERING  no slot yet: Register every 2 s until a coordinator answers
+ *   STANDBY      the coordinator refused a slot (RESOURCE_EXHAUSTED: the grid
+ *                is full; NOT_FOUND: it forgot us): Register every 250 ms, so
+ *                a spare takes a lost worker's place fast
+ *   IN_GRID      the coordinator holds a slot for us: heartbeats every 200 ms;
+ *                Assign, KvConfig and StepPlan go to the compute thread
+ *   ORPHANED     the coordinator left (Shutdown) or fell silent: the comm is
+ *                aborted, the weights kept; Register every 500 ms (to the
+ *                address etcd now gives, with --etcd), naming the shard held
+ * Within IN_GRID the compute thread walks each epoch e through
+ *   LOADING ─Loaded▶ LOADED ─KvConfig▶ JOINING ─Ready▶ SERVING ─Abort▶ ABORTED
+ * and a new Assign starts the next epoch (for the same shard it keeps the
+ * weights and rebuilds only the KV pool and the comm). The reactor sees
+ * that walk through two counters: joined_epoch (the last epoch Ready was
+ * sent for) and aborted_epoch (plans of this epoch or older fail fast):
+ * SERVING iff joined_epoch > aborted_epoch (the health file's "serving").
+ *
+ * Transitions:
+ *   REGISTERING, STANDBY, ORPHANED --any message but an Error--> IN_GRID
+ *   REGISTERING, IN_GRID, ORPHANED --Error RESOURCE_EXHAUSTED or NOT_FOUND--> STANDBY
+ *   any --Shutdown--> ORPHANED;  IN_GRID --silence past --coordinator-timeout--> ORPHANED
+ *   any --another Error (the coordinator refused this worker)--> exit
+ *
+ * Invariants:
+ *   - Heartbeats go out only IN_GRID; Register only outside it.
+ *   - Leaving the grid (ORPHANED) sets aborted_epoch to UINT64_MAX, and only
+ *     the next Assign clears it (to 0: that coordinator's epochs count
+ *     afresh), whatever states come between; so left_grid() says, in
+ *     STANDBY or IN_GRID too, that the next Assign starts afresh and that
+ *     the coordinator's address should be looked up again.
+ *   - An Assign from another coordinator incarnation than the last Assign's
+ *     forgets the old epochs; an Abort from another incarnation is ignored. */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -43,9 +69,19 @@
 #include "worker/logits_proc.h"
 #include "worker/model.h"
 
+/* The reactor's state: the block at the top of this file. */
+typedef enum {
+    WORKER_REGISTERING = 0,
+    WORKER_STANDBY,
+    WORKER_IN_GRID,
+    WORKER_ORPHANED,
+} worker_state_t;
+
 #define HEARTBEAT_MS 200
 #define WAIT_LOG_MS 5000 /* unanswered this long: say so (with the address) and dial afresh */
 #define STANDBY_RETRY_MS 250 /* a spare asks for a free slot this often: it takes a lost worker's place that fast */
+#define REGISTER_RETRY_MS 2000 /* REGISTERING: no coordinator answered yet */
+#define ORPHAN_RETRY_MS 500    /* ORPHANED: the next coordinator may be starting */
 
 typedef struct worker {
     /* options */
@@ -91,6 +127,7 @@ typedef struct worker {
     float *cand_keys;
     loom_sampling_t *sp;
     uint64_t *steps_buf;
+    int *kk;                 /* (max_seqs) each logit row's candidate count */
     uint8_t *gather_send, *gather_recv;
     size_t gather_cap;
     int32_t *ids;
@@ -243,7 +280,9 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     free(w->cand_keys);
     free(w->sp);
     free(w->steps_buf);
+    free(w->kk);
     free(w->ids);
+    /* per logit row: a step has at most max_seqs (the model refuses more) */
     size_t rows = (size_t)w->max_seqs;
     w->parts = loom_xcalloc(rows, sizeof *w->parts);
     w->cand_ids = loom_xmalloc(rows * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
@@ -254,6 +293,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     }
     w->sp = loom_xmalloc(rows * sizeof *w->sp);
     w->steps_buf = loom_xmalloc(rows * sizeof *w->steps_buf);
+    w->kk = loom_xmalloc(rows * sizeof *w->kk);
     w->ids = loom_xmalloc(rows * sizeof *w->ids);
     return LOOM_OK;
 }
@@ -365,9 +405,9 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .tp_group = peers, .prev = cs->prev ? &prev : NULL, .next = cs->next ? &next : NULL,
                              .max_bytes = gather > hidden ? gather : hidden, .timeout_ms = 0,
                              .listener = w->listener,
-                             .nccl_tp_id = k->tp_group_id.len ? k->tp_group_id.data : NULL,
-                             .nccl_prev_id = k->prev_group_id.len ? k->prev_group_id.data : NULL,
-                             .nccl_next_id = k->next_group_id.len ? k->next_group_id.data : NULL,
+                             .tp_group_id = k->tp_group_id.len ? k->tp_group_id.data : NULL,
+                             .prev_group_id = k->prev_group_id.len ? k->prev_group_id.data : NULL,
+                             .next_group_id = k->next_group_id.len ? k->next_group_id.data : NULL,
                              .cuda_device = loom_backend_device_index(w->be),
                              .cuda_stream = loom_backend_stream(w->be),
                              .auth_secret = a->data_secret.len ? a->data_secret.data : NULL,
@@ -560,8 +600,13 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     int rows = (int)p->n_logit_rows;
     if (rows == 0) goto prompt;
     int vocab = w->cfg.vocab_size;
-    int kk[4096];
-    LOOM_ASSERT(rows <= (int)LOOM_ARRAY_LEN(kk));
+    int *kk = w->kk;
+    if (rows > w->max_seqs) { /* loom_model_forward refuses them first; the buffers below hold max_seqs rows */
+        s = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT,
+                         "step %llu has %d logit rows; this worker holds %d (its Assign's max_seqs)",
+                         (unsigned long long)p->step_id, rows, w->max_seqs);
+        goto report;
+    }
     for (int r = 0; r < rows; r++) {
         const Loom__V1__SampleParams *sp = p->sampling[r];
         w->sp[r] = (loom_sampling_t){.temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p,
@@ -724,11 +769,11 @@ static void write_trace(worker_t *w) {
  * alive) with one word: serving (joined the current epoch), joining (holds a
  * slot, loading or connecting), standby (the grid is full: waits for a slot)
  * or registering. Written whole and renamed, so a reader never sees half. */
-static int write_health(const worker_t *w, int registered, int standby) {
+static int write_health(const worker_t *w, worker_state_t ws) {
     const char *state = "registering";
-    if (registered)
+    if (ws == WORKER_IN_GRID)
         state = atomic_load(&w->joined_epoch) > atomic_load(&w->aborted_epoch) ? "serving" : "joining";
-    else if (standby)
+    else if (ws == WORKER_STANDBY)
         state = "standby";
     char tmp[1040];
     snprintf(tmp, sizeof tmp, "%s.tmp", w->health_path);
@@ -740,6 +785,30 @@ static int write_health(const worker_t *w, int registered, int standby) {
 }
 
 static loom_status_t etcd_lookup(worker_t *w, char *out, size_t n, loom_err_t *err);
+
+/* The worker left the grid (ORPHANED) and no Assign has come since. */
+static int left_grid(const worker_t *w) {
+    return atomic_load(&w->aborted_epoch) == UINT64_MAX;
+}
+
+static const char *state_name(worker_state_t s) {
+    switch (s) {
+    case WORKER_REGISTERING: return "registering";
+    case WORKER_STANDBY: return "standby";
+    case WORKER_IN_GRID: return "in the grid";
+    case WORKER_ORPHANED: return "orphaned";
+    }
+    return "?";
+}
+
+static void set_state(worker_state_t *state, worker_state_t to) {
+    if (*state != to) LOOM_DEBUG("worker state: %s -> %s", state_name(*state), state_name(to));
+    *state = to;
+}
+
+static int register_retry_ms(worker_state_t s) {
+    return s == WORKER_STANDBY ? STANDBY_RETRY_MS : s == WORKER_ORPHANED ? ORPHAN_RETRY_MS : REGISTER_RETRY_MS;
+}
 
 /* The coordinator went away (it said so, or fell silent): leave the grid
  * (abort the data plane), keep the weights, and look for the next one. */
@@ -768,9 +837,8 @@ static void follow_coordinator(worker_t *w) {
 static int reactor(worker_t *w) {
     uint64_t last_hb = 0, hb_seq = 0, last_heard = loom_now_ns(), last_register = loom_now_ns(), last_health = 0;
     uint64_t last_wait_log = loom_now_ns();
-    int standby = 0, health_ok = 1;
-    int registered = 0; /* the coordinator holds a slot for us (it sends Assign/heartbeats) */
-    int orphan = 0;     /* the coordinator went away: the next Assign comes from a new one */
+    int health_ok = 1;
+    worker_state_t state = WORKER_REGISTERING;
     send_register(w);
     while (!g_stop) {
         zmq_pollitem_t items[] = {{w->ctl, 0, ZMQ_POLLIN, 0}, {w->pipe_r, 0, ZMQ_POLLIN, 0}};
@@ -786,21 +854,19 @@ static int reactor(worker_t *w) {
                     LOOM_WARN("refused a control message: %s", err.msg);
                 } else {
                     last_heard = now;
-                    if (m->body_case != LOOM__V1__CONTROL_MSG__BODY_ERROR) registered = 1;
+                    if (m->body_case != LOOM__V1__CONTROL_MSG__BODY_ERROR) set_state(&state, WORKER_IN_GRID);
                     switch (m->body_case) {
                     case LOOM__V1__CONTROL_MSG__BODY_ASSIGN: {
                         const Loom__V1__Assign *a = m->assign;
                         /* a new coordinator (it left, or a restarted one assigns before its
                          * predecessor's silence was noticed): its epochs count afresh */
                         int fresh = a->incarnation && a->incarnation != w->incarnation && w->incarnation;
+                        int orphan = left_grid(w);
                         if (fresh && !orphan)
                             LOOM_INFO("assigned by a new coordinator (incarnation %llx, was %llx): "
                                       "forgetting the epochs of the previous one",
                                       (unsigned long long)a->incarnation, (unsigned long long)w->incarnation);
-                        if (orphan || fresh) {
-                            atomic_store(&w->aborted_epoch, 0);
-                            orphan = 0;
-                        }
+                        if (orphan || fresh) atomic_store(&w->aborted_epoch, 0);
                         if (a->incarnation) w->incarnation = a->incarnation;
                         w->has_shard = 1;
                         w->shard_stage = a->stage;
@@ -832,19 +898,17 @@ static int reactor(worker_t *w) {
                         char why[300];
                         snprintf(why, sizeof why, "the coordinator left (%.200s)", m->shutdown->reason);
                         coordinator_gone(w, why);
-                        orphan = 1;
-                        registered = standby = 0;
+                        set_state(&state, WORKER_ORPHANED);
                         last_register = 0; /* register again at once */
                         break;
                     }
                     case LOOM__V1__CONTROL_MSG__BODY_ERROR:
                         if (m->error->code == LOOM_ERR_RESOURCE_EXHAUSTED || m->error->code == LOOM_ERR_NOT_FOUND) {
                             /* the grid is full, or forgot us: stand by and register again */
-                            if (registered || !standby)
+                            if (state != WORKER_STANDBY)
                                 LOOM_INFO("standing by: %s (registering again every %d ms)", m->error->message,
                                           STANDBY_RETRY_MS);
-                            registered = 0;
-                            standby = 1;
+                            set_state(&state, WORKER_STANDBY);
                             last_register = now;
                         } else {
                             LOOM_ERROR("coordinator refused this worker: %s", m->error->message);
@@ -865,23 +929,23 @@ static int reactor(worker_t *w) {
                 zmq_send(w->ctl, zmq_msg_data(&msg), zmq_msg_size(&msg), ZMQ_DONTWAIT);
             zmq_msg_close(&msg);
         }
-        if (registered && now - last_hb >= HEARTBEAT_MS * 1000000ull) {
+        if (state == WORKER_IN_GRID && now - last_hb >= HEARTBEAT_MS * 1000000ull) {
             send_heartbeat(w, ++hb_seq);
             last_hb = now;
         }
         /* not (yet) in the grid: the coordinator may have started later, or a slot may free up */
-        if (!registered && now - last_register > (standby ? STANDBY_RETRY_MS : orphan ? 500 : 2000) * 1000000ull) {
-            if (orphan) follow_coordinator(w);
+        if (state != WORKER_IN_GRID && now - last_register > (uint64_t)register_retry_ms(state) * 1000000ull) {
+            if (left_grid(w)) follow_coordinator(w);
             send_register(w);
             last_register = loom_now_ns();
         }
         /* no coordinator answers: say so every few seconds, and dial afresh (a
          * connection the coordinator did not take, e.g. while it still held
          * this id's previous connection, is never read) */
-        if (!registered && now - last_heard > WAIT_LOG_MS * 1000000ull &&
+        if (state != WORKER_IN_GRID && now - last_heard > WAIT_LOG_MS * 1000000ull &&
             now - last_wait_log > WAIT_LOG_MS * 1000000ull) {
             LOOM_INFO("waiting for a coordinator at %s: no answer for %.0f s (registering every %d ms)",
-                      w->coord_addr, (double)(now - last_heard) * 1e-9, standby ? STANDBY_RETRY_MS : orphan ? 500 : 2000);
+                      w->coord_addr, (double)(now - last_heard) * 1e-9, register_retry_ms(state));
             last_wait_log = now;
             zmq_disconnect(w->ctl, w->coord_addr);
             if (zmq_connect(w->ctl, w->coord_addr) != 0)
@@ -889,12 +953,12 @@ static int reactor(worker_t *w) {
             last_register = 0;
         }
         if (w->health_path && now - last_health >= 1000000000ull) {
-            int ok = write_health(w, registered, standby) == 0;
+            int ok = write_health(w, state) == 0;
             if (!ok && health_ok) LOOM_WARN("cannot write the health file %s: %s", w->health_path, strerror(errno));
             health_ok = ok;
             last_health = now;
         }
-        if (registered && now - last_heard > (uint64_t)w->coord_timeout_ms * 1000000ull) {
+        if (state == WORKER_IN_GRID && now - last_heard > (uint64_t)w->coord_timeout_ms * 1000000ull) {
             char why[300];
             snprintf(why, sizeof why, "no message from the coordinator at %.200s for %d ms", w->coord_addr,
                      w->coord_timeout_ms);
@@ -905,8 +969,7 @@ static int reactor(worker_t *w) {
             zmq_disconnect(w->ctl, w->coord_addr);
             if (zmq_connect(w->ctl, w->coord_addr) != 0)
                 LOOM_WARN("cannot connect to %s: %s", w->coord_addr, zmq_strerror(errno));
-            orphan = 1;
-            registered = standby = 0;
+            set_state(&state, WORKER_ORPHANED);
             last_register = 0;
         }
     }
@@ -1206,6 +1269,7 @@ int main(int argc, char **argv) {
     free(w.cand_keys);
     free(w.sp);
     free(w.steps_buf);
+    free(w.kk);
     free(w.ids);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);

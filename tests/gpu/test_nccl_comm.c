@@ -39,8 +39,8 @@ static loom_comm_t *join(int rank, loom_backend_t *be, const uint8_t *tp_id, con
                              .self_id = self.worker_id, .tp_rank = tp_size > 1 ? rank : 0, .tp_size = tp_size,
                              .tp_group = tp_size > 1 ? group : &self, .prev = prev_id ? &group[0] : NULL,
                              .next = next_id ? &group[1] : NULL, .max_bytes = (size_t)NF * 4,
-                             .timeout_ms = timeout_ms, .nccl_tp_id = tp_id, .nccl_prev_id = prev_id,
-                             .nccl_next_id = next_id, .cuda_device = loom_backend_device_index(be),
+                             .timeout_ms = timeout_ms, .tp_group_id = tp_id, .prev_group_id = prev_id,
+                             .next_group_id = next_id, .cuda_device = loom_backend_device_index(be),
                              .cuda_stream = loom_backend_stream(be)};
     loom_comm_t *c = NULL;
     return loom_comm_create(&cc, &c, err) < 0 ? NULL : c;

@@ -13,6 +13,7 @@
 #include <zmq.h>
 
 #include "common/cli.h"
+#include "common/request_limits.h"
 #include "common/util.h"
 #include "proto/wire.h"
 #include "tests/test.h"
@@ -290,6 +291,40 @@ static void api_garbage(const char *addr) {
     zmq_send(z, full, len, 0);
     expect_api_error(z, "token id out of range", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT);
     free(full);
+    /* stop strings: LOOM_MAX_STOP pass (as the HTTP gateway lets through), one more is refused */
+    g.prompt_ids = NULL;
+    g.n_prompt_ids = 0;
+    g.prompt = "Once upon a time";
+    char stop_buf[LOOM_MAX_STOP + 1][16];
+    char *stops[LOOM_MAX_STOP + 1];
+    for (int i = 0; i <= LOOM_MAX_STOP; i++) {
+        snprintf(stop_buf[i], sizeof stop_buf[i], "zq%dx", i);
+        stops[i] = stop_buf[i];
+    }
+    g.stop = stops;
+    g.n_stop = LOOM_MAX_STOP + 1;
+    rq.request_id = 6;
+    send_request(z, "loom.v1.Generate", &rq);
+    char want[64];
+    snprintf(want, sizeof want, "at most %d are allowed", LOOM_MAX_STOP);
+    expect_error_among(z, "too many stop strings", LOOM__V1__STATUS_CODE__INVALID_ARGUMENT, want);
+    g.n_stop = LOOM_MAX_STOP;
+    rq.request_id = 7;
+    send_request(z, "loom.v1.Generate", &rq);
+    int done = 0;
+    for (int k = 0; k < 400 && !done; k++) {
+        uint8_t buf[65536];
+        int n = recv_reply(z, buf, sizeof buf);
+        Loom__V1__Reply *r = n > 0 ? loom_wire_unpack_reply(buf, (size_t)n, NULL) : NULL;
+        if (!r) break;
+        CHECKF(r->code == LOOM__V1__STATUS_CODE__OK, "%d stop strings refused: %s", LOOM_MAX_STOP, r->message);
+        done = r->code != LOOM__V1__STATUS_CODE__OK ||
+               (r->body_case == LOOM__V1__REPLY__BODY_CHUNK && r->chunk->final);
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    CHECKF(done, "%d stop strings: the request did not finish", LOOM_MAX_STOP);
+    g.stop = NULL;
+    g.n_stop = 0;
     zmq_close(z);
 }
 

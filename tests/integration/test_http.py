@@ -299,6 +299,13 @@ def test_errors_and_api_key():
         expect_error(*post(port, C, dict(ok, n=2, stream=True)), 400, param="n")
         expect_error(*post(port, C, dict(ok, stream="yes")), 400, param="stream")
         expect_error(*post(port, C, dict(ok, stop=5)), 400, param="stop")
+        # stop strings: 64 pass the gateway and the coordinator alike (common/request_limits.h), 65 are a 400 on
+        # both endpoints before anything is sent on
+        stops = ["zq%dx" % i for i in range(65)]
+        for path, body in ((C, ok), (H, {"messages": CHAT, "max_tokens": 4})):
+            expect_error(*post(port, path, dict(body, stop=stops)), 400, param="stop", contains="at most 64 stop")
+            status, data = post(port, path, dict(body, stop=stops[:64]))
+            check(status == 200, "%s with 64 stop strings: %d %r" % (path, status, data[:300]))
         expect_error(*post(port, C, dict(ok, top_k=-3)), 400, param="top_k")
         expect_error(*post(port, C, dict(ok, logprobs=21)), 400, param="logprobs")
         expect_error(*post(port, C, {"max_tokens": 4}), 400, param="prompt")

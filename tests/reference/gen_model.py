@@ -116,6 +116,8 @@ def parse_args(argv):
     p.add_argument("--bos", type=int, default=1)
     p.add_argument("--eos", type=int, default=2)
     p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--omit", default="",
+                   help="config.json keys to leave out, comma-separated (a reader then takes the class's defaults)")
     p.add_argument("--stats", action="store_true",
                    help="run the reference forward pass and print logit statistics")
     a = p.parse_args(argv)
@@ -482,6 +484,10 @@ def make_config(a, st_dtype):
                                         "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                    "model.layers.*.mlp.router",
                                                                    "model.embed_tokens", "lm_head"]}
+    for key in filter(None, a.omit.split(",")):
+        if key not in c:
+            raise SystemExit("--omit %s: config.json has no such key" % key)
+        del c[key]
     return c
 
 

@@ -42,6 +42,28 @@ DT = torch.float64
 # GptOssConfig's rope_scaling when config.json has none
 OSS_DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                     "truncate": False, "original_max_position_embeddings": 4096}
+# What each family's Transformers config class (models/<family>/configuration_<family>.py) gives the keys a
+# config.json leaves out, where they are not Llama's (LlamaConfig: num_key_value_heads and head_dim derived from
+# the heads, 2048 positions, eps 1e-6, rope_theta 10000). An explicit null stays None (derived, for kv heads and
+# head_dim), as in the classes.
+CLASS_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "gemma2": {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+               "query_pre_attn_scalar": 256},
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+                    "rope_theta": 1000000.0, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0,
+                    "sliding_window_pattern": 6, "sliding_window": 4096},
+    "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+                "rope_theta": 1000000.0},
+    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768},
+    "qwen2_moe": {"num_key_value_heads": 16, "max_position_embeddings": 32768},
+    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "rope_theta": 150000.0},
+}
 # MXFP4's E2M1 codes (the high bit the sign) -> values
 FP4_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -56,6 +78,8 @@ def read_config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
     mt = c.get("model_type")
+    for key, v in CLASS_DEFAULTS.get(mt, {}).items():
+        c.setdefault(key, v)
     gemma = mt in ("gemma2", "gemma3_text")
     if gemma:  # Gemma2MLP / Gemma3MLP read hidden_activation (a released Gemma 2 config also says hidden_act)
         c["hidden_act"] = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
@@ -1026,6 +1050,18 @@ def self_test():
             gen_model.main(["--out", os.path.join(tmp, "gpt_oss_mxfp4"), "--mxfp4"] + oss)
             gen_model.main(["--out", os.path.join(tmp, "gpt_oss_yarn"), "--rope-scaling", "yarn", "--rope-factor", "8",
                             "--rope-original-max-pos", "256", "--dtype", "bf16"] + oss)
+            gen_model.main(["--out", os.path.join(tmp, "gemma3_bare"), "--arch", "gemma3", "--omit",
+                            "rope_theta,query_pre_attn_scalar,max_position_embeddings,num_key_value_heads"]
+                           + common[:-4])
+        # keys a config leaves out take the class's defaults (Gemma3TextConfig: the global layers' base 1e6,
+        # query_pre_attn_scalar 256 whatever head_dim is, 131072 positions, 4 KV heads)
+        with open(os.path.join(tmp, "gemma3_bare", "config.json")) as f:
+            bare = json.load(f)
+        gc = read_config(os.path.join(tmp, "gemma3_bare"))
+        check(not {"rope_theta", "query_pre_attn_scalar", "max_position_embeddings"} & set(bare)
+              and gc["theta"] == 1e6 and gc["local_theta"] == 1e4 and gc["scale"] == 256 ** -0.5
+              and gc["max_pos"] == 131072 and gc["n_kv_heads"] == 4 and gc["head_dim"] == 16,
+              "gemma3_text: absent keys read as Gemma3TextConfig's defaults")
         m = load_model(d_main)
         ms = load_model(d_shard)
         mt = load_model(d_tied)

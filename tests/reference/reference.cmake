@@ -53,6 +53,14 @@ add_test(NAME reference_gemma3
                  --arch gemma3 --sliding-window 24 --sliding-pattern 2 --query-pre-attn-scalar 24 --rope-scaling linear
                  --rope-factor 2 --rope-theta 1000000 --dim 64 --hidden-dim 96 --layers 4 --heads 4 --kv-heads 2
                  --head-dim 32 --vocab 512 --tie --seed 31)
+# Gemma 3 text from a config.json without rope_theta, query_pre_attn_scalar and max_position_embeddings: both sides
+# take Gemma3TextConfig's defaults (the global layers' base 1e6, scale 256^-1/2 rather than head_dim^-1/2, 131072
+# positions); the rest as reference_gemma3, without scaling.
+add_test(NAME reference_gemma3_defaults
+         COMMAND bash ${_ref}/run_ref.sh $<TARGET_FILE:check_ref> ${CMAKE_BINARY_DIR}/tests/ref_gemma3_defaults random
+                 --arch gemma3 --sliding-window 24 --sliding-pattern 2
+                 --omit rope_theta,query_pre_attn_scalar,max_position_embeddings --dim 64 --hidden-dim 96 --layers 4
+                 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --tie --seed 43)
 # Gemma 2: Gemma 3's layer without q/k norms, every norm a (1+w) gain, query_pre_attn_scalar 24, the even layers
 # sliding (window 24: the 88-token runs cross it) and the odd ones global with one rope_theta, soft caps 50 on the
 # attention scores and 30 on the logits (the released values), hidden_act and hidden_activation both given.
@@ -100,7 +108,7 @@ add_test(NAME reference_gptq_v2
                  ${LOOM_MODELS_DIR} --sym --g-idx trivial)
 set_tests_properties(reference_selftest reference_stories260k reference_random_gqa reference_llama3_rope
                      reference_qwen2_bias reference_qwen3 reference_mistral_window reference_phi3
-                     reference_phi3_partial_rotary reference_gemma3
+                     reference_phi3_partial_rotary reference_gemma3 reference_gemma3_defaults
                      reference_gemma2 reference_gemma2_capped reference_gelu reference_mixtral reference_qwen3_moe
                      reference_qwen2_moe
                      reference_awq reference_gptq reference_gptq_v2

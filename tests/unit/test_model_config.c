@@ -104,9 +104,16 @@ static void test_qwen2_and_defaults(void) {
     const char *qwen_nobias =
         "{\"model_type\":\"qwen2\",\"hidden_size\":64,\"intermediate_size\":1,"
         "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":9,"
-        "\"attention_bias\":false}";
+        "\"num_key_value_heads\":null,\"attention_bias\":false}";
     CHECKF(parse(qwen_nobias, &c, &err) == LOOM_OK, "%s", err.msg);
-    CHECK(c.attention_bias == 0);
+    CHECK(c.attention_bias == 0 && c.n_kv_heads == 4 && c.max_seq_len == 32768);
+    /* an absent num_key_value_heads is Qwen2Config's 32, which 4 heads cannot share */
+    const char *qwen_nokv =
+        "{\"model_type\":\"qwen2\",\"hidden_size\":64,\"intermediate_size\":1,"
+        "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":9}";
+    CHECK(parse(qwen_nokv, &c, &err) == LOOM_ERR_FORMAT);
+    CHECKF(strstr(err.msg, "num_key_value_heads (32, absent: the default of Qwen2Config) does not divide"), "%s",
+           err.msg);
 
     /* Minimal Mistral config: every default. */
     const char *minimal =
@@ -118,7 +125,7 @@ static void test_qwen2_and_defaults(void) {
     CHECK(c.n_kv_heads == 4 && c.head_dim == 16);
     CHECK(c.rope_theta == 10000.0f && c.norm_eps == 1e-6f);
     CHECK(c.tie_embeddings == 0 && c.attention_bias == 0);
-    CHECK(c.max_seq_len == 2048 && c.bos_id == -1 && c.n_eos == 0);
+    CHECK(c.max_seq_len == 131072 && c.bos_id == -1 && c.n_eos == 0 && c.sliding_window == 4096);
     CHECK(c.rope_scaling == LOOM_ROPE_NONE && c.torch_dtype == LOOM_DT_F32);
     CHECK(!loom_model_config_is_eos(&c, 0));
 
@@ -776,7 +783,229 @@ static void test_gpt_oss(void) {
 #undef OBASE
 }
 
-int main(void) {
+/* Each family's defaults, written out here as read from its Transformers
+ * config class, against both the table in common/model_config.c and what a
+ * config.json that gives only the required keys parses to. */
+static const struct {
+    const char *type;
+    int kv, head_dim, max_pos;
+    float eps, theta;
+    int tie, bias, window;
+    loom_hidden_act_t act;
+} k_expect[] = {
+    {"llama", 32, 128, 2048, 1e-6f, 10000.0f, 0, 0, 0, LOOM_HIDDEN_SILU},
+    {"mistral", 8, 128, 131072, 1e-6f, 10000.0f, 0, 0, 4096, LOOM_HIDDEN_SILU},
+    {"qwen2", 32, 128, 32768, 1e-6f, 10000.0f, 0, 1, 0, LOOM_HIDDEN_SILU},
+    {"qwen3", 32, 128, 32768, 1e-6f, 10000.0f, 0, 0, 0, LOOM_HIDDEN_SILU},
+    {"phi3", 32, 128, 4096, 1e-5f, 10000.0f, 0, 0, 0, LOOM_HIDDEN_SILU},
+    {"gemma2", 4, 256, 8192, 1e-6f, 10000.0f, 1, 0, 4096, LOOM_HIDDEN_GELU_TANH},
+    {"gemma3_text", 4, 256, 131072, 1e-6f, 1000000.0f, 1, 0, 4096, LOOM_HIDDEN_GELU_TANH},
+    {"mixtral", 8, 128, 131072, 1e-5f, 1000000.0f, 0, 0, 0, LOOM_HIDDEN_SILU},
+    {"qwen3_moe", 4, 128, 32768, 1e-6f, 10000.0f, 0, 0, 0, LOOM_HIDDEN_SILU},
+    {"qwen2_moe", 16, 128, 32768, 1e-6f, 10000.0f, 0, 1, 0, LOOM_HIDDEN_SILU},
+    {"gpt_oss", 8, 64, 131072, 1e-5f, 150000.0f, 0, 1, 128, LOOM_HIDDEN_SILU},
+};
+
+static void test_family_defaults(void) {
+    loom_model_config_t c;
+    loom_err_t err = {0};
+    char json[512];
+    size_t n = 0;
+    while (loom_model_family_defaults_at(n)) n++;
+    CHECKF(n == LOOM_ARRAY_LEN(k_expect), "%zu families", n);
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_expect); i++) {
+        const loom_family_defaults_t *d = loom_model_family_defaults(k_expect[i].type);
+        REQUIRE(d != NULL && d == loom_model_family_defaults_at(i));
+        CHECK(d->config_class && strstr(d->config_class, "Config"));
+        /* hidden 4096 over 32 heads: head_dim 128 unless the class fixes it */
+        snprintf(json, sizeof json,
+                 "{\"model_type\":\"%s\",\"hidden_size\":4096,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                 "\"num_attention_heads\":32,\"vocab_size\":100}",
+                 k_expect[i].type);
+        CHECKF(parse(json, &c, &err) == LOOM_OK, "%s: %s", k_expect[i].type, err.msg);
+        CHECKF(c.n_kv_heads == k_expect[i].kv && c.head_dim == k_expect[i].head_dim &&
+                   c.max_seq_len == k_expect[i].max_pos,
+               "%s: kv %d head_dim %d max_pos %d", k_expect[i].type, c.n_kv_heads, c.head_dim, c.max_seq_len);
+        CHECKF(c.norm_eps == k_expect[i].eps && c.rope_theta == k_expect[i].theta, "%s: eps %g theta %g",
+               k_expect[i].type, (double)c.norm_eps, (double)c.rope_theta);
+        CHECKF(c.tie_embeddings == k_expect[i].tie && c.attention_bias == k_expect[i].bias &&
+                   c.sliding_window == k_expect[i].window && c.hidden_act == k_expect[i].act,
+               "%s: tie %d bias %d window %d act %d", k_expect[i].type, c.tie_embeddings, c.attention_bias,
+               c.sliding_window, (int)c.hidden_act);
+        /* and the table says the same */
+        CHECKF((d->n_kv_heads ? d->n_kv_heads : 32) == k_expect[i].kv &&
+                   (d->head_dim ? d->head_dim : 128) == k_expect[i].head_dim &&
+                   d->max_position_embeddings == k_expect[i].max_pos && (float)d->rms_norm_eps == k_expect[i].eps &&
+                   (float)d->rope_theta == k_expect[i].theta && d->tie_word_embeddings == k_expect[i].tie &&
+                   d->attention_bias == k_expect[i].bias && d->sliding_window == k_expect[i].window,
+               "%s: table row", k_expect[i].type);
+        /* an explicit null derives num_key_value_heads and head_dim, as the classes whose default is None do */
+        snprintf(json, sizeof json,
+                 "{\"model_type\":\"%s\",\"hidden_size\":4096,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                 "\"num_attention_heads\":32,\"vocab_size\":100,\"num_key_value_heads\":null,\"head_dim\":null}",
+                 k_expect[i].type);
+        CHECKF(parse(json, &c, &err) == LOOM_OK && c.n_kv_heads == 32 && c.head_dim == 128, "%s: %s",
+               k_expect[i].type, err.msg);
+    }
+    CHECK(loom_model_family_defaults("gemma3") == NULL && loom_model_family_defaults("falcon") == NULL);
+
+    /* Gemma3TextConfig: a config without rope_theta, query_pre_attn_scalar and max_position_embeddings gets
+     * 1e6 for the global layers, 256^-1/2 (not head_dim^-1/2) and 131072 */
+    CHECKF(parse("{\"model_type\":\"gemma3_text\",\"hidden_size\":64,\"intermediate_size\":96,\"num_hidden_layers\":4,"
+                 "\"num_attention_heads\":4,\"num_key_value_heads\":2,\"head_dim\":32,\"vocab_size\":512}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.rope_theta == 1000000.0f && c.rope_local_theta == 10000.0f && c.max_seq_len == 131072);
+    CHECKF(c.query_scale == 1.0f / 16.0f, "query_scale %g", (double)c.query_scale);
+    CHECK(c.sliding_pattern == 6 && c.sliding_window == 4096 && loom_model_config_layer_window(&c, 0) == 4096 &&
+          loom_model_config_layer_window(&c, 5) == 0 && c.attn_softcap == 0 && c.final_softcap == 0);
+    /* Gemma2Config: 8192 positions; the caps 50 and 30; query_pre_attn_scalar 256 */
+    CHECK(parse("{\"model_type\":\"gemma2\",\"hidden_size\":64,\"intermediate_size\":96,\"num_hidden_layers\":4,"
+                "\"num_attention_heads\":4,\"head_dim\":32,\"vocab_size\":512}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.max_seq_len == 8192 && c.n_kv_heads == 4 && c.attn_softcap == 50.0f && c.final_softcap == 30.0f &&
+          c.query_scale == 1.0f / 16.0f);
+    /* MixtralConfig: default_theta 1e6, eps 1e-5, 8 experts top-2 */
+    CHECK(parse("{\"model_type\":\"mixtral\",\"hidden_size\":64,\"intermediate_size\":96,\"num_hidden_layers\":2,"
+                "\"num_attention_heads\":8,\"vocab_size\":512}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.rope_theta == 1000000.0f && c.norm_eps == 1e-5f && c.n_experts == 8 && c.n_experts_per_tok == 2);
+    /* Phi3Config: longrope without original_max_position_embeddings reads the class's 4096 */
+    CHECKF(parse("{\"model_type\":\"phi3\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                 "\"num_attention_heads\":8,\"vocab_size\":100,\"max_position_embeddings\":131072,"
+                 "\"rope_scaling\":{\"type\":\"longrope\",\"short_factor\":[1,2,3,4],\"long_factor\":[5,6,7,8]}}",
+                 &c, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(c.rope_orig_max_pos == 4096 && c.max_seq_len == 4096 && c.rope_ctx_capped && c.rope_factor == 32.0f);
+    /* Qwen3Config: head_dim 128 even where hidden / heads is 8 */
+    CHECK(parse("{\"model_type\":\"qwen3\",\"hidden_size\":64,\"intermediate_size\":96,\"num_hidden_layers\":2,"
+                "\"num_attention_heads\":8,\"num_key_value_heads\":2,\"vocab_size\":512}",
+                &c, &err) == LOOM_OK);
+    CHECK(c.head_dim == 128 && c.rotary_dim == 128);
+}
+
+/* A number as the defaults table prints it: integers whole, others %g
+ * with the exponent's leading zero dropped (1e-06 -> 1e-6). */
+static void fmt_num(char *out, size_t cap, double v) {
+    if (v == floor(v) && fabs(v) < 1e12) {
+        snprintf(out, cap, "%.0f", v);
+        return;
+    }
+    char tmp[64];
+    snprintf(tmp, sizeof tmp, "%g", v);
+    char *e = strchr(tmp, 'e');
+    if (e && (e[1] == '-' || e[1] == '+') && e[2] == '0') memmove(e + 2, e + 3, strlen(e + 3) + 1);
+    snprintf(out, cap, "%s", tmp);
+}
+
+static void add(char *buf, size_t cap, const char *fmt, const char *a) {
+    size_t n = strlen(buf);
+    snprintf(buf + n, cap - n, fmt, a);
+}
+
+static void add_key(char *cell, size_t cap, const char *key, double v) {
+    if (v == 0) return;
+    char num[64], item[160];
+    fmt_num(num, sizeof num, v);
+    snprintf(item, sizeof item, "%s`%s` %s", cell[0] ? ", " : "", key, num);
+    add(cell, cap, "%s", item);
+}
+
+/* docs/model-format.md's "Defaults by family" table, printed from the C table. */
+static void defaults_markdown(char *buf, size_t cap) {
+    buf[0] = 0;
+    add(buf, cap, "%s",
+        "| `model_type` | class | `num_key_value_heads` | `head_dim` | `max_position_embeddings` | `rms_norm_eps` | "
+        "`rope_theta` | `hidden_act` | `tie_word_embeddings` | `attention_bias` | `sliding_window` | other keys |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    const loom_family_defaults_t *d;
+    for (size_t i = 0; (d = loom_model_family_defaults_at(i)) != NULL; i++) {
+        char num[64], other[1024] = "";
+        int moe_q = d->moe_intermediate_size != 0;
+        add_key(other, sizeof other, "query_pre_attn_scalar", d->query_pre_attn_scalar);
+        add_key(other, sizeof other, "rope_local_base_freq", d->rope_local_base_freq);
+        add_key(other, sizeof other, "sliding_window_pattern", d->sliding_window_pattern);
+        add_key(other, sizeof other, "attn_logit_softcapping", d->attn_logit_softcapping);
+        add_key(other, sizeof other, "final_logit_softcapping", d->final_logit_softcapping);
+        add_key(other, sizeof other, moe_q ? "num_experts" : "num_local_experts", d->n_experts);
+        add_key(other, sizeof other, "num_experts_per_tok", d->n_experts_per_tok);
+        add_key(other, sizeof other, "moe_intermediate_size", d->moe_intermediate_size);
+        add_key(other, sizeof other, "shared_expert_intermediate_size", d->shared_expert_intermediate_size);
+        add_key(other, sizeof other, "decoder_sparse_step", d->decoder_sparse_step);
+        add_key(other, sizeof other, "original_max_position_embeddings", d->original_max_position_embeddings);
+        add_key(other, sizeof other, "swiglu_limit", d->swiglu_limit);
+        add_key(other, sizeof other, "swiglu_alpha", d->swiglu_alpha);
+        if (d->rope_scaling) {
+            add(other, sizeof other, "%s", other[0] ? ", " : "");
+            add(other, sizeof other, "`rope_scaling` `%s`", d->rope_scaling);
+        }
+        add(buf, cap, "| `%s` ", d->model_type);
+        add(buf, cap, "| `%s` ", d->config_class);
+        if (d->n_kv_heads) {
+            fmt_num(num, sizeof num, d->n_kv_heads);
+            add(buf, cap, "| %s ", num);
+        } else {
+            add(buf, cap, "| %s ", "`num_attention_heads`");
+        }
+        if (d->head_dim) {
+            fmt_num(num, sizeof num, d->head_dim);
+            add(buf, cap, "| %s ", num);
+        } else {
+            add(buf, cap, "| %s ", "hidden / heads");
+        }
+        fmt_num(num, sizeof num, d->max_position_embeddings);
+        add(buf, cap, "| %s ", num);
+        fmt_num(num, sizeof num, d->rms_norm_eps);
+        add(buf, cap, "| %s ", num);
+        fmt_num(num, sizeof num, d->rope_theta);
+        add(buf, cap, "| %s ", num);
+        add(buf, cap, "| `%s` ", d->hidden_act);
+        add(buf, cap, "| %s ", d->tie_word_embeddings ? "true" : "false");
+        add(buf, cap, "| %s ", d->attention_bias ? "true" : "false");
+        if (d->sliding_window) {
+            fmt_num(num, sizeof num, d->sliding_window);
+            add(buf, cap, "| %s ", num);
+        } else {
+            add(buf, cap, "| %s ", "none");
+        }
+        add(buf, cap, other[0] ? "| %s |\n" : "|%s |\n", other);
+    }
+}
+
+#define DOC_BEGIN "<!-- defaults-by-family: begin -->\n"
+#define DOC_END "<!-- defaults-by-family: end -->"
+
+/* The doc's table is the C table: regenerate it with
+ * `test_model_config --print-defaults` when a default changes. */
+static void test_defaults_doc(void) {
+    static char want[16384];
+    defaults_markdown(want, sizeof want);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/docs/model-format.md", LOOM_SOURCE_DIR);
+    char *doc = NULL;
+    size_t len = 0;
+    loom_err_t err = {0};
+    REQUIRE(loom_read_file(path, &doc, &len, &err) == LOOM_OK);
+    const char *b = strstr(doc, DOC_BEGIN), *e = b ? strstr(b, DOC_END) : NULL;
+    CHECKF(b && e, "%s: no %s ... %s block", path, DOC_BEGIN, DOC_END);
+    if (b && e) {
+        b += strlen(DOC_BEGIN);
+        int same = (size_t)(e - b) == strlen(want) && !memcmp(b, want, strlen(want));
+        CHECKF(same, "%s's defaults table is stale; replace it with `test_model_config --print-defaults`:\n%s", path,
+               want);
+    }
+    /* every family Loom runs has a row */
+    CHECK(strstr(want, "`gemma3_text` | `Gemma3TextConfig` | 4 | 256 | 131072 | 1e-6 | 1000000 |") != NULL);
+    free(doc);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--print-defaults")) {
+        static char table[16384];
+        defaults_markdown(table, sizeof table);
+        fputs(table, stdout);
+        return 0;
+    }
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_cfg_XXXXXX");
     if (!mkdtemp(g_tmp)) {
         perror("mkdtemp");
@@ -791,6 +1020,8 @@ int main(void) {
     RUN(test_quantization_config);
     RUN(test_moe);
     RUN(test_gpt_oss);
+    RUN(test_family_defaults);
+    RUN(test_defaults_doc);
     RUN(test_fuzz);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return test_summary();
