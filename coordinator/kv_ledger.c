@@ -157,18 +157,6 @@ void loom_kv_release(loom_kv_ledger_t *L, int b) {
     else L->free_stack[L->n_free++] = b;
 }
 
-uint64_t loom_kv_chain_hash(uint64_t parent, const int32_t *tokens, int n) {
-    uint64_t h = parent ^ 0xcbf29ce484222325ull;
-    for (int i = 0; i < n; i++) {
-        h ^= (uint32_t)tokens[i];
-        h *= 0x100000001b3ull;
-        h ^= h >> 32;
-    }
-    h ^= (uint64_t)n * 0x9e3779b97f4a7c15ull;
-    h *= 0xbf58476d1ce4e5b9ull;
-    return (h ^ (h >> 31)) | 1; /* never 0 */
-}
-
 static int table_find(const loom_kv_ledger_t *L, uint64_t hash, const int32_t *tokens) {
     size_t mask = (size_t)L->cap - 1, i = slot_of(L, hash);
     for (;;) {

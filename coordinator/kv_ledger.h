@@ -15,6 +15,8 @@
 
 #include <stdint.h>
 
+#include "common/block_hash.h"
+
 typedef struct loom_kv_ledger loom_kv_ledger_t;
 
 loom_kv_ledger_t *loom_kv_create(int n_blocks, int block_size, int prefix_cache);
@@ -37,8 +39,7 @@ void loom_kv_retain(loom_kv_ledger_t *L, int block);
 void loom_kv_release(loom_kv_ledger_t *L, int block);
 int loom_kv_ref(const loom_kv_ledger_t *L, int block);
 
-/* Hash of a full block given the hash of the block before it (0 for the first). */
-uint64_t loom_kv_chain_hash(uint64_t parent, const int32_t *tokens, int n);
+/* loom_kv_chain_hash (common/block_hash.h) names full blocks. */
 /* Finds a cached block holding exactly these block_size tokens after `parent`
  * (hash and tokens both match); on a hit the block is retained and returned. */
 int loom_kv_lookup(loom_kv_ledger_t *L, uint64_t hash, const int32_t *tokens);

@@ -14,7 +14,7 @@
 #include "common/etcd.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "coordinator/http.h"
+#include "coordinator/gateway.h"
 #include "coordinator/server.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/quant.h"
@@ -122,6 +122,7 @@ int main(int argc, char **argv) {
     const char *http_bind = NULL, *chat_template = NULL;
     const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
+    int responses_store = 1024, responses_store_mb = 64;
     vllm_opts_t vo = {.port = -1};
     const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
     const char *pooling = NULL;
@@ -251,6 +252,12 @@ int main(int argc, char **argv) {
          1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
          "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
+        {"responses-store", LOOM_OPT_INT, &responses_store, "N",
+         "/v1/responses: stored responses kept for previous_response_id and GET /v1/responses/{id}, least "
+         "recently used dropped first (default 1024; 0: none stored)",
+         0, 1 << 20, NULL},
+        {"responses-store-mb", LOOM_OPT_INT, &responses_store_mb, "MB",
+         "and at most this many MiB of them (default 64)", 1, 1 << 20, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N",
          "most simultaneous HTTP connections, one thread each (default 256)", 1, 65536, NULL},
         {"log-format", LOOM_OPT_STR, &log_format, "FMT",
@@ -475,7 +482,9 @@ int main(int argc, char **argv) {
                                  .probe_bind = probe_bind, .tls_cert = tls_cert, .tls_key = tls_key,
                                  .header_timeout_s = header_timeout, .body_timeout_s = body_timeout,
                                  .max_connections_per_ip = conns_per_ip,
-                                 .chat_special_in_content = special_in_content};
+                                 .chat_special_in_content = special_in_content,
+                                 .responses_store_max = responses_store ? responses_store : -1,
+                                 .responses_store_bytes = (size_t)responses_store_mb << 20};
         if (loom_http_start(g_server, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_server_destroy(&g_server);

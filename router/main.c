@@ -8,7 +8,7 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "coordinator/http.h"
+#include "gateway/http.h"
 #include "router/router.h"
 
 #define MAX_STATIC 64
@@ -72,6 +72,7 @@ int main(int argc, char **argv) {
     uint64_t cache_bytes = 0;
     int cache_ttl_s = 300;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
+    int responses_store = 1024, responses_store_mb = 64;
     loom_opt_t opts[] = {
         {"listen", LOOM_OPT_STR, &c.listen, "ADDR",
          "client API address (default tcp://127.0.0.1:5550)", 1, 0, NULL},
@@ -164,6 +165,12 @@ int main(int argc, char **argv) {
          1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
          "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
+        {"responses-store", LOOM_OPT_INT, &responses_store, "N",
+         "/v1/responses: stored responses kept for previous_response_id and GET /v1/responses/{id}, least "
+         "recently used dropped first (default 1024; 0: none stored)",
+         0, 1 << 20, NULL},
+        {"responses-store-mb", LOOM_OPT_INT, &responses_store_mb, "MB",
+         "and at most this many MiB of them (default 64)", 1, 1 << 20, NULL},
         {"http-max-connections", LOOM_OPT_INT, &http_conns, "N",
          "most simultaneous HTTP connections (default 256)", 1, 65536, NULL},
         {"http-timeout-s", LOOM_OPT_INT, &http_timeout, "S",
@@ -231,7 +238,9 @@ int main(int argc, char **argv) {
                                  .max_body_bytes = (size_t)max_body,
                                  .max_connections = http_conns,
                                  .idle_timeout_s = http_timeout,
-                                 .forward_api_keys = c.tenants_path != NULL};
+                                 .forward_api_keys = c.tenants_path != NULL,
+                                 .responses_store_max = responses_store ? responses_store : -1,
+                                 .responses_store_bytes = (size_t)responses_store_mb << 20};
         if (loom_http_start_at(&ep, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_router_destroy(&g_router);

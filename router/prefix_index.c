@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/block_hash.h"
 #include "common/util.h"
-#include "coordinator/kv_ledger.h"
 
 typedef struct entry {
     uint64_t hash;  /* 0: empty (chain hashes are never 0) */

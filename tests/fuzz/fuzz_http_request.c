@@ -1,12 +1,12 @@
 /* Fuzz target: an HTTP request body as the gateway parses it (strict JSON,
  * the fields of /v1/completions or /v1/chat/completions, sampling
  * parameters, messages through a chat template and the tokenizer), without
- * sockets (coordinator/http_parse.h). The first byte picks the route, the
+ * sockets (gateway/http_parse.h). The first byte picks the route, the
  * template and --chat-special-tokens-in-content; the rest is the body. */
 #include <string.h>
 
 #include "common/json.h"
-#include "coordinator/http_parse.h"
+#include "gateway/http_parse.h"
 #include "tests/fuzz/fuzz.h"
 
 static loom_tokenizer_t *g_tok;

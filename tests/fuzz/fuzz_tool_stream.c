@@ -1,4 +1,4 @@
-/* Fuzz target: the streaming tool-call reader (coordinator/tool_stream.h)
+/* Fuzz target: the streaming tool-call reader (gateway/tool_stream.h)
  * on model output, which nobody controls. The first byte picks the chat
  * family and tool_choice (auto, required, named; parallel calls or not),
  * the second seeds where the text is cut into pieces; the rest is the
@@ -10,7 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/util.h"
-#include "coordinator/tool_stream.h"
+#include "gateway/tool_stream.h"
 #include "tests/fuzz/fuzz.h"
 
 #define MAX_CALLS 8

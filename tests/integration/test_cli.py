@@ -174,6 +174,19 @@ def test_openblas_core():
     print("  OpenBLAS core %s (Haswell when asked)" % got)
 
 
+def test_router_links():
+    # loom-router links the gateway library, not the coordinator's engine:
+    # no OpenBLAS (the coordinator, which runs the engine's kernels, does)
+    def libs(name):
+        p = subprocess.run(["ldd", os.path.join(BIN, name)], capture_output=True, text=True, timeout=30)
+        check(p.returncode == 0, "ldd %s: %r" % (name, p.stderr))
+        return p.stdout.lower()
+    check("blas" in libs("loom-coordinator"), "ldd shows no OpenBLAS in loom-coordinator: the check proves nothing")
+    router = libs("loom-router")
+    check("blas" not in router, "loom-router links OpenBLAS:\n%s" % router)
+    check("microhttpd" in router, "loom-router does not link libmicrohttpd:\n%s" % router)
+
+
 def test_tcp_data_plane():
     # the data plane used across hosts, forced on one host
     with Cluster(STORIES, 2, 2, coord_args=["--comm", "tcp"]) as c:
@@ -235,4 +248,4 @@ def test_info():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_story, test_bad_models, test_bad_input, test_help_everywhere, test_stop_strings,
-               test_openblas_core, test_tcp_data_plane, test_info])
+               test_openblas_core, test_router_links, test_tcp_data_plane, test_info])

@@ -180,7 +180,7 @@ def ok_text(port, body, chat=False):
 
 
 def mix64(x):
-    """coordinator/http.c's mix64: choice j > 0 of a seeded n > 1 request samples with seed ^ mix64(j)."""
+    """gateway/http.c's mix64: choice j > 0 of a seeded n > 1 request samples with seed ^ mix64(j)."""
     m = (1 << 64) - 1
     x = ((x ^ (x >> 30)) * 0xbf58476d1ce4e5b9) & m
     x = ((x ^ (x >> 27)) * 0x94d049bb133111eb) & m
@@ -308,7 +308,7 @@ def test_http_controls():
         # bad input: 400 naming the problem, and the server keeps serving
         # (echo with logprobs is answered: test_prompt_logprobs.py)
         for body, chat, name in [({"echo": True}, True, "echo"),
-({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 2, "stream": True}, True, "n"),
+({"n": 0}, False, "n"), ({"n": 0}, True, "n"), ({"n": 65}, True, "n"),
                                  ({"prompt": ["a", ""]}, False, "prompt"), ({"prompt": ["a", [1, -1]]}, False, "prompt"),
 ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
                                  ({"top_logprobs": 2}, True, "top_logprobs"),

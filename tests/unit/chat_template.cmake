@@ -3,12 +3,12 @@ if(TARGET loom_chat_template)
   loom_add_test(test_chat_template SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_chat_template.c
                 LIBS loom_chat_template LABELS unit TIMEOUT 30)
 endif()
-# Tool calling: tools / tool_choice, rendering per family, output parsing (coordinator/tool_calls.c).
+# Tool calling: tools / tool_choice, rendering per family, output parsing (gateway/tool_calls.c).
 if(TARGET loom_http)
   loom_add_test(test_tool_calls SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_tool_calls.c
                 LIBS loom_http LABELS unit TIMEOUT 30)
 endif()
-# Streaming tool calls (coordinator/tool_stream.c): every family and mode fed
+# Streaming tool calls (gateway/tool_stream.c): every family and mode fed
 # in every split gives the unstreamed parse's content, names and arguments.
 if(TARGET loom_http)
   loom_add_test(test_tool_stream SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_tool_stream.c

@@ -1,11 +1,11 @@
 /* Tests of tool calling's request reading, rendering and output parsing
- * (coordinator/tool_calls.c) for the chat families served. */
+ * (gateway/tool_calls.c) for the chat families served. */
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
-#include "coordinator/tool_calls.h"
+#include "gateway/tool_calls.h"
 #include "tests/test.h"
 
 static const char *k_req =

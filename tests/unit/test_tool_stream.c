@@ -1,4 +1,4 @@
-/* Tests of the streaming tool-call reader (coordinator/tool_stream.c):
+/* Tests of the streaming tool-call reader (gateway/tool_stream.c):
  * answers of every family and mode, fed whole, a byte at a time, split at
  * every byte boundary and in random token-like pieces, give the same
  * events, and they rebuild what the unstreamed parse
@@ -12,7 +12,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/util.h"
-#include "coordinator/tool_stream.h"
+#include "gateway/tool_stream.h"
 #include "tests/test.h"
 
 #define MAX_CALLS 4

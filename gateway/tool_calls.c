@@ -1,5 +1,5 @@
 /* Tool calling for /v1/chat/completions (see tool_calls.h). */
-#include "coordinator/tool_calls.h"
+#include "gateway/tool_calls.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "common/util.h"
-#include "coordinator/tool_stream.h"
+#include "gateway/tool_stream.h"
 
 #define MAX_TOOLS 128
 

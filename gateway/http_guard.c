@@ -1,5 +1,5 @@
 /* Request read deadlines for the HTTP gateway (http_guard.h). */
-#include "coordinator/http_guard.h"
+#include "gateway/http_guard.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -15,7 +15,7 @@
  * (markup of a started call, whitespace next to a call); buf[sent, len)
  * is held. A call is started (CALL event) only once its name is known and
  * valid and its arguments object has begun; after that sent follows pos. */
-#include "coordinator/tool_stream.h"
+#include "gateway/tool_stream.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,9 +1,11 @@
-/* The coordinator's HTTP gateway: an OpenAI-compatible API
- * (/v1/completions, /v1/chat/completions, /v1/models), /health and
- * /metrics, served by libmicrohttpd with one thread per connection. Each
- * connection talks to the reactor as an in-process loom.v1 client over
- * inproc://, so the gateway adds no state of its own to the scheduler.
- * See docs/http-api.md. */
+/* The HTTP gateway: an OpenAI-compatible API (/v1/completions,
+ * /v1/chat/completions, /v1/models, ...), /health and /metrics, served by
+ * libmicrohttpd with one thread per connection, in front of any loom.v1
+ * endpoint served over inproc:// in this process (the coordinator's
+ * reactor, the router's). Each connection is an in-process loom.v1 client,
+ * so the gateway adds no state of its own to the scheduler. It knows
+ * neither process: the coordinator starts it through coordinator/gateway.h.
+ * See docs/http-api.md and docs/architecture.md. */
 #ifndef LOOM_HTTP_H
 #define LOOM_HTTP_H
 
@@ -11,7 +13,6 @@
 
 #include "common/gen_defaults.h"
 #include "common/status.h"
-#include "coordinator/server.h"
 
 typedef struct loom_http_config {
     const char *bind;          /* "HOST:PORT" or "[V6]:PORT"; port 0 = ephemeral (default "127.0.0.1:8000") */
@@ -38,18 +39,16 @@ typedef struct loom_http_config {
     int forward_api_keys;        /* a router with tenants: the completion routes send each request's own
                                     Bearer key on and leave checking it to the router (whose keys are
                                     api_key and its tenants'); other routes still need api_key */
+    int responses_store_max;     /* /v1/responses with store: responses kept for previous_response_id and
+                                    GET /v1/responses/{id}, least recently used dropped (0: 1024; < 0: none) */
+    size_t responses_store_bytes; /* and at most these bytes of them (0: 64 MiB) */
 } loom_http_config_t;
 
 typedef struct loom_http loom_http_t;
 
-/* Loads the chat template (an unrecognised template or an unknown
- * --chat-template name is an error naming the choices) and starts serving.
- * Call after loom_server_create; requests wait until loom_server_run
- * turns. */
-loom_status_t loom_http_start(loom_server_t *srv, const loom_http_config_t *cfg, loom_http_t **out, loom_err_t *err);
-/* The gateway in front of any loom.v1 endpoint served over inproc:// in
- * this process (the router's): its context and address, and what renders
- * its /metrics (malloc'ed text, *len bytes; NULL: 500). */
+/* The loom.v1 endpoint the gateway fronts, served over inproc:// in this
+ * process: its ZeroMQ context and address, and what renders its /metrics
+ * (malloc'ed text, *len bytes; NULL: 500). */
 typedef char *(*loom_http_metrics_fn)(void *ctx, size_t *len);
 typedef struct loom_http_endpoint {
     void *zmq_context;
@@ -57,6 +56,9 @@ typedef struct loom_http_endpoint {
     loom_http_metrics_fn metrics;
     void *metrics_ctx;
 } loom_http_endpoint_t;
+/* Loads the chat template (an unrecognised template or an unknown
+ * --chat-template name is an error naming the choices) and starts serving
+ * ep. Requests wait until the endpoint's reactor turns. */
 loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
                                  loom_err_t *err);
 /* The bound TCP port (the ephemeral one when 0 was asked for). */

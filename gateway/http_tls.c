@@ -1,5 +1,5 @@
 /* Certificate and key loading for the HTTP gateway (http_tls.h). */
-#include "coordinator/http_tls.h"
+#include "gateway/http_tls.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -38,7 +38,7 @@
 
 #include <stddef.h>
 
-#include "coordinator/tool_calls.h"
+#include "gateway/tool_calls.h"
 
 typedef enum {
     LOOM_TSE_CONTENT, /* text: content */
