@@ -26,6 +26,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/cpu/lora.h"
 #include "kernels/cpu/qgemv.h"
 #include "kernels/cpu/threadpool.h"
 #include "kernels/cpu/vec.h"
@@ -96,6 +97,8 @@ typedef struct cpu_backend {
     void *qx;             /* (qx_cap) activations rounded to int8 for the quantized GEMV */
     size_t qx_cap;        /* bytes */
     wslab_t *slabs;       /* weight memory, newest first */
+    float *lora_ws;       /* (lora_cap) loom_cpu_lora_sgmv's workspace */
+    size_t lora_cap;      /* floats */
 } cpu_backend_t;
 
 static cpu_backend_t *cpu(loom_backend_t *be) {
@@ -854,6 +857,19 @@ static void cpu_sample_shard(loom_backend_t *be, const float *logits, int n_rows
     loom_parallel_for(cpu(be)->pool, n_rows, sample_task, &sc);
 }
 
+/* LoRA deltas: the adapter groups of the batch as sgemm products (lora.c). */
+static void cpu_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                     int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r) {
+    cpu_backend_t *c = cpu(be);
+    size_t need = loom_cpu_lora_workspace(n, in, max_r);
+    if (need > c->lora_cap) {
+        free(c->lora_ws);
+        c->lora_ws = loom_xmalloc(need * sizeof(float));
+        c->lora_cap = need;
+    }
+    loom_cpu_lora_sgmv(y, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, c->lora_ws);
+}
+
 /* --- lifecycle --------------------------------------------------------- */
 
 static void cpu_destroy(loom_backend_t *be) {
@@ -865,6 +881,7 @@ static void cpu_destroy(loom_backend_t *be) {
     free(c->attn_scratch);
     host_free(c->widen);
     host_free(c->qx);
+    free(c->lora_ws);
     while (c->slabs) { /* weights the caller did not free */
         wslab_t *s = c->slabs;
         c->slabs = s->next;
@@ -906,6 +923,7 @@ static const loom_backend_ops_t cpu_ops = {
     .moe_gemv = cpu_moe_gemv,
     .moe_device = cpu_moe_device,
     .moe_table = cpu_moe_table,
+    .lora = cpu_lora,
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
     .kv_write = cpu_kv_write,

@@ -13,13 +13,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* One resident adapter's matrices for one projection (on this rank's shard). */
-typedef struct loom_lora_op_slot {
-    const float *a;  /* (r, in) */
-    const float *bt; /* (r, out): B transposed, so the expand streams rows of it */
-    int r;           /* 0: this adapter does not adapt the projection */
-    float scale;
-} loom_lora_op_slot_t;
+#include "kernels/backend.h"
+
+/* loom_lora_op_slot_t: one resident adapter's matrices for one projection (kernels/backend.h) */
 
 /* Floats of workspace loom_cpu_lora_sgmv needs for N rows. */
 size_t loom_cpu_lora_workspace(int n, int64_t in, int max_r);
