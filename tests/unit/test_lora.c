@@ -18,6 +18,7 @@
 #include "tests/test.h"
 
 static char g_tmp[256];
+static loom_backend_t *g_be; /* the CPU backend, 2 threads: loom_op_lora */
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
 
 static float frand(void) {
@@ -44,25 +45,32 @@ static void check_sgmv(int n, int64_t in, int64_t out, int n_slots, const int *r
     float *x = loom_xmalloc((size_t)(n * ldx) * sizeof(float));
     float *y = loom_xmalloc((size_t)(n * ldy) * sizeof(float));
     float *yr = loom_xmalloc((size_t)(n * ldy) * sizeof(float));
+    float *yo = loom_xmalloc((size_t)(n * ldy) * sizeof(float));
     for (int64_t i = 0; i < n * ldx; i++) x[i] = frand();
-    for (int64_t i = 0; i < n * ldy; i++) y[i] = yr[i] = frand();
+    for (int64_t i = 0; i < n * ldy; i++) y[i] = yr[i] = yo[i] = frand();
     float *ws = loom_xmalloc(loom_cpu_lora_workspace(n, in, max_r) * sizeof(float));
     loom_cpu_lora_sgmv(y, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, ws);
     loom_cpu_lora_ref(yr, ldy, x, ldx, n, in, out, row_slot, slots, n_slots);
-    double worst = 0;
-    int bad = 0;
-    for (int i = 0; i < n; i++)
-        for (int64_t o = 0; o < ldy; o++) {
-            float a = y[i * ldy + o], b = yr[i * ldy + o];
-            double d = fabs((double)a - b);
-            if (d > worst) worst = d;
-            if (d > 1e-4 + 1e-4 * fabs(b)) {
-                if (bad++ < 3) fprintf(stderr, "  row %d col %lld: %g vs %g\n", i, (long long)o, a, b);
+    /* the backend's op: the pool's two passes below 64 rows, the sgemm groups above */
+    loom_op_lora(g_be, yo, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, max_r > 0 ? max_r : 1);
+    const float *got[2] = {y, yo};
+    for (int v = 0; v < 2; v++) {
+        double worst = 0;
+        int bad = 0;
+        for (int i = 0; i < n; i++)
+            for (int64_t o = 0; o < ldy; o++) {
+                float a = got[v][i * ldy + o], b = yr[i * ldy + o];
+                double d = fabs((double)a - b);
+                if (d > worst) worst = d;
+                if (d > 1e-4 + 1e-4 * fabs(b)) {
+                    if (bad++ < 3) fprintf(stderr, "  row %d col %lld: %g vs %g\n", i, (long long)o, a, b);
+                }
             }
-        }
-    CHECKF(bad == 0, "n %d in %lld out %lld: %d mismatches, worst %g", n, (long long)in, (long long)out, bad, worst);
+        CHECKF(bad == 0, "%s: n %d in %lld out %lld: %d mismatches, worst %g", v ? "loom_op_lora" : "sgmv", n,
+               (long long)in, (long long)out, bad, worst);
+    }
     for (int s = 0; s < 2 * n_slots; s++) free(mats[s]);
-    free(x), free(y), free(yr), free(ws);
+    free(x), free(y), free(yr), free(yo), free(ws);
 }
 
 static void test_sgmv(void) {
@@ -80,6 +88,13 @@ static void test_sgmv(void) {
     check_sgmv(11, 33, 65, 2, r2, scattered);
     int32_t single[1] = {0};
     check_sgmv(1, 7, 5, 1, r16, single);
+    /* a decode batch of 8 adapters, and a prefill-sized one */
+    int32_t dec[32], pre[70];
+    int r8[8] = {16, 8, 16, 4, 16, 1, 16, 2};
+    for (int i = 0; i < 32; i++) dec[i] = i % 9 - 1;
+    check_sgmv(32, 203, 257, 8, r8, dec);
+    for (int i = 0; i < 70; i++) pre[i] = i < 40 ? 0 : i % 3 - 1;
+    check_sgmv(70, 96, 131, 2, r2, pre);
 }
 
 /* ---- adapter directories -------------------------------------------------- */
@@ -373,6 +388,11 @@ int main(void) {
         fprintf(stderr, "stories260K: %s\n", err.msg);
         return 2;
     }
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .n_threads = 2, .weight_dtype = LOOM_DT_F32};
+    if (loom_backend_create(&bc, &g_be, &err) != LOOM_OK) {
+        fprintf(stderr, "cpu backend: %s\n", err.msg);
+        return 2;
+    }
     RUN(test_sgmv);
     RUN(test_load_all_linear);
     RUN(test_rslora_patterns);
@@ -380,5 +400,6 @@ int main(void) {
     RUN(test_fused_phi3);
     RUN(test_moe);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    loom_backend_destroy(&g_be);
     return test_summary();
 }
