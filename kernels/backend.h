@@ -217,6 +217,7 @@ void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, co
  * row_slot[i] (device) = s >= 0; rows with -1, and slots of rank 0, are
  * left alone. ldy / ldx are row strides. A backend without the op cannot
  * load a model with adapter slots (loom_backend_has_lora). */
+#define LOOM_LORA_MAX_SLOTS 32 /* slots one op call may name (the CUDA kernels take them by value) */
 typedef struct loom_lora_op_slot {
     const float *a;  /* (r, in) */
     const float *bt; /* (r, out): B transposed, so the expand streams rows of it */

@@ -10,12 +10,24 @@
  *     permutation and attention factor the loader applies to W's rows;
  *   row-parallel (o, down): A's columns those W keeps, B whole; the partial
  *     deltas meet in the projection's all-reduce like W's partial sums.
- * Stored as A (r, in) and Bt (r, out), the kernel's layout. */
+ * Stored as A (r, in) and Bt (r, out), the kernel's layout. Only the
+ * adapter's struct (common/lora.h) is read here, not its reader, so the
+ * engine links without it (tests/gpu's standalone build). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
+
+static const char *const k_target[LOOM_LORA_N_TARGETS] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                          "gate_proj", "up_proj", "down_proj"};
+
+/* The adapted module of global layer gl and target t, or NULL. */
+static const loom_lora_module_t *module_of(const loom_lora_adapter_t *a, int gl, int t) {
+    if (gl < a->layer_begin || gl >= a->layer_end || gl >= a->n_layers) return NULL;
+    const loom_lora_module_t *m = &a->mod[(size_t)gl * LOOM_LORA_N_TARGETS + (size_t)t];
+    return m->r > 0 ? m : NULL;
+}
 
 struct loom_lora_prepared {
     int n_layers;             /* the shard's */
@@ -44,6 +56,9 @@ loom_status_t loom_model_lora_alloc(loom_model_t *m, loom_err_t *err) {
     if (!loom_backend_has_lora(m->be))
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "the %s backend has no LoRA op: adapters run on the cpu backend",
                             loom_backend_name(m->be));
+    if (m->opt.max_loras > LOOM_LORA_MAX_SLOTS)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "max_loras %d: at most %d adapter slots",
+                            m->opt.max_loras, LOOM_LORA_MAX_SLOTS);
     if (m->opt.max_lora_rank <= 0) m->opt.max_lora_rank = 16;
     const int S = m->opt.max_loras, R = m->opt.max_lora_rank, L = m->dims.n_layers;
     size_t per_slot = 0;
@@ -102,20 +117,20 @@ loom_status_t loom_model_lora_prepare(const loom_model_t *m, const loom_lora_ada
     for (int l = 0; l < L; l++) {
         int gl = m->spec.layer_begin + l;
         for (int t = 0; t < LOOM_LORA_N_TARGETS; t++) {
-            const loom_lora_module_t *mod = loom_lora_module(a, gl, (loom_lora_target_t)t);
-            if (!mod || mod->r <= 0) continue;
+            const loom_lora_module_t *mod = module_of(a, gl, t);
+            if (!mod) continue;
             int64_t in, nout;
             target_dims(m, l, t, &in, &nout);
             if (mod->r > R) {
                 loom_lora_prepared_destroy(&p);
                 return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                                     "layer %d %s: rank %d is greater than max_lora_rank %d", gl,
-                                    loom_lora_target_name((loom_lora_target_t)t), mod->r, R);
+                                    k_target[t], mod->r, R);
             }
             if (in == 0) {
                 loom_lora_prepared_destroy(&p);
                 return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "layer %d %s: adapters on MoE experts are not supported",
-                                    gl, loom_lora_target_name((loom_lora_target_t)t));
+                                    gl, k_target[t]);
             }
             int64_t row0 = 0, col0 = 0;
             switch (t) {
@@ -131,7 +146,11 @@ loom_status_t loom_model_lora_prepare(const loom_model_t *m, const loom_lora_ada
             float *av = loom_xmalloc((size_t)r * (size_t)in * sizeof(float));
             float *b = loom_xmalloc((size_t)nout * (size_t)r * sizeof(float));
             float *bt = loom_xmalloc((size_t)r * (size_t)nout * sizeof(float));
-            loom_lora_slice(mod, row0, nout, col0, in, av, b);
+            LOOM_ASSERT(col0 + in <= mod->in && row0 + nout <= mod->out); /* the reader checked the shapes */
+            for (int k = 0; k < r; k++)
+                memcpy(av + (size_t)k * (size_t)in, mod->a + (size_t)k * (size_t)mod->in + (size_t)col0,
+                       (size_t)in * sizeof(float));
+            memcpy(b, mod->b + (size_t)row0 * (size_t)r, (size_t)nout * (size_t)r * sizeof(float));
             /* q and k rows as the loader stores W's: partial rotary's slots and factor */
             if ((t == LOOM_LORA_Q || t == LOOM_LORA_K) && c->rotary_dim > 0 && c->rotary_dim < hd)
                 loom_load_rotary_permute_f32(b, nout, r, hd, c->rotary_dim, c->rope_attn_factor);
