@@ -12,7 +12,8 @@
  * against 151M: a 1.7% FLOP overhead per row, plus the adapters' bytes, which
  * one adapter reads once per step and eight read eight times.
  *
- *   bench_lora --model DIR [--threads 2] [--batches 1,8,32] [--rank 16] [--prompt 32] [--tokens 16] [--reps 3] */
+ *   bench_lora --model DIR [--device cpu|cuda:N] [--threads 2] [--batches 1,8,32] [--rank 16] [--prompt 32]
+ *              [--tokens 16] [--reps 3] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,7 +79,7 @@ static double median(double *v, int n) {
 }
 
 /* Prefills B sequences of P tokens, then times T decode steps of all B; tok/s. */
-static double run(loom_model_t *m, int B, int P, int T, const int32_t *seq_lora, int bps, loom_err_t *err, int *fail) {
+static double run(loom_backend_t *be, loom_model_t *m, int B, int P, int T, const int32_t *seq_lora, int bps, loom_err_t *err, int *fail) {
     int n = B * P;
     int32_t *tok = loom_xcalloc((size_t)n, sizeof(int32_t)), *pos = loom_xmalloc((size_t)n * sizeof(int32_t));
     int32_t *slots = loom_xmalloc((size_t)n * sizeof(int32_t)), *ts = loom_xmalloc((size_t)n * sizeof(int32_t));
@@ -97,7 +98,7 @@ static double run(loom_model_t *m, int B, int P, int T, const int32_t *seq_lora,
     loom_step_batch_t b = {.n_tokens = n, .tokens = tok, .pos = pos, .slots = slots, .tok_seq = ts, .n_seqs = B,
                            .block_tables = bt, .max_blocks = bps, .n_logits = B, .logit_rows = rows,
                            .seq_lora = seq_lora};
-    if (loom_model_forward(m, &b, err) < 0) *fail = 1;
+    if (loom_model_forward(m, &b, err) < 0 || loom_backend_synchronize(be, err) < 0) *fail = 1;
     double t0 = loom_now_s();
     for (int t = 0; t < T && !*fail; t++) {
         for (int s = 0; s < B; s++) {
@@ -110,16 +111,18 @@ static double run(loom_model_t *m, int B, int P, int T, const int32_t *seq_lora,
         b.n_tokens = B;
         if (loom_model_forward(m, &b, err) < 0) *fail = 1;
     }
+    if (!*fail && loom_backend_synchronize(be, err) < 0) *fail = 1; /* a device runs the steps asynchronously */
     double dt = loom_now_s() - t0;
     free(tok), free(pos), free(slots), free(ts), free(bt), free(rows);
     return (double)B * T / dt;
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *batches = "1,8,32";
+    const char *model = NULL, *batches = "1,8,32", *device = "cpu";
     int threads = 2, rank = 16, P = 32, T = 16, reps = 3;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (config.json, *.safetensors)", 1, 0, NULL},
+        {"device", LOOM_OPT_STR, &device, "DEV", "cpu (default) or cuda:N", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default 2)", 1, 1024, NULL},
         {"batches", LOOM_OPT_STR, &batches, "LIST", "decode batch sizes (default 1,8,32)", 1, 0, NULL},
         {"rank", LOOM_OPT_INT, &rank, "R", "adapter rank (default 16)", 1, 512, NULL},
@@ -150,6 +153,10 @@ int main(int argc, char **argv) {
     if (loom_model_config_load(model, &cfg, &err) < 0 || loom_st_open_dir(model, &st, &err) < 0) goto fail;
     loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .n_threads = threads,
                                 .weight_dtype = LOOM_DT_F32};
+    if (!loom_device_parse(device, &bc.kind, &bc.device_index)) {
+        fprintf(stderr, "bench_lora: unknown device '%s' (use cpu or cuda:N)\n", device);
+        return 2;
+    }
     if (loom_backend_create(&bc, &be, &err) < 0) goto fail;
     loom_shard_spec_t spec = {.tp_size = 1, .layer_end = cfg.n_layers, .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = {.max_tokens = maxb * P, .max_seqs = maxb, .max_logits = maxb,
@@ -166,8 +173,8 @@ int main(int argc, char **argv) {
         loom_lora_prepared_destroy(&p);
         free_adapter(a, cfg.n_layers * LOOM_LORA_N_TARGETS);
     }
-    printf("model %s: %.1f MB of matmul weights; adapters rank %d on every linear, %.1f MB each; %d threads\n", model,
-           (double)loom_model_matmul_bytes(m) / 1e6, rank, (double)lora_bytes / 1e6, threads);
+    printf("model %s on %s: %.1f MB of matmul weights; adapters rank %d on every linear, %.1f MB each; %d threads\n",
+           model, device, (double)loom_model_matmul_bytes(m) / 1e6, rank, (double)lora_bytes / 1e6, threads);
     printf("| batch | base tok/s | 1 adapter tok/s | vs base | 8 adapters tok/s | vs base |\n|---|---|---|---|---|---|\n");
     int32_t *one = loom_xmalloc((size_t)maxb * sizeof(int32_t)), *eight = loom_xmalloc((size_t)maxb * sizeof(int32_t));
     for (int i = 0; i < maxb; i++) one[i] = 0, eight[i] = i % N_ADAPTERS;
@@ -175,9 +182,9 @@ int main(int argc, char **argv) {
     for (int k = 0; k < nb; k++) {
         double v[3][MAX_REPS];
         for (int rep = 0; rep < reps; rep++) {
-            v[0][rep] = run(m, bs[k], P, T, NULL, bps, &err, &fail);
-            v[1][rep] = run(m, bs[k], P, T, one, bps, &err, &fail);
-            v[2][rep] = run(m, bs[k], P, T, eight, bps, &err, &fail);
+            v[0][rep] = run(be, m, bs[k], P, T, NULL, bps, &err, &fail);
+            v[1][rep] = run(be, m, bs[k], P, T, one, bps, &err, &fail);
+            v[2][rep] = run(be, m, bs[k], P, T, eight, bps, &err, &fail);
         }
         if (fail) goto fail;
         double b0 = median(v[0], reps), b1 = median(v[1], reps), b8 = median(v[2], reps);

@@ -865,6 +865,7 @@ static void cpu_sample_shard(loom_backend_t *be, const float *logits, int n_rows
  * adapter). Each output element sums its r terms in order k = 0..r-1,
  * whatever the split. */
 #define LORA_SGEMM_ROWS 64
+#define LORA_PAR_MIN_MACS (128 * 1024) /* below, one thread: a pool dispatch costs more than the work */
 
 struct lora_ctx {
     float *y;
@@ -924,14 +925,15 @@ static void cpu_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, 
     int any = 0;
     for (int i = 0; i < n && !any; i++) any = lora_row(&lc, i) != NULL;
     if (!any) return;
-    if (c->n_threads == 1 || n == 1) {
+    int serial = c->n_threads == 1 || (int64_t)n * max_r * (in + out) < LORA_PAR_MIN_MACS;
+    if (serial || n == 1) {
         for (int i = 0; i < n; i++) lora_shrink_task(&lc, i, 0);
     } else {
         loom_parallel_for(c->pool, n, lora_shrink_task, &lc);
     }
     lc.chunk = chunk_size(c, out, 64, 2, 16);
     int tasks = (int)n_chunks(out, lc.chunk);
-    if (c->n_threads == 1 || tasks == 1) {
+    if (serial || tasks == 1) {
         lc.chunk = out;
         lora_expand_task(&lc, 0, 0);
     } else {

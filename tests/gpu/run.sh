@@ -142,6 +142,13 @@ else
         --json "$out/quant.json"
     step bench-q4 180 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
         --json "$out/bench-q4.json"
+    if [ $have_numpy = 1 ]; then # LoRA: no adapter, one rank-16 all-linear adapter, 8 mixed (docs/lora.md)
+        "$py" "$root/tests/reference/gen_model.py" --out "$gen/m100" --dim 768 --hidden-dim 2048 --layers 12 \
+            --heads 12 --kv-heads 4 --vocab 32000 --seed 1 >/dev/null &&
+            step bench-lora 180 "$bin/bench_lora" --model "$gen/m100" --device cuda:0 --batches 1,8,32 --reps 3
+    else
+        skip_row bench-lora "no numpy"
+    fi
 fi
 
 # --- 5. the regular build ---------------------------------------------------------------------
