@@ -29,6 +29,7 @@
 
 #include "client/loom_client.h"
 #include "common/chat_template.h"
+#include "common/request_limits.h"
 #include "common/json.h"
 #include "common/request_limits.h"
 #include "common/etcd.h"

@@ -69,7 +69,9 @@ await record("stream_helper", async () => {
   return { text: r.output_text, status: r.status };
 });
 
-const tools = [{ type: "function", name: "get_weather", description: "Weather in a city", parameters: schema, strict: true }];
+const tools = [
+  { type: "function", name: "get_weather", description: "Weather in a city", parameters: schema, strict: true },
+];
 await record("tool_call", async () => {
   const input = [{ role: "user", content: "What is the weather in Paris?" }];
   const r = await client.responses.create({ model, input, tools, tool_choice: "required", max_output_tokens: 200,
@@ -77,7 +79,8 @@ await record("tool_call", async () => {
   const calls = r.output.filter((o) => o.type === "function_call");
   if (!calls.length) return { calls: [], status: r.status, output: r.output };
   // the call's result, sent back as a function_call_output
-  const input2 = [...input, ...calls, { type: "function_call_output", call_id: calls[0].call_id, output: "21 C, sunny" }];
+  const output = { type: "function_call_output", call_id: calls[0].call_id, output: "21 C, sunny" };
+  const input2 = [...input, ...calls, output];
   const r2 = await client.responses.create({ model, input: input2, tools, max_output_tokens: 12, temperature: 0 });
   return {
     calls: calls.map((c) => ({ name: c.name, arguments: c.arguments, call_id: c.call_id, id: c.id })),

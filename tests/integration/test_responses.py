@@ -311,7 +311,8 @@ def test_sdks():
             for name, r in sorted(res.items()):
                 check(r.get("error") is None, "%s failed: %s" % (name, r.get("error")))
             plain, st = res["plain"], res["stream"]
-            check(plain["object"] == "response" and plain["id"].startswith("resp_") and plain["text"], "plain %r" % plain)
+            check(plain["object"] == "response" and plain["id"].startswith("resp_") and plain["text"],
+                  "plain %r" % plain)
             check(st["text"] == plain["text"] and st["seqs"] == list(range(len(st["seqs"]))) and
                   st["types"][0] == "response.created", "stream %r vs %r" % (st, plain["text"]))
             check(res["stream_helper"]["text"] == plain["text"], "stream helper %r" % res["stream_helper"])
