@@ -31,7 +31,6 @@
 #include "common/chat_template.h"
 #include "common/request_limits.h"
 #include "common/json.h"
-#include "common/request_limits.h"
 #include "common/etcd.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
