@@ -360,7 +360,8 @@ static int supervise(serve_t *s, const char *url, const char *zmq_addr, const ch
 typedef struct fwd_opts {
     const char *max_model_len, *max_num_seqs, *max_batched, *served_name, *quantization, *kv_dtype, *api_key,
         *block_size, *seed, *chat_template, *generation_config, *log_level, *dtype, *max_queue, *kv_memory,
-        *recovery_ms, *log_format, *embedding_pooling;
+        *recovery_ms, *log_format, *embedding_pooling, *tool_parser, *reasoning_parser;
+    int trust_request_template, auto_tool_choice;
     const char *spec_method, *spec_k, *ngram_min, *ngram_max; /* speculative decoding */
     const char *spec_model, *spec_quant, *spec_max_seqs, *spec_threads, *spec_device;
     int prefix_on, prefix_off;
@@ -525,10 +526,20 @@ int loom_cmd_serve(int argc, char **argv) {
          "/v1/embeddings: the last token's final hidden state (default) or the mean over all "
          "tokens, L2-normalised",
          1, 0, NULL},
-        {"chat-template", LOOM_OPT_STR, &f.chat_template, "NAME|FILE",
-         "llama2, llama3, chatml, mistral, or a Jinja template file of one of those families "
-         "(default: the model's)",
+        {"chat-template", LOOM_OPT_STR, &f.chat_template, "FILE|NAME",
+         "a Jinja chat template file, its text, or a template Loom ships (chatml) (default: the "
+         "model's)",
          1, 0, NULL},
+        {"trust-request-chat-template", LOOM_OPT_FLAG, &f.trust_request_template, NULL,
+         "render a request's own chat_template", 1, 0, NULL},
+        {"tool-call-parser", LOOM_OPT_STR, &f.tool_parser, "NAME",
+         "the model's tool-call syntax (hermes, llama3_json, mistral, granite, deepseek_v3, "
+         "deepseek_v31, pythonic, llama4_pythonic, qwen3_coder; default: from the chat template)",
+         1, 0, NULL},
+        {"enable-auto-tool-choice", LOOM_OPT_FLAG, &f.auto_tool_choice, NULL,
+         "accepted for vLLM compatibility (tool_choice auto is always on)", 1, 0, NULL},
+        {"reasoning-parser", LOOM_OPT_STR, &f.reasoning_parser, "NAME",
+         "split the reasoning off chat answers: deepseek_r1, qwen3, granite, openai", 1, 0, NULL},
         {"generation-config", LOOM_OPT_STR, &f.generation_config, "auto|vllm|DIR",
          "sampling defaults for requests that leave them out: auto (the model's "
          "generation_config.json), vllm (built-in), or DIR (default auto)",
@@ -657,6 +668,8 @@ int loom_cmd_serve(int argc, char **argv) {
         {"block-size", f.block_size},
         {"seed", f.seed},
         {"chat-template", f.chat_template},
+        {"tool-call-parser", f.tool_parser},
+        {"reasoning-parser", f.reasoning_parser},
         {"generation-config", f.generation_config},
         {"log-level", f.log_level},
         {"dtype", f.dtype},
@@ -682,6 +695,8 @@ int loom_cmd_serve(int argc, char **argv) {
         }
     if (f.prefix_off) argv_push(a, "--no-prefix-cache");
     if (f.expert_parallel) argv_push(a, "--expert-parallel");
+    if (f.trust_request_template) argv_push(a, "--trust-request-chat-template");
+    if (f.auto_tool_choice) argv_push(a, "--enable-auto-tool-choice");
     /* the key goes in the environment, not on a command line other users can read in /proc */
     if (f.api_key) setenv("LOOM_API_KEY", f.api_key, 1);
 

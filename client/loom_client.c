@@ -585,6 +585,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.ignore_eos = p->ignore_eos != 0;
     g.no_speculation = p->no_speculation != 0;
     g.no_cache = p->no_cache != 0;
+    g.gateway_tokenize_ns = p->gateway_tokenize_ns;
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
     g.raw_prompt = p->raw_prompt != 0;
@@ -607,6 +608,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.prompt_top_logprobs = p->prompt_top_logprobs > 0 ? (uint32_t)p->prompt_top_logprobs : 0;
     g.guide_kind = p->guide_kind > 0 ? (uint32_t)p->guide_kind : 0;
     g.guide_spec = (char *)(p->guide_spec ? p->guide_spec : "");
+    g.guide_after = (char *)(p->guide_after ? p->guide_after : "");
     Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
     req.body_case = LOOM__V1__REQUEST__BODY_GENERATE;
     req.generate = &g;

@@ -69,10 +69,14 @@ typedef struct loom_gen_params {
     const char *session;        /* affinity key for a router's session policy (NULL: none) */
     int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
     const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
+    const char *guide_after;                   /* the guide holds after this marker (a reasoning model's
+                                                  answer); NULL: from the first token */
     int no_speculation;                        /* never speculate for this request */
     int prompt_logprobs;                       /* the first chunk carries the prompt's logprobs */
     int prompt_top_logprobs;                   /* and the most likely tokens' at each position, at most 20 */
     int no_cache;                              /* a router's response cache neither answers nor keeps it */
+    uint64_t gateway_tokenize_ns;              /* time the sender spent tokenizing prompt_ids (counted in the
+                                                  request's tokenize stage) */
 } loom_gen_params_t;
 
 typedef enum {

@@ -1,522 +1,534 @@
-/* Chat templates (chat_template.h): detection by substrings of the Jinja
- * text, and one renderer per family written from that family's template. */
+/* Chat templates (chat_template.h): the model's Jinja template found,
+ * compiled once, and rendered per request with vLLM's variables; client
+ * special-token text kept plain through private-use placeholders. */
 #include "common/chat_template.h"
 
-#include <cjson/cJSON.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/jinja.h"
+#include "common/tokenizer.h"
 #include "common/util.h"
 
-/* Python's str.strip() / Jinja's trim for the ASCII whitespace it removes. */
-static int is_strip_space(unsigned char c) {
-    return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
+#define DEFAULT_MAX_OUTPUT ((size_t)8 << 20)
+
+/* docs/templates/NAME.jinja, embedded at build time (chat_shipped.c). */
+extern const char loom_chat_shipped_chatml[];
+
+struct loom_chat_template {
+    loom_jinja_t *def, *tool_use; /* tool_use: when the request has tools (NULL: def) */
+    char *text;                   /* def's source */
+    char *tool_text;              /* tool_use's source (NULL: none) */
+    char *origin;                 /* "FILE" or "tokenizer_config.json" or "chatml (shipped)" */
+    cJSON *specials;              /* {bos_token: "...", eos_token, unk_token, pad_token} */
+    char **plain; /* special-token strings kept plain in request text, longest first */
+    size_t *plain_len;
+    int n_plain;
+    unsigned char first[256]; /* 1: some plain-kept string starts with this byte */
+    loom_chat_template_opts_t o;
+};
+
+const char *loom_chat_template_shipped(const char *name) {
+    if (name && !strcmp(name, "chatml")) return loom_chat_shipped_chatml;
+    return NULL;
 }
 
-/* Where message text lies in the rendered prompt: [start, end) byte pairs,
- * in order (NULL when the caller does not ask). */
-typedef struct spans {
+/* ---- loading ---- */
+
+/* A tokenizer_config.json special token: a string or {"content": ...}. */
+static const char *token_str(const cJSON *v) {
+    if (cJSON_IsString(v)) return v->valuestring;
+    const cJSON *c = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "content") : NULL;
+    return cJSON_IsString(c) ? c->valuestring : NULL;
+}
+
+static int cmp_len_desc(const void *a, const void *b) {
+    size_t la = strlen(*(char *const *)a), lb = strlen(*(char *const *)b);
+    return la < lb ? 1 : la > lb ? -1 : strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The strings swapped for placeholders: the tokenizer's special tokens and
+ * the placeholder's own lead character (so a client cannot forge one). */
+static void collect_plain(loom_chat_template_t *t, const loom_tokenizer_t *tok) {
+    int n = tok ? loom_tokenizer_vocab_size(tok) : 0, cap = 1;
+    for (int id = 0; id < n; id++)
+        cap += loom_tokenizer_is_special(tok, id) ? 1 : 0;
+    t->plain = loom_xcalloc((size_t)cap, sizeof *t->plain);
+    t->plain[t->n_plain++] = loom_xstrdup("\xEE\x80\x80"); /* U+E000 */
+    for (int id = 0; id < n; id++) {
+        if (!loom_tokenizer_is_special(tok, id)) continue;
+        const char *p = loom_tokenizer_piece(tok, id);
+        if (p && p[0]) t->plain[t->n_plain++] = loom_xstrdup(p);
+    }
+    qsort(t->plain, (size_t)t->n_plain, sizeof *t->plain, cmp_len_desc);
+    t->plain_len = loom_xcalloc((size_t)t->n_plain, sizeof *t->plain_len);
+    for (int i = 0; i < t->n_plain; i++) {
+        t->plain_len[i] = strlen(t->plain[i]);
+        t->first[(unsigned char)t->plain[i][0]] = 1;
+    }
+}
+
+static loom_status_t compile(const char *src, const char *name, loom_jinja_t **out,
+                             loom_err_t *err) {
+    loom_err_t e = {0};
+    loom_status_t st = loom_jinja_compile(src, strlen(src), name, out, &e);
+    if (st < 0) return loom_err_set(err, st, "chat template %s", e.msg);
+    return LOOM_OK;
+}
+
+/* The override's text: a shipped name, a file, or a template itself. */
+static loom_status_t override_text(const char *ov, char **text, char **origin, loom_err_t *err) {
+    const char *shipped = loom_chat_template_shipped(ov);
+    if (shipped) {
+        *text = loom_xstrdup(shipped);
+        *origin = loom_xstrdup(ov);
+        return LOOM_OK;
+    }
+    if (access(ov, F_OK) == 0) {
+        size_t len;
+        LOOM_CHECK(loom_read_file(ov, text, &len, err));
+        *origin = loom_xstrdup(ov);
+        return LOOM_OK;
+    }
+    if (strstr(ov, "{{") || strstr(ov, "{%")) { /* vLLM: the template itself, in single-line form */
+        *text = loom_xstrdup(ov);
+        *origin = loom_xstrdup("--chat-template");
+        return LOOM_OK;
+    }
+    return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                        "--chat-template %s: no such file, and not a template Loom ships (%s)", ov,
+                        LOOM_CHAT_SHIPPED_NAMES);
+}
+
+loom_status_t loom_chat_template_from_text(const char *text, const char *config_json,
+                                           const char *name, const loom_chat_template_opts_t *o,
+                                           const loom_tokenizer_t *tok, loom_chat_template_t **out,
+                                           loom_err_t *err) {
+    *out = NULL;
+    cJSON *cfg = config_json ? cJSON_Parse(config_json) : NULL;
+    if (config_json && !cfg)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "tokenizer_config.json is not valid JSON");
+    const char *def = text, *tool_use = NULL;
+    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
+    if (!def && cJSON_IsString(ct)) {
+        def = ct->valuestring;
+    } else if (cJSON_IsArray(ct)) { /* [{name, template}, ...] */
+        const cJSON *it;
+        cJSON_ArrayForEach(it, ct) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(it, "name"),
+                        *tx = cJSON_GetObjectItemCaseSensitive(it, "template");
+            if (!cJSON_IsString(nm) || !cJSON_IsString(tx)) continue;
+            if (!strcmp(nm->valuestring, "default") && !def) def = tx->valuestring;
+            if (!strcmp(nm->valuestring, "tool_use") && !text) tool_use = tx->valuestring;
+        }
+    }
+    if (!def) {
+        cJSON_Delete(cfg);
+        return LOOM_OK;
+    }
+    loom_chat_template_t *t = loom_xcalloc(1, sizeof *t);
+    if (o) t->o = *o;
+    if (!t->o.max_output) t->o.max_output = DEFAULT_MAX_OUTPUT;
+    t->text = loom_xstrdup(def);
+    t->origin = loom_xstrdup(name ? name : "tokenizer_config.json");
+    t->specials = cJSON_CreateObject();
+    static const char *const keys[] = {"bos_token", "eos_token", "unk_token", "pad_token"};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(keys); i++) {
+        const char *s = token_str(cJSON_GetObjectItemCaseSensitive(cfg, keys[i]));
+        cJSON_AddStringToObject(t->specials, keys[i], s ? s : "");
+    }
+    loom_status_t st = compile(def, t->origin, &t->def, err);
+    if (st == LOOM_OK && tool_use) {
+        char nm[300];
+        snprintf(nm, sizeof nm, "%s[tool_use]", t->origin);
+        st = compile(tool_use, nm, &t->tool_use, err);
+        t->tool_text = loom_xstrdup(tool_use);
+    }
+    cJSON_Delete(cfg);
+    if (st < 0) {
+        loom_chat_template_destroy(&t);
+        return st;
+    }
+    collect_plain(t, tok);
+    *out = t;
+    return LOOM_OK;
+}
+
+loom_status_t loom_chat_template_load(const char *model_dir, const loom_chat_template_opts_t *o,
+                                      const loom_tokenizer_t *tok, loom_chat_template_t **out,
+                                      loom_err_t *err) {
+    *out = NULL;
+    char *cfg = NULL, *text = NULL, *origin = NULL;
+    size_t len;
+    char path[4096];
+    loom_err_t ign = {0};
+    if (model_dir) {
+        snprintf(path, sizeof path, "%s/tokenizer_config.json", model_dir);
+        if (access(path, F_OK) == 0) LOOM_CHECK(loom_read_file(path, &cfg, &len, err));
+    }
+    loom_status_t st = LOOM_OK;
+    if (o && o->override) {
+        st = override_text(o->override, &text, &origin, err);
+    } else if (model_dir) {
+        cJSON *c = cfg ? cJSON_Parse(cfg) : NULL;
+        int has = cJSON_GetObjectItemCaseSensitive(c, "chat_template") != NULL;
+        cJSON_Delete(c);
+        snprintf(path, sizeof path, "%s/chat_template.jinja", model_dir);
+        if (!has && loom_read_file(path, &text, &len, &ign) == LOOM_OK)
+            origin = loom_xstrdup(path);
+        else if (has)
+            origin = loom_xstrdup("tokenizer_config.json");
+    }
+    if (st == LOOM_OK) st = loom_chat_template_from_text(text, cfg, origin, o, tok, out, err);
+    free(cfg);
+    free(text);
+    free(origin);
+    return st;
+}
+
+void loom_chat_template_destroy(loom_chat_template_t **t_p) {
+    loom_chat_template_t *t = t_p ? *t_p : NULL;
+    if (!t) return;
+    loom_jinja_destroy(&t->def);
+    loom_jinja_destroy(&t->tool_use);
+    for (int i = 0; i < t->n_plain; i++)
+        free(t->plain[i]);
+    free(t->plain);
+    free(t->plain_len);
+    cJSON_Delete(t->specials);
+    free(t->text);
+    free(t->tool_text);
+    free(t->origin);
+    free(t);
+    *t_p = NULL;
+}
+
+const char *loom_chat_template_text(const loom_chat_template_t *t) {
+    return t ? t->text : NULL;
+}
+
+const char *loom_chat_template_tool_text(const loom_chat_template_t *t) {
+    return t ? (t->tool_text ? t->tool_text : t->text) : NULL;
+}
+
+const char *loom_chat_template_origin(const loom_chat_template_t *t) {
+    return t ? t->origin : NULL;
+}
+
+/* ---- placeholders: U+E000 <index> U+E001 ---- */
+
+#define PH_OPEN  "\xEE\x80\x80"
+#define PH_CLOSE "\xEE\x80\x81"
+
+/* s with every plain-kept string swapped for its placeholder (NULL: none in s). */
+static char *swap_out(const loom_chat_template_t *t, const char *s) {
+    loom_sbuf_t b = {0};
+    size_t n = strlen(s), i = 0, from = 0;
+    while (i < n) {
+        int hit = -1;
+        for (int k = 0; k < t->n_plain && hit < 0 && t->first[(unsigned char)s[i]]; k++)
+            if (t->plain_len[k] <= n - i && !memcmp(s + i, t->plain[k], t->plain_len[k])) hit = k;
+        if (hit < 0) {
+            i++;
+            continue;
+        }
+        if (!b.p) loom_sbuf_add(&b, "", 0);
+        loom_sbuf_add(&b, s + from, i - from);
+        loom_sbuf_printf(&b, PH_OPEN "%d" PH_CLOSE, hit);
+        i += t->plain_len[hit];
+        from = i;
+    }
+    if (!b.p) return NULL;
+    loom_sbuf_add(&b, s + from, n - from);
+    return b.p;
+}
+
+/* Every string in v (object values, array items), swapped in place. */
+static void swap_tree(const loom_chat_template_t *t, cJSON *v) {
+    if (cJSON_IsString(v)) {
+        char *r = swap_out(t, v->valuestring);
+        if (r) {
+            cJSON_SetValuestring(v, r);
+            free(r);
+        }
+        return;
+    }
+    cJSON *c;
+    cJSON_ArrayForEach(c, v) swap_tree(t, c);
+}
+
+typedef struct {
     size_t *v;
-    size_t n, cap; /* pairs */
+    size_t n, cap;
 } spans_t;
 
-static void spans_add(spans_t *sp, size_t start, size_t end) {
-    if (!sp || end <= start) return;
-    if (sp->n && sp->v[2 * sp->n - 1] == start) { /* adjacent: one span */
-        sp->v[2 * sp->n - 1] = end;
+static void span_add(spans_t *sp, size_t a, size_t e) {
+    if (sp->n && sp->v[2 * sp->n - 1] == a) {
+        sp->v[2 * sp->n - 1] = e;
         return;
     }
     if (sp->n == sp->cap) {
         sp->cap = sp->cap ? 2 * sp->cap : 8;
         sp->v = loom_xrealloc(sp->v, 2 * sp->cap * sizeof *sp->v);
     }
-    sp->v[2 * sp->n] = start;
-    sp->v[2 * sp->n + 1] = end;
+    sp->v[2 * sp->n] = a;
+    sp->v[2 * sp->n + 1] = e;
     sp->n++;
 }
 
-/* Appends s stripped; rel holds n_rel spans of message text in s's own
- * offsets, recorded where they land (clipped by the strip). */
-static void sb_stripped_spans(loom_sbuf_t *b, const char *s, size_t n, spans_t *sp, const size_t *rel, int n_rel) {
-    size_t lead = 0;
-    while (lead < n && is_strip_space((unsigned char)s[lead])) lead++;
-    while (n > lead && is_strip_space((unsigned char)s[n - 1])) n--;
-    size_t base = b->len, len = n - lead;
-    loom_sbuf_add(b, s + lead, len);
-    for (int i = 0; i < n_rel; i++) {
-        size_t a = rel[2 * i] > lead ? rel[2 * i] - lead : 0, e = rel[2 * i + 1] > lead ? rel[2 * i + 1] - lead : 0;
-        spans_add(sp, base + LOOM_MIN(a, len), base + LOOM_MIN(e, len));
-    }
-}
-
-/* Message text: appended, stripped or not, and recorded as a span. */
-static void sb_content(loom_sbuf_t *b, const char *s, int strip, spans_t *sp) {
-    size_t n = strlen(s);
-    if (strip) {
-        size_t rel[2] = {0, n};
-        sb_stripped_spans(b, s, n, sp, rel, 1);
-        return;
-    }
-    size_t base = b->len;
-    loom_sbuf_add(b, s, n);
-    spans_add(sp, base, b->len);
-}
-
-/* ---- families ---- */
-
-static const struct {
-    loom_chat_family_t family;
-    const char *name, *bos, *eos;
-} k_families[] = {
-    {LOOM_CHAT_LLAMA2, "llama2", "<s>", "</s>"},
-    {LOOM_CHAT_LLAMA3, "llama3", "<|begin_of_text|>", "<|eot_id|>"},
-    {LOOM_CHAT_CHATML, "chatml", "", ""},
-    {LOOM_CHAT_MISTRAL, "mistral", "<s>", "</s>"},
-    {LOOM_CHAT_QWEN3, "qwen3", "", ""},
-    {LOOM_CHAT_GEMMA, "gemma", "<bos>", "<eos>"},
-    {LOOM_CHAT_PHI3, "phi3", "", "<|endoftext|>"},
-};
-
-const char *loom_chat_family_name(loom_chat_family_t f) {
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_families); i++)
-        if (k_families[i].family == f) return k_families[i].name;
-    return "none";
-}
-
-loom_chat_family_t loom_chat_family_from_name(const char *name) {
-    for (size_t i = 0; name && i < LOOM_ARRAY_LEN(k_families); i++)
-        if (!strcmp(k_families[i].name, name)) return k_families[i].family;
-    return LOOM_CHAT_NONE;
-}
-
-loom_chat_family_t loom_chat_detect(const char *t) {
-    if (!t) return LOOM_CHAT_NONE;
-    /* Most specific first: a Llama 3 or ChatML template never holds [INST],
-     * and Llama 2's is the [INST] template with a <<SYS>> block. */
-    if (strstr(t, "<|start_header_id|>") && strstr(t, "<|end_header_id|>")) return LOOM_CHAT_LLAMA3;
-    if (strstr(t, "<|im_start|>") && strstr(t, "<|im_end|>"))
-        return strstr(t, "<think>") && strstr(t, "</think>") ? LOOM_CHAT_QWEN3 : LOOM_CHAT_CHATML;
-    if (strstr(t, "<start_of_turn>") && strstr(t, "<end_of_turn>")) return LOOM_CHAT_GEMMA;
-    if (strstr(t, "<|user|>") && strstr(t, "<|assistant|>") && strstr(t, "<|end|>")) return LOOM_CHAT_PHI3;
-    if (strstr(t, "[INST]") && strstr(t, "<<SYS>>")) return LOOM_CHAT_LLAMA2;
-    if (strstr(t, "[INST]") && strstr(t, "[/INST]")) return LOOM_CHAT_MISTRAL;
-    return LOOM_CHAT_NONE;
-}
-
-/* ChatML templates like Qwen2's write a fixed system turn when the
- * conversation has none: '<|im_start|>system\nYou are a helpful
- * assistant.<|im_end|>\n'. Finds such a literal (text up to <|im_end|> with
- * no quote or Jinja syntax in it) and returns its text, \n unescaped. */
-static char *chatml_default_system(const char *t) {
-    static const char *const heads[] = {"<|im_start|>system\\n", "<|im_start|>system\n"};
-    for (size_t h = 0; h < LOOM_ARRAY_LEN(heads); h++) {
-        for (const char *p = strstr(t, heads[h]); p; p = strstr(p + 1, heads[h])) {
-            const char *s = p + strlen(heads[h]);
-            const char *e = strstr(s, "<|im_end|>");
-            if (!e || e == s) continue;
-            size_t n = (size_t)(e - s);
-            if (memchr(s, '\'', n) || memchr(s, '"', n) || memchr(s, '{', n) || memchr(s, '}', n) ||
-                memchr(s, '+', n))
-                continue;
-            loom_sbuf_t b = {0};
-            for (size_t i = 0; i < n; i++) {
-                if (s[i] == '\\' && i + 1 < n && s[i + 1] == 'n') {
-                    loom_sbuf_add(&b, "\n", 1);
-                    i++;
-                } else {
-                    loom_sbuf_add(&b, &s[i], 1);
-                }
-            }
-            return b.p;
-        }
-    }
-    return NULL;
-}
-
-loom_chat_template_t *loom_chat_template_create(loom_chat_family_t family, const char *bos, const char *eos,
-                                                const char *default_system) {
-    LOOM_ASSERT(family != LOOM_CHAT_NONE);
-    const char *dbos = "", *deos = "";
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_families); i++)
-        if (k_families[i].family == family) {
-            dbos = k_families[i].bos;
-            deos = k_families[i].eos;
-        }
-    loom_chat_template_t *t = loom_xcalloc(1, sizeof *t);
-    t->family = family;
-    t->bos = loom_xstrdup(bos ? bos : dbos);
-    t->eos = loom_xstrdup(eos ? eos : deos);
-    t->default_system = default_system ? loom_xstrdup(default_system) : NULL;
-    return t;
-}
-
-void loom_chat_template_destroy(loom_chat_template_t **t_p) {
-    if (!t_p || !*t_p) return;
-    loom_chat_template_t *t = *t_p;
-    free(t->bos);
-    free(t->eos);
-    free(t->default_system);
-    free(t);
-    *t_p = NULL;
-}
-
-loom_status_t loom_chat_template_from_text(const char *text, const char *override_name, const char *bos,
-                                           const char *eos, loom_chat_template_t **out, loom_err_t *err) {
-    *out = NULL;
-    loom_chat_family_t detected = text ? loom_chat_detect(text) : LOOM_CHAT_NONE, family = detected;
-    if (override_name) {
-        family = loom_chat_family_from_name(override_name);
-        if (family == LOOM_CHAT_NONE)
-            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "unknown chat template '%s'; choose one of %s",
-                                override_name, LOOM_CHAT_FAMILY_NAMES);
-    } else if (!text) {
-        return LOOM_OK;
-    } else if (family == LOOM_CHAT_NONE) {
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "the model's chat template is not one Loom recognises (it knows %s); "
-                            "start the coordinator with --chat-template NAME to choose one",
-                            LOOM_CHAT_FAMILY_NAMES);
-    }
-    char *sys = family == LOOM_CHAT_CHATML && detected == LOOM_CHAT_CHATML ? chatml_default_system(text) : NULL;
-    /* ChatML (Qwen3 included) and Phi-3 templates rarely write BOS; those that do name bos_token */
-    if ((family == LOOM_CHAT_CHATML || family == LOOM_CHAT_QWEN3 || family == LOOM_CHAT_PHI3) &&
-        !(detected == family && strstr(text, "bos_token")))
-        bos = "";
-    *out = loom_chat_template_create(family, bos, eos, sys);
-    free(sys);
-    (*out)->no_system = family == LOOM_CHAT_GEMMA && detected == family && strstr(text, "System role not supported");
-    return LOOM_OK;
-}
-
-/* A special-token field of tokenizer_config.json: "<s>", {"content": "<s>", ...},
- * null (none: ""), or absent (NULL: the family's usual token). */
-static const char *token_field(const cJSON *root, const char *name) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
-    if (!v) return NULL;
-    if (cJSON_IsString(v)) return v->valuestring;
-    if (cJSON_IsObject(v)) {
-        const cJSON *c = cJSON_GetObjectItemCaseSensitive(v, "content");
-        if (cJSON_IsString(c)) return c->valuestring;
-    }
-    return "";
-}
-
-loom_status_t loom_chat_template_load(const char *model_dir, const char *override_name, loom_chat_template_t **out,
-                                      loom_err_t *err) {
-    *out = NULL;
-    char path[4096];
-    char *data = NULL, *jinja = NULL;
-    size_t len = 0;
-    cJSON *root = NULL;
-    const char *text = NULL, *bos = NULL, *eos = NULL;
-    loom_status_t st = LOOM_OK;
-    if (!loom_path_join(path, sizeof path, model_dir, "tokenizer_config.json"))
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "model directory path is too long");
-    FILE *f = fopen(path, "rb");
-    if (f) {
-        fclose(f);
-        LOOM_CHECK(loom_read_file(path, &data, &len, err));
-        root = cJSON_ParseWithLength(data, len);
-        if (!cJSON_IsObject(root)) {
-            st = loom_err_set(err, LOOM_ERR_FORMAT, "%s: not a JSON object", path);
-            goto done;
-        }
-        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(root, "chat_template");
-        if (cJSON_IsString(ct)) {
-            text = ct->valuestring;
-        } else if (cJSON_IsArray(ct)) {
-            const cJSON *e;
-            cJSON_ArrayForEach(e, ct) {
-                const cJSON *name = cJSON_GetObjectItemCaseSensitive(e, "name");
-                const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
-                if (!cJSON_IsString(tt)) continue;
-                if (!text || (cJSON_IsString(name) && !strcmp(name->valuestring, "default"))) text = tt->valuestring;
-            }
-        }
-        bos = token_field(root, "bos_token");
-        eos = token_field(root, "eos_token");
-    }
-    if (!text && loom_path_join(path, sizeof path, model_dir, "chat_template.jinja")) {
-        f = fopen(path, "rb");
-        if (f) {
-            fclose(f);
-            size_t jl;
-            st = loom_read_file(path, &jinja, &jl, err);
-            if (st < 0) goto done;
-            text = jinja;
-        }
-    }
-    st = loom_chat_template_from_text(text, override_name, bos, eos, out, err);
-done:
-    cJSON_Delete(root);
-    free(data);
-    free(jinja);
-    return st;
-}
-
-/* ---- rendering ---- */
-
-typedef enum { ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_OTHER } role_t;
-
-static role_t role_of(const char *r) {
-    if (!strcmp(r, "system") || !strcmp(r, "developer")) return ROLE_SYSTEM;
-    if (!strcmp(r, "user")) return ROLE_USER;
-    if (!strcmp(r, "assistant")) return ROLE_ASSISTANT;
-    return ROLE_OTHER;
-}
-
-static const char *role_name(role_t r) {
-    return r == ROLE_SYSTEM ? "system" : r == ROLE_USER ? "user" : "assistant";
-}
-
-/* Llama 2 and Mistral: [INST] turns. An optional leading system message,
- * then user/assistant alternating from user. Llama 2 wraps the system text
- * in <<SYS>>, strips every turn and starts each user turn with BOS; Mistral
- * prepends the system text to the first user turn and writes BOS once. */
-static loom_status_t render_inst(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, loom_sbuf_t *b,
-                                 spans_t *sp, loom_err_t *err) {
-    int llama2 = t->family == LOOM_CHAT_LLAMA2;
-    const char *sys = NULL;
-    int start = 0;
-    if (n > 0 && role_of(m[0].role) == ROLE_SYSTEM) {
-        sys = m[0].content;
-        start = 1;
-    }
-    if (n - start < 1)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the conversation needs a user message after the system message");
-    if (!llama2) loom_sbuf_str(b, t->bos);
-    for (int i = start; i < n; i++) {
-        int j = i - start;
-        role_t r = role_of(m[i].role);
-        role_t want = j % 2 == 0 ? ROLE_USER : ROLE_ASSISTANT;
-        if (r != want)
-            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                                "messages[%d] has role '%s' but the %s chat template needs '%s' there: after an "
-                                "optional first system message, roles must alternate user/assistant/user/...",
-                                i, m[i].role, loom_chat_family_name(t->family), role_name(want));
-        const char *c = m[i].content;
-        if (r == ROLE_USER) {
-            if (llama2) {
-                loom_sbuf_t content = {0};
-                size_t rel[4];
-                int n_rel = 0;
-                if (j == 0 && sys) {
-                    loom_sbuf_str(&content, "<<SYS>>\n");
-                    rel[2 * n_rel] = content.len;
-                    loom_sbuf_str(&content, sys);
-                    rel[2 * n_rel + 1] = content.len;
-                    n_rel++;
-                    loom_sbuf_str(&content, "\n<</SYS>>\n\n");
-                }
-                rel[2 * n_rel] = content.len;
-                loom_sbuf_str(&content, c);
-                rel[2 * n_rel + 1] = content.len;
-                n_rel++;
-                loom_sbuf_str(b, t->bos);
-                loom_sbuf_str(b, "[INST] ");
-                sb_stripped_spans(b, content.p, content.len, sp, rel, n_rel);
-                loom_sbuf_str(b, " [/INST]");
-                free(content.p);
-            } else {
-                loom_sbuf_str(b, "[INST] ");
-                if (j == 0 && sys) {
-                    sb_content(b, sys, 0, sp);
-                    loom_sbuf_str(b, "\n\n");
-                }
-                sb_content(b, c, 0, sp);
-                loom_sbuf_str(b, " [/INST]");
-            }
-        } else if (llama2) {
-            loom_sbuf_str(b, " ");
-            sb_content(b, c, 1, sp);
-            loom_sbuf_str(b, " ");
-            loom_sbuf_str(b, t->eos);
-        } else {
-            sb_content(b, c, 0, sp);
-            loom_sbuf_str(b, t->eos);
-        }
-    }
-    return LOOM_OK;
-}
-
-static void render_llama3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
-                          spans_t *sp) {
-    for (int i = 0; i < n; i++) {
-        if (i == 0) loom_sbuf_str(b, t->bos);
-        loom_sbuf_str(b, "<|start_header_id|>");
-        loom_sbuf_str(b, role_name(role_of(m[i].role)));
-        loom_sbuf_str(b, "<|end_header_id|>\n\n");
-        sb_content(b, m[i].content, 1, sp);
-        loom_sbuf_str(b, "<|eot_id|>");
-    }
-    if (gen) loom_sbuf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-}
-
-static void render_chatml(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
-                          spans_t *sp) {
-    loom_sbuf_str(b, t->bos);
-    if (t->default_system && (n == 0 || role_of(m[0].role) != ROLE_SYSTEM)) {
-        loom_sbuf_str(b, "<|im_start|>system\n");
-        loom_sbuf_str(b, t->default_system);
-        loom_sbuf_str(b, "<|im_end|>\n");
-    }
-    for (int i = 0; i < n; i++) {
-        loom_sbuf_str(b, "<|im_start|>");
-        loom_sbuf_str(b, role_name(role_of(m[i].role)));
-        loom_sbuf_str(b, "\n");
-        sb_content(b, m[i].content, 0, sp);
-        loom_sbuf_str(b, "<|im_end|>\n");
-    }
-    if (gen) loom_sbuf_str(b, "<|im_start|>assistant\n");
-}
-
-/* Qwen3: ChatML whose assistant turns may hold reasoning in <think>...</think>.
- * As its template: the reasoning of assistant turns before the last user
- * message is dropped (only the text after </think> stays); turns after it
- * keep it, rewritten as "<think>\nREASONING\n</think>\n\nANSWER". The
- * generation prompt leaves the model free to think. */
-static void render_qwen3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
-                         spans_t *sp) {
-    int last_user = -1;
-    for (int i = 0; i < n; i++)
-        if (role_of(m[i].role) == ROLE_USER) last_user = i;
-    loom_sbuf_str(b, t->bos);
-    for (int i = 0; i < n; i++) {
-        role_t r = role_of(m[i].role);
-        const char *c = m[i].content;
-        loom_sbuf_str(b, "<|im_start|>");
-        loom_sbuf_str(b, role_name(r));
-        loom_sbuf_str(b, "\n");
-        const char *end = r == ROLE_ASSISTANT ? strstr(c, "</think>") : NULL;
-        if (!end) {
-            sb_content(b, c, 0, sp);
-        } else {
-            const char *after = end + strlen("</think>"), *why = c;
-            for (const char *p = strstr(c, "<think>"); p && p < end; p = strstr(p + 1, "<think>"))
-                why = p + strlen("<think>");
-            for (const char *p = strstr(after, "</think>"); p; p = strstr(p + 1, "</think>"))
-                after = p + strlen("</think>"); /* the text after the last </think> */
-            while (*after == '\n') after++;
-            while (why < end && *why == '\n') why++;
-            const char *why_end = end;
-            while (why_end > why && why_end[-1] == '\n') why_end--;
-            if (i > last_user) {
-                loom_sbuf_str(b, "<think>\n");
-                size_t base = b->len;
-                loom_sbuf_add(b, why, (size_t)(why_end - why));
-                spans_add(sp, base, b->len);
-                loom_sbuf_str(b, "\n</think>\n\n");
-            }
-            sb_content(b, after, 0, sp);
-        }
-        loom_sbuf_str(b, "<|im_end|>\n");
-    }
-    if (gen) loom_sbuf_str(b, "<|im_start|>assistant\n");
-}
-
-/* Gemma: <start_of_turn>user / model turns, alternating from user; a leading
- * system message is folded into the first user turn (Gemma 3's template) or
- * refused (Gemma 1 and 2's, no_system), every text trimmed. */
-static loom_status_t render_gemma(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen,
-                                  loom_sbuf_t *b, spans_t *sp, loom_err_t *err) {
-    int start = n > 0 && role_of(m[0].role) == ROLE_SYSTEM;
-    if (start && t->no_system)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "messages[0] has role '%s' but this gemma chat template does not support a system "
-                            "message (Gemma 1 and 2 templates refuse it)",
-                            m[0].role);
-    if (n - start < 1)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the conversation needs a user message after the system message");
-    loom_sbuf_str(b, t->bos);
-    for (int i = start; i < n; i++) {
-        role_t r = role_of(m[i].role), want = (i - start) % 2 == 0 ? ROLE_USER : ROLE_ASSISTANT;
-        if (r != want)
-            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                                "messages[%d] has role '%s' but the gemma chat template needs '%s' there: after an "
-                                "optional first system message, roles must alternate user/assistant/user/...",
-                                i, m[i].role, role_name(want));
-        loom_sbuf_str(b, r == ROLE_USER ? "<start_of_turn>user\n" : "<start_of_turn>model\n");
-        if (i == start && start) {
-            sb_content(b, m[0].content, 1, sp);
-            loom_sbuf_str(b, "\n\n");
-        }
-        sb_content(b, m[i].content, 1, sp);
-        loom_sbuf_str(b, "<end_of_turn>\n");
-    }
-    if (gen) loom_sbuf_str(b, "<start_of_turn>model\n");
-    return LOOM_OK;
-}
-
-/* Phi-3 / Phi-4-mini: <|system|>, <|user|>, <|assistant|> turns ended by
- * <|end|>; without a generation prompt the text ends with eos_token. */
-static void render_phi3(const loom_chat_template_t *t, const loom_chat_msg_t *m, int n, int gen, loom_sbuf_t *b,
-                        spans_t *sp) {
-    loom_sbuf_str(b, t->bos);
-    for (int i = 0; i < n; i++) {
-        role_t r = role_of(m[i].role);
-        loom_sbuf_str(b, r == ROLE_SYSTEM ? "<|system|>\n" : r == ROLE_USER ? "<|user|>\n" : "<|assistant|>\n");
-        sb_content(b, m[i].content, 0, sp);
-        loom_sbuf_str(b, "<|end|>\n");
-    }
-    loom_sbuf_str(b, gen ? "<|assistant|>\n" : t->eos);
-}
-
-loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
-                               int add_generation_prompt, char **out, size_t *out_len, loom_err_t *err) {
-    return loom_chat_render_spans(t, msgs, n_msgs, add_generation_prompt, out, out_len, NULL, NULL, err);
-}
-
-loom_status_t loom_chat_render_spans(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
-                                     int add_generation_prompt, char **out, size_t *out_len, size_t **plain,
-                                     size_t *n_plain, loom_err_t *err) {
-    *out = NULL;
-    if (out_len) *out_len = 0;
-    if (plain) *plain = NULL;
-    if (n_plain) *n_plain = 0;
-    spans_t spans = {0}, *sp = plain && n_plain ? &spans : NULL;
-    if (n_msgs < 1) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "messages must not be empty");
-    for (int i = 0; i < n_msgs; i++) {
-        if (!msgs[i].role || role_of(msgs[i].role) == ROLE_OTHER)
-            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                                "messages[%d] has role '%.64s'; the roles Loom supports are system, developer, "
-                                "user and assistant",
-                                i, msgs[i].role ? msgs[i].role : "(none)");
-        if (!msgs[i].content)
-            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "messages[%d] has no content", i);
-    }
+/* The rendered text with the placeholders swapped back, their spans noted. */
+static char *swap_in(const loom_chat_template_t *t, const char *s, size_t n, size_t *out_len,
+                     spans_t *sp) {
     loom_sbuf_t b = {0};
     loom_sbuf_add(&b, "", 0);
-    switch (t->family) {
-    case LOOM_CHAT_LLAMA2:
-    case LOOM_CHAT_MISTRAL: {
-        loom_status_t st = render_inst(t, msgs, n_msgs, &b, sp, err);
-        if (st < 0) {
-            free(b.p);
-            free(spans.v);
-            return st;
+    size_t i = 0;
+    while (i < n) {
+        const char *p = memmem(s + i, n - i, PH_OPEN, 3);
+        if (!p) {
+            loom_sbuf_add(&b, s + i, n - i);
+            break;
         }
-        break;
-    }
-    case LOOM_CHAT_LLAMA3: render_llama3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
-    case LOOM_CHAT_CHATML: render_chatml(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
-    case LOOM_CHAT_QWEN3: render_qwen3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
-    case LOOM_CHAT_PHI3: render_phi3(t, msgs, n_msgs, add_generation_prompt, &b, sp); break;
-    case LOOM_CHAT_GEMMA: {
-        loom_status_t st = render_gemma(t, msgs, n_msgs, add_generation_prompt, &b, sp, err);
-        if (st < 0) {
-            free(b.p);
-            return st;
+        size_t at = (size_t)(p - s), j = at + 3;
+        long idx = 0;
+        int digits = 0;
+        while (j < n && s[j] >= '0' && s[j] <= '9' && digits < 6)
+            idx = idx * 10 + (s[j++] - '0'), digits++;
+        if (digits && idx < t->n_plain && j + 3 <= n && !memcmp(s + j, PH_CLOSE, 3)) {
+            loom_sbuf_add(&b, s + i, at - i);
+            size_t a = b.len;
+            loom_sbuf_add(&b, t->plain[idx], t->plain_len[idx]);
+            span_add(sp, a, b.len);
+            i = j + 3;
+        } else { /* not ours (the template wrote it): as is */
+            loom_sbuf_add(&b, s + i, at + 3 - i);
+            i = at + 3;
         }
-        break;
     }
-    default: LOOM_ASSERT(!"chat template without a family");
-    }
-    *out = b.p;
-    if (out_len) *out_len = b.len;
-    if (sp) {
-        *plain = spans.v;
-        *n_plain = spans.n;
+    *out_len = b.len;
+    return b.p;
+}
+
+/* ---- the variables ---- */
+
+static loom_status_t bad(loom_err_t *err, const char **param, const char *p, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static loom_status_t bad(loom_err_t *err, const char **param, const char *p, const char *fmt, ...) {
+    *param = p;
+    char m[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(m, sizeof m, fmt, ap);
+    va_end(ap);
+    return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s", m);
+}
+
+/* messages as vLLM hands them to templates: text parts joined into a
+ * string, no content as "", tool_calls' arguments parsed into objects. */
+static loom_status_t messages_var(const cJSON *msgs, cJSON **out, const char **param,
+                                  loom_err_t *err) {
+    if (!msgs) return bad(err, param, "messages", "messages is required");
+    if (!cJSON_IsArray(msgs) || !msgs->child)
+        return bad(err, param, "messages",
+                   "messages must be a non-empty array of {role, content} objects");
+    cJSON *arr = cJSON_CreateArray();
+    *out = arr;
+    int i = 0;
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        if (!cJSON_IsObject(m) || !cJSON_IsString(role))
+            return bad(err, param, "messages", "messages[%d] must be an object with a string role",
+                       i);
+        cJSON *c = cJSON_Duplicate(m, 1);
+        cJSON_AddItemToArray(arr, c);
+        cJSON *content = cJSON_GetObjectItemCaseSensitive(c, "content");
+        if (cJSON_IsArray(content)) {
+            loom_sbuf_t s = {0};
+            loom_sbuf_add(&s, "", 0);
+            const cJSON *part;
+            int k = 0;
+            cJSON_ArrayForEach(part, content) {
+                const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type"),
+                            *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 ||
+                    !cJSON_IsString(text)) {
+                    free(s.p);
+                    return bad(err, param, "messages",
+                               "messages[%d].content: only {\"type\": \"text\", \"text\": ...} "
+                               "parts are supported",
+                               i);
+                }
+                if (k++) loom_sbuf_str(&s, "\n");
+                loom_sbuf_str(&s, text->valuestring);
+            }
+            cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(s.p));
+            free(s.p);
+        } else if (content && !cJSON_IsString(content) && !cJSON_IsNull(content)) {
+            return bad(err, param, "messages",
+                       "messages[%d].content must be a string or an array of text parts", i);
+        } else if (!content && strcmp(role->valuestring, "assistant") != 0) {
+            return bad(err, param, "messages", "messages[%d] has no content", i);
+        } else if (!cJSON_IsString(
+                       content)) { /* vLLM: no content is "" (an assistant's tool calls) */
+            if (content)
+                cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(""));
+            else
+                cJSON_AddStringToObject(c, "content", "");
+        }
+        cJSON *calls = cJSON_GetObjectItemCaseSensitive(c, "tool_calls"), *call;
+        if (calls && !cJSON_IsNull(calls) && !cJSON_IsArray(calls))
+            return bad(err, param, "messages", "messages[%d].tool_calls must be an array", i);
+        int k = 0;
+        if (!cJSON_IsArray(calls)) calls = NULL;
+        cJSON_ArrayForEach(call, calls) {
+            cJSON *fn = cJSON_GetObjectItemCaseSensitive(call, "function");
+            cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name"),
+                  *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+            if (!cJSON_IsString(name) || !cJSON_IsString(args))
+                return bad(err, param, "messages",
+                           "messages[%d].tool_calls: each must have function.name and "
+                           "function.arguments (a JSON string)",
+                           i);
+            cJSON *parsed = cJSON_Parse(args->valuestring);
+            if (!parsed)
+                return bad(err, param, "messages",
+                           "messages[%d].tool_calls[%d]: function.arguments '%.80s' is not JSON", i,
+                           k, args->valuestring);
+            cJSON_ReplaceItemInObjectCaseSensitive(fn, "arguments", parsed);
+            k++;
+        }
+        i++;
     }
     return LOOM_OK;
+}
+
+static const cJSON *get(const cJSON *o, const char *k) {
+    return cJSON_GetObjectItemCaseSensitive(o, k);
+}
+
+static int opt_bool(const cJSON *req, const char *k, int dflt, int *out, const char **param,
+                    loom_err_t *err) {
+    const cJSON *v = get(req, k);
+    *out = dflt;
+    if (!v || cJSON_IsNull(v)) return 0;
+    if (!cJSON_IsBool(v)) {
+        bad(err, param, k, "%s must be a boolean", k);
+        return -1;
+    }
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJSON *req, char **out,
+                                        size_t *out_len, size_t **plain, size_t *n_plain,
+                                        const char **param, loom_err_t *err) {
+    *out = NULL;
+    *out_len = 0;
+    if (plain) {
+        *plain = NULL;
+        *n_plain = 0;
+    }
+    *param = NULL;
+    cJSON *vars = cJSON_Duplicate(t->specials, 1), *msgs = NULL;
+    loom_jinja_t *own = NULL;
+    char *text = NULL;
+    size_t len = 0;
+    loom_status_t st = messages_var(get(req, "messages"), &msgs, param, err);
+    if (msgs) cJSON_AddItemToObject(vars, "messages", msgs);
+    if (st < 0) goto done;
+    int add_gen, cont;
+    if (opt_bool(req, "add_generation_prompt", 1, &add_gen, param, err) < 0 ||
+        opt_bool(req, "continue_final_message", 0, &cont, param, err) < 0) {
+        st = LOOM_ERR_INVALID_ARGUMENT;
+        goto done;
+    }
+    if (add_gen && cont && get(req, "add_generation_prompt") &&
+        cJSON_IsTrue(get(req, "add_generation_prompt"))) {
+        st = bad(err, param, "continue_final_message",
+                 "continue_final_message and add_generation_prompt cannot both be true");
+        goto done;
+    }
+    if (cont) add_gen = 0;
+    cJSON_AddBoolToObject(vars, "add_generation_prompt", add_gen);
+    cJSON_AddBoolToObject(vars, "continue_final_message", cont);
+    const cJSON *tools = get(req, "tools"), *docs = get(req, "documents"),
+                *effort = get(req, "reasoning_effort");
+    int has_tools = cJSON_IsArray(tools) && tools->child;
+    cJSON_AddItemToObject(vars, "tools",
+                          has_tools ? cJSON_Duplicate(tools, 1) : cJSON_CreateNull());
+    if (docs && !cJSON_IsNull(docs)) {
+        if (!cJSON_IsArray(docs)) {
+            st = bad(err, param, "documents", "documents must be an array of objects");
+            goto done;
+        }
+        cJSON_AddItemToObject(vars, "documents", cJSON_Duplicate(docs, 1));
+    }
+    if (cJSON_IsString(effort))
+        cJSON_AddStringToObject(vars, "reasoning_effort", effort->valuestring);
+    swap_tree(t, cJSON_GetObjectItemCaseSensitive(vars, "messages"));
+    swap_tree(t, cJSON_GetObjectItemCaseSensitive(vars, "tools"));
+    swap_tree(t, cJSON_GetObjectItemCaseSensitive(vars, "documents"));
+    const cJSON *kw = get(req, "chat_template_kwargs");
+    if (kw && !cJSON_IsNull(kw)) {
+        if (!cJSON_IsObject(kw)) {
+            st = bad(err, param, "chat_template_kwargs", "chat_template_kwargs must be an object");
+            goto done;
+        }
+        const cJSON *k;
+        cJSON_ArrayForEach(k, kw) {
+            cJSON_DeleteItemFromObjectCaseSensitive(vars, k->string);
+            cJSON_AddItemToObject(vars, k->string, cJSON_Duplicate(k, 1));
+        }
+    }
+    const loom_jinja_t *tmpl = has_tools && t->tool_use ? t->tool_use : t->def;
+    const cJSON *rt = get(req, "chat_template");
+    if (rt && !cJSON_IsNull(rt)) {
+        if (!t->o.trust_request) {
+            st = bad(err, param, "chat_template",
+                     "a request's own chat_template is used only when the server runs with "
+                     "--trust-request-chat-template");
+            goto done;
+        }
+        if (!cJSON_IsString(rt)) {
+            st = bad(err, param, "chat_template", "chat_template must be a string");
+            goto done;
+        }
+        loom_err_t e = {0};
+        if (loom_jinja_compile(rt->valuestring, strlen(rt->valuestring), "chat_template", &own,
+                               &e) < 0) {
+            st = bad(err, param, "chat_template", "%s", e.msg);
+            goto done;
+        }
+        tmpl = own;
+    }
+    loom_jinja_limits_t lim = {.max_output = t->o.max_output, .max_steps = t->o.max_steps};
+    loom_err_t e = {0};
+    st = loom_jinja_render(tmpl, vars, &lim, &text, &len, &e);
+    if (st < 0) {
+        *param = "messages";
+        if (st == LOOM_ERR_RESOURCE_EXHAUSTED)
+            loom_err_set(err, st, "the chat template's render exceeded its limits: %s", e.msg);
+        else
+            loom_err_set(err, st == LOOM_ERR_INVALID_ARGUMENT ? st : LOOM_ERR_INVALID_ARGUMENT,
+                         "%s", e.msg);
+        st = err->code;
+        goto done;
+    }
+    spans_t sp = {0};
+    *out = swap_in(t, text, len, out_len, &sp);
+    if (plain) {
+        *plain = sp.v;
+        *n_plain = sp.n;
+    } else {
+        free(sp.v);
+    }
+done:
+    free(text);
+    loom_jinja_destroy(&own);
+    cJSON_Delete(vars);
+    return st;
 }

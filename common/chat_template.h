@@ -1,101 +1,84 @@
-/* Chat templates: turns a list of chat messages into the one prompt string a
- * chat model was trained on. Loom does not run Jinja; it recognises the
- * families users meet by distinctive substrings of the model's template
- * (tokenizer_config.json "chat_template") and renders them in C:
+/* Chat templates: the model's own Jinja template turns a chat request into
+ * the one prompt string the model was trained on, as vLLM renders it.
  *
- *   llama2   <s>[INST] <<SYS>>\nsys\n<</SYS>>\n\nuser [/INST] answer </s>
- *   llama3   <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ntext<|eot_id|>
- *   chatml   <|im_start|>role\ntext<|im_end|>\n            (Qwen, Yi, many others)
- *   mistral  <s>[INST] sys\n\nuser [/INST]answer</s>
- *   qwen3    chatml, with <think>reasoning</think> dropped from turns before the last user message
- *   gemma    <bos><start_of_turn>user\nsys\n\ntext<end_of_turn>\n<start_of_turn>model\n...
- *   phi3     <|system|>\ntext<|end|>\n<|user|>\ntext<|end|>\n<|assistant|>\n
+ * Where the template comes from (first found): --chat-template (a file, a
+ * template text, or a name Loom ships: LOOM_CHAT_SHIPPED_NAMES, the text of
+ * docs/templates/NAME.jinja), tokenizer_config.json's "chat_template" (a
+ * string, or a list of {name, template}: "default", and "tool_use" when the
+ * request has tools), the file chat_template.jinja in the model directory.
+ * Every template is compiled once at start-up (common/jinja.h); a syntax
+ * error names FILE:LINE:COL.
  *
- * The rendered text contains the special tokens as text; the coordinator
- * parses them (raw_prompt) and adds no BOS of its own. The renderer also
- * says where the messages' own text lies (loom_chat_render_spans), so that
- * special-token text a client writes in a message stays plain text. */
+ * The variables (vLLM's): messages (an assistant's tool_calls with each
+ * function.arguments parsed from its JSON string into an object), tools
+ * (the request's list of {type: function, function}), documents,
+ * add_generation_prompt, continue_final_message, reasoning_effort,
+ * bos_token / eos_token / unk_token / pad_token from tokenizer_config.json,
+ * and the request's chat_template_kwargs merged on top.
+ *
+ * The rendered text holds BOS and the template's special tokens as text;
+ * it is encoded with no BOS of its own. Special-token text a client writes
+ * in message content stays plain text: before rendering, each such token in
+ * the request's strings is swapped for a private-use placeholder, and after
+ * rendering swapped back and reported as a plain span (encode_spans). */
 #ifndef LOOM_CHAT_TEMPLATE_H
 #define LOOM_CHAT_TEMPLATE_H
 
 #include <stddef.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/status.h"
 
-typedef enum {
-    LOOM_CHAT_NONE = 0, /* no template, or one Loom does not recognise */
-    LOOM_CHAT_LLAMA2,
-    LOOM_CHAT_LLAMA3,
-    LOOM_CHAT_CHATML,
-    LOOM_CHAT_MISTRAL,
-    LOOM_CHAT_QWEN3,
-    LOOM_CHAT_GEMMA,
-    LOOM_CHAT_PHI3,
-} loom_chat_family_t;
+struct loom_tokenizer;
 
-/* "llama2, llama3, chatml, mistral, ...": for messages that list the choices. */
-#define LOOM_CHAT_FAMILY_NAMES "llama2, llama3, chatml, mistral, qwen3, gemma, phi3"
+/* Names that --chat-template takes for a template Loom ships. */
+#define LOOM_CHAT_SHIPPED_NAMES "chatml"
 
-typedef struct loom_chat_template {
-    loom_chat_family_t family;
-    char *bos, *eos;       /* the model's bos_token / eos_token strings ("" when it has none; chatml:
-                              "" unless the model's ChatML template writes bos_token) */
-    char *default_system;  /* chatml only: the system turn a template adds when there is none (Qwen), or NULL */
-    int no_system;         /* gemma: the template refuses a system message (Gemma 1 and 2's raise
-                              'System role not supported'; Gemma 3's folds it into the first user turn) */
-} loom_chat_template_t;
+typedef struct loom_chat_template loom_chat_template_t;
 
-typedef struct loom_chat_msg {
-    const char *role;    /* system, user, assistant ("developer" is read as system) */
-    const char *content; /* UTF-8 text */
-} loom_chat_msg_t;
+typedef struct loom_chat_template_opts {
+    const char *
+        override; /* --chat-template: FILE, a template text or a shipped name (NULL: the model's) */
+    int trust_request; /* --trust-request-chat-template: a request's own chat_template is used */
+    size_t max_output; /* a render longer than this is refused (0: 8 MiB) */
+    unsigned long long
+        max_steps; /* a render running longer than this is refused (0: the engine's default) */
+} loom_chat_template_opts_t;
 
-const char *loom_chat_family_name(loom_chat_family_t f); /* "llama2", ..., "none" */
-/* The family named NAME (as given to --chat-template); LOOM_CHAT_NONE if unknown. */
-loom_chat_family_t loom_chat_family_from_name(const char *name);
-/* The family of a Jinja template text, by its distinctive substrings;
- * LOOM_CHAT_NONE when none matches. */
-loom_chat_family_t loom_chat_detect(const char *template_text);
+/* The shipped template named NAME, or NULL. */
+const char *loom_chat_template_shipped(const char *name);
 
-/* A template of a given family. bos/eos NULL take the family's usual tokens
- * (<s>/</s> for llama2 and mistral, <|begin_of_text|>/<|eot_id|> for llama3,
- * none for chatml); default_system may be NULL. */
-loom_chat_template_t *loom_chat_template_create(loom_chat_family_t family, const char *bos, const char *eos,
-                                                const char *default_system);
+/* Loads and compiles the model's template (model_dir may be NULL: then only
+ * the override). *out = NULL (LOOM_OK) when there is none. tok (may be
+ * NULL) gives the special tokens kept plain in content. */
+loom_status_t loom_chat_template_load(const char *model_dir, const loom_chat_template_opts_t *o,
+                                      const struct loom_tokenizer *tok, loom_chat_template_t **out,
+                                      loom_err_t *err);
+/* The same from a template text and a tokenizer_config.json text (either
+ * may be NULL; the config's chat_template is used when text is NULL). */
+loom_status_t loom_chat_template_from_text(const char *text, const char *config_json,
+                                           const char *name, const loom_chat_template_opts_t *o,
+                                           const struct loom_tokenizer *tok,
+                                           loom_chat_template_t **out, loom_err_t *err);
 void loom_chat_template_destroy(loom_chat_template_t **t_p);
 
-/* A template from a model's Jinja text: the family detected from it (or the
- * override NAME when not NULL), with ChatML's built-in default system turn
- * taken from the text when it has one. Returns INVALID_ARGUMENT naming the
- * options when the override is unknown or the text is not recognised, and
- * *out = NULL (LOOM_OK) when there is neither text nor override. */
-loom_status_t loom_chat_template_from_text(const char *template_text, const char *override_name, const char *bos,
-                                           const char *eos, loom_chat_template_t **out, loom_err_t *err);
+/* The template's source text (the default one; the tool_use one, or the
+ * default when there is none) and where it came from. */
+const char *loom_chat_template_text(const loom_chat_template_t *t);
+const char *loom_chat_template_tool_text(const loom_chat_template_t *t);
+const char *loom_chat_template_origin(const loom_chat_template_t *t);
 
-/* The same from a model directory: tokenizer_config.json's chat_template
- * (a string, or a list of {name, template} where "default" wins), else the
- * file chat_template.jinja; bos_token/eos_token from tokenizer_config.json
- * (strings or {"content": ...}; null means none; absent means the family's
- * usual ones). A missing tokenizer_config.json is no error. */
-loom_status_t loom_chat_template_load(const char *model_dir, const char *override_name, loom_chat_template_t **out,
-                                      loom_err_t *err);
-
-/* Renders messages (and, when add_generation_prompt, the header that makes
- * the model answer as the assistant) into a malloc'ed, NUL-terminated
- * string. INVALID_ARGUMENT with a message a client can act on when the
- * conversation breaks the family's rules (llama2/mistral: one optional
- * leading system message, then user and assistant alternating, starting
- * with user) or a role is unknown. */
-loom_status_t loom_chat_render(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
-                               int add_generation_prompt, char **out, size_t *out_len, loom_err_t *err);
-
-/* The same, also returning where the messages' own text lies in the
- * prompt: *plain is a malloc'ed array of *n_plain [start, end) byte pairs
- * (plain[2i], plain[2i+1]), in order and disjoint; NULL when there are
- * none. Special-token text inside them came from the client, not from the
- * template: loom_tokenizer_encode_spans encodes it as plain text. */
-loom_status_t loom_chat_render_spans(const loom_chat_template_t *t, const loom_chat_msg_t *msgs, int n_msgs,
-                                     int add_generation_prompt, char **out, size_t *out_len, size_t **plain,
-                                     size_t *n_plain, loom_err_t *err);
+/* Renders a chat request (the parsed body: messages, tools, documents,
+ * add_generation_prompt, continue_final_message, chat_template_kwargs,
+ * reasoning_effort, chat_template) into a malloc'ed NUL-terminated prompt.
+ * plain (may be NULL): *plain gets *n_plain [start, end) byte pairs of
+ * client special-token text to encode as plain text (NULL when none).
+ * Errors: INVALID_ARGUMENT with *param naming the field (bad messages,
+ * kwargs not an object, the template's raise_exception message),
+ * RESOURCE_EXHAUSTED (the render outgrew its limits). */
+loom_status_t loom_chat_template_render(const loom_chat_template_t *t, const cJSON *req, char **out,
+                                        size_t *out_len, size_t **plain, size_t *n_plain,
+                                        const char **param, loom_err_t *err);
 
 #endif

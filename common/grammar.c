@@ -1582,6 +1582,8 @@ loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, s
         return loom_grammar_compile_choice(spec, len, out, err);
     case LOOM_GRAMMAR_EBNF:
         return loom_grammar_compile_ebnf(spec, len, out, err);
+    case LOOM_GRAMMAR_TOOL_CALLS:
+        return loom_grammar_compile_tool_calls(spec, len, out, err);
     }
     return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar: unknown kind %d", (int)kind);
 }

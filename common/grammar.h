@@ -35,6 +35,7 @@ typedef enum loom_grammar_kind {
     LOOM_GRAMMAR_REGEX = 3,       /* spec: a regular expression, matched whole */
     LOOM_GRAMMAR_CHOICE = 4,      /* spec: a JSON array of strings; the output is one of them */
     LOOM_GRAMMAR_EBNF = 5,        /* spec: a GBNF-style grammar with a rule named root */
+    LOOM_GRAMMAR_TOOL_CALLS = 6,  /* spec: forced tool calls in a model's syntax (loom_grammar_compile_tool_calls) */
 } loom_grammar_kind_t;
 
 /* ---- Compiling (each entry point takes bytes that need not be NUL-terminated;
@@ -51,6 +52,12 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
                                           loom_err_t *err);
 loom_status_t loom_grammar_compile_ebnf(const char *text, size_t len, loom_grammar_t **out,
                                         loom_err_t *err);
+/* Tool calls wrapped in a model's markup: {"begin", "end", "item_begin",
+ * "item_end", "sep", "min", "max", "items": [call object schemas],
+ * "prefixes": [per-item literals]} gives begin item (sep item)* end,
+ * item = item_begin prefix_i schema_i item_end. */
+loom_status_t loom_grammar_compile_tool_calls(const char *spec, size_t len, loom_grammar_t **out,
+                                              loom_err_t *err);
 /* Grammars are reference counted: _ref adds a holder, _destroy drops one
  * (and nulls the pointer; safe on NULL and twice). */
 loom_grammar_t *loom_grammar_ref(loom_grammar_t *g);

@@ -726,3 +726,67 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
     }
     return loom_gb_finish(&gb, root, out, err);
 }
+
+/* A forced tool call in the model's own syntax (LOOM_GRAMMAR_TOOL_CALLS):
+ *   root ::= begin item ( sep item ){min-1, max-1} end
+ *   item ::= item_begin ( schema_1 | schema_2 | ... ) item_end
+ * The spec is {"begin", "end", "item_begin", "item_end", "sep": strings
+ * (absent: ""), "min", "max": counts (max 0: any number), "items": [JSON
+ * Schema of one call object, ...], "prefixes": [a literal before each
+ * item's schema (DeepSeek writes the name as markup), ...] (optional)}. */
+static const char *spec_str(const cJSON *spec, const char *k) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(spec, k);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+loom_status_t loom_grammar_compile_tool_calls(const char *spec_text, size_t len, loom_grammar_t **out,
+                                              loom_err_t *err) {
+    size_t bad = 0;
+    cJSON *spec = loom_json_parse_strict(spec_text, len, &bad);
+    const cJSON *items = cJSON_GetObjectItemCaseSensitive(spec, "items");
+    if (!cJSON_IsArray(items) || !items->child) {
+        cJSON_Delete(spec);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tool calls grammar: needs a non-empty items array");
+    }
+    const cJSON *mn = cJSON_GetObjectItemCaseSensitive(spec, "min"), *mx = cJSON_GetObjectItemCaseSensitive(spec, "max");
+    int min = cJSON_IsNumber(mn) && mn->valueint > 0 ? mn->valueint : 1;
+    int max = cJSON_IsNumber(mx) && mx->valueint > 0 ? mx->valueint : -1;
+    if (max > 0 && max < min) max = min;
+    js_t j;
+    js_init(&j, err);
+    int any = loom_gb_rule(j.gb, NULL);
+    const cJSON *it, *prefixes = cJSON_GetObjectItemCaseSensitive(spec, "prefixes");
+    int k = 0;
+    cJSON_ArrayForEach(it, items) {
+        j.doc = it;
+        int r = js_schema(&j, it);
+        if (r < 0) break;
+        loom_gb_alt(j.gb, any);
+        const cJSON *pre = cJSON_GetArrayItem(prefixes, k++);
+        if (cJSON_IsString(pre)) loom_gb_add_lit(j.gb, any, pre->valuestring, strlen(pre->valuestring));
+        loom_gb_add_ref(j.gb, any, r);
+    }
+    if (j.st >= 0) {
+        const char *ib = spec_str(spec, "item_begin"), *ie = spec_str(spec, "item_end"), *sep = spec_str(spec, "sep");
+        int item = loom_gb_rule(j.gb, NULL);
+        loom_gb_alt(j.gb, item);
+        loom_gb_add_lit(j.gb, item, ib, strlen(ib));
+        loom_gb_add_ref(j.gb, item, any);
+        loom_gb_add_lit(j.gb, item, ie, strlen(ie));
+        int next = loom_gb_rule(j.gb, NULL); /* sep item */
+        loom_gb_alt(j.gb, next);
+        loom_gb_add_lit(j.gb, next, sep, strlen(sep));
+        loom_gb_add_ref(j.gb, next, item);
+        int body = loom_gb_rule(j.gb, NULL);
+        const char *b = spec_str(spec, "begin"), *e = spec_str(spec, "end");
+        loom_gb_alt(j.gb, body);
+        loom_gb_add_lit(j.gb, body, b, strlen(b));
+        loom_gb_add_ref(j.gb, body, item);
+        if (max != 1) loom_gb_add_ref(j.gb, body, loom_gb_repeat(j.gb, next, min - 1, max < 0 ? -1 : max - 1));
+        loom_gb_add_lit(j.gb, body, e, strlen(e));
+        cJSON_Delete(spec);
+        return js_finish(&j, body, out);
+    }
+    cJSON_Delete(spec);
+    return js_finish(&j, -1, out);
+}

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include "common/chat_template.h"
+#include "common/reasoning.h"
+#include "gateway/tool_calls.h"
 #include "common/cli.h"
 #include "common/cpu_check.h"
 #include "common/endpoint.h"
@@ -34,7 +36,7 @@ typedef struct {
 } vllm_opts_t;
 
 static int vllm_apply(vllm_opts_t *v, loom_server_config_t *c, int *no_prefix, const char **http_bind, char *bind_buf,
-                      size_t bind_n, const char **chat_template, char *family_buf, size_t family_n,
+                      size_t bind_n,
                       loom_gen_defaults_t *gen, int *has_gen) {
     if (v->prefix_on && v->prefix_off) {
         fprintf(stderr, "error: --enable-prefix-caching and --no-enable-prefix-caching contradict each other\n");
@@ -64,27 +66,6 @@ static int vllm_apply(vllm_opts_t *v, loom_server_config_t *c, int *no_prefix, c
         const char *h = v->host ? v->host : "127.0.0.1";
         snprintf(bind_buf, bind_n, strchr(h, ':') && h[0] != '[' ? "[%s]:%d" : "%s:%d", h, v->port >= 0 ? v->port : 8000);
         *http_bind = bind_buf;
-    }
-    /* --chat-template FILE: a Jinja template file, read for its family (a
-     * name that is neither a family nor a file is refused by the gateway) */
-    if (*chat_template && loom_chat_family_from_name(*chat_template) == LOOM_CHAT_NONE &&
-        access(*chat_template, F_OK) == 0) {
-        char *text = NULL;
-        size_t len;
-        loom_err_t e = {0};
-        if (loom_read_file(*chat_template, &text, &len, &e) < 0) {
-            fprintf(stderr, "error: --chat-template must be %s or a template file: %s\n", LOOM_CHAT_FAMILY_NAMES, e.msg);
-            return -1;
-        }
-        loom_chat_family_t f = loom_chat_detect(text);
-        free(text);
-        if (f == LOOM_CHAT_NONE) {
-            fprintf(stderr, "error: --chat-template %s: not a template Loom recognises (Loom renders the %s families)\n",
-                    *chat_template, LOOM_CHAT_FAMILY_NAMES);
-            return -1;
-        }
-        snprintf(family_buf, family_n, "%s", loom_chat_family_name(f));
-        *chat_template = family_buf;
     }
     /* --generation-config auto (the model's generation_config.json), vllm (built-in defaults) or DIR */
     const char *gc = v->generation_config ? v->generation_config : "auto";
@@ -119,7 +100,8 @@ int main(int argc, char **argv) {
     int no_prefix = 0;
     const char *kv_mem = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
-    const char *http_bind = NULL, *chat_template = NULL;
+    const char *http_bind = NULL, *chat_template = NULL, *tool_parser = NULL, *reasoning_parser = NULL;
+    int trust_request_template = 0, auto_tool_choice = 0;
     const char *log_format = NULL;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     int responses_store = 1024, responses_store_mb = 64;
@@ -246,9 +228,20 @@ int main(int argc, char **argv) {
          "also serve the OpenAI-compatible HTTP API, /health and /metrics here, e.g. "
          "127.0.0.1:8000 (port 0: any free port; default off)",
          1, 0, NULL},
-        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME|FILE",
-         "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral, qwen3, gemma, "
-         "phi3, or a Jinja template file of one of those families (default: the model's)",
+        {"chat-template", LOOM_OPT_STR, &chat_template, "FILE|NAME",
+         "Jinja chat template for /v1/chat/completions: a file, the template text, or a template "
+         "Loom ships (" LOOM_CHAT_SHIPPED_NAMES ") (default: the model's)",
+         1, 0, NULL},
+        {"trust-request-chat-template", LOOM_OPT_FLAG, &trust_request_template, NULL,
+         "render a request's own chat_template (default: refused with 400)", 1, 0, NULL},
+        {"tool-call-parser", LOOM_OPT_STR, &tool_parser, "NAME",
+         "the model's tool-call syntax: " LOOM_TOOL_PARSER_NAMES " (default: detected from the chat template)",
+         1, 0, NULL},
+        {"enable-auto-tool-choice", LOOM_OPT_FLAG, &auto_tool_choice, NULL,
+         "accepted for vLLM compatibility: tool_choice auto is always on", 1, 0, NULL},
+        {"reasoning-parser", LOOM_OPT_STR, &reasoning_parser, "NAME",
+         "split the reasoning off chat answers (message.reasoning_content): " LOOM_REASONING_PARSER_NAMES
+         " (default: none)",
          1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
          "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
@@ -365,7 +358,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     c.embedding_pooling = pooling && !strcmp(pooling, "mean") ? 2 : 1;
-    char listen_ep[512], control_ep[512], bind_buf[300], family_buf[32];
+    char listen_ep[512], control_ep[512], bind_buf[300];
     if (loom_endpoint_normalize(c.listen, listen_ep, sizeof listen_ep) < 0 ||
         loom_endpoint_normalize(c.control, control_ep, sizeof control_ep) < 0) {
         fprintf(stderr, "error: --listen and --control take an address like 127.0.0.1:5555 or tcp://127.0.0.1:5555\n");
@@ -375,8 +368,7 @@ int main(int argc, char **argv) {
     c.control = control_ep;
     loom_gen_defaults_t gen;
     int has_gen = 0;
-    if (vllm_apply(&vo, &c, &no_prefix, &http_bind, bind_buf, sizeof bind_buf, &chat_template, family_buf,
-                   sizeof family_buf, &gen, &has_gen) < 0)
+    if (vllm_apply(&vo, &c, &no_prefix, &http_bind, bind_buf, sizeof bind_buf, &gen, &has_gen) < 0)
         return 2;
     if (strcmp(c.comm, "auto") && strcmp(c.comm, "shm") && strcmp(c.comm, "tcp") && strcmp(c.comm, "nccl")) {
         fprintf(stderr, "error: --comm must be auto, shm, tcp or nccl, got '%s'\n", c.comm);
@@ -457,8 +449,8 @@ int main(int argc, char **argv) {
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
     if (c.max_batched_tokens < c.max_num_seqs) c.max_batched_tokens = c.max_num_seqs;
 
-    if (chat_template && !http_bind) {
-        fprintf(stderr, "error: --chat-template only matters with --http\n");
+    if ((chat_template || tool_parser || reasoning_parser) && !http_bind) {
+        fprintf(stderr, "error: --chat-template, --tool-call-parser and --reasoning-parser only matter with --http\n");
         return 2;
     }
     if ((probe_bind || tls_cert || tls_key) && !http_bind) {
@@ -483,8 +475,11 @@ int main(int argc, char **argv) {
                                  .header_timeout_s = header_timeout, .body_timeout_s = body_timeout,
                                  .max_connections_per_ip = conns_per_ip,
                                  .chat_special_in_content = special_in_content,
+                                 .trust_request_chat_template = trust_request_template,
+                                 .tool_call_parser = tool_parser, .reasoning_parser = reasoning_parser,
                                  .responses_store_max = responses_store ? responses_store : -1,
                                  .responses_store_bytes = (size_t)responses_store_mb << 20};
+        (void)auto_tool_choice;
         if (loom_http_start(g_server, &hc, &http, &err) < 0) {
             fprintf(stderr, "error: %s\n", err.msg);
             loom_server_destroy(&g_server);

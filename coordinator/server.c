@@ -856,7 +856,8 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     if (g->guide_kind) {
         loom_guide_t *guide = NULL;
         const char *spec = g->guide_spec ? g->guide_spec : "";
-        if (loom_guide_create(s->structured, (int)g->guide_kind, spec, strlen(spec), &guide, &err) < 0) {
+        if (loom_guide_create(s->structured, (int)g->guide_kind, spec, strlen(spec), g->guide_after, &guide, &err) <
+            0) {
             snprintf(msg, sizeof msg, "%s", err.msg);
             goto refuse;
         }
@@ -909,7 +910,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->ignore_eos = g->ignore_eos;
     q->prompt_tokens = n_ids;
     q->t_arrival = t_arrival;
-    q->tokenize_ns = tokenize_ns;
+    q->tokenize_ns = tokenize_ns + g->gateway_tokenize_ns; /* the gateway's part happened before t_arrival */
     q->t_queued = loom_now_ns();
     snprintf(q->tag, sizeof q->tag, "%s", tag);
     for (size_t i = 0; i < g->n_stop_token_ids; i++) q->stop_ids[q->n_stop_ids++] = g->stop_token_ids[i];

@@ -34,6 +34,14 @@ struct loom_guide {
     size_t words;   /* ceil(vocab_size / 32): the model's rows, which may be longer than the tokenizer's */
     size_t tok_words; /* the grammar's mask words (the tokenizer's vocabulary) */
     int broken; /* the matcher refused a token: the output can no longer match */
+    /* a reasoning model's answer: the grammar holds after the marker */
+    char *after;      /* the marker (NULL: the grammar holds from the first token) */
+    int start;        /* out[start..] are fed to the matcher, after tail bytes (-1: the marker not seen yet) */
+    char *tail;       /* the bytes of out[start - 1] after the marker */
+    size_t n_tail;
+    int fed;          /* out[start..fed) accepted by the matcher */
+    loom_sbuf_t dec;  /* out[0..n_dec) decoded, while looking for the marker */
+    int n_dec;
     char *text;
     size_t n_text, cap_text;
 };
@@ -69,11 +77,11 @@ static loom_status_t ensure_vocab(loom_structured_t *s, loom_err_t *err) {
     return LOOM_OK;
 }
 
-loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, loom_guide_t **out,
-                                loom_err_t *err) {
+loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, const char *after,
+                                loom_guide_t **out, loom_err_t *err) {
     *out = NULL;
-    if (kind < LOOM_GRAMMAR_JSON_OBJECT || kind > LOOM_GRAMMAR_EBNF)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guide_kind %d is not one of 1 to 5", kind);
+    if (kind < LOOM_GRAMMAR_JSON_OBJECT || kind > LOOM_GRAMMAR_TOOL_CALLS)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guide_kind %d is not one of 1 to 6", kind);
     loom_grammar_t *gr = NULL;
     LOOM_CHECK(loom_grammar_cache_get(s->cache, (loom_grammar_kind_t)kind, spec, len, &gr, err));
     loom_status_t st = ensure_vocab(s, err);
@@ -90,6 +98,8 @@ loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec
     g->words = ((size_t)s->mcfg->vocab_size + 31) / 32;
     g->tok_words = loom_grammar_mask_words(s->vocab);
     g->mask = loom_xmalloc(LOOM_MAX(g->words, g->tok_words) * sizeof *g->mask);
+    g->after = after && after[0] ? loom_xstrdup(after) : NULL;
+    g->start = g->after ? -1 : 0;
     *out = g;
     return LOOM_OK;
 }
@@ -102,20 +112,70 @@ void loom_guide_destroy(loom_guide_t **g_p) {
     loom_grammar_destroy(&g->grammar);
     free(g->mask);
     free(g->text);
+    free(g->after);
+    free(g->tail);
+    free(g->dec.p);
     free(g);
     *g_p = NULL;
+}
+
+/* With a marker: decodes the output's new tokens (dec holds out[0..n_dec)
+ * as bytes) and looks for the marker's end among their bytes; found, it
+ * sets start and tail and restarts the matcher there. 0 while the marker
+ * has not come. */
+static int find_start(loom_guide_t *g, const int32_t *out, int n_out) {
+    size_t m = strlen(g->after);
+    if (n_out < g->n_dec) { /* rolled back */
+        g->dec.len = 0;
+        g->n_dec = 0;
+    }
+    for (; g->n_dec < n_out; g->n_dec++) {
+        int32_t id = out[g->n_dec];
+        size_t n = 0;
+        const char *b = loom_tokenizer_token_bytes(g->s->tok, id, &n);
+        if (!b) {
+            b = loom_tokenizer_piece(g->s->tok, id);
+            n = b ? strlen(b) : 0;
+        }
+        size_t from = g->dec.len;
+        loom_sbuf_add(&g->dec, b ? b : "", n);
+        for (size_t k = from; k < g->dec.len; k++) {
+            if (k + 1 < m || memcmp(g->dec.p + k + 1 - m, g->after, m) != 0) continue;
+            g->n_tail = g->dec.len - (k + 1);
+            free(g->tail);
+            g->tail = loom_xmalloc(g->n_tail + 1);
+            memcpy(g->tail, g->dec.p + k + 1, g->n_tail);
+            g->start = g->fed = ++g->n_dec;
+            loom_grammar_matcher_reset(g->m);
+            if (g->n_tail && loom_grammar_matcher_accept_bytes(g->m, g->tail, g->n_tail) < 0) g->broken = 1;
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* Brings the matcher to out[0..n_out): accepts the new tokens, or replays
  * when the output is shorter than what it saw (a rollback). */
 static void sync(loom_guide_t *g, const int32_t *out, int n_out) {
     if (g->broken) return;
-    int have = loom_grammar_matcher_n_accepted(g->m);
-    if (have > n_out) {
-        if (loom_grammar_matcher_replay(g->m, out, n_out) < 0) g->broken = 1;
+    if (g->after) {
+        if (g->start >= 0 && n_out < g->fed) { /* rolled back: find the marker again */
+            g->start = -1;
+            g->broken = 0;
+            g->dec.len = 0;
+            g->n_dec = 0;
+        }
+        if (g->start < 0 && !find_start(g, out, n_out)) return;
+        for (; g->fed < n_out && !g->broken; g->fed++)
+            if (loom_grammar_matcher_accept_token(g->m, out[g->fed]) < 0) g->broken = 1;
     } else {
-        for (int i = have; i < n_out && !g->broken; i++)
-            if (loom_grammar_matcher_accept_token(g->m, out[i]) < 0) g->broken = 1;
+        int have = loom_grammar_matcher_n_accepted(g->m);
+        if (have > n_out) {
+            if (loom_grammar_matcher_replay(g->m, out, n_out) < 0) g->broken = 1;
+        } else {
+            for (int i = have; i < n_out && !g->broken; i++)
+                if (loom_grammar_matcher_accept_token(g->m, out[i]) < 0) g->broken = 1;
+        }
     }
     if (g->broken) {
         g->s->stats.refused++;
@@ -151,6 +211,7 @@ static loom_grammar_matcher_t *draft_matcher(loom_guide_t *g, const int32_t *dra
 void loom_guide_fill_row(loom_guide_t *g, const int32_t *out, int n_out, const int32_t *drafts, int n_drafts,
                          void *(*alloc)(void *ctx, size_t bytes), void *ctx, Loom__V1__SampleParams *sp) {
     sync(g, out, n_out);
+    if (g->after && g->start < 0) return; /* still reasoning: this row is free */
     loom_grammar_matcher_t *mt = g->broken ? NULL : draft_matcher(g, drafts, n_drafts);
     sp->grammar = 1;
     g->s->stats.masks++;
@@ -207,5 +268,13 @@ void loom_guide_text_append(loom_guide_t *g, const char *text, size_t n) {
 }
 
 int loom_guide_text_complete(const loom_guide_t *g) {
-    return loom_grammar_check(g->grammar, g->text ? g->text : "", g->n_text) == LOOM_GRAMMAR_MATCH;
+    const char *t = g->text ? g->text : "";
+    size_t n = g->n_text;
+    if (g->after) { /* the answer: what follows the marker's first occurrence */
+        const char *p = memmem(t, n, g->after, strlen(g->after));
+        if (!p) return 0;
+        n -= (size_t)(p - t) + strlen(g->after);
+        t = p + strlen(g->after);
+    }
+    return loom_grammar_check(g->grammar, t, n) == LOOM_GRAMMAR_MATCH;
 }

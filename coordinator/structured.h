@@ -31,10 +31,14 @@ typedef struct loom_guide loom_guide_t;           /* one request's matcher */
 loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg);
 void loom_structured_destroy(loom_structured_t **s_p);
 
-/* kind: api.proto guide_kind (1..5, loom_grammar_kind_t). Bad specs are
- * INVALID_ARGUMENT / UNSUPPORTED with the compiler's message. */
-loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, loom_guide_t **out,
-                                loom_err_t *err);
+/* kind: api.proto guide_kind (1..6, loom_grammar_kind_t). Bad specs are
+ * INVALID_ARGUMENT / UNSUPPORTED with the compiler's message. after (NULL
+ * or "": none): a reasoning model's end-of-reasoning marker; the output is
+ * free up to its first occurrence (rows unconstrained) and the grammar
+ * holds from the byte after it, the rest of the token that ends the marker
+ * included; the text check reads what follows the marker too. */
+loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, const char *after,
+                                loom_guide_t **out, loom_err_t *err);
 void loom_guide_destroy(loom_guide_t **g_p);
 
 /* Fills sp's grammar fields for the token after out[0..n_out) followed by

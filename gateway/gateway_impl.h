@@ -29,6 +29,7 @@
 
 #include "client/loom_client.h"
 #include "common/chat_template.h"
+#include "common/reasoning.h"
 #include "common/request_limits.h"
 #include "common/json.h"
 #include "common/etcd.h"
@@ -91,6 +92,8 @@ struct loom_http {
     char *api_key;
     int forward_api_keys; /* loom_http_config_t.forward_api_keys */
     loom_chat_template_t *tmpl; /* NULL: this model has no chat template */
+    loom_toolfmt_t tool_fmt;    /* the model's tool-call syntax (--tool-call-parser or the template's) */
+    loom_reasoning_t reasoning; /* --reasoning-parser (NONE: the output is all content) */
     size_t max_body;
     unsigned idle_timeout_s;
     int request_timeout_ms;
@@ -187,6 +190,7 @@ typedef struct req {
     loom_tools_t tools; /* chat: tools, tool_choice (tool_calls.h); mode OFF: none */
     cJSON *tools_req;   /* the request's tools array, kept for parsing the output */
     loom_tstream_t *ts; /* a streamed tool-calling answer, read as it comes (tool_stream.h) */
+    loom_rsplit_t *rs;  /* chat with --reasoning-parser: the output's reasoning split off (reasoning.h) */
     resp_ctx_t *resp;   /* /v1/responses: rendered as a response, not a chat completion (responses.c) */
     int choice;         /* the index of the choice sse_choice writes (several streamed: n > 1) */
     struct multi_stream *ms; /* several choices streamed (http.c); NULL: one */
@@ -220,8 +224,6 @@ typedef struct gen {
     int32_t *ids; /* owned: prompt token ids */
     char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
     loom_tools_t tools; /* chat: tools and tool_choice (tool_calls.h), owned */
-    char **parts; /* owned: message contents joined from parts */
-    int n_parts;
     uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
 } gen_t;
 
@@ -256,6 +258,7 @@ int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e);
 int parse_prompt(const cJSON *o, gen_t *g, perr_t *e);
 int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
                    const cJSON *o, gen_t *g, perr_t *e);
+void guide_after_reasoning(const loom_http_t *h, gen_t *g);
 
 /* render.c */
 void new_id(req_t *q);
@@ -274,7 +277,6 @@ ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max);
 enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch);
 void add_echo(const req_t *q, loom_sbuf_t *b, const char *text, const int32_t *ids, int n_ids);
 void take_timings(req_t *q, const loom_chunk_t *ch);
-loom_chat_family_t chat_family(const req_t *q);
 unsigned long long call_seed(const req_t *q);
 cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_chunk_t *ch, char **rest, const char **finish);
 

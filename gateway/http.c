@@ -630,9 +630,9 @@ enum MHD_Result handle_generate(req_t *q) {
     loom_model_info_t mi;
     if (q->chat && !h->tmpl) {
         res = respond_error(q, 400, "invalid_request_error", "messages", "no_chat_template",
-                            "this model has no chat template; start the coordinator with --chat-template NAME (%s), "
-                            "or use /v1/completions",
-                            LOOM_CHAT_FAMILY_NAMES);
+                            "this model has no chat template; start the coordinator with --chat-template FILE or "
+                            "a template Loom ships (%s), or use /v1/completions",
+                            LOOM_CHAT_SHIPPED_NAMES);
         goto done;
     }
     if (parse_common(q, root, &g, &e) < 0 ||
@@ -641,6 +641,7 @@ enum MHD_Result handle_generate(req_t *q) {
         res = respond_error(q, 400, "invalid_request_error", e.param[0] ? e.param : NULL, NULL, "%s", e.msg);
         goto done;
     }
+    if (q->chat) guide_after_reasoning(h, &g);
     if (ensure_client(q, &err) < 0 || served_model(q, &mi, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;
@@ -685,6 +686,7 @@ enum MHD_Result handle_generate(req_t *q) {
     q->counted = 1;
     q->tok_ns = g.tok_ns;
     keep_tools(q, &g);
+    if (q->chat && h->reasoning) q->rs = loom_rsplit_create(h->reasoning);
     atomic_fetch_add(&q->h->generating, 1);
     if (q->echo) add_echo(q, &q->text, g.p.prompt, g.p.prompt_ids, g.p.n_prompt_ids); /* the choice starts so */
     cJSON_Delete(root);
@@ -959,6 +961,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     loom_tools_free(&q->tools);
     cJSON_Delete(q->tools_req);
     loom_tstream_destroy(&q->ts);
+    loom_rsplit_destroy(&q->rs);
     resp_free(q);
     free(q);
     *con_cls = NULL;
@@ -1084,16 +1087,21 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
                             "--tls-cert/--tls-key: this libmicrohttpd is built without TLS support");
     loom_http_tls_t tls = {0};
     if (cfg->tls_cert || cfg->tls_key) LOOM_CHECK(loom_http_tls_load(cfg->tls_cert, cfg->tls_key, &tls, err));
-    loom_chat_template_t *tmpl = NULL;
-    loom_status_t tst = cfg->model_dir ? loom_chat_template_load(cfg->model_dir, cfg->chat_template, &tmpl, err)
-                                       : loom_chat_template_from_text(NULL, cfg->chat_template, NULL, NULL, &tmpl, err);
-    if (tst < 0) {
+    loom_toolfmt_t tool_fmt = LOOM_TOOLFMT_NONE;
+    loom_reasoning_t reasoning = LOOM_REASONING_NONE;
+    if (cfg->tool_call_parser && !(tool_fmt = loom_toolfmt_from_name(cfg->tool_call_parser))) {
         loom_http_tls_free(&tls);
-        return tst;
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--tool-call-parser %s: not one of %s",
+                            cfg->tool_call_parser, LOOM_TOOL_PARSER_NAMES);
+    }
+    if (cfg->reasoning_parser && !(reasoning = loom_reasoning_from_name(cfg->reasoning_parser))) {
+        loom_http_tls_free(&tls);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--reasoning-parser %s: not one of %s",
+                            cfg->reasoning_parser, LOOM_REASONING_PARSER_NAMES);
     }
 
     loom_http_t *h = loom_xcalloc(1, sizeof *h);
-    h->tmpl = tmpl;
+    h->reasoning = reasoning;
     h->tls = tls;
     h->zctx = ep->zmq_context;
     snprintf(h->inproc, sizeof h->inproc, "%s", ep->inproc_addr);
@@ -1131,6 +1139,16 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
         if (loom_tokenizer_load(cfg->model_dir, &h->tok, &terr) < 0)
             LOOM_WARN("http: no tokenizer for /tokenize and /detokenize: %s", terr.msg);
     }
+    /* the chat template, compiled once (a syntax error refuses start-up) */
+    loom_chat_template_opts_t topt = {.override = cfg->chat_template,
+                                      .trust_request = cfg->trust_request_chat_template};
+    loom_status_t tst = loom_chat_template_load(cfg->model_dir, &topt, h->tok, &h->tmpl, err);
+    if (tst < 0) {
+        loom_http_stop(&h);
+        return tst;
+    }
+    h->tool_fmt = tool_fmt ? tool_fmt : loom_toolfmt_detect(loom_chat_template_tool_text(h->tmpl));
+    if (!h->tool_fmt) h->tool_fmt = LOOM_TOOLFMT_HERMES;
 
     /* MHD's threads leave SIGINT/SIGTERM to the main thread */
     sigset_t block, old;
@@ -1157,9 +1175,9 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
     h->port = daemon_port(h->daemon);
     if (h->probe_daemon) h->probe_port = daemon_port(h->probe_daemon);
     atomic_store(&h->serving, 1);
-    LOOM_INFO("HTTP gateway on %s (port %d, %s), chat template: %s%s", bind, h->port,
-              h->tls.cert_pem ? "HTTPS" : "plain HTTP", tmpl ? loom_chat_family_name(tmpl->family) : "none",
-              h->api_key ? ", API key required" : "");
+    LOOM_INFO("HTTP gateway on %s (port %d, %s), chat template: %s, tool calls: %s, reasoning: %s%s", bind, h->port,
+              h->tls.cert_pem ? "HTTPS" : "plain HTTP", h->tmpl ? loom_chat_template_origin(h->tmpl) : "none",
+              loom_toolfmt_name(h->tool_fmt), loom_reasoning_name(h->reasoning), h->api_key ? ", API key required" : "");
     if (h->probe_daemon)
         LOOM_INFO("HTTP probe listener (/health, /metrics, /version) on %s (port %d)", probe_bind, h->probe_port);
     *out = h;

@@ -18,7 +18,11 @@ typedef struct loom_http_config {
     const char *bind;          /* "HOST:PORT" or "[V6]:PORT"; port 0 = ephemeral (default "127.0.0.1:8000") */
     const char *api_key;       /* when set, /v1/... needs "Authorization: Bearer KEY" (NULL: open) */
     const char *model_dir;     /* tokenizer_config.json: chat template, bos/eos strings */
-    const char *chat_template; /* family name overriding the model's template (NULL: the model's) */
+    const char *chat_template; /* --chat-template: a template file, text or shipped name overriding the
+                                  model's (NULL: the model's; chat_template.h) */
+    int trust_request_chat_template; /* a request's own chat_template is rendered (vLLM's flag) */
+    const char *tool_call_parser; /* --tool-call-parser NAME (tool_calls.h; NULL: detected from the template) */
+    const char *reasoning_parser; /* --reasoning-parser NAME (reasoning.h; NULL: none) */
     size_t max_body_bytes;     /* larger request bodies get 413 (0: 2 MiB) */
     int max_connections;       /* simultaneous connections, one thread each (0: 256) */
     int idle_timeout_s;        /* a connection silent this long is closed (0: 60) */
@@ -56,9 +60,9 @@ typedef struct loom_http_endpoint {
     loom_http_metrics_fn metrics;
     void *metrics_ctx;
 } loom_http_endpoint_t;
-/* Loads the chat template (an unrecognised template or an unknown
- * --chat-template name is an error naming the choices) and starts serving
- * ep. Requests wait until the endpoint's reactor turns. */
+/* Loads and compiles the chat template (a syntax error names
+ * FILE:LINE:COL; an unknown --tool-call-parser or --reasoning-parser is an
+ * error listing the names) and starts serving ep. Requests wait until the endpoint's reactor turns. */
 loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http_config_t *cfg, loom_http_t **out,
                                  loom_err_t *err);
 /* The bound TCP port (the ephemeral one when 0 was asked for). */

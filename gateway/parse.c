@@ -171,10 +171,12 @@ static const struct {
     {"guided_decoding_backend", F_ALL}, {"structured_outputs", F_ALL},
     {"messages", F_CHAT}, {"max_completion_tokens", F_CHAT}, {"add_generation_prompt", F_CHAT},
     {"tools", F_CHAT}, {"tool_choice", F_CHAT}, {"parallel_tool_calls", F_CHAT},
+    {"chat_template", F_CHAT}, {"chat_template_kwargs", F_CHAT}, {"continue_final_message", F_CHAT},
+    {"documents", F_CHAT}, {"reasoning_effort", F_CHAT},
     /* OpenAI features Loom does not implement */
     {"suffix", F_FALSY}, {"functions", F_FALSY},
     {"function_call", F_NONE_AUTO}, {"store", F_FALSY}, {"audio", F_FALSY}, {"prediction", F_FALSY},
-    {"reasoning_effort", F_FALSY}, {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
+    {"web_search_options", F_FALSY}, {"modalities", F_FALSY},
     {"service_tier", F_NONE_AUTO},
     /* vLLM's extensions Loom does not implement */
     {"guided_whitespace_pattern", F_FALSY}, {"structural_tag", F_FALSY}, {"length_penalty", F_ONE}, {"use_beam_search", F_FALSY}, {"early_stopping", F_FALSY},
@@ -183,8 +185,7 @@ static const struct {
     {"logits_processors", F_FALSY},
     {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
     {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
-    {"chat_template", F_FALSY}, {"chat_template_kwargs", F_FALSY}, {"continue_final_message", F_FALSY},
-    {"documents", F_FALSY}, {"mm_processor_kwargs", F_FALSY}, {"thinking_token_budget", F_FALSY},
+    {"mm_processor_kwargs", F_FALSY}, {"thinking_token_budget", F_FALSY},
 };
 
 static int field_is_off(const cJSON *x, field_kind_t kind) {
@@ -250,8 +251,6 @@ void gen_free(gen_t *g) {
     loom_tools_free(&g->tools);
     free(g->prompt);
     free(g->ids);
-    for (int i = 0; i < g->n_parts; i++) free(g->parts[i]);
-    free(g->parts);
 }
 
 int is_token_id(const cJSON *t) {
@@ -354,7 +353,8 @@ static int parse_controls(const cJSON *o, int chat, gen_t *g, perr_t *e) {
 /* ---- Constrained decoding: response_format, vLLM's guided_* and
  * structured_outputs become one (guide_kind, guide_spec) pair; the
  * coordinator compiles it (a bad spec is a 400 with the compiler's message). */
-enum { GUIDE_JSON_OBJECT = 1, GUIDE_JSON_SCHEMA = 2, GUIDE_REGEX = 3, GUIDE_CHOICE = 4, GUIDE_GRAMMAR = 5 };
+enum { GUIDE_JSON_OBJECT = 1, GUIDE_JSON_SCHEMA = 2, GUIDE_REGEX = 3, GUIDE_CHOICE = 4, GUIDE_GRAMMAR = 5,
+       GUIDE_TOOL_CALLS = 6 };
 
 static int set_guide(gen_t *g, int kind, const cJSON *x, const char *param, perr_t *e) {
     if (g->p.guide_kind)
@@ -458,15 +458,15 @@ static int parse_guide(const cJSON *o, gen_t *g, perr_t *e) {
 static int parse_tools(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     const char *param = "tools";
     char msg[300];
-    loom_chat_family_t fam = q->h && q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
-    if (loom_tools_parse(o, fam, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
+    loom_toolfmt_t fmt = q->h ? q->h->tool_fmt : LOOM_TOOLFMT_HERMES;
+    if (loom_tools_parse(o, fmt, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
     if (!g->tools.schema) return 0;
     if (g->p.guide_kind)
         return bad(e, "tool_choice", "tool_choice '%s' forces the output; it cannot be combined with response_format, "
                                      "guided_* or structured_outputs",
                    g->tools.mode == LOOM_TOOLS_NAMED ? g->tools.named : "required");
     g->guide_spec = loom_xstrdup(g->tools.schema);
-    g->p.guide_kind = GUIDE_JSON_SCHEMA;
+    g->p.guide_kind = GUIDE_TOOL_CALLS;
     g->p.guide_spec = g->guide_spec;
     return 0;
 }
@@ -649,153 +649,24 @@ int parse_prompt(const cJSON *o, gen_t *g, perr_t *e) {
     return 0;
 }
 
-/* /v1/chat/completions: messages through the chat template. The prompt is
- * tokenized here, with special-token text inside the messages' content
- * encoded as plain text (only the template's own special tokens are
- * control tokens), and sent as ids; with special_in_content (the
- * --chat-special-tokens-in-content flag) the rendered text goes to the
- * coordinator, which parses every special token in it. */
-/* A message of the tool-calling history, in the family's conventions:
- * an assistant message with tool_calls, or a tool result (as a user turn;
- * consecutive results share one). 1: handled (m[*i] set, *i advanced or
- * merged), 0: an ordinary message, -1: bad input. */
-static int tool_message(const loom_chat_template_t *tmpl, const cJSON *msg, loom_chat_msg_t *m, int *i,
-                        int *prev_tool, gen_t *g, perr_t *e) {
-    loom_chat_family_t fam = tmpl ? tmpl->family : LOOM_CHAT_CHATML;
-    const char *role = field(msg, "role")->valuestring;
-    const cJSON *calls = field(msg, "tool_calls"), *c = field(msg, "content");
-    int was_tool = *prev_tool;
-    *prev_tool = 0;
-    if (!strcmp(role, "assistant") && calls && !cJSON_IsNull(calls) && !(cJSON_IsArray(calls) && !calls->child)) {
-        char msgbuf[256];
-        char *t = loom_tools_render_calls(fam, calls, cJSON_IsString(c) ? c->valuestring : NULL, msgbuf, sizeof msgbuf);
-        if (!t) return bad(e, "messages", "messages[%d].%s", *i, msgbuf);
-        g->parts[g->n_parts++] = t;
-        m[*i].content = t;
-        (*i)++;
-        return 1;
-    }
-    if (strcmp(role, "tool") != 0) return 0;
-    if (!cJSON_IsString(c)) return bad(e, "messages", "messages[%d] (a tool result) must have string content", *i);
-    char *t = loom_tools_render_result(fam, c->valuestring);
-    if (was_tool && *i > 0) { /* one user turn for consecutive results */
-        char *prev = g->parts[g->n_parts - 1];
-        size_t a = strlen(prev), b = strlen(t);
-        prev = loom_xrealloc(prev, a + b + 2);
-        prev[a] = '\n';
-        memcpy(prev + a + 1, t, b + 1);
-        free(t);
-        g->parts[g->n_parts - 1] = prev;
-        m[*i - 1].content = prev;
-    } else {
-        g->parts[g->n_parts++] = t;
-        m[*i].role = "user";
-        m[*i].content = t;
-        (*i)++;
-    }
-    *prev_tool = 1;
-    return 1;
-}
-
-/* The tools where the family lists them: chatml in the system turn (one is
- * added when there is none), llama3 before the first user text, mistral
- * before the last user text. */
-static void add_tools_turn(const loom_chat_template_t *tmpl, loom_chat_msg_t *m, int *n, gen_t *g) {
-    loom_chat_family_t fam = tmpl ? tmpl->family : LOOM_CHAT_CHATML;
-    const char *r = g->tools.render;
-    int at = -1, before = 1;
-    if (fam == LOOM_CHAT_LLAMA3 || fam == LOOM_CHAT_MISTRAL) {
-        for (int k = 0; k < *n; k++)
-            if (!strcmp(m[k].role, "user") && (at < 0 || fam == LOOM_CHAT_MISTRAL)) at = k;
-    } else {
-        before = 0;
-        if (*n > 0 && (!strcmp(m[0].role, "system") || !strcmp(m[0].role, "developer"))) at = 0;
-    }
-    if (at < 0) { /* a system turn of its own (chatml), or the first turn */
-        memmove(m + 1, m, (size_t)*n * sizeof *m);
-        (*n)++;
-        m[0].role = fam == LOOM_CHAT_LLAMA3 || fam == LOOM_CHAT_MISTRAL ? "user" : "system";
-        m[0].content = r;
-        return;
-    }
-    loom_sbuf_t b = {0};
-    loom_sbuf_add(&b, "", 0);
-    if (before) loom_sbuf_printf(&b, "%s%s", r, m[at].content);
-    else loom_sbuf_printf(&b, "%s%s%s", m[at].content, m[at].content[0] ? "\n\n" : "", r);
-    g->parts[g->n_parts++] = b.p;
-    m[at].content = b.p;
-}
-
+/* /v1/chat/completions: the request through the model's chat template
+ * (chat_template.h). The prompt is tokenized here, with special-token text
+ * inside the request's strings encoded as plain text (only the template's
+ * own special tokens are control tokens), and sent as ids; with
+ * special_in_content (the --chat-special-tokens-in-content flag) the
+ * rendered text goes to the coordinator, which parses every special token
+ * in it. The rendered text holds BOS already: none is added. */
 int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
-                          const cJSON *o, gen_t *g, perr_t *e) {
-    const cJSON *x = field(o, "messages");
-    if (!x) return bad(e, "messages", "messages is required");
-    if (!cJSON_IsArray(x) || cJSON_GetArraySize(x) == 0)
-        return bad(e, "messages", "messages must be a non-empty array of {role, content} objects");
-    int n = cJSON_GetArraySize(x);
-    loom_chat_msg_t *m = loom_xcalloc((size_t)n + 1, sizeof *m); /* + a system turn for the tools */
-    g->parts = loom_xcalloc((size_t)n + 2, sizeof *g->parts);
-    int i = 0, rc = -1, prev_tool = 0;
-    size_t len, *plain = NULL, n_plain = 0; /* before the first goto done */
-    const cJSON *msg;
-    cJSON_ArrayForEach(msg, x) {
-        const cJSON *role = cJSON_IsObject(msg) ? field(msg, "role") : NULL;
-        if (!cJSON_IsString(role)) {
-            bad(e, "messages", "messages[%d] must be an object with a string role", i);
-            goto done;
-        }
-        m[i].role = role->valuestring;
-        int tr = tool_message(tmpl, msg, m, &i, &prev_tool, g, e);
-        if (tr < 0) goto done;
-        if (tr) continue;
-        const cJSON *c = field(msg, "content");
-        if (!c) {
-            if (strcmp(role->valuestring, "assistant") != 0) {
-                bad(e, "messages", "messages[%d] has no content", i);
-                goto done;
-            }
-            m[i].content = "";
-        } else if (cJSON_IsString(c)) {
-            m[i].content = c->valuestring;
-        } else if (cJSON_IsArray(c)) {
-            loom_sbuf_t s = {0};
-            loom_sbuf_add(&s, "", 0);
-            const cJSON *part;
-            int k = 0;
-            cJSON_ArrayForEach(part, c) {
-                const cJSON *type = cJSON_IsObject(part) ? field(part, "type") : NULL;
-                const cJSON *text = cJSON_IsObject(part) ? field(part, "text") : NULL;
-                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 || !cJSON_IsString(text)) {
-                    free(s.p);
-                    bad(e, "messages", "messages[%d].content[%d]: only {\"type\": \"text\", \"text\": ...} parts are supported",
-                        i, k);
-                    goto done;
-                }
-                if (k++) loom_sbuf_str(&s, "\n");
-                loom_sbuf_str(&s, text->valuestring);
-            }
-            g->parts[g->n_parts++] = s.p;
-            m[i].content = s.p;
-        } else {
-            bad(e, "messages", "messages[%d].content must be a string or an array of text parts", i);
-            goto done;
-        }
-        i++;
-    }
-    n = i;
-    if (g->tools.render) add_tools_turn(tmpl, m, &n, g);
+                   const cJSON *o, gen_t *g, perr_t *e) {
     loom_err_t err = {0};
-    int add_gen = 1, r = opt_bool(o, "add_generation_prompt", &add_gen, e);
-    if (r < 0) goto done;
-    if (!special_in_content && !tok) {
-        bad(e, "messages", "this server has no tokenizer loaded to encode chat prompts");
-        goto done;
-    }
-    if (loom_chat_render_spans(tmpl, m, n, add_gen, &g->prompt, &len, special_in_content ? NULL : &plain,
-                               special_in_content ? NULL : &n_plain, &err) < 0) {
-        bad(e, "messages", "%s", err.msg);
-        goto done;
-    }
+    size_t len, *plain = NULL, n_plain = 0;
+    const char *param = NULL;
+    int rc = -1;
+    if (!special_in_content && !tok) return bad(e, "messages", "this server has no tokenizer loaded to encode chat prompts");
+    uint64_t t0 = loom_now_ns();
+    if (loom_chat_template_render(tmpl, o, &g->prompt, &len, special_in_content ? NULL : &plain,
+                                  special_in_content ? NULL : &n_plain, &param, &err) < 0)
+        return bad(e, param ? param : "messages", "%s", err.msg);
     if (len == 0) {
         bad(e, "messages", "the conversation renders to an empty prompt");
         goto done;
@@ -804,11 +675,9 @@ int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok
     if (special_in_content) {
         g->p.prompt = g->prompt;
     } else {
-        uint64_t t0 = loom_now_ns();
         int n_ids = 0, cap = 0;
         loom_status_t st = loom_tokenizer_encode_spans(tok, g->prompt, len, 0, plain, n_plain, &g->ids, &n_ids, &cap,
                                                        &err);
-        g->tok_ns = loom_now_ns() - t0;
         if (st < 0) {
             bad(e, "messages", "cannot tokenize the conversation: %s", err.msg);
             goto done;
@@ -816,11 +685,29 @@ int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok
         g->p.prompt_ids = g->ids;
         g->p.n_prompt_ids = n_ids;
     }
+    g->tok_ns = loom_now_ns() - t0;
+    g->p.gateway_tokenize_ns = g->tok_ns; /* the coordinator counts it in the tokenize stage */
     rc = 0;
 done:
     free(plain);
-    free(m);
     return rc;
+}
+
+/* A reasoning model answers after its reasoning: a guide (structured
+ * output, a forced tool call) holds from the parser's end-of-reasoning
+ * marker on, unless the rendered prompt closed the reasoning already (Qwen3
+ * with enable_thinking false). No speculation then: drafts would cross the
+ * marker unguided. */
+void guide_after_reasoning(const loom_http_t *h, gen_t *g) {
+    if (!h->reasoning || !g->p.guide_kind || !g->prompt) return;
+    const char *end = loom_reasoning_end_marker(h->reasoning);
+    size_t n = strlen(g->prompt), m = strlen(end);
+    while (n && (g->prompt[n - 1] == ' ' || g->prompt[n - 1] == '\n' || g->prompt[n - 1] == '\t' ||
+                 g->prompt[n - 1] == '\r'))
+        n--;
+    if (n >= m && !memcmp(g->prompt + n - m, end, m)) return;
+    g->p.guide_after = end;
+    g->p.no_speculation = 1;
 }
 
 int loom_http_parse_generate(const char *body, size_t len, int chat, const loom_chat_template_t *tmpl,

@@ -48,7 +48,7 @@ static cJSON *timings_obj(const req_t *q) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "queue_ms", t->queue_ms);
     double gw_tok_ms = (double)q->tok_ns * 1e-6; /* before the coordinator saw the request */
-    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms + gw_tok_ms);
+    cJSON_AddNumberToObject(o, "tokenize_ms", t->tokenize_ms); /* holds the gateway's (gateway_tokenize_ns) */
     cJSON_AddNumberToObject(o, "prefill_ms", t->prefill_ms);
     cJSON_AddNumberToObject(o, "decode_ms", t->decode_ms);
     cJSON_AddNumberToObject(o, "detokenize_ms", t->detokenize_ms);
@@ -311,10 +311,6 @@ void keep_tools(req_t *q, gen_t *g) {
     }
 }
 
-loom_chat_family_t chat_family(const req_t *q) {
-    return q->h->tmpl ? q->h->tmpl->family : LOOM_CHAT_CHATML;
-}
-
 /* The seed of this completion's call ids (FNV-1a of its id): the same
  * streamed or not. */
 unsigned long long call_seed(const req_t *q) {
@@ -331,7 +327,7 @@ cJSON *tool_calls_of(req_t *q, const char *text, size_t len, const loom_chunk_t 
                      const char **finish) {
     *rest = NULL;
     if (q->tools.mode == LOOM_TOOLS_OFF || ch->finish != LOOM_FINISH_STOP) return NULL;
-    cJSON *calls = loom_tools_parse_output(&q->tools, chat_family(q), text, len, call_seed(q), rest);
+    cJSON *calls = loom_tools_parse_output(&q->tools, text, len, call_seed(q), rest);
     if (calls) *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
     return calls;
 }
@@ -378,13 +374,56 @@ static void tool_event(void *ctx, const loom_tse_t *e) {
  * what is still held goes out, and finish becomes tool_calls or, for a
  * named function, stop when the answer was calls). */
 static void stream_tool_text(req_t *q, const loom_chunk_t *ch, const char **finish) {
-    if (!q->ts) q->ts = loom_tstream_create(&q->tools, chat_family(q), tool_event, q);
+    if (!q->ts) q->ts = loom_tstream_create(&q->tools, tool_event, q);
     if (!finish) {
         loom_tstream_feed(q->ts, ch->text, ch->text_len);
         return;
     }
     if (loom_tstream_finish(q->ts, ch->finish == LOOM_FINISH_STOP) > 0)
         *finish = q->tools.mode == LOOM_TOOLS_NAMED ? "stop" : "tool_calls";
+}
+
+/* A streamed piece of reasoning: {"delta": {"reasoning_content": ...}}. */
+static void sse_reasoning(req_t *q, const char *text, size_t len) {
+    if (!len) return;
+    cJSON *o = head_obj(q, "chat.completion.chunk"), *choices = cJSON_AddArrayToObject(o, "choices");
+    cJSON *choice = cJSON_CreateObject(), *delta = cJSON_AddObjectToObject(choice, "delta");
+    cJSON_AddNumberToObject(choice, "index", q->choice);
+    char *piece = text_dup(text, len);
+    cJSON_AddStringToObject(delta, "reasoning_content", piece);
+    free(piece);
+    cJSON_AddNullToObject(choice, "logprobs");
+    cJSON_AddNullToObject(choice, "finish_reason");
+    cJSON_AddItemToArray(choices, choice);
+    if (q->include_usage) cJSON_AddNullToObject(o, "usage");
+    sse_event(q, o);
+}
+
+/* The answer's text (after any reasoning): tool calls read from it, or content. */
+static void stream_answer(req_t *q, const loom_chunk_t *ch, const char *text, size_t len) {
+    if (q->tools.mode != LOOM_TOOLS_OFF) {
+        loom_chunk_t c = *ch;
+        c.text = (char *)text;
+        c.text_len = len;
+        stream_tool_text(q, &c, NULL);
+    } else if (len || !q->rs) {
+        sse_choice(q, text, len, 0, NULL);
+    }
+}
+
+/* A chat chunk's text: its reasoning and its answer split (reasoning.h). */
+static void stream_text(req_t *q, const loom_chunk_t *ch, int final) {
+    if (!q->rs) {
+        if (!final) stream_answer(q, ch, ch->text, ch->text_len);
+        return;
+    }
+    loom_sbuf_t r = {0}, c = {0};
+    if (final) loom_rsplit_finish(q->rs, &r, &c);
+    else loom_rsplit_feed(q->rs, ch->text, ch->text_len, &r, &c);
+    sse_reasoning(q, r.p, r.len);
+    if (c.len) stream_answer(q, ch, c.p, c.len);
+    free(r.p);
+    free(c.p);
 }
 
 /* Turns one coordinator chunk into SSE events in q->out. */
@@ -402,8 +441,7 @@ void stream_chunk(req_t *q, const loom_chunk_t *ch) {
             q->lp_json = cJSON_PrintUnformatted(lp);
             cJSON_Delete(lp);
         }
-        if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_text(q, ch, NULL);
-        else sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        stream_text(q, ch, 0);
         free(q->lp_json);
         q->lp_json = NULL;
     }
@@ -424,6 +462,7 @@ void stream_chunk(req_t *q, const loom_chunk_t *ch) {
         return;
     }
     const char *finish = finish_name(ch->finish);
+    stream_text(q, ch, 1);
     if (q->tools.mode != LOOM_TOOLS_OFF) stream_tool_text(q, ch, &finish);
     sse_choice(q, NULL, 0, 0, finish);
     if (q->include_usage) {
@@ -463,7 +502,15 @@ enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     if (q->chat) {
         cJSON *m = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
-        char *rest = NULL;
+        char *rest = NULL, *reasoning = NULL, *answer = NULL;
+        if (q->h->reasoning) { /* the reasoning split off; the rest is the answer */
+            loom_reasoning_split(q->h->reasoning, t, strlen(t), &reasoning, &answer);
+            free(t);
+            t = answer ? answer : loom_xstrdup("");
+            if (reasoning) cJSON_AddStringToObject(m, "reasoning_content", reasoning);
+            else cJSON_AddNullToObject(m, "reasoning_content");
+            free(reasoning);
+        }
         cJSON *calls = tool_calls_of(q, t, strlen(t), ch, &rest, &finish);
         if (calls) {
             if (rest) cJSON_AddStringToObject(m, "content", rest);

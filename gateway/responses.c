@@ -303,12 +303,19 @@ static void keep_call(resp_ctx_t *r, const char *call_id, const char *name, cons
     cJSON_AddItemToArray(r->calls, c);
 }
 
-/* The reasoning hook: how many leading bytes of a finished answer are
- * reasoning, given the server's reasoning parser. None is wired in yet, so
- * the answer is all content; when one is, its part becomes a reasoning
- * item ({type: reasoning, content: [{type: reasoning_text}]}) ahead of the
- * message, and the streamed path emits response.reasoning_text.delta. */
-static size_t reasoning_split(const req_t *q, const char *text, size_t len) { return 0; }
+/* The reasoning of a finished answer, split off by the server's reasoning
+ * parser (common/reasoning.h): *reasoning (malloc'ed, NULL: none) becomes a
+ * reasoning item ({type: reasoning, content: [{type: reasoning_text}]})
+ * ahead of the message; *text is left the answer. (The streamed path does
+ * not split yet: it would emit response.reasoning_text.delta.) */
+static void reasoning_split(const req_t *q, char **text, char **reasoning) {
+    *reasoning = NULL;
+    if (!q->h->reasoning) return;
+    char *answer = NULL;
+    loom_reasoning_split(q->h->reasoning, *text, strlen(*text), reasoning, &answer);
+    free(*text);
+    *text = answer ? answer : loom_xstrdup("");
+}
 
 /* Stores the finished response and the conversation it ends. */
 static void keep_response(req_t *q, const cJSON *response) {
@@ -480,7 +487,7 @@ void resp_stream_chunk(req_t *q, const loom_chunk_t *ch) {
     uint64_t t0 = loom_now_ns();
     if (ch->text_len > 0) {
         if (q->tools.mode != LOOM_TOOLS_OFF) {
-            if (!q->ts) q->ts = loom_tstream_create(&q->tools, chat_family(q), resp_tool_event, q);
+            if (!q->ts) q->ts = loom_tstream_create(&q->tools, resp_tool_event, q);
             loom_tstream_feed(q->ts, ch->text, ch->text_len);
         } else {
             text_delta(q, ch->text, ch->text_len);
@@ -526,10 +533,11 @@ void resp_stream_chunk(req_t *q, const loom_chunk_t *ch) {
 enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
     resp_ctx_t *r = q->resp;
     char *t = text_dup(q->text.p ? q->text.p : "", q->text.len);
-    size_t len = strlen(t);
     cJSON *output = cJSON_CreateArray();
-    size_t nr = reasoning_split(q, t, len);
-    if (nr > 0) {
+    char *reasoning = NULL;
+    reasoning_split(q, &t, &reasoning);
+    size_t len = strlen(t);
+    if (reasoning) {
         char id[80];
         fresh_id(q->h, "rs_", id, sizeof id);
         cJSON *it = cJSON_CreateObject();
@@ -538,15 +546,14 @@ enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
         cJSON_AddArrayToObject(it, "summary");
         cJSON *c = cJSON_CreateObject();
         cJSON_AddStringToObject(c, "type", "reasoning_text");
-        char *rt = text_dup(t, nr);
-        cJSON_AddStringToObject(c, "text", rt);
-        free(rt);
+        cJSON_AddStringToObject(c, "text", reasoning);
+        free(reasoning);
         cJSON_AddItemToArray(cJSON_AddArrayToObject(it, "content"), c);
         cJSON_AddItemToArray(output, it);
     }
-    const char *content = t + nr, *finish = finish_name(ch->finish);
+    const char *content = t, *finish = finish_name(ch->finish);
     char *rest = NULL;
-    cJSON *calls = tool_calls_of(q, content, len - nr, ch, &rest, &finish);
+    cJSON *calls = tool_calls_of(q, content, len, ch, &rest, &finish);
     if (calls) content = rest;
     if (!calls || (content && content[0])) {
         char id[80];

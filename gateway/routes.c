@@ -102,7 +102,9 @@ enum MHD_Result handle_tokenize(req_t *q) {
     enum MHD_Result res;
     cJSON *root = json_body(q, &res);
     if (!root) return res;
-    static const char *const names[] = {"prompt", "add_special_tokens", "messages", "add_generation_prompt"};
+    static const char *const names[] = {"prompt", "add_special_tokens", "messages", "add_generation_prompt",
+                                        "tools", "chat_template_kwargs", "continue_final_message", "documents",
+                                        "reasoning_effort", "chat_template", "tool_choice"};
     perr_t e = {0};
     loom_err_t err = {0};
     loom_model_info_t mi;

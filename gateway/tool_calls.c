@@ -11,6 +11,13 @@
 
 #define MAX_TOOLS 128
 
+/* DeepSeek V3's markers (tool_parsers.c reads them) */
+#define DS_CALLS_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
+#define DS_CALLS_END "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
+#define DS_CALL_END "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
+#define DS_SEP "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
+
 static int fail(char *msg, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(char *msg, size_t cap, const char *fmt, ...) {
     va_list ap;
@@ -38,91 +45,119 @@ static cJSON *params_or_empty(const cJSON *fn) {
     return o;
 }
 
-/* One function as the prompt lists it: {"type": "function", "function": {...}}. */
-static char *tools_json_lines(const cJSON *tools, const char *sep) {
-    loom_sbuf_t b = {0};
-    loom_sbuf_add(&b, "", 0);
-    const cJSON *t;
-    int i = 0;
-    cJSON_ArrayForEach(t, tools) {
-        char *s = cJSON_PrintUnformatted(t);
-        if (i++) loom_sbuf_str(&b, sep);
-        loom_sbuf_str(&b, s ? s : "{}");
-        free(s);
-    }
-    return b.p;
+static const struct {
+    loom_toolfmt_t f;
+    const char *name;
+} k_fmts[] = {
+    {LOOM_TOOLFMT_HERMES, "hermes"},
+    {LOOM_TOOLFMT_LLAMA3_JSON, "llama3_json"},
+    {LOOM_TOOLFMT_MISTRAL, "mistral"},
+    {LOOM_TOOLFMT_GRANITE, "granite"},
+    {LOOM_TOOLFMT_DEEPSEEK_V3, "deepseek_v3"},
+    {LOOM_TOOLFMT_DEEPSEEK_V31, "deepseek_v31"},
+    {LOOM_TOOLFMT_PYTHONIC, "pythonic"},
+    {LOOM_TOOLFMT_LLAMA4_PYTHONIC, "llama4_pythonic"},
+    {LOOM_TOOLFMT_QWEN3_CODER, "qwen3_coder"},
+};
+
+const char *loom_toolfmt_name(loom_toolfmt_t f) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_fmts); i++)
+        if (k_fmts[i].f == f) return k_fmts[i].name;
+    return "none";
 }
 
-static char *render_tools(const cJSON *tools, loom_chat_family_t family) {
-    loom_sbuf_t b = {0};
-    loom_sbuf_add(&b, "", 0);
-    char *lines;
-    switch (family) {
-    case LOOM_CHAT_LLAMA3:
-        lines = tools_json_lines(tools, "\n\n");
-        loom_sbuf_str(&b, "Given the following functions, please respond with a JSON for a function call with its "
-                          "proper arguments that best answers the given prompt.\n\nRespond in the format "
-                          "{\"name\": function name, \"parameters\": dictionary of argument name and its value}. "
-                          "Do not use variables.\n\n");
-        loom_sbuf_str(&b, lines);
-        loom_sbuf_str(&b, "\n\n");
-        break;
-    case LOOM_CHAT_MISTRAL:
-        lines = tools_json_lines(tools, ", ");
-        loom_sbuf_printf(&b, "[AVAILABLE_TOOLS] [%s][/AVAILABLE_TOOLS]", lines);
-        break;
-    default: /* chatml (Hermes, Qwen) and the rest */
-        lines = tools_json_lines(tools, "\n");
-        loom_sbuf_str(&b, "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
-                          "provided with function signatures within <tools></tools> XML tags:\n<tools>\n");
-        loom_sbuf_str(&b, lines);
-        loom_sbuf_str(&b, "\n</tools>\n\nFor each function call, return a json object with function name and "
-                          "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-                          "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
-        break;
-    }
-    free(lines);
-    return b.p;
+loom_toolfmt_t loom_toolfmt_from_name(const char *name) {
+    for (size_t i = 0; name && i < LOOM_ARRAY_LEN(k_fmts); i++)
+        if (!strcmp(k_fmts[i].name, name)) return k_fmts[i].f;
+    return LOOM_TOOLFMT_NONE;
 }
 
+loom_toolfmt_t loom_toolfmt_detect(const char *text) {
+    if (!text) return LOOM_TOOLFMT_NONE;
+    if (strstr(text, "tool\xe2\x96\x81" "calls\xe2\x96\x81" "begin")) /* DeepSeek's markers */
+        return strstr(text, "```json") ? LOOM_TOOLFMT_DEEPSEEK_V3 : LOOM_TOOLFMT_DEEPSEEK_V31;
+    if (strstr(text, "[func_name1(")) /* Llama 3.2 / 4's pythonic instructions */
+        return strstr(text, "<|python_start|>") ? LOOM_TOOLFMT_LLAMA4_PYTHONIC : LOOM_TOOLFMT_PYTHONIC;
+    if (strstr(text, "<function=") && strstr(text, "<parameter=")) return LOOM_TOOLFMT_QWEN3_CODER;
+    if (strstr(text, "[TOOL_CALLS]")) return LOOM_TOOLFMT_MISTRAL;
+    if (strstr(text, "<|tool_call|>")) return LOOM_TOOLFMT_GRANITE;
+    if (strstr(text, "<tool_call>")) return LOOM_TOOLFMT_HERMES;
+    if (strstr(text, "<|python_tag|>") || (strstr(text, "<|start_header_id|>") && strstr(text, "\"parameters\"")))
+        return LOOM_TOOLFMT_LLAMA3_JSON;
+    return LOOM_TOOLFMT_NONE;
+}
+
+/* The call object a forced call writes: {"name": const, ARGS: the parameters' schema}. */
+static cJSON *call_schema(const cJSON *tool, const char *args_key) {
+    cJSON *o = cJSON_CreateObject(), *props;
+    cJSON_AddStringToObject(o, "type", "object");
+    props = cJSON_AddObjectToObject(o, "properties");
+    cJSON *nm = cJSON_AddObjectToObject(props, "name");
+    cJSON_AddStringToObject(nm, "const", get(fn_of(tool), "name")->valuestring);
+    cJSON_AddItemToObject(props, args_key, params_or_empty(fn_of(tool)));
+    cJSON *req = cJSON_AddArrayToObject(o, "required");
+    cJSON_AddItemToArray(req, cJSON_CreateString("name"));
+    cJSON_AddItemToArray(req, cJSON_CreateString(args_key));
+    cJSON_AddFalseToObject(o, "additionalProperties");
+    return o;
+}
+
+/* The forced output's grammar spec (grammar.h, LOOM_GRAMMAR_TOOL_CALLS):
+ * one call (of the named function, or of any tool) or, for "required" with
+ * parallel_tool_calls, one or more, in the model's syntax. */
 static char *forced_schema(const loom_tools_t *t) {
-    cJSON *s;
-    if (t->mode == LOOM_TOOLS_NAMED) {
-        const cJSON *tool;
-        s = NULL;
-        cJSON_ArrayForEach(tool, t->tools) {
-            const cJSON *name = get(fn_of(tool), "name");
-            if (!strcmp(name->valuestring, t->named)) s = params_or_empty(fn_of(tool));
+    cJSON *s = cJSON_CreateObject(), *items = cJSON_AddArrayToObject(s, "items");
+    const char *args = t->fmt == LOOM_TOOLFMT_LLAMA3_JSON ? "parameters" : "arguments";
+    int ds = t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 || t->fmt == LOOM_TOOLFMT_DEEPSEEK_V31;
+    cJSON *prefixes = ds ? cJSON_AddArrayToObject(s, "prefixes") : NULL;
+    const cJSON *tool;
+    cJSON_ArrayForEach(tool, t->tools) {
+        if (t->mode == LOOM_TOOLS_NAMED && strcmp(get(fn_of(tool), "name")->valuestring, t->named) != 0) continue;
+        if (!ds) {
+            cJSON_AddItemToArray(items, call_schema(tool, args));
+            continue;
         }
-    } else {
-        s = cJSON_CreateObject();
-        cJSON_AddStringToObject(s, "type", "array");
-        cJSON_AddNumberToObject(s, "minItems", 1);
-        if (!t->parallel) cJSON_AddNumberToObject(s, "maxItems", 1);
-        cJSON *items = cJSON_AddObjectToObject(s, "items"), *any = cJSON_AddArrayToObject(items, "anyOf");
-        const cJSON *tool;
-        cJSON_ArrayForEach(tool, t->tools) {
-            cJSON *o = cJSON_CreateObject(), *props;
-            cJSON_AddStringToObject(o, "type", "object");
-            props = cJSON_AddObjectToObject(o, "properties");
-            cJSON *nm = cJSON_AddObjectToObject(props, "name");
-            cJSON_AddStringToObject(nm, "const", get(fn_of(tool), "name")->valuestring);
-            cJSON_AddItemToObject(props, "arguments", params_or_empty(fn_of(tool)));
-            cJSON *req = cJSON_AddArrayToObject(o, "required");
-            cJSON_AddItemToArray(req, cJSON_CreateString("name"));
-            cJSON_AddItemToArray(req, cJSON_CreateString("arguments"));
-            cJSON_AddFalseToObject(o, "additionalProperties");
-            cJSON_AddItemToArray(any, o);
-        }
+        /* DeepSeek: the name is markup before the arguments object */
+        const char *nm = get(fn_of(tool), "name")->valuestring;
+        char pre[256];
+        snprintf(pre, sizeof pre,
+                 t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 ? DS_CALL_BEGIN "function" DS_SEP "%s\n```json\n" : DS_CALL_BEGIN "%s" DS_SEP,
+                 nm);
+        cJSON_AddItemToArray(prefixes, cJSON_CreateString(pre));
+        cJSON_AddItemToArray(items, params_or_empty(fn_of(tool)));
     }
-    char *out = s ? cJSON_PrintUnformatted(s) : NULL;
+    cJSON_AddNumberToObject(s, "min", 1);
+    cJSON_AddNumberToObject(s, "max", t->parallel && t->mode == LOOM_TOOLS_REQUIRED ? 0 : 1);
+    switch (t->fmt) {
+    case LOOM_TOOLFMT_LLAMA3_JSON:
+        cJSON_AddStringToObject(s, "sep", "; ");
+        break;
+    case LOOM_TOOLFMT_DEEPSEEK_V3:
+    case LOOM_TOOLFMT_DEEPSEEK_V31:
+        cJSON_AddStringToObject(s, "begin", DS_CALLS_BEGIN);
+        cJSON_AddStringToObject(s, "end", DS_CALLS_END);
+        cJSON_AddStringToObject(s, "item_end", t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 ? "\n```" DS_CALL_END : DS_CALL_END);
+        break;
+    case LOOM_TOOLFMT_MISTRAL:
+    case LOOM_TOOLFMT_GRANITE:
+        cJSON_AddStringToObject(s, "begin", t->fmt == LOOM_TOOLFMT_MISTRAL ? "[TOOL_CALLS][" : "<|tool_call|>[");
+        cJSON_AddStringToObject(s, "sep", ", ");
+        cJSON_AddStringToObject(s, "end", "]");
+        break;
+    default: /* hermes */
+        cJSON_AddStringToObject(s, "item_begin", "<tool_call>\n");
+        cJSON_AddStringToObject(s, "item_end", "\n</tool_call>");
+        cJSON_AddStringToObject(s, "sep", "\n");
+        break;
+    }
+    char *out = cJSON_PrintUnformatted(s);
     cJSON_Delete(s);
     return out;
 }
 
-int loom_tools_parse(const cJSON *req, loom_chat_family_t family, loom_tools_t *t, const char **param, char *msg,
+int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, const char **param, char *msg,
                      size_t cap) {
-    *t = (loom_tools_t){.parallel = 1};
+    *t = (loom_tools_t){.parallel = 1, .fmt = fmt ? fmt : LOOM_TOOLFMT_HERMES};
     const cJSON *tools = get(req, "tools"), *choice = get(req, "tool_choice"), *par = get(req, "parallel_tool_calls");
     *param = "parallel_tool_calls";
     if (par && !cJSON_IsNull(par) && !cJSON_IsBool(par)) return fail(msg, cap, "parallel_tool_calls must be a boolean");
@@ -174,7 +209,11 @@ int loom_tools_parse(const cJSON *req, loom_chat_family_t family, loom_tools_t *
     }
     t->tools = tools;
     if (t->mode == LOOM_TOOLS_OFF) return 0;
-    t->render = render_tools(tools, family);
+    if ((t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) &&
+        (t->fmt == LOOM_TOOLFMT_PYTHONIC || t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC ||
+         t->fmt == LOOM_TOOLFMT_QWEN3_CODER))
+        return fail(msg, cap, "tool_choice %s cannot be forced in the %s call syntax (use auto)",
+                    t->mode == LOOM_TOOLS_NAMED ? "a function" : "required", loom_toolfmt_name(t->fmt));
     if (t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) {
         t->schema = forced_schema(t);
         if (!t->schema) return fail(msg, cap, "tools cannot be serialised");
@@ -183,73 +222,8 @@ int loom_tools_parse(const cJSON *req, loom_chat_family_t family, loom_tools_t *
 }
 
 void loom_tools_free(loom_tools_t *t) {
-    free(t->render);
     free(t->schema);
     *t = (loom_tools_t){0};
-}
-
-char *loom_tools_render_calls(loom_chat_family_t family, const cJSON *tool_calls, const char *content, char *msg,
-                              size_t cap) {
-    if (!cJSON_IsArray(tool_calls)) {
-        fail(msg, cap, "tool_calls must be an array");
-        return NULL;
-    }
-    loom_sbuf_t b = {0};
-    loom_sbuf_add(&b, "", 0);
-    if (content && content[0]) loom_sbuf_str(&b, content);
-    const cJSON *c;
-    int i = 0;
-    if (family == LOOM_CHAT_MISTRAL) loom_sbuf_str(&b, "[TOOL_CALLS] [");
-    cJSON_ArrayForEach(c, tool_calls) {
-        const cJSON *fn = get(c, "function"), *name = cJSON_IsObject(fn) ? get(fn, "name") : NULL;
-        const cJSON *args = cJSON_IsObject(fn) ? get(fn, "arguments") : NULL;
-        if (!cJSON_IsString(name) || !cJSON_IsString(args)) {
-            free(b.p);
-            fail(msg, cap, "tool_calls[%d] must have function.name and function.arguments (a JSON string)", i);
-            return NULL;
-        }
-        cJSON *parsed = cJSON_Parse(args->valuestring);
-        char *a = parsed ? cJSON_PrintUnformatted(parsed) : NULL;
-        cJSON_Delete(parsed);
-        cJSON *nm = cJSON_CreateString(name->valuestring);
-        char *ns = cJSON_PrintUnformatted(nm);
-        cJSON_Delete(nm);
-        const char *av = a ? a : "{}";
-        switch (family) {
-        case LOOM_CHAT_LLAMA3:
-            loom_sbuf_printf(&b, "%s{\"name\": %s, \"parameters\": %s}", i ? "; " : "", ns, av);
-            break;
-        case LOOM_CHAT_MISTRAL:
-            loom_sbuf_printf(&b, "%s{\"name\": %s, \"arguments\": %s}", i ? ", " : "", ns, av);
-            break;
-        default:
-            loom_sbuf_printf(&b, "%s<tool_call>\n{\"name\": %s, \"arguments\": %s}\n</tool_call>",
-                             (i || b.len) ? "\n" : "", ns, av);
-        }
-        free(ns);
-        free(a);
-        i++;
-    }
-    if (family == LOOM_CHAT_MISTRAL) loom_sbuf_str(&b, "]");
-    return b.p;
-}
-
-char *loom_tools_render_result(loom_chat_family_t family, const char *content) {
-    loom_sbuf_t b = {0};
-    loom_sbuf_add(&b, "", 0);
-    if (family == LOOM_CHAT_MISTRAL) {
-        cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "content", content);
-        char *s = cJSON_PrintUnformatted(o);
-        cJSON_Delete(o);
-        loom_sbuf_printf(&b, "[TOOL_RESULTS] %s[/TOOL_RESULTS]", s ? s : "{}");
-        free(s);
-    } else if (family == LOOM_CHAT_LLAMA3) {
-        loom_sbuf_str(&b, content);
-    } else {
-        loom_sbuf_printf(&b, "<tool_response>\n%s\n</tool_response>", content);
-    }
-    return b.p;
 }
 
 void loom_tools_call_id(unsigned long long id_seed, int index, char *buf, size_t cap) {
@@ -283,12 +257,12 @@ static void collect(void *ctx, const loom_tse_t *e) {
     }
 }
 
-cJSON *loom_tools_parse_output(const loom_tools_t *t, loom_chat_family_t family, const char *text, size_t len,
+cJSON *loom_tools_parse_output(const loom_tools_t *t, const char *text, size_t len,
                                unsigned long long id_seed, char **rest) {
     *rest = NULL;
     if (t->mode == LOOM_TOOLS_OFF) return NULL;
     collected_t c = {0};
-    loom_tstream_t *s = loom_tstream_create(t, family, collect, &c);
+    loom_tstream_t *s = loom_tstream_create(t, collect, &c);
     loom_tstream_feed(s, text, len);
     int n = loom_tstream_finish(s, 1);
     loom_tstream_destroy(&s);

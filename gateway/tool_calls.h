@@ -1,27 +1,24 @@
-/* Tool calling for /v1/chat/completions: the request's tools rendered with
- * the chat family's conventions, the history's tool calls and results
- * rendered likewise, the forced call (tool_choice "required" or a named
- * function) as a JSON Schema for the grammar engine, and the model's output
- * parsed back into OpenAI tool_calls.
+/* Tool calling for /v1/chat/completions: the request's tools and
+ * tool_choice read (the chat template lists the tools and renders the
+ * history's calls and results), the forced call (tool_choice "required" or
+ * a named function) as a grammar in the model's own call syntax, and the
+ * model's output parsed back into OpenAI tool_calls.
  *
- *   chatml (Hermes, Qwen)  tools in <tools></tools> in the system turn; calls
- *                          <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>;
- *                          results in a user turn as <tool_response>...</tool_response>
- *   llama3                 tools as JSON in the first user turn (Llama 3.1's
- *                          tools_in_user_message); a call is {"name": ..., "parameters": {...}}
- *   mistral                [AVAILABLE_TOOLS] [...] [/AVAILABLE_TOOLS] before the last user
- *                          text; calls [TOOL_CALLS] [{"name": ..., "arguments": {...}}];
- *                          results [TOOL_RESULTS] {"content": ...} [/TOOL_RESULTS]
- *
- * A forced call's output is plain JSON: a named function's arguments object,
- * or for "required" an array of {"name", "arguments"} objects (one unless
- * parallel_tool_calls). */
+ * The call syntax (vLLM's --tool-call-parser names), picked by name or
+ * detected from the chat template's markers:
+ *   hermes       <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, anywhere in the text
+ *   llama3_json  at the start, an optional <|python_tag|>, then {"name": ..., "parameters": {...}}
+ *                (several separated by ';')
+ *   mistral      at the start, [TOOL_CALLS] then a JSON array [{"name": ..., "arguments": {...}}]
+ *   granite      at the start, <|tool_call|> then a JSON array of the same
+ *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder  read whole (tool_parsers.h)
+ * A forced call's output is that syntax, its JSON held to the tool's schema
+ * by the grammar engine (grammar kind LOOM_GRAMMAR_TOOL_CALLS). */
 #ifndef LOOM_TOOL_CALLS_H
 #define LOOM_TOOL_CALLS_H
 
 #include <cjson/cJSON.h>
 
-#include "common/chat_template.h"
 
 typedef enum {
     LOOM_TOOLS_OFF = 0, /* no tools, or tool_choice "none" */
@@ -30,33 +27,50 @@ typedef enum {
     LOOM_TOOLS_NAMED,
 } loom_tools_mode_t;
 
+typedef enum {
+    LOOM_TOOLFMT_NONE = 0,
+    LOOM_TOOLFMT_HERMES,
+    LOOM_TOOLFMT_LLAMA3_JSON,
+    LOOM_TOOLFMT_MISTRAL,
+    LOOM_TOOLFMT_GRANITE,
+    LOOM_TOOLFMT_DEEPSEEK_V3,
+    LOOM_TOOLFMT_DEEPSEEK_V31,
+    LOOM_TOOLFMT_PYTHONIC,
+    LOOM_TOOLFMT_LLAMA4_PYTHONIC,
+    LOOM_TOOLFMT_QWEN3_CODER,
+} loom_toolfmt_t;
+
+/* For messages that list the choices. */
+#define LOOM_TOOL_PARSER_NAMES "hermes, llama3_json, mistral, granite, deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder"
+
+const char *loom_toolfmt_name(loom_toolfmt_t f);
+/* The parser named NAME (vLLM's names); LOOM_TOOLFMT_NONE when unknown. */
+loom_toolfmt_t loom_toolfmt_from_name(const char *name);
+/* The syntax a chat template teaches, by its markers; LOOM_TOOLFMT_NONE
+ * when it shows none. */
+loom_toolfmt_t loom_toolfmt_detect(const char *template_text);
+
 typedef struct loom_tools {
     loom_tools_mode_t mode;
     int parallel;
     const cJSON *tools; /* the request's array (borrowed) */
     const char *named;  /* LOOM_TOOLS_NAMED: the function */
-    char *render;       /* owned: the tools as the family writes them in the prompt */
-    char *schema;       /* owned: REQUIRED / NAMED: the forced output's JSON Schema */
+    loom_toolfmt_t fmt; /* the model's call syntax */
+    char *schema;       /* owned: REQUIRED / NAMED: the forced output's grammar spec (LOOM_GRAMMAR_TOOL_CALLS) */
 } loom_tools_t;
 
 /* Reads tools, tool_choice and parallel_tool_calls of a chat request. -1
  * with a message (naming the field in *param) on bad input. */
-int loom_tools_parse(const cJSON *req, loom_chat_family_t family, loom_tools_t *t, const char **param, char *msg,
+int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, const char **param, char *msg,
                      size_t cap);
 void loom_tools_free(loom_tools_t *t);
-
-/* The text an assistant message with tool_calls, or a tool message, stands
- * for in the family's prompt (malloc'ed), or NULL with a message. */
-char *loom_tools_render_calls(loom_chat_family_t family, const cJSON *tool_calls, const char *content, char *msg,
-                              size_t cap);
-char *loom_tools_render_result(loom_chat_family_t family, const char *content);
 
 /* Parses output into an OpenAI tool_calls array (ids from
  * loom_tools_call_id); NULL when it is not calls (then all of it is
  * content). *rest: the content besides the calls (malloc'ed, may be NULL).
  * What is a call and what arguments and content are: tool_stream.h (this
  * is its reader fed the whole output). */
-cJSON *loom_tools_parse_output(const loom_tools_t *t, loom_chat_family_t family, const char *text, size_t len,
+cJSON *loom_tools_parse_output(const loom_tools_t *t, const char *text, size_t len,
                                unsigned long long id_seed, char **rest);
 
 /* Call index's id, "call_" + hex of id_seed + the index. */

@@ -23,6 +23,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/util.h"
+#include "gateway/tool_parsers.h"
 
 #define JS_MAX_DEPTH 64
 
@@ -198,10 +199,11 @@ static const char k_open[] = "<tool_call>", k_close[] = "</tool_call>";
 
 struct loom_tstream {
     const loom_tools_t *t;
-    loom_chat_family_t family;
     loom_tse_fn emit;
     void *ctx;
-    int blocks;        /* chatml auto: <tool_call> blocks within text */
+    int blocks;        /* hermes: <tool_call> blocks within text */
+    int held;          /* a syntax read whole (tool_parsers.h): content until its start, then held */
+    int hold;          /* held: buf[sent, len) is the calls' text, parsed at the end */
     loom_sbuf_t buf;   /* everything fed, NULs dropped */
     size_t pos, sent;  /* scanned up to; out or dropped up to (see the top) */
     int phase;
@@ -417,8 +419,8 @@ static int pre_char(loom_tstream_t *s, char c) {
         s->pos++;
         return 1;
     }
-    if (s->t->mode == LOOM_TOOLS_AUTO) {
-        static const char *const tags[] = {"<|python_tag|>", "[TOOL_CALLS]"};
+    {
+        static const char *const tags[] = {"<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>"};
         while (s->tag_i < (int)LOOM_ARRAY_LEN(tags)) {
             const char *tag = tags[s->tag_i];
             size_t n = strlen(tag), have = s->buf.len - s->pos;
@@ -430,12 +432,10 @@ static int pre_char(loom_tstream_t *s, char c) {
             }
         }
     }
-    if (c == '{' && s->t->mode == LOOM_TOOLS_NAMED) {
-        begin_value(s, 0);
-    } else if (c == '[' && s->t->mode != LOOM_TOOLS_NAMED) {
+    if (c == '[') {
         s->array = 1;
         begin_value(s, 2);
-    } else if (c == '{' && s->t->mode == LOOM_TOOLS_AUTO) {
+    } else if (c == '{') {
         begin_value(s, 1);
     } else {
         fail(s);
@@ -443,7 +443,63 @@ static int pre_char(loom_tstream_t *s, char c) {
     return 1;
 }
 
+/* A syntax read whole: content goes out until the calls' start marker
+ * (less a suffix that may begin it); from the marker on, all is held. */
+static void run_held(loom_tstream_t *s) {
+    if (s->hold || s->sent == s->buf.len) return;
+    size_t len = s->buf.len - s->sent, maybe = 0;
+    if (s->phase != P_TEXT) {
+        size_t at = loom_tp_find_start(s->t->fmt, s->buf.p + s->sent, len, &maybe);
+        if (at < len) {
+            emit_content(s, s->sent, s->sent + at);
+            s->sent += at;
+            s->hold = 1;
+            return;
+        }
+        if ((s->t->fmt == LOOM_TOOLFMT_PYTHONIC || s->t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC) && !maybe)
+            s->phase = P_TEXT; /* the answer is no call list */
+    }
+    emit_content(s, s->sent, s->buf.len - maybe);
+    s->sent = s->pos = s->buf.len - maybe;
+}
+
+/* The end of a syntax read whole: the held text parsed into calls, or content. */
+static int finish_held(loom_tstream_t *s, int complete) {
+    run_held(s);
+    size_t len = s->buf.len;
+    if (s->hold && complete) {
+        loom_tp_call_t *calls = NULL;
+        size_t end = 0;
+        int n = loom_tp_parse(s->t->fmt, s->t->tools, s->buf.p + s->sent, len - s->sent, &calls, &end);
+        if (n > 0 && (n == 1 || s->t->parallel)) {
+            for (int i = 0; i < n; i++) {
+                loom_tse_t e = {.kind = LOOM_TSE_CALL, .index = i, .name = calls[i].name};
+                s->emit(s->ctx, &e);
+                loom_tse_t a = {.kind = LOOM_TSE_ARGS, .index = i, .text = calls[i].args, .len = strlen(calls[i].args)};
+                if (a.len) s->emit(s->ctx, &a);
+            }
+            s->ncalls = n;
+            size_t rest = s->sent + end;
+            while (rest < len && is_ws(s->buf.p[rest])) rest++;
+            emit_content(s, rest, len);
+            loom_tp_calls_free(calls, n);
+            s->sent = s->pos = len;
+            s->phase = P_TEXT;
+            return n;
+        }
+        if (n > 0) loom_tp_calls_free(calls, n);
+    }
+    emit_content(s, s->sent, len); /* not calls: the held text is content */
+    s->sent = s->pos = len;
+    s->phase = P_TEXT;
+    return LOOM_TS_TEXT;
+}
+
 static void run(loom_tstream_t *s) {
+    if (s->held) {
+        run_held(s);
+        return;
+    }
     while (s->phase != P_TEXT && s->pos < s->buf.len) {
         char c = s->buf.p[s->pos];
         switch (s->phase) {
@@ -484,7 +540,7 @@ static void run(loom_tstream_t *s) {
         case P_TRAIL:
             if (is_ws(c)) {
                 s->sent = ++s->pos;
-            } else if (c == ';' && s->family == LOOM_CHAT_LLAMA3 && !s->array && s->t->mode == LOOM_TOOLS_AUTO) {
+            } else if (c == ';' && s->t->fmt == LOOM_TOOLFMT_LLAMA3_JSON && !s->array) {
                 s->semi_at = s->pos++;
                 s->phase = P_SEMI;
             } else {
@@ -510,14 +566,14 @@ static void run(loom_tstream_t *s) {
     }
 }
 
-loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_chat_family_t family, loom_tse_fn emit, void *ctx) {
+loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_tse_fn emit, void *ctx) {
     LOOM_ASSERT(t->mode != LOOM_TOOLS_OFF);
     loom_tstream_t *s = loom_xcalloc(1, sizeof *s);
     s->t = t;
-    s->family = family;
     s->emit = emit;
     s->ctx = ctx;
-    s->blocks = t->mode == LOOM_TOOLS_AUTO && family != LOOM_CHAT_LLAMA3 && family != LOOM_CHAT_MISTRAL;
+    s->blocks = t->fmt == LOOM_TOOLFMT_HERMES || t->fmt == LOOM_TOOLFMT_NONE;
+    s->held = loom_tp_held(t->fmt);
     s->phase = s->blocks ? P_OUT : P_PRE;
     return s;
 }
@@ -544,6 +600,7 @@ void loom_tstream_feed(loom_tstream_t *s, const char *text, size_t len) {
 }
 
 int loom_tstream_finish(loom_tstream_t *s, int complete) {
+    if (s->held) return finish_held(s, complete);
     run(s);
     flush_args(s);
     size_t len = s->buf.len;

@@ -5,16 +5,15 @@
  * unstreamed parse (loom_tools_parse_output) is this reader fed the whole
  * answer at once, so the two agree by construction.
  *
- * What is a call, per family (tool_calls.h) and mode:
- *   chatml auto   <tool_call> ws {call} ws </tool_call> blocks anywhere in
+ * What is a call, per syntax (tool_calls.h), whatever the mode (a forced
+ * call is the model's own syntax too):
+ *   hermes        <tool_call> ws {call} ws </tool_call> blocks anywhere in
  *                 the text; the text around them is content, less any
  *                 whitespace that runs up to a block or follows one
- *   llama3/mistral auto  at the start (after whitespace, an optional
- *                 <|python_tag|> and an optional [TOOL_CALLS]) a JSON array
- *                 of calls, or one call object (llama3: several, separated
- *                 by ';'); text after them is content
- *   required      a JSON array of calls (what the grammar forces)
- *   named         the arguments object itself (name from tool_choice)
+ *   llama3_json, mistral, granite  at the start (after whitespace, an
+ *                 optional <|python_tag|>, [TOOL_CALLS] or <|tool_call|>) a
+ *                 JSON array of calls, or one call object (llama3_json:
+ *                 several, separated by ';'); text after them is content
  * A call object has a "name" (the first, a string naming one of the tools)
  * and "arguments" or "parameters" (the first of them, an object); other
  * members are ignored, in any order. Its arguments are the object's JSON
@@ -65,7 +64,7 @@ typedef enum {
 typedef struct loom_tstream loom_tstream_t;
 
 /* t (borrowed, outlives the reader) must not be mode OFF. */
-loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_chat_family_t family, loom_tse_fn emit, void *ctx);
+loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_tse_fn emit, void *ctx);
 void loom_tstream_destroy(loom_tstream_t **self_p);
 
 /* The next piece of the answer (NUL bytes are dropped). */

@@ -8,7 +8,9 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "common/reasoning.h"
 #include "gateway/http.h"
+#include "gateway/tool_calls.h"
 #include "router/router.h"
 
 #define MAX_STATIC 64
@@ -66,7 +68,8 @@ int main(int argc, char **argv) {
         replicas[n_rep++] = a;
     }
     const char *policy = "prefix", *http_bind = NULL, *chat_template = NULL, *log_format = NULL,
-               *dummy = NULL;
+               *dummy = NULL, *tool_parser = NULL, *reasoning_parser = NULL;
+    int trust_request_template = 0;
     const char *env_key = getenv("LOOM_API_KEY"), *env_replica_key = getenv("LOOM_REPLICA_API_KEY");
     float lambda = 1.0f;
     uint64_t cache_bytes = 0;
@@ -159,10 +162,17 @@ int main(int argc, char **argv) {
          "also serve the OpenAI-compatible HTTP API, /health and /metrics here (port 0: any free "
          "port)",
          1, 0, NULL},
-        {"chat-template", LOOM_OPT_STR, &chat_template, "NAME",
-         "chat template for /v1/chat/completions: llama2, llama3, chatml, mistral (default: the "
-         "model's; needs --model)",
+        {"chat-template", LOOM_OPT_STR, &chat_template, "FILE|NAME",
+         "Jinja chat template for /v1/chat/completions: a file, its text, or a template Loom ships "
+         "(chatml) (default: the model's; needs --model)",
          1, 0, NULL},
+        {"trust-request-chat-template", LOOM_OPT_FLAG, &trust_request_template, NULL,
+         "render a request's own chat_template (default: refused with 400)", 1, 0, NULL},
+        {"tool-call-parser", LOOM_OPT_STR, &tool_parser, "NAME",
+         "the model's tool-call syntax: " LOOM_TOOL_PARSER_NAMES " (default: detected from the chat template)",
+         1, 0, NULL},
+        {"reasoning-parser", LOOM_OPT_STR, &reasoning_parser, "NAME",
+         "split the reasoning off chat answers: " LOOM_REASONING_PARSER_NAMES " (default: none)", 1, 0, NULL},
         {"max-body-bytes", LOOM_OPT_INT, &max_body, "N",
          "largest HTTP request body; larger gets 413 (default 2097152)", 1024, 1 << 30, NULL},
         {"responses-store", LOOM_OPT_INT, &responses_store, "N",
@@ -215,8 +225,8 @@ int main(int argc, char **argv) {
     c.n_replicas = n_rep;
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
     if (!c.replica_api_key && env_replica_key && env_replica_key[0]) c.replica_api_key = env_replica_key;
-    if (chat_template && !http_bind) {
-        fprintf(stderr, "error: --chat-template only matters with --http\n");
+    if ((chat_template || tool_parser || reasoning_parser) && !http_bind) {
+        fprintf(stderr, "error: --chat-template, --tool-call-parser and --reasoning-parser only matter with --http\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
@@ -235,6 +245,9 @@ int main(int argc, char **argv) {
                                  .api_key = c.api_key,
                                  .model_dir = c.model_dir,
                                  .chat_template = chat_template,
+                                 .trust_request_chat_template = trust_request_template,
+                                 .tool_call_parser = tool_parser,
+                                 .reasoning_parser = reasoning_parser,
                                  .max_body_bytes = (size_t)max_body,
                                  .max_connections = http_conns,
                                  .idle_timeout_s = http_timeout,

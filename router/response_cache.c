@@ -123,6 +123,7 @@ unsigned char *loom_rcache_key(const Loom__V1__GenerateRequest *g, const char *s
     k.session = (char *)"";
     k.priority = 0;
     k.no_cache = 0;
+    k.gateway_tokenize_ns = 0; /* a timing, not part of what is asked */
     if (!k.model || !k.model[0]) k.model = (char *)(served_model ? served_model : "");
     size_t n = loom__v1__generate_request__get_packed_size(&k);
     unsigned char *buf = loom_xmalloc(n ? n : 1);

@@ -4,7 +4,7 @@
 # etcd for the membership tests, iproute2 for the network-namespace test,
 # tcpdump for the loopback capture of the security test, openssl for the
 # etcd TLS test's certificates,
-# Debian's numpy/torch for the reference implementation, Debian's jsonschema
+# Debian's numpy/torch for the reference implementation, Debian's jinja2 (the chat-template reference renderer), Debian's jsonschema
 # (it validates the outputs of constrained decoding), Debian's Kubernetes
 # client (its API models check the manifests), gnuplot for plots, and the npm
 # packages of the tests.
@@ -15,7 +15,7 @@ sudo=""
 packages=(build-essential cmake pkg-config git curl ca-certificates
           libzmq3-dev libsodium-dev libprotobuf-c-dev protobuf-c-compiler libmicrohttpd-dev libcjson-dev
           libcurl4-openssl-dev libopenblas-dev etcd-server etcd-client iproute2 tcpdump openssl
-          python3 python3-numpy python3-torch python3-yaml python3-kubernetes python3-jsonschema python3-cryptography
+          python3 python3-numpy python3-torch python3-jinja2 python3-yaml python3-kubernetes python3-jsonschema python3-cryptography
           gnuplot-nox clang libclang-rt-14-dev libgnutls28-dev)
 # Node.js: use the one on the machine when there is one (Debian's npm conflicts with others).
 command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)

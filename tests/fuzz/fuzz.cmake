@@ -31,6 +31,7 @@ loom_add_fuzz(fuzz_api_proto LIBS loom_proto)
 loom_add_fuzz(fuzz_control_proto LIBS loom_proto)
 loom_add_fuzz(fuzz_grammar LIBS loom_grammar loom_tokenizer)
 loom_add_fuzz(fuzz_tool_stream LIBS loom_http)
+loom_add_fuzz(fuzz_jinja LIBS loom_jinja loom_base)
 
 get_property(_fuzz_targets GLOBAL PROPERTY LOOM_FUZZ_TARGETS)
 add_custom_target(fuzz_all DEPENDS ${_fuzz_targets})

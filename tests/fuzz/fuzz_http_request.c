@@ -2,7 +2,8 @@
  * the fields of /v1/completions or /v1/chat/completions, sampling
  * parameters, messages through a chat template and the tokenizer), without
  * sockets (gateway/http_parse.h). The first byte picks the route, the
- * template and --chat-special-tokens-in-content; the rest is the body. */
+ * template (none, the shipped chatml, or one that reads every variable) and
+ * --chat-special-tokens-in-content; the rest is the body. */
 #include <string.h>
 
 #include "common/json.h"
@@ -10,14 +11,21 @@
 #include "tests/fuzz/fuzz.h"
 
 static loom_tokenizer_t *g_tok;
-static loom_chat_template_t *g_tmpl[4];
+static loom_chat_template_t *g_tmpl[2];
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc, (void)argv;
     fuzz_quiet();
     g_tok = fuzz_tokenizer();
-    for (int f = 0; f < 4; f++)
-        g_tmpl[f] = loom_chat_template_create((loom_chat_family_t)(1 + f), NULL, NULL, NULL);
+    loom_err_t err = {0};
+    loom_chat_template_opts_t o = {.trust_request = 1, .max_output = 1 << 16, .max_steps = 100000};
+    if (loom_chat_template_from_text(loom_chat_template_shipped("chatml"), NULL, "chatml", &o, g_tok, &g_tmpl[0],
+                                     &err) < 0 ||
+        loom_chat_template_from_text("{{ bos_token }}{% for m in messages %}{{ m.role }}{{ m.content }}{{ m.tool_calls "
+                                     "| tojson }}{% endfor %}{{ tools | tojson }}{{ documents }}{{ add_generation_prompt "
+                                     "}}{{ continue_final_message }}{{ reasoning_effort }}",
+                                     "{\"bos_token\": \"<s>\"}", "all", &o, g_tok, &g_tmpl[1], &err) < 0)
+        __builtin_trap();
     return 0;
 }
 
@@ -37,7 +45,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FUZZ_ASSERT(msg[0]);
     }
     int chat = data[0] & 1, special = (data[0] >> 1) & 1;
-    const loom_chat_template_t *tmpl = (data[0] >> 2) & 1 ? NULL : g_tmpl[(data[0] >> 3) & 3];
+    const loom_chat_template_t *tmpl = (data[0] >> 2) & 1 ? NULL : g_tmpl[(data[0] >> 3) & 1];
     msg[0] = '\0';
     if (loom_http_parse_generate(body, len, chat, tmpl, g_tok, special, msg, sizeof msg) < 0)
         FUZZ_ASSERT(msg[0]);

@@ -40,12 +40,12 @@ static void on_event(void *ctx, const loom_tse_t *e) {
     }
 }
 
-static int run(const loom_tools_t *t, loom_chat_family_t fam, const char *text, size_t len, unsigned seed,
+static int run(const loom_tools_t *t, const char *text, size_t len, unsigned seed,
                got_t *g) {
     memset(g, 0, sizeof *g);
     loom_sbuf_add(&g->content, "", 0);
     loom_sbuf_add(&g->calls, "", 0);
-    loom_tstream_t *s = loom_tstream_create(t, fam, on_event, g);
+    loom_tstream_t *s = loom_tstream_create(t, on_event, g);
     for (size_t at = 0; at < len;) {
         size_t n = seed ? 1 + (seed = seed * 1103515245u + 12345u) % 9 : len - at;
         if (n > len - at) n = len - at;
@@ -72,14 +72,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static const char *choices[] = {
         "", ", \"tool_choice\": \"required\"",
         ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}"};
-    static const loom_chat_family_t fams[] = {LOOM_CHAT_CHATML, LOOM_CHAT_LLAMA3, LOOM_CHAT_MISTRAL};
-    loom_chat_family_t fam = fams[data[0] % 3];
+    static const loom_toolfmt_t fams[] = {LOOM_TOOLFMT_HERMES,      LOOM_TOOLFMT_LLAMA3_JSON,  LOOM_TOOLFMT_MISTRAL,
+                                          LOOM_TOOLFMT_GRANITE,     LOOM_TOOLFMT_DEEPSEEK_V3, LOOM_TOOLFMT_DEEPSEEK_V31,
+                                          LOOM_TOOLFMT_PYTHONIC, LOOM_TOOLFMT_LLAMA4_PYTHONIC,
+                                          LOOM_TOOLFMT_QWEN3_CODER};
+    loom_toolfmt_t fam = fams[(data[0] + data[1]) % 9];
     char req[768];
     snprintf(req, sizeof req,
              "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": "
              "{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}, {\"type\": "
              "\"function\", \"function\": {\"name\": \"now\", \"parameters\": {\"type\": \"object\"}}}]%s%s}",
-             choices[(data[0] / 3) % 3], (data[0] / 9) & 1 ? ", \"parallel_tool_calls\": false" : "");
+             fam >= LOOM_TOOLFMT_PYTHONIC ? "" : choices[(data[0] / 3) % 3], /* (pythonic, qwen3_coder: not forced) */
+             (data[0] / 9) & 1 ? ", \"parallel_tool_calls\": false" : "");
     cJSON *o = cJSON_Parse(req);
     loom_tools_t t;
     const char *param = NULL;
@@ -88,8 +92,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *text = (const char *)data + 2;
     size_t len = size - 2;
     got_t whole, cut;
-    int v1 = run(&t, fam, text, len, 0, &whole);
-    int v2 = run(&t, fam, text, len, 1u + data[1], &cut);
+    int v1 = run(&t, text, len, 0, &whole);
+    int v2 = run(&t, text, len, 1u + data[1], &cut);
     if (v1 != v2 || whole.bad || cut.bad || whole.n != cut.n || !same(&whole.content, &cut.content) ||
         !same(&whole.calls, &cut.calls))
         __builtin_trap();

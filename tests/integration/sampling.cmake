@@ -13,6 +13,10 @@ loom_add_it(it_structured test_structured.py)
 # output validates, and a seed gives the same text on every grid.
 loom_add_it(it_structured_property test_structured_property.py)
 loom_add_it(it_tools test_tools.py)
+# Chat templates end to end (test_chat_templates.py): real models' templates
+# render as the python3-jinja2 reference does; forced tool calls in the
+# model's own syntax; --reasoning-parser; bad templates and kwargs; the SDKs.
+loom_add_it(it_chat_templates test_chat_templates.py)
 # Prompt logprobs and echo with logprobs (test_prompt_logprobs.py): against
 # the float64 reference on every grid with chunked prefill, the openai SDK.
 loom_add_it(it_prompt_logprobs test_prompt_logprobs.py)

@@ -317,7 +317,8 @@ def test_errors_and_api_key():
         expect_error(*post(port, H, {"max_tokens": 4}), 400, param="messages")
         expect_error(*post(port, H, {"messages": "hi"}), 400, param="messages")
         expect_error(*post(port, H, {"messages": []}), 400, param="messages")
-        expect_error(*post(port, H, {"messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages")
+        # (any role string goes to the template, as in vLLM: the template decides what it renders)
+        expect_error(*post(port, H, {"messages": [{"role": 5, "content": "x"}]}), 400, param="messages")
         expect_error(*post(port, H, {"messages": [{"role": "user"}]}), 400, param="messages")
         expect_error(*post(port, H, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400)
         expect_error(*post(port, H, {"messages": CHAT, "max_completion_tokens": 0}), 400,
@@ -560,8 +561,9 @@ def test_health_before_ready_and_no_template():
 
 
 def test_chat_template_at_startup():
-    """An unrecognised template is a start-up error naming the choices; a
-    recognised one is announced; a bad --chat-template is refused."""
+    """Any template compiles and is announced; one with a syntax error is a
+    start-up error naming file:line:col; --chat-template takes a shipped
+    name or a file, and refuses anything else naming the choices."""
     d = tempfile.mkdtemp(prefix="loom-it-tmpl-")
     try:
         for name in os.listdir(STORIES):
@@ -576,20 +578,22 @@ def test_chat_template_at_startup():
                 json.dump(cfg, f)
             return Coordinator(d, extra)
         alpaca = ("{{ bos_token }}{% for message in messages %}{{ '### ' + message['role'] + ':\\n' + "
-                  "message['content'] | trim + '\\n\\n' }}{% endfor %}")  # a family Loom does not render
+                  "message['content'] | trim + '\\n\\n' }}{% endfor %}")  # no family Loom knew: rendered as written
         co = start(alpaca)
         try:
-            rc = co.proc.wait(timeout=20)
-            text = co.text()
-            check(rc == 1 and "llama2, llama3, chatml, mistral" in text and "--chat-template" in text,
-                  "unrecognised template: rc %d, %s" % (rc, text[-800:]))
+            co.wait_http()
+            wait_for(lambda: "chat template: tokenizer_config.json" in co.text(), 10, "the template line in the log")
+            status, data = post(co.http, "/tokenize", {"messages": CHAT}, key=None)
+            check(status == 200, "alpaca /tokenize: %d %r" % (status, data[:300]))
+            status, data2 = post(co.http, "/tokenize", {"prompt": "<s>### user:\nTell me a story.\n\n",
+                                                        "add_special_tokens": False}, key=None)
+            check(json.loads(data)["tokens"] == json.loads(data2)["tokens"], "alpaca render: %r vs %r" % (data, data2))
         finally:
             co.stop()
-        co = start(alpaca, ["--chat-template", "llama3"])
+        co = start(alpaca, ["--chat-template", "chatml"])
         try:
             co.wait_http()
-            wait_for(lambda: "chat template: llama3" in co.text(), 10, "the template line in the log")
-            check("chat template: llama3" in co.text(), "override not announced: %s" % co.text()[-800:])
+            wait_for(lambda: "chat template: chatml" in co.text(), 10, "the template line in the log")
         finally:
             co.stop()
         co = start(alpaca, ["--chat-template", "vicuna"])
@@ -598,14 +602,11 @@ def test_chat_template_at_startup():
             check(rc == 1 and "vicuna" in co.text() and "chatml" in co.text(), "bad name: %s" % co.text()[-500:])
         finally:
             co.stop()
-        llama2 = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + "
-                  "message['content'] + ' [/INST]' }}{% elif message['role'] == 'system' %}{{ '<<SYS>>\\n' + "
-                  "message['content'] + '\\n<</SYS>>\\n\\n' }}{% endif %}{% endfor %}")
-        co = start(llama2)
+        co = start("{% if messages %}\n  {{ messages[0].content }\n{% endif %}")
         try:
-            co.wait_http()
-            wait_for(lambda: "chat template: llama2" in co.text(), 10, "the template line in the log")
-            check("chat template: llama2" in co.text(), "llama2 not detected: %s" % co.text()[-800:])
+            rc = co.proc.wait(timeout=20)
+            check(rc == 1 and re.search(r"tokenizer_config\.json:\d+:\d+: ", co.text()),
+                  "syntax error: %s" % co.text()[-500:])
         finally:
             co.stop()
     finally:

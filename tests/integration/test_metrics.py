@@ -296,6 +296,23 @@ def test_vllm_series_and_dashboards():
         var = dash["templating"]["list"][1]["query"]["query"]
         m = re.fullmatch(r"label_values\((\w+), model_name\)", var)
         check(m and types.get(m.group(1)) == "gauge", "model_name variable %r" % var)
+        # a chat request's prompt is rendered and tokenized by the gateway: that time is the tokenize stage's
+        _, before = get_metrics(port)
+        status, _, data = request(port, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Tell me a story. " * 40}], "max_tokens": 1}, key=KEY)
+        check(status == 200, "chat: %d %r" % (status, data[:200]))
+        deadline = time.time() + 5
+        while True:  # (the request is observed when the reactor ends it, which may be just after the answer)
+            _, after = get_metrics(port)
+            if metric(after, "loom_request_tokenize_time_seconds_count") > \
+                    metric(before, "loom_request_tokenize_time_seconds_count") or time.time() > deadline:
+                break
+            time.sleep(0.05)
+        tok = metric(after, "loom_request_tokenize_time_seconds_sum") - \
+            metric(before, "loom_request_tokenize_time_seconds_sum")
+        check(tok > 0 and metric(after, "loom_request_tokenize_time_seconds_count") -
+              metric(before, "loom_request_tokenize_time_seconds_count") == 1,
+              "a chat request's gateway tokenization was not counted (%g s)" % tok)
 
 
 def test_selector_parser():

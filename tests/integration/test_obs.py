@@ -171,8 +171,8 @@ def test_refused_fields_and_stop_token_ids():
             status, data = post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, k: v})
             e = expect_error(status, data, 400, param=k)
             check(k in e["message"], "message does not name %s: %r" % (k, e["message"]))
-        chat_refused = {"top_logprobs": 2, "chat_template": "{{x}}", "continue_final_message": True,
-                        "prompt": "not a chat field"}
+        chat_refused = {"top_logprobs": 2, "chat_template": "{{x}}",  # (without --trust-request-chat-template)
+                        "prompt": "not a chat field", "chat_template_kwargs": "not an object"}
         for k, v in chat_refused.items():
             status, data = post(port, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, k: v})
             expect_error(status, data, 400, param=k)

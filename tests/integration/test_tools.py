@@ -1,9 +1,10 @@
 """Tool calling on real processes: a generated model with the stories260K
 tokenizer and a 2048-token context (the tools' preamble does not fit the
-tiny model's 512), chat template chatml (Hermes/Qwen conventions).
+tiny model's 512), the chat template Loom ships as chatml (tools in the
+system turn, calls in Hermes's <tool_call> blocks).
 
 - tool_choice "required" and a named function force the call through the
-  grammar engine: every call's arguments validate against the tool's schema
+  grammar engine, in the model's own syntax (<tool_call> blocks): every call's arguments validate against the tool's schema
   (tests/reference/validate_json_schema.py), streamed (delta.tool_calls as
   OpenAI sends them: index, id, type, function name and arguments) and not,
   parallel_tool_calls false giving one call; finish_reason tool_calls
@@ -54,7 +55,7 @@ def make_model():
 
 def chat(port, body, stream=False):
     """(message-like dict {content, tool_calls}, finish) of one chat request."""
-    body = dict({"messages": MSGS, "tools": TOOLS, "max_tokens": 100}, **body)
+    body = dict({"messages": MSGS, "tools": TOOLS, "max_tokens": 200}, **body)  # (room for the <tool_call> markup)
     if not stream:
         status, data = post(port, "/v1/chat/completions", body, timeout=120)
         check(status == 200, "%r: %d %r" % (body, status, data[:300]))

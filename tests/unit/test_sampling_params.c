@@ -253,10 +253,10 @@ static void test_guide_rows(void) {
     loom_structured_t *st = loom_structured_create(g_tok, &g_cfg);
     loom_guide_t *gd = NULL;
     loom_err_t err = {0};
-    CHECK(loom_guide_create(st, 1 + 3 /* choice */, "{\"x\"", 4, &gd, &err) < 0 && !gd && err.msg[0]);
-    CHECK(loom_guide_create(st, 9, "", 0, &gd, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "guide_kind"));
+    CHECK(loom_guide_create(st, 1 + 3 /* choice */, "{\"x\"", 4, NULL, &gd, &err) < 0 && !gd && err.msg[0]);
+    CHECK(loom_guide_create(st, 9, "", 0, NULL, &gd, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "guide_kind"));
     const char *spec = "[\"cat\", \"dog\"]";
-    CHECK(loom_guide_create(st, 4, spec, strlen(spec), &gd, &err) == LOOM_OK && gd);
+    CHECK(loom_guide_create(st, 4, spec, strlen(spec), NULL, &gd, &err) == LOOM_OK && gd);
     loom_sparams_t *p = NULL;
     loom_sparams_set_guide(&p, gd);
     CHECK(p && loom_sparams_guide(p) == gd && loom_sparams_min_tokens(p) == 0);
@@ -309,7 +309,7 @@ static void test_guide_rows(void) {
     loom_sparams_destroy(&p);
 
     /* any JSON object: inside a string most of the vocabulary is allowed -> the bitset */
-    CHECK(loom_guide_create(st, 1, "", 0, &gd, &err) == LOOM_OK);
+    CHECK(loom_guide_create(st, 1, "", 0, NULL, &gd, &err) == LOOM_OK);
     p = NULL;
     loom_sparams_set_guide(&p, gd);
     static const char *const obj[] = {"{", "\"", "a"}; /* into a key's string body, by single-byte tokens */
@@ -339,6 +339,72 @@ static void test_guide_rows(void) {
     loom_structured_destroy(&st);
 }
 
+/* A reasoning model's guide (after "</think>"): rows are free until the
+ * marker has come, then the grammar holds; the marker may end inside a
+ * token; a rollback before it frees the rows again; the text check reads
+ * what follows the marker. */
+static int32_t byte_token(char c) {
+    for (int32_t id = 0; id < g_cfg.vocab_size; id++) {
+        size_t l = 0;
+        const char *b = loom_tokenizer_token_bytes(g_tok, id, &l);
+        if (b && l == 1 && b[0] == c) return id;
+    }
+    return -1;
+}
+
+static void test_guide_after_reasoning(void) {
+    loom_structured_t *st = loom_structured_create(g_tok, &g_cfg);
+    loom_guide_t *gd = NULL;
+    loom_err_t err = {0};
+    const char *spec = "[\"cat\", \"dog\"]";
+    REQUIRE(loom_guide_create(st, 4, spec, strlen(spec), "</think>", &gd, &err) == LOOM_OK && gd);
+    loom_sparams_t *p = NULL;
+    loom_sparams_set_guide(&p, gd);
+    int32_t toks[32] = {1, 9};
+    loom_seq_t seq = {.tokens = toks, .n_tokens = 2, .n_prompt = 2, .sparams = p};
+    loom_seq_t *seqs[1] = {&seq};
+    loom_microbatch_t mb = {.n_logits = 1, .logit_seq = seqs};
+    Loom__V1__SampleParams row = LOOM__V1__SAMPLE_PARAMS__INIT, *rows[1] = {&row};
+    loom_sparams_arena_t a = {0};
+    const char *reason = "hm</think>";
+    int32_t eos = g_cfg.eos_ids[0], c = byte_token('c'), x = byte_token('x');
+    REQUIRE(c >= 0 && x >= 0);
+    for (size_t k = 0; reason[k]; k++) {
+        loom__v1__sample_params__init(&row);
+        loom_sparams_fill_plan(&a, &mb, rows);
+        CHECKF(!row.grammar, "reasoning step %zu is constrained", k);
+        int32_t id = byte_token(reason[k]);
+        REQUIRE(id >= 0);
+        toks[seq.n_tokens++] = id;
+    }
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(row.grammar && row_allows(&row, c) && !row_allows(&row, x) && !row_allows(&row, eos));
+    /* a rollback into the reasoning: free again; then the answer's first letter */
+    seq.n_tokens -= 3;
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(!row.grammar);
+    seq.n_tokens += 3;
+    toks[seq.n_tokens++] = c;
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(row.grammar && row_allows(&row, byte_token('a')) && !row_allows(&row, c));
+    /* the text check: the answer after the marker */
+    loom_guide_text_append(gd, "hm</think>ca", 12);
+    CHECK(!loom_guide_text_complete(gd));
+    loom_guide_text_append(gd, "t", 1);
+    CHECK(loom_guide_text_complete(gd));
+    loom_sparams_destroy(&p);
+    /* no marker in the text: never complete */
+    REQUIRE(loom_guide_create(st, 4, spec, strlen(spec), "</think>", &gd, &err) == LOOM_OK);
+    loom_guide_text_append(gd, "cat", 3);
+    CHECK(!loom_guide_text_complete(gd));
+    loom_guide_destroy(&gd);
+    loom_sparams_arena_free(&a);
+    loom_structured_destroy(&st);
+}
+
 int main(void) {
     char dir[1024];
     snprintf(dir, sizeof dir, "%s/stories260K", test_models_dir());
@@ -352,6 +418,7 @@ int main(void) {
     RUN(test_spec_rows);
     RUN(test_lp_view);
     RUN(test_guide_rows);
+    RUN(test_guide_after_reasoning);
     loom_tokenizer_destroy(&g_tok);
     return test_summary();
 }

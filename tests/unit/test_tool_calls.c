@@ -1,10 +1,12 @@
-/* Tests of tool calling's request reading, rendering and output parsing
- * (gateway/tool_calls.c) for the chat families served. */
+/* Tests of tool calling's request reading, the parsers' names and
+ * detection, the forced call's grammar in each model's syntax and output
+ * parsing (gateway/tool_calls.c). */
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
+#include "common/grammar.h"
 #include "gateway/tool_calls.h"
 #include "tests/test.h"
 
@@ -28,7 +30,7 @@ static void test_parse_request(void) {
     } cases[] = {
         {"", 1, LOOM_TOOLS_AUTO, NULL},
         {", \"tool_choice\": \"none\"", 1, LOOM_TOOLS_OFF, NULL},
-        {", \"tool_choice\": \"required\", \"parallel_tool_calls\": false", 1, LOOM_TOOLS_REQUIRED, "\"maxItems\":1"},
+        {", \"tool_choice\": \"required\", \"parallel_tool_calls\": false", 1, LOOM_TOOLS_REQUIRED, "\"max\":1"},
         {", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}", 1, LOOM_TOOLS_NAMED,
          "\"city\""},
         {", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"x\"}}", 0, 0, "'x'"},
@@ -40,12 +42,11 @@ static void test_parse_request(void) {
         loom_tools_t t;
         const char *param = NULL;
         char msg[256] = "";
-        int rc = loom_tools_parse(r, LOOM_CHAT_CHATML, &t, &param, msg, sizeof msg);
+        int rc = loom_tools_parse(r, LOOM_TOOLFMT_HERMES, &t, &param, msg, sizeof msg);
         CHECKF((rc == 0) == cases[c].ok, "case %zu: rc %d (%s)", c, rc, msg);
         if (rc == 0) {
             CHECKF(t.mode == cases[c].mode, "case %zu: mode %d", c, t.mode);
             if (cases[c].want) CHECKF(t.schema && strstr(t.schema, cases[c].want), "case %zu: schema %s", c, t.schema);
-            if (t.mode != LOOM_TOOLS_OFF) CHECK(t.render && strstr(t.render, "<tools>") && strstr(t.render, "get_weather"));
         } else {
             CHECKF(strstr(msg, cases[c].want) != NULL, "case %zu: %s", c, msg);
         }
@@ -61,24 +62,30 @@ static int one_call(cJSON *calls, const char *name, const char *args) {
            !strcmp(cJSON_GetObjectItem(fn, "arguments")->valuestring, args);
 }
 
+static cJSON *parse_out(loom_toolfmt_t f, const loom_tools_t *t0, const char *text, char **rest) {
+    loom_tools_t t = *t0;
+    t.fmt = f;
+    return loom_tools_parse_output(&t, text, strlen(text), 7, rest);
+}
+
 static void test_parse_output(void) {
     cJSON *r = req("");
     loom_tools_t t;
     const char *param;
     char msg[256];
-    CHECK(loom_tools_parse(r, LOOM_CHAT_CHATML, &t, &param, msg, sizeof msg) == 0);
+    CHECK(loom_tools_parse(r, LOOM_TOOLFMT_HERMES, &t, &param, msg, sizeof msg) == 0);
     char *rest = NULL;
     const char *hermes = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
-    cJSON *c = loom_tools_parse_output(&t, LOOM_CHAT_CHATML, hermes, strlen(hermes), 7, &rest);
+    cJSON *c = parse_out(LOOM_TOOLFMT_HERMES, &t, hermes, &rest);
     CHECK(one_call(c, "get_weather", "{\"city\":\"Paris\"}") && rest && !strcmp(rest, "Let me look."));
     cJSON_Delete(c);
     free(rest);
     const char *llama = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}";
-    c = loom_tools_parse_output(&t, LOOM_CHAT_LLAMA3, llama, strlen(llama), 7, &rest);
+    c = parse_out(LOOM_TOOLFMT_LLAMA3_JSON, &t, llama, &rest);
     CHECK(one_call(c, "get_weather", "{\"city\":\"Oslo\"}") && !rest);
     cJSON_Delete(c);
     const char *mistral = "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}]";
-    c = loom_tools_parse_output(&t, LOOM_CHAT_MISTRAL, mistral, strlen(mistral), 7, &rest);
+    c = parse_out(LOOM_TOOLFMT_MISTRAL, &t, mistral, &rest);
     CHECK(c && cJSON_GetArraySize(c) == 2);
     if (c) { /* distinct ids */
         const char *a = cJSON_GetObjectItem(cJSON_GetArrayItem(c, 0), "id")->valuestring;
@@ -86,60 +93,134 @@ static void test_parse_output(void) {
         CHECK(strncmp(a, "call_", 5) == 0 && strcmp(a, b) != 0);
     }
     cJSON_Delete(c);
-    /* not calls: plain text, an unknown function, broken JSON */
+    /* not calls: plain text, an unknown function, broken JSON; a hermes
+     * block is no call to a mistral model */
     static const char *const none[] = {"Once upon a time", "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>",
                                        "<tool_call>{\"name\": \"now\", </tool_call>"};
     for (size_t i = 0; i < 3; i++) {
-        c = loom_tools_parse_output(&t, LOOM_CHAT_CHATML, none[i], strlen(none[i]), 7, &rest);
+        c = parse_out(LOOM_TOOLFMT_HERMES, &t, none[i], &rest);
         CHECKF(!c && !rest, "text %zu read as a call", i);
     }
-    loom_tools_free(&t);
-    cJSON_Delete(r);
-    /* forced: the named function's arguments object; required: the array */
-    r = req(", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}");
-    CHECK(loom_tools_parse(r, LOOM_CHAT_LLAMA3, &t, &param, msg, sizeof msg) == 0);
-    c = loom_tools_parse_output(&t, LOOM_CHAT_LLAMA3, "{\"city\": \"Lima\"}", 16, 1, &rest);
-    CHECK(one_call(c, "get_weather", "{\"city\":\"Lima\"}"));
-    cJSON_Delete(c);
-    loom_tools_free(&t);
-    cJSON_Delete(r);
-    r = req(", \"tool_choice\": \"required\"");
-    CHECK(loom_tools_parse(r, LOOM_CHAT_MISTRAL, &t, &param, msg, sizeof msg) == 0 && strstr(t.render, "[AVAILABLE_TOOLS]"));
-    const char *arr = "[{\"name\": \"now\", \"arguments\": {}}]";
-    c = loom_tools_parse_output(&t, LOOM_CHAT_MISTRAL, arr, strlen(arr), 1, &rest);
-    CHECK(one_call(c, "now", "{}"));
-    cJSON_Delete(c);
+    c = parse_out(LOOM_TOOLFMT_MISTRAL, &t, hermes, &rest);
+    CHECK(!c && !rest);
     loom_tools_free(&t);
     cJSON_Delete(r);
 }
 
-static void test_render_history(void) {
-    cJSON *calls = cJSON_Parse("[{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": \"now\", \"arguments\": \"{}\"}}]");
+static void test_names(void) {
+    static const char *const names[] = {"hermes", "llama3_json", "mistral", "granite", "deepseek_v3", "deepseek_v31",
+                                        "pythonic", "llama4_pythonic", "qwen3_coder"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        loom_toolfmt_t f = loom_toolfmt_from_name(names[i]);
+        CHECKF(f != LOOM_TOOLFMT_NONE && !strcmp(loom_toolfmt_name(f), names[i]), "%s", names[i]);
+        CHECK(strstr(LOOM_TOOL_PARSER_NAMES, names[i]) != NULL);
+    }
+    CHECK(loom_toolfmt_from_name("hermes2") == LOOM_TOOLFMT_NONE && loom_toolfmt_from_name(NULL) == LOOM_TOOLFMT_NONE);
+    /* markers the families' templates carry */
+    CHECK(loom_toolfmt_detect("{{- '<tool_call>\\n' }}{{ tool_call | tojson }}") == LOOM_TOOLFMT_HERMES);
+    CHECK(loom_toolfmt_detect("{{- '[TOOL_CALLS] [' }}") == LOOM_TOOLFMT_MISTRAL);
+    CHECK(loom_toolfmt_detect("{{- '<|python_tag|>' }}") == LOOM_TOOLFMT_LLAMA3_JSON);
+    CHECK(loom_toolfmt_detect("<|start_header_id|>{\"name\": function name, \"parameters\": ...") ==
+          LOOM_TOOLFMT_LLAMA3_JSON);
+    CHECK(loom_toolfmt_detect("{{ '<|tool_call|>' }}") == LOOM_TOOLFMT_GRANITE);
+    CHECK(loom_toolfmt_detect("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+                              "tool['function']['name'] + '\\n' + '```json' }}") == LOOM_TOOLFMT_DEEPSEEK_V3);
+    CHECK(loom_toolfmt_detect("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+                              "'<｜tool▁sep｜>' + tool['function']['arguments'] }}") == LOOM_TOOLFMT_DEEPSEEK_V31);
+    CHECK(loom_toolfmt_detect("[func_name1(params_name1=params_value1, params_name2=params_value2...)]") ==
+          LOOM_TOOLFMT_PYTHONIC);
+    CHECK(loom_toolfmt_detect("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + k }}") ==
+          LOOM_TOOLFMT_QWEN3_CODER);
+    CHECK(loom_toolfmt_detect("{{ messages }}") == LOOM_TOOLFMT_NONE && loom_toolfmt_detect(NULL) == LOOM_TOOLFMT_NONE);
+    /* the pythonic syntax cannot be forced */
+    cJSON *r = req(", \"tool_choice\": \"required\"");
+    loom_tools_t t;
+    const char *param = NULL;
+    char msg[256] = "";
+    CHECK(loom_tools_parse(r, LOOM_TOOLFMT_PYTHONIC, &t, &param, msg, sizeof msg) < 0 && strstr(msg, "pythonic") &&
+          !strcmp(param, "tool_choice"));
+    loom_tools_free(&t);
+    cJSON_Delete(r);
+}
+
+/* The forced call's grammar accepts the model's own call syntax and only
+ * it, and what it accepts parses back into the call. */
+static void test_forced_grammar(void) {
+    static const struct {
+        loom_toolfmt_t f;
+        const char *choice, *ok, *bad;
+        const char *name, *args;
+    } cases[] = {
+        {LOOM_TOOLFMT_HERMES, ", \"tool_choice\": \"required\"",
+         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}\n</tool_call>",
+         "[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}]", "get_weather", "{\"city\":\"Lima\"}"},
+        {LOOM_TOOLFMT_MISTRAL, ", \"tool_choice\": \"required\"", "[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]",
+         "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>", "now", "{}"},
+        {LOOM_TOOLFMT_LLAMA3_JSON, ", \"tool_choice\": \"required\"", "{\"name\": \"now\", \"parameters\": {}}",
+         "{\"name\": \"now\", \"arguments\": {}}", "now", "{}"},
+        {LOOM_TOOLFMT_GRANITE, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
+         "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}]",
+         "<|tool_call|>[{\"name\": \"now\", \"arguments\": {}}]", "get_weather", "{\"city\":\"x\"}"},
+        {LOOM_TOOLFMT_DEEPSEEK_V3, ", \"tool_choice\": \"required\"",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"x\"}\n```"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"town\": \"x\"}\n```"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "get_weather", "{\"city\":\"x\"}"},
+        {LOOM_TOOLFMT_DEEPSEEK_V31, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"now\"}}",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "now", "{}"},
+        {LOOM_TOOLFMT_HERMES, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
+         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}\n</tool_call>",
+         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>", "get_weather", "{\"city\":\"x\"}"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cJSON *r = req(cases[i].choice);
+        loom_tools_t t;
+        const char *param;
+        char msg[256];
+        REQUIRE(loom_tools_parse(r, cases[i].f, &t, &param, msg, sizeof msg) == 0 && t.schema);
+        loom_grammar_t *g = NULL;
+        loom_err_t err = {0};
+        CHECKF(loom_grammar_compile(LOOM_GRAMMAR_TOOL_CALLS, t.schema, strlen(t.schema), &g, &err) == LOOM_OK,
+               "case %zu: %s", i, err.msg);
+        if (g) {
+            CHECKF(loom_grammar_check(g, cases[i].ok, strlen(cases[i].ok)) == LOOM_GRAMMAR_MATCH, "case %zu: %s", i,
+                   cases[i].ok);
+            CHECKF(loom_grammar_check(g, cases[i].bad, strlen(cases[i].bad)) != LOOM_GRAMMAR_MATCH, "case %zu: %s", i,
+                   cases[i].bad);
+        }
+        loom_grammar_destroy(&g);
+        char *rest = NULL;
+        cJSON *c = loom_tools_parse_output(&t, cases[i].ok, strlen(cases[i].ok), 3, &rest);
+        CHECKF(one_call(c, cases[i].name, cases[i].args) && !rest, "case %zu parses back", i);
+        cJSON_Delete(c);
+        free(rest);
+        loom_tools_free(&t);
+        cJSON_Delete(r);
+    }
+    /* parallel calls, hermes: blocks one after another */
+    cJSON *r = req(", \"tool_choice\": \"required\"");
+    loom_tools_t t;
+    const char *param;
     char msg[256];
-    char *h = loom_tools_render_calls(LOOM_CHAT_CHATML, calls, NULL, msg, sizeof msg);
-    CHECK(h && !strcmp(h, "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>"));
-    free(h);
-    h = loom_tools_render_calls(LOOM_CHAT_LLAMA3, calls, NULL, msg, sizeof msg);
-    CHECK(h && !strcmp(h, "{\"name\": \"now\", \"parameters\": {}}"));
-    free(h);
-    h = loom_tools_render_calls(LOOM_CHAT_MISTRAL, calls, NULL, msg, sizeof msg);
-    CHECK(h && !strcmp(h, "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}}]"));
-    free(h);
-    cJSON *bad = cJSON_Parse("[{\"function\": {\"name\": \"now\"}}]");
-    CHECK(!loom_tools_render_calls(LOOM_CHAT_CHATML, bad, NULL, msg, sizeof msg) && strstr(msg, "arguments"));
-    cJSON_Delete(bad);
-    cJSON_Delete(calls);
-    h = loom_tools_render_result(LOOM_CHAT_CHATML, "21 C");
-    CHECK(!strcmp(h, "<tool_response>\n21 C\n</tool_response>"));
-    free(h);
-    h = loom_tools_render_result(LOOM_CHAT_MISTRAL, "21 C");
-    CHECK(!strcmp(h, "[TOOL_RESULTS] {\"content\":\"21 C\"}[/TOOL_RESULTS]"));
-    free(h);
+    REQUIRE(loom_tools_parse(r, LOOM_TOOLFMT_HERMES, &t, &param, msg, sizeof msg) == 0);
+    loom_grammar_t *g = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_grammar_compile(LOOM_GRAMMAR_TOOL_CALLS, t.schema, strlen(t.schema), &g, &err) == LOOM_OK);
+    const char *two = "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": "
+                      "\"now\", \"arguments\": {}}\n</tool_call>";
+    CHECK(loom_grammar_check(g, two, strlen(two)) == LOOM_GRAMMAR_MATCH);
+    loom_grammar_destroy(&g);
+    loom_tools_free(&t);
+    cJSON_Delete(r);
 }
 
 int main(void) {
     RUN(test_parse_request);
     RUN(test_parse_output);
-    RUN(test_render_history);
+    RUN(test_names);
+    RUN(test_forced_grammar);
     return test_summary();
 }

@@ -1,0 +1,49 @@
+/* Call syntaxes read once the calls are complete (tool_stream.c holds their
+ * text from the start marker on and parses it at the end). With B, E, CB,
+ * CE and S for DeepSeek's markers <｜tool▁calls▁begin｜>,
+ * <｜tool▁calls▁end｜>, <｜tool▁call▁begin｜>, <｜tool▁call▁end｜> and
+ * <｜tool▁sep｜>:
+ *
+ *   deepseek_v3      after any content, B CB function S NAME\n```json\nARGS\n``` CE ... E
+ *   deepseek_v31     after any content, B CB NAME S ARGS CE ... E
+ *   pythonic         the whole answer a Python list of calls,
+ *                    [get_weather(city="Oslo"), now()], keyword arguments of
+ *                    Python literals (strings, numbers, True/False/None,
+ *                    lists, tuples, dicts)
+ *   llama4_pythonic  the same, maybe between <|python_start|> and <|python_end|>
+ *   qwen3_coder      after any content, blocks <tool_call>\n<function=NAME>\n
+ *                    <parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>;
+ *                    a VALUE is typed by the tool's schema (integer, number,
+ *                    boolean, object, array: read as JSON; else a string)
+ *
+ * ARGS is a JSON object; a call's arguments are its JSON text less the
+ * whitespace between tokens (pythonic: the literals converted to JSON). */
+#ifndef LOOM_TOOL_PARSERS_H
+#define LOOM_TOOL_PARSERS_H
+
+#include <stddef.h>
+
+#include <cjson/cJSON.h>
+
+#include "gateway/tool_calls.h"
+
+typedef struct loom_tp_call {
+    char *name, *args; /* malloc'ed */
+} loom_tp_call_t;
+
+/* 1 for the syntaxes read whole (above). */
+int loom_tp_held(loom_toolfmt_t f);
+
+/* Where the calls begin in text[0..len): the offset of the start marker
+ * (len: not there); *maybe: how many trailing bytes may still begin it. */
+size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t *maybe);
+
+/* Parses text (from the start marker) into calls of functions in tools;
+ * returns their number (> 0) and *calls (malloc'ed, free with
+ * loom_tp_calls_free), *end the bytes they took (what follows is content);
+ * -1 when it is not calls. */
+int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len,
+                  loom_tp_call_t **calls, size_t *end);
+void loom_tp_calls_free(loom_tp_call_t *calls, int n);
+
+#endif
