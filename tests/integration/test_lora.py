@@ -77,6 +77,14 @@ def test_every_linear():
     check_exact(STORIES, ad, merged(STORIES, ad, "all_r8_merged"), differs_from=base)
 
 
+def test_with_speculation():
+    """ngram speculation's verify steps (several rows of one sequence) carry the adapter too: same ids."""
+    ad = os.path.join(WORK, "all_r8")
+    _, plain = run_local(STORIES, PROMPT, N, extra=["--lora", ad, "--ignore-eos"])
+    _, spec = run_local(STORIES, PROMPT, N, extra=["--lora", ad, "--ignore-eos", "--speculative-method", "ngram"])
+    check(spec == plain, "with ngram speculation: %s, without: %s" % (spec, plain))
+
+
 def test_rslora_patterns():
     base = base_ids(STORIES)
     ad = adapter(STORIES, "rs", "--r", 8, "--alpha", 16, "--rslora", "--rank-pattern", '{"q_proj": 16, "down_proj": 4}',
@@ -141,5 +149,5 @@ def test_bad_adapters():
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_every_linear, test_rslora_patterns, test_some_targets, test_zero_b, test_phi3_layout,
+    run_tests([test_every_linear, test_with_speculation, test_rslora_patterns, test_some_targets, test_zero_b, test_phi3_layout,
                test_bad_adapters])
