@@ -320,6 +320,12 @@ void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int 
 int loom_backend_moe_add_bias_supported(const loom_backend_t *be) {
     return be->ops->moe_add_bias != NULL;
 }
+int loom_backend_has_lora(const loom_backend_t *be) { return be->ops->lora != NULL; }
+void loom_op_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                  int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r) {
+    LOOM_ASSERT(be->ops->lora && max_r >= 1);
+    if (n > 0 && n_slots > 0) be->ops->lora(be, y, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, max_r);
+}
 void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
                   const int32_t *pos, const float *inv_freq) {
     if (n > 0) be->ops->rope(be, x, stride, n, n_heads, hd, pos, inv_freq);

@@ -26,6 +26,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/cpu/lora.h"
 #include "kernels/cpu/qgemv.h"
 #include "kernels/cpu/threadpool.h"
 #include "kernels/cpu/vec.h"
@@ -96,6 +97,8 @@ typedef struct cpu_backend {
     void *qx;             /* (qx_cap) activations rounded to int8 for the quantized GEMV */
     size_t qx_cap;        /* bytes */
     wslab_t *slabs;       /* weight memory, newest first */
+    float *lora_ws;       /* (lora_cap) loom_cpu_lora_sgmv's workspace */
+    size_t lora_cap;      /* floats */
 } cpu_backend_t;
 
 static cpu_backend_t *cpu(loom_backend_t *be) {
@@ -854,6 +857,90 @@ static void cpu_sample_shard(loom_backend_t *be, const float *logits, int n_rows
     loom_parallel_for(cpu(be)->pool, n_rows, sample_task, &sc);
 }
 
+/* LoRA deltas. Prefill-sized batches group the rows by adapter for sgemm
+ * (loom_cpu_lora_sgmv); decode-sized ones run on the pool in two passes,
+ * so they never wait on OpenBLAS's threads beside the pool's: the shrink
+ * t_i = scale A_s x_i over rows, then the expand y_i += t_i Bt_s over
+ * column chunks (each chunk of Bt stays in cache across the rows of its
+ * adapter). Each output element sums its r terms in order k = 0..r-1,
+ * whatever the split. */
+#define LORA_SGEMM_ROWS 64
+#define LORA_PAR_MIN_MACS (128 * 1024) /* below, one thread: a pool dispatch costs more than the work */
+
+struct lora_ctx {
+    float *y;
+    const float *x;
+    int64_t ldy, ldx, in, out, chunk;
+    int n, n_slots, max_r;
+    const int32_t *row_slot;
+    const loom_lora_op_slot_t *slots;
+    float *t; /* (n, max_r) */
+};
+
+static const loom_lora_op_slot_t *lora_row(const struct lora_ctx *lc, int i) {
+    int s = lc->row_slot[i];
+    if (s < 0 || s >= lc->n_slots || lc->slots[s].r <= 0) return NULL;
+    return &lc->slots[s];
+}
+
+static void lora_shrink_task(void *p, int task, int thread) {
+    (void)thread;
+    struct lora_ctx *lc = p;
+    const loom_lora_op_slot_t *sl = lora_row(lc, task);
+    if (!sl) return;
+    const float *xi = lc->x + (int64_t)task * lc->ldx;
+    float *t = lc->t + (int64_t)task * lc->max_r;
+    for (int k = 0; k < sl->r; k++) t[k] = sl->scale * loom_vec_dot(sl->a + (int64_t)k * lc->in, xi, (int)lc->in);
+}
+
+static void lora_expand_task(void *p, int task, int thread) {
+    (void)thread;
+    struct lora_ctx *lc = p;
+    int64_t c0 = (int64_t)task * lc->chunk, c1 = LOOM_MIN(c0 + lc->chunk, lc->out);
+    for (int i = 0; i < lc->n; i++) {
+        const loom_lora_op_slot_t *sl = lora_row(lc, i);
+        if (!sl) continue;
+        float *yi = lc->y + (int64_t)i * lc->ldy + c0;
+        const float *t = lc->t + (int64_t)i * lc->max_r;
+        for (int k = 0; k < sl->r; k++) loom_vec_axpy(yi, t[k], sl->bt + (int64_t)k * lc->out + c0, (int)(c1 - c0));
+    }
+}
+
+static void cpu_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                     int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r) {
+    cpu_backend_t *c = cpu(be);
+    size_t need = LOOM_MAX(loom_cpu_lora_workspace(n, in, max_r), (size_t)n * (size_t)max_r);
+    if (need > c->lora_cap) {
+        free(c->lora_ws);
+        c->lora_ws = loom_xmalloc(need * sizeof(float));
+        c->lora_cap = need;
+    }
+    if (n >= LORA_SGEMM_ROWS) {
+        loom_cpu_lora_sgmv(y, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, c->lora_ws);
+        return;
+    }
+    struct lora_ctx lc = {.y = y, .x = x, .ldy = ldy, .ldx = ldx, .in = in, .out = out, .n = n,
+                          .n_slots = n_slots, .max_r = max_r, .row_slot = row_slot, .slots = slots,
+                          .t = c->lora_ws};
+    int any = 0;
+    for (int i = 0; i < n && !any; i++) any = lora_row(&lc, i) != NULL;
+    if (!any) return;
+    int serial = c->n_threads == 1 || (int64_t)n * max_r * (in + out) < LORA_PAR_MIN_MACS;
+    if (serial || n == 1) {
+        for (int i = 0; i < n; i++) lora_shrink_task(&lc, i, 0);
+    } else {
+        loom_parallel_for(c->pool, n, lora_shrink_task, &lc);
+    }
+    lc.chunk = chunk_size(c, out, 64, 2, 16);
+    int tasks = (int)n_chunks(out, lc.chunk);
+    if (serial || tasks == 1) {
+        lc.chunk = out;
+        lora_expand_task(&lc, 0, 0);
+    } else {
+        loom_parallel_for(c->pool, tasks, lora_expand_task, &lc);
+    }
+}
+
 /* --- lifecycle --------------------------------------------------------- */
 
 static void cpu_destroy(loom_backend_t *be) {
@@ -865,6 +952,7 @@ static void cpu_destroy(loom_backend_t *be) {
     free(c->attn_scratch);
     host_free(c->widen);
     host_free(c->qx);
+    free(c->lora_ws);
     while (c->slabs) { /* weights the caller did not free */
         wslab_t *s = c->slabs;
         c->slabs = s->next;
@@ -906,6 +994,7 @@ static const loom_backend_ops_t cpu_ops = {
     .moe_gemv = cpu_moe_gemv,
     .moe_device = cpu_moe_device,
     .moe_table = cpu_moe_table,
+    .lora = cpu_lora,
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
     .kv_write = cpu_kv_write,

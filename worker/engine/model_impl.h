@@ -10,6 +10,7 @@
  *   attn.c    loom_blk_attn*   qkv -> bias -> q/k norm -> RoPE + KV write -> attention -> o
  *   ffn.c     loom_blk_ffn*    the dense gated MLP
  *   moe.c     loom_blk_moe*    Mixture-of-Experts blocks
+ *   lora.c    loom_blk_lora    adapter slots, their preparation and deltas
  * See docs/architecture.md (the engine's source map). */
 #ifndef LOOM_MODEL_IMPL_H
 #define LOOM_MODEL_IMPL_H
@@ -141,6 +142,15 @@ struct loom_model {
     int32_t *h_cnt; /* (n_experts + 1) CSR offsets of the rows routed to each expert */
     int32_t *h_rows; /* (T * k) token of each routed row, grouped by expert */
     float *h_rw;     /* (T * k) its router weight */
+
+    /* LoRA adapter slots (lora.c): lora_tab (n_layers, LOOM_LORA_N_TARGETS,
+     * max_loras) each slot's A (r, in) and Bt (r, out) for one projection,
+     * in lora_mem[slot] (device; rank up to opt.max_lora_rank) */
+    loom_lora_op_slot_t *lora_tab;
+    float **lora_mem;
+    struct loom_blk_adapters {
+        const int32_t *d_row_slot; /* (T) adapter slot of each row, -1 none (device) */
+    } lora_step;
 };
 
 /* ---- loading ------------------------------------------------------------ */
@@ -176,15 +186,16 @@ typedef struct lin_part {
 } loom_lin_part_t;
 
 
-/* Per-request low-rank deltas (LoRA adapters) for one step: not defined
- * yet; every projection already takes them (loom_blk_linear). */
+/* Per-request low-rank deltas (LoRA adapters) for one step: the adapter
+ * slot of every row (struct loom_model's lora_step); every projection
+ * takes them (loom_blk_linear). */
 typedef struct loom_blk_adapters loom_blk_adapters_t;
 
 /* Device pointers and sizes of one step's ops (see loom_model_forward). */
 typedef struct loom_step_ops {
     int n, nl, max_blocks, max_ctx;
     const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
-    const loom_blk_adapters_t *adapters; /* the step's low-rank deltas per request: NULL (none yet) */
+    const loom_blk_adapters_t *adapters; /* the step's low-rank deltas per row: NULL when no row has one */
 } loom_step_ops_t;
 
 
@@ -260,6 +271,15 @@ loom_status_t loom_blk_linear(loom_model_t *m, const loom_blk_adapters_t *ad, co
 void loom_blk_linear_experts(loom_model_t *m, const loom_blk_adapters_t *ad, const loom_blk_linear_t *lin,
                              float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
                              const void *table);
+
+/* ---- lora.c: adapter slots -------------------------------------------- */
+/* The slots opt.max_loras asks for (none: nothing), after the layers load. */
+loom_status_t loom_model_lora_alloc(loom_model_t *m, loom_err_t *err);
+void loom_model_lora_free(loom_model_t *m);
+/* y += each row's adapter delta for the projection lin (its parts' column
+ * ranges for fused qkv and gate/up); before the row-parallel all-reduce. */
+void loom_blk_lora(loom_model_t *m, const loom_blk_adapters_t *ad, const loom_blk_linear_t *lin, float *y,
+                   const float *x, int n);
 
 /* ---- attn.c: the attention block --------------------------------------- */
 /* q/k/v (stacked, this rank's heads; biases, partial rotary), q/k norms, the window, o. */
