@@ -356,6 +356,7 @@ struct qgemv_ctx {
     const loom_weight_t *w;
     int64_t chunk;
     loom_cpu_isa_t isa;
+    int gemm; /* loom_cpu_qgemm (8-row panels) rather than loom_cpu_qgemv */
 };
 
 static void qx_task(void *p, int task, int thread) {
@@ -366,15 +367,15 @@ static void qx_task(void *p, int task, int thread) {
 static void qgemv_task(void *p, int task, int thread) {
     struct qgemv_ctx *c = p;
     int64_t r0 = (int64_t)task * c->chunk, r1 = LOOM_MIN(r0 + c->chunk, c->w->rows);
-    loom_cpu_qgemv(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
+    (c->gemm ? loom_cpu_qgemm : loom_cpu_qgemv)(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
 }
 
 /* The quantized GEMV on up to QX_ROWS rows of x: x rounded to int8 (one
  * task per row when there is enough of it), then chunks of W's rows in
  * parallel. */
 static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w,
-                            int n) {
-    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa};
+                            int n, int gemm) {
+    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa, .gemm = gemm};
     loom_cpu_qx_init(&g.qx, c->qx, x, n, w);
     if (w->quant != LOOM_QUANT_FP8) {
         if ((int64_t)n * w->cols >= PAR_MIN_ELEMS && n > 1 && c->n_threads > 1)
@@ -383,15 +384,16 @@ static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const lo
             loom_cpu_qx_quantize(&g.qx, 0, n);
     }
     if (loom_weight_bytes(w) >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
-        g.chunk = chunk_size(c, w->rows, 16, 8, 4); /* whole 4-row tiles */
+        g.chunk = chunk_size(c, w->rows, 16, 8, gemm ? 8 : 4); /* whole tiles / panels */
     loom_parallel_for(c->pool, n_chunks(w->rows, g.chunk), qgemv_task, &g);
 }
 
-static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n,
+                       int gemm) {
     LOOM_ASSERT(c->qx_cap >= loom_cpu_qx_bytes(LOOM_MIN(n, QX_ROWS), w->cols));
     for (int i = 0; i < n; i += QX_ROWS)
         quant_gemv_rows(c, y + (int64_t)i * w->rows, x + (int64_t)i * w->cols, w,
-                        LOOM_MIN(QX_ROWS, n - i));
+                        LOOM_MIN(QX_ROWS, n - i), gemm);
 }
 
 static void widen_task(void *p, int task, int thread) {
@@ -423,10 +425,13 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     const int64_t rows = w->rows, cols = w->cols;
     if (rows == 0 || n <= 0) return;
     if (w->quant != LOOM_QUANT_NONE) {
+        const int igemm = c->isa != LOOM_CPU_ISA_SCALAR && w->quant != LOOM_QUANT_FP8;
         if (path == LOOM_CPU_MM_AUTO)
-            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
-        if (path == LOOM_CPU_MM_GEMV) {
-            quant_gemv(c, y, x, w, n);
+            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV
+                   : igemm                             ? LOOM_CPU_MM_IGEMM
+                                                       : LOOM_CPU_MM_SGEMM;
+        if (path == LOOM_CPU_MM_GEMV || path == LOOM_CPU_MM_IGEMM) {
+            quant_gemv(c, y, x, w, n, path == LOOM_CPU_MM_IGEMM);
             return;
         }
     } else if (path == LOOM_CPU_MM_AUTO)
@@ -939,7 +944,7 @@ loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_bac
     c->base.cfg.n_threads = n_threads;
     snprintf(c->base.name, sizeof c->base.name, "cpu");
     c->n_threads = n_threads;
-    c->isa = loom_cpu_isa_detect();
+    c->isa = loom_cpu_isa_select();
     c->attn_scratch = calloc((size_t)n_threads, sizeof *c->attn_scratch);
     if (!c->attn_scratch) goto fail_nomem;
     for (int t = 0; t < n_threads; t++) {
