@@ -6,8 +6,8 @@
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
  * first). Quantized weights (qgemv.c) use their GEMV kernel up to
- * loom_cpu_qgemv_max_n() rows and dequantized blocks for
- * sgemm above. Small
+ * loom_cpu_qgemv_max_n() rows and the integer GEMM above (FP8: dequantized
+ * blocks for sgemm). Small
  * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
  * measurements behind the thresholds. Not thread-safe: one caller at a time. */
@@ -41,17 +41,20 @@
 #define LOOM_CPU_GEMV_MAX_N_HALF 32
 #endif
 /* Largest n served by the quantized GEMV kernels (qgemv.c) per scheme;
- * above it the rows are dequantized block by block for sgemm. Measured
- * crossovers (docs/kernels-cpu.md): the INT8 kernel wins up to n = 64-128
- * and loses from 256; Q4's wins up to 64 and loses from 128; FP8's
- * computes in float and loses from n = 32. x goes through the kernels
+ * above it INT8 and Q4 use the integer GEMM (loom_cpu_qgemm) and FP8 its
+ * dequantized blocks for sgemm. Measured crossovers (bench_kernels --only
+ * qcross, docs/kernels-cpu.md, AVX2 and AVX-512 VNNI paths of one Xeon):
+ * the integer GEMM beats the Q4 GEMV from n = 8 on both paths and the INT8
+ * GEMV from n = 16-32 (AVX2); it beats dequantize + sgemm at every n
+ * measured up to 512 but a few noisy INT8 ones. FP8's GEMV computes in
+ * float and loses to sgemm from n = 32. x goes through the kernels
  * QX_ROWS rows at a time, so its int8 copy stays in L1/L2 and the scratch
  * has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N_INT8
-#define LOOM_CPU_QGEMV_MAX_N_INT8 128
+#define LOOM_CPU_QGEMV_MAX_N_INT8 16
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_Q4
-#define LOOM_CPU_QGEMV_MAX_N_Q4 64
+#define LOOM_CPU_QGEMV_MAX_N_Q4 4
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_FP8
 #define LOOM_CPU_QGEMV_MAX_N_FP8 16
