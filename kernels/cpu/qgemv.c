@@ -123,6 +123,7 @@ void loom_cpu_qx_init(loom_cpu_qx_t *qx, void *scratch, const float *x, int n,
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define QGEMV_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 /* Regions compiled for a wider target than the build's, chosen at run time;
  * GCC and clang spell them differently. */
@@ -131,10 +132,12 @@ void loom_cpu_qx_init(loom_cpu_qx_t *qx, void *scratch, const float *x, int n,
 #if defined(__clang__)
 #define QGEMV_AVX2_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define QGEMV_VNNI_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni\"))), apply_to = function)")
+#define QGEMV_AVXVNNI_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,avxvnni\"))), apply_to = function)")
 #define QGEMV_TARGET_END _Pragma("clang attribute pop")
 #else
 #define QGEMV_AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
 #define QGEMV_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni\")")
+#define QGEMV_AVXVNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,avxvnni\")")
 #define QGEMV_TARGET_END _Pragma("GCC pop_options")
 #endif
 /* clang-format on */
@@ -526,22 +529,95 @@ static inline __attribute__((always_inline)) __m256i blk_u8_vnni(const __m256i *
 #undef QG_NX
 
 QGEMV_TARGET_END
+
+/* AVX-VNNI (VEX-encoded vpdpbusd, no AVX-512: Alder Lake and later, Zen 5):
+ * VNNI's dots in the AVX2 tile shapes, which fit 16 ymm registers. */
+QGEMV_AVXVNNI_BEGIN
+
+static inline __attribute__((always_inline)) __m256i dot_u8s8_avxvnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+}
+
+#define QT(name) name##_avxvnni
+#define QT_DOT_U8(w, x) dot_u8s8_avxvnni(w, x)
+#define QT_DOT_U8_PAIR(w0, x0, w1, x1) _mm256_dpbusd_avx_epi32(dot_u8s8_avxvnni(w0, x0), w1, x1)
+#define QT_DOT_I8(w, x) dot_u8s8_avxvnni(w, x)
+#define QT_I8_BIAS 128
+#define QT_RM 2
+#define QT_NXM 3
+#include "kernels/cpu/qgemv_tiles.h"
+#undef QT
+#undef QT_DOT_U8
+#undef QT_DOT_U8_PAIR
+#undef QT_DOT_I8
+#undef QT_I8_BIAS
+#undef QT_RM
+#undef QT_NXM
+
+static inline __attribute__((always_inline)) __m256i blk_u8_avxvnni(const __m256i *c,
+                                                                    const int8_t *xp) {
+    __m256i s0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c[0], bcast_x4(xp));
+    __m256i s1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c[1], bcast_x4(xp + 4));
+    for (int t = 2; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, c[t], bcast_x4(xp + 4 * t));
+        s1 = _mm256_dpbusd_avx_epi32(s1, c[t + 1], bcast_x4(xp + 4 * t + 4));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+#define QG(name) name##_avxvnni
+#define QG_BLK_Q4(c, xp) blk_u8_avxvnni(c, xp)
+#define QG_BLK_I8(c, xp) blk_u8_avxvnni(c, xp)
+#define QG_I8_XOR 0u
+#define QG_I8_BIAS 128
+#define QG_NX 4
+#include "kernels/cpu/qgemm_tiles.h"
+#undef QG
+#undef QG_BLK_Q4
+#undef QG_BLK_I8
+#undef QG_I8_XOR
+#undef QG_I8_BIAS
+#undef QG_NX
+
+QGEMV_TARGET_END
 #endif /* QGEMV_X86 */
 
 /* --- dispatch ---------------------------------------------------------- */
 
-loom_cpu_isa_t loom_cpu_isa_detect(void) {
+int loom_cpu_isa_supported(loom_cpu_isa_t isa) {
 #ifdef QGEMV_X86
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
-        return LOOM_CPU_ISA_SCALAR;
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw"))
-        return LOOM_CPU_ISA_VNNI;
-    return LOOM_CPU_ISA_AVX2;
-#else
-    return LOOM_CPU_ISA_SCALAR;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    switch (isa) {
+    case LOOM_CPU_ISA_SCALAR: return 1;
+    case LOOM_CPU_ISA_AVX2: return avx2;
+    case LOOM_CPU_ISA_VNNI:
+        return avx2 && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+    case LOOM_CPU_ISA_AVXVNNI: {
+        /* CPUID.(EAX=7, ECX=1):EAX bit 4 (GCC 12's __builtin_cpu_supports
+         * answers 0 for "avxvnni" on a CPU that has it). cpuid traps to the
+         * hypervisor in a VM, and every kernel call asserts its isa: ask
+         * once (0 unknown, 1 no, 2 yes; racing threads store the same). */
+        static int known;
+        int k = __atomic_load_n(&known, __ATOMIC_RELAXED);
+        if (!k) {
+            unsigned a = 0, b = 0, c = 0, d = 0;
+            k = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1) ? 2 : 1;
+            __atomic_store_n(&known, k, __ATOMIC_RELAXED);
+        }
+        return avx2 && k == 2;
+    }
+    }
 #endif
+    return isa == LOOM_CPU_ISA_SCALAR;
+}
+
+loom_cpu_isa_t loom_cpu_isa_detect(void) {
+    if (loom_cpu_isa_supported(LOOM_CPU_ISA_VNNI)) return LOOM_CPU_ISA_VNNI;
+    if (loom_cpu_isa_supported(LOOM_CPU_ISA_AVXVNNI)) return LOOM_CPU_ISA_AVXVNNI;
+    if (loom_cpu_isa_supported(LOOM_CPU_ISA_AVX2)) return LOOM_CPU_ISA_AVX2;
+    return LOOM_CPU_ISA_SCALAR;
 }
 
 loom_cpu_isa_t loom_cpu_isa_select(void) {
@@ -553,11 +629,13 @@ loom_cpu_isa_t loom_cpu_isa_select(void) {
         want = LOOM_CPU_ISA_SCALAR;
     else if (!strcmp(e, "avx2"))
         want = LOOM_CPU_ISA_AVX2;
+    else if (!strcmp(e, "avxvnni") || !strcmp(e, "avx-vnni"))
+        want = LOOM_CPU_ISA_AVXVNNI;
     else if (!strcmp(e, "avx512") || !strcmp(e, "avx512-vnni") || !strcmp(e, "vnni"))
         want = LOOM_CPU_ISA_VNNI;
-    if (want < 0 || want > (int)best) {
+    if (want < 0 || !loom_cpu_isa_supported((loom_cpu_isa_t)want)) {
         loom_log(LOOM_LOG_WARN, "LOOM_CPU_ISA=%s: %s; using %s", e,
-                 want < 0 ? "unknown (avx2, avx512 or generic)" : "this CPU lacks it",
+                 want < 0 ? "unknown (avx2, avxvnni, avx512 or generic)" : "this CPU lacks it",
                  loom_cpu_isa_name(best));
         return best;
     }
@@ -568,19 +646,22 @@ const char *loom_cpu_isa_name(loom_cpu_isa_t isa) {
     switch (isa) {
     case LOOM_CPU_ISA_AVX2: return "avx2";
     case LOOM_CPU_ISA_VNNI: return "avx512-vnni";
+    case LOOM_CPU_ISA_AVXVNNI: return "avx-vnni";
     default: return "scalar";
     }
 }
 
 void loom_cpu_qgemv(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
                     const loom_weight_t *w, int64_t r0, int64_t r1) {
-    LOOM_ASSERT(isa <= loom_cpu_isa_detect());
+    LOOM_ASSERT(loom_cpu_isa_supported(isa));
 #ifdef QGEMV_X86
     if (isa != LOOM_CPU_ISA_SCALAR) {
         if (w->quant == LOOM_QUANT_FP8)
             rows_fp8_avx2(y, ldy, qx->x, qx->n, w, r0, r1);
         else if (isa == LOOM_CPU_ISA_VNNI)
             (w->quant == LOOM_QUANT_Q4 ? rows_q4_vnni : rows_i8_vnni)(y, ldy, qx, w, r0, r1);
+        else if (isa == LOOM_CPU_ISA_AVXVNNI)
+            (w->quant == LOOM_QUANT_Q4 ? rows_q4_avxvnni : rows_i8_avxvnni)(y, ldy, qx, w, r0, r1);
         else
             (w->quant == LOOM_QUANT_Q4 ? rows_q4_avx2 : rows_i8_avx2)(y, ldy, qx, w, r0, r1);
         return;
@@ -591,7 +672,7 @@ void loom_cpu_qgemv(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx
 
 void loom_cpu_qgemm(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
                     const loom_weight_t *w, int64_t r0, int64_t r1) {
-    LOOM_ASSERT(isa <= loom_cpu_isa_detect());
+    LOOM_ASSERT(loom_cpu_isa_supported(isa));
     int64_t np = 0;
 #ifdef QGEMV_X86
     if (isa != LOOM_CPU_ISA_SCALAR && w->quant != LOOM_QUANT_FP8 && qx->nb > 0) {
@@ -599,6 +680,8 @@ void loom_cpu_qgemm(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx
         const int q4 = w->quant == LOOM_QUANT_Q4;
         if (np && isa == LOOM_CPU_ISA_VNNI)
             (q4 ? panels_q4_vnni : panels_i8_vnni)(y, ldy, qx, w, r0, np);
+        else if (np && isa == LOOM_CPU_ISA_AVXVNNI)
+            (q4 ? panels_q4_avxvnni : panels_i8_avxvnni)(y, ldy, qx, w, r0, np);
         else if (np)
             (q4 ? panels_q4_avx2 : panels_i8_avx2)(y, ldy, qx, w, r0, np);
     }

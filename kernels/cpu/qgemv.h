@@ -29,13 +29,19 @@ typedef enum loom_cpu_isa {
     LOOM_CPU_ISA_SCALAR = 0, /* the plain C reference */
     LOOM_CPU_ISA_AVX2,       /* AVX2 + FMA + F16C: vpmaddubsw / vpmaddwd */
     LOOM_CPU_ISA_VNNI,       /* AVX-512 VNNI + VL + BW on ymm: vpdpbusd */
+    LOOM_CPU_ISA_AVXVNNI,    /* AVX2 + AVX-VNNI (VEX vpdpbusd), 16 registers:
+                              * the AVX2 tile shapes with VNNI's dots */
 } loom_cpu_isa_t;
+#define LOOM_CPU_ISA_COUNT 4
 
-/* The best instruction set this CPU has (cpuid). */
+/* The best instruction set this CPU has (cpuid): VNNI, else AVX-VNNI, else
+ * AVX2, else the scalar reference. */
 loom_cpu_isa_t loom_cpu_isa_detect(void);
+/* Whether this CPU can run isa (the scalar reference always). */
+int loom_cpu_isa_supported(loom_cpu_isa_t isa);
 const char *loom_cpu_isa_name(loom_cpu_isa_t isa);
-/* loom_cpu_isa_detect, or the path LOOM_CPU_ISA names (avx2, avx512,
- * generic) when this CPU has it (else a warning and the detected one):
+/* loom_cpu_isa_detect, or the path LOOM_CPU_ISA names (avx2, avxvnni,
+ * avx512, generic) when this CPU has it (else a warning and the detected one):
  * tests and benchmarks force each path with it. */
 loom_cpu_isa_t loom_cpu_isa_select(void);
 
