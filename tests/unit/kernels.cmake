@@ -13,14 +13,3 @@ loom_add_test(test_qformat SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_qformat.c
 # Speculative decoding helpers and the verification rule's distribution.
 loom_add_test(test_spec SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_spec.c
               LIBS loom_kernels loom_base LABELS unit TIMEOUT 60)
-# test_quant again with the quantized kernels' path forced at backend
-# creation (LOOM_CPU_ISA), so the backend-level cases (check_matmul, every
-# path) also run on AVX2, AVX-VNNI and the scalar reference on an AVX-512
-# VNNI machine;
-# a path the CPU lacks is refused with a warning and the test runs the
-# detected one. (test_qgemm and check_isas call every path directly.)
-foreach(isa avx2 avxvnni generic)
-  add_test(NAME test_quant_${isa} COMMAND test_quant)
-  set_tests_properties(test_quant_${isa} PROPERTIES TIMEOUT 120 LABELS "unit;kernels"
-                       ENVIRONMENT "LOOM_CPU_ISA=${isa}")
-endforeach()
