@@ -6,8 +6,8 @@
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
  * first). Quantized weights (qgemv.c) use their GEMV kernel up to
- * loom_cpu_qgemv_max_n() rows and dequantized blocks for
- * sgemm above. Small
+ * loom_cpu_qgemv_max_n() rows and the integer GEMM above (FP8: dequantized
+ * blocks for sgemm). Small
  * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
  * measurements behind the thresholds. Not thread-safe: one caller at a time. */
@@ -42,17 +42,20 @@
 #define LOOM_CPU_GEMV_MAX_N_HALF 32
 #endif
 /* Largest n served by the quantized GEMV kernels (qgemv.c) per scheme;
- * above it the rows are dequantized block by block for sgemm. Measured
- * crossovers (docs/kernels-cpu.md): the INT8 kernel wins up to n = 64-128
- * and loses from 256; Q4's wins up to 64 and loses from 128; FP8's
- * computes in float and loses from n = 32. x goes through the kernels
+ * above it INT8 and Q4 use the integer GEMM (loom_cpu_qgemm) and FP8 its
+ * dequantized blocks for sgemm. Measured crossovers (bench_kernels --only
+ * qcross, docs/kernels-cpu.md, AVX2 and AVX-512 VNNI paths of one Xeon):
+ * the integer GEMM beats the Q4 GEMV from n = 8 on both paths and the INT8
+ * GEMV from n = 16-32 (AVX2); it beats dequantize + sgemm at every n
+ * measured up to 512 but a few noisy INT8 ones. FP8's GEMV computes in
+ * float and loses to sgemm from n = 32. x goes through the kernels
  * QX_ROWS rows at a time, so its int8 copy stays in L1/L2 and the scratch
  * has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N_INT8
-#define LOOM_CPU_QGEMV_MAX_N_INT8 128
+#define LOOM_CPU_QGEMV_MAX_N_INT8 16
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_Q4
-#define LOOM_CPU_QGEMV_MAX_N_Q4 64
+#define LOOM_CPU_QGEMV_MAX_N_Q4 4
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_FP8
 #define LOOM_CPU_QGEMV_MAX_N_FP8 16
@@ -359,6 +362,7 @@ struct qgemv_ctx {
     const loom_weight_t *w;
     int64_t chunk;
     loom_cpu_isa_t isa;
+    int gemm; /* loom_cpu_qgemm (8-row panels) rather than loom_cpu_qgemv */
 };
 
 static void qx_task(void *p, int task, int thread) {
@@ -369,15 +373,15 @@ static void qx_task(void *p, int task, int thread) {
 static void qgemv_task(void *p, int task, int thread) {
     struct qgemv_ctx *c = p;
     int64_t r0 = (int64_t)task * c->chunk, r1 = LOOM_MIN(r0 + c->chunk, c->w->rows);
-    loom_cpu_qgemv(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
+    (c->gemm ? loom_cpu_qgemm : loom_cpu_qgemv)(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
 }
 
 /* The quantized GEMV on up to QX_ROWS rows of x: x rounded to int8 (one
  * task per row when there is enough of it), then chunks of W's rows in
  * parallel. */
 static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w,
-                            int n) {
-    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa};
+                            int n, int gemm) {
+    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa, .gemm = gemm};
     loom_cpu_qx_init(&g.qx, c->qx, x, n, w);
     if (w->quant != LOOM_QUANT_FP8) {
         if ((int64_t)n * w->cols >= PAR_MIN_ELEMS && n > 1 && c->n_threads > 1)
@@ -386,15 +390,16 @@ static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const lo
             loom_cpu_qx_quantize(&g.qx, 0, n);
     }
     if (loom_weight_bytes(w) >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
-        g.chunk = chunk_size(c, w->rows, 16, 8, 4); /* whole 4-row tiles */
+        g.chunk = chunk_size(c, w->rows, 16, 8, gemm ? 8 : 4); /* whole tiles / panels */
     loom_parallel_for(c->pool, n_chunks(w->rows, g.chunk), qgemv_task, &g);
 }
 
-static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n,
+                       int gemm) {
     LOOM_ASSERT(c->qx_cap >= loom_cpu_qx_bytes(LOOM_MIN(n, QX_ROWS), w->cols));
     for (int i = 0; i < n; i += QX_ROWS)
         quant_gemv_rows(c, y + (int64_t)i * w->rows, x + (int64_t)i * w->cols, w,
-                        LOOM_MIN(QX_ROWS, n - i));
+                        LOOM_MIN(QX_ROWS, n - i), gemm);
 }
 
 static void widen_task(void *p, int task, int thread) {
@@ -426,10 +431,13 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     const int64_t rows = w->rows, cols = w->cols;
     if (rows == 0 || n <= 0) return;
     if (w->quant != LOOM_QUANT_NONE) {
+        const int igemm = c->isa != LOOM_CPU_ISA_SCALAR && w->quant != LOOM_QUANT_FP8;
         if (path == LOOM_CPU_MM_AUTO)
-            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
-        if (path == LOOM_CPU_MM_GEMV) {
-            quant_gemv(c, y, x, w, n);
+            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV
+                   : igemm                             ? LOOM_CPU_MM_IGEMM
+                                                       : LOOM_CPU_MM_SGEMM;
+        if (path == LOOM_CPU_MM_GEMV || path == LOOM_CPU_MM_IGEMM) {
+            quant_gemv(c, y, x, w, n, path == LOOM_CPU_MM_IGEMM);
             return;
         }
     } else if (path == LOOM_CPU_MM_AUTO)
@@ -1028,7 +1036,7 @@ loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_bac
     c->base.cfg.n_threads = n_threads;
     snprintf(c->base.name, sizeof c->base.name, "cpu");
     c->n_threads = n_threads;
-    c->isa = loom_cpu_isa_detect();
+    c->isa = loom_cpu_isa_select();
     c->attn_scratch = calloc((size_t)n_threads, sizeof *c->attn_scratch);
     if (!c->attn_scratch) goto fail_nomem;
     for (int t = 0; t < n_threads; t++) {
