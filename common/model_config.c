@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 
 #include "common/json.h"
+#include "common/model_config_deepseek.h"
 #include "common/util.h"
 
 static const char *const k_model_types[] = {"llama",     "mistral",   "qwen2",       "qwen3",
@@ -642,6 +643,7 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!mt) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type is missing", path);
     if (!cJSON_IsString(mt))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type must be a string", path);
+    if (loom_model_config_is_deepseek(mt->valuestring)) return loom_model_config_parse_deepseek(root, path, cfg, err);
     int known = 0;
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_model_types); i++)
         known |= !strcmp(mt->valuestring, k_model_types[i]);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/model_config_deepseek.h"
 #include "common/progress.h"
 #include "common/util.h"
 #include "worker/qweights.h"
@@ -1154,6 +1155,12 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
     *out = NULL;
+    if (cfg->deepseek) { /* the checkpoint is checked, then refused until the engine's MLA block runs it */
+        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "%s: not yet runnable (multi-head latent attention and DeepSeekMoE are not in the "
+                            "forward pass yet)", cfg->model_type);
+    }
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
     if (!loom_backend_kv_supported(be, opt->kv_dtype))

@@ -1,0 +1,10 @@
+# DeepSeek-V2/V3's pieces (config, router, yarn with mscale, FP8 blocks, one MLA layer) against the float64
+# reference's numbers (tests/reference/deepseek_ref.py --pieces, run by the test).
+loom_add_test(test_deepseek SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_deepseek.c
+              LIBS loom_worker_core LABELS unit
+              ARGS --python ${LOOM_PYTHON} --ref ${PROJECT_SOURCE_DIR}/tests/reference/deepseek_ref.py
+                   --work ${CMAKE_BINARY_DIR}/tests)
+# The reference's own check: the absorbed per-token MLA against the decompressed batch, the router's bias case,
+# FP8 blocks (generates tiny V3, V2-Lite and fp8 checkpoints with gen_deepseek.py).
+add_test(NAME reference_deepseek_selftest COMMAND ${LOOM_PYTHON} ${PROJECT_SOURCE_DIR}/tests/reference/deepseek_ref.py --self-test)
+set_tests_properties(reference_deepseek_selftest PROPERTIES LABELS unit TIMEOUT 120)
