@@ -18,6 +18,7 @@
 #include "common/safetensors.h"
 #include "common/util.h"
 #include "kernels/quant.h"
+#include "worker/engine/arch.h"
 #include "worker/model.h"
 
 typedef enum { PART_COPY, PART_CODES, PART_SCALES, PART_MINS } part_kind_t;
@@ -34,32 +35,15 @@ typedef struct out_tensor {
     size_t nbytes;
 } out_tensor_t;
 
-static int is_linear(const char *name) {
-    static const char *const k_sfx[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
-                                        ".self_attn.v_proj.weight", ".self_attn.o_proj.weight",
-                                        ".mlp.gate_proj.weight",    ".mlp.up_proj.weight",
-                                        ".mlp.down_proj.weight",    ".self_attn.qkv_proj.weight",
-                                        ".mlp.gate_up_proj.weight", /* Phi-3's fused ones */
-                                        ".mlp.shared_expert.gate_proj.weight", /* Qwen2-MoE's shared expert */
-                                        ".mlp.shared_expert.up_proj.weight",
-                                        ".mlp.shared_expert.down_proj.weight"};
-    /* Mixture-of-Experts experts (Mixtral's w1/w3/w2, Qwen3-MoE's *_proj); the router and Qwen2-MoE's
-     * shared_expert_gate stay float, as the loader reads them */
-    static const char *const k_expert[] = {".w1.weight", ".w2.weight", ".w3.weight", ".gate_proj.weight",
-                                           ".up_proj.weight", ".down_proj.weight"};
-    if (!strcmp(name, "lm_head.weight")) return 1;
-    if (strncmp(name, "model.layers.", 13)) return 0;
+/* A linear's float weight: a `.weight` the family's tensor-names table
+ * (worker/arch/) lists as a linear under this config -- the one table the
+ * loader and the checkpoint check read too. The router and Qwen2-MoE's
+ * shared_expert_gate are plain tensors there (the loader reads them as
+ * floats), so they stay float. */
+static int is_linear(const loom_arch_t *a, const loom_model_config_t *cfg, const char *name) {
     size_t n = strlen(name);
-    if (strstr(name, ".block_sparse_moe.experts.") || strstr(name, ".mlp.experts."))
-        for (size_t i = 0; i < LOOM_ARRAY_LEN(k_expert); i++) {
-            size_t m = strlen(k_expert[i]);
-            if (n > m && !strcmp(name + n - m, k_expert[i])) return 1;
-        }
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_sfx); i++) {
-        size_t m = strlen(k_sfx[i]);
-        if (n > m && !strcmp(name + n - m, k_sfx[i])) return 1;
-    }
-    return 0;
+    int linear = 0;
+    return n > 7 && !strcmp(name + n - 7, ".weight") && loom_arch_tensor_used(a, cfg, name, &linear) && linear;
 }
 
 /* Adds the qweight, scales (and mins) entries of one linear. */
@@ -175,6 +159,12 @@ int loom_cmd_quantize(int argc, char **argv) {
         loom_st_close(&st);
         return 1;
     }
+    const loom_arch_t *arch = loom_arch_find(cfg.model_type);
+    if (!arch) { /* the config parser knows no model_type without a family */
+        fprintf(stderr, "error: no model family serves model_type '%s'\n", cfg.model_type);
+        loom_st_close(&st);
+        return 1;
+    }
     if (cfg.ckpt_quant != LOOM_CKPT_FLOAT) {
         fprintf(stderr, "error: %s is already quantized (quantization_config in config.json)\n", in);
         loom_st_close(&st);
@@ -202,7 +192,7 @@ int loom_cmd_quantize(int argc, char **argv) {
     char prefix[300];
     for (int i = 0; i < n_in; i++) {
         const loom_st_tensor_t *t = loom_st_at(st, i);
-        if (is_linear(t->name) && t->n_dims == 2) {
+        if (is_linear(arch, &cfg, t->name) && t->n_dims == 2) {
             snprintf(prefix, sizeof prefix, "%.*s", (int)(strlen(t->name) - strlen(".weight")), t->name);
             n += add_linear(tab, n, prefix, t, &q);
             continue;
@@ -216,9 +206,13 @@ int loom_cmd_quantize(int argc, char **argv) {
         memcpy(o->shape, t->shape, sizeof o->shape);
         o->nbytes = t->nbytes;
     }
-    const loom_st_tensor_t *emb = loom_st_find(st, "model.embed_tokens.weight");
-    if (cfg.tie_embeddings && emb && emb->n_dims == 2 && !loom_st_find(st, "lm_head.weight"))
-        n += add_linear(tab, n, "lm_head", emb, &q);
+    char embed[128], head[128], head_w[140];
+    loom_arch_tensor_name(arch, &cfg, -1, LOOM_TN_EMBED, -1, embed, sizeof embed);
+    loom_arch_tensor_name(arch, &cfg, -1, LOOM_TN_LM_HEAD, -1, head, sizeof head);
+    snprintf(head_w, sizeof head_w, "%s.weight", head);
+    const loom_st_tensor_t *emb = loom_st_find(st, embed);
+    if (cfg.tie_embeddings && emb && emb->n_dims == 2 && !loom_st_find(st, head_w))
+        n += add_linear(tab, n, head, emb, &q);
 
     /* header: names -> dtype, shape, offsets; metadata names the scheme */
     cJSON *hdr = cJSON_CreateObject();

@@ -14,6 +14,7 @@ int loom_cmd_stats(int argc, char **argv);
 int loom_cmd_embed(int argc, char **argv);    /* cmd_generate.c: a text's embedding from a cluster */
 int loom_cmd_bench(int argc, char **argv);    /* cmd_bench.c: the serving load generator */
 int loom_cmd_keygen(int argc, char **argv);   /* cmd_keygen.c: CURVE key pairs and allow-lists */
+int loom_cmd_info(int argc, char **argv);     /* cmd_info.c: backends, devices, what each runs */
 
 /* The options every command that talks to a coordinator has (common/cli.h
  * loom_opt_t entries). */

@@ -23,6 +23,7 @@ static const struct {
     {"embed", loom_cmd_embed, "print a text's embedding from a running cluster", 0},
     {"bench", loom_cmd_bench, "load-test a cluster (Poisson arrivals; TTFT, TPOT, throughput)", 0},
     {"keygen", loom_cmd_keygen, "make CURVE key pairs and allow-lists for a cluster's planes", 0},
+    {"info", loom_cmd_info, "list the backends, the devices and which model types each backend runs", 0},
 };
 
 static void usage(void) {

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
+
 int loom_device_parse(const char *s, loom_device_kind_t *kind, int *index) {
     if (!s) return 0;
     if (!strcmp(s, "cpu")) {
@@ -37,17 +39,86 @@ int loom_backend_available(loom_device_kind_t kind, int device_index) {
 #endif
 }
 
+/* A backend's declared capabilities agree with the slots it fills (a
+ * programmer error otherwise). */
+static void check_caps(const loom_backend_t *be) {
+    const loom_backend_ops_t *o = be->ops;
+    LOOM_ASSERT(!(o->caps & LOOM_CAP_LOGIT_SOFTCAP) == !o->softcap);
+    LOOM_ASSERT(!(o->caps & LOOM_CAP_ACT) == !o->act_mul);
+    LOOM_ASSERT(!(o->caps & LOOM_CAP_SWIGLU_CLAMP) == !o->swiglu_clamp);
+    LOOM_ASSERT(!(o->caps & LOOM_CAP_MOE) == !o->moe_combine);
+    static const loom_dtype_t kv[] = {LOOM_DT_BF16, LOOM_DT_I8, LOOM_DT_F8_E4M3};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(kv); i++)
+        LOOM_ASSERT(!(o->caps & loom_cap_kv(kv[i])) == !loom_backend_kv_supported(be, kv[i]));
+}
+
+static const struct {
+    uint32_t cap;
+    const char *key, *name;
+} k_caps[LOOM_CAP_COUNT] = {
+    {LOOM_CAP_ATTN_WINDOW, "attn_window", "sliding-window attention"},
+    {LOOM_CAP_ATTN_SOFTCAP, "attn_softcap", "attention logit soft capping"},
+    {LOOM_CAP_ATTN_SINKS, "attn_sinks", "attention sinks"},
+    {LOOM_CAP_LOGIT_SOFTCAP, "logit_softcap", "final logit soft capping"},
+    {LOOM_CAP_ACT, "act", "MLP activations other than SiLU"},
+    {LOOM_CAP_SWIGLU_CLAMP, "swiglu_clamp", "the clamped SwiGLU"},
+    {LOOM_CAP_MOE, "moe", "Mixture-of-Experts blocks"},
+    {LOOM_CAP_KV_BF16, "kv_bf16", "a bf16 KV cache"},
+    {LOOM_CAP_KV_I8, "kv_int8", "an int8 KV cache"},
+    {LOOM_CAP_KV_FP8, "kv_fp8", "an fp8 KV cache"},
+};
+const char *loom_cap_name(uint32_t cap) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_caps); i++)
+        if (k_caps[i].cap == cap) return k_caps[i].name;
+    return "?";
+}
+const char *loom_cap_key(uint32_t cap) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(k_caps); i++)
+        if (k_caps[i].cap == cap) return k_caps[i].key;
+    return "?";
+}
+uint32_t loom_cap_kv(loom_dtype_t dtype) {
+    return dtype == LOOM_DT_BF16 ? LOOM_CAP_KV_BF16 : dtype == LOOM_DT_I8 ? LOOM_CAP_KV_I8
+           : dtype == LOOM_DT_F8_E4M3 ? LOOM_CAP_KV_FP8 : 0;
+}
+uint32_t loom_backend_caps(const loom_backend_t *be) { return be->ops->caps; }
+int loom_backend_compiled(loom_device_kind_t kind) {
+#ifdef LOOM_HAVE_CUDA
+    if (kind == LOOM_DEVICE_CUDA) return 1;
+#endif
+    return kind == LOOM_DEVICE_CPU;
+}
+uint32_t loom_backend_kind_caps(loom_device_kind_t kind) {
+#ifdef LOOM_HAVE_CUDA
+    if (kind == LOOM_DEVICE_CUDA) return loom_backend_cuda_caps();
+#endif
+    return kind == LOOM_DEVICE_CPU ? loom_backend_cpu_caps() : 0;
+}
+int loom_backend_device_count(void) {
+#ifdef LOOM_HAVE_CUDA
+    return loom_backend_cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
 loom_status_t loom_backend_create(const loom_backend_config_t *cfg, loom_backend_t **out,
                                   loom_err_t *err) {
     *out = NULL;
     if (cfg->version != LOOM_BACKEND_CONFIG_VERSION)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "backend config version %d, expected %d",
                             cfg->version, LOOM_BACKEND_CONFIG_VERSION);
+    loom_status_t s;
     switch (cfg->kind) {
-    case LOOM_DEVICE_CPU: return loom_backend_cpu_create(cfg, out, err);
+    case LOOM_DEVICE_CPU:
+        s = loom_backend_cpu_create(cfg, out, err);
+        if (s == LOOM_OK) check_caps(*out);
+        return s;
     case LOOM_DEVICE_CUDA:
 #ifdef LOOM_HAVE_CUDA
-        return loom_backend_cuda_create(cfg, out, err);
+        s = loom_backend_cuda_create(cfg, out, err);
+        if (s == LOOM_OK) check_caps(*out);
+        return s;
 #else
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
                             "device cuda:%d requested, but this build has no CUDA backend "
@@ -305,15 +376,15 @@ void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float
     if (n > 0) be->ops->kv_write(be, kv, k, v, stride, slots, n, nkv, hd);
 }
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
-    LOOM_ASSERT(a->window >= 0 && (a->window == 0 || be->ops->attention_window));
-    LOOM_ASSERT(a->softcap >= 0 && (a->softcap == 0 || be->ops->attention_softcap));
-    LOOM_ASSERT(!a->sinks || be->ops->attention_sinks);
+    LOOM_ASSERT(a->window >= 0 && (a->window == 0 || (be->ops->caps & LOOM_CAP_ATTN_WINDOW)));
+    LOOM_ASSERT(a->softcap >= 0 && (a->softcap == 0 || (be->ops->caps & LOOM_CAP_ATTN_SOFTCAP)));
+    LOOM_ASSERT(!a->sinks || (be->ops->caps & LOOM_CAP_ATTN_SINKS));
     if (a->n > 0) be->ops->attention(be, a);
 }
-int loom_backend_attn_window_supported(const loom_backend_t *be) { return be->ops->attention_window; }
-int loom_backend_attn_softcap_supported(const loom_backend_t *be) { return be->ops->attention_softcap; }
+int loom_backend_attn_window_supported(const loom_backend_t *be) { return (be->ops->caps & LOOM_CAP_ATTN_WINDOW) != 0; }
+int loom_backend_attn_softcap_supported(const loom_backend_t *be) { return (be->ops->caps & LOOM_CAP_ATTN_SOFTCAP) != 0; }
 int loom_backend_attn_sinks_supported(const loom_backend_t *be) {
-    return be->ops->attention_sinks;
+    return (be->ops->caps & LOOM_CAP_ATTN_SINKS) != 0;
 }
 void loom_op_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
     LOOM_ASSERT(cap > 0 && be->ops->softcap);

@@ -38,6 +38,39 @@ int loom_device_parse(const char *s, loom_device_kind_t *kind, int *index);
 /* Whether this build has a backend for `kind` and a device is present. */
 int loom_backend_available(loom_device_kind_t kind, int device_index);
 
+/* What a backend can run beyond a plain Llama layer, one bit each. A
+ * backend declares its set in its table (kernels/backend_impl.h); a model
+ * family computes the set a config needs (worker/engine/arch.h), and
+ * loom_model_load refuses a family whose needs the backend lacks, naming
+ * the capability. `loom info` prints both sides. */
+typedef enum {
+    LOOM_CAP_ATTN_WINDOW = 1u << 0,   /* sliding-window attention (loom_attn_args_t.window) */
+    LOOM_CAP_ATTN_SOFTCAP = 1u << 1,  /* attention logit soft capping (.softcap) */
+    LOOM_CAP_ATTN_SINKS = 1u << 2,    /* attention sinks (.sinks) */
+    LOOM_CAP_LOGIT_SOFTCAP = 1u << 3, /* final logit soft capping (loom_op_softcap) */
+    LOOM_CAP_ACT = 1u << 4,           /* MLP activations other than SiLU: GeGLU, ReLU, ... (act_mul) */
+    LOOM_CAP_SWIGLU_CLAMP = 1u << 5,  /* GPT-OSS's clamped SwiGLU (loom_op_swiglu_clamp) */
+    LOOM_CAP_MOE = 1u << 6,           /* Mixture-of-Experts blocks (loom_op_moe_combine) */
+    LOOM_CAP_KV_BF16 = 1u << 7,       /* KV cache elements other than F32 (kv_supported) */
+    LOOM_CAP_KV_I8 = 1u << 8,
+    LOOM_CAP_KV_FP8 = 1u << 9,
+} loom_cap_t;
+#define LOOM_CAP_COUNT 10
+/* "sliding-window attention"; cap is one bit */
+const char *loom_cap_name(uint32_t cap);
+/* "attn_window": the key `loom info --json` prints */
+const char *loom_cap_key(uint32_t cap);
+/* The KV capability a KV element type needs (0 for F32, which every backend has). */
+uint32_t loom_cap_kv(loom_dtype_t dtype);
+/* The capabilities of this backend. */
+uint32_t loom_backend_caps(const loom_backend_t *be);
+/* Whether this build has a backend of `kind` (whatever devices are
+ * present), and its capabilities (0 when not compiled in). */
+int loom_backend_compiled(loom_device_kind_t kind);
+uint32_t loom_backend_kind_caps(loom_device_kind_t kind);
+/* CUDA devices visible to this process (0 in a build without CUDA). */
+int loom_backend_device_count(void);
+
 loom_status_t loom_backend_create(const loom_backend_config_t *cfg, loom_backend_t **out,
                                   loom_err_t *err);
 void loom_backend_destroy(loom_backend_t **be_p); /* safe on NULL and twice */

@@ -55,9 +55,11 @@ typedef struct loom_backend_ops {
     /* optional: GPT-OSS's clamped SwiGLU (loom_op_swiglu_clamp) */
     void (*swiglu_clamp)(loom_backend_t *be, float *out, const float *gu, int n, int hidden,
                          float alpha, float limit);
-    int attention_window; /* 1: attention honours loom_attn_args_t.window */
-    int attention_softcap; /* 1: attention honours loom_attn_args_t.softcap */
-    int attention_sinks;   /* 1: attention honours loom_attn_args_t.sinks */
+    /* LOOM_CAP_* the backend has (kernels/backend.h): the attention bits
+     * say which loom_attn_args_t fields attention honours; the others must
+     * agree with the optional slots (softcap, act_mul, swiglu_clamp,
+     * moe_combine) and kv_supported, which loom_backend_create checks */
+    uint32_t caps;
     /* optional: x = cap * tanh(x / cap) (loom_op_softcap) */
     void (*softcap)(loom_backend_t *be, float *x, int64_t n, float cap);
     /* Mixture of Experts (backend.h): combine is required of a backend that
@@ -85,10 +87,12 @@ struct loom_backend {
 /* Constructors of the built-in backends. */
 loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_backend_t **out,
                                       loom_err_t *err);
+uint32_t loom_backend_cpu_caps(void); /* its table's caps, without a backend */
 #ifdef LOOM_HAVE_CUDA
 loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_backend_t **out,
                                        loom_err_t *err);
 int loom_backend_cuda_device_count(void);
+uint32_t loom_backend_cuda_caps(void);
 #endif
 
 #endif

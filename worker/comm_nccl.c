@@ -102,13 +102,12 @@ __attribute__((format(printf, 3, 4))) static loom_status_t fail(nccl_comm_t *c, 
     return loom_err_set(err, LOOM_ERR_UNAVAILABLE, "nccl comm: %s", c->why);
 }
 
-#define CUDA_CHECK(c, err, call)                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return fail((c), (err), "%s failed at %s:%d: %s", #call, __FILE__, __LINE__,           \
-                        cudaGetErrorString(e_));                                                   \
-    } while (0)
+/* A failed CUDA call (CUDA_CHECK, kernels/cuda/cuda_check.h) aborts the
+ * communicators like a failed NCCL call: every function that checks one
+ * holds its communicator in `c`. */
+#define CUDA_ON_ERROR(err, what, e, file, line)                                                    \
+    fail(c, (err), "%s failed at %s:%d: %s", (what), (file), (line), cudaGetErrorString(e))
+#include "kernels/cuda/cuda_check.h"
 
 /* ncclInProgress is not an error for non-blocking communicators: the caller
  * then waits for the communicator with wait_ready. */
@@ -207,7 +206,7 @@ static loom_status_t wait_stream(nccl_comm_t *c, const char *what, loom_err_t *e
 static loom_status_t nccl_allreduce(loom_comm_t *base, float *buf, int64_t n, loom_err_t *err) {
     nccl_comm_t *c = nc(base);
     LOOM_CHECK(check_alive(c, err));
-    CUDA_CHECK(c, err, cudaSetDevice(c->dev));
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
     ncclResult_t r = ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, ncclSum, c->comms[C_TP], c->stream);
     NCCL_CHECK(c, err, r);
     if (r == ncclInProgress) LOOM_CHECK(wait_ready(c, C_TP, "all-reduce", loom_comm_deadline(c->timeout_ms), err));
@@ -219,12 +218,12 @@ static loom_status_t nccl_gather(loom_comm_t *base, const void *send, size_t byt
     nccl_comm_t *c = nc(base);
     LOOM_CHECK(check_alive(c, err));
     if (bytes == 0) return LOOM_OK;
-    CUDA_CHECK(c, err, cudaSetDevice(c->dev));
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
     const int rank = base->tp_rank, size = base->tp_size;
     /* Drain first: copies from pageable memory may wait for the stream, and
      * nothing may wait on it without polling. */
     LOOM_CHECK(wait_stream(c, "gather", err));
-    if (rank != 0) CUDA_CHECK(c, err, cudaMemcpyAsync(c->d_send, send, bytes, cudaMemcpyHostToDevice, c->stream));
+    if (rank != 0) CUDA_CHECK(err, cudaMemcpyAsync(c->d_send, send, bytes, cudaMemcpyHostToDevice, c->stream));
     NCCL_CHECK(c, err, ncclGroupStart());
     if (rank == 0) {
         for (int r = 1; r < size; r++)
@@ -238,7 +237,7 @@ static loom_status_t nccl_gather(loom_comm_t *base, const void *send, size_t byt
     LOOM_CHECK(wait_stream(c, "gather", err));
     if (rank == 0) {
         memcpy(recv, send, bytes);
-        CUDA_CHECK(c, err, cudaMemcpyAsync((uint8_t *)recv + bytes, c->d_recv + bytes, (size_t)(size - 1) * bytes,
+        CUDA_CHECK(err, cudaMemcpyAsync((uint8_t *)recv + bytes, c->d_recv + bytes, (size_t)(size - 1) * bytes,
                                            cudaMemcpyDeviceToHost, c->stream));
         LOOM_CHECK(wait_stream(c, "gather", err));
     }
@@ -254,16 +253,16 @@ static loom_status_t nccl_send_next(loom_comm_t *base, const void *buf, size_t b
     LOOM_CHECK(check_alive(c, err));
     if (!c->comms[C_NEXT])
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: send_next on the last stage");
-    CUDA_CHECK(c, err, cudaSetDevice(c->dev));
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
     /* (loom_comm_send_next checked bytes <= max_bytes) the staging buffer is free once the previous send has gone */
     LOOM_CHECK(wait_done(c, c->sent, "the previous send to the next stage", err));
-    CUDA_CHECK(c, err, cudaMemcpyAsync(c->d_stage, buf, bytes, cudaMemcpyDeviceToDevice, c->stream));
-    CUDA_CHECK(c, err, cudaEventRecord(c->staged, c->stream));
-    CUDA_CHECK(c, err, cudaStreamWaitEvent(c->comm_stream, c->staged, 0));
+    CUDA_CHECK(err, cudaMemcpyAsync(c->d_stage, buf, bytes, cudaMemcpyDeviceToDevice, c->stream));
+    CUDA_CHECK(err, cudaEventRecord(c->staged, c->stream));
+    CUDA_CHECK(err, cudaStreamWaitEvent(c->comm_stream, c->staged, 0));
     ncclResult_t r = ncclSend(c->d_stage, bytes, ncclUint8, 1, c->comms[C_NEXT], c->comm_stream);
     NCCL_CHECK(c, err, r);
     if (r == ncclInProgress) LOOM_CHECK(wait_ready(c, C_NEXT, "send", loom_comm_deadline(c->timeout_ms), err));
-    CUDA_CHECK(c, err, cudaEventRecord(c->sent, c->comm_stream));
+    CUDA_CHECK(err, cudaEventRecord(c->sent, c->comm_stream));
     /* the caller may overwrite buf once the copy has run; the send goes on */
     return wait_stream(c, "staging the send to the next stage", err);
 }
@@ -273,7 +272,7 @@ static loom_status_t nccl_recv_prev(loom_comm_t *base, void *buf, size_t bytes, 
     LOOM_CHECK(check_alive(c, err));
     if (!c->comms[C_PREV])
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "nccl comm: recv_prev on the first stage");
-    CUDA_CHECK(c, err, cudaSetDevice(c->dev));
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
     ncclResult_t r = ncclRecv(buf, bytes, ncclUint8, 0, c->comms[C_PREV], c->stream);
     NCCL_CHECK(c, err, r);
     if (r == ncclInProgress) LOOM_CHECK(wait_ready(c, C_PREV, "receive", loom_comm_deadline(c->timeout_ms), err));

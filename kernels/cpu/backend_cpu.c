@@ -896,9 +896,8 @@ static const loom_backend_ops_t cpu_ops = {
     .silu_mul = cpu_silu_mul,
     .act_mul = cpu_act_mul,
     .swiglu_clamp = cpu_swiglu_clamp,
-    .attention_window = 1,
-    .attention_softcap = 1,
-    .attention_sinks = 1,
+    .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
+            LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8,
     .softcap = cpu_softcap,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
@@ -913,6 +912,8 @@ static const loom_backend_ops_t cpu_ops = {
     .attention = cpu_attention,
     .sample_shard = cpu_sample_shard,
 };
+
+uint32_t loom_backend_cpu_caps(void) { return cpu_ops.caps; }
 
 loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_backend_t **out,
                                       loom_err_t *err) {

@@ -33,6 +33,7 @@
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cublas_dl.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/qformat.h"
 
@@ -106,29 +107,13 @@ _Noreturn static void cuda_fail(const char *what, const char *why, const char *f
     loom_assert_fail(what, file, line);
 }
 
-static loom_status_t cuda_err(loom_err_t *err, const char *what, cudaError_t e, const char *file,
-                              int line) {
-    loom_status_t code = e == cudaErrorMemoryAllocation ? LOOM_ERR_NOMEM
-                         : e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver
-                             ? LOOM_ERR_UNAVAILABLE
-                             : LOOM_ERR_INTERNAL;
-    (void)cudaGetLastError(); /* clear a non-sticky error */
-    LOOM_ERROR("cuda: %s failed at %s:%d: %s", what, file, line, cudaGetErrorString(e));
-    return loom_err_set(err, code, "cuda: %s failed: %s", what, cudaGetErrorString(e));
-}
-
 /* In ops (void): a failure stops the process with the call site. */
 #define CUDA_ASSERT(call)                                                                          \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__);       \
     } while (0)
-/* In functions that return a status: the error goes up with its call site. */
-#define CUDA_CHECK(err, call)                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) return cuda_err((err), #call, e_, __FILE__, __LINE__);              \
-    } while (0)
+/* In functions that return a status: CUDA_CHECK (kernels/cuda/cuda_check.h). */
 #define BLAS_ASSERT(call)                                                                          \
     do {                                                                                           \
         cublasStatus_t s_ = (call);                                                                \
@@ -980,7 +965,11 @@ static const loom_backend_ops_t cuda_ops = {
     .add_bias = cuda_add_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
+    /* no windows, soft caps, sinks, other activations or clamped SwiGLU yet (docs/cuda.md) */
+    .caps = LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_FP8,
 };
+
+uint32_t loom_backend_cuda_caps(void) { return cuda_ops.caps; }
 
 int loom_backend_cuda_device_count(void) {
     int n = 0;

@@ -186,7 +186,53 @@ def test_tcp_data_plane():
         check("data plane tcp" in c.log("coordinator"), "coordinator did not choose tcp")
 
 
+# every model_type the config parser accepts (common/model_config.c), each served by one family
+MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+               "qwen2_moe", "gpt_oss"]
+
+
+def test_info():
+    """`loom info` and `--json`: the CPU backend runs every model type; a CUDA build on a machine
+    without a GPU lists cuda as compiled, "no CUDA device", and the model types it refuses with the
+    capability named (the table loom_model_load refuses them by)."""
+    p = subprocess.run([LOOM, "info", "--json"], capture_output=True, text=True, timeout=30)
+    check(p.returncode == 0, "loom info --json: %r" % p.stderr)
+    info = json.loads(p.stdout)
+    backends = {b["name"]: b for b in info["backends"]}
+    cpu = backends["cpu"]
+    check(cpu["compiled"] and cpu["devices"] == 1, "cpu: %r" % cpu)
+    types = {t["model_type"]: t for t in cpu["model_types"]}
+    check(sorted(types) == sorted(MODEL_TYPES), "cpu model types: %r" % sorted(types))
+    for t in types.values():
+        check(t["runs"] == "yes" and t["lacks"] == [] and t["lacks_for_some_configs"] == [], "cpu: %r" % t)
+    check("attn_window" in cpu["capabilities"] and "kv_int8" in cpu["capabilities"], "cpu caps: %r" % cpu)
+    text = subprocess.run([LOOM, "info"], capture_output=True, text=True, timeout=30)
+    check(text.returncode == 0 and text.stdout.startswith("cpu: "), "loom info: %r" % (text.stdout + text.stderr))
+    for mt in MODEL_TYPES:
+        check(re.search(r"^  %s +yes$" % mt, text.stdout, re.M), "loom info: %s on cpu: %r" % (mt, text.stdout))
+    h = subprocess.run([LOOM, "info", "--help"], capture_output=True, text=True, timeout=30)
+    check(h.returncode == 0 and "usage:" in h.stdout, "loom info --help: %r" % h.stdout)
+    cuda = backends["cuda"]
+    if not cuda["compiled"]:
+        check("not compiled in" in cuda["device_status"] and "cuda: not compiled in" in text.stdout, "cuda: %r" % cuda)
+        print("  skipped: the CUDA half (this build has no CUDA backend; build with -DLOOM_CUDA=ON)")
+        return
+    ct = {t["model_type"]: t for t in cuda["model_types"]}
+    check(sorted(ct) == sorted(MODEL_TYPES), "cuda model types: %r" % sorted(ct))
+    # what the CUDA backend lacks today (docs/architecture.md's capability table)
+    check(ct["llama"]["runs"] != "no" and ct["mixtral"]["runs"] != "no", "cuda: %r" % ct["llama"])
+    check(ct["gemma2"]["runs"] == "no" and "attn_softcap" in ct["gemma2"]["lacks"], "cuda gemma2: %r" % ct["gemma2"])
+    check(ct["gpt_oss"]["runs"] == "no" and "attn_sinks" in ct["gpt_oss"]["lacks"] and
+          "swiglu_clamp" in ct["gpt_oss"]["lacks"], "cuda gpt_oss: %r" % ct["gpt_oss"])
+    check(re.search(r"^  gemma2 +no: lacks .*attention logit soft capping", text.stdout, re.M),
+          "loom info: gemma2 on cuda: %r" % text.stdout)
+    if cuda["devices"] == 0:
+        check(cuda["device_status"] == "no CUDA device" and "cuda: no CUDA device" in text.stdout, "cuda: %r" % cuda)
+    else:
+        print("  (a CUDA device is visible: the no-device line is not checked)")
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_story, test_bad_models, test_bad_input, test_help_everywhere, test_stop_strings,
-               test_openblas_core, test_tcp_data_plane])
+               test_openblas_core, test_tcp_data_plane, test_info])

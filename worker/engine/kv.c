@@ -1,0 +1,83 @@
+/* The paged KV pool: its allocation, a block's bytes and copy-on-write
+ * block copies. The one place a KV layout lives: per layer K codes, V
+ * codes, then (I8) K scales and V scales, in one allocation; each layer's
+ * loom_kv_layer_t points into it and attention reads nothing else. A
+ * latent (MLA) cache or a block contiguous across layers is a change here. */
+#include "common/util.h"
+#include "worker/engine/model_impl.h"
+
+loom_dtype_t loom_model_kv_dtype(const loom_model_t *m) { return m->opt.kv_dtype; }
+int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
+int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
+
+size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
+    return 2 * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
+           loom_kv_head_bytes(m->opt.kv_dtype, m->cfg.head_dim);
+}
+
+int loom_model_kv_scratch_blocks(const loom_model_t *m) {
+    return m->opt.decode_buckets > 0 || (m->opt.decode_buckets == 0 && loom_backend_has_graphs(m->be));
+}
+
+/* The pool is one allocation: per layer K codes, V codes, then (I8) K
+ * scales and V scales, each array starting on a 256-byte boundary. */
+#define KV_ALIGN 256
+static size_t kv_align(size_t b) { return (b + KV_ALIGN - 1) / KV_ALIGN * KV_ALIGN; }
+
+loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err) {
+    if (n_blocks < 1 || block_size < 1)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "KV pool of %d blocks of %d tokens", n_blocks, block_size);
+    loom_backend_free(m->be, m->kv_mem);
+    m->kv_mem = NULL;
+    int pad = loom_model_kv_scratch_blocks(m);
+    int total = n_blocks + pad;
+    const loom_dtype_t dt = m->opt.kv_dtype;
+    const size_t tokens = (size_t)total * block_size * m->dims.n_kv_heads; /* token-heads per layer */
+    const size_t codes = kv_align(tokens * m->cfg.head_dim * loom_dtype_size(dt));
+    const size_t scales = dt == LOOM_DT_I8 ? kv_align(tokens * sizeof(float)) : 0;
+    size_t bytes = (size_t)m->dims.n_layers * 2 * (codes + scales);
+    if (bytes == 0) bytes = 64; /* a stage with no layers */
+    m->kv_mem = loom_backend_alloc(m->be, bytes);
+    if (!m->kv_mem)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for a KV pool of %d blocks (%.1f MB)",
+                            n_blocks, (double)bytes / 1e6);
+    loom_backend_memset(m->be, m->kv_mem, 0, bytes);
+    char *p = m->kv_mem;
+    for (int i = 0; i < m->dims.n_layers; i++) {
+        loom_kv_layer_t *kv = &m->layers[i].kv;
+        kv->dtype = dt;
+        kv->k = p;
+        kv->v = p + codes;
+        p += 2 * codes;
+        kv->k_scale = scales ? (float *)p : NULL;
+        kv->v_scale = scales ? (float *)(p + scales) : NULL;
+        p += 2 * scales;
+    }
+    m->n_blocks = n_blocks;
+    m->block_size = block_size;
+    m->scratch_block = pad ? n_blocks : -1;
+    return LOOM_OK;
+}
+
+/* Copy-on-write copies a block's codes and, for I8, its scales. */
+void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n) {
+    const size_t heads = (size_t)m->block_size * m->dims.n_kv_heads; /* token-heads per block */
+    const size_t code_bytes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
+    for (int i = 0; i < n; i++) {
+        LOOM_ASSERT(src[i] >= 0 && src[i] < m->n_blocks && dst[i] >= 0 && dst[i] < m->n_blocks);
+        const size_t s = (size_t)src[i], d = (size_t)dst[i];
+        for (int l = 0; l < m->dims.n_layers; l++) {
+            loom_kv_layer_t *kv = &m->layers[l].kv;
+            loom_backend_copy(m->be, (char *)kv->k + d * code_bytes, (char *)kv->k + s * code_bytes,
+                              code_bytes);
+            loom_backend_copy(m->be, (char *)kv->v + d * code_bytes, (char *)kv->v + s * code_bytes,
+                              code_bytes);
+            if (kv->k_scale) {
+                loom_backend_copy(m->be, kv->k_scale + d * heads, kv->k_scale + s * heads,
+                                  heads * sizeof(float));
+                loom_backend_copy(m->be, kv->v_scale + d * heads, kv->v_scale + s * heads,
+                                  heads * sizeof(float));
+            }
+        }
+    }
+}
