@@ -232,6 +232,8 @@ static loom_status_t parse_moe(loom_model_config_t *cfg, const cJSON *root, cons
     if (cfg->first_k_dense_replace > cfg->n_layers) cfg->first_k_dense_replace = cfg->n_layers;
     for (int l = 0; l < cfg->first_k_dense_replace; l++) cfg->mlp_only[l] = 1;
     cfg->moe_sparse_step = 1;
+    /* the shared experts: one MLP of n_shared_experts x moe_intermediate_size, added ungated */
+    cfg->moe_shared_hidden = cfg->n_shared_experts * cfg->moe_hidden_dim;
     return LOOM_OK;
 }
 

@@ -51,11 +51,12 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
     *out = NULL;
-    if (cfg->deepseek) { /* the checkpoint is checked, then refused until the engine's MLA block runs it */
+    if (cfg->deepseek) { /* its own checks first (router bias, FP8 scale grids) */
         LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "%s: not yet runnable (multi-head latent attention and DeepSeekMoE are not in the "
-                            "forward pass yet)", cfg->model_type);
+        if (cfg->ckpt_quant == LOOM_CKPT_FP8)
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                                "%s: fp8 checkpoints are checked but not yet loaded (the engine reads float "
+                                "weights)", cfg->model_type);
     }
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
@@ -183,6 +184,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->xb2 = act_alloc(m, T * dim, &oom);
     m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
     m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
+    if (cfg->deepseek) m->mla_z = act_alloc(m, T * (size_t)loom_blk_attn_mla_zdim(cfg, d), &oom);
     size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
@@ -267,6 +269,8 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_backend_free(be, ly->ffn.b2);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
+            loom_weight_free(be, &ly->wkv_a);
+            free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
@@ -296,6 +300,7 @@ void loom_model_destroy(loom_model_t **m_p) {
                      m->xb2,
                      m->qkv,
                      m->att,
+                     m->mla_z,
                      m->gu,
                      m->hb,
                      m->xl,

@@ -8,3 +8,16 @@ loom_add_test(test_deepseek SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_deepse
 # FP8 blocks (generates tiny V3, V2-Lite and fp8 checkpoints with gen_deepseek.py).
 add_test(NAME reference_deepseek_selftest COMMAND ${LOOM_PYTHON} ${PROJECT_SOURCE_DIR}/tests/reference/deepseek_ref.py --self-test)
 set_tests_properties(reference_deepseek_selftest PROPERTIES LABELS unit TIMEOUT 120)
+# The engine against deepseek_ref.py (check_ref: prompt logits prefilled in chunks, 48 greedy ids and their
+# logits): transformers' DeepseekV3 test shape with yarn and the biased sigmoid router; in bf16; V2-Lite's shape.
+add_test(NAME reference_deepseek_v3
+         COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
+                 ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3 deepseek --shape v3 --seed 5)
+add_test(NAME reference_deepseek_v3_bf16
+         COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
+                 ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3_bf16 deepseek --shape v3 --seed 9 --dtype bf16)
+add_test(NAME reference_deepseek_v2lite
+         COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
+                 ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v2lite deepseek --shape v2lite --seed 5)
+set_tests_properties(reference_deepseek_v3 reference_deepseek_v3_bf16 reference_deepseek_v2lite PROPERTIES
+                     LABELS reference TIMEOUT 300 ENVIRONMENT "LOOM_PYTHON=${LOOM_PYTHON}")

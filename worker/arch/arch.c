@@ -12,8 +12,10 @@
 extern const loom_arch_t loom_arch_llama;
 extern const loom_arch_t loom_arch_gemma;
 extern const loom_arch_t loom_arch_gpt_oss;
+extern const loom_arch_t loom_arch_deepseek;
 
-static const loom_arch_t *const k_archs[] = {&loom_arch_llama, &loom_arch_gemma, &loom_arch_gpt_oss};
+static const loom_arch_t *const k_archs[] = {&loom_arch_llama, &loom_arch_gemma, &loom_arch_gpt_oss,
+                                             &loom_arch_deepseek};
 
 int loom_arch_count(void) { return (int)LOOM_ARRAY_LEN(k_archs); }
 const loom_arch_t *loom_arch_at(int i) { return i >= 0 && i < loom_arch_count() ? k_archs[i] : NULL; }
@@ -34,6 +36,8 @@ uint32_t loom_arch_conds(const loom_model_config_t *c, int layer) {
     f |= c->moe_mixtral_names ? LOOM_TN_MIXTRAL : LOOM_TN_QWEN_MOE;
     if (c->moe_shared_hidden) f |= LOOM_TN_SHARED;
     f |= c->ckpt_quant == LOOM_CKPT_MXFP4 ? LOOM_TN_MXFP4 : LOOM_TN_FLOAT;
+    f |= c->q_lora_rank ? LOOM_TN_Q_LORA : LOOM_TN_Q_FULL;
+    if (c->deepseek && c->topk_method == LOOM_DS_TOPK_NOAUX_TC) f |= LOOM_TN_NOAUX;
     return f;
 }
 
