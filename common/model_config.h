@@ -120,7 +120,8 @@ typedef struct loom_model_config {
     float swiglu_limit; /* swiglu_limit (7): gate <= limit, |up| <= limit */
     float swiglu_alpha; /* swiglu_alpha (1.702): the gate is sigmoid(alpha * gate) times gate */
     /* DeepSeek-V2 / V3 (deepseek_v2, deepseek_v3; common/model_config_deepseek.c): multi-head latent
-     * attention and DeepSeekMoE. head_dim above is the QK dim (nope + rope), rotary_dim the rope dims. */
+     * attention and DeepSeekMoE. head_dim above is the latent cache row (kv_lora_rank + rope: the engine
+     * attends absorbed, one KV head), n_kv_heads 1, rotary_dim the rope dims. */
     int deepseek;              /* 2 or 3 (the version); 0 for the other families */
     int q_lora_rank;           /* 0: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj */
     int kv_lora_rank;          /* the latent each token caches per layer (plus the rope key) */

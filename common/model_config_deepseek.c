@@ -266,7 +266,9 @@ static loom_status_t parse_mla(loom_model_config_t *cfg, const cJSON *root, cons
                                 "%s: inconsistent head dims: head_dim %d is neither qk_rope_head_dim (%d) nor "
                                 "qk_nope_head_dim + qk_rope_head_dim (%d)", path, hd, cfg->qk_rope_head_dim, qk);
     }
-    cfg->head_dim = qk;
+    /* the engine attends over the latent cache (worker/engine/attn_mla.c): one KV head whose row is the
+     * latent and the rope key, each query head as wide */
+    cfg->head_dim = cfg->kv_lora_rank + cfg->qk_rope_head_dim;
     cfg->rotary_dim = cfg->qk_rope_head_dim;
     return LOOM_OK;
 }
@@ -353,9 +355,9 @@ loom_status_t loom_model_config_parse_deepseek(const void *root_v, const char *p
     if (cfg->n_layers > LOOM_MAX_LAYER_TYPES)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "%s: %s with more than %d layers", path, cfg->model_type,
                             LOOM_MAX_LAYER_TYPES);
-    /* the latent is shared by every head: num_key_value_heads is informational (the classes default it
-     * to num_attention_heads) */
-    cfg->n_kv_heads = cfg->n_heads;
+    /* the latent is one KV head shared by every query head: num_key_value_heads is informational (the
+     * classes default it to num_attention_heads) */
+    cfg->n_kv_heads = 1;
     double eps = 0, theta = 0;
     LOOM_CHECK(get_num(root, "rms_norm_eps", d->rms_norm_eps, &eps, path, err));
     cfg->norm_eps = (float)eps;

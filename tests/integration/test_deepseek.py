@@ -4,7 +4,8 @@
   kv_lora_rank 16, nope 32 + rope 16 dims, yarn with mscale 1, a sigmoid router with
   e_score_correction_bias choosing 2 of 8 experts in 1 of 2 groups, 2 dense layers, 1 shared expert)
   gives loom run's ids and logits within 1e-5 on every grid, with the experts TP-sliced and with
-  --expert-parallel (the latent computed whole on every rank, the heads split), and the float64
+  --expert-parallel (the latent computed whole on every rank, the heads split), a latent cache of
+  kv_lora_rank + rope values a token and layer (float and int8), and the float64
   reference's ids and logits within 1e-4 (tests/reference/deepseek_ref.py, written from
   modeling_deepseek_v3.py).
 - a V2-Lite-shaped model (one q_proj, softmax greedy top-3 of 8, 2 shared experts) the same against
@@ -78,7 +79,12 @@ def against_reference(model, grids):
 
 def test_deepseek_grids():
     m = v3()
+    # the latent cache: one row of kv_lora_rank + rope = 32 floats a token and layer, K and V the same
+    # memory, replicated on the TP ranks: 5 layers x 16 tokens x 32 x 4 B = 10.2 KB a block (int8: 32 codes
+    # and a float scale, 2.9 KB)
     check_model(m, [(1, 1), (2, 2)] if SANITIZED else GRIDS)
+    check_model(m, [(2, 1)], logs=lambda tp: ["(10.2 KB per block)"])
+    check_model(m, [(2, 1)], kv="int8", logs=lambda tp: ["(2.9 KB per block)"])
     check_model(m, [(1, 1), (2, 1), (2, 2)], coord=["--expert-parallel"], logs=expert_logs(8))
 
 

@@ -84,7 +84,8 @@ static void test_config_v3_defaults(void) {
     CHECK(c.deepseek == 3 && c.dim == 7168 && c.hidden_dim == 18432 && c.n_layers == 61 && c.n_heads == 128);
     CHECK(c.vocab_size == 129280 && c.max_seq_len == 4096 && c.bos_id == 0 && c.n_eos == 1 && c.eos_ids[0] == 1);
     CHECK(c.q_lora_rank == 1536 && c.kv_lora_rank == 512 && c.qk_nope_head_dim == 128 && c.qk_rope_head_dim == 64);
-    CHECK(c.v_head_dim == 128 && c.head_dim == 192 && c.rotary_dim == 64 && c.rope_interleave == 1);
+    CHECK(c.v_head_dim == 128 && c.head_dim == 576 && c.rotary_dim == 64 && c.rope_interleave == 1);
+    CHECK(c.n_kv_heads == 1);
     CHECK(c.n_experts == 256 && c.n_experts_per_tok == 8 && c.n_shared_experts == 1 && c.moe_hidden_dim == 2048);
     CHECK(c.first_k_dense_replace == 3 && c.n_group == 8 && c.topk_group == 4 && c.norm_topk_prob == 1);
     CHECK(c.topk_method == LOOM_DS_TOPK_NOAUX_TC && c.scoring_sigmoid == 1 && c.routed_scaling_factor == 2.5f);
