@@ -15,7 +15,8 @@
 #include "worker/model.h"
 
 static const char *const k_types[] = {"llama",  "mistral",     "qwen2",   "qwen3",     "phi3",     "gemma2",
-                                      "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"};
+                                      "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss",
+                                      "deepseek_v3", "deepseek_v2"};
 
 static loom_model_config_t parse(const char *json) {
     loom_model_config_t c;
@@ -72,6 +73,20 @@ static void test_names(void) {
     CHECK(!loom_arch_tensor_used(a, &mx, "model.layers.1.block_sparse_moe.experts.x.w1.weight", NULL));
     CHECK(loom_arch_tensor_used(a, &mx, "model.layers.1.block_sparse_moe.gate.weight", &lin) && lin == 0);
     CHECK(!loom_arch_tensor_used(a, &mx, "model.layers.1.mlp.gate_proj.weight", NULL)); /* no dense MLP */
+
+    /* DeepSeek: q_a/q_b or one q_proj by q_lora_rank, the router's correction bias under noaux_tc, and
+     * kv_b_proj read as a float tensor (rebuilt at load, so `loom quantize` leaves it) */
+    loom_model_config_t ds = parse("{\"model_type\":\"deepseek_v3\",\"num_hidden_layers\":4,"
+                                   "\"first_k_dense_replace\":1}");
+    a = loom_arch_find("deepseek_v3");
+    CHECK(a && a == loom_arch_find("deepseek_v2"));
+    CHECK(!strcmp(loom_arch_tensor_name(a, &ds, 2, LOOM_TN_Q_B, -1, buf, sizeof buf),
+                  "model.layers.2.self_attn.q_b_proj.weight"));
+    CHECK(loom_arch_tensor_name(a, &ds, 2, LOOM_TN_Q, -1, buf, sizeof buf) == NULL);
+    CHECK(loom_arch_tensor_used(a, &ds, "model.layers.1.mlp.gate.e_score_correction_bias", &lin) && lin == 0);
+    CHECK(!loom_arch_tensor_used(a, &ds, "model.layers.0.mlp.gate.e_score_correction_bias", NULL)); /* dense */
+    CHECK(loom_arch_tensor_used(a, &ds, "model.layers.3.self_attn.kv_b_proj.weight", &lin) && lin == 0);
+    CHECK(loom_arch_tensor_used(a, &ds, "model.layers.3.mlp.shared_experts.up_proj.weight", &lin) && lin == 1);
 
     loom_model_config_t g2 = parse("{\"model_type\":\"gemma2\"," DIMS ",\"head_dim\":16}");
     a = loom_arch_find("gemma2");
