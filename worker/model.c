@@ -51,13 +51,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
     *out = NULL;
-    if (cfg->deepseek) { /* its own checks first (router bias, FP8 scale grids) */
+    if (cfg->deepseek) /* its own checks first (the router's bias, the FP8 scale grids) */
         LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
-        if (cfg->ckpt_quant == LOOM_CKPT_FP8)
-            return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                                "%s: fp8 checkpoints are checked but not yet loaded (the engine reads float "
-                                "weights)", cfg->model_type);
-    }
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
     const loom_arch_t *arch = loom_arch_find(cfg->model_type);

@@ -10,8 +10,10 @@
   modeling_deepseek_v3.py).
 - a V2-Lite-shaped model (one q_proj, softmax greedy top-3 of 8, 2 shared experts) the same against
   the reference on 1x1 and a 2x2 expert-parallel grid.
-- Refused with a message naming what is wrong: a missing e_score_correction_bias, an fp8 checkpoint
-  (checked, not yet loaded).
+- An FP8 block checkpoint (float8_e4m3fn weights, a weight_scale_inv per 16 x 16 block) on a 2x1 grid
+  equals the reference on the same dequantized weights.
+- Refused with a message naming what is wrong: a missing e_score_correction_bias, an FP8 scale grid
+  of the wrong shape.
 """
 import os
 import subprocess
@@ -93,6 +95,8 @@ def test_deepseek_reference():
     against_reference(v3(), grids[-1:] if SANITIZED else grids)
     against_reference(v2lite(), [(2, 2, ["--expert-parallel"])] if SANITIZED else
                       [(1, 1, []), (2, 2, ["--expert-parallel"])])
+    # FP8 blocks (16 x 16 here, partial at the edges), dequantized at load; the reference dequantizes alike
+    against_reference(gen("deepseek_v3-fp8", "--shape", "v3", "--seed", "5", "--fp8"), [(2, 1, [])])
 
 
 def test_deepseek_refusals():
@@ -105,8 +109,13 @@ def test_deepseek_refusals():
     run_fails(test_models.variant("deepseek-no-bias", m,
                                   tensors=drop("model.layers.3.mlp.gate.e_score_correction_bias")),
               "model.layers.3.mlp.gate.e_score_correction_bias", "noaux_tc")
-    run_fails(gen("deepseek_v3-fp8", "--shape", "v3", "--seed", "5", "--fp8"),
-              "fp8 checkpoints are checked but not yet loaded")
+    fp8 = gen("deepseek_v3-fp8", "--shape", "v3", "--seed", "5", "--fp8")
+
+    def shrink_scale(hdr, raw):  # a scale grid of the wrong shape: [16, 1] read as [1, 16] (the same bytes)
+        name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+        hdr[name]["shape"] = hdr[name]["shape"][::-1]
+    run_fails(test_models.variant("deepseek-fp8-scale", fp8, tensors=shrink_scale),
+              "model.layers.1.self_attn.kv_b_proj.weight_scale_inv", "needs a float")
 
 
 if __name__ == "__main__":

@@ -19,5 +19,11 @@ add_test(NAME reference_deepseek_v3_bf16
 add_test(NAME reference_deepseek_v2lite
          COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
                  ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v2lite deepseek --shape v2lite --seed 5)
-set_tests_properties(reference_deepseek_v3 reference_deepseek_v3_bf16 reference_deepseek_v2lite PROPERTIES
+# FP8 blocks: float8_e4m3fn weights with a weight_scale_inv per 16 x 16 block (partial at the edges),
+# dequantized at load; the reference dequantizes the same codes.
+add_test(NAME reference_deepseek_v3_fp8
+         COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
+                 ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3_fp8 deepseek --shape v3 --seed 5 --fp8)
+set_tests_properties(reference_deepseek_v3 reference_deepseek_v3_bf16 reference_deepseek_v2lite
+                     reference_deepseek_v3_fp8 PROPERTIES
                      LABELS reference TIMEOUT 300 ENVIRONMENT "LOOM_PYTHON=${LOOM_PYTHON}")

@@ -379,7 +379,7 @@ static void test_fp8(void) {
     free(ref);
 }
 
-/* The checkpoint checks and the fp8 refusal at load: a one-layer MoE with an fp8 projection in 16 x 16 blocks. */
+/* The checkpoint checks at load: a one-layer MoE with an fp8 projection in 16 x 16 blocks. */
 static void test_checkpoint(void) {
     static const char cfg_json[] =
         "{\"model_type\":\"deepseek_v3\",\"hidden_size\":20,\"num_hidden_layers\":1,\"first_k_dense_replace\":0,"
@@ -416,14 +416,6 @@ static void test_checkpoint(void) {
         loom_status_t rc = loom_deepseek_check_checkpoint(&c, st, &err);
         if (!cases[i].want) {
             CHECKF(rc == LOOM_OK, "case %zu: %s", i, err.msg);
-            /* an fp8 checkpoint passes its checks, then is refused by name (the engine reads float weights) */
-            loom_shard_spec_t spec = {0, 1, 0, 1, 1, 1};
-            loom_model_options_t opt;
-            memset(&opt, 0, sizeof opt);
-            loom_model_t *m = NULL;
-            rc = loom_model_load(NULL, &c, st, &spec, &opt, &m, &err);
-            CHECKF(rc == LOOM_ERR_UNSUPPORTED && !m && strstr(err.msg, "deepseek_v3: fp8 checkpoints are checked but not yet loaded"), "%s",
-                   err.msg);
             /* fp8 codes without an fp8 quantization_config */
             loom_model_config_t plain = c;
             plain.ckpt_quant = LOOM_CKPT_FLOAT;

@@ -88,6 +88,14 @@ static const char *match(const char *pat, const char *s, int n_experts) {
 
 int loom_arch_tensor_used(const loom_arch_t *a, const loom_model_config_t *c, const char *name, int *linear) {
     static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
+    static const char inv[] = "_scale_inv";
+    size_t len = strlen(name);
+    if (c->ckpt_quant == LOOM_CKPT_FP8 && len > sizeof inv && len < 512 &&
+        !strcmp(name + len - (sizeof inv - 1), inv)) { /* an FP8 weight's scales: used with the weight */
+        char base[512];
+        snprintf(base, sizeof base, "%.*s", (int)(len - (sizeof inv - 1)), name);
+        return loom_arch_tensor_used(a, c, base, linear);
+    }
     int layer = -1;
     if (!strncmp(name, "model.layers.", 13)) {
         char *end;
