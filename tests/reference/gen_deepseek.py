@@ -125,6 +125,9 @@ def main(argv=None):
     p.add_argument("--fp8-block", type=int, default=16, help="the square block of one scale (DeepSeek-V3: 128)")
     p.add_argument("--tokenizer-from", default=STORIES, help="copy tokenizer.json and tokenizer_config.json")
     p.add_argument("--vocab", type=int, default=0, help="vocab_size (default: the tokenizer's size)")
+    p.add_argument("--mtp", type=int, default=0,
+                   help="num_nextn_predict_layers: MTP modules stored after the last layer (not part of the forward "
+                        "pass), as DeepSeek-V3's checkpoint holds model.layers.61.*")
     a = p.parse_args(argv)
     c = json.loads(json.dumps(SHAPES[a.shape]))
     os.makedirs(a.out, exist_ok=True)
@@ -139,8 +142,20 @@ def main(argv=None):
     c["bos_token_id"], c["eos_token_id"] = 1, 2
     st_dtype = {"f32": "F32", "bf16": "BF16"}[a.dtype]
     c["torch_dtype"] = gen_model.TORCH_DTYPE[st_dtype]
+    specs = tensor_specs(c)
+    if a.mtp:  # an MTP module: a MoE layer plus its embedding/hidden norms, eh_proj and shared head
+        c["num_nextn_predict_layers"] = a.mtp
+        n, D = c["num_hidden_layers"], c["hidden_size"]
+        last = [(nm.replace("layers.%d." % (n - 1), "layers.%d." % (n + k)), s, kd)
+                for k in range(a.mtp) for nm, s, kd in specs if nm.startswith("model.layers.%d." % (n - 1))]
+        extra = [("model.layers.%d.%s" % (n + k, t), s, kd) for k in range(a.mtp)
+                 for t, s, kd in (("enorm.weight", (D,), "norm"), ("hnorm.weight", (D,), "norm"),
+                                  ("eh_proj.weight", (D, 2 * D), "linear"),
+                                  ("shared_head.norm.weight", (D,), "norm"),
+                                  ("shared_head.head.weight", (c["vocab_size"], D), "lm_head"))]
+        specs = specs + last + extra
     tensors = []
-    for name, shape, kind in tensor_specs(c):
+    for name, shape, kind in specs:
         x = gen_model.make_tensor(a.seed, name, shape, kind)
         quant = a.fp8 and len(shape) == 2 and ".layers." in name and not name.endswith("gate.weight")
         if quant:

@@ -24,6 +24,11 @@ add_test(NAME reference_deepseek_v2lite
 add_test(NAME reference_deepseek_v3_fp8
          COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
                  ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3_fp8 deepseek --shape v3 --seed 5 --fp8)
+# An MTP module stored after the last layer (model.layers.5.*, num_nextn_predict_layers 1) is accepted and
+# left out of the forward pass, as the reference leaves it.
+add_test(NAME reference_deepseek_v3_mtp
+         COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
+                 ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3_mtp deepseek --shape v3 --seed 5 --mtp 1)
 set_tests_properties(reference_deepseek_v3 reference_deepseek_v3_bf16 reference_deepseek_v2lite
-                     reference_deepseek_v3_fp8 PROPERTIES
+                     reference_deepseek_v3_fp8 reference_deepseek_v3_mtp PROPERTIES
                      LABELS reference TIMEOUT 300 ENVIRONMENT "LOOM_PYTHON=${LOOM_PYTHON}")
