@@ -51,14 +51,14 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
     *out = NULL;
-    if (cfg->deepseek) /* its own checks first (the router's bias, the FP8 scale grids) */
-        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
     const loom_arch_t *arch = loom_arch_find(cfg->model_type);
     if (!arch)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "no model family serves model_type '%s'", cfg->model_type);
     LOOM_CHECK(check_caps(be, arch, cfg, spec, opt, err));
+    if (cfg->deepseek) /* the router's bias, the FP8 scale grids */
+        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "

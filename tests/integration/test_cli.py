@@ -188,7 +188,7 @@ def test_tcp_data_plane():
 
 # every model_type the config parser accepts (common/model_config.c), each served by one family
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-               "qwen2_moe", "gpt_oss"]
+               "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"]
 
 
 def test_info():
@@ -224,6 +224,7 @@ def test_info():
     check(ct["gemma2"]["runs"] == "no" and "attn_softcap" in ct["gemma2"]["lacks"], "cuda gemma2: %r" % ct["gemma2"])
     check(ct["gpt_oss"]["runs"] == "no" and "attn_sinks" in ct["gpt_oss"]["lacks"] and
           "swiglu_clamp" in ct["gpt_oss"]["lacks"], "cuda gpt_oss: %r" % ct["gpt_oss"])
+    check("attn_wide" in ct["deepseek_v3"]["lacks_for_some_configs"], "cuda deepseek_v3: %r" % ct["deepseek_v3"])
     check(re.search(r"^  gemma2 +no: lacks .*attention logit soft capping", text.stdout, re.M),
           "loom info: gemma2 on cuda: %r" % text.stdout)
     if cuda["devices"] == 0:

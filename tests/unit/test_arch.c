@@ -154,6 +154,13 @@ static void test_refusal(void) {
                strstr(err.msg, "attention sinks (gpt_oss's attention)") &&
                strstr(err.msg, "the clamped SwiGLU (gpt_oss's experts)"),
            "%s", err.msg);
+    /* DeepSeek-V3's latent rows are 576 wide: a backend whose attention stops at 256 refuses it */
+    ops.caps &= ~(uint32_t)LOOM_CAP_ATTN_WIDE;
+    loom_model_config_t ds = parse("{\"model_type\":\"deepseek_v3\"}");
+    CHECK(loom_model_load(be, &ds, NULL, &spec, &opt, &m, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECKF(!strcmp(err.msg, "the cpu backend cannot run deepseek_v3: it lacks attention heads wider than 256 "
+                            "(head_dim 576)"),
+           "%s", err.msg);
     be->ops = orig;
     loom_backend_destroy(&be);
 }

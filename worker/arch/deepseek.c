@@ -39,8 +39,9 @@ static const loom_tensor_name_t k_names[] = {
 };
 
 static const loom_arch_type_t k_types[] = {
-    {"deepseek_v3", LOOM_CAP_MOE, 0},
-    {"deepseek_v2", LOOM_CAP_MOE, 0},
+    /* the latent rows are kv_lora_rank + rope wide (576 as released): attention heads above 256 */
+    {"deepseek_v3", LOOM_CAP_MOE, LOOM_CAP_ATTN_WIDE},
+    {"deepseek_v2", LOOM_CAP_MOE, LOOM_CAP_ATTN_WIDE},
     {NULL, 0, 0},
 };
 
