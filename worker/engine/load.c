@@ -290,7 +290,9 @@ loom_status_t loom_load_linear(loom_loader_t *L, loom_weight_t *w, const char *w
 loom_status_t loom_load_align_split(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
                                  const loom_model_options_t *opt, int hidden, int *begin, int *len,
                                  loom_err_t *err) {
-    int quantized = opt->quant.quant != LOOM_QUANT_NONE || cfg->ckpt_quant != LOOM_CKPT_FLOAT;
+    /* an FP8 block checkpoint is float once loaded (dequantized): split as one */
+    int quantized = opt->quant.quant != LOOM_QUANT_NONE ||
+                    (cfg->ckpt_quant != LOOM_CKPT_FLOAT && cfg->ckpt_quant != LOOM_CKPT_FP8);
     if (!quantized || spec->tp_size == 1) return LOOM_OK;
     int group = opt->quant.quant == LOOM_QUANT_Q4 ? opt->quant.group : cfg->ckpt_group;
     int unit = group > QUANT_SPLIT_COLS && hidden % group == 0 ? group : QUANT_SPLIT_COLS;
