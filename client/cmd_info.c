@@ -97,11 +97,13 @@ int loom_cmd_info(int argc, char **argv) {
                 cJSON_AddItemToObject(f, "lacks", caps_json(t->always & ~caps));
                 cJSON_AddItemToObject(f, "lacks_for_some_configs", caps_json(t->maybe & ~caps));
                 if (json) continue;
+                /* refused: what every config needs; else what some configs need */
+                uint32_t miss = t->always & ~caps ? t->always & ~caps : t->maybe & ~caps;
                 printf("  %-12s %s", t->model_type, v);
-                uint32_t miss = (t->always | t->maybe) & ~caps;
                 for (int c = 0, first = 1; c < LOOM_CAP_COUNT; c++)
                     if (miss & (1u << c)) {
-                        printf("%s%s", first ? (t->always & ~caps ? ": lacks " : ": not with ") : ", ",
+                        printf("%s%s", first ? (t->always & ~caps ? ": lacks " : ": refused for configs that need ")
+                                             : ", ",
                                loom_cap_name(1u << c));
                         first = 0;
                     }

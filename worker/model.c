@@ -407,7 +407,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     int decode = n == b->n_seqs;
     int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce) &&
-                /* run_moe routes on the host between ops, except decode steps on the device */
+                /* loom_blk_moe routes on the host between ops, except decode steps on the device */
                 (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
     int N = n; /* tokens after padding */
     if (m->scratch_block >= 0 && decode && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {

@@ -110,6 +110,41 @@ static void test_needs(void) {
     CHECK((loom_arch_find("gemma2")->needs(&g2, &head_only) & ~LOOM_CAP_ACT) == LOOM_CAP_LOGIT_SOFTCAP);
 }
 
+/* What `loom info` says of a model type (always / maybe) agrees with what
+ * loading computes for a config of that type (needs): every config needs
+ * `always`, and nothing outside always | maybe. */
+static void test_info_agrees(void) {
+    static const char *const extra[] = {
+        "",
+        "",
+        "",
+        "",
+        "",
+        ",\"head_dim\":16",
+        ",\"head_dim\":16",
+        ",\"num_local_experts\":4,\"num_experts_per_tok\":2",
+        ",\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32",
+        ",\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32,"
+        "\"shared_expert_intermediate_size\":64",
+        ",\"head_dim\":16,\"num_local_experts\":4,\"num_experts_per_tok\":2",
+    };
+    loom_shard_spec_t all = {.tp_size = 1, .layer_begin = 0, .layer_end = 4, .has_embed = 1, .has_head = 1};
+    char json[512];
+    for (size_t i = 0; i < sizeof k_types / sizeof k_types[0]; i++) {
+        snprintf(json, sizeof json,
+                 "{\"model_type\":\"%s\",\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,"
+                 "\"num_attention_heads\":4,\"vocab_size\":100,\"max_position_embeddings\":131072%s}",
+                 k_types[i], extra[i]);
+        loom_model_config_t c = parse(json);
+        const loom_arch_t *a = loom_arch_find(k_types[i]);
+        const loom_arch_type_t *t = a->types;
+        while (strcmp(t->model_type, k_types[i])) t++;
+        uint32_t need = a->needs(&c, &all);
+        CHECKF((need & t->always) == t->always && !(need & ~(t->always | t->maybe)),
+               "%s: needs %#x, always %#x, maybe %#x", k_types[i], need, t->always, t->maybe);
+    }
+}
+
 static void test_refusal(void) {
     loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU, .n_threads = 1};
     loom_backend_t *be = NULL;
@@ -169,6 +204,7 @@ int main(void) {
     RUN(test_registry);
     RUN(test_names);
     RUN(test_needs);
+    RUN(test_info_agrees);
     RUN(test_refusal);
     return test_summary();
 }

@@ -65,7 +65,7 @@ static uint32_t oss_needs(const loom_model_config_t *c, const loom_shard_spec_t 
  * (E8M0: 2^(s-127)) per group of 32 inputs. A held expert's rows are
  * assembled on the host in Loom's (out, in) layout -- gate rows
  * [moe_hb, moe_hb+moe_hn), then the same up rows; down's columns that
- * slice -- and take the float path of load_linear (quantized on load when
+ * slice -- and take the float path of loom_load_linear (quantized on load when
  * asked), so TP slicing, expert parallelism and --quantization work as for
  * the other families. */
 

@@ -21,7 +21,7 @@
  * down(act(gate(x)) * up(x)), or a Mixture of Experts (Mixtral, Qwen3-MoE):
  * a router picks n_experts_per_tok experts per token and the block's output
  * is their MLPs' outputs weighted by the router. The layer loop calls
- * run_ffn() and does not look inside. */
+ * loom_blk_ffn() and does not look inside. */
 typedef struct loom_ffn {
     loom_weight_t w13; /* dense: (2*hidden, dim): gate rows then up rows */
     loom_weight_t w2;  /* dense: (dim, hidden): this rank's input columns */
