@@ -127,6 +127,8 @@ static void test_info_agrees(void) {
         ",\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32,"
         "\"shared_expert_intermediate_size\":64",
         ",\"head_dim\":16,\"num_local_experts\":4,\"num_experts_per_tok\":2",
+        "",                             /* deepseek_v3: DeepseekV3Config's 576-wide latent rows */
+        ",\"num_experts_per_tok\":2",  /* deepseek_v2 */
     };
     loom_shard_spec_t all = {.tp_size = 1, .layer_begin = 0, .layer_end = 4, .has_embed = 1, .has_head = 1};
     char json[512];
