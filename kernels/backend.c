@@ -66,6 +66,7 @@ static const struct {
     {LOOM_CAP_KV_BF16, "kv_bf16", "a bf16 KV cache"},
     {LOOM_CAP_KV_I8, "kv_int8", "an int8 KV cache"},
     {LOOM_CAP_KV_FP8, "kv_fp8", "an fp8 KV cache"},
+    {LOOM_CAP_ATTN_WIDE, "attn_wide", "attention heads wider than 256"},
 };
 const char *loom_cap_name(uint32_t cap) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_caps); i++)

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/model_config_deepseek.h"
 #include "common/progress.h"
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
@@ -56,6 +57,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (!arch)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "no model family serves model_type '%s'", cfg->model_type);
     LOOM_CHECK(check_caps(be, arch, cfg, spec, opt, err));
+    if (cfg->deepseek) /* the router's bias, the FP8 scale grids */
+        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
@@ -178,6 +181,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->xb2 = act_alloc(m, T * dim, &oom);
     m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
     m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
+    if (cfg->deepseek) m->mla_z = act_alloc(m, T * (size_t)loom_blk_attn_mla_zdim(cfg, d), &oom);
     size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
@@ -262,6 +266,8 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_backend_free(be, ly->ffn.b2);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
+            loom_weight_free(be, &ly->wkv_a);
+            free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
@@ -292,6 +298,7 @@ void loom_model_destroy(loom_model_t **m_p) {
                      m->xb2,
                      m->qkv,
                      m->att,
+                     m->mla_z,
                      m->gu,
                      m->hb,
                      m->xl,

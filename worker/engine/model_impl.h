@@ -45,6 +45,9 @@ typedef struct loom_ffn {
      * (n_experts, dim; on the rank whose slice starts at 0, so it is added
      * once). NULL for the other families. */
     float *rbias, *b13, *b2;
+    /* DeepSeek (worker/moe_ds.c routes): e_score_correction_bias (n_experts) on the host, or NULL; the
+     * shared experts (s13, s2) are added ungated */
+    float *ds_bias;
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -63,6 +66,9 @@ typedef struct loom_layer {
     const float *inv_freq; /* RoPE table of this layer (Gemma's sliding layers have their own) */
     loom_ffn_t ffn;
     loom_kv_layer_t kv; /* (n_blocks, B, n_kv_heads, hd) K and V in opt.kv_dtype */
+    /* MLA (worker/engine/attn_mla.c): the latent's projection, (z_dim, dim): q_a_proj (or this rank's
+     * q_proj rows) then kv_a_proj_with_mqa; q_norm / k_norm above hold q_a_layernorm / kv_a_layernorm */
+    loom_weight_t wkv_a;
 } loom_layer_t;
 
 struct loom_model {
@@ -103,6 +109,7 @@ struct loom_model {
     float *hb;     /* (T, hidden) */
     float *xl;     /* (max_logits, dim) */
     float *logits; /* (max_logits, vocab) */
+    float *mla_z;  /* (T, z_dim) MLA: the latent projection (loom_blk_attn_mla_zdim) */
 
     /* step metadata: host staging and its device copy */
     int *sample_k; /* (max_logits) candidates per row */
@@ -289,6 +296,13 @@ loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loo
 loom_status_t loom_blk_attn(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
 /* The RoPE table (head_dim / 2 frequencies) of a config. */
 void loom_blk_attn_rope_table(const loom_model_config_t *c, float *out);
+
+/* ---- attn_mla.c: multi-head latent attention (DeepSeek-V2/V3) ----------- */
+/* Columns of the latent projection's output: (q_lora_rank, or this rank's q heads) + kv_lora + rope. */
+int loom_blk_attn_mla_zdim(const loom_model_config_t *c, const loom_shard_dims_t *d);
+loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
+/* xb (normed input) -> xb2, all-reduced. */
+loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
 
 /* ---- ffn.c: the feed-forward block ------------------------------------- */
 /* The dense gated MLP: gate/up (column-parallel, stacked) and down (row-parallel). */
