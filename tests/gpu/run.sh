@@ -10,7 +10,9 @@
 #      model (greedy ids equal to the CPU's in f32, within bf16 tolerance in
 #      bf16; int8 KV on two of them); the Mixture-of-Experts models; the LoRA
 #      kernels' test when this tree has one (test_cuda_lora); the NCCL data
-#      plane (skipped with fewer than 2 GPUs);
+#      plane (one GPU: a step bracket with no peers; two: TP all-reduce,
+#      pipeline, abort, an all-reduce captured in a graph and the step
+#      watchdog against a silent peer);
 #   B. measurements, budget LOOM_RUN_MEASURE_S (240 s): bench_gpu's decode MBU
 #      at batch 1/8/32 and prefill TFLOP/s against cuBLAS on a Llama-3-8B
 #      shape, the quantized GEMVs alone, a 4-bit decode; then the tuning table
@@ -213,7 +215,7 @@ if [ $run_steps = 1 ]; then
         skip_row lora "no LoRA kernels in this tree"
     fi
     if [ -x "$bin/test_nccl_comm" ] || [ $gpu = 0 ]; then
-        step nccl 60 "$bin/test_nccl_comm"
+        step nccl 90 "$bin/test_nccl_comm" # 1 GPU: the single-process case; 2: all (graph, watchdog)
     else
         skip_row nccl "built without NCCL"
     fi
