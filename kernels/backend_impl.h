@@ -78,6 +78,7 @@ typedef struct loom_backend_ops {
                          int cols);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
+    void (*graph_drop)(loom_backend_t *be);
 } loom_backend_ops_t;
 
 /* Every backend struct begins with this header. */

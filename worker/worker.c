@@ -237,6 +237,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
 }
 
 static void unload(worker_t *w) {
+    if (w->be) loom_backend_graph_drop(w->be); /* TP decode graphs hold the comm's collectives */
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_destroy(&w->comm);
     pthread_mutex_unlock(&w->comm_mu);
@@ -427,6 +428,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     loom_status_t s = loom_comm_create(&cc, &c, &err);
     free(peers);
     if (s < 0) goto fail;
+    loom_backend_graph_drop(w->be); /* recorded against the old comm's communicators */
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_destroy(&w->comm);
     w->comm = c;

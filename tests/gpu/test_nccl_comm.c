@@ -161,7 +161,8 @@ static int run_rank(int rank, uint8_t ids[N_IDS][LOOM_COMM_ID_BYTES]) {
                 (unsigned long long)(rec1 - rec0), (unsigned long long)(rep1 - rep0));
         return fail(rank, "graph reuse", NULL);
     }
-    loom_comm_destroy(&gc); /* drops no graph: the backend's own go with it below */
+    loom_backend_graph_drop(be); /* as the worker does before its comm goes: the graph holds its collectives */
+    loom_comm_destroy(&gc);
 
     /* watchdog: rank 1 joins and never enters the collective; rank 0 enqueues
      * it stream-ordered and blocks in a copy behind it. The watchdog must
