@@ -123,7 +123,9 @@ loom_status_t loom_comm_step_end(loom_comm_t *c, loom_err_t *err);
  * another thread is blocked in the comm. */
 void loom_comm_abort(loom_comm_t *c);
 
-/* Seconds this comm has spent inside its calls (waiting included). */
+/* Seconds this comm has spent inside its calls (waiting included; not
+ * step_end's wait for the forward pass, so inside nccl steps only the
+ * enqueueing of the all-reduces counts). */
 double loom_comm_seconds(const loom_comm_t *c);
 
 #endif
