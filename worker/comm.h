@@ -59,6 +59,9 @@ typedef struct loom_comm_config {
      * per link and direction derived from the secret and the handshake's
      * nonces); a frame that fails its tag aborts the comm. */
     int encrypt;
+    /* nccl: the base of a stream-ordered step's budget (comm_watchdog.h),
+     * to which each token adds its share; 0: timeout_ms when set, else 10 s */
+    int step_base_ms;
 } loom_comm_config_t;
 
 /* A worker's data-plane listening socket, opened at start-up (before it knows

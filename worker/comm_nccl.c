@@ -534,8 +534,10 @@ loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t *
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     loom_watchdog_init(&c->wd);
-    /* a step's base budget: the comm's timeout when set */
-    c->lim = (loom_wd_limits_t){.base_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : LOOM_WD_BASE_MS_DEFAULT,
+    /* a step's base budget: step_base_ms, else the comm's timeout when set */
+    c->lim = (loom_wd_limits_t){.base_ms = cfg->step_base_ms > 0 ? cfg->step_base_ms
+                                           : cfg->timeout_ms > 0 ? cfg->timeout_ms
+                                                                 : LOOM_WD_BASE_MS_DEFAULT,
                                 .us_per_token = LOOM_WD_US_PER_TOKEN_DEFAULT};
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 0;
     c->dev = cfg->cuda_device;

@@ -31,7 +31,7 @@
 
 #define SKIP_CODE 77
 #define N_IDS     5 /* TP group, pipeline link, TP groups for the abort, graph and watchdog cases */
-#define WATCH_MS  1000 /* the watchdog case's comm timeout: its steps' base budget */
+#define WATCH_MS  1000 /* the watchdog case's step_base_ms: its steps' base budget */
 #define NF        100003
 
 static int fail(int rank, const char *what, const loom_err_t *err) {
@@ -40,7 +40,8 @@ static int fail(int rank, const char *what, const loom_err_t *err) {
 }
 
 static loom_comm_t *join(int rank, loom_backend_t *be, const uint8_t *tp_id, const uint8_t *prev_id,
-                         const uint8_t *next_id, int tp_size, int timeout_ms, loom_err_t *err) {
+                         const uint8_t *next_id, int tp_size, int timeout_ms, int step_base_ms,
+                         loom_err_t *err) {
     loom_comm_peer_t self = {.worker_id = rank ? "w1" : "w0", .data_addr = ""};
     loom_comm_peer_t group[2] = {{"w0", ""}, {"w1", ""}};
     loom_comm_config_t cc = {.version = LOOM_COMM_CONFIG_VERSION, .backend = "nccl", .name = "nccl-test",
@@ -49,7 +50,7 @@ static loom_comm_t *join(int rank, loom_backend_t *be, const uint8_t *tp_id, con
                              .next = next_id ? &group[1] : NULL, .max_bytes = (size_t)NF * 4,
                              .timeout_ms = timeout_ms, .tp_group_id = tp_id, .prev_group_id = prev_id,
                              .next_group_id = next_id, .cuda_device = loom_backend_device_index(be),
-                             .cuda_stream = loom_backend_stream(be)};
+                             .cuda_stream = loom_backend_stream(be), .step_base_ms = step_base_ms};
     loom_comm_t *c = NULL;
     return loom_comm_create(&cc, &c, err) < 0 ? NULL : c;
 }
@@ -72,7 +73,7 @@ static int run_rank(int rank, uint8_t ids[N_IDS][LOOM_COMM_ID_BYTES]) {
     if (!d) return fail(rank, "alloc", NULL);
 
     /* TP group: all-reduce, barrier, gather */
-    loom_comm_t *tp = join(rank, be, ids[0], NULL, NULL, 2, 20000, &err);
+    loom_comm_t *tp = join(rank, be, ids[0], NULL, NULL, 2, 20000, 0, &err);
     if (!tp) return fail(rank, "join the TP group", &err);
     for (int i = 0; i < NF; i++) h[i] = (float)(rank + 1) + (float)(i % 1000) * 0.25f;
     loom_backend_upload(be, d, h, (size_t)NF * 4);
@@ -93,7 +94,7 @@ static int run_rank(int rank, uint8_t ids[N_IDS][LOOM_COMM_ID_BYTES]) {
     loom_comm_destroy(&tp);
 
     /* pipeline: rank 0 -> rank 1, three messages in order */
-    loom_comm_t *pp = join(rank, be, NULL, rank == 1 ? ids[1] : NULL, rank == 0 ? ids[1] : NULL, 1, 20000, &err);
+    loom_comm_t *pp = join(rank, be, NULL, rank == 1 ? ids[1] : NULL, rank == 0 ? ids[1] : NULL, 1, 20000, 0, &err);
     if (!pp) return fail(rank, "join the pipeline link", &err);
     for (int m = 0; m < 3; m++) {
         if (rank == 0) {
@@ -112,7 +113,7 @@ static int run_rank(int rank, uint8_t ids[N_IDS][LOOM_COMM_ID_BYTES]) {
 
     /* abort: rank 1 joins and then stays silent; rank 0's all-reduce must end
      * with UNAVAILABLE once another thread aborts the comm */
-    loom_comm_t *ab = join(rank, be, ids[2], NULL, NULL, 2, 0, &err);
+    loom_comm_t *ab = join(rank, be, ids[2], NULL, NULL, 2, 0, 0, &err);
     if (!ab) return fail(rank, "join the second TP group", &err);
     if (rank == 0) {
         pthread_t th;
@@ -133,7 +134,7 @@ static int run_rank(int rank, uint8_t ids[N_IDS][LOOM_COMM_ID_BYTES]) {
 
     /* graph: a stream-ordered all-reduce recorded into a decode-style graph
      * (graph_begin/graph_end of the backend), then replayed on new data */
-    loom_comm_t *gc = join(rank, be, ids[3], NULL, NULL, 2, 20000, &err);
+    loom_comm_t *gc = join(rank, be, ids[3], NULL, NULL, 2, 20000, 0, &err);
     if (!gc) return fail(rank, "join the graph TP group", &err);
     if (!loom_comm_stream_ordered(gc)) return fail(rank, "nccl steps are not stream-ordered", NULL);
     uint64_t rec0 = 0, rep0 = 0, rec1 = 0, rep1 = 0;
@@ -168,7 +169,7 @@ static int run_rank(int rank, uint8_t ids[N_IDS][LOOM_COMM_ID_BYTES]) {
      * it stream-ordered and blocks in a copy behind it. The watchdog must
      * abort within the budget (WATCH_MS + a token's share), which ends the
      * stuck kernel and the copy; step_end then fails the step. */
-    loom_comm_t *wc = join(rank, be, ids[4], NULL, NULL, 2, WATCH_MS, &err);
+    loom_comm_t *wc = join(rank, be, ids[4], NULL, NULL, 2, 20000, WATCH_MS, &err);
     if (!wc) return fail(rank, "join the watchdog TP group", &err);
     if (rank == 0) {
         uint64_t t0 = loom_now_ns();
@@ -202,7 +203,7 @@ static int run_single(void) {
     loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CUDA,
                                 .device_index = 0, .weight_dtype = LOOM_DT_BF16};
     if (loom_backend_create(&bc, &be, &err) < 0) return fail(0, "backend", &err);
-    loom_comm_t *c = join(0, be, NULL, NULL, NULL, 1, 0, &err);
+    loom_comm_t *c = join(0, be, NULL, NULL, NULL, 1, 0, 0, &err);
     if (!c) return fail(0, "join alone", &err);
     if (loom_comm_step_begin(c, 16, &err) < 0 || loom_comm_step_end(c, &err) < 0) return fail(0, "empty step", &err);
     if (loom_comm_step_begin(c, 16, &err) < 0) return fail(0, "step_begin", &err);
