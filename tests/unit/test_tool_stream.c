@@ -84,6 +84,7 @@ typedef struct {
 #define PYTHONIC LOOM_TOOLFMT_PYTHONIC
 #define LLAMA4 LOOM_TOOLFMT_LLAMA4_PYTHONIC
 #define CODER LOOM_TOOLFMT_QWEN3_CODER
+#define HARMONY LOOM_TOOLFMT_OPENAI
 #define DS_B "<｜tool▁calls▁begin｜>"
 #define DS_E "<｜tool▁calls▁end｜>"
 #define DS_CB "<｜tool▁call▁begin｜>"
@@ -172,6 +173,26 @@ static const case_t k_cases[] = {
      "<tool_call>\n<function=get_weather>\n<parameter=city>\nx\n</parameter>\n</tool_call>", 0, {0}, {0}, 0},
     {CODER, "", "<tool_call>\n<function=rm>\n</function>\n</tool_call>", 1, LOOM_TS_TEXT,
      "<tool_call>\n<function=rm>\n</function>\n</tool_call>", 0, {0}, {0}, 0},
+    /* openai (GPT-OSS harmony): the recipient after the channel or before it */
+    {HARMONY, "", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}"
+     "<|call|>", 1, 1, "", 1, {"get_weather"}, {"{\"city\":\"Oslo\"}"}, 3},
+    {HARMONY, "", "Checking.<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+     "{\"city\": \"a to=functions.b\"}<|call|><|start|>assistant<|channel|>commentary to=functions.now "
+     "<|constrain|>json<|message|>{}", 1, 2, "Checking.", 2, {"get_weather", "now"},
+     {"{\"city\":\"a to=functions.b\"}", "{}"}, 3},
+    {HARMONY, "", " to=functions.now<|channel|>commentary json<|message|>{}<|call|>"
+     "<|start|>assistant<|channel|>final<|message|>Done.", 1, 1, "Done.", 1, {"now"}, {"{}"}, 3},
+    {HARMONY, SINGLE, "<|channel|>commentary to=functions.now json<|message|>{}<|call|>"
+     "<|channel|>commentary to=functions.now json<|message|>{}<|call|>", 1, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.now json<|message|>{}<|call|>"
+     "<|channel|>commentary to=functions.now json<|message|>{}<|call|>", 0, {0}, {0}, 0},
+    {HARMONY, "", "<|channel|>commentary to=functions.rm json<|message|>{}<|call|>", 1, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.rm json<|message|>{}<|call|>", 0, {0}, {0}, 0},
+    {HARMONY, "", "<|channel|>commentary to=functions.now json<|message|>{\"a\": 1", 1, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.now json<|message|>{\"a\": 1", 0, {0}, {0}, 0},
+    {HARMONY, "", "<|channel|>commentary to=functions.now json<|message|>{}", 0, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.now json<|message|>{}", 0, {0}, {0}, 0},
+    {HARMONY, "", "Plain <|channel|>comm", 1, LOOM_TS_TEXT, "Plain <|channel|>comm", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_sta", 1, LOOM_TS_TEXT, "<|python_sta", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_start|>now()", 1, LOOM_TS_TEXT, "<|python_start|>now()", 0, {0}, {0}, 0},
     {PYTHONIC, "", "[get_weather('Oslo')]", 1, LOOM_TS_TEXT, "[get_weather('Oslo')]", 0, {0}, {0}, 0},
