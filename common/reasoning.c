@@ -135,7 +135,8 @@ static void run(loom_rsplit_t *s, loom_sbuf_t *reasoning, loom_sbuf_t *content, 
         size_t at = n, mlen = 0;
         for (int k = 0; s->f->ends[k]; k++) {
             const char *p = memmem(b, n, s->f->ends[k], strlen(s->f->ends[k]));
-            if (p && ((size_t)(p - b) < at || ((size_t)(p - b) == at && strlen(s->f->ends[k]) > mlen))) {
+            if (p &&
+                ((size_t)(p - b) < at || ((size_t)(p - b) == at && strlen(s->f->ends[k]) > mlen))) {
                 at = (size_t)(p - b);
                 mlen = strlen(s->f->ends[k]);
             }

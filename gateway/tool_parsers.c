@@ -37,9 +37,9 @@ int loom_tp_held(loom_toolfmt_t f) {
 /* Harmony's call headers: GPT-OSS writes the recipient before or after the
  * channel, the message start (HM_START) maybe before both. */
 #define HM_START "<|start|>assistant"
-static const char *const k_hm_marks[] = {"to=functions.", " to=functions.", "<|channel|>commentary to=functions.",
-                                         HM_START " to=functions.",
-                                         HM_START "<|channel|>commentary to=functions."};
+static const char *const k_hm_marks[] = {
+    "to=functions.", " to=functions.", "<|channel|>commentary to=functions.",
+    HM_START " to=functions.", HM_START "<|channel|>commentary to=functions."};
 
 /* Longest suffix of text[0..len) that is a proper prefix of m. */
 static size_t prefix_tail(const char *text, size_t len, const char *m) {
@@ -82,7 +82,8 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
             size_t at = (size_t)(p - text), best = at;
             for (size_t k = 1; k < LOOM_ARRAY_LEN(k_hm_marks); k++) {
                 size_t back = strlen(k_hm_marks[k]) - strlen(k_hm_marks[0]);
-                if (at >= back && !memcmp(text + at - back, k_hm_marks[k], back) && at - back < best)
+                if (at >= back && !memcmp(text + at - back, k_hm_marks[k], back) &&
+                    at - back < best)
                     best = at - back;
             }
             return best;
