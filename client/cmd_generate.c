@@ -341,7 +341,7 @@ int loom_cmd_stats(int argc, char **argv) {
         return exit_code(st);
     }
     printf("{\n"
-           "  \"running\": %d,\n  \"waiting\": %d,\n"
+           "  \"running\": %d,\n  \"waiting\": %d,\n  \"preparing\": %d,\n"
            "  \"kv_blocks_total\": %d,\n  \"kv_blocks_used\": %d,\n  \"kv_blocks_free\": %d,\n"
            "  \"kv_blocks_cached\": %llu,\n  \"kv_block_size\": %d,\n"
            "  \"kv_cache_dtype\": \"%s\",\n  \"kv_block_bytes\": %llu,\n"
@@ -351,7 +351,7 @@ int loom_cmd_stats(int argc, char **argv) {
            "  \"prompt_tokens_total\": %llu,\n  \"gen_tokens_total\": %llu,\n"
            "  \"steps\": %llu,\n  \"step_ms_mean\": %.3f\n"
            "}\n",
-           s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
+           s.running, s.waiting, s.preparing, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
            (unsigned long long)s.kv_blocks_cached, s.kv_block_size, s.kv_cache_dtype,
            (unsigned long long)s.kv_block_bytes, (unsigned long long)s.prefix_cache_queries,
            (unsigned long long)s.prefix_cache_hits, s.prefix_cache_hit_rate, s.gen_tokens_per_s,

@@ -761,6 +761,7 @@ loom_status_t loom_client_stats(loom_client_t *c, loom_stats_t *s, loom_err_t *e
 #undef CLAMP_INT
     snprintf(s->kv_cache_dtype, sizeof s->kv_cache_dtype, "%s", x->kv_cache_dtype ? x->kv_cache_dtype : "");
     s->kv_block_bytes = x->kv_block_bytes;
+    s->preparing = x->preparing > INT32_MAX ? INT32_MAX : (int)x->preparing;
     loom__v1__reply__free_unpacked(r, NULL);
     return LOOM_OK;
 }

@@ -439,9 +439,20 @@ typedef struct {
 #define MAX_FLAT   2048
 #define FLAT_CHAIN 3 /* frames above the base a memoized stack may have */
 
+/* A closure's visited (pos, parent) pairs are scanned linearly while few;
+ * past SEEN_LINEAR they also go in an open-addressed table (stamped with
+ * a generation, so starting a closure clears nothing): a deep chain of
+ * rules visits thousands of nodes, and the scan was quadratic in them. */
+#define SEEN_LINEAR 64
+#define SEEN_BITS   13 /* 8192 slots: at most half full under MAX_STATE_STACKS */
+
 /* Scratch for closure and token walks. */
 typedef struct {
     ivec_t work, visited;
+    uint64_t *seen_key; /* (1 << SEEN_BITS), allocated at the first large closure */
+    uint32_t *seen_gen; /* a slot holds a key of this closure when it equals gen */
+    uint32_t gen;
+    int seen_on;        /* this closure's pairs are in the table */
     lg_set_t *sets; /* per depth */
     int *mark;      /* arena size after sets[d] was made */
     uint8_t *unc;
@@ -543,6 +554,8 @@ static inline int32_t node_new(lg_arena_t *a, uint32_t pos, int32_t parent) {
 static void walk_free(lg_walk_t *w) {
     free(w->work.v);
     free(w->visited.v);
+    free(w->seen_key);
+    free(w->seen_gen);
     for (int d = 0; d < w->depth_cap; d++)
         free(w->sets[d].top);
     free(w->sets);
@@ -568,25 +581,66 @@ static void walk_reserve(lg_walk_t *w, int depth) {
     w->depth_cap = nc;
 }
 
+static inline uint64_t seen_key(uint32_t pos, int32_t parent) {
+    return (uint64_t)pos << 32 | (uint32_t)parent;
+}
+
+/* Inserts key unless present; returns whether it was present. */
+static int seen_insert(lg_walk_t *w, uint64_t key) {
+    const uint32_t mask = (1u << SEEN_BITS) - 1;
+    uint32_t i = (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - SEEN_BITS));
+    for (;; i = (i + 1) & mask) {
+        if (w->seen_gen[i] != w->gen) {
+            w->seen_gen[i] = w->gen;
+            w->seen_key[i] = key;
+            return 0;
+        }
+        if (w->seen_key[i] == key) return 1;
+    }
+}
+
+/* Moves this closure's visited pairs into the table (a fresh generation). */
+static void seen_start(lg_walk_t *w, const lg_arena_t *a) {
+    if (!w->seen_key) {
+        w->seen_key = loom_xmalloc(sizeof *w->seen_key << SEEN_BITS);
+        w->seen_gen = loom_xcalloc((size_t)1 << SEEN_BITS, sizeof *w->seen_gen);
+    }
+    if (++w->gen == 0) { /* wrapped: forget every stamp */
+        memset(w->seen_gen, 0, sizeof *w->seen_gen << SEEN_BITS);
+        w->gen = 1;
+    }
+    for (int i = 0; i < w->visited.n; i++) {
+        const lg_node_t *o = &a->v[w->visited.v[i]];
+        seen_insert(w, seen_key(o->pos, o->parent));
+    }
+    w->seen_on = 1;
+}
+
 /* Closes the nodes queued in w->work into out (tops at byte sets + flags).
  * Returns -1 when the state grows past MAX_STATE_STACKS. */
 static int closure(const loom_grammar_t *g, lg_arena_t *a, lg_walk_t *w, lg_set_t *out) {
     w->visited.n = 0;
+    w->seen_on = 0;
     while (w->work.n) {
         int32_t id = w->work.v[--w->work.n];
         uint32_t pos = a->v[id].pos;
         int32_t parent = a->v[id].parent;
         int seen = 0;
-        for (int i = 0; i < w->visited.n; i++) {
-            const lg_node_t *o = &a->v[w->visited.v[i]];
-            if (o->pos == pos && o->parent == parent) {
-                seen = 1;
-                break;
+        if (w->seen_on) {
+            seen = seen_insert(w, seen_key(pos, parent));
+        } else {
+            for (int i = 0; i < w->visited.n; i++) {
+                const lg_node_t *o = &a->v[w->visited.v[i]];
+                if (o->pos == pos && o->parent == parent) {
+                    seen = 1;
+                    break;
+                }
             }
         }
         if (seen) continue;
         if (w->visited.n >= MAX_STATE_STACKS) return -1;
         ivec_push(&w->visited, id);
+        if (!w->seen_on && w->visited.n >= SEEN_LINEAR) seen_start(w, a);
         uint32_t e = g->elems[pos];
         switch (EL_KIND(e)) {
         case K_SET:

@@ -1278,6 +1278,7 @@ static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1
     st.kv_cache_dtype = (char *)loom_grid_kv_dtype(s->grid);
     st.kv_block_bytes = loom_grid_kv_block_bytes(s->grid);
     st.kv_events = (char *)loom_kv_events_addr(s->kv_events);
+    st.preparing = s->prep ? (uint32_t)loom_prep_pending(s->prep) : 0;
     uint64_t sec = loom_now_ns() / 1000000000ull, sum = 0;
     for (int i = 1; i < RATE_WINDOW; i++) /* full seconds only: skip the current one */
         if (sec >= (uint64_t)i && s->rate_second + RATE_WINDOW > sec - (uint64_t)i && s->rate_second >= sec - (uint64_t)i)

@@ -1,6 +1,7 @@
 /* Constrained decoding in the coordinator (see structured.h). */
 #include "coordinator/structured.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,7 +19,15 @@ static int cmp_i32(const void *a, const void *b) {
 struct loom_structured {
     const loom_tokenizer_t *tok;
     const loom_model_config_t *mcfg;
-    loom_grammar_vocab_t *vocab; /* built on first use */
+    /* The vocabulary index (tens of ms on a 128k vocabulary) is built at
+     * start-up on its own thread, so the first constrained request does not
+     * stall the reactor; the reactor joins it before its first use, and only
+     * then reads vocab (or indexer_err). */
+    loom_grammar_vocab_t *vocab;
+    pthread_t indexer;
+    int indexer_running; /* started, not joined yet */
+    loom_status_t indexer_st;
+    loom_err_t indexer_err;
     loom_grammar_cache_t *cache;
     loom_structured_stats_t stats;
 };
@@ -46,6 +55,29 @@ struct loom_guide {
     size_t n_text, cap_text;
 };
 
+/* The vocabulary index with the model's end-of-sequence ids; on the
+ * indexer thread or, when that could not start, on first use. */
+static loom_status_t build_vocab(loom_structured_t *s, loom_err_t *err) {
+    uint64_t t0 = loom_now_ns();
+    LOOM_CHECK(loom_grammar_vocab_create(s->tok, &s->vocab, err));
+    for (int i = 0; i < s->mcfg->n_eos; i++) loom_grammar_vocab_add_eos(s->vocab, s->mcfg->eos_ids[i]);
+    LOOM_INFO("constrained decoding: vocabulary of %d tokens indexed in %.1f ms", loom_grammar_vocab_size(s->vocab),
+              (double)(loom_now_ns() - t0) * 1e-6);
+    return LOOM_OK;
+}
+
+static void *index_vocab(void *arg) {
+    loom_structured_t *s = arg;
+    s->indexer_st = build_vocab(s, &s->indexer_err);
+    return NULL;
+}
+
+static void join_indexer(loom_structured_t *s) {
+    if (!s->indexer_running) return;
+    pthread_join(s->indexer, NULL);
+    s->indexer_running = 0;
+}
+
 loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg,
                                           size_t cache_bytes) {
     loom_structured_t *s = loom_xcalloc(1, sizeof *s);
@@ -53,6 +85,7 @@ loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loo
     s->mcfg = mcfg;
     s->cache = loom_grammar_cache_create(GRAMMAR_CACHE_CAPACITY);
     loom_grammar_cache_set_max_bytes(s->cache, cache_bytes);
+    if (tok && pthread_create(&s->indexer, NULL, index_vocab, s) == 0) s->indexer_running = 1;
     return s;
 }
 
@@ -73,6 +106,7 @@ size_t loom_structured_cache_bytes(const loom_structured_t *s) { return loom_gra
 void loom_structured_destroy(loom_structured_t **s_p) {
     if (!s_p || !*s_p) return;
     loom_structured_t *s = *s_p;
+    join_indexer(s);
     loom_grammar_vocab_destroy(&s->vocab);
     loom_grammar_cache_destroy(&s->cache);
     free(s);
@@ -84,13 +118,13 @@ void loom_structured_stats(const loom_structured_t *s, loom_structured_stats_t *
 }
 
 static loom_status_t ensure_vocab(loom_structured_t *s, loom_err_t *err) {
+    join_indexer(s); /* at once unless a request arrived within the start-up's first milliseconds */
     if (s->vocab) return LOOM_OK;
-    uint64_t t0 = loom_now_ns();
-    LOOM_CHECK(loom_grammar_vocab_create(s->tok, &s->vocab, err));
-    for (int i = 0; i < s->mcfg->n_eos; i++) loom_grammar_vocab_add_eos(s->vocab, s->mcfg->eos_ids[i]);
-    LOOM_INFO("constrained decoding: vocabulary of %d tokens indexed in %.1f ms", loom_grammar_vocab_size(s->vocab),
-              (double)(loom_now_ns() - t0) * 1e-6);
-    return LOOM_OK;
+    if (s->indexer_st < 0) {
+        if (err) *err = s->indexer_err;
+        return s->indexer_st;
+    }
+    return build_vocab(s, err);
 }
 
 loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec, size_t len, const char *after,

@@ -88,6 +88,7 @@ typedef struct replica {
     int backoff_ms;
     /* from the last Stats */
     int running, waiting, kv_total, kv_used, block_size;
+    int preparing; /* from its last Stats reply */
     uint64_t prefix_queries, prefix_hits, finished, rejected, prompt_tokens, gen_tokens,
         preemptions, steps;
     double gen_tps;
@@ -859,6 +860,7 @@ static void on_stats(loom_router_t *r, const void *rid, size_t rid_len, Loom__V1
         if (!p->used || p->state != REP_UP) continue;
         st.running += (uint32_t)p->running;
         st.waiting += (uint32_t)p->waiting;
+        st.preparing += (uint32_t)p->preparing;
         st.kv_blocks_total += (uint32_t)p->kv_total;
         st.kv_blocks_used += (uint32_t)p->kv_used;
         st.prefix_cache_queries += p->prefix_queries;
@@ -1017,6 +1019,7 @@ static void on_probe_reply(loom_router_t *r, int i, const Loom__V1__Reply *rep) 
         const Loom__V1__StatsReply *s = rep->stats;
         p->running = (int)s->running;
         p->waiting = (int)s->waiting;
+        p->preparing = (int)s->preparing;
         p->kv_total = (int)s->kv_blocks_total;
         p->kv_used = (int)s->kv_blocks_used;
         if (s->kv_block_size) p->block_size = (int)s->kv_block_size;

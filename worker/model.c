@@ -13,6 +13,7 @@
 #include "common/model_config_deepseek.h"
 #include "common/progress.h"
 #include "common/util.h"
+#include "common/weights_check.h"
 #include "worker/engine/model_impl.h"
 #include "worker/qweights.h"
 
@@ -112,8 +113,12 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
             s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the embedding table");
             goto fail_loader;
         }
-        if (cfg->embed_scale > 0) loom_load_scale_embedding(h, (size_t)cfg->vocab_size * dim, cfg->embed_scale,
-                                                  loom_st_find(st, embed)->dtype);
+        if (cfg->embed_scale > 0) {
+            loom_load_scale_embedding(h, (size_t)cfg->vocab_size * dim, cfg->embed_scale,
+                                      loom_st_find(st, embed)->dtype);
+            s = loom_weights_check_finite(embed, "the embedding scale", h, (size_t)cfg->vocab_size * dim, err);
+            if (s < 0) goto fail_loader;
+        }
         loom_backend_upload(be, m->embed, h, bytes);
         m->weight_bytes += bytes;
     }

@@ -9,13 +9,15 @@ leaves while its grammar compiles leaves the server serving."""
 import http.client
 import json
 import os
+import re
 import socket
+import subprocess
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Cluster, STORIES, check, free_port, run_tests, wait_for  # noqa: E402
+from harness import BIN, Cluster, STORIES, check, free_port, run_tests, wait_for  # noqa: E402
 
 PROMPT = "Once upon a time"
 N_STREAMS = 8
@@ -183,6 +185,30 @@ def test_big_schema_under_load():
         log = c.log("coordinator")
         check(st != 200 or "grammar compiled off the reactor" in log, "the compilation is logged")
         check("the reactor stalled" not in log, "the reactor stalled:\n" + log[-1500:])
+
+        # after the timed part: `loom stats` shows a request as preparing while its grammar compiles
+        other = dict(schema, required=["field_00001"])  # not in the grammar cache
+        done, preparing = [], []
+        t = threading.Thread(target=lambda: done.append(post(http_port, {
+            "prompt": PROMPT, "max_tokens": 2, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "other", "schema": other}}})), daemon=True)
+        t.start()
+        while not done and len(preparing) < 600:
+            p = subprocess.run([os.path.join(BIN, "loom"), "stats", "--addr", c.addr], capture_output=True,
+                               text=True, timeout=30)
+            check(p.returncode == 0, "loom stats: %s" % p.stderr)
+            preparing.append(json.loads(p.stdout)["preparing"])
+        t.join(timeout=120)
+        log = c.log("coordinator")
+        ms = [int(a) + int(b) for a, b in re.findall(r"compiled off the reactor in (\d+) ms \(waited (\d+) ms\)",
+                                                     log)]
+        print("loom stats: preparing up to %d over %d polls (%s ms on the pool)" % (max(preparing), len(preparing),
+                                                                                   ms[-1] if ms else "?"))
+        # a poll is a process start (~0.1-0.3 s on this machine): 1.5 s of preparing is seen
+        check(not ms or ms[-1] < 1500 or max(preparing) >= 1, "%d ms preparing never showed in loom stats"
+              % (ms[-1] if ms else 0))
+        check(done and (done[0][0] == 200 or (done[0][0] == 400 and b"--grammar-" in done[0][1])),
+              "the second big schema: %r" % ([(d[0], d[1][:300]) for d in done],))
 
 
 def test_limits_and_disconnect():

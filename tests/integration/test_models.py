@@ -540,6 +540,37 @@ def test_refusals():
     check(p.returncode == 0, "rotary_emb.inv_freq was not allowed: %s" % p.stderr)
 
 
+def big(name, index=0, value=3e38):
+    """A finite weight a loader's factor makes Inf: one element of name set to value."""
+    def edit(hdr, raw):
+        a = np.frombuffer(raw[name], dtype=np.float32).copy()
+        a[index] = value
+        raw[name] = a.tobytes()
+    return edit
+
+
+def test_refusals_scaled():
+    # finite in the checkpoint, Inf once the loader folds a factor in: refused at load, naming the tensor
+    run_fails(variant("embed-scale", gemma3(), tensors=big("model.embed_tokens.weight")),
+              "model.embed_tokens.weight", "the embedding scale")
+    # row 0 of the fused qkv_proj is q head 0's first rotary dim, times longrope's attention factor (1.19)
+    run_fails(variant("rotary-factor", phi4mini(), tensors=big("model.layers.1.self_attn.qkv_proj.weight")),
+              "model.layers.1.self_attn.qkv", "the rotary attention factor")
+    # a stored int8 checkpoint: a finite scale of 3e38 times a code of up to 128
+    q8 = os.path.join(WORK, "qwen3-int8-for-scales")
+    shutil.rmtree(q8, ignore_errors=True)
+    p = subprocess.run([os.path.join(BIN, "loom"), "quantize", qwen3(), q8, "--quantization", "int8"],
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "loom quantize: %s" % p.stderr[-500:])
+    with open(os.path.join(q8, "model.safetensors"), "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        names = sorted(k for k in json.loads(f.read(n)) if k.startswith("model.layers.0.mlp.down_proj")
+                       and "scale" in k)
+    check(names, "no scales for model.layers.0.mlp.down_proj in the int8 checkpoint")
+    run_fails(variant("int8-scale", q8, tensors=big(names[0])), "model.layers.0.mlp.down_proj",
+              "non-finite after its scales")
+
+
 def test_cluster_keeps_serving_on_nan():
     bad = variant("nan-cluster", qwen3(), tensors=poison("model.layers.1.self_attn.k_proj.weight", np.nan))
     check_refused_shard(bad, os.path.join(WORK, "nan-cluster-logs"),
@@ -549,5 +580,5 @@ def test_cluster_keeps_serving_on_nan():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_moe_refusals, test_moe_grids, test_moe_reference_grids, test_moe_int8_grids, test_moe_quantized_checkpoints,
-               test_refusals, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_partial_rotary,
+               test_refusals, test_refusals_scaled, test_cluster_keeps_serving_on_nan, test_new_family_grids, test_partial_rotary,
                test_gemma3_multimodal, test_gemma2_grids, test_gemma2_reference_grids, test_quantized_kl])

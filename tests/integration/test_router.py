@@ -202,6 +202,7 @@ def check_aggregates(r, a, b):
           "finished: router %r, replicas %r + %r" % (rs["requests_finished"], sa["requests_finished"],
                                                     sb["requests_finished"]))
     check(rs["kv_blocks_total"] == sa["kv_blocks_total"] + sb["kv_blocks_total"], "kv blocks %r" % rs)
+    check(rs["preparing"] == sa["preparing"] + sb["preparing"] == 0, "preparing while idle: %r" % rs)
     m = r.metrics()
     routed = sum(v for (n, l), v in m.items() if n == "loom_router_requests_total" and 'policy="prefix"' in l)
     check(routed >= 3, "requests routed by prefix: %r" % routed)

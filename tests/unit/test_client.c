@@ -305,6 +305,7 @@ static void fake_handle(fake_t *f) {
         Loom__V1__StatsReply s = LOOM__V1__STATS_REPLY__INIT;
         s.running = 3;
         s.waiting = 1;
+        s.preparing = 4;
         s.kv_blocks_total = 100;
         s.kv_blocks_used = 40;
         s.kv_blocks_free = 60;
@@ -621,7 +622,7 @@ static void test_unary(void) {
     CHECK(st.prefix_cache_queries == 10 && st.prefix_cache_hits == 5 && st.prefix_cache_hit_rate == 0.5);
     CHECK(st.gen_tokens_per_s == 123.5 && st.requests_finished == 9 && st.requests_rejected == 2);
     CHECK(st.preemptions == 1 && st.prompt_tokens_total == 1000 && st.gen_tokens_total == 2000);
-    CHECK(st.steps == 42 && st.step_ms_mean == 1.5);
+    CHECK(st.steps == 42 && st.step_ms_mean == 1.5 && st.preparing == 4);
 
     loom_model_info_t m[4];
     int n = 0;
@@ -836,7 +837,7 @@ static void test_cmd_health_stats(void) {
     const char *s[] = {"loom", "stats", "--addr", ep, NULL};
     r = run_cmd(loom_cmd_stats, s);
     CHECKF(r.rc == 0, "rc %d: %s", r.rc, r.err);
-    CHECKF(strstr(r.out, "\"running\": 3,") && strstr(r.out, "\"step_ms_mean\": 1.500\n}") &&
+    CHECKF(strstr(r.out, "\"running\": 3,") && strstr(r.out, "\"preparing\": 4,") && strstr(r.out, "\"step_ms_mean\": 1.500\n}") &&
                strstr(r.out, "\"prefix_cache_hit_rate\": 0.5000"),
            "%s", r.out);
     const char *dead[] = {"loom", "health", "--addr", "tcp://127.0.0.1:1", "--timeout-ms", "100", NULL};

@@ -796,6 +796,62 @@ static void test_limits(void) {
     free(gr);
 }
 
+/* Schema nesting, objects and arrays alike, k levels deep. */
+static char *nested_schema(int k, int objects) {
+    const char *open = objects ? "{\"type\":\"object\",\"properties\":{\"a\":" : "{\"type\":\"array\",\"items\":";
+    const char *close = objects ? "}}" : "}";
+    size_t cap = (size_t)k * (strlen(open) + strlen(close)) + 32, len = 0;
+    char *s = malloc(cap);
+    if (!s) return NULL;
+    for (int i = 0; i < k; i++) len += (size_t)snprintf(s + len, cap - len, "%s", open);
+    len += (size_t)snprintf(s + len, cap - len, "{\"type\":\"integer\"}");
+    for (int i = 0; i < k; i++) len += (size_t)snprintf(s + len, cap - len, "%s", close);
+    return s;
+}
+
+/* The schema compiler recurses once per level, so nesting is bounded (64
+ * levels, a clean error naming the bound); the JSON parser's own cap (1,000
+ * JSON levels) refuses what lies beyond before the compiler sees it. Under ASan neither
+ * overflows the stack. */
+static void test_deep_schema(void) {
+    for (int objects = 0; objects < 2; objects++) {
+        char *s = nested_schema(60, objects);
+        REQUIRE(s);
+        loom_grammar_t *g = compile(LOOM_GRAMMAR_JSON_SCHEMA, s);
+        CHECKF(g != NULL, "60 levels (%s) refused", objects ? "objects" : "arrays");
+        loom_grammar_destroy(&g);
+        free(s);
+        /* an object level is two JSON levels (the schema and its properties) */
+        int deep[] = {65, 300, objects ? 495 : 990};
+        for (size_t i = 0; i < sizeof deep / sizeof *deep; i++) {
+            s = nested_schema(deep[i], objects);
+            REQUIRE(s);
+            expect_error(LOOM_GRAMMAR_JSON_SCHEMA, s, "nested deeper than 64 levels");
+            free(s);
+        }
+        s = nested_schema(1000, objects);
+        REQUIRE(s);
+        expect_error(LOOM_GRAMMAR_JSON_SCHEMA, s, "json schema");
+        free(s);
+    }
+    /* a chain of $refs nests the same way */
+    enum { R = 1000 };
+    size_t cap = (size_t)R * 64 + 64, len = 0;
+    char *s = malloc(cap);
+    REQUIRE(s);
+    len += (size_t)snprintf(s + len, cap - len, "{\"$ref\":\"#/$defs/d0\",\"$defs\":{");
+    for (int i = 0; i < R; i++)
+        len += (size_t)snprintf(s + len, cap - len, "%s\"d%d\":{\"$ref\":\"#/$defs/d%d\"}", i ? "," : "", i,
+                                i + 1 < R ? i + 1 : 0);
+    snprintf(s + len, cap - len, "}}");
+    loom_grammar_t *g = NULL;
+    loom_err_t err = {0};
+    loom_status_t st = loom_grammar_compile(LOOM_GRAMMAR_JSON_SCHEMA, s, strlen(s), &g, &err);
+    CHECKF(st < 0 && !g, "a %d-long $ref chain compiled", R);
+    loom_grammar_destroy(&g);
+    free(s);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--gen-dir") == 0)
@@ -815,6 +871,7 @@ int main(int argc, char **argv) {
     RUN(test_cache_bytes);
     RUN(test_long_chain);
     RUN(test_limits);
+    RUN(test_deep_schema);
     RUN(test_mutations);
     RUN(test_masks_stories);
     RUN(test_masks_bytelevel);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/util.h"
+#include "common/weights_check.h"
 #include "worker/engine/model_impl.h"
 
 loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
@@ -57,6 +58,9 @@ loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loo
             loom_load_rotary_permute_f32(h, (int64_t)(d->n_heads + d->n_kv_heads) * hd, 1, hd, c->rotary_dim,
                                          c->rope_attn_factor);
         snprintf(name, sizeof name, "model.layers.%d.self_attn.q/k/v biases", gl);
+        if (c->rotary_dim < hd)
+            LOOM_CHECK(loom_weights_check_finite(name, "the rotary attention factor", h,
+                                                 (size_t)(d->n_heads + d->n_kv_heads) * (size_t)hd, err));
         LOOM_CHECK(loom_load_upload_host(L, h, (size_t)m->qkv_dim, &ly->bqkv, name, err));
     }
     if (c->qk_norm) { /* Qwen3: one gain per head dimension, shared by the heads */

@@ -11,6 +11,7 @@
 #include "common/fp8.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "common/weights_check.h"
 #include "worker/engine/model_impl.h"
 #include "worker/qweights.h"
 
@@ -78,6 +79,7 @@ loom_status_t loom_load_upload_vec_add(loom_loader_t *L, const char *name, int64
     float *h = loom_load_staging(L, (size_t)n);
     if (!h) return loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading %s", name);
     LOOM_CHECK(loom_load_read_block(L, name, n, 0, 0, 1, 0, n, h, err));
+    if (add != 0.0f) LOOM_CHECK(loom_weights_check_scaled(name, "the norm's 1 + w", h, (size_t)n, 1.0f, add, err));
     for (int64_t i = 0; add != 0.0f && i < n; i++)
         h[i] += add;
     return loom_load_upload_host(L, h, (size_t)n, out, name, err);
@@ -174,6 +176,28 @@ static void rotary_permute_q(loom_qtensor_t *t, int64_t nrows, int hd, int rd, f
     free(ts);
     free(tm);
 }
+/* A stored-quantized linear's values are codes times its scales (plus
+ * mins): each scale and min is finite (checked as read), but a finite
+ * 3e38 scale times a code of 8 is not. One pass over the scales, at the
+ * largest code each scheme has (kernels/quant.h), after any factor the
+ * loader folded into them. */
+static loom_status_t check_dequant(const loom_qtensor_t *t, const char *what, loom_err_t *err) {
+    float code = t->quant == LOOM_QUANT_INT8  ? 128.0f
+                 : t->quant == LOOM_QUANT_FP8 ? 448.0f
+                 : t->mins                    ? 15.0f
+                                              : 8.0f;
+    size_t n = loom_qtensor_scale_count(t);
+    for (size_t i = 0; i < n; i++) {
+        float mn = t->mins ? t->mins[i] : 0.0f, v = t->scales[i] * code + mn; /* a negative scale: -Inf alike */
+        if (!isfinite(v) || !isfinite(mn))
+            return loom_err_set(err, LOOM_ERR_FORMAT,
+                                "tensor '%s' becomes non-finite after its scales (%g x %g + %g, group %zu): the "
+                                "model would compute NaN",
+                                what, (double)t->scales[i], (double)code, (double)mn, i);
+    }
+    return LOOM_OK;
+}
+
 loom_status_t loom_load_float_cols(loom_loader_t *L, const char *what, int64_t cols, int64_t c0, int64_t nc,
                                 loom_float_cols_t *fc, loom_err_t *err) {
     loom_quant_spec_t q = L->m->opt.quant;
@@ -258,6 +282,7 @@ loom_status_t loom_load_linear(loom_loader_t *L, loom_weight_t *w, const char *w
         for (int i = 0; i < n; i++) loom_qtensor_free(&qp[i]);
         if (s == LOOM_OK && L->rotary_rows)
             rotary_permute_q(&qt, L->rotary_rows, m->cfg.head_dim, m->cfg.rotary_dim, m->cfg.rope_attn_factor);
+        if (s == LOOM_OK) s = check_dequant(&qt, what, err);
         if (s == LOOM_OK) s = loom_load_upload_qweight(L, w, &qt, what, err);
         loom_qtensor_free(&qt);
         return s;
@@ -274,9 +299,12 @@ loom_status_t loom_load_linear(loom_loader_t *L, loom_weight_t *w, const char *w
                               fc.rnc, h + (size_t)off * (size_t)fc.rnc, err));
         off += parts[i].nr;
     }
-    if (L->rotary_rows)
+    if (L->rotary_rows) {
         loom_load_rotary_permute_f32(h, L->rotary_rows, fc.rnc, m->cfg.head_dim, m->cfg.rotary_dim,
                            m->cfg.rope_attn_factor);
+        LOOM_CHECK(loom_weights_check_finite(what, "the rotary attention factor", h,
+                                             (size_t)L->rotary_rows * (size_t)fc.rnc, err));
+    }
     return loom_load_upload_float_linear(L, w, what, &fc, rows, err);
 }
 

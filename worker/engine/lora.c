@@ -13,10 +13,12 @@
  * Stored as A (r, in) and Bt (r, out), the kernel's layout. Only the
  * adapter's struct (common/lora.h) is read here, not its reader, so the
  * engine links without it (tests/gpu's standalone build). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/util.h"
+#include "common/weights_check.h"
 #include "worker/engine/model_impl.h"
 
 static const char *const k_target[LOOM_LORA_N_TARGETS] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
@@ -152,8 +154,20 @@ loom_status_t loom_model_lora_prepare(const loom_model_t *m, const loom_lora_ada
                        (size_t)in * sizeof(float));
             memcpy(b, mod->b + (size_t)row0 * (size_t)r, (size_t)nout * (size_t)r * sizeof(float));
             /* q and k rows as the loader stores W's: partial rotary's slots and factor */
-            if ((t == LOOM_LORA_Q || t == LOOM_LORA_K) && c->rotary_dim > 0 && c->rotary_dim < hd)
+            if ((t == LOOM_LORA_Q || t == LOOM_LORA_K) && c->rotary_dim > 0 && c->rotary_dim < hd) {
                 loom_load_rotary_permute_f32(b, nout, r, hd, c->rotary_dim, c->rope_attn_factor);
+                char what[96];
+                snprintf(what, sizeof what, "layer %d %s lora_B", gl, k_target[t]);
+                loom_status_t st = loom_weights_check_finite(what, "the rotary attention factor", b,
+                                                             (size_t)nout * (size_t)r, err);
+                if (st < 0) {
+                    free(av);
+                    free(b);
+                    free(bt);
+                    loom_lora_prepared_destroy(&p);
+                    return st;
+                }
+            }
             for (int64_t o = 0; o < nout; o++)
                 for (int k = 0; k < r; k++) bt[(size_t)k * (size_t)nout + (size_t)o] = b[(size_t)o * (size_t)r + (size_t)k];
             free(b);
