@@ -1,7 +1,11 @@
-/* bench_jinja [TEMPLATE_DIR] [RENDERS]: time of one chat-template render
- * (common/jinja.h) of a 16-turn conversation with 20 tools through the
- * Llama 3.1 and Qwen3 templates, each compiled once; prints p50/p99 µs per
- * render and the output size. TEMPLATE_DIR defaults to ../shared/chat_templates. */
+/* bench_jinja [TEMPLATE_DIR] [RENDERS] [LLAMA3_TOKENIZER_DIR QWEN3_TOKENIZER_DIR]:
+ * time of one chat-template render (common/jinja.h) of a 16-turn
+ * conversation with 20 tools through the Llama 3.1 and Qwen3 templates,
+ * each compiled once; prints p50/p99 µs per render and the output size.
+ * Given the two models' tokenizer directories (tokenizer.json), it also
+ * times tokenizing the rendered prompt (special tokens parsed, as a chat
+ * request is), the cost the render sits beside. TEMPLATE_DIR defaults to
+ * ../shared/chat_templates. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +14,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/jinja.h"
+#include "common/tokenizer.h"
 
 static double now_us(void) {
     struct timespec ts;
@@ -168,6 +173,7 @@ int main(int argc, char **argv) {
         double *us = malloc((size_t)n * sizeof *us), *cpu = malloc((size_t)n * sizeof *cpu),
                sum = 0;
         size_t out_len = 0;
+        char *last = NULL;
         for (int i = -n / 10; i < n; i++) { /* the first tenth warms up */
             char *out = NULL;
             double t0 = now_us(), c0 = cpu_us();
@@ -178,7 +184,8 @@ int main(int argc, char **argv) {
                 rc = 1;
                 break;
             }
-            free(out);
+            free(last);
+            last = out;
             if (i >= 0) {
                 us[i] = dt;
                 cpu[i] = dc;
@@ -189,6 +196,36 @@ int main(int argc, char **argv) {
         qsort(cpu, (size_t)n, sizeof *cpu, cmp_d);
         printf("%-30s %8.1f %8.1f %8.1f %12.1f %12.1f %10zu\n", files[k], us[n / 2],
                us[(size_t)n * 99 / 100], sum / n, cpu[n / 2], cpu[(size_t)n * 99 / 100], out_len);
+        if (argc > 4 && last) { /* the same prompt through the model's tokenizer */
+            loom_tokenizer_t *tok = NULL;
+            if (loom_tokenizer_load(argv[3 + k], &tok, &err) != LOOM_OK) {
+                fprintf(stderr, "%s: %s\n", argv[3 + k], err.msg);
+                rc = 1;
+            } else {
+                int32_t *ids = NULL;
+                int n_ids = 0, cap = 0, nt = n / 10 > 20 ? n / 10 : 20;
+                if (nt > n) nt = n;
+                for (int i = -nt / 10; i < nt; i++) {
+                    double t0 = now_us(), c0 = cpu_us();
+                    if (loom_tokenizer_encode(tok, last, out_len, 0, 1, &ids, &n_ids, &cap, &err) != LOOM_OK) {
+                        fprintf(stderr, "encode: %s\n", err.msg);
+                        rc = 1;
+                        break;
+                    }
+                    if (i >= 0) {
+                        us[i] = now_us() - t0;
+                        cpu[i] = cpu_us() - c0;
+                    }
+                }
+                qsort(us, (size_t)nt, sizeof *us, cmp_d);
+                qsort(cpu, (size_t)nt, sizeof *cpu, cmp_d);
+                printf("%-30s %8.1f %8.1f %8s %12.1f %12.1f %10d tokens\n", "  tokenize the same prompt", us[nt / 2],
+                       us[(size_t)nt * 99 / 100], "", cpu[nt / 2], cpu[(size_t)nt * 99 / 100], n_ids);
+                free(ids);
+                loom_tokenizer_destroy(&tok);
+            }
+        }
+        free(last);
         free(us);
         free(cpu);
         cJSON_Delete(vars);
