@@ -8,3 +8,6 @@ loom_add_test(test_lora_slots SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_slots.
 # The scheduler's admission through the slots and the adapter-seeded prefix hash.
 loom_add_test(test_sched_lora SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sched_lora.c
               LIBS loom_coord_core LABELS unit TIMEOUT 60)
+# The adapters' Prometheus metrics (loom_lora_*, vllm:lora_requests_info).
+loom_add_test(test_metrics_lora SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_metrics_lora.c
+              LIBS loom_server LABELS unit TIMEOUT 60)
