@@ -11,3 +11,6 @@ loom_add_test(test_sched_lora SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sched_lora.
 # The adapters' Prometheus metrics (loom_lora_*, vllm:lora_requests_info).
 loom_add_test(test_metrics_lora SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_metrics_lora.c
               LIBS loom_server LABELS unit TIMEOUT 60)
+# The serving options: --lora-modules, start-up checks, validation, a request's model → adapter.
+loom_add_test(test_lora_serve SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_serve.c
+              LIBS loom_lora_serve LABELS unit TIMEOUT 60)
