@@ -5,7 +5,9 @@
 #include "coordinator/lora_serve.h"
 
 #include <cjson/cJSON.h>
+#include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_SLOTS 32 /* the engine's and the kernels' limit (docs/lora.md) */
@@ -80,6 +82,74 @@ loom_status_t loom_lora_serve_add_module(loom_lora_serve_opts_t *o, const char *
     }
     if (st != LOOM_OK) return st;
     o->modules[o->n_modules++] = m;
+    return LOOM_OK;
+}
+
+static loom_status_t int_value(const char *flag, const char *v, int *out, loom_err_t *err) {
+    char *end = NULL;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || !*v || *end || x < 0 || x > 1000000)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--%s needs a number, got '%s'", flag, v ? v : "");
+    *out = (int)x;
+    return LOOM_OK;
+}
+
+loom_status_t loom_lora_serve_take_args(int *argc, char **argv, loom_lora_serve_opts_t *o, loom_err_t *err) {
+    static const struct {
+        const char *name;
+        int kind; /* 0 flag, 1 number, 2 modules */
+        size_t off;
+    } flags[] = {
+        {"enable-lora", 0, offsetof(loom_lora_serve_opts_t, enable)},
+        {"allow-runtime-lora-updating", 0, offsetof(loom_lora_serve_opts_t, allow_runtime_updating)},
+        {"max-loras", 1, offsetof(loom_lora_serve_opts_t, max_loras)},
+        {"max-lora-rank", 1, offsetof(loom_lora_serve_opts_t, max_lora_rank)},
+        {"max-cpu-loras", 1, offsetof(loom_lora_serve_opts_t, max_cpu_loras)},
+        {"lora-modules", 2, 0},
+    };
+    int out = 1, n = *argc;
+    for (int i = 1; i < n; i++) {
+        const char *a = argv[i];
+        int k = -1;
+        size_t len = 0;
+        const char *eq = NULL;
+        if (!strncmp(a, "--", 2)) {
+            eq = strchr(a + 2, '=');
+            len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+            for (size_t j = 0; j < sizeof flags / sizeof flags[0]; j++)
+                if (strlen(flags[j].name) == len && !strncmp(flags[j].name, a + 2, len)) k = (int)j;
+        }
+        if (k < 0) {
+            argv[out++] = argv[i];
+            continue;
+        }
+        int *dst = (int *)(void *)((char *)o + flags[k].off);
+        if (flags[k].kind == 0) {
+            if (eq) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--%s takes no value", flags[k].name);
+            *dst = 1;
+        } else if (flags[k].kind == 1) {
+            const char *v = eq ? eq + 1 : i + 1 < n ? argv[++i] : NULL;
+            loom_status_t st = int_value(flags[k].name, v, dst, err);
+            if (st != LOOM_OK) return st;
+        } else {
+            int taken = 0;
+            if (eq) {
+                loom_status_t st = loom_lora_serve_add_module(o, eq + 1, err);
+                if (st != LOOM_OK) return st;
+                taken = 1;
+            }
+            while (!eq && i + 1 < n && argv[i + 1][0] != '-') {
+                loom_status_t st = loom_lora_serve_add_module(o, argv[++i], err);
+                if (st != LOOM_OK) return st;
+                taken++;
+            }
+            if (!taken)
+                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                    "--lora-modules needs name=path (or a JSON object) values");
+        }
+    }
+    if (out < n) argv[out] = NULL;
+    *argc = out;
     return LOOM_OK;
 }
 

@@ -40,6 +40,15 @@ void loom_lora_serve_opts_init(loom_lora_serve_opts_t *o);
  * optional). INVALID_ARGUMENT naming the problem. */
 loom_status_t loom_lora_serve_add_module(loom_lora_serve_opts_t *o, const char *arg, loom_err_t *err);
 
+/* Takes the LoRA flags out of ARGV (compacting it, *argc updated) so the
+ * command's own option table never sees them: --enable-lora,
+ * --lora-modules V... (vLLM's nargs='+': every following argument up to the
+ * next option; the flag may also repeat), --max-loras N, --max-lora-rank N,
+ * --max-cpu-loras N, --allow-runtime-lora-updating; "--flag=value" too.
+ * INVALID_ARGUMENT naming the flag (a missing or non-numeric value, a bad
+ * module). */
+loom_status_t loom_lora_serve_take_args(int *argc, char **argv, loom_lora_serve_opts_t *o, loom_err_t *err);
+
 /* The start-up checks that need no files: adapters without --enable-lora,
  * --max-loras < 1 or > 32, a rank vLLM does not take, --max-cpu-loras below
  * --max-loras, a name given twice. Sets max_cpu_loras's default. */

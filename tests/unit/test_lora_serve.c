@@ -95,6 +95,36 @@ static void test_modules(void) {
     CHECK(strstr(err.msg, "the name a is given twice") != NULL);
 }
 
+static void test_take_args(void) {
+    char *argv[] = {"loom-coordinator", "--model", "m", "--enable-lora", "--lora-modules", "a=/x/a",
+                    "{\"name\":\"b\",\"path\":\"/x/b\"}", "--tp", "2", "--max-loras=2", "--lora-modules=c=/x/c",
+                    "--max-lora-rank", "64", "--max-cpu-loras", "3", "--allow-runtime-lora-updating", "--pp", "1",
+                    NULL};
+    int argc = (int)(sizeof argv / sizeof argv[0]) - 1;
+    loom_lora_serve_opts_t o;
+    loom_lora_serve_opts_init(&o);
+    loom_err_t err = {0};
+    REQUIRE(loom_lora_serve_take_args(&argc, argv, &o, &err) == LOOM_OK);
+    CHECK(argc == 7);
+    const char *rest[] = {"loom-coordinator", "--model", "m", "--tp", "2", "--pp", "1"};
+    for (int i = 0; i < 7 && i < argc; i++) CHECK(!strcmp(argv[i], rest[i]));
+    CHECK(argv[argc] == NULL);
+    CHECK(o.enable && o.allow_runtime_updating && o.max_loras == 2 && o.max_lora_rank == 64 && o.max_cpu_loras == 3);
+    REQUIRE(o.n_modules == 3);
+    CHECK(!strcmp(o.modules[0].name, "a") && !strcmp(o.modules[1].name, "b") && !strcmp(o.modules[2].path, "/x/c"));
+
+    char *bad1[] = {"x", "--max-loras", "two", NULL};
+    argc = 3;
+    CHECK(loom_lora_serve_take_args(&argc, bad1, &o, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(err.msg, "--max-loras") != NULL);
+    char *bad2[] = {"x", "--lora-modules", "--tp", "1", NULL};
+    argc = 4;
+    CHECK(loom_lora_serve_take_args(&argc, bad2, &o, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    char *bad3[] = {"x", "--enable-lora=1", NULL};
+    argc = 2;
+    CHECK(loom_lora_serve_take_args(&argc, bad3, &o, &err) == LOOM_ERR_INVALID_ARGUMENT);
+}
+
 static void test_register_and_select(void) {
     char a[512], b[512], big[512];
     snprintf(a, sizeof a, "%s/a", g_tmp);
@@ -166,6 +196,7 @@ int main(void) {
         return 2;
     }
     RUN(test_modules);
+    RUN(test_take_args);
     RUN(test_register_and_select);
     nftw(g_tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return test_summary();
