@@ -226,3 +226,24 @@ loom_status_t loom_lora_serve_select(const loom_lora_slots_t *slots, const char 
     *id = e->id;
     return LOOM_OK;
 }
+
+loom_status_t loom_lora_serve_startup(loom_lora_serve_opts_t *o, const char *model_dir, loom_err_t *err) {
+    if (!o->enable && !o->n_modules) return LOOM_OK;
+    const char *env = getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING");
+    if (env && (!strcmp(env, "1") || !strcmp(env, "True") || !strcmp(env, "true"))) o->allow_runtime_updating = 1;
+    loom_status_t st = loom_lora_serve_check(o, err);
+    if (st != LOOM_OK) return st;
+    loom_model_config_t mc;
+    st = loom_model_config_load(model_dir, &mc, err);
+    if (st != LOOM_OK) return st;
+    loom_lora_slots_t *slots = NULL;
+    st = loom_lora_slots_create(o->max_loras, o->n_modules + 1, &slots, err);
+    if (st == LOOM_OK) st = loom_lora_serve_register(o, &mc, slots, err);
+    loom_lora_slots_destroy(&slots);
+    if (st != LOOM_OK) return st;
+    /* the adapters are good; what is missing is listed in docs/lora.md */
+    return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                        "vLLM flag --enable-lora is not supported by Loom yet: serving adapters is not wired "
+                        "(%d adapter(s) checked); loom run --lora DIR applies one",
+                        o->n_modules);
+}

@@ -83,26 +83,6 @@ static int vllm_apply(vllm_opts_t *v, loom_server_config_t *c, int *no_prefix, c
     return 0;
 }
 
-/* The LoRA flags' start-up checks: the options, then every --lora-modules
- * adapter read and checked against the served model (a bad one named). */
-static int check_lora(loom_lora_serve_opts_t *lora, const char *model_dir) {
-    loom_err_t e = {0};
-    loom_model_config_t mc;
-    loom_lora_slots_t *slots = NULL;
-    int rc = -1;
-    if (loom_lora_serve_check(lora, &e) != LOOM_OK) goto fail;
-    if (loom_model_config_load(model_dir, &mc, &e) != LOOM_OK) goto fail;
-    if (loom_lora_slots_create(lora->max_loras, lora->n_modules + 1, &slots, &e) != LOOM_OK) goto fail;
-    if (loom_lora_serve_register(lora, &mc, slots, &e) != LOOM_OK) goto fail;
-    rc = 0;
-    goto done;
-fail:
-    fprintf(stderr, "error: %s\n", e.msg);
-done:
-    loom_lora_slots_destroy(&slots);
-    return rc;
-}
-
 int main(int argc, char **argv) {
     loom_cpu_check_or_exit("loom-coordinator");
     for (int i = 1; i < argc; i++) /* a draft model runs here (coordinator/draft.h): the BLAS core matters */
@@ -412,18 +392,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --model is required (see --help)\n");
         return 2;
     }
-    if (lora.enable || lora.n_modules) {
-        const char *env = getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING");
-        if (env && (!strcmp(env, "1") || !strcmp(env, "True") || !strcmp(env, "true")))
-            lora.allow_runtime_updating = 1;
-        if (check_lora(&lora, c.model_dir) < 0) return 2;
-        /* the adapters are good; the serving path (load orders to the workers,
-         * readiness, the HTTP model routing) is not wired yet: docs/lora.md */
-        fprintf(stderr,
-                "error: vLLM flag --enable-lora is not supported by Loom yet: serving adapters is not wired "
-                "(%d adapter(s) checked); loom run --lora DIR applies one\n",
-                lora.n_modules);
-        return 2;
+    {
+        loom_err_t e = {0};
+        if (loom_lora_serve_startup(&lora, c.model_dir, &e) != LOOM_OK) {
+            fprintf(stderr, "error: %s\n", e.msg);
+            return 2;
+        }
     }
     if (pooling && strcmp(pooling, "last") && strcmp(pooling, "mean")) {
         fprintf(stderr, "error: --embedding-pooling must be last or mean, got '%s'\n", pooling);

@@ -179,6 +179,15 @@ def test_coordinator_startup_checks():
                     json.dumps({"name": "b", "path": b, "base_model_name": "stories260K"}))
     check("vLLM flag --enable-lora is not supported by Loom yet" in err and "2 adapter(s) checked" in err,
           "good adapters: %r" % err)
+    # loom serve checks the same before it starts anything
+    p = subprocess.run([os.path.join(BIN, "loom"), "serve", STORIES, "--port", "0", "--enable-lora",
+                        "--max-lora-rank", "64", "--lora-modules", "big=" + big], capture_output=True, text=True,
+                       timeout=60)
+    check(p.returncode == 2 and "rank 128 is greater than max_lora_rank 64" in p.stderr, "loom serve: %r" % p.stderr)
+    p = subprocess.run([os.path.join(BIN, "loom"), "serve", STORIES, "--port", "0", "--enable-lora",
+                        "--max-loras", "3", "--max-cpu-loras", "2"], capture_output=True, text=True, timeout=60)
+    check(p.returncode == 2 and "--max-cpu-loras 2 must be at least --max-loras 3" in p.stderr,
+          "loom serve: %r" % p.stderr)
 
 
 if __name__ == "__main__":
