@@ -14,3 +14,6 @@ loom_add_test(test_metrics_lora SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_metrics_l
 # The serving options: --lora-modules, start-up checks, validation, a request's model → adapter.
 loom_add_test(test_lora_serve SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_serve.c
               LIBS loom_lora_serve LABELS unit TIMEOUT 60)
+# A worker's host cache of prepared adapters (its preparation thread, LRU, failures).
+loom_add_test(test_lora_cache SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_cache.c
+              LIBS loom_worker_core LABELS unit TIMEOUT 60)
