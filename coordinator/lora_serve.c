@@ -247,3 +247,37 @@ loom_status_t loom_lora_serve_startup(loom_lora_serve_opts_t *o, const char *mod
                         "(%d adapter(s) checked); loom run --lora DIR applies one",
                         o->n_modules);
 }
+
+void loom_lora_serve_metrics(const loom_lora_slots_t *slots, loom_sched_t *sched, loom_metrics_lora_adapter_t *buf,
+                             int cap, loom_metrics_lora_t *out) {
+    memset(out, 0, sizeof *out);
+    if (!slots) return;
+    loom_lora_slots_stats_t st = loom_lora_slots_stats(slots);
+    out->max_loras = loom_lora_slots_count(slots);
+    out->resident = st.resident, out->loading = st.loading;
+    out->loads = st.loads, out->evictions = st.evictions, out->load_failures = st.load_failures;
+    out->load_seconds = st.load_seconds;
+    const loom_lora_entry_t *list[LOOM_LORA_SERVE_MAX_MODULES * 4];
+    int n = loom_lora_slots_list(slots, list, (int)(sizeof list / sizeof list[0]));
+    if (n > cap) n = cap;
+    int running = 0, n_seqs = 0;
+    if (sched) {
+        loom_sched_stats_t ss;
+        loom_sched_get_stats(sched, &ss);
+        running = ss.running;
+        n_seqs = loom_sched_n_seqs(sched);
+    }
+    for (int i = 0; i < n; i++) {
+        loom_metrics_lora_adapter_t *a = &buf[i];
+        memset(a, 0, sizeof *a);
+        snprintf(a->name, sizeof a->name, "%s", list[i]->name);
+        a->requests = list[i]->n_requests;
+        a->running = list[i]->running;
+        for (int k = running; k < n_seqs; k++) { /* running first, then waiting */
+            const loom_seq_t *q = loom_sched_seq_at(sched, k);
+            a->waiting += q && q->lora_id == list[i]->id;
+        }
+    }
+    out->n_adapters = n;
+    out->adapters = buf;
+}

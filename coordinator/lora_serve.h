@@ -12,6 +12,8 @@
 #include "common/lora.h"
 #include "common/status.h"
 #include "coordinator/lora_slots.h"
+#include "coordinator/metrics.h"
+#include "coordinator/sched.h"
 
 #define LOOM_LORA_SERVE_MAX_MODULES 64
 
@@ -80,5 +82,12 @@ loom_status_t loom_lora_serve_startup(loom_lora_serve_opts_t *o, const char *mod
  * ("The model `x` does not exist.") otherwise. An empty MODEL is the base. */
 loom_status_t loom_lora_serve_select(const loom_lora_slots_t *slots, const char *served,
                                      const char *const *aliases, const char *model, int *id, loom_err_t *err);
+
+/* The adapters' metrics (loom_metrics_set_lora) from the registry and the
+ * scheduler (SCHED may be NULL: nothing waiting): per adapter, its requests
+ * ever, the sequences running with it and those waiting for it, in BUF (CAP
+ * entries; adapters past it are left out). */
+void loom_lora_serve_metrics(const loom_lora_slots_t *slots, loom_sched_t *sched, loom_metrics_lora_adapter_t *buf,
+                             int cap, loom_metrics_lora_t *out);
 
 #endif

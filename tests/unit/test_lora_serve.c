@@ -164,6 +164,25 @@ static void test_register_and_select(void) {
     CHECK(!strcmp(err.msg, "The model `x` does not exist."));
     CHECK(loom_lora_serve_select(NULL, "stories260K", NULL, "a", &id, &err) == LOOM_ERR_NOT_FOUND);
 
+    /* the metrics from the registry: a admitted once (after its load), b never */
+    int slot = -1, pend[4];
+    CHECK(loom_lora_slots_acquire(s, ea->id, &slot) == 0);
+    CHECK(loom_lora_slots_pending(s, pend, 4) == 1);
+    loom_lora_slots_loaded(s, pend[0], LOOM_OK, 0.25);
+    CHECK(loom_lora_slots_acquire(s, ea->id, &slot) == 1);
+    loom_metrics_lora_adapter_t buf[4];
+    loom_metrics_lora_t ml;
+    loom_lora_serve_metrics(s, NULL, buf, 4, &ml);
+    CHECK(ml.max_loras == 2 && ml.resident == 1 && ml.loading == 0 && ml.loads == 1 && ml.n_adapters == 2);
+    CHECK(ml.load_seconds > 0.2 && ml.load_seconds < 0.3);
+    CHECK(!strcmp(buf[0].name, "a") && buf[0].requests == 1 && buf[0].running == 1 && buf[0].waiting == 0);
+    CHECK(!strcmp(buf[1].name, "b") && buf[1].requests == 0 && buf[1].running == 0);
+    loom_lora_serve_metrics(s, NULL, buf, 1, &ml); /* a short buffer: the rest left out */
+    CHECK(ml.n_adapters == 1);
+    loom_lora_slots_release(s, slot);
+    loom_lora_serve_metrics(NULL, NULL, buf, 4, &ml);
+    CHECK(ml.max_loras == 0 && ml.n_adapters == 0); /* LoRA off: nothing rendered */
+
     /* a runtime load validates the same way */
     uint8_t dig[32];
     int rank = 0;
