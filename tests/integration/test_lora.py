@@ -179,6 +179,10 @@ def test_coordinator_startup_checks():
                     json.dumps({"name": "b", "path": b, "base_model_name": "stories260K"}))
     check("vLLM flag --enable-lora is not supported by Loom yet" in err and "2 adapter(s) checked" in err,
           "good adapters: %r" % err)
+    # loom generate --lora NAME is the request's model
+    p = subprocess.run([os.path.join(BIN, "loom"), "generate", "--addr", "127.0.0.1:1", "--prompt", "x", "--lora", "a",
+                        "--model", "b"], capture_output=True, text=True, timeout=60)
+    check(p.returncode == 2 and "not both" in p.stderr, "loom generate --lora --model: %r" % p.stderr)
     # loom serve checks the same before it starts anything
     p = subprocess.run([os.path.join(BIN, "loom"), "serve", STORIES, "--port", "0", "--enable-lora",
                         "--max-lora-rank", "64", "--lora-modules", "big=" + big], capture_output=True, text=True,
