@@ -17,3 +17,6 @@ loom_add_test(test_lora_serve SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_serve.
 # A worker's host cache of prepared adapters (its preparation thread, LRU, failures).
 loom_add_test(test_lora_cache SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_cache.c
               LIBS loom_worker_core LABELS unit TIMEOUT 60)
+# The coordinator's tally of adapter loads over the grid's workers.
+loom_add_test(test_lora_tally SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_tally.c
+              LIBS loom_coord_core LABELS unit TIMEOUT 60)
