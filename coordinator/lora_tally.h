@@ -22,12 +22,14 @@ loom_lora_tally_t *loom_lora_tally_create(int n_slots);
 void loom_lora_tally_destroy(loom_lora_tally_t **t_p);
 
 /* The load order of SLOT went to the N_WORKERS workers of EPOCH at NOW_S. */
-void loom_lora_tally_start(loom_lora_tally_t *t, int slot, uint64_t epoch, int n_workers, double now_s);
+void loom_lora_tally_start(loom_lora_tally_t *t, int slot, uint64_t epoch, int n_workers,
+                           double now_s);
 /* Worker WORKER (0..n_workers-1) of EPOCH reported SLOT with STATUS. Returns
  * 1 when this decides the slot's load: *outcome (LOOM_OK, or the failure)
  * and *seconds since its start; 0 otherwise. */
-int loom_lora_tally_report(loom_lora_tally_t *t, uint64_t epoch, int slot, int worker, loom_status_t status,
-                           double now_s, loom_status_t *outcome, double *seconds);
+int loom_lora_tally_report(loom_lora_tally_t *t, uint64_t epoch, int slot, int worker,
+                           loom_status_t status, double now_s, loom_status_t *outcome,
+                           double *seconds);
 /* The grid was re-formed: no load is awaited any more. */
 void loom_lora_tally_reset(loom_lora_tally_t *t);
 /* Slots whose load is awaited. */

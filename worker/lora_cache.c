@@ -15,7 +15,7 @@ typedef enum { E_QUEUED = 0, E_PREPARING, E_READY, E_FAILED } entry_state_t;
 typedef struct entry {
     struct entry *next;
     entry_state_t state;
-    int reported;       /* poll returned its outcome */
+    int reported; /* poll returned its outcome */
     uint8_t digest[32];
     char path[1024];
     char msg[512];
@@ -58,11 +58,13 @@ static void free_entry(entry_t *e) {
 static loom_status_t prepare(loom_lora_cache_t *c, const char *path, const uint8_t digest[32],
                              loom_lora_prepared_t **out, loom_err_t *err) {
     loom_lora_adapter_t *a = NULL;
-    loom_status_t st = loom_lora_load(path, c->cfg, c->max_rank, c->layer_begin, c->layer_end, &a, err);
+    loom_status_t st =
+        loom_lora_load(path, c->cfg, c->max_rank, c->layer_begin, c->layer_end, &a, err);
     if (st != LOOM_OK) return st;
     if (memcmp(a->digest, digest, 32))
-        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                          "the adapter in %s is not the one registered (its content changed)", path);
+        st =
+            loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                         "the adapter in %s is not the one registered (its content changed)", path);
     else
         st = loom_model_lora_prepare(c->m, a, out, err);
     loom_lora_destroy(&a);
@@ -76,7 +78,8 @@ static void *run(void *arg) {
         entry_t *e = NULL;
         while (!c->stop) {
             for (entry_t *x = c->head; x; x = x->next)
-                if (x->state == E_QUEUED) e = x; /* the list is newest first: the oldest order wins */
+                if (x->state == E_QUEUED)
+                    e = x; /* the list is newest first: the oldest order wins */
             if (e) break;
             pthread_cond_wait(&c->cv, &c->mu);
         }
@@ -104,11 +107,12 @@ static void *run(void *arg) {
     return NULL;
 }
 
-loom_status_t loom_lora_cache_create(const loom_model_t *m, const loom_model_config_t *cfg, int layer_begin,
-                                     int layer_end, int max_rank, int capacity, loom_lora_cache_t **out,
-                                     loom_err_t *err) {
+loom_status_t loom_lora_cache_create(const loom_model_t *m, const loom_model_config_t *cfg,
+                                     int layer_begin, int layer_end, int max_rank, int capacity,
+                                     loom_lora_cache_t **out, loom_err_t *err) {
     if (capacity < 1)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "LoRA host cache: capacity %d (at least 1)", capacity);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "LoRA host cache: capacity %d (at least 1)", capacity);
     loom_lora_cache_t *c = loom_xcalloc(1, sizeof *c);
     c->m = m, c->cfg = cfg, c->layer_begin = layer_begin, c->layer_end = layer_end;
     c->max_rank = max_rank, c->capacity = capacity;
@@ -219,7 +223,8 @@ const loom_lora_prepared_t *loom_lora_cache_get(loom_lora_cache_t *c, const uint
 int loom_lora_cache_count(loom_lora_cache_t *c) {
     int n = 0;
     pthread_mutex_lock(&c->mu);
-    for (entry_t *e = c->head; e; e = e->next) n += e->state == E_READY;
+    for (entry_t *e = c->head; e; e = e->next)
+        n += e->state == E_READY;
     pthread_mutex_unlock(&c->mu);
     return n;
 }

@@ -31,9 +31,9 @@ typedef struct loom_lora_cache_done {
 /* For model M (its config CFG, layers [layer_begin, layer_end)); adapters of
  * rank up to MAX_RANK; at most CAPACITY (>= 1) prepared adapters kept. M must
  * outlive the cache. */
-loom_status_t loom_lora_cache_create(const loom_model_t *m, const loom_model_config_t *cfg, int layer_begin,
-                                     int layer_end, int max_rank, int capacity, loom_lora_cache_t **out,
-                                     loom_err_t *err);
+loom_status_t loom_lora_cache_create(const loom_model_t *m, const loom_model_config_t *cfg,
+                                     int layer_begin, int layer_end, int max_rank, int capacity,
+                                     loom_lora_cache_t **out, loom_err_t *err);
 void loom_lora_cache_destroy(loom_lora_cache_t **c_p);
 
 /* Asks for the adapter in PATH whose content digest is DIGEST (the one the

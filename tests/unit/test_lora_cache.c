@@ -28,17 +28,21 @@ static void write_adapter(const char *dir, float value) {
     snprintf(p, sizeof p, "%s/adapter_config.json", dir);
     FILE *f = fopen(p, "w");
     REQUIRE(f != NULL);
-    fputs("{\"peft_type\":\"LORA\",\"r\":8,\"lora_alpha\":16,\"target_modules\":[\"q_proj\"],\"bias\":\"none\"}", f);
+    fputs("{\"peft_type\":\"LORA\",\"r\":8,\"lora_alpha\":16,\"target_modules\":[\"q_proj\"],"
+          "\"bias\":\"none\"}",
+          f);
     fclose(f);
     const size_t n = 8 * 64, nb = n * 4;
     char h[512];
-    int hl = snprintf(h, sizeof h,
-                      "{\"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\","
-                      "\"shape\":[8,64],\"data_offsets\":[0,%zu]},"
-                      "\"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
-                      "\"shape\":[64,8],\"data_offsets\":[%zu,%zu]}}",
-                      nb, nb, 2 * nb);
-    while (hl % 8) h[hl++] = ' ';
+    int hl = snprintf(
+        h, sizeof h,
+        "{\"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\","
+        "\"shape\":[8,64],\"data_offsets\":[0,%zu]},"
+        "\"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
+        "\"shape\":[64,8],\"data_offsets\":[%zu,%zu]}}",
+        nb, nb, 2 * nb);
+    while (hl % 8)
+        h[hl++] = ' ';
     snprintf(p, sizeof p, "%s/adapter_model.safetensors", dir);
     f = fopen(p, "wb");
     REQUIRE(f != NULL);
@@ -46,7 +50,8 @@ static void write_adapter(const char *dir, float value) {
     fwrite(&len, 8, 1, f);
     fwrite(h, 1, (size_t)hl, f);
     float w[8 * 64];
-    for (size_t i = 0; i < n; i++) w[i] = value;
+    for (size_t i = 0; i < n; i++)
+        w[i] = value;
     fwrite(w, 4, n, f);
     fwrite(w, 4, n, f);
     fclose(f);
@@ -88,7 +93,8 @@ static void test_cache(void) {
 
     loom_lora_cache_t *c = NULL;
     loom_err_t err = {0};
-    CHECK(loom_lora_cache_create(m, cfg, 0, cfg->n_layers, 16, 0, &c, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(loom_lora_cache_create(m, cfg, 0, cfg->n_layers, 16, 0, &c, &err) ==
+          LOOM_ERR_INVALID_ARGUMENT);
     REQUIRE(loom_lora_cache_create(m, cfg, 0, cfg->n_layers, 16, 1, &c, &err) == LOOM_OK);
     loom_lora_cache_done_t d[4];
     loom_lora_cache_request(c, a, da);
@@ -146,16 +152,27 @@ int main(void) {
     loom_err_t err = {0};
     loom_st_t *st = NULL;
     loom_backend_t *be = NULL;
-    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .n_threads = 1, .weight_dtype = LOOM_DT_F32};
-    if (loom_model_config_load(dir, &g_cfg, &err) != LOOM_OK || loom_st_open_dir(dir, &st, &err) != LOOM_OK ||
-        loom_model_map_tensor_names(&g_cfg, st, &err) != LOOM_OK || loom_backend_create(&bc, &be, &err) != LOOM_OK) {
+    loom_backend_config_t bc = {
+        .version = LOOM_BACKEND_CONFIG_VERSION, .n_threads = 1, .weight_dtype = LOOM_DT_F32};
+    if (loom_model_config_load(dir, &g_cfg, &err) != LOOM_OK ||
+        loom_st_open_dir(dir, &st, &err) != LOOM_OK ||
+        loom_model_map_tensor_names(&g_cfg, st, &err) != LOOM_OK ||
+        loom_backend_create(&bc, &be, &err) != LOOM_OK) {
         fprintf(stderr, "stories260K: %s\n", err.msg);
         return 2;
     }
-    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
-                              .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = 16, .max_seqs = 1, .max_logits = 16, .kv_dtype = LOOM_DT_F32,
-                               .max_loras = 2, .max_lora_rank = 16};
+    loom_shard_spec_t spec = {.tp_rank = 0,
+                              .tp_size = 1,
+                              .layer_begin = 0,
+                              .layer_end = g_cfg.n_layers,
+                              .has_embed = 1,
+                              .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = 16,
+                               .max_seqs = 1,
+                               .max_logits = 16,
+                               .kv_dtype = LOOM_DT_F32,
+                               .max_loras = 2,
+                               .max_lora_rank = 16};
     if (loom_model_load(be, &g_cfg, st, &spec, &mo, &g_m, &err) != LOOM_OK) {
         fprintf(stderr, "stories260K: %s\n", err.msg);
         return 2;

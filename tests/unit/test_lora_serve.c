@@ -24,18 +24,22 @@ static void write_adapter(const char *dir, int r, float value) {
     snprintf(p, sizeof p, "%s/adapter_config.json", dir);
     FILE *f = fopen(p, "w");
     REQUIRE(f != NULL);
-    fprintf(f, "{\"peft_type\":\"LORA\",\"r\":%d,\"lora_alpha\":%d,\"target_modules\":[\"q_proj\"],"
-               "\"bias\":\"none\"}", r, 2 * r);
+    fprintf(f,
+            "{\"peft_type\":\"LORA\",\"r\":%d,\"lora_alpha\":%d,\"target_modules\":[\"q_proj\"],"
+            "\"bias\":\"none\"}",
+            r, 2 * r);
     fclose(f);
     size_t n = (size_t)r * 64, nb = n * 4;
     char h[512];
-    int hl = snprintf(h, sizeof h,
-                      "{\"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\","
-                      "\"shape\":[%d,64],\"data_offsets\":[0,%zu]},"
-                      "\"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
-                      "\"shape\":[64,%d],\"data_offsets\":[%zu,%zu]}}",
-                      r, nb, r, nb, 2 * nb);
-    while (hl % 8) h[hl++] = ' ';
+    int hl = snprintf(
+        h, sizeof h,
+        "{\"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight\":{\"dtype\":\"F32\","
+        "\"shape\":[%d,64],\"data_offsets\":[0,%zu]},"
+        "\"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight\":{\"dtype\":\"F32\","
+        "\"shape\":[64,%d],\"data_offsets\":[%zu,%zu]}}",
+        r, nb, r, nb, 2 * nb);
+    while (hl % 8)
+        h[hl++] = ' ';
     snprintf(p, sizeof p, "%s/adapter_model.safetensors", dir);
     f = fopen(p, "wb");
     REQUIRE(f != NULL);
@@ -43,7 +47,8 @@ static void write_adapter(const char *dir, int r, float value) {
     fwrite(&len, 8, 1, f);
     fwrite(h, 1, (size_t)hl, f);
     float *w = loom_xmalloc(nb);
-    for (size_t i = 0; i < n; i++) w[i] = value;
+    for (size_t i = 0; i < n; i++)
+        w[i] = value;
     fwrite(w, 4, n, f);
     fwrite(w, 4, n, f);
     free(w);
@@ -56,12 +61,14 @@ static void test_modules(void) {
     CHECK(o.max_loras == 1 && o.max_lora_rank == 16 && !o.enable);
     loom_err_t err = {0};
     CHECK(loom_lora_serve_add_module(&o, "a=/x/a", &err) == LOOM_OK);
-    CHECK(loom_lora_serve_add_module(&o, "{\"name\":\"b\",\"path\":\"/x/b\",\"base_model_name\":\"m\"}", &err) ==
-          LOOM_OK);
+    CHECK(loom_lora_serve_add_module(
+              &o, "{\"name\":\"b\",\"path\":\"/x/b\",\"base_model_name\":\"m\"}", &err) == LOOM_OK);
     CHECK(loom_lora_serve_add_module(&o, "{\"name\":\"c\",\"path\":\"/x/c\"}", &err) == LOOM_OK);
     REQUIRE(o.n_modules == 3);
-    CHECK(!strcmp(o.modules[0].name, "a") && !strcmp(o.modules[0].path, "/x/a") && !o.modules[0].base[0]);
-    CHECK(!strcmp(o.modules[1].name, "b") && !strcmp(o.modules[1].path, "/x/b") && !strcmp(o.modules[1].base, "m"));
+    CHECK(!strcmp(o.modules[0].name, "a") && !strcmp(o.modules[0].path, "/x/a") &&
+          !o.modules[0].base[0]);
+    CHECK(!strcmp(o.modules[1].name, "b") && !strcmp(o.modules[1].path, "/x/b") &&
+          !strcmp(o.modules[1].base, "m"));
     CHECK(!strcmp(o.modules[2].name, "c") && !o.modules[2].base[0]);
     CHECK(loom_lora_serve_add_module(&o, "nopath", &err) == LOOM_ERR_INVALID_ARGUMENT);
     CHECK(strstr(err.msg, "name=path") != NULL);
@@ -96,9 +103,24 @@ static void test_modules(void) {
 }
 
 static void test_take_args(void) {
-    char *argv[] = {"loom-coordinator", "--model", "m", "--enable-lora", "--lora-modules", "a=/x/a",
-                    "{\"name\":\"b\",\"path\":\"/x/b\"}", "--tp", "2", "--max-loras=2", "--lora-modules=c=/x/c",
-                    "--max-lora-rank", "64", "--max-cpu-loras", "3", "--allow-runtime-lora-updating", "--pp", "1",
+    char *argv[] = {"loom-coordinator",
+                    "--model",
+                    "m",
+                    "--enable-lora",
+                    "--lora-modules",
+                    "a=/x/a",
+                    "{\"name\":\"b\",\"path\":\"/x/b\"}",
+                    "--tp",
+                    "2",
+                    "--max-loras=2",
+                    "--lora-modules=c=/x/c",
+                    "--max-lora-rank",
+                    "64",
+                    "--max-cpu-loras",
+                    "3",
+                    "--allow-runtime-lora-updating",
+                    "--pp",
+                    "1",
                     NULL};
     int argc = (int)(sizeof argv / sizeof argv[0]) - 1;
     loom_lora_serve_opts_t o;
@@ -107,11 +129,14 @@ static void test_take_args(void) {
     REQUIRE(loom_lora_serve_take_args(&argc, argv, &o, &err) == LOOM_OK);
     CHECK(argc == 7);
     const char *rest[] = {"loom-coordinator", "--model", "m", "--tp", "2", "--pp", "1"};
-    for (int i = 0; i < 7 && i < argc; i++) CHECK(!strcmp(argv[i], rest[i]));
+    for (int i = 0; i < 7 && i < argc; i++)
+        CHECK(!strcmp(argv[i], rest[i]));
     CHECK(argv[argc] == NULL);
-    CHECK(o.enable && o.allow_runtime_updating && o.max_loras == 2 && o.max_lora_rank == 64 && o.max_cpu_loras == 3);
+    CHECK(o.enable && o.allow_runtime_updating && o.max_loras == 2 && o.max_lora_rank == 64 &&
+          o.max_cpu_loras == 3);
     REQUIRE(o.n_modules == 3);
-    CHECK(!strcmp(o.modules[0].name, "a") && !strcmp(o.modules[1].name, "b") && !strcmp(o.modules[2].path, "/x/c"));
+    CHECK(!strcmp(o.modules[0].name, "a") && !strcmp(o.modules[1].name, "b") &&
+          !strcmp(o.modules[2].path, "/x/c"));
 
     char *bad1[] = {"x", "--max-loras", "two", NULL};
     argc = 3;
@@ -154,12 +179,18 @@ static void test_register_and_select(void) {
     /* a model names the base, an adapter, or base:adapter */
     const char *aliases[] = {"stories", NULL};
     int id = 7;
-    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "stories260K", &id, &err) == LOOM_OK && id == -1);
-    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "stories", &id, &err) == LOOM_OK && id == -1);
+    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "stories260K", &id, &err) == LOOM_OK &&
+          id == -1);
+    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "stories", &id, &err) == LOOM_OK &&
+          id == -1);
     CHECK(loom_lora_serve_select(s, "stories260K", aliases, "", &id, &err) == LOOM_OK && id == -1);
-    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "a", &id, &err) == LOOM_OK && id == ea->id);
-    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "stories260K:b", &id, &err) == LOOM_OK && id == eb->id);
-    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "other:b", &id, &err) == LOOM_ERR_NOT_FOUND);
+    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "a", &id, &err) == LOOM_OK &&
+          id == ea->id);
+    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "stories260K:b", &id, &err) ==
+              LOOM_OK &&
+          id == eb->id);
+    CHECK(loom_lora_serve_select(s, "stories260K", aliases, "other:b", &id, &err) ==
+          LOOM_ERR_NOT_FOUND);
     CHECK(loom_lora_serve_select(s, "stories260K", aliases, "x", &id, &err) == LOOM_ERR_NOT_FOUND);
     CHECK(!strcmp(err.msg, "The model `x` does not exist."));
     CHECK(loom_lora_serve_select(NULL, "stories260K", NULL, "a", &id, &err) == LOOM_ERR_NOT_FOUND);
@@ -173,9 +204,11 @@ static void test_register_and_select(void) {
     loom_metrics_lora_adapter_t buf[4];
     loom_metrics_lora_t ml;
     loom_lora_serve_metrics(s, NULL, buf, 4, &ml);
-    CHECK(ml.max_loras == 2 && ml.resident == 1 && ml.loading == 0 && ml.loads == 1 && ml.n_adapters == 2);
+    CHECK(ml.max_loras == 2 && ml.resident == 1 && ml.loading == 0 && ml.loads == 1 &&
+          ml.n_adapters == 2);
     CHECK(ml.load_seconds > 0.2 && ml.load_seconds < 0.3);
-    CHECK(!strcmp(buf[0].name, "a") && buf[0].requests == 1 && buf[0].running == 1 && buf[0].waiting == 0);
+    CHECK(!strcmp(buf[0].name, "a") && buf[0].requests == 1 && buf[0].running == 1 &&
+          buf[0].waiting == 0);
     CHECK(!strcmp(buf[1].name, "b") && buf[1].requests == 0 && buf[1].running == 0);
     loom_lora_serve_metrics(s, NULL, buf, 1, &ml); /* a short buffer: the rest left out */
     CHECK(ml.n_adapters == 1);
@@ -188,7 +221,8 @@ static void test_register_and_select(void) {
     int rank = 0;
     CHECK(loom_lora_serve_validate("big", big, &g_cfg, 64, dig, &rank, &err) != LOOM_OK);
     CHECK(strstr(err.msg, "big") && strstr(err.msg, "rank 128 is greater than max_lora_rank 64"));
-    CHECK(loom_lora_serve_validate("big", big, &g_cfg, 128, dig, &rank, &err) == LOOM_OK && rank == 128);
+    CHECK(loom_lora_serve_validate("big", big, &g_cfg, 128, dig, &rank, &err) == LOOM_OK &&
+          rank == 128);
     loom_lora_slots_destroy(&s);
 
     /* a start-up adapter that does not exist ends the start-up, named */

@@ -20,7 +20,8 @@ static void test_tally(void) {
     CHECK(loom_lora_tally_report(t, 1, 0, 1, LOOM_OK, 10.3, &out, &sec) == 0);
     CHECK(loom_lora_tally_report(t, 1, 0, 2, LOOM_OK, 10.5, &out, &sec) == 1);
     CHECK(out == LOOM_OK && sec > 0.49 && sec < 0.51);
-    CHECK(loom_lora_tally_report(t, 1, 0, 2, LOOM_OK, 10.6, &out, &sec) == 0); /* decided: idle again */
+    CHECK(loom_lora_tally_report(t, 1, 0, 2, LOOM_OK, 10.6, &out, &sec) ==
+          0); /* decided: idle again */
     /* slot 1: the first failure decides */
     CHECK(loom_lora_tally_report(t, 1, 1, 2, LOOM_OK, 11.0, &out, &sec) == 0);
     CHECK(loom_lora_tally_report(t, 1, 1, 0, LOOM_ERR_FORMAT, 12.0, &out, &sec) == 1);

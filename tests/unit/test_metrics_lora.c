@@ -31,9 +31,15 @@ static void test_values(void) {
         {.name = "b\"x", .requests = 1, .running = 0, .waiting = 3},
         {.name = "c", .requests = 7, .running = 1, .waiting = 1},
     };
-    loom_metrics_lora_t l = {.max_loras = 2, .resident = 2, .loading = 0, .loads = 4,
-                             .evictions = 2, .load_failures = 1, .load_seconds = 0.5,
-                             .n_adapters = 3, .adapters = ad};
+    loom_metrics_lora_t l = {.max_loras = 2,
+                             .resident = 2,
+                             .loading = 0,
+                             .loads = 4,
+                             .evictions = 2,
+                             .load_failures = 1,
+                             .load_seconds = 0.5,
+                             .n_adapters = 3,
+                             .adapters = ad};
     loom_metrics_set_lora(m, &l);
     strcpy(ad[0].name, "changed"); /* copied: the render must not see this */
     char *text = render(m);
@@ -46,10 +52,15 @@ static void test_values(void) {
     CHECK(strstr(text, "loom_lora_load_failures_total{model_name=\"base\"} 1\n") != NULL);
     CHECK(strstr(text, "loom_lora_load_seconds_total{model_name=\"base\"} 0.5\n") != NULL);
     CHECK(strstr(text, "# TYPE loom_lora_requests_total counter\n") != NULL);
-    CHECK(strstr(text, "loom_lora_requests_total{model_name=\"base\",lora_name=\"a\"} 5\n") != NULL);
-    CHECK(strstr(text, "loom_lora_requests_total{model_name=\"base\",lora_name=\"b\\\"x\"} 1\n") != NULL);
-    CHECK(strstr(text, "loom_lora_requests_running{model_name=\"base\",lora_name=\"c\"} 1\n") != NULL);
-    CHECK(strstr(text, "loom_lora_requests_waiting{model_name=\"base\",lora_name=\"b\\\"x\"} 3\n") != NULL);
+    CHECK(strstr(text, "loom_lora_requests_total{model_name=\"base\",lora_name=\"a\"} 5\n") !=
+          NULL);
+    CHECK(strstr(text, "loom_lora_requests_total{model_name=\"base\",lora_name=\"b\\\"x\"} 1\n") !=
+          NULL);
+    CHECK(strstr(text, "loom_lora_requests_running{model_name=\"base\",lora_name=\"c\"} 1\n") !=
+          NULL);
+    CHECK(
+        strstr(text, "loom_lora_requests_waiting{model_name=\"base\",lora_name=\"b\\\"x\"} 3\n") !=
+        NULL);
     CHECK(!strstr(text, "changed"));
     CHECK(strstr(text, "# TYPE vllm:lora_requests_info gauge\n") != NULL);
     const char *info = "vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a,c\","
