@@ -536,7 +536,7 @@ int loom_cmd_serve(int argc, char **argv) {
          "render a request's own chat_template", 1, 0, NULL},
         {"tool-call-parser", LOOM_OPT_STR, &f.tool_parser, "NAME",
          "the model's tool-call syntax (hermes, llama3_json, mistral, granite, deepseek_v3, "
-         "deepseek_v31, pythonic, llama4_pythonic, qwen3_coder; default: from the chat template)",
+         "deepseek_v31, pythonic, llama4_pythonic, qwen3_coder, openai; default: from the chat template)",
          1, 0, NULL},
         {"enable-auto-tool-choice", LOOM_OPT_FLAG, &f.auto_tool_choice, NULL,
          "accepted for vLLM compatibility (tool_choice auto is always on)", 1, 0, NULL},

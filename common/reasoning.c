@@ -15,7 +15,7 @@ typedef struct {
     loom_reasoning_t r;
     const char *name;
     const char *starts[3]; /* NULL-terminated */
-    const char *ends[3];
+    const char *ends[4];
     int default_reason; /* no start marker: the output is reasoning */
 } fmt_t;
 
@@ -30,7 +30,8 @@ static const fmt_t k_fmts[] = {
     {LOOM_REASONING_OPENAI,
      "openai",
      {"<|channel|>analysis<|message|>", NULL},
-     {"<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>", NULL},
+     {"<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>",
+      "<|end|>", NULL}, /* (bare <|end|>: another message follows, a tool call's) */
      0},
 };
 
@@ -134,9 +135,21 @@ static void run(loom_rsplit_t *s, loom_sbuf_t *reasoning, loom_sbuf_t *content, 
         size_t at = n, mlen = 0;
         for (int k = 0; s->f->ends[k]; k++) {
             const char *p = memmem(b, n, s->f->ends[k], strlen(s->f->ends[k]));
-            if (p && (size_t)(p - b) < at) {
+            if (p &&
+                ((size_t)(p - b) < at || ((size_t)(p - b) == at && strlen(s->f->ends[k]) > mlen))) {
                 at = (size_t)(p - b);
                 mlen = strlen(s->f->ends[k]);
+            }
+        }
+        if (at < n && !final) { /* a longer marker may still match there: wait */
+            int longer = 0;
+            for (int k = 0; s->f->ends[k]; k++) {
+                size_t m = strlen(s->f->ends[k]);
+                longer |= m > n - at && !memcmp(b + at, s->f->ends[k], n - at);
+            }
+            if (longer) {
+                out(reasoning, s, at);
+                return;
             }
         }
         if (at < n) {

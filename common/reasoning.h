@@ -10,7 +10,9 @@
  *   granite      "Here is my thought process:" reasoning "Here is my
  *                response:" answer (also "Here's ...")
  *   openai       GPT-OSS harmony text: <|channel|>analysis<|message|>
- *                reasoning <|end|>, then the final channel's message
+ *                reasoning <|end|>, then the final channel's message (its
+ *                header dropped) or another message (a tool call, headers
+ *                kept for the tool-call parser)
  *
  * A splitter is fed the decoded text piece by piece and says what may go
  * out now on each side; text that may still be part of a marker is held.

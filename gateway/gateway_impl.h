@@ -270,6 +270,7 @@ const char *finish_name(loom_finish_t f);
 cJSON *usage_obj(const loom_chunk_t *ch);
 cJSON *head_obj(const req_t *q, const char *object);
 void sse_choice(req_t *q, const char *text, size_t len, int role, const char *finish);
+void sse_split_choice(req_t *q, loom_rsplit_t *rs, const char *text, size_t len, int final);
 cJSON *arr_of(cJSON *o, const char *k);
 void add_logprobs(req_t *q, cJSON *lp, const loom_chunk_t *ch);
 cJSON *prompt_lp_json(const req_t *q, const loom_chunk_t *ch);
@@ -299,6 +300,8 @@ enum MHD_Result handle_responses(req_t *q);
 enum MHD_Result handle_response(req_t *q, const char *id);
 void resp_stream_begin(req_t *q);
 void resp_stream_chunk(req_t *q, const loom_chunk_t *ch);
+/* An unstreamed response's chunk as it is collected (its reasoning tokens counted). */
+void resp_collect_chunk(req_t *q, const loom_chunk_t *ch);
 enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch);
 void resp_free(req_t *q);
 

@@ -275,6 +275,7 @@ typedef struct choice {
     cJSON *plp; /* prompt_logprobs */
     loom_finish_t finish;
     int prompt_tokens, completion_tokens, cached_tokens;
+    loom_rsplit_t *rs; /* streamed chat with --reasoning-parser: this choice's reasoning split off */
 } choice_t;
 
 /* Cancels every unfinished choice and drops the connection's client (what
@@ -387,6 +388,15 @@ static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
         if (q->chat) {
             cJSON *m = cJSON_AddObjectToObject(c, "message");
             cJSON_AddStringToObject(m, "role", "assistant");
+            if (q->h->reasoning) { /* each choice's reasoning split off, as for one */
+                char *reasoning = NULL, *answer = NULL;
+                loom_reasoning_split(q->h->reasoning, t, strlen(t), &reasoning, &answer);
+                free(t);
+                t = answer ? answer : loom_xstrdup("");
+                if (reasoning) cJSON_AddStringToObject(m, "reasoning_content", reasoning);
+                else cJSON_AddNullToObject(m, "reasoning_content");
+                free(reasoning);
+            }
             cJSON_AddStringToObject(m, "content", t);
         } else {
             cJSON_AddStringToObject(c, "text", t);
@@ -449,6 +459,7 @@ static void multi_stream_free(req_t *q) {
     if (!ms) return;
     q->ms = NULL;
     for (int i = 0; i < ms->n; i++) {
+        loom_rsplit_destroy(&ms->cs[i].rs);
         free(ms->cs[i].text.p);
         cJSON_Delete(ms->cs[i].lp);
         cJSON_Delete(ms->cs[i].plp);
@@ -471,10 +482,16 @@ static void multi_stream_chunk(req_t *q, int i, const loom_chunk_t *ch) {
             q->lp_json = cJSON_PrintUnformatted(lp);
             cJSON_Delete(lp);
         }
-        sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        if (q->chat && q->h->reasoning) {
+            if (!c->rs) c->rs = loom_rsplit_create(q->h->reasoning);
+            sse_split_choice(q, c->rs, ch->text, ch->text_len, 0);
+        } else {
+            sse_choice(q, ch->text, ch->text_len, 0, NULL);
+        }
         free(q->lp_json);
         q->lp_json = NULL;
     }
+    if (ch->final && ch->status == LOOM_OK && c->rs) sse_split_choice(q, c->rs, NULL, 0, 1);
     if (!ch->final) return;
     c->done = 1;
     ms->left--;
@@ -755,6 +772,7 @@ enum MHD_Result handle_generate(req_t *q) {
             if (q->prompt_lp >= 0 && !q->plp) q->plp = prompt_lp_json(q, &ch);
         }
         loom_sbuf_add(&q->text, ch.text, ch.text_len);
+        if (q->resp) resp_collect_chunk(q, &ch);
         if (q->logprobs && ch.has_logprobs) {
             if (!q->lp_acc) q->lp_acc = cJSON_CreateObject();
             add_logprobs(q, q->lp_acc, &ch);

@@ -700,6 +700,8 @@ done:
  * marker unguided. */
 void guide_after_reasoning(const loom_http_t *h, gen_t *g) {
     if (!h->reasoning || !g->p.guide_kind || !g->prompt) return;
+    /* GPT-OSS: a forced call is a message of its own, the analysis optional */
+    if (h->reasoning == LOOM_REASONING_OPENAI && g->p.guide_kind == GUIDE_TOOL_CALLS) return;
     const char *end = loom_reasoning_end_marker(h->reasoning);
     size_t n = strlen(g->prompt), m = strlen(end);
     while (n && (g->prompt[n - 1] == ' ' || g->prompt[n - 1] == '\n' || g->prompt[n - 1] == '\t' ||

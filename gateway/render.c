@@ -399,6 +399,18 @@ static void sse_reasoning(req_t *q, const char *text, size_t len) {
     sse_event(q, o);
 }
 
+/* Several choices streamed with a reasoning parser: choice q->choice's
+ * text through its own splitter rs (final: what rs still holds goes out). */
+void sse_split_choice(req_t *q, loom_rsplit_t *rs, const char *text, size_t len, int final) {
+    loom_sbuf_t r = {0}, c = {0};
+    if (len) loom_rsplit_feed(rs, text, len, &r, &c);
+    if (final) loom_rsplit_finish(rs, &r, &c);
+    sse_reasoning(q, r.p, r.len);
+    if (c.len) sse_choice(q, c.p, c.len, 0, NULL);
+    free(r.p);
+    free(c.p);
+}
+
 /* The answer's text (after any reasoning): tool calls read from it, or content. */
 static void stream_answer(req_t *q, const loom_chunk_t *ch, const char *text, size_t len) {
     if (q->tools.mode != LOOM_TOOLS_OFF) {

@@ -146,7 +146,7 @@ static int store_delete(resp_store_t *s, const char *id) {
 
 /* ---- one response ---- */
 
-enum { ITEM_NONE, ITEM_MESSAGE, ITEM_CALL };
+enum { ITEM_NONE, ITEM_MESSAGE, ITEM_CALL, ITEM_REASONING };
 
 struct resp_ctx {
     char id[64];
@@ -157,13 +157,16 @@ struct resp_ctx {
     /* the output as it streams */
     long long seq;    /* the next event's sequence_number */
     cJSON *output;    /* finished output items */
-    int open;         /* the item being streamed: ITEM_NONE, ITEM_MESSAGE, ITEM_CALL */
+    int open;         /* the item being streamed: ITEM_NONE, ITEM_MESSAGE, ITEM_CALL, ITEM_REASONING */
     char item_id[80]; /* its id */
     loom_sbuf_t text; /* its text (message) or arguments (call) */
     char call_id[64];
     char *call_name;
     loom_sbuf_t content; /* the whole answer's content, for the stored conversation */
     cJSON *calls;        /* the answer's calls as chat tool_calls, for the stored conversation */
+    /* --reasoning-parser: the output's reasoning split off (common/reasoning.h) */
+    loom_rsplit_t *rs;
+    long long reasoning_tokens; /* tokens of the chunks that came before the answer began */
 };
 
 void resp_free(req_t *q) {
@@ -177,6 +180,7 @@ void resp_free(req_t *q) {
     free(r->text.p);
     free(r->content.p);
     free(r->call_name);
+    loom_rsplit_destroy(&r->rs);
     free(r);
 }
 
@@ -248,14 +252,14 @@ static cJSON *resp_object(const req_t *q, const char *status, cJSON *output, cJS
     return o;
 }
 
-static cJSON *resp_usage(const loom_chunk_t *ch) {
+static cJSON *resp_usage(const resp_ctx_t *r, const loom_chunk_t *ch) {
     cJSON *u = cJSON_CreateObject();
     cJSON_AddNumberToObject(u, "input_tokens", ch->prompt_tokens);
     cJSON *d = cJSON_AddObjectToObject(u, "input_tokens_details");
     cJSON_AddNumberToObject(d, "cached_tokens", ch->cached_tokens);
     cJSON_AddNumberToObject(u, "output_tokens", ch->completion_tokens);
     d = cJSON_AddObjectToObject(u, "output_tokens_details");
-    cJSON_AddNumberToObject(d, "reasoning_tokens", 0); /* no reasoning parser yet (see reasoning_split) */
+    cJSON_AddNumberToObject(d, "reasoning_tokens", (double)r->reasoning_tokens);
     cJSON_AddNumberToObject(u, "total_tokens", (double)ch->prompt_tokens + ch->completion_tokens);
     return u;
 }
@@ -276,6 +280,23 @@ static cJSON *message_item(const char *id, const char *status, const char *text)
         cJSON_AddItemToArray(content, p);
     }
     return m;
+}
+
+/* {type: reasoning, content: [{type: reasoning_text, text}]} (text NULL: no content yet) */
+static cJSON *reasoning_item(const char *id, const char *status, const char *text) {
+    cJSON *it = cJSON_CreateObject();
+    cJSON_AddStringToObject(it, "id", id);
+    cJSON_AddStringToObject(it, "type", "reasoning");
+    if (status) cJSON_AddStringToObject(it, "status", status);
+    cJSON_AddArrayToObject(it, "summary");
+    cJSON *content = cJSON_AddArrayToObject(it, "content");
+    if (text) {
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddStringToObject(c, "type", "reasoning_text");
+        cJSON_AddStringToObject(c, "text", text);
+        cJSON_AddItemToArray(content, c);
+    }
+    return it;
 }
 
 static cJSON *call_item(const char *id, const char *status, const char *call_id, const char *name,
@@ -306,8 +327,8 @@ static void keep_call(resp_ctx_t *r, const char *call_id, const char *name, cons
 /* The reasoning of a finished answer, split off by the server's reasoning
  * parser (common/reasoning.h): *reasoning (malloc'ed, NULL: none) becomes a
  * reasoning item ({type: reasoning, content: [{type: reasoning_text}]})
- * ahead of the message; *text is left the answer. (The streamed path does
- * not split yet: it would emit response.reasoning_text.delta.) */
+ * ahead of the message; *text is left the answer. (Streamed: the chunks
+ * go through resp_ctx_t.rs as they come, resp_stream_chunk.) */
 static void reasoning_split(const req_t *q, char **text, char **reasoning) {
     *reasoning = NULL;
     if (!q->h->reasoning) return;
@@ -367,16 +388,16 @@ static void ev_response(req_t *q, const char *type, cJSON *response) {
 
 static int out_index(const resp_ctx_t *r) { return r->output ? cJSON_GetArraySize(r->output) : 0; }
 
-static void part_event(req_t *q, const char *type, const char *text) {
+static void part_event(req_t *q, const char *type, const char *part_type, const char *text) {
     resp_ctx_t *r = q->resp;
     cJSON *e = ev_new(q, type);
     cJSON_AddStringToObject(e, "item_id", r->item_id);
     cJSON_AddNumberToObject(e, "output_index", out_index(r));
     cJSON_AddNumberToObject(e, "content_index", 0);
     cJSON *p = cJSON_AddObjectToObject(e, "part");
-    cJSON_AddStringToObject(p, "type", "output_text");
+    cJSON_AddStringToObject(p, "type", part_type);
     cJSON_AddStringToObject(p, "text", text);
-    cJSON_AddArrayToObject(p, "annotations");
+    if (!strcmp(part_type, "output_text")) cJSON_AddArrayToObject(p, "annotations");
     ev_send(q, e);
 }
 
@@ -393,8 +414,17 @@ static void close_item(req_t *q) {
         cJSON_AddStringToObject(e, "text", t);
         cJSON_AddArrayToObject(e, "logprobs");
         ev_send(q, e);
-        part_event(q, "response.content_part.done", t);
+        part_event(q, "response.content_part.done", "output_text", t);
         item = message_item(r->item_id, "completed", t);
+    } else if (r->open == ITEM_REASONING) {
+        e = ev_new(q, "response.reasoning_text.done");
+        cJSON_AddStringToObject(e, "item_id", r->item_id);
+        cJSON_AddNumberToObject(e, "output_index", out_index(r));
+        cJSON_AddNumberToObject(e, "content_index", 0);
+        cJSON_AddStringToObject(e, "text", t);
+        ev_send(q, e);
+        part_event(q, "response.content_part.done", "reasoning_text", t);
+        item = reasoning_item(r->item_id, "completed", t);
     } else {
         e = ev_new(q, "response.function_call_arguments.done");
         cJSON_AddStringToObject(e, "item_id", r->item_id);
@@ -425,7 +455,7 @@ static void open_message(req_t *q) {
     cJSON_AddNumberToObject(e, "output_index", out_index(r));
     cJSON_AddItemToObject(e, "item", message_item(r->item_id, "in_progress", NULL));
     ev_send(q, e);
-    part_event(q, "response.content_part.added", "");
+    part_event(q, "response.content_part.added", "output_text", "");
 }
 
 static void text_delta(req_t *q, const char *text, size_t len) {
@@ -441,6 +471,31 @@ static void text_delta(req_t *q, const char *text, size_t len) {
     cJSON_AddNumberToObject(e, "content_index", 0);
     cJSON_AddStringToObject(e, "delta", d);
     cJSON_AddArrayToObject(e, "logprobs");
+    ev_send(q, e);
+    free(d);
+}
+
+/* A streamed piece of reasoning: a reasoning item opened on the first. */
+static void reasoning_delta(req_t *q, const char *text, size_t len) {
+    resp_ctx_t *r = q->resp;
+    if (!len) return;
+    if (r->open != ITEM_REASONING) {
+        close_item(q);
+        fresh_id(q->h, "rs_", r->item_id, sizeof r->item_id);
+        r->open = ITEM_REASONING;
+        cJSON *e = ev_new(q, "response.output_item.added");
+        cJSON_AddNumberToObject(e, "output_index", out_index(r));
+        cJSON_AddItemToObject(e, "item", reasoning_item(r->item_id, "in_progress", NULL));
+        ev_send(q, e);
+        part_event(q, "response.content_part.added", "reasoning_text", "");
+    }
+    loom_sbuf_add(&r->text, text, len);
+    char *d = text_dup(text, len);
+    cJSON *e = ev_new(q, "response.reasoning_text.delta");
+    cJSON_AddStringToObject(e, "item_id", r->item_id);
+    cJSON_AddNumberToObject(e, "output_index", out_index(r));
+    cJSON_AddNumberToObject(e, "content_index", 0);
+    cJSON_AddStringToObject(e, "delta", d);
     ev_send(q, e);
     free(d);
 }
@@ -482,16 +537,45 @@ void resp_stream_begin(req_t *q) {
     ev_response(q, "response.in_progress", resp_object(q, "in_progress", NULL, NULL, NULL, NULL));
 }
 
+/* The answer's text (after any reasoning): tool calls read from it, or content. */
+static void stream_answer(req_t *q, const char *text, size_t len) {
+    if (!len) return;
+    if (q->tools.mode != LOOM_TOOLS_OFF) {
+        if (!q->ts) q->ts = loom_tstream_create(&q->tools, resp_tool_event, q);
+        loom_tstream_feed(q->ts, text, len);
+    } else {
+        text_delta(q, text, len);
+    }
+}
+
+/* With a reasoning parser: a chunk's tokens count as reasoning while the
+ * answer has not begun after it (the chunk that ends the reasoning is the
+ * answer's). final: what the splitter still holds goes out. */
+static void split_chunk(req_t *q, const loom_chunk_t *ch, int final, loom_sbuf_t *reason, loom_sbuf_t *answer) {
+    resp_ctx_t *r = q->resp;
+    if (!r->rs) r->rs = loom_rsplit_create(q->h->reasoning);
+    if (ch->text_len) loom_rsplit_feed(r->rs, ch->text, ch->text_len, reason, answer);
+    if (!loom_rsplit_in_content(r->rs) && ch->n_ids > 0) r->reasoning_tokens += ch->n_ids;
+    if (final) loom_rsplit_finish(r->rs, reason, answer);
+}
+
+void resp_collect_chunk(req_t *q, const loom_chunk_t *ch) {
+    if (!q->resp || !q->h->reasoning) return;
+    split_chunk(q, ch, 0, NULL, NULL);
+}
+
 void resp_stream_chunk(req_t *q, const loom_chunk_t *ch) {
     resp_ctx_t *r = q->resp;
     uint64_t t0 = loom_now_ns();
-    if (ch->text_len > 0) {
-        if (q->tools.mode != LOOM_TOOLS_OFF) {
-            if (!q->ts) q->ts = loom_tstream_create(&q->tools, resp_tool_event, q);
-            loom_tstream_feed(q->ts, ch->text, ch->text_len);
-        } else {
-            text_delta(q, ch->text, ch->text_len);
-        }
+    if (q->h->reasoning && ch->status == LOOM_OK) {
+        loom_sbuf_t rb = {0}, cb = {0};
+        split_chunk(q, ch, ch->final, &rb, &cb);
+        reasoning_delta(q, rb.p, rb.len);
+        stream_answer(q, cb.p, cb.len);
+        free(rb.p);
+        free(cb.p);
+    } else if (ch->text_len > 0) {
+        stream_answer(q, ch->text, ch->text_len);
     }
     q->send_ns += loom_now_ns() - t0;
     if (!ch->final) return;
@@ -518,11 +602,12 @@ void resp_stream_chunk(req_t *q, const loom_chunk_t *ch) {
     }
     if (q->tools.mode != LOOM_TOOLS_OFF && q->ts) loom_tstream_finish(q->ts, ch->finish == LOOM_FINISH_STOP);
     if (r->open == ITEM_NONE && !r->output) open_message(q); /* an empty answer is an empty message */
+    if (r->open == ITEM_REASONING) open_message(q); /* all reasoning: the message is empty, as unstreamed */
     close_item(q);
     int cut = ch->finish == LOOM_FINISH_LENGTH;
     cJSON *out = r->output;
     r->output = NULL;
-    cJSON *o = resp_object(q, cut ? "incomplete" : "completed", out, resp_usage(ch), cut ? "max_output_tokens" : NULL,
+    cJSON *o = resp_object(q, cut ? "incomplete" : "completed", out, resp_usage(r, ch), cut ? "max_output_tokens" : NULL,
                            NULL);
     keep_response(q, o);
     ev_response(q, cut ? "response.incomplete" : "response.completed", o);
@@ -540,16 +625,8 @@ enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
     if (reasoning) {
         char id[80];
         fresh_id(q->h, "rs_", id, sizeof id);
-        cJSON *it = cJSON_CreateObject();
-        cJSON_AddStringToObject(it, "id", id);
-        cJSON_AddStringToObject(it, "type", "reasoning");
-        cJSON_AddArrayToObject(it, "summary");
-        cJSON *c = cJSON_CreateObject();
-        cJSON_AddStringToObject(c, "type", "reasoning_text");
-        cJSON_AddStringToObject(c, "text", reasoning);
+        cJSON_AddItemToArray(output, reasoning_item(id, NULL, reasoning));
         free(reasoning);
-        cJSON_AddItemToArray(cJSON_AddArrayToObject(it, "content"), c);
-        cJSON_AddItemToArray(output, it);
     }
     const char *content = t, *finish = finish_name(ch->finish);
     char *rest = NULL;
@@ -578,7 +655,7 @@ enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
     free(t);
     take_timings(q, ch);
     int cut = ch->finish == LOOM_FINISH_LENGTH;
-    cJSON *o = resp_object(q, cut ? "incomplete" : "completed", output, resp_usage(ch),
+    cJSON *o = resp_object(q, cut ? "incomplete" : "completed", output, resp_usage(r, ch),
                            cut ? "max_output_tokens" : NULL, NULL);
     keep_response(q, o);
     return respond_json(q, MHD_HTTP_OK, o);

@@ -58,6 +58,7 @@ static const struct {
     {LOOM_TOOLFMT_PYTHONIC, "pythonic"},
     {LOOM_TOOLFMT_LLAMA4_PYTHONIC, "llama4_pythonic"},
     {LOOM_TOOLFMT_QWEN3_CODER, "qwen3_coder"},
+    {LOOM_TOOLFMT_OPENAI, "openai"},
 };
 
 const char *loom_toolfmt_name(loom_toolfmt_t f) {
@@ -74,6 +75,8 @@ loom_toolfmt_t loom_toolfmt_from_name(const char *name) {
 
 loom_toolfmt_t loom_toolfmt_detect(const char *text) {
     if (!text) return LOOM_TOOLFMT_NONE;
+    if (strstr(text, "<|channel|>commentary") && strstr(text, "<|call|>")) /* GPT-OSS harmony */
+        return LOOM_TOOLFMT_OPENAI;
     if (strstr(text, "tool\xe2\x96\x81" "calls\xe2\x96\x81" "begin")) /* DeepSeek's markers */
         return strstr(text, "```json") ? LOOM_TOOLFMT_DEEPSEEK_V3 : LOOM_TOOLFMT_DEEPSEEK_V31;
     if (strstr(text, "[func_name1(")) /* Llama 3.2 / 4's pythonic instructions */
@@ -109,26 +112,32 @@ static char *forced_schema(const loom_tools_t *t) {
     cJSON *s = cJSON_CreateObject(), *items = cJSON_AddArrayToObject(s, "items");
     const char *args = t->fmt == LOOM_TOOLFMT_LLAMA3_JSON ? "parameters" : "arguments";
     int ds = t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 || t->fmt == LOOM_TOOLFMT_DEEPSEEK_V31;
-    cJSON *prefixes = ds ? cJSON_AddArrayToObject(s, "prefixes") : NULL;
+    int hm = t->fmt == LOOM_TOOLFMT_OPENAI;
+    cJSON *prefixes = ds || hm ? cJSON_AddArrayToObject(s, "prefixes") : NULL;
     const cJSON *tool;
     cJSON_ArrayForEach(tool, t->tools) {
         if (t->mode == LOOM_TOOLS_NAMED && strcmp(get(fn_of(tool), "name")->valuestring, t->named) != 0) continue;
-        if (!ds) {
+        if (!ds && !hm) {
             cJSON_AddItemToArray(items, call_schema(tool, args));
             continue;
         }
         /* DeepSeek: the name is markup before the arguments object */
         const char *nm = get(fn_of(tool), "name")->valuestring;
         char pre[256];
+        /* GPT-OSS: a commentary message to the function; <|call|> ends it (a stop token) */
         snprintf(pre, sizeof pre,
-                 t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 ? DS_CALL_BEGIN "function" DS_SEP "%s\n```json\n" : DS_CALL_BEGIN "%s" DS_SEP,
+                 hm ? "<|channel|>commentary to=functions.%s <|constrain|>json<|message|>"
+                 : t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 ? DS_CALL_BEGIN "function" DS_SEP "%s\n```json\n" : DS_CALL_BEGIN "%s" DS_SEP,
                  nm);
         cJSON_AddItemToArray(prefixes, cJSON_CreateString(pre));
         cJSON_AddItemToArray(items, params_or_empty(fn_of(tool)));
     }
     cJSON_AddNumberToObject(s, "min", 1);
-    cJSON_AddNumberToObject(s, "max", t->parallel && t->mode == LOOM_TOOLS_REQUIRED ? 0 : 1);
+    /* (GPT-OSS: one call per message, the message ends the turn) */
+    cJSON_AddNumberToObject(s, "max", t->parallel && t->mode == LOOM_TOOLS_REQUIRED && !hm ? 0 : 1);
     switch (t->fmt) {
+    case LOOM_TOOLFMT_OPENAI: /* the prefix is all the markup */
+        break;
     case LOOM_TOOLFMT_LLAMA3_JSON:
         cJSON_AddStringToObject(s, "sep", "; ");
         break;

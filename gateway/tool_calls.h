@@ -11,7 +11,7 @@
  *                (several separated by ';')
  *   mistral      at the start, [TOOL_CALLS] then a JSON array [{"name": ..., "arguments": {...}}]
  *   granite      at the start, <|tool_call|> then a JSON array of the same
- *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder  read whole (tool_parsers.h)
+ *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder, openai  read whole (tool_parsers.h)
  * A forced call's output is that syntax, its JSON held to the tool's schema
  * by the grammar engine (grammar kind LOOM_GRAMMAR_TOOL_CALLS). */
 #ifndef LOOM_TOOL_CALLS_H
@@ -38,10 +38,11 @@ typedef enum {
     LOOM_TOOLFMT_PYTHONIC,
     LOOM_TOOLFMT_LLAMA4_PYTHONIC,
     LOOM_TOOLFMT_QWEN3_CODER,
+    LOOM_TOOLFMT_OPENAI,
 } loom_toolfmt_t;
 
 /* For messages that list the choices. */
-#define LOOM_TOOL_PARSER_NAMES "hermes, llama3_json, mistral, granite, deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder"
+#define LOOM_TOOL_PARSER_NAMES "hermes, llama3_json, mistral, granite, deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder, openai"
 
 const char *loom_toolfmt_name(loom_toolfmt_t f);
 /* The parser named NAME (vLLM's names); LOOM_TOOLFMT_NONE when unknown. */

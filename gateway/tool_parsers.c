@@ -1,5 +1,6 @@
 /* Call syntaxes read whole (tool_parsers.h): DeepSeek V3 / V3.1's marked
- * blocks and the pythonic call list. */
+ * blocks, the pythonic call list, Qwen3-Coder's blocks and GPT-OSS's
+ * harmony calls. */
 #include "gateway/tool_parsers.h"
 
 #include <stdlib.h>
@@ -30,7 +31,22 @@
 int loom_tp_held(loom_toolfmt_t f) {
     return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 ||
            f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC ||
-           f == LOOM_TOOLFMT_QWEN3_CODER;
+           f == LOOM_TOOLFMT_QWEN3_CODER || f == LOOM_TOOLFMT_OPENAI;
+}
+
+/* Harmony's call headers: GPT-OSS writes the recipient before or after the
+ * channel, the message start (HM_START) maybe before both. */
+#define HM_START "<|start|>assistant"
+static const char *const k_hm_marks[] = {
+    "to=functions.", " to=functions.", "<|channel|>commentary to=functions.",
+    HM_START " to=functions.", HM_START "<|channel|>commentary to=functions."};
+
+/* Longest suffix of text[0..len) that is a proper prefix of m. */
+static size_t prefix_tail(const char *text, size_t len, const char *m) {
+    size_t n = strlen(m);
+    for (size_t l = n - 1 < len ? n - 1 : len; l > 0; l--)
+        if (!memcmp(text + len - l, m, l)) return l;
+    return 0;
 }
 
 static int is_space(char c) {
@@ -59,6 +75,24 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
         return text[i] == '['
                    ? 0
                    : len; /* held from the start: the whitespace too, content if not calls */
+    }
+    if (f == LOOM_TOOLFMT_OPENAI) { /* "to=functions.", from the header's start */
+        const char *p = memmem(text, len, k_hm_marks[0], strlen(k_hm_marks[0]));
+        if (p) {
+            size_t at = (size_t)(p - text), best = at;
+            for (size_t k = 1; k < LOOM_ARRAY_LEN(k_hm_marks); k++) {
+                size_t back = strlen(k_hm_marks[k]) - strlen(k_hm_marks[0]);
+                if (at >= back && !memcmp(text + at - back, k_hm_marks[k], back) &&
+                    at - back < best)
+                    best = at - back;
+            }
+            return best;
+        }
+        for (size_t k = 0; k < LOOM_ARRAY_LEN(k_hm_marks); k++) {
+            size_t l = prefix_tail(text, len, k_hm_marks[k]);
+            if (l > *maybe) *maybe = l;
+        }
+        return len;
     }
     const char *m = f == LOOM_TOOLFMT_QWEN3_CODER ? "<tool_call>" : DS_CALLS_BEGIN;
     size_t n = strlen(m);
@@ -553,6 +587,72 @@ fail:
     return -1;
 }
 
+/* ---- openai: GPT-OSS harmony messages on the commentary channel ---- */
+
+/* One call's header, from s[*at] up to and past <|message|>: 1 and the
+ * recipient function's name, or 0 when it is no call header (another
+ * channel, unknown words). */
+static int harmony_header(const char *s, size_t n, size_t *at, size_t *name_at, size_t *name_len) {
+    size_t i = skip_ws(s, n, *at);
+    int chan = 0;
+    *name_len = 0;
+    if (starts(s, n, i, HM_START)) i += strlen(HM_START);
+    for (;;) {
+        i = skip_ws(s, n, i);
+        if (starts(s, n, i, "<|message|>")) break;
+        if (starts(s, n, i, "to=functions.")) {
+            i += strlen("to=functions.");
+            *name_at = i;
+            while (i < n && s[i] != '<' && !is_space(s[i]))
+                i++;
+            *name_len = i - *name_at;
+        } else if (starts(s, n, i, "<|channel|>commentary")) {
+            i += strlen("<|channel|>commentary");
+            chan = 1;
+        } else if (starts(s, n, i, "<|constrain|>")) {
+            i += strlen("<|constrain|>");
+        } else if (i < n && ((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z'))) {
+            while (i < n && ((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z')))
+                i++; /* the content type, "json" */
+        } else {
+            return 0;
+        }
+    }
+    if (!chan || !*name_len) return 0;
+    *at = i + strlen("<|message|>");
+    return 1;
+}
+
+static int parse_harmony(const cJSON *tools, const char *s, size_t n, loom_tp_call_t **calls,
+                         size_t *end) {
+    size_t i = 0;
+    int nc = 0;
+    for (;;) {
+        size_t at = i, name_at = 0, name_len = 0;
+        if (!harmony_header(s, n, &at, &name_at, &name_len)) break;
+        if (!known(tools, s + name_at, name_len)) goto fail;
+        /* the arguments run to <|call|>, or to the end (a stop token the
+           decoder may leave out) */
+        const char *c = memmem(s + at, n - at, "<|call|>", strlen("<|call|>"));
+        size_t ae = c ? (size_t)(c - s) : n;
+        char *args = compact_json(s + at, ae - at, 0);
+        if (!args) goto fail;
+        add_call(calls, &nc, dup_n(s + name_at, name_len), args);
+        i = c ? ae + strlen("<|call|>") : n;
+    }
+    if (!nc) goto fail;
+    /* a final message after the calls: its text is content */
+    size_t f = skip_ws(s, n, i);
+    if (starts(s, n, f, HM_START "<|channel|>final<|message|>"))
+        i = f + strlen(HM_START "<|channel|>final<|message|>");
+    *end = i;
+    return nc;
+fail:
+    loom_tp_calls_free(*calls, nc);
+    *calls = NULL;
+    return -1;
+}
+
 int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len,
                   loom_tp_call_t **calls, size_t *end) {
     *calls = NULL;
@@ -564,6 +664,8 @@ int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t
         return parse_deepseek(f == LOOM_TOOLFMT_DEEPSEEK_V31, tools, text, len, calls, end);
     case LOOM_TOOLFMT_PYTHONIC:
         return parse_pythonic(tools, text, len, calls, end);
+    case LOOM_TOOLFMT_OPENAI:
+        return parse_harmony(tools, text, len, calls, end);
     case LOOM_TOOLFMT_QWEN3_CODER:
         return parse_coder(tools, text, len, calls, end);
     case LOOM_TOOLFMT_LLAMA4_PYTHONIC: { /* the list, maybe between <|python_start|> and

@@ -15,6 +15,12 @@
  *                    <parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>;
  *                    a VALUE is typed by the tool's schema (integer, number,
  *                    boolean, object, array: read as JSON; else a string)
+ *   openai           GPT-OSS harmony, after any content, messages
+ *                    [<|start|>assistant]<|channel|>commentary to=functions.NAME
+ *                    [<|constrain|>]json<|message|>ARGS<|call|>, the recipient
+ *                    (to=functions.NAME) also before the channel; the last
+ *                    <|call|>, a stop token, may be missing; a final message
+ *                    after the calls is content
  *
  * ARGS is a JSON object; a call's arguments are its JSON text less the
  * whitespace between tokens (pythonic: the literals converted to JSON). */

@@ -444,6 +444,9 @@ int loom_backend_has_graphs(const loom_backend_t *be) {
 int loom_backend_graph_begin(loom_backend_t *be, uint64_t key) {
     return loom_backend_has_graphs(be) ? be->ops->graph_begin(be, key) : 0;
 }
+void loom_backend_graph_drop(loom_backend_t *be) {
+    if (be->ops->graph_drop) be->ops->graph_drop(be);
+}
 int loom_backend_graph_end(loom_backend_t *be, uint64_t key) {
     return loom_backend_has_graphs(be) ? be->ops->graph_end(be, key) : 0;
 }

@@ -373,5 +373,10 @@ void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *
 int loom_backend_has_graphs(const loom_backend_t *be);
 int loom_backend_graph_begin(loom_backend_t *be, uint64_t key);
 int loom_backend_graph_end(loom_backend_t *be, uint64_t key);
+/* Drops every recorded graph after the work on the stream is done: for the
+ * caller whose ops bake in handles that are going away (a data plane's
+ * communicators, whose collectives sit in TP decode graphs). No-op without
+ * graphs. */
+void loom_backend_graph_drop(loom_backend_t *be);
 
 #endif

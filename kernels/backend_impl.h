@@ -81,6 +81,7 @@ typedef struct loom_backend_ops {
                  int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
+    void (*graph_drop)(loom_backend_t *be);
 } loom_backend_ops_t;
 
 /* Every backend struct begins with this header. */

@@ -66,6 +66,16 @@ void loom_comm_abort(loom_comm_t *c) {
         return s_;                                                                                 \
     } while (0)
 
+int loom_comm_stream_ordered(const loom_comm_t *c) { return c->ops->step_begin != NULL; }
+loom_status_t loom_comm_step_begin(loom_comm_t *c, int64_t tokens, loom_err_t *err) {
+    return c->ops->step_begin ? c->ops->step_begin(c, tokens, err) : LOOM_OK;
+}
+/* not timed: it waits for the whole forward pass, the all-reduces only a
+ * part of it (loom_comm_seconds then counts the enqueueing alone) */
+loom_status_t loom_comm_step_end(loom_comm_t *c, loom_err_t *err) {
+    return c->ops->step_end ? c->ops->step_end(c, err) : LOOM_OK;
+}
+
 loom_status_t loom_comm_allreduce(loom_comm_t *c, float *buf, int64_t n, loom_err_t *err) {
     if (c->tp_size == 1 || n <= 0) return LOOM_OK;
     if ((size_t)n * sizeof(float) > c->max_bytes)

@@ -4,5 +4,6 @@ add_library(loom_comm STATIC
             ${CMAKE_CURRENT_LIST_DIR}/comm.c
             ${CMAKE_CURRENT_LIST_DIR}/comm_shm.c
             ${CMAKE_CURRENT_LIST_DIR}/comm_tcp.c
-            ${CMAKE_CURRENT_LIST_DIR}/comm_util.c)
+            ${CMAKE_CURRENT_LIST_DIR}/comm_util.c
+            ${CMAKE_CURRENT_LIST_DIR}/comm_watchdog.c)
 target_link_libraries(loom_comm PUBLIC loom_base PRIVATE Loom::Sodium)

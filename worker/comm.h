@@ -65,6 +65,9 @@ typedef struct loom_comm_config {
      * timeout_ms. */
     int (*cancelled)(void *ctx);
     void *cancel_ctx;
+    /* nccl: the base of a stream-ordered step's budget (comm_watchdog.h),
+     * to which each token adds its share; 0: timeout_ms when set, else 10 s */
+    int step_base_ms;
 } loom_comm_config_t;
 
 /* A worker's data-plane listening socket, opened at start-up (before it knows
@@ -108,12 +111,30 @@ loom_status_t loom_comm_barrier(loom_comm_t *c, loom_err_t *err);
 loom_status_t loom_comm_send_next(loom_comm_t *c, const void *buf, size_t bytes, loom_err_t *err);
 loom_status_t loom_comm_recv_prev(loom_comm_t *c, void *buf, size_t bytes, loom_err_t *err);
 
+/* Stream-ordered steps (nccl; a no-op returning LOOM_OK elsewhere). Between
+ * step_begin and step_end, allreduce only enqueues the collective on the
+ * compute stream and returns: no host wait per all-reduce, so the model may
+ * record them into its decode graphs (loom_comm_stream_ordered says whether
+ * the backend can). Meanwhile a watchdog thread polls the device for an
+ * asynchronous NCCL error, an abort (loom_comm_abort) or the step's
+ * deadline, derived from its token count (worker/comm_watchdog.h), and on
+ * any of them aborts the communicators, which also ends kernels stuck on a
+ * dead peer. step_end waits (polling) for everything enqueued on the
+ * compute stream and returns LOOM_ERR_UNAVAILABLE if the watchdog fired:
+ * the step failed, as on the CPU grid. Call step_end after every
+ * step_begin, also when the step failed in between. */
+int loom_comm_stream_ordered(const loom_comm_t *c);
+loom_status_t loom_comm_step_begin(loom_comm_t *c, int64_t tokens, loom_err_t *err);
+loom_status_t loom_comm_step_end(loom_comm_t *c, loom_err_t *err);
+
 /* Wakes every waiter of this comm with LOOM_ERR_UNAVAILABLE, now and for every
  * later call. Safe from any thread and from a signal-free context while
  * another thread is blocked in the comm. */
 void loom_comm_abort(loom_comm_t *c);
 
-/* Seconds this comm has spent inside its calls (waiting included). */
+/* Seconds this comm has spent inside its calls (waiting included; not
+ * step_end's wait for the forward pass, so inside nccl steps only the
+ * enqueueing of the all-reduces counts). */
 double loom_comm_seconds(const loom_comm_t *c);
 
 #endif

@@ -13,6 +13,9 @@ typedef struct loom_comm_ops {
     loom_status_t (*send_next)(loom_comm_t *c, const void *buf, size_t bytes, loom_err_t *err);
     loom_status_t (*recv_prev)(loom_comm_t *c, void *buf, size_t bytes, loom_err_t *err);
     void (*abort)(loom_comm_t *c);
+    /* optional (NULL: steps are not stream-ordered; comm.h) */
+    loom_status_t (*step_begin)(loom_comm_t *c, int64_t tokens, loom_err_t *err);
+    loom_status_t (*step_end)(loom_comm_t *c, loom_err_t *err);
 } loom_comm_ops_t;
 
 /* Every comm struct begins with this header. */

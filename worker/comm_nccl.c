@@ -28,14 +28,32 @@
  * The wait spins for the first SPIN_NS (a decode all-reduce takes tens of
  * microseconds), then sleeps POLL_SLEEP_NS between polls.
  *
- * While the stream is being recorded into a CUDA graph the collectives are
- * only enqueued; the caller that launches the graph must not use this comm's
- * hang protection then (model.c records graphs only for tp_size 1).
+ * Stream-ordered steps (loom_comm_step_begin .. step_end): the worker
+ * brackets each step's forward pass, and inside the bracket allreduce only
+ * enqueues (no wait per all-reduce), so model.c records decode steps with
+ * TP into CUDA graphs too (NCCL collectives are captured since 2.9; the
+ * backend captures in relaxed mode). While a step is in flight a watchdog
+ * thread, one per comm, polls every WATCH_POLL_NS: the abort flag and
+ * ncclCommGetAsyncError of every communicator, and the step's deadline
+ * (comm_watchdog.h: a base plus a per-token share); on any of them it
+ * aborts the communicators, which ends a kernel or graph stuck on a dead
+ * peer, so the compute thread never hangs even when it is blocked in a CUDA
+ * call outside this file. step_end then waits (polling, as above, with the
+ * same checks and deadline) for the compute stream and reports the failure.
+ * Locking: `mu` guards the communicators, the failure state and the
+ * watchdog; every operation holds it for its whole run (its own waits poll
+ * the same conditions), so the watchdog thread acts only while the compute
+ * thread is outside this file: in a kernel launch, a graph launch, or a
+ * blocking copy waiting for the stream.
+ * Captured collectives are a collective property in NCCL: every TP rank
+ * records the same decode shapes at the same step (the keys come from the
+ * plan, the graph cache evicts the same way), which keeps it so.
  * The all-reduce result is identical on every rank (NCCL's algorithms
  * reduce each element once and broadcast it), but its summation order is
  * NCCL's, not rank order as in the shm and tcp backends. */
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -46,11 +64,13 @@
 #include "common/util.h"
 #include "worker/comm_impl.h"
 #include "worker/comm_util.h"
+#include "worker/comm_watchdog.h"
 
 #define NCCL_CREATE_DEFAULT_MS 30000
 #define DESTROY_DRAIN_MS       2000
 #define SPIN_NS                200000ull /* busy-poll this long before sleeping */
 #define POLL_SLEEP_NS          20000L
+#define WATCH_POLL_NS          1000000L /* the watchdog thread's period while a step is in flight */
 
 _Static_assert(sizeof(ncclUniqueId) == LOOM_COMM_ID_BYTES, "ncclUniqueId size");
 
@@ -70,6 +90,15 @@ typedef struct nccl_comm {
     cudaEvent_t sent;         /* on comm_stream: the last send is done, d_stage is free */
     uint8_t *d_stage;         /* send_next staging (max_bytes) */
     float *d_one;             /* barrier */
+    /* stream-ordered steps and their watchdog (see the top of the file) */
+    pthread_mutex_t mu; /* guards comms, dead, why, ordered, wd, quit */
+    pthread_cond_t cv;  /* a step was armed, or quit */
+    pthread_t watch;
+    int watch_started, quit;
+    int ordered;             /* inside step_begin .. step_end: allreduce only enqueues */
+    loom_watchdog_t wd;      /* ARMED while a step is in flight */
+    loom_wd_limits_t lim;    /* the steps' budgets */
+    cudaEvent_t step_done;   /* on the compute stream at step_end */
 } nccl_comm_t;
 
 enum { C_TP = 0, C_PREV = 1, C_NEXT = 2 };
@@ -148,6 +177,8 @@ static loom_status_t poll_health(nccl_comm_t *c, const char *what, uint64_t dead
                         ncclGetLastError(c->comms[i]));
     }
     if (loom_comm_expired(deadline)) return fail(c, err, "timed out during %s", what);
+    if (loom_watchdog_check(&c->wd, loom_now_ns(), NULL, NULL) == LOOM_WD_FIRED)
+        return fail(c, err, "%s during %s", c->wd.why, what);
     return LOOM_OK;
 }
 
@@ -203,18 +234,18 @@ static loom_status_t wait_stream(nccl_comm_t *c, const char *what, loom_err_t *e
 
 /* --- operations --------------------------------------------------------------------- */
 
-static loom_status_t nccl_allreduce(loom_comm_t *base, float *buf, int64_t n, loom_err_t *err) {
+static loom_status_t nccl_allreduce_locked(loom_comm_t *base, float *buf, int64_t n, loom_err_t *err) {
     nccl_comm_t *c = nc(base);
     LOOM_CHECK(check_alive(c, err));
     CUDA_CHECK(err, cudaSetDevice(c->dev));
     ncclResult_t r = ncclAllReduce(buf, buf, (size_t)n, ncclFloat32, ncclSum, c->comms[C_TP], c->stream);
     NCCL_CHECK(c, err, r);
     if (r == ncclInProgress) LOOM_CHECK(wait_ready(c, C_TP, "all-reduce", loom_comm_deadline(c->timeout_ms), err));
-    if (capturing(c)) return LOOM_OK;
+    if (c->ordered || capturing(c)) return LOOM_OK; /* step_end waits, the watchdog watches */
     return wait_stream(c, "all-reduce", err);
 }
 
-static loom_status_t nccl_gather(loom_comm_t *base, const void *send, size_t bytes, void *recv, loom_err_t *err) {
+static loom_status_t nccl_gather_locked(loom_comm_t *base, const void *send, size_t bytes, void *recv, loom_err_t *err) {
     nccl_comm_t *c = nc(base);
     LOOM_CHECK(check_alive(c, err));
     if (bytes == 0) return LOOM_OK;
@@ -244,11 +275,7 @@ static loom_status_t nccl_gather(loom_comm_t *base, const void *send, size_t byt
     return LOOM_OK;
 }
 
-static loom_status_t nccl_barrier(loom_comm_t *base, loom_err_t *err) {
-    return nccl_allreduce(base, nc(base)->d_one, 1, err);
-}
-
-static loom_status_t nccl_send_next(loom_comm_t *base, const void *buf, size_t bytes, loom_err_t *err) {
+static loom_status_t nccl_send_next_locked(loom_comm_t *base, const void *buf, size_t bytes, loom_err_t *err) {
     nccl_comm_t *c = nc(base);
     LOOM_CHECK(check_alive(c, err));
     if (!c->comms[C_NEXT])
@@ -267,7 +294,7 @@ static loom_status_t nccl_send_next(loom_comm_t *base, const void *buf, size_t b
     return wait_stream(c, "staging the send to the next stage", err);
 }
 
-static loom_status_t nccl_recv_prev(loom_comm_t *base, void *buf, size_t bytes, loom_err_t *err) {
+static loom_status_t nccl_recv_prev_locked(loom_comm_t *base, void *buf, size_t bytes, loom_err_t *err) {
     nccl_comm_t *c = nc(base);
     LOOM_CHECK(check_alive(c, err));
     if (!c->comms[C_PREV])
@@ -279,12 +306,149 @@ static loom_status_t nccl_recv_prev(loom_comm_t *base, void *buf, size_t bytes, 
     return wait_stream(c, "receive from the previous stage", err);
 }
 
+/* --- stream-ordered steps and the watchdog ---------------------------------------------- */
+
+/* The watchdog's probe: the abort flag and the communicators' asynchronous
+ * errors; with `ev`, also whether the step's work is done. */
+static loom_wd_probe_t probe_device(nccl_comm_t *c, cudaEvent_t ev, char *why, size_t cap) {
+    if (atomic_load(&c->aborted)) {
+        snprintf(why, cap, "aborted");
+        return LOOM_WD_PROBE_FAILED;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (!c->comms[i]) continue;
+        ncclResult_t st = ncclSuccess;
+        ncclResult_t r = ncclCommGetAsyncError(c->comms[i], &st);
+        if (r != ncclSuccess) {
+            snprintf(why, cap, "ncclCommGetAsyncError: %s", ncclGetErrorString(r));
+            return LOOM_WD_PROBE_FAILED;
+        }
+        if (st != ncclSuccess && st != ncclInProgress) {
+            snprintf(why, cap, "the %s failed: %s (%s)", k_comm_names[i], ncclGetErrorString(st),
+                     ncclGetLastError(c->comms[i]));
+            return LOOM_WD_PROBE_FAILED;
+        }
+    }
+    if (!ev) return LOOM_WD_PROBE_RUNNING;
+    cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) return LOOM_WD_PROBE_DONE;
+    if (e == cudaErrorNotReady) return LOOM_WD_PROBE_RUNNING;
+    snprintf(why, cap, "CUDA error while the step ran: %s", cudaGetErrorString(e));
+    return LOOM_WD_PROBE_FAILED;
+}
+
+static loom_wd_probe_t probe_running(void *ctx, char *why, size_t cap) {
+    return probe_device(ctx, NULL, why, cap);
+}
+
+static loom_wd_probe_t probe_step_done(void *ctx, char *why, size_t cap) {
+    nccl_comm_t *c = ctx;
+    return probe_device(c, c->step_done, why, cap);
+}
+
+/* The watchdog thread: sleeps until a step is armed, then polls until the
+ * step ends or the watchdog fires, and on firing aborts the communicators
+ * (under mu: never while the compute thread is inside this file). */
+static void *watch_main(void *arg) {
+    nccl_comm_t *c = arg;
+    if (cudaSetDevice(c->dev) != cudaSuccess) (void)cudaGetLastError();
+    pthread_mutex_lock(&c->mu);
+    while (!c->quit) {
+        if (c->wd.state != LOOM_WD_ARMED || c->dead) {
+            pthread_cond_wait(&c->cv, &c->mu);
+            continue;
+        }
+        if (loom_watchdog_check(&c->wd, loom_now_ns(), probe_running, c) == LOOM_WD_FIRED)
+            (void)fail(c, NULL, "watchdog: %s", c->wd.why);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += WATCH_POLL_NS;
+        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static loom_status_t step_begin_locked(nccl_comm_t *c, int64_t tokens, loom_err_t *err) {
+    LOOM_CHECK(check_alive(c, err));
+    c->ordered = 1;
+    loom_watchdog_arm(&c->wd, loom_now_ns(), loom_watchdog_budget_ms(&c->lim, tokens));
+    pthread_cond_signal(&c->cv);
+    return LOOM_OK;
+}
+
+static loom_status_t step_end_locked(nccl_comm_t *c, loom_err_t *err) {
+    if (!c->ordered) return check_alive(c, err);
+    c->ordered = 0;
+    LOOM_CHECK(check_alive(c, err));
+    CUDA_CHECK(err, cudaSetDevice(c->dev));
+    CUDA_CHECK(err, cudaEventRecord(c->step_done, c->stream));
+    const uint64_t t0 = loom_now_ns();
+    for (;;) {
+        loom_wd_state_t st = loom_watchdog_check(&c->wd, loom_now_ns(), probe_step_done, c);
+        if (st == LOOM_WD_FIRED) return fail(c, err, "watchdog: %s", c->wd.why);
+        if (st == LOOM_WD_IDLE) return LOOM_OK;
+        pause_poll(t0);
+    }
+}
+
+/* --- the locked entry points ------------------------------------------------------------ */
+
+#define LOCKED(c, call)                                                                            \
+    do {                                                                                           \
+        pthread_mutex_lock(&(c)->mu);                                                              \
+        loom_status_t s_ = (call);                                                                 \
+        pthread_mutex_unlock(&(c)->mu);                                                            \
+        return s_;                                                                                 \
+    } while (0)
+
+static loom_status_t nccl_allreduce(loom_comm_t *base, float *buf, int64_t n, loom_err_t *err) {
+    LOCKED(nc(base), nccl_allreduce_locked(base, buf, n, err));
+}
+
+static loom_status_t nccl_gather(loom_comm_t *base, const void *send, size_t bytes, void *recv, loom_err_t *err) {
+    LOCKED(nc(base), nccl_gather_locked(base, send, bytes, recv, err));
+}
+
+static loom_status_t nccl_barrier(loom_comm_t *base, loom_err_t *err) {
+    LOCKED(nc(base), nccl_allreduce_locked(base, nc(base)->d_one, 1, err));
+}
+
+static loom_status_t nccl_send_next(loom_comm_t *base, const void *buf, size_t bytes, loom_err_t *err) {
+    LOCKED(nc(base), nccl_send_next_locked(base, buf, bytes, err));
+}
+
+static loom_status_t nccl_recv_prev(loom_comm_t *base, void *buf, size_t bytes, loom_err_t *err) {
+    LOCKED(nc(base), nccl_recv_prev_locked(base, buf, bytes, err));
+}
+
+static loom_status_t nccl_step_begin(loom_comm_t *base, int64_t tokens, loom_err_t *err) {
+    LOCKED(nc(base), step_begin_locked(nc(base), tokens, err));
+}
+
+static loom_status_t nccl_step_end(loom_comm_t *base, loom_err_t *err) {
+    nccl_comm_t *c = nc(base);
+    pthread_mutex_lock(&c->mu);
+    loom_status_t s = step_end_locked(c, err);
+    loom_watchdog_disarm(&c->wd); /* FIRED stays FIRED */
+    pthread_mutex_unlock(&c->mu);
+    return s;
+}
+
 static void nccl_abort(loom_comm_t *base) {
     atomic_store(&nc(base)->aborted, 1);
 }
 
 static void nccl_destroy(loom_comm_t *base) {
     nccl_comm_t *c = nc(base);
+    if (c->watch_started) {
+        pthread_mutex_lock(&c->mu);
+        c->quit = 1;
+        pthread_cond_signal(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->watch, NULL);
+    }
     if (cudaSetDevice(c->dev) != cudaSuccess) (void)cudaGetLastError();
     if (!c->dead) { /* let finished work drain, briefly; a stuck op is aborted below */
         uint64_t deadline = loom_comm_deadline(DESTROY_DRAIN_MS), t0 = loom_now_ns();
@@ -295,6 +459,7 @@ static void nccl_destroy(loom_comm_t *base) {
     }
     /* Abort rather than finalize: it never waits for peers, which may be gone. */
     abort_comms(c);
+    if (c->step_done) (void)cudaEventDestroy(c->step_done);
     if (c->staged) (void)cudaEventDestroy(c->staged);
     if (c->sent) (void)cudaEventDestroy(c->sent);
     if (c->comm_stream) (void)cudaStreamDestroy(c->comm_stream);
@@ -304,6 +469,8 @@ static void nccl_destroy(loom_comm_t *base) {
     if (c->d_one) (void)cudaFree(c->d_one);
     if (c->own_stream && c->stream) (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
+    pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->mu);
     free(c);
 }
 
@@ -316,6 +483,8 @@ static const loom_comm_ops_t nccl_ops = {
     .send_next = nccl_send_next,
     .recv_prev = nccl_recv_prev,
     .abort = nccl_abort,
+    .step_begin = nccl_step_begin,
+    .step_end = nccl_step_end,
 };
 
 loom_status_t loom_comm_nccl_make_id(uint8_t id[LOOM_COMM_ID_BYTES], size_t *len, loom_err_t *err) {
@@ -362,6 +531,14 @@ loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t *
     nccl_comm_t *c = loom_xcalloc(1, sizeof *c);
     loom_comm_base_init(&c->base, &nccl_ops, cfg);
     atomic_init(&c->aborted, 0);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    loom_watchdog_init(&c->wd);
+    /* a step's base budget: step_base_ms, else the comm's timeout when set */
+    c->lim = (loom_wd_limits_t){.base_ms = cfg->step_base_ms > 0 ? cfg->step_base_ms
+                                           : cfg->timeout_ms > 0 ? cfg->timeout_ms
+                                                                 : LOOM_WD_BASE_MS_DEFAULT,
+                                .us_per_token = LOOM_WD_US_PER_TOKEN_DEFAULT};
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 0;
     c->dev = cfg->cuda_device;
     c->stream = cfg->cuda_stream;
@@ -384,6 +561,7 @@ loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t *
         if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->sent, cudaEventDisableTiming);
         if (e == cudaSuccess) e = cudaMalloc((void **)&c->d_stage, mb);
     }
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->step_done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaMalloc((void **)&c->d_one, sizeof(float));
     if (e == cudaSuccess) e = cudaMemsetAsync(c->d_one, 0, sizeof(float), c->stream);
     if (e != cudaSuccess) {
@@ -393,6 +571,11 @@ loom_status_t loom_comm_nccl_create(const loom_comm_config_t *cfg, loom_comm_t *
         goto fail;
     }
     if ((s = init_comms(c, cfg, err)) < 0) goto fail;
+    if (pthread_create(&c->watch, NULL, watch_main, c) != 0) {
+        s = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "nccl comm: cannot start the watchdog thread");
+        goto fail;
+    }
+    c->watch_started = 1;
     LOOM_INFO("nccl comm up on cuda:%d: tp rank %d/%d%s%s", c->dev, cfg->tp_rank, cfg->tp_size,
               cfg->prev ? ", previous stage" : "", cfg->next ? ", next stage" : "");
     *out = &c->base;

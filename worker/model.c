@@ -405,7 +405,8 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= n)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "logit row %d out of range", b->logit_rows[i]);
 
-    /* Decode steps (one token per sequence) of a shard without TP all-reduces
+    /* Decode steps (one token per sequence) of a shard without TP all-reduces,
+     * or whose all-reduce hook is stream-ordered (opt.allreduce_in_graphs),
      * are recorded once per shape as a graph on backends that have them, and
      * replayed (backend.h). The recorded ops bake in the token count, the
      * logit rows and the block-table stride, so those make the key. To keep
@@ -417,7 +418,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
      * device data uploaded below, before the replay. */
     int decode = n == b->n_seqs;
     int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora &&
-                !(m->spec.tp_size > 1 && m->opt.allreduce) &&
+                !(m->spec.tp_size > 1 && m->opt.allreduce && !m->opt.allreduce_in_graphs) &&
                 /* loom_blk_moe routes on the host between ops, except decode steps on the device */
                 (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
     int N = n; /* tokens after padding */

@@ -39,6 +39,10 @@ typedef struct loom_model_options {
     loom_dtype_t kv_dtype;
     loom_allreduce_fn allreduce;
     void *allreduce_ctx;
+    /* The hook only enqueues its collective on the backend's stream during
+     * a forward pass (the nccl data plane's stream-ordered steps), so decode
+     * steps with TP may be recorded into the backend's graphs too. */
+    int allreduce_in_graphs;
     /* Matmul weights (q/k/v, o, gate/up, down, LM head) quantized on load
      * (quant NONE: the backend's float dtype); linears the checkpoint
      * already stores quantized are used as stored (docs/model-format.md). */

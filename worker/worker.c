@@ -246,6 +246,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
 }
 
 static void unload(worker_t *w) {
+    if (w->be) loom_backend_graph_drop(w->be); /* TP decode graphs hold the comm's collectives */
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_destroy(&w->comm);
     pthread_mutex_unlock(&w->comm_mu);
@@ -278,7 +279,10 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                               .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages};
     loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
                                .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
-                               .allreduce_ctx = w, .decode_buckets = w->decode_buckets, .quant = quant,
+                               .allreduce_ctx = w,
+                               /* nccl steps are stream-ordered (handle_step): TP decode steps record graphs */
+                               .allreduce_in_graphs = a->comm && !strcmp(a->comm->backend, "nccl"),
+                               .decode_buckets = w->decode_buckets, .quant = quant,
                                .kv_dtype = kv_dtype, .expert_parallel = a->expert_parallel,
                                .max_loras = (int)a->max_loras,
                                .max_lora_rank = a->max_lora_rank ? (int)a->max_lora_rank : 16};
@@ -442,6 +446,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     loom_status_t s = loom_comm_create(&cc, &c, &err);
     free(peers);
     if (s < 0) goto fail;
+    loom_backend_graph_drop(w->be); /* recorded against the old comm's communicators */
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_destroy(&w->comm);
     w->comm = c;
@@ -608,7 +613,15 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
                            .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
                            .max_blocks = (int)p->max_blocks, .n_logits = last ? (int)p->n_logit_rows : 0,
                            .logit_rows = p->logit_rows};
-    if ((s = loom_model_forward(w->model, &b, &err)) < 0) goto report;
+    /* stream-ordered on nccl: the all-reduces of the pass are only enqueued
+     * (and may sit in a decode graph); step_end waits for them under the
+     * comm's watchdog, so a dead peer fails the step instead of hanging it */
+    if ((s = loom_comm_step_begin(w->comm, n, &err)) < 0) goto report;
+    s = loom_model_forward(w->model, &b, &err);
+    loom_err_t end_err = {0};
+    loom_status_t end = loom_comm_step_end(w->comm, &end_err);
+    if (s >= 0 && end < 0) s = end, err = end_err;
+    if (s < 0) goto report;
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);

@@ -962,6 +962,13 @@ static int cuda_graph_end(loom_backend_t *be, uint64_t key) {
     return 0;
 }
 
+static void cuda_graph_drop(loom_backend_t *be) {
+    cuda_backend_t *c = cu(be);
+    CUDA_ASSERT(cudaSetDevice(c->dev));
+    CUDA_ASSERT(cudaStreamSynchronize(c->stream));
+    drop_graphs(c);
+}
+
 /* --- lifecycle ------------------------------------------------------------------------------- */
 
 static void cuda_destroy(loom_backend_t *be) {
@@ -1037,6 +1044,7 @@ static const loom_backend_ops_t cuda_ops = {
     .add_bias = cuda_add_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
+    .graph_drop = cuda_graph_drop,
     .act_mul = cuda_act_mul,
     .swiglu_clamp = cuda_swiglu_clamp,
     .softcap = cuda_softcap,

@@ -75,14 +75,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static const loom_toolfmt_t fams[] = {LOOM_TOOLFMT_HERMES,      LOOM_TOOLFMT_LLAMA3_JSON,  LOOM_TOOLFMT_MISTRAL,
                                           LOOM_TOOLFMT_GRANITE,     LOOM_TOOLFMT_DEEPSEEK_V3, LOOM_TOOLFMT_DEEPSEEK_V31,
                                           LOOM_TOOLFMT_PYTHONIC, LOOM_TOOLFMT_LLAMA4_PYTHONIC,
-                                          LOOM_TOOLFMT_QWEN3_CODER};
-    loom_toolfmt_t fam = fams[(data[0] + data[1]) % 9];
+                                          LOOM_TOOLFMT_QWEN3_CODER, LOOM_TOOLFMT_OPENAI};
+    loom_toolfmt_t fam = fams[(data[0] + data[1]) % 10];
     char req[768];
     snprintf(req, sizeof req,
              "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": "
              "{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}, {\"type\": "
              "\"function\", \"function\": {\"name\": \"now\", \"parameters\": {\"type\": \"object\"}}}]%s%s}",
-             fam >= LOOM_TOOLFMT_PYTHONIC ? "" : choices[(data[0] / 3) % 3], /* (pythonic, qwen3_coder: not forced) */
+             fam >= LOOM_TOOLFMT_PYTHONIC && fam <= LOOM_TOOLFMT_QWEN3_CODER ? "" : choices[(data[0] / 3) % 3], /* (pythonic, qwen3_coder: not forced) */
              (data[0] / 9) & 1 ? ", \"parallel_tool_calls\": false" : "");
     cJSON *o = cJSON_Parse(req);
     loom_tools_t t;

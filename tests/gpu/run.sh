@@ -10,7 +10,9 @@
 #      model (greedy ids equal to the CPU's in f32, within bf16 tolerance in
 #      bf16; int8 KV on two of them); the Mixture-of-Experts models (the LoRA
 #      kernels are one of test_cuda_ops's checks, test_lora); the NCCL data
-#      plane (skipped with fewer than 2 GPUs);
+#      plane (one GPU: a step bracket with no peers; two: TP all-reduce,
+#      pipeline, abort, an all-reduce captured in a graph and the step
+#      watchdog against a silent peer);
 #   B. measurements, budget LOOM_RUN_MEASURE_S (240 s): bench_gpu's decode MBU
 #      at batch 1/8/32 and prefill TFLOP/s against cuBLAS on a Llama-3-8B
 #      shape, the quantized GEMVs alone, a 4-bit decode; then the tuning table
@@ -208,7 +210,7 @@ if [ $run_steps = 1 ]; then
         step "e2e-$name" 30 "$bin/test_cuda_e2e" --model "$dir" $eargs --tokens 32
     done
     if [ -x "$bin/test_nccl_comm" ] || [ $gpu = 0 ]; then
-        step nccl 60 "$bin/test_nccl_comm"
+        step nccl 90 "$bin/test_nccl_comm" # 1 GPU: the single-process case; 2: all (graph, watchdog)
     else
         skip_row nccl "built without NCCL"
     fi

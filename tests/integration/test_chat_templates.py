@@ -20,7 +20,11 @@ tokenizer_config.json carries a real model's chat template
   forced with a regex guide so the tiny model writes <think>...</think>);
   with deepseek_r1 (whose template opens <think>) a json_object guide
   leaves the reasoning free: it holds only after </think>; /v1/responses
-  answers with a reasoning item.
+  answers with a reasoning item, streamed too (response.reasoning_text.*
+  events, through the OpenAI Node SDK as well) with its reasoning_tokens;
+  n = 2 splits each choice, streamed and not.
+- GPT-OSS (harmony): the openai tool-call parser detected from the
+  template; forced calls as commentary messages to functions.NAME.
 - Bad input: a template with a syntax error refuses start-up naming
   file:line:col; an endless loop or a huge string is bounded (400);
   chat_template_kwargs not an object (400); raise_exception's message
@@ -37,6 +41,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import MODELS, PYTHON, ROOT, Cluster, check, gen_model, run_tests, wait_for  # noqa: E402
 from test_http import KEY, Coordinator, expect_error, free_port, post  # noqa: E402
+from test_responses import sse  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(MODELS), "chat_templates")
 WORK = tempfile.mkdtemp(prefix="loom-it-chat-")
@@ -294,7 +299,74 @@ def test_reasoning_parser():
         check(status == 200, "/v1/responses: %d %r" % (status, data[:300]))
         out = json.loads(data)["output"]
         check(out and out[0]["type"] == "reasoning" and out[0]["content"][0]["text"], "responses output %r" % out)
+        u = json.loads(data)["usage"]
+        check(u["output_tokens_details"]["reasoning_tokens"] == u["output_tokens"], "reasoning tokens %r" % u)
+        check_responses_stream(port, out[0]["content"][0]["text"], u)
+        check_reasoning_n2(port)
         print("  deepseek_r1: %d of 4 reasoning texts free of the json_object guide" % free)
+
+
+def check_responses_stream(port, reasoning, usage):
+    """A streamed /v1/responses answer of a reasoning model: a reasoning item
+    whose reasoning_text deltas add up to the unstreamed reasoning, then the
+    (empty) message; the same through the OpenAI Node SDK."""
+    body = {"input": "2+2?", "max_output_tokens": 16, "temperature": 0, "stream": True}
+    status, events = sse(port, "/v1/responses", body)
+    check(status == 200, "stream: %d %r" % (status, events))
+    types = [d["type"] for _, d in events]
+    check(types[2:4] == ["response.output_item.added", "response.content_part.added"] and
+          events[2][1]["item"]["type"] == "reasoning" and events[3][1]["part"]["type"] == "reasoning_text",
+          "first events %r" % events[:4])
+    deltas = "".join(d["delta"] for _, d in events if d["type"] == "response.reasoning_text.delta")
+    done = [d for _, d in events if d["type"] == "response.reasoning_text.done"]
+    check(deltas == reasoning and len(done) == 1 and done[0]["text"] == reasoning, "streamed reasoning %r vs %r" % (
+        deltas, reasoning))
+    final = events[-1][1]["response"]
+    check([o["type"] for o in final["output"]] == ["reasoning", "message"] and
+          final["output"][0]["content"][0]["text"] == reasoning and
+          final["usage"]["output_tokens_details"]["reasoning_tokens"] == usage["output_tokens"], "final %r" % final)
+    p = subprocess.run(["node", os.path.join(ROOT, "tests", "integration", "sdk_reasoning.mjs"),
+                        "http://127.0.0.1:%d/v1" % port], capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, "sdk_reasoning.mjs failed (%d): %s %s" % (p.returncode, p.stdout[-800:], p.stderr[-800:]))
+    r = json.loads(p.stdout.strip().split("\n")[-1])
+    check(r["deltas"] == reasoning == r["done"] and r["item"]["content"][0]["text"] == reasoning and
+          r["usage"]["output_tokens_details"]["reasoning_tokens"] == usage["output_tokens"], "SDK %r" % r)
+    print("  /v1/responses streamed: %d reasoning deltas (also through the OpenAI SDK)" %
+          types.count("response.reasoning_text.delta"))
+
+
+def check_reasoning_n2(port):
+    """n = 2: each choice's reasoning split off, streamed and not alike."""
+    body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2}
+    status, data = post(port, "/v1/chat/completions", body, key=None, timeout=120)
+    check(status == 200, "n=2: %d %r" % (status, data[:300]))
+    whole = {c["index"]: c["message"] for c in json.loads(data)["choices"]}
+    check(sorted(whole) == [0, 1] and all(m["reasoning_content"] and not m["content"] for m in whole.values()),
+          "n=2 %r" % whole)
+    status, data = post(port, "/v1/chat/completions", dict(body, stream=True), key=None, timeout=120)
+    check(status == 200, "n=2 streamed: %d" % status)
+    got = {}
+    for line in data.decode().split("\n"):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for ch in json.loads(line[6:]).get("choices", []):
+                g = got.setdefault(ch["index"], {"reasoning_content": "", "content": ""})
+                for k in g:
+                    g[k] += ch.get("delta", {}).get(k) or ""
+    check(all(got[i]["reasoning_content"] == whole[i]["reasoning_content"] and not got[i]["content"] for i in (0, 1)),
+          "n=2 streamed %r vs %r" % (got, whole))
+    print("  n = 2: each choice's reasoning split, streamed and not")
+
+
+def test_harmony():
+    """GPT-OSS's harmony format: the openai tool-call parser detected from the
+    template, forced calls written as commentary messages to functions.NAME
+    and parsed back, with the openai reasoning parser on."""
+    port = free_port()
+    with Cluster(model_with("gpt-oss-120b"), coord_args=["--http", "127.0.0.1:%d" % port, "--reasoning-parser",
+                                                         "openai"]) as c:
+        wait_for(lambda: "tool calls: openai," in c.log("coordinator"), 10, "the openai parser in the log")
+        n = check_forced(port, "openai")
+        print("  openai (harmony): %d forced calls as commentary messages parsed back" % n)
 
 
 def test_bad_input():
@@ -354,6 +426,6 @@ def test_sdks():
 if __name__ == "__main__":
     try:
         run_tests([test_bad_input, test_render_matches_reference, test_forced_calls_in_model_syntax,
-                   test_reasoning_parser, test_sdks])
+                   test_reasoning_parser, test_harmony, test_sdks])
     finally:
         shutil.rmtree(WORK, ignore_errors=True)

@@ -34,6 +34,16 @@ static const case_t k_cases[] = {
      "Done.",
      "Think.", "Done."},
     {"openai", "Hello", NULL, "Hello"},
+    /* a tool call after the analysis: its header stays for the tool-call parser */
+    {"openai",
+     "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather"
+     "<|channel|>commentary <|constrain|>json<|message|>{\"city\": \"Oslo\"}",
+     "Need weather.",
+     "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+     "{\"city\": \"Oslo\"}"},
+    {"openai", "<|channel|>analysis<|message|>Hm.<|end|><|start|>assist", "Hm.", "<|start|>assist"},
+    {"openai", "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>",
+     "Hm.", NULL},
 };
 
 static int same(const char *a, const char *want) {

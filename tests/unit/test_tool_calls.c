@@ -109,7 +109,7 @@ static void test_parse_output(void) {
 
 static void test_names(void) {
     static const char *const names[] = {"hermes", "llama3_json", "mistral", "granite", "deepseek_v3", "deepseek_v31",
-                                        "pythonic", "llama4_pythonic", "qwen3_coder"};
+                                        "pythonic", "llama4_pythonic", "qwen3_coder", "openai"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         loom_toolfmt_t f = loom_toolfmt_from_name(names[i]);
         CHECKF(f != LOOM_TOOLFMT_NONE && !strcmp(loom_toolfmt_name(f), names[i]), "%s", names[i]);
@@ -131,6 +131,8 @@ static void test_names(void) {
           LOOM_TOOLFMT_PYTHONIC);
     CHECK(loom_toolfmt_detect("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + k }}") ==
           LOOM_TOOLFMT_QWEN3_CODER);
+    CHECK(loom_toolfmt_detect("{{- \"<|start|>assistant to=\" }}{{- \"functions.\" + tool_call.name + "
+                              "\"<|channel|>commentary \" }}{{- \"<|call|>\" }}") == LOOM_TOOLFMT_OPENAI);
     CHECK(loom_toolfmt_detect("{{ messages }}") == LOOM_TOOLFMT_NONE && loom_toolfmt_detect(NULL) == LOOM_TOOLFMT_NONE);
     /* the pythonic syntax cannot be forced */
     cJSON *r = req(", \"tool_choice\": \"required\"");
@@ -174,6 +176,10 @@ static void test_forced_grammar(void) {
         {LOOM_TOOLFMT_HERMES, ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
          "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}\n</tool_call>",
          "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>", "get_weather", "{\"city\":\"x\"}"},
+        {LOOM_TOOLFMT_OPENAI, ", \"tool_choice\": \"required\"",
+         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"x\"}",
+         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}", "get_weather",
+         "{\"city\":\"x\"}"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         cJSON *r = req(cases[i].choice);

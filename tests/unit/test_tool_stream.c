@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/util.h"
+#include "common/reasoning.h"
 #include "gateway/tool_parsers.h"
 #include "gateway/tool_stream.h"
 #include "tests/test.h"
@@ -84,6 +85,7 @@ typedef struct {
 #define PYTHONIC LOOM_TOOLFMT_PYTHONIC
 #define LLAMA4 LOOM_TOOLFMT_LLAMA4_PYTHONIC
 #define CODER LOOM_TOOLFMT_QWEN3_CODER
+#define HARMONY LOOM_TOOLFMT_OPENAI
 #define DS_B "<｜tool▁calls▁begin｜>"
 #define DS_E "<｜tool▁calls▁end｜>"
 #define DS_CB "<｜tool▁call▁begin｜>"
@@ -172,6 +174,26 @@ static const case_t k_cases[] = {
      "<tool_call>\n<function=get_weather>\n<parameter=city>\nx\n</parameter>\n</tool_call>", 0, {0}, {0}, 0},
     {CODER, "", "<tool_call>\n<function=rm>\n</function>\n</tool_call>", 1, LOOM_TS_TEXT,
      "<tool_call>\n<function=rm>\n</function>\n</tool_call>", 0, {0}, {0}, 0},
+    /* openai (GPT-OSS harmony): the recipient after the channel or before it */
+    {HARMONY, "", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}"
+     "<|call|>", 1, 1, "", 1, {"get_weather"}, {"{\"city\":\"Oslo\"}"}, 3},
+    {HARMONY, "", "Checking.<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+     "{\"city\": \"a to=functions.b\"}<|call|><|start|>assistant<|channel|>commentary to=functions.now "
+     "<|constrain|>json<|message|>{}", 1, 2, "Checking.", 2, {"get_weather", "now"},
+     {"{\"city\":\"a to=functions.b\"}", "{}"}, 3},
+    {HARMONY, "", " to=functions.now<|channel|>commentary json<|message|>{}<|call|>"
+     "<|start|>assistant<|channel|>final<|message|>Done.", 1, 1, "Done.", 1, {"now"}, {"{}"}, 3},
+    {HARMONY, SINGLE, "<|channel|>commentary to=functions.now json<|message|>{}<|call|>"
+     "<|channel|>commentary to=functions.now json<|message|>{}<|call|>", 1, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.now json<|message|>{}<|call|>"
+     "<|channel|>commentary to=functions.now json<|message|>{}<|call|>", 0, {0}, {0}, 0},
+    {HARMONY, "", "<|channel|>commentary to=functions.rm json<|message|>{}<|call|>", 1, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.rm json<|message|>{}<|call|>", 0, {0}, {0}, 0},
+    {HARMONY, "", "<|channel|>commentary to=functions.now json<|message|>{\"a\": 1", 1, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.now json<|message|>{\"a\": 1", 0, {0}, {0}, 0},
+    {HARMONY, "", "<|channel|>commentary to=functions.now json<|message|>{}", 0, LOOM_TS_TEXT,
+     "<|channel|>commentary to=functions.now json<|message|>{}", 0, {0}, {0}, 0},
+    {HARMONY, "", "Plain <|channel|>comm", 1, LOOM_TS_TEXT, "Plain <|channel|>comm", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_sta", 1, LOOM_TS_TEXT, "<|python_sta", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_start|>now()", 1, LOOM_TS_TEXT, "<|python_start|>now()", 0, {0}, {0}, 0},
     {PYTHONIC, "", "[get_weather('Oslo')]", 1, LOOM_TS_TEXT, "[get_weather('Oslo')]", 0, {0}, {0}, 0},
@@ -349,8 +371,68 @@ static void test_holds_little(void) {
     cJSON_Delete(r);
 }
 
+/* GPT-OSS with both openai parsers: the reasoning splitter's content feeds
+ * the tool-call reader (as the gateway chains them), cut at every byte:
+ * analysis text is reasoning, a call after it a call, a final message
+ * content. */
+static void test_harmony_with_reasoning(void) {
+    static const struct {
+        const char *text, *reasoning, *content;
+        int verdict;
+    } cases[] = {
+        {"<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+         "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>",
+         "Need weather.", "", 1},
+        {"<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+         "Easy.", "It is 4.", LOOM_TS_TEXT},
+    };
+    char buf[1024];
+    snprintf(buf, sizeof buf, k_req, "");
+    cJSON *r = cJSON_Parse(buf);
+    loom_tools_t t;
+    const char *param;
+    char msg[256];
+    REQUIRE(r && loom_tools_parse(r, HARMONY, &t, &param, msg, sizeof msg) == 0);
+    for (size_t ci = 0; ci < LOOM_ARRAY_LEN(cases); ci++) {
+        size_t len = strlen(cases[ci].text);
+        for (size_t k = 0; k <= len; k++) {
+            loom_rsplit_t *rs = loom_rsplit_create(LOOM_REASONING_OPENAI);
+            got_t g = {0};
+            g.order_ok = 1;
+            loom_sbuf_add(&g.content, "", 0);
+            loom_tstream_t *ts = loom_tstream_create(&t, on_event, &g);
+            loom_sbuf_t rb = {0};
+            loom_sbuf_add(&rb, "", 0);
+            size_t cuts[3] = {0, k, len};
+            for (int p = 0; p < 3; p++) {
+                loom_sbuf_t cb = {0};
+                if (p < 2)
+                    loom_rsplit_feed(rs, cases[ci].text + cuts[p], cuts[p + 1] - cuts[p], &rb, &cb);
+                else
+                    loom_rsplit_finish(rs, &rb, &cb);
+                if (cb.len) loom_tstream_feed(ts, cb.p, cb.len);
+                free(cb.p);
+            }
+            int v = loom_tstream_finish(ts, 1);
+            CHECKF(v == cases[ci].verdict && !strcmp(rb.p, cases[ci].reasoning) &&
+                       !strcmp(g.content.p, cases[ci].content) && g.order_ok,
+                   "case %zu split at %zu: verdict %d, reasoning '%s', content '%s'", ci, k, v, rb.p, g.content.p);
+            if (v == 1)
+                CHECKF(!strcmp(g.names[0], "get_weather") && !strcmp(g.args[0].p, "{\"city\":\"Oslo\"}"),
+                       "case %zu split at %zu: call %s(%s)", ci, k, g.names[0], g.args[0].p);
+            free(rb.p);
+            got_free(&g);
+            loom_tstream_destroy(&ts);
+            loom_rsplit_destroy(&rs);
+        }
+    }
+    loom_tools_free(&t);
+    cJSON_Delete(r);
+}
+
 int main(void) {
     RUN(test_cases);
     RUN(test_holds_little);
+    RUN(test_harmony_with_reasoning);
     return test_summary();
 }
