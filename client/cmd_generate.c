@@ -135,7 +135,7 @@ static const char *finish_name(loom_finish_t f) {
 
 int loom_cmd_generate(int argc, char **argv) {
     const char *addr = NULL, *prompt = NULL, *stop = NULL, *api_key = NULL, *model = NULL, *session = NULL;
-    const char *curve_server = NULL, *curve_secret = NULL;
+    const char *curve_server = NULL, *curve_secret = NULL, *lora = NULL;
     int max_tokens = 128, top_k = 40, ignore_eos = 0, priority = 0, timeout_ms = 30000, print_ids = 0;
     int no_spec = 0, no_cache = 0;
     int keep_special = 0, quiet = 0, seed_given = 0;
@@ -166,6 +166,8 @@ int loom_cmd_generate(int argc, char **argv) {
         {"priority", LOOM_OPT_INT, &priority, "N", "scheduling priority, larger runs first (default 0)", -1e6, 1e6, NULL},
         {"keep-special", LOOM_OPT_FLAG, &keep_special, NULL, "keep special tokens (e.g. </s>) in the text", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "NAME", "model to use (default: the served model)", 1, 0, NULL},
+        {"lora", LOOM_OPT_STR, &lora, "NAME",
+         "a LoRA adapter the server serves (its --lora-modules name): the request's model is NAME", 1, 0, NULL},
         {"session", LOOM_OPT_STR, &session, "KEY", "session key: a loom-router with --policy session keeps a session on one replica", 1, 0, NULL},
         {"timeout-ms", LOOM_OPT_INT, &timeout_ms, "N", "give up when the server is silent this long (default 30000)", 1, 1e9, NULL},
         LOOM_CMD_OPT_API_KEY(api_key),
@@ -180,6 +182,11 @@ int loom_cmd_generate(int argc, char **argv) {
                            "stderr. Exit codes: 0 ok, 1 other error, 2 usage, 3 refused by the server,\n"
                            "4 server unavailable, 130 interrupted.");
     if (r) return r < 0 ? EXIT_USAGE : 0;
+    if (lora && model) {
+        fprintf(stderr, "error: --lora NAME is the request's model: give --lora or --model, not both\n");
+        return EXIT_USAGE;
+    }
+    if (lora) model = lora;
     const char *stops[MAX_STOPS];
     int n_stop = collect_repeated(argc, argv, 2, opts, n_opts, "stop", stops, MAX_STOPS);
     if (n_stop < 0) {

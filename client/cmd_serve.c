@@ -44,6 +44,7 @@
 #include "common/keys.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "coordinator/lora_serve.h"
 
 #define MAX_RESTARTS 3          /* worker restarts allowed ... */
 #define RESTART_WINDOW_S 300.0  /* ... within this many seconds */
@@ -570,6 +571,14 @@ int loom_cmd_serve(int argc, char **argv) {
          "other hosts can reach it); by default every run makes a fresh key set",
          1, 0, NULL},
     };
+    /* vLLM's LoRA flags: checked here as the coordinator does, before anything starts */
+    loom_lora_serve_opts_t lora;
+    loom_lora_serve_opts_init(&lora);
+    loom_err_t lora_err = {0};
+    if (loom_lora_serve_take_args(&argc, argv, &lora, &lora_err) != LOOM_OK) {
+        fprintf(stderr, "error: %s\n", lora_err.msg);
+        return 2;
+    }
     int first = 2;
     if (argc > 2 && argv[2][0] != '-') model = argv[first++];
     int r = loom_cli_parse_vllm(argc, argv, first, opts, (int)LOOM_ARRAY_LEN(opts), "loom serve MODEL_DIR [options]",
@@ -580,6 +589,10 @@ int loom_cmd_serve(int argc, char **argv) {
     if (r) return r < 0 ? 2 : 0;
     if (!model) {
         fprintf(stderr, "error: loom serve needs a model directory: loom serve MODEL_DIR (see --help)\n");
+        return 2;
+    }
+    if (loom_lora_serve_startup(&lora, model, &lora_err) != LOOM_OK) {
+        fprintf(stderr, "error: %s\n", lora_err.msg);
         return 2;
     }
     if (spec_config && speculative_config(&f, spec_config) < 0) return 2;

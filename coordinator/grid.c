@@ -258,6 +258,8 @@ static void start_epoch(loom_grid_t *g) {
             a.data_secret.len = sizeof data_secret;
             a.data_encrypt = g->cfg.encrypt_data != 0;
             a.expert_parallel = g->cfg.expert_parallel != 0;
+            a.max_loras = (uint32_t)(g->cfg.max_loras > 0 ? g->cfg.max_loras : 0);
+            a.max_lora_rank = (uint32_t)(g->cfg.max_loras > 0 ? (g->cfg.max_lora_rank > 0 ? g->cfg.max_lora_rank : 16) : 0);
             a.kv_memory = g->cfg.kv_memory;
             a.kv_fraction = g->cfg.kv_fraction / (float)(same > 0 ? same : 1);
             Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;

@@ -123,6 +123,8 @@ typedef struct loom_grid_config {
     void *secure_ctx;
     int encrypt_data; /* tcp data plane: encrypt every frame (Assign.data_encrypt) */
     int expert_parallel; /* MoE layers: TP ranks split the experts (Assign.expert_parallel) */
+    int max_loras;       /* engine adapter slots (Assign.max_loras; 0: LoRA off) */
+    int max_lora_rank;   /* their largest rank (Assign.max_lora_rank) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
 } loom_grid_config_t;

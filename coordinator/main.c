@@ -17,6 +17,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "coordinator/gateway.h"
+#include "coordinator/lora_serve.h"
 #include "coordinator/server.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/quant.h"
@@ -369,6 +370,15 @@ int main(int argc, char **argv) {
          "by default it is plain text",
          1, 0, NULL},
     };
+    loom_lora_serve_opts_t lora;
+    loom_lora_serve_opts_init(&lora);
+    {
+        loom_err_t e = {0};
+        if (loom_lora_serve_take_args(&argc, argv, &lora, &e) != LOOM_OK) {
+            fprintf(stderr, "error: %s\n", e.msg);
+            return 2;
+        }
+    }
     int r = loom_cli_parse_vllm(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
                            "The Loom coordinator: waits for tp x pp workers to register, plans the grid (layer ranges\n"
                            "per stage, heads per rank), assigns shards, and serves the client API with continuous\n"
@@ -381,6 +391,13 @@ int main(int argc, char **argv) {
     if (!c.model_dir) {
         fprintf(stderr, "error: --model is required (see --help)\n");
         return 2;
+    }
+    {
+        loom_err_t e = {0};
+        if (loom_lora_serve_startup(&lora, c.model_dir, &e) != LOOM_OK) {
+            fprintf(stderr, "error: %s\n", e.msg);
+            return 2;
+        }
     }
     if (pooling && strcmp(pooling, "last") && strcmp(pooling, "mean")) {
         fprintf(stderr, "error: --embedding-pooling must be last or mean, got '%s'\n", pooling);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/util.h"
 
@@ -83,6 +84,9 @@ struct loom_metrics {
     loom_metrics_state_t st;
     stage_t *stages;
     int n_stages;
+    loom_metrics_lora_t lora;               /* .adapters points at lora_adapters */
+    loom_metrics_lora_adapter_t *lora_adapters; /* owned; lora_cap entries */
+    int lora_cap;
 };
 
 static void hist_init(hist_t *h, const char *name, const char *vllm0, const char *vllm1,
@@ -198,6 +202,7 @@ void loom_metrics_destroy(loom_metrics_t **m_p) {
     *m_p = NULL;
     pthread_mutex_destroy(&m->mu);
     free(m->stages);
+    free(m->lora_adapters);
     free(m);
 }
 
@@ -253,6 +258,20 @@ void loom_metrics_observe_iteration(loom_metrics_t *m, int n_tokens) {
 void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st) {
     pthread_mutex_lock(&m->mu);
     m->st = *st;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void loom_metrics_set_lora(loom_metrics_t *m, const loom_metrics_lora_t *l) {
+    int n = l->n_adapters > 0 && l->adapters ? l->n_adapters : 0;
+    pthread_mutex_lock(&m->mu);
+    if (n > m->lora_cap) {
+        m->lora_adapters = loom_xrealloc(m->lora_adapters, (size_t)n * sizeof *m->lora_adapters);
+        m->lora_cap = n;
+    }
+    if (n) memcpy(m->lora_adapters, l->adapters, (size_t)n * sizeof *m->lora_adapters);
+    m->lora = *l;
+    m->lora.n_adapters = n;
+    m->lora.adapters = m->lora_adapters;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -333,6 +352,74 @@ static void render_spec(loom_sbuf_t *o, const loom_metrics_t *m, const loom_metr
     }
 }
 
+/* A Prometheus label value: backslash, quote and newline escaped. */
+static void label_value(loom_sbuf_t *o, const char *v) {
+    for (const char *p = v; *p; p++) {
+        if (*p == '\\' || *p == '"') loom_sbuf_printf(o, "\\%c", *p);
+        else if (*p == '\n') loom_sbuf_printf(o, "\\n");
+        else loom_sbuf_printf(o, "%c", *p);
+    }
+}
+
+/* The adapters' comma-separated names with running (WAITING = 0) or
+ * waiting (1) sequences, in registration order, as vLLM's label values. */
+static void lora_names(loom_sbuf_t *o, const loom_metrics_lora_t *l, int waiting) {
+    int first = 1;
+    for (int i = 0; i < l->n_adapters; i++) {
+        const loom_metrics_lora_adapter_t *a = &l->adapters[i];
+        if ((waiting ? a->waiting : a->running) <= 0) continue;
+        if (!first) loom_sbuf_printf(o, ",");
+        label_value(o, a->name);
+        first = 0;
+    }
+}
+
+/* LoRA adapters: loom_lora_* and vLLM's vllm:lora_requests_info (whose value
+ * is, as vLLM sets it, the time of the last update in Unix seconds). */
+static void render_lora(loom_sbuf_t *o, const loom_metrics_t *m, const loom_metrics_lora_t *l) {
+    gauge(o, m->lbl, "loom_lora_max_adapters", "Engine adapter slots (--max-loras).", l->max_loras);
+    gauge(o, m->lbl, "loom_lora_resident_adapters", "Adapters loaded in an engine slot.", l->resident);
+    gauge(o, m->lbl, "loom_lora_loading_adapters", "Adapter loads under way.", l->loading);
+    gauge(o, m->lbl, "loom_lora_registered_adapters", "Adapters served by name.", l->n_adapters);
+    counter(o, m->lbl, "loom_lora_loads_total", "Adapter loads into an engine slot completed.", l->loads);
+    counter(o, m->lbl, "loom_lora_evictions_total",
+            "Adapters evicted from an engine slot (least recently used, unpinned).", l->evictions);
+    counter(o, m->lbl, "loom_lora_load_failures_total", "Adapter loads that failed on a worker.",
+            l->load_failures);
+    family(o, "loom_lora_load_seconds_total", "counter",
+           "Seconds from adapter load orders to their completion on every worker.");
+    loom_sbuf_printf(o, "loom_lora_load_seconds_total{%s} %.9g\n", m->lbl, l->load_seconds);
+    static const struct {
+        const char *name, *help;
+        int what; /* 0 requests, 1 running, 2 waiting */
+    } per[] = {
+        {"loom_lora_requests_total", "Sequences admitted with each adapter.", 0},
+        {"loom_lora_requests_running", "Sequences running with each adapter.", 1},
+        {"loom_lora_requests_waiting", "Sequences waiting for each adapter.", 2},
+    };
+    for (size_t k = 0; k < LOOM_ARRAY_LEN(per); k++) {
+        family(o, per[k].name, per[k].what ? "gauge" : "counter", per[k].help);
+        for (int i = 0; i < l->n_adapters; i++) {
+            const loom_metrics_lora_adapter_t *a = &l->adapters[i];
+            loom_sbuf_printf(o, "%s{%s,lora_name=\"", per[k].name, m->lbl);
+            label_value(o, a->name);
+            if (per[k].what == 0)
+                loom_sbuf_printf(o, "\"} %llu\n", (unsigned long long)a->requests);
+            else
+                loom_sbuf_printf(o, "\"} %d\n", per[k].what == 1 ? a->running : a->waiting);
+        }
+    }
+    family(o, "vllm:lora_requests_info", "gauge", "Running stats on lora requests.");
+    loom_sbuf_printf(o, "vllm:lora_requests_info{max_lora=\"%d\",running_lora_adapters=\"",
+                     l->max_loras);
+    lora_names(o, l, 0);
+    loom_sbuf_printf(o, "\",waiting_lora_adapters=\"");
+    lora_names(o, l, 1);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    loom_sbuf_printf(o, "\"} %.9g\n", (double)now.tv_sec + (double)now.tv_nsec * 1e-9);
+}
+
 char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     loom_sbuf_t o = {0};
     pthread_mutex_lock(&m->mu);
@@ -403,6 +490,7 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     counter(&o, m->lbl, "loom_requests_rejected_total", "Requests refused before scheduling.",
             st->requests_rejected);
     if (st->spec_k > 0) render_spec(&o, m, st);
+    if (m->lora.max_loras > 0) render_lora(&o, m, &m->lora);
     static const char *const reasons[LOOM_FINISHED_COUNT] = {"stop", "length", "abort", "error"};
     for (int v = 0; v < 2; v++) {
         const char *name = v ? "vllm:request_success_total" : "loom_request_success_total";

@@ -70,6 +70,28 @@ void loom_metrics_set_state(loom_metrics_t *m, const loom_metrics_state_t *st);
 void loom_metrics_set_stage(loom_metrics_t *m, int stage, double busy_s, double comm_s,
                             uint64_t steps);
 
+/* LoRA adapters (rendered only when max_loras > 0, i.e. --enable-lora):
+ * the engine slots and the registry's counters (coordinator/lora_slots.h)
+ * and, per served adapter, its requests. */
+typedef struct loom_metrics_lora_adapter {
+    char name[128];
+    uint64_t requests; /* admitted sequences, ever */
+    int running;       /* sequences running with it now */
+    int waiting;       /* sequences waiting for it (its load, or a slot) */
+} loom_metrics_lora_adapter_t;
+
+typedef struct loom_metrics_lora {
+    int max_loras;       /* engine slots; 0: LoRA off, nothing rendered */
+    int resident;        /* slots holding a loaded adapter */
+    int loading;         /* slots whose load is under way */
+    uint64_t loads, evictions, load_failures;
+    double load_seconds; /* summed time from a load order to its completion */
+    int n_adapters;
+    const loom_metrics_lora_adapter_t *adapters; /* copied by loom_metrics_set_lora */
+} loom_metrics_lora_t;
+/* The adapters' state, copied in by the reactor (like loom_metrics_set_state). */
+void loom_metrics_set_lora(loom_metrics_t *m, const loom_metrics_lora_t *l);
+
 /* The Prometheus text exposition (version 0.0.4); malloc'ed, *len bytes. */
 char *loom_metrics_render(loom_metrics_t *m, size_t *len);
 

@@ -1565,7 +1565,8 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .etcd_url = c->etcd_url, .cluster = c->cluster, .advertise_host = c->advertise_host,
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
-                             .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel};
+                             .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
+                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);

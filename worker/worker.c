@@ -240,6 +240,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            !strcmp(a->weight_dtype, b->weight_dtype) &&
            !strcmp(a->quantization, b->quantization) &&
            !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) && a->expert_parallel == b->expert_parallel &&
+           a->max_loras == b->max_loras && a->max_lora_rank == b->max_lora_rank &&
            a->max_tokens == b->max_tokens &&
            a->max_seqs == b->max_seqs;
 }
@@ -282,7 +283,9 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                                /* nccl steps are stream-ordered (handle_step): TP decode steps record graphs */
                                .allreduce_in_graphs = a->comm && !strcmp(a->comm->backend, "nccl"),
                                .decode_buckets = w->decode_buckets, .quant = quant,
-                               .kv_dtype = kv_dtype, .expert_parallel = a->expert_parallel};
+                               .kv_dtype = kv_dtype, .expert_parallel = a->expert_parallel,
+                               .max_loras = (int)a->max_loras,
+                               .max_lora_rank = a->max_lora_rank ? (int)a->max_lora_rank : 16};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     w->max_tokens = (int)a->max_tokens;
     w->max_seqs = (int)a->max_seqs;
