@@ -585,7 +585,11 @@ int loom_cmd_serve(int argc, char **argv) {
                                 "Serves a model with the OpenAI-compatible HTTP API: starts a coordinator and tp x pp\n"
                                 "workers on this machine, supervises them (a worker that dies is restarted; the\n"
                                 "coordinator dying stops everything) and stops them all on SIGTERM/SIGINT. Takes\n"
-                                "vLLM's flag names; see docs/operations.md for the table.");
+                                "vLLM's flag names; see docs/operations.md for the table.\n\n"
+                                "LoRA (docs/lora.md): --enable-lora, --lora-modules NAME=PATH|JSON..., --max-loras N\n"
+                                "(default 1), --max-lora-rank N (default 16), --max-cpu-loras N,\n"
+                                "--allow-runtime-lora-updating. Every adapter is checked against the model at\n"
+                                "start-up; serving adapters is not wired yet, so --enable-lora then stops start-up.");
     if (r) return r < 0 ? 2 : 0;
     if (!model) {
         fprintf(stderr, "error: loom serve needs a model directory: loom serve MODEL_DIR (see --help)\n");

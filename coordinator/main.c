@@ -382,7 +382,11 @@ int main(int argc, char **argv) {
     int r = loom_cli_parse_vllm(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "loom-coordinator --model DIR --tp N --pp M [options]",
                            "The Loom coordinator: waits for tp x pp workers to register, plans the grid (layer ranges\n"
                            "per stage, heads per rank), assigns shards, and serves the client API with continuous\n"
-                           "batching over a paged KV cache.");
+                           "batching over a paged KV cache.\n\n"
+                           "LoRA, vLLM's flags (docs/lora.md): --enable-lora, --lora-modules NAME=PATH|JSON...,\n"
+                           "--max-loras N (default 1), --max-lora-rank N (default 16), --max-cpu-loras N,\n"
+                           "--allow-runtime-lora-updating. Every adapter is checked against the model at start-up;\n"
+                           "serving adapters over the grid is not wired yet, so --enable-lora then stops start-up.");
     if (r) return r < 0 ? 2 : 0;
     if (log_format && loom_log_set_format_name(log_format) < 0) {
         fprintf(stderr, "error: --log-format must be text or json, got '%s'\n", log_format);
