@@ -65,7 +65,7 @@ int loom_cmd_run(int argc, char **argv) {
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines and no timing on stderr", 1, 0, NULL},
         {"lora", LOOM_OPT_STR, &lora, "DIR", "apply a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) to every token", 1, 0, NULL},
         {"max-lora-rank", LOOM_OPT_INT, &max_lora_rank, "R", "largest adapter rank accepted: " LOOM_LORA_RANKS " (default 16)", 1, 512, NULL},
-        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup) or draft (--speculative-model / --speculative-quantization); same output either way", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup), draft (--speculative-model / --speculative-quantization) or mtp (a DeepSeek checkpoint's MTP module); same output either way", 1, 0, NULL},
         {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per target step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
         {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
         {"ngram-max", LOOM_OPT_INT, &ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 64, NULL},
@@ -98,7 +98,7 @@ int loom_cmd_run(int argc, char **argv) {
     loom_spec_config_t spec;
     loom_spec_config_defaults(&spec);
     if (!loom_spec_method_parse(spec_method, &spec.method)) {
-        fprintf(stderr, "error: --speculative-method must be none, ngram or draft, got '%s'\n", spec_method);
+        fprintf(stderr, "error: --speculative-method must be none, ngram, draft or mtp, got '%s'\n", spec_method);
         return 2;
     }
     loom_quant_spec_t draft_quant = {0};
