@@ -8,7 +8,11 @@
  * Every scheme is loaded first and the runs interleave round by round, a
  * triad after each round, so ratios compare schemes under the same load.
  *
- *   bench_decode --model DIR [--threads 2] [--prompt 256] [--tokens 64] [--dtype f32]
+ * --model takes a comma-separated list: every model with every scheme, in the
+ * same interleaved rounds (ratios against the first model's first scheme),
+ * e.g. a DeepSeek-shaped model against a Llama of the same bytes per token.
+ *
+ *   bench_decode --model DIR[,DIR...] [--threads 2] [--prompt 256] [--tokens 64] [--dtype f32]
  *                [--quantization none,int8,q4] [--reps 5] */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,10 +25,11 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "worker/local.h"
 
-enum { MAX_SCHEMES = 8, MAX_REPS = 100 };
+enum { MAX_SCHEMES = 8, MAX_MODELS = 4, MAX_REPS = 100 };
 
 typedef struct result {
     char scheme[24];
+    const char *model;
     loom_local_t *l;
     double wbytes;                  /* bytes a decoded token reads */
     double prefill[MAX_REPS], decode[MAX_REPS]; /* tok/s per round */
@@ -60,6 +65,7 @@ static int open_scheme(const char *model, const char *scheme, const loom_quant_s
     double norms = (2.0 * c->n_layers + 1) * c->dim * 4.0;
     res->wbytes = (double)loom_model_active_bytes(loom_local_model(res->l)) + norms;
     snprintf(res->scheme, sizeof res->scheme, "%.23s", scheme);
+    res->model = model;
     return 0;
 }
 
@@ -68,7 +74,12 @@ static int run_once(result_t *res, const int32_t *prompt, int n_prompt, int n_ge
     loom_err_t err = {0};
     loom_sampling_t greedy = {.temperature = 0};
     loom_gen_stats_t st;
-    if (loom_local_generate(res->l, prompt, n_prompt, n_gen, &greedy, 1, NULL, NULL, NULL, &st, &err) < 0) {
+    const int vocab = loom_local_config(res->l)->vocab_size; /* the prompt's ids fit every model */
+    int32_t *ids = loom_xmalloc((size_t)n_prompt * sizeof *ids);
+    for (int i = 0; i < n_prompt; i++) ids[i] = prompt[i] % vocab;
+    int bad = loom_local_generate(res->l, ids, n_prompt, n_gen, &greedy, 1, NULL, NULL, NULL, &st, &err) < 0;
+    free(ids);
+    if (bad) {
         fprintf(stderr, "bench_decode: %s: %s\n", res->scheme, err.msg);
         return 1;
     }
@@ -126,14 +137,31 @@ int main(int argc, char **argv) {
     /* Every scheme is loaded first and the runs are interleaved round by
      * round, with a triad after each round, so the machine's load drifts
      * over all schemes alike; best and median are reported. */
-    static result_t res[MAX_SCHEMES];
+    static result_t res[MAX_SCHEMES * MAX_MODELS];
+    static char models[MAX_MODELS][1024];
+    int n_models = 0;
+    for (const char *p = model; *p;) {
+        size_t len = strcspn(p, ",");
+        if (n_models == MAX_MODELS || len == 0 || len >= sizeof models[0]) {
+            fprintf(stderr, "bench_decode: bad --model list '%s' (at most %d)\n", model, MAX_MODELS);
+            return 2;
+        }
+        memcpy(models[n_models], p, len);
+        models[n_models++][len] = 0;
+        p += len + (p[len] == ',');
+    }
     double triad[MAX_REPS];
-    int rc = 1;
-    for (int i = 0; i < n; i++)
-        if (open_scheme(model, names[i], &specs[i], wdt, kv_cache_dtype, threads, n_prompt, n_gen, &res[i])) goto out;
+    int rc = 1, n_schemes = n;
+    n = 0;
+    for (int mi = 0; mi < n_models; mi++)
+        for (int i = 0; i < n_schemes; i++, n++)
+            if (open_scheme(models[mi], names[i], &specs[i], wdt, kv_cache_dtype, threads, n_prompt, n_gen, &res[n]))
+                goto out;
     const loom_model_config_t *c = loom_local_config(res[0].l);
+    int vmax = c->vocab_size;
+    for (int i = 1; i < n; i++) vmax = LOOM_MIN(vmax, loom_local_config(res[i].l)->vocab_size);
     int32_t *prompt = loom_xmalloc((size_t)n_prompt * sizeof *prompt);
-    for (int i = 0; i < n_prompt; i++) prompt[i] = 3 + (int32_t)((i * 7919u) % (unsigned)(c->vocab_size - 3));
+    for (int i = 0; i < n_prompt; i++) prompt[i] = 3 + (int32_t)((i * 7919u) % (unsigned)(vmax - 3));
     for (int i = 0; i < n; i++) /* warm-up: first touch of weights, caches, scratch */
         if (run_once(&res[i], prompt, n_prompt, n_gen, 0)) goto out_prompt;
     for (int rep = 0; rep < reps; rep++) {
@@ -141,25 +169,30 @@ int main(int argc, char **argv) {
             if (run_once(&res[i], prompt, n_prompt, n_gen, rep)) goto out_prompt;
         triad[rep] = loom_bench_triad_gbs(threads);
     }
-    /* matmul parameters a token uses: two FLOPs each per token (a Mixture of
-     * Experts layer: its router and n_experts_per_tok experts) */
-    double qkv = (double)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim * c->dim;
-    double o = (double)c->n_heads * c->head_dim * c->dim, mlp = 3.0 * c->dim * c->hidden_dim;
-    double moe = 3.0 * c->dim * c->moe_hidden_dim * c->n_experts_per_tok + (double)c->n_experts * c->dim;
-    double params = (double)c->vocab_size * c->dim;
-    for (int l = 0; l < c->n_layers; l++) params += qkv + o + (loom_model_config_layer_moe(c, l) ? moe : mlp);
     double tr_best, tr_med;
     best_median(triad, reps, &tr_best, &tr_med);
-    printf("model: %s (%.1fM matmul parameters, dim %d, %d layers, %d/%d heads, vocab %d), %s, %d threads\n"
-           "%d interleaved rounds; triad best %.2f GB/s, median %.2f GB/s; ratios and MBU: best vs best "
-           "(median vs median)\n",
-           model, params / 1e6, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->vocab_size, dtype, threads, reps,
-           tr_best, tr_med);
+    for (int mi = 0; mi < n_models; mi++) {
+        c = loom_local_config(res[mi * n_schemes].l);
+        printf("model %d: %s (dim %d, %d layers, %d/%d heads, vocab %d%s)\n", mi, models[mi], c->dim, c->n_layers,
+               c->n_heads, c->n_kv_heads, c->vocab_size, c->deepseek ? "; heads: MLA's absorbed heads over the latent" : "");
+    }
+    printf("%s, %d threads, %d interleaved rounds; triad best %.2f GB/s, median %.2f GB/s; ratios and MBU: best vs "
+           "best (median vs median)\n",
+           dtype, threads, reps, tr_best, tr_med);
     FILE *jf = json ? fopen(json, "w") : NULL;
     if (jf) fprintf(jf, "[");
     double pre0[2] = {0}, dec0[2] = {0};
     for (int i = 0; i < n; i++) {
         result_t *x = &res[i];
+        c = loom_local_config(x->l);
+        /* matmul parameters a token uses: two FLOPs each per token (a Mixture of
+         * Experts layer: its router and n_experts_per_tok experts); for MLA an
+         * approximation (the absorbed heads' shapes) */
+        double qkv = (double)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim * c->dim;
+        double o = (double)c->n_heads * c->head_dim * c->dim, mlp = 3.0 * c->dim * c->hidden_dim;
+        double moe = 3.0 * c->dim * c->moe_hidden_dim * c->n_experts_per_tok + (double)c->n_experts * c->dim;
+        double params = (double)c->vocab_size * c->dim;
+        for (int l = 0; l < c->n_layers; l++) params += qkv + o + (loom_model_config_layer_moe(c, l) ? moe : mlp);
         double pre, pre_med, dec, dec_med;
         best_median(x->prefill, reps, &pre, &pre_med);
         best_median(x->decode, reps, &dec, &dec_med);
@@ -170,14 +203,16 @@ int main(int argc, char **argv) {
         double gbs = x->wbytes * dec / 1e9, gbs_med = x->wbytes * dec_med / 1e9;
         /* K and V read per decode token: every layer's cached positions, on
          * average n_prompt + (n_gen + 1) / 2 of them */
-        double kvbytes = 2.0 * c->n_layers * c->n_kv_heads * (double)loom_kv_head_bytes(loom_local_kv_dtype(x->l), c->head_dim) *
-                         (n_prompt + (n_gen + 1) / 2.0);
+        loom_model_t *xm = loom_local_model(x->l);
+        double kv_tok = (double)loom_model_kv_block_bytes(xm, loom_model_kv_block_size(xm)) /
+                        loom_model_kv_block_size(xm); /* the layout's own bytes: MLA's latent row is K and V */
+        double kvbytes = kv_tok * (n_prompt + (n_gen + 1) / 2.0);
         double mbu_kv = (x->wbytes + kvbytes) * dec / 1e9 / tr_best;
-        printf("%-10s prefill %7.1f (%7.1f) tok/s %6.1f GFLOP/s %.2fx (%.2fx)  decode %7.2f (%7.2f) tok/s "
-               "%.2fx (%.2fx)  %6.1f MB/token %6.2f GB/s  MBU %.2f (%.2f)  +KV %.1f MB: %.2f\n",
-               x->scheme, pre, pre_med, pre * 2.0 * params / 1e9, pre / pre0[0], pre_med / pre0[1], dec, dec_med,
+        printf("%d %-8s prefill %7.1f (%7.1f) tok/s %6.1f GFLOP/s %.2fx (%.2fx)  decode %7.2f (%7.2f) tok/s "
+               "%.2fx (%.2fx)  %6.1f MB/token %6.2f GB/s  MBU %.2f (%.2f)  KV %.0f B/token, +KV %.1f MB: %.2f\n",
+               i / n_schemes, x->scheme, pre, pre_med, pre * 2.0 * params / 1e9, pre / pre0[0], pre_med / pre0[1], dec, dec_med,
                dec / dec0[0], dec_med / dec0[1], x->wbytes / 1e6, gbs, gbs / tr_best, gbs_med / tr_med,
-               kvbytes / 1e6, mbu_kv);
+               kv_tok, kvbytes / 1e6, mbu_kv);
         if (jf)
             fprintf(jf,
                     "%s{\"model\":\"%s\",\"dtype\":\"%s\",\"quantization\":\"%s\",\"threads\":%d,\"rounds\":%d,"
@@ -186,7 +221,7 @@ int main(int argc, char **argv) {
                     "\"triad_gbs\":%.3f,\"triad_gbs_median\":%.3f,\"mbu\":%.4f,\"mbu_median\":%.4f,"
                     "\"prefill_ratio\":%.4f,\"prefill_ratio_median\":%.4f,\"decode_ratio\":%.4f,"
                     "\"decode_ratio_median\":%.4f,\"kv_bytes_per_token\":%.0f,\"mbu_with_kv\":%.4f}",
-                    i ? "," : "", model, dtype, x->scheme, threads, reps, pre, pre_med, dec, dec_med, x->wbytes, gbs,
+                    i ? "," : "", x->model, dtype, x->scheme, threads, reps, pre, pre_med, dec, dec_med, x->wbytes, gbs,
                     tr_best, tr_med, gbs / tr_best, gbs_med / tr_med, pre / pre0[0], pre_med / pre0[1],
                     dec / dec0[0], dec_med / dec0[1], kvbytes, mbu_kv);
     }

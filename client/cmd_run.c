@@ -4,6 +4,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <cjson/cJSON.h>
+
 #include "client/commands.h"
 #include "common/cli.h"
 #include "common/log.h"
@@ -33,6 +35,78 @@ static int on_token(void *ctx, int32_t id) {
     return 0;
 }
 
+/* vLLM's --speculative-config JSON on loom run: method (ngram, draft_model
+ * or draft, deepseek_mtp or mtp; a "model" alone means draft_model), model,
+ * quantization, num_speculative_tokens, prompt_lookup_min/max; any other key
+ * is refused by name. */
+typedef struct run_spec {
+    const char **method, **model, **quant;
+    int *k, *ngram_min, *ngram_max;
+    char model_buf[4096], quant_buf[64]; /* where *model and *quant point when given */
+} run_spec_t;
+
+static int run_speculative_config_apply(cJSON *j, run_spec_t *o);
+
+static int run_speculative_config(const char *json, run_spec_t *o) {
+    cJSON *j = cJSON_Parse(json);
+    int r = run_speculative_config_apply(j, o);
+    cJSON_Delete(j);
+    return r;
+}
+
+static int run_speculative_config_apply(cJSON *j, run_spec_t *o) {
+    if (!cJSON_IsObject(j)) {
+        fprintf(stderr, "error: --speculative-config must be a JSON object, like "
+                        "'{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 1}'\n");
+        return -1;
+    }
+    const char *method = NULL;
+    for (cJSON *it = j->child; it; it = it->next) {
+        int *num = !strcmp(it->string, "num_speculative_tokens") ? o->k
+                   : !strcmp(it->string, "prompt_lookup_min")    ? o->ngram_min
+                   : !strcmp(it->string, "prompt_lookup_max")    ? o->ngram_max
+                                                                 : NULL;
+        int is_method = !strcmp(it->string, "method"), is_model = !strcmp(it->string, "model");
+        int is_quant = !strcmp(it->string, "quantization");
+        if (num) {
+            if (!cJSON_IsNumber(it) || it->valuedouble != (double)(int)it->valuedouble) {
+                fprintf(stderr, "error: --speculative-config: %s must be an integer\n", it->string);
+                return -1;
+            }
+            *num = (int)it->valuedouble;
+        } else if (is_method || is_model || is_quant) {
+            if (!cJSON_IsString(it)) {
+                fprintf(stderr, "error: --speculative-config: %s must be a string\n", it->string);
+                return -1;
+            }
+            if (is_method) method = it->valuestring;
+            char *buf = is_model ? o->model_buf : o->quant_buf;
+            size_t cap = is_model ? sizeof o->model_buf : sizeof o->quant_buf;
+            if (!is_method && snprintf(buf, cap, "%s", it->valuestring) >= (int)cap) {
+                fprintf(stderr, "error: --speculative-config: %s is too long\n", it->string);
+                return -1;
+            }
+            if (is_model) *o->model = buf;
+            if (is_quant) *o->quant = buf;
+        } else {
+            fprintf(stderr, "error: --speculative-config: '%s' is not supported (loom run takes method, model, "
+                            "quantization, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)\n",
+                    it->string);
+            return -1;
+        }
+    }
+    if (!method) method = *o->model ? "draft_model" : "";
+    if (!strcmp(method, "ngram")) *o->method = "ngram";
+    else if (!strcmp(method, "draft_model") || !strcmp(method, "draft")) *o->method = "draft";
+    else if (!strcmp(method, "deepseek_mtp") || !strcmp(method, "mtp")) *o->method = "mtp";
+    else {
+        fprintf(stderr, "error: --speculative-config: method '%s' is not supported (ngram, draft_model, "
+                        "deepseek_mtp)\n", method);
+        return -1;
+    }
+    return 0;
+}
+
 int loom_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *device = "cpu", *dtype = "f32", *quantization = "none";
     const char *kv_cache_dtype = "auto";
@@ -42,7 +116,7 @@ int loom_cmd_run(int argc, char **argv) {
     int seed_given = 0;
     const char *spec_method = "none";
     int spec_k = 4, ngram_min = 1, ngram_max = 4, spec_fixed = 0;
-    const char *spec_model = NULL, *spec_quant = NULL;
+    const char *spec_model = NULL, *spec_quant = NULL, *spec_config = NULL;
     const char *lora = NULL;
     int max_lora_rank = 16;
     loom_opt_t opts[] = {
@@ -65,13 +139,14 @@ int loom_cmd_run(int argc, char **argv) {
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines and no timing on stderr", 1, 0, NULL},
         {"lora", LOOM_OPT_STR, &lora, "DIR", "apply a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) to every token", 1, 0, NULL},
         {"max-lora-rank", LOOM_OPT_INT, &max_lora_rank, "R", "largest adapter rank accepted: " LOOM_LORA_RANKS " (default 16)", 1, 512, NULL},
-        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup) or draft (--speculative-model / --speculative-quantization); same output either way", 1, 0, NULL},
+        {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup), draft (--speculative-model / --speculative-quantization) or mtp (a DeepSeek checkpoint's MTP module); same output either way", 1, 0, NULL},
         {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per target step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
         {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
         {"ngram-max", LOOM_OPT_INT, &ngram_max, "N", "longest suffix the ngram drafter looks up (default 4)", 1, 64, NULL},
         {"speculative-model", LOOM_OPT_STR, &spec_model, "DIR", "method draft: a smaller model with the same vocabulary (default: the target itself)", 1, 0, NULL},
         {"speculative-quantization", LOOM_OPT_STR, &spec_quant, "SCHEME", "method draft: quantize the draft on load (int8, q4, ...): with no --speculative-model, a quantized self-draft", 1, 0, NULL},
         {"speculative-fixed-k", LOOM_OPT_FLAG, &spec_fixed, NULL, "always draft K tokens (no adaptation; for measurements)", 1, 0, NULL},
+        {"speculative-config", LOOM_OPT_STR, &spec_config, "JSON", "vLLM's form, e.g. '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 1}' (instead of the flags above)", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 2, opts, (int)LOOM_ARRAY_LEN(opts),
                            "loom run --model DIR --prompt TEXT [options]",
@@ -95,10 +170,20 @@ int loom_cmd_run(int argc, char **argv) {
         fprintf(stderr, "error: --quantization must be none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:64 or q4_min:128, got '%s'\n", quantization);
         return 2;
     }
+    run_spec_t rs = {0}; /* --speculative-config's strings live here until the model is open */
+    if (spec_config) {
+        if (strcmp(spec_method, "none") || spec_model || spec_quant) {
+            fprintf(stderr, "error: give --speculative-config or the --speculative-* flags, not both\n");
+            return 2;
+        }
+        rs = (run_spec_t){.method = &spec_method, .model = &spec_model, .quant = &spec_quant, .k = &spec_k,
+                          .ngram_min = &ngram_min, .ngram_max = &ngram_max};
+        if (run_speculative_config(spec_config, &rs) < 0) return 2;
+    }
     loom_spec_config_t spec;
     loom_spec_config_defaults(&spec);
     if (!loom_spec_method_parse(spec_method, &spec.method)) {
-        fprintf(stderr, "error: --speculative-method must be none, ngram or draft, got '%s'\n", spec_method);
+        fprintf(stderr, "error: --speculative-method must be none, ngram, draft or mtp, got '%s'\n", spec_method);
         return 2;
     }
     loom_quant_spec_t draft_quant = {0};

@@ -437,8 +437,8 @@ static int speculative_config_apply(fwd_opts_t *f, cJSON *j) {
         f->spec_method = "draft";
     } else {
         fprintf(stderr, "error: --speculative-config: method '%s' is not supported (ngram, or draft_model with "
-                        "\"model\"; Loom's --speculative-quantization gives a quantized self-draft)\n",
-                method);
+                        "\"model\"; Loom's --speculative-quantization gives a quantized self-draft%s)\n",
+                method, !strcmp(method, "deepseek_mtp") ? "; deepseek_mtp runs on loom run only, not yet on the grid" : "");
         return -1;
     }
     return 0;

@@ -21,6 +21,7 @@ int loom_spec_method_parse(const char *s, loom_spec_method_t *out) {
     if (!s) return 0;
     if (!strcmp(s, "ngram")) *out = LOOM_SPEC_NGRAM;
     else if (!strcmp(s, "draft")) *out = LOOM_SPEC_DRAFT;
+    else if (!strcmp(s, "mtp") || !strcmp(s, "deepseek_mtp")) *out = LOOM_SPEC_MTP;
     else if (!strcmp(s, "none") || !strcmp(s, "off")) *out = LOOM_SPEC_OFF;
     else return 0;
     return 1;
@@ -30,6 +31,7 @@ const char *loom_spec_method_name(loom_spec_method_t m) {
     switch (m) {
     case LOOM_SPEC_NGRAM: return "ngram";
     case LOOM_SPEC_DRAFT: return "draft";
+    case LOOM_SPEC_MTP: return "mtp";
     default: return "none";
     }
 }

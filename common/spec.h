@@ -35,7 +35,8 @@
 
 #define LOOM_SPEC_MAX_K 16 /* drafts per sequence per step at most */
 
-typedef enum { LOOM_SPEC_OFF = 0, LOOM_SPEC_NGRAM = 1, LOOM_SPEC_DRAFT = 2 } loom_spec_method_t;
+/* MTP: DeepSeek-V3's multi-token prediction module drafts (loom run only) */
+typedef enum { LOOM_SPEC_OFF = 0, LOOM_SPEC_NGRAM = 1, LOOM_SPEC_DRAFT = 2, LOOM_SPEC_MTP = 3 } loom_spec_method_t;
 
 typedef struct loom_spec_config {
     loom_spec_method_t method; /* OFF: no speculation */
@@ -48,7 +49,7 @@ typedef struct loom_spec_config {
 
 /* Defaults: ngram 1..4, c = 0.05, knee 32 (the CPU's row-batched matmul limit). */
 void loom_spec_config_defaults(loom_spec_config_t *c);
-/* "ngram", "draft", "none"/"off": 0 when unknown. */
+/* "ngram", "draft", "mtp" (or "deepseek_mtp"), "none"/"off": 0 when unknown. */
 int loom_spec_method_parse(const char *s, loom_spec_method_t *out);
 const char *loom_spec_method_name(loom_spec_method_t m);
 /* INVALID_ARGUMENT naming the bad field (K outside 1..16, ngram range). */

@@ -462,6 +462,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --speculative-method must be none, ngram or draft, got '%s'\n", spec_method);
         return 2;
     }
+    if (c.spec.method == LOOM_SPEC_MTP) {
+        fprintf(stderr, "error: --speculative-method mtp runs on loom run only, not yet on the grid\n");
+        return 2;
+    }
     if ((c.spec_model || c.spec_quantization || c.spec_device) &&
         c.spec.method != LOOM_SPEC_DRAFT) {
         fprintf(

@@ -26,6 +26,14 @@ struct loom_local {
     loom_spec_config_t spec; /* speculation (method OFF: none) */
     int32_t *hist;           /* (ctx) prompt and generated ids: the ngram drafter's history */
     loom_local_t *draft;     /* method DRAFT: the draft model, its own KV cache */
+    /* method MTP: the checkpoint's MTP module (layer n_layers) as a model of
+     * its own, with its own KV cache (slot 0's block table). Its cache holds
+     * positions 0..mtp_done-1 computed from the target's rows; mtp_h holds
+     * the target's final-normed rows of positions mtp_h0..mtp_h0+mtp_hn-1
+     * (its last forward); mtp_prev the module's last output row */
+    loom_model_t *mtp;
+    float *mtp_h, *mtp_prev;
+    int mtp_h0, mtp_hn, mtp_done;
     /* sequence slots (loom_local_propose): slot i owns KV blocks
      * [i max_blocks, (i+1) max_blocks); held[i ctx ..] are the ids whose KV
      * it holds at positions 0..held_n[i] */
@@ -104,6 +112,20 @@ static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt
     if (opt->draft_model_dir)
         LOOM_CHECK(loom_local_check_draft_tokenizer(d.model_dir, l->tok, err));
     if (l->draft->ctx < l->ctx) l->ctx = l->draft->ctx;
+    return LOOM_OK;
+}
+
+/* Method MTP: the module loads as a one-layer model over the same checkpoint. */
+static loom_status_t open_mtp(loom_local_t *l, const loom_local_options_t *opt, loom_dtype_t kv_dtype,
+                              loom_err_t *err) {
+    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = l->cfg.n_layers,
+                              .layer_end = l->cfg.n_layers + 1, .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = 1, .quant = opt->quant,
+                               .kv_dtype = kv_dtype, .decode_buckets = -1, .mtp = 1};
+    LOOM_CHECK(loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->mtp, err));
+    LOOM_CHECK(loom_model_alloc_kv(l->mtp, l->max_blocks, LOCAL_BLOCK, err));
+    l->mtp_h = loom_xmalloc((size_t)l->chunk * (size_t)l->cfg.dim * sizeof(float));
+    l->mtp_prev = loom_xmalloc((size_t)l->cfg.dim * sizeof(float));
     return LOOM_OK;
 }
 
@@ -188,6 +210,10 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
         s = open_draft(l, opt, err);
         if (s < 0) goto fail;
     }
+    if (opt->spec.method == LOOM_SPEC_MTP) {
+        s = open_mtp(l, opt, kv_dtype, err);
+        if (s < 0) goto fail;
+    }
     *out = l;
     return LOOM_OK;
 fail:
@@ -200,6 +226,9 @@ void loom_local_close(loom_local_t **l_p) {
     loom_local_t *l = *l_p;
     *l_p = NULL;
     loom_local_close(&l->draft);
+    loom_model_destroy(&l->mtp);
+    free(l->mtp_h);
+    free(l->mtp_prev);
     loom_model_destroy(&l->model);
     loom_backend_destroy(&l->be);
     loom_st_close(&l->st);
@@ -252,8 +281,9 @@ static loom_status_t run_chunk(loom_local_t *l, const int32_t *tokens, int n, in
     return run_slot(l, 0, tokens, n, p0, nr, err);
 }
 
-/* Samples the last forward's rows 0..n_rows as generated tokens step0.. */
-static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step0, int n_rows, int32_t *ids) {
+/* Samples model's last forward's rows 0..n_rows as generated tokens step0.. */
+static void sample_model(loom_local_t *l, loom_model_t *model, const loom_sampling_t *s, uint64_t step0,
+                         int n_rows, int32_t *ids) {
     loom_sample_part_t parts[LOCAL_MAX_ROWS];
     uint64_t steps[LOCAL_MAX_ROWS] = {0};
     loom_sampling_t params[LOCAL_MAX_ROWS] = {0};
@@ -263,8 +293,78 @@ static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step
         parts[i] = (loom_sample_part_t){.ids = l->cand_ids + (size_t)i * LOOM_SAMPLE_MAX_CAND,
                                         .keys = l->cand_keys + (size_t)i * LOOM_SAMPLE_MAX_CAND};
     }
-    loom_model_sample_parts(l->model, n_rows, params, steps, parts);
+    loom_model_sample_parts(model, n_rows, params, steps, parts);
     for (int i = 0; i < n_rows; i++) ids[i] = loom_sample_merge(&parts[i], 1, l->cfg.vocab_size, s, steps[i]);
+}
+
+static void sample_rows(loom_local_t *l, const loom_sampling_t *s, uint64_t step0, int n_rows, int32_t *ids) {
+    sample_model(l, l->model, s, step0, n_rows, ids);
+}
+
+/* Method MTP: rows at positions p0..p0+n-1 of the module, row i reading
+ * ids[i] (the token at p0+i+1) and h[i] (host, dim floats); the last row's
+ * logits and output row (into mtp_prev) are kept. */
+static loom_status_t mtp_run(loom_local_t *l, const int32_t *ids, const float *h, int n, int p0, loom_err_t *err) {
+    const size_t dim = (size_t)l->cfg.dim;
+    loom_backend_upload(l->be, loom_model_mtp_input(l->mtp), h, (size_t)n * dim * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        l->pos[i] = p0 + i;
+        l->slots[i] = p0 + i; /* slot 0's blocks: the slot is the position */
+    }
+    l->rows[0] = n - 1;
+    loom_step_batch_t b = {.n_tokens = n, .tokens = ids, .pos = l->pos, .slots = l->slots, .tok_seq = l->tok_seq,
+                           .n_seqs = 1, .block_tables = l->block_table, .max_blocks = l->max_blocks,
+                           .n_logits = 1, .logit_rows = l->rows};
+    LOOM_CHECK(loom_model_forward(l->mtp, &b, err));
+    loom_backend_download(l->be, l->mtp_prev, loom_model_hidden(l->mtp) + (size_t)(n - 1) * dim,
+                          dim * sizeof(float));
+    return LOOM_OK;
+}
+
+/* Method MTP: keeps the target's final-normed rows of its last forward,
+ * positions p0..p0+n-1 (called before the next target forward). */
+static void mtp_keep_rows(loom_local_t *l, int p0, int n) {
+    loom_model_normed_rows(l->model, 0, n, l->mtp_h);
+    l->mtp_h0 = p0;
+    l->mtp_hn = n;
+}
+
+/* Method MTP: the module's cache catches up with positions mtp_done..t_end-1
+ * (position t reads the target's row at t and hist[t + 1]); no-op when it
+ * holds them. Returns 1 when rows ran (the last one's logits are fresh). */
+static int mtp_catch_up(loom_local_t *l, const int32_t *hist, int t_end, loom_err_t *err) {
+    int n = t_end - l->mtp_done;
+    if (n <= 0) return 0;
+    LOOM_ASSERT(l->mtp_done >= l->mtp_h0 && t_end <= l->mtp_h0 + l->mtp_hn && n <= l->chunk);
+    loom_status_t s = mtp_run(l, hist + l->mtp_done + 1,
+                              l->mtp_h + (size_t)(l->mtp_done - l->mtp_h0) * (size_t)l->cfg.dim, n,
+                              l->mtp_done, err);
+    if (s < 0) return (int)s;
+    l->mtp_done = t_end;
+    return 1;
+}
+
+/* Method MTP: the drafts after hist[0..n_hist) (the target has run
+ * positions 0..n_hist-2). The first comes from the caught-up row at
+ * n_hist-2; each next one from a row at the next position that reads the
+ * previous draft and the module's own output row as its h (those rows are
+ * rewritten by the next catch-up). Greedy, so a point mass: the verification
+ * rule is unchanged. Returns the count, or a negative status. */
+static int mtp_propose(loom_local_t *l, const int32_t *hist, int n_hist, int k, int32_t *out, loom_err_t *err) {
+    int r = mtp_catch_up(l, hist, n_hist - 1, err);
+    if (r < 0) return r;
+    if (k <= 0) return 0;
+    LOOM_ASSERT(r == 1);
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    float *h = l->mtp_h; /* the catch-up consumed the target's rows */
+    for (int j = 0; j < k; j++) {
+        sample_model(l, l->mtp, &greedy, 0, 1, &out[j]);
+        if (j + 1 == k) break;
+        memcpy(h, l->mtp_prev, (size_t)l->cfg.dim * sizeof(float));
+        loom_status_t s = mtp_run(l, &out[j], h, 1, n_hist - 1 + j, err);
+        if (s < 0) return (int)s;
+    }
+    return k;
 }
 
 int loom_local_slots(const loom_local_t *l) {
@@ -347,6 +447,14 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         }
         LOOM_CHECK(run_chunk(l, prompt + p0, n, p0, nr, err));
         if (prompt_logits) loom_model_download_logits(l->model, prompt_logits + (size_t)p0 * vocab, n);
+        if (l->mtp) { /* the module runs behind the target: the prompt's last row waits for the first token */
+            if (p0 == 0) l->mtp_done = 0;
+            mtp_keep_rows(l, p0, n);
+            if (p0 + n < n_prompt) {
+                int r = mtp_catch_up(l, prompt, p0 + n, err);
+                if (r < 0) return (loom_status_t)r;
+            }
+        }
     }
     if (prompt_logits) { /* the sampler reads row 0: rerun the last token alone (same KV) */
         l->rows[0] = 0;
@@ -399,7 +507,10 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
             k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
             k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
-            if (l->draft) {
+            if (l->mtp) {
+                n_draft = mtp_propose(l, l->hist, n_hist, k, feed + 1, err);
+                if (n_draft < 0) return (loom_status_t)n_draft;
+            } else if (l->draft) {
                 n_draft = 0;
                 if (k > 0) {
                     n_draft = loom_local_propose(l->draft, 0, l->hist, n_hist, k, feed + 1, err);
@@ -416,12 +527,35 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
+        if (l->mtp) mtp_keep_rows(l, pos, n_draft + 1);
         loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);
         pos++;
     }
     st.gen_tokens = g;
     if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
     if (stats) *stats = st;
+    return LOOM_OK;
+}
+
+loom_status_t loom_local_mtp_logits(loom_local_t *l, const int32_t *tokens, int n, float *logits,
+                                    loom_err_t *err) {
+    if (!l->mtp) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "no MTP module (speculative method mtp)");
+    if (n < 2 || n > l->chunk || n > l->ctx)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d tokens: MTP logits take 2 .. %d", n,
+                            LOOM_MIN(l->chunk, l->ctx));
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= l->cfg.vocab_size)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
+                                tokens[i], l->cfg.vocab_size);
+    l->held_n[0] = 0;
+    LOOM_CHECK(run_chunk(l, tokens, n, 0, 0, err));
+    mtp_keep_rows(l, 0, n);
+    const size_t dim = (size_t)l->cfg.dim, vocab = (size_t)l->cfg.vocab_size;
+    for (int t = 0; t + 1 < n; t++) { /* one row a step: the module's cache fills as in drafting */
+        LOOM_CHECK(mtp_run(l, tokens + t + 1, l->mtp_h + (size_t)t * dim, 1, t, err));
+        loom_model_download_logits(l->mtp, logits + (size_t)t * vocab, 1);
+    }
+    l->mtp_done = 0;
     return LOOM_OK;
 }
 

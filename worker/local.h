@@ -72,6 +72,13 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
  * otherwise, or for ids outside the vocabulary. */
 loom_status_t loom_local_logits(loom_local_t *l, const int32_t *tokens, int n, float *logits,
                                 loom_err_t *err);
+/* Method MTP: the module's draft logits for tokens[0..n) run as a new
+ * sequence: row t (0 .. n-2) reads the target's final-normed row at t and
+ * tokens[t + 1], and guesses tokens[t + 2]; (n - 1) x vocab into logits.
+ * n is 2 .. the prefill chunk; LOOM_ERR_INVALID_ARGUMENT otherwise or
+ * without method MTP. */
+loom_status_t loom_local_mtp_logits(loom_local_t *l, const int32_t *tokens, int n, float *logits,
+                                    loom_err_t *err);
 /* Greedy drafts for speculative decoding: sequence slot `slot` (0 ..
  * loom_local_slots - 1) catches up with hist[0..n_hist), reusing the KV of
  * the longest prefix of it that the slot already holds (so a slot follows

@@ -48,10 +48,51 @@ static loom_status_t check_caps(loom_backend_t *be, const loom_arch_t *arch, con
                         cfg->model_type, msg);
 }
 
-loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg, loom_st_t *st,
+/* opt.mtp: the shard must be MTP module 0 whole, on one rank; its config
+ * counts the module as one more layer, so that the layer loads, caches and
+ * runs as any other. */
+static loom_status_t mtp_config(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
+                                loom_model_config_t *out, loom_err_t *err) {
+    if (!cfg->deepseek || cfg->n_nextn_layers < 1)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "an MTP draft needs a DeepSeek checkpoint with num_nextn_predict_layers >= 1 "
+                            "(model_type '%s' has %d)", cfg->model_type, cfg->n_nextn_layers);
+    if (spec->layer_begin != cfg->n_layers || spec->layer_end != cfg->n_layers + 1 || !spec->has_embed ||
+        !spec->has_head || spec->tp_size != 1)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "an MTP draft is layer %d whole with the embedding and head on one rank",
+                            cfg->n_layers);
+    *out = *cfg;
+    out->n_layers += cfg->n_nextn_layers;
+    return LOOM_OK;
+}
+
+/* opt.mtp: enorm, hnorm and eh_proj's two halves (columns [0, dim) read
+ * the embedding, [dim, 2 dim) the hidden state). */
+static loom_status_t mtp_load(loom_loader_t *L, loom_err_t *err) {
+    loom_model_t *m = L->m;
+    const int dim = m->cfg.dim, gl = m->spec.layer_begin;
+    char name[160], eh[160];
+    snprintf(name, sizeof name, "model.layers.%d.enorm.weight", gl);
+    LOOM_CHECK(loom_load_upload_norm(L, name, dim, &m->mtp_enorm, err));
+    snprintf(name, sizeof name, "model.layers.%d.hnorm.weight", gl);
+    LOOM_CHECK(loom_load_upload_norm(L, name, dim, &m->mtp_hnorm, err));
+    snprintf(eh, sizeof eh, "model.layers.%d.eh_proj", gl);
+    loom_lin_part_t part = {eh, dim, 0, dim};
+    LOOM_CHECK(loom_load_linear(L, &m->mtp_eh_e, "eh_proj", &part, 1, 2 * (int64_t)dim, 0, dim, err));
+    return loom_load_linear(L, &m->mtp_eh_h, "eh_proj", &part, 1, 2 * (int64_t)dim, dim, dim, err);
+}
+
+loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg_in, loom_st_t *st,
                               const loom_shard_spec_t *spec, const loom_model_options_t *opt,
                               loom_model_t **out, loom_err_t *err) {
     *out = NULL;
+    const loom_model_config_t *cfg = cfg_in;
+    loom_model_config_t mtp_cfg;
+    if (opt->mtp) {
+        LOOM_CHECK(mtp_config(cfg_in, spec, &mtp_cfg, err));
+        cfg = &mtp_cfg;
+    }
     if (cfg->head_dim % 2 != 0)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is odd; RoPE needs pairs", cfg->head_dim);
     const loom_arch_t *arch = loom_arch_find(cfg->model_type);
@@ -59,8 +100,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "no model family serves model_type '%s'", cfg->model_type);
     LOOM_CHECK(check_caps(be, arch, cfg, spec, opt, err));
     if (cfg->deepseek) /* the router's bias, the FP8 scale grids */
-        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
-    LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
+        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg_in, st, err));
+    LOOM_CHECK(loom_model_check_checkpoint(cfg_in, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
                   "apply; the long factors beyond are not supported",
@@ -128,14 +169,24 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         if (s < 0) goto fail_loader;
         loom_progress_update(&prog, loom_st_bytes_read(st) - read0);
     }
+    if (opt->mtp) {
+        s = mtp_load(&L, err);
+        if (s < 0) goto fail_loader;
+    }
     if (spec->has_head) {
         char norm[128], head[128];
-        s = loom_load_upload_norm(&L, loom_arch_tensor_name(arch, cfg, -1, LOOM_TN_FINAL_NORM, -1, norm, sizeof norm),
-                                  dim, &m->final_norm, err);
+        loom_arch_tensor_name(arch, cfg, -1, LOOM_TN_FINAL_NORM, -1, norm, sizeof norm);
+        if (opt->mtp) snprintf(norm, sizeof norm, "model.layers.%d.shared_head.norm.weight", spec->layer_begin);
+        s = loom_load_upload_norm(&L, norm, dim, &m->final_norm, err);
         if (s < 0) goto fail_loader;
         /* a tied head reads the embedding, unless `loom quantize` stored it quantized */
         loom_arch_tensor_name(arch, cfg, -1, LOOM_TN_LM_HEAD, -1, head, sizeof head);
-        if (cfg->tie_embeddings && !loom_qw_stored(st, head)) { /* the embedding's name without ".weight" */
+        if (opt->mtp) { /* the module's own copy of the head, where the checkpoint has one */
+            char own[128], own_w[136];
+            snprintf(own, sizeof own, "model.layers.%d.shared_head.head", spec->layer_begin);
+            snprintf(own_w, sizeof own_w, "%s.weight", own);
+            if (loom_st_find(st, own_w) || loom_qw_stored(st, own)) snprintf(head, sizeof head, "%s", own);
+        } else if (cfg->tie_embeddings && !loom_qw_stored(st, head)) { /* the embedding's name without ".weight" */
             loom_arch_tensor_name(arch, cfg, -1, LOOM_TN_EMBED, -1, head, sizeof head);
             char *dot = strrchr(head, '.');
             if (dot) *dot = 0;
@@ -190,6 +241,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
+    if (opt->mtp) m->mtp_in = act_alloc(m, T * dim, &oom);
     if (m->expert_end > 0) { /* the shard holds MoE layers (moe_split) */
         size_t E = (size_t)cfg->n_experts, K = (size_t)cfg->n_experts_per_tok;
         m->rl = act_alloc(m, T * E, &oom);
@@ -294,6 +346,10 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->embed);
     loom_backend_free(be, m->final_norm);
     loom_weight_free(be, &m->lm_head);
+    loom_backend_free(be, m->mtp_enorm);
+    loom_backend_free(be, m->mtp_hnorm);
+    loom_weight_free(be, &m->mtp_eh_e);
+    loom_weight_free(be, &m->mtp_eh_h);
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
@@ -304,6 +360,7 @@ void loom_model_destroy(loom_model_t **m_p) {
                      m->qkv,
                      m->att,
                      m->mla_z,
+                     m->mtp_in,
                      m->gu,
                      m->hb,
                      m->xl,
@@ -340,6 +397,30 @@ size_t loom_model_active_bytes(const loom_model_t *m) {
     return m->matmul_bytes - m->expert_bytes + (size_t)active;
 }
 float *loom_model_hidden(loom_model_t *m) { return m->x; }
+float *loom_model_mtp_input(loom_model_t *m) {
+    LOOM_ASSERT(m->opt.mtp);
+    return m->mtp_in;
+}
+
+/* opt.mtp: x = eh_proj([enorm(embed(token)) ; hnorm(h)]), as the two
+ * halves' products summed; a row at position 0 has no token before it and
+ * reads a zero embedding. */
+static loom_status_t mtp_input(loom_model_t *m, const loom_step_ops_t *so, loom_err_t *err) {
+    loom_backend_t *be = m->be;
+    const int n = so->n, dim = m->cfg.dim;
+    const float eps = m->cfg.norm_eps;
+    loom_op_embed(be, m->xb, m->embed, so->d_tok, n, dim);
+    loom_op_rmsnorm(be, m->xb, m->xb, m->mtp_enorm, n, dim, eps);
+    for (int i = 0; i < m->mtp_n; i++)
+        if (m->mtp_pos[i] == 0) loom_backend_memset(be, m->xb + (size_t)i * dim, 0, (size_t)dim * sizeof(float));
+    loom_op_rmsnorm(be, m->xb2, m->mtp_in, m->mtp_hnorm, n, dim, eps);
+    const loom_blk_linear_t e = {.w = &m->mtp_eh_e, .proj = LOOM_PROJ_MTP_EH, .layer = -1, .expert = -1};
+    const loom_blk_linear_t h = {.w = &m->mtp_eh_h, .proj = LOOM_PROJ_MTP_EH, .layer = -1, .expert = -1};
+    LOOM_CHECK(loom_blk_linear(m, NULL, &e, m->x, m->xb, n, err));
+    LOOM_CHECK(loom_blk_linear(m, NULL, &h, m->mtp_in, m->xb2, n, err));
+    loom_op_add(be, m->x, m->mtp_in, (int64_t)n * dim);
+    return LOOM_OK;
+}
 float *loom_model_logits(loom_model_t *m) { return m->logits; }
 
 /* Issues the step's ops: embedding, the layers (the family's), and the LM head. */
@@ -349,7 +430,8 @@ static loom_status_t run_ops(loom_model_t *m, const loom_step_ops_t *so, loom_er
     loom_backend_t *be = m->be;
     const int n = so->n, nl = so->nl, dim = c->dim;
 
-    if (m->spec.has_embed) loom_op_embed(be, m->x, m->embed, so->d_tok, n, dim);
+    if (m->opt.mtp) LOOM_CHECK(mtp_input(m, so, err));
+    else if (m->spec.has_embed) loom_op_embed(be, m->x, m->embed, so->d_tok, n, dim);
     /* Each residual add is fused with the norm that follows it (the MLP's,
      * or the next layer's attention norm); backends without the fused op
      * run the two plain ops. */
@@ -422,7 +504,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
      * growing sequences keep their graph. Everything else the ops read is
      * device data uploaded below, before the replay. */
     int decode = n == b->n_seqs;
-    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora &&
+    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora && !m->opt.mtp &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce && !m->opt.allreduce_in_graphs) &&
                 /* loom_blk_moe routes on the host between ops, except decode steps on the device */
                 (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
@@ -483,6 +565,11 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         if (!m->spec.has_embed)
             loom_backend_memset(be, m->x + (size_t)n * c->dim, 0, (size_t)pad * c->dim * sizeof(float));
     }
+    if (m->opt.mtp) { /* the input stage reads the positions on the host; padding rows read zero h */
+        m->mtp_pos = b->pos;
+        m->mtp_n = n;
+        if (pad) loom_backend_memset(be, m->mtp_in + (size_t)n * c->dim, 0, (size_t)pad * c->dim * sizeof(float));
+    }
     if (lora) { /* after the block tables: each row's adapter slot, -1 for padding */
         int32_t *h_lora = h_bt + nbt_packed;
         for (int i = 0; i < N; i++) h_lora[i] = i < n ? b->seq_lora[b->tok_seq[i]] : -1;
@@ -539,6 +626,17 @@ int loom_model_max_logits(const loom_model_t *m) { return m->opt.max_logits; }
 
 void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows) {
     loom_backend_download(m->be, dst, m->logits, (size_t)n_rows * m->dims.vocab * sizeof(float));
+}
+
+void loom_model_normed_rows(loom_model_t *m, int t0, int t1, float *out) {
+    LOOM_ASSERT(m->spec.has_head && t0 >= 0 && t0 <= t1 && t1 <= m->opt.max_tokens);
+    const int dim = m->cfg.dim, cap = m->opt.max_logits;
+    for (int t = t0; t < t1; t += cap) {
+        int n = LOOM_MIN(cap, t1 - t);
+        loom_backend_copy(m->be, m->xl, m->x + (size_t)t * dim, (size_t)n * dim * sizeof(float));
+        loom_op_rmsnorm(m->be, m->xl, m->xl, m->final_norm, n, dim, m->cfg.norm_eps);
+        loom_backend_download(m->be, out + (size_t)(t - t0) * dim, m->xl, (size_t)n * dim * sizeof(float));
+    }
 }
 
 void loom_model_pool_hidden(loom_model_t *m, int t0, int t1, float *out) {

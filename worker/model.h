@@ -54,6 +54,13 @@ typedef struct loom_model_options {
      * (0: 16); see loom_model_lora_install */
     int max_loras;
     int max_lora_rank;
+    /* DeepSeek-V3's MTP module as a draft (docs/speculative.md, MTP): the
+     * shard is layer num_hidden_layers (spec layers [n_layers, n_layers + 1),
+     * embedding and head); its input is eh_proj([enorm(embed(token)) ;
+     * hnorm(h)]), h the rows the caller writes to loom_model_mtp_input()
+     * before each forward, and its head is shared_head.norm and
+     * shared_head.head (the target's lm_head when absent) */
+    int mtp;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it
@@ -130,6 +137,13 @@ void loom_model_sample_parts(loom_model_t *m, int n_rows, const loom_sampling_t 
  * tokens [t0, t1) of the last forward into out (host, dim floats). After
  * the logits are taken (it reuses the head's input buffer). */
 void loom_model_pool_hidden(loom_model_t *m, int t0, int t1, float *out);
+/* Last stage: the final-normed hidden states of tokens [t0, t1) of the last
+ * forward into out (host, (t1 - t0) x dim): what an MTP draft reads. Leaves
+ * the logits alone (it reuses the head's input buffer). */
+void loom_model_normed_rows(loom_model_t *m, int t0, int t1, float *out);
+/* opt.mtp: the (max_tokens, dim) device rows of h, one per token, that the
+ * next forward reads; written by the caller (loom_backend_upload). */
+float *loom_model_mtp_input(loom_model_t *m);
 /* Last stage, after the last forward's logits are used (it overwrites them
  * and the head's input buffer): the LM head at tokens rows[0..n_rows) of
  * that forward (n_rows at most max_logits), into loom_model_logits(). */

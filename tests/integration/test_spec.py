@@ -146,7 +146,10 @@ def test_bad_input():
     othertok, othertok_msg = other_tokenizer_draft()
     for extra, want in ((["--num-speculative-tokens", "0"], "[1, 16]"),
                         (["--num-speculative-tokens", "64"], "[1, 16]"),
-                        (["--speculative-method", "eagle"], "must be none, ngram or draft"),
+                        (["--speculative-method", "eagle"], "must be none, ngram, draft or mtp"),
+                        (["--speculative-method", "mtp"], "an MTP draft needs a DeepSeek checkpoint"),
+                        (["--speculative-config", '{"method": "deepseek_mtp"}'], "an MTP draft needs a DeepSeek"),
+                        (["--speculative-config", '{"method": "eagle"}'], "method 'eagle' is not supported"),
                         (["--speculative-method", "ngram", "--ngram-min", "4", "--ngram-max", "2"], "ngram_min"),
                         (["--speculative-method", "draft"], "needs --speculative-model"),
                         (["--speculative-quantization", "int8"], "need --speculative-method draft"),
@@ -166,6 +169,7 @@ def test_bad_input():
     v1024 = os.path.join(WORK, "spec-v1024")
     for extra, want in ((["--num-speculative-tokens", "64"], "[1, 16]"),
                         (["--speculative-method", "eagle"], "must be none, ngram or draft"),
+                        (["--speculative-method", "mtp"], "loom run only"),
                         (["--speculative-method", "draft"], "needs --speculative-model"),
                         (["--speculative-quantization", "int8"], "need --speculative-method draft"),
                         (["--speculative-device", "cuda:0"], "need --speculative-method draft"),

@@ -36,7 +36,9 @@ their config classes, sharing no code with Loom's C engine:
 CLI as llama_ref.py: --logits-out, --positions-from, --greedy (stdout carries
 only the ids). --pieces FILE writes the inputs and expected outputs of the
 C unit tests (router, YaRN, FP8 blocks, one MLA layer) as text lines
-"name count v0 v1 ...". --self-test checks the batched forward pass against
+"name count v0 v1 ...". --mtp-logits-out writes the MTP module's draft logits
+(mtp_forward: DeepSeek-V3's num_nextn_predict_layers module run as a draft).
+--self-test checks the batched forward pass against
 a per-token version that runs MLA absorbed over a latent cache.
 """
 
@@ -306,19 +308,51 @@ def moe(cfg, w, p, x):
     return out
 
 
-def forward(model, ids, latent_taps=None):
-    """ids -> float64 logits (T, vocab); the whole sequence, no cache."""
+def decoder_layer(model, i, h, pos):
+    """One decoder layer i over the whole sequence h (T, dim): x += mla(norm(x)); x += ffn(norm(x))."""
     cfg, w = model["cfg"], model["w"]
-    eps = cfg["rms_norm_eps"]
+    eps, p = cfg["rms_norm_eps"], "model.layers.%d." % i
+    h = h + mla(cfg, w, p + "self_attn.", rmsnorm(h, w[p + "input_layernorm.weight"], eps), pos, model["rope"])
+    x = rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps)
+    dense = i < cfg["first_k_dense_replace"]
+    return h + (mlp(w, p + "mlp.", x) if dense else moe(cfg, w, p + "mlp.", x))
+
+
+def hidden(model, ids):
+    """ids -> the final-normed hidden states (T, dim), the rows the LM head reads."""
+    cfg, w = model["cfg"], model["w"]
     h = w["model.embed_tokens.weight"][torch.tensor(ids)]
     pos = list(range(len(ids)))
     for i in range(cfg["num_hidden_layers"]):
-        p = "model.layers.%d." % i
-        h = h + mla(cfg, w, p + "self_attn.", rmsnorm(h, w[p + "input_layernorm.weight"], eps), pos, model["rope"])
-        x = rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps)
-        h = h + (mlp(w, p + "mlp.", x) if i < cfg["first_k_dense_replace"] else moe(cfg, w, p + "mlp.", x))
-    h = rmsnorm(h, w["model.norm.weight"], eps)
-    return h @ w["lm_head.weight"].T
+        h = decoder_layer(model, i, h, pos)
+    return rmsnorm(h, w["model.norm.weight"], cfg["rms_norm_eps"])
+
+
+def forward(model, ids, latent_taps=None):
+    """ids -> float64 logits (T, vocab); the whole sequence, no cache."""
+    return hidden(model, ids) @ model["w"]["lm_head.weight"].T
+
+
+def mtp_forward(model, ids, depth=0):
+    """The MTP module `depth` (layer num_hidden_layers + depth) as a draft, over the whole sequence:
+    row t (t = 0..T-2) reads the target's final-normed hidden state at t and the embedding of ids[t+1],
+    and its logits guess ids[t+2]:
+        e = enorm(embed(ids[t+1])), zero before the norm at position 0 (as vLLM's DeepSeekMTP)
+        x = eh_proj([e ; hnorm(h_t)])           (the embedding half first)
+        x = layer(x)                            (MLA with its own cache over positions 0..t, then MLP/MoE)
+        logits = shared_head.head(shared_head.norm(x))
+    The embedding and, when the checkpoint has no shared_head.head, the LM head are the target's.
+    Returns (T-1, vocab) float64 logits."""
+    cfg, w = model["cfg"], model["w"]
+    eps, i = cfg["rms_norm_eps"], cfg["num_hidden_layers"] + depth
+    p = "model.layers.%d." % i
+    h = hidden(model, ids)[:-1]
+    e = w["model.embed_tokens.weight"][torch.tensor(ids[1:])].clone()
+    e[0] = 0.0
+    x = torch.cat((rmsnorm(e, w[p + "enorm.weight"], eps), rmsnorm(h, w[p + "hnorm.weight"], eps)), dim=-1)
+    x = decoder_layer(model, i, x @ w[p + "eh_proj.weight"].T, list(range(len(ids) - 1)))
+    head = w.get(p + "shared_head.head.weight", w["lm_head.weight"])
+    return rmsnorm(x, w[p + "shared_head.norm.weight"], eps) @ head.T
 
 
 def argmax_lowest(row):
@@ -396,6 +430,16 @@ def self_test():
             err = float((a - b).abs().max() / a.abs().max())
             check(err < 1e-12, "%s: absorbed per-token MLA equals the decompressed batch (rel %.2g)" % (shape, err))
             check(float(a.std()) > 1.0, "%s: logits are not flat (std %.2f)" % (shape, float(a.std())))
+        d = os.path.join(tmp, "mtp")
+        gen_deepseek.main(["--out", d, "--shape", "v3", "--seed", "3", "--mtp", "1"])
+        model = load_model(d)
+        ids = [1, 7, 300, 42, 5, 99, 17]
+        m = mtp_forward(model, ids)
+        pre = mtp_forward(model, ids[:5])
+        err = float((m[:4] - pre).abs().max() / m.abs().max())
+        check(m.shape[0] == len(ids) - 1 and err < 1e-12, "mtp: the draft is causal (prefix rows equal, rel %.2g)"
+              % err)
+        check(float(m.std()) > 1.0, "mtp: draft logits are not flat (std %.2f)" % float(m.std()))
         d = os.path.join(tmp, "fp8")
         gen_deepseek.main(["--out", d, "--shape", "v3", "--seed", "3", "--fp8"])
         fw, ew = load_model(d)["w"], load_model(os.path.join(tmp, "v3"))["w"]
@@ -548,6 +592,8 @@ def main(argv=None):
     p.add_argument("--ids", type=parse_ids, help="prompt token ids, e.g. 1,403,407")
     p.add_argument("--logits-out", help="write float32 LE logits (rows, vocab) of the --ids positions")
     p.add_argument("--positions-from", type=int, default=0, help="--logits-out holds only positions K..n_ids-1")
+    p.add_argument("--mtp-logits-out", help="write float32 LE draft logits (n_ids-1, vocab) of MTP module 0: "
+                   "row t reads the hidden state at t and ids[t+1] (mtp_forward)")
     p.add_argument("--greedy", type=int, default=0, help="greedy-generate N ids, printed on stdout")
     p.add_argument("--pieces", help="write the C unit tests' inputs and expected outputs to this file")
     p.add_argument("--self-test", action="store_true")
@@ -567,6 +613,10 @@ def main(argv=None):
         logits = forward(model, a.ids)[a.positions_from:]
         np.ascontiguousarray(logits.numpy(), dtype="<f4").tofile(a.logits_out)
         log("wrote %s: %d x %d float32 logits" % (a.logits_out, logits.shape[0], logits.shape[1]))
+    if a.mtp_logits_out:
+        logits = mtp_forward(model, a.ids)
+        np.ascontiguousarray(logits.numpy(), dtype="<f4").tofile(a.mtp_logits_out)
+        log("wrote %s: %d x %d float32 MTP draft logits" % (a.mtp_logits_out, logits.shape[0], logits.shape[1]))
     if a.greedy > 0:
         gen, gap = greedy(model, a.ids, a.greedy)
         print(",".join(str(t) for t in gen))

@@ -2,6 +2,9 @@
  * config keys and their defaults, the refusals, the DeepSeekMoE router, yarn with mscale, FP8 block
  * dequantization, and one MLA layer both ways (decompressed prefill, absorbed decode over the latent cache).
  *
+ * And the MTP module as a draft (loom run's --speculative-method mtp): its logits against the reference's
+ * mtp_forward, and greedy ids equal with and without it.
+ *
  *   test_deepseek --python /usr/bin/python3 --ref tests/reference/deepseek_ref.py --work DIR */
 #include <stddef.h>
 #include <stdint.h>
@@ -14,6 +17,7 @@
 #include "common/model_config_deepseek.h"
 #include "common/safetensors.h"
 #include "tests/test.h"
+#include "worker/local.h"
 #include "worker/mla.h"
 #include "worker/model.h"
 #include "worker/moe_ds.h"
@@ -515,6 +519,87 @@ static void test_mla_q_lora_yarn(void) { test_mla_case("mla_a"); }
 /* one q_proj, no scaling, rotate-half pairs (rope_interleave false) */
 static void test_mla_q_proj_rotate_half(void) { test_mla_case("mla_b"); }
 
+/* ---------------------------------------------------------------- the MTP draft */
+
+typedef struct {
+    int32_t ids[64];
+    int n;
+} collect_t;
+
+static int collect(void *ctx, int32_t id) {
+    collect_t *c = ctx;
+    if (c->n < 64) c->ids[c->n++] = id;
+    return 0;
+}
+
+static loom_local_t *open_local(const char *dir, loom_spec_method_t method) {
+    loom_local_options_t o = {.model_dir = dir, .n_threads = 1, .ctx = 128, .chunk = 16, .no_tokenizer = 1};
+    loom_spec_config_defaults(&o.spec);
+    o.spec.method = method;
+    o.spec.k = 3;
+    o.spec.fixed_k = 1;
+    loom_local_t *l = NULL;
+    loom_err_t err = {0};
+    if (loom_local_open(&o, &l, &err) != LOOM_OK) fprintf(stderr, "  open %s: %s\n", dir, err.msg);
+    return l;
+}
+
+static void test_mtp_draft(void) {
+    char dir[512], refdir[512], path[600], cmd[4096];
+    snprintf(dir, sizeof dir, "%s/deepseek_mtp", g_work);
+    snprintf(refdir, sizeof refdir, "%s", g_ref);
+    char *slash = strrchr(refdir, '/');
+    if (slash) *slash = 0;
+    snprintf(path, sizeof path, "%s/deepseek_mtp_logits.f32", g_work);
+    static const int32_t ids[] = {1, 7, 300, 42, 5, 99, 17, 250, 3, 88, 401};
+    const int n = (int)(sizeof ids / sizeof ids[0]);
+    snprintf(cmd, sizeof cmd,
+             "'%s' '%s/gen_deepseek.py' --out '%s' --shape v3 --seed 7 --mtp 1 --tokenizer-from '' && "
+             "'%s' '%s' --model '%s' --ids 1,7,300,42,5,99,17,250,3,88,401 --mtp-logits-out '%s'",
+             g_python, refdir, dir, g_python, g_ref, dir, path);
+    REQUIRE(system(cmd) == 0);
+    loom_local_t *mtp = open_local(dir, LOOM_SPEC_MTP), *plain = open_local(dir, LOOM_SPEC_OFF);
+    REQUIRE(mtp && plain);
+    const int vocab = loom_local_config(mtp)->vocab_size;
+    float *want = malloc((size_t)(n - 1) * (size_t)vocab * sizeof *want);
+    float *got = malloc((size_t)(n - 1) * (size_t)vocab * sizeof *got);
+    FILE *f = fopen(path, "rb");
+    REQUIRE(f);
+    size_t rd = fread(want, sizeof *want, (size_t)(n - 1) * (size_t)vocab, f);
+    fclose(f);
+    REQUIRE(rd == (size_t)(n - 1) * (size_t)vocab);
+    loom_err_t err = {0};
+    CHECKF(loom_local_mtp_logits(mtp, ids, n, got, &err) == LOOM_OK, "%s", err.msg);
+    double amax = 0;
+    for (long i = 0; i < (long)(n - 1) * vocab; i++) amax = fmax(amax, fabs(want[i]));
+    CHECK(test_allclose("mtp draft logits", got, want, (long)(n - 1) * vocab, 1e-4 * amax, 1e-4));
+    /* greedy, in two prefill chunks of 16: the same ids with MTP drafts as without */
+    int32_t prompt[20];
+    for (int i = 0; i < 20; i++) prompt[i] = ids[i % n] + i;
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    collect_t a = {0}, b = {0};
+    loom_gen_stats_t sa = {0}, sb = {0};
+    CHECKF(loom_local_generate(plain, prompt, 20, 40, &greedy, 1, collect, &a, NULL, &sa, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECKF(loom_local_generate(mtp, prompt, 20, 40, &greedy, 1, collect, &b, NULL, &sb, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECKF(a.n == 40 && b.n == 40 && !memcmp(a.ids, b.ids, sizeof a.ids), "%d and %d ids, differing", a.n, b.n);
+    CHECKF(sb.spec.num_draft_tokens > 0, "no drafts");
+    printf("  mtp: 40 greedy ids equal; %lld drafts, %lld draft tokens, %lld accepted (%.1f%%), %.2f tokens a "
+           "target step (a random model)\n",
+           (long long)sb.spec.num_drafts, (long long)sb.spec.num_draft_tokens,
+           (long long)sb.spec.num_accepted_tokens,
+           sb.spec.num_draft_tokens ? 100.0 * (double)sb.spec.num_accepted_tokens / (double)sb.spec.num_draft_tokens
+                                    : 0.0,
+           sb.spec.target_steps ? (double)sb.spec.emitted_tokens / (double)sb.spec.target_steps : 0.0);
+    /* refused without the module */
+    CHECKF(loom_local_mtp_logits(plain, ids, n, got, &err) == LOOM_ERR_INVALID_ARGUMENT, "%s", err.msg);
+    loom_local_close(&mtp);
+    loom_local_close(&plain);
+    free(want);
+    free(got);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--python")) g_python = argv[i + 1];
@@ -535,6 +620,7 @@ int main(int argc, char **argv) {
     RUN(test_fp8);
     RUN(test_mla_q_lora_yarn);
     RUN(test_mla_q_proj_rotate_half);
+    RUN(test_mtp_draft);
     for (int i = 0; i < g_n_pieces; i++) free(g_pieces[i].v);
     return test_summary();
 }

@@ -85,6 +85,12 @@ struct loom_model {
     loom_layer_t *layers; /* (dims.n_layers) */
     float *final_norm;    /* (dim), last stage */
     loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
+    /* opt.mtp: the MTP module's input stage */
+    float *mtp_enorm, *mtp_hnorm;      /* (dim) each */
+    loom_weight_t mtp_eh_e, mtp_eh_h;  /* (dim, dim) each: eh_proj's embedding and hidden halves */
+    float *mtp_in;                     /* (max_tokens, dim) activations: the caller's h rows */
+    const int32_t *mtp_pos;            /* host positions of the step's rows (a row at 0 reads no embedding) */
+    int mtp_n;                         /* the step's rows before padding */
     float *inv_freq;       /* (hd / 2) */
     float *inv_freq_local; /* (hd / 2) Gemma 3's sliding layers: rope_local_base_freq, unscaled; or NULL */
     size_t weight_bytes;
@@ -257,6 +263,7 @@ typedef enum {
     LOOM_PROJ_SHARED_GATE_UP,
     LOOM_PROJ_SHARED_DOWN,
     LOOM_PROJ_LM_HEAD,
+    LOOM_PROJ_MTP_EH, /* the MTP module's eh_proj halves */
 } loom_proj_t;
 
 /* One projection y(n, w.rows) = x(n, w.cols) . W^T (+ bias), all-reduced
