@@ -140,7 +140,7 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0,
                               .layer_end = l->cfg.n_layers, .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant,
-                               .kv_dtype = kv_dtype};
+                               .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major};
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;
     l->max_blocks = (l->ctx + LOCAL_BLOCK - 1) / LOCAL_BLOCK;
