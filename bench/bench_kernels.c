@@ -603,12 +603,14 @@ static void bench_quant_crossover(int n_threads) {
     static const int ns[] = {1, 4, 8, 16, 32, 64, 128, 256, 512};
     static const char *schemes[] = {"int8", "q4", "q4_min:128", "fp8"};
     static const int shapes[][2] = {{2 * M_HIDDEN, M_DIM}, {M_DIM, M_HIDDEN}};
-    printf("\n== quantized: GEMV kernel vs dequantize + sgemm by n, %d threads (auto: GEMV for "
-           "n <= %d INT8, %d Q4, %d FP8) ==\n",
-           n_threads, loom_cpu_qgemv_max_n(LOOM_QUANT_INT8), loom_cpu_qgemv_max_n(LOOM_QUANT_Q4),
+    printf("\n== quantized: GEMV kernel vs integer GEMM vs dequantize + sgemm by n, %d threads, "
+           "isa %s (auto: GEMV for n <= %d INT8, %d Q4, %d FP8, then igemm; sgemm for FP8) ==\n",
+           n_threads, loom_cpu_isa_name(loom_cpu_isa_select()),
+           loom_cpu_qgemv_max_n(LOOM_QUANT_INT8), loom_cpu_qgemv_max_n(LOOM_QUANT_Q4),
            loom_cpu_qgemv_max_n(LOOM_QUANT_FP8));
-    printf("%-7s %-12s %3s %10s %10s %10s %10s %10s %8s  %s\n", "scheme", "rows x cols", "n",
-           "gemv best", "sgemm best", "gemv GF/s", "sgemm GF/s", "f32 GF/s", "best/f32", "faster");
+    printf("%-7s %-12s %3s %10s %10s %10s %10s %10s %10s %10s %8s  %s\n", "scheme", "rows x cols",
+           "n", "gemv best", "igemm best", "sgemm best", "gemv GF/s", "igemm GF/s", "sgemm GF/s",
+           "f32 GF/s", "best/f32", "fastest");
     loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
     float *host = xalloc(sizeof(float) * (size_t)M_VOCAB * M_DIM);
     float *x = xalloc(sizeof(float) * 512 * M_HIDDEN), *y = xalloc(sizeof(float) * 512 * M_VOCAB);
@@ -628,16 +630,21 @@ static void bench_quant_crossover(int n_threads) {
                 if (g_quick && (n & (n - 1))) continue;
                 double flops = 2.0 * n * rows * cols;
                 double est = (double)bytes / 15e9 + flops / 100e9;
-                const loom_cpu_mm_path_t paths[2] = {LOOM_CPU_MM_GEMV, LOOM_CPU_MM_SGEMM};
+                const loom_cpu_mm_path_t paths[3] = {LOOM_CPU_MM_GEMV, LOOM_CPU_MM_IGEMM,
+                                                     LOOM_CPU_MM_SGEMM};
                 const loom_cpu_mm_path_t f32_path = LOOM_CPU_MM_AUTO;
-                struct timing t[2], tf;
-                time_paths(be, &cw, y, x, n, paths, 2, reps_for(est), t);
+                struct timing t[3], tf;
+                time_paths(be, &cw, y, x, n, paths, 3, reps_for(est), t);
                 time_paths(be, &cf, y, x, n, &f32_path, 1, reps_for(est), &tf);
-                double best = LOOM_MIN(t[0].min, t[1].min);
-                printf("%-7s %5dx%-6d %3d %10.1f %10.1f %10.1f %10.1f %10.1f %8.2f  %s\n",
-                       schemes[s], rows, cols, n, t[0].min * 1e6, t[1].min * 1e6,
-                       flops / t[0].min / 1e9, flops / t[1].min / 1e9, flops / tf.min / 1e9,
-                       tf.min / best, t[0].min <= t[1].min ? "gemv" : "sgemm");
+                int bi = 0;
+                for (int p = 1; p < 3; p++)
+                    if (t[p].min < t[bi].min) bi = p;
+                static const char *names[3] = {"gemv", "igemm", "sgemm"};
+                printf("%-7s %5dx%-6d %3d %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %8.2f  "
+                       "%s\n",
+                       schemes[s], rows, cols, n, t[0].min * 1e6, t[1].min * 1e6, t[2].min * 1e6,
+                       flops / t[0].min / 1e9, flops / t[1].min / 1e9, flops / t[2].min / 1e9,
+                       flops / tf.min / 1e9, tf.min / t[bi].min, names[bi]);
             }
             cold_weight_free(&cw, be);
             cold_weight_free(&cf, be);

@@ -43,6 +43,8 @@ int loom_cmd_run(int argc, char **argv) {
     const char *spec_method = "none";
     int spec_k = 4, ngram_min = 1, ngram_max = 4, spec_fixed = 0;
     const char *spec_model = NULL, *spec_quant = NULL;
+    const char *lora = NULL;
+    int max_lora_rank = 16;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)", 1, 0, NULL},
         {"prompt", LOOM_OPT_STR, &prompt, "TEXT", "prompt text; the completion (only) is streamed to stdout", 1, 0, NULL},
@@ -61,6 +63,8 @@ int loom_cmd_run(int argc, char **argv) {
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
         {"ids", LOOM_OPT_FLAG, &print_ids, NULL, "print the generated token ids to stderr", 1, 0, NULL},
         {"quiet", LOOM_OPT_FLAG, &quiet, NULL, "no log lines and no timing on stderr", 1, 0, NULL},
+        {"lora", LOOM_OPT_STR, &lora, "DIR", "apply a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) to every token", 1, 0, NULL},
+        {"max-lora-rank", LOOM_OPT_INT, &max_lora_rank, "R", "largest adapter rank accepted: " LOOM_LORA_RANKS " (default 16)", 1, 512, NULL},
         {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD", "speculative decoding: none (default), ngram (prompt lookup) or draft (--speculative-model / --speculative-quantization); same output either way", 1, 0, NULL},
         {"num-speculative-tokens", LOOM_OPT_INT, &spec_k, "K", "most drafted tokens verified per target step, 1..16 (default 4; adapted to the acceptance)", 1, LOOM_SPEC_MAX_K, NULL},
         {"ngram-min", LOOM_OPT_INT, &ngram_min, "N", "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
@@ -112,6 +116,14 @@ int loom_cmd_run(int argc, char **argv) {
             return 2;
         }
     }
+    if (!loom_lora_rank_allowed(max_lora_rank)) {
+        fprintf(stderr, "error: --max-lora-rank must be one of " LOOM_LORA_RANKS ", got %d\n", max_lora_rank);
+        return 2;
+    }
+    if (lora && spec.method == LOOM_SPEC_DRAFT) {
+        fprintf(stderr, "error: --lora with --speculative-method draft is not supported (the draft has no adapter)\n");
+        return 2;
+    }
     spec.k = spec_k;
     spec.ngram_min = ngram_min;
     spec.ngram_max = ngram_max;
@@ -128,7 +140,8 @@ int loom_cmd_run(int argc, char **argv) {
     loom_local_options_t lo = {.model_dir = model, .device = device, .n_threads = threads,
                                .chunk = chunk, .ctx = ctx, .weight_dtype = wdt,
                                .quant = quant, .kv_cache_dtype = kv_cache_dtype, .spec = spec,
-                               .draft_model_dir = spec_model, .draft_quant = draft_quant};
+                               .draft_model_dir = spec_model, .draft_quant = draft_quant,
+                               .lora_dir = lora, .max_lora_rank = max_lora_rank};
     loom_local_t *l = NULL;
     if (loom_local_open(&lo, &l, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);

@@ -153,6 +153,7 @@ static int find_bin_dir(char *out, size_t n) {
 static int serve_cluster_keys(serve_t *s, int insecure, const char *zmq_addr, argv_list_t *coord) {
     if (insecure) {
         LOOM_WARN("--insecure: the control plane between the coordinator and its workers is not keyed");
+        argv_push(coord, "--insecure");
         argv_push(coord, "--insecure-api");
         return 0;
     }

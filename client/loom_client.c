@@ -214,7 +214,7 @@ static void file_reply(loom_client_t *c, const void *data, size_t len) {
  * its timeout. Replies still queued were filed before this. */
 static void connection_lost(loom_client_t *c) {
     char msg[400];
-    snprintf(msg, sizeof msg, "UNAVAILABLE: the connection to %s was lost (the coordinator went away, refused "
+    snprintf(msg, sizeof msg, "the connection to %s was lost (the coordinator went away, refused "
                               "this client's CURVE keys, or was silent for %d ms)", c->addr, HEARTBEAT_TIMEOUT_MS);
     for (int i = 0; i < c->n_pending; i++)
         if (c->pending[i].kind != KIND_CANCEL) push_failure(c, c->pending[i].id, LOOM_ERR_UNAVAILABLE, msg);

@@ -61,13 +61,37 @@ typedef struct {
 struct loom_gb {
     gb_rule_t *rules;
     int n_rules, cap_rules;
+    int *by_name; /* open addressing over rule names: rule id + 1, 0 empty (cap_by_name a power of 2) */
+    size_t cap_by_name;
+    loom_grammar_limits_t *lim; /* this compilation's bounds (NULL: none) */
+    size_t bytes;               /* what the builder holds, roughly */
+    uint64_t n_push;            /* elements pushed: the clock (and the stop flag) is read every 4Ki */
+    int over;                   /* past a bound: nothing more is added */
     loom_gb_set_t *sets;
     int n_sets, cap_sets;
 };
 
+/* The bounds of the compilation running on this thread (set by
+ * loom_grammar_compile_limited for the length of one call): the builders
+ * are made deep inside each compiler, which need not know of them. */
+static _Thread_local loom_grammar_limits_t *tl_limits;
+
 loom_gb_t *loom_gb_create(void) {
     loom_gb_t *gb = loom_xcalloc(1, sizeof *gb);
+    gb->lim = tl_limits;
     return gb;
+}
+
+/* Counts bytes added (and now and then the time) against the bounds. */
+static int gb_over(loom_gb_t *gb, size_t add) {
+    if (gb->over) return 1;
+    gb->bytes += add;
+    if (!gb->lim) return 0;
+    if (gb->lim->max_bytes && gb->bytes > gb->lim->max_bytes) gb->over = LOOM_GRAMMAR_LIMIT_BYTES;
+    else if ((++gb->n_push & 0xFFF) == 0 && ((gb->lim->stop && atomic_load(gb->lim->stop)) ||
+                                               (gb->lim->deadline_ns && loom_now_ns() > gb->lim->deadline_ns)))
+        gb->over = LOOM_GRAMMAR_LIMIT_TIME;
+    return gb->over != 0;
 }
 
 void loom_gb_destroy(loom_gb_t **gb_p) {
@@ -80,12 +104,47 @@ void loom_gb_destroy(loom_gb_t **gb_p) {
         free(gb->rules[i].name);
     }
     free(gb->rules);
+    free(gb->by_name);
     free(gb->sets);
     free(gb);
     *gb_p = NULL;
 }
 
+static uint64_t name_hash(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+    return h;
+}
+
+/* The slot of name in by_name: its rule's, or the empty one where it goes. */
+static size_t name_slot(const loom_gb_t *gb, const char *name, size_t len) {
+    size_t mask = gb->cap_by_name - 1, i = (size_t)name_hash(name, len) & mask;
+    for (;; i = (i + 1) & mask) {
+        int id = gb->by_name[i] - 1;
+        if (id < 0) return i;
+        const char *rn = gb->rules[id].name;
+        if (strlen(rn) == len && memcmp(rn, name, len) == 0) return i;
+    }
+}
+
+/* Indexes rule id by its name (the first rule of a name keeps it). */
+static void name_index(loom_gb_t *gb, int id) {
+    if ((size_t)gb->n_rules * 2 > gb->cap_by_name) { /* grow and rehash: load stays under 1/2 */
+        int *old = gb->by_name;
+        size_t old_cap = gb->cap_by_name;
+        gb->cap_by_name = old_cap ? old_cap * 2 : 128;
+        gb->by_name = loom_xcalloc(gb->cap_by_name, sizeof *gb->by_name);
+        for (size_t i = 0; i < old_cap; i++)
+            if (old[i]) gb->by_name[name_slot(gb, gb->rules[old[i] - 1].name, strlen(gb->rules[old[i] - 1].name))] = old[i];
+        free(old);
+    }
+    const char *n = gb->rules[id].name;
+    size_t s = name_slot(gb, n, strlen(n));
+    if (!gb->by_name[s]) gb->by_name[s] = id + 1;
+}
+
 int loom_gb_rule(loom_gb_t *gb, const char *name) {
+    gb_over(gb, sizeof(gb_rule_t) + 2 * sizeof(int) + 16);
     if (gb->n_rules == gb->cap_rules) {
         gb->cap_rules = gb->cap_rules ? gb->cap_rules * 2 : 64;
         gb->rules = loom_xrealloc(gb->rules, (size_t)gb->cap_rules * sizeof *gb->rules);
@@ -101,12 +160,15 @@ int loom_gb_rule(loom_gb_t *gb, const char *name) {
         r->name = loom_xstrdup(buf);
         r->defined = 1;
     }
+    name_index(gb, id);
     return id;
 }
 
 int loom_gb_rule_named(loom_gb_t *gb, const char *name, size_t len) {
-    for (int i = 0; i < gb->n_rules; i++)
-        if (strlen(gb->rules[i].name) == len && memcmp(gb->rules[i].name, name, len) == 0) return i;
+    if (gb->cap_by_name) {
+        int id = gb->by_name[name_slot(gb, name, len)] - 1;
+        if (id >= 0) return id;
+    }
     char *s = loom_xmalloc(len + 1);
     memcpy(s, name, len);
     s[len] = 0;
@@ -136,6 +198,7 @@ void loom_gb_alt(loom_gb_t *gb, int rule) {
 }
 
 static void gb_push(loom_gb_t *gb, int rule, uint32_t e) {
+    if (gb_over(gb, sizeof e)) return;
     gb_rule_t *r = &gb->rules[rule];
     if (r->n_alts == 0) loom_gb_alt(gb, rule);
     gb_alt_t *a = &r->alts[r->n_alts - 1];
@@ -596,30 +659,188 @@ static int set_empty(const loom_gb_set_t *s) {
     return 1;
 }
 
-/* Left recursion: rule r can reach itself without consuming a byte. */
-static int left_dfs(const loom_gb_t *gb, const uint8_t *nullable, int r, uint8_t *state,
-                    int *culprit) {
+/* Left recursion: some rule reached from r reaches itself without consuming
+ * a byte. Depth-first on an explicit stack of (rule, alternative, element)
+ * frames, at most one per rule (stk: 3 x n_rules ints): a chain of
+ * thousands of rules must not exhaust the thread's stack. state: 0 unseen,
+ * 1 on the stack, 2 done. */
+static int left_dfs(const loom_gb_t *gb, const uint8_t *nullable, int r, uint8_t *state, int *culprit,
+                    int *stk) {
+    int sp = 1;
+    stk[0] = r, stk[1] = 0, stk[2] = 0;
     state[r] = 1;
-    const gb_rule_t *R = &gb->rules[r];
-    for (int a = 0; a < R->n_alts; a++) {
-        for (int i = 0; i < R->alts[a].n; i++) {
-            uint32_t e = R->alts[a].e[i];
-            if (EL_KIND(e) != K_REF) break;
-            int x = (int)EL_VAL(e);
-            if (state[x] == 1) {
-                *culprit = x;
-                return 1;
-            }
-            if (state[x] == 0 && left_dfs(gb, nullable, x, state, culprit)) return 1;
-            if (!nullable[x]) break;
+    while (sp > 0) {
+        int *f = &stk[3 * (sp - 1)];
+        const gb_rule_t *R = &gb->rules[f[0]];
+        if (f[1] >= R->n_alts) { /* every alternative seen */
+            state[f[0]] = 2;
+            sp--;
+            continue;
+        }
+        const gb_alt_t *A = &R->alts[f[1]];
+        if (f[2] >= A->n || EL_KIND(A->e[f[2]]) != K_REF) { /* this alternative consumes a byte here */
+            f[1]++, f[2] = 0;
+            continue;
+        }
+        int x = (int)EL_VAL(A->e[f[2]]);
+        if (state[x] == 1) {
+            *culprit = x;
+            return 1;
+        }
+        if (nullable[x]) f[2]++; /* what follows x may come first too */
+        else f[1]++, f[2] = 0;
+        if (state[x] == 0) {
+            state[x] = 1;
+            int *nf = &stk[3 * sp++];
+            nf[0] = x, nf[1] = 0, nf[2] = 0;
         }
     }
-    state[r] = 2;
     return 0;
+}
+
+static void set_or(loom_gb_set_t *d, const loom_gb_set_t *s) {
+    for (int b = 0; b < 32; b++) d->b[b] |= s->b[b];
+}
+
+typedef struct {
+    int *from, *to;
+    int n, cap;
+} edges_t;
+
+static void edge_add(edges_t *e, int from, int to) {
+    if (e->n == e->cap) {
+        e->cap = e->cap ? e->cap * 2 : 256;
+        e->from = loom_xrealloc(e->from, (size_t)e->cap * sizeof *e->from);
+        e->to = loom_xrealloc(e->to, (size_t)e->cap * sizeof *e->to);
+    }
+    e->from[e->n] = from, e->to[e->n++] = to;
+}
+
+/* sets[to] |= sets[from] along every edge until nothing changes: a worklist
+ * of the rules whose set grew (each grows at most 256 times). */
+static void propagate(loom_gb_set_t *sets, int n, const edges_t *e) {
+    int *e0 = loom_xcalloc((size_t)n + 2, sizeof *e0), *out = loom_xmalloc(((size_t)e->n + 1) * sizeof *out);
+    for (int i = 0; i < e->n; i++) e0[e->from[i] + 1]++;
+    for (int x = 0; x < n; x++) e0[x + 1] += e0[x];
+    int *fill = loom_xmalloc(((size_t)n + 1) * sizeof *fill);
+    memcpy(fill, e0, (size_t)n * sizeof *fill);
+    for (int i = 0; i < e->n; i++) out[fill[e->from[i]]++] = e->to[i];
+    int *queue = loom_xmalloc(((size_t)n + 1) * sizeof *queue); /* a ring: each rule in it at most once */
+    uint8_t *in = loom_xcalloc((size_t)n + 1, 1);
+    int head = 0, len = 0;
+    for (int x = 0; x < n; x++)
+        if (e0[x + 1] > e0[x]) queue[len++] = x, in[x] = 1;
+    while (len > 0) {
+        int x = queue[head];
+        head = (head + 1) % n, len--;
+        in[x] = 0;
+        for (int o = e0[x]; o < e0[x + 1]; o++) {
+            loom_gb_set_t *d = &sets[out[o]];
+            int grew = 0;
+            for (int b = 0; b < 32; b++) {
+                uint8_t nb = (uint8_t)(d->b[b] | sets[x].b[b]);
+                if (nb != d->b[b]) d->b[b] = nb, grew = 1;
+            }
+            if (grew && !in[out[o]]) {
+                queue[(head + len) % n] = out[o], len++;
+                in[out[o]] = 1;
+            }
+        }
+    }
+    free(in);
+    free(queue);
+    free(fill);
+    free(out);
+    free(e0);
+}
+
+/* Nullable and productive rules, in time linear in the grammar (a fixpoint
+ * over all rules took a pass per level of a deep schema: quadratic). Each
+ * alternative counts the references it still waits for; a rule that becomes
+ * nullable (productive) pays its occurrences, and an alternative whose count
+ * reaches 0 makes its rule so. A byte set makes an alternative never
+ * nullable; an empty one, never productive. */
+static void nullable_productive(const loom_gb_t *gb, uint8_t *nullable, uint8_t *productive) {
+    int n = gb->n_rules, n_alts = 0, n_occ = 0;
+    for (int r = 0; r < n; r++) {
+        n_alts += gb->rules[r].n_alts;
+        for (int a = 0; a < gb->rules[r].n_alts; a++)
+            for (int i = 0; i < gb->rules[r].alts[a].n; i++) n_occ += EL_KIND(gb->rules[r].alts[a].e[i]) == K_REF;
+    }
+    int *alt_rule = loom_xmalloc(((size_t)n_alts + 1) * sizeof *alt_rule);
+    int *need_nul = loom_xmalloc(((size_t)n_alts + 1) * sizeof *need_nul); /* -1: never */
+    int *need_prod = loom_xmalloc(((size_t)n_alts + 1) * sizeof *need_prod);
+    int *occ0 = loom_xcalloc((size_t)n + 2, sizeof *occ0); /* occurrences of rule x: occ[occ0[x] .. occ0[x+1]) */
+    int *occ = loom_xmalloc(((size_t)n_occ + 1) * sizeof *occ);
+    int *queue = loom_xmalloc(((size_t)n * 2 + 1) * sizeof *queue);
+    for (int r = 0, k = 0; r < n; r++)
+        for (int a = 0; a < gb->rules[r].n_alts; a++, k++) {
+            const gb_alt_t *A = &gb->rules[r].alts[a];
+            alt_rule[k] = r;
+            need_nul[k] = need_prod[k] = 0;
+            for (int i = 0; i < A->n; i++) {
+                uint32_t e = A->e[i];
+                if (EL_KIND(e) == K_SET) {
+                    need_nul[k] = -1;
+                    if (set_empty(&gb->sets[EL_VAL(e)])) need_prod[k] = -1;
+                } else {
+                    occ0[EL_VAL(e) + 1]++;
+                    if (need_nul[k] >= 0) need_nul[k]++;
+                    if (need_prod[k] >= 0) need_prod[k]++;
+                }
+            }
+        }
+    for (int x = 0; x < n; x++) occ0[x + 1] += occ0[x];
+    int *fill = loom_xmalloc(((size_t)n + 1) * sizeof *fill);
+    memcpy(fill, occ0, (size_t)n * sizeof *fill);
+    for (int r = 0, k = 0; r < n; r++)
+        for (int a = 0; a < gb->rules[r].n_alts; a++, k++)
+            for (int i = 0; i < gb->rules[r].alts[a].n; i++) {
+                uint32_t e = gb->rules[r].alts[a].e[i];
+                if (EL_KIND(e) == K_REF) occ[fill[EL_VAL(e)]++] = k;
+            }
+    for (int pass = 0; pass < 2; pass++) { /* 0: nullable, 1: productive */
+        uint8_t *done = pass ? productive : nullable;
+        int *need = pass ? need_prod : need_nul;
+        int head = 0, tail = 0;
+        for (int k = 0; k < n_alts; k++)
+            if (need[k] == 0 && !done[alt_rule[k]]) done[alt_rule[k]] = 1, queue[tail++] = alt_rule[k];
+        while (head < tail) {
+            int x = queue[head++];
+            for (int o = occ0[x]; o < occ0[x + 1]; o++) {
+                int k = occ[o];
+                if (need[k] > 0 && --need[k] == 0 && !done[alt_rule[k]])
+                    done[alt_rule[k]] = 1, queue[tail++] = alt_rule[k];
+            }
+        }
+    }
+    free(fill);
+    free(queue);
+    free(occ);
+    free(occ0);
+    free(need_prod);
+    free(need_nul);
+    free(alt_rule);
+}
+
+/* The error for a compilation past its bounds (sets lim->hit). */
+static loom_status_t over_error(loom_grammar_limits_t *lim, int why, size_t bytes, loom_err_t *err) {
+    lim->hit = why;
+    if (why == LOOM_GRAMMAR_LIMIT_BYTES)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "grammar too large: compiling it passed the limit of %zu bytes (reached %zu)",
+                            lim->max_bytes, bytes);
+    return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "grammar too slow to compile: it passed its time limit");
 }
 
 loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, loom_err_t *err) {
     loom_gb_t *gb = *gb_p;
+    if (gb->over) {
+        loom_status_t st = over_error(gb->lim, gb->over, gb->bytes, err);
+        loom_gb_destroy(gb_p);
+        *out = NULL;
+        return st;
+    }
     loom_status_t st = gb_check_refs(gb, err);
     int n = gb->n_rules;
     uint8_t *nullable = loom_xcalloc((size_t)n, 1);
@@ -627,37 +848,18 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
     uint8_t *state = loom_xcalloc((size_t)n, 1);
     loom_grammar_t *g = NULL;
     if (st < 0) goto done;
-    /* nullable and productive rules, by fixpoint */
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < n; r++) {
-            const gb_rule_t *R = &gb->rules[r];
-            for (int a = 0; a < R->n_alts; a++) {
-                int nul = 1, prod = 1;
-                for (int i = 0; i < R->alts[a].n; i++) {
-                    uint32_t e = R->alts[a].e[i];
-                    if (EL_KIND(e) == K_SET) {
-                        nul = 0;
-                        if (set_empty(&gb->sets[EL_VAL(e)])) prod = 0;
-                    } else {
-                        if (!nullable[EL_VAL(e)]) nul = 0;
-                        if (!productive[EL_VAL(e)]) prod = 0;
-                    }
-                }
-                if (nul && !nullable[r]) nullable[r] = 1, changed = 1;
-                if (prod && !productive[r]) productive[r] = 1, changed = 1;
-            }
-        }
-    }
+    nullable_productive(gb, nullable, productive);
     if (!productive[root]) {
         st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                           "grammar: no finite output satisfies it (unsatisfiable, or recursion "
                           "that cannot terminate)");
         goto done;
     }
+    int *stk = loom_xmalloc((size_t)n * 3 * sizeof *stk + 3 * sizeof *stk);
     for (int r = 0; r < n; r++) {
         int culprit = -1;
-        if (state[r] == 0 && left_dfs(gb, nullable, r, state, &culprit)) {
+        if (state[r] == 0 && left_dfs(gb, nullable, r, state, &culprit, stk)) {
+            free(stk);
             st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                               "grammar: rule '%s' is left-recursive (or repeats something that "
                               "can be empty)",
@@ -665,6 +867,7 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
             goto done;
         }
     }
+    free(stk);
     /* flatten, keeping only productive alternatives */
     g = loom_xcalloc(1, sizeof *g);
     g->refs = 1;
@@ -708,54 +911,42 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
     g->n_sets = gb->n_sets;
     g->sets = loom_xcalloc((size_t)gb->n_sets + 1, sizeof *g->sets);
     if (gb->n_sets) memcpy(g->sets, gb->sets, (size_t)gb->n_sets * sizeof *g->sets);
-    /* FIRST and FOLLOW sets over bytes */
+    /* FIRST and FOLLOW sets over bytes: the byte sets each gets directly,
+     * then propagated along edges by a worklist (first: from a rule in an
+     * alternative's nullable prefix to the alternative's rule; follow: from
+     * a rule to one whose occurrence ends its alternative, up to nullables) */
     loom_gb_set_t *first = loom_xcalloc((size_t)n, sizeof *first);
     g->follow = loom_xcalloc((size_t)n, sizeof *g->follow);
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < n; r++) {
-            for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++) {
-                for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
-                    uint32_t e = g->elems[p];
-                    const loom_gb_set_t *s =
-                        EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)];
-                    for (int b = 0; b < 32; b++) {
-                        uint8_t nb = (uint8_t)(first[r].b[b] | s->b[b]);
-                        if (nb != first[r].b[b]) first[r].b[b] = nb, changed = 1;
-                    }
+    edges_t ed = {0};
+    for (int r = 0; r < n; r++)
+        for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++)
+            for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
+                uint32_t e = g->elems[p];
+                if (EL_KIND(e) == K_SET) {
+                    set_or(&first[r], &g->sets[EL_VAL(e)]);
+                    break;
+                }
+                edge_add(&ed, (int)EL_VAL(e), r);
+                if (!nullable[EL_VAL(e)]) break;
+            }
+    propagate(first, n, &ed);
+    ed.n = 0;
+    for (int r = 0; r < n; r++)
+        for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++)
+            for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
+                if (EL_KIND(g->elems[p]) != K_REF) continue;
+                int x = (int)EL_VAL(g->elems[p]);
+                int q = p + 1;
+                for (; EL_KIND(g->elems[q]) != K_END; q++) {
+                    uint32_t e = g->elems[q];
+                    set_or(&g->follow[x], EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)]);
                     if (EL_KIND(e) == K_SET || !nullable[EL_VAL(e)]) break;
                 }
+                if (EL_KIND(g->elems[q]) == K_END) edge_add(&ed, r, x);
             }
-        }
-    }
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < n; r++) {
-            for (int k = g->rule_alt0[r]; k < g->rule_alt0[r + 1]; k++) {
-                for (int p = g->alt_pos[k]; EL_KIND(g->elems[p]) != K_END; p++) {
-                    if (EL_KIND(g->elems[p]) != K_REF) continue;
-                    int x = (int)EL_VAL(g->elems[p]);
-                    loom_gb_set_t f = {{0}};
-                    int q = p + 1;
-                    for (; EL_KIND(g->elems[q]) != K_END; q++) {
-                        uint32_t e = g->elems[q];
-                        const loom_gb_set_t *s =
-                            EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)];
-                        for (int b = 0; b < 32; b++)
-                            f.b[b] |= s->b[b];
-                        if (EL_KIND(e) == K_SET || !nullable[EL_VAL(e)]) break;
-                    }
-                    if (EL_KIND(g->elems[q]) == K_END)
-                        for (int b = 0; b < 32; b++)
-                            f.b[b] |= g->follow[r].b[b];
-                    for (int b = 0; b < 32; b++) {
-                        uint8_t nb = (uint8_t)(g->follow[x].b[b] | f.b[b]);
-                        if (nb != g->follow[x].b[b]) g->follow[x].b[b] = nb, changed = 1;
-                    }
-                }
-            }
-        }
-    }
+    propagate(g->follow, n, &ed);
+    free(ed.from);
+    free(ed.to);
     free(first);
     *out = g;
 done:
@@ -805,6 +996,21 @@ void loom_grammar_destroy(loom_grammar_t **g_p) {
     free(g->parena.v);
     walk_free(&g->pwalk);
     free(g);
+}
+
+size_t loom_grammar_bytes(const loom_grammar_t *g) {
+    if (!g) return 0;
+    size_t n = (size_t)g->n_rules, b = sizeof *g;
+    for (size_t i = 0; i < n; i++) b += sizeof *g->names + strlen(g->names[i]) + 1;
+    b += ((size_t)g->n_elems + 1) * (sizeof *g->elems + sizeof *g->elem_rule);
+    b += (n + 1) * sizeof *g->rule_alt0 + ((size_t)g->rule_alt0[n] + 1) * sizeof *g->alt_pos;
+    b += ((size_t)g->n_sets + 1) * sizeof *g->sets + n * sizeof *g->follow;
+    b += (size_t)g->tab_cap * sizeof *g->tab; /* the mask cache, as it has grown so far */
+    for (uint32_t i = 0; i < g->tab_cap; i++)
+        if (g->tab[i])
+            b += sizeof *g->tab[i] + ((size_t)g->tab[i]->n_ids + (size_t)g->tab[i]->n_unc) * sizeof(int32_t);
+    b += (size_t)g->parena.cap * sizeof *g->parena.v;
+    return b;
 }
 
 int loom_grammar_n_rules(const loom_grammar_t *g) {
@@ -1495,8 +1701,32 @@ typedef struct {
 struct loom_grammar_cache {
     gcache_entry_t *e;
     int n, cap;
+    size_t max_bytes; /* 0: no bound but the entry count */
     uint64_t tick, hits, misses;
 };
+
+void loom_grammar_cache_set_max_bytes(loom_grammar_cache_t *c, size_t max_bytes) { c->max_bytes = max_bytes; }
+
+/* The entries' bytes: spec copies and grammars as they are now (their mask
+ * caches grow as requests use them). */
+size_t loom_grammar_cache_bytes(const loom_grammar_cache_t *c) {
+    size_t b = 0;
+    for (int i = 0; i < c->n; i++) b += c->e[i].len + 1 + loom_grammar_bytes(c->e[i].g);
+    return b;
+}
+
+static void cache_drop(loom_grammar_cache_t *c, int i) {
+    free(c->e[i].spec);
+    loom_grammar_destroy(&c->e[i].g);
+    c->e[i] = c->e[--c->n];
+}
+
+static int cache_lru(const loom_grammar_cache_t *c) {
+    int slot = 0;
+    for (int i = 1; i < c->n; i++)
+        if (c->e[i].used < c->e[slot].used) slot = i;
+    return slot;
+}
 
 loom_grammar_cache_t *loom_grammar_cache_create(int capacity) {
     loom_grammar_cache_t *c = loom_xcalloc(1, sizeof *c);
@@ -1527,46 +1757,78 @@ static uint64_t spec_hash(int kind, const char *s, size_t n) {
 loom_status_t loom_grammar_cache_get(loom_grammar_cache_t *c, loom_grammar_kind_t kind,
                                      const char *spec, size_t len, loom_grammar_t **out,
                                      loom_err_t *err) {
-    uint64_t h = spec_hash((int)kind, spec, len);
-    c->tick++;
-    for (int i = 0; i < c->n; i++) {
-        gcache_entry_t *e = &c->e[i];
-        if (e->hash == h && e->kind == (int)kind && e->len == len &&
-            (len == 0 || memcmp(e->spec, spec, len) == 0)) {
-            e->used = c->tick;
-            c->hits++;
-            *out = loom_grammar_ref(e->g);
-            return LOOM_OK;
-        }
-    }
+    if (loom_grammar_cache_lookup(c, kind, spec, len, out)) return LOOM_OK;
     c->misses++;
     loom_grammar_t *g = NULL;
     LOOM_CHECK(loom_grammar_compile(kind, spec, len, &g, err));
-    int slot = c->n;
-    if (c->n == c->cap) { /* evict the least recently used */
-        slot = 0;
-        for (int i = 1; i < c->n; i++)
-            if (c->e[i].used < c->e[slot].used) slot = i;
-        free(c->e[slot].spec);
-        loom_grammar_destroy(&c->e[slot].g);
-    } else {
-        c->n++;
+    loom_grammar_cache_put(c, kind, spec, len, g);
+    *out = g;
+    return LOOM_OK;
+}
+
+static int gcache_find(const loom_grammar_cache_t *c, uint64_t h, int kind, const char *spec, size_t len) {
+    for (int i = 0; i < c->n; i++) {
+        const gcache_entry_t *e = &c->e[i];
+        if (e->hash == h && e->kind == kind && e->len == len && (len == 0 || memcmp(e->spec, spec, len) == 0))
+            return i;
     }
+    return -1;
+}
+
+int loom_grammar_cache_lookup(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                              loom_grammar_t **out) {
+    int i = gcache_find(c, spec_hash((int)kind, spec, len), (int)kind, spec, len);
+    c->tick++;
+    if (i < 0) return 0;
+    c->e[i].used = c->tick;
+    c->hits++;
+    *out = loom_grammar_ref(c->e[i].g);
+    return 1;
+}
+
+void loom_grammar_cache_put(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                            loom_grammar_t *g) {
+    uint64_t h = spec_hash((int)kind, spec, len);
+    if (gcache_find(c, h, (int)kind, spec, len) >= 0) return; /* compiled twice at once: one copy is enough */
+    size_t need = len + 1 + loom_grammar_bytes(g);
+    if (c->max_bytes && need > c->max_bytes) return; /* never fits: used, not kept */
+    while (c->n == c->cap) cache_drop(c, cache_lru(c)); /* evict the least recently used */
+    if (c->max_bytes)
+        while (c->n > 0 && loom_grammar_cache_bytes(c) + need > c->max_bytes) cache_drop(c, cache_lru(c));
+    int slot = c->n++;
+    c->tick++;
     gcache_entry_t *e = &c->e[slot];
     e->hash = h;
     e->kind = (int)kind;
     e->spec = loom_xmalloc(len + 1);
     if (len) memcpy(e->spec, spec, len);
     e->len = len;
-    e->g = g;
+    e->g = loom_grammar_ref(g);
     e->used = c->tick;
-    *out = loom_grammar_ref(g);
-    return LOOM_OK;
 }
+
+void loom_grammar_cache_miss(loom_grammar_cache_t *c) { c->misses++; }
 
 void loom_grammar_cache_stats(const loom_grammar_cache_t *c, uint64_t *hits, uint64_t *misses) {
     if (hits) *hits = c->hits;
     if (misses) *misses = c->misses;
+}
+
+loom_status_t loom_grammar_compile_limited(loom_grammar_kind_t kind, const char *spec, size_t len,
+                                           loom_grammar_limits_t *lim, loom_grammar_t **out, loom_err_t *err) {
+    lim->hit = 0;
+    tl_limits = lim;
+    loom_status_t st = loom_grammar_compile(kind, spec, len, out, err);
+    tl_limits = NULL;
+    if (st == LOOM_OK && lim->max_bytes && loom_grammar_bytes(*out) > lim->max_bytes) {
+        size_t b = loom_grammar_bytes(*out);
+        loom_grammar_destroy(out);
+        st = over_error(lim, LOOM_GRAMMAR_LIMIT_BYTES, b, err);
+    } else if (st == LOOM_OK && lim->deadline_ns && loom_now_ns() > lim->deadline_ns) {
+        loom_grammar_destroy(out);
+        st = over_error(lim, LOOM_GRAMMAR_LIMIT_TIME, 0, err);
+    }
+    return st;
 }
 
 loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, size_t len,

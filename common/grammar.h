@@ -18,6 +18,7 @@
 #ifndef LOOM_GRAMMAR_H
 #define LOOM_GRAMMAR_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -43,6 +44,22 @@ typedef enum loom_grammar_kind {
  * message naming the problem). */
 loom_status_t loom_grammar_compile(loom_grammar_kind_t kind, const char *spec, size_t len,
                                    loom_grammar_t **out, loom_err_t *err);
+
+/* Bounds on one compilation: its time, and the bytes its builder and the
+ * compiled grammar hold. Past either, compilation stops adding to the
+ * grammar and fails with LOOM_ERR_INVALID_ARGUMENT ("grammar too large" /
+ * "too slow to compile"), and hit says which (the caller names its flag). */
+typedef struct loom_grammar_limits {
+    uint64_t deadline_ns; /* loom_now_ns() past which it gives up (0: none) */
+    size_t max_bytes;     /* 0: no bound */
+    _Atomic int *stop;    /* non-zero: give up as at the deadline (another thread cancels; NULL: none) */
+    int hit;              /* out: LOOM_GRAMMAR_LIMIT_TIME or _BYTES (0: none) */
+} loom_grammar_limits_t;
+#define LOOM_GRAMMAR_LIMIT_TIME 1
+#define LOOM_GRAMMAR_LIMIT_BYTES 2
+/* loom_grammar_compile within lim (any thread: compilations share nothing). */
+loom_status_t loom_grammar_compile_limited(loom_grammar_kind_t kind, const char *spec, size_t len,
+                                           loom_grammar_limits_t *lim, loom_grammar_t **out, loom_err_t *err);
 loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, loom_grammar_t **out,
                                                loom_err_t *err);
 loom_status_t loom_grammar_compile_json_object(loom_grammar_t **out, loom_err_t *err);
@@ -119,5 +136,21 @@ loom_status_t loom_grammar_cache_get(loom_grammar_cache_t *c, loom_grammar_kind_
                                      const char *spec, size_t len, loom_grammar_t **out,
                                      loom_err_t *err);
 void loom_grammar_cache_stats(const loom_grammar_cache_t *c, uint64_t *hits, uint64_t *misses);
+/* The same in two halves, for compiling elsewhere (another thread): lookup
+ * gives a new reference and returns 1 on a hit, 0 on a miss (not counted:
+ * the caller counts it with _miss); put keeps its own reference to g. */
+int loom_grammar_cache_lookup(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                              loom_grammar_t **out);
+void loom_grammar_cache_put(loom_grammar_cache_t *c, loom_grammar_kind_t kind, const char *spec, size_t len,
+                            loom_grammar_t *g);
+void loom_grammar_cache_miss(loom_grammar_cache_t *c);
+/* Bounds the cache in bytes besides entries (0: no bound): the least recently
+ * used entries go until a new one fits; one larger than the bound alone is
+ * used but not kept. _bytes: what the entries hold now (spec copies, the
+ * grammars and their mask caches as they have grown). */
+void loom_grammar_cache_set_max_bytes(loom_grammar_cache_t *c, size_t max_bytes);
+size_t loom_grammar_cache_bytes(const loom_grammar_cache_t *c);
+/* A compiled grammar's bytes in memory (its mask cache included). */
+size_t loom_grammar_bytes(const loom_grammar_t *g);
 
 #endif

@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 
 #include "common/json.h"
+#include "common/model_config_deepseek.h"
 #include "common/util.h"
 
 /* Every family's defaults, one row each, read from the __init__ (or the
@@ -711,12 +712,13 @@ static loom_status_t parse_fields(const cJSON *root, const char *path, loom_mode
     if (!mt) return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type is missing", path);
     if (!cJSON_IsString(mt))
         return loom_err_set(err, LOOM_ERR_FORMAT, "%s: model_type must be a string", path);
+    if (loom_model_config_is_deepseek(mt->valuestring)) return loom_model_config_parse_deepseek(root, path, cfg, err);
     const loom_family_defaults_t *d = loom_model_family_defaults(mt->valuestring);
     if (!d)
         return loom_err_set(
             err, LOOM_ERR_UNSUPPORTED,
             "%s: model_type '%s' is not supported (Loom runs llama, mistral, "
-            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe, qwen2_moe and gpt_oss)",
+            "qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe, qwen2_moe, gpt_oss, deepseek_v2 and deepseek_v3)",
             path, mt->valuestring);
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->valuestring);
     cfg->gpt_oss = !strcmp(cfg->model_type, "gpt_oss");

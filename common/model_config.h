@@ -39,7 +39,15 @@ typedef enum {
     LOOM_CKPT_AWQ,       /* AutoAWQ GEMM layout, 4 bits */
     LOOM_CKPT_GPTQ,      /* AutoGPTQ / GPTQModel layout, 4 bits */
     LOOM_CKPT_MXFP4,     /* GPT-OSS: the experts in OCP MXFP4 (_blocks, _scales), the rest float */
+    LOOM_CKPT_FP8,       /* DeepSeek-V3: float8_e4m3fn projections, a weight_scale_inv per block (common/fp8.h) */
 } loom_ckpt_quant_t;
+
+/* DeepSeekMoE's expert choice (topk_method). */
+typedef enum {
+    LOOM_DS_TOPK_GREEDY = 0,      /* V2: the top-k scores */
+    LOOM_DS_TOPK_GROUP_LIMITED,   /* V2: top-k within the topk_group groups of highest maximum score */
+    LOOM_DS_TOPK_NOAUX_TC,        /* V3: biased scores, groups ranked by the sum of their best two */
+} loom_ds_topk_t;
 
 typedef struct loom_model_config {
     char model_type[32];   /* "llama", "mistral", "qwen2" ... */
@@ -111,6 +119,26 @@ typedef struct loom_model_config {
     int gpt_oss;
     float swiglu_limit; /* swiglu_limit (7): gate <= limit, |up| <= limit */
     float swiglu_alpha; /* swiglu_alpha (1.702): the gate is sigmoid(alpha * gate) times gate */
+    /* DeepSeek-V2 / V3 (deepseek_v2, deepseek_v3; common/model_config_deepseek.c): multi-head latent
+     * attention and DeepSeekMoE. head_dim above is the latent cache row (kv_lora_rank + rope: the engine
+     * attends absorbed, one KV head), n_kv_heads 1, rotary_dim the rope dims. */
+    int deepseek;              /* 2 or 3 (the version); 0 for the other families */
+    int q_lora_rank;           /* 0: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj */
+    int kv_lora_rank;          /* the latent each token caches per layer (plus the rope key) */
+    int qk_nope_head_dim;      /* the part of a q/k head without RoPE (from the latent) */
+    int qk_rope_head_dim;      /* the part with RoPE (k's shared by every head) */
+    int v_head_dim;
+    int n_shared_experts;      /* one MLP of n_shared_experts x moe_intermediate_size; 0 = none */
+    int first_k_dense_replace; /* layers below it are dense (intermediate_size) */
+    int n_group, topk_group;   /* experts in n_group groups; the choice stays in topk_group of them */
+    loom_ds_topk_t topk_method;
+    int scoring_sigmoid;       /* scoring_func: 1 sigmoid (V3), 0 softmax (V2) */
+    float routed_scaling_factor; /* the routed experts' weights times this */
+    float rope_mscale, rope_mscale_all_dim; /* yarn: mscale, mscale_all_dim (0 = absent) */
+    float attn_scale;          /* the softmax scale: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 */
+    int rope_interleave;       /* RoPE turns pairs (2j, 2j+1) (V2 always); else (j, j + rope/2) */
+    int n_nextn_layers;        /* num_nextn_predict_layers: MTP modules stored after the last layer */
+    int ckpt_block[2];         /* fp8: weight_block_size (rows, columns) of one weight_scale_inv */
 } loom_model_config_t;
 
 /* What a family's Transformers config class gives a key that config.json

@@ -1174,7 +1174,8 @@ static loom_status_t load_model(loom_tokenizer_t *tok, const cJSON *root, load_c
     tok->unk_id = unk ? strmap_get(&tok->piece_map, unk, strlen(unk)) : -1;
 
     /* Merges: (left, right) -> (rank, merged). A merge whose parts or result
-     * are not in the vocabulary can never apply and is left out. */
+     * are not in the vocabulary is a broken file (HF's tokenizers refuses it
+     * too): refused, naming the merge. */
     int n_merges = cJSON_GetArraySize(merges);
     pairmap_init(&tok->merges, (size_t)n_merges);
     tok->sp_word_split = tok->family == FAMILY_SENTENCEPIECE;
@@ -1191,6 +1192,16 @@ static loom_status_t load_model(loom_tokenizer_t *tok, const cJSON *root, load_c
         memcpy(cat, a, an);
         memcpy(cat + an, b, bn);
         int32_t ir = strmap_get(&tok->piece_map, cat, an + bn);
+        if (ia < 0 || ib < 0 || ir < 0) {
+            const char *which = ia < 0 ? a : ib < 0 ? b : cat;
+            size_t wn = ia < 0 ? an : ib < 0 ? bn : an + bn;
+            loom_status_t st = loom_err_set(c->err, LOOM_ERR_FORMAT,
+                                            "%s: merge #%d ('%.*s' '%.*s') names '%.*s', which is not in model.vocab",
+                                            c->what, rank, (int)LOOM_MIN(an, 64), a, (int)LOOM_MIN(bn, 64), b,
+                                            (int)LOOM_MIN(wn, 128), which);
+            if (cat != stack) free(cat);
+            return st;
+        }
         if (tok->sp_word_split && has_inner_meta(cat, an + bn)) {
             if (tok->n_cross == MAX_CROSS) {
                 tok->sp_word_split = false;

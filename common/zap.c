@@ -29,6 +29,12 @@
 #define ZAP_QUIET_NS   (10ull * 1000000000ull) /* one log line per peer and reason per 10 s */
 #define ZAP_RELOAD_NS  (1000000000ull)
 
+/* Log lines said lately, by peer and reason (rate limits). */
+typedef struct quiet {
+    char what[160];
+    uint64_t last_ns;
+} quiet_t;
+
 typedef struct zap_domain {
     char name[32];
     char what[32];
@@ -53,27 +59,29 @@ struct loom_zap {
     atomic_ulong admitted, refused;
     int n;
     zap_domain_t d[ZAP_DOMAINS];
-    struct {
-        char what[160];
-        uint64_t last_ns;
-    } quiet[32];
+    quiet_t quiet[32]; /* the ZAP thread's refusals */
     int quiet_next;
-    uint64_t identity_quiet_ns; /* owner thread: refusals of loom_zap_identity_ok */
+    quiet_t id_quiet[32]; /* the owner thread's: refusals of loom_zap_identity_ok */
+    int id_quiet_next;
 };
 
 /* Whether to log now about `what` (rate limit per peer and reason). */
-static int loud(loom_zap_t *z, const char *what) {
+static int loud_in(quiet_t *q, size_t n, int *next, const char *what) {
     uint64_t now = loom_now_ns();
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(z->quiet); i++)
-        if (!strcmp(z->quiet[i].what, what)) {
-            if (now - z->quiet[i].last_ns < ZAP_QUIET_NS) return 0;
-            z->quiet[i].last_ns = now;
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(q[i].what, what)) {
+            if (now - q[i].last_ns < ZAP_QUIET_NS) return 0;
+            q[i].last_ns = now;
             return 1;
         }
-    int i = z->quiet_next++ % (int)LOOM_ARRAY_LEN(z->quiet);
-    snprintf(z->quiet[i].what, sizeof z->quiet[i].what, "%.159s", what);
-    z->quiet[i].last_ns = now;
+    int i = (*next)++ % (int)n;
+    snprintf(q[i].what, sizeof q[i].what, "%.159s", what);
+    q[i].last_ns = now;
     return 1;
+}
+
+static int loud(loom_zap_t *z, const char *what) {
+    return loud_in(z->quiet, LOOM_ARRAY_LEN(z->quiet), &z->quiet_next, what);
 }
 
 loom_status_t loom_zap_create(void *zctx, loom_zap_t **out, loom_err_t *err) {
@@ -338,10 +346,11 @@ int loom_zap_identity_ok(loom_zap_t *z, zmq_msg_t *msg, const void *rid, size_t 
     const char *user = zmq_msg_gets(msg, "User-Id");
     if (user && strlen(user) == rid_len && !memcmp(user, rid, rid_len)) return 1;
     atomic_fetch_add(&z->refused, 1);
-    uint64_t now = loom_now_ns();
-    if (now - z->identity_quiet_ns >= ZAP_QUIET_NS / 10) {
-        z->identity_quiet_ns = now;
-        const char *addr = zmq_msg_gets(msg, "Peer-Address");
+    const char *addr = zmq_msg_gets(msg, "Peer-Address");
+    char what[160];
+    snprintf(what, sizeof what, "identity %s %.*s %s", addr ? addr : "?", (int)(rid_len < 64 ? rid_len : 64),
+             (const char *)rid, user ? user : "");
+    if (loud_in(z->id_quiet, LOOM_ARRAY_LEN(z->id_quiet), &z->id_quiet_next, what)) { /* as docs say: 10 s */
         LOOM_WARN("refused a control message from %s: it speaks as '%.*s' but its key is '%s' in the allow-list",
                   addr ? addr : "?", (int)(rid_len < 64 ? rid_len : 64), (const char *)rid, user ? user : "(none)");
     }

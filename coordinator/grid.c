@@ -31,6 +31,7 @@
 #define PROBE_MS 1000       /* a member's data-plane listener that does not answer a connect this long is gone */
 #define HEARTBEAT_SEND_MS 500
 #define LIVENESS_CHECK_MS 100
+#define ASSIGN_LOST_MS 3000 /* a worker still reporting an older epoch this long after its Assign never got it */
 #define MAX_FRAMES 8
 
 static const char *state_names[] = {"waiting_for_workers", "loading", "joining", "ready"};
@@ -41,6 +42,7 @@ typedef struct worker_slot {
     char user_id[128]; /* the authenticated identity that registered the slot ("" when none) */
     uint32_t pid;
     uint64_t last_seen_ns;
+    uint64_t assign_sent_ns; /* when the current epoch's Assign went out (0: none) */
     int loaded, ready;
     uint64_t kv_block_bytes, kv_budget, weight_bytes, bytes_read;
     char kv_dtype[16]; /* the worker's KV pool dtype, from Loaded */
@@ -53,6 +55,7 @@ typedef struct worker_slot {
 typedef struct inflight {
     loom_microbatch_t *mb;
     uint64_t step_id, t_sent;
+    uint64_t deadline; /* t_sent + the step's bound (0: none) */
 } inflight_t;
 
 /* A worker key that left etcd, handed from the watch thread to the reactor. */
@@ -87,7 +90,8 @@ struct loom_grid {
     loom_zap_t *ctl_zap; /* authenticates the control plane's peers (NULL: not keyed) */
     loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
-    uint64_t last_hb_sent, last_check;
+    uint64_t last_hb_sent, last_check, last_tick;
+    uint64_t n_step_timeouts; /* steps failed for their deadline */
 
     /* etcd membership (optional) */
     loom_etcd_t *etcd;
@@ -260,6 +264,7 @@ static void start_epoch(loom_grid_t *g) {
             m.body_case = LOOM__V1__CONTROL_MSG__BODY_ASSIGN;
             m.assign = &a;
             w->loaded = w->ready = 0;
+            w->assign_sent_ns = loom_now_ns();
             send_ctl(g, w, &m);
         }
     }
@@ -478,7 +483,10 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
             LOOM_WARN("refused a registration as worker %.*s from another identity", (int)rid_len, (const char *)rid);
             return;
         }
-        if (w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
+        /* left_grid naming this coordinator's current epoch: the worker left
+         * it (it found us silent); naming another grid: a retry */
+        int left = r->left_grid && r->left_incarnation == g->incarnation && r->left_epoch == g->epoch;
+        if (!left && w->pid == r->pid && r->data_addr && !strcmp(w->data_addr, r->data_addr) && r->host_id &&
             !strcmp(w->host_id, r->host_id)) {
             /* the same process again (its retry crossed our answer): it holds the slot */
             w->last_seen_ns = loom_now_ns();
@@ -489,7 +497,10 @@ static void on_register(loom_grid_t *g, const void *rid, size_t rid_len, const c
             send_ctl(g, w, &m);
             return;
         }
-        lose_worker(g, i, "registered again");
+        /* left_grid: the same process, but it found this coordinator silent
+         * (paused, or cut off) and aborted its data plane: its epoch is gone */
+        lose_worker(g, i, left ? "left the grid (it found this coordinator silent) and registered again"
+                                       : "registered again");
     }
     if (!r->worker_id || strlen(r->worker_id) != rid_len || memcmp(r->worker_id, rid, rid_len) != 0 ||
         rid_len >= sizeof g->slots[0].id || !r->data_addr || !r->data_addr[0]) {
@@ -588,6 +599,20 @@ static void on_loaded(loom_grid_t *g, worker_slot_t *w, const Loom__V1__Loaded *
 
 static void on_heartbeat(loom_grid_t *g, int wi, const Loom__V1__Heartbeat *hb) {
     worker_slot_t *w = &g->slots[wi];
+    /* the current epoch's Assign went out a while ago but the worker says it
+     * never got it: it was lost with a connection libzmq closed (a worker
+     * stopped past the ZMTP heartbeat timeout comes back on a new one, and
+     * the grid would wait for its Loaded forever). It registers again. */
+    if (g->state != LOOM_GRID_WAITING && w->assign_sent_ns && (hb->assigned_epoch || hb->assigned_incarnation) &&
+        (hb->assigned_epoch != g->epoch || hb->assigned_incarnation != g->incarnation) &&
+        loom_now_ns() - w->assign_sent_ns > ASSIGN_LOST_MS * 1000000ull) {
+        char why[200];
+        snprintf(why, sizeof why, "never got its assignment of epoch %llu (it reports epoch %llu): lost with its "
+                                  "connection; it registers again",
+                 (unsigned long long)g->epoch, (unsigned long long)hb->assigned_epoch);
+        lose_worker(g, wi, why);
+        return;
+    }
     w->busy_s = hb->busy_s;
     w->comm_s = hb->comm_s;
     w->steps = hb->steps;
@@ -643,7 +668,13 @@ static void on_control(loom_grid_t *g, const void *rid, size_t rid_len, const ch
         snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
         LOOM_ERROR("%s", msg);
         snprintf(g->last_failure, sizeof g->last_failure, "%.500s", msg);
-        if (g->state == LOOM_GRID_READY) fail_grid(g, msg);
+        /* a join of this epoch that failed for a passing cause (a peer's link
+         * dropped, a deadline passed: UNAVAILABLE): plan again with the same
+         * workers rather than stay joining; a deterministic one (a setting the
+         * workers cannot honour) would only fail again, so it stays reported */
+        if (g->state == LOOM_GRID_READY || (g->state == LOOM_GRID_JOINING && m->error->epoch == g->epoch &&
+                                            m->error->code == LOOM_ERR_UNAVAILABLE))
+            fail_grid(g, msg);
         break;
     }
     default:
@@ -734,7 +765,12 @@ void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb) {
     void *buf = loom_wire_pack_control(&m, &len);
     for (int i = 0; i < g->n_slots; i++) send_to_worker(g, &g->slots[i], buf, len);
     free(buf);
-    g->inflight[g->n_inflight++] = (inflight_t){.mb = mb, .step_id = mb->id, .t_sent = loom_now_ns()};
+    uint64_t now = loom_now_ns(), bound = 0;
+    if (g->cfg.step_timeout_ms > 0)
+        bound = (uint64_t)g->cfg.step_timeout_ms * 1000000ull +
+                (uint64_t)(mb->n_tokens > 0 ? mb->n_tokens : 0) * (uint64_t)g->cfg.step_token_us * 1000ull;
+    g->inflight[g->n_inflight++] =
+        (inflight_t){.mb = mb, .step_id = mb->id, .t_sent = now, .deadline = bound ? now + bound : 0};
 }
 
 int loom_grid_n_inflight(const loom_grid_t *g) { return g->n_inflight; }
@@ -785,6 +821,12 @@ void loom_grid_tick(loom_grid_t *g) {
     etcd_drain(g);
     probes_poll(g);
     uint64_t now = loom_now_ns();
+    /* the reactor itself stood still (paused, descheduled): that time is not
+     * the steps' to answer in; their results may be waiting unread */
+    if (g->last_tick && now - g->last_tick > 1000000000ull)
+        for (int i = 0; i < g->n_inflight; i++)
+            if (g->inflight[i].deadline) g->inflight[i].deadline += now - g->last_tick;
+    g->last_tick = now;
     if (now - g->last_check >= LIVENESS_CHECK_MS * 1000000ull) {
         g->last_check = now;
         uint64_t limit = (uint64_t)g->cfg.heartbeat_timeout_ms * 1000000ull;
@@ -794,6 +836,19 @@ void loom_grid_tick(loom_grid_t *g) {
                 snprintf(why, sizeof why, "missed heartbeats for %d ms: lost", g->cfg.heartbeat_timeout_ms);
                 lose_worker(g, i, why);
             }
+        /* results come in plan order: the oldest step bounds them all. A step
+         * over its deadline is answered by no one (a worker that heartbeats
+         * but computes nothing, a plan lost on a dead connection): re-plan */
+        if (g->state == LOOM_GRID_READY && g->n_inflight > 0 && g->inflight[0].deadline &&
+            now > g->inflight[0].deadline) {
+            char why[256];
+            snprintf(why, sizeof why, "step %llu (%d tokens) got no result in %.1f s, past its deadline of %.1f s",
+                     (unsigned long long)g->inflight[0].step_id, g->inflight[0].mb->n_tokens,
+                     (double)(now - g->inflight[0].t_sent) * 1e-9,
+                     (double)(g->inflight[0].deadline - g->inflight[0].t_sent) * 1e-9);
+            g->n_step_timeouts++;
+            fail_grid(g, why);
+        }
     }
     if (now - g->last_hb_sent >= HEARTBEAT_SEND_MS * 1000000ull) {
         g->last_hb_sent = now;

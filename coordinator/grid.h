@@ -27,6 +27,10 @@
  *            registered again)--> WAITING, the slot freed
  *   any    --a step failed, a result out of order or malformed, a worker's
  *            Error while READY--> WAITING with probes out
+ *   JOINING --a worker's UNAVAILABLE Error naming epoch e (its join failed:
+ *            a peer's link dropped or timed out)--> WAITING with probes out,
+ *            so the same workers join again under epoch e+1 (other join
+ *            errors are deterministic: reported, the grid stays JOINING)
  *   Each of the last two aborts epoch e (Abort to every member; in-flight
  *   micro-batches go back through on_step_failed, then on_failed).
  *
@@ -51,8 +55,14 @@
  *     another incarnation.
  *   - A Register from the process that already holds a slot (same pid, data
  *     address and host) is a retry: answered with a heartbeat, nothing else
- *     changes. From a new process with the same id it is a restart: the slot
- *     is lost (the epoch aborted) and registered afresh.
+ *     changes. From a new process with the same id, or from the same one
+ *     saying it left this coordinator's current epoch (Register.left_grid,
+ *     left_incarnation and left_epoch: it found this coordinator silent, e.g.
+ *     paused past --coordinator-timeout-ms, and aborted its data plane), it
+ *     is a restart: the slot is lost (the epoch aborted) and
+ *     registered afresh. Taking that one for a retry wedged the grid: the
+ *     worker drops plans of the epochs it left, the coordinator waited for
+ *     their results forever.
  *   - A worker that registers naming the shard it holds (has_shard, same
  *     grid shape and model) gets that slot when it is free, so a restarted
  *     coordinator gives every worker its own weights back. */
@@ -101,6 +111,9 @@ typedef struct loom_grid_config {
     uint64_t kv_memory;
     float kv_fraction;
     int heartbeat_timeout_ms;
+    /* a step in flight longer than step_timeout_ms + its tokens x
+     * step_token_us fails the epoch as a lost worker would (0: no bound) */
+    int step_timeout_ms, step_token_us;
     /* etcd membership (etcd_url NULL: heartbeats only) */
     const char *etcd_url, *cluster, *advertise_host, *api_addr; /* api_addr: published for clients */
     /* Called once with the control socket before it binds (CURVE set-up);

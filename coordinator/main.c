@@ -93,7 +93,10 @@ int main(int argc, char **argv) {
     loom_server_config_t c = {.tp = 1, .pp = 1, .listen = "tcp://127.0.0.1:5555", .control = "tcp://127.0.0.1:5556",
                               .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
                               .max_queue = 1024, .block_size = 16, .kv_fraction = 0.25f, .prefix_cache = 1,
-                              .heartbeat_timeout_ms = 1500, .recovery_timeout_ms = 10000, .cluster = "default",
+                              .heartbeat_timeout_ms = 1500, .step_timeout_ms = 30000, .step_token_us = 100000,
+                              .liveness_timeout_ms = 10000, .prepare_threads = 2,
+                              .grammar_compile_timeout_ms = 30000, .grammar_max_bytes = 256ull << 20,
+                              .grammar_cache_bytes = 1ull << 30, .recovery_timeout_ms = 10000, .cluster = "default",
                               .etcd_ttl = 5};
     int shutdown_timeout_s = 30;
     c.kv_cache_dtype = "auto";
@@ -106,7 +109,7 @@ int main(int argc, char **argv) {
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
     int responses_store = 1024, responses_store_mb = 64;
     vllm_opts_t vo = {.port = -1};
-    const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL;
+    const char *probe_bind = NULL, *tls_cert = NULL, *tls_key = NULL, *ssl_ciphers = NULL;
     const char *pooling = NULL;
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
@@ -191,6 +194,24 @@ int main(int argc, char **argv) {
          0.0001, 1, NULL},
         {"no-prefix-cache", LOOM_OPT_FLAG, &no_prefix, NULL, "disable automatic prefix caching", 1,
          0, NULL},
+        {"step-timeout-ms", LOOM_OPT_INT, &c.step_timeout_ms, "MS",
+         "a step in flight longer than this plus --step-timeout-per-token-us per token fails the epoch as a lost "
+         "worker does, and its requests are re-planned; 0: no bound (default 30000)", 0, 3600000, NULL},
+        {"step-timeout-per-token-us", LOOM_OPT_INT, &c.step_token_us, "US",
+         "a step's deadline grows by this much per token it carries (default 100000)", 0, 10000000, NULL},
+        {"liveness-timeout-ms", LOOM_OPT_INT, &c.liveness_timeout_ms, "MS",
+         "Health (and HTTP /health) reports not ready when the reactor has not turned, or no step has completed "
+         "while requests wait, for this long; 0: off (default 10000)", 0, 3600000, NULL},
+        {"prepare-threads", LOOM_OPT_INT, &c.prepare_threads, "N",
+         "threads that compile grammars and tokenize long prompts off the reactor (default 2)", 1, 64, NULL},
+        {"grammar-compile-timeout-ms", LOOM_OPT_INT, &c.grammar_compile_timeout_ms, "MS",
+         "a request's grammar (JSON schema, regex, choice, EBNF) must compile within this, else 400 (default 30000)",
+         1, 3600000, NULL},
+        {"grammar-max-bytes", LOOM_OPT_U64, &c.grammar_max_bytes, "BYTES",
+         "a request's compiled grammar may hold this much memory, else 400 (default 268435456)", 4096, 1e15, NULL},
+        {"grammar-cache-bytes", LOOM_OPT_U64, &c.grammar_cache_bytes, "BYTES",
+         "compiled grammars kept for reuse, least recently used dropped first; 0: only the 64-entry bound "
+         "(default 1073741824)", 0, 1e15, NULL},
         {"heartbeat-timeout-ms", LOOM_OPT_INT, &c.heartbeat_timeout_ms, "MS",
          "declare a silent worker lost after this long (default 1500)", 200, 600000, NULL},
         {"recovery-timeout-ms", LOOM_OPT_INT, &c.recovery_timeout_ms, "MS",
@@ -274,6 +295,10 @@ int main(int argc, char **argv) {
          "tcp data plane: encrypt every frame (ChaCha20-Poly1305, keys from the epoch's secret); "
          "costs CPU per MB, see docs/benchmarks.md (shm and nccl are not affected)",
          1, 0, NULL},
+        {"insecure", LOOM_OPT_FLAG, &c.security.insecure, NULL,
+         "run the control plane without worker keys (needed when --control binds an address other hosts can "
+         "reach; on loopback it only silences the warning)",
+         1, 0, NULL},
         {"insecure-api", LOOM_OPT_FLAG, &c.security.insecure_api, NULL,
          "serve a client API bound to a non-loopback address without client keys (anyone who "
          "reaches it may use it)",
@@ -317,6 +342,10 @@ int main(int argc, char **argv) {
         {"tls-cert", LOOM_OPT_STR, &tls_cert, "FILE",
          "serve --http over TLS (HTTPS) with this PEM certificate chain (with --tls-key)", 1, 0,
          NULL},
+        {"ssl-ciphers", LOOM_OPT_STR, &ssl_ciphers, "PRIORITIES",
+         "HTTPS protocol versions and cipher suites, as a GnuTLS priority string (default: TLS 1.2 and 1.3, "
+         "forward-secret key exchanges, AEAD ciphers only; 'NORMAL' is GnuTLS's own default)",
+         1, 0, NULL},
         {"tls-key", LOOM_OPT_STR, &tls_key, "FILE", "the PEM private key of --tls-cert", 1, 0,
          NULL},
         {"http-header-timeout-s", LOOM_OPT_INT, &header_timeout, "S",
@@ -453,6 +482,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --chat-template, --tool-call-parser and --reasoning-parser only matter with --http\n");
         return 2;
     }
+    if (ssl_ciphers && !tls_cert) {
+        fprintf(stderr, "error: --ssl-ciphers needs --tls-cert and --tls-key\n");
+        return 2;
+    }
     if ((probe_bind || tls_cert || tls_key) && !http_bind) {
         fprintf(stderr, "error: --probe-listen, --tls-cert and --tls-key need --http\n");
         return 2;
@@ -472,6 +505,7 @@ int main(int argc, char **argv) {
                                  .max_connections = http_conns, .idle_timeout_s = http_timeout,
                                  .gen_defaults = has_gen ? &gen : NULL,
                                  .probe_bind = probe_bind, .tls_cert = tls_cert, .tls_key = tls_key,
+                                 .tls_priorities = ssl_ciphers,
                                  .header_timeout_s = header_timeout, .body_timeout_s = body_timeout,
                                  .max_connections_per_ip = conns_per_ip,
                                  .chat_special_in_content = special_in_content,

@@ -60,6 +60,7 @@ enum {
     H_DETOKENIZE,
     H_SEND,
     H_STEP,
+    H_REACTOR_TURN,
     H_PROMPT_TOKENS,
     H_GEN_TOKENS,
     H_MAX_TOKENS,
@@ -167,6 +168,9 @@ loom_metrics_t *loom_metrics_create(const char *model_name, int n_stages, int ma
        "Time spent packing and sending a request's chunks.", k_fine);
     HI(H_STEP, "loom_step_seconds", NULL, NULL,
        "Micro-batch round trip, plan sent to result received.", k_fine);
+    HI(H_REACTOR_TURN, "loom_reactor_turn_seconds", NULL, NULL,
+       "Time between two turns of the coordinator's reactor: how long streams, Health and the API can wait.",
+       k_fine);
     HI(H_ITERATION, "loom_iteration_tokens", "vllm:iteration_tokens_total", NULL,
        "Tokens per scheduled micro-batch (prompt and decode).", k_iteration);
     HI(H_N, "loom_request_params_n", "vllm:request_params_n", NULL,
@@ -238,6 +242,9 @@ void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s) {
 }
 void loom_metrics_observe_step(loom_metrics_t *m, double step_s) {
     observe(m, H_STEP, step_s);
+}
+void loom_metrics_observe_reactor_turn(loom_metrics_t *m, double turn_s) {
+    observe(m, H_REACTOR_TURN, turn_s);
 }
 void loom_metrics_observe_iteration(loom_metrics_t *m, int n_tokens) {
     if (n_tokens > 0) observe(m, H_ITERATION, n_tokens);

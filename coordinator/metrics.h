@@ -42,6 +42,7 @@ void loom_metrics_request_done(loom_metrics_t *m, loom_finished_t how,
 /* The time between two successive tokens of one request. */
 void loom_metrics_observe_itl(loom_metrics_t *m, double itl_s);
 void loom_metrics_observe_step(loom_metrics_t *m, double step_s);
+void loom_metrics_observe_reactor_turn(loom_metrics_t *m, double turn_s);
 /* One scheduled micro-batch carried n_tokens tokens (prefill and decode). */
 void loom_metrics_observe_iteration(loom_metrics_t *m, int n_tokens);
 

@@ -16,6 +16,7 @@ struct loom_sched {
     loom_seq_t **heap;    /* waiting: max-heap on (priority, -arrival) */
     int n_waiting, cap_waiting;
     loom_seq_t **parked;  /* (cap_waiting) taken off the heap during one admission pass */
+    loom_lora_slots_t *lora; /* adapter slots for admission, or NULL */
     loom_microbatch_t *mbs;
     int n_mbs;
     int max_blocks_per_seq;
@@ -135,6 +136,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
         mb->seqs = loom_xmalloc(S * sizeof(loom_seq_t *));
         mb->chunk = loom_xmalloc(S * sizeof(int));
         mb->block_tables = loom_xmalloc(S * (size_t)s->max_blocks_per_seq * sizeof(int32_t));
+        mb->seq_lora = loom_xmalloc(S * sizeof(int32_t));
         mb->logit_rows = loom_xmalloc(S * sizeof(int32_t));
         mb->logit_seq = loom_xmalloc(S * sizeof(loom_seq_t *));
         mb->sampling = loom_xmalloc(S * sizeof(loom_sampling_t));
@@ -158,7 +160,15 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
     return s;
 }
 
+/* q's pin on its adapter's slot goes (finished or preempted). */
+static void lora_unpin(loom_sched_t *s, loom_seq_t *q) {
+    if (q->lora_slot < 0) return;
+    if (s->lora) loom_lora_slots_release(s->lora, q->lora_slot);
+    q->lora_slot = -1;
+}
+
 static void seq_free(loom_sched_t *s, loom_seq_t *q) {
+    lora_unpin(s, q);
     if (s->draft_forget) s->draft_forget(s->draft_ctx, q);
     for (int i = q->n_dropped; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
     free(q->blocks);
@@ -188,6 +198,7 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->seqs);
         free(mb->chunk);
         free(mb->block_tables);
+        free(mb->seq_lora);
         free(mb->logit_rows);
         free(mb->logit_seq);
         free(mb->sampling);
@@ -263,6 +274,7 @@ loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt
     q->run_pos = -1;
     q->t_arrival_ns = loom_now_ns();
     q->prompt_hash = loom_kv_chain_hash(0, prompt, n_prompt);
+    q->lora_id = q->lora_slot = -1;
     heap_push(s, q);
     *out = q;
     return LOOM_OK;
@@ -317,9 +329,10 @@ static void drop_behind_window(loom_sched_t *s, loom_seq_t *q) {
 static void preempt(loom_sched_t *s, loom_seq_t *q) {
     run_remove(s, q);
     release_blocks(s, q);
+    lora_unpin(s, q);
     q->n_computed = 0;
     q->n_hashed = 0;
-    q->chain = 0;
+    q->chain = q->lora_seed;
     q->state = LOOM_SEQ_WAITING;
     q->n_preempted++;
     s->stats.preemptions++;
@@ -401,7 +414,7 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
 /* Reuses cached full blocks of q's tokens (prefix caching). */
 static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     int B = s->cfg.block_size, nb = q->n_tokens / B;
-    uint64_t parent = 0, prev = 0;
+    uint64_t parent = q->lora_seed, prev = q->lora_seed;
     int hits = 0;
     for (; hits < nb; hits++) {
         uint64_t h = loom_kv_chain_hash(parent, q->tokens + (size_t)hits * B, B);
@@ -445,7 +458,8 @@ typedef enum { FORK_NONE = 0, FORK_PARK, FORK_DONE } fork_t;
 static loom_seq_t *fork_leader(loom_sched_t *s, const loom_seq_t *q) {
     for (int i = 0; i < s->n_running; i++) {
         loom_seq_t *l = s->running[i];
-        if (l->n_prompt != q->n_prompt || l->prompt_hash != q->prompt_hash || l->embed || l->n_dropped > 0 ||
+        if (l->n_prompt != q->n_prompt || l->prompt_hash != q->prompt_hash || l->lora_id != q->lora_id ||
+            l->embed || l->n_dropped > 0 ||
             l->n_blocks == 0 || memcmp(l->tokens, q->tokens, (size_t)q->n_prompt * sizeof *q->tokens))
             continue;
         return l;
@@ -466,7 +480,7 @@ static fork_t fork_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
     LOOM_ASSERT(l->n_blocks > last && q->cap_blocks > last);
     int fresh = loom_kv_alloc(s->kv);
     if (fresh < 0) return FORK_NONE;
-    uint64_t chain = 0;
+    uint64_t chain = q->lora_seed;
     for (int i = 0; i < last; i++) {
         loom_kv_retain(s->kv, l->blocks[i]);
         q->blocks[i] = l->blocks[i];
@@ -489,7 +503,7 @@ static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     release_blocks(s, q);
     q->n_computed = 0;
     q->n_hashed = 0;
-    q->chain = 0;
+    q->chain = q->lora_seed;
 }
 
 static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
@@ -497,6 +511,11 @@ static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
     for (int i = 0; i < mb->n_seqs; i++)
         if (mb->seqs[i]->n_blocks > mx) mx = mb->seqs[i]->n_blocks;
     mb->max_blocks = mx;
+    mb->any_lora = 0;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        mb->seq_lora[i] = mb->seqs[i]->lora_slot;
+        mb->any_lora |= mb->seqs[i]->lora_slot >= 0;
+    }
     for (int i = 0; i < mb->n_seqs; i++) {
         const loom_seq_t *q = mb->seqs[i];
         int32_t *row = mb->block_tables + (size_t)i * mx;
@@ -674,6 +693,13 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
     int n_parked = 0;
     while (s->n_waiting > 0 && budget > 0 && mb->n_seqs < cap && s->n_running < c->max_num_seqs) {
         loom_seq_t *q = s->heap[0];
+        if (q->lora_id >= 0 && q->lora_slot < 0 &&
+            (!s->lora || !loom_lora_slots_acquire(s->lora, q->lora_id, &q->lora_slot))) {
+            q->lora_slot = -1; /* its adapter is not resident yet: the ones behind it go first */
+            heap_remove(s, q);
+            s->parked[n_parked++] = q;
+            continue;
+        }
         fork_t f = q->n_blocks == 0 ? fork_lookup(s, mb, q) : FORK_NONE;
         if (f == FORK_PARK) {
             heap_remove(s, q);
@@ -687,6 +713,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         if (take > room) take = room;
         if (take <= 0) {
             undo_lookup(s, mb, q);
+            lora_unpin(s, q);
             break; /* strict FCFS: the head waits for memory */
         }
         heap_remove(s, q);
@@ -794,6 +821,23 @@ void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
 
 int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q) {
     return (q->n_prompt + q->max_tokens + s->cfg.block_size - 1) / s->cfg.block_size;
+}
+
+void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots) { s->lora = slots; }
+
+void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]) {
+    (void)s;
+    LOOM_ASSERT(q->state == LOOM_SEQ_WAITING && q->n_blocks == 0 && !q->admitted_once);
+    q->lora_id = lora_id;
+    uint64_t seed = 0;
+    if (lora_id >= 0) {
+        memcpy(&seed, digest, sizeof seed);
+        if (seed == 0) seed = 1; /* 0 is the base model's */
+    }
+    q->lora_seed = seed;
+    q->chain = seed;
+    /* a fork shares KV only with a twin of the same adapter */
+    q->prompt_hash = loom_kv_chain_hash(seed, q->tokens, q->n_prompt);
 }
 
 int loom_sched_n_seqs(const loom_sched_t *s) { return s->n_running + s->n_waiting; }

@@ -43,6 +43,7 @@
 #include "common/spec.h"
 #include "common/status.h"
 #include "coordinator/kv_ledger.h"
+#include "coordinator/lora_slots.h"
 #include "kernels/sampling.h"
 
 typedef enum { LOOM_SEQ_WAITING = 0, LOOM_SEQ_RUNNING, LOOM_SEQ_FINISHED } loom_seq_state_t;
@@ -93,6 +94,12 @@ typedef struct loom_seq {
      * the prefix cache (cached positions would have none); a re-prefill
      * after preemption recomputes them (the caller keeps them by position). */
     int prompt_lp, prompt_lp_top;
+    /* LoRA (loom_sched_seq_set_lora): the adapter's registry id (-1: the
+     * base model), the engine slot it holds a pin on while admitted (-1:
+     * none), and the seed of its block chain hash (from the adapter's
+     * content digest; 0 for the base model) */
+    int lora_id, lora_slot;
+    uint64_t lora_seed;
 } loom_seq_t;
 
 typedef struct loom_sched_config {
@@ -118,6 +125,8 @@ typedef struct loom_microbatch {
     int *chunk;              /* (n_seqs) tokens scheduled per sequence */
     int max_blocks;
     int32_t *block_tables;   /* (n_seqs, max_blocks), -1 padded */
+    int32_t *seq_lora;       /* (n_seqs) engine adapter slot of each sequence, -1: none */
+    int any_lora;            /* some sequence of the batch has an adapter */
     int n_logits;
     int32_t *logit_rows;     /* (n_logits) */
     loom_seq_t **logit_seq;  /* (n_logits) */
@@ -209,6 +218,20 @@ loom_seq_t *loom_sched_seq_at(loom_sched_t *s, int i); /* running first, then wa
 int loom_sched_in_flight(const loom_sched_t *s);       /* micro-batches */
 
 void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
+
+/* LoRA adapters (coordinator/lora_slots.h). With slots set, admission asks
+ * them for the adapter of each waiting sequence that has one: a sequence
+ * whose adapter is not READY in a slot is passed over (the sequences
+ * behind it go on; it keeps its place at the head of the queue, so it is
+ * never starved), one admitted holds a pin on its slot until it finishes
+ * or is preempted, so a slot running sequences use is never evicted.
+ * loom_sched_seq_set_lora, right after loom_sched_add, gives a sequence
+ * its adapter: the chain hash of its first block is seeded with the
+ * adapter's content digest, so the prefix cache (and the KV events the
+ * router reads) never share blocks across adapters, nor across a reload
+ * under one name with other weights. */
+void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots);
+void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]);
 
 /* Speculative decoding (common/spec.h): with a method set, a decode of a
  * sequence not turned off (spec_off) carries up to K drafts (ngram, or the

@@ -25,6 +25,13 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
                             "--curve-secret needs an allow-list to check peers against: --worker-keys FILE "
                             "and/or --client-keys FILE");
     LOOM_CHECK(loom_zap_api_rule(listen, clients != NULL, cfg->insecure_api, "the client API", err));
+    if (!workers && !ctl_local && !cfg->insecure)
+        return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                            "the control plane binds %s, which other hosts can reach, without keys: any of them "
+                            "could register as a worker, see every prompt's tokens and choose the output. Give "
+                            "--curve-secret FILE --worker-keys FILE ('loom keygen --cluster' makes them; "
+                            "deploy/local/launch.sh and 'loom serve' do), or --insecure to run it unkeyed",
+                            control);
     loom_keypair_t kp;
     if (secret) LOOM_CHECK(loom_keypair_read(secret, "the coordinator's secret key (--curve-secret)", &kp, err));
     if (workers || clients) {
@@ -57,6 +64,11 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
                   clients ? "keyed (clients from --client-keys)" : "not keyed",
                   clients && events ? ", KV events keyed (the same clients)" : "", kp.public_z85);
     }
+    if (!workers && ctl_local && !cfg->insecure)
+        LOOM_WARN("the control plane (%s) is not keyed: any process on this host can register as a worker and "
+                  "see every prompt's tokens. Give --curve-secret and --worker-keys (deploy/local/launch.sh and "
+                  "'loom serve' do), or --insecure to say it is meant",
+                  control);
     if (!workers && !ctl_local)
         LOOM_WARN("*** SECURITY: the control plane binds %s without keys: any host that reaches it can register "
                   "as a worker, see every prompt's tokens and choose the output. Give --curve-secret and "

@@ -15,6 +15,7 @@ typedef struct loom_coord_security {
     const char *worker_keys;  /* allow-list of worker keys: keys the control plane (else $LOOM_WORKER_KEYS) */
     const char *client_keys;  /* allow-list of client keys: keys the client API (else $LOOM_CLIENT_KEYS) */
     int insecure_api;         /* serve a non-loopback client API without client keys */
+    int insecure;             /* run the control plane without worker keys (a non-loopback one needs it) */
     int encrypt_data;         /* tcp data plane: encrypt every frame (Assign.data_encrypt) */
 } loom_coord_security_t;
 

@@ -12,6 +12,15 @@
  * --shutdown-timeout, when the rest end with a final chunk (finish
  * LENGTH). A second signal returns at once.
  *
+ * Preparing: a Generate whose grammar the cache lacks, or whose prompt is
+ * long (PREP_PROMPT_BYTES), is not worked on here: its request is kept as it
+ * came (preparing_t) while a thread of the preparation pool (prepare.h)
+ * compiles the grammar (bounded by --grammar-compile-timeout-ms and
+ * --grammar-max-bytes) and tokenizes the prompt; when the job comes back
+ * the request is handled again with its results. A Cancel ends a preparing
+ * request at once (the job is cancelled); so does its deadline. The reactor
+ * itself never blocks on a request's size.
+ *
  * Requests: Generate is tokenized here and queued in the scheduler; each
  * sampled token is detokenized, checked against EOS/stop tokens/stop
  * strings/max_tokens and streamed back as one chunk. A client whose
@@ -26,14 +35,17 @@
 #include <limits.h>
 #include <math.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
 #include "common/log.h"
 #include "common/model_config.h"
+#include "common/model_digest.h"
 #include "common/request_limits.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
@@ -42,6 +54,7 @@
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
 #include "coordinator/metrics.h"
+#include "coordinator/prepare.h"
 #include "coordinator/sampling_params.h"
 #include "coordinator/structured.h"
 #include "coordinator/sched.h"
@@ -54,6 +67,20 @@
 #define MAX_TAG 128
 #define MAX_STOP_LEN LOOM_MAX_STOP_LEN
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
+#define PREP_PROMPT_BYTES 16384 /* a longer prompt is tokenized on the preparation pool */
+#define PREP_GRACE_MS 2000      /* past its deadline, a job that did not stop by itself is abandoned */
+
+/* A Generate waiting for the preparation pool (its grammar, its tokens). */
+typedef struct preparing {
+    uint8_t rid[256];
+    size_t rid_len;
+    uint64_t request_id;
+    void *body; /* the Request, packed, handled again when the job is back */
+    size_t body_len;
+    uint64_t deadline; /* loom_now_ns(): answered with the time limit's error then */
+    loom_prep_job_t *job; /* NULL once abandoned */
+    struct preparing *prev, *next;
+} preparing_t;
 
 typedef struct request {
     uint8_t rid[256]; /* client routing id */
@@ -78,6 +105,7 @@ typedef struct request {
      * re-prefill writes the same again) and sent with the first chunk */
     int plp_on, plp_top, plp_sent;
     int32_t *plp_prompt; /* (prompt_tokens) */
+    int pids_want, pids_sent; /* GenerateRequest.return_prompt_ids: the ids (plp_prompt) go with the first chunk */
     float *plp_lp;       /* (prompt_tokens - 1) */
     uint32_t *plp_rank, *plp_ntop;
     int32_t *plp_ids;    /* (prompt_tokens - 1, LOOM_MAX_TOP_LOGPROBS) */
@@ -91,6 +119,7 @@ struct loom_server {
     loom_server_config_t cfg;
     char model_dir_abs[4096];
     char model_name[256];
+    char weights_digest[LOOM_DIGEST_HEX], tokenizer_digest[LOOM_DIGEST_HEX]; /* published in ListModels */
     loom_model_config_t mcfg;
     loom_tokenizer_t *tok;
     int max_model_len;
@@ -127,6 +156,18 @@ struct loom_server {
     uint64_t rate_second;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
     loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
+    loom_prep_t *prep;           /* the preparation pool */
+    preparing_t *preparing;      /* requests waiting for it */
+    int n_preparing;
+    const loom_prep_job_t *handoff; /* while a prepared request is handled again: its job's results */
+
+    /* liveness, read by other threads (loom_server_liveness): the reactor's
+     * last turn, the last moment a step completed or none was due, and the
+     * requests waiting then */
+    _Atomic uint64_t live_turn_ns, live_progress_ns;
+    _Atomic int live_pending;
+    uint64_t stall_max_ns, stall_log_ns; /* the longest reactor turn since the last log of one */
+    const char *stall_file;               /* test hook LOOM_TEST_STALL_FILE (NULL: off) */
 };
 
 /* ---- small helpers ---------------------------------------------------------- */
@@ -158,6 +199,26 @@ static int reply_error(loom_server_t *s, const void *rid, size_t rid_len, uint64
 }
 
 /* ---- requests ------------------------------------------------------------------- */
+
+static void prep_unlink(loom_server_t *s, preparing_t *p) {
+    if (p->prev) p->prev->next = p->next;
+    else s->preparing = p->next;
+    if (p->next) p->next->prev = p->prev;
+    s->n_preparing--;
+}
+
+/* Ends a preparing request: its job, if still out, is cancelled and freed
+ * when it comes back. */
+static void prep_drop(loom_server_t *s, preparing_t *p) {
+    prep_unlink(s, p);
+    if (p->job) {
+        p->job->ctx = NULL;
+        loom_prep_cancel(p->job);
+    }
+    free(p->body);
+    free(p);
+}
+
 
 static void req_unlink(loom_server_t *s, request_t *q) {
     if (q->prev) q->prev->next = q->next;
@@ -253,6 +314,11 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     s->emit_lp = NULL;
     int32_t *p_ids = NULL;
     float *p_lps = NULL;
+    if (q->pids_want && !q->pids_sent && !q->plp_on) { /* the prompt's ids alone, in the first chunk */
+        ch.prompt_ids = q->plp_prompt;
+        ch.n_prompt_ids = (size_t)q->prompt_tokens;
+        q->pids_sent = 1;
+    }
     if (q->plp_on && !q->plp_sent && n_ids > 0) { /* the prefill is done: the prompt's logprobs go first */
         int np = q->prompt_tokens - 1;
         size_t nt = 0;
@@ -631,6 +697,10 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
         request_t *q = s->reqs;
         req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, code, msg);
     }
+    while (s->preparing) {
+        reply_error(s, s->preparing->rid, s->preparing->rid_len, s->preparing->request_id, code, msg);
+        prep_drop(s, s->preparing);
+    }
     embed_fail_all(s, code, msg);
 }
 
@@ -745,6 +815,7 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
     loom_sched_observe_step(s->sched, mb->n_tokens, step_s + mb->draft_s); /* the draft's time is the step's too */
+    atomic_store(&s->live_progress_ns, loom_now_ns());
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
     if (prompt_lp_step(s, mb, r, err, err_n) < 0) return -1;
     s->n_embed_done = 0;
@@ -776,6 +847,112 @@ static int valid_tag(const char *t) {
     return 1;
 }
 
+/* ---- preparing requests (the preparation pool) ------------------------------------------ */
+
+/* Sends rq's work to the pool: its grammar (compile: the cache lacks it;
+ * else cached, handed along) and its prompt when long. */
+static void prep_submit(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq, int compile,
+                        loom_grammar_t *cached) {
+    Loom__V1__GenerateRequest *g = rq->generate;
+    preparing_t *p = loom_xcalloc(1, sizeof *p);
+    memcpy(p->rid, rid, rid_len);
+    p->rid_len = rid_len;
+    p->request_id = rq->request_id;
+    p->body = loom_wire_pack_request(rq, &p->body_len);
+    p->deadline = loom_now_ns() + (uint64_t)s->cfg.grammar_compile_timeout_ms * 1000000ull;
+    loom_prep_job_t *j = loom_xcalloc(1, sizeof *j);
+    j->ctx = p;
+    if (compile) {
+        const char *spec = g->guide_spec ? g->guide_spec : "";
+        j->kind = (int)g->guide_kind;
+        j->len = strlen(spec);
+        j->spec = loom_xstrdup(spec);
+        j->lim.deadline_ns = p->deadline;
+        j->lim.max_bytes = s->cfg.grammar_max_bytes;
+    } else {
+        j->grammar = loom_grammar_ref(cached); /* the pool never touches it */
+    }
+    if (g->prompt && strlen(g->prompt) > PREP_PROMPT_BYTES) {
+        j->tok = s->tok;
+        j->prompt = loom_xstrdup(g->prompt);
+        j->add_bos = !g->raw_prompt;
+        j->parse_special = g->raw_prompt;
+    }
+    p->job = j;
+    p->next = s->preparing;
+    if (s->preparing) s->preparing->prev = p;
+    s->preparing = p;
+    s->n_preparing++;
+    loom_log_req(LOOM_LOG_DEBUG, g->tag && valid_tag(g->tag) ? g->tag : NULL,
+                 "request %llu preparing off the reactor:%s%s", (unsigned long long)rq->request_id,
+                 compile ? " compiling its grammar" : "", j->prompt ? " tokenizing its prompt" : "");
+    loom_prep_submit(s->prep, j);
+}
+
+/* The message of a job that failed on a bound, naming the flag. */
+static void prep_limit_msg(const loom_server_t *s, const loom_prep_job_t *j, char *msg, size_t cap) {
+    if (j->lim.hit == LOOM_GRAMMAR_LIMIT_BYTES)
+        snprintf(msg, cap, "%s (--grammar-max-bytes %llu)", j->err.msg, (unsigned long long)s->cfg.grammar_max_bytes);
+    else if (j->lim.hit == LOOM_GRAMMAR_LIMIT_TIME)
+        snprintf(msg, cap, "%s (--grammar-compile-timeout-ms %d)", j->err.msg, s->cfg.grammar_compile_timeout_ms);
+    else
+        snprintf(msg, cap, "%s", j->err.msg);
+}
+
+static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq);
+
+/* Jobs back from the pool: each request is handled again with its results,
+ * or refused with the job's error. */
+static void prep_done(loom_server_t *s) {
+    loom_prep_job_t *j;
+    while ((j = loom_prep_take(s->prep))) {
+        preparing_t *p = j->ctx;
+        if (j->kind && j->status == LOOM_OK && j->grammar) {
+            if (j->compile_s > 0.1)
+                LOOM_INFO("grammar compiled off the reactor in %.0f ms (waited %.0f ms): a %zu-byte spec, %zu bytes "
+                          "compiled", j->compile_s * 1e3, j->queued_s * 1e3, j->len, loom_grammar_bytes(j->grammar));
+            loom_structured_put(s->structured, j->kind, j->spec, j->len, j->grammar);
+        }
+        if (!p) { /* abandoned: cancelled or past its deadline */
+            loom_prep_job_free(&j);
+            continue;
+        }
+        prep_unlink(s, p);
+        if (j->status < 0) {
+            char msg[700];
+            prep_limit_msg(s, j, msg, sizeof msg);
+            s->requests_rejected++;
+            loom_log_req(LOOM_LOG_DEBUG, NULL, "refused request %llu: %s", (unsigned long long)p->request_id, msg);
+            reply_error(s, p->rid, p->rid_len, p->request_id, j->status, msg);
+        } else {
+            loom_err_t err = {0};
+            Loom__V1__Request *rq = loom_wire_unpack_request(p->body, p->body_len, &err);
+            LOOM_ASSERT(rq); /* we packed it */
+            s->handoff = j;
+            on_generate(s, p->rid, p->rid_len, rq);
+            s->handoff = NULL;
+            protobuf_c_message_free_unpacked(&rq->base, NULL);
+        }
+        free(p->body);
+        free(p);
+        loom_prep_job_free(&j);
+    }
+}
+
+/* Preparing requests past their deadline whose job did not stop by itself. */
+static void prep_timers(loom_server_t *s, uint64_t now) {
+    for (preparing_t *p = s->preparing, *next; p; p = next) {
+        next = p->next;
+        if (now < p->deadline + (uint64_t)PREP_GRACE_MS * 1000000ull) continue;
+        char msg[300];
+        snprintf(msg, sizeof msg, "grammar too slow to compile: it passed its time limit (--grammar-compile-timeout-ms "
+                                  "%d)", s->cfg.grammar_compile_timeout_ms);
+        s->requests_rejected++;
+        reply_error(s, p->rid, p->rid_len, p->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
+        prep_drop(s, p);
+    }
+}
+
 static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
     Loom__V1__GenerateRequest *g = rq->generate;
     char msg[600];
@@ -785,20 +962,27 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     int n_ids = 0, cap = 0;
     loom_sparams_t *sparams = NULL;
     uint64_t t_arrival = loom_now_ns(), tokenize_ns = 0;
+    loom_grammar_t *gr = NULL; /* the guide's grammar, kept in case the prompt must be tokenized elsewhere */
+    int need_compile = 0;
     const char *tag = g->tag && valid_tag(g->tag) ? g->tag : "";
-    if (s->draining) {
+    const loom_prep_job_t *prepared = s->handoff; /* handled again with its job's results */
+    if (s->draining && !prepared) {
         snprintf(msg, sizeof msg, "draining: this coordinator is shutting down and admits no new requests; retry "
                                   "on another one or after it restarts");
         code = LOOM_ERR_UNAVAILABLE;
         goto refuse;
     }
+    int dup = 0;
     for (const request_t *o = s->reqs; o; o = o->next)
-        if (o->request_id == rq->request_id && o->rid_len == rid_len && !memcmp(o->rid, rid, rid_len)) {
-            snprintf(msg, sizeof msg, "request id %llu is already in flight on this connection: request ids must be "
-                                      "unique among a connection's live requests",
-                     (unsigned long long)rq->request_id);
-            goto refuse;
-        }
+        dup |= o->request_id == rq->request_id && o->rid_len == rid_len && !memcmp(o->rid, rid, rid_len);
+    for (const preparing_t *o = s->preparing; o; o = o->next)
+        dup |= o->request_id == rq->request_id && o->rid_len == rid_len && !memcmp(o->rid, rid, rid_len);
+    if (dup) {
+        snprintf(msg, sizeof msg, "request id %llu is already in flight on this connection: request ids must be "
+                                  "unique among a connection's live requests",
+                 (unsigned long long)rq->request_id);
+        goto refuse;
+    }
     if (g->tag && g->tag[0] && !tag[0]) {
         snprintf(msg, sizeof msg, "tag must be at most %d printable ASCII characters", MAX_TAG);
         goto refuse;
@@ -856,8 +1040,16 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     if (g->guide_kind) {
         loom_guide_t *guide = NULL;
         const char *spec = g->guide_spec ? g->guide_spec : "";
-        if (loom_guide_create(s->structured, (int)g->guide_kind, spec, strlen(spec), g->guide_after, &guide, &err) <
-            0) {
+        if (g->guide_kind > LOOM_GRAMMAR_TOOL_CALLS) {
+            snprintf(msg, sizeof msg, "guide_kind %u is not one of 1 to 6", g->guide_kind);
+            goto refuse;
+        }
+        if (prepared && prepared->grammar) gr = loom_grammar_ref(prepared->grammar);
+        else if (!loom_structured_lookup(s->structured, (int)g->guide_kind, spec, strlen(spec), &gr)) {
+            need_compile = 1; /* not on the reactor: on the preparation pool */
+            goto defer;
+        }
+        if (loom_guide_create_from(s->structured, gr, g->guide_after, &guide, &err) < 0) {
             snprintf(msg, sizeof msg, "%s", err.msg);
             goto refuse;
         }
@@ -872,7 +1064,14 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         snprintf(msg, sizeof msg, "max_tokens %u exceeds the context length %d", g->max_tokens, s->max_model_len);
         goto refuse;
     }
-    if (g->prompt && g->prompt[0]) {
+    if (g->prompt && g->prompt[0] && prepared && prepared->ids) {
+        n_ids = prepared->n_ids;
+        ids = loom_xmalloc(((size_t)n_ids + 1) * sizeof *ids);
+        memcpy(ids, prepared->ids, (size_t)n_ids * sizeof *ids);
+        tokenize_ns = (uint64_t)(prepared->tokenize_s * 1e9);
+    } else if (g->prompt && strlen(g->prompt) > PREP_PROMPT_BYTES && !prepared) {
+        goto defer; /* a long prompt is tokenized on the preparation pool */
+    } else if (g->prompt && g->prompt[0]) {
         int raw = g->raw_prompt; /* chat-templated: the template wrote BOS and special tokens itself */
         uint64_t t0 = loom_now_ns();
         if (loom_tokenizer_encode(s->tok, g->prompt, strlen(g->prompt), !raw, raw, &ids, &n_ids, &cap, &err) < 0) {
@@ -931,6 +1130,11 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    if (g->return_prompt_ids && !g->prompt_logprobs) {
+        q->pids_want = 1;
+        q->plp_prompt = loom_xmalloc((size_t)n_ids * sizeof *q->plp_prompt);
+        memcpy(q->plp_prompt, q->seq->tokens, (size_t)n_ids * sizeof *q->plp_prompt);
+    }
     if (g->prompt_logprobs) {
         size_t np = (size_t)n_ids;
         q->plp_on = 1;
@@ -953,9 +1157,17 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     s->prompt_tokens_total += (uint64_t)n_ids;
     loom_log_req(LOOM_LOG_DEBUG, q->tag, "request %llu queued: %d prompt tokens, max_tokens %d",
                  (unsigned long long)rq->request_id, n_ids, q->max_tokens);
+    loom_grammar_destroy(&gr);
+    return;
+defer:
+    free(ids);
+    loom_sparams_destroy(&sparams);
+    prep_submit(s, rid, rid_len, rq, need_compile, gr);
+    loom_grammar_destroy(&gr);
     return;
 refuse:
     free(ids);
+    loom_grammar_destroy(&gr);
     loom_sparams_destroy(&sparams);
     s->requests_rejected++;
     loom_log_req(LOOM_LOG_DEBUG, g->tag && valid_tag(g->tag) ? g->tag : NULL, "refused request %llu: %s",
@@ -967,20 +1179,29 @@ static void on_cancel(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
     uint64_t target = rq->cancel->target_request_id;
     request_t *q = s->reqs;
     while (q && !(q->request_id == target && q->rid_len == rid_len && !memcmp(q->rid, rid, rid_len))) q = q->next;
+    preparing_t *pr = s->preparing;
+    while (pr && !(pr->request_id == target && pr->rid_len == rid_len && !memcmp(pr->rid, rid, rid_len)))
+        pr = pr->next;
     Loom__V1__CancelReply cr = LOOM__V1__CANCEL_REPLY__INIT;
-    cr.found = q != NULL;
+    cr.found = q != NULL || pr != NULL;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
     r.request_id = rq->request_id;
     r.body_case = LOOM__V1__REPLY__BODY_CANCEL;
     r.cancel = &cr;
     char msg[160];
-    if (!q) {
+    if (!q && !pr) {
         snprintf(msg, sizeof msg, "no request %llu in flight on this connection (finished, or never sent)",
                  (unsigned long long)target);
         r.code = loom_wire_status_code(LOOM_ERR_NOT_FOUND);
         r.message = msg;
     }
     send_reply(s, rid, rid_len, &r);
+    if (pr) { /* still preparing: its job is cancelled, the client hears the end now */
+        loom_log_req(LOOM_LOG_DEBUG, NULL, "request %llu cancelled by its client while preparing",
+                     (unsigned long long)target);
+        reply_error(s, pr->rid, pr->rid_len, target, LOOM_ERR_CANCELLED, "cancelled by the client");
+        prep_drop(s, pr);
+    }
     if (q) {
         loom_log_req(LOOM_LOG_DEBUG, q->tag, "request %llu cancelled by its client", (unsigned long long)target);
         req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_CANCELLED, LOOM_ERR_CANCELLED,
@@ -995,7 +1216,13 @@ static void on_health(loom_server_t *s, const void *rid, size_t rid_len, Loom__V
     h.state = s->draining ? "draining" : (char *)loom_grid_state_name(loom_grid_state(s->grid));
     h.workers_ready = (uint32_t)loom_grid_n_ready(s->grid);
     h.workers_expected = (uint32_t)loom_grid_n_slots(s->grid);
+    int live = loom_server_liveness(s, msg, sizeof msg);
+    if (h.ready && !live) {
+        h.ready = 0;
+        h.state = "stalled";
+    }
     if (s->draining) snprintf(msg, sizeof msg, "draining: shutting down, %d request(s) in flight", s->n_reqs);
+    else if (!live) {} /* msg says why */
     else if (!h.ready) loom_grid_describe(s->grid, msg, sizeof msg);
     else snprintf(msg, sizeof msg, "serving %s", s->model_name);
     h.message = msg;
@@ -1013,6 +1240,8 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     mi.vocab_size = (uint32_t)s->mcfg.vocab_size;
     mi.tp = (uint32_t)s->cfg.tp;
     mi.pp = (uint32_t)s->cfg.pp;
+    mi.weights_digest = s->weights_digest;
+    mi.tokenizer_digest = s->tokenizer_digest;
     Loom__V1__ModelInfo *mp = &mi;
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
     lm.models = &mp;
@@ -1167,6 +1396,7 @@ static void publish_state(loom_server_t *s) {
 
 static void timers(loom_server_t *s) {
     uint64_t now = loom_now_ns();
+    prep_timers(s, now);
     if (s->recovery_deadline && now > s->recovery_deadline && loom_grid_state(s->grid) != LOOM_GRID_READY) {
         char msg[700];
         snprintf(msg, sizeof msg, "the serving grid failed and was not restored within %d ms: %s",
@@ -1198,7 +1428,7 @@ static int drain_step(loom_server_t *s) {
         LOOM_INFO("draining: new requests are refused; %d request(s) in flight get up to %d ms to finish", s->n_reqs,
                   s->cfg.shutdown_timeout_ms);
     }
-    if (s->n_reqs == 0 && !s->embeds) {
+    if (s->n_reqs == 0 && !s->embeds && !s->preparing) {
         LOOM_INFO("drained: no request left in flight");
         return 1;
     }
@@ -1209,14 +1439,71 @@ static int drain_step(loom_server_t *s) {
     return 1;
 }
 
+/* Liveness bookkeeping, once per reactor turn: the turn's time, and
+ * progress (a step completed, or no step is due: no request waits, or the
+ * grid is not READY, which Health reports by itself). A turn over 250 ms is
+ * logged (at most every 10 s, with the longest since): that is a stall of
+ * every stream. The test hook LOOM_TEST_STALL_FILE stalls one turn for the
+ * milliseconds the file holds, then removes it. */
+static void liveness_turn(loom_server_t *s) {
+    uint64_t now = loom_now_ns(), prev = atomic_load(&s->live_turn_ns);
+    if (prev && now - prev > s->stall_max_ns) s->stall_max_ns = now - prev;
+    if (prev) loom_metrics_observe_reactor_turn(s->metrics, (double)(now - prev) * 1e-9);
+    if (s->stall_max_ns > 250000000ull && now - s->stall_log_ns > 10000000000ull) {
+        LOOM_WARN("the reactor stalled: a turn took %.0f ms (the longest in the last 10 s); streams, Health and the "
+                  "API waited that long", (double)s->stall_max_ns * 1e-6);
+        s->stall_log_ns = now;
+        s->stall_max_ns = 0;
+    }
+    atomic_store(&s->live_turn_ns, now);
+    int pending = s->n_reqs + (s->embeds != NULL);
+    atomic_store(&s->live_pending, s->n_reqs);
+    if (!pending || loom_grid_state(s->grid) != LOOM_GRID_READY) atomic_store(&s->live_progress_ns, now);
+    if (s->stall_file) {
+        char *txt = NULL;
+        if (loom_read_file(s->stall_file, &txt, NULL, NULL) == LOOM_OK) {
+            unlink(s->stall_file);
+            long ms = strtol(txt, NULL, 10);
+            free(txt);
+            LOOM_WARN("test hook: stalling the reactor for %ld ms", ms);
+            struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+            if (ms > 0) nanosleep(&ts, NULL);
+        }
+    }
+}
+
+int loom_server_max_queue(const loom_server_t *s) { return s->cfg.max_queue; }
+
+int loom_server_liveness(const loom_server_t *s, char *msg, size_t cap) {
+    int limit_ms = s->cfg.liveness_timeout_ms;
+    if (limit_ms <= 0) return 1;
+    uint64_t now = loom_now_ns(), turn = atomic_load(&s->live_turn_ns), prog = atomic_load(&s->live_progress_ns);
+    uint64_t limit = (uint64_t)limit_ms * 1000000ull;
+    if (turn && now > turn && now - turn > limit) {
+        snprintf(msg, cap, "stalled: the coordinator's reactor has not turned for %.1f s (limit %d ms, "
+                           "--liveness-timeout-ms)", (double)(now - turn) * 1e-9, limit_ms);
+        return 0;
+    }
+    if (prog && now > prog && now - prog > limit) {
+        snprintf(msg, cap, "stalled: no step has completed for %.1f s while %d request(s) wait (limit %d ms, "
+                           "--liveness-timeout-ms)", (double)(now - prog) * 1e-9, atomic_load(&s->live_pending),
+                 limit_ms);
+        return 0;
+    }
+    return 1;
+}
+
 int loom_server_run(loom_server_t *s) {
     LOOM_INFO("coordinator for %s (tp %d x pp %d): API on %s, workers on %s; waiting for %d worker(s)",
               s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, loom_grid_bound_addr(s->grid),
               loom_grid_n_slots(s->grid));
     while (!s->stop) {
-        zmq_pollitem_t items[] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0}, {s->api, 0, ZMQ_POLLIN, 0}};
-        if (zmq_poll(items, 2, 20) < 0 && errno != EINTR) break;
+        zmq_pollitem_t items[] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0},
+                                  {s->api, 0, ZMQ_POLLIN, 0},
+                                  {NULL, loom_prep_fd(s->prep), ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, 3, 20) < 0 && errno != EINTR) break;
         if (items[0].revents & ZMQ_POLLIN) loom_grid_on_readable(s->grid);
+        if (items[2].revents & ZMQ_POLLIN) prep_done(s);
         for (int burst = 0; burst < 256 && (items[1].revents & ZMQ_POLLIN); burst++) {
             zmq_msg_t f[8];
             int n = loom_zapi_recv_frames(s->api, f, 8);
@@ -1225,6 +1512,7 @@ int loom_server_run(loom_server_t *s) {
             for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
         }
         loom_grid_tick(s->grid);
+        liveness_turn(s);
         timers(s);
         schedule(s);
         publish_state(s);
@@ -1272,6 +1560,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .block_size = c->block_size, .num_kv_blocks = c->num_kv_blocks,
                              .max_model_len = s->max_model_len, .kv_memory = c->kv_memory,
                              .kv_fraction = c->kv_fraction, .heartbeat_timeout_ms = c->heartbeat_timeout_ms,
+                             .step_timeout_ms = c->step_timeout_ms, .step_token_us = c->step_token_us,
                              .etcd_url = c->etcd_url, .cluster = c->cluster, .advertise_host = c->advertise_host,
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
@@ -1285,6 +1574,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     *out = NULL;
     loom_server_t *s = loom_xcalloc(1, sizeof *s);
     s->cfg = *cfg;
+    s->stall_file = getenv("LOOM_TEST_STALL_FILE");
     /* workers may run elsewhere: hand them an absolute path */
     if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;
     cfg = &s->cfg;
@@ -1292,6 +1582,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     if (st < 0) goto fail;
     st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);
     if (st < 0) goto fail;
+    loom_err_t derr = {0};
+    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0)
+        LOOM_WARN("no model digest for ListModels (a router cannot check these weights): %s", derr.msg);
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
         loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};
@@ -1331,7 +1624,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
-    s->structured = loom_structured_create(s->tok, &s->mcfg);
+    s->structured = loom_structured_create(s->tok, &s->mcfg, (size_t)cfg->grammar_cache_bytes);
+    st = loom_prep_create(cfg->prepare_threads, &s->prep, err);
+    if (st < 0) goto fail;
     s->seed_state = loom_now_ns() ^ ((uint64_t)getpid() << 32);
     if (cfg->has_seed) s->seed_state = cfg->seed; /* --seed: reproducible seeds for requests without one */
     s->metrics = loom_metrics_create(s->model_name, cfg->pp, s->max_model_len);
@@ -1371,6 +1666,8 @@ void loom_server_destroy(loom_server_t **s_p) {
         req_free(q);
     }
     embed_fail_all(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
+    while (s->preparing) prep_drop(s, s->preparing);
+    loom_prep_destroy(&s->prep); /* after the requests: their jobs are freed here */
     loom_grid_destroy(&s->grid);
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);

@@ -31,6 +31,13 @@ typedef struct loom_server_config {
     float kv_fraction;        /* of the memory left after weights, shared by workers of a host */
     int prefix_cache;
     int heartbeat_timeout_ms;
+    int step_timeout_ms, step_token_us; /* a step's deadline: floor + tokens x per-token bound */
+    int liveness_timeout_ms;            /* Health is not ready when the reactor or the steps stall this long */
+    /* the preparation pool (prepare.h): grammar compilation and long prompts off the reactor */
+    int prepare_threads;
+    int grammar_compile_timeout_ms; /* a request's grammar compiles within this, else 400 */
+    uint64_t grammar_max_bytes;     /* a grammar's compiled (and building) bytes, else 400 */
+    uint64_t grammar_cache_bytes;   /* the compiled grammars kept for reuse (0: only their count) */
     int recovery_timeout_ms;  /* how long requests wait for a broken grid to be restored */
     const char *api_key;      /* required in every request when set */
     const char *ready_file;   /* written with the API address once the grid is ready */
@@ -70,6 +77,14 @@ void loom_server_destroy(loom_server_t **s_p);
 /* The server's metrics (thread-safe), for the HTTP gateway's /metrics. */
 struct loom_metrics;
 struct loom_metrics *loom_server_metrics(loom_server_t *s);
+
+/* --max-queue: the most requests that ever wait at once (constant). */
+int loom_server_max_queue(const loom_server_t *s);
+
+/* Thread-safe: 1 when the reactor turned and (with requests waiting on a
+ * READY grid) a step completed within --liveness-timeout-ms; else 0 and
+ * msg says which ("stalled: ..."). Health (ZeroMQ and HTTP) reports it. */
+int loom_server_liveness(const loom_server_t *s, char *msg, size_t cap);
 
 /* The ZeroMQ context and an inproc address serving the client API, for
  * in-process clients (the HTTP gateway). */

@@ -46,13 +46,29 @@ struct loom_guide {
     size_t n_text, cap_text;
 };
 
-loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg) {
+loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg,
+                                          size_t cache_bytes) {
     loom_structured_t *s = loom_xcalloc(1, sizeof *s);
     s->tok = tok;
     s->mcfg = mcfg;
     s->cache = loom_grammar_cache_create(GRAMMAR_CACHE_CAPACITY);
+    loom_grammar_cache_set_max_bytes(s->cache, cache_bytes);
     return s;
 }
+
+int loom_structured_lookup(loom_structured_t *s, int kind, const char *spec, size_t len, loom_grammar_t **out) {
+    *out = NULL;
+    if (kind < LOOM_GRAMMAR_JSON_OBJECT || kind > LOOM_GRAMMAR_TOOL_CALLS) return 0;
+    if (loom_grammar_cache_lookup(s->cache, (loom_grammar_kind_t)kind, spec, len, out)) return 1;
+    loom_grammar_cache_miss(s->cache);
+    return 0;
+}
+
+void loom_structured_put(loom_structured_t *s, int kind, const char *spec, size_t len, loom_grammar_t *gr) {
+    loom_grammar_cache_put(s->cache, (loom_grammar_kind_t)kind, spec, len, gr);
+}
+
+size_t loom_structured_cache_bytes(const loom_structured_t *s) { return loom_grammar_cache_bytes(s->cache); }
 
 void loom_structured_destroy(loom_structured_t **s_p) {
     if (!s_p || !*s_p) return;
@@ -84,6 +100,15 @@ loom_status_t loom_guide_create(loom_structured_t *s, int kind, const char *spec
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "guide_kind %d is not one of 1 to 6", kind);
     loom_grammar_t *gr = NULL;
     LOOM_CHECK(loom_grammar_cache_get(s->cache, (loom_grammar_kind_t)kind, spec, len, &gr, err));
+    loom_status_t st = loom_guide_create_from(s, gr, after, out, err);
+    loom_grammar_destroy(&gr);
+    return st;
+}
+
+loom_status_t loom_guide_create_from(loom_structured_t *s, loom_grammar_t *grammar, const char *after,
+                                     loom_guide_t **out, loom_err_t *err) {
+    *out = NULL;
+    loom_grammar_t *gr = loom_grammar_ref(grammar);
     loom_status_t st = ensure_vocab(s, err);
     loom_grammar_matcher_t *m = NULL;
     if (st == LOOM_OK) st = loom_grammar_matcher_create(gr, s->vocab, &m, err);

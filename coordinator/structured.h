@@ -12,13 +12,15 @@
  * ends on anything but a complete match reports finish_reason length.
  *
  * Everything here runs on the coordinator's reactor thread (grammars and
- * matchers are not thread-safe). */
+ * matchers are not thread-safe); a grammar the cache lacks is compiled on
+ * the preparation pool (prepare.h) and handed in with loom_structured_put. */
 #ifndef LOOM_STRUCTURED_H
 #define LOOM_STRUCTURED_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/grammar.h"
 #include "common/model_config.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
@@ -27,8 +29,21 @@
 typedef struct loom_structured loom_structured_t; /* server-wide: vocabulary and grammar cache */
 typedef struct loom_guide loom_guide_t;           /* one request's matcher */
 
-/* Cheap: the vocabulary is built on the first constrained request. */
-loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg);
+/* Cheap: the vocabulary is built on the first constrained request.
+ * cache_bytes bounds the grammar cache (0: only its entry count). */
+loom_structured_t *loom_structured_create(const loom_tokenizer_t *tok, const loom_model_config_t *mcfg,
+                                          size_t cache_bytes);
+
+/* The cached grammar of (kind, spec): 1 and a new reference, or 0 (compile
+ * it elsewhere, then loom_structured_put and loom_guide_create_from). */
+int loom_structured_lookup(loom_structured_t *s, int kind, const char *spec, size_t len, loom_grammar_t **out);
+void loom_structured_put(loom_structured_t *s, int kind, const char *spec, size_t len, loom_grammar_t *gr);
+/* A guide over a compiled grammar (the guide takes its own reference);
+ * after as for loom_guide_create. */
+loom_status_t loom_guide_create_from(loom_structured_t *s, loom_grammar_t *gr, const char *after, loom_guide_t **out,
+                                     loom_err_t *err);
+/* The grammar cache's bytes now, for logs and tests. */
+size_t loom_structured_cache_bytes(const loom_structured_t *s);
 void loom_structured_destroy(loom_structured_t **s_p);
 
 /* kind: api.proto guide_kind (1..6, loom_grammar_kind_t). Bad specs are

@@ -84,6 +84,9 @@ typedef struct listener {
 
 struct loom_http {
     loom_http_metrics_fn metrics_fn; /* /metrics of the endpoint */
+    loom_http_liveness_fn liveness_fn; /* /health's check without a round trip (NULL: none) */
+    void *liveness_ctx;
+    int max_queue; /* the endpoint's --max-queue (0: unknown) */
     void *metrics_ctx;
     struct MHD_Daemon *daemon;
     void *zctx;

@@ -307,6 +307,10 @@ static void abandon_multi(req_t *q, choice_t *cs, int n) {
  * streaming; usage counts each prompt once. */
 static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
     int n_prompts = g->n_batch > 1 ? g->n_batch : 1, n = n_prompts * g->n;
+    if (q->h->max_queue > 0 && n > q->h->max_queue) /* never queued whole: a 429 would be retried forever */
+        return respond_error(q, 400, "invalid_request_error", g->n > 1 ? "n" : "prompt", NULL,
+                             "n x prompts is %d requests, more than this server's waiting queue ever holds (%d, "
+                             "--max-queue)", n, q->h->max_queue);
     choice_t *cs = loom_xcalloc((size_t)n, sizeof *cs);
     enum MHD_Result res;
     loom_err_t err = {0};
@@ -579,6 +583,10 @@ static ssize_t multi_sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
 
 static enum MHD_Result handle_multi_stream(req_t *q, gen_t *g) {
     int n_prompts = g->n_batch > 1 ? g->n_batch : 1;
+    if (q->h->max_queue > 0 && n_prompts * g->n > q->h->max_queue) /* as handle_multi */
+        return respond_error(q, 400, "invalid_request_error", g->n > 1 ? "n" : "prompt", NULL,
+                             "n x prompts is %d requests, more than this server's waiting queue ever holds (%d, "
+                             "--max-queue)", n_prompts * g->n, q->h->max_queue);
     multi_stream_t *ms = loom_xcalloc(1, sizeof *ms);
     ms->n_per = g->n;
     ms->n = ms->left = n_prompts * g->n;
@@ -1059,11 +1067,12 @@ static struct MHD_Daemon *start_daemon(loom_http_t *h, listener_t *l, struct soc
                      MHD_USE_ERROR_LOG | (v6 ? MHD_USE_IPv6 : 0) | (tls ? MHD_USE_TLS : 0);
     uint16_t port = ss->ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)ss)->sin6_port)
                                                : ntohs(((struct sockaddr_in *)ss)->sin_port);
-    struct MHD_OptionItem extra[4];
+    struct MHD_OptionItem extra[6];
     int n = 0;
     if (tls) {
         extra[n++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, h->tls.cert_pem};
         extra[n++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, h->tls.key_pem};
+        extra[n++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_PRIORITIES, 0, h->tls.priorities};
     }
     if (!l->probe && h->per_ip > 0)
         extra[n++] = (struct MHD_OptionItem){MHD_OPTION_PER_IP_CONNECTION_LIMIT, h->per_ip, NULL};
@@ -1098,7 +1107,14 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--tls-cert/--tls-key: this libmicrohttpd is built without TLS support");
     loom_http_tls_t tls = {0};
-    if (cfg->tls_cert || cfg->tls_key) LOOM_CHECK(loom_http_tls_load(cfg->tls_cert, cfg->tls_key, &tls, err));
+    if (cfg->tls_cert || cfg->tls_key) {
+        LOOM_CHECK(loom_http_tls_load(cfg->tls_cert, cfg->tls_key, &tls, err));
+        loom_status_t pst = loom_http_tls_priorities(cfg->tls_priorities, &tls, err);
+        if (pst < 0) {
+            loom_http_tls_free(&tls);
+            return pst;
+        }
+    }
     loom_toolfmt_t tool_fmt = LOOM_TOOLFMT_NONE;
     loom_reasoning_t reasoning = LOOM_REASONING_NONE;
     if (cfg->tool_call_parser && !(tool_fmt = loom_toolfmt_from_name(cfg->tool_call_parser))) {
@@ -1119,6 +1135,9 @@ loom_status_t loom_http_start_at(const loom_http_endpoint_t *ep, const loom_http
     snprintf(h->inproc, sizeof h->inproc, "%s", ep->inproc_addr);
     h->metrics_fn = ep->metrics;
     h->metrics_ctx = ep->metrics_ctx;
+    h->liveness_fn = ep->liveness;
+    h->liveness_ctx = ep->liveness_ctx;
+    h->max_queue = ep->max_queue;
     snprintf(h->bind, sizeof h->bind, "%s", bind);
     h->api_key = cfg->api_key && cfg->api_key[0] ? loom_xstrdup(cfg->api_key) : NULL;
     h->forward_api_keys = cfg->forward_api_keys;

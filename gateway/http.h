@@ -32,6 +32,7 @@ typedef struct loom_http_config {
                                   /version, with slots of its own (NULL: none) */
     const char *tls_cert;      /* PEM certificate chain: serve HTTPS on bind (with tls_key; NULL: plain) */
     const char *tls_key;       /* PEM private key of tls_cert */
+    const char *tls_priorities; /* GnuTLS priority string (--ssl-ciphers; NULL: TLS 1.2+, forward secret, AEAD) */
     int header_timeout_s;      /* a request's headers must be complete this long after the connection
                                   opened or its previous response ended (0: 10; < 0: no deadline) */
     int body_timeout_s;        /* its body this long after the headers (0: 60; < 0: no deadline) */
@@ -54,11 +55,17 @@ typedef struct loom_http loom_http_t;
  * process: its ZeroMQ context and address, and what renders its /metrics
  * (malloc'ed text, *len bytes; NULL: 500). */
 typedef char *(*loom_http_metrics_fn)(void *ctx, size_t *len);
+/* Thread-safe: 1 when the endpoint's reactor is live, else 0 and msg says
+ * why ("stalled: ..."): /health answers 503 then without a round trip. */
+typedef int (*loom_http_liveness_fn)(void *ctx, char *msg, size_t cap);
 typedef struct loom_http_endpoint {
     void *zmq_context;
     const char *inproc_addr;
     loom_http_metrics_fn metrics;
     void *metrics_ctx;
+    loom_http_liveness_fn liveness; /* NULL: none (Health alone says) */
+    void *liveness_ctx;
+    int max_queue; /* the most requests that ever wait at once (0: unknown): more choices are a 400 */
 } loom_http_endpoint_t;
 /* Loads and compiles the chat template (a syntax error names
  * FILE:LINE:COL; an unknown --tool-call-parser or --reasoning-parser is an

@@ -106,10 +106,25 @@ fail:
     return st;
 }
 
+loom_status_t loom_http_tls_priorities(const char *given, loom_http_tls_t *t, loom_err_t *err) {
+    const char *p = given && given[0] ? given : LOOM_HTTP_TLS_DEFAULT_PRIORITIES;
+    gnutls_priority_t prio = NULL;
+    const char *where = NULL;
+    int rc = gnutls_priority_init(&prio, p, &where);
+    if (rc < 0)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--ssl-ciphers '%s': %s at '%.40s'", p, gnutls_strerror(rc),
+                            where ? where : "?");
+    gnutls_priority_deinit(prio);
+    free(t->priorities);
+    t->priorities = loom_xstrdup(p);
+    return LOOM_OK;
+}
+
 void loom_http_tls_free(loom_http_tls_t *t) {
     if (!t) return;
     if (t->key_pem) memset(t->key_pem, 0, strlen(t->key_pem));
     free(t->cert_pem);
     free(t->key_pem);
+    free(t->priorities);
     *t = (loom_http_tls_t){0};
 }

@@ -12,7 +12,18 @@ typedef struct loom_http_tls {
     char *cert_pem; /* the certificate chain, leaf first */
     char *key_pem;
     long long not_after; /* the leaf's expiry (unix time) */
+    char *priorities;    /* the GnuTLS priority string served (checked) */
 } loom_http_tls_t;
+
+/* The default: TLS 1.2 and 1.3 only, forward-secret key exchanges (ECDHE,
+ * DHE; no static RSA) and AEAD ciphers only (no CBC, no RC4, no 3DES). */
+#define LOOM_HTTP_TLS_DEFAULT_PRIORITIES                                                                      \
+    "NORMAL:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2:-RSA:-VERS-SSL3.0:-AES-128-CBC:-AES-256-CBC:-CAMELLIA-128-CBC:" \
+    "-CAMELLIA-256-CBC:-3DES-CBC:-ARCFOUR-128"
+
+/* Checks a GnuTLS priority string (--ssl-ciphers; NULL: the default) into
+ * t->priorities: INVALID_ARGUMENT naming where it is wrong. */
+loom_status_t loom_http_tls_priorities(const char *given, loom_http_tls_t *t, loom_err_t *err);
 
 /* Reads and checks cert_path and key_path. INVALID_ARGUMENT naming the file
  * and the reason when unreadable, not PEM, mismatched, expired or not yet

@@ -43,6 +43,15 @@ enum MHD_Result handle_health(req_t *q) {
         cJSON_AddStringToObject(o, "message", "draining: shutting down");
         return respond_json(q, MHD_HTTP_SERVICE_UNAVAILABLE, o);
     }
+    char why[300];
+    if (q->h->liveness_fn && !q->h->liveness_fn(q->h->liveness_ctx, why, sizeof why)) {
+        /* a stalled reactor would not answer */
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "status", "unavailable");
+        cJSON_AddStringToObject(o, "state", "stalled");
+        cJSON_AddStringToObject(o, "message", why);
+        return respond_json(q, MHD_HTTP_SERVICE_UNAVAILABLE, o);
+    }
     loom_status_t st = probe_client(q->h, &c, &err);
     if (st == LOOM_OK) st = loom_client_health(c, &hl, &err);
     loom_client_close(&c);

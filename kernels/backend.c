@@ -66,6 +66,7 @@ static const struct {
     {LOOM_CAP_KV_BF16, "kv_bf16", "a bf16 KV cache"},
     {LOOM_CAP_KV_I8, "kv_int8", "an int8 KV cache"},
     {LOOM_CAP_KV_FP8, "kv_fp8", "an fp8 KV cache"},
+    {LOOM_CAP_ATTN_WIDE, "attn_wide", "attention heads wider than 256"},
 };
 const char *loom_cap_name(uint32_t cap) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_caps); i++)
@@ -319,6 +320,12 @@ void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int 
 }
 int loom_backend_moe_add_bias_supported(const loom_backend_t *be) {
     return be->ops->moe_add_bias != NULL;
+}
+int loom_backend_has_lora(const loom_backend_t *be) { return be->ops->lora != NULL; }
+void loom_op_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                  int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r) {
+    LOOM_ASSERT(be->ops->lora && max_r >= 1);
+    if (n > 0 && n_slots > 0) be->ops->lora(be, y, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, max_r);
 }
 void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, int hd,
                   const int32_t *pos, const float *inv_freq) {

@@ -54,8 +54,9 @@ typedef enum {
     LOOM_CAP_KV_BF16 = 1u << 7,       /* KV cache elements other than F32 (kv_supported) */
     LOOM_CAP_KV_I8 = 1u << 8,
     LOOM_CAP_KV_FP8 = 1u << 9,
+    LOOM_CAP_ATTN_WIDE = 1u << 10,    /* attention heads wider than 256 (MLA's latent rows: 576 for DeepSeek-V3) */
 } loom_cap_t;
-#define LOOM_CAP_COUNT 10
+#define LOOM_CAP_COUNT 11
 /* "sliding-window attention"; cap is one bit */
 const char *loom_cap_name(uint32_t cap);
 /* "attn_window": the key `loom info --json` prints */
@@ -216,6 +217,24 @@ void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_exp
 void loom_op_moe_gemv(loom_backend_t *be, float *y, const float *x, int xdiv, const int32_t *sel,
                       int n_pairs, const void *table, loom_dtype_t dtype, int64_t rows,
                       int64_t cols);
+
+/* Optional (CPU): low-rank adapter deltas for a batch that mixes adapters
+ * (LoRA; worker/engine/linear.c). slots[s] is adapter slot s's matrices
+ * for one projection on this shard: A (r, in) and Bt (r, out), device
+ * memory. y[i, 0:out] += scale_s * (x[i] A_s^T) Bt_s for every row i whose
+ * row_slot[i] (device) = s >= 0; rows with -1, and slots of rank 0, are
+ * left alone. ldy / ldx are row strides. A backend without the op cannot
+ * load a model with adapter slots (loom_backend_has_lora). */
+#define LOOM_LORA_MAX_SLOTS 32 /* slots one op call may name (the CUDA kernels take them by value) */
+typedef struct loom_lora_op_slot {
+    const float *a;  /* (r, in) */
+    const float *bt; /* (r, out): B transposed, so the expand streams rows of it */
+    int r;           /* 0: this adapter does not adapt the projection */
+    float scale;
+} loom_lora_op_slot_t;
+int loom_backend_has_lora(const loom_backend_t *be);
+void loom_op_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                  int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r);
 
 /* Rotary embedding, HF rotate-half convention, in place on `n_heads` heads of
  * each of n rows: row i starts at x + i*stride, head h at +h*hd; pair

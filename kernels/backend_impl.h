@@ -77,6 +77,9 @@ typedef struct loom_backend_ops {
     /* optional: expert biases on the rows of moe_gemv (loom_op_moe_add_bias) */
     void (*moe_add_bias)(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
                          int cols);
+    /* optional: LoRA deltas (loom_op_lora) */
+    void (*lora)(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                 int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r);
     int (*graph_begin)(loom_backend_t *be, uint64_t key);
     int (*graph_end)(loom_backend_t *be, uint64_t key);
 } loom_backend_ops_t;

@@ -11,6 +11,7 @@
 #include "common/reasoning.h"
 #include "gateway/http.h"
 #include "gateway/tool_calls.h"
+#include "router/probe.h"
 #include "router/router.h"
 
 #define MAX_STATIC 64
@@ -68,7 +69,7 @@ int main(int argc, char **argv) {
         replicas[n_rep++] = a;
     }
     const char *policy = "prefix", *http_bind = NULL, *chat_template = NULL, *log_format = NULL,
-               *dummy = NULL, *tool_parser = NULL, *reasoning_parser = NULL;
+               *dummy = NULL, *tool_parser = NULL, *reasoning_parser = NULL, *probe_bind = NULL;
     int trust_request_template = 0;
     const char *env_key = getenv("LOOM_API_KEY"), *env_replica_key = getenv("LOOM_REPLICA_API_KEY");
     float lambda = 1.0f;
@@ -157,6 +158,10 @@ int main(int argc, char **argv) {
         {"insecure-api", LOOM_OPT_FLAG, &c.insecure_api, NULL,
          "serve a --listen bound to a non-loopback address without client keys (anyone who reaches it "
          "may use it)",
+         1, 0, NULL},
+        {"probe-listen", LOOM_OPT_STR, &probe_bind, "HOST:PORT",
+         "serve GET /health (liveness: the reactor turns) and /ready (a replica is up) here, on a socket and thread "
+         "of their own: probes stay answered while the traffic ports are flooded (docs/operations.md)",
          1, 0, NULL},
         {"http", LOOM_OPT_STR, &http_bind, "HOST:PORT",
          "also serve the OpenAI-compatible HTTP API, /health and /metrics here (port 0: any free "
@@ -260,12 +265,20 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    loom_probe_t *probe = NULL;
+    if (probe_bind && loom_probe_start(probe_bind, loom_router_probe_state, g_router, &probe, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        loom_http_stop(&http);
+        loom_router_destroy(&g_router);
+        return 1;
+    }
     struct sigaction sa = {.sa_handler = on_signal};
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     int rc = loom_router_run(g_router);
     loom_http_drain(http, 2000);
     loom_http_stop(&http);
+    loom_probe_stop(&probe);
     loom_router_destroy(&g_router);
     return rc;
 }

@@ -12,22 +12,29 @@
  * cleared when it goes DOWN or leaves (a restarted coordinator has an empty
  * cache).
  *
- * Request lifecycle: a client Generate is tokenized (with --model), scored
- * and sent to one replica under a fresh upstream id; chunks come back under
+ * Request lifecycle: a client Generate is tokenized (with --model; without
+ * it the replica is asked for the prompt's ids, return_prompt_ids, which its
+ * first chunk brings), scored and sent to one replica under a fresh upstream id; chunks come back under
  * that id and go to the client under its own id, their ids kept. When the
  * replica goes DOWN, stalls (no chunk for stall_timeout_ms) or refuses with
  * UNAVAILABLE / RESOURCE_EXHAUSTED, the request is re-sent to another UP
  * replica as prompt_ids = prompt + the ids streamed so far and max_tokens
  * reduced by them, under a new upstream id (late chunks of the old one are
  * dropped), at most max_retries times; then it ends with UNAVAILABLE. A
- * client that cancels or vanishes (ROUTER_MANDATORY: EHOSTUNREACH) gets its
- * upstream request cancelled. No request outlives request_timeout_ms. */
+ * chunk with a token id outside the vocabulary, or an empty final chunk, is
+ * the replica's fault: not relayed, the replica goes DOWN and its streams
+ * move on. A stream that moves is cancelled on the replica it leaves. A
+ * refusal that is the request's own fault (INVALID_ARGUMENT, ...) is relayed,
+ * never failed over. A client that cancels or vanishes (ROUTER_MANDATORY:
+ * EHOSTUNREACH) gets its upstream request cancelled. No request outlives
+ * request_timeout_ms. */
 #include "router/router.h"
 
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +47,7 @@
 #include "common/etcd.h"
 #include "common/keys.h"
 #include "common/log.h"
+#include "common/model_digest.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "common/zap.h"
@@ -114,6 +122,7 @@ typedef struct route {
     int got_first;      /* a chunk came from the current replica */
     int delivered;      /* a chunk reached the client */
     int hit_blocks; /* prefix blocks the chosen replica held, per the index */
+    int strip_pids; /* the client did not ask for the prompt's ids: the router asked for them, for itself */
     /* After a failover the router writes the text itself, from the ids, with
      * a detokenizer primed with the ids already streamed: the new replica's
      * detokenizer starts empty and would lose a character split across the
@@ -167,6 +176,10 @@ struct loom_router {
     int have_ref; /* the reference model (first replica that joined) */
     char ref_model[256];
     int ref_vocab, ref_ctx, ref_tp, ref_pp;
+    /* the reference model's digests (common/model_digest.h): the --model
+     * directory's, else the first replica's that published them; "": none */
+    char ref_weights[LOOM_DIGEST_HEX], ref_tokenizer[LOOM_DIGEST_HEX];
+    char ref_digest_from[300];
     route_t *routes;
     route_t *buckets[ROUTE_BUCKETS];
     int n_routes;
@@ -180,6 +193,7 @@ struct loom_router {
     uint64_t routed[LOOM_POLICY_COUNT], failovers, failover_gave_up, unplaceable, cancels,
         disconnects;
     uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
+    uint64_t bad_chunks, relayed_errors; /* replica faults in a stream; request faults passed on */
     uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
     etcd_thread_t etcd;
     void *tok_jobs, *tok_results; /* PUSH to and PULL from the tokenizer threads */
@@ -190,6 +204,9 @@ struct loom_router {
     char *metrics_text;
     size_t metrics_len;
     uint64_t last_tick, last_metrics;
+    /* for the probe listener's thread (loom_router_probe_state) */
+    _Atomic uint64_t beat_ns; /* the reactor's last tick */
+    _Atomic int n_up, n_used;
     uint64_t t_recv; /* when the message being handled was received */
     int api_dirty;   /* sent on since it was last read to EAGAIN (the reactor's watch) */
     /* Per request, the time spent inside the router before its first token
@@ -310,8 +327,11 @@ static void route_free(loom_router_t *r, route_t *q) {
     free(q);
 }
 
+/* Cancels the request's stream on its current replica: when the client is
+ * gone, and whenever the stream moves away (a stall, a fault, the replica
+ * found down), so a replica that is only slow stops spending on it. */
 static void cancel_upstream(loom_router_t *r, route_t *q) {
-    if (q->rep < 0 || r->reps[q->rep].state != REP_UP) return;
+    if (q->rep < 0 || !r->reps[q->rep].sock || r->reps[q->rep].state == REP_REFUSED) return;
     Loom__V1__Request rq = LOOM__V1__REQUEST__INIT;
     Loom__V1__CancelRequest c = LOOM__V1__CANCEL_REQUEST__INIT;
     c.target_request_id = q->up_id;
@@ -458,6 +478,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         Loom__V1__GenerateRequest g = *q->rq->generate;
         rq.generate = &g;
         rq.request_id = q->up_id;
+        if (!q->prompt) g.return_prompt_ids = 1; /* no tokenizer: the replica tells us the prompt's ids */
         int32_t *ids = NULL;
         if (q->n_gen > 0) { /* continue from the tokens already streamed */
             ids = loom_xmalloc((size_t)(q->n_prompt + q->n_gen) * sizeof *ids);
@@ -512,13 +533,14 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
 
 /* The request lost its replica (why): continue it elsewhere. */
 static void fail_over(loom_router_t *r, route_t *q, const char *why) {
+    cancel_upstream(r, q); /* the old replica may still be streaming it */
     if (q->rep >= 0) r->reps[q->rep].failovers++;
     if (q->n_gen > 0 &&
         !q->prompt) { /* without the tokenizer the prompt cannot be continued as ids */
         char msg[600];
         snprintf(msg, sizeof msg,
-                 "the replica serving the request failed mid-stream (%s), and the router has no "
-                 "tokenizer (--model) to continue it elsewhere",
+                 "the replica serving the request failed mid-stream (%s) before it sent the prompt's "
+                 "ids, and the router has no tokenizer (--model) to continue it elsewhere",
                  why);
         client_error(r, q->rid, q->rid_len, q->client_id, LOOM_ERR_UNAVAILABLE, msg);
         route_free(r, q);
@@ -551,8 +573,13 @@ static void fail_over(loom_router_t *r, route_t *q, const char *why) {
         return;
     }
     r->failovers++;
-    LOOM_INFO("request %llu: moving to another replica after %d streamed tokens (%s)",
-              (unsigned long long)q->client_id, q->n_gen, why);
+    /* named by the router-wide id (and the caller's tag): client ids count per
+     * connection, so every gateway connection's first request is "request 1" */
+    const char *tag = q->rq && q->rq->generate && q->rq->generate->tag ? q->rq->generate->tag : "";
+    for (const char *c = tag; *c; c++)
+        if (*c < 0x20 || *c > 0x7e || c - tag >= 128) tag = ""; /* only a printable tag is logged */
+    LOOM_INFO("request r%llu%s%.128s%s: moving to another replica after %d streamed tokens (%s)",
+              (unsigned long long)q->up_id, tag[0] ? " (" : "", tag, tag[0] ? ")" : "", q->n_gen, why);
     place(r, q, why);
 }
 
@@ -676,6 +703,7 @@ static void on_generate(loom_router_t *r, const void *rid, size_t rid_len, Loom_
         q->prompt = loom_xmalloc((size_t)q->n_prompt * sizeof *q->prompt);
         memcpy(q->prompt, g->prompt_ids, (size_t)q->n_prompt * sizeof *q->prompt);
     }
+    q->strip_pids = !g->return_prompt_ids && !g->prompt_logprobs;
     q->next = r->routes;
     if (r->routes) r->routes->prev = q;
     r->routes = q;
@@ -939,6 +967,21 @@ static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
         r->refused_joins++;
         return;
     }
+    const char *wd = m->weights_digest ? m->weights_digest : "", *td = m->tokenizer_digest ? m->tokenizer_digest : "";
+    if ((r->ref_weights[0] && wd[0] && strcmp(wd, r->ref_weights)) ||
+        (r->ref_tokenizer[0] && td[0] && strcmp(td, r->ref_tokenizer))) {
+        int w = r->ref_weights[0] && wd[0] && strcmp(wd, r->ref_weights);
+        set_state(r, i, REP_REFUSED, "it serves '%s' with other %s (digest %s; the reference, from %s, is %s)", m->id,
+                  w ? "weights" : "tokenizer files", w ? wd : td, r->ref_digest_from,
+                  w ? r->ref_weights : r->ref_tokenizer);
+        r->refused_joins++;
+        return;
+    }
+    if (!r->ref_weights[0] && wd[0]) { /* the first to publish them sets the reference */
+        snprintf(r->ref_weights, sizeof r->ref_weights, "%s", wd);
+        snprintf(r->ref_digest_from, sizeof r->ref_digest_from, "replica %s", p->addr);
+    }
+    if (!r->ref_tokenizer[0] && td[0]) snprintf(r->ref_tokenizer, sizeof r->ref_tokenizer, "%s", td);
     if (!r->have_ref) {
         r->have_ref = 1;
         snprintf(r->ref_model, sizeof r->ref_model, "%s", m->id);
@@ -1071,6 +1114,34 @@ static void ttft_record(replica_t *p, double ms) {
     if (p->n_ttft < TTFT_RING) p->n_ttft++;
 }
 
+/* A chunk no healthy replica sends: a token id outside the vocabulary, or a
+ * final chunk that is empty (no finish reason, or no usage). Writes what is
+ * wrong to why; 0 when the chunk is fine. */
+static int chunk_fault(const loom_router_t *r, const Loom__V1__Reply *rep, char *why, size_t cap) {
+    const Loom__V1__GenerateChunk *ch = rep->chunk;
+    if (!ch) return 0;
+    for (size_t k = 0; k < ch->n_ids; k++)
+        if (ch->ids[k] < 0 || (r->ref_vocab > 0 && ch->ids[k] >= r->ref_vocab)) {
+            snprintf(why, cap, "token id %d, outside the vocabulary of %d", (int)ch->ids[k], r->ref_vocab);
+            return 1;
+        }
+    if (ch->final && rep->code == LOOM__V1__STATUS_CODE__OK &&
+        (ch->finish_reason == LOOM__V1__FINISH_REASON__FINISH_NONE || !ch->usage)) {
+        snprintf(why, cap, "an empty final chunk (%s)",
+                 ch->finish_reason == LOOM__V1__FINISH_REASON__FINISH_NONE ? "no finish reason" : "no usage");
+        return 1;
+    }
+    return 0;
+}
+
+/* The request's own fault (a bad argument, a prompt too long, a missing
+ * permission): every replica would say the same, so the error goes to the
+ * client instead of failing over. */
+static int request_fault(loom_status_t st) {
+    return st == LOOM_ERR_INVALID_ARGUMENT || st == LOOM_ERR_NOT_FOUND || st == LOOM_ERR_UNAUTHENTICATED ||
+           st == LOOM_ERR_FORMAT || st == LOOM_ERR_UNSUPPORTED;
+}
+
 static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
     Loom__V1__GenerateChunk *ch = rep->chunk;
@@ -1085,6 +1156,22 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
             fail_over(r, q, why);
             return;
         }
+        if (request_fault(st)) r->relayed_errors++; /* relayed below: every replica would say the same */
+    }
+    char fault[300];
+    if (chunk_fault(r, rep, fault, sizeof fault)) {
+        char why[600];
+        snprintf(why, sizeof why, "it sent %s (request %llu): not relayed", fault,
+                 (unsigned long long)q->client_id);
+        LOOM_WARN("replica %s: %s", p->addr, why);
+        r->bad_chunks++;
+        replica_down(r, i, why); /* circuit-broken; its streams, this one included, move on */
+        return;
+    }
+    if (ch && ch->n_prompt_ids && !q->prompt) { /* what a failover continues from, without a tokenizer */
+        q->n_prompt = (int)ch->n_prompt_ids;
+        q->prompt = loom_xmalloc(ch->n_prompt_ids * sizeof *q->prompt);
+        memcpy(q->prompt, ch->prompt_ids, ch->n_prompt_ids * sizeof *q->prompt);
     }
     q->t_last = now;
     if (!q->got_first) {
@@ -1118,9 +1205,19 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
         ch->usage->completion_tokens = (uint32_t)q->n_gen;
     }
     rep->request_id = q->client_id;
+    int32_t *pids = ch ? ch->prompt_ids : NULL; /* put back before rep is freed */
+    size_t n_pids = ch ? ch->n_prompt_ids : 0;
+    if (ch && q->strip_pids) { /* asked for by the router, not by the client */
+        ch->prompt_ids = NULL;
+        ch->n_prompt_ids = 0;
+    }
     if (q->crec) loom_rcache_rec_add(q->crec, rep);
     int sent = send_client(r, q->rid, q->rid_len, rep);
-    if (ch) ch->text = replica_text;
+    if (ch) {
+        ch->text = replica_text;
+        ch->prompt_ids = pids;
+        ch->n_prompt_ids = n_pids;
+    }
     if (sent >= 0 && !q->delivered) {
         q->delivered = 1;
         if (q->attempts == 1)
@@ -1159,10 +1256,17 @@ static void on_replica(loom_router_t *r, int i, zmq_msg_t *frames, int n) {
     } else {
         route_t *q = route_find(r, rep->request_id);
         if (q && q->rep == i) {
-            if (rep->body_case == LOOM__V1__REPLY__BODY_CHUNK && rep->chunk)
+            if (rep->body_case == LOOM__V1__REPLY__BODY_CHUNK && rep->chunk) {
                 on_chunk(r, i, q, rep);
-            else if (rep->code != LOOM__V1__STATUS_CODE__OK)
+            } else if (rep->code != LOOM__V1__STATUS_CODE__OK &&
+                       request_fault(loom_wire_status_from_code(rep->code))) {
+                r->relayed_errors++; /* the request's own fault: every replica would refuse it */
+                client_error(r, q->rid, q->rid_len, q->client_id, loom_wire_status_from_code(rep->code),
+                             rep->message && rep->message[0] ? rep->message : loom_wire_code_name(rep->code));
+                route_free(r, q);
+            } else if (rep->code != LOOM__V1__STATUS_CODE__OK) {
                 fail_over(r, q, rep->message ? rep->message : "error");
+            }
         } /* else: a late chunk of a request that moved on or ended */
     }
     protobuf_c_message_free_unpacked(&rep->base, NULL);
@@ -1312,8 +1416,7 @@ static void tick(loom_router_t *r) {
             char why[400];
             snprintf(why, sizeof why, "replica %s sent nothing for %d ms", r->reps[q->rep].addr,
                      r->cfg.stall_timeout_ms);
-            cancel_upstream(r, q);
-            fail_over(r, q, why);
+            fail_over(r, q, why); /* cancels it there */
         }
     }
 }
@@ -1513,11 +1616,13 @@ static void render_metrics(loom_router_t *r) {
                                "kv_events",
                                "kv_event_gaps",
                                "kv_events_blocks_cached",
-                               "kv_events_blocks_evicted"};
+                               "kv_events_blocks_evicted",
+                               "bad_chunks",
+                               "relayed_errors"};
     uint64_t cv[] = {r->failovers,        r->failover_gave_up,   r->unplaceable, r->cancels,
                      r->disconnects,      r->deadline_exceeded,  r->garbage,     r->refused_joins,
                      r->index_hit_blocks, r->index_query_blocks, r->kv_events,   r->kv_event_gaps,
-                     r->kv_blocks_cached, r->kv_blocks_evicted};
+                     r->kv_blocks_cached, r->kv_blocks_evicted, r->bad_chunks, r->relayed_errors};
     for (size_t k = 0; k < LOOM_ARRAY_LEN(cn); k++)
         sb_printf(&b, "# TYPE loom_router_%s_total counter\nloom_router_%s_total %llu\n", cn[k],
                   cn[k], (unsigned long long)cv[k]);
@@ -1757,10 +1862,15 @@ int loom_router_run(loom_router_t *r) {
         if (now - r->last_tick >= (uint64_t)r->cfg.probe_interval_ms * 1000000ull) {
             r->last_tick = now; /* before the pass, which reads what its sends touched */
             tick(r);
+            atomic_store(&r->n_up, n_state(r, REP_UP));
+            atomic_store(&r->n_used, n_known(r));
+            atomic_store(&r->beat_ns, now);
         }
         if (now - r->last_metrics >= 250000000ull) {
             r->last_metrics = now;
             render_metrics(r);
+            atomic_store(&r->n_up, n_state(r, REP_UP)); /* the probes agree with /metrics */
+            atomic_store(&r->n_used, n_known(r));
         }
         int moved = reactor_pass(r, &w);
         for (int i = 0; i < MAX_REPLICAS && !moved; i++)
@@ -1802,6 +1912,20 @@ int loom_router_run(loom_router_t *r) {
         route_free(r, q);
     }
     return 0;
+}
+
+void loom_router_probe_state(void *router, int *live, int *ready, char *msg, size_t cap) {
+    loom_router_t *r = router;
+    uint64_t beat = atomic_load(&r->beat_ns), now = loom_now_ns();
+    /* the reactor ticks every probe interval: alive while it did so lately */
+    uint64_t limit = (uint64_t)LOOM_MAX(5000, 10 * r->cfg.probe_interval_ms) * 1000000ull;
+    int up = atomic_load(&r->n_up), known = atomic_load(&r->n_used);
+    *live = beat && now - beat < limit;
+    *ready = *live && up > 0;
+    if (!*live)
+        snprintf(msg, cap, "the router's reactor has not turned for %.1f s", beat ? (double)(now - beat) / 1e9 : 0.0);
+    else
+        snprintf(msg, cap, "%d of %d replica(s) up", up, known);
 }
 
 void loom_router_stop(loom_router_t *r) {
@@ -1870,6 +1994,11 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     if (cfg->model_dir) {
         st = loom_tokenizer_load(cfg->model_dir, &r->tok, err);
         if (st < 0) goto fail;
+        loom_err_t derr = {0};
+        if (loom_model_digest(cfg->model_dir, r->ref_weights, r->ref_tokenizer, &derr) < 0)
+            LOOM_INFO("--model %s: no weights to digest (%s); the first replica's weights digest is the reference",
+                      cfg->model_dir, derr.msg);
+        snprintf(r->ref_digest_from, sizeof r->ref_digest_from, "--model %s", cfg->model_dir);
     }
     const char *name = cfg->model_name;
     char base[256];

@@ -65,5 +65,8 @@ void *loom_router_zmq_context(loom_router_t *r);
 const char *loom_router_inproc_addr(const loom_router_t *r);
 /* Prometheus text of the router's metrics (thread-safe; malloc'ed). */
 char *loom_router_metrics(void *router, size_t *len);
+/* For the probe listener (router/probe.h), from any thread: *live while the
+ * reactor ticks, *ready while a replica is up, msg a line saying so. */
+void loom_router_probe_state(void *router, int *live, int *ready, char *msg, size_t cap);
 
 #endif

@@ -59,6 +59,12 @@ typedef struct loom_comm_config {
      * per link and direction derived from the secret and the handshake's
      * nonces); a frame that fails its tag aborts the comm. */
     int encrypt;
+    /* tcp: polled while create waits for its links (every 200 ms at most);
+     * nonzero gives up at once with LOOM_ERR_UNAVAILABLE (the coordinator
+     * aborted this epoch: a join that cannot finish). NULL: wait until
+     * timeout_ms. */
+    int (*cancelled)(void *ctx);
+    void *cancel_ctx;
 } loom_comm_config_t;
 
 /* A worker's data-plane listening socket, opened at start-up (before it knows

@@ -88,7 +88,9 @@
 #define HELLO_MAX             (HELLO_HDR + 2 * HELLO_STR_MAX + NONCE_BYTES + MAC_BYTES)
 #define FRAME_HDR             24
 #define TCP_CREATE_DEFAULT_MS 30000
-#define TCP_MAX_PENDING       32 /* unidentified inbound connections held at once */
+#define TCP_MAX_PENDING       32 /* inbound connections not yet given a link, held at once */
+#define TCP_MAX_PER_SOURCE    8  /* of those, from one source address */
+#define TCP_HANDSHAKE_MS      3000 /* a connection's hello must arrive within this */
 #define TCP_MAX_BYTES         ((size_t)1 << 40)
 
 enum { LINK_TP = 1, LINK_PIPE = 2, LINK_ACK = 3 };
@@ -838,7 +840,17 @@ typedef struct pending {
     tcp_link_t *link;         /* authenticating: the link its hello claims; its proof comes next */
     uint8_t nd[NONCE_BYTES], na[NONCE_BYTES]; /* the dialler's and our nonce */
     uint8_t expect[MAC_BYTES]; /* the proof that peer must send */
+    uint64_t since;            /* accepted at (loom_now_ns) */
+    char src[96];              /* the source address, without its port */
 } pending_t;
+
+/* Inbound connections being accepted: the table and what was refused. */
+typedef struct admit {
+    pending_t *pend;
+    int np;
+    int need;                       /* expected inbound links still missing */
+    int n_idle, n_evicted, n_bad;   /* closed: past the handshake deadline, to make room, refused */
+} admit_t;
 
 /* Matches a complete hello to an expected inbound link; NULL (with *why) if
  * it is not one. */
@@ -873,21 +885,187 @@ static tcp_link_t *hello_match(loom_comm_tcp_t *c, const loom_comm_config_t *cfg
     return NULL;
 }
 
-static void pending_drop(pending_t *p, int *n, int i) {
-    close(p[i].fd);
-    p[i] = p[*n - 1];
-    (*n)--;
+static void pending_drop(admit_t *ad, int i) {
+    close(ad->pend[i].fd);
+    ad->pend[i] = ad->pend[ad->np - 1];
+    ad->np--;
 }
 
-/* Accepts until every expected inbound link has said hello. */
+/* Hands a pending connection's socket to its link. */
+static void pending_admit(admit_t *ad, int i, tcp_link_t *l) {
+    l->fd = ad->pend[i].fd;
+    ad->pend[i].fd = -1;
+    ad->pend[i] = ad->pend[ad->np - 1];
+    ad->np--;
+    ad->need--;
+}
+
+/* Unidentified: it has not sent a hello that names an expected peer yet. */
+static int pending_unidentified(const pending_t *p) {
+    return p->link == NULL;
+}
+
+/* How readily a pending connection gives up its place: an idle one (no byte
+ * yet) first, then one half way through its hello, a claimed one (its hello
+ * named an expected peer, its proof is due) last; the oldest first within a
+ * rank. Returns the index, -1 when there is none. from: only the unidentified
+ * ones of that source (NULL: any). */
+static int pending_victim(const admit_t *ad, const char *from) {
+    int best = -1, best_rank = 0;
+    for (int i = 0; i < ad->np; i++) {
+        const pending_t *p = &ad->pend[i];
+        if (from && (strcmp(p->src, from) || !pending_unidentified(p))) continue;
+        int rank = p->link ? 2 : p->have ? 1 : 0;
+        if (best < 0 || rank < best_rank || (rank == best_rank && p->since < ad->pend[best].since)) {
+            best = i;
+            best_rank = rank;
+        }
+    }
+    return best;
+}
+
+/* Reads what a pending connection sent; a complete hello gets its ack, a
+ * complete proof its link. Drops the connection on anything else. */
+static void pending_read(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admit_t *ad, int i,
+                         uint64_t deadline) {
+    pending_t *p = &ad->pend[i];
+    ssize_t r = recv(p->fd, p->buf + p->have, p->need - p->have, MSG_DONTWAIT);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        pending_drop(ad, i);
+        return;
+    }
+    if (r < 0) return;
+    p->have += (size_t)r;
+    if (p->have < p->need) return;
+    char who[96];
+    peer_name(p->fd, who, sizeof who);
+    if (p->link) { /* the proof after our ack */
+        tcp_link_t *l = p->link;
+        if (sodium_memcmp(p->buf, p->expect, MAC_BYTES) != 0) {
+            LOOM_WARN("tcp comm '%s': refused a connection from %s claiming the %s: it does not hold "
+                      "this epoch's data-plane secret",
+                      cfg->name, who, l->peer);
+            ad->n_bad++;
+            pending_drop(ad, i);
+            return;
+        }
+        if (l->fd >= 0) {
+            LOOM_WARN("tcp comm '%s': refused a connection from %s: the %s is already connected", cfg->name, who,
+                      l->peer);
+            ad->n_bad++;
+            pending_drop(ad, i);
+            return;
+        }
+        link_keys(cfg, l, 0, p->nd, p->na,
+                  l == &c->prev ? cfg->prev->worker_id : cfg->tp_group[l - c->tp].worker_id, cfg->self_id);
+        pending_admit(ad, i, l);
+        return;
+    }
+    if (p->need == HELLO_HDR) {
+        p->need = hello_len(p->buf);
+        if (!p->need || get16(p->buf + 6) == LINK_ACK) {
+            LOOM_DEBUG("tcp comm '%s': refused a connection from %s: not a Loom data-plane hello", cfg->name, who);
+            ad->n_bad++;
+            pending_drop(ad, i);
+            return;
+        }
+        if (p->have < p->need) return;
+    }
+    const char *why = "";
+    tcp_link_t *l = hello_match(c, cfg, p->buf, &why);
+    if (!l) {
+        LOOM_WARN("tcp comm '%s': refused a connection from %s: %s", cfg->name, who, why);
+        ad->n_bad++;
+        pending_drop(ad, i);
+        return;
+    }
+    uint8_t ack[HELLO_MAX], tail[NONCE_BYTES + MAC_BYTES];
+    const char *dialler = l == &c->prev ? cfg->prev->worker_id : cfg->tp_group[l - c->tp].worker_id;
+    if (auth_on(cfg)) {
+        const uint8_t *nd = p->buf + p->need - NONCE_BYTES;
+        randombytes_buf(tail, NONCE_BYTES);
+        memcpy(p->nd, nd, NONCE_BYTES);
+        memcpy(p->na, tail, NONCE_BYTES);
+        link_mac(cfg, "ack", nd, tail, dialler, cfg->self_id, tail + NONCE_BYTES);
+        link_mac(cfg, "dial", tail, nd, dialler, cfg->self_id, p->expect);
+    }
+    size_t len = hello_encode(ack, LINK_ACK, cfg->tp_rank, cfg->name, cfg->self_id, auth_on(cfg) ? tail : NULL,
+                              sizeof tail);
+    loom_err_t werr;
+    if (write_full(p->fd, ack, len, deadline, l->peer, &werr) < 0) {
+        LOOM_WARN("tcp comm '%s': %s", cfg->name, werr.msg);
+        pending_drop(ad, i);
+        return;
+    }
+    set_nodelay(p->fd);
+    if (auth_on(cfg)) { /* the slot is its once the proof is right */
+        p->link = l;
+        p->have = 0;
+        p->need = MAC_BYTES;
+        return;
+    }
+    pending_admit(ad, i, l);
+}
+
+/* Takes a new connection into the table. Admission never refuses the
+ * newcomer: when its source already holds TCP_MAX_PER_SOURCE unidentified
+ * places, or the table is full, the connection that gives up its place most
+ * readily (pending_victim) is closed instead, so idle sockets cannot crowd
+ * out a peer that connects after them, and a peer whose hello named it (its
+ * proof due) is never pushed out by its own host's strangers. The newcomer is read at once: a peer sends
+ * its hello right after connecting, so it is identified before the next
+ * newcomer can push it out. */
+static void pending_add(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admit_t *ad, int fd, uint64_t deadline) {
+    pending_t p = {.fd = fd, .need = HELLO_HDR, .since = loom_now_ns()};
+    char who[96];
+    peer_name(fd, who, sizeof who);
+    char *colon = strrchr(who, ':');
+    if (colon) *colon = '\0';
+    snprintf(p.src, sizeof p.src, "%s", who);
+    int same = 0;
+    for (int i = 0; i < ad->np; i++) same += pending_unidentified(&ad->pend[i]) && !strcmp(ad->pend[i].src, p.src);
+    int victim = same >= TCP_MAX_PER_SOURCE ? pending_victim(ad, p.src)
+                 : ad->np == TCP_MAX_PENDING ? pending_victim(ad, NULL)
+                                            : -1;
+    if (victim >= 0) {
+        LOOM_DEBUG("tcp comm '%s': closed a connection from %s to make room for a newer one", cfg->name,
+                   ad->pend[victim].src);
+        ad->n_evicted++;
+        pending_drop(ad, victim);
+    }
+    ad->pend[ad->np++] = p;
+    pending_read(c, cfg, ad, ad->np - 1, deadline);
+}
+
+/* Closes the unidentified connections that are past the handshake deadline;
+ * returns the ms until the next one is due (at most cap). */
+static int pending_expire(const loom_comm_config_t *cfg, admit_t *ad, int cap) {
+    uint64_t now = loom_now_ns(), limit = (uint64_t)TCP_HANDSHAKE_MS * 1000000ull;
+    int next = cap;
+    for (int i = ad->np - 1; i >= 0; i--) {
+        if (!pending_unidentified(&ad->pend[i])) continue;
+        uint64_t age = now - ad->pend[i].since;
+        if (age >= limit) {
+            LOOM_DEBUG("tcp comm '%s': closed a connection from %s: no hello within %d ms", cfg->name,
+                       ad->pend[i].src, TCP_HANDSHAKE_MS);
+            ad->n_idle++;
+            pending_drop(ad, i);
+        } else if ((int)((limit - age) / 1000000ull) + 1 < next) {
+            next = (int)((limit - age) / 1000000ull) + 1;
+        }
+    }
+    return next;
+}
+
+/* Accepts until every expected inbound link has said hello (and, with the
+ * epoch's secret, proved it). */
 static loom_status_t accept_links(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, int need,
                                   uint64_t deadline, loom_err_t *err) {
     int lfd = cfg->listener->fd;
-    pending_t *pend = loom_xcalloc(TCP_MAX_PENDING, sizeof *pend);
+    admit_t ad = {.pend = loom_xcalloc(TCP_MAX_PENDING, sizeof(pending_t)), .need = need};
     struct pollfd pfd[TCP_MAX_PENDING + 1];
-    int np = 0;
     loom_status_t st = LOOM_OK;
-    while (need > 0) {
+    while (ad.need > 0) {
         if (loom_comm_expired(deadline)) {
             char missing[256] = "";
             size_t len = 0;
@@ -900,117 +1078,40 @@ static loom_status_t accept_links(loom_comm_tcp_t *c, const loom_comm_config_t *
                               cfg->name, missing);
             break;
         }
+        if (cfg->cancelled && cfg->cancelled(cfg->cancel_ctx)) {
+            st = loom_err_set(err, LOOM_ERR_UNAVAILABLE, "tcp comm '%s': the join was called off", cfg->name);
+            break;
+        }
+        int wait_ms = pending_expire(cfg, &ad, loom_comm_ms_left(deadline, 200));
         pfd[0] = (struct pollfd){lfd, POLLIN, 0};
-        for (int i = 0; i < np; i++)
-            pfd[i + 1] = (struct pollfd){pend[i].fd, POLLIN, 0};
-        if (poll(pfd, (nfds_t)np + 1, loom_comm_ms_left(deadline, 200)) < 0 && errno != EINTR) {
+        for (int i = 0; i < ad.np; i++)
+            pfd[i + 1] = (struct pollfd){ad.pend[i].fd, POLLIN, 0};
+        int np = ad.np;
+        if (poll(pfd, (nfds_t)np + 1, wait_ms) < 0 && errno != EINTR) {
             st = loom_err_set(err, LOOM_ERR_INTERNAL, "tcp comm: poll: %s", strerror(errno));
             break;
         }
-        /* Read the pending ones first: pfd[i + 1] matches pend[i] until one is dropped. */
-        for (int i = np - 1; i >= 0; i--) {
-            if (!pfd[i + 1].revents) continue;
-            pending_t *p = &pend[i];
-            ssize_t r = recv(p->fd, p->buf + p->have, p->need - p->have, MSG_DONTWAIT);
-            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                pending_drop(pend, &np, i);
-                continue;
-            }
-            if (r < 0) continue;
-            p->have += (size_t)r;
-            if (p->have < p->need) continue;
-            char who[96];
-            peer_name(p->fd, who, sizeof who);
-            if (p->link) { /* the proof after our ack */
-                tcp_link_t *l = p->link;
-                if (sodium_memcmp(p->buf, p->expect, MAC_BYTES) != 0) {
-                    LOOM_WARN("tcp comm '%s': refused a connection from %s claiming the %s: it does not hold "
-                              "this epoch's data-plane secret",
-                              cfg->name, who, l->peer);
-                    pending_drop(pend, &np, i);
-                    continue;
-                }
-                if (l->fd >= 0) {
-                    LOOM_WARN("tcp comm '%s': refused a connection from %s: the %s is already connected",
-                              cfg->name, who, l->peer);
-                    pending_drop(pend, &np, i);
-                    continue;
-                }
-                l->fd = p->fd;
-                p->fd = -1;
-                link_keys(cfg, l, 0, p->nd, p->na,
-                          l == &c->prev ? cfg->prev->worker_id : cfg->tp_group[l - c->tp].worker_id, cfg->self_id);
-                pend[i] = pend[np - 1];
-                np--;
-                need--;
-                continue;
-            }
-            if (p->need == HELLO_HDR) {
-                p->need = hello_len(p->buf);
-                if (!p->need || get16(p->buf + 6) == LINK_ACK) {
-                    LOOM_WARN(
-                        "tcp comm '%s': refused a connection from %s: not a Loom data-plane hello",
-                        cfg->name, who);
-                    pending_drop(pend, &np, i);
-                    continue;
-                }
-                if (p->have < p->need) continue;
-            }
-            const char *why = "";
-            tcp_link_t *l = hello_match(c, cfg, p->buf, &why);
-            if (!l) {
-                LOOM_WARN("tcp comm '%s': refused a connection from %s: %s", cfg->name, who, why);
-                pending_drop(pend, &np, i);
-                continue;
-            }
-            uint8_t ack[HELLO_MAX], tail[NONCE_BYTES + MAC_BYTES];
-            const char *dialler = l == &c->prev ? cfg->prev->worker_id : cfg->tp_group[l - c->tp].worker_id;
-            if (auth_on(cfg)) {
-                const uint8_t *nd = p->buf + p->need - NONCE_BYTES;
-                randombytes_buf(tail, NONCE_BYTES);
-                memcpy(p->nd, nd, NONCE_BYTES);
-                memcpy(p->na, tail, NONCE_BYTES);
-                link_mac(cfg, "ack", nd, tail, dialler, cfg->self_id, tail + NONCE_BYTES);
-                link_mac(cfg, "dial", tail, nd, dialler, cfg->self_id, p->expect);
-            }
-            size_t len = hello_encode(ack, LINK_ACK, cfg->tp_rank, cfg->name, cfg->self_id,
-                                      auth_on(cfg) ? tail : NULL, sizeof tail);
-            loom_err_t werr;
-            if (write_full(p->fd, ack, len, deadline, l->peer, &werr) < 0) {
-                LOOM_WARN("tcp comm '%s': %s", cfg->name, werr.msg);
-                pending_drop(pend, &np, i);
-                continue;
-            }
-            set_nodelay(p->fd);
-            if (auth_on(cfg)) { /* the slot is its once the proof is right */
-                p->link = l;
-                p->have = 0;
-                p->need = MAC_BYTES;
-                continue;
-            }
-            l->fd = p->fd;
-            p->fd = -1;
-            pend[i] = pend[np - 1];
-            np--;
-            need--;
-        }
+        /* Read the pending ones first, from the last: pfd[i + 1] matches
+         * pend[i] as long as only entries at i or above have moved. */
+        for (int i = np - 1; i >= 0; i--)
+            if (pfd[i + 1].revents) pending_read(c, cfg, &ad, i, deadline);
         if (pfd[0].revents) {
             for (;;) {
                 int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
                 if (fd < 0) break;
-                if (np == TCP_MAX_PENDING) {
-                    LOOM_WARN("tcp comm '%s': too many unidentified connections, dropping one",
-                              cfg->name);
-                    close(fd);
-                    continue;
-                }
-                pend[np++] = (pending_t){.fd = fd, .have = 0, .need = HELLO_HDR};
+                pending_add(c, cfg, &ad, fd, deadline);
             }
         }
     }
-    for (int i = 0; i < np; i++)
-        close(pend[i].fd);
-    free(pend);
+    for (int i = 0; i < ad.np; i++)
+        close(ad.pend[i].fd);
+    if (ad.n_idle || ad.n_evicted || ad.n_bad || ad.np)
+        LOOM_WARN("tcp comm '%s': closed %d unidentified connection(s) while joining: %d sent no hello within "
+                  "%d ms, %d made room for newer ones, %d were refused (not a Loom hello, not an expected peer or "
+                  "no proof of the epoch's secret), %d were still pending when the links were complete",
+                  cfg->name, ad.n_idle + ad.n_evicted + ad.n_bad + ad.np, ad.n_idle, TCP_HANDSHAKE_MS,
+                  ad.n_evicted, ad.n_bad, ad.np);
+    free(ad.pend);
     return st;
 }
 

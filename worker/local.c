@@ -30,6 +30,7 @@ struct loom_local {
      * [i max_blocks, (i+1) max_blocks); held[i ctx ..] are the ids whose KV
      * it holds at positions 0..held_n[i] */
     int n_slots;
+    int32_t lora_slot; /* the adapter's engine slot for every sequence: 0, or -1 without --lora */
     int32_t *held;
     int *held_n;
 };
@@ -106,6 +107,23 @@ static loom_status_t open_draft(loom_local_t *l, const loom_local_options_t *opt
     return LOOM_OK;
 }
 
+/* The adapter in DIR read, prepared and installed into engine slot 0. */
+static loom_status_t load_lora(loom_local_t *l, const char *dir, int max_rank, loom_err_t *err) {
+    loom_lora_adapter_t *a = NULL;
+    loom_lora_prepared_t *p = NULL;
+    loom_status_t s = loom_lora_load(dir, &l->cfg, max_rank, 0, l->cfg.n_layers, &a, err);
+    if (s == LOOM_OK) s = loom_model_lora_prepare(l->model, a, &p, err);
+    if (s == LOOM_OK) s = loom_model_lora_install(l->model, 0, p, err);
+    if (s == LOOM_OK) {
+        LOOM_INFO("LoRA adapter %s: %d modules, rank up to %d, %.1f MiB, digest %.16s", dir, a->n_modules, a->max_r,
+                  (double)loom_lora_prepared_bytes(p) / (1 << 20), a->digest_hex);
+        l->lora_slot = 0;
+    }
+    loom_lora_prepared_destroy(&p);
+    loom_lora_destroy(&a);
+    return s;
+}
+
 loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **out, loom_err_t *err) {
     *out = NULL;
     loom_local_t *l = loom_xcalloc(1, sizeof *l);
@@ -140,9 +158,16 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0,
                               .layer_end = l->cfg.n_layers, .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant,
-                               .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major};
+                               .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major,
+                               .max_loras = opt->lora_dir ? 1 : 0,
+                               .max_lora_rank = opt->max_lora_rank > 0 ? opt->max_lora_rank : 16};
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;
+    l->lora_slot = -1;
+    if (opt->lora_dir) {
+        s = load_lora(l, opt->lora_dir, mo.max_lora_rank, err);
+        if (s < 0) goto fail;
+    }
     l->max_blocks = (l->ctx + LOCAL_BLOCK - 1) / LOCAL_BLOCK;
     l->n_slots = opt->n_slots > 0 ? opt->n_slots : 1;
     s = loom_model_alloc_kv(l->model, l->max_blocks * l->n_slots, LOCAL_BLOCK, err);
@@ -218,7 +243,8 @@ static loom_status_t run_slot(loom_local_t *l, int slot, const int32_t *tokens, 
                            .block_tables = l->block_table + (size_t)slot * l->max_blocks,
                            .max_blocks = l->max_blocks,
                            .n_logits = nr,
-                           .logit_rows = l->rows};
+                           .logit_rows = l->rows,
+                           .seq_lora = l->lora_slot >= 0 ? &l->lora_slot : NULL};
     return loom_model_forward(l->model, &b, err);
 }
 

@@ -31,6 +31,8 @@ typedef struct loom_local_options {
     const char *draft_model_dir;
     loom_quant_spec_t draft_quant;
     int n_slots; /* sequences whose KV is kept at once, for loom_local_propose (0: 1) */
+    const char *lora_dir; /* a PEFT LoRA adapter applied to every sequence, or NULL */
+    int max_lora_rank;    /* the largest rank it may have (0: 16) */
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/model_config_deepseek.h"
 #include "common/progress.h"
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
@@ -56,6 +57,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (!arch)
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "no model family serves model_type '%s'", cfg->model_type);
     LOOM_CHECK(check_caps(be, arch, cfg, spec, opt, err));
+    if (cfg->deepseek) /* the router's bias, the FP8 scale grids */
+        LOOM_CHECK(loom_deepseek_check_checkpoint(cfg, st, err));
     LOOM_CHECK(loom_model_check_checkpoint(cfg, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
@@ -141,6 +144,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     L.tmp = NULL;
     s = loom_blk_moe_tables(m, err);
     if (s < 0) goto fail;
+    s = loom_model_lora_alloc(m, err);
+    if (s < 0) goto fail;
 
     float inv[512];
     if (hd / 2 > (int)LOOM_ARRAY_LEN(inv)) {
@@ -176,6 +181,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->xb2 = act_alloc(m, T * dim, &oom);
     m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
     m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
+    if (cfg->deepseek) m->mla_z = act_alloc(m, T * (size_t)loom_blk_attn_mla_zdim(cfg, d), &oom);
     size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
@@ -260,6 +266,8 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_backend_free(be, ly->ffn.b2);
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
+            loom_weight_free(be, &ly->wkv_a);
+            free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
@@ -284,11 +292,13 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
+    loom_model_lora_free(m);
     float *acts[] = {m->x,
                      m->xb,
                      m->xb2,
                      m->qkv,
                      m->att,
+                     m->mla_z,
                      m->gu,
                      m->hb,
                      m->xl,
@@ -382,6 +392,14 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     for (size_t i = 0; i < nbt; i++)
         if (b->block_tables[i] < -1 || b->block_tables[i] >= m->n_blocks)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "block id %d out of range", b->block_tables[i]);
+    /* the step's adapter slots: a row with one turns the deltas on */
+    int lora = 0;
+    for (int q = 0; b->seq_lora && q < b->n_seqs; q++) {
+        if (b->seq_lora[q] < -1 || b->seq_lora[q] >= loom_model_max_loras(m))
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "sequence %d: adapter slot %d out of range (max_loras %d)",
+                                q, b->seq_lora[q], loom_model_max_loras(m));
+        lora |= b->seq_lora[q] >= 0;
+    }
     int nl = m->spec.has_head ? b->n_logits : 0;
     for (int i = 0; i < nl; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= n)
@@ -398,7 +416,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
      * growing sequences keep their graph. Everything else the ops read is
      * device data uploaded below, before the replay. */
     int decode = n == b->n_seqs;
-    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) &&
+    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce) &&
                 /* loom_blk_moe routes on the host between ops, except decode steps on the device */
                 (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
@@ -419,7 +437,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     size_t nbt_packed = (size_t)n_seqs * (size_t)mb;
 
     /* Pack the step's metadata and upload it once. */
-    size_t need = 4 * (size_t)N + (size_t)nlp + nbt_packed;
+    size_t need = 4 * (size_t)N + (size_t)nlp + nbt_packed + (lora ? (size_t)N : 0);
     if (need > m->meta_cap) {
         loom_backend_free(be, m->meta_dev);
         m->meta_cap = need + need / 2;
@@ -459,11 +477,19 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         if (!m->spec.has_embed)
             loom_backend_memset(be, m->x + (size_t)n * c->dim, 0, (size_t)pad * c->dim * sizeof(float));
     }
+    if (lora) { /* after the block tables: each row's adapter slot, -1 for padding */
+        int32_t *h_lora = h_bt + nbt_packed;
+        for (int i = 0; i < N; i++) h_lora[i] = i < n ? b->seq_lora[b->tok_seq[i]] : -1;
+    }
     loom_backend_upload(be, m->meta_dev, h, need * 4);
     const int32_t *d_tok = m->meta_dev;
     loom_step_ops_t so = {.n = N, .nl = nlp, .max_blocks = mb, .max_ctx = max_pos + 1, .d_tok = d_tok,
                      .d_pos = d_tok + N, .d_slots = d_tok + 2 * N, .d_seq = d_tok + 3 * N,
                      .d_rows = d_tok + 4 * N, .d_bt = d_tok + 4 * N + nlp};
+    if (lora) {
+        m->lora_step.d_row_slot = so.d_bt + nbt_packed;
+        so.adapters = &m->lora_step;
+    }
     if (!graph) return run_ops(m, &so, err);
     uint64_t key = (uint64_t)N | (uint64_t)nlp << 20;
     for (int lg = 0; (1 << lg) < mb; lg++) key += (uint64_t)1 << 40;

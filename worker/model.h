@@ -13,6 +13,7 @@
 
 #include <stdint.h>
 
+#include "common/lora.h"
 #include "common/model_config.h"
 #include "common/shard.h"
 #include "common/safetensors.h"
@@ -48,6 +49,10 @@ typedef struct loom_model_options {
     /* Mixture-of-Experts layers: the stage's TP ranks split the experts
      * (whole experts per rank) instead of slicing each expert */
     int expert_parallel;
+    /* LoRA: adapter slots held at once (0: none) and their largest rank
+     * (0: 16); see loom_model_lora_install */
+    int max_loras;
+    int max_lora_rank;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it
@@ -109,6 +114,7 @@ typedef struct loom_step_batch {
     int max_blocks;
     int n_logits;                /* rows needing logits (last stage) */
     const int32_t *logit_rows;   /* (n_logits) token indices */
+    const int32_t *seq_lora;     /* (n_seqs) adapter slot of each sequence, -1 none; NULL: none at all */
 } loom_step_batch_t;
 
 /* Runs the shard's layers over the batch. On the first stage the input is
@@ -135,6 +141,24 @@ void loom_model_head_rows(loom_model_t *m, const int32_t *rows, int n_rows);
 int loom_model_max_logits(const loom_model_t *m);
 /* Rows the last forward added to reach its bucket (0 when not padded). */
 int loom_model_last_pad(const loom_model_t *m);
+/* LoRA adapters (docs/lora.md). An adapter read for this shard's layers
+ * (loom_lora_load) is prepared on the host, off the compute thread if the
+ * caller likes -- cut into this shard's TP layout (column-parallel q, k,
+ * v, gate, up: B's rows as W's, with partial rotary's permutation on q and
+ * k; row-parallel o, down: A's columns as W's) -- then installed into one
+ * of the opt.max_loras slots between steps. A step's sequences name their
+ * slot in loom_step_batch_t.seq_lora. Prepare refuses a rank above
+ * max_lora_rank and adapters on MoE experts. */
+typedef struct loom_lora_prepared loom_lora_prepared_t;
+loom_status_t loom_model_lora_prepare(const loom_model_t *m, const loom_lora_adapter_t *a, loom_lora_prepared_t **out,
+                                      loom_err_t *err);
+void loom_lora_prepared_destroy(loom_lora_prepared_t **p_p);
+size_t loom_lora_prepared_bytes(const loom_lora_prepared_t *p);
+loom_status_t loom_model_lora_install(loom_model_t *m, int slot, const loom_lora_prepared_t *p, loom_err_t *err);
+/* Empties a slot: its rows get no delta. */
+void loom_model_lora_clear(loom_model_t *m, int slot);
+int loom_model_max_loras(const loom_model_t *m);
+
 /* Downloads the logits of the last forward (n_logits x dims.vocab) to host. */
 void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows);
 

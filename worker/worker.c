@@ -109,6 +109,8 @@ typedef struct worker {
     loom_comm_t *comm;
     _Atomic uint64_t aborted_epoch; /* plans of this epoch or older fail fast */
     uint64_t incarnation; /* reactor: the coordinator process of the last Assign (0: none yet) */
+    uint64_t assigned_epoch;                  /* reactor: the epoch of the last Assign */
+    uint64_t left_epoch, left_incarnation;    /* reactor: the grid it left last (Register.left_*) */
     _Atomic uint64_t busy_ns, comm_ns, steps, padded_steps;
     _Atomic uint64_t joined_epoch; /* the last epoch this worker sent Ready for */
 
@@ -166,14 +168,20 @@ static void post(worker_t *w, Loom__V1__ControlMsg *m) {
     free(buf);
 }
 
-static void post_error(worker_t *w, loom_status_t code, const char *msg) {
+/* An error; epoch: the epoch a join failed in (the coordinator plans again), 0 otherwise. */
+static void post_join_error(worker_t *w, uint64_t epoch, loom_status_t code, const char *msg) {
     Loom__V1__Error e = LOOM__V1__ERROR__INIT;
     e.code = code;
     e.message = (char *)msg;
+    e.epoch = epoch;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_ERROR;
     m.error = &e;
     post(w, &m);
+}
+
+static void post_error(worker_t *w, loom_status_t code, const char *msg) {
+    post_join_error(w, 0, code, msg);
 }
 
 static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int32_t *ids, size_t n,
@@ -369,6 +377,12 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
     post(w, &r);
 }
 
+/* The join of the current epoch is called off: the coordinator aborted it. */
+static int join_cancelled(void *ctx) {
+    worker_t *w = ctx;
+    return atomic_load(&w->aborted_epoch) >= w->epoch;
+}
+
 static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__KvConfig *k = m->kv_config;
     loom_err_t err = {0};
@@ -412,7 +426,8 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                              .cuda_stream = loom_backend_stream(w->be),
                              .auth_secret = a->data_secret.len ? a->data_secret.data : NULL,
                              .auth_secret_len = a->data_secret.len,
-                             .encrypt = a->data_encrypt && !strcmp(cs->backend, "tcp")};
+                             .encrypt = a->data_encrypt && !strcmp(cs->backend, "tcp"),
+                             .cancelled = join_cancelled, .cancel_ctx = w};
     if (w->gather_cap < gather) {
         free(w->gather_send);
         free(w->gather_recv);
@@ -441,7 +456,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     goto done;
 fail:
     LOOM_ERROR("joining failed: %s", err.msg);
-    post_error(w, err.code ? err.code : LOOM_ERR_INTERNAL, err.msg);
+    post_join_error(w, k->epoch, err.code ? err.code : LOOM_ERR_INTERNAL, err.msg);
 done:
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
@@ -696,7 +711,9 @@ static void *compute_main(void *arg) {
 
 /* ---- reactor -------------------------------------------------------------- */
 
-static void send_register(worker_t *w) {
+/* left: this worker left the grid it was in (its coordinator fell silent
+ * or said it left) and serves no epoch, whatever the coordinator thinks. */
+static void send_register(worker_t *w, int left) {
     char host[256] = "localhost", host_id[128] = "", mnt[64] = "";
     gethostname(host, sizeof host);
     /* Workers may share memory when they see the same /dev/shm: the same
@@ -724,6 +741,11 @@ static void send_register(worker_t *w) {
     r.shard_tp_rank = w->shard_tp_rank;
     r.shard_tp_size = w->shard_tp_size;
     r.shard_model_dir = w->shard_model_dir;
+    r.left_grid = left != 0;
+    if (left) {
+        r.left_epoch = w->left_epoch;
+        r.left_incarnation = w->left_incarnation;
+    }
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_REGISTER;
     m.register_ = &r;
@@ -736,6 +758,8 @@ static void send_heartbeat(worker_t *w, uint64_t seq) {
     hb.busy_s = (double)atomic_load(&w->busy_ns) * 1e-9;
     hb.comm_s = (double)atomic_load(&w->comm_ns) * 1e-9;
     hb.steps = atomic_load(&w->steps);
+    hb.assigned_epoch = w->assigned_epoch;
+    hb.assigned_incarnation = w->incarnation;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
     m.body_case = LOOM__V1__CONTROL_MSG__BODY_HEARTBEAT;
     m.heartbeat = &hb;
@@ -814,6 +838,8 @@ static int register_retry_ms(worker_state_t s) {
  * (abort the data plane), keep the weights, and look for the next one. */
 static void coordinator_gone(worker_t *w, const char *why) {
     LOOM_WARN("%s: leaving the grid, keeping the weights; registering with the next coordinator", why);
+    w->left_epoch = w->assigned_epoch;
+    w->left_incarnation = w->incarnation;
     atomic_store(&w->aborted_epoch, UINT64_MAX);
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_abort(w->comm);
@@ -839,7 +865,7 @@ static int reactor(worker_t *w) {
     uint64_t last_wait_log = loom_now_ns();
     int health_ok = 1;
     worker_state_t state = WORKER_REGISTERING;
-    send_register(w);
+    send_register(w, 0);
     while (!g_stop) {
         zmq_pollitem_t items[] = {{w->ctl, 0, ZMQ_POLLIN, 0}, {w->pipe_r, 0, ZMQ_POLLIN, 0}};
         if (zmq_poll(items, 2, 50) < 0 && errno != EINTR) break;
@@ -868,6 +894,7 @@ static int reactor(worker_t *w) {
                                       (unsigned long long)a->incarnation, (unsigned long long)w->incarnation);
                         if (orphan || fresh) atomic_store(&w->aborted_epoch, 0);
                         if (a->incarnation) w->incarnation = a->incarnation;
+                        w->assigned_epoch = a->epoch;
                         w->has_shard = 1;
                         w->shard_stage = a->stage;
                         w->shard_n_stages = a->n_stages;
@@ -935,8 +962,9 @@ static int reactor(worker_t *w) {
         }
         /* not (yet) in the grid: the coordinator may have started later, or a slot may free up */
         if (state != WORKER_IN_GRID && now - last_register > (uint64_t)register_retry_ms(state) * 1000000ull) {
-            if (left_grid(w)) follow_coordinator(w);
-            send_register(w);
+            int left = left_grid(w);
+            if (left) follow_coordinator(w);
+            send_register(w, left);
             last_register = loom_now_ns();
         }
         /* no coordinator answers: say so every few seconds, and dial afresh (a

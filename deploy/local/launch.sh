@@ -164,6 +164,7 @@ if [ $insecure = 0 ] || [ "$client_keys" -gt 0 ]; then
     [ "$client_keys" -eq 0 ] || security+=(--client-keys "$keys/clients.allow")
 fi
 [ $local_host = 1 ] || [ "$client_keys" -gt 0 ] || security+=(--insecure-api)
+[ $insecure = 0 ] || security+=(--insecure) # the coordinator refuses an unkeyed control plane off loopback without it
 
 "$bin/loom-coordinator" --model "$model" --tp "$tp" --pp "$pp" --listen "$api" --control "$ctl" \
     --ready-file "$run_dir/ready" ${membership[@]+"${membership[@]}"} ${security[@]+"${security[@]}"} \

@@ -6,8 +6,8 @@
  * (gemv.c), parallel over chunks of W's rows; more rows use OpenBLAS sgemm
  * (half-precision weights are widened block by block into a scratch buffer
  * first). Quantized weights (qgemv.c) use their GEMV kernel up to
- * loom_cpu_qgemv_max_n() rows and dequantized blocks for
- * sgemm above. Small
+ * loom_cpu_qgemv_max_n() rows and the integer GEMM above (FP8: dequantized
+ * blocks for sgemm). Small
  * element-wise ops run inline on the calling thread, since a
  * dispatch costs more than the work; see docs/kernels-cpu.md for the
  * measurements behind the thresholds. Not thread-safe: one caller at a time. */
@@ -26,6 +26,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/cpu/lora.h"
 #include "kernels/cpu/qgemv.h"
 #include "kernels/cpu/threadpool.h"
 #include "kernels/cpu/vec.h"
@@ -41,17 +42,20 @@
 #define LOOM_CPU_GEMV_MAX_N_HALF 32
 #endif
 /* Largest n served by the quantized GEMV kernels (qgemv.c) per scheme;
- * above it the rows are dequantized block by block for sgemm. Measured
- * crossovers (docs/kernels-cpu.md): the INT8 kernel wins up to n = 64-128
- * and loses from 256; Q4's wins up to 64 and loses from 128; FP8's
- * computes in float and loses from n = 32. x goes through the kernels
+ * above it INT8 and Q4 use the integer GEMM (loom_cpu_qgemm) and FP8 its
+ * dequantized blocks for sgemm. Measured crossovers (bench_kernels --only
+ * qcross, docs/kernels-cpu.md, AVX2 and AVX-512 VNNI paths of one Xeon):
+ * the integer GEMM beats the Q4 GEMV from n = 8 on both paths and the INT8
+ * GEMV from n = 16-32 (AVX2); it beats dequantize + sgemm at every n
+ * measured up to 512 but a few noisy INT8 ones. FP8's GEMV computes in
+ * float and loses to sgemm from n = 32. x goes through the kernels
  * QX_ROWS rows at a time, so its int8 copy stays in L1/L2 and the scratch
  * has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N_INT8
-#define LOOM_CPU_QGEMV_MAX_N_INT8 128
+#define LOOM_CPU_QGEMV_MAX_N_INT8 16
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_Q4
-#define LOOM_CPU_QGEMV_MAX_N_Q4 64
+#define LOOM_CPU_QGEMV_MAX_N_Q4 4
 #endif
 #ifndef LOOM_CPU_QGEMV_MAX_N_FP8
 #define LOOM_CPU_QGEMV_MAX_N_FP8 16
@@ -96,6 +100,8 @@ typedef struct cpu_backend {
     void *qx;             /* (qx_cap) activations rounded to int8 for the quantized GEMV */
     size_t qx_cap;        /* bytes */
     wslab_t *slabs;       /* weight memory, newest first */
+    float *lora_ws;       /* (lora_cap) loom_cpu_lora_sgmv's workspace */
+    size_t lora_cap;      /* floats */
 } cpu_backend_t;
 
 static cpu_backend_t *cpu(loom_backend_t *be) {
@@ -356,6 +362,7 @@ struct qgemv_ctx {
     const loom_weight_t *w;
     int64_t chunk;
     loom_cpu_isa_t isa;
+    int gemm; /* loom_cpu_qgemm (8-row panels) rather than loom_cpu_qgemv */
 };
 
 static void qx_task(void *p, int task, int thread) {
@@ -366,15 +373,15 @@ static void qx_task(void *p, int task, int thread) {
 static void qgemv_task(void *p, int task, int thread) {
     struct qgemv_ctx *c = p;
     int64_t r0 = (int64_t)task * c->chunk, r1 = LOOM_MIN(r0 + c->chunk, c->w->rows);
-    loom_cpu_qgemv(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
+    (c->gemm ? loom_cpu_qgemm : loom_cpu_qgemv)(c->isa, c->y, c->w->rows, &c->qx, c->w, r0, r1);
 }
 
 /* The quantized GEMV on up to QX_ROWS rows of x: x rounded to int8 (one
  * task per row when there is enough of it), then chunks of W's rows in
  * parallel. */
 static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w,
-                            int n) {
-    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa};
+                            int n, int gemm) {
+    struct qgemv_ctx g = {.y = y, .w = w, .chunk = w->rows, .isa = c->isa, .gemm = gemm};
     loom_cpu_qx_init(&g.qx, c->qx, x, n, w);
     if (w->quant != LOOM_QUANT_FP8) {
         if ((int64_t)n * w->cols >= PAR_MIN_ELEMS && n > 1 && c->n_threads > 1)
@@ -383,15 +390,16 @@ static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const lo
             loom_cpu_qx_quantize(&g.qx, 0, n);
     }
     if (loom_weight_bytes(w) >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
-        g.chunk = chunk_size(c, w->rows, 16, 8, 4); /* whole 4-row tiles */
+        g.chunk = chunk_size(c, w->rows, 16, 8, gemm ? 8 : 4); /* whole tiles / panels */
     loom_parallel_for(c->pool, n_chunks(w->rows, g.chunk), qgemv_task, &g);
 }
 
-static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+static void quant_gemv(cpu_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n,
+                       int gemm) {
     LOOM_ASSERT(c->qx_cap >= loom_cpu_qx_bytes(LOOM_MIN(n, QX_ROWS), w->cols));
     for (int i = 0; i < n; i += QX_ROWS)
         quant_gemv_rows(c, y + (int64_t)i * w->rows, x + (int64_t)i * w->cols, w,
-                        LOOM_MIN(QX_ROWS, n - i));
+                        LOOM_MIN(QX_ROWS, n - i), gemm);
 }
 
 static void widen_task(void *p, int task, int thread) {
@@ -423,10 +431,13 @@ void loom_cpu_matmul_path(loom_backend_t *be, float *y, const float *x, const lo
     const int64_t rows = w->rows, cols = w->cols;
     if (rows == 0 || n <= 0) return;
     if (w->quant != LOOM_QUANT_NONE) {
+        const int igemm = c->isa != LOOM_CPU_ISA_SCALAR && w->quant != LOOM_QUANT_FP8;
         if (path == LOOM_CPU_MM_AUTO)
-            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV : LOOM_CPU_MM_SGEMM;
-        if (path == LOOM_CPU_MM_GEMV) {
-            quant_gemv(c, y, x, w, n);
+            path = n <= loom_cpu_qgemv_max_n(w->quant) ? LOOM_CPU_MM_GEMV
+                   : igemm                             ? LOOM_CPU_MM_IGEMM
+                                                       : LOOM_CPU_MM_SGEMM;
+        if (path == LOOM_CPU_MM_GEMV || path == LOOM_CPU_MM_IGEMM) {
+            quant_gemv(c, y, x, w, n, path == LOOM_CPU_MM_IGEMM);
             return;
         }
     } else if (path == LOOM_CPU_MM_AUTO)
@@ -854,6 +865,90 @@ static void cpu_sample_shard(loom_backend_t *be, const float *logits, int n_rows
     loom_parallel_for(cpu(be)->pool, n_rows, sample_task, &sc);
 }
 
+/* LoRA deltas. Prefill-sized batches group the rows by adapter for sgemm
+ * (loom_cpu_lora_sgmv); decode-sized ones run on the pool in two passes,
+ * so they never wait on OpenBLAS's threads beside the pool's: the shrink
+ * t_i = scale A_s x_i over rows, then the expand y_i += t_i Bt_s over
+ * column chunks (each chunk of Bt stays in cache across the rows of its
+ * adapter). Each output element sums its r terms in order k = 0..r-1,
+ * whatever the split. */
+#define LORA_SGEMM_ROWS 64
+#define LORA_PAR_MIN_MACS (128 * 1024) /* below, one thread: a pool dispatch costs more than the work */
+
+struct lora_ctx {
+    float *y;
+    const float *x;
+    int64_t ldy, ldx, in, out, chunk;
+    int n, n_slots, max_r;
+    const int32_t *row_slot;
+    const loom_lora_op_slot_t *slots;
+    float *t; /* (n, max_r) */
+};
+
+static const loom_lora_op_slot_t *lora_row(const struct lora_ctx *lc, int i) {
+    int s = lc->row_slot[i];
+    if (s < 0 || s >= lc->n_slots || lc->slots[s].r <= 0) return NULL;
+    return &lc->slots[s];
+}
+
+static void lora_shrink_task(void *p, int task, int thread) {
+    (void)thread;
+    struct lora_ctx *lc = p;
+    const loom_lora_op_slot_t *sl = lora_row(lc, task);
+    if (!sl) return;
+    const float *xi = lc->x + (int64_t)task * lc->ldx;
+    float *t = lc->t + (int64_t)task * lc->max_r;
+    for (int k = 0; k < sl->r; k++) t[k] = sl->scale * loom_vec_dot(sl->a + (int64_t)k * lc->in, xi, (int)lc->in);
+}
+
+static void lora_expand_task(void *p, int task, int thread) {
+    (void)thread;
+    struct lora_ctx *lc = p;
+    int64_t c0 = (int64_t)task * lc->chunk, c1 = LOOM_MIN(c0 + lc->chunk, lc->out);
+    for (int i = 0; i < lc->n; i++) {
+        const loom_lora_op_slot_t *sl = lora_row(lc, i);
+        if (!sl) continue;
+        float *yi = lc->y + (int64_t)i * lc->ldy + c0;
+        const float *t = lc->t + (int64_t)i * lc->max_r;
+        for (int k = 0; k < sl->r; k++) loom_vec_axpy(yi, t[k], sl->bt + (int64_t)k * lc->out + c0, (int)(c1 - c0));
+    }
+}
+
+static void cpu_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                     int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r) {
+    cpu_backend_t *c = cpu(be);
+    size_t need = LOOM_MAX(loom_cpu_lora_workspace(n, in, max_r), (size_t)n * (size_t)max_r);
+    if (need > c->lora_cap) {
+        free(c->lora_ws);
+        c->lora_ws = loom_xmalloc(need * sizeof(float));
+        c->lora_cap = need;
+    }
+    if (n >= LORA_SGEMM_ROWS) {
+        loom_cpu_lora_sgmv(y, ldy, x, ldx, n, in, out, row_slot, slots, n_slots, c->lora_ws);
+        return;
+    }
+    struct lora_ctx lc = {.y = y, .x = x, .ldy = ldy, .ldx = ldx, .in = in, .out = out, .n = n,
+                          .n_slots = n_slots, .max_r = max_r, .row_slot = row_slot, .slots = slots,
+                          .t = c->lora_ws};
+    int any = 0;
+    for (int i = 0; i < n && !any; i++) any = lora_row(&lc, i) != NULL;
+    if (!any) return;
+    int serial = c->n_threads == 1 || (int64_t)n * max_r * (in + out) < LORA_PAR_MIN_MACS;
+    if (serial || n == 1) {
+        for (int i = 0; i < n; i++) lora_shrink_task(&lc, i, 0);
+    } else {
+        loom_parallel_for(c->pool, n, lora_shrink_task, &lc);
+    }
+    lc.chunk = chunk_size(c, out, 64, 2, 16);
+    int tasks = (int)n_chunks(out, lc.chunk);
+    if (serial || tasks == 1) {
+        lc.chunk = out;
+        lora_expand_task(&lc, 0, 0);
+    } else {
+        loom_parallel_for(c->pool, tasks, lora_expand_task, &lc);
+    }
+}
+
 /* --- lifecycle --------------------------------------------------------- */
 
 static void cpu_destroy(loom_backend_t *be) {
@@ -865,6 +960,7 @@ static void cpu_destroy(loom_backend_t *be) {
     free(c->attn_scratch);
     host_free(c->widen);
     host_free(c->qx);
+    free(c->lora_ws);
     while (c->slabs) { /* weights the caller did not free */
         wslab_t *s = c->slabs;
         c->slabs = s->next;
@@ -897,7 +993,8 @@ static const loom_backend_ops_t cpu_ops = {
     .act_mul = cpu_act_mul,
     .swiglu_clamp = cpu_swiglu_clamp,
     .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
-            LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8,
+            LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8 |
+            LOOM_CAP_ATTN_WIDE,
     .softcap = cpu_softcap,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,
@@ -906,6 +1003,7 @@ static const loom_backend_ops_t cpu_ops = {
     .moe_gemv = cpu_moe_gemv,
     .moe_device = cpu_moe_device,
     .moe_table = cpu_moe_table,
+    .lora = cpu_lora,
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
     .kv_block_strided = 1,
@@ -940,7 +1038,7 @@ loom_status_t loom_backend_cpu_create(const loom_backend_config_t *cfg, loom_bac
     c->base.cfg.n_threads = n_threads;
     snprintf(c->base.name, sizeof c->base.name, "cpu");
     c->n_threads = n_threads;
-    c->isa = loom_cpu_isa_detect();
+    c->isa = loom_cpu_isa_select();
     c->attn_scratch = calloc((size_t)n_threads, sizeof *c->attn_scratch);
     if (!c->attn_scratch) goto fail_nomem;
     for (int t = 0; t < n_threads; t++) {

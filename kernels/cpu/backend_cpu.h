@@ -10,6 +10,8 @@ typedef enum {
     LOOM_CPU_MM_GEMV,     /* the hand-written GEMV kernel for any n (quantized: qgemv.c) */
     LOOM_CPU_MM_SGEMM,    /* OpenBLAS sgemm (bf16/f16 weights widened, quantized
                            * ones dequantized, per block) */
+    LOOM_CPU_MM_IGEMM,    /* quantized weights: the integer GEMM of qgemv.c
+                           * (loom_cpu_qgemm); as SGEMM for float weights */
 } loom_cpu_mm_path_t;
 
 /* loom_op_matmul on a CPU backend with the path forced. */

@@ -9,8 +9,10 @@
 #include "kernels/cpu/qgemv.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "common/util.h"
 
 /* --- scalar reference ------------------------------------------------- */
@@ -121,6 +123,7 @@ void loom_cpu_qx_init(loom_cpu_qx_t *qx, void *scratch, const float *x, int n,
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define QGEMV_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 /* Regions compiled for a wider target than the build's, chosen at run time;
  * GCC and clang spell them differently. */
@@ -129,10 +132,12 @@ void loom_cpu_qx_init(loom_cpu_qx_t *qx, void *scratch, const float *x, int n,
 #if defined(__clang__)
 #define QGEMV_AVX2_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define QGEMV_VNNI_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni\"))), apply_to = function)")
+#define QGEMV_AVXVNNI_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,avxvnni\"))), apply_to = function)")
 #define QGEMV_TARGET_END _Pragma("clang attribute pop")
 #else
 #define QGEMV_AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
 #define QGEMV_VNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni\")")
+#define QGEMV_AVXVNNI_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,avxvnni\")")
 #define QGEMV_TARGET_END _Pragma("GCC pop_options")
 #endif
 /* clang-format on */
@@ -326,6 +331,51 @@ static inline __attribute__((always_inline)) __m256i dot2_u8s8_avx2(__m256i w0, 
 #undef QT_RM
 #undef QT_NXM
 
+/* The integer GEMM's block dots (qgemm_tiles.h): c[t] lane a holds row
+ * a's codes for columns 4t..4t+3, met by x's word t broadcast. */
+static inline __attribute__((always_inline)) __m256i bcast_x4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Q4: eight vpmaddubsw summed in int16 (codes <= 15, |x| <= 127: at most
+ * 8 · 2 · 15 · 127 = 30480), one vpmaddwd to int32. */
+static inline __attribute__((always_inline)) __m256i blk_q4_avx2(const __m256i *c,
+                                                                 const int8_t *xp) {
+    __m256i s = _mm256_maddubs_epi16(c[0], bcast_x4(xp));
+    for (int t = 1; t < 8; t++)
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[t], bcast_x4(xp + 4 * t)));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+/* INT8 (signed codes): |q| · sign(x, q) per word, each to int32 (a pair
+ * may reach 2 · 128 · 127, so no int16 sums across words). */
+static inline __attribute__((always_inline)) __m256i blk_i8_avx2(const __m256i *c,
+                                                                 const int8_t *xp) {
+    __m256i s = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t++) {
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(c[t]),
+                                               _mm256_sign_epi8(bcast_x4(xp + 4 * t), c[t]));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    }
+    return s;
+}
+
+#define QG(name) name##_avx2
+#define QG_BLK_Q4(c, xp) blk_q4_avx2(c, xp)
+#define QG_BLK_I8(c, xp) blk_i8_avx2(c, xp)
+#define QG_I8_XOR 0x80u
+#define QG_I8_BIAS 0
+#define QG_NX 4
+#include "kernels/cpu/qgemm_tiles.h"
+#undef QG
+#undef QG_BLK_Q4
+#undef QG_BLK_I8
+#undef QG_I8_XOR
+#undef QG_I8_BIAS
+#undef QG_NX
+
 /* FP8 rows [r, r + R) against x rows [i, i + NX), in float (speed is
  * secondary for FP8 on the CPU), 16 columns per step. */
 static inline __attribute__((always_inline)) void fp8_tile(const int R, const int NX, float *y,
@@ -452,48 +502,191 @@ static inline __attribute__((always_inline)) __m256i dot_u8s8_vnni(__m256i w, __
 #undef QT_RM
 #undef QT_NXM
 
+/* Eight vpdpbusd per block in two chains (its latency is ~5 cycles). */
+static inline __attribute__((always_inline)) __m256i blk_u8_vnni(const __m256i *c,
+                                                                 const int8_t *xp) {
+    __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c[0], bcast_x4(xp));
+    __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c[1], bcast_x4(xp + 4));
+    for (int t = 2; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, c[t], bcast_x4(xp + 4 * t));
+        s1 = _mm256_dpbusd_epi32(s1, c[t + 1], bcast_x4(xp + 4 * t + 4));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+#define QG(name) name##_vnni
+#define QG_BLK_Q4(c, xp) blk_u8_vnni(c, xp)
+#define QG_BLK_I8(c, xp) blk_u8_vnni(c, xp)
+#define QG_I8_XOR 0u
+#define QG_I8_BIAS 128
+#define QG_NX 8
+#include "kernels/cpu/qgemm_tiles.h"
+#undef QG
+#undef QG_BLK_Q4
+#undef QG_BLK_I8
+#undef QG_I8_XOR
+#undef QG_I8_BIAS
+#undef QG_NX
+
+QGEMV_TARGET_END
+
+/* AVX-VNNI (VEX-encoded vpdpbusd, no AVX-512: Alder Lake and later, Zen 5):
+ * VNNI's dots in the AVX2 tile shapes, which fit 16 ymm registers. */
+QGEMV_AVXVNNI_BEGIN
+
+static inline __attribute__((always_inline)) __m256i dot_u8s8_avxvnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+}
+
+#define QT(name) name##_avxvnni
+#define QT_DOT_U8(w, x) dot_u8s8_avxvnni(w, x)
+#define QT_DOT_U8_PAIR(w0, x0, w1, x1) _mm256_dpbusd_avx_epi32(dot_u8s8_avxvnni(w0, x0), w1, x1)
+#define QT_DOT_I8(w, x) dot_u8s8_avxvnni(w, x)
+#define QT_I8_BIAS 128
+#define QT_RM 2
+#define QT_NXM 3
+#include "kernels/cpu/qgemv_tiles.h"
+#undef QT
+#undef QT_DOT_U8
+#undef QT_DOT_U8_PAIR
+#undef QT_DOT_I8
+#undef QT_I8_BIAS
+#undef QT_RM
+#undef QT_NXM
+
+static inline __attribute__((always_inline)) __m256i blk_u8_avxvnni(const __m256i *c,
+                                                                    const int8_t *xp) {
+    __m256i s0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c[0], bcast_x4(xp));
+    __m256i s1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c[1], bcast_x4(xp + 4));
+    for (int t = 2; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, c[t], bcast_x4(xp + 4 * t));
+        s1 = _mm256_dpbusd_avx_epi32(s1, c[t + 1], bcast_x4(xp + 4 * t + 4));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+#define QG(name) name##_avxvnni
+#define QG_BLK_Q4(c, xp) blk_u8_avxvnni(c, xp)
+#define QG_BLK_I8(c, xp) blk_u8_avxvnni(c, xp)
+#define QG_I8_XOR 0u
+#define QG_I8_BIAS 128
+#define QG_NX 4
+#include "kernels/cpu/qgemm_tiles.h"
+#undef QG
+#undef QG_BLK_Q4
+#undef QG_BLK_I8
+#undef QG_I8_XOR
+#undef QG_I8_BIAS
+#undef QG_NX
+
 QGEMV_TARGET_END
 #endif /* QGEMV_X86 */
 
 /* --- dispatch ---------------------------------------------------------- */
 
-loom_cpu_isa_t loom_cpu_isa_detect(void) {
+int loom_cpu_isa_supported(loom_cpu_isa_t isa) {
 #ifdef QGEMV_X86
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
-        return LOOM_CPU_ISA_SCALAR;
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw"))
-        return LOOM_CPU_ISA_VNNI;
-    return LOOM_CPU_ISA_AVX2;
-#else
-    return LOOM_CPU_ISA_SCALAR;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    switch (isa) {
+    case LOOM_CPU_ISA_SCALAR: return 1;
+    case LOOM_CPU_ISA_AVX2: return avx2;
+    case LOOM_CPU_ISA_VNNI:
+        return avx2 && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+    case LOOM_CPU_ISA_AVXVNNI: {
+        /* CPUID.(EAX=7, ECX=1):EAX bit 4 (GCC 12's __builtin_cpu_supports
+         * answers 0 for "avxvnni" on a CPU that has it). cpuid traps to the
+         * hypervisor in a VM, and every kernel call asserts its isa: ask
+         * once (0 unknown, 1 no, 2 yes; racing threads store the same). */
+        static int known;
+        int k = __atomic_load_n(&known, __ATOMIC_RELAXED);
+        if (!k) {
+            unsigned a = 0, b = 0, c = 0, d = 0;
+            k = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1) ? 2 : 1;
+            __atomic_store_n(&known, k, __ATOMIC_RELAXED);
+        }
+        return avx2 && k == 2;
+    }
+    }
 #endif
+    return isa == LOOM_CPU_ISA_SCALAR;
+}
+
+loom_cpu_isa_t loom_cpu_isa_detect(void) {
+    if (loom_cpu_isa_supported(LOOM_CPU_ISA_VNNI)) return LOOM_CPU_ISA_VNNI;
+    if (loom_cpu_isa_supported(LOOM_CPU_ISA_AVXVNNI)) return LOOM_CPU_ISA_AVXVNNI;
+    if (loom_cpu_isa_supported(LOOM_CPU_ISA_AVX2)) return LOOM_CPU_ISA_AVX2;
+    return LOOM_CPU_ISA_SCALAR;
+}
+
+loom_cpu_isa_t loom_cpu_isa_select(void) {
+    const loom_cpu_isa_t best = loom_cpu_isa_detect();
+    const char *e = getenv("LOOM_CPU_ISA");
+    if (!e || !*e) return best;
+    int want = -1;
+    if (!strcmp(e, "generic") || !strcmp(e, "scalar"))
+        want = LOOM_CPU_ISA_SCALAR;
+    else if (!strcmp(e, "avx2"))
+        want = LOOM_CPU_ISA_AVX2;
+    else if (!strcmp(e, "avxvnni") || !strcmp(e, "avx-vnni"))
+        want = LOOM_CPU_ISA_AVXVNNI;
+    else if (!strcmp(e, "avx512") || !strcmp(e, "avx512-vnni") || !strcmp(e, "vnni"))
+        want = LOOM_CPU_ISA_VNNI;
+    if (want < 0 || !loom_cpu_isa_supported((loom_cpu_isa_t)want)) {
+        loom_log(LOOM_LOG_WARN, "LOOM_CPU_ISA=%s: %s; using %s", e,
+                 want < 0 ? "unknown (avx2, avxvnni, avx512 or generic)" : "this CPU lacks it",
+                 loom_cpu_isa_name(best));
+        return best;
+    }
+    return (loom_cpu_isa_t)want;
 }
 
 const char *loom_cpu_isa_name(loom_cpu_isa_t isa) {
     switch (isa) {
     case LOOM_CPU_ISA_AVX2: return "avx2";
     case LOOM_CPU_ISA_VNNI: return "avx512-vnni";
+    case LOOM_CPU_ISA_AVXVNNI: return "avx-vnni";
     default: return "scalar";
     }
 }
 
 void loom_cpu_qgemv(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
                     const loom_weight_t *w, int64_t r0, int64_t r1) {
-    LOOM_ASSERT(isa <= loom_cpu_isa_detect());
+    LOOM_ASSERT(loom_cpu_isa_supported(isa));
 #ifdef QGEMV_X86
     if (isa != LOOM_CPU_ISA_SCALAR) {
         if (w->quant == LOOM_QUANT_FP8)
             rows_fp8_avx2(y, ldy, qx->x, qx->n, w, r0, r1);
         else if (isa == LOOM_CPU_ISA_VNNI)
             (w->quant == LOOM_QUANT_Q4 ? rows_q4_vnni : rows_i8_vnni)(y, ldy, qx, w, r0, r1);
+        else if (isa == LOOM_CPU_ISA_AVXVNNI)
+            (w->quant == LOOM_QUANT_Q4 ? rows_q4_avxvnni : rows_i8_avxvnni)(y, ldy, qx, w, r0, r1);
         else
             (w->quant == LOOM_QUANT_Q4 ? rows_q4_avx2 : rows_i8_avx2)(y, ldy, qx, w, r0, r1);
         return;
     }
 #endif
     qgemv_scalar(y, ldy, qx, w, r0, r1);
+}
+
+void loom_cpu_qgemm(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
+                    const loom_weight_t *w, int64_t r0, int64_t r1) {
+    LOOM_ASSERT(loom_cpu_isa_supported(isa));
+    int64_t np = 0;
+#ifdef QGEMV_X86
+    if (isa != LOOM_CPU_ISA_SCALAR && w->quant != LOOM_QUANT_FP8 && qx->nb > 0) {
+        np = (r1 - r0) / 8;
+        const int q4 = w->quant == LOOM_QUANT_Q4;
+        if (np && isa == LOOM_CPU_ISA_VNNI)
+            (q4 ? panels_q4_vnni : panels_i8_vnni)(y, ldy, qx, w, r0, np);
+        else if (np && isa == LOOM_CPU_ISA_AVXVNNI)
+            (q4 ? panels_q4_avxvnni : panels_i8_avxvnni)(y, ldy, qx, w, r0, np);
+        else if (np)
+            (q4 ? panels_q4_avx2 : panels_i8_avx2)(y, ldy, qx, w, r0, np);
+    }
+#endif
+    loom_cpu_qgemv(isa, y, ldy, qx, w, r0 + 8 * np, r1); /* the rows past the last panel */
 }
 
 void loom_cpu_q_dequant_rows(loom_cpu_isa_t isa, float *dst, const loom_weight_t *w, int64_t r0,

@@ -29,11 +29,21 @@ typedef enum loom_cpu_isa {
     LOOM_CPU_ISA_SCALAR = 0, /* the plain C reference */
     LOOM_CPU_ISA_AVX2,       /* AVX2 + FMA + F16C: vpmaddubsw / vpmaddwd */
     LOOM_CPU_ISA_VNNI,       /* AVX-512 VNNI + VL + BW on ymm: vpdpbusd */
+    LOOM_CPU_ISA_AVXVNNI,    /* AVX2 + AVX-VNNI (VEX vpdpbusd), 16 registers:
+                              * the AVX2 tile shapes with VNNI's dots */
 } loom_cpu_isa_t;
+#define LOOM_CPU_ISA_COUNT 4
 
-/* The best instruction set this CPU has (cpuid). */
+/* The best instruction set this CPU has (cpuid): VNNI, else AVX-VNNI, else
+ * AVX2, else the scalar reference. */
 loom_cpu_isa_t loom_cpu_isa_detect(void);
+/* Whether this CPU can run isa (the scalar reference always). */
+int loom_cpu_isa_supported(loom_cpu_isa_t isa);
 const char *loom_cpu_isa_name(loom_cpu_isa_t isa);
+/* loom_cpu_isa_detect, or the path LOOM_CPU_ISA names (avx2, avxvnni,
+ * avx512, generic) when this CPU has it (else a warning and the detected one):
+ * tests and benchmarks force each path with it. */
+loom_cpu_isa_t loom_cpu_isa_select(void);
 
 /* Rows of x rounded to int8 per block of 32 columns: q = round(x / d) with
  * d = max|x| / 127 of the block. Columns past the last whole block (cols %
@@ -64,6 +74,16 @@ void loom_cpu_q_repack(void *dst, const loom_qtensor_t *t, int64_t r0, int64_t r
  * r1), on a repacked quantized w. INT8 and Q4 use qx's int8 rows; FP8 reads
  * the float rows. An isa this CPU lacks is a programmer error. */
 void loom_cpu_qgemv(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
+                    const loom_weight_t *w, int64_t r0, int64_t r1);
+
+/* The same product as loom_cpu_qgemv, for many rows of x (prefill, batched
+ * decode): W rows in panels of 8, repacked per call into an interleaved
+ * layout that stays in L1 (qgemm_tiles.h), each panel against every row of
+ * x, so one broadcast of x feeds 8 rows and a block's float work is one
+ * vector for 8 rows. Rows past the last whole panel (and FP8, and the
+ * scalar isa) go through loom_cpu_qgemv. Sums in another order than
+ * loom_cpu_qgemv: equal up to float rounding. */
+void loom_cpu_qgemm(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
                     const loom_weight_t *w, int64_t r0, int64_t r1);
 
 /* dst[(r - r0) * cols + k] = W[r, k] in f32 for r in [r0, r1) (sgemm). */

@@ -103,6 +103,7 @@ typedef struct cuda_backend {
     graph_slot_t *pending; /* replay to launch at graph_end */
     void **retired;        /* replaced scratch, freed with the graphs */
     int n_retired, cap_retired;
+    dbuf_t lora_t;         /* (n, max_r) LoRA shrink outputs (loom_op_lora) */
 } cuda_backend_t;
 
 static cuda_backend_t *cu(loom_backend_t *be) {
@@ -681,6 +682,22 @@ static void cuda_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, 
     CUDA_ASSERT(loom_cuda_moe_add_bias(y, sel, n_pairs, bias, cols, c->stream));
 }
 
+/* LoRA deltas (lora.cu): the slots' table goes by value into the kernels. */
+static void cuda_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
+                      int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots,
+                      int max_r) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    LOOM_ASSERT(n_slots <= LOOM_CUDA_LORA_MAX_SLOTS);
+    loom_cuda_lora_table_t tab = {.n = n_slots};
+    for (int i = 0; i < n_slots; i++)
+        tab.s[i] = (loom_cuda_lora_slot_t){.a = slots[i].a, .bt = slots[i].bt, .r = slots[i].r,
+                                           .scale = slots[i].scale};
+    float *t = reserve(c, &c->lora_t, (size_t)n * (size_t)max_r * sizeof(float));
+    CUDA_ASSERT(loom_cuda_lora(y, ldy, x, ldx, n, in, out, row_slot, &tab, max_r, t, c->stream));
+}
+
 /* Float experts of one dtype (moe.cu reads their data directly) and the
  * router sizes moe.cu takes: decode steps of up to LOOM_CUDA_GEMV_MAX_N
  * tokens (beyond, grouping by expert reads less). */
@@ -967,7 +984,7 @@ static void cuda_destroy(loom_backend_t *be) {
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
     free(c->retired);
-    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp};
+    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]->p) (void)cudaFree(bufs[i]->p);
     if (c->stage_dev) (void)cudaFree(c->stage_dev);
@@ -1006,6 +1023,7 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_combine = cuda_moe_combine,
     .moe_route = cuda_moe_route,
     .moe_gemv = cuda_moe_gemv,
+    .lora = cuda_lora,
     .moe_device = cuda_moe_device,
     .moe_table = cuda_moe_table,
     .moe_add_bias = cuda_moe_add_bias,

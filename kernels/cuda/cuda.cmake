@@ -16,6 +16,7 @@ add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/attention.cu
             ${LOOM_CUDA_DIR}/sampling.cu
             ${LOOM_CUDA_DIR}/moe.cu
+            ${LOOM_CUDA_DIR}/lora.cu
             ${LOOM_CUDA_DIR}/cublas_dl.c)
 target_include_directories(loom_cuda PRIVATE ${LOOM_CUDA_ROOT})
 set_target_properties(loom_cuda PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)

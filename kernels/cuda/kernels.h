@@ -176,6 +176,25 @@ cudaError_t loom_cuda_sample(const float *logits, int n_rows, int vocab_shard, i
                              const loom_cuda_sample_row_t *rows, int any_filtered, int any_plain,
                              float *hdr, int32_t *ids, float *keys, float *scratch, cudaStream_t s);
 
+/* LoRA deltas (lora.cu; kernels/backend.h loom_op_lora): y[i] += scale_s
+ * (x[i] A_s^T) Bt_s for rows whose row_slot[i] (device) = s in [0, tab.n),
+ * A (r, in) and Bt (r, out) device pointers; t is (n, max_r) device
+ * workspace. The table is passed by value to the kernels (no host sync,
+ * graph-capturable), so it holds at most LOOM_CUDA_LORA_MAX_SLOTS slots. */
+#define LOOM_CUDA_LORA_MAX_SLOTS 32
+typedef struct loom_cuda_lora_slot {
+    const float *a, *bt;
+    int r;
+    float scale;
+} loom_cuda_lora_slot_t;
+typedef struct loom_cuda_lora_table {
+    loom_cuda_lora_slot_t s[LOOM_CUDA_LORA_MAX_SLOTS];
+    int n;
+} loom_cuda_lora_table_t;
+cudaError_t loom_cuda_lora(float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in, int64_t out,
+                           const int32_t *row_slot, const loom_cuda_lora_table_t *tab, int max_r, float *t,
+                           cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -8,8 +8,8 @@
 #      test_cuda_ops (every op against the CPU backend, fresh random inputs);
 #      test_cuda_e2e for stories260K (bf16, exact f32) and every family's tiny
 #      model (greedy ids equal to the CPU's in f32, within bf16 tolerance in
-#      bf16; int8 KV on two of them); the Mixture-of-Experts models; the LoRA
-#      kernels' test when this tree has one (test_cuda_lora); the NCCL data
+#      bf16; int8 KV on two of them); the Mixture-of-Experts models (the LoRA
+#      kernels are one of test_cuda_ops's checks, test_lora); the NCCL data
 #      plane (skipped with fewer than 2 GPUs);
 #   B. measurements, budget LOOM_RUN_MEASURE_S (240 s): bench_gpu's decode MBU
 #      at batch 1/8/32 and prefill TFLOP/s against cuBLAS on a Llama-3-8B
@@ -207,11 +207,6 @@ if [ $run_steps = 1 ]; then
         # shellcheck disable=SC2086
         step "e2e-$name" 30 "$bin/test_cuda_e2e" --model "$dir" $eargs --tokens 32
     done
-    if [ -x "$bin/test_cuda_lora" ] || [ -f "$root/tests/gpu/test_cuda_lora.c" ]; then
-        step lora 40 "$bin/test_cuda_lora"
-    else
-        skip_row lora "no LoRA kernels in this tree"
-    fi
     if [ -x "$bin/test_nccl_comm" ] || [ $gpu = 0 ]; then
         step nccl 60 "$bin/test_nccl_comm"
     else
@@ -249,6 +244,13 @@ if [ $run_steps = 1 ]; then
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
     ' tune "$out" "$bin" "$py"
+    if [ $have_numpy = 1 ]; then # LoRA: no adapter, one rank-16 all-linear adapter, 8 mixed (docs/lora.md)
+        "$py" "$root/tests/reference/gen_model.py" --out "$gen/m100" --dim 768 --hidden-dim 2048 --layers 12 \
+            --heads 12 --kv-heads 4 --vocab 32000 --seed 1 >/dev/null &&
+            step bench-lora 60 "$bin/bench_lora" --model "$gen/m100" --device cuda:0 --batches 1,8,32 --reps 1
+    else
+        skip_row bench-lora "no numpy"
+    fi
 fi
 phase_end=0
 phase=full

@@ -22,6 +22,7 @@
 #include "common/util.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/backend_cpu.h"
+#include "kernels/cpu/lora.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/quant.h"
@@ -558,6 +559,54 @@ static void test_moe(void) {
     ex[3].quant = LOOM_QUANT_NONE, ex[3].dtype = LOOM_DT_F32;
     CHECK(loom_backend_moe_device(g_cuda[1], ex, 8, 2) == 0);
     CHECK(loom_backend_moe_device(g_cuda[1], ex + 16, 8, 2) == 0);
+}
+
+/* --- LoRA deltas ------------------------------------------------------------------ */
+
+/* loom_op_lora on the device against the CPU's per-row reference: rows of
+ * several adapters, base rows (-1), a slot of rank 0, odd shapes, strided
+ * x and y. */
+static void check_lora(int n, int64_t in, int64_t out, int n_slots, const int *ranks) {
+    loom_backend_t *be = g_cuda[0];
+    loom_lora_op_slot_t hs[8], ds[8];
+    void *dev[16];
+    int max_r = 1;
+    for (int s = 0; s < n_slots; s++) {
+        int r = ranks[s];
+        float *a = rand_host((size_t)(r * in), 0.1f), *bt = rand_host((size_t)(r * out), 0.1f);
+        hs[s] = (loom_lora_op_slot_t){.a = a, .bt = bt, .r = r, .scale = 0.25f + (float)s};
+        ds[s] = hs[s];
+        ds[s].a = dev[2 * s] = to_dev(be, a, (size_t)(r * in) * sizeof(float));
+        ds[s].bt = dev[2 * s + 1] = to_dev(be, bt, (size_t)(r * out) * sizeof(float));
+        if (r > max_r) max_r = r;
+    }
+    int64_t ldx = in + 3, ldy = out + 5;
+    int32_t *slot = loom_xmalloc((size_t)n * sizeof(int32_t));
+    for (int i = 0; i < n; i++) slot[i] = randi(n_slots + 1) - 1;
+    float *x = rand_host((size_t)(n * ldx), 1.0f), *y = rand_host((size_t)(n * ldy), 1.0f);
+    float *dx = to_dev(be, x, (size_t)(n * ldx) * sizeof(float)), *dy = to_dev(be, y, (size_t)(n * ldy) * sizeof(float));
+    int32_t *dslot = to_dev(be, slot, (size_t)n * sizeof(int32_t));
+    loom_op_lora(be, dy, ldy, dx, ldx, n, in, out, dslot, ds, n_slots, max_r);
+    loom_err_t err = {0};
+    CHECK(loom_backend_synchronize(be, &err) == LOOM_OK);
+    loom_cpu_lora_ref(y, ldy, x, ldx, n, in, out, slot, hs, n_slots);
+    char what[96];
+    snprintf(what, sizeof what, "lora n %d in %lld out %lld slots %d", n, (long long)in, (long long)out, n_slots);
+    CHECK(close_dev(what, be, dy, y, (size_t)(n * ldy), 1e-4, 1e-3));
+    for (int s = 0; s < n_slots; s++) {
+        free((void *)hs[s].a), free((void *)hs[s].bt);
+        loom_backend_free(be, dev[2 * s]), loom_backend_free(be, dev[2 * s + 1]);
+    }
+    loom_backend_free(be, dx), loom_backend_free(be, dy), loom_backend_free(be, dslot);
+    free(slot), free(x), free(y);
+}
+
+static void test_lora(void) {
+    static const int r4[4] = {1, 16, 0, 7}, r8[8] = {16, 8, 16, 4, 16, 1, 16, 2}, r1[1] = {64};
+    check_lora(13, 37, 29, 4, r4);
+    check_lora(32, 203, 257, 8, r8);
+    check_lora(1, 512, 1024, 1, r1);
+    check_lora(70, 96, 131, 4, r4);
 }
 
 /* --- RoPE and the KV write ---------------------------------------------------------- */
@@ -1121,6 +1170,7 @@ int main(int argc, char **argv) {
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);
     RUN(test_moe);
+    RUN(test_lora);
     RUN(test_rope_kv);
     RUN(test_attention);
     RUN(test_attention_extras);

@@ -1,10 +1,19 @@
 /* A fake replica for the router's tests: a loom.v1 ROUTER that answers as
  * told, without a model.
  *
- *   fake_replica --listen tcp://127.0.0.1:P --mode garbage|model [--model-name N --vocab V
- * --context C] garbage: every request gets a reply frame of junk bytes. model:   Health ready,
- * ListModels names the given model, Stats zeros, and a Generate gets one chunk (id 1) then a final
- * one: enough for a replica with another model to be refused at join. Runs until killed. */
+ *   fake_replica --listen tcp://127.0.0.1:P --mode MODE [--model-name N --vocab V --context C
+ *                --weights-digest D --tokenizer-digest D --log PATH]
+ *
+ * garbage: every request gets a reply frame of junk bytes. The other modes
+ * answer Health ready, ListModels with the given model, Stats zeros, and a
+ * Generate as follows:
+ *   model         one final chunk: id 1, "x", finish length, usage
+ *   bad-ids       a chunk with id vocab + 5 (outside the vocabulary)
+ *   empty-final   a final chunk with no ids, no finish reason, no usage
+ *   slow          nothing: the stream stalls (Health and the rest are answered)
+ *   invalid       INVALID_ARGUMENT, as a replica refuses a bad request
+ * --log appends "generate <id>" and "cancel <target id>" per request seen,
+ * so a test can tell what reached this replica. Runs until killed. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,7 +32,8 @@ static void reply(void *s, zmq_msg_t *id, Loom__V1__Reply *r) {
 }
 
 int main(int argc, char **argv) {
-    const char *listen = NULL, *mode = "garbage", *name = "other-model";
+    const char *listen = NULL, *mode = "garbage", *name = "other-model", *log_path = NULL,
+               *wdigest = "", *tdigest = "";
     int vocab = 32000, context = 2048;
     loom_opt_t opts[] = {
         {"listen", LOOM_OPT_STR, &listen, "ADDR", "bind here", 1, 0, NULL},
@@ -31,6 +41,12 @@ int main(int argc, char **argv) {
         {"model-name", LOOM_OPT_STR, &name, "NAME", "model id in ListModels", 1, 0, NULL},
         {"vocab", LOOM_OPT_INT, &vocab, "N", "vocabulary size in ListModels", 1, 1 << 24, NULL},
         {"context", LOOM_OPT_INT, &context, "N", "context length in ListModels", 1, 1 << 24, NULL},
+        {"weights-digest", LOOM_OPT_STR, &wdigest, "D",
+         "weights digest in ListModels (default none)", 1, 0, NULL},
+        {"tokenizer-digest", LOOM_OPT_STR, &tdigest, "D",
+         "tokenizer digest in ListModels (default none)", 1, 0, NULL},
+        {"log", LOOM_OPT_STR, &log_path, "PATH",
+         "append the Generate and Cancel requests seen here", 1, 0, NULL},
     };
     int rc = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts),
                             "fake_replica --listen ADDR --mode MODE",
@@ -69,7 +85,20 @@ int main(int argc, char **argv) {
                 Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
                 Loom__V1__StatsReply st = LOOM__V1__STATS_REPLY__INIT;
                 Loom__V1__GenerateChunk ch = LOOM__V1__GENERATE_CHUNK__INIT;
+                Loom__V1__Usage usage = LOOM__V1__USAGE__INIT;
                 int32_t id1 = 1;
+                if (log_path && (rq->body_case == LOOM__V1__REQUEST__BODY_GENERATE ||
+                                 (rq->body_case == LOOM__V1__REQUEST__BODY_CANCEL && rq->cancel))) {
+                    FILE *lf = fopen(log_path, "a");
+                    if (lf) {
+                        if (rq->body_case == LOOM__V1__REQUEST__BODY_GENERATE)
+                            fprintf(lf, "generate %llu\n", (unsigned long long)rq->request_id);
+                        else
+                            fprintf(lf, "cancel %llu\n",
+                                    (unsigned long long)rq->cancel->target_request_id);
+                        fclose(lf);
+                    }
+                }
                 switch (rq->body_case) {
                 case LOOM__V1__REQUEST__BODY_HEALTH:
                     h.ready = 1;
@@ -81,26 +110,54 @@ int main(int argc, char **argv) {
                     mi.id = (char *)name;
                     mi.vocab_size = (uint32_t)vocab;
                     mi.context_length = (uint32_t)context;
+                    mi.weights_digest = (char *)wdigest;
+                    mi.tokenizer_digest = (char *)tdigest;
                     lm.models = &mp;
                     lm.n_models = 1;
                     r.body_case = LOOM__V1__REPLY__BODY_MODELS;
                     r.models = &lm;
                     break;
                 case LOOM__V1__REQUEST__BODY_GENERATE:
+                    r.body_case = LOOM__V1__REPLY__BODY_CHUNK;
+                    r.chunk = &ch;
                     ch.ids = &id1;
                     ch.n_ids = 1;
                     ch.text = (char *)"x";
-                    ch.final = 1;
-                    ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_LENGTH;
-                    r.body_case = LOOM__V1__REPLY__BODY_CHUNK;
-                    r.chunk = &ch;
+                    if (!strcmp(mode, "bad-ids")) {
+                        id1 = vocab + 5;
+                    } else if (!strcmp(mode, "empty-final")) {
+                        ch.ids = NULL;
+                        ch.n_ids = 0;
+                        ch.text = (char *)"";
+                        ch.final = 1;
+                    } else if (!strcmp(mode, "invalid")) {
+                        ch.ids = NULL;
+                        ch.n_ids = 0;
+                        ch.text = (char *)"";
+                        ch.final = 1;
+                        ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_ERROR;
+                        r.code = loom_wire_status_code(LOOM_ERR_INVALID_ARGUMENT);
+                        r.message = (char *)"max_tokens must be positive (from the fake replica)";
+                    } else { /* model */
+                        ch.final = 1;
+                        ch.finish_reason = LOOM__V1__FINISH_REASON__FINISH_LENGTH;
+                        usage.completion_tokens = 1;
+                        ch.usage = &usage;
+                    }
                     break;
+                case LOOM__V1__REQUEST__BODY_CANCEL: {
+                    static Loom__V1__CancelReply cr = LOOM__V1__CANCEL_REPLY__INIT;
+                    r.body_case = LOOM__V1__REPLY__BODY_CANCEL;
+                    r.cancel = &cr;
+                    break;
+                }
                 default:
                     r.body_case = LOOM__V1__REPLY__BODY_STATS;
                     r.stats = &st;
                     break;
                 }
-                reply(s, &f[0], &r);
+                if (!(rq->body_case == LOOM__V1__REQUEST__BODY_GENERATE && !strcmp(mode, "slow")))
+                    reply(s, &f[0], &r); /* slow: a Generate is never answered */
             }
             if (rq) protobuf_c_message_free_unpacked(&rq->base, NULL);
         }

@@ -201,7 +201,7 @@ def test_tcp_data_plane():
 
 # every model_type the config parser accepts (common/model_config.c), each served by one family
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-               "qwen2_moe", "gpt_oss"]
+               "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"]
 
 
 def test_info():
@@ -232,14 +232,21 @@ def test_info():
         return
     ct = {t["model_type"]: t for t in cuda["model_types"]}
     check(sorted(ct) == sorted(MODEL_TYPES), "cuda model types: %r" % sorted(ct))
-    # the CUDA backend has every capability the CPU backend has (docs/cuda.md's capability table)
-    for t in ct.values():
-        check(t["runs"] == "yes" and t["lacks"] == [] and t["lacks_for_some_configs"] == [], "cuda: %r" % t)
+    # the CUDA backend has every capability the CPU backend has but one
+    # (docs/architecture.md's capability table): heads wider than 256, which
+    # DeepSeek's latent attention (576 wide) needs
+    for mt, t in ct.items():
+        if mt.startswith("deepseek"):
+            check(t["runs"] != "no" and t["lacks"] == [] and "attn_wide" in t["lacks_for_some_configs"],
+                  "cuda %s: %r" % (mt, t))
+        else:
+            check(t["runs"] == "yes" and t["lacks"] == [] and t["lacks_for_some_configs"] == [], "cuda: %r" % t)
     for cap in cpu["capabilities"]:
-        check(cap in cuda["capabilities"], "cuda lacks %s: %r" % (cap, cuda["capabilities"]))
+        check(cap == "attn_wide" or cap in cuda["capabilities"], "cuda lacks %s: %r" % (cap, cuda["capabilities"]))
     check("kv_fp8" in cuda["capabilities"], "cuda caps: %r" % cuda["capabilities"])
     for mt in MODEL_TYPES:
-        check(len(re.findall(r"^  %s +yes$" % mt, text.stdout, re.M)) == 2, "loom info: %s on cuda: %r" % (mt, text.stdout))
+        if not mt.startswith("deepseek"):
+            check(len(re.findall(r"^  %s +yes$" % mt, text.stdout, re.M)) == 2, "loom info: %s on cuda: %r" % (mt, text.stdout))
     if cuda["devices"] == 0:
         check(cuda["device_status"] == "no CUDA device" and "cuda: no CUDA device" in text.stdout, "cuda: %r" % cuda)
     else:

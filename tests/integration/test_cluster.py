@@ -1,12 +1,15 @@
 """Distributed runtime under stress: concurrent clients, a killed worker,
 hostile bytes on both sockets."""
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, Cluster, STORIES, check, gen_model, kill, run_local, run_tests, wait_for  # noqa: E402
+from harness import (BIN, Cluster, STORIES, check, gen_model, kill, run_local, run_tests, scaled,  # noqa: E402
+                     wait_for)
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-cluster")
 
@@ -187,8 +190,64 @@ def test_garbage_is_refused():
         check(rc == 0 and ids, "serving after the garbage: %s" % err)
 
 
+def test_strangers_on_the_data_plane():
+    # 200 idle connections and a few that send garbage on a worker's data
+    # port while the grid re-plans around it: the worker closes the strangers
+    # (the idle ones past the handshake deadline, or to make room) and still
+    # admits its real peer, so the grid forms and serves
+    with Cluster(STORIES, 2, 1, coord_args=["--comm", "tcp"]) as c:
+        log = c.log("coordinator")
+        plan = dict(re.findall(r"tp rank (\d) -> worker (\S+)", log))
+        addrs = dict(re.findall(r"worker (\S+) registered \(.*data plane (tcp://[^)]+)\)", log))
+        acceptor, dialler = plan["1"], plan["0"]  # the lower rank dials the higher
+        host, port = addrs[acceptor][6:].rsplit(":", 1)
+        kill(c.pid(dialler))
+        wait_for(lambda: "waiting_for_workers" in c.health()[1], 10, "the loss to be noticed")
+        idle, junk = [], []
+        for i in range(200):
+            idle.append(socket.create_connection((host, int(port)), timeout=10))
+        for i in range(8):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(os.urandom(64))
+            junk.append(s)
+        ctl = "tcp://127.0.0.1:%d" % (c.port + 1)
+        w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
+                              "--id", "replacement"] + c.worker_keys("replacement"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: "ready: yes" in c.health()[1], 20, "the grid to form with the strangers connected")
+            rc, text, ids, err = c.generate("Once upon a time", 16)
+            check(rc == 0 and ids == run_local(STORIES, "Once upon a time", 16)[1], "after re-planning: %s" % err)
+            for s in junk:  # garbage is refused at once
+                s.settimeout(scaled(5))
+                try:
+                    check(s.recv(100) == b"", "a stranger that sent garbage got an answer")
+                except ConnectionResetError:
+                    pass
+            closed = 0
+            for s in idle:
+                s.settimeout(0.01)
+                try:
+                    closed += s.recv(100) == b""
+                except ConnectionResetError:
+                    closed += 1
+                except socket.timeout:
+                    pass
+            print("  %d of 200 idle strangers closed by the worker once the grid formed" % closed)
+            check(closed == 200, "idle strangers still held: %d" % (200 - closed))
+            wlog = c.log(acceptor)
+            line = [l for l in wlog.splitlines() if "unidentified connection(s)" in l]
+            check(line, "the worker's log does not count the strangers it closed")
+            print("  " + line[-1].split("tcp comm", 1)[1][:200])
+        finally:
+            for s in idle + junk:
+                s.close()
+            w.kill()
+            w.wait()
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_concurrent_clients_2x2, test_killed_worker_gives_unavailable,
                test_replacement_worker_restores_the_grid, test_stream_survives_worker_loss,
-               test_spare_takes_over_with_defaults, test_garbage_is_refused])
+               test_spare_takes_over_with_defaults, test_garbage_is_refused, test_strangers_on_the_data_plane])

@@ -9,7 +9,8 @@ and fail over: workers reach the coordinator while it is unready, one
 coordinator at a time, probes and resources everywhere, the API key Secret
 required, disruption budgets and network policies that select real pods, an
 autoscaler on a gauge Loom exports, and only options the binaries have.
-The router (loom-router.yaml) is keyed both ways, probed on its /health and
+The router (loom-router.yaml) is keyed both ways, probed on its --probe-listen
+/ready and /health (a listener of their own), and
 autoscaled.
 The worker's --health-file, which the worker probes read, is tested on real
 processes. The images build targets that exist.
@@ -472,7 +473,7 @@ def rules_autoscaler(manifests):
 
 
 def rules_router(manifests):
-    """A keyed router Deployment behind a Service, probed on its HTTP /health."""
+    """A keyed router Deployment behind a Service, probed on its --probe-listen /ready and /health."""
     routers = 0
     for name, docs in manifests.items():
         services = [d for d in docs if d["kind"] == "Service"]
@@ -490,13 +491,16 @@ def rules_router(manifests):
             check("--replica-api-key" in args or "LOOM_REPLICA_API_KEY" in env,
                   what + ": the replicas require an API key: --replica-api-key or LOOM_REPLICA_API_KEY")
             http = re.match(r".*:(\d+)$", args.get("--http", ""))
-            check(http, what + ": --http serves the probes' /health")
-            # ready while a replica serves; alive while its reactor answers (restarting a
+            check(http, what + ": --http serves the OpenAI API and /metrics")
+            probes = re.match(r".*:(\d+)$", args.get("--probe-listen", ""))
+            check(probes, what + ": --probe-listen serves the probes on a listener a flood of the traffic ports "
+                  "cannot starve")
+            # ready while a replica serves; alive while its reactor turns (restarting a
             # router whose replicas are all down would not bring them back)
-            for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/metrics")):
+            for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health")):
                 get = c.get(probe, {}).get("httpGet", {})
-                check(get.get("path") == path and str(get.get("port")) == http.group(1),
-                      "%s: %s must GET %s on the --http port %s" % (what, probe, path, http.group(1)))
+                check(get.get("path") == path and str(get.get("port")) == probes.group(1),
+                      "%s: %s must GET %s on the --probe-listen port %s" % (what, probe, path, probes.group(1)))
             labels = t["metadata"].get("labels", {})
             svc = [s for s in services if s["spec"].get("selector") and selects(s["spec"]["selector"], labels)]
             check(svc, what + ": no Service selects the router")
@@ -591,8 +595,10 @@ def test_k8s_rules_catch_mistakes():
         ("router keys on an emptyDir", "is not on a Secret volume",
          lambda docs: find(docs, "Deployment", "loom-router")["spec"]["template"]["spec"]["volumes"].__setitem__(
              -1, {"name": "curve", "emptyDir": {}})),
-        ("a router probed elsewhere", "must GET /health",
+        ("a router probed elsewhere", "must GET /ready",
          lambda docs: router(docs)["readinessProbe"]["httpGet"].update(path="/metrics")),
+        ("router probes on the traffic port", "on the --probe-listen port",
+         lambda docs: router(docs)["livenessProbe"]["httpGet"].update(port=8000)),
         ("an option the router lacks", "has no option --replica-key",
          lambda docs: router(docs)["args"].append("--replica-key=x")),
     ]

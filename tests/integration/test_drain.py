@@ -53,7 +53,8 @@ class Procs:
         if os.path.exists(ready):
             os.unlink(ready)
         api = api_port if api_port else port  # the control port is always port + 1
-        argv = [os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", "tcp://127.0.0.1:%d" % api,
+        argv = [os.path.join(BIN, "loom-coordinator"), "--insecure",
+                "--model", model, "--listen", "tcp://127.0.0.1:%d" % api,
                 "--control", "tcp://127.0.0.1:%d" % (port + 1), "--ready-file", ready] + list(extra)
         if http_port:
             argv += ["--http", "127.0.0.1:%d" % http_port]

@@ -113,7 +113,8 @@ def test_tls_and_auth():
         ready = os.path.join(d, "ready")
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_ETCD")}
         log = open(os.path.join(d, "coordinator.log"), "w")
-        procs.append(subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
+        procs.append(subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--insecure",
+                                       "--model", STORIES, "--listen",
                                        "tcp://127.0.0.1:%d" % port, "--control", "tcp://127.0.0.1:%d" % (port + 1),
                                        "--ready-file", ready, "--cluster", "sec"] + sec(),
                                       stdout=subprocess.DEVNULL, stderr=log, env=env))
@@ -143,7 +144,8 @@ def test_tls_and_auth():
             wants = want if isinstance(want, tuple) else (want,)
             check(p.returncode != 0 and all(w in p.stderr for w in wants), "%s: exit %d: %s (wanted %r)"
                   % (" ".join(args[2:]), p.returncode, p.stderr[-400:], want))
-        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
+        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure",
+                            "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
                             "--control", "tcp://127.0.0.1:0", "--cluster", "other"] + sec(pw="badpw"),
                            capture_output=True, text=True, timeout=60, env=env)
         check(p.returncode != 0 and "wrong user name or password" in p.stderr, "coordinator: %s" % p.stderr[-400:])

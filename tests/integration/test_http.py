@@ -419,7 +419,8 @@ class Coordinator:
         self.log_path = os.path.join(self.dir, "coordinator.log")
         self.log = open(self.log_path, "w")
         self.addr = "tcp://127.0.0.1:%d" % self.api
-        self.proc = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", model, "--listen", self.addr,
+        self.proc = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--insecure",
+                                      "--model", model, "--listen", self.addr,
                                       "--control", "tcp://127.0.0.1:%d" % self.ctl,
                                       "--http", "127.0.0.1:%d" % self.http] + list(extra),
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -660,6 +661,10 @@ def test_disconnect_429_and_shutdown():
         # the gateway still answers, then a second SIGTERM (the first drains) during a stream ends it and
         # the process quickly
         check(post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, key=None)[0] == 200, "after")
+        # more choices than the queue ever holds: a 400 (a 429 would be retried forever), even when idle
+        e = expect_error(*post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2}, key=None), 400,
+                         param="n")
+        check("--max-queue" in e["message"], "400 message %r" % e["message"])
         s, got = open_stream(port, long_req, events=2)
         t0 = time.time()
         os.kill(c.pid("coordinator"), signal.SIGTERM)

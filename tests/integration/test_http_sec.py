@@ -43,7 +43,7 @@ class Coordinator:
         self.log_path = os.path.join(self.dir, "coordinator.log")
         self.log = open(self.log_path, "w")
         self.addr = "tcp://127.0.0.1:%d" % self.api
-        argv = [os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", self.addr,
+        argv = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", self.addr,
                 "--control", "tcp://127.0.0.1:%d" % self.ctl, "--http", "127.0.0.1:%d" % self.http,
                 "--probe-listen", "127.0.0.1:%d" % self.probe] + list(extra)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
@@ -431,5 +431,49 @@ def test_https():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def tls_handshake(port, cert, ciphers=None, version=None):
+    """A TLS handshake with the gateway: the negotiated (version, cipher), or None when refused."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cert)
+    if version:
+        ctx.minimum_version = ctx.maximum_version = version
+    if ciphers:
+        ctx.set_ciphers(ciphers)
+    try:
+        with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                             server_hostname="localhost") as s:
+            return s.version(), s.cipher()[0]
+    except (ssl.SSLError, OSError):
+        return None
+
+
+def test_tls_defaults_and_ssl_ciphers():
+    """HTTPS speaks TLS 1.2+ with forward-secret AEAD suites by default;
+    --ssl-ciphers (a GnuTLS priority string) chooses otherwise; a bad one is
+    refused at start."""
+    d = tempfile.mkdtemp(prefix="loom-it-tls-")
+    try:
+        cert, key = make_cert(d, "good")
+        refused(["--tls-cert", cert, "--tls-key", key, "--ssl-ciphers", "NORMAL:+NOT-A-THING"], "--ssl-ciphers")
+        cbc = "ECDHE-ECDSA-AES128-SHA"  # forward secret, but CBC
+        for extra, cbc_ok in (([], False), (["--ssl-ciphers", "NORMAL"], True)):
+            co = Coordinator(["--tls-cert", cert, "--tls-key", key] + extra, worker=False)
+            try:
+                wait_for(lambda: tls_handshake(co.http, cert) is not None, 30, "the HTTPS listener")
+                v, c = tls_handshake(co.http, cert)
+                check(v == "TLSv1.3", "a default client negotiated %s %s" % (v, c))
+                got = tls_handshake(co.http, cert, "ECDHE-ECDSA-AES128-GCM-SHA256", ssl.TLSVersion.TLSv1_2)
+                check(got and got[0] == "TLSv1.2", "TLS 1.2 with ECDHE + AES-GCM: %r" % (got,))
+                got = tls_handshake(co.http, cert, cbc, ssl.TLSVersion.TLSv1_2)
+                check((got is not None) == cbc_ok, "%s with %s: %r" % (cbc, extra or "the defaults", got))
+                if not extra:  # (GnuTLS's NORMAL still has TLS 1.1)
+                    got = tls_handshake(co.http, cert, "DEFAULT:@SECLEVEL=0", ssl.TLSVersion.TLSv1_1)
+                    check(got is None, "TLS 1.1 was accepted: %r" % (got,))
+            finally:
+                co.stop()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    run_tests([test_plain_coordinator, test_https])
+    run_tests([test_plain_coordinator, test_https, test_tls_defaults_and_ssl_ciphers])

@@ -37,7 +37,7 @@ def test_cluster_through_etcd():
             print("  plan: %s" % json.dumps(plan)[:160])
 
             # a second coordinator for the same cluster is refused with a clear message
-            p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
+            p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen",
                                 "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0", "--etcd", etcd.url,
                                 "--cluster", "it"], capture_output=True, text=True, timeout=30)
             check(p.returncode != 0 and "another coordinator" in p.stderr, "second coordinator: %r" % p.stderr)
@@ -68,7 +68,7 @@ def test_worker_waits_for_coordinator():
             check(wait_for(says_waiting, 10), "the worker did not say it waits")
             check(w.poll() is None, "the worker gave up")
             ready = os.path.join(etcd.dir, "ready")
-            co = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
+            co = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen",
                                    "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0", "--etcd", etcd.url,
                                    "--cluster", "late", "--ready-file", ready],
                                   stdout=subprocess.DEVNULL, stderr=clog)

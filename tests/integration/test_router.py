@@ -23,6 +23,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from harness import (BIN, STORIES, Cluster, Etcd, check, gen_model, generate, kill, loom_generate_cmd,
-                     parse_ids, parse_stats, run_tests, wait_for)
+                     parse_ids, parse_stats, run_tests, scaled, wait_for)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORK = os.environ.get("LOOM_TEST_WORK", tempfile.gettempdir())
@@ -59,7 +61,8 @@ class Router:
         self.log_path = tempfile.mktemp(prefix="loom-router-", suffix=".log")
 
     def __enter__(self):
-        cmd = [os.path.join(BIN, "loom-router"), "--listen", self.addr, "--model", self.model] + self.args
+        cmd = [os.path.join(BIN, "loom-router"), "--listen", self.addr] + (["--model", self.model] if self.model else [])
+        cmd += self.args
         if self.http:
             cmd += ["--http", "127.0.0.1:%d" % self.http]
         self.logf = open(self.log_path, "w+")
@@ -367,23 +370,29 @@ def test_failover_and_disconnect():
         # the test model has stories260K's tokenizer, which the router loads
         with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=model) as r:
             n = 1200  # about a second of decoding here: the kill lands mid-stream
-            ref = generate(b.addr, PROMPT, n, extra=["--ignore-eos"])
+            t0 = time.time()
+            ref = generate(b.addr, PROMPT, n, extra=["--ignore-eos"], timeout=240)
+            # the stream's deadline follows this machine's pace (as in test_seeded_failover)
+            limit = max(scaled(30), 3 * (time.time() - t0) + scaled(15))
             check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
             # a long greedy stream; kill -9 the replica serving it once tokens flow
             proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.0, ["--ignore-eos", "--timeout-ms",
-                                                                                 "30000"]),
+                                                                                 str(int(limit * 1000))]),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             wait_for(lambda: serving_replica(r, by_addr) is not None, 10, "the stream on one replica")
             victim = by_addr[serving_replica(r, by_addr)]
             time.sleep(0.3)
             kill(victim.pid("coordinator"))
             kill(victim.pid("worker-0"))
-            out, err = proc.communicate(timeout=60)
+            out, err = proc.communicate(timeout=limit + 30)
             check(proc.returncode == 0, "the stream failed across the kill: %s" % err[-500:])
             ids = parse_ids(err)
             failovers = r.metric("loom_router_failovers_total")
             print("  killed %s mid-stream; %d ids, %d failover(s)" % (victim.addr, len(ids or []), failovers))
             check(failovers >= 1, "no failover happened (the stream ended before the kill?)")
+            moved = [ln for ln in r.log().splitlines() if "moving to another replica" in ln]
+            check(moved and all("request r" in ln for ln in moved),
+                  "a failover is logged under the router-wide id (client ids count per connection): %r" % moved)
             check(ids == ref[2], "ids across the failover differ from an uninterrupted run:\n%s\n%s" %
                   (ids, ref[2]))
             check(out.rstrip("\n") == ref[1].rstrip("\n"), "text across the failover differs:\n%r\n%r" %
@@ -408,7 +417,7 @@ def test_failover_and_disconnect():
             t0 = time.time()
             rc, _, _, err3 = generate(r.addr, PROMPT, 8)
             check(rc == 4 and "UNAVAILABLE" in err3 and "no replica" in err3, "with no replica: %d %s" % (rc, err3))
-            check(time.time() - t0 < 5, "UNAVAILABLE took %.1f s" % (time.time() - t0))
+            check(time.time() - t0 < scaled(5), "UNAVAILABLE took %.1f s" % (time.time() - t0))
             status = None
             try:
                 with urllib.request.urlopen(urllib.request.Request(
@@ -518,18 +527,24 @@ def test_seeded_failover():
         by_addr = {a.addr: a, b.addr: b}
         with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=model) as r:
             n = 1200
-            ref = generate(b.addr, PROMPT, n, 0.9, extra=seeded)
+            t0 = time.time()
+            ref = generate(b.addr, PROMPT, n, 0.9, extra=seeded, timeout=240)
+            t_ref = time.time() - t0
             check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
+            # the routed stream's deadline follows this machine's pace: the
+            # uninterrupted stream's time, with room for the failover and a re-prefill
+            limit = max(scaled(30), 3 * t_ref + scaled(15))
             other = generate(b.addr, PROMPT, 64, 0.9, extra=["--ignore-eos", "--seed", "12"])
             check(other[2] != ref[2][:64], "seeds 11 and 12 gave the same ids: not a sampled run")
-            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.9, seeded + ["--timeout-ms", "30000"]),
+            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.9,
+                                                      seeded + ["--timeout-ms", str(int(limit * 1000))]),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             wait_for(lambda: serving_replica(r, by_addr) is not None, 10, "the stream on one replica")
             victim = by_addr[serving_replica(r, by_addr)]
             time.sleep(0.3)
             kill(victim.pid("coordinator"))
             kill(victim.pid("worker-0"))
-            out, err = proc.communicate(timeout=60)
+            out, err = proc.communicate(timeout=limit + 30)
             check(proc.returncode == 0, "the seeded stream failed across the kill: %s" % err[-500:])
             ids = parse_ids(err)
             failovers = r.metric("loom_router_failovers_total")
@@ -659,16 +674,39 @@ def test_tenants():
                         model=model) as r:
                 def gen(key, n=4, extra=()):
                     return generate(r.addr, PROMPT, n, extra=["--api-key", key] + list(extra))
-                # requests/s: a burst of 2, then RESOURCE_EXHAUSTED naming the limit and when to retry
-                for _ in range(2):
-                    out = gen("key-slow")
-                    check(out[0] == 0, "within the burst: %s" % out[3])
-                out = gen("key-slow")
-                check(out[0] == 3 and "RESOURCE_EXHAUSTED" in out[3] and "slow" in out[3] and "retry after" in out[3],
-                      "over the rate: %d %s" % (out[0], out[3]))
+                # requests/s: a burst of 2, then RESOURCE_EXHAUSTED naming the limit and when to retry.
+                # Three clients at once and an HTTP request right behind them: the
+                # bucket (2 tokens, one more every 2 s) is charged when each arrives,
+                # not when it ends, so the count of refusals does not hang on how
+                # fast the replica streams; a machine so slow that the four arrivals
+                # spread over `span` s may have earned floor(span / 2) tokens more.
+                t0 = time.time()
+                procs = [subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, 4, 0.0, ["--api-key", "key-slow"]),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         for _ in range(3)]
+                st, hdr, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4}, key="key-slow")
+                span = time.time() - t0
+                outs = [(p.wait(timeout=scaled(60)), p.communicate()[1]) for p in procs]
+                ok = sum(rc == 0 for rc, _ in outs) + (st == 200)
+                over = [e for rc, e in outs if rc != 0]
+                refused = len(over) + (st == 429)
+                earned = int(span / 2)
+                print("  rate: %d admitted, %d refused (the four arrived within %.2f s)" % (ok, refused, span))
+                check(ok + refused == 4, "a request neither served nor refused for the rate: %r %d" % (outs, st))
+                check(ok <= 2 + earned and refused >= 2 - earned, "over the rate: %d admitted in %.2f s: %r" %
+                      (ok, span, outs))
+                for e in over:
+                    check("RESOURCE_EXHAUSTED" in e and "slow" in e and "retry after" in e, "over the rate: %s" % e)
                 out = gen("key-fast")  # another tenant is served meanwhile
                 check(out[0] == 0, "the other tenant: %s" % out[3])
-                st, hdr, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4}, key="key-slow")
+                # the HTTP refusal's form: when the first HTTP request got a token (the
+                # clients were slow to arrive), send more at once until the bucket is
+                # empty; each admitted one takes a token, and a token comes back every 2 s
+                for _ in range(8):
+                    if st == 429:
+                        break
+                    st, hdr, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4}, key="key-slow")
+                    refused += st == 429
                 ra = hdr.get("Retry-After")
                 check(st == 429 and ra and ra.isdigit() and 1 <= int(ra) <= 2, "HTTP over the rate: %d %r %r" %
                       (st, ra, body))
@@ -712,7 +750,8 @@ def test_tenants():
                 m = r.metrics()
                 lim = m.get(("loom_router_tenant_requests_total", 'tenant="slow",outcome="rate_limited"'))
                 con = m.get(("loom_router_tenant_requests_total", 'tenant="one",outcome="concurrency_limited"'))
-                check(lim == 2 and con == 1, "tenant metrics: rate_limited %r, concurrency_limited %r" % (lim, con))
+                check(lim == refused and con == 1, "tenant metrics: rate_limited %r (refused %d), concurrency_limited %r"
+                      % (lim, refused, con))
                 check(not any("key-" in l for (_, l) in m), "a tenant's key shows in /metrics")
     finally:
         os.unlink(path)
@@ -835,6 +874,254 @@ def test_curve():
             check(p.returncode != 0 and said in p.stderr, "%r: %d %s" % (args, p.returncode, p.stderr[-600:]))
 
 
+# ---- replicas that misbehave in a stream ---------------------------------------------------------
+
+def fake(mode, log=None, name="stories260K", vocab=512, context=512, tokenizer=None):
+    """A fake_replica in `mode` (tests/integration/fake_replica.c) on a free port: (process, address)."""
+    addr = "tcp://127.0.0.1:%d" % free_port()
+    cmd = [os.path.join(TESTS_BIN, "fake_replica"), "--listen", addr, "--mode", mode, "--model-name", name,
+           "--vocab", str(vocab), "--context", str(context)] + (["--log", log] if log else [])
+    if tokenizer:
+        cmd += ["--tokenizer-digest", tokenizer]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), addr
+
+
+def seen(log, what):
+    try:
+        with open(log) as f:
+            return [int(l.split()[1]) for l in f if l.startswith(what + " ")]
+    except OSError:
+        return []
+
+
+def test_bad_chunks_fail_over():
+    # token ids outside the vocabulary and an empty final chunk are the replica's
+    # fault: never relayed; the replica is circuit-broken and the stream moves on
+    with Cluster(STORIES, 1, 1) as c:
+        ref = generate(c.addr, PROMPT, 12)
+        check(ref[0] == 0, "the real replica: %s" % ref[3])
+        for mode, said in (("bad-ids", "outside the vocabulary"), ("empty-final", "empty final chunk")):
+            log = os.path.join(WORK, "fake-%s.log" % mode)
+            if os.path.exists(log):
+                os.unlink(log)
+            proc, addr = fake(mode, log)
+            try:
+                with Router(["--replica", addr, "--replica", c.addr, "--policy", "round-robin"], http=True,
+                            expect_up=2) as r:
+                    for _ in range(4):
+                        rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                        check(rc == 0 and ids == ref[2], "%s: a request through the router: %s" % (mode, err))
+                    check(seen(log, "generate"), "%s: no request reached the fake replica" % mode)
+                    wait_for(lambda: r.metric("loom_router_bad_chunks_total") >= 1, 5,
+                             "%s: the bad chunk counted in /metrics" % mode)
+                    # its circuit opened (it is probed back after the backoff, so look at the log)
+                    check("replica %s: up -> down" % addr in r.log(),
+                          "%s: the fake replica was not circuit-broken" % mode)
+                    check(said in r.log(), "%s: the router log does not name the fault: %s" % (mode, r.log()[-1500:]))
+                    print("  %s: %s" % (mode, [l for l in r.log().splitlines() if said in l][0].split("replica ", 1)[1][:160]))
+            finally:
+                proc.kill()
+                proc.wait()
+
+
+def test_slow_replica_cancelled():
+    # a stream that stalls on one replica moves to another, and is cancelled where it stalled
+    log = os.path.join(WORK, "fake-slow.log")
+    if os.path.exists(log):
+        os.unlink(log)
+    proc, addr = fake("slow", log)
+    try:
+        with Cluster(STORIES, 1, 1) as c:
+            ref = generate(c.addr, PROMPT, 12)
+            with Router(["--replica", addr, "--replica", c.addr, "--policy", "round-robin", "--stall-timeout-ms",
+                         "1000"], http=True, expect_up=2) as r:
+                for _ in range(2):
+                    rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                    check(rc == 0 and ids == ref[2], "a request through the router: %s" % err)
+                gens = seen(log, "generate")
+                check(gens, "no request reached the slow replica")
+                wait_for(lambda: set(seen(log, "cancel")) >= set(gens), 10, "the slow replica to see the Cancel")
+                check(r.metric("loom_router_failovers_total") >= 1, "no failover")
+                print("  the slow replica got %d request(s) and as many Cancels" % len(gens))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_request_fault_relayed():
+    # a replica that refuses a request as the request's own fault (INVALID_ARGUMENT)
+    # answers for every replica: the error goes to the client (HTTP 400), no failover
+    log = os.path.join(WORK, "fake-invalid.log")
+    if os.path.exists(log):
+        os.unlink(log)
+    proc, addr = fake("invalid", log)
+    try:
+        with Cluster(STORIES, 1, 1) as c:
+            with Router(["--replica", addr, "--replica", c.addr, "--policy", "round-robin"], http=True,
+                        expect_up=2) as r:
+                got = []
+                for _ in range(2):
+                    st, _, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4})
+                    got.append((st, body))
+                statuses = sorted(st for st, _ in got)
+                check(statuses == [200, 400], "round-robin over the refusing and the real replica: %r" % got)
+                bad = [b for st, b in got if st == 400][0]
+                check("fake replica" in json.dumps(bad), "the replica's message was not relayed: %r" % bad)
+                check(len(seen(log, "generate")) == 1, "the refused request was sent again: %r" % seen(log, "generate"))
+                wait_for(lambda: r.metric("loom_router_relayed_errors_total") == 1, 5, "the relayed error counted")
+                check(r.metric("loom_router_failovers_total") == 0, "a request fault was failed over")
+                check(r.metric("loom_router_replica_up", addr + '",state="up') == 1, "the replica was circuit-broken")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def other_weights(out_dir):
+    """stories260K with the first 4 floats of its first tensor scaled by 1.5, under the same
+    name (the directory is named stories260K): same config, tokenizer and shapes."""
+    d = os.path.join(out_dir, "stories260K")
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(STORIES):
+            if os.path.isfile(os.path.join(STORIES, f)):
+                shutil.copy(os.path.join(STORIES, f), os.path.join(d, f))
+        path = os.path.join(d, "model.safetensors")
+        with open(path, "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            first = min((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
+            check(header[first[1]]["dtype"] == "F32", "stories260K's first tensor is not F32")
+            f.seek(8 + n + first[0])
+            xs = struct.unpack("<4f", f.read(16))
+            f.seek(8 + n + first[0])
+            f.write(struct.pack("<4f", *(x * 1.5 + 0.01 for x in xs)))
+    return d
+
+
+def test_other_weights_refused():
+    # the replicas' weights and tokenizer digests (ListModels) must be the reference's
+    # (the router's --model here): a replica serving stories260K with other weights,
+    # and one with other tokenizer files, are refused at join naming what differs
+    model = other_weights(os.path.join(WORK, "other-weights"))
+    proc, faddr = fake("model", tokenizer="b2:" + "1" * 32)
+    try:
+        with started(Cluster(STORIES, 1, 1), Cluster(model, 1, 1)) as (a, b):
+            with Router(["--replica", a.addr, "--replica", b.addr, "--replica", faddr], http=True) as r:
+                wait_for(lambda: r.metric_sum("loom_router_refused_joins_total") == 2 and
+                         r.metric_sum("loom_router_replica_up") == 1, 20, "two replicas refused, one up")
+                log = r.log()
+                check(r.metric("loom_router_replica_up", a.addr + '",state="up') == 1, "the real replica is not up")
+                line = [l for l in log.splitlines() if b.addr in l and "refused" in l]
+                check(line and "other weights" in line[0] and "--model" in line[0],
+                      "the refusal of other weights does not say so: %s" % log[-1500:])
+                print("  " + line[0].split("ERROR", 1)[-1].strip()[:220])
+                line = [l for l in log.splitlines() if faddr in l and "refused" in l]
+                check(line and "other tokenizer files" in line[0], "the refusal of another tokenizer: %s" % log[-1500:])
+                ref = generate(a.addr, PROMPT, 12)
+                for _ in range(3):
+                    rc, _, ids, err = generate(r.addr, PROMPT, 12)
+                    check(rc == 0 and ids == ref[2], "through the router: %s" % err)
+                check(r.metric("loom_router_replica_routed_total", b.addr) == 0, "a request went to other weights")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def probe_get(port, path):
+    """GET path on the router's probe listener: (status, seconds, body)."""
+    t0 = time.time()
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=scaled(5)) as resp:
+            return resp.status, time.time() - t0, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, time.time() - t0, e.read().decode()
+
+
+def test_probe_listener():
+    # --probe-listen: /health (the reactor turns) and /ready (a replica is up) on their own
+    # socket and thread; a slow-loris on the traffic port, and idle sockets on the probe
+    # port itself, leave them answering at once
+    pport = free_port()
+    with Cluster(STORIES, 1, 1) as c:
+        with Router(["--replica", c.addr, "--probe-listen", "127.0.0.1:%d" % pport, "--http-max-connections", "16",
+                     "--http-timeout-s", "120"], http=True, expect_up=1) as r:
+            wait_for(lambda: probe_get(pport, "/ready")[0] == 200, 10, "/ready with the replica up")
+            for path in ("/health", "/ready"):
+                st, _, body = probe_get(pport, path)
+                check(st == 200 and "1 of 1 replica(s) up" in body, "%s: %d %r" % (path, st, body))
+            check(probe_get(pport, "/metrics")[0] == 404, "the probe listener serves only the probes")
+            loris = []
+            for _ in range(200):  # more than --http-max-connections, each a request that never ends
+                try:
+                    s = socket.create_connection(("127.0.0.1", r.http), timeout=5)
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loom\r\n")
+                    loris.append(s)
+                except OSError:
+                    break
+            idle = [socket.create_connection(("127.0.0.1", pport), timeout=5) for _ in range(48)]
+            try:
+                worst = 0.0
+                for _ in range(10):
+                    for s in loris:
+                        try:
+                            s.sendall(b"X-Slow: 1\r\n")
+                        except OSError:
+                            pass
+                    for path in ("/health", "/ready"):
+                        st, dt, body = probe_get(pport, path)
+                        check(st == 200, "%s during the slow-loris: %d %r" % (path, st, body))
+                        worst = max(worst, dt)
+                    time.sleep(0.1)
+                print("  %d slow-loris connections on the HTTP port, 48 idle on the probe port: probes answered "
+                      "within %.0f ms" % (len(loris), worst * 1e3))
+                check(worst < scaled(1.0), "a probe took %.2f s" % worst)
+            finally:
+                for s in loris + idle:
+                    s.close()
+            kill(c.pid("coordinator"))
+            kill(c.pid("worker-0"))
+            wait_for(lambda: probe_get(pport, "/ready")[0] == 503, 20, "/ready to turn 503 with no replica up")
+            st, _, body = probe_get(pport, "/health")
+            check(st == 200, "/health follows the reactor, not the replicas: %d %r" % (st, body))
+
+
+def test_failover_without_model():
+    # no --model: the router asks the replicas for the prompt's ids (GenerateRequest.return_prompt_ids,
+    # the first chunk's prompt_ids) and continues a stream elsewhere from them; the client, who did
+    # not ask for them, never sees them
+    model = slow_model()
+    with started(Cluster(model, 1, 1), Cluster(model, 1, 1)) as (a, b):
+        by_addr = {a.addr: a, b.addr: b}
+        with Router(["--replica", a.addr, "--replica", b.addr], http=True, expect_up=2, model=None) as r:
+            n = 1200
+            t0 = time.time()
+            ref = generate(b.addr, PROMPT, n, extra=["--ignore-eos"], timeout=240)
+            limit = max(scaled(30), 3 * (time.time() - t0) + scaled(15))
+            check(ref[0] == 0 and len(ref[2]) == n, "reference run failed: %s" % ref[3])
+            proc = subprocess.Popen(loom_generate_cmd(r.addr, PROMPT, n, 0.0, ["--ignore-eos", "--timeout-ms",
+                                                                                 str(int(limit * 1000))]),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_for(lambda: serving_replica(r, by_addr) is not None, 10, "the stream on one replica")
+            victim = by_addr[serving_replica(r, by_addr)]
+            time.sleep(0.3)
+            kill(victim.pid("coordinator"))
+            kill(victim.pid("worker-0"))
+            out, err = proc.communicate(timeout=limit + 30)
+            check(proc.returncode == 0, "the stream failed across the kill without --model: %s" % err[-500:])
+            ids = parse_ids(err)
+            failovers = r.metric("loom_router_failovers_total")
+            print("  no --model: killed %s mid-stream; %d ids, %d failover(s)" % (victim.addr, len(ids or []),
+                                                                                  failovers))
+            check(failovers >= 1, "no failover happened (the stream ended before the kill?)")
+            check(ids == ref[2], "ids across the failover differ from an uninterrupted run")
+            # a client that did not ask for the prompt's ids does not get them (HTTP: no prompt_logprobs)
+            st, _, body = http_completion(r.http, {"prompt": PROMPT, "max_tokens": 4})
+            check(st == 200 and body["choices"][0].get("prompt_logprobs") is None,
+                  "prompt ids leaked to a client that did not ask: %r" % body)
+
+
 if __name__ == "__main__":
     run_tests([test_cli, test_stories_pair, test_failover_and_disconnect, test_seeded_failover,
-               test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back])
+               test_response_cache, test_tenants, test_curve, test_etcd_join_leave, test_fake_replicas, test_probe_back,
+               test_bad_chunks_fail_over, test_slow_replica_cancelled, test_request_fault_relayed,
+               test_other_weights_refused, test_probe_listener, test_failover_without_model])

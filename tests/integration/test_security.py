@@ -86,6 +86,9 @@ def test_control_plane_hijack_is_refused():
             check("is not in the worker allow-list" in log, "the foreign key's refusal names no reason")
             check("the CURVE handshake failed" in log, "the keyless peer's refusal is not logged")
             check("speaks as 'worker-7' but its key is 'intruder'" in log, "the identity refusal is not logged")
+            n = log.count("speaks as 'worker-7' but its key is 'intruder'")
+            check(n == 1, "one peer's identity refusals were logged %d times in a few seconds (at most once per "
+                          "10 s)" % n)
             rc, out = c.health()
             check(rc == 0 and "ready" in out, "not serving after the attacks: %s" % out)
     finally:
@@ -160,6 +163,8 @@ def test_bad_keys_are_clear_errors():
             (coord + ["--worker-keys", os.path.join(d, "workers.allow")], "--curve-secret"),
             ([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://0.0.0.0:0",
               "--control", "tcp://127.0.0.1:0"], "--client-keys"),
+            ([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
+              "--control", "tcp://0.0.0.0:0"], "--insecure"),
             ([os.path.join(BIN, "loom-worker"), "--coordinator", "tcp://127.0.0.1:1", "--curve-server-key",
               os.path.join(d, "coordinator.pub")], "secret key"),
             ([os.path.join(BIN, "loom-worker"), "--coordinator", "tcp://127.0.0.1:1", "--curve-server-key",
@@ -178,6 +183,37 @@ def test_bad_keys_are_clear_errors():
         check(os.stat(os.path.join(d, "worker-0.key")).st_mode & 0o077 == 0, "keygen left a secret key readable")
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def coordinator_start_log(args):
+    """Starts a hand-made coordinator (no workers) and returns its log once it waits for workers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_CURVE") and "KEYS" not in k}
+    p = subprocess.Popen([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0"]
+                         + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = ""
+    try:
+        for line in p.stdout:
+            out += line
+            if "waiting for" in line:
+                break
+    finally:
+        p.terminate()
+        out += p.communicate(timeout=30)[0]
+    return out
+
+
+def test_unkeyed_control_plane_needs_insecure():
+    """A hand-started coordinator with an unkeyed control plane: refused off
+    loopback without --insecure (test_bad_keys_are_clear_errors), loud with
+    it; on loopback a warning that --insecure silences."""
+    log = coordinator_start_log(["--control", "tcp://0.0.0.0:0", "--insecure"])
+    check("*** SECURITY: the control plane binds tcp://0.0.0.0:0 without keys" in log,
+          "an unkeyed control plane off loopback with --insecure: %s" % log[-600:])
+    log = coordinator_start_log(["--control", "tcp://127.0.0.1:0"])
+    check("the control plane (tcp://127.0.0.1:0) is not keyed" in log and "--insecure" in log,
+          "no warning for an unkeyed loopback control plane: %s" % log[-600:])
+    log = coordinator_start_log(["--control", "tcp://127.0.0.1:0", "--insecure"])
+    check("is not keyed" not in log and "waiting for" in log, "--insecure did not silence it: %s" % log[-600:])
 
 
 def plain_bytes(payload):
@@ -230,6 +266,7 @@ def test_loopback_capture_holds_no_prompt_text():
 
 
 if __name__ == "__main__":
-    run_tests([test_bad_keys_are_clear_errors, test_control_plane_hijack_is_refused,
+    run_tests([test_bad_keys_are_clear_errors, test_unkeyed_control_plane_needs_insecure,
+               test_control_plane_hijack_is_refused,
                test_unkeyed_control_plane_is_hijacked, test_client_keys_are_required,
                test_loopback_capture_holds_no_prompt_text])

@@ -179,7 +179,7 @@ def test_bad_input():
                         (["--speculative-method", "draft", "--speculative-model", v1024],
                          "vocabulary of 1024 tokens, the target's has 512"),
                         (["--speculative-method", "draft", "--speculative-model", othertok], othertok_msg)):
-        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
+        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen",
                             "tcp://127.0.0.1:%d" % free_port(), "--control", "tcp://127.0.0.1:%d" % free_port(),
                             ] + extra, capture_output=True, text=True, timeout=60)
         check(p.returncode != 0 and want in p.stderr and "Sanitizer" not in p.stderr,

@@ -1,4 +1,4 @@
-"""Minimal safetensors reader and writer (F32, F16, BF16, and U8 bytes) for Loom's test scripts.
+"""Minimal safetensors reader and writer (F32, F16, BF16, and U8 / F8_E4M3 bytes) for Loom's test scripts.
 
 Format: an 8-byte little-endian u64 header length N, N bytes of JSON
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
@@ -14,7 +14,7 @@ import struct
 
 import numpy as np
 
-ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1}
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "F8_E4M3": 1}
 
 
 def f32_to_bf16_bits(a):
@@ -41,7 +41,7 @@ def encode(a, dtype):
         return np.ascontiguousarray(a, dtype="<f4").astype("<f2")
     if dtype == "BF16":
         return f32_to_bf16_bits(a)
-    if dtype == "U8":  # raw bytes: the array must already hold integers 0..255
+    if dtype in ("U8", "F8_E4M3"):  # raw bytes (F8_E4M3: the codes): the array must already hold integers 0..255
         a = np.asarray(a)
         if a.dtype != np.uint8:
             if not np.issubdtype(a.dtype, np.integer) or a.size and (a.min() < 0 or a.max() > 255):
@@ -58,7 +58,7 @@ def decode(raw, dtype, shape):
         a = np.frombuffer(raw, dtype="<f2").astype(np.float32)
     elif dtype == "BF16":
         a = bf16_bits_to_f32(np.frombuffer(raw, dtype="<u2"))
-    elif dtype == "U8":
+    elif dtype in ("U8", "F8_E4M3"):  # F8_E4M3 too comes back as its byte codes
         a = np.frombuffer(raw, dtype=np.uint8)
     else:
         raise ValueError("unsupported dtype %r" % dtype)

@@ -5,3 +5,5 @@ loom_add_test(test_model_config SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_mo
               LIBS loom_modelio LABELS unit)
 loom_add_test(test_json SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_json.c
               LIBS loom_modelio LABELS unit)
+loom_add_test(test_weights_check SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/unit/test_weights_check.c
+              LIBS loom_modelio LABELS unit)

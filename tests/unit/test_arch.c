@@ -15,7 +15,8 @@
 #include "worker/model.h"
 
 static const char *const k_types[] = {"llama",  "mistral",     "qwen2",   "qwen3",     "phi3",     "gemma2",
-                                      "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"};
+                                      "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss",
+                                      "deepseek_v3", "deepseek_v2"};
 
 static loom_model_config_t parse(const char *json) {
     loom_model_config_t c;
@@ -73,6 +74,20 @@ static void test_names(void) {
     CHECK(loom_arch_tensor_used(a, &mx, "model.layers.1.block_sparse_moe.gate.weight", &lin) && lin == 0);
     CHECK(!loom_arch_tensor_used(a, &mx, "model.layers.1.mlp.gate_proj.weight", NULL)); /* no dense MLP */
 
+    /* DeepSeek: q_a/q_b or one q_proj by q_lora_rank, the router's correction bias under noaux_tc, and
+     * kv_b_proj read as a float tensor (rebuilt at load, so `loom quantize` leaves it) */
+    loom_model_config_t ds = parse("{\"model_type\":\"deepseek_v3\",\"num_hidden_layers\":4,"
+                                   "\"first_k_dense_replace\":1}");
+    a = loom_arch_find("deepseek_v3");
+    CHECK(a && a == loom_arch_find("deepseek_v2"));
+    CHECK(!strcmp(loom_arch_tensor_name(a, &ds, 2, LOOM_TN_Q_B, -1, buf, sizeof buf),
+                  "model.layers.2.self_attn.q_b_proj.weight"));
+    CHECK(loom_arch_tensor_name(a, &ds, 2, LOOM_TN_Q, -1, buf, sizeof buf) == NULL);
+    CHECK(loom_arch_tensor_used(a, &ds, "model.layers.1.mlp.gate.e_score_correction_bias", &lin) && lin == 0);
+    CHECK(!loom_arch_tensor_used(a, &ds, "model.layers.0.mlp.gate.e_score_correction_bias", NULL)); /* dense */
+    CHECK(loom_arch_tensor_used(a, &ds, "model.layers.3.self_attn.kv_b_proj.weight", &lin) && lin == 0);
+    CHECK(loom_arch_tensor_used(a, &ds, "model.layers.3.mlp.shared_experts.up_proj.weight", &lin) && lin == 1);
+
     loom_model_config_t g2 = parse("{\"model_type\":\"gemma2\"," DIMS ",\"head_dim\":16}");
     a = loom_arch_find("gemma2");
     CHECK(!strcmp(loom_arch_tensor_name(a, &g2, 0, LOOM_TN_FFN_NORM, -1, buf, sizeof buf),
@@ -112,6 +127,8 @@ static void test_info_agrees(void) {
         ",\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32,"
         "\"shared_expert_intermediate_size\":64",
         ",\"head_dim\":16,\"num_local_experts\":4,\"num_experts_per_tok\":2",
+        "",                             /* deepseek_v3: DeepseekV3Config's 576-wide latent rows */
+        ",\"num_experts_per_tok\":2",  /* deepseek_v2 */
     };
     loom_shard_spec_t all = {.tp_size = 1, .layer_begin = 0, .layer_end = 4, .has_embed = 1, .has_head = 1};
     char json[512];
@@ -173,6 +190,13 @@ static void test_refusal(void) {
     CHECKF(strstr(err.msg, "cannot run gpt_oss: it lacks sliding-window attention") &&
                strstr(err.msg, "attention sinks (gpt_oss's attention)") &&
                strstr(err.msg, "the clamped SwiGLU (gpt_oss's experts)"),
+           "%s", err.msg);
+    /* DeepSeek-V3's latent rows are 576 wide: a backend whose attention stops at 256 refuses it */
+    ops.caps &= ~(uint32_t)LOOM_CAP_ATTN_WIDE;
+    loom_model_config_t ds = parse("{\"model_type\":\"deepseek_v3\"}");
+    CHECK(loom_model_load(be, &ds, NULL, &spec, &opt, &m, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECKF(!strcmp(err.msg, "the cpu backend cannot run deepseek_v3: it lacks attention heads wider than 256 "
+                            "(head_dim 576)"),
            "%s", err.msg);
     be->ops = orig;
     loom_backend_destroy(&be);

@@ -866,6 +866,33 @@ static void test_stranger_tcp(void) {
     grid_free(&g);
 }
 
+/* 100 idle connections queue at rank 1's listener before rank 0 dials: more
+ * than the acceptor's table holds (32). The oldest idle ones make room, the
+ * peer behind them is admitted, and every stranger is closed by the end. */
+static void test_idle_strangers_tcp(void) {
+    grid_t g;
+    grid_init(&g, "tcp", "idle-strangers", 1, 2, 768 * sizeof(float));
+    const char *addr = g.peers[1].data_addr;
+    enum { N_IDLE = 100 };
+    int idle[N_IDLE];
+    for (int i = 0; i < N_IDLE; i++) {
+        idle[i] = connect_to(addr);
+        CHECK(idle[i] >= 0);
+    }
+    static run_t run;
+    run_init(&run);
+    run_children(&run, 2, child_stranger, &g, NULL, GROUP_TIMEOUT_MS);
+    int closed = 0;
+    for (int i = 0; i < N_IDLE; i++) {
+        char tmp[8];
+        struct pollfd pf = {idle[i], POLLIN, 0};
+        closed += poll(&pf, 1, 1000) == 1 && read(idle[i], tmp, sizeof tmp) <= 0;
+        close(idle[i]);
+    }
+    CHECKF(closed == N_IDLE, "%d of %d idle strangers closed", closed, N_IDLE);
+    grid_free(&g);
+}
+
 /* ---- authenticated links (the epoch secret) ------------------------------------- */
 
 static const uint8_t k_secret[32] = "an epoch secret of 32 bytes ...";
@@ -1026,6 +1053,7 @@ int main(void) {
     RUN(test_killed_shm);
     RUN(test_killed_tcp);
     RUN(test_stranger_tcp);
+    RUN(test_idle_strangers_tcp);
     RUN(test_auth_tcp);
     RUN(test_encrypted_tcp);
     RUN(test_impostor_tcp);

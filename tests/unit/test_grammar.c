@@ -14,6 +14,7 @@
 
 #include "common/grammar.h"
 #include "common/tokenizer.h"
+#include "common/util.h"
 #include "tests/test.h"
 
 static const char *g_gen_dir = NULL, *g_work_dir = "/tmp", *g_python = "python3";
@@ -691,6 +692,110 @@ static void test_cache(void) {
     loom_grammar_destroy(&b);
 }
 
+/* Writes a chain of n rules, each starting with the next: r0 ::= r1 "a",
+ * ..., the last "b" (loop: the last refers back to r0). */
+static char *chain_grammar(int n, int loop) {
+    size_t cap = (size_t)n * 40 + 64, len = 0;
+    char *gr = malloc(cap);
+    if (!gr) return NULL;
+    len += (size_t)snprintf(gr + len, cap - len, "root ::= r0\n");
+    for (int i = 0; i < n - 1; i++) len += (size_t)snprintf(gr + len, cap - len, "r%d ::= r%d \"a\"\n", i, i + 1);
+    snprintf(gr + len, cap - len, loop ? "r%d ::= r0 \"b\" | \"c\"\n" : "r%d ::= \"b\"\n", n - 1);
+    return gr;
+}
+
+/* A chain of thousands of rules compiles without recursing once per rule
+ * (ASan's stack overflowed at 3,000) and finds rules by hash; the chain
+ * closed into a loop is refused as left-recursive. Matching such a deep
+ * stack is bounded at run time (MAX_STATE_STACKS): a 1,000-rule chain
+ * matches. */
+static void test_long_chain(void) {
+    char *gr = chain_grammar(3200, 0);
+    REQUIRE(gr);
+    loom_grammar_t *g = compile(LOOM_GRAMMAR_EBNF, gr);
+    CHECK(g && loom_grammar_n_rules(g) >= 3200);
+    loom_grammar_destroy(&g);
+    free(gr);
+    gr = chain_grammar(3200, 1);
+    REQUIRE(gr);
+    expect_error(LOOM_GRAMMAR_EBNF, gr, "left-recursive");
+    free(gr);
+    enum { N = 1000 };
+    gr = chain_grammar(N, 0);
+    REQUIRE(gr);
+    g = compile(LOOM_GRAMMAR_EBNF, gr);
+    REQUIRE(g);
+    char want[N + 1];
+    want[0] = 'b';
+    memset(want + 1, 'a', N - 1);
+    want[N] = 0;
+    CHECK(check(g, want) == LOOM_GRAMMAR_MATCH);
+    want[N - 1] = 0;
+    CHECK(check(g, want) == LOOM_GRAMMAR_PREFIX);
+    loom_grammar_destroy(&g);
+    free(gr);
+}
+
+/* The cache's byte bound: entries go, least recently used first, until a new
+ * one fits; one larger than the bound is handed out but not kept. */
+static void test_cache_bytes(void) {
+    loom_grammar_t *a = compile(LOOM_GRAMMAR_REGEX, "[a-z]{1,40}@[a-z]{1,40}\\.(com|org|net)");
+    REQUIRE(a);
+    size_t one = loom_grammar_bytes(a);
+    CHECK(one > 1000);
+    loom_grammar_destroy(&a);
+    loom_grammar_cache_t *c = loom_grammar_cache_create(64);
+    loom_grammar_cache_set_max_bytes(c, one * 5 / 2); /* two such grammars fit, three do not */
+    loom_err_t err = {0};
+    const char *specs[] = {"[a-z]{1,40}@[a-z]{1,40}\\.(com|org|net)", "[b-z]{1,40}@[a-z]{1,40}\\.(com|org|net)",
+                           "[c-z]{1,40}@[a-z]{1,40}\\.(com|org|net)"};
+    for (int i = 0; i < 3; i++) {
+        loom_grammar_t *g = NULL;
+        CHECK(loom_grammar_cache_get(c, LOOM_GRAMMAR_REGEX, specs[i], strlen(specs[i]), &g, &err) == LOOM_OK);
+        loom_grammar_destroy(&g);
+        CHECKF(loom_grammar_cache_bytes(c) <= one * 5 / 2, "cache holds %zu bytes, bound %zu",
+               loom_grammar_cache_bytes(c), one * 5 / 2);
+    }
+    loom_grammar_t *g = NULL;
+    CHECK(loom_grammar_cache_lookup(c, LOOM_GRAMMAR_REGEX, specs[2], strlen(specs[2]), &g) == 1); /* newest kept */
+    loom_grammar_destroy(&g);
+    CHECK(loom_grammar_cache_lookup(c, LOOM_GRAMMAR_REGEX, specs[0], strlen(specs[0]), &g) == 0); /* oldest gone */
+    loom_grammar_cache_set_max_bytes(c, 100); /* smaller than any grammar: used, never kept */
+    CHECK(loom_grammar_cache_get(c, LOOM_GRAMMAR_JSON_SCHEMA, "true", 4, &g, &err) == LOOM_OK);
+    CHECK(g && check(g, "[1]") == LOOM_GRAMMAR_MATCH);
+    loom_grammar_destroy(&g);
+    CHECK(loom_grammar_cache_lookup(c, LOOM_GRAMMAR_JSON_SCHEMA, "true", 4, &g) == 0);
+    loom_grammar_cache_destroy(&c);
+}
+
+/* Compilation bounds: past the byte bound or the deadline (or when stopped
+ * from another thread) it fails with a message naming the bound, and hit
+ * says which; within them it compiles as usual. */
+static void test_limits(void) {
+    char *gr = chain_grammar(3000, 0);
+    REQUIRE(gr);
+    loom_grammar_t *g = NULL;
+    loom_err_t err = {0};
+    loom_grammar_limits_t lim = {.max_bytes = 20000};
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_EBNF, gr, strlen(gr), &lim, &g, &err) < 0 && !g);
+    CHECK(lim.hit == LOOM_GRAMMAR_LIMIT_BYTES);
+    CHECKF(strstr(err.msg, "grammar too large") && strstr(err.msg, "20000"), "message: %s", err.msg);
+    lim = (loom_grammar_limits_t){.deadline_ns = 1}; /* long past */
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_EBNF, gr, strlen(gr), &lim, &g, &err) < 0 && !g);
+    CHECK(lim.hit == LOOM_GRAMMAR_LIMIT_TIME);
+    CHECKF(strstr(err.msg, "time limit") != NULL, "message: %s", err.msg);
+    lim = (loom_grammar_limits_t){.max_bytes = 64u << 20, .deadline_ns = loom_now_ns() + 60000000000ull};
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_EBNF, gr, strlen(gr), &lim, &g, &err) == LOOM_OK && g);
+    CHECK(lim.hit == 0 && loom_grammar_bytes(g) < (64u << 20));
+    loom_grammar_destroy(&g);
+    /* the bound also holds what the builder makes before the grammar exists */
+    lim = (loom_grammar_limits_t){.max_bytes = 100000};
+    const char *rep = "[a-z]{0,4096}[0-9]{0,4096}";
+    CHECK(loom_grammar_compile_limited(LOOM_GRAMMAR_REGEX, rep, strlen(rep), &lim, &g, &err) < 0 && !g);
+    CHECKF(lim.hit == LOOM_GRAMMAR_LIMIT_BYTES, "hit %d: %s", lim.hit, err.msg);
+    free(gr);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--gen-dir") == 0)
@@ -707,6 +812,9 @@ int main(int argc, char **argv) {
     RUN(test_ebnf);
     RUN(test_json_schema);
     RUN(test_cache);
+    RUN(test_cache_bytes);
+    RUN(test_long_chain);
+    RUN(test_limits);
     RUN(test_mutations);
     RUN(test_masks_stories);
     RUN(test_masks_bytelevel);

@@ -421,6 +421,40 @@ static void test_probes_exclude_the_dead(void) {
     env_free(&e);
 }
 
+/* A worker whose join failed (UNAVAILABLE) says so naming the epoch: the grid
+ * plans again with the same workers (a new epoch) instead of staying JOINING;
+ * an error naming another epoch, or a deterministic one, changes nothing. */
+static void test_failed_join_plans_again(void) {
+    env_t e;
+    env_init(&e);
+    REQUIRE(drive_to(&e, LOOM_GRID_JOINING));
+    REQUIRE(PUMP_UNTIL(&e, e.w[0]->n_kv && e.w[1]->n_kv && e.w[2]->n_kv && e.w[3]->n_kv, 3000));
+    uint64_t epoch = loom_grid_epoch(e.g);
+    Loom__V1__Error er = LOOM__V1__ERROR__INIT;
+    er.code = LOOM_ERR_UNAVAILABLE;
+    er.message = "tcp comm: timed out waiting for: tp rank 0";
+    er.epoch = epoch + 5; /* not this epoch's join */
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_ERROR;
+    m.error = &er;
+    fake_send(e.w[1], &m);
+    pump_for(&e, 50);
+    CHECK(loom_grid_state(e.g) == LOOM_GRID_JOINING && loom_grid_epoch(e.g) == epoch);
+    er.epoch = epoch; /* this epoch, but a deterministic failure: reported, not retried */
+    er.code = LOOM_ERR_UNSUPPORTED;
+    fake_send(e.w[1], &m);
+    pump_for(&e, 50);
+    CHECK(loom_grid_state(e.g) == LOOM_GRID_JOINING && loom_grid_epoch(e.g) == epoch);
+    er.code = LOOM_ERR_UNAVAILABLE;
+    fake_send(e.w[1], &m);
+    REQUIRE(PUMP_UNTIL(&e, loom_grid_epoch(e.g) == epoch + 1, 3000));
+    CHECK(strstr(loom_grid_last_failure(e.g), "timed out waiting for") != NULL);
+    for (int i = 0; i < N; i++) set_auto(e.w[i], 2);
+    CHECK(PUMP_UNTIL(&e, loom_grid_state(e.g) == LOOM_GRID_READY, 5000));
+    CHECK(loom_grid_epoch(e.g) == epoch + 1 && loom_grid_n_registered(e.g) == N);
+    env_free(&e);
+}
+
 static void test_routing_id_hijack(void) {
     env_t e;
     env_init(&e);
@@ -473,5 +507,6 @@ int main(void) {
     RUN(test_stale_and_bad_results);
     RUN(test_probes_exclude_the_dead);
     RUN(test_routing_id_hijack);
+    RUN(test_failed_join_plans_again);
     return test_summary();
 }

@@ -228,10 +228,10 @@ static void check_matmul(loom_backend_t *be, const char *name, int64_t rows, int
     CHECK(qw.quant == spec.quant && qw.rows == rows && qw.cols == cols);
     CHECK(loom_weight_bytes(&qw) == loom_qtensor_bytes(&t));
     static const loom_cpu_mm_path_t paths[] = {LOOM_CPU_MM_AUTO, LOOM_CPU_MM_GEMV,
-                                               LOOM_CPU_MM_SGEMM};
-    static const char *path_names[] = {"auto", "gemv", "sgemm"};
+                                               LOOM_CPU_MM_SGEMM, LOOM_CPU_MM_IGEMM};
+    static const char *path_names[] = {"auto", "gemv", "sgemm", "igemm"};
     for (size_t k = 0; k < n_ns; k++)
-        for (int p = 0; p < 3; p++) {
+        for (int p = 0; p < 4; p++) {
             const int n = ns[k];
             char what[96];
             snprintf(what, sizeof what, "%s %lldx%lld n=%d %s threads=%d", name, (long long)rows,
@@ -302,7 +302,11 @@ static void check_isas(const char *name, int64_t rows, int64_t cols, int n) {
     loom_cpu_qx_quantize(&qx, 0, n);
     loom_cpu_qgemv(LOOM_CPU_ISA_SCALAR, ref, rows, &qx, &qw, 0, rows);
     loom_dequantize_rows(&t, 0, rows, dref);
-    for (loom_cpu_isa_t isa = LOOM_CPU_ISA_SCALAR; isa <= loom_cpu_isa_detect(); isa++) {
+    for (loom_cpu_isa_t isa = LOOM_CPU_ISA_SCALAR; isa < LOOM_CPU_ISA_COUNT; isa++) {
+        if (!loom_cpu_isa_supported(isa)) {
+            fprintf(stderr, "  skipped: %s on %s (this CPU lacks it)\n", name, loom_cpu_isa_name(isa));
+            continue;
+        }
         char what[96];
         snprintf(what, sizeof what, "%s %lldx%lld n=%d %s", name, (long long)rows,
                  (long long)cols, n, loom_cpu_isa_name(isa));
@@ -311,6 +315,12 @@ static void check_isas(const char *name, int64_t rows, int64_t cols, int n) {
         loom_cpu_qgemv(isa, y, rows, &qx, &qw, 0, rows / 3);
         loom_cpu_qgemv(isa, y, rows, &qx, &qw, rows / 3, rows);
         compare(what, y, ref, n * rows, 2e-6);
+        for (int64_t i = 0; i < n * rows; i++) y[i] = NAN;
+        loom_cpu_qgemm(isa, y, rows, &qx, &qw, 0, rows / 3);
+        loom_cpu_qgemm(isa, y, rows, &qx, &qw, rows / 3, rows);
+        char gwhat[112];
+        snprintf(gwhat, sizeof gwhat, "%s qgemm", what);
+        compare(gwhat, y, ref, n * rows, 2e-6);
         loom_cpu_q_dequant_rows(isa, d, &qw, 0, rows);
         strcat(what, " dequant");
         compare(what, d, dref, rows * cols, 1e-6); /* an FMA or a multiply and an add */
@@ -335,6 +345,65 @@ static void test_isas(void) {
     check_isas("q4_min", 10, 96, 5);
     check_isas("int8", 9, 1000, 3);
     check_isas("fp8", 9, 1003, 2);
+}
+
+/* The integer GEMM (loom_cpu_qgemm, 8-row panels) on every instruction set
+ * this CPU has, against the float product on the dequantized matrix: rows
+ * that leave 1-7 past the last panel, columns spanning several 16-block
+ * panels and (INT8) a float tail, n from 1 to 130. */
+static void check_qgemm(const char *name, int64_t rows, int64_t cols) {
+    static const int ns[] = {1, 2, 3, 5, 17, 64, 130};
+    const int max_n = 130;
+    loom_quant_spec_t spec;
+    REQUIRE(loom_quant_spec_parse(name, &spec));
+    float *w = rand_matrix(rows, cols), *x = rand_matrix(max_n, cols);
+    float *y = malloc((size_t)(max_n * rows) * sizeof *y);
+    loom_qtensor_t t;
+    REQUIRE(loom_quantize(&spec, w, rows, cols, &t, NULL) == LOOM_OK);
+    float *ref = float_reference(&t, x, max_n);
+    loom_weight_t qw = {.rows = rows, .cols = cols, .quant = t.quant, .group = t.group,
+                        .scales = t.scales, .mins = t.mins};
+    qw.data = malloc(loom_qtensor_code_bytes(&t));
+    loom_cpu_q_repack(qw.data, &t, 0, rows);
+    void *scratch = loom_aligned_alloc(loom_cpu_qx_bytes(max_n, cols));
+    for (loom_cpu_isa_t isa = LOOM_CPU_ISA_SCALAR; isa < LOOM_CPU_ISA_COUNT; isa++) {
+        if (!loom_cpu_isa_supported(isa)) {
+            fprintf(stderr, "  skipped: qgemm %s %s (this CPU lacks it)\n", name,
+                    loom_cpu_isa_name(isa));
+            continue;
+        }
+        for (size_t k = 0; k < sizeof ns / sizeof *ns; k++) {
+            const int n = ns[k];
+            loom_cpu_qx_t qx;
+            loom_cpu_qx_init(&qx, scratch, x, n, &qw);
+            loom_cpu_qx_quantize(&qx, 0, n);
+            char what[96];
+            snprintf(what, sizeof what, "qgemm %s %lldx%lld n=%d %s", name, (long long)rows,
+                     (long long)cols, n, loom_cpu_isa_name(isa));
+            for (int64_t i = 0; i < n * rows; i++) y[i] = NAN;
+            loom_cpu_qgemm(isa, y, rows, &qx, &qw, 0, 16); /* two panels, as a thread's chunk */
+            loom_cpu_qgemm(isa, y, rows, &qx, &qw, 16, rows);
+            compare(what, y, ref, n * rows, MATMUL_TOL);
+        }
+    }
+    loom_aligned_free(scratch);
+    free(qw.data);
+    loom_qtensor_free(&t);
+    free(w);
+    free(x);
+    free(y);
+    free(ref);
+}
+
+static void test_qgemm(void) {
+    check_qgemm("int8", 29, 1000);  /* 31 blocks + 8 float columns; 3 panels + 5 rows */
+    check_qgemm("int8", 21, 20);    /* no whole block */
+    check_qgemm("q4", 37, 1056);    /* 33 blocks: 3 panels of columns */
+    check_qgemm("q4", 19, 160);     /* an odd number of blocks */
+    check_qgemm("q4:128", 27, 640);
+    check_qgemm("q4_min", 23, 96);
+    check_qgemm("q4_min:64", 17, 576);
+    check_qgemm("q4_min:128", 31, 1152);
 }
 
 /* INT8 code -128 (possible in imported checkpoints, never made by the
@@ -370,6 +439,7 @@ int main(void) {
     RUN(test_layout);
     RUN(test_check_errors);
     RUN(test_isas);
+    RUN(test_qgemm);
     RUN(test_int8_extremes);
     RUN(test_cpu_matmul);
     return test_summary();

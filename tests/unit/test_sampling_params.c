@@ -250,7 +250,7 @@ static int row_allows(const Loom__V1__SampleParams *r, int32_t id) {
 }
 
 static void test_guide_rows(void) {
-    loom_structured_t *st = loom_structured_create(g_tok, &g_cfg);
+    loom_structured_t *st = loom_structured_create(g_tok, &g_cfg, 0);
     loom_guide_t *gd = NULL;
     loom_err_t err = {0};
     CHECK(loom_guide_create(st, 1 + 3 /* choice */, "{\"x\"", 4, NULL, &gd, &err) < 0 && !gd && err.msg[0]);
@@ -353,7 +353,7 @@ static int32_t byte_token(char c) {
 }
 
 static void test_guide_after_reasoning(void) {
-    loom_structured_t *st = loom_structured_create(g_tok, &g_cfg);
+    loom_structured_t *st = loom_structured_create(g_tok, &g_cfg, 0);
     loom_guide_t *gd = NULL;
     loom_err_t err = {0};
     const char *spec = "[\"cat\", \"dog\"]";

@@ -1140,6 +1140,13 @@ static void test_errors(void) {
     expect_load_error("bad merge",
                       "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [7]}}",
                       LOOM_ERR_FORMAT, NULL);
+    expect_load_error("merge of an unknown token",
+                      "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, "
+                      "\"merges\": [\"a b\", \"a zq\"]}}",
+                      LOOM_ERR_FORMAT, "merge #1 ('a' 'zq') names 'zq', which is not in model.vocab");
+    expect_load_error("merge to an unknown token",
+                      "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [[\"a\", \"b\"]]}}",
+                      LOOM_ERR_FORMAT, "merge #0 ('a' 'b') names 'ab'");
     expect_load_error("bad added",
                       "{\"added_tokens\": [{\"id\": \"x\"}], \"model\": {\"type\": \"BPE\","
                       " \"vocab\": {\"a\": 0}, \"merges\": []}}",

@@ -12,8 +12,10 @@
 extern const loom_arch_t loom_arch_llama;
 extern const loom_arch_t loom_arch_gemma;
 extern const loom_arch_t loom_arch_gpt_oss;
+extern const loom_arch_t loom_arch_deepseek;
 
-static const loom_arch_t *const k_archs[] = {&loom_arch_llama, &loom_arch_gemma, &loom_arch_gpt_oss};
+static const loom_arch_t *const k_archs[] = {&loom_arch_llama, &loom_arch_gemma, &loom_arch_gpt_oss,
+                                             &loom_arch_deepseek};
 
 int loom_arch_count(void) { return (int)LOOM_ARRAY_LEN(k_archs); }
 const loom_arch_t *loom_arch_at(int i) { return i >= 0 && i < loom_arch_count() ? k_archs[i] : NULL; }
@@ -34,6 +36,8 @@ uint32_t loom_arch_conds(const loom_model_config_t *c, int layer) {
     f |= c->moe_mixtral_names ? LOOM_TN_MIXTRAL : LOOM_TN_QWEN_MOE;
     if (c->moe_shared_hidden) f |= LOOM_TN_SHARED;
     f |= c->ckpt_quant == LOOM_CKPT_MXFP4 ? LOOM_TN_MXFP4 : LOOM_TN_FLOAT;
+    f |= c->q_lora_rank ? LOOM_TN_Q_LORA : LOOM_TN_Q_FULL;
+    if (c->deepseek && c->topk_method == LOOM_DS_TOPK_NOAUX_TC) f |= LOOM_TN_NOAUX;
     return f;
 }
 
@@ -84,6 +88,14 @@ static const char *match(const char *pat, const char *s, int n_experts) {
 
 int loom_arch_tensor_used(const loom_arch_t *a, const loom_model_config_t *c, const char *name, int *linear) {
     static const char *const parts[] = {"weight", "qweight", "scales", "mins", "qzeros", "g_idx"};
+    static const char inv[] = "_scale_inv";
+    size_t len = strlen(name);
+    if (c->ckpt_quant == LOOM_CKPT_FP8 && len > sizeof inv && len < 512 &&
+        !strcmp(name + len - (sizeof inv - 1), inv)) { /* an FP8 weight's scales: used with the weight */
+        char base[512];
+        snprintf(base, sizeof base, "%.*s", (int)(len - (sizeof inv - 1)), name);
+        return loom_arch_tensor_used(a, c, base, linear);
+    }
     int layer = -1;
     if (!strncmp(name, "model.layers.", 13)) {
         char *end;
@@ -121,6 +133,7 @@ uint32_t loom_arch_needs_common(const loom_model_config_t *c, const loom_shard_s
     if (c->attn_softcap > 0 && spec->layer_end > spec->layer_begin) need |= LOOM_CAP_ATTN_SOFTCAP;
     if (c->final_softcap > 0 && spec->has_head) need |= LOOM_CAP_LOGIT_SOFTCAP;
     if (c->hidden_act != LOOM_HIDDEN_SILU) need |= LOOM_CAP_ACT;
+    if (c->head_dim > 256 && spec->layer_end > spec->layer_begin) need |= LOOM_CAP_ATTN_WIDE;
     return need;
 }
 
@@ -143,6 +156,7 @@ void loom_arch_need_detail(const loom_model_config_t *c, const loom_shard_spec_t
         return;
     case LOOM_CAP_ATTN_SINKS: snprintf(buf, size, "%s's attention", c->model_type); return;
     case LOOM_CAP_SWIGLU_CLAMP: snprintf(buf, size, "%s's experts", c->model_type); return;
+    case LOOM_CAP_ATTN_WIDE: snprintf(buf, size, "head_dim %d", c->head_dim); return;
     default: return;
     }
 }

@@ -47,6 +47,11 @@ typedef enum {
     LOOM_TN_EXPERTS_GATE_UP_BIAS, LOOM_TN_EXPERTS_DOWN_BIAS,
     LOOM_TN_EXPERTS_GATE_UP_BLOCKS, LOOM_TN_EXPERTS_GATE_UP_SCALES, /* ... stored MXFP4 */
     LOOM_TN_EXPERTS_DOWN_BLOCKS, LOOM_TN_EXPERTS_DOWN_SCALES,
+    /* DeepSeek's multi-head latent attention (worker/engine/attn_mla.c) and router */
+    LOOM_TN_Q_A, LOOM_TN_Q_A_NORM, LOOM_TN_Q_B, /* q_a_proj (q_lora, dim), q_a_layernorm, q_b_proj */
+    LOOM_TN_KV_A, LOOM_TN_KV_A_NORM,           /* kv_a_proj_with_mqa (kv_lora + rope, dim), kv_a_layernorm */
+    LOOM_TN_KV_B,                              /* kv_b_proj (heads * (nope + v), kv_lora) */
+    LOOM_TN_ROUTER_CORR,                       /* (n_experts) e_score_correction_bias: for the choice only */
 } loom_tn_role_t;
 
 /* When a name applies: every bit of an entry's `when` must hold for the
@@ -64,6 +69,9 @@ enum {
     LOOM_TN_SHARED = 1u << 9,   /* a shared expert (moe_shared_hidden) */
     LOOM_TN_MXFP4 = 1u << 10,   /* the checkpoint stores MXFP4 experts */
     LOOM_TN_FLOAT = 1u << 11,   /* ... float ones */
+    LOOM_TN_Q_LORA = 1u << 12,  /* MLA: q through q_a_proj / q_b_proj (q_lora_rank > 0) */
+    LOOM_TN_Q_FULL = 1u << 13,  /* ... through one q_proj */
+    LOOM_TN_NOAUX = 1u << 14,   /* DeepSeek-V3's router: an e_score_correction_bias */
 };
 
 typedef enum {

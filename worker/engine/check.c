@@ -22,6 +22,11 @@ static int tensor_allowed_unused(const loom_model_config_t *c, const char *name)
     if (p && p[strlen("rotary_emb.inv_freq")] == 0) return 1;
     for (size_t i = 0; c->multimodal && i < LOOM_ARRAY_LEN(k_vision_prefixes); i++)
         if (!strncmp(name, k_vision_prefixes[i], strlen(k_vision_prefixes[i]))) return 1;
+    if (c->deepseek && c->n_nextn_layers > 0 && !strncmp(name, "model.layers.", 13)) {
+        /* DeepSeek-V3's MTP modules, stored after the last layer (num_nextn_predict_layers): not run */
+        long li = strtol(name + 13, NULL, 10);
+        if (li >= c->n_layers && li < (long)c->n_layers + c->n_nextn_layers) return 1;
+    }
     return 0;
 }
 

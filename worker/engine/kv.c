@@ -1,20 +1,27 @@
 /* The paged KV pool: its allocation, a block's bytes and copy-on-write
+/* The paged KV pool: its allocation, a block's bytes and copy-on-write
  * block copies. The one place a KV layout lives. Two layouts, in one
  * allocation each; each layer's loom_kv_layer_t points into it and
  * attention reads nothing else:
- *   block-contiguous (backends with loom_backend_kv_block_strided: CPU):
- *     block b is one span at b * block_bytes holding, per layer, K codes,
- *     V codes, then (I8) K scales and V scales of its tokens, so a block
- *     moves (offload, transfer, copy-on-write) with one copy;
+ *   block-contiguous (backends with loom_backend_kv_block_strided: CPU;
+ *     per-head K and V): block b is one span at b * block_bytes holding,
+ *     per layer, K codes, V codes, then (I8) K scales and V scales of its
+ *     tokens, so a block moves (offload, transfer, copy-on-write) with one
+ *     copy;
  *   layer-major (the others): per layer K codes, V codes, then (I8) K
  *     scales and V scales of every block.
- * A latent (MLA) cache is a change here. */
+ * The latent layout (MLA, DeepSeek; layer-major): one KV head whose row
+ * (kv_lora_rank + rope values: the latent and the rope key) is both K and
+ * V, so a layer keeps one array and v points at k. */
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
 
 loom_dtype_t loom_model_kv_dtype(const loom_model_t *m) { return m->opt.kv_dtype; }
 int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
 int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
+
+/* K and V arrays a layer keeps: 1 in the latent layout (V is K's memory), else 2. */
+static size_t kv_arrays(const loom_model_t *m) { return m->cfg.deepseek ? 1 : 2; }
 
 /* Bytes of one layer's K (or V) codes and scales in one block, each
  * rounded up to KV_SPAN_ALIGN in the block-contiguous layout. */
@@ -28,13 +35,13 @@ static size_t blk_scales(const loom_model_t *m, int block_size) {
 }
 
 int loom_model_kv_block_contiguous(const loom_model_t *m) {
-    return !m->opt.kv_layer_major && loom_backend_kv_block_strided(m->be);
+    return !m->opt.kv_layer_major && !m->cfg.deepseek && loom_backend_kv_block_strided(m->be);
 }
 
 size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
     if (loom_model_kv_block_contiguous(m))
         return (size_t)m->dims.n_layers * 2 * (blk_codes(m, block_size) + blk_scales(m, block_size));
-    return 2 * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
+    return kv_arrays(m) * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
            loom_kv_head_bytes(m->opt.kv_dtype, m->cfg.head_dim);
 }
 
@@ -100,7 +107,7 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     const size_t tokens = (size_t)total * block_size * m->dims.n_kv_heads; /* token-heads per layer */
     const size_t codes = kv_align(tokens * m->cfg.head_dim * loom_dtype_size(dt));
     const size_t scales = dt == LOOM_DT_I8 ? kv_align(tokens * sizeof(float)) : 0;
-    size_t bytes = (size_t)m->dims.n_layers * 2 * (codes + scales);
+    size_t bytes = (size_t)m->dims.n_layers * kv_arrays(m) * (codes + scales);
     if (bytes == 0) bytes = 64; /* a stage with no layers */
     m->kv_mem = loom_backend_alloc(m->be, bytes);
     if (!m->kv_mem)
@@ -111,12 +118,13 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     for (int i = 0; i < m->dims.n_layers; i++) {
         loom_kv_layer_t *kv = &m->layers[i].kv;
         kv->dtype = dt;
+        const int two = kv_arrays(m) == 2;
         kv->k = p;
-        kv->v = p + codes;
-        p += 2 * codes;
+        kv->v = two ? p + codes : p;
+        p += (two ? 2 : 1) * codes;
         kv->k_scale = scales ? (float *)p : NULL;
-        kv->v_scale = scales ? (float *)(p + scales) : NULL;
-        p += 2 * scales;
+        kv->v_scale = scales ? (float *)(two ? p + scales : p) : NULL;
+        p += (two ? 2 : 1) * scales;
         kv->block_stride = kv->scale_block_stride = 0;
         kv->block_size = block_size;
     }
@@ -146,13 +154,15 @@ void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *
             loom_kv_layer_t *kv = &m->layers[l].kv;
             loom_backend_copy(m->be, (char *)kv->k + d * code_bytes, (char *)kv->k + s * code_bytes,
                               code_bytes);
-            loom_backend_copy(m->be, (char *)kv->v + d * code_bytes, (char *)kv->v + s * code_bytes,
-                              code_bytes);
+            if (kv->v != kv->k)
+                loom_backend_copy(m->be, (char *)kv->v + d * code_bytes, (char *)kv->v + s * code_bytes,
+                                  code_bytes);
             if (kv->k_scale) {
                 loom_backend_copy(m->be, kv->k_scale + d * heads, kv->k_scale + s * heads,
                                   heads * sizeof(float));
-                loom_backend_copy(m->be, kv->v_scale + d * heads, kv->v_scale + s * heads,
-                                  heads * sizeof(float));
+                if (kv->v_scale != kv->k_scale)
+                    loom_backend_copy(m->be, kv->v_scale + d * heads, kv->v_scale + s * heads,
+                                      heads * sizeof(float));
             }
         }
     }

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/fp8.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
@@ -36,10 +37,19 @@ loom_status_t loom_load_check_finite(const float *x, size_t n, const char *name,
 loom_status_t loom_load_read_block(loom_loader_t *L, const char *name, int64_t rows, int64_t cols,
                                 int64_t r0, int64_t nr, int64_t c0, int64_t nc, float *dst,
                                 loom_err_t *err) {
-    const loom_st_tensor_t *t;
+    const loom_st_tensor_t *t = loom_st_find(L->st, name);
     int64_t shape[2] = {rows, cols};
-    LOOM_CHECK(loom_st_get(L->st, name, cols > 0 ? 2 : 1, cols > 0 ? shape : &rows, &t, err));
     int64_t ncols = cols > 0 ? nc : rows;
+    if (t && t->dtype == LOOM_DT_F8_E4M3 && L->m->cfg.ckpt_quant == LOOM_CKPT_FP8 && cols > 0) {
+        /* an FP8 block checkpoint (DeepSeek-V3): codes x the weight_scale_inv of each one's block */
+        char sname[320];
+        snprintf(sname, sizeof sname, "%s_scale_inv", name);
+        LOOM_CHECK(loom_st_get_dtype(L->st, name, LOOM_DT_F8_E4M3, 2, shape, &t, err));
+        LOOM_CHECK(loom_st_read_fp8(L->st, t, loom_st_find(L->st, sname), L->m->cfg.ckpt_block[0],
+                                    L->m->cfg.ckpt_block[1], r0, nr, c0, ncols, dst, err));
+        return loom_load_check_finite(dst, (size_t)nr * (size_t)ncols, name, t->file, err);
+    }
+    LOOM_CHECK(loom_st_get(L->st, name, cols > 0 ? 2 : 1, cols > 0 ? shape : &rows, &t, err));
     LOOM_CHECK(loom_st_read_f32(L->st, t, r0, nr, c0, ncols, dst, err));
     return loom_load_check_finite(dst, (size_t)nr * (size_t)ncols, name, t->file, err);
 }
@@ -280,7 +290,9 @@ loom_status_t loom_load_linear(loom_loader_t *L, loom_weight_t *w, const char *w
 loom_status_t loom_load_align_split(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
                                  const loom_model_options_t *opt, int hidden, int *begin, int *len,
                                  loom_err_t *err) {
-    int quantized = opt->quant.quant != LOOM_QUANT_NONE || cfg->ckpt_quant != LOOM_CKPT_FLOAT;
+    /* an FP8 block checkpoint is float once loaded (dequantized): split as one */
+    int quantized = opt->quant.quant != LOOM_QUANT_NONE ||
+                    (cfg->ckpt_quant != LOOM_CKPT_FLOAT && cfg->ckpt_quant != LOOM_CKPT_FP8);
     if (!quantized || spec->tp_size == 1) return LOOM_OK;
     int group = opt->quant.quant == LOOM_QUANT_Q4 ? opt->quant.group : cfg->ckpt_group;
     int unit = group > QUANT_SPLIT_COLS && hidden % group == 0 ? group : QUANT_SPLIT_COLS;

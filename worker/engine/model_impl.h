@@ -10,6 +10,7 @@
  *   attn.c    loom_blk_attn*   qkv -> bias -> q/k norm -> RoPE + KV write -> attention -> o
  *   ffn.c     loom_blk_ffn*    the dense gated MLP
  *   moe.c     loom_blk_moe*    Mixture-of-Experts blocks
+ *   lora.c    loom_blk_lora    adapter slots, their preparation and deltas
  * See docs/architecture.md (the engine's source map). */
 #ifndef LOOM_MODEL_IMPL_H
 #define LOOM_MODEL_IMPL_H
@@ -44,6 +45,9 @@ typedef struct loom_ffn {
      * (n_experts, dim; on the rank whose slice starts at 0, so it is added
      * once). NULL for the other families. */
     float *rbias, *b13, *b2;
+    /* DeepSeek (worker/moe_ds.c routes): e_score_correction_bias (n_experts) on the host, or NULL; the
+     * shared experts (s13, s2) are added ungated */
+    float *ds_bias;
 } loom_ffn_t;
 
 typedef struct loom_layer {
@@ -62,6 +66,9 @@ typedef struct loom_layer {
     const float *inv_freq; /* RoPE table of this layer (Gemma's sliding layers have their own) */
     loom_ffn_t ffn;
     loom_kv_layer_t kv; /* (n_blocks, B, n_kv_heads, hd) K and V in opt.kv_dtype */
+    /* MLA (worker/engine/attn_mla.c): the latent's projection, (z_dim, dim): q_a_proj (or this rank's
+     * q_proj rows) then kv_a_proj_with_mqa; q_norm / k_norm above hold q_a_layernorm / kv_a_layernorm */
+    loom_weight_t wkv_a;
 } loom_layer_t;
 
 struct loom_model {
@@ -102,6 +109,7 @@ struct loom_model {
     float *hb;     /* (T, hidden) */
     float *xl;     /* (max_logits, dim) */
     float *logits; /* (max_logits, vocab) */
+    float *mla_z;  /* (T, z_dim) MLA: the latent projection (loom_blk_attn_mla_zdim) */
 
     /* step metadata: host staging and its device copy */
     int *sample_k; /* (max_logits) candidates per row */
@@ -141,6 +149,15 @@ struct loom_model {
     int32_t *h_cnt; /* (n_experts + 1) CSR offsets of the rows routed to each expert */
     int32_t *h_rows; /* (T * k) token of each routed row, grouped by expert */
     float *h_rw;     /* (T * k) its router weight */
+
+    /* LoRA adapter slots (lora.c): lora_tab (n_layers, LOOM_LORA_N_TARGETS,
+     * max_loras) each slot's A (r, in) and Bt (r, out) for one projection,
+     * in lora_mem[slot] (device; rank up to opt.max_lora_rank) */
+    loom_lora_op_slot_t *lora_tab;
+    float **lora_mem;
+    struct loom_blk_adapters {
+        const int32_t *d_row_slot; /* (T) adapter slot of each row, -1 none (device) */
+    } lora_step;
 };
 
 /* ---- loading ------------------------------------------------------------ */
@@ -176,15 +193,16 @@ typedef struct lin_part {
 } loom_lin_part_t;
 
 
-/* Per-request low-rank deltas (LoRA adapters) for one step: not defined
- * yet; every projection already takes them (loom_blk_linear). */
+/* Per-request low-rank deltas (LoRA adapters) for one step: the adapter
+ * slot of every row (struct loom_model's lora_step); every projection
+ * takes them (loom_blk_linear). */
 typedef struct loom_blk_adapters loom_blk_adapters_t;
 
 /* Device pointers and sizes of one step's ops (see loom_model_forward). */
 typedef struct loom_step_ops {
     int n, nl, max_blocks, max_ctx;
     const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
-    const loom_blk_adapters_t *adapters; /* the step's low-rank deltas per request: NULL (none yet) */
+    const loom_blk_adapters_t *adapters; /* the step's low-rank deltas per row: NULL when no row has one */
 } loom_step_ops_t;
 
 
@@ -261,6 +279,15 @@ void loom_blk_linear_experts(loom_model_t *m, const loom_blk_adapters_t *ad, con
                              float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
                              const void *table);
 
+/* ---- lora.c: adapter slots -------------------------------------------- */
+/* The slots opt.max_loras asks for (none: nothing), after the layers load. */
+loom_status_t loom_model_lora_alloc(loom_model_t *m, loom_err_t *err);
+void loom_model_lora_free(loom_model_t *m);
+/* y += each row's adapter delta for the projection lin (its parts' column
+ * ranges for fused qkv and gate/up); before the row-parallel all-reduce. */
+void loom_blk_lora(loom_model_t *m, const loom_blk_adapters_t *ad, const loom_blk_linear_t *lin, float *y,
+                   const float *x, int n);
+
 /* ---- attn.c: the attention block --------------------------------------- */
 /* q/k/v (stacked, this rank's heads; biases, partial rotary), q/k norms, the window, o. */
 loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
@@ -269,6 +296,13 @@ loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loo
 loom_status_t loom_blk_attn(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
 /* The RoPE table (head_dim / 2 frequencies) of a config. */
 void loom_blk_attn_rope_table(const loom_model_config_t *c, float *out);
+
+/* ---- attn_mla.c: multi-head latent attention (DeepSeek-V2/V3) ----------- */
+/* Columns of the latent projection's output: (q_lora_rank, or this rank's q heads) + kv_lora + rope. */
+int loom_blk_attn_mla_zdim(const loom_model_config_t *c, const loom_shard_dims_t *d);
+loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
+/* xb (normed input) -> xb2, all-reduced. */
+loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
 
 /* ---- ffn.c: the feed-forward block ------------------------------------- */
 /* The dense gated MLP: gate/up (column-parallel, stacked) and down (row-parallel). */

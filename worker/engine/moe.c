@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
+#include "worker/moe_ds.h"
 
 /* Which experts this rank holds and which slice of their intermediate
  * rows: all of them sliced like a dense MLP (plain TP), or whole experts
@@ -72,10 +73,17 @@ loom_status_t loom_blk_moe_load(loom_loader_t *L, int gl, loom_ffn_t *f, loom_er
     LOOM_CHECK(loom_load_upload_weight(L, &f->router, E, dim, name, err));
     f->e13 = loom_xcalloc((size_t)E, sizeof *f->e13);
     f->e2 = loom_xcalloc((size_t)E, sizeof *f->e2);
-    if (c->moe_shared_hidden) {
-        loom_load_name(L, gl, LOOM_TN_SHARED_GATE_W, -1, name, sizeof name);
-        LOOM_CHECK(loom_load_read_block(L, name, 1, dim, 0, 1, 0, dim, h, err));
-        LOOM_CHECK(loom_load_upload_weight(L, &f->sgate, 1, dim, name, err));
+    if (c->deepseek && c->topk_method == LOOM_DS_TOPK_NOAUX_TC) { /* the choice's bias, kept on the host */
+        loom_load_name(L, gl, LOOM_TN_ROUTER_CORR, -1, name, sizeof name);
+        f->ds_bias = loom_xmalloc((size_t)E * sizeof *f->ds_bias);
+        LOOM_CHECK(loom_load_read_slice(L, name, E, 0, E, f->ds_bias, err));
+    }
+    if (c->moe_shared_hidden) { /* DeepSeek's shared experts are ungated */
+        if (!c->deepseek) {
+            loom_load_name(L, gl, LOOM_TN_SHARED_GATE_W, -1, name, sizeof name);
+            LOOM_CHECK(loom_load_read_block(L, name, 1, dim, 0, 1, 0, dim, h, err));
+            LOOM_CHECK(loom_load_upload_weight(L, &f->sgate, 1, dim, name, err));
+        }
         loom_load_name(L, gl, LOOM_TN_SHARED_GATE, -1, pg, sizeof pg);
         loom_load_name(L, gl, LOOM_TN_SHARED_UP, -1, pu, sizeof pu);
         loom_lin_part_t gu[2] = {{pg, c->moe_shared_hidden, m->shared_hb, m->shared_hn},
@@ -116,7 +124,7 @@ loom_status_t loom_blk_moe_tables(loom_model_t *m, loom_err_t *err) {
         loom_ffn_t *f = &m->layers[l].ffn;
         if (!f->moe) continue;
         n_moe++;
-        if (m->cfg.moe_shared_hidden || m->expert_end <= m->expert_begin ||
+        if (m->cfg.moe_shared_hidden || m->cfg.deepseek || m->expert_end <= m->expert_begin ||
             ((f->b13 || f->b2) && !loom_backend_moe_add_bias_supported(m->be)))
             continue;
         int n13 = loom_backend_moe_device(m->be, f->e13, E, K),
@@ -179,10 +187,18 @@ loom_status_t loom_blk_moe(loom_model_t *m, const loom_step_ops_t *so, int l, lo
         return loom_blk_allreduce(m, m->xb2, (int64_t)n * dim, err);
     }
     loom_backend_download(be, m->h_probs, m->rl, (size_t)n * E * sizeof(float));
-    for (int t = 0; t < n; t++) {
-        float *p = m->h_probs + (size_t)t * E;
-        loom_moe_route_row(p, E, K, c->norm_topk_prob, p, m->h_sel + (size_t)t * K,
-                           m->h_w + (size_t)t * K);
+    if (c->deepseek) { /* DeepSeekMoE: grouped top-k, the correction bias for the choice only */
+        const loom_moe_ds_route_t r = loom_moe_ds_route_of(c);
+        float scratch[2 * 4096];
+        LOOM_ASSERT(E <= 4096);
+        for (int t = 0; t < n; t++)
+            loom_moe_route_deepseek(&r, m->h_probs + (size_t)t * E, f->ds_bias, scratch, m->h_sel + (size_t)t * K,
+                                    m->h_w + (size_t)t * K);
+    } else {
+        for (int t = 0; t < n; t++) {
+            float *p = m->h_probs + (size_t)t * E;
+            loom_moe_route_row(p, E, K, c->norm_topk_prob, p, m->h_sel + (size_t)t * K, m->h_w + (size_t)t * K);
+        }
     }
     /* group the (token, expert) pairs by expert: CSR offsets in h_cnt */
     memset(m->h_cnt, 0, (size_t)(E + 1) * sizeof(int32_t));
@@ -242,13 +258,15 @@ loom_status_t loom_blk_moe(loom_model_t *m, const loom_step_ops_t *so, int l, lo
         const loom_blk_linear_t sg = {.w = &f->sgate, .proj = LOOM_PROJ_SHARED_GATE, .layer = l, .expert = -1};
         const loom_blk_linear_t s13 = {.w = &f->s13, .proj = LOOM_PROJ_SHARED_GATE_UP, .layer = l, .expert = -1};
         const loom_blk_linear_t s2 = {.w = &f->s2, .proj = LOOM_PROJ_SHARED_DOWN, .layer = l, .expert = -1};
-        LOOM_CHECK(loom_blk_linear(m, ad, &sg, m->sgl, m->xb, n, err));
-        loom_backend_download(be, m->h_sg, m->sgl, (size_t)n * sizeof(float));
+        if (!c->deepseek) {
+            LOOM_CHECK(loom_blk_linear(m, ad, &sg, m->sgl, m->xb, n, err));
+            loom_backend_download(be, m->h_sg, m->sgl, (size_t)n * sizeof(float));
+        }
         LOOM_CHECK(loom_blk_linear(m, ad, &s13, m->gu, m->xb, n, err));
         loom_op_act_mul(be, act, m->hb, m->gu, n, m->shared_hn);
         LOOM_CHECK(loom_blk_linear(m, ad, &s2, m->xg, m->hb, n, err));
         for (int t = 0; t < n; t++)
-            m->h_sg[t] = 1.0f / (1.0f + expf(-m->h_sg[t]));
+            m->h_sg[t] = c->deepseek ? 1.0f : 1.0f / (1.0f + expf(-m->h_sg[t]));
         loom_backend_upload(be, m->d_w, m->h_sg, (size_t)n * sizeof(float));
         loom_op_moe_combine(be, m->xb2, m->xg, m->d_ident, m->d_w, n, 1, dim, 1);
     }

@@ -1,0 +1,205 @@
+/* Multi-head latent attention (DeepSeek-V2/V3) in the engine, absorbed,
+ * through the shared ops over a latent cache:
+ *
+ *   z  = [q_a_proj | kv_a_proj_with_mqa] x     (or this rank's q_proj rows
+ *                                               in place of q_a_proj)
+ *   z's q_a part and latent part RMS-normed in place (eps 1e-6)
+ *   [q | k] = B z                              (B built at load, below)
+ *   RoPE, the cache write, attention as MQA (one KV head of kv_lora + rope
+ *   dims, its value the same row), o' (+ all-reduce)
+ *
+ * The KV head is the cache row itself, c (the normed latent) and k_pe (the
+ * rope key): kv.c's latent layout keeps one row of kv_lora + rope values a
+ * token and layer, K and V the same memory. Each query head is
+ * [W_UK_h^T q_nope_h, q_pe_h], W_UK (kv_b_proj's k rows of head h) folded
+ * into B's q rows at load (q_b_proj's, or a selection of z's q_proj part);
+ * the head's output is the softmax-weighted sum of the rows, whose latent
+ * part o_lat_h goes through W_UV_h (kv_b_proj's v rows) and o_proj, folded
+ * into one matrix o' = W_o_h W_UV_h at load (zero columns for the rope
+ * part). Dims are placed so the kernels' rotate-half pairs (j, j + hd/2) are
+ * the checkpoint's RoPE pairs (interleaved or not) and the latent sits in
+ * the slots the RoPE table leaves unturned (frequency 0); yarn's cos/sin
+ * factor is folded into the rope rows, and the softmax scale is the
+ * config's (qk_head_dim^-0.5 x mscale^2). The latent is computed whole on
+ * every TP rank (replicated); each rank's B and o' make only its heads.
+ * worker/mla.c is the plain reference of both the absorbed and the
+ * decompressed path. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "worker/engine/model_impl.h"
+
+int loom_blk_attn_mla_zdim(const loom_model_config_t *c, const loom_shard_dims_t *d) {
+    int qk = c->qk_nope_head_dim + c->qk_rope_head_dim;
+    return (c->q_lora_rank ? c->q_lora_rank : d->n_heads * qk) + c->kv_lora_rank + c->qk_rope_head_dim;
+}
+
+/* Slot s of a head of hd = other + rope dims: *rope = 1 and *idx the rope dim for the RoPE pairs' slots
+ * (pair j at j and j + hd/2, j < rope/2), else *rope = 0 and *idx the other (latent) dim. */
+static void slot_src(int hd, int rope, int interleave, int s, int *is_rope, int *idx) {
+    const int half = hd / 2, pr = rope / 2;
+    int j = s < half ? s : s - half, second = s >= half;
+    if (j < pr) {
+        *is_rope = 1;
+        *idx = interleave ? 2 * j + second : j + second * pr;
+    } else {
+        *is_rope = 0;
+        *idx = second ? (half - pr) + (j - pr) : j - pr;
+    }
+}
+
+loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
+    loom_model_t *m = L->m;
+    const loom_model_config_t *c = &m->cfg;
+    const loom_shard_dims_t *d = &m->dims;
+    const int dim = c->dim, H = c->n_heads, Hr = d->n_heads, hb = d->q_head_begin;
+    const int nope = c->qk_nope_head_dim, rope = c->qk_rope_head_dim, v = c->v_head_dim, r = c->kv_lora_rank;
+    const int qk = nope + rope, ql = c->q_lora_rank, qoff = ql ? ql : Hr * qk, D = c->head_dim, kvw = nope + v;
+    const int zdim = loom_blk_attn_mla_zdim(c, d);
+    const float af = c->rope_attn_factor;
+    char name[256], pq[256], pkv[256], what[256];
+    loom_status_t s = LOOM_OK;
+    if (D != r + rope || D % 2)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "MLA: the cache row (kv_lora_rank + qk_rope_head_dim = %d) "
+                            "must be the config's head_dim (%d) and even", r + rope, D);
+
+    /* the latent projection: q_a rows (or this rank's q_proj rows), then kv_a's */
+    loom_lin_part_t za[2];
+    if (ql)
+        za[0] = (loom_lin_part_t){loom_load_name(L, gl, LOOM_TN_Q_A, -1, pq, sizeof pq), ql, 0, ql};
+    else
+        za[0] = (loom_lin_part_t){loom_load_name(L, gl, LOOM_TN_Q, -1, pq, sizeof pq), (int64_t)H * qk,
+                                  (int64_t)hb * qk, (int64_t)Hr * qk};
+    za[1] = (loom_lin_part_t){loom_load_name(L, gl, LOOM_TN_KV_A, -1, pkv, sizeof pkv), r + rope, 0, r + rope};
+    snprintf(what, sizeof what, "model.layers.%d.self_attn.latent", gl);
+    LOOM_CHECK(loom_load_linear(L, &ly->wkv_a, what, za, 2, dim, 0, dim, err));
+    if (ql)
+        LOOM_CHECK(loom_load_upload_norm(L, loom_load_name(L, gl, LOOM_TN_Q_A_NORM, -1, name, sizeof name), ql,
+                                         &ly->q_norm, err));
+    LOOM_CHECK(loom_load_upload_norm(L, loom_load_name(L, gl, LOOM_TN_KV_A_NORM, -1, name, sizeof name), r,
+                                     &ly->k_norm, err));
+
+    /* B: (m->qkv_dim = (Hr + 2) D, zdim): Hr query heads, the KV head, and D zero rows where the other
+     * families keep V (the latent layout reads the value from the KV head's row) */
+    float *qb = ql ? loom_xmalloc((size_t)Hr * qk * ql * sizeof(float)) : NULL;
+    float *kvb = loom_xmalloc((size_t)Hr * kvw * r * sizeof(float));
+    float *o = loom_xmalloc((size_t)dim * Hr * v * sizeof(float));
+    double *acc = loom_xmalloc((size_t)(ql > dim ? ql : dim) * sizeof(double));
+    if (ql)
+        s = loom_load_read_block(L, loom_load_name(L, gl, LOOM_TN_Q_B, -1, name, sizeof name), (int64_t)H * qk, ql,
+                                 (int64_t)hb * qk, (int64_t)Hr * qk, 0, ql, qb, err);
+    if (s == LOOM_OK)
+        s = loom_load_read_block(L, loom_load_name(L, gl, LOOM_TN_KV_B, -1, name, sizeof name), (int64_t)H * kvw, r,
+                                 (int64_t)hb * kvw, (int64_t)Hr * kvw, 0, r, kvb, err);
+    if (s == LOOM_OK)
+        s = loom_load_read_block(L, loom_load_name(L, gl, LOOM_TN_O, -1, name, sizeof name), dim, (int64_t)H * v, 0,
+                                 dim, (int64_t)hb * v, (int64_t)Hr * v, o, err);
+    const int64_t rows = m->qkv_dim;
+    float *B = s == LOOM_OK ? loom_load_staging(L, (size_t)rows * zdim) : NULL;
+    if (s == LOOM_OK && !B) s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    if (s == LOOM_OK) {
+        memset(B, 0, (size_t)rows * zdim * sizeof(float));
+        for (int sl = 0; sl < D; sl++) {
+            int is_rope, idx;
+            slot_src(D, rope, c->rope_interleave, sl, &is_rope, &idx);
+            float *krow = B + ((size_t)Hr * D + sl) * zdim; /* the cache row: [c, k_pe] */
+            krow[qoff + (is_rope ? r : 0) + idx] = is_rope ? af : 1.0f;
+            for (int h = 0; h < Hr; h++) {
+                float *qrow = B + ((size_t)h * D + sl) * zdim;
+                const float *wuk = kvb + (size_t)h * kvw * r; /* (nope, r) */
+                if (is_rope) { /* q_pe: the head's rope row, times yarn's factor */
+                    if (ql)
+                        for (int i = 0; i < ql; i++) qrow[i] = af * qb[((size_t)h * qk + nope + idx) * ql + i];
+                    else
+                        qrow[h * qk + nope + idx] = af;
+                    continue;
+                }
+                if (ql) { /* latent dim idx: sum_i W_UK[i][idx] q_b[nope row i] */
+                    for (int col = 0; col < ql; col++) acc[col] = 0;
+                    for (int i = 0; i < nope; i++) {
+                        const double wk = wuk[(size_t)i * r + idx];
+                        const float *qr = qb + ((size_t)h * qk + i) * ql;
+                        for (int col = 0; col < ql; col++) acc[col] += wk * qr[col];
+                    }
+                    for (int col = 0; col < ql; col++) qrow[col] = (float)acc[col];
+                } else {
+                    for (int i = 0; i < nope; i++) qrow[h * qk + i] = wuk[(size_t)i * r + idx];
+                }
+            }
+        }
+        snprintf(what, sizeof what, "model.layers.%d.self_attn.mla_qk", gl);
+        s = loom_load_upload_weight(L, &ly->wqkv, rows, zdim, what, err);
+    }
+    /* o' (dim, Hr D): head h's latent slot of dim idx holds W_o_h W_UV_h[:, idx]; its rope slots 0 */
+    float *W = s == LOOM_OK ? loom_load_staging(L, (size_t)dim * Hr * D) : NULL;
+    if (s == LOOM_OK && !W) s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    if (s == LOOM_OK) {
+        memset(W, 0, (size_t)dim * Hr * D * sizeof(float));
+        for (int h = 0; h < Hr; h++)
+            for (int sl = 0; sl < D; sl++) {
+                int is_rope, idx;
+                slot_src(D, rope, c->rope_interleave, sl, &is_rope, &idx);
+                if (is_rope) continue;
+                const float *wuv = kvb + ((size_t)h * kvw + nope) * r; /* (v, r) */
+                for (int i = 0; i < dim; i++) {
+                    double a = 0;
+                    const float *orow = o + (size_t)i * Hr * v + (size_t)h * v;
+                    for (int k = 0; k < v; k++) a += (double)orow[k] * wuv[(size_t)k * r + idx];
+                    W[(size_t)i * Hr * D + (size_t)h * D + sl] = (float)a;
+                }
+            }
+        snprintf(what, sizeof what, "model.layers.%d.self_attn.o_proj", gl);
+        s = loom_load_upload_weight(L, &ly->wo, dim, (int64_t)Hr * D, what, err);
+    }
+    free(qb);
+    free(kvb);
+    free(o);
+    free(acc);
+    ly->window = 0;
+    return s;
+}
+
+loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err) {
+    const loom_model_config_t *c = &m->cfg;
+    const loom_shard_dims_t *d = &m->dims;
+    loom_backend_t *be = m->be;
+    const loom_layer_t *ly = &m->layers[l];
+    const int n = so->n, Hr = d->n_heads, D = c->head_dim, qd = m->qkv_dim;
+    const int zdim = loom_blk_attn_mla_zdim(c, d),
+              qoff = c->q_lora_rank ? c->q_lora_rank : Hr * (c->qk_nope_head_dim + c->qk_rope_head_dim);
+    const loom_blk_linear_t za = {.w = &ly->wkv_a, .proj = LOOM_PROJ_QKV, .layer = l, .expert = -1};
+    LOOM_CHECK(loom_blk_linear(m, so->adapters, &za, m->mla_z, m->xb, n, err));
+    if (c->q_lora_rank) loom_op_head_rmsnorm(be, m->mla_z, zdim, n, 1, c->q_lora_rank, ly->q_norm, 1e-6f);
+    loom_op_head_rmsnorm(be, m->mla_z + qoff, zdim, n, 1, c->kv_lora_rank, ly->k_norm, 1e-6f);
+    const loom_blk_linear_t b = {.w = &ly->wqkv, .proj = LOOM_PROJ_QKV, .layer = l, .expert = -1};
+    LOOM_CHECK(loom_blk_linear(m, so->adapters, &b, m->qkv, m->mla_z, n, err));
+    float *q = m->qkv, *k = q + (size_t)Hr * D;
+    /* RoPE, then the row written as K and as V (the same memory in the latent layout; the same values
+     * either way, so the order of the two writes does not matter) */
+    loom_op_rope(be, q, qd, n, Hr, D, so->d_pos, ly->inv_freq);
+    loom_op_rope(be, k, qd, n, 1, D, so->d_pos, ly->inv_freq);
+    loom_op_kv_write(be, &ly->kv, k, k, qd, so->d_slots, n, 1, D);
+    loom_attn_args_t a = {
+        .n = n,
+        .n_heads = Hr,
+        .n_kv_heads = 1,
+        .head_dim = D,
+        .scale = c->attn_scale,
+        .q = q,
+        .q_stride = qd,
+        .out = m->att,
+        .out_stride = Hr * D,
+        .kv = ly->kv,
+        .block_size = m->block_size,
+        .tok_seq = so->d_seq,
+        .tok_pos = so->d_pos,
+        .block_tables = so->d_bt,
+        .max_blocks = so->max_blocks,
+        .max_ctx = so->max_ctx,
+    };
+    loom_op_attention(be, &a);
+    const loom_blk_linear_t o = {.w = &ly->wo, .reduce = 1, .proj = LOOM_PROJ_O, .layer = l, .expert = -1};
+    return loom_blk_linear(m, so->adapters, &o, m->xb2, m->att, n, err);
+}
