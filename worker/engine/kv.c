@@ -1,5 +1,4 @@
 /* The paged KV pool: its allocation, a block's bytes and copy-on-write
-/* The paged KV pool: its allocation, a block's bytes and copy-on-write
  * block copies. The one place a KV layout lives. Two layouts, in one
  * allocation each; each layer's loom_kv_layer_t points into it and
  * attention reads nothing else:
