@@ -49,11 +49,12 @@ static void best_median(double *v, int n, double *best, double *median) {
 
 /* Loads the model with one quantization scheme (quantized on load). */
 static int open_scheme(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt,
-                       const char *kv_cache_dtype, int threads, int n_prompt, int n_gen, result_t *res) {
+                       const char *kv_cache_dtype, int layer_major, int threads, int n_prompt, int n_gen,
+                       result_t *res) {
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .n_threads = threads, .chunk = n_prompt,
                                .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .quant = *q, .no_tokenizer = 1,
-                               .kv_cache_dtype = kv_cache_dtype};
+                               .kv_cache_dtype = kv_cache_dtype, .kv_layer_major = layer_major};
     if (loom_local_open(&lo, &res->l, &err) < 0) {
         fprintf(stderr, "bench_decode: %s: %s\n", scheme, err.msg);
         return 1;
@@ -93,7 +94,7 @@ int main(int argc, char **argv) {
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL, *schemes = "none";
     const char *kv_cache_dtype = "auto";
-    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5;
+    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5, kv_layouts = 0;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (e.g. from tests/reference/gen_model.py)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default 2)", 1, 256, NULL},
@@ -103,6 +104,7 @@ int main(int argc, char **argv) {
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage f32, bf16, f16 (default f32)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &schemes, "LIST", "comma-separated schemes measured in this run, each against the first, e.g. none,int8,q4 (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (default auto)", 1, 0, NULL},
+        {"kv-layouts", LOOM_OPT_FLAG, &kv_layouts, NULL, "also load each scheme with the layer-major KV layout (\"/lm\") against the block-contiguous one", 0, 0, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_decode --model DIR [options]",
@@ -151,11 +153,25 @@ int main(int argc, char **argv) {
         p += len + (p[len] == ',');
     }
     double triad[MAX_REPS];
-    int rc = 1, n_schemes = n;
+    int rc = 1;
+    if (kv_layouts) { /* scheme i, then scheme i with the layer-major layout */
+        if (2 * n > MAX_SCHEMES) {
+            fprintf(stderr, "bench_decode: --kv-layouts takes at most %d schemes\n", MAX_SCHEMES / 2);
+            return 2;
+        }
+        for (int i = n - 1; i >= 0; i--) {
+            specs[2 * i] = specs[2 * i + 1] = specs[i];
+            memcpy(names[2 * i], names[i], sizeof names[0]);
+            snprintf(names[2 * i + 1], sizeof names[0], "%.19s/lm", names[2 * i]);
+        }
+        n *= 2;
+    }
+    int n_schemes = n;
     n = 0;
     for (int mi = 0; mi < n_models; mi++)
         for (int i = 0; i < n_schemes; i++, n++)
-            if (open_scheme(models[mi], names[i], &specs[i], wdt, kv_cache_dtype, threads, n_prompt, n_gen, &res[n]))
+            if (open_scheme(models[mi], names[i], &specs[i], wdt, kv_cache_dtype, kv_layouts && (i & 1), threads,
+                            n_prompt, n_gen, &res[n]))
                 goto out;
     const loom_model_config_t *c = loom_local_config(res[0].l);
     int vmax = c->vocab_size;

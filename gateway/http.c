@@ -278,6 +278,17 @@ typedef struct choice {
     loom_rsplit_t *rs; /* streamed chat with --reasoning-parser: this choice's reasoning split off */
 } choice_t;
 
+/* The cached tokens of one prompt's n choices: those whose KV was not
+ * computed for the request. The choices after the first prefilled fork
+ * from it or hit the blocks it wrote, so each says at least what the
+ * first one found; the least of them is the prompt's. */
+static int group_cached(const choice_t *cs, int n) {
+    int m = cs[0].cached_tokens;
+    for (int j = 1; j < n; j++)
+        m = LOOM_MIN(m, cs[j].cached_tokens);
+    return m;
+}
+
 /* Cancels every unfinished choice and drops the connection's client (what
  * abandon does for one). */
 static void abandon_multi(req_t *q, choice_t *cs, int n) {
@@ -424,7 +435,7 @@ static enum MHD_Result handle_multi(req_t *q, gen_t *g) {
         cJSON_AddItemToArray(choices, c);
         if (i % g->n == 0) { /* the prompt once per prompt */
             usage.prompt_tokens += cs[i].prompt_tokens;
-            usage.cached_tokens += cs[i].cached_tokens;
+            usage.cached_tokens += group_cached(cs + i, g->n);
         }
         usage.completion_tokens += cs[i].completion_tokens;
     }
@@ -495,10 +506,8 @@ static void multi_stream_chunk(req_t *q, int i, const loom_chunk_t *ch) {
     if (!ch->final) return;
     c->done = 1;
     ms->left--;
-    if (i % ms->n_per == 0) { /* the prompt once per prompt */
-        ms->usage.prompt_tokens += ch->prompt_tokens;
-        ms->usage.cached_tokens += ch->cached_tokens;
-    }
+    c->cached_tokens = ch->cached_tokens;
+    if (i % ms->n_per == 0) ms->usage.prompt_tokens += ch->prompt_tokens; /* the prompt once per prompt */
     ms->usage.completion_tokens += ch->completion_tokens;
     if (ch->status != LOOM_OK) {
         /* one choice broke: the others are cancelled, an error event and [DONE] end the stream */
@@ -521,6 +530,9 @@ static void multi_stream_chunk(req_t *q, int i, const loom_chunk_t *ch) {
     if (ms->left > 0) return;
     q->active = 0;
     q->finished = 1;
+    ms->usage.cached_tokens = 0;
+    for (int p = 0; p < ms->n; p += ms->n_per)
+        ms->usage.cached_tokens += group_cached(ms->cs + p, ms->n_per);
     if (q->include_usage) {
         cJSON *o = head_obj(q, q->chat ? "chat.completion.chunk" : "text_completion");
         cJSON_AddArrayToObject(o, "choices");

@@ -438,6 +438,8 @@ void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *
     be->ops->kv_write(be, kv, k, v, stride, slots, n, nkv, hd);
 }
 
+int loom_backend_kv_block_strided(const loom_backend_t *be) { return be->ops->kv_block_strided; }
+
 int loom_backend_has_graphs(const loom_backend_t *be) {
     return be->ops->graph_begin != NULL && be->ops->graph_end != NULL;
 }

@@ -258,7 +258,29 @@ typedef struct loom_kv_layer {
     void *k, *v;
     float *k_scale, *v_scale; /* I8 only; NULL otherwise */
     loom_dtype_t dtype;
+    /* Where blocks lie. 0 (the layer-major layout): block b's rows at row
+     * b * block_size of k and v, its scales at (b * block_size) * nkv.
+     * Otherwise a pool with a block contiguous across layers (kv.c): block b
+     * starts block_stride elements (of dtype) after block a-1's, and its
+     * scales scale_block_stride floats after; within a block, rows and
+     * scales as above. Backends without loom_backend_kv_block_strided
+     * ignore these and must be given 0. */
+    int64_t block_stride, scale_block_stride;
+    int block_size;
 } loom_kv_layer_t;
+
+/* Element offset of slot's row (block * block_size + token) in k or v. */
+static inline int64_t loom_kv_row(const loom_kv_layer_t *kv, int64_t slot, int64_t kv_dim) {
+    if (!kv->block_stride) return slot * kv_dim;
+    return slot / kv->block_size * kv->block_stride + slot % kv->block_size * kv_dim;
+}
+/* Float offset of slot's first scale (its nkv heads) in k_scale or v_scale. */
+static inline int64_t loom_kv_scale_row(const loom_kv_layer_t *kv, int64_t slot, int nkv) {
+    if (!kv->block_stride) return slot * nkv;
+    return slot / kv->block_size * kv->scale_block_stride + slot % kv->block_size * nkv;
+}
+/* Whether the backend's kv_write and attention follow block_stride (CPU). */
+int loom_backend_kv_block_strided(const loom_backend_t *be);
 
 /* Bytes one token of one KV head takes in K (or in V), its scale included. */
 size_t loom_kv_head_bytes(loom_dtype_t dtype, int hd);

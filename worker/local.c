@@ -180,7 +180,8 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0,
                               .layer_end = l->cfg.n_layers, .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant,
-                               .kv_dtype = kv_dtype, .max_loras = opt->lora_dir ? 1 : 0,
+                               .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major,
+                               .max_loras = opt->lora_dir ? 1 : 0,
                                .max_lora_rank = opt->max_lora_rank > 0 ? opt->max_lora_rank : 16};
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;

@@ -23,6 +23,7 @@ typedef struct loom_local_options {
     loom_dtype_t weight_dtype; /* F32 default on CPU */
     loom_quant_spec_t quant;   /* matmul weights quantized on load (kernels/quant.h); zero: none */
     const char *kv_cache_dtype; /* auto (NULL), f32, bf16, int8, fp8: see loom_backend_kv_resolve */
+    int kv_layer_major;         /* loom_model_options_t.kv_layer_major (benchmarks) */
     int no_tokenizer;        /* skip tokenizer.json (benchmarks on generated models) */
     loom_spec_config_t spec; /* speculative decoding (method OFF, the zero value: none); see common/spec.h */
     /* method DRAFT: the draft model's directory (NULL: the target's own, a

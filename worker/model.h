@@ -37,6 +37,9 @@ typedef struct loom_model_options {
     /* KV cache elements: F32 (the zero value), BF16, I8 or F8_E4M3, as far
      * as the backend has kernels (loom_backend_kv_supported) */
     loom_dtype_t kv_dtype;
+    /* 1: the layer-major KV layout even where the backend reads the
+     * block-contiguous one (kv.c); for measuring the two against each other */
+    int kv_layer_major;
     loom_allreduce_fn allreduce;
     void *allreduce_ctx;
     /* The hook only enqueues its collective on the backend's stream during
@@ -100,6 +103,11 @@ int loom_model_kv_scratch_blocks(const loom_model_t *m);
 /* Allocates the paged KV pool: n_blocks blocks of block_size tokens. */
 loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err);
 int loom_model_kv_blocks(const loom_model_t *m);
+/* Whether a block is one contiguous span of loom_model_kv_block_bytes
+ * across all layers (kv.c), and where block `block` starts (NULL in the
+ * layer-major layout or out of range). */
+int loom_model_kv_block_contiguous(const loom_model_t *m);
+void *loom_model_kv_block_ptr(const loom_model_t *m, int block);
 /* Copies KV blocks src[i] -> dst[i] in every layer of the shard, scales
  * included (copy-on-write). */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n);

@@ -53,12 +53,12 @@ size_t loom_cpu_attention_scratch_floats(const loom_attn_args_t *a, int heads_pe
 /* Asks for the next block's rows of this KV head while the current block is
  * computed: the rows are nkv*hd elements apart, a stride the hardware
  * prefetchers do not follow across pages. */
-static void prefetch_block(const void *cache, size_t esize, const int32_t *bt, int next_p0, int L,
-                           int B, int64_t kv_dim, int kvh, int hd) {
+static void prefetch_block(const loom_kv_layer_t *kv, const void *cache, size_t esize, const int32_t *bt,
+                           int next_p0, int L, int B, int64_t kv_dim, int kvh, int hd) {
     if (next_p0 >= L) return;
     const int64_t row_bytes = kv_dim * (int64_t)esize;
-    const char *row = (const char *)cache + (int64_t)bt[next_p0 / B] * B * row_bytes +
-                      (int64_t)kvh * hd * (int64_t)esize;
+    const char *row = (const char *)cache + (loom_kv_row(kv, (int64_t)bt[next_p0 / B] * B, kv_dim) +
+                                             (int64_t)kvh * hd) * (int64_t)esize;
     const int np = LOOM_MIN(B, L - next_p0);
     const int64_t bytes = (int64_t)hd * (int64_t)esize;
     for (int p = 0; p < np; p++, row += row_bytes)
@@ -69,10 +69,10 @@ static void prefetch_block(const void *cache, size_t esize, const int32_t *bt, i
 /* At block p0: the block PF_BLOCKS ahead (at p0 = 0: the PF_BLOCKS after
  * it), so about PF_BLOCKS blocks of rows are in flight while one is
  * computed. */
-static void prefetch_ahead(const void *cache, size_t esize, const int32_t *bt, int p0, int L, int B,
-                           int64_t kv_dim, int kvh, int hd) {
+static void prefetch_ahead(const loom_kv_layer_t *kv, const void *cache, size_t esize, const int32_t *bt,
+                           int p0, int L, int B, int64_t kv_dim, int kvh, int hd) {
     for (int j = p0 ? PF_BLOCKS : 0; j <= PF_BLOCKS; j++)
-        prefetch_block(cache, esize, bt, p0 + j * B, L, B, kv_dim, kvh, hd);
+        prefetch_block(kv, cache, esize, bt, p0 + j * B, L, B, kv_dim, kvh, hd);
 }
 
 /* Element e of a cache as float (I8: the code, unscaled). */
@@ -276,11 +276,12 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
     for (int p0 = b_lo; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
         const int64_t slot0 = (int64_t)bt[p0 / B] * B;
-        const char *k = (const char *)a->kv.k + ((slot0 * kv_dim + (int64_t)kvh * hd) * (int64_t)esize);
-        prefetch_ahead(a->kv.k, esize, bt, p0, L, B, kv_dim, kvh, hd);
+        const int64_t row0 = loom_kv_row(&a->kv, slot0, kv_dim), srow0 = loom_kv_scale_row(&a->kv, slot0, nkv);
+        const char *k = (const char *)a->kv.k + ((row0 + (int64_t)kvh * hd) * (int64_t)esize);
+        prefetch_ahead(&a->kv, a->kv.k, esize, bt, p0, L, B, kv_dim, kvh, hd);
         if (dt == LOOM_DT_I8)
             for (int p = 0; p < np; p++)
-                ksc[p] = a->kv.k_scale[(slot0 + p) * nkv + kvh] * a->scale;
+                ksc[p] = a->kv.k_scale[srow0 + (int64_t)p * nkv + kvh] * a->scale;
         for (int g = 0; g < hpt;) {
             const int G = pass_heads(hpt - g);
             scores_block(G, dt, q + (int64_t)g * hd, hd, k, kv_dim, np, dt == LOOM_DT_I8 ? ksc : NULL,
@@ -288,7 +289,7 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
             g += G;
         }
     }
-    prefetch_ahead(a->kv.v, esize, bt, b_lo, L, B, kv_dim, kvh, hd); /* during the softmax */
+    prefetch_ahead(&a->kv, a->kv.v, esize, bt, b_lo, L, B, kv_dim, kvh, hd); /* during the softmax */
     for (int g = 0; g < hpt; g++) {
         float *s = scores + (int64_t)g * L;
         if (a->softcap > 0) loom_vec_softcap(s + p_lo, L - p_lo, a->softcap); /* before the softmax */
@@ -306,15 +307,16 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
     for (int p0 = b_lo; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
         const int64_t slot0 = (int64_t)bt[p0 / B] * B;
-        const char *v = (const char *)a->kv.v + ((slot0 * kv_dim + (int64_t)kvh * hd) * (int64_t)esize);
-        if (p0 > b_lo) prefetch_ahead(a->kv.v, esize, bt, p0, L, B, kv_dim, kvh, hd);
+        const int64_t row0 = loom_kv_row(&a->kv, slot0, kv_dim), srow0 = loom_kv_scale_row(&a->kv, slot0, nkv);
+        const char *v = (const char *)a->kv.v + ((row0 + (int64_t)kvh * hd) * (int64_t)esize);
+        if (p0 > b_lo) prefetch_ahead(&a->kv, a->kv.v, esize, bt, p0, L, B, kv_dim, kvh, hd);
         const float *w = scores + p0;
         int64_t lw = L;
         if (dt == LOOM_DT_I8) { /* fold each row's scale into its weights */
             for (int g = 0; g < hpt; g++)
                 for (int p = 0; p < np; p++)
                     wblk[(int64_t)g * B + p] =
-                        scores[(int64_t)g * L + p0 + p] * a->kv.v_scale[(slot0 + p) * nkv + kvh];
+                        scores[(int64_t)g * L + p0 + p] * a->kv.v_scale[srow0 + (int64_t)p * nkv + kvh];
             w = wblk, lw = B;
         }
         for (int g = 0; g < hpt;) {

@@ -734,13 +734,13 @@ struct kv_ctx {
 /* One token's K and V rows into its slot, narrowed to the cache's dtype. */
 static void kv_write_row(const loom_kv_layer_t *kv, void *cache, float *scales, const float *x,
                          int64_t slot, int nkv, int hd) {
-    const int64_t kv_dim = (int64_t)nkv * hd, e = slot * kv_dim;
+    const int64_t kv_dim = (int64_t)nkv * hd, e = loom_kv_row(kv, slot, kv_dim);
     switch (kv->dtype) {
     case LOOM_DT_F32: memcpy((float *)cache + e, x, (size_t)kv_dim * sizeof(float)); break;
     case LOOM_DT_BF16: loom_vec_f32_to_bf16((uint16_t *)cache + e, x, (int)kv_dim); break;
     case LOOM_DT_I8:
         for (int h = 0; h < nkv; h++)
-            scales[slot * nkv + h] =
+            scales[loom_kv_scale_row(kv, slot, nkv) + h] =
                 loom_vec_f32_to_i8((int8_t *)cache + e + (int64_t)h * hd, x + (int64_t)h * hd, hd);
         break;
     default: LOOM_ASSERT(!"KV dtype the CPU backend does not support");
@@ -1006,6 +1006,7 @@ static const loom_backend_ops_t cpu_ops = {
     .lora = cpu_lora,
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
+    .kv_block_strided = 1,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
     .sample_shard = cpu_sample_shard,

@@ -871,6 +871,77 @@ static void test_kv_write(void) {
     }
 }
 
+/* A pool with each block contiguous across layers (worker/engine/kv.c):
+ * kv_write and attention through block_stride give the same bits as the
+ * layer-major layout, for every dtype; the spans' padding stays untouched. */
+static void test_kv_block_strided(void) {
+    unsigned long long st = 21;
+    loom_backend_t *be = make_backend(2, LOOM_DT_F32);
+    REQUIRE(be);
+    CHECK(loom_backend_kv_block_strided(be));
+    for (size_t di = 0; di < LOOM_ARRAY_LEN(k_kv_dts); di++) {
+        const loom_dtype_t dt = k_kv_dts[di];
+        const int nkv = 2, hd = 16, nh = 4, kv_dim = nkv * hd, B = 4, n_blocks = 12, n_seqs = 2;
+        const int max_blocks = 5, n = n_seqs * max_blocks * B;
+        const size_t es = loom_dtype_size(dt), codes = (size_t)B * kv_dim * es + 64;
+        const size_t scales = dt == LOOM_DT_I8 ? (size_t)B * nkv * sizeof(float) + 64 : 0;
+        const size_t span = 3 * (2 * codes + 2 * scales); /* as if 3 layers, this one the middle */
+        test_kv_t lm = test_kv_alloc(dt, (size_t)n_blocks * B, nkv, hd);
+        char *pool = loom_aligned_alloc(span * n_blocks);
+        REQUIRE(pool);
+        memset(pool, 0x5a, span * n_blocks);
+        char *l1 = pool + 2 * codes + 2 * scales;
+        loom_kv_layer_t sk = {.k = l1, .v = l1 + codes, .dtype = dt, .block_size = B,
+                              .block_stride = (int64_t)(span / es), .scale_block_stride = (int64_t)(span / 4)};
+        if (scales) {
+            sk.k_scale = (float *)(l1 + 2 * codes);
+            sk.v_scale = (float *)(l1 + 2 * codes + scales);
+        }
+        const int stride = 2 * kv_dim, q_stride = nh * hd;
+        float *k = alloc_f((size_t)n * stride), *v = alloc_f((size_t)n * stride), *q = alloc_f((size_t)n * q_stride);
+        float *o1 = alloc_f((size_t)n * nh * hd), *o2 = alloc_f((size_t)n * nh * hd);
+        fill(k, (size_t)n * stride, &st, 1.0f);
+        fill(v, (size_t)n * stride, &st, 1.0f);
+        fill(q, (size_t)n * q_stride, &st, 1.0f);
+        int32_t bt[2 * 5] = {7, 2, 11, 0, 5, 3, 9, 1, 10, 4}, slots[40], seq[40], pos[40];
+        for (int i = 0; i < n; i++) {
+            seq[i] = i / (max_blocks * B);
+            pos[i] = i % (max_blocks * B);
+            slots[i] = bt[seq[i] * max_blocks + pos[i] / B] * B + pos[i] % B;
+        }
+        loom_op_kv_write(be, &lm.kv, k, v, stride, slots, n, nkv, hd);
+        loom_op_kv_write(be, &sk, k, v, stride, slots, n, nkv, hd);
+        loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+                              .scale = 0.25f, .q = q, .q_stride = q_stride, .out = o1,
+                              .out_stride = nh * hd, .kv = lm.kv, .block_size = B, .tok_seq = seq,
+                              .tok_pos = pos, .block_tables = bt, .max_blocks = max_blocks,
+                              .max_ctx = max_blocks * B};
+        loom_op_attention(be, &a);
+        a.kv = sk;
+        a.out = o2;
+        loom_op_attention(be, &a);
+        CHECKF(!memcmp(o1, o2, sizeof(float) * (size_t)n * nh * hd), "strided attention %s differs",
+               loom_kv_dtype_name(dt));
+        int bad = 0; /* layers 0 and 2 of every block, and block 6 and 8 (unused), untouched */
+        for (int b = 0; b < n_blocks; b++) {
+            const int used = b != 6 && b != 8;
+            for (size_t o = 0; o < span; o++) {
+                const int in_l1 = o >= 2 * codes + 2 * scales && o < 4 * codes + 4 * scales;
+                if ((!in_l1 || !used) && (unsigned char)pool[(size_t)b * span + o] != 0x5a) bad++;
+            }
+        }
+        CHECKF(!bad, "strided kv_write %s: %d bytes outside the layer's spans", loom_kv_dtype_name(dt), bad);
+        free(k);
+        free(v);
+        free(q);
+        free(o1);
+        free(o2);
+        loom_aligned_free(pool);
+        test_kv_free(&lm);
+    }
+    loom_backend_destroy(&be);
+}
+
 static void test_kv_dtypes(void) {
     loom_dtype_t dt;
     CHECK(loom_kv_dtype_parse("bf16", &dt) && dt == LOOM_DT_BF16);
@@ -1276,6 +1347,7 @@ int main(void) {
     RUN(test_rope);
     RUN(test_kv_dtypes);
     RUN(test_kv_write);
+    RUN(test_kv_block_strided);
     RUN(test_attention);
     RUN(test_softcap);
     RUN(test_swiglu_clamp);

@@ -1,11 +1,17 @@
 /* The paged KV pool: its allocation, a block's bytes and copy-on-write
- * block copies. The one place a KV layout lives: per layer K codes, V
- * codes, then (I8) K scales and V scales, in one allocation; each layer's
- * loom_kv_layer_t points into it and attention reads nothing else. The
- * latent layout (MLA, DeepSeek): one KV head whose row (kv_lora_rank +
- * rope values: the latent and the rope key) is both K and V, so a layer
- * keeps one array and v points at k. A block contiguous across layers is a
- * change here. */
+ * block copies. The one place a KV layout lives. Two layouts, in one
+ * allocation each; each layer's loom_kv_layer_t points into it and
+ * attention reads nothing else:
+ *   block-contiguous (backends with loom_backend_kv_block_strided: CPU;
+ *     per-head K and V): block b is one span at b * block_bytes holding,
+ *     per layer, K codes, V codes, then (I8) K scales and V scales of its
+ *     tokens, so a block moves (offload, transfer, copy-on-write) with one
+ *     copy;
+ *   layer-major (the others): per layer K codes, V codes, then (I8) K
+ *     scales and V scales of every block.
+ * The latent layout (MLA, DeepSeek; layer-major): one KV head whose row
+ * (kv_lora_rank + rope values: the latent and the rope key) is both K and
+ * V, so a layer keeps one array and v points at k. */
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
 
@@ -16,9 +22,31 @@ int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
 /* K and V arrays a layer keeps: 1 in the latent layout (V is K's memory), else 2. */
 static size_t kv_arrays(const loom_model_t *m) { return m->cfg.deepseek ? 1 : 2; }
 
+/* Bytes of one layer's K (or V) codes and scales in one block, each
+ * rounded up to KV_SPAN_ALIGN in the block-contiguous layout. */
+#define KV_SPAN_ALIGN 64
+static size_t span_align(size_t b) { return (b + KV_SPAN_ALIGN - 1) / KV_SPAN_ALIGN * KV_SPAN_ALIGN; }
+static size_t blk_codes(const loom_model_t *m, int block_size) {
+    return span_align((size_t)block_size * m->dims.n_kv_heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype));
+}
+static size_t blk_scales(const loom_model_t *m, int block_size) {
+    return m->opt.kv_dtype == LOOM_DT_I8 ? span_align((size_t)block_size * m->dims.n_kv_heads * sizeof(float)) : 0;
+}
+
+int loom_model_kv_block_contiguous(const loom_model_t *m) {
+    return !m->opt.kv_layer_major && !m->cfg.deepseek && loom_backend_kv_block_strided(m->be);
+}
+
 size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
+    if (loom_model_kv_block_contiguous(m))
+        return (size_t)m->dims.n_layers * 2 * (blk_codes(m, block_size) + blk_scales(m, block_size));
     return kv_arrays(m) * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
            loom_kv_head_bytes(m->opt.kv_dtype, m->cfg.head_dim);
+}
+
+void *loom_model_kv_block_ptr(const loom_model_t *m, int block) {
+    if (!loom_model_kv_block_contiguous(m) || block < 0 || block >= m->n_blocks) return NULL;
+    return (char *)m->kv_mem + (size_t)block * loom_model_kv_block_bytes(m, m->block_size);
 }
 
 int loom_model_kv_scratch_blocks(const loom_model_t *m) {
@@ -30,6 +58,42 @@ int loom_model_kv_scratch_blocks(const loom_model_t *m) {
 #define KV_ALIGN 256
 static size_t kv_align(size_t b) { return (b + KV_ALIGN - 1) / KV_ALIGN * KV_ALIGN; }
 
+/* The block-contiguous pool: block b is one span of block_bytes at
+ * b * block_bytes, holding per layer K codes, V codes, then (I8) K scales
+ * and V scales of its block_size tokens; each layer's loom_kv_layer_t
+ * points at block 0's arrays with the block's span as its stride. */
+static loom_status_t alloc_contiguous(loom_model_t *m, int n_blocks, int total, int block_size,
+                                      loom_err_t *err) {
+    const loom_dtype_t dt = m->opt.kv_dtype;
+    const size_t codes = blk_codes(m, block_size), scales = blk_scales(m, block_size);
+    const size_t span = loom_model_kv_block_bytes(m, block_size);
+    size_t bytes = span * (size_t)total;
+    if (bytes == 0) bytes = 64; /* a stage with no layers */
+    m->kv_mem = loom_backend_alloc(m->be, bytes);
+    if (!m->kv_mem)
+        return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for a KV pool of %d blocks (%.1f MB)",
+                            n_blocks, (double)bytes / 1e6);
+    loom_backend_memset(m->be, m->kv_mem, 0, bytes);
+    char *p = m->kv_mem;
+    for (int i = 0; i < m->dims.n_layers; i++) {
+        loom_kv_layer_t *kv = &m->layers[i].kv;
+        kv->dtype = dt;
+        kv->k = p;
+        kv->v = p + codes;
+        p += 2 * codes;
+        kv->k_scale = scales ? (float *)p : NULL;
+        kv->v_scale = scales ? (float *)(p + scales) : NULL;
+        p += 2 * scales;
+        kv->block_stride = (int64_t)(span / loom_dtype_size(dt));
+        kv->scale_block_stride = (int64_t)(span / sizeof(float));
+        kv->block_size = block_size;
+    }
+    m->n_blocks = n_blocks;
+    m->block_size = block_size;
+    m->scratch_block = total > n_blocks ? n_blocks : -1;
+    return LOOM_OK;
+}
+
 loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size, loom_err_t *err) {
     if (n_blocks < 1 || block_size < 1)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "KV pool of %d blocks of %d tokens", n_blocks, block_size);
@@ -38,6 +102,7 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     int pad = loom_model_kv_scratch_blocks(m);
     int total = n_blocks + pad;
     const loom_dtype_t dt = m->opt.kv_dtype;
+    if (loom_model_kv_block_contiguous(m)) return alloc_contiguous(m, n_blocks, total, block_size, err);
     const size_t tokens = (size_t)total * block_size * m->dims.n_kv_heads; /* token-heads per layer */
     const size_t codes = kv_align(tokens * m->cfg.head_dim * loom_dtype_size(dt));
     const size_t scales = dt == LOOM_DT_I8 ? kv_align(tokens * sizeof(float)) : 0;
@@ -59,6 +124,8 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
         kv->k_scale = scales ? (float *)p : NULL;
         kv->v_scale = scales ? (float *)(two ? p + scales : p) : NULL;
         p += (two ? 2 : 1) * scales;
+        kv->block_stride = kv->scale_block_stride = 0;
+        kv->block_size = block_size;
     }
     m->n_blocks = n_blocks;
     m->block_size = block_size;
@@ -68,6 +135,15 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
 
 /* Copy-on-write copies a block's codes and, for I8, its scales. */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n) {
+    if (loom_model_kv_block_contiguous(m)) { /* one copy per block */
+        const size_t span = loom_model_kv_block_bytes(m, m->block_size);
+        for (int i = 0; i < n; i++) {
+            LOOM_ASSERT(src[i] >= 0 && src[i] < m->n_blocks && dst[i] >= 0 && dst[i] < m->n_blocks);
+            loom_backend_copy(m->be, (char *)m->kv_mem + (size_t)dst[i] * span,
+                              (char *)m->kv_mem + (size_t)src[i] * span, span);
+        }
+        return;
+    }
     const size_t heads = (size_t)m->block_size * m->dims.n_kv_heads; /* token-heads per block */
     const size_t code_bytes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
     for (int i = 0; i < n; i++) {

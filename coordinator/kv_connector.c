@@ -1,0 +1,49 @@
+/* The coordinator half of a KV connector: checked entry points
+ * (kv_connector.h). */
+#include "coordinator/kv_connector.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int loom_kv_load_policy_parse(const char *s, loom_kv_load_policy_t *out) {
+    if (!s) return 0;
+    if (!strcmp(s, "recompute")) *out = LOOM_KV_LOAD_RECOMPUTE;
+    else if (!strcmp(s, "fail")) *out = LOOM_KV_LOAD_FAIL;
+    else return 0;
+    return 1;
+}
+
+int loom_kv_connector_match(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async) {
+    if (async) *async = 0;
+    if (!c || !c->ops->match || r->block_size < 1 || n_local < 0) return 0;
+    int a = 0, n = c->ops->match(c, r, n_local, &a);
+    /* whole blocks, none beyond the request's full blocks; the last
+     * position always runs for its logits */
+    int room = (r->n_tokens - 1) / r->block_size * r->block_size - n_local;
+    if (n > room) n = room;
+    n = n > 0 ? n / r->block_size * r->block_size : 0;
+    if (async) *async = n > 0 && a;
+    return n;
+}
+
+void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
+                                   int n_blocks, int n_external) {
+    if (c && c->ops->after_alloc) c->ops->after_alloc(c, r, blocks, n_blocks, n_external);
+}
+
+int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
+                               int n_blocks, char **kv_transfer_params) {
+    if (kv_transfer_params) *kv_transfer_params = NULL;
+    if (!c || !c->ops->finished) return 0;
+    char *params = NULL;
+    int keep = c->ops->finished(c, r, blocks, n_blocks, &params) > 0;
+    if (kv_transfer_params) *kv_transfer_params = params;
+    else free(params);
+    return keep;
+}
+
+void loom_kv_connector_destroy(loom_kv_connector_t **c) {
+    if (!c || !*c) return;
+    if ((*c)->ops->destroy) (*c)->ops->destroy(*c);
+    *c = NULL;
+}

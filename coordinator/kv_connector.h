@@ -1,0 +1,70 @@
+/* The coordinator half of a KV connector (docs/kv-offload.md): what moves
+ * KV blocks between the pool and something outside it (a host-memory or
+ * directory tier, another replica's prefill). The two halves follow vLLM's
+ * KVConnectorBase_V1; the worker half is worker/kv_connector.h.
+ *
+ * Not wired into the scheduler yet: the table and its checked entry points
+ * are here so that a tier can be written and tested against them. */
+#ifndef LOOM_COORDINATOR_KV_CONNECTOR_H
+#define LOOM_COORDINATOR_KV_CONNECTOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* What a KV load failure does to its request (vLLM's kv_load_failure_policy). */
+typedef enum {
+    LOOM_KV_LOAD_RECOMPUTE = 0, /* the sequence falls back to its first failed block and recomputes from there */
+    LOOM_KV_LOAD_FAIL,          /* the request ends with an error */
+} loom_kv_load_policy_t;
+
+/* "recompute" or "fail"; 0 for anything else. */
+int loom_kv_load_policy_parse(const char *s, loom_kv_load_policy_t *out);
+
+/* A request as a connector sees it: its tokens and the chain hashes of its
+ * full blocks (the prefix cache's, salted by model and adapter). */
+typedef struct loom_kv_conn_req {
+    uint64_t id;
+    const int32_t *tokens;
+    int n_tokens;
+    const uint64_t *block_hashes; /* (n_tokens / block_size) */
+    int block_size;
+} loom_kv_conn_req_t;
+
+typedef struct loom_kv_connector loom_kv_connector_t;
+
+typedef struct loom_kv_connector_ops {
+    /* get_num_new_matched_tokens: tokens beyond the n_local the prefix
+     * cache holds that the connector can supply (whole blocks); *async 1
+     * when they arrive after the step that allocates them. No side effects:
+     * it may be asked again for the same request. */
+    int (*match)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async);
+    /* update_state_after_alloc: the blocks the ledger gave the n_external
+     * tokens, in order; they become the destinations of the loads. */
+    void (*after_alloc)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks, int n_blocks,
+                        int n_external);
+    /* request_finished: the request's blocks; returns 1 when the connector
+     * keeps them (freed when it reports the save done: delayed free), 0 to
+     * free them now; *kv_transfer_params (malloc'd JSON or NULL) goes on
+     * the response. */
+    int (*finished)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks, int n_blocks,
+                    char **kv_transfer_params);
+    void (*destroy)(loom_kv_connector_t *c);
+} loom_kv_connector_ops_t;
+
+struct loom_kv_connector {
+    const loom_kv_connector_ops_t *ops;
+    const char *tier; /* the kv_events "tier": "host", "dir", "remote" */
+    loom_kv_load_policy_t load_policy;
+};
+
+/* The checked entry points: NULL c is the no-connector case. match's
+ * answer is cut to whole blocks within the request's full blocks beyond
+ * n_local (a connector that says more is not believed). */
+int loom_kv_connector_match(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async);
+void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
+                                   int n_blocks, int n_external);
+int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
+                               int n_blocks, char **kv_transfer_params);
+void loom_kv_connector_destroy(loom_kv_connector_t **c);
+
+#endif
