@@ -161,8 +161,10 @@ int main(int argc, char **argv) {
         }
         for (int i = n - 1; i >= 0; i--) {
             specs[2 * i] = specs[2 * i + 1] = specs[i];
-            memcpy(names[2 * i], names[i], sizeof names[0]);
-            snprintf(names[2 * i + 1], sizeof names[0], "%.19s/lm", names[2 * i]);
+            char base[sizeof names[0]];
+            memcpy(base, names[i], sizeof base);
+            memcpy(names[2 * i], base, sizeof base);
+            snprintf(names[2 * i + 1], sizeof names[0], "%.19s/lm", base);
         }
         n *= 2;
     }
