@@ -51,23 +51,14 @@ static uint32_t deepseek_needs(const loom_model_config_t *c, const loom_shard_sp
 
 static loom_status_t deepseek_load_layer(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
     const loom_model_config_t *c = &L->m->cfg;
-    char name[256];
-    LOOM_CHECK(loom_load_upload_norm(L, loom_load_name(L, gl, LOOM_TN_ATTN_NORM, -1, name, sizeof name), c->dim,
-                                     &ly->attn_norm, err));
-    LOOM_CHECK(loom_load_upload_norm(L, loom_load_name(L, gl, LOOM_TN_FFN_NORM, -1, name, sizeof name), c->dim,
-                                     &ly->ffn_norm, err));
+    LOOM_CHECK(loom_blk_prenorm_load_norms(L, gl, ly, err));
     LOOM_CHECK(loom_blk_attn_mla_load(L, gl, ly, err));
     if (loom_model_config_layer_moe(c, gl)) return loom_blk_moe_load(L, gl, &ly->ffn, err);
     return loom_blk_ffn_load(L, gl, &ly->ffn, err);
 }
 
 static loom_status_t deepseek_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err) {
-    const loom_layer_t *ly = &m->layers[l];
-    LOOM_CHECK(loom_blk_attn_mla(m, so, l, err));
-    loom_op_add_rmsnorm(m->be, m->x, m->xb2, m->xb, ly->ffn_norm, so->n, m->cfg.dim, m->cfg.norm_eps);
-    LOOM_CHECK(loom_blk_ffn(m, so, l, err));
-    loom_blk_ffn_residual(m, so, l);
-    return LOOM_OK;
+    return loom_blk_prenorm_layer(m, so, l, loom_blk_attn_mla, err);
 }
 
 const loom_arch_t loom_arch_deepseek = {

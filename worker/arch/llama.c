@@ -65,25 +65,14 @@ static uint32_t llama_needs(const loom_model_config_t *c, const loom_shard_spec_
 }
 
 static loom_status_t llama_load_layer(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
-    const loom_model_config_t *c = &L->m->cfg;
-    const int dim = c->dim;
-    char name[256];
-#define TNAME(role) loom_load_name(L, gl, role, -1, name, sizeof name)
-    LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_ATTN_NORM), dim, &ly->attn_norm, err));
-    LOOM_CHECK(loom_load_upload_norm(L, TNAME(LOOM_TN_FFN_NORM), dim, &ly->ffn_norm, err));
-#undef TNAME
+    LOOM_CHECK(loom_blk_prenorm_load_norms(L, gl, ly, err));
     LOOM_CHECK(loom_blk_attn_load(L, gl, ly, err));
-    if (loom_model_config_layer_moe(c, gl)) return loom_blk_moe_load(L, gl, &ly->ffn, err);
+    if (loom_model_config_layer_moe(&L->m->cfg, gl)) return loom_blk_moe_load(L, gl, &ly->ffn, err);
     return loom_blk_ffn_load(L, gl, &ly->ffn, err);
 }
 
 static loom_status_t llama_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err) {
-    const loom_layer_t *ly = &m->layers[l];
-    LOOM_CHECK(loom_blk_attn(m, so, l, err));
-    loom_op_add_rmsnorm(m->be, m->x, m->xb2, m->xb, ly->ffn_norm, so->n, m->cfg.dim, m->cfg.norm_eps);
-    LOOM_CHECK(loom_blk_ffn(m, so, l, err));
-    loom_blk_ffn_residual(m, so, l);
-    return LOOM_OK;
+    return loom_blk_prenorm_layer(m, so, l, loom_blk_attn, err);
 }
 
 const loom_arch_t loom_arch_llama = {

@@ -52,3 +52,21 @@ void loom_blk_ffn_residual(loom_model_t *m, const loom_step_ops_t *so, int l) {
     else
         loom_op_add(m->be, m->x, m->xb2, (int64_t)n * dim);
 }
+
+loom_status_t loom_blk_prenorm_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_blk_attn_fn attn,
+                                     loom_err_t *err) {
+    LOOM_CHECK(attn(m, so, l, err));
+    loom_op_add_rmsnorm(m->be, m->x, m->xb2, m->xb, m->layers[l].ffn_norm, so->n, m->cfg.dim, m->cfg.norm_eps);
+    LOOM_CHECK(loom_blk_ffn(m, so, l, err));
+    loom_blk_ffn_residual(m, so, l);
+    return LOOM_OK;
+}
+
+loom_status_t loom_blk_prenorm_load_norms(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
+    char name[256];
+    const int dim = L->m->cfg.dim;
+    LOOM_CHECK(loom_load_upload_norm(L, loom_load_name(L, gl, LOOM_TN_ATTN_NORM, -1, name, sizeof name), dim,
+                                     &ly->attn_norm, err));
+    return loom_load_upload_norm(L, loom_load_name(L, gl, LOOM_TN_FFN_NORM, -1, name, sizeof name), dim,
+                                 &ly->ffn_norm, err);
+}

@@ -319,6 +319,14 @@ loom_status_t loom_blk_ffn(loom_model_t *m, const loom_step_ops_t *so, int l, lo
 /* Closes layer l: x += xb2, and xb = the next layer's attention norm of x
  * (fused), or just the add after the last layer. */
 void loom_blk_ffn_residual(loom_model_t *m, const loom_step_ops_t *so, int l);
+/* The pre-norm decoder block most families share (Llama's): the layer's
+ * attention block ATTN (loom_blk_attn, loom_blk_attn_mla), the residual add
+ * fused with the feed-forward norm, the feed-forward block, its residual. */
+typedef loom_status_t (*loom_blk_attn_fn)(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
+loom_status_t loom_blk_prenorm_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_blk_attn_fn attn,
+                                     loom_err_t *err);
+/* That block's two norms (before attention, before the feed-forward block). */
+loom_status_t loom_blk_prenorm_load_norms(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
 
 /* ---- moe.c: Mixture-of-Experts blocks ----------------------------------- */
 loom_status_t loom_blk_moe_split(loom_model_t *m, loom_err_t *err);
