@@ -11,13 +11,13 @@
 #include "client/commands.h"
 #include "client/loom_client.h"
 #include "common/cli.h"
+#include "common/request_limits.h"
 #include "common/util.h"
 
 #define EXIT_USAGE 2
 #define EXIT_REFUSED 3
 #define EXIT_UNAVAILABLE 4
 #define EXIT_INTERRUPTED 130
-#define MAX_STOPS 16
 
 static int exit_code(loom_status_t s) {
     switch (s) {
@@ -187,21 +187,25 @@ int loom_cmd_generate(int argc, char **argv) {
         return EXIT_USAGE;
     }
     if (lora) model = lora;
-    const char *stops[MAX_STOPS];
-    int n_stop = collect_repeated(argc, argv, 2, opts, n_opts, "stop", stops, MAX_STOPS);
+    /* the same limits as the APIs (common/request_limits.h) */
+    static const char *stops[LOOM_MAX_STOP], *bias_strs[LOOM_MAX_LOGIT_BIAS], *bad_words[LOOM_MAX_BAD_WORDS];
+    static int32_t bias_ids[LOOM_MAX_LOGIT_BIAS];
+    static float bias_values[LOOM_MAX_LOGIT_BIAS];
+    int n_stop = collect_repeated(argc, argv, 2, opts, n_opts, "stop", stops, LOOM_MAX_STOP);
     if (n_stop < 0) {
-        fprintf(stderr, "error: at most %d --stop strings\n", MAX_STOPS);
+        fprintf(stderr, "error: at most %d --stop strings\n", LOOM_MAX_STOP);
         return EXIT_USAGE;
     }
-    const char *bias_strs[MAX_STOPS], *bad_words[MAX_STOPS];
-    int n_bias = collect_repeated(argc, argv, 2, opts, n_opts, "logit-bias", bias_strs, MAX_STOPS);
-    int n_bad = collect_repeated(argc, argv, 2, opts, n_opts, "bad-word", bad_words, MAX_STOPS);
-    if (n_bias < 0 || n_bad < 0) {
-        fprintf(stderr, "error: at most %d --logit-bias and --bad-word each\n", MAX_STOPS);
+    int n_bias = collect_repeated(argc, argv, 2, opts, n_opts, "logit-bias", bias_strs, LOOM_MAX_LOGIT_BIAS);
+    if (n_bias < 0) {
+        fprintf(stderr, "error: at most %d --logit-bias\n", LOOM_MAX_LOGIT_BIAS);
         return EXIT_USAGE;
     }
-    int32_t bias_ids[MAX_STOPS];
-    float bias_values[MAX_STOPS];
+    int n_bad = collect_repeated(argc, argv, 2, opts, n_opts, "bad-word", bad_words, LOOM_MAX_BAD_WORDS);
+    if (n_bad < 0) {
+        fprintf(stderr, "error: at most %d --bad-word\n", LOOM_MAX_BAD_WORDS);
+        return EXIT_USAGE;
+    }
     for (int i = 0; i < n_bias; i++) {
         char *end;
         long id = strtol(bias_strs[i], &end, 10);

@@ -11,5 +11,8 @@
 #define LOOM_MAX_STOP 64      /* stop strings in one request */
 #define LOOM_MAX_STOP_LEN 256 /* bytes of one stop string */
 #define LOOM_MAX_STOP_IDS 64  /* stop_token_ids in one request */
+#define LOOM_MAX_LOGIT_BIAS 1024 /* logit_bias entries */
+#define LOOM_MAX_ALLOWED_IDS 131072 /* allowed_token_ids */
+#define LOOM_MAX_BAD_WORDS 64 /* bad_words */
 
 #endif

@@ -12,15 +12,13 @@
 #include <stdint.h>
 
 #include "common/model_config.h"
+#include "common/request_limits.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
 #include "coordinator/sched.h"
 #include "loom/v1/api.pb-c.h"
 #include "loom/v1/control.pb-c.h"
 
-#define LOOM_MAX_LOGIT_BIAS 1024
-#define LOOM_MAX_ALLOWED_IDS 131072
-#define LOOM_MAX_BAD_WORDS 64
 
 typedef struct loom_sparams loom_sparams_t;
 struct loom_guide;

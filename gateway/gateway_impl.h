@@ -56,11 +56,11 @@
 #define OVERFLOW_CONNECTIONS 64 /* connections over the limit that still get a 503 */
 #define MAX_REQUEST_ID 128
 #define MAX_STOP_IDS LOOM_MAX_STOP_IDS
-#define MAX_LOGIT_BIAS 1024  /* as the coordinator's LOOM_MAX_LOGIT_BIAS */
-#define MAX_BAD_WORDS 64
-#define MAX_TOP_LOGPROBS 20
-#define MAX_CHOICES 64 /* n x prompts of one request */ /* as kernels/sampling.h LOOM_MAX_TOP_LOGPROBS */
-#define MAX_ALLOWED_IDS 131072
+#define MAX_LOGIT_BIAS LOOM_MAX_LOGIT_BIAS
+#define MAX_BAD_WORDS LOOM_MAX_BAD_WORDS
+#define MAX_TOP_LOGPROBS 20 /* as kernels/sampling.h LOOM_MAX_TOP_LOGPROBS */
+#define MAX_CHOICES 64 /* n x prompts of one request */
+#define MAX_ALLOWED_IDS LOOM_MAX_ALLOWED_IDS
 #define RETRY_AFTER_S "1"
 #define DEFAULT_HEADER_TIMEOUT_S 10 /* headers complete this long after accept (or the last response) */
 #define DEFAULT_BODY_TIMEOUT_S 60   /* the body complete this long after the headers */

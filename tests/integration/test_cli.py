@@ -149,6 +149,14 @@ def test_stop_strings():
         # a stop string split across tokens, and one that never appears
         rc, text2, _, err = c.generate("Once upon a time", 40, extra=["--stop", "ttle gi", "--stop", "zzz"])
         check(rc == 0 and text2.rstrip("\n") == full.split("ttle gi")[0], "split stop: %r" % text2)
+        # as many stop strings as the APIs take (common/request_limits.h: 64), the last one firing
+        many = []
+        for i in range(63):
+            many += ["--stop", "zz%d" % i]
+        rc, text3, _, err = c.generate("Once upon a time", 40, extra=many + ["--stop", "named"])
+        check(rc == 0 and text3 == text, "64 stop strings: rc %d %r %s" % (rc, text3, err))
+        rc, _, _, err = c.generate("Once upon a time", 40, extra=many + ["--stop", "named", "--stop", "x"])
+        check(rc == 2 and "at most 64 --stop" in err, "65 stop strings: rc %d %s" % (rc, err))
 
 
 def test_openblas_core():
