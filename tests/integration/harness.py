@@ -213,7 +213,11 @@ class Cluster:
                "--threads", str(self.threads), "--no-pin", "--timeout", str(int(scaled(self.timeout)))]
         for a in self.worker_args:
             cmd += ["--worker-arg", a]
-        cmd += self.launch_args + ["--"] + self.coord_args
+        coord_args = list(self.coord_args)
+        if SPEED > 1 and not any(a.startswith("--heartbeat-timeout-ms") for a in coord_args):
+            # a loaded machine delays heartbeats as it delays everything else
+            coord_args += ["--heartbeat-timeout-ms", str(int(scaled(1.5) * 1000))]
+        cmd += self.launch_args + ["--"] + coord_args
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(self.timeout) + 30)
         if p.returncode != 0:
             raise Failure("launch.sh failed (%d): %s" % (p.returncode, p.stderr))
