@@ -1727,13 +1727,13 @@ loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const
 loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32_t id) {
     const loom_grammar_vocab_t *v = m->v;
     if (m->terminated || id < 0 || id >= v->n_vocab) return LOOM_ERR_INVALID_ARGUMENT;
-    if (is_eos(v, id)) {
-        if (!(m->cur.flags & F_ACCEPT)) return LOOM_ERR_INVALID_ARGUMENT;
-        m->terminated = 1;
+    if (m->g->n_toks && matcher_token(m, id)) { /* (before EOS: the mask allows it at its element) */
         m->n_accepted++;
         return LOOM_OK;
     }
-    if (m->g->n_toks && matcher_token(m, id)) {
+    if (is_eos(v, id)) {
+        if (!(m->cur.flags & F_ACCEPT)) return LOOM_ERR_INVALID_ARGUMENT;
+        m->terminated = 1;
         m->n_accepted++;
         return LOOM_OK;
     }

@@ -93,22 +93,42 @@ def base_model():
                      "4", "--kv-heads", "2", "--vocab", "512", "--max-pos", "2048", "--seed", "5")
 
 
-def special_marker_model():
-    """The base model with stories260K's tokenizer plus [TOOL_CALLS] as a
-    special token (id 512), as Mistral v0.3's tokenizer has it."""
-    tok_dir = os.path.join(WORK, "tok-special")
+MISTRAL_SPECIAL = ["[TOOL_CALLS]"]
+HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"]
+
+
+def special_marker_model(tag, specials):
+    """The base model with stories260K's tokenizer plus these special tokens
+    (ids 512, 513, ...), as Mistral v0.3's tokenizer has [TOOL_CALLS] and
+    GPT-OSS's the harmony markers."""
+    tok_dir = os.path.join(WORK, "tok-" + tag)
     if not os.path.isdir(tok_dir):
         os.makedirs(tok_dir)
         shutil.copyfile(os.path.join(STORIES, "tokenizer_config.json"), os.path.join(tok_dir, "tokenizer_config.json"))
         with open(os.path.join(STORIES, "tokenizer.json")) as f:
             tok = json.load(f)
-        tok["added_tokens"].append({"id": 512, "content": "[TOOL_CALLS]", "single_word": False, "lstrip": False,
-                                    "rstrip": False, "normalized": False, "special": True})
+        for i, text in enumerate(specials):
+            tok["added_tokens"].append({"id": 512 + i, "content": text, "single_word": False, "lstrip": False,
+                                        "rstrip": False, "normalized": False, "special": True})
         with open(os.path.join(tok_dir, "tokenizer.json"), "w") as f:
             json.dump(tok, f)
-    return gen_model(os.path.join(WORK, "base-special"), "--tokenizer-from", tok_dir, "--dim", "64", "--hidden-dim",
+    return gen_model(os.path.join(WORK, "base-" + tag), "--tokenizer-from", tok_dir, "--dim", "64", "--hidden-dim",
                      "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "520", "--max-pos", "2048",
                      "--seed", "5")
+
+
+def first_token_is(port, text, n=2):
+    """A forced call cut to one token: that token's text is the marker, so
+    it is the special token (stories260K has no ordinary token for it)."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}})[:n]:
+        body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+                "tool_choice": choice, "max_tokens": 1, "temperature": 0.8, "seed": 11}
+        status, data = post(port, "/v1/chat/completions", body, key=None, timeout=120)
+        check(status == 200, "%d %r" % (status, data[:300]))
+        r = json.loads(data)
+        m = r["choices"][0]["message"]
+        check(r["usage"]["completion_tokens"] == 1 and m.get("content") == text and
+              r["choices"][0]["finish_reason"] == "length", "the first token is not %s: %r" % (text, r))
 
 
 def model_with(name, template=None, base=None):
@@ -303,21 +323,12 @@ def test_special_token_marker():
     the marker reaches the parser though special tokens are skipped, so the
     calls parse back, streamed and not."""
     port = free_port()
-    model = model_with("mistral-7b-instruct-v0.3", base=special_marker_model())
+    model = model_with("mistral-7b-instruct-v0.3", base=special_marker_model("mistral", MISTRAL_SPECIAL))
     with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
         wait_for(lambda: "tool calls: mistral," in c.log("coordinator"), 10, "the parser in the log")
         status, data = post(port, "/detokenize", {"tokens": [512]}, key=None)
         check(status == 200 and json.loads(data)["prompt"] == "[TOOL_CALLS]", "detokenize 512: %r" % data[:200])
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
-                    "tool_choice": choice, "max_tokens": 1, "temperature": 0.8, "seed": 11}
-            status, data = post(port, "/v1/chat/completions", body, key=None, timeout=120)
-            check(status == 200, "%d %r" % (status, data[:300]))
-            r = json.loads(data)
-            m = r["choices"][0]["message"]
-            check(r["usage"]["completion_tokens"] == 1 and m.get("content") == "[TOOL_CALLS]" and
-                  r["choices"][0]["finish_reason"] == "length",
-                  "the first token is not the special token: %r" % r)
+        first_token_is(port, "[TOOL_CALLS]")
         # a plain request still leaves special tokens out of the text
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
                 "allowed_token_ids": [512]}
@@ -327,6 +338,18 @@ def test_special_token_marker():
         n = check_forced(port, "mistral")
         print("  [TOOL_CALLS] as a special token: forced calls start with its id (1 token), "
               "%d parsed back" % n)
+    # GPT-OSS: the harmony markers as special tokens, with and without the
+    # openai reasoning parser (which reads them from the text too)
+    model = model_with("gpt-oss-120b", base=special_marker_model("harmony", HARMONY_SPECIAL))
+    for reasoning in ([], ["--reasoning-parser", "openai"]):
+        port = free_port()
+        with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port] + reasoning) as c:
+            wait_for(lambda: "tool calls: openai," in c.log("coordinator"), 10, "the parser in the log")
+            if not reasoning:
+                first_token_is(port, "<|channel|>", 1)
+            n = check_forced(port, "openai")
+            print("  harmony markers as special tokens%s: %d forced calls parsed back" % (
+                " (reasoning parser openai)" if reasoning else "", n))
 
 
 def test_reasoning_parser():
