@@ -294,8 +294,10 @@ static void add_json_literal(js_t *j, int rule, const cJSON *v) {
             js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s",
                     "a control character in an enum or const string "
                     "cannot be written as a Python literal");
-        else
-            loom_gb_alt(j->gb, rule), loom_gb_add_lit(j->gb, rule, b.p, b.len);
+        else {
+            loom_gb_alt(j->gb, rule);
+            loom_gb_add_lit(j->gb, rule, b.p, b.len);
+        }
         free(b.p);
         return;
     }
@@ -349,8 +351,12 @@ static int js_ref(js_t *j, const char *ref) {
             "json schema: $ref '%s' does not resolve (only local '#/...' references are supported)",
             ref);
     /* (a document after the first, as another tool's schema: its own names) */
-    char *name = loom_xmalloc(strlen(ref) + 16);
-    sprintf(name, j->doc_no ? "%s@%d" : "%s", ref, j->doc_no);
+    size_t cap = strlen(ref) + 16;
+    char *name = loom_xmalloc(cap);
+    if (j->doc_no)
+        snprintf(name, cap, "%s@%d", ref, j->doc_no);
+    else
+        snprintf(name, cap, "%s", ref);
     int r = loom_gb_rule_named(j->gb, name, strlen(name));
     free(name);
     j->refs = loom_xrealloc(j->refs, (size_t)(j->n_refs + 1) * sizeof *j->refs);

@@ -103,6 +103,11 @@ static cJSON *call_schema(const cJSON *tool, const char *args_key) {
     cJSON_AddItemToArray(req, cJSON_CreateString("name"));
     cJSON_AddItemToArray(req, cJSON_CreateString(args_key));
     cJSON_AddFalseToObject(o, "additionalProperties");
+    /* the parameters' "#/$defs/..." references resolve from the call object's root */
+    for (const char *const *k = (const char *const[]){"$defs", "definitions", NULL}; *k; k++) {
+        const cJSON *defs = get(get(fn_of(tool), "parameters"), *k);
+        if (defs) cJSON_AddItemToObject(o, *k, cJSON_Duplicate(defs, 1));
+    }
     return o;
 }
 

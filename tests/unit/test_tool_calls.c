@@ -339,6 +339,33 @@ static void test_forced_typed(void) {
         loom_tools_free(&t);
         cJSON_Delete(r);
     }
+    /* two tools' schemas with the same $ref names: each resolves in its own */
+    cJSON *two = cJSON_Parse(
+        "{\"tool_choice\": \"required\", \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", "
+        "\"parameters\": {\"$defs\": {\"c\": {\"type\": \"string\"}}, \"type\": \"object\", \"properties\": "
+        "{\"a\": {\"$ref\": \"#/$defs/c\"}}, \"required\": [\"a\"]}}}, {\"type\": \"function\", \"function\": "
+        "{\"name\": \"g\", \"parameters\": {\"$defs\": {\"c\": {\"type\": \"integer\"}}, \"type\": \"object\", "
+        "\"properties\": {\"a\": {\"$ref\": \"#/$defs/c\"}}, \"required\": [\"a\"]}}}]}");
+    for (loom_toolfmt_t f = LOOM_TOOLFMT_HERMES; f <= LOOM_TOOLFMT_PYTHONIC; f += LOOM_TOOLFMT_PYTHONIC - 1) {
+        loom_tools_t t;
+        const char *param;
+        char msg[256] = "";
+        REQUIRE(loom_tools_parse(two, f, &t, &param, msg, sizeof msg) == 0 && t.schema);
+        loom_grammar_t *g = NULL;
+        loom_err_t err = {0};
+        REQUIRE(loom_grammar_compile(LOOM_GRAMMAR_TOOL_CALLS, t.schema, strlen(t.schema), &g, &err) == LOOM_OK);
+        const char *ok = f == LOOM_TOOLFMT_HERMES
+                             ? "<tool_call>\n{\"name\": \"g\", \"arguments\": {\"a\": 1}}\n</tool_call>"
+                             : "[f(a=\"s\"), g(a=1)]";
+        const char *no = f == LOOM_TOOLFMT_HERMES
+                             ? "<tool_call>\n{\"name\": \"g\", \"arguments\": {\"a\": \"s\"}}\n</tool_call>"
+                             : "[g(a=\"s\")]";
+        CHECKF(loom_grammar_check(g, ok, strlen(ok)) == LOOM_GRAMMAR_MATCH, "%s", ok);
+        CHECKF(loom_grammar_check(g, no, strlen(no)) != LOOM_GRAMMAR_MATCH, "%s", no);
+        loom_grammar_destroy(&g);
+        loom_tools_free(&t);
+    }
+    cJSON_Delete(two);
     /* what a syntax cannot write is a clear error */
     static const struct {
         loom_toolfmt_t f;
