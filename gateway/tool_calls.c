@@ -150,7 +150,7 @@ static const char *const *markers_of(loom_toolfmt_t f) {
 /* The forced output's grammar spec (grammar.h, LOOM_GRAMMAR_TOOL_CALLS):
  * one call (of the named function, or of any tool) or, for "required" with
  * parallel_tool_calls, one or more, in the model's syntax; markers that are
- * special tokens (t->keep_ids) named in special_tokens. */
+ * one token (t->mark_ids) named in special_tokens. */
 static char *forced_schema(const loom_tools_t *t) {
     cJSON *s = cJSON_CreateObject(), *items = cJSON_AddArrayToObject(s, "items");
     const char *args = t->fmt == LOOM_TOOLFMT_LLAMA3_JSON ? "parameters" : "arguments";
@@ -187,10 +187,10 @@ static char *forced_schema(const loom_tools_t *t) {
     cJSON_AddNumberToObject(s, "min", 1);
     /* (GPT-OSS: one call per message, the message ends the turn) */
     cJSON_AddNumberToObject(s, "max", t->parallel && t->mode == LOOM_TOOLS_REQUIRED && !hm ? 0 : 1);
-    if (t->n_keep) {
+    if (t->n_marks) {
         cJSON *sp = cJSON_AddObjectToObject(s, "special_tokens");
-        for (int i = 0; i < t->n_keep; i++)
-            cJSON_AddNumberToObject(sp, t->keep_text[i], t->keep_ids[i]);
+        for (int i = 0; i < t->n_marks; i++)
+            cJSON_AddNumberToObject(sp, t->mark_text[i], t->mark_ids[i]);
     }
     switch (t->fmt) {
     case LOOM_TOOLFMT_OPENAI: /* the prefix is all the markup */
@@ -293,16 +293,26 @@ int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, cons
     return 0;
 }
 
+/* The id of the one token whose text is marker exactly (-1: none). */
+static int32_t marker_token(const loom_tokenizer_t *tok, const char *marker) {
+    int32_t id = loom_tokenizer_token_id(tok, marker);
+    if (id < 0 || loom_tokenizer_is_special(tok, id)) return id;
+    size_t n = 0;
+    const char *b = loom_tokenizer_token_bytes(tok, id, &n);
+    return b && n == strlen(marker) && !memcmp(b, marker, n) ? id : -1;
+}
+
 void loom_tools_set_tokenizer(loom_tools_t *t, const loom_tokenizer_t *tok) {
-    t->n_keep = 0;
+    t->n_marks = t->n_keep = 0;
     if (!tok || t->mode == LOOM_TOOLS_OFF) return;
-    for (const char *const *m = markers_of(t->fmt); *m && t->n_keep < LOOM_TOOLS_MAX_KEEP; m++) {
-        int32_t id = loom_tokenizer_token_id(tok, *m);
-        if (id < 0 || !loom_tokenizer_is_special(tok, id)) continue;
-        t->keep_ids[t->n_keep] = id;
-        t->keep_text[t->n_keep++] = *m;
+    for (const char *const *m = markers_of(t->fmt); *m && t->n_marks < LOOM_TOOLS_MAX_KEEP; m++) {
+        int32_t id = marker_token(tok, *m);
+        if (id < 0) continue;
+        t->mark_ids[t->n_marks] = id;
+        t->mark_text[t->n_marks++] = *m;
+        if (loom_tokenizer_is_special(tok, id)) t->keep_ids[t->n_keep++] = id;
     }
-    if (t->schema && t->n_keep) { /* the forced call takes the tokens themselves */
+    if (t->schema && t->n_marks) { /* the forced call takes the tokens themselves */
         free(t->schema);
         t->schema = forced_schema(t);
     }

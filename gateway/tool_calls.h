@@ -63,10 +63,13 @@ typedef struct loom_tools {
     const char *named;  /* LOOM_TOOLS_NAMED: the function */
     loom_toolfmt_t fmt; /* the model's call syntax */
     char *schema;       /* owned: REQUIRED / NAMED: the forced output's grammar spec (LOOM_GRAMMAR_TOOL_CALLS) */
-    /* the syntax's markers that are special tokens of the model's tokenizer
-     * (loom_tools_set_tokenizer): kept in the output's text for the parser */
+    /* the syntax's markers that are one token of the model's tokenizer
+     * (loom_tools_set_tokenizer): a forced call writes that token */
+    int32_t mark_ids[LOOM_TOOLS_MAX_KEEP];
+    const char *mark_text[LOOM_TOOLS_MAX_KEEP];
+    int n_marks;
+    /* those that are special tokens: kept in the output's text for the parser */
     int32_t keep_ids[LOOM_TOOLS_MAX_KEEP];
-    const char *keep_text[LOOM_TOOLS_MAX_KEEP];
     int n_keep;
 } loom_tools_t;
 
@@ -75,11 +78,12 @@ typedef struct loom_tools {
 int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, const char **param, char *msg,
                      size_t cap);
 void loom_tools_free(loom_tools_t *t);
-/* With the model's tokenizer: the syntax's markers that are special tokens
- * (Mistral's [TOOL_CALLS], harmony's <|channel|>, ...) go to keep_ids, to be
- * written into the text though special tokens are skipped, and a forced
- * call's grammar takes each as its token id, as the model writes it
- * unconstrained, not spelled with ordinary tokens. */
+/* With the model's tokenizer: a forced call's grammar takes each of the
+ * syntax's markers that is one token (a special token, as Mistral's
+ * [TOOL_CALLS] or harmony's <|channel|>, or an added one, as Qwen's
+ * <tool_call>) as that token id, as the model writes it unconstrained, not
+ * spelled with other tokens; the special ones go to keep_ids, to be written
+ * into the text though special tokens are skipped. */
 void loom_tools_set_tokenizer(loom_tools_t *t, const struct loom_tokenizer *tok);
 
 /* Parses output into an OpenAI tool_calls array (ids from

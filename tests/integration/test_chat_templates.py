@@ -95,6 +95,7 @@ def base_model():
 
 MISTRAL_SPECIAL = ["[TOOL_CALLS]"]
 HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"]
+ADDED = ["<tool_call>", "</tool_call>"]  # added tokens that are not special (Qwen's, Hermes')
 
 
 def special_marker_model(tag, specials):
@@ -109,7 +110,7 @@ def special_marker_model(tag, specials):
             tok = json.load(f)
         for i, text in enumerate(specials):
             tok["added_tokens"].append({"id": 512 + i, "content": text, "single_word": False, "lstrip": False,
-                                        "rstrip": False, "normalized": False, "special": True})
+                                        "rstrip": False, "normalized": False, "special": text not in ADDED})
         with open(os.path.join(tok_dir, "tokenizer.json"), "w") as f:
             json.dump(tok, f)
     return gen_model(os.path.join(WORK, "base-" + tag), "--tokenizer-from", tok_dir, "--dim", "64", "--hidden-dim",
@@ -321,7 +322,8 @@ def test_special_token_marker():
     token is that token (one token whose text is the marker: stories260K has
     no ordinary token for it), not the marker spelled with ordinary tokens;
     the marker reaches the parser though special tokens are skipped, so the
-    calls parse back, streamed and not."""
+    calls parse back, streamed and not. The same for Hermes' <tool_call> as
+    an added (not special) token and GPT-OSS's harmony markers."""
     port = free_port()
     model = model_with("mistral-7b-instruct-v0.3", base=special_marker_model("mistral", MISTRAL_SPECIAL))
     with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
@@ -338,6 +340,14 @@ def test_special_token_marker():
         n = check_forced(port, "mistral")
         print("  [TOOL_CALLS] as a special token: forced calls start with its id (1 token), "
               "%d parsed back" % n)
+    # Hermes: <tool_call> an added token that is not special: one token too
+    port = free_port()
+    with Cluster(model_with("hermes-3-llama-3.1-8b", base=special_marker_model("hermes", ADDED)),
+                 coord_args=["--http", "127.0.0.1:%d" % port]) as c:
+        wait_for(lambda: "tool calls: hermes," in c.log("coordinator"), 10, "the parser in the log")
+        first_token_is(port, "<tool_call>")
+        n = check_forced(port, "hermes")
+        print("  <tool_call> as an added token: forced calls start with its id, %d parsed back" % n)
     # GPT-OSS: the harmony markers as special tokens, with and without the
     # openai reasoning parser (which reads them from the text too)
     model = model_with("gpt-oss-120b", base=special_marker_model("harmony", HARMONY_SPECIAL))

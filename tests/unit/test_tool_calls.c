@@ -402,9 +402,10 @@ static void test_forced_typed(void) {
     }
 }
 
-/* With a tokenizer that has [TOOL_CALLS] as a special token (stories260K's
- * plus that token): the marker's id is kept in the text, and the forced
- * grammar names it, so the matcher allows exactly that id first. */
+/* With a tokenizer that has [TOOL_CALLS] as a special token and <tool_call>
+ * as an added ordinary one (stories260K's plus those): a forced call's
+ * grammar names each marker's id, so the matcher allows exactly that id
+ * first; the special one is kept in the text. */
 static void test_special_marker(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/stories260K/tokenizer.json", test_models_dir());
@@ -420,6 +421,11 @@ static void test_special_marker(void) {
     cJSON_AddStringToObject(tk, "content", "[TOOL_CALLS]");
     cJSON_AddBoolToObject(tk, "special", 1);
     cJSON_AddItemToArray(added, tk);
+    tk = cJSON_CreateObject();
+    cJSON_AddNumberToObject(tk, "id", 513);
+    cJSON_AddStringToObject(tk, "content", "<tool_call>");
+    cJSON_AddBoolToObject(tk, "special", 0);
+    cJSON_AddItemToArray(added, tk);
     char *json = cJSON_PrintUnformatted(doc);
     cJSON_Delete(doc);
     loom_tokenizer_t *tok = NULL;
@@ -428,7 +434,13 @@ static void test_special_marker(void) {
     static const struct {
         loom_toolfmt_t f;
         int keeps;
-    } fmts[] = {{LOOM_TOOLFMT_MISTRAL, 1}, {LOOM_TOOLFMT_HERMES, 0}};
+        int32_t first;
+        const char *spec, *out;
+    } fmts[] = {{LOOM_TOOLFMT_MISTRAL, 1, 512, "\"special_tokens\":{\"[TOOL_CALLS]\":512}",
+                 "[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]"},
+                {LOOM_TOOLFMT_HERMES, 0, 513, "\"special_tokens\":{\"<tool_call>\":513}",
+                 "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>"},
+                {LOOM_TOOLFMT_LLAMA3_JSON, 0, -1, NULL, "{\"name\": \"now\", \"parameters\": {}}"}};
     for (size_t k = 0; k < sizeof fmts / sizeof fmts[0]; k++) {
         cJSON *r = req(", \"tool_choice\": \"required\"");
         loom_tools_t t;
@@ -438,8 +450,9 @@ static void test_special_marker(void) {
         loom_tools_set_tokenizer(&t, tok);
         CHECKF(t.n_keep == fmts[k].keeps && (!t.n_keep || t.keep_ids[0] == 512), "%s: %d kept",
                loom_toolfmt_name(fmts[k].f), t.n_keep);
-        CHECK(!t.n_keep == !strstr(t.schema, "\"special_tokens\":{\"[TOOL_CALLS]\":512}"));
-        if (t.n_keep) {
+        CHECKF(fmts[k].spec ? strstr(t.schema, fmts[k].spec) != NULL : !strstr(t.schema, "special_tokens"), "%s",
+               t.schema);
+        if (fmts[k].first >= 0) {
             loom_grammar_t *g = NULL;
             loom_grammar_vocab_t *v = NULL;
             loom_grammar_matcher_t *m = NULL;
@@ -452,12 +465,12 @@ static void test_special_marker(void) {
             int n_set = 0;
             for (size_t w = 0; w < loom_grammar_mask_words(v); w++)
                 n_set += __builtin_popcount(mask[w]);
-            CHECKF(n_set == 1 && (mask[512 / 32] >> (512 % 32) & 1), "%d tokens allowed first",
-                   n_set);
-            CHECK(loom_grammar_matcher_accept_token(m, 512) == LOOM_OK);
+            int32_t first = fmts[k].first;
+            CHECKF(n_set == 1 && (mask[first / 32] >> (first % 32) & 1), "%d tokens allowed first", n_set);
+            CHECK(loom_grammar_matcher_accept_token(m, first) == LOOM_OK);
             free(mask);
             /* the text the coordinator sends (the marker kept) parses back */
-            const char *out = "[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]";
+            const char *out = fmts[k].out;
             CHECK(loom_grammar_check(g, out, strlen(out)) == LOOM_GRAMMAR_MATCH);
             char *rest = NULL;
             cJSON *c = loom_tools_parse_output(&t, out, strlen(out), 3, &rest);
