@@ -64,7 +64,7 @@
 
 #define MAX_STOP LOOM_MAX_STOP
 #define MAX_STOP_IDS LOOM_MAX_STOP_IDS
-#define MAX_KEEP_IDS      16 /* keep_special_ids */
+#define MAX_KEEP_IDS 16 /* keep_special_ids */
 #define MAX_TAG 128
 #define MAX_STOP_LEN LOOM_MAX_STOP_LEN
 #define RATE_WINDOW 8 /* seconds of tokens/s history */

@@ -112,8 +112,8 @@ static cJSON *call_schema(const cJSON *tool, const char *args_key) {
 }
 
 /* The markers each syntax's parser reads (and its forced grammar writes):
- * where the tokenizer has one as a special token, the grammar takes that
- * token and the coordinator writes it into the text. */
+ * where the tokenizer has one as one token, the grammar takes that token,
+ * and when it is a special token the coordinator writes it into the text. */
 static const char *const *markers_of(loom_toolfmt_t f) {
     static const char *const hermes[] = {"<tool_call>", "</tool_call>", NULL};
     static const char *const llama3[] = {"<|python_tag|>", NULL};
