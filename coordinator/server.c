@@ -1122,7 +1122,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     for (size_t i = 0; i < g->n_stop_token_ids; i++) q->stop_ids[q->n_stop_ids++] = g->stop_token_ids[i];
     for (size_t i = 0; i < g->n_stop; i++) q->stop[q->n_stop++] = loom_xstrdup(g->stop[i]);
     loom_detok_init(&q->detok, s->tok, !g->keep_special, 0);
-    memcpy(q->keep_ids, g->keep_special_ids, g->n_keep_special_ids * sizeof *q->keep_ids);
+    if (g->n_keep_special_ids) memcpy(q->keep_ids, g->keep_special_ids, g->n_keep_special_ids * sizeof *q->keep_ids);
     loom_detok_keep(&q->detok, q->keep_ids, (int)g->n_keep_special_ids);
     loom_sampling_t samp = {.temperature = temp, .top_k = top_k, .top_p = top_p == 0.0f ? 1.0f : top_p,
                             .seed = sp && sp->has_seed ? sp->seed : next_seed(s)};
