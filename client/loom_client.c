@@ -588,6 +588,8 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.gateway_tokenize_ns = p->gateway_tokenize_ns;
     g.priority = p->priority;
     g.keep_special = p->keep_special != 0;
+    g.n_keep_special_ids = p->n_keep_special_ids > 0 ? (size_t)p->n_keep_special_ids : 0;
+    g.keep_special_ids = (int32_t *)p->keep_special_ids;
     g.raw_prompt = p->raw_prompt != 0;
     g.tag = (char *)(p->tag ? p->tag : "");
     g.session = (char *)(p->session ? p->session : "");

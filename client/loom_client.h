@@ -46,6 +46,9 @@ typedef struct loom_gen_params {
     int ignore_eos;
     int priority;
     int keep_special;           /* keep special tokens in the text */
+    /* special tokens kept in the text even so (a tool-call parser's markers), at most 16 */
+    const int32_t *keep_special_ids;
+    int n_keep_special_ids;
     int raw_prompt;             /* prompt already formatted (chat template): parse special tokens, no BOS */
     const char *model;          /* NULL: the served model */
     const char *tag;            /* the caller's id for the coordinator's log lines (NULL: none) */

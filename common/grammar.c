@@ -12,6 +12,14 @@
  * parent UNKNOWN is used when classifying tokens from a stack top whose lower
  * frames are not known (ESC: the bottom rule ended, what follows is context).
  *
+ * Special tokens. A token element (K_TOK) stands for one vocabulary id,
+ * which the matcher takes only there: no byte matches it, so a byte-spelled
+ * alternative of its text is never allowed, and a stack whose top is at it
+ * allows exactly that id in the mask (it never reaches the mask cache).
+ * Checking decoded text (loom_grammar_check, where the token was written
+ * out) reads the element as a reference to a rule of its text instead
+ * (lg_walk_t.text_mode).
+ *
  * Invariants (established by loom_gb_finish): no left recursion, so closure
  * terminates; every alternative kept can complete, so a live state can
  * always reach ACCEPT. */
@@ -27,6 +35,7 @@
 /* ------------------------------------------------------------------------ */
 /* Elements                                                                 */
 
+#define K_TOK      0u /* a special token: value indexes the grammar's token table */
 #define K_SET      1u
 #define K_REF      2u
 #define K_END      3u
@@ -52,6 +61,11 @@ typedef struct {
 } gb_alt_t;
 
 typedef struct {
+    int32_t id; /* vocabulary id */
+    int rule;   /* a rule matching its text (for checks of decoded text) */
+} gb_tok_t;
+
+typedef struct {
     char *name;
     gb_alt_t *alts;
     int n_alts, cap_alts;
@@ -69,6 +83,8 @@ struct loom_gb {
     int over;                   /* past a bound: nothing more is added */
     loom_gb_set_t *sets;
     int n_sets, cap_sets;
+    gb_tok_t *toks; /* the special tokens K_TOK elements index */
+    int n_toks, cap_toks;
 };
 
 /* The bounds of the compilation running on this thread (set by
@@ -106,6 +122,7 @@ void loom_gb_destroy(loom_gb_t **gb_p) {
     free(gb->rules);
     free(gb->by_name);
     free(gb->sets);
+    free(gb->toks);
     free(gb);
     *gb_p = NULL;
 }
@@ -240,6 +257,22 @@ void loom_gb_add_lit(loom_gb_t *gb, int rule, const char *s, size_t n) {
 }
 void loom_gb_add_ref(loom_gb_t *gb, int rule, int ref) {
     gb_push(gb, rule, EL(K_REF, ref));
+}
+void loom_gb_add_token(loom_gb_t *gb, int rule, int32_t id, const char *text, size_t n) {
+    int k = 0;
+    while (k < gb->n_toks && gb->toks[k].id != id)
+        k++;
+    if (k == gb->n_toks) {
+        if (gb->n_toks == gb->cap_toks) {
+            gb->cap_toks = gb->cap_toks ? gb->cap_toks * 2 : 4;
+            gb->toks = loom_xrealloc(gb->toks, (size_t)gb->cap_toks * sizeof *gb->toks);
+        }
+        gb->toks[k].id = id;
+        gb->toks[k].rule = loom_gb_lit_rule(gb, text, n);
+        gb->n_toks++;
+    }
+    if (gb->rules[rule].n_alts == 0) loom_gb_alt(gb, rule);
+    gb_push(gb, rule, EL(K_TOK, k));
 }
 
 /* Adds to rule r each alternative of x followed by a reference to tail;
@@ -465,6 +498,7 @@ typedef struct {
     int n_fpool, cap_fpool;
     lg_node_t *fscr; /* an encoding being built */
     int cap_fscr;
+    int text_mode; /* token elements match their text (checks of decoded text) */
 } lg_walk_t;
 
 struct loom_grammar {
@@ -480,6 +514,8 @@ struct loom_grammar {
     int32_t *elem_rule;
     loom_gb_set_t *follow; /* bytes that may follow each rule */
     int root;
+    gb_tok_t *toks; /* K_TOK elements' ids and text rules */
+    int n_toks;
     /* mask cache, for one vocabulary */
     const loom_grammar_vocab_t *cv;
     mask_entry_t **tab;
@@ -642,7 +678,13 @@ static int closure(const loom_grammar_t *g, lg_arena_t *a, lg_walk_t *w, lg_set_
         ivec_push(&w->visited, id);
         if (!w->seen_on && w->visited.n >= SEEN_LINEAR) seen_start(w, a);
         uint32_t e = g->elems[pos];
-        switch (EL_KIND(e)) {
+        int kind = (int)EL_KIND(e);
+        if (kind == K_TOK && w->text_mode) { /* the token written out: its text */
+            kind = K_REF;
+            e = EL(K_REF, g->toks[EL_VAL(e)].rule);
+        }
+        switch (kind) {
+        case K_TOK:
         case K_SET:
             set_push(out, id);
             break;
@@ -675,12 +717,27 @@ static int advance(const loom_grammar_t *g, lg_arena_t *a, lg_walk_t *w, const l
     w->work.n = 0;
     for (int i = 0; i < in->n; i++) {
         const lg_node_t *nd = &a->v[in->top[i]];
-        const loom_gb_set_t *s = &g->sets[EL_VAL(g->elems[nd->pos])];
-        if (loom_gb_set_has(s, c)) {
+        uint32_t e = g->elems[nd->pos];
+        if (EL_KIND(e) == K_SET && loom_gb_set_has(&g->sets[EL_VAL(e)], c)) {
             uint32_t pos = nd->pos + 1;
             int32_t parent = nd->parent;
             ivec_push(&w->work, node_new(a, pos, parent));
         }
+    }
+    return closure(g, a, w, out);
+}
+
+/* out = the state after special token id from in (the stacks at its element). */
+static int advance_token(const loom_grammar_t *g, lg_arena_t *a, lg_walk_t *w, const lg_set_t *in,
+                         int32_t id, lg_set_t *out) {
+    out->n = 0;
+    out->flags = 0;
+    w->work.n = 0;
+    for (int i = 0; i < in->n; i++) {
+        const lg_node_t *nd = &a->v[in->top[i]];
+        uint32_t e = g->elems[nd->pos];
+        if (EL_KIND(e) == K_TOK && g->toks[EL_VAL(e)].id == id)
+            ivec_push(&w->work, node_new(a, nd->pos + 1, nd->parent));
     }
     return closure(g, a, w, out);
 }
@@ -834,7 +891,9 @@ static void nullable_productive(const loom_gb_t *gb, uint8_t *nullable, uint8_t 
             need_nul[k] = need_prod[k] = 0;
             for (int i = 0; i < A->n; i++) {
                 uint32_t e = A->e[i];
-                if (EL_KIND(e) == K_SET) {
+                if (EL_KIND(e) == K_TOK) {
+                    need_nul[k] = -1;
+                } else if (EL_KIND(e) == K_SET) {
                     need_nul[k] = -1;
                     if (set_empty(&gb->sets[EL_VAL(e)])) need_prod[k] = -1;
                 } else {
@@ -947,7 +1006,9 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
             int prod = 1;
             for (int i = 0; i < R->alts[a].n; i++) {
                 uint32_t e = R->alts[a].e[i];
-                if (EL_KIND(e) == K_SET ? set_empty(&gb->sets[EL_VAL(e)]) : !productive[EL_VAL(e)])
+                if (EL_KIND(e) == K_SET   ? set_empty(&gb->sets[EL_VAL(e)])
+                    : EL_KIND(e) == K_REF ? !productive[EL_VAL(e)]
+                                          : 0)
                     prod = 0;
             }
             if (!prod) continue;
@@ -965,6 +1026,9 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
     g->n_sets = gb->n_sets;
     g->sets = loom_xcalloc((size_t)gb->n_sets + 1, sizeof *g->sets);
     if (gb->n_sets) memcpy(g->sets, gb->sets, (size_t)gb->n_sets * sizeof *g->sets);
+    g->n_toks = gb->n_toks;
+    g->toks = loom_xmalloc(((size_t)gb->n_toks + 1) * sizeof *g->toks);
+    if (gb->n_toks) memcpy(g->toks, gb->toks, (size_t)gb->n_toks * sizeof *g->toks);
     /* FIRST and FOLLOW sets over bytes: the byte sets each gets directly,
      * then propagated along edges by a worklist (first: from a rule in an
      * alternative's nullable prefix to the alternative's rule; follow: from
@@ -980,6 +1044,7 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
                     set_or(&first[r], &g->sets[EL_VAL(e)]);
                     break;
                 }
+                if (EL_KIND(e) == K_TOK) break; /* no byte comes first: the token is taken by id */
                 edge_add(&ed, (int)EL_VAL(e), r);
                 if (!nullable[EL_VAL(e)]) break;
             }
@@ -993,6 +1058,7 @@ loom_status_t loom_gb_finish(loom_gb_t **gb_p, int root, loom_grammar_t **out, l
                 int q = p + 1;
                 for (; EL_KIND(g->elems[q]) != K_END; q++) {
                     uint32_t e = g->elems[q];
+                    if (EL_KIND(e) == K_TOK) break; /* no byte follows x here */
                     set_or(&g->follow[x], EL_KIND(e) == K_SET ? &g->sets[EL_VAL(e)] : &first[EL_VAL(e)]);
                     if (EL_KIND(e) == K_SET || !nullable[EL_VAL(e)]) break;
                 }
@@ -1047,6 +1113,7 @@ void loom_grammar_destroy(loom_grammar_t **g_p) {
     free(g->sets);
     free(g->elem_rule);
     free(g->follow);
+    free(g->toks);
     free(g->parena.v);
     walk_free(&g->pwalk);
     free(g);
@@ -1059,6 +1126,7 @@ size_t loom_grammar_bytes(const loom_grammar_t *g) {
     b += ((size_t)g->n_elems + 1) * (sizeof *g->elems + sizeof *g->elem_rule);
     b += (n + 1) * sizeof *g->rule_alt0 + ((size_t)g->rule_alt0[n] + 1) * sizeof *g->alt_pos;
     b += ((size_t)g->n_sets + 1) * sizeof *g->sets + n * sizeof *g->follow;
+    b += ((size_t)g->n_toks + 1) * sizeof *g->toks;
     b += (size_t)g->tab_cap * sizeof *g->tab; /* the mask cache, as it has grown so far */
     for (uint32_t i = 0; i < g->tab_cap; i++)
         if (g->tab[i])
@@ -1076,6 +1144,7 @@ int loom_grammar_check(const loom_grammar_t *g, const char *s, size_t n) {
     lg_walk_t w = {0};
     lg_set_t x = {0}, y = {0};
     int res = LOOM_GRAMMAR_REJECT;
+    w.text_mode = 1;
     if (initial_state(g, &a, &w, &x) < 0) goto done;
     for (size_t i = 0; i < n; i++) {
         if (advance(g, &a, &w, &x, (unsigned char)s[i], &y) < 0) goto done;
@@ -1632,6 +1701,23 @@ static int matcher_bytes(loom_grammar_matcher_t *m, const unsigned char *s, size
     return 1;
 }
 
+/* Advances over a special token where some stack's top is its element;
+ * 0 (nothing changed) where none is. */
+static int matcher_token(loom_grammar_matcher_t *m, int32_t id) {
+    lg_set_t y = {0};
+    int ok = advance_token(m->g, &m->arena, &m->walk, &m->cur, id, &y) == 0 &&
+             (y.n > 0 || (y.flags & F_ACCEPT));
+    if (ok) {
+        set_copy(&m->cur, &y);
+        m->live_n = m->arena.n;
+        if (m->arena.n > m->compact_at) compact(m);
+    } else {
+        m->arena.n = m->live_n;
+    }
+    free(y.top);
+    return ok;
+}
+
 loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const char *s,
                                                 size_t n) {
     if (m->terminated) return LOOM_ERR_INVALID_ARGUMENT;
@@ -1641,6 +1727,10 @@ loom_status_t loom_grammar_matcher_accept_bytes(loom_grammar_matcher_t *m, const
 loom_status_t loom_grammar_matcher_accept_token(loom_grammar_matcher_t *m, int32_t id) {
     const loom_grammar_vocab_t *v = m->v;
     if (m->terminated || id < 0 || id >= v->n_vocab) return LOOM_ERR_INVALID_ARGUMENT;
+    if (m->g->n_toks && matcher_token(m, id)) { /* (before EOS: the mask allows it at its element) */
+        m->n_accepted++;
+        return LOOM_OK;
+    }
     if (is_eos(v, id)) {
         if (!(m->cur.flags & F_ACCEPT)) return LOOM_ERR_INVALID_ARGUMENT;
         m->terminated = 1;
@@ -1704,6 +1794,7 @@ void loom_grammar_matcher_fill_mask(loom_grammar_matcher_t *m, uint32_t *mask) {
     int wrote = 0; /* mask holds something */
     for (int i = 0; i < m->cur.n; i++) {
         int32_t top = m->cur.top[i];
+        if (EL_KIND(m->g->elems[m->arena.v[top].pos]) == K_TOK) continue; /* below */
         mask_entry_t *e = cache_get(m->g, v, &m->arena, top, &m->res, &m->res_cap);
         if (e->rej_mode) {
             uint32_t *dst = wrote ? m->tmp_mask : mask;
@@ -1738,6 +1829,12 @@ void loom_grammar_matcher_fill_mask(loom_grammar_matcher_t *m, uint32_t *mask) {
         }
     }
     if (m->cur.flags & F_ACCEPT) mask_set_ids(mask, v->eos, v->n_eos);
+    /* a special token's element allows its id alone */
+    for (int i = 0; m->g->n_toks && i < m->cur.n; i++) {
+        uint32_t e = m->g->elems[m->arena.v[m->cur.top[i]].pos];
+        int32_t id = EL_KIND(e) == K_TOK ? m->g->toks[EL_VAL(e)].id : -1;
+        if (id >= 0 && id < v->n_vocab) mask[id >> 5] |= 1u << (id & 31);
+    }
 }
 
 /* ------------------------------------------------------------------------ */

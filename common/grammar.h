@@ -69,10 +69,16 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
                                           loom_err_t *err);
 loom_status_t loom_grammar_compile_ebnf(const char *text, size_t len, loom_grammar_t **out,
                                         loom_err_t *err);
-/* Tool calls wrapped in a model's markup: {"begin", "end", "item_begin",
- * "item_end", "sep", "min", "max", "items": [call object schemas],
- * "prefixes": [per-item literals]} gives begin item (sep item)* end,
- * item = item_begin prefix_i schema_i item_end. */
+/* Tool calls wrapped in a model's markup (tool_grammar.c): {"begin", "end",
+ * "item_begin", "item_end", "sep", "min", "max", "items": [...],
+ * "prefixes": [per-item literals], "syntax", "special_tokens"} gives
+ * begin item (sep item)* end, item = item_begin call_i item_end. syntax
+ * "json" (default): call_i = prefix_i + items[i], a call object's schema;
+ * "pythonic" / "qwen3_coder": items[i] = {"name", "parameters"} written as
+ * NAME(KEY=value, ...) with Python literals, or as Qwen3-Coder's
+ * <function=NAME> block of <parameter=KEY> values. special_tokens
+ * {"TEXT": id}: TEXT in the markup is that special token, matched by its id
+ * alone (loom_grammar_check, over decoded text, reads it as TEXT). */
 loom_status_t loom_grammar_compile_tool_calls(const char *spec, size_t len, loom_grammar_t **out,
                                               loom_err_t *err);
 /* Grammars are reference counted: _ref adds a holder, _destroy drops one
@@ -88,7 +94,8 @@ int loom_grammar_check(const loom_grammar_t *g, const char *s, size_t n);
 
 /* ---- Vocabulary: the decoded bytes of every token, sorted. Special tokens
  * and tokens with no bytes are never allowed, except the end tokens (EOS),
- * which are allowed exactly where the grammar accepts. */
+ * which are allowed exactly where the grammar accepts, and a grammar's own
+ * special tokens, allowed exactly at their elements. */
 loom_status_t loom_grammar_vocab_create(const struct loom_tokenizer *tok,
                                         loom_grammar_vocab_t **out, loom_err_t *err);
 /* From explicit byte strings (tests; NULL or length 0 = never allowed). */

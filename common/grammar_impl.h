@@ -32,6 +32,10 @@ void loom_gb_add_set(loom_gb_t *gb, int rule, const loom_gb_set_t *set);
 void loom_gb_add_byte(loom_gb_t *gb, int rule, uint8_t c);
 void loom_gb_add_lit(loom_gb_t *gb, int rule, const char *s, size_t n);
 void loom_gb_add_ref(loom_gb_t *gb, int rule, int ref);
+/* A special token: vocabulary id `id` and nothing else matches here (not
+ * its text spelled by other tokens); a check of decoded text, where the
+ * token was written out, reads text[0..n) in its place. */
+void loom_gb_add_token(loom_gb_t *gb, int rule, int32_t id, const char *text, size_t n);
 /* Derived rules: R ::= x R | "" ; R ::= x x* ; R ::= x | "" ; x{min,max} (max -1 = unbounded). */
 int loom_gb_star(loom_gb_t *gb, int x);
 int loom_gb_plus(loom_gb_t *gb, int x);
@@ -63,5 +67,32 @@ loom_status_t loom_regex_to_rule(loom_gb_t *gb, const char *re, size_t len, int 
 /* A character class [...] at s[*i] (just after the '['); *i moves past ']'. */
 loom_status_t loom_regex_class(loom_gb_t *gb, const char *s, size_t n, size_t *i, int *rule,
                                loom_err_t *err);
+
+/* ---- JSON Schema values inside other markup (json_schema.c; the tool-call
+ * grammars of tool_grammar.c build on it). Values are written as JSON, or
+ * as Python literals (True/False/None, double-quoted strings with only the
+ * escapes \" \\ \n \r \t); no_lt keeps '<' out of strings (markup that '<'
+ * would end). Errors stick: after one, every call returns -1 and
+ * loom_js_status() gives it (the message in the err given at creation). */
+struct cJSON;
+typedef enum { LOOM_JS_JSON = 0, LOOM_JS_PYTHON = 1 } loom_js_syntax_t;
+typedef struct loom_js loom_js_t;
+loom_js_t *loom_js_create(loom_gb_t *gb, loom_js_syntax_t syntax, int no_lt, loom_err_t *err);
+void loom_js_destroy(loom_js_t **j_p); /* the builder stays the caller's */
+loom_status_t loom_js_status(const loom_js_t *j);
+/* Records an error (fmt has one %s, arg); returns -1. */
+int loom_js_fail(loom_js_t *j, loom_status_t code, const char *fmt, const char *arg);
+/* The rule of a value valid against schema; $refs resolve inside doc. */
+int loom_js_schema(loom_js_t *j, const struct cJSON *doc, const struct cJSON *schema);
+/* The members of object schema doc in another syntax: each pair pre KEY
+ * mid VALUE post, sep between two, the properties in order, the required
+ * ones always and the others maybe (no further keys). */
+typedef struct loom_js_members {
+    const char *pre, *mid, *post, *sep;
+    /* the value's rule for property key (NULL: loom_js_schema) */
+    int (*value)(loom_js_t *j, const char *key, const struct cJSON *schema, void *ctx);
+    void *ctx;
+} loom_js_members_t;
+int loom_js_members(loom_js_t *j, const struct cJSON *doc, const loom_js_members_t *style);
 
 #endif

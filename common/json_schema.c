@@ -23,7 +23,7 @@ typedef struct {
     int rule;
 } ref_rule_t;
 
-typedef struct {
+typedef struct loom_js {
     loom_gb_t *gb;
     const cJSON *doc;
     loom_err_t *err;
@@ -32,7 +32,12 @@ typedef struct {
     int ws, value, string, number, integer, object_any, array_any, member_any;
     ref_rule_t *refs;
     int n_refs;
+    loom_js_syntax_t syntax; /* JSON, or Python literals (pythonic tool calls) */
+    int no_lt;               /* strings never hold '<' (values inside markup that '<' would end) */
+    int doc_no;              /* documents seen before doc (several tools' schemas in one grammar) */
 } js_t;
+
+#define PY(j) ((j)->syntax == LOOM_JS_PYTHON)
 
 static const char *const KNOWN[] = {
     "type",        "properties", "required",      "additionalProperties",
@@ -82,17 +87,20 @@ static int rule_json_char(js_t *j) {
     loom_gb_set_range(&ok, 0x20, 0x7F);
     ok.b['"' >> 3] = (uint8_t)(ok.b['"' >> 3] & ~(1u << ('"' & 7)));
     ok.b['\\' >> 3] = (uint8_t)(ok.b['\\' >> 3] & ~(1u << ('\\' & 7)));
+    if (j->no_lt) ok.b['<' >> 3] = (uint8_t)(ok.b['<' >> 3] & ~(1u << ('<' & 7)));
     int ch = loom_gb_utf8_char(j->gb, &ok);
     int r = loom_gb_rule(j->gb, NULL);
     loom_gb_alt(j->gb, r);
     loom_gb_add_ref(j->gb, r, ch);
     loom_gb_set_t esc = {{0}};
-    const char *e = "\"\\/bfnrt";
+    /* Python: only the escapes a pythonic reader turns back into the same character */
+    const char *e = PY(j) ? "\"\\nrt" : "\"\\/bfnrt";
     for (; *e; e++)
         loom_gb_set_add(&esc, (unsigned char)*e);
     loom_gb_alt(j->gb, r);
     loom_gb_add_byte(j->gb, r, '\\');
     loom_gb_add_set(j->gb, r, &esc);
+    if (PY(j)) return r;
     loom_gb_set_t hex = {{0}};
     loom_gb_set_range(&hex, '0', '9');
     loom_gb_set_range(&hex, 'a', 'f');
@@ -214,7 +222,8 @@ static int rule_any_value(js_t *j) {
         loom_gb_alt(j->gb, v);
         loom_gb_add_ref(j->gb, v, parts[k]);
     }
-    const char *lits[] = {"true", "false", "null"};
+    const char *json_lits[] = {"true", "false", "null"}, *py_lits[] = {"True", "False", "None"};
+    const char **lits = PY(j) ? py_lits : json_lits;
     for (int k = 0; k < 3; k++) {
         loom_gb_alt(j->gb, v);
         loom_gb_add_lit(j->gb, v, lits[k], strlen(lits[k]));
@@ -222,8 +231,76 @@ static int rule_any_value(js_t *j) {
     return v;
 }
 
+/* A string as a Python literal in double quotes, with the escapes a
+ * pythonic reader turns back (-1: a control character it cannot write). */
+static int py_quote(loom_sbuf_t *b, const char *s) {
+    loom_sbuf_add(b, "\"", 1);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        char esc = *p == '"' || *p == '\\' ? (char)*p
+                   : *p == '\n'            ? 'n'
+                   : *p == '\r'            ? 'r'
+                   : *p == '\t'            ? 't'
+                                           : 0;
+        if (esc) {
+            loom_sbuf_add(b, "\\", 1);
+            loom_sbuf_add(b, &esc, 1);
+        } else if (*p < 0x20) {
+            return -1;
+        } else {
+            loom_sbuf_add(b, p, 1);
+        }
+    }
+    loom_sbuf_add(b, "\"", 1);
+    return 0;
+}
+
+/* A JSON value written as a Python literal (True/False/None, dicts, lists). */
+static int py_literal(loom_sbuf_t *b, const cJSON *v) {
+    if (cJSON_IsTrue(v))
+        loom_sbuf_str(b, "True");
+    else if (cJSON_IsFalse(v))
+        loom_sbuf_str(b, "False");
+    else if (cJSON_IsNull(v))
+        loom_sbuf_str(b, "None");
+    else if (cJSON_IsString(v))
+        return py_quote(b, v->valuestring);
+    else if (cJSON_IsArray(v) || cJSON_IsObject(v)) {
+        loom_sbuf_add(b, cJSON_IsArray(v) ? "[" : "{", 1);
+        const cJSON *x;
+        cJSON_ArrayForEach(x, v) {
+            if (x != v->child) loom_sbuf_str(b, ", ");
+            if (cJSON_IsObject(v)) {
+                if (py_quote(b, x->string) < 0) return -1;
+                loom_sbuf_str(b, ": ");
+            }
+            if (py_literal(b, x) < 0) return -1;
+        }
+        loom_sbuf_add(b, cJSON_IsArray(v) ? "]" : "}", 1);
+    } else {
+        char *s = cJSON_PrintUnformatted(v); /* a number: JSON's form is Python's too */
+        if (!s) return -1;
+        loom_sbuf_str(b, s);
+        free(s);
+    }
+    return 0;
+}
+
 /* A literal JSON value (enum/const member), compact. */
 static void add_json_literal(js_t *j, int rule, const cJSON *v) {
+    if (PY(j)) {
+        loom_sbuf_t b = {0};
+        loom_sbuf_add(&b, "", 0);
+        if (py_literal(&b, v) < 0)
+            js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s",
+                    "a control character in an enum or const string "
+                    "cannot be written as a Python literal");
+        else {
+            loom_gb_alt(j->gb, rule);
+            loom_gb_add_lit(j->gb, rule, b.p, b.len);
+        }
+        free(b.p);
+        return;
+    }
     char *s = cJSON_PrintUnformatted(v);
     if (!s) {
         js_fail(j, LOOM_ERR_NOMEM, "json schema: %s", "out of memory");
@@ -273,7 +350,15 @@ static int js_ref(js_t *j, const char *ref) {
             j, LOOM_ERR_INVALID_ARGUMENT,
             "json schema: $ref '%s' does not resolve (only local '#/...' references are supported)",
             ref);
-    int r = loom_gb_rule_named(j->gb, ref, strlen(ref));
+    /* (a document after the first, as another tool's schema: its own names) */
+    size_t cap = strlen(ref) + 16;
+    char *name = loom_xmalloc(cap);
+    if (j->doc_no)
+        snprintf(name, cap, "%s@%d", ref, j->doc_no);
+    else
+        snprintf(name, cap, "%s", ref);
+    int r = loom_gb_rule_named(j->gb, name, strlen(name));
+    free(name);
     j->refs = loom_xrealloc(j->refs, (size_t)(j->n_refs + 1) * sizeof *j->refs);
     j->refs[j->n_refs].ref = loom_xstrdup(ref);
     j->refs[j->n_refs++].rule = r;
@@ -299,6 +384,18 @@ static int get_count(js_t *j, const cJSON *s, const char *key, int dflt) {
 }
 
 static void json_escape_lit(js_t *j, int rule, const char *name) {
+    if (PY(j)) { /* a dict key */
+        loom_sbuf_t b = {0};
+        loom_sbuf_add(&b, "", 0);
+        if (py_quote(&b, name) < 0)
+            js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s",
+                    "a control character in a property name "
+                    "cannot be written as a Python literal");
+        else
+            loom_gb_add_lit(j->gb, rule, b.p, b.len);
+        free(b.p);
+        return;
+    }
     loom_gb_add_byte(j->gb, rule, '"');
     for (const unsigned char *p = (const unsigned char *)name; *p; p++) {
         if (*p == '"' || *p == '\\') {
@@ -315,28 +412,80 @@ static void json_escape_lit(js_t *j, int rule, const char *name) {
     loom_gb_add_byte(j->gb, rule, '"');
 }
 
-static int js_object(js_t *j, const cJSON *s) {
-    const cJSON *props = cJSON_GetObjectItemCaseSensitive(s, "properties");
-    const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
-    const cJSON *addl = cJSON_GetObjectItemCaseSensitive(s, "additionalProperties");
-    if (props && !cJSON_IsObject(props))
+/* The members of an object: the pairs in order, the required ones always,
+ * the others maybe left out, then any number of further pairs (ap; -1:
+ * none), sep between two. */
+static int members_rule(js_t *j, const int *pair, const int *required, int n, int ap, int sep) {
+    /* S_i: pairs i.. after one was written; F_i: none written yet */
+    int S = loom_gb_rule(j->gb, NULL), F = loom_gb_rule(j->gb, NULL);
+    loom_gb_alt(j->gb, S);
+    loom_gb_alt(j->gb, F);
+    if (ap >= 0) {
+        loom_gb_alt(j->gb, S);
+        loom_gb_add_ref(j->gb, S, sep);
+        loom_gb_add_ref(j->gb, S, ap);
+        loom_gb_add_ref(j->gb, S, S);
+        loom_gb_alt(j->gb, F);
+        loom_gb_add_ref(j->gb, F, ap);
+        loom_gb_add_ref(j->gb, F, S);
+    }
+    for (int k = n - 1; k >= 0; k--) {
+        int S2 = loom_gb_rule(j->gb, NULL), F2 = loom_gb_rule(j->gb, NULL);
+        loom_gb_alt(j->gb, S2);
+        loom_gb_add_ref(j->gb, S2, sep);
+        loom_gb_add_ref(j->gb, S2, pair[k]);
+        loom_gb_add_ref(j->gb, S2, S);
+        if (!required[k]) {
+            loom_gb_alt(j->gb, S2);
+            loom_gb_add_ref(j->gb, S2, S);
+        }
+        loom_gb_alt(j->gb, F2);
+        loom_gb_add_ref(j->gb, F2, pair[k]);
+        loom_gb_add_ref(j->gb, F2, S);
+        if (!required[k]) {
+            loom_gb_alt(j->gb, F2);
+            loom_gb_add_ref(j->gb, F2, F);
+        }
+        S = S2;
+        F = F2;
+    }
+    return F;
+}
+
+/* properties and required of an object schema, checked: 0, or -1 (j->st set). */
+static int object_parts(js_t *j, const cJSON *s, const cJSON **props, const cJSON **req) {
+    *props = cJSON_GetObjectItemCaseSensitive(s, "properties");
+    *req = cJSON_GetObjectItemCaseSensitive(s, "required");
+    if (*props && !cJSON_IsObject(*props))
         return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be an object",
                        "properties");
-    if (req && !cJSON_IsArray(req))
+    if (*req && !cJSON_IsArray(*req))
         return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: '%s' must be an array",
                        "required");
-    if (!props && !req && (!addl || cJSON_IsTrue(addl))) return rule_object_any(j);
-    int n = props ? cJSON_GetArraySize(props) : 0;
     const cJSON *r;
-    cJSON_ArrayForEach(r, req) {
+    cJSON_ArrayForEach(r, *req) {
         if (!cJSON_IsString(r))
             return js_fail(j, LOOM_ERR_INVALID_ARGUMENT,
                            "json schema: '%s' entries must be strings", "required");
-        if (!props || !cJSON_GetObjectItemCaseSensitive(props, r->valuestring))
+        if (!*props || !cJSON_GetObjectItemCaseSensitive(*props, r->valuestring))
             return js_fail(j, LOOM_ERR_UNSUPPORTED,
                            "json schema: required property '%s' is not in properties",
                            r->valuestring);
     }
+    return 0;
+}
+
+static int is_required(const cJSON *req, const char *key) {
+    const cJSON *r;
+    cJSON_ArrayForEach(r, req) if (strcmp(r->valuestring, key) == 0) return 1;
+    return 0;
+}
+
+static int js_object(js_t *j, const cJSON *s) {
+    const cJSON *props, *req, *addl = cJSON_GetObjectItemCaseSensitive(s, "additionalProperties");
+    if (object_parts(j, s, &props, &req) < 0) return -1;
+    if (!props && !req && (!addl || cJSON_IsTrue(addl))) return rule_object_any(j);
+    int n = props ? cJSON_GetArraySize(props) : 0;
     int ws = rule_ws(j);
     int extra = -1; /* value rule of additional properties */
     if (addl && !cJSON_IsFalse(addl)) {
@@ -367,17 +516,13 @@ static int js_object(js_t *j, const cJSON *s) {
         loom_gb_add_ref(j->gb, pr, val);
         loom_gb_add_ref(j->gb, pr, ws);
         pair[i] = pr;
-        cJSON_ArrayForEach(r, req) if (strcmp(r->valuestring, p->string) == 0) required[i] = 1;
-        i++;
+        required[i++] = is_required(req, p->string);
     }
     int result = -1;
     if (j->st >= 0) {
-        /* S_i: pairs i.. after one was written; F_i: none written yet */
-        int S = loom_gb_rule(j->gb, NULL), F = loom_gb_rule(j->gb, NULL);
-        loom_gb_alt(j->gb, S);
-        loom_gb_alt(j->gb, F);
+        int ap = -1; /* a further pair */
         if (extra >= 0) {
-            int ap = loom_gb_rule(j->gb, NULL);
+            ap = loom_gb_rule(j->gb, NULL);
             loom_gb_alt(j->gb, ap);
             loom_gb_add_ref(j->gb, ap, rule_any_string(j));
             loom_gb_add_ref(j->gb, ap, ws);
@@ -385,41 +530,16 @@ static int js_object(js_t *j, const cJSON *s) {
             loom_gb_add_ref(j->gb, ap, ws);
             loom_gb_add_ref(j->gb, ap, extra);
             loom_gb_add_ref(j->gb, ap, ws);
-            loom_gb_alt(j->gb, S);
-            loom_gb_add_byte(j->gb, S, ',');
-            loom_gb_add_ref(j->gb, S, ws);
-            loom_gb_add_ref(j->gb, S, ap);
-            loom_gb_add_ref(j->gb, S, S);
-            loom_gb_alt(j->gb, F);
-            loom_gb_add_ref(j->gb, F, ap);
-            loom_gb_add_ref(j->gb, F, S);
         }
-        for (int k = n - 1; k >= 0; k--) {
-            int S2 = loom_gb_rule(j->gb, NULL), F2 = loom_gb_rule(j->gb, NULL);
-            loom_gb_alt(j->gb, S2);
-            loom_gb_add_byte(j->gb, S2, ',');
-            loom_gb_add_ref(j->gb, S2, ws);
-            loom_gb_add_ref(j->gb, S2, pair[k]);
-            loom_gb_add_ref(j->gb, S2, S);
-            if (!required[k]) {
-                loom_gb_alt(j->gb, S2);
-                loom_gb_add_ref(j->gb, S2, S);
-            }
-            loom_gb_alt(j->gb, F2);
-            loom_gb_add_ref(j->gb, F2, pair[k]);
-            loom_gb_add_ref(j->gb, F2, S);
-            if (!required[k]) {
-                loom_gb_alt(j->gb, F2);
-                loom_gb_add_ref(j->gb, F2, F);
-            }
-            S = S2;
-            F = F2;
-        }
+        int sep = loom_gb_rule(j->gb, NULL);
+        loom_gb_alt(j->gb, sep);
+        loom_gb_add_byte(j->gb, sep, ',');
+        loom_gb_add_ref(j->gb, sep, ws);
         result = loom_gb_rule(j->gb, NULL);
         loom_gb_alt(j->gb, result);
         loom_gb_add_byte(j->gb, result, '{');
         loom_gb_add_ref(j->gb, result, ws);
-        loom_gb_add_ref(j->gb, result, F);
+        loom_gb_add_ref(j->gb, result, members_rule(j, pair, required, n, ap, sep));
         loom_gb_add_byte(j->gb, result, '}');
     }
     free(pair);
@@ -531,14 +651,14 @@ static int js_type(js_t *j, const cJSON *s, const char *t) {
     int r = loom_gb_rule(j->gb, NULL);
     if (strcmp(t, "boolean") == 0) {
         loom_gb_alt(j->gb, r);
-        loom_gb_add_lit(j->gb, r, "true", 4);
+        loom_gb_add_lit(j->gb, r, PY(j) ? "True" : "true", 4);
         loom_gb_alt(j->gb, r);
-        loom_gb_add_lit(j->gb, r, "false", 5);
+        loom_gb_add_lit(j->gb, r, PY(j) ? "False" : "false", 5);
         return r;
     }
     if (strcmp(t, "null") == 0) {
         loom_gb_alt(j->gb, r);
-        loom_gb_add_lit(j->gb, r, "null", 4);
+        loom_gb_add_lit(j->gb, r, PY(j) ? "None" : "null", 4);
         return r;
     }
     return js_fail(j, LOOM_ERR_INVALID_ARGUMENT, "json schema: unknown type '%s'", t);
@@ -649,9 +769,9 @@ out:
     return j->st < 0 ? -1 : result;
 }
 
-static void js_init(js_t *j, loom_err_t *err) {
+static void js_init(js_t *j, loom_gb_t *gb, loom_err_t *err) {
     memset(j, 0, sizeof *j);
-    j->gb = loom_gb_create();
+    j->gb = gb;
     j->err = err;
     j->ws = j->value = j->string = j->number = j->integer = -1;
     j->object_any = j->array_any = j->member_any = -1;
@@ -680,7 +800,7 @@ loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, l
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "json schema: not valid JSON (at byte %zu)", bad);
     js_t j;
-    js_init(&j, err);
+    js_init(&j, loom_gb_create(), err);
     j.doc = doc;
     int body = js_schema(&j, doc);
     loom_status_t st = js_finish(&j, body, out);
@@ -690,7 +810,7 @@ loom_status_t loom_grammar_compile_json_schema(const char *schema, size_t len, l
 
 loom_status_t loom_grammar_compile_json_object(loom_grammar_t **out, loom_err_t *err) {
     js_t j;
-    js_init(&j, err);
+    js_init(&j, loom_gb_create(), err);
     int body = rule_object_any(&j);
     return js_finish(&j, body, out);
 }
@@ -727,66 +847,82 @@ loom_status_t loom_grammar_compile_choice(const char *json_array, size_t len, lo
     return loom_gb_finish(&gb, root, out, err);
 }
 
-/* A forced tool call in the model's own syntax (LOOM_GRAMMAR_TOOL_CALLS):
- *   root ::= begin item ( sep item ){min-1, max-1} end
- *   item ::= item_begin ( schema_1 | schema_2 | ... ) item_end
- * The spec is {"begin", "end", "item_begin", "item_end", "sep": strings
- * (absent: ""), "min", "max": counts (max 0: any number), "items": [JSON
- * Schema of one call object, ...], "prefixes": [a literal before each
- * item's schema (DeepSeek writes the name as markup), ...] (optional)}. */
-static const char *spec_str(const cJSON *spec, const char *k) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(spec, k);
-    return cJSON_IsString(v) ? v->valuestring : "";
+/* ---- Values inside other markup (grammar_impl.h, the tool-call grammars) */
+
+loom_js_t *loom_js_create(loom_gb_t *gb, loom_js_syntax_t syntax, int no_lt, loom_err_t *err) {
+    js_t *j = loom_xmalloc(sizeof *j);
+    js_init(j, gb, err);
+    j->syntax = syntax;
+    j->no_lt = no_lt;
+    return j;
 }
 
-loom_status_t loom_grammar_compile_tool_calls(const char *spec_text, size_t len, loom_grammar_t **out,
-                                              loom_err_t *err) {
-    size_t bad = 0;
-    cJSON *spec = loom_json_parse_strict(spec_text, len, &bad);
-    const cJSON *items = cJSON_GetObjectItemCaseSensitive(spec, "items");
-    if (!cJSON_IsArray(items) || !items->child) {
-        cJSON_Delete(spec);
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "tool calls grammar: needs a non-empty items array");
+void loom_js_destroy(loom_js_t **j_p) {
+    if (!j_p || !*j_p) return;
+    js_t *j = *j_p;
+    for (int i = 0; i < j->n_refs; i++)
+        free(j->refs[i].ref);
+    free(j->refs);
+    free(j);
+    *j_p = NULL;
+}
+
+loom_status_t loom_js_status(const loom_js_t *j) {
+    return j->st;
+}
+
+int loom_js_fail(loom_js_t *j, loom_status_t code, const char *fmt, const char *arg) {
+    return js_fail(j, code, fmt, arg);
+}
+
+/* $refs resolve inside doc: a new document starts a new table of them. */
+static void js_doc(js_t *j, const cJSON *doc) {
+    if (doc == j->doc) return;
+    if (j->doc) j->doc_no++;
+    for (int i = 0; i < j->n_refs; i++)
+        free(j->refs[i].ref);
+    j->n_refs = 0;
+    j->doc = doc;
+}
+
+int loom_js_schema(loom_js_t *j, const cJSON *doc, const cJSON *schema) {
+    js_doc(j, doc);
+    return js_schema(j, schema);
+}
+
+int loom_js_members(loom_js_t *j, const cJSON *doc, const loom_js_members_t *style) {
+    js_doc(j, doc);
+    if (j->st < 0) return -1;
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(doc, "type");
+    if (!cJSON_IsObject(doc) ||
+        (type && (!cJSON_IsString(type) || strcmp(type->valuestring, "object") != 0)))
+        return js_fail(j, LOOM_ERR_UNSUPPORTED, "json schema: %s",
+                       "the parameters must be an object schema");
+    const cJSON *props, *req;
+    if (object_parts(j, doc, &props, &req) < 0) return -1;
+    int n = props ? cJSON_GetArraySize(props) : 0;
+    int *pair = loom_xcalloc((size_t)n + 1, sizeof *pair);
+    int *required = loom_xcalloc((size_t)n + 1, sizeof *required);
+    int i = 0;
+    const cJSON *p;
+    cJSON_ArrayForEach(p, props) {
+        int val = style->value ? style->value(j, p->string, p, style->ctx) : js_schema(j, p);
+        if (j->st < 0) break;
+        int pr = loom_gb_rule(j->gb, NULL);
+        loom_gb_alt(j->gb, pr);
+        loom_gb_add_lit(j->gb, pr, style->pre, strlen(style->pre));
+        loom_gb_add_lit(j->gb, pr, p->string, strlen(p->string));
+        loom_gb_add_lit(j->gb, pr, style->mid, strlen(style->mid));
+        loom_gb_add_ref(j->gb, pr, val);
+        loom_gb_add_lit(j->gb, pr, style->post, strlen(style->post));
+        pair[i] = pr;
+        required[i++] = is_required(req, p->string);
     }
-    const cJSON *mn = cJSON_GetObjectItemCaseSensitive(spec, "min"), *mx = cJSON_GetObjectItemCaseSensitive(spec, "max");
-    int min = cJSON_IsNumber(mn) && mn->valueint > 0 ? mn->valueint : 1;
-    int max = cJSON_IsNumber(mx) && mx->valueint > 0 ? mx->valueint : -1;
-    if (max > 0 && max < min) max = min;
-    js_t j;
-    js_init(&j, err);
-    int any = loom_gb_rule(j.gb, NULL);
-    const cJSON *it, *prefixes = cJSON_GetObjectItemCaseSensitive(spec, "prefixes");
-    int k = 0;
-    cJSON_ArrayForEach(it, items) {
-        j.doc = it;
-        int r = js_schema(&j, it);
-        if (r < 0) break;
-        loom_gb_alt(j.gb, any);
-        const cJSON *pre = cJSON_GetArrayItem(prefixes, k++);
-        if (cJSON_IsString(pre)) loom_gb_add_lit(j.gb, any, pre->valuestring, strlen(pre->valuestring));
-        loom_gb_add_ref(j.gb, any, r);
-    }
-    if (j.st >= 0) {
-        const char *ib = spec_str(spec, "item_begin"), *ie = spec_str(spec, "item_end"), *sep = spec_str(spec, "sep");
-        int item = loom_gb_rule(j.gb, NULL);
-        loom_gb_alt(j.gb, item);
-        loom_gb_add_lit(j.gb, item, ib, strlen(ib));
-        loom_gb_add_ref(j.gb, item, any);
-        loom_gb_add_lit(j.gb, item, ie, strlen(ie));
-        int next = loom_gb_rule(j.gb, NULL); /* sep item */
-        loom_gb_alt(j.gb, next);
-        loom_gb_add_lit(j.gb, next, sep, strlen(sep));
-        loom_gb_add_ref(j.gb, next, item);
-        int body = loom_gb_rule(j.gb, NULL);
-        const char *b = spec_str(spec, "begin"), *e = spec_str(spec, "end");
-        loom_gb_alt(j.gb, body);
-        loom_gb_add_lit(j.gb, body, b, strlen(b));
-        loom_gb_add_ref(j.gb, body, item);
-        if (max != 1) loom_gb_add_ref(j.gb, body, loom_gb_repeat(j.gb, next, min - 1, max < 0 ? -1 : max - 1));
-        loom_gb_add_lit(j.gb, body, e, strlen(e));
-        cJSON_Delete(spec);
-        return js_finish(&j, body, out);
-    }
-    cJSON_Delete(spec);
-    return js_finish(&j, -1, out);
+    int result = -1;
+    if (j->st >= 0)
+        result = members_rule(j, pair, required, n, -1,
+                              loom_gb_lit_rule(j->gb, style->sep, strlen(style->sep)));
+    free(pair);
+    free(required);
+    return result;
 }

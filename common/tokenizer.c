@@ -2068,6 +2068,20 @@ void loom_detok_init(loom_detok_t *d, const loom_tokenizer_t *tok, int skip_spec
     d->at_start = at_start && tok ? tok->strip_start : 0;
 }
 
+void loom_detok_keep(loom_detok_t *d, const int32_t *ids, int n) {
+    d->keep = ids;
+    d->n_keep = n;
+}
+
+/* Whether d writes token id: decodable, and not a skipped special token. */
+static bool detok_writes(const loom_detok_t *d, int32_t id) {
+    if (decodes(d->tok, id, d->skip_special)) return true;
+    if (!decodes(d->tok, id, false)) return false;
+    for (int i = 0; i < d->n_keep; i++)
+        if (d->keep[i] == id) return true;
+    return false;
+}
+
 /* Rebuilds the UTF-8 state from the held bytes (a valid, incomplete
  * prefix), unless they are a byte run. */
 static void detok_state(const loom_detok_t *d, utf8_state_t *u) {
@@ -2098,7 +2112,7 @@ static sink_t detok_sink(loom_detok_t *d, char *out, size_t cap) {
 size_t loom_detok_push(loom_detok_t *d, int32_t id, char *out, size_t cap) {
     if (!d || !out || cap == 0) return 0;
     out[0] = 0;
-    if (!d->tok || !decodes(d->tok, id, d->skip_special)) return 0;
+    if (!d->tok || !detok_writes(d, id)) return 0;
     const loom_tokenizer_t *tok = d->tok;
     sink_t k = detok_sink(d, out, cap);
     utf8_state_t u;

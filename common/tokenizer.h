@@ -80,6 +80,8 @@ char *loom_tokenizer_decode(const loom_tokenizer_t *tok, const int32_t *ids, int
 typedef struct loom_detok {
     const loom_tokenizer_t *tok;
     int skip_special;
+    const int32_t *keep; /* special tokens written even so (loom_detok_keep) */
+    int n_keep;
     int at_start;
     int n_pending;
     /* Held bytes: an incomplete UTF-8 character, or with a ByteFallback
@@ -92,6 +94,9 @@ typedef struct loom_detok {
 } loom_detok_t;
 
 void loom_detok_init(loom_detok_t *d, const loom_tokenizer_t *tok, int skip_special, int at_start);
+/* With skip_special: these special tokens are written all the same (a
+ * tool-call parser's markers); ids[] must outlive d. */
+void loom_detok_keep(loom_detok_t *d, const int32_t *ids, int n);
 /* Appends the newly complete text to out (at most cap-1 bytes, always
  * NUL-terminated; the text itself may hold NULs) and returns its length.
  * cap >= loom_tokenizer_max_piece_len() + 256 is always enough for one token;

@@ -64,6 +64,7 @@
 
 #define MAX_STOP LOOM_MAX_STOP
 #define MAX_STOP_IDS LOOM_MAX_STOP_IDS
+#define MAX_KEEP_IDS 16 /* keep_special_ids */
 #define MAX_TAG 128
 #define MAX_STOP_LEN LOOM_MAX_STOP_LEN
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
@@ -94,6 +95,7 @@ typedef struct request {
     size_t n_pending, cap_pending;
     int32_t stop_ids[MAX_STOP_IDS]; /* stop_token_ids */
     int n_stop_ids;
+    int32_t keep_ids[MAX_KEEP_IDS]; /* keep_special_ids (detok.keep points here) */
     int ignore_eos, max_tokens, prompt_tokens, completion_tokens;
     char tag[MAX_TAG + 1]; /* the caller's id, for log lines ("" if none) */
     /* sampling controls (sampling_params.h) */
@@ -1027,6 +1029,11 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         snprintf(msg, sizeof msg, "%zu stop token ids; at most %d are allowed", g->n_stop_token_ids, MAX_STOP_IDS);
         goto refuse;
     }
+    if (g->n_keep_special_ids > MAX_KEEP_IDS) {
+        snprintf(msg, sizeof msg, "%zu keep_special_ids; at most %d are allowed",
+                 g->n_keep_special_ids, MAX_KEEP_IDS);
+        goto refuse;
+    }
     for (size_t i = 0; i < g->n_stop_token_ids; i++)
         if (g->stop_token_ids[i] < 0 || g->stop_token_ids[i] >= s->mcfg.vocab_size) {
             snprintf(msg, sizeof msg, "stop token id %d is outside the vocabulary [0, %d)", g->stop_token_ids[i],
@@ -1115,6 +1122,8 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     for (size_t i = 0; i < g->n_stop_token_ids; i++) q->stop_ids[q->n_stop_ids++] = g->stop_token_ids[i];
     for (size_t i = 0; i < g->n_stop; i++) q->stop[q->n_stop++] = loom_xstrdup(g->stop[i]);
     loom_detok_init(&q->detok, s->tok, !g->keep_special, 0);
+    if (g->n_keep_special_ids) memcpy(q->keep_ids, g->keep_special_ids, g->n_keep_special_ids * sizeof *q->keep_ids);
+    loom_detok_keep(&q->detok, q->keep_ids, (int)g->n_keep_special_ids);
     loom_sampling_t samp = {.temperature = temp, .top_k = top_k, .top_p = top_p == 0.0f ? 1.0f : top_p,
                             .seed = sp && sp->has_seed ? sp->seed : next_seed(s)};
     loom_status_t st = loom_sched_add(s->sched, rq->request_id, ids, n_ids, (int)g->max_tokens, g->priority, &samp,

@@ -227,6 +227,8 @@ typedef struct gen {
     int32_t *ids; /* owned: prompt token ids */
     char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
     loom_tools_t tools; /* chat: tools and tool_choice (tool_calls.h), owned */
+    /* special tokens kept in the text (p.keep_special_ids) */
+    int32_t keep_ids[LOOM_TOOLS_MAX_KEEP];
     uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
 } gen_t;
 

@@ -460,6 +460,11 @@ static int parse_tools(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     char msg[300];
     loom_toolfmt_t fmt = q->h ? q->h->tool_fmt : LOOM_TOOLFMT_HERMES;
     if (loom_tools_parse(o, fmt, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
+    loom_tools_set_tokenizer(&g->tools, q->h ? q->h->tok : NULL);
+    /* the markers the tool-call parser reads, written into the text */
+    memcpy(g->keep_ids, g->tools.keep_ids, sizeof g->keep_ids);
+    g->p.keep_special_ids = g->keep_ids;
+    g->p.n_keep_special_ids = g->tools.n_keep;
     if (!g->tools.schema) return 0;
     if (g->p.guide_kind)
         return bad(e, "tool_choice", "tool_choice '%s' forces the output; it cannot be combined with response_format, "

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/tokenizer.h"
 #include "common/util.h"
 #include "gateway/tool_stream.h"
 
@@ -102,21 +103,72 @@ static cJSON *call_schema(const cJSON *tool, const char *args_key) {
     cJSON_AddItemToArray(req, cJSON_CreateString("name"));
     cJSON_AddItemToArray(req, cJSON_CreateString(args_key));
     cJSON_AddFalseToObject(o, "additionalProperties");
+    /* the parameters' "#/$defs/..." references resolve from the call object's root */
+    for (const char *const *k = (const char *const[]){"$defs", "definitions", NULL}; *k; k++) {
+        const cJSON *defs = get(get(fn_of(tool), "parameters"), *k);
+        if (defs) cJSON_AddItemToObject(o, *k, cJSON_Duplicate(defs, 1));
+    }
     return o;
+}
+
+/* The markers each syntax's parser reads (and its forced grammar writes):
+ * where the tokenizer has one as one token, the grammar takes that token,
+ * and when it is a special token the coordinator writes it into the text. */
+static const char *const *markers_of(loom_toolfmt_t f) {
+    static const char *const hermes[] = {"<tool_call>", "</tool_call>", NULL};
+    static const char *const llama3[] = {"<|python_tag|>", NULL};
+    static const char *const mistral[] = {"[TOOL_CALLS]", NULL};
+    static const char *const granite[] = {"<|tool_call|>", NULL};
+    static const char *const ds[] = {DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN,
+                                     DS_CALL_END,    DS_SEP,       NULL};
+    static const char *const llama4[] = {"<|python_start|>", "<|python_end|>", NULL};
+    static const char *const harmony[] = {
+        "<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|end|>", NULL};
+    static const char *const none[] = {NULL};
+    switch (f) {
+    case LOOM_TOOLFMT_HERMES:
+    case LOOM_TOOLFMT_QWEN3_CODER:
+        return hermes;
+    case LOOM_TOOLFMT_LLAMA3_JSON:
+        return llama3;
+    case LOOM_TOOLFMT_MISTRAL:
+        return mistral;
+    case LOOM_TOOLFMT_GRANITE:
+        return granite;
+    case LOOM_TOOLFMT_DEEPSEEK_V3:
+    case LOOM_TOOLFMT_DEEPSEEK_V31:
+        return ds;
+    case LOOM_TOOLFMT_LLAMA4_PYTHONIC:
+        return llama4;
+    case LOOM_TOOLFMT_OPENAI:
+        return harmony;
+    default:
+        return none;
+    }
 }
 
 /* The forced output's grammar spec (grammar.h, LOOM_GRAMMAR_TOOL_CALLS):
  * one call (of the named function, or of any tool) or, for "required" with
- * parallel_tool_calls, one or more, in the model's syntax. */
+ * parallel_tool_calls, one or more, in the model's syntax; markers that are
+ * one token (t->mark_ids) named in special_tokens. */
 static char *forced_schema(const loom_tools_t *t) {
     cJSON *s = cJSON_CreateObject(), *items = cJSON_AddArrayToObject(s, "items");
     const char *args = t->fmt == LOOM_TOOLFMT_LLAMA3_JSON ? "parameters" : "arguments";
     int ds = t->fmt == LOOM_TOOLFMT_DEEPSEEK_V3 || t->fmt == LOOM_TOOLFMT_DEEPSEEK_V31;
     int hm = t->fmt == LOOM_TOOLFMT_OPENAI;
+    int py = t->fmt == LOOM_TOOLFMT_PYTHONIC || t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC;
+    int coder = t->fmt == LOOM_TOOLFMT_QWEN3_CODER;
     cJSON *prefixes = ds || hm ? cJSON_AddArrayToObject(s, "prefixes") : NULL;
     const cJSON *tool;
     cJSON_ArrayForEach(tool, t->tools) {
         if (t->mode == LOOM_TOOLS_NAMED && strcmp(get(fn_of(tool), "name")->valuestring, t->named) != 0) continue;
+        if (py || coder) { /* the syntax's own form of NAME and the parameters */
+            cJSON *it = cJSON_CreateObject();
+            cJSON_AddStringToObject(it, "name", get(fn_of(tool), "name")->valuestring);
+            cJSON_AddItemToObject(it, "parameters", params_or_empty(fn_of(tool)));
+            cJSON_AddItemToArray(items, it);
+            continue;
+        }
         if (!ds && !hm) {
             cJSON_AddItemToArray(items, call_schema(tool, args));
             continue;
@@ -135,8 +187,24 @@ static char *forced_schema(const loom_tools_t *t) {
     cJSON_AddNumberToObject(s, "min", 1);
     /* (GPT-OSS: one call per message, the message ends the turn) */
     cJSON_AddNumberToObject(s, "max", t->parallel && t->mode == LOOM_TOOLS_REQUIRED && !hm ? 0 : 1);
+    if (t->n_marks) {
+        cJSON *sp = cJSON_AddObjectToObject(s, "special_tokens");
+        for (int i = 0; i < t->n_marks; i++)
+            cJSON_AddNumberToObject(sp, t->mark_text[i], t->mark_ids[i]);
+    }
     switch (t->fmt) {
     case LOOM_TOOLFMT_OPENAI: /* the prefix is all the markup */
+        break;
+    case LOOM_TOOLFMT_PYTHONIC:
+    case LOOM_TOOLFMT_LLAMA4_PYTHONIC: /* [NAME(KEY=VALUE, ...), ...] */
+        cJSON_AddStringToObject(s, "syntax", "pythonic");
+        cJSON_AddStringToObject(s, "begin", "[");
+        cJSON_AddStringToObject(s, "sep", ", ");
+        cJSON_AddStringToObject(s, "end", "]");
+        break;
+    case LOOM_TOOLFMT_QWEN3_CODER: /* <tool_call> blocks one after another */
+        cJSON_AddStringToObject(s, "syntax", "qwen3_coder");
+        cJSON_AddStringToObject(s, "sep", "\n");
         break;
     case LOOM_TOOLFMT_LLAMA3_JSON:
         cJSON_AddStringToObject(s, "sep", "; ");
@@ -218,16 +286,36 @@ int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, cons
     }
     t->tools = tools;
     if (t->mode == LOOM_TOOLS_OFF) return 0;
-    if ((t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) &&
-        (t->fmt == LOOM_TOOLFMT_PYTHONIC || t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC ||
-         t->fmt == LOOM_TOOLFMT_QWEN3_CODER))
-        return fail(msg, cap, "tool_choice %s cannot be forced in the %s call syntax (use auto)",
-                    t->mode == LOOM_TOOLS_NAMED ? "a function" : "required", loom_toolfmt_name(t->fmt));
     if (t->mode == LOOM_TOOLS_REQUIRED || t->mode == LOOM_TOOLS_NAMED) {
         t->schema = forced_schema(t);
         if (!t->schema) return fail(msg, cap, "tools cannot be serialised");
     }
     return 0;
+}
+
+/* The id of the one token whose text is marker exactly (-1: none). */
+static int32_t marker_token(const loom_tokenizer_t *tok, const char *marker) {
+    int32_t id = loom_tokenizer_token_id(tok, marker);
+    if (id < 0 || loom_tokenizer_is_special(tok, id)) return id;
+    size_t n = 0;
+    const char *b = loom_tokenizer_token_bytes(tok, id, &n);
+    return b && n == strlen(marker) && !memcmp(b, marker, n) ? id : -1;
+}
+
+void loom_tools_set_tokenizer(loom_tools_t *t, const loom_tokenizer_t *tok) {
+    t->n_marks = t->n_keep = 0;
+    if (!tok || t->mode == LOOM_TOOLS_OFF) return;
+    for (const char *const *m = markers_of(t->fmt); *m && t->n_marks < LOOM_TOOLS_MAX_KEEP; m++) {
+        int32_t id = marker_token(tok, *m);
+        if (id < 0) continue;
+        t->mark_ids[t->n_marks] = id;
+        t->mark_text[t->n_marks++] = *m;
+        if (loom_tokenizer_is_special(tok, id)) t->keep_ids[t->n_keep++] = id;
+    }
+    if (t->schema && t->n_marks) { /* the forced call takes the tokens themselves */
+        free(t->schema);
+        t->schema = forced_schema(t);
+    }
 }
 
 void loom_tools_free(loom_tools_t *t) {

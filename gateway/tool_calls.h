@@ -12,13 +12,16 @@
  *   mistral      at the start, [TOOL_CALLS] then a JSON array [{"name": ..., "arguments": {...}}]
  *   granite      at the start, <|tool_call|> then a JSON array of the same
  *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder, openai  read whole (tool_parsers.h)
- * A forced call's output is that syntax, its JSON held to the tool's schema
- * by the grammar engine (grammar kind LOOM_GRAMMAR_TOOL_CALLS). */
+ * A forced call's output is that syntax, its arguments held to the tool's
+ * schema by the grammar engine (grammar kind LOOM_GRAMMAR_TOOL_CALLS): JSON,
+ * Python literals (pythonic) or typed parameter blocks (qwen3_coder). */
 #ifndef LOOM_TOOL_CALLS_H
 #define LOOM_TOOL_CALLS_H
 
 #include <cjson/cJSON.h>
+#include <stdint.h>
 
+struct loom_tokenizer;
 
 typedef enum {
     LOOM_TOOLS_OFF = 0, /* no tools, or tool_choice "none" */
@@ -51,6 +54,8 @@ loom_toolfmt_t loom_toolfmt_from_name(const char *name);
  * when it shows none. */
 loom_toolfmt_t loom_toolfmt_detect(const char *template_text);
 
+#define LOOM_TOOLS_MAX_KEEP 8
+
 typedef struct loom_tools {
     loom_tools_mode_t mode;
     int parallel;
@@ -58,6 +63,14 @@ typedef struct loom_tools {
     const char *named;  /* LOOM_TOOLS_NAMED: the function */
     loom_toolfmt_t fmt; /* the model's call syntax */
     char *schema;       /* owned: REQUIRED / NAMED: the forced output's grammar spec (LOOM_GRAMMAR_TOOL_CALLS) */
+    /* the syntax's markers that are one token of the model's tokenizer
+     * (loom_tools_set_tokenizer): a forced call writes that token */
+    int32_t mark_ids[LOOM_TOOLS_MAX_KEEP];
+    const char *mark_text[LOOM_TOOLS_MAX_KEEP];
+    int n_marks;
+    /* those that are special tokens: kept in the output's text for the parser */
+    int32_t keep_ids[LOOM_TOOLS_MAX_KEEP];
+    int n_keep;
 } loom_tools_t;
 
 /* Reads tools, tool_choice and parallel_tool_calls of a chat request. -1
@@ -65,6 +78,13 @@ typedef struct loom_tools {
 int loom_tools_parse(const cJSON *req, loom_toolfmt_t fmt, loom_tools_t *t, const char **param, char *msg,
                      size_t cap);
 void loom_tools_free(loom_tools_t *t);
+/* With the model's tokenizer: a forced call's grammar takes each of the
+ * syntax's markers that is one token (a special token, as Mistral's
+ * [TOOL_CALLS] or harmony's <|channel|>, or an added one, as Qwen's
+ * <tool_call>) as that token id, as the model writes it unconstrained, not
+ * spelled with other tokens; the special ones go to keep_ids, to be written
+ * into the text though special tokens are skipped. */
+void loom_tools_set_tokenizer(loom_tools_t *t, const struct loom_tokenizer *tok);
 
 /* Parses output into an OpenAI tool_calls array (ids from
  * loom_tools_call_id); NULL when it is not calls (then all of it is

@@ -494,6 +494,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         if (q->n_gen > 0 && !q->own_text && r->tok && g.n_stop == 0 && g.n_stop_token_ids == 0) {
             char scratch[1024];
             loom_detok_init(&q->detok, r->tok, !g.keep_special, 0);
+            loom_detok_keep(&q->detok, q->rq->generate->keep_special_ids, (int)q->rq->generate->n_keep_special_ids);
             for (int k = 0; k < q->n_gen; k++)
                 loom_detok_push(&q->detok, q->gen[k], scratch, sizeof scratch);
             q->own_text = 1; /* what it holds is what the old replica never sent */

@@ -1,5 +1,6 @@
 /* Fuzz target: the grammar compiler of constrained decoding. Byte 0 picks
- * the spec kind (JSON Schema, any JSON object, regex, choice, GBNF); the
+ * the spec kind (JSON Schema, any JSON object, regex, choice, GBNF, tool
+ * calls with special tokens); the
  * rest is the spec. A spec that compiles is run as a matcher over the
  * stories260K vocabulary for a few steps, each picking an allowed token
  * (chosen by the input's bytes): the mask's tokens are accepted, a token
@@ -29,9 +30,10 @@ static int mask_has(const uint32_t *m, int id) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    static const loom_grammar_kind_t kinds[] = {LOOM_GRAMMAR_JSON_SCHEMA, LOOM_GRAMMAR_JSON_OBJECT, LOOM_GRAMMAR_REGEX,
-                                                LOOM_GRAMMAR_CHOICE, LOOM_GRAMMAR_EBNF};
-    loom_grammar_kind_t kind = kinds[data[0] % 5];
+    static const loom_grammar_kind_t kinds[] = {LOOM_GRAMMAR_JSON_SCHEMA, LOOM_GRAMMAR_JSON_OBJECT,
+                                                LOOM_GRAMMAR_REGEX,       LOOM_GRAMMAR_CHOICE,
+                                                LOOM_GRAMMAR_EBNF,        LOOM_GRAMMAR_TOOL_CALLS};
+    loom_grammar_kind_t kind = kinds[data[0] % 6];
     const char *spec = (const char *)data + 1;
     size_t len = size - 1;
     loom_grammar_t *g = NULL;

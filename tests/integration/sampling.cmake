@@ -16,7 +16,10 @@ loom_add_it(it_tools test_tools.py)
 # Chat templates end to end (test_chat_templates.py): real models' templates
 # render as the python3-jinja2 reference does; forced tool calls in the
 # model's own syntax; --reasoning-parser; bad templates and kwargs; the SDKs.
-loom_add_it(it_chat_templates test_chat_templates.py)
+loom_add_it(it_chat_templates test_chat_templates.py --except test_forced_pythonic test_special_token)
+# Forced calls in the pythonic, llama4_pythonic and qwen3_coder syntaxes;
+# tool-call markers that are special tokens ([TOOL_CALLS], harmony's).
+loom_add_it(it_chat_templates_forced test_chat_templates.py test_forced_pythonic test_special_token)
 # Prompt logprobs and echo with logprobs (test_prompt_logprobs.py): against
 # the float64 reference on every grid with chunked prefill, the openai SDK.
 loom_add_it(it_prompt_logprobs test_prompt_logprobs.py)

@@ -25,6 +25,10 @@ tokenizer_config.json carries a real model's chat template
   n = 2 splits each choice, streamed and not.
 - GPT-OSS (harmony): the openai tool-call parser detected from the
   template; forced calls as commentary messages to functions.NAME.
+- Forced calls in the pythonic, llama4_pythonic and qwen3_coder syntaxes
+  parse back; with [TOOL_CALLS] a special token of the tokenizer, a forced
+  call's first token is that token (not the marker spelled), which the
+  parser still sees.
 - Bad input: a template with a syntax error refuses start-up naming
   file:line:col; an endless loop or a huge string is bounded (400);
   chat_template_kwargs not an object (400); raise_exception's message
@@ -39,7 +43,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import MODELS, PYTHON, ROOT, Cluster, check, gen_model, run_tests, wait_for  # noqa: E402
+from harness import MODELS, PYTHON, ROOT, STORIES, Cluster, check, gen_model, run_tests, wait_for  # noqa: E402
 from test_http import KEY, Coordinator, expect_error, free_port, post  # noqa: E402
 from test_responses import sse  # noqa: E402
 
@@ -89,10 +93,49 @@ def base_model():
                      "4", "--kv-heads", "2", "--vocab", "512", "--max-pos", "2048", "--seed", "5")
 
 
-def model_with(name, template=None):
+MISTRAL_SPECIAL = ["[TOOL_CALLS]"]
+HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"]
+ADDED = ["<tool_call>", "</tool_call>"]  # added tokens that are not special (Qwen's, Hermes')
+
+
+def special_marker_model(tag, specials):
+    """The base model with stories260K's tokenizer plus these special tokens
+    (ids 512, 513, ...), as Mistral v0.3's tokenizer has [TOOL_CALLS] and
+    GPT-OSS's the harmony markers."""
+    tok_dir = os.path.join(WORK, "tok-" + tag)
+    if not os.path.isdir(tok_dir):
+        os.makedirs(tok_dir)
+        shutil.copyfile(os.path.join(STORIES, "tokenizer_config.json"), os.path.join(tok_dir, "tokenizer_config.json"))
+        with open(os.path.join(STORIES, "tokenizer.json")) as f:
+            tok = json.load(f)
+        for i, text in enumerate(specials):
+            tok["added_tokens"].append({"id": 512 + i, "content": text, "single_word": False, "lstrip": False,
+                                        "rstrip": False, "normalized": False, "special": text not in ADDED})
+        with open(os.path.join(tok_dir, "tokenizer.json"), "w") as f:
+            json.dump(tok, f)
+    return gen_model(os.path.join(WORK, "base-" + tag), "--tokenizer-from", tok_dir, "--dim", "64", "--hidden-dim",
+                     "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "520", "--max-pos", "2048",
+                     "--seed", "5")
+
+
+def first_token_is(port, text, n=2):
+    """A forced call cut to one token: that token's text is the marker, so
+    it is the special token (stories260K has no ordinary token for it)."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}})[:n]:
+        body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+                "tool_choice": choice, "max_tokens": 1, "temperature": 0.8, "seed": 11}
+        status, data = post(port, "/v1/chat/completions", body, key=None, timeout=120)
+        check(status == 200, "%d %r" % (status, data[:300]))
+        r = json.loads(data)
+        m = r["choices"][0]["message"]
+        check(r["usage"]["completion_tokens"] == 1 and m.get("content") == text and
+              r["choices"][0]["finish_reason"] == "length", "the first token is not %s: %r" % (text, r))
+
+
+def model_with(name, template=None, base=None):
     """A model directory whose tokenizer_config.json carries the template of
     index entry NAME (or the given template text) and its special tokens."""
-    base = base_model()
+    base = base or base_model()
     d = os.path.join(WORK, "m-" + (name or "custom") + "-%d" % len(os.listdir(WORK)))
     os.makedirs(d)
     for f in os.listdir(base):
@@ -261,6 +304,64 @@ def test_forced_calls_in_model_syntax():
             print("  %s: %d forced calls in the model's syntax parsed back; a tool-result turn answered" % (fam, n))
 
 
+def test_forced_pythonic_and_coder():
+    """tool_choice required / named with the pythonic, llama4_pythonic and
+    qwen3_coder parsers: the grammar writes the syntax's own calls (Python
+    literals; typed <parameter=...> blocks) and they parse back."""
+    for name, fam in (("hermes-3-llama-3.1-8b", "pythonic"), ("hermes-3-llama-3.1-8b", "llama4_pythonic"),
+                      ("qwen3-0.6b", "qwen3_coder")):
+        port = free_port()
+        with Cluster(model_with(name), coord_args=["--http", "127.0.0.1:%d" % port, "--tool-call-parser", fam]) as c:
+            wait_for(lambda: "tool calls: %s," % fam in c.log("coordinator"), 10, "the parser in the log")
+            n = check_forced(port, fam)
+            print("  %s: %d forced calls in its syntax parsed back" % (fam, n))
+
+
+def test_special_token_marker():
+    """A tokenizer with [TOOL_CALLS] as a special token: a forced call's first
+    token is that token (one token whose text is the marker: stories260K has
+    no ordinary token for it), not the marker spelled with ordinary tokens;
+    the marker reaches the parser though special tokens are skipped, so the
+    calls parse back, streamed and not. The same for Hermes' <tool_call> as
+    an added (not special) token and GPT-OSS's harmony markers."""
+    port = free_port()
+    model = model_with("mistral-7b-instruct-v0.3", base=special_marker_model("mistral", MISTRAL_SPECIAL))
+    with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port]) as c:
+        wait_for(lambda: "tool calls: mistral," in c.log("coordinator"), 10, "the parser in the log")
+        status, data = post(port, "/detokenize", {"tokens": [512]}, key=None)
+        check(status == 200 and json.loads(data)["prompt"] == "[TOOL_CALLS]", "detokenize 512: %r" % data[:200])
+        first_token_is(port, "[TOOL_CALLS]")
+        # a plain request still leaves special tokens out of the text
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+                "allowed_token_ids": [512]}
+        status, data = post(port, "/v1/chat/completions", body, key=None, timeout=120)
+        check(status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "",
+              "special tokens in plain text: %r" % data[:300])
+        n = check_forced(port, "mistral")
+        print("  [TOOL_CALLS] as a special token: forced calls start with its id (1 token), "
+              "%d parsed back" % n)
+    # Hermes: <tool_call> an added token that is not special: one token too
+    port = free_port()
+    with Cluster(model_with("hermes-3-llama-3.1-8b", base=special_marker_model("hermes", ADDED)),
+                 coord_args=["--http", "127.0.0.1:%d" % port]) as c:
+        wait_for(lambda: "tool calls: hermes," in c.log("coordinator"), 10, "the parser in the log")
+        first_token_is(port, "<tool_call>")
+        n = check_forced(port, "hermes")
+        print("  <tool_call> as an added token: forced calls start with its id, %d parsed back" % n)
+    # GPT-OSS: the harmony markers as special tokens, with and without the
+    # openai reasoning parser (which reads them from the text too)
+    model = model_with("gpt-oss-120b", base=special_marker_model("harmony", HARMONY_SPECIAL))
+    for reasoning in ([], ["--reasoning-parser", "openai"]):
+        port = free_port()
+        with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port] + reasoning) as c:
+            wait_for(lambda: "tool calls: openai," in c.log("coordinator"), 10, "the parser in the log")
+            if not reasoning:
+                first_token_is(port, "<|channel|>", 1)
+            n = check_forced(port, "openai")
+            print("  harmony markers as special tokens%s: %d forced calls parsed back" % (
+                " (reasoning parser openai)" if reasoning else "", n))
+
+
 def test_reasoning_parser():
     port = free_port()
     model = model_with("qwen3-0.6b")
@@ -426,6 +527,6 @@ def test_sdks():
 if __name__ == "__main__":
     try:
         run_tests([test_bad_input, test_render_matches_reference, test_forced_calls_in_model_syntax,
-                   test_reasoning_parser, test_harmony, test_sdks])
+                   test_forced_pythonic_and_coder, test_special_token_marker, test_reasoning_parser, test_harmony, test_sdks])
     finally:
         shutil.rmtree(WORK, ignore_errors=True)

@@ -852,6 +852,166 @@ static void test_deep_schema(void) {
     free(s);
 }
 
+/* ---- Special tokens (a token element): only the id is allowed there. */
+
+/* mask == the tokens accept_token takes from m's state (tried on a copy). */
+static int mask_is_accept_set(loom_grammar_matcher_t *m, loom_grammar_matcher_t *scratch,
+                              const uint32_t *mask, int n_vocab) {
+    int bad = 0;
+    for (int id = 0; id < n_vocab; id++) {
+        if (loom_grammar_matcher_copy(scratch, m) < 0) return 0;
+        int takes = loom_grammar_matcher_accept_token(scratch, id) == LOOM_OK;
+        int set = (mask[id >> 5] >> (id & 31)) & 1;
+        if (takes != set && bad++ < 4)
+            fprintf(stderr, "  token %d: mask %d, accept %d\n", id, set, takes);
+    }
+    return bad == 0;
+}
+
+static int mask_count(const uint32_t *mask, size_t words) {
+    int n = 0;
+    for (size_t w = 0; w < words; w++)
+        n += __builtin_popcount(mask[w]);
+    return n;
+}
+
+/* Walks the grammar with random allowed tokens from its start, checking each
+ * mask against accept_token, a replay and a copy; returns the walk's ids. */
+static int special_walk(loom_grammar_t *g, const loom_grammar_vocab_t *v, uint64_t seed,
+                        int32_t *ids, int cap) {
+    loom_grammar_matcher_t *m = NULL, *scratch = NULL, *re = NULL;
+    loom_grammar_matcher_create(g, v, &m, NULL);
+    loom_grammar_matcher_create(g, v, &scratch, NULL);
+    loom_grammar_matcher_create(g, v, &re, NULL);
+    int n_vocab = loom_grammar_vocab_size(v);
+    size_t words = loom_grammar_mask_words(v);
+    uint32_t *mask = calloc(words, sizeof *mask), *mask2 = calloc(words, sizeof *mask2);
+    int n = 0;
+    while (n < cap && !loom_grammar_matcher_is_terminated(m)) {
+        loom_grammar_matcher_fill_mask(m, mask);
+        CHECKF(mask_is_accept_set(m, scratch, mask, n_vocab),
+               "step %d: the mask differs from accept_token", n);
+        CHECK(loom_grammar_matcher_replay(re, ids, n) == LOOM_OK);
+        loom_grammar_matcher_fill_mask(re, mask2);
+        CHECKF(!memcmp(mask, mask2, words * sizeof *mask), "step %d: a replay's mask differs", n);
+        int k = mask_count(mask, words);
+        CHECKF(k > 0, "step %d: nothing allowed", n);
+        if (k == 0) break;
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        int pick = (int)((seed >> 33) % (uint64_t)k);
+        for (int id = 0; id < n_vocab; id++)
+            if (((mask[id >> 5] >> (id & 31)) & 1) && pick-- == 0) {
+                CHECK(loom_grammar_matcher_accept_token(m, id) == LOOM_OK);
+                ids[n++] = id;
+                break;
+            }
+    }
+    free(mask);
+    free(mask2);
+    loom_grammar_matcher_destroy(&m);
+    loom_grammar_matcher_destroy(&scratch);
+    loom_grammar_matcher_destroy(&re);
+    return n;
+}
+
+static void test_special_tokens(void) {
+    /* id 5 is the special token [TOOL_CALLS] (no bytes); id 12 an ordinary
+       token whose bytes spell it; 14 EOS */
+    static const char *const pieces[] = {
+        "[", "TO", "OL", "_CALLS",       "]", NULL, "{",  "}",          "\"",
+        "a", ":",  " ",  "[TOOL_CALLS]", "x", NULL, ", ", "TOOL_CALLS]"};
+    enum { NV = sizeof pieces / sizeof pieces[0], SPECIAL = 5, SPELLED = 12, EOS = 14 };
+    size_t lens[NV];
+    for (int i = 0; i < NV; i++)
+        lens[i] = pieces[i] ? strlen(pieces[i]) : 0;
+    loom_grammar_vocab_t *v = NULL;
+    REQUIRE(loom_grammar_vocab_create_bytes(NV, pieces, lens, &v, NULL) == LOOM_OK);
+    loom_grammar_vocab_add_eos(v, EOS);
+    const char *spec =
+        "{\"begin\": \"[TOOL_CALLS][\", \"end\": \"]\", \"sep\": \", \", \"max\": 0, \"items\": "
+        "[{\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"string\", \"maxLength\": "
+        "3}}, "
+        "\"required\": [\"a\"], \"additionalProperties\": false}], "
+        "\"special_tokens\": {\"[TOOL_CALLS]\": 5}}";
+    loom_grammar_t *g = compile(LOOM_GRAMMAR_TOOL_CALLS, spec);
+    REQUIRE(g);
+    loom_grammar_matcher_t *m = NULL;
+    REQUIRE(loom_grammar_matcher_create(g, v, &m, NULL) == LOOM_OK);
+    size_t words = loom_grammar_mask_words(v);
+    uint32_t mask[2] = {0};
+    REQUIRE(words <= 2);
+    /* the start: the special token's id alone, not its text in other tokens */
+    loom_grammar_matcher_fill_mask(m, mask);
+    CHECKF(mask[0] == 1u << SPECIAL && mask_count(mask, words) == 1, "start mask %08x", mask[0]);
+    CHECK(loom_grammar_matcher_accept_token(m, SPELLED) < 0);
+    CHECK(loom_grammar_matcher_accept_token(m, 0) < 0);
+    CHECK(loom_grammar_matcher_accept_bytes(m, "[TOOL_CALLS]", 12) < 0);
+    CHECK(loom_grammar_matcher_n_accepted(m) == 0);
+    CHECK(loom_grammar_matcher_accept_token(m, SPECIAL) == LOOM_OK);
+    loom_grammar_matcher_fill_mask(m, mask);
+    CHECKF(mask[0] == 1u << 0, "after the token: only '[' (mask %08x)", mask[0]);
+    /* inside a JSON string the token's text is ordinary text; the token is not */
+    CHECK(loom_grammar_matcher_accept_bytes(m, "[{\"a\": \"", 8) == LOOM_OK);
+    loom_grammar_matcher_fill_mask(m, mask);
+    CHECK(!(mask[0] >> SPECIAL & 1) && (mask[0] >> 13 & 1));
+    loom_grammar_matcher_destroy(&m);
+    /* decoded text, where the token was written out, matches; without it not */
+    CHECK(check(g, "[TOOL_CALLS][{\"a\": \"x\"}]") == LOOM_GRAMMAR_MATCH);
+    CHECK(check(g, "[TOOL_CALLS][{\"a\": \"x\"}, {\"a\":\"[TOOL_CALLS]\"}]") ==
+          LOOM_GRAMMAR_REJECT); /* maxLength */
+    CHECK(check(g, "[{\"a\": \"x\"}]") == LOOM_GRAMMAR_REJECT);
+    CHECK(check(g, "[TOOL_") == LOOM_GRAMMAR_PREFIX);
+    /* random walks: every mask equals what accept_token takes, replays agree,
+       and the walks end (EOS) in output that decodes to a match */
+    int32_t ids[80];
+    int finished = 0;
+    for (int w = 0; w < 12; w++) {
+        int n = special_walk(g, v, 77u + (uint64_t)w * 1000003u, ids, 80);
+        CHECK(n > 0 && ids[0] == SPECIAL);
+        int spelled = 0;
+        for (int i = 1; i < n; i++)
+            spelled |= ids[i] == SPECIAL;
+        CHECKF(!spelled, "walk %d: the special token past the start", w);
+        if (n == 0 || ids[n - 1] != EOS) continue;
+        finished++;
+        loom_sbuf_t text = {0};
+        loom_sbuf_add(&text, "", 0);
+        for (int i = 0; i + 1 < n; i++)
+            loom_sbuf_str(&text, ids[i] == SPECIAL ? "[TOOL_CALLS]" : pieces[ids[i]]);
+        CHECKF(check(g, text.p) == LOOM_GRAMMAR_MATCH, "walk %d: %s", w, text.p);
+        free(text.p);
+    }
+    CHECKF(finished >= 6, "only %d of 12 walks finished", finished);
+    loom_grammar_destroy(&g);
+    /* a token in the middle of the markup, twice per item (the mask cache
+       keyed by stack tops must keep the token's element apart) */
+    g = compile(LOOM_GRAMMAR_TOOL_CALLS,
+                "{\"item_begin\": \"[TOOL_CALLS]{\", \"item_end\": \"}[TOOL_CALLS]\", "
+                "\"sep\": \" \", \"max\": 0, \"items\": [{\"const\": \"x\"}], "
+                "\"special_tokens\": {\"[TOOL_CALLS]\": 5}}");
+    REQUIRE(g);
+    for (int w = 0; w < 6; w++) {
+        int n = special_walk(g, v, 991u + (uint64_t)w, ids, 60);
+        int specials = 0;
+        for (int i = 0; i < n; i++)
+            specials += ids[i] == SPECIAL;
+        CHECKF(n > 0 && specials >= 2 && specials % 2 == 0, "walk %d: %d special tokens in %d", w,
+               specials, n);
+    }
+    CHECK(check(g, "[TOOL_CALLS]{\"x\"}[TOOL_CALLS] [TOOL_CALLS]{\"x\"}[TOOL_CALLS]") ==
+          LOOM_GRAMMAR_MATCH);
+    loom_grammar_destroy(&g);
+    loom_grammar_vocab_destroy(&v);
+    /* bad special_tokens */
+    expect_error(LOOM_GRAMMAR_TOOL_CALLS, "{\"items\": [{}], \"special_tokens\": [1]}",
+                 "special_tokens");
+    expect_error(LOOM_GRAMMAR_TOOL_CALLS, "{\"items\": [{}], \"special_tokens\": {\"[X]\": -1}}",
+                 "'[X]'");
+    expect_error(LOOM_GRAMMAR_TOOL_CALLS, "{\"items\": [{}], \"special_tokens\": {\"\": 3}}",
+                 "token id");
+    expect_error(LOOM_GRAMMAR_TOOL_CALLS, "{\"items\": [{}], \"syntax\": \"xml\"}", "syntax 'xml'");
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--gen-dir") == 0)
@@ -872,6 +1032,7 @@ int main(int argc, char **argv) {
     RUN(test_long_chain);
     RUN(test_limits);
     RUN(test_deep_schema);
+    RUN(test_special_tokens);
     RUN(test_mutations);
     RUN(test_masks_stories);
     RUN(test_masks_bytelevel);

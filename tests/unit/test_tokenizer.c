@@ -684,6 +684,21 @@ static void test_special_tokens(void) {
                0,
            "got \"%s\"", text);
     free(text);
+    /* a detokenizer that skips special tokens still writes the kept ones
+       (a tool-call parser's markers), where they stand */
+    int32_t keep = loom_tokenizer_token_id(bl, "<|end_header_id|>");
+    REQUIRE(keep >= 0);
+    loom_detok_t d;
+    loom_detok_init(&d, bl, 1, 1);
+    loom_detok_keep(&d, &keep, 1);
+    char piece[512], all[512] = "";
+    for (int i = 0; i < n; i++) {
+        loom_detok_push(&d, ids[i], piece, sizeof piece);
+        strncat(all, piece, sizeof all - strlen(all) - 1);
+    }
+    loom_detok_flush(&d, piece, sizeof piece);
+    strncat(all, piece, sizeof all - strlen(all) - 1);
+    CHECKF(strcmp(all, "user<|end_header_id|>Hi") == 0, "kept: got \"%s\"", all);
     free(ids);
     loom_tokenizer_destroy(&sp);
     loom_tokenizer_destroy(&bl);
