@@ -297,8 +297,8 @@ int main(int argc, char **argv) {
          "costs CPU per MB, see docs/benchmarks.md (shm and nccl are not affected)",
          1, 0, NULL},
         {"insecure", LOOM_OPT_FLAG, &c.security.insecure, NULL,
-         "run the control plane without worker keys (needed when --control binds an address other hosts can "
-         "reach; on loopback it only silences the warning)",
+         "run the control plane without worker keys (refused without it, on loopback too: any local process "
+         "could register as a worker; deploy/local/launch.sh and 'loom serve' make keys)",
          1, 0, NULL},
         {"insecure-api", LOOM_OPT_FLAG, &c.security.insecure_api, NULL,
          "serve a client API bound to a non-loopback address without client keys (anyone who "
@@ -518,6 +518,11 @@ int main(int argc, char **argv) {
 
     loom_etcd_security_env(&etcd_sec);
     loom_err_t err = {0};
+    /* the keys' rules before the model is read: a refusal is at once */
+    if (loom_coord_security_check(&c.security, c.listen, c.control, &err) < 0) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     if (loom_server_create(&c, &g_server, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);

@@ -8,14 +8,11 @@
 #include "common/keys.h"
 #include "common/log.h"
 
-loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *zctx, void *api, void *ctl,
-                                        void *events, const char *listen, const char *control, loom_zap_t **zap,
-                                        loom_zap_t **ctl_zap, loom_err_t *err) {
-    *zap = *ctl_zap = NULL;
+loom_status_t loom_coord_security_check(const loom_coord_security_t *cfg, const char *listen, const char *control,
+                                        loom_err_t *err) {
     const char *secret = loom_key_source(cfg->curve_secret, "LOOM_CURVE_SECRET");
     const char *workers = loom_key_source(cfg->worker_keys, "LOOM_WORKER_KEYS");
     const char *clients = loom_key_source(cfg->client_keys, "LOOM_CLIENT_KEYS");
-    int ctl_local = loom_endpoint_is_local(control);
     if ((workers || clients) && !secret)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--worker-keys/--client-keys need the coordinator's own key: --curve-secret FILE "
@@ -24,14 +21,34 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--curve-secret needs an allow-list to check peers against: --worker-keys FILE "
                             "and/or --client-keys FILE");
-    LOOM_CHECK(loom_zap_api_rule(listen, clients != NULL, cfg->insecure_api, "the client API", err));
-    if (!workers && !ctl_local && !cfg->insecure)
+    if (!clients && !cfg->insecure_api && !loom_endpoint_is_local(listen))
+        return loom_zap_api_rule(listen, 0, 0, "the client API", err); /* the refusal */
+    if (workers || cfg->insecure) return LOOM_OK;
+    if (!loom_endpoint_is_local(control))
         return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
                             "the control plane binds %s, which other hosts can reach, without keys: any of them "
                             "could register as a worker, see every prompt's tokens and choose the output. Give "
                             "--curve-secret FILE --worker-keys FILE ('loom keygen --cluster' makes them; "
                             "deploy/local/launch.sh and 'loom serve' do), or --insecure to run it unkeyed",
                             control);
+    return loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                        "the control plane (%s) is not keyed: any process on this host could register as a "
+                        "worker, see every prompt's tokens and choose the output. Give --curve-secret FILE "
+                        "--worker-keys FILE ('loom keygen --cluster' makes them; deploy/local/launch.sh and "
+                        "'loom serve' do), or --insecure to run it unkeyed",
+                        control);
+}
+
+loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *zctx, void *api, void *ctl,
+                                        void *events, const char *listen, const char *control, loom_zap_t **zap,
+                                        loom_zap_t **ctl_zap, loom_err_t *err) {
+    *zap = *ctl_zap = NULL;
+    LOOM_CHECK(loom_coord_security_check(cfg, listen, control, err));
+    const char *secret = loom_key_source(cfg->curve_secret, "LOOM_CURVE_SECRET");
+    const char *workers = loom_key_source(cfg->worker_keys, "LOOM_WORKER_KEYS");
+    const char *clients = loom_key_source(cfg->client_keys, "LOOM_CLIENT_KEYS");
+    int ctl_local = loom_endpoint_is_local(control);
+    LOOM_CHECK(loom_zap_api_rule(listen, clients != NULL, cfg->insecure_api, "the client API", err)); /* its warning */
     loom_keypair_t kp;
     if (secret) LOOM_CHECK(loom_keypair_read(secret, "the coordinator's secret key (--curve-secret)", &kp, err));
     if (workers || clients) {
@@ -64,10 +81,10 @@ loom_status_t loom_coord_security_setup(const loom_coord_security_t *cfg, void *
                   clients ? "keyed (clients from --client-keys)" : "not keyed",
                   clients && events ? ", KV events keyed (the same clients)" : "", kp.public_z85);
     }
-    if (!workers && ctl_local && !cfg->insecure)
-        LOOM_WARN("the control plane (%s) is not keyed: any process on this host can register as a worker and "
-                  "see every prompt's tokens. Give --curve-secret and --worker-keys (deploy/local/launch.sh and "
-                  "'loom serve' do), or --insecure to say it is meant",
+    if (!workers && ctl_local) /* --insecure: loom_coord_security_check refuses it otherwise */
+        LOOM_WARN("--insecure: the control plane (%s) is not keyed: any process on this host can register as a "
+                  "worker and see every prompt's tokens. deploy/local/launch.sh and 'loom serve' key it "
+                  "(--curve-secret and --worker-keys)",
                   control);
     if (!workers && !ctl_local)
         LOOM_WARN("*** SECURITY: the control plane binds %s without keys: any host that reaches it can register "

@@ -1,6 +1,7 @@
 /* The coordinator's side of CURVE: which planes are keyed, from flags and
  * environment, and the refusal of a coordinator that would serve other
- * hosts without keys. See docs/operations.md#security. */
+ * hosts, or other local processes, without keys. See
+ * docs/operations.md#security. */
 #ifndef LOOM_COORD_SECURITY_H
 #define LOOM_COORD_SECURITY_H
 
@@ -15,9 +16,19 @@ typedef struct loom_coord_security {
     const char *worker_keys;  /* allow-list of worker keys: keys the control plane (else $LOOM_WORKER_KEYS) */
     const char *client_keys;  /* allow-list of client keys: keys the client API (else $LOOM_CLIENT_KEYS) */
     int insecure_api;         /* serve a non-loopback client API without client keys */
-    int insecure;             /* run the control plane without worker keys (a non-loopback one needs it) */
+    int insecure;             /* run the control plane without worker keys (refused without it) */
     int encrypt_data;         /* tcp data plane: encrypt every frame (Assign.data_encrypt) */
 } loom_coord_security_t;
+
+/* The rules, before anything is loaded or bound: the key flags pair up
+ * (an allow-list needs the coordinator's secret and the secret an
+ * allow-list); a client API other hosts can reach needs client keys or
+ * insecure_api; and a control plane without worker keys needs insecure,
+ * on loopback too (any local process could register as a worker and see
+ * every prompt's tokens). INVALID_ARGUMENT / UNAUTHENTICATED naming the
+ * fix. */
+loom_status_t loom_coord_security_check(const loom_coord_security_t *cfg, const char *listen, const char *control,
+                                        loom_err_t *err);
 
 /* Sets up CURVE on the API and control sockets (before they bind) and
  * starts the ZAP handler when either is keyed. `events` is the --kv-events

@@ -127,6 +127,14 @@ struct loom_server {
     int max_model_len;
     loom_structured_t *structured; /* constrained decoding: vocabulary and grammar cache */
     loom_coord_draft_t *draft;     /* speculative method DRAFT's draft model (NULL: none) */
+    /* micro-batches built but not sent, in the order built: those whose
+     * drafts the draft's thread is computing (ready 0), and the ones built
+     * after them (sent in order) */
+    struct {
+        loom_microbatch_t *mb;
+        int ready;
+    } *unsent;
+    int n_unsent;
 
     void *zctx, *api;
     char api_addr[256], inproc_addr[64];
@@ -749,12 +757,23 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
     }
 }
 
+/* The micro-batches not sent yet did not run either: their sequences go
+ * back as the in-flight ones did (drafts still being computed are dropped). */
+static void unsent_fail(loom_server_t *s) {
+    for (int i = 0; i < s->n_unsent; i++) {
+        if (s->draft) loom_coord_draft_void(s->draft, s->unsent[i].mb);
+        loom_sched_fail(s->sched, s->unsent[i].mb);
+    }
+    s->n_unsent = 0;
+}
+
 /* The grid's epoch was aborted: requests wait for it to come back, or end
  * with UNAVAILABLE at once when there is no recovery time. */
 static void on_grid_failed(void *ctx, loom_grid_t *g, const char *why) {
     (void)g;
     loom_server_t *s = ctx;
     if (!s->sched) return;
+    unsent_fail(s);
     if (s->cfg.recovery_timeout_ms <= 0 || s->n_reqs == 0) {
         char msg[700];
         snprintf(msg, sizeof msg, "the serving grid failed: %s", why);
@@ -1352,13 +1371,36 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
 
 /* ---- the step loop ------------------------------------------------------------------------ */
 
-/* Keeps up to pp micro-batches in flight while the grid is READY. */
+/* Sends the unsent micro-batches from the oldest while they are ready. */
+static void send_ready(loom_server_t *s) {
+    int n = 0;
+    while (n < s->n_unsent && s->unsent[n].ready && loom_grid_can_send(s->grid))
+        loom_grid_send_plan(s->grid, s->unsent[n++].mb);
+    memmove(s->unsent, s->unsent + n, (size_t)(s->n_unsent - n) * sizeof *s->unsent);
+    s->n_unsent -= n;
+}
+
+/* Keeps up to pp micro-batches in flight while the grid is READY. One with
+ * a draft model's drafts to compute waits unsent until the draft's thread
+ * has them (drafts_done), so the reactor goes on meanwhile. */
 static void schedule(loom_server_t *s) {
+    send_ready(s);
     loom_microbatch_t *mb;
     while (loom_grid_can_send(s->grid) && (mb = loom_sched_schedule(s->sched))) {
         loom_metrics_observe_iteration(s->metrics, mb->n_tokens);
-        loom_grid_send_plan(s->grid, mb);
+        LOOM_ASSERT(s->n_unsent < s->cfg.pp); /* the scheduler builds at most pp at once */
+        s->unsent[s->n_unsent].mb = mb;
+        s->unsent[s->n_unsent++].ready = !(s->draft && loom_coord_draft_submit(s->draft, mb));
+        send_ready(s);
     }
+}
+
+/* The draft's thread has drafts: their micro-batches are ready to go. */
+static void drafts_done(loom_server_t *s) {
+    loom_microbatch_t *mb;
+    while (loom_coord_draft_take(s->draft, &mb))
+        for (int i = 0; mb && i < s->n_unsent; i++)
+            if (s->unsent[i].mb == mb) s->unsent[i].ready = 1;
 }
 
 /* Speculative decoding counters for /metrics (vLLM's spec_decode family). */
@@ -1510,10 +1552,12 @@ int loom_server_run(loom_server_t *s) {
     while (!s->stop) {
         zmq_pollitem_t items[] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0},
                                   {s->api, 0, ZMQ_POLLIN, 0},
-                                  {NULL, loom_prep_fd(s->prep), ZMQ_POLLIN, 0}};
-        if (zmq_poll(items, 3, 20) < 0 && errno != EINTR) break;
+                                  {NULL, loom_prep_fd(s->prep), ZMQ_POLLIN, 0},
+                                  {NULL, s->draft ? loom_coord_draft_fd(s->draft) : -1, ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, s->draft ? 4 : 3, 20) < 0 && errno != EINTR) break;
         if (items[0].revents & ZMQ_POLLIN) loom_grid_on_readable(s->grid);
         if (items[2].revents & ZMQ_POLLIN) prep_done(s);
+        if (s->draft && (items[3].revents & ZMQ_POLLIN)) drafts_done(s);
         for (int burst = 0; burst < 256 && (items[1].revents & ZMQ_POLLIN); burst++) {
             zmq_msg_t f[8];
             int n = loom_zapi_recv_frames(s->api, f, 8);
@@ -1586,6 +1630,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     loom_server_t *s = loom_xcalloc(1, sizeof *s);
     s->cfg = *cfg;
     s->stall_file = getenv("LOOM_TEST_STALL_FILE");
+    s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1), sizeof *s->unsent);
     /* workers may run elsewhere: hand them an absolute path */
     if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;
     cfg = &s->cfg;
@@ -1693,6 +1738,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_lp_view_free(&s->lp_view);
     free(s->embed_done);
     free(s->text_buf);
+    free(s->unsent);
     free(s);
 }
 

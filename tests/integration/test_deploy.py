@@ -659,7 +659,7 @@ def test_worker_health_file_and_spare():
 
     ok = False
     try:
-        coord = start([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
+        coord = start([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen",
                        "tcp://127.0.0.1:%d" % port, "--control", ctl, "--recovery-timeout-ms", "30000"])
         health = os.path.join(run, "%i.health")
         w0 = start([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1", "--id", "w0",

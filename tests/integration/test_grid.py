@@ -258,7 +258,8 @@ def test_kv_blocks_stats_metrics_prefix():
 
 
 def test_kv_dtype_errors():
-    p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--kv-cache-dtype", "q4"],
+    p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES,
+                        "--kv-cache-dtype", "q4"],
                        capture_output=True, text=True, timeout=30)
     check(p.returncode == 2 and "--kv-cache-dtype" in p.stderr, "coordinator took q4: %s" % p.stderr)
     p = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", STORIES, "--prompt", "Hi", "--kv-cache-dtype",

@@ -149,7 +149,8 @@ def test_bad_adapters():
 
 def coord_err(*args, env=None):
     """loom-coordinator's start-up with LoRA flags: it exits 2 before listening; returns stderr."""
-    p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES] + [str(a) for a in args],
+    p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES]
+                       + [str(a) for a in args],
                        capture_output=True, text=True, timeout=60, env=env)
     check(p.returncode == 2, "%s: exit %d, %r" % (args, p.returncode, p.stderr[-500:]))
     return p.stderr

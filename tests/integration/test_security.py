@@ -203,17 +203,41 @@ def coordinator_start_log(args):
 
 
 def test_unkeyed_control_plane_needs_insecure():
-    """A hand-started coordinator with an unkeyed control plane: refused off
-    loopback without --insecure (test_bad_keys_are_clear_errors), loud with
-    it; on loopback a warning that --insecure silences."""
+    """A hand-started coordinator with an unkeyed control plane is refused
+    (exit 2, before the model is read) without --insecure, on loopback too,
+    naming both ways out; with --insecure it starts and says the plane is not
+    keyed (loudly off loopback); with keys it starts without the warning."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_CURVE") and "KEYS" not in k}
+    for ctl in ("tcp://127.0.0.1:0", "tcp://0.0.0.0:0"):
+        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen",
+                            "tcp://127.0.0.1:0", "--control", ctl], capture_output=True, text=True, timeout=60,
+                           env=env)
+        check(p.returncode == 2, "an unkeyed control plane on %s without --insecure: exit %d, %r"
+              % (ctl, p.returncode, p.stderr[-600:]))
+        for want in ("--curve-secret FILE --worker-keys FILE", "loom keygen --cluster", "deploy/local/launch.sh",
+                     "'loom serve'", "or --insecure to run it unkeyed"):
+            check(want in p.stderr, "the refusal on %s does not say %r: %r" % (ctl, want, p.stderr[-600:]))
+        check(("not keyed: any process on this host" if "127.0.0.1" in ctl else "which other hosts can reach")
+              in p.stderr, "the refusal on %s names no reason: %r" % (ctl, p.stderr[-600:]))
+        check("loading" not in p.stderr and "waiting for" not in p.stderr, "refused only after starting: %r"
+              % p.stderr[-600:])
     log = coordinator_start_log(["--control", "tcp://0.0.0.0:0", "--insecure"])
     check("*** SECURITY: the control plane binds tcp://0.0.0.0:0 without keys" in log,
           "an unkeyed control plane off loopback with --insecure: %s" % log[-600:])
-    log = coordinator_start_log(["--control", "tcp://127.0.0.1:0"])
-    check("the control plane (tcp://127.0.0.1:0) is not keyed" in log and "--insecure" in log,
-          "no warning for an unkeyed loopback control plane: %s" % log[-600:])
     log = coordinator_start_log(["--control", "tcp://127.0.0.1:0", "--insecure"])
-    check("is not keyed" not in log and "waiting for" in log, "--insecure did not silence it: %s" % log[-600:])
+    check("--insecure: the control plane (tcp://127.0.0.1:0) is not keyed" in log and "waiting for" in log,
+          "an unkeyed loopback control plane with --insecure: %s" % log[-600:])
+    d = tempfile.mkdtemp(prefix="loom-keys-")
+    try:
+        keygen_cluster(d, 1)
+        log = coordinator_start_log(["--control", "tcp://127.0.0.1:0", "--curve-secret",
+                                     os.path.join(d, "coordinator.key"), "--worker-keys",
+                                     os.path.join(d, "workers.allow")])
+        check("CURVE: control plane keyed" in log and "the control plane (tcp://127.0.0.1:0) is not keyed" not in log
+              and "waiting for" in log,
+              "a keyed loopback control plane: %s" % log[-600:])
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def plain_bytes(payload):

@@ -325,24 +325,24 @@ def test_progress_on_a_terminal():
 
 def test_coordinator_vllm_aliases():
     """loom-coordinator takes vLLM's names and scheme-less addresses; refuses vLLM flags it lacks by name."""
-    coord = os.path.join(BIN, "loom-coordinator")
-    p = subprocess.run([coord, "--model", STORIES, "-tp", "3"], capture_output=True, text=True, timeout=60)
+    coord = [os.path.join(BIN, "loom-coordinator"), "--insecure"]  # an unkeyed control plane, said so
+    p = subprocess.run(coord + ["--model", STORIES, "-tp", "3"], capture_output=True, text=True, timeout=60)
     check(p.returncode != 0 and "tensor parallelism 3" in p.stderr, "-tp 3 was not read as tp 3: %r" % p.stderr)
-    p = subprocess.run([coord, "--model", STORIES, "--pipeline-parallel-size", "9"], capture_output=True, text=True,
+    p = subprocess.run(coord + ["--model", STORIES, "--pipeline-parallel-size", "9"], capture_output=True, text=True,
                        timeout=60)
     check(p.returncode != 0 and "9" in p.stderr, "--pipeline-parallel-size 9 accepted: %r" % p.stderr)
-    p = subprocess.run([coord, "--model", STORIES, "-q", "q9"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(coord + ["--model", STORIES, "-q", "q9"], capture_output=True, text=True, timeout=60)
     check(p.returncode != 0 and "q9" in p.stderr, "-q q9 was not read as --quantization: %r" % p.stderr)
-    p = subprocess.run([coord, "--model", STORIES, "--enable-lora"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(coord + ["--model", STORIES, "--enable-lora"], capture_output=True, text=True, timeout=60)
     check(p.returncode == 2 and "vLLM flag --enable-lora is not supported by Loom" in p.stderr, "%r" % p.stderr)
-    p = subprocess.run([coord, "--model", STORIES, "--log-level", "loud"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(coord + ["--model", STORIES, "--log-level", "loud"], capture_output=True, text=True, timeout=60)
     check(p.returncode == 2 and "--log-level must be" in p.stderr, "%r" % p.stderr)
-    p = subprocess.run([coord, "--model", STORIES, "--port", "8000", "--http", "127.0.0.1:8000"], capture_output=True,
+    p = subprocess.run(coord + ["--model", STORIES, "--port", "8000", "--http", "127.0.0.1:8000"], capture_output=True,
                        text=True, timeout=60)
     check(p.returncode == 2 and "not both" in p.stderr, "%r" % p.stderr)
     api, ctl, port = free_port(), free_port(), free_port()
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([coord, "--model", STORIES, "--tensor-parallel-size", "2", "-pp", "1",
+    proc = subprocess.Popen(coord + ["--model", STORIES, "--tensor-parallel-size", "2", "-pp", "1",
                              "--listen", "127.0.0.1:%d" % api, "--control", "127.0.0.1:%d" % ctl,
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "debug"],
                             stdout=log, stderr=subprocess.STDOUT)

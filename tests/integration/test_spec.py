@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import json  # noqa: E402
 from test_http import free_port, get_metrics, metric, post  # noqa: E402
 from harness import BIN, STORIES, Cluster, check, gen_model, kill, parse_ids, run_local, run_tests  # noqa: E402
+from test_grammar_load import turn_buckets, turn_stats  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-spec")
 LOOM = os.path.join(BIN, "loom")
@@ -378,8 +379,55 @@ def test_failover_draft():
     # re-prefilled sequences draft on from what their slots hold
     failover(["--speculative-method", "draft", "--speculative-quantization", "int8", "--num-speculative-tokens", "4"])
 
+def test_draft_off_the_reactor():
+    """The coordinator's draft model runs off the reactor: with the test hook
+    making it slow (LOOM_TEST_DRAFT_DELAY_MS: 2 s before each sequence's
+    drafts, so a step of two drafted sequences waits 4 s for them), Health
+    and Stats over ZeroMQ answer in less than one sequence's delay, no
+    reactor turn takes as long as it, the two streams end with the ids of a
+    run without speculation, and their drafts were verified. With the
+    forwards on the reactor every probe sent while a step drafts waits for
+    the rest of that step's drafts."""
+    delay_ms, n = 2000, 8
+    expect = {p: run_local(STORIES, p, n, extra=["--ignore-eos"])[1] for p in PROMPTS[:2]}
+    port = free_port()
+    os.environ["LOOM_TEST_DRAFT_DELAY_MS"] = str(delay_ms)
+    try:
+        with Cluster(STORIES, 1, 1, coord_args=["--speculative-method", "draft", "--speculative-quantization", "int8",
+                                                "--num-speculative-tokens", "2", "--http", "127.0.0.1:%d" % port]) as c:
+            m0 = turn_buckets(port)
+            procs = [(p, c.generate_async(p, n, extra=["--ignore-eos"])) for p in PROMPTS[:2]]
+            probes = []
+            while any(proc.poll() is None for _, proc in procs):
+                for name, call in (("Health", c.health), ("Stats", c.stats)):
+                    t0 = time.time()
+                    out = call()
+                    probes.append((name, time.time() - t0))
+                    check(name != "Health" or out[0] == 0, "Health failed while the draft ran: %s" % (out,))
+            for p, proc in procs:
+                out, err = proc.communicate(timeout=120)
+                check(proc.returncode == 0, "generate %r failed: %s" % (p, err))
+                check(parse_ids(err) == expect[p], "%r: ids %s differ from loom run %s" % (p, parse_ids(err), expect[p]))
+            t99, top, turns = turn_stats(m0, turn_buckets(port))
+            _, samples = get_metrics(port)
+            drafts = metric(samples, "vllm:spec_decode_num_drafts_total")
+            longest = max(t for _, t in probes)
+            print("slow draft (%d ms per sequence): %d probes, the longest %.0f ms; %d reactor turns, p99 <= %g s, "
+                  "longest <= %g s; %d drafts verified" % (delay_ms, len(probes), longest * 1e3, turns, t99, top,
+                                                           drafts))
+            check(drafts >= 2, "the slow draft drafted nothing (%s drafts verified)" % drafts)
+            check(len(probes) >= 4, "only %d probes ran while the requests drafted" % len(probes))
+            check(longest < delay_ms / 1e3, "a probe waited %.0f ms while the draft ran" % (longest * 1e3))
+            check(top < delay_ms / 1e3, "a reactor turn took up to %g s while the draft ran" % top)
+            check("the reactor stalled" not in c.log("coordinator"), "the reactor stalled:\n" +
+                  c.log("coordinator")[-1500:])
+    finally:
+        del os.environ["LOOM_TEST_DRAFT_DELAY_MS"]
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
                test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_grids_draft,
-               test_controls_identical, test_controls_identical_draft, test_failover, test_failover_draft])
+               test_controls_identical, test_controls_identical_draft, test_failover, test_failover_draft,
+               test_draft_off_the_reactor])
