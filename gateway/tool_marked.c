@@ -542,12 +542,15 @@ static int py_value(loom_tstream_t *s) {
     return MOVED;
 }
 
-/* An identifier from tok_at (a function's or a keyword's name): 1 when it has ended. */
+/* An identifier from tok_at (a function's or a keyword's name): 1 when it
+ * has ended. (A keyword fails only where it ends, so that what goes out as
+ * content is the same however the text was cut.) */
 static int py_ident_end(loom_tstream_t *s, int kw) {
     ts_marked_t *m = &s->mk;
     while (s->pos < s->buf.len && py_ident(s->buf.p[s->pos], s->pos == m->tok_at, kw)) s->pos++;
-    if (s->pos < s->buf.len && s->pos > m->tok_at && s->pos - m->tok_at <= MAX_NAME) return 1;
-    if (s->pos < s->buf.len || s->pos - m->tok_at > MAX_NAME) fail_here(s); /* none, or too long */
+    int too_long = !kw && s->pos - m->tok_at > MAX_NAME; /* no tool has that name */
+    if (s->pos < s->buf.len && s->pos > m->tok_at && !too_long) return 1;
+    if (s->pos < s->buf.len || too_long) fail_here(s);
     return 0;
 }
 

@@ -25,6 +25,9 @@ tokenizer_config.json carries a real model's chat template
   n = 2 splits each choice, streamed and not.
 - GPT-OSS (harmony): the openai tool-call parser detected from the
   template; forced calls as commentary messages to functions.NAME.
+- A marked syntax streams incrementally (DeepSeek V3 through the OpenAI
+  Node SDK): the call's name delta well before the end, the arguments in
+  pieces adding up to the unstreamed call of the same seed.
 - Bad input: a template with a syntax error refuses start-up naming
   file:line:col; an endless loop or a huge string is bounded (400);
   chat_template_kwargs not an object (400); raise_exception's message
@@ -423,9 +426,23 @@ def test_sdks():
         print("  " + p.stdout.strip().split("\n")[-1][:300])
 
 
+def test_sdk_tool_stream():
+    """A marked syntax streams incrementally: DeepSeek V3's forced call through
+    the OpenAI Node SDK, its name delta early, its arguments in pieces that
+    add up to the unstreamed arguments (sdk_tool_stream.mjs)."""
+    port = free_port()
+    with Cluster(model_with("deepseek-v3"), coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY]) as c:
+        wait_for(lambda: "tool calls: deepseek_v3," in c.log("coordinator"), 10, "the parser in the log")
+        p = subprocess.run(["node", os.path.join(ROOT, "tests", "integration", "sdk_tool_stream.mjs"),
+                            "http://127.0.0.1:%d/v1" % port, KEY], capture_output=True, text=True, timeout=400)
+        check(p.returncode == 0, "sdk_tool_stream.mjs failed (%d): %s %s" % (
+            p.returncode, p.stdout[-1500:], p.stderr[-1500:]))
+        print("  deepseek_v3 streamed: " + p.stdout.strip().split("\n")[-1][:300])
+
+
 if __name__ == "__main__":
     try:
         run_tests([test_bad_input, test_render_matches_reference, test_forced_calls_in_model_syntax,
-                   test_reasoning_parser, test_harmony, test_sdks])
+                   test_reasoning_parser, test_harmony, test_sdks, test_sdk_tool_stream])
     finally:
         shutil.rmtree(WORK, ignore_errors=True)

@@ -172,6 +172,12 @@ static const case_t k_cases[] = {
      1, 1, "", 1, {"get_weather"},
      {"{\"city\":\"Zurich \\\"old\\\" town\\\\ \\\\q\",\"t\":[1,2.50,7,0.5],\"d\":{\"a\":false}}"}, 0},
     {PYTHONIC, "", "Hello [now()]", 1, LOOM_TS_TEXT, "Hello [now()]", 0, {0}, {0}, 0},
+    /* a keyword longer than any function name; a value that is no literal (the pieces before it stay sent) */
+    {PYTHONIC, "", "[get_weather(city_of_the_place_whose_weather_the_user_asked_about_in_the_message_above='Oslo')]",
+     1, 1, "", 1, {"get_weather"}, {"{\"city_of_the_place_whose_weather_the_user_asked_about_in_the_message_above\":\"Oslo\"}"},
+     0},
+    {PYTHONIC, "", "[get_weather(city='Oslo', n=functions.None)]", 1, LOOM_TS_BROKEN, ")]", 1, {"get_weather"},
+     {"{\"city\":\"Oslo\",\"n\":"}, 0},
     {PYTHONIC, "", "[Note](https://x)", 1, LOOM_TS_TEXT, "[Note](https://x)", 0, {0}, {0}, 0},
     {LLAMA4, "", "<|python_start|>[get_weather(city=\"Rome\")]<|python_end|>", 1, 1, "", 1, {"get_weather"},
      {"{\"city\":\"Rome\"}"}, 0},
@@ -479,9 +485,67 @@ static void test_harmony_with_reasoning(void) {
     cJSON_Delete(r);
 }
 
+/* The marked syntaxes stream as the JSON ones do: fed a byte at a time,
+ * the call starts when its name has been read (by the end of name_end in
+ * the text, long before the answer ends), and a long argument goes out in
+ * many pieces while it is generated, not at the end. */
+static void test_marked_early(void) {
+    static const struct {
+        loom_toolfmt_t f;
+        const char *text, *name_end, *args;
+    } cases[] = {
+        {DSV3, "Sure." DS_B DS_CB "function" DS_S "get_weather\n```json\n{\"city\": \"Oslo, the capital of Norway\"}\n```"
+         DS_CE DS_E, "get_weather\n", "{\"city\":\"Oslo, the capital of Norway\"}"},
+        {DSV31, DS_B DS_CB "get_weather" DS_S "{\"city\": \"Oslo, the capital of Norway\"}" DS_CE DS_E,
+         "get_weather" DS_S, "{\"city\":\"Oslo, the capital of Norway\"}"},
+        {PYTHONIC, "[get_weather(city='Oslo, the capital of Norway')]", "get_weather(",
+         "{\"city\":\"Oslo, the capital of Norway\"}"},
+        {LLAMA4, "<|python_start|>[get_weather(city='Oslo, the capital of Norway')]<|python_end|>", "get_weather(",
+         "{\"city\":\"Oslo, the capital of Norway\"}"},
+        {CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo, the capital of Norway\n</parameter>\n"
+         "</function>\n</tool_call>", "<function=get_weather>", "{\"city\":\"Oslo, the capital of Norway\"}"},
+        {HARMONY, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo, the "
+         "capital of Norway\"}<|call|>", "<|message|>", "{\"city\":\"Oslo, the capital of Norway\"}"},
+    };
+    char buf[1024];
+    snprintf(buf, sizeof buf, k_req, "");
+    cJSON *r = cJSON_Parse(buf);
+    for (size_t ci = 0; ci < LOOM_ARRAY_LEN(cases); ci++) {
+        loom_tools_t t;
+        const char *param;
+        char msg[256];
+        REQUIRE(r && loom_tools_parse(r, cases[ci].f, &t, &param, msg, sizeof msg) == 0);
+        const char *text = cases[ci].text;
+        size_t len = strlen(text), name_end = (size_t)(strstr(text, cases[ci].name_end) - text) + strlen(cases[ci].name_end);
+        size_t args_end = (size_t)(strstr(text, "Norway") - text) + strlen("Norway");
+        got_t g = {.order_ok = 1};
+        loom_sbuf_add(&g.content, "", 0);
+        loom_tstream_t *s = loom_tstream_create(&t, on_event, &g);
+        int pieces_by_args_end = 0;
+        for (size_t i = 0; i < len; i++) {
+            g.fed = i + 1;
+            loom_tstream_feed(s, text + i, 1);
+            if (i + 1 == args_end) pieces_by_args_end = g.n_args_events[0];
+        }
+        int v = loom_tstream_finish(s, 1);
+        CHECKF(v == 1 && g.n == 1 && g.order_ok && !strcmp(g.names[0], "get_weather") &&
+                   !strcmp(g.args[0].p, cases[ci].args),
+               "case %zu: verdict %d, %d calls, %s", ci, v, g.n, g.n ? g.args[0].p : "");
+        CHECKF(g.call_at[0] <= name_end, "case %zu: the call started at byte %zu, its name was read at %zu", ci,
+               g.call_at[0], name_end);
+        CHECKF(pieces_by_args_end >= 20, "case %zu: %d argument pieces before the argument ended", ci,
+               pieces_by_args_end);
+        loom_tstream_destroy(&s);
+        got_free(&g);
+        loom_tools_free(&t);
+    }
+    cJSON_Delete(r);
+}
+
 int main(void) {
     RUN(test_cases);
     RUN(test_holds_little);
+    RUN(test_marked_early);
     RUN(test_harmony_with_reasoning);
     return test_summary();
 }
