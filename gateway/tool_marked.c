@@ -45,24 +45,66 @@
 
 enum {
     M_SEEK,
-    M_DS_BEGIN, M_DS_ITEM, M_DS_TYPE, M_DS_NAME, M_DS_FENCE, M_DS_ARGS0, M_DS_ARGS, M_DS_ARGS_END, M_AFTER,
-    M_QC_OPEN, M_QC_FUNC, M_QC_NAME, M_QC_PARAM, M_QC_KEY, M_QC_VALUE, M_QC_CLOSE, M_QC_NEXT,
-    M_PY_START, M_PY_ITEM, M_PY_NAME, M_PY_PAREN, M_PY_KW, M_PY_KWNAME, M_PY_EQ, M_PY_VALUE, M_PY_AFTER, M_PY_SEP,
+    M_DS_BEGIN,
+    M_DS_ITEM,
+    M_DS_TYPE,
+    M_DS_NAME,
+    M_DS_FENCE,
+    M_DS_ARGS0,
+    M_DS_ARGS,
+    M_DS_ARGS_END,
+    M_AFTER,
+    M_QC_OPEN,
+    M_QC_FUNC,
+    M_QC_NAME,
+    M_QC_PARAM,
+    M_QC_KEY,
+    M_QC_VALUE,
+    M_QC_CLOSE,
+    M_QC_NEXT,
+    M_PY_START,
+    M_PY_ITEM,
+    M_PY_NAME,
+    M_PY_PAREN,
+    M_PY_KW,
+    M_PY_KWNAME,
+    M_PY_EQ,
+    M_PY_VALUE,
+    M_PY_AFTER,
+    M_PY_SEP,
     M_PY_TAIL,
-    M_HM_HEAD, M_HM_ARGS0, M_HM_ARGS, M_HM_ARGS_END, M_HM_NEXT,
+    M_HM_HEAD,
+    M_HM_ARGS0,
+    M_HM_ARGS,
+    M_HM_ARGS_END,
+    M_HM_NEXT,
 };
 
 /* The pythonic value converter's states. */
 enum { PV_VALUE, PV_STR, PV_SCALAR, PV_FIRST, PV_COLON, PV_AFTER, PV_COMMA };
 
-#define MAX_NAME 64 /* tools' names are 1 to 64 characters (tool_calls.c) */
+#define MAX_NAME     64 /* tools' names are 1 to 64 characters (tool_calls.c) */
 #define PY_MAX_DEPTH 32
 
-#define DS_CALLS_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALLS_END "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALL_END "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_SEP "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
+#define DS_CALLS_BEGIN                                                                             \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define DS_CALLS_END                                                                               \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN                                                                              \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define DS_CALL_END                                                                                \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
+#define DS_SEP                                                                                     \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "sep\xef\xbd\x9c>"
 #define HM_FINAL "<|start|>assistant<|channel|>final<|message|>"
 
 enum { WAIT = 0, MOVED = 1 }; /* a step: more text is needed, or it went on */
@@ -87,7 +129,8 @@ static int at_lit(const loom_tstream_t *s, const char *lit) {
 
 /* Moves pos past whitespace; 0 when the text ends there. */
 static int skip_ws(loom_tstream_t *s) {
-    while (s->pos < s->buf.len && ts_is_ws(s->buf.p[s->pos])) s->pos++;
+    while (s->pos < s->buf.len && ts_is_ws(s->buf.p[s->pos]))
+        s->pos++;
     return s->pos < s->buf.len;
 }
 
@@ -104,15 +147,22 @@ static void args_str(loom_tstream_t *s, const char *text) {
 static void args_escaped(loom_tstream_t *s, const char *p, size_t n) {
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)p[i];
-        const char *e = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\b' ? "\\b" : c == '\f' ? "\\f"
-                        : c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
+        const char *e = c == '"'    ? "\\\""
+                        : c == '\\' ? "\\\\"
+                        : c == '\b' ? "\\b"
+                        : c == '\f' ? "\\f"
+                        : c == '\n' ? "\\n"
+                        : c == '\r' ? "\\r"
+                        : c == '\t' ? "\\t"
+                                    : NULL;
         if (e) {
             loom_sbuf_str(&s->args, e);
         } else if (c < 32) {
             loom_sbuf_printf(&s->args, "\\u%04x", c);
         } else {
             size_t k = i;
-            while (k < n && (unsigned char)p[k] >= 32 && p[k] != '"' && p[k] != '\\') k++;
+            while (k < n && (unsigned char)p[k] >= 32 && p[k] != '"' && p[k] != '\\')
+                k++;
             loom_sbuf_add(&s->args, p + i, k - i);
             i = k - 1;
         }
@@ -159,6 +209,25 @@ static int json_arg(loom_tstream_t *s) {
 
 /* ---- deepseek_v3, deepseek_v31 ---- */
 
+/* A field of a DeepSeek call from tok_at up to term: 1 and *end where term
+ * begins; 0 to wait; -1 (failed) when the field runs past MAX_NAME bytes or
+ * a call's end comes first. Decided from the field's own text, so the same
+ * however the text is cut. */
+static int ds_field(loom_tstream_t *s, const char *term, size_t *end) {
+    const char *t = find(s, s->mk.tok_at, term), *ce = find(s, s->mk.tok_at, DS_CALL_END);
+    size_t at = t ? (size_t)(t - s->buf.p) : s->buf.len;
+    size_t room =
+        t ? at - s->mk.tok_at
+          : s->buf.len - s->mk.tok_at - LOOM_MIN(s->buf.len - s->mk.tok_at, strlen(term) - 1);
+    if (room > MAX_NAME || (ce && (size_t)(ce - s->buf.p) < at)) {
+        fail_here(s);
+        return -1;
+    }
+    if (!t) return 0;
+    *end = at;
+    return 1;
+}
+
 static int ds_step(loom_tstream_t *s) {
     int v31 = s->t->fmt == LOOM_TOOLFMT_DEEPSEEK_V31;
     ts_marked_t *m = &s->mk;
@@ -185,27 +254,23 @@ static int ds_step(loom_tstream_t *s) {
         }
         return MOVED;
     }
-    case M_DS_TYPE: { /* "function", up to <sep> */
-        const char *sep = find(s, s->pos, DS_SEP);
-        if (!sep) {
-            if (s->buf.len - s->pos > MAX_NAME + strlen(DS_SEP) || find(s, s->pos, DS_CALL_END)) fail_here(s);
-            return s->phase == P_TEXT ? MOVED : WAIT;
-        }
-        s->pos = (size_t)(sep - s->buf.p) + strlen(DS_SEP);
-        m->tok_at = s->pos;
-        m->phase = M_DS_NAME;
-        return MOVED;
-    }
+    case M_DS_TYPE:   /* "function", up to <sep> */
     case M_DS_NAME: { /* v3: up to the newline before the fence; v31: up to <sep> */
-        const char *end = v31 ? find(s, m->tok_at, DS_SEP) : memchr(s->buf.p + m->tok_at, '\n', s->buf.len - m->tok_at);
-        if (!end) {
-            if (s->buf.len - m->tok_at > MAX_NAME + strlen(DS_SEP)) fail_here(s);
-            return s->phase == P_TEXT ? MOVED : WAIT;
+        const char *term = m->phase == M_DS_NAME && !v31 ? "\n" : DS_SEP;
+        size_t end = 0;
+        int r = ds_field(s, term, &end);
+        if (r <= 0) return r < 0 ? MOVED : WAIT;
+        s->pos = end + strlen(term);
+        if (m->phase == M_DS_TYPE) {
+            m->tok_at = s->pos;
+            m->phase = M_DS_NAME;
+            return MOVED;
         }
-        size_t a = m->tok_at, b = (size_t)(end - s->buf.p);
-        while (a < b && ts_is_ws(s->buf.p[a])) a++;
-        while (b > a && ts_is_ws(s->buf.p[b - 1])) b--;
-        s->pos = (size_t)(end - s->buf.p) + (v31 ? strlen(DS_SEP) : 1);
+        size_t a = m->tok_at, b = end;
+        while (a < b && ts_is_ws(s->buf.p[a]))
+            a++;
+        while (b > a && ts_is_ws(s->buf.p[b - 1]))
+            b--;
         if (start_call(s, a, b - a) < 0) return MOVED;
         m->phase = v31 ? M_DS_ARGS0 : M_DS_FENCE;
         return MOVED;
@@ -270,7 +335,8 @@ static const cJSON *tool_params(const loom_tools_t *t, const char *name) {
     cJSON_ArrayForEach(tool, t->tools) {
         const cJSON *fn = cJSON_GetObjectItemCaseSensitive(tool, "function");
         const cJSON *nm = cJSON_GetObjectItemCaseSensitive(fn, "name");
-        if (cJSON_IsString(nm) && !strcmp(nm->valuestring, name)) return cJSON_GetObjectItemCaseSensitive(fn, "parameters");
+        if (cJSON_IsString(nm) && !strcmp(nm->valuestring, name))
+            return cJSON_GetObjectItemCaseSensitive(fn, "parameters");
     }
     return NULL;
 }
@@ -279,7 +345,8 @@ static const cJSON *tool_params(const loom_tools_t *t, const char *name) {
  * value then streams as a JSON string. */
 static int string_typed(const cJSON *params, const char *key) {
     const cJSON *props = cJSON_GetObjectItemCaseSensitive(params, "properties");
-    const cJSON *type = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(props, key), "type");
+    const cJSON *type =
+        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(props, key), "type");
     return !cJSON_IsString(type) || !strcmp(type->valuestring, "string");
 }
 
@@ -295,8 +362,10 @@ static int coder_value(loom_tstream_t *s) {
         m->vat = s->pos;
     }
     const char *c = find(s, s->pos, close);
-    size_t end = c ? (size_t)(c - s->buf.p) : s->buf.len - ts_partial_suffix(s->buf.p + s->pos, s->buf.len - s->pos, close);
-    if (end > m->vat && end > s->pos && s->buf.p[end - 1] == '\n') end--; /* the last newline: held, dropped at the close */
+    size_t end = c ? (size_t)(c - s->buf.p)
+                   : s->buf.len - ts_partial_suffix(s->buf.p + s->pos, s->buf.len - s->pos, close);
+    if (end > m->vat && end > s->pos && s->buf.p[end - 1] == '\n')
+        end--; /* the last newline: held, dropped at the close */
     if (!c) {
         if (!m->typed) {
             args_escaped(s, s->buf.p + s->pos, end - s->pos);
@@ -459,7 +528,8 @@ static int py_string(loom_tstream_t *s) {
         }
         if (c != '\\') {
             size_t k = s->pos;
-            while (k < s->buf.len && b[k] != m->quote && b[k] != '\n' && b[k] != '\\') k++;
+            while (k < s->buf.len && b[k] != m->quote && b[k] != '\n' && b[k] != '\\')
+                k++;
             args_escaped(s, b + s->pos, k - s->pos);
             s->pos = k;
             continue;
@@ -478,7 +548,8 @@ static int py_value(loom_tstream_t *s) {
     ts_marked_t *m = &s->mk;
     if (m->pv == PV_STR) return py_string(s);
     if (m->pv == PV_SCALAR) { /* a number, True, False, None: converted once complete */
-        while (s->pos < s->buf.len && py_scalar_char(s->buf.p[s->pos])) s->pos++;
+        while (s->pos < s->buf.len && py_scalar_char(s->buf.p[s->pos]))
+            s->pos++;
         if (s->pos == s->buf.len) return WAIT;
         if (loom_tp_py_literal(s->buf.p + m->tok_at, s->pos - m->tok_at, &s->args) < 0) {
             fail_here(s);
@@ -547,7 +618,8 @@ static int py_value(loom_tstream_t *s) {
  * content is the same however the text was cut.) */
 static int py_ident_end(loom_tstream_t *s, int kw) {
     ts_marked_t *m = &s->mk;
-    while (s->pos < s->buf.len && py_ident(s->buf.p[s->pos], s->pos == m->tok_at, kw)) s->pos++;
+    while (s->pos < s->buf.len && py_ident(s->buf.p[s->pos], s->pos == m->tok_at, kw))
+        s->pos++;
     int too_long = !kw && s->pos - m->tok_at > MAX_NAME; /* no tool has that name */
     if (s->pos < s->buf.len && s->pos > m->tok_at && !too_long) return 1;
     if (s->pos < s->buf.len || too_long) fail_here(s);
@@ -727,9 +799,10 @@ static int seek(loom_tstream_t *s) {
         ts_emit_content(s, s->sent, s->sent + at);
         s->sent += at;
         s->pos = s->sent;
-        s->mk.phase = is_ds(s) ? M_DS_BEGIN
+        s->mk.phase = is_ds(s)                        ? M_DS_BEGIN
                       : f == LOOM_TOOLFMT_QWEN3_CODER ? M_QC_OPEN
-                      : f == LOOM_TOOLFMT_OPENAI ? M_HM_HEAD : M_PY_START;
+                      : f == LOOM_TOOLFMT_OPENAI      ? M_HM_HEAD
+                                                      : M_PY_START;
         return MOVED;
     }
     if ((f == LOOM_TOOLFMT_PYTHONIC || f == LOOM_TOOLFMT_LLAMA4_PYTHONIC) && !maybe) {

@@ -1,6 +1,6 @@
-/* Call syntaxes read whole (tool_parsers.h): DeepSeek V3 / V3.1's marked
- * blocks, the pythonic call list, Qwen3-Coder's blocks and GPT-OSS's
- * harmony calls. */
+/* The marked call syntaxes read from the whole text (tool_parsers.h):
+ * DeepSeek V3 / V3.1's marked blocks, the pythonic call list, Qwen3-Coder's
+ * blocks and GPT-OSS's harmony calls. */
 #include "gateway/tool_parsers.h"
 
 #include <stdlib.h>
@@ -494,7 +494,7 @@ static const cJSON *tool_params(const cJSON *tools, const char *name, size_t n) 
 }
 
 void loom_tp_coder_value(const cJSON *params, const char *key, const char *v, size_t n,
-                        loom_sbuf_t *out) {
+                         loom_sbuf_t *out) {
     const cJSON *props = cJSON_GetObjectItemCaseSensitive(params, "properties");
     const cJSON *type =
         cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(props, key), "type");

@@ -1,5 +1,6 @@
-/* Call syntaxes read once the calls are complete (tool_stream.c holds their
- * text from the start marker on and parses it at the end). With B, E, CB,
+/* The marked call syntaxes, read from the whole text: the plain reference
+ * of what tool_marked.c reads incrementally (the tests hold the two to
+ * agree), and the pieces both share. With B, E, CB,
  * CE and S for DeepSeek's markers <｜tool▁calls▁begin｜>,
  * <｜tool▁calls▁end｜>, <｜tool▁call▁begin｜>, <｜tool▁call▁end｜> and
  * <｜tool▁sep｜>:
