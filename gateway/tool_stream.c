@@ -14,7 +14,9 @@
  * Invariant: buf[0, sent) went out (content or arguments) or was dropped
  * (markup of a started call, whitespace next to a call); buf[sent, len)
  * is held. A call is started (CALL event) only once its name is known and
- * valid and its arguments object has begun; after that sent follows pos. */
+ * valid and its arguments object has begun; after that sent follows pos.
+ * The marked syntaxes (tool_parsers.h) have their own phases, in
+ * tool_marked.c, over the same buffer, events and invariant (s->marked). */
 #include "gateway/tool_stream.h"
 
 #include <stdlib.h>
