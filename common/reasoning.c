@@ -17,22 +17,27 @@ typedef struct {
     const char *starts[3]; /* NULL-terminated */
     const char *ends[4];
     int default_reason; /* no start marker: the output is reasoning */
+    const char *guide_after; /* the ends a grammar starts after, '\n' between two (reasoning.h) */
 } fmt_t;
 
 static const fmt_t k_fmts[] = {
-    {LOOM_REASONING_DEEPSEEK_R1, "deepseek_r1", {"<think>", NULL}, {"</think>", NULL}, 1},
-    {LOOM_REASONING_QWEN3, "qwen3", {"<think>", NULL}, {"</think>", NULL}, 0},
+    {LOOM_REASONING_DEEPSEEK_R1, "deepseek_r1", {"<think>", NULL}, {"</think>", NULL}, 1, "</think>"},
+    {LOOM_REASONING_QWEN3, "qwen3", {"<think>", NULL}, {"</think>", NULL}, 0, "</think>"},
+    /* Granite 3.2+ writes "Here is"; vLLM's granite parser takes "Here's" as
+       well (seen from quantized instances), and so does the grammar */
     {LOOM_REASONING_GRANITE,
      "granite",
      {"Here is my thought process:", "Here's my thought process:", NULL},
      {"Here is my response:", "Here's my response:", NULL},
-     0},
+     0,
+     "Here is my response:\nHere's my response:"},
     {LOOM_REASONING_OPENAI,
      "openai",
      {"<|channel|>analysis<|message|>", NULL},
      {"<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>",
       "<|end|>", NULL}, /* (bare <|end|>: another message follows, a tool call's) */
-     0},
+     0,
+     "<|end|><|start|>assistant<|channel|>final<|message|>"},
 };
 
 enum { S_START, S_REASON, S_CONTENT };
@@ -62,7 +67,7 @@ loom_reasoning_t loom_reasoning_from_name(const char *name) {
 
 const char *loom_reasoning_end_marker(loom_reasoning_t r) {
     const fmt_t *f = fmt_of(r);
-    return f ? f->ends[0] : NULL;
+    return f ? f->guide_after : NULL;
 }
 
 loom_rsplit_t *loom_rsplit_create(loom_reasoning_t r) {

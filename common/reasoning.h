@@ -38,7 +38,9 @@ const char *loom_reasoning_name(loom_reasoning_t r);
 /* The parser named NAME (vLLM's names); LOOM_REASONING_NONE when unknown. */
 loom_reasoning_t loom_reasoning_from_name(const char *name);
 /* The marker after which the answer starts ("</think>", ...): where a
- * grammar's constraint begins. */
+ * grammar's constraint begins (GenerateRequest.guide_after). Where the
+ * model writes it in more than one way, the ways separated by '\n' (no
+ * marker has one): granite's "Here is my response:\nHere's my response:". */
 const char *loom_reasoning_end_marker(loom_reasoning_t r);
 
 typedef struct loom_rsplit loom_rsplit_t;

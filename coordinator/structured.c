@@ -44,7 +44,7 @@ struct loom_guide {
     size_t tok_words; /* the grammar's mask words (the tokenizer's vocabulary) */
     int broken; /* the matcher refused a token: the output can no longer match */
     /* a reasoning model's answer: the grammar holds after the marker */
-    char *after;      /* the marker (NULL: the grammar holds from the first token) */
+    char *after;      /* the marker, or several separated by '\n' (NULL: the grammar holds from the first token) */
     int start;        /* out[start..] are fed to the matcher, after tail bytes (-1: the marker not seen yet) */
     char *tail;       /* the bytes of out[start - 1] after the marker */
     size_t n_tail;
@@ -178,12 +178,22 @@ void loom_guide_destroy(loom_guide_t **g_p) {
     *g_p = NULL;
 }
 
+/* The length of the marker in after (one, or several separated by '\n')
+ * that t[0, end) ends with; 0 when none does. */
+static size_t marker_ending(const char *after, const char *t, size_t end) {
+    for (const char *m = after; *m;) {
+        size_t n = strcspn(m, "\n");
+        if (n && n <= end && !memcmp(t + end - n, m, n)) return n;
+        m += n + (m[n] == '\n');
+    }
+    return 0;
+}
+
 /* With a marker: decodes the output's new tokens (dec holds out[0..n_dec)
  * as bytes) and looks for the marker's end among their bytes; found, it
  * sets start and tail and restarts the matcher there. 0 while the marker
  * has not come. */
 static int find_start(loom_guide_t *g, const int32_t *out, int n_out) {
-    size_t m = strlen(g->after);
     if (n_out < g->n_dec) { /* rolled back */
         g->dec.len = 0;
         g->n_dec = 0;
@@ -199,7 +209,7 @@ static int find_start(loom_guide_t *g, const int32_t *out, int n_out) {
         size_t from = g->dec.len;
         loom_sbuf_add(&g->dec, b ? b : "", n);
         for (size_t k = from; k < g->dec.len; k++) {
-            if (k + 1 < m || memcmp(g->dec.p + k + 1 - m, g->after, m) != 0) continue;
+            if (!marker_ending(g->after, g->dec.p, k + 1)) continue;
             g->n_tail = g->dec.len - (k + 1);
             free(g->tail);
             g->tail = loom_xmalloc(g->n_tail + 1);
@@ -330,10 +340,11 @@ int loom_guide_text_complete(const loom_guide_t *g) {
     const char *t = g->text ? g->text : "";
     size_t n = g->n_text;
     if (g->after) { /* the answer: what follows the marker's first occurrence */
-        const char *p = memmem(t, n, g->after, strlen(g->after));
-        if (!p) return 0;
-        n -= (size_t)(p - t) + strlen(g->after);
-        t = p + strlen(g->after);
+        size_t end = 0, m = 0;
+        while (end < n && !(m = marker_ending(g->after, t, ++end))) {}
+        if (!m) return 0;
+        t += end;
+        n -= end;
     }
     return loom_grammar_check(g->grammar, t, n) == LOOM_GRAMMAR_MATCH;
 }

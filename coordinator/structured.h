@@ -48,7 +48,8 @@ void loom_structured_destroy(loom_structured_t **s_p);
 
 /* kind: api.proto guide_kind (1..6, loom_grammar_kind_t). Bad specs are
  * INVALID_ARGUMENT / UNSUPPORTED with the compiler's message. after (NULL
- * or "": none): a reasoning model's end-of-reasoning marker; the output is
+ * or "": none): a reasoning model's end-of-reasoning marker (or several,
+ * '\n' between them: the first to come counts); the output is
  * free up to its first occurrence (rows unconstrained) and the grammar
  * holds from the byte after it, the rest of the token that ends the marker
  * included; the text check reads what follows the marker too. */

@@ -708,11 +708,15 @@ void guide_after_reasoning(const loom_http_t *h, gen_t *g) {
     /* GPT-OSS: a forced call is a message of its own, the analysis optional */
     if (h->reasoning == LOOM_REASONING_OPENAI && g->p.guide_kind == GUIDE_TOOL_CALLS) return;
     const char *end = loom_reasoning_end_marker(h->reasoning);
-    size_t n = strlen(g->prompt), m = strlen(end);
+    size_t n = strlen(g->prompt);
     while (n && (g->prompt[n - 1] == ' ' || g->prompt[n - 1] == '\n' || g->prompt[n - 1] == '\t' ||
                  g->prompt[n - 1] == '\r'))
         n--;
-    if (n >= m && !memcmp(g->prompt + n - m, end, m)) return;
+    for (const char *e = end; *e;) { /* (one of the ways it is written, '\n' between them) */
+        size_t m = strcspn(e, "\n");
+        if (m && n >= m && !memcmp(g->prompt + n - m, e, m)) return;
+        e += m + (e[m] == '\n');
+    }
     g->p.guide_after = end;
     g->p.no_speculation = 1;
 }

@@ -16,6 +16,13 @@
  * output_item.done; last response.completed (response.incomplete when the
  * token budget cut it), or error + response.failed when the stream broke.
  *
+ * Log probabilities (include "message.output_text.logprobs", top_logprobs
+ * N: the chat's logprobs and top_logprobs) go on the message's output_text
+ * part, and streamed on each output_text.delta with its tokens: those of
+ * the answer (a reasoning parser's reasoning tokens left out, counted per
+ * chunk as reasoning_tokens are), none while tools are on (as the chat's
+ * streamed logprobs).
+ *
  * Stored responses (store, default true) live in a bounded LRU (count and
  * bytes): the response object, for GET, and the conversation as chat
  * messages (instructions left out, as OpenAI), which previous_response_id
@@ -167,6 +174,8 @@ struct resp_ctx {
     /* --reasoning-parser: the output's reasoning split off (common/reasoning.h) */
     loom_rsplit_t *rs;
     long long reasoning_tokens; /* tokens of the chunks that came before the answer began */
+    /* logprobs, streamed: the open message's entries, and those of tokens whose text has not gone out yet */
+    cJSON *lp_msg, *lp_pending;
 };
 
 void resp_free(req_t *q) {
@@ -181,6 +190,8 @@ void resp_free(req_t *q) {
     free(r->content.p);
     free(r->call_name);
     loom_rsplit_destroy(&r->rs);
+    cJSON_Delete(r->lp_msg);
+    cJSON_Delete(r->lp_pending);
     free(r);
 }
 
@@ -244,6 +255,7 @@ static cJSON *resp_object(const req_t *q, const char *status, cJSON *output, cJS
     }
     cJSON_AddItemToObject(o, "tool_choice", echo_or(r, "tool_choice", cJSON_CreateString("auto")));
     cJSON_AddItemToObject(o, "tools", echo_or(r, "tools", cJSON_CreateArray()));
+    cJSON_AddItemToObject(o, "top_logprobs", echo_or(r, "top_logprobs", cJSON_CreateNull()));
     cJSON_AddItemToObject(o, "top_p", echo_or(r, "top_p", cJSON_CreateNumber(1.0)));
     cJSON_AddItemToObject(o, "truncation", echo_or(r, "truncation", cJSON_CreateString("disabled")));
     cJSON_AddItemToObject(o, "usage", usage ? usage : cJSON_CreateNull());
@@ -264,7 +276,9 @@ static cJSON *resp_usage(const resp_ctx_t *r, const loom_chunk_t *ch) {
     return u;
 }
 
-static cJSON *message_item(const char *id, const char *status, const char *text) {
+/* (takes logprobs: the output_text part's [{token, logprob, bytes,
+ * top_logprobs}], NULL: none) */
+static cJSON *message_item(const char *id, const char *status, const char *text, cJSON *logprobs) {
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "id", id);
     cJSON_AddStringToObject(m, "type", "message");
@@ -276,8 +290,10 @@ static cJSON *message_item(const char *id, const char *status, const char *text)
         cJSON_AddStringToObject(p, "type", "output_text");
         cJSON_AddStringToObject(p, "text", text);
         cJSON_AddArrayToObject(p, "annotations");
-        cJSON_AddArrayToObject(p, "logprobs");
+        cJSON_AddItemToObject(p, "logprobs", logprobs ? logprobs : cJSON_CreateArray());
         cJSON_AddItemToArray(content, p);
+    } else {
+        cJSON_Delete(logprobs);
     }
     return m;
 }
@@ -412,10 +428,14 @@ static void close_item(req_t *q) {
         cJSON_AddNumberToObject(e, "output_index", out_index(r));
         cJSON_AddNumberToObject(e, "content_index", 0);
         cJSON_AddStringToObject(e, "text", t);
-        cJSON_AddArrayToObject(e, "logprobs");
+        cJSON *lp = r->lp_msg ? r->lp_msg : cJSON_CreateArray();
+        r->lp_msg = NULL;
+        cJSON_Delete(r->lp_pending); /* (tokens of text the splitter kept back: in lp already) */
+        r->lp_pending = NULL;
+        cJSON_AddItemToObject(e, "logprobs", cJSON_Duplicate(lp, 1));
         ev_send(q, e);
         part_event(q, "response.content_part.done", "output_text", t);
-        item = message_item(r->item_id, "completed", t);
+        item = message_item(r->item_id, "completed", t, lp);
     } else if (r->open == ITEM_REASONING) {
         e = ev_new(q, "response.reasoning_text.done");
         cJSON_AddStringToObject(e, "item_id", r->item_id);
@@ -453,7 +473,7 @@ static void open_message(req_t *q) {
     r->open = ITEM_MESSAGE;
     cJSON *e = ev_new(q, "response.output_item.added");
     cJSON_AddNumberToObject(e, "output_index", out_index(r));
-    cJSON_AddItemToObject(e, "item", message_item(r->item_id, "in_progress", NULL));
+    cJSON_AddItemToObject(e, "item", message_item(r->item_id, "in_progress", NULL, NULL));
     ev_send(q, e);
     part_event(q, "response.content_part.added", "output_text", "");
 }
@@ -470,9 +490,30 @@ static void text_delta(req_t *q, const char *text, size_t len) {
     cJSON_AddNumberToObject(e, "output_index", out_index(r));
     cJSON_AddNumberToObject(e, "content_index", 0);
     cJSON_AddStringToObject(e, "delta", d);
-    cJSON_AddArrayToObject(e, "logprobs");
+    cJSON_AddItemToObject(e, "logprobs", r->lp_pending ? r->lp_pending : cJSON_CreateArray());
+    r->lp_pending = NULL;
     ev_send(q, e);
     free(d);
+}
+
+/* A streamed chunk's log probabilities (the answer's tokens), for the next
+ * output_text.delta and the message. */
+static void stream_logprobs(req_t *q, const loom_chunk_t *ch) {
+    resp_ctx_t *r = q->resp;
+    if (!q->logprobs || !ch->has_logprobs || ch->n_ids <= 0 || q->tools.mode != LOOM_TOOLS_OFF) return;
+    if (r->rs && !loom_rsplit_in_content(r->rs)) return; /* reasoning tokens */
+    cJSON *lp = cJSON_CreateObject();
+    add_logprobs(q, lp, ch);
+    cJSON *entries = cJSON_DetachItemFromObjectCaseSensitive(lp, "content");
+    cJSON_Delete(lp);
+    if (!r->lp_msg) r->lp_msg = cJSON_CreateArray();
+    if (!r->lp_pending) r->lp_pending = cJSON_CreateArray();
+    cJSON *it;
+    while (entries && (it = cJSON_DetachItemFromArray(entries, 0))) {
+        cJSON_AddItemToArray(r->lp_msg, cJSON_Duplicate(it, 1));
+        cJSON_AddItemToArray(r->lp_pending, it);
+    }
+    cJSON_Delete(entries);
 }
 
 /* A streamed piece of reasoning: a reasoning item opened on the first. */
@@ -571,10 +612,12 @@ void resp_stream_chunk(req_t *q, const loom_chunk_t *ch) {
         loom_sbuf_t rb = {0}, cb = {0};
         split_chunk(q, ch, ch->final, &rb, &cb);
         reasoning_delta(q, rb.p, rb.len);
+        stream_logprobs(q, ch);
         stream_answer(q, cb.p, cb.len);
         free(rb.p);
         free(cb.p);
-    } else if (ch->text_len > 0) {
+    } else if (ch->text_len > 0 || ch->n_ids > 0) {
+        stream_logprobs(q, ch);
         stream_answer(q, ch->text, ch->text_len);
     }
     q->send_ns += loom_now_ns() - t0;
@@ -615,6 +658,18 @@ void resp_stream_chunk(req_t *q, const loom_chunk_t *ch) {
 
 /* ---- not streamed ---- */
 
+/* The answer's log probabilities collected unstreamed (NULL: none): the
+ * chat's logprobs.content less the reasoning chunks' tokens, which come
+ * first. */
+static cJSON *answer_logprobs(req_t *q) {
+    if (!q->logprobs || q->tools.mode != LOOM_TOOLS_OFF) return NULL;
+    cJSON *entries = q->lp_acc ? cJSON_DetachItemFromObjectCaseSensitive(q->lp_acc, "content") : NULL;
+    if (!entries) return NULL;
+    for (long long i = 0; i < q->resp->reasoning_tokens && entries->child; i++)
+        cJSON_Delete(cJSON_DetachItemFromArray(entries, 0));
+    return entries;
+}
+
 enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
     resp_ctx_t *r = q->resp;
     char *t = text_dup(q->text.p ? q->text.p : "", q->text.len);
@@ -635,7 +690,7 @@ enum MHD_Result resp_finish(req_t *q, const loom_chunk_t *ch) {
     if (!calls || (content && content[0])) {
         char id[80];
         fresh_id(q->h, "msg_", id, sizeof id);
-        cJSON_AddItemToArray(output, message_item(id, "completed", content ? content : ""));
+        cJSON_AddItemToArray(output, message_item(id, "completed", content ? content : "", answer_logprobs(q)));
         if (content) loom_sbuf_str(&r->content, content);
     }
     const cJSON *c;
@@ -856,6 +911,28 @@ static int map_text(const cJSON *x, cJSON *chat, perr_t *e) {
     return 0;
 }
 
+/* include (an array of strings; "message.output_text.logprobs" asks for
+ * the output's log probabilities) and top_logprobs (0 to 20) as the chat's
+ * logprobs and top_logprobs. */
+static int map_logprobs(const cJSON *o, cJSON *chat, perr_t *e) {
+    const cJSON *inc = field(o, "include"), *top = field(o, "top_logprobs"), *x;
+    int want = 0;
+    if (inc) {
+        if (!cJSON_IsArray(inc)) return bad(e, "include", "include must be an array of strings");
+        cJSON_ArrayForEach(x, inc) {
+            if (!cJSON_IsString(x)) return bad(e, "include", "include must be an array of strings");
+            want |= !strcmp(x->valuestring, "message.output_text.logprobs");
+        }
+    }
+    if (top && (!cJSON_IsNumber(top) || top->valuedouble < 0 || top->valuedouble > MAX_TOP_LOGPROBS ||
+                top->valuedouble != (double)(int)top->valuedouble))
+        return bad(e, "top_logprobs", "top_logprobs must be an integer from 0 to %d", MAX_TOP_LOGPROBS);
+    if (!want) return 0;
+    cJSON_AddTrueToObject(chat, "logprobs");
+    if (top) cJSON_AddNumberToObject(chat, "top_logprobs", top->valuedouble);
+    return 0;
+}
+
 /* Sampling and other chat fields a Responses request may carry as they are. */
 static const char *const k_pass[] = {"model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                                      "frequency_penalty", "repetition_penalty", "stop", "logit_bias", "user",
@@ -865,7 +942,7 @@ static const char *const k_pass[] = {"model", "temperature", "top_p", "top_k", "
 /* Echoed in the response object. */
 static const char *const k_echo[] = {"instructions", "max_output_tokens", "parallel_tool_calls",
                                      "previous_response_id", "reasoning", "temperature", "text", "tool_choice",
-                                     "tools", "top_p", "truncation", "user", "metadata"};
+                                     "tools", "top_logprobs", "top_p", "truncation", "user", "metadata"};
 /* Accepted and without effect here. */
 static const char *const k_accepted[] = {"include", "truncation", "store", "stream", "stream_options", "reasoning",
                                          "top_logprobs", "max_tool_calls", "prompt_cache_key", "safety_identifier",
@@ -961,6 +1038,7 @@ static cJSON *chat_body(req_t *q, const cJSON *o, unsigned *status, perr_t *e) {
     if ((x = field(o, "tools")) && map_tools(x, chat, e) < 0) goto fail;
     if ((x = field(o, "tool_choice")) && map_tool_choice(x, chat, e) < 0) goto fail;
     if ((x = field(o, "text")) && map_text(x, chat, e) < 0) goto fail;
+    if (map_logprobs(o, chat, e) < 0) goto fail;
     if ((x = field(o, "max_output_tokens"))) {
         if (!cJSON_IsNumber(x) || x->valuedouble < 1 || x->valuedouble != (double)(long long)x->valuedouble) {
             bad(e, "max_output_tokens", "max_output_tokens must be a positive integer");

@@ -11,7 +11,7 @@
  *                (several separated by ';')
  *   mistral      at the start, [TOOL_CALLS] then a JSON array [{"name": ..., "arguments": {...}}]
  *   granite      at the start, <|tool_call|> then a JSON array of the same
- *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder, openai  read whole (tool_parsers.h)
+ *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder, openai  marked syntaxes (tool_parsers.h)
  * A forced call's output is that syntax, its arguments held to the tool's
  * schema by the grammar engine (grammar kind LOOM_GRAMMAR_TOOL_CALLS): JSON,
  * Python literals (pythonic) or typed parameter blocks (qwen3_coder). */

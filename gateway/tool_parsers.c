@@ -1,6 +1,6 @@
-/* Call syntaxes read whole (tool_parsers.h): DeepSeek V3 / V3.1's marked
- * blocks, the pythonic call list, Qwen3-Coder's blocks and GPT-OSS's
- * harmony calls. */
+/* The marked call syntaxes read from the whole text (tool_parsers.h):
+ * DeepSeek V3 / V3.1's marked blocks, the pythonic call list, Qwen3-Coder's
+ * blocks and GPT-OSS's harmony calls. */
 #include "gateway/tool_parsers.h"
 
 #include <stdlib.h>
@@ -391,6 +391,15 @@ static int py_value(py_t *p, loom_sbuf_t *out) {
     return rc;
 }
 
+int loom_tp_py_literal(const char *s, size_t n, loom_sbuf_t *out) {
+    py_t p = {.s = s, .n = n, .i = 0};
+    loom_sbuf_t v = {0};
+    int rc = py_value(&p, &v) < 0 || p.i != n ? -1 : 0;
+    if (!rc) loom_sbuf_add(out, v.p, v.len);
+    free(v.p);
+    return rc;
+}
+
 static int is_ident(char c, int first) {
     return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
            (!first && ((c >= '0' && c <= '9') || c == '.' || c == '-'));
@@ -484,9 +493,8 @@ static const cJSON *tool_params(const cJSON *tools, const char *name, size_t n) 
     return NULL;
 }
 
-/* One parameter's value as JSON, by its schema type. */
-static void coder_value(const cJSON *params, const char *key, const char *v, size_t n,
-                        loom_sbuf_t *out) {
+void loom_tp_coder_value(const cJSON *params, const char *key, const char *v, size_t n,
+                         loom_sbuf_t *out) {
     const cJSON *props = cJSON_GetObjectItemCaseSensitive(params, "properties");
     const cJSON *type =
         cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(props, key), "type");
@@ -565,7 +573,7 @@ static int parse_coder(const cJSON *tools, const char *s, size_t n, loom_tp_call
             loom_sbuf_str(&args, ks ? ks : "\"\"");
             loom_sbuf_add(&args, ":", 1);
             free(ks);
-            coder_value(params, key, s + va, vb - va, &args);
+            loom_tp_coder_value(params, key, s + va, vb - va, &args);
             free(key);
             i = (size_t)(close - s) + strlen("</parameter>");
         }
@@ -589,33 +597,41 @@ fail:
 
 /* ---- openai: GPT-OSS harmony messages on the commentary channel ---- */
 
-/* One call's header, from s[*at] up to and past <|message|>: 1 and the
- * recipient function's name, or 0 when it is no call header (another
- * channel, unknown words). */
-static int harmony_header(const char *s, size_t n, size_t *at, size_t *name_at, size_t *name_len) {
+/* Whether s[i, n) is a proper prefix of lit (the text may go on to be it). */
+static int cut_short(const char *s, size_t n, size_t i, const char *lit) {
+    return n - i < strlen(lit) && !memcmp(s + i, lit, n - i);
+}
+
+int loom_tp_harmony_header(const char *s, size_t n, size_t *at, size_t *name_at, size_t *name_len) {
+    static const char *const words[] = {"<|message|>", "to=functions.", "<|channel|>commentary",
+                                        "<|constrain|>", HM_START};
     size_t i = skip_ws(s, n, *at);
     int chan = 0;
     *name_len = 0;
     if (starts(s, n, i, HM_START)) i += strlen(HM_START);
     for (;;) {
         i = skip_ws(s, n, i);
+        if (i == n) return -1;
         if (starts(s, n, i, "<|message|>")) break;
         if (starts(s, n, i, "to=functions.")) {
             i += strlen("to=functions.");
             *name_at = i;
             while (i < n && s[i] != '<' && !is_space(s[i]))
                 i++;
+            if (i == n) return -1;
             *name_len = i - *name_at;
         } else if (starts(s, n, i, "<|channel|>commentary")) {
             i += strlen("<|channel|>commentary");
             chan = 1;
         } else if (starts(s, n, i, "<|constrain|>")) {
             i += strlen("<|constrain|>");
-        } else if (i < n && ((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z'))) {
+        } else {
+            for (size_t k = 0; k < LOOM_ARRAY_LEN(words); k++)
+                if (cut_short(s, n, i, words[k])) return -1;
+            if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z'))) return 0;
             while (i < n && ((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z')))
                 i++; /* the content type, "json" */
-        } else {
-            return 0;
+            if (i == n) return -1;
         }
     }
     if (!chan || !*name_len) return 0;
@@ -629,7 +645,7 @@ static int parse_harmony(const cJSON *tools, const char *s, size_t n, loom_tp_ca
     int nc = 0;
     for (;;) {
         size_t at = i, name_at = 0, name_len = 0;
-        if (!harmony_header(s, n, &at, &name_at, &name_len)) break;
+        if (loom_tp_harmony_header(s, n, &at, &name_at, &name_len) <= 0) break;
         if (!known(tools, s + name_at, name_len)) goto fail;
         /* the arguments run to <|call|>, or to the end (a stop token the
            decoder may leave out) */

@@ -1,5 +1,6 @@
-/* Call syntaxes read once the calls are complete (tool_stream.c holds their
- * text from the start marker on and parses it at the end). With B, E, CB,
+/* The marked call syntaxes, read from the whole text: the plain reference
+ * of what tool_marked.c reads incrementally (the tests hold the two to
+ * agree), and the pieces both share. With B, E, CB,
  * CE and S for DeepSeek's markers <｜tool▁calls▁begin｜>,
  * <｜tool▁calls▁end｜>, <｜tool▁call▁begin｜>, <｜tool▁call▁end｜> and
  * <｜tool▁sep｜>:
@@ -31,13 +32,14 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/util.h"
 #include "gateway/tool_calls.h"
 
 typedef struct loom_tp_call {
     char *name, *args; /* malloc'ed */
 } loom_tp_call_t;
 
-/* 1 for the syntaxes read whole (above). */
+/* 1 for the syntaxes above (read by tool_stream_impl.h's marked reader). */
 int loom_tp_held(loom_toolfmt_t f);
 
 /* Where the calls begin in text[0..len): the offset of the start marker
@@ -51,5 +53,16 @@ size_t loom_tp_find_start(loom_toolfmt_t f, const char *text, size_t len, size_t
 int loom_tp_parse(loom_toolfmt_t f, const cJSON *tools, const char *text, size_t len,
                   loom_tp_call_t **calls, size_t *end);
 void loom_tp_calls_free(loom_tp_call_t *calls, int n);
+
+/* The pieces the streaming reader shares with loom_tp_parse:
+ * qwen3_coder's parameter key's value v[0, n) as JSON, typed by the tool's
+ * parameters schema, appended to out; a whole Python literal (a number,
+ * True, False, None, ...) as JSON appended to out (-1: not one); a harmony
+ * call header at s[*at]: 1 (*at past its <|message|>, the recipient's name
+ * at s[*name_at], *name_len bytes), 0 when it is none, -1 when s[0, n) ends
+ * before that is known. */
+void loom_tp_coder_value(const cJSON *params, const char *key, const char *v, size_t n, loom_sbuf_t *out);
+int loom_tp_py_literal(const char *s, size_t n, loom_sbuf_t *out);
+int loom_tp_harmony_header(const char *s, size_t n, size_t *at, size_t *name_at, size_t *name_len);
 
 #endif

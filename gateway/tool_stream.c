@@ -14,7 +14,9 @@
  * Invariant: buf[0, sent) went out (content or arguments) or was dropped
  * (markup of a started call, whitespace next to a call); buf[sent, len)
  * is held. A call is started (CALL event) only once its name is known and
- * valid and its arguments object has begun; after that sent follows pos. */
+ * valid and its arguments object has begun; after that sent follows pos.
+ * The marked syntaxes (tool_parsers.h) have their own phases, in
+ * tool_marked.c, over the same buffer, events and invariant (s->marked). */
 #include "gateway/tool_stream.h"
 
 #include <stdlib.h>
@@ -24,35 +26,19 @@
 
 #include "common/util.h"
 #include "gateway/tool_parsers.h"
-
-#define JS_MAX_DEPTH 64
+#include "gateway/tool_stream_impl.h"
 
 /* ---- strict incremental JSON (RFC 8259) ---- */
 
-enum { JS_VALUE, JS_ARR_FIRST, JS_KEY_OR_END, JS_KEY, JS_COLON, JS_AFTER, JS_STR, JS_ESC, JS_HEX, JS_NUM, JS_LIT,
-       JS_DONE, JS_ERR };
-enum { N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP };
-
-typedef struct {
-    int st;                    /* JS_* */
-    int depth;                 /* open containers */
-    int key;                   /* the string being read is an object key */
-    int hex;                   /* \u digits still to come */
-    int num;                   /* N_*: where in a number */
-    const char *lit;           /* true / false / null being matched */
-    int lit_i;
-    char stack[JS_MAX_DEPTH];  /* '{' or '[' per open container */
-} js_t;
-
-static int is_ws(char c) {
+int ts_is_ws(char c) {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r';
 }
 
-static int in_string(int st) {
+int ts_in_string(int st) {
     return st == JS_STR || st == JS_ESC || st == JS_HEX;
 }
 
-static void js_start(js_t *j) {
+void ts_js_start(js_t *j) {
     memset(j, 0, sizeof *j);
     j->st = JS_VALUE;
 }
@@ -66,12 +52,12 @@ static int is_hex(char c) {
 }
 
 /* Takes c; j->st becomes JS_ERR when c cannot come here. */
-static void js_step(js_t *j, char c) {
+void ts_js_step(js_t *j, char c) {
     for (;;) {
         int digit = c >= '0' && c <= '9';
         switch (j->st) {
         case JS_ARR_FIRST:
-            if (is_ws(c)) return;
+            if (ts_is_ws(c)) return;
             if (c == ']') {
                 j->depth--;
                 js_end_value(j);
@@ -80,7 +66,7 @@ static void js_step(js_t *j, char c) {
             j->st = JS_VALUE;
             continue;
         case JS_VALUE:
-            if (is_ws(c)) return;
+            if (ts_is_ws(c)) return;
             if (c == '{' || c == '[') {
                 if (j->depth == JS_MAX_DEPTH) {
                     j->st = JS_ERR;
@@ -104,7 +90,7 @@ static void js_step(js_t *j, char c) {
             return;
         case JS_KEY_OR_END:
         case JS_KEY:
-            if (is_ws(c)) return;
+            if (ts_is_ws(c)) return;
             if (c == '}' && j->st == JS_KEY_OR_END) {
                 j->depth--;
                 js_end_value(j);
@@ -116,11 +102,11 @@ static void js_step(js_t *j, char c) {
             }
             return;
         case JS_COLON:
-            if (is_ws(c)) return;
+            if (ts_is_ws(c)) return;
             j->st = c == ':' ? JS_VALUE : JS_ERR;
             return;
         case JS_AFTER: {
-            if (is_ws(c)) return;
+            if (ts_is_ws(c)) return;
             char top = j->stack[j->depth - 1];
             if (c == ',') {
                 j->st = top == '{' ? JS_KEY : JS_VALUE;
@@ -192,40 +178,11 @@ static void js_step(js_t *j, char c) {
 
 /* ---- the reader ---- */
 
-enum { P_PRE, P_OUT, P_OPEN, P_VALUE, P_CLOSE, P_TRAIL, P_SEMI, P_TEXT };
 enum { R_SKIP, R_NAME, R_ARGS }; /* what the current member of a call object is */
 
 static const char k_open[] = "<tool_call>", k_close[] = "</tool_call>";
 
-struct loom_tstream {
-    const loom_tools_t *t;
-    loom_tse_fn emit;
-    void *ctx;
-    int blocks;        /* hermes: <tool_call> blocks within text */
-    int held;          /* a syntax read whole (tool_parsers.h): content until its start, then held */
-    int hold;          /* held: buf[sent, len) is the calls' text, parsed at the end */
-    loom_sbuf_t buf;   /* everything fed, NULs dropped */
-    size_t pos, sent;  /* scanned up to; out or dropped up to (see the top) */
-    int phase;
-    int tag_i;         /* PRE: the next tag that may come */
-    int close_i;       /* CLOSE: characters of "</tool_call>" matched */
-    size_t semi_at;    /* SEMI: where the ';' is */
-    int after_call;    /* OUT: the last thing was a call (whitespace next is dropped) */
-    size_t pend_at, pend_len; /* OUT: whitespace between content and a call, kept if content follows it */
-    int array;         /* the calls are a JSON array */
-    int ncalls;        /* calls started */
-    int failed;        /* the answer is not calls */
-    js_t js;
-    int cd;            /* depth of a call object's members (0: bare, the value is the arguments) */
-    /* the call being read */
-    int in_call, role, committed, args_on, have_name, have_args;
-    size_t key_at, name_at;
-    char *name;        /* read and valid */
-    loom_sbuf_t args;  /* its arguments so far (whitespace between tokens dropped) */
-    size_t args_sent;
-};
-
-static void flush_args(loom_tstream_t *s) {
+void ts_flush_args(loom_tstream_t *s) {
     if (!s->committed || s->args.len == s->args_sent) return;
     loom_tse_t e = {.kind = LOOM_TSE_ARGS, .index = s->ncalls - 1, .text = s->args.p + s->args_sent,
                     .len = s->args.len - s->args_sent};
@@ -233,14 +190,14 @@ static void flush_args(loom_tstream_t *s) {
     s->emit(s->ctx, &e);
 }
 
-static void emit_content(loom_tstream_t *s, size_t from, size_t to) {
+void ts_emit_content(loom_tstream_t *s, size_t from, size_t to) {
     if (to <= from) return;
-    flush_args(s);
+    ts_flush_args(s);
     loom_tse_t e = {.kind = LOOM_TSE_CONTENT, .index = -1, .text = s->buf.p + from, .len = to - from};
     s->emit(s->ctx, &e);
 }
 
-static void reset_call(loom_tstream_t *s) {
+void ts_reset_call(loom_tstream_t *s) {
     free(s->name);
     s->name = NULL;
     s->in_call = s->role = s->committed = s->args_on = s->have_name = s->have_args = 0;
@@ -248,16 +205,16 @@ static void reset_call(loom_tstream_t *s) {
 }
 
 /* Not calls after all: what is held goes out, and all that follows. */
-static void fail(loom_tstream_t *s) {
-    flush_args(s);
-    reset_call(s);
+void ts_fail(loom_tstream_t *s) {
+    ts_flush_args(s);
+    ts_reset_call(s);
     s->failed = 1;
     s->phase = P_TEXT;
-    emit_content(s, s->sent, s->buf.len);
+    ts_emit_content(s, s->sent, s->buf.len);
     s->sent = s->pos = s->buf.len;
 }
 
-static int known(const loom_tools_t *t, const char *name) {
+int ts_known(const loom_tools_t *t, const char *name) {
     const cJSON *tool;
     cJSON_ArrayForEach(tool, t->tools) {
         const cJSON *n = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(tool, "function"), "name");
@@ -274,7 +231,7 @@ static char *decode_str(const char *p, size_t n) {
     return out;
 }
 
-static int commit(loom_tstream_t *s) {
+int ts_commit(loom_tstream_t *s) {
     if (s->ncalls > 0 && !s->t->parallel) return -1;
     loom_tse_t e = {.kind = LOOM_TSE_CALL, .index = s->ncalls, .name = s->name};
     s->ncalls++;
@@ -285,14 +242,14 @@ static int commit(loom_tstream_t *s) {
 
 /* The JSON value holding the call(s) begins at pos; cd: its calls' depth. */
 static void begin_value(loom_tstream_t *s, int cd) {
-    js_start(&s->js);
+    ts_js_start(&s->js);
     s->cd = cd;
     s->phase = P_VALUE;
     if (cd == 0) { /* named: the value is the arguments object */
-        reset_call(s);
+        ts_reset_call(s);
         s->in_call = s->args_on = 1;
         s->name = loom_xstrdup(s->t->named);
-        commit(s);
+        ts_commit(s);
     }
 }
 
@@ -300,17 +257,17 @@ static void begin_value(loom_tstream_t *s, int cd) {
 static void value_char(loom_tstream_t *s, char c) {
     js_t *j = &s->js;
     int s0 = j->st, d0 = j->depth, cd = s->cd;
-    if (cd > 0 && d0 == cd - 1 && (s0 == JS_VALUE || s0 == JS_ARR_FIRST) && !is_ws(c)) {
+    if (cd > 0 && d0 == cd - 1 && (s0 == JS_VALUE || s0 == JS_ARR_FIRST) && !ts_is_ws(c)) {
         if (c != '{') { /* an array's element that is not a call object, or no element */
-            fail(s);
+            ts_fail(s);
             return;
         }
-        reset_call(s);
+        ts_reset_call(s);
         s->in_call = 1;
     }
-    js_step(j, c);
+    ts_js_step(j, c);
     if (j->st == JS_ERR) {
-        fail(s);
+        ts_fail(s);
         return;
     }
     if (!s->in_call) return;
@@ -323,51 +280,51 @@ static void value_char(loom_tstream_t *s, char c) {
             if (k && !strcmp(k, "name") && !s->have_name) s->role = R_NAME;
             else if (k && (!strcmp(k, "arguments") || !strcmp(k, "parameters")) && !s->have_args) s->role = R_ARGS;
             free(k);
-        } else if (s0 == JS_VALUE && d0 == cd && !is_ws(c)) {
+        } else if (s0 == JS_VALUE && d0 == cd && !ts_is_ws(c)) {
             if (s->role == R_NAME) {
                 if (c != '"') {
-                    fail(s);
+                    ts_fail(s);
                     return;
                 }
                 s->have_name = 1;
                 s->name_at = s->pos;
             } else if (s->role == R_ARGS) {
                 if (c != '{') {
-                    fail(s);
+                    ts_fail(s);
                     return;
                 }
                 s->have_args = s->args_on = 1;
             }
         } else if (s->role == R_NAME && !s->name && s0 == JS_STR && j->st == JS_AFTER && d0 == cd) {
             s->name = decode_str(s->buf.p + s->name_at, s->pos + 1 - s->name_at);
-            if (!s->name || !known(s->t, s->name)) {
-                fail(s);
+            if (!s->name || !ts_known(s->t, s->name)) {
+                ts_fail(s);
                 return;
             }
         }
     }
     if (s->args_on) {
-        if (!is_ws(c) || in_string(s0)) loom_sbuf_add(&s->args, &c, 1);
+        if (!ts_is_ws(c) || ts_in_string(s0)) loom_sbuf_add(&s->args, &c, 1);
         if (cd == 0 ? j->st == JS_DONE : (d0 == cd + 1 && j->depth == cd)) s->args_on = 0;
     }
-    if (!s->committed && s->name && s->have_args && commit(s) < 0) {
-        fail(s);
+    if (!s->committed && s->name && s->have_args && ts_commit(s) < 0) {
+        ts_fail(s);
         return;
     }
     int ended = cd == 0 ? j->st == JS_DONE : (d0 == cd && j->depth == cd - 1);
     if (ended && !s->committed) {
-        fail(s);
+        ts_fail(s);
         return;
     } /* a name or arguments missing */
     if (s->committed) s->sent = s->pos + 1;
     if (ended) {
-        flush_args(s);
-        reset_call(s);
+        ts_flush_args(s);
+        ts_reset_call(s);
     }
 }
 
 /* Longest proper prefix of tag that p[0, n) ends with. */
-static size_t partial_suffix(const char *p, size_t n, const char *tag) {
+size_t ts_partial_suffix(const char *p, size_t n, const char *tag) {
     size_t t = strlen(tag);
     for (size_t k = LOOM_MIN(n, t - 1); k > 0; k--)
         if (!memcmp(p + n - k, tag, k)) return k;
@@ -387,24 +344,24 @@ static void out_text(loom_tstream_t *s) {
     const char *b = s->buf.p;
     size_t len = s->buf.len, from = s->sent;
     const char *m = find(b + from, len - from, k_open);
-    size_t end = m ? (size_t)(m - b) : len - partial_suffix(b + from, len - from, k_open);
+    size_t end = m ? (size_t)(m - b) : len - ts_partial_suffix(b + from, len - from, k_open);
     if (s->after_call) { /* whitespace after a call is dropped */
-        while (from < end && is_ws(b[from])) from++;
+        while (from < end && ts_is_ws(b[from])) from++;
         s->sent = from;
         if (from < end) { /* content again: the whitespace before the call(s) separates it */
             s->after_call = 0;
-            emit_content(s, s->pend_at, s->pend_at + s->pend_len);
+            ts_emit_content(s, s->pend_at, s->pend_at + s->pend_len);
             s->pend_len = 0;
         }
     }
     size_t last = end;
-    while (last > from && is_ws(b[last - 1])) last--;
-    emit_content(s, from, last);
+    while (last > from && ts_is_ws(b[last - 1])) last--;
+    ts_emit_content(s, from, last);
     s->sent = last;
     if (m) {
         if (!s->after_call) {
             s->pend_at = last;
-            s->pend_len = last > 0 && !is_ws(b[last - 1]) ? end - last : 0;
+            s->pend_len = last > 0 && !ts_is_ws(b[last - 1]) ? end - last : 0;
         }
         s->pos = end + strlen(k_open);
         s->phase = P_OPEN;
@@ -415,7 +372,7 @@ static void out_text(loom_tstream_t *s) {
 
 /* PRE: 1 when the character at pos was dealt with, 0 to wait for more. */
 static int pre_char(loom_tstream_t *s, char c) {
-    if (is_ws(c)) {
+    if (ts_is_ws(c)) {
         s->pos++;
         return 1;
     }
@@ -438,66 +395,14 @@ static int pre_char(loom_tstream_t *s, char c) {
     } else if (c == '{') {
         begin_value(s, 1);
     } else {
-        fail(s);
+        ts_fail(s);
     }
     return 1;
 }
 
-/* A syntax read whole: content goes out until the calls' start marker
- * (less a suffix that may begin it); from the marker on, all is held. */
-static void run_held(loom_tstream_t *s) {
-    if (s->hold || s->sent == s->buf.len) return;
-    size_t len = s->buf.len - s->sent, maybe = 0;
-    if (s->phase != P_TEXT) {
-        size_t at = loom_tp_find_start(s->t->fmt, s->buf.p + s->sent, len, &maybe);
-        if (at < len) {
-            emit_content(s, s->sent, s->sent + at);
-            s->sent += at;
-            s->hold = 1;
-            return;
-        }
-        if ((s->t->fmt == LOOM_TOOLFMT_PYTHONIC || s->t->fmt == LOOM_TOOLFMT_LLAMA4_PYTHONIC) && !maybe)
-            s->phase = P_TEXT; /* the answer is no call list */
-    }
-    emit_content(s, s->sent, s->buf.len - maybe);
-    s->sent = s->pos = s->buf.len - maybe;
-}
-
-/* The end of a syntax read whole: the held text parsed into calls, or content. */
-static int finish_held(loom_tstream_t *s, int complete) {
-    run_held(s);
-    size_t len = s->buf.len;
-    if (s->hold && complete) {
-        loom_tp_call_t *calls = NULL;
-        size_t end = 0;
-        int n = loom_tp_parse(s->t->fmt, s->t->tools, s->buf.p + s->sent, len - s->sent, &calls, &end);
-        if (n > 0 && (n == 1 || s->t->parallel)) {
-            for (int i = 0; i < n; i++) {
-                loom_tse_t e = {.kind = LOOM_TSE_CALL, .index = i, .name = calls[i].name};
-                s->emit(s->ctx, &e);
-                loom_tse_t a = {.kind = LOOM_TSE_ARGS, .index = i, .text = calls[i].args, .len = strlen(calls[i].args)};
-                if (a.len) s->emit(s->ctx, &a);
-            }
-            s->ncalls = n;
-            size_t rest = s->sent + end;
-            while (rest < len && is_ws(s->buf.p[rest])) rest++;
-            emit_content(s, rest, len);
-            loom_tp_calls_free(calls, n);
-            s->sent = s->pos = len;
-            s->phase = P_TEXT;
-            return n;
-        }
-        if (n > 0) loom_tp_calls_free(calls, n);
-    }
-    emit_content(s, s->sent, len); /* not calls: the held text is content */
-    s->sent = s->pos = len;
-    s->phase = P_TEXT;
-    return LOOM_TS_TEXT;
-}
-
 static void run(loom_tstream_t *s) {
-    if (s->held) {
-        run_held(s);
+    if (s->marked) {
+        ts_marked_run(s);
         return;
     }
     while (s->phase != P_TEXT && s->pos < s->buf.len) {
@@ -511,8 +416,8 @@ static void run(loom_tstream_t *s) {
             break;
         case P_OPEN:
             if (c == '{') begin_value(s, 1);
-            else if (is_ws(c)) s->pos++;
-            else fail(s);
+            else if (ts_is_ws(c)) s->pos++;
+            else ts_fail(s);
             break;
         case P_VALUE:
             value_char(s, c);
@@ -531,14 +436,14 @@ static void run(loom_tstream_t *s) {
                     s->after_call = 1;
                     s->phase = P_OUT;
                 }
-            } else if (s->close_i == 0 && is_ws(c)) {
+            } else if (s->close_i == 0 && ts_is_ws(c)) {
                 s->pos++;
             } else {
-                fail(s);
+                ts_fail(s);
             }
             break;
         case P_TRAIL:
-            if (is_ws(c)) {
+            if (ts_is_ws(c)) {
                 s->sent = ++s->pos;
             } else if (c == ';' && s->t->fmt == LOOM_TOOLFMT_LLAMA3_JSON && !s->array) {
                 s->semi_at = s->pos++;
@@ -551,7 +456,7 @@ static void run(loom_tstream_t *s) {
         case P_SEMI:
             if (c == '{') {
                 begin_value(s, 1);
-            } else if (is_ws(c)) {
+            } else if (ts_is_ws(c)) {
                 s->pos++;
             } else {
                 s->sent = s->semi_at;
@@ -561,7 +466,7 @@ static void run(loom_tstream_t *s) {
         }
     }
     if (s->phase == P_TEXT) {
-        emit_content(s, s->sent, s->buf.len);
+        ts_emit_content(s, s->sent, s->buf.len);
         s->sent = s->pos = s->buf.len;
     }
 }
@@ -573,7 +478,7 @@ loom_tstream_t *loom_tstream_create(const loom_tools_t *t, loom_tse_fn emit, voi
     s->emit = emit;
     s->ctx = ctx;
     s->blocks = t->fmt == LOOM_TOOLFMT_HERMES || t->fmt == LOOM_TOOLFMT_NONE;
-    s->held = loom_tp_held(t->fmt);
+    s->marked = loom_tp_held(t->fmt);
     s->phase = s->blocks ? P_OUT : P_PRE;
     return s;
 }
@@ -582,6 +487,7 @@ void loom_tstream_destroy(loom_tstream_t **self_p) {
     loom_tstream_t *s = *self_p;
     if (!s) return;
     free(s->name);
+    free(s->mk.key);
     free(s->args.p);
     free(s->buf.p);
     free(s);
@@ -596,16 +502,16 @@ void loom_tstream_feed(loom_tstream_t *s, const char *text, size_t len) {
         i = k + 1;
     }
     run(s);
-    flush_args(s);
+    ts_flush_args(s);
 }
 
 int loom_tstream_finish(loom_tstream_t *s, int complete) {
-    if (s->held) return finish_held(s, complete);
+    if (s->marked) return ts_marked_finish(s, complete);
     run(s);
-    flush_args(s);
+    ts_flush_args(s);
     size_t len = s->buf.len;
     if (!complete) { /* cut short: not calls, whatever was read */
-        if (s->phase != P_TEXT) fail(s);
+        if (s->phase != P_TEXT) ts_fail(s);
         s->failed = 1;
     }
     switch (s->phase) {
@@ -614,14 +520,14 @@ int loom_tstream_finish(loom_tstream_t *s, int complete) {
         break;
     case P_OUT:
         if (s->ncalls && s->after_call)
-            while (s->sent < len && is_ws(s->buf.p[s->sent])) s->sent++;
-        emit_content(s, s->sent, len);
+            while (s->sent < len && ts_is_ws(s->buf.p[s->sent])) s->sent++;
+        ts_emit_content(s, s->sent, len);
         break;
     case P_SEMI:
-        emit_content(s, s->semi_at, len);
+        ts_emit_content(s, s->semi_at, len);
         break;
     default: /* PRE: no call; OPEN, VALUE, CLOSE: one unfinished */
-        fail(s);
+        ts_fail(s);
         break;
     }
     s->sent = s->pos = len;

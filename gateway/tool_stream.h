@@ -14,6 +14,10 @@
  *                 optional <|python_tag|>, [TOOL_CALLS] or <|tool_call|>) a
  *                 JSON array of calls, or one call object (llama3_json:
  *                 several, separated by ';'); text after them is content
+ *   deepseek_v3, deepseek_v31, pythonic, llama4_pythonic, qwen3_coder,
+ *   openai        the marked syntaxes of tool_parsers.h, read by
+ *                 tool_marked.c the same way (a call starts once its name
+ *                 is read, its arguments' JSON grows as it comes)
  * A call object has a "name" (the first, a string naming one of the tools)
  * and "arguments" or "parameters" (the first of them, an object); other
  * members are ignored, in any order. Its arguments are the object's JSON

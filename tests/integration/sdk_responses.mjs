@@ -1,5 +1,5 @@
 // The Responses API (/v1/responses) through the official clients: the
-// OpenAI Node SDK's responses.create (plain, streamed, a function tool and
+// OpenAI Node SDK's responses.create (plain, streamed, with logprobs, a function tool and
 // then its function_call_output, text.format json_schema,
 // previous_response_id, an unknown id), the Vercel AI SDK's responses model
 // (@ai-sdk/openai's openai.responses) and LangChain's ChatOpenAI with
@@ -67,6 +67,21 @@ await record("stream_helper", async () => {
   const stream = client.responses.stream({ ...base, input: "Once upon a time" });
   const r = await stream.finalResponse();
   return { text: r.output_text, status: r.status };
+});
+
+// log probabilities: include message.output_text.logprobs with top_logprobs, plain and streamed
+await record("logprobs", async () => {
+  const req = { ...base, input: "Once upon a time", include: ["message.output_text.logprobs"], top_logprobs: 2 };
+  const r = await client.responses.create(req);
+  const part = r.output.find((o) => o.type === "message").content[0];
+  const stream = await client.responses.create({ ...req, stream: true });
+  const streamed = [];
+  let done = null;
+  for await (const ev of stream) {
+    if (ev.type === "response.output_text.delta") streamed.push(...ev.logprobs);
+    if (ev.type === "response.output_text.done") done = ev.logprobs;
+  }
+  return { text: r.output_text, logprobs: part.logprobs, streamed, done, top_logprobs: r.top_logprobs };
 });
 
 const tools = [

@@ -29,6 +29,9 @@ tokenizer_config.json carries a real model's chat template
   parse back; with [TOOL_CALLS] a special token of the tokenizer, a forced
   call's first token is that token (not the marker spelled), which the
   parser still sees.
+- A marked syntax streams incrementally (DeepSeek V3 through the OpenAI
+  Node SDK): the call's name delta well before the end, the arguments in
+  pieces adding up to the unstreamed call of the same seed.
 - Bad input: a template with a syntax error refuses start-up naming
   file:line:col; an endless loop or a huge string is bounded (400);
   chat_template_kwargs not an object (400); raise_exception's message
@@ -524,9 +527,24 @@ def test_sdks():
         print("  " + p.stdout.strip().split("\n")[-1][:300])
 
 
+def test_sdk_tool_stream():
+    """A marked syntax streams incrementally: DeepSeek V3's forced call through
+    the OpenAI Node SDK, its name delta early, its arguments in pieces that
+    add up to the unstreamed arguments (sdk_tool_stream.mjs)."""
+    port = free_port()
+    with Cluster(model_with("deepseek-v3"), coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY]) as c:
+        wait_for(lambda: "tool calls: deepseek_v3," in c.log("coordinator"), 10, "the parser in the log")
+        p = subprocess.run(["node", os.path.join(ROOT, "tests", "integration", "sdk_tool_stream.mjs"),
+                            "http://127.0.0.1:%d/v1" % port, KEY], capture_output=True, text=True, timeout=400)
+        check(p.returncode == 0, "sdk_tool_stream.mjs failed (%d): %s %s" % (
+            p.returncode, p.stdout[-1500:], p.stderr[-1500:]))
+        print("  deepseek_v3 streamed: " + p.stdout.strip().split("\n")[-1][:300])
+
+
 if __name__ == "__main__":
     try:
         run_tests([test_bad_input, test_render_matches_reference, test_forced_calls_in_model_syntax,
-                   test_forced_pythonic_and_coder, test_special_token_marker, test_reasoning_parser, test_harmony, test_sdks])
+                   test_forced_pythonic_and_coder, test_special_token_marker, test_reasoning_parser, test_harmony, test_sdks,
+                   test_sdk_tool_stream])
     finally:
         shutil.rmtree(WORK, ignore_errors=True)

@@ -10,6 +10,9 @@ preamble does not fit the tiny model's 512), chat template chatml.
   output_item.added, content_part.added, output_text.delta..., done
   events, completed/incomplete), sequence_number 0, 1, 2, ...; the deltas
   add up to the unstreamed text.
+- Logprobs (include message.output_text.logprobs, top_logprobs): the
+  output_text part has the chat's logprobs for the same request, streamed
+  on the output_text.delta events; bad values are a 400.
 - Function tools with tool_choice required: function_call items whose
   arguments validate against the tool's schema, streamed (arguments deltas
   adding up to the done event) and not; function_call + function_call_output
@@ -129,6 +132,49 @@ def check_plain(port):
     check(events[0][1]["response"]["status"] == "in_progress" and events[0][1]["response"]["output"] == [],
           "created %r" % events[0][1])
     print("  plain: %r (%s), %d events streamed" % (message_text(r), r["status"], len(events)))
+
+
+def same_logprobs(a, b, tol=1e-4):
+    """The same tokens with the same log probabilities, up to float noise
+    (two requests may run in different batches)."""
+    def close(x, y):
+        return x["token"] == y["token"] and x.get("bytes") == y.get("bytes") and abs(x["logprob"] - y["logprob"]) <= tol
+    return len(a) == len(b) and all(close(x, y) and len(x["top_logprobs"]) == len(y["top_logprobs"]) and
+                                    all(close(u, v) for u, v in zip(x["top_logprobs"], y["top_logprobs"]))
+                                    for x, y in zip(a, b))
+
+
+def check_logprobs(port):
+    """include message.output_text.logprobs with top_logprobs: the output_text
+    part carries the chat's logprobs.content for the same request, streamed
+    on the output_text.delta events (adding up to the same list, as the done
+    event has it); without include, empty lists; bad values are a 400."""
+    body = {"input": "Once upon a time", "max_output_tokens": 12, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    r = respond(port, body)
+    part = r["output"][0]["content"][0]
+    status, data = post(port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Once upon a time"}], "max_completion_tokens": 12,
+        "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    check(status == 200, "chat: %d %r" % (status, data[:300]))
+    want = json.loads(data)["choices"][0]["logprobs"]["content"]
+    check(same_logprobs(part["logprobs"], want) and len(want) == r["usage"]["output_tokens"] and r["top_logprobs"] == 3,
+          "logprobs %r vs chat %r" % (part["logprobs"][:3], want[:3]))
+    check(all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in want), "top_logprobs %r" % want[:2])
+    status, events = sse(port, "/v1/responses", dict(body, stream=True))
+    check(status == 200, "stream: %d %r" % (status, events))
+    streamed = [e for _, d in events if d["type"] == "response.output_text.delta" for e in d["logprobs"]]
+    done = [d for _, d in events if d["type"] == "response.output_text.done"][0]
+    final = events[-1][1]["response"]["output"][0]["content"][0]
+    check(streamed == done["logprobs"] == final["logprobs"] and same_logprobs(streamed, want), "streamed logprobs %r vs %r" % (
+        streamed[:3], want[:3]))
+    plain = respond(port, dict(body, include=[], top_logprobs=None))
+    check(plain["output"][0]["content"][0]["logprobs"] == [], "no include: %r" % plain["output"][0])
+    for bad, param in (({"include": "message.output_text.logprobs"}, "include"), ({"top_logprobs": 21}, "top_logprobs"),
+                       ({"top_logprobs": 1.5}, "top_logprobs")):
+        status, data = post(port, "/v1/responses", dict(body, **bad))
+        expect_error(status, data, 400, param=param)
+    print("  logprobs: %d tokens, streamed on the deltas" % len(want))
 
 
 def check_tools(port):
@@ -289,6 +335,7 @@ def test_responses():
         with Cluster(model, coord_args=["--http", "127.0.0.1:%d" % port, "--chat-template", "chatml",
                                         "--api-key", KEY]):
             check_plain(port)
+            check_logprobs(port)
             check_tools(port)
             check_store_and_errors(port)
             check_streamed_n(port)
@@ -316,6 +363,12 @@ def test_sdks():
             check(st["text"] == plain["text"] and st["seqs"] == list(range(len(st["seqs"]))) and
                   st["types"][0] == "response.created", "stream %r vs %r" % (st, plain["text"]))
             check(res["stream_helper"]["text"] == plain["text"], "stream helper %r" % res["stream_helper"])
+            lp = res["logprobs"]
+            check(lp["text"] == plain["text"] and len(lp["logprobs"]) == plain["usage"]["output_tokens"] and
+                  lp["top_logprobs"] == 2 and all(len(e["top_logprobs"]) == 2 for e in lp["logprobs"]),
+                  "SDK logprobs %r" % lp)
+            check(lp["streamed"] == lp["done"] and same_logprobs(lp["streamed"], lp["logprobs"]),
+                  "SDK streamed logprobs %r" % lp)
             tc = res["tool_call"]
             if tc["status"] == "completed":
                 check(len(tc["calls"]) == 1 and tc["calls"][0]["name"] == "get_weather", "tool call %r" % tc)

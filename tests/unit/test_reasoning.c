@@ -27,6 +27,8 @@ static const case_t k_cases[] = {
     {"granite", "Here is my thought process: add them. Here is my response: 4", " add them. ",
      " 4"},
     {"granite", "Here's my thought process:x Here's my response:y", "x ", "y"},
+    {"granite", "Here is my thought process:x Here's my response:y", "x ", "y"},
+    {"granite", "Here's my thought process: x. Here is my response: y", " x. ", " y"},
     {"granite", "Just 4.", NULL, "Just 4."},
     /* openai (GPT-OSS harmony) */
     {"openai",
@@ -116,8 +118,46 @@ static void test_holding(void) {
     CHECK(!strcmp(loom_reasoning_end_marker(LOOM_REASONING_QWEN3), "</think>"));
 }
 
+/* The markers a grammar starts after (loom_reasoning_end_marker, '\n'
+ * between the ways it is written) are the splitter's: each ends the
+ * reasoning where the splitter ends it. Granite's are both spellings. */
+static void test_guide_markers(void) {
+    static const struct {
+        loom_reasoning_t r;
+        const char *open;
+        int n_ways;
+    } parsers[] = {
+        {LOOM_REASONING_DEEPSEEK_R1, "", 1},
+        {LOOM_REASONING_QWEN3, "<think>", 1},
+        {LOOM_REASONING_GRANITE, "Here is my thought process:", 2},
+        {LOOM_REASONING_OPENAI, "<|channel|>analysis<|message|>", 1},
+    };
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(parsers); i++) {
+        const char *all = loom_reasoning_end_marker(parsers[i].r);
+        REQUIRE(all && all[0]);
+        int ways = 0;
+        for (const char *m = all; *m;) {
+            size_t n = strcspn(m, "\n");
+            CHECKF(n > 0, "%s: an empty marker", loom_reasoning_name(parsers[i].r));
+            char text[256];
+            snprintf(text, sizeof text, "%sthink%.*sanswer", parsers[i].open, (int)n, m);
+            char *reason, *content;
+            loom_reasoning_split(parsers[i].r, text, strlen(text), &reason, &content);
+            CHECKF(same(reason, "think") && same(content, "answer"), "%s: '%.*s' ends [%s] [%s]",
+                   loom_reasoning_name(parsers[i].r), (int)n, m, reason ? reason : "(none)", content ? content : "(none)");
+            free(reason);
+            free(content);
+            ways++;
+            m += n + (m[n] == '\n');
+        }
+        CHECKF(ways == parsers[i].n_ways, "%s: %d ways", loom_reasoning_name(parsers[i].r), ways);
+    }
+    CHECK(strstr(loom_reasoning_end_marker(LOOM_REASONING_GRANITE), "Here's my response:") != NULL);
+}
+
 int main(void) {
     RUN(test_cases);
     RUN(test_holding);
+    RUN(test_guide_markers);
     return test_summary();
 }

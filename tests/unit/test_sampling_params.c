@@ -396,6 +396,35 @@ static void test_guide_after_reasoning(void) {
     loom_guide_text_append(gd, "t", 1);
     CHECK(loom_guide_text_complete(gd));
     loom_sparams_destroy(&p);
+    /* several markers ('\n' between them): the first to come starts the grammar */
+    const char *both = "</a>\n</b>";
+    REQUIRE(loom_guide_create(st, 4, spec, strlen(spec), both, &gd, &err) == LOOM_OK);
+    loom_sparams_set_guide(&p, gd);
+    seq.sparams = p;
+    seq.n_tokens = 2;
+    for (const char *k = "hm</b>"; *k; k++) {
+        loom__v1__sample_params__init(&row);
+        loom_sparams_fill_plan(&a, &mb, rows);
+        CHECKF(!row.grammar, "reasoning before '%c' is constrained", *k);
+        REQUIRE(byte_token(*k) >= 0);
+        toks[seq.n_tokens++] = byte_token(*k);
+    }
+    loom__v1__sample_params__init(&row);
+    loom_sparams_fill_plan(&a, &mb, rows);
+    CHECK(row.grammar && row_allows(&row, c) && !row_allows(&row, x));
+    loom_guide_text_append(gd, "</c>hm</b>do", 12);
+    CHECK(!loom_guide_text_complete(gd));
+    loom_guide_text_append(gd, "g", 1);
+    CHECK(loom_guide_text_complete(gd));
+    loom_sparams_destroy(&p);
+    REQUIRE(loom_guide_create(st, 4, spec, strlen(spec), both, &gd, &err) == LOOM_OK);
+    loom_guide_text_append(gd, "</a>cat", 7);
+    CHECK(loom_guide_text_complete(gd));
+    loom_guide_destroy(&gd);
+    REQUIRE(loom_guide_create(st, 4, spec, strlen(spec), both, &gd, &err) == LOOM_OK);
+    loom_guide_text_append(gd, "</c>cat", 7);
+    CHECK(!loom_guide_text_complete(gd));
+    loom_guide_destroy(&gd);
     /* no marker in the text: never complete */
     REQUIRE(loom_guide_create(st, 4, spec, strlen(spec), "</think>", &gd, &err) == LOOM_OK);
     loom_guide_text_append(gd, "cat", 3);
