@@ -37,7 +37,8 @@ static const fmt_t k_fmts[] = {
      {"<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>",
       "<|end|>", NULL}, /* (bare <|end|>: another message follows, a tool call's) */
      0,
-     "<|end|><|start|>assistant<|channel|>final<|message|>"},
+     /* the final channel's header, with or without an analysis message before it */
+     "<|channel|>final<|message|>"},
 };
 
 enum { S_START, S_REASON, S_CONTENT };

@@ -86,25 +86,6 @@ enum { PV_VALUE, PV_STR, PV_SCALAR, PV_FIRST, PV_COLON, PV_AFTER, PV_COMMA };
 #define MAX_NAME     64 /* tools' names are 1 to 64 characters (tool_calls.c) */
 #define PY_MAX_DEPTH 32
 
-#define DS_CALLS_BEGIN                                                                             \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "calls\xe2\x96\x81"                                                                            \
-    "begin\xef\xbd\x9c>"
-#define DS_CALLS_END                                                                               \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "calls\xe2\x96\x81"                                                                            \
-    "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN                                                                              \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "call\xe2\x96\x81"                                                                             \
-    "begin\xef\xbd\x9c>"
-#define DS_CALL_END                                                                                \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "call\xe2\x96\x81"                                                                             \
-    "end\xef\xbd\x9c>"
-#define DS_SEP                                                                                     \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "sep\xef\xbd\x9c>"
 #define HM_FINAL "<|start|>assistant<|channel|>final<|message|>"
 
 enum { WAIT = 0, MOVED = 1 }; /* a step: more text is needed, or it went on */

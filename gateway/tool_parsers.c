@@ -8,25 +8,6 @@
 
 #include "common/util.h"
 
-#define DS_CALLS_BEGIN                                                                             \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "calls\xe2\x96\x81"                                                                            \
-    "begin\xef\xbd\x9c>"
-#define DS_CALLS_END                                                                               \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "calls\xe2\x96\x81"                                                                            \
-    "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN                                                                              \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "call\xe2\x96\x81"                                                                             \
-    "begin\xef\xbd\x9c>"
-#define DS_CALL_END                                                                                \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "call\xe2\x96\x81"                                                                             \
-    "end\xef\xbd\x9c>"
-#define DS_SEP                                                                                     \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "sep\xef\xbd\x9c>"
 
 int loom_tp_held(loom_toolfmt_t f) {
     return f == LOOM_TOOLFMT_DEEPSEEK_V3 || f == LOOM_TOOLFMT_DEEPSEEK_V31 ||

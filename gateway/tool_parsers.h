@@ -35,6 +35,27 @@
 #include "common/util.h"
 #include "gateway/tool_calls.h"
 
+/* DeepSeek V3 / V3.1's markers (fullwidth bars and U+2581 in their names) */
+#define DS_CALLS_BEGIN                                                                             \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define DS_CALLS_END                                                                               \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN                                                                              \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define DS_CALL_END                                                                                \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
+#define DS_SEP                                                                                     \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "sep\xef\xbd\x9c>"
+
 typedef struct loom_tp_call {
     char *name, *args; /* malloc'ed */
 } loom_tp_call_t;

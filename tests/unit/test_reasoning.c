@@ -153,6 +153,11 @@ static void test_guide_markers(void) {
         CHECKF(ways == parsers[i].n_ways, "%s: %d ways", loom_reasoning_name(parsers[i].r), ways);
     }
     CHECK(strstr(loom_reasoning_end_marker(LOOM_REASONING_GRANITE), "Here's my response:") != NULL);
+    /* GPT-OSS's grammar starts at the final channel whether or not an
+       analysis message came first */
+    const char *hm = loom_reasoning_end_marker(LOOM_REASONING_OPENAI);
+    CHECK(strstr("<|end|><|start|>assistant<|channel|>final<|message|>", hm) != NULL);
+    CHECK(strstr("<|channel|>final<|message|>", hm) != NULL);
 }
 
 int main(void) {
