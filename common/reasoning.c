@@ -71,6 +71,12 @@ const char *loom_reasoning_end_marker(loom_reasoning_t r) {
     return f ? f->guide_after : NULL;
 }
 
+const char *const *loom_reasoning_token_markers(loom_reasoning_t r) {
+    static const char *const none[] = {NULL};
+    static const char *const harmony[] = {"<|channel|>", "<|message|>", "<|end|>", "<|start|>", NULL};
+    return r == LOOM_REASONING_OPENAI ? harmony : none;
+}
+
 loom_rsplit_t *loom_rsplit_create(loom_reasoning_t r) {
     const fmt_t *f = fmt_of(r);
     if (!f) return NULL;

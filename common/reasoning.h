@@ -42,6 +42,11 @@ loom_reasoning_t loom_reasoning_from_name(const char *name);
  * model writes it in more than one way, the ways separated by '\n' (no
  * marker has one): granite's "Here is my response:\nHere's my response:". */
 const char *loom_reasoning_end_marker(loom_reasoning_t r);
+/* The parser's markers that are single tokens the model's tokenizer may
+ * hold as special ones (harmony's <|channel|>, ...): the text the parser
+ * reads must keep them (GenerateRequest.keep_special_ids). NULL-terminated;
+ * empty for parsers whose markers are ordinary text. */
+const char *const *loom_reasoning_token_markers(loom_reasoning_t r);
 
 typedef struct loom_rsplit loom_rsplit_t;
 loom_rsplit_t *loom_rsplit_create(loom_reasoning_t r);

@@ -227,8 +227,9 @@ typedef struct gen {
     int32_t *ids; /* owned: prompt token ids */
     char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
     loom_tools_t tools; /* chat: tools and tool_choice (tool_calls.h), owned */
-    /* special tokens kept in the text (p.keep_special_ids) */
-    int32_t keep_ids[LOOM_TOOLS_MAX_KEEP];
+    /* special tokens kept in the text (p.keep_special_ids): the tool-call
+       parser's markers, then the reasoning parser's */
+    int32_t keep_ids[2 * LOOM_TOOLS_MAX_KEEP];
     uint64_t tok_ns; /* the gateway's own tokenization of a chat prompt */
 } gen_t;
 
@@ -264,6 +265,7 @@ int parse_prompt(const cJSON *o, gen_t *g, perr_t *e);
 int parse_messages(const loom_chat_template_t *tmpl, const loom_tokenizer_t *tok, int special_in_content,
                    const cJSON *o, gen_t *g, perr_t *e);
 void guide_after_reasoning(const loom_http_t *h, gen_t *g);
+void keep_reasoning_markers(const loom_http_t *h, gen_t *g);
 
 /* render.c */
 void new_id(req_t *q);

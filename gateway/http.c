@@ -678,7 +678,10 @@ enum MHD_Result handle_generate(req_t *q) {
         res = respond_error(q, 400, "invalid_request_error", e.param[0] ? e.param : NULL, NULL, "%s", e.msg);
         goto done;
     }
-    if (q->chat) guide_after_reasoning(h, &g);
+    if (q->chat) {
+        guide_after_reasoning(h, &g);
+        keep_reasoning_markers(h, &g);
+    }
     if (ensure_client(q, &err) < 0 || served_model(q, &mi, &err) < 0) {
         res = respond_status(q, err.code, err.msg);
         goto done;

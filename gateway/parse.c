@@ -462,7 +462,7 @@ static int parse_tools(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (loom_tools_parse(o, fmt, &g->tools, &param, msg, sizeof msg) < 0) return bad(e, param, "%s", msg);
     loom_tools_set_tokenizer(&g->tools, q->h ? q->h->tok : NULL);
     /* the markers the tool-call parser reads, written into the text */
-    memcpy(g->keep_ids, g->tools.keep_ids, sizeof g->keep_ids);
+    memcpy(g->keep_ids, g->tools.keep_ids, g->tools.n_keep * sizeof *g->keep_ids);
     g->p.keep_special_ids = g->keep_ids;
     g->p.n_keep_special_ids = g->tools.n_keep;
     if (!g->tools.schema) return 0;
@@ -719,6 +719,23 @@ void guide_after_reasoning(const loom_http_t *h, gen_t *g) {
     }
     g->p.guide_after = end;
     g->p.no_speculation = 1;
+}
+
+/* A reasoning parser reads its markers from the text: those that are
+ * special tokens of the model's (GPT-OSS's harmony markers) stay in it, as a
+ * tool-call parser's do, and the parser takes them out of the answer. */
+void keep_reasoning_markers(const loom_http_t *h, gen_t *g) {
+    if (!h->reasoning || !h->tok) return;
+    size_t n = g->p.n_keep_special_ids;
+    for (const char *const *m = loom_reasoning_token_markers(h->reasoning); *m; m++) {
+        int32_t id = loom_tokenizer_token_id(h->tok, *m);
+        if (id < 0 || !loom_tokenizer_is_special(h->tok, id)) continue;
+        size_t i = 0;
+        while (i < n && g->keep_ids[i] != id) i++;
+        if (i == n && n < LOOM_ARRAY_LEN(g->keep_ids)) g->keep_ids[n++] = id;
+    }
+    g->p.keep_special_ids = g->keep_ids;
+    g->p.n_keep_special_ids = n;
 }
 
 int loom_http_parse_generate(const char *body, size_t len, int chat, const loom_chat_template_t *tmpl,

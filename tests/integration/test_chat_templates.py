@@ -360,6 +360,16 @@ def test_special_token_marker():
             wait_for(lambda: "tool calls: openai," in c.log("coordinator"), 10, "the parser in the log")
             if not reasoning:
                 first_token_is(port, "<|channel|>", 1)
+            else:
+                # no tools: the reasoning parser's own markers stay in the text it reads (the
+                # parser takes a whole analysis header out; a lone one stays as content)
+                channel = 512 + HARMONY_SPECIAL.index("<|channel|>")
+                body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+                        "logit_bias": {str(channel): 100}}
+                status, data = post(port, "/v1/chat/completions", body, key=None, timeout=120)
+                check(status == 200, "%d %r" % (status, data[:300]))
+                m = json.loads(data)["choices"][0]["message"]
+                check(m.get("content") == "<|channel|><|channel|>", "harmony markers dropped: %r" % m)
             n = check_forced(port, "openai")
             print("  harmony markers as special tokens%s: %d forced calls parsed back" % (
                 " (reasoning parser openai)" if reasoning else "", n))
