@@ -547,7 +547,17 @@ static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
     /* sampling controls and grammar masks too: each verify row's plan fields
      * are computed with the earlier drafts as output (loom_sparams_fill_plan) */
     if (q->spec_off) return 0;
-    return s->spec.method == LOOM_SPEC_NGRAM || (s->spec.method == LOOM_SPEC_DRAFT && s->draft);
+    return s->spec.method == LOOM_SPEC_NGRAM || s->spec.method == LOOM_SPEC_MTP ||
+           (s->spec.method == LOOM_SPEC_DRAFT && s->draft);
+}
+
+void loom_sched_mtp_drafts(loom_microbatch_t *mb, const int32_t *drafts) {
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        if (drafts[i] < 0 || q->finish_pending) continue;
+        q->mtp_draft = drafts[i];
+        q->mtp_draft_for = q->n_steps + 1; /* a sequence sampled in mb completes one step */
+    }
 }
 
 /* After add_chunk(q, 1) of a decode: appends up to K drafts of q as
@@ -572,6 +582,9 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
         uint64_t t0 = loom_now_ns();
         n = s->draft(s->draft_ctx, q, k, drafts);
         mb->draft_s += (double)(loom_now_ns() - t0) * 1e-9;
+    } else if (s->spec.method == LOOM_SPEC_MTP) {
+        n = q->mtp_draft_for > 0 && q->mtp_draft_for == q->n_steps;
+        drafts[0] = q->mtp_draft;
     } else {
         n = loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min, s->spec.ngram_max, k,
                                     drafts);

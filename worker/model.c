@@ -48,9 +48,10 @@ static loom_status_t check_caps(loom_backend_t *be, const loom_arch_t *arch, con
                         cfg->model_type, msg);
 }
 
-/* opt.mtp: the shard must be MTP module 0 whole, on one rank; its config
- * counts the module as one more layer, so that the layer loads, caches and
- * runs as any other. */
+/* opt.mtp: the shard must be MTP module 0 with the embedding and head (on
+ * a TP rank: the layer's slice, the whole embedding and eh_proj, the head's
+ * vocabulary slice); its config counts the module as one more layer, so
+ * that the layer loads, caches and runs as any other. */
 static loom_status_t mtp_config(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
                                 loom_model_config_t *out, loom_err_t *err) {
     if (!cfg->deepseek || cfg->n_nextn_layers < 1)
@@ -58,10 +59,9 @@ static loom_status_t mtp_config(const loom_model_config_t *cfg, const loom_shard
                             "an MTP draft needs a DeepSeek checkpoint with num_nextn_predict_layers >= 1 "
                             "(model_type '%s' has %d)", cfg->model_type, cfg->n_nextn_layers);
     if (spec->layer_begin != cfg->n_layers || spec->layer_end != cfg->n_layers + 1 || !spec->has_embed ||
-        !spec->has_head || spec->tp_size != 1)
+        !spec->has_head)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "an MTP draft is layer %d whole with the embedding and head on one rank",
-                            cfg->n_layers);
+                            "an MTP draft is layer %d with the embedding and head", cfg->n_layers);
     *out = *cfg;
     out->n_layers += cfg->n_nextn_layers;
     return LOOM_OK;

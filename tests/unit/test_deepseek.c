@@ -21,6 +21,7 @@
 #include "worker/mla.h"
 #include "worker/model.h"
 #include "worker/moe_ds.h"
+#include "worker/mtp_rows.h"
 
 static const char *g_python = "/usr/bin/python3", *g_ref = NULL, *g_work = "/tmp";
 
@@ -600,6 +601,36 @@ static void test_mtp_draft(void) {
     free(got);
 }
 
+/* The MTP rows of a grid step (worker/mtp_rows.h): a verify step whose
+ * first draft is accepted and second rejected, a plain decode, a prefill
+ * chunk that is not the prompt's last (the coordinator's next token) and
+ * one that is (sampled). */
+static void test_mtp_rows(void) {
+    /* seq 0: fed 10 (decode) + drafts 11, 12; seq 1: decode 20; seq 2: prompt chunk 30 31 (next 32);
+     * seq 3: final chunk 40 41 */
+    static const int32_t tokens[] = {10, 11, 12, 20, 30, 31, 40, 41};
+    static const int32_t tok_seq[] = {0, 0, 0, 1, 2, 2, 3, 3};
+    static const int32_t logit_rows[] = {0, 1, 2, 3, 7};
+    static const int32_t sampled[] = {11, 99, 13, 21, 42}; /* 11 accepts draft 11, 99 rejects 12 */
+    static const int32_t next[] = {-1, -1, 32, -1};
+    loom_mtp_step_t st = {.tokens = tokens, .tok_seq = tok_seq, .n_tokens = 8, .n_seqs = 4,
+                          .logit_rows = logit_rows, .sampled = sampled, .n_logits = 5, .next = next};
+    int32_t in[8], rows[4], seq[4];
+    int n = loom_mtp_rows(&st, in, rows, seq);
+    static const int32_t want_in[] = {11, 99, 13, 21, 31, 32, 41, 42};
+    CHECKF(n == 3, "%d MTP logit rows", n);
+    CHECK(!memcmp(in, want_in, sizeof in));
+    /* seq 0's last accepted row is token 1 (draft 11 accepted, its row sampled 99) */
+    CHECKF(rows[0] == 1 && seq[0] == 0 && rows[1] == 3 && seq[1] == 1 && rows[2] == 7 && seq[2] == 3,
+           "rows %d %d %d, seqs %d %d %d", rows[0], rows[1], rows[2], seq[0], seq[1], seq[2]);
+    /* every draft accepted: the last row; no next tokens given: a chunk's last row reads its own token */
+    static const int32_t all[] = {11, 12, 77, 21, 42};
+    st.sampled = all;
+    st.next = NULL;
+    n = loom_mtp_rows(&st, in, rows, seq);
+    CHECKF(n == 3 && rows[0] == 2 && in[2] == 77 && in[5] == 31, "n %d row %d in %d %d", n, rows[0], in[2], in[5]);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--python")) g_python = argv[i + 1];
@@ -611,6 +642,7 @@ int main(int argc, char **argv) {
     RUN(test_config_v2);
     RUN(test_config_refusals);
     RUN(test_checkpoint);
+    RUN(test_mtp_rows);
     if (!g_ref || !load_pieces()) {
         fprintf(stderr, "FAIL: the reference's pieces could not be made (--ref)\n");
         return 1;
