@@ -8,12 +8,13 @@
 #include <stdint.h>
 
 typedef struct {
-    const int32_t *tokens, *tok_seq;   /* (n_tokens) the step's fed tokens and their sequence */
+    const int32_t *tokens, *tok_seq; /* (n_tokens) the step's fed tokens and their sequence */
     int n_tokens, n_seqs;
-    const int32_t *logit_rows;         /* (n_logits) token rows sampled, a sequence's consecutive */
-    const int32_t *sampled;            /* (n_logits) the ids sampled for them */
+    const int32_t *logit_rows; /* (n_logits) token rows sampled, a sequence's consecutive */
+    const int32_t *sampled;    /* (n_logits) the ids sampled for them */
     int n_logits;
-    const int32_t *next;               /* (n_seqs or NULL) the token after a sequence's last fed one, -1 unknown */
+    const int32_t
+        *next; /* (n_seqs or NULL) the token after a sequence's last fed one, -1 unknown */
 } loom_mtp_step_t;
 
 /* The MTP row at token t reads the token after t: the id sampled at t
