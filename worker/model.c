@@ -326,6 +326,9 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_weight_free(be, &ly->wkv_a);
             free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
+            for (int j = 0; ly->mla_uv && j < m->dims.n_heads; j++) loom_weight_free(be, &ly->mla_uv[j]);
+            free(ly->mla_uv);
+            loom_backend_free(be, ly->mla_uv_table);
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
             loom_weight_free(be, &ly->ffn.router);
@@ -351,6 +354,7 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_weight_free(be, &m->mtp_eh_e);
     loom_weight_free(be, &m->mtp_eh_h);
     loom_backend_free(be, m->inv_freq);
+    loom_backend_free(be, m->mla_sel);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
     loom_model_lora_free(m);
