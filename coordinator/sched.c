@@ -620,13 +620,17 @@ static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const 
     loom_seq_t *q = mb->seqs[si];
     int n = mb->spec_n[si], r0 = mb->spec_row0[si], t0 = mb->logit_rows[r0];
     int base = q->n_computed, accepted = 0, emitted = 0;
+    /* the sequence's counts are current before each token goes out: the
+     * request's final usage is taken as its last token is emitted */
+    q->spec_drafted += n;
+    q->n_steps++;
     for (int j = 0; j <= n && !q->finish_pending; j++) {
         int32_t id = ids[r0 + j];
         int match = j < n && id == mb->tokens[t0 + 1 + j];
         LOOM_ASSERT(q->n_tokens < q->cap_tokens);
         q->tokens[q->n_tokens++] = id;
         emitted++;
-        if (match) accepted++;
+        if (match) accepted++, q->spec_accepted++;
         /* KV is kept for the fed token and the accepted drafts */
         q->n_computed = base + 1 + accepted;
         if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
@@ -640,9 +644,6 @@ static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const 
         register_blocks(s, q);
     }
     loom_spec_adapt_update(&q->spec_adapt, n, accepted);
-    q->spec_drafted += n;
-    q->spec_accepted += accepted;
-    q->n_steps++;
     loom_spec_stats_record(&s->spec_stats, n, accepted, emitted);
 }
 

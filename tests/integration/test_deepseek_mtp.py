@@ -7,21 +7,23 @@ final-normed rows where they are; each step's result carries one draft per seque
   requests at once (greedy, seeded, one with speculation off) give `loom run`'s ids without
   speculation on 1x1, 2x1 (TP 2), 1x2 (PP 2) and 2x2 expert-parallel grids, with drafts verified in
   the requests' usage and vLLM's spec_decode counters.
-- The random module guesses nothing, so acceptance is checked on a variant whose final norms (the
-  target's and the module's shared_head.norm) are zero: every logit is 0, greedy decoding repeats one
-  id and the module drafts it; there every draft is accepted, and usage, /metrics and tokens per
-  target step say so (how many are tried is adaptive K's choice).
+- The random module guesses nothing, so acceptance is checked on a variant that counts (the next
+  token is the current one plus 1, the module guesses the token after the one it reads; see
+  successor()): on every grid every greedy draft is accepted, and the requests' usage and /metrics
+  agree (how many are tried is adaptive K's choice).
 - `loom serve` with vLLM's '{"method": "deepseek_mtp", "num_speculative_tokens": 1}' on TP 2: the same
-  greedy text with and without speculation, the counters moving.
+  greedy text with and without speculation, the counters moving; every draft accepted on the counting
+  variant.
 - A checkpoint without an MTP module is refused at start naming num_nextn_predict_layers.
 """
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import urllib.request
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -46,13 +48,27 @@ def v3_mtp():
     return out
 
 
-def constant_head(model):
-    """model with the target's and the module's final norms zeroed: every logit 0."""
-    def zero_norms(hdr, raw):
-        for name in ("model.norm.weight", "model.layers.5.shared_head.norm.weight"):
-            check(name in raw, "%s missing" % name)
-            raw[name] = struct.pack("<%df" % (len(raw[name]) // 4), *([0.0] * (len(raw[name]) // 4)))
-    return test_models.variant("deepseek-mtp-constant", model, tensors=zero_norms)
+def successor(model):
+    """A variant of model whose next token is the current one plus 1 (mod the vocabulary), and whose
+    MTP module guesses the token after the one it reads: the LM heads are the embedding shifted by a
+    row, the decoder layers' outputs (o_proj, the MLPs' and experts' down_proj) scaled by 0.05 so the
+    residual stays the token's embedding while every layer still adds to it, and eh_proj passes the
+    embedding half through. A draft is then right exactly when the module read the token after its
+    position (the id sampled there), at the right row, through the vocabulary-sliced head."""
+    def edit(hdr, raw):
+        t = {k: np.frombuffer(v, dtype="<f4").reshape(hdr[k]["shape"]).copy() for k, v in raw.items()}
+        dim = t["model.embed_tokens.weight"].shape[1]
+        shifted = np.roll(t["model.embed_tokens.weight"], 1, axis=0)  # row j = embedding j - 1
+        t["lm_head.weight"] = t["model.layers.5.shared_head.head.weight"] = shifted
+        for k in ("model.norm.weight", "model.layers.5.shared_head.norm.weight", "model.layers.5.enorm.weight"):
+            t[k] = np.ones(dim, np.float32)
+        t["model.layers.5.eh_proj.weight"] = np.hstack([np.eye(dim), np.zeros((dim, dim))]).astype(np.float32)
+        for k in t:
+            if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+                t[k] *= 0.05
+        for k in raw:
+            raw[k] = t[k].astype("<f4").tobytes()
+    return test_models.variant("deepseek-mtp-successor", model, tensors=edit)
 
 
 def usage(err):
@@ -99,16 +115,18 @@ def test_grids():
 
 
 def test_acceptance():
-    model = constant_head(v3_mtp())
+    model = successor(v3_mtp())
     expect = {p: run_local(model, p, N, extra=["--ignore-eos"])[1] for p in PROMPTS}
     seeded = run_local(model, PROMPTS[1], N, temperature=0.9, extra=["--ignore-eos", "--seed", "7"])[1]
-    check(len(set(expect[PROMPTS[0]])) == 1, "the constant-head model does not repeat one id: %s" % expect[PROMPTS[0]])
-    for tp, pp, coord in [(1, 1, []), (2, 1, [])]:
+    ids = expect[PROMPTS[0]]
+    check(all(b == (a + 1) % 512 for a, b in zip(ids, ids[1:])), "the successor model does not count: %s" % ids)
+    grids = [(1, 1, []), (2, 1, []), (1, 2, []), (2, 2, ["--expert-parallel"])]
+    for tp, pp, coord in grids[:2] if SANITIZED else grids:
         use, m_drafted, m_accepted = served(model, tp, pp, coord, expect, seeded)
         greedy = [use[p] for p in PROMPTS]
-        print("  constant head %dx%d: greedy requests %s (draft tokens, accepted), seeded %s; /metrics %d of %d"
-              % (tp, pp, greedy, use["seeded"], m_accepted, m_drafted), flush=True)
-        # greedy requests accept every draft; the seeded one samples uniformly over the vocabulary
+        print("  successor %dx%d%s: greedy requests %s (draft tokens, accepted), seeded %s; /metrics %d of %d"
+              % (tp, pp, "".join(" " + a for a in coord), greedy, use["seeded"], m_accepted, m_drafted), flush=True)
+        # every greedy draft is right; usage and vLLM's counters agree
         check(sum(u[0] for u in greedy) > 0 and all(u[0] == u[1] for u in greedy) and
               m_drafted == sum(u[0] for u in use.values()) and m_accepted == sum(u[1] for u in use.values()),
               "%dx%d: greedy %s, /metrics %d of %d" % (tp, pp, greedy, m_accepted, m_drafted))
@@ -143,9 +161,9 @@ def test_serve():
               "speculation changed the text: %s %s" % (on, off))
         drafted = metrics_value(s.port, "vllm:spec_decode_num_draft_tokens_total")
         check(drafted and drafted > 0, "no drafts in /metrics: %s" % drafted)
-    with Serve("--speculative-config", cfg, model=constant_head(model)) as s:
+    with Serve("--speculative-config", cfg, "--tensor-parallel-size", "2", model=successor(model)) as s:
         s.wait_ready()
-        st, on = http(s.port, "POST", "/v1/completions", dict(body, model="bad-deepseek-mtp-constant"), key=None)
+        st, on = http(s.port, "POST", "/v1/completions", dict(body, model="bad-deepseek-mtp-successor"), key=None)
         check(st == 200, "completion failed: %s" % on)
         acc = metrics_value(s.port, "vllm:spec_decode_num_accepted_tokens_total")
         drafted = metrics_value(s.port, "vllm:spec_decode_num_draft_tokens_total")
