@@ -11,6 +11,9 @@ final-normed rows where they are; each step's result carries one draft per seque
   token is the current one plus 1, the module guesses the token after the one it reads; see
   successor()): on every grid every greedy draft is accepted, and the requests' usage and /metrics
   agree (how many are tried is adaptive K's choice).
+- Under preemption (a 28-block pool for three 400-token generations, 24-token steps: chunked prefills
+  and re-prefills) the same ids
+  and every greedy draft of the counting variant accepted, on 1x1 and 2x1.
 - `loom serve` with vLLM's '{"method": "deepseek_mtp", "num_speculative_tokens": 1}' on TP 2: the same
   greedy text with and without speculation, the counters moving; every draft accepted on the counting
   variant.
@@ -51,7 +54,7 @@ def v3_mtp():
 def successor(model):
     """A variant of model whose next token is the current one plus 1 (mod the vocabulary), and whose
     MTP module guesses the token after the one it reads: the LM heads are the embedding shifted by a
-    row, the decoder layers' outputs (o_proj, the MLPs' and experts' down_proj) scaled by 0.05 so the
+    row, the decoder layers' outputs (o_proj, the MLPs' and experts' down_proj) scaled by 0.02 so the
     residual stays the token's embedding while every layer still adds to it, and eh_proj passes the
     embedding half through. A draft is then right exactly when the module read the token after its
     position (the id sampled there), at the right row, through the vocabulary-sliced head."""
@@ -65,7 +68,7 @@ def successor(model):
         t["model.layers.5.eh_proj.weight"] = np.hstack([np.eye(dim), np.zeros((dim, dim))]).astype(np.float32)
         for k in t:
             if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
-                t[k] *= 0.05
+                t[k] *= 0.02
         for k in raw:
             raw[k] = t[k].astype("<f4").tobytes()
     return test_models.variant("deepseek-mtp-successor", model, tensors=edit)
@@ -139,6 +142,32 @@ def test_acceptance():
               "one request: rc %d, %r" % (rc, err[-500:]))
 
 
+def test_preemption():
+    """Three 400-token generations at once over a pool of 28 blocks of 16 (one needs 26) and 24-token
+    steps: chunked prefills (the module's rows past a chunk read StepPlan.mtp_next), preemptions and
+    re-prefills; the same ids, and the counting variant's greedy drafts still all accepted."""
+    model = successor(v3_mtp())
+    n = 400
+    expect = {p: run_local(model, p, n, extra=["--ignore-eos"])[1] for p in PROMPTS}
+    for tp in (1, 2):
+        port = free_port()
+        with Cluster(model, tp, 1, coord_args=MTP + ["--num-kv-blocks", "28", "--block-size", "16",
+                                                     "--max-num-batched-tokens", "24",
+                                                     "--http", "127.0.0.1:%d" % port]) as c:
+            procs = [(p, c.generate_async(p, n, extra=["--ignore-eos"])) for p in PROMPTS]
+            use = []
+            for p, proc in procs:
+                out, err = proc.communicate(timeout=300)
+                check(proc.returncode == 0 and parse_ids(err) == expect[p],
+                      "%dx1 %r: ids differ from loom run's: %s" % (tp, p, err[-300:]))
+                use.append(usage(err) or (0, 0))
+            _, samples = get_metrics(port)
+            pre = metric(samples, "vllm:num_preemptions_total")
+        print("  %dx1, 28 blocks: %d preemptions, drafts %s (draft tokens, accepted)" % (tp, pre, use), flush=True)
+        check(pre > 0 and sum(u[0] for u in use) > 0 and all(u[0] == u[1] for u in use),
+              "%dx1: %d preemptions, drafts %s" % (tp, pre, use))
+
+
 def metrics_value(port, name):
     with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=30) as r:
         text = r.read().decode()
@@ -183,4 +212,4 @@ def test_refused():
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
-    run_tests([test_refused, test_grids, test_acceptance, test_serve])
+    run_tests([test_refused, test_grids, test_acceptance, test_preemption, test_serve])
