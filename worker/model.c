@@ -290,8 +290,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     LOOM_INFO("shard loaded: %.1f MB of weights (%d matmul weights quantized) in %.2f s; read %llu of the "
               "checkpoint's %llu bytes (%.1f%%)",
               (double)m->weight_bytes / 1e6, m->n_quantized, (double)(loom_now_ns() - t0) * 1e-9,
-              (unsigned long long)loom_st_bytes_read(st), (unsigned long long)total,
-              total ? 100.0 * (double)loom_st_bytes_read(st) / (double)total : 0.0);
+              (unsigned long long)(loom_st_bytes_read(st) - read0), (unsigned long long)total,
+              total ? 100.0 * (double)(loom_st_bytes_read(st) - read0) / (double)total : 0.0);
     *out = m;
     return LOOM_OK;
 
