@@ -115,7 +115,7 @@ int main(int argc, char **argv) {
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
     const char *spec_method = "none";
-    int spec_k = 4, ngram_min = 1, ngram_max = 4;
+    int spec_k = 0, ngram_min = 1, ngram_max = 4; /* spec_k 0: not given (4) */
     loom_opt_t opts[] = {
         {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD",
          "speculative decoding: none (default), ngram (prompt lookup), draft "
@@ -487,7 +487,9 @@ int main(int argc, char **argv) {
     }
     if (c.spec_threads <= 0) c.spec_threads = 1;
     /* the workers' MTP module drafts one token a step (its trained depth) */
-    c.spec.k = c.spec.method == LOOM_SPEC_MTP ? 1 : spec_k;
+    if (c.spec.method == LOOM_SPEC_MTP && spec_k > 1)
+        LOOM_WARN("--num-speculative-tokens %d: the MTP module drafts one token a step on the grid", spec_k);
+    c.spec.k = c.spec.method == LOOM_SPEC_MTP ? 1 : spec_k > 0 ? spec_k : 4;
     c.spec.ngram_min = ngram_min;
     c.spec.ngram_max = ngram_max;
     {
