@@ -138,7 +138,10 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     snprintf(what, sizeof what, "loading layers [%d, %d), tp rank %d/%d", spec->layer_begin, spec->layer_end,
              spec->tp_rank, spec->tp_size);
     loom_progress_begin(&prog, what, loom_load_read_estimate(cfg, st, spec));
-    if (spec->has_embed) {
+    if (spec->has_embed && opt->embed_from && opt->embed_from->embed) {
+        m->embed = opt->embed_from->embed; /* the MTP module's tokens: the target's table, not a copy */
+        m->embed_borrowed = 1;
+    } else if (spec->has_embed) {
         float *h = loom_load_staging(&L, (size_t)cfg->vocab_size * dim);
         if (!h) {
             s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory for the embedding table");
@@ -346,7 +349,7 @@ void loom_model_destroy(loom_model_t **m_p) {
         }
         free(m->layers);
     }
-    loom_backend_free(be, m->embed);
+    if (!m->embed_borrowed) loom_backend_free(be, m->embed);
     loom_backend_free(be, m->final_norm);
     loom_weight_free(be, &m->lm_head);
     loom_backend_free(be, m->mtp_enorm);

@@ -70,6 +70,10 @@ typedef struct loom_model_options {
      * before each forward, and its head is shared_head.norm and
      * shared_head.head (the target's lm_head when absent) */
     int mtp;
+    /* opt.mtp: read the embedding table of this model (the target, on the
+     * same backend, with its embedding) instead of loading a copy; it must
+     * outlive this one. NULL: load it. */
+    const struct loom_model *embed_from;
     /* MLA (DeepSeek): how a head's latent output reaches the residual,
      * worker/engine/attn_mla.c; AUTO picks the smaller in weights */
     loom_mla_o_t mla_o;

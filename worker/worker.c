@@ -294,6 +294,7 @@ static loom_status_t mtp_load(worker_t *w, const loom_shard_spec_t *target, cons
                               .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = *target_opt;
     mo.mtp = 1;
+    mo.embed_from = w->model; /* the target's table where this shard holds it (stage 0 too) */
     mo.decode_buckets = -1;
     mo.max_loras = 0;
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &t->model, err));
@@ -315,8 +316,9 @@ static loom_status_t mtp_load(worker_t *w, const loom_shard_spec_t *target, cons
         t->greedy[i] = (loom_sampling_t){.temperature = 0.0f, .top_p = 1.0f};
         t->plain_ptrs[i] = &t->plain;
     }
-    LOOM_INFO("MTP module loaded as the speculative draft: %.1f MB of weights",
-              (double)loom_model_weight_bytes(t->model) / 1e6);
+    LOOM_INFO("MTP module loaded as the speculative draft: %.1f MB of weights (%s)",
+              (double)loom_model_weight_bytes(t->model) / 1e6,
+              target->has_embed ? "the embedding shared with the target" : "its own copy of the embedding");
     return LOOM_OK;
 }
 

@@ -99,6 +99,11 @@ def served(model, tp, pp, coord, expect, seeded):
             if p == "off":
                 check(usage(err) is None, "speculation reported for a request that turned it off: %r" % err)
         _, samples = get_metrics(port)
+        # the module reads the target's embedding where the last stage holds it (one stage), else its own
+        logs = "".join(c.log("worker-%d" % i) for i in range(tp * pp))
+        want = "the embedding shared with the target" if pp == 1 else "its own copy of the embedding"
+        loads = re.findall(r"MTP module loaded as the speculative draft: .*\((.*)\)", logs)
+        check(loads == [want] * tp, "%dx%d: the last stage's ranks loaded the module as %s" % (tp, pp, loads))
         return (use, metric(samples, "vllm:spec_decode_num_draft_tokens_total"),
                 metric(samples, "vllm:spec_decode_num_accepted_tokens_total"))
 

@@ -86,6 +86,7 @@ struct loom_model {
 
     /* weights (device) */
     float *embed;         /* (vocab, dim), first stage */
+    int embed_borrowed;   /* embed is opt.embed_from's (not freed here) */
     loom_layer_t *layers; /* (dims.n_layers) */
     float *final_norm;    /* (dim), last stage */
     loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
