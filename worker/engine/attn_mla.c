@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
 
@@ -131,6 +132,8 @@ static loom_status_t load_o_split(loom_loader_t *L, int gl, loom_layer_t *ly, co
         if (m->mla_sel) loom_backend_upload(m->be, m->mla_sel, sel, n * sizeof *sel);
         free(sel);
         if (!m->mla_sel) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for MLA's head table");
+        LOOM_INFO("MLA: W_UV per head then o_proj, %lld weights a layer against %lld folded",
+                  (long long)Hr * v * (D + dim), (long long)dim * Hr * D);
     }
     memcpy(W, o, (size_t)dim * Hr * v * sizeof(float));
     snprintf(what, sizeof what, "model.layers.%d.self_attn.o_proj", gl);
