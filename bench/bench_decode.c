@@ -105,7 +105,9 @@ int main(int argc, char **argv) {
         {"quantization", LOOM_OPT_STR, &schemes, "LIST", "comma-separated schemes measured in this run, each against the first, e.g. none,int8,q4 (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (default auto)", 1, 0, NULL},
         {"kv-layouts", LOOM_OPT_FLAG, &kv_layouts, NULL, "also load each scheme with the layer-major KV layout (\"/lm\") against the block-contiguous one", 0, 0, NULL},
-        {"mla-fold", LOOM_OPT_FLAG, &mla_fold, NULL, "DeepSeek: also load each scheme with MLA's output folded into one o' (\"/fold\") against the engine's choice", 0, 0, NULL},
+        {"mla-fold", LOOM_OPT_FLAG, &mla_fold, NULL,
+         "DeepSeek: also load each scheme with MLA's output folded into one o' (\"/fold\") against the engine's choice",
+         0, 0, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_decode --model DIR [options]",
