@@ -18,8 +18,9 @@
  * into one matrix o' = W_o_h W_UV_h at load (zero columns for the rope
  * part) where that is smaller, else applied in sequence (W_UV per head on
  * the grouped GEMV, then o_proj as stored; mla_o_split). Dims are placed
- * so the kernels' rotate-half pairs (j, j + hd/2) are the checkpoint's RoPE pairs (interleaved or not) and the latent sits in
- * the slots the RoPE table leaves unturned (frequency 0); yarn's cos/sin
+ * so the kernels' rotate-half pairs (j, j + hd/2) are the checkpoint's
+ * RoPE pairs (interleaved or not) and the latent sits in the slots the
+ * RoPE table leaves unturned (frequency 0); yarn's cos/sin
  * factor is folded into the rope rows, and the softmax scale is the
  * config's (qk_head_dim^-0.5 x mscale^2). The latent is computed whole on
  * every TP rank (replicated); each rank's B and o' make only its heads.
