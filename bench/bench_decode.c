@@ -13,7 +13,7 @@
  * e.g. a DeepSeek-shaped model against a Llama of the same bytes per token.
  *
  *   bench_decode --model DIR[,DIR...] [--threads 2] [--prompt 256] [--tokens 64] [--dtype f32]
- *                [--quantization none,int8,q4] [--reps 5] */
+ *                [--quantization none,int8,q4] [--reps 5] [--kv-layouts | --mla-fold] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,12 +49,12 @@ static void best_median(double *v, int n, double *best, double *median) {
 
 /* Loads the model with one quantization scheme (quantized on load). */
 static int open_scheme(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt,
-                       const char *kv_cache_dtype, int layer_major, int threads, int n_prompt, int n_gen,
-                       result_t *res) {
+                       const char *kv_cache_dtype, int layer_major, loom_mla_o_t mla_o, int threads, int n_prompt,
+                       int n_gen, result_t *res) {
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .n_threads = threads, .chunk = n_prompt,
                                .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .quant = *q, .no_tokenizer = 1,
-                               .kv_cache_dtype = kv_cache_dtype, .kv_layer_major = layer_major};
+                               .kv_cache_dtype = kv_cache_dtype, .kv_layer_major = layer_major, .mla_o = mla_o};
     if (loom_local_open(&lo, &res->l, &err) < 0) {
         fprintf(stderr, "bench_decode: %s: %s\n", scheme, err.msg);
         return 1;
@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL, *schemes = "none";
     const char *kv_cache_dtype = "auto";
-    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5, kv_layouts = 0;
+    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5, kv_layouts = 0, mla_fold = 0;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (e.g. from tests/reference/gen_model.py)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default 2)", 1, 256, NULL},
@@ -105,6 +105,9 @@ int main(int argc, char **argv) {
         {"quantization", LOOM_OPT_STR, &schemes, "LIST", "comma-separated schemes measured in this run, each against the first, e.g. none,int8,q4 (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto, f32, bf16, int8 (default auto)", 1, 0, NULL},
         {"kv-layouts", LOOM_OPT_FLAG, &kv_layouts, NULL, "also load each scheme with the layer-major KV layout (\"/lm\") against the block-contiguous one", 0, 0, NULL},
+        {"mla-fold", LOOM_OPT_FLAG, &mla_fold, NULL,
+         "DeepSeek: also load each scheme with MLA's output folded into one o' (\"/fold\") against the engine's choice",
+         0, 0, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_decode --model DIR [options]",
@@ -154,9 +157,13 @@ int main(int argc, char **argv) {
     }
     double triad[MAX_REPS];
     int rc = 1;
-    if (kv_layouts) { /* scheme i, then scheme i with the layer-major layout */
+    if (kv_layouts && mla_fold) {
+        fprintf(stderr, "bench_decode: --kv-layouts or --mla-fold, not both\n");
+        return 2;
+    }
+    if (kv_layouts || mla_fold) { /* scheme i, then scheme i with the layer-major layout (or o' folded) */
         if (2 * n > MAX_SCHEMES) {
-            fprintf(stderr, "bench_decode: --kv-layouts takes at most %d schemes\n", MAX_SCHEMES / 2);
+            fprintf(stderr, "bench_decode: --kv-layouts and --mla-fold take at most %d schemes\n", MAX_SCHEMES / 2);
             return 2;
         }
         for (int i = n - 1; i >= 0; i--) {
@@ -164,7 +171,7 @@ int main(int argc, char **argv) {
             char base[sizeof names[0]];
             memcpy(base, names[i], sizeof base);
             memcpy(names[2 * i], base, sizeof base);
-            snprintf(names[2 * i + 1], sizeof names[0], "%.19s/lm", base);
+            snprintf(names[2 * i + 1], sizeof names[0], kv_layouts ? "%.19s/lm" : "%.17s/fold", base);
         }
         n *= 2;
     }
@@ -172,8 +179,9 @@ int main(int argc, char **argv) {
     n = 0;
     for (int mi = 0; mi < n_models; mi++)
         for (int i = 0; i < n_schemes; i++, n++)
-            if (open_scheme(models[mi], names[i], &specs[i], wdt, kv_cache_dtype, kv_layouts && (i & 1), threads,
-                            n_prompt, n_gen, &res[n]))
+            if (open_scheme(models[mi], names[i], &specs[i], wdt, kv_cache_dtype, kv_layouts && (i & 1),
+                            mla_fold && (i & 1) ? LOOM_MLA_O_FOLDED : LOOM_MLA_O_AUTO, threads, n_prompt, n_gen,
+                            &res[n]))
                 goto out;
     const loom_model_config_t *c = loom_local_config(res[0].l);
     int vmax = c->vocab_size;

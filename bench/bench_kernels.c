@@ -1,13 +1,14 @@
 /* Benchmarks of the CPU backend's kernels, with the napkin math next to each
  * time: the machine's triad bandwidth, GEMV GB/s as a fraction of it, the
  * GEMV/sgemm crossover, sgemm GFLOP/s at prefill sizes, thread-pool dispatch
- * latency, paged attention decode, the small element-wise ops, and the
+ * latency, paged attention decode, MLA decode attention (latent against
+ * decompressed caches), the small element-wise ops, and the
  * quantized matmuls (decode MBU per scheme on the ~125M benchmark model's
  * shapes, the quantized GEMV / dequantize+sgemm crossover, prefill against
  * f32).
  *
  *   bench_kernels [--threads N] [--quick] [--only
- * triad|gemv|crossover|prefill|dispatch|attention|eltwise|quant|qdecode|qcross|qprefill]
+ * triad|gemv|crossover|prefill|dispatch|attention|mla|eltwise|quant|qdecode|qcross|qprefill]
  *
  * Weights and KV caches are cycled through several copies totalling more than
  * the last-level cache, so every call streams from DRAM as in a real decode
@@ -398,6 +399,79 @@ static void bench_attention(int n_threads) {
     loom_backend_destroy(&be);
 }
 
+/* One MLA layer's decode attention over 32 streams of `ctx` tokens, the
+ * latent cache against decompressed keys and values, at the 1.28 B bench
+ * shape (gen_deepseek.py --shape bench1b: 16 heads, kv_lora 256 + rope 32,
+ * nope 64, v 64). Latent: each head is MQA over the cache row itself (one
+ * KV head of 288 values, K and V the same memory, as the engine's latent
+ * layout). Decompressed: 16 KV heads of nope + rope = 96 values, V padded
+ * to 96 as the op takes one head dim (V's true 64 would read a sixth less
+ * than measured). Attention only: the absorbed path's q and o matrices are
+ * weights, in the decode's matmuls. Caches of both beyond any L3, one call
+ * a step, best of the reps. */
+static void bench_mla(int n_threads) {
+    const int B = 16, seqs = 32, nh = 16, ctxs[] = {512, 2048};
+    static const loom_dtype_t dts[] = {LOOM_DT_F32, LOOM_DT_BF16};
+    printf("\n== MLA decode attention, %d streams, %d threads, 16 heads: latent (288) vs decompressed (96) ==\n",
+           seqs, n_threads);
+    printf("%-12s %-5s %5s %10s %10s %9s %16s\n", "cache", "KV", "ctx", "MB read", "us/step", "GB/s",
+           "decompressed/latent");
+    loom_backend_t *be = make_backend(n_threads, LOOM_DT_F32);
+    for (size_t x = 0; x < LOOM_ARRAY_LEN(ctxs); x++)
+        for (size_t d = 0; d < LOOM_ARRAY_LEN(dts); d++) {
+            const int ctx = ctxs[x], bps = ctx / B, n_blocks = bps * seqs;
+            const loom_dtype_t dt = dts[d];
+            double us[2] = {0, 0};
+            for (int latent = 1; latent >= 0; latent--) {
+                const int nkv = latent ? 1 : nh, hd = latent ? 288 : 96;
+                const size_t elems = (size_t)n_blocks * B * nkv * hd, bytes = elems * loom_dtype_size(dt);
+                char *kc = loom_backend_alloc(be, bytes), *vc = latent ? kc : loom_backend_alloc(be, bytes);
+                if (!kc || !vc) {
+                    fprintf(stderr, "out of memory for the MLA caches\n");
+                    exit(1);
+                }
+                float *tmp = xalloc(sizeof(float) * elems);
+                for (int kv = 0; kv < (latent ? 1 : 2); kv++) {
+                    fill_rand(tmp, elems, (uint64_t)(kv + 5));
+                    char *dst = kv ? vc : kc;
+                    for (size_t e = 0; e < elems; e++) {
+                        if (dt == LOOM_DT_F32) ((float *)dst)[e] = tmp[e];
+                        else ((uint16_t *)dst)[e] = loom_f32_to_bf16(tmp[e]);
+                    }
+                }
+                loom_aligned_free(tmp);
+                int32_t *bt = xalloc(sizeof(int32_t) * n_blocks), seq_ids[32], pos[32];
+                for (int i = 0; i < n_blocks; i++) bt[i] = (int32_t)((i * 7919) % n_blocks);
+                for (int i = 0; i < seqs; i++) seq_ids[i] = i, pos[i] = ctx - 1;
+                float *q = xalloc(sizeof(float) * seqs * nh * hd), *out = xalloc(sizeof(float) * seqs * nh * hd);
+                fill_rand(q, (size_t)seqs * nh * hd, 3);
+                loom_attn_args_t a = {.n = seqs, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+                                      .scale = 1.0f / sqrtf(96.0f), .q = q, .q_stride = nh * hd, .out = out,
+                                      .out_stride = nh * hd, .block_size = B, .tok_seq = seq_ids, .tok_pos = pos,
+                                      .block_tables = bt, .max_blocks = bps, .max_ctx = ctx,
+                                      .kv = {.k = kc, .v = vc, .dtype = dt}};
+                double read = (double)bytes * (latent ? 1 : 2), best = 1e9;
+                for (int r = 0; r < (g_quick ? 5 : 15); r++) {
+                    uint64_t t0 = loom_now_ns();
+                    loom_op_attention(be, &a);
+                    double t = (double)(loom_now_ns() - t0) * 1e-9;
+                    if (r > 0 && t < best) best = t;
+                }
+                us[latent] = best * 1e6;
+                printf("%-12s %-5s %5d %10.1f %10.1f %9.2f", latent ? "latent" : "decompressed",
+                       loom_kv_dtype_name(dt), ctx, read / 1e6, best * 1e6, read / best / 1e9);
+                if (!latent) printf(" %15.2fx", us[0] / us[1]);
+                printf("\n");
+                loom_backend_free(be, kc);
+                if (!latent) loom_backend_free(be, vc);
+                loom_aligned_free(bt);
+                loom_aligned_free(q);
+                loom_aligned_free(out);
+            }
+        }
+    loom_backend_destroy(&be);
+}
+
 /* The small ops at decode (n = 1) and prefill (n = 512) shapes of an 8B-class layer. */
 static void bench_eltwise(int n_threads) {
     const int dim = 4096, hidden = 14336, nh = 32, hd = 128;
@@ -740,6 +814,7 @@ int main(int argc, char **argv) {
     if (want("prefill")) bench_prefill(n_threads);
     if (want("dispatch")) bench_dispatch(n_threads);
     if (want("attention")) bench_attention(n_threads);
+    if (want("mla")) bench_mla(n_threads);
     if (want("eltwise")) bench_eltwise(n_threads);
     if (want("quant") || want("qdecode") || want("qcross") || want("qprefill")) {
         triad = LOOM_MAX(triad, loom_bench_triad_gbs(n_threads));

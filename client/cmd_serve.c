@@ -435,10 +435,12 @@ static int speculative_config_apply(fwd_opts_t *f, cJSON *j) {
         f->spec_method = "ngram";
     } else if (!strcmp(method, "draft_model") || !strcmp(method, "draft")) {
         f->spec_method = "draft";
+    } else if (!strcmp(method, "deepseek_mtp") || !strcmp(method, "mtp")) {
+        f->spec_method = "mtp";
     } else {
-        fprintf(stderr, "error: --speculative-config: method '%s' is not supported (ngram, or draft_model with "
-                        "\"model\"; Loom's --speculative-quantization gives a quantized self-draft%s)\n",
-                method, !strcmp(method, "deepseek_mtp") ? "; deepseek_mtp runs on loom run only, not yet on the grid" : "");
+        fprintf(stderr, "error: --speculative-config: method '%s' is not supported (ngram, draft_model with "
+                        "\"model\", or deepseek_mtp; Loom's --speculative-quantization gives a quantized self-draft)\n",
+                method);
         return -1;
     }
     return 0;
@@ -472,7 +474,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"max-num-batched-tokens", LOOM_OPT_STR, &f.max_batched, "N",
          "most tokens per step (default 512)", 1, 0, NULL},
         {"speculative-method", LOOM_OPT_STR, &f.spec_method, "METHOD",
-         "speculative decoding: none (default), ngram or draft (docs/speculative.md)", 1, 0, NULL},
+         "speculative decoding: none (default), ngram, draft or mtp (docs/speculative.md)", 1, 0, NULL},
         {"speculative-model", LOOM_OPT_STR, &f.spec_model, "DIR",
          "method draft: a smaller model with the same vocabulary (default: the target itself)", 1,
          0, NULL},
@@ -486,7 +488,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"speculative-device", LOOM_OPT_STR, &f.spec_device, "DEVICE",
          "method draft: the draft's device in the coordinator, cpu or cuda:N", 1, 0, NULL},
         {"speculative-config", LOOM_OPT_STR, &spec_config, "JSON",
-         "vLLM's form: {\"method\": \"ngram\"|\"draft_model\", \"model\": DIR, "
+         "vLLM's form: {\"method\": \"ngram\"|\"draft_model\"|\"deepseek_mtp\", \"model\": DIR, "
          "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, "
          "\"quantization\": SCHEME}",
          1, 0, NULL},

@@ -87,6 +87,7 @@ struct loom_grid {
     int n_inflight;
     Loom__V1__SampleParams *sp; /* step plan scratch, max_num_seqs entries */
     Loom__V1__SampleParams **sp_ptrs;
+    int32_t *mtp_next; /* cfg.mtp: plan scratch, max_num_seqs entries */
     loom_zap_t *ctl_zap; /* authenticates the control plane's peers (NULL: not keyed) */
     loom_sparams_arena_t sp_arena; /* the plan rows' control arrays */
 
@@ -258,6 +259,7 @@ static void start_epoch(loom_grid_t *g) {
             a.data_secret.len = sizeof data_secret;
             a.data_encrypt = g->cfg.encrypt_data != 0;
             a.expert_parallel = g->cfg.expert_parallel != 0;
+            a.mtp = g->cfg.mtp != 0;
             a.max_loras = (uint32_t)(g->cfg.max_loras > 0 ? g->cfg.max_loras : 0);
             a.max_lora_rank = (uint32_t)(g->cfg.max_loras > 0 ? (g->cfg.max_lora_rank > 0 ? g->cfg.max_lora_rank : 16) : 0);
             a.kv_memory = g->cfg.kv_memory;
@@ -750,6 +752,15 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->prompt_lp_ids = mb->plp_ids;
     p->prompt_lp_top = mb->plp_top;
     p->n_prompt_lp_rows = p->n_prompt_lp_ids = p->n_prompt_lp_top = (size_t)mb->n_plp;
+    if (g->cfg.mtp) { /* the token after each sequence's chunk, where it is not this step's to sample */
+        for (int i = 0; i < mb->n_seqs; i++) {
+            const loom_seq_t *q = mb->seqs[i];
+            int after = q->n_computed + mb->chunk[i];
+            g->mtp_next[i] = after < q->n_tokens ? q->tokens[after] : -1;
+        }
+        p->mtp_next = g->mtp_next;
+        p->n_mtp_next = (size_t)mb->n_seqs;
+    }
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {
@@ -989,6 +1000,7 @@ loom_status_t loom_grid_create(const loom_grid_config_t *cfg, void *zctx, const 
     for (int i = 0; i < g->n_slots; i++) g->probe_fd[i] = -1;
     g->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *g->sp);
     g->sp_ptrs = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *g->sp_ptrs);
+    g->mtp_next = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *g->mtp_next);
     pthread_mutex_init(&g->gone_mu, NULL);
     /* the incarnation: never 0 (workers read 0 as "an older coordinator that sent none") */
     uint64_t x = loom_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)g;
@@ -1041,6 +1053,7 @@ void loom_grid_destroy(loom_grid_t **g_p) {
     free(g->inflight);
     free(g->sp);
     free(g->sp_ptrs);
+    free(g->mtp_next);
     loom_sparams_arena_free(&g->sp_arena);
     free(g);
 }

@@ -125,6 +125,7 @@ typedef struct loom_grid_config {
     int expert_parallel; /* MoE layers: TP ranks split the experts (Assign.expert_parallel) */
     int max_loras;       /* engine adapter slots (Assign.max_loras; 0: LoRA off) */
     int max_lora_rank;   /* their largest rank (Assign.max_lora_rank) */
+    int mtp;             /* the last stage runs DeepSeek's MTP module as the draft (Assign.mtp) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
 } loom_grid_config_t;

@@ -115,11 +115,12 @@ int main(int argc, char **argv) {
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
     const char *spec_method = "none";
-    int spec_k = 4, ngram_min = 1, ngram_max = 4;
+    int spec_k = 0, ngram_min = 1, ngram_max = 4; /* spec_k 0: not given (4) */
     loom_opt_t opts[] = {
         {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD",
-         "speculative decoding: none (default), ngram (prompt lookup) or draft "
-         "(--speculative-model / --speculative-quantization, run in this process); same output "
+         "speculative decoding: none (default), ngram (prompt lookup), draft "
+         "(--speculative-model / --speculative-quantization, run in this process) or mtp (a DeepSeek "
+         "checkpoint's MTP module, run on the last stage's workers); same output "
          "either way (docs/speculative.md)",
          1, 0, NULL},
         {"speculative-model", LOOM_OPT_STR, &c.spec_model, "DIR",
@@ -459,11 +460,7 @@ int main(int argc, char **argv) {
     c.prefix_cache = !no_prefix;
     loom_spec_config_defaults(&c.spec);
     if (!loom_spec_method_parse(spec_method, &c.spec.method)) {
-        fprintf(stderr, "error: --speculative-method must be none, ngram or draft, got '%s'\n", spec_method);
-        return 2;
-    }
-    if (c.spec.method == LOOM_SPEC_MTP) {
-        fprintf(stderr, "error: --speculative-method mtp runs on loom run only, not yet on the grid\n");
+        fprintf(stderr, "error: --speculative-method must be none, ngram, draft or mtp, got '%s'\n", spec_method);
         return 2;
     }
     if ((c.spec_model || c.spec_quantization || c.spec_device) &&
@@ -489,7 +486,10 @@ int main(int argc, char **argv) {
         }
     }
     if (c.spec_threads <= 0) c.spec_threads = 1;
-    c.spec.k = spec_k;
+    /* the workers' MTP module drafts one token a step (its trained depth) */
+    if (c.spec.method == LOOM_SPEC_MTP && spec_k > 1)
+        LOOM_WARN("--num-speculative-tokens %d: the MTP module drafts one token a step on the grid", spec_k);
+    c.spec.k = c.spec.method == LOOM_SPEC_MTP ? 1 : spec_k > 0 ? spec_k : 4;
     c.spec.ngram_min = ngram_min;
     c.spec.ngram_max = ngram_max;
     {

@@ -547,7 +547,17 @@ static int spec_eligible(const loom_sched_t *s, const loom_seq_t *q) {
     /* sampling controls and grammar masks too: each verify row's plan fields
      * are computed with the earlier drafts as output (loom_sparams_fill_plan) */
     if (q->spec_off) return 0;
-    return s->spec.method == LOOM_SPEC_NGRAM || (s->spec.method == LOOM_SPEC_DRAFT && s->draft);
+    return s->spec.method == LOOM_SPEC_NGRAM || s->spec.method == LOOM_SPEC_MTP ||
+           (s->spec.method == LOOM_SPEC_DRAFT && s->draft);
+}
+
+void loom_sched_mtp_drafts(loom_microbatch_t *mb, const int32_t *drafts) {
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        if (drafts[i] < 0 || q->finish_pending) continue;
+        q->mtp_draft = drafts[i];
+        q->mtp_draft_for = q->n_steps + 1; /* a sequence sampled in mb completes one step */
+    }
 }
 
 /* After add_chunk(q, 1) of a decode: appends up to K drafts of q as
@@ -572,6 +582,9 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
         uint64_t t0 = loom_now_ns();
         n = s->draft(s->draft_ctx, q, k, drafts);
         mb->draft_s += (double)(loom_now_ns() - t0) * 1e-9;
+    } else if (s->spec.method == LOOM_SPEC_MTP) {
+        n = q->mtp_draft_for > 0 && q->mtp_draft_for == q->n_steps;
+        drafts[0] = q->mtp_draft;
     } else {
         n = loom_spec_ngram_propose(q->tokens, q->n_tokens, s->spec.ngram_min, s->spec.ngram_max, k,
                                     drafts);
@@ -607,13 +620,17 @@ static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const 
     loom_seq_t *q = mb->seqs[si];
     int n = mb->spec_n[si], r0 = mb->spec_row0[si], t0 = mb->logit_rows[r0];
     int base = q->n_computed, accepted = 0, emitted = 0;
+    /* the sequence's counts are current before each token goes out: the
+     * request's final usage is taken as its last token is emitted */
+    q->spec_drafted += n;
+    q->n_steps++;
     for (int j = 0; j <= n && !q->finish_pending; j++) {
         int32_t id = ids[r0 + j];
         int match = j < n && id == mb->tokens[t0 + 1 + j];
         LOOM_ASSERT(q->n_tokens < q->cap_tokens);
         q->tokens[q->n_tokens++] = id;
         emitted++;
-        if (match) accepted++;
+        if (match) accepted++, q->spec_accepted++;
         /* KV is kept for the fed token and the accepted drafts */
         q->n_computed = base + 1 + accepted;
         if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
@@ -627,9 +644,6 @@ static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const 
         register_blocks(s, q);
     }
     loom_spec_adapt_update(&q->spec_adapt, n, accepted);
-    q->spec_drafted += n;
-    q->spec_accepted += accepted;
-    q->n_steps++;
     loom_spec_stats_record(&s->spec_stats, n, accepted, emitted);
 }
 

@@ -88,6 +88,8 @@ typedef struct loom_seq {
     uint64_t step_offset;    /* sampling steps already taken before its prompt ended (a continued
                                 request: GenerateRequest.sample_step_offset) */
     loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
+    int32_t mtp_draft;       /* method MTP: the workers' draft for its next step (loom_sched_mtp_drafts) */
+    int mtp_draft_for;       /* ... valid while n_steps equals this (0: none) */
     /* prompt logprobs (vLLM's prompt_logprobs): each prefill chunk asks the
      * last stage for the logprob of every prompt token after the first and
      * the prompt_lp_top most likely at its position. Such a sequence skips
@@ -253,6 +255,11 @@ typedef int (*loom_sched_draft_fn)(void *ctx, const loom_seq_t *q, int k, int32_
 typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx);
+/* Method MTP (the workers' MTP module drafts): drafts[i] (-1: none) is the
+ * draft of mb's sequence i after the step mb ran; call before
+ * loom_sched_complete. A sequence's next decode carries it (one draft)
+ * when nothing else ran for it in between. */
+void loom_sched_mtp_drafts(loom_microbatch_t *mb, const int32_t *drafts);
 /* A step of n_tokens took `seconds`: feeds the measured cost model that
  * adaptive K weighs drafts against (small steps only: the decode regime).
  * The caller adds the batch's draft_s, so a draft model's cost counts too. */

@@ -841,6 +841,18 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     if (prompt_lp_step(s, mb, r, err, err_n) < 0) return -1;
     s->n_embed_done = 0;
     if (embed_step(s, mb, r, err, err_n) < 0) return -1;
+    if (r->n_mtp_drafts) {
+        if (s->cfg.spec.method != LOOM_SPEC_MTP || r->n_mtp_drafts != (size_t)mb->n_seqs) {
+            snprintf(err, err_n, "a worker returned %zu MTP drafts for %d sequences", r->n_mtp_drafts, mb->n_seqs);
+            return -1;
+        }
+        for (size_t i = 0; i < r->n_mtp_drafts; i++)
+            if (r->mtp_drafts[i] < -1 || r->mtp_drafts[i] >= s->mcfg.vocab_size) {
+                snprintf(err, err_n, "a worker returned an MTP draft outside the vocabulary");
+                return -1;
+            }
+        loom_sched_mtp_drafts(mb, r->mtp_drafts);
+    }
     loom_sched_complete(s->sched, mb, r->ids, on_token, s);
     for (int i = 0; i < s->n_embed_done; i++) loom_sched_finish(s->sched, s->embed_done[i]);
     loom_lp_view_unbind(&s->lp_view);
@@ -1619,6 +1631,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
+                             .mtp = c->spec.method == LOOM_SPEC_MTP,
                              .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed};
@@ -1655,6 +1668,13 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     s->max_model_len = cfg->max_model_len > 0 && cfg->max_model_len < s->mcfg.max_seq_len ? cfg->max_model_len
                                                                                               : s->mcfg.max_seq_len;
+    if (cfg->spec.method == LOOM_SPEC_MTP && (!s->mcfg.deepseek || s->mcfg.n_nextn_layers < 1)) {
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                          "--speculative-method mtp needs a DeepSeek checkpoint with num_nextn_predict_layers >= 1 "
+                          "(model_type '%s' has %d)",
+                          s->mcfg.model_type, s->mcfg.n_nextn_layers);
+        goto fail;
+    }
     if (cfg->spec.method == LOOM_SPEC_DRAFT) {
         loom_coord_draft_options_t dopt = {
             .model_dir = cfg->spec_model ? cfg->spec_model : cfg->model_dir,

@@ -139,6 +139,12 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
         if (p->prompt_lp_rows[i] < 0 || (size_t)p->prompt_lp_rows[i] >= p->n_tokens || p->prompt_lp_ids[i] < 0 ||
             p->prompt_lp_ids[i] >= lim->vocab_size || p->prompt_lp_top[i] > 20)
             return loom_err_set(err, LOOM_ERR_FORMAT, "prompt logprob row %zu out of range", i);
+    if (p->n_mtp_next && p->n_mtp_next != p->n_seqs)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "plan with %zu MTP next tokens for %u sequences", p->n_mtp_next,
+                            p->n_seqs);
+    for (size_t i = 0; i < p->n_mtp_next; i++)
+        if (p->mtp_next[i] < -1 || p->mtp_next[i] >= lim->vocab_size)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "MTP next token %zu out of range", i);
     return LOOM_OK;
 }
 

@@ -121,7 +121,8 @@ static loom_status_t open_mtp(loom_local_t *l, const loom_local_options_t *opt, 
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = l->cfg.n_layers,
                               .layer_end = l->cfg.n_layers + 1, .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = 1, .quant = opt->quant,
-                               .kv_dtype = kv_dtype, .decode_buckets = -1, .mtp = 1};
+                               .kv_dtype = kv_dtype, .decode_buckets = -1, .mtp = 1, .mla_o = opt->mla_o,
+                               .embed_from = l->model};
     LOOM_CHECK(loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->mtp, err));
     LOOM_CHECK(loom_model_alloc_kv(l->mtp, l->max_blocks, LOCAL_BLOCK, err));
     l->mtp_h = loom_xmalloc((size_t)l->chunk * (size_t)l->cfg.dim * sizeof(float));
@@ -182,7 +183,8 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
     loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = l->chunk, .quant = opt->quant,
                                .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major,
                                .max_loras = opt->lora_dir ? 1 : 0,
-                               .max_lora_rank = opt->max_lora_rank > 0 ? opt->max_lora_rank : 16};
+                               .max_lora_rank = opt->max_lora_rank > 0 ? opt->max_lora_rank : 16,
+                               .mla_o = opt->mla_o};
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;
     l->lora_slot = -1;

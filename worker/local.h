@@ -33,6 +33,7 @@ typedef struct loom_local_options {
     int n_slots; /* sequences whose KV is kept at once, for loom_local_propose (0: 1) */
     const char *lora_dir; /* a PEFT LoRA adapter applied to every sequence, or NULL */
     int max_lora_rank;    /* the largest rank it may have (0: 16) */
+    loom_mla_o_t mla_o;   /* loom_model_options_t.mla_o (tests: each way) */
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;

@@ -48,9 +48,10 @@ static loom_status_t check_caps(loom_backend_t *be, const loom_arch_t *arch, con
                         cfg->model_type, msg);
 }
 
-/* opt.mtp: the shard must be MTP module 0 whole, on one rank; its config
- * counts the module as one more layer, so that the layer loads, caches and
- * runs as any other. */
+/* opt.mtp: the shard must be MTP module 0 with the embedding and head (on
+ * a TP rank: the layer's slice, the whole embedding and eh_proj, the head's
+ * vocabulary slice); its config counts the module as one more layer, so
+ * that the layer loads, caches and runs as any other. */
 static loom_status_t mtp_config(const loom_model_config_t *cfg, const loom_shard_spec_t *spec,
                                 loom_model_config_t *out, loom_err_t *err) {
     if (!cfg->deepseek || cfg->n_nextn_layers < 1)
@@ -58,10 +59,9 @@ static loom_status_t mtp_config(const loom_model_config_t *cfg, const loom_shard
                             "an MTP draft needs a DeepSeek checkpoint with num_nextn_predict_layers >= 1 "
                             "(model_type '%s' has %d)", cfg->model_type, cfg->n_nextn_layers);
     if (spec->layer_begin != cfg->n_layers || spec->layer_end != cfg->n_layers + 1 || !spec->has_embed ||
-        !spec->has_head || spec->tp_size != 1)
+        !spec->has_head)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "an MTP draft is layer %d whole with the embedding and head on one rank",
-                            cfg->n_layers);
+                            "an MTP draft is layer %d with the embedding and head", cfg->n_layers);
     *out = *cfg;
     out->n_layers += cfg->n_nextn_layers;
     return LOOM_OK;
@@ -138,7 +138,10 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     snprintf(what, sizeof what, "loading layers [%d, %d), tp rank %d/%d", spec->layer_begin, spec->layer_end,
              spec->tp_rank, spec->tp_size);
     loom_progress_begin(&prog, what, loom_load_read_estimate(cfg, st, spec));
-    if (spec->has_embed) {
+    if (spec->has_embed && opt->embed_from && opt->embed_from->embed) {
+        m->embed = opt->embed_from->embed; /* the MTP module's tokens: the target's table, not a copy */
+        m->embed_borrowed = 1;
+    } else if (spec->has_embed) {
         float *h = loom_load_staging(&L, (size_t)cfg->vocab_size * dim);
         if (!h) {
             s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory for the embedding table");
@@ -290,8 +293,8 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     LOOM_INFO("shard loaded: %.1f MB of weights (%d matmul weights quantized) in %.2f s; read %llu of the "
               "checkpoint's %llu bytes (%.1f%%)",
               (double)m->weight_bytes / 1e6, m->n_quantized, (double)(loom_now_ns() - t0) * 1e-9,
-              (unsigned long long)loom_st_bytes_read(st), (unsigned long long)total,
-              total ? 100.0 * (double)loom_st_bytes_read(st) / (double)total : 0.0);
+              (unsigned long long)(loom_st_bytes_read(st) - read0), (unsigned long long)total,
+              total ? 100.0 * (double)(loom_st_bytes_read(st) - read0) / (double)total : 0.0);
     *out = m;
     return LOOM_OK;
 
@@ -326,6 +329,9 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_weight_free(be, &ly->wkv_a);
             free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
+            for (int j = 0; ly->mla_uv && j < m->dims.n_heads; j++) loom_weight_free(be, &ly->mla_uv[j]);
+            free(ly->mla_uv);
+            loom_backend_free(be, ly->mla_uv_table);
             loom_weight_free(be, &ly->ffn.w13);
             loom_weight_free(be, &ly->ffn.w2);
             loom_weight_free(be, &ly->ffn.router);
@@ -343,7 +349,7 @@ void loom_model_destroy(loom_model_t **m_p) {
         }
         free(m->layers);
     }
-    loom_backend_free(be, m->embed);
+    if (!m->embed_borrowed) loom_backend_free(be, m->embed);
     loom_backend_free(be, m->final_norm);
     loom_weight_free(be, &m->lm_head);
     loom_backend_free(be, m->mtp_enorm);
@@ -351,6 +357,7 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_weight_free(be, &m->mtp_eh_e);
     loom_weight_free(be, &m->mtp_eh_h);
     loom_backend_free(be, m->inv_freq);
+    loom_backend_free(be, m->mla_sel);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
     loom_model_lora_free(m);

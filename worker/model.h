@@ -26,6 +26,12 @@ typedef loom_status_t (*loom_allreduce_fn)(void *ctx, float *buf, int64_t n, loo
 
 typedef struct loom_model loom_model_t;
 
+typedef enum {
+    LOOM_MLA_O_AUTO = 0,
+    LOOM_MLA_O_FOLDED, /* one matrix o' = W_o W_UV (dim, heads x (kv_lora + rope)) */
+    LOOM_MLA_O_SPLIT,  /* W_UV per head (v, kv_lora + rope) on the grouped GEMV, then o_proj (dim, heads x v) */
+} loom_mla_o_t;
+
 typedef struct loom_model_options {
     int max_tokens;   /* most tokens in one step (prefill chunk + decodes) */
     int max_seqs;     /* most sequences in one step */
@@ -64,6 +70,13 @@ typedef struct loom_model_options {
      * before each forward, and its head is shared_head.norm and
      * shared_head.head (the target's lm_head when absent) */
     int mtp;
+    /* opt.mtp: read the embedding table of this model (the target, on the
+     * same backend, with its embedding) instead of loading a copy; it must
+     * outlive this one. NULL: load it. */
+    const struct loom_model *embed_from;
+    /* MLA (DeepSeek): how a head's latent output reaches the residual,
+     * worker/engine/attn_mla.c; AUTO picks the smaller in weights */
+    loom_mla_o_t mla_o;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it

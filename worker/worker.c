@@ -68,6 +68,7 @@
 #include "worker/comm.h"
 #include "worker/logits_proc.h"
 #include "worker/model.h"
+#include "worker/mtp_rows.h"
 
 /* The reactor's state: the block at the top of this file. */
 typedef enum {
@@ -82,6 +83,22 @@ typedef enum {
 #define STANDBY_RETRY_MS 250 /* a spare asks for a free slot this often: it takes a lost worker's place that fast */
 #define REGISTER_RETRY_MS 2000 /* REGISTERING: no coordinator answered yet */
 #define ORPHAN_RETRY_MS 500    /* ORPHANED: the next coordinator may be starting */
+
+/* Assign.mtp on the last stage: DeepSeek's MTP module beside the target,
+ * TP-sliced like a decoder layer, and its step's scratch (mtp_step). */
+typedef struct {
+    loom_model_t *model;
+    float *h;                   /* (max_tokens, dim) host: the target's final-normed rows */
+    float *ids_dev, *ids_host;  /* (max_seqs) the sampled ids as floats, summed over the TP group */
+    int32_t *sampled, *in_ids;  /* (max_seqs), (max_tokens) */
+    int32_t *rows, *seq;        /* (max_seqs) MTP logit rows and their sequences */
+    int32_t *drafts;            /* (max_seqs) per plan sequence, for StepResult.mtp_drafts */
+    size_t n_drafts;
+    loom_sampling_t *greedy;    /* (max_seqs) */
+    uint64_t *steps;            /* (max_seqs) zeros: greedy needs no noise */
+    Loom__V1__SampleParams plain;
+    Loom__V1__SampleParams **plain_ptrs; /* (max_seqs) -> plain: pack_parts without logprobs */
+} worker_mtp_t;
 
 typedef struct worker {
     /* options */
@@ -119,6 +136,7 @@ typedef struct worker {
     loom_st_t *st;
     loom_backend_t *be;
     loom_model_t *model;
+    worker_mtp_t mtp;
     Loom__V1__Assign *assign; /* the current assignment (owned) */
     char model_dir[1024];
     int max_tokens, max_seqs, n_blocks, block_size;
@@ -208,6 +226,10 @@ static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int
         r.prompt_top_logprobs = w->plp.top_lps;
         r.n_prompt_top_ids = r.n_prompt_top_logprobs = (size_t)w->plp.n_tops;
     }
+    if (code == LOOM_OK && w->mtp.n_drafts) {
+        r.mtp_drafts = w->mtp.drafts;
+        r.n_mtp_drafts = w->mtp.n_drafts;
+    }
     if (code == LOOM_OK && w->n_emb) {
         r.embeddings = w->emb;
         r.n_embeddings = w->n_emb;
@@ -242,7 +264,62 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) && a->expert_parallel == b->expert_parallel &&
            a->max_loras == b->max_loras && a->max_lora_rank == b->max_lora_rank &&
            a->max_tokens == b->max_tokens &&
-           a->max_seqs == b->max_seqs;
+           a->max_seqs == b->max_seqs && a->mtp == b->mtp;
+}
+
+static void mtp_unload(worker_t *w) {
+    worker_mtp_t *t = &w->mtp;
+    loom_model_destroy(&t->model);
+    if (t->ids_dev) loom_backend_free(w->be, t->ids_dev);
+    free(t->h);
+    free(t->ids_host);
+    free(t->sampled);
+    free(t->in_ids);
+    free(t->rows);
+    free(t->seq);
+    free(t->drafts);
+    free(t->greedy);
+    free(t->steps);
+    free(t->plain_ptrs);
+    memset(t, 0, sizeof *t);
+}
+
+/* Assign.mtp: module 0 as a one-layer model over the same checkpoint, this
+ * rank's slice of it (worker/model.h, opt.mtp). */
+static loom_status_t mtp_load(worker_t *w, const loom_shard_spec_t *target, const loom_model_options_t *target_opt,
+                              loom_err_t *err) {
+    worker_mtp_t *t = &w->mtp;
+    loom_shard_spec_t spec = {.tp_rank = target->tp_rank, .tp_size = target->tp_size,
+                              .layer_begin = w->cfg.n_layers, .layer_end = w->cfg.n_layers + 1,
+                              .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = *target_opt;
+    mo.mtp = 1;
+    mo.embed_from = w->model; /* the target's table where this shard holds it (stage 0 too) */
+    mo.decode_buckets = -1;
+    mo.max_loras = 0;
+    LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &t->model, err));
+    size_t T = (size_t)target_opt->max_tokens, S = (size_t)target_opt->max_seqs;
+    t->h = loom_xmalloc(T * (size_t)w->cfg.dim * sizeof(float));
+    t->ids_dev = loom_backend_alloc(w->be, S * sizeof(float));
+    if (!t->ids_dev) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the MTP step");
+    t->ids_host = loom_xmalloc(S * sizeof(float));
+    t->sampled = loom_xmalloc(S * sizeof(int32_t));
+    t->in_ids = loom_xmalloc(T * sizeof(int32_t));
+    t->rows = loom_xmalloc(S * sizeof(int32_t));
+    t->seq = loom_xmalloc(S * sizeof(int32_t));
+    t->drafts = loom_xmalloc(S * sizeof(int32_t));
+    t->greedy = loom_xcalloc(S, sizeof *t->greedy);
+    t->steps = loom_xcalloc(S, sizeof *t->steps);
+    t->plain_ptrs = loom_xmalloc(S * sizeof *t->plain_ptrs);
+    loom__v1__sample_params__init(&t->plain);
+    for (size_t i = 0; i < S; i++) {
+        t->greedy[i] = (loom_sampling_t){.temperature = 0.0f, .top_p = 1.0f};
+        t->plain_ptrs[i] = &t->plain;
+    }
+    LOOM_INFO("MTP module loaded as the speculative draft: %.1f MB of weights (%s)",
+              (double)loom_model_weight_bytes(t->model) / 1e6,
+              target->has_embed ? "the embedding shared with the target" : "its own copy of the embedding");
+    return LOOM_OK;
 }
 
 static void unload(worker_t *w) {
@@ -250,6 +327,7 @@ static void unload(worker_t *w) {
     pthread_mutex_lock(&w->comm_mu);
     loom_comm_destroy(&w->comm);
     pthread_mutex_unlock(&w->comm_mu);
+    mtp_unload(w);
     loom_model_destroy(&w->model);
     loom_backend_destroy(&w->be);
     loom_st_close(&w->st);
@@ -287,6 +365,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                                .max_loras = (int)a->max_loras,
                                .max_lora_rank = a->max_lora_rank ? (int)a->max_lora_rank : 16};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
+    if (a->mtp && spec.has_head) LOOM_CHECK(mtp_load(w, &spec, &mo, err));
     w->max_tokens = (int)a->max_tokens;
     w->max_seqs = (int)a->max_seqs;
     /* sampling scratch: one part per row, LOOM_SAMPLE_MAX_CAND candidates each */
@@ -354,9 +433,11 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
     w->block_size = bs;
     Loom__V1__Loaded l = LOOM__V1__LOADED__INIT;
     l.epoch = a->epoch;
-    l.weight_bytes = loom_model_weight_bytes(w->model);
+    l.weight_bytes = loom_model_weight_bytes(w->model) + (w->mtp.model ? loom_model_weight_bytes(w->mtp.model) : 0);
     l.bytes_read = loom_st_bytes_read(w->st);
-    l.kv_block_bytes = loom_model_kv_block_bytes(w->model, bs);
+    /* the MTP module's latent cache follows the same block ids: one layer more per block */
+    l.kv_block_bytes = loom_model_kv_block_bytes(w->model, bs) +
+                       (w->mtp.model ? loom_model_kv_block_bytes(w->mtp.model, bs) : 0);
     l.kv_cache_dtype = (char *)loom_kv_dtype_name(loom_model_kv_dtype(w->model));
     size_t free_mem = loom_backend_mem_free(w->be);
     l.kv_budget = a->kv_memory > 0 ? a->kv_memory : (uint64_t)((double)free_mem * a->kv_fraction);
@@ -401,6 +482,10 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     }
     if ((int)k->n_blocks != loom_model_kv_blocks(w->model) || w->block_size != loom_model_kv_block_size(w->model)) {
         if (loom_model_alloc_kv(w->model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
+    }
+    if (w->mtp.model && ((int)k->n_blocks != loom_model_kv_blocks(w->mtp.model) ||
+                         w->block_size != loom_model_kv_block_size(w->mtp.model))) {
+        if (loom_model_alloc_kv(w->mtp.model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
     }
     w->n_blocks = (int)k->n_blocks;
 
@@ -577,6 +662,70 @@ static loom_status_t prompt_logprobs(worker_t *w, const Loom__V1__StepPlan *p, l
     return LOOM_OK;
 }
 
+/* Assign.mtp: the MTP module's rows for the step's tokens, after the
+ * target's (mtp_rows.h says which token each reads), and, per sequence
+ * with logit rows, its greedy draft from the last accepted row (rank 0
+ * keeps them for the result). The module's cache rows of rejected drafts
+ * are rewritten by the next step, as the target's are. */
+static loom_status_t mtp_step(worker_t *w, const Loom__V1__StepPlan *p, loom_err_t *err) {
+    worker_mtp_t *t = &w->mtp;
+    const Loom__V1__Assign *a = w->assign;
+    int n = (int)p->n_tokens, rows = (int)p->n_logit_rows, tp = (int)a->tp_size, rank0 = a->tp_rank == 0;
+    int vocab = w->cfg.vocab_size;
+    t->n_drafts = 0;
+    const int32_t *sampled = w->ids;
+    LOOM_CHECK(loom_comm_step_begin(w->comm, n, err));
+    loom_status_t s = LOOM_OK;
+    if (rows && tp > 1) { /* rank 0 merged the samples: the group learns them as a sum (ids < 2^24 are exact) */
+        for (int r = 0; r < rows; r++) t->ids_host[r] = rank0 ? (float)w->ids[r] : 0.0f;
+        loom_backend_upload(w->be, t->ids_dev, t->ids_host, (size_t)rows * sizeof(float));
+        s = loom_comm_allreduce(w->comm, t->ids_dev, rows, err);
+    }
+    int nm = 0;
+    if (s == LOOM_OK) {
+        if (rows && tp > 1) {
+            loom_backend_download(w->be, t->ids_host, t->ids_dev, (size_t)rows * sizeof(float));
+            for (int r = 0; r < rows; r++) t->sampled[r] = (int32_t)t->ids_host[r];
+            sampled = t->sampled;
+        }
+        loom_mtp_step_t ms = {.tokens = p->tokens, .tok_seq = p->tok_seq, .n_tokens = n, .n_seqs = (int)p->n_seqs,
+                              .logit_rows = p->logit_rows, .sampled = sampled, .n_logits = rows,
+                              .next = p->n_mtp_next ? p->mtp_next : NULL};
+        nm = loom_mtp_rows(&ms, t->in_ids, t->rows, t->seq);
+        loom_model_normed_rows(w->model, 0, n, t->h);
+        loom_backend_upload(w->be, loom_model_mtp_input(t->model), t->h, (size_t)n * w->cfg.dim * sizeof(float));
+        if (p->n_copy_src) loom_model_copy_blocks(t->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
+        loom_step_batch_t b = {.n_tokens = n, .tokens = t->in_ids, .pos = p->pos, .slots = p->slots,
+                               .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
+                               .max_blocks = (int)p->max_blocks, .n_logits = nm, .logit_rows = t->rows};
+        s = loom_model_forward(t->model, &b, err);
+    }
+    loom_err_t end_err = {0};
+    loom_status_t end = loom_comm_step_end(w->comm, &end_err);
+    if (s >= 0 && end < 0) s = end, *err = end_err;
+    if (s < 0 || nm == 0) return s;
+    loom_model_sample_parts(t->model, nm, t->greedy, t->steps, w->parts);
+    for (uint32_t i = 0; i < p->n_seqs; i++) t->drafts[i] = -1;
+    if (tp == 1) {
+        for (int r = 0; r < nm; r++) t->drafts[t->seq[r]] = loom_sample_merge(&w->parts[r], 1, vocab, &t->greedy[r], 0);
+    } else { /* the head is vocabulary-sliced: rank 0 merges the ranks' candidates, as for the target */
+        for (int r = 0; r < nm; r++) w->kk[r] = loom_sample_k(&t->greedy[r], vocab);
+        size_t bytes = pack_parts(w, t->plain_ptrs, w->parts, w->kk, nm, w->gather_send);
+        LOOM_CHECK(loom_comm_gather(w->comm, w->gather_send, bytes, rank0 ? w->gather_recv : NULL, err));
+        if (!rank0) return LOOM_OK;
+        LOOM_ASSERT(tp <= LOOM_SAMPLE_MAX_PARTS);
+        const uint8_t *base[LOOM_SAMPLE_MAX_PARTS];
+        loom_sample_part_t merged[LOOM_SAMPLE_MAX_PARTS];
+        for (int q = 0; q < tp; q++) base[q] = w->gather_recv + (size_t)q * bytes;
+        for (int r = 0; r < nm; r++) {
+            for (int q = 0; q < tp; q++) base[q] = unpack_part(base[q], w->kk[r], &merged[q]);
+            t->drafts[t->seq[r]] = loom_sample_merge(merged, tp, vocab, &t->greedy[r], 0);
+        }
+    }
+    t->n_drafts = p->n_seqs;
+    return LOOM_OK;
+}
+
 static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__StepPlan *p = m->step;
     loom_err_t err = {0};
@@ -588,6 +737,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     loom_logprobs_reset_results(&w->lp);
     w->plp.n = w->plp.n_tops = 0;
     w->n_emb = 0;
+    w->mtp.n_drafts = 0;
     if (!w->model || !w->comm || !a || p->epoch != w->epoch) {
         s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "worker %s is not serving epoch %llu", w->id,
                          (unsigned long long)p->epoch);
@@ -686,6 +836,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
         }
     }
 prompt:
+    if (w->mtp.model && (s = mtp_step(w, p, &err)) < 0) goto report;
     if (p->n_prompt_lp_rows) s = prompt_logprobs(w, p, &err);
 report:;
     uint64_t t1 = loom_now_ns();

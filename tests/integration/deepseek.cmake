@@ -1,3 +1,5 @@
 # DeepSeek-V3/V2 on every grid and against the float64 reference (tests/integration/test_deepseek.py).
 loom_add_it(it_deepseek test_deepseek.py)
 set_property(TEST it_deepseek APPEND PROPERTY LABELS release)
+# DeepSeek's MTP module drafting on the grid and in loom serve (tests/integration/test_deepseek_mtp.py).
+loom_add_it(it_deepseek_mtp test_deepseek_mtp.py)

@@ -10,6 +10,9 @@
   modeling_deepseek_v3.py).
 - a V2-Lite-shaped model (one q_proj, softmax greedy top-3 of 8, 2 shared experts) the same against
   the reference on 1x1 and a 2x2 expert-parallel grid.
+- A V3-routed shape whose MLA output is smaller as W_UV per head then o_proj than folded
+  (tests/reference/gen_deepseek.py --shape v3split) takes that path and equals the reference on 1x1
+  and 2x1.
 - An FP8 block checkpoint (float8_e4m3fn weights, a weight_scale_inv per 16 x 16 block) on a 2x1 grid
   equals the reference on the same dequantized weights.
 - Refused with a message naming what is wrong: a missing e_score_correction_bias, an FP8 scale grid
@@ -24,7 +27,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import PYTHON, ROOT, SANITIZED, STORIES, check, run_tests  # noqa: E402
+from harness import BIN, PYTHON, ROOT, SANITIZED, STORIES, check, run_tests  # noqa: E402
 from test_grid import N_TOKENS, check_model  # noqa: E402
 import test_models  # noqa: E402
 from test_models import GRIDS, expert_logs, grid_vs_reference, run_fails  # noqa: E402
@@ -97,6 +100,13 @@ def test_deepseek_reference():
                       [(1, 1, []), (2, 2, ["--expert-parallel"])])
     # FP8 blocks (16 x 16 here, partial at the edges), dequantized at load; the reference dequantizes alike
     against_reference(gen("deepseek_v3-fp8", "--shape", "v3", "--seed", "5", "--fp8"), [(2, 1, [])])
+    # a shape where W_UV then o_proj holds fewer weights than the folded o': the engine takes that path
+    split = gen("deepseek_v3-split", "--shape", "v3split", "--seed", "3")
+    p = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", split, "--prompt", "Once upon a time",
+                        "--max-tokens", "4", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0 and "MLA: W_UV per head then o_proj" in p.stderr,
+          "the split path was not taken: %r" % p.stderr[-800:])
+    against_reference(split, [(2, 1, [])] if SANITIZED else [(1, 1, []), (2, 1, [])])
 
 
 def test_deepseek_refusals():

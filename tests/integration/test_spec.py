@@ -169,8 +169,8 @@ def test_bad_input():
     # the coordinator refuses them too, also when `loom serve` passes them on
     v1024 = os.path.join(WORK, "spec-v1024")
     for extra, want in ((["--num-speculative-tokens", "64"], "[1, 16]"),
-                        (["--speculative-method", "eagle"], "must be none, ngram or draft"),
-                        (["--speculative-method", "mtp"], "loom run only"),
+                        (["--speculative-method", "eagle"], "must be none, ngram, draft or mtp"),
+                        (["--speculative-method", "mtp"], "needs a DeepSeek checkpoint"),
                         (["--speculative-method", "draft"], "needs --speculative-model"),
                         (["--speculative-quantization", "int8"], "need --speculative-method draft"),
                         (["--speculative-device", "cuda:0"], "need --speculative-method draft"),

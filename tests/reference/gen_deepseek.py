@@ -49,6 +49,16 @@ SHAPES = {
                    rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
                    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32,
                                      beta_slow=1, mscale=0.707, mscale_all_dim=0.707)),
+    # V3's routing with MLA proportions where W_UV then o_proj holds fewer weights than the folded o'
+    # (v (kv_lora + rope + hidden) = 16 x 112 < hidden (kv_lora + rope) = 64 x 48): the engine's split path
+    "v3split": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64,
+                    intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                    topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                    norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
+                    max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu",
+                    tie_word_embeddings=False, num_nextn_predict_layers=0),
     # docs/benchmarks.md's DeepSeek-shaped model: 1.28 B parameters (48 experts of 512 in 15 MoE layers hold
     # 1.13 B), about 0.2 B read a token (4 routed + 1 shared expert, attention, the head)
     "bench1b": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=1024,

@@ -29,6 +29,10 @@ add_test(NAME reference_deepseek_v3_fp8
 add_test(NAME reference_deepseek_v3_mtp
          COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
                  ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3_mtp deepseek --shape v3 --seed 5 --mtp 1)
+# A shape where MLA's W_UV then o_proj holds fewer weights than the folded o' (the engine's split path).
+add_test(NAME reference_deepseek_v3_split
+         COMMAND bash ${PROJECT_SOURCE_DIR}/tests/reference/run_ref.sh $<TARGET_FILE:check_ref>
+                 ${CMAKE_BINARY_DIR}/tests/ref_deepseek_v3_split deepseek --shape v3split --seed 3)
 set_tests_properties(reference_deepseek_v3 reference_deepseek_v3_bf16 reference_deepseek_v2lite
-                     reference_deepseek_v3_fp8 reference_deepseek_v3_mtp PROPERTIES
+                     reference_deepseek_v3_fp8 reference_deepseek_v3_mtp reference_deepseek_v3_split PROPERTIES
                      LABELS reference TIMEOUT 300 ENVIRONMENT "LOOM_PYTHON=${LOOM_PYTHON}")

@@ -21,6 +21,7 @@
 #include "worker/mla.h"
 #include "worker/model.h"
 #include "worker/moe_ds.h"
+#include "worker/mtp_rows.h"
 
 static const char *g_python = "/usr/bin/python3", *g_ref = NULL, *g_work = "/tmp";
 
@@ -600,6 +601,86 @@ static void test_mtp_draft(void) {
     free(got);
 }
 
+/* The MTP rows of a grid step (worker/mtp_rows.h): a verify step whose
+ * first draft is accepted and second rejected, a plain decode, a prefill
+ * chunk that is not the prompt's last (the coordinator's next token) and
+ * one that is (sampled). */
+static void test_mtp_rows(void) {
+    /* seq 0: fed 10 (decode) + drafts 11, 12; seq 1: decode 20; seq 2: prompt chunk 30 31 (next 32);
+     * seq 3: final chunk 40 41 */
+    static const int32_t tokens[] = {10, 11, 12, 20, 30, 31, 40, 41};
+    static const int32_t tok_seq[] = {0, 0, 0, 1, 2, 2, 3, 3};
+    static const int32_t logit_rows[] = {0, 1, 2, 3, 7};
+    static const int32_t sampled[] = {11, 99, 13, 21, 42}; /* 11 accepts draft 11, 99 rejects 12 */
+    static const int32_t next[] = {-1, -1, 32, -1};
+    loom_mtp_step_t st = {.tokens = tokens, .tok_seq = tok_seq, .n_tokens = 8, .n_seqs = 4,
+                          .logit_rows = logit_rows, .sampled = sampled, .n_logits = 5, .next = next};
+    int32_t in[8], rows[4], seq[4];
+    int n = loom_mtp_rows(&st, in, rows, seq);
+    static const int32_t want_in[] = {11, 99, 13, 21, 31, 32, 41, 42};
+    CHECKF(n == 3, "%d MTP logit rows", n);
+    CHECK(!memcmp(in, want_in, sizeof in));
+    /* seq 0's last accepted row is token 1 (draft 11 accepted, its row sampled 99) */
+    CHECKF(rows[0] == 1 && seq[0] == 0 && rows[1] == 3 && seq[1] == 1 && rows[2] == 7 && seq[2] == 3,
+           "rows %d %d %d, seqs %d %d %d", rows[0], rows[1], rows[2], seq[0], seq[1], seq[2]);
+    /* every draft accepted: the last row; no next tokens given: a chunk's last row reads its own token */
+    static const int32_t all[] = {11, 12, 77, 21, 42};
+    st.sampled = all;
+    st.next = NULL;
+    n = loom_mtp_rows(&st, in, rows, seq);
+    CHECKF(n == 3 && rows[0] == 2 && in[2] == 77 && in[5] == 31, "n %d row %d in %d %d", n, rows[0], in[2], in[5]);
+}
+
+/* MLA's output two ways (attn_mla.c): W_UV folded into o_proj, and W_UV per
+ * head then o_proj; the same logits and greedy ids, AUTO choosing the fold
+ * on this tiny shape (kv_lora + rope = v = dim = 32: the split holds twice
+ * the weights) and the split's extra weights exactly those. Run after
+ * test_mtp_draft, whose generated model it reads. */
+static void test_mla_o_split(void) {
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/deepseek_mtp", g_work);
+    loom_local_t *l[3] = {0};
+    static const loom_mla_o_t how[3] = {LOOM_MLA_O_FOLDED, LOOM_MLA_O_SPLIT, LOOM_MLA_O_AUTO};
+    for (int i = 0; i < 3; i++) {
+        loom_local_options_t o = {.model_dir = dir, .n_threads = 1, .ctx = 128, .chunk = 16, .no_tokenizer = 1,
+                                  .mla_o = how[i]};
+        loom_err_t err = {0};
+        CHECKF(loom_local_open(&o, &l[i], &err) == LOOM_OK, "%s", err.msg);
+        if (!l[i]) goto done;
+    }
+    const loom_model_config_t *c = loom_local_config(l[0]);
+    const int vocab = c->vocab_size, H = c->n_heads, D = c->head_dim, v = c->v_head_dim;
+    size_t folded = loom_model_weight_bytes(loom_local_model(l[0])),
+           split = loom_model_weight_bytes(loom_local_model(l[1])),
+           autow = loom_model_weight_bytes(loom_local_model(l[2]));
+    /* a layer: W_UV (H, v, D) + o_proj (dim, H v) against o' (dim, H D) */
+    size_t extra = (size_t)c->n_layers * ((size_t)H * v * D + (size_t)c->dim * H * v - (size_t)c->dim * H * D) * 4;
+    CHECKF(split == folded + extra && autow == folded, "weights: folded %zu, split %zu (+%zu expected), auto %zu",
+           folded, split, extra, autow);
+    static const int32_t ids[] = {1, 7, 300, 42, 5, 99, 17, 250, 3, 88, 401, 12, 9, 77, 300, 6, 21, 8};
+    const int n = (int)(sizeof ids / sizeof ids[0]); /* two prefill chunks */
+    float *a = malloc((size_t)n * vocab * sizeof *a), *b = malloc((size_t)n * vocab * sizeof *b);
+    loom_err_t err = {0};
+    CHECKF(loom_local_logits(l[0], ids, n, a, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_local_logits(l[1], ids, n, b, &err) == LOOM_OK, "%s", err.msg);
+    double amax = 0;
+    for (long i = 0; i < (long)n * vocab; i++) amax = fmax(amax, fabs(a[i]));
+    CHECK(test_allclose("split against folded logits", b, a, (long)n * vocab, 1e-5 * amax, 1e-5));
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    collect_t ga = {0}, gb = {0};
+    loom_gen_stats_t sa = {0}, sb = {0};
+    CHECKF(loom_local_generate(l[0], ids, 6, 40, &greedy, 1, collect, &ga, NULL, &sa, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECKF(loom_local_generate(l[1], ids, 6, 40, &greedy, 1, collect, &gb, NULL, &sb, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECKF(ga.n == 40 && gb.n == 40 && !memcmp(ga.ids, gb.ids, sizeof ga.ids), "%d and %d greedy ids, differing",
+           ga.n, gb.n);
+    free(a);
+    free(b);
+done:
+    for (int i = 0; i < 3; i++) loom_local_close(&l[i]);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--python")) g_python = argv[i + 1];
@@ -611,6 +692,7 @@ int main(int argc, char **argv) {
     RUN(test_config_v2);
     RUN(test_config_refusals);
     RUN(test_checkpoint);
+    RUN(test_mtp_rows);
     if (!g_ref || !load_pieces()) {
         fprintf(stderr, "FAIL: the reference's pieces could not be made (--ref)\n");
         return 1;
@@ -621,6 +703,7 @@ int main(int argc, char **argv) {
     RUN(test_mla_q_lora_yarn);
     RUN(test_mla_q_proj_rotate_half);
     RUN(test_mtp_draft);
+    RUN(test_mla_o_split);
     for (int i = 0; i < g_n_pieces; i++) free(g_pieces[i].v);
     return test_summary();
 }

@@ -69,6 +69,10 @@ typedef struct loom_layer {
     /* MLA (worker/engine/attn_mla.c): the latent's projection, (z_dim, dim): q_a_proj (or this rank's
      * q_proj rows) then kv_a_proj_with_mqa; q_norm / k_norm above hold q_a_layernorm / kv_a_layernorm */
     loom_weight_t wkv_a;
+    /* MLA with LOOM_MLA_O_SPLIT: W_UV of each of this rank's heads, (v, kv_lora + rope) with zero rope
+     * columns, and their grouped-GEMV table; wo is then o_proj's slice (dim, n_heads * v) */
+    loom_weight_t *mla_uv;
+    void *mla_uv_table;
 } loom_layer_t;
 
 struct loom_model {
@@ -82,6 +86,7 @@ struct loom_model {
 
     /* weights (device) */
     float *embed;         /* (vocab, dim), first stage */
+    int embed_borrowed;   /* embed is opt.embed_from's (not freed here) */
     loom_layer_t *layers; /* (dims.n_layers) */
     float *final_norm;    /* (dim), last stage */
     loom_weight_t lm_head; /* (dims.vocab, dim), last stage */
@@ -89,6 +94,7 @@ struct loom_model {
     float *mtp_enorm, *mtp_hnorm;      /* (dim) each */
     loom_weight_t mtp_eh_e, mtp_eh_h;  /* (dim, dim) each: eh_proj's embedding and hidden halves */
     float *mtp_in;                     /* (max_tokens, dim) activations: the caller's h rows */
+    int32_t *mla_sel;                  /* MLA split: (max_tokens * n_heads) device, pair p reads head p % n_heads */
     const int32_t *mtp_pos;            /* host positions of the step's rows (a row at 0 reads no embedding) */
     int mtp_n;                         /* the step's rows before padding */
     float *inv_freq;       /* (hd / 2) */
