@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -53,6 +54,7 @@
 #include "coordinator/draft.h"
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
+#include "coordinator/kv_tier_dir.h"
 #include "coordinator/metrics.h"
 #include "coordinator/prepare.h"
 #include "coordinator/sampling_params.h"
@@ -156,6 +158,7 @@ struct loom_server {
     uint64_t rate_second;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
     loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
+    loom_kv_connector_t *kv_conn; /* --kv-offloading-dir's connector (NULL: off) */
     loom_prep_t *prep;           /* the preparation pool */
     preparing_t *preparing;      /* requests waiting for it */
     int n_preparing;
@@ -706,6 +709,16 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 
 /* ---- the grid's callbacks ---------------------------------------------------------- */
 
+/* The directory tier serves this epoch's grid: its identity and shards. */
+static void kv_tier_attach(loom_server_t *s, loom_grid_t *g) {
+    int n = loom_grid_n_slots(g);
+    uint64_t *bytes = loom_xmalloc((size_t)n * sizeof *bytes);
+    for (int i = 0; i < n; i++) bytes[i] = loom_grid_slot_kv_block_bytes(g, i);
+    loom_kv_dir_connector_set_grid(s->kv_conn, loom_grid_kv_tier_id(g), n, bytes);
+    free(bytes);
+    loom_sched_set_connector(s->sched, s->kv_conn);
+}
+
 /* The grid is READY: a scheduler for its KV pool, or the old one reset. */
 static void on_grid_ready(void *ctx, loom_grid_t *g) {
     loom_server_t *s = ctx;
@@ -731,6 +744,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         loom_sched_set_spec(s->sched, &s->cfg.spec);
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
+    if (s->kv_conn) kv_tier_attach(s, g);
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
@@ -1385,6 +1399,10 @@ static void publish_state(loom_server_t *s) {
         st.prompt_tokens_computed = ss.prompt_tokens_computed;
         st.kv_forks = ss.forks;
         st.kv_fork_tokens = ss.fork_tokens;
+        st.kv_offload = s->kv_conn != NULL;
+        st.kv_offload_queries = ss.tier_queries;
+        st.kv_offload_hits = ss.tier_hits;
+        st.kv_offload_saves = ss.tier_saves;
         set_spec_metrics(s, &st);
     } else {
         st.prefix_cache_queries = s->prefix_queries_base;
@@ -1551,6 +1569,16 @@ static loom_status_t secure_sockets(void *ctx, void *ctl, loom_zap_t **ctl_zap, 
     return bind_sock(s->api, s->cfg.listen, s->api_addr, sizeof s->api_addr, err);
 }
 
+/* The model's part of the directory tier's identity: its weights and
+ * tokenizer by content, so replicas of one model share block files and no
+ * other model reads them. */
+static uint64_t kv_tier_seed(const loom_server_t *s) {
+    int32_t v[2 * LOOM_DIGEST_HEX / 4 + 2] = {0};
+    memcpy(v, s->weights_digest, strlen(s->weights_digest));
+    memcpy((char *)v + LOOM_DIGEST_HEX, s->tokenizer_digest, strlen(s->tokenizer_digest));
+    return loom_kv_chain_hash(0x4b56544945520001ull, v, (int)(sizeof v / sizeof *v));
+}
+
 static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
     const loom_server_config_t *c = &s->cfg;
     loom_grid_config_t gc = {.control = c->control, .model_dir = c->model_dir, .model_name = s->model_name,
@@ -1566,7 +1594,9 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
-                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank};
+                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
+                             .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
+                             .kv_tier_seed = kv_tier_seed(s)};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
@@ -1585,8 +1615,25 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);
     if (st < 0) goto fail;
     loom_err_t derr = {0};
-    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0)
+    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0) {
         LOOM_WARN("no model digest for ListModels (a router cannot check these weights): %s", derr.msg);
+        if (cfg->kv_offload_dir) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "--kv-offloading-dir needs the model's digest to name its block files: %s", derr.msg);
+            goto fail;
+        }
+    }
+    if (cfg->kv_offload_dir) {
+        struct stat dst;
+        if (stat(cfg->kv_offload_dir, &dst) != 0 || !S_ISDIR(dst.st_mode) || access(cfg->kv_offload_dir, W_OK | X_OK)) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--kv-offloading-dir %s is not a writable directory",
+                              cfg->kv_offload_dir);
+            goto fail;
+        }
+        s->kv_conn = loom_kv_dir_connector_create(cfg->kv_offload_dir, cfg->kv_offload_write_through);
+        LOOM_INFO("KV offload: directory tier %s, at most %.2f GB, %s", cfg->kv_offload_dir,
+                  (double)cfg->kv_offload_max_bytes / 1e9, cfg->kv_offload_write_through ? "write-through" : "write-back");
+    }
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
         loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};
@@ -1673,6 +1720,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_grid_destroy(&s->grid);
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);
+    loom_kv_connector_destroy(&s->kv_conn); /* after the scheduler that holds it */
     loom_coord_draft_destroy(
         &s->draft); /* after the scheduler: its sequences tell the draft as they go */
     loom_metrics_destroy(&s->metrics);

@@ -5,14 +5,25 @@
   request: 0 on a cold prompt; on a repeat, the full blocks the prefix cache
   held (block 16), the last position always recomputed; the same number
   streamed (the usage chunk) and not, for chat, completions and responses;
-  with n = 2 the prompt's once (not the forked sibling's)."""
+  with n = 2 the prompt's once (not the forked sibling's).
+- The directory tier (--kv-offloading-dir): with a KV pool of a few blocks
+  and conversations whose working set is several times the pool, each next
+  turn loads the blocks its prefix left in the directory: cached_tokens
+  counts them, the greedy outputs equal a run without the tier, and fewer
+  prompt tokens are computed; a second replica (its own coordinator and
+  workers) on the same directory hits the blocks the first wrote; corrupted
+  and truncated block files are misses (logged, deleted), never wrong
+  output; a TP=2 grid saves each shard's slice in its own file."""
+import glob
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import STORIES, Cluster, check, run_tests  # noqa: E402
-from test_http import KEY, free_port, post  # noqa: E402
+from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
 STORY = ("Once upon a time there was a little girl named Lily. She loved to play outside in the sun. "
@@ -95,5 +106,138 @@ def test_cached_tokens():
                       % (path, streamed, p1, c1, expected_cached(p1)))
 
 
+# A pool of 24 blocks (384 tokens) for conversations of up to ~250 tokens:
+# turns of the other conversations evict a conversation's prefix between its
+# turns (working set ~4 x 15 blocks against 24).
+POOL = 24
+CONVERSATIONS = ["Kite", "Moon", "Pear", "Rose"]
+TURNS = 3
+
+
+def conversation_prompt(word, history):
+    return word + " " + STORY + "".join(history)
+
+
+def run_conversations(port, turns=TURNS):
+    """The conversations' turns interleaved (each next turn after the other
+    conversations' turn, so its prefix left the pool meanwhile): per turn, the
+    greedy text and the usage."""
+    history = {w: [] for w in CONVERSATIONS}
+    out = []
+    for t in range(turns):
+        for w in CONVERSATIONS:
+            r = call(port, "/v1/completions", {"prompt": conversation_prompt(w, history[w]), "max_tokens": 12,
+                                               "temperature": 0})
+            text_out = r["choices"][0]["text"]
+            history[w].append(text_out + " And then")
+            out.append((w, t, text_out, r["usage"]["prompt_tokens"],
+                        r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    return out
+
+
+def counters(port, *names):
+    """The values of these unlabelled-by-us counters on the coordinator's /metrics (None: absent)."""
+    _, samples = get_metrics(port)
+    got = {}
+    for name, _, value in samples:
+        if name in names:
+            got[name] = got.get(name, 0) + float(value)
+    return [got.get(n) for n in names]
+
+
+def tier_cluster(tp, port, tier=None, extra=()):
+    args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B), "--num-kv-blocks", str(POOL)]
+    if tier:
+        args += ["--kv-offloading-dir", tier]
+    return Cluster(STORIES, tp, 1, coord_args=args + list(extra))
+
+
+def coordinator_log(cl):
+    with open(os.path.join(cl.run_dir, "coordinator.log")) as f:
+        return f.read()
+
+
+def check_same_text(a, b, what):
+    for x, y in zip(a, b):
+        check(x[2] == y[2], "%s: %s turn %d differs: %r vs %r" % (what, x[0], x[1], x[2], y[2]))
+
+
+def check_tier(tp):
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    try:
+        port = free_port()
+        with tier_cluster(tp, port):
+            base = run_conversations(port)
+            computed0, absent = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total")
+        check(absent is None, "tp %d: offload counters without a tier" % tp)
+        port = free_port()
+        with tier_cluster(tp, port, tier):
+            first = run_conversations(port)
+            computed1, hits, saves = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total",
+                                              "loom_kv_offload_saves_total")
+        check_same_text(base, first, "tp %d with the tier" % tp)
+        check(hits > 0 and saves > 0, "tp %d: tier hits %r, saves %r" % (tp, hits, saves))
+        # every loaded block is a block's worth of prompt positions not run
+        check(computed1 <= computed0 - hits * B,
+              "tp %d: %d prompt tokens computed with %d blocks loaded, %d without the tier"
+              % (tp, computed1, hits, computed0))
+        files = glob.glob(os.path.join(tier, "*.kvb"))
+        check(files, "tp %d: no block files in the tier" % tp)
+        shards = sorted({f.rsplit("-", 1)[1] for f in files})
+        check(shards == ["%d.kvb" % r for r in range(tp)], "tp %d: block files of shards %r" % (tp, shards))
+        # later turns: the prefix (the previous turn's prompt) was evicted from the
+        # pool, and comes back from the tier
+        later = [(r, b) for r, b in zip(first, base) if r[1] > 0]
+        check(all(b[4] == 0 for _, b in later),
+              "tp %d: the pool alone should not hold the earlier turns: %r" % (tp, [b[4] for _, b in later]))
+        for r, _ in later:
+            check(r[4] >= (r[3] - 40) // B * B,
+                  "tp %d: %s turn %d: %d of %d prompt tokens cached" % (tp, r[0], r[1], r[4], r[3]))
+        # a second replica: its own coordinator and workers on the same directory
+        port = free_port()
+        with tier_cluster(tp, port, tier):
+            second = run_conversations(port, turns=1)
+        check_same_text(base, second, "tp %d, second replica" % tp)
+        check(all(r[4] >= (r[3] - 1) // B * B - B for r in second),
+              "tp %d: the second replica's first turns should hit the first's blocks: %r" %
+              (tp, [(r[3], r[4]) for r in second]))
+        return tier, base
+    except BaseException:
+        shutil.rmtree(tier, ignore_errors=True)
+        raise
+
+
+def test_dir_tier():
+    tier, base = check_tier(1)
+    try:
+        # corrupt every other block file and truncate the rest of every third:
+        # each is a miss (recomputed), never wrong output, never a crash
+        files = sorted(glob.glob(os.path.join(tier, "*.kvb")))
+        for i, f in enumerate(files):
+            if i % 2 == 0:
+                with open(f, "r+b") as fh:
+                    fh.seek(100)
+                    b = fh.read(1)
+                    fh.seek(100)
+                    fh.write(bytes([b[0] ^ 0x5a]))
+            elif i % 3 == 0:
+                with open(f, "r+b") as fh:
+                    fh.truncate(os.path.getsize(f) // 2)
+        port = free_port()
+        with tier_cluster(1, port, tier) as cl:
+            again = run_conversations(port)
+            log = coordinator_log(cl)
+        check_same_text(base, again, "with corrupted block files")
+        check("deleted" in log and ("checksum" in log or "not a whole block" in log),
+              "no log line for the bad block files: %r" % log[-2000:])
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_dir_tier_tp2():
+    tier, _ = check_tier(2)
+    shutil.rmtree(tier, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    run_tests([test_cached_tokens])
+    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_tp2])

@@ -28,7 +28,8 @@ static int fake_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, co
     *p = strdup("{\"do_remote_decode\":true}");
     return ((fake_t *)c)->keep;
 }
-static const loom_kv_connector_ops_t fake_ops = {fake_match, fake_after_alloc, fake_finished, NULL};
+static const loom_kv_connector_ops_t fake_ops = {
+    .match = fake_match, .after_alloc = fake_after_alloc, .finished = fake_finished};
 
 static void test_match(void) {
     int32_t toks[70] = {0};
