@@ -778,6 +778,9 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->kv_load_blocks = mb->load_block;
     p->kv_load_hashes = mb->load_hash;
     p->n_kv_load_blocks = p->n_kv_load_hashes = (size_t)mb->n_loads;
+    p->kv_save_after_blocks = mb->save_after_block;
+    p->kv_save_after_hashes = mb->save_after_hash;
+    p->n_kv_save_after_blocks = p->n_kv_save_after_hashes = (size_t)mb->n_saves_after;
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {

@@ -32,12 +32,13 @@ struct loom_sched {
     loom_microbatch_t *building;   /* the micro-batch loom_sched_schedule fills (evicted blocks' saves) */
     uint64_t *hashes;              /* (cap_hashes) chain hashes of a prompt's full blocks */
     int cap_hashes;
-    int32_t *pend_block;           /* write-through saves waiting for the next micro-batch */
+    int32_t *pend_block;           /* saves of evicted blocks waiting for the next micro-batch */
     uint64_t *pend_hash;
     int n_pend, cap_pend;
 };
 
 static void attach_ledger(loom_sched_t *s);
+static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q, int take);
 
 /* ---- waiting heap ----------------------------------------------------------- */
 
@@ -232,6 +233,8 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->save_hash);
         free(mb->load_block);
         free(mb->load_hash);
+        free(mb->save_after_block);
+        free(mb->save_after_hash);
     }
     free(s->hashes);
     free(s->pend_block);
@@ -424,6 +427,7 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->steps[r] = q->step_offset + (uint64_t)(q->n_tokens - q->n_prompt);
         mb->spec_row[r] = 0;
     }
+    write_through(s, mb, q, take);
     q->in_flight = 1;
     s->stats.scheduled_tokens += (uint64_t)take;
 }
@@ -457,14 +461,20 @@ void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c) {
     s->n_pend = 0;
 }
 
-/* Write-through: a block just registered goes to the tier with the next
- * step (its content never changes while it is cached). */
-static void offer_registered(loom_sched_t *s, int block, uint64_t hash) {
-    if (!s->conn || !s->conn->write_through || !loom_kv_is_cached(s->kv, block) ||
-        loom_kv_block_hash(s->kv, block) != hash || !loom_kv_connector_offer(s->conn, hash))
-        return;
-    xfer_push(&s->pend_block, &s->pend_hash, &s->n_pend, &s->cap_pend, block, hash);
-    s->stats.tier_saves++;
+/* Write-through: the blocks q's chunk of take tokens fills are saved by
+ * the same step after its layers (mb->save_after_*), so they are in the
+ * tier when its result comes back (a prefill for a remote decode). */
+static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q, int take) {
+    if (!s->conn || !s->conn->write_through) return;
+    const int B = s->cfg.block_size, first = q->n_computed / B, end = (q->n_computed + take) / B;
+    uint64_t h = q->chain;
+    for (int i = q->n_hashed; i < end; i++) {
+        h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+        if (i < first || i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
+        xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
+                  h);
+        s->stats.tier_saves++;
+    }
 }
 
 /* Full blocks of q's prompt beyond its prefix-cache hit that the connector
@@ -754,10 +764,10 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         }
     if (!mb) return NULL;
     mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = mb->n_plp = 0;
-    mb->n_saves = mb->n_loads = 0;
+    mb->n_saves = mb->n_loads = mb->n_saves_after = 0;
     mb->draft_s = 0;
     s->building = mb;
-    for (int i = 0; i < s->n_pend; i++) /* write-through saves before anything reuses their blocks */
+    for (int i = 0; i < s->n_pend; i++) /* before anything reuses their blocks */
         xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, s->pend_block[i], s->pend_hash[i]);
     s->n_pend = 0;
     int budget = c->max_batched_tokens;
@@ -875,7 +885,6 @@ static void register_blocks(loom_sched_t *s, loom_seq_t *q) {
         const int32_t *t = q->tokens + (size_t)q->n_hashed * B;
         uint64_t h = loom_kv_chain_hash(q->chain, t, B);
         loom_kv_register(s->kv, q->blocks[q->n_hashed], h, t);
-        offer_registered(s, q->blocks[q->n_hashed], h);
         q->chain = h;
         q->n_hashed++;
     }

@@ -160,6 +160,10 @@ typedef struct loom_microbatch {
     int n_saves, n_loads, cap_saves, cap_loads;
     int32_t *save_block, *load_block;
     uint64_t *save_hash, *load_hash;
+    /* write-through: blocks this step fills, saved after its layers */
+    int n_saves_after, cap_saves_after;
+    int32_t *save_after_block;
+    uint64_t *save_after_hash;
 } loom_microbatch_t;
 
 typedef struct loom_sched_stats {
@@ -246,9 +250,11 @@ void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots);
  * prompt beyond its hit that the connector holds (never the block of the
  * last position) get fresh blocks that the step loads before it runs
  * (mb->load_*), and count as cached (cached_tokens). A cached block about
- * to be evicted, or each block as it is registered with write_through, is
- * offered to the connector: mb->save_* of the step that reuses it (or the
- * next). The caller keeps c alive while the scheduler holds it. */
+ * to be evicted is offered to the connector (write-back): mb->save_* of
+ * the step that reuses it (or the next), done before that step writes it;
+ * with write_through, each block a step fills is offered instead:
+ * mb->save_after_*, done after that step's layers. The caller keeps c
+ * alive while the scheduler holds it. */
 void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
 void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]);
 

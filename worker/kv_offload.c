@@ -44,6 +44,11 @@ static void save_all(loom_kv_offload_t *o, const loom_model_t *m, const int32_t 
     if (o->bytes > o->max_bytes) o->bytes = loom_kv_tier_trim(o->dir, o->max_bytes);
 }
 
+void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
+                          size_t n) {
+    if (n && o->dir[0]) save_all(o, m, blocks, hashes, n, loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)));
+}
+
 loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *save_blocks,
                                    const uint64_t *save_hashes, size_t n_save, const int32_t *load_blocks,
                                    const uint64_t *load_hashes, size_t n_load, loom_err_t *err) {

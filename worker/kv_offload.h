@@ -34,4 +34,8 @@ loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, 
                                    const uint64_t *save_hashes, size_t n_save, const int32_t *load_blocks,
                                    const uint64_t *load_hashes, size_t n_load, loom_err_t *err);
 
+/* Write-through saves after the step's layers (a failure as for saves). */
+void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
+                          size_t n);
+
 #endif

@@ -631,6 +631,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     if (s >= 0 && end < 0) s = end, err = end_err;
     if (s < 0) goto report;
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
+    loom_kv_offload_save(&w->kv_tier, w->model, p->kv_save_after_blocks, p->kv_save_after_hashes,
+                         p->n_kv_save_after_blocks);
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;
