@@ -74,4 +74,11 @@ void loom_kv_dir_connector_set_grid(loom_kv_connector_t *c, uint64_t tier_id, in
     memcpy(d->shard_bytes, shard_bytes, (size_t)n_shards * sizeof *shard_bytes);
 }
 
+int loom_kv_dir_connector_whole(const loom_kv_connector_t *c, const uint64_t *hashes, int n) {
+    const dir_conn_t *d = (const dir_conn_t *)c;
+    int i = 0;
+    while (d->n_shards > 0 && i < n && block_whole(d, hashes[i])) i++;
+    return i;
+}
+
 uint64_t loom_kv_dir_connector_hits(const loom_kv_connector_t *c) { return ((const dir_conn_t *)c)->hits; }

@@ -465,7 +465,7 @@ void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c) {
  * the same step after its layers (mb->save_after_*), so they are in the
  * tier when its result comes back (a prefill for a remote decode). */
 static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q, int take) {
-    if (!s->conn || !s->conn->write_through) return;
+    if (!s->conn || !(s->conn->write_through || q->kv_save)) return;
     const int B = s->cfg.block_size, first = q->n_computed / B, end = (q->n_computed + take) / B;
     uint64_t h = q->chain;
     for (int i = q->n_hashed; i < end; i++) {

@@ -101,6 +101,8 @@ typedef struct loom_seq {
      * content digest; 0 for the base model) */
     int lora_id, lora_slot;
     uint64_t lora_seed;
+    int kv_save; /* a KV connector saves the blocks its steps fill (write-through for this one: a remote decode's
+                    prefill) */
 } loom_seq_t;
 
 typedef struct loom_sched_config {

@@ -114,6 +114,7 @@ typedef struct request {
     float *plp_tlp;
     uint64_t t_arrival, t_queued, t_last_token; /* loom_now_ns() */
     uint64_t tokenize_ns, detok_ns, send_ns;    /* time spent in each, summed */
+    int kv_remote_decode; /* kv_transfer_params.do_remote_decode: the final chunk carries the decode's params */
     struct request *prev, *next;
 } request_t;
 
@@ -229,6 +230,8 @@ static void req_unlink(loom_server_t *s, request_t *q) {
     if (q->next) q->next->prev = q->prev;
     s->n_reqs--;
 }
+
+static char *kv_decode_params(loom_server_t *s, const request_t *q);
 
 static void req_free(request_t *q) {
     for (int i = 0; i < q->n_stop; i++) free(q->stop[i]);
@@ -355,6 +358,7 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     t[text_len] = '\0';
     ch.text = t;
     ch.finish_reason = finish;
+    char *kv_params = NULL;
     Loom__V1__Usage usage = LOOM__V1__USAGE__INIT;
     Loom__V1__Timings timings = LOOM__V1__TIMINGS__INIT;
     int final = finish != LOOM__V1__FINISH_REASON__FINISH_NONE;
@@ -370,6 +374,7 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
             usage.target_steps = (uint32_t)q->seq->n_steps;
         }
         ch.usage = &usage;
+        if (q->kv_remote_decode && q->seq && code == LOOM_OK) ch.kv_transfer_params = kv_params = kv_decode_params(s, q);
         /* a stage not reached reads 0 */
         loom_request_times_t tt = req_times(q, t_send);
         timings.queue_ms = q->seq && !q->seq->t_admitted_ns ? (double)(t_send - q->t_queued) * 1e-6
@@ -392,6 +397,7 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     int gone = send_reply(s, q->rid, q->rid_len, &r) < 0;
     free(p_ids);
     free(p_lps);
+    free(kv_params);
     if (t != s->text_buf) free(t);
     uint64_t t_sent = loom_now_ns();
     q->send_ns += t_sent - t_send;
@@ -967,7 +973,50 @@ static void prep_timers(loom_server_t *s, uint64_t now) {
     }
 }
 
+/* A request's kv_transfer_params (kv_transfer.h): checked against this
+ * replica and the prompt; a decode whose prefill's blocks are not all in
+ * the tier is refused under kv_load_failure_policy fail, else recomputes
+ * what is missing. */
+static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const int32_t *ids, int n_ids,
+                                       loom_kv_transfer_req_t *kvt, char *msg, size_t n) {
+    char engine[64];
+    loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
+    loom_err_t err = {0};
+    loom_status_t st = loom_kv_transfer_parse(json, s->kv_conn ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
+                                              s->cfg.block_size, kvt, &err);
+    if (st < 0) {
+        snprintf(msg, n, "%s", err.msg);
+        return st;
+    }
+    if (!kvt->remote_prefill) return LOOM_OK;
+    int have = loom_kv_dir_connector_whole(s->kv_conn, kvt->blocks, kvt->n_blocks);
+    if (have == kvt->n_blocks) return LOOM_OK;
+    if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL) {
+        snprintf(msg, n,
+                 "kv_transfer_params: %d of the prefill's %d KV blocks are not in the KV tier "
+                 "(kv_load_failure_policy fail)",
+                 kvt->n_blocks - have, kvt->n_blocks);
+        loom_kv_transfer_req_free(kvt);
+        return LOOM_ERR_UNAVAILABLE;
+    }
+    LOOM_INFO("kv_transfer_params: %d of the prefill's %d KV blocks are not in the KV tier: recomputed",
+              kvt->n_blocks - have, kvt->n_blocks);
+    return LOOM_OK;
+}
+
+/* The params a prefill for a remote decode answers with (malloc'd JSON). */
+static char *kv_decode_params(loom_server_t *s, const request_t *q) {
+    char engine[64], host[256] = "";
+    loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
+    const char *a = strncmp(s->api_addr, "tcp://", 6) ? s->api_addr : s->api_addr + 6, *colon = strrchr(a, ':');
+    int port = colon ? atoi(colon + 1) : 0;
+    snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - a) : 0, a);
+    return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, host, port,
+                                   q->request_id, s->cfg.tp);
+}
+
 static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    loom_kv_transfer_req_t kvt = {0};
     Loom__V1__GenerateRequest *g = rq->generate;
     char msg[600];
     loom_err_t err = {0};
@@ -1112,6 +1161,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         snprintf(msg, sizeof msg, "sample_step_offset %u exceeds the prompt's %d tokens", g->sample_step_offset, n_ids);
         goto refuse;
     }
+    if (g->kv_transfer_params && g->kv_transfer_params[0] &&
+        (code = kv_transfer_check(s, g->kv_transfer_params, ids, n_ids, &kvt, msg, sizeof msg)) < 0)
+        goto refuse;
+    code = LOOM_ERR_INVALID_ARGUMENT;
     request_t *q = loom_xcalloc(1, sizeof *q);
     q->sparams = sparams;
     sparams = NULL;
@@ -1136,6 +1189,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     free(ids);
     ids = NULL;
     if (st < 0) {
+        loom_kv_transfer_req_free(&kvt);
         req_free(q);
         code = st;
         snprintf(msg, sizeof msg, "%s", err.msg);
@@ -1144,6 +1198,8 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    if (kvt.remote_decode) q->seq->kv_save = q->kv_remote_decode = 1; /* its blocks written through for the decode */
+    loom_kv_transfer_req_free(&kvt);
     if (g->return_prompt_ids && !g->prompt_logprobs) {
         q->pids_want = 1;
         q->plp_prompt = loom_xmalloc((size_t)n_ids * sizeof *q->plp_prompt);

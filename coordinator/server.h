@@ -4,6 +4,7 @@
 #ifndef LOOM_SERVER_H
 #define LOOM_SERVER_H
 
+#include "coordinator/kv_transfer.h"
 #include <stdint.h>
 
 #include "common/spec.h"
@@ -58,6 +59,9 @@ typedef struct loom_server_config {
     const char *kv_offload_dir;
     uint64_t kv_offload_max_bytes;
     int kv_offload_write_through;
+    /* --kv-transfer-config: kv_transfer_params taken (prefill/decode
+     * disaggregation through the directory tier; both roles 0: refused) */
+    loom_kv_transfer_config_t kv_transfer;
     int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
     loom_spec_config_t spec;  /* speculative decoding (method OFF: none), common/spec.h */
     /* method DRAFT (coordinator/draft.h): the draft's directory (NULL: the

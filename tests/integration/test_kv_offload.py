@@ -13,7 +13,15 @@
   prompt tokens are computed; a second replica (its own coordinator and
   workers) on the same directory hits the blocks the first wrote; corrupted
   and truncated block files are misses (logged, deleted), never wrong
-  output; a TP=2 grid saves each shard's slice in its own file."""
+  output; a TP=2 grid saves each shard's slice in its own file.
+- Prefill/decode disaggregation driven as vLLM's proxy drives it: a prefill
+  replica answers kv_transfer_params do_remote_decode (max_tokens 1) with
+  the decode side's params; the decode replica, given them, loads the
+  prompt's blocks (cached_tokens: all but the last block's), and its greedy
+  and seeded outputs equal a unified replica's token for token; forged block
+  ids, a stranger's engine id and a replica without --kv-transfer-config
+  are refused; blocks missing from the tier are recomputed
+  (kv_load_failure_policy recompute) or refused (fail)."""
 import glob
 import json
 import os
@@ -239,5 +247,72 @@ def test_dir_tier_tp2():
     shutil.rmtree(tier, ignore_errors=True)
 
 
+PD_PROMPTS = [word + " " + STORY + ("and then " * k) for k, word in enumerate(["Kite", "Moon", "Pear", "Rose"])]
+LOST = "Vase " + STORY  # prefilled, then its blocks lost before the decode
+
+
+def pd_cluster(port, tier, role, policy="recompute"):
+    cfg = json.dumps({"kv_connector": "LoomConnector", "kv_role": role, "kv_load_failure_policy": policy})
+    args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B), "--kv-offloading-dir", tier,
+            "--kv-transfer-config", cfg]
+    return Cluster(STORIES, 1, 1, coord_args=args)
+
+
+def refused(port, body, status, words):
+    st, data = post(port, "/v1/completions", body, timeout=120)
+    check(st == status and all(w in data.decode() for w in words),
+          "%r: want %d with %r, got %d %r" % (body.get("kv_transfer_params"), status, words, st, data[:300]))
+
+
+def test_disaggregated():
+    tier = tempfile.mkdtemp(prefix="loom-kv-pd-")
+    try:
+        bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
+        bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
+        bodies.append({"prompt": LOST, "max_tokens": 16, "temperature": 0})
+        port = free_port()
+        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                "--block-size", str(B)]):
+            unified = [call(port, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
+            refused(port, dict(bodies[0], kv_transfer_params={"do_remote_decode": True}), 400,
+                    ["--kv-transfer-config"])
+        pport, dport = free_port(), free_port()
+        with pd_cluster(pport, tier, "kv_producer"), pd_cluster(dport, tier, "kv_consumer"):
+            params = []
+            for b, want in zip(bodies[:-1], unified):
+                pre = call(pport, "/v1/completions", dict(b, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+                kv = pre.get("kv_transfer_params")
+                n_prompt = pre["usage"]["prompt_tokens"]
+                check(kv and kv["do_remote_prefill"] and kv["remote_engine_id"].startswith("loom-")
+                      and len(kv["remote_block_ids"]) == (n_prompt - 1) // B, "prefill's params: %r" % kv)
+                got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
+                check(got["choices"][0]["text"] == want, "decode %r != unified %r" % (got["choices"][0]["text"], want))
+                cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
+                      "decode computed %d of %d prompt tokens" % (n_prompt - cached, n_prompt))
+                params.append(kv)
+            kv = params[0]
+            forged = dict(kv, remote_block_ids=kv["remote_block_ids"][:1] + ["%016x" % 12345])
+            refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_ids[1]"])
+            refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_engine_id="loom-0123456789abcdef")), 400,
+                    ["remote_engine_id"])
+            refused(dport, dict(bodies[0], kv_transfer_params={"do_remote_decode": True}), 400, ["kv_consumer"])
+            refused(dport, dict(bodies[0], kv_transfer_params=[1]), 400, ["kv_transfer_params"])
+            # the prefill's blocks gone (its replica died before writing, the tier trimmed them): recomputed
+            lost = call(pport, "/v1/completions", dict(bodies[-1], max_tokens=1,
+                                                       kv_transfer_params={"do_remote_decode": True}))
+            lost = lost["kv_transfer_params"]
+            for f in glob.glob(os.path.join(tier, "*.kvb")):
+                os.unlink(f)
+            got = call(dport, "/v1/completions", dict(bodies[-1], kv_transfer_params=lost))
+            check(got["choices"][0]["text"] == unified[-1] and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+                  "recomputed decode: %r" % got)
+        fport = free_port()
+        with pd_cluster(fport, tier, "kv_both", policy="fail"):
+            refused(fport, dict(bodies[2], kv_transfer_params=params[2]), 503, ["kv_load_failure_policy fail"])
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_tp2])
+    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_tp2, test_disaggregated])
