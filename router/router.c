@@ -100,6 +100,7 @@ typedef struct replica {
     uint64_t routed, failovers, failures;
     double ttft_ms[TTFT_RING];
     int n_ttft, ttft_pos;
+    int prefill; /* a prefill replica (--prefill-replica): only the first phase of a disaggregated request */
 } replica_t;
 
 typedef struct route {
@@ -136,6 +137,11 @@ typedef struct route {
     int tokenizing; /* its prompt is on a tokenizer thread (keyed by up_id) */
     int tenant;     /* admitted for this tenant (-1: no --tenants) */
     loom_rcache_rec_t *crec; /* its stream, recorded for the response cache (NULL: not cached) */
+    /* prefill/decode disaggregation: 1 while at a prefill replica (its
+     * chunks are not relayed), then 2 at a decode replica with kv_params
+     * (NULL: the prefill failed, or was skipped: the decode computes it) */
+    int pd_phase;
+    char *kv_params;
 } route_t;
 
 /* A prompt to tokenize, handed to a tokenizer thread by pointer over inproc. */
@@ -325,6 +331,7 @@ static void route_free(loom_router_t *r, route_t *q) {
     free(q->prompt);
     free(q->gen);
     free(q->text);
+    free(q->kv_params);
     free(q);
 }
 
@@ -395,8 +402,9 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
         const replica_t *p = &r->reps[i];
         if (!p->used) continue;
         slot[n] = i;
+        int role_ok = !r->cfg.n_prefill_replicas || p->prefill == (q->pd_phase == 1);
         c[n] =
-            (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)),
+            (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)) && role_ok,
                                 .matched_blocks = match[i],
                                 .inflight = p->inflight,
                                 .inflight_tokens = p->inflight_tokens,
@@ -442,6 +450,12 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
 static int place(loom_router_t *r, route_t *q, const char *why) {
     uint64_t hashes[MAX_HASHES];
     int nh = q->policy == LOOM_POLICY_PREFIX ? route_hashes(r, q, hashes) : 0;
+    const Loom__V1__GenerateRequest *cg = q->rq->generate;
+    if (r->cfg.n_prefill_replicas && q->pd_phase == 0) /* a client's own kv_transfer_params go through as they are */
+        q->pd_phase = (cg->kv_transfer_params && cg->kv_transfer_params[0]) ||
+                              (q->prompt && q->n_prompt < r->cfg.pd_min_prompt_tokens)
+                          ? 2
+                          : 1;
     for (;;) {
         uint64_t now = loom_now_ns();
         if (now >= q->deadline) {
@@ -464,6 +478,10 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         int i = pick(r, q, q->tried, hashes, nh);
         if (i < 0 && q->tried)
             i = pick(r, q, 0, hashes, nh); /* every replica tried: any UP one again */
+        if (i < 0 && q->pd_phase == 1) { /* no prefill replica: the decode side computes it all */
+            q->pd_phase = 2;
+            continue;
+        }
         if (i < 0) {
             char msg[600];
             snprintf(msg, sizeof msg, "no replica is available to serve the request%s%s",
@@ -480,6 +498,13 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         rq.generate = &g;
         rq.request_id = q->up_id;
         if (!q->prompt) g.return_prompt_ids = 1; /* no tokenizer: the replica tells us the prompt's ids */
+        if (q->pd_phase == 1) { /* the prefill: one token, its blocks written for the decode */
+            g.max_tokens = 1;
+            g.kv_transfer_params = (char *)"{\"do_remote_decode\":true}";
+            g.no_cache = 1;
+        } else if (q->kv_params) {
+            g.kv_transfer_params = q->kv_params;
+        }
         int32_t *ids = NULL;
         if (q->n_gen > 0) { /* continue from the tokens already streamed */
             ids = loom_xmalloc((size_t)(q->n_prompt + q->n_gen) * sizeof *ids);
@@ -1145,10 +1170,35 @@ static int request_fault(loom_status_t st) {
            st == LOOM_ERR_FORMAT || st == LOOM_ERR_UNSUPPORTED;
 }
 
+/* A chunk of a disaggregated request's prefill: nothing goes to the
+ * client; its end sends the request to a decode replica, with the params
+ * the prefill answered (without them when it failed: recomputed there). */
+static void on_prefill_chunk(loom_router_t *r, route_t *q, const Loom__V1__Reply *rep) {
+    const Loom__V1__GenerateChunk *ch = rep->chunk;
+    int ok = rep->code == LOOM__V1__STATUS_CODE__OK;
+    q->t_last = loom_now_ns();
+    if (ok && !(ch && ch->final)) return;
+    if (ok && ch->kv_transfer_params && ch->kv_transfer_params[0]) q->kv_params = loom_xstrdup(ch->kv_transfer_params);
+    else
+        LOOM_INFO("request r%llu: the prefill replica %s answered %s: the decode side computes the prompt",
+                  (unsigned long long)q->up_id, r->reps[q->rep].addr,
+                  ok ? "no kv_transfer_params" : (rep->message && rep->message[0] ? rep->message : "an error"));
+    if (!ok) cancel_upstream(r, q);
+    route_detach(r, q);
+    q->pd_phase = 2;
+    q->tried = 0;
+    q->attempts = 0;
+    place(r, q, NULL);
+}
+
 static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
     Loom__V1__GenerateChunk *ch = rep->chunk;
     uint64_t now = loom_now_ns();
+    if (q->pd_phase == 1) {
+        on_prefill_chunk(r, q, rep);
+        return;
+    }
     if (rep->code != LOOM__V1__STATUS_CODE__OK) {
         loom_status_t st = loom_wire_status_from_code(rep->code);
         if (st == LOOM_ERR_UNAVAILABLE || st == LOOM_ERR_RESOURCE_EXHAUSTED ||
@@ -2048,6 +2098,15 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     for (int k = 0; r->tok && k < cfg->tokenizer_threads && k < MAX_TOK_THREADS; k++) {
         if (pthread_create(&r->tok_th[k], NULL, tok_main, r) != 0) break;
         r->n_tok_th++;
+    }
+    for (int k = 0; k < cfg->n_prefill_replicas; k++) {
+        int i = replica_find(r, cfg->prefill_replicas[k]);
+        if (i < 0 && (i = replica_open(r, cfg->prefill_replicas[k], 0)) < 0) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "cannot use prefill replica '%s' (see the log)",
+                              cfg->prefill_replicas[k]);
+            goto fail;
+        }
+        r->reps[i].prefill = 1;
     }
     for (int k = 0; k < cfg->n_replicas; k++)
         if (replica_find(r, cfg->replicas[k]) < 0 && replica_open(r, cfg->replicas[k], 0) < 0) {

@@ -21,16 +21,21 @@
   and seeded outputs equal a unified replica's token for token; forged block
   ids, a stranger's engine id and a replica without --kv-transfer-config
   are refused; blocks missing from the tier are recomputed
-  (kv_load_failure_policy recompute) or refused (fail)."""
+  (kv_load_failure_policy recompute) or refused (fail).
+- loom-router --pd: the same through the router (prefill replica, then
+  decode replica with the params; a short prompt skips the prefill): the
+  outputs equal a unified replica's, the decode side computes at most one
+  block of each long prompt."""
 import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import STORIES, Cluster, check, run_tests  # noqa: E402
+from harness import STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -253,8 +258,9 @@ LOST = "Vase " + STORY  # prefilled, then its blocks lost before the decode
 
 def pd_cluster(port, tier, role, policy="recompute"):
     cfg = json.dumps({"kv_connector": "LoomConnector", "kv_role": role, "kv_load_failure_policy": policy})
-    args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B), "--kv-offloading-dir", tier,
-            "--kv-transfer-config", cfg]
+    args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-transfer-config", cfg]
+    if port:
+        args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
     return Cluster(STORIES, 1, 1, coord_args=args)
 
 
@@ -314,5 +320,47 @@ def test_disaggregated():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def test_router_pd():
+    from test_router import Router
+    tier = tempfile.mkdtemp(prefix="loom-kv-pd-router-")
+    try:
+        bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
+        bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
+        bodies.append({"prompt": "Kite", "max_tokens": 8, "temperature": 0})  # short: no prefill
+        port = free_port()
+        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                "--block-size", str(B)]):
+            unified = [call(port, "/v1/completions", b) for b in bodies]
+        with pd_cluster(0, tier, "kv_producer") as pre, pd_cluster(0, tier, "kv_consumer") as dec:
+            with Router(["--pd", "--prefill-replica", pre.addr, "--replica", dec.addr, "--pd-min-prompt-tokens", "32"],
+                        http=True, expect_up=2) as router:
+                for b, want in zip(bodies, unified):
+                    got = call(router.http, "/v1/completions", b)
+                    check(got["choices"][0]["text"] == want["choices"][0]["text"],
+                          "through the router %r != unified %r" % (got["choices"][0]["text"],
+                                                                  want["choices"][0]["text"]))
+                    n_prompt = got["usage"]["prompt_tokens"]
+                    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    if n_prompt >= 32:
+                        check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens"
+                              % (n_prompt - cached, n_prompt))
+                    else:
+                        check(cached == 0, "a short prompt came with %d cached tokens" % cached)
+                # the prefill replica killed: the decode side computes the prompts itself
+                for name in ("coordinator", "worker-0"):
+                    os.kill(pre.pid(name), signal.SIGKILL)
+                wait_for(lambda: router.metric_sum("loom_router_replica_up") == 1, 30, "the prefill replica down")
+                fresh = {"prompt": "Zebra " + STORY, "max_tokens": 16, "temperature": 0}
+                got = call(router.http, "/v1/completions", fresh)
+                with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                        "--block-size", str(B)]):
+                    want = call(port, "/v1/completions", fresh)
+                check(got["choices"][0]["text"] == want["choices"][0]["text"]
+                      and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+                      "without its prefill replica: %r vs %r" % (got, want))
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_tp2, test_disaggregated])
+    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_tp2, test_disaggregated, test_router_pd])
