@@ -13,7 +13,9 @@
   prompt tokens are computed; a second replica (its own coordinator and
   workers) on the same directory hits the blocks the first wrote; corrupted
   and truncated block files are misses (logged, deleted), never wrong
-  output; a TP=2 grid saves each shard's slice in its own file.
+  output; a TP=2 grid saves each shard's slice in its own file; a tier
+  that cannot be written (its directory replaced by a file) stops saving
+  with a log line and the replica serves on with the same outputs.
 - Prefill/decode disaggregation driven as vLLM's proxy drives it: a prefill
   replica answers kv_transfer_params do_remote_decode (max_tokens 1) with
   the decode side's params; the decode replica, given them, loads the
@@ -247,6 +249,28 @@ def test_dir_tier():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def test_dir_tier_unwritable():
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    try:
+        port = free_port()
+        with tier_cluster(1, port):
+            base = run_conversations(port)
+        port = free_port()
+        with tier_cluster(1, port, tier) as cl:
+            shutil.rmtree(tier)
+            with open(tier, "w") as f:  # what was the directory: writes and reads now fail
+                f.write("not a directory\n")
+            again = run_conversations(port)
+            log = cl.log("worker-0")
+        check_same_text(base, again, "with an unwritable tier")
+        check("no more blocks are saved" in log, "no log line for the failed save: %r" % log[-2000:])
+    finally:
+        if os.path.isdir(tier):
+            shutil.rmtree(tier, ignore_errors=True)
+        elif os.path.exists(tier):
+            os.unlink(tier)
+
+
 def test_dir_tier_tp2():
     tier, _ = check_tier(2)
     shutil.rmtree(tier, ignore_errors=True)
@@ -363,4 +387,5 @@ def test_router_pd():
 
 
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_tp2, test_disaggregated, test_router_pd])
+    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_tp2, test_disaggregated,
+               test_router_pd])
