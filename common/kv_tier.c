@@ -36,6 +36,8 @@ uint64_t loom_kv_tier_checksum(const void *data, size_t bytes) {
     return h ^ (h >> 29);
 }
 
+uint64_t loom_kv_tier_file_bytes(size_t bytes) { return sizeof(header_t) + (uint64_t)bytes; }
+
 void loom_kv_tier_path(char *out, size_t n, const char *dir, uint64_t tier_id, uint64_t hash, int shard) {
     snprintf(out, n, "%s/%016llx-%016llx-%d%s", dir, (unsigned long long)tier_id, (unsigned long long)hash, shard,
              LOOM_KV_TIER_SUFFIX);

@@ -42,6 +42,9 @@ int loom_kv_tier_check(const char *dir, uint64_t tier_id, uint64_t hash, int sha
  * they take afterwards. */
 uint64_t loom_kv_tier_trim(const char *dir, uint64_t max_bytes);
 
+/* Bytes a block file of a span of `bytes` takes (its header included). */
+uint64_t loom_kv_tier_file_bytes(size_t bytes);
+
 /* 64-bit checksum of a span (the file's). */
 uint64_t loom_kv_tier_checksum(const void *data, size_t bytes);
 

@@ -33,7 +33,6 @@ void loom_kv_set_evict_hook(loom_kv_ledger_t *L, loom_kv_evict_fn fn, void *ctx)
     L->evict_ctx = ctx;
 }
 
-uint64_t loom_kv_block_hash(const loom_kv_ledger_t *L, int b) { return L->cached[b] ? L->hash[b] : 0; }
 
 void loom_kv_set_observer(loom_kv_ledger_t *L, loom_kv_observer_fn fn, void *ctx) {
     L->observer = fn;

@@ -39,8 +39,6 @@ void loom_kv_set_observer(loom_kv_ledger_t *L, loom_kv_observer_fn fn, void *ctx
  * its id and chain hash, while its KV is still intact (a tier saves it). */
 typedef void (*loom_kv_evict_fn)(void *ctx, int block, uint64_t hash);
 void loom_kv_set_evict_hook(loom_kv_ledger_t *L, loom_kv_evict_fn fn, void *ctx);
-/* The chain hash of a cached block (0 when it is not cached). */
-uint64_t loom_kv_block_hash(const loom_kv_ledger_t *L, int block);
 void loom_kv_retain(loom_kv_ledger_t *L, int block);
 void loom_kv_release(loom_kv_ledger_t *L, int block);
 int loom_kv_ref(const loom_kv_ledger_t *L, int block);

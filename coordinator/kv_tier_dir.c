@@ -16,7 +16,6 @@ typedef struct {
     uint64_t tier_id;
     int n_shards;
     uint64_t *shard_bytes;
-    uint64_t hits;
 } dir_conn_t;
 
 /* Every shard's file of block `hash` is there and whole. */
@@ -32,7 +31,6 @@ static int dir_match(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_
     if (d->n_shards == 0) return 0;
     int first = n_local / r->block_size, last = (r->n_tokens - 1) / r->block_size, n = 0;
     for (int i = first; i < last && block_whole(d, r->block_hashes[i]); i++) n++;
-    d->hits += (uint64_t)n;
     return n * r->block_size;
 }
 
@@ -80,5 +78,3 @@ int loom_kv_dir_connector_whole(const loom_kv_connector_t *c, const uint64_t *ha
     while (d->n_shards > 0 && i < n && block_whole(d, hashes[i])) i++;
     return i;
 }
-
-uint64_t loom_kv_dir_connector_hits(const loom_kv_connector_t *c) { return ((const dir_conn_t *)c)->hits; }

@@ -18,7 +18,5 @@ void loom_kv_dir_connector_set_grid(loom_kv_connector_t *c, uint64_t tier_id, in
                                     const uint64_t *shard_bytes);
 /* How many of these blocks, from the first, are whole for every shard. */
 int loom_kv_dir_connector_whole(const loom_kv_connector_t *c, const uint64_t *hashes, int n);
-/* Blocks found whole for every shard by match since creation. */
-uint64_t loom_kv_dir_connector_hits(const loom_kv_connector_t *c);
 
 #endif

@@ -38,8 +38,7 @@ static void save_all(loom_kv_offload_t *o, const loom_model_t *m, const int32_t 
             o->broken = 1;
             return;
         }
-        o->saved++;
-        o->bytes += span;
+        o->bytes += loom_kv_tier_file_bytes(span);
     }
     if (o->bytes > o->max_bytes) o->bytes = loom_kv_tier_trim(o->dir, o->max_bytes);
 }
@@ -67,7 +66,6 @@ loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, 
             return loom_err_set(err, s, "KV block %016llx (shard %d) could not be loaded: %s",
                                 (unsigned long long)load_hashes[i], o->shard, why);
         }
-        o->loaded++;
     }
     return LOOM_OK;
 }

@@ -18,7 +18,6 @@ typedef struct loom_kv_offload {
     uint64_t bytes;     /* what it holds, as of the last trim plus what this worker wrote since */
     int shard;          /* stage * tp + tp rank */
     int broken;         /* a write failed (disk full, read-only): no more saves, loads still */
-    uint64_t saved, loaded; /* blocks, since the tier was set */
 } loom_kv_offload_t;
 
 /* Sets (dir non-empty) or clears the tier for the model's pool; refuses a
