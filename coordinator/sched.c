@@ -477,6 +477,22 @@ static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq
     }
 }
 
+/* A remote decode's prefill (kv_save) admitted with blocks it did not
+ * compute (the prefix cache's, the tier's): those the tier lacks are saved
+ * too, after the step, so the decode side finds the whole prefix. */
+static void save_admitted(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q) {
+    if (!s->conn || !q->kv_save) return;
+    const int B = s->cfg.block_size;
+    uint64_t h = q->lora_seed;
+    for (int i = 0; i < q->n_computed / B; i++) {
+        h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+        if (i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
+        xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
+                  h);
+        s->stats.tier_saves++;
+    }
+}
+
 /* Full blocks of q's prompt beyond its prefix-cache hit that the connector
  * holds: each gets a fresh block, loaded by the step before it runs. The
  * pool evicts a chain from its front first, so blocks after the tier's run
@@ -856,6 +872,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             q->cached_tokens = q->n_computed;
             q->forked = f == FORK_DONE;
             q->t_admitted_ns = loom_now_ns();
+            save_admitted(s, mb, q);
         }
         run_insert(s, q);
         grow(s, q, q->n_computed + take);

@@ -309,6 +309,7 @@ def test_disaggregated():
         pport, dport = free_port(), free_port()
         with pd_cluster(pport, tier, "kv_producer"), pd_cluster(dport, tier, "kv_consumer"):
             params = []
+            call(pport, "/v1/completions", bodies[0])  # in the prefill side's pool, not in the tier
             for b, want in zip(bodies[:-1], unified):
                 pre = call(pport, "/v1/completions", dict(b, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
                 kv = pre.get("kv_transfer_params")
