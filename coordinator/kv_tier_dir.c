@@ -10,18 +10,57 @@
 #include "common/kv_tier.h"
 #include "common/util.h"
 
+/* Files read through recently: a waiting request asked again each step
+ * (it waits for memory) must not read its blocks each time. A file whose
+ * size and modification time are those it had when it was read through is
+ * taken as whole (writers never change a file in place: they rename). */
+#define VERIFIED 4096
+
+typedef struct {
+    uint64_t key;   /* hash ^ shard mix (0: empty) */
+    int64_t mtime_ns;
+    int64_t size;
+} verified_t;
+
 typedef struct {
     loom_kv_connector_t base; /* first: the connector's address is the tier's */
     char *dir;
     uint64_t tier_id;
     int n_shards;
     uint64_t *shard_bytes;
+    verified_t verified[VERIFIED];
 } dir_conn_t;
 
+static uint64_t verified_key(uint64_t hash, int shard) {
+    uint64_t k = hash ^ ((uint64_t)(shard + 1) * 0x9e3779b97f4a7c15ull);
+    return k ? k : 1;
+}
+
+static int stat_of(const dir_conn_t *d, uint64_t hash, int shard, int64_t *mtime_ns, int64_t *size) {
+    char path[4096];
+    loom_kv_tier_path(path, sizeof path, d->dir, d->tier_id, hash, shard);
+    struct stat st;
+    if (stat(path, &st) != 0) return -1;
+    *mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000ll + st.st_mtim.tv_nsec;
+    *size = (int64_t)st.st_size;
+    return 0;
+}
+
+/* One shard's file of block `hash` is there and whole. */
+static int shard_whole(dir_conn_t *d, uint64_t hash, int shard) {
+    uint64_t k = verified_key(hash, shard);
+    verified_t *v = &d->verified[k % VERIFIED];
+    int64_t mt, sz;
+    if (v->key == k && stat_of(d, hash, shard, &mt, &sz) == 0 && mt == v->mtime_ns && sz == v->size) return 1;
+    if (!loom_kv_tier_check(d->dir, d->tier_id, hash, shard, (size_t)d->shard_bytes[shard])) return 0;
+    if (stat_of(d, hash, shard, &mt, &sz) == 0) *v = (verified_t){.key = k, .mtime_ns = mt, .size = sz};
+    return 1;
+}
+
 /* Every shard's file of block `hash` is there and whole. */
-static int block_whole(const dir_conn_t *d, uint64_t hash) {
+static int block_whole(dir_conn_t *d, uint64_t hash) {
     for (int sh = 0; sh < d->n_shards; sh++)
-        if (!loom_kv_tier_check(d->dir, d->tier_id, hash, sh, (size_t)d->shard_bytes[sh])) return 0;
+        if (!shard_whole(d, hash, sh)) return 0;
     return 1;
 }
 
@@ -69,11 +108,12 @@ void loom_kv_dir_connector_set_grid(loom_kv_connector_t *c, uint64_t tier_id, in
     d->tier_id = tier_id;
     d->n_shards = n_shards;
     d->shard_bytes = loom_xrealloc(d->shard_bytes, (size_t)(n_shards > 0 ? n_shards : 1) * sizeof *d->shard_bytes);
+    memset(d->verified, 0, sizeof d->verified); /* another grid: other files */
     memcpy(d->shard_bytes, shard_bytes, (size_t)n_shards * sizeof *shard_bytes);
 }
 
-int loom_kv_dir_connector_whole(const loom_kv_connector_t *c, const uint64_t *hashes, int n) {
-    const dir_conn_t *d = (const dir_conn_t *)c;
+int loom_kv_dir_connector_whole(loom_kv_connector_t *c, const uint64_t *hashes, int n) {
+    dir_conn_t *d = (dir_conn_t *)c;
     int i = 0;
     while (d->n_shards > 0 && i < n && block_whole(d, hashes[i])) i++;
     return i;
