@@ -46,13 +46,20 @@ static int stat_of(const dir_conn_t *d, uint64_t hash, int shard, int64_t *mtime
     return 0;
 }
 
-/* One shard's file of block `hash` is there and whole. */
+/* One shard's file of block `hash` is there and whole; its time is
+ * refreshed (about to be loaded: the last the LRU trim takes). */
 static int shard_whole(dir_conn_t *d, uint64_t hash, int shard) {
     uint64_t k = verified_key(hash, shard);
     verified_t *v = &d->verified[k % VERIFIED];
     int64_t mt, sz;
-    if (v->key == k && stat_of(d, hash, shard, &mt, &sz) == 0 && mt == v->mtime_ns && sz == v->size) return 1;
-    if (!loom_kv_tier_check(d->dir, d->tier_id, hash, shard, (size_t)d->shard_bytes[shard])) return 0;
+    int known = v->key == k && stat_of(d, hash, shard, &mt, &sz) == 0 && mt == v->mtime_ns && sz == v->size;
+    if (known) {
+        char path[4096];
+        loom_kv_tier_path(path, sizeof path, d->dir, d->tier_id, hash, shard);
+        utimensat(AT_FDCWD, path, NULL, 0);
+    } else if (!loom_kv_tier_check(d->dir, d->tier_id, hash, shard, (size_t)d->shard_bytes[shard])) {
+        return 0;
+    }
     if (stat_of(d, hash, shard, &mt, &sz) == 0) *v = (verified_t){.key = k, .mtime_ns = mt, .size = sz};
     return 1;
 }

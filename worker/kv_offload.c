@@ -40,12 +40,19 @@ static void save_all(loom_kv_offload_t *o, const loom_model_t *m, const int32_t 
         }
         o->bytes += loom_kv_tier_file_bytes(span);
     }
+}
+
+/* Over the bound: the least recently used files go. After the step's loads,
+ * so none of its own blocks goes before it is read. */
+static void trim(loom_kv_offload_t *o) {
     if (o->bytes > o->max_bytes) o->bytes = loom_kv_tier_trim(o->dir, o->max_bytes);
 }
 
 void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
                           size_t n) {
-    if (n && o->dir[0]) save_all(o, m, blocks, hashes, n, loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)));
+    if (!n || !o->dir[0]) return;
+    save_all(o, m, blocks, hashes, n, loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)));
+    trim(o);
 }
 
 loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *save_blocks,
@@ -61,11 +68,13 @@ loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, 
             loom_kv_tier_read(o->dir, o->tier_id, load_hashes[i], o->shard, loom_model_kv_block_ptr(m, load_blocks[i]),
                               span, err);
         if (s < 0) {
+            trim(o);
             char why[sizeof err->msg];
             snprintf(why, sizeof why, "%s", err->msg);
             return loom_err_set(err, s, "KV block %016llx (shard %d) could not be loaded: %s",
                                 (unsigned long long)load_hashes[i], o->shard, why);
         }
     }
+    trim(o);
     return LOOM_OK;
 }

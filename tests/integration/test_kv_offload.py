@@ -15,7 +15,8 @@
   and truncated block files are misses (logged, deleted), never wrong
   output; a TP=2 grid saves each shard's slice in its own file; a tier
   that cannot be written (its directory replaced by a file) stops saving
-  with a log line and the replica serves on with the same outputs.
+  with a log line and the replica serves on with the same outputs; a tier
+  bounded by --kv-offloading-disk-size stays within it.
 - Prefill/decode disaggregation driven as vLLM's proxy drives it: a prefill
   replica answers kv_transfer_params do_remote_decode (max_tokens 1) with
   the decode side's params; the decode replica, given them, loads the
@@ -271,6 +272,26 @@ def test_dir_tier_unwritable():
             os.unlink(tier)
 
 
+def test_dir_tier_bounded():
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    bound = 200000  # ten block files of stories260K (20 KiB and a header each): less than the workload writes
+    try:
+        port = free_port()
+        with tier_cluster(1, port):
+            base = run_conversations(port)
+        port = free_port()
+        with tier_cluster(1, port, tier, extra=["--kv-offloading-disk-size", "%g" % (bound / 1e9)]):
+            again = run_conversations(port)
+            _, hits, saves = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total",
+                                      "loom_kv_offload_saves_total")
+        check_same_text(base, again, "with a bounded tier")
+        held = sum(os.path.getsize(f) for f in glob.glob(os.path.join(tier, "*.kvb")))
+        check(0 < held <= bound and saves * 20480 > bound,
+              "the tier holds %d bytes for a bound of %d after %d saves" % (held, bound, saves))
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 def test_dir_tier_tp2():
     tier, _ = check_tier(2)
     shutil.rmtree(tier, ignore_errors=True)
@@ -388,5 +409,5 @@ def test_router_pd():
 
 
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_tp2, test_disaggregated,
-               test_router_pd])
+    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
+               test_disaggregated, test_router_pd])
