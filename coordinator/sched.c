@@ -35,6 +35,8 @@ struct loom_sched {
     int32_t *pend_block;           /* saves of evicted blocks waiting for the next micro-batch */
     uint64_t *pend_hash;
     int n_pend, cap_pend;
+    loom_sched_tier_fn tier_obs;   /* told of each block sent to the tier (NULL: none) */
+    void *tier_obs_ctx;
 };
 
 static void attach_ledger(loom_sched_t *s);
@@ -444,6 +446,16 @@ static void xfer_push(int32_t **blk, uint64_t **hash, int *n, int *cap, int32_t 
     (*hash)[(*n)++] = h;
 }
 
+static void tier_saved(loom_sched_t *s, uint64_t hash) {
+    s->stats.tier_saves++;
+    if (s->tier_obs) s->tier_obs(s->tier_obs_ctx, hash);
+}
+
+void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *ctx) {
+    s->tier_obs = fn;
+    s->tier_obs_ctx = ctx;
+}
+
 /* The ledger is evicting a cached block for this micro-batch: write-back.
  * The save precedes, on every worker, whatever the step writes into it. */
 static void on_evict(void *ctx, int block, uint64_t hash) {
@@ -451,7 +463,7 @@ static void on_evict(void *ctx, int block, uint64_t hash) {
     loom_microbatch_t *mb = s->building;
     if (!mb || !s->conn || s->conn->write_through || !loom_kv_connector_offer(s->conn, hash)) return;
     xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, block, hash);
-    s->stats.tier_saves++;
+    tier_saved(s, hash);
 }
 
 static void attach_ledger(loom_sched_t *s) { loom_kv_set_evict_hook(s->kv, on_evict, s); }
@@ -473,7 +485,7 @@ static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq
         if (i < first || i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
         xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
                   h);
-        s->stats.tier_saves++;
+        tier_saved(s, h);
     }
 }
 
@@ -489,7 +501,7 @@ static void save_admitted(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq
         if (i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
         xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
                   h);
-        s->stats.tier_saves++;
+        tier_saved(s, h);
     }
 }
 

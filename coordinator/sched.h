@@ -258,6 +258,10 @@ void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots);
  * mb->save_after_*, done after that step's layers. The caller keeps c
  * alive while the scheduler holds it. */
 void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
+/* Told of each block hash sent to the connector's tier (the KV events
+ * publisher listens); NULL fn: none. */
+typedef void (*loom_sched_tier_fn)(void *ctx, uint64_t hash);
+void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *ctx);
 void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]);
 
 /* Speculative decoding (common/spec.h): with a method set, a decode of a

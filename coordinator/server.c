@@ -751,6 +751,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
     if (s->kv_conn) kv_tier_attach(s, g);
+    loom_kv_events_set_tier(s->kv_events, s->kv_conn ? loom_grid_kv_tier_id(g) : 0);
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,

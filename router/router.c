@@ -101,6 +101,7 @@ typedef struct replica {
     double ttft_ms[TTFT_RING];
     int n_ttft, ttft_pos;
     int prefill; /* a prefill replica (--prefill-replica): only the first phase of a disaggregated request */
+    uint64_t tier_id; /* its KV offload tier, from its KV events (0: none) */
 } replica_t;
 
 typedef struct route {
@@ -201,7 +202,7 @@ struct loom_router {
         disconnects;
     uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
     uint64_t bad_chunks, relayed_errors; /* replica faults in a stream; request faults passed on */
-    uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
+    uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted, kv_tier_blocks;
     etcd_thread_t etcd;
     void *tok_jobs, *tok_results; /* PUSH to and PULL from the tokenizer threads */
     pthread_t tok_th[MAX_TOK_THREADS];
@@ -1121,10 +1122,17 @@ static void on_events(loom_router_t *r, int i, const void *data, size_t len) {
     if (m->cleared || gap)
         loom_prefix_index_drop_replica(r->index, i); /* what we knew may be wrong */
     p->events_seq = m->seq;
+    p->tier_id = m->tier_id;
     if (p->state == REP_UP) {
         loom_prefix_index_insert(r->index, m->cached, (int)m->n_cached, i);
-        for (size_t k = 0; k < m->n_evicted; k++)
+        /* with a tier below its pool an evicted block goes down to the tier, and stays a hit */
+        for (size_t k = 0; k < m->n_evicted && !m->tier_id; k++)
             loom_prefix_index_remove(r->index, m->evicted[k], i);
+        /* a block in a shared tier is a hit for every replica that shares it */
+        for (int j = 0; m->tier_id && m->n_tier_stored && j < MAX_REPLICAS; j++)
+            if (r->reps[j].used && r->reps[j].state == REP_UP && r->reps[j].tier_id == m->tier_id)
+                loom_prefix_index_insert(r->index, m->tier_stored, (int)m->n_tier_stored, j);
+        r->kv_tier_blocks += m->n_tier_stored;
         r->kv_blocks_cached += m->n_cached;
         r->kv_blocks_evicted += m->n_evicted;
         p->running = (int)m->running;
@@ -1670,12 +1678,14 @@ static void render_metrics(loom_router_t *r) {
                                "kv_event_gaps",
                                "kv_events_blocks_cached",
                                "kv_events_blocks_evicted",
+                               "kv_events_tier_blocks",
                                "bad_chunks",
                                "relayed_errors"};
     uint64_t cv[] = {r->failovers,        r->failover_gave_up,   r->unplaceable, r->cancels,
                      r->disconnects,      r->deadline_exceeded,  r->garbage,     r->refused_joins,
                      r->index_hit_blocks, r->index_query_blocks, r->kv_events,   r->kv_event_gaps,
-                     r->kv_blocks_cached, r->kv_blocks_evicted, r->bad_chunks, r->relayed_errors};
+                     r->kv_blocks_cached, r->kv_blocks_evicted, r->kv_tier_blocks, r->bad_chunks,
+                     r->relayed_errors};
     for (size_t k = 0; k < LOOM_ARRAY_LEN(cn); k++)
         sb_printf(&b, "# TYPE loom_router_%s_total counter\nloom_router_%s_total %llu\n", cn[k],
                   cn[k], (unsigned long long)cv[k]);

@@ -28,7 +28,11 @@
 - loom-router --pd: the same through the router (prefill replica, then
   decode replica with the params; a short prompt skips the prefill): the
   outputs equal a unified replica's, the decode side computes at most one
-  block of each long prompt."""
+  block of each long prompt.
+- KV events: replicas sharing a tier publish its identity and the blocks
+  they write to it; loom-router counts those blocks as cached on every
+  replica sharing the tier, so a prompt in the tier is a prefix hit on both
+  (the load decides between them) and each loads it."""
 import glob
 import json
 import os
@@ -366,6 +370,32 @@ def test_disaggregated():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def test_router_tier_events():
+    from test_router import Router
+    tier = tempfile.mkdtemp(prefix="loom-kv-events-")
+    try:
+        args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-offloading-write-through",
+                "--kv-events", "tcp://127.0.0.1:0"]
+        with Cluster(STORIES, 1, 1, coord_args=args) as a, Cluster(STORIES, 1, 1, coord_args=args) as b:
+            with Router(["--replica", a.addr, "--replica", b.addr, "--policy", "prefix"], http=True,
+                        expect_up=2) as router:
+                body = {"prompt": PD_PROMPTS[0], "max_tokens": 8, "temperature": 0}
+                first = call(router.http, "/v1/completions", body)
+                wait_for(lambda: router.metric_sum("loom_router_kv_events_tier_blocks_total") > 0, 20,
+                         "the tier's blocks in the router's KV events")
+                got = [call(router.http, "/v1/completions", body) for _ in range(4)]
+                wait_for(lambda: router.metric_sum("loom_router_replica_routed_total") == 5, 20,
+                         "the router's metrics to count the five requests")
+                routed = [v for (n, _), v in router.metrics().items() if n == "loom_router_replica_routed_total"]
+        check(all(g["choices"][0]["text"] == first["choices"][0]["text"] for g in got), "outputs differ")
+        check(all(g["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for g in got),
+              "cached tokens %r" % [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got])
+        check(len(routed) == 2 and min(routed) >= 2,
+              "a prompt in the shared tier goes to both replicas (the load decides): routed %r" % routed)
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 def test_router_pd():
     from test_router import Router
     tier = tempfile.mkdtemp(prefix="loom-kv-pd-router-")
@@ -410,4 +440,4 @@ def test_router_pd():
 
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
-               test_disaggregated, test_router_pd])
+               test_disaggregated, test_router_pd, test_router_tier_events])
