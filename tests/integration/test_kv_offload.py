@@ -165,11 +165,11 @@ def counters(port, *names):
     return [got.get(n) for n in names]
 
 
-def tier_cluster(tp, port, tier=None, extra=()):
+def tier_cluster(tp, port, tier=None, extra=(), pp=1):
     args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B), "--num-kv-blocks", str(POOL)]
     if tier:
         args += ["--kv-offloading-dir", tier]
-    return Cluster(STORIES, tp, 1, coord_args=args + list(extra))
+    return Cluster(STORIES, tp, pp, coord_args=args + list(extra))
 
 
 def coordinator_log(cl):
@@ -182,16 +182,16 @@ def check_same_text(a, b, what):
         check(x[2] == y[2], "%s: %s turn %d differs: %r vs %r" % (what, x[0], x[1], x[2], y[2]))
 
 
-def check_tier(tp):
+def check_tier(tp, pp=1):
     tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
     try:
         port = free_port()
-        with tier_cluster(tp, port):
+        with tier_cluster(tp, port, pp=pp):
             base = run_conversations(port)
             computed0, absent = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total")
         check(absent is None, "tp %d: offload counters without a tier" % tp)
         port = free_port()
-        with tier_cluster(tp, port, tier):
+        with tier_cluster(tp, port, tier, pp=pp):
             first = run_conversations(port)
             computed1, hits, saves = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total",
                                               "loom_kv_offload_saves_total")
@@ -204,7 +204,7 @@ def check_tier(tp):
         files = glob.glob(os.path.join(tier, "*.kvb"))
         check(files, "tp %d: no block files in the tier" % tp)
         shards = sorted({f.rsplit("-", 1)[1] for f in files})
-        check(shards == ["%d.kvb" % r for r in range(tp)], "tp %d: block files of shards %r" % (tp, shards))
+        check(shards == ["%d.kvb" % r for r in range(tp * pp)], "tp %d: block files of shards %r" % (tp, shards))
         # later turns: the prefix (the previous turn's prompt) was evicted from the
         # pool, and comes back from the tier
         later = [(r, b) for r, b in zip(first, base) if r[1] > 0]
@@ -215,7 +215,7 @@ def check_tier(tp):
                   "tp %d: %s turn %d: %d of %d prompt tokens cached" % (tp, r[0], r[1], r[4], r[3]))
         # a second replica: its own coordinator and workers on the same directory
         port = free_port()
-        with tier_cluster(tp, port, tier):
+        with tier_cluster(tp, port, tier, pp=pp):
             second = run_conversations(port, turns=1)
         check_same_text(base, second, "tp %d, second replica" % tp)
         check(all(r[4] >= (r[3] - 1) // B * B - B for r in second),
@@ -298,6 +298,12 @@ def test_dir_tier_bounded():
 
 def test_dir_tier_tp2():
     tier, _ = check_tier(2)
+    shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_dir_tier_pp2():
+    """Two pipeline stages: each stage's worker saves and loads its layers' slice."""
+    tier, _ = check_tier(1, pp=2)
     shutil.rmtree(tier, ignore_errors=True)
 
 
@@ -440,4 +446,4 @@ def test_router_pd():
 
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
-               test_disaggregated, test_router_pd, test_router_tier_events])
+               test_dir_tier_pp2, test_disaggregated, test_router_pd, test_router_tier_events])
