@@ -32,17 +32,19 @@
 - KV events: replicas sharing a tier publish its identity and the blocks
   they write to it; loom-router counts those blocks as cached on every
   replica sharing the tier, so a prompt in the tier is a prefix hit on both
-  (the load decides between them) and each loads it."""
+  (the load decides between them) and each loads it.
+- Bad flags are refused at start with a message naming them."""
 import glob
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -402,6 +404,27 @@ def test_router_tier_events():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def test_flags():
+    coord = [os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
+             "--control", "tcp://127.0.0.1:0"]
+    router = [os.path.join(BIN, "loom-router"), "--listen", "tcp://127.0.0.1:0"]
+    cases = [
+        (coord + ["--kv-transfer-config", '{"kv_connector":"NixlConnector"}'], "LoomConnector"),
+        (coord + ["--kv-transfer-config", "not json"], "not a JSON object"),
+        (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector","kv_role":"kv_x"}'], "kv_role"),
+        (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector","kv_load_failure_policy":"retry"}'],
+         "kv_load_failure_policy"),
+        (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector"}'], "--kv-offloading-dir"),
+        (coord + ["--kv-offloading-dir", tempfile.gettempdir(), "--no-prefix-cache"], "prefix cache"),
+        (coord + ["--kv-offloading-dir", "/nonexistent/loom-kv"], "not a writable directory"),
+        (router + ["--replica", "tcp://127.0.0.1:1", "--prefill-replica", "tcp://127.0.0.1:2"], "--pd"),
+        (router + ["--pd", "--replica", "tcp://127.0.0.1:1"], "--prefill-replica"),
+    ]
+    for argv, words in cases:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and words in p.stderr, "%r: exit %d, %r" % (argv[1:], p.returncode, p.stderr[-300:]))
+
+
 def test_router_pd():
     from test_router import Router
     tier = tempfile.mkdtemp(prefix="loom-kv-pd-router-")
@@ -446,4 +469,4 @@ def test_router_pd():
 
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
-               test_dir_tier_pp2, test_disaggregated, test_router_pd, test_router_tier_events])
+               test_dir_tier_pp2, test_disaggregated, test_router_pd, test_router_tier_events, test_flags])
