@@ -427,6 +427,7 @@ static void chunk_from_event(const event_t *e, loom_chunk_t *ch, const char **co
             ch->spec_accepted_tokens = (int)LOOM_MIN(g->usage->spec_accepted_tokens, (uint32_t)INT32_MAX);
             ch->target_steps = (int)LOOM_MIN(g->usage->target_steps, (uint32_t)INT32_MAX);
         }
+        if (g->kv_transfer_params && g->kv_transfer_params[0]) ch->kv_transfer_params = g->kv_transfer_params;
         if (g->timings) {
             const Loom__V1__Timings *t = g->timings;
             ch->timings = (loom_timings_t){t->queue_ms,      t->tokenize_ms, t->prefill_ms, t->decode_ms,
@@ -593,6 +594,7 @@ loom_status_t loom_client_submit(loom_client_t *c, const loom_gen_params_t *p, u
     g.raw_prompt = p->raw_prompt != 0;
     g.tag = (char *)(p->tag ? p->tag : "");
     g.session = (char *)(p->session ? p->session : "");
+    g.kv_transfer_params = (char *)(p->kv_transfer_params ? p->kv_transfer_params : "");
     g.n_stop_token_ids = (size_t)p->n_stop_token_ids;
     g.stop_token_ids = (int32_t *)p->stop_token_ids;
     g.n_logit_bias_ids = g.n_logit_bias_values = (size_t)p->n_logit_bias;

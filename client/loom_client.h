@@ -70,6 +70,7 @@ typedef struct loom_gen_params {
     int logprobs;                              /* chunks carry their tokens' log probabilities */
     int top_logprobs;                          /* and the most likely tokens', at most 20 */
     const char *session;        /* affinity key for a router's session policy (NULL: none) */
+    const char *kv_transfer_params; /* vLLM's kv_transfer_params, a JSON object (NULL: none) */
     int guide_kind;                            /* constrained decoding: api.proto guide_kind, 0 off */
     const char *guide_spec;                    /* its spec (schema, regex, choice array, grammar) */
     const char *guide_after;                   /* the guide holds after this marker (a reasoning model's
@@ -131,6 +132,7 @@ typedef struct loom_chunk {
     loom_status_t status;
     const char *message;
     int retry_after_ms; /* RESOURCE_EXHAUSTED from a router's tenant limits: when to try again (0: not said) */
+    const char *kv_transfer_params; /* final chunk of a prefill for a remote decode: the decode's params (JSON) */
 } loom_chunk_t;
 
 /* Called for each chunk; return nonzero to cancel the request (the call

@@ -77,6 +77,7 @@ struct loom_grid {
     int n_blocks;
     char kv_dtype[16];       /* the workers' KV dtype ("mixed" if they differ) */
     uint64_t kv_block_bytes; /* the largest worker's bytes per block */
+    uint64_t kv_tier_id;     /* the directory tier's identity (loom_grid_kv_tier_id) */
     char last_failure[512];
 
     int probing;   /* probes of the members' data planes are out (state WAITING) */
@@ -415,6 +416,21 @@ static void lose_worker(loom_grid_t *g, int i, const char *why) {
 
 /* ---- load -> join -> ready ------------------------------------------------------ */
 
+/* The directory tier's identity: what must be equal for a block file of
+ * one replica to be valid KV for another (the file names carry it). */
+static uint64_t kv_tier_id(const loom_grid_t *g) {
+    int32_t v[8] = {g->cfg.block_size, g->cfg.tp, g->cfg.pp, g->cfg.n_layers, 1 /* block-contiguous layout */};
+    uint64_t h = loom_kv_chain_hash(g->cfg.kv_tier_seed, v, 5);
+    int32_t dt[4] = {0};
+    memcpy(dt, g->kv_dtype, LOOM_MIN(sizeof dt, strlen(g->kv_dtype)));
+    h = loom_kv_chain_hash(h, dt, 4);
+    for (int i = 0; i < g->n_slots; i++) {
+        int32_t b[2] = {(int32_t)(g->slots[i].kv_block_bytes & 0x7fffffff), (int32_t)(g->slots[i].kv_block_bytes >> 31)};
+        h = loom_kv_chain_hash(h, b, 2);
+    }
+    return h;
+}
+
 static void all_loaded(loom_grid_t *g) {
     uint64_t nb = UINT64_MAX;
     for (int i = 0; i < g->n_slots; i++) {
@@ -448,6 +464,7 @@ static void all_loaded(loom_grid_t *g) {
                   g->n_blocks, g->n_blocks * g->cfg.block_size, g->cfg.max_model_len);
     LOOM_INFO("KV pool: %d blocks of %d tokens per worker, %s (the smallest worker decides)", g->n_blocks,
               g->cfg.block_size, g->kv_dtype);
+    g->kv_tier_id = kv_tier_id(g);
     for (int i = 0; i < g->n_slots; i++) {
         int st = i / g->cfg.tp, r = i % g->cfg.tp;
         const worker_slot_t *lead = &g->slots[st * g->cfg.tp]; /* TP rank 0 made the group's id */
@@ -456,6 +473,11 @@ static void all_loaded(loom_grid_t *g) {
         k.n_blocks = (uint32_t)g->n_blocks;
         k.tp_group_id = (ProtobufCBinaryData){lead->tp_group_len, (uint8_t *)lead->tp_group_id};
         k.next_group_id = (ProtobufCBinaryData){g->slots[i].next_group_len, (uint8_t *)g->slots[i].next_group_id};
+        if (g->cfg.kv_offload_dir) {
+            k.kv_offload_dir = (char *)g->cfg.kv_offload_dir;
+            k.kv_offload_id = g->kv_tier_id;
+            k.kv_offload_max_bytes = g->cfg.kv_offload_max_bytes;
+        }
         if (st > 0) {
             const worker_slot_t *prev = &g->slots[(st - 1) * g->cfg.tp + r];
             k.prev_group_id = (ProtobufCBinaryData){prev->next_group_len, (uint8_t *)prev->next_group_id};
@@ -761,6 +783,15 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
         p->mtp_next = g->mtp_next;
         p->n_mtp_next = (size_t)mb->n_seqs;
     }
+    p->kv_save_blocks = mb->save_block;
+    p->kv_save_hashes = mb->save_hash;
+    p->n_kv_save_blocks = p->n_kv_save_hashes = (size_t)mb->n_saves;
+    p->kv_load_blocks = mb->load_block;
+    p->kv_load_hashes = mb->load_hash;
+    p->n_kv_load_blocks = p->n_kv_load_hashes = (size_t)mb->n_loads;
+    p->kv_save_after_blocks = mb->save_after_block;
+    p->kv_save_after_hashes = mb->save_after_hash;
+    p->n_kv_save_after_blocks = p->n_kv_save_after_hashes = (size_t)mb->n_saves_after;
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {
@@ -1074,6 +1105,10 @@ uint64_t loom_grid_incarnation(const loom_grid_t *g) { return g->incarnation; }
 int loom_grid_n_blocks(const loom_grid_t *g) { return g->n_blocks; }
 const char *loom_grid_kv_dtype(const loom_grid_t *g) { return g->kv_dtype; }
 uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g) { return g->kv_block_bytes; }
+uint64_t loom_grid_kv_tier_id(const loom_grid_t *g) { return g->kv_tier_id; }
+uint64_t loom_grid_slot_kv_block_bytes(const loom_grid_t *g, int i) {
+    return i >= 0 && i < g->n_slots ? g->slots[i].kv_block_bytes : 0;
+}
 const char *loom_grid_last_failure(const loom_grid_t *g) { return g->last_failure; }
 const char *loom_grid_bound_addr(const loom_grid_t *g) { return g->ctl_addr; }
 const char *loom_grid_slot_worker(const loom_grid_t *g, int i) {

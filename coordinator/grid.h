@@ -128,6 +128,12 @@ typedef struct loom_grid_config {
     int mtp;             /* the last stage runs DeepSeek's MTP module as the draft (Assign.mtp) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
+    /* the directory tier (NULL: none): sent to the workers in KvConfig with
+     * the tier identity, a hash of kv_tier_seed (the model's and tokenizer's
+     * digests) and of what the pool's bytes mean: KV dtype, block size, grid
+     * shape, each shard's block bytes, the layout */
+    const char *kv_offload_dir;
+    uint64_t kv_offload_max_bytes, kv_tier_seed;
 } loom_grid_config_t;
 
 /* Binds the control socket on zctx (the caller's context) and, with etcd,
@@ -167,6 +173,10 @@ uint64_t loom_grid_incarnation(const loom_grid_t *g);
 int loom_grid_n_blocks(const loom_grid_t *g);
 const char *loom_grid_kv_dtype(const loom_grid_t *g);     /* "mixed" when workers differ */
 uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g); /* the largest worker's */
+/* The directory tier's identity for this epoch's grid (0 before READY), and
+ * the block bytes of slot i (= stage * tp + rank: the tier's shard number). */
+uint64_t loom_grid_kv_tier_id(const loom_grid_t *g);
+uint64_t loom_grid_slot_kv_block_bytes(const loom_grid_t *g, int i);
 const char *loom_grid_last_failure(const loom_grid_t *g); /* "" when none since the last READY */
 /* The worker id in slot i, or NULL when the slot is free. */
 const char *loom_grid_slot_worker(const loom_grid_t *g, int i);

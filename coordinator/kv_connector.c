@@ -42,6 +42,10 @@ int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t 
     return keep;
 }
 
+int loom_kv_connector_offer(loom_kv_connector_t *c, uint64_t hash) {
+    return c && c->ops->offer && c->ops->offer(c, hash) > 0;
+}
+
 void loom_kv_connector_destroy(loom_kv_connector_t **c) {
     if (!c || !*c) return;
     if ((*c)->ops->destroy) (*c)->ops->destroy(*c);

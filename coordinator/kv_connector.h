@@ -3,8 +3,10 @@
  * directory tier, another replica's prefill). The two halves follow vLLM's
  * KVConnectorBase_V1; the worker half is worker/kv_connector.h.
  *
- * Not wired into the scheduler yet: the table and its checked entry points
- * are here so that a tier can be written and tested against them. */
+ * The scheduler (loom_sched_set_connector) asks match at admission,
+ * after the prefix cache, and offer for each full block leaving the pool
+ * (write-back) or, with write_through, as it is registered; the loads and
+ * saves go to the workers in the step plan (kv_load_*, kv_save_*). */
 #ifndef LOOM_COORDINATOR_KV_CONNECTOR_H
 #define LOOM_COORDINATOR_KV_CONNECTOR_H
 
@@ -48,6 +50,10 @@ typedef struct loom_kv_connector_ops {
      * the response. */
     int (*finished)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks, int n_blocks,
                     char **kv_transfer_params);
+    /* A full block with this chain hash is leaving the pool (write-back)
+     * or was just computed (write-through): 1 when the workers should save
+     * it (the tier lacks it), 0 when not. */
+    int (*offer)(loom_kv_connector_t *c, uint64_t hash);
     void (*destroy)(loom_kv_connector_t *c);
 } loom_kv_connector_ops_t;
 
@@ -55,6 +61,7 @@ struct loom_kv_connector {
     const loom_kv_connector_ops_t *ops;
     const char *tier; /* the kv_events "tier": "host", "dir", "remote" */
     loom_kv_load_policy_t load_policy;
+    int write_through; /* offer blocks as they are computed, not only as they leave the pool */
 };
 
 /* The checked entry points: NULL c is the no-connector case. match's
@@ -65,6 +72,7 @@ void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_re
                                    int n_blocks, int n_external);
 int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
                                int n_blocks, char **kv_transfer_params);
+int loom_kv_connector_offer(loom_kv_connector_t *c, uint64_t hash);
 void loom_kv_connector_destroy(loom_kv_connector_t **c);
 
 #endif

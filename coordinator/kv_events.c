@@ -21,8 +21,10 @@ struct loom_kv_events {
     char bind[256], advertise_host[256];
     char addr[300];           /* what routers dial ("" until bound) */
     loom_kv_ledger_t *ledger; /* the ledger observed (NULL: none yet) */
-    uint64_t *cached, *evicted;
-    size_t n_cached, n_evicted;
+    uint64_t *cached, *evicted, *stored;
+    size_t n_cached, n_evicted, n_stored;
+    loom_sched_t *sched;      /* the scheduler whose tier saves are observed (NULL: none yet) */
+    uint64_t tier_id;
     int overflow, cleared;
     uint64_t seq, last_ns;
 };
@@ -37,6 +39,16 @@ static void on_change(void *ctx, uint64_t hash, int cached) {
         ev->cached[ev->n_cached++] = hash;
     else
         ev->evicted[ev->n_evicted++] = hash;
+}
+
+static void on_tier(void *ctx, uint64_t hash) {
+    loom_kv_events_t *ev = ctx;
+    if (ev->n_stored >= MAX_PENDING) return; /* routers learn fewer tier blocks: only a worse score */
+    ev->stored[ev->n_stored++] = hash;
+}
+
+void loom_kv_events_set_tier(loom_kv_events_t *ev, uint64_t tier_id) {
+    if (ev) ev->tier_id = tier_id;
 }
 
 loom_status_t loom_kv_events_create(void *zctx, const char *bind, const char *advertise_host,
@@ -55,6 +67,7 @@ loom_status_t loom_kv_events_create(void *zctx, const char *bind, const char *ad
              advertise_host ? advertise_host : "");
     ev->cached = loom_xmalloc(MAX_PENDING * sizeof *ev->cached);
     ev->evicted = loom_xmalloc(MAX_PENDING * sizeof *ev->evicted);
+    ev->stored = loom_xmalloc(MAX_PENDING * sizeof *ev->stored);
     *out = ev;
     return LOOM_OK;
 }
@@ -83,9 +96,11 @@ void loom_kv_events_destroy(loom_kv_events_t **ev_p) {
     if (!ev_p || !*ev_p) return;
     loom_kv_events_t *ev = *ev_p;
     if (ev->ledger) loom_kv_set_observer(ev->ledger, NULL, NULL);
+    if (ev->sched) loom_sched_set_tier_observer(ev->sched, NULL, NULL);
     zmq_close(ev->pub);
     free(ev->cached);
     free(ev->evicted);
+    free(ev->stored);
     free(ev);
     *ev_p = NULL;
 }
@@ -103,8 +118,12 @@ void loom_kv_events_publish(loom_kv_events_t *ev, loom_sched_t *sched) {
         ev->cleared = 1;
         ev->n_cached = ev->n_evicted = 0;
     }
+    if (sched != ev->sched) {
+        ev->sched = sched;
+        loom_sched_set_tier_observer(sched, on_tier, ev);
+    }
     uint64_t now = loom_now_ns();
-    int changed = ev->n_cached || ev->n_evicted || ev->cleared || ev->overflow;
+    int changed = ev->n_cached || ev->n_evicted || ev->n_stored || ev->cleared || ev->overflow;
     if (!changed && now - ev->last_ns < PUBLISH_EVERY_NS) return;
     ev->last_ns = now;
     if (ev->overflow) { /* too much at once: start over (routers forget, and learn again) */
@@ -128,6 +147,9 @@ void loom_kv_events_publish(loom_kv_events_t *ev, loom_sched_t *sched) {
     m.kv_blocks_used = (uint32_t)loom_kv_n_held(L);
     m.kv_blocks_total = (uint32_t)loom_kv_n_blocks(L);
     m.block_size = (uint32_t)loom_kv_block_size(L);
+    m.tier_id = ev->tier_id;
+    m.tier_stored = ev->stored;
+    m.n_tier_stored = ev->tier_id ? ev->n_stored : 0;
     size_t len = loom__v1__kv_events__get_packed_size(&m);
     uint8_t *buf = loom_xmalloc(len ? len : 1);
     loom__v1__kv_events__pack(&m, buf);
@@ -135,5 +157,5 @@ void loom_kv_events_publish(loom_kv_events_t *ev, loom_sched_t *sched) {
              ZMQ_DONTWAIT); /* no subscriber, or a slow one: dropped (it sees the seq gap) */
     free(buf);
     ev->cleared = 0;
-    ev->n_cached = ev->n_evicted = 0;
+    ev->n_cached = ev->n_evicted = ev->n_stored = 0;
 }

@@ -28,5 +28,8 @@ const char *loom_kv_events_addr(const loom_kv_events_t *ev);
  * `cleared`) and sends what changed, and the load at least every 100 ms.
  * Safe on NULL ev or sched. */
 void loom_kv_events_publish(loom_kv_events_t *ev, loom_sched_t *sched);
+/* The KV offload tier's identity, published with every message, and the
+ * blocks sched sends to it (0: no tier). Safe on NULL ev. */
+void loom_kv_events_set_tier(loom_kv_events_t *ev, uint64_t tier_id);
 
 #endif

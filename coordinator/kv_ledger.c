@@ -24,7 +24,15 @@ struct loom_kv_ledger {
     int cap;
     loom_kv_observer_fn observer; /* told of every hash cached and evicted (NULL: none) */
     void *observer_ctx;
+    loom_kv_evict_fn evict;       /* told of each cached block alloc reuses (NULL: none) */
+    void *evict_ctx;
 };
+
+void loom_kv_set_evict_hook(loom_kv_ledger_t *L, loom_kv_evict_fn fn, void *ctx) {
+    L->evict = fn;
+    L->evict_ctx = ctx;
+}
+
 
 void loom_kv_set_observer(loom_kv_ledger_t *L, loom_kv_observer_fn fn, void *ctx) {
     L->observer = fn;
@@ -134,6 +142,7 @@ int loom_kv_alloc(loom_kv_ledger_t *L) {
         table_remove(L, b);
         L->cached[b] = 0;
         if (L->observer) L->observer(L->observer_ctx, L->hash[b], 0);
+        if (L->evict) L->evict(L->evict_ctx, b, L->hash[b]);
     } else {
         return NONE;
     }

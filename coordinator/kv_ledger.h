@@ -35,6 +35,10 @@ int loom_kv_alloc(loom_kv_ledger_t *L);
  * evicts (cached = 0), synchronously; the KV events publisher listens. */
 typedef void (*loom_kv_observer_fn)(void *ctx, uint64_t hash, int cached);
 void loom_kv_set_observer(loom_kv_ledger_t *L, loom_kv_observer_fn fn, void *ctx);
+/* Told of each cached block alloc is about to evict, before it is reused:
+ * its id and chain hash, while its KV is still intact (a tier saves it). */
+typedef void (*loom_kv_evict_fn)(void *ctx, int block, uint64_t hash);
+void loom_kv_set_evict_hook(loom_kv_ledger_t *L, loom_kv_evict_fn fn, void *ctx);
 void loom_kv_retain(loom_kv_ledger_t *L, int block);
 void loom_kv_release(loom_kv_ledger_t *L, int block);
 int loom_kv_ref(const loom_kv_ledger_t *L, int block);

@@ -103,6 +103,8 @@ int main(int argc, char **argv) {
     c.kv_cache_dtype = "auto";
     int no_prefix = 0;
     const char *kv_mem = NULL;
+    float offload_gb = 10;
+    const char *kv_transfer = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
     const char *http_bind = NULL, *chat_template = NULL, *tool_parser = NULL, *reasoning_parser = NULL;
     int trust_request_template = 0, auto_tool_choice = 0;
@@ -241,6 +243,23 @@ int main(int argc, char **argv) {
         {"advertise-host", LOOM_OPT_STR, &c.advertise_host, "HOST",
          "host name others dial, published in etcd when --listen/--control bind 0.0.0.0", 1, 0,
          NULL},
+        {"kv-offloading-dir", LOOM_OPT_STR, &c.kv_offload_dir, "PATH",
+         "the directory tier below the KV pool: full blocks leaving the pool are written here (one "
+         "file per block and shard, named by content, model and grid) and a prompt whose prefix is "
+         "here loads it instead of computing it; replicas of one model may share it (default off)",
+         1, 0, NULL},
+        {"kv-offloading-disk-size", LOOM_OPT_FLOAT, &offload_gb, "GB",
+         "the directory tier's bytes at most, least recently used blocks deleted beyond (default 10)",
+         0.000001, 1e6, NULL},
+        {"kv-offloading-write-through", LOOM_OPT_FLAG, &c.kv_offload_write_through, NULL,
+         "write each block to the directory tier as soon as it is computed, not when it leaves the "
+         "pool",
+         1, 0, NULL},
+        {"kv-transfer-config", LOOM_OPT_STR, &kv_transfer, "JSON",
+         "prefill/decode disaggregation, vLLM's form: '{\"kv_connector\":\"LoomConnector\",\"kv_role\":"
+         "\"kv_both\"}' (kv_producer, kv_consumer, kv_both; \"kv_load_failure_policy\": recompute or fail); "
+         "requests then take kv_transfer_params; the blocks move through --kv-offloading-dir, shared by both sides",
+         1, 0, NULL},
         {"kv-events", LOOM_OPT_STR, &c.kv_events, "ADDR",
          "publish prefix-cache events (blocks cached and evicted) and load for loom-router on a "
          "ZeroMQ PUB socket here, e.g. tcp://127.0.0.1:5557 (port 0: any free port; routers learn "
@@ -458,6 +477,23 @@ int main(int argc, char **argv) {
         c.kv_memory = (uint64_t)(v * mul);
     }
     c.prefix_cache = !no_prefix;
+    c.kv_offload_max_bytes = (uint64_t)((double)offload_gb * 1e9);
+    if (kv_transfer) {
+        loom_err_t kerr = {0};
+        if (loom_kv_transfer_config_parse(kv_transfer, &c.kv_transfer, &kerr) < 0) {
+            fprintf(stderr, "error: %s\n", kerr.msg);
+            return 2;
+        }
+        if (!c.kv_offload_dir) {
+            fprintf(stderr, "error: --kv-transfer-config: the LoomConnector moves blocks through the directory tier "
+                            "both sides share: give --kv-offloading-dir\n");
+            return 2;
+        }
+    }
+    if (c.kv_offload_dir && !c.prefix_cache) {
+        fprintf(stderr, "error: --kv-offloading-dir needs the prefix cache (its blocks are named by it)\n");
+        return 2;
+    }
     loom_spec_config_defaults(&c.spec);
     if (!loom_spec_method_parse(spec_method, &c.spec.method)) {
         fprintf(stderr, "error: --speculative-method must be none, ngram, draft or mtp, got '%s'\n", spec_method);

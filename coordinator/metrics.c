@@ -485,6 +485,15 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
             "Sequences admitted as a fork of a running sequence with the same prompt (n > 1).", st->kv_forks);
     counter(&o, m->lbl, "loom_kv_fork_tokens_total", "Prompt tokens taken over from the fork's leader.",
             st->kv_fork_tokens);
+    if (st->kv_offload) {
+        counter(&o, m->lbl, "loom_kv_offload_queries_total",
+                "Full prompt blocks beyond the prefix cache's hit asked of the KV offload tier.",
+                st->kv_offload_queries);
+        counter(&o, m->lbl, "loom_kv_offload_hits_total", "Blocks loaded from the KV offload tier.",
+                st->kv_offload_hits);
+        counter(&o, m->lbl, "loom_kv_offload_saves_total", "Blocks sent to the KV offload tier.",
+                st->kv_offload_saves);
+    }
     counter2(&o, m, "loom_num_preemptions_total", st->preemptions, "vllm:num_preemptions_total",
              st->preemptions, "Sequences preempted (KV dropped, recomputed later).");
     counter(&o, m->lbl, "loom_requests_rejected_total", "Requests refused before scheduling.",

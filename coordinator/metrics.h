@@ -57,6 +57,8 @@ typedef struct loom_metrics_state {
     uint64_t preemptions, requests_rejected;
     uint64_t prompt_tokens_computed;   /* prompt positions run by the workers */
     uint64_t kv_forks, kv_fork_tokens; /* sequences forked from a twin's prompt KV; its tokens */
+    int kv_offload;                    /* a KV offload tier is set (its counters are rendered) */
+    uint64_t kv_offload_queries, kv_offload_hits, kv_offload_saves; /* in blocks */
     int grid_ready;
     /* speculative decoding (rendered only when spec_k > 0) */
     int spec_k;                /* most drafts per step (0: speculation off) */

@@ -28,7 +28,19 @@ struct loom_sched {
     loom_sched_draft_fn draft;     /* method DRAFT's proposer (NULL: none) */
     loom_sched_forget_fn draft_forget;
     void *draft_ctx;
+    loom_kv_connector_t *conn;     /* the KV connector (NULL: none) */
+    loom_microbatch_t *building;   /* the micro-batch loom_sched_schedule fills (evicted blocks' saves) */
+    uint64_t *hashes;              /* (cap_hashes) chain hashes of a prompt's full blocks */
+    int cap_hashes;
+    int32_t *pend_block;           /* saves of evicted blocks waiting for the next micro-batch */
+    uint64_t *pend_hash;
+    int n_pend, cap_pend;
+    loom_sched_tier_fn tier_obs;   /* told of each block sent to the tier (NULL: none) */
+    void *tier_obs_ctx;
 };
+
+static void attach_ledger(loom_sched_t *s);
+static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q, int take);
 
 /* ---- waiting heap ----------------------------------------------------------- */
 
@@ -122,6 +134,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
     s->cfg = *cfg;
     if (s->cfg.n_micro < 1) s->cfg.n_micro = 1;
     s->kv = loom_kv_create(cfg->n_blocks, cfg->block_size, cfg->prefix_cache);
+    attach_ledger(s);
     s->max_blocks_per_seq = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
     s->running = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->running);
     s->n_mbs = s->cfg.n_micro;
@@ -218,7 +231,16 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->spec_n);
         free(mb->spec_row0);
         free(mb->spec_row);
+        free(mb->save_block);
+        free(mb->save_hash);
+        free(mb->load_block);
+        free(mb->load_hash);
+        free(mb->save_after_block);
+        free(mb->save_after_hash);
     }
+    free(s->hashes);
+    free(s->pend_block);
+    free(s->pend_hash);
     free(s->mbs);
     free(s->running);
     free(s->heap);
@@ -407,8 +429,134 @@ static void add_chunk(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int
         mb->steps[r] = q->step_offset + (uint64_t)(q->n_tokens - q->n_prompt);
         mb->spec_row[r] = 0;
     }
+    write_through(s, mb, q, take);
     q->in_flight = 1;
     s->stats.scheduled_tokens += (uint64_t)take;
+}
+
+/* ---- the KV connector (loom_sched_set_connector) -------------------------------- */
+
+static void xfer_push(int32_t **blk, uint64_t **hash, int *n, int *cap, int32_t b, uint64_t h) {
+    if (*n == *cap) {
+        *cap = *cap ? 2 * *cap : 16;
+        *blk = loom_xrealloc(*blk, (size_t)*cap * sizeof **blk);
+        *hash = loom_xrealloc(*hash, (size_t)*cap * sizeof **hash);
+    }
+    (*blk)[*n] = b;
+    (*hash)[(*n)++] = h;
+}
+
+static void tier_saved(loom_sched_t *s, uint64_t hash) {
+    s->stats.tier_saves++;
+    if (s->tier_obs) s->tier_obs(s->tier_obs_ctx, hash);
+}
+
+void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *ctx) {
+    s->tier_obs = fn;
+    s->tier_obs_ctx = ctx;
+}
+
+/* The ledger is evicting a cached block for this micro-batch: write-back.
+ * The save precedes, on every worker, whatever the step writes into it. */
+static void on_evict(void *ctx, int block, uint64_t hash) {
+    loom_sched_t *s = ctx;
+    loom_microbatch_t *mb = s->building;
+    if (!mb || !s->conn || s->conn->write_through || !loom_kv_connector_offer(s->conn, hash)) return;
+    xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, block, hash);
+    tier_saved(s, hash);
+}
+
+static void attach_ledger(loom_sched_t *s) { loom_kv_set_evict_hook(s->kv, on_evict, s); }
+
+void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c) {
+    s->conn = c;
+    s->n_pend = 0;
+}
+
+/* Write-through: the blocks q's chunk of take tokens fills are saved by
+ * the same step after its layers (mb->save_after_*), so they are in the
+ * tier when its result comes back (a prefill for a remote decode). */
+static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q, int take) {
+    if (!s->conn || !(s->conn->write_through || q->kv_save)) return;
+    const int B = s->cfg.block_size, first = q->n_computed / B, end = (q->n_computed + take) / B;
+    uint64_t h = q->chain;
+    for (int i = q->n_hashed; i < end; i++) {
+        h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+        if (i < first || i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
+        xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
+                  h);
+        tier_saved(s, h);
+    }
+}
+
+/* A remote decode's prefill (kv_save) admitted with blocks it did not
+ * compute (the prefix cache's, the tier's): those the tier lacks are saved
+ * too, after the step, so the decode side finds the whole prefix. */
+static void save_admitted(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq_t *q) {
+    if (!s->conn || !q->kv_save) return;
+    const int B = s->cfg.block_size;
+    uint64_t h = q->lora_seed;
+    for (int i = 0; i < q->n_computed / B; i++) {
+        h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+        if (i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
+        xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
+                  h);
+        tier_saved(s, h);
+    }
+}
+
+/* Full blocks of q's prompt beyond its prefix-cache hit that the connector
+ * holds: each gets a fresh block, loaded by the step before it runs. The
+ * pool evicts a chain from its front first, so blocks after the tier's run
+ * may still be in the pool: the walk takes each block from the pool when it
+ * is there (retained first, so the loads' allocations never evict them),
+ * else from the tier, and stops at the first block in neither (never at or
+ * beyond the block of the last position, which always runs). */
+static void tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+    const int B = s->cfg.block_size, nb = q->n_tokens / B, lim = (q->n_tokens - 1) / B, have = q->n_blocks;
+    if (!s->conn || q->n_computed != have * B || have >= lim) return;
+    if (s->cap_hashes < nb) {
+        s->cap_hashes = nb;
+        s->hashes = loom_xrealloc(s->hashes, (size_t)nb * sizeof *s->hashes);
+    }
+    uint64_t h = q->lora_seed;
+    for (int i = 0; i < nb; i++) s->hashes[i] = h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+    loom_kv_conn_req_t r = {.id = q->id, .tokens = q->tokens, .n_tokens = q->n_tokens, .block_hashes = s->hashes,
+                            .block_size = B};
+    s->stats.tier_queries += (uint64_t)(lim - have);
+    int end = have, tier_end = have; /* blocks [have, end) found; those before tier_end are in the tier */
+    while (end < lim) {
+        int b = loom_kv_lookup(s->kv, s->hashes[end], q->tokens + (size_t)end * B);
+        if (b >= 0) {
+            q->blocks[end++] = b;
+            s->stats.prefix_hits++;
+            continue;
+        }
+        if (end >= tier_end) {
+            tier_end = end + loom_kv_connector_match(s->conn, &r, end * B, NULL) / B;
+            if (tier_end == end) break;
+        }
+        q->blocks[end++] = -1; /* to be loaded */
+    }
+    /* the loads' blocks, in order; out of blocks: the chain ends before the first one missing */
+    int n_loaded = 0;
+    for (int i = have; i < end; i++) {
+        if (q->blocks[i] >= 0) continue;
+        int b = loom_kv_alloc(s->kv);
+        if (b < 0) {
+            for (int j = i + 1; j < end; j++)
+                if (q->blocks[j] >= 0) loom_kv_release(s->kv, q->blocks[j]);
+            end = i;
+            break;
+        }
+        q->blocks[i] = b;
+        n_loaded++;
+        xfer_push(&mb->load_block, &mb->load_hash, &mb->n_loads, &mb->cap_loads, b, s->hashes[i]);
+    }
+    q->n_blocks = end;
+    loom_kv_connector_after_alloc(s->conn, &r, q->blocks + have, end - have, n_loaded * B);
+    q->n_computed = end * B;
+    s->stats.tier_hits += (uint64_t)n_loaded;
 }
 
 /* Reuses cached full blocks of q's tokens (prefix caching). */
@@ -447,6 +595,7 @@ static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
         q->n_hashed = hits - 1;
         q->chain = prev;
     }
+    tier_lookup(s, mb, q);
 }
 
 /* KV fork (sched.h): what admission does with a waiting q whose prompt a
@@ -657,7 +806,12 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         }
     if (!mb) return NULL;
     mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = mb->n_plp = 0;
+    mb->n_saves = mb->n_loads = mb->n_saves_after = 0;
     mb->draft_s = 0;
+    s->building = mb;
+    for (int i = 0; i < s->n_pend; i++) /* before anything reuses their blocks */
+        xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, s->pend_block[i], s->pend_hash[i]);
+    s->n_pend = 0;
     int budget = c->max_batched_tokens;
     int cap = c->max_num_seqs;
     if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */
@@ -720,12 +874,15 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             s->parked[n_parked++] = q;
             continue;
         }
+        int loads0 = mb->n_loads;
         if (f == FORK_NONE && q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp)
             prefix_lookup(s, mb, q);
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
         int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
         if (take > room) take = room;
         if (take <= 0) {
+            s->stats.tier_hits -= (uint64_t)(mb->n_loads - loads0);
+            mb->n_loads = loads0; /* its blocks go back below */
             undo_lookup(s, mb, q);
             lora_unpin(s, q);
             break; /* strict FCFS: the head waits for memory */
@@ -741,6 +898,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             q->cached_tokens = q->n_computed;
             q->forked = f == FORK_DONE;
             q->t_admitted_ns = loom_now_ns();
+            save_admitted(s, mb, q);
         }
         run_insert(s, q);
         grow(s, q, q->n_computed + take);
@@ -748,7 +906,14 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         budget -= take;
     }
     for (int i = 0; i < n_parked; i++) heap_push(s, s->parked[i]);
-    if (mb->n_seqs == 0) return NULL;
+    s->building = NULL;
+    if (mb->n_seqs == 0) {
+        /* saves of blocks this empty step evicted cannot wait for a step:
+         * keep them for the next one (nothing reuses those blocks before) */
+        for (int i = 0; i < mb->n_saves; i++)
+            xfer_push(&s->pend_block, &s->pend_hash, &s->n_pend, &s->cap_pend, mb->save_block[i], mb->save_hash[i]);
+        return NULL;
+    }
     fill_block_tables(s, mb);
     mb->id = ++s->next_mb_id;
     mb->in_use = 1;
@@ -830,6 +995,8 @@ void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
     loom_kv_ledger_t *old = s->kv;
     s->cfg.n_blocks = n_blocks;
     s->kv = loom_kv_create(n_blocks, s->cfg.block_size, s->cfg.prefix_cache);
+    attach_ledger(s);
+    s->n_pend = 0; /* the old pool's blocks are gone */
     loom_kv_destroy(&old);
 }
 

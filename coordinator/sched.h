@@ -42,6 +42,7 @@
 
 #include "common/spec.h"
 #include "common/status.h"
+#include "coordinator/kv_connector.h"
 #include "coordinator/kv_ledger.h"
 #include "coordinator/lora_slots.h"
 #include "kernels/sampling.h"
@@ -102,6 +103,8 @@ typedef struct loom_seq {
      * content digest; 0 for the base model) */
     int lora_id, lora_slot;
     uint64_t lora_seed;
+    int kv_save; /* a KV connector saves the blocks its steps fill (write-through for this one: a remote decode's
+                    prefill) */
 } loom_seq_t;
 
 typedef struct loom_sched_config {
@@ -155,6 +158,16 @@ typedef struct loom_microbatch {
     int *spec_row0;          /* (n_seqs) its first logit row when spec_n > 0 */
     uint8_t *spec_row;       /* (n_logits) 1: the row belongs to a speculating sequence */
     double draft_s;          /* seconds the drafter took for this batch's drafts (method DRAFT) */
+    /* the KV connector's moves, done by the workers before the step's
+     * block copies and layers: saves first (blocks leaving the pool, whose
+     * ids this very step may reuse), then loads into fresh blocks */
+    int n_saves, n_loads, cap_saves, cap_loads;
+    int32_t *save_block, *load_block;
+    uint64_t *save_hash, *load_hash;
+    /* write-through: blocks this step fills, saved after its layers */
+    int n_saves_after, cap_saves_after;
+    int32_t *save_after_block;
+    uint64_t *save_after_hash;
 } loom_microbatch_t;
 
 typedef struct loom_sched_stats {
@@ -164,6 +177,8 @@ typedef struct loom_sched_stats {
     uint64_t scheduled_tokens, batches;
     uint64_t prompt_tokens_computed; /* prompt positions run (prefill, recompute included) */
     uint64_t forks, fork_tokens;     /* sequences admitted as forks; prompt tokens they took over */
+    uint64_t tier_queries, tier_hits; /* blocks beyond the prefix cache asked of the connector; loaded */
+    uint64_t tier_saves;             /* blocks sent to the connector's tier */
 } loom_sched_stats_t;
 
 typedef struct loom_sched loom_sched_t;
@@ -233,6 +248,22 @@ void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st);
  * router reads) never share blocks across adapters, nor across a reload
  * under one name with other weights. */
 void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots);
+
+/* A KV connector (coordinator/kv_connector.h; NULL: none, the scheduler's
+ * own). At admission, after the prefix cache, the full blocks of the
+ * prompt beyond its hit that the connector holds (never the block of the
+ * last position) get fresh blocks that the step loads before it runs
+ * (mb->load_*), and count as cached (cached_tokens). A cached block about
+ * to be evicted is offered to the connector (write-back): mb->save_* of
+ * the step that reuses it (or the next), done before that step writes it;
+ * with write_through, each block a step fills is offered instead:
+ * mb->save_after_*, done after that step's layers. The caller keeps c
+ * alive while the scheduler holds it. */
+void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
+/* Told of each block hash sent to the connector's tier (the KV events
+ * publisher listens); NULL fn: none. */
+typedef void (*loom_sched_tier_fn)(void *ctx, uint64_t hash);
+void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *ctx);
 void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]);
 
 /* Speculative decoding (common/spec.h): with a method set, a decode of a

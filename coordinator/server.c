@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -53,6 +54,7 @@
 #include "coordinator/draft.h"
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
+#include "coordinator/kv_tier_dir.h"
 #include "coordinator/metrics.h"
 #include "coordinator/prepare.h"
 #include "coordinator/sampling_params.h"
@@ -114,6 +116,7 @@ typedef struct request {
     float *plp_tlp;
     uint64_t t_arrival, t_queued, t_last_token; /* loom_now_ns() */
     uint64_t tokenize_ns, detok_ns, send_ns;    /* time spent in each, summed */
+    int kv_remote_decode; /* kv_transfer_params.do_remote_decode: the final chunk carries the decode's params */
     struct request *prev, *next;
 } request_t;
 
@@ -166,6 +169,7 @@ struct loom_server {
     uint64_t rate_second;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
     loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
+    loom_kv_connector_t *kv_conn; /* --kv-offloading-dir's connector (NULL: off) */
     loom_prep_t *prep;           /* the preparation pool */
     preparing_t *preparing;      /* requests waiting for it */
     int n_preparing;
@@ -236,6 +240,8 @@ static void req_unlink(loom_server_t *s, request_t *q) {
     if (q->next) q->next->prev = q->prev;
     s->n_reqs--;
 }
+
+static char *kv_decode_params(loom_server_t *s, const request_t *q);
 
 static void req_free(request_t *q) {
     for (int i = 0; i < q->n_stop; i++) free(q->stop[i]);
@@ -362,6 +368,7 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     t[text_len] = '\0';
     ch.text = t;
     ch.finish_reason = finish;
+    char *kv_params = NULL;
     Loom__V1__Usage usage = LOOM__V1__USAGE__INIT;
     Loom__V1__Timings timings = LOOM__V1__TIMINGS__INIT;
     int final = finish != LOOM__V1__FINISH_REASON__FINISH_NONE;
@@ -377,6 +384,7 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
             usage.target_steps = (uint32_t)q->seq->n_steps;
         }
         ch.usage = &usage;
+        if (q->kv_remote_decode && q->seq && code == LOOM_OK) ch.kv_transfer_params = kv_params = kv_decode_params(s, q);
         /* a stage not reached reads 0 */
         loom_request_times_t tt = req_times(q, t_send);
         timings.queue_ms = q->seq && !q->seq->t_admitted_ns ? (double)(t_send - q->t_queued) * 1e-6
@@ -399,6 +407,7 @@ static int req_emit(loom_server_t *s, request_t *q, const int32_t *ids, int n_id
     int gone = send_reply(s, q->rid, q->rid_len, &r) < 0;
     free(p_ids);
     free(p_lps);
+    free(kv_params);
     if (t != s->text_buf) free(t);
     uint64_t t_sent = loom_now_ns();
     q->send_ns += t_sent - t_send;
@@ -716,6 +725,16 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 
 /* ---- the grid's callbacks ---------------------------------------------------------- */
 
+/* The directory tier serves this epoch's grid: its identity and shards. */
+static void kv_tier_attach(loom_server_t *s, loom_grid_t *g) {
+    int n = loom_grid_n_slots(g);
+    uint64_t *bytes = loom_xmalloc((size_t)n * sizeof *bytes);
+    for (int i = 0; i < n; i++) bytes[i] = loom_grid_slot_kv_block_bytes(g, i);
+    loom_kv_dir_connector_set_grid(s->kv_conn, loom_grid_kv_tier_id(g), n, bytes);
+    free(bytes);
+    loom_sched_set_connector(s->sched, s->kv_conn);
+}
+
 /* The grid is READY: a scheduler for its KV pool, or the old one reset. */
 static void on_grid_ready(void *ctx, loom_grid_t *g) {
     loom_server_t *s = ctx;
@@ -741,6 +760,8 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         loom_sched_set_spec(s->sched, &s->cfg.spec);
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
+    if (s->kv_conn) kv_tier_attach(s, g);
+    loom_kv_events_set_tier(s->kv_events, s->kv_conn ? loom_grid_kv_tier_id(g) : 0);
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
@@ -986,7 +1007,50 @@ static void prep_timers(loom_server_t *s, uint64_t now) {
     }
 }
 
+/* A request's kv_transfer_params (kv_transfer.h): checked against this
+ * replica and the prompt; a decode whose prefill's blocks are not all in
+ * the tier is refused under kv_load_failure_policy fail, else recomputes
+ * what is missing. */
+static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const int32_t *ids, int n_ids,
+                                       loom_kv_transfer_req_t *kvt, char *msg, size_t n) {
+    char engine[64];
+    loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
+    loom_err_t err = {0};
+    loom_status_t st = loom_kv_transfer_parse(json, s->kv_conn ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
+                                              s->cfg.block_size, kvt, &err);
+    if (st < 0) {
+        snprintf(msg, n, "%s", err.msg);
+        return st;
+    }
+    if (!kvt->remote_prefill) return LOOM_OK;
+    int have = loom_kv_dir_connector_whole(s->kv_conn, kvt->blocks, kvt->n_blocks);
+    if (have == kvt->n_blocks) return LOOM_OK;
+    if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL) {
+        snprintf(msg, n,
+                 "kv_transfer_params: %d of the prefill's %d KV blocks are not in the KV tier "
+                 "(kv_load_failure_policy fail)",
+                 kvt->n_blocks - have, kvt->n_blocks);
+        loom_kv_transfer_req_free(kvt);
+        return LOOM_ERR_UNAVAILABLE;
+    }
+    LOOM_INFO("kv_transfer_params: %d of the prefill's %d KV blocks are not in the KV tier: recomputed",
+              kvt->n_blocks - have, kvt->n_blocks);
+    return LOOM_OK;
+}
+
+/* The params a prefill for a remote decode answers with (malloc'd JSON). */
+static char *kv_decode_params(loom_server_t *s, const request_t *q) {
+    char engine[64], host[256] = "";
+    loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
+    const char *a = strncmp(s->api_addr, "tcp://", 6) ? s->api_addr : s->api_addr + 6, *colon = strrchr(a, ':');
+    int port = colon ? atoi(colon + 1) : 0;
+    snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - a) : 0, a);
+    return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, host, port,
+                                   q->request_id, s->cfg.tp);
+}
+
 static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    loom_kv_transfer_req_t kvt = {0};
     Loom__V1__GenerateRequest *g = rq->generate;
     char msg[600];
     loom_err_t err = {0};
@@ -1136,6 +1200,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         snprintf(msg, sizeof msg, "sample_step_offset %u exceeds the prompt's %d tokens", g->sample_step_offset, n_ids);
         goto refuse;
     }
+    if (g->kv_transfer_params && g->kv_transfer_params[0] &&
+        (code = kv_transfer_check(s, g->kv_transfer_params, ids, n_ids, &kvt, msg, sizeof msg)) < 0)
+        goto refuse;
+    code = LOOM_ERR_INVALID_ARGUMENT;
     request_t *q = loom_xcalloc(1, sizeof *q);
     q->sparams = sparams;
     sparams = NULL;
@@ -1162,6 +1230,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     free(ids);
     ids = NULL;
     if (st < 0) {
+        loom_kv_transfer_req_free(&kvt);
         req_free(q);
         code = st;
         snprintf(msg, sizeof msg, "%s", err.msg);
@@ -1170,6 +1239,8 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     q->max_tokens = q->seq->max_tokens;
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
+    if (kvt.remote_decode) q->seq->kv_save = q->kv_remote_decode = 1; /* its blocks written through for the decode */
+    loom_kv_transfer_req_free(&kvt);
     if (g->return_prompt_ids && !g->prompt_logprobs) {
         q->pids_want = 1;
         q->plp_prompt = loom_xmalloc((size_t)n_ids * sizeof *q->plp_prompt);
@@ -1448,6 +1519,10 @@ static void publish_state(loom_server_t *s) {
         st.prompt_tokens_computed = ss.prompt_tokens_computed;
         st.kv_forks = ss.forks;
         st.kv_fork_tokens = ss.fork_tokens;
+        st.kv_offload = s->kv_conn != NULL;
+        st.kv_offload_queries = ss.tier_queries;
+        st.kv_offload_hits = ss.tier_hits;
+        st.kv_offload_saves = ss.tier_saves;
         set_spec_metrics(s, &st);
     } else {
         st.prefix_cache_queries = s->prefix_queries_base;
@@ -1616,6 +1691,16 @@ static loom_status_t secure_sockets(void *ctx, void *ctl, loom_zap_t **ctl_zap, 
     return bind_sock(s->api, s->cfg.listen, s->api_addr, sizeof s->api_addr, err);
 }
 
+/* The model's part of the directory tier's identity: its weights and
+ * tokenizer by content, so replicas of one model share block files and no
+ * other model reads them. */
+static uint64_t kv_tier_seed(const loom_server_t *s) {
+    int32_t v[2 * LOOM_DIGEST_HEX / 4 + 2] = {0};
+    memcpy(v, s->weights_digest, strlen(s->weights_digest));
+    memcpy((char *)v + LOOM_DIGEST_HEX, s->tokenizer_digest, strlen(s->tokenizer_digest));
+    return loom_kv_chain_hash(0x4b56544945520001ull, v, (int)(sizeof v / sizeof *v));
+}
+
 static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
     const loom_server_config_t *c = &s->cfg;
     loom_grid_config_t gc = {.control = c->control, .model_dir = c->model_dir, .model_name = s->model_name,
@@ -1632,7 +1717,9 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
                              .mtp = c->spec.method == LOOM_SPEC_MTP,
-                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank};
+                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
+                             .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
+                             .kv_tier_seed = kv_tier_seed(s)};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
@@ -1652,8 +1739,25 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     st = loom_tokenizer_load(cfg->model_dir, &s->tok, err);
     if (st < 0) goto fail;
     loom_err_t derr = {0};
-    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0)
+    if (loom_model_digest(cfg->model_dir, s->weights_digest, s->tokenizer_digest, &derr) < 0) {
         LOOM_WARN("no model digest for ListModels (a router cannot check these weights): %s", derr.msg);
+        if (cfg->kv_offload_dir) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                              "--kv-offloading-dir needs the model's digest to name its block files: %s", derr.msg);
+            goto fail;
+        }
+    }
+    if (cfg->kv_offload_dir) {
+        struct stat dst;
+        if (stat(cfg->kv_offload_dir, &dst) != 0 || !S_ISDIR(dst.st_mode) || access(cfg->kv_offload_dir, W_OK | X_OK)) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--kv-offloading-dir %s is not a writable directory",
+                              cfg->kv_offload_dir);
+            goto fail;
+        }
+        s->kv_conn = loom_kv_dir_connector_create(cfg->kv_offload_dir, cfg->kv_offload_write_through);
+        LOOM_INFO("KV offload: directory tier %s, at most %.2f GB, %s", cfg->kv_offload_dir,
+                  (double)cfg->kv_offload_max_bytes / 1e9, cfg->kv_offload_write_through ? "write-through" : "write-back");
+    }
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
         loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};
@@ -1747,6 +1851,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_grid_destroy(&s->grid);
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);
+    loom_kv_connector_destroy(&s->kv_conn); /* after the scheduler that holds it */
     loom_coord_draft_destroy(
         &s->draft); /* after the scheduler: its sequences tell the draft as they go */
     loom_metrics_destroy(&s->metrics);

@@ -4,6 +4,7 @@
 #ifndef LOOM_SERVER_H
 #define LOOM_SERVER_H
 
+#include "coordinator/kv_transfer.h"
 #include <stdint.h>
 
 #include "common/spec.h"
@@ -52,6 +53,15 @@ typedef struct loom_server_config {
     uint64_t seed;            /* so the same requests in the same order give the same text */
     loom_coord_security_t security; /* CURVE keys of the control plane and the client API */
     const char *kv_events;    /* publish prefix-cache events here for routers (NULL: off) */
+    /* the directory tier (docs/kv-offload.md; NULL: none): block files
+     * shared by replicas, at most kv_offload_max_bytes; write-through
+     * instead of write-back on eviction */
+    const char *kv_offload_dir;
+    uint64_t kv_offload_max_bytes;
+    int kv_offload_write_through;
+    /* --kv-transfer-config: kv_transfer_params taken (prefill/decode
+     * disaggregation through the directory tier; both roles 0: refused) */
+    loom_kv_transfer_config_t kv_transfer;
     int embedding_pooling;    /* /v1/embeddings: 0 or 1 the last token, 2 the mean (sched.h loom_pooling_t) */
     loom_spec_config_t spec;  /* speculative decoding (method OFF: none), common/spec.h */
     /* method DRAFT (coordinator/draft.h): the draft's directory (NULL: the

@@ -226,6 +226,7 @@ typedef struct gen {
     char *prompt; /* owned: the rendered chat */
     int32_t *ids; /* owned: prompt token ids */
     char *guide_spec; /* owned: the constrained-decoding spec sent to the coordinator */
+    char *kv_params;  /* owned: kv_transfer_params as JSON text */
     loom_tools_t tools; /* chat: tools and tool_choice (tool_calls.h), owned */
     /* special tokens kept in the text (p.keep_special_ids): the tool-call
        parser's markers, then the reasoning parser's */

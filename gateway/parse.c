@@ -161,7 +161,7 @@ static const struct {
     {"seed", F_ALL}, {"stop", F_ALL}, {"stream", F_ALL}, {"stream_options", F_ALL}, {"ignore_eos", F_ALL},
     {"speculative", F_ALL}, {"loom_cache", F_ALL},
     {"priority", F_ALL}, {"n", F_ALL}, {"best_of", F_ALL}, {"response_format", F_ALL}, {"stop_token_ids", F_ALL},
-    {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL},
+    {"skip_special_tokens", F_ALL}, {"user", F_ALL}, {"metadata", F_ALL}, {"kv_transfer_params", F_ALL},
     {"presence_penalty", F_ALL}, {"frequency_penalty", F_ALL}, {"repetition_penalty", F_ALL}, {"min_p", F_ALL},
     {"logit_bias", F_ALL}, {"allowed_token_ids", F_ALL}, {"bad_words", F_ALL}, {"min_tokens", F_ALL},
     {"include_stop_str_in_output", F_ALL}, {"logprobs", F_ALL}, {"top_logprobs", F_CHAT}, {"echo", F_ALL},
@@ -184,7 +184,7 @@ static const struct {
     {"spaces_between_special_tokens", F_TRUE}, {"truncate_prompt_tokens", F_FALSY},
     {"logits_processors", F_FALSY},
     {"return_tokens_as_token_ids", F_FALSY}, {"return_token_ids", F_FALSY}, {"prompt_embeds", F_FALSY},
-    {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"kv_transfer_params", F_FALSY}, {"vllm_xargs", F_FALSY},
+    {"request_id", F_FALSY}, {"cache_salt", F_FALSY}, {"vllm_xargs", F_FALSY},
     {"mm_processor_kwargs", F_FALSY}, {"thinking_token_budget", F_FALSY},
 };
 
@@ -248,6 +248,7 @@ void gen_free(gen_t *g) {
     free(g->batch_n_ids);
     free(g->allowed);
     free(g->guide_spec);
+    free(g->kv_params);
     loom_tools_free(&g->tools);
     free(g->prompt);
     free(g->ids);
@@ -511,6 +512,14 @@ int parse_common(req_t *q, const cJSON *o, gen_t *g, perr_t *e) {
     if (x) g->p.session = x->valuestring; /* a router's session affinity */
     x = field(o, "metadata");
     if (x && !cJSON_IsObject(x)) return bad(e, "metadata", "metadata must be an object");
+    x = field(o, "kv_transfer_params"); /* disaggregated prefill/decode: the coordinator reads it */
+    if (x && !cJSON_IsNull(x) && !cJSON_IsObject(x))
+        return bad(e, "kv_transfer_params", "kv_transfer_params must be an object");
+    if (x && cJSON_IsObject(x) && x->child) {
+        free(g->kv_params);
+        g->kv_params = cJSON_PrintUnformatted(x);
+        g->p.kv_transfer_params = g->kv_params;
+    }
     if (parse_guide(o, g, e) < 0) return -1;
     if (q->chat && parse_tools(q, o, g, e) < 0) return -1;
 

@@ -556,6 +556,8 @@ enum MHD_Result finish_collected(req_t *q, const loom_chunk_t *ch) {
     cJSON_AddItemToArray(choices, c);
     if (plp && q->chat) cJSON_AddItemToObject(o, "prompt_logprobs", plp); /* vLLM: the response's */
     cJSON_AddItemToObject(o, "usage", usage_obj(ch));
+    cJSON *kv = ch->kv_transfer_params ? cJSON_Parse(ch->kv_transfer_params) : NULL;
+    if (kv) cJSON_AddItemToObject(o, "kv_transfer_params", kv); /* vLLM: the response's, for the decode side */
     take_timings(q, ch);
     if (q->has_timings) cJSON_AddItemToObject(o, "timings", timings_obj(q));
     return respond_json(q, MHD_HTTP_OK, o);

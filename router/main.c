@@ -34,28 +34,42 @@ int main(int argc, char **argv) {
                               .request_timeout_ms = 600000,
                               .lambda = 1.0,
                               .index_capacity = 1 << 18,
-                              .tokenizer_threads = 2};
+                              .tokenizer_threads = 2,
+                              .pd_min_prompt_tokens = 64};
     /* --replica is repeatable: take them out before the table parse */
-    const char *replicas[MAX_STATIC];
-    int n_rep = 0;
+    const char *replicas[MAX_STATIC], *prefills[MAX_STATIC];
+    int n_rep = 0, n_pre = 0;
     char **args = loom_xcalloc((size_t)argc + 1, sizeof *args);
     int nargs = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
-        if (i > 0 && !strcmp(a, "--replica")) {
+        /* --replica and --prefill-replica, each as "--x ADDR" or "--x=ADDR" */
+        int pre = i > 0 && !strncmp(a, "--prefill-replica", 17) && (a[17] == 0 || a[17] == '=');
+        int bare = pre ? a[17] == 0 : i > 0 && !strcmp(a, "--replica");
+        int eq = pre ? a[17] == '=' : i > 0 && !strncmp(a, "--replica=", 10);
+        if (bare) {
             if (i + 1 >= argc) {
-                fprintf(stderr, "error: --replica needs an address\n");
+                fprintf(stderr, "error: --%sreplica needs an address\n", pre ? "prefill-" : "");
                 free(args);
                 return 2;
             }
             a = argv[++i];
-        } else if (i > 0 && !strncmp(a, "--replica=", 10)) {
-            a += 10;
+        } else if (eq) {
+            a = strchr(a, '=') + 1;
         } else {
             args[nargs++] = argv[i];
             continue;
         }
-        if (n_rep == MAX_STATIC) {
+        if (pre && n_pre < MAX_STATIC) {
+            if (strncmp(a, "tcp://", 6) && strncmp(a, "ipc://", 6)) {
+                fprintf(stderr, "error: --prefill-replica expects tcp://HOST:PORT or ipc://PATH, got '%s'\n", a);
+                free(args);
+                return 2;
+            }
+            prefills[n_pre++] = a;
+            continue;
+        }
+        if (n_rep == MAX_STATIC || pre) {
             fprintf(stderr, "error: at most %d --replica\n", MAX_STATIC);
             free(args);
             return 2;
@@ -73,6 +87,7 @@ int main(int argc, char **argv) {
     int trust_request_template = 0;
     const char *env_key = getenv("LOOM_API_KEY"), *env_replica_key = getenv("LOOM_REPLICA_API_KEY");
     float lambda = 1.0f;
+    int pd = 0;
     uint64_t cache_bytes = 0;
     int cache_ttl_s = 300;
     int max_body = 2 << 20, http_conns = 256, http_timeout = 60;
@@ -82,6 +97,16 @@ int main(int argc, char **argv) {
          "client API address (default tcp://127.0.0.1:5550)", 1, 0, NULL},
         {"replica", LOOM_OPT_STR, &dummy, "ADDR",
          "a replica's client API, tcp://HOST:PORT (repeatable)", 1, 0, NULL},
+        {"pd", LOOM_OPT_FLAG, &pd, NULL,
+         "prefill/decode disaggregation: each request's prefill runs on a --prefill-replica (max_tokens 1, "
+         "kv_transfer_params do_remote_decode), then the request goes to a --replica with the params it "
+         "answered, which loads the prompt's blocks instead of computing them (docs/disaggregation.md)",
+         1, 0, NULL},
+        {"prefill-replica", LOOM_OPT_STR, &dummy, "ADDR",
+         "--pd: a prefill replica's client API (repeatable); the --replica ones decode", 1, 0, NULL},
+        {"pd-min-prompt-tokens", LOOM_OPT_INT, &c.pd_min_prompt_tokens, "N",
+         "--pd: prompts shorter than this (known with --model) skip the prefill replicas (default 64)", 0,
+         1 << 24, NULL},
         {"etcd", LOOM_OPT_STR, &c.etcd_url, "URL",
          "also take replicas from etcd: the coordinators of clusters NAME, NAME-* and NAME/* (see "
          "--cluster); they join and leave as they come and go",
@@ -228,6 +253,13 @@ int main(int argc, char **argv) {
     }
     c.replicas = replicas;
     c.n_replicas = n_rep;
+    if (pd != (n_pre > 0)) {
+        fprintf(stderr, "error: %s\n", pd ? "--pd needs at least one --prefill-replica"
+                                         : "--prefill-replica is for --pd (prefill/decode disaggregation)");
+        return 2;
+    }
+    c.prefill_replicas = prefills;
+    c.n_prefill_replicas = n_pre;
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;
     if (!c.replica_api_key && env_replica_key && env_replica_key[0]) c.replica_api_key = env_replica_key;
     if ((chat_template || tool_parser || reasoning_parser) && !http_bind) {

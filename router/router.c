@@ -100,6 +100,8 @@ typedef struct replica {
     uint64_t routed, failovers, failures;
     double ttft_ms[TTFT_RING];
     int n_ttft, ttft_pos;
+    int prefill; /* a prefill replica (--prefill-replica): only the first phase of a disaggregated request */
+    uint64_t tier_id; /* its KV offload tier, from its KV events (0: none) */
 } replica_t;
 
 typedef struct route {
@@ -136,6 +138,11 @@ typedef struct route {
     int tokenizing; /* its prompt is on a tokenizer thread (keyed by up_id) */
     int tenant;     /* admitted for this tenant (-1: no --tenants) */
     loom_rcache_rec_t *crec; /* its stream, recorded for the response cache (NULL: not cached) */
+    /* prefill/decode disaggregation: 1 while at a prefill replica (its
+     * chunks are not relayed), then 2 at a decode replica with kv_params
+     * (NULL: the prefill failed, or was skipped: the decode computes it) */
+    int pd_phase;
+    char *kv_params;
 } route_t;
 
 /* A prompt to tokenize, handed to a tokenizer thread by pointer over inproc. */
@@ -195,7 +202,7 @@ struct loom_router {
         disconnects;
     uint64_t deadline_exceeded, garbage, index_hit_blocks, index_query_blocks, refused_joins;
     uint64_t bad_chunks, relayed_errors; /* replica faults in a stream; request faults passed on */
-    uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted;
+    uint64_t kv_events, kv_event_gaps, kv_blocks_cached, kv_blocks_evicted, kv_tier_blocks;
     etcd_thread_t etcd;
     void *tok_jobs, *tok_results; /* PUSH to and PULL from the tokenizer threads */
     pthread_t tok_th[MAX_TOK_THREADS];
@@ -325,6 +332,7 @@ static void route_free(loom_router_t *r, route_t *q) {
     free(q->prompt);
     free(q->gen);
     free(q->text);
+    free(q->kv_params);
     free(q);
 }
 
@@ -395,8 +403,9 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
         const replica_t *p = &r->reps[i];
         if (!p->used) continue;
         slot[n] = i;
+        int role_ok = !r->cfg.n_prefill_replicas || p->prefill == (q->pd_phase == 1);
         c[n] =
-            (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)),
+            (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)) && role_ok,
                                 .matched_blocks = match[i],
                                 .inflight = p->inflight,
                                 .inflight_tokens = p->inflight_tokens,
@@ -442,6 +451,12 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
 static int place(loom_router_t *r, route_t *q, const char *why) {
     uint64_t hashes[MAX_HASHES];
     int nh = q->policy == LOOM_POLICY_PREFIX ? route_hashes(r, q, hashes) : 0;
+    const Loom__V1__GenerateRequest *cg = q->rq->generate;
+    if (r->cfg.n_prefill_replicas && q->pd_phase == 0) /* a client's own kv_transfer_params go through as they are */
+        q->pd_phase = (cg->kv_transfer_params && cg->kv_transfer_params[0]) ||
+                              (q->prompt && q->n_prompt < r->cfg.pd_min_prompt_tokens)
+                          ? 2
+                          : 1;
     for (;;) {
         uint64_t now = loom_now_ns();
         if (now >= q->deadline) {
@@ -464,6 +479,10 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         int i = pick(r, q, q->tried, hashes, nh);
         if (i < 0 && q->tried)
             i = pick(r, q, 0, hashes, nh); /* every replica tried: any UP one again */
+        if (i < 0 && q->pd_phase == 1) { /* no prefill replica: the decode side computes it all */
+            q->pd_phase = 2;
+            continue;
+        }
         if (i < 0) {
             char msg[600];
             snprintf(msg, sizeof msg, "no replica is available to serve the request%s%s",
@@ -480,6 +499,13 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         rq.generate = &g;
         rq.request_id = q->up_id;
         if (!q->prompt) g.return_prompt_ids = 1; /* no tokenizer: the replica tells us the prompt's ids */
+        if (q->pd_phase == 1) { /* the prefill: one token, its blocks written for the decode */
+            g.max_tokens = 1;
+            g.kv_transfer_params = (char *)"{\"do_remote_decode\":true}";
+            g.no_cache = 1;
+        } else if (q->kv_params) {
+            g.kv_transfer_params = q->kv_params;
+        }
         int32_t *ids = NULL;
         if (q->n_gen > 0) { /* continue from the tokens already streamed */
             ids = loom_xmalloc((size_t)(q->n_prompt + q->n_gen) * sizeof *ids);
@@ -1097,10 +1123,17 @@ static void on_events(loom_router_t *r, int i, const void *data, size_t len) {
     if (m->cleared || gap)
         loom_prefix_index_drop_replica(r->index, i); /* what we knew may be wrong */
     p->events_seq = m->seq;
+    p->tier_id = m->tier_id;
     if (p->state == REP_UP) {
         loom_prefix_index_insert(r->index, m->cached, (int)m->n_cached, i);
-        for (size_t k = 0; k < m->n_evicted; k++)
+        /* with a tier below its pool an evicted block goes down to the tier, and stays a hit */
+        for (size_t k = 0; k < m->n_evicted && !m->tier_id; k++)
             loom_prefix_index_remove(r->index, m->evicted[k], i);
+        /* a block in a shared tier is a hit for every replica that shares it */
+        for (int j = 0; m->tier_id && m->n_tier_stored && j < MAX_REPLICAS; j++)
+            if (r->reps[j].used && r->reps[j].state == REP_UP && r->reps[j].tier_id == m->tier_id)
+                loom_prefix_index_insert(r->index, m->tier_stored, (int)m->n_tier_stored, j);
+        r->kv_tier_blocks += m->n_tier_stored;
         r->kv_blocks_cached += m->n_cached;
         r->kv_blocks_evicted += m->n_evicted;
         p->running = (int)m->running;
@@ -1146,10 +1179,35 @@ static int request_fault(loom_status_t st) {
            st == LOOM_ERR_FORMAT || st == LOOM_ERR_UNSUPPORTED;
 }
 
+/* A chunk of a disaggregated request's prefill: nothing goes to the
+ * client; its end sends the request to a decode replica, with the params
+ * the prefill answered (without them when it failed: recomputed there). */
+static void on_prefill_chunk(loom_router_t *r, route_t *q, const Loom__V1__Reply *rep) {
+    const Loom__V1__GenerateChunk *ch = rep->chunk;
+    int ok = rep->code == LOOM__V1__STATUS_CODE__OK;
+    q->t_last = loom_now_ns();
+    if (ok && !(ch && ch->final)) return;
+    if (ok && ch->kv_transfer_params && ch->kv_transfer_params[0]) q->kv_params = loom_xstrdup(ch->kv_transfer_params);
+    else
+        LOOM_INFO("request r%llu: the prefill replica %s answered %s: the decode side computes the prompt",
+                  (unsigned long long)q->up_id, r->reps[q->rep].addr,
+                  ok ? "no kv_transfer_params" : (rep->message && rep->message[0] ? rep->message : "an error"));
+    if (!ok) cancel_upstream(r, q);
+    route_detach(r, q);
+    q->pd_phase = 2;
+    q->tried = 0;
+    q->attempts = 0;
+    place(r, q, NULL);
+}
+
 static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
     Loom__V1__GenerateChunk *ch = rep->chunk;
     uint64_t now = loom_now_ns();
+    if (q->pd_phase == 1) {
+        on_prefill_chunk(r, q, rep);
+        return;
+    }
     if (rep->code != LOOM__V1__STATUS_CODE__OK) {
         loom_status_t st = loom_wire_status_from_code(rep->code);
         if (st == LOOM_ERR_UNAVAILABLE || st == LOOM_ERR_RESOURCE_EXHAUSTED ||
@@ -1621,12 +1679,14 @@ static void render_metrics(loom_router_t *r) {
                                "kv_event_gaps",
                                "kv_events_blocks_cached",
                                "kv_events_blocks_evicted",
+                               "kv_events_tier_blocks",
                                "bad_chunks",
                                "relayed_errors"};
     uint64_t cv[] = {r->failovers,        r->failover_gave_up,   r->unplaceable, r->cancels,
                      r->disconnects,      r->deadline_exceeded,  r->garbage,     r->refused_joins,
                      r->index_hit_blocks, r->index_query_blocks, r->kv_events,   r->kv_event_gaps,
-                     r->kv_blocks_cached, r->kv_blocks_evicted, r->bad_chunks, r->relayed_errors};
+                     r->kv_blocks_cached, r->kv_blocks_evicted, r->kv_tier_blocks, r->bad_chunks,
+                     r->relayed_errors};
     for (size_t k = 0; k < LOOM_ARRAY_LEN(cn); k++)
         sb_printf(&b, "# TYPE loom_router_%s_total counter\nloom_router_%s_total %llu\n", cn[k],
                   cn[k], (unsigned long long)cv[k]);
@@ -2049,6 +2109,15 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     for (int k = 0; r->tok && k < cfg->tokenizer_threads && k < MAX_TOK_THREADS; k++) {
         if (pthread_create(&r->tok_th[k], NULL, tok_main, r) != 0) break;
         r->n_tok_th++;
+    }
+    for (int k = 0; k < cfg->n_prefill_replicas; k++) {
+        int i = replica_find(r, cfg->prefill_replicas[k]);
+        if (i < 0 && (i = replica_open(r, cfg->prefill_replicas[k], 0)) < 0) {
+            st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "cannot use prefill replica '%s' (see the log)",
+                              cfg->prefill_replicas[k]);
+            goto fail;
+        }
+        r->reps[i].prefill = 1;
     }
     for (int k = 0; k < cfg->n_replicas; k++)
         if (replica_find(r, cfg->replicas[k]) < 0 && replica_open(r, cfg->replicas[k], 0) < 0) {

@@ -50,6 +50,14 @@ typedef struct loom_router_config {
     size_t response_cache_bytes; /* the response cache's bound (0: no cache) */
     int response_cache_ttl_ms;   /* its entries' lifetime (0: until evicted) */
     const char *tenants_path;    /* per-API-key limits, JSON (NULL: none; tenants.h) */
+    /* prefill/decode disaggregation (docs/disaggregation.md): requests go
+     * first to one of these replicas (max_tokens 1, kv_transfer_params
+     * do_remote_decode), then with its answer's params to one of the others;
+     * prompts under pd_min_prompt_tokens (known with a tokenizer) skip the
+     * prefill; a prefill that fails is recomputed on the decode side */
+    const char *const *prefill_replicas;
+    int n_prefill_replicas;
+    int pd_min_prompt_tokens;
 } loom_router_config_t;
 
 typedef struct loom_router loom_router_t;

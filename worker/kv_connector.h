@@ -4,7 +4,8 @@
  * content hash in the step plan. A block is one contiguous span across the
  * shard's layers (loom_model_kv_block_ptr), so each moves with one copy.
  *
- * Not wired into the worker yet: the table a tier implements. */
+ * The table an asynchronous tier is to implement; the directory tier is
+ * synchronous and calls plain functions (worker/kv_offload.h). */
 #ifndef LOOM_WORKER_KV_CONNECTOR_H
 #define LOOM_WORKER_KV_CONNECTOR_H
 

@@ -66,6 +66,7 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "proto/wire.h"
 #include "worker/comm.h"
+#include "worker/kv_offload.h"
 #include "worker/logits_proc.h"
 #include "worker/model.h"
 #include "worker/mtp_rows.h"
@@ -160,6 +161,7 @@ typedef struct worker {
     /* trace: (step, begin_ns, end_ns) of recent steps */
     uint64_t (*trace)[3];
     int n_trace, cap_trace;
+    loom_kv_offload_t kv_tier; /* the directory tier (KvConfig.kv_offload_dir) */
 } worker_t;
 
 static volatile sig_atomic_t g_stop;
@@ -488,6 +490,9 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
         if (loom_model_alloc_kv(w->mtp.model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
     }
     w->n_blocks = (int)k->n_blocks;
+    if (loom_kv_offload_config(&w->kv_tier, w->model, k->kv_offload_dir, k->kv_offload_id, k->kv_offload_max_bytes,
+                               (int)(a->stage * a->tp_size + a->tp_rank), &err) < 0)
+        goto fail;
 
     /* data plane: the TP group and the pipeline neighbours */
     const Loom__V1__CommSetup *cs = a->comm;
@@ -758,6 +763,9 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     size_t hidden_bytes = (size_t)n * (size_t)w->cfg.dim * sizeof(float);
     if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
         goto report;
+    if ((s = loom_kv_offload_step(&w->kv_tier, w->model, p->kv_save_blocks, p->kv_save_hashes, p->n_kv_save_blocks,
+                                  p->kv_load_blocks, p->kv_load_hashes, p->n_kv_load_blocks, &err)) < 0)
+        goto report;
     if (p->n_copy_src) loom_model_copy_blocks(w->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
     loom_step_batch_t b = {.n_tokens = n, .tokens = p->tokens, .pos = p->pos, .slots = p->slots,
                            .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
@@ -773,6 +781,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     if (s >= 0 && end < 0) s = end, err = end_err;
     if (s < 0) goto report;
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
+    loom_kv_offload_save(&w->kv_tier, w->model, p->kv_save_after_blocks, p->kv_save_after_hashes,
+                         p->n_kv_save_after_blocks);
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;

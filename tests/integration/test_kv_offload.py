@@ -5,14 +5,47 @@
   request: 0 on a cold prompt; on a repeat, the full blocks the prefix cache
   held (block 16), the last position always recomputed; the same number
   streamed (the usage chunk) and not, for chat, completions and responses;
-  with n = 2 the prompt's once (not the forked sibling's)."""
+  with n = 2 the prompt's once (not the forked sibling's).
+- The directory tier (--kv-offloading-dir): with a KV pool of a few blocks
+  and conversations whose working set is several times the pool, each next
+  turn loads the blocks its prefix left in the directory: cached_tokens
+  counts them, the greedy outputs equal a run without the tier, and fewer
+  prompt tokens are computed; a second replica (its own coordinator and
+  workers) on the same directory hits the blocks the first wrote; corrupted
+  and truncated block files are misses (logged, deleted), never wrong
+  output; a TP=2 grid saves each shard's slice in its own file; a tier
+  that cannot be written (its directory replaced by a file) stops saving
+  with a log line and the replica serves on with the same outputs; a tier
+  bounded by --kv-offloading-disk-size stays within it.
+- Prefill/decode disaggregation driven as vLLM's proxy drives it: a prefill
+  replica answers kv_transfer_params do_remote_decode (max_tokens 1) with
+  the decode side's params; the decode replica, given them, loads the
+  prompt's blocks (cached_tokens: all but the last block's), and its greedy
+  and seeded outputs equal a unified replica's token for token; forged block
+  ids, a stranger's engine id and a replica without --kv-transfer-config
+  are refused; blocks missing from the tier are recomputed
+  (kv_load_failure_policy recompute) or refused (fail).
+- loom-router --pd: the same through the router (prefill replica, then
+  decode replica with the params; a short prompt skips the prefill): the
+  outputs equal a unified replica's, the decode side computes at most one
+  block of each long prompt.
+- KV events: replicas sharing a tier publish its identity and the blocks
+  they write to it; loom-router counts those blocks as cached on every
+  replica sharing the tier, so a prompt in the tier is a prefix hit on both
+  (the load decides between them) and each loads it.
+- Bad flags are refused at start with a message naming them."""
+import glob
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import STORIES, Cluster, check, run_tests  # noqa: E402
-from test_http import KEY, free_port, post  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
+from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
 STORY = ("Once upon a time there was a little girl named Lily. She loved to play outside in the sun. "
@@ -95,5 +128,345 @@ def test_cached_tokens():
                       % (path, streamed, p1, c1, expected_cached(p1)))
 
 
+# A pool of 24 blocks (384 tokens) for conversations of up to ~250 tokens:
+# turns of the other conversations evict a conversation's prefix between its
+# turns (working set ~4 x 15 blocks against 24).
+POOL = 24
+CONVERSATIONS = ["Kite", "Moon", "Pear", "Rose"]
+TURNS = 3
+
+
+def conversation_prompt(word, history):
+    return word + " " + STORY + "".join(history)
+
+
+def run_conversations(port, turns=TURNS):
+    """The conversations' turns interleaved (each next turn after the other
+    conversations' turn, so its prefix left the pool meanwhile): per turn, the
+    greedy text and the usage."""
+    history = {w: [] for w in CONVERSATIONS}
+    out = []
+    for t in range(turns):
+        for w in CONVERSATIONS:
+            r = call(port, "/v1/completions", {"prompt": conversation_prompt(w, history[w]), "max_tokens": 12,
+                                               "temperature": 0})
+            text_out = r["choices"][0]["text"]
+            history[w].append(text_out + " And then")
+            out.append((w, t, text_out, r["usage"]["prompt_tokens"],
+                        r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    return out
+
+
+def counters(port, *names):
+    """The values of these unlabelled-by-us counters on the coordinator's /metrics (None: absent)."""
+    _, samples = get_metrics(port)
+    got = {}
+    for name, _, value in samples:
+        if name in names:
+            got[name] = got.get(name, 0) + float(value)
+    return [got.get(n) for n in names]
+
+
+def tier_cluster(tp, port, tier=None, extra=(), pp=1):
+    args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B), "--num-kv-blocks", str(POOL)]
+    if tier:
+        args += ["--kv-offloading-dir", tier]
+    return Cluster(STORIES, tp, pp, coord_args=args + list(extra))
+
+
+def coordinator_log(cl):
+    with open(os.path.join(cl.run_dir, "coordinator.log")) as f:
+        return f.read()
+
+
+def check_same_text(a, b, what):
+    for x, y in zip(a, b):
+        check(x[2] == y[2], "%s: %s turn %d differs: %r vs %r" % (what, x[0], x[1], x[2], y[2]))
+
+
+def check_tier(tp, pp=1):
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    try:
+        port = free_port()
+        with tier_cluster(tp, port, pp=pp):
+            base = run_conversations(port)
+            computed0, absent = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total")
+        check(absent is None, "tp %d: offload counters without a tier" % tp)
+        port = free_port()
+        with tier_cluster(tp, port, tier, pp=pp):
+            first = run_conversations(port)
+            computed1, hits, saves = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total",
+                                              "loom_kv_offload_saves_total")
+        check_same_text(base, first, "tp %d with the tier" % tp)
+        check(hits > 0 and saves > 0, "tp %d: tier hits %r, saves %r" % (tp, hits, saves))
+        # every loaded block is a block's worth of prompt positions not run
+        check(computed1 <= computed0 - hits * B,
+              "tp %d: %d prompt tokens computed with %d blocks loaded, %d without the tier"
+              % (tp, computed1, hits, computed0))
+        files = glob.glob(os.path.join(tier, "*.kvb"))
+        check(files, "tp %d: no block files in the tier" % tp)
+        shards = sorted({f.rsplit("-", 1)[1] for f in files})
+        check(shards == ["%d.kvb" % r for r in range(tp * pp)], "tp %d: block files of shards %r" % (tp, shards))
+        # later turns: the prefix (the previous turn's prompt) was evicted from the
+        # pool, and comes back from the tier
+        later = [(r, b) for r, b in zip(first, base) if r[1] > 0]
+        check(all(b[4] == 0 for _, b in later),
+              "tp %d: the pool alone should not hold the earlier turns: %r" % (tp, [b[4] for _, b in later]))
+        for r, _ in later:
+            check(r[4] >= (r[3] - 40) // B * B,
+                  "tp %d: %s turn %d: %d of %d prompt tokens cached" % (tp, r[0], r[1], r[4], r[3]))
+        # a second replica: its own coordinator and workers on the same directory
+        port = free_port()
+        with tier_cluster(tp, port, tier, pp=pp):
+            second = run_conversations(port, turns=1)
+        check_same_text(base, second, "tp %d, second replica" % tp)
+        check(all(r[4] >= (r[3] - 1) // B * B - B for r in second),
+              "tp %d: the second replica's first turns should hit the first's blocks: %r" %
+              (tp, [(r[3], r[4]) for r in second]))
+        return tier, base
+    except BaseException:
+        shutil.rmtree(tier, ignore_errors=True)
+        raise
+
+
+def test_dir_tier():
+    tier, base = check_tier(1)
+    try:
+        # corrupt every other block file and truncate the rest of every third:
+        # each is a miss (recomputed), never wrong output, never a crash
+        files = sorted(glob.glob(os.path.join(tier, "*.kvb")))
+        for i, f in enumerate(files):
+            if i % 2 == 0:
+                with open(f, "r+b") as fh:
+                    fh.seek(100)
+                    b = fh.read(1)
+                    fh.seek(100)
+                    fh.write(bytes([b[0] ^ 0x5a]))
+            elif i % 3 == 0:
+                with open(f, "r+b") as fh:
+                    fh.truncate(os.path.getsize(f) // 2)
+        port = free_port()
+        with tier_cluster(1, port, tier) as cl:
+            again = run_conversations(port)
+            log = coordinator_log(cl)
+        check_same_text(base, again, "with corrupted block files")
+        check("deleted" in log and ("checksum" in log or "not a whole block" in log),
+              "no log line for the bad block files: %r" % log[-2000:])
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_dir_tier_unwritable():
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    try:
+        port = free_port()
+        with tier_cluster(1, port):
+            base = run_conversations(port)
+        port = free_port()
+        with tier_cluster(1, port, tier) as cl:
+            shutil.rmtree(tier)
+            with open(tier, "w") as f:  # what was the directory: writes and reads now fail
+                f.write("not a directory\n")
+            again = run_conversations(port)
+            log = cl.log("worker-0")
+        check_same_text(base, again, "with an unwritable tier")
+        check("no more blocks are saved" in log, "no log line for the failed save: %r" % log[-2000:])
+    finally:
+        if os.path.isdir(tier):
+            shutil.rmtree(tier, ignore_errors=True)
+        elif os.path.exists(tier):
+            os.unlink(tier)
+
+
+def test_dir_tier_bounded():
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    bound = 200000  # ten block files of stories260K (20 KiB and a header each): less than the workload writes
+    try:
+        port = free_port()
+        with tier_cluster(1, port):
+            base = run_conversations(port)
+        port = free_port()
+        with tier_cluster(1, port, tier, extra=["--kv-offloading-disk-size", "%g" % (bound / 1e9)]):
+            again = run_conversations(port)
+            _, hits, saves = counters(port, "loom_prompt_tokens_computed_total", "loom_kv_offload_hits_total",
+                                      "loom_kv_offload_saves_total")
+        check_same_text(base, again, "with a bounded tier")
+        held = sum(os.path.getsize(f) for f in glob.glob(os.path.join(tier, "*.kvb")))
+        check(0 < held <= bound and saves * 20480 > bound,
+              "the tier holds %d bytes for a bound of %d after %d saves" % (held, bound, saves))
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_dir_tier_tp2():
+    tier, _ = check_tier(2)
+    shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_dir_tier_pp2():
+    """Two pipeline stages: each stage's worker saves and loads its layers' slice."""
+    tier, _ = check_tier(1, pp=2)
+    shutil.rmtree(tier, ignore_errors=True)
+
+
+PD_PROMPTS = [word + " " + STORY + ("and then " * k) for k, word in enumerate(["Kite", "Moon", "Pear", "Rose"])]
+LOST = "Vase " + STORY  # prefilled, then its blocks lost before the decode
+
+
+def pd_cluster(port, tier, role, policy="recompute"):
+    cfg = json.dumps({"kv_connector": "LoomConnector", "kv_role": role, "kv_load_failure_policy": policy})
+    args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-transfer-config", cfg]
+    if port:
+        args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
+    return Cluster(STORIES, 1, 1, coord_args=args)
+
+
+def refused(port, body, status, words):
+    st, data = post(port, "/v1/completions", body, timeout=120)
+    check(st == status and all(w in data.decode() for w in words),
+          "%r: want %d with %r, got %d %r" % (body.get("kv_transfer_params"), status, words, st, data[:300]))
+
+
+def test_disaggregated():
+    tier = tempfile.mkdtemp(prefix="loom-kv-pd-")
+    try:
+        bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
+        bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
+        bodies.append({"prompt": LOST, "max_tokens": 16, "temperature": 0})
+        port = free_port()
+        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                "--block-size", str(B)]):
+            unified = [call(port, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
+            refused(port, dict(bodies[0], kv_transfer_params={"do_remote_decode": True}), 400,
+                    ["--kv-transfer-config"])
+        pport, dport = free_port(), free_port()
+        with pd_cluster(pport, tier, "kv_producer"), pd_cluster(dport, tier, "kv_consumer"):
+            params = []
+            call(pport, "/v1/completions", bodies[0])  # in the prefill side's pool, not in the tier
+            for b, want in zip(bodies[:-1], unified):
+                pre = call(pport, "/v1/completions", dict(b, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+                kv = pre.get("kv_transfer_params")
+                n_prompt = pre["usage"]["prompt_tokens"]
+                check(kv and kv["do_remote_prefill"] and kv["remote_engine_id"].startswith("loom-")
+                      and len(kv["remote_block_ids"]) == (n_prompt - 1) // B, "prefill's params: %r" % kv)
+                got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
+                check(got["choices"][0]["text"] == want, "decode %r != unified %r" % (got["choices"][0]["text"], want))
+                cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
+                      "decode computed %d of %d prompt tokens" % (n_prompt - cached, n_prompt))
+                params.append(kv)
+            kv = params[0]
+            forged = dict(kv, remote_block_ids=kv["remote_block_ids"][:1] + ["%016x" % 12345])
+            refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_ids[1]"])
+            refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_engine_id="loom-0123456789abcdef")), 400,
+                    ["remote_engine_id"])
+            refused(dport, dict(bodies[0], kv_transfer_params={"do_remote_decode": True}), 400, ["kv_consumer"])
+            refused(dport, dict(bodies[0], kv_transfer_params=[1]), 400, ["kv_transfer_params"])
+            # the prefill's blocks gone (its replica died before writing, the tier trimmed them): recomputed
+            lost = call(pport, "/v1/completions", dict(bodies[-1], max_tokens=1,
+                                                       kv_transfer_params={"do_remote_decode": True}))
+            lost = lost["kv_transfer_params"]
+            for f in glob.glob(os.path.join(tier, "*.kvb")):
+                os.unlink(f)
+            got = call(dport, "/v1/completions", dict(bodies[-1], kv_transfer_params=lost))
+            check(got["choices"][0]["text"] == unified[-1] and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+                  "recomputed decode: %r" % got)
+        fport = free_port()
+        with pd_cluster(fport, tier, "kv_both", policy="fail"):
+            refused(fport, dict(bodies[2], kv_transfer_params=params[2]), 503, ["kv_load_failure_policy fail"])
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_router_tier_events():
+    from test_router import Router
+    tier = tempfile.mkdtemp(prefix="loom-kv-events-")
+    try:
+        args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-offloading-write-through",
+                "--kv-events", "tcp://127.0.0.1:0"]
+        with Cluster(STORIES, 1, 1, coord_args=args) as a, Cluster(STORIES, 1, 1, coord_args=args) as b:
+            with Router(["--replica", a.addr, "--replica", b.addr, "--policy", "prefix"], http=True,
+                        expect_up=2) as router:
+                body = {"prompt": PD_PROMPTS[0], "max_tokens": 8, "temperature": 0}
+                first = call(router.http, "/v1/completions", body)
+                wait_for(lambda: router.metric_sum("loom_router_kv_events_tier_blocks_total") > 0, 20,
+                         "the tier's blocks in the router's KV events")
+                got = [call(router.http, "/v1/completions", body) for _ in range(4)]
+                wait_for(lambda: router.metric_sum("loom_router_replica_routed_total") == 5, 20,
+                         "the router's metrics to count the five requests")
+                routed = [v for (n, _), v in router.metrics().items() if n == "loom_router_replica_routed_total"]
+        check(all(g["choices"][0]["text"] == first["choices"][0]["text"] for g in got), "outputs differ")
+        check(all(g["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for g in got),
+              "cached tokens %r" % [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got])
+        check(len(routed) == 2 and min(routed) >= 2,
+              "a prompt in the shared tier goes to both replicas (the load decides): routed %r" % routed)
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_flags():
+    coord = [os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
+             "--control", "tcp://127.0.0.1:0"]
+    router = [os.path.join(BIN, "loom-router"), "--listen", "tcp://127.0.0.1:0"]
+    cases = [
+        (coord + ["--kv-transfer-config", '{"kv_connector":"NixlConnector"}'], "LoomConnector"),
+        (coord + ["--kv-transfer-config", "not json"], "not a JSON object"),
+        (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector","kv_role":"kv_x"}'], "kv_role"),
+        (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector","kv_load_failure_policy":"retry"}'],
+         "kv_load_failure_policy"),
+        (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector"}'], "--kv-offloading-dir"),
+        (coord + ["--kv-offloading-dir", tempfile.gettempdir(), "--no-prefix-cache"], "prefix cache"),
+        (coord + ["--kv-offloading-dir", "/nonexistent/loom-kv"], "not a writable directory"),
+        (router + ["--replica", "tcp://127.0.0.1:1", "--prefill-replica", "tcp://127.0.0.1:2"], "--pd"),
+        (router + ["--pd", "--replica", "tcp://127.0.0.1:1"], "--prefill-replica"),
+    ]
+    for argv, words in cases:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and words in p.stderr, "%r: exit %d, %r" % (argv[1:], p.returncode, p.stderr[-300:]))
+
+
+def test_router_pd():
+    from test_router import Router
+    tier = tempfile.mkdtemp(prefix="loom-kv-pd-router-")
+    try:
+        bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
+        bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
+        bodies.append({"prompt": "Kite", "max_tokens": 8, "temperature": 0})  # short: no prefill
+        port = free_port()
+        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                "--block-size", str(B)]):
+            unified = [call(port, "/v1/completions", b) for b in bodies]
+        with pd_cluster(0, tier, "kv_producer") as pre, pd_cluster(0, tier, "kv_consumer") as dec:
+            with Router(["--pd", "--prefill-replica", pre.addr, "--replica", dec.addr, "--pd-min-prompt-tokens", "32"],
+                        http=True, expect_up=2) as router:
+                for b, want in zip(bodies, unified):
+                    got = call(router.http, "/v1/completions", b)
+                    check(got["choices"][0]["text"] == want["choices"][0]["text"],
+                          "through the router %r != unified %r" % (got["choices"][0]["text"],
+                                                                  want["choices"][0]["text"]))
+                    n_prompt = got["usage"]["prompt_tokens"]
+                    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    if n_prompt >= 32:
+                        check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens"
+                              % (n_prompt - cached, n_prompt))
+                    else:
+                        check(cached == 0, "a short prompt came with %d cached tokens" % cached)
+                # the prefill replica killed: the decode side computes the prompts itself
+                for name in ("coordinator", "worker-0"):
+                    os.kill(pre.pid(name), signal.SIGKILL)
+                wait_for(lambda: router.metric_sum("loom_router_replica_up") == 1, 30, "the prefill replica down")
+                fresh = {"prompt": "Zebra " + STORY, "max_tokens": 16, "temperature": 0}
+                got = call(router.http, "/v1/completions", fresh)
+                with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                        "--block-size", str(B)]):
+                    want = call(port, "/v1/completions", fresh)
+                check(got["choices"][0]["text"] == want["choices"][0]["text"]
+                      and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+                      "without its prefill replica: %r vs %r" % (got, want))
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    run_tests([test_cached_tokens])
+    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
+               test_dir_tier_pp2, test_disaggregated, test_router_pd, test_router_tier_events, test_flags])

@@ -4,3 +4,4 @@ loom_add_test(test_sampling_params SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sampli
 loom_add_test(test_prepare SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prepare.c LIBS loom_server LABELS unit)
 loom_add_test(test_kv_connector SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_kv_connector.c LIBS loom_coord_core LABELS unit)
 loom_add_test(test_coord_draft SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_coord_draft.c LIBS loom_server LABELS unit)
+loom_add_test(test_kv_tier SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_kv_tier.c LIBS loom_coord_core LABELS unit)

@@ -1,7 +1,10 @@
 /* The coordinator half of a KV connector: the checked entry points cut a
  * connector's answer to whole blocks within the request, the no-connector
- * case, delayed free and kv_transfer_params, the load-failure policy names. */
+ * case, delayed free and kv_transfer_params, the load-failure policy names;
+ * the scheduler with a connector: write-back saves of evicted blocks,
+ * loads counted as cached, the walk between pool and tier, write-through. */
 #include "coordinator/kv_connector.h"
+#include "coordinator/sched.h"
 #include "worker/kv_connector.h" /* the worker half compiles on its own */
 #include "tests/test.h"
 
@@ -28,7 +31,8 @@ static int fake_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, co
     *p = strdup("{\"do_remote_decode\":true}");
     return ((fake_t *)c)->keep;
 }
-static const loom_kv_connector_ops_t fake_ops = {fake_match, fake_after_alloc, fake_finished, NULL};
+static const loom_kv_connector_ops_t fake_ops = {
+    .match = fake_match, .after_alloc = fake_after_alloc, .finished = fake_finished};
 
 static void test_match(void) {
     int32_t toks[70] = {0};
@@ -82,7 +86,166 @@ static void test_worker_half(void) {
     CHECK(x.block == 3 && w.block_bytes == 2u << 20);
 }
 
+/* ---- the scheduler with a connector ------------------------------------ */
+
+/* A tier of chain hashes: match walks the request's blocks from n_local
+ * while the tier holds them; offer takes every block it lacks. */
+typedef struct {
+    loom_kv_connector_t base;
+    uint64_t held[64];
+    int n_held, offers;
+} tier_t;
+
+static int tier_has(const tier_t *t, uint64_t h) {
+    for (int i = 0; i < t->n_held; i++)
+        if (t->held[i] == h) return 1;
+    return 0;
+}
+static int tier_match(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async) {
+    *async = 0;
+    int n = 0;
+    for (int i = n_local / r->block_size; i < r->n_tokens / r->block_size && tier_has((tier_t *)c, r->block_hashes[i]);
+         i++)
+        n += r->block_size;
+    return n;
+}
+static int tier_offer(loom_kv_connector_t *c, uint64_t h) {
+    tier_t *t = (tier_t *)c;
+    t->offers++;
+    return !tier_has(t, h);
+}
+static const loom_kv_connector_ops_t tier_ops = {.match = tier_match, .offer = tier_offer};
+
+enum { TB = 4 };
+
+static loom_sched_t *tier_sched(int n_blocks) {
+    loom_sched_config_t c = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 16, .max_model_len = 64,
+                             .n_micro = 1, .block_size = TB, .n_blocks = n_blocks, .prefix_cache = 1};
+    return loom_sched_create(&c);
+}
+
+/* Runs q's prompt to its first token and finishes it (its blocks stay cached). */
+static loom_microbatch_t *run_prompt(loom_sched_t *s, const int32_t *p, int n, loom_seq_t **q_out) {
+    loom_sampling_t sp = {0};
+    loom_err_t err = {0};
+    loom_seq_t *q = NULL;
+    CHECK(loom_sched_add(s, (uint64_t)p[0], p, n, 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    loom_microbatch_t *mb = loom_sched_schedule(s);
+    CHECK(mb != NULL);
+    if (q_out) *q_out = q;
+    return mb;
+}
+
+static void finish_mb(loom_sched_t *s, loom_microbatch_t *mb) {
+    int32_t ids[8] = {0};
+    loom_seq_t *seqs[8];
+    int n = mb->n_seqs;
+    memcpy(seqs, mb->seqs, (size_t)n * sizeof *seqs);
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    for (int i = 0; i < n; i++) loom_sched_finish(s, seqs[i]);
+}
+
+static void chain(const int32_t *p, int n_blocks, uint64_t *h) {
+    uint64_t x = 0;
+    for (int i = 0; i < n_blocks; i++) h[i] = x = loom_kv_chain_hash(x, p + i * TB, TB);
+}
+
+/* Write-back: the blocks a new prompt evicts are saved by the step that
+ * reuses them; a prompt whose blocks the tier holds loads them instead of
+ * computing them, and counts them as cached. */
+static void test_sched_write_back_and_load(void) {
+    loom_sched_t *s = tier_sched(4);
+    tier_t t = {.base = {.ops = &tier_ops, .tier = "dir"}};
+    loom_sched_set_connector(s, &t.base);
+    int32_t a[9], b[13];
+    for (int i = 0; i < 9; i++) a[i] = 10 + i;
+    for (int i = 0; i < 13; i++) b[i] = 50 + i;
+    uint64_t ha[2];
+    chain(a, 2, ha);
+    loom_microbatch_t *mb = run_prompt(s, a, 9, NULL);
+    if (!mb) return;
+    CHECK(mb->n_saves == 0 && mb->n_loads == 0);
+    finish_mb(s, mb); /* a's 2 full blocks cached */
+    mb = run_prompt(s, b, 13, NULL); /* 4 blocks: a's two evicted and saved */
+    if (!mb) return;
+    CHECK(mb->n_saves == 2 && mb->n_loads == 0);
+    int saved = 0;
+    for (int i = 0; i < mb->n_saves; i++) saved += mb->save_hash[i] == ha[0] || mb->save_hash[i] == ha[1];
+    CHECK(saved == 2);
+    for (int i = 0; i < mb->n_saves; i++) t.held[t.n_held++] = mb->save_hash[i];
+    finish_mb(s, mb);
+    loom_seq_t *q;
+    mb = run_prompt(s, a, 9, &q); /* a again: both full blocks from the tier, only position 8 runs */
+    if (!mb) return;
+    CHECK(mb->n_loads == 2 && mb->load_hash[0] == ha[0] && mb->load_hash[1] == ha[1]);
+    CHECK(mb->n_tokens == 1 && mb->pos[0] == 8 && q->cached_tokens == 8);
+    CHECK(mb->block_tables[0] == mb->load_block[0] && mb->block_tables[1] == mb->load_block[1]);
+    loom_sched_stats_t st;
+    loom_sched_get_stats(s, &st);
+    /* the third step evicted b's blocks in turn */
+    CHECK(st.tier_hits == 2 && st.tier_saves == 2 + (uint64_t)mb->n_saves && mb->n_saves > 0);
+    CHECK(st.prompt_tokens_computed == 9 + 13 + 1);
+    finish_mb(s, mb);
+    CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
+    loom_sched_destroy(&s);
+}
+
+/* The pool evicts a chain from its front: the tier gives the front, the
+ * pool the rest; the block of the last position is never loaded. */
+static void test_sched_pool_after_tier(void) {
+    loom_sched_t *s = tier_sched(8);
+    tier_t t = {.base = {.ops = &tier_ops}};
+    int32_t a[13];
+    for (int i = 0; i < 13; i++) a[i] = 7 + i;
+    uint64_t ha[3];
+    chain(a, 3, ha);
+    loom_microbatch_t *mb = run_prompt(s, a, 13, NULL);
+    if (!mb) return;
+    finish_mb(s, mb); /* blocks 0..2 cached, 0 the least recently used */
+    loom_kv_ledger_t *L = loom_sched_ledger(s);
+    int got[8], n = 0, b;
+    while (loom_kv_n_cached(L) == 3 && (b = loom_kv_alloc(L)) >= 0) got[n++] = b; /* the free ones, then block 0 */
+    for (int i = 0; i < n; i++) loom_kv_release(L, got[i]);
+    CHECK(loom_kv_n_cached(L) == 2);
+    t.held[t.n_held++] = ha[0];
+    t.held[t.n_held++] = ha[2]; /* also in the pool: the pool's copy is taken */
+    loom_sched_set_connector(s, &t.base);
+    loom_seq_t *q;
+    mb = run_prompt(s, a, 13, &q);
+    if (!mb) return;
+    CHECK(q->cached_tokens == 12 && mb->n_tokens == 1 && mb->pos[0] == 12);
+    CHECK(mb->n_loads == 1 && mb->load_hash[0] == ha[0] && mb->block_tables[0] == mb->load_block[0]);
+    finish_mb(s, mb);
+    CHECK(loom_kv_check(L) == 0);
+    loom_sched_destroy(&s);
+}
+
+/* Write-through: the blocks a step fills are saved by that step, after its
+ * layers; blocks the tier has already are not saved again. */
+static void test_sched_write_through(void) {
+    loom_sched_t *s = tier_sched(8);
+    tier_t t = {.base = {.ops = &tier_ops, .write_through = 1}};
+    loom_sched_set_connector(s, &t.base);
+    int32_t a[11];
+    for (int i = 0; i < 11; i++) a[i] = 30 + i;
+    uint64_t ha[2];
+    chain(a, 2, ha);
+    t.held[t.n_held++] = ha[0];
+    loom_seq_t *q;
+    loom_microbatch_t *mb = run_prompt(s, a, 11, &q);
+    if (!mb) return;
+    /* block 0 came from the tier; block 1 is filled by this step and saved after it */
+    CHECK(mb->n_loads == 1 && mb->n_saves == 0);
+    CHECK(mb->n_saves_after == 1 && mb->save_after_hash[0] == ha[1] && mb->save_after_block[0] == q->blocks[1]);
+    finish_mb(s, mb);
+    CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
+    loom_sched_destroy(&s);
+}
+
 int main(void) {
+    RUN(test_sched_write_back_and_load);
+    RUN(test_sched_pool_after_tier);
+    RUN(test_sched_write_through);
     RUN(test_worker_half);
     RUN(test_match);
     RUN(test_finished);

@@ -5,7 +5,9 @@ finds more cached blocks than round robin on a shared-prefix workload; every
 request finishes exactly once and the KV ledgers balance at the end; the same
 seed gives the same run; bursty arrivals raise p99 over Poisson at the same
 mean rate; the prefix index matches leading blocks as router/prefix_index.c;
-the session policy keeps a conversation on one replica."""
+the session policy keeps a conversation on one replica; a shared directory
+tier raises the cached share of the prompts, and lowers TTFT when it reads
+faster than the replicas compute (raises it when slower)."""
 import os
 import sys
 
@@ -116,6 +118,23 @@ def test_prefix_index():
     check(m == [3, 1, 2, 0], "after replica 1 evicts block 2: %r == [3, 1, 2, 0]" % m)
     ix.insert([21, 22, 23, 24, 25], 3)  # over capacity 8: the least recently touched go first
     check(len(ix.od) == 8 and 11 not in ix.od, "capacity 8 kept, the oldest hash forgotten")
+
+
+def test_tier():
+    base = ["--calib", "h200-8b", "--replicas", "4", "--policy", "prefix", "--workload", "multiturn", "--rate", "150",
+            "--duration", "4", "--warmup", "1", "--kv-blocks", "800", "--seed", "3"]
+    _, none = run(base)
+    sim, fast = run(base + ["--tier-blocks", "200000", "--tier-gbps", "50"])
+    _, slow = run(base + ["--tier-blocks", "200000", "--tier-gbps", "1"])
+    check(none["tier_hit_blocks"] == 0 and fast["tier_hit_blocks"] > 0 and
+          fast["cached_prompt_fraction"] > none["cached_prompt_fraction"] + 0.2,
+          "tier: cached prompt share %.2f -> %.2f, %d blocks read" %
+          (none["cached_prompt_fraction"], fast["cached_prompt_fraction"], fast["tier_hit_blocks"]))
+    check(fast["ttft_ms"]["p50"] < none["ttft_ms"]["p50"] < slow["ttft_ms"]["p50"],
+          "TTFT p50: tier at 50 GB/s %.0f ms < none %.0f ms < tier at 1 GB/s %.0f ms" %
+          (fast["ttft_ms"]["p50"], none["ttft_ms"]["p50"], slow["ttft_ms"]["p50"]))
+    check(len(sim.tier) <= 200000 and fast["completed"] == len(sim.requests),
+          "the tier within its bound; every request finished")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,23 @@ static void test_each_bad_field(void) {
     expect_refused(&b, "an empty plan");
     b.p.max_blocks = 1000;
     expect_refused(&b, "an absurd block-table width");
+    /* the KV connector's moves: block ids in the pool, one hash each */
+    int32_t blk[1] = {3};
+    uint64_t hash[1] = {0x1234};
+    b.p.kv_load_blocks = b.p.kv_save_blocks = blk;
+    b.p.kv_load_hashes = b.p.kv_save_hashes = hash;
+    b.p.n_kv_load_blocks = b.p.n_kv_load_hashes = b.p.n_kv_save_blocks = b.p.n_kv_save_hashes = 1;
+    loom_err_t err = {0};
+    CHECKF(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_OK, "%s", err.msg);
+    blk[0] = 32;
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "KV"));
+    blk[0] = 3;
+    b.p.n_kv_load_hashes = 0;
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "KV moves"));
+    b.p.n_kv_load_blocks = 0;
+    b.p.n_kv_save_hashes = 0;
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT);
+    make_plan(&b);
 }
 
 static void test_versions_and_magic(void) {

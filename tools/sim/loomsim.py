@@ -19,6 +19,12 @@ What it models, and where the real thing lives:
             from a calibration file (tools/sim/calib/*.json): `fit` (constants
             fitted to steps measured by tools/sim/calibrate.py) or `roofline`
             (max(bytes / bandwidth, FLOPs / peak) for a GPU and a model).
+  tier      --tier-blocks: the directory tier below every replica's pool
+            (docs/kv-offload.md), shared by all: blocks the pools evict are
+            written to it (write-back, LRU of --tier-blocks); an admission
+            takes the prompt's blocks after its local hit from the tier while
+            it has them (never the block of the last position), and the step
+            that admits it is longer by their read (bytes / --tier-gbps).
 Differences from the real system, on purpose: a sequence reserves KV blocks
 for its whole prompt and max_tokens at admission (the real scheduler grows
 and preempts); KV events reach the router at once (real: batched, <= 100 ms);
@@ -120,7 +126,7 @@ class Chain:
 class Request:
     __slots__ = ("id", "session", "chain", "hashes", "n_prompt", "n_out", "t_arrive", "t_first", "t_done",
                  "rep", "cached", "computed", "n_reg", "held", "private", "dec_start", "measured",
-                 "queried", "turn")
+                 "queried", "turn", "tier_n")
 
     def __init__(self, rid, chain, n_out, t, session=None, turn=0):
         self.id, self.chain, self.n_out, self.t_arrive = rid, chain, n_out, t
@@ -130,6 +136,7 @@ class Request:
         self.t_first = self.t_done = None
         self.rep = -1
         self.cached = self.computed = self.n_reg = self.private = self.dec_start = self.queried = 0
+        self.tier_n = 0
         self.held = []
         self.measured = True
 
@@ -313,6 +320,11 @@ class Sim:
         self.host_cores = args.host_cores if args.host_cores is not None else cal.get("host_cores", 0)
         self.n_busy = 0
         self.rng = np.random.default_rng(args.seed)
+        # the shared directory tier: chain hash -> None, least recently used first
+        self.tier = collections.OrderedDict() if args.tier_blocks > 0 else None
+        kv_tok = cal.get("model", {}).get("kv_bytes_per_token", 0)
+        self.tier_block_s = (args.tier_block_bytes or kv_tok * self.B) / (args.tier_gbps * 1e9)
+        self.tier_hits = self.tier_reads_s = 0
         N = args.replicas
         self.reps = [Replica(i, n_blocks) for i in range(N)]
         self.index = PrefixIndex(args.prefix_index_blocks) if args.policy == "prefix" else None
@@ -514,6 +526,12 @@ class Sim:
     def kv_evict_one(self, rep):
         h, _ = rep.lru.popitem(last=False)
         del rep.cache[h]
+        t = self.tier
+        if t is not None:  # write-back: the block goes to the shared tier
+            t[h] = None
+            t.move_to_end(h)
+            if len(t) > self.a.tier_blocks:
+                t.popitem(last=False)
         if self.index is not None:
             self.index.remove(h, rep.idx)
 
@@ -530,9 +548,18 @@ class Sim:
             hits += 1
             if ref == 0:
                 pinned_lru += 1
+        tier_n = 0
+        t = self.tier
+        if t is not None:  # the tier's run after the local hit, never the last position's block
+            last = (q.n_prompt - 1) // B
+            while hits + tier_n < min(last, len(q.hashes)) and q.hashes[hits + tier_n] in t:
+                tier_n += 1
         need = -(-(q.n_prompt + q.n_out) // B) - hits
         if need > rep.free_blocks() + len(rep.lru) - pinned_lru:
             return False
+        for h in q.hashes[hits:hits + tier_n]:
+            t.move_to_end(h)
+        q.tier_n = tier_n
         for h in q.hashes[:hits]:
             ref = cache[h]
             if ref == 0:
@@ -544,10 +571,11 @@ class Sim:
         rep.private += need
         q.private = need
         q.n_reg = hits
-        q.computed = min(hits * B, q.n_prompt - 1)  # the last prompt token always runs
+        q.computed = min((hits + tier_n) * B, q.n_prompt - 1)  # the last prompt token always runs
+        self.tier_hits += tier_n
         if not q.queried:
             q.queried = 1
-            q.cached = q.computed if hits else 0
+            q.cached = q.computed if hits + tier_n else 0
             self.query_blocks += q.n_prompt // B
             self.hit_blocks += hits
         return True
@@ -600,10 +628,12 @@ class Sim:
             seqs += 1
             attended += take * s + take * (take + 1) // 2
             kv_read += s + take
+        loads = 0
         while rep.waiting and budget > 0 and rep.n_running < self.max_seqs:
             q = rep.waiting[0]
             if not self.try_admit(rep, q):
                 break  # strict FCFS: the head waits for memory
+            loads += q.tier_n
             rep.waiting.popleft()
             rep.prefilling.append(q)
             rep.n_running += 1
@@ -617,7 +647,8 @@ class Sim:
             kv_read += s + take
         if tokens == 0:
             return
-        dt = self.model.time(tokens, attended, seqs, kv_read)
+        dt = self.model.time(tokens, attended, seqs, kv_read) + loads * self.tier_block_s
+        self.tier_reads_s += loads * self.tier_block_s
         if self.host_cores:
             self.n_busy += 1
             dt *= max(1.0, self.n_busy / self.host_cores)
@@ -755,6 +786,7 @@ class Sim:
                         "mean": float(ttft.mean() * 1e3) if len(ttft) else float("nan")},
             "tpot_ms": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)},
             "prefix_hit_rate_blocks": self.hit_blocks / max(1, self.query_blocks),
+            "tier_hit_blocks": self.tier_hits, "tier_read_s": self.tier_reads_s,
             "cached_prompt_fraction": cached / max(1, prompt),
             "router_index_hit_blocks": self.routed_hit_blocks,
             "decisions": self.decisions, "router_wait_mean_ms": 1e3 * self.router_wait / max(1, self.decisions),
@@ -792,6 +824,11 @@ def parser():
     g.add_argument("--release-reverse", action="store_true",
                    help="a finished sequence releases its last block first (the real ledger: first first)")
     g.add_argument("--max-model-len", type=int, default=0)
+    g = ap.add_argument_group("directory tier (docs/kv-offload.md)")
+    g.add_argument("--tier-blocks", type=int, default=0, help="blocks the shared tier holds (0: no tier)")
+    g.add_argument("--tier-gbps", type=float, default=2.0, help="a replica's read rate from the tier, GB/s")
+    g.add_argument("--tier-block-bytes", type=int, default=0,
+                   help="bytes of a block (default: the calibration's KV bytes per token x block size)")
     g = ap.add_argument_group("arrivals")
     g.add_argument("--rate", type=float, default=10.0, help="requests/s (multiturn: turns/s)")
     g.add_argument("--burstiness", type=float, default=1.0,

@@ -1,0 +1,40 @@
+/* The worker's half of the directory tier (docs/kv-offload.md): the step
+ * plan's kv_save_* and kv_load_* done on this worker's shard of each block,
+ * one contiguous span (loom_model_kv_block_ptr) to or from one file
+ * (common/kv_tier.h). */
+#ifndef LOOM_WORKER_KV_OFFLOAD_H
+#define LOOM_WORKER_KV_OFFLOAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "worker/model.h"
+
+typedef struct loom_kv_offload {
+    char dir[4096];     /* "" : no tier */
+    uint64_t tier_id;
+    uint64_t max_bytes; /* the directory's bound */
+    uint64_t bytes;     /* what it holds, as of the last trim plus what this worker wrote since */
+    int shard;          /* stage * tp + tp rank */
+    int broken;         /* a write failed (disk full, read-only): no more saves, loads still */
+} loom_kv_offload_t;
+
+/* Sets (dir non-empty) or clears the tier for the model's pool; refuses a
+ * layout whose blocks are not one span (the CUDA backend's layer-major
+ * pool) with a message naming it. */
+loom_status_t loom_kv_offload_config(loom_kv_offload_t *o, const loom_model_t *m, const char *dir, uint64_t tier_id,
+                                     uint64_t max_bytes, int shard, loom_err_t *err);
+
+/* Saves, then loads (the plan's order). A failed save is logged and the
+ * tier stops saving; a failed load (a file gone or bad since the
+ * coordinator checked it) is an error: the step must not run on it. */
+loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *save_blocks,
+                                   const uint64_t *save_hashes, size_t n_save, const int32_t *load_blocks,
+                                   const uint64_t *load_hashes, size_t n_load, loom_err_t *err);
+
+/* Write-through saves after the step's layers (a failure as for saves). */
+void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
+                          size_t n);
+
+#endif
