@@ -405,7 +405,7 @@ def test_router_tier_events():
 
 
 def test_flags():
-    coord = [os.path.join(BIN, "loom-coordinator"), "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
+    coord = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
              "--control", "tcp://127.0.0.1:0"]
     router = [os.path.join(BIN, "loom-router"), "--listen", "tcp://127.0.0.1:0"]
     cases = [
