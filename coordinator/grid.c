@@ -260,6 +260,7 @@ static void start_epoch(loom_grid_t *g) {
             a.expert_parallel = g->cfg.expert_parallel != 0;
             a.max_loras = (uint32_t)(g->cfg.max_loras > 0 ? g->cfg.max_loras : 0);
             a.max_lora_rank = (uint32_t)(g->cfg.max_loras > 0 ? (g->cfg.max_lora_rank > 0 ? g->cfg.max_lora_rank : 16) : 0);
+            a.max_cpu_loras = (uint32_t)(g->cfg.max_cpu_loras > 0 ? g->cfg.max_cpu_loras : 0);
             a.kv_memory = g->cfg.kv_memory;
             a.kv_fraction = g->cfg.kv_fraction / (float)(same > 0 ? same : 1);
             Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
@@ -665,6 +666,11 @@ static void on_control(loom_grid_t *g, const void *rid, size_t rid_len, const ch
         if (count_ready(g) == g->n_slots) grid_ready(g);
         break;
     case LOOM__V1__CONTROL_MSG__BODY_RESULT: on_result(g, wi, m->result); break;
+    case LOOM__V1__CONTROL_MSG__BODY_LORA_LOADED:
+        /* another epoch's answer: its engines are gone, the order is moot */
+        if (m->lora_loaded->epoch == g->epoch && g->state == LOOM_GRID_READY && g->cb.on_lora_loaded)
+            g->cb.on_lora_loaded(g->cb.ctx, g, wi, m->lora_loaded);
+        break;
     case LOOM__V1__CONTROL_MSG__BODY_ERROR: {
         char msg[700];
         snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
@@ -750,6 +756,8 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->prompt_lp_ids = mb->plp_ids;
     p->prompt_lp_top = mb->plp_top;
     p->n_prompt_lp_rows = p->n_prompt_lp_ids = p->n_prompt_lp_top = (size_t)mb->n_plp;
+    p->seq_lora = mb->seq_lora;
+    p->n_seq_lora = mb->any_lora ? (size_t)mb->n_seqs : 0;
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {
@@ -776,6 +784,21 @@ void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb) {
 }
 
 int loom_grid_n_inflight(const loom_grid_t *g) { return g->n_inflight; }
+
+void loom_grid_send_lora_load(loom_grid_t *g, int slot, const char *name, const char *path,
+                              const uint8_t digest[32]) {
+    LOOM_ASSERT(g->state == LOOM_GRID_READY);
+    Loom__V1__LoraLoad l = LOOM__V1__LORA_LOAD__INIT;
+    l.epoch = g->epoch;
+    l.slot = (uint32_t)slot;
+    l.name = (char *)name;
+    l.path = (char *)path;
+    l.digest = (ProtobufCBinaryData){32, (uint8_t *)digest};
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_LORA_LOAD;
+    m.lora_load = &l;
+    for (int i = 0; i < g->n_slots; i++) send_ctl(g, &g->slots[i], &m);
+}
 
 /* ---- timers and etcd ------------------------------------------------------------ */
 

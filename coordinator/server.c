@@ -53,6 +53,7 @@
 #include "coordinator/draft.h"
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
+#include "coordinator/lora_reactor.h"
 #include "coordinator/metrics.h"
 #include "coordinator/prepare.h"
 #include "coordinator/sampling_params.h"
@@ -133,6 +134,8 @@ struct loom_server {
     int draining;
     uint64_t drain_deadline;
     loom_grid_t *grid;
+    loom_lora_reactor_t *lora; /* LoRA adapters (NULL: --enable-lora not given) */
+    int lora_max_cpu;          /* --max-cpu-loras (Assign.max_cpu_loras) */
 
     loom_sched_t *sched;
     loom_metrics_t *metrics;
@@ -710,6 +713,7 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 static void on_grid_ready(void *ctx, loom_grid_t *g) {
     loom_server_t *s = ctx;
     int n_blocks = loom_grid_n_blocks(g);
+    if (s->lora) loom_lora_reactor_grid_ready(s->lora); /* the new engines hold no adapters */
     if (s->sched) {
         /* the KV cache of the old grid is gone: recompute the waiting requests */
         loom_sched_reset_kv(s->sched, n_blocks);
@@ -729,6 +733,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
                                   .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
         loom_sched_set_spec(s->sched, &s->cfg.spec);
+        if (s->lora) loom_sched_set_lora_slots(s->sched, loom_lora_reactor_slots(s->lora));
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
@@ -829,6 +834,24 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
 static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
     loom_server_t *s = ctx;
     loom_sched_fail(s->sched, mb);
+}
+
+/* Ends the requests that wait for adapter ID (its load failed, or it is
+ * being unloaded) with CODE and MSG. */
+static void fail_lora_waiting(loom_server_t *s, int id, loom_status_t code, const char *msg) {
+    for (request_t *q = s->reqs, *next; q; q = next) {
+        next = q->next;
+        if (q->seq && q->seq->lora_id == id && q->seq->lora_slot < 0)
+            req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, code, msg);
+    }
+}
+
+static void on_lora_loaded(void *ctx, loom_grid_t *g, int worker, const Loom__V1__LoraLoaded *l) {
+    loom_server_t *s = ctx;
+    char msg[800];
+    if (!s->lora) return;
+    int failed = loom_lora_reactor_loaded(s->lora, g, worker, l, msg, sizeof msg);
+    if (failed >= 0) fail_lora_waiting(s, failed, LOOM_ERR_UNAVAILABLE, msg);
 }
 
 /* ---- client API ----------------------------------------------------------------------- */
@@ -992,7 +1015,15 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         code = LOOM_ERR_UNAVAILABLE;
         goto refuse;
     }
-    if (g->model && g->model[0] && strcmp(g->model, s->model_name) != 0) {
+    int lora_id = -1; /* the adapter the request's model names (-1: the base model) */
+    if (s->lora) {
+        if ((code = loom_lora_serve_select(loom_lora_reactor_slots(s->lora), s->model_name, NULL, g->model, &lora_id,
+                                           &err)) < 0) {
+            snprintf(msg, sizeof msg, "%s", err.msg);
+            goto refuse;
+        }
+        code = LOOM_ERR_INVALID_ARGUMENT;
+    } else if (g->model && g->model[0] && strcmp(g->model, s->model_name) != 0) {
         snprintf(msg, sizeof msg, "model '%s' is not served here; this server serves '%s'", g->model, s->model_name);
         code = LOOM_ERR_NOT_FOUND;
         goto refuse;
@@ -1128,6 +1159,9 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         goto refuse;
     }
     q->max_tokens = q->seq->max_tokens;
+    if (lora_id >= 0)
+        loom_sched_seq_set_lora(s->sched, q->seq, lora_id,
+                                loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest);
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
     if (g->return_prompt_ids && !g->prompt_logprobs) {
@@ -1350,6 +1384,8 @@ static void schedule(loom_server_t *s) {
         loom_metrics_observe_iteration(s->metrics, mb->n_tokens);
         loom_grid_send_plan(s->grid, mb);
     }
+    /* the adapters admission claimed slots for: their load orders go out */
+    if (s->lora) loom_lora_reactor_dispatch(s->lora, s->grid);
 }
 
 /* Speculative decoding counters for /metrics (vLLM's spec_decode family). */
@@ -1392,6 +1428,12 @@ static void publish_state(loom_server_t *s) {
         st.preemptions = s->preemptions_base;
     }
     loom_metrics_set_state(s->metrics, &st);
+    if (s->lora) {
+        loom_metrics_lora_adapter_t ad[LOOM_LORA_SERVE_MAX_MODULES];
+        loom_metrics_lora_t ml;
+        loom_lora_serve_metrics(loom_lora_reactor_slots(s->lora), s->sched, ad, LOOM_LORA_SERVE_MAX_MODULES, &ml);
+        loom_metrics_set_lora(s->metrics, &ml);
+    }
     loom_kv_events_publish(s->kv_events, s->sched);
 }
 
@@ -1566,9 +1608,11 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
-                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank};
+                             .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
+                             .max_cpu_loras = s->lora_max_cpu};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
-                                .on_step_done = on_step_done, .on_step_failed = on_step_failed};
+                                .on_step_done = on_step_done, .on_step_failed = on_step_failed,
+                                .on_lora_loaded = on_lora_loaded};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
 }
 
@@ -1624,6 +1668,14 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         b = strrchr(tmp, '/');
         snprintf(s->model_name, sizeof s->model_name, "%.255s", b ? b + 1 : tmp);
     }
+    if (cfg->lora && cfg->lora->enable) {
+        st = loom_lora_reactor_create(cfg->lora, &s->mcfg, &s->lora, err);
+        if (st < 0) goto fail;
+        s->cfg.max_loras = cfg->lora->max_loras;
+        s->cfg.max_lora_rank = cfg->lora->max_lora_rank;
+        s->lora_max_cpu = cfg->lora->max_cpu_loras;
+    }
+    s->cfg.lora = NULL; /* the caller's options: copied into the reactor */
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->structured = loom_structured_create(s->tok, &s->mcfg, (size_t)cfg->grammar_cache_bytes);
@@ -1673,6 +1725,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_grid_destroy(&s->grid);
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);
+    loom_lora_reactor_destroy(&s->lora); /* after the scheduler: its sequences hold pins */
     loom_coord_draft_destroy(
         &s->draft); /* after the scheduler: its sequences tell the draft as they go */
     loom_metrics_destroy(&s->metrics);
