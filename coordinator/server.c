@@ -836,12 +836,13 @@ static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
     loom_sched_fail(s->sched, mb);
 }
 
-/* Ends the requests that wait for adapter ID (its load failed, or it is
- * being unloaded) with CODE and MSG. */
-static void fail_lora_waiting(loom_server_t *s, int id, loom_status_t code, const char *msg) {
+/* Ends with CODE and MSG the requests of adapter ID that wait for it (its
+ * load failed), or with ALL every one using it (it is being unloaded: no
+ * sequence may name a registry entry that is gone). */
+static void fail_lora_requests(loom_server_t *s, int id, int all, loom_status_t code, const char *msg) {
     for (request_t *q = s->reqs, *next; q; q = next) {
         next = q->next;
-        if (q->seq && q->seq->lora_id == id && q->seq->lora_slot < 0)
+        if (q->seq && q->seq->lora_id == id && (all || q->seq->lora_slot < 0))
             req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, code, msg);
     }
 }
@@ -851,7 +852,7 @@ static void on_lora_loaded(void *ctx, loom_grid_t *g, int worker, const Loom__V1
     char msg[800];
     if (!s->lora) return;
     int failed = loom_lora_reactor_loaded(s->lora, g, worker, l, msg, sizeof msg);
-    if (failed >= 0) fail_lora_waiting(s, failed, LOOM_ERR_UNAVAILABLE, msg);
+    if (failed >= 0) fail_lora_requests(s, failed, 0, LOOM_ERR_UNAVAILABLE, msg);
 }
 
 /* ---- client API ----------------------------------------------------------------------- */
@@ -1276,14 +1277,65 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     mi.pp = (uint32_t)s->cfg.pp;
     mi.weights_digest = s->weights_digest;
     mi.tokenizer_digest = s->tokenizer_digest;
-    Loom__V1__ModelInfo *mp = &mi;
+    /* then the LoRA adapters, as vLLM lists them: parent the base, root the directory */
+    const loom_lora_entry_t *ad[LOOM_LORA_SERVE_MAX_MODULES * 4];
+    int n_ad = s->lora ? loom_lora_slots_list(loom_lora_reactor_slots(s->lora), ad, (int)LOOM_ARRAY_LEN(ad)) : 0;
+    Loom__V1__ModelInfo *infos = loom_xcalloc((size_t)n_ad + 1, sizeof *infos);
+    Loom__V1__ModelInfo **mp = loom_xcalloc((size_t)n_ad + 1, sizeof *mp);
+    infos[0] = mi;
+    mp[0] = &infos[0];
+    for (int i = 0; i < n_ad; i++) {
+        Loom__V1__ModelInfo *a = &infos[i + 1];
+        *a = mi;
+        a->id = (char *)ad[i]->name;
+        a->parent = s->model_name;
+        a->root = (char *)ad[i]->path;
+        mp[i + 1] = a;
+    }
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
-    lm.models = &mp;
-    lm.n_models = 1;
+    lm.models = mp;
+    lm.n_models = (size_t)n_ad + 1;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
     r.request_id = rq->request_id;
     r.body_case = LOOM__V1__REPLY__BODY_MODELS;
     r.models = &lm;
+    send_reply(s, rid, rid_len, &r);
+    free(mp);
+    free(infos);
+}
+
+/* vLLM's runtime adapter updates (LoadLoraAdapter, UnloadLoraAdapter). The
+ * requests using an unloaded adapter end now (NOT_FOUND). */
+static void on_lora_update(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    char msg[1100];
+    loom_status_t st;
+    if (!s->lora) {
+        snprintf(msg, sizeof msg, "LoRA is not enabled: start the server with --enable-lora");
+        st = LOOM_ERR_INVALID_ARGUMENT;
+    } else if (rq->body_case == LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER) {
+        st = loom_lora_reactor_load(s->lora, rq->load_lora_adapter->lora_name, rq->load_lora_adapter->lora_path, msg,
+                                    sizeof msg);
+    } else {
+        const char *name = rq->unload_lora_adapter->lora_name;
+        int id;
+        st = loom_lora_reactor_unload_check(s->lora, name, &id, msg, sizeof msg);
+        if (st == LOOM_OK) {
+            char why[300];
+            snprintf(why, sizeof why, "LoRA adapter '%.200s' was unloaded", name);
+            fail_lora_requests(s, id, 1, LOOM_ERR_NOT_FOUND, why);
+            loom_lora_reactor_forget(s->lora, name, msg, sizeof msg);
+        }
+    }
+    if (st != LOOM_OK) {
+        reply_error(s, rid, rid_len, rq->request_id, st, msg);
+        return;
+    }
+    Loom__V1__LoraAdapterReply la = LOOM__V1__LORA_ADAPTER_REPLY__INIT;
+    la.message = msg;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = rq->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
+    r.lora_adapter = &la;
     send_reply(s, rid, rid_len, &r);
 }
 
@@ -1369,6 +1421,8 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
         case LOOM__V1__REQUEST__BODY_LIST_MODELS: on_list_models(s, rid, rid_len, rq); break;
         case LOOM__V1__REQUEST__BODY_STATS: on_stats(s, rid, rid_len, rq); break;
         case LOOM__V1__REQUEST__BODY_EMBED: on_embed(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER:
+        case LOOM__V1__REQUEST__BODY_UNLOAD_LORA_ADAPTER: on_lora_update(s, rid, rid_len, rq); break;
         default: break;
         }
     }
