@@ -17,8 +17,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (PYTHON, ROOT, STORIES, Cluster, check, free_port, run_local, run_tests, parse_ids,  # noqa: E402
-                     scaled)
+from harness import (BIN, PYTHON, ROOT, STORIES, Cluster, check, free_port, run_local, run_tests, parse_ids,  # noqa: E402
+                     scaled, wait_for)
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-lora-serving")
 GEN = os.path.join(ROOT, "tests", "reference", "gen_lora.py")
@@ -241,6 +241,33 @@ def test_runtime_updates():
     print("  load, use, 400 on a second load, unload, 404, reload with other weights: new ids, 0 stale hits")
 
 
+def test_loom_serve():
+    """`loom serve` hands vLLM's LoRA flags to its coordinator (both --lora-modules forms, and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True from the environment)."""
+    port = free_port()
+    log_path = os.path.join(WORK, "serve.log")
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([os.path.join(BIN, "loom"), "serve", STORIES, "--port", str(port), "--threads", "1"] +
+                                lora_args(2), stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        def ready():
+            check(proc.poll() is None, "loom serve exited: %s" % open(log_path).read()[-3000:])
+            return "OpenAI API at" in open(log_path).read()
+        wait_for(ready, scaled(120), "loom serve to be ready")
+        for name in ("b", "c"):
+            out, _ = run_local(ADAPTERS[name][1], PROMPTS[2], N, extra=["--ignore-eos"])
+            status, text = complete(port, name, PROMPTS[2])
+            check(status == 200 and text == out[:-1], "loom serve, model %s: %d %r, merged %r" % (name, status, text,
+                                                                                                  out[:-1]))
+        status, text = request(port, "POST", "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": ADAPTERS["a"][0]})
+        check(status == 200, "runtime load allowed by the environment: %d %s" % (status, text))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print("  loom serve: --lora-modules (both forms) and VLLM_ALLOW_RUNTIME_LORA_UPDATING reach the coordinator")
+
+
 if __name__ == "__main__":
     setup()
-    run_tests([test_mixed_1x1, test_mixed_2x2, test_http_sdk, test_runtime_updates])
+    run_tests([test_mixed_1x1, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_loom_serve])
