@@ -1284,12 +1284,17 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     Loom__V1__ModelInfo **mp = loom_xcalloc((size_t)n_ad + 1, sizeof *mp);
     infos[0] = mi;
     mp[0] = &infos[0];
+    char (*hex)[65] = loom_xcalloc((size_t)n_ad + 1, sizeof *hex);
     for (int i = 0; i < n_ad; i++) {
         Loom__V1__ModelInfo *a = &infos[i + 1];
+        const loom_lora_slot_t *sl = loom_lora_slots_slot(loom_lora_reactor_slots(s->lora), ad[i]->slot);
         *a = mi;
         a->id = (char *)ad[i]->name;
         a->parent = s->model_name;
         a->root = (char *)ad[i]->path;
+        a->resident = sl && sl->state == LOOM_SLOT_READY;
+        for (int b = 0; b < 32; b++) snprintf(hex[i] + 2 * b, 3, "%02x", ad[i]->digest[b]);
+        a->adapter_digest = hex[i];
         mp[i + 1] = a;
     }
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
@@ -1300,6 +1305,7 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     r.body_case = LOOM__V1__REPLY__BODY_MODELS;
     r.models = &lm;
     send_reply(s, rid, rid_len, &r);
+    free(hex);
     free(mp);
     free(infos);
 }

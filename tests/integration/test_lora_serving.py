@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (BIN, PYTHON, ROOT, STORIES, Cluster, check, free_port, run_local, run_tests, parse_ids,  # noqa: E402
+from harness import (BIN, PYTHON, ROOT, STORIES, Cluster, check, free_port, generate, run_local, run_tests, parse_ids,  # noqa: E402
                      scaled, wait_for)
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-lora-serving")
@@ -268,6 +268,42 @@ def test_loom_serve():
     print("  loom serve: --lora-modules (both forms) and VLLM_ALLOW_RUNTIME_LORA_UPDATING reach the coordinator")
 
 
+def test_router_prefers_resident():
+    """loom-router lists the replicas' adapters and sends a request for an adapter to the replica that
+    holds it in its engine now (round robin would alternate): two replicas, one slot each, one holding
+    a and the other b; the ids equal the merged weights'."""
+    import test_router  # its Router helper
+    want = {n: run_local(m, PROMPTS[0], N, extra=["--ignore-eos"])[1] for n, (_, m) in ADAPTERS.items()}
+    with Cluster(STORIES, 1, 1, coord_args=lora_args(1)) as a, Cluster(STORIES, 1, 1, coord_args=lora_args(1)) as b:
+        for c, name in ((a, "a"), (b, "b")):  # a resident on replica a, b on replica b
+            rc, _, got, err = c.generate(PROMPTS[0], N, extra=["--ignore-eos", "--lora", name])
+            check(rc == 0 and got == want[name], "priming %s: %s %s" % (name, got, err[-300:]))
+        with test_router.Router(["--replica", a.addr, "--replica", b.addr, "--policy", "round-robin"], http=True,
+                                expect_up=2) as r:
+            def finished():
+                return a.stats()["requests_finished"], b.stats()["requests_finished"]
+            for name, on_a in (("a", 1), ("b", 0), ("a", 1)):
+                before = finished()
+                for _ in range(3):
+                    rc, _, got, err = generate(r.addr, PROMPTS[0], N, extra=["--ignore-eos", "--lora", name])
+                    check(rc == 0 and got == want[name], "via the router, %s: %s %s" % (name, got, err[-300:]))
+                after = finished()
+                moved = (after[0] - before[0], after[1] - before[1])
+                check(moved == ((3, 0) if on_a else (0, 3)), "adapter %s went to (a, b) = %s, not to the replica "
+                      "holding it" % (name, moved))
+            status, data = request(r.http, "GET", "/v1/models")
+            ids = {m["id"]: m for m in json.loads(data)["data"]} if status == 200 else {}
+            check(all(n in ids and ids[n].get("parent") == "stories260K" for n in ADAPTERS),
+                  "the router's /v1/models: %s %s" % (status, data[:500]))
+            e = error_of(*complete(r.http, "no-such", PROMPTS[0]), 404)
+            check("does not exist" in e["message"], "an unknown model through the router: %r" % e)
+            e = error_of(*request(r.http, "POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}),
+                         400)
+            check("each replica" in e["message"], "a runtime load through the router: %r" % e)
+    print("  the router sends each adapter's requests to the replica holding it; lists them; 404 otherwise")
+
+
 if __name__ == "__main__":
     setup()
-    run_tests([test_mixed_1x1, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_loom_serve])
+    run_tests([test_mixed_1x1, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_loom_serve,
+               test_router_prefers_resident])
