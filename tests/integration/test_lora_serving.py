@@ -265,6 +265,9 @@ def test_loom_serve():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    log = open(log_path, errors="replace").read()
+    check(not any(x in log for x in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")),
+          "a sanitizer report from loom serve or its children: %s" % log[-3000:])
     print("  loom serve: --lora-modules (both forms) and VLLM_ALLOW_RUNTIME_LORA_UPDATING reach the coordinator")
 
 
