@@ -13,16 +13,23 @@
 struct loom_lora_reactor {
     loom_lora_serve_opts_t opt;
     loom_model_config_t cfg;
+    char served[256];
     loom_lora_slots_t *slots;
     loom_lora_tally_t *tally;
 };
 
 loom_status_t loom_lora_reactor_create(const loom_lora_serve_opts_t *o, const loom_model_config_t *cfg,
-                                       loom_lora_reactor_t **out, loom_err_t *err) {
+                                       const char *served, loom_lora_reactor_t **out, loom_err_t *err) {
     *out = NULL;
+    for (int i = 0; i < o->n_modules; i++)
+        if (!strcmp(o->modules[i].name, served))
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                "LoRA adapter %s: the served model is named so; give the adapter another name",
+                                served);
     loom_lora_reactor_t *r = loom_xcalloc(1, sizeof *r);
     r->opt = *o;
     r->cfg = *cfg;
+    snprintf(r->served, sizeof r->served, "%s", served);
     loom_status_t st = loom_lora_slots_create(o->max_loras, REGISTRY_CAP, &r->slots, err);
     if (st == LOOM_OK) st = loom_lora_serve_register(o, cfg, r->slots, err);
     if (st != LOOM_OK) {
@@ -102,6 +109,9 @@ loom_status_t loom_lora_reactor_load(loom_lora_reactor_t *r, const char *name, c
                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True");
     else if (!name || !name[0] || !path || !path[0])
         st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "both 'lora_name' and 'lora_path' must be provided.");
+    else if (!strcmp(name, r->served))
+        st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "'%s' is the served model's name; give the adapter "
+                                                           "another name", name);
     else if (loom_lora_slots_find(r->slots, name))
         st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "The lora adapter '%s' has already been loaded.", name);
     if (st == LOOM_OK) st = loom_lora_serve_validate(name, path, &r->cfg, r->opt.max_lora_rank, digest, &rank, &err);

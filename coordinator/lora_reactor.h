@@ -25,9 +25,10 @@
 typedef struct loom_lora_reactor loom_lora_reactor_t;
 
 /* From the checked options O (loom_lora_serve_startup): the slots, the
- * --lora-modules adapters registered (each read again against CFG). */
+ * --lora-modules adapters registered (each read again against CFG). SERVED
+ * is the base model's name (an adapter may not take it). */
 loom_status_t loom_lora_reactor_create(const loom_lora_serve_opts_t *o, const loom_model_config_t *cfg,
-                                       loom_lora_reactor_t **out, loom_err_t *err);
+                                       const char *served, loom_lora_reactor_t **out, loom_err_t *err);
 void loom_lora_reactor_destroy(loom_lora_reactor_t **r_p);
 
 loom_lora_slots_t *loom_lora_reactor_slots(loom_lora_reactor_t *r);
@@ -47,8 +48,8 @@ int loom_lora_reactor_loaded(loom_lora_reactor_t *r, loom_grid_t *g, int worker,
 
 /* vLLM's /v1/load_lora_adapter: NAME from PATH, read and checked against the
  * model here. INVALID_ARGUMENT when runtime updating is off, NAME already
- * loaded, or the adapter is bad (named); MSG then says so, else vLLM's
- * success text. */
+ * loaded or the base model's, or the adapter is bad (named); MSG then says
+ * so, else vLLM's success text. */
 loom_status_t loom_lora_reactor_load(loom_lora_reactor_t *r, const char *name, const char *path, char *msg,
                                      size_t cap);
 /* vLLM's /v1/unload_lora_adapter. *ID is the entry the name had (its

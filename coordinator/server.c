@@ -1729,7 +1729,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         snprintf(s->model_name, sizeof s->model_name, "%.255s", b ? b + 1 : tmp);
     }
     if (cfg->lora && cfg->lora->enable) {
-        st = loom_lora_reactor_create(cfg->lora, &s->mcfg, &s->lora, err);
+        st = loom_lora_reactor_create(cfg->lora, &s->mcfg, s->model_name, &s->lora, err);
         if (st < 0) goto fail;
         s->cfg.max_loras = cfg->lora->max_loras;
         s->cfg.max_lora_rank = cfg->lora->max_lora_rank;

@@ -211,6 +211,9 @@ def test_runtime_updates():
         e = error_of(*request(port, "POST", "/v1/load_lora_adapter",
                               {"lora_name": "big", "lora_path": adapter("rt_r32", "--r", 32, "--seed", 33)}), 400)
         check("rank 32 is greater than max_lora_rank 16" in e["message"], "rank over the limit: %r" % e)
+        e = error_of(*request(port, "POST", "/v1/load_lora_adapter", {"lora_name": "stories260K", "lora_path": d1}),
+                     400)
+        check("served model's name" in e["message"], "the base model's name: %r" % e)
         e = error_of(*request(port, "POST", "/v1/load_lora_adapter", {"lora_name": "x"}), 400)
         check("lora_path" in e["message"], "no lora_path: %r" % e)
         status, data = request(port, "GET", "/v1/models")
