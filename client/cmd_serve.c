@@ -75,6 +75,40 @@ static void argv_push(argv_list_t *a, const char *fmt, ...) {
     a->v[a->n] = NULL;
 }
 
+/* Appends S to A as a JSON string (quotes and backslashes escaped). */
+static void json_str(char *out, size_t cap, const char *v) {
+    size_t n = 0;
+    if (n + 1 < cap) out[n++] = '"';
+    for (; *v && n + 3 < cap; v++) {
+        if (*v == '"' || *v == '\\') out[n++] = '\\';
+        out[n++] = *v;
+    }
+    if (n + 1 < cap) out[n++] = '"';
+    out[n] = 0;
+}
+
+/* vLLM's LoRA flags, checked here, handed on to the coordinator as given. */
+static void lora_forward(argv_list_t *a, const loom_lora_serve_opts_t *o) {
+    if (!o->enable) return;
+    argv_push(a, "--enable-lora");
+    argv_push(a, "--max-loras=%d", o->max_loras);
+    argv_push(a, "--max-lora-rank=%d", o->max_lora_rank);
+    argv_push(a, "--max-cpu-loras=%d", o->max_cpu_loras);
+    if (o->allow_runtime_updating) argv_push(a, "--allow-runtime-lora-updating");
+    for (int i = 0; i < o->n_modules; i++) {
+        const loom_lora_module_spec_t *m = &o->modules[i];
+        if (!m->base[0]) {
+            argv_push(a, "--lora-modules=%s=%s", m->name, m->path);
+            continue;
+        }
+        char n[300], p[2100], b[300];
+        json_str(n, sizeof n, m->name);
+        json_str(p, sizeof p, m->path);
+        json_str(b, sizeof b, m->base);
+        argv_push(a, "--lora-modules={\"name\": %s, \"path\": %s, \"base_model_name\": %s}", n, p, b);
+    }
+}
+
 static void argv_free(argv_list_t *a) {
     for (int i = 0; i < a->n; i++) free(a->v[i]);
     free(a->v);
@@ -590,8 +624,8 @@ int loom_cmd_serve(int argc, char **argv) {
                                 "vLLM's flag names; see docs/operations.md for the table.\n\n"
                                 "LoRA (docs/lora.md): --enable-lora, --lora-modules NAME=PATH|JSON..., --max-loras N\n"
                                 "(default 1), --max-lora-rank N (default 16), --max-cpu-loras N,\n"
-                                "--allow-runtime-lora-updating. Every adapter is checked against the model at\n"
-                                "start-up; serving adapters is not wired yet, so --enable-lora then stops start-up.");
+                                "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). Every\n"
+                                "adapter is checked against the model at start-up; a request's \"model\" names it.");
     if (r) return r < 0 ? 2 : 0;
     if (!model) {
         fprintf(stderr, "error: loom serve needs a model directory: loom serve MODEL_DIR (see --help)\n");
@@ -717,6 +751,7 @@ int loom_cmd_serve(int argc, char **argv) {
     if (f.expert_parallel) argv_push(a, "--expert-parallel");
     if (f.trust_request_template) argv_push(a, "--trust-request-chat-template");
     if (f.auto_tool_choice) argv_push(a, "--enable-auto-tool-choice");
+    lora_forward(a, &lora);
     /* the key goes in the environment, not on a command line other users can read in /proc */
     if (f.api_key) setenv("LOOM_API_KEY", f.api_key, 1);
 

@@ -788,9 +788,41 @@ loom_status_t loom_client_list_models(loom_client_t *c, loom_model_info_t *model
                                         .tp = (int)LOOM_MIN(m->tp, (uint32_t)INT32_MAX),
                                         .pp = (int)LOOM_MIN(m->pp, (uint32_t)INT32_MAX)};
         snprintf(models[i].id, sizeof models[i].id, "%s", m->id);
+        snprintf(models[i].parent, sizeof models[i].parent, "%s", m->parent ? m->parent : "");
+        snprintf(models[i].root, sizeof models[i].root, "%s", m->root ? m->root : "");
     }
     loom__v1__reply__free_unpacked(r, NULL);
     return LOOM_OK;
+}
+
+static loom_status_t lora_update(loom_client_t *c, Loom__V1__Request *req, char *msg, size_t cap, loom_err_t *err) {
+    Loom__V1__Reply *r;
+    if (cap) msg[0] = 0;
+    LOOM_CHECK(unary(c, req, LOOM__V1__REPLY__BODY_LORA_ADAPTER, &r, err));
+    if (cap) snprintf(msg, cap, "%s", r->lora_adapter->message ? r->lora_adapter->message : "");
+    loom__v1__reply__free_unpacked(r, NULL);
+    return LOOM_OK;
+}
+
+loom_status_t loom_client_load_lora_adapter(loom_client_t *c, const char *name, const char *path, char *msg,
+                                            size_t cap, loom_err_t *err) {
+    Loom__V1__LoadLoraAdapterRequest lr = LOOM__V1__LOAD_LORA_ADAPTER_REQUEST__INIT;
+    lr.lora_name = (char *)(name ? name : "");
+    lr.lora_path = (char *)(path ? path : "");
+    Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
+    req.body_case = LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER;
+    req.load_lora_adapter = &lr;
+    return lora_update(c, &req, msg, cap, err);
+}
+
+loom_status_t loom_client_unload_lora_adapter(loom_client_t *c, const char *name, char *msg, size_t cap,
+                                              loom_err_t *err) {
+    Loom__V1__UnloadLoraAdapterRequest ur = LOOM__V1__UNLOAD_LORA_ADAPTER_REQUEST__INIT;
+    ur.lora_name = (char *)(name ? name : "");
+    Loom__V1__Request req = LOOM__V1__REQUEST__INIT;
+    req.body_case = LOOM__V1__REQUEST__BODY_UNLOAD_LORA_ADAPTER;
+    req.unload_lora_adapter = &ur;
+    return lora_update(c, &req, msg, cap, err);
 }
 
 loom_status_t loom_client_embed(loom_client_t *c, const char *model, const loom_embed_input_t *in, int n,

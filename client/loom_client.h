@@ -184,10 +184,21 @@ loom_status_t loom_client_stats(loom_client_t *c, loom_stats_t *s, loom_err_t *e
 typedef struct loom_model_info {
     char id[256];
     int context_length, vocab_size, tp, pp;
+    char parent[256]; /* a LoRA adapter: the base model's id ("" for the base model) */
+    char root[1024];  /* a LoRA adapter: its directory */
 } loom_model_info_t;
 /* Fills up to max entries; *n gets the number of models served. */
 loom_status_t loom_client_list_models(loom_client_t *c, loom_model_info_t *models, int max, int *n,
                                       loom_err_t *err);
+
+/* vLLM's runtime LoRA updates (docs/lora.md): register adapter NAME from
+ * PATH, or unregister it. MSG gets the server's text (vLLM's success
+ * message); the error names the problem (updating off, already loaded, not
+ * found, a bad adapter). */
+loom_status_t loom_client_load_lora_adapter(loom_client_t *c, const char *name, const char *path, char *msg,
+                                            size_t cap, loom_err_t *err);
+loom_status_t loom_client_unload_lora_adapter(loom_client_t *c, const char *name, char *msg, size_t cap,
+                                              loom_err_t *err);
 
 /* Embed: the embeddings of inputs (texts, or token ids when text is NULL),
  * computed together: out->values holds n unit vectors of out->dim floats,

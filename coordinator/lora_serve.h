@@ -75,10 +75,7 @@ loom_status_t loom_lora_serve_register(const loom_lora_serve_opts_t *o,
 /* The start-up of loom-coordinator and `loom serve` with LoRA flags (O as
  * taken from argv; VLLM_ALLOW_RUNTIME_LORA_UPDATING read here): the checks,
  * then every --lora-modules adapter read against the model in MODEL_DIR, a
- * bad one named. The serving path (load orders to the workers, readiness,
- * a request's model routed to its adapter) is not wired yet, so good
- * options end in UNSUPPORTED ("vLLM flag --enable-lora is not supported by
- * Loom yet"); LOOM_OK only when no LoRA flag was given. */
+ * bad one named. LOOM_OK when the options are good (or none was given). */
 loom_status_t loom_lora_serve_startup(loom_lora_serve_opts_t *o, const char *model_dir,
                                       loom_err_t *err);
 

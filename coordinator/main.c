@@ -405,8 +405,9 @@ int main(int argc, char **argv) {
                            "batching over a paged KV cache.\n\n"
                            "LoRA, vLLM's flags (docs/lora.md): --enable-lora, --lora-modules NAME=PATH|JSON...,\n"
                            "--max-loras N (default 1), --max-lora-rank N (default 16), --max-cpu-loras N,\n"
-                           "--allow-runtime-lora-updating. Every adapter is checked against the model at start-up;\n"
-                           "serving adapters over the grid is not wired yet, so --enable-lora then stops start-up.");
+                           "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: POST\n"
+                           "/v1/load_lora_adapter and /v1/unload_lora_adapter). Every adapter is checked against the\n"
+                           "model at start-up; a request's \"model\" names its adapter.");
     if (r) return r < 0 ? 2 : 0;
     if (log_format && loom_log_set_format_name(log_format) < 0) {
         fprintf(stderr, "error: --log-format must be text or json, got '%s'\n", log_format);
@@ -422,6 +423,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "error: %s\n", e.msg);
             return 2;
         }
+        if (lora.enable) c.lora = &lora;
     }
     if (pooling && strcmp(pooling, "last") && strcmp(pooling, "mean")) {
         fprintf(stderr, "error: --embedding-pooling must be last or mean, got '%s'\n", pooling);

@@ -55,6 +55,7 @@
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
 #include "coordinator/kv_tier_dir.h"
+#include "coordinator/lora_reactor.h"
 #include "coordinator/metrics.h"
 #include "coordinator/prepare.h"
 #include "coordinator/sampling_params.h"
@@ -146,6 +147,8 @@ struct loom_server {
     int draining;
     uint64_t drain_deadline;
     loom_grid_t *grid;
+    loom_lora_reactor_t *lora; /* LoRA adapters (NULL: --enable-lora not given) */
+    int lora_max_cpu;          /* --max-cpu-loras (Assign.max_cpu_loras) */
 
     loom_sched_t *sched;
     loom_metrics_t *metrics;
@@ -739,6 +742,7 @@ static void kv_tier_attach(loom_server_t *s, loom_grid_t *g) {
 static void on_grid_ready(void *ctx, loom_grid_t *g) {
     loom_server_t *s = ctx;
     int n_blocks = loom_grid_n_blocks(g);
+    if (s->lora) loom_lora_reactor_grid_ready(s->lora); /* the new engines hold no adapters */
     if (s->sched) {
         /* the KV cache of the old grid is gone: recompute the waiting requests */
         loom_sched_reset_kv(s->sched, n_blocks);
@@ -758,6 +762,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
                                   .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
         loom_sched_set_spec(s->sched, &s->cfg.spec);
+        if (s->lora) loom_sched_set_lora_slots(s->sched, loom_lora_reactor_slots(s->lora));
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
     if (s->kv_conn) kv_tier_attach(s, g);
@@ -883,6 +888,25 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
 static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
     loom_server_t *s = ctx;
     loom_sched_fail(s->sched, mb);
+}
+
+/* Ends with CODE and MSG the requests of adapter ID that wait for it (its
+ * load failed), or with ALL every one using it (it is being unloaded: no
+ * sequence may name a registry entry that is gone). */
+static void fail_lora_requests(loom_server_t *s, int id, int all, loom_status_t code, const char *msg) {
+    for (request_t *q = s->reqs, *next; q; q = next) {
+        next = q->next;
+        if (q->seq && q->seq->lora_id == id && (all || q->seq->lora_slot < 0))
+            req_emit(s, q, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, code, msg);
+    }
+}
+
+static void on_lora_loaded(void *ctx, loom_grid_t *g, int worker, const Loom__V1__LoraLoaded *l) {
+    loom_server_t *s = ctx;
+    char msg[800];
+    if (!s->lora) return;
+    int failed = loom_lora_reactor_loaded(s->lora, g, worker, l, msg, sizeof msg);
+    if (failed >= 0) fail_lora_requests(s, failed, 0, LOOM_ERR_UNAVAILABLE, msg);
 }
 
 /* ---- client API ----------------------------------------------------------------------- */
@@ -1089,7 +1113,15 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         code = LOOM_ERR_UNAVAILABLE;
         goto refuse;
     }
-    if (g->model && g->model[0] && strcmp(g->model, s->model_name) != 0) {
+    int lora_id = -1; /* the adapter the request's model names (-1: the base model) */
+    if (s->lora) {
+        if ((code = loom_lora_serve_select(loom_lora_reactor_slots(s->lora), s->model_name, NULL, g->model, &lora_id,
+                                           &err)) < 0) {
+            snprintf(msg, sizeof msg, "%s", err.msg);
+            goto refuse;
+        }
+        code = LOOM_ERR_INVALID_ARGUMENT;
+    } else if (g->model && g->model[0] && strcmp(g->model, s->model_name) != 0) {
         snprintf(msg, sizeof msg, "model '%s' is not served here; this server serves '%s'", g->model, s->model_name);
         code = LOOM_ERR_NOT_FOUND;
         goto refuse;
@@ -1237,6 +1269,9 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         goto refuse;
     }
     q->max_tokens = q->seq->max_tokens;
+    if (lora_id >= 0)
+        loom_sched_seq_set_lora(s->sched, q->seq, lora_id,
+                                loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest);
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
     if (kvt.remote_decode) q->seq->kv_save = q->kv_remote_decode = 1; /* its blocks written through for the decode */
@@ -1353,14 +1388,71 @@ static void on_list_models(loom_server_t *s, const void *rid, size_t rid_len, Lo
     mi.pp = (uint32_t)s->cfg.pp;
     mi.weights_digest = s->weights_digest;
     mi.tokenizer_digest = s->tokenizer_digest;
-    Loom__V1__ModelInfo *mp = &mi;
+    /* then the LoRA adapters, as vLLM lists them: parent the base, root the directory */
+    const loom_lora_entry_t *ad[LOOM_LORA_SERVE_MAX_MODULES * 4];
+    int n_ad = s->lora ? loom_lora_slots_list(loom_lora_reactor_slots(s->lora), ad, (int)LOOM_ARRAY_LEN(ad)) : 0;
+    Loom__V1__ModelInfo *infos = loom_xcalloc((size_t)n_ad + 1, sizeof *infos);
+    Loom__V1__ModelInfo **mp = loom_xcalloc((size_t)n_ad + 1, sizeof *mp);
+    infos[0] = mi;
+    mp[0] = &infos[0];
+    char (*hex)[65] = loom_xcalloc((size_t)n_ad + 1, sizeof *hex);
+    for (int i = 0; i < n_ad; i++) {
+        Loom__V1__ModelInfo *a = &infos[i + 1];
+        const loom_lora_slot_t *sl = loom_lora_slots_slot(loom_lora_reactor_slots(s->lora), ad[i]->slot);
+        *a = mi;
+        a->id = (char *)ad[i]->name;
+        a->parent = s->model_name;
+        a->root = (char *)ad[i]->path;
+        a->resident = sl && sl->state == LOOM_SLOT_READY;
+        for (int b = 0; b < 32; b++) snprintf(hex[i] + 2 * b, 3, "%02x", ad[i]->digest[b]);
+        a->adapter_digest = hex[i];
+        mp[i + 1] = a;
+    }
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
-    lm.models = &mp;
-    lm.n_models = 1;
+    lm.models = mp;
+    lm.n_models = (size_t)n_ad + 1;
     Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
     r.request_id = rq->request_id;
     r.body_case = LOOM__V1__REPLY__BODY_MODELS;
     r.models = &lm;
+    send_reply(s, rid, rid_len, &r);
+    free(hex);
+    free(mp);
+    free(infos);
+}
+
+/* vLLM's runtime adapter updates (LoadLoraAdapter, UnloadLoraAdapter). The
+ * requests using an unloaded adapter end now (NOT_FOUND). */
+static void on_lora_update(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
+    char msg[1100];
+    loom_status_t st;
+    if (!s->lora) {
+        snprintf(msg, sizeof msg, "LoRA is not enabled: start the server with --enable-lora");
+        st = LOOM_ERR_INVALID_ARGUMENT;
+    } else if (rq->body_case == LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER) {
+        st = loom_lora_reactor_load(s->lora, rq->load_lora_adapter->lora_name, rq->load_lora_adapter->lora_path, msg,
+                                    sizeof msg);
+    } else {
+        const char *name = rq->unload_lora_adapter->lora_name;
+        int id;
+        st = loom_lora_reactor_unload_check(s->lora, name, &id, msg, sizeof msg);
+        if (st == LOOM_OK) {
+            char why[300];
+            snprintf(why, sizeof why, "LoRA adapter '%.200s' was unloaded", name);
+            fail_lora_requests(s, id, 1, LOOM_ERR_NOT_FOUND, why);
+            loom_lora_reactor_forget(s->lora, name, msg, sizeof msg);
+        }
+    }
+    if (st != LOOM_OK) {
+        reply_error(s, rid, rid_len, rq->request_id, st, msg);
+        return;
+    }
+    Loom__V1__LoraAdapterReply la = LOOM__V1__LORA_ADAPTER_REPLY__INIT;
+    la.message = msg;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = rq->request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
+    r.lora_adapter = &la;
     send_reply(s, rid, rid_len, &r);
 }
 
@@ -1446,6 +1538,8 @@ static void on_api(loom_server_t *s, zmq_msg_t *frames, int n) {
         case LOOM__V1__REQUEST__BODY_LIST_MODELS: on_list_models(s, rid, rid_len, rq); break;
         case LOOM__V1__REQUEST__BODY_STATS: on_stats(s, rid, rid_len, rq); break;
         case LOOM__V1__REQUEST__BODY_EMBED: on_embed(s, rid, rid_len, rq); break;
+        case LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER:
+        case LOOM__V1__REQUEST__BODY_UNLOAD_LORA_ADAPTER: on_lora_update(s, rid, rid_len, rq); break;
         default: break;
         }
     }
@@ -1476,6 +1570,8 @@ static void schedule(loom_server_t *s) {
         s->unsent[s->n_unsent++].ready = !(s->draft && loom_coord_draft_submit(s->draft, mb));
         send_ready(s);
     }
+    /* the adapters admission claimed slots for: their load orders go out */
+    if (s->lora) loom_lora_reactor_dispatch(s->lora, s->grid);
 }
 
 /* The draft's thread has drafts: their micro-batches are ready to go. */
@@ -1530,6 +1626,12 @@ static void publish_state(loom_server_t *s) {
         st.preemptions = s->preemptions_base;
     }
     loom_metrics_set_state(s->metrics, &st);
+    if (s->lora) {
+        loom_metrics_lora_adapter_t ad[LOOM_LORA_SERVE_MAX_MODULES];
+        loom_metrics_lora_t ml;
+        loom_lora_serve_metrics(loom_lora_reactor_slots(s->lora), s->sched, ad, LOOM_LORA_SERVE_MAX_MODULES, &ml);
+        loom_metrics_set_lora(s->metrics, &ml);
+    }
     loom_kv_events_publish(s->kv_events, s->sched);
 }
 
@@ -1719,9 +1821,10 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .mtp = c->spec.method == LOOM_SPEC_MTP,
                              .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
-                             .kv_tier_seed = kv_tier_seed(s)};
+                             .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
-                                .on_step_done = on_step_done, .on_step_failed = on_step_failed};
+                                .on_step_done = on_step_done, .on_step_failed = on_step_failed,
+                                .on_lora_loaded = on_lora_loaded};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
 }
 
@@ -1802,6 +1905,14 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         b = strrchr(tmp, '/');
         snprintf(s->model_name, sizeof s->model_name, "%.255s", b ? b + 1 : tmp);
     }
+    if (cfg->lora && cfg->lora->enable) {
+        st = loom_lora_reactor_create(cfg->lora, &s->mcfg, s->model_name, &s->lora, err);
+        if (st < 0) goto fail;
+        s->cfg.max_loras = cfg->lora->max_loras;
+        s->cfg.max_lora_rank = cfg->lora->max_lora_rank;
+        s->lora_max_cpu = cfg->lora->max_cpu_loras;
+    }
+    s->cfg.lora = NULL; /* the caller's options: copied into the reactor */
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->structured = loom_structured_create(s->tok, &s->mcfg, (size_t)cfg->grammar_cache_bytes);
@@ -1852,6 +1963,7 @@ void loom_server_destroy(loom_server_t **s_p) {
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);
     loom_kv_connector_destroy(&s->kv_conn); /* after the scheduler that holds it */
+    loom_lora_reactor_destroy(&s->lora); /* after the scheduler: its sequences hold pins */
     loom_coord_draft_destroy(
         &s->draft); /* after the scheduler: its sequences tell the draft as they go */
     loom_metrics_destroy(&s->metrics);

@@ -11,6 +11,8 @@
 #include "common/status.h"
 #include "coordinator/security.h"
 
+struct loom_lora_serve_opts;
+
 typedef struct loom_server_config {
     const char *model_dir;
     const char *model_name;   /* served model id (default: the directory's name) */
@@ -24,6 +26,10 @@ typedef struct loom_server_config {
     int expert_parallel;      /* MoE layers: the TP ranks of a stage split the experts */
     int max_loras;            /* LoRA adapter slots of every engine (0: off; docs/lora.md) */
     int max_lora_rank;        /* the largest adapter rank they take (0: 16) */
+    /* vLLM's LoRA flags, checked (loom_lora_serve_startup); with enable set
+     * adapters are served and max_loras / max_lora_rank come from here.
+     * NULL: none. Copied at create. */
+    const struct loom_lora_serve_opts *lora;
     int max_num_seqs;
     int max_batched_tokens;
     int max_queue;

@@ -144,7 +144,9 @@ typedef enum {
     R_VERSION,
     R_EMBEDDINGS,
     R_RESPONSES, /* POST /v1/responses */
-    R_RESPONSE   /* GET or DELETE /v1/responses/{id} */
+    R_RESPONSE,  /* GET or DELETE /v1/responses/{id} */
+    R_LORA_LOAD,  /* POST /v1/load_lora_adapter */
+    R_LORA_UNLOAD /* POST /v1/unload_lora_adapter */
 } route_t;
 
 /* One per HTTP request (MHD's con_cls). */
@@ -297,6 +299,16 @@ enum MHD_Result handle_tokenize(req_t *q);
 enum MHD_Result handle_detokenize(req_t *q);
 enum MHD_Result handle_metrics(req_t *q);
 enum MHD_Result handle_embeddings(req_t *q);
+
+/* lora.c */
+int list_models_now(const loom_http_t *h, loom_model_info_t **out, int *n, loom_err_t *err);
+/* MODEL in a request: 1 the base model (BASE), 2 a LoRA adapter served now,
+ * 0 neither (*ST NOT_FOUND, MSG OpenAI's text), -1 the coordinator did not
+ * answer (*ST, MSG). */
+int model_lookup(req_t *q, const loom_model_info_t *base, const char *model, loom_status_t *st, char *msg,
+                 size_t cap);
+cJSON *model_json(const loom_http_t *h, const loom_model_info_t *m);
+enum MHD_Result handle_lora_update(req_t *q, int load);
 
 /* responses.c */
 resp_store_t *resp_store_create(int max_entries, size_t max_bytes);

@@ -686,12 +686,18 @@ enum MHD_Result handle_generate(req_t *q) {
         res = respond_status(q, err.code, err.msg);
         goto done;
     }
-    if (g.p.model && strcmp(g.p.model, mi.id) != 0) {
-        res = respond_error(q, 404, "invalid_request_error", "model", "model_not_found",
-                            "The model '%.300s' does not exist; this server serves '%s'", g.p.model, mi.id);
+    char why[400];
+    loom_status_t why_st = LOOM_OK;
+    int which = model_lookup(q, &mi, g.p.model, &why_st, why, sizeof why); /* the base, or a LoRA adapter */
+    if (which < 0) {
+        res = respond_status(q, why_st, why);
         goto done;
     }
-    snprintf(q->model, sizeof q->model, "%s", mi.id);
+    if (which == 0) {
+        res = respond_error(q, 404, "invalid_request_error", "model", "model_not_found", "%s", why);
+        goto done;
+    }
+    snprintf(q->model, sizeof q->model, "%s", which == 2 ? g.p.model : mi.id);
     q->created = (long long)time(NULL);
     new_id(q);
     if (atomic_load(&q->h->draining)) {
@@ -848,6 +854,8 @@ static const struct {
     {"/version", R_VERSION, 0, 1},
     {"/v1/embeddings", R_EMBEDDINGS, 1, 0},
     {"/v1/responses", R_RESPONSES, 1, 0},
+    {"/v1/load_lora_adapter", R_LORA_LOAD, 1, 0},
+    {"/v1/unload_lora_adapter", R_LORA_UNLOAD, 1, 0},
 };
 
 /* Routes a request on its first call; a body over the limit is refused
@@ -858,7 +866,8 @@ static enum MHD_Result on_headers(req_t *q, const char *url) {
     if (q->route == R_NONE && !strncmp(url, "/v1/models/", 11) && url[11]) q->route = R_MODEL;
     if (q->route == R_NONE && !strncmp(url, "/v1/responses/", 14) && url[14]) q->route = R_RESPONSE;
     int post = q->route == R_COMPLETIONS || q->route == R_CHAT || q->route == R_TOKENIZE || q->route == R_DETOKENIZE ||
-               q->route == R_EMBEDDINGS || q->route == R_RESPONSES;
+               q->route == R_EMBEDDINGS || q->route == R_RESPONSES || q->route == R_LORA_LOAD ||
+               q->route == R_LORA_UNLOAD;
     if (post && !strcmp(q->method, "POST")) {
         const char *cl = MHD_lookup_connection_value(q->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
@@ -923,6 +932,8 @@ static enum MHD_Result dispatch(req_t *q) {
     case R_EMBEDDINGS: return handle_embeddings(q);
     case R_RESPONSES: return handle_responses(q);
     case R_RESPONSE: return handle_response(q, url + 14);
+    case R_LORA_LOAD: return handle_lora_update(q, 1);
+    case R_LORA_UNLOAD: return handle_lora_update(q, 0);
     default: return MHD_NO;
     }
 }

@@ -4,31 +4,38 @@
 
 /* ---- the other routes ---- */
 
-static cJSON *model_obj(const loom_http_t *h, const loom_model_info_t *m) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "id", m->id);
-    cJSON_AddStringToObject(o, "object", "model");
-    cJSON_AddNumberToObject(o, "created", (double)h->started);
-    cJSON_AddStringToObject(o, "owned_by", "loom");
-    cJSON_AddNumberToObject(o, "max_model_len", m->context_length);
-    cJSON_AddNumberToObject(o, "vocab_size", m->vocab_size);
-    return o;
-}
-
+/* GET /v1/models: the base model, then the LoRA adapters served now
+ * (vLLM's "parent" and "root"); /v1/models/{id}: one of them. */
 enum MHD_Result handle_models(req_t *q, const char *one) {
-    loom_model_info_t m;
+    loom_model_info_t *m;
+    int n;
     loom_err_t err = {0};
-    if (served_model(q, &m, &err) < 0) return respond_status(q, err.code, err.msg);
+    if (list_models_now(q->h, &m, &n, &err) < 0) return respond_status(q, err.code, err.msg);
+    if (n < 1) {
+        free(m);
+        return respond_status(q, LOOM_ERR_UNAVAILABLE, "the coordinator lists no model");
+    }
+    enum MHD_Result res;
     if (one) {
-        if (strcmp(one, m.id) != 0)
-            return respond_error(q, 404, "invalid_request_error", "model", "model_not_found",
-                                 "The model '%.300s' does not exist; this server serves '%s'", one, m.id);
-        return respond_json(q, MHD_HTTP_OK, model_obj(q->h, &m));
+        int i = 0;
+        while (i < n && strcmp(one, m[i].id) != 0) i++;
+        if (i == n) {
+            int adapters = n > 1;
+            res = adapters ? respond_error(q, 404, "invalid_request_error", "model", "model_not_found",
+                                           "The model `%.300s` does not exist.", one)
+                           : respond_error(q, 404, "invalid_request_error", "model", "model_not_found",
+                                           "The model '%.300s' does not exist; this server serves '%s'", one, m[0].id);
+        } else {
+            res = respond_json(q, MHD_HTTP_OK, model_json(q->h, &m[i]));
+        }
+        free(m);
+        return res;
     }
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "object", "list");
     cJSON *data = cJSON_AddArrayToObject(o, "data");
-    cJSON_AddItemToArray(data, model_obj(q->h, &m));
+    for (int i = 0; i < n; i++) cJSON_AddItemToArray(data, model_json(q->h, &m[i]));
+    free(m);
     return respond_json(q, MHD_HTTP_OK, o);
 }
 

@@ -78,6 +78,8 @@ const char *loom_wire_method(Loom__V1__Request__BodyCase body) {
     case LOOM__V1__REQUEST__BODY_LIST_MODELS: return "loom.v1.ListModels";
     case LOOM__V1__REQUEST__BODY_STATS: return "loom.v1.Stats";
     case LOOM__V1__REQUEST__BODY_EMBED: return "loom.v1.Embed";
+    case LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER: return "loom.v1.LoadLoraAdapter";
+    case LOOM__V1__REQUEST__BODY_UNLOAD_LORA_ADAPTER: return "loom.v1.UnloadLoraAdapter";
     default: return "";
     }
 }
@@ -161,6 +163,12 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
     for (size_t i = 0; i < p->n_mtp_next; i++)
         if (p->mtp_next[i] < -1 || p->mtp_next[i] >= lim->vocab_size)
             return loom_err_set(err, LOOM_ERR_FORMAT, "MTP next token %zu out of range", i);
+    if (p->n_seq_lora && p->n_seq_lora != p->n_seqs)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%zu adapter slots for %u sequences", p->n_seq_lora, p->n_seqs);
+    for (size_t i = 0; i < p->n_seq_lora; i++)
+        if (p->seq_lora[i] < -1 || p->seq_lora[i] >= lim->max_loras)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "sequence %zu names adapter slot %d; this worker has %d", i,
+                                p->seq_lora[i], lim->max_loras);
     return LOOM_OK;
 }
 

@@ -40,6 +40,7 @@ loom_status_t loom_wire_check_text(const ProtobufCMessageDescriptor *d, const vo
  * ids inside [0, limits). A plan that fails is refused, never executed. */
 typedef struct loom_plan_limits {
     int max_tokens, max_seqs, n_blocks, vocab_size, max_pos, block_size;
+    int max_loras; /* seq_lora entries are -1 or a slot below this */
 } loom_plan_limits_t;
 loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_limits_t *lim,
                                    loom_err_t *err);

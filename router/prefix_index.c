@@ -171,9 +171,13 @@ int loom_prefix_index_size(const loom_prefix_index_t *ix) {
 }
 
 int loom_prefix_hashes(const int32_t *ids, int n, int block_size, uint64_t *out, int max) {
+    return loom_prefix_hashes_seeded(ids, n, block_size, 0, out, max);
+}
+
+int loom_prefix_hashes_seeded(const int32_t *ids, int n, int block_size, uint64_t seed, uint64_t *out, int max) {
     if (block_size <= 0) return 0;
     int nb = n / block_size, k = 0;
-    uint64_t parent = 0;
+    uint64_t parent = seed;
     for (; k < nb && k < max; k++) {
         parent = loom_kv_chain_hash(parent, ids + (size_t)k * (size_t)block_size, block_size);
         out[k] = parent;

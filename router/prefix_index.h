@@ -34,6 +34,11 @@ int loom_prefix_index_size(const loom_prefix_index_t *ix);
 /* The chain hashes of the full blocks of ids[0..n) (at most max). Returns
  * the count. */
 int loom_prefix_hashes(const int32_t *ids, int n, int block_size, uint64_t *out, int max);
+/* The same for a request of a LoRA adapter: the chain starts at SEED (the
+ * adapter's content digest's first 8 bytes, little-endian, as the
+ * coordinator seeds it; 0 is the base model), so the hashes match the KV
+ * events of that adapter's blocks only. */
+int loom_prefix_hashes_seeded(const int32_t *ids, int n, int block_size, uint64_t seed, uint64_t *out, int max);
 
 /* One replica as the scorer sees it. */
 typedef struct loom_route_cand {

@@ -70,6 +70,15 @@
 #define ETCD_POLL_MS   1000
 
 typedef enum { REP_JOINING, REP_UP, REP_DOWN, REP_REFUSED, REP_LEAVING } rep_state_t;
+
+/* A LoRA adapter a replica serves (its ListModels, docs/lora.md). */
+typedef struct rep_adapter {
+    char name[128];
+    char root[1024];
+    char digest[65]; /* hex; "" when the replica did not say */
+    uint64_t seed;   /* the prefix-cache chain's seed (0: unknown) */
+    int resident;    /* in its engines' slots now */
+} rep_adapter_t;
 static const char *rep_state_name[] = {"joining", "up", "down", "refused", "leaving"};
 
 typedef struct replica {
@@ -92,6 +101,8 @@ typedef struct replica {
     uint64_t prefix_queries, prefix_hits, finished, rejected, prompt_tokens, gen_tokens,
         preemptions, steps;
     double gen_tps;
+    rep_adapter_t *adapters; /* from its last ListModels */
+    int n_adapters;
     /* the router's own view */
     int dirty;       /* sent on since it was last read to EAGAIN (the reactor's watch) */
     int probe_retry; /* a join probe found no connection yet: send it when the socket stirs */
@@ -366,12 +377,59 @@ static int block_size(const loom_router_t *r) {
     return DEFAULT_BLOCK;
 }
 
+/* The LoRA adapter a request names (its model, or SGLang's base:adapter),
+ * or NULL for the served model. */
+static const char *adapter_name(const loom_router_t *r, const Loom__V1__GenerateRequest *g) {
+    const char *m = g->model;
+    if (!m || !m[0] || !strcmp(m, r->ref_model)) return NULL;
+    size_t bl = strlen(r->ref_model);
+    if (bl && !strncmp(m, r->ref_model, bl) && m[bl] == ':' && m[bl + 1]) return m + bl + 1;
+    return m;
+}
+
+static const rep_adapter_t *rep_adapter(const replica_t *p, const char *name) {
+    for (int k = 0; k < p->n_adapters; k++)
+        if (!strcmp(p->adapters[k].name, name)) return &p->adapters[k];
+    return NULL;
+}
+
+/* NAME as an UP replica lists it (one with its digest first), or NULL. */
+static const rep_adapter_t *any_adapter(const loom_router_t *r, const char *name) {
+    const rep_adapter_t *found = NULL;
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        const rep_adapter_t *a = r->reps[i].used && r->reps[i].state == REP_UP ? rep_adapter(&r->reps[i], name) : NULL;
+        if (a && (!found || (!found->digest[0] && a->digest[0]))) found = a;
+    }
+    return found;
+}
+
+/* A request for a LoRA adapter goes only to replicas that serve it (when
+ * some do; else anywhere, whose answer names the problem), and among those
+ * to the ones that hold it in their engines now, if any: it then starts
+ * without a load and other adapters are not evicted for it. */
+static void adapter_preference(const loom_router_t *r, const char *name, const int *slot,
+                               loom_route_cand_t *c, int n) {
+    int serving = 0, resident = 0;
+    for (int j = 0; j < n; j++) {
+        const rep_adapter_t *a = c[j].usable ? rep_adapter(&r->reps[slot[j]], name) : NULL;
+        serving += a != NULL;
+        resident += a && a->resident;
+    }
+    for (int j = 0; j < n && serving; j++) {
+        const rep_adapter_t *a = rep_adapter(&r->reps[slot[j]], name);
+        if (!a || (resident && !a->resident)) c[j].usable = 0;
+    }
+}
+
 /* The routing key's block hashes: token blocks with a tokenizer (the
  * coordinators' own hashes), else blocks of 4 bytes per token of the text
  * (the router's history only). */
 static int route_hashes(const loom_router_t *r, const route_t *q, uint64_t *h) {
     int B = block_size(r);
-    if (q->prompt) return loom_prefix_hashes(q->prompt, q->n_prompt, B, h, MAX_HASHES);
+    const char *ad = adapter_name(r, q->rq->generate);
+    const rep_adapter_t *a = ad ? any_adapter(r, ad) : NULL;
+    /* an adapter's blocks are keyed by its content digest (the coordinator's seeded chain) */
+    if (q->prompt) return loom_prefix_hashes_seeded(q->prompt, q->n_prompt, B, a ? a->seed : 0, h, MAX_HASHES);
     const char *text = q->rq->generate->prompt;
     size_t n = text ? strlen(text) : 0, bb = (size_t)B * 4;
     int k = 0;
@@ -414,6 +472,8 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
         any |= c[n++].usable;
     }
     if (!any) return -1;
+    const char *ad = adapter_name(r, q->rq->generate);
+    if (ad) adapter_preference(r, ad, slot, c, n);
     unsigned rr = r->rr++;
     int n_tokens = q->prompt ? q->n_prompt : n_hashes * block_size(r), k;
     switch (q->policy) {
@@ -652,8 +712,23 @@ static int front_door(loom_router_t *r, const void *rid, size_t rid_len, Loom__V
         loom_rcache_note_bypass(r->rcache);
         return 0;
     }
+    /* an adapter's output is a function of its content, not its name: the
+     * key holds its digest (a reload under the name with other weights is
+     * another key); an adapter no replica lists with a digest is not cached */
+    Loom__V1__GenerateRequest keyed = *rq->generate;
+    char lora_key[80];
+    const char *ad = adapter_name(r, rq->generate);
+    if (ad) {
+        const rep_adapter_t *a = any_adapter(r, ad);
+        if (!a || !a->digest[0]) {
+            loom_rcache_note_bypass(r->rcache);
+            return 0;
+        }
+        snprintf(lora_key, sizeof lora_key, "lora:%s", a->digest);
+        keyed.model = lora_key;
+    }
     size_t kl;
-    unsigned char *key = loom_rcache_key(rq->generate, r->ref_model, &kl);
+    unsigned char *key = loom_rcache_key(&keyed, r->ref_model, &kl);
     loom_rcache_hit_t hit;
     if (loom_rcache_get(r->rcache, key, kl, now, &hit)) {
         long long tokens = loom_rcache_replay(&hit, api_out(r), rid, rid_len, rq->request_id);
@@ -854,10 +929,15 @@ static void on_health(loom_router_t *r, const void *rid, size_t rid_len, Loom__V
     send_client(r, rid, rid_len, &rep);
 }
 
+/* The served model, then every LoRA adapter an UP replica serves (once,
+ * resident when some replica holds it). */
 static void on_list_models(loom_router_t *r, const void *rid, size_t rid_len,
                            Loom__V1__Request *rq) {
+    int cap = 1;
+    for (int i = 0; i < MAX_REPLICAS; i++) cap += r->reps[i].n_adapters;
+    Loom__V1__ModelInfo *infos = loom_xcalloc((size_t)cap, sizeof *infos);
+    Loom__V1__ModelInfo **mp = loom_xcalloc((size_t)cap, sizeof *mp);
     Loom__V1__ModelInfo mi = LOOM__V1__MODEL_INFO__INIT;
-    Loom__V1__ModelInfo *mp = &mi;
     Loom__V1__ListModelsReply lm = LOOM__V1__LIST_MODELS_REPLY__INIT;
     if (r->have_ref) {
         mi.id = r->ref_model;
@@ -865,8 +945,30 @@ static void on_list_models(loom_router_t *r, const void *rid, size_t rid_len,
         mi.vocab_size = (uint32_t)r->ref_vocab;
         mi.tp = (uint32_t)r->ref_tp;
         mi.pp = (uint32_t)r->ref_pp;
-        lm.models = &mp;
-        lm.n_models = 1;
+        infos[0] = mi;
+        mp[0] = &infos[0];
+        size_t n = 1;
+        for (int i = 0; i < MAX_REPLICAS; i++) {
+            const replica_t *p = &r->reps[i];
+            if (!p->used || p->state != REP_UP) continue;
+            for (int k = 0; k < p->n_adapters; k++) {
+                const rep_adapter_t *a = &p->adapters[k];
+                size_t j = 1;
+                while (j < n && strcmp(infos[j].id, a->name)) j++;
+                if (j == n) {
+                    infos[n] = mi;
+                    infos[n].id = (char *)a->name;
+                    infos[n].parent = r->ref_model;
+                    infos[n].root = (char *)a->root;
+                    infos[n].adapter_digest = (char *)a->digest;
+                    mp[n] = &infos[n];
+                    n++;
+                }
+                infos[j].resident |= a->resident;
+            }
+        }
+        lm.models = mp;
+        lm.n_models = n;
     }
     Loom__V1__Reply rep = LOOM__V1__REPLY__INIT;
     rep.request_id = rq->request_id;
@@ -877,6 +979,8 @@ static void on_list_models(loom_router_t *r, const void *rid, size_t rid_len,
     rep.body_case = LOOM__V1__REPLY__BODY_MODELS;
     rep.models = &lm;
     send_client(r, rid, rid_len, &rep);
+    free(mp);
+    free(infos);
 }
 
 /* Sums of the UP replicas' last Stats. */
@@ -960,6 +1064,13 @@ static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
         case LOOM__V1__REQUEST__BODY_STATS:
             on_stats(r, rid, rid_len, rq);
             break;
+        case LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER:
+        case LOOM__V1__REQUEST__BODY_UNLOAD_LORA_ADAPTER:
+            client_error(r, rid, rid_len, rq->request_id, LOOM_ERR_INVALID_ARGUMENT,
+                         "the router does not load LoRA adapters: load or unload them on each replica "
+                         "(its coordinator's /v1/load_lora_adapter); the router lists and routes to what "
+                         "they serve");
+            break;
         default:
             break;
         }
@@ -971,8 +1082,41 @@ static void on_api(loom_router_t *r, zmq_msg_t *frames, int n) {
 
 static void send_probe(loom_router_t *r, int i, Loom__V1__Request__BodyCase body);
 
+/* The LoRA adapters of a ListModels reply (every entry with a parent). */
+static void take_adapters(replica_t *p, const Loom__V1__ListModelsReply *lm) {
+    free(p->adapters);
+    p->adapters = NULL;
+    p->n_adapters = 0;
+    int n = 0;
+    for (size_t k = 0; k < lm->n_models; k++) n += lm->models[k]->parent && lm->models[k]->parent[0];
+    if (!n) return;
+    p->adapters = loom_xcalloc((size_t)n, sizeof *p->adapters);
+    for (size_t k = 0; k < lm->n_models; k++) {
+        const Loom__V1__ModelInfo *m = lm->models[k];
+        if (!m->parent || !m->parent[0]) continue;
+        rep_adapter_t *a = &p->adapters[p->n_adapters++];
+        snprintf(a->name, sizeof a->name, "%s", m->id);
+        snprintf(a->root, sizeof a->root, "%s", m->root ? m->root : "");
+        a->resident = m->resident;
+        const char *d = m->adapter_digest ? m->adapter_digest : "";
+        if (strlen(d) == 64) {
+            uint8_t lo[8];
+            for (int b = 0; b < 8; b++) {
+                unsigned v = 0;
+                sscanf(d + 2 * b, "%2x", &v);
+                lo[b] = (uint8_t)v;
+            }
+            memcpy(&a->seed, lo, sizeof a->seed); /* as the coordinator's scheduler seeds it */
+            if (a->seed == 0) a->seed = 1;
+            snprintf(a->digest, sizeof a->digest, "%s", d);
+        }
+    }
+}
+
 static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
     replica_t *p = &r->reps[i];
+    int ok = rep->code == LOOM__V1__STATUS_CODE__OK && rep->models && rep->models->n_models >= 1;
+    if (p->state == REP_UP && ok) take_adapters(p, rep->models); /* its adapters now */
     if (p->state != REP_JOINING) return;
     if (rep->code != LOOM__V1__STATUS_CODE__OK || !rep->models || rep->models->n_models < 1) {
         snprintf(p->why, sizeof p->why, "ListModels failed: %s",
@@ -1029,6 +1173,7 @@ static void on_models(loom_router_t *r, int i, const Loom__V1__Reply *rep) {
         r->refused_joins++;
         return;
     }
+    take_adapters(p, rep->models);
     set_state(r, i, REP_UP, "serves %s", m->id);
     p->backoff_ms = 0;
     send_probe(r, i,
@@ -1392,6 +1537,7 @@ static void replica_close(loom_router_t *r, int i) {
     zmq_close(p->sock);
     if (p->events) zmq_close(p->events);
     LOOM_INFO("replica %s removed", p->addr);
+    free(p->adapters);
     memset(p, 0, sizeof *p);
 }
 
@@ -1461,6 +1607,8 @@ static void tick(loom_router_t *r) {
         if (p->state == REP_JOINING) send_probe(r, i, LOOM__V1__REQUEST__BODY_LIST_MODELS);
         send_probe(r, i, LOOM__V1__REQUEST__BODY_HEALTH);
         if (p->used && p->state == REP_UP) send_probe(r, i, LOOM__V1__REQUEST__BODY_STATS);
+        /* the LoRA adapters it serves and holds now (they change at run time) */
+        if (p->used && p->state == REP_UP) send_probe(r, i, LOOM__V1__REQUEST__BODY_LIST_MODELS);
     }
     uint64_t stall = (uint64_t)r->cfg.stall_timeout_ms * 1000000ull;
     for (route_t *q = r->routes, *nx; q; q = nx) {
@@ -2169,6 +2317,7 @@ void loom_router_destroy(loom_router_t **r_p) {
         if (r->reps[i].used) {
             zmq_close(r->reps[i].sock);
             if (r->reps[i].events) zmq_close(r->reps[i].events);
+            free(r->reps[i].adapters);
         }
     if (r->pipe) zmq_close(r->pipe);
     if (r->tok_jobs) zmq_close(r->tok_jobs);

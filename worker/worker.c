@@ -68,6 +68,7 @@
 #include "worker/comm.h"
 #include "worker/kv_offload.h"
 #include "worker/logits_proc.h"
+#include "worker/lora_orders.h"
 #include "worker/model.h"
 #include "worker/mtp_rows.h"
 
@@ -84,6 +85,7 @@ typedef enum {
 #define STANDBY_RETRY_MS 250 /* a spare asks for a free slot this often: it takes a lost worker's place that fast */
 #define REGISTER_RETRY_MS 2000 /* REGISTERING: no coordinator answered yet */
 #define ORPHAN_RETRY_MS 500    /* ORPHANED: the next coordinator may be starting */
+#define LORA_POLL_MS 2 /* with LoRA loads under way the compute thread looks at them this often */
 
 /* Assign.mtp on the last stage: DeepSeek's MTP module beside the target,
  * TP-sliced like a decoder layer, and its step's scratch (mtp_step). */
@@ -138,6 +140,7 @@ typedef struct worker {
     loom_backend_t *be;
     loom_model_t *model;
     worker_mtp_t mtp;
+    loom_lora_orders_t *lora; /* LoRA load orders (NULL: the engine has no adapter slots) */
     Loom__V1__Assign *assign; /* the current assignment (owned) */
     char model_dir[1024];
     int max_tokens, max_seqs, n_blocks, block_size;
@@ -330,10 +333,47 @@ static void unload(worker_t *w) {
     loom_comm_destroy(&w->comm);
     pthread_mutex_unlock(&w->comm_mu);
     mtp_unload(w);
+    loom_lora_orders_destroy(&w->lora); /* its cache reads the model */
     loom_model_destroy(&w->model);
     loom_backend_destroy(&w->be);
     loom_st_close(&w->st);
     w->n_blocks = 0;
+}
+
+/* A LoRA load order was decided: the coordinator tallies every worker's. */
+static void lora_report(void *ctx, uint64_t epoch, int slot, const uint8_t digest[32], loom_status_t status,
+                        const char *msg, double seconds) {
+    worker_t *w = ctx;
+    if (status < 0) LOOM_WARN("LoRA adapter for slot %d failed to load: %s", slot, msg);
+    Loom__V1__LoraLoaded l = LOOM__V1__LORA_LOADED__INIT;
+    l.epoch = epoch;
+    l.slot = (uint32_t)(slot < 0 ? 0 : slot);
+    l.digest = (ProtobufCBinaryData){32, (uint8_t *)digest};
+    l.code = status;
+    l.message = (char *)msg;
+    l.seconds = seconds;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_LORA_LOADED;
+    m.lora_loaded = &l;
+    post(w, &m);
+}
+
+static void handle_lora_load(worker_t *w, Loom__V1__ControlMsg *m) {
+    const Loom__V1__LoraLoad *o = m->lora_load;
+    static const uint8_t zero[32];
+    const uint8_t *digest = o->digest.len == 32 ? o->digest.data : zero;
+    if (!w->model || o->epoch != w->epoch || o->epoch <= atomic_load(&w->aborted_epoch))
+        lora_report(w, o->epoch, (int)o->slot, digest, LOOM_ERR_UNAVAILABLE, "this worker is not serving that epoch",
+                    0.0);
+    else if (!w->lora)
+        lora_report(w, o->epoch, (int)o->slot, digest, LOOM_ERR_INVALID_ARGUMENT,
+                    "this worker's engine has no LoRA slots (Assign.max_loras 0)", 0.0);
+    else if (o->digest.len != 32 || !o->path || !o->path[0])
+        lora_report(w, o->epoch, (int)o->slot, digest, LOOM_ERR_INVALID_ARGUMENT,
+                    "a LoRA load order without an adapter path and a 32-byte digest", 0.0);
+    else
+        loom_lora_orders_add(w->lora, o->epoch, (int)o->slot, o->path, digest);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
 }
 
 static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *err) {
@@ -368,6 +408,9 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                                .max_lora_rank = a->max_lora_rank ? (int)a->max_lora_rank : 16};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     if (a->mtp && spec.has_head) LOOM_CHECK(mtp_load(w, &spec, &mo, err));
+    if (mo.max_loras > 0)
+        LOOM_CHECK(loom_lora_orders_create(w->model, &w->cfg, spec.layer_begin, spec.layer_end, mo.max_lora_rank,
+                                           (int)a->max_cpu_loras, lora_report, w, &w->lora, err));
     w->max_tokens = (int)a->max_tokens;
     w->max_seqs = (int)a->max_seqs;
     /* sampling scratch: one part per row, LOOM_SAMPLE_MAX_CAND candidates each */
@@ -424,6 +467,7 @@ static void handle_assign(worker_t *w, Loom__V1__ControlMsg *m) {
         pthread_mutex_unlock(&w->comm_mu);
     }
     w->epoch = a->epoch;
+    if (w->lora) loom_lora_orders_forget(w->lora); /* the old epoch's orders */
     if (w->assign) protobuf_c_message_free_unpacked(&w->assign->base, NULL);
     /* keep the whole message alive: Assign points into it */
     w->assign = a;
@@ -754,7 +798,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     }
     loom_plan_limits_t lim = {.max_tokens = w->max_tokens, .max_seqs = w->max_seqs, .n_blocks = w->n_blocks,
                               .vocab_size = w->cfg.vocab_size, .max_pos = w->cfg.max_seq_len,
-                              .block_size = w->block_size};
+                              .block_size = w->block_size, .max_loras = loom_model_max_loras(w->model)};
     if ((s = loom_wire_check_plan(p, &lim, &err)) < 0) {
         LOOM_WARN("refused step %llu: %s", (unsigned long long)p->step_id, err.msg);
         goto report;
@@ -770,7 +814,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     loom_step_batch_t b = {.n_tokens = n, .tokens = p->tokens, .pos = p->pos, .slots = p->slots,
                            .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
                            .max_blocks = (int)p->max_blocks, .n_logits = last ? (int)p->n_logit_rows : 0,
-                           .logit_rows = p->logit_rows};
+                           .logit_rows = p->logit_rows, .seq_lora = p->n_seq_lora ? p->seq_lora : NULL};
     /* stream-ordered on nccl: the all-reduces of the pass are only enqueued
      * (and may sit in a decode graph); step_end waits for them under the
      * comm's watchdog, so a dead peer fails the step instead of hanging it */
@@ -866,10 +910,21 @@ report:;
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
 
+/* With LoRA loads under way, waits at most LORA_POLL_MS for a message and
+ * installs the adapters prepared meanwhile: 1 when a message is ready. */
+static int compute_wait(worker_t *w) {
+    if (!w->lora) return 1;
+    loom_lora_orders_poll(w->lora);
+    if (!loom_lora_orders_pending(w->lora)) return 1;
+    zmq_pollitem_t it = {w->pipe_c, 0, ZMQ_POLLIN, 0};
+    return zmq_poll(&it, 1, LORA_POLL_MS) != 0; /* an error: let zmq_recv report it */
+}
+
 static void *compute_main(void *arg) {
     worker_t *w = arg;
     for (;;) {
         Loom__V1__ControlMsg *m = NULL;
+        if (!compute_wait(w)) continue;
         if (zmq_recv(w->pipe_c, &m, sizeof m, 0) != (int)sizeof m) {
             if (errno == EINTR) continue;
             break;
@@ -879,6 +934,7 @@ static void *compute_main(void *arg) {
         case LOOM__V1__CONTROL_MSG__BODY_ASSIGN: handle_assign(w, m); break;
         case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG: handle_kv_config(w, m); break;
         case LOOM__V1__CONTROL_MSG__BODY_STEP: handle_step(w, m); break;
+        case LOOM__V1__CONTROL_MSG__BODY_LORA_LOAD: handle_lora_load(w, m); break;
         default: protobuf_c_message_free_unpacked(&m->base, NULL); break;
         }
     }
@@ -1083,7 +1139,8 @@ static int reactor(worker_t *w) {
                         break;
                     }
                     case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG:
-                    case LOOM__V1__CONTROL_MSG__BODY_STEP: hand_over(w, m); m = NULL; break;
+                    case LOOM__V1__CONTROL_MSG__BODY_STEP:
+                    case LOOM__V1__CONTROL_MSG__BODY_LORA_LOAD: hand_over(w, m); m = NULL; break;
                     case LOOM__V1__CONTROL_MSG__BODY_ABORT: {
                         uint64_t e = m->abort->epoch;
                         if (m->abort->incarnation && w->incarnation && m->abort->incarnation != w->incarnation) {

@@ -7,3 +7,4 @@ set_target_properties(lora_grid PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINA
 loom_add_it(it_lora test_lora.py)
 # the exactness hangs on the optimised kernels too: scripts/test.sh's Release pass runs it again
 set_property(TEST it_lora APPEND PROPERTY LABELS release)
+loom_add_it(it_lora_serving test_lora_serving.py)

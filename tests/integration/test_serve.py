@@ -333,8 +333,9 @@ def test_coordinator_vllm_aliases():
     check(p.returncode != 0 and "9" in p.stderr, "--pipeline-parallel-size 9 accepted: %r" % p.stderr)
     p = subprocess.run(coord + ["--model", STORIES, "-q", "q9"], capture_output=True, text=True, timeout=60)
     check(p.returncode != 0 and "q9" in p.stderr, "-q q9 was not read as --quantization: %r" % p.stderr)
-    p = subprocess.run(coord + ["--model", STORIES, "--enable-lora"], capture_output=True, text=True, timeout=60)
-    check(p.returncode == 2 and "vLLM flag --enable-lora is not supported by Loom" in p.stderr, "%r" % p.stderr)
+    p = subprocess.run(coord + ["--model", STORIES, "--enable-lora", "--max-lora-rank", "100"], capture_output=True,
+                       text=True, timeout=60)
+    check(p.returncode == 2 and "--max-lora-rank 100" in p.stderr, "%r" % p.stderr)
     p = subprocess.run(coord + ["--model", STORIES, "--log-level", "loud"], capture_output=True, text=True, timeout=60)
     check(p.returncode == 2 and "--log-level must be" in p.stderr, "%r" % p.stderr)
     p = subprocess.run(coord + ["--model", STORIES, "--port", "8000", "--http", "127.0.0.1:8000"], capture_output=True,

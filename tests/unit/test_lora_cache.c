@@ -1,7 +1,10 @@
 /* Tests for a worker's host cache of prepared LoRA adapters: preparation on
  * its thread, readiness reported once, the least recently used dropped past
  * the capacity, an adapter whose content changed or whose directory is gone
- * failed with the problem named, and a failed one tried again. */
+ * failed with the problem named, and a failed one tried again; and the load
+ * orders on top of it (worker/lora_orders.c): installed at once from the
+ * cache or when prepared, failures reported with the problem, a slot out of
+ * range refused, an old epoch's orders forgotten. */
 #include <ftw.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +19,7 @@
 #include "kernels/backend.h"
 #include "tests/test.h"
 #include "worker/lora_cache.h"
+#include "worker/lora_orders.h"
 #include "worker/model.h"
 
 static char g_tmp[256];
@@ -145,6 +149,77 @@ static int remove_entry(const char *path, const struct stat *sb, int flag, struc
     return remove(path);
 }
 
+typedef struct {
+    int n;
+    uint64_t epoch[8];
+    int slot[8];
+    loom_status_t status[8];
+    char msg[8][256];
+} reports_t;
+
+static void on_report(void *ctx, uint64_t epoch, int slot, const uint8_t digest[32], loom_status_t status,
+                      const char *msg, double seconds) {
+    (void)digest;
+    reports_t *r = ctx;
+    CHECK(seconds >= 0.0);
+    if (r->n >= 8) return;
+    r->epoch[r->n] = epoch, r->slot[r->n] = slot, r->status[r->n] = status;
+    snprintf(r->msg[r->n], sizeof r->msg[0], "%s", msg);
+    r->n++;
+}
+
+/* Polls the orders until N reports came (5 s at most). */
+static int wait_reports(loom_lora_orders_t *o, reports_t *r, int n) {
+    for (int i = 0; i < 5000 && r->n < n; i++) {
+        loom_lora_orders_poll(o);
+        if (r->n < n) usleep(1000);
+    }
+    return r->n;
+}
+
+static void test_orders(void) {
+    const loom_model_config_t *cfg = &g_cfg;
+    char a[512], gone[512];
+    snprintf(a, sizeof a, "%s/oa", g_tmp);
+    snprintf(gone, sizeof gone, "%s/ogone", g_tmp);
+    write_adapter(a, 0.03f);
+    uint8_t da[32], dg[32];
+    digest_of(cfg, a, da);
+    memset(dg, 9, sizeof dg);
+    reports_t r = {0};
+    loom_lora_orders_t *o = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_lora_orders_create(g_m, cfg, 0, cfg->n_layers, 16, 1, on_report, &r, &o, &err) == LOOM_OK);
+    /* prepared on the cache's thread, installed by poll */
+    loom_lora_orders_add(o, 3, 0, a, da);
+    CHECK(r.n == 0 && loom_lora_orders_pending(o) == 1);
+    REQUIRE(wait_reports(o, &r, 1) == 1);
+    CHECK(r.epoch[0] == 3 && r.slot[0] == 0 && r.status[0] == LOOM_OK);
+    CHECK(loom_lora_orders_pending(o) == 0);
+    /* the cache holds it: installed at once */
+    loom_lora_orders_add(o, 3, 1, a, da);
+    CHECK(r.n == 2 && r.slot[1] == 1 && r.status[1] == LOOM_OK);
+    /* a slot the engine does not have */
+    loom_lora_orders_add(o, 3, 2, a, da);
+    CHECK(r.n == 3 && r.status[2] == LOOM_ERR_INVALID_ARGUMENT && strstr(r.msg[2], "out of range") != NULL);
+    /* a directory that is gone: the failure names it */
+    loom_lora_orders_add(o, 4, 1, gone, dg);
+    REQUIRE(wait_reports(o, &r, 4) == 4);
+    CHECK(r.epoch[3] == 4 && r.slot[3] == 1 && r.status[3] < 0 && strstr(r.msg[3], "ogone") != NULL);
+    /* a new epoch: the old one's order is dropped unreported */
+    loom_lora_orders_add(o, 5, 1, gone, dg);
+    CHECK(loom_lora_orders_pending(o) == 1);
+    loom_lora_orders_forget(o);
+    CHECK(loom_lora_orders_pending(o) == 0);
+    for (int i = 0; i < 50; i++) {
+        loom_lora_orders_poll(o);
+        usleep(1000);
+    }
+    CHECK(r.n == 4);
+    loom_lora_orders_destroy(&o);
+    loom_lora_orders_destroy(&o); /* safe twice */
+}
+
 int main(void) {
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_lora_cache_XXXXXX");
     if (!mkdtemp(g_tmp)) return 2;
@@ -178,6 +253,7 @@ int main(void) {
         return 2;
     }
     RUN(test_cache);
+    RUN(test_orders);
     loom_model_destroy(&g_m);
     loom_backend_destroy(&be);
     loom_st_close(&st);

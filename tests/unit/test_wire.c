@@ -10,11 +10,11 @@
 #include "tests/test.h"
 
 static const loom_plan_limits_t k_lim = {.max_tokens = 64, .max_seqs = 8, .n_blocks = 32, .vocab_size = 512,
-                                         .max_pos = 256, .block_size = 16};
+                                         .max_pos = 256, .block_size = 16, .max_loras = 2};
 
 /* A valid plan: 2 sequences, a 3-token prefill chunk and a decode. */
 typedef struct plan_buf {
-    int32_t tokens[4], pos[4], slots[4], tok_seq[4], bt[2 * 2], rows[2], csrc[1], cdst[1];
+    int32_t tokens[4], pos[4], slots[4], tok_seq[4], bt[2 * 2], rows[2], csrc[1], cdst[1], lora[2];
     Loom__V1__SampleParams sp[2];
     Loom__V1__SampleParams *spp[2];
     Loom__V1__StepPlan p;
@@ -62,6 +62,10 @@ static void make_plan(plan_buf_t *b) {
     p->copy_src = b->csrc;
     p->copy_dst = b->cdst;
     p->n_copy_src = p->n_copy_dst = 1;
+    b->lora[0] = -1; /* the base model */
+    b->lora[1] = 1;  /* the adapter in slot 1 */
+    p->seq_lora = b->lora;
+    p->n_seq_lora = 2;
 }
 
 static void test_valid_plan(void) {
@@ -139,6 +143,12 @@ static void test_each_bad_field(void) {
     b.p.n_kv_save_hashes = 0;
     CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT);
     make_plan(&b);
+    b.lora[1] = 2;
+    expect_refused(&b, "an adapter slot the worker does not have");
+    b.lora[0] = -2;
+    expect_refused(&b, "a negative adapter slot other than -1");
+    b.p.n_seq_lora = 1;
+    expect_refused(&b, "adapter slots for fewer sequences than the plan's");
 }
 
 static void test_versions_and_magic(void) {
