@@ -272,6 +272,13 @@ int loom_cmd_run(int argc, char **argv) {
                         (long long)st.spec.num_draft_tokens, (long long)st.spec.num_accepted_tokens,
                         100.0 * loom_spec_stats_acceptance(&st.spec));
                 fprintf(stderr, "tokens per target step: %.2f\n", loom_spec_stats_tokens_per_step(&st.spec));
+                if (!spec.fixed_k)
+                    fprintf(stderr,
+                            "speculation gate: %s (%.3f ms a token with drafts, %.3f plain; turned off %lld, "
+                            "on %lld times)\n",
+                            loom_spec_gate_state_name(st.gate.state), loom_spec_gate_spec_rate(&st.gate) * 1e3,
+                            loom_spec_gate_plain_rate(&st.gate) * 1e3, (long long)st.gate.turned_off,
+                            (long long)st.gate.turned_on);
             }
         }
     }

@@ -23,10 +23,10 @@ PROMPTS = [
 ]
 
 
-def run(model, prompt, *extra, max_tokens=80, temperature="0"):
+def run(model, prompt, *extra, max_tokens=80, temperature="0", env=None):
     p = subprocess.run([LOOM, "run", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens),
                         "--temperature", temperature, "--threads", "1", "--ids"] + list(extra),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     check(p.returncode == 0, "loom run failed: %s" % p.stderr)
     return p.stdout, parse_ids(p.stderr), p.stderr
 
@@ -111,7 +111,11 @@ def test_draft_self_int8():
             _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "draft",
                               "--speculative-quantization", q, "--num-speculative-tokens", "4", max_tokens=96)
             check(ids == base, "%r draft %s: ids differ" % (prompt, q))
-            if q == "int8":
+            if q == "int8":  # the draft's acceptance, past the wall-time gate (which may turn it off here)
+                _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "draft",
+                                  "--speculative-quantization", q, "--num-speculative-tokens", "4",
+                                  "--speculative-fixed-k", max_tokens=96)
+                check(ids == base, "%r draft %s, fixed K: ids differ" % (prompt, q))
                 best = max(best, tokens_per_step(err))
     check(best >= 2.5, "int8 self-draft: %.2f tokens per target step" % best)
     _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", "--seed", "9", max_tokens=64, temperature="0.8")
@@ -125,6 +129,23 @@ def test_draft_self_int8():
                       draft, "--speculative-fixed-k", max_tokens=64)
     _, base, _ = run(STORIES, PROMPTS[1], "--ignore-eos", max_tokens=64)
     check(ids == base and "tokens per target step" in err, "draft model: ids differ")
+
+
+def test_draft_expensive():
+    # a draft made expensive by the test hook (each proposal sleeps 30 ms,
+    # ~100 target steps of this model): the wall-time gate turns it off within
+    # a few steps and drafts only in its sparse probes; the ids are the same
+    _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", max_tokens=96)
+    env = dict(os.environ, LOOM_TEST_DRAFT_DELAY_MS="30")
+    _, ids, err = run(STORIES, PROMPTS[0], "--ignore-eos", "--speculative-method", "draft",
+                      "--speculative-quantization", "int8", max_tokens=96, env=env)
+    check(ids == base, "expensive draft: ids differ")
+    m = re.search(r"speculative draft: (\d+) drafts", err)
+    gate = re.search(r"speculation gate: (\w+) .*turned off (\d+)", err)
+    check(m and gate, "no speculation lines in: %s" % err[-400:])
+    check(gate.group(1) == "off" and int(gate.group(2)) >= 1, "the gate did not turn off: %s" % gate.group(0))
+    # warm-up 3 plain, then 3 drafting steps (1 unmeasured), probes of 3 after 32 and 64 plain steps
+    check(int(m.group(1)) <= 12, "expensive draft: %s drafting steps of 96 tokens" % m.group(1))
 
 
 def other_tokenizer_draft():
@@ -381,5 +402,5 @@ def test_failover_draft():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
-               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_grids_draft,
+               test_gqa_random_model, test_draft_self_int8, test_draft_expensive, test_bad_input, test_grids, test_grids_draft,
                test_controls_identical, test_controls_identical_draft, test_failover, test_failover_draft])

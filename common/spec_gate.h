@@ -1,0 +1,65 @@
+/* The speculation gate: speculative decoding only while it pays in wall
+ * time. Adaptive K (common/spec.h) weighs the acceptance against the
+ * target's verify cost, but not what drafting itself costs: a draft model
+ * as expensive as its target (a self-draft of a tiny model) accepts nearly
+ * everything and still makes decoding slower. The gate measures both
+ * sides, per engine: seconds per emitted token of steps that carried
+ * drafts (the drafter's time included) against those of plain decode
+ * steps, and lets drafts through only while the first is below the second.
+ *
+ * States and transitions (one step = one call of loom_spec_gate_step, then
+ * one of loom_spec_gate_observe):
+ *   WARMUP  the first LOOM_SPEC_GATE_WARMUP steps are plain: the baseline.
+ *   ON      drafts allowed; one step in LOOM_SPEC_GATE_PLAIN_EVERY is plain
+ *           so the baseline stays current. → OFF when, with at least
+ *           LOOM_SPEC_GATE_MIN_SPEC speculative steps seen, a token costs
+ *           more than (1 + margin) times a plain one.
+ *   OFF     plain steps; after `probe_every` of them a probe of
+ *           LOOM_SPEC_GATE_PROBE speculative steps (the first, which pays
+ *           for the drafter catching up, is not measured; the estimates
+ *           from before weigh a quarter). → ON when the
+ *           probe's tokens cost less than (1 − margin) times a plain one;
+ *           else probe_every doubles (up to LOOM_SPEC_GATE_MAX_PROBE), so a
+ *           draft that never pays costs a vanishing share of the steps.
+ * Invariant: the estimates are decayed sums of what was observed; the
+ * gate itself never changes the output (a plain step and a speculative one
+ * emit the same ids, docs/speculative.md). */
+#ifndef LOOM_SPEC_GATE_H
+#define LOOM_SPEC_GATE_H
+
+#include <stdint.h>
+
+#define LOOM_SPEC_GATE_WARMUP 3
+#define LOOM_SPEC_GATE_PLAIN_EVERY 32
+#define LOOM_SPEC_GATE_MIN_SPEC 2
+#define LOOM_SPEC_GATE_PROBE 3
+#define LOOM_SPEC_GATE_FIRST_PROBE 32
+#define LOOM_SPEC_GATE_MAX_PROBE 1024
+
+typedef enum { LOOM_SPEC_GATE_S_WARMUP, LOOM_SPEC_GATE_S_ON, LOOM_SPEC_GATE_S_OFF } loom_spec_gate_state_t;
+
+typedef struct loom_spec_gate {
+    loom_spec_gate_state_t state;
+    double margin;            /* relative hysteresis (default 0.02) */
+    double plain_s, plain_n;  /* decayed seconds and tokens of plain steps */
+    double spec_s, spec_n;    /* the same for steps that carried drafts */
+    double spec_w;            /* decayed count of speculative steps measured */
+    int steps;                /* steps in the current state */
+    int probe_every, probe_left, skip_next;
+    int allowed;              /* what the last loom_spec_gate_step answered */
+    int64_t turned_off, turned_on; /* transitions, for stats and tests */
+} loom_spec_gate_t;
+
+void loom_spec_gate_init(loom_spec_gate_t *g);
+/* Whether the step being built may carry drafts (advances the schedule of
+ * plain and probing steps: call once per step). */
+int loom_spec_gate_step(loom_spec_gate_t *g);
+/* After that step: drafted (0: it carried none, whatever the gate allowed),
+ * tokens emitted, and its wall time including the drafter's. */
+void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, double seconds);
+/* Seconds per emitted token of plain and of speculative steps (0: none seen). */
+double loom_spec_gate_plain_rate(const loom_spec_gate_t *g);
+double loom_spec_gate_spec_rate(const loom_spec_gate_t *g);
+const char *loom_spec_gate_state_name(loom_spec_gate_state_t s);
+
+#endif
