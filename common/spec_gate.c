@@ -71,22 +71,23 @@ static void turn_off(loom_spec_gate_t *g) {
     g->turned_off++;
 }
 
-void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, double seconds) {
-    if (emitted <= 0 || !(seconds > 0)) return;
+void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds) {
+    if (emitted <= 0 || seqs <= 0 || !(seconds > 0)) return;
+    const double per_seq = (double)emitted / seqs;
     if (drafted <= 0) {
         g->plain_s = GATE_DECAY * g->plain_s + seconds;
-        g->plain_n = GATE_DECAY * g->plain_n + emitted;
+        g->plain_n = GATE_DECAY * g->plain_n + per_seq;
     } else if (g->skip_next) {
         g->skip_next = 0;
     } else {
         g->spec_s = GATE_DECAY * g->spec_s + seconds;
-        g->spec_n = GATE_DECAY * g->spec_n + emitted;
+        g->spec_n = GATE_DECAY * g->spec_n + per_seq;
         g->spec_w = GATE_DECAY * g->spec_w + 1;
     }
     const double plain = loom_spec_gate_plain_rate(g), spec = loom_spec_gate_spec_rate(g);
     if (g->state == LOOM_SPEC_GATE_S_ON) {
-        /* spec_w reaches MIN_SPEC - 0.1 after MIN_SPEC steps (decay 0.9: 1.9) */
-        if (plain > 0 && g->spec_w >= LOOM_SPEC_GATE_MIN_SPEC - 0.1 && spec > plain * (1 + g->margin))
+        /* spec_w after MIN_SPEC steps: 1 + 0.9 + 0.81 + 0.729 = 3.44 (decay 0.9) */
+        if (plain > 0 && g->spec_w >= 0.85 * LOOM_SPEC_GATE_MIN_SPEC && spec > plain * (1 + g->margin))
             turn_off(g);
     } else if (g->state == LOOM_SPEC_GATE_S_OFF && g->allowed && g->probe_left == 0) {
         /* the probe's last step: keep speculating only if it paid */

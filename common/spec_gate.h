@@ -31,7 +31,7 @@
 
 #define LOOM_SPEC_GATE_WARMUP 3
 #define LOOM_SPEC_GATE_PLAIN_EVERY 32
-#define LOOM_SPEC_GATE_MIN_SPEC 2
+#define LOOM_SPEC_GATE_MIN_SPEC 4
 #define LOOM_SPEC_GATE_PROBE 3
 #define LOOM_SPEC_GATE_FIRST_PROBE 32
 #define LOOM_SPEC_GATE_MAX_PROBE 1024
@@ -55,9 +55,12 @@ void loom_spec_gate_init(loom_spec_gate_t *g);
  * plain and probing steps: call once per step). */
 int loom_spec_gate_step(loom_spec_gate_t *g);
 /* After that step: drafted (0: it carried none, whatever the gate allowed),
- * tokens emitted, and its wall time including the drafter's. */
-void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, double seconds);
-/* Seconds per emitted token of plain and of speculative steps (0: none seen). */
+ * tokens emitted by the step's `seqs` decoding sequences, and its wall time
+ * including the drafter's. The rates are seconds per token of one sequence
+ * (seconds / (emitted / seqs)): a step's latency per token, so steps of
+ * several sequences compare with the same measure. */
+void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds);
+/* Seconds per token of a sequence in plain and in speculative steps (0: none seen). */
 double loom_spec_gate_plain_rate(const loom_spec_gate_t *g);
 double loom_spec_gate_spec_rate(const loom_spec_gate_t *g);
 const char *loom_spec_gate_state_name(loom_spec_gate_state_t s);

@@ -153,6 +153,7 @@ typedef struct loom_microbatch {
     int *spec_row0;          /* (n_seqs) its first logit row when spec_n > 0 */
     uint8_t *spec_row;       /* (n_logits) 1: the row belongs to a speculating sequence */
     double draft_s;          /* seconds the drafter took for this batch's drafts (method DRAFT) */
+    int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
 } loom_microbatch_t;
 
 typedef struct loom_sched_stats {
@@ -254,7 +255,9 @@ typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx);
 /* A step of n_tokens took `seconds`: feeds the measured cost model that
- * adaptive K weighs drafts against (small steps only: the decode regime).
+ * adaptive K weighs drafts against (small steps only: the decode regime)
+ * and, when the batch completed next is all decodes, the speculation gate
+ * (common/spec_gate.h: drafts only while a token costs less with them).
  * The caller adds the batch's draft_s, so a draft model's cost counts too. */
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
 

@@ -503,7 +503,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         }
         loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
         loom_spec_adapt_update(&adapt, n_draft, accepted);
-        if (step_s > 0) loom_spec_gate_observe(&gate, n_draft, emitted, step_s);
+        if (step_s > 0) loom_spec_gate_observe(&gate, n_draft, emitted, 1, step_s);
         pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
         if (done || pos + 1 > l->ctx) break;
         /* the last emitted token goes in at position pos (its predecessor's

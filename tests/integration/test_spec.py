@@ -297,7 +297,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "pet"], "additionalProperties": False}
 
 
-def test_controls_identical(tp=1, pp=1, spec_args=SPEC_ARGS):
+def test_controls_identical(tp=1, pp=1, spec_args=SPEC_ARGS + ["--speculative-fixed-k"]):
     # rows with penalties, logit_bias, min_tokens or a grammar mask speculate
     # too (each verify row's controls see the earlier drafts as output):
     # the same ids, logprobs and text with speculation on and off
@@ -355,7 +355,7 @@ def test_controls_identical_draft():
     # drafts are the target's likely tokens, so the masks and counts see
     # drafts that ngram would not propose)
     test_controls_identical(2, 1, ["--speculative-method", "draft", "--speculative-quantization", "int8",
-                                   "--num-speculative-tokens", "4"])
+                                   "--num-speculative-tokens", "4", "--speculative-fixed-k"])
 
 
 def failover(spec_args):

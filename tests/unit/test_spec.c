@@ -229,7 +229,7 @@ static void gate_simulate(loom_spec_gate_t *g, const struct gate_model *m, int s
         const int k = loom_spec_gate_step(g) ? m->k : 0;
         const int emitted = 1 + (k ? m->accepted : 0);
         const double sec = jitter * (m->target_s * (1.0 + m->verify_c * k) + k * m->draft_s);
-        loom_spec_gate_observe(g, k, emitted, sec);
+        loom_spec_gate_observe(g, k, emitted, 1, sec);
         out->seconds += sec;
         out->tokens += emitted;
         out->spec_steps += k > 0;
