@@ -3,6 +3,8 @@
 #include "common/spec_gate.h"
 
 #define GATE_DECAY 0.9 /* weight of the past per observed step */
+#define GATE_CLAMP 4.0 /* an observation counts at most this many times its class's rate */
+#define GATE_FAST_OFF 2.0 /* a token this many times dearer turns drafts off after one step */
 
 void loom_spec_gate_init(loom_spec_gate_t *g) {
     *g = (loom_spec_gate_t){.state = LOOM_SPEC_GATE_S_WARMUP, .margin = 0.02,
@@ -74,6 +76,11 @@ static void turn_off(loom_spec_gate_t *g) {
 void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds) {
     if (emitted <= 0 || seqs <= 0 || !(seconds > 0)) return;
     const double per_seq = (double)emitted / seqs;
+    /* A step descheduled by the machine's other load would weigh for many
+     * steps in a decayed mean: clamp it to GATE_CLAMP times the rate of its
+     * class once the class has a rate. */
+    const double known = drafted <= 0 ? loom_spec_gate_plain_rate(g) : loom_spec_gate_spec_rate(g);
+    if (known > 0 && seconds > GATE_CLAMP * known * per_seq) seconds = GATE_CLAMP * known * per_seq;
     if (drafted <= 0) {
         g->plain_s = GATE_DECAY * g->plain_s + seconds;
         g->plain_n = GATE_DECAY * g->plain_n + per_seq;
@@ -89,6 +96,8 @@ void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int s
         /* spec_w after MIN_SPEC steps: 1 + 0.9 + 0.81 + 0.729 = 3.44 (decay 0.9) */
         if (plain > 0 && g->spec_w >= 0.85 * LOOM_SPEC_GATE_MIN_SPEC && spec > plain * (1 + g->margin))
             turn_off(g);
+        else if (plain > 0 && g->spec_w > 0 && spec > GATE_FAST_OFF * plain)
+            turn_off(g); /* far dearer: no need for more samples */
     } else if (g->state == LOOM_SPEC_GATE_S_OFF && g->allowed && g->probe_left == 0) {
         /* the probe's last step: keep speculating only if it paid */
         if (plain > 0 && spec > 0 && spec < plain * (1 - g->margin)) {

@@ -13,7 +13,9 @@
  *   ON      drafts allowed; one step in LOOM_SPEC_GATE_PLAIN_EVERY is plain
  *           so the baseline stays current. → OFF when, with at least
  *           LOOM_SPEC_GATE_MIN_SPEC speculative steps seen, a token costs
- *           more than (1 + margin) times a plain one.
+ *           more than (1 + margin) times a plain one, or after one step
+ *           when it costs more than twice. Each observation counts at most
+ *           4 times its class's rate (a step the OS descheduled).
  *   OFF     plain steps; after `probe_every` of them a probe of
  *           LOOM_SPEC_GATE_PROBE speculative steps (the first, which pays
  *           for the drafter catching up, is not measured; the estimates
