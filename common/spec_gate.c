@@ -2,21 +2,49 @@
  * that drafts pay for themselves. */
 #include "common/spec_gate.h"
 
-#define GATE_DECAY 0.9 /* weight of the past per observed step */
-#define GATE_CLAMP 4.0 /* an observation counts at most this many times its class's rate */
-#define GATE_FAST_OFF 2.0 /* a token this many times dearer turns drafts off after one step */
+#include <string.h>
+
+#define GATE_FAST_OFF 2.0 /* tokens this many times dearer turn drafts off after two steps */
 
 void loom_spec_gate_init(loom_spec_gate_t *g) {
     *g = (loom_spec_gate_t){.state = LOOM_SPEC_GATE_S_WARMUP, .margin = 0.02,
                             .probe_every = LOOM_SPEC_GATE_FIRST_PROBE};
 }
 
+static void ring_push(loom_spec_gate_ring_t *r, double v) {
+    r->v[r->next] = v;
+    r->next = (r->next + 1) % LOOM_SPEC_GATE_WINDOW;
+    if (r->n < LOOM_SPEC_GATE_WINDOW) r->n++;
+}
+
+/* The ring's values are v[0..n) while it fills, then all of v: either way
+ * the first n. */
+static double ring_median(const loom_spec_gate_ring_t *r) {
+    if (r->n == 0) return 0.0;
+    double v[LOOM_SPEC_GATE_WINDOW];
+    memcpy(v, r->v, (size_t)r->n * sizeof *v);
+    for (int i = 1; i < r->n; i++) /* insertion sort: a handful of values */
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return r->n % 2 ? v[r->n / 2] : 0.5 * (v[r->n / 2 - 1] + v[r->n / 2]);
+}
+
+static double ring_min(const loom_spec_gate_ring_t *r) {
+    double m = r->n ? r->v[0] : 0.0;
+    for (int i = 1; i < r->n; i++)
+        if (r->v[i] < m) m = r->v[i];
+    return m;
+}
+
 double loom_spec_gate_plain_rate(const loom_spec_gate_t *g) {
-    return g->plain_n > 0 ? g->plain_s / g->plain_n : 0.0;
+    return ring_median(&g->plain);
 }
 
 double loom_spec_gate_spec_rate(const loom_spec_gate_t *g) {
-    return g->spec_n > 0 ? g->spec_s / g->spec_n : 0.0;
+    return ring_median(&g->spec);
 }
 
 const char *loom_spec_gate_state_name(loom_spec_gate_state_t s) {
@@ -25,12 +53,6 @@ const char *loom_spec_gate_state_name(loom_spec_gate_state_t s) {
     case LOOM_SPEC_GATE_S_ON: return "on";
     default: return "off";
     }
-}
-
-/* The drafter's first step after plain ones also catches up with the
- * tokens it did not see (a draft model's prefill): not a fair sample. */
-static void start_speculating(loom_spec_gate_t *g) {
-    g->skip_next = 1;
 }
 
 int loom_spec_gate_step(loom_spec_gate_t *g) {
@@ -42,7 +64,9 @@ int loom_spec_gate_step(loom_spec_gate_t *g) {
         }
         g->state = LOOM_SPEC_GATE_S_ON;
         g->steps = 0;
-        start_speculating(g);
+        /* the drafter's first step also catches up with the tokens it did
+         * not see (a draft model's prefill): not a fair sample */
+        g->skip_next = 1;
         /* fall through */
     case LOOM_SPEC_GATE_S_ON:
         g->steps++;
@@ -53,13 +77,11 @@ int loom_spec_gate_step(loom_spec_gate_t *g) {
             return g->allowed = 1;
         }
         if (++g->steps < g->probe_every) return g->allowed = 0;
-        /* a probe: its steps outweigh the stale speculative estimates */
+        /* a probe: its steps replace the stale speculative estimate */
         g->steps = 0;
         g->probe_left = LOOM_SPEC_GATE_PROBE - 1;
-        g->spec_s *= 0.25;
-        g->spec_n *= 0.25;
-        g->spec_w *= 0.25;
-        start_speculating(g);
+        g->spec.n = g->spec.next = 0;
+        g->skip_next = 1;
         return g->allowed = 1;
     }
     return g->allowed = 0;
@@ -75,28 +97,19 @@ static void turn_off(loom_spec_gate_t *g) {
 
 void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds) {
     if (emitted <= 0 || seqs <= 0 || !(seconds > 0)) return;
-    const double per_seq = (double)emitted / seqs;
-    /* A step descheduled by the machine's other load would weigh for many
-     * steps in a decayed mean: clamp it to GATE_CLAMP times the rate of its
-     * class once the class has a rate. */
-    const double known = drafted <= 0 ? loom_spec_gate_plain_rate(g) : loom_spec_gate_spec_rate(g);
-    if (known > 0 && seconds > GATE_CLAMP * known * per_seq) seconds = GATE_CLAMP * known * per_seq;
+    const double per_token = seconds * seqs / emitted;
     if (drafted <= 0) {
-        g->plain_s = GATE_DECAY * g->plain_s + seconds;
-        g->plain_n = GATE_DECAY * g->plain_n + per_seq;
+        ring_push(&g->plain, per_token);
     } else if (g->skip_next) {
         g->skip_next = 0;
     } else {
-        g->spec_s = GATE_DECAY * g->spec_s + seconds;
-        g->spec_n = GATE_DECAY * g->spec_n + per_seq;
-        g->spec_w = GATE_DECAY * g->spec_w + 1;
+        ring_push(&g->spec, per_token);
     }
     const double plain = loom_spec_gate_plain_rate(g), spec = loom_spec_gate_spec_rate(g);
     if (g->state == LOOM_SPEC_GATE_S_ON) {
-        /* spec_w after MIN_SPEC steps: 1 + 0.9 + 0.81 + 0.729 = 3.44 (decay 0.9) */
-        if (plain > 0 && g->spec_w >= 0.85 * LOOM_SPEC_GATE_MIN_SPEC && spec > plain * (1 + g->margin))
+        if (plain > 0 && g->spec.n >= LOOM_SPEC_GATE_MIN_SPEC && spec > plain * (1 + g->margin))
             turn_off(g);
-        else if (plain > 0 && g->spec_w > 0 && spec > GATE_FAST_OFF * plain)
+        else if (plain > 0 && g->spec.n >= 2 && ring_min(&g->spec) > GATE_FAST_OFF * plain)
             turn_off(g); /* far dearer: no need for more samples */
     } else if (g->state == LOOM_SPEC_GATE_S_OFF && g->allowed && g->probe_left == 0) {
         /* the probe's last step: keep speculating only if it paid */

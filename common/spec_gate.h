@@ -13,18 +13,18 @@
  *   ON      drafts allowed; one step in LOOM_SPEC_GATE_PLAIN_EVERY is plain
  *           so the baseline stays current. → OFF when, with at least
  *           LOOM_SPEC_GATE_MIN_SPEC speculative steps seen, a token costs
- *           more than (1 + margin) times a plain one, or after one step
- *           when it costs more than twice. Each observation counts at most
- *           4 times its class's rate (a step the OS descheduled).
+ *           more than (1 + margin) times a plain one, or after two steps
+ *           when both cost more than twice.
  *   OFF     plain steps; after `probe_every` of them a probe of
  *           LOOM_SPEC_GATE_PROBE speculative steps (the first, which pays
- *           for the drafter catching up, is not measured; the estimates
- *           from before weigh a quarter). → ON when the
+ *           for the drafter catching up, is not measured; the probe's
+ *           steps replace the speculative estimate). → ON when the
  *           probe's tokens cost less than (1 − margin) times a plain one;
  *           else probe_every doubles (up to LOOM_SPEC_GATE_MAX_PROBE), so a
  *           draft that never pays costs a vanishing share of the steps.
- * Invariant: the estimates are decayed sums of what was observed; the
- * gate itself never changes the output (a plain step and a speculative one
+ * The rates are medians of the last 5 steps of each kind, so a step the
+ * OS descheduled (a shared machine) does not move them. Invariant: the
+ * gate never changes the output (a plain step and a speculative one
  * emit the same ids, docs/speculative.md). */
 #ifndef LOOM_SPEC_GATE_H
 #define LOOM_SPEC_GATE_H
@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 #define LOOM_SPEC_GATE_WARMUP 3
-#define LOOM_SPEC_GATE_PLAIN_EVERY 32
+#define LOOM_SPEC_GATE_PLAIN_EVERY 8
 #define LOOM_SPEC_GATE_MIN_SPEC 4
 #define LOOM_SPEC_GATE_PROBE 3
 #define LOOM_SPEC_GATE_FIRST_PROBE 32
@@ -40,15 +40,22 @@
 
 typedef enum { LOOM_SPEC_GATE_S_WARMUP, LOOM_SPEC_GATE_S_ON, LOOM_SPEC_GATE_S_OFF } loom_spec_gate_state_t;
 
+/* The last LOOM_SPEC_GATE_WINDOW per-token times of one kind of step: few,
+ * so the plain rate follows the context growing (attention) while drafts run. */
+#define LOOM_SPEC_GATE_WINDOW 5
+typedef struct loom_spec_gate_ring {
+    double v[LOOM_SPEC_GATE_WINDOW];
+    int n, next;
+} loom_spec_gate_ring_t;
+
 typedef struct loom_spec_gate {
     loom_spec_gate_state_t state;
-    double margin;            /* relative hysteresis (default 0.02) */
-    double plain_s, plain_n;  /* decayed seconds and tokens of plain steps */
-    double spec_s, spec_n;    /* the same for steps that carried drafts */
-    double spec_w;            /* decayed count of speculative steps measured */
-    int steps;                /* steps in the current state */
+    double margin;                /* relative hysteresis (default 0.02) */
+    loom_spec_gate_ring_t plain;  /* seconds per token of plain steps */
+    loom_spec_gate_ring_t spec;   /* the same for steps that carried drafts */
+    int steps;                    /* steps in the current state */
     int probe_every, probe_left, skip_next;
-    int allowed;              /* what the last loom_spec_gate_step answered */
+    int allowed;                  /* what the last loom_spec_gate_step answered */
     int64_t turned_off, turned_on; /* transitions, for stats and tests */
 } loom_spec_gate_t;
 
@@ -62,7 +69,8 @@ int loom_spec_gate_step(loom_spec_gate_t *g);
  * (seconds / (emitted / seqs)): a step's latency per token, so steps of
  * several sequences compare with the same measure. */
 void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds);
-/* Seconds per token of a sequence in plain and in speculative steps (0: none seen). */
+/* Seconds per token of a sequence in plain and in speculative steps: the
+ * median of the recent ones (0: none seen). */
 double loom_spec_gate_plain_rate(const loom_spec_gate_t *g);
 double loom_spec_gate_spec_rate(const loom_spec_gate_t *g);
 const char *loom_spec_gate_state_name(loom_spec_gate_state_t s);

@@ -27,7 +27,8 @@ struct loom_sched {
     loom_spec_stats_t spec_stats;
     loom_spec_cost_t spec_cost;    /* measured step times (loom_sched_observe_step) */
     loom_spec_gate_t spec_gate;    /* drafts only while they pay in wall time */
-    double last_step_s;            /* the step loom_sched_complete is about to complete */
+    loom_sched_clock_fn clock;     /* the gate's clock (NULL: loom_now_ns) */
+    void *clock_ctx;
     loom_sched_draft_fn draft;     /* method DRAFT's proposer (NULL: none) */
     loom_sched_forget_fn draft_forget;
     void *draft_ctx;
@@ -545,8 +546,12 @@ void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
 }
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s) { return &s->spec_stats; }
 
+void loom_sched_set_clock(loom_sched_t *s, loom_sched_clock_fn now_ns, void *ctx) {
+    s->clock = now_ns;
+    s->clock_ctx = ctx;
+}
+
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
-    s->last_step_s = seconds;
     if (n_tokens <= 2 * LOOM_MAX(s->spec.compute_knee, 32)) loom_spec_cost_observe(&s->spec_cost, n_tokens, seconds);
 }
 
@@ -785,10 +790,27 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
         register_blocks(s, q);
         drop_behind_window(s, q);
     }
-    int drafted = 0, emitted = 0;
-    for (int i = 0; i < mb->n_seqs; i++) drafted += mb->spec_n[i];
-    /* the gate compares batches of decodes only (a prefill chunk's time is not a token's) */
+    int drafted = 0, emitted = 0, timed = 0, first_drafts = 0;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        drafted += mb->spec_n[i];
+        /* a sequence's first drafts paid for the drafter reading its prompt */
+        first_drafts += mb->spec_n[i] > 0 && mb->seqs[i]->spec_drafted == 0;
+    }
+    /* The gate compares batches of decodes only (a prefill chunk's time is
+     * not a token's), each timed as its sequences' whole cycle: from their
+     * previous step's completion to this one. */
     const int all_decode = mb->spec_gate >= 0 && mb->n_tokens == mb->n_seqs + drafted;
+    const uint64_t now = s->clock ? s->clock(s->clock_ctx) : loom_now_ns();
+    double cycle_s = 0;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        if (q->finish_pending) continue;
+        if (all_decode && q->t_step_ns) {
+            cycle_s += (double)(now - q->t_step_ns) * 1e-9;
+            timed++;
+        }
+        q->t_step_ns = now;
+    }
     for (int i = 0; i < mb->n_seqs; i++)
         if (mb->spec_n[i] > 0 && !mb->seqs[i]->finish_pending) emitted += spec_complete(s, mb, i, ids, on_token, ctx);
     for (int r = 0; r < mb->n_logits; r++) {
@@ -801,8 +823,8 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
         if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
         if (on_token) on_token(ctx, q, ids[r]);
     }
-    if (all_decode) loom_spec_gate_observe(&s->spec_gate, drafted, emitted, mb->n_seqs, s->last_step_s);
-    s->last_step_s = 0;
+    if (timed == mb->n_seqs && timed > 0 && !first_drafts)
+        loom_spec_gate_observe(&s->spec_gate, drafted, emitted, mb->n_seqs, cycle_s / timed);
     release_mb(s, mb);
 }
 

@@ -88,6 +88,7 @@ typedef struct loom_seq {
     uint64_t step_offset;    /* sampling steps already taken before its prompt ended (a continued
                                 request: GenerateRequest.sample_step_offset) */
     loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
+    uint64_t t_step_ns;      /* when its last step completed (the speculation gate's clock) */
     /* prompt logprobs (vLLM's prompt_logprobs): each prefill chunk asks the
      * last stage for the logprob of every prompt token after the first and
      * the prompt_lp_top most likely at its position. Such a sequence skips
@@ -255,10 +256,15 @@ typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx);
 /* A step of n_tokens took `seconds`: feeds the measured cost model that
- * adaptive K weighs drafts against (small steps only: the decode regime)
- * and, when the batch completed next is all decodes, the speculation gate
- * (common/spec_gate.h: drafts only while a token costs less with them).
- * The caller adds the batch's draft_s, so a draft model's cost counts too. */
+ * adaptive K weighs drafts against (small steps only: the decode regime).
+ * The caller adds the batch's draft_s, so a draft model's cost counts too.
+ * (The speculation gate, common/spec_gate.h, times whole cycles itself: a
+ * batch of decodes is measured from its sequences' previous completions, so
+ * the grid's round trip and the coordinator's own work count too.) */
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
+/* The clock the speculation gate times cycles with (default loom_now_ns):
+ * tests and simulators give it a clock of their own. */
+typedef uint64_t (*loom_sched_clock_fn)(void *ctx);
+void loom_sched_set_clock(loom_sched_t *s, loom_sched_clock_fn now_ns, void *ctx);
 
 #endif

@@ -478,7 +478,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     loom_spec_gate_init(&gate);
     loom_spec_config_t spec = l->spec;
     uint64_t t1 = 0;
-    double step_s = 0; /* the last step's wall time, drafting included */
+    uint64_t t_step = 0; /* when the step being emitted started (its drafting included) */
     /* A test hook: every draft proposal of a draft model sleeps this long,
      * an expensive draft on demand (tests/integration/test_spec.py). */
     const char *delay_env = getenv("LOOM_TEST_DRAFT_DELAY_MS");
@@ -503,7 +503,8 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         }
         loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
         loom_spec_adapt_update(&adapt, n_draft, accepted);
-        if (step_s > 0) loom_spec_gate_observe(&gate, n_draft, emitted, 1, step_s);
+        /* the gate times the whole cycle: drafting, forward, sampling, emitting */
+        if (t_step) loom_spec_gate_observe(&gate, n_draft, emitted, 1, (double)(loom_now_ns() - t_step) * 1e-9);
         pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
         if (done || pos + 1 > l->ctx) break;
         /* the last emitted token goes in at position pos (its predecessor's
@@ -511,6 +512,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
         uint64_t ts = loom_now_ns();
+        t_step = ts;
         if (l->spec.method != LOOM_SPEC_OFF) {
             spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
             k = loom_spec_adapt_k(&adapt, &spec, 1);
@@ -543,8 +545,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
         if (l->mtp) mtp_keep_rows(l, pos, n_draft + 1);
-        step_s = (double)(loom_now_ns() - ts) * 1e-9;
-        loom_spec_cost_observe(&cost, n_draft + 1, step_s);
+        loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);
         pos++;
     }
     st.gen_tokens = g;
