@@ -277,13 +277,15 @@ def test_grids_draft():
     # self-draft; three slots for the seven requests, so some decode without
     # drafts), the same ids on every grid; then separate draft checkpoints:
     # one that agrees (the target's own f32 weights) and a random one that
-    # (almost) never does
+    # (almost) never does. K is fixed: the wall-time gate would (rightly)
+    # turn off a draft as dear as its target, and these check drafts verified
     best = grid_identity(["--speculative-method", "draft", "--speculative-quantization", "int8",
-                          "--num-speculative-tokens", "4", "--speculative-max-seqs", "3"], min_best=2.0)
+                          "--num-speculative-tokens", "4", "--speculative-max-seqs", "3",
+                          "--speculative-fixed-k"], min_best=2.0)
     print("int8 self-draft on the grids: best %.2f tokens per target step" % best)
     best = grid_identity(["--speculative-method", "draft", "--speculative-model", STORIES,
                           "--num-speculative-tokens", "6", "--speculative-threads", "2",
-                          "--speculative-device", "cpu"], grids=((1, 2),), min_best=3.0)
+                          "--speculative-device", "cpu", "--speculative-fixed-k"], grids=((1, 2),), min_best=3.0)
     print("the target's checkpoint as the draft, 1x2: best %.2f tokens per target step" % best)
     draft = gen_model(os.path.join(WORK, "spec-draft"), "--dim", "32", "--hidden-dim", "64", "--layers", "2",
                       "--heads", "4", "--vocab", "512", "--seed", "5")
@@ -391,13 +393,14 @@ def failover(spec_args):
 
 
 def test_failover():
-    failover(SPEC_ARGS)
+    failover(SPEC_ARGS + ["--speculative-fixed-k"])  # drafts in flight when the worker dies
 
 
 def test_failover_draft():
     # the coordinator's draft keeps its slots across the grid's loss; the
     # re-prefilled sequences draft on from what their slots hold
-    failover(["--speculative-method", "draft", "--speculative-quantization", "int8", "--num-speculative-tokens", "4"])
+    failover(["--speculative-method", "draft", "--speculative-quantization", "int8", "--num-speculative-tokens", "4",
+              "--speculative-fixed-k"])
 
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
