@@ -255,12 +255,12 @@ typedef int (*loom_sched_draft_fn)(void *ctx, const loom_seq_t *q, int k, int32_
 typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx);
-/* A step of n_tokens took `seconds`: feeds the measured cost model that
- * adaptive K weighs drafts against (small steps only: the decode regime).
- * The caller adds the batch's draft_s, so a draft model's cost counts too.
- * (The speculation gate, common/spec_gate.h, times whole cycles itself: a
- * batch of decodes is measured from its sequences' previous completions, so
- * the grid's round trip and the coordinator's own work count too.) */
+/* A step of n_tokens took `seconds` on the workers: feeds the measured cost
+ * model that adaptive K weighs drafts against (small steps only: the decode
+ * regime). A draft model's own time stays out of it: the speculation gate
+ * (common/spec_gate.h) times whole cycles itself, a batch of decodes from
+ * its sequences' previous completions, so the grid's round trip and the
+ * coordinator's own work (the draft's forwards) count there. */
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
 /* The clock the speculation gate times cycles with (default loom_now_ns):
  * tests and simulators give it a clock of their own. */

@@ -511,8 +511,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
          * KV is at pos - 1) */
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
-        uint64_t ts = loom_now_ns();
-        t_step = ts;
+        t_step = loom_now_ns();
         if (l->spec.method != LOOM_SPEC_OFF) {
             spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
             k = loom_spec_adapt_k(&adapt, &spec, 1);
@@ -541,6 +540,9 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         } else {
             n_draft = 0;
         }
+        /* adaptive K weighs the target's verify cost alone; what drafting
+         * costs is the gate's (it times the whole cycle) */
+        const uint64_t ts = loom_now_ns();
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
