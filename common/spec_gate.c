@@ -118,7 +118,7 @@ void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int s
             g->steps = 0;
             g->turned_on++;
         } else if (g->probe_every < LOOM_SPEC_GATE_MAX_PROBE) {
-            g->probe_every *= 2;
+            g->probe_every *= 8;
         }
         g->allowed = 0;
     }

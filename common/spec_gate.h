@@ -20,8 +20,10 @@
  *           for the drafter catching up, is not measured; the probe's
  *           steps replace the speculative estimate). → ON when the
  *           probe's tokens cost less than (1 − margin) times a plain one;
- *           else probe_every doubles (up to LOOM_SPEC_GATE_MAX_PROBE), so a
- *           draft that never pays costs a vanishing share of the steps.
+ *           else probe_every grows 8× (up to LOOM_SPEC_GATE_MAX_PROBE): a
+ *           draft model's probe first reads every token it missed while
+ *           off (its prefill), so probes must be rare for a draft that
+ *           never pays to cost a small share of the time.
  * The rates are medians of the last 5 steps of each kind, so a step the
  * OS descheduled (a shared machine) does not move them. Invariant: the
  * gate never changes the output (a plain step and a speculative one
@@ -35,8 +37,8 @@
 #define LOOM_SPEC_GATE_PLAIN_EVERY 8
 #define LOOM_SPEC_GATE_MIN_SPEC 4
 #define LOOM_SPEC_GATE_PROBE 3
-#define LOOM_SPEC_GATE_FIRST_PROBE 32
-#define LOOM_SPEC_GATE_MAX_PROBE 1024
+#define LOOM_SPEC_GATE_FIRST_PROBE 64
+#define LOOM_SPEC_GATE_MAX_PROBE 4096
 
 typedef enum { LOOM_SPEC_GATE_S_WARMUP, LOOM_SPEC_GATE_S_ON, LOOM_SPEC_GATE_S_OFF } loom_spec_gate_state_t;
 

@@ -144,7 +144,7 @@ def test_draft_expensive():
     gate = re.search(r"speculation gate: (\w+) .*turned off (\d+)", err)
     check(m and gate, "no speculation lines in: %s" % err[-400:])
     check(gate.group(1) == "off" and int(gate.group(2)) >= 1, "the gate did not turn off: %s" % gate.group(0))
-    # warm-up 3 plain, then 3 drafting steps (1 unmeasured), probes of 3 after 32 and 64 plain steps
+    # warm-up 3 plain, then at most 5 drafting steps (1 unmeasured), a probe of 3 after 64 plain steps
     check(int(m.group(1)) <= 12, "expensive draft: %s drafting steps of 96 tokens" % m.group(1))
 
 
