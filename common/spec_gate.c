@@ -87,7 +87,13 @@ int loom_spec_gate_step(loom_spec_gate_t *g) {
     return g->allowed = 0;
 }
 
+static void decided(loom_spec_gate_t *g) {
+    g->decided_spec = loom_spec_gate_spec_rate(g);
+    g->decided_plain = loom_spec_gate_plain_rate(g);
+}
+
 static void turn_off(loom_spec_gate_t *g) {
+    decided(g);
     g->state = LOOM_SPEC_GATE_S_OFF;
     g->steps = 0;
     g->probe_left = 0;
@@ -113,6 +119,7 @@ void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int s
             turn_off(g); /* far dearer: no need for more samples */
     } else if (g->state == LOOM_SPEC_GATE_S_OFF && g->allowed && g->probe_left == 0) {
         /* the probe's last step: keep speculating only if it paid */
+        decided(g);
         if (plain > 0 && spec > 0 && spec < plain * (1 - g->margin)) {
             g->state = LOOM_SPEC_GATE_S_ON;
             g->steps = 0;

@@ -58,6 +58,7 @@ typedef struct loom_spec_gate {
     int steps;                    /* steps in the current state */
     int probe_every, probe_left, skip_next;
     int allowed;                  /* what the last loom_spec_gate_step answered */
+    double decided_spec, decided_plain; /* the two rates at the last turn or failed probe */
     int64_t turned_off, turned_on; /* transitions, for stats and tests */
 } loom_spec_gate_t;
 
