@@ -47,8 +47,11 @@
  * qcross, docs/kernels-cpu.md, AVX2 and AVX-512 VNNI paths of one Xeon):
  * the integer GEMM beats the Q4 GEMV from n = 8 on both paths and the INT8
  * GEMV from n = 16-32 (AVX2); it beats dequantize + sgemm at every n
- * measured up to 512 but a few noisy INT8 ones. FP8's GEMV computes in
- * float and loses to sgemm from n = 32. x goes through the kernels
+ * measured up to 512 but a few noisy INT8 ones. (Those crossovers were
+ * measured with the GEMV on a row layout; with the panels stored at upload
+ * both paths run the same tiles, so for INT8 and Q4 the limits only name
+ * the path, LOOM_CPU_MM_GEMV or _IGEMM.) FP8's GEMV computes in float and
+ * loses to sgemm from n = 32. x goes through the kernels
  * QX_ROWS rows at a time, so its int8 copy stays in L1/L2 and the scratch
  * has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N_INT8
