@@ -8,7 +8,7 @@
  * f32).
  *
  *   bench_kernels [--threads N] [--quick] [--only
- * triad|gemv|crossover|prefill|dispatch|attention|mla|eltwise|quant|qdecode|qcross|qprefill]
+ * triad|gemv|crossover|prefill|dispatch|attention|mla|eltwise|quant|qdecode|qcross|qprefill|qhot]
  *
  * Weights and KV caches are cycled through several copies totalling more than
  * the last-level cache, so every call streams from DRAM as in a real decode
@@ -769,6 +769,41 @@ static void bench_quant_prefill(int n_threads) {
     loom_aligned_free(y);
 }
 
+/* The decode GEMV's arithmetic ceiling: one thread, n = 1, one matrix of
+ * the model's down shape (768 x 2048) hot in L2, so the time is the
+ * kernel's instructions, not DRAM (the machine's load matters less too:
+ * best of many short calls). Bytes and MACs per second. */
+static void bench_quant_hot(void) {
+    static const char *schemes[] = {"int8", "q4", "q4:128", "q4_min"};
+    enum { ROWS = M_DIM, COLS = M_HIDDEN, CALLS = 400 };
+    printf("\n== quantized GEMV hot in L2, 1 thread, n = 1, %dx%d, isa %s: best of %d calls ==\n", ROWS,
+           COLS, loom_cpu_isa_name(loom_cpu_isa_select()), CALLS);
+    printf("%-7s %8s %10s %9s %9s\n", "scheme", "KB", "best us", "GB/s", "GMAC/s");
+    loom_backend_t *be = make_backend(1, LOOM_DT_F32);
+    float *host = xalloc(sizeof(float) * (size_t)ROWS * COLS), *x = xalloc(sizeof(float) * COLS);
+    float *y = xalloc(sizeof(float) * ROWS);
+    fill_rand(host, (size_t)ROWS * COLS, 21);
+    fill_rand(x, COLS, 22);
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(schemes); s++) {
+        loom_weight_t w;
+        upload_any(be, &w, schemes[s], host, ROWS, COLS);
+        double best = 1e9;
+        for (int c = 0; c < CALLS; c++) {
+            uint64_t t0 = loom_now_ns();
+            loom_cpu_matmul_path(be, y, x, &w, 1, LOOM_CPU_MM_GEMV);
+            best = LOOM_MIN(best, (double)(loom_now_ns() - t0) * 1e-9);
+        }
+        const double b = (double)loom_weight_bytes(&w);
+        printf("%-7s %8.0f %10.1f %9.2f %9.2f\n", schemes[s], b / 1024, best * 1e6, b / best / 1e9,
+               (double)ROWS * COLS / best / 1e9);
+        loom_weight_free(be, &w);
+    }
+    loom_aligned_free(host);
+    loom_aligned_free(x);
+    loom_aligned_free(y);
+    loom_backend_destroy(&be);
+}
+
 static void bench_quant(int n_threads, double triad) {
     if (want("quant") || want("qdecode")) bench_quant_decode(n_threads, triad);
     if (want("quant") || want("qcross")) bench_quant_crossover(n_threads);
@@ -816,6 +851,7 @@ int main(int argc, char **argv) {
     if (want("attention")) bench_attention(n_threads);
     if (want("mla")) bench_mla(n_threads);
     if (want("eltwise")) bench_eltwise(n_threads);
+    if (want("qhot")) bench_quant_hot();
     if (want("quant") || want("qdecode") || want("qcross") || want("qprefill")) {
         triad = LOOM_MAX(triad, loom_bench_triad_gbs(n_threads));
         printf("\ntriad used for the quantized ratios: %.2f GB/s (best of the runs)\n", triad);

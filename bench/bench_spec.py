@@ -7,6 +7,7 @@ throughput of a 1x1 cluster at 32 concurrent streams with speculation on
 against off (`loom bench`, random prompts, rounds interleaved), for ngram and the int8 self-draft.
 
     /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4] [--grid-only] [--draft-only]
+    /usr/bin/python3 bench/bench_spec.py --gate-only   (random against repetitive prompts, the wall-time gate)
 
 The verify-cost side (K+1 tokens against one, on a model beyond the L3) is
 build/bin/bench_spec; docs/speculative.md has the figures.
@@ -119,6 +120,33 @@ def bench_grid(model, tokens, rounds, k, spec, controls, title):
 NGRAM = ["--speculative-method", "ngram"]
 SELF_INT8 = ["--speculative-method", "draft", "--speculative-quantization", "int8"]
 
+GATE_PROMPTS = {  # low acceptance: words in no order; high: a sentence repeated
+    "random": "plate river seven quietly orange jump cloud pencil under hat brave spoon later tiny",
+    "repetitive": "The cat sat on the mat. " * 8,
+}
+
+
+def bench_gate(model, tokens, rounds, k):
+    """The wall-time gate (common/spec_gate.h): speed with speculation on
+    (adaptive K and the gate) against off, per prompt kind, rounds interleaved."""
+    print("loom run, batch 1, greedy, %d tokens, K=%d adaptive with the wall-time gate, %d interleaved rounds"
+          % (tokens, k, rounds))
+    print("%-16s %-11s %10s %10s %8s %8s %8s" % ("method", "prompt", "off tok/s", "on tok/s", "on/off",
+                                                 "tok/step", "accept%"))
+    for name, spec in (("ngram", NGRAM), ("int8 self-draft", SELF_INT8)):
+        for kind, prompt in GATE_PROMPTS.items():
+            off, on, steps, accs, gates = [], [], [], [], []
+            for _ in range(rounds):
+                off.append(loom_run(model, prompt, tokens, [])[0])
+                r, t, acc = loom_run(model, prompt, tokens, spec + ["--num-speculative-tokens", str(k)])
+                on.append(r)
+                steps.append(t)
+                accs.append(acc)
+            print("%-16s %-11s %10.1f %10.1f %7.2fx %8.2f %8.1f" % (
+                name, kind, statistics.median(off), statistics.median(on),
+                statistics.median(on) / statistics.median(off), statistics.median(steps),
+                statistics.median(accs)))
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -129,7 +157,11 @@ def main():
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--grid-only", action="store_true", help="only the cluster parts (controls, draft, 32 streams)")
     ap.add_argument("--draft-only", action="store_true", help="only the cluster parts with the coordinator's draft")
+    ap.add_argument("--gate-only", action="store_true", help="only loom run on random and repetitive prompts")
     a = ap.parse_args()
+    if a.gate_only:
+        bench_gate(a.model, a.tokens, a.rounds, a.k)
+        return
     methods = {"ngram": NGRAM, "int8 self-draft": SELF_INT8,
                "q4 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "q4"]}
     for name, spec in ({} if a.grid_only or a.draft_only else methods).items():

@@ -272,6 +272,17 @@ int loom_cmd_run(int argc, char **argv) {
                         (long long)st.spec.num_draft_tokens, (long long)st.spec.num_accepted_tokens,
                         100.0 * loom_spec_stats_acceptance(&st.spec));
                 fprintf(stderr, "tokens per target step: %.2f\n", loom_spec_stats_tokens_per_step(&st.spec));
+                if (!spec.fixed_k)
+                    fprintf(stderr,
+                            "speculation gate: %s (%.3f ms a token with drafts, %.3f plain%s; turned off %lld, "
+                            "on %lld times)\n",
+                            loom_spec_gate_state_name(st.gate.state),
+                            (st.gate.state == LOOM_SPEC_GATE_S_OFF ? st.gate.decided_spec
+                                                                    : loom_spec_gate_spec_rate(&st.gate)) * 1e3,
+                            (st.gate.state == LOOM_SPEC_GATE_S_OFF ? st.gate.decided_plain
+                                                                    : loom_spec_gate_plain_rate(&st.gate)) * 1e3,
+                            st.gate.state == LOOM_SPEC_GATE_S_OFF ? " when it last decided" : "",
+                            (long long)st.gate.turned_off, (long long)st.gate.turned_on);
             }
         }
     }

@@ -117,7 +117,7 @@ int main(int argc, char **argv) {
     int header_timeout = 10, body_timeout = 60, conns_per_ip = 0, special_in_content = 0;
     loom_etcd_security_t etcd_sec = {0};
     const char *spec_method = "none";
-    int spec_k = 0, ngram_min = 1, ngram_max = 4; /* spec_k 0: not given (4) */
+    int spec_k = 0, ngram_min = 1, ngram_max = 4, spec_fixed = 0; /* spec_k 0: not given (4) */
     loom_opt_t opts[] = {
         {"speculative-method", LOOM_OPT_STR, &spec_method, "METHOD",
          "speculative decoding: none (default), ngram (prompt lookup), draft "
@@ -143,6 +143,9 @@ int main(int argc, char **argv) {
          "most drafted tokens verified per sequence per step, 1..16 (default 4; adapted to the "
          "acceptance)",
          1, LOOM_SPEC_MAX_K, NULL},
+        {"speculative-fixed-k", LOOM_OPT_FLAG, &spec_fixed, NULL,
+         "always draft K tokens: no adaptive K, no wall-time gate (for measurements and tests)", 1,
+         0, NULL},
         {"ngram-min", LOOM_OPT_INT, &ngram_min, "N",
          "shortest suffix the ngram drafter looks up (default 1)", 1, 64, NULL},
         {"ngram-max", LOOM_OPT_INT, &ngram_max, "N",
@@ -528,6 +531,7 @@ int main(int argc, char **argv) {
     if (c.spec.method == LOOM_SPEC_MTP && spec_k > 1)
         LOOM_WARN("--num-speculative-tokens %d: the MTP module drafts one token a step on the grid", spec_k);
     c.spec.k = c.spec.method == LOOM_SPEC_MTP ? 1 : spec_k > 0 ? spec_k : 4;
+    c.spec.fixed_k = spec_fixed;
     c.spec.ngram_min = ngram_min;
     c.spec.ngram_max = ngram_max;
     {

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/spec_gate.h"
 #include "common/util.h"
 
 struct loom_sched {
@@ -25,6 +26,9 @@ struct loom_sched {
     loom_spec_config_t spec;       /* speculation (method OFF: none) */
     loom_spec_stats_t spec_stats;
     loom_spec_cost_t spec_cost;    /* measured step times (loom_sched_observe_step) */
+    loom_spec_gate_t spec_gate;    /* drafts only while they pay in wall time */
+    loom_sched_clock_fn clock;     /* the gate's clock (NULL: loom_now_ns) */
+    void *clock_ctx;
     loom_sched_draft_fn draft;     /* method DRAFT's proposer (NULL: none) */
     loom_sched_forget_fn draft_forget;
     void *draft_ctx;
@@ -678,7 +682,10 @@ static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
 
 static void register_blocks(loom_sched_t *s, loom_seq_t *q);
 
-void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c) { s->spec = *c; }
+void loom_sched_set_spec(loom_sched_t *s, const loom_spec_config_t *c) {
+    s->spec = *c;
+    loom_spec_gate_init(&s->spec_gate);
+}
 
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx) {
@@ -687,6 +694,11 @@ void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
     s->draft_ctx = ctx;
 }
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s) { return &s->spec_stats; }
+
+void loom_sched_set_clock(loom_sched_t *s, loom_sched_clock_fn now_ns, void *ctx) {
+    s->clock = now_ns;
+    s->clock_ctx = ctx;
+}
 
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds) {
     if (n_tokens <= 2 * LOOM_MAX(s->spec.compute_knee, 32)) loom_spec_cost_observe(&s->spec_cost, n_tokens, seconds);
@@ -716,6 +728,10 @@ void loom_sched_mtp_drafts(loom_microbatch_t *mb, const int32_t *drafts) {
 static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int budget, int rows_reserved,
                         int step_tokens) {
     int si = mb->n_seqs - 1;
+    if (!s->spec.fixed_k) { /* one answer of the gate per batch */
+        if (mb->spec_gate < 0) mb->spec_gate = loom_spec_gate_step(&s->spec_gate);
+        if (!mb->spec_gate) return;
+    }
     loom_spec_config_t c = s->spec;
     c.verify_cost = loom_spec_cost_relative(&s->spec_cost, step_tokens, s->spec.verify_cost);
     int k = loom_spec_adapt_k(&q->spec_adapt, &c, step_tokens);
@@ -763,8 +779,8 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
 }
 
 /* Accepts, emits and rolls back one speculating sequence of a completed
- * micro-batch (see loom_sched_set_spec). */
-static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const int32_t *ids,
+ * micro-batch (see loom_sched_set_spec); returns the tokens it emitted. */
+static int spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const int32_t *ids,
                           loom_sched_token_fn on_token, void *ctx) {
     loom_seq_t *q = mb->seqs[si];
     int n = mb->spec_n[si], r0 = mb->spec_row0[si], t0 = mb->logit_rows[r0];
@@ -794,6 +810,7 @@ static void spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const 
     }
     loom_spec_adapt_update(&q->spec_adapt, n, accepted);
     loom_spec_stats_record(&s->spec_stats, n, accepted, emitted);
+    return emitted;
 }
 
 loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
@@ -812,6 +829,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
     for (int i = 0; i < s->n_pend; i++) /* before anything reuses their blocks */
         xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, s->pend_block[i], s->pend_hash[i]);
     s->n_pend = 0;
+    mb->spec_gate = -1;
     int budget = c->max_batched_tokens;
     int cap = c->max_num_seqs;
     if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */
@@ -951,17 +969,41 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
         register_blocks(s, q);
         drop_behind_window(s, q);
     }
+    int drafted = 0, emitted = 0, timed = 0, first_drafts = 0;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        drafted += mb->spec_n[i];
+        /* a sequence's first drafts paid for the drafter reading its prompt */
+        first_drafts += mb->spec_n[i] > 0 && mb->seqs[i]->spec_drafted == 0;
+    }
+    /* The gate compares batches of decodes only (a prefill chunk's time is
+     * not a token's), each timed as its sequences' whole cycle: from their
+     * previous step's completion to this one. */
+    const int all_decode = mb->spec_gate >= 0 && mb->n_tokens == mb->n_seqs + drafted;
+    const uint64_t now = s->clock ? s->clock(s->clock_ctx) : loom_now_ns();
+    double cycle_s = 0;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        loom_seq_t *q = mb->seqs[i];
+        if (q->finish_pending) continue;
+        if (all_decode && q->t_step_ns) {
+            cycle_s += (double)(now - q->t_step_ns) * 1e-9;
+            timed++;
+        }
+        q->t_step_ns = now;
+    }
     for (int i = 0; i < mb->n_seqs; i++)
-        if (mb->spec_n[i] > 0 && !mb->seqs[i]->finish_pending) spec_complete(s, mb, i, ids, on_token, ctx);
+        if (mb->spec_n[i] > 0 && !mb->seqs[i]->finish_pending) emitted += spec_complete(s, mb, i, ids, on_token, ctx);
     for (int r = 0; r < mb->n_logits; r++) {
         loom_seq_t *q = mb->logit_seq[r];
         if (q->finish_pending || mb->spec_row[r]) continue;
         LOOM_ASSERT(q->n_tokens < q->cap_tokens);
+        emitted++;
         q->tokens[q->n_tokens++] = ids[r];
         q->n_steps++;
         if (!q->t_first_token_ns) q->t_first_token_ns = loom_now_ns();
         if (on_token) on_token(ctx, q, ids[r]);
     }
+    if (timed == mb->n_seqs && timed > 0 && !first_drafts)
+        loom_spec_gate_observe(&s->spec_gate, drafted, emitted, mb->n_seqs, cycle_s / timed);
     release_mb(s, mb);
 }
 

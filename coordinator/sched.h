@@ -91,6 +91,7 @@ typedef struct loom_seq {
     loom_spec_adapt_t spec_adapt; /* its measured acceptance (adaptive K) */
     int32_t mtp_draft;       /* method MTP: the workers' draft for its next step (loom_sched_mtp_drafts) */
     int mtp_draft_for;       /* ... valid while n_steps equals this (0: none) */
+    uint64_t t_step_ns;      /* when its last step completed (the speculation gate's clock) */
     /* prompt logprobs (vLLM's prompt_logprobs): each prefill chunk asks the
      * last stage for the logprob of every prompt token after the first and
      * the prompt_lp_top most likely at its position. Such a sequence skips
@@ -168,6 +169,7 @@ typedef struct loom_microbatch {
     int n_saves_after, cap_saves_after;
     int32_t *save_after_block;
     uint64_t *save_after_hash;
+    int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
 } loom_microbatch_t;
 
 typedef struct loom_sched_stats {
@@ -291,9 +293,16 @@ void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
  * loom_sched_complete. A sequence's next decode carries it (one draft)
  * when nothing else ran for it in between. */
 void loom_sched_mtp_drafts(loom_microbatch_t *mb, const int32_t *drafts);
-/* A step of n_tokens took `seconds`: feeds the measured cost model that
- * adaptive K weighs drafts against (small steps only: the decode regime).
- * The caller adds the batch's draft_s, so a draft model's cost counts too. */
+/* A step of n_tokens took `seconds` on the workers: feeds the measured cost
+ * model that adaptive K weighs drafts against (small steps only: the decode
+ * regime). A draft model's own time stays out of it: the speculation gate
+ * (common/spec_gate.h) times whole cycles itself, a batch of decodes from
+ * its sequences' previous completions, so the grid's round trip and the
+ * coordinator's own work (the draft's forwards) count there. */
 void loom_sched_observe_step(loom_sched_t *s, int n_tokens, double seconds);
+/* The clock the speculation gate times cycles with (default loom_now_ns):
+ * tests and simulators give it a clock of their own. */
+typedef uint64_t (*loom_sched_clock_fn)(void *ctx);
+void loom_sched_set_clock(loom_sched_t *s, loom_sched_clock_fn now_ns, void *ctx);
 
 #endif

@@ -861,7 +861,7 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     s->steps++;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
-    loom_sched_observe_step(s->sched, mb->n_tokens, step_s + mb->draft_s); /* the draft's time is the step's too */
+    loom_sched_observe_step(s->sched, mb->n_tokens, step_s); /* the target's cost; the gate times the draft */
     atomic_store(&s->live_progress_ns, loom_now_ns());
     if (loom_lp_view_bind(&s->lp_view, mb, r, s->mcfg.vocab_size, err, err_n) < 0) return -1;
     if (prompt_lp_step(s, mb, r, err, err_n) < 0) return -1;

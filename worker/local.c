@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/log.h"
@@ -475,8 +476,15 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     loom_spec_adapt_t adapt;
     loom_spec_adapt_init(&adapt);
     loom_spec_cost_t cost = {0}; /* measured decode / verify step times */
+    loom_spec_gate_t gate;       /* drafts only while they pay in wall time */
+    loom_spec_gate_init(&gate);
     loom_spec_config_t spec = l->spec;
     uint64_t t1 = 0;
+    uint64_t t_step = 0; /* when the step being emitted started (its drafting included) */
+    /* A test hook: every draft proposal of a draft model sleeps this long,
+     * an expensive draft on demand (tests/integration/test_spec.py). */
+    const char *delay_env = getenv("LOOM_TEST_DRAFT_DELAY_MS");
+    const long draft_delay_ms = delay_env ? LOOM_MAX(0L, strtol(delay_env, NULL, 10)) : 0;
     if (!done) {
         sample_rows(l, s, 0, 1, sampled);
         t1 = loom_now_ns();
@@ -497,16 +505,19 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         }
         loom_spec_stats_record(&st.spec, n_draft, accepted, emitted);
         loom_spec_adapt_update(&adapt, n_draft, accepted);
+        /* the gate times the whole cycle: drafting, forward, sampling, emitting */
+        if (t_step) loom_spec_gate_observe(&gate, n_draft, emitted, 1, (double)(loom_now_ns() - t_step) * 1e-9);
         pos += accepted; /* the accepted drafts' KV stays; the next token goes in after them */
         if (done || pos + 1 > l->ctx) break;
         /* the last emitted token goes in at position pos (its predecessor's
          * KV is at pos - 1) */
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
-        uint64_t ts = loom_now_ns();
+        t_step = loom_now_ns();
         if (l->spec.method != LOOM_SPEC_OFF) {
             spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
             k = loom_spec_adapt_k(&adapt, &spec, 1);
+            if (!spec.fixed_k && !loom_spec_gate_step(&gate)) k = 0;
             k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
             k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
             k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
@@ -516,6 +527,10 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             } else if (l->draft) {
                 n_draft = 0;
                 if (k > 0) {
+                    if (draft_delay_ms > 0) {
+                        struct timespec d = {draft_delay_ms / 1000, draft_delay_ms % 1000 * 1000000L};
+                        nanosleep(&d, NULL);
+                    }
                     n_draft = loom_local_propose(l->draft, 0, l->hist, n_hist, k, feed + 1, err);
                     if (n_draft < 0) return (loom_status_t)n_draft;
                 }
@@ -527,6 +542,9 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         } else {
             n_draft = 0;
         }
+        /* adaptive K weighs the target's verify cost alone; what drafting
+         * costs is the gate's (it times the whole cycle) */
+        const uint64_t ts = loom_now_ns();
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
@@ -535,6 +553,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         pos++;
     }
     st.gen_tokens = g;
+    st.gate = gate;
     if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
     if (stats) *stats = st;
     return LOOM_OK;

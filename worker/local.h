@@ -9,6 +9,7 @@
 
 #include "common/model_config.h"
 #include "common/spec.h"
+#include "common/spec_gate.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
 #include "kernels/backend.h"
@@ -44,6 +45,7 @@ typedef struct loom_gen_stats {
     double prefill_s; /* prompt in, first token out (time to first token) */
     double decode_s;  /* the remaining tokens */
     loom_spec_stats_t spec; /* target steps and (with speculation) drafts and acceptance */
+    loom_spec_gate_t gate;  /* the wall-time gate at the end (common/spec_gate.h) */
 } loom_gen_stats_t;
 
 /* Called for each generated id; return nonzero to stop. */

@@ -47,8 +47,11 @@
  * qcross, docs/kernels-cpu.md, AVX2 and AVX-512 VNNI paths of one Xeon):
  * the integer GEMM beats the Q4 GEMV from n = 8 on both paths and the INT8
  * GEMV from n = 16-32 (AVX2); it beats dequantize + sgemm at every n
- * measured up to 512 but a few noisy INT8 ones. FP8's GEMV computes in
- * float and loses to sgemm from n = 32. x goes through the kernels
+ * measured up to 512 but a few noisy INT8 ones. (Those crossovers were
+ * measured with the GEMV on a row layout; with the panels stored at upload
+ * both paths run the same tiles, so for INT8 and Q4 the limits only name
+ * the path, LOOM_CPU_MM_GEMV or _IGEMM.) FP8's GEMV computes in float and
+ * loses to sgemm from n = 32. x goes through the kernels
  * QX_ROWS rows at a time, so its int8 copy stays in L1/L2 and the scratch
  * has a fixed size. */
 #ifndef LOOM_CPU_QGEMV_MAX_N_INT8
@@ -284,7 +287,7 @@ static loom_status_t reserve_qx(cpu_backend_t *c, int n, int64_t cols, loom_err_
 }
 
 struct repack_ctx {
-    void *dst;
+    loom_weight_t *w;
     const loom_qtensor_t *t;
     int64_t chunk;
 };
@@ -292,12 +295,12 @@ struct repack_ctx {
 static void repack_task(void *p, int task, int thread) {
     struct repack_ctx *c = p;
     int64_t a = (int64_t)task * c->chunk, b = LOOM_MIN(a + c->chunk, c->t->rows);
-    loom_cpu_q_repack(c->dst, c->t, a, b);
+    loom_cpu_q_repack(c->w, c->t, a, b);
 }
 
-/* Quantized weights: codes repacked for the kernels (layout in qgemv.h),
- * scales and mins as in the canonical layout. The scratch both matmul paths
- * need is sized here, never per call. */
+/* Quantized weights: codes, scales and mins repacked once for the kernels
+ * (the 8-row panels of qgemv.h that decode and prefill both stream). The
+ * scratch both matmul paths need is sized here, never per call. */
 static loom_status_t cpu_weight_upload_quant(loom_backend_t *be, loom_weight_t *w,
                                              const loom_qtensor_t *t, loom_err_t *err) {
     cpu_backend_t *c = cpu(be);
@@ -318,11 +321,9 @@ static loom_status_t cpu_weight_upload_quant(loom_backend_t *be, loom_weight_t *
         return loom_err_set(err, LOOM_ERR_NOMEM, "cpu: out of memory for a %lld x %lld weight",
                             (long long)t->rows, (long long)t->cols);
     }
-    struct repack_ctx rc = {w->data, t, 0};
-    rc.chunk = chunk_size(c, t->rows, 64, 4, 1);
+    struct repack_ctx rc = {w, t, 0};
+    rc.chunk = chunk_size(c, t->rows, 64, 4, 8);
     loom_parallel_for(c->pool, n_chunks(t->rows, rc.chunk), repack_task, &rc);
-    memcpy(w->scales, t->scales, ns);
-    if (t->mins) memcpy(w->mins, t->mins, ns);
     return LOOM_OK;
 }
 
@@ -390,7 +391,7 @@ static void quant_gemv_rows(cpu_backend_t *c, float *y, const float *x, const lo
             loom_cpu_qx_quantize(&g.qx, 0, n);
     }
     if (loom_weight_bytes(w) >= GEMV_PAR_MIN_BYTES && c->n_threads > 1)
-        g.chunk = chunk_size(c, w->rows, 16, 8, gemm ? 8 : 4); /* whole tiles / panels */
+        g.chunk = chunk_size(c, w->rows, 16, 8, 8); /* whole stored panels */
     loom_parallel_for(c->pool, n_chunks(w->rows, g.chunk), qgemv_task, &g);
 }
 

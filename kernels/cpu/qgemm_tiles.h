@@ -12,48 +12,29 @@
  *   QG_NX               rows of x per tile
  * and must compile it under a target that has AVX2, FMA and F16C.
  *
- * Layout ("8-row panels", repacked per call into a few KB that stay in L1):
- * for 8 W rows and a run of up to QG_KB blocks, block k's codes are
- * W4 = 4 (Q4) or 8 (INT8) vectors of 32 bytes; byte 4a + j of vector t is
- * byte 4t + j of row a's block in the upload layout (qgemv.h): a 4-byte
- * transpose. For Q4 the low nibbles of vector t are columns 4t..4t+3 and
- * the high nibbles columns 16 + 4t.., so one broadcast 4-byte word of x
- * feeds eight rows in one vpmaddubsw / vpdpbusd, and each output lane is
- * one row: the block's dot for 8 rows is one vector, and one conversion
- * and one FMA with the 8 rows' scales (times x's block scale) finish it.
+ * Layout: the stored 8-row panels of qgemv.h, read in place. For Q4 the
+ * low nibbles of vector t are columns 4t..4t+3 and the high nibbles
+ * columns 16 + 4t.., so one broadcast 4-byte word of x feeds eight rows in
+ * one vpmaddubsw / vpdpbusd, and each output lane is one row: the block's
+ * dot for 8 rows is one vector, and one conversion and one FMA with the 8
+ * rows' scales (one vector load, stored interleaved alike) times x's block
+ * scale finish it.
  * Napkin math per block, 8 rows × NX rows of x (256 · NX MACs): Q4 AVX2
  * 8 vpmaddubsw + 7 vpaddw + 1 vpmaddwd + cvt + mul + FMA ≈ 19 ops per x row
- * (vs ≈ 28 in the 4-row tiles of qgemv_tiles.h); VNNI 8 vpdpbusd + 3. */
+ * (vs ≈ 28 in the 4-row tiles of qgemv_tiles.h) plus 12 to unpack the
+ * nibbles once per block; VNNI 8 vpdpbusd + 3. */
 
-#define QG_KB 16 /* blocks (512 columns) per panel: 2 KB (Q4) or 4 KB (INT8) */
+#define QG_KB 16 /* blocks (512 columns) per pass over x: 2 KB (Q4) or 4 KB (INT8) of the panel, in L1 */
 
-/* Rows [r, r + 8) of W, blocks [k0, k1), into pk / pks / pko. */
-static inline __attribute__((always_inline)) void QG(gpack)(const int q4, uint32_t *pk, float *pks,
-                                                           float *pko, const loom_weight_t *w,
-                                                           int64_t r, int k0, int k1) {
-    const int64_t row_bytes = q4 ? w->cols / 2 : w->cols;
-    const int words = q4 ? 4 : 8, ng = q4 ? (int)(w->cols / w->group) : 1;
-    const uint8_t *codes = (const uint8_t *)w->data + r * row_bytes;
-    for (int k = k0; k < k1; k++)
-        for (int a = 0; a < 8; a++) {
-            uint32_t v[8];
-            memcpy(v, codes + a * row_bytes + (int64_t)k * words * 4, (size_t)words * 4);
-            for (int t = 0; t < words; t++)
-                pk[((k - k0) * words + t) * 8 + a] = q4 ? v[t] : v[t] ^ (QG_I8_XOR * 0x01010101u);
-        }
-    if (!q4) return;
-    const int gb = w->group / LOOM_QBLOCK;
-    const float *sc = (const float *)w->scales, *mn = w->mins;
-    for (int g = k0 / gb; g < (k1 + gb - 1) / gb; g++)
-        for (int a = 0; a < 8; a++) {
-            const int64_t s = (r + a) * ng + g;
-            pks[(g - k0 / gb) * 8 + a] = sc[s];
-            pko[(g - k0 / gb) * 8 + a] = mn ? mn[s] : -8.0f * sc[s];
-        }
-}
+/* Blocks ahead of the one in use that the panel stream is prefetched. */
+#ifndef QG_PF_BLOCKS
+#define QG_PF_BLOCKS 8
+#endif
 
-/* The panel against x rows [i, i + NX): y[(i + b) * ldy + r + a] holds the
- * running sums between panels; `last` finishes INT8 (row scales, bias and
+/* Blocks [k0, k1) of the panel of rows [r, r + 8) (pk: its block k0; pks,
+ * pko: its Q4 scales and mins from group k0 / gb, pko NULL for symmetric
+ * Q4) against x rows [i, i + NX): y[(i + b) * ldy + r + a] holds the running
+ * sums between runs of blocks; `last` finishes INT8 (row scales, bias and
  * the float columns past the last block). */
 static inline __attribute__((always_inline)) void QG(gtile)(const int NX, const int q4, float *y,
                                                            int64_t ldy, const loom_cpu_qx_t *qx,
@@ -71,23 +52,28 @@ static inline __attribute__((always_inline)) void QG(gtile)(const int NX, const 
         const __m256i *pv = (const __m256i *)(pk + (size_t)(k - k0) * words * 8);
         __m256i c[8];
         __m256 sc = _mm256_setzero_ps();
+        for (int l = 0; l < words; l += 2) /* an address: it may run past W */
+            __builtin_prefetch((const char *)(pv + QG_PF_BLOCKS * words + l), 0, 2);
         if (q4) {
             const int g = (k >> gshift) - (k0 >> gshift);
             for (int t = 0; t < 4; t++) {
-                const __m256i v = _mm256_load_si256(pv + t);
+                const __m256i v = _mm256_loadu_si256(pv + t);
                 c[t] = _mm256_and_si256(v, m4);
                 c[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             }
-            sc = _mm256_load_ps(pks + g * 8);
+            sc = _mm256_loadu_ps(pks + g * 8);
             if ((k & (gb - 1)) == 0) { /* the group's offset: (-8 · scale or min) · sum(x) */
-                const __m256 off = _mm256_load_ps(pko + g * 8);
+                const __m256 off = pko ? _mm256_loadu_ps(pko + g * 8)
+                                       : _mm256_mul_ps(sc, _mm256_set1_ps(-8.0f));
                 for (int b = 0; b < NX; b++)
                     acc[b] = _mm256_fmadd_ps(
                         off, _mm256_set1_ps(qx->s[(int64_t)(i + b) * qx->ng + (k >> gshift)]),
                         acc[b]);
             }
         } else {
-            for (int t = 0; t < 8; t++) c[t] = _mm256_load_si256(pv + t);
+            for (int t = 0; t < 8; t++)
+                c[t] = _mm256_xor_si256(_mm256_loadu_si256(pv + t),
+                                        _mm256_set1_epi8((char)QG_I8_XOR));
         }
         for (int b = 0; b < NX; b++) {
             const int8_t *xp = qx->q + ((int64_t)(i + b) * nb + k) * LOOM_QBLOCK;
@@ -107,33 +93,63 @@ static inline __attribute__((always_inline)) void QG(gtile)(const int NX, const 
         float v[8];
         _mm256_storeu_ps(v, acc[b]);
         const float *x = qx->x + (int64_t)(i + b) * qx->cols;
-        const uint8_t *codes = (const uint8_t *)w->data + r * w->cols;
+        const int64_t whole = (int64_t)nb * LOOM_QBLOCK, tail = qx->cols - whole;
+        const uint8_t *tails = (const uint8_t *)w->data + r * w->cols + whole * 8;
         for (int a = 0; a < 8; a++) {
             v[a] -= (float)QG_I8_BIAS * qx->s[(int64_t)(i + b) * qx->ng];
-            for (int64_t cc = (int64_t)nb * LOOM_QBLOCK; cc < qx->cols; cc++)
-                v[a] += (float)(int8_t)(codes[a * w->cols + cc] ^ 0x80) * x[cc];
+            for (int64_t cc = 0; cc < tail; cc++)
+                v[a] += (float)(int8_t)(tails[a * tail + cc] ^ 0x80) * x[whole + cc];
             yo[a] = ((const float *)w->scales)[r + a] * v[a];
         }
     }
 }
 
-/* Whole 8-row panels of rows [r0, r0 + 8 · np): every x row per panel. */
+/* x rows [i, n) against one run of blocks, in tiles of QG_NX rows and one
+ * tile of what is left (NX a constant in each call, so acc[] stays in
+ * registers). */
+static inline __attribute__((always_inline)) void QG(grun)(const int q4, float *y, int64_t ldy,
+                                                          const loom_cpu_qx_t *qx,
+                                                          const loom_weight_t *w, int64_t r,
+                                                          const uint32_t *pk, const float *pks,
+                                                          const float *pko, int k0, int k1,
+                                                          int last) {
+    const int n = qx->n;
+    int i = 0;
+    for (; i + QG_NX <= n; i += QG_NX)
+        QG(gtile)(QG_NX, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last);
+    switch (n - i) {
+#if QG_NX > 4
+    case 7: QG(gtile)(7, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+    case 6: QG(gtile)(6, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+    case 5: QG(gtile)(5, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+    case 4: QG(gtile)(4, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+#endif
+    case 3: QG(gtile)(3, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+    case 2: QG(gtile)(2, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+    case 1: QG(gtile)(1, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last); break;
+    default: break;
+    }
+}
+
+/* Whole stored panels of rows [r0, r0 + 8 · np) (r0 a multiple of 8):
+ * every x row per run of QG_KB blocks, so the run is read from memory once
+ * and from L1 for the other rows of x. */
 static inline __attribute__((always_inline)) void QG(gpanels)(const int q4, float *y, int64_t ldy,
                                                              const loom_cpu_qx_t *qx,
                                                              const loom_weight_t *w, int64_t r0,
                                                              int64_t np) {
-    _Alignas(64) uint32_t pk[QG_KB * 8 * 8];
-    _Alignas(64) float pks[QG_KB * 8], pko[QG_KB * 8];
-    const int n = qx->n, nb = qx->nb;
+    const int nb = qx->nb, words = q4 ? 4 : 8;
+    const int64_t row_bytes = q4 ? w->cols / 2 : w->cols, ng = q4 ? w->cols / w->group : 1;
+    const int gb = q4 ? w->group / LOOM_QBLOCK : 1;
     for (int64_t p = 0; p < np; p++) {
         const int64_t r = r0 + 8 * p;
+        const uint32_t *panel = (const uint32_t *)((const uint8_t *)w->data + r * row_bytes);
+        const float *ps = q4 ? (const float *)w->scales + r * ng : NULL;
+        const float *pm = q4 && w->mins ? (const float *)w->mins + r * ng : NULL;
         for (int k0 = 0; k0 < nb; k0 += QG_KB) {
             const int k1 = LOOM_MIN(k0 + QG_KB, nb), last = k1 == nb;
-            QG(gpack)(q4, pk, pks, pko, w, r, k0, k1);
-            int i = 0;
-            for (; i + QG_NX <= n; i += QG_NX)
-                QG(gtile)(QG_NX, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last);
-            for (; i < n; i++) QG(gtile)(1, q4, y, ldy, qx, i, w, r, pk, pks, pko, k0, k1, last);
+            QG(grun)(q4, y, ldy, qx, w, r, panel + (size_t)k0 * words * 8,
+                     ps ? ps + (k0 / gb) * 8 : NULL, pm ? pm + (k0 / gb) * 8 : NULL, k0, k1, last);
         }
     }
 }

@@ -1,9 +1,9 @@
-/* Quantized-weight kernels of the CPU backend (see qgemv.h). Decode: x is
- * rounded to int8 per 32 columns once per call; each 32-column block of a
- * weight row then costs one integer dot product (AVX2 vpmaddubsw + vpmaddwd,
- * or one AVX-512 VNNI vpdpbusd on ymm), one int->float conversion and one
- * FMA with the product of the two scales. Weights stream from DRAM once per
- * call; x stays in L1. The SIMD code is compiled with target attributes and
+/* Quantized-weight kernels of the CPU backend (see qgemv.h). x is rounded
+ * to int8 per 32 columns once per call; each 32-column block of 8 weight
+ * rows (one stored panel) then costs 8 broadcast integer dot products
+ * (AVX2 vpmaddubsw, or AVX-512 VNNI vpdpbusd on ymm), one int->float
+ * conversion and one FMA with the 8 rows' scales times x's. Weights stream
+ * from DRAM once per call; x stays in L1. The SIMD code is compiled with target attributes and
  * chosen at run time, so one binary serves AVX2-only and VNNI machines (and
  * a build without -march=native still gets both). */
 #include "kernels/cpu/qgemv.h"
@@ -15,18 +15,74 @@
 #include "common/log.h"
 #include "common/util.h"
 
-/* --- scalar reference ------------------------------------------------- */
-
 static float fp8_value(uint8_t v) {
     return loom_fp8_e4m3_to_f32(v);
 }
 
-/* The code of column c of row `row` in the repacked Q4 layout. */
-static int q4_code_at(const uint8_t *row, int64_t c) {
-    int64_t blk = c / LOOM_QBLOCK, j = c % LOOM_QBLOCK;
-    uint8_t b = row[blk * (LOOM_QBLOCK / 2) + (j & 15)];
+/* --- the stored layout (qgemv.h) ---------------------------------------- */
+
+/* Rows held in whole 8-row panels; the rest keep the row layout. */
+static int64_t panel_rows(const loom_weight_t *w) {
+    return w->quant == LOOM_QUANT_FP8 ? 0 : w->rows / 8 * 8;
+}
+
+static int64_t row_bytes_of(const loom_weight_t *w) {
+    return w->quant == LOOM_QUANT_Q4 ? w->cols / 2 : w->cols;
+}
+
+/* Bytes of one block of one row: 16 (Q4) or 32 (INT8). */
+static int block_bytes_of(const loom_weight_t *w) {
+    return w->quant == LOOM_QUANT_Q4 ? LOOM_QBLOCK / 2 : LOOM_QBLOCK;
+}
+
+/* Where byte j of row r's block blk (row layout order) is stored. */
+static int64_t code_offset(const loom_weight_t *w, int64_t r, int64_t blk, int j) {
+    const int64_t rb = row_bytes_of(w);
+    const int bb = block_bytes_of(w);
+    if (r >= panel_rows(w)) return r * rb + blk * bb + j;
+    return (r / 8) * 8 * rb + blk * bb * 8 + (j / 4) * 32 + (r % 8) * 4 + j % 4;
+}
+
+/* Where INT8 column c >= (cols / 32) · 32 (the float-path tail) of row r is. */
+static int64_t tail_offset(const loom_weight_t *w, int64_t r, int64_t c) {
+    if (r >= panel_rows(w)) return r * w->cols + c;
+    const int64_t whole = w->cols / LOOM_QBLOCK * LOOM_QBLOCK, tail = w->cols - whole;
+    return (r / 8) * 8 * w->cols + whole * 8 + (r % 8) * tail + (c - whole);
+}
+
+/* Index of Q4 group g of row r in the stored scales (and mins). */
+static int64_t group_index(const loom_weight_t *w, int64_t r, int64_t g) {
+    const int64_t ng = w->cols / w->group;
+    if (r >= panel_rows(w)) return r * ng + g;
+    return ((r / 8) * ng + g) * 8 + r % 8;
+}
+
+/* The stored byte of INT8 / FP8 column c of row r. */
+static uint8_t byte_at(const loom_weight_t *w, int64_t r, int64_t c) {
+    const uint8_t *data = w->data;
+    if (w->quant == LOOM_QUANT_FP8) return data[r * w->cols + c];
+    if (c >= w->cols / LOOM_QBLOCK * LOOM_QBLOCK) return data[tail_offset(w, r, c)];
+    return data[code_offset(w, r, c / LOOM_QBLOCK, (int)(c % LOOM_QBLOCK))];
+}
+
+/* The code of Q4 column c of row r. */
+static int q4_code_at(const loom_weight_t *w, int64_t r, int64_t c) {
+    const int64_t blk = c / LOOM_QBLOCK, j = c % LOOM_QBLOCK;
+    const uint8_t b = ((const uint8_t *)w->data)[code_offset(w, r, blk, (int)(j & 15))];
     return j < 16 ? b & 15 : b >> 4;
 }
+
+/* Row r's block blk in row layout order: a pointer into the data, or the
+ * bytes gathered from its panel into buf. */
+static const uint8_t *row_block(const loom_weight_t *w, int64_t r, int64_t blk, uint8_t *buf) {
+    const int bb = block_bytes_of(w);
+    if (r >= panel_rows(w)) return (const uint8_t *)w->data + code_offset(w, r, blk, 0);
+    for (int j = 0; j < bb; j += 4)
+        memcpy(buf + j, (const uint8_t *)w->data + code_offset(w, r, blk, j), 4);
+    return buf;
+}
+
+/* --- scalar reference ------------------------------------------------- */
 
 /* One block of INT8 codes (stored q + 128) times int8 x, as sum(u·x) -
  * 128·sum(x): GCC 12.2 at -O3 with AVX-512 VNNI turns the direct
@@ -44,6 +100,7 @@ static void qgemv_scalar(float *y, int64_t ldy, const loom_cpu_qx_t *qx, const l
                          int64_t r0, int64_t r1) {
     const int64_t cols = w->cols;
     const float *scales = w->scales, *mins = w->mins;
+    uint8_t buf[LOOM_QBLOCK];
     for (int64_t r = r0; r < r1; r++)
         for (int i = 0; i < qx->n; i++) {
             const float *x = qx->x + (int64_t)i * cols;
@@ -51,28 +108,26 @@ static void qgemv_scalar(float *y, int64_t ldy, const loom_cpu_qx_t *qx, const l
             const float *xd = qx->d + (int64_t)i * qx->nb;
             double acc = 0.0;
             if (w->quant == LOOM_QUANT_FP8) {
-                const uint8_t *q = (const uint8_t *)w->data + r * cols;
-                for (int64_t c = 0; c < cols; c++) acc += (double)x[c] * fp8_value(q[c]);
+                for (int64_t c = 0; c < cols; c++)
+                    acc += (double)x[c] * fp8_value(byte_at(w, r, c));
                 y[(int64_t)i * ldy + r] = (float)(acc * scales[r]);
             } else if (w->quant == LOOM_QUANT_INT8) {
-                const uint8_t *q = (const uint8_t *)w->data + r * cols;
                 for (int blk = 0; blk < qx->nb; blk++)
                     acc += (double)xd[blk] *
-                           dot_i8_block(q + blk * LOOM_QBLOCK, xq + blk * LOOM_QBLOCK);
+                           dot_i8_block(row_block(w, r, blk, buf), xq + blk * LOOM_QBLOCK);
                 for (int64_t c = (int64_t)qx->nb * LOOM_QBLOCK; c < cols; c++)
-                    acc += ((int)q[c] - 128) * (double)x[c];
+                    acc += ((int)byte_at(w, r, c) - 128) * (double)x[c];
                 y[(int64_t)i * ldy + r] = (float)(acc * scales[r]);
             } else {
-                const uint8_t *q = (const uint8_t *)w->data + r * (cols / 2);
-                const int64_t ng = cols / w->group, gb = w->group / LOOM_QBLOCK;
+                const int64_t gb = w->group / LOOM_QBLOCK;
                 for (int blk = 0; blk < qx->nb; blk++) {
                     int32_t dot = 0, sum = 0;
                     for (int j = 0; j < LOOM_QBLOCK; j++) {
                         int v = xq[blk * LOOM_QBLOCK + j];
-                        dot += q4_code_at(q, (int64_t)blk * LOOM_QBLOCK + j) * v;
+                        dot += q4_code_at(w, r, (int64_t)blk * LOOM_QBLOCK + j) * v;
                         sum += v;
                     }
-                    const int64_t g = r * ng + blk / gb;
+                    const int64_t g = group_index(w, r, blk / gb);
                     double off = mins ? mins[g] : -8.0 * scales[g];
                     acc += (double)xd[blk] * (scales[g] * (double)dot + off * sum);
                 }
@@ -87,18 +142,17 @@ static void dequant_scalar(float *dst, const loom_weight_t *w, int64_t r0, int64
     for (int64_t r = r0; r < r1; r++) {
         float *o = dst + (r - r0) * cols;
         if (w->quant == LOOM_QUANT_Q4) {
-            const uint8_t *q = (const uint8_t *)w->data + r * (cols / 2);
-            const int64_t ng = cols / w->group;
             for (int64_t c = 0; c < cols; c++) {
-                int64_t g = r * ng + c / w->group;
-                int code = q4_code_at(q, c);
+                const int64_t g = group_index(w, r, c / w->group);
+                const int code = q4_code_at(w, r, c);
                 o[c] = mins ? scales[g] * (float)code + mins[g] : scales[g] * (float)(code - 8);
             }
         } else {
-            const uint8_t *q = (const uint8_t *)w->data + r * cols;
-            for (int64_t c = 0; c < cols; c++)
-                o[c] = scales[r] * (w->quant == LOOM_QUANT_INT8 ? (float)((int)q[c] - 128)
-                                                                : fp8_value(q[c]));
+            for (int64_t c = 0; c < cols; c++) {
+                const uint8_t b = byte_at(w, r, c);
+                o[c] = scales[r] *
+                       (w->quant == LOOM_QUANT_INT8 ? (float)((int)b - 128) : fp8_value(b));
+            }
         }
     }
 }
@@ -219,28 +273,40 @@ void loom_cpu_qx_quantize(loom_cpu_qx_t *qx, int i0, int i1) {
 
 /* --- repacking --------------------------------------------------------- */
 
-void loom_cpu_q_repack(void *dst, const loom_qtensor_t *t, int64_t r0, int64_t r1) {
+void loom_cpu_q_repack(loom_weight_t *w, const loom_qtensor_t *t, int64_t r0, int64_t r1) {
     const int64_t cols = t->cols;
-    if (t->quant == LOOM_QUANT_Q4) {
-        const int64_t rb = cols / 2;
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *src = (const uint8_t *)t->q + r * rb;
-            uint8_t *o = (uint8_t *)dst + r * rb;
-            for (int64_t blk = 0; blk < cols / LOOM_QBLOCK; blk++)
+    uint8_t *data = w->data;
+    float *scales = w->scales, *mins = w->mins;
+    if (t->quant == LOOM_QUANT_FP8) {
+        memcpy(data + r0 * cols, (const uint8_t *)t->q + r0 * cols, (size_t)((r1 - r0) * cols));
+        memcpy(scales + r0, t->scales + r0, (size_t)(r1 - r0) * sizeof(float));
+        return;
+    }
+    const int64_t nb = cols / LOOM_QBLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        if (t->quant == LOOM_QUANT_Q4) {
+            const uint8_t *src = (const uint8_t *)t->q + r * (cols / 2);
+            for (int64_t blk = 0; blk < nb; blk++)
                 for (int j = 0; j < 16; j++) {
-                    int64_t c = blk * LOOM_QBLOCK + j, c2 = c + 16;
-                    uint8_t lo = (src[c / 2] >> ((c & 1) * 4)) & 15;
-                    uint8_t hi = (src[c2 / 2] >> ((c2 & 1) * 4)) & 15;
-                    o[blk * 16 + j] = (uint8_t)(lo | hi << 4);
+                    const int64_t c = blk * LOOM_QBLOCK + j, c2 = c + 16;
+                    const uint8_t lo = (src[c / 2] >> ((c & 1) * 4)) & 15;
+                    const uint8_t hi = (src[c2 / 2] >> ((c2 & 1) * 4)) & 15;
+                    data[code_offset(w, r, blk, j)] = (uint8_t)(lo | hi << 4);
                 }
+            const int64_t ng = cols / t->group;
+            for (int64_t g = 0; g < ng; g++) {
+                scales[group_index(w, r, g)] = t->scales[r * ng + g];
+                if (t->mins) mins[group_index(w, r, g)] = t->mins[r * ng + g];
+            }
+        } else {
+            const uint8_t *src = (const uint8_t *)t->q + r * cols;
+            for (int64_t blk = 0; blk < nb; blk++)
+                for (int j = 0; j < LOOM_QBLOCK; j++)
+                    data[code_offset(w, r, blk, j)] = src[blk * LOOM_QBLOCK + j] ^ 0x80;
+            for (int64_t c = nb * LOOM_QBLOCK; c < cols; c++)
+                data[tail_offset(w, r, c)] = src[c] ^ 0x80;
+            scales[r] = t->scales[r];
         }
-    } else if (t->quant == LOOM_QUANT_INT8) {
-        const uint8_t *src = (const uint8_t *)t->q + r0 * cols;
-        uint8_t *o = (uint8_t *)dst + r0 * cols;
-        for (int64_t k = 0; k < (r1 - r0) * cols; k++) o[k] = src[k] ^ 0x80;
-    } else {
-        memcpy((uint8_t *)dst + r0 * cols, (const uint8_t *)t->q + r0 * cols,
-               (size_t)((r1 - r0) * cols));
     }
 }
 
@@ -430,19 +496,18 @@ __attribute__((noinline)) static void rows_fp8_avx2(float *y, int64_t ldy, const
 
 __attribute__((noinline)) static void dequant_avx2(float *dst, const loom_weight_t *w, int64_t r0,
                                                    int64_t r1) {
-    const int64_t cols = w->cols;
+    const int64_t cols = w->cols, nb = cols / LOOM_QBLOCK;
     const float *scales = w->scales, *mins = w->mins;
+    uint8_t buf[LOOM_QBLOCK];
     for (int64_t r = r0; r < r1; r++) {
         float *o = dst + (r - r0) * cols;
-        int64_t c = 0;
         if (w->quant == LOOM_QUANT_Q4) {
-            const uint8_t *q = (const uint8_t *)w->data + r * (cols / 2);
-            const int64_t ng = cols / w->group, gb = w->group / LOOM_QBLOCK;
-            for (int64_t blk = 0; blk < cols / LOOM_QBLOCK; blk++) {
-                const int64_t g = r * ng + blk / gb;
+            const int64_t gb = w->group / LOOM_QBLOCK;
+            for (int64_t blk = 0; blk < nb; blk++) {
+                const int64_t g = group_index(w, r, blk / gb);
                 const __m256 s = _mm256_set1_ps(scales[g]);
                 const __m256 off = _mm256_set1_ps(mins ? mins[g] : -8.0f * scales[g]);
-                __m128i b = _mm_loadu_si128((const __m128i *)(q + blk * 16));
+                __m128i b = _mm_loadu_si128((const __m128i *)row_block(w, r, blk, buf));
                 __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f));
                 __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
                 __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -453,24 +518,29 @@ __attribute__((noinline)) static void dequant_avx2(float *dst, const loom_weight
             }
             continue;
         }
-        const uint8_t *q = (const uint8_t *)w->data + r * cols;
-        const __m256 s = _mm256_set1_ps(scales[r] * (w->quant == LOOM_QUANT_FP8 ? 256.0f : 1.0f));
+        const int fp8 = w->quant == LOOM_QUANT_FP8;
+        const __m256 s = _mm256_set1_ps(scales[r] * (fp8 ? 256.0f : 1.0f));
+        int64_t c = 0;
         for (; c + 16 <= cols; c += 16) {
             __m256 f0, f1;
-            if (w->quant == LOOM_QUANT_INT8) {
-                __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(q + c)),
+            if (!fp8 && c / LOOM_QBLOCK < nb) {
+                const uint8_t *q = row_block(w, r, c / LOOM_QBLOCK, buf) + c % LOOM_QBLOCK;
+                __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)q),
                                           _mm_set1_epi8((char)0x80));
                 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
                 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+            } else if (fp8) {
+                fp8x16_to_f32_div256((const uint8_t *)w->data + r * cols + c, &f0, &f1);
             } else {
-                fp8x16_to_f32_div256(q + c, &f0, &f1);
+                break; /* INT8's float-path tail */
             }
             _mm256_storeu_ps(o + c, _mm256_mul_ps(f0, s));
             _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(f1, s));
         }
-        for (; c < cols; c++)
-            o[c] = scales[r] * (w->quant == LOOM_QUANT_INT8 ? (float)((int)q[c] - 128)
-                                                            : fp8_value(q[c]));
+        for (; c < cols; c++) {
+            const uint8_t b = byte_at(w, r, c);
+            o[c] = scales[r] * (fp8 ? fp8_value(b) : (float)((int)b - 128));
+        }
     }
 }
 
@@ -651,42 +721,58 @@ const char *loom_cpu_isa_name(loom_cpu_isa_t isa) {
     }
 }
 
+/* Rows [r0, r1) of a SIMD isa: the whole stored panels through the integer
+ * GEMM's tiles, rows past the panels through the 4-row tiles on the row
+ * layout, rows of a panel that r0 or r1 cuts through the reference. */
+static void qrows_simd(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
+                       const loom_weight_t *w, int64_t r0, int64_t r1) {
+#ifdef QGEMV_X86
+    const int q4 = w->quant == LOOM_QUANT_Q4;
+    const int64_t pr = qx->nb > 0 ? panel_rows(w) : 0;
+    const int64_t h1 = LOOM_MIN((r0 + 7) / 8 * 8, LOOM_MIN(r1, pr)); /* [r0, h1): cut panel */
+    const int64_t p0 = (r0 + 7) / 8 * 8, p1 = LOOM_MIN(r1 / 8 * 8, pr);
+    const int64_t np = p1 > p0 ? (p1 - p0) / 8 : 0;
+    if (r0 < h1) qgemv_scalar(y, ldy, qx, w, r0, h1);
+    if (np && isa == LOOM_CPU_ISA_VNNI)
+        (q4 ? panels_q4_vnni : panels_i8_vnni)(y, ldy, qx, w, p0, np);
+    else if (np && isa == LOOM_CPU_ISA_AVXVNNI)
+        (q4 ? panels_q4_avxvnni : panels_i8_avxvnni)(y, ldy, qx, w, p0, np);
+    else if (np)
+        (q4 ? panels_q4_avx2 : panels_i8_avx2)(y, ldy, qx, w, p0, np);
+    const int64_t c0 = LOOM_MAX(LOOM_MAX(p1, h1), r0), c1 = LOOM_MIN(r1, pr);
+    if (c0 < c1) qgemv_scalar(y, ldy, qx, w, c0, c1); /* a panel cut by r1 */
+    const int64_t t0 = LOOM_MAX(r0, pr);                /* rows past the panels */
+    if (t0 >= r1) return;
+    if (isa == LOOM_CPU_ISA_VNNI)
+        (q4 ? rows_q4_vnni : rows_i8_vnni)(y, ldy, qx, w, t0, r1);
+    else if (isa == LOOM_CPU_ISA_AVXVNNI)
+        (q4 ? rows_q4_avxvnni : rows_i8_avxvnni)(y, ldy, qx, w, t0, r1);
+    else
+        (q4 ? rows_q4_avx2 : rows_i8_avx2)(y, ldy, qx, w, t0, r1);
+#else
+    (void)isa;
+    qgemv_scalar(y, ldy, qx, w, r0, r1);
+#endif
+}
+
 void loom_cpu_qgemv(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
                     const loom_weight_t *w, int64_t r0, int64_t r1) {
     LOOM_ASSERT(loom_cpu_isa_supported(isa));
 #ifdef QGEMV_X86
-    if (isa != LOOM_CPU_ISA_SCALAR) {
-        if (w->quant == LOOM_QUANT_FP8)
-            rows_fp8_avx2(y, ldy, qx->x, qx->n, w, r0, r1);
-        else if (isa == LOOM_CPU_ISA_VNNI)
-            (w->quant == LOOM_QUANT_Q4 ? rows_q4_vnni : rows_i8_vnni)(y, ldy, qx, w, r0, r1);
-        else if (isa == LOOM_CPU_ISA_AVXVNNI)
-            (w->quant == LOOM_QUANT_Q4 ? rows_q4_avxvnni : rows_i8_avxvnni)(y, ldy, qx, w, r0, r1);
-        else
-            (w->quant == LOOM_QUANT_Q4 ? rows_q4_avx2 : rows_i8_avx2)(y, ldy, qx, w, r0, r1);
+    if (isa != LOOM_CPU_ISA_SCALAR && w->quant == LOOM_QUANT_FP8) {
+        rows_fp8_avx2(y, ldy, qx->x, qx->n, w, r0, r1);
         return;
     }
 #endif
-    qgemv_scalar(y, ldy, qx, w, r0, r1);
+    if (isa != LOOM_CPU_ISA_SCALAR)
+        qrows_simd(isa, y, ldy, qx, w, r0, r1);
+    else
+        qgemv_scalar(y, ldy, qx, w, r0, r1);
 }
 
 void loom_cpu_qgemm(loom_cpu_isa_t isa, float *y, int64_t ldy, const loom_cpu_qx_t *qx,
                     const loom_weight_t *w, int64_t r0, int64_t r1) {
-    LOOM_ASSERT(loom_cpu_isa_supported(isa));
-    int64_t np = 0;
-#ifdef QGEMV_X86
-    if (isa != LOOM_CPU_ISA_SCALAR && w->quant != LOOM_QUANT_FP8 && qx->nb > 0) {
-        np = (r1 - r0) / 8;
-        const int q4 = w->quant == LOOM_QUANT_Q4;
-        if (np && isa == LOOM_CPU_ISA_VNNI)
-            (q4 ? panels_q4_vnni : panels_i8_vnni)(y, ldy, qx, w, r0, np);
-        else if (np && isa == LOOM_CPU_ISA_AVXVNNI)
-            (q4 ? panels_q4_avxvnni : panels_i8_avxvnni)(y, ldy, qx, w, r0, np);
-        else if (np)
-            (q4 ? panels_q4_avx2 : panels_i8_avx2)(y, ldy, qx, w, r0, np);
-    }
-#endif
-    loom_cpu_qgemv(isa, y, ldy, qx, w, r0 + 8 * np, r1); /* the rows past the last panel */
+    loom_cpu_qgemv(isa, y, ldy, qx, w, r0, r1);
 }
 
 void loom_cpu_q_dequant_rows(loom_cpu_isa_t isa, float *dst, const loom_weight_t *w, int64_t r0,

@@ -24,10 +24,10 @@ PROMPTS = [
 ]
 
 
-def run(model, prompt, *extra, max_tokens=80, temperature="0"):
+def run(model, prompt, *extra, max_tokens=80, temperature="0", env=None):
     p = subprocess.run([LOOM, "run", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens),
                         "--temperature", temperature, "--threads", "1", "--ids"] + list(extra),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     check(p.returncode == 0, "loom run failed: %s" % p.stderr)
     return p.stdout, parse_ids(p.stderr), p.stderr
 
@@ -112,7 +112,11 @@ def test_draft_self_int8():
             _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "draft",
                               "--speculative-quantization", q, "--num-speculative-tokens", "4", max_tokens=96)
             check(ids == base, "%r draft %s: ids differ" % (prompt, q))
-            if q == "int8":
+            if q == "int8":  # the draft's acceptance, past the wall-time gate (which may turn it off here)
+                _, ids, err = run(STORIES, prompt, "--ignore-eos", "--speculative-method", "draft",
+                                  "--speculative-quantization", q, "--num-speculative-tokens", "4",
+                                  "--speculative-fixed-k", max_tokens=96)
+                check(ids == base, "%r draft %s, fixed K: ids differ" % (prompt, q))
                 best = max(best, tokens_per_step(err))
     check(best >= 2.5, "int8 self-draft: %.2f tokens per target step" % best)
     _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", "--seed", "9", max_tokens=64, temperature="0.8")
@@ -126,6 +130,23 @@ def test_draft_self_int8():
                       draft, "--speculative-fixed-k", max_tokens=64)
     _, base, _ = run(STORIES, PROMPTS[1], "--ignore-eos", max_tokens=64)
     check(ids == base and "tokens per target step" in err, "draft model: ids differ")
+
+
+def test_draft_expensive():
+    # a draft made expensive by the test hook (each proposal sleeps 30 ms,
+    # ~100 target steps of this model): the wall-time gate turns it off within
+    # a few steps and drafts only in its sparse probes; the ids are the same
+    _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", max_tokens=96)
+    env = dict(os.environ, LOOM_TEST_DRAFT_DELAY_MS="30")
+    _, ids, err = run(STORIES, PROMPTS[0], "--ignore-eos", "--speculative-method", "draft",
+                      "--speculative-quantization", "int8", max_tokens=96, env=env)
+    check(ids == base, "expensive draft: ids differ")
+    m = re.search(r"speculative draft: (\d+) drafts", err)
+    gate = re.search(r"speculation gate: (\w+) .*turned off (\d+)", err)
+    check(m and gate, "no speculation lines in: %s" % err[-400:])
+    check(gate.group(1) == "off" and int(gate.group(2)) >= 1, "the gate did not turn off: %s" % gate.group(0))
+    # warm-up 3 plain, then at most 5 drafting steps (1 unmeasured), a probe of 3 after 64 plain steps
+    check(int(m.group(1)) <= 12, "expensive draft: %s drafting steps of 96 tokens" % m.group(1))
 
 
 def other_tokenizer_draft():
@@ -257,13 +278,15 @@ def test_grids_draft():
     # self-draft; three slots for the seven requests, so some decode without
     # drafts), the same ids on every grid; then separate draft checkpoints:
     # one that agrees (the target's own f32 weights) and a random one that
-    # (almost) never does
+    # (almost) never does. K is fixed: the wall-time gate would (rightly)
+    # turn off a draft as dear as its target, and these check drafts verified
     best = grid_identity(["--speculative-method", "draft", "--speculative-quantization", "int8",
-                          "--num-speculative-tokens", "4", "--speculative-max-seqs", "3"], min_best=2.0)
+                          "--num-speculative-tokens", "4", "--speculative-max-seqs", "3",
+                          "--speculative-fixed-k"], min_best=2.0)
     print("int8 self-draft on the grids: best %.2f tokens per target step" % best)
     best = grid_identity(["--speculative-method", "draft", "--speculative-model", STORIES,
                           "--num-speculative-tokens", "6", "--speculative-threads", "2",
-                          "--speculative-device", "cpu"], grids=((1, 2),), min_best=3.0)
+                          "--speculative-device", "cpu", "--speculative-fixed-k"], grids=((1, 2),), min_best=3.0)
     print("the target's checkpoint as the draft, 1x2: best %.2f tokens per target step" % best)
     draft = gen_model(os.path.join(WORK, "spec-draft"), "--dim", "32", "--hidden-dim", "64", "--layers", "2",
                       "--heads", "4", "--vocab", "512", "--seed", "5")
@@ -277,7 +300,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "pet"], "additionalProperties": False}
 
 
-def test_controls_identical(tp=1, pp=1, spec_args=SPEC_ARGS):
+def test_controls_identical(tp=1, pp=1, spec_args=SPEC_ARGS + ["--speculative-fixed-k"]):
     # rows with penalties, logit_bias, min_tokens or a grammar mask speculate
     # too (each verify row's controls see the earlier drafts as output):
     # the same ids, logprobs and text with speculation on and off
@@ -335,7 +358,7 @@ def test_controls_identical_draft():
     # drafts are the target's likely tokens, so the masks and counts see
     # drafts that ngram would not propose)
     test_controls_identical(2, 1, ["--speculative-method", "draft", "--speculative-quantization", "int8",
-                                   "--num-speculative-tokens", "4"])
+                                   "--num-speculative-tokens", "4", "--speculative-fixed-k"])
 
 
 def failover(spec_args):
@@ -371,13 +394,14 @@ def failover(spec_args):
 
 
 def test_failover():
-    failover(SPEC_ARGS)
+    failover(SPEC_ARGS + ["--speculative-fixed-k"])  # drafts in flight when the worker dies
 
 
 def test_failover_draft():
     # the coordinator's draft keeps its slots across the grid's loss; the
     # re-prefilled sequences draft on from what their slots hold
-    failover(["--speculative-method", "draft", "--speculative-quantization", "int8", "--num-speculative-tokens", "4"])
+    failover(["--speculative-method", "draft", "--speculative-quantization", "int8", "--num-speculative-tokens", "4",
+              "--speculative-fixed-k"])
 
 def test_draft_off_the_reactor():
     """The coordinator's draft model runs off the reactor: with the test hook
@@ -394,7 +418,8 @@ def test_draft_off_the_reactor():
     os.environ["LOOM_TEST_DRAFT_DELAY_MS"] = str(delay_ms)
     try:
         with Cluster(STORIES, 1, 1, coord_args=["--speculative-method", "draft", "--speculative-quantization", "int8",
-                                                "--num-speculative-tokens", "2", "--http", "127.0.0.1:%d" % port]) as c:
+                                                "--num-speculative-tokens", "2", "--speculative-fixed-k",  # (the gate would stop so slow a draft)
+                                                "--http", "127.0.0.1:%d" % port]) as c:
             m0 = turn_buckets(port)
             procs = [(p, c.generate_async(p, n, extra=["--ignore-eos"])) for p in PROMPTS[:2]]
             probes = []
@@ -428,6 +453,6 @@ def test_draft_off_the_reactor():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_identical, test_reference_story, test_sampled_identical, test_limits,
-               test_gqa_random_model, test_draft_self_int8, test_bad_input, test_grids, test_grids_draft,
-               test_controls_identical, test_controls_identical_draft, test_failover, test_failover_draft,
-               test_draft_off_the_reactor])
+               test_gqa_random_model, test_draft_self_int8, test_draft_expensive, test_bad_input, test_grids,
+               test_grids_draft, test_controls_identical, test_controls_identical_draft, test_failover,
+               test_failover_draft, test_draft_off_the_reactor])

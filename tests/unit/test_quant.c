@@ -282,6 +282,25 @@ static void test_cpu_matmul(void) {
     }
 }
 
+/* t in the CPU backend's stored layout (qgemv.h), in two row ranges as
+ * the backend's threads split it; free with free_repacked. */
+static void repack_for_cpu(loom_weight_t *qw, const loom_qtensor_t *t) {
+    const size_t ns = loom_qtensor_scale_count(t) * sizeof(float);
+    *qw = (loom_weight_t){.rows = t->rows, .cols = t->cols, .quant = t->quant, .group = t->group};
+    qw->data = malloc(loom_qtensor_code_bytes(t));
+    qw->scales = malloc(ns);
+    qw->mins = t->mins ? malloc(ns) : NULL;
+    REQUIRE(qw->data && qw->scales && (!t->mins || qw->mins));
+    loom_cpu_q_repack(qw, t, 0, t->rows / 3);
+    loom_cpu_q_repack(qw, t, t->rows / 3, t->rows);
+}
+
+static void free_repacked(loom_weight_t *qw) {
+    free(qw->data);
+    free(qw->scales);
+    free(qw->mins);
+}
+
 /* Every instruction set this CPU has against the scalar reference on the
  * same int8 activations: only the order of the float sums differs. */
 static void check_isas(const char *name, int64_t rows, int64_t cols, int n) {
@@ -292,10 +311,8 @@ static void check_isas(const char *name, int64_t rows, int64_t cols, int n) {
     float *d = malloc((size_t)(rows * cols) * sizeof *d), *dref = malloc((size_t)(rows * cols) * sizeof *dref);
     loom_qtensor_t t;
     REQUIRE(loom_quantize(&spec, w, rows, cols, &t, NULL) == LOOM_OK);
-    loom_weight_t qw = {.rows = rows, .cols = cols, .quant = t.quant, .group = t.group,
-                        .scales = t.scales, .mins = t.mins};
-    qw.data = malloc(loom_qtensor_code_bytes(&t));
-    loom_cpu_q_repack(qw.data, &t, 0, rows);
+    loom_weight_t qw;
+    repack_for_cpu(&qw, &t);
     void *scratch = loom_aligned_alloc(loom_cpu_qx_bytes(n, cols));
     loom_cpu_qx_t qx;
     loom_cpu_qx_init(&qx, scratch, x, n, &qw);
@@ -326,7 +343,7 @@ static void check_isas(const char *name, int64_t rows, int64_t cols, int n) {
         compare(what, d, dref, rows * cols, 1e-6); /* an FMA or a multiply and an add */
     }
     loom_aligned_free(scratch);
-    free(qw.data);
+    free_repacked(&qw);
     loom_qtensor_free(&t);
     free(w);
     free(x);
@@ -361,10 +378,8 @@ static void check_qgemm(const char *name, int64_t rows, int64_t cols) {
     loom_qtensor_t t;
     REQUIRE(loom_quantize(&spec, w, rows, cols, &t, NULL) == LOOM_OK);
     float *ref = float_reference(&t, x, max_n);
-    loom_weight_t qw = {.rows = rows, .cols = cols, .quant = t.quant, .group = t.group,
-                        .scales = t.scales, .mins = t.mins};
-    qw.data = malloc(loom_qtensor_code_bytes(&t));
-    loom_cpu_q_repack(qw.data, &t, 0, rows);
+    loom_weight_t qw;
+    repack_for_cpu(&qw, &t);
     void *scratch = loom_aligned_alloc(loom_cpu_qx_bytes(max_n, cols));
     for (loom_cpu_isa_t isa = LOOM_CPU_ISA_SCALAR; isa < LOOM_CPU_ISA_COUNT; isa++) {
         if (!loom_cpu_isa_supported(isa)) {
@@ -387,7 +402,7 @@ static void check_qgemm(const char *name, int64_t rows, int64_t cols) {
         }
     }
     loom_aligned_free(scratch);
-    free(qw.data);
+    free_repacked(&qw);
     loom_qtensor_free(&t);
     free(w);
     free(x);

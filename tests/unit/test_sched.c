@@ -19,6 +19,15 @@ static const loom_spec_config_t *g_spec;
 static loom_spec_stats_t g_spec_stats;
 static int
     g_drafter; /* method DRAFT: a drafter that knows the model but gets every third draft wrong */
+/* >= 0: each step takes 1 ms plus this many seconds per drafted token on the
+ * scheduler's clock (the speculation gate's deterministic cost model) */
+static double g_draft_cost_s = -1;
+static uint64_t g_clock_ns;
+
+static uint64_t test_clock(void *ctx) {
+    (void)ctx;
+    return g_clock_ns;
+}
 
 static int32_t next_token(const int32_t *ctx, int n) {
     if (g_markov && n >= 2) return (int32_t)(3 + ((uint32_t)ctx[n - 1] * 3u + (uint32_t)(n % 23 == 0)) % 7u);
@@ -158,6 +167,7 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
                                .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window};
     loom_sched_t *s = loom_sched_create(&cfg);
     if (g_spec) loom_sched_set_spec(s, g_spec);
+    if (g_draft_cost_s >= 0) loom_sched_set_clock(s, test_clock, NULL);
     drafter_t dr = {0};
     if (g_drafter) loom_sched_set_drafter(s, drafter_propose, drafter_forget, &dr);
     sim_t sm = {.B = 4, .n_slots = n_blocks * 4, .window = window};
@@ -192,6 +202,13 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
         mb = inflight[0]; /* a pipeline completes micro-batches in order */
         int32_t ids[1024];
         sim_run(&sm, mb, ids);
+        if (g_draft_cost_s >= 0) {
+            int drafted = 0;
+            for (int i = 0; i < mb->n_seqs; i++) drafted += mb->spec_n[i];
+            const double step_s = 1e-3 + g_draft_cost_s * drafted;
+            g_clock_ns += (uint64_t)(step_s * 1e9);
+            loom_sched_observe_step(s, mb->n_tokens, step_s);
+        }
         loom_sched_complete(s, mb, ids, on_token, &c);
         memmove(inflight, inflight + 1, (size_t)(n_in - 1) * sizeof *inflight);
         n_in--;
@@ -525,6 +542,20 @@ static void test_speculative(void) {
         run_load(50, 60, 3, 16, 32, 1, 1, 20,
                  &st); /* pipeline micro-batches, prefix sharing, cancellations */
     }
+    /* the wall-time gate: drafts that cost a whole step each never pay, and
+     * the scheduler stops drafting after a few steps; cheap ones keep going.
+     * The output is right either way (run_load checks every token). */
+    g_markov = 1;
+    g_draft_cost_s = 2e-3;
+    run_load(24, 4096, 1, 8, 64, 0, 0, 22, &st);
+    CHECKF(g_spec_stats.num_drafts > 0 && g_spec_stats.num_drafts * 10 < (long long)st.batches,
+           "dear drafts: %lld drafting steps of %llu", (long long)g_spec_stats.num_drafts,
+           (unsigned long long)st.batches);
+    g_draft_cost_s = 1e-5;
+    run_load(24, 4096, 1, 8, 64, 0, 0, 22, &st);
+    CHECKF(loom_spec_stats_tokens_per_step(&g_spec_stats) > 1.5, "cheap drafts: %.2f tokens per step",
+           loom_spec_stats_tokens_per_step(&g_spec_stats));
+    g_draft_cost_s = -1;
     /* method DRAFT without a drafter drafts nothing */
     g_drafter = 0;
     run_load(10, 4096, 1, 8, 128, 0, 0, 21, &st);

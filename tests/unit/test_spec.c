@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "common/spec.h"
+#include "common/spec_gate.h"
 #include "common/util.h"
 #include "kernels/sampling.h"
 #include "tests/test.h"
@@ -206,6 +207,99 @@ static void test_rule_distribution(void) {
     CHECK(acc == 0);
 }
 
+/* A decode loop against a deterministic cost model: a plain step costs
+ * target_s; one with k drafts target_s · (1 + verify_c · k) plus k draft
+ * steps of draft_s, and emits 1 + accepted tokens; every time is scaled by
+ * a fixed ±3 % jitter sequence (a shared machine). */
+struct gate_model {
+    double target_s, verify_c, draft_s;
+    int k, accepted;
+};
+
+struct gate_run {
+    double seconds, tokens;
+    int spec_steps;
+};
+
+static void gate_simulate(loom_spec_gate_t *g, const struct gate_model *m, int steps, struct gate_run *out) {
+    static uint32_t jitter_state = 12345;
+    for (int i = 0; i < steps; i++) {
+        jitter_state = jitter_state * 1664525u + 1013904223u;
+        const double jitter = 1.0 + 0.03 * ((double)(jitter_state >> 8) / (double)(1u << 24) * 2.0 - 1.0);
+        const int k = loom_spec_gate_step(g) ? m->k : 0;
+        const int emitted = 1 + (k ? m->accepted : 0);
+        const double sec = jitter * (m->target_s * (1.0 + m->verify_c * k) + k * m->draft_s);
+        loom_spec_gate_observe(g, k, emitted, 1, sec);
+        out->seconds += sec;
+        out->tokens += emitted;
+        out->spec_steps += k > 0;
+    }
+}
+
+/* Speed against plain decoding (1 token per target_s). */
+static double gate_speedup(const struct gate_model *m, const struct gate_run *r) {
+    return (r->tokens / r->seconds) / (1.0 / m->target_s);
+}
+
+static void test_gate_zero_acceptance(void) {
+    loom_spec_gate_t g;
+    loom_spec_gate_init(&g);
+    const struct gate_model m = {.target_s = 1e-3, .verify_c = 0.2, .k = 4, .accepted = 0};
+    struct gate_run r = {0};
+    gate_simulate(&g, &m, LOOM_SPEC_GATE_WARMUP + LOOM_SPEC_GATE_MIN_SPEC + 2, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF); /* off within a few steps */
+    gate_simulate(&g, &m, 2000, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF);
+    CHECK(g.turned_on == 0);
+    CHECK(r.spec_steps < 40); /* probes at doubling intervals only */
+    CHECK(gate_speedup(&m, &r) >= 0.99);
+    CHECK(g.probe_every == LOOM_SPEC_GATE_MAX_PROBE || g.probe_every > 256);
+}
+
+static void test_gate_high_acceptance(void) {
+    loom_spec_gate_t g;
+    loom_spec_gate_init(&g);
+    const struct gate_model m = {.target_s = 1e-3, .verify_c = 0.05, .draft_s = 0.05e-3, .k = 4, .accepted = 4};
+    struct gate_run r = {0};
+    gate_simulate(&g, &m, 500, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_ON);
+    CHECK(g.turned_off == 0);
+    CHECK(gate_speedup(&m, &r) > 3.0); /* 5 tokens for 1.4 steps, less the plain baseline steps */
+}
+
+/* A draft as expensive as its target (stories260K's self-draft in one
+ * process): every draft accepted, and still slower than plain decoding. */
+static void test_gate_expensive_draft(void) {
+    loom_spec_gate_t g;
+    loom_spec_gate_init(&g);
+    const struct gate_model m = {.target_s = 1e-3, .verify_c = 0.05, .draft_s = 1e-3, .k = 4, .accepted = 4};
+    struct gate_run r = {0};
+    gate_simulate(&g, &m, 10, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF);
+    gate_simulate(&g, &m, 1000, &r);
+    CHECK(g.turned_on == 0);
+    CHECK(gate_speedup(&m, &r) >= 0.97);
+}
+
+/* Off on a prompt that drafts nothing useful, back on at the next probe
+ * once drafts pay; and off again when they stop paying. */
+static void test_gate_recovers(void) {
+    loom_spec_gate_t g;
+    loom_spec_gate_init(&g);
+    const struct gate_model bad = {.target_s = 1e-3, .verify_c = 0.2, .k = 4, .accepted = 0};
+    const struct gate_model good = {.target_s = 1e-3, .verify_c = 0.05, .k = 4, .accepted = 3};
+    struct gate_run r = {0};
+    gate_simulate(&g, &bad, 12, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF);
+    gate_simulate(&g, &good, LOOM_SPEC_GATE_FIRST_PROBE + LOOM_SPEC_GATE_PROBE + 1, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_ON);
+    CHECK(g.turned_on == 1);
+    gate_simulate(&g, &bad, 30, &r); /* the decayed estimate forgets the good steps */
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF);
+    CHECK(g.turned_off == 2);
+    CHECK(loom_spec_gate_plain_rate(&g) > 0.9e-3 && loom_spec_gate_plain_rate(&g) < 1.1e-3);
+}
+
 int main(void) {
     RUN(test_ngram);
     RUN(test_config);
@@ -213,5 +307,9 @@ int main(void) {
     RUN(test_cost);
     RUN(test_stats);
     RUN(test_rule_distribution);
+    RUN(test_gate_zero_acceptance);
+    RUN(test_gate_high_acceptance);
+    RUN(test_gate_expensive_draft);
+    RUN(test_gate_recovers);
     return test_summary();
 }

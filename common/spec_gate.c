@@ -1,0 +1,132 @@
+/* The speculation gate (see spec_gate.h): a per-engine wall-time check
+ * that drafts pay for themselves. */
+#include "common/spec_gate.h"
+
+#include <string.h>
+
+#define GATE_FAST_OFF 2.0 /* tokens this many times dearer turn drafts off after two steps */
+
+void loom_spec_gate_init(loom_spec_gate_t *g) {
+    *g = (loom_spec_gate_t){.state = LOOM_SPEC_GATE_S_WARMUP, .margin = 0.02,
+                            .probe_every = LOOM_SPEC_GATE_FIRST_PROBE};
+}
+
+static void ring_push(loom_spec_gate_ring_t *r, double v) {
+    r->v[r->next] = v;
+    r->next = (r->next + 1) % LOOM_SPEC_GATE_WINDOW;
+    if (r->n < LOOM_SPEC_GATE_WINDOW) r->n++;
+}
+
+/* The ring's values are v[0..n) while it fills, then all of v: either way
+ * the first n. */
+static double ring_median(const loom_spec_gate_ring_t *r) {
+    if (r->n == 0) return 0.0;
+    double v[LOOM_SPEC_GATE_WINDOW];
+    memcpy(v, r->v, (size_t)r->n * sizeof *v);
+    for (int i = 1; i < r->n; i++) /* insertion sort: a handful of values */
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return r->n % 2 ? v[r->n / 2] : 0.5 * (v[r->n / 2 - 1] + v[r->n / 2]);
+}
+
+static double ring_min(const loom_spec_gate_ring_t *r) {
+    double m = r->n ? r->v[0] : 0.0;
+    for (int i = 1; i < r->n; i++)
+        if (r->v[i] < m) m = r->v[i];
+    return m;
+}
+
+double loom_spec_gate_plain_rate(const loom_spec_gate_t *g) {
+    return ring_median(&g->plain);
+}
+
+double loom_spec_gate_spec_rate(const loom_spec_gate_t *g) {
+    return ring_median(&g->spec);
+}
+
+const char *loom_spec_gate_state_name(loom_spec_gate_state_t s) {
+    switch (s) {
+    case LOOM_SPEC_GATE_S_WARMUP: return "warmup";
+    case LOOM_SPEC_GATE_S_ON: return "on";
+    default: return "off";
+    }
+}
+
+int loom_spec_gate_step(loom_spec_gate_t *g) {
+    switch (g->state) {
+    case LOOM_SPEC_GATE_S_WARMUP:
+        if (g->steps < LOOM_SPEC_GATE_WARMUP) {
+            g->steps++;
+            return g->allowed = 0;
+        }
+        g->state = LOOM_SPEC_GATE_S_ON;
+        g->steps = 0;
+        /* the drafter's first step also catches up with the tokens it did
+         * not see (a draft model's prefill): not a fair sample */
+        g->skip_next = 1;
+        /* fall through */
+    case LOOM_SPEC_GATE_S_ON:
+        g->steps++;
+        return g->allowed = g->steps % LOOM_SPEC_GATE_PLAIN_EVERY != 0;
+    case LOOM_SPEC_GATE_S_OFF:
+        if (g->probe_left > 0) {
+            g->probe_left--;
+            return g->allowed = 1;
+        }
+        if (++g->steps < g->probe_every) return g->allowed = 0;
+        /* a probe: its steps replace the stale speculative estimate */
+        g->steps = 0;
+        g->probe_left = LOOM_SPEC_GATE_PROBE - 1;
+        g->spec.n = g->spec.next = 0;
+        g->skip_next = 1;
+        return g->allowed = 1;
+    }
+    return g->allowed = 0;
+}
+
+static void decided(loom_spec_gate_t *g) {
+    g->decided_spec = loom_spec_gate_spec_rate(g);
+    g->decided_plain = loom_spec_gate_plain_rate(g);
+}
+
+static void turn_off(loom_spec_gate_t *g) {
+    decided(g);
+    g->state = LOOM_SPEC_GATE_S_OFF;
+    g->steps = 0;
+    g->probe_left = 0;
+    g->probe_every = LOOM_SPEC_GATE_FIRST_PROBE;
+    g->turned_off++;
+}
+
+void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds) {
+    if (emitted <= 0 || seqs <= 0 || !(seconds > 0)) return;
+    const double per_token = seconds * seqs / emitted;
+    if (drafted <= 0) {
+        ring_push(&g->plain, per_token);
+    } else if (g->skip_next) {
+        g->skip_next = 0;
+    } else {
+        ring_push(&g->spec, per_token);
+    }
+    const double plain = loom_spec_gate_plain_rate(g), spec = loom_spec_gate_spec_rate(g);
+    if (g->state == LOOM_SPEC_GATE_S_ON) {
+        if (plain > 0 && g->spec.n >= LOOM_SPEC_GATE_MIN_SPEC && spec > plain * (1 + g->margin))
+            turn_off(g);
+        else if (plain > 0 && g->spec.n >= 2 && ring_min(&g->spec) > GATE_FAST_OFF * plain)
+            turn_off(g); /* far dearer: no need for more samples */
+    } else if (g->state == LOOM_SPEC_GATE_S_OFF && g->allowed && g->probe_left == 0) {
+        /* the probe's last step: keep speculating only if it paid */
+        decided(g);
+        if (plain > 0 && spec > 0 && spec < plain * (1 - g->margin)) {
+            g->state = LOOM_SPEC_GATE_S_ON;
+            g->steps = 0;
+            g->turned_on++;
+        } else if (g->probe_every < LOOM_SPEC_GATE_MAX_PROBE) {
+            g->probe_every *= 8;
+        }
+        g->allowed = 0;
+    }
+}

@@ -1,0 +1,81 @@
+/* The speculation gate: speculative decoding only while it pays in wall
+ * time. Adaptive K (common/spec.h) weighs the acceptance against the
+ * target's verify cost, but not what drafting itself costs: a draft model
+ * as expensive as its target (a self-draft of a tiny model) accepts nearly
+ * everything and still makes decoding slower. The gate measures both
+ * sides, per engine: seconds per emitted token of steps that carried
+ * drafts (the drafter's time included) against those of plain decode
+ * steps, and lets drafts through only while the first is below the second.
+ *
+ * States and transitions (one step = one call of loom_spec_gate_step, then
+ * one of loom_spec_gate_observe):
+ *   WARMUP  the first LOOM_SPEC_GATE_WARMUP steps are plain: the baseline.
+ *   ON      drafts allowed; one step in LOOM_SPEC_GATE_PLAIN_EVERY is plain
+ *           so the baseline stays current. → OFF when, with at least
+ *           LOOM_SPEC_GATE_MIN_SPEC speculative steps seen, a token costs
+ *           more than (1 + margin) times a plain one, or after two steps
+ *           when both cost more than twice.
+ *   OFF     plain steps; after `probe_every` of them a probe of
+ *           LOOM_SPEC_GATE_PROBE speculative steps (the first, which pays
+ *           for the drafter catching up, is not measured; the probe's
+ *           steps replace the speculative estimate). → ON when the
+ *           probe's tokens cost less than (1 − margin) times a plain one;
+ *           else probe_every grows 8× (up to LOOM_SPEC_GATE_MAX_PROBE): a
+ *           draft model's probe first reads every token it missed while
+ *           off (its prefill), so probes must be rare for a draft that
+ *           never pays to cost a small share of the time.
+ * The rates are medians of the last 5 steps of each kind, so a step the
+ * OS descheduled (a shared machine) does not move them. Invariant: the
+ * gate never changes the output (a plain step and a speculative one
+ * emit the same ids, docs/speculative.md). */
+#ifndef LOOM_SPEC_GATE_H
+#define LOOM_SPEC_GATE_H
+
+#include <stdint.h>
+
+#define LOOM_SPEC_GATE_WARMUP 3
+#define LOOM_SPEC_GATE_PLAIN_EVERY 8
+#define LOOM_SPEC_GATE_MIN_SPEC 4
+#define LOOM_SPEC_GATE_PROBE 3
+#define LOOM_SPEC_GATE_FIRST_PROBE 64
+#define LOOM_SPEC_GATE_MAX_PROBE 4096
+
+typedef enum { LOOM_SPEC_GATE_S_WARMUP, LOOM_SPEC_GATE_S_ON, LOOM_SPEC_GATE_S_OFF } loom_spec_gate_state_t;
+
+/* The last LOOM_SPEC_GATE_WINDOW per-token times of one kind of step: few,
+ * so the plain rate follows the context growing (attention) while drafts run. */
+#define LOOM_SPEC_GATE_WINDOW 5
+typedef struct loom_spec_gate_ring {
+    double v[LOOM_SPEC_GATE_WINDOW];
+    int n, next;
+} loom_spec_gate_ring_t;
+
+typedef struct loom_spec_gate {
+    loom_spec_gate_state_t state;
+    double margin;                /* relative hysteresis (default 0.02) */
+    loom_spec_gate_ring_t plain;  /* seconds per token of plain steps */
+    loom_spec_gate_ring_t spec;   /* the same for steps that carried drafts */
+    int steps;                    /* steps in the current state */
+    int probe_every, probe_left, skip_next;
+    int allowed;                  /* what the last loom_spec_gate_step answered */
+    double decided_spec, decided_plain; /* the two rates at the last turn or failed probe */
+    int64_t turned_off, turned_on; /* transitions, for stats and tests */
+} loom_spec_gate_t;
+
+void loom_spec_gate_init(loom_spec_gate_t *g);
+/* Whether the step being built may carry drafts (advances the schedule of
+ * plain and probing steps: call once per step). */
+int loom_spec_gate_step(loom_spec_gate_t *g);
+/* After that step: drafted (0: it carried none, whatever the gate allowed),
+ * tokens emitted by the step's `seqs` decoding sequences, and its wall time
+ * including the drafter's. The rates are seconds per token of one sequence
+ * (seconds / (emitted / seqs)): a step's latency per token, so steps of
+ * several sequences compare with the same measure. */
+void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds);
+/* Seconds per token of a sequence in plain and in speculative steps: the
+ * median of the recent ones (0: none seen). */
+double loom_spec_gate_plain_rate(const loom_spec_gate_t *g);
+double loom_spec_gate_spec_rate(const loom_spec_gate_t *g);
+const char *loom_spec_gate_state_name(loom_spec_gate_state_t s);
+
+#endif
