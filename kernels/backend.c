@@ -67,6 +67,7 @@ static const struct {
     {LOOM_CAP_KV_I8, "kv_int8", "an int8 KV cache"},
     {LOOM_CAP_KV_FP8, "kv_fp8", "an fp8 KV cache"},
     {LOOM_CAP_ATTN_WIDE, "attn_wide", "attention heads wider than 256"},
+    {LOOM_CAP_ATTN_HUGE, "attn_huge", "attention heads wider than 768"},
 };
 const char *loom_cap_name(uint32_t cap) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_caps); i++)

@@ -55,8 +55,9 @@ typedef enum {
     LOOM_CAP_KV_I8 = 1u << 8,
     LOOM_CAP_KV_FP8 = 1u << 9,
     LOOM_CAP_ATTN_WIDE = 1u << 10,    /* attention heads wider than 256 (MLA's latent rows: 576 for DeepSeek-V3) */
+    LOOM_CAP_ATTN_HUGE = 1u << 11,    /* attention heads wider than 768 (the CUDA kernels' limit) */
 } loom_cap_t;
-#define LOOM_CAP_COUNT 11
+#define LOOM_CAP_COUNT 12
 /* "sliding-window attention"; cap is one bit */
 const char *loom_cap_name(uint32_t cap);
 /* "attn_window": the key `loom info --json` prints */

@@ -779,9 +779,10 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     use(c);
     shadow_clear(c);
     LOOM_ASSERT(a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0 && a->block_size > 0);
-    if (a->head_dim > 256) {
-        LOOM_ERROR("cuda attention: head_dim %d is above the kernels' limit of 256", a->head_dim);
-        LOOM_ASSERT(a->head_dim <= 256);
+    if (a->head_dim > LOOM_OM_WIDE_MAX_HD) { /* refused at load (LOOM_CAP_ATTN_HUGE) */
+        LOOM_ERROR("cuda attention: head_dim %d is above the kernels' limit of %d", a->head_dim,
+                   LOOM_OM_WIDE_MAX_HD);
+        LOOM_ASSERT(a->head_dim <= LOOM_OM_WIDE_MAX_HD);
     }
     const loom_cuda_attn_t ca = {
         .n = a->n, .n_heads = a->n_heads, .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim,
@@ -1051,7 +1052,7 @@ static const loom_backend_ops_t cuda_ops = {
     /* every capability the CPU backend has, and fp8 KV (docs/cuda.md) */
     .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
             LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8 |
-            LOOM_CAP_KV_FP8,
+            LOOM_CAP_KV_FP8 | LOOM_CAP_ATTN_WIDE,
 };
 
 uint32_t loom_backend_cuda_caps(void) { return cuda_ops.caps; }

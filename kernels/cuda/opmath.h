@@ -39,6 +39,34 @@ LOOM_OM void loom_om_split_range(int lo, int hi, int n_split, int s, int *k0, in
     *k1 = *k0 + chunk < hi ? *k0 + chunk : hi;
 }
 
+/* --- wide heads (MLA's latent rows: 576 for DeepSeek-V3) -------------------------- */
+
+/* attention.cu's wide kernel (head_dim above 256) works on tiles of
+ * LOOM_OM_WIDE_ROWS query rows, (token, head) pairs, against steps of
+ * LOOM_OM_WIDE_KEYS keys, everything in fp32 on CUDA cores; up to
+ * LOOM_OM_WIDE_MAX_HD elements a row. */
+#define LOOM_OM_WIDE_ROWS 16
+#define LOOM_OM_WIDE_KEYS 16
+#define LOOM_OM_WIDE_MAX_HD 768
+
+/* Query heads of one KV head a wide tile takes: all `group` of them up to
+ * LOOM_OM_WIDE_ROWS, else LOOM_OM_WIDE_ROWS (a KV head's heads are cut
+ * into chunks, one tile each; MQA's 128 heads are 8 chunks). */
+LOOM_OM int loom_om_wide_heads(int group) {
+    return group < LOOM_OM_WIDE_ROWS ? group : LOOM_OM_WIDE_ROWS;
+}
+/* Tokens of one sequence a wide tile takes (its unit's rows, `tq`): as many
+ * as fill the tile with the chunk's heads, so a prefill chunk reads each
+ * key once for LOOM_OM_WIDE_ROWS query rows. */
+LOOM_OM int loom_om_wide_tq(int group) {
+    return LOOM_OM_WIDE_ROWS / loom_om_wide_heads(group);
+}
+/* Chunks of heads per KV head. */
+LOOM_OM int loom_om_wide_chunks(int group) {
+    const int hc = loom_om_wide_heads(group);
+    return (group + hc - 1) / hc;
+}
+
 /* --- scores and the online softmax ------------------------------------------------ */
 
 /* Gemma 2's logit soft cap on a scaled score: cap * tanh(s / cap); cap <= 0

@@ -628,6 +628,7 @@ static void test_rope_kv(void) {
         }
         size_t cache = (size_t)n_blocks * B * kv_dim;
         float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+    if (ac->latent) memcpy(vc, kc, cache * sizeof(float)); /* the same row as K and as V */
         float *xr = loom_xmalloc(total * 4), *kcr = loom_xmalloc(cache * 4), *vcr = loom_xmalloc(cache * 4);
         memcpy(xr, x, total * 4), memcpy(kcr, kc, cache * 4), memcpy(vcr, vc, cache * 4);
         float *q = xr, *k = xr + nh * hd, *v = k + kv_dim;
@@ -708,6 +709,7 @@ static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F8_E4
 
 typedef struct attn_case {
     int nh, nkv, hd, B;
+    int latent; /* MLA's latent layout: V is K's memory (and scales) */
 } attn_case_t;
 
 /* The families' extras: a sliding window, a logit soft cap, sinks. */
@@ -793,16 +795,18 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     if (dt == LOOM_DT_BF16) a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .dtype = LOOM_DT_BF16};
     if (dt == LOOM_DT_I8)
         a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
+    if (ac->latent) a.kv.v = a.kv.k, a.kv.v_scale = a.kv.k_scale;
     float *sinks = ex.sinks ? rand_host((size_t)nh, 3.0f) : NULL;
     a.window = ex.window, a.softcap = ex.softcap, a.sinks = sinks;
     loom_op_attention(cpu, &a);
     loom_attn_args_t g = a;
     g.q = to_dev(be, q, (size_t)n * q_stride * 4);
     g.out = poisoned(be, (size_t)n * out_stride * 4);
-    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .v = to_dev(be, vn, cache * es), .dtype = dt};
+    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .dtype = dt};
+    g.kv.v = ac->latent ? g.kv.k : to_dev(be, vn, cache * es);
     if (dt == LOOM_DT_I8) {
         g.kv.k_scale = to_dev(be, ksc, cells * nkv * 4);
-        g.kv.v_scale = to_dev(be, vsc, cells * nkv * 4);
+        g.kv.v_scale = ac->latent ? g.kv.k_scale : to_dev(be, vsc, cells * nkv * 4);
     }
     g.sinks = sinks ? to_dev(be, sinks, (size_t)nh * 4) : NULL;
     g.tok_seq = to_dev(be, tok_seq, (size_t)n * 4);
@@ -810,14 +814,16 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
     loom_op_attention(be, &g);
     char buf[160];
-    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d, n %d, window %d softcap %g sinks %d)",
-             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, n, ex.window, (double)ex.softcap, ex.sinks);
+    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d%s, n %d, window %d softcap %g sinks %d)",
+             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, ac->latent ? " latent" : "", n, ex.window,
+             (double)ex.softcap, ex.sinks);
     /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
-     * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values) */
-    double tol = n <= 8 ? 2e-5 : 1e-2;
+     * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values);
+     * heads above 256 take the wide kernel, fp32 throughout (576-long dots) */
+    double tol = hd > 256 ? 1e-4 : n <= 8 ? 2e-5 : 1e-2;
     CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, tol, tol));
-    void *bufs[] = {(void *)g.q, g.out, g.kv.k, g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos, (void *)g.block_tables,
-                    g.kv.k_scale, g.kv.v_scale, (void *)g.sinks};
+    void *bufs[] = {(void *)g.q, g.out, g.kv.k, ac->latent ? NULL : g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos,
+                    (void *)g.block_tables, g.kv.k_scale, ac->latent ? NULL : g.kv.v_scale, (void *)g.sinks};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]) loom_backend_free(be, bufs[i]);
     free(perm), free(bt), free(kc), free(vc), free(kn), free(vn), free(q), free(ref), free(ksc), free(vsc), free(sinks);
@@ -825,14 +831,21 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
 
 static void test_attention(void) {
     static const attn_case_t cases[] = {
-        {32, 8, 128, 16}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
-        {8, 4, 8, 16},    /* stories260K */
-        {8, 2, 64, 16},   {12, 12, 64, 7}, /* MHA, odd block size: tiles of 64 tokens */
-        {28, 4, 128, 16},                  /* group 7: tiles of 9 tokens */
-        {4, 1, 256, 32},  {6, 2, 36, 16},  /* head_dim not a multiple of 16: one token at a time */
-        {6, 3, 6, 5},                      /* head_dim not a multiple of 4: scalar path */
-        {16, 1, 128, 16},                  /* group 16: two passes of 8 heads */
-        {64, 1, 64, 16},                   /* group 64: no tiles */
+        {32, 8, 128, 16, 0}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
+        {8, 4, 8, 16, 0},    /* stories260K */
+        {8, 2, 64, 16, 0},   {12, 12, 64, 7, 0}, /* MHA, odd block size: tiles of 64 tokens */
+        {28, 4, 128, 16, 0},                  /* group 7: tiles of 9 tokens */
+        {4, 1, 256, 32, 0},  {6, 2, 36, 16, 0},  /* head_dim not a multiple of 16: one token at a time */
+        {6, 3, 6, 5, 0},                      /* head_dim not a multiple of 4: scalar path */
+        {16, 1, 128, 16, 0},                  /* group 16: two passes of 8 heads */
+        {64, 1, 64, 16, 0},                   /* group 64: no tiles */
+        /* the wide kernel: DeepSeek-V3's latent rows (512 + 64) as MQA, V the same memory as K, at TP 8
+         * (16 heads: one tile of heads per token), 40 heads (3 chunks, the last partial), 4 heads (tiles of 4 tokens);
+         * and wide GQA heads with a V of their own (tiles of 5 tokens x 3 heads) */
+        {16, 1, 576, 64, 1},
+        {40, 1, 576, 64, 1},
+        {4, 1, 576, 16, 1},
+        {6, 2, 320, 16, 0},
     };
     enum { MAXN = 420 };
     int32_t seq[MAXN], pos[MAXN];
@@ -879,7 +892,9 @@ static void test_attention(void) {
  * decode batches, long single decodes (key splits), mixed batches and
  * prefill chunks (the tile kernel), every KV dtype. */
 static void test_attention_extras(void) {
-    static const attn_case_t cases[] = {{8, 2, 64, 16}, {16, 8, 256, 16}, {64, 8, 64, 16}, {6, 3, 36, 7}};
+    static const attn_case_t cases[] = {{8, 2, 64, 16, 0},  {16, 8, 256, 16, 0}, {64, 8, 64, 16, 0},
+                                        {6, 3, 36, 7, 0},   {20, 1, 576, 16, 1}, /* MLA (wide kernel) */
+                                        {6, 2, 300, 9, 0}};
     static const attn_extra_t extras[] = {
         {4096, 0.0f, 0}, {37, 0.0f, 0}, {0, 50.0f, 0}, {129, 50.0f, 0}, {0, 0.0f, 1}, {128, 0.0f, 1}, {61, 30.0f, 1},
     };

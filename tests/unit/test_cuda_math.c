@@ -4,9 +4,10 @@
  * backend's kv_write; the window and split key ranges; and the attention
  * kernels' online softmax -- the decode kernel's 8 warps of 32 keys, the
  * tile kernel's rows against 32-key steps, flash-decoding splits and their
- * combine, the sink folded in at the end -- emulated with the same helpers
- * and tile boundaries and compared with the CPU backend's attention on odd
- * shapes with windows, soft caps, sinks and int8 caches. Needs no GPU and
+ * combine, the sink folded in at the end, and the wide kernel's tiles of
+ * (token, head) rows over MLA's latent rows -- emulated with the same
+ * helpers and tile boundaries and compared with the CPU backend's attention
+ * on odd shapes with windows, soft caps, sinks and int8 caches. Needs no GPU and
  * no CUDA toolkit. */
 #include <math.h>
 #include <stdint.h>
@@ -171,7 +172,7 @@ typedef struct {
 
 typedef struct {
     float m, l;
-    double o[256]; /* float accumulators, widened only for storage */
+    double o[LOOM_OM_WIDE_MAX_HD]; /* float accumulators, widened only for storage */
 } state_t;
 
 static float kv_elem(const emu_t *e, int which, int slot, int kvh, int d) {
@@ -192,15 +193,15 @@ static int slot_of(const emu_t *e, int seq, int key) {
     return blk < 0 ? -1 : blk * e->B + key % e->B;
 }
 
-/* One online-softmax step over keys [kb, kb + 32) of [.., k1) for query row
+/* One online-softmax step over keys [kb, kb + nk) of [.., k1) for query row
  * (token i, head h), masking keys outside [lo, pos]: what a warp (decode
- * kernel) or a row's owner (tile kernel) does per step. */
-static void step(const emu_t *e, state_t *st, int i, int h, int kb, int k1, int lo, int pos) {
+ * kernel) or a row's owner (tile and wide kernels) does per step. */
+static void step(const emu_t *e, state_t *st, int i, int h, int kb, int nk, int k1, int lo, int pos) {
     const int kvh = h / (e->nh / e->nkv), seq = e->tok_seq[i];
     const float *q = e->q + (int64_t)i * e->q_stride + (int64_t)h * e->hd;
     float s[LOOM_OM_KEYS], mx = -INFINITY;
     int slot[LOOM_OM_KEYS];
-    for (int j = 0; j < LOOM_OM_KEYS; j++) {
+    for (int j = 0; j < nk; j++) {
         const int key = kb + j;
         slot[j] = key < k1 && key >= lo && key <= pos ? slot_of(e, seq, key) : -1;
         s[j] = -INFINITY;
@@ -216,7 +217,7 @@ static void step(const emu_t *e, state_t *st, int i, int h, int kb, int k1, int 
     float sum = 0.0f;
     for (int d = 0; d < e->hd; d++)
         st->o[d] *= alpha;
-    for (int j = 0; j < LOOM_OM_KEYS; j++) {
+    for (int j = 0; j < nk; j++) {
         if (slot[j] < 0) continue;
         const float p = expf(s[j] - mn);
         sum += p;
@@ -247,10 +248,11 @@ static void init(state_t *st, int hd) {
 
 /* Output row i of head h: n_split slices of the key range [rlo, rhi) (the
  * unit's: one token's own range in the decode kernel, the tile's rows' hull
- * in the tile kernel), each walked by 8 warps taking every 8th step of 32
- * keys (decode) or by one owner in order (tile), merged, combined, and the
- * sink folded in. */
-static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_split, int tile,
+ * in the tile and wide kernels), each walked by 8 warps taking every 8th
+ * step of 32 keys (decode) or by one owner in order (tile: steps of 32
+ * keys; wide: of LOOM_OM_WIDE_KEYS), merged, combined, and the sink folded
+ * in. */
+static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_split, int tile, int wide,
                         float *out) {
     const int pos = e->tok_pos[i], lo = loom_om_window_lo(pos, e->window);
     state_t tot, part, w;
@@ -260,11 +262,11 @@ static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_sp
         loom_om_split_range(rlo, rhi, n_split, s, &k0, &k1);
         init(&part, e->hd);
         if (k0 < k1) {
-            const int warps = tile ? 1 : 8;
+            const int warps = tile || wide ? 1 : 8, nk = wide ? LOOM_OM_WIDE_KEYS : LOOM_OM_KEYS;
             for (int wi = 0; wi < warps; wi++) {
                 init(&w, e->hd);
-                for (int kb = k0 + wi * LOOM_OM_KEYS; kb < k1; kb += warps * LOOM_OM_KEYS)
-                    step(e, &w, i, h, kb, k1, lo, pos);
+                for (int kb = k0 + wi * nk; kb < k1; kb += warps * nk)
+                    step(e, &w, i, h, kb, nk, k1, lo, pos);
                 merge(&part, &w, e->hd);
             }
         }
@@ -280,6 +282,7 @@ typedef struct {
     int nh, nkv, hd, B, window, sinks, tq, n_split;
     float softcap;
     loom_dtype_t dt;
+    int latent; /* MLA's latent layout: V is K's memory (and scales), one KV head */
 } acase_t;
 
 static void run_case(const acase_t *c) {
@@ -294,11 +297,11 @@ static void run_case(const acase_t *c) {
     for (int b = 0; b < NSEQ * max_blocks; b++)
         bt[b] = (b * 7 + 3) % n_blocks; /* scattered blocks */
     const size_t es = c->dt == LOOM_DT_I8 ? 1 : 4, cells = (size_t)n_blocks * c->B;
-    loom_kv_layer_t kv = {
-        .k = malloc(cells * kv_dim * es), .v = malloc(cells * kv_dim * es), .dtype = c->dt};
+    loom_kv_layer_t kv = {.k = malloc(cells * kv_dim * es), .dtype = c->dt};
+    kv.v = c->latent ? kv.k : malloc(cells * kv_dim * es);
     if (c->dt == LOOM_DT_I8) {
         kv.k_scale = malloc(cells * nkv * sizeof(float));
-        kv.v_scale = malloc(cells * nkv * sizeof(float));
+        kv.v_scale = c->latent ? kv.k_scale : malloc(cells * nkv * sizeof(float));
     }
     /* fill both sequences' caches through the CPU backend's kv_write */
     const int lens[NSEQ] = {151, 105};
@@ -309,7 +312,7 @@ static void run_case(const acase_t *c) {
     float *kx = malloc(sizeof(float) * ns * kv_dim), *vx = malloc(sizeof(float) * ns * kv_dim);
     for (int e = 0; e < ns * kv_dim; e++) {
         kx[e] = test_randf(&g_st, 1.5f);
-        vx[e] = test_randf(&g_st, 1.0f);
+        vx[e] = c->latent ? kx[e] : test_randf(&g_st, 1.0f); /* one row, written twice */
     }
     loom_op_kv_write(be, &kv, kx, vx, kv_dim, slots, ns, nkv, hd);
     tok_seq[0] = 0, tok_pos[0] = 150;
@@ -358,7 +361,10 @@ static void run_case(const acase_t *c) {
                      .tok_seq = tok_seq,
                      .tok_pos = tok_pos};
     /* units as attention.cu cuts them: the decode token alone; the chunk in
-     * tiles of tq rows that never cross a multiple of tq (token index) */
+     * tiles of tq rows that never cross a multiple of tq (token index). The
+     * wide kernel (head_dim above 256) takes every unit, of its own tq. */
+    const int wide = hd > 256;
+    CHECK(!wide || c->tq == loom_om_wide_tq(nh / nkv));
     for (int i = 0; i < n;) {
         int r = 1;
         while (c->tq > 1 && i + r < n && (i + r) % c->tq != 0 && tok_seq[i + r] == tok_seq[i])
@@ -373,36 +379,45 @@ static void run_case(const acase_t *c) {
             for (int h = 0; h < nh; h++) {
                 const int rlo = r > 1 ? lo : loom_om_window_lo(tok_pos[t], c->window);
                 const int rhi = r > 1 ? hi : tok_pos[t] + 1;
-                emulate_row(&e, t, h, rlo, rhi, c->n_split, r > 1,
+                emulate_row(&e, t, h, rlo, rhi, c->n_split, r > 1, wide,
                             emu + ((int64_t)t * nh + h) * hd);
             }
         i += r;
     }
     char what[160];
     snprintf(what, sizeof what,
-             "emulated attention %s nh%d nkv%d hd%d B%d window%d softcap%g sinks%d tq%d split%d",
+             "emulated attention %s nh%d nkv%d hd%d B%d window%d softcap%g sinks%d tq%d split%d%s",
              loom_kv_dtype_name(c->dt), nh, nkv, hd, c->B, c->window, (double)c->softcap, c->sinks,
-             c->tq, c->n_split);
+             c->tq, c->n_split, c->latent ? " latent" : "");
     test_allclose(what, emu, out, (long)n * nh * hd, 1e-5, 1e-4);
     free(q), free(out), free(emu), free(kx), free(vx), free(bt);
+    if (c->latent) kv.v = NULL, kv.v_scale = NULL;
     free(kv.k), free(kv.v), free(kv.k_scale), free(kv.v_scale);
     loom_backend_destroy(&be);
 }
 
 static void test_attention_emulated(void) {
     const acase_t cases[] = {
-        {4, 4, 16, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32}, /* plain */
+        {4, 4, 16, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32, 0}, /* plain */
         {6, 2, 20, 7, 0, 0, 21, 3, 0.0f,
-         LOOM_DT_F32}, /* GQA, odd B and hd, tiles of 21 rows, 3 splits */
-        {8, 2, 32, 16, 33, 0, 16, 1, 0.0f, LOOM_DT_F32},  /* Mistral-like window */
-        {8, 4, 24, 5, 50, 0, 32, 7, 0.0f, LOOM_DT_F32},   /* window inside a tile, 7 splits */
-        {4, 2, 16, 16, 0, 0, 32, 2, 20.0f, LOOM_DT_F32},  /* Gemma 2 soft cap */
-        {4, 2, 16, 16, 17, 0, 32, 5, 20.0f, LOOM_DT_F32}, /* Gemma 2's local layer: window + cap */
-        {8, 2, 16, 16, 0, 1, 1, 4, 0.0f, LOOM_DT_F32},    /* GPT-OSS sinks, splits */
+         LOOM_DT_F32, 0}, /* GQA, odd B and hd, tiles of 21 rows, 3 splits */
+        {8, 2, 32, 16, 33, 0, 16, 1, 0.0f, LOOM_DT_F32, 0},  /* Mistral-like window */
+        {8, 4, 24, 5, 50, 0, 32, 7, 0.0f, LOOM_DT_F32, 0},   /* window inside a tile, 7 splits */
+        {4, 2, 16, 16, 0, 0, 32, 2, 20.0f, LOOM_DT_F32, 0},  /* Gemma 2 soft cap */
+        {4, 2, 16, 16, 17, 0, 32, 5, 20.0f, LOOM_DT_F32, 0}, /* Gemma 2's local layer: window + cap */
+        {8, 2, 16, 16, 0, 1, 1, 4, 0.0f, LOOM_DT_F32, 0},    /* GPT-OSS sinks, splits */
         {8, 2, 16, 16, 40, 1, 32, 3, 0.0f,
-         LOOM_DT_F32},                                  /* GPT-OSS's banded layer: window + sinks */
-        {4, 2, 40, 16, 0, 0, 16, 1, 0.0f, LOOM_DT_I8},  /* int8 KV */
-        {6, 3, 36, 9, 30, 1, 32, 6, 15.0f, LOOM_DT_I8}, /* int8, everything at once */
+         LOOM_DT_F32, 0},                                  /* GPT-OSS's banded layer: window + sinks */
+        {4, 2, 40, 16, 0, 0, 16, 1, 0.0f, LOOM_DT_I8, 0},  /* int8 KV */
+        {6, 3, 36, 9, 30, 1, 32, 6, 15.0f, LOOM_DT_I8, 0}, /* int8, everything at once */
+        /* the wide kernel: MLA's latent rows (576: DeepSeek-V3's 512 + 64), MQA, V = K's memory; 16 heads
+         * (one chunk, tq 1), 20 (a chunk and a partial one), 4 (tq 4: prefill tiles of 4 tokens) */
+        {16, 1, 576, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32, 1},
+        {20, 1, 576, 7, 0, 0, 1, 5, 0.0f, LOOM_DT_F32, 1},
+        {4, 1, 576, 16, 0, 0, 4, 3, 0.0f, LOOM_DT_I8, 1},
+        /* and the rest of its arithmetic on wide GQA heads: separate V, windows, caps, sinks, splits */
+        {8, 2, 288, 9, 40, 1, 4, 6, 20.0f, LOOM_DT_F32, 0},
+        {6, 2, 300, 5, 0, 1, 5, 2, 0.0f, LOOM_DT_I8, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_case(&cases[i]);
