@@ -136,7 +136,7 @@ done
 gen=$out/models
 have_numpy=0
 "$py" -c 'import numpy' 2>/dev/null && have_numpy=1
-# name | gen_model.py arguments | test_cuda_e2e arguments
+# name | gen_model.py arguments (ds: gen_deepseek.py's; =NAME: NAME's model) | test_cuda_e2e arguments
 families=(
     "llama-hd128|--dim 512 --hidden-dim 1400 --layers 3 --heads 8 --kv-heads 2 --head-dim 128 --vocab 1000 --seed 9|--dtype bf16"
     "mistral-window|--arch mistral --sliding-window 24 --dim 128 --hidden-dim 344 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --seed 21|--dtype f32"
@@ -150,6 +150,11 @@ families=(
     "qwen3-moe|--arch qwen3_moe --experts 8 --top-k 2 --dim 128 --hidden-dim 256 --layers 3 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --expert-spread 0.35 --seed 27|--dtype f32"
     "qwen2-moe|--arch qwen2_moe --experts 8 --top-k 2 --dim 128 --hidden-dim 256 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --expert-spread 0.35 --seed 28|--dtype f32"
     "gpt-oss-sinks|--arch gpt_oss --experts 4 --top-k 2 --sliding-window 12 --dim 128 --hidden-dim 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 29|--dtype f32"
+    "deepseek-v3|ds:--shape v3 --seed 31|--dtype f32"
+    "deepseek-v3-latent576|ds:--shape v3 --seed 32 --set kv_lora_rank=512 --set qk_rope_head_dim=64|--dtype f32"
+    "deepseek-v3-latent576-bf16|=deepseek-v3-latent576|--dtype bf16"
+    "deepseek-v2lite|ds:--shape v2lite --seed 33|--dtype f32"
+    "deepseek-kv-int8|=deepseek-v3-latent576|--dtype f32 --kv int8"
     "llama-kv-int8|=llama-hd128|--dtype f32 --kv int8"
     "gemma2-kv-int8|=gemma2-softcap|--dtype f32 --kv int8"
 )
@@ -159,9 +164,11 @@ if [ $gpu = 1 ] && [ $have_numpy = 1 ]; then
         for f in "${families[@]}"; do
             IFS='|' read -r name gargs _ <<<"$f"
             case $gargs in =*) continue ;; esac
+            gen_py=gen_model.py
+            case $gargs in ds:*) gen_py=gen_deepseek.py; gargs=${gargs#ds:} ;; *) gargs="--max-pos 1024 $gargs" ;; esac
             # shellcheck disable=SC2086
-            "$py" "$root/tests/reference/gen_model.py" --out "$gen/$name" --max-pos 1024 $gargs \
-                >"$out/gen-$name.log" 2>&1 || echo "gen_model.py failed for $name (see gen-$name.log)"
+            "$py" "$root/tests/reference/$gen_py" --out "$gen/$name" $gargs \
+                >"$out/gen-$name.log" 2>&1 || echo "$gen_py failed for $name (see gen-$name.log)"
         done
         if [ ! -f "$models/stories260K/config.json" ]; then
             "$py" "$root/tests/reference/gen_model.py" --out "$gen/stories-shape" --dim 64 --hidden-dim 172 \

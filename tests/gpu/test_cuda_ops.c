@@ -628,7 +628,6 @@ static void test_rope_kv(void) {
         }
         size_t cache = (size_t)n_blocks * B * kv_dim;
         float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
-    if (ac->latent) memcpy(vc, kc, cache * sizeof(float)); /* the same row as K and as V */
         float *xr = loom_xmalloc(total * 4), *kcr = loom_xmalloc(cache * 4), *vcr = loom_xmalloc(cache * 4);
         memcpy(xr, x, total * 4), memcpy(kcr, kc, cache * 4), memcpy(vcr, vc, cache * 4);
         float *q = xr, *k = xr + nh * hd, *v = k + kv_dim;
@@ -759,6 +758,7 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
         }
     size_t cache = (size_t)n_blocks * B * kv_dim;
     float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+    if (ac->latent) memcpy(vc, kc, cache * sizeof(float)); /* the same row as K and as V */
     const size_t es = loom_dtype_size(dt);
     void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(cache * es); /* the cache in dt */
     const size_t cells = (size_t)n_blocks * B;
