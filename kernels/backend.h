@@ -212,6 +212,22 @@ int loom_backend_moe_device(loom_backend_t *be, const loom_weight_t *experts, in
 void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
                           int cols);
 int loom_backend_moe_add_bias_supported(const loom_backend_t *be);
+/* Optional (CUDA): DeepSeekMoE's router on the device, loom_moe_route_deepseek
+ * (worker/moe_ds.h) per row up to expf: sel, w (n, top_k) in ascending
+ * expert order. Without it (or when _supported says the backend cannot
+ * take this router) a DeepSeek block routes on the host. */
+typedef struct loom_moe_ds_args {
+    int n_experts, top_k;
+    int sigmoid;                 /* 1: sigmoid scores (V3), 0: softmax (V2) */
+    int method;                  /* loom_ds_topk_t: greedy, group-limited (group max), noaux_tc (best two) */
+    int n_group, topk_group;     /* grouped methods: n_group equal groups, topk_group kept */
+    int norm_topk_prob;          /* sigmoid: the chosen weights divided by their sum */
+    float routed_scaling_factor; /* then every weight times this */
+    const float *bias;           /* (n_experts) e_score_correction_bias on the device, or NULL */
+} loom_moe_ds_args_t;
+void loom_op_moe_route_ds(loom_backend_t *be, const float *logits, int n, const loom_moe_ds_args_t *r,
+                          int32_t *sel, float *w);
+int loom_backend_moe_route_ds_supported(const loom_backend_t *be, const loom_moe_ds_args_t *r);
 void *loom_backend_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
 void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                        int norm, int32_t *sel, float *w);

@@ -682,6 +682,20 @@ static void cuda_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, 
     CUDA_ASSERT(loom_cuda_moe_add_bias(y, sel, n_pairs, bias, cols, c->stream));
 }
 
+static int cuda_moe_route_ds_fits(const loom_moe_ds_args_t *r) {
+    return loom_cuda_moe_route_ds_fits(r->n_experts, r->top_k, r->method, r->n_group, r->topk_group);
+}
+
+static void cuda_moe_route_ds(loom_backend_t *be, const float *logits, int n, const loom_moe_ds_args_t *r,
+                              int32_t *sel, float *w) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_moe_route_ds(logits, n, r->n_experts, r->top_k, r->sigmoid, r->method, r->n_group,
+                                       r->topk_group, r->norm_topk_prob, r->routed_scaling_factor, r->bias, sel,
+                                       w, c->stream));
+}
+
 /* LoRA deltas (lora.cu): the slots' table goes by value into the kernels. */
 static void cuda_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
                       int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots,
@@ -1035,6 +1049,8 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_device = cuda_moe_device,
     .moe_table = cuda_moe_table,
     .moe_add_bias = cuda_moe_add_bias,
+    .moe_route_ds = cuda_moe_route_ds,
+    .moe_route_ds_fits = cuda_moe_route_ds_fits,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,

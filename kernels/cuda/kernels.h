@@ -88,6 +88,17 @@ cudaError_t loom_cuda_moe_route(const float *logits, int n, int n_experts, int k
 cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
                                const void *const *table, int kind, int64_t rows, int64_t cols,
                                cudaStream_t s);
+/* DeepSeekMoE's router (worker/moe_ds.h's loom_moe_route_deepseek on the
+ * device): sigmoid (or softmax) scores, bias (n_experts, or NULL) added for
+ * the choice only, method a loom_ds_topk_t (groups of n_experts / n_group,
+ * topk_group kept), weights from the unbiased scores, renormalised when
+ * renorm (sigmoid only), times scaling; sel, w (n, k) in ascending expert
+ * order. _fits: whether the kernel takes that router (E <= 1024, k <= 32,
+ * n_group <= 32, whole groups). */
+cudaError_t loom_cuda_moe_route_ds(const float *logits, int n, int n_experts, int k, int sigmoid, int method,
+                                   int n_group, int topk_group, int renorm, float scaling, const float *bias,
+                                   int32_t *sel, float *w, cudaStream_t s);
+int loom_cuda_moe_route_ds_fits(int n_experts, int k, int method, int n_group, int topk_group);
 /* y(p, cols) += bias(sel[p], cols) for n_pairs rows (expert biases). */
 cudaError_t loom_cuda_moe_add_bias(float *y, const int32_t *sel, int n_pairs, const float *bias, int cols,
                                    cudaStream_t s);

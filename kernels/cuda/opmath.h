@@ -122,6 +122,46 @@ LOOM_OM float loom_om_fp8_clamp(float x) {
     return x > LOOM_OM_FP8_MAX ? LOOM_OM_FP8_MAX : x < -LOOM_OM_FP8_MAX ? -LOOM_OM_FP8_MAX : x;
 }
 
+/* --- DeepSeekMoE's router (worker/moe_ds.c; moe.cu's ds_route_kernel) ---------------- */
+
+/* topk_method, as loom_ds_topk_t (common/model_config.h) */
+enum { LOOM_OM_DS_GREEDY = 0, LOOM_OM_DS_GROUP_LIMITED = 1, LOOM_OM_DS_NOAUX_TC = 2 };
+
+/* Whether candidate (v, i) beats (bv, bi) in an arg-max with ties to the
+ * lower index; an index of `none` is no candidate. */
+LOOM_OM int loom_om_better(float v, int i, float bv, int bi, int none) {
+    return i != none && (bi == none || v > bv || (v == bv && i < bi));
+}
+
+/* A group's rank of its experts' biased scores c[0..per): the sum of its
+ * best two (noaux_tc, top2 = 1; per >= 2) or its best (group-limited greedy),
+ * in the host router's scan order. */
+LOOM_OM float loom_om_ds_group_score(const float *c, int per, int top2) {
+    if (!top2) {
+        float m = c[0];
+        for (int i = 1; i < per; i++) m = c[i] > m ? c[i] : m;
+        return m;
+    }
+    int a = c[1] > c[0] ? 1 : 0, b = 1 - a;
+    for (int i = 2; i < per; i++) {
+        if (c[i] > c[a]) {
+            b = a;
+            a = i;
+        } else if (c[i] > c[b]) {
+            b = i;
+        }
+    }
+    return c[a] + c[b];
+}
+
+/* A chosen expert's weight from its unbiased score: divided by the chosen
+ * scores' sum (summed in double, ascending expert order) when renorm, then
+ * times the routed scaling factor, in double as the host does. */
+LOOM_OM float loom_om_ds_weight(float score, double sum, int renorm, float scaling) {
+    const double norm = renorm ? 1.0 / (sum + 1e-20) : 1.0;
+    return (float)(score * norm * scaling);
+}
+
 /* --- MLP activations ------------------------------------------------------------------ */
 
 /* The activations of loom_act_t (kernels/backend.h), by value. */

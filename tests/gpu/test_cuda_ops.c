@@ -27,6 +27,7 @@
 #include "kernels/cuda/kernels.h"
 #include "kernels/quant.h"
 #include "tests/test.h"
+#include "worker/moe_ds.h"
 
 #define SKIP_CODE 77
 
@@ -559,6 +560,68 @@ static void test_moe(void) {
     ex[3].quant = LOOM_QUANT_NONE, ex[3].dtype = LOOM_DT_F32;
     CHECK(loom_backend_moe_device(g_cuda[1], ex, 8, 2) == 0);
     CHECK(loom_backend_moe_device(g_cuda[1], ex + 16, 8, 2) == 0);
+}
+
+/* DeepSeekMoE's router on the device (loom_op_moe_route_ds) against the host's
+ * (worker/moe_ds.c): V3's and Kimi-K2's shapes, V2's softmax routers, the
+ * kernel's limits; ids exactly (a mismatch only at a near tie of the host's
+ * biased scores, expf's last bit), weights within f32 rounding. Routers the
+ * kernel does not take are declined. */
+static void test_moe_route_ds(void) {
+    loom_backend_t *be = g_cuda[1];
+    static const loom_moe_ds_route_t shapes[] = {
+        {256, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 8, 4, 1, 2.5f},       {384, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 1, 1, 1, 2.827f},
+        {8, 2, 1, LOOM_DS_TOPK_NOAUX_TC, 2, 1, 1, 2.5f},         {160, 6, 0, LOOM_DS_TOPK_GROUP_LIMITED, 8, 3, 0, 16.0f},
+        {64, 6, 0, LOOM_DS_TOPK_GREEDY, 1, 1, 0, 1.0f},          {1024, 32, 1, LOOM_DS_TOPK_NOAUX_TC, 32, 3, 1, 1.0f},
+    };
+    enum { N = 37 };
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        const loom_moe_ds_route_t *r = &shapes[s];
+        const int E = r->n_experts, K = r->top_k;
+        float *logits = rand_host((size_t)N * E, 4.0f), *bias = rand_host((size_t)E, 0.3f);
+        for (int e = 1; e < E; e += 7) logits[e] = logits[e - 1]; /* ties in token 0 */
+        int32_t *rsel = loom_xmalloc((size_t)N * K * 4), ids[32];
+        float *rw = loom_xmalloc((size_t)N * K * 4), *scratch = loom_xmalloc((size_t)2 * E * 4);
+        for (int t = 0; t < N; t++) {
+            loom_moe_route_deepseek(r, logits + (size_t)t * E, r->sigmoid ? bias : NULL, scratch, ids,
+                                    rw + (size_t)t * K);
+            for (int k = 0; k < K; k++) rsel[t * K + k] = ids[k];
+        }
+        float *dl = to_dev(be, logits, (size_t)N * E * 4), *db = to_dev(be, bias, (size_t)E * 4);
+        float *dw = poisoned(be, (size_t)N * K * 4);
+        int32_t *dsel = poisoned(be, (size_t)N * K * 4);
+        const loom_moe_ds_args_t a = {.n_experts = E, .top_k = K, .sigmoid = r->sigmoid, .method = (int)r->method,
+                                      .n_group = r->n_group, .topk_group = r->topk_group,
+                                      .norm_topk_prob = r->norm_topk_prob,
+                                      .routed_scaling_factor = r->routed_scaling_factor,
+                                      .bias = r->sigmoid ? db : NULL};
+        CHECK(loom_backend_moe_route_ds_supported(be, &a));
+        loom_op_moe_route_ds(be, dl, N, &a, dsel, dw);
+        int32_t *gsel = (int32_t *)from_dev(be, dsel, (size_t)N * K);
+        int same = 1;
+        for (int i = 0; i < N * K; i++) same &= gsel[i] == rsel[i];
+        char what[96];
+        snprintf(what, sizeof what, "moe_route_ds E %d k %d groups %d/%d method %d", E, K, r->n_group,
+                 r->topk_group, (int)r->method);
+        if (!same) fprintf(stderr, "FAIL: %s: the device routed to other experts\n", what);
+        CHECK(same);
+        CHECK(close_dev(what, be, dw, rw, (size_t)N * K, 1e-6, 1e-5));
+        loom_backend_free(be, dl), loom_backend_free(be, db), loom_backend_free(be, dw), loom_backend_free(be, dsel);
+        free(logits), free(bias), free(rsel), free(rw), free(scratch), free(gsel);
+    }
+    /* declined: more than 1024 experts, k above 32, more than 32 groups, groups of one with noaux_tc */
+    loom_moe_ds_args_t a = {.n_experts = 2048, .top_k = 8, .sigmoid = 1, .method = LOOM_DS_TOPK_NOAUX_TC,
+                            .n_group = 8, .topk_group = 4, .norm_topk_prob = 1, .routed_scaling_factor = 1.0f};
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.n_experts = 256, a.top_k = 33;
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.top_k = 8, a.n_group = 64;
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.n_group = 256, a.topk_group = 8;
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.n_group = 8, a.topk_group = 4;
+    CHECK(loom_backend_moe_route_ds_supported(be, &a));
+    CHECK(!loom_backend_moe_route_ds_supported(g_cpu[1], &a)); /* the CPU routes DeepSeek on the host */
 }
 
 /* --- LoRA deltas ------------------------------------------------------------------ */
@@ -1185,6 +1248,7 @@ int main(int argc, char **argv) {
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);
     RUN(test_moe);
+    RUN(test_moe_route_ds);
     RUN(test_lora);
     RUN(test_rope_kv);
     RUN(test_attention);

@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/opmath.h"
 #include "tests/test.h"
+#include "worker/moe_ds.h"
 
 static unsigned long long g_st = 0x9e3779b97f4a7c15ull;
 
@@ -423,10 +424,141 @@ static void test_attention_emulated(void) {
         run_case(&cases[i]);
 }
 
+/* --- DeepSeekMoE's router, as moe.cu's ds_route_kernel runs it ---------------------- */
+
+/* The warp's arg-max: 32 lanes' candidates folded by the shuffle tree of
+ * warp_best (lane ^ 16, ^ 8, ...), every lane ending with the same. */
+static void warp_best_emu(float *v, int *idx, int none) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float nv[32];
+        int ni[32];
+        for (int l = 0; l < 32; l++) {
+            nv[l] = v[l], ni[l] = idx[l];
+            if (loom_om_better(v[l ^ o], idx[l ^ o], v[l], idx[l], none)) nv[l] = v[l ^ o], ni[l] = idx[l ^ o];
+        }
+        memcpy(v, nv, sizeof nv), memcpy(idx, ni, sizeof ni);
+    }
+}
+
+/* ds_route_kernel for one token: lanes, their strided experts and taken
+ * bits, the groups one per lane, the arg-max rounds and the ascending
+ * ranks, the weights' sum in rank order. */
+static void ds_route_emu(const loom_moe_ds_route_t *r, const float *l, const float *bias, int *ids, float *w) {
+    const int E = r->n_experts, K = r->top_k, G = r->n_group, TG = r->topk_group;
+    float sc[1024], ch[1024];
+    if (r->sigmoid) {
+        for (int e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-l[e]));
+    } else {
+        float mx = -INFINITY;
+        for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+        double lane_sum[32] = {0}, sum = 0;
+        for (int e = 0; e < E; e++) lane_sum[e % 32] += sc[e] = expf(l[e] - mx);
+        for (int o = 16; o > 0; o >>= 1) { /* the xor tree: every lane ends with the same sum */
+            double ns[32];
+            for (int ln = 0; ln < 32; ln++) ns[ln] = lane_sum[ln] + lane_sum[ln ^ o];
+            memcpy(lane_sum, ns, sizeof ns);
+        }
+        sum = lane_sum[0];
+        for (int e = 0; e < E; e++) sc[e] = (float)(sc[e] / sum);
+    }
+    for (int e = 0; e < E; e++) ch[e] = sc[e] + (bias ? bias[e] : 0.0f);
+    const int method = (int)r->method, grouped = method != LOOM_OM_DS_GREEDY && G > 1, per = grouped ? E / G : E;
+    unsigned keep = 0xffffffffu;
+    if (grouped) {
+        float gs[32];
+        int gtaken[32];
+        for (int ln = 0; ln < 32; ln++) {
+            gs[ln] = ln < G ? loom_om_ds_group_score(ch + ln * per, per, method == LOOM_OM_DS_NOAUX_TC) : 0.0f;
+            gtaken[ln] = ln >= G;
+        }
+        keep = 0;
+        for (int j = 0; j < TG; j++) {
+            float v[32];
+            int idx[32];
+            for (int ln = 0; ln < 32; ln++) v[ln] = gs[ln], idx[ln] = gtaken[ln] ? G : ln;
+            warp_best_emu(v, idx, G);
+            keep |= 1u << idx[0];
+            gtaken[idx[0]] = 1;
+        }
+    }
+    unsigned taken[32] = {0};
+    for (int e = 0; e < E; e++)
+        if (!(keep >> (e / per) & 1u)) taken[e % 32] |= 1u << (e / 32);
+    int mine[32];
+    float msc[32];
+    for (int j = 0; j < K; j++) {
+        float v[32];
+        int idx[32];
+        for (int ln = 0; ln < 32; ln++) {
+            v[ln] = 0.0f, idx[ln] = E;
+            for (int q = 0, e = ln; e < E; q++, e += 32)
+                if (!(taken[ln] >> q & 1u) && loom_om_better(ch[e], e, v[ln], idx[ln], E)) v[ln] = ch[e], idx[ln] = e;
+        }
+        warp_best_emu(v, idx, E);
+        const int be = idx[0];
+        taken[be & 31] |= 1u << (be >> 5);
+        mine[j] = be, msc[j] = sc[be];
+    }
+    int rank[32];
+    for (int j = 0; j < K; j++) {
+        rank[j] = 0;
+        for (int i = 0; i < K; i++) rank[j] += mine[i] < mine[j];
+    }
+    double sum = 0;
+    for (int rr = 0; rr < K; rr++)
+        for (int j = 0; j < K; j++)
+            if (rank[j] == rr) {
+                sum += (double)msc[j];
+                break;
+            }
+    for (int j = 0; j < K; j++) {
+        ids[rank[j]] = mine[j];
+        w[rank[j]] = loom_om_ds_weight(msc[j], sum, r->sigmoid && r->norm_topk_prob, r->routed_scaling_factor);
+    }
+}
+
+/* Against the host router (worker/moe_ds.c): V3's and Kimi-K2's shapes (sigmoid, bias, noaux_tc), V2's
+ * (softmax, greedy and group-limited), transformers' tiny test shape; ties in the logits and in the groups. */
+static void test_ds_route(void) {
+    static const loom_moe_ds_route_t shapes[] = {
+        {256, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 8, 4, 1, 2.5f},     /* DeepSeek-V3 */
+        {384, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 1, 1, 1, 2.827f},   /* Kimi-K2: one group */
+        {8, 2, 1, LOOM_DS_TOPK_NOAUX_TC, 2, 1, 1, 2.5f},       /* transformers' test shape */
+        {160, 6, 0, LOOM_DS_TOPK_GROUP_LIMITED, 8, 3, 0, 16.0f}, /* DeepSeek-V2 */
+        {64, 6, 0, LOOM_DS_TOPK_GREEDY, 1, 1, 0, 1.0f},        /* V2-Lite */
+        {1024, 32, 1, LOOM_DS_TOPK_NOAUX_TC, 32, 3, 1, 1.0f},  /* the kernel's limits */
+        {64, 4, 1, LOOM_DS_TOPK_NOAUX_TC, 32, 2, 0, 1.0f},     /* groups of two */
+    };
+    CHECK(LOOM_OM_DS_GREEDY == (int)LOOM_DS_TOPK_GREEDY && LOOM_OM_DS_GROUP_LIMITED == (int)LOOM_DS_TOPK_GROUP_LIMITED &&
+          LOOM_OM_DS_NOAUX_TC == (int)LOOM_DS_TOPK_NOAUX_TC);
+    float l[1024], bias[1024], scratch[2048], w0[32], w1[32];
+    int id0[32], id1[32];
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const loom_moe_ds_route_t *r = &shapes[s];
+        for (int trial = 0; trial < 60; trial++) {
+            const int E = r->n_experts;
+            for (int e = 0; e < E; e++) {
+                l[e] = test_randf(&g_st, 4.0f);
+                bias[e] = test_randf(&g_st, 0.3f);
+                if (trial % 3 == 1 && e % 5 == 2) l[e] = l[e - 1]; /* ties */
+                if (trial % 3 == 2) l[e] = (float)(e % 7) * 0.25f, bias[e] = 0.0f; /* many ties, groups too */
+            }
+            const float *b = r->sigmoid ? bias : NULL;
+            loom_moe_route_deepseek(r, l, b, scratch, id0, w0);
+            ds_route_emu(r, l, b, id1, w1);
+            int same = 1;
+            for (int k = 0; k < r->top_k; k++) same &= id0[k] == id1[k] && w0[k] == w1[k];
+            CHECKF(same, "ds route shape %zu trial %d: ids/weights differ (first %d/%d %g/%g)", s, trial, id0[0],
+                   id1[0], (double)w0[0], (double)w1[0]);
+        }
+    }
+}
+
 int main(void) {
     RUN(test_elementwise);
     RUN(test_i8_kv);
     RUN(test_ranges);
     RUN(test_attention_emulated);
+    RUN(test_ds_route);
     return test_summary();
 }
