@@ -267,13 +267,17 @@ void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, 
  *   BF16     rounded to nearest even;
  *   I8       codes with one float32 scale per token and KV head in k_scale /
  *            v_scale, (n_blocks, B, nkv): x = scale * code, scale = absmax/127;
- *   F8_E4M3  e4m3 bytes, no scale (CUDA only): values beyond +-448 are
- *            clamped to +-448, never NaN, and counted (the CUDA backend
- *            logs the count when it is destroyed).
+ *   F8_E4M3  e4m3 bytes (CUDA only) with one per-tensor scale for the
+ *            layer's K and one for its V in fp8_scale (x = scale * e4m3
+ *            value; 0 counts as 1): stored as e4m3(x / scale), values
+ *            beyond +-448 after the division clamped to +-448, never NaN,
+ *            and counted (the CUDA backend logs the count when it is
+ *            destroyed).
  * Which dtypes a backend has kernels for: loom_backend_kv_supported. */
 typedef struct loom_kv_layer {
     void *k, *v;
     float *k_scale, *v_scale; /* I8 only; NULL otherwise */
+    float fp8_scale[2];       /* F8_E4M3 only: K's and V's per-tensor scales (0: 1) */
     loom_dtype_t dtype;
     /* Where blocks lie. 0 (the layer-major layout): block b's rows at row
      * b * block_size of k and v, its scales at (b * block_size) * nkv.

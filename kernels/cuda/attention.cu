@@ -85,6 +85,7 @@ struct Params {
     const float *ksc, *vsc; /* int8 cache: (n_blocks * B, nkv) scales; NULL otherwise */
     int hc, n_chunks;       /* wide kernel: query heads per tile, chunks of them per KV head */
     bool same_kv;           /* wide kernel: V is K's memory (MLA's latent rows), staged once */
+    float kts, vts;         /* fp8 cache: K's and V's per-tensor scales (1 otherwise) */
 };
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -149,10 +150,11 @@ __device__ __forceinline__ float row_scale<int8_t>(const float *sc, int slot, in
 }
 
 /* Normalised output of a finished softmax state (max m, sum l, unnormalised
- * accumulator o), the head's sink folded in. */
+ * accumulator o), the head's sink folded in, times V's per-tensor scale
+ * (fp8: the values were summed as stored). */
 __device__ __forceinline__ float finish(const Params &p, int head, float m, float l, float o) {
     if (p.sinks) o *= loom_om_sink_fold(&m, &l, p.sinks[head]);
-    return l > 0.0f ? o / l : 0.0f;
+    return l > 0.0f ? o / l * p.vts : 0.0f;
 }
 
 __device__ __forceinline__ bool unit_starts(const Params &p, int i) {
@@ -221,7 +223,8 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
     float *wl = wm + kWarps * GC;
     float *wacc = wl + kWarps * GC;
     const float *qrow = p.q + (int64_t)i * p.q_stride + (int64_t)kvh * G * hd;
-    for (int e = threadIdx.x; e < G * hd; e += blockDim.x) qs[e] = qrow[e] * p.scale;
+    const float qscale = p.scale * p.kts; /* K's per-tensor scale folded into q */
+    for (int e = threadIdx.x; e < G * hd; e += blockDim.x) qs[e] = qrow[e] * qscale;
     __syncthreads();
 
     constexpr int HV = VEC ? kMaxHd / 128 : kMaxHd / 32; /* accumulator slots per lane */
@@ -468,7 +471,8 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
         if (r < QR) {
             const float *qr = p.q + (int64_t)(i + r / G) * p.q_stride + (int64_t)(kvh * G + r % G) * hd;
             v = reinterpret_cast<const float4 *>(qr)[d4];
-            v.x *= p.scale, v.y *= p.scale, v.z *= p.scale, v.w *= p.scale;
+            const float qs = p.scale * p.kts; /* K's per-tensor scale folded into q */
+            v.x *= qs, v.y *= qs, v.z *= qs, v.w *= qs;
         }
         reinterpret_cast<float4 *>(Qs + r * ld)[d4] = v;
         reinterpret_cast<float4 *>(Os + r * ld)[d4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -668,7 +672,8 @@ __global__ void __launch_bounds__(kThreads) attn_wide_kernel(Params p) {
     const int32_t *bt = p.bt + (int64_t)seq * p.max_blocks;
     for (int e = tid; e < kWR * hd; e += blockDim.x) { /* Q rows, pre-scaled; missing rows zero */
         const int r = e / hd, d = e % hd;
-        Qs[r * ld + d] = rhead[r] >= 0 ? p.q[(int64_t)(i + r / HC) * p.q_stride + (int64_t)rhead[r] * hd + d] * p.scale
+        Qs[r * ld + d] = rhead[r] >= 0 ? p.q[(int64_t)(i + r / HC) * p.q_stride + (int64_t)rhead[r] * hd + d] *
+                                             (p.scale * p.kts)
                                        : 0.0f;
     }
     float acc[kWR][kWJ];
@@ -805,7 +810,7 @@ __global__ void attn_combine_kernel(Params p) {
         if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
     }
     const float f = p.sinks ? loom_om_sink_fold(&M, &L, p.sinks[head]) : 1.0f;
-    const float inv = L > 0.0f ? f / L : 0.0f;
+    const float inv = L > 0.0f ? f / L * p.vts : 0.0f;
     for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < p.n_split; s++) {
@@ -982,6 +987,9 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     p.window = a->window, p.softcap = a->softcap, p.sinks = a->sinks;
     p.ksc = a->k_scale, p.vsc = a->v_scale;
     p.hc = loom_om_wide_heads(G), p.n_chunks = loom_om_wide_chunks(G), p.same_kv = same_kv(a);
+    const bool fp8 = a->kv_kind == LOOM_CUDA_FP8;
+    p.kts = fp8 ? loom_om_fp8_scale(a->fp8_scale[0]) : 1.0f;
+    p.vts = fp8 ? loom_om_fp8_scale(a->fp8_scale[1]) : 1.0f;
     if (a->head_dim > kMaxHd && (plan->tq != loom_om_wide_tq(G) || a->n_kv_heads * p.n_chunks > 65535))
         return cudaErrorInvalidValue;
     if (a->window < 0 || a->softcap < 0.0f || (a->kv_kind == LOOM_CUDA_I8 && (!p.ksc || !p.vsc)))

@@ -74,6 +74,7 @@ typedef struct cuda_backend {
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
+    int gemv_variant;                      /* the tuning table's decode GEMV variant (0: the default) */
     cudaStream_t stream;
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
@@ -519,6 +520,10 @@ static int qgemv_default_max_n(loom_quant_t q) {
     }
 }
 
+void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant) {
+    cu(be)->gemv_variant = variant >= 0 && variant < LOOM_OM_GEMV_VARIANTS ? variant : 0;
+}
+
 void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
@@ -565,7 +570,7 @@ static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom
         return;
     }
     if (n <= LOOM_CUDA_GEMV_MAX_N) {
-        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->stream));
+        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->gemv_variant, c->stream));
         shadow_clear(c);
         return;
     }
@@ -771,7 +776,8 @@ static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const f
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, k, v, stride,
+    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, kv->fp8_scale, k,
+                                   v, stride,
                                    slots, n, nkv, hd, c->fp8_clamped, c->stream));
 }
 
@@ -782,7 +788,8 @@ static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const flo
     use(c);
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv->k, kv->v,
-                                        cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, slots, c->fp8_clamped,
+                                        cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, kv->fp8_scale, slots,
+                                        c->fp8_clamped,
                                         c->stream));
 }
 
@@ -806,6 +813,7 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
         .window = a->window, .softcap = a->softcap, .sinks = a->sinks,
         .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
+        .fp8_scale = {a->kv.fp8_scale[0], a->kv.fp8_scale[1]},
         .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
@@ -1118,7 +1126,8 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  * loom-cuda-tuning.tsv next to the binary; no file: the defaults. Keys:
  *   attn_split_waves  waves of blocks per SM the attention splits aim at (2)
  *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
- *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme) */
+ *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
+ *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1152,6 +1161,7 @@ static void read_tuning(cuda_backend_t *c) {
         if (!strcmp(key, "attn_split_waves") && v >= 1 && v <= 16) c->attn_split_waves = (int)v;
         else if (!strcmp(key, "attn_tile_min_n") && v >= 2) c->attn_tile_min_n = (int)v;
         else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
+        else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;

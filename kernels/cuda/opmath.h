@@ -67,6 +67,22 @@ LOOM_OM int loom_om_wide_chunks(int group) {
     return (group + hc - 1) / hc;
 }
 
+/* --- the decode GEMV's variants (gemv.cu; the tuning table's gemv_variant) ------------ */
+
+/* Rows of W per warp (R) and 16-byte loads per row in flight per lane (U)
+ * of the vector GEMV for nt tokens: variant 0 (the default) 2 rows for
+ * nt <= 2, else 4, R * U = 8 loads in flight; 1 one row per warp, 8 loads
+ * (a grid 2-4x larger, for shapes with few rows); 2 the default's rows with
+ * twice the loads in flight (16). Every variant walks a lane's vectors of
+ * a row in the same order (lane, lane + 32, ...), so they give the same
+ * bits; only the memory-level parallelism differs. */
+#define LOOM_OM_GEMV_VARIANTS 3
+LOOM_OM void loom_om_gemv_plan(int variant, int nt, int *rows_per_warp, int *loads) {
+    const int r = variant == 1 ? 1 : nt <= 2 ? 2 : 4;
+    *rows_per_warp = r;
+    *loads = (variant == 2 ? 16 : 8) / r;
+}
+
 /* --- scores and the online softmax ------------------------------------------------ */
 
 /* Gemma 2's logit soft cap on a scaled score: cap * tanh(s / cap); cap <= 0
@@ -120,6 +136,19 @@ LOOM_OM int loom_om_i8_code(float x, float inv) {
 #define LOOM_OM_FP8_MAX 448.0f
 LOOM_OM float loom_om_fp8_clamp(float x) {
     return x > LOOM_OM_FP8_MAX ? LOOM_OM_FP8_MAX : x < -LOOM_OM_FP8_MAX ? -LOOM_OM_FP8_MAX : x;
+}
+/* The per-tensor scale of an fp8 cache (kernels/backend.h's fp8_scale):
+ * 0 (none given) and anything not a positive finite number count as 1. */
+LOOM_OM float loom_om_fp8_scale(float s) {
+    return s > 0.0f && s < INFINITY ? s : 1.0f;
+}
+/* What the write stores for x under scale s, before the e4m3 rounding:
+ * x / s clamped to +-448 (the division as a multiplication by 1 / s, so a
+ * scale of 1 leaves x exactly as it was). The attention kernels fold s
+ * back in at no cost per element: K's into the query's pre-scale, V's into
+ * the normalised output. */
+LOOM_OM float loom_om_fp8_store(float x, float inv_scale) {
+    return loom_om_fp8_clamp(x * inv_scale);
 }
 
 /* --- DeepSeekMoE's router (worker/moe_ds.c; moe.cu's ds_route_kernel) ---------------- */

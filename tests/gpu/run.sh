@@ -233,23 +233,34 @@ if [ $run_steps = 1 ]; then
     # the tuning table: each candidate of a knob on a short 4-layer decode at
     # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
     # reads the table from LOOM_CUDA_TUNING or next to the binary)
-    step tune 60 bash -c '
+    step tune 90 bash -c '
         set -e
         out=$1 bin=$2 py=$3
+        # time(TABLE_LINES...): the batch-1 step of the short decode under those lines
+        time_with() {
+            printf "%s\n" "$@" >"$out/tune-cur.tsv"
+            LOOM_CUDA_TUNING="$out/tune-cur.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
+                --prefill 256 --json "$out/tune-cur.json" >>"$out/tune.log" 2>&1
+            "$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-cur.json"
+        }
+        faster() { "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$1" "$2"; }
         best= best_s=
         for w in 1 2 4; do
-            printf "attn_split_waves %s\n" "$w" >"$out/tune-$w.tsv"
-            LOOM_CUDA_TUNING="$out/tune-$w.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
-                --prefill 256 --json "$out/tune-$w.json" >"$out/tune-$w.log" 2>&1
-            s=$("$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-$w.json")
+            s=$(time_with "attn_split_waves $w")
             echo "attn_split_waves $w: batch-1 step $s s"
-            if [ -z "$best" ] || "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$s" "$best_s"; then
-                best=$w best_s=$s
-            fi
+            if [ -z "$best" ] || faster "$s" "$best_s"; then best=$w best_s=$s; fi
+        done
+        # the decode GEMV variants (opmath.h loom_om_gemv_plan: 0 default, 1 one row a warp, 2 16 loads in flight)
+        gbest=0 gbest_s=$best_s
+        for g in 1 2; do
+            s=$(time_with "attn_split_waves $best" "gemv_variant $g")
+            echo "gemv_variant $g: batch-1 step $s s (default 0: $best_s s)"
+            if faster "$s" "$gbest_s"; then gbest=$g gbest_s=$s; fi
         done
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
+            echo "gemv_variant $gbest"
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
     ' tune "$out" "$bin" "$py"

@@ -25,6 +25,7 @@
 #include "kernels/cpu/lora.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/quant.h"
 #include "tests/test.h"
 #include "worker/moe_ds.h"
@@ -142,6 +143,21 @@ static void check_matmul(int t, int64_t rows, int64_t cols, int n) {
     loom_op_matmul(g_cpu[t], ref, hx, &wc, n);
     float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
     loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
+    if (n <= LOOM_CUDA_GEMV_MAX_N) { /* every GEMV variant gives the default's bits (opmath.h) */
+        float *y0 = from_dev(g_cuda[t], dy, (size_t)n * rows);
+        for (int v = 1; v < LOOM_OM_GEMV_VARIANTS; v++) {
+            float *dv = poisoned(g_cuda[t], (size_t)n * rows * 4);
+            loom_cuda_set_gemv_variant(g_cuda[t], v);
+            loom_op_matmul(g_cuda[t], dv, dx, &wg, n);
+            loom_cuda_set_gemv_variant(g_cuda[t], 0);
+            float *yv = from_dev(g_cuda[t], dv, (size_t)n * rows);
+            CHECKF(!memcmp(y0, yv, (size_t)n * rows * 4), "gemv variant %d: other bits than the default (rows %lld "
+                   "cols %lld n %d)", v, (long long)rows, (long long)cols, n);
+            free(yv);
+            loom_backend_free(g_cuda[t], dv);
+        }
+        free(y0);
+    }
     /* GEMV (n <= 4) keeps x in f32; cuBLAS rounds it to the weight dtype:
      * error ~ sqrt(cols) * unit roundoff * E|x w| */
     double u = t == 0 ? 1e-6 : n <= 4 ? 2e-6 : t == 1 ? 4e-3 : 5e-4;
@@ -781,6 +797,11 @@ typedef struct attn_extra {
     int sinks;
 } attn_extra_t;
 static const attn_extra_t *g_extra; /* of the run_attention calls in progress; NULL: none */
+/* fp8 caches with per-tensor scales (run_attention): K and V values
+ * multiplied by these (far beyond 448), stored divided by scales that keep
+ * them below it, q divided by K's so the scores stay as peaky as usual.
+ * 0: no scales. */
+static float g_fp8_mul[2];
 
 /* A batch: n_seqs sequences with context lengths ctx[s]; tokens listed as
  * (seq, pos). Builds a random cache in dt and shuffled block tables, runs
@@ -822,6 +843,10 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     size_t cache = (size_t)n_blocks * B * kv_dim;
     float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
     if (ac->latent) memcpy(vc, kc, cache * sizeof(float)); /* the same row as K and as V */
+    const int scaled = dt == LOOM_DT_F8_E4M3 && g_fp8_mul[0] > 0.0f;
+    const float fs[2] = {scaled ? g_fp8_mul[0] / 300.0f : 0.0f, scaled ? g_fp8_mul[1] / 300.0f : 0.0f};
+    if (scaled)
+        for (size_t e = 0; e < cache; e++) kc[e] *= g_fp8_mul[0], vc[e] *= g_fp8_mul[1];
     const size_t es = loom_dtype_size(dt);
     void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(cache * es); /* the cache in dt */
     const size_t cells = (size_t)n_blocks * B;
@@ -838,6 +863,11 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
         if (dt == LOOM_DT_BF16) {
             ((uint16_t *)kn)[e] = loom_f32_to_bf16(kc[e]);
             ((uint16_t *)vn)[e] = loom_f32_to_bf16(vc[e]);
+        } else if (dt == LOOM_DT_F8_E4M3 && scaled) { /* the reference reads the dequantized values */
+            ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e] * (1.0f / fs[0]));
+            ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e] * (1.0f / fs[1]));
+            kc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)kn)[e]) * fs[0];
+            vc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)vn)[e]) * fs[1];
         } else if (dt == LOOM_DT_F8_E4M3) {
             ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e]);
             ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e]);
@@ -850,6 +880,7 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     }
     int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd;
     float *q = rand_host((size_t)n * q_stride, 3.0f); /* peaky attention, not a plain average */
+    for (size_t e = 0; scaled && e < (size_t)n * q_stride; e++) q[e] /= g_fp8_mul[0];
     float *ref = loom_xmalloc((size_t)n * out_stride * 4);
     loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd),
                           .q = q, .q_stride = q_stride, .out = ref, .out_stride = out_stride,
@@ -865,7 +896,7 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     loom_attn_args_t g = a;
     g.q = to_dev(be, q, (size_t)n * q_stride * 4);
     g.out = poisoned(be, (size_t)n * out_stride * 4);
-    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .dtype = dt};
+    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .dtype = dt, .fp8_scale = {fs[0], fs[1]}};
     g.kv.v = ac->latent ? g.kv.k : to_dev(be, vn, cache * es);
     if (dt == LOOM_DT_I8) {
         g.kv.k_scale = to_dev(be, ksc, cells * nkv * 4);
@@ -877,14 +908,15 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
     loom_op_attention(be, &g);
     char buf[160];
-    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d%s, n %d, window %d softcap %g sinks %d)",
-             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, ac->latent ? " latent" : "", n, ex.window,
-             (double)ex.softcap, ex.sinks);
+    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d%s%s, n %d, window %d softcap %g sinks %d)",
+             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, ac->latent ? " latent" : "",
+             scaled ? " fp8 scales" : "", n, ex.window, (double)ex.softcap, ex.sinks);
     /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
      * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values);
      * heads above 256 take the wide kernel, fp32 throughout (576-long dots) */
     double tol = hd > 256 ? 1e-4 : n <= 8 ? 2e-5 : 1e-2;
-    CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, tol, tol));
+    const double atol = scaled ? tol * g_fp8_mul[1] : tol; /* the values are that much larger */
+    CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, atol, tol));
     void *bufs[] = {(void *)g.q, g.out, g.kv.k, ac->latent ? NULL : g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos,
                     (void *)g.block_tables, g.kv.k_scale, ac->latent ? NULL : g.kv.v_scale, (void *)g.sinks};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
@@ -983,6 +1015,29 @@ static void test_attention_extras(void) {
             }
             g_extra = NULL;
         }
+}
+
+/* fp8 caches with per-tensor K and V scales: values far beyond 448 stored
+ * without clamping, K's scale folded into the queries and V's into the
+ * outputs, by every kernel (one-row, tiles, splits, the wide kernel on
+ * latent rows, where V is K's memory and shares its scale). */
+static void test_attention_fp8_scaled(void) {
+    static const attn_case_t cases[] = {{32, 8, 128, 16, 0}, {6, 2, 36, 7, 0}, {16, 1, 576, 64, 1}};
+    enum { MAXN = 300 };
+    int32_t seq[MAXN], pos[MAXN];
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        g_fp8_mul[0] = 500.0f, g_fp8_mul[1] = cases[c].latent ? 500.0f : 700.0f;
+        int len = 3000;
+        seq[0] = 0, pos[0] = len - 1;
+        run_attention(&cases[c], LOOM_DT_F8_E4M3, 1, &len, 1, seq, pos, "decode");
+        int ctx[12];
+        for (int s = 0; s < 12; s++) ctx[s] = 1 + randi(400), seq[s] = s, pos[s] = ctx[s] - 1;
+        run_attention(&cases[c], LOOM_DT_F8_E4M3, 12, ctx, 12, seq, pos, "decode batch");
+        int pctx = 200;
+        for (int p = 0; p < 200; p++) seq[p] = 0, pos[p] = p;
+        run_attention(&cases[c], LOOM_DT_F8_E4M3, 1, &pctx, 200, seq, pos, "prefill 200");
+        g_fp8_mul[0] = g_fp8_mul[1] = 0.0f;
+    }
 }
 
 /* --- the families' element-wise ops --------------------------------------------------------- */
@@ -1085,6 +1140,22 @@ static void test_kv_i8_fp8(void) {
             }
         }
         CHECKF(!badf, "fp8 kv_write beyond 448: %d codes not clamped", badf);
+        /* with per-tensor scales: x / s, e4m3-rounded, nothing clamped (|x| <= 1200, s_k 3, s_v 4.5) */
+        f8.fp8_scale[0] = 3.0f, f8.fp8_scale[1] = 4.5f;
+        loom_op_kv_write(be, &f8, dx + nh * hd, dx + nh * hd + kv_dim, stride, dslots, n, nkv, hd);
+        uint8_t *f8v = loom_xmalloc(cache);
+        loom_backend_download(be, f8h, f8.k, cache), loom_backend_download(be, f8v, f8.v, cache);
+        badf = 0;
+        for (int i = 0; i < n; i++) {
+            if (slots[i] < 0) continue;
+            for (int e = 0; e < kv_dim; e++) {
+                const float *row = x + (size_t)i * stride + nh * hd;
+                badf += f8h[(size_t)slots[i] * kv_dim + e] != loom_f32_to_fp8_e4m3(row[e] * (1.0f / 3.0f));
+                badf += f8v[(size_t)slots[i] * kv_dim + e] != loom_f32_to_fp8_e4m3(row[kv_dim + e] * (1.0f / 4.5f));
+            }
+        }
+        CHECKF(!badf, "fp8 kv_write with per-tensor scales: %d codes differ", badf);
+        free(f8v);
         void *bufs[] = {dkv.k, dkv.v, dkv.k_scale, dkv.v_scale, dx, dinv, dpos, dslots, f8.k, f8.v};
         for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
         free(x), free(inv), free(kr), free(vr), free(kg), free(vg), free(ksr), free(vsr), free(ksg), free(vsg);
@@ -1253,6 +1324,7 @@ int main(int argc, char **argv) {
     RUN(test_rope_kv);
     RUN(test_attention);
     RUN(test_attention_extras);
+    RUN(test_attention_fp8_scaled);
     RUN(test_family_ops);
     RUN(test_kv_i8_fp8);
     RUN(test_sampling);

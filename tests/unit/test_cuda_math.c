@@ -16,6 +16,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/opmath.h"
+#include "kernels/quant.h"
 #include "tests/test.h"
 #include "worker/moe_ds.h"
 
@@ -424,6 +425,93 @@ static void test_attention_emulated(void) {
         run_case(&cases[i]);
 }
 
+/* --- the decode GEMV's variants ------------------------------------------------------------ */
+
+/* gemv.cu's loops for every variant: the grid's warps take R rows each
+ * (rows past the end masked), a lane walks its 16-byte vectors U at a time;
+ * every (row, vector) is read exactly once, by lane v % 32, and each lane
+ * meets its vectors of a row in increasing order, the same order for every
+ * variant: so the variants give the same sums. */
+static void test_gemv_plan(void) {
+    static const int shapes[][2] = {{1, 8}, {7, 40}, {33, 4096 / 8}, {4096, 14336 / 8}, {5, 7}};
+    for (int variant = 0; variant < LOOM_OM_GEMV_VARIANTS; variant++)
+        for (int nt = 1; nt <= 4; nt++) {
+            int R, U;
+            loom_om_gemv_plan(variant, nt, &R, &U);
+            CHECK(R >= 1 && U >= 1 && R * U >= 8 && R * U <= 16);
+            for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                const int64_t rows = shapes[s][0], nv = shapes[s][1];
+                const int64_t blocks = (rows + 8 * R - 1) / (8 * R);
+                unsigned char *seen = calloc((size_t)(rows * nv), 1);
+                int bad = 0;
+                for (int64_t b = 0; b < blocks; b++)
+                    for (int warp = 0; warp < 8; warp++) {
+                        const int64_t row0 = (b * 8 + warp) * R;
+                        if (row0 >= rows) continue;
+                        for (int lane = 0; lane < 32; lane++) {
+                            int64_t last[4] = {-1, -1, -1, -1};
+                            for (int64_t v0 = lane; v0 < nv; v0 += 32 * U)
+                                for (int u = 0; u < U; u++) {
+                                    const int64_t v = v0 + u * 32;
+                                    if (v >= nv) break;
+                                    for (int r = 0; r < R; r++) {
+                                        if (row0 + r >= rows) continue;
+                                        bad += v % 32 != lane || v != last[r] + (last[r] < 0 ? lane + 1 : 32);
+                                        last[r] = v;
+                                        seen[(row0 + r) * nv + v]++;
+                                    }
+                                }
+                        }
+                    }
+                for (int64_t e = 0; e < rows * nv; e++) bad += seen[e] != 1;
+                CHECKF(!bad, "gemv variant %d nt %d (R %d U %d) rows %lld vectors %lld: %d errors", variant, nt, R, U,
+                       (long long)rows, (long long)nv, bad);
+                free(seen);
+            }
+        }
+}
+
+/* --- fp8 KV with per-tensor scales ----------------------------------------------------- */
+
+/* The write's arithmetic, and the identity the attention kernels rely on:
+ * attention over the dequantized cache (code * scale) equals attention
+ * over the raw codes with q times K's scale and the output times V's. */
+static void test_fp8_scale(void) {
+    CHECK(loom_om_fp8_scale(0.0f) == 1.0f && loom_om_fp8_scale(-2.0f) == 1.0f &&
+          loom_om_fp8_scale(INFINITY) == 1.0f && loom_om_fp8_scale(NAN) == 1.0f && loom_om_fp8_scale(2.5f) == 2.5f);
+    for (int i = 0; i < 4000; i++) {
+        const float x = test_randf(&g_st, 2000.0f), s = 2000.0f / 440.0f;
+        CHECK(loom_om_fp8_store(x, 1.0f) == loom_om_fp8_clamp(x)); /* no scale: exactly the old write */
+        const float st = loom_om_fp8_store(x, 1.0f / s);
+        CHECKF(st == x * (1.0f / s) && fabsf(st) <= LOOM_OM_FP8_MAX, "store(%g, 1/%g) = %g", (double)x, (double)s,
+               (double)st);
+    }
+    loom_backend_t *be = cpu_backend();
+    REQUIRE(be);
+    enum { NH = 6, NKV = 2, HD = 24, B = 8, CTX = 70, N = 3 };
+    const float sk = 700.0f / 400.0f, sv = 900.0f / 400.0f;
+    static float kd[CTX * NKV * HD], vd[CTX * NKV * HD], kc[CTX * NKV * HD], vc[CTX * NKV * HD];
+    for (int e = 0; e < CTX * NKV * HD; e++) {
+        kc[e] = loom_fp8_e4m3_to_f32(loom_f32_to_fp8_e4m3(loom_om_fp8_store(test_randf(&g_st, 700.0f), 1.0f / sk)));
+        vc[e] = loom_fp8_e4m3_to_f32(loom_f32_to_fp8_e4m3(loom_om_fp8_store(test_randf(&g_st, 900.0f), 1.0f / sv)));
+        kd[e] = kc[e] * sk, vd[e] = vc[e] * sv;
+    }
+    int32_t bt[(CTX + B - 1) / B], seq[N] = {0, 0, 0}, pos[N] = {CTX - 1, 30, 0};
+    for (int b = 0; b < (CTX + B - 1) / B; b++) bt[b] = b;
+    float q[N * NH * HD], qk[N * NH * HD], ref[N * NH * HD], out[N * NH * HD];
+    for (int e = 0; e < N * NH * HD; e++) q[e] = test_randf(&g_st, 3.0f / 700.0f), qk[e] = q[e] * sk;
+    loom_attn_args_t a = {.n = N, .n_heads = NH, .n_kv_heads = NKV, .head_dim = HD, .scale = 0.2f, .q = q,
+                          .q_stride = NH * HD, .out = ref, .out_stride = NH * HD,
+                          .kv = {.k = kd, .v = vd, .dtype = LOOM_DT_F32}, .block_size = B, .tok_seq = seq,
+                          .tok_pos = pos, .block_tables = bt, .max_blocks = (CTX + B - 1) / B, .max_ctx = CTX};
+    loom_op_attention(be, &a);
+    a.q = qk, a.out = out, a.kv.k = kc, a.kv.v = vc;
+    loom_op_attention(be, &a);
+    for (int e = 0; e < N * NH * HD; e++) out[e] *= sv;
+    test_allclose("fp8 per-tensor scales folded into q and the output", ref, out, N * NH * HD, 1e-3, 1e-5);
+    loom_backend_destroy(&be);
+}
+
 /* --- DeepSeekMoE's router, as moe.cu's ds_route_kernel runs it ---------------------- */
 
 /* The warp's arg-max: 32 lanes' candidates folded by the shuffle tree of
@@ -560,5 +648,7 @@ int main(void) {
     RUN(test_ranges);
     RUN(test_attention_emulated);
     RUN(test_ds_route);
+    RUN(test_fp8_scale);
+    RUN(test_gemv_plan);
     return test_summary();
 }
