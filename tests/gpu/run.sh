@@ -228,6 +228,8 @@ if [ $run_steps = 1 ]; then
     step bench 150 "$bin/bench_gpu" --batches 1,8,32 --tokens 24 --json "$out/bench.json" ${BENCH_ARGS:-}
     step bench-quant 50 "$bin/bench_gpu" --skip-model --quant-gemv int8,fp8,q4,q4:128,q4_min,q4_min:128 \
         --json "$out/quant.json"
+    step bench-mla 40 "$bin/bench_gpu" --skip-model --mla 16,128 --batches 1,8,32 --ctx 4096 --prefill 1024 \
+        --json "$out/mla.json"
     step bench-q4 60 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
         --json "$out/bench-q4.json"
     # the tuning table: each candidate of a knob on a short 4-layer decode at
@@ -377,7 +379,7 @@ fi
     done
     printf ' ],\n "results": {'
     sep=
-    for f in bench quant bench-q4; do
+    for f in bench quant bench-q4 mla; do
         if [ -s "$out/$f.json" ]; then
             printf '%s\n  "%s": ' "$sep" "$f"
             cat "$out/$f.json"
