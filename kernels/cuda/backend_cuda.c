@@ -74,7 +74,7 @@ typedef struct cuda_backend {
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
-    int gemv_variant;                      /* the tuning table's decode GEMV variant (0: the default) */
+    int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
     cudaStream_t stream;
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
@@ -524,6 +524,10 @@ void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant) {
     cu(be)->gemv_variant = variant >= 0 && variant < LOOM_OM_GEMV_VARIANTS ? variant : 0;
 }
 
+void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant) {
+    cu(be)->qgemv_variant = variant >= 0 && variant < LOOM_OM_QGEMV_VARIANTS ? variant : 0;
+}
+
 void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
@@ -532,7 +536,7 @@ static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom
     const int64_t rows = w->rows, cols = w->cols;
     if (n <= (c->qgemv_max_n < 0 ? qgemv_default_max_n(w->quant) : c->qgemv_max_n)) {
         CUDA_ASSERT(loom_cuda_qgemv(y, x, w->data, w->scales, w->mins, (int)w->quant, rows, cols, w->group, n,
-                                    c->stream));
+                                    c->qgemv_variant, c->stream));
         shadow_clear(c);
         return;
     }
@@ -1127,7 +1131,8 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   attn_split_waves  waves of blocks per SM the attention splits aim at (2)
  *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
  *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
- *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h) */
+ *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
+ *   qgemv_variant     the same for the quantized GEMV (0; opmath.h) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1162,6 +1167,7 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "attn_tile_min_n") && v >= 2) c->attn_tile_min_n = (int)v;
         else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
         else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
+        else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;

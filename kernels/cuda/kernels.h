@@ -120,9 +120,11 @@ cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos
 #ifndef LOOM_CUDA_QGEMV_MAX_N_Q4
 #define LOOM_CUDA_QGEMV_MAX_N_Q4 8
 #endif
-/* y(n, rows) = x(n, cols) . W^T, 1 <= n <= LOOM_CUDA_QGEMV_MAX_N. */
+/* y(n, rows) = x(n, cols) . W^T, 1 <= n <= LOOM_CUDA_QGEMV_MAX_N; variant:
+ * rows per warp and loads in flight, 0 <= variant < LOOM_OM_QGEMV_VARIANTS
+ * (opmath.h's loom_om_qgemv_plan; 0 the default), the same bits each. */
 cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
-                            int quant, int64_t rows, int64_t cols, int group, int n, cudaStream_t s);
+                            int quant, int64_t rows, int64_t cols, int group, int n, int variant, cudaStream_t s);
 /* out(r1 - r0, cols) = rows [r0, r1) of W dequantized, stored as kind. */
 cudaError_t loom_cuda_dequant(void *out, int kind, const void *q, const float *scales, const float *mins, int quant,
                               int64_t r0, int64_t r1, int64_t cols, int group, cudaStream_t s);

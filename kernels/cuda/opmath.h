@@ -83,6 +83,25 @@ LOOM_OM void loom_om_gemv_plan(int variant, int nt, int *rows_per_warp, int *loa
     *loads = (variant == 2 ? 16 : 8) / r;
 }
 
+/* The quantized GEMV's (qgemv.cu; the tuning table's qgemv_variant), for
+ * nt tokens: variant 0 (the default) R = 4 rows a warp for nt <= 2, 2 for
+ * nt <= 4, else 1, U = 2 loads a row in flight; for nt <= 2, variant 1 R =
+ * 2 with U = 4 and variant 2 R = 1 with U = 8: the same 8 loads in flight
+ * a lane, spread over fewer rows (a grid 2-4x larger). More tokens keep the
+ * default (their partial sums take the registers: more loads in flight
+ * spill under the kernel's 128-register bound). The same bits for every
+ * variant, as the GEMV's. */
+#define LOOM_OM_QGEMV_VARIANTS 3
+LOOM_OM void loom_om_qgemv_plan(int variant, int nt, int *rows_per_warp, int *loads) {
+    const int r = nt <= 2 ? 4 : nt <= 4 ? 2 : 1;
+    if (nt > 2 || variant <= 0 || variant >= LOOM_OM_QGEMV_VARIANTS) {
+        *rows_per_warp = r, *loads = 2;
+        return;
+    }
+    *rows_per_warp = variant == 1 ? 2 : 1;
+    *loads = 8 / *rows_per_warp;
+}
+
 /* --- scores and the online softmax ------------------------------------------------ */
 
 /* Gemma 2's logit soft cap on a scaled score: cap * tanh(s / cap); cap <= 0

@@ -235,14 +235,16 @@ if [ $run_steps = 1 ]; then
     # the tuning table: each candidate of a knob on a short 4-layer decode at
     # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
     # reads the table from LOOM_CUDA_TUNING or next to the binary)
-    step tune 90 bash -c '
+    step tune 120 bash -c '
         set -e
         out=$1 bin=$2 py=$3
         # time(TABLE_LINES...): the batch-1 step of the short decode under those lines
+        # (table lines, then bench_gpu options from the first argument starting with --)
         time_with() {
-            printf "%s\n" "$@" >"$out/tune-cur.tsv"
+            : >"$out/tune-cur.tsv"
+            while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do printf "%s\n" "$1" >>"$out/tune-cur.tsv"; shift; done
             LOOM_CUDA_TUNING="$out/tune-cur.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
-                --prefill 256 --json "$out/tune-cur.json" >>"$out/tune.log" 2>&1
+                --prefill 256 --json "$out/tune-cur.json" "$@" >>"$out/tune.log" 2>&1
             "$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-cur.json"
         }
         faster() { "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$1" "$2"; }
@@ -259,10 +261,20 @@ if [ $run_steps = 1 ]; then
             echo "gemv_variant $g: batch-1 step $s s (default 0: $best_s s)"
             if faster "$s" "$gbest_s"; then gbest=$g gbest_s=$s; fi
         done
+        # the quantized GEMV variants (loom_om_qgemv_plan: 0 default, 1 twice the loads in flight, 2 that with
+        # half the rows) on the same decode with 4-bit weights
+        qbase=$(time_with "attn_split_waves $best" "gemv_variant $gbest" --quantization q4)
+        qbest=0 qbest_s=$qbase
+        for g in 1 2; do
+            s=$(time_with "attn_split_waves $best" "gemv_variant $gbest" "qgemv_variant $g" --quantization q4)
+            echo "qgemv_variant $g (q4): batch-1 step $s s (default 0: $qbase s)"
+            if faster "$s" "$qbest_s"; then qbest=$g qbest_s=$s; fi
+        done
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
             echo "gemv_variant $gbest"
+            echo "qgemv_variant $qbest"
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
     ' tune "$out" "$bin" "$py"

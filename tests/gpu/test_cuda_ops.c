@@ -228,6 +228,21 @@ static void check_qmatmul(const char *scheme, int t, int64_t rows, int64_t cols,
     loom_cpu_matmul_path(g_cpu[0], ref, hx, &wc, n, LOOM_CPU_MM_SGEMM);
     float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
     loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
+    if (n <= 2) { /* every quantized GEMV variant gives the default's bits (opmath.h) */
+        float *y0 = from_dev(g_cuda[t], dy, (size_t)n * rows);
+        for (int v = 1; v < LOOM_OM_QGEMV_VARIANTS; v++) {
+            float *dv = poisoned(g_cuda[t], (size_t)n * rows * 4);
+            loom_cuda_set_qgemv_variant(g_cuda[t], v);
+            loom_op_matmul(g_cuda[t], dv, dx, &wg, n);
+            loom_cuda_set_qgemv_variant(g_cuda[t], 0);
+            float *yv = from_dev(g_cuda[t], dv, (size_t)n * rows);
+            CHECKF(!memcmp(y0, yv, (size_t)n * rows * 4), "%s: qgemv variant %d: other bits than the default", what,
+                   v);
+            free(yv);
+            loom_backend_free(g_cuda[t], dv);
+        }
+        free(y0);
+    }
     double u = n <= 8 || t == 0 ? 2e-6 : 4e-3;
     CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5, 1e-3));
     /* x not 16-byte aligned: the scalar GEMV */

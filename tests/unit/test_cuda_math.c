@@ -434,41 +434,51 @@ static void test_attention_emulated(void) {
  * variant: so the variants give the same sums. */
 static void test_gemv_plan(void) {
     static const int shapes[][2] = {{1, 8}, {7, 40}, {33, 4096 / 8}, {4096, 14336 / 8}, {5, 7}};
-    for (int variant = 0; variant < LOOM_OM_GEMV_VARIANTS; variant++)
-        for (int nt = 1; nt <= 4; nt++) {
-            int R, U;
-            loom_om_gemv_plan(variant, nt, &R, &U);
-            CHECK(R >= 1 && U >= 1 && R * U >= 8 && R * U <= 16);
-            for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-                const int64_t rows = shapes[s][0], nv = shapes[s][1];
-                const int64_t blocks = (rows + 8 * R - 1) / (8 * R);
-                unsigned char *seen = calloc((size_t)(rows * nv), 1);
-                int bad = 0;
-                for (int64_t b = 0; b < blocks; b++)
-                    for (int warp = 0; warp < 8; warp++) {
-                        const int64_t row0 = (b * 8 + warp) * R;
-                        if (row0 >= rows) continue;
-                        for (int lane = 0; lane < 32; lane++) {
-                            int64_t last[4] = {-1, -1, -1, -1};
-                            for (int64_t v0 = lane; v0 < nv; v0 += 32 * U)
-                                for (int u = 0; u < U; u++) {
-                                    const int64_t v = v0 + u * 32;
-                                    if (v >= nv) break;
-                                    for (int r = 0; r < R; r++) {
-                                        if (row0 + r >= rows) continue;
-                                        bad += v % 32 != lane || v != last[r] + (last[r] < 0 ? lane + 1 : 32);
-                                        last[r] = v;
-                                        seen[(row0 + r) * nv + v]++;
+    for (int q = 0; q < 2; q++) { /* the float GEMV's variants, then the quantized one's */
+        for (int variant = 0; variant < (q ? LOOM_OM_QGEMV_VARIANTS : LOOM_OM_GEMV_VARIANTS); variant++)
+            for (int nt = 1; nt <= (q ? 8 : 4); nt++) {
+                int R, U;
+                if (q)
+                    loom_om_qgemv_plan(variant, nt, &R, &U);
+                else
+                    loom_om_gemv_plan(variant, nt, &R, &U);
+                CHECK(R >= 1 && U >= 1 && R * U >= (q ? 2 : 8) && R * U <= (q ? 8 : 16));
+                if (q && nt > 2) { /* more tokens keep the default */
+                    int R0, U0;
+                    loom_om_qgemv_plan(0, nt, &R0, &U0);
+                    CHECK(R == R0 && U == U0);
+                }
+                for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                    const int64_t rows = shapes[s][0], nv = shapes[s][1];
+                    const int64_t blocks = (rows + 8 * R - 1) / (8 * R);
+                    unsigned char *seen = calloc((size_t)(rows * nv), 1);
+                    int bad = 0;
+                    for (int64_t b = 0; b < blocks; b++)
+                        for (int warp = 0; warp < 8; warp++) {
+                            const int64_t row0 = (b * 8 + warp) * R;
+                            if (row0 >= rows) continue;
+                            for (int lane = 0; lane < 32; lane++) {
+                                int64_t last[4] = {-1, -1, -1, -1};
+                                for (int64_t v0 = lane; v0 < nv; v0 += 32 * U)
+                                    for (int u = 0; u < U; u++) {
+                                        const int64_t v = v0 + u * 32;
+                                        if (v >= nv) break;
+                                        for (int r = 0; r < R; r++) {
+                                            if (row0 + r >= rows) continue;
+                                            bad += v % 32 != lane || v != last[r] + (last[r] < 0 ? lane + 1 : 32);
+                                            last[r] = v;
+                                            seen[(row0 + r) * nv + v]++;
+                                        }
                                     }
-                                }
+                            }
                         }
-                    }
-                for (int64_t e = 0; e < rows * nv; e++) bad += seen[e] != 1;
-                CHECKF(!bad, "gemv variant %d nt %d (R %d U %d) rows %lld vectors %lld: %d errors", variant, nt, R, U,
-                       (long long)rows, (long long)nv, bad);
-                free(seen);
+                    for (int64_t e = 0; e < rows * nv; e++) bad += seen[e] != 1;
+                    CHECKF(!bad, "%sgemv variant %d nt %d (R %d U %d) rows %lld vectors %lld: %d errors", q ? "q" : "",
+                           variant, nt, R, U, (long long)rows, (long long)nv, bad);
+                    free(seen);
+                }
             }
-        }
+    }
 }
 
 /* --- fp8 KV with per-tensor scales ----------------------------------------------------- */
