@@ -20,7 +20,11 @@
  * MLP shapes of the model (gate+up and down): GEMV at n = 1 and 8 as GB/s
  * of weight bytes read and its ratio to the copy bandwidth, and the prefill
  * (dequantize + cuBLAS) at the prefill length against the bf16 GEMM.
- * --skip-model runs only that (and the copy bandwidth).
+ * --mla HEADS times DeepSeek-V3's absorbed latent attention alone (the wide
+ * kernel: 576-wide rows, one KV head, V the same memory): decode at
+ * --batches with context --ctx (latent GB/s against the copy bandwidth) and
+ * a prefill of --prefill tokens (TFLOP/s).
+ * --skip-model runs only those (and the copy bandwidth).
  *
  *   bench_gpu [--layers 32] [--dim 4096] [--heads 32] [--kv-heads 8] [--hidden 14336]
  *             [--vocab 128256] [--dtype bf16] [--quantization SCHEME] [--ctx 1024] [--tokens 32]
@@ -467,6 +471,76 @@ static int quant_gemv(bench_t *b, const char *list, int prefill, double copy, qr
     return nq;
 }
 
+/* --- DeepSeek's latent attention alone (--mla) ------------------------------------------------- */
+
+typedef struct mla_result {
+    int heads, batch, tokens; /* tokens > batch: a prefill of that many tokens of one sequence */
+    double call_s, gbs, tflops;
+} mla_result_t;
+
+static int parse_list(const char *s, int *out, int max);
+
+/* The absorbed MLA attention of DeepSeek-V3 (attention.cu's wide kernel):
+ * MQA of `heads` query heads over one latent KV head of 576 values (512 +
+ * 64), V the same memory as K, a bf16 cache. Decode at each batch with
+ * context ctx (latent GB/s = cache bytes read / call time, against the copy
+ * bandwidth), and a prefill of `prefill` tokens of one sequence (TFLOP/s of
+ * its scores and values). */
+static int mla_bench(bench_t *b, const char *heads_s, const int *batches, int nb, int ctx, int prefill,
+                     mla_result_t *out, int max) {
+    enum { HD = 576, CHUNK = 4096, REPS = 10 };
+    int heads[8], nh = parse_list(heads_s, heads, 8), max_batch = 1, max_h = 1, n = 0;
+    for (int i = 0; i < nb; i++) max_batch = LOOM_MAX(max_batch, batches[i]);
+    for (int i = 0; i < nh; i++) max_h = LOOM_MAX(max_h, heads[i]);
+    prefill = LOOM_MIN(prefill, ctx);
+    const int per_seq = (ctx + B_SIZE - 1) / B_SIZE, max_tok = LOOM_MAX(max_batch, prefill);
+    const size_t cells = (size_t)max_batch * per_seq * B_SIZE;
+    loom_backend_t *be = b->be;
+    cudaStream_t st = loom_backend_stream(be);
+    loom_kv_layer_t kv = {.k = dalloc(b, cells * HD * 2), .dtype = LOOM_DT_BF16};
+    kv.v = kv.k; /* the latent layout */
+    float *src = vec(b, (size_t)CHUNK * HD, 7, -1.0f, 1.0f);
+    int32_t *ih = loom_xmalloc((size_t)LOOM_MAX(CHUNK, max_batch * per_seq) * 4), *slots = dalloc(b, CHUNK * 4);
+    for (size_t c0 = 0; c0 < cells; c0 += CHUNK) { /* the cache through kv_write, a chunk of rows at a time */
+        const int k = (int)LOOM_MIN((size_t)CHUNK, cells - c0);
+        for (int i = 0; i < k; i++) ih[i] = (int32_t)(c0 + (size_t)i);
+        loom_backend_upload(be, slots, ih, (size_t)k * 4);
+        loom_op_kv_write(be, &kv, src, src, HD, slots, k, 1, HD);
+    }
+    int32_t *bt = dalloc(b, (size_t)max_batch * per_seq * 4), *seq = dalloc(b, (size_t)max_tok * 4),
+            *pos = dalloc(b, (size_t)max_tok * 4), *sh = loom_xmalloc((size_t)max_tok * 4),
+            *ph = loom_xmalloc((size_t)max_tok * 4);
+    for (int i = 0; i < max_batch * per_seq; i++) ih[i] = i;
+    loom_backend_upload(be, bt, ih, (size_t)max_batch * per_seq * 4);
+    float *q = vec(b, (size_t)max_tok * max_h * HD, 8, -0.05f, 0.05f), *o = dalloc(b, (size_t)max_tok * max_h * HD * 4);
+    for (int h = 0; h < nh && n < max; h++)
+        for (int i = 0; i <= nb && n < max; i++) {
+            const int pre = i == nb, toks = pre ? prefill : batches[i];
+            for (int t = 0; t < toks; t++) sh[t] = pre ? 0 : t, ph[t] = pre ? t : ctx - 1;
+            loom_backend_upload(be, seq, sh, (size_t)toks * 4);
+            loom_backend_upload(be, pos, ph, (size_t)toks * 4);
+            loom_attn_args_t a = {.n = toks, .n_heads = heads[h], .n_kv_heads = 1, .head_dim = HD,
+                                  .scale = 0.1352f / sqrtf(192.0f), .q = q, .q_stride = heads[h] * HD, .out = o,
+                                  .out_stride = heads[h] * HD, .kv = kv, .block_size = B_SIZE, .tok_seq = seq,
+                                  .tok_pos = pos, .block_tables = bt, .max_blocks = per_seq, .max_ctx = ctx};
+            loom_op_attention(be, &a); /* warm-up */
+            CK(cudaStreamSynchronize(st));
+            double s0 = now_s();
+            for (int r = 0; r < REPS; r++) loom_op_attention(be, &a);
+            CK(cudaStreamSynchronize(st));
+            const double t = (now_s() - s0) / REPS;
+            const double keys = pre ? (double)toks * (toks + 1) / 2 : (double)toks * ctx;
+            out[n++] = (mla_result_t){.heads = heads[h], .batch = pre ? 1 : toks, .tokens = toks, .call_s = t,
+                                      .gbs = pre ? 0.0 : keys * HD * 2 / t / 1e9,
+                                      .tflops = keys * heads[h] * 2.0 * (HD + HD) / t / 1e12};
+        }
+    loom_backend_free(be, kv.k), loom_backend_free(be, src), loom_backend_free(be, slots);
+    loom_backend_free(be, bt), loom_backend_free(be, seq), loom_backend_free(be, pos);
+    loom_backend_free(be, q), loom_backend_free(be, o);
+    free(ih), free(sh), free(ph);
+    return n;
+}
+
 static int parse_list(const char *s, int *out, int max) {
     int n = 0;
     while (*s && n < max) {
@@ -483,7 +557,8 @@ static int parse_list(const char *s, int *out, int max) {
 int main(int argc, char **argv) {
     loom_log_init("bench_gpu");
     bench_t b = {.layers = 32, .dim = 4096, .nh = 32, .nkv = 8, .hd = 128, .hidden = 14336, .vocab = 128256};
-    const char *dtype = "bf16", *batches_s = "1,8,32", *json = NULL, *quant_s = "none", *qgemv_s = NULL;
+    const char *dtype = "bf16", *batches_s = "1,8,32", *json = NULL, *quant_s = "none", *qgemv_s = NULL,
+               *mla_s = NULL;
     int ctx = 1024, tokens = 32, prefill = 512, skip_model = 0;
     loom_opt_t opts[] = {
         {"layers", LOOM_OPT_INT, &b.layers, "N", "layers (default 32)", 1, 1024, NULL},
@@ -498,7 +573,12 @@ int main(int argc, char **argv) {
          "matmul weights: none (default), int8, fp8, q4, q4:128, q4_min, q4_min:128", 1, 0, NULL},
         {"quant-gemv", LOOM_OPT_STR, &qgemv_s, "LIST", "also time the quantized matmul alone for these schemes", 1, 0,
          NULL},
-        {"skip-model", LOOM_OPT_FLAG, &skip_model, NULL, "only the copy bandwidth and --quant-gemv", 0, 0, NULL},
+        {"mla", LOOM_OPT_STR, &mla_s, "HEADS",
+         "also time DeepSeek-V3's latent attention alone (576-wide rows) for these head counts, at --batches and "
+         "--ctx, and a prefill of --prefill tokens",
+         1, 0, NULL},
+        {"skip-model", LOOM_OPT_FLAG, &skip_model, NULL, "only the copy bandwidth, --quant-gemv and --mla", 0, 0,
+         NULL},
         {"ctx", LOOM_OPT_INT, &ctx, "N", "context of each sequence before decoding (default 1024)", 1, 1 << 17, NULL},
         {"tokens", LOOM_OPT_INT, &tokens, "N", "timed decode steps (default 32)", 4, 4096, NULL},
         {"prefill", LOOM_OPT_INT, &prefill, "N", "prefill chunk, also the measured prefill (default 512)", 16, 8192,
@@ -548,6 +628,15 @@ int main(int argc, char **argv) {
     printf("device: %s, %d SMs; copy bandwidth %.0f GB/s (read + write)\n", prop.name, loom_cuda_sm_count(b.be), copy);
     qresult_t qres[32];
     int nq = qgemv_s ? quant_gemv(&b, qgemv_s, prefill, copy, qres, (int)LOOM_ARRAY_LEN(qres)) : 0;
+    mla_result_t mres[64];
+    int nm = mla_s ? mla_bench(&b, mla_s, batches, nb, ctx, prefill, mres, (int)LOOM_ARRAY_LEN(mres)) : 0;
+    if (nm) {
+        printf("\nMLA attention alone (576-wide latent rows, bf16, context %d):\n  %6s %6s %7s %10s %9s %6s %8s\n",
+               ctx, "heads", "batch", "tokens", "call us", "GB/s", "ratio", "TFLOP/s");
+        for (int i = 0; i < nm; i++)
+            printf("  %6d %6d %7d %10.1f %9.0f %6.3f %8.1f\n", mres[i].heads, mres[i].batch, mres[i].tokens,
+                   mres[i].call_s * 1e6, mres[i].gbs, mres[i].gbs / copy, mres[i].tflops);
+    }
     if (skip_model) {
         if (json) {
             FILE *f = fopen(json, "w");
@@ -564,6 +653,12 @@ int main(int argc, char **argv) {
                                 kCrossN[j], qres[i].gemv_gbs[j], qres[i].deq_gbs[j]);
                     fprintf(f, "]}");
                 }
+                fprintf(f, "],\"mla\":[");
+                for (int i = 0; i < nm; i++)
+                    fprintf(f, "%s{\"heads\":%d,\"batch\":%d,\"tokens\":%d,\"ctx\":%d,\"call_s\":%.7f,"
+                               "\"gbs\":%.1f,\"ratio\":%.4f,\"tflops\":%.2f}",
+                            i ? "," : "", mres[i].heads, mres[i].batch, mres[i].tokens, ctx, mres[i].call_s,
+                            mres[i].gbs, mres[i].gbs / copy, mres[i].tflops);
                 fprintf(f, "]}\n");
                 fclose(f);
             }

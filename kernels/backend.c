@@ -67,6 +67,7 @@ static const struct {
     {LOOM_CAP_KV_I8, "kv_int8", "an int8 KV cache"},
     {LOOM_CAP_KV_FP8, "kv_fp8", "an fp8 KV cache"},
     {LOOM_CAP_ATTN_WIDE, "attn_wide", "attention heads wider than 256"},
+    {LOOM_CAP_ATTN_HUGE, "attn_huge", "attention heads wider than 768"},
 };
 const char *loom_cap_name(uint32_t cap) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(k_caps); i++)
@@ -320,6 +321,14 @@ void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int 
 }
 int loom_backend_moe_add_bias_supported(const loom_backend_t *be) {
     return be->ops->moe_add_bias != NULL;
+}
+int loom_backend_moe_route_ds_supported(const loom_backend_t *be, const loom_moe_ds_args_t *r) {
+    return be->ops->moe_route_ds && be->ops->moe_route_ds_fits && be->ops->moe_route_ds_fits(r);
+}
+void loom_op_moe_route_ds(loom_backend_t *be, const float *logits, int n, const loom_moe_ds_args_t *r,
+                          int32_t *sel, float *w) {
+    LOOM_ASSERT(loom_backend_moe_route_ds_supported(be, r));
+    if (n > 0) be->ops->moe_route_ds(be, logits, n, r, sel, w);
 }
 int loom_backend_has_lora(const loom_backend_t *be) { return be->ops->lora != NULL; }
 void loom_op_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,

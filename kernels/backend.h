@@ -55,8 +55,9 @@ typedef enum {
     LOOM_CAP_KV_I8 = 1u << 8,
     LOOM_CAP_KV_FP8 = 1u << 9,
     LOOM_CAP_ATTN_WIDE = 1u << 10,    /* attention heads wider than 256 (MLA's latent rows: 576 for DeepSeek-V3) */
+    LOOM_CAP_ATTN_HUGE = 1u << 11,    /* attention heads wider than 768 (the CUDA kernels' limit) */
 } loom_cap_t;
-#define LOOM_CAP_COUNT 11
+#define LOOM_CAP_COUNT 12
 /* "sliding-window attention"; cap is one bit */
 const char *loom_cap_name(uint32_t cap);
 /* "attn_window": the key `loom info --json` prints */
@@ -211,6 +212,22 @@ int loom_backend_moe_device(loom_backend_t *be, const loom_weight_t *experts, in
 void loom_op_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
                           int cols);
 int loom_backend_moe_add_bias_supported(const loom_backend_t *be);
+/* Optional (CUDA): DeepSeekMoE's router on the device, loom_moe_route_deepseek
+ * (worker/moe_ds.h) per row up to expf: sel, w (n, top_k) in ascending
+ * expert order. Without it (or when _supported says the backend cannot
+ * take this router) a DeepSeek block routes on the host. */
+typedef struct loom_moe_ds_args {
+    int n_experts, top_k;
+    int sigmoid;                 /* 1: sigmoid scores (V3), 0: softmax (V2) */
+    int method;                  /* loom_ds_topk_t: greedy, group-limited (group max), noaux_tc (best two) */
+    int n_group, topk_group;     /* grouped methods: n_group equal groups, topk_group kept */
+    int norm_topk_prob;          /* sigmoid: the chosen weights divided by their sum */
+    float routed_scaling_factor; /* then every weight times this */
+    const float *bias;           /* (n_experts) e_score_correction_bias on the device, or NULL */
+} loom_moe_ds_args_t;
+void loom_op_moe_route_ds(loom_backend_t *be, const float *logits, int n, const loom_moe_ds_args_t *r,
+                          int32_t *sel, float *w);
+int loom_backend_moe_route_ds_supported(const loom_backend_t *be, const loom_moe_ds_args_t *r);
 void *loom_backend_moe_table(loom_backend_t *be, const loom_weight_t *experts, int n_experts);
 void loom_op_moe_route(loom_backend_t *be, const float *logits, int n, int n_experts, int k,
                        int norm, int32_t *sel, float *w);
@@ -250,13 +267,17 @@ void loom_op_rope(loom_backend_t *be, float *x, int stride, int n, int n_heads, 
  *   BF16     rounded to nearest even;
  *   I8       codes with one float32 scale per token and KV head in k_scale /
  *            v_scale, (n_blocks, B, nkv): x = scale * code, scale = absmax/127;
- *   F8_E4M3  e4m3 bytes, no scale (CUDA only): values beyond +-448 are
- *            clamped to +-448, never NaN, and counted (the CUDA backend
- *            logs the count when it is destroyed).
+ *   F8_E4M3  e4m3 bytes (CUDA only) with one per-tensor scale for the
+ *            layer's K and one for its V in fp8_scale (x = scale * e4m3
+ *            value; 0 counts as 1): stored as e4m3(x / scale), values
+ *            beyond +-448 after the division clamped to +-448, never NaN,
+ *            and counted (the CUDA backend logs the count when it is
+ *            destroyed).
  * Which dtypes a backend has kernels for: loom_backend_kv_supported. */
 typedef struct loom_kv_layer {
     void *k, *v;
     float *k_scale, *v_scale; /* I8 only; NULL otherwise */
+    float fp8_scale[2];       /* F8_E4M3 only: K's and V's per-tensor scales (0: 1) */
     loom_dtype_t dtype;
     /* Where blocks lie. 0 (the layer-major layout): block b's rows at row
      * b * block_size of k and v, its scales at (b * block_size) * nkv.

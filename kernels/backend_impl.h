@@ -77,6 +77,10 @@ typedef struct loom_backend_ops {
     /* optional: expert biases on the rows of moe_gemv (loom_op_moe_add_bias) */
     void (*moe_add_bias)(loom_backend_t *be, float *y, const int32_t *sel, int n_pairs, const float *bias,
                          int cols);
+    /* optional: DeepSeekMoE's router (loom_op_moe_route_ds); route_ds_fits says which routers it takes */
+    void (*moe_route_ds)(loom_backend_t *be, const float *logits, int n, const loom_moe_ds_args_t *r,
+                         int32_t *sel, float *w);
+    int (*moe_route_ds_fits)(const loom_moe_ds_args_t *r);
     /* optional: LoRA deltas (loom_op_lora) */
     void (*lora)(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
                  int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots, int max_r);

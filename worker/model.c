@@ -343,6 +343,7 @@ void loom_model_destroy(loom_model_t **m_p) {
                 loom_weight_free(be, &ly->ffn.e2[j]);
             }
             loom_backend_free(be, ly->ffn.t13);
+            loom_backend_free(be, ly->ffn.d_ds_bias);
             loom_backend_free(be, ly->ffn.t2);
             free(ly->ffn.e13);
             free(ly->ffn.e2);

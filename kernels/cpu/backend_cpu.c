@@ -995,7 +995,7 @@ static const loom_backend_ops_t cpu_ops = {
     .swiglu_clamp = cpu_swiglu_clamp,
     .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
             LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8 |
-            LOOM_CAP_ATTN_WIDE,
+            LOOM_CAP_ATTN_WIDE | LOOM_CAP_ATTN_HUGE,
     .softcap = cpu_softcap,
     .embed = cpu_embed,
     .gather_rows = cpu_gather_rows,

@@ -43,6 +43,10 @@
  *    merged where the output is normalised (the one-split epilogue or the
  *    combine kernel), so it is counted once however the keys were shared.
  *
+ *
+ * Heads wider than 256 (MLA's latent rows) take attn_wide_kernel (below)
+ * for every unit instead of the two kernels above.
+ *
  * Decode napkin math: per token and KV head, ctx * hd * 2 * e bytes of K
  * and V (e = 4, 2, 1); 4 * ctx * hd * group FLOPs. */
 #include <cuda_bf16.h>
@@ -79,6 +83,9 @@ struct Params {
     float softcap;       /* > 0: logit soft cap */
     const float *sinks;  /* (nh) or NULL */
     const float *ksc, *vsc; /* int8 cache: (n_blocks * B, nkv) scales; NULL otherwise */
+    int hc, n_chunks;       /* wide kernel: query heads per tile, chunks of them per KV head */
+    bool same_kv;           /* wide kernel: V is K's memory (MLA's latent rows), staged once */
+    float kts, vts;         /* fp8 cache: K's and V's per-tensor scales (1 otherwise) */
 };
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -143,10 +150,11 @@ __device__ __forceinline__ float row_scale<int8_t>(const float *sc, int slot, in
 }
 
 /* Normalised output of a finished softmax state (max m, sum l, unnormalised
- * accumulator o), the head's sink folded in. */
+ * accumulator o), the head's sink folded in, times V's per-tensor scale
+ * (fp8: the values were summed as stored). */
 __device__ __forceinline__ float finish(const Params &p, int head, float m, float l, float o) {
     if (p.sinks) o *= loom_om_sink_fold(&m, &l, p.sinks[head]);
-    return l > 0.0f ? o / l : 0.0f;
+    return l > 0.0f ? o / l * p.vts : 0.0f;
 }
 
 __device__ __forceinline__ bool unit_starts(const Params &p, int i) {
@@ -215,7 +223,8 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
     float *wl = wm + kWarps * GC;
     float *wacc = wl + kWarps * GC;
     const float *qrow = p.q + (int64_t)i * p.q_stride + (int64_t)kvh * G * hd;
-    for (int e = threadIdx.x; e < G * hd; e += blockDim.x) qs[e] = qrow[e] * p.scale;
+    const float qscale = p.scale * p.kts; /* K's per-tensor scale folded into q */
+    for (int e = threadIdx.x; e < G * hd; e += blockDim.x) qs[e] = qrow[e] * qscale;
     __syncthreads();
 
     constexpr int HV = VEC ? kMaxHd / 128 : kMaxHd / 32; /* accumulator slots per lane */
@@ -462,7 +471,8 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
         if (r < QR) {
             const float *qr = p.q + (int64_t)(i + r / G) * p.q_stride + (int64_t)(kvh * G + r % G) * hd;
             v = reinterpret_cast<const float4 *>(qr)[d4];
-            v.x *= p.scale, v.y *= p.scale, v.z *= p.scale, v.w *= p.scale;
+            const float qs = p.scale * p.kts; /* K's per-tensor scale folded into q */
+            v.x *= qs, v.y *= qs, v.z *= qs, v.w *= qs;
         }
         reinterpret_cast<float4 *>(Qs + r * ld)[d4] = v;
         reinterpret_cast<float4 *>(Os + r * ld)[d4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -572,6 +582,220 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     }
 }
 
+/* --- wide heads (head_dim above 256: MLA's latent rows) ------------------------------------------ */
+
+/* MLA's absorbed attention is MQA over the latent cache: one KV head whose
+ * 576-element row (DeepSeek-V3's 512 latent + 64 rope values) is the key
+ * and, in the latent layout, also the value (v points at k). Rows that wide
+ * do not fit the kernels above (their accumulators, a head's slots per
+ * lane, and the tile kernel's 64 x (hd + 4) shared tiles), so they have a
+ * kernel of their own, for decode and prefill alike:
+ *  - a block takes a tile of LOOM_OM_WIDE_ROWS (16) query rows, (token,
+ *    head) pairs: hc = min(group, 16) heads of one chunk of a KV head's
+ *    query heads (grid.y = KV head x chunk), times tq = 16 / hc consecutive
+ *    tokens of one sequence (the units of the kernels above, cut at
+ *    multiples of tq), so each key row staged in shared memory serves 16
+ *    query rows;
+ *  - steps of LOOM_OM_WIDE_KEYS (16) keys: the step's K rows are widened
+ *    to f32 (and dequantized) into shared memory, once when V is K's memory;
+ *    thread t scores row t / 16 against key t % 16 (rows padded to hd + 1
+ *    floats, so the 16 keys of a warp fall in 16 banks); one warp per row
+ *    runs the online softmax over the step; then each thread accumulates
+ *    p * V for its own columns (t, t + 256, t + 512) of all 16 rows in
+ *    registers;
+ *  - flash-decoding splits of the key range and their merge, windows, soft
+ *    caps, sinks and the int8 scales as in the kernels above (the same
+ *    partials layout, merged by attn_combine_kernel).
+ * fp32 on CUDA cores throughout: the tile is smem-bandwidth-bound (a score
+ * reads two floats per FMA), fine for decode, where the latent rows are
+ * read once per 16 query rows, and a first version for prefill; its loops
+ * are emulated by tests/unit/test_cuda_math.c against the CPU backend. */
+constexpr int kWR = LOOM_OM_WIDE_ROWS;
+constexpr int kWK = LOOM_OM_WIDE_KEYS;
+constexpr int kWJ = (LOOM_OM_WIDE_MAX_HD + kThreads - 1) / kThreads; /* accumulator columns per thread */
+static_assert(kWR * kWK == kThreads, "one score per thread");
+static_assert(kWR <= 2 * kWarps, "a warp runs the softmax of at most two rows");
+
+__host__ __device__ constexpr size_t wide_smem_floats(int hd, bool same) {
+    return (size_t)(kWR + kWK * (same ? 1 : 2)) * (size_t)(hd + 1) /* Q, K, V */ + kWR * kWK /* S */ +
+           3 * kWR /* row max, sum, alpha */ + 3 * kWR /* row ints */ + kWK /* key slots */ + 4 /* unit info */;
+}
+
+template <typename KT, bool VEC>
+__global__ void __launch_bounds__(kThreads) attn_wide_kernel(Params p) {
+    extern __shared__ __align__(128) float sm[];
+    const int i = blockIdx.x, kvh = blockIdx.y / p.n_chunks, chunk = blockIdx.y % p.n_chunks, split = blockIdx.z;
+    if (!unit_starts(p, i)) return; /* inside a unit: its first token's block has it */
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int hd = p.hd, G = p.group, HC = p.hc, ld = hd + 1;
+    float *Qs = sm;
+    float *Ks = Qs + kWR * ld;
+    float *Vs = p.same_kv ? Ks : Ks + kWK * ld;
+    float *Ss = Vs + kWK * ld;
+    float *rmax = Ss + kWR * kWK, *rsum = rmax + kWR, *ralpha = rsum + kWR;
+    int *rpos = reinterpret_cast<int *>(ralpha + kWR), *rlo = rpos + kWR, *rhead = rlo + kWR;
+    int *kslot = rhead + kWR, *info = kslot + kWK;
+
+    const int seq = p.tok_seq[i];
+    if (tid == 0) { /* the unit: consecutive tokens of this sequence up to the next multiple of tq */
+        int R = 1, mp = p.tok_pos[i], lp = mp;
+        while (unit_continues(p, i + R - 1)) {
+            mp = max(mp, p.tok_pos[i + R]);
+            lp = min(lp, p.tok_pos[i + R]);
+            R++;
+        }
+        info[0] = R;
+        info[1] = mp;
+        info[2] = loom_om_window_lo(lp, p.window);
+    }
+    __syncthreads();
+    if (tid < kWR) { /* row r: token i + r / HC, head chunk * HC + r % HC of this KV head */
+        const int r = tid, u = r / HC, g = chunk * HC + r % HC;
+        const bool valid = u < info[0] && g < G;
+        rpos[r] = valid ? p.tok_pos[i + u] : -1;
+        rlo[r] = valid ? loom_om_window_lo(p.tok_pos[i + u], p.window) : 0;
+        rhead[r] = valid ? kvh * G + g : -1;
+        rmax[r] = -INFINITY;
+        rsum[r] = 0.0f;
+    }
+    int k0, k1;
+    split_range(p, info[2], info[1] + 1, split, &k0, &k1);
+    __syncthreads();
+    if (k0 >= k1) { /* nothing in this slice: empty partials (n_split > 1 here) */
+        if (tid < kWR && rhead[tid] >= 0) {
+            const size_t pi = part_index(p, i + tid / HC, rhead[tid], split);
+            part_ml(p)[2 * pi] = -INFINITY;
+            part_ml(p)[2 * pi + 1] = 0.0f;
+        }
+        return;
+    }
+    const int32_t *bt = p.bt + (int64_t)seq * p.max_blocks;
+    for (int e = tid; e < kWR * hd; e += blockDim.x) { /* Q rows, pre-scaled; missing rows zero */
+        const int r = e / hd, d = e % hd;
+        Qs[r * ld + d] = rhead[r] >= 0 ? p.q[(int64_t)(i + r / HC) * p.q_stride + (int64_t)rhead[r] * hd + d] *
+                                             (p.scale * p.kts)
+                                       : 0.0f;
+    }
+    float acc[kWR][kWJ];
+#pragma unroll
+    for (int r = 0; r < kWR; r++)
+#pragma unroll
+        for (int c = 0; c < kWJ; c++) acc[r][c] = 0.0f;
+
+    for (int kb = k0; kb < k1; kb += kWK) {
+        if (tid < kWK) {
+            const int key = kb + tid;
+            kslot[tid] = key < k1 ? key_slot(p, bt, key) : -1;
+        }
+        __syncthreads(); /* kslot ready; the previous step's readers of Ks, Vs and Ss are done */
+        const KT *kc = static_cast<const KT *>(p.kc), *vc = static_cast<const KT *>(p.vc);
+        if (VEC) {
+            const int hd4 = hd / 4;
+            for (int e = tid; e < kWK * hd4; e += blockDim.x) {
+                const int j = e / hd4, d4 = e % hd4, slot = kslot[j];
+                float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+                if (slot >= 0) {
+                    const int64_t off = slot_offset(p, slot, kvh);
+                    const float ks = row_scale<KT>(p.ksc, slot, p.nkv, kvh);
+                    kv = ld4(kc + off, d4);
+                    kv.x *= ks, kv.y *= ks, kv.z *= ks, kv.w *= ks;
+                    if (!p.same_kv) {
+                        const float vs = row_scale<KT>(p.vsc, slot, p.nkv, kvh);
+                        vv = ld4(vc + off, d4);
+                        vv.x *= vs, vv.y *= vs, vv.z *= vs, vv.w *= vs;
+                    }
+                }
+                float *kr = Ks + j * ld + 4 * d4;
+                kr[0] = kv.x, kr[1] = kv.y, kr[2] = kv.z, kr[3] = kv.w;
+                if (!p.same_kv) {
+                    float *vr = Vs + j * ld + 4 * d4;
+                    vr[0] = vv.x, vr[1] = vv.y, vr[2] = vv.z, vr[3] = vv.w;
+                }
+            }
+        } else {
+            for (int e = tid; e < kWK * hd; e += blockDim.x) {
+                const int j = e / hd, d = e % hd, slot = kslot[j];
+                float kv = 0.0f, vv = 0.0f;
+                if (slot >= 0) {
+                    const int64_t off = slot_offset(p, slot, kvh);
+                    kv = ld1(kc + off, d) * row_scale<KT>(p.ksc, slot, p.nkv, kvh);
+                    if (!p.same_kv) vv = ld1(vc + off, d) * row_scale<KT>(p.vsc, slot, p.nkv, kvh);
+                }
+                Ks[j * ld + d] = kv;
+                if (!p.same_kv) Vs[j * ld + d] = vv;
+            }
+        }
+        __syncthreads();
+        { /* S: thread t scores row t / kWK against key t % kWK */
+            const int r = tid / kWK, j = tid % kWK, key = kb + j;
+            const bool valid = kslot[j] >= 0 && key >= rlo[r] && key <= rpos[r];
+            float sc = 0.0f;
+            if (valid)
+                for (int d = 0; d < hd; d++) sc = fmaf(Qs[r * ld + d], Ks[j * ld + d], sc);
+            Ss[r * kWK + j] = valid ? loom_om_softcap(sc, p.softcap) : -INFINITY;
+        }
+        __syncthreads();
+        for (int r = warp; r < kWR; r += kWarps) { /* the online softmax of row r over the step */
+            const float sv = lane < kWK ? Ss[r * kWK + lane] : -INFINITY;
+            const float mo = rmax[r], mn = fmaxf(mo, warp_max(sv));
+            const float alpha = mn == -INFINITY ? 1.0f : expf(mo - mn);
+            const float pr = sv != -INFINITY ? expf(sv - mn) : 0.0f;
+            const float sum = warp_sum(pr);
+            if (lane < kWK) Ss[r * kWK + lane] = pr;
+            if (lane == 0) {
+                rmax[r] = mn;
+                rsum[r] = rsum[r] * alpha + sum;
+                ralpha[r] = alpha;
+            }
+        }
+        __syncthreads();
+        /* acc(r, columns tid + 256 c) = acc * alpha + sum_j p(r, j) V(j); a missing key's V row is zeros */
+#pragma unroll
+        for (int r = 0; r < kWR; r++) {
+            const float a = ralpha[r];
+#pragma unroll
+            for (int c = 0; c < kWJ; c++) acc[r][c] *= a;
+        }
+        const int nk = min(kWK, k1 - kb);
+        for (int j = 0; j < nk; j++) {
+            float v[kWJ];
+#pragma unroll
+            for (int c = 0; c < kWJ; c++) {
+                const int d = tid + c * kThreads;
+                v[c] = d < hd ? Vs[j * ld + d] : 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < kWR; r++) {
+                const float pj = Ss[r * kWK + j];
+#pragma unroll
+                for (int c = 0; c < kWJ; c++) acc[r][c] = fmaf(pj, v[c], acc[r][c]);
+            }
+        }
+    }
+    float *ml = part_ml(p);
+#pragma unroll
+    for (int r = 0; r < kWR; r++) {
+        const int head = rhead[r];
+        if (head < 0) continue;
+        const int token = i + r / HC;
+#pragma unroll
+        for (int c = 0; c < kWJ; c++) {
+            const int d = tid + c * kThreads;
+            if (d >= hd) continue;
+            if (p.n_split == 1) {
+                p.out[(int64_t)token * p.out_stride + (int64_t)head * hd + d] = finish(p, head, rmax[r], rsum[r], acc[r][c]);
+            } else {
+                const size_t pi = part_index(p, token, head, split);
+                p.part[pi * hd + d] = acc[r][c];
+                if (d == 0) {
+                    ml[2 * pi] = rmax[r];
+                    ml[2 * pi + 1] = rsum[r];
+                }
+            }
+        }
+    }
+}
+
 /* --- merging the splits --------------------------------------------------------------------------- */
 
 __global__ void attn_combine_kernel(Params p) {
@@ -586,7 +810,7 @@ __global__ void attn_combine_kernel(Params p) {
         if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
     }
     const float f = p.sinks ? loom_om_sink_fold(&M, &L, p.sinks[head]) : 1.0f;
-    const float inv = L > 0.0f ? f / L : 0.0f;
+    const float inv = L > 0.0f ? f / L * p.vts : 0.0f;
     for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < p.n_split; s++) {
@@ -634,9 +858,12 @@ void set_attrs(size_t bytes, cudaError_t *e) {
     set_decode_attr<KT, 2, false>(bytes, e);
     set_decode_attr<KT, 4, false>(bytes, e);
     set_decode_attr<KT, 8, false>(bytes, e);
-    cudaError_t r =
-        cudaFuncSetAttribute(attn_tile_kernel<KT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (r != cudaSuccess && *e == cudaSuccess) *e = r;
+    const void *fns[] = {(const void *)attn_tile_kernel<KT>, (const void *)attn_wide_kernel<KT, true>,
+                         (const void *)attn_wide_kernel<KT, false>};
+    for (const void *f : fns) {
+        cudaError_t r = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+        if (r != cudaSuccess && *e == cudaSuccess) *e = r;
+    }
 }
 
 template <typename KT, int GC, bool VEC>
@@ -654,10 +881,28 @@ void launch_decode_g(const Params &p, dim3 grid, size_t smem, cudaStream_t s) {
     }
 }
 
-/* The three kernels for one cache element type. */
+bool same_kv(const loom_cuda_attn_t *a) {
+    return a->k_cache == a->v_cache && a->k_scale == a->v_scale;
+}
+
+/* The kernels for one cache element type: the wide kernel alone for heads
+ * above kMaxHd, else the one-row and tile kernels; the split merge. */
 template <typename KT>
 cudaError_t launch_all(const Params &p, const loom_cuda_attn_plan_t *plan, bool vec, cudaStream_t s) {
     const dim3 grid((unsigned)p.n, (unsigned)p.nkv, (unsigned)plan->n_split);
+    if (p.hd > kMaxHd) {
+        const dim3 wgrid((unsigned)p.n, (unsigned)(p.nkv * p.n_chunks), (unsigned)plan->n_split);
+        if (vec)
+            attn_wide_kernel<KT, true><<<wgrid, kThreads, plan->smem, s>>>(p);
+        else
+            attn_wide_kernel<KT, false><<<wgrid, kThreads, plan->smem, s>>>(p);
+        cudaError_t e = cudaGetLastError();
+        if (e == cudaSuccess && plan->n_split > 1) {
+            attn_combine_kernel<<<(unsigned)((int64_t)p.n * p.nh), 128, 0, s>>>(p);
+            e = cudaGetLastError();
+        }
+        return e;
+    }
     if (vec)
         launch_decode_g<KT, true>(p, grid, plan->smem, s);
     else
@@ -691,6 +936,20 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
     loom_cuda_attn_plan_t pl = {1, 1, 0, 0, 0};
     static_assert(sizeof(pl) == 2 * sizeof(int) + 3 * sizeof(size_t), "plan layout");
     const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+    const int64_t waves = a->split_waves > 0 ? a->split_waves : 2;
+    const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);
+    if (hd > kMaxHd) { /* the wide kernel: units of tq tokens, a tile per chunk of heads */
+        pl.tq = loom_om_wide_tq(G);
+        pl.smem = wide_smem_floats(hd, same_kv(a)) * sizeof(float);
+        const int64_t tiles = (int64_t)a->n * a->n_kv_heads * loom_om_wide_chunks(G);
+        int64_t ns = (waves * (int64_t)n_sms + tiles - 1) / tiles;
+        ns = ns > kMaxSplit ? kMaxSplit : ns < 1 ? 1 : ns;
+        while (ns > 1 && (size_t)ns * per_split > part_cap) ns--;
+        pl.n_split = (int)ns;
+        pl.part_floats = ns > 1 ? (size_t)ns * per_split : 0;
+        (void)max_smem; /* the caller checks smem against the device */
+        return pl;
+    }
     pl.smem = decode_smem(a);
     const size_t tile_bytes = tile_smem_floats(hd) * sizeof(float);
     /* Tiles only pay off for chunks of tokens; below tile_min_n (9) every one goes alone. */
@@ -701,11 +960,10 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
         pl.smem_tile = tile_bytes;
     }
     /* Enough blocks for split_waves (2) waves of the SMs when there are few units. */
-    const int64_t units = (int64_t)a->n * a->n_kv_heads, waves = a->split_waves > 0 ? a->split_waves : 2;
+    const int64_t units = (int64_t)a->n * a->n_kv_heads;
     int64_t ns = (waves * (int64_t)n_sms + units - 1) / units;
     if (ns > kMaxSplit) ns = kMaxSplit;
     if (ns < 1) ns = 1;
-    const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);
     while (ns > 1 && (size_t)ns * per_split > part_cap) ns--;
     pl.n_split = (int)ns;
     pl.part_floats = ns > 1 ? (size_t)ns * per_split : 0;
@@ -716,7 +974,7 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
                                            cudaStream_t s) {
     if (a->n <= 0) return cudaSuccess;
     const int G = a->n_heads / a->n_kv_heads;
-    if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->head_dim <= 0 || a->head_dim > kMaxHd ||
+    if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->head_dim <= 0 || a->head_dim > LOOM_OM_WIDE_MAX_HD ||
         a->block_size <= 0 || plan->n_split < 1 || plan->n_split > kMaxSplit || (plan->n_split > 1 && !part) ||
         a->n_kv_heads > 65535)
         return cudaErrorInvalidValue;
@@ -728,6 +986,12 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     p.tq = plan->tq, p.n_split = plan->n_split, p.scale = a->scale, p.part = part;
     p.window = a->window, p.softcap = a->softcap, p.sinks = a->sinks;
     p.ksc = a->k_scale, p.vsc = a->v_scale;
+    p.hc = loom_om_wide_heads(G), p.n_chunks = loom_om_wide_chunks(G), p.same_kv = same_kv(a);
+    const bool fp8 = a->kv_kind == LOOM_CUDA_FP8;
+    p.kts = fp8 ? loom_om_fp8_scale(a->fp8_scale[0]) : 1.0f;
+    p.vts = fp8 ? loom_om_fp8_scale(a->fp8_scale[1]) : 1.0f;
+    if (a->head_dim > kMaxHd && (plan->tq != loom_om_wide_tq(G) || a->n_kv_heads * p.n_chunks > 65535))
+        return cudaErrorInvalidValue;
     if (a->window < 0 || a->softcap < 0.0f || (a->kv_kind == LOOM_CUDA_I8 && (!p.ksc || !p.vsc)))
         return cudaErrorInvalidValue;
     switch (a->kv_kind) {

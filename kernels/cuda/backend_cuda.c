@@ -74,6 +74,7 @@ typedef struct cuda_backend {
     int wkind; /* LOOM_CUDA_BF16, _F16 or _F32: storage of matmul weights */
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
+    int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
     cudaStream_t stream;
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
@@ -519,6 +520,14 @@ static int qgemv_default_max_n(loom_quant_t q) {
     }
 }
 
+void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant) {
+    cu(be)->gemv_variant = variant >= 0 && variant < LOOM_OM_GEMV_VARIANTS ? variant : 0;
+}
+
+void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant) {
+    cu(be)->qgemv_variant = variant >= 0 && variant < LOOM_OM_QGEMV_VARIANTS ? variant : 0;
+}
+
 void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
@@ -527,7 +536,7 @@ static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom
     const int64_t rows = w->rows, cols = w->cols;
     if (n <= (c->qgemv_max_n < 0 ? qgemv_default_max_n(w->quant) : c->qgemv_max_n)) {
         CUDA_ASSERT(loom_cuda_qgemv(y, x, w->data, w->scales, w->mins, (int)w->quant, rows, cols, w->group, n,
-                                    c->stream));
+                                    c->qgemv_variant, c->stream));
         shadow_clear(c);
         return;
     }
@@ -565,7 +574,7 @@ static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom
         return;
     }
     if (n <= LOOM_CUDA_GEMV_MAX_N) {
-        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->stream));
+        CUDA_ASSERT(loom_cuda_gemv(y, x, w->data, kind, rows, cols, n, c->gemv_variant, c->stream));
         shadow_clear(c);
         return;
     }
@@ -682,6 +691,20 @@ static void cuda_moe_add_bias(loom_backend_t *be, float *y, const int32_t *sel, 
     CUDA_ASSERT(loom_cuda_moe_add_bias(y, sel, n_pairs, bias, cols, c->stream));
 }
 
+static int cuda_moe_route_ds_fits(const loom_moe_ds_args_t *r) {
+    return loom_cuda_moe_route_ds_fits(r->n_experts, r->top_k, r->method, r->n_group, r->topk_group);
+}
+
+static void cuda_moe_route_ds(loom_backend_t *be, const float *logits, int n, const loom_moe_ds_args_t *r,
+                              int32_t *sel, float *w) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_moe_route_ds(logits, n, r->n_experts, r->top_k, r->sigmoid, r->method, r->n_group,
+                                       r->topk_group, r->norm_topk_prob, r->routed_scaling_factor, r->bias, sel,
+                                       w, c->stream));
+}
+
 /* LoRA deltas (lora.cu): the slots' table goes by value into the kernels. */
 static void cuda_lora(loom_backend_t *be, float *y, int64_t ldy, const float *x, int64_t ldx, int n, int64_t in,
                       int64_t out, const int32_t *row_slot, const loom_lora_op_slot_t *slots, int n_slots,
@@ -757,7 +780,8 @@ static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const f
     cuda_backend_t *c = cu(be);
     use(c);
     shadow_clear(c);
-    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, k, v, stride,
+    CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, kv->fp8_scale, k,
+                                   v, stride,
                                    slots, n, nkv, hd, c->fp8_clamped, c->stream));
 }
 
@@ -768,7 +792,8 @@ static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const flo
     use(c);
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv->k, kv->v,
-                                        cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, slots, c->fp8_clamped,
+                                        cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, kv->fp8_scale, slots,
+                                        c->fp8_clamped,
                                         c->stream));
 }
 
@@ -779,9 +804,10 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     use(c);
     shadow_clear(c);
     LOOM_ASSERT(a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0 && a->block_size > 0);
-    if (a->head_dim > 256) {
-        LOOM_ERROR("cuda attention: head_dim %d is above the kernels' limit of 256", a->head_dim);
-        LOOM_ASSERT(a->head_dim <= 256);
+    if (a->head_dim > LOOM_OM_WIDE_MAX_HD) { /* refused at load (LOOM_CAP_ATTN_HUGE) */
+        LOOM_ERROR("cuda attention: head_dim %d is above the kernels' limit of %d", a->head_dim,
+                   LOOM_OM_WIDE_MAX_HD);
+        LOOM_ASSERT(a->head_dim <= LOOM_OM_WIDE_MAX_HD);
     }
     const loom_cuda_attn_t ca = {
         .n = a->n, .n_heads = a->n_heads, .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim,
@@ -791,6 +817,7 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .tok_pos = a->tok_pos, .block_tables = a->block_tables, .max_blocks = a->max_blocks,
         .window = a->window, .softcap = a->softcap, .sinks = a->sinks,
         .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
+        .fp8_scale = {a->kv.fp8_scale[0], a->kv.fp8_scale[1]},
         .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
@@ -1034,6 +1061,8 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_device = cuda_moe_device,
     .moe_table = cuda_moe_table,
     .moe_add_bias = cuda_moe_add_bias,
+    .moe_route_ds = cuda_moe_route_ds,
+    .moe_route_ds_fits = cuda_moe_route_ds_fits,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
     .kv_write = cuda_kv_write,
@@ -1051,7 +1080,7 @@ static const loom_backend_ops_t cuda_ops = {
     /* every capability the CPU backend has, and fp8 KV (docs/cuda.md) */
     .caps = LOOM_CAP_ATTN_WINDOW | LOOM_CAP_ATTN_SOFTCAP | LOOM_CAP_ATTN_SINKS | LOOM_CAP_LOGIT_SOFTCAP |
             LOOM_CAP_ACT | LOOM_CAP_SWIGLU_CLAMP | LOOM_CAP_MOE | LOOM_CAP_KV_BF16 | LOOM_CAP_KV_I8 |
-            LOOM_CAP_KV_FP8,
+            LOOM_CAP_KV_FP8 | LOOM_CAP_ATTN_WIDE,
 };
 
 uint32_t loom_backend_cuda_caps(void) { return cuda_ops.caps; }
@@ -1101,7 +1130,9 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  * loom-cuda-tuning.tsv next to the binary; no file: the defaults. Keys:
  *   attn_split_waves  waves of blocks per SM the attention splits aim at (2)
  *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
- *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme) */
+ *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
+ *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
+ *   qgemv_variant     the same for the quantized GEMV (0; opmath.h) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1135,6 +1166,8 @@ static void read_tuning(cuda_backend_t *c) {
         if (!strcmp(key, "attn_split_waves") && v >= 1 && v <= 16) c->attn_split_waves = (int)v;
         else if (!strcmp(key, "attn_tile_min_n") && v >= 2) c->attn_tile_min_n = (int)v;
         else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
+        else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
+        else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;

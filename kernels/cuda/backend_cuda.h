@@ -28,6 +28,11 @@ int loom_cuda_sm_count(loom_backend_t *be);
  * above, rows are dequantized for cuBLAS. 0: always cuBLAS; -1: the
  * measured per-scheme defaults. For the benchmark's crossover table. */
 void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n);
+/* The decode GEMV's variant (the tuning table's gemv_variant; opmath.h's
+ * loom_om_gemv_plan); out of range: the default, 0. For tests and benchmarks. */
+void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant);
+/* The quantized GEMV's (qgemv_variant; loom_om_qgemv_plan). */
+void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

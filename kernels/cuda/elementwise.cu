@@ -289,12 +289,13 @@ template <bool VEC>
 __device__ __forceinline__ void write_row(__nv_bfloat16 *dst, const float *src, int len) {
     for (int j = threadIdx.x; j < len; j += blockDim.x) dst[j] = __float2bfloat16_rn(src[j]);
 }
-/* The fp8 write clamps to +-448 (opmath.h) and counts the clamped values. */
-__device__ __forceinline__ void write_fp8(__nv_fp8_e4m3 *dst, const float *src, int len,
+/* The fp8 write divides by the tensor's scale, clamps to +-448 (opmath.h)
+ * and counts the clamped values. */
+__device__ __forceinline__ void write_fp8(__nv_fp8_e4m3 *dst, const float *src, int len, float inv,
                                           unsigned long long *clamped) {
     unsigned n = 0;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const float x = src[j], c = loom_om_fp8_clamp(x);
+        const float x = src[j] * inv, c = loom_om_fp8_store(src[j], inv);
         n += c != x;
         dst[j] = __nv_fp8_e4m3(c);
     }
@@ -318,16 +319,24 @@ __device__ __forceinline__ void write_i8(int8_t *dst, float *scales, const float
 }
 
 /* One token's K and V rows into its slot (the whole block). */
+struct KvDst {
+    void *k, *v;
+    float *ks, *vs;
+    float k_inv, v_inv; /* fp8: 1 / the per-tensor scales */
+    unsigned long long *clamped;
+};
+
 template <typename T, bool VEC>
-__device__ __forceinline__ void write_kv(T *kc, T *vc, float *ks, float *vs, int64_t slot, const float *k,
-                                         const float *v, int nkv, int hd, unsigned long long *clamped) {
+__device__ __forceinline__ void write_kv(const KvDst &d, int64_t slot, const float *k, const float *v, int nkv,
+                                         int hd) {
+    T *kc = static_cast<T *>(d.k), *vc = static_cast<T *>(d.v);
     const int64_t kv_dim = (int64_t)nkv * hd;
     if constexpr (std::is_same<T, int8_t>::value) {
-        write_i8(kc + slot * kv_dim, ks + slot * nkv, k, nkv, hd);
-        write_i8(vc + slot * kv_dim, vs + slot * nkv, v, nkv, hd);
+        write_i8(kc + slot * kv_dim, d.ks + slot * nkv, k, nkv, hd);
+        write_i8(vc + slot * kv_dim, d.vs + slot * nkv, v, nkv, hd);
     } else if constexpr (std::is_same<T, __nv_fp8_e4m3>::value) {
-        write_fp8(kc + slot * kv_dim, k, (int)kv_dim, clamped);
-        write_fp8(vc + slot * kv_dim, v, (int)kv_dim, clamped);
+        write_fp8(kc + slot * kv_dim, k, (int)kv_dim, d.k_inv, d.clamped);
+        if (vc != kc || v != k) write_fp8(vc + slot * kv_dim, v, (int)kv_dim, d.v_inv, d.clamped);
     } else {
         write_row<VEC>(kc + slot * kv_dim, k, (int)kv_dim);
         write_row<VEC>(vc + slot * kv_dim, v, (int)kv_dim);
@@ -335,12 +344,12 @@ __device__ __forceinline__ void write_kv(T *kc, T *vc, float *ks, float *vs, int
 }
 
 template <typename T, bool VEC>
-__global__ void kv_write_kernel(T *kc, T *vc, float *ks, float *vs, const float *k, const float *v, int stride,
-                                const int32_t *slots, int nkv, int hd, unsigned long long *clamped) {
+__global__ void kv_write_kernel(KvDst d, const float *k, const float *v, int stride, const int32_t *slots, int nkv,
+                                int hd) {
     const int64_t slot = slots[blockIdx.x];
     if (slot < 0) return; /* padding token */
     const int64_t src = (int64_t)blockIdx.x * stride;
-    write_kv<T, VEC>(kc, vc, ks, vs, slot, k + src, v + src, nkv, hd, clamped);
+    write_kv<T, VEC>(d, slot, k + src, v + src, nkv, hd);
 }
 
 /* One block per token: rotate its q and k heads, then (after a barrier, so
@@ -348,9 +357,8 @@ __global__ void kv_write_kernel(T *kc, T *vc, float *ks, float *vs, const float 
  * cache slot. */
 template <typename T, bool VEC>
 __global__ void rope_kv_write_kernel(float *q, float *k, const float *v, int stride, int nh, int nkv,
-                                     int hd, const int32_t *pos, const float *inv_freq, T *kc,
-                                     T *vc, float *ks, float *vs, const int32_t *slots,
-                                     unsigned long long *clamped) {
+                                     int hd, const int32_t *pos, const float *inv_freq, KvDst d,
+                                     const int32_t *slots) {
     extern __shared__ float cs[];
     const int half = hd / 2;
     const int64_t src = (int64_t)blockIdx.x * stride;
@@ -360,23 +368,16 @@ __global__ void rope_kv_write_kernel(float *q, float *k, const float *v, int str
     __syncthreads();
     const int64_t slot = slots[blockIdx.x];
     if (slot < 0) return;
-    write_kv<T, VEC>(kc, vc, ks, vs, slot, k + src, v + src, nkv, hd, clamped);
+    write_kv<T, VEC>(d, slot, k + src, v + src, nkv, hd);
 }
-
-struct KvDst {
-    void *k, *v;
-    float *ks, *vs;
-    unsigned long long *clamped;
-};
 
 template <typename T>
 cudaError_t launch_kv_write(const KvDst &d, const float *k, const float *v, int stride, const int32_t *slots, int n,
                             int nkv, int hd, bool vec, cudaStream_t s) {
-    T *kc = static_cast<T *>(d.k), *vc = static_cast<T *>(d.v);
     if (vec)
-        kv_write_kernel<T, true><<<n, 128, 0, s>>>(kc, vc, d.ks, d.vs, k, v, stride, slots, nkv, hd, d.clamped);
+        kv_write_kernel<T, true><<<n, 128, 0, s>>>(d, k, v, stride, slots, nkv, hd);
     else
-        kv_write_kernel<T, false><<<n, 128, 0, s>>>(kc, vc, d.ks, d.vs, k, v, stride, slots, nkv, hd, d.clamped);
+        kv_write_kernel<T, false><<<n, 128, 0, s>>>(d, k, v, stride, slots, nkv, hd);
     return cudaGetLastError();
 }
 
@@ -384,14 +385,11 @@ template <typename T>
 cudaError_t launch_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh, int nkv,
                                  int hd, const int32_t *pos, const float *inv_freq, const KvDst &d,
                                  const int32_t *slots, bool vec, cudaStream_t s) {
-    T *kc = static_cast<T *>(d.k), *vc = static_cast<T *>(d.v);
     const size_t smem = (size_t)hd * sizeof(float);
     if (vec)
-        rope_kv_write_kernel<T, true><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, kc, vc,
-                                                           d.ks, d.vs, slots, d.clamped);
+        rope_kv_write_kernel<T, true><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, d, slots);
     else
-        rope_kv_write_kernel<T, false><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, kc, vc,
-                                                            d.ks, d.vs, slots, d.clamped);
+        rope_kv_write_kernel<T, false><<<n, 128, smem, s>>>(q, k, v, stride, nh, nkv, hd, pos, inv_freq, d, slots);
     return cudaGetLastError();
 }
 
@@ -478,15 +476,16 @@ extern "C" cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, 
 }
 
 extern "C" cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, float *k_scale,
-                                          float *v_scale, const float *k, const float *v, int stride,
-                                          const int32_t *slots, int n, int nkv, int hd,
+                                          float *v_scale, const float *fp8_scale, const float *k, const float *v,
+                                          int stride, const int32_t *slots, int n, int nkv, int hd,
                                           unsigned long long *clamped, cudaStream_t s) {
     const int kv_dim = nkv * hd;
     if (n <= 0 || kv_dim <= 0) return cudaSuccess;
     if (kv_kind == LOOM_CUDA_I8 && (!k_scale || !v_scale)) return cudaErrorInvalidValue;
     const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
                      aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
-    const KvDst d = {k_cache, v_cache, k_scale, v_scale, clamped};
+    const KvDst d = {k_cache, v_cache, k_scale, v_scale, 1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[0] : 0.0f),
+                     1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[1] : 0.0f), clamped};
     switch (kv_kind) {
     case LOOM_CUDA_F32: return launch_kv_write<float>(d, k, v, stride, slots, n, nkv, hd, vec, s);
     case LOOM_CUDA_BF16: return launch_kv_write<__nv_bfloat16>(d, k, v, stride, slots, n, nkv, hd, false, s);
@@ -499,14 +498,15 @@ extern "C" cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_k
 extern "C" cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                                int nkv, int hd, const int32_t *pos, const float *inv_freq,
                                                void *k_cache, void *v_cache, int kv_kind, float *k_scale,
-                                               float *v_scale, const int32_t *slots, unsigned long long *clamped,
-                                               cudaStream_t s) {
+                                               float *v_scale, const float *fp8_scale, const int32_t *slots,
+                                               unsigned long long *clamped, cudaStream_t s) {
     if (n <= 0 || hd < 2) return cudaSuccess;
     if (kv_kind == LOOM_CUDA_I8 && (!k_scale || !v_scale)) return cudaErrorInvalidValue;
     const int kv_dim = nkv * hd;
     const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
                      aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
-    const KvDst d = {k_cache, v_cache, k_scale, v_scale, clamped};
+    const KvDst d = {k_cache, v_cache, k_scale, v_scale, 1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[0] : 0.0f),
+                     1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[1] : 0.0f), clamped};
     switch (kv_kind) {
     case LOOM_CUDA_F32:
         return launch_rope_kv_write<float>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, d, slots, vec, s);

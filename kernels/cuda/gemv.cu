@@ -4,6 +4,10 @@
  * flight per lane; x (f32, small) stays in L1/L2 and is shared by the warp's
  * rows. Each lane accumulates in f32, the warp reduces with shuffles.
  *
+ * The tuning table's gemv_variant picks R and U (opmath.h's
+ * loom_om_gemv_plan): the default, one row per warp, or twice the loads in
+ * flight; the same bits either way.
+ *
  * Napkin math (H200, Llama-3-8B, n = 1): 15 GB of bf16 weights per token at
  * ~4.3 TB/s is ~3.5 ms; a warp keeps R*U = 8 loads of 512 B in flight, and
  * 16-24 warps per SM give 64-96 KB in flight per SM, above the ~30 KB that
@@ -13,6 +17,7 @@
 #include <stdint.h>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/cuda/wide.cuh"
 
 namespace {
@@ -103,19 +108,29 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 }
 
-template <int KIND, int NT>
-cudaError_t launch_vec(float *y, const float *x, const void *w, int64_t rows, int64_t cols, cudaStream_t s) {
-    /* Fewer rows per warp for small n keep registers low and the grid large;
-     * R * U = 8 loads in flight per lane either way. */
-    constexpr int R = NT <= 2 ? 2 : 4;
-    constexpr int U = 8 / R;
+/* R rows per warp and U loads per row in flight, loom_om_gemv_plan's. The
+ * default: fewer rows per warp for small n keep registers low and the grid
+ * large, R * U = 8 loads in flight per lane either way. */
+template <int KIND, int NT, int R, int U>
+cudaError_t launch_ru(float *y, const float *x, const void *w, int64_t rows, int64_t cols, cudaStream_t s) {
     const int64_t blocks = (rows + kWarps * R - 1) / (kWarps * R);
     gemv_kernel<KIND, NT, R, U><<<(unsigned)blocks, kWarps * 32, 0, s>>>(y, x, (const uint4 *)w, rows, cols);
     return cudaGetLastError();
 }
 
+template <int KIND, int NT>
+cudaError_t launch_vec(float *y, const float *x, const void *w, int64_t rows, int64_t cols, int variant,
+                       cudaStream_t s) {
+    constexpr int R = NT <= 2 ? 2 : 4;
+    switch (variant) {
+    case 1: return launch_ru<KIND, NT, 1, 8>(y, x, w, rows, cols, s);
+    case 2: return launch_ru<KIND, NT, R, 16 / R>(y, x, w, rows, cols, s);
+    default: return launch_ru<KIND, NT, R, 8 / R>(y, x, w, rows, cols, s);
+    }
+}
+
 template <int KIND>
-cudaError_t launch_kind(float *y, const float *x, const void *w, int64_t rows, int64_t cols, int n,
+cudaError_t launch_kind(float *y, const float *x, const void *w, int64_t rows, int64_t cols, int n, int variant,
                         cudaStream_t s) {
     const bool vec = cols % 8 == 0 && ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w & 15u) == 0;
     if (!vec) {
@@ -124,23 +139,23 @@ cudaError_t launch_kind(float *y, const float *x, const void *w, int64_t rows, i
         return cudaGetLastError();
     }
     switch (n) {
-    case 1: return launch_vec<KIND, 1>(y, x, w, rows, cols, s);
-    case 2: return launch_vec<KIND, 2>(y, x, w, rows, cols, s);
-    case 3: return launch_vec<KIND, 3>(y, x, w, rows, cols, s);
-    default: return launch_vec<KIND, 4>(y, x, w, rows, cols, s);
+    case 1: return launch_vec<KIND, 1>(y, x, w, rows, cols, variant, s);
+    case 2: return launch_vec<KIND, 2>(y, x, w, rows, cols, variant, s);
+    case 3: return launch_vec<KIND, 3>(y, x, w, rows, cols, variant, s);
+    default: return launch_vec<KIND, 4>(y, x, w, rows, cols, variant, s);
     }
 }
 
 } /* namespace */
 
 extern "C" cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, int64_t rows,
-                                      int64_t cols, int n, cudaStream_t s) {
+                                      int64_t cols, int n, int variant, cudaStream_t s) {
     if (n < 1 || n > LOOM_CUDA_GEMV_MAX_N || rows <= 0) return n == 0 || rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    if (cols <= 0) return cudaErrorInvalidValue;
+    if (cols <= 0 || variant < 0 || variant >= LOOM_OM_GEMV_VARIANTS) return cudaErrorInvalidValue;
     if ((rows + kWarps - 1) / kWarps > 0x7fffffff) return cudaErrorInvalidValue;
     switch (kind) {
-    case LOOM_CUDA_BF16: return launch_kind<LOOM_CUDA_BF16>(y, x, w, rows, cols, n, s);
-    case LOOM_CUDA_F16: return launch_kind<LOOM_CUDA_F16>(y, x, w, rows, cols, n, s);
-    default: return launch_kind<LOOM_CUDA_F32>(y, x, w, rows, cols, n, s);
+    case LOOM_CUDA_BF16: return launch_kind<LOOM_CUDA_BF16>(y, x, w, rows, cols, n, variant, s);
+    case LOOM_CUDA_F16: return launch_kind<LOOM_CUDA_F16>(y, x, w, rows, cols, n, variant, s);
+    default: return launch_kind<LOOM_CUDA_F32>(y, x, w, rows, cols, n, variant, s);
     }
 }

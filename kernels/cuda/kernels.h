@@ -44,19 +44,20 @@ cudaError_t loom_cuda_gather_rows(float *dst, const float *src, const int32_t *i
 cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, int hd, const int32_t *pos,
                            const float *inv_freq, cudaStream_t s);
 /* Paged KV write into a cache of kv_kind (LOOM_CUDA_F32, _BF16, _FP8 or
- * _I8; rounded to nearest even; fp8 clamped to +-448, the number of
- * clamped values added to *clamped when not NULL; int8 as kernels/cuda/
- * opmath.h, its scales (n_blocks * B, nkv) in k_scale / v_scale, NULL for
- * the other kinds); slots < 0 are skipped. */
+ * _I8; rounded to nearest even; fp8 divided by its per-tensor scale
+ * (fp8_scale: host floats {K, V}, NULL or 0 for 1) and clamped to +-448,
+ * the number of clamped values added to *clamped when not NULL; int8 as
+ * kernels/cuda/opmath.h, its scales (n_blocks * B, nkv) in k_scale /
+ * v_scale, NULL for the other kinds); slots < 0 are skipped. */
 cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, float *k_scale,
-                               float *v_scale, const float *k, const float *v, int stride,
+                               float *v_scale, const float *fp8_scale, const float *k, const float *v, int stride,
                                const int32_t *slots, int n, int nkv, int hd,
                                unsigned long long *clamped, cudaStream_t s);
 /* RoPE on q (nh heads) and k (nkv heads), then the paged write of k and v. */
 cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                     int nkv, int hd, const int32_t *pos, const float *inv_freq,
                                     void *k_cache, void *v_cache, int kv_kind, float *k_scale,
-                                    float *v_scale, const int32_t *slots,
+                                    float *v_scale, const float *fp8_scale, const int32_t *slots,
                                     unsigned long long *clamped, cudaStream_t s);
 /* out(n, hidden) = act(gu[:, :hidden]) * gu[:, hidden:] for act a
  * loom_act_t value (opmath.h's loom_om_act); optional narrowed copy. */
@@ -71,9 +72,11 @@ cudaError_t loom_cuda_softcap(float *x, int64_t n, float cap, cudaStream_t s);
 /* Largest n served by the GEMV kernel; larger n go to cuBLAS. */
 #define LOOM_CUDA_GEMV_MAX_N 4
 /* y(n, rows) = x(n, cols) . W^T for a (rows, cols) row-major W of `kind`,
- * 1 <= n <= LOOM_CUDA_GEMV_MAX_N. Memory-bound: W is read once. */
+ * 1 <= n <= LOOM_CUDA_GEMV_MAX_N. Memory-bound: W is read once. variant:
+ * rows per warp and loads in flight, 0 <= variant < LOOM_OM_GEMV_VARIANTS
+ * (opmath.h's loom_om_gemv_plan; 0 the default), the same bits each. */
 cudaError_t loom_cuda_gemv(float *y, const float *x, const void *w, int kind, int64_t rows,
-                           int64_t cols, int n, cudaStream_t s);
+                           int64_t cols, int n, int variant, cudaStream_t s);
 
 /* Mixture of Experts (loom_op_moe_* in kernels/backend.h). route: sel, w
  * (n, k) = top-k of softmax(logits (n, E)), ties to the lower id,
@@ -88,6 +91,17 @@ cudaError_t loom_cuda_moe_route(const float *logits, int n, int n_experts, int k
 cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, const int32_t *sel, int n_pairs,
                                const void *const *table, int kind, int64_t rows, int64_t cols,
                                cudaStream_t s);
+/* DeepSeekMoE's router (worker/moe_ds.h's loom_moe_route_deepseek on the
+ * device): sigmoid (or softmax) scores, bias (n_experts, or NULL) added for
+ * the choice only, method a loom_ds_topk_t (groups of n_experts / n_group,
+ * topk_group kept), weights from the unbiased scores, renormalised when
+ * renorm (sigmoid only), times scaling; sel, w (n, k) in ascending expert
+ * order. _fits: whether the kernel takes that router (E <= 1024, k <= 32,
+ * n_group <= 32, whole groups). */
+cudaError_t loom_cuda_moe_route_ds(const float *logits, int n, int n_experts, int k, int sigmoid, int method,
+                                   int n_group, int topk_group, int renorm, float scaling, const float *bias,
+                                   int32_t *sel, float *w, cudaStream_t s);
+int loom_cuda_moe_route_ds_fits(int n_experts, int k, int method, int n_group, int topk_group);
 /* y(p, cols) += bias(sel[p], cols) for n_pairs rows (expert biases). */
 cudaError_t loom_cuda_moe_add_bias(float *y, const int32_t *sel, int n_pairs, const float *bias, int cols,
                                    cudaStream_t s);
@@ -106,9 +120,11 @@ cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos
 #ifndef LOOM_CUDA_QGEMV_MAX_N_Q4
 #define LOOM_CUDA_QGEMV_MAX_N_Q4 8
 #endif
-/* y(n, rows) = x(n, cols) . W^T, 1 <= n <= LOOM_CUDA_QGEMV_MAX_N. */
+/* y(n, rows) = x(n, cols) . W^T, 1 <= n <= LOOM_CUDA_QGEMV_MAX_N; variant:
+ * rows per warp and loads in flight, 0 <= variant < LOOM_OM_QGEMV_VARIANTS
+ * (opmath.h's loom_om_qgemv_plan; 0 the default), the same bits each. */
 cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
-                            int quant, int64_t rows, int64_t cols, int group, int n, cudaStream_t s);
+                            int quant, int64_t rows, int64_t cols, int group, int n, int variant, cudaStream_t s);
 /* out(r1 - r0, cols) = rows [r0, r1) of W dequantized, stored as kind. */
 cudaError_t loom_cuda_dequant(void *out, int kind, const void *q, const float *scales, const float *mins, int quant,
                               int64_t r0, int64_t r1, int64_t cols, int group, cudaStream_t s);
@@ -133,6 +149,7 @@ typedef struct loom_cuda_attn {
     float softcap;                 /* > 0: logit soft cap */
     const float *sinks;            /* (n_heads) or NULL */
     const float *k_scale, *v_scale; /* I8: (n_blocks * B, n_kv_heads) */
+    float fp8_scale[2];             /* FP8: K's and V's per-tensor scales (0: 1) */
     /* tuning (0: the compiled default): key splits are sized for
      * split_waves waves of blocks per SM (2); chunks of tile_min_n tokens
      * or more use the tile kernel (9) */

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/cuda/wide.cuh"
 
 namespace {
@@ -89,6 +90,104 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     if (lane < k) {
         sel[(int64_t)t * k + rank] = mine;
         w[(int64_t)t * k + rank] = mw;
+    }
+}
+
+/* DeepSeekMoE's router (worker/moe_ds.c is the host's), one warp per token:
+ * scores (sigmoid, or a softmax summed in double), the correction bias added
+ * for the choice only; for the grouped methods lane g ranks group g
+ * (loom_om_ds_group_score) and topk_group warp arg-max rounds keep groups;
+ * then k arg-max rounds over the kept groups' experts (each lane holds the
+ * taken bits of its experts lane + 32 j), ties to the lower group or expert
+ * as on the host; the weights from the unbiased scores, their sum in double
+ * in ascending expert order (loom_om_ds_weight), stored in ascending expert
+ * order. E <= 1024, k <= 32, n_group <= 32. */
+constexpr int kDsMaxGroups = 32;
+
+/* The warp's best (value, index) by loom_om_better, on every lane. */
+__device__ __forceinline__ void warp_best(float *bv, int *bi, int none) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, *bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, *bi, o);
+        if (loom_om_better(ov, oi, *bv, *bi, none)) {
+            *bv = ov;
+            *bi = oi;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    ds_route_kernel(const float *__restrict__ logits, int n, int E, int k, int sigmoid, int method, int G, int TG,
+                    int renorm, float scaling, const float *__restrict__ bias, int32_t *__restrict__ sel,
+                    float *__restrict__ w) {
+    __shared__ float scores[kRouteWarps][kRouteMaxExperts], choice[kRouteWarps][kRouteMaxExperts];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t t = (int64_t)blockIdx.x * kRouteWarps + warp;
+    if (t >= n) return; /* whole warp */
+    const float *l = logits + t * E;
+    float *sc = scores[warp], *ch = choice[warp];
+    if (sigmoid) {
+        for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-l[e]));
+    } else { /* softmax in float, the sum in double */
+        float mx = -INFINITY;
+        for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+        mx = warp_max(mx);
+        double sum = 0.0;
+        for (int e = lane; e < E; e += 32) sum += sc[e] = expf(l[e] - mx);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        for (int e = lane; e < E; e += 32) sc[e] = (float)(sc[e] / sum);
+    }
+    for (int e = lane; e < E; e += 32) ch[e] = sc[e] + (bias ? bias[e] : 0.0f);
+    __syncwarp();
+    const bool grouped = method != LOOM_OM_DS_GREEDY && G > 1;
+    const int per = grouped ? E / G : E;
+    unsigned keep = 0xffffffffu; /* bit g: group g kept */
+    if (grouped) {
+        const float gs = lane < G ? loom_om_ds_group_score(ch + lane * per, per, method == LOOM_OM_DS_NOAUX_TC)
+                                  : 0.0f;
+        bool gtaken = lane >= G;
+        keep = 0;
+        for (int j = 0; j < TG; j++) {
+            float bv = gs;
+            int bi = gtaken ? G : lane;
+            warp_best(&bv, &bi, G);
+            keep |= 1u << bi;
+            if (lane == bi) gtaken = true;
+        }
+    }
+    unsigned taken = 0; /* bit q: expert lane + 32 q */
+    for (int q = 0, e = lane; e < E; q++, e += 32)
+        if (!(keep >> (e / per) & 1u)) taken |= 1u << q;
+    int mine = E;
+    float mscore = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float bv = 0.0f;
+        int be = E;
+        for (int q = 0, e = lane; e < E; q++, e += 32)
+            if (!(taken >> q & 1u) && loom_om_better(ch[e], e, bv, be, E)) {
+                bv = ch[e];
+                be = e;
+            }
+        warp_best(&bv, &be, E);
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
+        if (lane == j) {
+            mine = be;
+            mscore = sc[be];
+        }
+    }
+    /* ascending expert order: a choice's place is the number of chosen experts below it */
+    int rank = 0;
+    for (int i = 0; i < k; i++) rank += __shfl_sync(0xffffffffu, mine, i) < mine;
+    double sum = 0.0;
+    for (int r = 0; r < k; r++) {
+        const unsigned at = __ballot_sync(0xffffffffu, lane < k && rank == r);
+        sum += (double)__shfl_sync(0xffffffffu, mscore, __ffs(at) - 1);
+    }
+    if (lane < k) {
+        sel[t * k + rank] = mine;
+        w[t * k + rank] = loom_om_ds_weight(mscore, sum, sigmoid && renorm, scaling);
     }
 }
 
@@ -232,6 +331,25 @@ extern "C" cudaError_t loom_cuda_moe_gemv(float *y, const float *x, int xdiv, co
 __global__ void moe_add_bias_kernel(float *y, const int32_t *sel, const float *bias, int cols) {
     const int p = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c < cols) y[(int64_t)p * cols + c] += bias[(int64_t)sel[p] * cols + c];
+}
+
+extern "C" cudaError_t loom_cuda_moe_route_ds(const float *logits, int n, int n_experts, int k, int sigmoid,
+                                              int method, int n_group, int topk_group, int renorm, float scaling,
+                                              const float *bias, int32_t *sel, float *w, cudaStream_t s) {
+    if (n <= 0) return cudaSuccess;
+    if (!loom_cuda_moe_route_ds_fits(n_experts, k, method, n_group, topk_group)) return cudaErrorInvalidValue;
+    const unsigned blocks = (unsigned)((n + kRouteWarps - 1) / kRouteWarps);
+    ds_route_kernel<<<blocks, kRouteWarps * 32, 0, s>>>(logits, n, n_experts, k, sigmoid, method, n_group,
+                                                       topk_group, renorm, scaling, bias, sel, w);
+    return cudaGetLastError();
+}
+
+extern "C" int loom_cuda_moe_route_ds_fits(int n_experts, int k, int method, int n_group, int topk_group) {
+    if (n_experts < 1 || n_experts > kRouteMaxExperts || k < 1 || k > 32 || k > n_experts) return 0;
+    if (method == LOOM_OM_DS_GREEDY || n_group <= 1) return 1;
+    const int per = n_experts / (n_group > 0 ? n_group : 1);
+    return n_group <= kDsMaxGroups && n_experts % n_group == 0 && topk_group >= 1 && topk_group <= n_group &&
+           k <= topk_group * per && (method != LOOM_OM_DS_NOAUX_TC || per >= 2);
 }
 
 extern "C" cudaError_t loom_cuda_moe_add_bias(float *y, const int32_t *sel, int n_pairs, const float *bias,

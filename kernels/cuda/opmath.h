@@ -39,6 +39,69 @@ LOOM_OM void loom_om_split_range(int lo, int hi, int n_split, int s, int *k0, in
     *k1 = *k0 + chunk < hi ? *k0 + chunk : hi;
 }
 
+/* --- wide heads (MLA's latent rows: 576 for DeepSeek-V3) -------------------------- */
+
+/* attention.cu's wide kernel (head_dim above 256) works on tiles of
+ * LOOM_OM_WIDE_ROWS query rows, (token, head) pairs, against steps of
+ * LOOM_OM_WIDE_KEYS keys, everything in fp32 on CUDA cores; up to
+ * LOOM_OM_WIDE_MAX_HD elements a row. */
+#define LOOM_OM_WIDE_ROWS 16
+#define LOOM_OM_WIDE_KEYS 16
+#define LOOM_OM_WIDE_MAX_HD 768
+
+/* Query heads of one KV head a wide tile takes: all `group` of them up to
+ * LOOM_OM_WIDE_ROWS, else LOOM_OM_WIDE_ROWS (a KV head's heads are cut
+ * into chunks, one tile each; MQA's 128 heads are 8 chunks). */
+LOOM_OM int loom_om_wide_heads(int group) {
+    return group < LOOM_OM_WIDE_ROWS ? group : LOOM_OM_WIDE_ROWS;
+}
+/* Tokens of one sequence a wide tile takes (its unit's rows, `tq`): as many
+ * as fill the tile with the chunk's heads, so a prefill chunk reads each
+ * key once for LOOM_OM_WIDE_ROWS query rows. */
+LOOM_OM int loom_om_wide_tq(int group) {
+    return LOOM_OM_WIDE_ROWS / loom_om_wide_heads(group);
+}
+/* Chunks of heads per KV head. */
+LOOM_OM int loom_om_wide_chunks(int group) {
+    const int hc = loom_om_wide_heads(group);
+    return (group + hc - 1) / hc;
+}
+
+/* --- the decode GEMV's variants (gemv.cu; the tuning table's gemv_variant) ------------ */
+
+/* Rows of W per warp (R) and 16-byte loads per row in flight per lane (U)
+ * of the vector GEMV for nt tokens: variant 0 (the default) 2 rows for
+ * nt <= 2, else 4, R * U = 8 loads in flight; 1 one row per warp, 8 loads
+ * (a grid 2-4x larger, for shapes with few rows); 2 the default's rows with
+ * twice the loads in flight (16). Every variant walks a lane's vectors of
+ * a row in the same order (lane, lane + 32, ...), so they give the same
+ * bits; only the memory-level parallelism differs. */
+#define LOOM_OM_GEMV_VARIANTS 3
+LOOM_OM void loom_om_gemv_plan(int variant, int nt, int *rows_per_warp, int *loads) {
+    const int r = variant == 1 ? 1 : nt <= 2 ? 2 : 4;
+    *rows_per_warp = r;
+    *loads = (variant == 2 ? 16 : 8) / r;
+}
+
+/* The quantized GEMV's (qgemv.cu; the tuning table's qgemv_variant), for
+ * nt tokens: variant 0 (the default) R = 4 rows a warp for nt <= 2, 2 for
+ * nt <= 4, else 1, U = 2 loads a row in flight; for nt <= 2, variant 1 R =
+ * 2 with U = 4 and variant 2 R = 1 with U = 8: the same 8 loads in flight
+ * a lane, spread over fewer rows (a grid 2-4x larger). More tokens keep the
+ * default (their partial sums take the registers: more loads in flight
+ * spill under the kernel's 128-register bound). The same bits for every
+ * variant, as the GEMV's. */
+#define LOOM_OM_QGEMV_VARIANTS 3
+LOOM_OM void loom_om_qgemv_plan(int variant, int nt, int *rows_per_warp, int *loads) {
+    const int r = nt <= 2 ? 4 : nt <= 4 ? 2 : 1;
+    if (nt > 2 || variant <= 0 || variant >= LOOM_OM_QGEMV_VARIANTS) {
+        *rows_per_warp = r, *loads = 2;
+        return;
+    }
+    *rows_per_warp = variant == 1 ? 2 : 1;
+    *loads = 8 / *rows_per_warp;
+}
+
 /* --- scores and the online softmax ------------------------------------------------ */
 
 /* Gemma 2's logit soft cap on a scaled score: cap * tanh(s / cap); cap <= 0
@@ -92,6 +155,59 @@ LOOM_OM int loom_om_i8_code(float x, float inv) {
 #define LOOM_OM_FP8_MAX 448.0f
 LOOM_OM float loom_om_fp8_clamp(float x) {
     return x > LOOM_OM_FP8_MAX ? LOOM_OM_FP8_MAX : x < -LOOM_OM_FP8_MAX ? -LOOM_OM_FP8_MAX : x;
+}
+/* The per-tensor scale of an fp8 cache (kernels/backend.h's fp8_scale):
+ * 0 (none given) and anything not a positive finite number count as 1. */
+LOOM_OM float loom_om_fp8_scale(float s) {
+    return s > 0.0f && s < INFINITY ? s : 1.0f;
+}
+/* What the write stores for x under scale s, before the e4m3 rounding:
+ * x / s clamped to +-448 (the division as a multiplication by 1 / s, so a
+ * scale of 1 leaves x exactly as it was). The attention kernels fold s
+ * back in at no cost per element: K's into the query's pre-scale, V's into
+ * the normalised output. */
+LOOM_OM float loom_om_fp8_store(float x, float inv_scale) {
+    return loom_om_fp8_clamp(x * inv_scale);
+}
+
+/* --- DeepSeekMoE's router (worker/moe_ds.c; moe.cu's ds_route_kernel) ---------------- */
+
+/* topk_method, as loom_ds_topk_t (common/model_config.h) */
+enum { LOOM_OM_DS_GREEDY = 0, LOOM_OM_DS_GROUP_LIMITED = 1, LOOM_OM_DS_NOAUX_TC = 2 };
+
+/* Whether candidate (v, i) beats (bv, bi) in an arg-max with ties to the
+ * lower index; an index of `none` is no candidate. */
+LOOM_OM int loom_om_better(float v, int i, float bv, int bi, int none) {
+    return i != none && (bi == none || v > bv || (v == bv && i < bi));
+}
+
+/* A group's rank of its experts' biased scores c[0..per): the sum of its
+ * best two (noaux_tc, top2 = 1; per >= 2) or its best (group-limited greedy),
+ * in the host router's scan order. */
+LOOM_OM float loom_om_ds_group_score(const float *c, int per, int top2) {
+    if (!top2) {
+        float m = c[0];
+        for (int i = 1; i < per; i++) m = c[i] > m ? c[i] : m;
+        return m;
+    }
+    int a = c[1] > c[0] ? 1 : 0, b = 1 - a;
+    for (int i = 2; i < per; i++) {
+        if (c[i] > c[a]) {
+            b = a;
+            a = i;
+        } else if (c[i] > c[b]) {
+            b = i;
+        }
+    }
+    return c[a] + c[b];
+}
+
+/* A chosen expert's weight from its unbiased score: divided by the chosen
+ * scores' sum (summed in double, ascending expert order) when renorm, then
+ * times the routed scaling factor, in double as the host does. */
+LOOM_OM float loom_om_ds_weight(float score, double sum, int renorm, float scaling) {
+    const double norm = renorm ? 1.0 / (sum + 1e-20) : 1.0;
+    return (float)(score * norm * scaling);
 }
 
 /* --- MLP activations ------------------------------------------------------------------ */

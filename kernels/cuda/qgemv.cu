@@ -30,6 +30,7 @@
 #include <stdint.h>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
 
 namespace {
@@ -187,30 +188,41 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 }
 
-template <int QK, bool MIN, int NT>
-cudaError_t launch_vec(float *y, const float *x, const uint8_t *q, const float *scales, const float *mins,
-                       int64_t rows, int64_t cols, int group, cudaStream_t s) {
-    /* 4 rows x 2 loads in flight per lane for n <= 2; fewer rows for more
-     * tokens keep the partial sums (NT x R) in registers. */
-    constexpr int R = NT <= 2 ? 4 : NT <= 4 ? 2 : 1;
-    constexpr int U = 2;
+template <int QK, bool MIN, int NT, int R, int U>
+cudaError_t launch_ru(float *y, const float *x, const uint8_t *q, const float *scales, const float *mins,
+                      int64_t rows, int64_t cols, int group, cudaStream_t s) {
     const int64_t blocks = (rows + kWarps * R - 1) / (kWarps * R);
     qgemv_kernel<QK, MIN, NT, R, U><<<(unsigned)blocks, kWarps * 32, 0, s>>>(y, x, q, scales, mins, rows, cols, group);
     return cudaGetLastError();
 }
 
+/* The default: 4 rows x 2 loads in flight per lane for n <= 2; fewer rows
+ * for more tokens keep the partial sums (NT x R) in registers. The tuning
+ * table's variants (opmath.h's loom_om_qgemv_plan, n <= 2): the same 8
+ * loads in flight over 2 rows or 1. */
+template <int QK, bool MIN, int NT>
+cudaError_t launch_vec(float *y, const float *x, const uint8_t *q, const float *scales, const float *mins,
+                       int64_t rows, int64_t cols, int group, int variant, cudaStream_t s) {
+    constexpr int R = NT <= 2 ? 4 : NT <= 4 ? 2 : 1;
+    if constexpr (NT <= 2) {
+        if (variant == 1) return launch_ru<QK, MIN, NT, 2, 4>(y, x, q, scales, mins, rows, cols, group, s);
+        if (variant == 2) return launch_ru<QK, MIN, NT, 1, 8>(y, x, q, scales, mins, rows, cols, group, s);
+    }
+    return launch_ru<QK, MIN, NT, R, 2>(y, x, q, scales, mins, rows, cols, group, s);
+}
+
 template <int QK, bool MIN>
 cudaError_t launch_n(float *y, const float *x, const uint8_t *q, const float *scales, const float *mins, int64_t rows,
-                     int64_t cols, int group, int n, cudaStream_t s) {
+                     int64_t cols, int group, int n, int v, cudaStream_t s) {
     switch (n) {
-    case 1: return launch_vec<QK, MIN, 1>(y, x, q, scales, mins, rows, cols, group, s);
-    case 2: return launch_vec<QK, MIN, 2>(y, x, q, scales, mins, rows, cols, group, s);
-    case 3: return launch_vec<QK, MIN, 3>(y, x, q, scales, mins, rows, cols, group, s);
-    case 4: return launch_vec<QK, MIN, 4>(y, x, q, scales, mins, rows, cols, group, s);
-    case 5: return launch_vec<QK, MIN, 5>(y, x, q, scales, mins, rows, cols, group, s);
-    case 6: return launch_vec<QK, MIN, 6>(y, x, q, scales, mins, rows, cols, group, s);
-    case 7: return launch_vec<QK, MIN, 7>(y, x, q, scales, mins, rows, cols, group, s);
-    default: return launch_vec<QK, MIN, 8>(y, x, q, scales, mins, rows, cols, group, s);
+    case 1: return launch_vec<QK, MIN, 1>(y, x, q, scales, mins, rows, cols, group, v, s);
+    case 2: return launch_vec<QK, MIN, 2>(y, x, q, scales, mins, rows, cols, group, v, s);
+    case 3: return launch_vec<QK, MIN, 3>(y, x, q, scales, mins, rows, cols, group, v, s);
+    case 4: return launch_vec<QK, MIN, 4>(y, x, q, scales, mins, rows, cols, group, v, s);
+    case 5: return launch_vec<QK, MIN, 5>(y, x, q, scales, mins, rows, cols, group, v, s);
+    case 6: return launch_vec<QK, MIN, 6>(y, x, q, scales, mins, rows, cols, group, v, s);
+    case 7: return launch_vec<QK, MIN, 7>(y, x, q, scales, mins, rows, cols, group, v, s);
+    default: return launch_vec<QK, MIN, 8>(y, x, q, scales, mins, rows, cols, group, v, s);
     }
 }
 
@@ -339,9 +351,11 @@ __global__ void fill_codes_kernel(uint8_t *dst, int quant, int64_t n, uint64_t s
 } /* namespace */
 
 extern "C" cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
-                                       int quant, int64_t rows, int64_t cols, int group, int n, cudaStream_t s) {
+                                       int quant, int64_t rows, int64_t cols, int group, int n, int variant,
+                                       cudaStream_t s) {
     if (n < 1 || n > LOOM_CUDA_QGEMV_MAX_N || rows <= 0)
         return n == 0 || rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    if (variant < 0 || variant >= LOOM_OM_QGEMV_VARIANTS) return cudaErrorInvalidValue;
     if (cols <= 0 || group <= 0 || cols % group) return cudaErrorInvalidValue;
     if (quant == LOOM_QD_Q4 && group % 32) return cudaErrorInvalidValue;
     if ((rows + kWarps - 1) / kWarps > 0x7fffffff) return cudaErrorInvalidValue;
@@ -354,11 +368,11 @@ extern "C" cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, 
         return cudaGetLastError();
     }
     switch (quant) {
-    case LOOM_QD_INT8: return launch_n<LOOM_QD_INT8, false>(y, x, qb, scales, mins, rows, cols, group, n, s);
-    case LOOM_QD_FP8: return launch_n<LOOM_QD_FP8, false>(y, x, qb, scales, mins, rows, cols, group, n, s);
+    case LOOM_QD_INT8: return launch_n<LOOM_QD_INT8, false>(y, x, qb, scales, mins, rows, cols, group, n, variant, s);
+    case LOOM_QD_FP8: return launch_n<LOOM_QD_FP8, false>(y, x, qb, scales, mins, rows, cols, group, n, variant, s);
     case LOOM_QD_Q4:
-        return mins ? launch_n<LOOM_QD_Q4, true>(y, x, qb, scales, mins, rows, cols, group, n, s)
-                    : launch_n<LOOM_QD_Q4, false>(y, x, qb, scales, mins, rows, cols, group, n, s);
+        return mins ? launch_n<LOOM_QD_Q4, true>(y, x, qb, scales, mins, rows, cols, group, n, variant, s)
+                    : launch_n<LOOM_QD_Q4, false>(y, x, qb, scales, mins, rows, cols, group, n, variant, s);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -15,7 +15,7 @@ if(LOOM_HAVE_CUDA)
   # runs without a GPU: cuBLAS is dlopen()ed, and every symbol must resolve
   loom_add_test(test_cublas_dl SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cublas_dl.c
                 LIBS loom_kernels LABELS unit)
-  loom_add_test(test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c
+  loom_add_test(test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c ${PROJECT_SOURCE_DIR}/worker/moe_ds.c
                 LIBS loom_kernels LABELS gpu TIMEOUT 300)
   loom_add_test(test_cuda_e2e SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_e2e.c
                 LIBS loom_worker_core LABELS gpu TIMEOUT 300

@@ -136,7 +136,7 @@ done
 gen=$out/models
 have_numpy=0
 "$py" -c 'import numpy' 2>/dev/null && have_numpy=1
-# name | gen_model.py arguments | test_cuda_e2e arguments
+# name | gen_model.py arguments (ds: gen_deepseek.py's; =NAME: NAME's model) | test_cuda_e2e arguments
 families=(
     "llama-hd128|--dim 512 --hidden-dim 1400 --layers 3 --heads 8 --kv-heads 2 --head-dim 128 --vocab 1000 --seed 9|--dtype bf16"
     "mistral-window|--arch mistral --sliding-window 24 --dim 128 --hidden-dim 344 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --seed 21|--dtype f32"
@@ -150,6 +150,11 @@ families=(
     "qwen3-moe|--arch qwen3_moe --experts 8 --top-k 2 --dim 128 --hidden-dim 256 --layers 3 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --expert-spread 0.35 --seed 27|--dtype f32"
     "qwen2-moe|--arch qwen2_moe --experts 8 --top-k 2 --dim 128 --hidden-dim 256 --layers 3 --heads 4 --kv-heads 2 --vocab 512 --expert-spread 0.35 --seed 28|--dtype f32"
     "gpt-oss-sinks|--arch gpt_oss --experts 4 --top-k 2 --sliding-window 12 --dim 128 --hidden-dim 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 32 --vocab 512 --seed 29|--dtype f32"
+    "deepseek-v3|ds:--shape v3 --seed 31|--dtype f32"
+    "deepseek-v3-latent576|ds:--shape v3 --seed 32 --set kv_lora_rank=512 --set qk_rope_head_dim=64|--dtype f32"
+    "deepseek-v3-latent576-bf16|=deepseek-v3-latent576|--dtype bf16"
+    "deepseek-v2lite|ds:--shape v2lite --seed 33|--dtype f32"
+    "deepseek-kv-int8|=deepseek-v3-latent576|--dtype f32 --kv int8"
     "llama-kv-int8|=llama-hd128|--dtype f32 --kv int8"
     "gemma2-kv-int8|=gemma2-softcap|--dtype f32 --kv int8"
 )
@@ -159,9 +164,11 @@ if [ $gpu = 1 ] && [ $have_numpy = 1 ]; then
         for f in "${families[@]}"; do
             IFS='|' read -r name gargs _ <<<"$f"
             case $gargs in =*) continue ;; esac
+            gen_py=gen_model.py
+            case $gargs in ds:*) gen_py=gen_deepseek.py; gargs=${gargs#ds:} ;; *) gargs="--max-pos 1024 $gargs" ;; esac
             # shellcheck disable=SC2086
-            "$py" "$root/tests/reference/gen_model.py" --out "$gen/$name" --max-pos 1024 $gargs \
-                >"$out/gen-$name.log" 2>&1 || echo "gen_model.py failed for $name (see gen-$name.log)"
+            "$py" "$root/tests/reference/$gen_py" --out "$gen/$name" $gargs \
+                >"$out/gen-$name.log" 2>&1 || echo "$gen_py failed for $name (see gen-$name.log)"
         done
         if [ ! -f "$models/stories260K/config.json" ]; then
             "$py" "$root/tests/reference/gen_model.py" --out "$gen/stories-shape" --dim 64 --hidden-dim 172 \
@@ -221,28 +228,53 @@ if [ $run_steps = 1 ]; then
     step bench 150 "$bin/bench_gpu" --batches 1,8,32 --tokens 24 --json "$out/bench.json" ${BENCH_ARGS:-}
     step bench-quant 50 "$bin/bench_gpu" --skip-model --quant-gemv int8,fp8,q4,q4:128,q4_min,q4_min:128 \
         --json "$out/quant.json"
+    step bench-mla 40 "$bin/bench_gpu" --skip-model --mla 16,128 --batches 1,8,32 --ctx 4096 --prefill 1024 \
+        --json "$out/mla.json"
     step bench-q4 60 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
         --json "$out/bench-q4.json"
     # the tuning table: each candidate of a knob on a short 4-layer decode at
     # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
     # reads the table from LOOM_CUDA_TUNING or next to the binary)
-    step tune 60 bash -c '
+    step tune 120 bash -c '
         set -e
         out=$1 bin=$2 py=$3
+        # time(TABLE_LINES...): the batch-1 step of the short decode under those lines
+        # (table lines, then bench_gpu options from the first argument starting with --)
+        time_with() {
+            : >"$out/tune-cur.tsv"
+            while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do printf "%s\n" "$1" >>"$out/tune-cur.tsv"; shift; done
+            LOOM_CUDA_TUNING="$out/tune-cur.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
+                --prefill 256 --json "$out/tune-cur.json" "$@" >>"$out/tune.log" 2>&1
+            "$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-cur.json"
+        }
+        faster() { "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$1" "$2"; }
         best= best_s=
         for w in 1 2 4; do
-            printf "attn_split_waves %s\n" "$w" >"$out/tune-$w.tsv"
-            LOOM_CUDA_TUNING="$out/tune-$w.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 4096 --tokens 8 \
-                --prefill 256 --json "$out/tune-$w.json" >"$out/tune-$w.log" 2>&1
-            s=$("$py" -c "import json,sys; print(min(d[\"step_s\"] for d in json.load(open(sys.argv[1]))[\"decode\"] if d[\"batch\"] == 1))" "$out/tune-$w.json")
+            s=$(time_with "attn_split_waves $w")
             echo "attn_split_waves $w: batch-1 step $s s"
-            if [ -z "$best" ] || "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) < float(sys.argv[2]) else 1)" "$s" "$best_s"; then
-                best=$w best_s=$s
-            fi
+            if [ -z "$best" ] || faster "$s" "$best_s"; then best=$w best_s=$s; fi
+        done
+        # the decode GEMV variants (opmath.h loom_om_gemv_plan: 0 default, 1 one row a warp, 2 16 loads in flight)
+        gbest=0 gbest_s=$best_s
+        for g in 1 2; do
+            s=$(time_with "attn_split_waves $best" "gemv_variant $g")
+            echo "gemv_variant $g: batch-1 step $s s (default 0: $best_s s)"
+            if faster "$s" "$gbest_s"; then gbest=$g gbest_s=$s; fi
+        done
+        # the quantized GEMV variants (loom_om_qgemv_plan: 0 default, 1 twice the loads in flight, 2 that with
+        # half the rows) on the same decode with 4-bit weights
+        qbase=$(time_with "attn_split_waves $best" "gemv_variant $gbest" --quantization q4)
+        qbest=0 qbest_s=$qbase
+        for g in 1 2; do
+            s=$(time_with "attn_split_waves $best" "gemv_variant $gbest" "qgemv_variant $g" --quantization q4)
+            echo "qgemv_variant $g (q4): batch-1 step $s s (default 0: $qbase s)"
+            if faster "$s" "$qbest_s"; then qbest=$g qbest_s=$s; fi
         done
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
+            echo "gemv_variant $gbest"
+            echo "qgemv_variant $qbest"
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
     ' tune "$out" "$bin" "$py"
@@ -359,7 +391,7 @@ fi
     done
     printf ' ],\n "results": {'
     sep=
-    for f in bench quant bench-q4; do
+    for f in bench quant bench-q4 mla; do
         if [ -s "$out/$f.json" ]; then
             printf '%s\n  "%s": ' "$sep" "$f"
             cat "$out/$f.json"

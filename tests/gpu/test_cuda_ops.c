@@ -25,8 +25,10 @@
 #include "kernels/cpu/lora.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/opmath.h"
 #include "kernels/quant.h"
 #include "tests/test.h"
+#include "worker/moe_ds.h"
 
 #define SKIP_CODE 77
 
@@ -141,6 +143,21 @@ static void check_matmul(int t, int64_t rows, int64_t cols, int n) {
     loom_op_matmul(g_cpu[t], ref, hx, &wc, n);
     float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
     loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
+    if (n <= LOOM_CUDA_GEMV_MAX_N) { /* every GEMV variant gives the default's bits (opmath.h) */
+        float *y0 = from_dev(g_cuda[t], dy, (size_t)n * rows);
+        for (int v = 1; v < LOOM_OM_GEMV_VARIANTS; v++) {
+            float *dv = poisoned(g_cuda[t], (size_t)n * rows * 4);
+            loom_cuda_set_gemv_variant(g_cuda[t], v);
+            loom_op_matmul(g_cuda[t], dv, dx, &wg, n);
+            loom_cuda_set_gemv_variant(g_cuda[t], 0);
+            float *yv = from_dev(g_cuda[t], dv, (size_t)n * rows);
+            CHECKF(!memcmp(y0, yv, (size_t)n * rows * 4), "gemv variant %d: other bits than the default (rows %lld "
+                   "cols %lld n %d)", v, (long long)rows, (long long)cols, n);
+            free(yv);
+            loom_backend_free(g_cuda[t], dv);
+        }
+        free(y0);
+    }
     /* GEMV (n <= 4) keeps x in f32; cuBLAS rounds it to the weight dtype:
      * error ~ sqrt(cols) * unit roundoff * E|x w| */
     double u = t == 0 ? 1e-6 : n <= 4 ? 2e-6 : t == 1 ? 4e-3 : 5e-4;
@@ -211,6 +228,21 @@ static void check_qmatmul(const char *scheme, int t, int64_t rows, int64_t cols,
     loom_cpu_matmul_path(g_cpu[0], ref, hx, &wc, n, LOOM_CPU_MM_SGEMM);
     float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
     loom_op_matmul(g_cuda[t], dy, dx, &wg, n);
+    if (n <= 2) { /* every quantized GEMV variant gives the default's bits (opmath.h) */
+        float *y0 = from_dev(g_cuda[t], dy, (size_t)n * rows);
+        for (int v = 1; v < LOOM_OM_QGEMV_VARIANTS; v++) {
+            float *dv = poisoned(g_cuda[t], (size_t)n * rows * 4);
+            loom_cuda_set_qgemv_variant(g_cuda[t], v);
+            loom_op_matmul(g_cuda[t], dv, dx, &wg, n);
+            loom_cuda_set_qgemv_variant(g_cuda[t], 0);
+            float *yv = from_dev(g_cuda[t], dv, (size_t)n * rows);
+            CHECKF(!memcmp(y0, yv, (size_t)n * rows * 4), "%s: qgemv variant %d: other bits than the default", what,
+                   v);
+            free(yv);
+            loom_backend_free(g_cuda[t], dv);
+        }
+        free(y0);
+    }
     double u = n <= 8 || t == 0 ? 2e-6 : 4e-3;
     CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5, 1e-3));
     /* x not 16-byte aligned: the scalar GEMV */
@@ -561,6 +593,68 @@ static void test_moe(void) {
     CHECK(loom_backend_moe_device(g_cuda[1], ex + 16, 8, 2) == 0);
 }
 
+/* DeepSeekMoE's router on the device (loom_op_moe_route_ds) against the host's
+ * (worker/moe_ds.c): V3's and Kimi-K2's shapes, V2's softmax routers, the
+ * kernel's limits; ids exactly (a mismatch only at a near tie of the host's
+ * biased scores, expf's last bit), weights within f32 rounding. Routers the
+ * kernel does not take are declined. */
+static void test_moe_route_ds(void) {
+    loom_backend_t *be = g_cuda[1];
+    static const loom_moe_ds_route_t shapes[] = {
+        {256, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 8, 4, 1, 2.5f},       {384, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 1, 1, 1, 2.827f},
+        {8, 2, 1, LOOM_DS_TOPK_NOAUX_TC, 2, 1, 1, 2.5f},         {160, 6, 0, LOOM_DS_TOPK_GROUP_LIMITED, 8, 3, 0, 16.0f},
+        {64, 6, 0, LOOM_DS_TOPK_GREEDY, 1, 1, 0, 1.0f},          {1024, 32, 1, LOOM_DS_TOPK_NOAUX_TC, 32, 3, 1, 1.0f},
+    };
+    enum { N = 37 };
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        const loom_moe_ds_route_t *r = &shapes[s];
+        const int E = r->n_experts, K = r->top_k;
+        float *logits = rand_host((size_t)N * E, 4.0f), *bias = rand_host((size_t)E, 0.3f);
+        for (int e = 1; e < E; e += 7) logits[e] = logits[e - 1]; /* ties in token 0 */
+        int32_t *rsel = loom_xmalloc((size_t)N * K * 4), ids[32];
+        float *rw = loom_xmalloc((size_t)N * K * 4), *scratch = loom_xmalloc((size_t)2 * E * 4);
+        for (int t = 0; t < N; t++) {
+            loom_moe_route_deepseek(r, logits + (size_t)t * E, r->sigmoid ? bias : NULL, scratch, ids,
+                                    rw + (size_t)t * K);
+            for (int k = 0; k < K; k++) rsel[t * K + k] = ids[k];
+        }
+        float *dl = to_dev(be, logits, (size_t)N * E * 4), *db = to_dev(be, bias, (size_t)E * 4);
+        float *dw = poisoned(be, (size_t)N * K * 4);
+        int32_t *dsel = poisoned(be, (size_t)N * K * 4);
+        const loom_moe_ds_args_t a = {.n_experts = E, .top_k = K, .sigmoid = r->sigmoid, .method = (int)r->method,
+                                      .n_group = r->n_group, .topk_group = r->topk_group,
+                                      .norm_topk_prob = r->norm_topk_prob,
+                                      .routed_scaling_factor = r->routed_scaling_factor,
+                                      .bias = r->sigmoid ? db : NULL};
+        CHECK(loom_backend_moe_route_ds_supported(be, &a));
+        loom_op_moe_route_ds(be, dl, N, &a, dsel, dw);
+        int32_t *gsel = (int32_t *)from_dev(be, dsel, (size_t)N * K);
+        int same = 1;
+        for (int i = 0; i < N * K; i++) same &= gsel[i] == rsel[i];
+        char what[96];
+        snprintf(what, sizeof what, "moe_route_ds E %d k %d groups %d/%d method %d", E, K, r->n_group,
+                 r->topk_group, (int)r->method);
+        if (!same) fprintf(stderr, "FAIL: %s: the device routed to other experts\n", what);
+        CHECK(same);
+        CHECK(close_dev(what, be, dw, rw, (size_t)N * K, 1e-6, 1e-5));
+        loom_backend_free(be, dl), loom_backend_free(be, db), loom_backend_free(be, dw), loom_backend_free(be, dsel);
+        free(logits), free(bias), free(rsel), free(rw), free(scratch), free(gsel);
+    }
+    /* declined: more than 1024 experts, k above 32, more than 32 groups, groups of one with noaux_tc */
+    loom_moe_ds_args_t a = {.n_experts = 2048, .top_k = 8, .sigmoid = 1, .method = LOOM_DS_TOPK_NOAUX_TC,
+                            .n_group = 8, .topk_group = 4, .norm_topk_prob = 1, .routed_scaling_factor = 1.0f};
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.n_experts = 256, a.top_k = 33;
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.top_k = 8, a.n_group = 64;
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.n_group = 256, a.topk_group = 8;
+    CHECK(!loom_backend_moe_route_ds_supported(be, &a));
+    a.n_group = 8, a.topk_group = 4;
+    CHECK(loom_backend_moe_route_ds_supported(be, &a));
+    CHECK(!loom_backend_moe_route_ds_supported(g_cpu[1], &a)); /* the CPU routes DeepSeek on the host */
+}
+
 /* --- LoRA deltas ------------------------------------------------------------------ */
 
 /* loom_op_lora on the device against the CPU's per-row reference: rows of
@@ -708,6 +802,7 @@ static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F8_E4
 
 typedef struct attn_case {
     int nh, nkv, hd, B;
+    int latent; /* MLA's latent layout: V is K's memory (and scales) */
 } attn_case_t;
 
 /* The families' extras: a sliding window, a logit soft cap, sinks. */
@@ -717,6 +812,11 @@ typedef struct attn_extra {
     int sinks;
 } attn_extra_t;
 static const attn_extra_t *g_extra; /* of the run_attention calls in progress; NULL: none */
+/* fp8 caches with per-tensor scales (run_attention): K and V values
+ * multiplied by these (far beyond 448), stored divided by scales that keep
+ * them below it, q divided by K's so the scores stay as peaky as usual.
+ * 0: no scales. */
+static float g_fp8_mul[2];
 
 /* A batch: n_seqs sequences with context lengths ctx[s]; tokens listed as
  * (seq, pos). Builds a random cache in dt and shuffled block tables, runs
@@ -757,6 +857,11 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
         }
     size_t cache = (size_t)n_blocks * B * kv_dim;
     float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+    if (ac->latent) memcpy(vc, kc, cache * sizeof(float)); /* the same row as K and as V */
+    const int scaled = dt == LOOM_DT_F8_E4M3 && g_fp8_mul[0] > 0.0f;
+    const float fs[2] = {scaled ? g_fp8_mul[0] / 300.0f : 0.0f, scaled ? g_fp8_mul[1] / 300.0f : 0.0f};
+    if (scaled)
+        for (size_t e = 0; e < cache; e++) kc[e] *= g_fp8_mul[0], vc[e] *= g_fp8_mul[1];
     const size_t es = loom_dtype_size(dt);
     void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(cache * es); /* the cache in dt */
     const size_t cells = (size_t)n_blocks * B;
@@ -773,6 +878,11 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
         if (dt == LOOM_DT_BF16) {
             ((uint16_t *)kn)[e] = loom_f32_to_bf16(kc[e]);
             ((uint16_t *)vn)[e] = loom_f32_to_bf16(vc[e]);
+        } else if (dt == LOOM_DT_F8_E4M3 && scaled) { /* the reference reads the dequantized values */
+            ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e] * (1.0f / fs[0]));
+            ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e] * (1.0f / fs[1]));
+            kc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)kn)[e]) * fs[0];
+            vc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)vn)[e]) * fs[1];
         } else if (dt == LOOM_DT_F8_E4M3) {
             ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e]);
             ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e]);
@@ -785,6 +895,7 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     }
     int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd;
     float *q = rand_host((size_t)n * q_stride, 3.0f); /* peaky attention, not a plain average */
+    for (size_t e = 0; scaled && e < (size_t)n * q_stride; e++) q[e] /= g_fp8_mul[0];
     float *ref = loom_xmalloc((size_t)n * out_stride * 4);
     loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd),
                           .q = q, .q_stride = q_stride, .out = ref, .out_stride = out_stride,
@@ -793,16 +904,18 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     if (dt == LOOM_DT_BF16) a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .dtype = LOOM_DT_BF16};
     if (dt == LOOM_DT_I8)
         a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
+    if (ac->latent) a.kv.v = a.kv.k, a.kv.v_scale = a.kv.k_scale;
     float *sinks = ex.sinks ? rand_host((size_t)nh, 3.0f) : NULL;
     a.window = ex.window, a.softcap = ex.softcap, a.sinks = sinks;
     loom_op_attention(cpu, &a);
     loom_attn_args_t g = a;
     g.q = to_dev(be, q, (size_t)n * q_stride * 4);
     g.out = poisoned(be, (size_t)n * out_stride * 4);
-    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .v = to_dev(be, vn, cache * es), .dtype = dt};
+    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .dtype = dt, .fp8_scale = {fs[0], fs[1]}};
+    g.kv.v = ac->latent ? g.kv.k : to_dev(be, vn, cache * es);
     if (dt == LOOM_DT_I8) {
         g.kv.k_scale = to_dev(be, ksc, cells * nkv * 4);
-        g.kv.v_scale = to_dev(be, vsc, cells * nkv * 4);
+        g.kv.v_scale = ac->latent ? g.kv.k_scale : to_dev(be, vsc, cells * nkv * 4);
     }
     g.sinks = sinks ? to_dev(be, sinks, (size_t)nh * 4) : NULL;
     g.tok_seq = to_dev(be, tok_seq, (size_t)n * 4);
@@ -810,14 +923,17 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
     loom_op_attention(be, &g);
     char buf[160];
-    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d, n %d, window %d softcap %g sinks %d)",
-             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, n, ex.window, (double)ex.softcap, ex.sinks);
+    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d%s%s, n %d, window %d softcap %g sinks %d)",
+             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, ac->latent ? " latent" : "",
+             scaled ? " fp8 scales" : "", n, ex.window, (double)ex.softcap, ex.sinks);
     /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
-     * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values) */
-    double tol = n <= 8 ? 2e-5 : 1e-2;
-    CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, tol, tol));
-    void *bufs[] = {(void *)g.q, g.out, g.kv.k, g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos, (void *)g.block_tables,
-                    g.kv.k_scale, g.kv.v_scale, (void *)g.sinks};
+     * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values);
+     * heads above 256 take the wide kernel, fp32 throughout (576-long dots) */
+    double tol = hd > 256 ? 1e-4 : n <= 8 ? 2e-5 : 1e-2;
+    const double atol = scaled ? tol * g_fp8_mul[1] : tol; /* the values are that much larger */
+    CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, atol, tol));
+    void *bufs[] = {(void *)g.q, g.out, g.kv.k, ac->latent ? NULL : g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos,
+                    (void *)g.block_tables, g.kv.k_scale, ac->latent ? NULL : g.kv.v_scale, (void *)g.sinks};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]) loom_backend_free(be, bufs[i]);
     free(perm), free(bt), free(kc), free(vc), free(kn), free(vn), free(q), free(ref), free(ksc), free(vsc), free(sinks);
@@ -825,14 +941,21 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
 
 static void test_attention(void) {
     static const attn_case_t cases[] = {
-        {32, 8, 128, 16}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
-        {8, 4, 8, 16},    /* stories260K */
-        {8, 2, 64, 16},   {12, 12, 64, 7}, /* MHA, odd block size: tiles of 64 tokens */
-        {28, 4, 128, 16},                  /* group 7: tiles of 9 tokens */
-        {4, 1, 256, 32},  {6, 2, 36, 16},  /* head_dim not a multiple of 16: one token at a time */
-        {6, 3, 6, 5},                      /* head_dim not a multiple of 4: scalar path */
-        {16, 1, 128, 16},                  /* group 16: two passes of 8 heads */
-        {64, 1, 64, 16},                   /* group 64: no tiles */
+        {32, 8, 128, 16, 0}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
+        {8, 4, 8, 16, 0},    /* stories260K */
+        {8, 2, 64, 16, 0},   {12, 12, 64, 7, 0}, /* MHA, odd block size: tiles of 64 tokens */
+        {28, 4, 128, 16, 0},                  /* group 7: tiles of 9 tokens */
+        {4, 1, 256, 32, 0},  {6, 2, 36, 16, 0},  /* head_dim not a multiple of 16: one token at a time */
+        {6, 3, 6, 5, 0},                      /* head_dim not a multiple of 4: scalar path */
+        {16, 1, 128, 16, 0},                  /* group 16: two passes of 8 heads */
+        {64, 1, 64, 16, 0},                   /* group 64: no tiles */
+        /* the wide kernel: DeepSeek-V3's latent rows (512 + 64) as MQA, V the same memory as K, at TP 8
+         * (16 heads: one tile of heads per token), 40 heads (3 chunks, the last partial), 4 heads (tiles of 4 tokens);
+         * and wide GQA heads with a V of their own (tiles of 5 tokens x 3 heads) */
+        {16, 1, 576, 64, 1},
+        {40, 1, 576, 64, 1},
+        {4, 1, 576, 16, 1},
+        {6, 2, 320, 16, 0},
     };
     enum { MAXN = 420 };
     int32_t seq[MAXN], pos[MAXN];
@@ -879,7 +1002,8 @@ static void test_attention(void) {
  * decode batches, long single decodes (key splits), mixed batches and
  * prefill chunks (the tile kernel), every KV dtype. */
 static void test_attention_extras(void) {
-    static const attn_case_t cases[] = {{8, 2, 64, 16}, {16, 8, 256, 16}, {64, 8, 64, 16}, {6, 3, 36, 7}};
+    static const attn_case_t cases[] = {{8, 2, 64, 16, 0}, {16, 8, 256, 16, 0}, {64, 8, 64, 16, 0},
+                                        {6, 3, 36, 7, 0},  {6, 2, 300, 9, 0} /* the wide kernel */};
     static const attn_extra_t extras[] = {
         {4096, 0.0f, 0}, {37, 0.0f, 0}, {0, 50.0f, 0}, {129, 50.0f, 0}, {0, 0.0f, 1}, {128, 0.0f, 1}, {61, 30.0f, 1},
     };
@@ -905,6 +1029,29 @@ static void test_attention_extras(void) {
             }
             g_extra = NULL;
         }
+}
+
+/* fp8 caches with per-tensor K and V scales: values far beyond 448 stored
+ * without clamping, K's scale folded into the queries and V's into the
+ * outputs, by every kernel (one-row, tiles, splits, the wide kernel on
+ * latent rows, where V is K's memory and shares its scale). */
+static void test_attention_fp8_scaled(void) {
+    static const attn_case_t cases[] = {{32, 8, 128, 16, 0}, {6, 2, 36, 7, 0}, {16, 1, 576, 64, 1}};
+    enum { MAXN = 300 };
+    int32_t seq[MAXN], pos[MAXN];
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
+        g_fp8_mul[0] = 500.0f, g_fp8_mul[1] = cases[c].latent ? 500.0f : 700.0f;
+        int len = 3000;
+        seq[0] = 0, pos[0] = len - 1;
+        run_attention(&cases[c], LOOM_DT_F8_E4M3, 1, &len, 1, seq, pos, "decode");
+        int ctx[12];
+        for (int s = 0; s < 12; s++) ctx[s] = 1 + randi(400), seq[s] = s, pos[s] = ctx[s] - 1;
+        run_attention(&cases[c], LOOM_DT_F8_E4M3, 12, ctx, 12, seq, pos, "decode batch");
+        int pctx = 200;
+        for (int p = 0; p < 200; p++) seq[p] = 0, pos[p] = p;
+        run_attention(&cases[c], LOOM_DT_F8_E4M3, 1, &pctx, 200, seq, pos, "prefill 200");
+        g_fp8_mul[0] = g_fp8_mul[1] = 0.0f;
+    }
 }
 
 /* --- the families' element-wise ops --------------------------------------------------------- */
@@ -1007,6 +1154,22 @@ static void test_kv_i8_fp8(void) {
             }
         }
         CHECKF(!badf, "fp8 kv_write beyond 448: %d codes not clamped", badf);
+        /* with per-tensor scales: x / s, e4m3-rounded, nothing clamped (|x| <= 1200, s_k 3, s_v 4.5) */
+        f8.fp8_scale[0] = 3.0f, f8.fp8_scale[1] = 4.5f;
+        loom_op_kv_write(be, &f8, dx + nh * hd, dx + nh * hd + kv_dim, stride, dslots, n, nkv, hd);
+        uint8_t *f8v = loom_xmalloc(cache);
+        loom_backend_download(be, f8h, f8.k, cache), loom_backend_download(be, f8v, f8.v, cache);
+        badf = 0;
+        for (int i = 0; i < n; i++) {
+            if (slots[i] < 0) continue;
+            for (int e = 0; e < kv_dim; e++) {
+                const float *row = x + (size_t)i * stride + nh * hd;
+                badf += f8h[(size_t)slots[i] * kv_dim + e] != loom_f32_to_fp8_e4m3(row[e] * (1.0f / 3.0f));
+                badf += f8v[(size_t)slots[i] * kv_dim + e] != loom_f32_to_fp8_e4m3(row[kv_dim + e] * (1.0f / 4.5f));
+            }
+        }
+        CHECKF(!badf, "fp8 kv_write with per-tensor scales: %d codes differ", badf);
+        free(f8v);
         void *bufs[] = {dkv.k, dkv.v, dkv.k_scale, dkv.v_scale, dx, dinv, dpos, dslots, f8.k, f8.v};
         for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
         free(x), free(inv), free(kr), free(vr), free(kg), free(vg), free(ksr), free(vsr), free(ksg), free(vsg);
@@ -1170,10 +1333,12 @@ int main(int argc, char **argv) {
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);
     RUN(test_moe);
+    RUN(test_moe_route_ds);
     RUN(test_lora);
     RUN(test_rope_kv);
     RUN(test_attention);
     RUN(test_attention_extras);
+    RUN(test_attention_fp8_scaled);
     RUN(test_family_ops);
     RUN(test_kv_i8_fp8);
     RUN(test_sampling);

@@ -148,8 +148,16 @@ def main(argv=None):
     p.add_argument("--mtp", type=int, default=0,
                    help="num_nextn_predict_layers: MTP modules stored after the last layer (not part of the forward "
                         "pass), as DeepSeek-V3's checkpoint holds model.layers.61.*")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override one config key of the shape (repeatable), e.g. kv_lora_rank=512 with "
+                        "qk_rope_head_dim=64 for DeepSeek-V3's 576-wide latent rows")
     a = p.parse_args(argv)
     c = json.loads(json.dumps(SHAPES[a.shape]))
+    for kv in a.set:
+        key, eq, val = kv.partition("=")
+        if not eq or key not in c:
+            sys.exit("gen_deepseek: --set %r: want KEY=JSON with a key of the shape" % kv)
+        c[key] = json.loads(val)
     os.makedirs(a.out, exist_ok=True)
     n_tok = 0
     if a.tokenizer_from and os.path.exists(os.path.join(a.tokenizer_from, "tokenizer.json")):

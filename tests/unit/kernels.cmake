@@ -15,5 +15,5 @@ loom_add_test(test_spec SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_spec.c
               LIBS loom_kernels loom_base LABELS unit TIMEOUT 60)
 # The CUDA kernels' per-element math (kernels/cuda/opmath.h) and their
 # online-softmax tile loop, emulated on the CPU against the CPU backend.
-loom_add_test(test_cuda_math SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_math.c
+loom_add_test(test_cuda_math SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_math.c ${PROJECT_SOURCE_DIR}/worker/moe_ds.c
               LIBS loom_kernels LABELS unit kernels TIMEOUT 60)

@@ -191,6 +191,14 @@ static void test_refusal(void) {
                strstr(err.msg, "attention sinks (gpt_oss's attention)") &&
                strstr(err.msg, "the clamped SwiGLU (gpt_oss's experts)"),
            "%s", err.msg);
+    /* CUDA's wide kernel stops at 768: DeepSeek-V3's 576 loads past the capability check, a latent of
+     * 1024 + 64 is refused by name */
+    ops.caps &= ~(uint32_t)LOOM_CAP_ATTN_HUGE;
+    loom_model_config_t dsh = parse("{\"model_type\":\"deepseek_v3\",\"kv_lora_rank\":1024}");
+    CHECK(loom_model_load(be, &dsh, NULL, &spec, &opt, &m, &err) == LOOM_ERR_UNSUPPORTED);
+    CHECKF(!strcmp(err.msg, "the cpu backend cannot run deepseek_v3: it lacks attention heads wider than 768 "
+                            "(head_dim 1088)"),
+           "%s", err.msg);
     /* DeepSeek-V3's latent rows are 576 wide: a backend whose attention stops at 256 refuses it */
     ops.caps &= ~(uint32_t)LOOM_CAP_ATTN_WIDE;
     loom_model_config_t ds = parse("{\"model_type\":\"deepseek_v3\"}");

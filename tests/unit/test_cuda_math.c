@@ -4,9 +4,10 @@
  * backend's kv_write; the window and split key ranges; and the attention
  * kernels' online softmax -- the decode kernel's 8 warps of 32 keys, the
  * tile kernel's rows against 32-key steps, flash-decoding splits and their
- * combine, the sink folded in at the end -- emulated with the same helpers
- * and tile boundaries and compared with the CPU backend's attention on odd
- * shapes with windows, soft caps, sinks and int8 caches. Needs no GPU and
+ * combine, the sink folded in at the end, and the wide kernel's tiles of
+ * (token, head) rows over MLA's latent rows -- emulated with the same
+ * helpers and tile boundaries and compared with the CPU backend's attention
+ * on odd shapes with windows, soft caps, sinks and int8 caches. Needs no GPU and
  * no CUDA toolkit. */
 #include <math.h>
 #include <stdint.h>
@@ -15,7 +16,9 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/opmath.h"
+#include "kernels/quant.h"
 #include "tests/test.h"
+#include "worker/moe_ds.h"
 
 static unsigned long long g_st = 0x9e3779b97f4a7c15ull;
 
@@ -171,7 +174,7 @@ typedef struct {
 
 typedef struct {
     float m, l;
-    double o[256]; /* float accumulators, widened only for storage */
+    double o[LOOM_OM_WIDE_MAX_HD]; /* float accumulators, widened only for storage */
 } state_t;
 
 static float kv_elem(const emu_t *e, int which, int slot, int kvh, int d) {
@@ -192,15 +195,15 @@ static int slot_of(const emu_t *e, int seq, int key) {
     return blk < 0 ? -1 : blk * e->B + key % e->B;
 }
 
-/* One online-softmax step over keys [kb, kb + 32) of [.., k1) for query row
+/* One online-softmax step over keys [kb, kb + nk) of [.., k1) for query row
  * (token i, head h), masking keys outside [lo, pos]: what a warp (decode
- * kernel) or a row's owner (tile kernel) does per step. */
-static void step(const emu_t *e, state_t *st, int i, int h, int kb, int k1, int lo, int pos) {
+ * kernel) or a row's owner (tile and wide kernels) does per step. */
+static void step(const emu_t *e, state_t *st, int i, int h, int kb, int nk, int k1, int lo, int pos) {
     const int kvh = h / (e->nh / e->nkv), seq = e->tok_seq[i];
     const float *q = e->q + (int64_t)i * e->q_stride + (int64_t)h * e->hd;
     float s[LOOM_OM_KEYS], mx = -INFINITY;
     int slot[LOOM_OM_KEYS];
-    for (int j = 0; j < LOOM_OM_KEYS; j++) {
+    for (int j = 0; j < nk; j++) {
         const int key = kb + j;
         slot[j] = key < k1 && key >= lo && key <= pos ? slot_of(e, seq, key) : -1;
         s[j] = -INFINITY;
@@ -216,7 +219,7 @@ static void step(const emu_t *e, state_t *st, int i, int h, int kb, int k1, int 
     float sum = 0.0f;
     for (int d = 0; d < e->hd; d++)
         st->o[d] *= alpha;
-    for (int j = 0; j < LOOM_OM_KEYS; j++) {
+    for (int j = 0; j < nk; j++) {
         if (slot[j] < 0) continue;
         const float p = expf(s[j] - mn);
         sum += p;
@@ -247,10 +250,11 @@ static void init(state_t *st, int hd) {
 
 /* Output row i of head h: n_split slices of the key range [rlo, rhi) (the
  * unit's: one token's own range in the decode kernel, the tile's rows' hull
- * in the tile kernel), each walked by 8 warps taking every 8th step of 32
- * keys (decode) or by one owner in order (tile), merged, combined, and the
- * sink folded in. */
-static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_split, int tile,
+ * in the tile and wide kernels), each walked by 8 warps taking every 8th
+ * step of 32 keys (decode) or by one owner in order (tile: steps of 32
+ * keys; wide: of LOOM_OM_WIDE_KEYS), merged, combined, and the sink folded
+ * in. */
+static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_split, int tile, int wide,
                         float *out) {
     const int pos = e->tok_pos[i], lo = loom_om_window_lo(pos, e->window);
     state_t tot, part, w;
@@ -260,11 +264,11 @@ static void emulate_row(const emu_t *e, int i, int h, int rlo, int rhi, int n_sp
         loom_om_split_range(rlo, rhi, n_split, s, &k0, &k1);
         init(&part, e->hd);
         if (k0 < k1) {
-            const int warps = tile ? 1 : 8;
+            const int warps = tile || wide ? 1 : 8, nk = wide ? LOOM_OM_WIDE_KEYS : LOOM_OM_KEYS;
             for (int wi = 0; wi < warps; wi++) {
                 init(&w, e->hd);
-                for (int kb = k0 + wi * LOOM_OM_KEYS; kb < k1; kb += warps * LOOM_OM_KEYS)
-                    step(e, &w, i, h, kb, k1, lo, pos);
+                for (int kb = k0 + wi * nk; kb < k1; kb += warps * nk)
+                    step(e, &w, i, h, kb, nk, k1, lo, pos);
                 merge(&part, &w, e->hd);
             }
         }
@@ -280,6 +284,7 @@ typedef struct {
     int nh, nkv, hd, B, window, sinks, tq, n_split;
     float softcap;
     loom_dtype_t dt;
+    int latent; /* MLA's latent layout: V is K's memory (and scales), one KV head */
 } acase_t;
 
 static void run_case(const acase_t *c) {
@@ -294,11 +299,11 @@ static void run_case(const acase_t *c) {
     for (int b = 0; b < NSEQ * max_blocks; b++)
         bt[b] = (b * 7 + 3) % n_blocks; /* scattered blocks */
     const size_t es = c->dt == LOOM_DT_I8 ? 1 : 4, cells = (size_t)n_blocks * c->B;
-    loom_kv_layer_t kv = {
-        .k = malloc(cells * kv_dim * es), .v = malloc(cells * kv_dim * es), .dtype = c->dt};
+    loom_kv_layer_t kv = {.k = malloc(cells * kv_dim * es), .dtype = c->dt};
+    kv.v = c->latent ? kv.k : malloc(cells * kv_dim * es);
     if (c->dt == LOOM_DT_I8) {
         kv.k_scale = malloc(cells * nkv * sizeof(float));
-        kv.v_scale = malloc(cells * nkv * sizeof(float));
+        kv.v_scale = c->latent ? kv.k_scale : malloc(cells * nkv * sizeof(float));
     }
     /* fill both sequences' caches through the CPU backend's kv_write */
     const int lens[NSEQ] = {151, 105};
@@ -309,7 +314,7 @@ static void run_case(const acase_t *c) {
     float *kx = malloc(sizeof(float) * ns * kv_dim), *vx = malloc(sizeof(float) * ns * kv_dim);
     for (int e = 0; e < ns * kv_dim; e++) {
         kx[e] = test_randf(&g_st, 1.5f);
-        vx[e] = test_randf(&g_st, 1.0f);
+        vx[e] = c->latent ? kx[e] : test_randf(&g_st, 1.0f); /* one row, written twice */
     }
     loom_op_kv_write(be, &kv, kx, vx, kv_dim, slots, ns, nkv, hd);
     tok_seq[0] = 0, tok_pos[0] = 150;
@@ -358,7 +363,10 @@ static void run_case(const acase_t *c) {
                      .tok_seq = tok_seq,
                      .tok_pos = tok_pos};
     /* units as attention.cu cuts them: the decode token alone; the chunk in
-     * tiles of tq rows that never cross a multiple of tq (token index) */
+     * tiles of tq rows that never cross a multiple of tq (token index). The
+     * wide kernel (head_dim above 256) takes every unit, of its own tq. */
+    const int wide = hd > 256;
+    CHECK(!wide || c->tq == loom_om_wide_tq(nh / nkv));
     for (int i = 0; i < n;) {
         int r = 1;
         while (c->tq > 1 && i + r < n && (i + r) % c->tq != 0 && tok_seq[i + r] == tok_seq[i])
@@ -373,39 +381,275 @@ static void run_case(const acase_t *c) {
             for (int h = 0; h < nh; h++) {
                 const int rlo = r > 1 ? lo : loom_om_window_lo(tok_pos[t], c->window);
                 const int rhi = r > 1 ? hi : tok_pos[t] + 1;
-                emulate_row(&e, t, h, rlo, rhi, c->n_split, r > 1,
+                emulate_row(&e, t, h, rlo, rhi, c->n_split, r > 1, wide,
                             emu + ((int64_t)t * nh + h) * hd);
             }
         i += r;
     }
     char what[160];
     snprintf(what, sizeof what,
-             "emulated attention %s nh%d nkv%d hd%d B%d window%d softcap%g sinks%d tq%d split%d",
+             "emulated attention %s nh%d nkv%d hd%d B%d window%d softcap%g sinks%d tq%d split%d%s",
              loom_kv_dtype_name(c->dt), nh, nkv, hd, c->B, c->window, (double)c->softcap, c->sinks,
-             c->tq, c->n_split);
+             c->tq, c->n_split, c->latent ? " latent" : "");
     test_allclose(what, emu, out, (long)n * nh * hd, 1e-5, 1e-4);
     free(q), free(out), free(emu), free(kx), free(vx), free(bt);
+    if (c->latent) kv.v = NULL, kv.v_scale = NULL;
     free(kv.k), free(kv.v), free(kv.k_scale), free(kv.v_scale);
     loom_backend_destroy(&be);
 }
 
 static void test_attention_emulated(void) {
     const acase_t cases[] = {
-        {4, 4, 16, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32}, /* plain */
+        {4, 4, 16, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32, 0}, /* plain */
         {6, 2, 20, 7, 0, 0, 21, 3, 0.0f,
-         LOOM_DT_F32}, /* GQA, odd B and hd, tiles of 21 rows, 3 splits */
-        {8, 2, 32, 16, 33, 0, 16, 1, 0.0f, LOOM_DT_F32},  /* Mistral-like window */
-        {8, 4, 24, 5, 50, 0, 32, 7, 0.0f, LOOM_DT_F32},   /* window inside a tile, 7 splits */
-        {4, 2, 16, 16, 0, 0, 32, 2, 20.0f, LOOM_DT_F32},  /* Gemma 2 soft cap */
-        {4, 2, 16, 16, 17, 0, 32, 5, 20.0f, LOOM_DT_F32}, /* Gemma 2's local layer: window + cap */
-        {8, 2, 16, 16, 0, 1, 1, 4, 0.0f, LOOM_DT_F32},    /* GPT-OSS sinks, splits */
+         LOOM_DT_F32, 0}, /* GQA, odd B and hd, tiles of 21 rows, 3 splits */
+        {8, 2, 32, 16, 33, 0, 16, 1, 0.0f, LOOM_DT_F32, 0},  /* Mistral-like window */
+        {8, 4, 24, 5, 50, 0, 32, 7, 0.0f, LOOM_DT_F32, 0},   /* window inside a tile, 7 splits */
+        {4, 2, 16, 16, 0, 0, 32, 2, 20.0f, LOOM_DT_F32, 0},  /* Gemma 2 soft cap */
+        {4, 2, 16, 16, 17, 0, 32, 5, 20.0f, LOOM_DT_F32, 0}, /* Gemma 2's local layer: window + cap */
+        {8, 2, 16, 16, 0, 1, 1, 4, 0.0f, LOOM_DT_F32, 0},    /* GPT-OSS sinks, splits */
         {8, 2, 16, 16, 40, 1, 32, 3, 0.0f,
-         LOOM_DT_F32},                                  /* GPT-OSS's banded layer: window + sinks */
-        {4, 2, 40, 16, 0, 0, 16, 1, 0.0f, LOOM_DT_I8},  /* int8 KV */
-        {6, 3, 36, 9, 30, 1, 32, 6, 15.0f, LOOM_DT_I8}, /* int8, everything at once */
+         LOOM_DT_F32, 0},                                  /* GPT-OSS's banded layer: window + sinks */
+        {4, 2, 40, 16, 0, 0, 16, 1, 0.0f, LOOM_DT_I8, 0},  /* int8 KV */
+        {6, 3, 36, 9, 30, 1, 32, 6, 15.0f, LOOM_DT_I8, 0}, /* int8, everything at once */
+        /* the wide kernel: MLA's latent rows (576: DeepSeek-V3's 512 + 64), MQA, V = K's memory; 16 heads
+         * (one chunk, tq 1), 20 (a chunk and a partial one), 4 (tq 4: prefill tiles of 4 tokens) */
+        {16, 1, 576, 16, 0, 0, 1, 1, 0.0f, LOOM_DT_F32, 1},
+        {20, 1, 576, 7, 0, 0, 1, 5, 0.0f, LOOM_DT_F32, 1},
+        {4, 1, 576, 16, 0, 0, 4, 3, 0.0f, LOOM_DT_I8, 1},
+        /* and the rest of its arithmetic on wide GQA heads: separate V, windows, caps, sinks, splits */
+        {8, 2, 288, 9, 40, 1, 4, 6, 20.0f, LOOM_DT_F32, 0},
+        {6, 2, 300, 5, 0, 1, 5, 2, 0.0f, LOOM_DT_I8, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_case(&cases[i]);
+}
+
+/* --- the decode GEMV's variants ------------------------------------------------------------ */
+
+/* gemv.cu's loops for every variant: the grid's warps take R rows each
+ * (rows past the end masked), a lane walks its 16-byte vectors U at a time;
+ * every (row, vector) is read exactly once, by lane v % 32, and each lane
+ * meets its vectors of a row in increasing order, the same order for every
+ * variant: so the variants give the same sums. */
+static void test_gemv_plan(void) {
+    static const int shapes[][2] = {{1, 8}, {7, 40}, {33, 4096 / 8}, {4096, 14336 / 8}, {5, 7}};
+    for (int q = 0; q < 2; q++) { /* the float GEMV's variants, then the quantized one's */
+        for (int variant = 0; variant < (q ? LOOM_OM_QGEMV_VARIANTS : LOOM_OM_GEMV_VARIANTS); variant++)
+            for (int nt = 1; nt <= (q ? 8 : 4); nt++) {
+                int R, U;
+                if (q)
+                    loom_om_qgemv_plan(variant, nt, &R, &U);
+                else
+                    loom_om_gemv_plan(variant, nt, &R, &U);
+                CHECK(R >= 1 && U >= 1 && R * U >= (q ? 2 : 8) && R * U <= (q ? 8 : 16));
+                if (q && nt > 2) { /* more tokens keep the default */
+                    int R0, U0;
+                    loom_om_qgemv_plan(0, nt, &R0, &U0);
+                    CHECK(R == R0 && U == U0);
+                }
+                for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                    const int64_t rows = shapes[s][0], nv = shapes[s][1];
+                    const int64_t blocks = (rows + 8 * R - 1) / (8 * R);
+                    unsigned char *seen = calloc((size_t)(rows * nv), 1);
+                    int bad = 0;
+                    for (int64_t b = 0; b < blocks; b++)
+                        for (int warp = 0; warp < 8; warp++) {
+                            const int64_t row0 = (b * 8 + warp) * R;
+                            if (row0 >= rows) continue;
+                            for (int lane = 0; lane < 32; lane++) {
+                                int64_t last[4] = {-1, -1, -1, -1};
+                                for (int64_t v0 = lane; v0 < nv; v0 += 32 * U)
+                                    for (int u = 0; u < U; u++) {
+                                        const int64_t v = v0 + u * 32;
+                                        if (v >= nv) break;
+                                        for (int r = 0; r < R; r++) {
+                                            if (row0 + r >= rows) continue;
+                                            bad += v % 32 != lane || v != last[r] + (last[r] < 0 ? lane + 1 : 32);
+                                            last[r] = v;
+                                            seen[(row0 + r) * nv + v]++;
+                                        }
+                                    }
+                            }
+                        }
+                    for (int64_t e = 0; e < rows * nv; e++) bad += seen[e] != 1;
+                    CHECKF(!bad, "%sgemv variant %d nt %d (R %d U %d) rows %lld vectors %lld: %d errors", q ? "q" : "",
+                           variant, nt, R, U, (long long)rows, (long long)nv, bad);
+                    free(seen);
+                }
+            }
+    }
+}
+
+/* --- fp8 KV with per-tensor scales ----------------------------------------------------- */
+
+/* The write's arithmetic, and the identity the attention kernels rely on:
+ * attention over the dequantized cache (code * scale) equals attention
+ * over the raw codes with q times K's scale and the output times V's. */
+static void test_fp8_scale(void) {
+    CHECK(loom_om_fp8_scale(0.0f) == 1.0f && loom_om_fp8_scale(-2.0f) == 1.0f &&
+          loom_om_fp8_scale(INFINITY) == 1.0f && loom_om_fp8_scale(NAN) == 1.0f && loom_om_fp8_scale(2.5f) == 2.5f);
+    for (int i = 0; i < 4000; i++) {
+        const float x = test_randf(&g_st, 2000.0f), s = 2000.0f / 440.0f;
+        CHECK(loom_om_fp8_store(x, 1.0f) == loom_om_fp8_clamp(x)); /* no scale: exactly the old write */
+        const float st = loom_om_fp8_store(x, 1.0f / s);
+        CHECKF(st == x * (1.0f / s) && fabsf(st) <= LOOM_OM_FP8_MAX, "store(%g, 1/%g) = %g", (double)x, (double)s,
+               (double)st);
+    }
+    loom_backend_t *be = cpu_backend();
+    REQUIRE(be);
+    enum { NH = 6, NKV = 2, HD = 24, B = 8, CTX = 70, N = 3 };
+    const float sk = 700.0f / 400.0f, sv = 900.0f / 400.0f;
+    static float kd[CTX * NKV * HD], vd[CTX * NKV * HD], kc[CTX * NKV * HD], vc[CTX * NKV * HD];
+    for (int e = 0; e < CTX * NKV * HD; e++) {
+        kc[e] = loom_fp8_e4m3_to_f32(loom_f32_to_fp8_e4m3(loom_om_fp8_store(test_randf(&g_st, 700.0f), 1.0f / sk)));
+        vc[e] = loom_fp8_e4m3_to_f32(loom_f32_to_fp8_e4m3(loom_om_fp8_store(test_randf(&g_st, 900.0f), 1.0f / sv)));
+        kd[e] = kc[e] * sk, vd[e] = vc[e] * sv;
+    }
+    int32_t bt[(CTX + B - 1) / B], seq[N] = {0, 0, 0}, pos[N] = {CTX - 1, 30, 0};
+    for (int b = 0; b < (CTX + B - 1) / B; b++) bt[b] = b;
+    float q[N * NH * HD], qk[N * NH * HD], ref[N * NH * HD], out[N * NH * HD];
+    for (int e = 0; e < N * NH * HD; e++) q[e] = test_randf(&g_st, 3.0f / 700.0f), qk[e] = q[e] * sk;
+    loom_attn_args_t a = {.n = N, .n_heads = NH, .n_kv_heads = NKV, .head_dim = HD, .scale = 0.2f, .q = q,
+                          .q_stride = NH * HD, .out = ref, .out_stride = NH * HD,
+                          .kv = {.k = kd, .v = vd, .dtype = LOOM_DT_F32}, .block_size = B, .tok_seq = seq,
+                          .tok_pos = pos, .block_tables = bt, .max_blocks = (CTX + B - 1) / B, .max_ctx = CTX};
+    loom_op_attention(be, &a);
+    a.q = qk, a.out = out, a.kv.k = kc, a.kv.v = vc;
+    loom_op_attention(be, &a);
+    for (int e = 0; e < N * NH * HD; e++) out[e] *= sv;
+    test_allclose("fp8 per-tensor scales folded into q and the output", ref, out, N * NH * HD, 1e-3, 1e-5);
+    loom_backend_destroy(&be);
+}
+
+/* --- DeepSeekMoE's router, as moe.cu's ds_route_kernel runs it ---------------------- */
+
+/* The warp's arg-max: 32 lanes' candidates folded by the shuffle tree of
+ * warp_best (lane ^ 16, ^ 8, ...), every lane ending with the same. */
+static void warp_best_emu(float *v, int *idx, int none) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float nv[32];
+        int ni[32];
+        for (int l = 0; l < 32; l++) {
+            nv[l] = v[l], ni[l] = idx[l];
+            if (loom_om_better(v[l ^ o], idx[l ^ o], v[l], idx[l], none)) nv[l] = v[l ^ o], ni[l] = idx[l ^ o];
+        }
+        memcpy(v, nv, sizeof nv), memcpy(idx, ni, sizeof ni);
+    }
+}
+
+/* ds_route_kernel for one token: lanes, their strided experts and taken
+ * bits, the groups one per lane, the arg-max rounds and the ascending
+ * ranks, the weights' sum in rank order. */
+static void ds_route_emu(const loom_moe_ds_route_t *r, const float *l, const float *bias, int *ids, float *w) {
+    const int E = r->n_experts, K = r->top_k, G = r->n_group, TG = r->topk_group;
+    float sc[1024], ch[1024];
+    if (r->sigmoid) {
+        for (int e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-l[e]));
+    } else {
+        float mx = -INFINITY;
+        for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+        double lane_sum[32] = {0}, sum = 0;
+        for (int e = 0; e < E; e++) lane_sum[e % 32] += sc[e] = expf(l[e] - mx);
+        for (int o = 16; o > 0; o >>= 1) { /* the xor tree: every lane ends with the same sum */
+            double ns[32];
+            for (int ln = 0; ln < 32; ln++) ns[ln] = lane_sum[ln] + lane_sum[ln ^ o];
+            memcpy(lane_sum, ns, sizeof ns);
+        }
+        sum = lane_sum[0];
+        for (int e = 0; e < E; e++) sc[e] = (float)(sc[e] / sum);
+    }
+    for (int e = 0; e < E; e++) ch[e] = sc[e] + (bias ? bias[e] : 0.0f);
+    const int method = (int)r->method, grouped = method != LOOM_OM_DS_GREEDY && G > 1, per = grouped ? E / G : E;
+    unsigned keep = 0xffffffffu;
+    if (grouped) {
+        float gs[32];
+        int gtaken[32];
+        for (int ln = 0; ln < 32; ln++) {
+            gs[ln] = ln < G ? loom_om_ds_group_score(ch + ln * per, per, method == LOOM_OM_DS_NOAUX_TC) : 0.0f;
+            gtaken[ln] = ln >= G;
+        }
+        keep = 0;
+        for (int j = 0; j < TG; j++) {
+            float v[32];
+            int idx[32];
+            for (int ln = 0; ln < 32; ln++) v[ln] = gs[ln], idx[ln] = gtaken[ln] ? G : ln;
+            warp_best_emu(v, idx, G);
+            keep |= 1u << idx[0];
+            gtaken[idx[0]] = 1;
+        }
+    }
+    unsigned taken[32] = {0};
+    for (int e = 0; e < E; e++)
+        if (!(keep >> (e / per) & 1u)) taken[e % 32] |= 1u << (e / 32);
+    int mine[32];
+    float msc[32];
+    for (int j = 0; j < K; j++) {
+        float v[32];
+        int idx[32];
+        for (int ln = 0; ln < 32; ln++) {
+            v[ln] = 0.0f, idx[ln] = E;
+            for (int q = 0, e = ln; e < E; q++, e += 32)
+                if (!(taken[ln] >> q & 1u) && loom_om_better(ch[e], e, v[ln], idx[ln], E)) v[ln] = ch[e], idx[ln] = e;
+        }
+        warp_best_emu(v, idx, E);
+        const int be = idx[0];
+        taken[be & 31] |= 1u << (be >> 5);
+        mine[j] = be, msc[j] = sc[be];
+    }
+    int rank[32];
+    for (int j = 0; j < K; j++) {
+        rank[j] = 0;
+        for (int i = 0; i < K; i++) rank[j] += mine[i] < mine[j];
+    }
+    double sum = 0;
+    for (int rr = 0; rr < K; rr++)
+        for (int j = 0; j < K; j++)
+            if (rank[j] == rr) {
+                sum += (double)msc[j];
+                break;
+            }
+    for (int j = 0; j < K; j++) {
+        ids[rank[j]] = mine[j];
+        w[rank[j]] = loom_om_ds_weight(msc[j], sum, r->sigmoid && r->norm_topk_prob, r->routed_scaling_factor);
+    }
+}
+
+/* Against the host router (worker/moe_ds.c): V3's and Kimi-K2's shapes (sigmoid, bias, noaux_tc), V2's
+ * (softmax, greedy and group-limited), transformers' tiny test shape; ties in the logits and in the groups. */
+static void test_ds_route(void) {
+    static const loom_moe_ds_route_t shapes[] = {
+        {256, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 8, 4, 1, 2.5f},     /* DeepSeek-V3 */
+        {384, 8, 1, LOOM_DS_TOPK_NOAUX_TC, 1, 1, 1, 2.827f},   /* Kimi-K2: one group */
+        {8, 2, 1, LOOM_DS_TOPK_NOAUX_TC, 2, 1, 1, 2.5f},       /* transformers' test shape */
+        {160, 6, 0, LOOM_DS_TOPK_GROUP_LIMITED, 8, 3, 0, 16.0f}, /* DeepSeek-V2 */
+        {64, 6, 0, LOOM_DS_TOPK_GREEDY, 1, 1, 0, 1.0f},        /* V2-Lite */
+        {1024, 32, 1, LOOM_DS_TOPK_NOAUX_TC, 32, 3, 1, 1.0f},  /* the kernel's limits */
+        {64, 4, 1, LOOM_DS_TOPK_NOAUX_TC, 32, 2, 0, 1.0f},     /* groups of two */
+    };
+    CHECK(LOOM_OM_DS_GREEDY == (int)LOOM_DS_TOPK_GREEDY && LOOM_OM_DS_GROUP_LIMITED == (int)LOOM_DS_TOPK_GROUP_LIMITED &&
+          LOOM_OM_DS_NOAUX_TC == (int)LOOM_DS_TOPK_NOAUX_TC);
+    float l[1024], bias[1024], scratch[2048], w0[32], w1[32];
+    int id0[32], id1[32];
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const loom_moe_ds_route_t *r = &shapes[s];
+        for (int trial = 0; trial < 60; trial++) {
+            const int E = r->n_experts;
+            for (int e = 0; e < E; e++) {
+                l[e] = test_randf(&g_st, 4.0f);
+                bias[e] = test_randf(&g_st, 0.3f);
+                if (trial % 3 == 1 && e % 5 == 2) l[e] = l[e - 1]; /* ties */
+                if (trial % 3 == 2) l[e] = (float)(e % 7) * 0.25f, bias[e] = 0.0f; /* many ties, groups too */
+            }
+            const float *b = r->sigmoid ? bias : NULL;
+            loom_moe_route_deepseek(r, l, b, scratch, id0, w0);
+            ds_route_emu(r, l, b, id1, w1);
+            int same = 1;
+            for (int k = 0; k < r->top_k; k++) same &= id0[k] == id1[k] && w0[k] == w1[k];
+            CHECKF(same, "ds route shape %zu trial %d: ids/weights differ (first %d/%d %g/%g)", s, trial, id0[0],
+                   id1[0], (double)w0[0], (double)w1[0]);
+        }
+    }
 }
 
 int main(void) {
@@ -413,5 +657,8 @@ int main(void) {
     RUN(test_i8_kv);
     RUN(test_ranges);
     RUN(test_attention_emulated);
+    RUN(test_ds_route);
+    RUN(test_fp8_scale);
+    RUN(test_gemv_plan);
     return test_summary();
 }

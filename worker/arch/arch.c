@@ -134,6 +134,7 @@ uint32_t loom_arch_needs_common(const loom_model_config_t *c, const loom_shard_s
     if (c->final_softcap > 0 && spec->has_head) need |= LOOM_CAP_LOGIT_SOFTCAP;
     if (c->hidden_act != LOOM_HIDDEN_SILU) need |= LOOM_CAP_ACT;
     if (c->head_dim > 256 && spec->layer_end > spec->layer_begin) need |= LOOM_CAP_ATTN_WIDE;
+    if (c->head_dim > 768 && spec->layer_end > spec->layer_begin) need |= LOOM_CAP_ATTN_HUGE;
     return need;
 }
 
@@ -156,7 +157,8 @@ void loom_arch_need_detail(const loom_model_config_t *c, const loom_shard_spec_t
         return;
     case LOOM_CAP_ATTN_SINKS: snprintf(buf, size, "%s's attention", c->model_type); return;
     case LOOM_CAP_SWIGLU_CLAMP: snprintf(buf, size, "%s's experts", c->model_type); return;
-    case LOOM_CAP_ATTN_WIDE: snprintf(buf, size, "head_dim %d", c->head_dim); return;
+    case LOOM_CAP_ATTN_WIDE:
+    case LOOM_CAP_ATTN_HUGE: snprintf(buf, size, "head_dim %d", c->head_dim); return;
     default: return;
     }
 }

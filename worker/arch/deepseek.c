@@ -39,9 +39,10 @@ static const loom_tensor_name_t k_names[] = {
 };
 
 static const loom_arch_type_t k_types[] = {
-    /* the latent rows are kv_lora_rank + rope wide (576 as released): attention heads above 256 */
-    {"deepseek_v3", LOOM_CAP_MOE, LOOM_CAP_ATTN_WIDE},
-    {"deepseek_v2", LOOM_CAP_MOE, LOOM_CAP_ATTN_WIDE},
+    /* the latent rows are kv_lora_rank + rope wide (576 as released): attention heads above 256, and
+     * above 768 for a config with a larger latent */
+    {"deepseek_v3", LOOM_CAP_MOE, LOOM_CAP_ATTN_WIDE | LOOM_CAP_ATTN_HUGE},
+    {"deepseek_v2", LOOM_CAP_MOE, LOOM_CAP_ATTN_WIDE | LOOM_CAP_ATTN_HUGE},
     {NULL, 0, 0},
 };
 

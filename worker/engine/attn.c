@@ -7,9 +7,44 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/safetensors.h"
 #include "common/util.h"
 #include "common/weights_check.h"
 #include "worker/engine/model_impl.h"
+
+/* An fp8 KV cache's per-tensor scales of this layer's K and V: the
+ * checkpoint's `k_scale` and `v_scale` beside the q projection
+ * (model.layers.N.self_attn.k_scale, the names FP8-KV checkpoints carry for
+ * vLLM), scalars; 1 where it has none. Other cache dtypes ignore them. */
+static loom_status_t load_fp8_kv_scales(loom_loader_t *L, const char *qname, loom_layer_t *ly, loom_err_t *err) {
+    ly->kv.fp8_scale[0] = ly->kv.fp8_scale[1] = 0.0f;
+    if (L->m->opt.kv_dtype != LOOM_DT_F8_E4M3) return LOOM_OK;
+    char prefix[256], name[300];
+    snprintf(prefix, sizeof prefix, "%s", qname);
+    char *end = strstr(prefix, ".weight");
+    if (end) *end = 0;
+    end = strrchr(prefix, '.'); /* drop q_proj / qkv_proj */
+    if (!end) return LOOM_OK;
+    *end = 0;
+    static const char *const which[2] = {"k_scale", "v_scale"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(name, sizeof name, "%s.%s", prefix, which[i]);
+        const loom_st_tensor_t *t = loom_st_find(L->st, name);
+        if (!t) continue;
+        int64_t numel = 1;
+        for (int d = 0; d < t->n_dims; d++) numel *= t->shape[d];
+        if (numel != 1)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s: a per-tensor KV scale has one element, "
+                                "not %lld", name, t->file, (long long)numel);
+        float v = 0.0f;
+        LOOM_CHECK(loom_st_read_f32(L->st, t, 0, 1, 0, 1, &v, err));
+        if (!(v > 0.0f && v < INFINITY))
+            return loom_err_set(err, LOOM_ERR_FORMAT, "tensor '%s' in %s: the KV scale %g is not a positive finite "
+                                "number", name, t->file, (double)v);
+        ly->kv.fp8_scale[i] = v;
+    }
+    return LOOM_OK;
+}
 
 loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
     loom_model_t *m = L->m;
@@ -68,6 +103,7 @@ loom_status_t loom_blk_attn_load(loom_loader_t *L, int gl, loom_layer_t *ly, loo
         LOOM_CHECK(loom_load_upload_norm(L, TNAME(name, LOOM_TN_K_NORM), hd, &ly->k_norm, err));
     }
     ly->window = loom_model_config_layer_window(c, gl);
+    LOOM_CHECK(load_fp8_kv_scales(L, c->fused_qkv ? TNAME(pq, LOOM_TN_QKV) : TNAME(pq, LOOM_TN_Q), ly, err));
 
     /* o: row-parallel, this rank's input columns */
     loom_lin_part_t o = {TNAME(pk, LOOM_TN_O), dim, 0, dim};

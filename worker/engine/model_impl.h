@@ -48,6 +48,7 @@ typedef struct loom_ffn {
     /* DeepSeek (worker/moe_ds.c routes): e_score_correction_bias (n_experts) on the host, or NULL; the
      * shared experts (s13, s2) are added ungated */
     float *ds_bias;
+    float *d_ds_bias; /* its device copy, where the backend routes DeepSeek's decode steps (loom_op_moe_route_ds) */
 } loom_ffn_t;
 
 typedef struct loom_layer {

@@ -109,6 +109,15 @@ loom_status_t loom_blk_moe_load(loom_loader_t *L, int gl, loom_ffn_t *f, loom_er
     return LOOM_OK;
 }
 
+/* DeepSeekMoE's router for the backend (loom_op_moe_route_ds), f's bias on the device. */
+static loom_moe_ds_args_t ds_args(const loom_model_config_t *c, const loom_ffn_t *f) {
+    const loom_moe_ds_route_t r = loom_moe_ds_route_of(c);
+    return (loom_moe_ds_args_t){.n_experts = r.n_experts, .top_k = r.top_k, .sigmoid = r.sigmoid,
+                                .method = (int)r.method, .n_group = r.n_group, .topk_group = r.topk_group,
+                                .norm_topk_prob = r.norm_topk_prob, .routed_scaling_factor = r.routed_scaling_factor,
+                                .bias = f->d_ds_bias};
+}
+
 /* The backend's tables of loom_op_moe_gemv for every MoE layer whose held
  * experts it can run per (token, choice) pair (loom_backend_moe_device: the
  * CUDA backend up to 4 tokens, float experts; the CPU backend 1 token, where
@@ -116,7 +125,9 @@ loom_status_t loom_blk_moe_load(loom_loader_t *L, int gl, loom_ffn_t *f, loom_er
  * experts and combine without the host. Not Qwen2-MoE's layers (their
  * shared expert's gate is applied on the host); GPT-OSS's (expert biases,
  * the clamped SwiGLU) only where the backend adds biases per pair
- * (loom_backend_moe_add_bias_supported: CUDA). */
+ * (loom_backend_moe_add_bias_supported: CUDA); DeepSeek's only where the
+ * backend routes them (loom_backend_moe_route_ds_supported: CUDA), its
+ * shared experts then added ungated on the device. */
 loom_status_t loom_blk_moe_tables(loom_model_t *m, loom_err_t *err) {
     const int E = m->cfg.n_experts, K = m->cfg.n_experts_per_tok;
     int n_moe = 0, n_dev = 0, max_n = 1 << 30;
@@ -124,13 +135,20 @@ loom_status_t loom_blk_moe_tables(loom_model_t *m, loom_err_t *err) {
         loom_ffn_t *f = &m->layers[l].ffn;
         if (!f->moe) continue;
         n_moe++;
-        if (m->cfg.moe_shared_hidden || m->cfg.deepseek || m->expert_end <= m->expert_begin ||
-            ((f->b13 || f->b2) && !loom_backend_moe_add_bias_supported(m->be)))
+        const loom_moe_ds_args_t ds = ds_args(&m->cfg, f);
+        if ((m->cfg.moe_shared_hidden && !m->cfg.deepseek) ||
+            (m->cfg.deepseek && !loom_backend_moe_route_ds_supported(m->be, &ds)) ||
+            m->expert_end <= m->expert_begin || ((f->b13 || f->b2) && !loom_backend_moe_add_bias_supported(m->be)))
             continue;
         int n13 = loom_backend_moe_device(m->be, f->e13, E, K),
             n2 = loom_backend_moe_device(m->be, f->e2, E, K);
         int dn = LOOM_MIN(n13, n2);
         if (dn <= 0) continue;
+        if (f->ds_bias && !f->d_ds_bias) {
+            f->d_ds_bias = loom_backend_alloc(m->be, (size_t)E * sizeof(float));
+            if (!f->d_ds_bias) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the router bias");
+            loom_backend_upload(m->be, f->d_ds_bias, f->ds_bias, (size_t)E * sizeof(float));
+        }
         f->t13 = loom_backend_moe_table(m->be, f->e13, E);
         f->t2 = loom_backend_moe_table(m->be, f->e2, E);
         if (!f->t13 || !f->t2)
@@ -170,7 +188,12 @@ loom_status_t loom_blk_moe(loom_model_t *m, const loom_step_ops_t *so, int l, lo
                                       .expert = -1};
     LOOM_CHECK(loom_blk_linear(m, ad, &router, m->rl, m->xb, n, err));
     if (f->t13 && n <= f->dev_n) {
-        loom_op_moe_route(be, m->rl, n, E, K, c->norm_topk_prob, m->d_sel, m->d_w);
+        if (c->deepseek) {
+            const loom_moe_ds_args_t r = ds_args(c, f);
+            loom_op_moe_route_ds(be, m->rl, n, &r, m->d_sel, m->d_w);
+        } else {
+            loom_op_moe_route(be, m->rl, n, E, K, c->norm_topk_prob, m->d_sel, m->d_w);
+        }
         const loom_blk_linear_t e13 = {.w = &f->e13[m->expert_begin], .proj = LOOM_PROJ_EXPERT_GATE_UP,
                                        .layer = l, .expert = -1};
         const loom_blk_linear_t e2 = {.w = &f->e2[m->expert_begin], .proj = LOOM_PROJ_EXPERT_DOWN, .layer = l,
@@ -184,6 +207,14 @@ loom_status_t loom_blk_moe(loom_model_t *m, const loom_step_ops_t *so, int l, lo
         loom_blk_linear_experts(m, ad, &e2, m->xg, m->mhb, 1, m->d_sel, n * K, f->t2);
         if (f->b2) loom_op_moe_add_bias(be, m->xg, m->d_sel, n * K, f->b2, dim);
         loom_op_moe_combine(be, m->xb2, m->xg, m->d_ident, m->d_w, n, K, dim, 0);
+        if (c->moe_shared_hidden) { /* DeepSeek's shared experts, ungated: + shared(x), as the host path adds */
+            const loom_blk_linear_t s13 = {.w = &f->s13, .proj = LOOM_PROJ_SHARED_GATE_UP, .layer = l, .expert = -1};
+            const loom_blk_linear_t s2 = {.w = &f->s2, .proj = LOOM_PROJ_SHARED_DOWN, .layer = l, .expert = -1};
+            LOOM_CHECK(loom_blk_linear(m, ad, &s13, m->gu, m->xb, n, err));
+            loom_op_act_mul(be, act, m->hb, m->gu, n, m->shared_hn);
+            LOOM_CHECK(loom_blk_linear(m, ad, &s2, m->xg, m->hb, n, err));
+            loom_op_add(be, m->xb2, m->xg, (int64_t)n * dim);
+        }
         return loom_blk_allreduce(m, m->xb2, (int64_t)n * dim, err);
     }
     loom_backend_download(be, m->h_probs, m->rl, (size_t)n * E * sizeof(float));
