@@ -56,14 +56,14 @@ static int flag(const cJSON *o, const char *k) {
 
 /* remote_block_ids: hex chain hashes, each that of the prompt's block i. */
 static loom_status_t parse_blocks(const cJSON *ids, const int32_t *prompt, int n_prompt, int block_size,
-                                  loom_kv_transfer_req_t *out, loom_err_t *err) {
+                                  uint64_t seed, loom_kv_transfer_req_t *out, loom_err_t *err) {
     if (!ids) return LOOM_OK;
     int n = cJSON_GetArraySize(ids), room = (n_prompt - 1) / block_size;
     if (!cJSON_IsArray(ids) || n > room)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "kv_transfer_params.remote_block_ids must list at most %d blocks of this prompt", room);
     out->blocks = loom_xcalloc((size_t)(n > 0 ? n : 1), sizeof *out->blocks);
-    uint64_t h = 0;
+    uint64_t h = seed;
     int i = 0;
     for (const cJSON *b = ids->child; b; b = b->next, i++) {
         h = loom_kv_chain_hash(h, prompt + (size_t)i * block_size, block_size);
@@ -79,8 +79,8 @@ static loom_status_t parse_blocks(const cJSON *ids, const int32_t *prompt, int n
 }
 
 loom_status_t loom_kv_transfer_parse(const char *json, const loom_kv_transfer_config_t *cfg, const char *engine_id,
-                                     const int32_t *prompt, int n_prompt, int block_size, loom_kv_transfer_req_t *out,
-                                     loom_err_t *err) {
+                                     const int32_t *prompt, int n_prompt, int block_size, uint64_t seed,
+                                     loom_kv_transfer_req_t *out, loom_err_t *err) {
     memset(out, 0, sizeof *out);
     if (!cfg || (!cfg->producer && !cfg->consumer))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
@@ -110,7 +110,7 @@ loom_status_t loom_kv_transfer_parse(const char *json, const loom_kv_transfer_co
                               "another model, grid or KV tier",
                               cJSON_IsString(e) ? e->valuestring : "(missing)", engine_id);
         else
-            st = parse_blocks(get(o, "remote_block_ids"), prompt, n_prompt, block_size, out, err);
+            st = parse_blocks(get(o, "remote_block_ids"), prompt, n_prompt, block_size, seed, out, err);
         if (cJSON_IsString(e)) snprintf(out->engine_id, sizeof out->engine_id, "%s", e->valuestring);
     }
 done:
@@ -126,13 +126,13 @@ void loom_kv_transfer_req_free(loom_kv_transfer_req_t *r) {
 }
 
 char *loom_kv_transfer_params(const char *engine_id, const int32_t *prompt, int n_prompt, int block_size,
-                              const char *host, int port, uint64_t request_id, int tp_size) {
+                              uint64_t seed, const char *host, int port, uint64_t request_id, int tp_size) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddBoolToObject(o, "do_remote_decode", 0);
     cJSON_AddBoolToObject(o, "do_remote_prefill", 1);
     cJSON_AddStringToObject(o, "remote_engine_id", engine_id);
     cJSON *ids = cJSON_AddArrayToObject(o, "remote_block_ids");
-    uint64_t h = 0;
+    uint64_t h = seed;
     char hex[24];
     for (int i = 0; i < (n_prompt - 1) / block_size; i++) {
         h = loom_kv_chain_hash(h, prompt + (size_t)i * block_size, block_size);

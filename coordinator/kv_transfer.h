@@ -34,11 +34,12 @@ typedef struct loom_kv_transfer_req {
 /* Parses a request's kv_transfer_params and checks it against this replica
  * (cfg, its engine id) and the prompt: the blocks named must be the chain
  * hashes of the prompt's first blocks (block_size tokens each, never the
- * block of its last position). INVALID_ARGUMENT with a message naming the
- * field otherwise. */
+ * block of its last position), chained from seed (0: the base model; a LoRA
+ * adapter's, loom_sched_lora_seed: its blocks are its own). INVALID_ARGUMENT
+ * with a message naming the field otherwise. */
 loom_status_t loom_kv_transfer_parse(const char *json, const loom_kv_transfer_config_t *cfg, const char *engine_id,
-                                     const int32_t *prompt, int n_prompt, int block_size, loom_kv_transfer_req_t *out,
-                                     loom_err_t *err);
+                                     const int32_t *prompt, int n_prompt, int block_size, uint64_t seed,
+                                     loom_kv_transfer_req_t *out, loom_err_t *err);
 void loom_kv_transfer_req_free(loom_kv_transfer_req_t *r);
 
 /* "loom-<tier id hex>": replicas that share a directory tier and a model
@@ -47,8 +48,8 @@ void loom_kv_transfer_engine_id(uint64_t tier_id, char out[64]);
 
 /* The params for the decode side of a prefill of this prompt (malloc'd
  * JSON): vLLM's fields, remote_block_ids the hex chain hashes of the
- * prompt's blocks the decode may load. */
+ * prompt's blocks the decode may load, chained from seed (as above). */
 char *loom_kv_transfer_params(const char *engine_id, const int32_t *prompt, int n_prompt, int block_size,
-                              const char *host, int port, uint64_t request_id, int tp_size);
+                              uint64_t seed, const char *host, int port, uint64_t request_id, int tp_size);
 
 #endif

@@ -1048,15 +1048,17 @@ int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q) {
 
 void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots) { s->lora = slots; }
 
+uint64_t loom_sched_lora_seed(const uint8_t digest[32]) {
+    uint64_t seed = 0;
+    if (digest) memcpy(&seed, digest, sizeof seed);
+    return seed ? seed : 1; /* 0 is the base model's */
+}
+
 void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]) {
     (void)s;
     LOOM_ASSERT(q->state == LOOM_SEQ_WAITING && q->n_blocks == 0 && !q->admitted_once);
     q->lora_id = lora_id;
-    uint64_t seed = 0;
-    if (lora_id >= 0) {
-        memcpy(&seed, digest, sizeof seed);
-        if (seed == 0) seed = 1; /* 0 is the base model's */
-    }
+    uint64_t seed = lora_id >= 0 ? loom_sched_lora_seed(digest) : 0;
     q->lora_seed = seed;
     q->chain = seed;
     /* a fork shares KV only with a twin of the same adapter */

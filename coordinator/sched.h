@@ -267,6 +267,9 @@ void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
 typedef void (*loom_sched_tier_fn)(void *ctx, uint64_t hash);
 void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *ctx);
 void loom_sched_seq_set_lora(loom_sched_t *s, loom_seq_t *q, int lora_id, const uint8_t digest[32]);
+/* The chain seed of an adapter's blocks (its content digest's first 8
+ * bytes, never 0, the base model's): its prefix-cache and KV tier blocks. */
+uint64_t loom_sched_lora_seed(const uint8_t digest[32]);
 
 /* Speculative decoding (common/spec.h): with a method set, a decode of a
  * sequence not turned off (spec_off) carries up to K drafts (ngram, or the

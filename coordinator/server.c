@@ -1036,12 +1036,15 @@ static void prep_timers(loom_server_t *s, uint64_t now) {
  * the tier is refused under kv_load_failure_policy fail, else recomputes
  * what is missing. */
 static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const int32_t *ids, int n_ids,
-                                       loom_kv_transfer_req_t *kvt, char *msg, size_t n) {
+                                       int lora_id, loom_kv_transfer_req_t *kvt, char *msg, size_t n) {
     char engine[64];
     loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
     loom_err_t err = {0};
+    uint64_t seed =
+        lora_id >= 0 ? loom_sched_lora_seed(loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest)
+                     : 0;
     loom_status_t st = loom_kv_transfer_parse(json, s->kv_conn ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
-                                              s->cfg.block_size, kvt, &err);
+                                              s->cfg.block_size, seed, kvt, &err);
     if (st < 0) {
         snprintf(msg, n, "%s", err.msg);
         return st;
@@ -1069,7 +1072,8 @@ static char *kv_decode_params(loom_server_t *s, const request_t *q) {
     const char *a = strncmp(s->api_addr, "tcp://", 6) ? s->api_addr : s->api_addr + 6, *colon = strrchr(a, ':');
     int port = colon ? atoi(colon + 1) : 0;
     snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - a) : 0, a);
-    return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, host, port,
+    return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, q->seq->lora_seed,
+                                   host, port,
                                    q->request_id, s->cfg.tp);
 }
 
@@ -1233,7 +1237,7 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         goto refuse;
     }
     if (g->kv_transfer_params && g->kv_transfer_params[0] &&
-        (code = kv_transfer_check(s, g->kv_transfer_params, ids, n_ids, &kvt, msg, sizeof msg)) < 0)
+        (code = kv_transfer_check(s, g->kv_transfer_params, ids, n_ids, lora_id, &kvt, msg, sizeof msg)) < 0)
         goto refuse;
     code = LOOM_ERR_INVALID_ARGUMENT;
     request_t *q = loom_xcalloc(1, sizeof *q);

@@ -44,7 +44,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
+from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -313,9 +313,9 @@ PD_PROMPTS = [word + " " + STORY + ("and then " * k) for k, word in enumerate(["
 LOST = "Vase " + STORY  # prefilled, then its blocks lost before the decode
 
 
-def pd_cluster(port, tier, role, policy="recompute"):
+def pd_cluster(port, tier, role, policy="recompute", extra=()):
     cfg = json.dumps({"kv_connector": "LoomConnector", "kv_role": role, "kv_load_failure_policy": policy})
-    args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-transfer-config", cfg]
+    args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-transfer-config", cfg] + list(extra)
     if port:
         args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
     return Cluster(STORIES, 1, 1, coord_args=args)
@@ -376,6 +376,46 @@ def test_disaggregated():
             refused(fport, dict(bodies[2], kv_transfer_params=params[2]), 503, ["kv_load_failure_policy fail"])
     finally:
         shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_disaggregated_lora():
+    """A LoRA adapter's request hands its blocks over too: the prefill's
+    remote_block_ids are chained from the adapter's seed (its blocks are not
+    the base model's), the decode side loads them and answers as one replica
+    serving the adapter does; the base model's prompt beside it keeps its own."""
+    work = tempfile.mkdtemp(prefix="loom-kv-pd-lora-")
+    tier = os.path.join(work, "tier")
+    ad = os.path.join(work, "ad")
+    os.makedirs(tier)
+    try:
+        subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reference", "gen_lora.py"), "adapter", STORIES, ad,
+                        "--r", "8", "--alpha", "16", "--std", "0.1", "--seed", "31"], check=True, capture_output=True,
+                       timeout=300)
+        lora = ["--enable-lora", "--lora-modules", "ad=" + ad]
+        bodies = [{"model": m, "prompt": PD_PROMPTS[1], "max_tokens": 16, "temperature": 0} for m in ("ad", "stories")]
+        port = free_port()
+        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                "--block-size", str(B), "--served-model-name", "stories"] + lora):
+            unified = [call(port, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
+        check(unified[0] != unified[1], "the adapter does not change the output: the test would see nothing")
+        pport, dport = free_port(), free_port()
+        extra = lora + ["--served-model-name", "stories"]
+        with pd_cluster(pport, tier, "kv_producer", extra=extra), pd_cluster(dport, tier, "kv_consumer", extra=extra):
+            ids = []
+            for b, want in zip(bodies, unified):
+                pre = call(pport, "/v1/completions", dict(b, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+                kv = pre["kv_transfer_params"]
+                n_prompt = pre["usage"]["prompt_tokens"]
+                got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
+                check(got["choices"][0]["text"] == want, "%s: decode %r != unified %r" % (
+                    b["model"], got["choices"][0]["text"], want))
+                cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
+                      "%s: decode computed %d of %d prompt tokens" % (b["model"], n_prompt - cached, n_prompt))
+                ids.append(kv["remote_block_ids"])
+            check(ids[0] and ids[0][0] != ids[1][0], "the adapter's blocks are named as the base model's: %r" % ids)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_router_tier_events():
@@ -469,4 +509,5 @@ def test_router_pd():
 
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
-               test_dir_tier_pp2, test_disaggregated, test_router_pd, test_router_tier_events, test_flags])
+               test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
+               test_flags])
