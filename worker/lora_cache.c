@@ -195,6 +195,10 @@ int loom_lora_cache_poll(loom_lora_cache_t *c, loom_lora_cache_done_t *out, int 
             d->status = e->state == E_READY ? LOOM_OK : LOOM_ERR_INVALID_ARGUMENT;
             snprintf(d->msg, sizeof d->msg, "%s", e->state == E_READY ? "" : e->msg);
             e->reported = 1;
+            /* its install follows this poll (lora_orders.c): the most recently
+             * used, so the eviction below keeps it even when the others were
+             * used while it was prepared */
+            e->last_used = ++c->tick;
             if (e->state == E_FAILED) { /* forgotten: a later request tries again */
                 *p = e->next;
                 free_entry(e);
