@@ -1,7 +1,8 @@
 """LoRA adapters served over a grid of real workers (docs/lora.md): requests
 over the base model and several adapters run concurrently in mixed batches
 (--max-loras below the adapters in use, so adapters are evicted and loaded
-again while others run), on 1x1 and 2x2 grids; each request's greedy ids
+again while others run), on 1x1 and 2x2 grids, and with the workers'
+adapter preparation slowed; each request's greedy ids
 equal `loom run` on the merged weights (tests/reference/gen_lora.py merge,
 float64, the independent reference) or on the base model. An unknown model
 is NOT_FOUND with OpenAI's message. Over HTTP: the OpenAI SDK selects an
@@ -112,6 +113,17 @@ def test_mixed_1x1():
         base_name = os.path.basename(STORIES.rstrip("/"))
         rc, _, got, err = c.generate(PROMPTS[1], N, extra=["--ignore-eos", "--model", "%s:b" % base_name])
         check(rc == 0 and got == want[("b", PROMPTS[1])], "base:adapter: %d %s %r" % (rc, got, err[-300:]))
+
+
+def test_mixed_slow_prepare():
+    """The mixed batches with every worker's adapter preparation slowed (LOOM_TEST_LORA_PREPARE_DELAY_MS, as a
+    busy machine or a slow disk does): while one slot waits for its adapter the other takes the cached ones in
+    turn, and the adapter prepared meanwhile is installed, not dropped from the host cache as the least recently
+    used one."""
+    want = reference()
+    with HookCluster({"LOOM_TEST_LORA_PREPARE_DELAY_MS": "100"}, STORIES, 1, 1, coord_args=lora_args(2),
+                     threads=2) as c:
+        mixed_batch(c, want, rounds=4)
 
 
 def test_mixed_2x2():
@@ -293,20 +305,29 @@ class Load(threading.Thread):
         self.done_at = time.monotonic()
 
 
-class SlowLoadCluster(Cluster):
-    """A 1x1 cluster whose runtime loads sleep delay_ms before their read (the test hook
-    LOOM_TEST_LORA_LOAD_DELAY_MS, given to the processes it starts)."""
-    def __init__(self, port, delay_ms):
-        super().__init__(STORIES, 1, 1, coord_args=lora_args(1) + ["--allow-runtime-lora-updating", "--http",
-                                                                   "127.0.0.1:%d" % port])
-        self.delay_ms = delay_ms
+class HookCluster(Cluster):
+    """A Cluster whose processes start with ENV (test hooks) in their environment."""
+    def __init__(self, env, *args, **kw):
+        super().__init__(*args, **kw)
+        self.env = env
 
     def start(self):
-        os.environ["LOOM_TEST_LORA_LOAD_DELAY_MS"] = str(self.delay_ms)
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
         try:
             super().start()
         finally:
-            del os.environ["LOOM_TEST_LORA_LOAD_DELAY_MS"]
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+
+def slow_load_cluster(port, delay_ms):
+    """1x1, runtime updates on, each runtime load's read sleeping delay_ms first (LOOM_TEST_LORA_LOAD_DELAY_MS)."""
+    return HookCluster({"LOOM_TEST_LORA_LOAD_DELAY_MS": str(delay_ms)}, STORIES, 1, 1,
+                       coord_args=lora_args(1) + ["--allow-runtime-lora-updating", "--http", "127.0.0.1:%d" % port])
 
 
 def test_runtime_load_off_reactor():
@@ -317,7 +338,7 @@ def test_runtime_load_off_reactor():
     _, want = run_local(merged(d1, "rt_d1_merged"), PROMPTS[0], N, extra=["--ignore-eos"])
     delay = max(3.0, scaled(1.0))  # a slow machine stretches the token gaps this must stand well above
     port = free_port()
-    with SlowLoadCluster(port, int(delay * 1000)) as c:
+    with slow_load_cluster(port, int(delay * 1000)) as c:
         base = os.path.basename(STORIES.rstrip("/"))
         stream_gaps(port, base, PROMPTS[1], 8)  # warm: a first request's set-up is not the load's doing
         load = Load(port, "slow", d1)
@@ -359,7 +380,7 @@ def test_concurrent_loads_one_name():
             for d, m in ((d1, "rt_d1_merged"), (d2, "rt_d2_merged"))}
     check(want[d1] != want[d2], "two adapters with the same output: the registered one would not be seen")
     port = free_port()
-    with SlowLoadCluster(port, 1000) as c:  # the reads take turns: the second is back a second after the first
+    with slow_load_cluster(port, 1000) as c:  # the reads take turns: the second is back a second after the first
         loads = [Load(port, "twin", d) for d in (d1, d2)]
         for ld in loads:
             ld.start()
@@ -447,5 +468,5 @@ def test_router_prefers_resident():
 
 if __name__ == "__main__":
     setup()
-    run_tests([test_mixed_1x1, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_runtime_load_off_reactor,
+    run_tests([test_mixed_1x1, test_mixed_slow_prepare, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_runtime_load_off_reactor,
                test_concurrent_loads_one_name, test_loom_serve, test_router_prefers_resident])
