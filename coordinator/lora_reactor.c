@@ -16,6 +16,7 @@ struct loom_lora_reactor {
     char served[256];
     loom_lora_slots_t *slots;
     loom_lora_tally_t *tally;
+    long load_delay_ms; /* test hook LOOM_TEST_LORA_LOAD_DELAY_MS: each runtime load's read sleeps first */
 };
 
 loom_status_t loom_lora_reactor_create(const loom_lora_serve_opts_t *o, const loom_model_config_t *cfg,
@@ -37,6 +38,10 @@ loom_status_t loom_lora_reactor_create(const loom_lora_serve_opts_t *o, const lo
         return st;
     }
     r->tally = loom_lora_tally_create(o->max_loras);
+    const char *delay = getenv("LOOM_TEST_LORA_LOAD_DELAY_MS");
+    r->load_delay_ms = delay ? strtol(delay, NULL, 10) : 0;
+    if (r->load_delay_ms > 0)
+        LOOM_WARN("test hook: each runtime LoRA load sleeps %ld ms before its read", r->load_delay_ms);
     *out = r;
     return LOOM_OK;
 }
@@ -97,33 +102,54 @@ int loom_lora_reactor_loaded(loom_lora_reactor_t *r, loom_grid_t *g, int worker,
     return outcome == LOOM_OK ? -1 : id;
 }
 
-loom_status_t loom_lora_reactor_load(loom_lora_reactor_t *r, const char *name, const char *path, char *msg,
-                                     size_t cap) {
-    loom_err_t err = {0};
-    loom_status_t st = LOOM_OK;
-    uint8_t digest[32];
-    int rank = 0;
+/* What the registry knows of a runtime load of NAME (its read aside). */
+static loom_status_t load_check(const loom_lora_reactor_t *r, const char *name, const char *path, loom_err_t *err) {
     if (!r->opt.allow_runtime_updating)
-        st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT,
-                          "runtime LoRA updating is off: start with --allow-runtime-lora-updating or "
-                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True");
-    else if (!name || !name[0] || !path || !path[0])
-        st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "both 'lora_name' and 'lora_path' must be provided.");
-    else if (!strcmp(name, r->served))
-        st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "'%s' is the served model's name; give the adapter "
-                                                           "another name", name);
-    else if (loom_lora_slots_find(r->slots, name))
-        st = loom_err_set(&err, LOOM_ERR_INVALID_ARGUMENT, "The lora adapter '%s' has already been loaded.", name);
-    if (st == LOOM_OK) st = loom_lora_serve_validate(name, path, &r->cfg, r->opt.max_lora_rank, digest, &rank, &err);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "runtime LoRA updating is off: start with --allow-runtime-lora-updating or "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True");
+    if (!name || !name[0] || !path || !path[0])
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "both 'lora_name' and 'lora_path' must be provided.");
+    if (!strcmp(name, r->served))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "'%s' is the served model's name; give the adapter another name", name);
+    if (loom_lora_slots_find(r->slots, name))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "The lora adapter '%s' has already been loaded.", name);
+    return LOOM_OK;
+}
+
+loom_status_t loom_lora_reactor_load_begin(loom_lora_reactor_t *r, const char *name, const char *path,
+                                           loom_prep_job_t *j, char *msg, size_t cap) {
+    loom_err_t err = {0};
+    loom_status_t st = load_check(r, name, path, &err);
+    if (st != LOOM_OK) {
+        snprintf(msg, cap, "%s", err.msg);
+        return st;
+    }
+    j->lora.name = loom_xstrdup(name);
+    j->lora.path = loom_xstrdup(path);
+    j->lora.cfg = r->cfg;
+    j->lora.max_rank = r->opt.max_lora_rank;
+    j->lora.delay_ms = r->load_delay_ms;
+    return LOOM_OK;
+}
+
+loom_status_t loom_lora_reactor_load_end(loom_lora_reactor_t *r, const loom_prep_job_t *j, char *msg, size_t cap) {
+    const char *name = j->lora.name;
+    loom_err_t err = {0};
+    loom_status_t st = j->status;
+    if (st != LOOM_OK) err = j->err;
+    else st = load_check(r, name, j->lora.path, &err); /* another load of NAME may have come back first */
     if (st == LOOM_OK) {
-        int id = loom_lora_slots_add(r->slots, name, path, "", digest, rank, &err);
+        int id = loom_lora_slots_add(r->slots, name, j->lora.path, "", j->lora.digest, j->lora.rank, &err);
         if (id < 0) st = (loom_status_t)id;
     }
     if (st != LOOM_OK) {
         snprintf(msg, cap, "%s", err.msg);
         return st;
     }
-    LOOM_INFO("LoRA adapter %s registered from %s at run time", name, path);
+    LOOM_INFO("LoRA adapter %s registered from %s at run time (read and checked in %.3f s off the reactor, "
+              "%.3f s queued)", name, j->lora.path, j->lora.read_s, j->queued_s);
     snprintf(msg, cap, "Success: LoRA adapter '%s' added successfully.", name);
     return LOOM_OK;
 }

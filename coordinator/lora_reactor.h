@@ -21,6 +21,7 @@
 #include "coordinator/lora_serve.h"
 #include "coordinator/lora_slots.h"
 #include "coordinator/lora_tally.h"
+#include "coordinator/prepare.h"
 
 typedef struct loom_lora_reactor loom_lora_reactor_t;
 
@@ -46,12 +47,18 @@ void loom_lora_reactor_dispatch(loom_lora_reactor_t *r, loom_grid_t *g);
 int loom_lora_reactor_loaded(loom_lora_reactor_t *r, loom_grid_t *g, int worker, const Loom__V1__LoraLoaded *l,
                              char *msg, size_t cap);
 
-/* vLLM's /v1/load_lora_adapter: NAME from PATH, read and checked against the
- * model here. INVALID_ARGUMENT when runtime updating is off, NAME already
- * loaded or the base model's, or the adapter is bad (named); MSG then says
- * so, else vLLM's success text. */
-loom_status_t loom_lora_reactor_load(loom_lora_reactor_t *r, const char *name, const char *path, char *msg,
-                                     size_t cap);
+/* vLLM's /v1/load_lora_adapter, in two halves around the adapter's read,
+ * which runs on a preparation pool (prepare.h) so that a large adapter
+ * stalls no stream. _begin checks what the registry knows (runtime updating
+ * on, NAME and PATH given, NAME neither the base model's nor loaded) and
+ * fills J's adapter load (J freshly zeroed; the caller submits it). _end,
+ * with J back from the pool: registers NAME unless the read failed or NAME
+ * was loaded meanwhile (another load of the name came back first). Either
+ * fails with INVALID_ARGUMENT (NOT_FOUND: no such directory) and MSG saying
+ * why; _end's MSG on success is vLLM's text. */
+loom_status_t loom_lora_reactor_load_begin(loom_lora_reactor_t *r, const char *name, const char *path,
+                                           loom_prep_job_t *j, char *msg, size_t cap);
+loom_status_t loom_lora_reactor_load_end(loom_lora_reactor_t *r, const loom_prep_job_t *j, char *msg, size_t cap);
 /* vLLM's /v1/unload_lora_adapter. *ID is the entry the name had (its
  * waiting requests must fail before it goes: call loom_lora_reactor_forget
  * after failing them). NOT_FOUND when NAME is not loaded. */

@@ -7,10 +7,12 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/log.h"
 #include "common/util.h"
+#include "coordinator/lora_serve.h"
 
 struct loom_prep {
     pthread_mutex_t mu;
@@ -25,6 +27,19 @@ struct loom_prep {
     int pipe_r, pipe_w;
 };
 
+/* An adapter load: the test hook's sleep (cut short when cancelled), then
+ * the read, the checks and the digest. */
+static void run_lora(loom_prep_job_t *j) {
+    for (long left = j->lora.delay_ms; left > 0 && !atomic_load(&j->cancelled); left -= 10) {
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    uint64_t t0 = loom_now_ns();
+    j->status = loom_lora_serve_validate(j->lora.name, j->lora.path, &j->lora.cfg, j->lora.max_rank, j->lora.digest,
+                                         &j->lora.rank, &j->err);
+    j->lora.read_s = (double)(loom_now_ns() - t0) * 1e-9;
+}
+
 static void run_job(loom_prep_job_t *j) {
     uint64_t t0 = loom_now_ns();
     j->queued_s = (double)(t0 - j->t_submit) * 1e-9;
@@ -37,6 +52,10 @@ static void run_job(loom_prep_job_t *j) {
         j->lim.hit = LOOM_GRAMMAR_LIMIT_TIME;
         j->status = loom_err_set(&j->err, LOOM_ERR_INVALID_ARGUMENT,
                                  "grammar too slow to compile: its time limit passed while it was queued");
+        return;
+    }
+    if (j->lora.name) {
+        run_lora(j);
         return;
     }
     if (j->kind) {
@@ -178,6 +197,8 @@ void loom_prep_job_free(loom_prep_job_t **j_p) {
     free(j->spec);
     free(j->prompt);
     free(j->ids);
+    free(j->lora.name);
+    free(j->lora.path);
     free(j);
     *j_p = NULL;
 }

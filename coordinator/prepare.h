@@ -1,18 +1,22 @@
 /* Per-request work that grows with its input, off the reactor: grammar
- * compilation and long-prompt tokenizing run on a small pool of threads and
- * come back to the reactor through a done queue and a pipe it polls
- * (STYLE.md: compute on its own threads, results handed back).
+ * compilation, long-prompt tokenizing and a runtime LoRA adapter's read
+ * (vLLM's /v1/load_lora_adapter: its directory checked against the model and
+ * its content digested) run on a small pool of threads and come back to the
+ * reactor through a done queue and a pipe it polls (STYLE.md: compute on its
+ * own threads, results handed back).
  *
  * A job's states:
  *   QUEUED   submitted by the reactor, waiting for a thread
  *   RUNNING  a thread compiles its grammar (within its loom_grammar_limits:
- *            a deadline and a byte bound) and tokenizes its prompt
+ *            a deadline and a byte bound) and tokenizes its prompt, or
+ *            reads its adapter
  *   DONE     on the done queue, the pipe readable; loom_prep_take hands it
  *            to the reactor, which frees it with loom_prep_job_free
  * Every submitted job comes back exactly once. loom_prep_cancel (its request
  * was cancelled, its client left) marks it: a QUEUED job is not run, a
  * RUNNING one stops at its next bound check, and it comes back with
- * cancelled set. Jobs share nothing but the read-only tokenizer. */
+ * cancelled set (an adapter's read is not interrupted). Jobs share nothing
+ * but the read-only tokenizer. */
 #ifndef LOOM_PREPARE_H
 #define LOOM_PREPARE_H
 
@@ -21,6 +25,7 @@
 #include <stdint.h>
 
 #include "common/grammar.h"
+#include "common/model_config.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
 
@@ -36,6 +41,17 @@ typedef struct loom_prep_job {
     const loom_tokenizer_t *tok; /* non-NULL: tokenize prompt */
     char *prompt;               /* owned copy */
     int add_bos, parse_special;
+    /* an adapter load (name non-NULL; then no grammar and no prompt): the
+     * directory read and checked as loom_lora_serve_validate does */
+    struct {
+        char *name, *path;       /* owned copies */
+        loom_model_config_t cfg; /* the base model's */
+        int max_rank;            /* --max-lora-rank */
+        long delay_ms;           /* test hook LOOM_TEST_LORA_LOAD_DELAY_MS: sleep first */
+        uint8_t digest[32];      /* out: the content digest */
+        int rank;                /* out: the largest rank */
+        double read_s;           /* out */
+    } lora;
     /* out */
     loom_grammar_t *grammar; /* compiled (NULL on failure or without kind) */
     int32_t *ids;            /* the prompt's tokens (owned) */

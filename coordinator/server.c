@@ -86,6 +86,17 @@ typedef struct preparing {
     struct preparing *prev, *next;
 } preparing_t;
 
+/* A runtime adapter load (vLLM's /v1/load_lora_adapter) while its
+ * directory is read and checked on the adapter pool; answered when the job
+ * comes back (lora_loads_done). */
+typedef struct lora_loading {
+    uint8_t rid[256];
+    size_t rid_len;
+    uint64_t request_id;
+    loom_prep_job_t *job;
+    struct lora_loading *next;
+} lora_loading_t;
+
 typedef struct request {
     uint8_t rid[256]; /* client routing id */
     size_t rid_len;
@@ -148,6 +159,8 @@ struct loom_server {
     uint64_t drain_deadline;
     loom_grid_t *grid;
     loom_lora_reactor_t *lora; /* LoRA adapters (NULL: --enable-lora not given) */
+    loom_prep_t *lora_prep;    /* runtime adapter loads' reads: one thread, so no request's grammar waits behind one */
+    lora_loading_t *lora_loading; /* the loads out on it */
     int lora_max_cpu;          /* --max-cpu-loras (Assign.max_cpu_loras) */
 
     loom_sched_t *sched;
@@ -1434,8 +1447,22 @@ static void on_lora_update(loom_server_t *s, const void *rid, size_t rid_len, Lo
         snprintf(msg, sizeof msg, "LoRA is not enabled: start the server with --enable-lora");
         st = LOOM_ERR_INVALID_ARGUMENT;
     } else if (rq->body_case == LOOM__V1__REQUEST__BODY_LOAD_LORA_ADAPTER) {
-        st = loom_lora_reactor_load(s->lora, rq->load_lora_adapter->lora_name, rq->load_lora_adapter->lora_path, msg,
-                                    sizeof msg);
+        loom_prep_job_t *j = loom_xcalloc(1, sizeof *j);
+        st = loom_lora_reactor_load_begin(s->lora, rq->load_lora_adapter->lora_name, rq->load_lora_adapter->lora_path,
+                                          j, msg, sizeof msg);
+        if (st == LOOM_OK) { /* answered when the read comes back (lora_loads_done) */
+            lora_loading_t *l = loom_xcalloc(1, sizeof *l);
+            memcpy(l->rid, rid, rid_len);
+            l->rid_len = rid_len;
+            l->request_id = rq->request_id;
+            l->job = j;
+            l->next = s->lora_loading;
+            s->lora_loading = l;
+            j->ctx = l;
+            loom_prep_submit(s->lora_prep, j);
+            return;
+        }
+        loom_prep_job_free(&j);
     } else {
         const char *name = rq->unload_lora_adapter->lora_name;
         int id;
@@ -1458,6 +1485,52 @@ static void on_lora_update(loom_server_t *s, const void *rid, size_t rid_len, Lo
     r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
     r.lora_adapter = &la;
     send_reply(s, rid, rid_len, &r);
+}
+
+static void lora_loading_unlink(loom_server_t *s, lora_loading_t *l) {
+    lora_loading_t **pp = &s->lora_loading;
+    while (*pp != l) pp = &(*pp)->next;
+    *pp = l->next;
+}
+
+/* Adapter reads back from their pool: each is registered (unless its name
+ * was taken meanwhile) and its load answered. */
+static void lora_loads_done(loom_server_t *s) {
+    loom_prep_job_t *j;
+    while ((j = loom_prep_take(s->lora_prep))) {
+        lora_loading_t *l = j->ctx;
+        if (l) {
+            char msg[1100];
+            lora_loading_unlink(s, l);
+            loom_status_t st = loom_lora_reactor_load_end(s->lora, j, msg, sizeof msg);
+            if (st != LOOM_OK) {
+                reply_error(s, l->rid, l->rid_len, l->request_id, st, msg);
+            } else {
+                Loom__V1__LoraAdapterReply la = LOOM__V1__LORA_ADAPTER_REPLY__INIT;
+                la.message = msg;
+                Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+                r.request_id = l->request_id;
+                r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
+                r.lora_adapter = &la;
+                send_reply(s, l->rid, l->rid_len, &r);
+            }
+            free(l);
+        } /* else abandoned at shutdown: nothing registered */
+        loom_prep_job_free(&j);
+    }
+}
+
+/* Ends the loads still reading (their jobs are freed when they come back,
+ * registering nothing), answering each with CODE and MSG (0: no answer). */
+static void lora_loads_end(loom_server_t *s, loom_status_t code, const char *msg) {
+    while (s->lora_loading) {
+        lora_loading_t *l = s->lora_loading;
+        s->lora_loading = l->next;
+        if (code) reply_error(s, l->rid, l->rid_len, l->request_id, code, msg);
+        l->job->ctx = NULL;
+        loom_prep_cancel(l->job);
+        free(l);
+    }
 }
 
 static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq) {
@@ -1673,7 +1746,7 @@ static int drain_step(loom_server_t *s) {
         LOOM_INFO("draining: new requests are refused; %d request(s) in flight get up to %d ms to finish", s->n_reqs,
                   s->cfg.shutdown_timeout_ms);
     }
-    if (s->n_reqs == 0 && !s->embeds && !s->preparing) {
+    if (s->n_reqs == 0 && !s->embeds && !s->preparing && !s->lora_loading) {
         LOOM_INFO("drained: no request left in flight");
         return 1;
     }
@@ -1743,14 +1816,17 @@ int loom_server_run(loom_server_t *s) {
               s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, loom_grid_bound_addr(s->grid),
               loom_grid_n_slots(s->grid));
     while (!s->stop) {
-        zmq_pollitem_t items[] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0},
-                                  {s->api, 0, ZMQ_POLLIN, 0},
-                                  {NULL, loom_prep_fd(s->prep), ZMQ_POLLIN, 0},
-                                  {NULL, s->draft ? loom_coord_draft_fd(s->draft) : -1, ZMQ_POLLIN, 0}};
-        if (zmq_poll(items, s->draft ? 4 : 3, 20) < 0 && errno != EINTR) break;
+        zmq_pollitem_t items[5] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0},
+                                   {s->api, 0, ZMQ_POLLIN, 0},
+                                   {NULL, loom_prep_fd(s->prep), ZMQ_POLLIN, 0}};
+        int n_items = 3, draft_i = -1, lora_i = -1;
+        if (s->draft) items[draft_i = n_items++] = (zmq_pollitem_t){NULL, loom_coord_draft_fd(s->draft), ZMQ_POLLIN, 0};
+        if (s->lora_prep) items[lora_i = n_items++] = (zmq_pollitem_t){NULL, loom_prep_fd(s->lora_prep), ZMQ_POLLIN, 0};
+        if (zmq_poll(items, n_items, 20) < 0 && errno != EINTR) break;
         if (items[0].revents & ZMQ_POLLIN) loom_grid_on_readable(s->grid);
         if (items[2].revents & ZMQ_POLLIN) prep_done(s);
-        if (s->draft && (items[3].revents & ZMQ_POLLIN)) drafts_done(s);
+        if (draft_i >= 0 && (items[draft_i].revents & ZMQ_POLLIN)) drafts_done(s);
+        if (lora_i >= 0 && (items[lora_i].revents & ZMQ_POLLIN)) lora_loads_done(s);
         for (int burst = 0; burst < 256 && (items[1].revents & ZMQ_POLLIN); burst++) {
             zmq_msg_t f[8];
             int n = loom_zapi_recv_frames(s->api, f, 8);
@@ -1767,6 +1843,7 @@ int loom_server_run(loom_server_t *s) {
     }
     LOOM_INFO("shutting down: %d request(s) still live", s->n_reqs);
     fail_all_requests(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
+    lora_loads_end(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
     loom_grid_shutdown(s->grid, "the coordinator is shutting down");
     return 0;
 }
@@ -1915,6 +1992,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         s->cfg.max_loras = cfg->lora->max_loras;
         s->cfg.max_lora_rank = cfg->lora->max_lora_rank;
         s->lora_max_cpu = cfg->lora->max_cpu_loras;
+        st = loom_prep_create(1, &s->lora_prep, err);
+        if (st < 0) goto fail;
     }
     s->cfg.lora = NULL; /* the caller's options: copied into the reactor */
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
@@ -1963,6 +2042,8 @@ void loom_server_destroy(loom_server_t **s_p) {
     embed_fail_all(s, LOOM_ERR_UNAVAILABLE, "the coordinator is shutting down");
     while (s->preparing) prep_drop(s, s->preparing);
     loom_prep_destroy(&s->prep); /* after the requests: their jobs are freed here */
+    lora_loads_end(s, LOOM_OK, NULL);
+    loom_prep_destroy(&s->lora_prep); /* before the reactor whose loads it reads */
     loom_grid_destroy(&s->grid);
     loom_kv_events_destroy(&s->kv_events); /* before the ledger it observes */
     loom_sched_destroy(&s->sched);

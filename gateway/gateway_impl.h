@@ -50,6 +50,7 @@
 #define SLICE_MS 100           /* longest wait before checking the peer and the stop flag */
 #define CANCEL_WAIT_MS 2000    /* how long an abandoned request waits for its cancel to land */
 #define PROBE_TIMEOUT_MS 3000  /* Health and ListModels: the reactor answers at once when it runs */
+#define LORA_LOAD_TIMEOUT_MS 300000 /* a runtime adapter load: its read, off the reactor, grows with its size */
 #define MAX_STOP LOOM_MAX_STOP /* as the coordinator (common/request_limits.h) */
 #define COMPLETIONS_DEFAULT_MAX_TOKENS 16 /* OpenAI's default for /v1/completions */
 #define SSE_BLOCK 4096

@@ -106,7 +106,10 @@ enum MHD_Result handle_lora_update(req_t *q, int load) {
     }
     loom_client_t *c = NULL;
     loom_err_t err = {0};
-    loom_status_t st = probe_client(q->h, &c, &err);
+    /* a load waits for its adapter's read (the coordinator's adapter pool), an unload is answered at once */
+    loom_client_options_t o = {.timeout_ms = load ? LORA_LOAD_TIMEOUT_MS : PROBE_TIMEOUT_MS,
+                               .api_key = q->h->api_key, .zmq_context = q->h->zctx};
+    loom_status_t st = loom_client_connect(q->h->inproc, &o, &c, &err);
     if (st == LOOM_OK)
         st = load ? loom_client_load_lora_adapter(c, name, path, msg, sizeof msg, &err)
                   : loom_client_unload_lora_adapter(c, name, msg, sizeof msg, &err);

@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "common/log.h"
 #include "common/util.h"
 
 typedef enum { E_QUEUED = 0, E_PREPARING, E_READY, E_FAILED } entry_state_t;
@@ -33,6 +35,7 @@ struct loom_lora_cache {
     int stop;
     uint64_t tick;
     entry_t *head;
+    long delay_ms; /* test hook LOOM_TEST_LORA_PREPARE_DELAY_MS: each preparation sleeps first */
 };
 
 static entry_t *find(loom_lora_cache_t *c, const uint8_t digest[32]) {
@@ -90,6 +93,10 @@ static void *run(void *arg) {
         memcpy(path, e->path, sizeof path);
         memcpy(digest, e->digest, 32);
         pthread_mutex_unlock(&c->mu);
+        for (long left = c->delay_ms; left > 0; left -= 10) { /* the test hook: a slow disk or a busy machine */
+            struct timespec ts = {0, 10 * 1000000L};
+            nanosleep(&ts, NULL);
+        }
         loom_err_t err = {0};
         loom_lora_prepared_t *prep = NULL;
         loom_status_t st = prepare(c, path, digest, &prep, &err);
@@ -116,6 +123,9 @@ loom_status_t loom_lora_cache_create(const loom_model_t *m, const loom_model_con
     loom_lora_cache_t *c = loom_xcalloc(1, sizeof *c);
     c->m = m, c->cfg = cfg, c->layer_begin = layer_begin, c->layer_end = layer_end;
     c->max_rank = max_rank, c->capacity = capacity;
+    const char *delay = getenv("LOOM_TEST_LORA_PREPARE_DELAY_MS");
+    c->delay_ms = delay ? strtol(delay, NULL, 10) : 0;
+    if (c->delay_ms > 0) LOOM_WARN("test hook: each LoRA adapter preparation sleeps %ld ms first", c->delay_ms);
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     if (pthread_create(&c->thread, NULL, run, c)) {
@@ -195,6 +205,10 @@ int loom_lora_cache_poll(loom_lora_cache_t *c, loom_lora_cache_done_t *out, int 
             d->status = e->state == E_READY ? LOOM_OK : LOOM_ERR_INVALID_ARGUMENT;
             snprintf(d->msg, sizeof d->msg, "%s", e->state == E_READY ? "" : e->msg);
             e->reported = 1;
+            /* its install follows this poll (lora_orders.c): the most recently
+             * used, so the eviction below keeps it even when the others were
+             * used while it was prepared */
+            e->last_used = ++c->tick;
             if (e->state == E_FAILED) { /* forgotten: a later request tries again */
                 *p = e->next;
                 free_entry(e);

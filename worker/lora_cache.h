@@ -6,10 +6,14 @@
  * (--max-cpu-loras) are dropped.
  *
  * Entry states:  QUEUED ──thread takes it──▶ PREPARING ──▶ READY | FAILED
- *   READY: reported once by loom_lora_cache_poll, then kept until evicted;
+ *   READY: reported once by loom_lora_cache_poll (a use: its install
+ *          follows, so that poll's eviction spares it), then kept until
+ *          evicted;
  *   FAILED: reported once, then forgotten (a later request tries again).
  * Only the owner's thread evicts (in request and poll), so a pointer from
- * loom_lora_cache_get stays valid until its next request or poll. */
+ * loom_lora_cache_get stays valid until its next request or poll.
+ * The test hook LOOM_TEST_LORA_PREPARE_DELAY_MS=N makes each preparation
+ * sleep N ms first (a slow disk, a busy machine). */
 #ifndef LOOM_LORA_CACHE_H
 #define LOOM_LORA_CACHE_H
 

@@ -1,20 +1,27 @@
 """LoRA adapters served over a grid of real workers (docs/lora.md): requests
 over the base model and several adapters run concurrently in mixed batches
 (--max-loras below the adapters in use, so adapters are evicted and loaded
-again while others run), on 1x1 and 2x2 grids; each request's greedy ids
+again while others run), on 1x1 and 2x2 grids, and with the workers'
+adapter preparation slowed; each request's greedy ids
 equal `loom run` on the merged weights (tests/reference/gen_lora.py merge,
 float64, the independent reference) or on the base model. An unknown model
 is NOT_FOUND with OpenAI's message. Over HTTP: the OpenAI SDK selects an
 adapter by "model" and lists them in /v1/models; vLLM's runtime
 /v1/load_lora_adapter and /v1/unload_lora_adapter; a reload under the same
 name with other weights gets the new output and no prefix-cache hits from
-the old adapter's blocks; /metrics reports the adapters."""
+the old adapter's blocks; /metrics reports the adapters. A runtime load's
+read runs off the coordinator's reactor: streams keep producing tokens and
+/health answers while a slow one (a test hook's delay) is pending; two
+concurrent loads of one name: one is registered, the other told the name
+is taken."""
 import http.client
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (BIN, PYTHON, ROOT, STORIES, Cluster, check, free_port, generate, run_local, run_tests, parse_ids,  # noqa: E402
@@ -106,6 +113,17 @@ def test_mixed_1x1():
         base_name = os.path.basename(STORIES.rstrip("/"))
         rc, _, got, err = c.generate(PROMPTS[1], N, extra=["--ignore-eos", "--model", "%s:b" % base_name])
         check(rc == 0 and got == want[("b", PROMPTS[1])], "base:adapter: %d %s %r" % (rc, got, err[-300:]))
+
+
+def test_mixed_slow_prepare():
+    """The mixed batches with every worker's adapter preparation slowed (LOOM_TEST_LORA_PREPARE_DELAY_MS, as a
+    busy machine or a slow disk does): while one slot waits for its adapter the other takes the cached ones in
+    turn, and the adapter prepared meanwhile is installed, not dropped from the host cache as the least recently
+    used one."""
+    want = reference()
+    with HookCluster({"LOOM_TEST_LORA_PREPARE_DELAY_MS": "100"}, STORIES, 1, 1, coord_args=lora_args(2),
+                     threads=2) as c:
+        mixed_batch(c, want, rounds=4)
 
 
 def test_mixed_2x2():
@@ -244,6 +262,145 @@ def test_runtime_updates():
     print("  load, use, 400 on a second load, unload, 404, reload with other weights: new ids, 0 stale hits")
 
 
+def stream_gaps(port, model, prompt, n):
+    """A streamed completion: its chunks' texts and the longest wait for one (the first counted from the send)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(60))
+    try:
+        t = time.monotonic()
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": model, "prompt": prompt, "max_tokens": n,
+                                                                 "temperature": 0, "ignore_eos": True,
+                                                                 "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            check(False, "stream: %d %s" % (r.status, r.read()[:300]))
+        texts, gap = [], 0.0
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue
+            now = time.monotonic()
+            gap, t = max(gap, now - t), now
+            if line.strip() == b"data: [DONE]":
+                break
+            texts.append(json.loads(line[6:])["choices"][0]["text"])
+        return texts, gap
+    finally:
+        conn.close()
+
+
+class Load(threading.Thread):
+    """A /v1/load_lora_adapter call on its own thread: (status, text) and the moment it was answered."""
+    def __init__(self, port, name, path):
+        super().__init__(daemon=True)
+        self.port, self.body, self.result, self.done_at = port, {"lora_name": name, "lora_path": path}, None, None
+
+    def run(self):
+        try:
+            self.result = request(self.port, "POST", "/v1/load_lora_adapter", self.body)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.result = (0, repr(e))
+        self.done_at = time.monotonic()
+
+
+class HookCluster(Cluster):
+    """A Cluster whose processes start with ENV (test hooks) in their environment."""
+    def __init__(self, env, *args, **kw):
+        super().__init__(*args, **kw)
+        self.env = env
+
+    def start(self):
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            super().start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+
+def slow_load_cluster(port, delay_ms):
+    """1x1, runtime updates on, each runtime load's read sleeping delay_ms first (LOOM_TEST_LORA_LOAD_DELAY_MS)."""
+    return HookCluster({"LOOM_TEST_LORA_LOAD_DELAY_MS": str(delay_ms)}, STORIES, 1, 1,
+                       coord_args=lora_args(1) + ["--allow-runtime-lora-updating", "--http", "127.0.0.1:%d" % port])
+
+
+def test_runtime_load_off_reactor():
+    """A runtime load whose read takes long (the test hook sleeps first) stalls nothing: streams started
+    after it finish with every token's wait well under the delay, and /health answers 200, all before
+    the load is answered; then the adapter serves its merged weights' output."""
+    d1 = adapter("rt_d1", "--r", 8, "--alpha", 16, "--std", 0.1, "--seed", 31)
+    _, want = run_local(merged(d1, "rt_d1_merged"), PROMPTS[0], N, extra=["--ignore-eos"])
+    delay = max(3.0, scaled(1.0))  # a slow machine stretches the token gaps this must stand well above
+    port = free_port()
+    with slow_load_cluster(port, int(delay * 1000)) as c:
+        base = os.path.basename(STORIES.rstrip("/"))
+        stream_gaps(port, base, PROMPTS[1], 8)  # warm: a first request's set-up is not the load's doing
+        load = Load(port, "slow", d1)
+        t0 = time.monotonic()
+        load.start()
+        time.sleep(min(0.3, delay / 10))  # the load reaches the coordinator
+        streams, health, worst = 0, None, 0.0
+        while load.is_alive():
+            texts, gap = stream_gaps(port, base, PROMPTS[streams % len(PROMPTS)], 64)
+            check(len(texts) >= 64, "a stream during the load ended after %d chunks" % len(texts))
+            worst = max(worst, gap)  # begun while the load was pending
+            streams += load.is_alive()  # and finished before it was answered
+            if health is None:
+                status, text = request(port, "GET", "/health")
+                health = (status, text[:200], load.is_alive())
+        load.join()
+        took = load.done_at - t0
+        check(worst < delay / 2, "a stream waited %.2f s for a token while the load (%.2f s) was pending" %
+              (worst, took))
+        check(health and health[0] == 200 and health[2], "/health during the load: %r" % (health,))
+        check(streams >= 2, "only %d stream(s) finished while the load was pending (%.2f s)" % (streams, took))
+        status, text = load.result
+        check(status == 200 and "Success: LoRA adapter 'slow' added successfully." in text, "the load: %d %s" %
+              (status, text))
+        check(took >= delay, "the load was answered in %.2f s, before the test hook's %.2f s delay" % (took, delay))
+        rc, _, got, err = c.generate(PROMPTS[0], N, extra=["--ignore-eos", "--lora", "slow"])
+        check(rc == 0 and got == want, "the loaded adapter: %s, merged %s %s" % (got, want, err[-300:]))
+    print("  a %.1f s load: %d streams finished meanwhile, the longest wait for a token %.0f ms; /health 200; "
+          "then the adapter serves" % (took, streams, worst * 1e3))
+
+
+def test_concurrent_loads_one_name():
+    """Two loads of one name at once (other directories), both past the registry's check before either
+    read is back: the first registered, the second vLLM's "already been loaded"; the name serves the
+    registered one's weights."""
+    d1 = adapter("rt_d1", "--r", 8, "--alpha", 16, "--std", 0.1, "--seed", 31)
+    d2 = adapter("rt_d2", "--r", 8, "--alpha", 16, "--std", 0.1, "--seed", 32)
+    want = {d: run_local(merged(d, m), PROMPTS[0], N, extra=["--ignore-eos"])[1]
+            for d, m in ((d1, "rt_d1_merged"), (d2, "rt_d2_merged"))}
+    check(want[d1] != want[d2], "two adapters with the same output: the registered one would not be seen")
+    port = free_port()
+    with slow_load_cluster(port, 1000) as c:  # the reads take turns: the second is back a second after the first
+        loads = [Load(port, "twin", d) for d in (d1, d2)]
+        for ld in loads:
+            ld.start()
+        for ld in loads:
+            ld.join(scaled(120))
+        ok = [ld for ld in loads if ld.result and ld.result[0] == 200]
+        check(len(ok) == 1, "two loads of one name: %r" % [ld.result for ld in loads])
+        lost = loads[1] if ok[0] is loads[0] else loads[0]
+        e = error_of(*lost.result, 400)
+        check("The lora adapter 'twin' has already been loaded." in e["message"], "the other load: %r" % e)
+        winner = ok[0].body["lora_path"]
+        status, data = request(port, "GET", "/v1/models")
+        roots = [m.get("root") for m in json.loads(data)["data"] if m["id"] == "twin"] if status == 200 else data
+        check(roots == [winner], "twin listed as %r, the registered load's directory %s" % (roots, winner))
+        rc, _, got, err = c.generate(PROMPTS[0], N, extra=["--ignore-eos", "--lora", "twin"])
+        check(rc == 0 and got == want[winner], "twin: %s, the registered weights' %s %s" %
+              (got, want[winner], err[-300:]))
+    print("  two concurrent loads of one name: one registered (its weights serve), the other 400")
+
+
 def test_loom_serve():
     """`loom serve` hands vLLM's LoRA flags to its coordinator (both --lora-modules forms, and
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True from the environment)."""
@@ -311,5 +468,5 @@ def test_router_prefers_resident():
 
 if __name__ == "__main__":
     setup()
-    run_tests([test_mixed_1x1, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_loom_serve,
-               test_router_prefers_resident])
+    run_tests([test_mixed_1x1, test_mixed_slow_prepare, test_mixed_2x2, test_http_sdk, test_runtime_updates, test_runtime_load_off_reactor,
+               test_concurrent_loads_one_name, test_loom_serve, test_router_prefers_resident])

@@ -20,3 +20,6 @@ loom_add_test(test_lora_cache SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_cache.
 # The coordinator's tally of adapter loads over the grid's workers.
 loom_add_test(test_lora_tally SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_tally.c
               LIBS loom_coord_core LABELS unit TIMEOUT 60)
+# vLLM's runtime load: the reactor's checks, the adapter read on a preparation pool, two loads of one name.
+loom_add_test(test_lora_reactor SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_lora_reactor.c
+              LIBS loom_server LABELS unit TIMEOUT 60)

@@ -4,7 +4,8 @@
  * failed with the problem named, and a failed one tried again; and the load
  * orders on top of it (worker/lora_orders.c): installed at once from the
  * cache or when prepared, failures reported with the problem, a slot out of
- * range refused, an old epoch's orders forgotten. */
+ * range refused, an old epoch's orders forgotten, and an adapter prepared
+ * while the cached ones were used again installed, not dropped. */
 #include <ftw.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -220,6 +221,41 @@ static void test_orders(void) {
     loom_lora_orders_destroy(&o); /* safe twice */
 }
 
+/* An adapter whose preparation comes back after the other cached adapters
+ * were used again (installed into another slot meanwhile) is installed,
+ * not dropped as the least recently used at the poll that reports it. */
+static void test_prepared_kept_for_install(void) {
+    const loom_model_config_t *cfg = &g_cfg;
+    char dir[3][512];
+    uint8_t dg[3][32];
+    for (int i = 0; i < 3; i++) {
+        snprintf(dir[i], sizeof dir[i], "%s/k%d", g_tmp, i);
+        write_adapter(dir[i], 0.01f * (float)(i + 5));
+        digest_of(cfg, dir[i], dg[i]);
+    }
+    reports_t r = {0};
+    loom_lora_orders_t *o = NULL;
+    loom_err_t err = {0};
+    /* 2 slots, so the cache keeps 2 prepared adapters */
+    REQUIRE(loom_lora_orders_create(g_m, cfg, 0, cfg->n_layers, 16, 1, on_report, &r, &o, &err) == LOOM_OK);
+    loom_lora_orders_add(o, 1, 0, dir[0], dg[0]);
+    REQUIRE(wait_reports(o, &r, 1) == 1);
+    loom_lora_orders_add(o, 1, 1, dir[1], dg[1]);
+    REQUIRE(wait_reports(o, &r, 2) == 2);
+    CHECK(r.status[0] == LOOM_OK && r.status[1] == LOOM_OK);
+    /* slot 0 gets a third adapter (prepared on the thread); while it is,
+     * slot 1 takes the two cached ones in turn, installed at once */
+    loom_lora_orders_add(o, 1, 0, dir[2], dg[2]);
+    loom_lora_orders_add(o, 1, 1, dir[0], dg[0]);
+    loom_lora_orders_add(o, 1, 1, dir[1], dg[1]);
+    CHECK(r.n == 4 && r.status[2] == LOOM_OK && r.status[3] == LOOM_OK);
+    REQUIRE(wait_reports(o, &r, 5) == 5);
+    CHECK(r.slot[4] == 0 && r.status[4] == LOOM_OK);
+    if (r.status[4] != LOOM_OK) fprintf(stderr, "  the third adapter: %s\n", r.msg[4]);
+    CHECK(loom_lora_orders_pending(o) == 0);
+    loom_lora_orders_destroy(&o);
+}
+
 int main(void) {
     snprintf(g_tmp, sizeof g_tmp, "/tmp/loom_test_lora_cache_XXXXXX");
     if (!mkdtemp(g_tmp)) return 2;
@@ -254,6 +290,7 @@ int main(void) {
     }
     RUN(test_cache);
     RUN(test_orders);
+    RUN(test_prepared_kept_for_install);
     loom_model_destroy(&g_m);
     loom_backend_destroy(&be);
     loom_st_close(&st);
