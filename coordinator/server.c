@@ -902,6 +902,13 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
 
 static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
     loom_server_t *s = ctx;
+    if (kv_host(s) && loom_kv_host_connector_used(s->kv_conn)) {
+        /* its saves may not have run: the host tier forgets what it holds
+         * rather than order a load of a slot a worker never filled */
+        LOOM_WARN("KV offload: a step failed; the host tier's %d blocks are forgotten",
+                  loom_kv_host_connector_used(s->kv_conn));
+        loom_kv_host_connector_set_slots(s->kv_conn, loom_kv_host_connector_slots(s->kv_conn));
+    }
     loom_sched_fail(s->sched, mb);
 }
 
