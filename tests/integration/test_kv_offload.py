@@ -40,7 +40,8 @@
   counter (tier="host") is above 0, fewer prompt tokens are computed; the
   worker killed and a replacement joining: the tier is empty (memory: the
   first turns hit nothing, nothing fails) and fills again; a tier smaller
-  than the working set stays within its slots with the same outputs.
+  than the working set stays within its slots with the same outputs; the
+  same on a TP=2 grid and on two pipeline stages.
 - Bad flags are refused at start with a message naming them."""
 import glob
 import json
@@ -337,6 +338,23 @@ def test_host_tier():
     check(m2.get("loom_kv_offload_hits_total{tier=host}", 0) > 0, "no hits after the restart: %r" % m2)
 
 
+def test_host_tier_grids():
+    # TP=2 (each rank its own arena of the same slots) and two pipeline stages
+    for tp, pp in ((2, 1), (1, 2)):
+        port = free_port()
+        with tier_cluster(tp, port, pp=pp):
+            base = run_conversations(port)
+        port = free_port()
+        with host_cluster(tp, port, extra=()) if pp == 1 else \
+                tier_cluster(tp, port, pp=pp, extra=["--kv-offloading-size", HOST_GIB]):
+            first = run_conversations(port)
+            m = host_metrics(port)
+        what = "host tier, tp %d pp %d" % (tp, pp)
+        check_same_text(base, first, what)
+        check(m.get("loom_kv_offload_hits_total{tier=host}", 0) > 0, "%s: no hits: %r" % (what, m))
+        check_later_turns_loaded(first, base, what)
+
+
 def test_host_tier_bounded():
     # 12 blocks of 20,480 bytes: a third of the working set
     size = "%.9f" % (12.5 * 20480 / 2 ** 30)
@@ -615,6 +633,6 @@ def test_router_pd():
 
 
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_host_tier, test_host_tier_bounded, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
-               test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
+    run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded, test_dir_tier,
+               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
                test_flags])
