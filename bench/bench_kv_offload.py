@@ -14,7 +14,15 @@ are compared (they must agree). Rounds alternate B and C first; prints the
 medians and their ratio (recomputed / tier) as a table row for
 docs/kv-offload.md.
 
-    bench/bench_kv_offload.py [--prefix 2048] [--suffix 32] [--rounds 5] [--threads 2] [--work DIR]
+--host: the next turn on the same replica, its prefix pushed out of a pool
+of --pool blocks by a filler prompt as long as the prefix, on three
+replicas: the host-memory tier (--kv-offloading-size), the directory tier
+(write-back) and no tier (recomputed). Each round: the prefix (max_tokens
+1), the filler, then the timed next turn, on each replica (the order
+rotates); prints the three medians and the ratios of recomputed and
+directory over host.
+
+    bench/bench_kv_offload.py [--prefix 2048] [--suffix 32] [--rounds 5] [--threads 2] [--work DIR] [--host]
 """
 import argparse
 import json
@@ -62,7 +70,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "loom-bench-kv-offload"))
+    ap.add_argument("--host", action="store_true", help="the host tier against the directory tier and recompute")
+    ap.add_argument("--pool", type=int, default=0, help="KV pool blocks with --host (default: the turn's + 12)")
     a = ap.parse_args()
+    if a.host:
+        return main_host(a)
     os.makedirs(a.work, exist_ok=True)
     m = model(a.work)
     tier = tempfile.mkdtemp(prefix="tier-", dir=a.work)
@@ -102,6 +114,56 @@ def main():
     print("|---|---|---|---|---|---|---|")
     print("| %d | %d | %d | %.1f ms | %.1f ms | %.2fx | %d/%d |" %
           (a.prefix, a.suffix, a.rounds, mt * 1e3, mf * 1e3, mf / mt, same, a.rounds))
+    return 0 if same == a.rounds else 1
+
+
+def main_host(a):
+    os.makedirs(a.work, exist_ok=True)
+    m = model(a.work)
+    tier = tempfile.mkdtemp(prefix="tier-", dir=a.work)
+    pool = a.pool or (a.prefix + a.suffix) // B + 12
+    common = ["--block-size", str(B), "--max-model-len", str(a.prefix + a.suffix + 64), "--max-num-batched-tokens",
+              "4096", "--num-kv-blocks", str(pool)]
+    names = ["host", "dir", "recomputed"]
+    tiers = [["--kv-offloading-size", "1", "--kv-offloading-backend", "native"], ["--kv-offloading-dir", tier], []]
+    ports = [free_port() for _ in names]
+    rng = random.Random(7)
+    times = {n: [] for n in names}
+    texts, cached = {n: [] for n in names}, {n: [] for n in names}
+    try:
+        with Cluster(m, 1, 1, threads=a.threads, timeout=300,
+                     coord_args=common + tiers[0] + ["--http", "127.0.0.1:%d" % ports[0]]), \
+             Cluster(m, 1, 1, threads=a.threads, timeout=300,
+                     coord_args=common + tiers[1] + ["--http", "127.0.0.1:%d" % ports[1]]), \
+             Cluster(m, 1, 1, threads=a.threads, timeout=300,
+                     coord_args=common + tiers[2] + ["--http", "127.0.0.1:%d" % ports[2]]):
+            for r in range(a.rounds + 1):  # round 0 warms every replica up
+                prefix = [rng.randrange(3, 500) for _ in range(a.prefix)]
+                filler = [rng.randrange(500, 1000) for _ in range(a.prefix)]
+                turn = prefix + [rng.randrange(3, 500) for _ in range(a.suffix)]
+                for i in [(r + k) % 3 for k in range(3)]:
+                    post(ports[i], {"prompt": prefix, "max_tokens": 1, "temperature": 0})
+                    post(ports[i], {"prompt": filler, "max_tokens": 1, "temperature": 0})
+                    t, out = post(ports[i], {"prompt": turn, "max_tokens": 1, "temperature": 0})
+                    if r == 0:
+                        continue
+                    times[names[i]].append(t)
+                    texts[names[i]].append(out["choices"][0]["text"])
+                    cached[names[i]].append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+                if r:
+                    print("round %d: %s" % (r, ", ".join("%s %.1f ms (%d cached)" % (n, times[n][-1] * 1e3,
+                                                                                     cached[n][-1]) for n in names)),
+                          file=sys.stderr)
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+    med = {n: statistics.median(times[n]) for n in names}
+    same = sum(texts["host"][i] == texts["recomputed"][i] == texts["dir"][i] for i in range(a.rounds))
+    print("| prefix | suffix | pool | rounds | TTFT host (median) | TTFT dir (median) | TTFT recomputed (median) "
+          "| recomputed / host | dir / host | same first token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| %d | %d | %d | %d | %.1f ms | %.1f ms | %.1f ms | %.2fx | %.2fx | %d/%d |" %
+          (a.prefix, a.suffix, pool, a.rounds, med["host"] * 1e3, med["dir"] * 1e3, med["recomputed"] * 1e3,
+           med["recomputed"] / med["host"], med["dir"] / med["host"], same, a.rounds))
     return 0 if same == a.rounds else 1
 
 

@@ -397,6 +397,7 @@ typedef struct fwd_opts {
     const char *max_model_len, *max_num_seqs, *max_batched, *served_name, *quantization, *kv_dtype, *api_key,
         *block_size, *seed, *chat_template, *generation_config, *log_level, *dtype, *max_queue, *kv_memory,
         *recovery_ms, *log_format, *embedding_pooling, *tool_parser, *reasoning_parser;
+    const char *kv_offload_size, *kv_offload_backend; /* the host-memory KV tier */
     int trust_request_template, auto_tool_choice;
     const char *spec_method, *spec_k, *ngram_min, *ngram_max; /* speculative decoding */
     const char *spec_model, *spec_quant, *spec_max_seqs, *spec_threads, *spec_device;
@@ -591,6 +592,10 @@ int loom_cmd_serve(int argc, char **argv) {
          "most waiting requests; beyond them HTTP 429 (default 1024)", 1, 0, NULL},
         {"kv-cache-memory", LOOM_OPT_STR, &f.kv_memory, "BYTES",
          "KV pool bytes per worker, e.g. 2G (default: a fraction of free memory)", 1, 0, NULL},
+        {"kv-offloading-size", LOOM_OPT_STR, &f.kv_offload_size, "GiB",
+         "host memory per worker for KV blocks leaving the pool (the host tier) (default off)", 1, 0, NULL},
+        {"kv-offloading-backend", LOOM_OPT_STR, &f.kv_offload_backend, "native",
+         "the host tier's implementation: native (the only one)", 1, 0, NULL},
         {"recovery-timeout-ms", LOOM_OPT_STR, &f.recovery_ms, "MS",
          "how long requests wait for a restarted worker (default 10000)", 1, 0, NULL},
         {"shutdown-timeout", LOOM_OPT_INT, &s.shutdown_timeout_s, "S",
@@ -729,6 +734,8 @@ int loom_cmd_serve(int argc, char **argv) {
         {"dtype", f.dtype},
         {"max-queue", f.max_queue},
         {"kv-cache-memory", f.kv_memory},
+        {"kv-offloading-size", f.kv_offload_size},
+        {"kv-offloading-backend", f.kv_offload_backend},
         {"recovery-timeout-ms", f.recovery_ms},
         {"log-format", f.log_format},
         {"embedding-pooling", f.embedding_pooling},

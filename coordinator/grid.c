@@ -78,6 +78,7 @@ struct loom_grid {
     char kv_dtype[16];       /* the workers' KV dtype ("mixed" if they differ) */
     uint64_t kv_block_bytes; /* the largest worker's bytes per block */
     uint64_t kv_tier_id;     /* the directory tier's identity (loom_grid_kv_tier_id) */
+    int kv_host_slots;       /* the host tier's slots per worker (0: none) */
     char last_failure[512];
 
     int probing;   /* probes of the members' data planes are out (state WAITING) */
@@ -466,6 +467,17 @@ static void all_loaded(loom_grid_t *g) {
     LOOM_INFO("KV pool: %d blocks of %d tokens per worker, %s (the smallest worker decides)", g->n_blocks,
               g->cfg.block_size, g->kv_dtype);
     g->kv_tier_id = kv_tier_id(g);
+    g->kv_host_slots = 0;
+    if (g->cfg.kv_host_bytes && g->kv_block_bytes) {
+        uint64_t n = g->cfg.kv_host_bytes / g->kv_block_bytes;
+        g->kv_host_slots = (int)LOOM_MIN(n, (uint64_t)INT32_MAX / 2);
+        if (n == 0)
+            LOOM_WARN("--kv-offloading-size %.3f GB holds no KV block of %llu bytes: no host tier",
+                      (double)g->cfg.kv_host_bytes / 1e9, (unsigned long long)g->kv_block_bytes);
+        else
+            LOOM_INFO("KV offload: host tier of %d blocks per worker (%.2f GB)", g->kv_host_slots,
+                      (double)g->kv_host_slots * (double)g->kv_block_bytes / 1e9);
+    }
     for (int i = 0; i < g->n_slots; i++) {
         int st = i / g->cfg.tp, r = i % g->cfg.tp;
         const worker_slot_t *lead = &g->slots[st * g->cfg.tp]; /* TP rank 0 made the group's id */
@@ -479,6 +491,7 @@ static void all_loaded(loom_grid_t *g) {
             k.kv_offload_id = g->kv_tier_id;
             k.kv_offload_max_bytes = g->cfg.kv_offload_max_bytes;
         }
+        k.kv_host_slots = (uint32_t)g->kv_host_slots;
         if (st > 0) {
             const worker_slot_t *prev = &g->slots[(st - 1) * g->cfg.tp + r];
             k.prev_group_id = (ProtobufCBinaryData){prev->next_group_len, (uint8_t *)prev->next_group_id};
@@ -798,6 +811,14 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     p->kv_save_after_blocks = mb->save_after_block;
     p->kv_save_after_hashes = mb->save_after_hash;
     p->n_kv_save_after_blocks = p->n_kv_save_after_hashes = (size_t)mb->n_saves_after;
+    if (mb->save_slot) { /* the host tier's slots */
+        p->kv_save_slots = mb->save_slot;
+        p->n_kv_save_slots = (size_t)mb->n_saves;
+        p->kv_load_slots = mb->load_slot;
+        p->n_kv_load_slots = (size_t)mb->n_loads;
+        p->kv_save_after_slots = mb->save_after_slot;
+        p->n_kv_save_after_slots = (size_t)mb->n_saves_after;
+    }
     p->seq_lora = mb->seq_lora;
     p->n_seq_lora = mb->any_lora ? (size_t)mb->n_seqs : 0;
 }
@@ -1129,6 +1150,7 @@ int loom_grid_n_blocks(const loom_grid_t *g) { return g->n_blocks; }
 const char *loom_grid_kv_dtype(const loom_grid_t *g) { return g->kv_dtype; }
 uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g) { return g->kv_block_bytes; }
 uint64_t loom_grid_kv_tier_id(const loom_grid_t *g) { return g->kv_tier_id; }
+int loom_grid_kv_host_slots(const loom_grid_t *g) { return g->kv_host_slots; }
 uint64_t loom_grid_slot_kv_block_bytes(const loom_grid_t *g, int i) {
     return i >= 0 && i < g->n_slots ? g->slots[i].kv_block_bytes : 0;
 }

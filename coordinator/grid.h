@@ -138,6 +138,10 @@ typedef struct loom_grid_config {
      * shape, each shard's block bytes, the layout */
     const char *kv_offload_dir;
     uint64_t kv_offload_max_bytes, kv_tier_seed;
+    /* the host-memory tier (0: none): bytes each worker keeps for offloaded
+     * blocks; as many slots as the largest worker's blocks fit, sent in
+     * KvConfig.kv_host_slots */
+    uint64_t kv_host_bytes;
 } loom_grid_config_t;
 
 /* Binds the control socket on zctx (the caller's context) and, with etcd,
@@ -186,6 +190,8 @@ uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g); /* the largest worker's
 /* The directory tier's identity for this epoch's grid (0 before READY), and
  * the block bytes of slot i (= stage * tp + rank: the tier's shard number). */
 uint64_t loom_grid_kv_tier_id(const loom_grid_t *g);
+/* The host tier's slots per worker (0: none). */
+int loom_grid_kv_host_slots(const loom_grid_t *g);
 uint64_t loom_grid_slot_kv_block_bytes(const loom_grid_t *g, int i);
 const char *loom_grid_last_failure(const loom_grid_t *g); /* "" when none since the last READY */
 /* The worker id in slot i, or NULL when the slot is free. */

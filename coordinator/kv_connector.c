@@ -46,6 +46,14 @@ int loom_kv_connector_offer(loom_kv_connector_t *c, uint64_t hash) {
     return c && c->ops->offer && c->ops->offer(c, hash) > 0;
 }
 
+int loom_kv_connector_has_slots(const loom_kv_connector_t *c) { return c && c->ops->plan; }
+
+void loom_kv_connector_plan(loom_kv_connector_t *c, const uint64_t *save, int n_save, int32_t *save_slot,
+                            const uint64_t *load, int n_load, int32_t *load_slot, const uint64_t *after, int n_after,
+                            int32_t *after_slot) {
+    if (c && c->ops->plan) c->ops->plan(c, save, n_save, save_slot, load, n_load, load_slot, after, n_after, after_slot);
+}
+
 void loom_kv_connector_destroy(loom_kv_connector_t **c) {
     if (!c || !*c) return;
     if ((*c)->ops->destroy) (*c)->ops->destroy(*c);

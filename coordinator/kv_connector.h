@@ -54,6 +54,14 @@ typedef struct loom_kv_connector_ops {
      * or was just computed (write-through): 1 when the workers should save
      * it (the tier lacks it), 0 when not. */
     int (*offer)(loom_kv_connector_t *c, uint64_t hash);
+    /* build_connector_meta (optional): the step's moves are planned (in
+     * the order the workers do them: saves, loads, saves after the
+     * layers); fills each one's slot in the connector's storage, -1 for a
+     * save it no longer wants (its slot went to a later block of the same
+     * step). Called once per planned step, in plan order; what match and
+     * offer held for the step is released. NULL: the moves need no slots. */
+    void (*plan)(loom_kv_connector_t *c, const uint64_t *save, int n_save, int32_t *save_slot, const uint64_t *load,
+                 int n_load, int32_t *load_slot, const uint64_t *after, int n_after, int32_t *after_slot);
     void (*destroy)(loom_kv_connector_t *c);
 } loom_kv_connector_ops_t;
 
@@ -73,6 +81,11 @@ void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_re
 int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
                                int n_blocks, char **kv_transfer_params);
 int loom_kv_connector_offer(loom_kv_connector_t *c, uint64_t hash);
+/* Whether the connector's moves carry slots (ops->plan). */
+int loom_kv_connector_has_slots(const loom_kv_connector_t *c);
+void loom_kv_connector_plan(loom_kv_connector_t *c, const uint64_t *save, int n_save, int32_t *save_slot,
+                            const uint64_t *load, int n_load, int32_t *load_slot, const uint64_t *after, int n_after,
+                            int32_t *after_slot);
 void loom_kv_connector_destroy(loom_kv_connector_t **c);
 
 #endif

@@ -104,6 +104,8 @@ int main(int argc, char **argv) {
     int no_prefix = 0;
     const char *kv_mem = NULL;
     float offload_gb = 10;
+    float host_gib = 0;
+    const char *offload_backend = NULL;
     const char *kv_transfer = NULL;
     const char *env_key = getenv("LOOM_API_KEY");
     const char *http_bind = NULL, *chat_template = NULL, *tool_parser = NULL, *reasoning_parser = NULL;
@@ -258,6 +260,14 @@ int main(int argc, char **argv) {
          "write each block to the directory tier as soon as it is computed, not when it leaves the "
          "pool",
          1, 0, NULL},
+        {"kv-offloading-size", LOOM_OPT_FLOAT, &host_gib, "GiB",
+         "the host-memory tier below the KV pool (vLLM's flag): GiB of host memory each worker keeps for "
+         "full blocks leaving the pool (pinned on CUDA); a prompt whose prefix is there loads it instead of "
+         "computing it (default off)",
+         0.000001, 1e6, NULL},
+        {"kv-offloading-backend", LOOM_OPT_STR, &offload_backend, "native",
+         "the host tier's implementation (vLLM's flag): native, the only one (lmcache is not available)", 1, 0,
+         NULL},
         {"kv-transfer-config", LOOM_OPT_STR, &kv_transfer, "JSON",
          "prefill/decode disaggregation, vLLM's form: '{\"kv_connector\":\"LoomConnector\",\"kv_role\":"
          "\"kv_both\"}' (kv_producer, kv_consumer, kv_both; \"kv_load_failure_policy\": recompute or fail); "
@@ -494,6 +504,25 @@ int main(int argc, char **argv) {
                             "both sides share: give --kv-offloading-dir\n");
             return 2;
         }
+    }
+    if (offload_backend && strcmp(offload_backend, "native")) {
+        fprintf(stderr, "error: --kv-offloading-backend %s is not available (accepted: native)%s\n", offload_backend,
+                !strcmp(offload_backend, "lmcache") ? "; LMCache is not part of Loom" : "");
+        return 2;
+    }
+    if (offload_backend && host_gib <= 0) {
+        fprintf(stderr, "error: --kv-offloading-backend needs --kv-offloading-size GiB (the host tier's size)\n");
+        return 2;
+    }
+    c.kv_offload_host_bytes = (uint64_t)((double)host_gib * 1073741824.0);
+    if (c.kv_offload_host_bytes && c.kv_offload_dir) {
+        fprintf(stderr, "error: --kv-offloading-size (the host tier) and --kv-offloading-dir (the directory tier) "
+                        "cannot be used together yet: give one of them\n");
+        return 2;
+    }
+    if (c.kv_offload_host_bytes && !c.prefix_cache) {
+        fprintf(stderr, "error: --kv-offloading-size needs the prefix cache (its blocks are named by it)\n");
+        return 2;
     }
     if (c.kv_offload_dir && !c.prefix_cache) {
         fprintf(stderr, "error: --kv-offloading-dir needs the prefix cache (its blocks are named by it)\n");

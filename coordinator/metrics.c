@@ -486,13 +486,21 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     counter(&o, m->lbl, "loom_kv_fork_tokens_total", "Prompt tokens taken over from the fork's leader.",
             st->kv_fork_tokens);
     if (st->kv_offload) {
-        counter(&o, m->lbl, "loom_kv_offload_queries_total",
+        char tl[sizeof m->lbl + 32];
+        snprintf(tl, sizeof tl, "%s,tier=\"%s\"", m->lbl, st->kv_offload_tier);
+        counter(&o, tl, "loom_kv_offload_queries_total",
                 "Full prompt blocks beyond the prefix cache's hit asked of the KV offload tier.",
                 st->kv_offload_queries);
-        counter(&o, m->lbl, "loom_kv_offload_hits_total", "Blocks loaded from the KV offload tier.",
+        counter(&o, tl, "loom_kv_offload_hits_total", "Blocks loaded from the KV offload tier.",
                 st->kv_offload_hits);
-        counter(&o, m->lbl, "loom_kv_offload_saves_total", "Blocks sent to the KV offload tier.",
+        counter(&o, tl, "loom_kv_offload_saves_total", "Blocks sent to the KV offload tier.",
                 st->kv_offload_saves);
+        if (!strcmp(st->kv_offload_tier, "host")) {
+            gauge(&o, m->lbl, "loom_kv_offload_host_blocks", "Blocks the host-memory KV tier holds (per worker).",
+                  st->kv_host_used);
+            gauge(&o, m->lbl, "loom_kv_offload_host_capacity_blocks",
+                  "Blocks the host-memory KV tier can hold (per worker).", st->kv_host_slots);
+        }
     }
     counter2(&o, m, "loom_num_preemptions_total", st->preemptions, "vllm:num_preemptions_total",
              st->preemptions, "Sequences preempted (KV dropped, recomputed later).");

@@ -241,6 +241,9 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->load_hash);
         free(mb->save_after_block);
         free(mb->save_after_hash);
+        free(mb->save_slot);
+        free(mb->load_slot);
+        free(mb->save_after_slot);
     }
     free(s->hashes);
     free(s->pend_block);
@@ -507,6 +510,45 @@ static void save_admitted(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq
                   h);
         tier_saved(s, h);
     }
+}
+
+/* The step's moves get their slots (a connector with slots: the host
+ * tier); a save whose slot a later one took is dropped (nothing will load
+ * it). */
+static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
+    if (!loom_kv_connector_has_slots(s->conn)) return;
+    int need = LOOM_MAX(LOOM_MAX(mb->n_saves, mb->n_loads), LOOM_MAX(mb->n_saves_after, 1));
+    if (mb->cap_slots < need) {
+        mb->cap_slots = need;
+        mb->save_slot = loom_xrealloc(mb->save_slot, (size_t)need * sizeof *mb->save_slot);
+        mb->load_slot = loom_xrealloc(mb->load_slot, (size_t)need * sizeof *mb->load_slot);
+        mb->save_after_slot = loom_xrealloc(mb->save_after_slot, (size_t)need * sizeof *mb->save_after_slot);
+    }
+    loom_kv_connector_plan(s->conn, mb->save_hash, mb->n_saves, mb->save_slot, mb->load_hash, mb->n_loads,
+                           mb->load_slot, mb->save_after_hash, mb->n_saves_after, mb->save_after_slot);
+    int n = 0;
+    for (int i = 0; i < mb->n_saves; i++) {
+        if (mb->save_slot[i] < 0) {
+            s->stats.tier_saves--;
+            continue;
+        }
+        mb->save_block[n] = mb->save_block[i];
+        mb->save_hash[n] = mb->save_hash[i];
+        mb->save_slot[n++] = mb->save_slot[i];
+    }
+    mb->n_saves = n;
+    n = 0;
+    for (int i = 0; i < mb->n_saves_after; i++) {
+        if (mb->save_after_slot[i] < 0) {
+            s->stats.tier_saves--;
+            continue;
+        }
+        mb->save_after_block[n] = mb->save_after_block[i];
+        mb->save_after_hash[n] = mb->save_after_hash[i];
+        mb->save_after_slot[n++] = mb->save_after_slot[i];
+    }
+    mb->n_saves_after = n;
+    for (int i = 0; i < mb->n_loads; i++) LOOM_ASSERT(mb->load_slot[i] >= 0); /* matched this step: pinned */
 }
 
 /* Full blocks of q's prompt beyond its prefix-cache hit that the connector
@@ -932,6 +974,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             xfer_push(&s->pend_block, &s->pend_hash, &s->n_pend, &s->cap_pend, mb->save_block[i], mb->save_hash[i]);
         return NULL;
     }
+    plan_slots(s, mb);
     fill_block_tables(s, mb);
     mb->id = ++s->next_mb_id;
     mb->in_use = 1;

@@ -169,6 +169,10 @@ typedef struct loom_microbatch {
     int n_saves_after, cap_saves_after;
     int32_t *save_after_block;
     uint64_t *save_after_hash;
+    /* a connector with slots (loom_kv_connector_has_slots: the host tier):
+     * each move's slot, filled as the step's plan is closed; NULL else */
+    int32_t *save_slot, *load_slot, *save_after_slot;
+    int cap_slots;
     int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
 } loom_microbatch_t;
 

@@ -55,6 +55,7 @@
 #include "coordinator/grid.h"
 #include "coordinator/kv_events.h"
 #include "coordinator/kv_tier_dir.h"
+#include "coordinator/kv_tier_host.h"
 #include "coordinator/lora_reactor.h"
 #include "coordinator/metrics.h"
 #include "coordinator/prepare.h"
@@ -185,7 +186,7 @@ struct loom_server {
     uint64_t rate_second;
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
     loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
-    loom_kv_connector_t *kv_conn; /* --kv-offloading-dir's connector (NULL: off) */
+    loom_kv_connector_t *kv_conn; /* the KV tier's connector: --kv-offloading-dir or -size (NULL: off) */
     loom_prep_t *prep;           /* the preparation pool */
     preparing_t *preparing;      /* requests waiting for it */
     int n_preparing;
@@ -741,8 +742,22 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 
 /* ---- the grid's callbacks ---------------------------------------------------------- */
 
-/* The directory tier serves this epoch's grid: its identity and shards. */
+/* The host tier is the connector (not the directory's). */
+static int kv_host(const loom_server_t *s) { return s->kv_conn && !strcmp(s->kv_conn->tier, "host"); }
+
+/* The directory tier's connector, NULL when the tier is another. */
+static loom_kv_connector_t *kv_dir(const loom_server_t *s) {
+    return s->kv_conn && !strcmp(s->kv_conn->tier, "dir") ? s->kv_conn : NULL;
+}
+
+/* The tier serves this epoch's grid: the directory tier its identity and
+ * shards, the host tier its slots (empty: the workers' arenas are new). */
 static void kv_tier_attach(loom_server_t *s, loom_grid_t *g) {
+    if (kv_host(s)) {
+        loom_kv_host_connector_set_slots(s->kv_conn, loom_grid_kv_host_slots(g));
+        loom_sched_set_connector(s->sched, s->kv_conn);
+        return;
+    }
     int n = loom_grid_n_slots(g);
     uint64_t *bytes = loom_xmalloc((size_t)n * sizeof *bytes);
     for (int i = 0; i < n; i++) bytes[i] = loom_grid_slot_kv_block_bytes(g, i);
@@ -779,7 +794,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
     if (s->kv_conn) kv_tier_attach(s, g);
-    loom_kv_events_set_tier(s->kv_events, s->kv_conn ? loom_grid_kv_tier_id(g) : 0);
+    loom_kv_events_set_tier(s->kv_events, kv_dir(s) ? loom_grid_kv_tier_id(g) : 0); /* a host tier is not shared */
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
@@ -900,6 +915,13 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
 
 static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
     loom_server_t *s = ctx;
+    if (kv_host(s) && loom_kv_host_connector_used(s->kv_conn)) {
+        /* its saves may not have run: the host tier forgets what it holds
+         * rather than order a load of a slot a worker never filled */
+        LOOM_WARN("KV offload: a step failed; the host tier's %d blocks are forgotten",
+                  loom_kv_host_connector_used(s->kv_conn));
+        loom_kv_host_connector_set_slots(s->kv_conn, loom_kv_host_connector_slots(s->kv_conn));
+    }
     loom_sched_fail(s->sched, mb);
 }
 
@@ -1056,14 +1078,14 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
     uint64_t seed =
         lora_id >= 0 ? loom_sched_lora_seed(loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest)
                      : 0;
-    loom_status_t st = loom_kv_transfer_parse(json, s->kv_conn ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
+    loom_status_t st = loom_kv_transfer_parse(json, kv_dir(s) ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
                                               s->cfg.block_size, seed, kvt, &err);
     if (st < 0) {
         snprintf(msg, n, "%s", err.msg);
         return st;
     }
     if (!kvt->remote_prefill) return LOOM_OK;
-    int have = loom_kv_dir_connector_whole(s->kv_conn, kvt->blocks, kvt->n_blocks);
+    int have = loom_kv_dir_connector_whole(kv_dir(s), kvt->blocks, kvt->n_blocks);
     if (have == kvt->n_blocks) return LOOM_OK;
     if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL) {
         snprintf(msg, n,
@@ -1693,6 +1715,11 @@ static void publish_state(loom_server_t *s) {
         st.kv_forks = ss.forks;
         st.kv_fork_tokens = ss.fork_tokens;
         st.kv_offload = s->kv_conn != NULL;
+        if (s->kv_conn) snprintf(st.kv_offload_tier, sizeof st.kv_offload_tier, "%s", s->kv_conn->tier);
+        if (kv_host(s)) {
+            st.kv_host_slots = loom_kv_host_connector_slots(s->kv_conn);
+            st.kv_host_used = loom_kv_host_connector_used(s->kv_conn);
+        }
         st.kv_offload_queries = ss.tier_queries;
         st.kv_offload_hits = ss.tier_hits;
         st.kv_offload_saves = ss.tier_saves;
@@ -1902,6 +1929,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .mtp = c->spec.method == LOOM_SPEC_MTP,
                              .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
+                             .kv_host_bytes = c->kv_offload_host_bytes,
                              .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed,
@@ -1941,6 +1969,9 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         s->kv_conn = loom_kv_dir_connector_create(cfg->kv_offload_dir, cfg->kv_offload_write_through);
         LOOM_INFO("KV offload: directory tier %s, at most %.2f GB, %s", cfg->kv_offload_dir,
                   (double)cfg->kv_offload_max_bytes / 1e9, cfg->kv_offload_write_through ? "write-through" : "write-back");
+    } else if (cfg->kv_offload_host_bytes) {
+        s->kv_conn = loom_kv_host_connector_create();
+        LOOM_INFO("KV offload: host-memory tier, %.2f GB per worker, write-back", (double)cfg->kv_offload_host_bytes / 1e9);
     }
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {

@@ -65,6 +65,9 @@ typedef struct loom_server_config {
     const char *kv_offload_dir;
     uint64_t kv_offload_max_bytes;
     int kv_offload_write_through;
+    /* the host-memory tier (--kv-offloading-size; 0: none): bytes per
+     * worker for blocks leaving the pool (write-back) */
+    uint64_t kv_offload_host_bytes;
     /* --kv-transfer-config: kv_transfer_params taken (prefill/decode
      * disaggregation through the directory tier; both roles 0: refused) */
     loom_kv_transfer_config_t kv_transfer;

@@ -157,6 +157,26 @@ void loom_backend_download(loom_backend_t *be, void *dst, const void *src, size_
 void loom_backend_memset(loom_backend_t *be, void *dst, int value, size_t bytes) {
     if (bytes) be->ops->memset(be, dst, value, bytes);
 }
+void *loom_backend_host_alloc(loom_backend_t *be, size_t bytes) {
+    return be->ops->host_alloc ? be->ops->host_alloc(be, bytes) : malloc(bytes ? bytes : 1);
+}
+void loom_backend_host_free(loom_backend_t *be, void *p) {
+    if (!p) return;
+    if (be->ops->host_free) be->ops->host_free(be, p);
+    else free(p);
+}
+void loom_backend_xfer_begin(loom_backend_t *be) {
+    if (be->ops->xfer_begin) be->ops->xfer_begin(be);
+}
+void loom_backend_xfer(loom_backend_t *be, void *dst, const void *src, size_t bytes, int to_host) {
+    if (!bytes) return;
+    if (be->ops->xfer) be->ops->xfer(be, dst, src, bytes, to_host);
+    else if (to_host) be->ops->download(be, dst, src, bytes);
+    else be->ops->upload(be, dst, src, bytes);
+}
+void loom_backend_xfer_end(loom_backend_t *be) {
+    if (be->ops->xfer_end) be->ops->xfer_end(be);
+}
 void loom_backend_copy(loom_backend_t *be, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     if (be->ops->copy) {

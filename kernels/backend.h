@@ -96,6 +96,22 @@ loom_status_t loom_backend_synchronize(loom_backend_t *be, loom_err_t *err);
 /* Bytes of device memory still free (CPU: MemAvailable). */
 size_t loom_backend_mem_free(loom_backend_t *be);
 
+/* --- host transfers (the host-memory KV tier) ------------------------- */
+/* Host memory that loom_backend_xfer copies to and from (CUDA: pinned,
+ * cudaHostAlloc); NULL when out of memory. */
+void *loom_backend_host_alloc(loom_backend_t *be, size_t bytes);
+void loom_backend_host_free(loom_backend_t *be, void *p);
+/* A batch of copies between device memory and loom_backend_host_alloc's
+ * memory: begin orders them after the compute stream's work so far, the
+ * copies run in order on a transfer stream (cudaMemcpyAsync), end orders
+ * the compute stream's later work (attention reading a loaded block, a
+ * kernel overwriting a saved one) after them; the host waits for none of
+ * it. Backends without a transfer stream (CPU) copy at once. Not while a
+ * graph is being captured. */
+void loom_backend_xfer_begin(loom_backend_t *be);
+void loom_backend_xfer(loom_backend_t *be, void *dst, const void *src, size_t bytes, int to_host);
+void loom_backend_xfer_end(loom_backend_t *be);
+
 /* --- weights ----------------------------------------------------------- */
 /* A matrix W of shape (rows = out features, cols = in features). Float
  * weights (quant NONE) are row-major in the backend's weight dtype; quantized

@@ -17,6 +17,14 @@ typedef struct loom_backend_ops {
     loom_status_t (*synchronize)(loom_backend_t *be, loom_err_t *err);
     size_t (*mem_free)(loom_backend_t *be);
     void *(*stream)(loom_backend_t *be); /* optional: CUDA stream */
+    /* optional, for the host-memory KV tier (loom_backend_xfer_*): host
+     * memory for transfers (CUDA: pinned) and copies on a transfer stream;
+     * NULL: malloc, and upload/download */
+    void *(*host_alloc)(loom_backend_t *be, size_t bytes);
+    void (*host_free)(loom_backend_t *be, void *p);
+    void (*xfer_begin)(loom_backend_t *be);
+    void (*xfer)(loom_backend_t *be, void *dst, const void *src, size_t bytes, int to_host);
+    void (*xfer_end)(loom_backend_t *be);
     loom_status_t (*weight_upload)(loom_backend_t *be, loom_weight_t *w, int64_t rows,
                                    int64_t cols, const float *host, loom_err_t *err);
     void (*weight_free)(loom_backend_t *be, loom_weight_t *w);

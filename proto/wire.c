@@ -143,6 +143,12 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
     for (size_t i = 0; i < p->n_kv_load_blocks; i++)
         if (p->kv_load_blocks[i] < 0 || p->kv_load_blocks[i] >= lim->n_blocks)
             return loom_err_set(err, LOOM_ERR_FORMAT, "KV load %zu: block %d out of range", i, p->kv_load_blocks[i]);
+    if ((p->n_kv_save_slots && p->n_kv_save_slots != p->n_kv_save_blocks) ||
+        (p->n_kv_load_slots && p->n_kv_load_slots != p->n_kv_load_blocks) ||
+        (p->n_kv_save_after_slots && p->n_kv_save_after_slots != p->n_kv_save_after_blocks))
+        return loom_err_set(err, LOOM_ERR_FORMAT, "KV moves: host slots for %zu/%zu/%zu of %zu/%zu/%zu blocks",
+                            p->n_kv_save_slots, p->n_kv_load_slots, p->n_kv_save_after_slots, p->n_kv_save_blocks,
+                            p->n_kv_load_blocks, p->n_kv_save_after_blocks);
     if (p->n_embed_begin != p->n_embed_end || p->n_embed_begin > p->n_tokens)
         return loom_err_set(err, LOOM_ERR_FORMAT, "embedding ranges: %zu begins, %zu ends", p->n_embed_begin,
                             p->n_embed_end);

@@ -125,6 +125,12 @@ void *loom_model_kv_block_ptr(const loom_model_t *m, int block);
  * included (copy-on-write). */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n);
 int loom_model_kv_block_size(const loom_model_t *m);
+/* Enqueues the copies of block `block` to (to_host 1) or from (0) a host
+ * span of loom_model_kv_block_bytes (loom_backend_host_alloc's memory),
+ * between loom_backend_xfer_begin and _end: one copy in the
+ * block-contiguous layout; in the layer-major one, per layer its K codes,
+ * V codes and (I8) scales, packed in that order. */
+void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_host);
 
 /* One step's batch. All arrays are host memory. */
 typedef struct loom_step_batch {

@@ -66,6 +66,7 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "proto/wire.h"
 #include "worker/comm.h"
+#include "worker/kv_host.h"
 #include "worker/kv_offload.h"
 #include "worker/logits_proc.h"
 #include "worker/lora_orders.h"
@@ -165,6 +166,7 @@ typedef struct worker {
     uint64_t (*trace)[3];
     int n_trace, cap_trace;
     loom_kv_offload_t kv_tier; /* the directory tier (KvConfig.kv_offload_dir) */
+    loom_kv_host_t kv_host;    /* the host-memory tier (KvConfig.kv_host_slots) */
 } worker_t;
 
 static volatile sig_atomic_t g_stop;
@@ -334,6 +336,7 @@ static void unload(worker_t *w) {
     pthread_mutex_unlock(&w->comm_mu);
     mtp_unload(w);
     loom_lora_orders_destroy(&w->lora); /* its cache reads the model */
+    loom_kv_host_free(&w->kv_host); /* the backend's host memory */
     loom_model_destroy(&w->model);
     loom_backend_destroy(&w->be);
     loom_st_close(&w->st);
@@ -537,6 +540,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     if (loom_kv_offload_config(&w->kv_tier, w->model, k->kv_offload_dir, k->kv_offload_id, k->kv_offload_max_bytes,
                                (int)(a->stage * a->tp_size + a->tp_rank), &err) < 0)
         goto fail;
+    if (loom_kv_host_config(&w->kv_host, w->be, w->model, (int)k->kv_host_slots, &err) < 0) goto fail;
 
     /* data plane: the TP group and the pipeline neighbours */
     const Loom__V1__CommSetup *cs = a->comm;
@@ -807,9 +811,16 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     size_t hidden_bytes = (size_t)n * (size_t)w->cfg.dim * sizeof(float);
     if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
         goto report;
-    if ((s = loom_kv_offload_step(&w->kv_tier, w->model, p->kv_save_blocks, p->kv_save_hashes, p->n_kv_save_blocks,
-                                  p->kv_load_blocks, p->kv_load_hashes, p->n_kv_load_blocks, &err)) < 0)
+    if (p->n_kv_save_slots || p->n_kv_load_slots) { /* the host tier */
+        if ((s = loom_kv_host_step(&w->kv_host, w->model, p->kv_save_blocks, p->kv_save_hashes, p->kv_save_slots,
+                                   p->n_kv_save_slots, p->kv_load_blocks, p->kv_load_hashes, p->kv_load_slots,
+                                   p->n_kv_load_slots, &err)) < 0)
+            goto report;
+    } else if ((s = loom_kv_offload_step(&w->kv_tier, w->model, p->kv_save_blocks, p->kv_save_hashes,
+                                         p->n_kv_save_blocks, p->kv_load_blocks, p->kv_load_hashes,
+                                         p->n_kv_load_blocks, &err)) < 0) {
         goto report;
+    }
     if (p->n_copy_src) loom_model_copy_blocks(w->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
     loom_step_batch_t b = {.n_tokens = n, .tokens = p->tokens, .pos = p->pos, .slots = p->slots,
                            .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,

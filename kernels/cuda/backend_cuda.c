@@ -76,6 +76,9 @@ typedef struct cuda_backend {
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
     cudaStream_t stream;
+    /* the host-memory KV tier's transfers (loom_backend_xfer_*): made at first use */
+    cudaStream_t xfer_stream;
+    cudaEvent_t xfer_ev[2]; /* [0] the compute stream so far, [1] the transfers so far */
     const loom_cublas_api_t *blas_api; /* loaded at create (cublas_dl.h) */
     cublasHandle_t blas;
     void *blas_ws;
@@ -309,6 +312,56 @@ static size_t cuda_mem_free(loom_backend_t *be) {
 
 static void *cuda_stream(loom_backend_t *be) {
     return cu(be)->stream;
+}
+
+/* --- host transfers: pinned host memory, a side stream ordered with the
+ * compute stream by events (the host never waits) ----------------------------- */
+
+static void *cuda_host_alloc(loom_backend_t *be, size_t bytes) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    void *p = NULL;
+    if (cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(loom_backend_t *be, void *p) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    if (c->xfer_stream) CUDA_ASSERT(cudaStreamSynchronize(c->xfer_stream)); /* no copy still reads or writes it */
+    CUDA_ASSERT(cudaFreeHost(p));
+}
+
+static void cuda_xfer_begin(loom_backend_t *be) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    LOOM_ASSERT(!c->capturing);
+    if (!c->xfer_stream) {
+        CUDA_ASSERT(cudaStreamCreateWithFlags(&c->xfer_stream, cudaStreamNonBlocking));
+        for (int i = 0; i < 2; i++) CUDA_ASSERT(cudaEventCreateWithFlags(&c->xfer_ev[i], cudaEventDisableTiming));
+    }
+    /* a saved block is read after the kernels that wrote it */
+    CUDA_ASSERT(cudaEventRecord(c->xfer_ev[0], c->stream));
+    CUDA_ASSERT(cudaStreamWaitEvent(c->xfer_stream, c->xfer_ev[0], 0));
+}
+
+static void cuda_xfer(loom_backend_t *be, void *dst, const void *src, size_t bytes, int to_host) {
+    cuda_backend_t *c = cu(be);
+    LOOM_ASSERT(c->xfer_stream);
+    shadow_clear(c);
+    CUDA_ASSERT(cudaMemcpyAsync(dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                                c->xfer_stream));
+}
+
+static void cuda_xfer_end(loom_backend_t *be) {
+    cuda_backend_t *c = cu(be);
+    LOOM_ASSERT(c->xfer_stream);
+    /* attention reads a loaded block, and a kernel overwrites a saved one, after the copies */
+    CUDA_ASSERT(cudaEventRecord(c->xfer_ev[1], c->xfer_stream));
+    CUDA_ASSERT(cudaStreamWaitEvent(c->stream, c->xfer_ev[1], 0));
 }
 
 /* --- weights ------------------------------------------------------------------------ */
@@ -1029,6 +1082,11 @@ static void cuda_destroy(loom_backend_t *be) {
     if (c->blas) (void)c->blas_api->destroy(c->blas);
     if (c->blas_ws) (void)cudaFree(c->blas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
+    if (c->xfer_stream) {
+        (void)cudaStreamSynchronize(c->xfer_stream);
+        (void)cudaStreamDestroy(c->xfer_stream);
+        for (int i = 0; i < 2; i++) (void)cudaEventDestroy(c->xfer_ev[i]);
+    }
     (void)cudaGetLastError();
     free(c);
 }
@@ -1045,6 +1103,11 @@ static const loom_backend_ops_t cuda_ops = {
     .synchronize = cuda_synchronize,
     .mem_free = cuda_mem_free,
     .stream = cuda_stream,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .xfer_begin = cuda_xfer_begin,
+    .xfer = cuda_xfer,
+    .xfer_end = cuda_xfer_end,
     .weight_upload = cuda_weight_upload,
     .weight_free = cuda_weight_free,
     .weight_upload_quant = cuda_weight_upload_quant,

@@ -202,6 +202,8 @@ if [ $run_steps = 1 ]; then
     if [ -n "$stories" ] || [ $gpu = 0 ]; then
         step e2e-stories-bf16 40 "$bin/test_cuda_e2e" --model "$stories" --dtype bf16 --tokens 40
         step e2e-stories-f32 40 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40
+        # the host KV tier's copies (pinned arena, transfer stream) in the middle of the decodes
+        step e2e-stories-kv-host 40 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40 --kv-host
     else
         skip_row e2e-stories "no stories260K, no numpy"
     fi

@@ -17,8 +17,12 @@
  * Every model family the CPU runs runs here (tests/gpu/run.sh generates a
  * tiny model of each: sliding windows, soft caps, sinks, GeGLU, the clamped
  * SwiGLU, biased experts); --kv int8 puts both sides' caches in int8.
+ * --kv-host moves the first sequence's blocks, once its decodes have begun,
+ * out to a host arena (loom_backend_host_alloc: pinned on CUDA) and back
+ * into blocks no sequence used (the host KV tier's copies, on the transfer
+ * stream on CUDA), and its later steps read those: the logits still match.
  *
- *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|int8] [--tokens 40] */
+ *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|int8] [--tokens 40] [--kv-host] */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,8 +65,10 @@ static int argmax(const float *x, int n) {
 int main(int argc, char **argv) {
     loom_log_init("test_cuda_e2e");
     const char *model = NULL, *dtype = "bf16", *kv = "f32";
-    int n_gen = 40;
+    int n_gen = 40, kv_host = 0;
     loom_opt_t opts[] = {
+        {"kv-host", LOOM_OPT_FLAG, &kv_host, NULL,
+         "move the first sequence's blocks through a host arena into fresh blocks after step 8", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "DIR", "checkpoint directory", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weights on both backends: f32 (exact on the GPU too), bf16, f16", 1,
          0, NULL},
@@ -105,6 +111,7 @@ int main(int argc, char **argv) {
     }
     /* a shuffled block pool shared by the sequences */
     const int per_seq = (ctx + BLOCK - 1) / BLOCK, n_blocks = N_SEQ * per_seq + 2;
+    const int n_alloc = n_blocks + (kv_host ? per_seq : 0); /* --kv-host: the blocks it loads into */
     int32_t *pool = loom_xmalloc((size_t)n_blocks * sizeof *pool);
     for (int i = 0; i < n_blocks; i++) pool[i] = (i * 37 + 5) % n_blocks;
     for (int s = 0; s < N_SEQ; s++) seqs[s].blocks = pool + s * per_seq;
@@ -121,7 +128,7 @@ int main(int argc, char **argv) {
                                     .weight_dtype = dt, .exact_f32 = 1};
         if (loom_backend_create(&bc, &sides[k].be, &err) < 0 ||
             loom_model_load(sides[k].be, &cfg, st, &spec, &mo, &sides[k].m, &err) < 0 ||
-            loom_model_alloc_kv(sides[k].m, n_blocks, BLOCK, &err) < 0) {
+            loom_model_alloc_kv(sides[k].m, n_alloc, BLOCK, &err) < 0) {
             fprintf(stderr, "test_cuda_e2e: %s: %s\n", k ? "cuda" : "cpu", err.msg);
             return 1;
         }
@@ -134,10 +141,31 @@ int main(int argc, char **argv) {
     int32_t cand_ids[2][N_SEQ][1024];
     float cand_keys[2][N_SEQ][1024];
     int compared = 0, flips = 0, bad = 0, bad_logits = 0, bad_sampling = 0, a_decodes = 0, steps = 0, padded = 0;
+    int moved = 0;
     double worst = 0, worst_rel = 0;
     seqs[0].active = seqs[1].active = 1;
     for (int step = 0; step < MAX_STEP && a_decodes < n_gen; step++) {
         if (step == 5) seqs[2].active = 1; /* a prompt joins the decodes: a mixed step */
+        if (kv_host && step == 8) { /* the host tier's round trip: saves, then loads into fresh blocks */
+            int nb = (seqs[0].n_done + BLOCK - 1) / BLOCK;
+            for (int k = 0; k < 2; k++) {
+                size_t span = loom_model_kv_block_bytes(sides[k].m, BLOCK);
+                char *arena = loom_backend_host_alloc(sides[k].be, span * (size_t)nb);
+                if (!arena) {
+                    fprintf(stderr, "test_cuda_e2e: no host memory for %d blocks\n", nb);
+                    return 1;
+                }
+                loom_backend_xfer_begin(sides[k].be);
+                for (int j = 0; j < nb; j++)
+                    loom_model_kv_block_xfer(sides[k].m, seqs[0].blocks[j], arena + (size_t)j * span, 1);
+                for (int j = 0; j < nb; j++)
+                    loom_model_kv_block_xfer(sides[k].m, n_blocks + j, arena + (size_t)j * span, 0);
+                loom_backend_xfer_end(sides[k].be);
+                loom_backend_host_free(sides[k].be, arena);
+            }
+            for (int j = 0; j < nb; j++) seqs[0].blocks[j] = n_blocks + j;
+            moved = nb;
+        }
         /* plan: sequence 0 prefills in two chunks (20, then the rest); others in one */
         int n = 0, n_seqs = 0, n_logits = 0, max_blocks = 1;
         for (int s = 0; s < N_SEQ; s++) {
@@ -240,10 +268,11 @@ int main(int argc, char **argv) {
     uint64_t rec = 0, rep = 0;
     loom_cuda_graph_stats(sides[1].be, &rec, &rep);
     printf("e2e %s (%s): %d steps, %d ids compared, %d mismatches, %d near-tie flips, %d sampling mismatches, "
-           "max |dlogit| %.3g (%.2g of max |logit|), graphs recorded %llu replayed %llu, %d steps padded\n",
+           "max |dlogit| %.3g (%.2g of max |logit|), graphs recorded %llu replayed %llu, %d steps padded%s\n",
            model, dtype, steps, compared, bad, flips, bad_sampling, worst, worst_rel, (unsigned long long)rec,
-           (unsigned long long)rep, padded);
-    int ok = bad == 0 && bad_logits == 0 && bad_sampling == 0 && a_decodes >= n_gen && rep > 0 && padded > 0;
+           (unsigned long long)rep, padded, moved ? ", blocks moved through host memory" : "");
+    int ok = bad == 0 && bad_logits == 0 && bad_sampling == 0 && a_decodes >= n_gen && rep > 0 && padded > 0 &&
+             (!kv_host || moved > 0);
     if (!ok)
         fprintf(stderr, "test_cuda_e2e: FAIL (%d decode steps of sequence 0, %d logit rows out of tolerance%s%s)\n",
                 a_decodes, bad_logits, rep > 0 ? "" : ", no graph replayed",

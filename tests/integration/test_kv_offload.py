@@ -33,6 +33,15 @@
   they write to it; loom-router counts those blocks as cached on every
   replica sharing the tier, so a prompt in the tier is a prefix hit on both
   (the load decides between them) and each loads it.
+- The host-memory tier (--kv-offloading-size GiB, --kv-offloading-backend
+  native): the same conversations with the pool of a few blocks; each next
+  turn loads its prefix from the workers' host arenas (the coordinator's
+  slots): greedy outputs equal the run without a tier, the host tier's hit
+  counter (tier="host") is above 0, fewer prompt tokens are computed; the
+  worker killed and a replacement joining: the tier is empty (memory: the
+  first turns hit nothing, nothing fails) and fills again; a tier smaller
+  than the working set stays within its slots with the same outputs; the
+  same on a TP=2 grid and on two pipeline stages.
 - Bad flags are refused at start with a message naming them."""
 import glob
 import json
@@ -44,7 +53,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, run_tests, wait_for  # noqa: E402
+from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, kill, run_tests, wait_for  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -256,6 +265,112 @@ def test_dir_tier():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+HOST_GIB = "0.01"  # about 520 blocks of stories260K (20,480 bytes each): the whole working set
+
+
+def host_cluster(tp, port, size=HOST_GIB, extra=()):
+    return tier_cluster(tp, port, extra=["--kv-offloading-size", size, "--kv-offloading-backend", "native"]
+                        + list(extra))
+
+
+def host_metrics(port):
+    """The host tier's counters by name, and its two gauges."""
+    _, samples = get_metrics(port)
+    got = {}
+    for name, labels, value in samples:
+        if name.startswith("loom_kv_offload_"):
+            key = name + ("{tier=%s}" % labels.get("tier") if "tier" in labels else "")
+            got[key] = got.get(key, 0) + float(value)
+    return got
+
+
+def check_later_turns_loaded(first, base, what):
+    later = [(r, b) for r, b in zip(first, base) if r[1] > 0]
+    check(all(b[4] == 0 for _, b in later),
+          "%s: the pool alone should not hold the earlier turns: %r" % (what, [b[4] for _, b in later]))
+    for r, _ in later:
+        check(r[4] >= (r[3] - 40) // B * B, "%s: %s turn %d: %d of %d prompt tokens cached" % (what, r[0], r[1], r[4], r[3]))
+
+
+def test_host_tier():
+    port = free_port()
+    with tier_cluster(1, port):
+        base = run_conversations(port)
+        computed0, = counters(port, "loom_prompt_tokens_computed_total")
+    port = free_port()
+    with host_cluster(1, port) as cl:
+        first = run_conversations(port)
+        computed1, = counters(port, "loom_prompt_tokens_computed_total")
+        m = host_metrics(port)
+        hits, saves = m.get("loom_kv_offload_hits_total{tier=host}"), m.get("loom_kv_offload_saves_total{tier=host}")
+        held, slots = m.get("loom_kv_offload_host_blocks"), m.get("loom_kv_offload_host_capacity_blocks")
+        check_same_text(base, first, "with the host tier")
+        check(hits and hits > 0 and saves and saves > 0, "host tier hits %r, saves %r: %r" % (hits, saves, m))
+        check(slots and slots >= 400 and 0 < held <= slots, "host tier of %r slots holding %r" % (slots, held))
+        check(computed1 <= computed0 - hits * B,
+              "%d prompt tokens computed with %d blocks loaded, %d without the tier" % (computed1, hits, computed0))
+        check_later_turns_loaded(first, base, "host tier")
+        # the worker killed, a replacement joins: its arena is new and the
+        # coordinator's slots are empty again (the tier is memory)
+        kill(cl.pid("worker-0"))
+        wait_for(lambda: "waiting for a worker to take its place" in coordinator_log(cl), 60, "the lost worker noticed")
+        ctl = "tcp://127.0.0.1:%d" % (cl.port + 1)
+        wlog = os.path.join(cl.run_dir, "replacement.log")
+        with open(wlog, "w") as lf:
+            w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator", ctl, "--threads", "1",
+                                  "--id", "replacement"] + cl.worker_keys("replacement"), stdout=lf, stderr=lf)
+        try:
+            wait_for(lambda: "grid ready (epoch 2)" in coordinator_log(cl), 60, "the grid back with the replacement")
+            again = run_conversations(port)
+            m2 = host_metrics(port)
+        finally:
+            w.terminate()
+            w.wait(timeout=30)
+        with open(wlog) as f:
+            logs = f.read() + coordinator_log(cl)
+    check_same_text(base, again, "after the worker's restart")
+    check(all(r[4] == 0 for r in again if r[1] == 0),
+          "after the restart the first turns hit a tier that is gone: %r" % [r[4] for r in again if r[1] == 0])
+    check_later_turns_loaded(again, base, "host tier after the restart")
+    check("host slot" not in logs and "could not be loaded" not in logs,
+          "a load from the lost tier was tried: %s" % [l for l in logs.splitlines() if "slot" in l][:5])
+    check("host tier of" in logs, "the replacement's host tier is not in the logs")
+    check(m2.get("loom_kv_offload_hits_total{tier=host}", 0) > 0, "no hits after the restart: %r" % m2)
+
+
+def test_host_tier_grids():
+    # TP=2 (each rank its own arena of the same slots) and two pipeline stages
+    for tp, pp in ((2, 1), (1, 2)):
+        port = free_port()
+        with tier_cluster(tp, port, pp=pp):
+            base = run_conversations(port)
+        port = free_port()
+        with host_cluster(tp, port, extra=()) if pp == 1 else \
+                tier_cluster(tp, port, pp=pp, extra=["--kv-offloading-size", HOST_GIB]):
+            first = run_conversations(port)
+            m = host_metrics(port)
+        what = "host tier, tp %d pp %d" % (tp, pp)
+        check_same_text(base, first, what)
+        check(m.get("loom_kv_offload_hits_total{tier=host}", 0) > 0, "%s: no hits: %r" % (what, m))
+        check_later_turns_loaded(first, base, what)
+
+
+def test_host_tier_bounded():
+    # 12 blocks of 20,480 bytes: a third of the working set
+    size = "%.9f" % (12.5 * 20480 / 2 ** 30)
+    port = free_port()
+    with tier_cluster(1, port):
+        base = run_conversations(port)
+    port = free_port()
+    with host_cluster(1, port, size):
+        first = run_conversations(port)
+        m = host_metrics(port)
+    check_same_text(base, first, "with a small host tier")
+    check(m.get("loom_kv_offload_host_capacity_blocks") == 12, "host tier capacity: %r" % m)
+    check(0 < m.get("loom_kv_offload_host_blocks", 0) <= 12, "host tier holds %r" % m)
+    check(m.get("loom_kv_offload_saves_total{tier=host}", 0) > 12, "saves %r: the tier never wrapped" % m)
+
+
 def test_dir_tier_unwritable():
     tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
     try:
@@ -457,6 +572,16 @@ def test_flags():
         (coord + ["--kv-transfer-config", '{"kv_connector":"LoomConnector"}'], "--kv-offloading-dir"),
         (coord + ["--kv-offloading-dir", tempfile.gettempdir(), "--no-prefix-cache"], "prefix cache"),
         (coord + ["--kv-offloading-dir", "/nonexistent/loom-kv"], "not a writable directory"),
+        (coord + ["--kv-offloading-size", "1", "--kv-offloading-backend", "lmcache"], "lmcache is not available"),
+        (coord + ["--kv-offloading-size", "1", "--kv-offloading-backend", "lmcache"], "accepted: native"),
+        (coord + ["--kv-offloading-size", "1", "--kv-offloading-backend", "offload"], "offload is not available"),
+        (coord + ["--kv-offloading-backend", "native"], "needs --kv-offloading-size"),
+        (coord + ["--kv-offloading-size", "0"], "--kv-offloading-size expects a number"),
+        (coord + ["--kv-offloading-size", "lots"], "--kv-offloading-size"),
+        (coord + ["--kv-offloading-size", "1", "--no-prefix-cache"], "prefix cache"),
+        (coord + ["--kv-offloading-size", "1", "--kv-offloading-dir", tempfile.gettempdir()], "together"),
+        ([os.path.join(BIN, "loom"), "serve", STORIES, "--kv-offloading-size", "1", "--kv-offloading-backend",
+          "lmcache"], "lmcache is not available"),
         (router + ["--replica", "tcp://127.0.0.1:1", "--prefill-replica", "tcp://127.0.0.1:2"], "--pd"),
         (router + ["--pd", "--replica", "tcp://127.0.0.1:1"], "--prefill-replica"),
     ]
@@ -508,6 +633,6 @@ def test_router_pd():
 
 
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_dir_tier, test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2,
-               test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
+    run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded, test_dir_tier,
+               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
                test_flags])

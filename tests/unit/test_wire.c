@@ -139,6 +139,15 @@ static void test_each_bad_field(void) {
     blk[0] = 3;
     b.p.n_kv_load_hashes = 0;
     CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "KV moves"));
+    b.p.n_kv_load_hashes = 1;
+    /* the host tier's slots: none, or one per block */
+    int32_t slot[2] = {0, 1};
+    b.p.kv_save_slots = b.p.kv_load_slots = slot;
+    b.p.n_kv_save_slots = b.p.n_kv_load_slots = 1;
+    CHECKF(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_OK, "%s", err.msg);
+    b.p.n_kv_load_slots = 2;
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "host slots"));
+    b.p.n_kv_load_slots = b.p.n_kv_save_slots = 0;
     b.p.n_kv_load_blocks = 0;
     b.p.n_kv_save_hashes = 0;
     CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT);

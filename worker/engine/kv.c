@@ -133,6 +133,34 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     return LOOM_OK;
 }
 
+void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_host) {
+    LOOM_ASSERT(block >= 0 && block < m->n_blocks);
+    char *h = host;
+    if (loom_model_kv_block_contiguous(m)) {
+        const size_t span = loom_model_kv_block_bytes(m, m->block_size);
+        char *d = (char *)m->kv_mem + (size_t)block * span;
+        loom_backend_xfer(m->be, to_host ? (void *)h : d, to_host ? (void *)d : h, span, to_host);
+        return;
+    }
+    const size_t heads = (size_t)m->block_size * m->dims.n_kv_heads; /* token-heads per block */
+    const size_t code_bytes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
+    const size_t b = (size_t)block;
+    for (int l = 0; l < m->dims.n_layers; l++) {
+        loom_kv_layer_t *kv = &m->layers[l].kv;
+        void *piece[4] = {(char *)kv->k + b * code_bytes, kv->v != kv->k ? (char *)kv->v + b * code_bytes : NULL,
+                          kv->k_scale ? kv->k_scale + b * heads : NULL,
+                          kv->v_scale && kv->v_scale != kv->k_scale ? kv->v_scale + b * heads : NULL};
+        const size_t bytes[4] = {code_bytes, code_bytes, heads * sizeof(float), heads * sizeof(float)};
+        for (int i = 0; i < 4; i++) {
+            if (!piece[i]) continue;
+            loom_backend_xfer(m->be, to_host ? (void *)h : piece[i], to_host ? piece[i] : (void *)h, bytes[i],
+                              to_host);
+            h += bytes[i];
+        }
+    }
+    LOOM_ASSERT((size_t)(h - (char *)host) == loom_model_kv_block_bytes(m, m->block_size));
+}
+
 /* Copy-on-write copies a block's codes and, for I8, its scales. */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n) {
     if (loom_model_kv_block_contiguous(m)) { /* one copy per block */

@@ -1,0 +1,67 @@
+/* The worker's half of the host-memory KV tier (kv_host.h). */
+#include "worker/kv_host.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+void loom_kv_host_free(loom_kv_host_t *h) {
+    if (h->arena) loom_backend_host_free(h->be, h->arena);
+    free(h->hash);
+    memset(h, 0, sizeof *h);
+}
+
+loom_status_t loom_kv_host_config(loom_kv_host_t *h, loom_backend_t *be, const loom_model_t *m, int n_slots,
+                                  loom_err_t *err) {
+    loom_kv_host_free(h);
+    if (n_slots <= 0) return LOOM_OK;
+    size_t span = loom_model_kv_block_bytes(m, loom_model_kv_block_size(m));
+    size_t bytes = span * (size_t)n_slots;
+    h->be = be;
+    h->arena = loom_backend_host_alloc(h->be, bytes);
+    if (!h->arena)
+        return loom_err_set(err, LOOM_ERR_NOMEM,
+                            "--kv-offloading-size: out of host memory for %d KV blocks of %zu bytes (%.2f GB)",
+                            n_slots, span, (double)bytes / 1e9);
+    h->hash = loom_xcalloc((size_t)n_slots, sizeof *h->hash);
+    h->n_slots = n_slots;
+    h->span = span;
+    LOOM_INFO("KV offload: host tier of %d blocks of %zu bytes (%.2f GB%s)", n_slots, span, (double)bytes / 1e9,
+              loom_backend_kind(h->be) == LOOM_DEVICE_CUDA ? ", pinned" : "");
+    return LOOM_OK;
+}
+
+loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, const int32_t *save_blocks,
+                                const uint64_t *save_hashes, const int32_t *save_slots, size_t n_save,
+                                const int32_t *load_blocks, const uint64_t *load_hashes, const int32_t *load_slots,
+                                size_t n_load, loom_err_t *err) {
+    if (!n_save && !n_load) return LOOM_OK;
+    if (!h->n_slots)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the plan moves KV blocks to host slots but this worker "
+                                                            "has no host tier");
+    for (size_t i = 0; i < n_save; i++)
+        if (save_slots[i] < 0 || save_slots[i] >= h->n_slots)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV save %zu: host slot %d out of range (%d slots)", i,
+                                save_slots[i], h->n_slots);
+    /* what the slots hold once the saves are done: each load must name it */
+    for (size_t i = 0; i < n_load; i++) {
+        int s = load_slots[i];
+        uint64_t held = s >= 0 && s < h->n_slots ? h->hash[s] : 0;
+        for (size_t j = 0; j < n_save; j++)
+            if (save_slots[j] == s) held = save_hashes[j];
+        if (s < 0 || s >= h->n_slots || held != load_hashes[i] || !load_hashes[i])
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV block %016llx: host slot %d holds %016llx, not it",
+                                (unsigned long long)load_hashes[i], s, (unsigned long long)held);
+    }
+    loom_backend_xfer_begin(h->be);
+    for (size_t i = 0; i < n_save; i++) {
+        loom_model_kv_block_xfer(m, save_blocks[i], h->arena + (size_t)save_slots[i] * h->span, 1);
+        h->hash[save_slots[i]] = save_hashes[i];
+    }
+    for (size_t i = 0; i < n_load; i++)
+        loom_model_kv_block_xfer(m, load_blocks[i], h->arena + (size_t)load_slots[i] * h->span, 0);
+    loom_backend_xfer_end(h->be);
+    return LOOM_OK;
+}
