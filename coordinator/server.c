@@ -229,6 +229,22 @@ static int reply_error(loom_server_t *s, const void *rid, size_t rid_len, uint64
     return loom_zapi_reply_error(s->api, rid, rid_len, request_id, code, msg);
 }
 
+/* A LoRA load or unload answered: vLLM's text on success, else the error. */
+static void reply_lora_adapter(loom_server_t *s, const void *rid, size_t rid_len, uint64_t request_id,
+                               loom_status_t st, const char *msg) {
+    if (st != LOOM_OK) {
+        reply_error(s, rid, rid_len, request_id, st, msg);
+        return;
+    }
+    Loom__V1__LoraAdapterReply la = LOOM__V1__LORA_ADAPTER_REPLY__INIT;
+    la.message = (char *)msg;
+    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
+    r.request_id = request_id;
+    r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
+    r.lora_adapter = &la;
+    send_reply(s, rid, rid_len, &r);
+}
+
 /* ---- requests ------------------------------------------------------------------- */
 
 static void prep_unlink(loom_server_t *s, preparing_t *p) {
@@ -1496,17 +1512,7 @@ static void on_lora_update(loom_server_t *s, const void *rid, size_t rid_len, Lo
             loom_lora_reactor_forget(s->lora, name, msg, sizeof msg);
         }
     }
-    if (st != LOOM_OK) {
-        reply_error(s, rid, rid_len, rq->request_id, st, msg);
-        return;
-    }
-    Loom__V1__LoraAdapterReply la = LOOM__V1__LORA_ADAPTER_REPLY__INIT;
-    la.message = msg;
-    Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
-    r.request_id = rq->request_id;
-    r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
-    r.lora_adapter = &la;
-    send_reply(s, rid, rid_len, &r);
+    reply_lora_adapter(s, rid, rid_len, rq->request_id, st, msg);
 }
 
 static void lora_loading_unlink(loom_server_t *s, lora_loading_t *l) {
@@ -1525,17 +1531,7 @@ static void lora_loads_done(loom_server_t *s) {
             char msg[1100];
             lora_loading_unlink(s, l);
             loom_status_t st = loom_lora_reactor_load_end(s->lora, j, msg, sizeof msg);
-            if (st != LOOM_OK) {
-                reply_error(s, l->rid, l->rid_len, l->request_id, st, msg);
-            } else {
-                Loom__V1__LoraAdapterReply la = LOOM__V1__LORA_ADAPTER_REPLY__INIT;
-                la.message = msg;
-                Loom__V1__Reply r = LOOM__V1__REPLY__INIT;
-                r.request_id = l->request_id;
-                r.body_case = LOOM__V1__REPLY__BODY_LORA_ADAPTER;
-                r.lora_adapter = &la;
-                send_reply(s, l->rid, l->rid_len, &r);
-            }
+            reply_lora_adapter(s, l->rid, l->rid_len, l->request_id, st, msg);
             free(l);
         } /* else abandoned at shutdown: nothing registered */
         loom_prep_job_free(&j);
