@@ -35,10 +35,10 @@ def ensure_model(path):
     return path
 
 
-def launch(model, tp, pp, threads, run_dir, worker_args=()):
+def launch(model, tp, pp, threads, run_dir, worker_args=(), launch_args=()):
     port = harness.free_port_pair()
     cmd = [LAUNCH, "--model", model, "--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--port", str(port),
-           "--run-dir", run_dir, "--bin", harness.BIN]
+           "--run-dir", run_dir, "--bin", harness.BIN] + list(launch_args)
     for a in worker_args:
         cmd += ["--worker-arg", a]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

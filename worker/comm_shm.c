@@ -27,11 +27,21 @@
  * Link protocol: head counts messages written, tail messages taken. The sender
  * waits for head - tail < 4, the receiver for head != tail.
  *
- * Waiting: spin ~2 µs (loom_comm_spin_ns), then FUTEX_WAIT (shared, not
- * PRIVATE) in slices of 50 ms. Between slices a waiter checks its own abort
- * flag, the abort word of every segment it maps, the deadline (timeout_ms),
- * and whether the process it waits for still exists or has left (destroy).
- * A publisher skips FUTEX_WAKE while the segment's sleeper count is 0.
+ * Waiting: spin, then FUTEX_WAIT (shared, not PRIVATE) in slices of 50 ms.
+ * A decode all-reduce mostly waits tens of µs for the other rank to finish
+ * its half of the layer; a futex sleep there costs the waiter its wake-up
+ * (~70 µs in a VM, docs/data-plane.md) and the publisher a FUTEX_WAKE (~35
+ * µs), which a fixed 2 µs spin paid in nearly every all-reduce. A long spin
+ * loses where the cores are shared: with other jobs, the peer is descheduled
+ * for milliseconds and the spinner burns its own share of its core; with
+ * the peer on the same core, the spin holds off the very peer it waits for.
+ * So a waiter spins 100 µs (loom_comm_spin_ns) while most of those spins
+ * catch the peer, and 2 µs once most run out (spin_learn); every 64th wait
+ * spins long again to find out whether they would catch it. Between slices
+ * a waiter checks its own abort flag, the abort word of every segment it
+ * maps, the deadline (timeout_ms), and whether the process it waits for
+ * still exists or has left (destroy). A publisher skips FUTEX_WAKE while the
+ * segment's sleeper count is 0.
  *
  * Failure: loom_comm_abort sets the local flag and the abort word of each of
  * this comm's segments and wakes every futex word. A waiter that finds a
@@ -60,6 +70,9 @@
 #define SHM_RING              4                     /* pipeline messages in flight per link */
 #define SHM_CREATE_DEFAULT_MS 30000
 #define SHM_MAX_BYTES         ((size_t)1 << 40)
+#define SHM_SPIN_DEFAULT_NS   100000 /* a waiter's longest spin ($LOOM_COMM_SPIN_US) */
+#define SHM_SPIN_MIN_NS       2000   /* its shortest, while most long spins run out */
+#define SHM_SPIN_MISSES       4      /* spin_learn's score from which spins are short */
 
 enum { OP_ALLREDUCE = 1, OP_GATHER = 2, OP_BARRIER = 3 };
 
@@ -123,8 +136,10 @@ typedef struct shm_seg {
 typedef struct loom_comm_shm {
     loom_comm_t base;
     atomic_int aborted;
-    int timeout_ms; /* per call; 0 = none */
-    uint64_t spin_ns;
+    int timeout_ms;         /* per call; 0 = none */
+    uint64_t spin_ns;       /* the longest spin */
+    atomic_int spin_score;  /* long spins that ran out minus those that caught, of late */
+    _Atomic uint32_t waits; /* short-spin waits, for the periodic longest spin */
     uint64_t pidns;
     size_t stride; /* bytes between slots: max_bytes rounded up to 64 */
 
@@ -211,19 +226,26 @@ static int peer_alive(const loom_comm_shm_t *c, const shm_seg_t *s, int j) {
     return paren[2] != 'Z' && paren[2] != 'X';
 }
 
-/* Waits until *w has reached target. peer is the member expected to move it
- * (-1: anyone); what names the wait in messages. */
-static loom_status_t shm_wait(loom_comm_shm_t *c, const shm_seg_t *s, _Atomic uint32_t *w,
-                              uint32_t target, int peer, uint64_t deadline, const char *what,
-                              loom_err_t *err) {
-    if (loom_comm_reached(atomic_load_explicit(w, memory_order_acquire), target)) return LOOM_OK;
-    uint64_t t0 = loom_now_ns();
-    for (unsigned i = 1;; i++) {
-        loom_comm_cpu_relax();
-        if (loom_comm_reached(atomic_load_explicit(w, memory_order_acquire), target))
-            return LOOM_OK;
-        if ((i & 31) == 0 && loom_now_ns() - t0 >= c->spin_ns) break;
-    }
+/* Scores a long spin: -1 when it caught the peer, +1 when it ran out, kept
+ * in [0, 2 * SHM_SPIN_MISSES]. While the score is under SHM_SPIN_MISSES (more
+ * catches than misses of late) a waiter spins the longest, else the
+ * shortest: past half the spins running out, spinning costs more CPU than
+ * the wake-ups it saves (the peer is descheduled, or needs this very core).
+ * A probe that catches the peer puts the long spins back on trial. */
+static void spin_learn(loom_comm_shm_t *c, int caught) {
+    int score = atomic_load_explicit(&c->spin_score, memory_order_relaxed);
+    if (caught)
+        score = score >= SHM_SPIN_MISSES ? SHM_SPIN_MISSES - 1 : LOOM_MAX(0, score - 1);
+    else
+        score = LOOM_MIN(2 * SHM_SPIN_MISSES, score + 1);
+    atomic_store_explicit(&c->spin_score, score, memory_order_relaxed);
+}
+
+/* shm_wait past its spin: FUTEX_WAIT in slices, checking for aborts, the
+ * deadline and the peer's death between them. */
+static loom_status_t shm_sleep(loom_comm_shm_t *c, const shm_seg_t *s, _Atomic uint32_t *w,
+                               uint32_t target, int peer, uint64_t deadline, const char *what,
+                               loom_err_t *err) {
     uint64_t last_check = loom_now_ns();
     for (;;) {
         LOOM_CHECK(shm_check(c, err));
@@ -250,6 +272,30 @@ static loom_status_t shm_wait(loom_comm_shm_t *c, const shm_seg_t *s, _Atomic ui
         if (loom_comm_reached(atomic_load_explicit(w, memory_order_acquire), target))
             return LOOM_OK;
     }
+}
+
+/* Waits until *w has reached target. peer is the member expected to move it
+ * (-1: anyone); what names the wait in messages. */
+static loom_status_t shm_wait(loom_comm_shm_t *c, const shm_seg_t *s, _Atomic uint32_t *w,
+                              uint32_t target, int peer, uint64_t deadline, const char *what,
+                              loom_err_t *err) {
+    if (loom_comm_reached(atomic_load_explicit(w, memory_order_acquire), target)) return LOOM_OK;
+    uint64_t t0 = loom_now_ns(), spin = c->spin_ns;
+    /* Every 64th wait spins the longest whatever the score, so a spin cut
+     * short by a bad stretch comes back once waits are short again. */
+    if (atomic_load_explicit(&c->spin_score, memory_order_relaxed) >= SHM_SPIN_MISSES &&
+        (atomic_fetch_add_explicit(&c->waits, 1, memory_order_relaxed) & 63) != 63)
+        spin = LOOM_MIN(spin, SHM_SPIN_MIN_NS);
+    for (unsigned i = 1;; i++) {
+        loom_comm_cpu_relax();
+        if (loom_comm_reached(atomic_load_explicit(w, memory_order_acquire), target)) {
+            if (spin > SHM_SPIN_MIN_NS) spin_learn(c, 1);
+            return LOOM_OK;
+        }
+        if ((i & 31) == 0 && loom_now_ns() - t0 >= spin) break;
+    }
+    if (spin > SHM_SPIN_MIN_NS) spin_learn(c, 0);
+    return shm_sleep(c, s, w, target, peer, deadline, what, err);
 }
 
 /* Stores v into *w and wakes its sleepers, if the segment has any. The
@@ -578,7 +624,8 @@ loom_status_t loom_comm_shm_create(const loom_comm_config_t *cfg, loom_comm_t **
     loom_comm_base_init(&c->base, &shm_ops, cfg);
     atomic_init(&c->aborted, 0);
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 0;
-    c->spin_ns = loom_comm_spin_ns();
+    c->spin_ns = loom_comm_spin_ns(SHM_SPIN_DEFAULT_NS);
+    atomic_init(&c->spin_score, 0);
     c->pidns = pid_namespace();
     c->stride = align_up(cfg->max_bytes ? cfg->max_bytes : 1, 64);
     c->srcs = loom_xcalloc((size_t)cfg->tp_size, sizeof *c->srcs);

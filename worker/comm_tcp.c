@@ -1205,7 +1205,7 @@ loom_status_t loom_comm_tcp_create(const loom_comm_config_t *cfg, loom_comm_t **
     loom_comm_base_init(&c->base, &tcp_ops, cfg);
     atomic_init(&c->aborted, 0);
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 0;
-    c->spin_ns = loom_comm_spin_ns();
+    c->spin_ns = loom_comm_spin_ns(2000);
     c->tp = loom_xcalloc((size_t)cfg->tp_size, sizeof *c->tp);
     for (int r = 0; r < cfg->tp_size; r++) {
         c->tp[r].fd = -1;

@@ -42,14 +42,14 @@ void loom_comm_futex_wake(_Atomic uint32_t *word) {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-uint64_t loom_comm_spin_ns(void) {
+uint64_t loom_comm_spin_ns(uint64_t default_ns) {
     const char *e = getenv("LOOM_COMM_SPIN_US");
     if (e && *e) {
         char *end;
         long us = strtol(e, &end, 10);
         if (*end == '\0' && us >= 0 && us <= 1000000) return (uint64_t)us * 1000;
     }
-    return 2000;
+    return default_ns;
 }
 
 void loom_comm_sum_ranks(float *out, const float *const *src, int n_src, int64_t n) {

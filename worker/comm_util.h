@@ -41,10 +41,9 @@ static inline void loom_comm_cpu_relax(void) {
 #endif
 }
 
-/* How long a waiter spins before it sleeps: $LOOM_COMM_SPIN_US or 2 µs. Short
- * on purpose: workers may share cores, and a spinning waiter would take the
- * core from the very peer it waits for. */
-uint64_t loom_comm_spin_ns(void);
+/* How long a waiter spins before it sleeps: $LOOM_COMM_SPIN_US, else
+ * default_ns (each backend picks its own; see comm_shm.c and comm_tcp.c). */
+uint64_t loom_comm_spin_ns(uint64_t default_ns);
 
 /* out[i] = ((src[0][i] + src[1][i]) + src[2][i]) + ...: the rank-order sum,
  * bitwise the same on every rank. out may be one of the sources. */

@@ -90,10 +90,13 @@ def test_stream_survives_worker_loss():
     # tokens and continues: greedy output equal to an uninterrupted run
     model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
                       "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
-    expect = run_local(model, "Once upon a time", 400, extra=["--ignore-eos"])[1]
+    # 1200 tokens: 2x1 decodes this model at ~0.6 ms a step, so the stream
+    # is still running at the kill 0.4 s in
+    expect = run_local(model, "Once upon a time", 1200, extra=["--ignore-eos"])[1]
     with Cluster(model, 2, 1, coord_args=["--recovery-timeout-ms", "30000"]) as c:
-        proc = c.generate_async("Once upon a time", 400, extra=["--ignore-eos", "--timeout-ms", "30000"])
+        proc = c.generate_async("Once upon a time", 1200, extra=["--ignore-eos", "--timeout-ms", "30000"])
         time.sleep(0.4)
+        check(proc.poll() is None, "the stream ended before the kill")
         kill(c.pid("worker-1"))
         time.sleep(0.5)
         ctl = "tcp://127.0.0.1:%d" % (c.port + 1)
