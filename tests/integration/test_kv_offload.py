@@ -48,7 +48,9 @@
   tiers (tier="host" and tier="dir" hits), the directory's only through the
   host tier's evictions (written down from its slots); every later turn
   loads its prefix; a new replica (the host tier empty) on the directory
-  loads the first turns' blocks from it.
+  loads the first turns' blocks from it; with write-through the same
+  outputs, the host tier still filled by evictions; the same on a TP=2
+  grid and on two pipeline stages (a file per shard).
 - Bad flags are refused at start with a message naming them."""
 import glob
 import json
@@ -417,8 +419,45 @@ def test_host_tier_over_dir():
               and m2.get("loom_kv_offload_hits_total{tier=host}", 0) == 0,
               "after the restart the hits should come from the directory: %r" % m2)
         check(sum(r[4] for r in again) > 0, "no cached tokens after the restart: %r" % [r[4] for r in again])
+        # write-through: the directory gets each block as computed, the host tier as it leaves the pool
+        shutil.rmtree(tier)
+        os.mkdir(tier)
+        port = free_port()
+        with host_cluster(1, port, size, extra=["--kv-offloading-dir", tier, "--kv-offloading-write-through"]):
+            through = run_conversations(port)
+            m3 = host_metrics(port)
+        check_same_text(base, through, "host tier over the directory, write-through")
+        check(m3.get("loom_kv_offload_saves_total{tier=host}", 0) > 6
+              and m3.get("loom_kv_offload_hits_total{tier=host}", 0) > 0
+              and m3.get("loom_kv_offload_saves_total{tier=dir}", 0) >= len(glob.glob(os.path.join(tier, "*.kvb"))) > 0,
+              "write-through: %r" % m3)
+        check_later_turns_loaded(through, base, "host tier over the directory, write-through")
     finally:
         shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_host_tier_over_dir_grids():
+    # TP=2 and two pipeline stages: each worker spills its own shard's file from its own arena
+    size = "%.9f" % (6.5 * 20480 / 2 ** 30)
+    for tp, pp in ((2, 1), (1, 2)):
+        what = "host tier over the directory, tp %d pp %d" % (tp, pp)
+        tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+        try:
+            port = free_port()
+            with tier_cluster(tp, port, pp=pp):
+                base = run_conversations(port)
+            port = free_port()
+            with tier_cluster(tp, port, pp=pp, extra=["--kv-offloading-size", size, "--kv-offloading-dir", tier]):
+                first = run_conversations(port)
+                m = host_metrics(port)
+            check_same_text(base, first, what)
+            check(m.get("loom_kv_offload_hits_total{tier=host}", 0) > 0
+                  and m.get("loom_kv_offload_hits_total{tier=dir}", 0) > 0, "%s: %r" % (what, m))
+            check_later_turns_loaded(first, base, what)
+            shards = sorted({f.rsplit("-", 1)[1] for f in glob.glob(os.path.join(tier, "*.kvb"))})
+            check(shards == ["%d.kvb" % r for r in range(tp * pp)], "%s: block files of shards %r" % (what, shards))
+        finally:
+            shutil.rmtree(tier, ignore_errors=True)
 
 
 def test_dir_tier_unwritable():
@@ -685,6 +724,6 @@ def test_router_pd():
 
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded,
-               test_host_tier_over_dir, test_dir_tier,
+               test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
                test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
                test_flags])
