@@ -46,6 +46,16 @@ int loom_kv_connector_offer(loom_kv_connector_t *c, uint64_t hash) {
     return c && c->ops->offer && c->ops->offer(c, hash) > 0;
 }
 
+int loom_kv_connector_evict(loom_kv_connector_t *c, uint64_t hash, uint64_t *spill) {
+    *spill = 0;
+    if (!c) return 0;
+    if (c->ops->evict) {
+        int to = c->ops->evict(c, hash, spill);
+        return to == 1 || to == 2 ? to : 0;
+    }
+    return !c->write_through && loom_kv_connector_offer(c, hash);
+}
+
 int loom_kv_connector_has_slots(const loom_kv_connector_t *c) { return c && c->ops->plan; }
 
 void loom_kv_connector_plan(loom_kv_connector_t *c, const uint64_t *save, int n_save, int32_t *save_slot,
@@ -56,6 +66,8 @@ void loom_kv_connector_plan(loom_kv_connector_t *c, const uint64_t *save, int n_
 
 void loom_kv_connector_destroy(loom_kv_connector_t **c) {
     if (!c || !*c) return;
+    loom_kv_connector_t *lower = (*c)->lower;
     if ((*c)->ops->destroy) (*c)->ops->destroy(*c);
     *c = NULL;
+    loom_kv_connector_destroy(&lower);
 }

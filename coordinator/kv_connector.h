@@ -34,6 +34,11 @@ typedef struct loom_kv_conn_req {
 
 typedef struct loom_kv_connector loom_kv_connector_t;
 
+/* A move's slot in the plan (kv_*_slots), besides a host slot >= 0: the
+ * lower tier's (the directory below the host tier), or a save dropped. */
+#define LOOM_KV_SLOT_LOWER (-1)
+#define LOOM_KV_SLOT_DROP (-2)
+
 typedef struct loom_kv_connector_ops {
     /* get_num_new_matched_tokens: tokens beyond the n_local the prefix
      * cache holds that the connector can supply (whole blocks); *async 1
@@ -54,11 +59,18 @@ typedef struct loom_kv_connector_ops {
      * or was just computed (write-through): 1 when the workers should save
      * it (the tier lacks it), 0 when not. */
     int (*offer)(loom_kv_connector_t *c, uint64_t hash);
+    /* A cached block is leaving the pool (write-back, also with
+     * write_through: optional, NULL is offer unless write_through): 0 no
+     * save, 1 a save into the tier, 2 a save into its lower tier. *spill
+     * (0: none) is a block the tier gives up for it, to be written from the
+     * tier to the lower one first (a save with block -1 before it). */
+    int (*evict)(loom_kv_connector_t *c, uint64_t hash, uint64_t *spill);
     /* build_connector_meta (optional): the step's moves are planned (in
      * the order the workers do them: saves, loads, saves after the
-     * layers); fills each one's slot in the connector's storage, -1 for a
-     * save it no longer wants (its slot went to a later block of the same
-     * step). Called once per planned step, in plan order; what match and
+     * layers); fills each one's slot in the connector's storage,
+     * LOOM_KV_SLOT_LOWER for a move of the lower tier, LOOM_KV_SLOT_DROP
+     * for a save it no longer wants (its slot went to a later block of the
+     * same step). Called once per planned step, in plan order; what match and
      * offer held for the step is released. NULL: the moves need no slots. */
     void (*plan)(loom_kv_connector_t *c, const uint64_t *save, int n_save, int32_t *save_slot, const uint64_t *load,
                  int n_load, int32_t *load_slot, const uint64_t *after, int n_after, int32_t *after_slot);
@@ -70,6 +82,7 @@ struct loom_kv_connector {
     const char *tier; /* the kv_events "tier": "host", "dir", "remote" */
     loom_kv_load_policy_t load_policy;
     int write_through; /* offer blocks as they are computed, not only as they leave the pool */
+    loom_kv_connector_t *lower; /* the tier below (the directory under the host tier; NULL: none); owned */
 };
 
 /* The checked entry points: NULL c is the no-connector case. match's
@@ -81,6 +94,8 @@ void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_re
 int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
                                int n_blocks, char **kv_transfer_params);
 int loom_kv_connector_offer(loom_kv_connector_t *c, uint64_t hash);
+/* ops->evict, or offer unless write_through; *spill 0 when none. */
+int loom_kv_connector_evict(loom_kv_connector_t *c, uint64_t hash, uint64_t *spill);
 /* Whether the connector's moves carry slots (ops->plan). */
 int loom_kv_connector_has_slots(const loom_kv_connector_t *c);
 void loom_kv_connector_plan(loom_kv_connector_t *c, const uint64_t *save, int n_save, int32_t *save_slot,

@@ -13,7 +13,12 @@
 
 #include "coordinator/kv_connector.h"
 
-loom_kv_connector_t *loom_kv_host_connector_create(void);
+/* lower: the tier below it (the directory: tier 2), owned, or NULL. With
+ * one, a block the host tier gives up goes down to it (a spill: the slot
+ * is written out by the step that reuses it, before the save into it),
+ * match continues in it after the host tier's run, the loads it answers
+ * have slot LOOM_KV_SLOT_LOWER, and write-through (its flag) goes to it. */
+loom_kv_connector_t *loom_kv_host_connector_create(loom_kv_connector_t *lower);
 /* The grid it serves (each epoch): n slots, all empty (the workers' arenas
  * are new). 0: it matches and saves nothing. */
 void loom_kv_host_connector_set_slots(loom_kv_connector_t *c, int n_slots);
@@ -21,6 +26,9 @@ void loom_kv_host_connector_set_slots(loom_kv_connector_t *c, int n_slots);
 int loom_kv_host_connector_used(const loom_kv_connector_t *c);
 int loom_kv_host_connector_slots(const loom_kv_connector_t *c);
 /* The slot holding the block with this chain hash, -1 if none. */
+/* Blocks match asked of the lower tier beyond the host tier's run: those
+ * it had, and the miss each walk stopped at. */
+uint64_t loom_kv_host_connector_lower_queries(const loom_kv_connector_t *c);
 int loom_kv_host_connector_slot_of(const loom_kv_connector_t *c, uint64_t hash);
 
 #endif

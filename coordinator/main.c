@@ -263,7 +263,7 @@ int main(int argc, char **argv) {
         {"kv-offloading-size", LOOM_OPT_FLOAT, &host_gib, "GiB",
          "the host-memory tier below the KV pool (vLLM's flag): GiB of host memory each worker keeps for "
          "full blocks leaving the pool (pinned on CUDA); a prompt whose prefix is there loads it instead of "
-         "computing it (default off)",
+         "computing it; with --kv-offloading-dir it is tier 1 and the directory tier 2 (default off)",
          0.000001, 1e6, NULL},
         {"kv-offloading-backend", LOOM_OPT_STR, &offload_backend, "native",
          "the host tier's implementation (vLLM's flag): native, the only one (lmcache is not available)", 1, 0,
@@ -515,11 +515,6 @@ int main(int argc, char **argv) {
         return 2;
     }
     c.kv_offload_host_bytes = (uint64_t)((double)host_gib * 1073741824.0);
-    if (c.kv_offload_host_bytes && c.kv_offload_dir) {
-        fprintf(stderr, "error: --kv-offloading-size (the host tier) and --kv-offloading-dir (the directory tier) "
-                        "cannot be used together yet: give one of them\n");
-        return 2;
-    }
     if (c.kv_offload_host_bytes && !c.prefix_cache) {
         fprintf(stderr, "error: --kv-offloading-size needs the prefix cache (its blocks are named by it)\n");
         return 2;

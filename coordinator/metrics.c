@@ -486,15 +486,28 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     counter(&o, m->lbl, "loom_kv_fork_tokens_total", "Prompt tokens taken over from the fork's leader.",
             st->kv_fork_tokens);
     if (st->kv_offload) {
-        char tl[sizeof m->lbl + 32];
-        snprintf(tl, sizeof tl, "%s,tier=\"%s\"", m->lbl, st->kv_offload_tier);
-        counter(&o, tl, "loom_kv_offload_queries_total",
-                "Full prompt blocks beyond the prefix cache's hit asked of the KV offload tier.",
-                st->kv_offload_queries);
-        counter(&o, tl, "loom_kv_offload_hits_total", "Blocks loaded from the KV offload tier.",
-                st->kv_offload_hits);
-        counter(&o, tl, "loom_kv_offload_saves_total", "Blocks sent to the KV offload tier.",
-                st->kv_offload_saves);
+        /* one series per tier: the tier, and the directory below the host tier */
+        char tl[2][sizeof m->lbl + 32];
+        snprintf(tl[0], sizeof tl[0], "%s,tier=\"%s\"", m->lbl, st->kv_offload_tier);
+        snprintf(tl[1], sizeof tl[1], "%s,tier=\"dir\"", m->lbl);
+        int nt = st->kv_offload_lower ? 2 : 1;
+        const struct {
+            const char *name, *help;
+            uint64_t v[2];
+        } fam[] = {
+            {"loom_kv_offload_queries_total",
+             "Full prompt blocks beyond the prefix cache's hit asked of the KV offload tier.",
+             {st->kv_offload_queries, st->kv_lower_queries}},
+            {"loom_kv_offload_hits_total", "Blocks loaded from the KV offload tier.",
+             {st->kv_offload_hits, st->kv_lower_hits}},
+            {"loom_kv_offload_saves_total", "Blocks sent to the KV offload tier.",
+             {st->kv_offload_saves, st->kv_lower_saves}},
+        };
+        for (size_t f = 0; f < sizeof fam / sizeof fam[0]; f++) {
+            family(&o, fam[f].name, "counter", fam[f].help);
+            for (int t = 0; t < nt; t++)
+                loom_sbuf_printf(&o, "%s{%s} %llu\n", fam[f].name, tl[t], (unsigned long long)fam[f].v[t]);
+        }
         if (!strcmp(st->kv_offload_tier, "host")) {
             gauge(&o, m->lbl, "loom_kv_offload_host_blocks", "Blocks the host-memory KV tier holds (per worker).",
                   st->kv_host_used);

@@ -61,6 +61,8 @@ typedef struct loom_metrics_state {
     uint64_t kv_offload_queries, kv_offload_hits, kv_offload_saves; /* in blocks */
     char kv_offload_tier[8];           /* the counters' tier label: "dir" or "host" */
     int kv_host_slots, kv_host_used;   /* the host tier's blocks per worker, and those it holds */
+    int kv_offload_lower;              /* the directory below the host tier: its counters, tier="dir" */
+    uint64_t kv_lower_queries, kv_lower_hits, kv_lower_saves;
     int grid_ready;
     /* speculative decoding (rendered only when spec_k > 0) */
     int spec_k;                /* most drafts per step (0: speculation off) */

@@ -453,9 +453,13 @@ static void xfer_push(int32_t **blk, uint64_t **hash, int *n, int *cap, int32_t 
     (*hash)[(*n)++] = h;
 }
 
-static void tier_saved(loom_sched_t *s, uint64_t hash) {
+/* A save planned; lower: into the connector's lower tier (the directory
+ * under the host tier). The observer (KV events) hears of the saves into
+ * the shared tier: the only one, or the lower one. */
+static void tier_saved(loom_sched_t *s, uint64_t hash, int lower) {
     s->stats.tier_saves++;
-    if (s->tier_obs) s->tier_obs(s->tier_obs_ctx, hash);
+    if (lower) s->stats.lower_saves++;
+    if (s->tier_obs && (lower || !s->conn->lower)) s->tier_obs(s->tier_obs_ctx, hash);
 }
 
 void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *ctx) {
@@ -464,13 +468,22 @@ void loom_sched_set_tier_observer(loom_sched_t *s, loom_sched_tier_fn fn, void *
 }
 
 /* The ledger is evicting a cached block for this micro-batch: write-back.
- * The save precedes, on every worker, whatever the step writes into it. */
+ * The save precedes, on every worker, whatever the step writes into it; a
+ * block the tier gives up for it (a spill, block -1) is written down to
+ * the lower tier just before. */
 static void on_evict(void *ctx, int block, uint64_t hash) {
     loom_sched_t *s = ctx;
     loom_microbatch_t *mb = s->building;
-    if (!mb || !s->conn || s->conn->write_through || !loom_kv_connector_offer(s->conn, hash)) return;
+    if (!mb || !s->conn) return;
+    uint64_t spill = 0;
+    int to = loom_kv_connector_evict(s->conn, hash, &spill);
+    if (spill) {
+        xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, -1, spill);
+        tier_saved(s, spill, 1);
+    }
+    if (!to) return;
     xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, block, hash);
-    tier_saved(s, hash);
+    tier_saved(s, hash, to == 2);
 }
 
 static void attach_ledger(loom_sched_t *s) { loom_kv_set_evict_hook(s->kv, on_evict, s); }
@@ -492,7 +505,7 @@ static void write_through(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq
         if (i < first || i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
         xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
                   h);
-        tier_saved(s, h);
+        tier_saved(s, h, s->conn->lower != NULL);
     }
 }
 
@@ -508,13 +521,13 @@ static void save_admitted(loom_sched_t *s, loom_microbatch_t *mb, const loom_seq
         if (i < q->n_dropped || !loom_kv_connector_offer(s->conn, h)) continue;
         xfer_push(&mb->save_after_block, &mb->save_after_hash, &mb->n_saves_after, &mb->cap_saves_after, q->blocks[i],
                   h);
-        tier_saved(s, h);
+        tier_saved(s, h, s->conn->lower != NULL);
     }
 }
 
 /* The step's moves get their slots (a connector with slots: the host
  * tier); a save whose slot a later one took is dropped (nothing will load
- * it). */
+ * it); a move of the lower tier keeps LOOM_KV_SLOT_LOWER. */
 static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
     if (!loom_kv_connector_has_slots(s->conn)) return;
     int need = LOOM_MAX(LOOM_MAX(mb->n_saves, mb->n_loads), LOOM_MAX(mb->n_saves_after, 1));
@@ -528,8 +541,9 @@ static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
                            mb->load_slot, mb->save_after_hash, mb->n_saves_after, mb->save_after_slot);
     int n = 0;
     for (int i = 0; i < mb->n_saves; i++) {
-        if (mb->save_slot[i] < 0) {
+        if (mb->save_slot[i] == LOOM_KV_SLOT_DROP) {
             s->stats.tier_saves--;
+            if (mb->save_block[i] < 0) s->stats.lower_saves--;
             continue;
         }
         mb->save_block[n] = mb->save_block[i];
@@ -539,8 +553,9 @@ static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
     mb->n_saves = n;
     n = 0;
     for (int i = 0; i < mb->n_saves_after; i++) {
-        if (mb->save_after_slot[i] < 0) {
+        if (mb->save_after_slot[i] == LOOM_KV_SLOT_DROP) {
             s->stats.tier_saves--;
+            if (s->conn->lower) s->stats.lower_saves--;
             continue;
         }
         mb->save_after_block[n] = mb->save_after_block[i];
@@ -548,7 +563,10 @@ static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
         mb->save_after_slot[n++] = mb->save_after_slot[i];
     }
     mb->n_saves_after = n;
-    for (int i = 0; i < mb->n_loads; i++) LOOM_ASSERT(mb->load_slot[i] >= 0); /* matched this step: pinned */
+    for (int i = 0; i < mb->n_loads; i++) {
+        LOOM_ASSERT(mb->load_slot[i] >= 0 || (s->conn->lower && mb->load_slot[i] == LOOM_KV_SLOT_LOWER));
+        if (mb->load_slot[i] < 0) s->stats.lower_hits++; /* a host slot's: matched this step, pinned */
+    }
 }
 
 /* Full blocks of q's prompt beyond its prefix-cache hit that the connector

@@ -761,24 +761,26 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 /* The host tier is the connector (not the directory's). */
 static int kv_host(const loom_server_t *s) { return s->kv_conn && !strcmp(s->kv_conn->tier, "host"); }
 
-/* The directory tier's connector, NULL when the tier is another. */
+/* The directory tier's connector (alone, or below the host tier), NULL
+ * when there is none. */
 static loom_kv_connector_t *kv_dir(const loom_server_t *s) {
-    return s->kv_conn && !strcmp(s->kv_conn->tier, "dir") ? s->kv_conn : NULL;
+    if (!s->kv_conn) return NULL;
+    loom_kv_connector_t *c = kv_host(s) ? s->kv_conn->lower : s->kv_conn;
+    return c && !strcmp(c->tier, "dir") ? c : NULL;
 }
 
 /* The tier serves this epoch's grid: the directory tier its identity and
  * shards, the host tier its slots (empty: the workers' arenas are new). */
 static void kv_tier_attach(loom_server_t *s, loom_grid_t *g) {
-    if (kv_host(s)) {
-        loom_kv_host_connector_set_slots(s->kv_conn, loom_grid_kv_host_slots(g));
-        loom_sched_set_connector(s->sched, s->kv_conn);
-        return;
+    if (kv_host(s)) loom_kv_host_connector_set_slots(s->kv_conn, loom_grid_kv_host_slots(g));
+    loom_kv_connector_t *dir = kv_dir(s);
+    if (dir) {
+        int n = loom_grid_n_slots(g);
+        uint64_t *bytes = loom_xmalloc((size_t)n * sizeof *bytes);
+        for (int i = 0; i < n; i++) bytes[i] = loom_grid_slot_kv_block_bytes(g, i);
+        loom_kv_dir_connector_set_grid(dir, loom_grid_kv_tier_id(g), n, bytes);
+        free(bytes);
     }
-    int n = loom_grid_n_slots(g);
-    uint64_t *bytes = loom_xmalloc((size_t)n * sizeof *bytes);
-    for (int i = 0; i < n; i++) bytes[i] = loom_grid_slot_kv_block_bytes(g, i);
-    loom_kv_dir_connector_set_grid(s->kv_conn, loom_grid_kv_tier_id(g), n, bytes);
-    free(bytes);
     loom_sched_set_connector(s->sched, s->kv_conn);
 }
 
@@ -810,7 +812,8 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
         if (s->draft) loom_coord_draft_attach(s->draft, s->sched);
     }
     if (s->kv_conn) kv_tier_attach(s, g);
-    loom_kv_events_set_tier(s->kv_events, kv_dir(s) ? loom_grid_kv_tier_id(g) : 0); /* a host tier is not shared */
+    /* a host tier is not shared; the directory under it is (its saves are the events') */
+    loom_kv_events_set_tier(s->kv_events, kv_dir(s) ? loom_grid_kv_tier_id(g) : 0);
     loom_kv_events_publish(s->kv_events, s->sched); /* observe the new ledger at once */
     LOOM_INFO("grid ready (epoch %llu): %d worker(s), %d KV blocks of %d tokens; serving %s on %s",
               (unsigned long long)loom_grid_epoch(g), loom_grid_n_slots(g), n_blocks, s->cfg.block_size,
@@ -1717,8 +1720,14 @@ static void publish_state(loom_server_t *s) {
             st.kv_host_used = loom_kv_host_connector_used(s->kv_conn);
         }
         st.kv_offload_queries = ss.tier_queries;
-        st.kv_offload_hits = ss.tier_hits;
-        st.kv_offload_saves = ss.tier_saves;
+        st.kv_offload_hits = ss.tier_hits - ss.lower_hits;
+        st.kv_offload_saves = ss.tier_saves - ss.lower_saves;
+        if (s->kv_conn && s->kv_conn->lower) { /* the directory below the host tier: its own series */
+            st.kv_offload_lower = 1;
+            st.kv_lower_queries = loom_kv_host_connector_lower_queries(s->kv_conn);
+            st.kv_lower_hits = ss.lower_hits;
+            st.kv_lower_saves = ss.lower_saves;
+        }
         set_spec_metrics(s, &st);
     } else {
         st.prefix_cache_queries = s->prefix_queries_base;
@@ -1963,11 +1972,15 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
             goto fail;
         }
         s->kv_conn = loom_kv_dir_connector_create(cfg->kv_offload_dir, cfg->kv_offload_write_through);
-        LOOM_INFO("KV offload: directory tier %s, at most %.2f GB, %s", cfg->kv_offload_dir,
-                  (double)cfg->kv_offload_max_bytes / 1e9, cfg->kv_offload_write_through ? "write-through" : "write-back");
-    } else if (cfg->kv_offload_host_bytes) {
-        s->kv_conn = loom_kv_host_connector_create();
-        LOOM_INFO("KV offload: host-memory tier, %.2f GB per worker, write-back", (double)cfg->kv_offload_host_bytes / 1e9);
+        LOOM_INFO("KV offload: directory tier %s, at most %.2f GB, %s%s", cfg->kv_offload_dir,
+                  (double)cfg->kv_offload_max_bytes / 1e9,
+                  cfg->kv_offload_write_through ? "write-through" : "write-back",
+                  cfg->kv_offload_host_bytes ? " (tier 2, below the host tier)" : "");
+    }
+    if (cfg->kv_offload_host_bytes) {
+        s->kv_conn = loom_kv_host_connector_create(s->kv_conn); /* above the directory, if any */
+        LOOM_INFO("KV offload: host-memory tier, %.2f GB per worker, write-back%s",
+                  (double)cfg->kv_offload_host_bytes / 1e9, s->kv_conn->lower ? " (tier 1, above the directory)" : "");
     }
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {

@@ -130,9 +130,6 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
     if (p->n_kv_save_blocks != p->n_kv_save_hashes || p->n_kv_load_blocks != p->n_kv_load_hashes)
         return loom_err_set(err, LOOM_ERR_FORMAT, "KV moves: %zu saves with %zu hashes, %zu loads with %zu hashes",
                             p->n_kv_save_blocks, p->n_kv_save_hashes, p->n_kv_load_blocks, p->n_kv_load_hashes);
-    for (size_t i = 0; i < p->n_kv_save_blocks; i++)
-        if (p->kv_save_blocks[i] < 0 || p->kv_save_blocks[i] >= lim->n_blocks)
-            return loom_err_set(err, LOOM_ERR_FORMAT, "KV save %zu: block %d out of range", i, p->kv_save_blocks[i]);
     if (p->n_kv_save_after_blocks != p->n_kv_save_after_hashes)
         return loom_err_set(err, LOOM_ERR_FORMAT, "KV moves: %zu saves after the step with %zu hashes",
                             p->n_kv_save_after_blocks, p->n_kv_save_after_hashes);
@@ -149,6 +146,11 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
         return loom_err_set(err, LOOM_ERR_FORMAT, "KV moves: host slots for %zu/%zu/%zu of %zu/%zu/%zu blocks",
                             p->n_kv_save_slots, p->n_kv_load_slots, p->n_kv_save_after_slots, p->n_kv_save_blocks,
                             p->n_kv_load_blocks, p->n_kv_save_after_blocks);
+    /* block -1: a host slot written down to the directory (a spill) */
+    for (size_t i = 0; i < p->n_kv_save_blocks; i++)
+        if (p->kv_save_blocks[i] >= lim->n_blocks || p->kv_save_blocks[i] < -1 ||
+            (p->kv_save_blocks[i] == -1 && (!p->n_kv_save_slots || p->kv_save_slots[i] < 0)))
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV save %zu: block %d out of range", i, p->kv_save_blocks[i]);
     if (p->n_embed_begin != p->n_embed_end || p->n_embed_begin > p->n_tokens)
         return loom_err_set(err, LOOM_ERR_FORMAT, "embedding ranges: %zu begins, %zu ends", p->n_embed_begin,
                             p->n_embed_end);

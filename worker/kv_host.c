@@ -33,35 +33,71 @@ loom_status_t loom_kv_host_config(loom_kv_host_t *h, loom_backend_t *be, const l
     return LOOM_OK;
 }
 
-loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, const int32_t *save_blocks,
-                                const uint64_t *save_hashes, const int32_t *save_slots, size_t n_save,
-                                const int32_t *load_blocks, const uint64_t *load_hashes, const int32_t *load_slots,
-                                size_t n_load, loom_err_t *err) {
+/* What slot s holds once the first n saves are done. */
+static uint64_t held_after(const loom_kv_host_t *h, int s, const int32_t *save_blocks, const uint64_t *save_hashes,
+                           const int32_t *save_slots, size_t n) {
+    uint64_t held = h->hash[s];
+    for (size_t j = 0; j < n; j++)
+        if (save_slots[j] == s && save_blocks[j] >= 0) held = save_hashes[j];
+    return held;
+}
+
+loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, loom_kv_offload_t *lower,
+                                const int32_t *save_blocks, const uint64_t *save_hashes, const int32_t *save_slots,
+                                size_t n_save, const int32_t *load_blocks, const uint64_t *load_hashes,
+                                const int32_t *load_slots, size_t n_load, loom_err_t *err) {
     if (!n_save && !n_load) return LOOM_OK;
-    if (!h->n_slots)
+    int has_lower = lower && lower->dir[0];
+    if (!h->n_slots && !has_lower)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the plan moves KV blocks to host slots but this worker "
                                                             "has no host tier");
-    for (size_t i = 0; i < n_save; i++)
-        if (save_slots[i] < 0 || save_slots[i] >= h->n_slots)
-            return loom_err_set(err, LOOM_ERR_FORMAT, "KV save %zu: host slot %d out of range (%d slots)", i,
-                                save_slots[i], h->n_slots);
+    for (size_t i = 0; i < n_save; i++) {
+        int s = save_slots[i];
+        if (s == -1 && save_blocks[i] >= 0 && has_lower) continue; /* a pool block straight to the directory */
+        if (s < 0 || s >= h->n_slots)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV save %zu: host slot %d out of range (%d slots%s)", i, s,
+                                h->n_slots, has_lower ? "" : ", no directory tier");
+        if (save_blocks[i] >= 0) continue;
+        /* a spill: the slot must hold its block at that point of the order */
+        uint64_t held = held_after(h, s, save_blocks, save_hashes, save_slots, i);
+        if (!has_lower || held != save_hashes[i] || !held)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV block %016llx: host slot %d holds %016llx, not it%s",
+                                (unsigned long long)save_hashes[i], s, (unsigned long long)held,
+                                has_lower ? "" : " (and no directory tier to write it to)");
+    }
     /* what the slots hold once the saves are done: each load must name it */
     for (size_t i = 0; i < n_load; i++) {
         int s = load_slots[i];
-        uint64_t held = s >= 0 && s < h->n_slots ? h->hash[s] : 0;
-        for (size_t j = 0; j < n_save; j++)
-            if (save_slots[j] == s) held = save_hashes[j];
+        if (s == -1 && has_lower) continue; /* from the directory */
+        uint64_t held = s >= 0 && s < h->n_slots ? held_after(h, s, save_blocks, save_hashes, save_slots, n_save) : 0;
         if (s < 0 || s >= h->n_slots || held != load_hashes[i] || !load_hashes[i])
             return loom_err_set(err, LOOM_ERR_FORMAT, "KV block %016llx: host slot %d holds %016llx, not it",
                                 (unsigned long long)load_hashes[i], s, (unsigned long long)held);
     }
-    loom_backend_xfer_begin(h->be);
+    /* in plan order: a spill reads its slot before a later save overwrites
+     * it. The directory tier needs the contiguous CPU pool, whose copies
+     * are synchronous memcpy: a spill reads what the saves before it wrote */
+    size_t span = loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)); /* h->span, also with no slots */
+    if (h->be) loom_backend_xfer_begin(h->be);
     for (size_t i = 0; i < n_save; i++) {
-        loom_model_kv_block_xfer(m, save_blocks[i], h->arena + (size_t)save_slots[i] * h->span, 1);
-        h->hash[save_slots[i]] = save_hashes[i];
+        int s = save_slots[i];
+        if (save_blocks[i] < 0) {
+            loom_kv_offload_put(lower, save_hashes[i], h->arena + (size_t)s * h->span, h->span);
+        } else if (s < 0) {
+            loom_kv_offload_put(lower, save_hashes[i], loom_model_kv_block_ptr(m, save_blocks[i]), span);
+        } else {
+            loom_model_kv_block_xfer(m, save_blocks[i], h->arena + (size_t)s * h->span, 1);
+            h->hash[s] = save_hashes[i];
+        }
     }
-    for (size_t i = 0; i < n_load; i++)
-        loom_model_kv_block_xfer(m, load_blocks[i], h->arena + (size_t)load_slots[i] * h->span, 0);
-    loom_backend_xfer_end(h->be);
-    return LOOM_OK;
+    loom_status_t st = LOOM_OK;
+    for (size_t i = 0; i < n_load && st >= 0; i++) {
+        if (load_slots[i] >= 0)
+            loom_model_kv_block_xfer(m, load_blocks[i], h->arena + (size_t)load_slots[i] * h->span, 0);
+        else
+            st = loom_kv_offload_get(lower, load_hashes[i], loom_model_kv_block_ptr(m, load_blocks[i]), span, err);
+    }
+    if (h->be) loom_backend_xfer_end(h->be);
+    if (has_lower) loom_kv_offload_trim(lower);
+    return st;
 }

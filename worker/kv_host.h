@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "worker/kv_offload.h"
 #include "worker/model.h"
 
 typedef struct loom_kv_host {
@@ -30,11 +31,17 @@ void loom_kv_host_free(loom_kv_host_t *h);
 
 /* The plan's saves (block -> slot) then loads (slot -> block), enqueued
  * in that order on the backend's transfer stream and ordered with the
- * compute stream (loom_backend_xfer_*). A slot out of range, or a load
- * whose slot does not hold its hash, is an error: the step must not run. */
-loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, const int32_t *save_blocks,
-                                const uint64_t *save_hashes, const int32_t *save_slots, size_t n_save,
-                                const int32_t *load_blocks, const uint64_t *load_hashes, const int32_t *load_slots,
-                                size_t n_load, loom_err_t *err);
+ * compute stream (loom_backend_xfer_*). With the directory below
+ * (lower, a configured tier; NULL or unset: none), in plan order too: a
+ * save with block -1 writes its slot to the directory (a spill, before a
+ * later save reuses the slot), a save or load with slot -1 goes straight
+ * between the pool and the directory. A slot out of range, a spill or
+ * load whose slot does not hold its hash at that point, a directory move
+ * without a directory, a directory load that fails: an error, the step
+ * must not run. */
+loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, loom_kv_offload_t *lower,
+                                const int32_t *save_blocks, const uint64_t *save_hashes, const int32_t *save_slots,
+                                size_t n_save, const int32_t *load_blocks, const uint64_t *load_hashes,
+                                const int32_t *load_slots, size_t n_load, loom_err_t *err);
 
 #endif

@@ -37,4 +37,12 @@ loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, 
 void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
                           size_t n);
 
+/* The directory as the host tier's lower tier (worker/kv_host.c): one
+ * block's span written from memory (a host slot or a pool block; a failure
+ * as for saves), read into memory (an error as for loads), and the bound
+ * kept once the step's moves are done. */
+void loom_kv_offload_put(loom_kv_offload_t *o, uint64_t hash, const void *src, size_t span);
+loom_status_t loom_kv_offload_get(loom_kv_offload_t *o, uint64_t hash, void *dst, size_t span, loom_err_t *err);
+void loom_kv_offload_trim(loom_kv_offload_t *o);
+
 #endif

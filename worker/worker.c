@@ -811,10 +811,10 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     size_t hidden_bytes = (size_t)n * (size_t)w->cfg.dim * sizeof(float);
     if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
         goto report;
-    if (p->n_kv_save_slots || p->n_kv_load_slots) { /* the host tier */
-        if ((s = loom_kv_host_step(&w->kv_host, w->model, p->kv_save_blocks, p->kv_save_hashes, p->kv_save_slots,
-                                   p->n_kv_save_slots, p->kv_load_blocks, p->kv_load_hashes, p->kv_load_slots,
-                                   p->n_kv_load_slots, &err)) < 0)
+    if (p->n_kv_save_slots || p->n_kv_load_slots) { /* the host tier (and the directory below it) */
+        if ((s = loom_kv_host_step(&w->kv_host, w->model, &w->kv_tier, p->kv_save_blocks, p->kv_save_hashes,
+                                   p->kv_save_slots, p->n_kv_save_slots, p->kv_load_blocks, p->kv_load_hashes,
+                                   p->kv_load_slots, p->n_kv_load_slots, &err)) < 0)
             goto report;
     } else if ((s = loom_kv_offload_step(&w->kv_tier, w->model, p->kv_save_blocks, p->kv_save_hashes,
                                          p->n_kv_save_blocks, p->kv_load_blocks, p->kv_load_hashes,

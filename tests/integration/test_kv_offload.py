@@ -42,6 +42,15 @@
   first turns hit nothing, nothing fails) and fills again; a tier smaller
   than the working set stays within its slots with the same outputs; the
   same on a TP=2 grid and on two pipeline stages.
+- Both tiers (--kv-offloading-size above --kv-offloading-dir): with a host
+  tier of 6 slots and the pool of 24 blocks, a working set larger than
+  both: greedy outputs equal the run without a tier; blocks load from both
+  tiers (tier="host" and tier="dir" hits), the directory's only through the
+  host tier's evictions (written down from its slots); every later turn
+  loads its prefix; a new replica (the host tier empty) on the directory
+  loads the first turns' blocks from it; with write-through the same
+  outputs, the host tier still filled by evictions; the same on a TP=2
+  grid and on two pipeline stages (a file per shard).
 - Bad flags are refused at start with a message naming them."""
 import glob
 import json
@@ -371,6 +380,86 @@ def test_host_tier_bounded():
     check(m.get("loom_kv_offload_saves_total{tier=host}", 0) > 12, "saves %r: the tier never wrapped" % m)
 
 
+def test_host_tier_over_dir():
+    size = "%.9f" % (6.5 * 20480 / 2 ** 30)  # 6 slots of stories260K's blocks
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    try:
+        port = free_port()
+        with tier_cluster(1, port):
+            base = run_conversations(port)
+            computed0, = counters(port, "loom_prompt_tokens_computed_total")
+        port = free_port()
+        with host_cluster(1, port, size, extra=["--kv-offloading-dir", tier]) as cl:
+            first = run_conversations(port)
+            computed1, = counters(port, "loom_prompt_tokens_computed_total")
+            m = host_metrics(port)
+            log = coordinator_log(cl)
+        check_same_text(base, first, "host tier over the directory")
+        hh, hd = m.get("loom_kv_offload_hits_total{tier=host}", 0), m.get("loom_kv_offload_hits_total{tier=dir}", 0)
+        sh, sd = m.get("loom_kv_offload_saves_total{tier=host}", 0), m.get("loom_kv_offload_saves_total{tier=dir}", 0)
+        check(hh > 0 and hd > 0, "hits: host %r, dir %r: %r" % (hh, hd, m))
+        # the directory gets blocks only as the host tier gives them up (no write-through)
+        check(sh > 6 and sd > 0, "saves: host %r (6 slots), dir %r" % (sh, sd))
+        check(m.get("loom_kv_offload_host_capacity_blocks") == 6 and 0 < m.get("loom_kv_offload_host_blocks", 0) <= 6,
+              "host tier: %r" % m)
+        check(m.get("loom_kv_offload_queries_total{tier=dir}", 0) > 0, "the directory never asked: %r" % m)
+        check(computed1 <= computed0 - (hh + hd) * B,
+              "%d prompt tokens computed with %d blocks loaded, %d without a tier" % (computed1, hh + hd, computed0))
+        check_later_turns_loaded(first, base, "host tier over the directory")
+        check("tier 1, above the directory" in log, "the start-up line: %r" % log[:2000])
+        files = glob.glob(os.path.join(tier, "*.kvb"))
+        check(len(files) == sd, "%d block files for %r saves to the directory" % (len(files), sd))
+        # a new replica: its host tier is empty, the directory is not
+        port = free_port()
+        with host_cluster(1, port, size, extra=["--kv-offloading-dir", tier]):
+            again = run_conversations(port, turns=1)
+            m2 = host_metrics(port)
+        check_same_text(base, again, "host tier over the directory, a new replica")
+        check(m2.get("loom_kv_offload_hits_total{tier=dir}", 0) > 0
+              and m2.get("loom_kv_offload_hits_total{tier=host}", 0) == 0,
+              "after the restart the hits should come from the directory: %r" % m2)
+        check(sum(r[4] for r in again) > 0, "no cached tokens after the restart: %r" % [r[4] for r in again])
+        # write-through: the directory gets each block as computed, the host tier as it leaves the pool
+        shutil.rmtree(tier)
+        os.mkdir(tier)
+        port = free_port()
+        with host_cluster(1, port, size, extra=["--kv-offloading-dir", tier, "--kv-offloading-write-through"]):
+            through = run_conversations(port)
+            m3 = host_metrics(port)
+        check_same_text(base, through, "host tier over the directory, write-through")
+        check(m3.get("loom_kv_offload_saves_total{tier=host}", 0) > 6
+              and m3.get("loom_kv_offload_hits_total{tier=host}", 0) > 0
+              and m3.get("loom_kv_offload_saves_total{tier=dir}", 0) >= len(glob.glob(os.path.join(tier, "*.kvb"))) > 0,
+              "write-through: %r" % m3)
+        check_later_turns_loaded(through, base, "host tier over the directory, write-through")
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+def test_host_tier_over_dir_grids():
+    # TP=2 and two pipeline stages: each worker spills its own shard's file from its own arena
+    size = "%.9f" % (6.5 * 20480 / 2 ** 30)
+    for tp, pp in ((2, 1), (1, 2)):
+        what = "host tier over the directory, tp %d pp %d" % (tp, pp)
+        tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+        try:
+            port = free_port()
+            with tier_cluster(tp, port, pp=pp):
+                base = run_conversations(port)
+            port = free_port()
+            with tier_cluster(tp, port, pp=pp, extra=["--kv-offloading-size", size, "--kv-offloading-dir", tier]):
+                first = run_conversations(port)
+                m = host_metrics(port)
+            check_same_text(base, first, what)
+            check(m.get("loom_kv_offload_hits_total{tier=host}", 0) > 0
+                  and m.get("loom_kv_offload_hits_total{tier=dir}", 0) > 0, "%s: %r" % (what, m))
+            check_later_turns_loaded(first, base, what)
+            shards = sorted({f.rsplit("-", 1)[1] for f in glob.glob(os.path.join(tier, "*.kvb"))})
+            check(shards == ["%d.kvb" % r for r in range(tp * pp)], "%s: block files of shards %r" % (what, shards))
+        finally:
+            shutil.rmtree(tier, ignore_errors=True)
+
+
 def test_dir_tier_unwritable():
     tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
     try:
@@ -579,7 +668,8 @@ def test_flags():
         (coord + ["--kv-offloading-size", "0"], "--kv-offloading-size expects a number"),
         (coord + ["--kv-offloading-size", "lots"], "--kv-offloading-size"),
         (coord + ["--kv-offloading-size", "1", "--no-prefix-cache"], "prefix cache"),
-        (coord + ["--kv-offloading-size", "1", "--kv-offloading-dir", tempfile.gettempdir()], "together"),
+        (coord + ["--kv-offloading-size", "1", "--kv-offloading-dir", tempfile.gettempdir(), "--no-prefix-cache"],
+         "prefix cache"),
         ([os.path.join(BIN, "loom"), "serve", STORIES, "--kv-offloading-size", "1", "--kv-offloading-backend",
           "lmcache"], "lmcache is not available"),
         (router + ["--replica", "tcp://127.0.0.1:1", "--prefill-replica", "tcp://127.0.0.1:2"], "--pd"),
@@ -633,6 +723,7 @@ def test_router_pd():
 
 
 if __name__ == "__main__":
-    run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded, test_dir_tier,
+    run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded,
+               test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
                test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
                test_flags])

@@ -4,11 +4,17 @@
  * blocks saved into host slots and loaded into other blocks hold the same
  * bytes, and a decode step reading the loaded blocks gives the same logits
  * as one reading the originals; a load naming a slot that holds another
- * block, a slot out of range and moves without a tier are refused. */
+ * block, a slot out of range and moves without a tier are refused; with
+ * the directory below (test_spill), a slot written down to it before a
+ * later save of the step reuses the slot, both loaded back in one step
+ * (one from the directory, one from the slot), and the same moves in the
+ * other order refused. */
 #include "worker/kv_host.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/model_config.h"
 #include "common/safetensors.h"
@@ -60,7 +66,7 @@ static void round_trip(int layer_major, loom_dtype_t kv) {
     CHECKF(loom_kv_host_config(&h, be, m, 4, &err) == LOOM_OK, "%s", err.msg);
     uint64_t hashes[3] = {0x11, 0x22, 0x33};
     int32_t slots[3] = {3, 0, 2};
-    CHECKF(loom_kv_host_step(&h, m, orig, hashes, slots, 3, moved, hashes, slots, 3, &err) == LOOM_OK, "%s",
+    CHECKF(loom_kv_host_step(&h, m, NULL, orig, hashes, slots, 3, moved, hashes, slots, 3, &err) == LOOM_OK, "%s",
            err.msg);
     /* the same bytes in the loaded blocks as in the originals */
     size_t span = loom_model_kv_block_bytes(m, BS);
@@ -81,17 +87,106 @@ static void round_trip(int layer_major, loom_dtype_t kv) {
     /* refusals: a slot holding another block, a slot out of range, no tier */
     uint64_t wrong = 0x22;
     int32_t blk = 4, slot = 3, far = 9;
-    CHECK(loom_kv_host_step(&h, m, NULL, NULL, NULL, 0, &blk, &wrong, &slot, 1, &err) == LOOM_ERR_FORMAT &&
+    CHECK(loom_kv_host_step(&h, m, NULL, NULL, NULL, NULL, 0, &blk, &wrong, &slot, 1, &err) == LOOM_ERR_FORMAT &&
           strstr(err.msg, "host slot 3"));
-    CHECK(loom_kv_host_step(&h, m, &blk, &wrong, &far, 1, NULL, NULL, NULL, 0, &err) == LOOM_ERR_FORMAT);
+    CHECK(loom_kv_host_step(&h, m, NULL, &blk, &wrong, &far, 1, NULL, NULL, NULL, 0, &err) == LOOM_ERR_FORMAT);
     /* a save and a load of one slot in one step: the load reads what the save wrote */
-    CHECK(loom_kv_host_step(&h, m, &blk, &wrong, &slot, 1, &blk, &wrong, &slot, 1, &err) == LOOM_OK);
+    CHECK(loom_kv_host_step(&h, m, NULL, &blk, &wrong, &slot, 1, &blk, &wrong, &slot, 1, &err) == LOOM_OK);
     loom_kv_host_free(&h);
-    CHECK(loom_kv_host_step(&h, m, &blk, &wrong, &slot, 1, NULL, NULL, NULL, 0, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(loom_kv_host_step(&h, m, NULL, &blk, &wrong, &slot, 1, NULL, NULL, NULL, 0, &err) ==
+          LOOM_ERR_INVALID_ARGUMENT);
     free(x);
     free(y);
     free(a);
     free(b);
+    loom_model_destroy(&m);
+    loom_backend_destroy(&be);
+}
+
+/* Whether blocks a and b of m hold the same bytes (and a some nonzero). */
+static int same_block(loom_model_t *m, int a, int b) {
+    size_t span = loom_model_kv_block_bytes(m, BS);
+    char *x = malloc(span), *y = malloc(span);
+    loom_model_kv_block_xfer(m, a, x, 1);
+    loom_model_kv_block_xfer(m, b, y, 1);
+    int nonzero = 0;
+    for (size_t j = 0; j < span; j++) nonzero |= x[j] != 0;
+    int same = nonzero && !memcmp(x, y, span);
+    free(x);
+    free(y);
+    return same;
+}
+
+static void test_spill(void) {
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
+                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
+    loom_backend_t *be = NULL;
+    loom_model_t *m = NULL;
+    loom_err_t err = {0};
+    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
+                              .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = LOOM_DT_F32};
+    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    if (!m) return;
+    int32_t toks[PROMPT];
+    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (g_cfg.vocab_size - 1);
+    float *logits = malloc((size_t)g_cfg.vocab_size * sizeof *logits);
+    int32_t orig[3] = {2, 5, 7};
+    step(m, toks, PROMPT, 0, orig, 3, logits);
+    char dir[] = "/tmp/loom_kv_spill_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    loom_kv_offload_t o;
+    CHECKF(loom_kv_offload_config(&o, m, dir, 0x77, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
+    loom_kv_host_t h = {0};
+    CHECKF(loom_kv_host_config(&h, be, m, 1, &err) == LOOM_OK, "%s", err.msg);
+    /* block 2 (0xA) into the only slot */
+    int32_t blk0 = 2, slot0 = 0;
+    uint64_t ha = 0xA, hb = 0xB;
+    CHECKF(loom_kv_host_step(&h, m, &o, &blk0, &ha, &slot0, 1, NULL, NULL, NULL, 0, &err) == LOOM_OK, "%s", err.msg);
+    /* the other order first: block 5 (0xB) into the slot, then the slot's
+     * 0xA down to the directory: refused (the slot holds 0xB by then) */
+    int32_t bad_blocks[2] = {5, -1}, bad_slots[2] = {0, 0};
+    uint64_t bad_hashes[2] = {0xB, 0xA};
+    CHECK(loom_kv_host_step(&h, m, &o, bad_blocks, bad_hashes, bad_slots, 2, NULL, NULL, NULL, 0, &err) ==
+              LOOM_ERR_FORMAT &&
+          strstr(err.msg, "holds"));
+    /* the plan's order: 0xA written down from the slot, then 0xB into it;
+     * loads: 0xA from the directory into block 0, 0xB from the slot into 1 */
+    int32_t save_blocks[2] = {-1, 5}, save_slots[2] = {0, 0};
+    uint64_t save_hashes[2] = {0xA, 0xB};
+    int32_t load_blocks[2] = {0, 1}, load_slots[2] = {-1, 0};
+    uint64_t load_hashes[2] = {0xA, 0xB};
+    CHECKF(loom_kv_host_step(&h, m, &o, save_blocks, save_hashes, save_slots, 2, load_blocks, load_hashes, load_slots,
+                             2, &err) == LOOM_OK,
+           "%s", err.msg);
+    CHECK(same_block(m, 2, 0) && same_block(m, 5, 1));
+    CHECK(h.hash[0] == hb);
+    /* a pool block straight to the directory (no slot free of pins), loaded back */
+    int32_t blk7 = 7, blk3 = 3, lower = -1;
+    uint64_t hc = 0xC;
+    CHECKF(loom_kv_host_step(&h, m, &o, &blk7, &hc, &lower, 1, &blk3, &hc, &lower, 1, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECK(same_block(m, 7, 3));
+    /* no slots (a size that holds no block) over the directory: its moves still run */
+    loom_kv_host_t none = {0};
+    int32_t blk2 = 2, blk6 = 6;
+    uint64_t hd = 0xD;
+    CHECKF(loom_kv_host_step(&none, m, &o, &blk2, &hd, &lower, 1, &blk6, &hd, &lower, 1, &err) == LOOM_OK, "%s",
+           err.msg);
+    CHECK(same_block(m, 2, 6));
+    CHECK(loom_kv_host_step(&none, m, &o, &blk2, &hd, &slot0, 1, NULL, NULL, NULL, 0, &err) == LOOM_ERR_FORMAT);
+    /* without a directory: the spill and the directory load are refused */
+    CHECK(loom_kv_host_step(&h, m, NULL, save_blocks, save_hashes, save_slots, 1, NULL, NULL, NULL, 0, &err) ==
+          LOOM_ERR_FORMAT);
+    CHECK(loom_kv_host_step(&h, m, NULL, NULL, NULL, NULL, 0, load_blocks, load_hashes, load_slots, 1, &err) ==
+          LOOM_ERR_FORMAT);
+    loom_kv_host_free(&h);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    free(logits);
     loom_model_destroy(&m);
     loom_backend_destroy(&be);
 }
@@ -112,6 +207,7 @@ int main(void) {
     RUN(test_layer_major);
     RUN(test_block_contiguous_int8);
     RUN(test_layer_major_int8);
+    RUN(test_spill);
     loom_st_close(&g_st);
     return test_summary();
 }

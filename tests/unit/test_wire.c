@@ -147,6 +147,23 @@ static void test_each_bad_field(void) {
     CHECKF(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_OK, "%s", err.msg);
     b.p.n_kv_load_slots = 2;
     CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "host slots"));
+    /* under the host tier, the directory: a spill (save of block -1) names
+     * the slot it writes down; a load from the directory has slot -1 */
+    int32_t spill_blk[1] = {-1}, dir_slot[1] = {-1};
+    b.p.kv_save_blocks = spill_blk;
+    b.p.kv_load_slots = dir_slot;
+    b.p.n_kv_load_slots = 1;
+    CHECKF(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_OK, "%s", err.msg);
+    b.p.kv_save_slots = dir_slot; /* a spill from no slot */
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "KV save 0"));
+    b.p.n_kv_load_slots = b.p.n_kv_save_slots = 0; /* a spill without slots */
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "KV save 0"));
+    spill_blk[0] = -2;
+    b.p.kv_save_slots = slot;
+    b.p.n_kv_save_slots = 1;
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "KV save 0"));
+    b.p.kv_save_blocks = blk;
+    b.p.kv_load_slots = slot;
     b.p.n_kv_load_slots = b.p.n_kv_save_slots = 0;
     b.p.n_kv_load_blocks = 0;
     b.p.n_kv_save_hashes = 0;
