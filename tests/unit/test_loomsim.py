@@ -7,7 +7,11 @@ seed gives the same run; bursty arrivals raise p99 over Poisson at the same
 mean rate; the prefix index matches leading blocks as router/prefix_index.c;
 the session policy keeps a conversation on one replica; a shared directory
 tier raises the cached share of the prompts, and lowers TTFT when it reads
-faster than the replicas compute (raises it when slower)."""
+faster than the replicas compute (raises it when slower); prefill/decode
+pools move each request through both and charge the KV transfer to its
+TTFT, keep long prefill chunks off the decode replicas, let short prompts
+skip the prefill pool; a host tier above the directory tier takes the
+pools' evictions and is read first; goodput counts what meets the SLO."""
 import os
 import sys
 
@@ -135,6 +139,148 @@ def test_tier():
           (fast["ttft_ms"]["p50"], none["ttft_ms"]["p50"], slow["ttft_ms"]["p50"]))
     check(len(sim.tier) <= 200000 and fast["completed"] == len(sim.requests),
           "the tier within its bound; every request finished")
+
+
+def pd_base(extra):
+    return ["--calib", "h200-8b", "--replicas", "4", "--pd", "1:1", "--workload", "random", "--rate", "1",
+            "--num-requests", "30", "--seed", "3"] + extra
+
+
+def test_pd_idle_ttft():
+    P = 1024
+    sim, r = run(pd_base(["--prompt-len", str(P), "--prompt-len-range", "0", "--output-len", "4",
+                          "--output-len-range", "0"]))
+    B, m = sim.B, sim.model
+    upto = (P - 1) // B
+    xfer = sim.a.kv_handshake_ms / 1e3 + upto * sim.block_bytes / sim.link_Bps
+    last = P - upto * B  # the decode side computes the last partial block itself
+    want = (2 * sim.route_lat + sim.req_overhead + m.time(P, P * (P + 1) // 2, 1, P) + xfer +
+            m.time(last, last * (P - last) + last * (last + 1) // 2, 1, P)) * 1e3
+    got = r["ttft_ms"]["p50"]
+    check(abs(got / want - 1) < 0.02 and xfer > 0.003,
+          "pd idle: TTFT p50 %.3f ms = prefill step + handoff + %d blocks at %g GB/s (%.2f ms) + decode step "
+          "= %.3f ms" % (got, upto, sim.a.kv_link_gbps, xfer * 1e3, want))
+    _, slow = run(pd_base(["--prompt-len", str(P), "--prompt-len-range", "0", "--output-len", "4",
+                           "--output-len-range", "0", "--kv-link-gbps", "5"]))
+    more = upto * sim.block_bytes * (1 / 5e9 - 1 / sim.link_Bps) * 1e3
+    check(abs(slow["ttft_ms"]["p50"] - got - more) < 0.05 * more,
+          "pd idle: a 5 GB/s link adds %.2f ms to TTFT (bytes / rate: %.2f ms)" %
+          (slow["ttft_ms"]["p50"] - got, more))
+
+
+def test_pd_pools():
+    argv = ["--calib", "h200-8b", "--replicas", "8", "--pd", "3:1", "--workload", "rag", "--policy", "prefix",
+            "--prefix-lambda", "0.02", "--rate", "240", "--duration", "6", "--warmup", "2", "--seed", "4"]
+    sim, r = run(argv)
+    k = sim.n_prefill
+    both = all(q.t_handoff is not None and q.t_arrive < q.t_handoff < q.t_first <= q.t_done and q.rep >= k
+               for q in sim.requests)
+    check(k == 6 and r["handoffs"] == len(sim.requests) and both,
+          "pd 3:1 of 8: 6 prefill replicas; each of %d requests prefilled there, then decoded on a decode "
+          "replica after it" % len(sim.requests))
+    pre = max(rep.max_chunk for rep in sim.reps[:k])
+    check(r["decode_max_chunk"] <= sim.B < pre and all(rep.steps for rep in sim.reps),
+          "the decode replicas' longest prefill chunk %d <= a block (%d); the prefill replicas' %d" %
+          (r["decode_max_chunk"], sim.B, pre))
+    check(r["kv_xfer_blocks"] > 0 and r["handoff_to_first_ms_mean"] > sim.a.kv_handshake_ms,
+          "%d blocks moved; handoff to first token %.2f ms > the %.1f ms handshake" %
+          (r["kv_xfer_blocks"], r["handoff_to_first_ms_mean"], sim.a.kv_handshake_ms))
+    # the same decode load a replica: 4 unified replicas against 4 prefill + 4 decode
+    argv = argv[:argv.index("--rate")] + ["--rate", "120", "--duration", "6", "--warmup", "2", "--seed", "4"]
+    _, pd = run(argv + ["--replicas", "8", "--prefill-replicas", "4"])
+    _, uni = run([x for x in argv if x not in ("--pd", "3:1")] + ["--replicas", "4"])
+    check(pd["tpot_ms"]["p50"] < 0.7 * uni["tpot_ms"]["p50"],
+          "rag at 30 req/s a decode replica: TPOT p50 4+4 pd %.1f ms < 0.7 x 4 unified %.1f ms (no prefill "
+          "chunks beside the decodes)" % (pd["tpot_ms"]["p50"], uni["tpot_ms"]["p50"]))
+
+
+def test_pd_bypass():
+    sim, r = run(pd_base(["--prompt-len", "64", "--prompt-len-range", "0.9", "--num-requests", "200",
+                          "--rate", "50"]))
+    k = sim.n_prefill
+    short = [q for q in sim.requests if q.n_prompt < 64]
+    long_ = [q for q in sim.requests if q.n_prompt >= 64]
+    check(len(short) > 20 and len(long_) > 20 and all(q.t_handoff is None and q.rep >= k for q in short) and
+          all(q.t_handoff is not None and q.rep >= k for q in long_) and r["handoffs"] == len(long_),
+          "pd: %d prompts under 64 tokens go straight to a decode replica, the %d others through a prefill "
+          "replica" % (len(short), len(long_)))
+    sim, r = run(pd_base(["--prompt-len", "32", "--prompt-len-range", "0", "--num-requests", "40"]))
+    check(r["handoffs"] == 0 and not any(rep.steps for rep in sim.reps[:sim.n_prefill]) and
+          r["completed"] == 40, "pd: with every prompt short, the prefill replicas take no step")
+
+
+def test_pd_conservation():
+    for pol in ("prefix", "session", "round-robin"):
+        sim, r = run(["--calib", "h200-8b", "--replicas", "8", "--pd", "1:3", "--policy", pol,
+                      "--workload", "multiturn", "--rate", "500", "--duration", "4", "--kv-blocks", "3000",
+                      "--host-tier-blocks", "500", "--tier-blocks", "20000", "--seed", "2"])
+        reqs = sim.requests
+        once = all(q.t_done is not None and q.t_handoff is not None and q.t_arrive <= q.t_first <= q.t_done
+                   for q in reqs)
+        ledgers = all(rep.private == 0 and rep.n_running == 0 and not rep.waiting and not rep.prefilling
+                      and rep.n_dec == 0 and len(rep.lru) == len(rep.cache) and len(rep.cache) <= rep.n_blocks
+                      and len(rep.host) <= 500 for rep in sim.reps)
+        router = not sim.inflight.any() and not sim.prompt_sum.any()
+        check(once and r["completed"] == len(reqs) == sim.completed == r["handoffs"] and ledgers and router and
+              r["host_tier_hit_blocks"] > 0,
+              "pd 1:3, %s, two tiers: %d requests, each handed off and finished once; ledgers and the router's "
+              "counts back to zero" % (pol, len(reqs)))
+
+
+def test_two_tiers():
+    sim = loomsim.Sim(loomsim.parser().parse_args(["--replicas", "1", "--kv-blocks", "64", "--host-tier-blocks",
+                                                   "2", "--tier-blocks", "10"]))
+    rep = sim.reps[0]
+    ch = loomsim.Chain(sim.B).extend(7, 8 * sim.B + 3)
+    h = ch.hashes
+    for x in h[:5]:  # cached, no reference: the pool evicts them oldest first
+        rep.cache[x] = 0
+        rep.lru[x] = None
+    for _ in range(4):
+        sim.kv_evict_one(rep)
+    check(list(rep.cache) == [h[4]] and list(rep.host) == [h[2], h[3]] and list(sim.tier) == [h[0], h[1]],
+          "evictions: the pool's go to host memory (2 blocks), the host's to the directory")
+    sim.tier[h[2]] = None  # in both: read from host
+    sim.tier[h[5]] = None
+    q = loomsim.Request(0, ch, 4, 0.0)
+    # no local hit (the pool has h4, not h0); then h0 h1 from the directory, h2 (in both) and h3 from host;
+    # the run of tiered blocks ends at h4, in no tier
+    ok = sim.try_admit(rep, q)
+    check(ok and (q.host_n, q.tier_n) == (2, 2) and q.computed == 4 * sim.B,
+          "admission: h0 h1 from the directory, h2 (in both) and h3 from host: host %d, directory %d" %
+          (q.host_n, q.tier_n))
+    base = ["--calib", "h200-8b", "--replicas", "4", "--policy", "prefix", "--workload", "multiturn", "--rate",
+            "150", "--duration", "4", "--warmup", "1", "--kv-blocks", "800", "--seed", "3",
+            "--tier-blocks", "200000", "--tier-gbps", "1"]
+    _, one = run(base)
+    _, two = run(base + ["--host-tier-blocks", "4000"])
+    check(two["host_tier_hit_blocks"] > two["tier_hit_blocks"] and two["tier_hit_blocks"] < one["tier_hit_blocks"]
+          and two["ttft_ms"]["p50"] < one["ttft_ms"]["p50"],
+          "2 tiers: %d host and %d directory blocks read (1 tier: %d directory); TTFT p50 %.0f < %.0f ms" %
+          (two["host_tier_hit_blocks"], two["tier_hit_blocks"], one["tier_hit_blocks"], two["ttft_ms"]["p50"],
+           one["ttft_ms"]["p50"]))
+
+
+def test_goodput():
+    argv = ["--calib", "h200-8b", "--replicas", "4", "--workload", "rag", "--rate", "260", "--duration", "4",
+            "--warmup", "1", "--seed", "5"]
+    sim, r = run(argv)
+    meas = [q for q in sim.requests if q.measured]
+    # the SLO of the run, then one that only TPOT binds (its median): each counted here from the requests' times
+    for ttft, tpot in ((1.0, 0.05), (1e6, r["tpot_ms"]["p50"] / 1e3)):
+        sim.a.slo_ttft_ms, sim.a.slo_tpot_ms = ttft * 1e3, tpot * 1e3
+        got = sim.summary()
+        good = sum(1 for q in meas if q.t_first - q.t_arrive <= ttft and
+                   (q.n_out <= 1 or (q.t_done - q.t_first) / (q.n_out - 1) <= tpot))
+        check(0.1 * len(meas) < good < 0.9 * len(meas) and got["good_fraction"] == good / len(meas) and
+              abs(got["goodput"] * (sim.arrival_end - 1) - good) < 1e-6,
+              "goodput: %d of %d measured requests within TTFT %g s and mean TPOT %.1f ms, as counted" %
+              (good, len(meas), ttft, tpot * 1e3))
+    _, tight = run(argv + ["--slo-tpot-ms", "5"])
+    _, loose = run(argv + ["--slo-ttft-ms", "1e6", "--slo-tpot-ms", "1e6"])
+    check(tight["good_fraction"] == 0 and loose["good_fraction"] == 1 and
+          r["good_fraction_tpot_ms"]["50"] == r["good_fraction"],
+          "goodput: 0 under a 5 ms TPOT bound, all under none")
 
 
 if __name__ == "__main__":

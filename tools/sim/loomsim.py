@@ -25,10 +25,28 @@ What it models, and where the real thing lives:
             takes the prompt's blocks after its local hit from the tier while
             it has them (never the block of the last position), and the step
             that admits it is longer by their read (bytes / --tier-gbps).
+            --host-tier-blocks: a host-memory tier per replica above it:
+            the pool's evictions go to host memory, host memory's to the
+            directory; each block after the local hit is read from the
+            highest tier holding it (--host-tier-gbps, --tier-gbps).
+  pools     --pd P:D (or --prefill-replicas): loom-router --pd
+            (docs/disaggregation.md): a prompt of at least
+            --pd-min-prompt-tokens is prefilled on a prefill replica (the
+            policy among them; max_tokens 1 there), then the router picks a
+            decode replica (the policy among those), which pulls the prompt's
+            full blocks it lacks (a handshake, then bytes / --kv-link-gbps,
+            one transfer at a time into a replica) and computes the last
+            partial block and the first token itself; shorter prompts go to
+            the decode replicas directly.
+  goodput   requests with TTFT <= --slo-ttft-ms and mean TPOT (a request's
+            time after its first token / tokens after it, as DistServe and
+            vLLM's benchmarks) <= --slo-tpot-ms, per second of arrivals.
 Differences from the real system, on purpose: a sequence reserves KV blocks
 for its whole prompt and max_tokens at admission (the real scheduler grows
 and preempts); KV events reach the router at once (real: batched, <= 100 ms);
-the router's replica mask is unbounded (real: 64 replicas).
+the router's replica mask is unbounded (real: 64 replicas); a handoff's
+blocks move over a link into the decode replica (real: through the directory
+tier both sides mount) and its second routing decision costs no router time.
 
 Decodes are simulated per step, not per token: a replica keeps the count and
 the summed context of its decoding sequences and a heap of the steps at which
@@ -126,7 +144,7 @@ class Chain:
 class Request:
     __slots__ = ("id", "session", "chain", "hashes", "n_prompt", "n_out", "t_arrive", "t_first", "t_done",
                  "rep", "cached", "computed", "n_reg", "held", "private", "dec_start", "measured",
-                 "queried", "turn", "tier_n")
+                 "queried", "turn", "tier_n", "host_n", "phase", "xfer_upto", "t_handoff")
 
     def __init__(self, rid, chain, n_out, t, session=None, turn=0):
         self.id, self.chain, self.n_out, self.t_arrive = rid, chain, n_out, t
@@ -136,7 +154,10 @@ class Request:
         self.t_first = self.t_done = None
         self.rep = -1
         self.cached = self.computed = self.n_reg = self.private = self.dec_start = self.queried = 0
-        self.tier_n = 0
+        self.tier_n = self.host_n = 0
+        self.phase = 0      # 0 unified, 1 on a prefill replica, 2 on a decode replica after its prefill
+        self.xfer_upto = 0  # phase 2: the prompt's blocks [0, xfer_upto) came over the KV link
+        self.t_handoff = None  # when its prefill finished on the prefill replica
         self.held = []
         self.measured = True
 
@@ -261,7 +282,7 @@ class PrefixIndex:
 class Replica:
     __slots__ = ("idx", "waiting", "prefilling", "n_dec", "sum_ctx", "sum_start", "finish", "step",
                  "busy", "chunks", "step_dec", "cache", "lru", "private", "n_blocks", "n_running",
-                 "busy_s", "steps", "tokens")
+                 "busy_s", "steps", "tokens", "host", "max_chunk", "link_free", "max_seqs")
 
     def __init__(self, idx, n_blocks):
         self.idx = idx
@@ -283,6 +304,10 @@ class Replica:
         self.busy_s = 0.0
         self.steps = 0
         self.tokens = 0
+        self.host = None              # the host-memory tier: chain hash -> None, LRU first
+        self.max_chunk = 0            # the longest prefill chunk a step of this replica carried
+        self.link_free = 0.0          # when its KV link (into it) is free
+        self.max_seqs = 0             # running sequences it takes at most
 
     def free_blocks(self):
         return self.n_blocks - self.private - len(self.cache)
@@ -294,6 +319,21 @@ class Replica:
 # ---- the simulation -------------------------------------------------------------------------
 
 EV_ARRIVE, EV_AT_REPLICA, EV_STEP_END, EV_POLL, EV_ROUTED = range(5)
+
+
+def pd_split(spec, n, n_prefill):
+    """Prefill replicas of n for --pd P:D (or --prefill-replicas); 0: unified."""
+    if n_prefill:
+        k = n_prefill
+    elif spec:
+        p, _, d = spec.partition(":")
+        p, d = float(p), float(d)
+        k = int(round(n * p / (p + d)))
+    else:
+        return 0
+    if n < 2:
+        raise ValueError("prefill/decode pools need at least 2 replicas")
+    return min(max(k, 1), n - 1)
 
 
 class Sim:
@@ -325,8 +365,22 @@ class Sim:
         kv_tok = cal.get("model", {}).get("kv_bytes_per_token", 0)
         self.tier_block_s = (args.tier_block_bytes or kv_tok * self.B) / (args.tier_gbps * 1e9)
         self.tier_hits = self.tier_reads_s = 0
+        self.query_blocks = self.hit_blocks = 0
+        self.block_bytes = args.tier_block_bytes or kv_tok * self.B
+        # the host-memory tier of each replica, above the directory tier
+        self.host_block_s = self.block_bytes / (args.host_tier_gbps * 1e9)
+        self.host_hits = 0
+        # prefill/decode pools: replicas [0, n_prefill) prefill, the rest decode
         N = args.replicas
+        self.n_prefill = pd_split(args.pd, N, args.prefill_replicas)
+        self.link_Bps = args.kv_link_gbps * 1e9
+        self.xfer_blocks = self.xfer_s = self.handoffs = 0
         self.reps = [Replica(i, n_blocks) for i in range(N)]
+        for rep in self.reps:
+            rep.max_seqs = args.decode_max_num_seqs if self.n_prefill and rep.idx >= self.n_prefill and \
+                args.decode_max_num_seqs else self.max_seqs
+            if args.host_tier_blocks > 0:
+                rep.host = collections.OrderedDict()
         self.index = PrefixIndex(args.prefix_index_blocks) if args.policy == "prefix" else None
         # the router's view of each replica (numpy, for the score over N replicas)
         self.inflight = np.zeros(N, np.int64)
@@ -451,45 +505,63 @@ class Sim:
         return q
 
     # -- the router --
+    def pool(self, q):
+        """The replicas [lo, hi) q goes to next: all (unified); the prefill pool, for a prompt of at least
+        --pd-min-prompt-tokens not yet prefilled; else the decode pool (as loom-router --pd)."""
+        k = self.n_prefill
+        if not k:
+            return 0, len(self.reps)
+        if q.phase == 0 and q.n_prompt >= self.a.pd_min_prompt_tokens:
+            q.phase = 1
+        return (0, k) if q.phase == 1 else (k, len(self.reps))
+
     def route(self, q):
-        a, N = self.a, len(self.reps)
+        """The policy among the replicas of q's pool (the router's policy, over the pool's replicas)."""
+        a = self.a
+        lo, hi = self.pool(q)
+        N = hi - lo
         rr = self.rr % N
         self.rr += 1
         self.decisions += 1
         pol = a.policy
         if pol == "round-robin":
-            return rr
-        if pol == "session" and q.session is not None:
-            r = self.sessions_map.get(q.session.id)
+            return lo + rr
+        skey = (q.session.id, q.phase) if q.session is not None else None
+        if pol == "session" and skey is not None:
+            r = self.sessions_map.get(skey)
             if r is not None:
                 return r
         if pol in ("least-loaded", "session"):
-            load = self.inflight + self.waiting_seen
-            r = self.first_min(load, rr)
-            if pol == "session" and q.session is not None:
-                self.sessions_map[q.session.id] = r
+            load = self.inflight[lo:hi] + self.waiting_seen[lo:hi]
+            r = lo + self.first_min(load, rr)
+            if pol == "session" and skey is not None:
+                self.sessions_map[skey] = r
             return r
         # prefix
         hashes = q.hashes
-        match = np.zeros(N, np.int64)
+        match = np.zeros(len(self.reps), np.int64)
         if hashes:
             self.index.match(hashes, match)
+        match = match[lo:hi]
         n = q.n_prompt
         cached = np.minimum(match * self.B, n)
-        gen = self.n_dec * (self.step_arr + 1) - self.sum_start
-        cost = (n - cached) + a.prefix_lambda * (self.prompt_sum + gen + WAITING_TOKENS * self.waiting_seen)
-        over = self.kv_seen > 0.9
+        gen = self.n_dec[lo:hi] * (self.step_arr[lo:hi] + 1) - self.sum_start[lo:hi]
+        load = self.prompt_sum[lo:hi] + gen + WAITING_TOKENS * self.waiting_seen[lo:hi]
+        cost = (n - cached) + a.prefix_lambda * load
+        kv = self.kv_seen[lo:hi]
+        over = kv > 0.9
         if over.any():
-            cost = cost + np.where(over, n * 10.0 * (self.kv_seen - 0.9), 0.0)
+            cost = cost + np.where(over, n * 10.0 * (kv - 0.9), 0.0)
         best = cost.min()
         cand = cost == best
         if cand.sum() > 1:  # ties: fewer in flight, then round robin from rr
-            infl = np.where(cand, self.inflight, np.iinfo(np.int64).max)
-            r = self.first_min(infl, rr)
+            infl = np.where(cand, self.inflight[lo:hi], np.iinfo(np.int64).max)
+            k = self.first_min(infl, rr)
         else:
-            r = int(np.argmax(cand))
-        self.routed_hit_blocks += int(match[r])
+            k = int(np.argmax(cand))
+        self.routed_hit_blocks += int(match[k])
         self.routed_query_blocks += len(hashes)
+        r = lo + k
         if hashes:  # routing history
             self.index.insert(hashes, r)
         return r
@@ -525,15 +597,24 @@ class Sim:
     # -- KV ledger of one replica --
     def kv_evict_one(self, rep):
         h, _ = rep.lru.popitem(last=False)
+        evicted = h
         del rep.cache[h]
+        host = rep.host
+        if host is not None:  # write-back to the replica's host memory; what it evicts goes down
+            host[h] = None
+            host.move_to_end(h)
+            if len(host) <= self.a.host_tier_blocks:
+                h = None
+            else:
+                h, _ = host.popitem(last=False)
         t = self.tier
-        if t is not None:  # write-back: the block goes to the shared tier
+        if t is not None and h is not None:  # write-back: the block goes to the shared tier
             t[h] = None
             t.move_to_end(h)
             if len(t) > self.a.tier_blocks:
                 t.popitem(last=False)
         if self.index is not None:
-            self.index.remove(h, rep.idx)
+            self.index.remove(evicted, rep.idx)
 
     def try_admit(self, rep, q):
         """Prefix lookup and the reservation of q's blocks; False: no room (q waits)."""
@@ -548,18 +629,34 @@ class Sim:
             hits += 1
             if ref == 0:
                 pinned_lru += 1
-        tier_n = 0
-        t = self.tier
-        if t is not None:  # the tier's run after the local hit, never the last position's block
-            last = (q.n_prompt - 1) // B
-            while hits + tier_n < min(last, len(q.hashes)) and q.hashes[hits + tier_n] in t:
-                tier_n += 1
-        need = -(-(q.n_prompt + q.n_out) // B) - hits
+        tier_n = host_n = 0
+        t, host = self.tier, rep.host
+        upto = min((q.n_prompt - 1) // B, len(q.hashes))  # never the last position's block
+        if q.phase == 2:  # the blocks after the local hit came over the KV link
+            tier_n = max(0, q.xfer_upto - hits)
+        elif t is not None or host is not None:  # the tiers' run after the local hit, each block
+            while hits + host_n + tier_n < upto:  # from the highest tier holding it
+                h = q.hashes[hits + host_n + tier_n]
+                if host is not None and h in host:
+                    host_n += 1
+                elif t is not None and h in t:
+                    tier_n += 1
+                else:
+                    break
+        n_out = 1 if q.phase == 1 else q.n_out  # the prefill side runs with max_tokens 1
+        need = -(-(q.n_prompt + n_out) // B) - hits
         if need > rep.free_blocks() + len(rep.lru) - pinned_lru:
             return False
-        for h in q.hashes[hits:hits + tier_n]:
-            t.move_to_end(h)
-        q.tier_n = tier_n
+        if q.phase != 2:
+            for h in q.hashes[hits:hits + host_n + tier_n]:
+                if host is not None and h in host:
+                    host.move_to_end(h)
+                else:
+                    t.move_to_end(h)
+            q.tier_n, q.host_n = tier_n, host_n
+            self.tier_hits += tier_n
+            self.host_hits += host_n
+        tier_n += host_n
         for h in q.hashes[:hits]:
             ref = cache[h]
             if ref == 0:
@@ -572,7 +669,6 @@ class Sim:
         q.private = need
         q.n_reg = hits
         q.computed = min((hits + tier_n) * B, q.n_prompt - 1)  # the last prompt token always runs
-        self.tier_hits += tier_n
         if not q.queried:
             q.queried = 1
             q.cached = q.computed if hits + tier_n else 0
@@ -629,11 +725,12 @@ class Sim:
             attended += take * s + take * (take + 1) // 2
             kv_read += s + take
         loads = 0
-        while rep.waiting and budget > 0 and rep.n_running < self.max_seqs:
+        while rep.waiting and budget > 0 and rep.n_running < rep.max_seqs:
             q = rep.waiting[0]
             if not self.try_admit(rep, q):
                 break  # strict FCFS: the head waits for memory
-            loads += q.tier_n
+            if q.phase != 2:
+                loads += q.tier_n * self.tier_block_s + q.host_n * self.host_block_s
             rep.waiting.popleft()
             rep.prefilling.append(q)
             rep.n_running += 1
@@ -647,8 +744,8 @@ class Sim:
             kv_read += s + take
         if tokens == 0:
             return
-        dt = self.model.time(tokens, attended, seqs, kv_read) + loads * self.tier_block_s
-        self.tier_reads_s += loads * self.tier_block_s
+        dt = self.model.time(tokens, attended, seqs, kv_read) + loads
+        self.tier_reads_s += loads
         if self.host_cores:
             self.n_busy += 1
             dt *= max(1.0, self.n_busy / self.host_cores)
@@ -680,11 +777,16 @@ class Sim:
             self.done(rep, q)
         # prefill chunks
         for q, take in rep.chunks:
+            if take > rep.max_chunk:
+                rep.max_chunk = take
             q.computed += take
             self.register(rep, q, q.hashes, q.computed // B)
             if q.computed >= q.n_prompt:
-                q.t_first = now
                 rep.prefilling.remove(q)
+                if q.phase == 1:
+                    self.handoff(rep, q)
+                    continue
+                q.t_first = now
                 if q.n_out <= 1:
                     self.done(rep, q)
                 else:
@@ -697,6 +799,40 @@ class Sim:
         self.n_dec[rep.idx] = rep.n_dec
         self.sum_start[rep.idx] = rep.sum_start
         self.maybe_start(rep)
+
+    def handoff(self, rep, q):
+        """q's prefill is done on a prefill replica: it leaves it (its blocks stay cached there), the
+        router picks a decode replica, which pulls the prompt's full blocks it lacks over its KV link
+        (a handshake, then bytes / --kv-link-gbps, one transfer at a time into a replica)."""
+        now = self.now
+        q.t_handoff = now
+        rep.n_running -= 1
+        self.release(rep, q)
+        r = rep.idx
+        self.inflight[r] -= 1
+        self.prompt_sum[r] -= q.n_prompt
+        self.handoffs += 1
+        q.phase = 2
+        d = self.route(q)
+        q.rep = d
+        self.inflight[d] += 1
+        self.prompt_sum[d] += q.n_prompt
+        dst = self.reps[d]
+        upto = min((q.n_prompt - 1) // self.B, len(q.hashes))
+        have = 0
+        for h in q.hashes[:upto]:
+            if h not in dst.cache:
+                break
+            have += 1
+        q.xfer_upto = upto
+        n = upto - have
+        start = max(now + self.route_lat + self.a.kv_handshake_ms / 1e3, dst.link_free)
+        end = start + n * self.block_bytes / self.link_Bps
+        if n:
+            dst.link_free = end
+        self.xfer_blocks += n
+        self.xfer_s += end - now
+        self.push(end, EV_AT_REPLICA, q)
 
     def done(self, rep, q):
         assert q.t_done is None, "request %d finished twice" % q.id
@@ -766,8 +902,13 @@ class Sim:
         meas = [q for q in done if q.measured]
         ttft = np.array([q.t_first - q.t_arrive for q in meas])
         tpot = np.array([(q.t_done - q.t_first) / (q.n_out - 1) for q in meas if q.n_out > 1])
-        good = [q for q in meas if q.t_first - q.t_arrive <= a.slo_ttft_ms / 1e3 and
-                (q.n_out <= 1 or (q.t_done - q.t_first) / (q.n_out - 1) <= a.slo_tpot_ms / 1e3)]
+        good = [q for q in meas if meets_slo(q, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)]
+        good_at = {"%g" % ms: sum(meets_slo(q, a.slo_ttft_ms / 1e3, ms / 1e3) for q in meas) / max(1, len(meas))
+                   for ms in (20, 30, 50)}
+        hand = [q for q in meas if q.t_handoff is not None]
+        xfer = np.array([q.t_first - q.t_handoff for q in hand])
+        pre = np.array([q.t_handoff - q.t_arrive for q in hand])
+        k = self.n_prefill
         # the window: from --warmup to the last first arrival (of a request, or a session's first turn)
         span = max(self.arrival_end - a.warmup, 1e-9)
         end = max((q.t_done for q in done), default=0.0)
@@ -782,6 +923,15 @@ class Sim:
             "rate": a.rate, "burstiness": a.burstiness, "seed": a.seed,
             "requests": len(self.requests), "completed": len(done), "measured": len(meas),
             "offered_rate": len(meas) / span, "goodput": len(good) / span, "good_fraction": len(good) / max(1, len(meas)),
+            "slo": "per request: TTFT <= %g ms and mean TPOT (time after the first token / tokens after it) "
+                   "<= %g ms" % (a.slo_ttft_ms, a.slo_tpot_ms),
+            "good_fraction_tpot_ms": good_at,
+            "prefill_replicas": k, "decode_replicas": len(self.reps) - k if k else 0, "pd": a.pd,
+            "handoffs": self.handoffs, "kv_xfer_blocks": self.xfer_blocks,
+            "prefill_ms_mean": float(pre.mean() * 1e3) if len(pre) else 0.0,
+            "handoff_to_first_ms_mean": float(xfer.mean() * 1e3) if len(xfer) else 0.0,
+            "decode_max_chunk": max((r.max_chunk for r in self.reps[k:]), default=0) if k else None,
+            "host_tier_hit_blocks": self.host_hits,
             "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99),
                         "mean": float(ttft.mean() * 1e3) if len(ttft) else float("nan")},
             "tpot_ms": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)},
@@ -793,6 +943,12 @@ class Sim:
             "sim_end_s": end, "replica_busy_mean": float(busy.mean() / max(end, 1e-9)),
             "steps": int(sum(r.steps for r in self.reps)),
         }
+
+
+def meets_slo(q, ttft_s, tpot_s):
+    """Goodput's test of one finished request, as DistServe and vLLM's benchmarks define it: its TTFT,
+    and its mean time per output token after the first."""
+    return q.t_first - q.t_arrive <= ttft_s and (q.n_out <= 1 or (q.t_done - q.t_first) / (q.n_out - 1) <= tpot_s)
 
 
 def parser():
@@ -829,6 +985,23 @@ def parser():
     g.add_argument("--tier-gbps", type=float, default=2.0, help="a replica's read rate from the tier, GB/s")
     g.add_argument("--tier-block-bytes", type=int, default=0,
                    help="bytes of a block (default: the calibration's KV bytes per token x block size)")
+    g.add_argument("--host-tier-blocks", type=int, default=0,
+                   help="blocks each replica's host-memory tier holds, above the directory tier (0: none)")
+    g.add_argument("--host-tier-gbps", type=float, default=50.0,
+                   help="a replica's read rate from its host tier, GB/s (PCIe 5.0 x16: 64 GB/s a direction)")
+    g = ap.add_argument_group("prefill/decode pools (loom-router --pd, docs/disaggregation.md)")
+    g.add_argument("--pd", default="", metavar="P:D",
+                   help="split the replicas into prefill and decode pools in this ratio (e.g. 1:3)")
+    g.add_argument("--prefill-replicas", type=int, default=0, help="or: this many prefill replicas, the rest decode")
+    g.add_argument("--pd-min-prompt-tokens", type=int, default=64,
+                   help="shorter prompts skip the prefill pool (the router's option)")
+    g.add_argument("--decode-max-num-seqs", type=int, default=0,
+                   help="a decode replica's max_num_seqs (default: as the others); with no prefill beside them "
+                        "its steps can batch more")
+    g.add_argument("--kv-link-gbps", type=float, default=50.0,
+                   help="the rate a decode replica pulls KV at, GB/s (one 400 Gb/s InfiniBand NIC a GPU)")
+    g.add_argument("--kv-handshake-ms", type=float, default=1.0,
+                   help="fixed time of a handoff before the KV moves (the decode request, the transfer's setup)")
     g = ap.add_argument_group("arrivals")
     g.add_argument("--rate", type=float, default=10.0, help="requests/s (multiturn: turns/s)")
     g.add_argument("--burstiness", type=float, default=1.0,
