@@ -189,6 +189,12 @@ struct loom_router {
     volatile sig_atomic_t stop;
     loom_tokenizer_t *tok;
     loom_prefix_index_t *index;
+    /* blocks in the replicas' shared KV tiers, a tier being one "replica"
+     * of this index (tier_ids[slot]): a replica that shares a tier holds
+     * them whenever it learned its tier, and through its restarts */
+    loom_prefix_index_t *tier_index;
+    uint64_t tier_ids[MAX_REPLICAS];
+    int n_tiers;
     loom_rcache_t *rcache;     /* NULL: no response cache */
     loom_tenants_t *tenants;   /* NULL: no tenant limits */
     replica_t reps[MAX_REPLICAS];
@@ -449,13 +455,35 @@ static const char *session_key(const route_t *q) {
     return g->tag && g->tag[0] ? g->tag : NULL;
 }
 
+/* The slot of KV tier `id` in tier_index (a new one when `add`); -1: none. */
+static int tier_slot(loom_router_t *r, uint64_t id, int add) {
+    for (int t = 0; t < r->n_tiers; t++)
+        if (r->tier_ids[t] == id) return t;
+    if (!add || !id || r->n_tiers == MAX_REPLICAS) return -1;
+    r->tier_ids[r->n_tiers] = id;
+    return r->n_tiers++;
+}
+
+/* match[i]: the leading blocks of hashes[0..n) replica i holds, in its pool
+ * or in the KV tier it shares (whichever reaches further). */
+static void match_blocks(loom_router_t *r, const uint64_t *hashes, int n, int *match) {
+    loom_prefix_index_match(r->index, hashes, n, match, MAX_REPLICAS);
+    if (!r->n_tiers) return;
+    int in_tier[MAX_REPLICAS] = {0};
+    loom_prefix_index_match(r->tier_index, hashes, n, in_tier, r->n_tiers);
+    for (int i = 0; i < MAX_REPLICAS; i++) {
+        int t = r->reps[i].used && r->reps[i].tier_id ? tier_slot(r, r->reps[i].tier_id, 0) : -1;
+        if (t >= 0 && in_tier[t] > match[i]) match[i] = in_tier[t];
+    }
+}
+
 /* Picks an UP replica not in `exclude`, by the request's policy; -1: none. */
 static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes, int n_hashes) {
     loom_route_cand_t c[MAX_REPLICAS];
     int slot[MAX_REPLICAS],
         n = 0; /* candidates in slot order (round robin over the replicas that exist) */
     int match[MAX_REPLICAS] = {0};
-    if (n_hashes) loom_prefix_index_match(r->index, hashes, n_hashes, match, MAX_REPLICAS);
+    if (n_hashes) match_blocks(r, hashes, n_hashes, match);
     int any = 0;
     for (int i = 0; i < MAX_REPLICAS; i++) {
         const replica_t *p = &r->reps[i];
@@ -609,7 +637,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         if (q->attempts == 1) r->routed[q->policy]++;
         if (nh) { /* routing history: this replica will hold these blocks */
             int match[MAX_REPLICAS];
-            loom_prefix_index_match(r->index, hashes, nh, match, MAX_REPLICAS);
+            match_blocks(r, hashes, nh, match);
             q->hit_blocks = match[i];
             r->index_hit_blocks += (uint64_t)match[i];
             r->index_query_blocks += (uint64_t)nh;
@@ -1275,9 +1303,8 @@ static void on_events(loom_router_t *r, int i, const void *data, size_t len) {
         for (size_t k = 0; k < m->n_evicted && !m->tier_id; k++)
             loom_prefix_index_remove(r->index, m->evicted[k], i);
         /* a block in a shared tier is a hit for every replica that shares it */
-        for (int j = 0; m->tier_id && m->n_tier_stored && j < MAX_REPLICAS; j++)
-            if (r->reps[j].used && r->reps[j].state == REP_UP && r->reps[j].tier_id == m->tier_id)
-                loom_prefix_index_insert(r->index, m->tier_stored, (int)m->n_tier_stored, j);
+        int t = m->n_tier_stored ? tier_slot(r, m->tier_id, 1) : -1;
+        if (t >= 0) loom_prefix_index_insert(r->tier_index, m->tier_stored, (int)m->n_tier_stored, t);
         r->kv_tier_blocks += m->n_tier_stored;
         r->kv_blocks_cached += m->n_cached;
         r->kv_blocks_evicted += m->n_evicted;
@@ -2198,6 +2225,7 @@ loom_status_t loom_router_create(const loom_router_config_t *cfg, loom_router_t 
     r->cfg = *cfg;
     pthread_mutex_init(&r->mu, NULL);
     r->index = loom_prefix_index_create(cfg->index_capacity > 0 ? cfg->index_capacity : 1 << 18);
+    r->tier_index = loom_prefix_index_create(cfg->index_capacity > 0 ? cfg->index_capacity : 1 << 18);
     loom_status_t st = LOOM_OK;
     if (cfg->response_cache_bytes)
         r->rcache = loom_rcache_create(cfg->response_cache_bytes, cfg->response_cache_ttl_ms);
@@ -2326,6 +2354,7 @@ void loom_router_destroy(loom_router_t **r_p) {
     loom_zap_stop(&r->zap);
     if (r->zctx) zmq_ctx_term(r->zctx);
     loom_prefix_index_destroy(&r->index);
+    loom_prefix_index_destroy(&r->tier_index);
     loom_rcache_destroy(&r->rcache);
     loom_tenants_destroy(&r->tenants);
     loom_tokenizer_destroy(&r->tok);
