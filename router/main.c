@@ -33,6 +33,7 @@ int main(int argc, char **argv) {
                               .stall_timeout_ms = 30000,
                               .request_timeout_ms = 600000,
                               .lambda = 1.0,
+                              .tier_token_cost = 0.05,
                               .index_capacity = 1 << 18,
                               .tokenizer_threads = 2,
                               .pd_min_prompt_tokens = 64};
@@ -86,7 +87,7 @@ int main(int argc, char **argv) {
                *dummy = NULL, *tool_parser = NULL, *reasoning_parser = NULL, *probe_bind = NULL;
     int trust_request_template = 0;
     const char *env_key = getenv("LOOM_API_KEY"), *env_replica_key = getenv("LOOM_REPLICA_API_KEY");
-    float lambda = 1.0f;
+    float lambda = 1.0f, tier_cost = 0.05f;
     int pd = 0;
     uint64_t cache_bytes = 0;
     int cache_ttl_s = 300;
@@ -130,6 +131,10 @@ int main(int argc, char **argv) {
         {"prefix-lambda", LOOM_OPT_FLOAT, &lambda, "W",
          "prefix policy: tokens of load worth one uncached prompt token (default 1)", 0, 1000,
          NULL},
+        {"prefix-tier-cost", LOOM_OPT_FLOAT, &tier_cost, "F",
+         "prefix policy: a prompt token a replica reads from its KV offload tier, as a fraction of "
+         "computing it (default 0.05)",
+         0, 1, NULL},
         {"max-retries", LOOM_OPT_INT, &c.max_retries, "N",
          "re-sends of a request to other replicas when its replica fails (default 3)", 0, 64, NULL},
         {"probe-interval-ms", LOOM_OPT_INT, &c.probe_interval_ms, "MS",
@@ -247,6 +252,7 @@ int main(int argc, char **argv) {
     c.response_cache_bytes = (size_t)cache_bytes;
     c.response_cache_ttl_ms = cache_ttl_s * 1000;
     c.lambda = lambda;
+    c.tier_token_cost = tier_cost;
     if (!n_rep && !c.etcd_url) {
         fprintf(stderr, "error: give replicas with --replica ADDR or --etcd URL (see --help)\n");
         return 2;

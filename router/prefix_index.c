@@ -188,7 +188,9 @@ int loom_prefix_hashes_seeded(const int32_t *ids, int n, int block_size, uint64_
 double loom_route_cost(const loom_route_cand_t *c, int n_prompt, int block_size, double lambda) {
     double cached = (double)c->matched_blocks * block_size;
     if (cached > n_prompt) cached = n_prompt;
-    double cost = (double)n_prompt - cached +
+    double from_tier = (double)c->tier_blocks * block_size;
+    if (from_tier > cached) from_tier = cached;
+    double cost = (double)n_prompt - cached + c->tier_cost * from_tier +
                   lambda * ((double)c->inflight_tokens + LOOM_WAITING_TOKENS * (double)c->waiting);
     if (c->kv_usage > 0.9) cost += (double)n_prompt * 10.0 * (c->kv_usage - 0.9);
     return cost;

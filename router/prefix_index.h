@@ -44,13 +44,16 @@ int loom_prefix_hashes_seeded(const int32_t *ids, int n, int block_size, uint64_
 typedef struct loom_route_cand {
     int usable;                /* 0: down, refused, leaving: never picked */
     int matched_blocks;        /* leading prompt blocks it holds */
+    int tier_blocks;           /* of those, the ones only its KV offload tier holds */
+    double tier_cost;          /* a tier token's cost against computing it (0..1) */
     int inflight;              /* requests the router has running there */
     long long inflight_tokens; /* their prompt + generated tokens */
     int waiting;               /* its queue, from its last Stats */
     double kv_usage;           /* used / total KV blocks, from its last Stats */
 } loom_route_cand_t;
 
-/* cost = uncached prompt tokens + lambda * (inflight_tokens + LOOM_WAITING_TOKENS * waiting)
+/* cost = uncached prompt tokens + tier_cost * tokens read from the tier
+ *        + lambda * (inflight_tokens + LOOM_WAITING_TOKENS * waiting)
  *        + (kv_usage > 0.9 ? n_prompt * 10 * (kv_usage - 0.9) : 0)
  * lowest cost wins; ties go to fewer requests in flight, then to the first
  * at or after `rr` (round robin). -1 when none is usable. */

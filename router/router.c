@@ -465,15 +465,19 @@ static int tier_slot(loom_router_t *r, uint64_t id, int add) {
 }
 
 /* match[i]: the leading blocks of hashes[0..n) replica i holds, in its pool
- * or in the KV tier it shares (whichever reaches further). */
-static void match_blocks(loom_router_t *r, const uint64_t *hashes, int n, int *match) {
+ * or in the KV tier it shares (whichever reaches further); tier[i] (when
+ * asked): how many of them only the tier holds. */
+static void match_blocks(loom_router_t *r, const uint64_t *hashes, int n, int *match, int *tier) {
     loom_prefix_index_match(r->index, hashes, n, match, MAX_REPLICAS);
+    if (tier) memset(tier, 0, MAX_REPLICAS * sizeof *tier);
     if (!r->n_tiers) return;
     int in_tier[MAX_REPLICAS] = {0};
     loom_prefix_index_match(r->tier_index, hashes, n, in_tier, r->n_tiers);
     for (int i = 0; i < MAX_REPLICAS; i++) {
         int t = r->reps[i].used && r->reps[i].tier_id ? tier_slot(r, r->reps[i].tier_id, 0) : -1;
-        if (t >= 0 && in_tier[t] > match[i]) match[i] = in_tier[t];
+        if (t < 0 || in_tier[t] <= match[i]) continue;
+        if (tier) tier[i] = in_tier[t] - match[i];
+        match[i] = in_tier[t];
     }
 }
 
@@ -482,8 +486,8 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
     loom_route_cand_t c[MAX_REPLICAS];
     int slot[MAX_REPLICAS],
         n = 0; /* candidates in slot order (round robin over the replicas that exist) */
-    int match[MAX_REPLICAS] = {0};
-    if (n_hashes) match_blocks(r, hashes, n_hashes, match);
+    int match[MAX_REPLICAS] = {0}, tier[MAX_REPLICAS] = {0};
+    if (n_hashes) match_blocks(r, hashes, n_hashes, match, tier);
     int any = 0;
     for (int i = 0; i < MAX_REPLICAS; i++) {
         const replica_t *p = &r->reps[i];
@@ -493,6 +497,8 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
         c[n] =
             (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)) && role_ok,
                                 .matched_blocks = match[i],
+                                .tier_blocks = tier[i],
+                                .tier_cost = r->cfg.tier_token_cost,
                                 .inflight = p->inflight,
                                 .inflight_tokens = p->inflight_tokens,
                                 .waiting = p->waiting,
@@ -637,7 +643,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
         if (q->attempts == 1) r->routed[q->policy]++;
         if (nh) { /* routing history: this replica will hold these blocks */
             int match[MAX_REPLICAS];
-            match_blocks(r, hashes, nh, match);
+            match_blocks(r, hashes, nh, match, NULL);
             q->hit_blocks = match[i];
             r->index_hit_blocks += (uint64_t)match[i];
             r->index_query_blocks += (uint64_t)nh;

@@ -45,6 +45,7 @@ typedef struct loom_router_config {
     int stall_timeout_ms;        /* a stream silent this long moves to another replica */
     int request_timeout_ms;      /* no request outlives this (DEADLINE_EXCEEDED) */
     double lambda;               /* prefix score: weight of load against cached tokens */
+    double tier_token_cost;      /* prefix score: a token read from a KV tier against one computed */
     int index_capacity;          /* block hashes the prefix index keeps */
     int tokenizer_threads;       /* prompts are tokenized on these (0: on the reactor) */
     size_t response_cache_bytes; /* the response cache's bound (0: no cache) */

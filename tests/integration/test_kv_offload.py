@@ -629,8 +629,9 @@ def test_router_tier_events():
         args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-offloading-write-through",
                 "--kv-events", "tcp://127.0.0.1:0"]
         with Cluster(STORIES, 1, 1, coord_args=args) as a, Cluster(STORIES, 1, 1, coord_args=args) as b:
-            with Router(["--replica", a.addr, "--replica", b.addr, "--policy", "prefix"], http=True,
-                        expect_up=2) as router:
+            # a tier token priced as a pool hit: the replicas tie, and their load decides
+            with Router(["--replica", a.addr, "--replica", b.addr, "--policy", "prefix", "--prefix-tier-cost", "0"],
+                        http=True, expect_up=2) as router:
                 body = {"prompt": PD_PROMPTS[0], "max_tokens": 8, "temperature": 0}
                 first = call(router.http, "/v1/completions", body)
                 wait_for(lambda: router.metric_sum("loom_router_kv_events_tier_blocks_total") > 0, 20,

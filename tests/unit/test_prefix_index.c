@@ -117,6 +117,25 @@ static void test_prefix_score(void) {
     CHECKF(loom_route_cost(&w, 128, 16, 1.0) - want < 1e-9 &&
                want - loom_route_cost(&w, 128, 16, 1.0) < 1e-9,
            "cost %g, want %g", loom_route_cost(&w, 128, 16, 1.0), want);
+    /* blocks only a replica's KV tier holds cost their read: a pool hit wins
+     * at equal load, a tier hit beats computing, and load still decides */
+    loom_route_cand_t t[3] = {
+        {.usable = 1, .matched_blocks = 6, .tier_blocks = 6, .tier_cost = 0.05},
+        {.usable = 1, .matched_blocks = 6},
+        {.usable = 1},
+    };
+    CHECK(loom_route_cost(&t[0], 128, 16, 1.0) == 32.0 + 0.05 * 96);
+    CHECK(loom_route_pick_prefix(t, 3, 128, 16, 1.0, 0) == 1);
+    t[1].usable = 0;
+    CHECK(loom_route_pick_prefix(t, 3, 128, 16, 1.0, 0) == 0);
+    t[1].usable = 1;
+    t[1].inflight = 1;
+    t[1].inflight_tokens = 10;
+    CHECK(loom_route_pick_prefix(t, 3, 128, 16, 1.0, 0) == 0);
+    t[0].tier_blocks = 2; /* 4 of its 6 blocks in its pool: only 2 read */
+    CHECK(loom_route_cost(&t[0], 128, 16, 1.0) == 32.0 + 0.05 * 32);
+    t[0].tier_blocks = 9; /* never more than the tokens matched */
+    CHECK(loom_route_cost(&t[0], 64, 16, 1.0) == 0.05 * 64);
     /* matched blocks never count past the prompt */
     loom_route_cand_t big = {.usable = 1, .matched_blocks = 100};
     CHECK(loom_route_cost(&big, 40, 16, 1.0) == 0.0);
