@@ -190,10 +190,23 @@ def check_equal_answers(r, a, a_http):
     check(routed["err_model"]["status"] == 404 and routed["err_key"]["status"] == 401, "errors %r" % routed)
 
 
+def settle(cond, seconds):
+    """Polls cond until it holds or `seconds` (scaled by the speed factor) pass;
+    the caller's checks then say what was wrong."""
+    deadline = time.time() + scaled(seconds)
+    while not cond() and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def check_aggregates(r, a, b):
     p = loom("health", "--addr", r.addr, "--api-key", KEY)
     check(p.returncode == 0 and "ready: yes" in p.stdout, "router health: %s %s" % (p.stdout, p.stderr))
-    time.sleep(0.6)  # a probe interval or two: the router's copy of the replicas' Stats
+
+    def finished(addr):
+        return parse_stats(loom("stats", "--addr", addr, "--api-key", KEY).stdout).get("requests_finished")
+    # the router's copy of the replicas' Stats is a probe interval or more behind (more on a busy machine)
+    settle(lambda: finished(r.addr) == stats_key(a.addr)["requests_finished"] + stats_key(b.addr)["requests_finished"],
+           5)
     p = loom("stats", "--addr", r.addr, "--api-key", KEY)
     check(p.returncode == 0, "router stats: %s" % p.stderr)
     rs = parse_stats(p.stdout)
@@ -267,7 +280,7 @@ def check_prefix_affinity(a, b, common):
         rr_hits = run_conversations(rr, a, b, ["Lily", "Anna", "Mia"])
     with Router(common + ["--policy", "prefix"], http=True, expect_up=2) as px:
         px_hits = run_conversations(px, a, b, ["Sara", "Emma", "Zoe"])
-        time.sleep(0.6)  # /metrics is refreshed every 250 ms
+        settle(lambda: px.metric("loom_router_prefix_index_hit_blocks_total") >= 3 * 3, 3)  # /metrics: every 250 ms
         idx_hits = px.metric("loom_router_prefix_index_hit_blocks_total")
     print("  prefix-cache hits of 3 second turns: round-robin %d, prefix %d (router index saw %d blocks)" %
           (rr_hits, px_hits, idx_hits))
@@ -291,7 +304,7 @@ def check_kv_events(a, b, common):
         for name in ("Olivia", "Grace"):
             rc, _, ids, err = generate(px.addr, conversation(name)[1], 4, extra=["--api-key", KEY])
             check(rc == 0 and ids, "routed turn failed: %s" % err)
-        time.sleep(0.6)  # /metrics is refreshed every 250 ms
+        settle(lambda: px.metric("loom_router_prefix_index_hit_blocks_total") - before_idx >= 6, 3)  # every 250 ms
         da = stats_key(a.addr)["prefix_cache_hits"] - ha
         db = stats_key(b.addr)["prefix_cache_hits"] - hb
         idx = px.metric("loom_router_prefix_index_hit_blocks_total") - before_idx
