@@ -26,6 +26,12 @@ int loom_kv_connector_match(loom_kv_connector_t *c, const loom_kv_conn_req_t *r,
     return n;
 }
 
+int loom_kv_connector_waiting(loom_kv_connector_t *c, const loom_kv_conn_req_t *r) {
+    if (!c) return 0;
+    if (c->ops->waiting) return c->ops->waiting(c, r) > 0;
+    return loom_kv_connector_waiting(c->lower, r);
+}
+
 void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
                                    int n_blocks, int n_external) {
     if (c && c->ops->after_alloc) c->ops->after_alloc(c, r, blocks, n_blocks, n_external);

@@ -45,6 +45,10 @@ typedef struct loom_kv_connector_ops {
      * when they arrive after the step that allocates them. No side effects:
      * it may be asked again for the same request. */
     int (*match)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async);
+    /* (optional) Asked after a match of r that stopped short: 1 when r
+     * should wait before admission, its next blocks being looked for (a
+     * bounded wait: the connector answers 0 once its time is up). */
+    int (*waiting)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r);
     /* update_state_after_alloc: the blocks the ledger gave the n_external
      * tokens, in order; they become the destinations of the loads. */
     void (*after_alloc)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks, int n_blocks,
@@ -89,6 +93,8 @@ struct loom_kv_connector {
  * answer is cut to whole blocks within the request's full blocks beyond
  * n_local (a connector that says more is not believed). */
 int loom_kv_connector_match(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async);
+/* ops->waiting, else the lower tier's (0 without either). */
+int loom_kv_connector_waiting(loom_kv_connector_t *c, const loom_kv_conn_req_t *r);
 void loom_kv_connector_after_alloc(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,
                                    int n_blocks, int n_external);
 int loom_kv_connector_finished(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, const int32_t *blocks,

@@ -17,7 +17,21 @@ loom_kv_connector_t *loom_kv_dir_connector_create(const char *dir, int write_thr
  * block bytes (n_shards = tp x pp). Until set, it matches nothing. */
 void loom_kv_dir_connector_set_grid(loom_kv_connector_t *c, uint64_t tier_id, int n_shards,
                                     const uint64_t *shard_bytes);
-/* How many of these blocks, from the first, are whole for every shard. */
+/* How many of these blocks, from the first, are whole for every shard
+ * (read through here, on the caller's thread). */
 int loom_kv_dir_connector_whole(loom_kv_connector_t *c, const uint64_t *hashes, int n);
+/* Reads files through on a thread of its own from now on (docs/kv-offload.md
+ * "Where the check runs"): match answers from the files already known (read
+ * through before, the same size and time since) and queues the checks of
+ * the rest of the run whose files are there; waiting is then 1 for the
+ * request, while the check of its next block runs and for at most
+ * timeout_ms after it was queued (0: never). Returns a descriptor readable
+ * when checks finish (poll it, then drain), or -1. LOOM_TEST_KV_CHECK_DELAY_MS=N
+ * makes each block's check sleep N ms first (tests). */
+int loom_kv_dir_connector_start_checks(loom_kv_connector_t *c, int timeout_ms);
+/* Empties the descriptor's wakes; how many checks finished. */
+int loom_kv_dir_connector_drain(loom_kv_connector_t *c);
+/* Checks queued or running. */
+int loom_kv_dir_connector_checking(loom_kv_connector_t *c);
 
 #endif

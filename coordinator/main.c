@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
                               .comm = "auto", .weight_dtype = "f32", .quantization = "none", .max_num_seqs = 64, .max_batched_tokens = 512,
                               .max_queue = 1024, .block_size = 16, .kv_fraction = 0.25f, .prefix_cache = 1,
                               .heartbeat_timeout_ms = 1500, .step_timeout_ms = 30000, .step_token_us = 100000,
-                              .liveness_timeout_ms = 10000, .prepare_threads = 2,
+                              .liveness_timeout_ms = 10000, .prepare_threads = 2, .kv_offload_prefetch_timeout_ms = 50,
                               .grammar_compile_timeout_ms = 30000, .grammar_max_bytes = 256ull << 20,
                               .grammar_cache_bytes = 1ull << 30, .recovery_timeout_ms = 10000, .cluster = "default",
                               .etcd_ttl = 5};
@@ -256,6 +256,11 @@ int main(int argc, char **argv) {
         {"kv-offloading-disk-size", LOOM_OPT_FLOAT, &offload_gb, "GB",
          "the directory tier's bytes at most, least recently used blocks deleted beyond (default 10)",
          0.000001, 1e6, NULL},
+        {"kv-offloading-prefetch-timeout-ms", LOOM_OPT_INT, &c.kv_offload_prefetch_timeout_ms, "MS",
+         "a prompt whose blocks in the directory tier are being checked (each file read through once, off "
+         "the scheduler's thread) waits for them at most this long before it is scheduled with those already "
+         "checked, the rest computed; 0: never waits (default 50)",
+         0, 600000, NULL},
         {"kv-offloading-write-through", LOOM_OPT_FLAG, &c.kv_offload_write_through, NULL,
          "write each block to the directory tier as soon as it is computed, not when it leaves the "
          "pool",

@@ -575,10 +575,12 @@ static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
  * may still be in the pool: the walk takes each block from the pool when it
  * is there (retained first, so the loads' allocations never evict them),
  * else from the tier, and stops at the first block in neither (never at or
- * beyond the block of the last position, which always runs). */
-static void tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+ * beyond the block of the last position, which always runs). Returns 1,
+ * taking nothing, when q should wait: the connector is still looking for the
+ * block the walk stopped at (loom_kv_connector_waiting, a bounded wait). */
+static int tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     const int B = s->cfg.block_size, nb = q->n_tokens / B, lim = (q->n_tokens - 1) / B, have = q->n_blocks;
-    if (!s->conn || q->n_computed != have * B || have >= lim) return;
+    if (!s->conn || q->n_computed != have * B || have >= lim) return 0;
     if (s->cap_hashes < nb) {
         s->cap_hashes = nb;
         s->hashes = loom_xrealloc(s->hashes, (size_t)nb * sizeof *s->hashes);
@@ -587,8 +589,7 @@ static void tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     for (int i = 0; i < nb; i++) s->hashes[i] = h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
     loom_kv_conn_req_t r = {.id = q->id, .tokens = q->tokens, .n_tokens = q->n_tokens, .block_hashes = s->hashes,
                             .block_size = B};
-    s->stats.tier_queries += (uint64_t)(lim - have);
-    int end = have, tier_end = have; /* blocks [have, end) found; those before tier_end are in the tier */
+    int end = have, tier_end = have, wait = 0; /* blocks [have, end) found; those before tier_end are in the tier */
     while (end < lim) {
         int b = loom_kv_lookup(s->kv, s->hashes[end], q->tokens + (size_t)end * B);
         if (b >= 0) {
@@ -598,10 +599,20 @@ static void tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
         }
         if (end >= tier_end) {
             tier_end = end + loom_kv_connector_match(s->conn, &r, end * B, NULL) / B;
-            if (tier_end == end) break;
+            if (tier_end == end) {
+                wait = loom_kv_connector_waiting(s->conn, &r);
+                break;
+            }
         }
         q->blocks[end++] = -1; /* to be loaded */
     }
+    if (wait) {
+        for (int i = have; i < end; i++)
+            if (q->blocks[i] >= 0) loom_kv_release(s->kv, q->blocks[i]);
+        s->stats.tier_waits++;
+        return 1;
+    }
+    s->stats.tier_queries += (uint64_t)(lim - have);
     /* the loads' blocks, in order; out of blocks: the chain ends before the first one missing */
     int n_loaded = 0;
     for (int i = have; i < end; i++) {
@@ -621,10 +632,12 @@ static void tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     loom_kv_connector_after_alloc(s->conn, &r, q->blocks + have, end - have, n_loaded * B);
     q->n_computed = end * B;
     s->stats.tier_hits += (uint64_t)n_loaded;
+    return 0;
 }
 
-/* Reuses cached full blocks of q's tokens (prefix caching). */
-static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+/* Reuses cached full blocks of q's tokens (prefix caching); 1 when q
+ * should wait for the tier (tier_lookup). */
+static int prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     int B = s->cfg.block_size, nb = q->n_tokens / B;
     uint64_t parent = q->lora_seed, prev = q->lora_seed;
     int hits = 0;
@@ -659,7 +672,7 @@ static void prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
         q->n_hashed = hits - 1;
         q->chain = prev;
     }
-    tier_lookup(s, mb, q);
+    return tier_lookup(s, mb, q);
 }
 
 /* KV fork (sched.h): what admission does with a waiting q whose prompt a
@@ -953,8 +966,14 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             continue;
         }
         int loads0 = mb->n_loads;
-        if (f == FORK_NONE && q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp)
-            prefix_lookup(s, mb, q);
+        if (f == FORK_NONE && q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp &&
+            prefix_lookup(s, mb, q)) {
+            undo_lookup(s, mb, q); /* its tier blocks are being checked: the ones behind it go first */
+            lora_unpin(s, q);
+            heap_remove(s, q);
+            s->parked[n_parked++] = q;
+            continue;
+        }
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
         int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
         if (take > room) take = room;

@@ -184,6 +184,7 @@ typedef struct loom_sched_stats {
     uint64_t prompt_tokens_computed; /* prompt positions run (prefill, recompute included) */
     uint64_t forks, fork_tokens;     /* sequences admitted as forks; prompt tokens they took over */
     uint64_t tier_queries, tier_hits; /* blocks beyond the prefix cache asked of the connector; loaded */
+    uint64_t tier_waits; /* admissions put off while the connector looked for a request's blocks */
     uint64_t tier_saves;             /* blocks sent to the connector's tier */
     uint64_t lower_hits, lower_saves; /* of those, loaded from and sent to its lower tier (the directory) */
 } loom_sched_stats_t;

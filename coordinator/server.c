@@ -187,6 +187,7 @@ struct loom_server {
     uint64_t recovery_deadline; /* requests wait for the grid until then (0: none waiting) */
     loom_kv_events_t *kv_events; /* --kv-events publisher (NULL: off) */
     loom_kv_connector_t *kv_conn; /* the KV tier's connector: --kv-offloading-dir or -size (NULL: off) */
+    int kv_check_fd;              /* readable when the directory tier's checks finish (-1: none) */
     loom_prep_t *prep;           /* the preparation pool */
     preparing_t *preparing;      /* requests waiting for it */
     int n_preparing;
@@ -1848,13 +1849,15 @@ int loom_server_run(loom_server_t *s) {
               s->model_name, s->cfg.tp, s->cfg.pp, s->api_addr, loom_grid_bound_addr(s->grid),
               loom_grid_n_slots(s->grid));
     while (!s->stop) {
-        zmq_pollitem_t items[5] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0},
+        zmq_pollitem_t items[6] = {{loom_grid_socket(s->grid), 0, ZMQ_POLLIN, 0},
                                    {s->api, 0, ZMQ_POLLIN, 0},
                                    {NULL, loom_prep_fd(s->prep), ZMQ_POLLIN, 0}};
-        int n_items = 3, draft_i = -1, lora_i = -1;
+        int n_items = 3, draft_i = -1, lora_i = -1, check_i = -1;
         if (s->draft) items[draft_i = n_items++] = (zmq_pollitem_t){NULL, loom_coord_draft_fd(s->draft), ZMQ_POLLIN, 0};
         if (s->lora_prep) items[lora_i = n_items++] = (zmq_pollitem_t){NULL, loom_prep_fd(s->lora_prep), ZMQ_POLLIN, 0};
+        if (s->kv_check_fd >= 0) items[check_i = n_items++] = (zmq_pollitem_t){NULL, s->kv_check_fd, ZMQ_POLLIN, 0};
         if (zmq_poll(items, n_items, 20) < 0 && errno != EINTR) break;
+        if (check_i >= 0 && (items[check_i].revents & ZMQ_POLLIN)) loom_kv_dir_connector_drain(kv_dir(s));
         if (items[0].revents & ZMQ_POLLIN) loom_grid_on_readable(s->grid);
         if (items[2].revents & ZMQ_POLLIN) prep_done(s);
         if (draft_i >= 0 && (items[draft_i].revents & ZMQ_POLLIN)) drafts_done(s);
@@ -1945,6 +1948,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
 loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t **out, loom_err_t *err) {
     *out = NULL;
     loom_server_t *s = loom_xcalloc(1, sizeof *s);
+    s->kv_check_fd = -1;
     s->cfg = *cfg;
     s->stall_file = getenv("LOOM_TEST_STALL_FILE");
     s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1), sizeof *s->unsent);
@@ -1972,6 +1976,12 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
             goto fail;
         }
         s->kv_conn = loom_kv_dir_connector_create(cfg->kv_offload_dir, cfg->kv_offload_write_through);
+        /* first-sight reads of block files off the reactor */
+        s->kv_check_fd = loom_kv_dir_connector_start_checks(s->kv_conn, cfg->kv_offload_prefetch_timeout_ms);
+        if (s->kv_check_fd < 0) {
+            st = loom_err_set(err, LOOM_ERR_INTERNAL, "cannot start the KV tier's checker thread");
+            goto fail;
+        }
         LOOM_INFO("KV offload: directory tier %s, at most %.2f GB, %s%s", cfg->kv_offload_dir,
                   (double)cfg->kv_offload_max_bytes / 1e9,
                   cfg->kv_offload_write_through ? "write-through" : "write-back",

@@ -65,6 +65,10 @@ typedef struct loom_server_config {
     const char *kv_offload_dir;
     uint64_t kv_offload_max_bytes;
     int kv_offload_write_through;
+    /* how long a request whose tier blocks are being checked (read through
+     * on first sight, off the reactor) waits for them before it is admitted
+     * with those known (--kv-offloading-prefetch-timeout-ms; 0: never) */
+    int kv_offload_prefetch_timeout_ms;
     /* the host-memory tier (--kv-offloading-size; 0: none): bytes per
      * worker for blocks leaving the pool (write-back) */
     uint64_t kv_offload_host_bytes;

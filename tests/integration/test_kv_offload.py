@@ -17,6 +17,13 @@
   that cannot be written (its directory replaced by a file) stops saving
   with a log line and the replica serves on with the same outputs; a tier
   bounded by --kv-offloading-disk-size stays within it.
+- The directory tier's first-sight checks run off the scheduler's thread
+  (LOOM_TEST_KV_CHECK_DELAY_MS slows each block's): while a long prefix's
+  files are checked, short requests and /health keep being answered (no
+  wait near the checks' total); with a long --kv-offloading-prefetch-timeout-ms
+  the request then loads its prefix (cached_tokens > 0), with a short one
+  it is admitted before the checks end and computes the prompt, the same
+  greedy output either way.
 - Prefill/decode disaggregation driven as vLLM's proxy drives it: a prefill
   replica answers kv_transfer_params do_remote_decode (max_tokens 1) with
   the decode side's params; the decode replica, given them, loads the
@@ -271,6 +278,75 @@ def test_dir_tier():
         check("deleted" in log and ("checksum" in log or "not a whole block" in log),
               "no log line for the bad block files: %r" % log[-2000:])
     finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+CHECK_DELAY_MS = 400  # each block's first-sight check, in the test hook
+
+
+def test_dir_tier_prefetch():
+    import threading
+    import time
+    from test_http import request
+    tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
+    long_prompt = {"prompt": "Lamp " + STORY * 3, "max_tokens": 16, "temperature": 0}
+    short = {"prompt": "Zebra went to the park.", "max_tokens": 4, "temperature": 0}
+    old_env = os.environ.get("LOOM_TEST_KV_CHECK_DELAY_MS")
+    try:
+        port = free_port()
+        args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B),
+                "--kv-offloading-dir", tier, "--kv-offloading-write-through"]
+        with Cluster(STORIES, 1, 1, coord_args=args):
+            want = call(port, "/v1/completions", long_prompt)
+        n_prompt = want["usage"]["prompt_tokens"]
+        n_blocks = (n_prompt - 1) // B
+        check(n_blocks >= 8, "a long prompt: %d tokens" % n_prompt)
+        check(len(glob.glob(os.path.join(tier, "*.kvb"))) >= n_blocks, "the prompt's blocks written through")
+        os.environ["LOOM_TEST_KV_CHECK_DELAY_MS"] = str(CHECK_DELAY_MS)
+        total_s = n_blocks * CHECK_DELAY_MS / 1e3
+
+        def long_request(port, out):
+            out.append(call(port, "/v1/completions", long_prompt))
+
+        for timeout_ms in (60000, 100):
+            port = free_port()
+            args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B),
+                    "--kv-offloading-dir", tier, "--kv-offloading-prefetch-timeout-ms", str(timeout_ms)]
+            with Cluster(STORIES, 1, 1, coord_args=args):
+                call(port, "/v1/completions", short)  # warm
+                got = []
+                t = threading.Thread(target=long_request, args=(port, got))
+                t.start()
+                worst = 0.0
+                n_calls = 0
+                while t.is_alive():
+                    a = time.monotonic()
+                    call(port, "/v1/completions", short)
+                    check(request(port, "GET", "/health", timeout=60)[0] == 200, "/health while checking")
+                    worst = max(worst, time.monotonic() - a)
+                    n_calls += 1
+                t.join()
+            check(got and got[0]["choices"][0]["text"] == want["choices"][0]["text"],
+                  "timeout %d ms: %r vs %r" % (timeout_ms, got and got[0]["choices"][0]["text"],
+                                               want["choices"][0]["text"]))
+            cached = got[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
+            print("  timeout %d ms: %d of %d prompt tokens cached; %.1f s of checks; %d short requests, the slowest "
+                  "with /health %.2f s" % (timeout_ms, cached, n_prompt, total_s, n_calls, worst))
+            if timeout_ms == 60000:
+                # it waited for the checks, then loaded its prefix
+                check(cached >= n_blocks * B, "long timeout: %d of %d prompt tokens cached" % (cached, n_prompt))
+                # the reactor kept turning: a short request and /health took far less than the checks
+                check(n_calls >= 2 and worst < total_s / 2,
+                      "while %.1f s of checks ran: %d short requests, the slowest with /health %.2f s"
+                      % (total_s, n_calls, worst))
+            else:
+                # admitted when its wait ran out, long before the checks end: computed
+                check(cached < n_blocks * B, "short timeout: %d of %d prompt tokens cached" % (cached, n_prompt))
+    finally:
+        if old_env is None:
+            os.environ.pop("LOOM_TEST_KV_CHECK_DELAY_MS", None)
+        else:
+            os.environ["LOOM_TEST_KV_CHECK_DELAY_MS"] = old_env
         shutil.rmtree(tier, ignore_errors=True)
 
 
@@ -726,5 +802,5 @@ def test_router_pd():
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded,
                test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
-               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
+               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
                test_flags])

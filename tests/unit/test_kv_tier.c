@@ -6,10 +6,12 @@
  * for every shard, offer asks only for blocks the directory lacks. */
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/block_hash.h"
@@ -123,6 +125,83 @@ static void test_connector(void) {
     loom_kv_tier_trim(g_dir, 0);
 }
 
+/* Waits (at most ~10 s) until c's checker has nothing queued or running;
+ * the descriptor woke for what finished. */
+static int checks_settle(loom_kv_connector_t *c, int fd) {
+    int woke = 0;
+    for (int i = 0; i < 1000 && loom_kv_dir_connector_checking(c) > 0; i++) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        poll(&p, 1, 10);
+        woke += loom_kv_dir_connector_drain(c);
+    }
+    return woke + loom_kv_dir_connector_drain(c);
+}
+
+static void test_connector_checks(void) {
+    const int B = 4;
+    int32_t toks[22];
+    for (int i = 0; i < 22; i++) toks[i] = 200 + i;
+    uint64_t h[5], p = 0;
+    for (int i = 0; i < 5; i++) h[i] = p = loom_kv_chain_hash(p, toks + i * B, B);
+    uint64_t bytes[2] = {SPAN, SPAN / 2};
+    unsigned char a[SPAN];
+    fill(a, 4);
+    loom_err_t err = {0};
+    for (int i = 0; i < 3; i++) { /* blocks 0..2 whole, block 3 truncated on shard 1, block 4 absent */
+        CHECK(loom_kv_tier_write(g_dir, 6, h[i], 0, a, SPAN, &err) == LOOM_OK);
+        CHECK(loom_kv_tier_write(g_dir, 6, h[i], 1, a, SPAN / 2, &err) == LOOM_OK);
+    }
+    CHECK(loom_kv_tier_write(g_dir, 6, h[3], 0, a, SPAN, &err) == LOOM_OK);
+    CHECK(loom_kv_tier_write(g_dir, 6, h[3], 1, a, SPAN / 2, &err) == LOOM_OK);
+    char path[4096];
+    loom_kv_tier_path(path, sizeof path, g_dir, 6, h[3], 1);
+    CHECK(truncate(path, 64) == 0);
+    loom_kv_conn_req_t r = {.id = 7, .tokens = toks, .n_tokens = 22, .block_hashes = h, .block_size = B};
+
+    /* a long wait: nothing known at first, the request waits for the checks */
+    setenv("LOOM_TEST_KV_CHECK_DELAY_MS", "20", 1);
+    loom_kv_connector_t *c = loom_kv_dir_connector_create(g_dir, 0);
+    loom_kv_dir_connector_set_grid(c, 6, 2, bytes);
+    int fd = loom_kv_dir_connector_start_checks(c, 60000);
+    unsetenv("LOOM_TEST_KV_CHECK_DELAY_MS");
+    CHECK(fd >= 0);
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == 0);
+    CHECK(loom_kv_connector_waiting(c, &r) == 1);
+    CHECK(loom_kv_dir_connector_checking(c) == 4); /* blocks 0..3 queued; block 4's file is not there */
+    loom_kv_conn_req_t other = r;
+    other.id = 8;
+    CHECK(loom_kv_connector_waiting(c, &other) == 0); /* the answer is the last match's request's */
+    CHECK(checks_settle(c, fd) == 4);
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == 3 * B); /* block 3 found not whole: a miss */
+    CHECK(loom_kv_connector_waiting(c, &r) == 0);
+    CHECK(loom_kv_dir_connector_checking(c) == 0);
+    CHECK(loom_kv_connector_match(c, &r, B, NULL) == 2 * B);
+    /* a file changed since it was read through is checked again */
+    CHECK(loom_kv_tier_write(g_dir, 6, h[1], 1, a, SPAN / 2, &err) == LOOM_OK);
+    struct timespec later[2] = {{.tv_sec = 2000000000}, {.tv_sec = 2000000000}};
+    loom_kv_tier_path(path, sizeof path, g_dir, 6, h[1], 1);
+    CHECK(utimensat(AT_FDCWD, path, later, 0) == 0);
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == B);
+    CHECK(loom_kv_connector_waiting(c, &r) == 1);
+    checks_settle(c, fd);
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == 3 * B);
+    loom_kv_connector_destroy(&c);
+
+    /* timeout 0: never waits, the checks still run for later requests */
+    c = loom_kv_dir_connector_create(g_dir, 0);
+    loom_kv_dir_connector_set_grid(c, 6, 2, bytes);
+    fd = loom_kv_dir_connector_start_checks(c, 0);
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == 0);
+    CHECK(loom_kv_connector_waiting(c, &r) == 0);
+    checks_settle(c, fd);
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == 3 * B);
+    /* destroyed with checks queued: the thread stops */
+    loom_kv_dir_connector_set_grid(c, 6, 2, bytes); /* another grid: nothing known */
+    CHECK(loom_kv_connector_match(c, &r, 0, NULL) == 0);
+    loom_kv_connector_destroy(&c);
+    loom_kv_tier_trim(g_dir, 0);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/loom-test-kv-tier-XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -130,6 +209,7 @@ int main(void) {
     RUN(test_corrupt);
     RUN(test_trim);
     RUN(test_connector);
+    RUN(test_connector_checks);
     loom_kv_tier_trim(g_dir, 0);
     rmdir(g_dir);
     return test_summary();
