@@ -751,6 +751,9 @@ def test_flags():
           "lmcache"], "lmcache is not available"),
         (router + ["--replica", "tcp://127.0.0.1:1", "--prefill-replica", "tcp://127.0.0.1:2"], "--pd"),
         (router + ["--pd", "--replica", "tcp://127.0.0.1:1"], "--prefill-replica"),
+        (router + ["--replica", "tcp://127.0.0.1:1", "--prefix-tier-cost", "2"], "--prefix-tier-cost"),
+        (coord + ["--kv-offloading-dir", tempfile.gettempdir(), "--kv-offloading-prefetch-timeout-ms", "-5"],
+         "--kv-offloading-prefetch-timeout-ms"),
     ]
     for argv, words in cases:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
