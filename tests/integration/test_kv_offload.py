@@ -69,7 +69,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, kill, run_tests, wait_for  # noqa: E402
+from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, kill, run_tests, scaled, wait_for  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -281,7 +281,8 @@ def test_dir_tier():
         shutil.rmtree(tier, ignore_errors=True)
 
 
-CHECK_DELAY_MS = 400  # each block's first-sight check, in the test hook
+CHECK_DELAY_MS = int(scaled(400))  # each block's first-sight check, in the test hook (longer on a slower machine,
+# so the checks still outlast a short request there by far)
 
 
 def test_dir_tier_prefetch():
