@@ -42,8 +42,10 @@ typedef struct loom_kv_connector loom_kv_connector_t;
 typedef struct loom_kv_connector_ops {
     /* get_num_new_matched_tokens: tokens beyond the n_local the prefix
      * cache holds that the connector can supply (whole blocks); *async 1
-     * when they arrive after the step that allocates them. No side effects:
-     * it may be asked again for the same request. */
+     * when they arrive after the step that allocates them. It may be asked
+     * again for the same request, so what it does besides answering must
+     * bear repeating (the host tier's LRU touch and step pin, the
+     * directory tier's queued checks). */
     int (*match)(loom_kv_connector_t *c, const loom_kv_conn_req_t *r, int n_local, int *async);
     /* (optional) Asked after a match of r that stopped short: 1 when r
      * should wait before admission, its next blocks being looked for (a
