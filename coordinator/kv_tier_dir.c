@@ -142,6 +142,25 @@ static check_t *check_slot(dir_conn_t *d) {
     return old;
 }
 
+/* Reads every shard's file of block `hash` through (its checksum) with mu
+ * released, and remembers them if the grid is the same after: whether the
+ * block is whole. Under mu; the test hook's delay first. */
+static int read_through(dir_conn_t *d, uint64_t hash) {
+    uint64_t gen = d->grid_gen, tier_id = d->tier_id;
+    int n = d->n_shards, ok = n > 0 && n <= 64; /* beyond: not checked, a miss */
+    uint64_t bytes[64];
+    if (n > 64) n = 64;
+    memcpy(bytes, d->shard_bytes, (size_t)LOOM_MAX(n, 0) * sizeof *bytes);
+    pthread_mutex_unlock(&d->mu);
+    if (d->delay_ms > 0) nanosleep(&(struct timespec){d->delay_ms / 1000, d->delay_ms % 1000 * 1000000}, NULL);
+    for (int sh = 0; ok && sh < n; sh++) ok = loom_kv_tier_check(d->dir, tier_id, hash, sh, (size_t)bytes[sh]);
+    pthread_mutex_lock(&d->mu);
+    if (gen != d->grid_gen) return 0;
+    if (ok)
+        for (int sh = 0; sh < n; sh++) remember(d, hash, sh);
+    return ok;
+}
+
 static void *checker_main(void *arg) {
     dir_conn_t *d = arg;
     pthread_mutex_lock(&d->mu);
@@ -155,19 +174,11 @@ static void *checker_main(void *arg) {
             continue;
         }
         e->state = CHECK_RUNNING;
-        uint64_t hash = e->hash, gen = d->grid_gen, tier_id = d->tier_id;
-        int n = d->n_shards, ok = n <= 64; /* beyond: not checked, a miss */
-        uint64_t bytes[64];
-        if (n > 64) n = 64;
-        memcpy(bytes, d->shard_bytes, (size_t)n * sizeof *bytes);
-        pthread_mutex_unlock(&d->mu);
-        if (d->delay_ms > 0) nanosleep(&(struct timespec){d->delay_ms / 1000, d->delay_ms % 1000 * 1000000}, NULL);
-        for (int sh = 0; ok && sh < n; sh++) ok = loom_kv_tier_check(d->dir, tier_id, hash, sh, (size_t)bytes[sh]);
-        pthread_mutex_lock(&d->mu);
-        if (gen == d->grid_gen && ok)
-            for (int sh = 0; sh < n; sh++) remember(d, hash, sh);
+        uint64_t hash = e->hash, gen = d->grid_gen;
+        int ok = read_through(d, hash);
+        if (gen != d->grid_gen) continue; /* set_grid cleared the checks: e is not this one's any more */
         e->state = CHECK_DONE;
-        e->ok = ok && gen == d->grid_gen;
+        e->ok = ok;
         e->done_ns = loom_now_ns();
         char c = 1;
         ssize_t w = write(d->pipe_fd[1], &c, 1); /* full: the reactor has wakes pending */
@@ -266,6 +277,8 @@ loom_kv_connector_t *loom_kv_dir_connector_create(const char *dir, int write_thr
     d->dir = loom_xstrdup(dir);
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
+    const char *delay = getenv("LOOM_TEST_KV_CHECK_DELAY_MS");
+    d->delay_ms = delay ? atol(delay) : 0;
     return &d->base;
 }
 
@@ -287,7 +300,7 @@ int loom_kv_dir_connector_whole(loom_kv_connector_t *c, const uint64_t *hashes, 
     dir_conn_t *d = (dir_conn_t *)c;
     int i = 0;
     pthread_mutex_lock(&d->mu);
-    while (d->n_shards > 0 && i < n && block_whole(d, hashes[i])) i++;
+    while (d->n_shards > 0 && i < n && (block_known(d, hashes[i]) || read_through(d, hashes[i]))) i++;
     pthread_mutex_unlock(&d->mu);
     return i;
 }
@@ -298,8 +311,6 @@ int loom_kv_dir_connector_start_checks(loom_kv_connector_t *c, int timeout_ms) {
     if (pipe(d->pipe_fd) != 0) return -1;
     fcntl(d->pipe_fd[0], F_SETFL, O_NONBLOCK);
     fcntl(d->pipe_fd[1], F_SETFL, O_NONBLOCK);
-    const char *delay = getenv("LOOM_TEST_KV_CHECK_DELAY_MS");
-    d->delay_ms = delay ? atol(delay) : 0;
     d->timeout_ns = (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
     if (pthread_create(&d->thread, NULL, checker_main, d) != 0) {
         close(d->pipe_fd[0]);

@@ -17,8 +17,10 @@ loom_kv_connector_t *loom_kv_dir_connector_create(const char *dir, int write_thr
  * block bytes (n_shards = tp x pp). Until set, it matches nothing. */
 void loom_kv_dir_connector_set_grid(loom_kv_connector_t *c, uint64_t tier_id, int n_shards,
                                     const uint64_t *shard_bytes);
-/* How many of these blocks, from the first, are whole for every shard
- * (read through here, on the caller's thread). */
+/* How many of these blocks, from the first, are whole for every shard:
+ * known, else read through here, on the caller's thread, with the tier's
+ * lock released during the reads (the server calls it on its preparation
+ * pool, so match and the reactor never wait on them). */
 int loom_kv_dir_connector_whole(loom_kv_connector_t *c, const uint64_t *hashes, int n);
 /* Reads files through on a thread of its own from now on (docs/kv-offload.md
  * "Where the check runs"): match answers from the files already known (read

@@ -72,6 +72,11 @@ static void run_job(loom_prep_job_t *j) {
                                           &j->n_ids, &cap, &j->err);
         j->tokenize_s = (double)(loom_now_ns() - t1) * 1e-9;
     }
+    if (j->kv.whole && j->status == LOOM_OK && !atomic_load(&j->cancelled)) {
+        uint64_t t1 = loom_now_ns();
+        j->kv.have = j->kv.whole(j->kv.conn, j->kv.hashes, j->kv.n);
+        j->kv.read_s = (double)(loom_now_ns() - t1) * 1e-9;
+    }
 }
 
 static void *thread_main(void *arg) {
@@ -197,6 +202,7 @@ void loom_prep_job_free(loom_prep_job_t **j_p) {
     free(j->spec);
     free(j->prompt);
     free(j->ids);
+    free(j->kv.hashes);
     free(j->lora.name);
     free(j->lora.path);
     free(j);

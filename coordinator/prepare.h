@@ -52,6 +52,17 @@ typedef struct loom_prep_job {
         int rank;                /* out: the largest rank */
         double read_s;           /* out */
     } lora;
+    /* a remote prefill's blocks in a KV tier (kv.whole non-NULL; the ids
+     * are in ids already): how many of kv.hashes, from the first, are whole
+     * (kv.whole reads their files, off the reactor) */
+    struct {
+        int (*whole)(void *conn, const uint64_t *hashes, int n);
+        void *conn;
+        uint64_t *hashes; /* owned */
+        int n;
+        int have;  /* out */
+        double read_s; /* out */
+    } kv;
     /* out */
     loom_grammar_t *grammar; /* compiled (NULL on failure or without kind) */
     int32_t *ids;            /* the prompt's tokens (owned) */

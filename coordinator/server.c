@@ -74,6 +74,7 @@
 #define RATE_WINDOW 8 /* seconds of tokens/s history */
 #define PREP_PROMPT_BYTES 16384 /* a longer prompt is tokenized on the preparation pool */
 #define PREP_GRACE_MS 2000      /* past its deadline, a job that did not stop by itself is abandoned */
+#define KV_CHECK_TIMEOUT_MS 60000 /* a remote prefill's blocks read through on the pool within this */
 
 /* A Generate waiting for the preparation pool (its grammar, its tokens). */
 typedef struct preparing {
@@ -83,6 +84,7 @@ typedef struct preparing {
     void *body; /* the Request, packed, handled again when the job is back */
     size_t body_len;
     uint64_t deadline; /* loom_now_ns(): answered with the time limit's error then */
+    int kv_check;      /* its job reads a remote prefill's KV blocks (kv_check_submit) */
     loom_prep_job_t *job; /* NULL once abandoned */
     struct preparing *prev, *next;
 } preparing_t;
@@ -1022,6 +1024,47 @@ static void prep_submit(loom_server_t *s, const void *rid, size_t rid_len, Loom_
     loom_prep_submit(s->prep, j);
 }
 
+static int kv_whole(void *conn, const uint64_t *hashes, int n) {
+    return loom_kv_dir_connector_whole(conn, hashes, n);
+}
+
+/* A decode whose prefill's KV blocks the directory tier has not read yet:
+ * kept as it came while a thread of the preparation pool reads their files
+ * through (2 MB a block and shard at the 8B shape), then handled again with
+ * the count, its prompt's ids (*ids taken) and its grammar. */
+static void kv_check_submit(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1__Request *rq, int32_t **ids,
+                            int n_ids, uint64_t tokenize_ns, loom_grammar_t *gr, loom_kv_transfer_req_t *kvt) {
+    preparing_t *p = loom_xcalloc(1, sizeof *p);
+    memcpy(p->rid, rid, rid_len);
+    p->rid_len = rid_len;
+    p->request_id = rq->request_id;
+    p->body = loom_wire_pack_request(rq, &p->body_len);
+    p->deadline = loom_now_ns() + (uint64_t)KV_CHECK_TIMEOUT_MS * 1000000ull;
+    p->kv_check = 1;
+    loom_prep_job_t *j = loom_xcalloc(1, sizeof *j);
+    j->ctx = p;
+    j->grammar = gr ? loom_grammar_ref(gr) : NULL;
+    j->ids = *ids;
+    j->n_ids = n_ids;
+    *ids = NULL;
+    j->tokenize_s = (double)tokenize_ns * 1e-9;
+    j->kv.whole = kv_whole;
+    j->kv.conn = kv_dir(s);
+    j->kv.n = kvt->n_blocks;
+    j->kv.hashes = loom_xmalloc((size_t)kvt->n_blocks * sizeof *j->kv.hashes);
+    memcpy(j->kv.hashes, kvt->blocks, (size_t)kvt->n_blocks * sizeof *j->kv.hashes);
+    loom_kv_transfer_req_free(kvt);
+    p->job = j;
+    p->next = s->preparing;
+    if (s->preparing) s->preparing->prev = p;
+    s->preparing = p;
+    s->n_preparing++;
+    loom_log_req(LOOM_LOG_DEBUG, rq->generate->tag && valid_tag(rq->generate->tag) ? rq->generate->tag : NULL,
+                 "request %llu: its prefill's %d KV blocks read through off the reactor",
+                 (unsigned long long)rq->request_id, j->kv.n);
+    loom_prep_submit(s->prep, j);
+}
+
 /* The message of a job that failed on a bound, naming the flag. */
 static void prep_limit_msg(const loom_server_t *s, const loom_prep_job_t *j, char *msg, size_t cap) {
     if (j->lim.hit == LOOM_GRAMMAR_LIMIT_BYTES)
@@ -1078,8 +1121,12 @@ static void prep_timers(loom_server_t *s, uint64_t now) {
         next = p->next;
         if (now < p->deadline + (uint64_t)PREP_GRACE_MS * 1000000ull) continue;
         char msg[300];
-        snprintf(msg, sizeof msg, "grammar too slow to compile: it passed its time limit (--grammar-compile-timeout-ms "
-                                  "%d)", s->cfg.grammar_compile_timeout_ms);
+        if (p->kv_check)
+            snprintf(msg, sizeof msg, "kv_transfer_params: the KV tier's files of the prefill's blocks were not read "
+                                      "within %d s", KV_CHECK_TIMEOUT_MS / 1000);
+        else
+            snprintf(msg, sizeof msg, "grammar too slow to compile: it passed its time limit "
+                                      "(--grammar-compile-timeout-ms %d)", s->cfg.grammar_compile_timeout_ms);
         s->requests_rejected++;
         reply_error(s, p->rid, p->rid_len, p->request_id, LOOM_ERR_INVALID_ARGUMENT, msg);
         prep_drop(s, p);
@@ -1089,9 +1136,12 @@ static void prep_timers(loom_server_t *s, uint64_t now) {
 /* A request's kv_transfer_params (kv_transfer.h): checked against this
  * replica and the prompt; a decode whose prefill's blocks are not all in
  * the tier is refused under kv_load_failure_policy fail, else recomputes
- * what is missing. */
+ * what is missing. The tier's files are read on the preparation pool: 1
+ * when they have not been yet (kv_check_submit; the request is handled
+ * again with the job's count). */
 static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const int32_t *ids, int n_ids,
-                                       int lora_id, loom_kv_transfer_req_t *kvt, char *msg, size_t n) {
+                                       int lora_id, const loom_prep_job_t *prepared, loom_kv_transfer_req_t *kvt,
+                                       char *msg, size_t n) {
     char engine[64];
     loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
     loom_err_t err = {0};
@@ -1104,8 +1154,12 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
         snprintf(msg, n, "%s", err.msg);
         return st;
     }
-    if (!kvt->remote_prefill) return LOOM_OK;
-    int have = loom_kv_dir_connector_whole(kv_dir(s), kvt->blocks, kvt->n_blocks);
+    if (!kvt->remote_prefill || kvt->n_blocks == 0) return LOOM_OK;
+    if (!prepared || !prepared->kv.whole) return 1;
+    int have = prepared->kv.have;
+    if (prepared->kv.read_s > 0.1)
+        LOOM_INFO("kv_transfer_params: the prefill's %d KV blocks read through off the reactor in %.0f ms",
+                  kvt->n_blocks, prepared->kv.read_s * 1e3);
     if (have == kvt->n_blocks) return LOOM_OK;
     if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL) {
         snprintf(msg, n,
@@ -1291,9 +1345,16 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         snprintf(msg, sizeof msg, "sample_step_offset %u exceeds the prompt's %d tokens", g->sample_step_offset, n_ids);
         goto refuse;
     }
-    if (g->kv_transfer_params && g->kv_transfer_params[0] &&
-        (code = kv_transfer_check(s, g->kv_transfer_params, ids, n_ids, lora_id, &kvt, msg, sizeof msg)) < 0)
-        goto refuse;
+    if (g->kv_transfer_params && g->kv_transfer_params[0]) {
+        code = kv_transfer_check(s, g->kv_transfer_params, ids, n_ids, lora_id, prepared, &kvt, msg, sizeof msg);
+        if (code < 0) goto refuse;
+        if (code == 1) {
+            kv_check_submit(s, rid, rid_len, rq, &ids, n_ids, tokenize_ns, gr, &kvt);
+            loom_grammar_destroy(&gr);
+            loom_sparams_destroy(&sparams);
+            return;
+        }
+    }
     code = LOOM_ERR_INVALID_ARGUMENT;
     request_t *q = loom_xcalloc(1, sizeof *q);
     q->sparams = sparams;

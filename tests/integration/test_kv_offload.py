@@ -659,6 +659,73 @@ def test_disaggregated():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def with_env(name, value, fn):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def test_disaggregated_check_off_reactor():
+    """The decode side reads the prefill's block files through (their
+    checksums) on its preparation pool, not on the reactor: with each block's
+    read slowed by the test hook, /health and short requests answer while a
+    decode's check runs, and the decode still loads every block."""
+    import threading
+    import time
+    from test_http import request
+    tier = tempfile.mkdtemp(prefix="loom-kv-pd-check-")
+    try:
+        body = {"prompt": "Lamp " + STORY * 2, "max_tokens": 16, "temperature": 0}
+        short = {"prompt": "Zebra went to the park.", "max_tokens": 4, "temperature": 0}
+        port = free_port()
+        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                                "--block-size", str(B)]):
+            want = call(port, "/v1/completions", body)["choices"][0]["text"]
+        pport = free_port()
+        with pd_cluster(pport, tier, "kv_producer"):
+            kv = call(pport, "/v1/completions", dict(body, max_tokens=1,
+                                                     kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
+        n_blocks = len(kv["remote_block_ids"])
+        check(n_blocks >= 8, "a long prompt: %d blocks" % n_blocks)
+        total_s = n_blocks * CHECK_DELAY_MS / 1e3
+        dport = free_port()
+
+        def decode_side():
+            with pd_cluster(dport, tier, "kv_consumer"):
+                call(dport, "/v1/completions", short)  # warm
+                got = []
+                t = threading.Thread(target=lambda: got.append(
+                    call(dport, "/v1/completions", dict(body, kv_transfer_params=kv))))
+                t.start()
+                worst, n_calls = 0.0, 0
+                while t.is_alive():
+                    a = time.monotonic()
+                    call(dport, "/v1/completions", short)
+                    check(request(dport, "GET", "/health", timeout=60)[0] == 200, "/health while checking")
+                    worst = max(worst, time.monotonic() - a)
+                    n_calls += 1
+                t.join()
+                return got, worst, n_calls
+
+        got, worst, n_calls = with_env("LOOM_TEST_KV_CHECK_DELAY_MS", str(CHECK_DELAY_MS), decode_side)
+        check(got and got[0]["choices"][0]["text"] == want, "decode %r != unified %r" % (got, want))
+        cached = got[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        print("  %d blocks checked in %.1f s: %d short requests meanwhile, the slowest with /health %.2f s; "
+              "%d prompt tokens cached" % (n_blocks, total_s, n_calls, worst, cached))
+        check(cached == n_blocks * B, "decode loaded %d of %d blocks' tokens" % (cached, n_blocks * B))
+        check(n_calls >= 2 and worst < total_s / 2,
+              "while %.1f s of checks ran: %d short requests, the slowest with /health %.2f s"
+              % (total_s, n_calls, worst))
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 def test_disaggregated_lora():
     """A LoRA adapter's request hands its blocks over too: the prefill's
     remote_block_ids are chained from the adapter's seed (its blocks are not
@@ -806,5 +873,6 @@ def test_router_pd():
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded,
                test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
-               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated, test_disaggregated_lora, test_router_pd, test_router_tier_events,
+               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated,
+               test_disaggregated_check_off_reactor, test_disaggregated_lora, test_router_pd, test_router_tier_events,
                test_flags])
