@@ -22,9 +22,11 @@ typedef struct {
     uint64_t tier_id, hash, bytes, checksum;
 } header_t;
 
-uint64_t loom_kv_tier_checksum(const void *data, size_t bytes) {
+/* The checksum, fed in pieces: every piece but the last a multiple of 8
+ * bytes gives the one-shot value. */
+static uint64_t sum_init(size_t bytes) { return 0x9e3779b97f4a7c15ull ^ (uint64_t)bytes; }
+static uint64_t sum_update(uint64_t h, const void *data, size_t bytes) {
     const unsigned char *p = data;
-    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)bytes;
     size_t i = 0;
     for (; i + 8 <= bytes; i += 8) {
         uint64_t w;
@@ -33,7 +35,12 @@ uint64_t loom_kv_tier_checksum(const void *data, size_t bytes) {
         h ^= h >> 32;
     }
     for (; i < bytes; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return h ^ (h >> 29);
+    return h;
+}
+static uint64_t sum_final(uint64_t h) { return h ^ (h >> 29); }
+
+uint64_t loom_kv_tier_checksum(const void *data, size_t bytes) {
+    return sum_final(sum_update(sum_init(bytes), data, bytes));
 }
 
 uint64_t loom_kv_tier_file_bytes(size_t bytes) { return sizeof(header_t) + (uint64_t)bytes; }
@@ -121,22 +128,12 @@ static void drop_bad(const char *path, const loom_err_t *err) {
 
 loom_status_t loom_kv_tier_read(const char *dir, uint64_t tier_id, uint64_t hash, int shard, void *dst, size_t bytes,
                                 loom_err_t *err) {
-    char path[4096];
-    loom_kv_tier_path(path, sizeof path, dir, tier_id, hash, shard);
-    header_t h;
-    int fd = open_checked(path, tier_id, hash, shard, bytes, &h, err);
-    if (fd < 0) {
-        if (err->code == LOOM_ERR_FORMAT) drop_bad(path, err);
-        return err->code;
-    }
-    int short_read = read_all(fd, dst, bytes) < 0;
-    close(fd);
-    if (short_read || loom_kv_tier_checksum(dst, bytes) != h.checksum) {
-        loom_err_set(err, LOOM_ERR_FORMAT, "%s: checksum mismatch", path);
-        drop_bad(path, err);
-        return LOOM_ERR_FORMAT;
-    }
-    return LOOM_OK;
+    loom_kv_tier_reader_t r;
+    loom_status_t s = loom_kv_tier_open(&r, dir, tier_id, hash, shard, bytes, err);
+    if (s < 0) return s;
+    loom_err_t read_err = {0};
+    if (loom_kv_tier_read_next(&r, dst, bytes, &read_err) < 0) r.bad = 1;
+    return loom_kv_tier_close(&r, err);
 }
 
 int loom_kv_tier_check(const char *dir, uint64_t tier_id, uint64_t hash, int shard, size_t bytes) {
@@ -151,6 +148,45 @@ int loom_kv_tier_check(const char *dir, uint64_t tier_id, uint64_t hash, int sha
         utimensat(AT_FDCWD, path, NULL, 0);
     }
     return ok;
+}
+
+loom_status_t loom_kv_tier_open(loom_kv_tier_reader_t *r, const char *dir, uint64_t tier_id, uint64_t hash,
+                                int shard, size_t bytes, loom_err_t *err) {
+    *r = (loom_kv_tier_reader_t){.fd = -1};
+    loom_kv_tier_path(r->path, sizeof r->path, dir, tier_id, hash, shard);
+    header_t h;
+    r->fd = open_checked(r->path, tier_id, hash, shard, bytes, &h, err);
+    if (r->fd < 0) {
+        if (err->code == LOOM_ERR_FORMAT) drop_bad(r->path, err);
+        return err->code;
+    }
+    r->want = h.checksum;
+    r->sum = sum_init(bytes);
+    r->left = bytes;
+    return LOOM_OK;
+}
+
+loom_status_t loom_kv_tier_read_next(loom_kv_tier_reader_t *r, void *dst, size_t n, loom_err_t *err) {
+    LOOM_ASSERT(r->fd >= 0 && n <= r->left && (n % 8 == 0 || n == r->left));
+    if (read_all(r->fd, dst, n) < 0) {
+        loom_err_set(err, LOOM_ERR_FORMAT, "%s: short read", r->path);
+        r->bad = 1;
+        return LOOM_ERR_FORMAT;
+    }
+    r->sum = sum_update(r->sum, dst, n);
+    r->left -= n;
+    return LOOM_OK;
+}
+
+loom_status_t loom_kv_tier_close(loom_kv_tier_reader_t *r, loom_err_t *err) {
+    if (r->fd < 0) return LOOM_OK;
+    close(r->fd);
+    r->fd = -1;
+    if (!r->bad && r->left == 0 && sum_final(r->sum) == r->want) return LOOM_OK;
+    if (!r->bad && r->left > 0) return LOOM_OK; /* abandoned before the end: nothing said of the file */
+    loom_err_set(err, LOOM_ERR_FORMAT, "%s: checksum mismatch", r->path);
+    drop_bad(r->path, err);
+    return LOOM_ERR_FORMAT;
 }
 
 typedef struct {

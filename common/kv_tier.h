@@ -33,6 +33,24 @@ loom_status_t loom_kv_tier_write(const char *dir, uint64_t tier_id, uint64_t has
 loom_status_t loom_kv_tier_read(const char *dir, uint64_t tier_id, uint64_t hash, int shard, void *dst, size_t bytes,
                                 loom_err_t *err);
 
+/* A block file read in pieces, in order (the directory tier's loads read
+ * layer by layer, so attention of layer l waits only for layer l): open
+ * checks the header (NOT_FOUND / FORMAT as loom_kv_tier_read), read_next
+ * fills the next n bytes (a multiple of 8, or the rest), close checks the
+ * checksum once every byte was read (a bad file deleted and logged:
+ * FORMAT) and closes; a reader closed early says nothing of the file. */
+typedef struct loom_kv_tier_reader {
+    int fd;
+    int bad;
+    size_t left;
+    uint64_t sum, want;
+    char path[4096];
+} loom_kv_tier_reader_t;
+loom_status_t loom_kv_tier_open(loom_kv_tier_reader_t *r, const char *dir, uint64_t tier_id, uint64_t hash,
+                                int shard, size_t bytes, loom_err_t *err);
+loom_status_t loom_kv_tier_read_next(loom_kv_tier_reader_t *r, void *dst, size_t n, loom_err_t *err);
+loom_status_t loom_kv_tier_close(loom_kv_tier_reader_t *r, loom_err_t *err);
+
 /* Whether the block's file is there and whole (header and checksum read
  * through; a bad one deleted and logged). Refreshes its time (LRU). */
 int loom_kv_tier_check(const char *dir, uint64_t tier_id, uint64_t hash, int shard, size_t bytes);

@@ -18,6 +18,11 @@ typedef struct loom_kv_offload {
     uint64_t bytes;     /* what it holds, as of the last trim plus what this worker wrote since */
     int shard;          /* stage * tp + tp rank */
     int broken;         /* a write failed (disk full, read-only): no more saves, loads still */
+    struct loom_kv_load *load; /* the step's loads, while they run (NULL: none) */
+    uint64_t loads, layer_waits; /* blocks loaded; layers the forward waited for */
+    /* a test's hook, called on the load thread before each layer's reads */
+    void (*layer_hook)(void *ctx, int layer);
+    void *layer_hook_ctx;
 } loom_kv_offload_t;
 
 /* Sets (dir non-empty) or clears the tier for the model's pool; refuses a
@@ -26,12 +31,26 @@ typedef struct loom_kv_offload {
 loom_status_t loom_kv_offload_config(loom_kv_offload_t *o, const loom_model_t *m, const char *dir, uint64_t tier_id,
                                      uint64_t max_bytes, int shard, loom_err_t *err);
 
-/* Saves, then loads (the plan's order). A failed save is logged and the
- * tier stops saving; a failed load (a file gone or bad since the
- * coordinator checked it) is an error: the step must not run on it. */
+/* Saves, then starts the loads (the plan's order). A failed save is logged
+ * and the tier stops saving. The loads run on a thread of their own, layer
+ * by layer across the step's blocks (each file's header is checked here: a
+ * file gone since the coordinator checked it is an error at once); the
+ * forward waits for each layer (loom_kv_offload_wait_layer), and
+ * loom_kv_offload_finish, after the forward, ends them: a file found bad
+ * there (its checksum) is an error, and the step's results must not be
+ * reported. */
 loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *save_blocks,
                                    const uint64_t *save_hashes, size_t n_save, const int32_t *load_blocks,
                                    const uint64_t *load_hashes, size_t n_load, loom_err_t *err);
+
+/* Waits until layer `layer` (the shard's) of every block the step loads is
+ * in the pool; at once without loads. */
+void loom_kv_offload_wait_layer(loom_kv_offload_t *o, int layer);
+/* Layers in so far for every block (-1: no loads running). */
+int loom_kv_offload_layers_ready(loom_kv_offload_t *o);
+/* Waits for the step's loads to end (OK at once without loads); then the
+ * bound is kept. Call after the forward, on every path. */
+loom_status_t loom_kv_offload_finish(loom_kv_offload_t *o, loom_err_t *err);
 
 /* Write-through saves after the step's layers (a failure as for saves). */
 void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,

@@ -431,6 +431,11 @@ static loom_status_t mtp_input(loom_model_t *m, const loom_step_ops_t *so, loom_
 }
 float *loom_model_logits(loom_model_t *m) { return m->logits; }
 
+void loom_model_set_layer_wait(loom_model_t *m, void (*fn)(void *ctx, int layer), void *ctx) {
+    m->layer_wait = fn;
+    m->layer_wait_ctx = ctx;
+}
+
 /* Issues the step's ops: embedding, the layers (the family's), and the LM head. */
 static loom_status_t run_ops(loom_model_t *m, const loom_step_ops_t *so, loom_err_t *err) {
     const loom_model_config_t *c = &m->cfg;
@@ -444,7 +449,10 @@ static loom_status_t run_ops(loom_model_t *m, const loom_step_ops_t *so, loom_er
      * or the next layer's attention norm); backends without the fused op
      * run the two plain ops. */
     if (d->n_layers > 0) loom_op_rmsnorm(be, m->xb, m->x, m->layers[0].attn_norm, n, dim, c->norm_eps);
-    for (int l = 0; l < d->n_layers; l++) LOOM_CHECK(m->arch->layer(m, so, l, err));
+    for (int l = 0; l < d->n_layers; l++) {
+        if (m->layer_wait) m->layer_wait(m->layer_wait_ctx, l);
+        LOOM_CHECK(m->arch->layer(m, so, l, err));
+    }
     if (nl > 0) {
         loom_op_gather_rows(be, m->xl, m->x, so->d_rows, nl, dim);
         loom_op_rmsnorm(be, m->xl, m->xl, m->final_norm, nl, dim, c->norm_eps);

@@ -125,6 +125,11 @@ void *loom_model_kv_block_ptr(const loom_model_t *m, int block);
  * included (copy-on-write). */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n);
 int loom_model_kv_block_size(const loom_model_t *m);
+/* Called on the forward's thread before each of the shard's layers runs
+ * (its index in the shard), so a layer can wait for its KV to arrive (the
+ * worker's directory-tier loads, worker/kv_offload.h); NULL: none. Only
+ * meaningful where ops run as they are issued (the CPU backend). */
+void loom_model_set_layer_wait(loom_model_t *m, void (*fn)(void *ctx, int layer), void *ctx);
 /* Enqueues the copies of block `block` to (to_host 1) or from (0) a host
  * span of loom_model_kv_block_bytes (loom_backend_host_alloc's memory),
  * between loom_backend_xfer_begin and _end: one copy in the

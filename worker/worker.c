@@ -209,6 +209,9 @@ static void post_error(worker_t *w, loom_status_t code, const char *msg) {
     post_join_error(w, 0, code, msg);
 }
 
+/* The model's layer hook: a layer waits for its part of the step's KV loads. */
+static void kv_layer_wait(void *ctx, int layer) { loom_kv_offload_wait_layer(ctx, layer); }
+
 static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int32_t *ids, size_t n,
                         loom_status_t code, const char *msg, double compute_s, double comm_s,
                         const loom_logprobs_t *lp) {
@@ -540,6 +543,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     if (loom_kv_offload_config(&w->kv_tier, w->model, k->kv_offload_dir, k->kv_offload_id, k->kv_offload_max_bytes,
                                (int)(a->stage * a->tp_size + a->tp_rank), &err) < 0)
         goto fail;
+    loom_model_set_layer_wait(w->model, w->kv_tier.dir[0] ? kv_layer_wait : NULL, &w->kv_tier);
     if (loom_kv_host_config(&w->kv_host, w->be, w->model, (int)k->kv_host_slots, &err) < 0) goto fail;
 
     /* data plane: the TP group and the pipeline neighbours */
@@ -809,8 +813,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     }
     int n = (int)p->n_tokens;
     size_t hidden_bytes = (size_t)n * (size_t)w->cfg.dim * sizeof(float);
-    if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
-        goto report;
+    /* the directory tier's loads start first (they run beside the receive
+     * and the layers, each layer waiting for its own part) */
     if (p->n_kv_save_slots || p->n_kv_load_slots) { /* the host tier (and the directory below it) */
         if ((s = loom_kv_host_step(&w->kv_host, w->model, &w->kv_tier, p->kv_save_blocks, p->kv_save_hashes,
                                    p->kv_save_slots, p->n_kv_save_slots, p->kv_load_blocks, p->kv_load_hashes,
@@ -821,7 +825,12 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
                                          p->n_kv_load_blocks, &err)) < 0) {
         goto report;
     }
-    if (p->n_copy_src) loom_model_copy_blocks(w->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
+    if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
+        goto report;
+    if (p->n_copy_src) { /* a copy may read a block being loaded */
+        kv_layer_wait(&w->kv_tier, loom_model_dims(w->model)->n_layers - 1);
+        loom_model_copy_blocks(w->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
+    }
     loom_step_batch_t b = {.n_tokens = n, .tokens = p->tokens, .pos = p->pos, .slots = p->slots,
                            .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
                            .max_blocks = (int)p->max_blocks, .n_logits = last ? (int)p->n_logit_rows : 0,
@@ -833,6 +842,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     s = loom_model_forward(w->model, &b, &err);
     loom_err_t end_err = {0};
     loom_status_t end = loom_comm_step_end(w->comm, &end_err);
+    if (s >= 0 && end < 0) s = end, err = end_err;
+    end = loom_kv_offload_finish(&w->kv_tier, &end_err); /* a bad file: the step ran on it, its results go */
     if (s >= 0 && end < 0) s = end, err = end_err;
     if (s < 0) goto report;
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
@@ -904,6 +915,10 @@ prompt:
     if (w->mtp.model && (s = mtp_step(w, p, &err)) < 0) goto report;
     if (p->n_prompt_lp_rows) s = prompt_logprobs(w, p, &err);
 report:;
+    if (w->kv_tier.load) { /* a path out before the forward's finish: the pool is not written behind the next step */
+        loom_err_t ignore = {0};
+        loom_kv_offload_finish(&w->kv_tier, &ignore);
+    }
     uint64_t t1 = loom_now_ns();
     double comm_s = w->comm ? loom_comm_seconds(w->comm) - comm0 : 0;
     atomic_fetch_add(&w->busy_ns, t1 - t0);

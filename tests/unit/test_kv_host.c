@@ -8,14 +8,17 @@
  * the directory below (test_spill), a slot written down to it before a
  * later save of the step reuses the slot, both loaded back in one step
  * (one from the directory, one from the slot), and the same moves in the
- * other order refused. */
+ * other order refused; the directory tier's loads layer by layer
+ * (test_dir_layer_loads). */
 #include "worker/kv_host.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "common/kv_tier.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "kernels/backend.h"
@@ -191,6 +194,125 @@ static void test_spill(void) {
     loom_backend_destroy(&be);
 }
 
+/* The load thread's gate: layer l is read once l < allowed. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int allowed;
+} gate_t;
+
+static void gate_hook(void *ctx, int layer) {
+    gate_t *g = ctx;
+    pthread_mutex_lock(&g->mu);
+    while (layer >= g->allowed) pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void gate_open(gate_t *g, int allowed) {
+    pthread_mutex_lock(&g->mu);
+    g->allowed = allowed;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void wait_layer(void *ctx, int layer) { loom_kv_offload_wait_layer(ctx, layer); }
+
+/* Whether layer l's part of blocks a and b (the contiguous span is
+ * layer-major) holds the same bytes. */
+static int same_layer(loom_model_t *m, int a, int b, int l) {
+    size_t lb = loom_model_kv_block_bytes(m, BS) / (size_t)loom_model_dims(m)->n_layers;
+    return !memcmp((char *)loom_model_kv_block_ptr(m, a) + (size_t)l * lb,
+                   (char *)loom_model_kv_block_ptr(m, b) + (size_t)l * lb, lb);
+}
+
+/* The directory tier's loads run layer by layer on a thread of their own:
+ * with the thread held before layer 1, layer 0 of every block is in and
+ * layer 1 is not; a forward waiting per layer (the model's layer hook) then
+ * gives the logits of one over the original blocks; a file corrupted past
+ * its header is found at the end (the step fails, the file is deleted); a
+ * missing file fails at once. */
+static void test_dir_layer_loads(void) {
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
+                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
+    loom_backend_t *be = NULL;
+    loom_model_t *m = NULL;
+    loom_err_t err = {0};
+    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
+                              .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = LOOM_DT_F32};
+    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    if (!m) return;
+    const int n_layers = loom_model_dims(m)->n_layers, vocab = g_cfg.vocab_size;
+    CHECK(n_layers >= 3);
+    int32_t toks[PROMPT];
+    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (vocab - 1);
+    float *a = malloc((size_t)vocab * sizeof *a), *b = malloc((size_t)vocab * sizeof *b);
+    int32_t orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3}, next = 7;
+    step(m, toks, PROMPT, 0, orig, 3, a);
+    step(m, &next, 1, PROMPT, orig, 3, a);
+    char dir[] = "/tmp/loom_kv_layers_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    loom_kv_offload_t o;
+    CHECKF(loom_kv_offload_config(&o, m, dir, 0x99, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
+    uint64_t hashes[3] = {0x41, 0x42, 0x43};
+    CHECKF(loom_kv_offload_step(&o, m, orig, hashes, 3, NULL, NULL, 0, &err) == LOOM_OK, "%s", err.msg);
+    size_t span = loom_model_kv_block_bytes(m, BS);
+    for (int i = 0; i < 3; i++) memset(loom_model_kv_block_ptr(m, moved[i]), 0, span);
+
+    gate_t g = {.allowed = 1};
+    pthread_mutex_init(&g.mu, NULL);
+    pthread_cond_init(&g.cv, NULL);
+    o.layer_hook = gate_hook;
+    o.layer_hook_ctx = &g;
+    CHECKF(loom_kv_offload_step(&o, m, NULL, NULL, 0, moved, hashes, 3, &err) == LOOM_OK, "%s", err.msg);
+    loom_kv_offload_wait_layer(&o, 0);
+    CHECK(loom_kv_offload_layers_ready(&o) == 1);
+    CHECK(same_layer(m, orig[0], moved[0], 0) && same_layer(m, orig[2], moved[2], 0));
+    CHECK(!same_layer(m, orig[0], moved[0], 1) && !same_layer(m, orig[2], moved[2], 1));
+    gate_open(&g, 2);
+    loom_kv_offload_wait_layer(&o, 1);
+    CHECK(loom_kv_offload_layers_ready(&o) == 2 && same_layer(m, orig[1], moved[1], 1));
+    gate_open(&g, n_layers);
+    loom_model_set_layer_wait(m, wait_layer, &o);
+    step(m, &next, 1, PROMPT, moved, 3, b);
+    CHECKF(loom_kv_offload_finish(&o, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!memcmp(a, b, (size_t)vocab * sizeof *a));
+    CHECK(o.loads == 3 && loom_kv_offload_layers_ready(&o) == -1);
+
+    /* one file's payload corrupted: found when the loads end, the file deleted */
+    char path[4200];
+    loom_kv_tier_path(path, sizeof path, dir, 0x99, hashes[1], 0);
+    FILE *f = fopen(path, "r+b");
+    CHECK(f != NULL);
+    if (f) {
+        fseek(f, -5, SEEK_END);
+        int c = fgetc(f);
+        fseek(f, -5, SEEK_END);
+        fputc(c ^ 0x5a, f);
+        fclose(f);
+    }
+    o.layer_hook = NULL;
+    CHECKF(loom_kv_offload_step(&o, m, NULL, NULL, 0, moved, hashes, 3, &err) == LOOM_OK, "%s", err.msg);
+    step(m, &next, 1, PROMPT, moved, 3, b);
+    CHECK(loom_kv_offload_finish(&o, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "checksum"));
+    CHECK(access(path, F_OK) != 0);
+    /* that file gone: the loads fail before they start */
+    CHECK(loom_kv_offload_step(&o, m, NULL, NULL, 0, moved, hashes, 3, &err) == LOOM_ERR_NOT_FOUND && !o.load);
+    CHECK(loom_kv_offload_finish(&o, &err) == LOOM_OK);
+    loom_model_set_layer_wait(m, NULL, NULL);
+    pthread_mutex_destroy(&g.mu);
+    pthread_cond_destroy(&g.cv);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    free(a);
+    free(b);
+    loom_model_destroy(&m);
+    loom_backend_destroy(&be);
+}
+
 static void test_block_contiguous(void) { round_trip(0, LOOM_DT_F32); }
 static void test_layer_major(void) { round_trip(1, LOOM_DT_F32); }
 static void test_layer_major_int8(void) { round_trip(1, LOOM_DT_I8); }
@@ -208,6 +330,7 @@ int main(void) {
     RUN(test_block_contiguous_int8);
     RUN(test_layer_major_int8);
     RUN(test_spill);
+    RUN(test_dir_layer_loads);
     loom_st_close(&g_st);
     return test_summary();
 }

@@ -84,6 +84,8 @@ struct loom_model {
     loom_shard_dims_t dims;
     loom_model_options_t opt;
     int qkv_dim; /* (n_heads + 2 * n_kv_heads) * hd */
+    void (*layer_wait)(void *ctx, int layer); /* loom_model_set_layer_wait */
+    void *layer_wait_ctx;
 
     /* weights (device) */
     float *embed;         /* (vocab, dim), first stage */
