@@ -74,30 +74,31 @@ loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, loom_kv_offl
             return loom_err_set(err, LOOM_ERR_FORMAT, "KV block %016llx: host slot %d holds %016llx, not it",
                                 (unsigned long long)load_hashes[i], s, (unsigned long long)held);
     }
-    /* in plan order: a spill reads its slot before a later save overwrites
-     * it. The directory tier needs the contiguous CPU pool, whose copies
-     * are synchronous memcpy: a spill reads what the saves before it wrote */
-    size_t span = loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)); /* h->span, also with no slots */
+    /* A pool block straight to the directory goes first: it reads the pool,
+     * which only the loads write. Then in plan order: a spill reads its slot
+     * before a later save overwrites it (a slot is saved into at most once
+     * a step and never spilled in the step that filled it: the coordinator
+     * pins it, so a spill reads what the copies of earlier steps wrote). The
+     * directory's loads into the pool come last, after the slots' copies. */
+    for (size_t i = 0; i < n_save; i++)
+        if (save_slots[i] < 0 && save_blocks[i] >= 0) loom_kv_offload_put_block(lower, m, save_blocks[i], save_hashes[i]);
     if (h->be) loom_backend_xfer_begin(h->be);
     for (size_t i = 0; i < n_save; i++) {
         int s = save_slots[i];
         if (save_blocks[i] < 0) {
             loom_kv_offload_put(lower, save_hashes[i], h->arena + (size_t)s * h->span, h->span);
-        } else if (s < 0) {
-            loom_kv_offload_put(lower, save_hashes[i], loom_model_kv_block_ptr(m, save_blocks[i]), span);
-        } else {
+        } else if (s >= 0) {
             loom_model_kv_block_xfer(m, save_blocks[i], h->arena + (size_t)s * h->span, 1);
             h->hash[s] = save_hashes[i];
         }
     }
-    loom_status_t st = LOOM_OK;
-    for (size_t i = 0; i < n_load && st >= 0; i++) {
+    for (size_t i = 0; i < n_load; i++)
         if (load_slots[i] >= 0)
             loom_model_kv_block_xfer(m, load_blocks[i], h->arena + (size_t)load_slots[i] * h->span, 0);
-        else
-            st = loom_kv_offload_get(lower, load_hashes[i], loom_model_kv_block_ptr(m, load_blocks[i]), span, err);
-    }
     if (h->be) loom_backend_xfer_end(h->be);
+    loom_status_t st = LOOM_OK;
+    for (size_t i = 0; i < n_load && st >= 0; i++)
+        if (load_slots[i] < 0) st = loom_kv_offload_get_block(lower, m, load_blocks[i], load_hashes[i], err);
     if (has_lower) loom_kv_offload_trim(lower);
     return st;
 }

@@ -10,14 +10,22 @@
 #include "common/log.h"
 #include "common/util.h"
 
-loom_status_t loom_kv_offload_config(loom_kv_offload_t *o, const loom_model_t *m, const char *dir, uint64_t tier_id,
-                                     uint64_t max_bytes, int shard, loom_err_t *err) {
+void loom_kv_offload_free(loom_kv_offload_t *o) {
+    LOOM_ASSERT(!o->load);
+    if (o->stage) loom_backend_host_free(o->be, o->stage);
+    o->stage = NULL;
+}
+
+loom_status_t loom_kv_offload_config(loom_kv_offload_t *o, loom_backend_t *be, const loom_model_t *m, const char *dir,
+                                     uint64_t tier_id, uint64_t max_bytes, int shard, loom_err_t *err) {
+    loom_kv_offload_free(o);
     memset(o, 0, sizeof *o);
     if (!dir || !*dir) return LOOM_OK;
-    if (!loom_model_kv_block_contiguous(m))
-        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "--kv-offloading-dir needs KV blocks that are one contiguous span across the layers; "
-                            "this worker's pool is layer-major (the CUDA backend's, or a DeepSeek MLA cache)");
+    if (!loom_model_kv_block_contiguous(m)) { /* layer-major: a block goes through a host span, packed */
+        o->be = be;
+        o->stage = loom_backend_host_alloc(be, loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)));
+        if (!o->stage) return loom_err_set(err, LOOM_ERR_NOMEM, "no host memory for the KV tier's staging block");
+    }
     if (strlen(dir) >= sizeof o->dir)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--kv-offloading-dir is too long");
     snprintf(o->dir, sizeof o->dir, "%s", dir);
@@ -55,10 +63,33 @@ loom_status_t loom_kv_offload_get(loom_kv_offload_t *o, uint64_t hash, void *dst
     return LOOM_OK;
 }
 
-static void save_all(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
-                     size_t n, size_t span) {
-    for (size_t i = 0; i < n && !o->broken; i++)
-        loom_kv_offload_put(o, hashes[i], loom_model_kv_block_ptr(m, blocks[i]), span);
+void loom_kv_offload_put_block(loom_kv_offload_t *o, loom_model_t *m, int block, uint64_t hash) {
+    if (o->broken || !o->dir[0]) return;
+    size_t span = loom_model_kv_block_bytes(m, loom_model_kv_block_size(m));
+    if (!o->stage) {
+        loom_kv_offload_put(o, hash, loom_model_kv_block_ptr(m, block), span);
+        return;
+    }
+    loom_backend_xfer_begin(o->be);
+    loom_model_kv_block_xfer(m, block, o->stage, 1);
+    loom_backend_xfer_end(o->be);
+    loom_kv_offload_put(o, hash, o->stage, span);
+}
+
+loom_status_t loom_kv_offload_get_block(loom_kv_offload_t *o, loom_model_t *m, int block, uint64_t hash,
+                                        loom_err_t *err) {
+    size_t span = loom_model_kv_block_bytes(m, loom_model_kv_block_size(m));
+    if (!o->stage) return loom_kv_offload_get(o, hash, loom_model_kv_block_ptr(m, block), span, err);
+    loom_status_t s = loom_kv_offload_get(o, hash, o->stage, span, err);
+    if (s < 0) return s;
+    loom_backend_xfer_begin(o->be);
+    loom_model_kv_block_xfer(m, block, o->stage, 0);
+    loom_backend_xfer_end(o->be);
+    return LOOM_OK;
+}
+
+static void save_all(loom_kv_offload_t *o, loom_model_t *m, const int32_t *blocks, const uint64_t *hashes, size_t n) {
+    for (size_t i = 0; i < n && !o->broken; i++) loom_kv_offload_put_block(o, m, blocks[i], hashes[i]);
 }
 
 /* Over the bound: the least recently used files go. After the step's loads,
@@ -71,10 +102,10 @@ void loom_kv_offload_trim(loom_kv_offload_t *o) {
     if (o->dir[0]) trim(o);
 }
 
-void loom_kv_offload_save(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
+void loom_kv_offload_save(loom_kv_offload_t *o, loom_model_t *m, const int32_t *blocks, const uint64_t *hashes,
                           size_t n) {
     if (!n || !o->dir[0]) return;
-    save_all(o, m, blocks, hashes, n, loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)));
+    save_all(o, m, blocks, hashes, n);
     trim(o);
 }
 
@@ -200,20 +231,23 @@ loom_status_t loom_kv_offload_finish(loom_kv_offload_t *o, loom_err_t *err) {
     return s;
 }
 
-loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, const loom_model_t *m, const int32_t *save_blocks,
+loom_status_t loom_kv_offload_step(loom_kv_offload_t *o, loom_model_t *m, const int32_t *save_blocks,
                                    const uint64_t *save_hashes, size_t n_save, const int32_t *load_blocks,
                                    const uint64_t *load_hashes, size_t n_load, loom_err_t *err) {
     if (!n_save && !n_load) return LOOM_OK;
     if (!o->dir[0])
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "the plan moves KV blocks but this worker has no tier");
     LOOM_ASSERT(!o->load); /* the last step's loads finished */
-    size_t span = loom_model_kv_block_bytes(m, loom_model_kv_block_size(m));
-    save_all(o, m, save_blocks, save_hashes, n_save, span);
-    if (!n_load) {
-        trim(o);
-        return LOOM_OK;
+    save_all(o, m, save_blocks, save_hashes, n_save);
+    loom_status_t s = LOOM_OK;
+    if (o->stage) { /* layer-major: block by block through the staging span, before the step */
+        for (size_t i = 0; i < n_load && s == LOOM_OK; i++)
+            s = loom_kv_offload_get_block(o, m, load_blocks[i], load_hashes[i], err);
+    } else if (n_load) {
+        s = load_start(o, m, load_blocks, load_hashes, n_load, loom_model_kv_block_bytes(m, loom_model_kv_block_size(m)),
+                       err);
+        if (s == LOOM_OK) return LOOM_OK; /* trimmed when the loads end */
     }
-    loom_status_t s = load_start(o, m, load_blocks, load_hashes, n_load, span, err);
-    if (s < 0) trim(o);
+    trim(o);
     return s;
 }

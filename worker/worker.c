@@ -340,6 +340,7 @@ static void unload(worker_t *w) {
     mtp_unload(w);
     loom_lora_orders_destroy(&w->lora); /* its cache reads the model */
     loom_kv_host_free(&w->kv_host); /* the backend's host memory */
+    loom_kv_offload_free(&w->kv_tier);
     loom_model_destroy(&w->model);
     loom_backend_destroy(&w->be);
     loom_st_close(&w->st);
@@ -540,7 +541,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
         if (loom_model_alloc_kv(w->mtp.model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
     }
     w->n_blocks = (int)k->n_blocks;
-    if (loom_kv_offload_config(&w->kv_tier, w->model, k->kv_offload_dir, k->kv_offload_id, k->kv_offload_max_bytes,
+    if (loom_kv_offload_config(&w->kv_tier, w->be, w->model, k->kv_offload_dir, k->kv_offload_id, k->kv_offload_max_bytes,
                                (int)(a->stage * a->tp_size + a->tp_rank), &err) < 0)
         goto fail;
     loom_model_set_layer_wait(w->model, w->kv_tier.dir[0] ? kv_layer_wait : NULL, &w->kv_tier);

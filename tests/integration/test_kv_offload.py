@@ -192,11 +192,11 @@ def counters(port, *names):
     return [got.get(n) for n in names]
 
 
-def tier_cluster(tp, port, tier=None, extra=(), pp=1):
+def tier_cluster(tp, port, tier=None, extra=(), pp=1, model=STORIES):
     args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B), "--num-kv-blocks", str(POOL)]
     if tier:
         args += ["--kv-offloading-dir", tier]
-    return Cluster(STORIES, tp, pp, coord_args=args + list(extra))
+    return Cluster(model, tp, pp, coord_args=args + list(extra))
 
 
 def coordinator_log(cl):
@@ -537,6 +537,43 @@ def test_host_tier_over_dir_grids():
             shutil.rmtree(tier, ignore_errors=True)
 
 
+def test_deepseek_tiers():
+    """DeepSeek's latent cache (one row of kv_lora_rank + rope values a token
+    and layer; a layer-major pool) in both tiers: the directory through the
+    workers' staging span (a block's file is its latent span, packed), the
+    host tier alone and over the directory; the same greedy text as without a
+    tier, and blocks loaded, on 1x1 and TP 2."""
+    import test_deepseek
+    os.makedirs(test_deepseek.WORK, exist_ok=True)
+    model = test_deepseek.v3()
+    for tp in (1, 2):
+        port = free_port()
+        with tier_cluster(tp, port, model=model):
+            base = run_conversations(port)
+        for what, extra, with_dir in (("dir", [], True),
+                                      ("host", ["--kv-offloading-size", HOST_GIB, "--kv-offloading-backend", "native"],
+                                       False),
+                                      ("host over dir", ["--kv-offloading-size", "0.0002",
+                                                         "--kv-offloading-backend", "native"], True)):
+            tier = tempfile.mkdtemp(prefix="loom-kv-ds-")
+            try:
+                port = free_port()
+                with tier_cluster(tp, port, tier if with_dir else None, extra=extra, model=model) as cl:
+                    got = run_conversations(port)
+                    hits, = counters(port, "loom_kv_offload_hits_total")
+                    log = coordinator_log(cl)
+                check_same_text(base, got, "deepseek tp %d, %s" % (tp, what))
+                cached = sum(r[4] for r in got[len(CONVERSATIONS):])
+                print("  deepseek tp %d, %s tier: %s blocks loaded, %d later-turn prompt tokens cached"
+                      % (tp, what, hits, cached))
+                check(hits and hits > 0 and cached > 0, "deepseek tp %d, %s: hits %r, cached %d" % (tp, what, hits, cached))
+                if with_dir:
+                    check(glob.glob(os.path.join(tier, "*.kvb")), "deepseek tp %d, %s: no block files" % (tp, what))
+                check("needs KV blocks that are one contiguous span" not in log, "refused: %s" % log[-500:])
+            finally:
+                shutil.rmtree(tier, ignore_errors=True)
+
+
 def test_dir_tier_unwritable():
     tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
     try:
@@ -875,4 +912,4 @@ if __name__ == "__main__":
                test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
                test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated,
                test_disaggregated_check_off_reactor, test_disaggregated_lora, test_router_pd, test_router_tier_events,
-               test_flags])
+               test_deepseek_tiers, test_flags])

@@ -120,7 +120,7 @@ static int same_block(loom_model_t *m, int a, int b) {
     return same;
 }
 
-static void test_spill(void) {
+static void spill(int layer_major) {
     loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
                                 .weight_dtype = LOOM_DT_F32, .n_threads = 1};
     loom_backend_t *be = NULL;
@@ -128,7 +128,8 @@ static void test_spill(void) {
     loom_err_t err = {0};
     loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
                               .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = LOOM_DT_F32};
+    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = LOOM_DT_F32,
+                               .kv_layer_major = layer_major};
     CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
     CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
     CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
@@ -140,8 +141,8 @@ static void test_spill(void) {
     step(m, toks, PROMPT, 0, orig, 3, logits);
     char dir[] = "/tmp/loom_kv_spill_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
-    loom_kv_offload_t o;
-    CHECKF(loom_kv_offload_config(&o, m, dir, 0x77, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
+    loom_kv_offload_t o = {0};
+    CHECKF(loom_kv_offload_config(&o, be, m, dir, 0x77, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
     loom_kv_host_t h = {0};
     CHECKF(loom_kv_host_config(&h, be, m, 1, &err) == LOOM_OK, "%s", err.msg);
     /* block 2 (0xA) into the only slot */
@@ -186,6 +187,7 @@ static void test_spill(void) {
     CHECK(loom_kv_host_step(&h, m, NULL, NULL, NULL, NULL, 0, load_blocks, load_hashes, load_slots, 1, &err) ==
           LOOM_ERR_FORMAT);
     loom_kv_host_free(&h);
+    loom_kv_offload_free(&o);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     CHECK(system(cmd) == 0);
@@ -254,8 +256,8 @@ static void test_dir_layer_loads(void) {
     step(m, &next, 1, PROMPT, orig, 3, a);
     char dir[] = "/tmp/loom_kv_layers_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
-    loom_kv_offload_t o;
-    CHECKF(loom_kv_offload_config(&o, m, dir, 0x99, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
+    loom_kv_offload_t o = {0};
+    CHECKF(loom_kv_offload_config(&o, be, m, dir, 0x99, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
     uint64_t hashes[3] = {0x41, 0x42, 0x43};
     CHECKF(loom_kv_offload_step(&o, m, orig, hashes, 3, NULL, NULL, 0, &err) == LOOM_OK, "%s", err.msg);
     size_t span = loom_model_kv_block_bytes(m, BS);
@@ -313,6 +315,57 @@ static void test_dir_layer_loads(void) {
     loom_backend_destroy(&be);
 }
 
+/* The directory tier on its own, in either pool layout (a layer-major pool
+ * through the staging span): blocks saved to files and loaded into other
+ * blocks hold the same bytes and give the same logits. */
+static void dir_round_trip(int layer_major, loom_dtype_t kv) {
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
+                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
+    loom_backend_t *be = NULL;
+    loom_model_t *m = NULL;
+    loom_err_t err = {0};
+    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
+                              .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = kv,
+                               .kv_layer_major = layer_major};
+    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    if (!m) return;
+    const int vocab = g_cfg.vocab_size;
+    int32_t toks[PROMPT], orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3}, next = 7;
+    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (vocab - 1);
+    float *a = malloc((size_t)vocab * sizeof *a), *b = malloc((size_t)vocab * sizeof *b);
+    step(m, toks, PROMPT, 0, orig, 3, a);
+    step(m, &next, 1, PROMPT, orig, 3, a);
+    char dir[] = "/tmp/loom_kv_dirrt_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    loom_kv_offload_t o = {0};
+    CHECKF(loom_kv_offload_config(&o, be, m, dir, 0x55, 1ull << 30, 0, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!o.stage == !layer_major);
+    uint64_t hashes[3] = {0x61, 0x62, 0x63};
+    loom_model_set_layer_wait(m, wait_layer, &o); /* the contiguous pool's loads run beside the forward */
+    CHECKF(loom_kv_offload_step(&o, m, orig, hashes, 3, moved, hashes, 3, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(!o.load == !!layer_major); /* a layer-major pool's loads are done before the step */
+    step(m, &next, 1, PROMPT, moved, 3, b);
+    CHECKF(loom_kv_offload_finish(&o, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(same_block(m, 2, 0) && same_block(m, 5, 1) && same_block(m, 7, 3));
+    CHECK(!memcmp(a, b, (size_t)vocab * sizeof *a));
+    loom_kv_offload_free(&o);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    free(a);
+    free(b);
+    loom_model_destroy(&m);
+    loom_backend_destroy(&be);
+}
+
+static void test_spill(void) { spill(0); }
+static void test_spill_layer_major(void) { spill(1); }
+static void test_dir_block_contiguous(void) { dir_round_trip(0, LOOM_DT_F32); }
+static void test_dir_layer_major(void) { dir_round_trip(1, LOOM_DT_F32); }
+static void test_dir_layer_major_int8(void) { dir_round_trip(1, LOOM_DT_I8); }
 static void test_block_contiguous(void) { round_trip(0, LOOM_DT_F32); }
 static void test_layer_major(void) { round_trip(1, LOOM_DT_F32); }
 static void test_layer_major_int8(void) { round_trip(1, LOOM_DT_I8); }
@@ -330,6 +383,10 @@ int main(void) {
     RUN(test_block_contiguous_int8);
     RUN(test_layer_major_int8);
     RUN(test_spill);
+    RUN(test_spill_layer_major);
+    RUN(test_dir_block_contiguous);
+    RUN(test_dir_layer_major);
+    RUN(test_dir_layer_major_int8);
     RUN(test_dir_layer_loads);
     loom_st_close(&g_st);
     return test_summary();
