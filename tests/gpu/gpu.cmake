@@ -17,12 +17,14 @@ if(LOOM_HAVE_CUDA)
                 LIBS loom_kernels LABELS unit)
   loom_add_test(test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c ${PROJECT_SOURCE_DIR}/worker/moe_ds.c
                 LIBS loom_kernels LABELS gpu TIMEOUT 300)
-  loom_add_test(test_cuda_e2e SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_e2e.c
+  loom_add_test(test_cuda_e2e SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_e2e.c ${PROJECT_SOURCE_DIR}/worker/kv_offload.c
                 LIBS loom_worker_core LABELS gpu TIMEOUT 300
                 ARGS --model ${LOOM_MODELS_DIR}/stories260K --dtype bf16)
   add_test(NAME test_cuda_e2e_f32 COMMAND test_cuda_e2e --model ${LOOM_MODELS_DIR}/stories260K --dtype f32)
   add_test(NAME test_cuda_e2e_kv_host COMMAND test_cuda_e2e --model ${LOOM_MODELS_DIR}/stories260K --dtype f32
            --kv-host)
+  add_test(NAME test_cuda_e2e_kv_dir COMMAND test_cuda_e2e --model ${LOOM_MODELS_DIR}/stories260K --dtype f32
+           --kv-dir)
   if(TARGET Loom::NCCL)
     loom_add_test(test_nccl_comm SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_nccl_comm.c
                   LIBS loom_comm loom_kernels Threads::Threads LABELS gpu TIMEOUT 300)
@@ -36,9 +38,9 @@ if(LOOM_HAVE_CUDA)
   set_tests_properties(gpu_standalone_build PROPERTIES TIMEOUT 600 LABELS build
                        ENVIRONMENT "LOOM_MODELS_DIR=${LOOM_MODELS_DIR}")
   add_test(NAME gpu_run_sh COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run.sh ${CMAKE_BINARY_DIR}/tests/gpu-run)
-  set_tests_properties(test_cuda_ops test_cuda_e2e test_cuda_e2e_f32 test_cuda_e2e_kv_host gpu_run_sh
-                       PROPERTIES SKIP_RETURN_CODE 77)
-  set_tests_properties(test_cuda_e2e_f32 test_cuda_e2e_kv_host PROPERTIES TIMEOUT 300 LABELS gpu)
+  set_tests_properties(test_cuda_ops test_cuda_e2e test_cuda_e2e_f32 test_cuda_e2e_kv_host test_cuda_e2e_kv_dir
+                       gpu_run_sh PROPERTIES SKIP_RETURN_CODE 77)
+  set_tests_properties(test_cuda_e2e_f32 test_cuda_e2e_kv_host test_cuda_e2e_kv_dir PROPERTIES TIMEOUT 300 LABELS gpu)
   set_tests_properties(gpu_run_sh PROPERTIES TIMEOUT 900 LABELS gpu
                        ENVIRONMENT "LOOM_MODELS_DIR=${LOOM_MODELS_DIR};LOOM_RUN_NO_GPU_RC=77")
 endif()

@@ -204,6 +204,7 @@ if [ $run_steps = 1 ]; then
         step e2e-stories-f32 40 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40
         # the host KV tier's copies (pinned arena, transfer stream) in the middle of the decodes
         step e2e-stories-kv-host 40 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40 --kv-host
+        step e2e-stories-kv-dir 40 "$bin/test_cuda_e2e" --model "$stories" --dtype f32 --tokens 40 --kv-dir
     else
         skip_row e2e-stories "no stories260K, no numpy"
     fi

@@ -21,8 +21,11 @@
  * out to a host arena (loom_backend_host_alloc: pinned on CUDA) and back
  * into blocks no sequence used (the host KV tier's copies, on the transfer
  * stream on CUDA), and its later steps read those: the logits still match.
+ * --kv-dir moves them the same way through the directory KV tier
+ * (worker/kv_offload.c: files in a temporary directory, the CUDA pool's
+ * layer-major blocks through the tier's pinned staging span).
  *
- *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|int8] [--tokens 40] [--kv-host] */
+ *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|int8] [--tokens 40] [--kv-host | --kv-dir] */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +38,7 @@
 #include "common/util.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/backend_cuda.h"
+#include "worker/kv_offload.h"
 #include "worker/model.h"
 
 #define SKIP_CODE 77
@@ -65,8 +69,10 @@ static int argmax(const float *x, int n) {
 int main(int argc, char **argv) {
     loom_log_init("test_cuda_e2e");
     const char *model = NULL, *dtype = "bf16", *kv = "f32";
-    int n_gen = 40, kv_host = 0;
+    int n_gen = 40, kv_host = 0, kv_dir = 0;
     loom_opt_t opts[] = {
+        {"kv-dir", LOOM_OPT_FLAG, &kv_dir, NULL,
+         "move the first sequence's blocks through the directory KV tier into fresh blocks after step 8", 1, 0, NULL},
         {"kv-host", LOOM_OPT_FLAG, &kv_host, NULL,
          "move the first sequence's blocks through a host arena into fresh blocks after step 8", 1, 0, NULL},
         {"model", LOOM_OPT_STR, &model, "DIR", "checkpoint directory", 1, 0, NULL},
@@ -111,7 +117,7 @@ int main(int argc, char **argv) {
     }
     /* a shuffled block pool shared by the sequences */
     const int per_seq = (ctx + BLOCK - 1) / BLOCK, n_blocks = N_SEQ * per_seq + 2;
-    const int n_alloc = n_blocks + (kv_host ? per_seq : 0); /* --kv-host: the blocks it loads into */
+    const int n_alloc = n_blocks + (kv_host || kv_dir ? per_seq : 0); /* --kv-host/--kv-dir: the blocks it loads into */
     int32_t *pool = loom_xmalloc((size_t)n_blocks * sizeof *pool);
     for (int i = 0; i < n_blocks; i++) pool[i] = (i * 37 + 5) % n_blocks;
     for (int s = 0; s < N_SEQ; s++) seqs[s].blocks = pool + s * per_seq;
@@ -163,6 +169,38 @@ int main(int argc, char **argv) {
                 loom_backend_xfer_end(sides[k].be);
                 loom_backend_host_free(sides[k].be, arena);
             }
+            for (int j = 0; j < nb; j++) seqs[0].blocks[j] = n_blocks + j;
+            moved = nb;
+        }
+        if (kv_dir && step == 8) { /* the directory tier's round trip: files, then loads into fresh blocks */
+            int nb = (seqs[0].n_done + BLOCK - 1) / BLOCK;
+            char dir[] = "/tmp/loom_e2e_kvdir_XXXXXX";
+            if (!mkdtemp(dir)) {
+                fprintf(stderr, "test_cuda_e2e: no temporary directory\n");
+                return 1;
+            }
+            int32_t fresh[64];
+            uint64_t hashes[64];
+            if (nb > 64) {
+                fprintf(stderr, "test_cuda_e2e: %d blocks to move, at most 64\n", nb);
+                return 1;
+            }
+            for (int j = 0; j < nb; j++) fresh[j] = n_blocks + j, hashes[j] = 0x100 + (uint64_t)j;
+            for (int k = 0; k < 2; k++) {
+                loom_kv_offload_t o = {0};
+                loom_err_t e = {0};
+                if (loom_kv_offload_config(&o, sides[k].be, sides[k].m, dir, 0xe2e, 1ull << 34, k, &e) < 0 ||
+                    loom_kv_offload_step(&o, sides[k].m, seqs[0].blocks, hashes, (size_t)nb, fresh, hashes,
+                                         (size_t)nb, &e) < 0 ||
+                    loom_kv_offload_finish(&o, &e) < 0) {
+                    fprintf(stderr, "test_cuda_e2e: the directory tier's round trip failed: %s\n", e.msg);
+                    return 1;
+                }
+                loom_kv_offload_free(&o);
+            }
+            char cmd[128];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+            if (system(cmd) != 0) fprintf(stderr, "test_cuda_e2e: could not remove %s\n", dir);
             for (int j = 0; j < nb; j++) seqs[0].blocks[j] = n_blocks + j;
             moved = nb;
         }
@@ -270,9 +308,10 @@ int main(int argc, char **argv) {
     printf("e2e %s (%s): %d steps, %d ids compared, %d mismatches, %d near-tie flips, %d sampling mismatches, "
            "max |dlogit| %.3g (%.2g of max |logit|), graphs recorded %llu replayed %llu, %d steps padded%s\n",
            model, dtype, steps, compared, bad, flips, bad_sampling, worst, worst_rel, (unsigned long long)rec,
-           (unsigned long long)rep, padded, moved ? ", blocks moved through host memory" : "");
+           (unsigned long long)rep, padded,
+           !moved ? "" : kv_dir ? ", blocks moved through the directory tier" : ", blocks moved through host memory");
     int ok = bad == 0 && bad_logits == 0 && bad_sampling == 0 && a_decodes >= n_gen && rep > 0 && padded > 0 &&
-             (!kv_host || moved > 0);
+             (!(kv_host || kv_dir) || moved > 0);
     if (!ok)
         fprintf(stderr, "test_cuda_e2e: FAIL (%d decode steps of sequence 0, %d logit rows out of tolerance%s%s)\n",
                 a_decodes, bad_logits, rep > 0 ? "" : ", no graph replayed",
