@@ -104,6 +104,8 @@ typedef struct loom_seq {
      * content digest; 0 for the base model) */
     int lora_id, lora_slot;
     uint64_t lora_seed;
+    int dp_rank; /* data-parallel attention: the rank whose KV partition holds its blocks (bound at admission
+                    while it has none; -1: not yet) */
     int kv_save; /* a KV connector saves the blocks its steps fill (write-through for this one: a remote decode's
                     prefill) */
 } loom_seq_t;
@@ -118,6 +120,11 @@ typedef struct loom_sched_config {
     int n_blocks;
     int prefix_cache;
     int window;              /* every layer's sliding window in positions (0: none) */
+    /* data-parallel attention: the ledger's partitions, one a TP rank
+     * (n_blocks is their sum; 0 or 1: one pool). A sequence is bound to one
+     * at admission (bind_rank in sched.c); its blocks, prefix hits, forks
+     * and the preemptions that make room for it stay in that partition. */
+    int n_dp;
 } loom_sched_config_t;
 
 /* One micro-batch, ready to be sent as a step plan. Arrays are owned by the
@@ -133,6 +140,7 @@ typedef struct loom_microbatch {
     int32_t *block_tables;   /* (n_seqs, max_blocks), -1 padded */
     int32_t *seq_lora;       /* (n_seqs) engine adapter slot of each sequence, -1: none */
     int any_lora;            /* some sequence of the batch has an adapter */
+    int32_t *seq_dp_rank;    /* (n_seqs) the rank owning each sequence's KV (cfg.n_dp > 1) */
     int n_logits;
     int32_t *logit_rows;     /* (n_logits) */
     loom_seq_t **logit_seq;  /* (n_logits) */
