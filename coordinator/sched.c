@@ -139,6 +139,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
     s->cfg = *cfg;
     if (s->cfg.n_micro < 1) s->cfg.n_micro = 1;
     if (s->cfg.n_dp < 1) s->cfg.n_dp = 1;
+    LOOM_ASSERT(s->cfg.n_dp <= LOOM_SCHED_MAX_DP);
     s->kv = loom_kv_create_parts(cfg->n_blocks, cfg->block_size, cfg->prefix_cache, s->cfg.n_dp);
     attach_ledger(s);
     s->max_blocks_per_seq = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
@@ -1030,6 +1031,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         }
         heap_remove(s, q);
         q->state = LOOM_SEQ_RUNNING;
+        if (c->n_dp > 1) s->stats.dp_admissions[q->dp_rank]++;
         if (f == FORK_DONE) {
             s->stats.forks++;
             s->stats.fork_tokens += (uint64_t)q->n_computed;

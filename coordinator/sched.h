@@ -184,6 +184,8 @@ typedef struct loom_microbatch {
     int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
 } loom_microbatch_t;
 
+#define LOOM_SCHED_MAX_DP 64 /* data-parallel attention ranks at most (the TP ranks' cap) */
+
 typedef struct loom_sched_stats {
     int running, waiting;
     uint64_t preemptions;
@@ -195,6 +197,7 @@ typedef struct loom_sched_stats {
     uint64_t tier_waits; /* admissions put off while the connector looked for a request's blocks */
     uint64_t tier_saves;             /* blocks sent to the connector's tier */
     uint64_t lower_hits, lower_saves; /* of those, loaded from and sent to its lower tier (the directory) */
+    uint64_t dp_admissions[LOOM_SCHED_MAX_DP]; /* cfg.n_dp > 1: admissions bound to each rank */
 } loom_sched_stats_t;
 
 typedef struct loom_sched loom_sched_t;
