@@ -34,7 +34,12 @@
  * blocks lie wholly before the window of the sequence's next token, so no
  * query reads them again, and they went back to the ledger (kept in the
  * prefix cache when registered). Tokens [0, n_computed) still count as
- * computed; a preempted sequence recomputes from position 0. */
+ * computed; a preempted sequence recomputes from position 0.
+ * Data-parallel attention (cfg.n_dp > 1): the ledger has one partition a
+ * rank; a sequence admitted without blocks is bound to one (bind_rank in
+ * sched.c) and every block of its table, every prefix hit and fork it
+ * takes, lies in that partition; making room for it preempts only
+ * sequences bound to the same rank. */
 #ifndef LOOM_SCHED_H
 #define LOOM_SCHED_H
 
@@ -242,8 +247,9 @@ void loom_sched_finish(loom_sched_t *s, loom_seq_t *seq);
 
 /* The KV cache is gone (a worker was lost): every running sequence goes back
  * to waiting (its tokens kept, recomputed later) and the ledger starts over
- * with n_blocks blocks (the new grid's pool). No micro-batch may be in
- * flight (fail them first). */
+ * with n_blocks blocks (the new grid's pool; with cfg.n_dp > 1 the sum of
+ * the ranks', a multiple of n_dp). No micro-batch may be in flight (fail
+ * them first). */
 void loom_sched_reset_kv(loom_sched_t *s, int n_blocks);
 /* Blocks a sequence needs at most (its prompt plus max_tokens). */
 int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q);

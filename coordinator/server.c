@@ -2028,7 +2028,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
-        loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};
+        loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers,
+                                  .dp_attention = cfg->dp_attention};
         loom_shard_dims_t d;
         st = loom_shard_dims(&s->mcfg, &spec, &d, err);
         if (st < 0) goto fail;

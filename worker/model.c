@@ -505,7 +505,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d logit rows (limit %d)", b->n_logits, m->opt.max_logits);
     if (!m->kv_mem) return loom_err_set(err, LOOM_ERR_INTERNAL, "KV pool not allocated");
     /* data-parallel attention: the plan's ids address every rank's pool; this rank's
-     * sub-batch, in its own ids, is checked and built by loom_dp_batch */
+     * sub-batch, in its own ids, is checked and built by loom_blk_attn_dp_batch */
     const int dp_on = m->spec.dp_attention && m->spec.tp_size > 1;
     const int plan_blocks = dp_on ? m->n_blocks * m->spec.tp_size : m->n_blocks;
 
@@ -537,7 +537,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= n)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "logit row %d out of range", b->logit_rows[i]);
     loom_dp_batch_t dp = {0};
-    if (dp_on) LOOM_CHECK(loom_dp_batch(m, b, &dp, err));
+    if (dp_on) LOOM_CHECK(loom_blk_attn_dp_batch(m, b, &dp, err));
 
     /* Decode steps (one token per sequence) of a shard without TP all-reduces,
      * or whose all-reduce hook is stream-ordered (opt.allreduce_in_graphs),

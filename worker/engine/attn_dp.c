@@ -9,14 +9,15 @@
  *
  * So a layer makes as many collectives as under TP, each of the same bytes:
  * an all-gather of the ranks' rows done as an all-reduce of zero-padded
- * ones. The step's sub-batch is built on the host (loom_dp_batch) and
+ * ones. The step's sub-batch is built on the host (loom_blk_attn_dp_batch) and
  * uploaded with the rest of the step's metadata. */
 #include <string.h>
 
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
 
-loom_status_t loom_dp_batch(loom_model_t *m, const loom_step_batch_t *b, loom_dp_batch_t *dp, loom_err_t *err) {
+loom_status_t loom_blk_attn_dp_batch(loom_model_t *m, const loom_step_batch_t *b, loom_dp_batch_t *dp,
+                                     loom_err_t *err) {
     const int rank = m->spec.tp_rank, nb = m->n_blocks, B = m->block_size, mb = b->max_blocks;
     const int n = b->n_tokens;
     const int32_t lo = (int32_t)rank * nb; /* this rank's partition of the plan's ids: [lo, lo + nb) */

@@ -11,6 +11,7 @@
  *   ffn.c     loom_blk_ffn*    the dense gated MLP
  *   moe.c     loom_blk_moe*    Mixture-of-Experts blocks
  *   lora.c    loom_blk_lora    adapter slots, their preparation and deltas
+ *   attn_dp.c loom_blk_attn_dp data-parallel attention around an attention block
  * See docs/architecture.md (the engine's source map). */
 #ifndef LOOM_MODEL_IMPL_H
 #define LOOM_MODEL_IMPL_H
@@ -126,7 +127,7 @@ struct loom_model {
     /* data-parallel attention (spec.dp_attention, attn_dp.c) */
     float *dp_xb, *dp_xb2; /* (T, dim) this rank's rows of xb, and their attention output */
     float *dp_one;         /* (T) 1.0: the scatter's weights */
-    int32_t *dp_host;      /* host: the step's sub-batch metadata (loom_dp_batch) */
+    int32_t *dp_host;      /* host: the step's sub-batch metadata (loom_blk_attn_dp_batch) */
     size_t dp_host_cap;
     int *dp_seq_map;       /* host (n_seqs): each sequence's index in the sub-batch, -1: another rank's */
     int dp_seq_cap;
@@ -241,7 +242,8 @@ typedef struct loom_dp_batch {
 /* Picks the batch's sequences this rank owns (b->seq_dp_rank) and translates their slots and block ids
  * from the plan's (rank r's partition [r n_blocks, (r + 1) n_blocks)) to its pool's; an id of theirs
  * outside its partition is refused. */
-loom_status_t loom_dp_batch(loom_model_t *m, const loom_step_batch_t *b, loom_dp_batch_t *dp, loom_err_t *err);
+loom_status_t loom_blk_attn_dp_batch(loom_model_t *m, const loom_step_batch_t *b, loom_dp_batch_t *dp,
+                                     loom_err_t *err);
 
 
 
