@@ -370,6 +370,36 @@ static void test_dp_partitions(void) {
         for (int r = 0; r < n_dp; r++) CHECKF(g_dp_seqs[r] > 0, "rank %d of %d ran no sequence", r, n_dp);
     }
     g_n_dp = 0;
+    /* binding: a prompt whose prefix one rank caches goes to that rank, though both have as many free
+     * blocks; an unrelated one to the other rank (round robin) */
+    {
+        loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 10,
+                                   .max_model_len = 64, .n_micro = 1, .block_size = 4, .n_blocks = 32,
+                                   .prefix_cache = 1, .n_dp = 2};
+        loom_sched_t *s = loom_sched_create(&cfg);
+        int32_t a[12] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, b[10] = {5, 6, 7, 8, 9, 10, 11, 12, 40, 41};
+        int32_t c[10] = {90, 91, 92, 93, 94, 95, 96, 97, 98, 99}, id = 3;
+        loom_sampling_t sp = {0};
+        loom_seq_t *q;
+        loom_err_t err;
+        int rank[3] = {-1, -1, -1};
+        const int32_t *prompts[3] = {a, b, c};
+        const int lens[3] = {12, 10, 10};
+        for (int r = 0; r < 3; r++) {
+            CHECK(loom_sched_add(s, (uint64_t)r, prompts[r], lens[r], 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+            loom_microbatch_t *mb = loom_sched_schedule(s);
+            CHECK(mb && mb->n_seqs == 1);
+            if (!mb) break;
+            rank[r] = mb->seq_dp_rank[0];
+            loom_sched_complete(s, mb, &id, NULL, NULL);
+            loom_sched_finish(s, q);
+        }
+        loom_sched_get_stats(s, &st);
+        CHECKF(rank[1] == rank[0] && rank[2] != rank[0], "ranks %d %d %d", rank[0], rank[1], rank[2]);
+        CHECKF(st.prefix_hits == 2, "%llu prefix hits", (unsigned long long)st.prefix_hits);
+        CHECK(st.dp_admissions[0] + st.dp_admissions[1] == 3 && loom_kv_check(loom_sched_ledger(s)) == 0);
+        loom_sched_destroy(&s);
+    }
     /* a request larger than one rank's partition is refused though the whole pool holds it */
     loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 10, .max_model_len = 512,
                                .n_micro = 1, .block_size = 4, .n_blocks = 16, .prefix_cache = 1, .n_dp = 2};
