@@ -403,6 +403,7 @@ typedef struct fwd_opts {
     const char *spec_model, *spec_quant, *spec_max_seqs, *spec_threads, *spec_device;
     int prefix_on, prefix_off;
     int expert_parallel; /* Mixture-of-Experts layers: TP ranks split the experts */
+    int dp_attention;    /* DeepSeek: each TP rank runs attention for its own sequences */
     char spec_buf[3][32]; /* what --speculative-config gave: numbers, the draft's directory and scheme */
     char spec_model_buf[PATH_MAX], spec_quant_buf[64];
 } fwd_opts_t;
@@ -550,6 +551,10 @@ int loom_cmd_serve(int argc, char **argv) {
         {"enable-expert-parallel", LOOM_OPT_FLAG, &f.expert_parallel, NULL,
          "Mixture-of-Experts layers: each TP rank holds whole experts instead of a slice of every "
          "one (loom-coordinator --expert-parallel)",
+         1, 0, NULL},
+        {"enable-dp-attention", LOOM_OPT_FLAG, &f.dp_attention, NULL,
+         "DeepSeek (MLA): each TP rank runs attention for its own sequences and holds only their KV; "
+         "implies --enable-expert-parallel (loom-coordinator --enable-dp-attention)",
          1, 0, NULL},
         {"enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_on, NULL,
          "automatic prefix caching (the default)", 1, 0, NULL},
@@ -756,6 +761,7 @@ int loom_cmd_serve(int argc, char **argv) {
         }
     if (f.prefix_off) argv_push(a, "--no-prefix-cache");
     if (f.expert_parallel) argv_push(a, "--expert-parallel");
+    if (f.dp_attention) argv_push(a, "--enable-dp-attention");
     if (f.trust_request_template) argv_push(a, "--trust-request-chat-template");
     if (f.auto_tool_choice) argv_push(a, "--enable-auto-tool-choice");
     lora_forward(a, &lora);

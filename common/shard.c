@@ -20,14 +20,18 @@ loom_status_t loom_shard_dims(const loom_model_config_t *cfg, const loom_shard_s
     if (spec->layer_begin < 0 || spec->layer_end > cfg->n_layers || spec->layer_begin > spec->layer_end)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "layer range [%d, %d) outside 0..%d",
                             spec->layer_begin, spec->layer_end, cfg->n_layers);
-    if (cfg->n_heads % tp != 0)
+    if (!spec->dp_attention && cfg->n_heads % tp != 0)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "tensor parallelism %d does not divide the %d attention heads", tp,
                             cfg->n_heads);
     int group = cfg->n_heads / cfg->n_kv_heads; /* query heads per KV head */
     d->n_heads = cfg->n_heads / tp;
     d->q_head_begin = r * d->n_heads;
-    if (cfg->n_kv_heads % tp == 0) {
+    if (spec->dp_attention) { /* the attention block whole on every rank; the MLPs and head sliced below */
+        d->n_heads = cfg->n_heads;
+        d->n_kv_heads = cfg->n_kv_heads;
+        d->q_head_begin = d->kv_head_begin = 0;
+    } else if (cfg->n_kv_heads % tp == 0) {
         d->n_kv_heads = cfg->n_kv_heads / tp;
         d->kv_head_begin = r * d->n_kv_heads;
     } else if (tp % cfg->n_kv_heads == 0 && group % d->n_heads == 0) {

@@ -13,11 +13,12 @@ typedef struct loom_shard_spec {
     int layer_begin, layer_end; /* [begin, end) */
     int has_embed;              /* first stage: embeds token ids */
     int has_head;               /* last stage: final norm + LM head */
+    int dp_attention;           /* data-parallel attention: every rank holds every head (Assign.dp_attention) */
 } loom_shard_spec_t;
 
 /* The slice of the model's dimensions this shard owns. */
 typedef struct loom_shard_dims {
-    int n_heads, n_kv_heads; /* on this rank */
+    int n_heads, n_kv_heads; /* on this rank (all of them with spec.dp_attention) */
     int kv_head_begin;       /* first global KV head held */
     int q_head_begin;        /* first global query head held */
     int hidden_begin, hidden; /* slice of the intermediate size */

@@ -262,6 +262,7 @@ static void start_epoch(loom_grid_t *g) {
             a.data_encrypt = g->cfg.encrypt_data != 0;
             a.expert_parallel = g->cfg.expert_parallel != 0;
             a.mtp = g->cfg.mtp != 0;
+            a.dp_attention = g->cfg.dp_attention != 0;
             a.max_loras = (uint32_t)(g->cfg.max_loras > 0 ? g->cfg.max_loras : 0);
             a.max_lora_rank = (uint32_t)(g->cfg.max_loras > 0 ? (g->cfg.max_lora_rank > 0 ? g->cfg.max_lora_rank : 16) : 0);
             a.max_cpu_loras = (uint32_t)(g->cfg.max_cpu_loras > 0 ? g->cfg.max_cpu_loras : 0);
@@ -821,6 +822,10 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
     }
     p->seq_lora = mb->seq_lora;
     p->n_seq_lora = mb->any_lora ? (size_t)mb->n_seqs : 0;
+    if (g->cfg.dp_attention) {
+        p->seq_dp_rank = mb->seq_dp_rank;
+        p->n_seq_dp_rank = (size_t)mb->n_seqs;
+    }
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {

@@ -175,6 +175,12 @@ int main(int argc, char **argv) {
          1, 0, NULL},
         {"enable-expert-parallel", LOOM_OPT_FLAG, &c.expert_parallel, NULL,
          "vLLM's name for --expert-parallel", 1, 0, NULL},
+        {"enable-dp-attention", LOOM_OPT_FLAG, &c.dp_attention, NULL,
+         "DeepSeek (MLA): each TP rank of a stage holds the whole attention block and runs it for its own "
+         "sequences only, its KV pool holding only their latent blocks (tp times the sequences of a "
+         "replicated latent); implies --expert-parallel. Not with --tp 1 (ignored), the KV offload tiers, "
+         "MTP speculation or LoRA",
+         1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &c.quantization, "SCHEME",
          "quantize matmul weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 "
          "(default none)",

@@ -449,7 +449,20 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
     loom_sbuf_printf(&o, "loom_kv_cache_blocks{%s,state=\"free\"} %d\n", m->lbl,
                      free_blocks - st->kv_blocks_cached);
     gauge(&o, m->lbl, "loom_kv_cache_capacity_blocks",
-          "KV cache blocks per worker (the pool the scheduler hands out).", st->kv_blocks_total);
+          "KV cache blocks per worker (the pool the scheduler hands out; with data-parallel attention, the sum "
+          "of the ranks' pools).", st->kv_blocks_total);
+    if (st->n_dp > 1) {
+        family(&o, "loom_dp_attention_kv_blocks", "gauge",
+               "KV blocks held by the sequences of each data-parallel attention rank (its partition).");
+        for (int r = 0; r < st->n_dp; r++)
+            loom_sbuf_printf(&o, "loom_dp_attention_kv_blocks{%s,rank=\"%d\"} %d\n", m->lbl, r,
+                             st->dp_blocks_used[r]);
+        family(&o, "loom_dp_attention_admissions_total", "counter",
+               "Sequences admitted to each data-parallel attention rank (re-admissions after preemption too).");
+        for (int r = 0; r < st->n_dp; r++)
+            loom_sbuf_printf(&o, "loom_dp_attention_admissions_total{%s,rank=\"%d\"} %llu\n", m->lbl, r,
+                             (unsigned long long)st->dp_admissions[r]);
+    }
     const char *dtype = st->kv_dtype[0] ? st->kv_dtype : "none";
     family(&o, "loom_kv_cache_info", "gauge",
            "The KV cache's element type and block size (value 1).");

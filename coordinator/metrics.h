@@ -49,6 +49,11 @@ void loom_metrics_observe_iteration(loom_metrics_t *m, int n_tokens);
 typedef struct loom_metrics_state {
     int running, waiting;
     int kv_blocks_total, kv_blocks_used, kv_blocks_cached;
+    /* data-parallel attention (rendered when n_dp > 1): each rank's KV partition, the blocks its sequences
+     * hold, and the admissions bound to it */
+    int n_dp;
+    int dp_blocks_used[64];
+    uint64_t dp_admissions[64];
     char kv_dtype[16]; /* KV cache element type on the workers ("" before the grid is ready) */
     int block_size;
     int prefix_caching; /* 1: automatic prefix caching is on */

@@ -41,6 +41,7 @@ struct loom_sched {
     int n_pend, cap_pend;
     loom_sched_tier_fn tier_obs;   /* told of each block sent to the tier (NULL: none) */
     void *tier_obs_ctx;
+    int dp_next;                   /* data-parallel attention: the rank ties go to first (round robin) */
 };
 
 static void attach_ledger(loom_sched_t *s);
@@ -137,7 +138,9 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
     loom_sched_t *s = loom_xcalloc(1, sizeof *s);
     s->cfg = *cfg;
     if (s->cfg.n_micro < 1) s->cfg.n_micro = 1;
-    s->kv = loom_kv_create(cfg->n_blocks, cfg->block_size, cfg->prefix_cache);
+    if (s->cfg.n_dp < 1) s->cfg.n_dp = 1;
+    LOOM_ASSERT(s->cfg.n_dp <= LOOM_SCHED_MAX_DP);
+    s->kv = loom_kv_create_parts(cfg->n_blocks, cfg->block_size, cfg->prefix_cache, s->cfg.n_dp);
     attach_ledger(s);
     s->max_blocks_per_seq = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
     s->running = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->running);
@@ -154,6 +157,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
         mb->chunk = loom_xmalloc(S * sizeof(int));
         mb->block_tables = loom_xmalloc(S * (size_t)s->max_blocks_per_seq * sizeof(int32_t));
         mb->seq_lora = loom_xmalloc(S * sizeof(int32_t));
+        mb->seq_dp_rank = loom_xmalloc(S * sizeof(int32_t));
         mb->logit_rows = loom_xmalloc(S * sizeof(int32_t));
         mb->logit_seq = loom_xmalloc(S * sizeof(loom_seq_t *));
         mb->sampling = loom_xmalloc(S * sizeof(loom_sampling_t));
@@ -216,6 +220,7 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->chunk);
         free(mb->block_tables);
         free(mb->seq_lora);
+        free(mb->seq_dp_rank);
         free(mb->logit_rows);
         free(mb->logit_seq);
         free(mb->sampling);
@@ -279,10 +284,11 @@ loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt
                             "the prompt is %d tokens and max_tokens is %d: %lld exceeds the context length %d",
                             n_prompt, max_tokens, (long long)n_prompt + max_tokens, c->max_model_len);
     int64_t need = ((int64_t)n_prompt + max_tokens + c->block_size - 1) / c->block_size;
-    if (need > c->n_blocks)
+    if (need > c->n_blocks / s->cfg.n_dp)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "the request needs %lld KV blocks of %d tokens but the whole cache holds %d",
-                            (long long)need, c->block_size, c->n_blocks);
+                            "the request needs %lld KV blocks of %d tokens but the whole cache holds %d%s",
+                            (long long)need, c->block_size, c->n_blocks / s->cfg.n_dp,
+                            s->cfg.n_dp > 1 ? " (one data-parallel attention rank's)" : "");
     if (s->n_waiting >= c->max_queue)
         return loom_err_set(err, LOOM_ERR_RESOURCE_EXHAUSTED,
                             "the waiting queue is full (%d requests); retry later", c->max_queue);
@@ -304,6 +310,7 @@ loom_status_t loom_sched_add(loom_sched_t *s, uint64_t id, const int32_t *prompt
     q->t_arrival_ns = loom_now_ns();
     q->prompt_hash = loom_kv_chain_hash(0, prompt, n_prompt);
     q->lora_id = q->lora_slot = -1;
+    q->dp_rank = -1;
     heap_push(s, q);
     *out = q;
     return LOOM_OK;
@@ -377,13 +384,13 @@ static int in_mb(const loom_microbatch_t *mb, const loom_seq_t *q) {
 /* Frees `need` blocks by preempting running sequences younger than q (the
  * youngest first) that are neither in flight nor in this micro-batch. */
 static int make_room(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int need) {
-    for (int i = s->n_running - 1; i >= 0 && loom_kv_n_free(s->kv) < need; i--) {
+    for (int i = s->n_running - 1; i >= 0 && loom_kv_part_free(s->kv, q->dp_rank) < need; i--) {
         loom_seq_t *v = s->running[i];
         if (v == q || v->arrival < q->arrival) break;
-        if (v->in_flight || in_mb(mb, v)) continue;
+        if (v->in_flight || in_mb(mb, v) || v->dp_rank != q->dp_rank) continue; /* only q's partition helps */
         preempt(s, v);
     }
-    return loom_kv_n_free(s->kv) >= need;
+    return loom_kv_part_free(s->kv, q->dp_rank) >= need;
 }
 
 /* Blocks needed so that positions [0, upto) have a block. */
@@ -394,7 +401,7 @@ static int blocks_needed(const loom_sched_t *s, const loom_seq_t *q, int upto) {
 
 static void grow(loom_sched_t *s, loom_seq_t *q, int upto) {
     for (int n = blocks_needed(s, q, upto); n > 0; n--) {
-        int b = loom_kv_alloc(s->kv);
+        int b = loom_kv_alloc_in(s->kv, q->dp_rank);
         LOOM_ASSERT(b >= 0);
         if (q->n_blocks == q->cap_blocks) {
             q->cap_blocks *= 2;
@@ -591,7 +598,7 @@ static int tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
                             .block_size = B};
     int end = have, tier_end = have, wait = 0; /* blocks [have, end) found; those before tier_end are in the tier */
     while (end < lim) {
-        int b = loom_kv_lookup(s->kv, s->hashes[end], q->tokens + (size_t)end * B);
+        int b = loom_kv_lookup_in(s->kv, q->dp_rank, s->hashes[end], q->tokens + (size_t)end * B);
         if (b >= 0) {
             q->blocks[end++] = b;
             s->stats.prefix_hits++;
@@ -617,7 +624,7 @@ static int tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     int n_loaded = 0;
     for (int i = have; i < end; i++) {
         if (q->blocks[i] >= 0) continue;
-        int b = loom_kv_alloc(s->kv);
+        int b = loom_kv_alloc_in(s->kv, q->dp_rank);
         if (b < 0) {
             for (int j = i + 1; j < end; j++)
                 if (q->blocks[j] >= 0) loom_kv_release(s->kv, q->blocks[j]);
@@ -643,7 +650,7 @@ static int prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) 
     int hits = 0;
     for (; hits < nb; hits++) {
         uint64_t h = loom_kv_chain_hash(parent, q->tokens + (size_t)hits * B, B);
-        int b = loom_kv_lookup(s->kv, h, q->tokens + (size_t)hits * B);
+        int b = loom_kv_lookup_in(s->kv, q->dp_rank, h, q->tokens + (size_t)hits * B);
         if (b < 0) break;
         q->blocks[q->n_blocks++] = b;
         prev = parent;
@@ -657,7 +664,7 @@ static int prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) 
     if (hits > 0 && q->n_computed == q->n_tokens) {
         /* Everything is cached, but the last token must run to give logits:
          * it rewrites a shared block, so copy that block first. */
-        int old = q->blocks[hits - 1], fresh = loom_kv_alloc(s->kv);
+        int old = q->blocks[hits - 1], fresh = loom_kv_alloc_in(s->kv, q->dp_rank);
         if (fresh >= 0) {
             mb->copy_src[mb->n_copies] = old;
             mb->copy_dst[mb->n_copies] = fresh;
@@ -685,7 +692,7 @@ static loom_seq_t *fork_leader(loom_sched_t *s, const loom_seq_t *q) {
     for (int i = 0; i < s->n_running; i++) {
         loom_seq_t *l = s->running[i];
         if (l->n_prompt != q->n_prompt || l->prompt_hash != q->prompt_hash || l->lora_id != q->lora_id ||
-            l->embed || l->n_dropped > 0 ||
+            l->embed || l->n_dropped > 0 || (q->dp_rank >= 0 && l->dp_rank != q->dp_rank) ||
             l->n_blocks == 0 || memcmp(l->tokens, q->tokens, (size_t)q->n_prompt * sizeof *q->tokens))
             continue;
         return l;
@@ -704,7 +711,7 @@ static fork_t fork_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
     if (l->n_computed < l->n_prompt) return FORK_PARK;
     int B = s->cfg.block_size, last = (q->n_prompt - 1) / B; /* the block holding position n_prompt - 1 */
     LOOM_ASSERT(l->n_blocks > last && q->cap_blocks > last);
-    int fresh = loom_kv_alloc(s->kv);
+    int fresh = loom_kv_alloc_in(s->kv, q->dp_rank);
     if (fresh < 0) return FORK_NONE;
     uint64_t chain = q->lora_seed;
     for (int i = 0; i < last; i++) {
@@ -721,6 +728,42 @@ static fork_t fork_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q)
     q->chain = chain;
     q->n_computed = q->n_prompt - 1;
     return FORK_DONE;
+}
+
+/* Data-parallel attention (cfg.n_dp > 1): binds a sequence without blocks
+ * to the rank whose partition will hold them: that of a running twin it
+ * may fork from, else the one caching the longest prefix of its tokens,
+ * else the one with the most free blocks; ties go round robin. */
+static void bind_rank(loom_sched_t *s, loom_seq_t *q) {
+    const int n = s->cfg.n_dp, B = s->cfg.block_size, nb = q->n_tokens / B;
+    if (n == 1) {
+        q->dp_rank = 0;
+        return;
+    }
+    q->dp_rank = -1;
+    loom_seq_t *l = q->embed || q->prompt_lp || q->n_tokens != q->n_prompt ? NULL : fork_leader(s, q);
+    if (l) {
+        q->dp_rank = l->dp_rank;
+        return;
+    }
+    const int lookup = q->embed != LOOM_POOL_MEAN && !q->prompt_lp;
+    int best = -1, best_hits = -1, best_free = -1;
+    for (int k = 0; k < n; k++) {
+        int p = (s->dp_next + k) % n, hits = 0;
+        uint64_t h = q->lora_seed;
+        for (; lookup && hits < nb; hits++) {
+            h = loom_kv_chain_hash(h, q->tokens + (size_t)hits * B, B);
+            if (loom_kv_peek_in(s->kv, p, h, q->tokens + (size_t)hits * B) < 0) break;
+        }
+        int fr = loom_kv_part_free(s->kv, p);
+        if (hits > best_hits || (hits == best_hits && fr > best_free)) {
+            best = p;
+            best_hits = hits;
+            best_free = fr;
+        }
+    }
+    q->dp_rank = best;
+    s->dp_next = (best + 1) % n;
 }
 
 static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
@@ -741,6 +784,7 @@ static void fill_block_tables(loom_sched_t *s, loom_microbatch_t *mb) {
     for (int i = 0; i < mb->n_seqs; i++) {
         mb->seq_lora[i] = mb->seqs[i]->lora_slot;
         mb->any_lora |= mb->seqs[i]->lora_slot >= 0;
+        mb->seq_dp_rank[i] = mb->seqs[i]->dp_rank;
     }
     for (int i = 0; i < mb->n_seqs; i++) {
         const loom_seq_t *q = mb->seqs[i];
@@ -811,7 +855,7 @@ static void spec_extend(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, i
     k = LOOM_MIN(k, q->max_tokens - (q->n_tokens - q->n_prompt) - 1); /* never more than asked */
     k = LOOM_MIN(k, budget);
     k = LOOM_MIN(k, s->cfg.max_num_seqs - mb->n_logits - rows_reserved); /* the workers' logit rows */
-    int room = (q->n_blocks + loom_kv_n_free(s->kv)) * s->cfg.block_size - (q->n_computed + 1);
+    int room = (q->n_blocks + loom_kv_part_free(s->kv, q->dp_rank)) * s->cfg.block_size - (q->n_computed + 1);
     k = LOOM_MIN(k, room); /* drafts use free blocks only, never a preemption */
     if (k <= 0) return;
     int32_t drafts[LOOM_SPEC_MAX_K];
@@ -916,7 +960,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         loom_seq_t *q = s->running[i];
         if (q->in_flight || q->n_tokens - q->n_computed != 1) continue;
         int need = blocks_needed(s, q, q->n_computed + 1);
-        if (need > loom_kv_n_free(s->kv) && !make_room(s, mb, q, need)) {
+        if (need > loom_kv_part_free(s->kv, q->dp_rank) && !make_room(s, mb, q, need)) {
             if (!in_mb(mb, q)) {
                 preempt(s, q); /* nothing younger to take from: this one waits */
                 i--;
@@ -939,8 +983,8 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         if (q->in_flight || q->n_tokens - q->n_computed < 2) continue;
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
         int need = blocks_needed(s, q, q->n_computed + take);
-        if (need > loom_kv_n_free(s->kv)) make_room(s, mb, q, need);
-        int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
+        if (need > loom_kv_part_free(s->kv, q->dp_rank)) make_room(s, mb, q, need);
+        int room = (q->n_blocks + loom_kv_part_free(s->kv, q->dp_rank)) * c->block_size - q->n_computed;
         if (take > room) take = room;
         if (take <= 0) continue;
         grow(s, q, q->n_computed + take);
@@ -959,6 +1003,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             s->parked[n_parked++] = q;
             continue;
         }
+        if (q->n_blocks == 0) bind_rank(s, q);
         fork_t f = q->n_blocks == 0 ? fork_lookup(s, mb, q) : FORK_NONE;
         if (f == FORK_PARK) {
             heap_remove(s, q);
@@ -975,7 +1020,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
             continue;
         }
         int take = LOOM_MIN(q->n_tokens - q->n_computed, budget);
-        int room = (q->n_blocks + loom_kv_n_free(s->kv)) * c->block_size - q->n_computed;
+        int room = (q->n_blocks + loom_kv_part_free(s->kv, q->dp_rank)) * c->block_size - q->n_computed;
         if (take > room) take = room;
         if (take <= 0) {
             s->stats.tier_hits -= (uint64_t)(mb->n_loads - loads0);
@@ -986,6 +1031,7 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
         }
         heap_remove(s, q);
         q->state = LOOM_SEQ_RUNNING;
+        if (c->n_dp > 1) s->stats.dp_admissions[q->dp_rank]++;
         if (f == FORK_DONE) {
             s->stats.forks++;
             s->stats.fork_tokens += (uint64_t)q->n_computed;
@@ -1116,7 +1162,7 @@ void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
      * old one's address (observers such as kv_events.c tell them apart by it) */
     loom_kv_ledger_t *old = s->kv;
     s->cfg.n_blocks = n_blocks;
-    s->kv = loom_kv_create(n_blocks, s->cfg.block_size, s->cfg.prefix_cache);
+    s->kv = loom_kv_create_parts(n_blocks, s->cfg.block_size, s->cfg.prefix_cache, s->cfg.n_dp);
     attach_ledger(s);
     s->n_pend = 0; /* the old pool's blocks are gone */
     loom_kv_destroy(&old);

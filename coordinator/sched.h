@@ -34,7 +34,12 @@
  * blocks lie wholly before the window of the sequence's next token, so no
  * query reads them again, and they went back to the ledger (kept in the
  * prefix cache when registered). Tokens [0, n_computed) still count as
- * computed; a preempted sequence recomputes from position 0. */
+ * computed; a preempted sequence recomputes from position 0.
+ * Data-parallel attention (cfg.n_dp > 1): the ledger has one partition a
+ * rank; a sequence admitted without blocks is bound to one (bind_rank in
+ * sched.c) and every block of its table, every prefix hit and fork it
+ * takes, lies in that partition; making room for it preempts only
+ * sequences bound to the same rank. */
 #ifndef LOOM_SCHED_H
 #define LOOM_SCHED_H
 
@@ -104,6 +109,8 @@ typedef struct loom_seq {
      * content digest; 0 for the base model) */
     int lora_id, lora_slot;
     uint64_t lora_seed;
+    int dp_rank; /* data-parallel attention: the rank whose KV partition holds its blocks (bound at admission
+                    while it has none; -1: not yet) */
     int kv_save; /* a KV connector saves the blocks its steps fill (write-through for this one: a remote decode's
                     prefill) */
 } loom_seq_t;
@@ -118,6 +125,11 @@ typedef struct loom_sched_config {
     int n_blocks;
     int prefix_cache;
     int window;              /* every layer's sliding window in positions (0: none) */
+    /* data-parallel attention: the ledger's partitions, one a TP rank
+     * (n_blocks is their sum; 0 or 1: one pool). A sequence is bound to one
+     * at admission (bind_rank in sched.c); its blocks, prefix hits, forks
+     * and the preemptions that make room for it stay in that partition. */
+    int n_dp;
 } loom_sched_config_t;
 
 /* One micro-batch, ready to be sent as a step plan. Arrays are owned by the
@@ -133,6 +145,7 @@ typedef struct loom_microbatch {
     int32_t *block_tables;   /* (n_seqs, max_blocks), -1 padded */
     int32_t *seq_lora;       /* (n_seqs) engine adapter slot of each sequence, -1: none */
     int any_lora;            /* some sequence of the batch has an adapter */
+    int32_t *seq_dp_rank;    /* (n_seqs) the rank owning each sequence's KV (cfg.n_dp > 1) */
     int n_logits;
     int32_t *logit_rows;     /* (n_logits) */
     loom_seq_t **logit_seq;  /* (n_logits) */
@@ -176,6 +189,8 @@ typedef struct loom_microbatch {
     int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
 } loom_microbatch_t;
 
+#define LOOM_SCHED_MAX_DP 64 /* data-parallel attention ranks at most (the TP ranks' cap) */
+
 typedef struct loom_sched_stats {
     int running, waiting;
     uint64_t preemptions;
@@ -187,6 +202,7 @@ typedef struct loom_sched_stats {
     uint64_t tier_waits; /* admissions put off while the connector looked for a request's blocks */
     uint64_t tier_saves;             /* blocks sent to the connector's tier */
     uint64_t lower_hits, lower_saves; /* of those, loaded from and sent to its lower tier (the directory) */
+    uint64_t dp_admissions[LOOM_SCHED_MAX_DP]; /* cfg.n_dp > 1: admissions bound to each rank */
 } loom_sched_stats_t;
 
 typedef struct loom_sched loom_sched_t;
@@ -231,8 +247,9 @@ void loom_sched_finish(loom_sched_t *s, loom_seq_t *seq);
 
 /* The KV cache is gone (a worker was lost): every running sequence goes back
  * to waiting (its tokens kept, recomputed later) and the ledger starts over
- * with n_blocks blocks (the new grid's pool). No micro-batch may be in
- * flight (fail them first). */
+ * with n_blocks blocks (the new grid's pool; with cfg.n_dp > 1 the sum of
+ * the ranks', a multiple of n_dp). No micro-batch may be in flight (fail
+ * them first). */
 void loom_sched_reset_kv(loom_sched_t *s, int n_blocks);
 /* Blocks a sequence needs at most (its prompt plus max_tokens). */
 int loom_sched_seq_max_blocks(const loom_sched_t *s, const loom_seq_t *q);

@@ -787,14 +787,42 @@ static void kv_tier_attach(loom_server_t *s, loom_grid_t *g) {
     loom_sched_set_connector(s->sched, s->kv_conn);
 }
 
+/* --enable-dp-attention against the model and the other options: what it
+ * cannot serve is refused at start, by name (docs/architecture.md). */
+static loom_status_t dp_attention_check(loom_server_t *s, loom_err_t *err) {
+    loom_server_config_t *c = &s->cfg;
+    if (!c->dp_attention) return LOOM_OK;
+    if (c->tp < 2) {
+        LOOM_INFO("--enable-dp-attention with --tp 1: one rank runs every sequence's attention already; ignored");
+        c->dp_attention = 0;
+        return LOOM_OK;
+    }
+    const char *no = !s->mcfg.deepseek ? "a model other than DeepSeek's MLA (model_type '%s')"
+                     : c->kv_offload_dir || c->kv_offload_host_bytes ? "the KV offload tiers (--kv-offloading-dir, "
+                                                                        "--kv-offloading-size, --kv-transfer-config)"
+                     : c->spec.method == LOOM_SPEC_MTP ? "--speculative-method mtp"
+                     : c->max_loras > 0 ? "LoRA adapters (--enable-lora, --max-loras)"
+                                        : NULL;
+    if (no) {
+        char what[160];
+        snprintf(what, sizeof what, no, s->mcfg.model_type);
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--enable-dp-attention does not serve %s", what);
+    }
+    if (!c->expert_parallel && s->mcfg.n_experts > 0)
+        LOOM_INFO("--enable-dp-attention: the MoE layers run expert-parallel (--expert-parallel implied)");
+    c->expert_parallel = 1;
+    return LOOM_OK;
+}
+
 /* The grid is READY: a scheduler for its KV pool, or the old one reset. */
 static void on_grid_ready(void *ctx, loom_grid_t *g) {
     loom_server_t *s = ctx;
-    int n_blocks = loom_grid_n_blocks(g);
+    /* data-parallel attention: the ledger holds every rank's pool, one partition each */
+    const int n_dp = s->cfg.dp_attention ? s->cfg.tp : 1, n_blocks = loom_grid_n_blocks(g);
     if (s->lora) loom_lora_reactor_grid_ready(s->lora); /* the new engines hold no adapters */
     if (s->sched) {
         /* the KV cache of the old grid is gone: recompute the waiting requests */
-        loom_sched_reset_kv(s->sched, n_blocks);
+        loom_sched_reset_kv(s->sched, n_blocks * n_dp);
         for (request_t *q = s->reqs, *next; q; q = next) {
             next = q->next;
             if (q->seq && loom_sched_seq_max_blocks(s->sched, q->seq) > n_blocks)
@@ -806,8 +834,8 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
     } else {
         loom_sched_config_t sc = {.max_num_seqs = s->cfg.max_num_seqs, .max_batched_tokens = s->cfg.max_batched_tokens,
                                   .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len,
-                                  .n_micro = s->cfg.pp, .block_size = s->cfg.block_size, .n_blocks = n_blocks,
-                                  .prefix_cache = s->cfg.prefix_cache,
+                                  .n_micro = s->cfg.pp, .block_size = s->cfg.block_size,
+                                  .n_blocks = n_blocks * n_dp, .n_dp = n_dp, .prefix_cache = s->cfg.prefix_cache,
                                   .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
         loom_sched_set_spec(s->sched, &s->cfg.spec);
@@ -1766,6 +1794,11 @@ static void publish_state(loom_server_t *s) {
         st.kv_blocks_total = loom_kv_n_blocks(L);
         st.kv_blocks_used = loom_kv_n_held(L);
         st.kv_blocks_cached = loom_kv_n_cached(L);
+        st.n_dp = LOOM_MIN(loom_kv_n_parts(L), (int)LOOM_ARRAY_LEN(st.dp_blocks_used));
+        for (int r = 0; r < st.n_dp; r++) {
+            st.dp_blocks_used[r] = loom_kv_part_held(L, r);
+            st.dp_admissions[r] = ss.dp_admissions[r];
+        }
         snprintf(st.kv_dtype, sizeof st.kv_dtype, "%s", loom_grid_kv_dtype(s->grid));
         st.block_size = s->cfg.block_size;
         st.prefix_caching = s->cfg.prefix_cache;
@@ -1995,6 +2028,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
+                             .dp_attention = c->dp_attention,
                              .mtp = c->spec.method == LOOM_SPEC_MTP,
                              .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
@@ -2055,7 +2089,8 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     /* an impossible split is a start-up error, before any worker comes */
     for (int r = 0; r < cfg->tp; r++) {
-        loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers};
+        loom_shard_spec_t spec = {.tp_rank = r, .tp_size = cfg->tp, .layer_begin = 0, .layer_end = s->mcfg.n_layers,
+                                  .dp_attention = cfg->dp_attention};
         loom_shard_dims_t d;
         st = loom_shard_dims(&s->mcfg, &spec, &d, err);
         if (st < 0) goto fail;
@@ -2107,6 +2142,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
         if (st < 0) goto fail;
     }
     s->cfg.lora = NULL; /* the caller's options: copied into the reactor */
+    if ((st = dp_attention_check(s, err)) < 0) goto fail;
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->structured = loom_structured_create(s->tok, &s->mcfg, (size_t)cfg->grammar_cache_bytes);

@@ -24,6 +24,10 @@ typedef struct loom_server_config {
     const char *quantization; /* matmul weights quantized on load: none, int8, fp8, q4, ... */
     const char *kv_cache_dtype; /* auto, f32, bf16, int8, fp8 (workers resolve auto) */
     int expert_parallel;      /* MoE layers: the TP ranks of a stage split the experts */
+    /* data-parallel attention (--enable-dp-attention; DeepSeek's MLA): each TP
+     * rank runs attention for its own sequences, holding only their KV (the
+     * ledger's partitions); implies expert_parallel */
+    int dp_attention;
     int max_loras;            /* LoRA adapter slots of every engine (0: off; docs/lora.md) */
     int max_lora_rank;        /* the largest adapter rank they take (0: 16) */
     /* vLLM's LoRA flags, checked (loom_lora_serve_startup); with enable set

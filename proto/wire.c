@@ -177,6 +177,16 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
         if (p->seq_lora[i] < -1 || p->seq_lora[i] >= lim->max_loras)
             return loom_err_set(err, LOOM_ERR_FORMAT, "sequence %zu names adapter slot %d; this worker has %d", i,
                                 p->seq_lora[i], lim->max_loras);
+    if (lim->n_dp > 1 ? p->n_seq_dp_rank != p->n_seqs : p->n_seq_dp_rank != 0)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%zu data-parallel attention ranks for %u sequences (%s)",
+                            p->n_seq_dp_rank, p->n_seqs, lim->n_dp > 1 ? "one each" : "none without it");
+    for (size_t i = 0; i < p->n_seq_dp_rank; i++)
+        if (p->seq_dp_rank[i] < 0 || p->seq_dp_rank[i] >= lim->n_dp)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "sequence %zu is on data-parallel attention rank %d of %d", i,
+                                p->seq_dp_rank[i], lim->n_dp);
+    for (size_t i = 0; i < p->n_copy_src && lim->n_dp > 1; i++) /* a copy stays in one rank's partition */
+        if (p->copy_src[i] / (lim->n_blocks / lim->n_dp) != p->copy_dst[i] / (lim->n_blocks / lim->n_dp))
+            return loom_err_set(err, LOOM_ERR_FORMAT, "block copy %zu crosses data-parallel attention ranks", i);
     return LOOM_OK;
 }
 

@@ -41,6 +41,9 @@ loom_status_t loom_wire_check_text(const ProtobufCMessageDescriptor *d, const vo
 typedef struct loom_plan_limits {
     int max_tokens, max_seqs, n_blocks, vocab_size, max_pos, block_size;
     int max_loras; /* seq_lora entries are -1 or a slot below this */
+    /* data-parallel attention (Assign.dp_attention): the ranks (> 1), whose KV partitions of n_blocks / n_dp
+     * each the plan's ids address (n_blocks is their sum); seq_dp_rank is then required. 0: none */
+    int n_dp;
 } loom_plan_limits_t;
 loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_limits_t *lim,
                                    loom_err_t *err);

@@ -120,6 +120,21 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (m->opt.max_logits < 1) m->opt.max_logits = m->opt.max_seqs;
     loom_status_t s = loom_shard_dims(cfg, spec, &m->dims, err);
     if (s < 0) goto fail;
+    if (spec->dp_attention && spec->tp_size > 1) {
+        /* attn_dp.c runs the MLA block; the other families' TP-only parts (o_proj's bias on rank 0, a GQA
+         * pool sliced by heads) were not made per-sequence */
+        const char *no = !cfg->deepseek                          ? "a model other than DeepSeek's MLA"
+                         : opt->mtp                              ? "the MTP module"
+                         : opt->max_loras > 0                    ? "LoRA adapters"
+                         : strcmp(loom_backend_name(be), "cpu") ? "a backend other than cpu"
+                                                                 : NULL;
+        if (no) {
+            s = loom_err_set(err, LOOM_ERR_UNSUPPORTED, "data-parallel attention does not run %s (%s, %s backend)",
+                             no, cfg->model_type, loom_backend_name(be));
+            goto fail;
+        }
+        m->opt.expert_parallel = 1; /* the MoE layers: dispatch and combine over the TP all-reduce */
+    }
     s = loom_load_align_hidden_split(cfg, spec, opt, &m->dims, err);
     if (s < 0) goto fail;
     s = loom_blk_moe_split(m, err);
@@ -245,6 +260,19 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->gu = act_alloc(m, T * 2 * hid, &oom);
     m->hb = act_alloc(m, T * hid, &oom);
     if (opt->mtp) m->mtp_in = act_alloc(m, T * dim, &oom);
+    if (spec->dp_attention && spec->tp_size > 1) {
+        m->dp_xb = act_alloc(m, T * dim, &oom);
+        m->dp_xb2 = act_alloc(m, T * dim, &oom);
+        m->dp_one = act_alloc(m, T, &oom);
+        if (m->dp_one) {
+            float *one = loom_xmalloc(T * sizeof *one);
+            for (size_t i = 0; i < T; i++) one[i] = 1.0f;
+            loom_backend_upload(be, m->dp_one, one, T * sizeof *one);
+            free(one);
+        }
+        LOOM_INFO("data-parallel attention: tp rank %d/%d holds all %d heads and runs its own sequences' attention",
+                  spec->tp_rank, spec->tp_size, d->n_heads);
+    }
     if (m->expert_end > 0) { /* the shard holds MoE layers (moe_split) */
         size_t E = (size_t)cfg->n_experts, K = (size_t)cfg->n_experts_per_tok;
         m->rl = act_alloc(m, T * E, &oom);
@@ -369,6 +397,9 @@ void loom_model_destroy(loom_model_t **m_p) {
                      m->att,
                      m->mla_z,
                      m->mtp_in,
+                     m->dp_xb,
+                     m->dp_xb2,
+                     m->dp_one,
                      m->gu,
                      m->hb,
                      m->xl,
@@ -390,6 +421,8 @@ void loom_model_destroy(loom_model_t **m_p) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(host); i++) free(host[i]);
     loom_backend_free(be, m->meta_dev);
     free(m->meta_host);
+    free(m->dp_host);
+    free(m->dp_seq_map);
     free(m->sample_k);
     free(m);
 }
@@ -479,12 +512,16 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     if (m->spec.has_head && (b->n_logits < 0 || b->n_logits > m->opt.max_logits))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%d logit rows (limit %d)", b->n_logits, m->opt.max_logits);
     if (!m->kv_mem) return loom_err_set(err, LOOM_ERR_INTERNAL, "KV pool not allocated");
+    /* data-parallel attention: the plan's ids address every rank's pool; this rank's
+     * sub-batch, in its own ids, is checked and built by loom_blk_attn_dp_batch */
+    const int dp_on = m->spec.dp_attention && m->spec.tp_size > 1;
+    const int plan_blocks = dp_on ? m->n_blocks * m->spec.tp_size : m->n_blocks;
 
     /* Validate ids against the pool so a bad plan cannot write out of bounds. */
     int max_pos = 0;
     for (int i = 0; i < n; i++) {
         if (b->pos[i] < 0 || b->pos[i] >= c->max_seq_len || b->tok_seq[i] < 0 || b->tok_seq[i] >= b->n_seqs ||
-            b->slots[i] < 0 || b->slots[i] >= m->n_blocks * m->block_size ||
+            b->slots[i] < 0 || b->slots[i] >= plan_blocks * m->block_size ||
             (m->spec.has_embed && (b->tokens[i] < 0 || b->tokens[i] >= c->vocab_size)))
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "step token %d is out of range", i);
         if (b->pos[i] / m->block_size >= b->max_blocks)
@@ -493,7 +530,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     }
     size_t nbt = (size_t)b->n_seqs * (size_t)b->max_blocks;
     for (size_t i = 0; i < nbt; i++)
-        if (b->block_tables[i] < -1 || b->block_tables[i] >= m->n_blocks)
+        if (b->block_tables[i] < -1 || b->block_tables[i] >= plan_blocks)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "block id %d out of range", b->block_tables[i]);
     /* the step's adapter slots: a row with one turns the deltas on */
     int lora = 0;
@@ -507,6 +544,8 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     for (int i = 0; i < nl; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= n)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "logit row %d out of range", b->logit_rows[i]);
+    loom_dp_batch_t dp = {0};
+    if (dp_on) LOOM_CHECK(loom_blk_attn_dp_batch(m, b, &dp, err));
 
     /* Decode steps (one token per sequence) of a shard without TP all-reduces,
      * or whose all-reduce hook is stream-ordered (opt.allreduce_in_graphs),
@@ -520,12 +559,12 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
      * growing sequences keep their graph. Everything else the ops read is
      * device data uploaded below, before the replay. */
     int decode = n == b->n_seqs;
-    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora && !m->opt.mtp &&
+    int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora && !m->opt.mtp && !dp_on &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce && !m->opt.allreduce_in_graphs) &&
                 /* loom_blk_moe routes on the host between ops, except decode steps on the device */
                 (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
     int N = n; /* tokens after padding */
-    if (m->scratch_block >= 0 && decode && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
+    if (m->scratch_block >= 0 && decode && !dp_on && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
         N = decode_bucket(n);
         int cap = m->opt.max_tokens;
         if (nl && m->opt.max_logits < cap) cap = m->opt.max_logits;
@@ -541,7 +580,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     size_t nbt_packed = (size_t)n_seqs * (size_t)mb;
 
     /* Pack the step's metadata and upload it once. */
-    size_t need = 4 * (size_t)N + (size_t)nlp + nbt_packed + (lora ? (size_t)N : 0);
+    size_t need = 4 * (size_t)N + (size_t)nlp + nbt_packed + (lora ? (size_t)N : 0) + dp.n_meta;
     if (need > m->meta_cap) {
         loom_backend_free(be, m->meta_dev);
         m->meta_cap = need + need / 2;
@@ -590,6 +629,8 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         int32_t *h_lora = h_bt + nbt_packed;
         for (int i = 0; i < N; i++) h_lora[i] = i < n ? b->seq_lora[b->tok_seq[i]] : -1;
     }
+    const size_t dp_at = need - dp.n_meta; /* after everything else: the sub-batch (attn_dp.c's layout) */
+    if (dp_on) memcpy(h + dp_at, m->dp_host, dp.n_meta * 4);
     loom_backend_upload(be, m->meta_dev, h, need * 4);
     const int32_t *d_tok = m->meta_dev;
     loom_step_ops_t so = {.n = N, .nl = nlp, .max_blocks = mb, .max_ctx = max_pos + 1, .d_tok = d_tok,
@@ -598,6 +639,16 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     if (lora) {
         m->lora_step.d_row_slot = so.d_bt + nbt_packed;
         so.adapters = &m->lora_step;
+    }
+    loom_step_ops_t sub;
+    if (dp_on) { /* rows (k), each row's index among them (n), then the sub-batch's pos, slots, seq, tables */
+        const int32_t *d = d_tok + dp_at;
+        const int k = dp.n;
+        so.d_dp_rows = d;
+        so.d_dp_at = d + k;
+        sub = (loom_step_ops_t){.n = k, .max_blocks = mb, .max_ctx = dp.max_pos + 1, .d_pos = d + k + n,
+                                .d_slots = d + 2 * k + n, .d_seq = d + 3 * k + n, .d_bt = d + 4 * k + n, .local = 1};
+        so.dp = &sub;
     }
     if (!graph) return run_ops(m, &so, err);
     uint64_t key = (uint64_t)N | (uint64_t)nlp << 20;

@@ -121,6 +121,11 @@ int loom_model_kv_blocks(const loom_model_t *m);
  * layer-major layout or out of range). */
 int loom_model_kv_block_contiguous(const loom_model_t *m);
 void *loom_model_kv_block_ptr(const loom_model_t *m, int block);
+/* Data-parallel attention (spec.dp_attention): of a plan's block copies,
+ * those within this rank's partition, in its pool's ids, into lsrc / ldst
+ * (n entries at most); returns how many. */
+int loom_model_dp_copies(const loom_model_t *m, const int32_t *src, const int32_t *dst, int n, int32_t *lsrc,
+                         int32_t *ldst);
 /* Copies KV blocks src[i] -> dst[i] in every layer of the shard, scales
  * included (copy-on-write). */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n);
@@ -150,6 +155,9 @@ typedef struct loom_step_batch {
     int n_logits;                /* rows needing logits (last stage) */
     const int32_t *logit_rows;   /* (n_logits) token indices */
     const int32_t *seq_lora;     /* (n_seqs) adapter slot of each sequence, -1 none; NULL: none at all */
+    /* spec.dp_attention: (n_seqs) the TP rank owning each sequence; the slots and block ids are then the
+     * plan's, rank r's in [r n_blocks, (r + 1) n_blocks) (worker/engine/attn_dp.c) */
+    const int32_t *seq_dp_rank;
 } loom_step_batch_t;
 
 /* Runs the shard's layers over the batch. On the first stage the input is

@@ -156,6 +156,8 @@ typedef struct worker {
     uint8_t *gather_send, *gather_recv;
     size_t gather_cap;
     int32_t *ids;
+    int32_t *dp_copy;        /* data-parallel attention: the step's copies in this rank's ids (sources, then
+                                destinations) */
     float *edit_row; /* one logit row edited on the host (logits_proc.h) */
     size_t edit_cap;
     loom_logprobs_t lp; /* the rows' log probabilities (logits_proc.h) */
@@ -274,7 +276,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) && a->expert_parallel == b->expert_parallel &&
            a->max_loras == b->max_loras && a->max_lora_rank == b->max_lora_rank &&
            a->max_tokens == b->max_tokens &&
-           a->max_seqs == b->max_seqs && a->mtp == b->mtp;
+           a->max_seqs == b->max_seqs && a->mtp == b->mtp && a->dp_attention == b->dp_attention;
 }
 
 static void mtp_unload(worker_t *w) {
@@ -403,7 +405,8 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     LOOM_CHECK(loom_backend_kv_resolve(w->be, a->kv_cache_dtype, &kv_dtype, err));
     loom_shard_spec_t spec = {.tp_rank = (int)a->tp_rank, .tp_size = (int)a->tp_size,
                               .layer_begin = (int)a->layer_begin, .layer_end = (int)a->layer_end,
-                              .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages};
+                              .has_embed = a->stage == 0, .has_head = a->stage + 1 == a->n_stages,
+                              .dp_attention = a->dp_attention};
     loom_model_options_t mo = {.max_tokens = (int)a->max_tokens, .max_seqs = (int)a->max_seqs,
                                .max_logits = (int)a->max_seqs, .allreduce = tp_allreduce,
                                .allreduce_ctx = w,
@@ -805,9 +808,12 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
         s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "epoch %llu was aborted", (unsigned long long)p->epoch);
         goto report;
     }
-    loom_plan_limits_t lim = {.max_tokens = w->max_tokens, .max_seqs = w->max_seqs, .n_blocks = w->n_blocks,
-                              .vocab_size = w->cfg.vocab_size, .max_pos = w->cfg.max_seq_len,
-                              .block_size = w->block_size, .max_loras = loom_model_max_loras(w->model)};
+    /* data-parallel attention: the plan's ids address every TP rank's pool, this one's partition among them */
+    const int n_dp = a->dp_attention && a->tp_size > 1 ? (int)a->tp_size : 0;
+    loom_plan_limits_t lim = {.max_tokens = w->max_tokens, .max_seqs = w->max_seqs,
+                              .n_blocks = w->n_blocks * (n_dp ? n_dp : 1), .vocab_size = w->cfg.vocab_size,
+                              .max_pos = w->cfg.max_seq_len, .block_size = w->block_size,
+                              .max_loras = loom_model_max_loras(w->model), .n_dp = n_dp};
     if ((s = loom_wire_check_plan(p, &lim, &err)) < 0) {
         LOOM_WARN("refused step %llu: %s", (unsigned long long)p->step_id, err.msg);
         goto report;
@@ -828,14 +834,21 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     }
     if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
         goto report;
-    if (p->n_copy_src) { /* a copy may read a block being loaded */
+    if (p->n_copy_src) /* a copy may read a block being loaded */
         kv_layer_wait(&w->kv_tier, loom_model_dims(w->model)->n_layers - 1);
+    if (p->n_copy_src && n_dp) { /* only the copies of this rank's sequences, in its own ids */
+        int nc = (int)p->n_copy_src;
+        w->dp_copy = loom_xrealloc(w->dp_copy, (size_t)nc * 2 * sizeof *w->dp_copy);
+        int local = loom_model_dp_copies(w->model, p->copy_src, p->copy_dst, nc, w->dp_copy, w->dp_copy + nc);
+        if (local) loom_model_copy_blocks(w->model, w->dp_copy, w->dp_copy + nc, local);
+    } else if (p->n_copy_src) {
         loom_model_copy_blocks(w->model, p->copy_src, p->copy_dst, (int)p->n_copy_src);
     }
     loom_step_batch_t b = {.n_tokens = n, .tokens = p->tokens, .pos = p->pos, .slots = p->slots,
                            .tok_seq = p->tok_seq, .n_seqs = (int)p->n_seqs, .block_tables = p->block_tables,
                            .max_blocks = (int)p->max_blocks, .n_logits = last ? (int)p->n_logit_rows : 0,
-                           .logit_rows = p->logit_rows, .seq_lora = p->n_seq_lora ? p->seq_lora : NULL};
+                           .logit_rows = p->logit_rows, .seq_lora = p->n_seq_lora ? p->seq_lora : NULL,
+                           .seq_dp_rank = n_dp ? p->seq_dp_rank : NULL};
     /* stream-ordered on nccl: the all-reduces of the pass are only enqueued
      * (and may sit in a decode graph); step_end waits for them under the
      * comm's watchdog, so a dead peer fails the step instead of hanging it */
@@ -1560,6 +1573,7 @@ int main(int argc, char **argv) {
     free(w.steps_buf);
     free(w.kk);
     free(w.ids);
+    free(w.dp_copy);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);
     loom_prompt_lp_free(&w.plp);

@@ -3,3 +3,6 @@ loom_add_it(it_deepseek test_deepseek.py)
 set_property(TEST it_deepseek APPEND PROPERTY LABELS release)
 # DeepSeek's MTP module drafting on the grid and in loom serve (tests/integration/test_deepseek_mtp.py).
 loom_add_it(it_deepseek_mtp test_deepseek_mtp.py)
+# DeepSeek with data-parallel attention: grids, the float64 reference, the ledger's partitions under a small pool,
+# refusals (tests/integration/test_deepseek_dp.py).
+loom_add_it(it_deepseek_dp test_deepseek_dp.py)

@@ -23,6 +23,31 @@ static int
  * scheduler's clock (the speculation gate's deterministic cost model) */
 static double g_draft_cost_s = -1;
 static uint64_t g_clock_ns;
+/* data-parallel attention: the ledger's partitions (0: one), the sequences each rank ran, and blocks seen
+ * outside the partition of their sequence's rank */
+static int g_n_dp;
+static int g_dp_seqs[4], g_dp_cross;
+
+/* Every block a micro-batch names lies in the partition of its sequence's rank. */
+static void check_dp_partitions(const loom_microbatch_t *mb, int n_blocks) {
+    const int P = n_blocks / g_n_dp, B = 4;
+    for (int i = 0; i < mb->n_seqs; i++) {
+        int r = mb->seq_dp_rank[i];
+        if (r < 0 || r >= g_n_dp) {
+            g_dp_cross++;
+            continue;
+        }
+        g_dp_seqs[r]++;
+        for (int j = 0; j < mb->max_blocks; j++) {
+            int b = mb->block_tables[(size_t)i * mb->max_blocks + j];
+            if (b >= 0 && b / P != r) g_dp_cross++;
+        }
+    }
+    for (int t = 0; t < mb->n_tokens; t++)
+        if (mb->slots[t] / B / P != mb->seq_dp_rank[mb->tok_seq[t]]) g_dp_cross++;
+    for (int i = 0; i < mb->n_copies; i++)
+        if (mb->copy_src[i] / P != mb->copy_dst[i] / P) g_dp_cross++;
+}
 
 static uint64_t test_clock(void *ctx) {
     (void)ctx;
@@ -164,7 +189,8 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
                             int shared_prefix, int cancel, uint64_t seed, int window, loom_sched_stats_t *out_stats) {
     loom_sched_config_t cfg = {.max_num_seqs = max_seqs, .max_batched_tokens = max_tokens_step,
                                .max_queue = 1000, .max_model_len = 512, .n_micro = n_micro,
-                               .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window};
+                               .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window,
+                               .n_dp = g_n_dp};
     loom_sched_t *s = loom_sched_create(&cfg);
     if (g_spec) loom_sched_set_spec(s, g_spec);
     if (g_draft_cost_s >= 0) loom_sched_set_clock(s, test_clock, NULL);
@@ -194,7 +220,10 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
     int n_in = 0, iters = 0;
     while (c.finished < n_reqs && iters++ < 100000) {
         loom_microbatch_t *mb;
-        while (n_in < n_micro && (mb = loom_sched_schedule(s))) inflight[n_in++] = mb;
+        while (n_in < n_micro && (mb = loom_sched_schedule(s))) {
+            inflight[n_in++] = mb;
+            if (g_n_dp > 1) check_dp_partitions(mb, n_blocks);
+        }
         if (n_in == 0) {
             CHECKF(0, "scheduler stalled with %d of %d finished", c.finished, n_reqs);
             break;
@@ -266,6 +295,123 @@ static void test_ledger_basics(void) {
     CHECK(loom_kv_check(L) == 0);
     loom_kv_destroy(&L);
     loom_kv_destroy(&L); /* twice is safe */
+}
+
+static int g_obs_cached, g_obs_evicted;
+static void count_obs(void *ctx, uint64_t hash, int cached) {
+    (void)ctx;
+    (void)hash;
+    if (cached) g_obs_cached++;
+    else g_obs_evicted++;
+}
+
+/* Two partitions of 4 blocks: allocation, eviction, lookups and releases stay in one; the same content
+ * cached in both is one hash to the observer until its last copy goes. */
+static void test_ledger_partitions(void) {
+    loom_kv_ledger_t *L = loom_kv_create_parts(8, 4, 1, 2);
+    loom_kv_set_observer(L, count_obs, NULL);
+    CHECK(loom_kv_n_parts(L) == 2 && loom_kv_part_of(L, 3) == 0 && loom_kv_part_of(L, 4) == 1);
+    int a[4], b[4];
+    for (int i = 0; i < 4; i++) a[i] = loom_kv_alloc_in(L, 0);
+    for (int i = 0; i < 4; i++) CHECK(a[i] >= 0 && a[i] < 4);
+    CHECK(loom_kv_alloc_in(L, 0) == -1); /* partition 0 is full, partition 1 untouched */
+    CHECK(loom_kv_part_free(L, 0) == 0 && loom_kv_part_free(L, 1) == 4 && loom_kv_n_free(L) == 4);
+    for (int i = 0; i < 4; i++) b[i] = loom_kv_alloc_in(L, 1);
+    for (int i = 0; i < 4; i++) CHECK(b[i] >= 4 && b[i] < 8);
+    CHECK(loom_kv_part_held(L, 0) == 4 && loom_kv_part_held(L, 1) == 4 && loom_kv_check(L) == 0);
+    int32_t t1[4] = {1, 2, 3, 4}, t2[4] = {5, 6, 7, 8};
+    uint64_t h1 = loom_kv_chain_hash(0, t1, 4), h2 = loom_kv_chain_hash(h1, t2, 4);
+    loom_kv_register(L, a[0], h1, t1);
+    loom_kv_register(L, b[0], h1, t1); /* the same content in the other partition: cached there too */
+    loom_kv_register(L, a[1], h2, t2);
+    loom_kv_register(L, a[2], h1, t1); /* a duplicate within partition 0: ignored */
+    CHECK(loom_kv_is_cached(L, a[0]) && loom_kv_is_cached(L, b[0]) && !loom_kv_is_cached(L, a[2]));
+    CHECK(g_obs_cached == 2); /* h1 once, h2 once */
+    for (int i = 0; i < 4; i++) loom_kv_release(L, a[i]), loom_kv_release(L, b[i]);
+    CHECK(loom_kv_check(L) == 0 && loom_kv_n_cached(L) == 3);
+    /* lookups hit their own partition's copy only */
+    CHECK(loom_kv_peek_in(L, 0, h1, t1) == a[0] && loom_kv_peek_in(L, 1, h1, t1) == b[0]);
+    CHECK(loom_kv_peek_in(L, 1, h2, t2) == -1 && loom_kv_lookup_in(L, 1, h2, t2) == -1);
+    CHECK(loom_kv_lookup_in(L, 0, h2, t2) == a[1] && loom_kv_ref(L, a[1]) == 1);
+    loom_kv_release(L, a[1]);
+    /* filling partition 1 evicts only its cached block (b[0]); h1 stays cached in partition 0 */
+    int got = 0;
+    while (loom_kv_alloc_in(L, 1) >= 0) got++;
+    CHECK(got == 4 && !loom_kv_is_cached(L, b[0]) && loom_kv_is_cached(L, a[0]) && loom_kv_is_cached(L, a[1]));
+    CHECK(g_obs_evicted == 0 && loom_kv_part_free(L, 0) == 4 && loom_kv_check(L) == 0);
+    /* filling partition 0 evicts h1's last copy and h2 */
+    got = 0;
+    while (loom_kv_alloc_in(L, 0) >= 0) got++;
+    CHECK(got == 4 && g_obs_evicted == 2 && loom_kv_n_cached(L) == 0 && loom_kv_check(L) == 0);
+    /* a release goes back to its block's partition */
+    loom_kv_release(L, 6);
+    CHECK(loom_kv_part_free(L, 1) == 1 && loom_kv_part_free(L, 0) == 0 && loom_kv_alloc_in(L, 0) == -1);
+    CHECK(loom_kv_alloc_in(L, 1) == 6 && loom_kv_check(L) == 0);
+    loom_kv_destroy(&L);
+}
+
+/* Data-parallel attention's ledger under load: two and three partitions, the simulated model's tokens
+ * right through prefix sharing, cancellations, pipelining and preemption; every block a sequence's plan
+ * names in its rank's partition; both ranks given sequences. */
+static void run_load(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step, int shared_prefix,
+                     int cancel, uint64_t seed, loom_sched_stats_t *out_stats);
+static void test_dp_partitions(void) {
+    loom_sched_stats_t st;
+    for (int n_dp = 2; n_dp <= 3; n_dp++) {
+        g_n_dp = n_dp;
+        memset(g_dp_seqs, 0, sizeof g_dp_seqs);
+        g_dp_cross = 0;
+        run_load(60, 24 * n_dp, 1, 12, 48, 1, 1, 4, &st); /* 24 blocks a rank: preemptions */
+        CHECKF(st.preemptions > 0 && st.prefix_hits > 0, "%d ranks: %llu preemptions, %llu prefix hits", n_dp,
+               (unsigned long long)st.preemptions, (unsigned long long)st.prefix_hits);
+        run_load(50, 4096 * n_dp, 2, 16, 64, 1, 1, 5, &st);
+        run_load(50, 30 * n_dp, 3, 16, 32, 1, 0, 6, &st);
+        CHECKF(g_dp_cross == 0, "%d ranks: %d blocks outside their sequence's partition", n_dp, g_dp_cross);
+        for (int r = 0; r < n_dp; r++) CHECKF(g_dp_seqs[r] > 0, "rank %d of %d ran no sequence", r, n_dp);
+    }
+    g_n_dp = 0;
+    /* binding: a prompt whose prefix one rank caches goes to that rank, though both have as many free
+     * blocks; an unrelated one to the other rank (round robin) */
+    {
+        loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 10,
+                                   .max_model_len = 64, .n_micro = 1, .block_size = 4, .n_blocks = 32,
+                                   .prefix_cache = 1, .n_dp = 2};
+        loom_sched_t *s = loom_sched_create(&cfg);
+        int32_t a[12] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, b[10] = {5, 6, 7, 8, 9, 10, 11, 12, 40, 41};
+        int32_t c[10] = {90, 91, 92, 93, 94, 95, 96, 97, 98, 99}, id = 3;
+        loom_sampling_t sp = {0};
+        loom_seq_t *q;
+        loom_err_t err;
+        int rank[3] = {-1, -1, -1};
+        const int32_t *prompts[3] = {a, b, c};
+        const int lens[3] = {12, 10, 10};
+        for (int r = 0; r < 3; r++) {
+            CHECK(loom_sched_add(s, (uint64_t)r, prompts[r], lens[r], 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+            loom_microbatch_t *mb = loom_sched_schedule(s);
+            CHECK(mb && mb->n_seqs == 1);
+            if (!mb) break;
+            rank[r] = mb->seq_dp_rank[0];
+            loom_sched_complete(s, mb, &id, NULL, NULL);
+            loom_sched_finish(s, q);
+        }
+        loom_sched_get_stats(s, &st);
+        CHECKF(rank[1] == rank[0] && rank[2] != rank[0], "ranks %d %d %d", rank[0], rank[1], rank[2]);
+        CHECKF(st.prefix_hits == 2, "%llu prefix hits", (unsigned long long)st.prefix_hits);
+        CHECK(st.dp_admissions[0] + st.dp_admissions[1] == 3 && loom_kv_check(loom_sched_ledger(s)) == 0);
+        loom_sched_destroy(&s);
+    }
+    /* a request larger than one rank's partition is refused though the whole pool holds it */
+    loom_sched_config_t cfg = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 10, .max_model_len = 512,
+                               .n_micro = 1, .block_size = 4, .n_blocks = 16, .prefix_cache = 1, .n_dp = 2};
+    loom_sched_t *s = loom_sched_create(&cfg);
+    int32_t prompt[40] = {0};
+    loom_sampling_t sp = {0};
+    loom_seq_t *q;
+    loom_err_t err;
+    CHECK(loom_sched_add(s, 1, prompt, 30, 4, 0, &sp, NULL, &q, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECKF(strstr(err.msg, "data-parallel attention rank") != NULL, "%s", err.msg);
+    CHECK(loom_sched_add(s, 2, prompt, 28, 4, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    loom_sched_destroy(&s);
 }
 
 static void run_load(int n_reqs, int n_blocks, int n_micro, int max_seqs, int max_tokens_step, int shared_prefix,
@@ -708,6 +854,8 @@ static void test_fork_preempted(void) {
 
 int main(void) {
     RUN(test_ledger_basics);
+    RUN(test_ledger_partitions);
+    RUN(test_dp_partitions);
     RUN(test_admission_errors);
     RUN(test_priority_order);
     RUN(test_plenty_of_memory);

@@ -177,6 +177,29 @@ static void test_each_bad_field(void) {
     expect_refused(&b, "adapter slots for fewer sequences than the plan's");
 }
 
+/* Data-parallel attention: one rank a sequence, within the ranks; a copy stays in one rank's partition. */
+static void test_dp_ranks(void) {
+    plan_buf_t b;
+    make_plan(&b);
+    loom_plan_limits_t lim = k_lim;
+    lim.n_dp = 2; /* partitions of 16 blocks: the plan's blocks 3 and 5, 6 and the copy 4 -> 5 are rank 0's */
+    int32_t ranks[2] = {0, 0};
+    loom_err_t err = {0};
+    CHECK(loom_wire_check_plan(&b.p, &lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "one each"));
+    b.p.seq_dp_rank = ranks;
+    b.p.n_seq_dp_rank = 2;
+    CHECKF(loom_wire_check_plan(&b.p, &lim, &err) == LOOM_OK, "%s", err.msg);
+    CHECK(loom_wire_check_plan(&b.p, &k_lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "none without it"));
+    ranks[1] = 2;
+    CHECK(loom_wire_check_plan(&b.p, &lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "rank 2 of 2"));
+    ranks[1] = 1;
+    b.cdst[0] = 17; /* 4 -> 17: from rank 0's partition into rank 1's */
+    CHECK(loom_wire_check_plan(&b.p, &lim, &err) == LOOM_ERR_FORMAT && strstr(err.msg, "crosses"));
+    b.cdst[0] = 5;
+    b.p.n_seq_dp_rank = 1;
+    CHECK(loom_wire_check_plan(&b.p, &lim, &err) == LOOM_ERR_FORMAT);
+}
+
 static void test_versions_and_magic(void) {
     Loom__V1__Heartbeat hb = LOOM__V1__HEARTBEAT__INIT;
     Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
@@ -274,6 +297,7 @@ static void test_fuzzed_plans(void) {
 int main(void) {
     RUN(test_valid_plan);
     RUN(test_each_bad_field);
+    RUN(test_dp_ranks);
     RUN(test_versions_and_magic);
     RUN(test_fuzzed_plans);
     return test_summary();

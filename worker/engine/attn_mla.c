@@ -274,7 +274,7 @@ loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int 
         .max_ctx = so->max_ctx,
     };
     loom_op_attention(be, &a);
-    const loom_blk_linear_t o = {.w = &ly->wo, .reduce = 1, .proj = LOOM_PROJ_O, .layer = l, .expert = -1};
+    const loom_blk_linear_t o = {.w = &ly->wo, .reduce = !so->local, .proj = LOOM_PROJ_O, .layer = l, .expert = -1};
     if (!ly->mla_uv_table) return loom_blk_linear(m, so->adapters, &o, m->xb2, m->att, n, err);
     /* split: (token, head) pairs through W_UV into qkv (free once attention has read q), then o_proj;
      * at most 65535 pairs a call (the CUDA kernel's grid), whole tokens each */

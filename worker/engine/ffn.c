@@ -55,7 +55,7 @@ void loom_blk_ffn_residual(loom_model_t *m, const loom_step_ops_t *so, int l) {
 
 loom_status_t loom_blk_prenorm_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_blk_attn_fn attn,
                                      loom_err_t *err) {
-    LOOM_CHECK(attn(m, so, l, err));
+    LOOM_CHECK(so->dp ? loom_blk_attn_dp(m, so, l, attn, err) : attn(m, so, l, err));
     loom_op_add_rmsnorm(m->be, m->x, m->xb2, m->xb, m->layers[l].ffn_norm, so->n, m->cfg.dim, m->cfg.norm_eps);
     LOOM_CHECK(loom_blk_ffn(m, so, l, err));
     loom_blk_ffn_residual(m, so, l);

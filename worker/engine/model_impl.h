@@ -11,6 +11,7 @@
  *   ffn.c     loom_blk_ffn*    the dense gated MLP
  *   moe.c     loom_blk_moe*    Mixture-of-Experts blocks
  *   lora.c    loom_blk_lora    adapter slots, their preparation and deltas
+ *   attn_dp.c loom_blk_attn_dp data-parallel attention around an attention block
  * See docs/architecture.md (the engine's source map). */
 #ifndef LOOM_MODEL_IMPL_H
 #define LOOM_MODEL_IMPL_H
@@ -125,6 +126,13 @@ struct loom_model {
     float *xl;     /* (max_logits, dim) */
     float *logits; /* (max_logits, vocab) */
     float *mla_z;  /* (T, z_dim) MLA: the latent projection (loom_blk_attn_mla_zdim) */
+    /* data-parallel attention (spec.dp_attention, attn_dp.c) */
+    float *dp_xb, *dp_xb2; /* (T, dim) this rank's rows of xb, and their attention output */
+    float *dp_one;         /* (T) 1.0: the scatter's weights */
+    int32_t *dp_host;      /* host: the step's sub-batch metadata (loom_blk_attn_dp_batch) */
+    size_t dp_host_cap;
+    int *dp_seq_map;       /* host (n_seqs): each sequence's index in the sub-batch, -1: another rank's */
+    int dp_seq_cap;
 
     /* step metadata: host staging and its device copy */
     int *sample_k; /* (max_logits) candidates per row */
@@ -218,7 +226,27 @@ typedef struct loom_step_ops {
     int n, nl, max_blocks, max_ctx;
     const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
     const loom_blk_adapters_t *adapters; /* the step's low-rank deltas per row: NULL when no row has one */
+    /* data-parallel attention (attn_dp.c): this rank's sub-batch, whose ops the attention block runs on
+     * (NULL: none); its tokens' rows of the batch (dp->n of them), and each batch row's index among them
+     * or -1 (n) */
+    const struct loom_step_ops *dp;
+    const int32_t *d_dp_rows, *d_dp_at;
+    int local; /* these are a sub-batch's ops: the attention's o_proj is not all-reduced (attn_dp.c is) */
 } loom_step_ops_t;
+
+/* ---- attn_dp.c: data-parallel attention ---------------------------------- */
+/* This rank's share of a step (spec.dp_attention): its tokens and sequences, the most position, and the
+ * int32 entries of its metadata, built in the model's host buffer dp_host. */
+typedef struct loom_dp_batch {
+    int n, n_seqs, max_pos;
+    size_t n_meta;
+} loom_dp_batch_t;
+/* Picks the batch's sequences this rank owns (b->seq_dp_rank) and translates their slots and block ids
+ * from the plan's (rank r's partition [r n_blocks, (r + 1) n_blocks)) to its pool's; an id of theirs
+ * outside its partition is refused. */
+loom_status_t loom_blk_attn_dp_batch(loom_model_t *m, const loom_step_batch_t *b, loom_dp_batch_t *dp,
+                                     loom_err_t *err);
+
 
 
 /* ---- load.c: the loader ---------------------------------------------- */
@@ -334,6 +362,10 @@ void loom_blk_ffn_residual(loom_model_t *m, const loom_step_ops_t *so, int l);
 typedef loom_status_t (*loom_blk_attn_fn)(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
 loom_status_t loom_blk_prenorm_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_blk_attn_fn attn,
                                      loom_err_t *err);
+/* Data-parallel attention's block around ATTN: xb's own rows gathered, ATTN on them (so->dp), the output
+ * scattered into zeroed rows of xb2 and all-reduced. */
+loom_status_t loom_blk_attn_dp(loom_model_t *m, const loom_step_ops_t *so, int l, loom_blk_attn_fn attn,
+                               loom_err_t *err);
 /* That block's two norms (before attention, before the feed-forward block). */
 loom_status_t loom_blk_prenorm_load_norms(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
 
