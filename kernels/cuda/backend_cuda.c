@@ -38,6 +38,7 @@
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
+#include "kernels/cuda/qmma.h"
 
 _Static_assert((int)LOOM_QD_INT8 == (int)LOOM_QUANT_INT8 && (int)LOOM_QD_Q4 == (int)LOOM_QUANT_Q4 &&
                    (int)LOOM_QD_FP8 == (int)LOOM_QUANT_FP8,
@@ -75,6 +76,7 @@ typedef struct cuda_backend {
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
+    int qmma_max_n; /* quantized small-n tensor-core kernel up to this n (-1: LOOM_CUDA_QMMA_MAX_N) */
     cudaStream_t stream;
     /* the host-memory KV tier's transfers (loom_backend_xfer_*): made at first use */
     cudaStream_t xfer_stream;
@@ -108,6 +110,7 @@ typedef struct cuda_backend {
     void **retired;        /* replaced scratch, freed with the graphs */
     int n_retired, cap_retired;
     dbuf_t lora_t;         /* (n, max_r) LoRA shrink outputs (loom_op_lora) */
+    dbuf_t qmma_part;      /* split-K partial sums of the quantized tensor-core kernel */
 } cuda_backend_t;
 
 static cuda_backend_t *cu(loom_backend_t *be) {
@@ -585,6 +588,29 @@ void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
 
+void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n) {
+    cu(be)->qmma_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_QM_MAX_N);
+}
+
+/* Above the GEMV's crossover and up to qmma_max_n tokens, with bf16 weights
+ * (the kernel multiplies in bf16; f16 and exact f32 storage keep the
+ * dequantizing path): the small-n tensor-core kernel (qmma.cu), which reads
+ * the codes once instead of dequantizing the whole matrix for cuBLAS.
+ * Returns 0 when it does not take the call. */
+static int matmul_qmma(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    const int max_n = c->qmma_max_n < 0 ? LOOM_CUDA_QMMA_MAX_N : c->qmma_max_n;
+    if (n > max_n || c->wkind != LOOM_CUDA_BF16 ||
+        !loom_cuda_qmma_fits((int)w->quant, w->rows, w->cols, w->group, n, x, w->data))
+        return 0;
+    const int ksplit = loom_qm_ksplit(w->rows, w->cols, c->n_sms);
+    float *part = NULL;
+    if (ksplit > 1) part = reserve(c, &c->qmma_part, (size_t)ksplit * (size_t)n * (size_t)w->rows * sizeof(float));
+    CUDA_ASSERT(loom_cuda_qmma(y, x, w->data, w->scales, w->mins, (int)w->quant, w->rows, w->cols, w->group, n,
+                               ksplit, part, c->stream));
+    shadow_clear(c);
+    return 1;
+}
+
 static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
     const int64_t rows = w->rows, cols = w->cols;
     if (n <= (c->qgemv_max_n < 0 ? qgemv_default_max_n(w->quant) : c->qgemv_max_n)) {
@@ -593,6 +619,7 @@ static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom
         shadow_clear(c);
         return;
     }
+    if (matmul_qmma(c, y, x, w, n)) return;
     const int kind = c->wkind;
     const void *b = gemm_input(c, x, n, cols, kind);
     const size_t row_bytes = (size_t)cols * kind_size(kind);
@@ -1071,7 +1098,7 @@ static void cuda_destroy(loom_backend_t *be) {
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
     free(c->retired);
-    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t};
+    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t, &c->qmma_part};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]->p) (void)cudaFree(bufs[i]->p);
     if (c->stage_dev) (void)cudaFree(c->stage_dev);
@@ -1195,7 +1222,8 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
  *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
  *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
- *   qgemv_variant     the same for the quantized GEMV (0; opmath.h) */
+ *   qgemv_variant     the same for the quantized GEMV (0; opmath.h)
+ *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 32; 0: off) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1231,6 +1259,7 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
         else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
         else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
+        else if (!strcmp(key, "qmma_max_n") && v >= -1) c->qmma_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_QM_MAX_N);
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;
@@ -1264,6 +1293,7 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     snprintf(c->base.name, sizeof c->base.name, "cuda:%d", cfg->device_index);
     c->dev = cfg->device_index;
     c->qgemv_max_n = -1;
+    c->qmma_max_n = -1;
     c->wkind = kind_of(dt);
     read_tuning(c);
     loom_status_t s = init_device(c, err);

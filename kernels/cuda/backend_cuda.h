@@ -33,6 +33,9 @@ void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n);
 void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant);
 /* The quantized GEMV's (qgemv_variant; loom_om_qgemv_plan). */
 void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant);
+/* The quantized small-n tensor-core kernel serves n up to this (at most 64)
+ * above the GEMV's crossover; 0: never; -1: LOOM_CUDA_QMMA_MAX_N. */
+void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

@@ -13,6 +13,7 @@ add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/elementwise.cu
             ${LOOM_CUDA_DIR}/gemv.cu
             ${LOOM_CUDA_DIR}/qgemv.cu
+            ${LOOM_CUDA_DIR}/qmma.cu
             ${LOOM_CUDA_DIR}/attention.cu
             ${LOOM_CUDA_DIR}/sampling.cu
             ${LOOM_CUDA_DIR}/moe.cu
