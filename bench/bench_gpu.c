@@ -19,7 +19,9 @@
  * --quant-gemv LIST measures the quantized matmul alone, per scheme, on the
  * MLP shapes of the model (gate+up and down): GEMV at n = 1 and 8 as GB/s
  * of weight bytes read and its ratio to the copy bandwidth, and the prefill
- * (dequantize + cuBLAS) at the prefill length against the bf16 GEMM.
+ * (dequantize + cuBLAS) at the prefill length against the bf16 GEMM; above
+ * the GEMV, n = 8..64 through the small-n tensor-core kernel (qmma.cu)
+ * against dequantize + cuBLAS (the tuning table's qmma_max_n).
  * --mla HEADS times DeepSeek-V3's absorbed latent attention alone (the wide
  * kernel: 576-wide rows, one KV head, V the same memory): decode at
  * --batches with context --ctx (latent GB/s against the copy bandwidth) and
@@ -407,9 +409,13 @@ typedef struct qresult {
     /* the crossover: GB/s of weight bytes at each of kCrossN through the
      * GEMV kernel and through dequantize + cuBLAS */
     double gemv_gbs[6], deq_gbs[6];
+    /* above the GEMV: the small-n tensor-core kernel (qmma.cu) against
+     * dequantize + cuBLAS at each of kMmaN (GB/s of weight bytes) */
+    double mma_gbs[6], mma_deq_gbs[6];
 } qresult_t;
 
 static const int kCrossN[6] = {1, 2, 3, 4, 6, 8};
+static const int kMmaN[6] = {8, 16, 24, 32, 48, 64};
 
 /* The quantized matmul alone on the MLP shapes: GEMV GB/s (weight bytes read
  * per second) at n = 1 and 8, and prefill time against bf16 weights. */
@@ -453,6 +459,14 @@ static int quant_gemv(bench_t *b, const char *list, int prefill, double copy, qr
                 loom_cuda_set_qgemv_max_n(b->be, 0);
                 r->deq_gbs[i] = bytes / time_matmul(b, &wq, x, y, kCrossN[i], 20) / 1e9;
             }
+            loom_cuda_set_qgemv_max_n(b->be, 0);
+            for (int i = 0; i < 6; i++) {
+                loom_cuda_set_qmma_max_n(b->be, 64);
+                r->mma_gbs[i] = bytes / time_matmul(b, &wq, x, y, kMmaN[i], 20) / 1e9;
+                loom_cuda_set_qmma_max_n(b->be, 0);
+                r->mma_deq_gbs[i] = bytes / time_matmul(b, &wq, x, y, kMmaN[i], 20) / 1e9;
+            }
+            loom_cuda_set_qmma_max_n(b->be, -1);
             loom_cuda_set_qgemv_max_n(b->be, -1);
             r->gemv1_gbs = r->gemv_gbs[0];
             r->gemv8_gbs = r->gemv_gbs[5];
@@ -462,6 +476,9 @@ static int quant_gemv(bench_t *b, const char *list, int prefill, double copy, qr
             printf("  %-12s %-8s GB/s at n =", "", "");
             for (int i = 0; i < 6; i++) printf(" %d: %.0f|%.0f", kCrossN[i], r->gemv_gbs[i], r->deq_gbs[i]);
             printf("  (GEMV|dequant+cuBLAS)\n");
+            printf("  %-12s %-8s GB/s at n =", "", "");
+            for (int i = 0; i < 6; i++) printf(" %d: %.0f|%.0f", kMmaN[i], r->mma_gbs[i], r->mma_deq_gbs[i]);
+            printf("  (tensor-core qmma|dequant+cuBLAS)\n");
             loom_weight_free(b->be, &wq);
             loom_weight_free(b->be, &wb);
         }
@@ -651,6 +668,10 @@ int main(int argc, char **argv) {
                     for (int j = 0; j < 6; j++)
                         fprintf(f, "%s{\"n\":%d,\"gemv_gbs\":%.1f,\"dequant_gbs\":%.1f}", j ? "," : "",
                                 kCrossN[j], qres[i].gemv_gbs[j], qres[i].deq_gbs[j]);
+                    fprintf(f, "],\"mma_crossover\":[");
+                    for (int j = 0; j < 6; j++)
+                        fprintf(f, "%s{\"n\":%d,\"mma_gbs\":%.1f,\"dequant_gbs\":%.1f}", j ? "," : "", kMmaN[j],
+                                qres[i].mma_gbs[j], qres[i].mma_deq_gbs[j]);
                     fprintf(f, "]}");
                 }
                 fprintf(f, "],\"mla\":[");

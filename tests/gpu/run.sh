@@ -272,11 +272,16 @@ if [ $run_steps = 1 ]; then
             echo "qgemv_variant $g (q4): batch-1 step $s s (default 0: $qbase s)"
             if faster "$s" "$qbest_s"; then qbest=$g qbest_s=$s; fi
         done
+        # the quantized tensor-core kernel (qmma.cu) up to the largest n of bench-quant at which it beat
+        # dequantize + cuBLAS on every scheme and shape, and at every smaller n (none: the default stays)
+        qmma=$("$py" -c "import json,sys; q=json.load(open(sys.argv[1]))[\"quant_gemv\"]; ns=sorted({c[\"n\"] for r in q for c in r.get(\"mma_crossover\", [])}); ok=[all(c[\"mma_gbs\"] > c[\"dequant_gbs\"] for r in q for c in r[\"mma_crossover\"] if c[\"n\"] == n) for n in ns]; k=ok.index(False) if False in ok else len(ok); print((ns[k - 1] if k else 0) if ns else \"\")" "$out/quant.json" 2>/dev/null || true)
+        echo "qmma_max_n: ${qmma:-no measurement (bench-quant), the default stays}"
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
             echo "gemv_variant $gbest"
             echo "qgemv_variant $qbest"
+            if [ -n "$qmma" ]; then echo "qmma_max_n $qmma"; fi
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
     ' tune "$out" "$bin" "$py"

@@ -264,6 +264,31 @@ static void check_qmatmul(const char *scheme, int t, int64_t rows, int64_t cols,
     free(hw), free(hx), free(ref);
 }
 
+/* The small-n tensor-core kernel (qmma.cu) on bf16 weights, n from the
+ * GEMV's crossover up to 64: odd rows (past a 64-row block), columns past a
+ * 64-column step, k split (few rows, many columns) and not; held to the
+ * bf16 prefill's tolerance (x rounded to bf16; INT8/FP8 codes are exact
+ * in the tile). The shapes are ones the kernel takes (checked), so the
+ * calls do not fall back to dequantize + cuBLAS. */
+static void test_quant_mma(void) {
+    static const char *schemes[] = {"int8", "fp8", "q4", "q4_min:64", "q4_min:128"};
+    static const int shapes[][3] = {{77, 256, 9}, {130, 4096, 33}, {1000, 1152, 64}, {45, 1024, 17}, {4099, 512, 24}};
+    loom_cuda_set_qmma_max_n(g_cuda[1], 64);
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(schemes); s++)
+        for (size_t h = 0; h < LOOM_ARRAY_LEN(shapes); h++) {
+            const int64_t rows = shapes[h][0], cols = shapes[h][1];
+            loom_quant_spec_t spec;
+            LOOM_ASSERT(loom_quant_spec_parse(schemes[s], &spec));
+            const int group = spec.quant == LOOM_QUANT_Q4 ? spec.group : (int)cols;
+            if (cols % group) continue;
+            CHECKF(loom_cuda_qmma_fits((int)spec.quant, rows, cols, group, shapes[h][2], (const void *)16,
+                                       (const void *)16),
+                   "qmma takes %s %lld x %lld", schemes[s], (long long)rows, (long long)cols);
+            check_qmatmul(schemes[s], 1, rows, cols, shapes[h][2]);
+        }
+    loom_cuda_set_qmma_max_n(g_cuda[1], -1);
+}
+
 static void test_quant_matmul(void) {
     static const char *schemes[] = {"int8", "fp8", "q4", "q4:64", "q4:128", "q4_min", "q4_min:64", "q4_min:128"};
     /* decode: n = 1..8 on the GEMV (vector path; 100 and 48 columns: the
@@ -1329,6 +1354,7 @@ int main(int argc, char **argv) {
     RUN(test_weight_upload);
     RUN(test_matmul);
     RUN(test_quant_matmul);
+    RUN(test_quant_mma);
     RUN(test_rmsnorm_add);
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);
