@@ -34,6 +34,7 @@
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cublas_dl.h"
+#include "kernels/cuda/cublaslt_dl.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
@@ -77,6 +78,7 @@ typedef struct cuda_backend {
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
     int qmma_max_n; /* quantized small-n tensor-core kernel up to this n (-1: LOOM_CUDA_QMMA_MAX_N) */
+    int fp8_gemm;   /* FP8 prefill GEMMs through cuBLASLt (the tuning table's fp8_gemm; matmul_fp8) */
     cudaStream_t stream;
     /* the host-memory KV tier's transfers (loom_backend_xfer_*): made at first use */
     cudaStream_t xfer_stream;
@@ -111,6 +113,21 @@ typedef struct cuda_backend {
     int n_retired, cap_retired;
     dbuf_t lora_t;         /* (n, max_r) LoRA shrink outputs (loom_op_lora) */
     dbuf_t qmma_part;      /* split-K partial sums of the quantized tensor-core kernel */
+
+    /* cuBLASLt (matmul_fp8), loaded at the first FP8 prefill GEMM */
+    const loom_cublaslt_api_t *lt_api;
+    cublasLtHandle_t lt;
+    int lt_state;          /* 0 not tried, 1 ready, -1 unavailable (logged once) */
+    dbuf_t x8;             /* x quantized per token to e4m3, then its scales */
+    struct lt_plan {
+        int64_t rows, cols;
+        int n, ok;         /* ok: 1 an algorithm, -1 none (the shape keeps the old path) */
+        cublasLtMatmulDesc_t desc;
+        cublasLtMatrixLayout_t a, b, d;
+        cublasLtMatmulAlgo_t algo;
+    } lt_plans[16];
+    int lt_next;           /* the plan slot to reuse next (round robin) */
+    uint64_t n_fp8_gemm;   /* GEMMs matmul_fp8 took */
 } cuda_backend_t;
 
 static cuda_backend_t *cu(loom_backend_t *be) {
@@ -592,6 +609,147 @@ void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n) {
     cu(be)->qmma_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_QM_MAX_N);
 }
 
+/* --- FP8 prefill GEMMs through cuBLASLt ------------------------------------------------- */
+
+static void lt_plan_clear(cuda_backend_t *c, struct lt_plan *p) {
+    if (p->desc) (void)c->lt_api->desc_destroy(p->desc);
+    cublasLtMatrixLayout_t ls[] = {p->a, p->b, p->d};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(ls); i++)
+        if (ls[i]) (void)c->lt_api->layout_destroy(ls[i]);
+    *p = (struct lt_plan){0};
+}
+
+/* Loads cuBLASLt and makes its handle at the first FP8 prefill GEMM; when
+ * that fails (no library, a version without outer-vector scales, no
+ * handle), says so once and returns 0: FP8 prefill keeps dequantize +
+ * cuBLAS. */
+static int lt_ready(cuda_backend_t *c) {
+    if (c->lt_state) return c->lt_state > 0;
+    c->lt_state = -1;
+    loom_err_t err = {0};
+    if (loom_cublaslt_load(&c->lt_api, &err) != LOOM_OK) {
+        LOOM_WARN("%s: fp8_gemm: %s; FP8 prefill dequantizes for cuBLAS", c->base.name, err.msg);
+        return 0;
+    }
+#if CUBLAS_VERSION >= 120900
+    if (c->lt_api->version < 120900) {
+        LOOM_WARN("%s: fp8_gemm: cuBLASLt %zu has no outer-vector scales (12.9 or newer); FP8 prefill dequantizes "
+                  "for cuBLAS",
+                  c->base.name, c->lt_api->version);
+        return 0;
+    }
+    cublasStatus_t st = c->lt_api->create(&c->lt);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        c->lt = NULL;
+        LOOM_WARN("%s: fp8_gemm: cublasLtCreate: %s; FP8 prefill dequantizes for cuBLAS", c->base.name,
+                  loom_cublas_status_str(st));
+        return 0;
+    }
+    c->lt_state = 1;
+    LOOM_INFO("%s: FP8 prefill GEMMs through cuBLASLt %zu (x quantized per token)", c->base.name, c->lt_api->version);
+    return 1;
+#else
+    LOOM_WARN("%s: fp8_gemm: built with cuBLAS headers older than 12.9 (no outer-vector scales); FP8 prefill "
+              "dequantizes for cuBLAS",
+              c->base.name);
+    return 0;
+#endif
+}
+
+#if CUBLAS_VERSION >= 120900
+/* The descriptor, layouts and algorithm of one (rows, cols, n), made once.
+ * Column-major view as in cuda_matmul: D (rows, n) = A^T B, A the codes
+ * (cols, rows) with ld cols (the "TN" layout FP8 needs), B x's codes
+ * (cols, n), D f32 with ld rows; A's and B's scales are outer vectors (w's
+ * row scales, x's token scales), their pointers set per call. */
+static struct lt_plan *lt_plan(cuda_backend_t *c, int64_t rows, int64_t cols, int n) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(c->lt_plans); i++) {
+        struct lt_plan *p = &c->lt_plans[i];
+        if (p->ok && p->rows == rows && p->cols == cols && p->n == n) return p; /* ok < 0: known to fail */
+    }
+    struct lt_plan *p = &c->lt_plans[c->lt_next];
+    c->lt_next = (c->lt_next + 1) % (int)LOOM_ARRAY_LEN(c->lt_plans);
+    lt_plan_clear(c, p);
+    *p = (struct lt_plan){.rows = rows, .cols = cols, .n = n, .ok = -1};
+    const loom_cublaslt_api_t *a = c->lt_api;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    const int8_t fast = 0; /* full f32 accumulation */
+    const uint64_t ws = BLAS_WS_BYTES;
+    cublasLtMatmulPreference_t pref = NULL;
+    int ok = a->desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast) == CUBLAS_STATUS_SUCCESS &&
+             a->layout_create(&p->a, CUDA_R_8F_E4M3, (uint64_t)cols, (uint64_t)rows, cols) == CUBLAS_STATUS_SUCCESS &&
+             a->layout_create(&p->b, CUDA_R_8F_E4M3, (uint64_t)cols, (uint64_t)n, cols) == CUBLAS_STATUS_SUCCESS &&
+             a->layout_create(&p->d, CUDA_R_32F, (uint64_t)rows, (uint64_t)n, rows) == CUBLAS_STATUS_SUCCESS &&
+             a->pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
+             a->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) == CUBLAS_STATUS_SUCCESS;
+    cublasLtMatmulHeuristicResult_t res;
+    int got = 0;
+    ok = ok && a->heuristic(c->lt, p->desc, p->a, p->b, p->d, p->d, pref, 1, &res, &got) == CUBLAS_STATUS_SUCCESS &&
+         got > 0;
+    if (pref) (void)a->pref_destroy(pref);
+    if (ok) {
+        p->algo = res.algo;
+        p->ok = 1;
+    } else {
+        LOOM_INFO("%s: fp8_gemm: cuBLASLt has no algorithm for %lld x %lld at n = %d; that shape dequantizes for "
+                  "cuBLAS",
+                  c->base.name, (long long)rows, (long long)cols, n);
+        const int64_t keep_r = p->rows, keep_c = p->cols;
+        lt_plan_clear(c, p);
+        *p = (struct lt_plan){.rows = keep_r, .cols = keep_c, .n = n, .ok = -1};
+    }
+    return p;
+}
+#endif
+
+/* FP8 weights on sm_89+ with fp8_gemm on: x quantized per token to e4m3
+ * (fp8act.cu) and one cublasLtMatmul with the weights' row scales and x's
+ * token scales as outer vectors (fp8act.h: the math and its error bound),
+ * instead of dequantizing W to bf16 (a read of 1 byte and a write of 2 per
+ * weight, then cuBLAS's read of 2) -- the weights are read once, as bytes,
+ * at FP8 tensor-core rate. Returns 0 when it does not take the call. */
+static int matmul_fp8(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    if (!c->fp8_gemm || w->quant != LOOM_QUANT_FP8 || c->cc < 89 || w->rows % 16 || w->cols % 16 ||
+        ((uintptr_t)w->data & 15u) || c->capturing)
+        return 0;
+#if CUBLAS_VERSION >= 120900
+    if (!lt_ready(c)) return 0;
+    struct lt_plan *p = lt_plan(c, w->rows, w->cols, n);
+    if (p->ok < 0) return 0;
+    const size_t codes = ((size_t)n * (size_t)w->cols + 255) / 256 * 256;
+    uint8_t *xq = reserve(c, &c->x8, codes + (size_t)n * sizeof(float));
+    float *xs = (float *)(xq + codes);
+    CUDA_ASSERT(loom_cuda_fp8_quant_rows(xq, xs, x, n, w->cols, c->stream));
+    const void *sa = w->scales, *sb = xs;
+    BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa));
+    BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb));
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_ASSERT(c->lt_api->matmul(c->lt, p->desc, &one, w->data, p->a, xq, p->b, &zero, y, p->d, y, p->d, &p->algo,
+                                  c->blas_ws, BLAS_WS_BYTES, c->stream));
+    shadow_clear(c);
+    c->n_fp8_gemm++;
+    return 1;
+#else
+    (void)y, (void)x, (void)n;
+    (void)lt_ready(c); /* says once why not */
+    return 0;
+#endif
+}
+
+void loom_cuda_set_fp8_gemm(loom_backend_t *be, int on) {
+    cu(be)->fp8_gemm = on > 0;
+}
+
+uint64_t loom_cuda_fp8_gemm_count(loom_backend_t *be) {
+    return cu(be)->n_fp8_gemm;
+}
+
 /* Above the GEMV's crossover and up to qmma_max_n tokens, with bf16 weights
  * (the kernel multiplies in bf16; f16 and exact f32 storage keep the
  * dequantizing path): the small-n tensor-core kernel (qmma.cu), which reads
@@ -620,6 +778,7 @@ static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom
         return;
     }
     if (matmul_qmma(c, y, x, w, n)) return;
+    if (matmul_fp8(c, y, x, w, n)) return;
     const int kind = c->wkind;
     const void *b = gemm_input(c, x, n, cols, kind);
     const size_t row_bytes = (size_t)cols * kind_size(kind);
@@ -1098,7 +1257,7 @@ static void cuda_destroy(loom_backend_t *be) {
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
     free(c->retired);
-    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t, &c->qmma_part};
+    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t, &c->qmma_part, &c->x8};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]->p) (void)cudaFree(bufs[i]->p);
     if (c->stage_dev) (void)cudaFree(c->stage_dev);
@@ -1107,6 +1266,8 @@ static void cuda_destroy(loom_backend_t *be) {
     for (int h = 0; h < 2; h++)
         if (c->stage_ev[h]) (void)cudaEventDestroy(c->stage_ev[h]);
     if (c->blas) (void)c->blas_api->destroy(c->blas);
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(c->lt_plans); i++) lt_plan_clear(c, &c->lt_plans[i]);
+    if (c->lt) (void)c->lt_api->destroy(c->lt);
     if (c->blas_ws) (void)cudaFree(c->blas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     if (c->xfer_stream) {
@@ -1223,7 +1384,8 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
  *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
  *   qgemv_variant     the same for the quantized GEMV (0; opmath.h)
- *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 32; 0: off) */
+ *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 32; 0: off)
+ *   fp8_gemm          1: FP8 prefill GEMMs through cuBLASLt, x quantized per token (0; fp8act.h) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1260,6 +1422,7 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
         else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
         else if (!strcmp(key, "qmma_max_n") && v >= -1) c->qmma_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_QM_MAX_N);
+        else if (!strcmp(key, "fp8_gemm") && (v == 0 || v == 1)) c->fp8_gemm = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;

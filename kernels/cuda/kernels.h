@@ -140,6 +140,10 @@ cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float
 int loom_cuda_qmma_fits(int quant, int64_t rows, int64_t cols, int group, int n, const void *x, const void *q);
 cudaError_t loom_cuda_qmma(float *y, const float *x, const void *q, const float *scales, const float *mins, int quant,
                            int64_t rows, int64_t cols, int group, int n, int ksplit, float *part, cudaStream_t s);
+/* The FP8 prefill GEMM's activations (fp8act.h): per row t of x (n, cols),
+ * scales[t] = amax / 448 (1 for a zero row) and q (n, cols) = e4m3(x /
+ * scales[t]), nearest even, saturating. */
+cudaError_t loom_cuda_fp8_quant_rows(void *q, float *scales, const float *x, int n, int64_t cols, cudaStream_t s);
 /* out(r1 - r0, cols) = rows [r0, r1) of W dequantized, stored as kind. */
 cudaError_t loom_cuda_dequant(void *out, int kind, const void *q, const float *scales, const float *mins, int quant,
                               int64_t r0, int64_t r1, int64_t cols, int group, cudaStream_t s);

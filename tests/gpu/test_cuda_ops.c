@@ -24,6 +24,7 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cpu/lora.h"
 #include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/cublaslt_dl.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/quant.h"
@@ -287,6 +288,63 @@ static void test_quant_mma(void) {
             check_qmatmul(schemes[s], 1, rows, cols, shapes[h][2]);
         }
     loom_cuda_set_qmma_max_n(g_cuda[1], -1);
+}
+
+/* FP8 prefill through cuBLASLt (fp8_gemm on; backend_cuda.c matmul_fp8):
+ * x quantized per token, each output within fp8act.h's bound of the CPU's
+ * float32 product over the dequantized weights; on sm_89+ with cuBLASLt
+ * 12.9+ the calls must take that path (counted), elsewhere the old one. */
+static void test_fp8_gemm(void) {
+    static const int shapes[][3] = {{256, 1024, 100}, {1008, 4096, 77}, {48, 272, 9}};
+    loom_quant_spec_t spec;
+    LOOM_ASSERT(loom_quant_spec_parse("fp8", &spec));
+    loom_backend_t *be = g_cuda[1];
+    const loom_cublaslt_api_t *lt = NULL;
+    loom_err_t err = {0};
+    const int expect = g_cc >= 89 && loom_cublaslt_load(&lt, &err) == LOOM_OK && lt->version >= 120900;
+    if (g_cc < 89) {
+        printf("  fp8 GEMM: skipped (compute capability %d.%d)\n", g_cc / 10, g_cc % 10);
+        return;
+    }
+    loom_cuda_set_fp8_gemm(be, 1);
+    loom_cuda_set_qmma_max_n(be, 0);
+    for (size_t h = 0; h < LOOM_ARRAY_LEN(shapes); h++) {
+        const int64_t rows = shapes[h][0], cols = shapes[h][1];
+        const int n = shapes[h][2];
+        float *hw = rand_host((size_t)rows * cols, 1.0f), *hx = rand_host((size_t)n * cols, 1.0f);
+        loom_qtensor_t q;
+        LOOM_ASSERT(loom_quantize(&spec, hw, rows, cols, &q, &err) == LOOM_OK);
+        loom_weight_t wg;
+        REQUIRE(loom_weight_upload_quant(be, &wg, &q, &err) == LOOM_OK);
+        float *dx = to_dev(be, hx, (size_t)n * cols * 4), *dy = poisoned(be, (size_t)n * rows * 4);
+        const uint64_t before = loom_cuda_fp8_gemm_count(be);
+        loom_op_matmul(be, dy, dx, &wg, n);
+        float *y = from_dev(be, dy, (size_t)n * rows);
+        CHECKF(loom_cuda_fp8_gemm_count(be) - before == (uint64_t)expect, "fp8 GEMM %lld x %lld n %d: path %s",
+               (long long)rows, (long long)cols, n, expect ? "not taken" : "taken without cuBLASLt 12.9");
+        int bad = 0;
+        for (int t = 0; t < n; t++) {
+            float amax = 0.0f;
+            for (int64_t c = 0; c < cols; c++) amax = fmaxf(amax, fabsf(hx[t * cols + c]));
+            for (int64_t r = 0; r < rows; r++) {
+                double ref = 0.0, swx = 0.0, sw = 0.0;
+                for (int64_t c = 0; c < cols; c++) {
+                    const double wv = (double)q.scales[r] * loom_fp8_e4m3_to_f32(((const uint8_t *)q.q)[r * cols + c]);
+                    ref += wv * hx[t * cols + c], swx += fabs(wv * hx[t * cols + c]), sw += fabs(wv);
+                }
+                const double bound = ldexp(swx, -4) + ldexp(sw, -10) * (amax / 448.0) + 1e-5 * swx + 1e-6;
+                bad += !(fabs(y[t * rows + r] - ref) <= bound);
+            }
+        }
+        CHECKF(!bad, "fp8 GEMM %lld x %lld n %d: %d outputs past the bound", (long long)rows, (long long)cols, n, bad);
+        free(y), free(hw), free(hx);
+        loom_backend_free(be, dx);
+        loom_backend_free(be, dy);
+        loom_weight_free(be, &wg);
+        loom_qtensor_free(&q);
+    }
+    loom_cuda_set_fp8_gemm(be, 0);
+    loom_cuda_set_qmma_max_n(be, -1);
 }
 
 static void test_quant_matmul(void) {
@@ -1355,6 +1413,7 @@ int main(int argc, char **argv) {
     RUN(test_matmul);
     RUN(test_quant_matmul);
     RUN(test_quant_mma);
+    RUN(test_fp8_gemm);
     RUN(test_rmsnorm_add);
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);

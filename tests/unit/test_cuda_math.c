@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/fp8act.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
 #include "kernels/cuda/qmma.h"
@@ -939,6 +940,60 @@ static void test_qmma(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) qmma_replay(&cases[i]);
 }
 
+/* --- the FP8 prefill GEMM's scale math (fp8act.h) -------------------------------------- */
+
+/* matmul_fp8's arithmetic on the CPU: x quantized per token as fp8act.cu
+ * does (amax, loom_f8_token_scale, e4m3 of loom_f8_scaled, the CPU's
+ * encoder being the same round-to-nearest-even saturating conversion as
+ * the device's __nv_cvt_float_to_fp8), the product of codes scaled by the
+ * weights' row scales and the token scales (cuBLASLt's outer vectors);
+ * every output within fp8act.h's bound of the float64 product over the
+ * dequantized weights, and the bound not loose by orders of magnitude. */
+static void test_fp8_gemm_scales(void) {
+    CHECK(loom_f8_token_scale(0.0f) == 1.0f && loom_f8_token_scale(INFINITY) == 1.0f &&
+          loom_f8_token_scale(NAN) == 1.0f && loom_f8_token_scale(448.0f) == 1.0f);
+    enum { ROWS = 37, COLS = 272, N = 9 };
+    static uint8_t wq[ROWS * COLS], xq[N * COLS];
+    static float x[N * COLS], ws[ROWS], xs[N];
+    for (int r = 0; r < ROWS; r++) {
+        ws[r] = 0.001f + fabsf(test_randf(&g_st, 0.01f));
+        for (int c = 0; c < COLS; c++) {
+            g_st = g_st * 6364136223846793005ull + 1442695040888963407ull;
+            wq[r * COLS + c] = (uint8_t)(g_st >> 33);
+            if ((wq[r * COLS + c] & 0x7f) == 0x7f) wq[r * COLS + c] ^= 1;
+        }
+    }
+    for (int t = 0; t < N; t++) {
+        const float mag = t == 0 ? 0.0f : (float)ldexp(1.0, 3 * t - 12); /* tokens from 0 to ~2^12 */
+        float amax = 0.0f;
+        for (int c = 0; c < COLS; c++) {
+            x[t * COLS + c] = test_randf(&g_st, mag);
+            if (t == 3 && c == 5) x[t * COLS + c] = 300.0f * mag; /* an outlier */
+            amax = fmaxf(amax, fabsf(x[t * COLS + c]));
+        }
+        xs[t] = loom_f8_token_scale(amax);
+        for (int c = 0; c < COLS; c++) xq[t * COLS + c] = loom_f32_to_fp8_e4m3(loom_f8_scaled(x[t * COLS + c], xs[t]));
+    }
+    int bad = 0;
+    double worst = 0.0, sum_ratio = 0.0;
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < ROWS; r++) {
+            float acc = 0.0f; /* f32 accumulation */
+            double ref = 0.0, swx = 0.0, sw = 0.0;
+            for (int c = 0; c < COLS; c++) {
+                acc += loom_qd_fp8(wq[r * COLS + c]) * loom_qd_fp8(xq[t * COLS + c]);
+                const double wv = (double)ws[r] * loom_qd_fp8(wq[r * COLS + c]);
+                ref += wv * x[t * COLS + c], swx += fabs(wv * x[t * COLS + c]), sw += fabs(wv);
+            }
+            const double y = (double)ws[r] * xs[t] * acc, err = fabs(y - ref);
+            const double bound = loom_f8_bound(swx, sw, xs[t]) + 1e-6 * swx;
+            bad += !(err <= bound);
+            if (bound > 0) worst = fmax(worst, err / bound), sum_ratio += err / bound;
+        }
+    CHECKF(!bad, "%d of %d fp8 GEMM outputs past the bound (worst %.2f of it)", bad, N * ROWS, worst);
+    CHECKF(sum_ratio / (N * ROWS) > 1e-3, "the bound is loose: mean error %.2g of it", sum_ratio / (N * ROWS));
+}
+
 int main(void) {
     RUN(test_elementwise);
     RUN(test_i8_kv);
@@ -949,5 +1004,6 @@ int main(void) {
     RUN(test_gemv_plan);
     RUN(test_fp8_decode);
     RUN(test_qmma);
+    RUN(test_fp8_gemm_scales);
     return test_summary();
 }
