@@ -120,6 +120,7 @@ typedef struct cuda_backend {
     int lt_state;          /* 0 not tried, 1 ready, -1 unavailable (logged once) */
     dbuf_t x8;             /* x quantized per token to e4m3, then its scales */
     struct lt_plan {
+        int what, kind;    /* LT_FP8 or LT_BIAS; the weights' storage (LT_BIAS) */
         int64_t rows, cols;
         int n, ok;         /* ok: 1 an algorithm, -1 none (the shape keeps the old path) */
         cublasLtMatmulDesc_t desc;
@@ -128,6 +129,9 @@ typedef struct cuda_backend {
     } lt_plans[16];
     int lt_next;           /* the plan slot to reuse next (round robin) */
     uint64_t n_fp8_gemm;   /* GEMMs matmul_fp8 took */
+    uint64_t n_lt_bias;    /* GEMMs cuda_matmul_bias ran with the bias epilogue */
+    int fp8_warned;        /* fp8_gemm without outer-vector scales, logged */
+    int lt_bias;           /* the bias epilogue (the tuning table's lt_bias, 1) */
 } cuda_backend_t;
 
 static cuda_backend_t *cu(loom_backend_t *be) {
@@ -609,7 +613,7 @@ void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n) {
     cu(be)->qmma_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_QM_MAX_N);
 }
 
-/* --- FP8 prefill GEMMs through cuBLASLt ------------------------------------------------- */
+/* --- cuBLASLt: FP8 prefill GEMMs and the bias epilogue ------------------------------------ */
 
 static void lt_plan_clear(cuda_backend_t *c, struct lt_plan *p) {
     if (p->desc) (void)c->lt_api->desc_destroy(p->desc);
@@ -619,75 +623,80 @@ static void lt_plan_clear(cuda_backend_t *c, struct lt_plan *p) {
     *p = (struct lt_plan){0};
 }
 
-/* Loads cuBLASLt and makes its handle at the first FP8 prefill GEMM; when
- * that fails (no library, a version without outer-vector scales, no
- * handle), says so once and returns 0: FP8 prefill keeps dequantize +
- * cuBLAS. */
+/* Loads cuBLASLt and makes its handle at the first call that wants it
+ * (never while a graph records); when that fails, says so once and
+ * returns 0: the callers keep cuBLAS and the separate passes. */
 static int lt_ready(cuda_backend_t *c) {
     if (c->lt_state) return c->lt_state > 0;
+    if (c->capturing) return 0;
     c->lt_state = -1;
     loom_err_t err = {0};
     if (loom_cublaslt_load(&c->lt_api, &err) != LOOM_OK) {
-        LOOM_WARN("%s: fp8_gemm: %s; FP8 prefill dequantizes for cuBLAS", c->base.name, err.msg);
-        return 0;
-    }
-#if CUBLAS_VERSION >= 120900
-    if (c->lt_api->version < 120900) {
-        LOOM_WARN("%s: fp8_gemm: cuBLASLt %zu has no outer-vector scales (12.9 or newer); FP8 prefill dequantizes "
-                  "for cuBLAS",
-                  c->base.name, c->lt_api->version);
+        LOOM_WARN("%s: %s; prefill GEMMs stay on cuBLAS (no FP8 GEMM, no bias epilogue)", c->base.name, err.msg);
         return 0;
     }
     cublasStatus_t st = c->lt_api->create(&c->lt);
     if (st != CUBLAS_STATUS_SUCCESS) {
         c->lt = NULL;
-        LOOM_WARN("%s: fp8_gemm: cublasLtCreate: %s; FP8 prefill dequantizes for cuBLAS", c->base.name,
-                  loom_cublas_status_str(st));
+        LOOM_WARN("%s: cublasLtCreate: %s; prefill GEMMs stay on cuBLAS", c->base.name, loom_cublas_status_str(st));
         return 0;
     }
     c->lt_state = 1;
-    LOOM_INFO("%s: FP8 prefill GEMMs through cuBLASLt %zu (x quantized per token)", c->base.name, c->lt_api->version);
+    LOOM_INFO("%s: cuBLASLt %zu loaded", c->base.name, c->lt_api->version);
     return 1;
-#else
-    LOOM_WARN("%s: fp8_gemm: built with cuBLAS headers older than 12.9 (no outer-vector scales); FP8 prefill "
-              "dequantizes for cuBLAS",
-              c->base.name);
-    return 0;
-#endif
 }
 
-#if CUBLAS_VERSION >= 120900
-/* The descriptor, layouts and algorithm of one (rows, cols, n), made once.
- * Column-major view as in cuda_matmul: D (rows, n) = A^T B, A the codes
- * (cols, rows) with ld cols (the "TN" layout FP8 needs), B x's codes
- * (cols, n), D f32 with ld rows; A's and B's scales are outer vectors (w's
- * row scales, x's token scales), their pointers set per call. */
-static struct lt_plan *lt_plan(cuda_backend_t *c, int64_t rows, int64_t cols, int n) {
+enum { LT_FP8 = 1, LT_BIAS = 2 }; /* what a plan multiplies */
+
+/* The descriptor, layouts and algorithm of one (what, kind, rows, cols, n),
+ * made once (a 16-entry cache, round robin; a shape without an algorithm
+ * is remembered as such). Column-major view as in cuda_matmul: D (rows, n)
+ * = A^T B with A the weight (cols, rows), ld cols (the "TN" layout FP8
+ * needs), B x (cols, n), D f32 with ld rows. LT_FP8: e4m3 A and B, their
+ * scales outer vectors (w's row scales, x's token scales); LT_BIAS: A and
+ * B of `kind`, CUBLASLT_EPILOGUE_BIAS adding an f32 vector of rows to every
+ * column of D. Pointers (scales, bias) are set per call. */
+static struct lt_plan *lt_plan(cuda_backend_t *c, int what, int kind, int64_t rows, int64_t cols, int n) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(c->lt_plans); i++) {
         struct lt_plan *p = &c->lt_plans[i];
-        if (p->ok && p->rows == rows && p->cols == cols && p->n == n) return p; /* ok < 0: known to fail */
+        if (p->ok && p->what == what && p->kind == kind && p->rows == rows && p->cols == cols && p->n == n)
+            return p; /* ok < 0: known to have no algorithm */
     }
     struct lt_plan *p = &c->lt_plans[c->lt_next];
     c->lt_next = (c->lt_next + 1) % (int)LOOM_ARRAY_LEN(c->lt_plans);
     lt_plan_clear(c, p);
-    *p = (struct lt_plan){.rows = rows, .cols = cols, .n = n, .ok = -1};
+    const struct lt_plan key = {.what = what, .kind = kind, .rows = rows, .cols = cols, .n = n, .ok = -1};
+    *p = key;
     const loom_cublaslt_api_t *a = c->lt_api;
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    const int8_t fast = 0; /* full f32 accumulation */
+    const cudaDataType_t ab = what == LT_FP8 ? CUDA_R_8F_E4M3 : blas_type(kind);
     const uint64_t ws = BLAS_WS_BYTES;
     cublasLtMatmulPreference_t pref = NULL;
     int ok = a->desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
              a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) == CUBLAS_STATUS_SUCCESS &&
-             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) == CUBLAS_STATUS_SUCCESS &&
-             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) == CUBLAS_STATUS_SUCCESS;
+    if (what == LT_FP8) {
+#if CUBLAS_VERSION >= 120900
+        const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        const int8_t fast = 0; /* full f32 accumulation */
+        ok = ok && a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
              a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
-             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast) == CUBLAS_STATUS_SUCCESS &&
-             a->layout_create(&p->a, CUDA_R_8F_E4M3, (uint64_t)cols, (uint64_t)rows, cols) == CUBLAS_STATUS_SUCCESS &&
-             a->layout_create(&p->b, CUDA_R_8F_E4M3, (uint64_t)cols, (uint64_t)n, cols) == CUBLAS_STATUS_SUCCESS &&
-             a->layout_create(&p->d, CUDA_R_32F, (uint64_t)rows, (uint64_t)n, rows) == CUBLAS_STATUS_SUCCESS &&
-             a->pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
-             a->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) == CUBLAS_STATUS_SUCCESS;
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast) == CUBLAS_STATUS_SUCCESS;
+#else
+        ok = 0;
+#endif
+    } else {
+        const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        const int32_t bias_type = CUDA_R_32F;
+        ok = ok && a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type) ==
+                 CUBLAS_STATUS_SUCCESS;
+    }
+    ok = ok && a->layout_create(&p->a, ab, (uint64_t)cols, (uint64_t)rows, cols) == CUBLAS_STATUS_SUCCESS &&
+         a->layout_create(&p->b, ab, (uint64_t)cols, (uint64_t)n, cols) == CUBLAS_STATUS_SUCCESS &&
+         a->layout_create(&p->d, CUDA_R_32F, (uint64_t)rows, (uint64_t)n, rows) == CUBLAS_STATUS_SUCCESS &&
+         a->pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
+         a->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) == CUBLAS_STATUS_SUCCESS;
     cublasLtMatmulHeuristicResult_t res;
     int got = 0;
     ok = ok && a->heuristic(c->lt, p->desc, p->a, p->b, p->d, p->d, pref, 1, &res, &got) == CUBLAS_STATUS_SUCCESS &&
@@ -697,49 +706,87 @@ static struct lt_plan *lt_plan(cuda_backend_t *c, int64_t rows, int64_t cols, in
         p->algo = res.algo;
         p->ok = 1;
     } else {
-        LOOM_INFO("%s: fp8_gemm: cuBLASLt has no algorithm for %lld x %lld at n = %d; that shape dequantizes for "
-                  "cuBLAS",
-                  c->base.name, (long long)rows, (long long)cols, n);
-        const int64_t keep_r = p->rows, keep_c = p->cols;
+        LOOM_INFO("%s: cuBLASLt has no %s algorithm for %lld x %lld at n = %d; that shape keeps cuBLAS",
+                  c->base.name, what == LT_FP8 ? "FP8" : "bias-epilogue", (long long)rows, (long long)cols, n);
         lt_plan_clear(c, p);
-        *p = (struct lt_plan){.rows = keep_r, .cols = keep_c, .n = n, .ok = -1};
+        *p = key;
     }
     return p;
 }
-#endif
 
 /* FP8 weights on sm_89+ with fp8_gemm on: x quantized per token to e4m3
  * (fp8act.cu) and one cublasLtMatmul with the weights' row scales and x's
  * token scales as outer vectors (fp8act.h: the math and its error bound),
  * instead of dequantizing W to bf16 (a read of 1 byte and a write of 2 per
  * weight, then cuBLAS's read of 2) -- the weights are read once, as bytes,
- * at FP8 tensor-core rate. Returns 0 when it does not take the call. */
+ * at FP8 tensor-core rate. Needs cuBLASLt 12.9+ (outer-vector scales).
+ * Returns 0 when it does not take the call. */
 static int matmul_fp8(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
     if (!c->fp8_gemm || w->quant != LOOM_QUANT_FP8 || c->cc < 89 || w->rows % 16 || w->cols % 16 ||
-        ((uintptr_t)w->data & 15u) || c->capturing)
+        ((uintptr_t)w->data & 15u) || c->capturing || !lt_ready(c))
         return 0;
-#if CUBLAS_VERSION >= 120900
-    if (!lt_ready(c)) return 0;
-    struct lt_plan *p = lt_plan(c, w->rows, w->cols, n);
+    if (CUBLAS_VERSION < 120900 || c->lt_api->version < 120900) {
+        if (!c->fp8_warned)
+            LOOM_WARN("%s: fp8_gemm: cuBLASLt %zu (headers %d) has no outer-vector scales (12.9 or newer); FP8 "
+                      "prefill dequantizes for cuBLAS",
+                      c->base.name, c->lt_api->version, (int)CUBLAS_VERSION);
+        c->fp8_warned = 1;
+        return 0;
+    }
+    struct lt_plan *p = lt_plan(c, LT_FP8, 0, w->rows, w->cols, n);
     if (p->ok < 0) return 0;
     const size_t codes = ((size_t)n * (size_t)w->cols + 255) / 256 * 256;
     uint8_t *xq = reserve(c, &c->x8, codes + (size_t)n * sizeof(float));
     float *xs = (float *)(xq + codes);
     CUDA_ASSERT(loom_cuda_fp8_quant_rows(xq, xs, x, n, w->cols, c->stream));
+#if CUBLAS_VERSION >= 120900
     const void *sa = w->scales, *sb = xs;
     BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa));
     BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb));
+#endif
     const float one = 1.0f, zero = 0.0f;
     BLAS_ASSERT(c->lt_api->matmul(c->lt, p->desc, &one, w->data, p->a, xq, p->b, &zero, y, p->d, y, p->d, &p->algo,
                                   c->blas_ws, BLAS_WS_BYTES, c->stream));
     shadow_clear(c);
     c->n_fp8_gemm++;
     return 1;
-#else
-    (void)y, (void)x, (void)n;
-    (void)lt_ready(c); /* says once why not */
-    return 0;
-#endif
+}
+
+/* y = x W^T + bias for bf16/f16 weights past the GEMV (q/k/v of Qwen2 and
+ * every other biased projection): cuBLASLt's bias epilogue adds the bias as
+ * the GEMM writes y, which saves add_bias's pass (a read and a write of
+ * n x rows floats and a launch). The tuning table's lt_bias 0 turns it off. */
+static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n);
+
+static void cuda_matmul_bias(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w,
+                             const float *bias, int n) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    const int kind = kind_of(w->dtype);
+    if (c->lt_bias && w->quant == LOOM_QUANT_NONE && kind != LOOM_CUDA_F32 && n > LOOM_CUDA_GEMV_MAX_N &&
+        w->rows > 0 && w->cols > 0 && ((uintptr_t)bias & 15u) == 0 && lt_ready(c)) {
+        struct lt_plan *p = lt_plan(c, LT_BIAS, kind, w->rows, w->cols, n);
+        if (p->ok > 0) {
+            const void *b = gemm_input(c, x, n, w->cols, kind);
+            BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+            const float one = 1.0f, zero = 0.0f;
+            BLAS_ASSERT(c->lt_api->matmul(c->lt, p->desc, &one, w->data, p->a, b, p->b, &zero, y, p->d, y, p->d,
+                                          &p->algo, c->blas_ws, BLAS_WS_BYTES, c->stream));
+            c->n_lt_bias++;
+            return;
+        }
+    }
+    cuda_matmul(be, y, x, w, n);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_add_bias(y, bias, n, (int)w->rows, c->stream));
+}
+
+uint64_t loom_cuda_lt_bias_count(loom_backend_t *be) {
+    return cu(be)->n_lt_bias;
+}
+
+void loom_cuda_set_lt_bias(loom_backend_t *be, int on) {
+    cu(be)->lt_bias = on > 0;
 }
 
 void loom_cuda_set_fp8_gemm(loom_backend_t *be, int on) {
@@ -1322,6 +1369,7 @@ static const loom_backend_ops_t cuda_ops = {
     .add_rmsnorm = cuda_add_rmsnorm,
     .rope_kv_write = cuda_rope_kv_write,
     .add_bias = cuda_add_bias,
+    .matmul_bias = cuda_matmul_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .graph_drop = cuda_graph_drop,
@@ -1385,7 +1433,8 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
  *   qgemv_variant     the same for the quantized GEMV (0; opmath.h)
  *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 32; 0: off)
- *   fp8_gemm          1: FP8 prefill GEMMs through cuBLASLt, x quantized per token (0; fp8act.h) */
+ *   fp8_gemm          1: FP8 prefill GEMMs through cuBLASLt, x quantized per token (0; fp8act.h)
+ *   lt_bias           0: biased prefill GEMMs without cuBLASLt's bias epilogue (1) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1423,6 +1472,7 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
         else if (!strcmp(key, "qmma_max_n") && v >= -1) c->qmma_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_QM_MAX_N);
         else if (!strcmp(key, "fp8_gemm") && (v == 0 || v == 1)) c->fp8_gemm = (int)v;
+        else if (!strcmp(key, "lt_bias") && (v == 0 || v == 1)) c->lt_bias = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;
@@ -1457,6 +1507,7 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     c->dev = cfg->device_index;
     c->qgemv_max_n = -1;
     c->qmma_max_n = -1;
+    c->lt_bias = 1;
     c->wkind = kind_of(dt);
     read_tuning(c);
     loom_status_t s = init_device(c, err);

@@ -42,6 +42,10 @@ void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n);
 void loom_cuda_set_fp8_gemm(loom_backend_t *be, int on);
 /* How many GEMMs went through that path so far (tests). */
 uint64_t loom_cuda_fp8_gemm_count(loom_backend_t *be);
+/* cuBLASLt's bias epilogue for biased bf16/f16 prefill GEMMs (the tuning
+ * table's lt_bias): 1 on (the default), 0 off; and how many GEMMs took it. */
+void loom_cuda_set_lt_bias(loom_backend_t *be, int on);
+uint64_t loom_cuda_lt_bias_count(loom_backend_t *be);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

@@ -185,6 +185,54 @@ static void test_matmul(void) {
         for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) check_matmul(t, shapes[s][0], shapes[s][1], shapes[s][2]);
 }
 
+/* loom_op_matmul_bias: on CUDA with bf16/f16 weights past the GEMV,
+ * cuBLASLt's bias epilogue (counted: every such call takes it where
+ * cuBLASLt loads), else matmul + add_bias; against the CPU's matmul and
+ * bias add, on odd shapes, with the epilogue on and off. */
+static void test_matmul_bias(void) {
+    static const int shapes[][3] = {{1000, 1024, 17}, {97, 104, 9}, {4096 + 512 * 2, 4096, 64}, {37, 64, 3}};
+    const loom_cublaslt_api_t *lt = NULL;
+    loom_err_t err = {0};
+    const int have_lt = loom_cublaslt_load(&lt, &err) == LOOM_OK;
+    for (int t = 1; t < 3; t++)
+        for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++)
+            for (int on = 1; on >= 0; on--) {
+                const int64_t rows = shapes[s][0], cols = shapes[s][1];
+                const int n = shapes[s][2];
+                float *hw = rand_host((size_t)rows * cols, 1.0f), *hx = rand_host((size_t)n * cols, 1.0f),
+                      *hb = rand_host((size_t)rows, 2.0f);
+                loom_weight_t wg, wc;
+                LOOM_ASSERT(loom_weight_upload(g_cuda[t], &wg, rows, cols, hw, &err) == LOOM_OK);
+                LOOM_ASSERT(loom_weight_upload(g_cpu[t], &wc, rows, cols, hw, &err) == LOOM_OK);
+                float *ref = loom_xmalloc((size_t)n * rows * sizeof *ref);
+                loom_op_matmul(g_cpu[t], ref, hx, &wc, n);
+                for (int i = 0; i < n; i++)
+                    for (int64_t r = 0; r < rows; r++) ref[i * rows + r] += hb[r];
+                float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *db = to_dev(g_cuda[t], hb, (size_t)rows * 4),
+                      *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
+                loom_cuda_set_lt_bias(g_cuda[t], on);
+                const uint64_t before = loom_cuda_lt_bias_count(g_cuda[t]);
+                loom_op_matmul_bias(g_cuda[t], dy, dx, &wg, db, n);
+                const int took = loom_cuda_lt_bias_count(g_cuda[t]) > before;
+                char what[128];
+                snprintf(what, sizeof what, "matmul_bias %s rows %lld cols %lld n %d, epilogue %s",
+                         loom_dtype_name(k_dts[t]), (long long)rows, (long long)cols, n, on ? "on" : "off");
+                CHECKF(took == (on && have_lt && n > LOOM_CUDA_GEMV_MAX_N), "%s: epilogue %s", what,
+                       took ? "taken" : "not taken");
+                const double u = n <= 4 ? 2e-6 : t == 1 ? 4e-3 : 5e-4;
+                CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5,
+                                1e-3));
+                loom_backend_free(g_cuda[t], dx);
+                loom_backend_free(g_cuda[t], db);
+                loom_backend_free(g_cuda[t], dy);
+                loom_weight_free(g_cuda[t], &wg);
+                loom_weight_free(g_cpu[t], &wc);
+                free(hw), free(hx), free(hb), free(ref);
+            }
+    loom_cuda_set_lt_bias(g_cuda[1], 1);
+    loom_cuda_set_lt_bias(g_cuda[2], 1);
+}
+
 /* --- quantized matmul --------------------------------------------------------------- */
 
 static int g_cc; /* compute capability of cuda:0, 10 * major + minor */
@@ -1411,6 +1459,7 @@ int main(int argc, char **argv) {
     RUN(test_memory);
     RUN(test_weight_upload);
     RUN(test_matmul);
+    RUN(test_matmul_bias);
     RUN(test_quant_matmul);
     RUN(test_quant_mma);
     RUN(test_fp8_gemm);
