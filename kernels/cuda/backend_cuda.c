@@ -126,7 +126,7 @@ typedef struct cuda_backend {
         cublasLtMatmulDesc_t desc;
         cublasLtMatrixLayout_t a, b, d;
         cublasLtMatmulAlgo_t algo;
-    } lt_plans[16];
+    } lt_plans[64];
     int lt_next;           /* the plan slot to reuse next (round robin) */
     uint64_t n_fp8_gemm;   /* GEMMs matmul_fp8 took */
     uint64_t n_lt_bias;    /* GEMMs cuda_matmul_bias ran with the bias epilogue */
@@ -649,19 +649,28 @@ static int lt_ready(cuda_backend_t *c) {
 enum { LT_FP8 = 1, LT_BIAS = 2 }; /* what a plan multiplies */
 
 /* The descriptor, layouts and algorithm of one (what, kind, rows, cols, n),
- * made once (a 16-entry cache, round robin; a shape without an algorithm
+ * made once (a 64-entry cache, round robin; a shape without an algorithm
  * is remembered as such). Column-major view as in cuda_matmul: D (rows, n)
  * = A^T B with A the weight (cols, rows), ld cols (the "TN" layout FP8
  * needs), B x (cols, n), D f32 with ld rows. LT_FP8: e4m3 A and B, their
  * scales outer vectors (w's row scales, x's token scales); LT_BIAS: A and
  * B of `kind`, CUBLASLT_EPILOGUE_BIAS adding an f32 vector of rows to every
- * column of D. Pointers (scales, bias) are set per call. */
-static struct lt_plan *lt_plan(cuda_backend_t *c, int what, int kind, int64_t rows, int64_t cols, int n) {
+ * column of D. Pointers (scales, bias) are set per call; those of the
+ * first call are set before the heuristic too, which may read their
+ * alignment. */
+static struct lt_plan *lt_find(cuda_backend_t *c, int what, int kind, int64_t rows, int64_t cols, int n) {
     for (size_t i = 0; i < LOOM_ARRAY_LEN(c->lt_plans); i++) {
         struct lt_plan *p = &c->lt_plans[i];
         if (p->ok && p->what == what && p->kind == kind && p->rows == rows && p->cols == cols && p->n == n)
             return p; /* ok < 0: known to have no algorithm */
     }
+    return NULL;
+}
+
+static struct lt_plan *lt_plan(cuda_backend_t *c, int what, int kind, int64_t rows, int64_t cols, int n,
+                               const void *p0, const void *p1) {
+    struct lt_plan *found = lt_find(c, what, kind, rows, cols, n);
+    if (found) return found;
     struct lt_plan *p = &c->lt_plans[c->lt_next];
     c->lt_next = (c->lt_next + 1) % (int)LOOM_ARRAY_LEN(c->lt_plans);
     lt_plan_clear(c, p);
@@ -681,8 +690,11 @@ static struct lt_plan *lt_plan(cuda_backend_t *c, int what, int kind, int64_t ro
         const int8_t fast = 0; /* full f32 accumulation */
         ok = ok && a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
              a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
-             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast) == CUBLAS_STATUS_SUCCESS;
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p0, sizeof p0) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p1, sizeof p1) == CUBLAS_STATUS_SUCCESS;
 #else
+        (void)p1;
         ok = 0;
 #endif
     } else {
@@ -690,7 +702,8 @@ static struct lt_plan *lt_plan(cuda_backend_t *c, int what, int kind, int64_t ro
         const int32_t bias_type = CUDA_R_32F;
         ok = ok && a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) == CUBLAS_STATUS_SUCCESS &&
              a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type) ==
-                 CUBLAS_STATUS_SUCCESS;
+                 CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p0, sizeof p0) == CUBLAS_STATUS_SUCCESS;
     }
     ok = ok && a->layout_create(&p->a, ab, (uint64_t)cols, (uint64_t)rows, cols) == CUBLAS_STATUS_SUCCESS &&
          a->layout_create(&p->b, ab, (uint64_t)cols, (uint64_t)n, cols) == CUBLAS_STATUS_SUCCESS &&
@@ -733,11 +746,11 @@ static int matmul_fp8(cuda_backend_t *c, float *y, const float *x, const loom_we
         c->fp8_warned = 1;
         return 0;
     }
-    struct lt_plan *p = lt_plan(c, LT_FP8, 0, w->rows, w->cols, n);
-    if (p->ok < 0) return 0;
     const size_t codes = ((size_t)n * (size_t)w->cols + 255) / 256 * 256;
     uint8_t *xq = reserve(c, &c->x8, codes + (size_t)n * sizeof(float));
     float *xs = (float *)(xq + codes);
+    struct lt_plan *p = lt_plan(c, LT_FP8, 0, w->rows, w->cols, n, w->scales, xs);
+    if (p->ok < 0) return 0;
     CUDA_ASSERT(loom_cuda_fp8_quant_rows(xq, xs, x, n, w->cols, c->stream));
 #if CUBLAS_VERSION >= 120900
     const void *sa = w->scales, *sb = xs;
@@ -752,10 +765,15 @@ static int matmul_fp8(cuda_backend_t *c, float *y, const float *x, const loom_we
     return 1;
 }
 
-/* y = x W^T + bias for bf16/f16 weights past the GEMV (q/k/v of Qwen2 and
- * every other biased projection): cuBLASLt's bias epilogue adds the bias as
- * the GEMM writes y, which saves add_bias's pass (a read and a write of
- * n x rows floats and a launch). The tuning table's lt_bias 0 turns it off. */
+/* y = x W^T + bias for bf16/f16 weights and n >= LT_BIAS_MIN_N (q/k/v of
+ * Qwen2 and every other biased projection in prefill): cuBLASLt's bias
+ * epilogue adds the bias as the GEMM writes y, which saves add_bias's pass
+ * (a read and a write of n x rows floats and a launch). A plan is made per
+ * (shape, n), asking cuBLASLt's heuristic once (host time, tens of
+ * microseconds); below LT_BIAS_MIN_N tokens the pass saved is smaller than
+ * that, and steps of changing small n (mixed batches) would keep asking.
+ * The tuning table's lt_bias 0 turns it off. */
+#define LT_BIAS_MIN_N 64
 static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n);
 
 static void cuda_matmul_bias(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w,
@@ -763,10 +781,13 @@ static void cuda_matmul_bias(loom_backend_t *be, float *y, const float *x, const
     cuda_backend_t *c = cu(be);
     use(c);
     const int kind = kind_of(w->dtype);
-    if (c->lt_bias && w->quant == LOOM_QUANT_NONE && kind != LOOM_CUDA_F32 && n > LOOM_CUDA_GEMV_MAX_N &&
+    if (c->lt_bias && w->quant == LOOM_QUANT_NONE && kind != LOOM_CUDA_F32 && n >= LT_BIAS_MIN_N &&
         w->rows > 0 && w->cols > 0 && ((uintptr_t)bias & 15u) == 0 && lt_ready(c)) {
-        struct lt_plan *p = lt_plan(c, LT_BIAS, kind, w->rows, w->cols, n);
-        if (p->ok > 0) {
+        /* while a graph records, only plans made before (the heuristic is
+         * not asked under capture) */
+        struct lt_plan *p = c->capturing ? lt_find(c, LT_BIAS, kind, w->rows, w->cols, n)
+                                         : lt_plan(c, LT_BIAS, kind, w->rows, w->cols, n, bias, NULL);
+        if (p && p->ok > 0) {
             const void *b = gemm_input(c, x, n, w->cols, kind);
             BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
             const float one = 1.0f, zero = 0.0f;

@@ -185,12 +185,13 @@ static void test_matmul(void) {
         for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) check_matmul(t, shapes[s][0], shapes[s][1], shapes[s][2]);
 }
 
-/* loom_op_matmul_bias: on CUDA with bf16/f16 weights past the GEMV,
+/* loom_op_matmul_bias: on CUDA with bf16/f16 weights and n >= 64,
  * cuBLASLt's bias epilogue (counted: every such call takes it where
  * cuBLASLt loads), else matmul + add_bias; against the CPU's matmul and
  * bias add, on odd shapes, with the epilogue on and off. */
 static void test_matmul_bias(void) {
-    static const int shapes[][3] = {{1000, 1024, 17}, {97, 104, 9}, {4096 + 512 * 2, 4096, 64}, {37, 64, 3}};
+    static const int shapes[][3] = {{1000, 1024, 100}, {97, 104, 64}, {4096 + 512 * 2, 4096, 512}, {37, 64, 3},
+                                    {130, 256, 63}};
     const loom_cublaslt_api_t *lt = NULL;
     loom_err_t err = {0};
     const int have_lt = loom_cublaslt_load(&lt, &err) == LOOM_OK;
@@ -217,7 +218,7 @@ static void test_matmul_bias(void) {
                 char what[128];
                 snprintf(what, sizeof what, "matmul_bias %s rows %lld cols %lld n %d, epilogue %s",
                          loom_dtype_name(k_dts[t]), (long long)rows, (long long)cols, n, on ? "on" : "off");
-                CHECKF(took == (on && have_lt && n > LOOM_CUDA_GEMV_MAX_N), "%s: epilogue %s", what,
+                CHECKF(took == (on && have_lt && n >= 64), "%s: epilogue %s", what, /* LT_BIAS_MIN_N */
                        took ? "taken" : "not taken");
                 const double u = n <= 4 ? 2e-6 : t == 1 ? 4e-3 : 5e-4;
                 CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5,
