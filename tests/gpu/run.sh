@@ -373,6 +373,12 @@ if os.path.exists(sys.argv[1]):
     for r in q["quant_gemv"]:
         print(f"{r['scheme']:<12}{r['shape']:<9}{r['gemv1_gbs']:>9.0f}{r['mbu1']:>7.3f}{r['gemv8_gbs']:>9.0f}"
               f"{r['mbu8']:>7.3f}{r['prefill_vs_bf16']:>9.2f}")
+    print("tensor-core qmma vs dequantize + cuBLAS, GB/s of weight bytes (qmma|dequant) at n =")
+    for r in q["quant_gemv"]:
+        cells = " ".join(f"{c['n']}: {c['mma_gbs']:.0f}|{c['dequant_gbs']:.0f}" for c in r.get("mma_crossover", []))
+        fp8 = r.get("prefill_fp8_gemm_vs_bf16", 0)
+        extra = f"   cuBLASLt FP8 prefill vs bf16: {fp8:.2f}" if r["scheme"] == "fp8" else ""
+        print(f"{r['scheme']:<12}{r['shape']:<9}{cells}{extra}")
 if os.path.exists(sys.argv[2]):
     b = json.load(open(sys.argv[2]))
     print(f"\n{b['dtype']} weights: prefill {b['prefill_tokens']} tokens {b['prefill_tflops']:.0f} TFLOP/s")
