@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(LOOM_QM_THREADS)
     for (int j = 0; j < NT / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 
     uint4 wr[LPT];
+    float sr[LPT], mr[LPT]; /* 4-bit: the load's group scale and min (0 past the edges) */
     float4 xr[XPT];
     auto load = [&](int64_t ks) {
 #pragma unroll
@@ -94,9 +95,14 @@ __global__ void __launch_bounds__(LOOM_QM_THREADS)
             int r, c;
             loom_qm_load_rc(QK, tid + l * LOOM_QM_THREADS, &r, &c);
             const int64_t gr = row0 + r, gc = ks * LOOM_QM_BK + c;
-            wr[l] = gr < rows && gc < cols
-                        ? __ldcs(reinterpret_cast<const uint4 *>(q + gr * row_bytes + (Q4 ? gc / 2 : gc)))
-                        : make_uint4(0, 0, 0, 0);
+            const bool in = gr < rows && gc < cols;
+            wr[l] = in ? __ldcs(reinterpret_cast<const uint4 *>(q + gr * row_bytes + (Q4 ? gc / 2 : gc)))
+                       : make_uint4(0, 0, 0, 0);
+            sr[l] = mr[l] = 0.0f;
+            if (Q4 && in) {
+                sr[l] = __ldg(scales + gr * gpr + gc / group);
+                if (MIN) mr[l] = __ldg(mins + gr * gpr + gc / group);
+            }
         }
 #pragma unroll
         for (int l = 0; l < XPT; l++) {
@@ -106,17 +112,12 @@ __global__ void __launch_bounds__(LOOM_QM_THREADS)
                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     };
-    auto store = [&](int64_t ks) {
+    auto store = [&]() {
 #pragma unroll
         for (int l = 0; l < LPT; l++) {
             int r, c;
             loom_qm_load_rc(QK, tid + l * LOOM_QM_THREADS, &r, &c);
-            const int64_t gr = row0 + r, gc = ks * LOOM_QM_BK + c;
-            float s = 0.0f, m = 0.0f;
-            if (Q4 && gr < rows && gc < cols) {
-                s = __ldg(scales + gr * gpr + gc / group);
-                if (MIN) m = __ldg(mins + gr * gpr + gc / group);
-            }
+            const float s = sr[l], m = mr[l];
             uint32_t out[4 * WPW];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(LOOM_QM_THREADS)
 
     if (k0 < k1) load(k0);
     for (int64_t ks = k0; ks < k1; ks++) {
-        store(ks);
+        store();
         __syncthreads();
         if (ks + 1 < k1) load(ks + 1);
 #pragma unroll
