@@ -19,7 +19,9 @@
  * --quant-gemv LIST measures the quantized matmul alone, per scheme, on the
  * MLP shapes of the model (gate+up and down): GEMV at n = 1 and 8 as GB/s
  * of weight bytes read and its ratio to the copy bandwidth, and the prefill
- * (dequantize + cuBLAS) at the prefill length against the bf16 GEMM.
+ * (dequantize + cuBLAS) at the prefill length against the bf16 GEMM; above
+ * the GEMV, n = 8..64 through the small-n tensor-core kernel (qmma.cu)
+ * against dequantize + cuBLAS (the tuning table's qmma_max_n).
  * --mla HEADS times DeepSeek-V3's absorbed latent attention alone (the wide
  * kernel: 576-wide rows, one KV head, V the same memory): decode at
  * --batches with context --ctx (latent GB/s against the copy bandwidth) and
@@ -407,9 +409,16 @@ typedef struct qresult {
     /* the crossover: GB/s of weight bytes at each of kCrossN through the
      * GEMV kernel and through dequantize + cuBLAS */
     double gemv_gbs[6], deq_gbs[6];
+    /* above the GEMV: the small-n tensor-core kernel (qmma.cu) against
+     * dequantize + cuBLAS at each of kMmaN (GB/s of weight bytes) */
+    double mma_gbs[6], mma_deq_gbs[6];
+    /* FP8 only: the prefill through cuBLASLt's FP8 GEMM (fp8_gemm on; x
+     * quantized per token) against bf16 weights; 0 when it was not taken */
+    double fp8_gemm_ratio;
 } qresult_t;
 
 static const int kCrossN[6] = {1, 2, 3, 4, 6, 8};
+static const int kMmaN[6] = {8, 16, 24, 32, 48, 64};
 
 /* The quantized matmul alone on the MLP shapes: GEMV GB/s (weight bytes read
  * per second) at n = 1 and 8, and prefill time against bf16 weights. */
@@ -453,15 +462,37 @@ static int quant_gemv(bench_t *b, const char *list, int prefill, double copy, qr
                 loom_cuda_set_qgemv_max_n(b->be, 0);
                 r->deq_gbs[i] = bytes / time_matmul(b, &wq, x, y, kCrossN[i], 20) / 1e9;
             }
+            loom_cuda_set_qgemv_max_n(b->be, 0);
+            for (int i = 0; i < 6; i++) {
+                loom_cuda_set_qmma_max_n(b->be, 64);
+                r->mma_gbs[i] = bytes / time_matmul(b, &wq, x, y, kMmaN[i], 20) / 1e9;
+                loom_cuda_set_qmma_max_n(b->be, 0);
+                r->mma_deq_gbs[i] = bytes / time_matmul(b, &wq, x, y, kMmaN[i], 20) / 1e9;
+            }
+            loom_cuda_set_qmma_max_n(b->be, -1);
             loom_cuda_set_qgemv_max_n(b->be, -1);
             r->gemv1_gbs = r->gemv_gbs[0];
             r->gemv8_gbs = r->gemv_gbs[5];
-            r->prefill_ratio = time_matmul(b, &wb, x, y, prefill, 5) / time_matmul(b, &wq, x, y, prefill, 5);
+            const double bf16_s = time_matmul(b, &wb, x, y, prefill, 5);
+            r->prefill_ratio = bf16_s / time_matmul(b, &wq, x, y, prefill, 5);
+            r->fp8_gemm_ratio = 0.0;
+            if (spec.quant == LOOM_QUANT_FP8) {
+                loom_cuda_set_fp8_gemm(b->be, 1);
+                const uint64_t before = loom_cuda_fp8_gemm_count(b->be);
+                const double lt_s = time_matmul(b, &wq, x, y, prefill, 5);
+                if (loom_cuda_fp8_gemm_count(b->be) > before) r->fp8_gemm_ratio = bf16_s / lt_s;
+                loom_cuda_set_fp8_gemm(b->be, 0);
+                printf("  %-12s %-8s prefill through cuBLASLt FP8: %s%.2f of bf16's speed\n", "", "",
+                       r->fp8_gemm_ratio > 0 ? "" : "not taken (see the log) ", r->fp8_gemm_ratio);
+            }
             printf("  %-12s %-8s %10.0f %6.3f %10.0f %6.3f %14.2f\n", tok, names[h], r->gemv1_gbs, r->gemv1_gbs / copy,
                    r->gemv8_gbs, r->gemv8_gbs / copy, r->prefill_ratio);
             printf("  %-12s %-8s GB/s at n =", "", "");
             for (int i = 0; i < 6; i++) printf(" %d: %.0f|%.0f", kCrossN[i], r->gemv_gbs[i], r->deq_gbs[i]);
             printf("  (GEMV|dequant+cuBLAS)\n");
+            printf("  %-12s %-8s GB/s at n =", "", "");
+            for (int i = 0; i < 6; i++) printf(" %d: %.0f|%.0f", kMmaN[i], r->mma_gbs[i], r->mma_deq_gbs[i]);
+            printf("  (tensor-core qmma|dequant+cuBLAS)\n");
             loom_weight_free(b->be, &wq);
             loom_weight_free(b->be, &wb);
         }
@@ -645,12 +676,18 @@ int main(int argc, char **argv) {
                         copy, prefill);
                 for (int i = 0; i < nq; i++) {
                     fprintf(f, "%s{\"scheme\":\"%s\",\"shape\":\"%s\",\"gemv1_gbs\":%.1f,\"gemv8_gbs\":%.1f,"
-                               "\"mbu1\":%.4f,\"mbu8\":%.4f,\"prefill_vs_bf16\":%.4f,\"crossover\":[",
+                               "\"mbu1\":%.4f,\"mbu8\":%.4f,\"prefill_vs_bf16\":%.4f,\"prefill_fp8_gemm_vs_bf16\":%.4f,"
+                               "\"crossover\":[",
                             i ? "," : "", qres[i].scheme, qres[i].shape, qres[i].gemv1_gbs, qres[i].gemv8_gbs,
-                            qres[i].gemv1_gbs / copy, qres[i].gemv8_gbs / copy, qres[i].prefill_ratio);
+                            qres[i].gemv1_gbs / copy, qres[i].gemv8_gbs / copy, qres[i].prefill_ratio,
+                            qres[i].fp8_gemm_ratio);
                     for (int j = 0; j < 6; j++)
                         fprintf(f, "%s{\"n\":%d,\"gemv_gbs\":%.1f,\"dequant_gbs\":%.1f}", j ? "," : "",
                                 kCrossN[j], qres[i].gemv_gbs[j], qres[i].deq_gbs[j]);
+                    fprintf(f, "],\"mma_crossover\":[");
+                    for (int j = 0; j < 6; j++)
+                        fprintf(f, "%s{\"n\":%d,\"mma_gbs\":%.1f,\"dequant_gbs\":%.1f}", j ? "," : "", kMmaN[j],
+                                qres[i].mma_gbs[j], qres[i].mma_deq_gbs[j]);
                     fprintf(f, "]}");
                 }
                 fprintf(f, "],\"mla\":[");

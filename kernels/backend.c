@@ -237,6 +237,16 @@ void loom_op_add_bias(loom_backend_t *be, float *y, const float *bias, int n, in
     }
     for (int i = 0; i < n; i++) be->ops->add(be, y + (size_t)i * cols, bias, cols);
 }
+void loom_op_matmul_bias(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, const float *bias,
+                         int n) {
+    if (n <= 0) return;
+    if (be->ops->matmul_bias) {
+        be->ops->matmul_bias(be, y, x, w, bias, n);
+        return;
+    }
+    be->ops->matmul(be, y, x, w, n);
+    loom_op_add_bias(be, y, bias, n, (int)w->rows);
+}
 void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden) {
     if (n > 0) be->ops->silu_mul(be, out, gu, n, hidden);
 }

@@ -151,6 +151,10 @@ void loom_op_add(loom_backend_t *be, float *y, const float *a, int64_t n);
 /* y(n, cols) += bias(cols) on every row (projection biases, Qwen2's q/k/v).
  * Backends without the op get one add per row. */
 void loom_op_add_bias(loom_backend_t *be, float *y, const float *bias, int n, int cols);
+/* loom_op_matmul then loom_op_add_bias(y, bias, n, w.rows), fused where the
+ * backend can (CUDA: cuBLASLt's bias epilogue for prefill GEMMs). */
+void loom_op_matmul_bias(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, const float *bias,
+                         int n);
 /* out(n, hidden) = silu(gu[:, :hidden]) * gu[:, hidden:], gu is (n, 2*hidden). */
 void loom_op_silu_mul(loom_backend_t *be, float *out, const float *gu, int n, int hidden);
 /* The gated MLP's activations (Hugging Face's ACT2FN names in

@@ -59,6 +59,9 @@ typedef struct loom_backend_ops {
                           int nh, int nkv, int hd, const int32_t *pos, const float *inv_freq,
                           const loom_kv_layer_t *kv, const int32_t *slots);
     void (*add_bias)(loom_backend_t *be, float *y, const float *bias, int n, int cols);
+    /* optional: matmul then add_bias in one (loom_op_matmul_bias) */
+    void (*matmul_bias)(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, const float *bias,
+                        int n);
     /* optional: activations other than SiLU (loom_op_act_mul) */
     void (*act_mul)(loom_backend_t *be, loom_act_t act, float *out, const float *gu, int n, int hidden);
     /* optional: GPT-OSS's clamped SwiGLU (loom_op_swiglu_clamp) */

@@ -34,10 +34,12 @@
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cublas_dl.h"
+#include "kernels/cuda/cublaslt_dl.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
+#include "kernels/cuda/qmma.h"
 
 _Static_assert((int)LOOM_QD_INT8 == (int)LOOM_QUANT_INT8 && (int)LOOM_QD_Q4 == (int)LOOM_QUANT_Q4 &&
                    (int)LOOM_QD_FP8 == (int)LOOM_QUANT_FP8,
@@ -75,6 +77,8 @@ typedef struct cuda_backend {
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
+    int qmma_max_n; /* quantized small-n tensor-core kernel up to this n (-1: LOOM_CUDA_QMMA_MAX_N) */
+    int fp8_gemm;   /* FP8 prefill GEMMs through cuBLASLt (the tuning table's fp8_gemm; matmul_fp8) */
     cudaStream_t stream;
     /* the host-memory KV tier's transfers (loom_backend_xfer_*): made at first use */
     cudaStream_t xfer_stream;
@@ -108,6 +112,26 @@ typedef struct cuda_backend {
     void **retired;        /* replaced scratch, freed with the graphs */
     int n_retired, cap_retired;
     dbuf_t lora_t;         /* (n, max_r) LoRA shrink outputs (loom_op_lora) */
+    dbuf_t qmma_part;      /* split-K partial sums of the quantized tensor-core kernel */
+
+    /* cuBLASLt (matmul_fp8), loaded at the first FP8 prefill GEMM */
+    const loom_cublaslt_api_t *lt_api;
+    cublasLtHandle_t lt;
+    int lt_state;          /* 0 not tried, 1 ready, -1 unavailable (logged once) */
+    dbuf_t x8;             /* x quantized per token to e4m3, then its scales */
+    struct lt_plan {
+        int what, kind;    /* LT_FP8 or LT_BIAS; the weights' storage (LT_BIAS) */
+        int64_t rows, cols;
+        int n, ok;         /* ok: 1 an algorithm, -1 none (the shape keeps the old path) */
+        cublasLtMatmulDesc_t desc;
+        cublasLtMatrixLayout_t a, b, d;
+        cublasLtMatmulAlgo_t algo;
+    } lt_plans[64];
+    int lt_next;           /* the plan slot to reuse next (round robin) */
+    uint64_t n_fp8_gemm;   /* GEMMs matmul_fp8 took */
+    uint64_t n_lt_bias;    /* GEMMs cuda_matmul_bias ran with the bias epilogue */
+    int fp8_warned;        /* fp8_gemm without outer-vector scales, logged */
+    int lt_bias;           /* the bias epilogue (the tuning table's lt_bias, 1) */
 } cuda_backend_t;
 
 static cuda_backend_t *cu(loom_backend_t *be) {
@@ -585,6 +609,234 @@ void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
 
+void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n) {
+    cu(be)->qmma_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_QM_MAX_N);
+}
+
+/* --- cuBLASLt: FP8 prefill GEMMs and the bias epilogue ------------------------------------ */
+
+static void lt_plan_clear(cuda_backend_t *c, struct lt_plan *p) {
+    if (p->desc) (void)c->lt_api->desc_destroy(p->desc);
+    cublasLtMatrixLayout_t ls[] = {p->a, p->b, p->d};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(ls); i++)
+        if (ls[i]) (void)c->lt_api->layout_destroy(ls[i]);
+    *p = (struct lt_plan){0};
+}
+
+/* Loads cuBLASLt and makes its handle at the first call that wants it
+ * (never while a graph records); when that fails, says so once and
+ * returns 0: the callers keep cuBLAS and the separate passes. */
+static int lt_ready(cuda_backend_t *c) {
+    if (c->lt_state) return c->lt_state > 0;
+    if (c->capturing) return 0;
+    c->lt_state = -1;
+    loom_err_t err = {0};
+    if (loom_cublaslt_load(&c->lt_api, &err) != LOOM_OK) {
+        LOOM_WARN("%s: %s; prefill GEMMs stay on cuBLAS (no FP8 GEMM, no bias epilogue)", c->base.name, err.msg);
+        return 0;
+    }
+    cublasStatus_t st = c->lt_api->create(&c->lt);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        c->lt = NULL;
+        LOOM_WARN("%s: cublasLtCreate: %s; prefill GEMMs stay on cuBLAS", c->base.name, loom_cublas_status_str(st));
+        return 0;
+    }
+    c->lt_state = 1;
+    LOOM_INFO("%s: cuBLASLt %zu loaded", c->base.name, c->lt_api->version);
+    return 1;
+}
+
+enum { LT_FP8 = 1, LT_BIAS = 2 }; /* what a plan multiplies */
+
+/* The descriptor, layouts and algorithm of one (what, kind, rows, cols, n),
+ * made once (a 64-entry cache, round robin; a shape without an algorithm
+ * is remembered as such). Column-major view as in cuda_matmul: D (rows, n)
+ * = A^T B with A the weight (cols, rows), ld cols (the "TN" layout FP8
+ * needs), B x (cols, n), D f32 with ld rows. LT_FP8: e4m3 A and B, their
+ * scales outer vectors (w's row scales, x's token scales); LT_BIAS: A and
+ * B of `kind`, CUBLASLT_EPILOGUE_BIAS adding an f32 vector of rows to every
+ * column of D. Pointers (scales, bias) are set per call; those of the
+ * first call are set before the heuristic too, which may read their
+ * alignment. */
+static struct lt_plan *lt_find(cuda_backend_t *c, int what, int kind, int64_t rows, int64_t cols, int n) {
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(c->lt_plans); i++) {
+        struct lt_plan *p = &c->lt_plans[i];
+        if (p->ok && p->what == what && p->kind == kind && p->rows == rows && p->cols == cols && p->n == n)
+            return p; /* ok < 0: known to have no algorithm */
+    }
+    return NULL;
+}
+
+static struct lt_plan *lt_plan(cuda_backend_t *c, int what, int kind, int64_t rows, int64_t cols, int n,
+                               const void *p0, const void *p1) {
+    struct lt_plan *found = lt_find(c, what, kind, rows, cols, n);
+    if (found) return found;
+    struct lt_plan *p = &c->lt_plans[c->lt_next];
+    c->lt_next = (c->lt_next + 1) % (int)LOOM_ARRAY_LEN(c->lt_plans);
+    lt_plan_clear(c, p);
+    const struct lt_plan key = {.what = what, .kind = kind, .rows = rows, .cols = cols, .n = n, .ok = -1};
+    *p = key;
+    const loom_cublaslt_api_t *a = c->lt_api;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const cudaDataType_t ab = what == LT_FP8 ? CUDA_R_8F_E4M3 : blas_type(kind);
+    const uint64_t ws = BLAS_WS_BYTES;
+    cublasLtMatmulPreference_t pref = NULL;
+    int ok = a->desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) == CUBLAS_STATUS_SUCCESS;
+    if (what == LT_FP8) {
+#if CUBLAS_VERSION >= 120900
+        const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        const int8_t fast = 0; /* full f32 accumulation */
+        ok = ok && a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof vec) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p0, sizeof p0) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p1, sizeof p1) == CUBLAS_STATUS_SUCCESS;
+#else
+        (void)p1;
+        ok = 0;
+#endif
+    } else {
+        const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        const int32_t bias_type = CUDA_R_32F;
+        ok = ok && a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) == CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type) ==
+                 CUBLAS_STATUS_SUCCESS &&
+             a->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p0, sizeof p0) == CUBLAS_STATUS_SUCCESS;
+    }
+    ok = ok && a->layout_create(&p->a, ab, (uint64_t)cols, (uint64_t)rows, cols) == CUBLAS_STATUS_SUCCESS &&
+         a->layout_create(&p->b, ab, (uint64_t)cols, (uint64_t)n, cols) == CUBLAS_STATUS_SUCCESS &&
+         a->layout_create(&p->d, CUDA_R_32F, (uint64_t)rows, (uint64_t)n, rows) == CUBLAS_STATUS_SUCCESS &&
+         a->pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
+         a->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) == CUBLAS_STATUS_SUCCESS;
+    cublasLtMatmulHeuristicResult_t res;
+    int got = 0;
+    ok = ok && a->heuristic(c->lt, p->desc, p->a, p->b, p->d, p->d, pref, 1, &res, &got) == CUBLAS_STATUS_SUCCESS &&
+         got > 0;
+    if (pref) (void)a->pref_destroy(pref);
+    if (ok) {
+        p->algo = res.algo;
+        p->ok = 1;
+    } else {
+        LOOM_INFO("%s: cuBLASLt has no %s algorithm for %lld x %lld at n = %d; that shape keeps cuBLAS",
+                  c->base.name, what == LT_FP8 ? "FP8" : "bias-epilogue", (long long)rows, (long long)cols, n);
+        lt_plan_clear(c, p);
+        *p = key;
+    }
+    return p;
+}
+
+/* FP8 weights on sm_89+ with fp8_gemm on: x quantized per token to e4m3
+ * (fp8act.cu) and one cublasLtMatmul with the weights' row scales and x's
+ * token scales as outer vectors (fp8act.h: the math and its error bound),
+ * instead of dequantizing W to bf16 (a read of 1 byte and a write of 2 per
+ * weight, then cuBLAS's read of 2) -- the weights are read once, as bytes,
+ * at FP8 tensor-core rate. Needs cuBLASLt 12.9+ (outer-vector scales).
+ * Returns 0 when it does not take the call. */
+static int matmul_fp8(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    if (!c->fp8_gemm || w->quant != LOOM_QUANT_FP8 || c->cc < 89 || w->rows % 16 || w->cols % 16 ||
+        ((uintptr_t)w->data & 15u) || c->capturing || !lt_ready(c))
+        return 0;
+    if (CUBLAS_VERSION < 120900 || c->lt_api->version < 120900) {
+        if (!c->fp8_warned)
+            LOOM_WARN("%s: fp8_gemm: cuBLASLt %zu (headers %d) has no outer-vector scales (12.9 or newer); FP8 "
+                      "prefill dequantizes for cuBLAS",
+                      c->base.name, c->lt_api->version, (int)CUBLAS_VERSION);
+        c->fp8_warned = 1;
+        return 0;
+    }
+    const size_t codes = ((size_t)n * (size_t)w->cols + 255) / 256 * 256;
+    uint8_t *xq = reserve(c, &c->x8, codes + (size_t)n * sizeof(float));
+    float *xs = (float *)(xq + codes);
+    struct lt_plan *p = lt_plan(c, LT_FP8, 0, w->rows, w->cols, n, w->scales, xs);
+    if (p->ok < 0) return 0;
+    CUDA_ASSERT(loom_cuda_fp8_quant_rows(xq, xs, x, n, w->cols, c->stream));
+#if CUBLAS_VERSION >= 120900
+    const void *sa = w->scales, *sb = xs;
+    BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa));
+    BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb));
+#endif
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_ASSERT(c->lt_api->matmul(c->lt, p->desc, &one, w->data, p->a, xq, p->b, &zero, y, p->d, y, p->d, &p->algo,
+                                  c->blas_ws, BLAS_WS_BYTES, c->stream));
+    shadow_clear(c);
+    c->n_fp8_gemm++;
+    return 1;
+}
+
+/* y = x W^T + bias for bf16/f16 weights and n >= LT_BIAS_MIN_N (q/k/v of
+ * Qwen2 and every other biased projection in prefill): cuBLASLt's bias
+ * epilogue adds the bias as the GEMM writes y, which saves add_bias's pass
+ * (a read and a write of n x rows floats and a launch). A plan is made per
+ * (shape, n), asking cuBLASLt's heuristic once (host time, tens of
+ * microseconds); below LT_BIAS_MIN_N tokens the pass saved is smaller than
+ * that, and steps of changing small n (mixed batches) would keep asking.
+ * The tuning table's lt_bias 0 turns it off. */
+#define LT_BIAS_MIN_N 64
+static void cuda_matmul(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w, int n);
+
+static void cuda_matmul_bias(loom_backend_t *be, float *y, const float *x, const loom_weight_t *w,
+                             const float *bias, int n) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    const int kind = kind_of(w->dtype);
+    if (c->lt_bias && w->quant == LOOM_QUANT_NONE && kind != LOOM_CUDA_F32 && n >= LT_BIAS_MIN_N &&
+        w->rows > 0 && w->cols > 0 && ((uintptr_t)bias & 15u) == 0 && lt_ready(c)) {
+        /* while a graph records, only plans made before (the heuristic is
+         * not asked under capture) */
+        struct lt_plan *p = c->capturing ? lt_find(c, LT_BIAS, kind, w->rows, w->cols, n)
+                                         : lt_plan(c, LT_BIAS, kind, w->rows, w->cols, n, bias, NULL);
+        if (p && p->ok > 0) {
+            const void *b = gemm_input(c, x, n, w->cols, kind);
+            BLAS_ASSERT(c->lt_api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+            const float one = 1.0f, zero = 0.0f;
+            BLAS_ASSERT(c->lt_api->matmul(c->lt, p->desc, &one, w->data, p->a, b, p->b, &zero, y, p->d, y, p->d,
+                                          &p->algo, c->blas_ws, BLAS_WS_BYTES, c->stream));
+            c->n_lt_bias++;
+            return;
+        }
+    }
+    cuda_matmul(be, y, x, w, n);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_add_bias(y, bias, n, (int)w->rows, c->stream));
+}
+
+uint64_t loom_cuda_lt_bias_count(loom_backend_t *be) {
+    return cu(be)->n_lt_bias;
+}
+
+void loom_cuda_set_lt_bias(loom_backend_t *be, int on) {
+    cu(be)->lt_bias = on > 0;
+}
+
+void loom_cuda_set_fp8_gemm(loom_backend_t *be, int on) {
+    cu(be)->fp8_gemm = on > 0;
+}
+
+uint64_t loom_cuda_fp8_gemm_count(loom_backend_t *be) {
+    return cu(be)->n_fp8_gemm;
+}
+
+/* Above the GEMV's crossover and up to qmma_max_n tokens, with bf16 weights
+ * (the kernel multiplies in bf16; f16 and exact f32 storage keep the
+ * dequantizing path): the small-n tensor-core kernel (qmma.cu), which reads
+ * the codes once instead of dequantizing the whole matrix for cuBLAS.
+ * Returns 0 when it does not take the call. */
+static int matmul_qmma(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
+    const int max_n = c->qmma_max_n < 0 ? LOOM_CUDA_QMMA_MAX_N : c->qmma_max_n;
+    if (n > max_n || c->wkind != LOOM_CUDA_BF16 ||
+        !loom_cuda_qmma_fits((int)w->quant, w->rows, w->cols, w->group, n, x, w->data))
+        return 0;
+    const int ksplit = loom_qm_ksplit(w->rows, w->cols, c->n_sms);
+    float *part = NULL;
+    if (ksplit > 1) part = reserve(c, &c->qmma_part, (size_t)ksplit * (size_t)n * (size_t)w->rows * sizeof(float));
+    CUDA_ASSERT(loom_cuda_qmma(y, x, w->data, w->scales, w->mins, (int)w->quant, w->rows, w->cols, w->group, n,
+                               ksplit, part, c->stream));
+    shadow_clear(c);
+    return 1;
+}
+
 static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom_weight_t *w, int n) {
     const int64_t rows = w->rows, cols = w->cols;
     if (n <= (c->qgemv_max_n < 0 ? qgemv_default_max_n(w->quant) : c->qgemv_max_n)) {
@@ -593,6 +845,8 @@ static void matmul_quant(cuda_backend_t *c, float *y, const float *x, const loom
         shadow_clear(c);
         return;
     }
+    if (matmul_qmma(c, y, x, w, n)) return;
+    if (matmul_fp8(c, y, x, w, n)) return;
     const int kind = c->wkind;
     const void *b = gemm_input(c, x, n, cols, kind);
     const size_t row_bytes = (size_t)cols * kind_size(kind);
@@ -1071,7 +1325,7 @@ static void cuda_destroy(loom_backend_t *be) {
         if (c->graphs[i].exec) (void)cudaGraphExecDestroy(c->graphs[i].exec);
     for (int i = 0; i < c->n_retired; i++) (void)cudaFree(c->retired[i]);
     free(c->retired);
-    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t};
+    dbuf_t *bufs[] = {&c->act16, &c->wdq, &c->attn_part, &c->samp, &c->lora_t, &c->qmma_part, &c->x8};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]->p) (void)cudaFree(bufs[i]->p);
     if (c->stage_dev) (void)cudaFree(c->stage_dev);
@@ -1080,6 +1334,8 @@ static void cuda_destroy(loom_backend_t *be) {
     for (int h = 0; h < 2; h++)
         if (c->stage_ev[h]) (void)cudaEventDestroy(c->stage_ev[h]);
     if (c->blas) (void)c->blas_api->destroy(c->blas);
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(c->lt_plans); i++) lt_plan_clear(c, &c->lt_plans[i]);
+    if (c->lt) (void)c->lt_api->destroy(c->lt);
     if (c->blas_ws) (void)cudaFree(c->blas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     if (c->xfer_stream) {
@@ -1134,6 +1390,7 @@ static const loom_backend_ops_t cuda_ops = {
     .add_rmsnorm = cuda_add_rmsnorm,
     .rope_kv_write = cuda_rope_kv_write,
     .add_bias = cuda_add_bias,
+    .matmul_bias = cuda_matmul_bias,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .graph_drop = cuda_graph_drop,
@@ -1195,7 +1452,10 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
  *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
  *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
- *   qgemv_variant     the same for the quantized GEMV (0; opmath.h) */
+ *   qgemv_variant     the same for the quantized GEMV (0; opmath.h)
+ *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 32; 0: off)
+ *   fp8_gemm          1: FP8 prefill GEMMs through cuBLASLt, x quantized per token (0; fp8act.h)
+ *   lt_bias           0: biased prefill GEMMs without cuBLASLt's bias epilogue (1) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1231,6 +1491,9 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
         else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
         else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
+        else if (!strcmp(key, "qmma_max_n") && v >= -1) c->qmma_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_QM_MAX_N);
+        else if (!strcmp(key, "fp8_gemm") && (v == 0 || v == 1)) c->fp8_gemm = (int)v;
+        else if (!strcmp(key, "lt_bias") && (v == 0 || v == 1)) c->lt_bias = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;
@@ -1264,6 +1527,8 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     snprintf(c->base.name, sizeof c->base.name, "cuda:%d", cfg->device_index);
     c->dev = cfg->device_index;
     c->qgemv_max_n = -1;
+    c->qmma_max_n = -1;
+    c->lt_bias = 1;
     c->wkind = kind_of(dt);
     read_tuning(c);
     loom_status_t s = init_device(c, err);

@@ -33,6 +33,19 @@ void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n);
 void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant);
 /* The quantized GEMV's (qgemv_variant; loom_om_qgemv_plan). */
 void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant);
+/* The quantized small-n tensor-core kernel serves n up to this (at most 64)
+ * above the GEMV's crossover; 0: never; -1: LOOM_CUDA_QMMA_MAX_N. */
+void loom_cuda_set_qmma_max_n(loom_backend_t *be, int n);
+/* FP8 prefill GEMMs through cuBLASLt with x quantized per token (the tuning
+ * table's fp8_gemm; kernels/cuda/fp8act.h): 1 on, 0 off (the default).
+ * Without cuBLASLt 12.9+ or below sm_89 the old path stays. */
+void loom_cuda_set_fp8_gemm(loom_backend_t *be, int on);
+/* How many GEMMs went through that path so far (tests). */
+uint64_t loom_cuda_fp8_gemm_count(loom_backend_t *be);
+/* cuBLASLt's bias epilogue for biased bf16/f16 prefill GEMMs (the tuning
+ * table's lt_bias): 1 on (the default), 0 off; and how many GEMMs took it. */
+void loom_cuda_set_lt_bias(loom_backend_t *be, int on);
+uint64_t loom_cuda_lt_bias_count(loom_backend_t *be);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

@@ -13,11 +13,14 @@ add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/elementwise.cu
             ${LOOM_CUDA_DIR}/gemv.cu
             ${LOOM_CUDA_DIR}/qgemv.cu
+            ${LOOM_CUDA_DIR}/qmma.cu
+            ${LOOM_CUDA_DIR}/fp8act.cu
             ${LOOM_CUDA_DIR}/attention.cu
             ${LOOM_CUDA_DIR}/sampling.cu
             ${LOOM_CUDA_DIR}/moe.cu
             ${LOOM_CUDA_DIR}/lora.cu
-            ${LOOM_CUDA_DIR}/cublas_dl.c)
+            ${LOOM_CUDA_DIR}/cublas_dl.c
+            ${LOOM_CUDA_DIR}/cublaslt_dl.c)
 target_include_directories(loom_cuda PRIVATE ${LOOM_CUDA_ROOT})
 set_target_properties(loom_cuda PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
 target_compile_options(loom_cuda PRIVATE

@@ -125,6 +125,25 @@ cudaError_t loom_cuda_moe_combine(float *out, const float *y, const int32_t *pos
  * (opmath.h's loom_om_qgemv_plan; 0 the default), the same bits each. */
 cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float *scales, const float *mins,
                             int quant, int64_t rows, int64_t cols, int group, int n, int variant, cudaStream_t s);
+/* The small-n tensor-core kernel (qmma.cu, index math in qmma.h): y(n,
+ * rows) = x(n, cols) . W^T for 1 <= n <= LOOM_QM_MAX_N (64), the codes
+ * decoded tile by tile into bf16 and multiplied with mma.sync against x
+ * narrowed to bf16, f32 accumulation. The backend uses it above the
+ * GEMV's crossover up to LOOM_CUDA_QMMA_MAX_N (the tuning table's
+ * qmma_max_n), with bf16 weights. ksplit (1..16, qmma.h's loom_qm_ksplit)
+ * splits the k range; ksplit > 1 needs part (ksplit * n * rows floats).
+ * _fits: whether the kernel takes the shape (cols a multiple of 16, 32 for
+ * Q4; x and q 16-byte aligned). */
+#ifndef LOOM_CUDA_QMMA_MAX_N
+#define LOOM_CUDA_QMMA_MAX_N 32
+#endif
+int loom_cuda_qmma_fits(int quant, int64_t rows, int64_t cols, int group, int n, const void *x, const void *q);
+cudaError_t loom_cuda_qmma(float *y, const float *x, const void *q, const float *scales, const float *mins, int quant,
+                           int64_t rows, int64_t cols, int group, int n, int ksplit, float *part, cudaStream_t s);
+/* The FP8 prefill GEMM's activations (fp8act.h): per row t of x (n, cols),
+ * scales[t] = amax / 448 (1 for a zero row) and q (n, cols) = e4m3(x /
+ * scales[t]), nearest even, saturating. */
+cudaError_t loom_cuda_fp8_quant_rows(void *q, float *scales, const float *x, int n, int64_t cols, cudaStream_t s);
 /* out(r1 - r0, cols) = rows [r0, r1) of W dequantized, stored as kind. */
 cudaError_t loom_cuda_dequant(void *out, int kind, const void *q, const float *scales, const float *mins, int quant,
                               int64_t r0, int64_t r1, int64_t cols, int group, cudaStream_t s);

@@ -21,6 +21,10 @@
 #include <string.h>
 
 #ifdef __CUDACC__
+#include <cuda_fp16.h>
+#endif
+
+#ifdef __CUDACC__
 #define LOOM_QD static __host__ __device__ __forceinline__
 #else
 #define LOOM_QD static inline
@@ -68,6 +72,41 @@ LOOM_QD float loom_qd_fp8(uint32_t b) {
 /* Four e4m3 codes: f[k] = e4m3(byte k). */
 LOOM_QD void loom_qd_fp8x4(uint32_t u, float *f) {
     for (int k = 0; k < 4; k++) f[k] = loom_qd_fp8((u >> (8 * k)) & 0xffu);
+}
+
+/* The f16 bits of an e4m3 byte, as cvt.rn.f16x2.e4m3x2 (sm_89+) produces
+ * them: every finite e4m3 value is exact in f16 (4 significant bits,
+ * exponents 2^-9 .. 2^8), so the conversion never rounds. Normal codes
+ * move their exponent from bias 7 to bias 15; subnormal ones (exponent
+ * field 0, m * 2^-9) are normalised. 0x7f/0xff (NaN) give the f16 NaN
+ * 0x7fff (the software decode above gives 480 instead; quantizers never
+ * write those codes). */
+LOOM_QD uint32_t loom_qd_fp8_f16bits(uint32_t b) {
+    const uint32_t sign = (b & 0x80u) << 8, e = (b >> 3) & 15u, m = b & 7u;
+    if (e == 15u && m == 7u) return 0x7fffu;
+    if (e) return sign | (e + 8u) << 10 | m << 7;
+    if (!m) return sign;
+    /* m * 2^-9 = 2^(p - 9) * (m / 2^p), p the top bit of m */
+    const uint32_t p = m >= 4u ? 2u : m >= 2u ? 1u : 0u;
+    return sign | (p + 6u) << 10 | ((m << (10u - p)) & 0x3ffu);
+}
+
+/* Four e4m3 codes to float32 the fastest way the device has: the
+ * hardware conversion on sm_89+ (two codes an instruction, exact: see
+ * loom_qd_fp8_f16bits), the software decode elsewhere and on the host.
+ * Both give the same floats for every finite code. */
+LOOM_QD void loom_qd_fp8x4_fast(uint32_t u, float *f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    for (int k = 0; k < 2; k++) {
+        const unsigned short v = (unsigned short)(u >> (16 * k));
+        uint32_t h;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+        f[2 * k] = __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
+        f[2 * k + 1] = __half2float(__ushort_as_half((unsigned short)(h >> 16)));
+    }
+#else
+    loom_qd_fp8x4(u, f);
+#endif
 }
 
 /* Element (r, c) of a matrix in the canonical layout, without its scale:

@@ -53,7 +53,7 @@ struct Codes {
         else if (QK == LOOM_QD_INT8)
             loom_qd_int8x4(u, f);
         else
-            loom_qd_fp8x4(u, f);
+            loom_qd_fp8x4_fast(u, f);
     }
 };
 
@@ -295,8 +295,8 @@ __global__ void dequant8_kernel(void *out, const uint8_t *__restrict__ q, const 
             loom_qd_int8x4(u.x, f);
             loom_qd_int8x4(u.y, f + 4);
         } else {
-            loom_qd_fp8x4(u.x, f);
-            loom_qd_fp8x4(u.y, f + 4);
+            loom_qd_fp8x4_fast(u.x, f);
+            loom_qd_fp8x4_fast(u.y, f + 4);
         }
     }
 #pragma unroll

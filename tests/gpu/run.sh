@@ -273,11 +273,16 @@ if [ $run_steps = 1 ]; then
             echo "qgemv_variant $g (q4): batch-1 step $s s (default 0: $qbase s)"
             if faster "$s" "$qbest_s"; then qbest=$g qbest_s=$s; fi
         done
+        # the quantized tensor-core kernel (qmma.cu) up to the largest n of bench-quant at which it beat
+        # dequantize + cuBLAS on every scheme and shape, and at every smaller n (none: the default stays)
+        qmma=$("$py" -c "import json,sys; q=json.load(open(sys.argv[1]))[\"quant_gemv\"]; ns=sorted({c[\"n\"] for r in q for c in r.get(\"mma_crossover\", [])}); ok=[all(c[\"mma_gbs\"] > c[\"dequant_gbs\"] for r in q for c in r[\"mma_crossover\"] if c[\"n\"] == n) for n in ns]; k=ok.index(False) if False in ok else len(ok); print((ns[k - 1] if k else 0) if ns else \"\")" "$out/quant.json" 2>/dev/null || true)
+        echo "qmma_max_n: ${qmma:-no measurement (bench-quant), the default stays}"
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
             echo "gemv_variant $gbest"
             echo "qgemv_variant $qbest"
+            if [ -n "$qmma" ]; then echo "qmma_max_n $qmma"; fi
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
     ' tune "$out" "$bin" "$py"
@@ -369,6 +374,12 @@ if os.path.exists(sys.argv[1]):
     for r in q["quant_gemv"]:
         print(f"{r['scheme']:<12}{r['shape']:<9}{r['gemv1_gbs']:>9.0f}{r['mbu1']:>7.3f}{r['gemv8_gbs']:>9.0f}"
               f"{r['mbu8']:>7.3f}{r['prefill_vs_bf16']:>9.2f}")
+    print("tensor-core qmma vs dequantize + cuBLAS, GB/s of weight bytes (qmma|dequant) at n =")
+    for r in q["quant_gemv"]:
+        cells = " ".join(f"{c['n']}: {c['mma_gbs']:.0f}|{c['dequant_gbs']:.0f}" for c in r.get("mma_crossover", []))
+        fp8 = r.get("prefill_fp8_gemm_vs_bf16", 0)
+        extra = f"   cuBLASLt FP8 prefill vs bf16: {fp8:.2f}" if r["scheme"] == "fp8" else ""
+        print(f"{r['scheme']:<12}{r['shape']:<9}{cells}{extra}")
 if os.path.exists(sys.argv[2]):
     b = json.load(open(sys.argv[2]))
     print(f"\n{b['dtype']} weights: prefill {b['prefill_tokens']} tokens {b['prefill_tflops']:.0f} TFLOP/s")

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cublas_dl.h"
+#include "kernels/cuda/cublaslt_dl.h"
 #include "tests/test.h"
 
 #define STR_(x) #x
@@ -32,8 +33,24 @@ static void test_load(void) {
     CHECKF(strncmp(text, "cuBLAS status ", 14) != 0, "%s", text);
 }
 
+/* cuBLASLt (cublaslt_dl.h) the same way: not linked, every symbol found */
+static void test_lt(void) {
+    void *h = dlopen("libcublasLt.so." STR(CUBLAS_VER_MAJOR), RTLD_NOW | RTLD_NOLOAD);
+    CHECKF(h == NULL, "cuBLASLt was loaded before any backend asked for it");
+    if (h) dlclose(h);
+    const loom_cublaslt_api_t *api = NULL, *again = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_cublaslt_load(&api, &err) == LOOM_OK && api != NULL);
+    CHECK(api->create && api->destroy && api->desc_create && api->desc_destroy && api->desc_set &&
+          api->layout_create && api->layout_destroy && api->pref_create && api->pref_destroy && api->pref_set &&
+          api->heuristic && api->matmul);
+    CHECKF(api->version / 10000 == CUBLAS_VER_MAJOR || api->version / 10000 == 12, "version %zu", api->version);
+    CHECK(loom_cublaslt_load(&again, &err) == LOOM_OK && again == api);
+}
+
 int main(void) {
     RUN(test_not_linked);
+    RUN(test_lt);
     RUN(test_load);
     return test_summary();
 }

@@ -24,6 +24,7 @@
 #include "kernels/cpu/backend_cpu.h"
 #include "kernels/cpu/lora.h"
 #include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/cublaslt_dl.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/quant.h"
@@ -184,6 +185,55 @@ static void test_matmul(void) {
         for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) check_matmul(t, shapes[s][0], shapes[s][1], shapes[s][2]);
 }
 
+/* loom_op_matmul_bias: on CUDA with bf16/f16 weights and n >= 64,
+ * cuBLASLt's bias epilogue (counted: every such call takes it where
+ * cuBLASLt loads), else matmul + add_bias; against the CPU's matmul and
+ * bias add, on odd shapes, with the epilogue on and off. */
+static void test_matmul_bias(void) {
+    static const int shapes[][3] = {{1000, 1024, 100}, {97, 104, 64}, {4096 + 512 * 2, 4096, 512}, {37, 64, 3},
+                                    {130, 256, 63}};
+    const loom_cublaslt_api_t *lt = NULL;
+    loom_err_t err = {0};
+    const int have_lt = loom_cublaslt_load(&lt, &err) == LOOM_OK;
+    for (int t = 1; t < 3; t++)
+        for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++)
+            for (int on = 1; on >= 0; on--) {
+                const int64_t rows = shapes[s][0], cols = shapes[s][1];
+                const int n = shapes[s][2];
+                float *hw = rand_host((size_t)rows * cols, 1.0f), *hx = rand_host((size_t)n * cols, 1.0f),
+                      *hb = rand_host((size_t)rows, 2.0f);
+                loom_weight_t wg, wc;
+                LOOM_ASSERT(loom_weight_upload(g_cuda[t], &wg, rows, cols, hw, &err) == LOOM_OK);
+                LOOM_ASSERT(loom_weight_upload(g_cpu[t], &wc, rows, cols, hw, &err) == LOOM_OK);
+                float *ref = loom_xmalloc((size_t)n * rows * sizeof *ref);
+                loom_op_matmul(g_cpu[t], ref, hx, &wc, n);
+                for (int i = 0; i < n; i++)
+                    for (int64_t r = 0; r < rows; r++) ref[i * rows + r] += hb[r];
+                float *dx = to_dev(g_cuda[t], hx, (size_t)n * cols * 4), *db = to_dev(g_cuda[t], hb, (size_t)rows * 4),
+                      *dy = poisoned(g_cuda[t], (size_t)n * rows * 4);
+                loom_cuda_set_lt_bias(g_cuda[t], on);
+                const uint64_t before = loom_cuda_lt_bias_count(g_cuda[t]);
+                loom_op_matmul_bias(g_cuda[t], dy, dx, &wg, db, n);
+                const int took = loom_cuda_lt_bias_count(g_cuda[t]) > before;
+                char what[128];
+                snprintf(what, sizeof what, "matmul_bias %s rows %lld cols %lld n %d, epilogue %s",
+                         loom_dtype_name(k_dts[t]), (long long)rows, (long long)cols, n, on ? "on" : "off");
+                CHECKF(took == (on && have_lt && n >= 64), "%s: epilogue %s", what, /* LT_BIAS_MIN_N */
+                       took ? "taken" : "not taken");
+                const double u = n <= 4 ? 2e-6 : t == 1 ? 4e-3 : 5e-4;
+                CHECK(close_dev(what, g_cuda[t], dy, ref, (size_t)n * rows, 4.0 * u * sqrt((double)cols) + 1e-5,
+                                1e-3));
+                loom_backend_free(g_cuda[t], dx);
+                loom_backend_free(g_cuda[t], db);
+                loom_backend_free(g_cuda[t], dy);
+                loom_weight_free(g_cuda[t], &wg);
+                loom_weight_free(g_cpu[t], &wc);
+                free(hw), free(hx), free(hb), free(ref);
+            }
+    loom_cuda_set_lt_bias(g_cuda[1], 1);
+    loom_cuda_set_lt_bias(g_cuda[2], 1);
+}
+
 /* --- quantized matmul --------------------------------------------------------------- */
 
 static int g_cc; /* compute capability of cuda:0, 10 * major + minor */
@@ -262,6 +312,88 @@ static void check_qmatmul(const char *scheme, int t, int64_t rows, int64_t cols,
     loom_weight_free(g_cpu[0], &wc);
     loom_qtensor_free(&q);
     free(hw), free(hx), free(ref);
+}
+
+/* The small-n tensor-core kernel (qmma.cu) on bf16 weights, n from the
+ * GEMV's crossover up to 64: odd rows (past a 64-row block), columns past a
+ * 64-column step, k split (few rows, many columns) and not; held to the
+ * bf16 prefill's tolerance (x rounded to bf16; INT8/FP8 codes are exact
+ * in the tile). The shapes are ones the kernel takes (checked), so the
+ * calls do not fall back to dequantize + cuBLAS. */
+static void test_quant_mma(void) {
+    static const char *schemes[] = {"int8", "fp8", "q4", "q4_min:64", "q4_min:128"};
+    static const int shapes[][3] = {{77, 256, 9}, {130, 4096, 33}, {1000, 1152, 64}, {45, 1024, 17}, {4099, 512, 24}};
+    loom_cuda_set_qmma_max_n(g_cuda[1], 64);
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(schemes); s++)
+        for (size_t h = 0; h < LOOM_ARRAY_LEN(shapes); h++) {
+            const int64_t rows = shapes[h][0], cols = shapes[h][1];
+            loom_quant_spec_t spec;
+            LOOM_ASSERT(loom_quant_spec_parse(schemes[s], &spec));
+            const int group = spec.quant == LOOM_QUANT_Q4 ? spec.group : (int)cols;
+            if (cols % group) continue;
+            CHECKF(loom_cuda_qmma_fits((int)spec.quant, rows, cols, group, shapes[h][2], (const void *)16,
+                                       (const void *)16),
+                   "qmma takes %s %lld x %lld", schemes[s], (long long)rows, (long long)cols);
+            check_qmatmul(schemes[s], 1, rows, cols, shapes[h][2]);
+        }
+    loom_cuda_set_qmma_max_n(g_cuda[1], -1);
+}
+
+/* FP8 prefill through cuBLASLt (fp8_gemm on; backend_cuda.c matmul_fp8):
+ * x quantized per token, each output within fp8act.h's bound of the CPU's
+ * float32 product over the dequantized weights; on sm_89+ with cuBLASLt
+ * 12.9+ the calls must take that path (counted), elsewhere the old one. */
+static void test_fp8_gemm(void) {
+    static const int shapes[][3] = {{256, 1024, 100}, {1008, 4096, 77}, {48, 272, 9}};
+    loom_quant_spec_t spec;
+    LOOM_ASSERT(loom_quant_spec_parse("fp8", &spec));
+    loom_backend_t *be = g_cuda[1];
+    const loom_cublaslt_api_t *lt = NULL;
+    loom_err_t err = {0};
+    const int expect = g_cc >= 89 && loom_cublaslt_load(&lt, &err) == LOOM_OK && lt->version >= 120900;
+    if (g_cc < 89) {
+        printf("  fp8 GEMM: skipped (compute capability %d.%d)\n", g_cc / 10, g_cc % 10);
+        return;
+    }
+    loom_cuda_set_fp8_gemm(be, 1);
+    loom_cuda_set_qmma_max_n(be, 0);
+    for (size_t h = 0; h < LOOM_ARRAY_LEN(shapes); h++) {
+        const int64_t rows = shapes[h][0], cols = shapes[h][1];
+        const int n = shapes[h][2];
+        float *hw = rand_host((size_t)rows * cols, 1.0f), *hx = rand_host((size_t)n * cols, 1.0f);
+        loom_qtensor_t q;
+        LOOM_ASSERT(loom_quantize(&spec, hw, rows, cols, &q, &err) == LOOM_OK);
+        loom_weight_t wg;
+        REQUIRE(loom_weight_upload_quant(be, &wg, &q, &err) == LOOM_OK);
+        float *dx = to_dev(be, hx, (size_t)n * cols * 4), *dy = poisoned(be, (size_t)n * rows * 4);
+        const uint64_t before = loom_cuda_fp8_gemm_count(be);
+        loom_op_matmul(be, dy, dx, &wg, n);
+        float *y = from_dev(be, dy, (size_t)n * rows);
+        CHECKF(loom_cuda_fp8_gemm_count(be) - before == (uint64_t)expect, "fp8 GEMM %lld x %lld n %d: path %s",
+               (long long)rows, (long long)cols, n, expect ? "not taken" : "taken without cuBLASLt 12.9");
+        int bad = 0;
+        for (int t = 0; t < n; t++) {
+            float amax = 0.0f;
+            for (int64_t c = 0; c < cols; c++) amax = fmaxf(amax, fabsf(hx[t * cols + c]));
+            for (int64_t r = 0; r < rows; r++) {
+                double ref = 0.0, swx = 0.0, sw = 0.0;
+                for (int64_t c = 0; c < cols; c++) {
+                    const double wv = (double)q.scales[r] * loom_fp8_e4m3_to_f32(((const uint8_t *)q.q)[r * cols + c]);
+                    ref += wv * hx[t * cols + c], swx += fabs(wv * hx[t * cols + c]), sw += fabs(wv);
+                }
+                const double bound = ldexp(swx, -4) + ldexp(sw, -10) * (amax / 448.0) + 1e-5 * swx + 1e-6;
+                bad += !(fabs(y[t * rows + r] - ref) <= bound);
+            }
+        }
+        CHECKF(!bad, "fp8 GEMM %lld x %lld n %d: %d outputs past the bound", (long long)rows, (long long)cols, n, bad);
+        free(y), free(hw), free(hx);
+        loom_backend_free(be, dx);
+        loom_backend_free(be, dy);
+        loom_weight_free(be, &wg);
+        loom_qtensor_free(&q);
+    }
+    loom_cuda_set_fp8_gemm(be, 0);
+    loom_cuda_set_qmma_max_n(be, -1);
 }
 
 static void test_quant_matmul(void) {
@@ -1328,7 +1460,10 @@ int main(int argc, char **argv) {
     RUN(test_memory);
     RUN(test_weight_upload);
     RUN(test_matmul);
+    RUN(test_matmul_bias);
     RUN(test_quant_matmul);
+    RUN(test_quant_mma);
+    RUN(test_fp8_gemm);
     RUN(test_rmsnorm_add);
     RUN(test_fused_gemm_input);
     RUN(test_silu_gather);

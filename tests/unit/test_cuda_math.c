@@ -15,7 +15,10 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/fp8act.h"
 #include "kernels/cuda/opmath.h"
+#include "kernels/cuda/qformat.h"
+#include "kernels/cuda/qmma.h"
 #include "kernels/quant.h"
 #include "tests/test.h"
 #include "worker/moe_ds.h"
@@ -652,6 +655,345 @@ static void test_ds_route(void) {
     }
 }
 
+
+/* --- e4m3 decodes: software and the hardware conversion ------------------------------- */
+
+/* An e4m3 byte by the format's definition (bias 7, subnormals m/8 * 2^-6,
+ * S.1111.111 NaN, no infinities). */
+static double e4m3_spec(int b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+    return b & 0x80 ? -v : v;
+}
+
+/* An IEEE binary16 from its bits, written out. */
+static double f16_value(uint32_t h) {
+    const int e = (int)((h >> 10) & 31u), m = (int)(h & 0x3ffu);
+    double v;
+    if (e == 31) v = m ? NAN : INFINITY;
+    else v = e ? ldexp(1.0 + m / 1024.0, e - 15) : ldexp(m / 1024.0, -14);
+    return h & 0x8000u ? -v : v;
+}
+
+/* Every code: the software decode (qformat.h, the FP8 GEMV below sm_89 and
+ * the host) equals the definition; the f16 the hardware conversion
+ * cvt.rn.f16x2.e4m3x2 gives (loom_qd_fp8_f16bits) holds that same value,
+ * so the sm_89+ paths decode to the same floats; and the value is exact
+ * in bf16, as the tensor-core kernel's tile keeps it. */
+static void test_fp8_decode(void) {
+    int bad = 0;
+    for (int b = 0; b < 256; b++) {
+        const int nan = (b & 0x7f) == 0x7f;
+        const uint32_t h = loom_qd_fp8_f16bits((uint32_t)b);
+        if (nan) {
+            bad += !isnan(f16_value(h));
+            bad += loom_qd_fp8((uint32_t)b) != (b & 0x80 ? -480.0f : 480.0f);
+            continue;
+        }
+        const double v = e4m3_spec(b);
+        float f4[4];
+        loom_qd_fp8x4((uint32_t)b << 16, f4);
+        float ff[4];
+        loom_qd_fp8x4_fast((uint32_t)b << 8, ff); /* the host takes the software path */
+        const uint32_t bf = loom_qm_bf16((float)v) << 16;
+        float bv;
+        memcpy(&bv, &bf, sizeof bv);
+        const int ok = (double)loom_qd_fp8((uint32_t)b) == v && f16_value(h) == v && (double)f4[2] == v &&
+                       (double)ff[1] == v && signbit(f16_value(h)) == signbit(v) && (double)bv == v &&
+                       (double)loom_fp8_e4m3_to_f32((uint8_t)b) == v;
+        if (!ok && bad < 5)
+            fprintf(stderr, "code 0x%02x: spec %g, software %g, f16 %g (0x%04x), bf16 %g\n", b, v,
+                    (double)loom_qd_fp8((uint32_t)b), f16_value(h), h, (double)bv);
+        bad += !ok;
+    }
+    CHECKF(!bad, "%d e4m3 codes decode differently", bad);
+}
+
+/* --- the quantized small-n tensor-core kernel (qmma.cu) --------------------------------- */
+
+/* The fragment layouts as the PTX ISA's tables for mma.m16n8k16 (.bf16)
+ * state them, written out independently of qmma.h. */
+static void ptx_a(int lane, int i, int *r, int *c) {
+    const int g = lane >> 2, t = lane % 4;
+    *r = (i == 0 || i == 1 || i == 4 || i == 5) ? g : g + 8;
+    *c = i < 4 ? t * 2 + (i & 1) : t * 2 + 8 + (i & 1);
+}
+static void ptx_b(int lane, int i, int *k, int *n) {
+    const int g = lane >> 2, t = lane % 4;
+    *k = i < 2 ? t * 2 + (i & 1) : t * 2 + 8 + (i & 1);
+    *n = g;
+}
+static void ptx_c(int lane, int i, int *r, int *n) {
+    const int g = lane >> 2, t = lane % 4;
+    *r = i < 2 ? g : g + 8;
+    *n = t * 2 + (i & 1);
+}
+
+static float bf16_f(uint32_t h) {
+    const uint32_t u = (h & 0xffffu) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One mma.sync.m16n8k16 of a warp as the PTX ISA defines it: the lanes'
+ * registers placed by the tables above, D = A B + C (sums in double). */
+static void mma_emu(float c[32][4], uint32_t a[32][4], uint32_t b[32][2]) {
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        for (int i = 0; i < 8; i++) {
+            int r, k;
+            ptx_a(lane, i, &r, &k);
+            A[r][k] = bf16_f(a[lane][i / 2] >> (16 * (i & 1)));
+        }
+        for (int i = 0; i < 4; i++) {
+            int k, n;
+            ptx_b(lane, i, &k, &n);
+            B[k][n] = bf16_f(b[lane][i / 2] >> (16 * (i & 1)));
+        }
+    }
+    for (int lane = 0; lane < 32; lane++)
+        for (int i = 0; i < 4; i++) {
+            int r, n;
+            ptx_c(lane, i, &r, &n);
+            double d = c[lane][i];
+            for (int k = 0; k < 16; k++) d += (double)A[r][k] * B[k][n];
+            c[lane][i] = (float)d;
+        }
+}
+
+typedef struct qm_case {
+    int quant, with_min, group;
+    int64_t rows, cols;
+    int n, n_sms;
+} qm_case_t;
+
+/* qmma_kernel and qmma_reduce_kernel on the CPU: the grid of (row block,
+ * split) blocks, each step's loads (qmma.h's load_rc and decode_word, as
+ * store() runs them) into the bf16 tiles, the warps' fragment reads
+ * (a_rc, b_kn) into mma_emu, the epilogue's c_rn scatter and the split
+ * sums in order; against float64 over the reference dequantization. */
+static void qmma_replay(const qm_case_t *k) {
+    const int quant = k->quant, Q4 = quant == LOOM_QD_Q4, n = k->n, NT = loom_qm_nt(n);
+    const int64_t rows = k->rows, cols = k->cols, group = Q4 ? k->group : cols;
+    const int64_t row_bytes = Q4 ? cols / 2 : cols, gpr = cols / group;
+    uint8_t *q = malloc((size_t)(rows * row_bytes));
+    float *sc = malloc(sizeof(float) * (size_t)(rows * gpr)), *mn = k->with_min ? malloc(sizeof(float) * (size_t)(rows * gpr)) : NULL;
+    float *x = malloc(sizeof(float) * (size_t)(n * cols));
+    for (int64_t i = 0; i < rows * row_bytes; i++) {
+        g_st = g_st * 6364136223846793005ull + 1442695040888963407ull;
+        q[i] = (uint8_t)(g_st >> 33);
+        if (quant == LOOM_QD_FP8 && (q[i] & 0x7f) == 0x7f) q[i] ^= 1; /* no NaN codes */
+    }
+    for (int64_t i = 0; i < rows * gpr; i++) {
+        sc[i] = 0.01f + fabsf(test_randf(&g_st, 0.05f));
+        if (mn) mn[i] = test_randf(&g_st, 0.2f);
+    }
+    for (int64_t i = 0; i < n * cols; i++) x[i] = test_randf(&g_st, 2.0f);
+
+    const int ksplit = loom_qm_ksplit(rows, cols, k->n_sms);
+    const int64_t ksteps = (cols + LOOM_QM_BK - 1) / LOOM_QM_BK, blocks = (rows + LOOM_QM_BM - 1) / LOOM_QM_BM;
+    float *part = calloc((size_t)(ksplit * n * rows), sizeof(float)), *y = malloc(sizeof(float) * (size_t)(n * rows));
+    enum { XS = LOOM_QM_BK + LOOM_QM_PAD };
+    static uint32_t ws[LOOM_QM_BM * XS / 2], xs[LOOM_QM_MAX_N * XS / 2];
+    static float acc[4][LOOM_QM_MAX_N / 8][32][4];
+    int covered = 1;
+    int64_t steps_seen = 0;
+    for (int64_t bx = 0; bx < blocks; bx++)
+        for (int split = 0; split < ksplit; split++) {
+            const int64_t row0 = bx * LOOM_QM_BM;
+            int64_t k0, k1;
+            loom_qm_split_range(ksteps, ksplit, split, &k0, &k1);
+            if (bx == 0) steps_seen += k1 > k0 ? k1 - k0 : 0;
+            memset(acc, 0, sizeof acc);
+            for (int64_t ks = k0; ks < k1; ks++) {
+                memset(ws, 0xff, sizeof ws), memset(xs, 0xff, sizeof xs); /* stale tiles show up */
+                for (int i = 0; i < loom_qm_loads(quant); i++) {
+                    int r, c;
+                    loom_qm_load_rc(quant, i, &r, &c);
+                    const int64_t gr = row0 + r, gc = ks * LOOM_QM_BK + c;
+                    uint32_t wd[4] = {0, 0, 0, 0};
+                    float s = 0.0f, m = 0.0f;
+                    if (gr < rows && gc < cols) {
+                        memcpy(wd, q + gr * row_bytes + (Q4 ? gc / 2 : gc), 16);
+                        if (Q4) s = sc[gr * gpr + gc / group], m = mn ? mn[gr * gpr + gc / group] : 0.0f;
+                    }
+                    const int wpw = Q4 ? 4 : 2;
+                    uint32_t out[16];
+                    for (int j = 0; j < 4; j++) loom_qm_decode_word(quant, mn != NULL, wd[j], s, m, out + j * wpw);
+                    memcpy(ws + (r * XS + c) / 2, out, sizeof(uint32_t) * 4 * (size_t)wpw);
+                }
+                for (int i = 0; i < NT * LOOM_QM_BK / 4; i++) {
+                    const int t = i / (LOOM_QM_BK / 4), c = (i % (LOOM_QM_BK / 4)) * 4;
+                    const int64_t gc = ks * LOOM_QM_BK + c;
+                    float v[4] = {0, 0, 0, 0};
+                    if (t < n && gc < cols) memcpy(v, x + t * cols + gc, sizeof v);
+                    xs[(t * XS + c) / 2] = loom_qm_pack(loom_qm_bf16(v[0]), loom_qm_bf16(v[1]));
+                    xs[(t * XS + c) / 2 + 1] = loom_qm_pack(loom_qm_bf16(v[2]), loom_qm_bf16(v[3]));
+                }
+                for (int warp = 0; warp < 4; warp++)
+                    for (int kk = 0; kk < LOOM_QM_BK; kk += 16) {
+                        uint32_t a[32][4], b[32][2];
+                        for (int lane = 0; lane < 32; lane++)
+                            for (int p = 0; p < 4; p++) {
+                                int r, c;
+                                loom_qm_a_rc(lane, 2 * p, &r, &c);
+                                a[lane][p] = ws[((warp * 16 + r) * XS + kk + c) / 2];
+                            }
+                        for (int j = 0; j < NT / 8; j++) {
+                            for (int lane = 0; lane < 32; lane++)
+                                for (int p = 0; p < 2; p++) {
+                                    int kq, t;
+                                    loom_qm_b_kn(lane, 2 * p, &kq, &t);
+                                    b[lane][p] = xs[((j * 8 + t) * XS + kk + kq) / 2];
+                                }
+                            mma_emu(acc[warp][j], a, b);
+                        }
+                    }
+            }
+            for (int warp = 0; warp < 4; warp++)
+                for (int j = 0; j < NT / 8; j++)
+                    for (int lane = 0; lane < 32; lane++)
+                        for (int i = 0; i < 4; i++) {
+                            int r, t;
+                            loom_qm_c_rn(lane, i, &r, &t);
+                            const int64_t gr = row0 + warp * 16 + r;
+                            t += j * 8;
+                            if (gr >= rows || t >= n) continue;
+                            part[((int64_t)split * n + t) * rows + gr] = acc[warp][j][lane][i];
+                        }
+        }
+    covered = steps_seen == ksteps;
+    for (int64_t i = 0; i < n * rows; i++) {
+        float sum = 0.0f;
+        for (int s = 0; s < ksplit; s++) sum += part[(int64_t)s * n * rows + i];
+        y[i] = Q4 ? sum : sc[i % rows] * sum;
+    }
+    /* float64 over the reference dequantization; the bound: x rounded to
+     * bf16 (2^-9 relative), 4-bit weights too, the f32 sums */
+    double worst = 0.0;
+    int bad = 0;
+    for (int t = 0; t < n; t++)
+        for (int64_t r = 0; r < rows; r++) {
+            double ref = 0.0, mag = 0.0;
+            for (int64_t c = 0; c < cols; c++) {
+                const double wv = loom_qd_value(quant, q, sc, mn, cols, (int)group, r, c);
+                ref += wv * x[t * cols + c], mag += fabs(wv * x[t * cols + c]);
+            }
+            const double err = fabs(y[t * rows + r] - ref), tol = (Q4 ? 2.0 : 1.0) * ldexp(mag, -8) + 1e-6;
+            if (err / tol > worst) worst = err / tol;
+            bad += !(err <= tol);
+        }
+    CHECKF(covered && !bad,
+           "qmma quant %d min %d group %d rows %lld cols %lld n %d ksplit %d: %d of %lld outputs off (worst %.2f of "
+           "the bound)",
+           quant, k->with_min, k->group, (long long)rows, (long long)cols, n, ksplit, bad, (long long)(n * rows),
+           worst);
+    free(q), free(sc), free(mn), free(x), free(part), free(y);
+}
+
+static void test_qmma(void) {
+    /* the fragment helpers against the PTX tables, every lane and element */
+    int bad = 0;
+    for (int lane = 0; lane < 32; lane++) {
+        for (int i = 0; i < 8; i++) {
+            int r0, c0, r1, c1;
+            loom_qm_a_rc(lane, i, &r0, &c0), ptx_a(lane, i, &r1, &c1);
+            bad += r0 != r1 || c0 != c1;
+        }
+        for (int i = 0; i < 4; i++) {
+            int k0, n0, k1, n1;
+            loom_qm_b_kn(lane, i, &k0, &n0), ptx_b(lane, i, &k1, &n1);
+            bad += k0 != k1 || n0 != n1;
+            loom_qm_c_rn(lane, i, &k0, &n0), ptx_c(lane, i, &k1, &n1);
+            bad += k0 != k1 || n0 != n1;
+        }
+    }
+    CHECKF(!bad, "%d fragment coordinates differ from the PTX tables", bad);
+    /* the split plan: 1..16 splits, every k step in exactly one */
+    static const int64_t shapes[][2] = {{4096, 4096}, {1024, 4096}, {14336, 4096}, {4096, 14336}, {64, 64}, {7, 16}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int sms = 1; sms <= 264; sms += 131) {
+            const int ks = loom_qm_ksplit(shapes[s][0], shapes[s][1], sms);
+            const int64_t steps = (shapes[s][1] + LOOM_QM_BK - 1) / LOOM_QM_BK;
+            int64_t next = 0, k0, k1;
+            CHECK(ks >= 1 && ks <= LOOM_QM_MAX_SPLIT && (ks == 1 || steps / ks >= 4));
+            for (int i = 0; i < ks; i++) {
+                loom_qm_split_range(steps, ks, i, &k0, &k1);
+                if (k1 > k0) {
+                    CHECK(k0 == next);
+                    next = k1;
+                }
+            }
+            CHECK(next == steps);
+        }
+    CHECK(loom_qm_nt(1) == 8 && loom_qm_nt(9) == 16 && loom_qm_nt(17) == 32 && loom_qm_nt(33) == 64 &&
+          loom_qm_nt(64) == 64);
+    /* odd shapes: rows past a block, columns past a step, n past a tile,
+     * splits (n_sms large) and none */
+    static const qm_case_t cases[] = {
+        {LOOM_QD_INT8, 0, 0, 77, 208, 9, 132},   {LOOM_QD_INT8, 0, 0, 130, 1040, 33, 132},
+        {LOOM_QD_FP8, 0, 0, 64, 272, 17, 1},     {LOOM_QD_FP8, 0, 0, 45, 1024, 64, 132},
+        {LOOM_QD_Q4, 0, 32, 70, 224, 12, 132},   {LOOM_QD_Q4, 1, 64, 129, 1088, 23, 132},
+        {LOOM_QD_Q4, 1, 128, 16, 384, 1, 1},     {LOOM_QD_Q4, 0, 32, 64, 1024, 40, 132},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) qmma_replay(&cases[i]);
+}
+
+/* --- the FP8 prefill GEMM's scale math (fp8act.h) -------------------------------------- */
+
+/* matmul_fp8's arithmetic on the CPU: x quantized per token as fp8act.cu
+ * does (amax, loom_f8_token_scale, e4m3 of loom_f8_scaled, the CPU's
+ * encoder being the same round-to-nearest-even saturating conversion as
+ * the device's __nv_cvt_float_to_fp8), the product of codes scaled by the
+ * weights' row scales and the token scales (cuBLASLt's outer vectors);
+ * every output within fp8act.h's bound of the float64 product over the
+ * dequantized weights, and the bound not loose by orders of magnitude. */
+static void test_fp8_gemm_scales(void) {
+    CHECK(loom_f8_token_scale(0.0f) == 1.0f && loom_f8_token_scale(INFINITY) == 1.0f &&
+          loom_f8_token_scale(NAN) == 1.0f && loom_f8_token_scale(448.0f) == 1.0f);
+    enum { ROWS = 37, COLS = 272, N = 9 };
+    static uint8_t wq[ROWS * COLS], xq[N * COLS];
+    static float x[N * COLS], ws[ROWS], xs[N];
+    for (int r = 0; r < ROWS; r++) {
+        ws[r] = 0.001f + fabsf(test_randf(&g_st, 0.01f));
+        for (int c = 0; c < COLS; c++) {
+            g_st = g_st * 6364136223846793005ull + 1442695040888963407ull;
+            wq[r * COLS + c] = (uint8_t)(g_st >> 33);
+            if ((wq[r * COLS + c] & 0x7f) == 0x7f) wq[r * COLS + c] ^= 1;
+        }
+    }
+    for (int t = 0; t < N; t++) {
+        const float mag = t == 0 ? 0.0f : (float)ldexp(1.0, 3 * t - 12); /* tokens from 0 to ~2^12 */
+        float amax = 0.0f;
+        for (int c = 0; c < COLS; c++) {
+            x[t * COLS + c] = test_randf(&g_st, mag);
+            if (t == 3 && c == 5) x[t * COLS + c] = 300.0f * mag; /* an outlier */
+            amax = fmaxf(amax, fabsf(x[t * COLS + c]));
+        }
+        xs[t] = loom_f8_token_scale(amax);
+        for (int c = 0; c < COLS; c++) xq[t * COLS + c] = loom_f32_to_fp8_e4m3(loom_f8_scaled(x[t * COLS + c], xs[t]));
+    }
+    int bad = 0;
+    double worst = 0.0, sum_ratio = 0.0;
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < ROWS; r++) {
+            float acc = 0.0f; /* f32 accumulation */
+            double ref = 0.0, swx = 0.0, sw = 0.0;
+            for (int c = 0; c < COLS; c++) {
+                acc += loom_qd_fp8(wq[r * COLS + c]) * loom_qd_fp8(xq[t * COLS + c]);
+                const double wv = (double)ws[r] * loom_qd_fp8(wq[r * COLS + c]);
+                ref += wv * x[t * COLS + c], swx += fabs(wv * x[t * COLS + c]), sw += fabs(wv);
+            }
+            const double y = (double)ws[r] * xs[t] * acc, err = fabs(y - ref);
+            const double bound = loom_f8_bound(swx, sw, xs[t]) + 1e-6 * swx;
+            bad += !(err <= bound);
+            if (bound > 0) worst = fmax(worst, err / bound), sum_ratio += err / bound;
+        }
+    CHECKF(!bad, "%d of %d fp8 GEMM outputs past the bound (worst %.2f of it)", bad, N * ROWS, worst);
+    CHECKF(sum_ratio / (N * ROWS) > 1e-3, "the bound is loose: mean error %.2g of it", sum_ratio / (N * ROWS));
+}
+
 int main(void) {
     RUN(test_elementwise);
     RUN(test_i8_kv);
@@ -660,5 +1002,8 @@ int main(void) {
     RUN(test_ds_route);
     RUN(test_fp8_scale);
     RUN(test_gemv_plan);
+    RUN(test_fp8_decode);
+    RUN(test_qmma);
+    RUN(test_fp8_gemm_scales);
     return test_summary();
 }

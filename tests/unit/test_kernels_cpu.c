@@ -412,6 +412,27 @@ static void test_add_bias(void) {
     }
 }
 
+/* loom_op_matmul_bias where the backend has no fused op: exactly matmul
+ * then add_bias. */
+static void test_matmul_bias(void) {
+    enum { ROWS = 19, COLS = 40, N = 5 };
+    unsigned long long st = 43;
+    loom_backend_t *be = make_backend(1, LOOM_DT_F32);
+    REQUIRE(be);
+    float *w = alloc_f(ROWS * COLS), *x = alloc_f(N * COLS), *b = alloc_f(ROWS), *y = alloc_f(N * ROWS),
+          *ref = alloc_f(N * ROWS);
+    fill(w, ROWS * COLS, &st, 1.0f), fill(x, N * COLS, &st, 1.0f), fill(b, ROWS, &st, 1.0f);
+    loom_weight_t lw;
+    REQUIRE(loom_weight_upload(be, &lw, ROWS, COLS, w, NULL) == LOOM_OK);
+    loom_op_matmul(be, ref, x, &lw, N);
+    loom_op_add_bias(be, ref, b, N, ROWS);
+    loom_op_matmul_bias(be, y, x, &lw, b, N);
+    test_allclose("matmul_bias", y, ref, N * ROWS, 0, 0);
+    loom_weight_free(be, &lw);
+    free(w), free(x), free(b), free(y), free(ref);
+    loom_backend_destroy(&be);
+}
+
 static void test_silu_mul(void) {
     static const int hs[] = {1, 7, 13, 67, 257, 1031};
     static const int ns[] = {1, 5, 40};
@@ -1340,6 +1361,7 @@ int main(void) {
     RUN(test_rmsnorm);
     RUN(test_add);
     RUN(test_add_bias);
+    RUN(test_matmul_bias);
     RUN(test_silu_mul);
     RUN(test_embed_gather);
     RUN(test_moe_combine);

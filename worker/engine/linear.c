@@ -17,8 +17,10 @@ loom_status_t loom_blk_allreduce(loom_model_t *m, float *buf, int64_t n, loom_er
 
 loom_status_t loom_blk_linear(loom_model_t *m, const loom_blk_adapters_t *ad, const loom_blk_linear_t *lin,
                               float *y, const float *x, int n, loom_err_t *err) {
-    loom_op_matmul(m->be, y, x, lin->w, n);
-    if (lin->bias) loom_op_add_bias(m->be, y, lin->bias, n, (int)lin->w->rows);
+    if (lin->bias)
+        loom_op_matmul_bias(m->be, y, x, lin->w, lin->bias, n);
+    else
+        loom_op_matmul(m->be, y, x, lin->w, n);
     if (ad) loom_blk_lora(m, ad, lin, y, x, n);
     return lin->reduce ? loom_blk_allreduce(m, y, (int64_t)n * lin->w->rows, err) : LOOM_OK;
 }
