@@ -131,7 +131,7 @@ typedef struct cuda_backend {
     uint64_t n_fp8_gemm;   /* GEMMs matmul_fp8 took */
     uint64_t n_lt_bias;    /* GEMMs cuda_matmul_bias ran with the bias epilogue */
     int fp8_warned;        /* fp8_gemm without outer-vector scales, logged */
-    int lt_bias;           /* the bias epilogue (the tuning table's lt_bias, 1) */
+    int lt_bias;           /* the bias epilogue (the tuning table's lt_bias, 0) */
 } cuda_backend_t;
 
 static cuda_backend_t *cu(loom_backend_t *be) {
@@ -1528,7 +1528,7 @@ loom_status_t loom_backend_cuda_create(const loom_backend_config_t *cfg, loom_ba
     c->dev = cfg->device_index;
     c->qgemv_max_n = -1;
     c->qmma_max_n = -1;
-    c->lt_bias = 1;
+    c->lt_bias = 0; /* off until a device ran it right (run.sh's tune writes lt_bias 1) */
     c->wkind = kind_of(dt);
     read_tuning(c);
     loom_status_t s = init_device(c, err);

@@ -135,7 +135,7 @@ cudaError_t loom_cuda_qgemv(float *y, const float *x, const void *q, const float
  * _fits: whether the kernel takes the shape (cols a multiple of 16, 32 for
  * Q4; x and q 16-byte aligned). */
 #ifndef LOOM_CUDA_QMMA_MAX_N
-#define LOOM_CUDA_QMMA_MAX_N 32
+#define LOOM_CUDA_QMMA_MAX_N 0 /* off until a device ran and timed it (tests/gpu/run.sh's tune writes qmma_max_n) */
 #endif
 int loom_cuda_qmma_fits(int quant, int64_t rows, int64_t cols, int group, int n, const void *x, const void *q);
 cudaError_t loom_cuda_qmma(float *y, const float *x, const void *q, const float *scales, const float *mins, int quant,

@@ -54,6 +54,7 @@ correct_budget=${LOOM_RUN_CORRECT_S:-180}
 measure_budget=${LOOM_RUN_MEASURE_S:-240}
 declare -a rows=() jrows=()
 failed=0
+ops_ok=0 # test_cuda_ops passed on this device: the tune step turns the never-run paths on
 models=${LOOM_MODELS_DIR:-}
 stories=
 phase=setup
@@ -193,7 +194,8 @@ run_steps=$((gpu == 0 || built == 1))
 if [ $run_steps = 1 ]; then
     # --- A. correctness --------------------------------------------------------------------
     begin_phase correct "$correct_budget"
-    step ops 150 "$bin/test_cuda_ops"
+    ops_ok=0
+    step ops 150 "$bin/test_cuda_ops" && ops_ok=1
     if [ -f "$models/stories260K/config.json" ]; then
         stories=$models/stories260K
     elif [ -f "$gen/stories-shape/config.json" ]; then
@@ -240,7 +242,7 @@ if [ $run_steps = 1 ]; then
     # reads the table from LOOM_CUDA_TUNING or next to the binary)
     step tune 120 bash -c '
         set -e
-        out=$1 bin=$2 py=$3
+        out=$1 bin=$2 py=$3 ops_ok=$4
         # time(TABLE_LINES...): the batch-1 step of the short decode under those lines
         # (table lines, then bench_gpu options from the first argument starting with --)
         time_with() {
@@ -276,16 +278,20 @@ if [ $run_steps = 1 ]; then
         # the quantized tensor-core kernel (qmma.cu) up to the largest n of bench-quant at which it beat
         # dequantize + cuBLAS on every scheme and shape, and at every smaller n (none: the default stays)
         qmma=$("$py" -c "import json,sys; q=json.load(open(sys.argv[1]))[\"quant_gemv\"]; ns=sorted({c[\"n\"] for r in q for c in r.get(\"mma_crossover\", [])}); ok=[all(c[\"mma_gbs\"] > c[\"dequant_gbs\"] for r in q for c in r[\"mma_crossover\"] if c[\"n\"] == n) for n in ns]; k=ok.index(False) if False in ok else len(ok); print((ns[k - 1] if k else 0) if ns else \"\")" "$out/quant.json" 2>/dev/null || true)
-        echo "qmma_max_n: ${qmma:-no measurement (bench-quant), the default stays}"
+        # the never-run paths are on only once this device ran them right (test_cuda_ops: test_quant_mma,
+        # test_matmul_bias): their compiled defaults are off
+        [ "$ops_ok" = 1 ] || qmma=
+        echo "qmma_max_n: ${qmma:-no measurement (bench-quant) or test_cuda_ops failed: the default (off) stays}"
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
             echo "gemv_variant $gbest"
             echo "qgemv_variant $qbest"
             if [ -n "$qmma" ]; then echo "qmma_max_n $qmma"; fi
+            if [ "$ops_ok" = 1 ]; then echo "lt_bias 1"; fi
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
-    ' tune "$out" "$bin" "$py"
+    ' tune "$out" "$bin" "$py" "$ops_ok"
     if [ $have_numpy = 1 ]; then # LoRA: no adapter, one rank-16 all-linear adapter, 8 mixed (docs/lora.md)
         "$py" "$root/tests/reference/gen_model.py" --out "$gen/m100" --dim 768 --hidden-dim 2048 --layers 12 \
             --heads 12 --kv-heads 4 --vocab 32000 --seed 1 >/dev/null &&
