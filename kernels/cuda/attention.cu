@@ -809,13 +809,16 @@ __global__ void attn_combine_kernel(Params p) {
         const float ms = ml[2 * (p0 + s)];
         if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
     }
+    /* the accumulators are weighed against the splits' max Ms; the sink's
+     * fold moves M and returns the factor from Ms to it */
+    const float Ms = M;
     const float f = p.sinks ? loom_om_sink_fold(&M, &L, p.sinks[head]) : 1.0f;
     const float inv = L > 0.0f ? f / L * p.vts : 0.0f;
     for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < p.n_split; s++) {
             const float ms = ml[2 * (p0 + s)];
-            if (ms != -INFINITY) o += p.part[(p0 + s) * p.hd + d] * expf(ms - M);
+            if (ms != -INFINITY) o += p.part[(p0 + s) * p.hd + d] * expf(ms - Ms);
         }
         p.out[(int64_t)i * p.out_stride + (int64_t)head * p.hd + d] = o * inv;
     }
