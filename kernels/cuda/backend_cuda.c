@@ -35,6 +35,7 @@
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cublas_dl.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/flash.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
@@ -75,6 +76,7 @@ typedef struct cuda_backend {
     int qgemv_max_n; /* quantized GEMV up to this n (-1: qgemv_default_max_n) */
     int attn_split_waves, attn_tile_min_n; /* the tuning table's (0: compiled defaults) */
     int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
+    int attn_prefill_variant;              /* the tuning table's (flash.h LOOM_FA_VARIANT_*; 0: tile) */
     cudaStream_t stream;
     /* the host-memory KV tier's transfers (loom_backend_xfer_*): made at first use */
     cudaStream_t xfer_stream;
@@ -581,6 +583,10 @@ void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant) {
     cu(be)->qgemv_variant = variant >= 0 && variant < LOOM_OM_QGEMV_VARIANTS ? variant : 0;
 }
 
+void loom_cuda_set_attn_prefill_variant(loom_backend_t *be, int variant) {
+    cu(be)->attn_prefill_variant = variant >= 0 && variant < LOOM_FA_VARIANTS ? variant : 0;
+}
+
 void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
@@ -872,6 +878,7 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
         .fp8_scale = {a->kv.fp8_scale[0], a->kv.fp8_scale[1]},
         .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
+        .prefill_variant = c->cc >= 80 ? c->attn_prefill_variant : LOOM_FA_VARIANT_TILE, /* cp.async, bf16 mma */
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
      * a recorded graph stays valid as contexts grow. */
@@ -1195,7 +1202,9 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   attn_tile_min_n   fewest tokens of a step that use the tile kernel (9)
  *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
  *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
- *   qgemv_variant     the same for the quantized GEMV (0; opmath.h) */
+ *   qgemv_variant     the same for the quantized GEMV (0; opmath.h)
+ *   attn_prefill_variant  the kernel of prefill chunks: 0 the tile kernel, 1 the
+ *                     FA2-style kernel where it applies (0; flash.h) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1231,6 +1240,7 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "qgemv_max_n") && v >= -1) c->qgemv_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_CUDA_QGEMV_MAX_N);
         else if (!strcmp(key, "gemv_variant") && v >= 0 && v < LOOM_OM_GEMV_VARIANTS) c->gemv_variant = (int)v;
         else if (!strcmp(key, "qgemv_variant") && v >= 0 && v < LOOM_OM_QGEMV_VARIANTS) c->qgemv_variant = (int)v;
+        else if (!strcmp(key, "attn_prefill_variant") && v >= 0 && v < LOOM_FA_VARIANTS) c->attn_prefill_variant = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;

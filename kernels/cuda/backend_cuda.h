@@ -33,6 +33,10 @@ void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n);
 void loom_cuda_set_gemv_variant(loom_backend_t *be, int variant);
 /* The quantized GEMV's (qgemv_variant; loom_om_qgemv_plan). */
 void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant);
+/* The kernel of prefill chunks (attn_prefill_variant; flash.h's
+ * LOOM_FA_VARIANT_*): 0 the tile kernel, 1 the FA2-style kernel where it
+ * applies. For tests and benchmarks. */
+void loom_cuda_set_attn_prefill_variant(loom_backend_t *be, int variant);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

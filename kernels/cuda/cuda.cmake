@@ -14,6 +14,7 @@ add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/gemv.cu
             ${LOOM_CUDA_DIR}/qgemv.cu
             ${LOOM_CUDA_DIR}/attention.cu
+            ${LOOM_CUDA_DIR}/flash.cu
             ${LOOM_CUDA_DIR}/sampling.cu
             ${LOOM_CUDA_DIR}/moe.cu
             ${LOOM_CUDA_DIR}/lora.cu
