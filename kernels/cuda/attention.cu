@@ -22,7 +22,10 @@
  *  - attn_tile_kernel (units of 2..tq rows, head_dim % 16 == 0): up to 64
  *    query rows (tq tokens x group heads) against 32 keys at a time, the two
  *    products (Q K^T and P V) on tensor cores in TF32 (WMMA m16n16k8, fp32
- *    accumulation), the online softmax in fp32 in shared memory.
+ *    accumulation), the online softmax in fp32 in shared memory; or, when the
+ *    tuning table's attn_prefill_variant asks for it and the call qualifies
+ *    (bf16 cache, head_dim 64 or 128), flash.cu's FA2-style kernel on the
+ *    same units (plan.fa2).
  *
  * The cache holds float32, bf16, fp8 e4m3 or int8 elements (template KT):
  * both kernels widen each K and V element to float32 as they load it, so
@@ -55,6 +58,7 @@
 #include <mma.h>
 #include <stdint.h>
 
+#include "kernels/cuda/flash.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
@@ -67,6 +71,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kKeys = LOOM_OM_KEYS; /* keys per step, both kernels */
 constexpr int kTileRows = 64;  /* query rows per tile */
+static_assert(kTileRows == LOOM_FA_ROWS, "flash.cu takes the tile kernel's units");
 constexpr int kMaxSplit = 32;
 constexpr int kMaxHd = 256;    /* head_dim limit of both kernels */
 constexpr unsigned kFull = 0xffffffffu;
@@ -809,13 +814,16 @@ __global__ void attn_combine_kernel(Params p) {
         const float ms = ml[2 * (p0 + s)];
         if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
     }
+    /* the accumulators are weighed against the splits' max Ms; the sink's
+     * fold moves M and returns the factor from Ms to it */
+    const float Ms = M;
     const float f = p.sinks ? loom_om_sink_fold(&M, &L, p.sinks[head]) : 1.0f;
     const float inv = L > 0.0f ? f / L * p.vts : 0.0f;
     for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < p.n_split; s++) {
             const float ms = ml[2 * (p0 + s)];
-            if (ms != -INFINITY) o += p.part[(p0 + s) * p.hd + d] * expf(ms - M);
+            if (ms != -INFINITY) o += p.part[(p0 + s) * p.hd + d] * expf(ms - Ms);
         }
         p.out[(int64_t)i * p.out_stride + (int64_t)head * p.hd + d] = o * inv;
     }
@@ -888,7 +896,8 @@ bool same_kv(const loom_cuda_attn_t *a) {
 /* The kernels for one cache element type: the wide kernel alone for heads
  * above kMaxHd, else the one-row and tile kernels; the split merge. */
 template <typename KT>
-cudaError_t launch_all(const Params &p, const loom_cuda_attn_plan_t *plan, bool vec, cudaStream_t s) {
+cudaError_t launch_all(const Params &p, const loom_cuda_attn_t *a, const loom_cuda_attn_plan_t *plan, bool vec,
+                       cudaStream_t s) {
     const dim3 grid((unsigned)p.n, (unsigned)p.nkv, (unsigned)plan->n_split);
     if (p.hd > kMaxHd) {
         const dim3 wgrid((unsigned)p.n, (unsigned)(p.nkv * p.n_chunks), (unsigned)plan->n_split);
@@ -909,7 +918,9 @@ cudaError_t launch_all(const Params &p, const loom_cuda_attn_plan_t *plan, bool 
         launch_decode_g<KT, false>(p, grid, plan->smem, s);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    if (plan->tq > 1) {
+    if (plan->tq > 1 && plan->fa2) {
+        if ((e = loom_cuda_flash_prefill(a, plan, p.part, s)) != cudaSuccess) return e;
+    } else if (plan->tq > 1) {
         attn_tile_kernel<KT><<<grid, kThreads, plan->smem_tile, s>>>(p);
         if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
@@ -928,13 +939,14 @@ extern "C" cudaError_t loom_cuda_attention_init(size_t max_smem_optin) {
     set_attrs<__nv_bfloat16>(max_smem_optin, &e);
     set_attrs<__nv_fp8_e4m3>(max_smem_optin, &e);
     set_attrs<int8_t>(max_smem_optin, &e);
-    return e;
+    const cudaError_t ef = loom_cuda_flash_init(max_smem_optin);
+    return e != cudaSuccess ? e : ef;
 }
 
 extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t *a, int n_sms, size_t max_smem,
                                                           size_t part_cap) {
-    loom_cuda_attn_plan_t pl = {1, 1, 0, 0, 0};
-    static_assert(sizeof(pl) == 2 * sizeof(int) + 3 * sizeof(size_t), "plan layout");
+    loom_cuda_attn_plan_t pl = {1, 1, 0, 0, 0, 0};
+    static_assert(sizeof(pl) == 2 * sizeof(int) + 4 * sizeof(size_t), "plan layout");
     const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
     const int64_t waves = a->split_waves > 0 ? a->split_waves : 2;
     const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);
@@ -958,6 +970,12 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
         tile_bytes <= max_smem) {
         pl.tq = kTileRows / G;
         pl.smem_tile = tile_bytes;
+        /* the FA2-style kernel for the same units where it applies (flash.h) */
+        if (a->prefill_variant == LOOM_FA_VARIANT_FA2 && a->kv_kind == LOOM_CUDA_BF16 && loom_fa_head_dim_ok(hd) &&
+            loom_fa_smem_bytes(hd) <= max_smem) {
+            pl.fa2 = 1;
+            pl.smem_tile = loom_fa_smem_bytes(hd);
+        }
     }
     /* Enough blocks for split_waves (2) waves of the SMs when there are few units. */
     const int64_t units = (int64_t)a->n * a->n_kv_heads;
@@ -995,10 +1013,10 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     if (a->window < 0 || a->softcap < 0.0f || (a->kv_kind == LOOM_CUDA_I8 && (!p.ksc || !p.vsc)))
         return cudaErrorInvalidValue;
     switch (a->kv_kind) {
-    case LOOM_CUDA_F32: return launch_all<float>(p, plan, use_vec(a), s);
-    case LOOM_CUDA_BF16: return launch_all<__nv_bfloat16>(p, plan, use_vec(a), s);
-    case LOOM_CUDA_FP8: return launch_all<__nv_fp8_e4m3>(p, plan, use_vec(a), s);
-    case LOOM_CUDA_I8: return launch_all<int8_t>(p, plan, use_vec(a), s);
+    case LOOM_CUDA_F32: return launch_all<float>(p, a, plan, use_vec(a), s);
+    case LOOM_CUDA_BF16: return launch_all<__nv_bfloat16>(p, a, plan, use_vec(a), s);
+    case LOOM_CUDA_FP8: return launch_all<__nv_fp8_e4m3>(p, a, plan, use_vec(a), s);
+    case LOOM_CUDA_I8: return launch_all<int8_t>(p, a, plan, use_vec(a), s);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -36,6 +36,7 @@
 #include "kernels/cuda/cublas_dl.h"
 #include "kernels/cuda/cublaslt_dl.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/flash.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
@@ -79,6 +80,7 @@ typedef struct cuda_backend {
     int gemv_variant, qgemv_variant;       /* the tuning table's decode GEMV variants (0: the defaults) */
     int qmma_max_n; /* quantized small-n tensor-core kernel up to this n (-1: LOOM_CUDA_QMMA_MAX_N) */
     int fp8_gemm;   /* FP8 prefill GEMMs through cuBLASLt (the tuning table's fp8_gemm; matmul_fp8) */
+    int attn_prefill_variant;              /* the tuning table's (flash.h LOOM_FA_VARIANT_*; 0: tile) */
     cudaStream_t stream;
     /* the host-memory KV tier's transfers (loom_backend_xfer_*): made at first use */
     cudaStream_t xfer_stream;
@@ -605,6 +607,10 @@ void loom_cuda_set_qgemv_variant(loom_backend_t *be, int variant) {
     cu(be)->qgemv_variant = variant >= 0 && variant < LOOM_OM_QGEMV_VARIANTS ? variant : 0;
 }
 
+void loom_cuda_set_attn_prefill_variant(loom_backend_t *be, int variant) {
+    cu(be)->attn_prefill_variant = variant >= 0 && variant < LOOM_FA_VARIANTS ? variant : 0;
+}
+
 void loom_cuda_set_qgemv_max_n(loom_backend_t *be, int n) {
     cu(be)->qgemv_max_n = n < 0 ? -1 : LOOM_MIN(n, LOOM_CUDA_QGEMV_MAX_N);
 }
@@ -1126,6 +1132,7 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .k_scale = a->kv.k_scale, .v_scale = a->kv.v_scale,
         .fp8_scale = {a->kv.fp8_scale[0], a->kv.fp8_scale[1]},
         .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
+        .prefill_variant = c->cc >= 80 ? c->attn_prefill_variant : LOOM_FA_VARIANT_TILE, /* cp.async, bf16 mma */
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
      * a recorded graph stays valid as contexts grow. */
@@ -1453,9 +1460,11 @@ static loom_status_t init_device(cuda_backend_t *c, loom_err_t *err) {
  *   qgemv_max_n       largest n of the quantized GEMV, every scheme (per scheme)
  *   gemv_variant      the decode GEMV's rows per warp and loads in flight (0; opmath.h)
  *   qgemv_variant     the same for the quantized GEMV (0; opmath.h)
- *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 32; 0: off)
+ *   qmma_max_n        largest n of the quantized tensor-core kernel (LOOM_CUDA_QMMA_MAX_N, 0: off)
  *   fp8_gemm          1: FP8 prefill GEMMs through cuBLASLt, x quantized per token (0; fp8act.h)
- *   lt_bias           0: biased prefill GEMMs without cuBLASLt's bias epilogue (1) */
+ *   lt_bias           1: biased prefill GEMMs through cuBLASLt's bias epilogue (0)
+ *   attn_prefill_variant  the kernel of prefill chunks: 0 the tile kernel, 1 the
+ *                     FA2-style kernel where it applies (0; flash.h) */
 static void read_tuning(cuda_backend_t *c) {
     char path[4096];
     const char *env = getenv("LOOM_CUDA_TUNING");
@@ -1494,6 +1503,7 @@ static void read_tuning(cuda_backend_t *c) {
         else if (!strcmp(key, "qmma_max_n") && v >= -1) c->qmma_max_n = v < 0 ? -1 : (int)LOOM_MIN(v, LOOM_QM_MAX_N);
         else if (!strcmp(key, "fp8_gemm") && (v == 0 || v == 1)) c->fp8_gemm = (int)v;
         else if (!strcmp(key, "lt_bias") && (v == 0 || v == 1)) c->lt_bias = (int)v;
+        else if (!strcmp(key, "attn_prefill_variant") && v >= 0 && v < LOOM_FA_VARIANTS) c->attn_prefill_variant = (int)v;
         else {
             LOOM_WARN("%s: %s: unknown key or value out of range: %s %ld", c->base.name, path, key, v);
             continue;

@@ -43,9 +43,13 @@ void loom_cuda_set_fp8_gemm(loom_backend_t *be, int on);
 /* How many GEMMs went through that path so far (tests). */
 uint64_t loom_cuda_fp8_gemm_count(loom_backend_t *be);
 /* cuBLASLt's bias epilogue for biased bf16/f16 prefill GEMMs (the tuning
- * table's lt_bias): 1 on (the default), 0 off; and how many GEMMs took it. */
+ * table's lt_bias): 1 on, 0 off (the default); and how many GEMMs took it. */
 void loom_cuda_set_lt_bias(loom_backend_t *be, int on);
 uint64_t loom_cuda_lt_bias_count(loom_backend_t *be);
+/* The kernel of prefill chunks (attn_prefill_variant; flash.h's
+ * LOOM_FA_VARIANT_*): 0 the tile kernel, 1 the FA2-style kernel where it
+ * applies. For tests and benchmarks. */
+void loom_cuda_set_attn_prefill_variant(loom_backend_t *be, int variant);
 /* Graph statistics: recordings made and replays launched so far. */
 void loom_cuda_graph_stats(loom_backend_t *be, uint64_t *recorded, uint64_t *replayed);
 

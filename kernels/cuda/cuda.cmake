@@ -16,6 +16,7 @@ add_library(loom_cuda STATIC
             ${LOOM_CUDA_DIR}/qmma.cu
             ${LOOM_CUDA_DIR}/fp8act.cu
             ${LOOM_CUDA_DIR}/attention.cu
+            ${LOOM_CUDA_DIR}/flash.cu
             ${LOOM_CUDA_DIR}/sampling.cu
             ${LOOM_CUDA_DIR}/moe.cu
             ${LOOM_CUDA_DIR}/lora.cu

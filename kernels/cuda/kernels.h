@@ -173,6 +173,10 @@ typedef struct loom_cuda_attn {
      * split_waves waves of blocks per SM (2); chunks of tile_min_n tokens
      * or more use the tile kernel (9) */
     int split_waves, tile_min_n;
+    /* which kernel takes those chunks (flash.h's LOOM_FA_VARIANT_*): 0 the
+     * tile kernel; 1 the FA2-style kernel (flash.cu) where it applies (bf16
+     * cache, head_dim 64 or 128, sm_80+: the caller passes 0 below) */
+    int prefill_variant;
 } loom_cuda_attn_t;
 
 /* The launch shape the attention kernels will use. */
@@ -182,6 +186,7 @@ typedef struct loom_cuda_attn_plan {
     size_t smem;        /* dynamic shared memory of the one-row kernel, bytes */
     size_t smem_tile;   /* ... of the tile kernel (tq > 1) */
     size_t part_floats; /* split partials needed (0 when n_split == 1) */
+    int fa2;            /* tq > 1: flash.cu's kernel takes the chunks (smem_tile is its) */
 } loom_cuda_attn_plan_t;
 
 /* Raises the kernels' dynamic shared memory limit to the device's opt-in

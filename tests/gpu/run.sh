@@ -5,7 +5,8 @@
 #      toolkit alone, sm_90 by default, CUDA_ARCH=80 for an A100), a tiny
 #      model of every family is generated on the CPU (needs numpy);
 #   A. correctness, budget LOOM_RUN_CORRECT_S (180 s) after the build:
-#      test_cuda_ops (every op against the CPU backend, fresh random inputs);
+#      test_cuda_ops --flash first (the FA2-style prefill kernel, flash.cu),
+#      then test_cuda_ops (every op against the CPU backend, fresh random inputs);
 #      test_cuda_e2e for stories260K (bf16, exact f32) and every family's tiny
 #      model (greedy ids equal to the CPU's in f32, within bf16 tolerance in
 #      bf16; int8 KV on two of them); the Mixture-of-Experts models (the LoRA
@@ -17,7 +18,8 @@
 #      at batch 1/8/32 and prefill TFLOP/s against cuBLAS on a Llama-3-8B
 #      shape, the quantized GEMVs alone, a 4-bit decode; then the tuning table
 #      (OUT_DIR/loom-cuda-tuning.tsv): each candidate of a kernel knob timed,
-#      the fastest kept (docs/cuda.md, "Tuning");
+#      the fastest kept, the prefill attention kernel (attn_prefill_variant)
+#      among them (docs/cuda.md, "Tuning");
 #   C. only when LOOM_RUN_FULL=1 (it needs our Debian packages and ~10
 #      minutes): the regular build with ctest -L gpu, `loom run --device
 #      cuda:0` and speculative decoding on cuda:0 (tests/gpu/spec_check.sh).
@@ -54,7 +56,7 @@ correct_budget=${LOOM_RUN_CORRECT_S:-180}
 measure_budget=${LOOM_RUN_MEASURE_S:-240}
 declare -a rows=() jrows=()
 failed=0
-ops_ok=0 # test_cuda_ops passed on this device: the tune step turns the never-run paths on
+ops_ok=0 flash_ok=0 # test_cuda_ops (--flash) passed on this device: the tune step may turn the never-run paths on
 models=${LOOM_MODELS_DIR:-}
 stories=
 phase=setup
@@ -194,7 +196,8 @@ run_steps=$((gpu == 0 || built == 1))
 if [ $run_steps = 1 ]; then
     # --- A. correctness --------------------------------------------------------------------
     begin_phase correct "$correct_budget"
-    ops_ok=0
+    # the FA2-style prefill kernel first (flash.cu: it has the least device time behind it)
+    step flash 40 "$bin/test_cuda_ops" --flash && flash_ok=1
     step ops 150 "$bin/test_cuda_ops" && ops_ok=1
     if [ -f "$models/stories260K/config.json" ]; then
         stories=$models/stories260K
@@ -240,9 +243,9 @@ if [ $run_steps = 1 ]; then
     # the tuning table: each candidate of a knob on a short 4-layer decode at
     # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
     # reads the table from LOOM_CUDA_TUNING or next to the binary)
-    step tune 120 bash -c '
+    step tune 150 bash -c '
         set -e
-        out=$1 bin=$2 py=$3 ops_ok=$4
+        out=$1 bin=$2 py=$3 ops_ok=$4 flash_ok=$5
         # time(TABLE_LINES...): the batch-1 step of the short decode under those lines
         # (table lines, then bench_gpu options from the first argument starting with --)
         time_with() {
@@ -282,6 +285,23 @@ if [ $run_steps = 1 ]; then
         # test_matmul_bias): their compiled defaults are off
         [ "$ops_ok" = 1 ] || qmma=
         echo "qmma_max_n: ${qmma:-no measurement (bench-quant) or test_cuda_ops failed: the default (off) stays}"
+        # the attention kernel of prefill chunks (flash.h: 0 the tile kernel, 1 the FA2-style kernel) on a
+        # 4-layer prefill of 2048 tokens, where attention is a fair share of the step
+        time_prefill() {
+            : >"$out/tune-cur.tsv"
+            for l in "$@"; do printf "%s\n" "$l" >>"$out/tune-cur.tsv"; done
+            if ! LOOM_CUDA_TUNING="$out/tune-cur.tsv" "$bin/bench_gpu" --layers 4 --batches 1 --ctx 2048 --tokens 2 \
+                --prefill 2048 --json "$out/tune-cur.json" >>"$out/tune.log" 2>&1; then
+                echo inf # a failed run never wins
+                return 0
+            fi
+            "$py" -c "import json,sys; print(json.load(open(sys.argv[1]))[\"prefill_s\"])" "$out/tune-cur.json"
+        }
+        p0=$(time_prefill "attn_split_waves $best")
+        p1=$(time_prefill "attn_split_waves $best" "attn_prefill_variant 1")
+        pbest=0
+        if [ "$flash_ok" = 1 ] && [ "$ops_ok" = 1 ] && faster "$p1" "$p0"; then pbest=1; fi
+        echo "attn_prefill_variant 1 (fa2): prefill 2048 tokens $p1 s (0, tile: $p0 s)"
         {
             echo "# loom CUDA tuning table, measured by tests/gpu/run.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
             echo "attn_split_waves $best"
@@ -289,9 +309,10 @@ if [ $run_steps = 1 ]; then
             echo "qgemv_variant $qbest"
             if [ -n "$qmma" ]; then echo "qmma_max_n $qmma"; fi
             if [ "$ops_ok" = 1 ]; then echo "lt_bias 1"; fi
+            echo "attn_prefill_variant $pbest"
         } >"$out/loom-cuda-tuning.tsv"
         cat "$out/loom-cuda-tuning.tsv"
-    ' tune "$out" "$bin" "$py" "$ops_ok"
+    ' tune "$out" "$bin" "$py" "$ops_ok" "$flash_ok"
     if [ $have_numpy = 1 ]; then # LoRA: no adapter, one rank-16 all-linear adapter, 8 mixed (docs/lora.md)
         "$py" "$root/tests/reference/gen_model.py" --out "$gen/m100" --dim 768 --hidden-dim 2048 --layers 12 \
             --heads 12 --kv-heads 4 --vocab 32000 --seed 1 >/dev/null &&

@@ -8,7 +8,8 @@
  * against the CPU backend on the same canonical tensor. Without a GPU it
  * prints "skipped: no GPU" and exits 77 (ctest's SKIP_RETURN_CODE).
  *
- *   test_cuda_ops [--seed N]     (default: from the clock, printed; LOOM_TEST_SEED too) */
+ *   test_cuda_ops [--flash] [--seed N]  (seed default: from the clock, printed; LOOM_TEST_SEED too;
+ *                                       --flash: only the FA2-style prefill kernel's checks) */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -25,6 +26,7 @@
 #include "kernels/cpu/lora.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cublaslt_dl.h"
+#include "kernels/cuda/flash.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/quant.h"
@@ -944,6 +946,7 @@ typedef struct attn_extra {
     int sinks;
 } attn_extra_t;
 static const attn_extra_t *g_extra; /* of the run_attention calls in progress; NULL: none */
+static int g_fa_checked;             /* calls run_attention also ran through the FA2-style kernel */
 /* fp8 caches with per-tensor scales (run_attention): K and V values
  * multiplied by these (far beyond 448), stored divided by scales that keep
  * them below it, q divided by K's so the scores stay as peaky as usual.
@@ -1064,6 +1067,22 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     double tol = hd > 256 ? 1e-4 : n <= 8 ? 2e-5 : 1e-2;
     const double atol = scaled ? tol * g_fp8_mul[1] : tol; /* the values are that much larger */
     CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, atol, tol));
+    if (dt == LOOM_DT_BF16 && !ac->latent && loom_fa_head_dim_ok(hd) && g_cc >= 80 && n >= 9) {
+        /* the same call with the chunks through the FA2-style kernel (flash.cu): Q and P rounded to bf16
+         * for the tensor cores, f32 accumulation (its CPU replay, test_cuda_math, sees at most 3e-3 on these
+         * inputs against float64) */
+        float *fo = poisoned(be, (size_t)n * out_stride * 4);
+        loom_attn_args_t f = g;
+        f.out = fo;
+        loom_cuda_set_attn_prefill_variant(be, LOOM_FA_VARIANT_FA2);
+        loom_op_attention(be, &f);
+        loom_cuda_set_attn_prefill_variant(be, LOOM_FA_VARIANT_TILE);
+        char fbuf[200];
+        snprintf(fbuf, sizeof fbuf, "%s fa2", buf);
+        CHECK(close_dev(fbuf, be, fo, ref, (size_t)n * out_stride, 1e-2, 1e-2));
+        loom_backend_free(be, fo);
+        g_fa_checked++;
+    }
     void *bufs[] = {(void *)g.q, g.out, g.kv.k, ac->latent ? NULL : g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos,
                     (void *)g.block_tables, g.kv.k_scale, ac->latent ? NULL : g.kv.v_scale, (void *)g.sinks};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
@@ -1127,6 +1146,60 @@ static void test_attention(void) {
         for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++)
             run_attention(ac, k_kv_dts[d], 1, &sctx, 20, seq, pos, "prefill 20 at 510");
     }
+}
+
+/* The FA2-style prefill kernel (flash.cu) on bf16 caches, first of a
+ * device run (tests/gpu/run.sh's flash step: test_cuda_ops --flash):
+ * prefills from 0 and after a cached prefix, a mixed batch, every group
+ * size class (tiles of 64, 21, 16, 9 and 2 tokens), odd block sizes, and
+ * each family's extra. run_attention runs it beside the tile kernel on
+ * every bf16 chunk it takes, and its plan is checked here: bf16 chunks
+ * with head_dim 64 or 128 take it, everything else keeps the tile kernel. */
+static void test_attention_flash(void) {
+    static const attn_case_t cases[] = {{32, 8, 128, 16, 0}, {8, 8, 64, 7, 0}, {12, 4, 64, 16, 0},
+                                        {28, 4, 128, 5, 0},  {64, 2, 128, 16, 0}};
+    static const attn_extra_t extras[] = {{0, 0.0f, 0}, {37, 0.0f, 0}, {0, 50.0f, 0}, {0, 0.0f, 1}, {61, 30.0f, 1}};
+    enum { MAXN = 300 };
+    int32_t seq[MAXN], pos[MAXN];
+    const int before = g_fa_checked;
+    for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++)
+        for (size_t x = 0; x < LOOM_ARRAY_LEN(extras); x++) {
+            g_extra = &extras[x];
+            int pctx = 300;
+            for (int p = 0; p < 300; p++) seq[p] = 0, pos[p] = p;
+            run_attention(&cases[c], LOOM_DT_BF16, 1, &pctx, 300, seq, pos, "prefill 300");
+            int sctx = 1100;
+            for (int p = 0; p < 90; p++) seq[p] = 0, pos[p] = 1010 + p;
+            run_attention(&cases[c], LOOM_DT_BF16, 1, &sctx, 90, seq, pos, "prefill 90 at 1010");
+            int n = 0, mctx[4] = {400, 260, 33, 3};
+            seq[n] = 0, pos[n] = 399, n++;
+            for (int p = 60; p < 260; p++) seq[n] = 1, pos[n] = p, n++;
+            for (int p = 0; p < 33; p++) seq[n] = 2, pos[n] = p, n++;
+            for (int p = 0; p < 3; p++) seq[n] = 3, pos[n] = p, n++;
+            run_attention(&cases[c], LOOM_DT_BF16, 4, mctx, n, seq, pos, "mixed");
+            g_extra = NULL;
+        }
+    CHECK(g_cc < 80 || g_fa_checked > before);
+    /* the plan: which calls take it */
+    loom_cuda_attn_t a = {.n = 64, .n_heads = 32, .n_kv_heads = 8, .head_dim = 128, .q_stride = 48 * 128,
+                          .out_stride = 32 * 128, .kv_kind = LOOM_CUDA_BF16, .block_size = 16,
+                          .prefill_variant = LOOM_FA_VARIANT_FA2};
+    static _Alignas(16) float dummy[64];
+    a.q = dummy, a.out = dummy, a.k_cache = dummy, a.v_cache = dummy;
+    const size_t smem = 227 * 1024;
+    loom_cuda_attn_plan_t pl = loom_cuda_attention_plan(&a, 132, smem, 1 << 24);
+    CHECK(pl.tq == 16 && pl.fa2 && pl.smem_tile == loom_fa_smem_bytes(128));
+    a.prefill_variant = LOOM_FA_VARIANT_TILE;
+    pl = loom_cuda_attention_plan(&a, 132, smem, 1 << 24);
+    CHECK(pl.tq == 16 && !pl.fa2);
+    a.prefill_variant = LOOM_FA_VARIANT_FA2;
+    a.kv_kind = LOOM_CUDA_FP8; /* other caches, other head sizes: the tile kernel */
+    CHECK(!loom_cuda_attention_plan(&a, 132, smem, 1 << 24).fa2);
+    a.kv_kind = LOOM_CUDA_BF16, a.head_dim = 256;
+    CHECK(!loom_cuda_attention_plan(&a, 132, smem, 1 << 24).fa2);
+    a.head_dim = 128, a.n = 4; /* decode steps: no tiles at all */
+    pl = loom_cuda_attention_plan(&a, 132, smem, 1 << 24);
+    CHECK(pl.tq == 1 && !pl.fa2);
 }
 
 /* The families' attention: Mistral's window, Gemma 2's soft cap (and its
@@ -1457,6 +1530,10 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    if (argc > 1 && !strcmp(argv[1], "--flash")) { /* tests/gpu/run.sh's first step */
+        RUN(test_attention_flash);
+        return test_summary();
+    }
     RUN(test_memory);
     RUN(test_weight_upload);
     RUN(test_matmul);
@@ -1473,6 +1550,7 @@ int main(int argc, char **argv) {
     RUN(test_rope_kv);
     RUN(test_attention);
     RUN(test_attention_extras);
+    RUN(test_attention_flash);
     RUN(test_attention_fp8_scaled);
     RUN(test_family_ops);
     RUN(test_kv_i8_fp8);

@@ -7,14 +7,18 @@
  * combine, the sink folded in at the end, and the wide kernel's tiles of
  * (token, head) rows over MLA's latent rows -- emulated with the same
  * helpers and tile boundaries and compared with the CPU backend's attention
- * on odd shapes with windows, soft caps, sinks and int8 caches. Needs no GPU and
- * no CUDA toolkit. */
+ * on odd shapes with windows, soft caps, sinks and int8 caches; and the
+ * FA2-style prefill kernel (flash.cu), replayed lane by lane through
+ * flash.h's fragment layouts and per-tile update against a float64
+ * softmax(QK^T)V. Needs no GPU and no CUDA toolkit. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/flash.h"
 #include "kernels/cuda/fp8act.h"
 #include "kernels/cuda/opmath.h"
 #include "kernels/cuda/qformat.h"
@@ -994,6 +998,420 @@ static void test_fp8_gemm_scales(void) {
     CHECKF(sum_ratio / (N * ROWS) > 1e-3, "the bound is loose: mean error %.2g of it", sum_ratio / (N * ROWS));
 }
 
+/* --- flash.cu's FA2-style prefill kernel, replayed lane by lane ----------------------- */
+
+static float bf16r(float x) {
+    return loom_bf16_to_f32(loom_f32_to_bf16(x));
+}
+
+/* flash.h's layouts and schedule: each fragment covers its matrix once, P's
+ * A registers are S's accumulators of the same lane, the staged chunks
+ * cover a tile once, and the tiles' rows read every key of the range once
+ * through the block table; the layouts are the PTX ISA's (fa_mma's table). */
+static void test_fa_layout(void) {
+    int cc[16][8] = {{0}}, ca[16][16] = {{0}}, cb[16][8] = {{0}}, in = 1;
+    for (int lane = 0; lane < 32; lane++) {
+        for (int c = 0; c < 4; c++) {
+            const int r = loom_fa_c_row(lane, c), k = loom_fa_c_col(lane, c);
+            if (r < 0 || r >= 16 || k < 0 || k >= 8) in = 0;
+            else cc[r][k]++;
+        }
+        for (int a = 0; a < 4; a++)
+            for (int e = 0; e < 2; e++) {
+                const int r = loom_fa_a_row(lane, a), k = loom_fa_a_col(lane, a) + e;
+                if (r < 0 || r >= 16 || k < 0 || k >= 16) in = 0;
+                else ca[r][k]++;
+            }
+        for (int b = 0; b < 2; b++)
+            for (int e = 0; e < 2; e++) {
+                const int k = loom_fa_b_k(lane, b) + e, n = loom_fa_b_n(lane);
+                if (k < 0 || k >= 16 || n < 0 || n >= 8) in = 0;
+                else cb[k][n]++;
+            }
+        const int g = lane / 4, t = lane % 4; /* the PTX ISA's table, as fa_mma places it */
+        for (int i = 0; i < 8; i++)
+            CHECKF(loom_fa_a_row(lane, i / 2) == g + 8 * ((i / 2) % 2) &&
+                       loom_fa_a_col(lane, i / 2) + i % 2 == 2 * t + i % 2 + 8 * (i / 4),
+                   "A element %d of lane %d", i, lane);
+        for (int i = 0; i < 4; i++)
+            CHECKF(loom_fa_b_k(lane, i / 2) + i % 2 == 2 * t + i % 2 + 8 * (i / 2) && loom_fa_b_n(lane) == g &&
+                       loom_fa_c_row(lane, i) == g + 8 * (i / 2) && loom_fa_c_col(lane, i) == 2 * t + i % 2,
+                   "B and C elements %d of lane %d", i, lane);
+        for (int kc = 0; kc < LOOM_FA_KEYS / 16; kc++)
+            for (int a = 0; a < 4; a++)
+                for (int e = 0; e < 2; e++) {
+                    const int c = loom_fa_p_elem(a, e), nt = loom_fa_p_tile(kc, a);
+                    CHECKF(c >= 0 && c < 4 && nt >= 0 && nt < LOOM_FA_KEYS / 8 &&
+                               loom_fa_c_row(lane, c) == loom_fa_a_row(lane, a) &&
+                               8 * nt + loom_fa_c_col(lane, c) == 16 * kc + loom_fa_a_col(lane, a) + e,
+                           "P's A register %d.%d of lane %d, keys %d..", a, e, lane, 16 * kc);
+                }
+    }
+    CHECK(in);
+    int once = 1;
+    for (int r = 0; r < 16; r++)
+        for (int k = 0; k < 16; k++) once &= ca[r][k] == 1 && (k >= 8 || (cc[r][k] == 1 && cb[r][k] == 1));
+    CHECK(once);
+    for (int hd = 64; hd <= 128; hd *= 2) {
+        static int seen[LOOM_FA_KEYS][128];
+        memset(seen, 0, sizeof seen);
+        int ok = 1;
+        for (int c = 0; c < LOOM_FA_KEYS * hd / 8; c++) {
+            int row, col;
+            loom_fa_chunk(c, hd, &row, &col);
+            if (row < 0 || row >= LOOM_FA_KEYS || col < 0 || col + 8 > hd || col % 8) {
+                ok = 0;
+                continue;
+            }
+            for (int e = 0; e < 8; e++) seen[row][col + e]++;
+        }
+        for (int r = 0; r < LOOM_FA_KEYS; r++)
+            for (int d = 0; d < hd; d++) ok &= seen[r][d] == 1;
+        CHECKF(ok, "chunks of a tile, hd %d", hd);
+        CHECK(loom_fa_head_dim_ok(hd) && loom_fa_ld(hd) % 8 == 0);
+    }
+    CHECK(!loom_fa_head_dim_ok(256) && !loom_fa_head_dim_ok(96) && !loom_fa_head_dim_ok(576));
+    CHECK(loom_fa_smem_bytes(128) == 69632 && loom_fa_smem_bytes(64) == 36864);
+    /* tiles over [k0, k1) of a table with holes, block sizes 1..33 */
+    int32_t bt[720]; /* keys up to 700 at B = 1 */
+    for (int B = 1; B <= 33; B += 4) {
+        for (int b = 0; b < 720; b++) bt[b] = b % 7 == 3 ? -1 : (b * 37 + 11) % 997;
+        for (int k0 = 0; k0 < 300; k0 += 41)
+            for (int k1 = k0; k1 < k0 + 400; k1 += 23) {
+                const int nt = loom_fa_n_tiles(k0, k1);
+                int bad = !(nt * LOOM_FA_KEYS >= k1 - k0 && (nt == 0 || (nt - 1) * LOOM_FA_KEYS < k1 - k0));
+                int next = k0;
+                for (int t = 0; t < nt; t++)
+                    for (int j = 0; j < LOOM_FA_KEYS; j++) {
+                        const int key = k0 + t * LOOM_FA_KEYS + j, slot = loom_fa_tile_slot(bt, B, k0, k1, t, j);
+                        const int want = key < k1 && bt[key / B] >= 0 ? bt[key / B] * B + key % B : -1;
+                        bad |= slot != want;
+                        if (key < k1) bad |= key != next++;
+                    }
+                CHECKF(!bad && next == (k1 > k0 ? k1 : k0), "tiles of [%d, %d), B %d", k0, k1, B);
+            }
+    }
+    /* a warp skips a tile exactly when none of its rows sees one of its keys */
+    for (int kb = 0; kb < 400; kb += 13)
+        for (int lo = 0; lo < 300; lo += 17)
+            for (int pos = lo; pos < 400; pos += 19) {
+                const int any = !(kb > pos || kb + LOOM_FA_KEYS <= lo);
+                CHECKF(loom_fa_tile_live(kb, lo, pos) == any, "tile at %d, rows [%d, %d]", kb, lo, pos);
+            }
+}
+
+/* c += a b, mma.sync m16n8k16 on a warp's registers: a[lane][register][half],
+ * b[lane][register][half], c[lane][element], placed as the PTX ISA's table
+ * for .bf16 places them (written out here, not taken from flash.h, so the
+ * replay checks the kernel's use of flash.h's layouts against the
+ * hardware's): lane = 4 g + t; A's element i = 2 register + half at row
+ * g + 8 ((i / 2) % 2), column 2 t + i % 2 + 8 (i / 4); B's at k row
+ * 2 t + i % 2 + 8 (i / 2), column g; C's element i at row g + 8 (i / 2),
+ * column 2 t + i % 2. */
+static void fa_mma(float c[32][4], float a[32][4][2], float b[32][2][2]) {
+    float A[16][16], Bm[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane / 4, t = lane % 4;
+        for (int i = 0; i < 8; i++) A[g + 8 * ((i / 2) % 2)][2 * t + i % 2 + 8 * (i / 4)] = a[lane][i / 2][i % 2];
+        for (int i = 0; i < 4; i++) Bm[2 * t + i % 2 + 8 * (i / 2)][g] = b[lane][i / 2][i % 2];
+    }
+    for (int lane = 0; lane < 32; lane++)
+        for (int i = 0; i < 4; i++) {
+            const int row = lane / 4 + 8 * (i / 2), col = 2 * (lane % 4) + i % 2;
+            float s = c[lane][i];
+            for (int k = 0; k < 16; k++) s = fmaf(A[row][k], Bm[k][col], s);
+            c[lane][i] = s;
+        }
+}
+
+typedef struct {
+    int n, nh, nkv, hd, B, max_blocks, window, n_split, tq, q_stride, out_stride;
+    float scale, softcap;
+    const float *q, *sinks;
+    const float *kc, *vc; /* the bf16 cache's values, (cells, nkv, hd) */
+    const int32_t *bt, *tok_seq, *tok_pos;
+    float *out, *part;
+} fa_emu_t;
+
+enum { FA_MAXD = 128, FA_DT = FA_MAXD / 8, FA_NT = LOOM_FA_KEYS / 8 };
+
+/* One CTA (i, kvh, split) of flash_prefill_kernel, every lane's registers
+ * and every step in the kernel's order; the warps' products through fa_mma. */
+static void fa_emu_cta(const fa_emu_t *p, int i, int kvh, int split) {
+    const int tq = p->tq, G = p->nh / p->nkv, hd = p->hd, KT = hd / 16, DT = hd / 8;
+    if (!(i % tq == 0 || p->tok_seq[i - 1] != p->tok_seq[i])) return;
+    if (!(tq > 1 && i + 1 < p->n && (i + 1) % tq != 0 && p->tok_seq[i + 1] == p->tok_seq[i])) return;
+    const int seq = p->tok_seq[i], lim = tq - i % tq;
+    int R = 1, pmin = p->tok_pos[i], pmax = pmin;
+    while (R < lim && i + R < p->n && p->tok_seq[i + R] == seq) {
+        pmin = p->tok_pos[i + R] < pmin ? p->tok_pos[i + R] : pmin;
+        pmax = p->tok_pos[i + R] > pmax ? p->tok_pos[i + R] : pmax;
+        R++;
+    }
+    const int QR = R * G;
+    int k0, k1;
+    loom_fa_unit_range(pmin, pmax, p->window, p->n_split, split, &k0, &k1);
+    float *ml = p->part + (size_t)p->n * p->nh * p->n_split * hd;
+    if (k0 >= k1) {
+        for (int r = 0; r < QR; r++) {
+            const size_t pi = ((size_t)(i + r / G) * p->nh + kvh * G + r % G) * p->n_split + split;
+            ml[2 * pi] = -INFINITY, ml[2 * pi + 1] = 0.0f;
+        }
+        return;
+    }
+    const int32_t *bt = p->bt + (size_t)seq * p->max_blocks;
+    static float qa[LOOM_FA_WARPS][FA_MAXD / 16][32][4][2], o[LOOM_FA_WARPS][FA_DT][32][4];
+    static float m[LOOM_FA_WARPS][32][2], l[LOOM_FA_WARPS][32][2];
+    static float Ks[LOOM_FA_KEYS][FA_MAXD], Vs[LOOM_FA_KEYS][FA_MAXD], s[FA_NT][32][4];
+    static int posr[LOOM_FA_WARPS][32][2], lor[LOOM_FA_WARPS][32][2], kvalid[LOOM_FA_KEYS];
+    int lo_min[LOOM_FA_WARPS], pos_max[LOOM_FA_WARPS];
+    for (int w = 0; w < LOOM_FA_WARPS; w++) {
+        lo_min[w] = 1 << 30, pos_max[w] = -1;
+        for (int lane = 0; lane < 32; lane++) {
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + loom_fa_c_row(lane, 2 * h);
+                posr[w][lane][h] = r < QR ? p->tok_pos[i + r / G] : -1;
+                lor[w][lane][h] = r < QR ? loom_om_window_lo(posr[w][lane][h], p->window) : 1 << 30;
+                lo_min[w] = lor[w][lane][h] < lo_min[w] ? lor[w][lane][h] : lo_min[w];
+                pos_max[w] = posr[w][lane][h] > pos_max[w] ? posr[w][lane][h] : pos_max[w];
+                m[w][lane][h] = -INFINITY, l[w][lane][h] = 0.0f;
+            }
+            for (int kk = 0; kk < KT; kk++)
+                for (int a = 0; a < 4; a++)
+                    for (int e = 0; e < 2; e++) {
+                        const int r = 16 * w + loom_fa_a_row(lane, a), d = 16 * kk + loom_fa_a_col(lane, a) + e;
+                        const float v = r < QR ? p->q[(size_t)(i + r / G) * p->q_stride + (size_t)(kvh * G + r % G) * hd + d]
+                                               : 0.0f;
+                        qa[w][kk][lane][a][e] = bf16r(v * p->scale);
+                    }
+            for (int d = 0; d < DT; d++)
+                for (int c = 0; c < 4; c++) o[w][d][lane][c] = 0.0f;
+        }
+    }
+    const int nt = loom_fa_n_tiles(k0, k1);
+    for (int t = 0; t < nt; t++) {
+        for (int c = 0; c < LOOM_FA_KEYS * hd / 8; c++) { /* the staging, chunk by chunk */
+            int j, col;
+            loom_fa_chunk(c, hd, &j, &col);
+            const int slot = loom_fa_tile_slot(bt, p->B, k0, k1, t, j);
+            for (int e = 0; e < 8; e++) {
+                const size_t off = (size_t)slot * p->nkv * hd + (size_t)kvh * hd + col + e;
+                Ks[j][col + e] = slot >= 0 ? p->kc[off] : 0.0f;
+                Vs[j][col + e] = slot >= 0 ? p->vc[off] : 0.0f;
+            }
+            if (col == 0) kvalid[j] = slot >= 0;
+        }
+        const int kb = k0 + t * LOOM_FA_KEYS;
+        for (int w = 0; w < LOOM_FA_WARPS; w++) {
+            if (!loom_fa_tile_live(kb, lo_min[w], pos_max[w])) continue;
+            static float b[32][2][2], pa[32][4][2];
+            memset(s, 0, sizeof s);
+            for (int kk = 0; kk < KT; kk++)
+                for (int nn = 0; nn < FA_NT; nn++) {
+                    for (int lane = 0; lane < 32; lane++)
+                        for (int r = 0; r < 2; r++)
+                            for (int e = 0; e < 2; e++)
+                                b[lane][r][e] = Ks[8 * nn + loom_fa_b_n(lane)][16 * kk + loom_fa_b_k(lane, r) + e];
+                    fa_mma(s[nn], qa[w][kk], b);
+                }
+            for (int h = 0; h < 2; h++) {
+                float r[32][2 * FA_NT], mx[32];
+                for (int lane = 0; lane < 32; lane++) {
+                    for (int nn = 0; nn < FA_NT; nn++)
+                        for (int e = 0; e < 2; e++) {
+                            const int j = 8 * nn + loom_fa_c_col(lane, 2 * h + e);
+                            r[lane][2 * nn + e] = loom_fa_score(s[nn][lane][2 * h + e], kb + j, kvalid[j] ? 0 : -1,
+                                                                lor[w][lane][h], posr[w][lane][h], p->softcap);
+                        }
+                    mx[lane] = loom_fa_max(r[lane], 2 * FA_NT);
+                }
+                for (int lane = 0; lane < 32; lane += 4) { /* the quad's two shuffles */
+                    float q4 = mx[lane];
+                    for (int u = 1; u < 4; u++) q4 = fmaxf(q4, mx[lane + u]);
+                    for (int u = 0; u < 4; u++) mx[lane + u] = q4;
+                }
+                for (int lane = 0; lane < 32; lane++) {
+                    const float alpha = loom_fa_row_update(&m[w][lane][h], &l[w][lane][h], r[lane], 2 * FA_NT, mx[lane]);
+                    for (int nn = 0; nn < FA_NT; nn++)
+                        s[nn][lane][2 * h] = r[lane][2 * nn], s[nn][lane][2 * h + 1] = r[lane][2 * nn + 1];
+                    for (int d = 0; d < DT; d++) o[w][d][lane][2 * h] *= alpha, o[w][d][lane][2 * h + 1] *= alpha;
+                }
+            }
+            for (int kc = 0; kc < LOOM_FA_KEYS / 16; kc++) {
+                for (int lane = 0; lane < 32; lane++)
+                    for (int a = 0; a < 4; a++)
+                        for (int e = 0; e < 2; e++)
+                            pa[lane][a][e] = bf16r(s[loom_fa_p_tile(kc, a)][lane][loom_fa_p_elem(a, e)]);
+                for (int d = 0; d < DT; d++) {
+                    for (int lane = 0; lane < 32; lane++)
+                        for (int r = 0; r < 2; r++)
+                            for (int e = 0; e < 2; e++)
+                                b[lane][r][e] = Vs[16 * kc + loom_fa_b_k(lane, r) + e][8 * d + loom_fa_b_n(lane)];
+                    fa_mma(o[w][d], pa, b);
+                }
+            }
+        }
+    }
+    for (int w = 0; w < LOOM_FA_WARPS; w++)
+        for (int h = 0; h < 2; h++) {
+            float l1[32], l2[32];
+            for (int lane = 0; lane < 32; lane++) l1[lane] = l[w][lane][h] + l[w][lane ^ 1][h];
+            for (int lane = 0; lane < 32; lane++) l2[lane] = l1[lane] + l1[lane ^ 2];
+            for (int lane = 0; lane < 32; lane++) {
+                const int r = 16 * w + loom_fa_c_row(lane, 2 * h);
+                if (r >= QR) continue;
+                const int token = i + r / G, head = kvh * G + r % G;
+                const size_t pi = ((size_t)token * p->nh + head) * p->n_split + split;
+                const float f = loom_fa_out_scale(m[w][lane][h], l2[lane], p->sinks ? p->sinks + head : NULL);
+                for (int d = 0; d < DT; d++)
+                    for (int e = 0; e < 2; e++) {
+                        const int col = 8 * d + loom_fa_c_col(lane, 2 * h + e);
+                        const float v = o[w][d][lane][2 * h + e];
+                        if (p->n_split == 1) p->out[(size_t)token * p->out_stride + (size_t)head * hd + col] = v * f;
+                        else p->part[pi * hd + col] = v;
+                    }
+                if (p->n_split > 1 && lane % 4 == 0) ml[2 * pi] = m[w][lane][h], ml[2 * pi + 1] = l2[lane];
+            }
+        }
+}
+
+/* attention.cu's attn_combine_kernel for one (token, head), step by step. */
+static void fa_emu_combine(const fa_emu_t *p, int i, int head) {
+    const float *ml = p->part + (size_t)p->n * p->nh * p->n_split * p->hd;
+    const size_t p0 = ((size_t)i * p->nh + head) * p->n_split;
+    float M = -INFINITY, L = 0.0f;
+    for (int s = 0; s < p->n_split; s++) M = fmaxf(M, ml[2 * (p0 + s)]);
+    for (int s = 0; s < p->n_split; s++)
+        if (ml[2 * (p0 + s)] != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ml[2 * (p0 + s)] - M);
+    const float Ms = M;
+    const float f = p->sinks ? loom_om_sink_fold(&M, &L, p->sinks[head]) : 1.0f;
+    const float inv = L > 0.0f ? f / L : 0.0f;
+    for (int d = 0; d < p->hd; d++) {
+        float o = 0.0f;
+        for (int s = 0; s < p->n_split; s++)
+            if (ml[2 * (p0 + s)] != -INFINITY) o += p->part[(p0 + s) * p->hd + d] * expf(ml[2 * (p0 + s)] - Ms);
+        p->out[(size_t)i * p->out_stride + (size_t)head * p->hd + d] = o * inv;
+    }
+}
+
+typedef struct {
+    int nh, nkv, hd, B, window;
+    float softcap;
+    int sinks, n_split;
+    int n_seg, seg[5][3]; /* (sequence, first position, tokens): chunks, or single decode tokens */
+} fa_case_t;
+
+static void run_fa_case(const fa_case_t *c) {
+    const int nh = c->nh, nkv = c->nkv, hd = c->hd, B = c->B, G = nh / nkv, kv_dim = nkv * hd;
+    int n = 0, n_seqs = 0, max_blocks = 1;
+    for (int g = 0; g < c->n_seg; g++) {
+        n += c->seg[g][2];
+        n_seqs = c->seg[g][0] + 1 > n_seqs ? c->seg[g][0] + 1 : n_seqs;
+        const int nb = (c->seg[g][1] + c->seg[g][2] + B - 1) / B;
+        max_blocks = nb > max_blocks ? nb : max_blocks;
+    }
+    const int n_blocks = n_seqs * max_blocks + 2;
+    int32_t *bt = malloc(sizeof(int32_t) * n_seqs * max_blocks), *tok_seq = malloc(4 * n), *tok_pos = malloc(4 * n);
+    for (int b = 0; b < n_seqs * max_blocks; b++) bt[b] = (b * 7 + 5) % n_blocks; /* scattered, distinct */
+    for (int g = 0, t = 0; g < c->n_seg; g++)
+        for (int j = 0; j < c->seg[g][2]; j++, t++) tok_seq[t] = c->seg[g][0], tok_pos[t] = c->seg[g][1] + j;
+    if (c->window > 0) /* blocks wholly before every token's window are freed: never read */
+        for (int sq = 0; sq < n_seqs; sq++) {
+            int lo = 1 << 30;
+            for (int t = 0; t < n; t++)
+                if (tok_seq[t] == sq && loom_om_window_lo(tok_pos[t], c->window) < lo)
+                    lo = loom_om_window_lo(tok_pos[t], c->window);
+            for (int j = 0; j < max_blocks && (j + 1) * B <= lo; j++) bt[sq * max_blocks + j] = -1;
+        }
+    const size_t cache = (size_t)n_blocks * B * kv_dim;
+    float *kc = malloc(sizeof(float) * cache), *vc = malloc(sizeof(float) * cache);
+    for (size_t e = 0; e < cache; e++) kc[e] = bf16r(test_randf(&g_st, 1.0f)), vc[e] = bf16r(test_randf(&g_st, 1.0f));
+    const int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd;
+    float *q = malloc(sizeof(float) * n * q_stride), *out = malloc(sizeof(float) * n * out_stride),
+          *ref = malloc(sizeof(float) * n * out_stride), sinks[64];
+    float *part = malloc(sizeof(float) * (size_t)n * nh * c->n_split * (hd + 2));
+    for (int e = 0; e < n * q_stride; e++) q[e] = test_randf(&g_st, 3.0f); /* peaky, as test_cuda_ops */
+    for (int h = 0; h < nh; h++) sinks[h] = test_randf(&g_st, 3.0f);
+    for (int e = 0; e < n * out_stride; e++) out[e] = NAN, ref[e] = NAN;
+    const fa_emu_t p = {.n = n, .nh = nh, .nkv = nkv, .hd = hd, .B = B, .max_blocks = max_blocks, .window = c->window,
+                        .n_split = c->n_split, .tq = LOOM_FA_ROWS / G, .q_stride = q_stride, .out_stride = out_stride,
+                        .scale = 1.0f / sqrtf((float)hd), .softcap = c->softcap, .q = q,
+                        .sinks = c->sinks ? sinks : NULL, .kc = kc, .vc = vc, .bt = bt, .tok_seq = tok_seq,
+                        .tok_pos = tok_pos, .out = out, .part = part};
+    for (int i = 0; i < n; i++)
+        for (int kvh = 0; kvh < nkv; kvh++)
+            for (int sp = 0; sp < c->n_split; sp++) fa_emu_cta(&p, i, kvh, sp);
+    /* the units of more than one row, and the float64 softmax(QK^T)V of their rows (q rounded as the
+     * kernel rounds it: the rest of the error is P's rounding to bf16, ~2^-9 of |V|) */
+    int rows = 0, alone_untouched = 1;
+    for (int i = 0; i < n;) {
+        int r = 1;
+        while (i + r < n && (i + r) % p.tq != 0 && tok_seq[i + r] == tok_seq[i]) r++;
+        for (int t = i; t < i + r; t++)
+            for (int h = 0; h < nh; h++) {
+                float *o = out + (size_t)t * out_stride + (size_t)h * hd, *w = ref + (size_t)t * out_stride + (size_t)h * hd;
+                if (r == 1) { /* the decode kernel's: the flash kernel left it alone */
+                    for (int d = 0; d < hd; d++) alone_untouched &= isnan(o[d]), o[d] = w[d] = 0.0f;
+                    continue;
+                }
+                if (c->n_split > 1) fa_emu_combine(&p, t, h);
+                rows++;
+                const int pos = tok_pos[t], lo = loom_om_window_lo(pos, c->window), kvh = h / G;
+                const int32_t *btr = bt + (size_t)tok_seq[t] * max_blocks;
+                double mx = c->sinks ? sinks[h] : -INFINITY, sum = 0.0, acc[FA_MAXD] = {0};
+                static double sc[4096];
+                for (int k = lo; k <= pos; k++) {
+                    const int blk = btr[k / B];
+                    sc[k] = -INFINITY;
+                    if (blk < 0) continue;
+                    const float *kr = kc + ((size_t)(blk * B + k % B) * nkv + kvh) * hd;
+                    double dot = 0.0;
+                    for (int d = 0; d < hd; d++)
+                        dot += (double)bf16r(q[(size_t)t * q_stride + (size_t)h * hd + d] * p.scale) * kr[d];
+                    sc[k] = c->softcap > 0.0f ? c->softcap * tanh(dot / c->softcap) : dot;
+                    mx = sc[k] > mx ? sc[k] : mx;
+                }
+                if (c->sinks) sum += exp(sinks[h] - mx);
+                for (int k = lo; k <= pos; k++) {
+                    if (sc[k] == -INFINITY) continue;
+                    const double e = exp(sc[k] - mx);
+                    const float *vr = vc + ((size_t)(btr[k / B] * B + k % B) * nkv + kvh) * hd;
+                    sum += e;
+                    for (int d = 0; d < hd; d++) acc[d] += e * vr[d];
+                }
+                for (int d = 0; d < hd; d++) w[d] = (float)(acc[d] / sum);
+            }
+        i += r;
+    }
+    char what[160];
+    snprintf(what, sizeof what, "flash replay nh%d nkv%d hd%d B%d window%d softcap%g sinks%d split%d (%d rows)", nh,
+             nkv, hd, B, c->window, (double)c->softcap, c->sinks, c->n_split, rows);
+    CHECKF(rows > 0 && alone_untouched, "%s: one-row units untouched", what);
+    test_allclose(what, out, ref, (long)n * out_stride, 4e-3, 4e-3);
+    free(bt), free(tok_seq), free(tok_pos), free(kc), free(vc), free(q), free(out), free(ref), free(part);
+}
+
+static void test_fa_emulated(void) {
+    static const fa_case_t cases[] = {
+        /* Llama-3-8B's heads: tiles of 16 tokens x 4 heads, a prefill from 0 (the last tile of 6 tokens) */
+        {32, 8, 128, 16, 0, 0.0f, 0, 1, 1, {{0, 0, 70}}},
+        /* MHA, tiles of 64 tokens; a chunk after a cached prefix of 37, a partial last block of 7, 3 splits */
+        {8, 8, 64, 7, 0, 0.0f, 0, 3, 1, {{0, 37, 100}}},
+        /* group 7 (tiles of 9 tokens, 63 rows): a window, a soft cap and sinks at once, mid-sequence */
+        {28, 4, 128, 16, 40, 30.0f, 1, 1, 1, {{0, 20, 50}}},
+        /* a mixed batch: decode tokens around two chunks (one of 3 tokens), group 3 (21 tokens, 63 rows),
+         * sinks, 2 splits */
+        {12, 4, 64, 16, 0, 0.0f, 1, 2, 5, {{0, 90, 1}, {1, 60, 45}, {2, 10, 1}, {3, 0, 3}, {4, 300, 1}}},
+        /* a window over freed blocks, block size 5, 4 splits, many tiles */
+        {16, 2, 64, 5, 33, 0.0f, 0, 4, 1, {{0, 200, 40}}},
+        /* a chunk deep into a sequence: 15 tiles a row in one slice, the running max moving */
+        {8, 2, 128, 16, 0, 0.0f, 0, 1, 1, {{0, 900, 20}}},
+        /* group 32: tiles of 2 tokens, a soft cap, keys past several tiles */
+        {64, 2, 128, 16, 0, 20.0f, 0, 1, 1, {{0, 130, 5}}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_fa_case(&cases[i]);
+}
+
 int main(void) {
     RUN(test_elementwise);
     RUN(test_i8_kv);
@@ -1005,5 +1423,7 @@ int main(void) {
     RUN(test_fp8_decode);
     RUN(test_qmma);
     RUN(test_fp8_gemm_scales);
+    RUN(test_fa_layout);
+    RUN(test_fa_emulated);
     return test_summary();
 }
