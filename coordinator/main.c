@@ -203,6 +203,11 @@ int main(int argc, char **argv) {
          0.0001, 1, NULL},
         {"no-prefix-cache", LOOM_OPT_FLAG, &no_prefix, NULL, "disable automatic prefix caching", 1,
          0, NULL},
+        {"async-scheduling", LOOM_OPT_FLAG, &c.async_scheduling, NULL,
+         "overlapped scheduling: plan and send each decode step while the previous one runs, its tokens the ones "
+         "that step samples on the worker (one stage of one TP rank; rows whose next plan depends on the token, "
+         "a grammar, penalties, speculation, wait for it as without the flag)",
+         1, 0, NULL},
         {"step-timeout-ms", LOOM_OPT_INT, &c.step_timeout_ms, "MS",
          "a step in flight longer than this plus --step-timeout-per-token-us per token fails the epoch as a lost "
          "worker does, and its requests are re-planned; 0: no bound (default 30000)", 0, 3600000, NULL},
