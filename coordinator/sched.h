@@ -26,7 +26,8 @@
  * stream is its own). A leader preempted, finished or windowed (n_dropped >
  * 0) before that leads no one: the parked sequences are admitted as usual
  * (prefix cache), and the first of them may lead the others.
- * Invariants: a sequence is in at most one micro-batch in flight; tokens
+ * Invariants: a sequence is in at most one micro-batch in flight (two with
+ * one planned ahead: loom_sched_schedule_ahead); tokens
  * [0, n_computed) have KV in the blocks of its table; only full blocks are
  * ever shared, and a shared block about to be written is copied first.
  * With a sliding window (cfg.window > 0: every layer attends to the latest
