@@ -1076,6 +1076,9 @@ static void add_ahead(loom_sched_t *s, loom_microbatch_t *mb, loom_microbatch_t 
          * step would carry drafts made from that token */
         if (p + 1 - q->n_prompt >= q->max_tokens || p + 1 >= s->cfg.max_model_len || spec_eligible(s, q)) continue;
         if (ok && !ok(ctx, q)) continue;
+        /* a block it fills that a write-through connector saves is named by
+         * its tokens' chain hash: that row waits for its token */
+        if (s->conn && (s->conn->write_through || q->kv_save) && (p + 1) % B == 0) continue;
         int need = blocks_needed(s, q, p + 1);
         if (need > loom_kv_n_free(s->kv)) continue; /* never a preemption for it */
         grow(s, q, p + 1);

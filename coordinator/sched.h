@@ -232,8 +232,9 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s);
  * token, which only the worker knows until prev completes (mb->prev_rows):
  * unless prev's token is its last by max_tokens or the context, it would
  * speculate, ok(ctx, q) says no (its next step's plan depends on the token:
- * a grammar, penalties, bad words, min_tokens), or it needs a block and none
- * is free (planning ahead never preempts). The rest of the batch is filled
+ * a grammar, penalties, bad words, min_tokens), the row fills a block that a
+ * write-through connector saves (under its tokens' hash), or it needs a
+ * block and none is free (planning ahead never preempts). The rest of the batch is filled
  * as loom_sched_schedule fills one. Such a sequence is in two micro-batches
  * (in_flight 2); one that finishes as prev completes (EOS, a stop string,
  * cancelled) gets finish_pending, and its row of the later batch is dropped
