@@ -65,7 +65,7 @@ def test_killed_worker_gives_unavailable():
 def test_replacement_worker_restores_the_grid():
     with Cluster(STORIES, 2, 1) as c:
         kill(c.pid("worker-1"))
-        deadline = time.time() + 10
+        deadline = time.time() + scaled(10)  # the heartbeat timeout scales with the speed factor too
         while time.time() < deadline and "waiting_for_workers" not in c.health()[1]:
             time.sleep(0.2)
         check("waiting_for_workers" in c.health()[1], "the loss was not noticed")
