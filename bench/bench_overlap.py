@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Overlapped scheduling (--async-scheduling) on a 1x1 grid against `loom run`,
 in interleaved rounds of one run: batch-1 greedy decode time per token on
-stories260K (one worker thread), the grid with the flag off and on.
+stories260K (one worker thread), the grid with the flag off, on (3 steps
+planned ahead, the default) and on with one step ahead.
 
     /usr/bin/python3 bench/bench_overlap.py [--model DIR] [--tokens 256] [--rounds 5]
 
@@ -67,13 +68,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=4)
     a = ap.parse_args()
-    dirs = {k: tempfile.mkdtemp(prefix="loom-bench-overlap-") for k in ("off", "on")}
-    addrs = {"off": launch(a.model, dirs["off"], []), "on": launch(a.model, dirs["on"], ["--async-scheduling"])}
-    res = {"run": [], "off": [], "on": [], "off_tps": [], "on_tps": []}
+    flags = {"off": [], "on": ["--async-scheduling"], "on1": ["--async-scheduling-steps", "1"]}
+    dirs = {k: tempfile.mkdtemp(prefix="loom-bench-overlap-") for k in flags}
+    addrs = {k: launch(a.model, dirs[k], f) for k, f in flags.items()}
+    res = {"run": []}
+    for k in flags:
+        res[k], res[k + "_tps"] = [], []
     try:
         for _ in range(a.rounds):
             res["run"].append(loom_run_ms(a.model, a.tokens))
-            for k in ("off", "on"):
+            for k in flags:
                 ms, tps = grid_ms(addrs[k], a.tokens, a.requests)
                 res[k].append(ms)
                 res[k + "_tps"].append(tps)
@@ -82,10 +86,12 @@ def main():
             stop(d)
     med = {k: statistics.median(v) for k, v in res.items()}
     print("load average %s" % " ".join(open("/proc/loadavg").read().split()[:3]))
-    print("per-token ms (median of %d rounds): loom run %.4f, grid off %.4f (+%.4f), grid on %.4f (+%.4f)"
-          % (a.rounds, med["run"], med["off"], med["off"] - med["run"], med["on"], med["on"] - med["run"]))
-    print("concurrency-1 output tok/s: grid off %.0f, grid on %.0f (%.2fx)"
-          % (med["off_tps"], med["on_tps"], med["on_tps"] / med["off_tps"]))
+    print("per-token ms (median of %d rounds): loom run %.4f, grid off %.4f (+%.4f), grid on %.4f (+%.4f), "
+          "on with 1 step ahead %.4f (+%.4f)" % (a.rounds, med["run"], med["off"], med["off"] - med["run"], med["on"],
+                                                 med["on"] - med["run"], med["on1"], med["on1"] - med["run"]))
+    print("concurrency-1 output tok/s: grid off %.0f, on %.0f (%.2fx), on with 1 step ahead %.0f (%.2fx)"
+          % (med["off_tps"], med["on_tps"], med["on_tps"] / med["off_tps"], med["on1_tps"],
+             med["on1_tps"] / med["off_tps"]))
     print(json.dumps(res))
 
 

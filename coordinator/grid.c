@@ -85,7 +85,7 @@ struct loom_grid {
     int *probe_fd; /* per slot: a probe's socket, -1: none, -2: failed at once */
     uint64_t probe_deadline;
 
-    inflight_t *inflight; /* FIFO, at most pp entries (pp + 1 with cfg.ahead) */
+    inflight_t *inflight; /* FIFO, at most pp + cfg.ahead entries */
     uint64_t t_done;      /* when the latest step's result came */
     int n_inflight;
     Loom__V1__SampleParams *sp; /* step plan scratch, max_num_seqs entries */
@@ -833,7 +833,7 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {
-    return g->state == LOOM_GRID_READY && g->n_inflight < g->cfg.pp + (g->cfg.ahead > 0);
+    return g->state == LOOM_GRID_READY && g->n_inflight < g->cfg.pp + g->cfg.ahead;
 }
 
 void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb) {
@@ -1079,7 +1079,7 @@ loom_status_t loom_grid_create(const loom_grid_config_t *cfg, void *zctx, const 
     if (cb) g->cb = *cb;
     g->n_slots = cfg->tp * cfg->pp;
     g->slots = loom_xcalloc((size_t)g->n_slots, sizeof *g->slots);
-    g->inflight = loom_xcalloc((size_t)cfg->pp + 1, sizeof *g->inflight);
+    g->inflight = loom_xcalloc((size_t)cfg->pp + (size_t)(cfg->ahead > 0 ? cfg->ahead : 0), sizeof *g->inflight);
     g->probe_fd = loom_xmalloc((size_t)g->n_slots * sizeof *g->probe_fd);
     for (int i = 0; i < g->n_slots; i++) g->probe_fd[i] = -1;
     g->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *g->sp);

@@ -130,7 +130,7 @@ typedef struct loom_grid_config {
     int max_lora_rank;   /* their largest rank (Assign.max_lora_rank) */
     int max_cpu_loras;   /* prepared adapters a worker keeps (Assign.max_cpu_loras) */
     int mtp;             /* the last stage runs DeepSeek's MTP module as the draft (Assign.mtp) */
-    int ahead;           /* 1: one step more may be in flight, planned ahead (--async-scheduling) */
+    int ahead;           /* steps more that may be in flight, planned ahead (--async-scheduling) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */
     /* the directory tier (NULL: none): sent to the workers in KvConfig with

@@ -141,7 +141,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
     attach_ledger(s);
     s->max_blocks_per_seq = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
     s->running = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->running);
-    s->n_mbs = s->cfg.n_micro + (s->cfg.ahead > 0);
+    s->n_mbs = s->cfg.n_micro + (s->cfg.ahead > 0 ? s->cfg.ahead : 0);
     s->mbs = loom_xcalloc((size_t)s->n_mbs, sizeof *s->mbs);
     size_t T = (size_t)cfg->max_batched_tokens, S = (size_t)cfg->max_num_seqs;
     for (int i = 0; i < s->n_mbs; i++) {
@@ -1062,19 +1062,22 @@ static void release_mb(loom_sched_t *s, loom_microbatch_t *mb) {
 
 /* Adds to mb a decode of each sequence prev samples for (not speculating)
  * whose next token can be planned without knowing that sample: its token
- * is the one prev samples (mb->prev_rows), at the position after prev's. */
+ * is the one prev samples (mb->prev_rows), at the position after prev's.
+ * prev is the latest batch built, so q is in no batch after it; the ones
+ * before it may still be in flight too (several planned ahead). */
 static void add_ahead(loom_sched_t *s, loom_microbatch_t *mb, loom_microbatch_t *prev, loom_sched_ahead_fn ok,
                       void *ctx) {
     const int B = s->cfg.block_size;
     for (int r = 0; r < prev->n_logits; r++) {
         loom_seq_t *q = prev->logit_seq[r];
         if (mb->n_seqs >= s->cfg.max_num_seqs || mb->n_tokens >= s->cfg.max_batched_tokens) break;
-        if (prev->spec_row[r] || q->in_flight != 1 || q->finish_pending || q->state != LOOM_SEQ_RUNNING || q->embed)
-            continue;
-        const int p = q->n_tokens; /* the position of the token prev samples */
+        if (prev->spec_row[r] || q->finish_pending || q->state != LOOM_SEQ_RUNNING || q->embed) continue;
+        const int p = prev->pos[prev->logit_rows[r]] + 1; /* the position of the token prev samples */
+        const uint64_t step = prev->steps[r] + 1;          /* and the index of the one this row samples */
         /* prev's token is its last (max_tokens, the context), or its next
          * step would carry drafts made from that token */
-        if (p + 1 - q->n_prompt >= q->max_tokens || p + 1 >= s->cfg.max_model_len || spec_eligible(s, q)) continue;
+        if ((int)(step - q->step_offset) >= q->max_tokens || p + 1 >= s->cfg.max_model_len || spec_eligible(s, q))
+            continue;
         if (ok && !ok(ctx, q)) continue;
         /* a block it fills that a write-through connector saves is named by
          * its tokens' chain hash: that row waits for its token */
@@ -1094,7 +1097,7 @@ static void add_ahead(loom_sched_t *s, loom_microbatch_t *mb, loom_microbatch_t 
         mb->logit_rows[lr] = t;
         mb->logit_seq[lr] = q;
         mb->sampling[lr] = q->sampling;
-        mb->steps[lr] = q->step_offset + (uint64_t)(p + 1 - q->n_prompt);
+        mb->steps[lr] = step;
         mb->spec_row[lr] = 0;
         mb->n_prev++;
         q->in_flight++;

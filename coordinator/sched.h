@@ -26,8 +26,8 @@
  * stream is its own). A leader preempted, finished or windowed (n_dropped >
  * 0) before that leads no one: the parked sequences are admitted as usual
  * (prefix cache), and the first of them may lead the others.
- * Invariants: a sequence is in at most one micro-batch in flight (two with
- * one planned ahead: loom_sched_schedule_ahead); tokens
+ * Invariants: a sequence is in at most one micro-batch in flight (more with
+ * some planned ahead: loom_sched_schedule_ahead); tokens
  * [0, n_computed) have KV in the blocks of its table; only full blocks are
  * ever shared, and a shared block about to be written is copied first.
  * With a sliding window (cfg.window > 0: every layer attends to the latest
@@ -74,7 +74,7 @@ typedef struct loom_seq {
     int priority;
     uint64_t arrival;        /* admission order, kept across preemption */
     loom_seq_state_t state;
-    int in_flight;           /* micro-batches in flight holding it: 0, 1, or 2 with one planned ahead */
+    int in_flight;           /* micro-batches in flight holding it (more than one: planned ahead) */
     int finish_pending;      /* finished while in flight */
     int cached_tokens;       /* prompt tokens served by the prefix cache or forked (first admission) */
     int forked;              /* admitted as a fork of a running sequence's prompt (first admission) */
@@ -119,7 +119,7 @@ typedef struct loom_sched_config {
     int n_blocks;
     int prefix_cache;
     int window;              /* every layer's sliding window in positions (0: none) */
-    int ahead;               /* 1: one micro-batch more may be planned ahead (loom_sched_schedule_ahead) */
+    int ahead;               /* micro-batches more that may be planned ahead (loom_sched_schedule_ahead) */
 } loom_sched_config_t;
 
 /* One micro-batch, ready to be sent as a step plan. Arrays are owned by the
@@ -227,7 +227,8 @@ loom_status_t loom_sched_add_embed(loom_sched_t *s, uint64_t id, const int32_t *
 loom_microbatch_t *loom_sched_schedule(loom_sched_t *s);
 
 /* Overlapped scheduling (cfg.ahead): builds a micro-batch while prev, the
- * latest one built, is in flight. Each sequence prev samples a token for
+ * latest one built, is in flight (and up to cfg.ahead - 1 before it, each
+ * planned ahead of the one before). Each sequence prev samples a token for
  * (a decode or a prompt's last chunk, no drafts) gets a decode of that
  * token, which only the worker knows until prev completes (mb->prev_rows):
  * unless prev's token is its last by max_tokens or the context, it would
@@ -235,10 +236,11 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s);
  * a grammar, penalties, bad words, min_tokens), the row fills a block that a
  * write-through connector saves (under its tokens' hash), or it needs a
  * block and none is free (planning ahead never preempts). The rest of the batch is filled
- * as loom_sched_schedule fills one. Such a sequence is in two micro-batches
- * (in_flight 2); one that finishes as prev completes (EOS, a stop string,
- * cancelled) gets finish_pending, and its row of the later batch is dropped
- * unseen as that batch completes, when its blocks go back. Results must
+ * as loom_sched_schedule fills one. Such a sequence is in several
+ * micro-batches (in_flight counts them); one that finishes as an earlier one
+ * completes (EOS, a stop string, cancelled) gets finish_pending, and its rows
+ * of the later batches are dropped unseen as they complete; its blocks go
+ * back with the last. Results must
  * complete in the order the batches were built; a failure fails them all
  * (the grid does). NULL: every micro-batch is in flight, or nothing to run. */
 typedef int (*loom_sched_ahead_fn)(void *ctx, const loom_seq_t *q);

@@ -1681,7 +1681,7 @@ static loom_microbatch_t *next_batch(loom_server_t *s) {
     if (!s->ahead) return loom_sched_schedule(s->sched);
     int busy = loom_grid_n_inflight(s->grid) + s->n_unsent;
     if (busy == 0) return loom_sched_schedule(s->sched);
-    if (busy > 1 || s->n_unsent || !s->tail) return NULL;
+    if (busy > s->ahead || s->n_unsent || !s->tail) return NULL;
     return loom_sched_schedule_ahead(s->sched, s->tail, plan_ahead_ok, s);
 }
 
@@ -1982,11 +1982,11 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->kv_check_fd = -1;
     s->cfg = *cfg;
     s->stall_file = getenv("LOOM_TEST_STALL_FILE");
-    s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1) + 1, sizeof *s->unsent);
-    if (cfg->async_scheduling && cfg->pp == 1 && cfg->tp == 1) s->ahead = 1;
-    else if (cfg->async_scheduling)
+    if (cfg->async_scheduling > 0 && cfg->pp == 1 && cfg->tp == 1) s->ahead = cfg->async_scheduling;
+    else if (cfg->async_scheduling > 0)
         LOOM_WARN("--async-scheduling needs one stage of one TP rank (this grid is tp %d x pp %d): it is off",
                   cfg->tp, cfg->pp);
+    s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1) + (size_t)s->ahead, sizeof *s->unsent);
     /* workers may run elsewhere: hand them an absolute path */
     if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;
     cfg = &s->cfg;

@@ -280,7 +280,7 @@ def test_async_scheduling():
     """--async-scheduling on a 1x1 grid: every request gives what it gives
     without the flag (text, ids, completion tokens, finish reason) and greedy
     ids equal `loom run`'s. A request ended by a stop string in a step whose
-    successor was already planned ahead emits nothing more: that row is
+    successors were already planned ahead emits nothing more: those rows are
     dropped (Stats ahead_dropped), its usage counts the tokens it emitted.
     Penalties (and min_tokens until it is reached) make the next row depend
     on the token, so those rows wait for it; a tp 2 grid turns the flag off."""
@@ -324,8 +324,8 @@ def test_async_scheduling():
                 check(ahead >= got[2][0] - 2, "%s: %d of %d tokens planned ahead" % (name, ahead, got[2][0]))
             if got[2][1] == "length":
                 check(dropped_now == 0, "%s: %d rows dropped at max_tokens" % (name, dropped_now))
-            else:
-                check(dropped_now == 1, "%s ended by a stop: %d rows dropped" % (name, dropped_now))
+            else:  # its rows in the steps planned ahead of the one that ended it (3 by default)
+                check(1 <= dropped_now <= 3, "%s ended by a stop: %d rows dropped" % (name, dropped_now))
             dropped += dropped_now
         # concurrent requests: batches mix rows planned ahead with admissions
         procs = [c.generate_async(p, 60, extra=["--ignore-eos"]) for p in PROMPTS * 2]

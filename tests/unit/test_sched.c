@@ -23,8 +23,9 @@ static int
  * scheduler's clock (the speculation gate's deterministic cost model) */
 static double g_draft_cost_s = -1;
 static uint64_t g_clock_ns;
-/* overlapped scheduling: one micro-batch planned ahead of the one in flight,
- * as the coordinator's --async-scheduling plans them (the sequences with
+/* overlapped scheduling: g_ahead micro-batches planned ahead of the one in
+ * flight, each of the one before, as the coordinator's --async-scheduling
+ * plans them (the sequences with
  * id % 5 == 2 refused by its predicate), and every g_fail_every-th step
  * both in flight fail; g_after_done counts tokens emitted for a sequence
  * after it finished */
@@ -214,9 +215,11 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
     /* (a step planned ahead may still be in flight after the last finish) */
     while ((c.finished < n_reqs || n_in > 0) && iters++ < 100000) {
         loom_microbatch_t *mb;
-        if (g_ahead) { /* as the coordinator: a fresh batch, then one planned ahead of it */
+        if (g_ahead) { /* as the coordinator: a fresh batch, then up to g_ahead planned ahead, each of the last */
             if (n_in == 0 && (mb = loom_sched_schedule(s))) inflight[n_in++] = mb;
-            if (n_in == 1 && (mb = loom_sched_schedule_ahead(s, inflight[0], ahead_ok, NULL))) inflight[n_in++] = mb;
+            while (n_in > 0 && n_in <= g_ahead &&
+                   (mb = loom_sched_schedule_ahead(s, inflight[n_in - 1], ahead_ok, NULL)))
+                inflight[n_in++] = mb;
         } else {
             while (n_in < n_micro && (mb = loom_sched_schedule(s))) inflight[n_in++] = mb;
         }
@@ -756,9 +759,19 @@ static void test_fork_preempted(void) {
  * the caller ends the sequence as an EOS or a stop string would, so the
  * row planned ahead is dropped), the ledger stays consistent, and no block
  * is held at the end. */
+static void run_plan_ahead(int depth);
+
 static void test_plan_ahead(void) {
+    for (int depth = 1; depth <= 3; depth += 2) {
+        run_plan_ahead(depth);
+        CHECKF(g_after_done == 0, "%d steps ahead: %d tokens emitted after their sequence finished", depth,
+               g_after_done);
+    }
+}
+
+static void run_plan_ahead(int depth) {
     loom_sched_stats_t st;
-    g_ahead = 1;
+    g_ahead = depth;
     g_after_done = 0;
     run_load(64, 4096, 1, 32, 256, 0, 0, 1, &st);
     CHECKF(st.ahead_tokens > 0 && st.preemptions == 0 && st.ahead_dropped == 0,
@@ -786,7 +799,6 @@ static void test_plan_ahead(void) {
     CHECK(g_spec_stats.num_drafts > 0);
     g_spec = NULL;
     g_markov = 0;
-    CHECKF(g_after_done == 0, "%d tokens emitted after their sequence finished", g_after_done);
     g_ahead = 0;
 }
 
