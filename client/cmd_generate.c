@@ -360,7 +360,8 @@ int loom_cmd_stats(int argc, char **argv) {
            "  \"gen_tokens_per_s\": %.2f,\n"
            "  \"requests_finished\": %llu,\n  \"requests_rejected\": %llu,\n  \"preemptions\": %llu,\n"
            "  \"prompt_tokens_total\": %llu,\n  \"gen_tokens_total\": %llu,\n"
-           "  \"steps\": %llu,\n  \"step_ms_mean\": %.3f\n"
+           "  \"steps\": %llu,\n  \"step_ms_mean\": %.3f,\n"
+           "  \"ahead_tokens\": %llu,\n  \"ahead_dropped\": %llu\n"
            "}\n",
            s.running, s.waiting, s.preparing, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
            (unsigned long long)s.kv_blocks_cached, s.kv_block_size, s.kv_cache_dtype,
@@ -368,7 +369,8 @@ int loom_cmd_stats(int argc, char **argv) {
            (unsigned long long)s.prefix_cache_hits, s.prefix_cache_hit_rate, s.gen_tokens_per_s,
            (unsigned long long)s.requests_finished, (unsigned long long)s.requests_rejected,
            (unsigned long long)s.preemptions, (unsigned long long)s.prompt_tokens_total,
-           (unsigned long long)s.gen_tokens_total, (unsigned long long)s.steps, s.step_ms_mean);
+           (unsigned long long)s.gen_tokens_total, (unsigned long long)s.steps, s.step_ms_mean,
+           (unsigned long long)s.ahead_tokens, (unsigned long long)s.ahead_dropped);
     return 0;
 }
 

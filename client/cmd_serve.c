@@ -402,6 +402,7 @@ typedef struct fwd_opts {
     const char *spec_method, *spec_k, *ngram_min, *ngram_max; /* speculative decoding */
     const char *spec_model, *spec_quant, *spec_max_seqs, *spec_threads, *spec_device;
     int prefix_on, prefix_off;
+    int async_scheduling;
     int expert_parallel; /* Mixture-of-Experts layers: TP ranks split the experts */
     int dp_attention;    /* DeepSeek: each TP rank runs attention for its own sequences */
     char spec_buf[3][32]; /* what --speculative-config gave: numbers, the draft's directory and scheme */
@@ -560,6 +561,10 @@ int loom_cmd_serve(int argc, char **argv) {
          "automatic prefix caching (the default)", 1, 0, NULL},
         {"no-enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_off, NULL,
          "no automatic prefix caching", 1, 0, NULL},
+        {"async-scheduling", LOOM_OPT_FLAG, &f.async_scheduling, NULL,
+         "overlapped scheduling: each decode step is planned while the previous one runs (one worker; "
+         "loom-coordinator --async-scheduling)",
+         1, 0, NULL},
         {"api-key", LOOM_OPT_STR, &f.api_key, "KEY",
          "require this key (Authorization: Bearer KEY) on /v1/... (default: open, or LOOM_API_KEY)",
          1, 0, NULL},
@@ -760,6 +765,7 @@ int loom_cmd_serve(int argc, char **argv) {
             argv_push(a, "%s", fwd[i].value);
         }
     if (f.prefix_off) argv_push(a, "--no-prefix-cache");
+    if (f.async_scheduling) argv_push(a, "--async-scheduling");
     if (f.expert_parallel) argv_push(a, "--expert-parallel");
     if (f.dp_attention) argv_push(a, "--enable-dp-attention");
     if (f.trust_request_template) argv_push(a, "--trust-request-chat-template");

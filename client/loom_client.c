@@ -766,6 +766,8 @@ loom_status_t loom_client_stats(loom_client_t *c, loom_stats_t *s, loom_err_t *e
     snprintf(s->kv_cache_dtype, sizeof s->kv_cache_dtype, "%s", x->kv_cache_dtype ? x->kv_cache_dtype : "");
     s->kv_block_bytes = x->kv_block_bytes;
     s->preparing = x->preparing > INT32_MAX ? INT32_MAX : (int)x->preparing;
+    s->ahead_tokens = x->ahead_tokens;
+    s->ahead_dropped = x->ahead_dropped;
     loom__v1__reply__free_unpacked(r, NULL);
     return LOOM_OK;
 }

@@ -178,6 +178,7 @@ typedef struct loom_stats {
     uint64_t prompt_tokens_total, gen_tokens_total, steps;
     double step_ms_mean;
     int preparing; /* requests being prepared (grammar, long prompt) off the reactor */
+    uint64_t ahead_tokens, ahead_dropped; /* overlapped scheduling: planned ahead, and dropped unseen */
 } loom_stats_t;
 loom_status_t loom_client_stats(loom_client_t *c, loom_stats_t *s, loom_err_t *err);
 

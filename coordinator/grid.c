@@ -85,7 +85,8 @@ struct loom_grid {
     int *probe_fd; /* per slot: a probe's socket, -1: none, -2: failed at once */
     uint64_t probe_deadline;
 
-    inflight_t *inflight; /* FIFO, at most pp entries */
+    inflight_t *inflight; /* FIFO, at most pp + cfg.ahead entries */
+    uint64_t t_done;      /* when the latest step's result came */
     int n_inflight;
     Loom__V1__SampleParams *sp; /* step plan scratch, max_num_seqs entries */
     Loom__V1__SampleParams **sp_ptrs;
@@ -612,7 +613,10 @@ static void on_result(loom_grid_t *g, int wi, const Loom__V1__StepResult *r) {
         fail_grid(g, bad);
         return;
     }
-    double step_s = (double)(loom_now_ns() - f.t_sent) * 1e-9;
+    /* a step planned ahead waited for the one before it: its own time starts as that one's ended */
+    uint64_t now = loom_now_ns(), t_start = g->cfg.ahead && g->t_done > f.t_sent ? g->t_done : f.t_sent;
+    g->t_done = now;
+    double step_s = (double)(now - t_start) * 1e-9;
     if (g->cb.on_step_done && g->cb.on_step_done(g->cb.ctx, f.mb, r, step_s, msg, sizeof msg) < 0) {
         if (g->cb.on_step_failed) g->cb.on_step_failed(g->cb.ctx, f.mb);
         fail_grid(g, msg);
@@ -826,10 +830,15 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
         p->seq_dp_rank = mb->seq_dp_rank;
         p->n_seq_dp_rank = (size_t)mb->n_seqs;
     }
+    if (mb->n_prev) { /* planned ahead: some tokens are the previous step's samples */
+        p->prev_rows = mb->prev_rows;
+        p->n_prev_rows = (size_t)mb->n_tokens;
+        p->prev_step = mb->prev_step;
+    }
 }
 
 int loom_grid_can_send(const loom_grid_t *g) {
-    return g->state == LOOM_GRID_READY && g->n_inflight < g->cfg.pp;
+    return g->state == LOOM_GRID_READY && g->n_inflight < g->cfg.pp + g->cfg.ahead;
 }
 
 void loom_grid_send_plan(loom_grid_t *g, loom_microbatch_t *mb) {
@@ -1075,7 +1084,7 @@ loom_status_t loom_grid_create(const loom_grid_config_t *cfg, void *zctx, const 
     if (cb) g->cb = *cb;
     g->n_slots = cfg->tp * cfg->pp;
     g->slots = loom_xcalloc((size_t)g->n_slots, sizeof *g->slots);
-    g->inflight = loom_xcalloc((size_t)cfg->pp, sizeof *g->inflight);
+    g->inflight = loom_xcalloc((size_t)cfg->pp + (size_t)(cfg->ahead > 0 ? cfg->ahead : 0), sizeof *g->inflight);
     g->probe_fd = loom_xmalloc((size_t)g->n_slots * sizeof *g->probe_fd);
     for (int i = 0; i < g->n_slots; i++) g->probe_fd[i] = -1;
     g->sp = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *g->sp);

@@ -102,6 +102,7 @@ int main(int argc, char **argv) {
     int shutdown_timeout_s = 30;
     c.kv_cache_dtype = "auto";
     int no_prefix = 0;
+    int async_flag = 0, async_steps = 0;
     const char *kv_mem = NULL;
     float offload_gb = 10;
     float host_gib = 0;
@@ -209,6 +210,15 @@ int main(int argc, char **argv) {
          0.0001, 1, NULL},
         {"no-prefix-cache", LOOM_OPT_FLAG, &no_prefix, NULL, "disable automatic prefix caching", 1,
          0, NULL},
+        {"async-scheduling", LOOM_OPT_FLAG, &async_flag, NULL,
+         "overlapped scheduling: plan and send each decode step while the previous one runs, its tokens the ones "
+         "that step samples on the worker (one stage of one TP rank; rows whose next plan depends on the token, "
+         "a grammar, penalties, speculation, wait for it as without the flag)",
+         1, 0, NULL},
+        {"async-scheduling-steps", LOOM_OPT_INT, &async_steps, "N",
+         "with --async-scheduling (implied): steps planned ahead beyond the one running, enough to cover the "
+         "round trip to the worker when a step is shorter than it (default 3)",
+         1, 8, NULL},
         {"step-timeout-ms", LOOM_OPT_INT, &c.step_timeout_ms, "MS",
          "a step in flight longer than this plus --step-timeout-per-token-us per token fails the epoch as a lost "
          "worker does, and its requests are re-planned; 0: no bound (default 30000)", 0, 3600000, NULL},
@@ -503,6 +513,7 @@ int main(int argc, char **argv) {
         c.kv_memory = (uint64_t)(v * mul);
     }
     c.prefix_cache = !no_prefix;
+    c.async_scheduling = async_steps ? async_steps : async_flag ? 3 : 0;
     c.kv_offload_max_bytes = (uint64_t)((double)offload_gb * 1e9);
     if (kv_transfer) {
         loom_err_t kerr = {0};

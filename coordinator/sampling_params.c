@@ -284,6 +284,13 @@ static void fill_row(loom_sparams_arena_t *a, const loom_sparams_t *p, const loo
     sp->n_seen_ids = sp->n_out_counts = (size_t)n_seen;
 }
 
+int loom_sparams_plan_ahead(const loom_sparams_t *p, const loom_seq_t *q) {
+    if (!p) return 1;
+    if (p->guide || p->presence != 0.0f || p->frequency != 0.0f || p->repetition > 0.0f || p->n_bad) return 0;
+    int n_out = q->n_tokens - (q->n_prompt - (int)q->step_offset);
+    return n_out >= p->min_tokens; /* past min_tokens, the bans are off whatever it samples */
+}
+
 void loom_sparams_fill_plan(loom_sparams_arena_t *a, const loom_microbatch_t *mb, Loom__V1__SampleParams *const *sp) {
     arena_reset(a);
     for (int i = 0; i < mb->n_logits; i++) {

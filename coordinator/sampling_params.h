@@ -35,6 +35,11 @@ int loom_sparams_min_tokens(const loom_sparams_t *p); /* 0 for NULL */
 void loom_sparams_set_guide(loom_sparams_t **p, struct loom_guide *guide);
 struct loom_guide *loom_sparams_guide(const loom_sparams_t *p); /* NULL for none */
 
+/* Whether q's next plan row is the same whatever token it samples now
+ * (overlapped scheduling): not with a grammar, penalties or bad words, nor
+ * before min_tokens is reached (the row's bans count the output). NULL: 1. */
+int loom_sparams_plan_ahead(const loom_sparams_t *p, const struct loom_seq *q);
+
 /* Memory for the plan rows' arrays, valid until the next fill. */
 typedef struct loom_sparams_arena {
     void **blocks;

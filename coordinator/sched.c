@@ -144,7 +144,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
     attach_ledger(s);
     s->max_blocks_per_seq = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
     s->running = loom_xcalloc((size_t)cfg->max_num_seqs, sizeof *s->running);
-    s->n_mbs = s->cfg.n_micro;
+    s->n_mbs = s->cfg.n_micro + (s->cfg.ahead > 0 ? s->cfg.ahead : 0);
     s->mbs = loom_xcalloc((size_t)s->n_mbs, sizeof *s->mbs);
     size_t T = (size_t)cfg->max_batched_tokens, S = (size_t)cfg->max_num_seqs;
     for (int i = 0; i < s->n_mbs; i++) {
@@ -177,6 +177,7 @@ loom_sched_t *loom_sched_create(const loom_sched_config_t *cfg) {
         mb->spec_n = loom_xcalloc(S, sizeof(int));
         mb->spec_row0 = loom_xcalloc(S, sizeof(int));
         mb->spec_row = loom_xcalloc(S, sizeof(uint8_t));
+        mb->prev_rows = loom_xmalloc(T * sizeof(int32_t));
     }
     return s;
 }
@@ -206,7 +207,7 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         loom_microbatch_t *mb = &s->mbs[i];
         if (mb->in_use)
             for (int j = 0; j < mb->n_seqs; j++)
-                if (mb->seqs[j]->finish_pending) seq_free(s, mb->seqs[j]);
+                if (mb->seqs[j]->finish_pending && --mb->seqs[j]->in_flight == 0) seq_free(s, mb->seqs[j]);
     }
     for (int i = 0; i < s->n_running; i++) seq_free(s, s->running[i]);
     for (int i = 0; i < s->n_waiting; i++) seq_free(s, s->heap[i]);
@@ -240,6 +241,7 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->spec_n);
         free(mb->spec_row0);
         free(mb->spec_row);
+        free(mb->prev_rows);
         free(mb->save_block);
         free(mb->save_hash);
         free(mb->load_block);
@@ -930,8 +932,8 @@ static int spec_complete(loom_sched_t *s, loom_microbatch_t *mb, int si, const i
     return emitted;
 }
 
-loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
-    const loom_sched_config_t *c = &s->cfg;
+/* A free micro-batch, emptied, that evictions now save into (NULL: all in flight). */
+static loom_microbatch_t *mb_take(loom_sched_t *s) {
     loom_microbatch_t *mb = NULL;
     for (int i = 0; i < s->n_mbs; i++)
         if (!s->mbs[i].in_use) {
@@ -941,17 +943,33 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
     if (!mb) return NULL;
     mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = mb->n_plp = 0;
     mb->n_saves = mb->n_loads = mb->n_saves_after = 0;
+    mb->n_prev = 0;
+    mb->prev_step = 0;
     mb->draft_s = 0;
     s->building = mb;
     for (int i = 0; i < s->n_pend; i++) /* before anything reuses their blocks */
         xfer_push(&mb->save_block, &mb->save_hash, &mb->n_saves, &mb->cap_saves, s->pend_block[i], s->pend_hash[i]);
     s->n_pend = 0;
     mb->spec_gate = -1;
-    int budget = c->max_batched_tokens;
+    return mb;
+}
+
+static loom_microbatch_t *mb_fill(loom_sched_t *s, loom_microbatch_t *mb);
+
+loom_microbatch_t *loom_sched_schedule(loom_sched_t *s) {
+    loom_microbatch_t *mb = mb_take(s);
+    return mb ? mb_fill(s, mb) : NULL;
+}
+
+/* Fills mb (which may hold rows planned ahead) from the sequences not in
+ * flight: decodes, prefill chunks, admissions. */
+static loom_microbatch_t *mb_fill(loom_sched_t *s, loom_microbatch_t *mb) {
+    const loom_sched_config_t *c = &s->cfg;
+    int budget = c->max_batched_tokens - mb->n_tokens;
     int cap = c->max_num_seqs;
-    if (s->n_mbs > 1) { /* share the sequences among the micro-batches in flight */
+    if (c->n_micro > 1) { /* share the sequences among the micro-batches in flight */
         int total = s->n_running + s->n_waiting;
-        cap = (total + s->n_mbs - 1) / s->n_mbs;
+        cap = (total + c->n_micro - 1) / c->n_micro;
         if (cap < 1) cap = 1;
     }
 
@@ -1080,10 +1098,71 @@ static void register_blocks(loom_sched_t *s, loom_seq_t *q) {
 static void release_mb(loom_sched_t *s, loom_microbatch_t *mb) {
     for (int i = 0; i < mb->n_seqs; i++) {
         loom_seq_t *q = mb->seqs[i];
-        q->in_flight = 0;
-        if (q->finish_pending) seq_free(s, q);
+        LOOM_ASSERT(q->in_flight > 0);
+        if (--q->in_flight == 0 && q->finish_pending) seq_free(s, q);
     }
     mb->in_use = 0;
+}
+
+/* ---- planning ahead (loom_sched_schedule_ahead) ------------------------------------- */
+
+/* Adds to mb a decode of each sequence prev samples for (not speculating)
+ * whose next token can be planned without knowing that sample: its token
+ * is the one prev samples (mb->prev_rows), at the position after prev's.
+ * prev is the latest batch built, so q is in no batch after it; the ones
+ * before it may still be in flight too (several planned ahead). */
+static void add_ahead(loom_sched_t *s, loom_microbatch_t *mb, loom_microbatch_t *prev, loom_sched_ahead_fn ok,
+                      void *ctx) {
+    const int B = s->cfg.block_size;
+    for (int r = 0; r < prev->n_logits; r++) {
+        loom_seq_t *q = prev->logit_seq[r];
+        if (mb->n_seqs >= s->cfg.max_num_seqs || mb->n_tokens >= s->cfg.max_batched_tokens) break;
+        if (prev->spec_row[r] || q->finish_pending || q->state != LOOM_SEQ_RUNNING || q->embed) continue;
+        const int p = prev->pos[prev->logit_rows[r]] + 1; /* the position of the token prev samples */
+        const uint64_t step = prev->steps[r] + 1;          /* and the index of the one this row samples */
+        /* prev's token is its last (max_tokens, the context), or its next
+         * step would carry drafts made from that token */
+        if ((int)(step - q->step_offset) >= q->max_tokens || p + 1 >= s->cfg.max_model_len || spec_eligible(s, q))
+            continue;
+        if (ok && !ok(ctx, q)) continue;
+        /* a block it fills that a write-through connector saves is named by
+         * its tokens' chain hash: that row waits for its token */
+        if (s->conn && (s->conn->write_through || q->kv_save) && (p + 1) % B == 0) continue;
+        int need = blocks_needed(s, q, p + 1);
+        if (need > loom_kv_n_free(s->kv)) continue; /* never a preemption for it */
+        grow(s, q, p + 1);
+        int si = mb->n_seqs++, t = mb->n_tokens++, lr = mb->n_logits++;
+        mb->seqs[si] = q;
+        mb->chunk[si] = 1;
+        mb->spec_n[si] = 0;
+        mb->tokens[t] = 0; /* the worker reads prev's sample for it */
+        mb->prev_rows[t] = r;
+        mb->pos[t] = p;
+        mb->slots[t] = q->blocks[p / B] * B + p % B;
+        mb->tok_seq[t] = si;
+        mb->logit_rows[lr] = t;
+        mb->logit_seq[lr] = q;
+        mb->sampling[lr] = q->sampling;
+        mb->steps[lr] = step;
+        mb->spec_row[lr] = 0;
+        mb->n_prev++;
+        q->in_flight++;
+        s->stats.scheduled_tokens++;
+        s->stats.ahead_tokens++;
+    }
+}
+
+loom_microbatch_t *loom_sched_schedule_ahead(loom_sched_t *s, loom_microbatch_t *prev, loom_sched_ahead_fn ok,
+                                             void *ctx) {
+    LOOM_ASSERT(prev->in_use && s->cfg.ahead);
+    loom_microbatch_t *mb = mb_take(s);
+    if (!mb) return NULL;
+    add_ahead(s, mb, prev, ok, ctx);
+    if (mb->n_prev) mb->prev_step = prev->id;
+    mb = mb_fill(s, mb);
+    if (mb && mb->n_prev)
+        for (int t = mb->n_prev; t < mb->n_tokens; t++) mb->prev_rows[t] = -1; /* tokens the plan holds */
+    return mb;
 }
 
 void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *ids,
@@ -1120,6 +1199,7 @@ void loom_sched_complete(loom_sched_t *s, loom_microbatch_t *mb, const int32_t *
         if (mb->spec_n[i] > 0 && !mb->seqs[i]->finish_pending) emitted += spec_complete(s, mb, i, ids, on_token, ctx);
     for (int r = 0; r < mb->n_logits; r++) {
         loom_seq_t *q = mb->logit_seq[r];
+        if (q->finish_pending && mb->logit_rows[r] < mb->n_prev) s->stats.ahead_dropped++;
         if (q->finish_pending || mb->spec_row[r]) continue;
         LOOM_ASSERT(q->n_tokens < q->cap_tokens);
         emitted++;

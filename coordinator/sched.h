@@ -26,7 +26,8 @@
  * stream is its own). A leader preempted, finished or windowed (n_dropped >
  * 0) before that leads no one: the parked sequences are admitted as usual
  * (prefix cache), and the first of them may lead the others.
- * Invariants: a sequence is in at most one micro-batch in flight; tokens
+ * Invariants: a sequence is in at most one micro-batch in flight (more with
+ * some planned ahead: loom_sched_schedule_ahead); tokens
  * [0, n_computed) have KV in the blocks of its table; only full blocks are
  * ever shared, and a shared block about to be written is copied first.
  * With a sliding window (cfg.window > 0: every layer attends to the latest
@@ -78,7 +79,7 @@ typedef struct loom_seq {
     int priority;
     uint64_t arrival;        /* admission order, kept across preemption */
     loom_seq_state_t state;
-    int in_flight;
+    int in_flight;           /* micro-batches in flight holding it (more than one: planned ahead) */
     int finish_pending;      /* finished while in flight */
     int cached_tokens;       /* prompt tokens served by the prefix cache or forked (first admission) */
     int forked;              /* admitted as a fork of a running sequence's prompt (first admission) */
@@ -130,6 +131,7 @@ typedef struct loom_sched_config {
      * at admission (bind_rank in sched.c); its blocks, prefix hits, forks
      * and the preemptions that make room for it stay in that partition. */
     int n_dp;
+    int ahead;               /* micro-batches more that may be planned ahead (loom_sched_schedule_ahead) */
 } loom_sched_config_t;
 
 /* One micro-batch, ready to be sent as a step plan. Arrays are owned by the
@@ -187,6 +189,13 @@ typedef struct loom_microbatch {
     int32_t *save_slot, *load_slot, *save_after_slot;
     int cap_slots;
     int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
+    /* planned ahead (loom_sched_schedule_ahead): tokens [0, n_prev) are the
+     * ones micro-batch prev_step samples, tokens[t] the id of its logit row
+     * prev_rows[t] (StepPlan.prev_rows); with n_prev > 0, prev_rows[t] is -1
+     * for the other tokens */
+    int n_prev;
+    int32_t *prev_rows;      /* (n_tokens) */
+    uint64_t prev_step;
 } loom_microbatch_t;
 
 #define LOOM_SCHED_MAX_DP 64 /* data-parallel attention ranks at most (the TP ranks' cap) */
@@ -203,6 +212,8 @@ typedef struct loom_sched_stats {
     uint64_t tier_saves;             /* blocks sent to the connector's tier */
     uint64_t lower_hits, lower_saves; /* of those, loaded from and sent to its lower tier (the directory) */
     uint64_t dp_admissions[LOOM_SCHED_MAX_DP]; /* cfg.n_dp > 1: admissions bound to each rank */
+    uint64_t ahead_tokens;           /* decode tokens planned ahead of their previous step's result */
+    uint64_t ahead_dropped;          /* ... of which dropped unseen: the sequence finished in that step */
 } loom_sched_stats_t;
 
 typedef struct loom_sched loom_sched_t;
@@ -230,6 +241,27 @@ loom_status_t loom_sched_add_embed(loom_sched_t *s, uint64_t id, const int32_t *
 /* Builds the next micro-batch; NULL when there is nothing to run or every
  * micro-batch slot is in flight. */
 loom_microbatch_t *loom_sched_schedule(loom_sched_t *s);
+
+/* Overlapped scheduling (cfg.ahead): builds a micro-batch while prev, the
+ * latest one built, is in flight (and up to cfg.ahead - 1 before it, each
+ * planned ahead of the one before). Each sequence prev samples a token for
+ * (a decode or a prompt's last chunk, no drafts) gets a decode of that
+ * token, which only the worker knows until prev completes (mb->prev_rows):
+ * unless prev's token is its last by max_tokens or the context, it would
+ * speculate, ok(ctx, q) says no (its next step's plan depends on the token:
+ * a grammar, penalties, bad words, min_tokens), the row fills a block that a
+ * write-through connector saves (under its tokens' hash), or it needs a
+ * block and none is free (planning ahead never preempts). The rest of the batch is filled
+ * as loom_sched_schedule fills one. Such a sequence is in several
+ * micro-batches (in_flight counts them); one that finishes as an earlier one
+ * completes (EOS, a stop string, cancelled) gets finish_pending, and its rows
+ * of the later batches are dropped unseen as they complete; its blocks go
+ * back with the last. Results must
+ * complete in the order the batches were built; a failure fails them all
+ * (the grid does). NULL: every micro-batch is in flight, or nothing to run. */
+typedef int (*loom_sched_ahead_fn)(void *ctx, const loom_seq_t *q);
+loom_microbatch_t *loom_sched_schedule_ahead(loom_sched_t *s, loom_microbatch_t *prev, loom_sched_ahead_fn ok,
+                                             void *ctx);
 
 /* Called for each sampled token of a completed micro-batch, after the token
  * is appended. The callee may call loom_sched_finish on the sequence. */

@@ -153,6 +153,8 @@ struct loom_server {
         int ready;
     } *unsent;
     int n_unsent;
+    int ahead;               /* overlapped scheduling is on (cfg.async_scheduling, one stage of one rank) */
+    loom_microbatch_t *tail; /* the latest micro-batch built while it is in flight (planned ahead of) */
 
     void *zctx, *api;
     char api_addr[256], inproc_addr[64];
@@ -836,6 +838,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
                                   .max_queue = s->cfg.max_queue, .max_model_len = s->max_model_len,
                                   .n_micro = s->cfg.pp, .block_size = s->cfg.block_size,
                                   .n_blocks = n_blocks * n_dp, .n_dp = n_dp, .prefix_cache = s->cfg.prefix_cache,
+                                  .ahead = s->ahead,
                                   .window = loom_model_config_all_windowed(&s->mcfg) ? s->mcfg.sliding_window : 0};
         s->sched = loom_sched_create(&sc);
         loom_sched_set_spec(s->sched, &s->cfg.spec);
@@ -864,6 +867,7 @@ static void on_grid_ready(void *ctx, loom_grid_t *g) {
 /* The micro-batches not sent yet did not run either: their sequences go
  * back as the in-flight ones did (drafts still being computed are dropped). */
 static void unsent_fail(loom_server_t *s) {
+    s->tail = NULL;
     for (int i = 0; i < s->n_unsent; i++) {
         if (s->draft) loom_coord_draft_void(s->draft, s->unsent[i].mb);
         loom_sched_fail(s->sched, s->unsent[i].mb);
@@ -933,9 +937,12 @@ static int prompt_lp_step(loom_server_t *s, const loom_microbatch_t *mb, const L
     return 0;
 }
 
+static void schedule(loom_server_t *s);
+
 static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
                         size_t err_n) {
     loom_server_t *s = ctx;
+    if (mb == s->tail) s->tail = NULL;
     s->steps++;
     s->step_s_total += step_s;
     loom_metrics_observe_step(s->metrics, step_s);
@@ -960,11 +967,15 @@ static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepRe
     loom_sched_complete(s->sched, mb, r->ids, on_token, s);
     for (int i = 0; i < s->n_embed_done; i++) loom_sched_finish(s->sched, s->embed_done[i]);
     loom_lp_view_unbind(&s->lp_view);
+    /* overlapped: the step after the one now running goes out at once, not
+     * after the results already queued behind this one are read */
+    if (s->ahead) schedule(s);
     return 0;
 }
 
 static void on_step_failed(void *ctx, loom_microbatch_t *mb) {
     loom_server_t *s = ctx;
+    if (mb == s->tail) s->tail = NULL;
     if (kv_host(s) && loom_kv_host_connector_used(s->kv_conn)) {
         /* its saves may not have run: the host tier forgets what it holds
          * rather than order a load of a slot a worker never filled */
@@ -1662,6 +1673,8 @@ static void on_stats(loom_server_t *s, const void *rid, size_t rid_len, Loom__V1
         st.prefix_cache_queries += ss.prefix_queries;
         st.prefix_cache_hits += ss.prefix_hits;
         st.preemptions += ss.preemptions;
+        st.ahead_tokens = ss.ahead_tokens;
+        st.ahead_dropped = ss.ahead_dropped;
     }
     st.prefix_cache_hit_rate =
         st.prefix_cache_queries ? (double)st.prefix_cache_hits / (double)st.prefix_cache_queries : 0.0;
@@ -1745,15 +1758,34 @@ static void send_ready(loom_server_t *s) {
     s->n_unsent -= n;
 }
 
-/* Keeps up to pp micro-batches in flight while the grid is READY. One with
- * a draft model's drafts to compute waits unsent until the draft's thread
- * has them (drafts_done), so the reactor goes on meanwhile. */
+/* Overlapped scheduling: q's next plan row does not depend on the token
+ * it samples now (sampling_params.h). */
+static int plan_ahead_ok(void *ctx, const loom_seq_t *q) {
+    (void)ctx;
+    return loom_sparams_plan_ahead(q->sparams, q);
+}
+
+/* The next micro-batch to send: with overlapped scheduling, while one is
+ * in flight (and sent), the one planned ahead of it; else a fresh one. */
+static loom_microbatch_t *next_batch(loom_server_t *s) {
+    if (!s->ahead) return loom_sched_schedule(s->sched);
+    int busy = loom_grid_n_inflight(s->grid) + s->n_unsent;
+    if (busy == 0) return loom_sched_schedule(s->sched);
+    if (busy > s->ahead || s->n_unsent || !s->tail) return NULL;
+    return loom_sched_schedule_ahead(s->sched, s->tail, plan_ahead_ok, s);
+}
+
+/* Keeps up to pp micro-batches in flight while the grid is READY (with
+ * overlapped scheduling, one more planned ahead). One with a draft model's
+ * drafts to compute waits unsent until the draft's thread has them
+ * (drafts_done), so the reactor goes on meanwhile. */
 static void schedule(loom_server_t *s) {
     send_ready(s);
     loom_microbatch_t *mb;
-    while (loom_grid_can_send(s->grid) && (mb = loom_sched_schedule(s->sched))) {
+    while (loom_grid_can_send(s->grid) && (mb = next_batch(s))) {
         loom_metrics_observe_iteration(s->metrics, mb->n_tokens);
-        LOOM_ASSERT(s->n_unsent < s->cfg.pp); /* the scheduler builds at most pp at once */
+        LOOM_ASSERT(s->n_unsent < s->cfg.pp + s->ahead); /* the scheduler builds at most that many at once */
+        s->tail = mb;
         s->unsent[s->n_unsent].mb = mb;
         s->unsent[s->n_unsent++].ready = !(s->draft && loom_coord_draft_submit(s->draft, mb));
         send_ready(s);
@@ -2033,7 +2065,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
                              .kv_host_bytes = c->kv_offload_host_bytes,
-                             .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu};
+                             .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu, .ahead = s->ahead};
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed,
                                 .on_lora_loaded = on_lora_loaded};
@@ -2046,7 +2078,11 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->kv_check_fd = -1;
     s->cfg = *cfg;
     s->stall_file = getenv("LOOM_TEST_STALL_FILE");
-    s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1), sizeof *s->unsent);
+    if (cfg->async_scheduling > 0 && cfg->pp == 1 && cfg->tp == 1) s->ahead = cfg->async_scheduling;
+    else if (cfg->async_scheduling > 0)
+        LOOM_WARN("--async-scheduling needs one stage of one TP rank (this grid is tp %d x pp %d): it is off",
+                  cfg->tp, cfg->pp);
+    s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1) + (size_t)s->ahead, sizeof *s->unsent);
     /* workers may run elsewhere: hand them an absolute path */
     if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;
     cfg = &s->cfg;

@@ -114,6 +114,11 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
     for (size_t i = 0; i < p->n_block_tables; i++)
         if (p->block_tables[i] < -1 || p->block_tables[i] >= lim->n_blocks)
             return loom_err_set(err, LOOM_ERR_FORMAT, "block id %d out of range", p->block_tables[i]);
+    if (p->n_prev_rows && p->n_prev_rows != n)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "%zu previous-step rows for %zu tokens", p->n_prev_rows, n);
+    for (size_t i = 0; i < p->n_prev_rows; i++)
+        if (p->prev_rows[i] < -1 || p->prev_rows[i] >= lim->max_seqs)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "previous-step row %d out of range", p->prev_rows[i]);
     for (size_t i = 0; i < p->n_logit_rows; i++)
         if (p->logit_rows[i] < 0 || (size_t)p->logit_rows[i] >= n)
             return loom_err_set(err, LOOM_ERR_FORMAT, "logit row %d out of range", p->logit_rows[i]);

@@ -158,6 +158,10 @@ typedef struct worker {
     int32_t *ids;
     int32_t *dp_copy;        /* data-parallel attention: the step's copies in this rank's ids (sources, then
                                 destinations) */
+    /* the step whose sampled ids w->ids holds (0: none): a plan sent ahead
+     * of that step's result reads its tokens there (StepPlan.prev_rows) */
+    uint64_t ids_step, ids_epoch;
+    int ids_n;
     float *edit_row; /* one logit row edited on the host (logits_proc.h) */
     size_t edit_cap;
     loom_logprobs_t lp; /* the rows' log probabilities (logits_proc.h) */
@@ -444,6 +448,7 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     w->steps_buf = loom_xmalloc(rows * sizeof *w->steps_buf);
     w->kk = loom_xmalloc(rows * sizeof *w->kk);
     w->ids = loom_xmalloc(rows * sizeof *w->ids);
+    w->ids_step = 0;
     return LOOM_OK;
 }
 
@@ -787,6 +792,30 @@ static loom_status_t mtp_step(worker_t *w, const Loom__V1__StepPlan *p, loom_err
     return LOOM_OK;
 }
 
+/* Overlapped scheduling: the plan's tokens that are the ids this worker
+ * sampled in step p->prev_step, which must be the step it ran last. Only a
+ * worker that both embeds and samples (one stage, one TP rank) has them. */
+static loom_status_t prev_tokens(worker_t *w, Loom__V1__StepPlan *p, loom_err_t *err) {
+    const Loom__V1__Assign *a = w->assign;
+    if (a->n_stages != 1 || a->tp_size != 1)
+        return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
+                            "step %llu reads sampled ids ahead, which needs one stage of one TP rank",
+                            (unsigned long long)p->step_id);
+    if (!w->ids_step || w->ids_step != p->prev_step || w->ids_epoch != p->epoch)
+        return loom_err_set(err, LOOM_ERR_INTERNAL,
+                            "step %llu reads the ids of step %llu, which is not the step this worker ran last",
+                            (unsigned long long)p->step_id, (unsigned long long)p->prev_step);
+    for (size_t i = 0; i < p->n_prev_rows; i++) {
+        int r = p->prev_rows[i];
+        if (r < 0) continue;
+        if (r >= w->ids_n)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "step %llu reads row %d of step %llu, which sampled %d",
+                                (unsigned long long)p->step_id, r, (unsigned long long)p->prev_step, w->ids_n);
+        p->tokens[i] = w->ids[r];
+    }
+    return LOOM_OK;
+}
+
 static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__StepPlan *p = m->step;
     loom_err_t err = {0};
@@ -818,6 +847,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
         LOOM_WARN("refused step %llu: %s", (unsigned long long)p->step_id, err.msg);
         goto report;
     }
+    if (p->n_prev_rows && (s = prev_tokens(w, p, &err)) < 0) goto report;
     int n = (int)p->n_tokens;
     size_t hidden_bytes = (size_t)n * (size_t)w->cfg.dim * sizeof(float);
     /* the directory tier's loads start first (they run beside the receive
@@ -933,6 +963,10 @@ report:;
         loom_err_t ignore = {0};
         loom_kv_offload_finish(&w->kv_tier, &ignore);
     }
+    /* a plan sent ahead names this step: its ids stay in w->ids until then */
+    w->ids_step = s >= 0 && last && rank0 ? p->step_id : 0;
+    w->ids_epoch = p->epoch;
+    w->ids_n = s >= 0 && last && rank0 ? (int)p->n_logit_rows : 0;
     uint64_t t1 = loom_now_ns();
     double comm_s = w->comm ? loom_comm_seconds(w->comm) - comm0 : 0;
     atomic_fetch_add(&w->busy_ns, t1 - t0);

@@ -25,6 +25,8 @@ PYTHON = os.environ.get("LOOM_PYTHON", "/usr/bin/python3")
 # check fewer grids there; the Release run checks them all.
 SANITIZED = os.environ.get("LOOM_SANITIZED") == "1"
 STORIES = os.path.join(MODELS, "stories260K")
+# LOOM_TEST_ASYNC=1: every Cluster's coordinator runs with --async-scheduling
+ASYNC = os.environ.get("LOOM_TEST_ASYNC", "") not in ("", "0")
 LAUNCH = os.path.join(ROOT, "deploy", "local", "launch.sh")
 
 
@@ -214,6 +216,8 @@ class Cluster:
         for a in self.worker_args:
             cmd += ["--worker-arg", a]
         coord_args = list(self.coord_args)
+        if ASYNC and "--async-scheduling" not in coord_args:
+            coord_args.append("--async-scheduling")  # every grid test with overlapped scheduling on
         if SPEED > 1 and not any(a.startswith("--heartbeat-timeout-ms") for a in coord_args):
             # a loaded machine delays heartbeats as it delays everything else
             coord_args += ["--heartbeat-timeout-ms", str(int(scaled(1.5) * 1000))]

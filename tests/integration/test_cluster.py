@@ -65,7 +65,7 @@ def test_killed_worker_gives_unavailable():
 def test_replacement_worker_restores_the_grid():
     with Cluster(STORIES, 2, 1) as c:
         kill(c.pid("worker-1"))
-        deadline = time.time() + 10
+        deadline = time.time() + scaled(10)  # the heartbeat timeout scales with the speed factor too
         while time.time() < deadline and "waiting_for_workers" not in c.health()[1]:
             time.sleep(0.2)
         check("waiting_for_workers" in c.health()[1], "the loss was not noticed")
@@ -249,8 +249,47 @@ def test_strangers_on_the_data_plane():
             w.wait()
 
 
+def test_async_stream_survives_worker_loss():
+    # --async-scheduling on a 1x1 grid: kill -9 of its worker with a step and
+    # the one planned ahead of it in flight fails both; the spare takes the
+    # place, the sequences are recomputed from their tokens and both streams
+    # (greedy and seeded) end with the ids of uninterrupted runs
+    model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
+                      "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
+    seeded = ["--ignore-eos", "--seed", "11", "--top-k", "0", "--top-p", "1"]
+    expect = run_local(model, "Once upon a time", 600, extra=["--ignore-eos"])[1]
+    expect_seeded = run_local(model, "The cat sat", 600, temperature=0.9, extra=seeded)[1]
+    with Cluster(model, 1, 1, coord_args=["--async-scheduling", "--recovery-timeout-ms", "60000",
+                                          "--num-kv-blocks", "512"]) as c:
+        with open(os.path.join(c.run_dir, "spare.log"), "w") as f:
+            w = subprocess.Popen([os.path.join(BIN, "loom-worker"), "--coordinator",
+                                  "tcp://127.0.0.1:%d" % (c.port + 1), "--threads", "1", "--id", "spare"]
+                                 + c.worker_keys("spare"), stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            wait_for(lambda: "standing by" in c.log("spare"), 10, "the spare to stand by")
+            procs = [c.generate_async("Once upon a time", 600, extra=["--ignore-eos", "--timeout-ms", "60000"]),
+                     c.generate_async("The cat sat", 600, temperature=0.9, extra=seeded + ["--timeout-ms", "60000"])]
+            time.sleep(0.4)
+            check(all(p.poll() is None for p in procs), "a stream ended before the kill")
+            kill(c.pid("worker-0"))
+            for p, want, name in zip(procs, [expect, expect_seeded], ["greedy", "seeded"]):
+                _, err = p.communicate(timeout=120)
+                ids = [int(x) for line in err.splitlines() if line.startswith("ids:") for x in line[4:].split()]
+                check(p.returncode == 0, "the %s stream did not survive: %s" % (name, err[-300:]))
+                check(ids == want, "after the failover the %s ids differ from an uninterrupted run" % name)
+                check("completion 600 tokens" in err, "%s: usage %s" % (name, err.splitlines()[-1]))
+            log = c.log("coordinator")
+            check("grid restored" in log, "no recovery in the coordinator log")
+            st = c.stats()
+            check(st["ahead_tokens"] > 0, "nothing was planned ahead")
+        finally:
+            w.terminate()
+            w.wait(timeout=30)
+
+
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_concurrent_clients_2x2, test_killed_worker_gives_unavailable,
                test_replacement_worker_restores_the_grid, test_stream_survives_worker_loss,
-               test_spare_takes_over_with_defaults, test_garbage_is_refused, test_strangers_on_the_data_plane])
+               test_spare_takes_over_with_defaults, test_async_stream_survives_worker_loss, test_garbage_is_refused,
+               test_strangers_on_the_data_plane])

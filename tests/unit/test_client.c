@@ -322,6 +322,8 @@ static void fake_handle(fake_t *f) {
         s.gen_tokens_total = 2000;
         s.steps = 42;
         s.step_ms_mean = 1.5;
+        s.ahead_tokens = 7;
+        s.ahead_dropped = 2;
         r.body_case = LOOM__V1__REPLY__BODY_STATS;
         r.stats = &s;
         fake_send(f, &from, &r);
@@ -837,7 +839,8 @@ static void test_cmd_health_stats(void) {
     const char *s[] = {"loom", "stats", "--addr", ep, NULL};
     r = run_cmd(loom_cmd_stats, s);
     CHECKF(r.rc == 0, "rc %d: %s", r.rc, r.err);
-    CHECKF(strstr(r.out, "\"running\": 3,") && strstr(r.out, "\"preparing\": 4,") && strstr(r.out, "\"step_ms_mean\": 1.500\n}") &&
+    CHECKF(strstr(r.out, "\"running\": 3,") && strstr(r.out, "\"preparing\": 4,") && strstr(r.out, "\"step_ms_mean\": 1.500,\n") &&
+               strstr(r.out, "\"ahead_tokens\": 7,\n  \"ahead_dropped\": 2\n}") &&
                strstr(r.out, "\"prefix_cache_hit_rate\": 0.5000"),
            "%s", r.out);
     const char *dead[] = {"loom", "health", "--addr", "tcp://127.0.0.1:1", "--timeout-ms", "100", NULL};

@@ -49,6 +49,19 @@ static void check_dp_partitions(const loom_microbatch_t *mb, int n_blocks) {
         if (mb->copy_src[i] / P != mb->copy_dst[i] / P) g_dp_cross++;
 }
 
+/* overlapped scheduling: g_ahead micro-batches planned ahead of the one in
+ * flight, each of the one before, as the coordinator's --async-scheduling
+ * plans them (the sequences with
+ * id % 5 == 2 refused by its predicate), and every g_fail_every-th step
+ * both in flight fail; g_after_done counts tokens emitted for a sequence
+ * after it finished */
+static int g_ahead, g_fail_every, g_after_done;
+
+static int ahead_ok(void *ctx, const loom_seq_t *q) {
+    (void)ctx;
+    return q->id % 5 != 2;
+}
+
 static uint64_t test_clock(void *ctx) {
     (void)ctx;
     return g_clock_ns;
@@ -121,6 +134,10 @@ typedef struct ctx {
 static void on_token(void *p, loom_seq_t *q, int32_t id) {
     ctx_t *c = p;
     req_t *r = q->user;
+    if (r->done) {
+        g_after_done++;
+        return;
+    }
     r->out[r->n_out++] = id;
     if (r->n_out >= r->max_tokens || (r->cancel_at && r->n_out >= r->cancel_at)) {
         r->done = 1;
@@ -190,7 +207,8 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
     loom_sched_config_t cfg = {.max_num_seqs = max_seqs, .max_batched_tokens = max_tokens_step,
                                .max_queue = 1000, .max_model_len = 512, .n_micro = n_micro,
                                .block_size = 4, .n_blocks = n_blocks, .prefix_cache = 1, .window = window,
-                               .n_dp = g_n_dp};
+                               .n_dp = g_n_dp, .ahead = g_ahead};
+    LOOM_ASSERT(!g_ahead || n_micro == 1);
     loom_sched_t *s = loom_sched_create(&cfg);
     if (g_spec) loom_sched_set_spec(s, g_spec);
     if (g_draft_cost_s >= 0) loom_sched_set_clock(s, test_clock, NULL);
@@ -218,19 +236,46 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
     }
     loom_microbatch_t *inflight[8];
     int n_in = 0, iters = 0;
-    while (c.finished < n_reqs && iters++ < 100000) {
+    int32_t last_ids[1024]; /* the ids the latest step sampled, as a worker keeps them */
+    uint64_t last_step = 0;
+    /* (a step planned ahead may still be in flight after the last finish) */
+    while ((c.finished < n_reqs || n_in > 0) && iters++ < 100000) {
         loom_microbatch_t *mb;
-        while (n_in < n_micro && (mb = loom_sched_schedule(s))) {
-            inflight[n_in++] = mb;
-            if (g_n_dp > 1) check_dp_partitions(mb, n_blocks);
+        if (g_ahead) { /* as the coordinator: a fresh batch, then up to g_ahead planned ahead, each of the last */
+            if (n_in == 0 && (mb = loom_sched_schedule(s))) inflight[n_in++] = mb;
+            while (n_in > 0 && n_in <= g_ahead &&
+                   (mb = loom_sched_schedule_ahead(s, inflight[n_in - 1], ahead_ok, NULL)))
+                inflight[n_in++] = mb;
+        } else {
+            while (n_in < n_micro && (mb = loom_sched_schedule(s))) {
+                inflight[n_in++] = mb;
+                if (g_n_dp > 1) check_dp_partitions(mb, n_blocks);
+            }
         }
         if (n_in == 0) {
-            CHECKF(0, "scheduler stalled with %d of %d finished", c.finished, n_reqs);
+            CHECKF(c.finished == n_reqs, "scheduler stalled with %d of %d finished", c.finished, n_reqs);
             break;
+        }
+        if (g_fail_every && iters % g_fail_every == 0) { /* a lost worker: every step in flight fails */
+            for (int i = 0; i < n_in; i++) loom_sched_fail(s, inflight[i]);
+            n_in = 0;
+            last_step = 0;
+            CHECK(loom_sched_in_flight(s) == 0 && loom_kv_check(loom_sched_ledger(s)) == 0);
+            continue;
         }
         mb = inflight[0]; /* a pipeline completes micro-batches in order */
         int32_t ids[1024];
+        if (mb->n_prev) { /* planned ahead: its first n_prev tokens are what the last step sampled */
+            CHECKF(mb->prev_step == last_step && last_step, "step %llu reads step %llu's ids, the last was %llu",
+                   (unsigned long long)mb->id, (unsigned long long)mb->prev_step, (unsigned long long)last_step);
+            for (int t = 0; t < mb->n_tokens; t++) {
+                CHECK((t < mb->n_prev) == (mb->prev_rows[t] >= 0));
+                if (mb->prev_rows[t] >= 0) mb->tokens[t] = last_ids[mb->prev_rows[t]];
+            }
+        }
         sim_run(&sm, mb, ids);
+        memcpy(last_ids, ids, (size_t)mb->n_logits * sizeof *ids);
+        last_step = mb->id;
         if (g_draft_cost_s >= 0) {
             int drafted = 0;
             for (int i = 0; i < mb->n_seqs; i++) drafted += mb->spec_n[i];
@@ -257,7 +302,8 @@ static void run_load_window(int n_reqs, int n_blocks, int n_micro, int max_seqs,
         if (!reqs[i].cancel_at) CHECK(reqs[i].n_out == reqs[i].max_tokens);
     }
     CHECKF(wrong == 0, "%d of %d sequences produced wrong tokens", wrong, n_reqs);
-    CHECK(loom_kv_n_held(loom_sched_ledger(s)) == 0);
+    CHECKF(loom_kv_n_held(loom_sched_ledger(s)) == 0, "%d blocks held at the end (seed %llu)",
+           loom_kv_n_held(loom_sched_ledger(s)), (unsigned long long)seed);
     loom_sched_get_stats(s, out_stats);
     g_spec_stats = *loom_sched_spec_stats(s);
     loom_sched_destroy(&s);
@@ -852,6 +898,56 @@ static void test_fork_preempted(void) {
     CHECK(st.preemptions > 0 && st.forks >= 5);
 }
 
+/* Overlapped scheduling: the scenarios above (plenty of memory, a small
+ * pool that preempts, shared prefixes with cancellations, a sliding
+ * window, speculation) with a micro-batch planned ahead of each one in
+ * flight: every output is the model's, none follows a finish (cancel_at:
+ * the caller ends the sequence as an EOS or a stop string would, so the
+ * row planned ahead is dropped), the ledger stays consistent, and no block
+ * is held at the end. */
+static void run_plan_ahead(int depth);
+
+static void test_plan_ahead(void) {
+    for (int depth = 1; depth <= 3; depth += 2) {
+        run_plan_ahead(depth);
+        CHECKF(g_after_done == 0, "%d steps ahead: %d tokens emitted after their sequence finished", depth,
+               g_after_done);
+    }
+}
+
+static void run_plan_ahead(int depth) {
+    loom_sched_stats_t st;
+    g_ahead = depth;
+    g_after_done = 0;
+    run_load(64, 4096, 1, 32, 256, 0, 0, 1, &st);
+    CHECKF(st.ahead_tokens > 0 && st.preemptions == 0 && st.ahead_dropped == 0,
+           "%llu planned ahead, %llu dropped, %llu preemptions", (unsigned long long)st.ahead_tokens,
+           (unsigned long long)st.ahead_dropped, (unsigned long long)st.preemptions);
+    run_load(48, 40, 1, 16, 64, 0, 0, 2, &st);
+    CHECK(st.ahead_tokens > 0 && st.preemptions > 0);
+    run_load(60, 48, 1, 12, 48, 1, 1, 4, &st);
+    CHECK(st.ahead_tokens > 0 && st.prefix_hits > 0);
+    CHECKF(st.ahead_dropped > 0, "no row planned ahead was dropped with cancellations");
+    run_load(64, 4096, 1, 1, 256, 0, 1, 21, &st); /* one sequence at a time: every decode is planned ahead */
+    CHECK(st.ahead_tokens > 0 && st.ahead_dropped > 0);
+    run_load_window(60, 48, 1, 12, 7, 1, 1, 4, 8, &st); /* 7-token chunks, a window of 8 */
+    CHECK(st.ahead_tokens > 0);
+    g_fail_every = 7; /* both steps in flight fail now and then: recomputed, same outputs */
+    run_load(40, 64, 1, 8, 64, 1, 1, 22, &st);
+    CHECK(st.ahead_tokens > 0 && st.preemptions > 0);
+    g_fail_every = 0;
+    loom_spec_config_t c;
+    loom_spec_config_defaults(&c);
+    c.method = LOOM_SPEC_NGRAM;
+    g_spec = &c;
+    g_markov = 1;
+    run_load(40, 4096, 1, 16, 256, 0, 1, 23, &st); /* speculating sequences wait for their tokens */
+    CHECK(g_spec_stats.num_drafts > 0);
+    g_spec = NULL;
+    g_markov = 0;
+    g_ahead = 0;
+}
+
 int main(void) {
     RUN(test_ledger_basics);
     RUN(test_ledger_partitions);
@@ -869,5 +965,6 @@ int main(void) {
     RUN(test_fork_siblings);
     RUN(test_fork_leader_gone);
     RUN(test_fork_preempted);
+    RUN(test_plan_ahead);
     return test_summary();
 }

@@ -126,6 +126,26 @@ static void test_each_bad_field(void) {
     expect_refused(&b, "an empty plan");
     b.p.max_blocks = 1000;
     expect_refused(&b, "an absurd block-table width");
+    /* planned ahead: one previous-step row (or -1) per token, below max_seqs */
+    int32_t prev[4] = {1, -1, 0, -1};
+    b.p.prev_rows = prev;
+    b.p.n_prev_rows = 4;
+    b.p.prev_step = 7;
+    {
+        loom_err_t e = {0};
+        CHECKF(loom_wire_check_plan(&b.p, &k_lim, &e) == LOOM_OK, "%s", e.msg);
+    }
+    b.p.n_prev_rows = 3;
+    b.p.prev_rows = prev;
+    expect_refused(&b, "previous-step rows for fewer tokens");
+    prev[2] = -2;
+    b.p.prev_rows = prev;
+    b.p.n_prev_rows = 4;
+    expect_refused(&b, "previous-step row below -1");
+    prev[2] = k_lim.max_seqs;
+    b.p.prev_rows = prev;
+    b.p.n_prev_rows = 4;
+    expect_refused(&b, "previous-step row past max_seqs");
     /* the KV connector's moves: block ids in the pool, one hash each */
     int32_t blk[1] = {3};
     uint64_t hash[1] = {0x1234};
