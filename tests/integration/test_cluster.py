@@ -85,16 +85,19 @@ def test_replacement_worker_restores_the_grid():
             w.wait()
 
 
+# A stream long enough to be running at a kill 0.4 s in: 2x1 decodes the
+# "slow" model below at ~0.6 ms a step on a quiet machine.
+N_STREAM = 1200
+
+
 def test_stream_survives_worker_loss():
     # the request waits for the grid to be restored, is re-prefilled from its
     # tokens and continues: greedy output equal to an uninterrupted run
     model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
                       "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
-    # 1200 tokens: 2x1 decodes this model at ~0.6 ms a step, so the stream
-    # is still running at the kill 0.4 s in
-    expect = run_local(model, "Once upon a time", 1200, extra=["--ignore-eos"])[1]
+    expect = run_local(model, "Once upon a time", N_STREAM, extra=["--ignore-eos"])[1]
     with Cluster(model, 2, 1, coord_args=["--recovery-timeout-ms", "30000"]) as c:
-        proc = c.generate_async("Once upon a time", 1200, extra=["--ignore-eos", "--timeout-ms", "30000"])
+        proc = c.generate_async("Once upon a time", N_STREAM, extra=["--ignore-eos", "--timeout-ms", "30000"])
         time.sleep(0.4)
         check(proc.poll() is None, "the stream ended before the kill")
         kill(c.pid("worker-1"))
@@ -133,7 +136,7 @@ def test_spare_takes_over_with_defaults():
     # spare takes its place and the stream ends with the uninterrupted ids
     model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
                       "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
-    expect = run_local(model, "Once upon a time", 400, extra=["--ignore-eos"])[1]
+    expect = run_local(model, "Once upon a time", N_STREAM, extra=["--ignore-eos"])[1]
     with Cluster(model, 2, 1) as c:
         spare_log = os.path.join(c.run_dir, "spare.log")
         with open(spare_log, "w") as f:
@@ -146,7 +149,7 @@ def test_spare_takes_over_with_defaults():
             while time.time() < deadline and "standing by" not in c.log("spare"):
                 time.sleep(0.1)
             check("standing by" in c.log("spare"), "the spare did not stand by: %s" % c.log("spare"))
-            proc = c.generate_async("Once upon a time", 400, extra=["--ignore-eos", "--timeout-ms", "60000"])
+            proc = c.generate_async("Once upon a time", N_STREAM, extra=["--ignore-eos", "--timeout-ms", "60000"])
             time.sleep(0.4)
             check(proc.poll() is None, "the stream ended before the kill")
             t_kill = time.time() % 86400
