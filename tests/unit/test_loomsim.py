@@ -261,6 +261,35 @@ def test_two_tiers():
            one["ttft_ms"]["p50"]))
 
 
+def test_tier_write_through():
+    """Write-through puts a block in the shared tier as it is computed, so a
+    second replica hits it while the first still holds it in its pool (with
+    write-back the tier only gets what a pool gives up)."""
+    for wt in (False, True):
+        sim = loomsim.Sim(loomsim.parser().parse_args(["--replicas", "2", "--kv-blocks", "64", "--tier-blocks", "100"]
+                                                      + (["--tier-write-through"] if wt else [])))
+        a, b = sim.reps
+        ch = loomsim.Chain(sim.B).extend(11, 4 * sim.B + 3)
+        q = loomsim.Request(0, ch, 4, 0.0)
+        check(sim.try_admit(a, q), "admitted on replica 0")
+        sim.register(a, q, q.hashes, 4)
+        check(list(a.cache) == ch.hashes[:4], "replica 0 computed and cached 4 blocks")
+        check((list(sim.tier) == ch.hashes[:4]) == wt, "write-through %s: the tier holds %d blocks" % (wt, len(sim.tier)))
+        r = loomsim.Request(1, ch, 4, 0.0)
+        check(sim.try_admit(b, r), "admitted on replica 1")
+        check(r.tier_n == (4 if wt else 0), "write-through %s: replica 1 read %d blocks from the tier" % (wt, r.tier_n))
+    base = ["--calib", "h200-8b", "--replicas", "4", "--policy", "prefix", "--workload", "rag", "--docs", "2000",
+            "--rate", "160", "--duration", "4", "--warmup", "1", "--kv-blocks", "3000", "--seed", "3",
+            "--tier-blocks", "200000", "--tier-gbps", "10", "--host-tier-blocks", "120000"]
+    _, back = run(base)
+    _, through = run(base + ["--tier-write-through"])
+    check(through["tier_hit_blocks"] > back["tier_hit_blocks"] and
+          through["cached_prompt_fraction"] > back["cached_prompt_fraction"],
+          "two tiers, write-through: %d directory blocks read, cached %.2f (write-back: %d, %.2f)" %
+          (through["tier_hit_blocks"], through["cached_prompt_fraction"], back["tier_hit_blocks"],
+           back["cached_prompt_fraction"]))
+
+
 def test_goodput():
     argv = ["--calib", "h200-8b", "--replicas", "4", "--workload", "rag", "--rate", "260", "--duration", "4",
             "--warmup", "1", "--seed", "5"]

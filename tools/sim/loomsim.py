@@ -21,7 +21,8 @@ What it models, and where the real thing lives:
             (max(bytes / bandwidth, FLOPs / peak) for a GPU and a model).
   tier      --tier-blocks: the directory tier below every replica's pool
             (docs/kv-offload.md), shared by all: blocks the pools evict are
-            written to it (write-back, LRU of --tier-blocks); an admission
+            written to it (write-back, LRU of --tier-blocks; with
+            --tier-write-through each block as it is computed); an admission
             takes the prompt's blocks after its local hit from the tier while
             it has them (never the block of the last position), and the step
             that admits it is longer by their read (bytes / --tier-gbps).
@@ -689,6 +690,13 @@ class Sim:
             q.held.append(h)
             new.append(h)
         q.n_reg = max(q.n_reg, upto)
+        t = self.tier
+        if t is not None and self.a.tier_write_through:  # each block to the shared tier as it is computed
+            for h in new:
+                t[h] = None
+                t.move_to_end(h)
+            while len(t) > self.a.tier_blocks:
+                t.popitem(last=False)
         if new and self.index is not None:
             self.index.insert(new, rep.idx)  # a KV event
 
@@ -983,6 +991,9 @@ def parser():
     g = ap.add_argument_group("directory tier (docs/kv-offload.md)")
     g.add_argument("--tier-blocks", type=int, default=0, help="blocks the shared tier holds (0: no tier)")
     g.add_argument("--tier-gbps", type=float, default=2.0, help="a replica's read rate from the tier, GB/s")
+    g.add_argument("--tier-write-through", action="store_true",
+                   help="blocks go to the shared tier as they are computed (--kv-offloading-write-through), "
+                        "not when the pool (or the host tier above) gives them up")
     g.add_argument("--tier-block-bytes", type=int, default=0,
                    help="bytes of a block (default: the calibration's KV bytes per token x block size)")
     g.add_argument("--host-tier-blocks", type=int, default=0,
