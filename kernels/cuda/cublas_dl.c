@@ -16,19 +16,16 @@ static loom_cublas_api_t g_api;
 static int g_loaded;          /* 1 loaded, -1 failed */
 static char g_why[512];       /* why the load failed */
 
-/* libcublas from the loader's search path, else beside the libcudart this
- * process runs with (the toolkit's lib directory, also when only
- * libcudart's directory is on the runpath). */
-static void *open_cublas(void) {
-    void *h = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+void *loom_cuda_dlopen(const char *soname, char *why, size_t why_cap) {
+    void *h = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
     if (h) return h;
-    snprintf(g_why, sizeof g_why, "%s", dlerror());
+    snprintf(why, why_cap, "%s", dlerror());
     Dl_info info;
     if (dladdr((void *)cudaGetDeviceCount, &info) && info.dli_fname) {
         const char *slash = strrchr(info.dli_fname, '/');
         if (slash) {
             char path[1024];
-            snprintf(path, sizeof path, "%.*s/%s", (int)(slash - info.dli_fname), info.dli_fname, CUBLAS_SONAME);
+            snprintf(path, sizeof path, "%.*s/%s", (int)(slash - info.dli_fname), info.dli_fname, soname);
             if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return h;
         }
     }
@@ -45,7 +42,7 @@ static int resolve(void *h, void **slot, const char *name) {
 loom_status_t loom_cublas_load(const loom_cublas_api_t **out, loom_err_t *err) {
     pthread_mutex_lock(&g_lock);
     if (!g_loaded) {
-        void *h = open_cublas();
+        void *h = loom_cuda_dlopen(CUBLAS_SONAME, g_why, sizeof g_why);
         loom_cublas_api_t a;
         int ok = h != NULL;
         ok = ok && resolve(h, (void **)&a.create, "cublasCreate_v2");

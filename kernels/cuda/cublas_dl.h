@@ -32,4 +32,10 @@ loom_status_t loom_cublas_load(const loom_cublas_api_t **out, loom_err_t *err);
 /* The status as text (also when the library could not be loaded). */
 const char *loom_cublas_status_str(cublasStatus_t status);
 
+/* dlopen(3)s a CUDA library by soname from the loader's search path, else
+ * beside the libcudart this process runs with (the toolkit's lib
+ * directory, also when only libcudart's directory is on the runpath); NULL
+ * with dlerror()'s reason in why. Shared by the cuBLAS and cuBLASLt loaders. */
+void *loom_cuda_dlopen(const char *soname, char *why, size_t why_cap);
+
 #endif

@@ -1,11 +1,12 @@
 /* cuBLASLt through dlopen: see cublaslt_dl.h. */
 #include "kernels/cuda/cublaslt_dl.h"
 
-#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+
+#include "kernels/cuda/cublas_dl.h"
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static loom_cublaslt_api_t g_api;
@@ -14,24 +15,6 @@ static char g_why[512]; /* why the load failed */
 
 /* The C API used here is the same in cuBLASLt 12 and 13. */
 static const char *const k_sonames[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
-
-/* One soname from the loader's search path, else beside the libcudart this
- * process runs with. */
-static void *open_one(const char *soname) {
-    void *h = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
-    if (h) return h;
-    snprintf(g_why, sizeof g_why, "%s", dlerror());
-    Dl_info info;
-    if (dladdr((void *)cudaGetDeviceCount, &info) && info.dli_fname) {
-        const char *slash = strrchr(info.dli_fname, '/');
-        if (slash) {
-            char path[1024];
-            snprintf(path, sizeof path, "%.*s/%s", (int)(slash - info.dli_fname), info.dli_fname, soname);
-            if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return h;
-        }
-    }
-    return NULL;
-}
 
 static int resolve(void *h, void **slot, const char *name) {
     *slot = dlsym(h, name);
@@ -44,7 +27,7 @@ loom_status_t loom_cublaslt_load(const loom_cublaslt_api_t **out, loom_err_t *er
     pthread_mutex_lock(&g_lock);
     if (!g_loaded) {
         void *h = NULL;
-        for (size_t i = 0; i < sizeof k_sonames / sizeof k_sonames[0] && !h; i++) h = open_one(k_sonames[i]);
+        for (size_t i = 0; i < sizeof k_sonames / sizeof k_sonames[0] && !h; i++) h = loom_cuda_dlopen(k_sonames[i], g_why, sizeof g_why);
         loom_cublaslt_api_t a = {0};
         size_t (*version)(void) = NULL;
         int ok = h != NULL;

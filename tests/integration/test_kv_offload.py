@@ -281,14 +281,32 @@ def test_dir_tier():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def meanwhile(port, body, short):
+    """Sends body on a thread and, while it runs, a short completion then
+    /health, again and again: (its response, the slowest short call with
+    its /health in s, how many)."""
+    import threading
+    import time
+    from test_http import request
+    got = []
+    t = threading.Thread(target=lambda: got.append(call(port, "/v1/completions", body)))
+    t.start()
+    worst, n_calls = 0.0, 0
+    while t.is_alive():
+        a = time.monotonic()
+        call(port, "/v1/completions", short)
+        check(request(port, "GET", "/health", timeout=60)[0] == 200, "/health while checking")
+        worst = max(worst, time.monotonic() - a)
+        n_calls += 1
+    t.join()
+    return (got[0] if got else None), worst, n_calls
+
+
 CHECK_DELAY_MS = int(scaled(400))  # each block's first-sight check, in the test hook (longer on a slower machine,
 # so the checks still outlast a short request there by far)
 
 
 def test_dir_tier_prefetch():
-    import threading
-    import time
-    from test_http import request
     tier = tempfile.mkdtemp(prefix="loom-kv-tier-")
     long_prompt = {"prompt": "Lamp " + STORY * 3, "max_tokens": 16, "temperature": 0}
     short = {"prompt": "Zebra went to the park.", "max_tokens": 4, "temperature": 0}
@@ -306,31 +324,17 @@ def test_dir_tier_prefetch():
         os.environ["LOOM_TEST_KV_CHECK_DELAY_MS"] = str(CHECK_DELAY_MS)
         total_s = n_blocks * CHECK_DELAY_MS / 1e3
 
-        def long_request(port, out):
-            out.append(call(port, "/v1/completions", long_prompt))
-
         for timeout_ms in (60000, 100):
             port = free_port()
             args = ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--block-size", str(B),
                     "--kv-offloading-dir", tier, "--kv-offloading-prefetch-timeout-ms", str(timeout_ms)]
             with Cluster(STORIES, 1, 1, coord_args=args):
                 call(port, "/v1/completions", short)  # warm
-                got = []
-                t = threading.Thread(target=long_request, args=(port, got))
-                t.start()
-                worst = 0.0
-                n_calls = 0
-                while t.is_alive():
-                    a = time.monotonic()
-                    call(port, "/v1/completions", short)
-                    check(request(port, "GET", "/health", timeout=60)[0] == 200, "/health while checking")
-                    worst = max(worst, time.monotonic() - a)
-                    n_calls += 1
-                t.join()
-            check(got and got[0]["choices"][0]["text"] == want["choices"][0]["text"],
-                  "timeout %d ms: %r vs %r" % (timeout_ms, got and got[0]["choices"][0]["text"],
+                got, worst, n_calls = meanwhile(port, long_prompt, short)
+            check(got and got["choices"][0]["text"] == want["choices"][0]["text"],
+                  "timeout %d ms: %r vs %r" % (timeout_ms, got and got["choices"][0]["text"],
                                                want["choices"][0]["text"]))
-            cached = got[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
+            cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
             print("  timeout %d ms: %d of %d prompt tokens cached; %.1f s of checks; %d short requests, the slowest "
                   "with /health %.2f s" % (timeout_ms, cached, n_prompt, total_s, n_calls, worst))
             if timeout_ms == 60000:
@@ -713,9 +717,6 @@ def test_disaggregated_check_off_reactor():
     checksums) on its preparation pool, not on the reactor: with each block's
     read slowed by the test hook, /health and short requests answer while a
     decode's check runs, and the decode still loads every block."""
-    import threading
-    import time
-    from test_http import request
     tier = tempfile.mkdtemp(prefix="loom-kv-pd-check-")
     try:
         body = {"prompt": "Lamp " + STORY * 2, "max_tokens": 16, "temperature": 0}
@@ -736,23 +737,11 @@ def test_disaggregated_check_off_reactor():
         def decode_side():
             with pd_cluster(dport, tier, "kv_consumer"):
                 call(dport, "/v1/completions", short)  # warm
-                got = []
-                t = threading.Thread(target=lambda: got.append(
-                    call(dport, "/v1/completions", dict(body, kv_transfer_params=kv))))
-                t.start()
-                worst, n_calls = 0.0, 0
-                while t.is_alive():
-                    a = time.monotonic()
-                    call(dport, "/v1/completions", short)
-                    check(request(dport, "GET", "/health", timeout=60)[0] == 200, "/health while checking")
-                    worst = max(worst, time.monotonic() - a)
-                    n_calls += 1
-                t.join()
-                return got, worst, n_calls
+                return meanwhile(dport, dict(body, kv_transfer_params=kv), short)
 
         got, worst, n_calls = with_env("LOOM_TEST_KV_CHECK_DELAY_MS", str(CHECK_DELAY_MS), decode_side)
-        check(got and got[0]["choices"][0]["text"] == want, "decode %r != unified %r" % (got, want))
-        cached = got[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        check(got and got["choices"][0]["text"] == want, "decode %r != unified %r" % (got, want))
+        cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
         print("  %d blocks checked in %.1f s: %d short requests meanwhile, the slowest with /health %.2f s; "
               "%d prompt tokens cached" % (n_blocks, total_s, n_calls, worst, cached))
         check(cached == n_blocks * B, "decode loaded %d of %d blocks' tokens" % (cached, n_blocks * B))

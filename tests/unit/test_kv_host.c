@@ -29,6 +29,23 @@ enum { BS = 16, NB = 8, PROMPT = 40 };
 static loom_model_config_t g_cfg;
 static loom_st_t *g_st;
 
+/* stories260K on the CPU backend with a pool of NB blocks of BS tokens,
+ * block-contiguous or layer-major, with this KV dtype (NULL: failed). */
+static loom_model_t *open_model(loom_backend_t **be, int layer_major, loom_dtype_t kv) {
+    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
+                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
+    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
+                              .has_embed = 1, .has_head = 1};
+    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = kv,
+                               .kv_layer_major = layer_major};
+    loom_model_t *m = NULL;
+    loom_err_t err = {0};
+    CHECKF(loom_backend_create(&bc, be, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_load(*be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
+    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    return m;
+}
+
 /* One step of n tokens at positions from p0 through the block table bt. */
 static void step(loom_model_t *m, const int32_t *toks, int n, int p0, const int32_t *bt, int nbt, float *logits) {
     int32_t pos[PROMPT], slots[PROMPT], seq[PROMPT] = {0}, row = n - 1;
@@ -44,18 +61,9 @@ static void step(loom_model_t *m, const int32_t *toks, int n, int p0, const int3
 }
 
 static void round_trip(int layer_major, loom_dtype_t kv) {
-    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
-                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
     loom_backend_t *be = NULL;
-    loom_model_t *m = NULL;
     loom_err_t err = {0};
-    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
-                              .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = kv,
-                               .kv_layer_major = layer_major};
-    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    loom_model_t *m = open_model(&be, layer_major, kv);
     if (!m) return;
     CHECK(loom_model_kv_block_contiguous(m) == !layer_major);
     int32_t toks[PROMPT];
@@ -121,18 +129,9 @@ static int same_block(loom_model_t *m, int a, int b) {
 }
 
 static void spill(int layer_major) {
-    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
-                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
     loom_backend_t *be = NULL;
-    loom_model_t *m = NULL;
     loom_err_t err = {0};
-    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
-                              .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = LOOM_DT_F32,
-                               .kv_layer_major = layer_major};
-    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    loom_model_t *m = open_model(&be, layer_major, LOOM_DT_F32);
     if (!m) return;
     int32_t toks[PROMPT];
     for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (g_cfg.vocab_size - 1);
@@ -234,17 +233,9 @@ static int same_layer(loom_model_t *m, int a, int b, int l) {
  * its header is found at the end (the step fails, the file is deleted); a
  * missing file fails at once. */
 static void test_dir_layer_loads(void) {
-    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
-                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
     loom_backend_t *be = NULL;
-    loom_model_t *m = NULL;
     loom_err_t err = {0};
-    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
-                              .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = LOOM_DT_F32};
-    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    loom_model_t *m = open_model(&be, 0, LOOM_DT_F32);
     if (!m) return;
     const int n_layers = loom_model_dims(m)->n_layers, vocab = g_cfg.vocab_size;
     CHECK(n_layers >= 3);
@@ -319,18 +310,9 @@ static void test_dir_layer_loads(void) {
  * through the staging span): blocks saved to files and loaded into other
  * blocks hold the same bytes and give the same logits. */
 static void dir_round_trip(int layer_major, loom_dtype_t kv) {
-    loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION, .kind = LOOM_DEVICE_CPU,
-                                .weight_dtype = LOOM_DT_F32, .n_threads = 1};
     loom_backend_t *be = NULL;
-    loom_model_t *m = NULL;
     loom_err_t err = {0};
-    loom_shard_spec_t spec = {.tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = g_cfg.n_layers,
-                              .has_embed = 1, .has_head = 1};
-    loom_model_options_t mo = {.max_tokens = PROMPT, .max_seqs = 1, .max_logits = 1, .kv_dtype = kv,
-                               .kv_layer_major = layer_major};
-    CHECKF(loom_backend_create(&bc, &be, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_load(be, &g_cfg, g_st, &spec, &mo, &m, &err) == LOOM_OK, "%s", err.msg);
-    CHECKF(loom_model_alloc_kv(m, NB, BS, &err) == LOOM_OK, "%s", err.msg);
+    loom_model_t *m = open_model(&be, layer_major, kv);
     if (!m) return;
     const int vocab = g_cfg.vocab_size;
     int32_t toks[PROMPT], orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3}, next = 7;
