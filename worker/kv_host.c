@@ -76,16 +76,22 @@ loom_status_t loom_kv_host_step(loom_kv_host_t *h, loom_model_t *m, loom_kv_offl
     }
     /* A pool block straight to the directory goes first: it reads the pool,
      * which only the loads write. Then in plan order: a spill reads its slot
-     * before a later save overwrites it (a slot is saved into at most once
-     * a step and never spilled in the step that filled it: the coordinator
-     * pins it, so a spill reads what the copies of earlier steps wrote). The
-     * directory's loads into the pool come last, after the slots' copies. */
+     * on the host before a later save overwrites it; a spill of a slot an
+     * earlier save of this step filled waits for the copies issued so far
+     * (asynchronous on CUDA). The directory's loads into the pool come last,
+     * after the slots' copies. */
     for (size_t i = 0; i < n_save; i++)
         if (save_slots[i] < 0 && save_blocks[i] >= 0) loom_kv_offload_put_block(lower, m, save_blocks[i], save_hashes[i]);
     if (h->be) loom_backend_xfer_begin(h->be);
     for (size_t i = 0; i < n_save; i++) {
         int s = save_slots[i];
         if (save_blocks[i] < 0) {
+            int filled = 0; /* by a save of this step, its copy maybe still in flight */
+            for (size_t j = 0; j < i && !filled; j++) filled = save_blocks[j] >= 0 && save_slots[j] == s;
+            if (filled && h->be) {
+                loom_backend_xfer_end(h->be);
+                loom_backend_xfer_begin(h->be);
+            }
             loom_kv_offload_put(lower, save_hashes[i], h->arena + (size_t)s * h->span, h->span);
         } else if (s >= 0) {
             loom_model_kv_block_xfer(m, save_blocks[i], h->arena + (size_t)s * h->span, 1);
