@@ -240,6 +240,17 @@ if [ $run_steps = 1 ]; then
         --json "$out/mla.json"
     step bench-q4 60 "$bin/bench_gpu" --quantization q4 --batches 1,8 --ctx 512 --tokens 16 --prefill 256 \
         --json "$out/bench-q4.json"
+    # where a batch-1 decode step's time goes beyond reading the weights: every kernel's launches and time
+    # over 32 decode steps of the 8B shape (divide by 32 for a step), kernels inside the decode graphs
+    # traced one by one, from nsys (the toolkit's profiler) when the machine has it
+    nsys_bin=$(command -v nsys || true)
+    [ -n "$nsys_bin" ] || nsys_bin=$(ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    if [ -n "$nsys_bin" ]; then
+        step profile 90 "$nsys_bin" profile --force-overwrite true --cuda-graph-trace=node --stats=true \
+            -o "$out/decode-profile" "$bin/bench_gpu" --batches 1 --tokens 32 --ctx 512 --prefill 16
+    else
+        skip_row profile "no nsys"
+    fi
     # the tuning table: each candidate of a knob on a short 4-layer decode at
     # context 4096, the fastest batch-1 step kept (kernels/cuda/backend_cuda.c
     # reads the table from LOOM_CUDA_TUNING or next to the binary)
