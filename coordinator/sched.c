@@ -587,15 +587,21 @@ static void plan_slots(loom_sched_t *s, loom_microbatch_t *mb) {
  * beyond the block of the last position, which always runs). Returns 1,
  * taking nothing, when q should wait: the connector is still looking for the
  * block the walk stopped at (loom_kv_connector_waiting, a bounded wait). */
+/* s->hashes[0, n): the chain hashes of q's first n full blocks (from its adapter's seed). */
+static void prompt_hashes(loom_sched_t *s, const loom_seq_t *q, int n) {
+    const int B = s->cfg.block_size;
+    if (s->cap_hashes < n) {
+        s->cap_hashes = n;
+        s->hashes = loom_xrealloc(s->hashes, (size_t)n * sizeof *s->hashes);
+    }
+    uint64_t h = q->lora_seed;
+    for (int i = 0; i < n; i++) s->hashes[i] = h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+}
+
 static int tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     const int B = s->cfg.block_size, nb = q->n_tokens / B, lim = (q->n_tokens - 1) / B, have = q->n_blocks;
     if (!s->conn || q->n_computed != have * B || have >= lim) return 0;
-    if (s->cap_hashes < nb) {
-        s->cap_hashes = nb;
-        s->hashes = loom_xrealloc(s->hashes, (size_t)nb * sizeof *s->hashes);
-    }
-    uint64_t h = q->lora_seed;
-    for (int i = 0; i < nb; i++) s->hashes[i] = h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
+    prompt_hashes(s, q, nb);
     loom_kv_conn_req_t r = {.id = q->id, .tokens = q->tokens, .n_tokens = q->n_tokens, .block_hashes = s->hashes,
                             .block_size = B};
     int end = have, tier_end = have, wait = 0; /* blocks [have, end) found; those before tier_end are in the tier */
@@ -748,15 +754,13 @@ static void bind_rank(loom_sched_t *s, loom_seq_t *q) {
         q->dp_rank = l->dp_rank;
         return;
     }
-    const int lookup = q->embed != LOOM_POOL_MEAN && !q->prompt_lp;
+    const int lookup = q->embed != LOOM_POOL_MEAN && !q->prompt_lp ? nb : 0; /* blocks to look up */
+    prompt_hashes(s, q, lookup);
     int best = -1, best_hits = -1, best_free = -1;
     for (int k = 0; k < n; k++) {
         int p = (s->dp_next + k) % n, hits = 0;
-        uint64_t h = q->lora_seed;
-        for (; lookup && hits < nb; hits++) {
-            h = loom_kv_chain_hash(h, q->tokens + (size_t)hits * B, B);
-            if (loom_kv_peek_in(s->kv, p, h, q->tokens + (size_t)hits * B) < 0) break;
-        }
+        while (hits < lookup && loom_kv_peek_in(s->kv, p, s->hashes[hits], q->tokens + (size_t)hits * B) >= 0)
+            hits++;
         int fr = loom_kv_part_free(s->kv, p);
         if (hits > best_hits || (hits == best_hits && fr > best_free)) {
             best = p;
@@ -1129,7 +1133,7 @@ static void add_ahead(loom_sched_t *s, loom_microbatch_t *mb, loom_microbatch_t 
          * its tokens' chain hash: that row waits for its token */
         if (s->conn && (s->conn->write_through || q->kv_save) && (p + 1) % B == 0) continue;
         int need = blocks_needed(s, q, p + 1);
-        if (need > loom_kv_n_free(s->kv)) continue; /* never a preemption for it */
+        if (need > loom_kv_part_free(s->kv, q->dp_rank)) continue; /* never a preemption for it */
         grow(s, q, p + 1);
         int si = mb->n_seqs++, t = mb->n_tokens++, lr = mb->n_logits++;
         mb->seqs[si] = q;
