@@ -60,18 +60,29 @@ static void step(loom_model_t *m, const int32_t *toks, int n, int p0, const int3
     loom_model_download_logits(m, logits, 1);
 }
 
+/* The prompt (PROMPT tokens of a fixed pattern) run through block table bt. */
+static void prefill(loom_model_t *m, const int32_t *bt, float *logits) {
+    int32_t toks[PROMPT];
+    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (g_cfg.vocab_size - 1);
+    step(m, toks, PROMPT, 0, bt, 3, logits);
+}
+
+static void rm_tree(const char *dir) {
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
 static void round_trip(int layer_major, loom_dtype_t kv) {
     loom_backend_t *be = NULL;
     loom_err_t err = {0};
     loom_model_t *m = open_model(&be, layer_major, kv);
     if (!m) return;
     CHECK(loom_model_kv_block_contiguous(m) == !layer_major);
-    int32_t toks[PROMPT];
-    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (g_cfg.vocab_size - 1);
     const int vocab = g_cfg.vocab_size;
     float *a = malloc((size_t)vocab * sizeof *a), *b = malloc((size_t)vocab * sizeof *b);
     int32_t orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3};
-    step(m, toks, PROMPT, 0, orig, 3, a);
+    prefill(m, orig, a);
 
     loom_kv_host_t h = {0};
     CHECKF(loom_kv_host_config(&h, be, m, 4, &err) == LOOM_OK, "%s", err.msg);
@@ -133,11 +144,9 @@ static void spill(int layer_major) {
     loom_err_t err = {0};
     loom_model_t *m = open_model(&be, layer_major, LOOM_DT_F32);
     if (!m) return;
-    int32_t toks[PROMPT];
-    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (g_cfg.vocab_size - 1);
     float *logits = malloc((size_t)g_cfg.vocab_size * sizeof *logits);
     int32_t orig[3] = {2, 5, 7};
-    step(m, toks, PROMPT, 0, orig, 3, logits);
+    prefill(m, orig, logits);
     char dir[] = "/tmp/loom_kv_spill_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
     loom_kv_offload_t o = {0};
@@ -187,9 +196,7 @@ static void spill(int layer_major) {
           LOOM_ERR_FORMAT);
     loom_kv_host_free(&h);
     loom_kv_offload_free(&o);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    rm_tree(dir);
     free(logits);
     loom_model_destroy(&m);
     loom_backend_destroy(&be);
@@ -239,11 +246,9 @@ static void test_dir_layer_loads(void) {
     if (!m) return;
     const int n_layers = loom_model_dims(m)->n_layers, vocab = g_cfg.vocab_size;
     CHECK(n_layers >= 3);
-    int32_t toks[PROMPT];
-    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (vocab - 1);
     float *a = malloc((size_t)vocab * sizeof *a), *b = malloc((size_t)vocab * sizeof *b);
     int32_t orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3}, next = 7;
-    step(m, toks, PROMPT, 0, orig, 3, a);
+    prefill(m, orig, a);
     step(m, &next, 1, PROMPT, orig, 3, a);
     char dir[] = "/tmp/loom_kv_layers_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
@@ -297,9 +302,7 @@ static void test_dir_layer_loads(void) {
     loom_model_set_layer_wait(m, NULL, NULL);
     pthread_mutex_destroy(&g.mu);
     pthread_cond_destroy(&g.cv);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    rm_tree(dir);
     free(a);
     free(b);
     loom_model_destroy(&m);
@@ -315,10 +318,9 @@ static void dir_round_trip(int layer_major, loom_dtype_t kv) {
     loom_model_t *m = open_model(&be, layer_major, kv);
     if (!m) return;
     const int vocab = g_cfg.vocab_size;
-    int32_t toks[PROMPT], orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3}, next = 7;
-    for (int i = 0; i < PROMPT; i++) toks[i] = 1 + (i * 37) % (vocab - 1);
+    int32_t orig[3] = {2, 5, 7}, moved[3] = {0, 1, 3}, next = 7;
     float *a = malloc((size_t)vocab * sizeof *a), *b = malloc((size_t)vocab * sizeof *b);
-    step(m, toks, PROMPT, 0, orig, 3, a);
+    prefill(m, orig, a);
     step(m, &next, 1, PROMPT, orig, 3, a);
     char dir[] = "/tmp/loom_kv_dirrt_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
@@ -334,9 +336,7 @@ static void dir_round_trip(int layer_major, loom_dtype_t kv) {
     CHECK(same_block(m, 2, 0) && same_block(m, 5, 1) && same_block(m, 7, 3));
     CHECK(!memcmp(a, b, (size_t)vocab * sizeof *a));
     loom_kv_offload_free(&o);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    rm_tree(dir);
     free(a);
     free(b);
     loom_model_destroy(&m);
