@@ -113,24 +113,25 @@ def main():
     for n in (int(x) for x in args.replicas.split(",")):
         for wl in args.workloads.split(","):
             specs += [(wl, n, c, per) for configs, rates in plan(n, wl) for c in configs for per in rates]
-    path = os.path.join(OUT, "scale.jsonl")
-    done = set()
-    if os.path.exists(path):
-        done = {key(json.loads(line)) for line in open(path)}
-    todo = [s for s in specs if s not in done]
-    todo.sort(key=lambda s: -s[1] * s[3])  # the biggest first: the pool does not end on one long run
+    run_pending(os.path.join(OUT, "scale.jsonl"), specs, job, args.jobs)
+
+
+def run_pending(path, specs, job, jobs):
+    """Runs the (workload, replicas, variant, rate) specs that path (JSON lines) lacks on a pool of jobs
+    processes, the biggest first (the pool does not end on one long run), appending each result."""
+    done = {key(json.loads(line)) for line in open(path)} if os.path.exists(path) else set()
+    todo = sorted((s for s in specs if s not in done), key=lambda s: -s[1] * s[3])
     print("%d runs to do (%d already in %s)" % (len(todo), len(specs) - len(todo), path), flush=True)
-    with multiprocessing.Pool(args.jobs) as pool, open(path, "a") as f:
+    with multiprocessing.Pool(jobs) as pool, open(path, "a") as f:
         for r in pool.imap_unordered(job, todo):
             f.write(json.dumps(r) + "\n")
             f.flush()
-            print("%-9s %5d %-11s %4d/replica: good %5.1f%% (TPOT<=20 ms %5.1f%%)  TTFT p50 %7.1f p99 %8.1f ms  "
+            print("%-9s %5d %-12s %4d/replica: good %5.1f%% (TPOT<=20 ms %5.1f%%)  TTFT p50 %7.1f p99 %8.1f ms  "
                   "TPOT p50 %5.1f p99 %5.1f ms  hits %.2f host %d dir %d" %
                   (r["workload"], r["replicas"], r["variant"], r["per_replica_rate"], 100 * r["good_fraction"],
                    100 * r["good_fraction_tpot_ms"]["20"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
                    r["tpot_ms"]["p50"], r["tpot_ms"]["p99"], r["cached_prompt_fraction"],
                    r["host_tier_hit_blocks"], r["tier_hit_blocks"]), flush=True)
-
 
 def table(path):
     """Markdown: per workload and replica count, the good share (TTFT <= 1 s, mean TPOT <= 50 ms) at each

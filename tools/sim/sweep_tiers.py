@@ -17,7 +17,6 @@ Writes tools/sim/results/tiers.jsonl (runs already there are kept).
 """
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 
@@ -53,15 +52,11 @@ def job(spec):
     return r
 
 
-def key(r):
-    return (r["workload"], r["replicas"], r["variant"], r["per_replica_rate"])
-
-
 def table(path):
     runs = {}
     for line in open(path):
         r = json.loads(line)
-        runs[key(r)] = r
+        runs[sweep_scale.key(r)] = r
     print("| workload | replicas | req/s a replica | " + " | ".join(CONFIGS) + " |")
     print("|---|---:|---:|" + "---|" * len(CONFIGS))
     for wl in ("multiturn", "rag"):
@@ -88,18 +83,7 @@ def main():
         return
     specs = [(wl, n, c, per) for n in (int(x) for x in args.replicas.split(","))
              for wl in args.workloads.split(",") for c in CONFIGS for per in RATES[wl]]
-    done = {key(json.loads(line)) for line in open(path)} if os.path.exists(path) else set()
-    todo = sorted((s for s in specs if s not in done), key=lambda s: -s[1] * s[3])
-    print("%d runs to do (%d already in %s)" % (len(todo), len(specs) - len(todo), path), flush=True)
-    with multiprocessing.Pool(args.jobs) as pool, open(path, "a") as f:
-        for r in pool.imap_unordered(job, todo):
-            f.write(json.dumps(r) + "\n")
-            f.flush()
-            print("%-9s %3d %-11s %3d/replica: good %5.1f%%  TTFT p50 %7.1f p99 %8.1f ms  TPOT p50 %5.1f ms  "
-                  "cached %.2f  read host %d dir %d" %
-                  (r["workload"], r["replicas"], r["variant"], r["per_replica_rate"], 100 * r["good_fraction"],
-                   r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["tpot_ms"]["p50"], r["cached_prompt_fraction"],
-                   r["host_tier_hit_blocks"], r["tier_hit_blocks"]), flush=True)
+    sweep_scale.run_pending(path, specs, job, args.jobs)
 
 
 if __name__ == "__main__":
