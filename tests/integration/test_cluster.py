@@ -252,6 +252,11 @@ def test_strangers_on_the_data_plane():
             w.wait()
 
 
+# Two 1x1 streams planned ahead still running at a kill 0.4 s in: a quiet
+# machine decodes the "slow" model at ~0.3 ms a token with one thread.
+N_ASYNC = 1800
+
+
 def test_async_stream_survives_worker_loss():
     # --async-scheduling on a 1x1 grid: kill -9 of its worker with a step and
     # the one planned ahead of it in flight fails both; the spare takes the
@@ -260,8 +265,8 @@ def test_async_stream_survives_worker_loss():
     model = gen_model(os.path.join(WORK, "slow"), "--dim", "256", "--hidden-dim", "768", "--layers", "8",
                       "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--max-pos", "4096", "--seed", "3")
     seeded = ["--ignore-eos", "--seed", "11", "--top-k", "0", "--top-p", "1"]
-    expect = run_local(model, "Once upon a time", 600, extra=["--ignore-eos"])[1]
-    expect_seeded = run_local(model, "The cat sat", 600, temperature=0.9, extra=seeded)[1]
+    expect = run_local(model, "Once upon a time", N_ASYNC, extra=["--ignore-eos"])[1]
+    expect_seeded = run_local(model, "The cat sat", N_ASYNC, temperature=0.9, extra=seeded)[1]
     with Cluster(model, 1, 1, coord_args=["--async-scheduling", "--recovery-timeout-ms", "60000",
                                           "--num-kv-blocks", "512"]) as c:
         with open(os.path.join(c.run_dir, "spare.log"), "w") as f:
@@ -270,8 +275,9 @@ def test_async_stream_survives_worker_loss():
                                  + c.worker_keys("spare"), stdout=subprocess.DEVNULL, stderr=f)
         try:
             wait_for(lambda: "standing by" in c.log("spare"), 10, "the spare to stand by")
-            procs = [c.generate_async("Once upon a time", 600, extra=["--ignore-eos", "--timeout-ms", "60000"]),
-                     c.generate_async("The cat sat", 600, temperature=0.9, extra=seeded + ["--timeout-ms", "60000"])]
+            wait = ["--timeout-ms", "60000"]
+            procs = [c.generate_async("Once upon a time", N_ASYNC, extra=["--ignore-eos"] + wait),
+                     c.generate_async("The cat sat", N_ASYNC, temperature=0.9, extra=seeded + wait)]
             time.sleep(0.4)
             check(all(p.poll() is None for p in procs), "a stream ended before the kill")
             kill(c.pid("worker-0"))
@@ -280,7 +286,7 @@ def test_async_stream_survives_worker_loss():
                 ids = [int(x) for line in err.splitlines() if line.startswith("ids:") for x in line[4:].split()]
                 check(p.returncode == 0, "the %s stream did not survive: %s" % (name, err[-300:]))
                 check(ids == want, "after the failover the %s ids differ from an uninterrupted run" % name)
-                check("completion 600 tokens" in err, "%s: usage %s" % (name, err.splitlines()[-1]))
+                check("completion %d tokens" % N_ASYNC in err, "%s: usage %s" % (name, err.splitlines()[-1]))
             log = c.log("coordinator")
             check("grid restored" in log, "no recovery in the coordinator log")
             st = c.stats()

@@ -284,6 +284,11 @@ def test_async_scheduling():
     dropped (Stats ahead_dropped), its usage counts the tokens it emitted.
     Penalties (and min_tokens until it is reached) make the next row depend
     on the token, so those rows wait for it; a tp 2 grid turns the flag off."""
+    for bad in ("0", "9"):  # steps ahead out of [1, 8]: refused at start, naming the flag
+        p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES,
+                            "--async-scheduling-steps", bad], capture_output=True, text=True, timeout=30)
+        check(p.returncode == 2 and "--async-scheduling-steps" in p.stderr,
+              "coordinator took --async-scheduling-steps %s: %s" % (bad, p.stderr))
     ref_text, ref_ids = run_local(STORIES, PROMPTS[2], 200, extra=["--ignore-eos"])
     cut = ref_text.index(" ", 60) + 1
     stop = ref_text[cut:cut + 6]  # a stop string well inside the output

@@ -570,7 +570,8 @@ def test_deepseek_tiers():
                 cached = sum(r[4] for r in got[len(CONVERSATIONS):])
                 print("  deepseek tp %d, %s tier: %s blocks loaded, %d later-turn prompt tokens cached"
                       % (tp, what, hits, cached))
-                check(hits and hits > 0 and cached > 0, "deepseek tp %d, %s: hits %r, cached %d" % (tp, what, hits, cached))
+                check(hits and hits > 0 and cached > 0,
+                      "deepseek tp %d, %s: hits %r, cached %d" % (tp, what, hits, cached))
                 if with_dir:
                     check(glob.glob(os.path.join(tier, "*.kvb")), "deepseek tp %d, %s: no block files" % (tp, what))
                 check("needs KV blocks that are one contiguous span" not in log, "refused: %s" % log[-500:])
@@ -727,8 +728,8 @@ def test_disaggregated_check_off_reactor():
             want = call(port, "/v1/completions", body)["choices"][0]["text"]
         pport = free_port()
         with pd_cluster(pport, tier, "kv_producer"):
-            kv = call(pport, "/v1/completions", dict(body, max_tokens=1,
-                                                     kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
+            pre = call(pport, "/v1/completions", dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        kv = pre["kv_transfer_params"]
         n_blocks = len(kv["remote_block_ids"])
         check(n_blocks >= 8, "a long prompt: %d blocks" % n_blocks)
         total_s = n_blocks * CHECK_DELAY_MS / 1e3
@@ -899,6 +900,6 @@ def test_router_pd():
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded,
                test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
-               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2, test_dir_tier_pp2, test_disaggregated,
-               test_disaggregated_check_off_reactor, test_disaggregated_lora, test_router_pd, test_router_tier_events,
-               test_deepseek_tiers, test_flags])
+               test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2,
+               test_dir_tier_pp2, test_disaggregated, test_disaggregated_check_off_reactor, test_disaggregated_lora,
+               test_router_pd, test_router_tier_events, test_deepseek_tiers, test_flags])
