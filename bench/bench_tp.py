@@ -5,7 +5,7 @@ each at concurrency 1 and 16, every round launching both clusters in turn
 (which goes first alternates), then the TP/1x1 ratio of the median rounds.
 
     /usr/bin/python3 bench/bench_tp.py [--model DIR] [--rounds 4] [--tokens 128] [--conc 1,16]
-                                       [--configs 1x1,2x1,2x1:spin=2,2x1:nopin] [--json FILE]
+                                       [--configs 1x1,2x1,2x1:spin=2,2x1:nopin,2x1:async] [--json FILE]
 
 The model defaults to bench_grid.py's (build/bench-models/m100: dim 768,
 hidden 2048, 12 layers, 12/4 heads, vocab 32000; 76M matmul parameters, so
@@ -13,8 +13,10 @@ a TP=2 decode token runs 24 all-reduces of 768 floats). The load average is
 printed beside every round: on a shared machine the ratios of one round
 move with it. --configs names the clusters of a round (the first is the
 base of the ratios): 1x1 (2 threads) or 2x1 (one thread per worker), with
-":spin=US" for the workers' LOOM_COMM_SPIN_US and ":nopin" for the
-launcher's --no-pin (the workers then float over the cores).
+":spin=US" for the workers' LOOM_COMM_SPIN_US, ":nopin" for the
+launcher's --no-pin (the workers then float over the cores) and ":async"
+for the coordinator's --async-scheduling (on a TP group rank 0 shares the
+sampled ids, so the next step is planned while one runs).
 """
 import argparse
 import json
@@ -35,15 +37,17 @@ def loadavg():
 def parse_config(spec):
     parts = spec.split(":")
     tp, threads = {"1x1": (1, 2), "2x1": (2, 1)}[parts[0]]
-    env, launch_args = {}, []
+    env, launch_args, coord_args = {}, [], []
     for p in parts[1:]:
         if p.startswith("spin="):
             env["LOOM_COMM_SPIN_US"] = p[5:]
         elif p == "nopin":
             launch_args.append("--no-pin")
+        elif p == "async":
+            coord_args.append("--async-scheduling")
         else:
             raise SystemExit("bench_tp: unknown option %r in %r" % (p, spec))
-    return spec, tp, threads, env, launch_args
+    return spec, tp, threads, env, launch_args + (["--"] + coord_args if coord_args else [])
 
 
 def run_config(model, tp, threads, concs, tokens, vocab, env=None, launch_args=()):

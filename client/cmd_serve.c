@@ -562,7 +562,7 @@ int loom_cmd_serve(int argc, char **argv) {
         {"no-enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_off, NULL,
          "no automatic prefix caching", 1, 0, NULL},
         {"async-scheduling", LOOM_OPT_FLAG, &f.async_scheduling, NULL,
-         "overlapped scheduling: each decode step is planned while the previous one runs (one worker; "
+         "overlapped scheduling: each decode step is planned while the previous one runs (one pipeline stage; "
          "loom-coordinator --async-scheduling)",
          1, 0, NULL},
         {"api-key", LOOM_OPT_STR, &f.api_key, "KEY",

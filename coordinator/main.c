@@ -212,7 +212,8 @@ int main(int argc, char **argv) {
          0, NULL},
         {"async-scheduling", LOOM_OPT_FLAG, &async_flag, NULL,
          "overlapped scheduling: plan and send each decode step while the previous one runs, its tokens the ones "
-         "that step samples on the worker (one stage of one TP rank; rows whose next plan depends on the token, "
+         "that step samples on the worker (one pipeline stage: a TP group shares them; rows whose next plan depends on "
+         "the token, "
          "a grammar, penalties, speculation, wait for it as without the flag)",
          1, 0, NULL},
         {"async-scheduling-steps", LOOM_OPT_INT, &async_steps, "N",

@@ -153,7 +153,7 @@ struct loom_server {
         int ready;
     } *unsent;
     int n_unsent;
-    int ahead;               /* overlapped scheduling is on (cfg.async_scheduling, one stage of one rank) */
+    int ahead;               /* overlapped scheduling is on (cfg.async_scheduling, one stage) */
     loom_microbatch_t *tail; /* the latest micro-batch built while it is in flight (planned ahead of) */
 
     void *zctx, *api;
@@ -2078,10 +2078,10 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     s->kv_check_fd = -1;
     s->cfg = *cfg;
     s->stall_file = getenv("LOOM_TEST_STALL_FILE");
-    if (cfg->async_scheduling > 0 && cfg->pp == 1 && cfg->tp == 1) s->ahead = cfg->async_scheduling;
+    if (cfg->async_scheduling > 0 && cfg->pp == 1) s->ahead = cfg->async_scheduling;
     else if (cfg->async_scheduling > 0)
-        LOOM_WARN("--async-scheduling needs one stage of one TP rank (this grid is tp %d x pp %d): it is off",
-                  cfg->tp, cfg->pp);
+        LOOM_WARN("--async-scheduling needs one pipeline stage (this grid is tp %d x pp %d): it is off", cfg->tp,
+                  cfg->pp);
     s->unsent = loom_xcalloc((size_t)(cfg->pp > 0 ? cfg->pp : 1) + (size_t)s->ahead, sizeof *s->unsent);
     /* workers may run elsewhere: hand them an absolute path */
     if (realpath(cfg->model_dir, s->model_dir_abs)) s->cfg.model_dir = s->model_dir_abs;

@@ -47,8 +47,8 @@ typedef struct loom_server_config {
     int step_timeout_ms, step_token_us; /* a step's deadline: floor + tokens x per-token bound */
     /* overlapped scheduling (--async-scheduling): steps planned and sent
      * while the ones before them run, their decode tokens the ones those
-     * steps sample; this many beyond the one running (0: off; one stage of
-     * one TP rank, else off with a warning) */
+     * steps sample; this many beyond the one running (0: off; one pipeline
+     * stage, else off with a warning) */
     int async_scheduling;
     int liveness_timeout_ms;            /* Health is not ready when the reactor or the steps stall this long */
     /* the preparation pool (prepare.h): grammar compilation and long prompts off the reactor */

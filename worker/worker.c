@@ -93,8 +93,7 @@ typedef enum {
 typedef struct {
     loom_model_t *model;
     float *h;                   /* (max_tokens, dim) host: the target's final-normed rows */
-    float *ids_dev, *ids_host;  /* (max_seqs) the sampled ids as floats, summed over the TP group */
-    int32_t *sampled, *in_ids;  /* (max_seqs), (max_tokens) */
+    int32_t *in_ids;            /* (max_tokens) */
     int32_t *rows, *seq;        /* (max_seqs) MTP logit rows and their sequences */
     int32_t *drafts;            /* (max_seqs) per plan sequence, for StepResult.mtp_drafts */
     size_t n_drafts;
@@ -156,6 +155,10 @@ typedef struct worker {
     uint8_t *gather_send, *gather_recv;
     size_t gather_cap;
     int32_t *ids;
+    /* a TP group's last stage: (max_seqs) the sampled ids as floats, summed
+     * over the group (share_ids); ids_shared: this step's are in every rank's ids */
+    float *share_dev, *share_host;
+    int ids_shared;
     int32_t *dp_copy;        /* data-parallel attention: the step's copies in this rank's ids (sources, then
                                 destinations) */
     /* the step whose sampled ids w->ids holds (0: none): a plan sent ahead
@@ -286,10 +289,7 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
 static void mtp_unload(worker_t *w) {
     worker_mtp_t *t = &w->mtp;
     loom_model_destroy(&t->model);
-    if (t->ids_dev) loom_backend_free(w->be, t->ids_dev);
     free(t->h);
-    free(t->ids_host);
-    free(t->sampled);
     free(t->in_ids);
     free(t->rows);
     free(t->seq);
@@ -316,10 +316,6 @@ static loom_status_t mtp_load(worker_t *w, const loom_shard_spec_t *target, cons
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &t->model, err));
     size_t T = (size_t)target_opt->max_tokens, S = (size_t)target_opt->max_seqs;
     t->h = loom_xmalloc(T * (size_t)w->cfg.dim * sizeof(float));
-    t->ids_dev = loom_backend_alloc(w->be, S * sizeof(float));
-    if (!t->ids_dev) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the MTP step");
-    t->ids_host = loom_xmalloc(S * sizeof(float));
-    t->sampled = loom_xmalloc(S * sizeof(int32_t));
     t->in_ids = loom_xmalloc(T * sizeof(int32_t));
     t->rows = loom_xmalloc(S * sizeof(int32_t));
     t->seq = loom_xmalloc(S * sizeof(int32_t));
@@ -348,6 +344,8 @@ static void unload(worker_t *w) {
     loom_kv_host_free(&w->kv_host); /* the backend's host memory */
     loom_kv_offload_free(&w->kv_tier);
     loom_model_destroy(&w->model);
+    if (w->share_dev) loom_backend_free(w->be, w->share_dev);
+    w->share_dev = NULL;
     loom_backend_destroy(&w->be);
     loom_st_close(&w->st);
     w->n_blocks = 0;
@@ -449,6 +447,13 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
     w->kk = loom_xmalloc(rows * sizeof *w->kk);
     w->ids = loom_xmalloc(rows * sizeof *w->ids);
     w->ids_step = 0;
+    free(w->share_host);
+    w->share_host = NULL;
+    if (spec.tp_size > 1 && spec.has_head) { /* share_ids: mtp, and plans sent ahead */
+        w->share_dev = loom_backend_alloc(w->be, rows * sizeof(float));
+        if (!w->share_dev) return loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory for the sampled ids");
+        w->share_host = loom_xmalloc(rows * sizeof(float));
+    }
     return LOOM_OK;
 }
 
@@ -728,6 +733,20 @@ static loom_status_t prompt_logprobs(worker_t *w, const Loom__V1__StepPlan *p, l
     return LOOM_OK;
 }
 
+/* Rank 0 merged the step's samples into its w->ids: the TP group learns
+ * them as a sum (ids < 2^24 are exact), into every rank's w->ids. Inside
+ * the caller's loom_comm_step_begin/end. */
+static loom_status_t share_ids(worker_t *w, int rows, loom_err_t *err) {
+    int rank0 = w->assign->tp_rank == 0;
+    for (int r = 0; r < rows; r++) w->share_host[r] = rank0 ? (float)w->ids[r] : 0.0f;
+    loom_backend_upload(w->be, w->share_dev, w->share_host, (size_t)rows * sizeof(float));
+    LOOM_CHECK(loom_comm_allreduce(w->comm, w->share_dev, rows, err));
+    loom_backend_download(w->be, w->share_host, w->share_dev, (size_t)rows * sizeof(float));
+    for (int r = 0; r < rows; r++) w->ids[r] = (int32_t)w->share_host[r];
+    w->ids_shared = 1;
+    return LOOM_OK;
+}
+
 /* Assign.mtp: the MTP module's rows for the step's tokens, after the
  * target's (mtp_rows.h says which token each reads), and, per sequence
  * with logit rows, its greedy draft from the last accepted row (rank 0
@@ -739,21 +758,12 @@ static loom_status_t mtp_step(worker_t *w, const Loom__V1__StepPlan *p, loom_err
     int n = (int)p->n_tokens, rows = (int)p->n_logit_rows, tp = (int)a->tp_size, rank0 = a->tp_rank == 0;
     int vocab = w->cfg.vocab_size;
     t->n_drafts = 0;
-    const int32_t *sampled = w->ids;
     LOOM_CHECK(loom_comm_step_begin(w->comm, n, err));
     loom_status_t s = LOOM_OK;
-    if (rows && tp > 1) { /* rank 0 merged the samples: the group learns them as a sum (ids < 2^24 are exact) */
-        for (int r = 0; r < rows; r++) t->ids_host[r] = rank0 ? (float)w->ids[r] : 0.0f;
-        loom_backend_upload(w->be, t->ids_dev, t->ids_host, (size_t)rows * sizeof(float));
-        s = loom_comm_allreduce(w->comm, t->ids_dev, rows, err);
-    }
+    if (rows && tp > 1 && !w->ids_shared) s = share_ids(w, rows, err);
     int nm = 0;
     if (s == LOOM_OK) {
-        if (rows && tp > 1) {
-            loom_backend_download(w->be, t->ids_host, t->ids_dev, (size_t)rows * sizeof(float));
-            for (int r = 0; r < rows; r++) t->sampled[r] = (int32_t)t->ids_host[r];
-            sampled = t->sampled;
-        }
+        const int32_t *sampled = w->ids;
         loom_mtp_step_t ms = {.tokens = p->tokens, .tok_seq = p->tok_seq, .n_tokens = n, .n_seqs = (int)p->n_seqs,
                               .logit_rows = p->logit_rows, .sampled = sampled, .n_logits = rows,
                               .next = p->n_mtp_next ? p->mtp_next : NULL};
@@ -794,12 +804,14 @@ static loom_status_t mtp_step(worker_t *w, const Loom__V1__StepPlan *p, loom_err
 
 /* Overlapped scheduling: the plan's tokens that are the ids this worker
  * sampled in step p->prev_step, which must be the step it ran last. Only a
- * worker that both embeds and samples (one stage, one TP rank) has them. */
+ * worker that both embeds and samples has them: one stage, of one TP rank
+ * or of a group that shares its ids (Assign.share_sampled_ids). */
 static loom_status_t prev_tokens(worker_t *w, Loom__V1__StepPlan *p, loom_err_t *err) {
     const Loom__V1__Assign *a = w->assign;
-    if (a->n_stages != 1 || a->tp_size != 1)
+    if (a->n_stages != 1 || (a->tp_size != 1 && !a->share_sampled_ids))
         return loom_err_set(err, LOOM_ERR_UNSUPPORTED,
-                            "step %llu reads sampled ids ahead, which needs one stage of one TP rank",
+                            "step %llu reads sampled ids ahead, which needs one stage of one TP rank or of a "
+                            "group sharing its ids",
                             (unsigned long long)p->step_id);
     if (!w->ids_step || w->ids_step != p->prev_step || w->ids_epoch != p->epoch)
         return loom_err_set(err, LOOM_ERR_INTERNAL,
@@ -828,6 +840,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     w->plp.n = w->plp.n_tops = 0;
     w->n_emb = 0;
     w->mtp.n_drafts = 0;
+    w->ids_shared = 0;
     if (!w->model || !w->comm || !a || p->epoch != w->epoch) {
         s = loom_err_set(&err, LOOM_ERR_UNAVAILABLE, "worker %s is not serving epoch %llu", w->id,
                          (unsigned long long)p->epoch);
@@ -954,6 +967,13 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
                 loom_logprobs_finish(&w->lp, p->sampling[r], lps, cand_raw, merged, tp, w->ids[r]);
             }
         }
+        if (a->share_sampled_ids && a->n_stages == 1) { /* the next plan may be sent ahead: every rank embeds them */
+            if ((s = loom_comm_step_begin(w->comm, rows, &err)) < 0) goto report;
+            s = share_ids(w, rows, &err);
+            end = loom_comm_step_end(w->comm, &end_err);
+            if (s >= 0 && end < 0) s = end, err = end_err;
+            if (s < 0) goto report;
+        }
     }
 prompt:
     if (w->mtp.model && (s = mtp_step(w, p, &err)) < 0) goto report;
@@ -964,9 +984,10 @@ report:;
         loom_kv_offload_finish(&w->kv_tier, &ignore);
     }
     /* a plan sent ahead names this step: its ids stay in w->ids until then */
-    w->ids_step = s >= 0 && last && rank0 ? p->step_id : 0;
+    int have_ids = s >= 0 && last && (rank0 || w->ids_shared);
+    w->ids_step = have_ids ? p->step_id : 0;
     w->ids_epoch = p->epoch;
-    w->ids_n = s >= 0 && last && rank0 ? (int)p->n_logit_rows : 0;
+    w->ids_n = have_ids ? (int)p->n_logit_rows : 0;
     uint64_t t1 = loom_now_ns();
     double comm_s = w->comm ? loom_comm_seconds(w->comm) - comm0 : 0;
     atomic_fetch_add(&w->busy_ns, t1 - t0);

@@ -277,13 +277,15 @@ def summary(err):
 
 
 def test_async_scheduling():
-    """--async-scheduling on a 1x1 grid: every request gives what it gives
-    without the flag (text, ids, completion tokens, finish reason) and greedy
-    ids equal `loom run`'s. A request ended by a stop string in a step whose
-    successors were already planned ahead emits nothing more: those rows are
-    dropped (Stats ahead_dropped), its usage counts the tokens it emitted.
-    Penalties (and min_tokens until it is reached) make the next row depend
-    on the token, so those rows wait for it; a tp 2 grid turns the flag off."""
+    """--async-scheduling on a 1x1 grid and a TP 2 grid (rank 0 shares the
+    sampled ids with the group, Assign.share_sampled_ids): every request
+    gives what it gives without the flag (text, ids, completion tokens,
+    finish reason) and greedy ids equal `loom run`'s. A request ended by a
+    stop string in a step whose successors were already planned ahead emits
+    nothing more: those rows are dropped (Stats ahead_dropped), its usage
+    counts the tokens it emitted. Penalties (and min_tokens until it is
+    reached) make the next row depend on the token, so those rows wait for
+    it; a pipeline of 2 stages turns the flag off."""
     for bad in ("0", "9"):  # steps ahead out of [1, 8]: refused at start, naming the flag
         p = subprocess.run([os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES,
                             "--async-scheduling-steps", bad], capture_output=True, text=True, timeout=30)
@@ -300,51 +302,56 @@ def test_async_scheduling():
         ("penalties", PROMPTS[1], 80, 0.0, ["--presence-penalty", "0.5", "--frequency-penalty", "0.3"]),
         ("min_tokens", PROMPTS[1], 80, 0.0, ["--min-tokens", "30", "--stop", "."]),
     ]
-    want = {}
-    with Cluster(STORIES) as c:
-        for name, prompt, n, temp, extra in cases:
-            rc, out, ids, err = c.generate(prompt, n, temperature=temp, extra=extra)
-            check(rc == 0 and ids, "%s without the flag: %s" % (name, err))
-            want[name] = (out, ids, summary(err))
-    check(want["greedy"][1] == ref_ids, "the 1x1 grid's greedy ids differ from loom run's")
-    check(want["stop string"][2][1] == "stop" and len(want["stop string"][1]) < 200,
-          "the stop string %r ended nothing: %s" % (stop, want["stop string"][2]))
-    with Cluster(STORIES, coord_args=["--async-scheduling"]) as c:
-        dropped = 0
-        for name, prompt, n, temp, extra in cases:
-            before = json.loads(loom_json("stats", "--addr", c.addr).stdout)
-            rc, out, ids, err = c.generate(prompt, n, temperature=temp, extra=extra)
-            got = (out, ids, summary(err))
-            check(rc == 0 and got == want[name], "%s with --async-scheduling: %r, without: %r" %
-                  (name, got, want[name]))
-            check(got[2][0] == len(ids), "%s: usage counts %d tokens, %d were emitted" % (name, got[2][0], len(ids)))
-            after = json.loads(loom_json("stats", "--addr", c.addr).stdout)
-            ahead = after["ahead_tokens"] - before["ahead_tokens"]
-            dropped_now = after["ahead_dropped"] - before["ahead_dropped"]
-            if name in ("penalties",):
-                check(ahead == 0, "%s: %d tokens planned ahead" % (name, ahead))
-            elif name == "min_tokens":  # planned ahead once min_tokens is reached
-                check(0 < ahead < got[2][0] - 1, "%s: %d of %d tokens planned ahead" % (name, ahead, got[2][0]))
-            else:  # every decode but the first (its predecessor was the prefill)
-                check(ahead >= got[2][0] - 2, "%s: %d of %d tokens planned ahead" % (name, ahead, got[2][0]))
-            if got[2][1] == "length":
-                check(dropped_now == 0, "%s: %d rows dropped at max_tokens" % (name, dropped_now))
-            else:  # its rows in the steps planned ahead of the one that ended it (3 by default)
-                check(1 <= dropped_now <= 3, "%s ended by a stop: %d rows dropped" % (name, dropped_now))
-            dropped += dropped_now
-        # concurrent requests: batches mix rows planned ahead with admissions
-        procs = [c.generate_async(p, 60, extra=["--ignore-eos"]) for p in PROMPTS * 2]
-        for p, prompt in zip(procs, PROMPTS * 2):
-            _, err = p.communicate(timeout=120)
-            _, ids = run_local(STORIES, prompt, 60, extra=["--ignore-eos"])
-            check(p.returncode == 0 and parse_ids(err) == ids, "concurrent %r: %s" % (prompt, err[-500:]))
-        st = json.loads(loom_json("stats", "--addr", c.addr).stdout)
-        check(st["ahead_dropped"] == dropped, "stats: %d dropped, counted %d" % (st["ahead_dropped"], dropped))
-    with Cluster(STORIES, tp=2, coord_args=["--async-scheduling"]) as c:  # off there, with a warning
+    for tp in (1, 2):
+        grid = "%dx1" % tp
+        want = {}
+        with Cluster(STORIES, tp=tp) as c:
+            for name, prompt, n, temp, extra in cases:
+                rc, out, ids, err = c.generate(prompt, n, temperature=temp, extra=extra)
+                check(rc == 0 and ids, "%s %s without the flag: %s" % (grid, name, err))
+                want[name] = (out, ids, summary(err))
+        check(want["greedy"][1] == ref_ids, "the %s grid's greedy ids differ from loom run's" % grid)
+        check(want["stop string"][2][1] == "stop" and len(want["stop string"][1]) < 200,
+              "the stop string %r ended nothing: %s" % (stop, want["stop string"][2]))
+        with Cluster(STORIES, tp=tp, coord_args=["--async-scheduling"]) as c:
+            dropped = 0
+            for name, prompt, n, temp, extra in cases:
+                before = json.loads(loom_json("stats", "--addr", c.addr).stdout)
+                rc, out, ids, err = c.generate(prompt, n, temperature=temp, extra=extra)
+                got = (out, ids, summary(err))
+                check(rc == 0 and got == want[name], "%s %s with --async-scheduling: %r, without: %r" %
+                      (grid, name, got, want[name]))
+                check(got[2][0] == len(ids), "%s: usage counts %d tokens, %d were emitted" % (name, got[2][0],
+                                                                                             len(ids)))
+                after = json.loads(loom_json("stats", "--addr", c.addr).stdout)
+                ahead = after["ahead_tokens"] - before["ahead_tokens"]
+                dropped_now = after["ahead_dropped"] - before["ahead_dropped"]
+                if name in ("penalties",):
+                    check(ahead == 0, "%s: %d tokens planned ahead" % (name, ahead))
+                elif name == "min_tokens":  # planned ahead once min_tokens is reached
+                    check(0 < ahead < got[2][0] - 1, "%s: %d of %d tokens planned ahead" % (name, ahead, got[2][0]))
+                else:  # every decode but the first (its predecessor was the prefill)
+                    check(ahead >= got[2][0] - 2, "%s %s: %d of %d tokens planned ahead" %
+                          (grid, name, ahead, got[2][0]))
+                if got[2][1] == "length":
+                    check(dropped_now == 0, "%s: %d rows dropped at max_tokens" % (name, dropped_now))
+                else:  # its rows in the steps planned ahead of the one that ended it (3 by default)
+                    check(1 <= dropped_now <= 3, "%s ended by a stop: %d rows dropped" % (name, dropped_now))
+                dropped += dropped_now
+            # concurrent requests: batches mix rows planned ahead with admissions
+            procs = [c.generate_async(p, 60, extra=["--ignore-eos"]) for p in PROMPTS * 2]
+            for p, prompt in zip(procs, PROMPTS * 2):
+                _, err = p.communicate(timeout=120)
+                _, ids = run_local(STORIES, prompt, 60, extra=["--ignore-eos"])
+                check(p.returncode == 0 and parse_ids(err) == ids, "%s concurrent %r: %s" %
+                      (grid, prompt, err[-500:]))
+            st = json.loads(loom_json("stats", "--addr", c.addr).stdout)
+            check(st["ahead_dropped"] == dropped, "stats: %d dropped, counted %d" % (st["ahead_dropped"], dropped))
+    with Cluster(STORIES, pp=2, coord_args=["--async-scheduling"]) as c:  # off there, with a warning
         rc, out, ids, err = c.generate(PROMPTS[2], 200, extra=["--ignore-eos"])
-        check(rc == 0 and ids == ref_ids, "tp 2 with the flag: %s" % err)
-        check("--async-scheduling needs one stage of one TP rank" in c.log("coordinator"), "no warning on tp 2")
-        check(json.loads(loom_json("stats", "--addr", c.addr).stdout)["ahead_tokens"] == 0, "tp 2 planned ahead")
+        check(rc == 0 and ids == ref_ids, "pp 2 with the flag: %s" % err)
+        check("--async-scheduling needs one pipeline stage" in c.log("coordinator"), "no warning on pp 2")
+        check(json.loads(loom_json("stats", "--addr", c.addr).stdout)["ahead_tokens"] == 0, "pp 2 planned ahead")
 
 
 if __name__ == "__main__":
