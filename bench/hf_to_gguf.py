@@ -5,11 +5,16 @@ model.safetensors, f32) as an f32 GGUF file for llama.cpp's tools, with numpy on
 Only what bench/vs_llamacpp.sh needs: arch "llama", untied or tied LM head, a
 placeholder SentencePiece-style vocabulary (<unk>, <s>, </s>, 256 byte tokens,
 then t<i>) of the config's size, since the benchmarks feed random token ids.
+With --hf-tokenizer it also writes that vocabulary into MODEL_DIR as an HF
+tokenizer.json (BPE, no merges, byte fallback), so a server that needs one
+(Loom's coordinator) and llama-server hold the same 32,000 tokens: what
+`MODE=serve bench/vs_llamacpp.sh` serves.
 Q and K rows are permuted from the checkpoint's rotate-half order to GGUF's
 interleaved RoPE order, as llama.cpp's own converter does, so the file is a
 faithful model and not only the right shapes.
 
     hf_to_gguf.py MODEL_DIR OUT.gguf
+    hf_to_gguf.py --hf-tokenizer MODEL_DIR
 """
 import json
 import os
@@ -50,7 +55,48 @@ def permute_rope(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def placeholder_vocab(vocab):
+    """The token strings and GGUF token types: <unk>, <s>, </s>, 256 bytes, t<i>."""
+    tokens = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % i for i in range(256)]
+    types = [2, 3, 3] + [6] * 256  # unknown, control, control, byte
+    tokens += ["t%d" % i for i in range(vocab - len(tokens))]
+    types += [1] * (vocab - len(types))
+    return tokens, types
+
+
+def write_hf_tokenizer(src, vocab):
+    """The placeholder vocabulary as tokenizer.json (Llama-style: SentencePiece
+    space marker, byte fallback, no merges) and a tokenizer_config.json."""
+    tokens, _ = placeholder_vocab(vocab)
+    special = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for i in range(3)]
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": []},
+    }
+    with open(os.path.join(src, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                   "model_max_length": 2048}, f)
+    print("hf_to_gguf: %s/tokenizer.json: %d placeholder tokens" % (src, vocab))
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--hf-tokenizer":
+        with open(os.path.join(sys.argv[2], "config.json")) as f:
+            write_hf_tokenizer(sys.argv[2], json.load(f)["vocab_size"])
+        return
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     src, out_path = sys.argv[1], sys.argv[2]
@@ -82,10 +128,7 @@ def main():
     if "lm_head.weight" in t:
         tensors.append(("output.weight", t["lm_head.weight"]))
 
-    tokens = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % i for i in range(256)]
-    types = [2, 3, 3] + [6] * 256  # unknown, control, control, byte
-    tokens += ["t%d" % i for i in range(vocab - len(tokens))]
-    types += [1] * (vocab - len(types))
+    tokens, types = placeholder_vocab(vocab)
     meta = [
         kv("general.architecture", T_STR, "llama"),
         kv("general.name", T_STR, os.path.basename(os.path.normpath(src))),
