@@ -1023,6 +1023,7 @@ static loom_status_t etcd_setup(loom_grid_t *g, loom_err_t *err) {
     cJSON_AddStringToObject(j, "control", ctl);
     cJSON_AddStringToObject(j, "api", api);
     cJSON_AddStringToObject(j, "model", g->cfg.model_name);
+    if (g->cfg.kv_role) cJSON_AddStringToObject(j, "kv_role", g->cfg.kv_role);
     cJSON_AddNumberToObject(j, "pid", (double)getpid());
     char host[256] = "";
     gethostname(host, sizeof host - 1);

@@ -106,6 +106,7 @@ typedef struct loom_grid_config {
     const char *control;      /* ROUTER bind address for workers, e.g. tcp://127.0.0.1:5556 */
     const char *model_dir;    /* as workers should open it (absolute) */
     const char *model_name;   /* published with the plan */
+    const char *kv_role;      /* --kv-transfer-config's kv_role, published in etcd for loom-router --pd (NULL: none) */
     int n_layers, vocab_size; /* of the model */
     int tp, pp;
     const char *comm;         /* auto, shm, tcp, nccl */

@@ -2045,6 +2045,11 @@ static uint64_t kv_tier_seed(const loom_server_t *s) {
     return loom_kv_chain_hash(0x4b56544945520001ull, v, (int)(sizeof v / sizeof *v));
 }
 
+/* --kv-transfer-config's kv_role (vLLM's names), as etcd publishes it; NULL without one. */
+static const char *kv_role(const loom_kv_transfer_config_t *t) {
+    return t->producer && t->consumer ? "kv_both" : t->producer ? "kv_producer" : t->consumer ? "kv_consumer" : NULL;
+}
+
 static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
     const loom_server_config_t *c = &s->cfg;
     loom_grid_config_t gc = {.control = c->control, .model_dir = c->model_dir, .model_name = s->model_name,
@@ -2058,6 +2063,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .step_timeout_ms = c->step_timeout_ms, .step_token_us = c->step_token_us,
                              .etcd_url = c->etcd_url, .cluster = c->cluster, .advertise_host = c->advertise_host,
                              .api_addr = s->api_addr, .etcd_ttl = c->etcd_ttl, .metrics = s->metrics,
+                             .kv_role = kv_role(&c->kv_transfer),
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
                              .dp_attention = c->dp_attention,

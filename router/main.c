@@ -101,7 +101,8 @@ int main(int argc, char **argv) {
         {"pd", LOOM_OPT_FLAG, &pd, NULL,
          "prefill/decode disaggregation: each request's prefill runs on a --prefill-replica (max_tokens 1, "
          "kv_transfer_params do_remote_decode), then the request goes to a --replica with the params it "
-         "answered, which loads the prompt's blocks instead of computing them (docs/disaggregation.md)",
+         "answered, which loads the prompt's blocks instead of computing them; with --etcd, the replicas "
+         "registered with --kv-transfer-config kv_role kv_producer prefill (docs/disaggregation.md)",
          1, 0, NULL},
         {"prefill-replica", LOOM_OPT_STR, &dummy, "ADDR",
          "--pd: a prefill replica's client API (repeatable); the --replica ones decode", 1, 0, NULL},
@@ -259,11 +260,13 @@ int main(int argc, char **argv) {
     }
     c.replicas = replicas;
     c.n_replicas = n_rep;
-    if (pd != (n_pre > 0)) {
-        fprintf(stderr, "error: %s\n", pd ? "--pd needs at least one --prefill-replica"
+    if (pd ? !n_pre && !c.etcd_url : n_pre > 0) {
+        fprintf(stderr, "error: %s\n", pd ? "--pd needs a --prefill-replica, or --etcd (whose replicas with kv_role "
+                                              "kv_producer prefill)"
                                          : "--prefill-replica is for --pd (prefill/decode disaggregation)");
         return 2;
     }
+    c.pd = pd;
     c.prefill_replicas = prefills;
     c.n_prefill_replicas = n_pre;
     if (!c.api_key && env_key && env_key[0]) c.api_key = env_key;

@@ -111,7 +111,8 @@ typedef struct replica {
     uint64_t routed, failovers, failures;
     double ttft_ms[TTFT_RING];
     int n_ttft, ttft_pos;
-    int prefill; /* a prefill replica (--prefill-replica): only the first phase of a disaggregated request */
+    int prefill; /* a prefill replica (--prefill-replica, or kv_producer in etcd): only the first phase of a
+                    disaggregated request */
     uint64_t tier_id; /* its KV offload tier, from its KV events (0: none) */
 } replica_t;
 
@@ -493,7 +494,7 @@ static int pick(loom_router_t *r, route_t *q, uint64_t exclude, uint64_t *hashes
         const replica_t *p = &r->reps[i];
         if (!p->used) continue;
         slot[n] = i;
-        int role_ok = !r->cfg.n_prefill_replicas || p->prefill == (q->pd_phase == 1);
+        int role_ok = !r->cfg.pd || p->prefill == (q->pd_phase == 1);
         c[n] =
             (loom_route_cand_t){.usable = p->state == REP_UP && !(exclude & (1ull << i)) && role_ok,
                                 .matched_blocks = match[i],
@@ -546,7 +547,7 @@ static int place(loom_router_t *r, route_t *q, const char *why) {
     uint64_t hashes[MAX_HASHES];
     int nh = q->policy == LOOM_POLICY_PREFIX ? route_hashes(r, q, hashes) : 0;
     const Loom__V1__GenerateRequest *cg = q->rq->generate;
-    if (r->cfg.n_prefill_replicas && q->pd_phase == 0) /* a client's own kv_transfer_params go through as they are */
+    if (r->cfg.pd && q->pd_phase == 0) /* a client's own kv_transfer_params go through as they are */
         q->pd_phase = (cg->kv_transfer_params && cg->kv_transfer_params[0]) ||
                               (q->prompt && q->n_prompt < r->cfg.pd_min_prompt_tokens)
                           ? 2
@@ -1700,11 +1701,14 @@ static void *etcd_main(void *arg) {
                 if (!replica_key(kvs[k].key, t->cluster)) continue;
                 cJSON *j = cJSON_ParseWithLength(kvs[k].value, kvs[k].value_len);
                 const cJSON *api = j ? cJSON_GetObjectItemCaseSensitive(j, "api") : NULL;
-                if (cJSON_IsString(api)) {
+                const cJSON *role = j ? cJSON_GetObjectItemCaseSensitive(j, "kv_role") : NULL;
+                if (cJSON_IsString(api)) { /* a line "API ROLE" (P: kv_producer, D: anything else) */
                     size_t l = strlen(api->valuestring);
-                    if (len + l + 2 > cap) list = loom_xrealloc(list, cap = (len + l + 2) * 2);
+                    if (len + l + 4 > cap) list = loom_xrealloc(list, cap = (len + l + 4) * 2);
                     memcpy(list + len, api->valuestring, l);
                     len += l;
+                    list[len++] = ' ';
+                    list[len++] = cJSON_IsString(role) && !strcmp(role->valuestring, "kv_producer") ? 'P' : 'D';
                     list[len++] = '\n';
                     list[len] = 0;
                 }
@@ -1731,11 +1735,18 @@ static void on_etcd_list(loom_router_t *r, char *list) {
     for (int i = 0; i < MAX_REPLICAS; i++)
         if (r->reps[i].used && r->reps[i].from_etcd) r->reps[i].listed = 0;
     for (char *save = NULL, *a = strtok_r(list, "\n", &save); a; a = strtok_r(NULL, "\n", &save)) {
+        char *sp = strrchr(a, ' ');
+        int prefill = sp && sp[1] == 'P';
+        if (sp) *sp = 0;
         int i = replica_find(r, a);
         if (i >= 0)
             r->reps[i].listed = 1;
         else
-            replica_open(r, a, 1);
+            i = replica_open(r, a, 1);
+        if (i >= 0 && r->reps[i].from_etcd && r->reps[i].prefill != prefill) {
+            if (r->cfg.pd) LOOM_INFO("replica %s %s (kv_role in etcd)", a, prefill ? "prefills" : "decodes");
+            r->reps[i].prefill = prefill;
+        }
     }
     for (int i = 0; i < MAX_REPLICAS; i++) {
         replica_t *p = &r->reps[i];

@@ -55,7 +55,10 @@ typedef struct loom_router_config {
      * first to one of these replicas (max_tokens 1, kv_transfer_params
      * do_remote_decode), then with its answer's params to one of the others;
      * prompts under pd_min_prompt_tokens (known with a tokenizer) skip the
-     * prefill; a prefill that fails is recomputed on the decode side */
+     * prefill; a prefill that fails is recomputed on the decode side. With
+     * etcd, the coordinators registered with kv_role kv_producer are the
+     * prefill replicas, the others decode */
+    int pd;
     const char *const *prefill_replicas;
     int n_prefill_replicas;
     int pd_min_prompt_tokens;

@@ -69,7 +69,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, PYTHON, ROOT, STORIES, Cluster, check, kill, run_tests, scaled, wait_for  # noqa: E402
+from harness import BIN, PYTHON, ROOT, STORIES, Cluster, Etcd, check, kill, run_tests, scaled, wait_for  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -636,12 +636,35 @@ PD_PROMPTS = [word + " " + STORY + ("and then " * k) for k, word in enumerate(["
 LOST = "Vase " + STORY  # prefilled, then its blocks lost before the decode
 
 
-def pd_cluster(port, tier, role, policy="recompute", extra=()):
+def pd_cluster(port, tier, role, policy="recompute", extra=(), launch_args=()):
     cfg = json.dumps({"kv_connector": "LoomConnector", "kv_role": role, "kv_load_failure_policy": policy})
     args = ["--block-size", str(B), "--kv-offloading-dir", tier, "--kv-transfer-config", cfg] + list(extra)
     if port:
         args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
-    return Cluster(STORIES, 1, 1, coord_args=args)
+    return Cluster(STORIES, 1, 1, coord_args=args, launch_args=launch_args)
+
+
+def unified_answers(bodies):
+    """What one unified replica (no tier) answers to each body."""
+    port = free_port()
+    with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                            "--block-size", str(B)]):
+        return [call(port, "/v1/completions", b) for b in bodies]
+
+
+def check_pd_answer(got, want, min_prompt):
+    """got (through a --pd router) says what want (unified) says; a prompt of
+    min_prompt tokens or more was prefilled elsewhere: the decode side
+    computed at most one block of it."""
+    check(got["choices"][0]["text"] == want["choices"][0]["text"],
+          "through the router %r != unified %r" % (got["choices"][0]["text"], want["choices"][0]["text"]))
+    n_prompt = got["usage"]["prompt_tokens"]
+    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if n_prompt >= min_prompt:
+        check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens" % (n_prompt - cached,
+                                                                                           n_prompt))
+    else:
+        check(cached == 0, "a short prompt came with %d cached tokens" % cached)
 
 
 def refused(port, body, status, words):
@@ -863,24 +886,12 @@ def test_router_pd():
         bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
         bodies.append({"prompt": "Kite", "max_tokens": 8, "temperature": 0})  # short: no prefill
         port = free_port()
-        with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
-                                                "--block-size", str(B)]):
-            unified = [call(port, "/v1/completions", b) for b in bodies]
+        unified = unified_answers(bodies)
         with pd_cluster(0, tier, "kv_producer") as pre, pd_cluster(0, tier, "kv_consumer") as dec:
             with Router(["--pd", "--prefill-replica", pre.addr, "--replica", dec.addr, "--pd-min-prompt-tokens", "32"],
                         http=True, expect_up=2) as router:
                 for b, want in zip(bodies, unified):
-                    got = call(router.http, "/v1/completions", b)
-                    check(got["choices"][0]["text"] == want["choices"][0]["text"],
-                          "through the router %r != unified %r" % (got["choices"][0]["text"],
-                                                                  want["choices"][0]["text"]))
-                    n_prompt = got["usage"]["prompt_tokens"]
-                    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    if n_prompt >= 32:
-                        check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens"
-                              % (n_prompt - cached, n_prompt))
-                    else:
-                        check(cached == 0, "a short prompt came with %d cached tokens" % cached)
+                    check_pd_answer(call(router.http, "/v1/completions", b), want, 32)
                 # the prefill replica killed: the decode side computes the prompts itself
                 for name in ("coordinator", "worker-0"):
                     os.kill(pre.pid(name), signal.SIGKILL)
@@ -897,9 +908,40 @@ def test_router_pd():
         shutil.rmtree(tier, ignore_errors=True)
 
 
+def test_router_pd_etcd():
+    """loom-router --pd --etcd: the coordinators publish their kv_role in
+    etcd; the kv_producer ones prefill, the others decode, as with
+    --prefill-replica / --replica."""
+    from test_router import Router
+    tier = tempfile.mkdtemp(prefix="loom-kv-pd-etcd-")
+    try:
+        bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:2]]
+        bodies.append({"prompt": PD_PROMPTS[2], "max_tokens": 16, "temperature": 0.8, "seed": 3})
+        bodies.append({"prompt": "Kite", "max_tokens": 8, "temperature": 0})  # short: no prefill
+        unified = unified_answers(bodies)
+        p = subprocess.run([os.path.join(BIN, "loom-router"), "--pd", "--replica", "tcp://127.0.0.1:1"],
+                           capture_output=True, text=True, timeout=30)
+        check(p.returncode == 2 and "--pd needs a --prefill-replica, or --etcd" in p.stderr,
+              "--pd with neither prefill replicas nor etcd: %d %s" % (p.returncode, p.stderr))
+        with Etcd() as etcd:
+            with pd_cluster(0, tier, "kv_producer", launch_args=["--etcd", etcd.url, "--cluster", "pd-p"]), \
+                 pd_cluster(0, tier, "kv_consumer", launch_args=["--etcd", etcd.url, "--cluster", "pd-d"]):
+                for name, role in (("pd-p", "kv_producer"), ("pd-d", "kv_consumer")):
+                    v = etcd.get("/loom/%s/coordinator" % name)
+                    check(v and json.loads(v).get("kv_role") == role, "etcd /loom/%s/coordinator: %r" % (name, v))
+                with Router(["--pd", "--etcd", etcd.url, "--cluster", "pd", "--pd-min-prompt-tokens", "32"],
+                            http=True, expect_up=2) as router:
+                    for b, want in zip(bodies, unified):
+                        check_pd_answer(call(router.http, "/v1/completions", b), want, 32)
+                    log = router.log()
+                    check(log.count("prefills (kv_role in etcd)") == 1, "the router did not say which prefills")
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 if __name__ == "__main__":
     run_tests([test_cached_tokens, test_host_tier, test_host_tier_grids, test_host_tier_bounded,
                test_host_tier_over_dir, test_host_tier_over_dir_grids, test_dir_tier,
                test_dir_tier_unwritable, test_dir_tier_bounded, test_dir_tier_prefetch, test_dir_tier_tp2,
                test_dir_tier_pp2, test_disaggregated, test_disaggregated_check_off_reactor, test_disaggregated_lora,
-               test_router_pd, test_router_tier_events, test_deepseek_tiers, test_flags])
+               test_router_pd, test_router_pd_etcd, test_router_tier_events, test_deepseek_tiers, test_flags])
