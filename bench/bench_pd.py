@@ -135,8 +135,11 @@ def main():
                                   "--pd-min-prompt-tokens", str(a.long_prompt // 2)]
         http = free_port()
         try:
-            with Cluster(m, 1, 1, threads=a.threads, timeout=300, coord_args=args[0]) as p, \
-                 Cluster(m, 1, 1, threads=a.threads, timeout=300, coord_args=args[1]) as d:
+            # each replica's worker on cores of its own (launch.sh pins every cluster from core 0 otherwise)
+            with Cluster(m, 1, 1, threads=a.threads, timeout=300, coord_args=args[0],
+                         launch_args=["--cpu-offset", "0"]) as p, \
+                 Cluster(m, 1, 1, threads=a.threads, timeout=300, coord_args=args[1],
+                         launch_args=["--cpu-offset", str(a.threads)]) as d:
                 r = router(["--model", m] + flags(p.addr, d.addr), http)
                 try:
                     wait_up(http, 2)

@@ -11,6 +11,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 model="" tp=1 pp=1 port=5555 host=127.0.0.1 threads="" device=cpu timeout=120 stop=0 pin=1 etcd="" cluster=""
+cpu_offset=0
 insecure=0 client_keys=""
 bin="${LOOM_BIN:-$root/build/bin}"
 run_dir="${LOOM_RUN_DIR:-${XDG_RUNTIME_DIR:-/tmp}/loom-$(id -un)-local}"
@@ -34,6 +35,8 @@ options:
   --threads N        compute threads per worker (default: cores / workers, at least 1)
   --device DEV       worker device: cpu or cuda (workers get cuda:0, cuda:1, ...) (default cpu)
   --no-pin           do not pin workers to cores
+  --cpu-offset K     pin this cluster's workers from core K on (default 0), so clusters on one
+                     machine get cores of their own
   --worker-arg ARG   extra argument for every worker (repeatable)
   --etcd URL         membership in etcd: workers find the coordinator there (e.g. http://127.0.0.1:2379)
   --cluster NAME     cluster name in etcd (default: loom-<port>)
@@ -61,6 +64,7 @@ while [ $# -gt 0 ]; do
         --threads) threads=$2; shift 2 ;;
         --device) device=$2; shift 2 ;;
         --no-pin) pin=0; shift ;;
+        --cpu-offset) cpu_offset=$2; shift 2 ;;
         --worker-arg) worker_args+=("$2"); shift 2 ;;
         --etcd) etcd=$2; shift 2 ;;
         --cluster) cluster=$2; shift 2 ;;
@@ -132,7 +136,8 @@ if [ -z "$threads" ]; then
     [ "$threads" -ge 1 ] || threads=1
 fi
 # Pin only when every worker can have cores of its own.
-[ $((threads * n)) -le "$cores" ] || pin=0
+case $cpu_offset in '' | *[!0-9]*) echo "launch.sh: --cpu-offset takes a core number, not '$cpu_offset'" >&2; exit 2 ;; esac
+[ $((cpu_offset + threads * n)) -le "$cores" ] || pin=0
 command -v taskset >/dev/null || pin=0
 
 api="tcp://$host:$port"
@@ -182,7 +187,7 @@ for ((i = 0; i < n; i++)); do
     cmd=("$bin/loom-worker" "${where[@]}" --device "$dev" --threads "$threads" --id "worker-$i"
          ${wkeys[@]+"${wkeys[@]}"} ${worker_args[@]+"${worker_args[@]}"})
     if [ $pin = 1 ]; then
-        first=$((i * threads))
+        first=$((cpu_offset + i * threads))
         cmd=(taskset -c "$first-$((first + threads - 1))" "${cmd[@]}")
     fi
     "${cmd[@]}" >"$run_dir/worker-$i.log" 2>&1 &

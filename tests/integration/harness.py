@@ -212,7 +212,9 @@ class Cluster:
         self.port = free_port_pair()
         cmd = [LAUNCH, "--model", self.model, "--tp", str(self.tp), "--pp", str(self.pp),
                "--port", str(self.port), "--run-dir", self.run_dir, "--bin", BIN,
-               "--threads", str(self.threads), "--no-pin", "--timeout", str(int(scaled(self.timeout)))]
+               "--threads", str(self.threads), "--timeout", str(int(scaled(self.timeout)))]
+        if "--cpu-offset" not in self.launch_args:  # workers float unless asked for their cores
+            cmd.append("--no-pin")
         for a in self.worker_args:
             cmd += ["--worker-arg", a]
         coord_args = list(self.coord_args)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, Cluster, STORIES, check, run_tests  # noqa: E402
+from harness import BIN, ROOT, Cluster, STORIES, check, run_tests  # noqa: E402
 
 WORK = os.environ.get("LOOM_TEST_WORK", "/tmp/loom-it-cli")
 LOOM = os.path.join(BIN, "loom")
@@ -207,6 +207,21 @@ def test_tcp_data_plane():
         check("data plane tcp" in c.log("coordinator"), "coordinator did not choose tcp")
 
 
+def test_launch_cpu_offset():
+    """launch.sh --cpu-offset K pins a cluster's workers from core K on (two
+    clusters on one machine each on cores of their own); a bad K is refused."""
+    p = subprocess.run([os.path.join(ROOT, "deploy", "local", "launch.sh"), "--model", STORIES, "--cpu-offset", "x"],
+                       capture_output=True, text=True, timeout=30)
+    check(p.returncode == 2 and "--cpu-offset" in p.stderr, "--cpu-offset x: %d %s" % (p.returncode, p.stderr))
+    cores = os.cpu_count() or 1
+    with Cluster(STORIES, 1, 1, threads=1, launch_args=["--cpu-offset", str(cores - 1)]) as c:
+        rc, _, ids, err = c.generate("Once upon a time", 8)
+        check(rc == 0 and len(ids) == 8, err)
+        with open("/proc/%d/status" % c.pid("worker-0")) as f:
+            allowed = [x.split(":")[1].strip() for x in f if x.startswith("Cpus_allowed_list")][0]
+        check(allowed == str(cores - 1), "worker pinned to %r, want core %d" % (allowed, cores - 1))
+
+
 # every model_type the config parser accepts (common/model_config.c), each served by one family
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
                "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"]
@@ -265,4 +280,4 @@ def test_info():
 if __name__ == "__main__":
     os.makedirs(WORK, exist_ok=True)
     run_tests([test_greedy_story, test_bad_models, test_bad_input, test_help_everywhere, test_stop_strings,
-               test_openblas_core, test_router_links, test_tcp_data_plane, test_info])
+               test_openblas_core, test_router_links, test_tcp_data_plane, test_launch_cpu_offset, test_info])
