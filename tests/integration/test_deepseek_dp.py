@@ -21,7 +21,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import BIN, SANITIZED, STORIES, Cluster, check, free_port, run_local, run_tests  # noqa: E402
+from harness import (BIN, SANITIZED, STORIES, Cluster, check, free_port, run_local, run_tests,  # noqa: E402
+                     wait_for)
 import test_deepseek  # noqa: E402
 from test_deepseek import against_reference, v2lite, v3  # noqa: E402
 from test_grid import check_model  # noqa: E402
@@ -72,35 +73,46 @@ def by_rank(text, name):
 
 def test_dp_concurrent_small_pool():
     # 6 blocks of 16 tokens a rank: three concurrent sequences of ~50 tokens (4 blocks each) on a rank do not
-    # fit, so some are preempted and recomputed; the ids stay those of loom run
+    # fit, so some are preempted and recomputed; the ids stay those of loom run. The requests arrive while
+    # the coordinator's reactor is held (the stall hook), so they run together however fast the model is.
     n_tok = 36
     expect = {p: run_local(v3(), p, n_tok, extra=["--ignore-eos"])[1] for p in PROMPTS}
     port = free_port()
-    with Cluster(v3(), 2, 1, coord_args=DP + ["--http", "127.0.0.1:%d" % port, "--num-kv-blocks", "6",
-                                              "--block-size", "16"]) as c:
-        procs = {p: c.generate_async(p, n_tok, extra=["--ignore-eos"]) for p in PROMPTS}
-        for p, proc in procs.items():
-            out, err = proc.communicate(timeout=300)
-            ids = None
-            for line in err.splitlines():
-                if line.startswith("ids:"):
-                    ids = [int(x) for x in line[4:].split()]
-            check(proc.returncode == 0, "client for %r failed: %s" % (p, err[-400:]))
-            check(ids == expect[p], "concurrent %r: %s, loom run %s" % (p, ids, expect[p]))
-        text = metrics(port)
-        adm = by_rank(text, "loom_dp_attention_admissions_total")
-        held = by_rank(text, "loom_dp_attention_kv_blocks")
-        pre = sum(series(text, "loom_num_preemptions_total").values())
-        cap = sum(series(text, "loom_kv_cache_capacity_blocks").values())
-        print("  2x1 %d concurrent requests, 6 blocks a rank: admissions by rank %s, %d preemptions"
-              % (len(PROMPTS), adm, pre), flush=True)
-        check(sorted(adm) == [0, 1] and all(v > 0 for v in adm.values()),
-              "requests did not land on both ranks: %s" % adm)
-        check(pre > 0, "no preemption with 6 blocks a rank")
-        check(cap == 12, "the ledger holds %d blocks; 2 ranks x 6 expected" % cap)
-        check(held == {0: 0, 1: 0}, "blocks still held after the requests: %s" % held)
-        logs = "".join(c.log("worker-%d" % i) for i in range(2))
-        check("refused step" not in logs, "a worker refused a step: %s" % logs[-600:])
+    stall = os.path.join(tempfile.mkdtemp(prefix="loom-dp-stall-"), "stall")
+    os.environ["LOOM_TEST_STALL_FILE"] = stall  # read by the coordinator at its start
+    try:
+        with Cluster(v3(), 2, 1, coord_args=DP + ["--http", "127.0.0.1:%d" % port, "--num-kv-blocks", "6",
+                                                  "--block-size", "16"]) as c:
+            os.environ.pop("LOOM_TEST_STALL_FILE")
+            with open(stall + ".tmp", "w") as f:
+                f.write("2000")  # the six clients start and send meanwhile
+            os.rename(stall + ".tmp", stall)
+            wait_for(lambda: not os.path.exists(stall), 10, "the reactor to take the stall")
+            procs = {p: c.generate_async(p, n_tok, extra=["--ignore-eos"]) for p in PROMPTS}
+            for p, proc in procs.items():
+                out, err = proc.communicate(timeout=300)
+                ids = None
+                for line in err.splitlines():
+                    if line.startswith("ids:"):
+                        ids = [int(x) for x in line[4:].split()]
+                check(proc.returncode == 0, "client for %r failed: %s" % (p, err[-400:]))
+                check(ids == expect[p], "concurrent %r: %s, loom run %s" % (p, ids, expect[p]))
+            text = metrics(port)
+            adm = by_rank(text, "loom_dp_attention_admissions_total")
+            held = by_rank(text, "loom_dp_attention_kv_blocks")
+            pre = sum(series(text, "loom_num_preemptions_total").values())
+            cap = sum(series(text, "loom_kv_cache_capacity_blocks").values())
+            print("  2x1 %d concurrent requests, 6 blocks a rank: admissions by rank %s, %d preemptions"
+                  % (len(PROMPTS), adm, pre), flush=True)
+            check(sorted(adm) == [0, 1] and all(v > 0 for v in adm.values()),
+                  "requests did not land on both ranks: %s" % adm)
+            check(pre > 0, "no preemption with 6 blocks a rank")
+            check(cap == 12, "the ledger holds %d blocks; 2 ranks x 6 expected" % cap)
+            check(held == {0: 0, 1: 0}, "blocks still held after the requests: %s" % held)
+            logs = "".join(c.log("worker-%d" % i) for i in range(2))
+            check("refused step" not in logs, "a worker refused a step: %s" % logs[-600:])
+    finally:
+        os.environ.pop("LOOM_TEST_STALL_FILE", None)
 
 
 def test_dp_refusals():
