@@ -7,7 +7,8 @@ ranks.
   (tests/reference/deepseek_ref.py).
 - The KV pool's block bytes are the decompressed size: heads x (nope + rope + v) values a token and layer
   (V3-tiny: 4 x (48 + 32) x 4 B x 5 layers x 16 tokens = 102.4 KB a block, 51.2 KB a TP rank; int8 28.2 KB),
-  in the worker log and the coordinator's stats (kv_block_bytes).
+  in the worker log and the coordinator's stats (kv_block_bytes), f32, bf16 and int8, the ids those of
+  loom run --disable-mla with the same KV dtype.
 - Concurrent requests over a pool of a few blocks (chunked prefill, the prefix cache, preemption and
   recompute): the ids of loom run, every block back.
 - LOOM_MLA_DISABLE=1 turns it on in loom run and the coordinator; refused by name with
@@ -58,20 +59,24 @@ def test_kv_block_bytes():
     # V3-tiny: 4 heads of K (32 nope + 16 rope) and V (32), 5 layers, blocks of 16 tokens
     per_token_layer = 4 * (48 + 32)
     cases = [(1, None, 5 * 16 * per_token_layer * 4), (2, None, 5 * 16 * per_token_layer * 4 // 2),
-             (1, "int8", 5 * 16 * (per_token_layer + 4 * 2 * 4))]
+             (2, "bf16", 5 * 16 * per_token_layer * 2 // 2), (1, "int8", 5 * 16 * (per_token_layer + 4 * 2 * 4))]
     for tp, kv, want in cases:
-        args = OFF + ["--block-size", "16"] + (["--kv-cache-dtype", kv] if kv else [])
+        kvargs = ["--kv-cache-dtype", kv] if kv else []
+        args = OFF + ["--block-size", "16"] + kvargs
+        _, expect = run_local(v3(), "Once upon a time", 12, extra=["--ignore-eos"] + OFF + kvargs)
         with Cluster(v3(), tp, 1, coord_args=args) as c:
-            rc, _, ids, err = c.generate("Once upon a time", 4, extra=["--ignore-eos"])
+            rc, _, ids, err = c.generate("Once upon a time", 12, extra=["--ignore-eos"])
             check(rc == 0, "generate failed: %s" % err)
+            check(ids == expect, "%dx1 %s: ids %s, loom run --disable-mla %s" % (tp, kv or "f32", ids, expect))
             st = c.stats()
             logs = "".join(c.log("worker-%d" % i) for i in range(tp))
         check(st["kv_block_bytes"] == want, "%dx1 %s: kv_block_bytes %d, want %d (heads x (qk + v))"
               % (tp, kv or "f32", st["kv_block_bytes"], want))
         check("(%.1f KB per block)" % (want / 1e3) in logs, "%dx1: no worker logged %.1f KB per block" % (tp, want / 1e3))
         check("MLA decompressed: %d heads of K (48) and V (32)" % (4 // tp) in logs, "%dx1: no decompressed line" % tp)
-        print("  %dx1 KV %s: %d B a block (the latent: %d)" % (tp, kv or "f32", want,
-                                                             5 * 16 * (32 * 4 if not kv else 36)), flush=True)
+        latent = 5 * 16 * {None: 32 * 4, "bf16": 32 * 2, "int8": 36}[kv]
+        print("  %dx1 KV %s: %d B a block (the latent: %d), loom run's ids" % (tp, kv or "f32", want, latent),
+              flush=True)
 
 
 def test_small_pool():
