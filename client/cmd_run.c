@@ -9,6 +9,7 @@
 #include "client/commands.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/model_config_deepseek.h"
 #include "common/util.h"
 #include "worker/local.h"
 
@@ -118,7 +119,7 @@ int loom_cmd_run(int argc, char **argv) {
     int spec_k = 4, ngram_min = 1, ngram_max = 4, spec_fixed = 0;
     const char *spec_model = NULL, *spec_quant = NULL, *spec_config = NULL;
     const char *lora = NULL;
-    int max_lora_rank = 16;
+    int max_lora_rank = 16, mla_disable = loom_mla_disable_env();
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)", 1, 0, NULL},
         {"prompt", LOOM_OPT_STR, &prompt, "TEXT", "prompt text; the completion (only) is streamed to stdout", 1, 0, NULL},
@@ -132,6 +133,7 @@ int loom_cmd_run(int argc, char **argv) {
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weight storage: f32, bf16 or f16 (default f32 on cpu)", 1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &quantization, "SCHEME", "quantize matmul weights on load: none, int8, fp8, q4, q4:128, q4_min, ... (default none)", 1, 0, NULL},
         {"kv-cache-dtype", LOOM_OPT_STR, &kv_cache_dtype, "TYPE", "KV cache elements: auto (f32 on cpu, bf16 on cuda), f32, bf16, int8 (cpu), fp8 (cuda)", 1, 0, NULL},
+        {"disable-mla", LOOM_OPT_FLAG, &mla_disable, NULL, "DeepSeek: decompressed keys and values per head in the cache and ordinary attention instead of the latent (vLLM's VLLM_MLA_DISABLE; env LOOM_MLA_DISABLE=1); cpu only", 1, 0, NULL},
         {"ctx", LOOM_OPT_INT, &ctx, "N", "context length to allocate (default: the model's maximum)", 0, 1e9, NULL},
         {"chunk", LOOM_OPT_INT, &chunk, "N", "prefill chunk size in tokens (default 256)", 1, 65536, NULL},
         {"ignore-eos", LOOM_OPT_FLAG, &ignore_eos, NULL, "keep generating past the end-of-sequence token", 1, 0, NULL},
@@ -226,7 +228,7 @@ int loom_cmd_run(int argc, char **argv) {
                                .chunk = chunk, .ctx = ctx, .weight_dtype = wdt,
                                .quant = quant, .kv_cache_dtype = kv_cache_dtype, .spec = spec,
                                .draft_model_dir = spec_model, .draft_quant = draft_quant,
-                               .lora_dir = lora, .max_lora_rank = max_lora_rank};
+                               .lora_dir = lora, .max_lora_rank = max_lora_rank, .mla_disable = mla_disable};
     loom_local_t *l = NULL;
     if (loom_local_open(&lo, &l, &err) < 0) {
         fprintf(stderr, "error: %s\n", err.msg);

@@ -405,6 +405,7 @@ typedef struct fwd_opts {
     int async_scheduling;
     int expert_parallel; /* Mixture-of-Experts layers: TP ranks split the experts */
     int dp_attention;    /* DeepSeek: each TP rank runs attention for its own sequences */
+    int mla_disable;     /* DeepSeek: decompressed keys and values per head instead of the latent */
     char spec_buf[3][32]; /* what --speculative-config gave: numbers, the draft's directory and scheme */
     char spec_model_buf[PATH_MAX], spec_quant_buf[64];
 } fwd_opts_t;
@@ -556,6 +557,11 @@ int loom_cmd_serve(int argc, char **argv) {
         {"enable-dp-attention", LOOM_OPT_FLAG, &f.dp_attention, NULL,
          "DeepSeek (MLA): each TP rank runs attention for its own sequences and holds only their KV; "
          "implies --enable-expert-parallel (loom-coordinator --enable-dp-attention)",
+         1, 0, NULL},
+        {"disable-mla", LOOM_OPT_FLAG, &f.mla_disable, NULL,
+         "DeepSeek: decompressed keys and values per head in the KV cache and ordinary attention instead of "
+         "the latent (vLLM's VLLM_MLA_DISABLE; the coordinator also reads LOOM_MLA_DISABLE=1; "
+         "loom-coordinator --disable-mla)",
          1, 0, NULL},
         {"enable-prefix-caching", LOOM_OPT_FLAG, &f.prefix_on, NULL,
          "automatic prefix caching (the default)", 1, 0, NULL},
@@ -768,6 +774,7 @@ int loom_cmd_serve(int argc, char **argv) {
     if (f.async_scheduling) argv_push(a, "--async-scheduling");
     if (f.expert_parallel) argv_push(a, "--expert-parallel");
     if (f.dp_attention) argv_push(a, "--enable-dp-attention");
+    if (f.mla_disable) argv_push(a, "--disable-mla");
     if (f.trust_request_template) argv_push(a, "--trust-request-chat-template");
     if (f.auto_tool_choice) argv_push(a, "--enable-auto-tool-choice");
     lora_forward(a, &lora);

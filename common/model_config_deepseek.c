@@ -11,7 +11,9 @@
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "common/fp8.h"
 #include "common/util.h"
@@ -62,6 +64,21 @@ double loom_yarn_mscale(double scale, double mscale) {
 
 size_t loom_deepseek_kv_bytes_per_token(const loom_model_config_t *cfg, size_t elem_size) {
     return (size_t)cfg->n_layers * (size_t)(cfg->kv_lora_rank + cfg->qk_rope_head_dim) * elem_size;
+}
+
+size_t loom_deepseek_mha_kv_bytes_per_token(const loom_model_config_t *cfg, size_t elem_size, int int8_scales) {
+    const size_t qk = (size_t)(cfg->qk_nope_head_dim + cfg->qk_rope_head_dim), v = (size_t)cfg->v_head_dim;
+    return (size_t)cfg->n_layers * (size_t)cfg->n_heads *
+           ((qk + v) * elem_size + (int8_scales ? 2 * sizeof(float) : 0));
+}
+
+int loom_mla_disable_env(void) {
+    const char *e = getenv("LOOM_MLA_DISABLE");
+    if (!e || !*e) return 0;
+    if (!strcasecmp(e, "true")) return 1;
+    char *end;
+    long v = strtol(e, &end, 10); /* vLLM: bool(int(value)) */
+    return !*end && v != 0;
 }
 
 /* ---------------------------------------------------------------- key readers */

@@ -20,6 +20,15 @@ double loom_yarn_mscale(double scale, double mscale);
 /* Bytes one token's latent KV cache takes over all layers: n_layers x (kv_lora_rank + qk_rope_head_dim)
  * values of elem_size bytes (DeepSeek-V3 in bf16: 61 x 576 x 2 = 70,272). */
 size_t loom_deepseek_kv_bytes_per_token(const loom_model_config_t *cfg, size_t elem_size);
+/* Bytes of the decompressed cache (--disable-mla) a token takes: per layer
+ * n_heads x (nope + rope) K values and n_heads x v_head_dim V values (int8:
+ * elem_size 1, plus a float scale per head for each), the whole model's
+ * heads (TP ranks hold their share). */
+size_t loom_deepseek_mha_kv_bytes_per_token(const loom_model_config_t *cfg, size_t elem_size, int int8_scales);
+/* LOOM_MLA_DISABLE (vLLM's VLLM_MLA_DISABLE): a nonzero integer or "true"
+ * turns on --disable-mla where the flag is not given; unset, "", 0, "false"
+ * or anything else: off. */
+int loom_mla_disable_env(void);
 
 /* The checks a DeepSeek checkpoint passes before any weight is read: every MoE layer's router carries an
  * e_score_correction_bias of [n_routed_experts] under noaux_tc; every F8_E4M3 tensor has its

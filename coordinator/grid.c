@@ -265,6 +265,7 @@ static void start_epoch(loom_grid_t *g) {
             a.mtp = g->cfg.mtp != 0;
             a.dp_attention = g->cfg.dp_attention != 0;
             a.share_sampled_ids = g->cfg.ahead > 0 && a.tp_size > 1 && a.n_stages == 1;
+            a.mla_disable = g->cfg.mla_disable != 0;
             a.max_loras = (uint32_t)(g->cfg.max_loras > 0 ? g->cfg.max_loras : 0);
             a.max_lora_rank = (uint32_t)(g->cfg.max_loras > 0 ? (g->cfg.max_lora_rank > 0 ? g->cfg.max_lora_rank : 16) : 0);
             a.max_cpu_loras = (uint32_t)(g->cfg.max_cpu_loras > 0 ? g->cfg.max_cpu_loras : 0);

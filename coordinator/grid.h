@@ -132,6 +132,7 @@ typedef struct loom_grid_config {
     int max_cpu_loras;   /* prepared adapters a worker keeps (Assign.max_cpu_loras) */
     int mtp;             /* the last stage runs DeepSeek's MTP module as the draft (Assign.mtp) */
     int dp_attention;    /* each TP rank runs attention for its own sequences (Assign.dp_attention) */
+    int mla_disable;     /* DeepSeek's MLA decompressed: per-head K and V in the pool (Assign.mla_disable) */
     int ahead;           /* steps more that may be in flight, planned ahead (--async-scheduling) */
     int etcd_ttl;
     struct loom_metrics *metrics; /* per-stage busy/comm from heartbeats (NULL: none) */

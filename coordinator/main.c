@@ -15,6 +15,7 @@
 #include "common/gen_defaults.h"
 #include "common/etcd.h"
 #include "common/log.h"
+#include "common/model_config_deepseek.h"
 #include "common/util.h"
 #include "coordinator/gateway.h"
 #include "coordinator/lora_serve.h"
@@ -101,6 +102,7 @@ int main(int argc, char **argv) {
                               .etcd_ttl = 5};
     int shutdown_timeout_s = 30;
     c.kv_cache_dtype = "auto";
+    c.mla_disable = loom_mla_disable_env(); /* vLLM's VLLM_MLA_DISABLE; --disable-mla sets it too */
     int no_prefix = 0;
     int async_flag = 0, async_steps = 0;
     const char *kv_mem = NULL;
@@ -181,6 +183,12 @@ int main(int argc, char **argv) {
          "sequences only, its KV pool holding only their latent blocks (tp times the sequences of a "
          "replicated latent); implies --expert-parallel. Not with --tp 1 (ignored), the KV offload tiers, "
          "MTP speculation or LoRA",
+         1, 0, NULL},
+        {"disable-mla", LOOM_OPT_FLAG, &c.mla_disable, NULL,
+         "DeepSeek: the workers cache decompressed keys (nope + rope) and values (v_head_dim) per head, their "
+         "heads split across TP ranks, and run ordinary attention instead of the latent (vLLM's "
+         "VLLM_MLA_DISABLE; env LOOM_MLA_DISABLE=1). CPU workers; not with --enable-dp-attention or MTP "
+         "speculation",
          1, 0, NULL},
         {"quantization", LOOM_OPT_STR, &c.quantization, "SCHEME",
          "quantize matmul weights on load: none, int8, fp8, q4, q4:64, q4:128, q4_min, q4_min:128 "

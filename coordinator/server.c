@@ -46,6 +46,7 @@
 
 #include "common/log.h"
 #include "common/model_config.h"
+#include "common/model_config_deepseek.h"
 #include "common/model_digest.h"
 #include "common/request_limits.h"
 #include "common/tokenizer.h"
@@ -813,6 +814,29 @@ static loom_status_t dp_attention_check(loom_server_t *s, loom_err_t *err) {
     if (!c->expert_parallel && s->mcfg.n_experts > 0)
         LOOM_INFO("--enable-dp-attention: the MoE layers run expert-parallel (--expert-parallel implied)");
     c->expert_parallel = 1;
+    return LOOM_OK;
+}
+
+/* --disable-mla (decompressed MLA) against the model and the other options:
+ * a model without MLA ignores it (as vLLM does VLLM_MLA_DISABLE); what it
+ * cannot serve is refused at start, by name (docs/architecture.md). The
+ * workers refuse a backend without narrower V heads (CUDA) at load. */
+static loom_status_t mla_disable_check(loom_server_t *s, loom_err_t *err) {
+    loom_server_config_t *c = &s->cfg;
+    if (!c->mla_disable) return LOOM_OK;
+    if (!s->mcfg.deepseek) {
+        LOOM_INFO("--disable-mla: model_type '%s' has no latent attention; ignored", s->mcfg.model_type);
+        c->mla_disable = 0;
+        return LOOM_OK;
+    }
+    const char *no = c->dp_attention                   ? "--enable-dp-attention (its attention runs the latent)"
+                     : c->spec.method == LOOM_SPEC_MTP ? "--speculative-method mtp (the module's cache is the latent)"
+                     : c->max_loras > 0                ? "LoRA adapters (--enable-lora, --max-loras)"
+                                                       : NULL;
+    if (no) return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "--disable-mla does not serve %s", no);
+    LOOM_INFO("--disable-mla: decompressed keys and values per head in the KV pool, %zu B a token in f32 "
+              "(the latent: %zu B)", loom_deepseek_mha_kv_bytes_per_token(&s->mcfg, 4, 0),
+              loom_deepseek_kv_bytes_per_token(&s->mcfg, 4));
     return LOOM_OK;
 }
 
@@ -2066,7 +2090,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .kv_role = kv_role(&c->kv_transfer),
                              .secure_ctl = secure_sockets, .secure_ctx = s,
                              .encrypt_data = c->security.encrypt_data, .expert_parallel = c->expert_parallel,
-                             .dp_attention = c->dp_attention,
+                             .dp_attention = c->dp_attention, .mla_disable = c->mla_disable,
                              .mtp = c->spec.method == LOOM_SPEC_MTP,
                              .max_loras = c->max_loras, .max_lora_rank = c->max_lora_rank,
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
@@ -2185,6 +2209,7 @@ loom_status_t loom_server_create(const loom_server_config_t *cfg, loom_server_t 
     }
     s->cfg.lora = NULL; /* the caller's options: copied into the reactor */
     if ((st = dp_attention_check(s, err)) < 0) goto fail;
+    if ((st = mla_disable_check(s, err)) < 0) goto fail;
     s->max_piece = loom_tokenizer_max_piece_len(s->tok);
     s->text_buf = loom_xmalloc(s->max_piece * 4 + 4096 + 1);
     s->structured = loom_structured_create(s->tok, &s->mcfg, (size_t)cfg->grammar_cache_bytes);

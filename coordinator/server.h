@@ -28,6 +28,9 @@ typedef struct loom_server_config {
      * rank runs attention for its own sequences, holding only their KV (the
      * ledger's partitions); implies expert_parallel */
     int dp_attention;
+    /* DeepSeek's MLA decompressed (--disable-mla, LOOM_MLA_DISABLE=1): per-head K
+     * and V in the workers' pools, ordinary attention (Assign.mla_disable) */
+    int mla_disable;
     int max_loras;            /* LoRA adapter slots of every engine (0: off; docs/lora.md) */
     int max_lora_rank;        /* the largest adapter rank they take (0: 16) */
     /* vLLM's LoRA flags, checked (loom_lora_serve_startup); with enable set

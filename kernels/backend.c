@@ -427,12 +427,14 @@ loom_status_t loom_backend_kv_resolve(const loom_backend_t *be, const char *name
 
 void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
                       int stride, const int32_t *slots, int n, int nkv, int hd) {
+    LOOM_ASSERT(!kv->v_dim || be->ops->kv_v_dim);
     if (n > 0) be->ops->kv_write(be, kv, k, v, stride, slots, n, nkv, hd);
 }
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     LOOM_ASSERT(a->window >= 0 && (a->window == 0 || (be->ops->caps & LOOM_CAP_ATTN_WINDOW)));
     LOOM_ASSERT(a->softcap >= 0 && (a->softcap == 0 || (be->ops->caps & LOOM_CAP_ATTN_SOFTCAP)));
     LOOM_ASSERT(!a->sinks || (be->ops->caps & LOOM_CAP_ATTN_SINKS));
+    LOOM_ASSERT(!a->kv.v_dim || be->ops->kv_v_dim);
     if (a->n > 0) be->ops->attention(be, a);
 }
 int loom_backend_attn_window_supported(const loom_backend_t *be) { return (be->ops->caps & LOOM_CAP_ATTN_WINDOW) != 0; }
@@ -478,6 +480,7 @@ void loom_op_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *
 }
 
 int loom_backend_kv_block_strided(const loom_backend_t *be) { return be->ops->kv_block_strided; }
+int loom_backend_kv_v_dim(const loom_backend_t *be) { return be->ops->kv_v_dim; }
 
 int loom_backend_has_graphs(const loom_backend_t *be) {
     return be->ops->graph_begin != NULL && be->ops->graph_end != NULL;

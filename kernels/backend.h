@@ -308,6 +308,12 @@ typedef struct loom_kv_layer {
      * ignore these and must be given 0. */
     int64_t block_stride, scale_block_stride;
     int block_size;
+    /* V's head dim where it is not K's: decompressed MLA (--disable-mla)
+     * keeps keys of nope + rope dims and values of v_head_dim (192 and 128
+     * for DeepSeek-V3). kv_write reads a token's V row as nkv heads of
+     * v_dim, attention weighs them and writes nh heads of v_dim. 0: K's
+     * head dim. Only backends with loom_backend_kv_v_dim may be given one. */
+    int v_dim;
 } loom_kv_layer_t;
 
 /* Element offset of slot's row (block * block_size + token) in k or v. */
@@ -322,6 +328,8 @@ static inline int64_t loom_kv_scale_row(const loom_kv_layer_t *kv, int64_t slot,
 }
 /* Whether the backend's kv_write and attention follow block_stride (CPU). */
 int loom_backend_kv_block_strided(const loom_backend_t *be);
+/* Whether the backend's kv_write and attention honour loom_kv_layer_t.v_dim (CPU). */
+int loom_backend_kv_v_dim(const loom_backend_t *be);
 
 /* Bytes one token of one KV head takes in K (or in V), its scale included. */
 size_t loom_kv_head_bytes(loom_dtype_t dtype, int hd);
@@ -351,7 +359,8 @@ void loom_op_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const float
  * tok_seq[i] and sits at position tok_pos[i]; it attends causally to the
  * cached positions [0, tok_pos[i]] of that sequence, found through
  * block_tables[tok_seq[i] * max_blocks + p / B]. Query head h reads KV head
- * h / (nh / nkv). Output row i at out + i*out_stride (nh*hd). */
+ * h / (nh / nkv). Output row i at out + i*out_stride (nh*hd, or nh heads of
+ * kv.v_dim where that is set). */
 typedef struct loom_attn_args {
     int n;                  /* query tokens */
     int n_heads, n_kv_heads, head_dim;

@@ -45,6 +45,7 @@ typedef struct loom_backend_ops {
     /* kv_write and attention must handle every dtype kv_supported accepts */
     int (*kv_supported)(const loom_backend_t *be, loom_dtype_t dtype); /* optional: F32 only */
     int kv_block_strided; /* kv_write and attention follow loom_kv_layer_t.block_stride */
+    int kv_v_dim;         /* kv_write and attention honour loom_kv_layer_t.v_dim */
     void (*kv_write)(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
                      int stride, const int32_t *slots, int n, int nkv, int hd);
     void (*attention)(loom_backend_t *be, const loom_attn_args_t *a);

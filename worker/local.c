@@ -185,7 +185,12 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
                                .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major,
                                .max_loras = opt->lora_dir ? 1 : 0,
                                .max_lora_rank = opt->max_lora_rank > 0 ? opt->max_lora_rank : 16,
-                               .mla_o = opt->mla_o};
+                               .mla_o = opt->mla_o, .mla_disable = opt->mla_disable};
+    if (opt->mla_disable && l->cfg.deepseek && opt->spec.method == LOOM_SPEC_MTP) {
+        s = loom_err_set(err, LOOM_ERR_UNSUPPORTED, "--disable-mla: the MTP module's draft is not implemented with "
+                         "the decompressed cache");
+        goto fail;
+    }
     s = loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->model, err);
     if (s < 0) goto fail;
     l->lora_slot = -1;

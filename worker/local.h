@@ -35,6 +35,7 @@ typedef struct loom_local_options {
     const char *lora_dir; /* a PEFT LoRA adapter applied to every sequence, or NULL */
     int max_lora_rank;    /* the largest rank it may have (0: 16) */
     loom_mla_o_t mla_o;   /* loom_model_options_t.mla_o (tests: each way) */
+    int mla_disable;      /* loom_model_options_t.mla_disable: DeepSeek's MLA decompressed (--disable-mla) */
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;

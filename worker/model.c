@@ -101,6 +101,21 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     LOOM_CHECK(check_caps(be, arch, cfg, spec, opt, err));
     if (cfg->deepseek) /* the router's bias, the FP8 scale grids */
         LOOM_CHECK(loom_deepseek_check_checkpoint(cfg_in, st, err));
+    const int mla_mha = opt->mla_disable && cfg->deepseek; /* decompressed MLA (attn_mla_mha.c) */
+    if (mla_mha) {
+        const char *no = !loom_backend_kv_v_dim(be)                  ? "the %s backend (V heads narrower than K's)"
+                         : spec->dp_attention && spec->tp_size > 1 ? "data-parallel attention (%s)"
+                         : opt->mtp                                 ? "the MTP module (%s)"
+                         : opt->max_loras > 0                       ? "LoRA adapters (%s)"
+                         : (cfg->qk_nope_head_dim + cfg->qk_rope_head_dim) % 2 ? "an odd qk head dim (%s)"
+                                                                               : NULL;
+        if (no) {
+            char what[128];
+            snprintf(what, sizeof what, no, loom_backend_name(be));
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "decompressed MLA (--disable-mla) is not implemented for %s",
+                                what);
+        }
+    }
     LOOM_CHECK(loom_model_check_checkpoint(cfg_in, st, err));
     if (cfg->rope_ctx_capped)
         LOOM_WARN("longrope: serving %d positions (original_max_position_embeddings), where the short factors "
@@ -114,12 +129,21 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     if (m->cfg.rotary_dim <= 0 || m->cfg.rotary_dim > cfg->head_dim) m->cfg.rotary_dim = cfg->head_dim;
     m->spec = *spec;
     m->opt = *opt;
+    m->opt.mla_disable = mla_mha;
+    if (mla_mha) m->cfg.head_dim = cfg->qk_nope_head_dim + cfg->qk_rope_head_dim; /* K's heads, q's */
     m->scratch_block = -1;
     if (m->opt.max_tokens < 1) m->opt.max_tokens = 512;
     if (m->opt.max_seqs < 1) m->opt.max_seqs = 1;
     if (m->opt.max_logits < 1) m->opt.max_logits = m->opt.max_seqs;
     loom_status_t s = loom_shard_dims(cfg, spec, &m->dims, err);
     if (s < 0) goto fail;
+    if (mla_mha) { /* per-head K and V: this rank's heads, not the replicated latent */
+        m->dims.n_kv_heads = m->dims.n_heads;
+        m->dims.kv_head_begin = m->dims.q_head_begin;
+        LOOM_INFO("MLA decompressed: %d heads of K (%d) and V (%d) values a token and layer in the cache, "
+                  "where the latent row is %d", m->dims.n_heads, m->cfg.head_dim, cfg->v_head_dim,
+                  cfg->kv_lora_rank + cfg->qk_rope_head_dim);
+    }
     if (spec->dp_attention && spec->tp_size > 1) {
         /* attn_dp.c runs the MLA block; the other families' TP-only parts (o_proj's bias on rank 0, a GQA
          * pool sliced by heads) were not made per-sequence */
@@ -140,8 +164,9 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     s = loom_blk_moe_split(m, err);
     if (s < 0) goto fail;
     const loom_shard_dims_t *d = &m->dims;
-    int dim = cfg->dim, hd = cfg->head_dim;
-    m->qkv_dim = (d->n_heads + 2 * d->n_kv_heads) * hd;
+    int dim = cfg->dim, hd = m->cfg.head_dim;
+    /* decompressed MLA: q (n_heads qk), then k (n_heads qk) and v (n_heads v) */
+    m->qkv_dim = mla_mha ? d->n_heads * (2 * hd + cfg->v_head_dim) : (d->n_heads + 2 * d->n_kv_heads) * hd;
 
     loom_loader_t L = {.m = m, .st = st};
     uint64_t t0 = loom_now_ns(), read0 = loom_st_bytes_read(st);
@@ -226,7 +251,9 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
         s = loom_err_set(err, LOOM_ERR_UNSUPPORTED, "head_dim %d is larger than 1024", hd);
         goto fail;
     }
-    loom_blk_attn_rope_table(cfg, inv);
+    loom_model_config_t rc = *cfg;
+    rc.head_dim = hd; /* decompressed MLA: q's and k's heads of nope + rope, the rope pairs first */
+    loom_blk_attn_rope_table(&rc, inv);
     m->inv_freq = loom_backend_alloc(be, (size_t)(hd / 2) * sizeof(float));
     if (!m->inv_freq) {
         s = loom_err_set(err, LOOM_ERR_NOMEM, "out of device memory");
@@ -254,7 +281,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->xb = act_alloc(m, T * dim, &oom);
     m->xb2 = act_alloc(m, T * dim, &oom);
     m->qkv = act_alloc(m, T * (size_t)m->qkv_dim, &oom);
-    m->att = act_alloc(m, T * (size_t)d->n_heads * hd, &oom);
+    m->att = act_alloc(m, T * (size_t)d->n_heads * (mla_mha ? LOOM_MAX(hd, cfg->v_head_dim) : hd), &oom);
     if (cfg->deepseek) m->mla_z = act_alloc(m, T * (size_t)loom_blk_attn_mla_zdim(cfg, d), &oom);
     size_t hid = (size_t)LOOM_MAX(LOOM_MAX(d->hidden, m->moe_hn), m->shared_hn);
     m->gu = act_alloc(m, T * 2 * hid, &oom);
@@ -355,6 +382,8 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_backend_free(be, ly->ffn_norm);
             loom_weight_free(be, &ly->wqkv);
             loom_weight_free(be, &ly->wkv_a);
+            loom_weight_free(be, &ly->mla_q_a);
+            loom_weight_free(be, &ly->mla_kv_b);
             free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
             for (int j = 0; ly->mla_uv && j < m->dims.n_heads; j++) loom_weight_free(be, &ly->mla_uv[j]);

@@ -77,6 +77,12 @@ typedef struct loom_model_options {
     /* MLA (DeepSeek): how a head's latent output reaches the residual,
      * worker/engine/attn_mla.c; AUTO picks the smaller in weights */
     loom_mla_o_t mla_o;
+    /* MLA (DeepSeek) decompressed (`--disable-mla`, vLLM's VLLM_MLA_DISABLE):
+     * per-head K (nope + rope) and V (v_head_dim) in the cache, the heads
+     * split across TP ranks, ordinary paged attention for prefill and decode
+     * (worker/engine/attn_mla_mha.c); backends with loom_backend_kv_v_dim
+     * only. Ignored for the other families. */
+    int mla_disable;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it

@@ -283,7 +283,8 @@ static int same_shard(const Loom__V1__Assign *a, const Loom__V1__Assign *b) {
            !strcmp(a->kv_cache_dtype, b->kv_cache_dtype) && a->expert_parallel == b->expert_parallel &&
            a->max_loras == b->max_loras && a->max_lora_rank == b->max_lora_rank &&
            a->max_tokens == b->max_tokens &&
-           a->max_seqs == b->max_seqs && a->mtp == b->mtp && a->dp_attention == b->dp_attention;
+           a->max_seqs == b->max_seqs && a->mtp == b->mtp && a->dp_attention == b->dp_attention &&
+           a->mla_disable == b->mla_disable;
 }
 
 static void mtp_unload(worker_t *w) {
@@ -417,7 +418,8 @@ static loom_status_t load(worker_t *w, const Loom__V1__Assign *a, loom_err_t *er
                                .decode_buckets = w->decode_buckets, .quant = quant,
                                .kv_dtype = kv_dtype, .expert_parallel = a->expert_parallel,
                                .max_loras = (int)a->max_loras,
-                               .max_lora_rank = a->max_lora_rank ? (int)a->max_lora_rank : 16};
+                               .max_lora_rank = a->max_lora_rank ? (int)a->max_lora_rank : 16,
+                               .mla_disable = a->mla_disable};
     LOOM_CHECK(loom_model_load(w->be, &w->cfg, w->st, &spec, &mo, &w->model, err));
     if (a->mtp && spec.has_head) LOOM_CHECK(mtp_load(w, &spec, &mo, err));
     if (mo.max_loras > 0)

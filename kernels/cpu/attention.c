@@ -13,6 +13,8 @@
  * instructions per 8 elements. Up to three query heads of the task share
  * each loaded and widened K or V vector (GQA), with four keys per pass over
  * K: 12 accumulators, one reduction per 4 scores per head.
+ * V rows may be narrower than K's (kv.v_dim: decompressed MLA's 128 against
+ * 192); the weighted sum and the output heads then have V's width.
  * Decode napkin math: 2 * ctx * hd * e bytes of K/V per KV head (e = 4 f32,
  * 2 bf16, 1 + 4/hd int8), and 4 * ctx * hd FLOPs per query head. */
 #include "kernels/cpu/attention.h"
@@ -251,9 +253,10 @@ static int pass_heads(int left) {
 
 void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float *scratch) {
     const int nh = a->n_heads, hd = a->head_dim, B = a->block_size, nkv = a->n_kv_heads;
+    const int vd = a->kv.v_dim ? a->kv.v_dim : hd; /* V's head dim (decompressed MLA: not K's) */
     const int group = nh / nkv, tasks_per_token = nh / hpt;
     const int i = task / tasks_per_token, h0 = (task % tasks_per_token) * hpt, kvh = h0 / group;
-    const int64_t kv_dim = (int64_t)nkv * hd;
+    const int64_t kv_dim = (int64_t)nkv * hd, v_dim = (int64_t)nkv * vd;
     const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[i] * a->max_blocks;
     const int L = a->tok_pos[i] + 1;
     const loom_dtype_t dt = a->kv.dtype;
@@ -261,7 +264,7 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
     LOOM_ASSERT(dt == LOOM_DT_F32 || dt == LOOM_DT_BF16 ||
                 (dt == LOOM_DT_I8 && a->kv.k_scale && a->kv.v_scale));
     const float *q = a->q + (int64_t)i * a->q_stride + (int64_t)h0 * hd;
-    float *out = a->out + (int64_t)i * a->out_stride + (int64_t)h0 * hd;
+    float *out = a->out + (int64_t)i * a->out_stride + (int64_t)h0 * vd;
     const size_t esize = loom_dtype_size(dt);
     float *scores = scratch;                        /* (hpt, L) */
     float *inv_sum = scores + (int64_t)hpt * a->max_ctx; /* (hpt) */
@@ -289,7 +292,7 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
             g += G;
         }
     }
-    prefetch_ahead(&a->kv, a->kv.v, esize, bt, b_lo, L, B, kv_dim, kvh, hd); /* during the softmax */
+    prefetch_ahead(&a->kv, a->kv.v, esize, bt, b_lo, L, B, v_dim, kvh, vd); /* during the softmax */
     for (int g = 0; g < hpt; g++) {
         float *s = scores + (int64_t)g * L;
         if (a->softcap > 0) loom_vec_softcap(s + p_lo, L - p_lo, a->softcap); /* before the softmax */
@@ -303,13 +306,13 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
         }
         for (int p = b_lo; p < p_lo; p++) s[p] = 0.0f;
     }
-    memset(out, 0, sizeof(float) * (size_t)hpt * (size_t)hd);
+    memset(out, 0, sizeof(float) * (size_t)hpt * (size_t)vd);
     for (int p0 = b_lo; p0 < L; p0 += B) {
         const int np = LOOM_MIN(B, L - p0);
         const int64_t slot0 = (int64_t)bt[p0 / B] * B;
-        const int64_t row0 = loom_kv_row(&a->kv, slot0, kv_dim), srow0 = loom_kv_scale_row(&a->kv, slot0, nkv);
-        const char *v = (const char *)a->kv.v + ((row0 + (int64_t)kvh * hd) * (int64_t)esize);
-        if (p0 > b_lo) prefetch_ahead(&a->kv, a->kv.v, esize, bt, p0, L, B, kv_dim, kvh, hd);
+        const int64_t row0 = loom_kv_row(&a->kv, slot0, v_dim), srow0 = loom_kv_scale_row(&a->kv, slot0, nkv);
+        const char *v = (const char *)a->kv.v + ((row0 + (int64_t)kvh * vd) * (int64_t)esize);
+        if (p0 > b_lo) prefetch_ahead(&a->kv, a->kv.v, esize, bt, p0, L, B, v_dim, kvh, vd);
         const float *w = scores + p0;
         int64_t lw = L;
         if (dt == LOOM_DT_I8) { /* fold each row's scale into its weights */
@@ -321,10 +324,10 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
         }
         for (int g = 0; g < hpt;) {
             const int G = pass_heads(hpt - g);
-            wsum_block(G, dt, out + (int64_t)g * hd, hd, w + (int64_t)g * lw, lw, v, kv_dim, np);
+            wsum_block(G, dt, out + (int64_t)g * vd, vd, w + (int64_t)g * lw, lw, v, v_dim, np);
             g += G;
         }
     }
     for (int g = 0; g < hpt; g++)
-        loom_vec_scale(out + (int64_t)g * hd, inv_sum[g], out + (int64_t)g * hd, hd);
+        loom_vec_scale(out + (int64_t)g * vd, inv_sum[g], out + (int64_t)g * vd, vd);
 }

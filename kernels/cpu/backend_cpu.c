@@ -753,7 +753,8 @@ static void kv_write_task(void *p, int i, int thread) {
     int64_t s = c->slots[i];
     if (s < 0) return; /* padding token */
     kv_write_row(c->kv, c->kv->k, c->kv->k_scale, c->k + (int64_t)i * c->stride, s, c->nkv, c->hd);
-    kv_write_row(c->kv, c->kv->v, c->kv->v_scale, c->v + (int64_t)i * c->stride, s, c->nkv, c->hd);
+    kv_write_row(c->kv, c->kv->v, c->kv->v_scale, c->v + (int64_t)i * c->stride, s, c->nkv,
+                 c->kv->v_dim ? c->kv->v_dim : c->hd);
 }
 
 static int cpu_kv_supported(const loom_backend_t *be, loom_dtype_t dtype) {
@@ -1008,6 +1009,7 @@ static const loom_backend_ops_t cpu_ops = {
     .rope = cpu_rope,
     .kv_supported = cpu_kv_supported,
     .kv_block_strided = 1,
+    .kv_v_dim = 1,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
     .sample_shard = cpu_sample_shard,

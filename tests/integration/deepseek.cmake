@@ -6,3 +6,7 @@ loom_add_it(it_deepseek_mtp test_deepseek_mtp.py)
 # DeepSeek with data-parallel attention: grids, the float64 reference, the ledger's partitions under a small pool,
 # refusals (tests/integration/test_deepseek_dp.py).
 loom_add_it(it_deepseek_dp test_deepseek_dp.py)
+# DeepSeek's MLA decompressed (--disable-mla): the latent's ids and logits and the float64 reference's on 1x1 and
+# TP 2, the decompressed block bytes, a small pool, LOOM_MLA_DISABLE and the refusals
+# (tests/integration/test_deepseek_mla_disable.py).
+loom_add_it(it_deepseek_mla_disable test_deepseek_mla_disable.py)

@@ -100,6 +100,31 @@ static void test_config_v3_defaults(void) {
     /* the latent cache: 61 layers x (512 + 64) values x 2 bytes */
     size_t b = loom_deepseek_kv_bytes_per_token(&c, 2);
     CHECKF(b == 70272, "%zu bytes per token", b);
+    /* decompressed (--disable-mla): 61 layers x 128 heads x (192 + 128) values x 2 bytes, 71x the latent;
+     * int8: a byte a value and a float scale per head for K and for V */
+    b = loom_deepseek_mha_kv_bytes_per_token(&c, 2, 0);
+    CHECKF(b == 4997120, "%zu bytes per token decompressed", b);
+    b = loom_deepseek_mha_kv_bytes_per_token(&c, 1, 1);
+    CHECKF(b == (size_t)61 * 128 * (320 + 8), "%zu bytes per token decompressed in int8", b);
+}
+
+/* LOOM_MLA_DISABLE, vLLM's VLLM_MLA_DISABLE: a nonzero integer or true on; unset, empty, 0, false or a word
+ * off. */
+static void test_mla_disable_env(void) {
+    static const struct {
+        const char *v;
+        int on;
+    } cases[] = {{NULL, 0}, {"", 0}, {"0", 0}, {"false", 0}, {"1", 1}, {"true", 1}, {"TRUE", 1}, {"2", 1}, {"yes", 0}};
+    const char *old = getenv("LOOM_MLA_DISABLE");
+    char *keep = old ? strdup(old) : NULL;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (cases[i].v) setenv("LOOM_MLA_DISABLE", cases[i].v, 1);
+        else unsetenv("LOOM_MLA_DISABLE");
+        CHECKF(loom_mla_disable_env() == cases[i].on, "LOOM_MLA_DISABLE=%s", cases[i].v ? cases[i].v : "(unset)");
+    }
+    if (keep) setenv("LOOM_MLA_DISABLE", keep, 1);
+    else unsetenv("LOOM_MLA_DISABLE");
+    free(keep);
 }
 
 /* DeepSeek-V3's released config.json (the keys that matter here) */
@@ -688,6 +713,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--work")) g_work = argv[i + 1];
     }
     RUN(test_config_v3_defaults);
+    RUN(test_mla_disable_env);
     RUN(test_config_v3_real);
     RUN(test_config_v2);
     RUN(test_config_refusals);

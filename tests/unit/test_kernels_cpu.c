@@ -963,6 +963,111 @@ static void test_kv_block_strided(void) {
     loom_backend_destroy(&be);
 }
 
+/* V heads narrower than K's (loom_kv_layer_t.v_dim; decompressed MLA keeps
+ * K of nope + rope dims and V of v_head_dim): kv_write and attention over
+ * such a pool, layer-major and block-strided, give the bits of the same
+ * cache with V zero-padded to K's width (the plain layout the other
+ * attention tests check against the double loop), in its first v_dim
+ * columns of each head (within f32 rounding where v_dim is odd: the
+ * weighted sum goes scalar); the padded run's other columns are 0. GQA
+ * groups 1 and 3, v_dim a multiple of 16, of 8 only and odd. */
+static void test_kv_v_dim(void) {
+    static const int vds[] = {16, 8, 13}, groups[] = {1, 3};
+    unsigned long long st = 23;
+    loom_backend_t *be = make_backend(2, LOOM_DT_F32);
+    REQUIRE(be);
+    CHECK(loom_backend_kv_v_dim(be));
+    for (size_t di = 0; di < LOOM_ARRAY_LEN(k_kv_dts); di++)
+        for (size_t vi = 0; vi < LOOM_ARRAY_LEN(vds); vi++)
+            for (size_t gi = 0; gi < LOOM_ARRAY_LEN(groups); gi++)
+                for (int strided = 0; strided < 2; strided++) {
+                    const loom_dtype_t dt = k_kv_dts[di];
+                    const int nkv = 2, hd = 24, vd = vds[vi], nh = nkv * groups[gi], B = 3, n_blocks = 14;
+                    const int max_blocks = 5, n_seqs = 2, n = n_seqs * max_blocks * B; /* 15 positions each */
+                    const size_t es = loom_dtype_size(dt), cells = (size_t)n_blocks * B * nkv;
+                    const int i8 = dt == LOOM_DT_I8;
+                    /* the padded pool, layer-major: K and V of hd */
+                    test_kv_t pad = test_kv_alloc(dt, (size_t)n_blocks * B, nkv, hd);
+                    /* the narrow pool: K of hd, V of vd; strided: per block K codes, V codes, K and V scales */
+#define UP64(x) (((x) + 63) / 64 * 64)
+                    const size_t kb = UP64((size_t)B * nkv * hd * es), vb = UP64((size_t)B * nkv * vd * es);
+                    const size_t sb = i8 ? UP64((size_t)B * nkv * sizeof(float)) : 0, span = kb + vb + 2 * sb;
+                    const size_t kl = UP64(cells * hd * es), vl = UP64(cells * vd * es);
+#undef UP64
+                    const size_t bytes = LOOM_MAX(span * n_blocks, kl + vl + 2 * cells * sizeof(float));
+                    char *mem = loom_aligned_alloc(bytes);
+                    REQUIRE(mem);
+                    memset(mem, 0, bytes);
+                    loom_kv_layer_t nk = {.dtype = dt, .block_size = B, .v_dim = vd};
+                    if (strided) {
+                        nk.k = mem;
+                        nk.v = mem + kb;
+                        nk.k_scale = i8 ? (float *)(mem + kb + vb) : NULL;
+                        nk.v_scale = i8 ? (float *)(mem + kb + vb + sb) : NULL;
+                        nk.block_stride = (int64_t)(span / es);
+                        nk.scale_block_stride = (int64_t)(span / sizeof(float));
+                    } else {
+                        nk.k = mem;
+                        nk.v = mem + kl;
+                        nk.k_scale = i8 ? (float *)(mem + kl + vl) : NULL;
+                        nk.v_scale = i8 ? nk.k_scale + cells : NULL;
+                    }
+                    const int kst = nkv * (hd + vd), pst = 2 * nkv * hd, q_stride = nh * hd;
+                    float *kvn = alloc_f((size_t)n * kst), *kvp = alloc_f((size_t)n * pst);
+                    float *q = alloc_f((size_t)n * q_stride), *on = alloc_f((size_t)n * nh * vd),
+                          *op = alloc_f((size_t)n * nh * hd);
+                    fill(kvn, (size_t)n * kst, &st, 1.0f);
+                    fill(q, (size_t)n * q_stride, &st, 1.0f);
+                    memset(kvp, 0, (size_t)n * pst * sizeof(float));
+                    for (int i = 0; i < n; i++) { /* the same K; V zero-padded from vd to hd a head */
+                        memcpy(kvp + (size_t)i * pst, kvn + (size_t)i * kst, (size_t)nkv * hd * sizeof(float));
+                        for (int h = 0; h < nkv; h++)
+                            memcpy(kvp + (size_t)i * pst + (size_t)(nkv + h) * hd,
+                                   kvn + (size_t)i * kst + (size_t)nkv * hd + (size_t)h * vd, (size_t)vd * sizeof(float));
+                    }
+                    int32_t bt[2 * 5] = {7, 2, 11, 0, 13, 3, 9, 1, 10, 4}, slots[30], seq[30], pos[30];
+                    for (int i = 0; i < n; i++) {
+                        seq[i] = i / (max_blocks * B);
+                        pos[i] = i % (max_blocks * B);
+                        slots[i] = bt[seq[i] * max_blocks + pos[i] / B] * B + pos[i] % B;
+                    }
+                    loom_op_kv_write(be, &nk, kvn, kvn + (size_t)nkv * hd, kst, slots, n, nkv, hd);
+                    loom_op_kv_write(be, &pad.kv, kvp, kvp + (size_t)nkv * hd, pst, slots, n, nkv, hd);
+                    loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+                                          .scale = 0.2f, .q = q, .q_stride = q_stride, .out = on,
+                                          .out_stride = nh * vd, .kv = nk, .block_size = B, .tok_seq = seq,
+                                          .tok_pos = pos, .block_tables = bt, .max_blocks = max_blocks,
+                                          .max_ctx = max_blocks * B};
+                    loom_op_attention(be, &a);
+                    a.kv = pad.kv;
+                    a.out = op;
+                    a.out_stride = nh * hd;
+                    loom_op_attention(be, &a);
+                    /* bits where both weigh V on the same SIMD path (vd a multiple of 8); an odd vd goes
+                     * scalar (no FMA): f32 rounding apart */
+                    const double tol = vd % 8 ? 1e-5 : 0.0;
+                    int bad = 0;
+                    for (int i = 0; i < n; i++)
+                        for (int h = 0; h < nh; h++)
+                            for (int d = 0; d < hd; d++) {
+                                const float p = op[((size_t)i * nh + h) * hd + d];
+                                const float o = d < vd ? on[((size_t)i * nh + h) * vd + d] : 0.0f;
+                                bad += !(fabs((double)p - o) <= tol * (1.0 + fabs((double)p)));
+                            }
+                    CHECKF(!bad, "attention with V heads of %d (K %d) %s, %d heads over %d, %s: %d values differ "
+                           "from the zero-padded cache", vd, hd, loom_kv_dtype_name(dt), nh, nkv,
+                           strided ? "block-strided" : "layer-major", bad);
+                    free(kvn);
+                    free(kvp);
+                    free(q);
+                    free(on);
+                    free(op);
+                    loom_aligned_free(mem);
+                    test_kv_free(&pad);
+                }
+    loom_backend_destroy(&be);
+}
+
 static void test_kv_dtypes(void) {
     loom_dtype_t dt;
     CHECK(loom_kv_dtype_parse("bf16", &dt) && dt == LOOM_DT_BF16);
@@ -1371,6 +1476,7 @@ int main(void) {
     RUN(test_kv_write);
     RUN(test_kv_block_strided);
     RUN(test_attention);
+    RUN(test_kv_v_dim);
     RUN(test_softcap);
     RUN(test_swiglu_clamp);
     RUN(test_act_mul);

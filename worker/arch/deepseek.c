@@ -1,5 +1,6 @@
 /* DeepSeek-V3 and DeepSeek-V2 (deepseek_v3, deepseek_v2): multi-head latent
- * attention (worker/engine/attn_mla.c) and DeepSeekMoE (the MoE block with
+ * attention (worker/engine/attn_mla.c; decompressed with opt.mla_disable,
+ * attn_mla_mha.c) and DeepSeekMoE (the MoE block with
  * worker/moe_ds.c's router and ungated shared experts), dense MLPs below
  * first_k_dense_replace. A layer is
  *   x += mla(norm(x));  x += ffn(norm(x)) */
@@ -53,13 +54,13 @@ static uint32_t deepseek_needs(const loom_model_config_t *c, const loom_shard_sp
 static loom_status_t deepseek_load_layer(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
     const loom_model_config_t *c = &L->m->cfg;
     LOOM_CHECK(loom_blk_prenorm_load_norms(L, gl, ly, err));
-    LOOM_CHECK(loom_blk_attn_mla_load(L, gl, ly, err));
+    LOOM_CHECK(L->m->opt.mla_disable ? loom_blk_attn_mla_mha_load(L, gl, ly, err) : loom_blk_attn_mla_load(L, gl, ly, err));
     if (loom_model_config_layer_moe(c, gl)) return loom_blk_moe_load(L, gl, &ly->ffn, err);
     return loom_blk_ffn_load(L, gl, &ly->ffn, err);
 }
 
 static loom_status_t deepseek_layer(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err) {
-    return loom_blk_prenorm_layer(m, so, l, loom_blk_attn_mla, err);
+    return loom_blk_prenorm_layer(m, so, l, m->opt.mla_disable ? loom_blk_attn_mla_mha : loom_blk_attn_mla, err);
 }
 
 const loom_arch_t loom_arch_deepseek = {

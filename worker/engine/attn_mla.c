@@ -39,9 +39,7 @@ int loom_blk_attn_mla_zdim(const loom_model_config_t *c, const loom_shard_dims_t
     return (c->q_lora_rank ? c->q_lora_rank : d->n_heads * qk) + c->kv_lora_rank + c->qk_rope_head_dim;
 }
 
-/* Slot s of a head of hd = other + rope dims: *rope = 1 and *idx the rope dim for the RoPE pairs' slots
- * (pair j at j and j + hd/2, j < rope/2), else *rope = 0 and *idx the other (latent) dim. */
-static void slot_src(int hd, int rope, int interleave, int s, int *is_rope, int *idx) {
+void loom_blk_attn_mla_slot(int hd, int rope, int interleave, int s, int *is_rope, int *idx) {
     const int half = hd / 2, pr = rope / 2;
     int j = s < half ? s : s - half, second = s >= half;
     if (j < pr) {
@@ -82,7 +80,7 @@ static loom_status_t load_o_folded(loom_loader_t *L, int gl, loom_layer_t *ly, c
     for (int h = 0; h < Hr; h++)
         for (int sl = 0; sl < D; sl++) {
             int is_rope, idx;
-            slot_src(D, rope, c->rope_interleave, sl, &is_rope, &idx);
+            loom_blk_attn_mla_slot(D, rope, c->rope_interleave, sl, &is_rope, &idx);
             if (is_rope) continue;
             const float *wuv = kvb + ((size_t)h * kvw + c->qk_nope_head_dim) * r; /* (v, r) */
             for (int i = 0; i < dim; i++) {
@@ -113,7 +111,7 @@ static loom_status_t load_o_split(loom_loader_t *L, int gl, loom_layer_t *ly, co
         const float *wuv = kvb + ((size_t)h * kvw + c->qk_nope_head_dim) * r; /* (v, r) */
         for (int sl = 0; sl < D; sl++) {
             int is_rope, idx;
-            slot_src(D, rope, c->rope_interleave, sl, &is_rope, &idx);
+            loom_blk_attn_mla_slot(D, rope, c->rope_interleave, sl, &is_rope, &idx);
             for (int k = 0; !is_rope && k < v; k++) W[(size_t)k * D + sl] = wuv[(size_t)k * r + idx];
         }
         snprintf(what, sizeof what, "model.layers.%d.self_attn.w_uv.%d", gl, h);
@@ -194,7 +192,7 @@ loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly,
         memset(B, 0, (size_t)rows * zdim * sizeof(float));
         for (int sl = 0; sl < D; sl++) {
             int is_rope, idx;
-            slot_src(D, rope, c->rope_interleave, sl, &is_rope, &idx);
+            loom_blk_attn_mla_slot(D, rope, c->rope_interleave, sl, &is_rope, &idx);
             float *krow = B + ((size_t)Hr * D + sl) * zdim; /* the cache row: [c, k_pe] */
             krow[qoff + (is_rope ? r : 0) + idx] = is_rope ? af : 1.0f;
             for (int h = 0; h < Hr; h++) {

@@ -11,7 +11,10 @@
  *     scales and V scales of every block.
  * The latent layout (MLA, DeepSeek; layer-major): one KV head whose row
  * (kv_lora_rank + rope values: the latent and the rope key) is both K and
- * V, so a layer keeps one array and v points at k. */
+ * V, so a layer keeps one array and v points at k. DeepSeek with
+ * opt.mla_disable (decompressed) keeps per-head K and V instead, V rows
+ * narrower than K's (v_head_dim against nope + rope: loom_kv_layer_t.v_dim),
+ * in either layout. */
 #include "common/util.h"
 #include "worker/engine/model_impl.h"
 
@@ -20,28 +23,34 @@ int loom_model_kv_blocks(const loom_model_t *m) { return m->n_blocks; }
 int loom_model_kv_block_size(const loom_model_t *m) { return m->block_size; }
 
 /* K and V arrays a layer keeps: 1 in the latent layout (V is K's memory), else 2. */
-static size_t kv_arrays(const loom_model_t *m) { return m->cfg.deepseek ? 1 : 2; }
+static size_t kv_arrays(const loom_model_t *m) { return m->cfg.deepseek && !m->opt.mla_disable ? 1 : 2; }
+/* V's head dim: K's but for decompressed MLA (v_head_dim; K's is nope + rope, m->cfg.head_dim). */
+static int kv_vd(const loom_model_t *m) {
+    return m->cfg.deepseek && m->opt.mla_disable ? m->cfg.v_head_dim : m->cfg.head_dim;
+}
 
 /* Bytes of one layer's K (or V) codes and scales in one block, each
  * rounded up to KV_SPAN_ALIGN in the block-contiguous layout. */
 #define KV_SPAN_ALIGN 64
 static size_t span_align(size_t b) { return (b + KV_SPAN_ALIGN - 1) / KV_SPAN_ALIGN * KV_SPAN_ALIGN; }
-static size_t blk_codes(const loom_model_t *m, int block_size) {
-    return span_align((size_t)block_size * m->dims.n_kv_heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype));
+static size_t blk_codes(const loom_model_t *m, int block_size, int hd) {
+    return span_align((size_t)block_size * m->dims.n_kv_heads * hd * loom_dtype_size(m->opt.kv_dtype));
 }
 static size_t blk_scales(const loom_model_t *m, int block_size) {
     return m->opt.kv_dtype == LOOM_DT_I8 ? span_align((size_t)block_size * m->dims.n_kv_heads * sizeof(float)) : 0;
 }
 
 int loom_model_kv_block_contiguous(const loom_model_t *m) {
-    return !m->opt.kv_layer_major && !m->cfg.deepseek && loom_backend_kv_block_strided(m->be);
+    return !m->opt.kv_layer_major && kv_arrays(m) == 2 && loom_backend_kv_block_strided(m->be);
 }
 
 size_t loom_model_kv_block_bytes(const loom_model_t *m, int block_size) {
     if (loom_model_kv_block_contiguous(m))
-        return (size_t)m->dims.n_layers * 2 * (blk_codes(m, block_size) + blk_scales(m, block_size));
-    return kv_arrays(m) * (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
-           loom_kv_head_bytes(m->opt.kv_dtype, m->cfg.head_dim);
+        return (size_t)m->dims.n_layers * (blk_codes(m, block_size, m->cfg.head_dim) +
+                                           blk_codes(m, block_size, kv_vd(m)) + 2 * blk_scales(m, block_size));
+    const size_t k = loom_kv_head_bytes(m->opt.kv_dtype, m->cfg.head_dim);
+    return (size_t)m->dims.n_layers * (size_t)block_size * (size_t)m->dims.n_kv_heads *
+           (kv_arrays(m) == 2 ? k + loom_kv_head_bytes(m->opt.kv_dtype, kv_vd(m)) : k);
 }
 
 void *loom_model_kv_block_ptr(const loom_model_t *m, int block) {
@@ -65,7 +74,8 @@ static size_t kv_align(size_t b) { return (b + KV_ALIGN - 1) / KV_ALIGN * KV_ALI
 static loom_status_t alloc_contiguous(loom_model_t *m, int n_blocks, int total, int block_size,
                                       loom_err_t *err) {
     const loom_dtype_t dt = m->opt.kv_dtype;
-    const size_t codes = blk_codes(m, block_size), scales = blk_scales(m, block_size);
+    const size_t codes = blk_codes(m, block_size, m->cfg.head_dim), vcodes = blk_codes(m, block_size, kv_vd(m));
+    const size_t scales = blk_scales(m, block_size);
     const size_t span = loom_model_kv_block_bytes(m, block_size);
     size_t bytes = span * (size_t)total;
     if (bytes == 0) bytes = 64; /* a stage with no layers */
@@ -80,13 +90,14 @@ static loom_status_t alloc_contiguous(loom_model_t *m, int n_blocks, int total, 
         kv->dtype = dt;
         kv->k = p;
         kv->v = p + codes;
-        p += 2 * codes;
+        p += codes + vcodes;
         kv->k_scale = scales ? (float *)p : NULL;
         kv->v_scale = scales ? (float *)(p + scales) : NULL;
         p += 2 * scales;
         kv->block_stride = (int64_t)(span / loom_dtype_size(dt));
         kv->scale_block_stride = (int64_t)(span / sizeof(float));
         kv->block_size = block_size;
+        kv->v_dim = kv_vd(m) != m->cfg.head_dim ? kv_vd(m) : 0;
     }
     m->n_blocks = n_blocks;
     m->block_size = block_size;
@@ -105,8 +116,9 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
     if (loom_model_kv_block_contiguous(m)) return alloc_contiguous(m, n_blocks, total, block_size, err);
     const size_t tokens = (size_t)total * block_size * m->dims.n_kv_heads; /* token-heads per layer */
     const size_t codes = kv_align(tokens * m->cfg.head_dim * loom_dtype_size(dt));
+    const size_t vcodes = kv_arrays(m) == 2 ? kv_align(tokens * kv_vd(m) * loom_dtype_size(dt)) : 0;
     const size_t scales = dt == LOOM_DT_I8 ? kv_align(tokens * sizeof(float)) : 0;
-    size_t bytes = (size_t)m->dims.n_layers * kv_arrays(m) * (codes + scales);
+    size_t bytes = (size_t)m->dims.n_layers * (codes + vcodes + kv_arrays(m) * scales);
     if (bytes == 0) bytes = 64; /* a stage with no layers */
     m->kv_mem = loom_backend_alloc(m->be, bytes);
     if (!m->kv_mem)
@@ -120,12 +132,13 @@ loom_status_t loom_model_alloc_kv(loom_model_t *m, int n_blocks, int block_size,
         const int two = kv_arrays(m) == 2;
         kv->k = p;
         kv->v = two ? p + codes : p;
-        p += (two ? 2 : 1) * codes;
+        p += codes + vcodes;
         kv->k_scale = scales ? (float *)p : NULL;
         kv->v_scale = scales ? (float *)(two ? p + scales : p) : NULL;
         p += (two ? 2 : 1) * scales;
         kv->block_stride = kv->scale_block_stride = 0;
         kv->block_size = block_size;
+        kv->v_dim = kv_vd(m) != m->cfg.head_dim ? kv_vd(m) : 0;
     }
     m->n_blocks = n_blocks;
     m->block_size = block_size;
@@ -144,13 +157,14 @@ void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_hos
     }
     const size_t heads = (size_t)m->block_size * m->dims.n_kv_heads; /* token-heads per block */
     const size_t code_bytes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
+    const size_t vcode_bytes = heads * kv_vd(m) * loom_dtype_size(m->opt.kv_dtype);
     const size_t b = (size_t)block;
     for (int l = 0; l < m->dims.n_layers; l++) {
         loom_kv_layer_t *kv = &m->layers[l].kv;
-        void *piece[4] = {(char *)kv->k + b * code_bytes, kv->v != kv->k ? (char *)kv->v + b * code_bytes : NULL,
+        void *piece[4] = {(char *)kv->k + b * code_bytes, kv->v != kv->k ? (char *)kv->v + b * vcode_bytes : NULL,
                           kv->k_scale ? kv->k_scale + b * heads : NULL,
                           kv->v_scale && kv->v_scale != kv->k_scale ? kv->v_scale + b * heads : NULL};
-        const size_t bytes[4] = {code_bytes, code_bytes, heads * sizeof(float), heads * sizeof(float)};
+        const size_t bytes[4] = {code_bytes, vcode_bytes, heads * sizeof(float), heads * sizeof(float)};
         for (int i = 0; i < 4; i++) {
             if (!piece[i]) continue;
             loom_backend_xfer(m->be, to_host ? (void *)h : piece[i], to_host ? piece[i] : (void *)h, bytes[i],
@@ -174,6 +188,7 @@ void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *
     }
     const size_t heads = (size_t)m->block_size * m->dims.n_kv_heads; /* token-heads per block */
     const size_t code_bytes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
+    const size_t vcode_bytes = heads * kv_vd(m) * loom_dtype_size(m->opt.kv_dtype);
     for (int i = 0; i < n; i++) {
         LOOM_ASSERT(src[i] >= 0 && src[i] < m->n_blocks && dst[i] >= 0 && dst[i] < m->n_blocks);
         const size_t s = (size_t)src[i], d = (size_t)dst[i];
@@ -182,8 +197,8 @@ void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *
             loom_backend_copy(m->be, (char *)kv->k + d * code_bytes, (char *)kv->k + s * code_bytes,
                               code_bytes);
             if (kv->v != kv->k)
-                loom_backend_copy(m->be, (char *)kv->v + d * code_bytes, (char *)kv->v + s * code_bytes,
-                                  code_bytes);
+                loom_backend_copy(m->be, (char *)kv->v + d * vcode_bytes, (char *)kv->v + s * vcode_bytes,
+                                  vcode_bytes);
             if (kv->k_scale) {
                 loom_backend_copy(m->be, kv->k_scale + d * heads, kv->k_scale + s * heads,
                                   heads * sizeof(float));

@@ -12,6 +12,7 @@
  *   moe.c     loom_blk_moe*    Mixture-of-Experts blocks
  *   lora.c    loom_blk_lora    adapter slots, their preparation and deltas
  *   attn_dp.c loom_blk_attn_dp data-parallel attention around an attention block
+ *   attn_mla.c, attn_mla_mha.c  DeepSeek's MLA, absorbed over the latent or decompressed
  * See docs/architecture.md (the engine's source map). */
 #ifndef LOOM_MODEL_IMPL_H
 #define LOOM_MODEL_IMPL_H
@@ -75,6 +76,10 @@ typedef struct loom_layer {
      * columns, and their grouped-GEMV table; wo is then o_proj's slice (dim, n_heads * v) */
     loom_weight_t *mla_uv;
     void *mla_uv_table;
+    /* MLA decompressed (opt.mla_disable, attn_mla_mha.c): q_a_proj (q_lora_rank, dim) alone (wkv_a is then
+     * kv_a_proj_with_mqa alone, wqkv the q heads from it), and kv_b_proj's k and v heads of this rank
+     * (n_heads (qk + v), kv_lora + rope) */
+    loom_weight_t mla_q_a, mla_kv_b;
 } loom_layer_t;
 
 struct loom_model {
@@ -347,6 +352,17 @@ int loom_blk_attn_mla_zdim(const loom_model_config_t *c, const loom_shard_dims_t
 loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
 /* xb (normed input) -> xb2, all-reduced. */
 loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
+/* Slot s of a head of hd = other + rope dims: *is_rope = 1 and *idx the rope dim for the RoPE pairs' slots
+ * (pair j at j and j + hd/2, j < rope/2; the checkpoint's pair j is (2j, 2j+1) interleaved, else (j, j +
+ * rope/2)), else *is_rope = 0 and *idx the other (latent, or nope) dim. */
+void loom_blk_attn_mla_slot(int hd, int rope, int interleave, int s, int *is_rope, int *idx);
+
+/* ---- attn_mla_mha.c: MLA decompressed (opt.mla_disable) ---------------- */
+/* q and per-head k, v from the latent through kv_b_proj, this rank's heads; the cache per-head K (nope +
+ * rope) and V (v_head_dim). */
+loom_status_t loom_blk_attn_mla_mha_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
+/* xb (normed input) -> xb2, all-reduced: ordinary paged MHA. */
+loom_status_t loom_blk_attn_mla_mha(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
 
 /* ---- ffn.c: the feed-forward block ------------------------------------- */
 /* The dense gated MLP: gate/up (column-parallel, stacked) and down (row-parallel). */
