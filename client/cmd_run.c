@@ -262,10 +262,10 @@ int loom_cmd_run(int argc, char **argv) {
             int dec = st.gen_tokens > 1 ? st.gen_tokens - 1 : 0;
             fprintf(stderr,
                     "prompt: %d tokens, time to first token %.1f ms (%.1f tokens/s prefill); "
-                    "generated %d tokens, decode %.2f tokens/s\n",
+                    "generated %d tokens, decode %.2f tokens/s (%.2f a CPU second)\n",
                     st.prompt_tokens, st.prefill_s * 1e3,
                     st.prefill_s > 0 ? st.prompt_tokens / st.prefill_s : 0.0, st.gen_tokens,
-                    st.decode_s > 0 ? dec / st.decode_s : 0.0);
+                    st.decode_s > 0 ? dec / st.decode_s : 0.0, st.decode_cpu_s > 0 ? dec / st.decode_cpu_s : 0.0);
             if (spec.method != LOOM_SPEC_OFF) {
                 fprintf(stderr, "speculative %s: %lld drafts, %lld draft tokens, %lld accepted (acceptance rate %.1f%%)\n",
                         loom_spec_method_name(spec.method), (long long)st.spec.num_drafts,

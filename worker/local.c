@@ -445,6 +445,12 @@ int loom_local_propose_window(loom_local_t *l, int slot, const int32_t *hist, in
     return k;
 }
 
+static double cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
 static void sleep_ms(long ms) {
     struct timespec d = {ms / 1000, ms % 1000 * 1000000L};
     nanosleep(&d, NULL);
@@ -551,6 +557,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     loom_spec_gate_init(&gate);
     loom_spec_config_t spec = l->spec;
     uint64_t t1 = 0;
+    double cpu1 = 0;
     uint64_t t_step = 0; /* when the step being emitted started (its drafting included) */
     /* A test hook: every draft proposal of a draft model sleeps this long,
      * an expensive draft on demand (tests/integration/test_spec.py). */
@@ -565,6 +572,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     if (!done) {
         sample_rows(l, s, 0, 1, sampled);
         t1 = loom_now_ns();
+        cpu1 = cpu_seconds();
         st.prefill_s = (double)(t1 - t0) * 1e-9;
     }
     while (!done) {
@@ -670,7 +678,10 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         st.draft_forwards = d1.forwards - draft0.forwards;
         st.draft_tokens = d1.tokens - draft0.tokens;
     }
-    if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
+    if (t1) {
+        st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
+        st.decode_cpu_s = cpu_seconds() - cpu1;
+    }
     if (stats) *stats = st;
     return LOOM_OK;
 }

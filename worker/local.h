@@ -44,6 +44,7 @@ typedef struct loom_gen_stats {
     int gen_tokens;
     double prefill_s; /* prompt in, first token out (time to first token) */
     double decode_s;  /* the remaining tokens */
+    double decode_cpu_s; /* the process's CPU time over decode_s (what a loaded machine's waits do not count) */
     loom_spec_stats_t spec; /* target steps and (with speculation) drafts and acceptance */
     loom_spec_gate_t gate;  /* the wall-time gate at the end (common/spec_gate.h) */
     /* method DRAFT: the draft model's forwards in this call (the start-up
