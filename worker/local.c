@@ -451,6 +451,14 @@ static double cpu_seconds(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* The start-up estimate's clock: on the CPU backend the process's CPU
+ * time, which the waits of a loaded machine (other jobs on its cores) do
+ * not move, so forwards of different sizes compare; elsewhere (a GPU:
+ * the host waits for the device) wall time. */
+static double cost_clock(const loom_local_t *l) {
+    return loom_backend_kind(l->be) == LOOM_DEVICE_CPU ? cpu_seconds() : (double)loom_now_ns() * 1e-9;
+}
+
 static void sleep_ms(long ms) {
     struct timespec d = {ms / 1000, ms % 1000 * 1000000L};
     nanosleep(&d, NULL);
@@ -458,21 +466,20 @@ static void sleep_ms(long ms) {
 
 /* The start-up estimate's draft side: the draft's slot 0 restarts and runs
  * hist[0], hist[1].. one a forward (the prefill it would do, a token at a
- * time), each timed with its greedy pick (and the test hook's delay);
- * the fastest of up to `reps` into *sec. */
+ * time), each timed (cost_clock) with its greedy pick (and the test hook's
+ * delay, in wall time); the fastest of up to `reps` into *sec. */
 static loom_status_t time_draft(loom_local_t *d, const int32_t *hist, int n_hist, int reps, long delay_ms,
                                 double *sec, loom_err_t *err) {
     const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
     loom_local_forget(d, 0);
     *sec = 0;
     for (int p = 0; p < reps && p < n_hist; p++) {
-        const uint64_t t = loom_now_ns();
-        if (delay_ms > 0) sleep_ms(delay_ms);
+        const double t = cost_clock(d);
         int32_t id;
         d->rows[0] = 0;
         LOOM_CHECK(run_slot(d, 0, hist + p, 1, p, 1, err));
         sample_rows(d, &greedy, 0, 1, &id);
-        const double s = (double)(loom_now_ns() - t) * 1e-9;
+        const double s = cost_clock(d) - t + (double)delay_ms * 1e-3;
         if (p == 0 || s < *sec) *sec = s;
         d->held[p] = hist[p];
         d->held_n[0] = p + 1;
@@ -482,18 +489,21 @@ static loom_status_t time_draft(loom_local_t *d, const int32_t *hist, int n_hist
 
 /* The start-up estimate's verify side: a target forward of n tokens at
  * positions pos.. (rewritten by the next step, as rejected drafts are) and
- * the sampling of its n rows, timed into *sec. */
+ * the sampling of its n rows, timed (cost_clock) into *sec, in wall time
+ * into *wall. */
 static loom_status_t time_verify(loom_local_t *l, int32_t tok, int pos, int n, const loom_sampling_t *s,
-                                 uint64_t g, double *sec, loom_err_t *err) {
+                                 uint64_t g, double *sec, double *wall, loom_err_t *err) {
     int32_t feed[LOCAL_MAX_ROWS], ids[LOCAL_MAX_ROWS];
     for (int i = 0; i < n; i++) {
         feed[i] = tok;
         l->rows[i] = i;
     }
     const uint64_t t = loom_now_ns();
+    const double c = cost_clock(l);
     LOOM_CHECK(run_chunk(l, feed, n, pos, n, err));
     sample_rows(l, s, g, n, ids);
-    *sec = (double)(loom_now_ns() - t) * 1e-9;
+    *sec = cost_clock(l) - c;
+    *wall = (double)(loom_now_ns() - t) * 1e-9;
     return LOOM_OK;
 }
 
@@ -567,7 +577,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
      * it (drafts from the end of WARMUP), so tests reach its later states. */
     const char *no_est_env = getenv("LOOM_TEST_SPEC_NO_ESTIMATE");
     const int no_estimate = no_est_env && no_est_env[0] == '1';
-    double t_plain = 0; /* the fastest plain step's forward and sampling */
+    double t_plain = 0; /* the fastest WARMUP step's forward and sampling (cost_clock) */
     const loom_local_counters_t draft0 = l->draft ? loom_local_counters(l->draft) : (loom_local_counters_t){0};
     if (!done) {
         sample_rows(l, s, 0, 1, sampled);
@@ -603,24 +613,16 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             /* Before the first drafts: what could drafting give at best? A
              * draft forward (timed first: where it alone rules drafting out,
              * the verify is not timed) and a verify step of K+1 tokens
-             * against the plain steps so far. The verify's time also gives
-             * adaptive K its cost line's slope at once. */
+             * against the plain steps so far, on cost_clock. The verify's
+             * wall time also gives adaptive K its cost line's slope at once. */
             const int kk = LOOM_MIN(LOOM_MIN(l->spec.k, l->chunk - 1), l->ctx - pos - 1);
             double t_draft = 0, t_verify = 0;
             if (kk >= 1 && t_plain > 0) {
                 if (l->draft) LOOM_CHECK(time_draft(l->draft, l->hist, n_hist, 3, draft_delay_ms, &t_draft, err));
                 if (loom_spec_gate_best_case(t_plain, 0, kk, t_draft) >= 1.0 + LOOM_SPEC_GATE_START_MARGIN) {
-                    LOOM_CHECK(time_verify(l, feed[0], pos, kk + 1, s, (uint64_t)g, &t_verify, err));
-                    if (t_verify > 1e-3 &&
-                        loom_spec_gate_best_case(t_plain, t_verify, kk, t_draft) < 1.0 + LOOM_SPEC_GATE_START_MARGIN) {
-                        /* a step this long may have been descheduled (a shared machine):
-                         * a second look before ruling drafting out (a tiny model's is not
-                         * worth its time) */
-                        double t2;
-                        LOOM_CHECK(time_verify(l, feed[0], pos, kk + 1, s, (uint64_t)g, &t2, err));
-                        t_verify = LOOM_MIN(t_verify, t2);
-                    }
-                    loom_spec_cost_observe(&cost, kk + 1, t_verify);
+                    double wall;
+                    LOOM_CHECK(time_verify(l, feed[0], pos, kk + 1, s, (uint64_t)g, &t_verify, &wall, err));
+                    loom_spec_cost_observe(&cost, kk + 1, wall);
                 }
             }
             const double best = loom_spec_gate_estimate(&gate, t_plain, t_verify, kk, t_draft);
@@ -662,13 +664,19 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         /* adaptive K weighs the target's verify cost alone; what drafting
          * costs is the gate's (it times the whole cycle) */
         const uint64_t ts = loom_now_ns();
+        /* the estimate's plain side: WARMUP's steps on its clock (not every
+         * step's: a CPU-time read is a system call) */
+        const int time_plain = n_draft == 0 && gate.state == LOOM_SPEC_GATE_S_WARMUP && !gate.estimated;
+        const double cs = time_plain ? cost_clock(l) : 0;
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
         if (l->mtp) mtp_keep_rows(l, pos, n_draft + 1);
-        const double t_fwd = (double)(loom_now_ns() - ts) * 1e-9;
-        loom_spec_cost_observe(&cost, n_draft + 1, t_fwd);
-        if (n_draft == 0 && (t_plain == 0 || t_fwd < t_plain)) t_plain = t_fwd;
+        loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);
+        if (time_plain) {
+            const double c = cost_clock(l) - cs;
+            if (t_plain == 0 || c < t_plain) t_plain = c;
+        }
         pos++;
     }
     st.gen_tokens = g;
