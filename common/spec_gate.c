@@ -4,6 +4,8 @@
 
 #include <string.h>
 
+#include "common/util.h"
+
 #define GATE_FAST_OFF 2.0 /* tokens this many times dearer turn drafts off after two steps */
 
 void loom_spec_gate_init(loom_spec_gate_t *g) {
@@ -173,7 +175,7 @@ void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int s
             g->steps = 0;
             g->turned_on++;
         } else if (g->probe_every < LOOM_SPEC_GATE_MAX_PROBE) {
-            g->probe_every = g->probe_every * 8 < LOOM_SPEC_GATE_MAX_PROBE ? g->probe_every * 8 : LOOM_SPEC_GATE_MAX_PROBE;
+            g->probe_every = LOOM_MIN(g->probe_every * 8, LOOM_SPEC_GATE_MAX_PROBE);
         }
         g->allowed = 0;
     }
