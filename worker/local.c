@@ -425,6 +425,7 @@ int loom_local_propose_window(loom_local_t *l, int slot, const int32_t *hist, in
     l->held_n[slot] = valid;
     const int n_seq = n_hist - off; /* the slot's sequence: hist[off..n_hist) */
     l->counters.last_read = n_seq - valid;
+    l->counters.max_read = LOOM_MAX(l->counters.max_read, l->counters.last_read);
     for (int p0 = valid; p0 < n_seq; p0 += l->chunk) {
         int n = LOOM_MIN(l->chunk, n_seq - p0);
         l->rows[0] = n - 1;

@@ -55,10 +55,11 @@ typedef struct loom_gen_stats {
 } loom_gen_stats_t;
 
 /* An engine's forwards since it opened and the tokens they read; last_read:
- * the tokens the last loom_local_propose's catch-up read. */
+ * the tokens the last loom_local_propose's catch-up read, max_read the most
+ * any did. */
 typedef struct loom_local_counters {
     int64_t forwards, tokens;
-    int last_read;
+    int last_read, max_read;
 } loom_local_counters_t;
 
 /* Called for each generated id; return nonzero to stop. */
