@@ -577,7 +577,8 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     /* Another: no start-up estimate, the gate as an engine without one has
      * it (drafts from the end of WARMUP), so tests reach its later states. */
     const char *no_est_env = getenv("LOOM_TEST_SPEC_NO_ESTIMATE");
-    const int no_estimate = no_est_env && no_est_env[0] == '1';
+    const int estimate = !(no_est_env && no_est_env[0] == '1') && !l->spec.fixed_k &&
+                         (l->draft || l->spec.method == LOOM_SPEC_NGRAM);
     double t_plain = 0; /* the fastest WARMUP step's forward and sampling (cost_clock) */
     const loom_local_counters_t draft0 = l->draft ? loom_local_counters(l->draft) : (loom_local_counters_t){0};
     if (!done) {
@@ -609,8 +610,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
          * KV is at pos - 1) */
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
-        if (!spec.fixed_k && !no_estimate && (l->draft || l->spec.method == LOOM_SPEC_NGRAM) &&
-            loom_spec_gate_wants_estimate(&gate)) {
+        if (estimate && loom_spec_gate_wants_estimate(&gate)) {
             /* Before the first drafts: what could drafting give at best? A
              * draft forward (timed first: where it alone rules drafting out,
              * the verify is not timed) and a verify step of K+1 tokens
@@ -665,9 +665,10 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         /* adaptive K weighs the target's verify cost alone; what drafting
          * costs is the gate's (it times the whole cycle) */
         const uint64_t ts = loom_now_ns();
-        /* the estimate's plain side: WARMUP's steps on its clock (not every
-         * step's: a CPU-time read is a system call) */
-        const int time_plain = n_draft == 0 && gate.state == LOOM_SPEC_GATE_S_WARMUP && !gate.estimated;
+        /* the estimate's plain side: WARMUP's steps on its clock (no other
+         * step's: a CPU-time read is a system call, ~1 us) */
+        const int time_plain = estimate && n_draft == 0 &&
+                               gate.state == LOOM_SPEC_GATE_S_WARMUP && !gate.estimated;
         const double cs = time_plain ? cost_clock(l) : 0;
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
