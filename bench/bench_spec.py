@@ -33,7 +33,7 @@ PROMPTS = [  # held out: no test uses these
 ]
 
 
-def loom_run(model, prompt, tokens, extra):
+def loom_run(model, prompt, tokens, extra, want_gate=False):
     p = subprocess.run([os.path.join(harness.BIN, "loom"), "run", "--model", model, "--prompt", prompt,
                         "--max-tokens", str(tokens), "--temperature", "0", "--ignore-eos", "--threads", "1"] + extra,
                        capture_output=True, text=True, timeout=300)
@@ -42,7 +42,16 @@ def loom_run(model, prompt, tokens, extra):
     rate = float(re.search(r"decode ([\d.]+) tokens/s", p.stderr).group(1))
     m = re.search(r"tokens per target step: ([\d.]+)", p.stderr)
     acc = re.search(r"acceptance rate ([\d.]+)%", p.stderr)
-    return rate, float(m.group(1)) if m else 1.0, float(acc.group(1)) if acc else 0.0
+    res = (rate, float(m.group(1)) if m else 1.0, float(acc.group(1)) if acc else 0.0)
+    if want_gate:  # decode tokens a CPU second (what a loaded machine's waits for a core do not move),
+        # and the gate's end state: on, off, or off from the start (the estimate)
+        res += (float(re.search(r"decode [\d.]+ tokens/s \(([\d.]+) a CPU second\)", p.stderr).group(1)),)
+        g = re.search(r"speculation gate: (\w+)", p.stderr)
+        state = g.group(1) if g else "-"
+        if state == "off" and "started off" in p.stderr and "turned off 0, on 0" in p.stderr:
+            state = "start-off"
+        res += (state,)
+    return res
 
 
 def bench_local(model, tokens, rounds, k, name, spec):
@@ -126,26 +135,44 @@ GATE_PROMPTS = {  # low acceptance: words in no order; high: a sentence repeated
 }
 
 
+def load_average():
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
 def bench_gate(model, tokens, rounds, k):
     """The wall-time gate (common/spec_gate.h): speed with speculation on
-    (adaptive K and the gate) against off, per prompt kind, rounds interleaved."""
-    print("loom run, batch 1, greedy, %d tokens, K=%d adaptive with the wall-time gate, %d interleaved rounds"
-          % (tokens, k, rounds))
-    print("%-16s %-11s %10s %10s %8s %8s %8s" % ("method", "prompt", "off tok/s", "on tok/s", "on/off",
-                                                 "tok/step", "accept%"))
+    (adaptive K, the start-up estimate and the gate) against off, per prompt
+    kind, rounds interleaved; the ratio is the median's, the range each
+    round's (off then on, one after the other), with the load average; the
+    same ratio of decode tokens a CPU second (`cpu`), which the waits of a
+    loaded machine do not move."""
+    print("loom run, batch 1, greedy, %d tokens, K=%d adaptive with the wall-time gate, %d interleaved rounds, %s"
+          % (tokens, k, rounds, os.path.basename(model.rstrip("/"))))
+    print("%-16s %-11s %10s %10s %8s %13s %8s %8s %8s %-9s %s" % (
+        "method", "prompt", "off tok/s", "on tok/s", "on/off", "rounds", "cpu", "tok/step", "accept%", "gate", "load"))
     for name, spec in (("ngram", NGRAM), ("int8 self-draft", SELF_INT8)):
         for kind, prompt in GATE_PROMPTS.items():
-            off, on, steps, accs, gates = [], [], [], [], []
+            off, on, steps, accs, gates, loads, cpu_off, cpu_on = [], [], [], [], [], [], [], []
             for _ in range(rounds):
-                off.append(loom_run(model, prompt, tokens, [])[0])
-                r, t, acc = loom_run(model, prompt, tokens, spec + ["--num-speculative-tokens", str(k)])
+                loads.append(load_average())
+                r, _, _, c, _ = loom_run(model, prompt, tokens, [], want_gate=True)
+                off.append(r)
+                cpu_off.append(c)
+                r, t, acc, c, gate = loom_run(model, prompt, tokens, spec + ["--num-speculative-tokens", str(k)],
+                                              want_gate=True)
                 on.append(r)
+                cpu_on.append(c)
                 steps.append(t)
                 accs.append(acc)
-            print("%-16s %-11s %10.1f %10.1f %7.2fx %8.2f %8.1f" % (
+                gates.append(gate)
+            ratios = [n / o for n, o in zip(on, off)]
+            print("%-16s %-11s %10.1f %10.1f %7.2fx %13s %7.3fx %8.2f %8.1f %-9s %.1f-%.1f" % (
                 name, kind, statistics.median(off), statistics.median(on),
-                statistics.median(on) / statistics.median(off), statistics.median(steps),
-                statistics.median(accs)))
+                statistics.median(on) / statistics.median(off),
+                "%.2f-%.2fx" % (min(ratios), max(ratios)), statistics.median(cpu_on) / statistics.median(cpu_off),
+                statistics.median(steps),
+                statistics.median(accs), max(set(gates), key=gates.count), min(loads), max(loads)))
 
 
 def main():

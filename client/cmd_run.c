@@ -264,27 +264,35 @@ int loom_cmd_run(int argc, char **argv) {
             int dec = st.gen_tokens > 1 ? st.gen_tokens - 1 : 0;
             fprintf(stderr,
                     "prompt: %d tokens, time to first token %.1f ms (%.1f tokens/s prefill); "
-                    "generated %d tokens, decode %.2f tokens/s\n",
+                    "generated %d tokens, decode %.2f tokens/s (%.2f a CPU second)\n",
                     st.prompt_tokens, st.prefill_s * 1e3,
                     st.prefill_s > 0 ? st.prompt_tokens / st.prefill_s : 0.0, st.gen_tokens,
-                    st.decode_s > 0 ? dec / st.decode_s : 0.0);
+                    st.decode_s > 0 ? dec / st.decode_s : 0.0, st.decode_cpu_s > 0 ? dec / st.decode_cpu_s : 0.0);
             if (spec.method != LOOM_SPEC_OFF) {
                 fprintf(stderr, "speculative %s: %lld drafts, %lld draft tokens, %lld accepted (acceptance rate %.1f%%)\n",
                         loom_spec_method_name(spec.method), (long long)st.spec.num_drafts,
                         (long long)st.spec.num_draft_tokens, (long long)st.spec.num_accepted_tokens,
                         100.0 * loom_spec_stats_acceptance(&st.spec));
                 fprintf(stderr, "tokens per target step: %.2f\n", loom_spec_stats_tokens_per_step(&st.spec));
-                if (!spec.fixed_k)
+                if (!spec.fixed_k) {
+                    char best[96] = "";
+                    if (st.gate.best_case > 0)
+                        snprintf(best, sizeof best, "; drafting %s at best %.2fx plain",
+                                 st.gate.started_off ? "started off:" : "started on,", st.gate.best_case);
                     fprintf(stderr,
                             "speculation gate: %s (%.3f ms a token with drafts, %.3f plain%s; turned off %lld, "
-                            "on %lld times)\n",
+                            "on %lld times%s)\n",
                             loom_spec_gate_state_name(st.gate.state),
                             (st.gate.state == LOOM_SPEC_GATE_S_OFF ? st.gate.decided_spec
                                                                     : loom_spec_gate_spec_rate(&st.gate)) * 1e3,
                             (st.gate.state == LOOM_SPEC_GATE_S_OFF ? st.gate.decided_plain
                                                                     : loom_spec_gate_plain_rate(&st.gate)) * 1e3,
                             st.gate.state == LOOM_SPEC_GATE_S_OFF ? " when it last decided" : "",
-                            (long long)st.gate.turned_off, (long long)st.gate.turned_on);
+                            (long long)st.gate.turned_off, (long long)st.gate.turned_on, best);
+                }
+                if (spec.method == LOOM_SPEC_DRAFT)
+                    fprintf(stderr, "draft model: %lld forwards, %lld tokens read (a probe's catch-up: %d at most)\n",
+                            (long long)st.draft_forwards, (long long)st.draft_tokens, st.draft_probe_read);
             }
         }
     }

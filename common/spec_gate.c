@@ -4,6 +4,8 @@
 
 #include <string.h>
 
+#include "common/util.h"
+
 #define GATE_FAST_OFF 2.0 /* tokens this many times dearer turn drafts off after two steps */
 
 void loom_spec_gate_init(loom_spec_gate_t *g) {
@@ -92,6 +94,54 @@ static void decided(loom_spec_gate_t *g) {
     g->decided_plain = loom_spec_gate_plain_rate(g);
 }
 
+double loom_spec_gate_best_case(double t_plain, double t_verify, int k, double t_draft) {
+    if (!(t_plain > 0) || k < 1) return 0.0;
+    if (t_draft < 0) t_draft = 0;
+    /* t_verify(K+1) = t_plain + K b: each token a step carries costs b more */
+    const double b = t_verify > t_plain ? (t_verify - t_plain) / k : 0.0;
+    /* (K+1) t_plain / (t_plain + K (b + t_draft)) moves one way in K: its
+     * largest value is at K = 1 or K = k */
+    double best = 0.0;
+    const int ks[2] = {1, k};
+    for (int i = 0; i < 2; i++) {
+        const double s = (ks[i] + 1) * t_plain / (t_plain + ks[i] * (b + t_draft));
+        if (s > best) best = s;
+    }
+    return best;
+}
+
+int loom_spec_gate_wants_estimate(const loom_spec_gate_t *g) {
+    return g->state == LOOM_SPEC_GATE_S_WARMUP && g->steps >= LOOM_SPEC_GATE_WARMUP && !g->estimated;
+}
+
+int loom_spec_gate_probing(const loom_spec_gate_t *g) {
+    return g->state == LOOM_SPEC_GATE_S_OFF && g->allowed;
+}
+
+double loom_spec_gate_estimate(loom_spec_gate_t *g, double t_plain, double t_verify, int k, double t_draft) {
+    g->estimated = 1;
+    const double best = loom_spec_gate_best_case(t_plain, t_verify, k, t_draft);
+    g->best_case = best;
+    if (!(best > 0) || best >= 1.0 + LOOM_SPEC_GATE_START_MARGIN || g->state != LOOM_SPEC_GATE_S_WARMUP)
+        return best;
+    /* what a probe could cost beyond the plain steps it replaces: the
+     * drafter's catch-up of a window and the probe's steps of k drafts */
+    const double tv = t_verify > t_plain ? t_verify : t_plain;
+    const double probe = (LOOM_SPEC_GATE_PROBE_WINDOW + LOOM_SPEC_GATE_PROBE * k) * (t_draft > 0 ? t_draft : 0) +
+                         LOOM_SPEC_GATE_PROBE * (tv - t_plain);
+    const double every = probe / (LOOM_SPEC_GATE_PROBE_BUDGET * t_plain);
+    g->state = LOOM_SPEC_GATE_S_OFF;
+    g->steps = 0;
+    g->probe_left = 0;
+    g->probe_every = every >= LOOM_SPEC_GATE_MAX_PROBE ? LOOM_SPEC_GATE_MAX_PROBE
+                     : every <= LOOM_SPEC_GATE_FIRST_PROBE ? LOOM_SPEC_GATE_FIRST_PROBE
+                                                           : (int)every;
+    g->started_off = 1;
+    g->decided_plain = t_plain;
+    g->decided_spec = t_plain / best;
+    return best;
+}
+
 static void turn_off(loom_spec_gate_t *g) {
     decided(g);
     g->state = LOOM_SPEC_GATE_S_OFF;
@@ -125,7 +175,7 @@ void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int s
             g->steps = 0;
             g->turned_on++;
         } else if (g->probe_every < LOOM_SPEC_GATE_MAX_PROBE) {
-            g->probe_every *= 8;
+            g->probe_every = LOOM_MIN(g->probe_every * 8, LOOM_SPEC_GATE_MAX_PROBE);
         }
         g->allowed = 0;
     }

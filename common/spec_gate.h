@@ -24,6 +24,18 @@
  *           draft model's probe first reads every token it missed while
  *           off (its prefill), so probes must be rare for a draft that
  *           never pays to cost a small share of the time.
+ *   Where the engine can time its costs before drafting (loom run), the
+ *   start-up estimate (loom_spec_gate_estimate, once, as WARMUP ends) asks
+ *   what drafting could give at best, every draft accepted: (K+1) tokens in
+ *   t_verify(K+1) + K·t_draft against one in t_plain. Below 1 +
+ *   LOOM_SPEC_GATE_START_MARGIN the gate starts OFF (no draft work at all:
+ *   a draft model never reads the prompt), with probes spaced so that they
+ *   cost at most LOOM_SPEC_GATE_PROBE_BUDGET of the plain time; else WARMUP
+ *   goes ON as above.
+ * A probe's drafter catches up with at most LOOM_SPEC_GATE_PROBE_WINDOW of
+ * the latest tokens (loom_spec_gate_probing says when a step is a probe):
+ * a draft model then attends within that window only, which may lower its
+ * acceptance but bounds what a probe costs.
  * The rates are medians of the last 5 steps of each kind, so a step the
  * OS descheduled (a shared machine) does not move them. Invariant: the
  * gate never changes the output (a plain step and a speculative one
@@ -39,6 +51,12 @@
 #define LOOM_SPEC_GATE_PROBE 3
 #define LOOM_SPEC_GATE_FIRST_PROBE 64
 #define LOOM_SPEC_GATE_MAX_PROBE 4096
+/* The best case, every draft accepted, must beat plain decoding by this
+ * much to start drafting: at an acceptance of 80 % a step of 4 drafts gets
+ * two thirds of the best case's tokens, one of a single draft nine tenths. */
+#define LOOM_SPEC_GATE_START_MARGIN 0.25
+#define LOOM_SPEC_GATE_PROBE_BUDGET 0.02 /* a start-off gate's probes: this share of the plain time at most */
+#define LOOM_SPEC_GATE_PROBE_WINDOW 64   /* tokens a probe's drafter catches up with at most */
 
 typedef enum { LOOM_SPEC_GATE_S_WARMUP, LOOM_SPEC_GATE_S_ON, LOOM_SPEC_GATE_S_OFF } loom_spec_gate_state_t;
 
@@ -60,6 +78,9 @@ typedef struct loom_spec_gate {
     int allowed;                  /* what the last loom_spec_gate_step answered */
     double decided_spec, decided_plain; /* the two rates at the last turn or failed probe */
     int64_t turned_off, turned_on; /* transitions, for stats and tests */
+    int estimated;                /* loom_spec_gate_estimate was called */
+    int started_off;              /* ... and found that drafting could not pay */
+    double best_case;             /* its best-case speed-up over plain decoding (0: none) */
 } loom_spec_gate_t;
 
 void loom_spec_gate_init(loom_spec_gate_t *g);
@@ -74,6 +95,26 @@ int loom_spec_gate_step(loom_spec_gate_t *g);
 void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds);
 /* Seconds per token of a sequence in plain and in speculative steps: the
  * median of the recent ones (0: none seen). */
+/* The start-up estimate, due when loom_spec_gate_wants_estimate says so
+ * (WARMUP's plain steps done, no estimate yet). t_plain: a plain step's
+ * target forward; t_verify: one of k+1 tokens (0: not timed, taken as
+ * t_plain, the least it can cost); t_draft: one draft forward (0 for a
+ * drafter that costs nothing). The best case over K = 1..k, every draft
+ * accepted and t_verify linear in the tokens between 1 and k+1, below
+ * 1 + LOOM_SPEC_GATE_START_MARGIN turns the gate OFF, with the first probe
+ * after the plain steps whose time LOOM_SPEC_GATE_PROBE_BUDGET of is what
+ * a probe could cost (its catch-up of LOOM_SPEC_GATE_PROBE_WINDOW tokens
+ * and LOOM_SPEC_GATE_PROBE steps of k drafts, each token at t_draft).
+ * Returns the best case. An engine that never calls it keeps the gate as
+ * it was (WARMUP, then ON). */
+double loom_spec_gate_estimate(loom_spec_gate_t *g, double t_plain, double t_verify, int k, double t_draft);
+/* The best case alone: (K+1) t_plain / (t_verify(K+1) + K t_draft), the
+ * largest over K = 1..k. */
+double loom_spec_gate_best_case(double t_plain, double t_verify, int k, double t_draft);
+int loom_spec_gate_wants_estimate(const loom_spec_gate_t *g);
+/* The step the last loom_spec_gate_step allowed is a probe of an OFF gate
+ * (its drafter catches up with a recent window only). */
+int loom_spec_gate_probing(const loom_spec_gate_t *g);
 double loom_spec_gate_plain_rate(const loom_spec_gate_t *g);
 double loom_spec_gate_spec_rate(const loom_spec_gate_t *g);
 const char *loom_spec_gate_state_name(loom_spec_gate_state_t s);

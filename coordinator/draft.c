@@ -23,6 +23,7 @@
 typedef struct draft_entry {
     uint64_t id; /* the sequence's */
     int slot, k;
+    int window;    /* a probe's: the catch-up reads at most this many tokens (0: all) */
     int32_t *hist; /* a copy of its tokens (the sequence may be freed meanwhile) */
     int n_hist;
     int tok;       /* its first draft's index in mb->tokens */
@@ -42,6 +43,7 @@ typedef struct draft_job {
 
 struct loom_coord_draft {
     loom_local_t *model; /* the thread's (open and close: before it starts, after it stops) */
+    const loom_sched_t *sched; /* attached to (whether a step is a probe of its gate) */
     int ctx;             /* positions per slot */
     long delay_ms;       /* LOOM_TEST_DRAFT_DELAY_MS */
     _Atomic long errors;
@@ -90,7 +92,7 @@ static void run_job(loom_coord_draft_t *d, draft_job_t *j) {
         draft_entry_t *e = &j->e[i];
         test_delay(d);
         loom_err_t err = {0};
-        int n = loom_local_propose(d->model, e->slot, e->hist, e->n_hist, e->k, e->out, &err);
+        int n = loom_local_propose_window(d->model, e->slot, e->hist, e->n_hist, e->k, e->window, e->out, &err);
         if (n < 0) {
             if (atomic_fetch_add(&d->errors, 1) == 0)
                 LOOM_WARN("speculative draft: %s (the step verifies placeholder drafts)", err.msg);
@@ -256,7 +258,8 @@ static int draft_reserve(void *ctx, const loom_seq_t *q, int k, int32_t *out) {
         j->e = loom_xrealloc(j->e, (size_t)j->cap * sizeof *j->e);
     }
     draft_entry_t *e = &j->e[j->n++];
-    *e = (draft_entry_t){.id = q->id, .slot = slot, .k = k, .n_hist = q->n_tokens};
+    *e = (draft_entry_t){.id = q->id, .slot = slot, .k = k, .n_hist = q->n_tokens,
+                         .window = d->sched && loom_sched_spec_probing(d->sched) ? LOOM_SPEC_GATE_PROBE_WINDOW : 0};
     e->hist = loom_xmalloc((size_t)q->n_tokens * sizeof *e->hist);
     memcpy(e->hist, q->tokens, (size_t)q->n_tokens * sizeof *e->hist);
     /* valid ids until the drafts replace them (a failed forward leaves them) */
@@ -275,6 +278,7 @@ static void draft_forget(void *ctx, const loom_seq_t *q) {
 }
 
 void loom_coord_draft_attach(loom_coord_draft_t *d, loom_sched_t *s) {
+    d->sched = s;
     loom_sched_set_drafter(s, draft_reserve, draft_forget, d);
 }
 
@@ -337,3 +341,4 @@ void loom_coord_draft_void(loom_coord_draft_t *d, const loom_microbatch_t *mb) {
 
 int loom_coord_draft_busy(const loom_coord_draft_t *d) { return d->n_busy; }
 long loom_coord_draft_errors(const loom_coord_draft_t *d) { return atomic_load(&d->errors); }
+loom_local_counters_t loom_coord_draft_counters(const loom_coord_draft_t *d) { return loom_local_counters(d->model); }

@@ -36,6 +36,7 @@
 #include "common/status.h"
 #include "common/tokenizer.h"
 #include "coordinator/sched.h"
+#include "worker/local.h"
 
 typedef struct loom_coord_draft_options {
     const char *model_dir;    /* the draft's directory (the target's for a self-draft) */
@@ -75,5 +76,8 @@ void loom_coord_draft_void(loom_coord_draft_t *d, const loom_microbatch_t *mb);
  * placeholder drafts, which changes nothing but the acceptance counts). */
 int loom_coord_draft_busy(const loom_coord_draft_t *d);
 long loom_coord_draft_errors(const loom_coord_draft_t *d);
+/* The draft model's forwards and tokens read so far (worker/local.h); read
+ * it between jobs (after loom_coord_draft_take returned the last). */
+loom_local_counters_t loom_coord_draft_counters(const loom_coord_draft_t *d);
 
 #endif

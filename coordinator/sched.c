@@ -818,6 +818,10 @@ void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
 }
 const loom_spec_stats_t *loom_sched_spec_stats(const loom_sched_t *s) { return &s->spec_stats; }
 
+int loom_sched_spec_probing(const loom_sched_t *s) {
+    return !s->spec.fixed_k && loom_spec_gate_probing(&s->spec_gate);
+}
+
 void loom_sched_set_clock(loom_sched_t *s, loom_sched_clock_fn now_ns, void *ctx) {
     s->clock = now_ns;
     s->clock_ctx = ctx;

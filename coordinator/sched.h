@@ -346,6 +346,10 @@ typedef int (*loom_sched_draft_fn)(void *ctx, const loom_seq_t *q, int k, int32_
 typedef void (*loom_sched_forget_fn)(void *ctx, const loom_seq_t *q);
 void loom_sched_set_drafter(loom_sched_t *s, loom_sched_draft_fn propose,
                             loom_sched_forget_fn forget, void *ctx);
+/* The batch being built carries the drafts of a probe of the speculation
+ * gate, off (common/spec_gate.h): a drafter catches up with a recent
+ * window of each sequence only. */
+int loom_sched_spec_probing(const loom_sched_t *s);
 /* Method MTP (the workers' MTP module drafts): drafts[i] (-1: none) is the
  * draft of mb's sequence i after the step mb ran; call before
  * loom_sched_complete. A sequence's next decode carries it (one draft)

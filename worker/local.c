@@ -37,11 +37,13 @@ struct loom_local {
     int mtp_h0, mtp_hn, mtp_done;
     /* sequence slots (loom_local_propose): slot i owns KV blocks
      * [i max_blocks, (i+1) max_blocks); held[i ctx ..] are the ids whose KV
-     * it holds at positions 0..held_n[i] */
+     * it holds at positions 0..held_n[i], the history's ids from held_off[i]
+     * on (0, unless a windowed catch-up started the slot within the history) */
     int n_slots;
     int32_t lora_slot; /* the adapter's engine slot for every sequence: 0, or -1 without --lora */
     int32_t *held;
-    int *held_n;
+    int *held_n, *held_off;
+    loom_local_counters_t counters; /* forwards run and the tokens they read */
 };
 
 #define LOCAL_MAX_ROWS (LOOM_SPEC_MAX_K + 1) /* logit rows a verify step samples */
@@ -212,6 +214,7 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
         l->block_table[i] = i;
     l->held = loom_xmalloc((size_t)l->ctx * l->n_slots * sizeof(int32_t));
     l->held_n = loom_xcalloc((size_t)l->n_slots, sizeof(int));
+    l->held_off = loom_xcalloc((size_t)l->n_slots, sizeof(int));
     l->cand_ids = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(int32_t));
     l->cand_keys = loom_xmalloc((size_t)LOCAL_MAX_ROWS * LOOM_SAMPLE_MAX_CAND * sizeof(float));
     l->hist = loom_xmalloc((size_t)l->ctx * sizeof(int32_t));
@@ -252,6 +255,7 @@ void loom_local_close(loom_local_t **l_p) {
     free(l->hist);
     free(l->held);
     free(l->held_n);
+    free(l->held_off);
     free(l);
 }
 
@@ -282,6 +286,8 @@ static loom_status_t run_slot(loom_local_t *l, int slot, const int32_t *tokens, 
                            .n_logits = nr,
                            .logit_rows = l->rows,
                            .seq_lora = l->lora_slot >= 0 ? &l->lora_slot : NULL};
+    l->counters.forwards++;
+    l->counters.tokens += n;
     return loom_model_forward(l->model, &b, err);
 }
 
@@ -381,11 +387,20 @@ int loom_local_slots(const loom_local_t *l) {
 }
 
 void loom_local_forget(loom_local_t *l, int slot) {
-    if (slot >= 0 && slot < l->n_slots) l->held_n[slot] = 0;
+    if (slot >= 0 && slot < l->n_slots) l->held_n[slot] = l->held_off[slot] = 0;
+}
+
+loom_local_counters_t loom_local_counters(const loom_local_t *l) {
+    return l->counters;
 }
 
 int loom_local_propose(loom_local_t *l, int slot, const int32_t *hist, int n_hist, int k,
                        int32_t *out, loom_err_t *err) {
+    return loom_local_propose_window(l, slot, hist, n_hist, k, 0, out, err);
+}
+
+int loom_local_propose_window(loom_local_t *l, int slot, const int32_t *hist, int n_hist, int k, int window,
+                              int32_t *out, loom_err_t *err) {
     if (slot < 0 || slot >= l->n_slots)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "slot %d of %d", slot, l->n_slots);
     k = LOOM_MIN(k,
@@ -397,19 +412,30 @@ int loom_local_propose(loom_local_t *l, int slot, const int32_t *hist, int n_his
                                 "token id %d is outside the vocabulary (%d)", hist[i],
                                 l->cfg.vocab_size);
     int32_t *held = l->held + (size_t)slot * l->ctx;
-    /* the cache is valid for the longest prefix it holds of hist (the rest:
-     * rejected drafts, or another sequence's tokens); at least the last id
-     * runs again, for its logits */
-    int valid = 0, n_held = l->held_n[slot];
-    while (valid < n_held && valid < n_hist && held[valid] == hist[valid])
+    /* the cache is valid for the longest prefix it holds of hist[off..)
+     * (the rest: rejected drafts, or another sequence's tokens), at
+     * positions 0..; at least the last id runs again, for its logits */
+    int off = l->held_off[slot], valid = 0, n_held = l->held_n[slot];
+    while (valid < n_held && off + valid < n_hist && held[valid] == hist[off + valid])
         valid++;
-    if (valid >= n_hist) valid = n_hist - 1;
+    if (valid == 0) off = 0; /* nothing to reuse: the whole history */
+    if (off + valid >= n_hist) valid = n_hist - 1 - off;
+    if (window > 0 && n_hist - off - valid > window) {
+        /* a window of the latest tokens, from position 0: RoPE scores
+         * depend on distances only, so this is attention within them */
+        off = n_hist - window;
+        valid = 0;
+    }
+    l->held_off[slot] = off;
     l->held_n[slot] = valid;
-    for (int p0 = valid; p0 < n_hist; p0 += l->chunk) {
-        int n = LOOM_MIN(l->chunk, n_hist - p0);
+    const int n_seq = n_hist - off; /* the slot's sequence: hist[off..n_hist) */
+    l->counters.last_read = n_seq - valid;
+    l->counters.max_read = LOOM_MAX(l->counters.max_read, l->counters.last_read);
+    for (int p0 = valid; p0 < n_seq; p0 += l->chunk) {
+        int n = LOOM_MIN(l->chunk, n_seq - p0);
         l->rows[0] = n - 1;
-        LOOM_CHECK(run_slot(l, slot, hist + p0, n, p0, 1, err));
-        memcpy(held + p0, hist + p0, (size_t)n * sizeof *hist);
+        LOOM_CHECK(run_slot(l, slot, hist + off + p0, n, p0, 1, err));
+        memcpy(held + p0, hist + off + p0, (size_t)n * sizeof *hist);
         l->held_n[slot] = p0 + n;
     }
     const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
@@ -417,12 +443,74 @@ int loom_local_propose(loom_local_t *l, int slot, const int32_t *hist, int n_his
         sample_rows(l, &greedy, 0, 1, &out[j]);
         if (j + 1 < k) {
             l->rows[0] = 0;
-            LOOM_CHECK(run_slot(l, slot, &out[j], 1, n_hist + j, 1, err));
-            held[n_hist + j] = out[j];
-            l->held_n[slot] = n_hist + j + 1;
+            LOOM_CHECK(run_slot(l, slot, &out[j], 1, n_seq + j, 1, err));
+            held[n_seq + j] = out[j];
+            l->held_n[slot] = n_seq + j + 1;
         }
     }
     return k;
+}
+
+static double cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* The start-up estimate's clock: on the CPU backend the process's CPU
+ * time, which the waits of a loaded machine (other jobs on its cores) do
+ * not move, so forwards of different sizes compare; elsewhere (a GPU:
+ * the host waits for the device) wall time. */
+static double cost_clock(const loom_local_t *l) {
+    return loom_backend_kind(l->be) == LOOM_DEVICE_CPU ? cpu_seconds() : (double)loom_now_ns() * 1e-9;
+}
+
+static void sleep_ms(long ms) {
+    struct timespec d = {ms / 1000, ms % 1000 * 1000000L};
+    nanosleep(&d, NULL);
+}
+
+/* The start-up estimate's draft side: the draft's slot 0 restarts and runs
+ * hist[0], hist[1].. one a forward (the prefill it would do, a token at a
+ * time), each timed (cost_clock) with its greedy pick (and the test hook's
+ * delay, in wall time); the fastest of up to `reps` into *sec. */
+static loom_status_t time_draft(loom_local_t *d, const int32_t *hist, int n_hist, int reps, long delay_ms,
+                                double *sec, loom_err_t *err) {
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    loom_local_forget(d, 0);
+    *sec = 0;
+    for (int p = 0; p < reps && p < n_hist; p++) {
+        const double t = cost_clock(d);
+        int32_t id;
+        d->rows[0] = 0;
+        LOOM_CHECK(run_slot(d, 0, hist + p, 1, p, 1, err));
+        sample_rows(d, &greedy, 0, 1, &id);
+        const double s = cost_clock(d) - t + (double)delay_ms * 1e-3;
+        if (p == 0 || s < *sec) *sec = s;
+        d->held[p] = hist[p];
+        d->held_n[0] = p + 1;
+    }
+    return LOOM_OK;
+}
+
+/* The start-up estimate's verify side: a target forward of n tokens at
+ * positions pos.. (rewritten by the next step, as rejected drafts are) and
+ * the sampling of its n rows, timed (cost_clock) into *sec, in wall time
+ * into *wall. */
+static loom_status_t time_verify(loom_local_t *l, int32_t tok, int pos, int n, const loom_sampling_t *s,
+                                 uint64_t g, double *sec, double *wall, loom_err_t *err) {
+    int32_t feed[LOCAL_MAX_ROWS], ids[LOCAL_MAX_ROWS];
+    for (int i = 0; i < n; i++) {
+        feed[i] = tok;
+        l->rows[i] = i;
+    }
+    const uint64_t t = loom_now_ns();
+    const double c = cost_clock(l);
+    LOOM_CHECK(run_chunk(l, feed, n, pos, n, err));
+    sample_rows(l, s, g, n, ids);
+    *sec = cost_clock(l) - c;
+    *wall = (double)(loom_now_ns() - t) * 1e-9;
+    return LOOM_OK;
 }
 
 loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_prompt, int max_new,
@@ -441,7 +529,7 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
                                 prompt[i], l->cfg.vocab_size);
     if (max_new > l->ctx - n_prompt) max_new = l->ctx - n_prompt;
-    l->held_n[0] = 0; /* slot 0's cache is rewritten */
+    l->held_n[0] = l->held_off[0] = 0; /* slot 0's cache is rewritten */
     uint64_t t0 = loom_now_ns();
     int vocab = l->cfg.vocab_size;
     for (int p0 = 0; p0 < n_prompt; p0 += l->chunk) {
@@ -485,14 +573,23 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
     loom_spec_gate_init(&gate);
     loom_spec_config_t spec = l->spec;
     uint64_t t1 = 0;
+    double cpu1 = 0;
     uint64_t t_step = 0; /* when the step being emitted started (its drafting included) */
     /* A test hook: every draft proposal of a draft model sleeps this long,
      * an expensive draft on demand (tests/integration/test_spec.py). */
     const char *delay_env = getenv("LOOM_TEST_DRAFT_DELAY_MS");
     const long draft_delay_ms = delay_env ? LOOM_MAX(0L, strtol(delay_env, NULL, 10)) : 0;
+    /* Another: no start-up estimate, the gate as an engine without one has
+     * it (drafts from the end of WARMUP), so tests reach its later states. */
+    const char *no_est_env = getenv("LOOM_TEST_SPEC_NO_ESTIMATE");
+    const int estimate = !(no_est_env && no_est_env[0] == '1') && !l->spec.fixed_k &&
+                         (l->draft || l->spec.method == LOOM_SPEC_NGRAM);
+    double t_plain = 0; /* the fastest WARMUP step's forward and sampling (cost_clock) */
+    const loom_local_counters_t draft0 = l->draft ? loom_local_counters(l->draft) : (loom_local_counters_t){0};
     if (!done) {
         sample_rows(l, s, 0, 1, sampled);
         t1 = loom_now_ns();
+        cpu1 = cpu_seconds();
         st.prefill_s = (double)(t1 - t0) * 1e-9;
     }
     while (!done) {
@@ -518,11 +615,33 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
          * KV is at pos - 1) */
         feed[0] = l->hist[n_hist - 1];
         int k = 0;
+        if (estimate && loom_spec_gate_wants_estimate(&gate)) {
+            /* Before the first drafts: what could drafting give at best? A
+             * draft forward (timed first: where it alone rules drafting out,
+             * the verify is not timed) and a verify step of K+1 tokens
+             * against the plain steps so far, on cost_clock. The verify's
+             * wall time also gives adaptive K its cost line's slope at once. */
+            const int kk = LOOM_MIN(LOOM_MIN(l->spec.k, l->chunk - 1), l->ctx - pos - 1);
+            double t_draft = 0, t_verify = 0;
+            if (kk >= 1 && t_plain > 0) {
+                if (l->draft) LOOM_CHECK(time_draft(l->draft, l->hist, n_hist, 3, draft_delay_ms, &t_draft, err));
+                if (loom_spec_gate_best_case(t_plain, 0, kk, t_draft) >= 1.0 + LOOM_SPEC_GATE_START_MARGIN) {
+                    double wall;
+                    LOOM_CHECK(time_verify(l, feed[0], pos, kk + 1, s, (uint64_t)g, &t_verify, &wall, err));
+                    loom_spec_cost_observe(&cost, kk + 1, wall);
+                }
+            }
+            const double best = loom_spec_gate_estimate(&gate, t_plain, t_verify, kk, t_draft);
+            LOOM_DEBUG("speculation estimate: plain %.3f ms, verify of %d %.3f ms, draft %.3f ms: at best %.2fx, %s",
+                       t_plain * 1e3, kk + 1, t_verify * 1e3, t_draft * 1e3, best,
+                       gate.started_off ? "starting off" : "drafting");
+        }
         t_step = loom_now_ns();
         if (l->spec.method != LOOM_SPEC_OFF) {
             spec.verify_cost = loom_spec_cost_relative(&cost, 1, l->spec.verify_cost);
             k = loom_spec_adapt_k(&adapt, &spec, 1);
             if (!spec.fixed_k && !loom_spec_gate_step(&gate)) k = 0;
+            else if (!spec.fixed_k && loom_spec_gate_probing(&gate)) k = LOOM_MAX(k, 1); /* a probe must draft */
             k = LOOM_MIN(k, max_new - g - 1);     /* never more tokens than asked */
             k = LOOM_MIN(k, l->ctx - pos - 1);    /* positions pos..pos+k must fit */
             k = LOOM_MIN(k, l->chunk - 1);        /* one forward holds at most a chunk */
@@ -532,12 +651,13 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
             } else if (l->draft) {
                 n_draft = 0;
                 if (k > 0) {
-                    if (draft_delay_ms > 0) {
-                        struct timespec d = {draft_delay_ms / 1000, draft_delay_ms % 1000 * 1000000L};
-                        nanosleep(&d, NULL);
-                    }
-                    n_draft = loom_local_propose(l->draft, 0, l->hist, n_hist, k, feed + 1, err);
+                    if (draft_delay_ms > 0) sleep_ms(draft_delay_ms);
+                    /* a probe reads a recent window only: it costs the same however long the gate was off */
+                    const int probing = loom_spec_gate_probing(&gate);
+                    n_draft = loom_local_propose_window(l->draft, 0, l->hist, n_hist, k,
+                                                        probing ? LOOM_SPEC_GATE_PROBE_WINDOW : 0, feed + 1, err);
                     if (n_draft < 0) return (loom_status_t)n_draft;
+                    if (probing) st.draft_probe_read = LOOM_MAX(st.draft_probe_read, l->draft->counters.last_read);
                 }
             } else {
                 n_draft = k > 0 ? loom_spec_ngram_propose(l->hist, n_hist, l->spec.ngram_min, l->spec.ngram_max,
@@ -550,16 +670,33 @@ loom_status_t loom_local_generate(loom_local_t *l, const int32_t *prompt, int n_
         /* adaptive K weighs the target's verify cost alone; what drafting
          * costs is the gate's (it times the whole cycle) */
         const uint64_t ts = loom_now_ns();
+        /* the estimate's plain side: WARMUP's steps on its clock (no other
+         * step's: a CPU-time read is a system call, ~1 us) */
+        const int time_plain = estimate && n_draft == 0 &&
+                               gate.state == LOOM_SPEC_GATE_S_WARMUP && !gate.estimated;
+        const double cs = time_plain ? cost_clock(l) : 0;
         for (int i = 0; i <= n_draft; i++) l->rows[i] = i;
         LOOM_CHECK(run_chunk(l, feed, n_draft + 1, pos, n_draft + 1, err));
         sample_rows(l, s, (uint64_t)g, n_draft + 1, sampled);
         if (l->mtp) mtp_keep_rows(l, pos, n_draft + 1);
         loom_spec_cost_observe(&cost, n_draft + 1, (double)(loom_now_ns() - ts) * 1e-9);
+        if (time_plain) {
+            const double c = cost_clock(l) - cs;
+            if (t_plain == 0 || c < t_plain) t_plain = c;
+        }
         pos++;
     }
     st.gen_tokens = g;
     st.gate = gate;
-    if (t1) st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
+    if (l->draft) {
+        const loom_local_counters_t d1 = loom_local_counters(l->draft);
+        st.draft_forwards = d1.forwards - draft0.forwards;
+        st.draft_tokens = d1.tokens - draft0.tokens;
+    }
+    if (t1) {
+        st.decode_s = (double)(loom_now_ns() - t1) * 1e-9;
+        st.decode_cpu_s = cpu_seconds() - cpu1;
+    }
     if (stats) *stats = st;
     return LOOM_OK;
 }
@@ -574,7 +711,7 @@ loom_status_t loom_local_mtp_logits(loom_local_t *l, const int32_t *tokens, int 
         if (tokens[i] < 0 || tokens[i] >= l->cfg.vocab_size)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
                                 tokens[i], l->cfg.vocab_size);
-    l->held_n[0] = 0;
+    l->held_n[0] = l->held_off[0] = 0;
     LOOM_CHECK(run_chunk(l, tokens, n, 0, 0, err));
     mtp_keep_rows(l, 0, n);
     const size_t dim = (size_t)l->cfg.dim, vocab = (size_t)l->cfg.vocab_size;
@@ -594,7 +731,7 @@ loom_status_t loom_local_logits(loom_local_t *l, const int32_t *tokens, int n, f
         if (tokens[i] < 0 || tokens[i] >= l->cfg.vocab_size)
             return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary (%d)",
                                 tokens[i], l->cfg.vocab_size);
-    l->held_n[0] = 0;
+    l->held_n[0] = l->held_off[0] = 0;
     for (int p0 = 0; p0 < n; p0 += l->chunk) {
         int c = LOOM_MIN(l->chunk, n - p0);
         for (int i = 0; i < c; i++) l->rows[i] = i;

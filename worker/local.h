@@ -45,9 +45,23 @@ typedef struct loom_gen_stats {
     int gen_tokens;
     double prefill_s; /* prompt in, first token out (time to first token) */
     double decode_s;  /* the remaining tokens */
+    double decode_cpu_s; /* the process's CPU time over decode_s (what a loaded machine's waits do not count) */
     loom_spec_stats_t spec; /* target steps and (with speculation) drafts and acceptance */
     loom_spec_gate_t gate;  /* the wall-time gate at the end (common/spec_gate.h) */
+    /* method DRAFT: the draft model's forwards in this call (the start-up
+     * estimate's, catch-ups and drafting steps) and the tokens they read;
+     * the most tokens a catch-up read in a probe of the gate */
+    int64_t draft_forwards, draft_tokens;
+    int draft_probe_read;
 } loom_gen_stats_t;
+
+/* An engine's forwards since it opened and the tokens they read; last_read:
+ * the tokens the last loom_local_propose's catch-up read, max_read the most
+ * any did. */
+typedef struct loom_local_counters {
+    int64_t forwards, tokens;
+    int last_read, max_read;
+} loom_local_counters_t;
 
 /* Called for each generated id; return nonzero to stop. */
 typedef int (*loom_token_fn)(void *ctx, int32_t id);
@@ -95,6 +109,15 @@ loom_status_t loom_local_mtp_logits(loom_local_t *l, const int32_t *tokens, int 
  * loom_local_generate runs on. */
 int loom_local_propose(loom_local_t *l, int slot, const int32_t *hist, int n_hist, int k,
                        int32_t *out, loom_err_t *err);
+/* The same with a catch-up of at most `window` tokens (0: no limit): when
+ * the slot misses more than that of hist, it starts over with the last
+ * `window` ids of hist as its sequence (from position 0) and drafts from
+ * attention within them; later calls continue that sequence while it
+ * stays a run of hist. A draft: what it proposes may differ from the
+ * unwindowed drafts, never the target's output. */
+int loom_local_propose_window(loom_local_t *l, int slot, const int32_t *hist, int n_hist, int k, int window,
+                              int32_t *out, loom_err_t *err);
+loom_local_counters_t loom_local_counters(const loom_local_t *l);
 /* The slot holds nothing any more (its sequence ended). */
 void loom_local_forget(loom_local_t *l, int slot);
 int loom_local_slots(const loom_local_t *l);

@@ -133,18 +133,35 @@ def test_draft_self_int8():
 
 
 def test_draft_expensive():
-    # a draft made expensive by the test hook (each proposal sleeps 30 ms,
-    # ~100 target steps of this model): the wall-time gate turns it off within
-    # a few steps and drafts only in its sparse probes; the ids are the same
+    # a draft made expensive by the test hook (each draft forward of the
+    # start-up estimate, and each proposal, sleeps 30 ms, ~100 target steps
+    # of this model): the gate starts off and the draft runs no forward but
+    # the estimate's 3 (no prefill of the prompt); the ids are the same
     _, base, _ = run(STORIES, PROMPTS[0], "--ignore-eos", max_tokens=96)
     env = dict(os.environ, LOOM_TEST_DRAFT_DELAY_MS="30")
     _, ids, err = run(STORIES, PROMPTS[0], "--ignore-eos", "--speculative-method", "draft",
                       "--speculative-quantization", "int8", max_tokens=96, env=env)
     check(ids == base, "expensive draft: ids differ")
     m = re.search(r"speculative draft: (\d+) drafts", err)
+    gate = re.search(r"speculation gate: (\w+) .*turned off (\d+).*drafting started off: at best ([\d.]+)x", err)
+    fwd = re.search(r"draft model: (\d+) forwards, (\d+) tokens read", err)
+    check(m and gate and fwd, "no speculation lines in: %s" % err[-400:])
+    check(gate.group(1) == "off" and float(gate.group(3)) < 1.0, "the gate did not start off: %s" % gate.group(0))
+    check(int(m.group(1)) == 0 and fwd.group(1) == "3" and fwd.group(2) == "3",
+          "expensive draft: %s drafting steps, %s" % (m.group(1), fwd.group(0)))
+    # without the estimate (another test hook) the gate drafts after its
+    # warm-up, turns off, and its probe 64 plain steps later catches up
+    # with the last 64 tokens only (it missed more)
+    env["LOOM_TEST_SPEC_NO_ESTIMATE"] = "1"
+    _, ids, err = run(STORIES, PROMPTS[0], "--ignore-eos", "--speculative-method", "draft",
+                      "--speculative-quantization", "int8", max_tokens=96, env=env)
+    check(ids == base, "expensive draft without the estimate: ids differ")
+    m = re.search(r"speculative draft: (\d+) drafts", err)
     gate = re.search(r"speculation gate: (\w+) .*turned off (\d+)", err)
-    check(m and gate, "no speculation lines in: %s" % err[-400:])
+    probe = re.search(r"a probe's catch-up: (\d+) at most", err)
+    check(m and gate and probe, "no speculation lines in: %s" % err[-400:])
     check(gate.group(1) == "off" and int(gate.group(2)) >= 1, "the gate did not turn off: %s" % gate.group(0))
+    check(probe.group(1) == "64", "a probe's catch-up read %s tokens" % probe.group(1))
     # warm-up 3 plain, then at most 5 drafting steps (1 unmeasured), a probe of 3 after 64 plain steps
     check(int(m.group(1)) <= 12, "expensive draft: %s drafting steps of 96 tokens" % m.group(1))
 

@@ -10,9 +10,10 @@ loom_add_test(test_quant SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_quant.c
 # no CUDA toolkit needed).
 loom_add_test(test_qformat SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_qformat.c
               LIBS loom_kernels LABELS unit kernels TIMEOUT 60)
-# Speculative decoding helpers and the verification rule's distribution.
+# Speculative decoding helpers, the verification rule's distribution, the
+# wall-time gate (and, on stories260K, loom run's loop with the gate).
 loom_add_test(test_spec SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_spec.c
-              LIBS loom_kernels loom_base LABELS unit TIMEOUT 60)
+              LIBS loom_worker_core loom_kernels loom_base LABELS unit TIMEOUT 60)
 # The CUDA kernels' per-element math (kernels/cuda/opmath.h) and their
 # online-softmax tile loop, emulated on the CPU against the CPU backend.
 loom_add_test(test_cuda_math SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_math.c ${PROJECT_SOURCE_DIR}/worker/moe_ds.c

@@ -160,6 +160,81 @@ static void test_drafts_as_in_the_scheduler(void) {
     loom_local_close(&ref);
 }
 
+/* The scheduler's clock in the probe test: each batch 1 ms, each drafted
+ * token 3 ms more (a draft that never pays). */
+struct fake_clock {
+    uint64_t ns;
+};
+
+static uint64_t fake_now(void *ctx) {
+    return ((struct fake_clock *)ctx)->ns;
+}
+
+/* Finishes a sequence at its max_tokens (the server's part). */
+static void finish_at_max(void *ctx, loom_seq_t *q, int32_t id) {
+    (void)id;
+    if (q->n_tokens - q->n_prompt >= q->max_tokens) loom_sched_finish(ctx, q);
+}
+
+/* A probe of the gate, off, drafts after a window of each sequence: a
+ * sequence that arrived while the gate was off (its history longer than
+ * the window, never read by the draft) has its catch-up read 64 tokens. */
+static void test_probe_window(void) {
+    loom_coord_draft_t *d = open_draft();
+    REQUIRE(d);
+    loom_sched_t *s = make_sched(d);
+    loom_spec_config_t c;
+    loom_spec_config_defaults(&c);
+    c.method = LOOM_SPEC_DRAFT;
+    c.k = 3; /* adaptive, with the gate */
+    loom_sched_set_spec(s, &c);
+    struct fake_clock clk = {.ns = 1};
+    loom_sched_set_clock(s, fake_now, &clk);
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    int32_t prompt[70] = {1, 40, 70, 200, 91, 17};
+    for (int i = 6; i < 70; i++) prompt[i] = 3 + (i * 37) % 500;
+    loom_seq_t *q = NULL;
+    loom_err_t err = {0};
+    REQUIRE(loom_sched_add(s, 1, prompt, 6, 100, 0, &greedy, NULL, &q, &err) == LOOM_OK);
+    int spec_steps = 0, first_read = -1, first_hist = 0, probes_b = 0;
+    for (int step = 0; step < 100; step++) {
+        if (step == 30) { /* the gate is off by now: the second sequence's drafts come at the probe */
+            REQUIRE(loom_sched_add(s, 2, prompt, 70, 50, 0, &greedy, NULL, &q, &err) == LOOM_OK);
+        }
+        loom_microbatch_t *mb = loom_sched_schedule(s), *back = NULL;
+        if (!mb) break;
+        const int probing = loom_sched_spec_probing(s);
+        int drafted = 0;
+        if (loom_coord_draft_submit(d, mb)) {
+            REQUIRE(wait_take(d, &back, 60000));
+            CHECK(back == mb);
+            for (int si = 0; si < mb->n_seqs; si++) {
+                drafted += mb->spec_n[si];
+                if (probing && mb->seqs[si]->id == 2 && mb->spec_n[si] > 0) probes_b++;
+            }
+            if (first_read < 0) {
+                first_read = loom_coord_draft_counters(d).last_read;
+                first_hist = mb->seqs[0]->n_tokens;
+            }
+            spec_steps++;
+        }
+        clk.ns += 1000000ull + 3000000ull * (uint64_t)drafted;
+        int32_t ids[512];
+        step_ids(mb, 0, ids); /* every first draft rejected */
+        loom_sched_complete(s, mb, ids, finish_at_max, s);
+    }
+    /* the first drafts, not a probe: the whole sequence */
+    CHECKF(first_read == first_hist && first_hist > 6, "the first drafts read %d of %d tokens", first_read,
+           first_hist);
+    CHECKF(spec_steps >= 2 && spec_steps <= 10, "%d drafting steps", spec_steps);
+    CHECKF(probes_b >= 1, "the second sequence drafted in %d probe steps", probes_b);
+    /* its history at the probe was over 100 tokens */
+    CHECKF(loom_coord_draft_counters(d).max_read == LOOM_SPEC_GATE_PROBE_WINDOW, "a catch-up read %d tokens",
+           loom_coord_draft_counters(d).max_read);
+    loom_sched_destroy(&s);
+    loom_coord_draft_destroy(&d);
+}
+
 static void test_reactor_half_returns_at_once(void) {
     setenv("LOOM_TEST_DRAFT_DELAY_MS", "1500", 1);
     loom_coord_draft_t *d = open_draft();
@@ -201,6 +276,7 @@ int main(void) {
     }
     fclose(f);
     RUN(test_drafts_as_in_the_scheduler);
+    RUN(test_probe_window);
     RUN(test_reactor_half_returns_at_once);
     return test_summary();
 }

@@ -2,14 +2,21 @@
  * K, the counters, and the verification rule's distribution: accepting a
  * point-mass draft d iff the row's sample equals d accepts with probability
  * p(d), rejected rows follow the residual p without d, and the emitted token
- * follows p (chi-square over thousands of draws). */
+ * follows p (chi-square over thousands of draws). The wall-time gate
+ * (common/spec_gate.h) against a cost model, its start-up estimate, and on
+ * stories260K the draft's windowed catch-up and a gate that starts off. */
 #include <stdint.h>
+#include <stdio.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "common/spec.h"
 #include "common/spec_gate.h"
 #include "common/util.h"
 #include "kernels/sampling.h"
 #include "tests/test.h"
+#include "worker/local.h"
 
 static void test_ngram(void) {
     int32_t out[16];
@@ -219,6 +226,8 @@ struct gate_model {
 struct gate_run {
     double seconds, tokens;
     int spec_steps;
+    int unprobed_spec_steps; /* steps with drafts while the gate was OFF and not probing */
+    int64_t draft_forwards;  /* k a step with drafts */
 };
 
 static void gate_simulate(loom_spec_gate_t *g, const struct gate_model *m, int steps, struct gate_run *out) {
@@ -227,6 +236,8 @@ static void gate_simulate(loom_spec_gate_t *g, const struct gate_model *m, int s
         jitter_state = jitter_state * 1664525u + 1013904223u;
         const double jitter = 1.0 + 0.03 * ((double)(jitter_state >> 8) / (double)(1u << 24) * 2.0 - 1.0);
         const int k = loom_spec_gate_step(g) ? m->k : 0;
+        if (k && g->state == LOOM_SPEC_GATE_S_OFF && !loom_spec_gate_probing(g)) out->unprobed_spec_steps++;
+        out->draft_forwards += k;
         const int emitted = 1 + (k ? m->accepted : 0);
         const double sec = jitter * (m->target_s * (1.0 + m->verify_c * k) + k * m->draft_s);
         loom_spec_gate_observe(g, k, emitted, 1, sec);
@@ -300,6 +311,200 @@ static void test_gate_recovers(void) {
     CHECK(loom_spec_gate_plain_rate(&g) > 0.9e-3 && loom_spec_gate_plain_rate(&g) < 1.1e-3);
 }
 
+/* The best case of the start-up estimate: (K+1) t_plain / (t_verify(K+1) +
+ * K t_draft) at its best K. */
+static void test_gate_best_case(void) {
+    /* a verify of K+1 tokens that costs K+1 decodes never pays */
+    CHECK(fabs(loom_spec_gate_best_case(1e-3, 5e-3, 4, 0) - 1.0) < 1e-9);
+    /* free drafts, a verify that costs one decode: K+1 tokens a step */
+    CHECK(fabs(loom_spec_gate_best_case(1e-3, 1e-3, 4, 0) - 5.0) < 1e-9);
+    /* no verify timed: taken as t_plain, the least it can cost */
+    CHECK(fabs(loom_spec_gate_best_case(1e-3, 0, 4, 1e-3) - 1.0) < 1e-9);
+    /* a draft as expensive as its target: 5 / (1.2 + 4) at K = 4, 2 / (1.05 + 1) at K = 1 */
+    CHECK(fabs(loom_spec_gate_best_case(1e-3, 1.2e-3, 4, 1e-3) - 2.0 / 2.05) < 1e-9);
+    /* a cheap draft: the largest K is best */
+    CHECK(fabs(loom_spec_gate_best_case(1e-3, 1.2e-3, 4, 0.1e-3) - 5.0 / 1.6) < 1e-9);
+    CHECK(loom_spec_gate_best_case(0, 1e-3, 4, 0) == 0.0);
+}
+
+/* Plays WARMUP's plain steps, then gives the estimate of the model's costs. */
+static void gate_start(loom_spec_gate_t *g, const struct gate_model *m, struct gate_run *r) {
+    loom_spec_gate_init(g);
+    CHECK(!loom_spec_gate_wants_estimate(g));
+    gate_simulate(g, m, LOOM_SPEC_GATE_WARMUP, r);
+    CHECK(r->spec_steps == 0);
+    CHECK(loom_spec_gate_wants_estimate(g));
+    loom_spec_gate_estimate(g, m->target_s, m->target_s * (1.0 + m->verify_c * m->k), m->k, m->draft_s);
+    CHECK(!loom_spec_gate_wants_estimate(g));
+}
+
+/* A draft as expensive as its target starts off and stays off: no draft
+ * forward at all but the probes', which come late enough to cost at most
+ * LOOM_SPEC_GATE_PROBE_BUDGET of the time. */
+static void test_gate_estimate_expensive(void) {
+    loom_spec_gate_t g;
+    const struct gate_model m = {.target_s = 1e-3, .verify_c = 0.05, .draft_s = 1e-3, .k = 4, .accepted = 4};
+    struct gate_run r = {0};
+    gate_start(&g, &m, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF && g.started_off && g.best_case < 1.0);
+    CHECK(g.turned_off == 0);
+    /* a probe: 64 tokens of catch-up and 3 steps of 4 drafts, each a target's
+     * cost, plus 3 x 0.2 of verify, is 2 % of 3830 plain steps */
+    CHECKF(g.probe_every >= 3000, "probe every %d steps", g.probe_every);
+    gate_simulate(&g, &m, 2000, &r);
+    CHECK(r.spec_steps == 0 && r.draft_forwards == 0);
+    CHECK(gate_speedup(&m, &r) >= 0.99);
+    gate_simulate(&g, &m, 20000, &r); /* a probe of LOOM_SPEC_GATE_PROBE steps at most every 3000 */
+    CHECKF(r.spec_steps > 0 && r.spec_steps <= (22000 / 3000) * LOOM_SPEC_GATE_PROBE, "%d drafting steps",
+           r.spec_steps);
+    CHECK(r.unprobed_spec_steps == 0);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF && g.turned_on == 0);
+    CHECK(gate_speedup(&m, &r) >= 0.99);
+}
+
+/* A cheap draft starts on (WARMUP goes ON as without an estimate) and drafts. */
+static void test_gate_estimate_cheap(void) {
+    loom_spec_gate_t g;
+    const struct gate_model m = {.target_s = 1e-3, .verify_c = 0.05, .draft_s = 0.05e-3, .k = 4, .accepted = 4};
+    struct gate_run r = {0};
+    gate_start(&g, &m, &r);
+    CHECK(!g.started_off && g.best_case > 3.0);
+    gate_simulate(&g, &m, 500, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_ON && g.turned_off == 0);
+    CHECK(gate_speedup(&m, &r) > 3.0);
+    /* the estimate is a best case: drafts that are never accepted still turn it off */
+    const struct gate_model bad = {.target_s = 1e-3, .verify_c = 0.2, .draft_s = 0.05e-3, .k = 4, .accepted = 0};
+    r = (struct gate_run){0};
+    gate_start(&g, &bad, &r);
+    CHECK(!g.started_off);
+    gate_simulate(&g, &bad, 20, &r);
+    CHECK(g.state == LOOM_SPEC_GATE_S_OFF && g.turned_off == 1);
+}
+
+static char g_stories[4096];
+
+static int have_stories(void) {
+    const char *d = getenv("LOOM_MODELS_DIR");
+    snprintf(g_stories, sizeof g_stories, "%s/stories260K", d && d[0] ? d : LOOM_MODELS_DIR_DEFAULT);
+    char cfg[4200];
+    snprintf(cfg, sizeof cfg, "%s/config.json", g_stories);
+    FILE *f = fopen(cfg, "r");
+    if (!f) {
+        fprintf(stderr, "skipped: no stories260K at %s\n", g_stories);
+        return 0;
+    }
+    fclose(f);
+    return 1;
+}
+
+static loom_local_t *open_stories(loom_spec_method_t method) {
+    loom_local_options_t o = {.model_dir = g_stories, .n_threads = 1, .ctx = 512};
+    if (method != LOOM_SPEC_OFF) {
+        loom_spec_config_defaults(&o.spec);
+        o.spec.method = method;
+        o.draft_quant.quant = LOOM_QUANT_INT8;
+    }
+    loom_local_t *l = NULL;
+    loom_err_t err = {0};
+    CHECKF(loom_local_open(&o, &l, &err) == LOOM_OK, "%s", err.msg);
+    return l;
+}
+
+/* A probe's catch-up reads a window of the latest tokens: drafting from
+ * them as a sequence of their own, and continuing it after. */
+static void test_propose_window(void) {
+    if (!have_stories()) return;
+    loom_local_t *l = open_stories(LOOM_SPEC_OFF);
+    if (!l) return;
+    enum { N = 300, W = LOOM_SPEC_GATE_PROBE_WINDOW };
+    int32_t hist[N + 8], out[4], ref[4];
+    uint32_t x = 7;
+    for (int i = 0; i < N; i++) {
+        x = x * 1664525u + 1013904223u;
+        hist[i] = (int32_t)(3 + (x >> 8) % 500);
+    }
+    loom_err_t err = {0};
+    loom_local_counters_t c0 = loom_local_counters(l);
+    CHECK(loom_local_propose_window(l, 0, hist, N, 4, W, out, &err) == 4);
+    loom_local_counters_t c1 = loom_local_counters(l);
+    CHECKF(c1.last_read == W, "the catch-up read %d tokens", c1.last_read);
+    CHECK(c1.tokens - c0.tokens == W + 3 && c1.forwards - c0.forwards == 1 + 3); /* one chunk, 3 drafting steps */
+    /* the same drafts as the window run as a sequence from the start */
+    loom_local_forget(l, 0);
+    CHECK(loom_local_propose(l, 0, hist + N - W, W, 4, ref, &err) == 4);
+    CHECK(memcmp(out, ref, sizeof out) == 0);
+    loom_local_forget(l, 0);
+    CHECK(loom_local_propose_window(l, 0, hist, N, 4, W, out, &err) == 4);
+    /* the next step: the first draft accepted and another id; the slot
+     * continues its window (windowed or not) and reads only what is new */
+    hist[N] = out[0];
+    hist[N + 1] = out[1] == 5 ? 6 : 5;
+    CHECK(loom_local_propose_window(l, 0, hist, N + 2, 4, W, out, &err) == 4);
+    CHECKF(loom_local_counters(l).last_read <= 2, "read %d", loom_local_counters(l).last_read);
+    hist[N + 2] = out[0];
+    CHECK(loom_local_propose(l, 0, hist, N + 3, 4, out, &err) == 4);
+    CHECKF(loom_local_counters(l).last_read <= 2, "read %d", loom_local_counters(l).last_read);
+    /* no window: another history is read whole */
+    loom_local_forget(l, 0);
+    CHECK(loom_local_propose(l, 0, hist, N, 4, out, &err) == 4);
+    CHECK(loom_local_counters(l).last_read == N);
+    loom_local_close(&l);
+}
+
+struct ids {
+    int32_t v[128];
+    int n;
+};
+
+static int keep_id(void *ctx, int32_t id) {
+    struct ids *o = ctx;
+    if (o->n < 128) o->v[o->n++] = id;
+    return 0;
+}
+
+static void generate(loom_local_t *l, int max_new, struct ids *o, loom_gen_stats_t *st) {
+    const int32_t prompt[] = {1, 403, 407, 261, 378, 263, 498, 22, 365};
+    const loom_sampling_t greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    loom_err_t err = {0};
+    o->n = 0;
+    CHECKF(loom_local_generate(l, prompt, 9, max_new, &greedy, 1, keep_id, o, NULL, st, &err) == LOOM_OK, "%s",
+           err.msg);
+}
+
+/* loom run's loop with the int8 self-draft made expensive (the test hook's
+ * delay in every draft forward): the gate starts off, the draft runs no
+ * forward but the estimate's; without the estimate (the other hook) the
+ * gate turns off after drafting and its probe, 64 plain steps later,
+ * catches up with a window of 64 tokens. The ids are plain decoding's. */
+static void test_generate_gate(void) {
+    if (!have_stories()) return;
+    loom_local_t *plain = open_stories(LOOM_SPEC_OFF), *spec = open_stories(LOOM_SPEC_DRAFT);
+    if (!plain || !spec) goto done;
+    struct ids base, ids;
+    loom_gen_stats_t st;
+    generate(plain, 120, &base, &st);
+    CHECK(base.n == 120);
+    setenv("LOOM_TEST_DRAFT_DELAY_MS", "3", 1);
+    generate(spec, 120, &ids, &st);
+    CHECK(ids.n == base.n && memcmp(ids.v, base.v, sizeof(int32_t) * (size_t)base.n) == 0);
+    CHECKF(st.gate.started_off && st.gate.state == LOOM_SPEC_GATE_S_OFF, "gate %s, started off %d",
+           loom_spec_gate_state_name(st.gate.state), st.gate.started_off);
+    CHECK(st.spec.num_drafts == 0);
+    CHECKF(st.draft_forwards == 3 && st.draft_tokens == 3, "%lld draft forwards, %lld tokens",
+           (long long)st.draft_forwards, (long long)st.draft_tokens);
+    setenv("LOOM_TEST_SPEC_NO_ESTIMATE", "1", 1);
+    generate(spec, 120, &ids, &st);
+    unsetenv("LOOM_TEST_SPEC_NO_ESTIMATE");
+    unsetenv("LOOM_TEST_DRAFT_DELAY_MS");
+    CHECK(ids.n == base.n && memcmp(ids.v, base.v, sizeof(int32_t) * (size_t)base.n) == 0);
+    CHECK(!st.gate.started_off && st.gate.turned_off >= 1);
+    /* the probe came after 64 plain steps: it missed more than its window */
+    CHECKF(st.draft_probe_read == LOOM_SPEC_GATE_PROBE_WINDOW, "a probe's catch-up read %d", st.draft_probe_read);
+done:
+    loom_local_close(&plain);
+    loom_local_close(&spec);
+}
+
 int main(void) {
     RUN(test_ngram);
     RUN(test_config);
@@ -311,5 +516,10 @@ int main(void) {
     RUN(test_gate_high_acceptance);
     RUN(test_gate_expensive_draft);
     RUN(test_gate_recovers);
+    RUN(test_gate_best_case);
+    RUN(test_gate_estimate_expensive);
+    RUN(test_gate_estimate_cheap);
+    RUN(test_propose_window);
+    RUN(test_generate_gate);
     return test_summary();
 }
