@@ -9,6 +9,13 @@
 #include "common/spec_gate.h"
 #include "common/util.h"
 
+/* A finished prefill's blocks kept for a decode side's pull (loom_sched_hold). */
+typedef struct kv_hold {
+    uint64_t id, deadline_ns;
+    int n;
+    int32_t *blocks; /* (n) each holding one reference */
+} kv_hold_t;
+
 struct loom_sched {
     loom_sched_config_t cfg;
     loom_kv_ledger_t *kv;
@@ -42,6 +49,8 @@ struct loom_sched {
     loom_sched_tier_fn tier_obs;   /* told of each block sent to the tier (NULL: none) */
     void *tier_obs_ctx;
     int dp_next;                   /* data-parallel attention: the rank ties go to first (round robin) */
+    kv_hold_t *holds;              /* delayed frees (loom_sched_hold), oldest first */
+    int n_holds, cap_holds, held_blocks;
 };
 
 static void attach_ledger(loom_sched_t *s);
@@ -211,6 +220,8 @@ void loom_sched_destroy(loom_sched_t **s_p) {
     }
     for (int i = 0; i < s->n_running; i++) seq_free(s, s->running[i]);
     for (int i = 0; i < s->n_waiting; i++) seq_free(s, s->heap[i]);
+    while (s->n_holds > 0) loom_sched_unhold(s, s->holds[0].id);
+    free(s->holds);
     for (int i = 0; i < s->n_mbs; i++) {
         loom_microbatch_t *mb = &s->mbs[i];
         free(mb->tokens);
@@ -1245,6 +1256,8 @@ void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
     /* the new ledger is made before the old one goes, so it never has the
      * old one's address (observers such as kv_events.c tell them apart by it) */
     loom_kv_ledger_t *old = s->kv;
+    for (int i = 0; i < s->n_holds; i++) free(s->holds[i].blocks); /* the old pool's: gone with it */
+    s->n_holds = s->held_blocks = 0;
     s->cfg.n_blocks = n_blocks;
     s->kv = loom_kv_create_parts(n_blocks, s->cfg.block_size, s->cfg.prefix_cache, s->cfg.n_dp);
     attach_ledger(s);
@@ -1286,6 +1299,76 @@ int loom_sched_in_flight(const loom_sched_t *s) {
     for (int i = 0; i < s->n_mbs; i++) n += s->mbs[i].in_use;
     return n;
 }
+
+/* ---- delayed free (loom_sched_hold) ------------------------------------------ */
+
+int loom_sched_hold(loom_sched_t *s, const loom_seq_t *q, uint64_t id, uint64_t deadline_ns,
+                    const int32_t **blocks) {
+    *blocks = NULL;
+    const int B = s->cfg.block_size;
+    int n = q->n_prompt > 0 ? (q->n_prompt - 1) / B : 0;
+    if (n > q->n_blocks) n = q->n_blocks;
+    if (n > q->n_computed / B) n = q->n_computed / B;
+    if (q->n_dropped > 0 || n <= 0) return 0; /* a window dropped the first blocks: nothing whole to hand over */
+    for (int i = 0; i < s->n_holds; i++) LOOM_ASSERT(s->holds[i].id != id);
+    if (s->n_holds == s->cap_holds) {
+        s->cap_holds = s->cap_holds ? 2 * s->cap_holds : 8;
+        s->holds = loom_xrealloc(s->holds, (size_t)s->cap_holds * sizeof *s->holds);
+    }
+    kv_hold_t *h = &s->holds[s->n_holds++];
+    h->id = id;
+    h->deadline_ns = deadline_ns;
+    h->n = n;
+    h->blocks = loom_xmalloc((size_t)n * sizeof *h->blocks);
+    for (int i = 0; i < n; i++) {
+        h->blocks[i] = q->blocks[i];
+        loom_kv_retain(s->kv, q->blocks[i]);
+    }
+    s->held_blocks += n;
+    *blocks = h->blocks;
+    return n;
+}
+
+const int32_t *loom_sched_held(const loom_sched_t *s, uint64_t id, int *n) {
+    for (int i = 0; i < s->n_holds; i++)
+        if (s->holds[i].id == id) {
+            *n = s->holds[i].n;
+            return s->holds[i].blocks;
+        }
+    *n = 0;
+    return NULL;
+}
+
+int loom_sched_unhold(loom_sched_t *s, uint64_t id) {
+    for (int i = 0; i < s->n_holds; i++) {
+        kv_hold_t *h = &s->holds[i];
+        if (h->id != id) continue;
+        int n = h->n;
+        for (int j = 0; j < n; j++) loom_kv_release(s->kv, h->blocks[j]);
+        free(h->blocks);
+        memmove(h, h + 1, (size_t)(s->n_holds - i - 1) * sizeof *h);
+        s->n_holds--;
+        s->held_blocks -= n;
+        return n;
+    }
+    return 0;
+}
+
+int loom_sched_hold_expire(loom_sched_t *s, uint64_t now_ns, uint64_t *ids, int cap) {
+    int n = 0;
+    for (int i = 0; i < s->n_holds;) {
+        if (now_ns < s->holds[i].deadline_ns) {
+            i++;
+            continue;
+        }
+        if (n < cap) ids[n] = s->holds[i].id;
+        n++;
+        loom_sched_unhold(s, s->holds[i].id);
+    }
+    return n;
+}
+
+int loom_sched_held_blocks(const loom_sched_t *s) { return s->held_blocks; }
 
 void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st) {
     *st = s->stats;

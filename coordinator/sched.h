@@ -317,6 +317,29 @@ void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots);
  * mb->save_after_*, done after that step's layers. The caller keeps c
  * alive while the scheduler holds it. */
 void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
+/* Delayed free for a worker-to-worker KV transfer (docs/disaggregation.md):
+ * a finished prefill's prompt blocks (its full blocks before the one of its
+ * last position, as kv_transfer_params name them) each keep one more
+ * reference under id until loom_sched_unhold (the decode side read them) or
+ * deadline_ns passes (loom_sched_hold_expire: the lease). Held blocks are
+ * neither freed nor reused: the sequence may finish and go meanwhile. Call
+ * before loom_sched_finish; returns how many blocks it holds (0: none, e.g.
+ * a window dropped the first ones), *blocks their ids (valid until the
+ * hold ends). id must be new. A new pool (loom_sched_reset_kv) ends every
+ * hold: its blocks were the old pool's. */
+int loom_sched_hold(loom_sched_t *s, const loom_seq_t *q, uint64_t id, uint64_t deadline_ns,
+                    const int32_t **blocks);
+/* The blocks held under id (NULL, *n 0: no such hold). */
+const int32_t *loom_sched_held(const loom_sched_t *s, uint64_t id, int *n);
+/* Ends the hold: its references go (blocks cached for the prefix cache stay
+ * cached). Returns the blocks it held (0: no such hold). */
+int loom_sched_unhold(loom_sched_t *s, uint64_t id);
+/* Ends the holds whose deadline is <= now_ns; their ids in ids (cap at
+ * most); returns how many ended. */
+int loom_sched_hold_expire(loom_sched_t *s, uint64_t now_ns, uint64_t *ids, int cap);
+/* Blocks held now, all holds together (loom_kv_transfer_held_blocks). */
+int loom_sched_held_blocks(const loom_sched_t *s);
+
 /* Told of each block hash sent to the connector's tier (the KV events
  * publisher listens); NULL fn: none. */
 typedef void (*loom_sched_tier_fn)(void *ctx, uint64_t hash);

@@ -62,6 +62,7 @@
 #include "coordinator/sampling_params.h"
 #include "coordinator/structured.h"
 #include "coordinator/sched.h"
+#include "coordinator/security.h"
 #include "coordinator/stop.h"
 #include "proto/wire.h"
 #include "proto/zapi.h"
@@ -766,6 +767,12 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 /* The host tier is the connector (not the directory's). */
 static int kv_host(const loom_server_t *s) { return s->kv_conn && !strcmp(s->kv_conn->tier, "host"); }
 
+/* Prefill/decode transfers go worker to worker (transport tcp). */
+static int kv_xfer_tcp(const loom_server_t *s) {
+    const loom_kv_transfer_config_t *c = &s->cfg.kv_transfer;
+    return (c->producer || c->consumer) && c->transport == LOOM_KV_TRANSPORT_TCP;
+}
+
 /* The directory tier's connector (alone, or below the host tier), NULL
  * when there is none. */
 static loom_kv_connector_t *kv_dir(const loom_server_t *s) {
@@ -1187,13 +1194,18 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
     uint64_t seed =
         lora_id >= 0 ? loom_sched_lora_seed(loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest)
                      : 0;
-    loom_status_t st = loom_kv_transfer_parse(json, kv_dir(s) ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
-                                              s->cfg.block_size, seed, kvt, &err);
+    const loom_kv_transfer_config_t *cfg = kv_xfer_tcp(s) || kv_dir(s) ? &s->cfg.kv_transfer : NULL;
+    loom_status_t st = loom_kv_transfer_parse(json, cfg, engine, ids, n_ids, s->cfg.block_size, seed, kvt, &err);
     if (st < 0) {
         snprintf(msg, n, "%s", err.msg);
         return st;
     }
     if (!kvt->remote_prefill || kvt->n_blocks == 0) return LOOM_OK;
+    if (kv_xfer_tcp(s)) {
+        snprintf(msg, n, "kv_transfer_params: pulling a prefill's blocks over transport tcp is not built yet");
+        loom_kv_transfer_req_free(kvt);
+        return LOOM_ERR_UNSUPPORTED;
+    }
     if (!prepared || !prepared->kv.whole) return 1;
     int have = prepared->kv.have;
     if (prepared->kv.read_s > 0.1)
@@ -1213,13 +1225,28 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
     return LOOM_OK;
 }
 
-/* The params a prefill for a remote decode answers with (malloc'd JSON). */
+/* The params a prefill for a remote decode answers with (malloc'd JSON).
+ * Transport tcp: its prompt's blocks are held (delayed free) for the
+ * decode side's pull, until it reports them read or the lease ends. */
 static char *kv_decode_params(loom_server_t *s, const request_t *q) {
     char engine[64], host[256] = "";
     loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
     const char *a = strncmp(s->api_addr, "tcp://", 6) ? s->api_addr : s->api_addr + 6, *colon = strrchr(a, ':');
     int port = colon ? atoi(colon + 1) : 0;
     snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - a) : 0, a);
+    if (kv_xfer_tcp(s)) {
+        uint64_t id = 0;
+        while (!id || loom_sched_held(s->sched, id, &(int){0})) loom_coord_epoch_secret((uint8_t *)&id, sizeof id);
+        const int32_t *blocks = NULL;
+        uint64_t lease = (uint64_t)s->cfg.kv_transfer.lease_ms * 1000000ull;
+        int n = loom_sched_hold(s->sched, q->seq, id, loom_now_ns() + lease, &blocks);
+        if (n > 0)
+            loom_log_req(LOOM_LOG_DEBUG, q->tag,
+                         "request %llu: %d KV blocks held for the decode side (transfer %016llx, lease %d ms)",
+                         (unsigned long long)q->request_id, n, (unsigned long long)id, s->cfg.kv_transfer.lease_ms);
+        return loom_kv_transfer_params_tcp(engine, q->seq->tokens, blocks, n, s->cfg.block_size, q->seq->lora_seed,
+                                           host, port, q->request_id, n > 0 ? id : 0, s->cfg.tp);
+    }
     return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, q->seq->lora_seed,
                                    host, port,
                                    q->request_id, s->cfg.tp);
@@ -1433,7 +1460,10 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
                                 loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest);
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
-    if (kvt.remote_decode) q->seq->kv_save = q->kv_remote_decode = 1; /* its blocks written through for the decode */
+    if (kvt.remote_decode) { /* dir: its blocks written through for the decode; tcp: held when it finishes */
+        q->kv_remote_decode = 1;
+        q->seq->kv_save = !kv_xfer_tcp(s);
+    }
     loom_kv_transfer_req_free(&kvt);
     if (g->return_prompt_ids && !g->prompt_logprobs) {
         q->pids_want = 1;
@@ -1849,6 +1879,8 @@ static void publish_state(loom_server_t *s) {
         st.kv_offload_queries = ss.tier_queries;
         st.kv_offload_hits = ss.tier_hits - ss.lower_hits;
         st.kv_offload_saves = ss.tier_saves - ss.lower_saves;
+        st.kv_transfer_tcp = kv_xfer_tcp(s);
+        st.kv_transfer_held_blocks = loom_sched_held_blocks(s->sched);
         if (s->kv_conn && s->kv_conn->lower) { /* the directory below the host tier: its own series */
             st.kv_offload_lower = 1;
             st.kv_lower_queries = loom_kv_host_connector_lower_queries(s->kv_conn);
@@ -1874,6 +1906,11 @@ static void publish_state(loom_server_t *s) {
 static void timers(loom_server_t *s) {
     uint64_t now = loom_now_ns();
     prep_timers(s, now);
+    uint64_t gone[16];
+    int n_gone = s->sched ? loom_sched_hold_expire(s->sched, now, gone, 16) : 0;
+    for (int i = 0; i < n_gone && i < 16; i++)
+        LOOM_INFO("KV transfer %016llx: the decode side did not read the held blocks within lease_ms %d: freed",
+                  (unsigned long long)gone[i], s->cfg.kv_transfer.lease_ms);
     if (s->recovery_deadline && now > s->recovery_deadline && loom_grid_state(s->grid) != LOOM_GRID_READY) {
         char msg[700];
         snprintf(msg, sizeof msg, "the serving grid failed and was not restored within %d ms: %s",

@@ -1,0 +1,124 @@
+"""Prefill/decode disaggregation on transport tcp (docs/disaggregation.md):
+the prefill's blocks pulled worker to worker, no shared directory.
+
+- Flags: transport tcp needs no --kv-offloading-dir; without a secret file
+  (or insecure: true, asked for by name) it is refused at start; a secret
+  file too short, a bad transport and a bad lease_ms are refused naming the
+  field; transport dir (the default) still needs the directory.
+- The prefill side holds its blocks (delayed free, the lease): a request
+  with do_remote_decode answers vLLM's kv_transfer_params with
+  remote_block_ids the pool's block ids (ints) and remote_block_hashes the
+  chain hashes; loom_kv_transfer_held_blocks counts the held blocks while no
+  decode side reads them and returns to 0 once lease_ms has passed; the
+  held blocks are not handed to other requests meanwhile (a second prefill
+  of another prompt gets other block ids)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import BIN, STORIES, Cluster, check, run_tests, scaled, wait_for  # noqa: E402
+from test_http import KEY, free_port, get_metrics, post  # noqa: E402
+
+B = 16
+STORY = ("Once upon a time there was a little girl named Lily. She loved to play outside in the sun. "
+         "One day she saw a big red ball in the park and ran to get it. Her friend Tom came too and "
+         "they played together all day until the sun went down and it was time to go home. ")
+PROMPTS = ["Kite " + STORY, "Moon " + STORY * 2]
+
+
+def call(port, path, body):
+    status, data = post(port, path, body, timeout=120)
+    check(status == 200, "%s %r: %d %r" % (path, body, status, data[:300]))
+    return json.loads(data)
+
+
+def gauge(port, name):
+    _, samples = get_metrics(port)
+    vals = [float(v) for n, _, v in samples if n == name]
+    return sum(vals) if vals else None
+
+
+def secret_file(work, data=b"0123456789abcdef0123456789abcdef\n"):
+    path = os.path.join(work, "kv-secret")
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+    return path
+
+
+def tcp_config(role, secret=None, policy="recompute", **extra):
+    x = {"transport": "tcp"}
+    if secret:
+        x["secret_file"] = secret
+    x.update(extra)
+    return json.dumps({"kv_connector": "LoomConnector", "kv_role": role, "kv_load_failure_policy": policy,
+                       "kv_connector_extra_config": x})
+
+
+def tcp_cluster(port, role, secret, tp=1, policy="recompute", extra=(), **x):
+    args = ["--block-size", str(B), "--kv-transfer-config", tcp_config(role, secret, policy, **x)] + list(extra)
+    if port:
+        args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
+    return Cluster(STORIES, tp, 1, coord_args=args)
+
+
+def test_flags():
+    work = tempfile.mkdtemp(prefix="loom-pd-flags-")
+    coord = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
+             "--control", "tcp://127.0.0.1:0"]
+    short = secret_file(work, b"tiny\n")
+
+    def cfg(**x):
+        return ["--kv-transfer-config", json.dumps({"kv_connector": "LoomConnector", "kv_connector_extra_config": x})]
+    cases = [
+        (coord + cfg(transport="tcp"), "secret_file"),
+        (coord + cfg(transport="tcp"), "insecure: true"),
+        (coord + cfg(transport="tcp", secret_file=short), "at least 16"),
+        (coord + cfg(transport="tcp", secret_file=os.path.join(work, "none")), "No such file"),
+        (coord + cfg(transport="rdma"), "transport"),
+        (coord + cfg(transport="tcp", insecure=True, lease_ms=0), "lease_ms"),
+        (coord + cfg(transport="dir"), "--kv-offloading-dir"),
+        (coord + cfg(secret_file=short), "transport tcp"),
+    ]
+    for argv, words in cases:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        check(p.returncode != 0 and words in p.stderr, "%r: exit %d, %r" % (argv[-1], p.returncode, p.stderr[-300:]))
+
+
+def test_lease():
+    work = tempfile.mkdtemp(prefix="loom-pd-lease-")
+    secret = secret_file(work)
+    lease_ms = int(scaled(3000))
+    port = free_port()
+    with tcp_cluster(port, "kv_producer", secret, lease_ms=lease_ms):
+        check(gauge(port, "loom_kv_transfer_held_blocks") == 0, "held blocks before any prefill")
+        kvs = []
+        t0 = time.monotonic()
+        for p in PROMPTS:
+            pre = call(port, "/v1/completions", {"prompt": p, "max_tokens": 1, "temperature": 0,
+                                                  "kv_transfer_params": {"do_remote_decode": True}})
+            kv = pre["kv_transfer_params"]
+            n_prompt = pre["usage"]["prompt_tokens"]
+            n = (n_prompt - 1) // B
+            check(kv["do_remote_prefill"] and not kv["do_remote_decode"] and len(kv["remote_block_ids"]) == n
+                  and all(isinstance(b, int) for b in kv["remote_block_ids"])
+                  and len(kv["remote_block_hashes"]) == n and kv["loom_transfer_id"] and kv["tp_size"] == 1
+                  and kv["remote_host"] and kv["remote_port"] > 0,
+                  "prefill's params: %r" % kv)
+            kvs.append(kv)
+        held = sum(len(k["remote_block_ids"]) for k in kvs)
+        check(not set(kvs[0]["remote_block_ids"]) & set(kvs[1]["remote_block_ids"]),
+              "the second prefill was given held blocks: %r" % kvs)
+        got = gauge(port, "loom_kv_transfer_held_blocks")
+        if time.monotonic() - t0 < lease_ms / 1e3:
+            check(got == held, "held blocks %r, want %d" % (got, held))
+        wait_for(lambda: gauge(port, "loom_kv_transfer_held_blocks") == 0, 30, "the lease to free the blocks")
+        check(time.monotonic() - t0 >= lease_ms / 1e3 * 0.9, "freed before the lease passed")
+
+
+if __name__ == "__main__":
+    run_tests([test_flags, test_lease])
