@@ -163,12 +163,31 @@ static loom_status_t parse_tcp(const cJSON *o, const int32_t *prompt, int n_prom
                                 "kv_transfer_params.remote_block_ids[%d] is not a block id", i);
         out->pool_blocks[i] = (int32_t)v;
     }
-    if (!cJSON_IsString(host) || !host->valuestring[0] || strlen(host->valuestring) >= sizeof out->host)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv_transfer_params.remote_host is missing");
-    snprintf(out->host, sizeof out->host, "%s", host->valuestring);
-    if (!cJSON_IsNumber(port) || port->valuedouble < 1 || port->valuedouble > 65535)
-        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv_transfer_params.remote_port is not a port");
-    out->port = (int)port->valuedouble;
+    const cJSON *ranks = get(o, "loom_remote_ranks");
+    if (ranks) { /* every rank's KV service */
+        size_t at = 0;
+        int r = 0;
+        if (!cJSON_IsArray(ranks) || cJSON_GetArraySize(ranks) < 1)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv_transfer_params.loom_remote_ranks must list "
+                                "addresses");
+        for (const cJSON *a = ranks->child; a; a = a->next, r++) {
+            if (!cJSON_IsString(a) || !a->valuestring[0] || strchr(a->valuestring, ','))
+                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                                    "kv_transfer_params.loom_remote_ranks[%d] is not an address", r);
+            int w = snprintf(out->addrs + at, sizeof out->addrs - at, "%s%s", r ? "," : "", a->valuestring);
+            if (w < 0 || (size_t)w >= sizeof out->addrs - at)
+                return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv_transfer_params.loom_remote_ranks is too "
+                                    "long");
+            at += (size_t)w;
+        }
+    } else {
+        if (!cJSON_IsString(host) || !host->valuestring[0] || strlen(host->valuestring) > 255)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv_transfer_params.remote_host is missing");
+        if (!cJSON_IsNumber(port) || port->valuedouble < 1 || port->valuedouble > 65535)
+            return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv_transfer_params.remote_port is not a port");
+        snprintf(out->addrs, sizeof out->addrs, strchr(host->valuestring, ':') ? "tcp://[%s]:%d" : "tcp://%s:%d",
+                 host->valuestring, (int)port->valuedouble);
+    }
     char *end = NULL;
     out->transfer_id = cJSON_IsString(xid) ? strtoull(xid->valuestring, &end, 16) : 0;
     if (!end || *end || !out->transfer_id)
@@ -256,9 +275,26 @@ char *loom_kv_transfer_params(const char *engine_id, const int32_t *prompt, int 
     return s;
 }
 
+/* "tcp://host:port" (or "[v6]:port") of the first address in addrs into host and port. */
+static void first_addr(const char *addrs, char *host, size_t cap, int *port) {
+    const char *a = strncmp(addrs, "tcp://", 6) ? addrs : addrs + 6, *end = strchr(a, ',');
+    size_t len = end ? (size_t)(end - a) : strlen(a);
+    const char *colon = memrchr(a, ':', len);
+    *port = colon ? atoi(colon + 1) : 0;
+    size_t hl = colon ? (size_t)(colon - a) : 0;
+    if (hl >= 2 && a[0] == '[' && a[hl - 1] == ']') { /* [v6] */
+        a++;
+        hl -= 2;
+    }
+    snprintf(host, cap, "%.*s", (int)LOOM_MIN(hl, cap - 1), a);
+}
+
 char *loom_kv_transfer_params_tcp(const char *engine_id, const int32_t *prompt, const int32_t *blocks, int n,
-                                  int block_size, uint64_t seed, const char *host, int port, uint64_t request_id,
+                                  int block_size, uint64_t seed, const char *addrs, uint64_t request_id,
                                   uint64_t transfer_id, int tp_size) {
+    char host[256];
+    int port = 0;
+    first_addr(addrs, host, sizeof host, &port);
     cJSON *o = cJSON_CreateObject();
     cJSON_AddBoolToObject(o, "do_remote_decode", 0);
     cJSON_AddBoolToObject(o, "do_remote_prefill", 1);
@@ -273,8 +309,17 @@ char *loom_kv_transfer_params_tcp(const char *engine_id, const int32_t *prompt, 
         snprintf(hex, sizeof hex, "%016" PRIx64, h);
         cJSON_AddItemToArray(hashes, cJSON_CreateString(hex));
     }
-    cJSON_AddStringToObject(o, "remote_host", host ? host : "");
+    cJSON_AddStringToObject(o, "remote_host", host);
     cJSON_AddNumberToObject(o, "remote_port", port);
+    cJSON *ranks = cJSON_AddArrayToObject(o, "loom_remote_ranks");
+    for (const char *a = addrs; *a;) {
+        const char *end = strchr(a, ',');
+        size_t len = end ? (size_t)(end - a) : strlen(a);
+        char one[512];
+        snprintf(one, sizeof one, "%.*s", (int)LOOM_MIN(len, sizeof one - 1), a);
+        cJSON_AddItemToArray(ranks, cJSON_CreateString(one));
+        a += len + (end ? 1 : 0);
+    }
     snprintf(hex, sizeof hex, "%" PRIu64, request_id);
     cJSON_AddStringToObject(o, "remote_request_id", hex);
     snprintf(hex, sizeof hex, "%016" PRIx64, transfer_id);

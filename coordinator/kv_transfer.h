@@ -58,8 +58,8 @@ typedef struct loom_kv_transfer_req {
     uint64_t *blocks;   /* owned: their chain hashes */
     /* transport tcp: where and what to pull */
     int32_t *pool_blocks;   /* owned (n_blocks): remote_block_ids, the prefill's pool block ids */
-    char host[256];         /* remote_host */
-    int port;               /* remote_port */
+    char addrs[1024];       /* the prefill's ranks' KV services, comma-separated: loom_remote_ranks, else
+                               remote_host:remote_port */
     uint64_t transfer_id;   /* loom_transfer_id: the prefill's hold */
     int tp_size;            /* the prefill's TP */
 } loom_kv_transfer_req_t;
@@ -90,9 +90,10 @@ char *loom_kv_transfer_params(const char *engine_id, const int32_t *prompt, int 
  * the n pool block ids it holds (ints, as vLLM's), remote_block_hashes their
  * chain hashes (hex, chained from seed: the forgery check),
  * loom_transfer_id the hold's id (hex), remote_host/remote_port the KV
- * service of the prefill's rank 0. */
+ * service of the prefill's rank 0 and loom_remote_ranks every rank's
+ * (addrs: "tcp://host:port" comma-separated in rank order; "" : none). */
 char *loom_kv_transfer_params_tcp(const char *engine_id, const int32_t *prompt, const int32_t *blocks, int n,
-                                  int block_size, uint64_t seed, const char *host, int port, uint64_t request_id,
+                                  int block_size, uint64_t seed, const char *addrs, uint64_t request_id,
                                   uint64_t transfer_id, int tp_size);
 
 #endif

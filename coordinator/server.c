@@ -946,9 +946,49 @@ static int prompt_lp_step(loom_server_t *s, const loom_microbatch_t *mb, const L
 
 static void schedule(loom_server_t *s);
 
+static void on_step_failed(void *ctx, loom_microbatch_t *mb);
+
+/* Transport tcp: the decode side reported a transfer read; its blocks go. */
+static void on_kv_read(void *ctx, uint64_t transfer) {
+    loom_server_t *s = ctx;
+    if (!s->sched) return;
+    int n = loom_sched_unhold(s->sched, transfer);
+    if (n > 0) loom_grid_kv_hold(s->grid, transfer, NULL, 0, 1);
+    LOOM_DEBUG("KV transfer %016llx read by the decode side: %d blocks freed", (unsigned long long)transfer, n);
+}
+
+/* Transport tcp: some of a step's pulls failed (StepResult.kv_pull_failed).
+ * Their sequences' KV is not valid, so the step's results go: every
+ * sequence of the step is computed again (the failed ones without pulling:
+ * kv_load_failure_policy recompute), or a failed one's request ends with
+ * UNAVAILABLE (fail). */
+static void pulls_failed(loom_server_t *s, loom_microbatch_t *mb, const Loom__V1__StepResult *r) {
+    for (size_t i = 0; i < r->n_kv_pull_failed; i++) {
+        uint32_t src = r->kv_pull_failed[i];
+        const char *why = i < r->n_kv_pull_errors ? r->kv_pull_errors[i] : "";
+        if (src >= (uint32_t)mb->n_pull_srcs) continue;
+        loom_seq_t *q = mb->pull_seq[src];
+        request_t *rq = q->user;
+        if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL && rq && rq->seq == q) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "kv_transfer_params: the prefill's KV blocks could not be pulled "
+                     "(kv_load_failure_policy fail): %.500s", why);
+            loom_log_req(LOOM_LOG_INFO, rq->tag, "request %llu: %s", (unsigned long long)rq->request_id, msg);
+            req_emit(s, rq, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, LOOM_ERR_UNAVAILABLE, msg);
+        } else {
+            LOOM_INFO("kv_transfer_params: the prefill's KV blocks could not be pulled: recomputed: %s", why);
+        }
+    }
+    on_step_failed(s, mb);
+}
+
 static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
                         size_t err_n) {
     loom_server_t *s = ctx;
+    if (r->n_kv_pull_failed) {
+        pulls_failed(s, mb, r);
+        return 0;
+    }
     if (mb == s->tail) s->tail = NULL;
     s->steps++;
     s->step_s_total += step_s;
@@ -1201,11 +1241,7 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
         return st;
     }
     if (!kvt->remote_prefill || kvt->n_blocks == 0) return LOOM_OK;
-    if (kv_xfer_tcp(s)) {
-        snprintf(msg, n, "kv_transfer_params: pulling a prefill's blocks over transport tcp is not built yet");
-        loom_kv_transfer_req_free(kvt);
-        return LOOM_ERR_UNSUPPORTED;
-    }
+    if (kv_xfer_tcp(s)) return LOOM_OK; /* the workers pull at admission; a failure is the step's */
     if (!prepared || !prepared->kv.whole) return 1;
     int have = prepared->kv.have;
     if (prepared->kv.read_s > 0.1)
@@ -1240,12 +1276,15 @@ static char *kv_decode_params(loom_server_t *s, const request_t *q) {
         const int32_t *blocks = NULL;
         uint64_t lease = (uint64_t)s->cfg.kv_transfer.lease_ms * 1000000ull;
         int n = loom_sched_hold(s->sched, q->seq, id, loom_now_ns() + lease, &blocks);
+        char addrs[1024];
+        if (!loom_grid_kv_xfer_addrs(s->grid, addrs, sizeof addrs)) addrs[0] = '\0';
+        if (n > 0) loom_grid_kv_hold(s->grid, id, blocks, n, 0); /* before the answer leaves */
         if (n > 0)
             loom_log_req(LOOM_LOG_DEBUG, q->tag,
                          "request %llu: %d KV blocks held for the decode side (transfer %016llx, lease %d ms)",
                          (unsigned long long)q->request_id, n, (unsigned long long)id, s->cfg.kv_transfer.lease_ms);
         return loom_kv_transfer_params_tcp(engine, q->seq->tokens, blocks, n, s->cfg.block_size, q->seq->lora_seed,
-                                           host, port, q->request_id, n > 0 ? id : 0, s->cfg.tp);
+                                           addrs, q->request_id, n > 0 ? id : 0, s->cfg.tp);
     }
     return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, q->seq->lora_seed,
                                    host, port,
@@ -1464,6 +1503,8 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
         q->kv_remote_decode = 1;
         q->seq->kv_save = !kv_xfer_tcp(s);
     }
+    if (kvt.remote_prefill && kv_xfer_tcp(s) && kvt.n_blocks > 0)
+        loom_sched_seq_set_pull(s->sched, q->seq, kvt.n_blocks, kvt.pool_blocks, kvt.addrs, kvt.transfer_id);
     loom_kv_transfer_req_free(&kvt);
     if (g->return_prompt_ids && !g->prompt_logprobs) {
         q->pids_want = 1;
@@ -1907,10 +1948,14 @@ static void timers(loom_server_t *s) {
     uint64_t now = loom_now_ns();
     prep_timers(s, now);
     uint64_t gone[16];
-    int n_gone = s->sched ? loom_sched_hold_expire(s->sched, now, gone, 16) : 0;
-    for (int i = 0; i < n_gone && i < 16; i++)
-        LOOM_INFO("KV transfer %016llx: the decode side did not read the held blocks within lease_ms %d: freed",
-                  (unsigned long long)gone[i], s->cfg.kv_transfer.lease_ms);
+    for (int n_gone = 16; s->sched && n_gone == 16;) {
+        n_gone = loom_sched_hold_expire(s->sched, now, gone, 16);
+        for (int i = 0; i < n_gone; i++) {
+            loom_grid_kv_hold(s->grid, gone[i], NULL, 0, 1);
+            LOOM_INFO("KV transfer %016llx: the decode side did not read the held blocks within lease_ms %d: freed",
+                      (unsigned long long)gone[i], s->cfg.kv_transfer.lease_ms);
+        }
+    }
     if (s->recovery_deadline && now > s->recovery_deadline && loom_grid_state(s->grid) != LOOM_GRID_READY) {
         char msg[700];
         snprintf(msg, sizeof msg, "the serving grid failed and was not restored within %d ms: %s",
@@ -2103,9 +2148,14 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
                              .kv_host_bytes = c->kv_offload_host_bytes,
                              .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu, .ahead = s->ahead};
+    if (kv_xfer_tcp(s)) {
+        gc.kv_xfer = (c->kv_transfer.producer ? 1 : 0) | (c->kv_transfer.consumer ? 2 : 0);
+        gc.kv_xfer_secret = c->kv_transfer.secret;
+        gc.kv_xfer_secret_len = c->kv_transfer.secret_len;
+    }
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed,
-                                .on_lora_loaded = on_lora_loaded};
+                                .on_lora_loaded = on_lora_loaded, .on_kv_read = on_kv_read};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
 }
 

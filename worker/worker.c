@@ -68,6 +68,7 @@
 #include "worker/comm.h"
 #include "worker/kv_host.h"
 #include "worker/kv_offload.h"
+#include "worker/kv_pd.h"
 #include "worker/logits_proc.h"
 #include "worker/lora_orders.h"
 #include "worker/model.h"
@@ -173,6 +174,12 @@ typedef struct worker {
     int n_trace, cap_trace;
     loom_kv_offload_t kv_tier; /* the directory tier (KvConfig.kv_offload_dir) */
     loom_kv_host_t kv_host;    /* the host-memory tier (KvConfig.kv_host_slots) */
+    loom_kv_pd_t kv_pd;        /* transport tcp: the KV service, the pulls (KvConfig.kv_xfer) */
+    /* the step's pulls: per source, failed (1), why (malloc'd), the open connection */
+    int *pull_failed, *pull_fd, cap_pull_src, n_pull_open; /* n_pull_open: sources of this step, fds open */
+    char **pull_why;
+    uint32_t *pull_failed_ids;
+    int n_pull_failed;
 } worker_t;
 
 static volatile sig_atomic_t g_stop;
@@ -249,6 +256,12 @@ static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int
     if (code == LOOM_OK && w->n_emb) {
         r.embeddings = w->emb;
         r.n_embeddings = w->n_emb;
+    }
+    if (code == LOOM_OK && w->n_pull_failed) {
+        r.kv_pull_failed = w->pull_failed_ids;
+        r.n_kv_pull_failed = (size_t)w->n_pull_failed;
+        r.kv_pull_errors = w->pull_why;
+        r.n_kv_pull_errors = (size_t)w->n_pull_failed;
     }
     r.epoch = epoch;
     r.step_id = step_id;
@@ -347,6 +360,7 @@ static void unload(worker_t *w) {
     loom_lora_orders_destroy(&w->lora); /* its cache reads the model */
     loom_kv_host_free(&w->kv_host); /* the backend's host memory */
     loom_kv_offload_free(&w->kv_tier);
+    loom_kv_pd_release(&w->kv_pd); /* its service reads the pool; its staging is the backend's */
     loom_model_destroy(&w->model);
     loom_backend_destroy(&w->be);
     loom_st_close(&w->st);
@@ -541,6 +555,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                   (unsigned long long)w->epoch);
         goto done;
     }
+    loom_kv_pd_stop(&w->kv_pd); /* its service reads the pool: gone before the pool moves */
     if ((int)k->n_blocks != loom_model_kv_blocks(w->model) || w->block_size != loom_model_kv_block_size(w->model)) {
         if (loom_model_alloc_kv(w->model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
     }
@@ -604,9 +619,32 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     pthread_mutex_unlock(&w->comm_mu);
     LOOM_INFO("joined the data plane (%s, %zu TP peers%s%s), KV pool of %u blocks", loom_comm_backend(c), n_tp,
               cs->prev ? ", previous stage" : "", cs->next ? ", next stage" : "", k->n_blocks);
+    char xfer_addr[320] = "";
+    if (k->kv_xfer) { /* transport tcp */
+        loom_kv_ident_t id;
+        loom_kv_span_fmt_t fmt;
+        char host[256] = "127.0.0.1";
+        const char *la = loom_comm_listener_addr(w->listener), *hs = strncmp(la, "tcp://", 6) ? la : la + 6;
+        const char *colon = strrchr(hs, ':');
+        if (colon && colon > hs) snprintf(host, sizeof host, "%.*s", (int)(colon - hs), hs);
+        if (host[0] == '[') { /* [v6] */
+            memmove(host, host + 1, strlen(host));
+            host[strlen(host) - 1] = '\0';
+        }
+        if (!loom_kv_pd_ident(w->model, k->kv_xfer_model, (int)a->tp_rank, (int)a->tp_size, (int)a->stage,
+                              (int)a->n_stages, (int)a->layer_begin, (int)a->layer_end, &id, &fmt)) {
+            loom_err_set(&err, LOOM_ERR_UNSUPPORTED, "transport tcp: the latent KV (MLA) is not moved this way");
+            goto fail;
+        }
+        if (loom_kv_pd_config(&w->kv_pd, (int)k->kv_xfer, w->epoch, w->model, w->be, &id, &fmt,
+                              k->kv_xfer_secret.data, k->kv_xfer_secret.len, host, &err) < 0)
+            goto fail;
+        loom_kv_pd_addr(&w->kv_pd, xfer_addr, sizeof xfer_addr);
+    }
     Loom__V1__Ready rd = LOOM__V1__READY__INIT;
     rd.epoch = w->epoch;
     rd.n_blocks = k->n_blocks;
+    rd.kv_xfer_addr = xfer_addr;
     Loom__V1__ControlMsg r = LOOM__V1__CONTROL_MSG__INIT;
     r.body_case = LOOM__V1__CONTROL_MSG__BODY_READY;
     r.ready = &rd;
@@ -816,6 +854,47 @@ static loom_status_t prev_tokens(worker_t *w, Loom__V1__StepPlan *p, loom_err_t 
     return LOOM_OK;
 }
 
+/* Transport tcp: the plan's pulls into this shard's pool, before the
+ * layers. A source that failed on any TP rank (agreed by an all-reduce of
+ * the flags) is reported (StepResult.kv_pull_failed); the step still runs. */
+static loom_status_t kv_pulls(worker_t *w, const Loom__V1__StepPlan *p, loom_err_t *err) {
+    int n_src = (int)p->n_kv_pull_addrs;
+    if (w->cap_pull_src < n_src) {
+        w->cap_pull_src = n_src;
+        w->pull_failed = loom_xrealloc(w->pull_failed, (size_t)n_src * sizeof *w->pull_failed);
+        w->pull_fd = loom_xrealloc(w->pull_fd, (size_t)n_src * sizeof *w->pull_fd);
+        w->pull_why = loom_xrealloc(w->pull_why, (size_t)n_src * sizeof *w->pull_why);
+        w->pull_failed_ids = loom_xrealloc(w->pull_failed_ids, (size_t)n_src * sizeof *w->pull_failed_ids);
+    }
+    char **why = loom_xcalloc((size_t)n_src, sizeof *why);
+    w->n_pull_open = n_src;
+    loom_kv_pd_pull(&w->kv_pd, p->kv_pull_blocks, p->kv_pull_remote, p->kv_pull_source, (int)p->n_kv_pull_blocks,
+                    p->kv_pull_addrs, p->kv_pull_transfer, n_src, w->pull_failed, why, w->pull_fd);
+    if (w->assign->tp_size > 1) { /* the ranks agree on which sources failed */
+        float *flags = loom_xmalloc((size_t)n_src * sizeof *flags);
+        for (int i = 0; i < n_src; i++) flags[i] = (float)w->pull_failed[i];
+        loom_status_t st = loom_comm_allreduce(w->comm, flags, n_src, err);
+        for (int i = 0; st == LOOM_OK && i < n_src; i++) w->pull_failed[i] = flags[i] > 0.5f;
+        free(flags);
+        if (st < 0) {
+            for (int i = 0; i < n_src; i++) free(why[i]);
+            free(why);
+            return st;
+        }
+    }
+    w->n_pull_failed = 0;
+    for (int i = 0; i < n_src; i++) {
+        if (w->pull_failed[i]) {
+            w->pull_failed_ids[w->n_pull_failed] = (uint32_t)i;
+            w->pull_why[w->n_pull_failed++] = why[i] ? why[i] : loom_xstrdup("the pull failed on another TP rank");
+        } else {
+            free(why[i]);
+        }
+    }
+    free(why);
+    return LOOM_OK;
+}
+
 static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__StepPlan *p = m->step;
     loom_err_t err = {0};
@@ -862,6 +941,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
                                          p->n_kv_load_blocks, &err)) < 0) {
         goto report;
     }
+    if (p->n_kv_pull_addrs && (s = kv_pulls(w, p, &err)) < 0) goto report;
     if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
         goto report;
     if (p->n_copy_src) /* a copy may read a block being loaded */
@@ -893,6 +973,10 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
     loom_kv_offload_save(&w->kv_tier, w->model, p->kv_save_after_blocks, p->kv_save_after_hashes,
                          p->n_kv_save_after_blocks);
+    if (w->n_pull_open) /* every rank's pulls landed before the layers' all-reduces: the blocks are read */
+        loom_kv_pd_done(&w->kv_pd, p->kv_pull_transfer, w->n_pull_open, w->pull_failed, w->pull_fd,
+                        rank0 && a->stage == 0);
+    w->n_pull_open = 0;
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;
@@ -959,6 +1043,9 @@ prompt:
     if (w->mtp.model && (s = mtp_step(w, p, &err)) < 0) goto report;
     if (p->n_prompt_lp_rows) s = prompt_logprobs(w, p, &err);
 report:;
+    if (w->n_pull_open) /* a path out before the done: the connections close, the lease frees */
+        loom_kv_pd_done(&w->kv_pd, p->kv_pull_transfer, w->n_pull_open, w->pull_failed, w->pull_fd, 0);
+    w->n_pull_open = 0;
     if (w->kv_tier.load) { /* a path out before the forward's finish: the pool is not written behind the next step */
         loom_err_t ignore = {0};
         loom_kv_offload_finish(&w->kv_tier, &ignore);
@@ -981,6 +1068,8 @@ report:;
         post_result(w, p->epoch, p->step_id, w->ids, p->n_logit_rows, LOOM_OK, NULL, (double)(t1 - t0) * 1e-9,
                     comm_s, &w->lp);
     }
+    for (int i = 0; i < w->n_pull_failed; i++) free(w->pull_why[i]);
+    w->n_pull_failed = 0;
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
 
@@ -1212,6 +1301,11 @@ static int reactor(worker_t *w) {
                         m = NULL;
                         break;
                     }
+                    case LOOM__V1__CONTROL_MSG__BODY_KV_HOLD: {
+                        const Loom__V1__KvHold *h = m->kv_hold;
+                        loom_kv_pd_hold(&w->kv_pd, h->epoch, h->transfer, h->blocks, (int)h->n_blocks, h->release);
+                        break;
+                    }
                     case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG:
                     case LOOM__V1__CONTROL_MSG__BODY_STEP:
                     case LOOM__V1__CONTROL_MSG__BODY_LORA_LOAD: hand_over(w, m); m = NULL; break;
@@ -1263,6 +1357,17 @@ static int reactor(worker_t *w) {
             if (zmq_msg_recv(&msg, w->pipe_r, ZMQ_DONTWAIT) >= 0)
                 zmq_send(w->ctl, zmq_msg_data(&msg), zmq_msg_size(&msg), ZMQ_DONTWAIT);
             zmq_msg_close(&msg);
+        }
+        uint64_t read_ids[16], read_epoch = 0;
+        int n_read = loom_kv_pd_take_done(&w->kv_pd, read_ids, 16, &read_epoch);
+        for (int i = 0; i < n_read; i++) { /* transport tcp: a decode side read a transfer */
+            Loom__V1__KvRead kr = LOOM__V1__KV_READ__INIT;
+            kr.epoch = read_epoch;
+            kr.transfer = read_ids[i];
+            Loom__V1__ControlMsg km = LOOM__V1__CONTROL_MSG__INIT;
+            km.body_case = LOOM__V1__CONTROL_MSG__BODY_KV_READ;
+            km.kv_read = &kr;
+            send_ctl(w, &km);
         }
         if (state == WORKER_IN_GRID && now - last_hb >= HEARTBEAT_MS * 1000000ull) {
             send_heartbeat(w, ++hb_seq);
@@ -1547,6 +1652,7 @@ int main(int argc, char **argv) {
         }
     }
     pthread_mutex_init(&w.comm_mu, NULL);
+    loom_kv_pd_init(&w.kv_pd);
     w.zctx = zmq_ctx_new();
     w.ctl = zmq_socket(w.zctx, ZMQ_DEALER);
     int zero = 0;

@@ -11,9 +11,25 @@ the prefill's blocks pulled worker to worker, no shared directory.
   chain hashes; loom_kv_transfer_held_blocks counts the held blocks while no
   decode side reads them and returns to 0 once lease_ms has passed; the
   held blocks are not handed to other requests meanwhile (a second prefill
-  of another prompt gets other block ids)."""
+  of another prompt gets other block ids).
+- The decode side pulls, driven as vLLM's proxy drives it: a prefill replica
+  (TP 1) and decode replicas of TP 1 and TP 2 (each rank reads its half of
+  the heads): greedy and seeded outputs equal a unified replica's token for
+  token, the decode side computes at most one block of each prompt,
+  cached_tokens counts the pulled tokens, and the prefill's held blocks are
+  freed once the decode side reports them read (the gauge back to 0 long
+  before the lease); forged block hashes are refused (400 naming the
+  entry).
+- Failures: a decode side without the secret (or with another one) is
+  refused by the prefill's service: the prompt is recomputed (recompute,
+  equal output) or the request fails with 503 (fail); a decode of another
+  model (the handshake refuses, naming the field) the same; a transfer
+  the prefill no longer holds (unknown blocks) the same; the prefill
+  replica killed (SIGKILL) before the decode: recompute gives equal
+  output, fail 503."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +44,7 @@ STORY = ("Once upon a time there was a little girl named Lily. She loved to play
          "One day she saw a big red ball in the park and ran to get it. Her friend Tom came too and "
          "they played together all day until the sun went down and it was time to go home. ")
 PROMPTS = ["Kite " + STORY, "Moon " + STORY * 2]
+PD_PROMPTS = [word + " " + STORY + ("and then " * k) for k, word in enumerate(["Kite", "Moon", "Pear", "Rose"])]
 
 
 def call(port, path, body):
@@ -64,6 +81,54 @@ def tcp_cluster(port, role, secret, tp=1, policy="recompute", extra=(), **x):
     if port:
         args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
     return Cluster(STORIES, tp, 1, coord_args=args)
+
+
+def refused(port, body, status, words):
+    st, data = post(port, "/v1/completions", body, timeout=120)
+    check(st == status and all(w in data.decode() for w in words),
+          "%r: want %d with %r, got %d %r" % (body.get("kv_transfer_params"), status, words, st, data[:300]))
+
+
+def unified_outputs(bodies):
+    port = free_port()
+    with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+                                            "--block-size", str(B)]):
+        return [call(port, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
+
+
+def prefill(port, body):
+    pre = call(port, "/v1/completions", dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    return pre["kv_transfer_params"], pre["usage"]["prompt_tokens"]
+
+
+def test_pull():
+    work = tempfile.mkdtemp(prefix="loom-pd-pull-")
+    secret = secret_file(work)
+    bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
+    bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
+    unified = unified_outputs(bodies)
+    pport = free_port()
+    with tcp_cluster(pport, "kv_producer", secret):
+        for tp in (1, 2):
+            dport = free_port()
+            with tcp_cluster(dport, "kv_consumer", secret, tp=tp):
+                for b, want in zip(bodies, unified):
+                    kv, n_prompt = prefill(pport, b)
+                    check(len(kv["loom_remote_ranks"]) == 1 and kv["loom_remote_ranks"][0].endswith(
+                        ":%d" % kv["remote_port"]), "prefill's params: %r" % kv)
+                    got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
+                    check(got["choices"][0]["text"] == want,
+                          "TP %d decode %r != unified %r" % (tp, got["choices"][0]["text"], want))
+                    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
+                          "TP %d decode computed %d of %d prompt tokens" % (tp, n_prompt - cached, n_prompt))
+                # read: the prefill frees them (the lease is 30 s)
+                wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == 0, 10, "the blocks freed once read")
+                kv, _ = prefill(pport, bodies[0])
+                forged = dict(kv, remote_block_hashes=kv["remote_block_hashes"][:1] + ["%016x" % 12345])
+                refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_hashes[1]"])
+                refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_block_ids=kv["remote_block_ids"][:1])),
+                        400, ["remote_block_ids"])
 
 
 def test_flags():
@@ -121,4 +186,4 @@ def test_lease():
 
 
 if __name__ == "__main__":
-    run_tests([test_flags, test_lease])
+    run_tests([test_flags, test_lease, test_pull])
