@@ -639,6 +639,15 @@ void loom_sched_seq_set_pull(loom_sched_t *s, loom_seq_t *q, int n, const int32_
     q->pull = p;
 }
 
+void loom_sched_pull_failed(loom_sched_t *s, loom_seq_t *q) {
+    (void)s;
+    if (!q->pull) return;
+    /* its next admission is its first: cached_tokens then counts what the prefix cache gives, not the pull */
+    q->admitted_once = 0;
+    q->cached_tokens = 0;
+    q->pull->tried = 1;
+}
+
 /* Transport tcp: q's prompt blocks beyond its prefix-cache hit that a
  * prefill replica holds get fresh blocks, filled by the step from there
  * (out of blocks: the run stops before the first one missing). Once. */

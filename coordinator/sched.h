@@ -348,6 +348,11 @@ void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
 void loom_sched_seq_set_pull(loom_sched_t *s, loom_seq_t *q, int n, const int32_t *remote, const char *addrs,
                              uint64_t transfer);
 
+/* q's pull failed (the step that filled it is being failed with
+ * loom_sched_fail): its next admission computes the blocks and counts as
+ * its first (cached_tokens from the prefix cache alone). */
+void loom_sched_pull_failed(loom_sched_t *s, loom_seq_t *q);
+
 /* Delayed free for a worker-to-worker KV transfer (docs/disaggregation.md):
  * a finished prefill's prompt blocks (its full blocks before the one of its
  * last position, as kv_transfer_params name them) each keep one more

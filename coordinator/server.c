@@ -977,6 +977,7 @@ static void pulls_failed(loom_server_t *s, loom_microbatch_t *mb, const Loom__V1
             req_emit(s, rq, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, LOOM_ERR_UNAVAILABLE, msg);
         } else {
             LOOM_INFO("kv_transfer_params: the prefill's KV blocks could not be pulled: recomputed: %s", why);
+            loom_sched_pull_failed(s->sched, q);
         }
     }
     on_step_failed(s, mb);

@@ -60,6 +60,7 @@ static size_t span_bytes(const loom_kv_span_fmt_t *f) { return (size_t)f->n_laye
  * may read beside the steps (a held block is written by none of them). */
 static loom_status_t serve_read(void *ctx, int32_t block, void *host, loom_err_t *err) {
     loom_kv_pd_t *p = ctx;
+    if (p->serve_delay_ms > 0) usleep((useconds_t)p->serve_delay_ms * 1000u); /* a test's: a kill lands mid-read */
     const void *src = loom_model_kv_block_ptr(p->model, block);
     if (!src)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "block %d is not one of this pool's", block);
@@ -112,6 +113,8 @@ loom_status_t loom_kv_pd_config(loom_kv_pd_t *p, int mode, uint64_t epoch, loom_
         p->stage = loom_backend_host_alloc(be, LOOM_MAX(span_bytes(fmt), (size_t)64));
     }
     loom_kv_service_t *svc = NULL;
+    const char *delay = getenv("LOOM_TEST_KV_SERVE_DELAY_MS");
+    p->serve_delay_ms = delay ? atoi(delay) : 0;
     if (mode & LOOM_KV_PD_SERVE) {
         if (id->layout != LOOM_KV_LAYOUT_CONTIGUOUS)
             return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "transport tcp: serving a layer-major KV pool (CUDA) "

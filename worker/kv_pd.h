@@ -44,6 +44,7 @@ typedef struct loom_kv_pd {
     uint64_t done[LOOM_KV_PD_DONE_MAX]; /* transfers reported read, for the reactor */
     int n_done;
     uint64_t pulled, pull_failures; /* blocks pulled; sources that failed */
+    int serve_delay_ms;         /* a test's hook ($LOOM_TEST_KV_SERVE_DELAY_MS): each block served waits */
 } loom_kv_pd_t;
 
 /* Before any thread uses p (zeroed). */

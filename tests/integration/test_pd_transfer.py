@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -131,6 +132,81 @@ def test_pull():
                         400, ["remote_block_ids"])
 
 
+def with_env(name, value, fn):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def test_failures():
+    work = tempfile.mkdtemp(prefix="loom-pd-fail-")
+    secret = secret_file(work)
+    other = os.path.join(work, "other")
+    with open(other, "wb") as f:
+        f.write(b"a different secret, 32 bytes....\n")
+    bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
+    unified = unified_outputs(bodies)
+    pport, fport, rport, xport, iport = free_port(), free_port(), free_port(), free_port(), free_port()
+
+    def recomputed(body, kv, want, what):
+        got = call(rport, "/v1/completions", dict(body, kv_transfer_params=kv))
+        check(got["choices"][0]["text"] == want and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+              "%s, recompute: %r != %r (cached %r)" % (what, got["choices"][0]["text"], want,
+                                                       got["usage"]["prompt_tokens_details"]["cached_tokens"]))
+
+    with tcp_cluster(rport, "kv_consumer", secret), tcp_cluster(xport, "kv_consumer", secret, policy="fail"):
+        with tcp_cluster(pport, "kv_producer", secret), tcp_cluster(fport, "kv_producer", other):
+            # a forged host: params naming a service that does not hold the secret
+            kv, _ = prefill(fport, bodies[0])
+            recomputed(bodies[0], kv, unified[0], "a forged host")
+            refused(xport, dict(bodies[0], kv_transfer_params=kv), 503, ["does not hold the secret"])
+            # unknown blocks: a transfer the prefill does not hold (a stale or made-up id)
+            kv, _ = prefill(pport, bodies[1])
+            stale = dict(kv, loom_transfer_id="%016x" % (int(kv["loom_transfer_id"], 16) ^ 1))
+            recomputed(bodies[1], stale, unified[1], "unknown blocks")
+            refused(xport, dict(bodies[1], kv_transfer_params=stale), 503, ["unknown blocks"])
+            # the real one still pulls after those
+            got = call(rport, "/v1/completions", dict(bodies[1], kv_transfer_params=kv))
+            check(got["choices"][0]["text"] == unified[1] and got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  > 0, "the held transfer after refused reads: %r" % got["usage"])
+            # a decode side whose KV differs (another dtype): the handshake names the field
+            with tcp_cluster(iport, "kv_consumer", secret, policy="fail", extra=["--kv-cache-dtype", "int8"]):
+                kv, _ = prefill(pport, bodies[2])
+                refused(iport, dict(bodies[2], kv_transfer_params=kv), 503, ["kv_dtype: int8 here, f32 there"])
+        # the prefill replica killed with SIGKILL in the middle of the transfer (each block served slowly)
+        for port, policy in ((rport, "recompute"), (xport, "fail")):
+            def killed():
+                with tcp_cluster(pport, "kv_producer", secret) as pre:
+                    kv, _ = prefill(pport, bodies[2])
+                    result = {}
+
+                    def decode():
+                        result["r"] = post(port, "/v1/completions", dict(bodies[2], kv_transfer_params=kv),
+                                           timeout=120)
+                    t = threading.Thread(target=decode)
+                    t.start()
+                    time.sleep(scaled(0.5))
+                    for name in ("worker-0", "coordinator"):
+                        os.kill(pre.pid(name), signal.SIGKILL)
+                    t.join(scaled(60))
+                    return result.get("r")
+            r = with_env("LOOM_TEST_KV_SERVE_DELAY_MS", str(int(scaled(1000))), killed)
+            check(r is not None, "%s: the decode did not answer after the kill" % policy)
+            st, data = r
+            if policy == "recompute":
+                got = json.loads(data) if st == 200 else None
+                check(got and got["choices"][0]["text"] == unified[2], "killed mid-transfer, recompute: %d %r"
+                      % (st, data[:300]))
+            else:
+                check(st == 503 and b"could not be pulled" in data, "killed mid-transfer, fail: %d %r" % (st, data[:300]))
+
+
 def test_flags():
     work = tempfile.mkdtemp(prefix="loom-pd-flags-")
     coord = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
@@ -186,4 +262,4 @@ def test_lease():
 
 
 if __name__ == "__main__":
-    run_tests([test_flags, test_lease, test_pull])
+    run_tests([test_flags, test_lease, test_pull, test_failures])
