@@ -26,7 +26,9 @@ the prefill's blocks pulled worker to worker, no shared directory.
   model (the handshake refuses, naming the field) the same; a transfer
   the prefill no longer holds (unknown blocks) the same; the prefill
   replica killed (SIGKILL) before the decode: recompute gives equal
-  output, fail 503."""
+  output, fail 503.
+- A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
+  reads each prefill rank's heads; outputs equal a unified replica's."""
 import json
 import os
 import signal
@@ -207,6 +209,30 @@ def test_failures():
                 check(st == 503 and b"could not be pulled" in data, "killed mid-transfer, fail: %d %r" % (st, data[:300]))
 
 
+def test_router_tp2_prefill():
+    """A TP=2 prefill replica and a TP=1 decode replica behind loom-router --pd
+    (the router passes the params on unchanged): the decode reads each
+    prefill rank's half of the heads; outputs equal a unified replica's, the
+    decode side computes at most one block of each prompt."""
+    from test_router import Router
+    work = tempfile.mkdtemp(prefix="loom-pd-router-")
+    secret = secret_file(work)
+    bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
+    bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
+    unified = unified_outputs(bodies)
+    with tcp_cluster(0, "kv_producer", secret, tp=2) as pre, tcp_cluster(0, "kv_consumer", secret) as dec:
+        with Router(["--pd", "--prefill-replica", pre.addr, "--replica", dec.addr, "--pd-min-prompt-tokens", "32"],
+                    http=True, expect_up=2) as router:
+            for b, want in zip(bodies, unified):
+                got = call(router.http, "/v1/completions", b)
+                check(got["choices"][0]["text"] == want, "through the router %r != unified %r"
+                      % (got["choices"][0]["text"], want))
+                n_prompt = got["usage"]["prompt_tokens"]
+                cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens"
+                      % (n_prompt - cached, n_prompt))
+
+
 def test_flags():
     work = tempfile.mkdtemp(prefix="loom-pd-flags-")
     coord = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
@@ -262,4 +288,4 @@ def test_lease():
 
 
 if __name__ == "__main__":
-    run_tests([test_flags, test_lease, test_pull, test_failures])
+    run_tests([test_flags, test_lease, test_pull, test_failures, test_router_tp2_prefill])
