@@ -216,7 +216,7 @@ struct loom_kv_service {
     hold_t *holds;
     int n_holds, cap_holds;
     uint64_t refused, served;
-    void *span, *slices; /* one block's span; a read's slices */
+    void *span, *slices; /* one block's span; its slice */
     size_t slices_cap;
 };
 
@@ -286,23 +286,24 @@ static loom_status_t serve_read(loom_kv_service_t *s, int fd, const char *peer, 
         goto out;
     }
     const int nh = (int)(h1 - h0);
-    const size_t one = loom_kv_slice_bytes(f, nh), all = one * n;
-    if (all > s->slices_cap) {
+    const size_t one = loom_kv_slice_bytes(f, nh);
+    if (one > s->slices_cap) {
         free(s->slices);
-        s->slices = loom_xmalloc(all ? all : 1);
-        s->slices_cap = all;
+        s->slices = loom_xmalloc(one ? one : 1);
+        s->slices_cap = one;
     }
-    for (uint32_t i = 0; i < n; i++) {
+    /* streamed: each block's slice goes while the next is packed (a block
+     * that cannot be read then closes the connection: the puller fails) */
+    if ((st = send_status(fd, LOOM_OK, NULL, deadline, err)) < 0) goto out;
+    for (uint32_t i = 0; i < n && st == LOOM_OK; i++) {
         loom_err_t rerr = {0};
         if (s->cfg.read(s->cfg.ctx, blocks[i], s->span, &rerr) < 0) {
-            snprintf(msg, sizeof msg, "block %d could not be read: %.300s", blocks[i], rerr.msg);
-            st = send_status(fd, LOOM_ERR_INTERNAL, msg, deadline, err);
+            st = loom_err_set(err, LOOM_ERR_INTERNAL, "block %d could not be read: %.300s", blocks[i], rerr.msg);
             goto out;
         }
-        loom_kv_slice_pack(f, s->span, (int)h0, nh, (uint8_t *)s->slices + one * i);
+        loom_kv_slice_pack(f, s->span, (int)h0, nh, s->slices);
+        st = loom_tcp_write_full(fd, s->slices, one, deadline, "kv transfer", err);
     }
-    if ((st = send_status(fd, LOOM_OK, NULL, deadline, err)) < 0) goto out;
-    st = loom_tcp_write_full(fd, s->slices, all, deadline, "kv transfer", err);
     if (st == LOOM_OK) {
         pthread_mutex_lock(&s->mu);
         s->served += n;

@@ -4,7 +4,8 @@ the prefill's blocks pulled worker to worker, no shared directory.
 - Flags: transport tcp needs no --kv-offloading-dir; without a secret file
   (or insecure: true, asked for by name) it is refused at start; a secret
   file too short, a bad transport and a bad lease_ms are refused naming the
-  field; transport dir (the default) still needs the directory.
+  field; transport dir (the default) still needs the directory; --pp 2 and
+  a consumer with --async-scheduling are refused by name (not built).
 - The prefill side holds its blocks (delayed free, the lease): a request
   with do_remote_decode answers vLLM's kv_transfer_params with
   remote_block_ids the pool's block ids (ints) and remote_block_hashes the
@@ -250,6 +251,8 @@ def test_flags():
         (coord + cfg(transport="tcp", insecure=True, lease_ms=0), "lease_ms"),
         (coord + cfg(transport="dir"), "--kv-offloading-dir"),
         (coord + cfg(secret_file=short), "transport tcp"),
+        (coord + ["--pp", "2"] + cfg(transport="tcp", insecure=True), "--pp 1"),
+        (coord + ["--async-scheduling"] + cfg(transport="tcp", insecure=True), "--async-scheduling"),
     ]
     for argv, words in cases:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
