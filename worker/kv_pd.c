@@ -181,10 +181,10 @@ static void fill_block(loom_kv_pd_t *p, int32_t block, const uint8_t *slice, int
 }
 
 /* One source: every rank of the prefill holding some of this shard's heads
- * is read for them; 0, or an error (why). *keep: a connection left open. */
+ * is read for them (a connection each, closed once read); 0, or an error. */
 static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const int32_t *remote,
                                  const uint32_t *source, int n, uint32_t src, const char *addrs, uint64_t transfer,
-                                 int *keep, loom_err_t *err) {
+                                 loom_err_t *err) {
     int nb = 0;
     for (int i = 0; i < n; i++) nb += source[i] == src;
     int32_t *local = loom_xmalloc((size_t)(nb ? nb : 1) * sizeof *local);
@@ -198,7 +198,6 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
     uint8_t *covered = loom_xcalloc((size_t)(nh > 0 ? nh : 1), 1);
     uint64_t deadline = loom_comm_deadline(PULL_TIMEOUT_MS);
     loom_status_t st = LOOM_OK;
-    *keep = -1;
     char addr[512];
     for (const char *a = addrs; *a && st == LOOM_OK;) {
         const char *end = strchr(a, ',');
@@ -232,8 +231,7 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
                 for (int h = lo; h < top; h++) covered[h - mine0] = 1;
             }
         }
-        if (*keep < 0 && st == LOOM_OK) *keep = fd;
-        else close(fd);
+        close(fd); /* not kept: the service answers one connection at a time, and this rank's peers dial it too */
     }
     for (int h = 0; st == LOOM_OK && h < nh; h++)
         if (!covered[h])
@@ -247,23 +245,19 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
 }
 
 int loom_kv_pd_pull(loom_kv_pd_t *p, const int32_t *blocks, const int32_t *remote, const uint32_t *source, int n,
-                    char *const *addrs, const uint64_t *transfer, int n_src, int *failed, char **why, int *fd) {
+                    char *const *addrs, const uint64_t *transfer, int n_src, int *failed, char **why) {
     int n_failed = 0;
     for (int s = 0; s < n_src; s++) {
         loom_err_t err = {0};
         failed[s] = 0;
         why[s] = NULL;
-        fd[s] = -1;
         if (!(p->mode & LOOM_KV_PD_PULL)) {
             loom_err_set(&err, LOOM_ERR_UNSUPPORTED, "this worker does not pull (transport tcp off)");
-        } else if (pull_source(p, blocks, remote, source, n, (uint32_t)s, addrs[s], transfer[s], &fd[s], &err) ==
-                   LOOM_OK) {
+        } else if (pull_source(p, blocks, remote, source, n, (uint32_t)s, addrs[s], transfer[s], &err) == LOOM_OK) {
             continue;
         }
         failed[s] = 1;
         why[s] = loom_xstrdup(err.msg);
-        if (fd[s] >= 0) close(fd[s]);
-        fd[s] = -1;
         p->pull_failures++;
         n_failed++;
         LOOM_WARN("KV pull of transfer %016llx failed: %s", (unsigned long long)transfer[s], err.msg);
@@ -271,18 +265,22 @@ int loom_kv_pd_pull(loom_kv_pd_t *p, const int32_t *blocks, const int32_t *remot
     return n_failed;
 }
 
-void loom_kv_pd_done(loom_kv_pd_t *p, const uint64_t *transfer, int n_src, const int *failed, int *fd, int tell) {
-    (void)p;
+void loom_kv_pd_done(loom_kv_pd_t *p, char *const *addrs, const uint64_t *transfer, int n_src, const int *failed) {
     for (int s = 0; s < n_src; s++) {
-        if (fd[s] < 0) continue;
-        if (tell && !failed[s]) {
-            loom_err_t err = {0};
-            if (loom_kv_pull_done(fd[s], transfer[s], loom_comm_deadline(5000), &err) < 0)
-                LOOM_WARN("KV transfer %016llx: telling the prefill side it was read failed (its lease frees "
-                          "the blocks): %s", (unsigned long long)transfer[s], err.msg);
-        }
-        close(fd[s]);
-        fd[s] = -1;
+        if (failed[s]) continue;
+        char addr[512];
+        const char *end = strchr(addrs[s], ',');
+        size_t len = end ? (size_t)(end - addrs[s]) : strlen(addrs[s]);
+        snprintf(addr, sizeof addr, "%.*s", (int)LOOM_MIN(len, sizeof addr - 1), addrs[s]);
+        loom_err_t err = {0};
+        loom_kv_ident_t them;
+        int fd = -1;
+        uint64_t deadline = loom_comm_deadline(5000);
+        if (loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, deadline, &fd, &them, &err) < 0 ||
+            loom_kv_pull_done(fd, transfer[s], deadline, &err) < 0)
+            LOOM_WARN("KV transfer %016llx: telling the prefill side it was read failed (its lease frees the "
+                      "blocks): %s", (unsigned long long)transfer[s], err.msg);
+        if (fd >= 0) close(fd);
     }
 }
 

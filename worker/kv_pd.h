@@ -72,13 +72,12 @@ int loom_kv_pd_take_done(loom_kv_pd_t *p, uint64_t *ids, int cap, uint64_t *epoc
 
 /* Compute thread: the plan's pulls. Fills failed[] (n_src entries, 1 for a
  * source whose blocks did not all arrive) and why[] (a message per failed
- * source, malloc'd, NULL otherwise); *fd[] the open connection to each
- * source (-1: none) for loom_kv_pd_done. Returns how many failed here. */
+ * source, malloc'd, NULL otherwise). Returns how many failed here. */
 int loom_kv_pd_pull(loom_kv_pd_t *p, const int32_t *blocks, const int32_t *remote, const uint32_t *source, int n,
-                    char *const *addrs, const uint64_t *transfer, int n_src, int *failed, char **why, int *fd);
-/* After the step: tells each source that did not fail its transfer was
- * read (tell 1: this rank speaks for the grid), and closes the connections. */
-void loom_kv_pd_done(loom_kv_pd_t *p, const uint64_t *transfer, int n_src, const int *failed, int *fd, int tell);
+                    char *const *addrs, const uint64_t *transfer, int n_src, int *failed, char **why);
+/* After the step (one rank speaks for the grid): tells each source that
+ * did not fail, on its first rank's service, that its transfer was read. */
+void loom_kv_pd_done(loom_kv_pd_t *p, char *const *addrs, const uint64_t *transfer, int n_src, const int *failed);
 /* The service goes and the staging span (the backend's host memory) is freed: before the model and backend go. */
 void loom_kv_pd_release(loom_kv_pd_t *p);
 /* Everything (no thread uses p any more). */

@@ -29,6 +29,7 @@
 #define OP_DONE 2
 #define HANDSHAKE_MS 3000
 #define REQUEST_MS 30000
+#define IDLE_MS 2000 /* a connection with no request for this long is closed */
 #define MAX_READ_BLOCKS 65536
 #define MSG_MAX 512
 
@@ -384,10 +385,11 @@ static void serve_conn(loom_kv_service_t *s, int fd) {
     char peer[96];
     peer_of(fd, peer, sizeof peer);
     if (!accept_handshake(s, fd, peer)) return;
-    for (;;) {
+    for (;;) { /* an idle connection is closed: the service answers one at a time */
         struct pollfd p[2] = {{fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
-        if (poll(p, 2, -1) < 0 && errno != EINTR) return;
-        if (p[1].revents) return;
+        int r = poll(p, 2, IDLE_MS);
+        if (r < 0 && errno != EINTR) return;
+        if (p[1].revents || r == 0) return;
         if (!p[0].revents) continue;
         uint8_t op[4];
         loom_err_t err = {0};

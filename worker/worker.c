@@ -175,8 +175,8 @@ typedef struct worker {
     loom_kv_offload_t kv_tier; /* the directory tier (KvConfig.kv_offload_dir) */
     loom_kv_host_t kv_host;    /* the host-memory tier (KvConfig.kv_host_slots) */
     loom_kv_pd_t kv_pd;        /* transport tcp: the KV service, the pulls (KvConfig.kv_xfer) */
-    /* the step's pulls: per source, failed (1), why (malloc'd), the open connection */
-    int *pull_failed, *pull_fd, cap_pull_src, n_pull_open; /* n_pull_open: sources of this step, fds open */
+    /* the step's pulls: per source, failed (1), why (malloc'd) */
+    int *pull_failed, cap_pull_src;
     char **pull_why;
     uint32_t *pull_failed_ids;
     int n_pull_failed;
@@ -855,27 +855,28 @@ static loom_status_t prev_tokens(worker_t *w, Loom__V1__StepPlan *p, loom_err_t 
 }
 
 /* Transport tcp: the plan's pulls into this shard's pool, before the
- * layers. A source that failed on any TP rank (agreed by an all-reduce of
- * the flags) is reported (StepResult.kv_pull_failed); the step still runs. */
+ * layers. A source that failed on any TP rank (gathered to rank 0) is
+ * reported (StepResult.kv_pull_failed); the step still runs. */
 static loom_status_t kv_pulls(worker_t *w, const Loom__V1__StepPlan *p, loom_err_t *err) {
     int n_src = (int)p->n_kv_pull_addrs;
     if (w->cap_pull_src < n_src) {
         w->cap_pull_src = n_src;
         w->pull_failed = loom_xrealloc(w->pull_failed, (size_t)n_src * sizeof *w->pull_failed);
-        w->pull_fd = loom_xrealloc(w->pull_fd, (size_t)n_src * sizeof *w->pull_fd);
         w->pull_why = loom_xrealloc(w->pull_why, (size_t)n_src * sizeof *w->pull_why);
         w->pull_failed_ids = loom_xrealloc(w->pull_failed_ids, (size_t)n_src * sizeof *w->pull_failed_ids);
     }
     char **why = loom_xcalloc((size_t)n_src, sizeof *why);
-    w->n_pull_open = n_src;
     loom_kv_pd_pull(&w->kv_pd, p->kv_pull_blocks, p->kv_pull_remote, p->kv_pull_source, (int)p->n_kv_pull_blocks,
-                    p->kv_pull_addrs, p->kv_pull_transfer, n_src, w->pull_failed, why, w->pull_fd);
-    if (w->assign->tp_size > 1) { /* the ranks agree on which sources failed */
-        float *flags = loom_xmalloc((size_t)n_src * sizeof *flags);
-        for (int i = 0; i < n_src; i++) flags[i] = (float)w->pull_failed[i];
-        loom_status_t st = loom_comm_allreduce(w->comm, flags, n_src, err);
-        for (int i = 0; st == LOOM_OK && i < n_src; i++) w->pull_failed[i] = flags[i] > 0.5f;
-        free(flags);
+                    p->kv_pull_addrs, p->kv_pull_transfer, n_src, w->pull_failed, why);
+    const int tp = (int)w->assign->tp_size, rank0 = w->assign->tp_rank == 0;
+    if (tp > 1) { /* rank 0, which reports, learns which sources failed on any rank (host buffers: any backend) */
+        uint8_t *mine = loom_xmalloc((size_t)n_src), *all = rank0 ? loom_xmalloc((size_t)n_src * tp) : NULL;
+        for (int i = 0; i < n_src; i++) mine[i] = (uint8_t)w->pull_failed[i];
+        loom_status_t st = loom_comm_gather(w->comm, mine, (size_t)n_src, all, err);
+        for (int r = 1; st == LOOM_OK && rank0 && r < tp; r++)
+            for (int i = 0; i < n_src; i++) w->pull_failed[i] |= all[(size_t)r * n_src + i];
+        free(mine);
+        free(all);
         if (st < 0) {
             for (int i = 0; i < n_src; i++) free(why[i]);
             free(why);
@@ -973,10 +974,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
     loom_kv_offload_save(&w->kv_tier, w->model, p->kv_save_after_blocks, p->kv_save_after_hashes,
                          p->n_kv_save_after_blocks);
-    if (w->n_pull_open) /* every rank's pulls landed before the layers' all-reduces: the blocks are read */
-        loom_kv_pd_done(&w->kv_pd, p->kv_pull_transfer, w->n_pull_open, w->pull_failed, w->pull_fd,
-                        rank0 && a->stage == 0);
-    w->n_pull_open = 0;
+    if (p->n_kv_pull_addrs && rank0) /* every rank's pulls landed before the gather and the layers: read */
+        loom_kv_pd_done(&w->kv_pd, p->kv_pull_addrs, p->kv_pull_transfer, (int)p->n_kv_pull_addrs, w->pull_failed);
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;
@@ -1043,9 +1042,6 @@ prompt:
     if (w->mtp.model && (s = mtp_step(w, p, &err)) < 0) goto report;
     if (p->n_prompt_lp_rows) s = prompt_logprobs(w, p, &err);
 report:;
-    if (w->n_pull_open) /* a path out before the done: the connections close, the lease frees */
-        loom_kv_pd_done(&w->kv_pd, p->kv_pull_transfer, w->n_pull_open, w->pull_failed, w->pull_fd, 0);
-    w->n_pull_open = 0;
     if (w->kv_tier.load) { /* a path out before the forward's finish: the pool is not written behind the next step */
         loom_err_t ignore = {0};
         loom_kv_offload_finish(&w->kv_tier, &ignore);
