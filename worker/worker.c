@@ -1710,6 +1710,10 @@ int main(int argc, char **argv) {
     free(w.kk);
     free(w.ids);
     free(w.dp_copy);
+    free(w.pull_failed);
+    free(w.pull_why);
+    free(w.pull_failed_ids);
+    loom_kv_pd_free(&w.kv_pd);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);
     loom_prompt_lp_free(&w.plp);
