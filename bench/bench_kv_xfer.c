@@ -8,8 +8,9 @@
  * heads (a TP=2 decode rank's read of a TP=1 prefill). The raw rate: the
  * child writes the same bytes down a plain TCP socket the parent reads into
  * one buffer. Both on loopback, nothing pinned: GB/s = bytes / time. The
- * service packs each block's slice (one copy) and the pull's caller would
- * unpack it (one copy, not timed here: bench what the wire carries). */
+ * service packs each block's slice straight from the pool (one copy, as a
+ * worker's block-contiguous pool does) and the pull's caller would unpack
+ * it (one copy, not timed here: bench what the wire carries). */
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -42,6 +43,11 @@ static loom_status_t read_block(void *ctx, int32_t block, void *host, loom_err_t
     return LOOM_OK;
 }
 
+static const void *peek_block(void *ctx, int32_t block) {
+    (void)ctx;
+    return g_pool + (size_t)block * span();
+}
+
 static loom_kv_ident_t ident(void) {
     loom_kv_ident_t id = {.model = 1, .n_layers = LAYERS, .layer_end = LAYERS, .block_size = BS, .n_kv_heads = HEADS,
                           .head_dim = HD, .kv_head_end = HEADS, .tp_size = 1, .pp_size = 1};
@@ -56,7 +62,7 @@ static void child(int pfd, size_t raw) {
     int32_t all[N_POOL];
     for (int i = 0; i < N_POOL; i++) all[i] = i;
     loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = fmt(), .secret = K,
-                                  .secret_len = sizeof K - 1, .read = read_block};
+                                  .secret_len = sizeof K - 1, .read = read_block, .peek = peek_block};
     loom_kv_service_t *s = NULL;
     loom_err_t err = {0};
     if (loom_kv_service_create(&c, &s, &err) < 0) _exit(1);

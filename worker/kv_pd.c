@@ -68,6 +68,11 @@ static loom_status_t serve_read(void *ctx, int32_t block, void *host, loom_err_t
     return LOOM_OK;
 }
 
+static const void *serve_peek(void *ctx, int32_t block) {
+    loom_kv_pd_t *p = ctx;
+    return p->serve_delay_ms > 0 ? NULL : loom_model_kv_block_ptr(p->model, block);
+}
+
 static void serve_done(void *ctx, uint64_t transfer) {
     loom_kv_pd_t *p = ctx;
     pthread_mutex_lock(&p->done_mu);
@@ -120,7 +125,8 @@ loom_status_t loom_kv_pd_config(loom_kv_pd_t *p, int mode, uint64_t epoch, loom_
             return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "transport tcp: serving a layer-major KV pool (CUDA) "
                                 "is not built; the prefill side runs on a block-contiguous pool (CPU)");
         loom_kv_service_config_t c = {.host = host, .ident = *id, .fmt = *fmt, .secret = secret,
-                                      .secret_len = secret_len, .read = serve_read, .done = serve_done, .ctx = p};
+                                      .secret_len = secret_len, .read = serve_read, .peek = serve_peek,
+                                      .done = serve_done, .ctx = p};
         LOOM_CHECK(loom_kv_service_create(&c, &svc, err));
     }
     pthread_mutex_lock(&p->mu);

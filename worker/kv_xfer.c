@@ -298,11 +298,12 @@ static loom_status_t serve_read(loom_kv_service_t *s, int fd, const char *peer, 
     if ((st = send_status(fd, LOOM_OK, NULL, deadline, err)) < 0) goto out;
     for (uint32_t i = 0; i < n && st == LOOM_OK; i++) {
         loom_err_t rerr = {0};
-        if (s->cfg.read(s->cfg.ctx, blocks[i], s->span, &rerr) < 0) {
+        const void *src = s->cfg.peek ? s->cfg.peek(s->cfg.ctx, blocks[i]) : NULL;
+        if (!src && s->cfg.read(s->cfg.ctx, blocks[i], s->span, &rerr) < 0) {
             st = loom_err_set(err, LOOM_ERR_INTERNAL, "block %d could not be read: %.300s", blocks[i], rerr.msg);
             goto out;
         }
-        loom_kv_slice_pack(f, s->span, (int)h0, nh, s->slices);
+        loom_kv_slice_pack(f, src ? src : s->span, (int)h0, nh, s->slices);
         st = loom_tcp_write_full(fd, s->slices, one, deadline, "kv transfer", err);
     }
     if (st == LOOM_OK) {

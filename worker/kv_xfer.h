@@ -94,6 +94,10 @@ typedef struct loom_kv_service_config {
     const uint8_t *secret;     /* NULL or empty: unauthenticated (insecure: true) */
     size_t secret_len;
     loom_kv_read_fn read;
+    /* (optional) the block's span where it can be read in place (a
+     * block-contiguous pool in host memory), packed from there without the
+     * copy read makes; NULL: read. */
+    const void *(*peek)(void *ctx, int32_t block);
     loom_kv_done_fn done;
     void *ctx;
     int hold_wait_ms;          /* a read of a transfer not held yet waits this long for its hold (0: 2000) */

@@ -107,8 +107,16 @@ static void test_ident(void) {
 typedef struct served {
     loom_kv_span_fmt_t fmt;
     uint64_t done;
-    int reads;
+    int reads, peeks;
+    uint8_t *pool; /* blocks 0..7 in place (peek), NULL: none */
 } served_t;
+
+static const void *peek_block(void *ctx, int32_t block) {
+    served_t *s = ctx;
+    if (!s->pool || block >= 8) return NULL;
+    s->peeks++;
+    return s->pool + (size_t)block * span_bytes(&s->fmt);
+}
 
 static loom_status_t read_block(void *ctx, int32_t block, void *host, loom_err_t *err) {
     served_t *s = ctx;
@@ -125,8 +133,8 @@ static const uint8_t K2[] = "another secret, held by a forger";
 
 static loom_kv_service_t *service(served_t *sv, const uint8_t *secret, size_t len) {
     loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = sv->fmt, .secret = secret,
-                                  .secret_len = len, .read = read_block, .done = on_done, .ctx = sv,
-                                  .hold_wait_ms = 50};
+                                  .secret_len = len, .read = read_block, .peek = peek_block, .done = on_done,
+                                  .ctx = sv, .hold_wait_ms = 50};
     loom_kv_service_t *s = NULL;
     loom_err_t err = {0};
     CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
@@ -135,6 +143,8 @@ static loom_kv_service_t *service(served_t *sv, const uint8_t *secret, size_t le
 
 static void test_service(void) {
     served_t sv = {.fmt = {.n_layers = 3, .block_size = 5, .n_heads = 4, .head_bytes = 6, .codes = 128, .scales = 0}};
+    sv.pool = malloc(8 * span_bytes(&sv.fmt)); /* blocks 0..7 read in place, 9 through read */
+    for (int b = 0; b < 8; b++) fill(&sv.fmt, b, sv.pool + (size_t)b * span_bytes(&sv.fmt));
     loom_kv_service_t *s = service(&sv, K, sizeof K - 1);
     if (!s) return;
     int32_t held[3] = {7, 2, 9};
@@ -156,6 +166,7 @@ static void test_service(void) {
     fill(&sv.fmt, 7, span);
     loom_kv_slice_pack(&sv.fmt, span, 2, 2, want);
     CHECK(!memcmp(got + one, want, one));
+    CHECK(sv.peeks == 1 && sv.reads == 1); /* 7 in place, 9 read */
     /* unknown blocks: another transfer, a block outside the hold */
     CHECK(loom_kv_pull_read(fd, 0xabd, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
           strstr(err.msg, "unknown blocks"));
@@ -182,13 +193,14 @@ static void test_service(void) {
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "n_layers: 4 here, 3 there"));
     /* a forged host: a listener that does not hold K */
     served_t fv = sv;
-    fv.reads = 0;
+    fv.reads = fv.peeks = 0;
+    fv.pool = NULL;
     loom_kv_service_t *forged = service(&fv, K2, sizeof K2 - 1);
     if (forged) {
         loom_kv_service_hold(forged, 0xabc, held, 3);
         CHECK(loom_kv_pull_open(loom_kv_service_addr(forged), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
                   LOOM_ERR_UNAUTHENTICATED && strstr(err.msg, "does not hold the secret"));
-        CHECK(fv.reads == 0);
+        CHECK(fv.reads == 0 && fv.peeks == 0);
         loom_kv_service_destroy(&forged);
     }
     uint64_t refused = 0, blocks = 0;
@@ -196,7 +208,7 @@ static void test_service(void) {
     CHECK(blocks == 2 && refused >= 3);
     loom_kv_service_destroy(&s);
     loom_kv_service_destroy(&s);
-    free(got), free(want), free(span);
+    free(got), free(want), free(span), free(sv.pool);
 }
 
 int main(void) {
