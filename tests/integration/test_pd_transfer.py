@@ -23,8 +23,9 @@ the prefill's blocks pulled worker to worker, no shared directory.
   entry).
 - Failures: a decode side without the secret (or with another one) is
   refused by the prefill's service: the prompt is recomputed (recompute,
-  equal output) or the request fails with 503 (fail); a decode of another
-  model (the handshake refuses, naming the field) the same; a transfer
+  equal output) or the request fails with 503 (fail); a decode side with
+  another KV dtype, or of another model (its checkpoint's digest differs),
+  is refused by the handshake naming the field (503 under fail); a transfer
   the prefill no longer holds (unknown blocks) the same; the prefill
   replica killed (SIGKILL) before the decode: recompute gives equal
   output, fail 503.
@@ -32,6 +33,7 @@ the prefill's blocks pulled worker to worker, no shared directory.
   reads each prefill rank's heads; outputs equal a unified replica's."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,11 +82,11 @@ def tcp_config(role, secret=None, policy="recompute", **extra):
                        "kv_connector_extra_config": x})
 
 
-def tcp_cluster(port, role, secret, tp=1, policy="recompute", extra=(), **x):
+def tcp_cluster(port, role, secret, tp=1, policy="recompute", extra=(), model=STORIES, **x):
     args = ["--block-size", str(B), "--kv-transfer-config", tcp_config(role, secret, policy, **x)] + list(extra)
     if port:
-        args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY]
-    return Cluster(STORIES, tp, 1, coord_args=args)
+        args += ["--http", "127.0.0.1:%d" % port, "--api-key", KEY, "--served-model-name", "stories260K"]
+    return Cluster(model, tp, 1, coord_args=args)
 
 
 def refused(port, body, status, words):
@@ -182,6 +184,14 @@ def test_failures():
             with tcp_cluster(iport, "kv_consumer", secret, policy="fail", extra=["--kv-cache-dtype", "int8"]):
                 kv, _ = prefill(pport, bodies[2])
                 refused(iport, dict(bodies[2], kv_transfer_params=kv), 503, ["kv_dtype: int8 here, f32 there"])
+            # another model (its checkpoint's digest differs: here its config.json's bytes; the same tokenizer)
+            other_model = os.path.join(work, "other-model")
+            shutil.copytree(STORIES, other_model)
+            with open(os.path.join(other_model, "config.json"), "a") as f:
+                f.write("\n")
+            with tcp_cluster(iport, "kv_consumer", secret, policy="fail", model=other_model):
+                kv, _ = prefill(pport, bodies[2])
+                refused(iport, dict(bodies[2], kv_transfer_params=kv), 503, ["handshake refused, model: digest"])
         # the prefill replica killed with SIGKILL in the middle of the transfer (each block served slowly)
         for port, policy in ((rport, "recompute"), (xport, "fail")):
             def killed():
