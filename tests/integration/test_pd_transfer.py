@@ -21,14 +21,15 @@ the prefill's blocks pulled worker to worker, no shared directory.
   freed once the decode side reports them read (the gauge back to 0 long
   before the lease); forged block hashes are refused (400 naming the
   entry).
-- Failures: a decode side without the secret (or with another one) is
-  refused by the prefill's service: the prompt is recomputed (recompute,
-  equal output) or the request fails with 503 (fail); a decode side with
+- Failures: params naming a service that does not hold the secret (a
+  forged host) are refused by the decode side's check of its proof: the
+  prompt is recomputed (recompute, equal output, cached_tokens 0) or the
+  request fails with 503 (fail); a decode side with
   another KV dtype, or of another model (its checkpoint's digest differs),
   is refused by the handshake naming the field (503 under fail); a transfer
-  the prefill no longer holds (unknown blocks) the same; the prefill
-  replica killed (SIGKILL) before the decode: recompute gives equal
-  output, fail 503.
+  the prefill does not hold (unknown blocks) the same; the prefill replica
+  killed (SIGKILL) during the decode's pull (each block served slowly by a
+  test hook): recompute gives equal output, fail 503.
 - A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
   reads each prefill rank's heads; outputs equal a unified replica's."""
 import json
@@ -63,6 +64,16 @@ def gauge(port, name):
     _, samples = get_metrics(port)
     vals = [float(v) for n, _, v in samples if n == name]
     return sum(vals) if vals else None
+
+
+_WORK = []
+
+
+def workdir(prefix):
+    """A temporary directory removed when the script ends (run_tests returns)."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    _WORK.append(d)
+    return d
 
 
 def secret_file(work, data=b"0123456789abcdef0123456789abcdef\n"):
@@ -108,7 +119,7 @@ def prefill(port, body):
 
 
 def test_pull():
-    work = tempfile.mkdtemp(prefix="loom-pd-pull-")
+    work = workdir("loom-pd-pull-")
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
     bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
@@ -150,7 +161,7 @@ def with_env(name, value, fn):
 
 
 def test_failures():
-    work = tempfile.mkdtemp(prefix="loom-pd-fail-")
+    work = workdir("loom-pd-fail-")
     secret = secret_file(work)
     other = os.path.join(work, "other")
     with open(other, "wb") as f:
@@ -226,7 +237,7 @@ def test_router_tp2_prefill():
     prefill rank's half of the heads; outputs equal a unified replica's, the
     decode side computes at most one block of each prompt."""
     from test_router import Router
-    work = tempfile.mkdtemp(prefix="loom-pd-router-")
+    work = workdir("loom-pd-router-")
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
     bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
@@ -245,7 +256,7 @@ def test_router_tp2_prefill():
 
 
 def test_flags():
-    work = tempfile.mkdtemp(prefix="loom-pd-flags-")
+    work = workdir("loom-pd-flags-")
     coord = [os.path.join(BIN, "loom-coordinator"), "--insecure", "--model", STORIES, "--listen", "tcp://127.0.0.1:0",
              "--control", "tcp://127.0.0.1:0"]
     short = secret_file(work, b"tiny\n")
@@ -270,7 +281,7 @@ def test_flags():
 
 
 def test_lease():
-    work = tempfile.mkdtemp(prefix="loom-pd-lease-")
+    work = workdir("loom-pd-lease-")
     secret = secret_file(work)
     lease_ms = int(scaled(3000))
     port = free_port()
@@ -301,4 +312,8 @@ def test_lease():
 
 
 if __name__ == "__main__":
-    run_tests([test_flags, test_lease, test_pull, test_failures, test_router_tp2_prefill])
+    try:
+        run_tests([test_flags, test_lease, test_pull, test_failures, test_router_tp2_prefill])
+    finally:
+        for d in _WORK:
+            shutil.rmtree(d, ignore_errors=True)
