@@ -657,14 +657,15 @@ static void pull_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     if (!p || p->tried) return;
     p->tried = 1;
     const int lim = LOOM_MIN(p->n, (q->n_tokens - 1) / B);
-    if (q->n_computed != have * B || have >= lim) return;
     int end = have;
-    for (; end < lim; end++) {
+    for (; q->n_computed == have * B && end < lim; end++) {
         int b = loom_kv_alloc_in(s->kv, q->dp_rank);
         if (b < 0) break;
         q->blocks[end] = b;
     }
-    if (end == have) return;
+    /* a source even with nothing to pull (the prefix cache had it all, or
+     * no block was free): the workers still tell the prefill side it may
+     * free its hold */
     if (mb->n_pull_srcs == mb->cap_pull_srcs) {
         mb->cap_pull_srcs = mb->cap_pull_srcs ? 2 * mb->cap_pull_srcs : 4;
         mb->pull_seq = loom_xrealloc(mb->pull_seq, (size_t)mb->cap_pull_srcs * sizeof *mb->pull_seq);

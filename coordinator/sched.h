@@ -343,8 +343,10 @@ void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
  * transfer: its hold). At q's first admission, the blocks beyond its
  * prefix-cache hit (never the block of its last position) get fresh blocks
  * the step fills from there (mb->pull_*) and count as cached; a later
- * admission (the step failed or q was preempted) computes them. Call right
- * after loom_sched_add. */
+ * admission (the step failed or q was preempted) computes them. The step
+ * names the source even when nothing is pulled (the prefix cache held every
+ * block, or none was free), so the prefill side hears it may free them.
+ * Call right after loom_sched_add. */
 void loom_sched_seq_set_pull(loom_sched_t *s, loom_seq_t *q, int n, const int32_t *remote, const char *addrs,
                              uint64_t transfer);
 

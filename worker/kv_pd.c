@@ -193,6 +193,7 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
                                  loom_err_t *err) {
     int nb = 0;
     for (int i = 0; i < n; i++) nb += source[i] == src;
+    if (nb == 0) return LOOM_OK; /* nothing to read here (the decode side had it): only done follows */
     int32_t *local = loom_xmalloc((size_t)(nb ? nb : 1) * sizeof *local);
     int32_t *theirs_ids = loom_xmalloc((size_t)(nb ? nb : 1) * sizeof *local);
     for (int i = 0, j = 0; i < n; i++)
