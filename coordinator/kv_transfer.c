@@ -150,6 +150,8 @@ static loom_status_t parse_tcp(const cJSON *o, const int32_t *prompt, int n_prom
     if (st < 0) return st;
     const cJSON *ids = get(o, "remote_block_ids"), *host = get(o, "remote_host"), *port = get(o, "remote_port");
     const cJSON *xid = get(o, "loom_transfer_id"), *tp = get(o, "tp_size");
+    if (out->n_blocks == 0 && (!ids || (cJSON_IsArray(ids) && cJSON_GetArraySize(ids) == 0)))
+        return LOOM_OK; /* a prompt shorter than a block: nothing to pull */
     if (!cJSON_IsArray(ids) || cJSON_GetArraySize(ids) != out->n_blocks)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "kv_transfer_params.remote_block_ids must list as many blocks as remote_block_hashes (%d)",

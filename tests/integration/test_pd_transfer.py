@@ -123,7 +123,8 @@ def test_pull():
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
     bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
-    unified = unified_outputs(bodies)
+    unified = unified_outputs(bodies + [{"prompt": "Kite", "max_tokens": 8, "temperature": 0}])
+    short_want = unified.pop()
     pport = free_port()
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000):  # only the decode side's done frees them
         for tp in (1, 2):
@@ -143,6 +144,14 @@ def test_pull():
                 # read (the seeded bodies' prompts were in the decode's prefix cache: nothing pulled, done still
                 # sent): the prefill frees them all, long before the lease
                 wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == base, 10, "the blocks freed once read")
+                # a prompt shorter than a block: nothing held, nothing pulled
+                short = {"prompt": "Kite", "max_tokens": 8, "temperature": 0}
+                kv, _ = prefill(pport, short)
+                check(kv["remote_block_ids"] == [] and gauge(pport, "loom_kv_transfer_held_blocks") == base,
+                      "a short prompt's params: %r" % kv)
+                got = call(dport, "/v1/completions", dict(short, kv_transfer_params=kv))
+                check(got["choices"][0]["text"] == short_want and got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                      == 0, "a short prompt's decode: %r" % got)
                 kv, _ = prefill(pport, bodies[0])
                 forged = dict(kv, remote_block_hashes=kv["remote_block_hashes"][:1] + ["%016x" % 12345])
                 refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_hashes[1]"])
