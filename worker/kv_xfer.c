@@ -306,7 +306,18 @@ static loom_status_t serve_read(loom_kv_service_t *s, int fd, const char *peer, 
         loom_kv_slice_pack(f, src ? src : s->span, (int)h0, nh, s->slices);
         st = loom_tcp_write_full(fd, s->slices, one, deadline, "kv transfer", err);
     }
+    int still = 0;
     if (st == LOOM_OK) {
+        /* the fence: still held once streamed, so nothing overwrote them meanwhile (the worker hears of a
+         * release before any step that may reuse the blocks) */
+        pthread_mutex_lock(&s->mu);
+        still = held_locked(s, id, blocks, (int)n) == 1;
+        pthread_mutex_unlock(&s->mu);
+        st = send_status(fd, still ? LOOM_OK : LOOM_ERR_NOT_FOUND,
+                         still ? NULL : "unknown blocks: the hold ended while its blocks were read (its lease)",
+                         deadline, err);
+    }
+    if (st == LOOM_OK && still) {
         pthread_mutex_lock(&s->mu);
         s->served += n;
         pthread_mutex_unlock(&s->mu);
@@ -592,7 +603,10 @@ loom_status_t loom_kv_pull_read(int fd, uint64_t transfer, const int32_t *blocks
     char msg[MSG_MAX];
     LOOM_CHECK(recv_status(fd, &code, msg, sizeof msg, deadline, err));
     if (code != 0) return loom_err_set(err, code < 0 ? (loom_status_t)code : LOOM_ERR_PROTOCOL, "kv transfer: %s", msg);
-    return loom_tcp_read_full(fd, out, bytes, deadline, "kv transfer read", err);
+    LOOM_CHECK(loom_tcp_read_full(fd, out, bytes, deadline, "kv transfer read", err));
+    LOOM_CHECK(recv_status(fd, &code, msg, sizeof msg, deadline, err)); /* the fence: still held once streamed */
+    if (code != 0) return loom_err_set(err, code < 0 ? (loom_status_t)code : LOOM_ERR_PROTOCOL, "kv transfer: %s", msg);
+    return LOOM_OK;
 }
 
 loom_status_t loom_kv_pull_done(int fd, uint64_t transfer, uint64_t deadline, loom_err_t *err) {

@@ -17,7 +17,8 @@
  *   proof:  [mac] (authenticated only)
  *   verdict: u32 status (0 or a loom status) | u16 length | message
  *   read:   u32 op 1 | u64 transfer | u32 n | u32 h0 | u32 h1 | i32 block ids (n)
- *           -> u32 status | u16 length | message | n slices (status 0)
+ *           -> u32 status | u16 length | message | n slices (status 0) | status
+ *              (the fence: the blocks were still held once streamed)
  *   done:   u32 op 2 | u64 transfer -> u32 status | u16 0
  *
  * A slice is a block's heads [h0, h1) of the acceptor's shard, packed

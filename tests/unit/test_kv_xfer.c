@@ -3,7 +3,8 @@
  * into two TP=2 halves and put back together; the handshake's field check;
  * the service on loopback: reads of held blocks give their slices, a read
  * of a transfer not held or a block outside the hold is refused as unknown
- * blocks, done reaches the service's callback; a service that does not hold
+ * blocks, a hold that ends while its blocks stream fails the read (the
+ * fence), done reaches the service's callback; a service that does not hold
  * the secret (a forged host), a dialler without it, one of another model or
  * layer count are refused naming why. */
 #include "worker/kv_xfer.h"
@@ -109,6 +110,8 @@ typedef struct served {
     uint64_t done;
     int reads, peeks;
     uint8_t *pool; /* blocks 0..7 in place (peek), NULL: none */
+    loom_kv_service_t *svc;
+    uint64_t unhold_on_read; /* a read ends this hold (the lease ending mid-stream), 0: none */
 } served_t;
 
 static const void *peek_block(void *ctx, int32_t block) {
@@ -122,6 +125,7 @@ static loom_status_t read_block(void *ctx, int32_t block, void *host, loom_err_t
     served_t *s = ctx;
     (void)err;
     s->reads++;
+    if (s->unhold_on_read) loom_kv_service_unhold(s->svc, s->unhold_on_read);
     fill(&s->fmt, block, host);
     return LOOM_OK;
 }
@@ -174,6 +178,14 @@ static void test_service(void) {
     CHECK(loom_kv_pull_read(fd, 0xabc, stray, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
           strstr(err.msg, "block 8"));
     CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    /* the fence: the hold ends while its blocks stream: the read fails */
+    int32_t late[2] = {3, 9};
+    loom_kv_service_hold(s, 0xdef, late, 2);
+    sv.svc = s;
+    sv.unhold_on_read = 0xdef;
+    CHECK(loom_kv_pull_read(fd, 0xdef, late, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+          strstr(err.msg, "while its blocks were read"));
+    sv.unhold_on_read = 0;
     CHECK(loom_kv_pull_done(fd, 0xabc, dl, &err) == LOOM_OK && sv.done == 0xabc);
     close(fd);
     loom_kv_service_unhold(s, 0xabc);
@@ -205,7 +217,7 @@ static void test_service(void) {
     }
     uint64_t refused = 0, blocks = 0;
     loom_kv_service_counts(s, &refused, &blocks);
-    CHECK(blocks == 2 && refused >= 3);
+    CHECK(blocks == 2 && refused >= 3); /* the fenced read is not counted */
     loom_kv_service_destroy(&s);
     loom_kv_service_destroy(&s);
     free(got), free(want), free(span), free(sv.pool);
