@@ -39,6 +39,7 @@ static const char *state_names[] = {"waiting_for_workers", "loading", "joining",
 typedef struct worker_slot {
     int used;
     char id[128], host[128], host_id[128], device[32], data_addr[128];
+    char kv_xfer_addr[128]; /* its KV service (Ready.kv_xfer_addr; "" : none) */
     char user_id[128]; /* the authenticated identity that registered the slot ("" when none) */
     uint32_t pid;
     uint64_t last_seen_ns;
@@ -496,6 +497,9 @@ static void all_loaded(loom_grid_t *g) {
             k.kv_offload_max_bytes = g->cfg.kv_offload_max_bytes;
         }
         k.kv_host_slots = (uint32_t)g->kv_host_slots;
+        k.kv_xfer = (uint32_t)g->cfg.kv_xfer;
+        k.kv_xfer_secret = (ProtobufCBinaryData){g->cfg.kv_xfer_secret_len, (uint8_t *)g->cfg.kv_xfer_secret};
+        k.kv_xfer_model = g->cfg.kv_tier_seed;
         if (st > 0) {
             const worker_slot_t *prev = &g->slots[(st - 1) * g->cfg.tp + r];
             k.prev_group_id = (ProtobufCBinaryData){prev->next_group_len, (uint8_t *)prev->next_group_id};
@@ -707,9 +711,14 @@ static void on_control(loom_grid_t *g, const void *rid, size_t rid_len, const ch
     case LOOM__V1__CONTROL_MSG__BODY_READY:
         if (m->ready->epoch != g->epoch || g->state != LOOM_GRID_JOINING) break;
         w->ready = 1;
+        snprintf(w->kv_xfer_addr, sizeof w->kv_xfer_addr, "%s", m->ready->kv_xfer_addr ? m->ready->kv_xfer_addr : "");
         if (count_ready(g) == g->n_slots) grid_ready(g);
         break;
     case LOOM__V1__CONTROL_MSG__BODY_RESULT: on_result(g, wi, m->result); break;
+    case LOOM__V1__CONTROL_MSG__BODY_KV_READ:
+        if (m->kv_read->epoch == g->epoch && g->state == LOOM_GRID_READY && g->cb.on_kv_read)
+            g->cb.on_kv_read(g->cb.ctx, m->kv_read->transfer);
+        break;
     case LOOM__V1__CONTROL_MSG__BODY_LORA_LOADED:
         /* another epoch's answer: its engines are gone, the order is moot */
         if (m->lora_loaded->epoch == g->epoch && g->state == LOOM_GRID_READY && g->cb.on_lora_loaded)
@@ -826,6 +835,13 @@ static void plan_fill(loom_grid_t *g, const loom_microbatch_t *mb, Loom__V1__Ste
         p->kv_save_after_slots = mb->save_after_slot;
         p->n_kv_save_after_slots = (size_t)mb->n_saves_after;
     }
+    p->kv_pull_blocks = mb->pull_block;
+    p->kv_pull_remote = mb->pull_remote;
+    p->kv_pull_source = mb->pull_src;
+    p->n_kv_pull_blocks = p->n_kv_pull_remote = p->n_kv_pull_source = (size_t)mb->n_pulls;
+    p->kv_pull_addrs = (char **)mb->pull_addrs;
+    p->kv_pull_transfer = mb->pull_transfer;
+    p->n_kv_pull_addrs = p->n_kv_pull_transfer = (size_t)mb->n_pull_srcs;
     p->seq_lora = mb->seq_lora;
     p->n_seq_lora = mb->any_lora ? (size_t)mb->n_seqs : 0;
     if (g->cfg.dp_attention) {
@@ -1167,6 +1183,33 @@ int loom_grid_n_blocks(const loom_grid_t *g) { return g->n_blocks; }
 const char *loom_grid_kv_dtype(const loom_grid_t *g) { return g->kv_dtype; }
 uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g) { return g->kv_block_bytes; }
 uint64_t loom_grid_kv_tier_id(const loom_grid_t *g) { return g->kv_tier_id; }
+
+int loom_grid_kv_xfer_addrs(const loom_grid_t *g, char *out, size_t cap) {
+    size_t n = 0;
+    out[0] = '\0';
+    for (int r = 0; r < g->cfg.tp; r++) { /* stage 0's ranks (transport tcp is one stage) */
+        const char *a = g->slots[r].kv_xfer_addr;
+        if (!a[0]) return 0;
+        int w = snprintf(out + n, cap - n, "%s%s", r ? "," : "", a);
+        if (w < 0 || (size_t)w >= cap - n) return 0;
+        n += (size_t)w;
+    }
+    return 1;
+}
+
+void loom_grid_kv_hold(loom_grid_t *g, uint64_t transfer, const int32_t *blocks, int n, int release) {
+    if (g->state != LOOM_GRID_READY) return;
+    Loom__V1__KvHold h = LOOM__V1__KV_HOLD__INIT;
+    h.epoch = g->epoch;
+    h.transfer = transfer;
+    h.blocks = (int32_t *)blocks;
+    h.n_blocks = release ? 0 : (size_t)n;
+    h.release = release;
+    Loom__V1__ControlMsg m = LOOM__V1__CONTROL_MSG__INIT;
+    m.body_case = LOOM__V1__CONTROL_MSG__BODY_KV_HOLD;
+    m.kv_hold = &h;
+    for (int i = 0; i < g->n_slots; i++) send_ctl(g, &g->slots[i], &m);
+}
 int loom_grid_kv_host_slots(const loom_grid_t *g) { return g->kv_host_slots; }
 uint64_t loom_grid_slot_kv_block_bytes(const loom_grid_t *g, int i) {
     return i >= 0 && i < g->n_slots ? g->slots[i].kv_block_bytes : 0;

@@ -100,6 +100,9 @@ typedef struct loom_grid_callbacks {
     /* Worker WORKER (its slot, 0 .. n_slots-1) answered a LoRA load order of
      * the current epoch (loom_grid_send_lora_load). NULL: not asked for. */
     void (*on_lora_loaded)(void *ctx, loom_grid_t *g, int worker, const Loom__V1__LoraLoaded *l);
+    /* Transport tcp: a worker's KV service was told a transfer was read
+     * (KvRead of the current epoch). NULL: not asked for. */
+    void (*on_kv_read)(void *ctx, uint64_t transfer);
 } loom_grid_callbacks_t;
 
 typedef struct loom_grid_config {
@@ -146,6 +149,11 @@ typedef struct loom_grid_config {
      * blocks; as many slots as the largest worker's blocks fit, sent in
      * KvConfig.kv_host_slots */
     uint64_t kv_host_bytes;
+    /* transport tcp (KvConfig.kv_xfer: 1 serve, 2 pull; 0: off) and the
+     * secret both replicas hold (none: insecure) */
+    int kv_xfer;
+    const uint8_t *kv_xfer_secret;
+    size_t kv_xfer_secret_len;
 } loom_grid_config_t;
 
 /* Binds the control socket on zctx (the caller's context) and, with etcd,
@@ -194,6 +202,12 @@ uint64_t loom_grid_kv_block_bytes(const loom_grid_t *g); /* the largest worker's
 /* The directory tier's identity for this epoch's grid (0 before READY), and
  * the block bytes of slot i (= stage * tp + rank: the tier's shard number). */
 uint64_t loom_grid_kv_tier_id(const loom_grid_t *g);
+/* Transport tcp: the KV services of the grid's ranks, comma-separated in
+ * rank order, into out; 0 when one has none (or out is too small). */
+int loom_grid_kv_xfer_addrs(const loom_grid_t *g, char *out, size_t cap);
+/* Tells every worker the blocks held under transfer (release 0), or that
+ * the hold ended (release 1). Nothing while the grid is not ready. */
+void loom_grid_kv_hold(loom_grid_t *g, uint64_t transfer, const int32_t *blocks, int n, int release);
 /* The host tier's slots per worker (0: none). */
 int loom_grid_kv_host_slots(const loom_grid_t *g);
 uint64_t loom_grid_slot_kv_block_bytes(const loom_grid_t *g, int i);

@@ -301,7 +301,9 @@ int main(int argc, char **argv) {
         {"kv-transfer-config", LOOM_OPT_STR, &kv_transfer, "JSON",
          "prefill/decode disaggregation, vLLM's form: '{\"kv_connector\":\"LoomConnector\",\"kv_role\":"
          "\"kv_both\"}' (kv_producer, kv_consumer, kv_both; \"kv_load_failure_policy\": recompute or fail); "
-         "requests then take kv_transfer_params; the blocks move through --kv-offloading-dir, shared by both sides",
+         "requests then take kv_transfer_params; the blocks move through --kv-offloading-dir, shared by both sides, "
+         "or with \"kv_connector_extra_config\":{\"transport\":\"tcp\",\"secret_file\":F} worker to worker "
+         "(lease_ms: how long a prefill holds them, default 30000; docs/disaggregation.md)",
          1, 0, NULL},
         {"kv-events", LOOM_OPT_STR, &c.kv_events, "ADDR",
          "publish prefix-cache events (blocks cached and evicted) and load for loom-router on a "
@@ -530,9 +532,24 @@ int main(int argc, char **argv) {
             fprintf(stderr, "error: %s\n", kerr.msg);
             return 2;
         }
-        if (!c.kv_offload_dir) {
-            fprintf(stderr, "error: --kv-transfer-config: the LoomConnector moves blocks through the directory tier "
-                            "both sides share: give --kv-offloading-dir\n");
+        if (loom_kv_transfer_read_secret(&c.kv_transfer, &kerr) < 0) {
+            fprintf(stderr, "error: --kv-transfer-config: %s\n", kerr.msg);
+            return 2;
+        }
+        if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_TCP && c.pp > 1) {
+            fprintf(stderr, "error: --kv-transfer-config: transport tcp is built for one pipeline stage (--pp 1), "
+                            "not --pp %d\n", c.pp);
+            return 2;
+        }
+        if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_TCP && c.kv_transfer.consumer && c.async_scheduling) {
+            fprintf(stderr, "error: --kv-transfer-config: a kv_consumer on transport tcp does not take "
+                            "--async-scheduling (a failed pull fails its step, which plans ahead would build on)\n");
+            return 2;
+        }
+        if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_DIR && !c.kv_offload_dir) {
+            fprintf(stderr, "error: --kv-transfer-config: transport dir (the default) moves blocks through the "
+                            "directory tier both sides share: give --kv-offloading-dir, or "
+                            "kv_connector_extra_config.transport \"tcp\" (worker to worker)\n");
             return 2;
         }
     }

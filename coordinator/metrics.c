@@ -448,6 +448,10 @@ char *loom_metrics_render(loom_metrics_t *m, size_t *len) {
                      st->kv_blocks_cached);
     loom_sbuf_printf(&o, "loom_kv_cache_blocks{%s,state=\"free\"} %d\n", m->lbl,
                      free_blocks - st->kv_blocks_cached);
+    if (st->kv_transfer_tcp)
+        gauge(&o, m->lbl, "loom_kv_transfer_held_blocks",
+              "KV blocks finished prefills hold for their decode side's pull (freed when it reports them read or "
+              "when kv_connector_extra_config.lease_ms passes).", st->kv_transfer_held_blocks);
     gauge(&o, m->lbl, "loom_kv_cache_capacity_blocks",
           "KV cache blocks per worker (the pool the scheduler hands out; with data-parallel attention, the sum "
           "of the ranks' pools).", st->kv_blocks_total);

@@ -68,6 +68,8 @@ typedef struct loom_metrics_state {
     int kv_host_slots, kv_host_used;   /* the host tier's blocks per worker, and those it holds */
     int kv_offload_lower;              /* the directory below the host tier: its counters, tier="dir" */
     uint64_t kv_lower_queries, kv_lower_hits, kv_lower_saves;
+    int kv_transfer_tcp;               /* --kv-transfer-config on transport tcp (the gauge below is rendered) */
+    int kv_transfer_held_blocks;       /* pool blocks a finished prefill holds for a decode side's pull */
     int grid_ready;
     /* speculative decoding (rendered only when spec_k > 0) */
     int spec_k;                /* most drafts per step (0: speculation off) */

@@ -9,6 +9,13 @@
 #include "common/spec_gate.h"
 #include "common/util.h"
 
+/* A finished prefill's blocks kept for a decode side's pull (loom_sched_hold). */
+typedef struct kv_hold {
+    uint64_t id, deadline_ns;
+    int n;
+    int32_t *blocks; /* (n) each holding one reference */
+} kv_hold_t;
+
 struct loom_sched {
     loom_sched_config_t cfg;
     loom_kv_ledger_t *kv;
@@ -42,6 +49,8 @@ struct loom_sched {
     loom_sched_tier_fn tier_obs;   /* told of each block sent to the tier (NULL: none) */
     void *tier_obs_ctx;
     int dp_next;                   /* data-parallel attention: the rank ties go to first (round robin) */
+    kv_hold_t *holds;              /* delayed frees (loom_sched_hold), oldest first */
+    int n_holds, cap_holds, held_blocks;
 };
 
 static void attach_ledger(loom_sched_t *s);
@@ -189,8 +198,17 @@ static void lora_unpin(loom_sched_t *s, loom_seq_t *q) {
     q->lora_slot = -1;
 }
 
+static void pull_free(loom_seq_pull_t **p) {
+    if (!*p) return;
+    free((*p)->remote);
+    free((*p)->addrs);
+    free(*p);
+    *p = NULL;
+}
+
 static void seq_free(loom_sched_t *s, loom_seq_t *q) {
     lora_unpin(s, q);
+    pull_free(&q->pull);
     if (s->draft_forget) s->draft_forget(s->draft_ctx, q);
     for (int i = q->n_dropped; i < q->n_blocks; i++) loom_kv_release(s->kv, q->blocks[i]);
     free(q->blocks);
@@ -211,6 +229,8 @@ void loom_sched_destroy(loom_sched_t **s_p) {
     }
     for (int i = 0; i < s->n_running; i++) seq_free(s, s->running[i]);
     for (int i = 0; i < s->n_waiting; i++) seq_free(s, s->heap[i]);
+    while (s->n_holds > 0) loom_sched_unhold(s, s->holds[0].id);
+    free(s->holds);
     for (int i = 0; i < s->n_mbs; i++) {
         loom_microbatch_t *mb = &s->mbs[i];
         free(mb->tokens);
@@ -246,6 +266,12 @@ void loom_sched_destroy(loom_sched_t **s_p) {
         free(mb->save_hash);
         free(mb->load_block);
         free(mb->load_hash);
+        free(mb->pull_block);
+        free(mb->pull_remote);
+        free(mb->pull_src);
+        free(mb->pull_seq);
+        free(mb->pull_addrs);
+        free(mb->pull_transfer);
         free(mb->save_after_block);
         free(mb->save_after_hash);
         free(mb->save_slot);
@@ -598,6 +624,74 @@ static void prompt_hashes(loom_sched_t *s, const loom_seq_t *q, int n) {
     for (int i = 0; i < n; i++) s->hashes[i] = h = loom_kv_chain_hash(h, q->tokens + (size_t)i * B, B);
 }
 
+void loom_sched_seq_set_pull(loom_sched_t *s, loom_seq_t *q, int n, const int32_t *remote, const char *addrs,
+                             uint64_t transfer) {
+    (void)s;
+    LOOM_ASSERT(q->state == LOOM_SEQ_WAITING && q->n_blocks == 0 && !q->admitted_once && n >= 0);
+    pull_free(&q->pull);
+    if (n == 0) return;
+    loom_seq_pull_t *p = loom_xcalloc(1, sizeof *p);
+    p->n = n;
+    p->remote = loom_xmalloc((size_t)n * sizeof *p->remote);
+    memcpy(p->remote, remote, (size_t)n * sizeof *p->remote);
+    p->addrs = loom_xstrdup(addrs);
+    p->transfer = transfer;
+    q->pull = p;
+}
+
+void loom_sched_pull_failed(loom_sched_t *s, loom_seq_t *q) {
+    (void)s;
+    if (!q->pull) return;
+    /* its next admission is its first: cached_tokens then counts what the prefix cache gives, not the pull */
+    q->admitted_once = 0;
+    q->cached_tokens = 0;
+    q->pull->tried = 1;
+}
+
+/* Transport tcp: q's prompt blocks beyond its prefix-cache hit that a
+ * prefill replica holds get fresh blocks, filled by the step from there
+ * (out of blocks: the run stops before the first one missing). Once. */
+static void pull_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
+    loom_seq_pull_t *p = q->pull;
+    const int B = s->cfg.block_size, have = q->n_blocks;
+    if (!p || p->tried) return;
+    p->tried = 1;
+    const int lim = LOOM_MIN(p->n, (q->n_tokens - 1) / B);
+    int end = have;
+    for (; q->n_computed == have * B && end < lim; end++) {
+        int b = loom_kv_alloc_in(s->kv, q->dp_rank);
+        if (b < 0) break;
+        q->blocks[end] = b;
+    }
+    /* a source even with nothing to pull (the prefix cache had it all, or
+     * no block was free): the workers still tell the prefill side it may
+     * free its hold */
+    if (mb->n_pull_srcs == mb->cap_pull_srcs) {
+        mb->cap_pull_srcs = mb->cap_pull_srcs ? 2 * mb->cap_pull_srcs : 4;
+        mb->pull_seq = loom_xrealloc(mb->pull_seq, (size_t)mb->cap_pull_srcs * sizeof *mb->pull_seq);
+        mb->pull_addrs = loom_xrealloc(mb->pull_addrs, (size_t)mb->cap_pull_srcs * sizeof *mb->pull_addrs);
+        mb->pull_transfer = loom_xrealloc(mb->pull_transfer, (size_t)mb->cap_pull_srcs * sizeof *mb->pull_transfer);
+    }
+    const int src = mb->n_pull_srcs++;
+    mb->pull_seq[src] = q;
+    mb->pull_addrs[src] = p->addrs;
+    mb->pull_transfer[src] = p->transfer;
+    for (int i = have; i < end; i++) {
+        if (mb->n_pulls == mb->cap_pulls) {
+            mb->cap_pulls = mb->cap_pulls ? 2 * mb->cap_pulls : 16;
+            mb->pull_block = loom_xrealloc(mb->pull_block, (size_t)mb->cap_pulls * sizeof *mb->pull_block);
+            mb->pull_remote = loom_xrealloc(mb->pull_remote, (size_t)mb->cap_pulls * sizeof *mb->pull_remote);
+            mb->pull_src = loom_xrealloc(mb->pull_src, (size_t)mb->cap_pulls * sizeof *mb->pull_src);
+        }
+        mb->pull_block[mb->n_pulls] = q->blocks[i];
+        mb->pull_remote[mb->n_pulls] = p->remote[i];
+        mb->pull_src[mb->n_pulls++] = (uint32_t)src;
+    }
+    q->n_blocks = end;
+    q->n_computed = end * B;
+    s->stats.pulled_blocks += (uint64_t)(end - have);
+}
+
 static int tier_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     const int B = s->cfg.block_size, nb = q->n_tokens / B, lim = (q->n_tokens - 1) / B, have = q->n_blocks;
     if (!s->conn || q->n_computed != have * B || have >= lim) return 0;
@@ -687,6 +781,7 @@ static int prefix_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) 
         q->n_hashed = hits - 1;
         q->chain = prev;
     }
+    pull_lookup(s, mb, q);
     return tier_lookup(s, mb, q);
 }
 
@@ -951,6 +1046,7 @@ static loom_microbatch_t *mb_take(loom_sched_t *s) {
     if (!mb) return NULL;
     mb->n_tokens = mb->n_seqs = mb->n_logits = mb->n_copies = mb->n_embeds = mb->n_plp = 0;
     mb->n_saves = mb->n_loads = mb->n_saves_after = 0;
+    mb->n_pulls = mb->n_pull_srcs = 0;
     mb->n_prev = 0;
     mb->prev_step = 0;
     mb->draft_s = 0;
@@ -1036,9 +1132,15 @@ static loom_microbatch_t *mb_fill(loom_sched_t *s, loom_microbatch_t *mb) {
             s->parked[n_parked++] = q;
             continue;
         }
-        int loads0 = mb->n_loads;
+        int loads0 = mb->n_loads, pulls0 = mb->n_pulls, srcs0 = mb->n_pull_srcs;
         if (f == FORK_NONE && q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp &&
             prefix_lookup(s, mb, q)) {
+            if (mb->n_pull_srcs > srcs0) {
+                s->stats.pulled_blocks -= (uint64_t)(mb->n_pulls - pulls0);
+                q->pull->tried = 0;
+            }
+            mb->n_pulls = pulls0;
+            mb->n_pull_srcs = srcs0;
             undo_lookup(s, mb, q); /* its tier blocks are being checked: the ones behind it go first */
             lora_unpin(s, q);
             heap_remove(s, q);
@@ -1051,6 +1153,12 @@ static loom_microbatch_t *mb_fill(loom_sched_t *s, loom_microbatch_t *mb) {
         if (take <= 0) {
             s->stats.tier_hits -= (uint64_t)(mb->n_loads - loads0);
             mb->n_loads = loads0; /* its blocks go back below */
+            if (mb->n_pull_srcs > srcs0) {
+                s->stats.pulled_blocks -= (uint64_t)(mb->n_pulls - pulls0);
+                q->pull->tried = 0;
+            }
+            mb->n_pulls = pulls0;
+            mb->n_pull_srcs = srcs0;
             undo_lookup(s, mb, q);
             lora_unpin(s, q);
             break; /* strict FCFS: the head waits for memory */
@@ -1249,6 +1357,8 @@ void loom_sched_reset_kv(loom_sched_t *s, int n_blocks) {
     /* the new ledger is made before the old one goes, so it never has the
      * old one's address (observers such as kv_events.c tell them apart by it) */
     loom_kv_ledger_t *old = s->kv;
+    for (int i = 0; i < s->n_holds; i++) free(s->holds[i].blocks); /* the old pool's: gone with it */
+    s->n_holds = s->held_blocks = 0;
     s->cfg.n_blocks = n_blocks;
     s->kv = loom_kv_create_parts(n_blocks, s->cfg.block_size, s->cfg.prefix_cache, s->cfg.n_dp);
     attach_ledger(s);
@@ -1290,6 +1400,75 @@ int loom_sched_in_flight(const loom_sched_t *s) {
     for (int i = 0; i < s->n_mbs; i++) n += s->mbs[i].in_use;
     return n;
 }
+
+/* ---- delayed free (loom_sched_hold) ------------------------------------------ */
+
+int loom_sched_hold(loom_sched_t *s, const loom_seq_t *q, uint64_t id, uint64_t deadline_ns,
+                    const int32_t **blocks) {
+    *blocks = NULL;
+    const int B = s->cfg.block_size;
+    int n = q->n_prompt > 0 ? (q->n_prompt - 1) / B : 0;
+    if (n > q->n_blocks) n = q->n_blocks;
+    if (n > q->n_computed / B) n = q->n_computed / B;
+    if (q->n_dropped > 0 || n <= 0) return 0; /* a window dropped the first blocks: nothing whole to hand over */
+    for (int i = 0; i < s->n_holds; i++) LOOM_ASSERT(s->holds[i].id != id);
+    if (s->n_holds == s->cap_holds) {
+        s->cap_holds = s->cap_holds ? 2 * s->cap_holds : 8;
+        s->holds = loom_xrealloc(s->holds, (size_t)s->cap_holds * sizeof *s->holds);
+    }
+    kv_hold_t *h = &s->holds[s->n_holds++];
+    h->id = id;
+    h->deadline_ns = deadline_ns;
+    h->n = n;
+    h->blocks = loom_xmalloc((size_t)n * sizeof *h->blocks);
+    for (int i = 0; i < n; i++) {
+        h->blocks[i] = q->blocks[i];
+        loom_kv_retain(s->kv, q->blocks[i]);
+    }
+    s->held_blocks += n;
+    *blocks = h->blocks;
+    return n;
+}
+
+const int32_t *loom_sched_held(const loom_sched_t *s, uint64_t id, int *n) {
+    for (int i = 0; i < s->n_holds; i++)
+        if (s->holds[i].id == id) {
+            *n = s->holds[i].n;
+            return s->holds[i].blocks;
+        }
+    *n = 0;
+    return NULL;
+}
+
+int loom_sched_unhold(loom_sched_t *s, uint64_t id) {
+    for (int i = 0; i < s->n_holds; i++) {
+        kv_hold_t *h = &s->holds[i];
+        if (h->id != id) continue;
+        int n = h->n;
+        for (int j = 0; j < n; j++) loom_kv_release(s->kv, h->blocks[j]);
+        free(h->blocks);
+        memmove(h, h + 1, (size_t)(s->n_holds - i - 1) * sizeof *h);
+        s->n_holds--;
+        s->held_blocks -= n;
+        return n;
+    }
+    return 0;
+}
+
+int loom_sched_hold_expire(loom_sched_t *s, uint64_t now_ns, uint64_t *ids, int cap) {
+    int n = 0;
+    for (int i = 0; i < s->n_holds && n < cap;) {
+        if (now_ns < s->holds[i].deadline_ns) {
+            i++;
+            continue;
+        }
+        ids[n++] = s->holds[i].id;
+        loom_sched_unhold(s, s->holds[i].id);
+    }
+    return n;
+}
+
+int loom_sched_held_blocks(const loom_sched_t *s) { return s->held_blocks; }
 
 void loom_sched_get_stats(const loom_sched_t *s, loom_sched_stats_t *st) {
     *st = s->stats;

@@ -114,7 +114,18 @@ typedef struct loom_seq {
                     while it has none; -1: not yet) */
     int kv_save; /* a KV connector saves the blocks its steps fill (write-through for this one: a remote decode's
                     prefill) */
+    struct loom_seq_pull *pull; /* transport tcp: its prompt's blocks a prefill replica holds (NULL: none) */
 } loom_seq_t;
+
+/* Transport tcp (loom_sched_seq_set_pull): a decode's first blocks, held by
+ * a prefill replica, to be filled from there at its first admission. */
+typedef struct loom_seq_pull {
+    int n;            /* blocks */
+    int32_t *remote;  /* (n) the prefill's pool block ids */
+    char *addrs;      /* its ranks' KV services, comma-separated in rank order */
+    uint64_t transfer;
+    int tried;        /* planned once: a later admission (after a failure, a preemption) computes them */
+} loom_seq_pull_t;
 
 typedef struct loom_sched_config {
     int max_num_seqs;        /* running sequences at most */
@@ -188,6 +199,15 @@ typedef struct loom_microbatch {
      * each move's slot, filled as the step's plan is closed; NULL else */
     int32_t *save_slot, *load_slot, *save_after_slot;
     int cap_slots;
+    /* transport tcp: blocks filled from prefill replicas before the step
+     * (StepPlan.kv_pull_*): pool block, the prefill's block id, source;
+     * per source its sequence, addresses and transfer id */
+    int n_pulls, cap_pulls, n_pull_srcs, cap_pull_srcs;
+    int32_t *pull_block, *pull_remote;
+    uint32_t *pull_src;
+    struct loom_seq **pull_seq;
+    const char **pull_addrs;
+    uint64_t *pull_transfer;
     int spec_gate;           /* the speculation gate's answer for this batch (-1: not asked) */
     /* planned ahead (loom_sched_schedule_ahead): tokens [0, n_prev) are the
      * ones micro-batch prev_step samples, tokens[t] the id of its logit row
@@ -209,6 +229,7 @@ typedef struct loom_sched_stats {
     uint64_t forks, fork_tokens;     /* sequences admitted as forks; prompt tokens they took over */
     uint64_t tier_queries, tier_hits; /* blocks beyond the prefix cache asked of the connector; loaded */
     uint64_t tier_waits; /* admissions put off while the connector looked for a request's blocks */
+    uint64_t pulled_blocks; /* transport tcp: blocks planned to be filled from prefill replicas */
     uint64_t tier_saves;             /* blocks sent to the connector's tier */
     uint64_t lower_hits, lower_saves; /* of those, loaded from and sent to its lower tier (the directory) */
     uint64_t dp_admissions[LOOM_SCHED_MAX_DP]; /* cfg.n_dp > 1: admissions bound to each rank */
@@ -317,6 +338,46 @@ void loom_sched_set_lora_slots(loom_sched_t *s, loom_lora_slots_t *slots);
  * mb->save_after_*, done after that step's layers. The caller keeps c
  * alive while the scheduler holds it. */
 void loom_sched_set_connector(loom_sched_t *s, loom_kv_connector_t *c);
+/* Transport tcp, the decode side: q's first n prompt blocks are held by a
+ * prefill replica (remote: its block ids; addrs: its ranks' KV services;
+ * transfer: its hold). At q's first admission, the blocks beyond its
+ * prefix-cache hit (never the block of its last position) get fresh blocks
+ * the step fills from there (mb->pull_*) and count as cached; a later
+ * admission (the step failed or q was preempted) computes them. The step
+ * names the source even when nothing is pulled (the prefix cache held every
+ * block, or none was free), so the prefill side hears it may free them.
+ * Call right after loom_sched_add. */
+void loom_sched_seq_set_pull(loom_sched_t *s, loom_seq_t *q, int n, const int32_t *remote, const char *addrs,
+                             uint64_t transfer);
+
+/* q's pull failed (the step that filled it is being failed with
+ * loom_sched_fail): its next admission computes the blocks and counts as
+ * its first (cached_tokens from the prefix cache alone). */
+void loom_sched_pull_failed(loom_sched_t *s, loom_seq_t *q);
+
+/* Delayed free for a worker-to-worker KV transfer (docs/disaggregation.md):
+ * a finished prefill's prompt blocks (its full blocks before the one of its
+ * last position, as kv_transfer_params name them) each keep one more
+ * reference under id until loom_sched_unhold (the decode side read them) or
+ * deadline_ns passes (loom_sched_hold_expire: the lease). Held blocks are
+ * neither freed nor reused: the sequence may finish and go meanwhile. Call
+ * before loom_sched_finish; returns how many blocks it holds (0: none, e.g.
+ * a window dropped the first ones), *blocks their ids (valid until the
+ * hold ends). id must be new. A new pool (loom_sched_reset_kv) ends every
+ * hold: its blocks were the old pool's. */
+int loom_sched_hold(loom_sched_t *s, const loom_seq_t *q, uint64_t id, uint64_t deadline_ns,
+                    const int32_t **blocks);
+/* The blocks held under id (NULL, *n 0: no such hold). */
+const int32_t *loom_sched_held(const loom_sched_t *s, uint64_t id, int *n);
+/* Ends the hold: its references go (blocks cached for the prefix cache stay
+ * cached). Returns the blocks it held (0: no such hold). */
+int loom_sched_unhold(loom_sched_t *s, uint64_t id);
+/* Ends the holds whose deadline is <= now_ns, cap at most (call again
+ * while it returns cap); their ids in ids; returns how many ended. */
+int loom_sched_hold_expire(loom_sched_t *s, uint64_t now_ns, uint64_t *ids, int cap);
+/* Blocks held now, all holds together (loom_kv_transfer_held_blocks). */
+int loom_sched_held_blocks(const loom_sched_t *s);
+
 /* Told of each block hash sent to the connector's tier (the KV events
  * publisher listens); NULL fn: none. */
 typedef void (*loom_sched_tier_fn)(void *ctx, uint64_t hash);

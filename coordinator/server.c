@@ -63,6 +63,7 @@
 #include "coordinator/sampling_params.h"
 #include "coordinator/structured.h"
 #include "coordinator/sched.h"
+#include "coordinator/security.h"
 #include "coordinator/stop.h"
 #include "proto/wire.h"
 #include "proto/zapi.h"
@@ -767,6 +768,12 @@ static void fail_all_requests(loom_server_t *s, loom_status_t code, const char *
 /* The host tier is the connector (not the directory's). */
 static int kv_host(const loom_server_t *s) { return s->kv_conn && !strcmp(s->kv_conn->tier, "host"); }
 
+/* Prefill/decode transfers go worker to worker (transport tcp). */
+static int kv_xfer_tcp(const loom_server_t *s) {
+    const loom_kv_transfer_config_t *c = &s->cfg.kv_transfer;
+    return (c->producer || c->consumer) && c->transport == LOOM_KV_TRANSPORT_TCP;
+}
+
 /* The directory tier's connector (alone, or below the host tier), NULL
  * when there is none. */
 static loom_kv_connector_t *kv_dir(const loom_server_t *s) {
@@ -963,9 +970,50 @@ static int prompt_lp_step(loom_server_t *s, const loom_microbatch_t *mb, const L
 
 static void schedule(loom_server_t *s);
 
+static void on_step_failed(void *ctx, loom_microbatch_t *mb);
+
+/* Transport tcp: the decode side reported a transfer read; its blocks go. */
+static void on_kv_read(void *ctx, uint64_t transfer) {
+    loom_server_t *s = ctx;
+    if (!s->sched) return;
+    int n = loom_sched_unhold(s->sched, transfer);
+    if (n > 0) loom_grid_kv_hold(s->grid, transfer, NULL, 0, 1);
+    LOOM_DEBUG("KV transfer %016llx read by the decode side: %d blocks freed", (unsigned long long)transfer, n);
+}
+
+/* Transport tcp: some of a step's pulls failed (StepResult.kv_pull_failed).
+ * Their sequences' KV is not valid, so the step's results go: every
+ * sequence of the step is computed again (the failed ones without pulling:
+ * kv_load_failure_policy recompute), or a failed one's request ends with
+ * UNAVAILABLE (fail). */
+static void pulls_failed(loom_server_t *s, loom_microbatch_t *mb, const Loom__V1__StepResult *r) {
+    for (size_t i = 0; i < r->n_kv_pull_failed; i++) {
+        uint32_t src = r->kv_pull_failed[i];
+        const char *why = i < r->n_kv_pull_errors ? r->kv_pull_errors[i] : "";
+        if (src >= (uint32_t)mb->n_pull_srcs) continue;
+        loom_seq_t *q = mb->pull_seq[src];
+        request_t *rq = q->user;
+        if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL && rq && rq->seq == q) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "kv_transfer_params: the prefill's KV blocks could not be pulled "
+                     "(kv_load_failure_policy fail): %.500s", why);
+            loom_log_req(LOOM_LOG_INFO, rq->tag, "request %llu: %s", (unsigned long long)rq->request_id, msg);
+            req_emit(s, rq, NULL, 0, NULL, 0, LOOM__V1__FINISH_REASON__FINISH_ERROR, LOOM_ERR_UNAVAILABLE, msg);
+        } else {
+            LOOM_INFO("kv_transfer_params: the prefill's KV blocks could not be pulled: recomputed: %s", why);
+            loom_sched_pull_failed(s->sched, q);
+        }
+    }
+    on_step_failed(s, mb);
+}
+
 static int on_step_done(void *ctx, loom_microbatch_t *mb, const Loom__V1__StepResult *r, double step_s, char *err,
                         size_t err_n) {
     loom_server_t *s = ctx;
+    if (r->n_kv_pull_failed) {
+        pulls_failed(s, mb, r);
+        return 0;
+    }
     if (mb == s->tail) s->tail = NULL;
     s->steps++;
     s->step_s_total += step_s;
@@ -1211,13 +1259,14 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
     uint64_t seed =
         lora_id >= 0 ? loom_sched_lora_seed(loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest)
                      : 0;
-    loom_status_t st = loom_kv_transfer_parse(json, kv_dir(s) ? &s->cfg.kv_transfer : NULL, engine, ids, n_ids,
-                                              s->cfg.block_size, seed, kvt, &err);
+    const loom_kv_transfer_config_t *cfg = kv_xfer_tcp(s) || kv_dir(s) ? &s->cfg.kv_transfer : NULL;
+    loom_status_t st = loom_kv_transfer_parse(json, cfg, engine, ids, n_ids, s->cfg.block_size, seed, kvt, &err);
     if (st < 0) {
         snprintf(msg, n, "%s", err.msg);
         return st;
     }
     if (!kvt->remote_prefill || kvt->n_blocks == 0) return LOOM_OK;
+    if (kv_xfer_tcp(s)) return LOOM_OK; /* the workers pull at admission; a failure is the step's */
     if (!prepared || !prepared->kv.whole) return 1;
     int have = prepared->kv.have;
     if (prepared->kv.read_s > 0.1)
@@ -1237,13 +1286,31 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
     return LOOM_OK;
 }
 
-/* The params a prefill for a remote decode answers with (malloc'd JSON). */
+/* The params a prefill for a remote decode answers with (malloc'd JSON).
+ * Transport tcp: its prompt's blocks are held (delayed free) for the
+ * decode side's pull, until it reports them read or the lease ends. */
 static char *kv_decode_params(loom_server_t *s, const request_t *q) {
     char engine[64], host[256] = "";
     loom_kv_transfer_engine_id(loom_grid_kv_tier_id(s->grid), engine);
     const char *a = strncmp(s->api_addr, "tcp://", 6) ? s->api_addr : s->api_addr + 6, *colon = strrchr(a, ':');
     int port = colon ? atoi(colon + 1) : 0;
     snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - a) : 0, a);
+    if (kv_xfer_tcp(s)) {
+        uint64_t id = 0;
+        while (!id || loom_sched_held(s->sched, id, &(int){0})) loom_coord_epoch_secret((uint8_t *)&id, sizeof id);
+        const int32_t *blocks = NULL;
+        uint64_t lease = (uint64_t)s->cfg.kv_transfer.lease_ms * 1000000ull;
+        int n = loom_sched_hold(s->sched, q->seq, id, loom_now_ns() + lease, &blocks);
+        char addrs[1024];
+        if (!loom_grid_kv_xfer_addrs(s->grid, addrs, sizeof addrs)) addrs[0] = '\0';
+        if (n > 0) loom_grid_kv_hold(s->grid, id, blocks, n, 0); /* before the answer leaves */
+        if (n > 0)
+            loom_log_req(LOOM_LOG_DEBUG, q->tag,
+                         "request %llu: %d KV blocks held for the decode side (transfer %016llx, lease %d ms)",
+                         (unsigned long long)q->request_id, n, (unsigned long long)id, s->cfg.kv_transfer.lease_ms);
+        return loom_kv_transfer_params_tcp(engine, q->seq->tokens, blocks, n, s->cfg.block_size, q->seq->lora_seed,
+                                           addrs, q->request_id, n > 0 ? id : 0, s->cfg.tp);
+    }
     return loom_kv_transfer_params(engine, q->seq->tokens, q->seq->n_prompt, s->cfg.block_size, q->seq->lora_seed,
                                    host, port,
                                    q->request_id, s->cfg.tp);
@@ -1457,7 +1524,12 @@ static void on_generate(loom_server_t *s, const void *rid, size_t rid_len, Loom_
                                 loom_lora_slots_entry(loom_lora_reactor_slots(s->lora), lora_id)->digest);
     q->seq->sparams = q->sparams;
     q->seq->spec_off = g->no_speculation;
-    if (kvt.remote_decode) q->seq->kv_save = q->kv_remote_decode = 1; /* its blocks written through for the decode */
+    if (kvt.remote_decode) { /* dir: its blocks written through for the decode; tcp: held when it finishes */
+        q->kv_remote_decode = 1;
+        q->seq->kv_save = !kv_xfer_tcp(s);
+    }
+    if (kvt.remote_prefill && kv_xfer_tcp(s) && kvt.n_blocks > 0)
+        loom_sched_seq_set_pull(s->sched, q->seq, kvt.n_blocks, kvt.pool_blocks, kvt.addrs, kvt.transfer_id);
     loom_kv_transfer_req_free(&kvt);
     if (g->return_prompt_ids && !g->prompt_logprobs) {
         q->pids_want = 1;
@@ -1873,6 +1945,8 @@ static void publish_state(loom_server_t *s) {
         st.kv_offload_queries = ss.tier_queries;
         st.kv_offload_hits = ss.tier_hits - ss.lower_hits;
         st.kv_offload_saves = ss.tier_saves - ss.lower_saves;
+        st.kv_transfer_tcp = kv_xfer_tcp(s);
+        st.kv_transfer_held_blocks = loom_sched_held_blocks(s->sched);
         if (s->kv_conn && s->kv_conn->lower) { /* the directory below the host tier: its own series */
             st.kv_offload_lower = 1;
             st.kv_lower_queries = loom_kv_host_connector_lower_queries(s->kv_conn);
@@ -1898,6 +1972,15 @@ static void publish_state(loom_server_t *s) {
 static void timers(loom_server_t *s) {
     uint64_t now = loom_now_ns();
     prep_timers(s, now);
+    uint64_t gone[16];
+    for (int n_gone = 16; s->sched && n_gone == 16;) {
+        n_gone = loom_sched_hold_expire(s->sched, now, gone, 16);
+        for (int i = 0; i < n_gone; i++) {
+            loom_grid_kv_hold(s->grid, gone[i], NULL, 0, 1);
+            LOOM_INFO("KV transfer %016llx: the decode side did not read the held blocks within lease_ms %d: freed",
+                      (unsigned long long)gone[i], s->cfg.kv_transfer.lease_ms);
+        }
+    }
     if (s->recovery_deadline && now > s->recovery_deadline && loom_grid_state(s->grid) != LOOM_GRID_READY) {
         char msg[700];
         snprintf(msg, sizeof msg, "the serving grid failed and was not restored within %d ms: %s",
@@ -2096,9 +2179,14 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .kv_offload_dir = c->kv_offload_dir, .kv_offload_max_bytes = c->kv_offload_max_bytes,
                              .kv_host_bytes = c->kv_offload_host_bytes,
                              .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu, .ahead = s->ahead};
+    if (kv_xfer_tcp(s)) {
+        gc.kv_xfer = (c->kv_transfer.producer ? 1 : 0) | (c->kv_transfer.consumer ? 2 : 0);
+        gc.kv_xfer_secret = c->kv_transfer.secret;
+        gc.kv_xfer_secret_len = c->kv_transfer.secret_len;
+    }
     loom_grid_callbacks_t cb = {.ctx = s, .on_ready = on_grid_ready, .on_failed = on_grid_failed,
                                 .on_step_done = on_step_done, .on_step_failed = on_step_failed,
-                                .on_lora_loaded = on_lora_loaded};
+                                .on_lora_loaded = on_lora_loaded, .on_kv_read = on_kv_read};
     return loom_grid_create(&gc, s->zctx, &cb, &s->grid, err);
 }
 

@@ -2,6 +2,7 @@
 #include "proto/wire.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/util.h"
 
@@ -156,6 +157,19 @@ loom_status_t loom_wire_check_plan(const Loom__V1__StepPlan *p, const loom_plan_
         if (p->kv_save_blocks[i] >= lim->n_blocks || p->kv_save_blocks[i] < -1 ||
             (p->kv_save_blocks[i] == -1 && (!p->n_kv_save_slots || p->kv_save_slots[i] < 0)))
             return loom_err_set(err, LOOM_ERR_FORMAT, "KV save %zu: block %d out of range", i, p->kv_save_blocks[i]);
+    if (p->n_kv_pull_remote != p->n_kv_pull_blocks || p->n_kv_pull_source != p->n_kv_pull_blocks ||
+        p->n_kv_pull_transfer != p->n_kv_pull_addrs)
+        return loom_err_set(err, LOOM_ERR_FORMAT, "KV pulls: %zu blocks, %zu remote ids, %zu sources; %zu addresses "
+                            "with %zu transfers", p->n_kv_pull_blocks, p->n_kv_pull_remote, p->n_kv_pull_source,
+                            p->n_kv_pull_addrs, p->n_kv_pull_transfer);
+    for (size_t i = 0; i < p->n_kv_pull_blocks; i++)
+        if (p->kv_pull_blocks[i] < 0 || p->kv_pull_blocks[i] >= lim->n_blocks || p->kv_pull_remote[i] < 0 ||
+            p->kv_pull_source[i] >= p->n_kv_pull_addrs)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV pull %zu: block %d, remote %d, source %u out of range", i,
+                                p->kv_pull_blocks[i], p->kv_pull_remote[i], p->kv_pull_source[i]);
+    for (size_t i = 0; i < p->n_kv_pull_addrs; i++)
+        if (!p->kv_pull_addrs[i] || !p->kv_pull_addrs[i][0] || strlen(p->kv_pull_addrs[i]) > 4096)
+            return loom_err_set(err, LOOM_ERR_FORMAT, "KV pull source %zu: no address", i);
     if (p->n_embed_begin != p->n_embed_end || p->n_embed_begin > p->n_tokens)
         return loom_err_set(err, LOOM_ERR_FORMAT, "embedding ranges: %zu begins, %zu ends", p->n_embed_begin,
                             p->n_embed_end);

@@ -77,6 +77,7 @@ typedef struct loom_comm_config {
 loom_status_t loom_comm_listener_create(const char *host, int port, loom_comm_listener_t **out,
                                         loom_err_t *err);
 const char *loom_comm_listener_addr(const loom_comm_listener_t *l);
+int loom_comm_listener_fd(const loom_comm_listener_t *l); /* the listening socket (non-blocking) */
 void loom_comm_listener_destroy(loom_comm_listener_t **l_p);
 
 #define LOOM_COMM_ID_BYTES 128

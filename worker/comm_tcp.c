@@ -75,11 +75,13 @@
 #include "common/util.h"
 #include "worker/comm_impl.h"
 #include "worker/comm_util.h"
+#include "worker/tcp_io.h"
 
 #define TCP_VERSION           1
 #define TCP_VERSION_AUTH      2 /* hellos carry nonces and HMACs */
-#define NONCE_BYTES           16
+#define NONCE_BYTES           LOOM_TCP_NONCE_BYTES
 #define MAC_BYTES             crypto_auth_hmacsha256_BYTES
+_Static_assert(MAC_BYTES == LOOM_TCP_MAC_BYTES, "tcp_io.h's MAC size is HMAC-SHA256's");
 #define TAG_BYTES             crypto_aead_chacha20poly1305_IETF_ABYTES
 #define HELLO_MAGIC           0x31484d4cu /* "LMH1" */
 #define FRAME_MAGIC           0x31464d4cu /* "LMF1" */
@@ -234,7 +236,7 @@ static void peer_name(int fd, char *out, size_t cap) {
 }
 
 /* Blocking-style I/O on a non-blocking socket, bounded by deadline (create only). */
-static loom_status_t write_full(int fd, const void *buf, size_t len, uint64_t deadline,
+loom_status_t loom_tcp_write_full(int fd, const void *buf, size_t len, uint64_t deadline,
                                 const char *what, loom_err_t *err) {
     const uint8_t *p = buf;
     while (len) {
@@ -256,7 +258,7 @@ static loom_status_t write_full(int fd, const void *buf, size_t len, uint64_t de
     return LOOM_OK;
 }
 
-static loom_status_t read_full(int fd, void *buf, size_t len, uint64_t deadline, const char *what,
+loom_status_t loom_tcp_read_full(int fd, void *buf, size_t len, uint64_t deadline, const char *what,
                                loom_err_t *err) {
     uint8_t *p = buf;
     while (len) {
@@ -283,7 +285,7 @@ static loom_status_t read_full(int fd, void *buf, size_t len, uint64_t deadline,
 }
 
 /* Connects to addr, retrying (a listener may not be up yet) until deadline. */
-static loom_status_t tcp_dial(const char *addr, uint64_t deadline, int *fd_out, loom_err_t *err) {
+loom_status_t loom_tcp_dial(const char *addr, uint64_t deadline, int *fd_out, loom_err_t *err) {
     char host[256], port[16];
     *fd_out = -1;
     if (!addr || !parse_addr(addr, host, sizeof host, port, sizeof port))
@@ -401,6 +403,8 @@ loom_status_t loom_comm_listener_create(const char *host, int port, loom_comm_li
 const char *loom_comm_listener_addr(const loom_comm_listener_t *l) {
     return l->addr;
 }
+
+int loom_comm_listener_fd(const loom_comm_listener_t *l) { return l->fd; }
 
 void loom_comm_listener_destroy(loom_comm_listener_t **l_p) {
     if (!l_p || !*l_p) return;
@@ -784,19 +788,24 @@ static size_t hello_encode(uint8_t *out, unsigned kind, int rank, const char *na
     return HELLO_HDR + nl + il + (tail ? tail_len : 0);
 }
 
+void loom_tcp_mac(const uint8_t *secret, size_t secret_len, const char *tag, const uint8_t *n1, const uint8_t *n2,
+                  const char *const *strs, int n_strs, uint8_t out[LOOM_TCP_MAC_BYTES]) {
+    crypto_auth_hmacsha256_state st;
+    crypto_auth_hmacsha256_init(&st, secret, secret_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, strlen(tag) + 1);
+    crypto_auth_hmacsha256_update(&st, n1, NONCE_BYTES);
+    crypto_auth_hmacsha256_update(&st, n2, NONCE_BYTES);
+    for (int i = 0; i < n_strs; i++)
+        crypto_auth_hmacsha256_update(&st, (const uint8_t *)strs[i], strlen(strs[i]) + 1);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
 /* The proof of one side: HMAC-SHA256 under the epoch secret of a tag, both
  * nonces (this side's peer's first), the comm name and both ids. */
 static void link_mac(const loom_comm_config_t *cfg, const char *tag, const uint8_t *n1, const uint8_t *n2,
                      const char *dialler, const char *acceptor, uint8_t out[MAC_BYTES]) {
-    crypto_auth_hmacsha256_state st;
-    crypto_auth_hmacsha256_init(&st, cfg->auth_secret, cfg->auth_secret_len);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, strlen(tag) + 1);
-    crypto_auth_hmacsha256_update(&st, n1, NONCE_BYTES);
-    crypto_auth_hmacsha256_update(&st, n2, NONCE_BYTES);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)cfg->name, strlen(cfg->name) + 1);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)dialler, strlen(dialler) + 1);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)acceptor, strlen(acceptor) + 1);
-    crypto_auth_hmacsha256_final(&st, out);
+    const char *strs[3] = {cfg->name, dialler, acceptor};
+    loom_tcp_mac(cfg->auth_secret, cfg->auth_secret_len, tag, n1, n2, strs, 3, out);
 }
 
 static int auth_on(const loom_comm_config_t *cfg) {
@@ -992,7 +1001,7 @@ static void pending_read(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admi
     size_t len = hello_encode(ack, LINK_ACK, cfg->tp_rank, cfg->name, cfg->self_id, auth_on(cfg) ? tail : NULL,
                               sizeof tail);
     loom_err_t werr;
-    if (write_full(p->fd, ack, len, deadline, l->peer, &werr) < 0) {
+    if (loom_tcp_write_full(p->fd, ack, len, deadline, l->peer, &werr) < 0) {
         LOOM_WARN("tcp comm '%s': %s", cfg->name, werr.msg);
         pending_drop(ad, i);
         return;
@@ -1119,7 +1128,7 @@ static loom_status_t accept_links(loom_comm_tcp_t *c, const loom_comm_config_t *
 static loom_status_t read_ack(tcp_link_t *l, const loom_comm_config_t *cfg, const char *peer_id,
                               uint64_t deadline, loom_err_t *err) {
     uint8_t h[HELLO_MAX];
-    loom_status_t st = read_full(l->fd, h, HELLO_HDR, deadline, l->peer, err);
+    loom_status_t st = loom_tcp_read_full(l->fd, h, HELLO_HDR, deadline, l->peer, err);
     if (st == LOOM_ERR_UNAVAILABLE && err && strstr(err->msg, "closed"))
         return loom_err_set(
             err, LOOM_ERR_UNAVAILABLE,
@@ -1131,7 +1140,7 @@ static loom_status_t read_ack(tcp_link_t *l, const loom_comm_config_t *cfg, cons
     if (!len || get16(h + 6) != LINK_ACK)
         return loom_err_set(err, LOOM_ERR_PROTOCOL,
                             "tcp %s: the peer did not answer with a Loom ack", l->peer);
-    LOOM_CHECK(read_full(l->fd, h + HELLO_HDR, len - HELLO_HDR, deadline, l->peer, err));
+    LOOM_CHECK(loom_tcp_read_full(l->fd, h + HELLO_HDR, len - HELLO_HDR, deadline, l->peer, err));
     size_t nl = get16(h + 12), il = get16(h + 14);
     if (!str_is(h + HELLO_HDR, nl, cfg->name) || !str_is(h + HELLO_HDR + nl, il, peer_id))
         return loom_err_set(err, LOOM_ERR_PROTOCOL,
@@ -1152,19 +1161,19 @@ static loom_status_t read_ack(tcp_link_t *l, const loom_comm_config_t *cfg, cons
                             "secret",
                             l->peer);
     link_mac(cfg, "dial", na, l->nonce, cfg->self_id, peer_id, proof);
-    LOOM_CHECK(write_full(l->fd, proof, MAC_BYTES, deadline, l->peer, err));
+    LOOM_CHECK(loom_tcp_write_full(l->fd, proof, MAC_BYTES, deadline, l->peer, err));
     link_keys(cfg, l, 1, l->nonce, na, cfg->self_id, peer_id);
     return LOOM_OK;
 }
 
 static loom_status_t dial_link(tcp_link_t *l, const loom_comm_config_t *cfg, unsigned kind,
                                const char *addr, uint64_t deadline, loom_err_t *err) {
-    LOOM_CHECK(tcp_dial(addr, deadline, &l->fd, err));
+    LOOM_CHECK(loom_tcp_dial(addr, deadline, &l->fd, err));
     uint8_t hello[HELLO_MAX];
     if (auth_on(cfg)) randombytes_buf(l->nonce, NONCE_BYTES);
     size_t len = hello_encode(hello, kind, cfg->tp_rank, cfg->name, cfg->self_id,
                               auth_on(cfg) ? l->nonce : NULL, NONCE_BYTES);
-    return write_full(l->fd, hello, len, deadline, l->peer, err);
+    return loom_tcp_write_full(l->fd, hello, len, deadline, l->peer, err);
 }
 
 static int id_ok(const char *s) {

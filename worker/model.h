@@ -147,6 +147,12 @@ void loom_model_set_layer_wait(loom_model_t *m, void (*fn)(void *ctx, int layer)
  * block-contiguous layout; in the layer-major one, per layer its K codes,
  * V codes and (I8) scales, packed in that order. */
 void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_host);
+/* The host span loom_model_kv_block_xfer packs, per layer of the shard: K
+ * codes, V codes, K scales, V scales, each piece (B, n_kv_heads, ...) token
+ * major: *codes and *scales its pieces' bytes (padding included; *scales 0
+ * without scales). 0 for the latent layout (one array for K and V, MLA),
+ * else 1. */
+int loom_model_kv_span_pieces(const loom_model_t *m, size_t *codes, size_t *scales);
 
 /* One step's batch. All arrays are host memory. */
 typedef struct loom_step_batch {

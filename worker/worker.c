@@ -68,6 +68,7 @@
 #include "worker/comm.h"
 #include "worker/kv_host.h"
 #include "worker/kv_offload.h"
+#include "worker/kv_pd.h"
 #include "worker/logits_proc.h"
 #include "worker/lora_orders.h"
 #include "worker/model.h"
@@ -176,6 +177,12 @@ typedef struct worker {
     int n_trace, cap_trace;
     loom_kv_offload_t kv_tier; /* the directory tier (KvConfig.kv_offload_dir) */
     loom_kv_host_t kv_host;    /* the host-memory tier (KvConfig.kv_host_slots) */
+    loom_kv_pd_t kv_pd;        /* transport tcp: the KV service, the pulls (KvConfig.kv_xfer) */
+    /* the step's pulls: per source, failed (1), why (malloc'd) */
+    int *pull_failed, cap_pull_src;
+    char **pull_why;
+    uint32_t *pull_failed_ids;
+    int n_pull_failed;
 } worker_t;
 
 static volatile sig_atomic_t g_stop;
@@ -252,6 +259,12 @@ static void post_result(worker_t *w, uint64_t epoch, uint64_t step_id, const int
     if (code == LOOM_OK && w->n_emb) {
         r.embeddings = w->emb;
         r.n_embeddings = w->n_emb;
+    }
+    if (code == LOOM_OK && w->n_pull_failed) {
+        r.kv_pull_failed = w->pull_failed_ids;
+        r.n_kv_pull_failed = (size_t)w->n_pull_failed;
+        r.kv_pull_errors = w->pull_why;
+        r.n_kv_pull_errors = (size_t)w->n_pull_failed;
     }
     r.epoch = epoch;
     r.step_id = step_id;
@@ -344,6 +357,7 @@ static void unload(worker_t *w) {
     loom_lora_orders_destroy(&w->lora); /* its cache reads the model */
     loom_kv_host_free(&w->kv_host); /* the backend's host memory */
     loom_kv_offload_free(&w->kv_tier);
+    loom_kv_pd_release(&w->kv_pd); /* its service reads the pool; its staging is the backend's */
     loom_model_destroy(&w->model);
     if (w->share_dev) loom_backend_free(w->be, w->share_dev);
     w->share_dev = NULL;
@@ -548,6 +562,7 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
                   (unsigned long long)w->epoch);
         goto done;
     }
+    loom_kv_pd_stop(&w->kv_pd); /* its service reads the pool: gone before the pool moves */
     if ((int)k->n_blocks != loom_model_kv_blocks(w->model) || w->block_size != loom_model_kv_block_size(w->model)) {
         if (loom_model_alloc_kv(w->model, (int)k->n_blocks, w->block_size, &err) < 0) goto fail;
     }
@@ -611,9 +626,32 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
     pthread_mutex_unlock(&w->comm_mu);
     LOOM_INFO("joined the data plane (%s, %zu TP peers%s%s), KV pool of %u blocks", loom_comm_backend(c), n_tp,
               cs->prev ? ", previous stage" : "", cs->next ? ", next stage" : "", k->n_blocks);
+    char xfer_addr[320] = "";
+    if (k->kv_xfer) { /* transport tcp */
+        loom_kv_ident_t id;
+        loom_kv_span_fmt_t fmt;
+        char host[256] = "127.0.0.1";
+        const char *la = loom_comm_listener_addr(w->listener), *hs = strncmp(la, "tcp://", 6) ? la : la + 6;
+        const char *colon = strrchr(hs, ':');
+        if (colon && colon > hs) snprintf(host, sizeof host, "%.*s", (int)(colon - hs), hs);
+        if (host[0] == '[') { /* [v6] */
+            memmove(host, host + 1, strlen(host));
+            host[strlen(host) - 1] = '\0';
+        }
+        if (!loom_kv_pd_ident(w->model, k->kv_xfer_model, (int)a->tp_rank, (int)a->tp_size, (int)a->stage,
+                              (int)a->n_stages, (int)a->layer_begin, (int)a->layer_end, &id, &fmt)) {
+            loom_err_set(&err, LOOM_ERR_UNSUPPORTED, "transport tcp: the latent KV (MLA) is not moved this way");
+            goto fail;
+        }
+        if (loom_kv_pd_config(&w->kv_pd, (int)k->kv_xfer, w->epoch, w->model, w->be, &id, &fmt,
+                              k->kv_xfer_secret.data, k->kv_xfer_secret.len, host, &err) < 0)
+            goto fail;
+        loom_kv_pd_addr(&w->kv_pd, xfer_addr, sizeof xfer_addr);
+    }
     Loom__V1__Ready rd = LOOM__V1__READY__INIT;
     rd.epoch = w->epoch;
     rd.n_blocks = k->n_blocks;
+    rd.kv_xfer_addr = xfer_addr;
     Loom__V1__ControlMsg r = LOOM__V1__CONTROL_MSG__INIT;
     r.body_case = LOOM__V1__CONTROL_MSG__BODY_READY;
     r.ready = &rd;
@@ -830,6 +868,48 @@ static loom_status_t prev_tokens(worker_t *w, Loom__V1__StepPlan *p, loom_err_t 
     return LOOM_OK;
 }
 
+/* Transport tcp: the plan's pulls into this shard's pool, before the
+ * layers. A source that failed on any TP rank (gathered to rank 0) is
+ * reported (StepResult.kv_pull_failed); the step still runs. */
+static loom_status_t kv_pulls(worker_t *w, const Loom__V1__StepPlan *p, loom_err_t *err) {
+    int n_src = (int)p->n_kv_pull_addrs;
+    if (w->cap_pull_src < n_src) {
+        w->cap_pull_src = n_src;
+        w->pull_failed = loom_xrealloc(w->pull_failed, (size_t)n_src * sizeof *w->pull_failed);
+        w->pull_why = loom_xrealloc(w->pull_why, (size_t)n_src * sizeof *w->pull_why);
+        w->pull_failed_ids = loom_xrealloc(w->pull_failed_ids, (size_t)n_src * sizeof *w->pull_failed_ids);
+    }
+    char **why = loom_xcalloc((size_t)n_src, sizeof *why);
+    loom_kv_pd_pull(&w->kv_pd, p->kv_pull_blocks, p->kv_pull_remote, p->kv_pull_source, (int)p->n_kv_pull_blocks,
+                    p->kv_pull_addrs, p->kv_pull_transfer, n_src, w->pull_failed, why);
+    const int tp = (int)w->assign->tp_size, rank0 = w->assign->tp_rank == 0;
+    if (tp > 1) { /* rank 0, which reports, learns which sources failed on any rank (host buffers: any backend) */
+        uint8_t *mine = loom_xmalloc((size_t)n_src), *all = rank0 ? loom_xmalloc((size_t)n_src * tp) : NULL;
+        for (int i = 0; i < n_src; i++) mine[i] = (uint8_t)w->pull_failed[i];
+        loom_status_t st = loom_comm_gather(w->comm, mine, (size_t)n_src, all, err);
+        for (int r = 1; st == LOOM_OK && rank0 && r < tp; r++)
+            for (int i = 0; i < n_src; i++) w->pull_failed[i] |= all[(size_t)r * n_src + i];
+        free(mine);
+        free(all);
+        if (st < 0) {
+            for (int i = 0; i < n_src; i++) free(why[i]);
+            free(why);
+            return st;
+        }
+    }
+    w->n_pull_failed = 0;
+    for (int i = 0; i < n_src; i++) {
+        if (w->pull_failed[i]) {
+            w->pull_failed_ids[w->n_pull_failed] = (uint32_t)i;
+            w->pull_why[w->n_pull_failed++] = why[i] ? why[i] : loom_xstrdup("the pull failed on another TP rank");
+        } else {
+            free(why[i]);
+        }
+    }
+    free(why);
+    return LOOM_OK;
+}
+
 static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     Loom__V1__StepPlan *p = m->step;
     loom_err_t err = {0};
@@ -877,6 +957,7 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
                                          p->n_kv_load_blocks, &err)) < 0) {
         goto report;
     }
+    if (p->n_kv_pull_addrs && (s = kv_pulls(w, p, &err)) < 0) goto report;
     if (a->stage > 0 && (s = loom_comm_recv_prev(w->comm, loom_model_hidden(w->model), hidden_bytes, &err)) < 0)
         goto report;
     if (p->n_copy_src) /* a copy may read a block being loaded */
@@ -908,6 +989,8 @@ static void handle_step(worker_t *w, Loom__V1__ControlMsg *m) {
     if (loom_model_last_pad(w->model)) atomic_fetch_add(&w->padded_steps, 1);
     loom_kv_offload_save(&w->kv_tier, w->model, p->kv_save_after_blocks, p->kv_save_after_hashes,
                          p->n_kv_save_after_blocks);
+    if (p->n_kv_pull_addrs && rank0) /* every rank's pulls landed before the gather and the layers: read */
+        loom_kv_pd_done(&w->kv_pd, p->kv_pull_addrs, p->kv_pull_transfer, (int)p->n_kv_pull_addrs, w->pull_failed);
     if (!last) {
         s = loom_comm_send_next(w->comm, loom_model_hidden(w->model), hidden_bytes, &err);
         goto report;
@@ -1004,6 +1087,8 @@ report:;
         post_result(w, p->epoch, p->step_id, w->ids, p->n_logit_rows, LOOM_OK, NULL, (double)(t1 - t0) * 1e-9,
                     comm_s, &w->lp);
     }
+    for (int i = 0; i < w->n_pull_failed; i++) free(w->pull_why[i]);
+    w->n_pull_failed = 0;
     protobuf_c_message_free_unpacked(&m->base, NULL);
 }
 
@@ -1235,6 +1320,11 @@ static int reactor(worker_t *w) {
                         m = NULL;
                         break;
                     }
+                    case LOOM__V1__CONTROL_MSG__BODY_KV_HOLD: {
+                        const Loom__V1__KvHold *h = m->kv_hold;
+                        loom_kv_pd_hold(&w->kv_pd, h->epoch, h->transfer, h->blocks, (int)h->n_blocks, h->release);
+                        break;
+                    }
                     case LOOM__V1__CONTROL_MSG__BODY_KV_CONFIG:
                     case LOOM__V1__CONTROL_MSG__BODY_STEP:
                     case LOOM__V1__CONTROL_MSG__BODY_LORA_LOAD: hand_over(w, m); m = NULL; break;
@@ -1286,6 +1376,17 @@ static int reactor(worker_t *w) {
             if (zmq_msg_recv(&msg, w->pipe_r, ZMQ_DONTWAIT) >= 0)
                 zmq_send(w->ctl, zmq_msg_data(&msg), zmq_msg_size(&msg), ZMQ_DONTWAIT);
             zmq_msg_close(&msg);
+        }
+        uint64_t read_ids[16], read_epoch = 0;
+        int n_read = loom_kv_pd_take_done(&w->kv_pd, read_ids, 16, &read_epoch);
+        for (int i = 0; i < n_read; i++) { /* transport tcp: a decode side read a transfer */
+            Loom__V1__KvRead kr = LOOM__V1__KV_READ__INIT;
+            kr.epoch = read_epoch;
+            kr.transfer = read_ids[i];
+            Loom__V1__ControlMsg km = LOOM__V1__CONTROL_MSG__INIT;
+            km.body_case = LOOM__V1__CONTROL_MSG__BODY_KV_READ;
+            km.kv_read = &kr;
+            send_ctl(w, &km);
         }
         if (state == WORKER_IN_GRID && now - last_hb >= HEARTBEAT_MS * 1000000ull) {
             send_heartbeat(w, ++hb_seq);
@@ -1570,6 +1671,7 @@ int main(int argc, char **argv) {
         }
     }
     pthread_mutex_init(&w.comm_mu, NULL);
+    loom_kv_pd_init(&w.kv_pd);
     w.zctx = zmq_ctx_new();
     w.ctl = zmq_socket(w.zctx, ZMQ_DEALER);
     int zero = 0;
@@ -1631,6 +1733,10 @@ int main(int argc, char **argv) {
     free(w.kk);
     free(w.ids);
     free(w.dp_copy);
+    free(w.pull_failed);
+    free(w.pull_why);
+    free(w.pull_failed_ids);
+    loom_kv_pd_free(&w.kv_pd);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);
     loom_prompt_lp_free(&w.plp);

@@ -51,3 +51,4 @@ loom_add_it(it_router_resume test_router.py test_seeded_failover test_failover_w
 loom_add_it(it_router_replicas test_router.py --except test_cli test_stories_pair test_response_cache test_curve
             test_failover_and_disconnect test_seeded_failover test_failover_without_model test_probe_back)
 loom_add_it(it_spec test_spec.py)
+loom_add_it(it_pd_transfer test_pd_transfer.py) # prefill/decode over transport tcp

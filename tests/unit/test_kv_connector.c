@@ -2,7 +2,8 @@
  * connector's answer to whole blocks within the request, the no-connector
  * case, delayed free and kv_transfer_params, the load-failure policy names;
  * the scheduler with a connector: write-back saves of evicted blocks,
- * loads counted as cached, the walk between pool and tier, write-through. */
+ * loads counted as cached, the walk between pool and tier, write-through;
+ * transport tcp's hold (delayed free, lease) and pulls. */
 #include "coordinator/kv_connector.h"
 #include "coordinator/sched.h"
 #include "worker/kv_connector.h" /* the worker half compiles on its own */
@@ -293,7 +294,121 @@ static void test_sched_write_through_ahead(void) {
     loom_sched_destroy(&s);
 }
 
+/* Delayed free: a finished prefill's prompt blocks held under an id stay
+ * out of the pool (not freed, not reused) until unheld or the lease's
+ * deadline passes; a new pool ends every hold. */
+static void test_sched_hold(void) {
+    loom_sched_t *s = tier_sched(4);
+    loom_kv_ledger_t *L = loom_sched_ledger(s);
+    int32_t a[9], b[13];
+    for (int i = 0; i < 9; i++) a[i] = 10 + i;
+    for (int i = 0; i < 13; i++) b[i] = 50 + i;
+    loom_seq_t *q;
+    loom_microbatch_t *mb = run_prompt(s, a, 9, &q);
+    if (!mb) return;
+    int32_t ids[8] = {0};
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    const int32_t *held = NULL;
+    int32_t want[2] = {q->blocks[0], q->blocks[1]};
+    CHECK(loom_sched_hold(s, q, 77, 1000, &held) == 2 && held && held[0] == want[0] && held[1] == want[1]);
+    loom_sched_finish(s, q);
+    CHECK(loom_sched_held_blocks(s) == 2 && loom_kv_n_free(L) == 2);
+    CHECK(loom_kv_ref(L, want[0]) == 1 && loom_kv_ref(L, want[1]) == 1);
+    int n = 0;
+    CHECK(loom_sched_held(s, 77, &n) && n == 2 && !loom_sched_held(s, 78, &n) && n == 0);
+    /* b needs 4 blocks: only 2 are free, the held ones are not taken */
+    loom_err_t err = {0};
+    loom_sampling_t sp = {0};
+    CHECK(loom_sched_add(s, 2, b, 13, 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    mb = loom_sched_schedule(s);
+    for (int i = 0; mb && i < mb->n_seqs; i++)
+        for (int j = 0; j < mb->seqs[i]->n_blocks; j++)
+            CHECK(mb->seqs[i]->blocks[j] != want[0] && mb->seqs[i]->blocks[j] != want[1]);
+    if (mb) loom_sched_complete(s, mb, ids, NULL, NULL);
+    loom_sched_finish(s, q);
+    CHECK(loom_kv_ref(L, want[0]) == 1 && loom_kv_ref(L, want[1]) == 1);
+    CHECK(loom_sched_unhold(s, 78) == 0 && loom_sched_unhold(s, 77) == 2 && loom_sched_unhold(s, 77) == 0);
+    CHECK(loom_sched_held_blocks(s) == 0 && loom_kv_n_free(L) == 4 && loom_kv_check(L) == 0);
+    /* the lease: held until its deadline */
+    mb = run_prompt(s, a, 9, &q);
+    if (!mb) return;
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    CHECK(loom_sched_hold(s, q, 5, 100, &held) == 2);
+    loom_sched_finish(s, q);
+    uint64_t gone[4] = {0};
+    CHECK(loom_sched_hold_expire(s, 99, gone, 4) == 0 && loom_sched_held_blocks(s) == 2);
+    CHECK(loom_sched_hold_expire(s, 100, gone, 4) == 1 && gone[0] == 5 && loom_sched_held_blocks(s) == 0);
+    CHECK(loom_kv_n_free(L) == 4 && loom_kv_check(L) == 0);
+    /* a new pool ends the holds (their ids were the old pool's) */
+    mb = run_prompt(s, a, 9, &q);
+    if (!mb) return;
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    CHECK(loom_sched_hold(s, q, 6, 100, &held) == 2);
+    loom_sched_finish(s, q);
+    loom_sched_reset_kv(s, 4);
+    CHECK(loom_sched_held_blocks(s) == 0 && !loom_sched_held(s, 6, &n));
+    CHECK(loom_kv_n_free(loom_sched_ledger(s)) == 4);
+    /* a hold the scheduler still has when it goes is released with it (ASan: nothing leaks) */
+    mb = run_prompt(s, a, 9, &q);
+    if (!mb) return;
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    CHECK(loom_sched_hold(s, q, 9, 100, &held) == 2);
+    loom_sched_finish(s, q);
+    loom_sched_destroy(&s);
+}
+
+/* Transport tcp, the decode side: a sequence whose first blocks a prefill
+ * holds gets fresh blocks the step pulls (the prefill's ids, its source),
+ * counted as cached; the block of the last position is never pulled; a
+ * prompt whose blocks the prefix cache holds pulls nothing but still names
+ * its source (the prefill hears it may free them); once tried, never
+ * again (a re-admission computes). */
+static void test_sched_pull(void) {
+    loom_sched_t *s = tier_sched(16);
+    int32_t a[13];
+    for (int i = 0; i < 13; i++) a[i] = 30 + i;
+    loom_err_t err = {0};
+    loom_sampling_t sp = {0};
+    loom_seq_t *q = NULL;
+    CHECK(loom_sched_add(s, 1, a, 13, 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    int32_t remote[4] = {100, 101, 102, 103}; /* 4 named, 3 full blocks before the last position's */
+    loom_sched_seq_set_pull(s, q, 4, remote, "tcp://127.0.0.1:1,tcp://127.0.0.1:2", 0x77);
+    loom_microbatch_t *mb = loom_sched_schedule(s);
+    if (!mb) return;
+    CHECK(mb->n_pull_srcs == 1 && mb->pull_seq[0] == q && mb->pull_transfer[0] == 0x77 &&
+          !strcmp(mb->pull_addrs[0], "tcp://127.0.0.1:1,tcp://127.0.0.1:2"));
+    CHECK(mb->n_pulls == 3 && mb->pull_remote[0] == 100 && mb->pull_remote[2] == 102 && mb->pull_src[2] == 0);
+    CHECK(mb->pull_block[0] == q->blocks[0] && mb->pull_block[2] == q->blocks[2]);
+    CHECK(mb->n_tokens == 1 && mb->pos[0] == 12 && q->cached_tokens == 12);
+    finish_mb(s, mb);
+    /* the same prompt again: its blocks are in the prefix cache; nothing pulled, the source still named */
+    CHECK(loom_sched_add(s, 2, a, 13, 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    loom_sched_seq_set_pull(s, q, 3, remote, "tcp://127.0.0.1:1", 0x78);
+    mb = loom_sched_schedule(s);
+    if (!mb) return;
+    CHECK(mb->n_pull_srcs == 1 && mb->n_pulls == 0 && mb->pull_transfer[0] == 0x78 && q->cached_tokens == 12);
+    finish_mb(s, mb);
+    /* a failed pull: the next admission computes and counts as the first */
+    int32_t b[9];
+    for (int i = 0; i < 9; i++) b[i] = 70 + i;
+    CHECK(loom_sched_add(s, 3, b, 9, 1, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    loom_sched_seq_set_pull(s, q, 2, remote, "tcp://127.0.0.1:1", 0x79);
+    mb = loom_sched_schedule(s);
+    if (!mb) return;
+    CHECK(mb->n_pulls == 2 && q->cached_tokens == 8);
+    loom_sched_pull_failed(s, q);
+    loom_sched_fail(s, mb);
+    mb = loom_sched_schedule(s);
+    if (!mb) return;
+    CHECK(mb->n_pull_srcs == 0 && mb->n_pulls == 0 && mb->n_tokens == 9 && q->cached_tokens == 0);
+    finish_mb(s, mb);
+    CHECK(loom_kv_check(loom_sched_ledger(s)) == 0);
+    loom_sched_destroy(&s);
+}
+
 int main(void) {
+    RUN(test_sched_hold);
+    RUN(test_sched_pull);
     RUN(test_sched_write_back_and_load);
     RUN(test_sched_pool_after_tier);
     RUN(test_sched_write_through);

@@ -175,6 +175,20 @@ void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_hos
     LOOM_ASSERT((size_t)(h - (char *)host) == loom_model_kv_block_bytes(m, m->block_size));
 }
 
+int loom_model_kv_span_pieces(const loom_model_t *m, size_t *codes, size_t *scales) {
+    const int B = m->block_size;
+    if (m->cfg.deepseek) return 0;
+    if (loom_model_kv_block_contiguous(m)) {
+        *codes = blk_codes(m, B, m->cfg.head_dim); /* K and V alike: no family with narrower V heads gets here */
+        *scales = blk_scales(m, B);
+    } else {
+        const size_t heads = (size_t)B * m->dims.n_kv_heads;
+        *codes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
+        *scales = m->opt.kv_dtype == LOOM_DT_I8 ? heads * sizeof(float) : 0;
+    }
+    return 1;
+}
+
 /* Copy-on-write copies a block's codes and, for I8, its scales. */
 void loom_model_copy_blocks(loom_model_t *m, const int32_t *src, const int32_t *dst, int n) {
     if (loom_model_kv_block_contiguous(m)) { /* one copy per block */

@@ -1,0 +1,231 @@
+/* Worker-to-worker KV transfer (worker/kv_xfer.h): slices of heads packed
+ * and unpacked on odd shapes, padded pieces and scales, a TP=1 block split
+ * into two TP=2 halves and put back together; the handshake's field check;
+ * the service on loopback: reads of held blocks give their slices, a read
+ * of a transfer not held or a block outside the hold is refused as unknown
+ * blocks, a hold that ends while its blocks stream fails the read (the
+ * fence), done reaches the service's callback; a service that does not hold
+ * the secret (a forged host), a dialler without it, one of another model or
+ * layer count are refused naming why. */
+#include "worker/kv_xfer.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "worker/comm_util.h"
+#include "tests/test.h"
+
+/* A span of fmt filled with a pattern of (block, byte) */
+static void fill(const loom_kv_span_fmt_t *f, int block, uint8_t *span) {
+    size_t n = (size_t)f->n_layers * 2 * (f->codes + f->scales);
+    for (size_t i = 0; i < n; i++) span[i] = (uint8_t)(i * 7 + (size_t)block * 31 + 1);
+}
+
+static size_t span_bytes(const loom_kv_span_fmt_t *f) { return (size_t)f->n_layers * 2 * (f->codes + f->scales); }
+
+/* Byte offset of (layer, piece 0..3, token, head, byte) in a span. */
+static size_t at(const loom_kv_span_fmt_t *f, int l, int piece, int t, int h, size_t b) {
+    size_t base = (size_t)l * 2 * (f->codes + f->scales);
+    if (piece < 2) return base + (size_t)piece * f->codes + ((size_t)t * f->n_heads + h) * f->head_bytes + b;
+    return base + 2 * f->codes + (size_t)(piece - 2) * f->scales + ((size_t)t * f->n_heads + h) * 4 + b;
+}
+
+static void test_slices(void) {
+    /* 3 layers, 5 tokens, 4 heads of 6 bytes, pieces padded to 128, scales padded to 96 */
+    loom_kv_span_fmt_t f = {.n_layers = 3, .block_size = 5, .n_heads = 4, .head_bytes = 6, .codes = 128,
+                            .scales = 96};
+    CHECK(loom_kv_slice_bytes(&f, 2) == 3 * 2 * 5 * 2 * (6 + 4));
+    uint8_t *span = malloc(span_bytes(&f)), *back = calloc(1, span_bytes(&f));
+    fill(&f, 3, span);
+    size_t sb = loom_kv_slice_bytes(&f, 2);
+    uint8_t *slice = malloc(sb);
+    loom_kv_slice_pack(&f, span, 1, 2, slice);
+    loom_kv_slice_unpack(&f, slice, 1, 2, back);
+    int bad = 0, untouched = 1;
+    for (int l = 0; l < 3; l++)
+        for (int p = 0; p < 4; p++)
+            for (int t = 0; t < 5; t++)
+                for (int h = 0; h < 4; h++)
+                    for (size_t b = 0; b < (p < 2 ? 6u : 4u); b++) {
+                        size_t o = at(&f, l, p, t, h, b);
+                        if (h >= 1 && h < 3) bad += back[o] != span[o];
+                        else untouched &= back[o] == 0;
+                    }
+    CHECK(bad == 0 && untouched);
+    /* a TP=1 block (4 heads) into two TP=2 blocks (2 heads, unpadded pieces) and back */
+    loom_kv_span_fmt_t half = {.n_layers = 3, .block_size = 5, .n_heads = 2, .head_bytes = 6, .codes = 5 * 2 * 6,
+                               .scales = 5 * 2 * 4};
+    uint8_t *r0 = calloc(1, span_bytes(&half)), *r1 = calloc(1, span_bytes(&half));
+    uint8_t *whole = calloc(1, span_bytes(&f));
+    loom_kv_slice_pack(&f, span, 0, 2, slice);
+    loom_kv_slice_unpack(&half, slice, 0, 2, r0);
+    loom_kv_slice_pack(&f, span, 2, 2, slice);
+    loom_kv_slice_unpack(&half, slice, 0, 2, r1);
+    CHECK(r0[at(&half, 2, 1, 4, 1, 5)] == span[at(&f, 2, 1, 4, 1, 5)]);
+    CHECK(r1[at(&half, 1, 3, 2, 0, 3)] == span[at(&f, 1, 3, 2, 2, 3)]);
+    loom_kv_slice_pack(&half, r0, 0, 2, slice);
+    loom_kv_slice_unpack(&f, slice, 0, 2, whole);
+    loom_kv_slice_pack(&half, r1, 0, 2, slice);
+    loom_kv_slice_unpack(&f, slice, 2, 2, whole);
+    bad = 0;
+    for (int l = 0; l < 3; l++)
+        for (int p = 0; p < 4; p++)
+            for (int t = 0; t < 5; t++)
+                for (int h = 0; h < 4; h++)
+                    for (size_t b = 0; b < (p < 2 ? 6u : 4u); b++)
+                        bad += whole[at(&f, l, p, t, h, b)] != span[at(&f, l, p, t, h, b)];
+    CHECK(bad == 0);
+    free(span), free(back), free(slice), free(r0), free(r1), free(whole);
+}
+
+static loom_kv_ident_t ident(void) {
+    loom_kv_ident_t id = {.model = 0x1234, .n_layers = 3, .layer_begin = 0, .layer_end = 3, .block_size = 5,
+                          .layout = LOOM_KV_LAYOUT_CONTIGUOUS, .n_kv_heads = 4, .head_dim = 3, .kv_head_begin = 0,
+                          .kv_head_end = 4, .tp_size = 1, .pp_size = 1};
+    memcpy(id.dtype, "bf16", 5);
+    return id;
+}
+
+static void test_ident(void) {
+    loom_kv_ident_t a = ident(), b = ident();
+    char msg[256];
+    CHECK(!loom_kv_ident_mismatch(&a, &b, msg, sizeof msg));
+    b.tp_size = 2, b.tp_rank = 1, b.kv_head_begin = 2, b.layout = LOOM_KV_LAYOUT_LAYER_MAJOR; /* may differ */
+    CHECK(!loom_kv_ident_mismatch(&a, &b, msg, sizeof msg));
+    memcpy(b.dtype, "f32", 4);
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "kv_dtype: bf16 here, f32 there"));
+    b = ident(), b.block_size = 16;
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "block_size: 5 here, 16 there"));
+    b = ident(), b.head_dim = 8;
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "head_dim"));
+    b = ident(), b.pp_size = 2;
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "pp_size"));
+    b = ident(), b.layout = LOOM_KV_LAYOUT_LATENT;
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "latent"));
+}
+
+typedef struct served {
+    loom_kv_span_fmt_t fmt;
+    uint64_t done;
+    int reads, peeks;
+    uint8_t *pool; /* blocks 0..7 in place (peek), NULL: none */
+    loom_kv_service_t *svc;
+    uint64_t unhold_on_read; /* a read ends this hold (the lease ending mid-stream), 0: none */
+} served_t;
+
+static const void *peek_block(void *ctx, int32_t block) {
+    served_t *s = ctx;
+    if (!s->pool || block >= 8) return NULL;
+    s->peeks++;
+    return s->pool + (size_t)block * span_bytes(&s->fmt);
+}
+
+static loom_status_t read_block(void *ctx, int32_t block, void *host, loom_err_t *err) {
+    served_t *s = ctx;
+    (void)err;
+    s->reads++;
+    if (s->unhold_on_read) loom_kv_service_unhold(s->svc, s->unhold_on_read);
+    fill(&s->fmt, block, host);
+    return LOOM_OK;
+}
+
+static void on_done(void *ctx, uint64_t id) { ((served_t *)ctx)->done = id; }
+
+static const uint8_t K[] = "a secret both replicas hold, 32b";
+static const uint8_t K2[] = "another secret, held by a forger";
+
+static loom_kv_service_t *service(served_t *sv, const uint8_t *secret, size_t len) {
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = sv->fmt, .secret = secret,
+                                  .secret_len = len, .read = read_block, .peek = peek_block, .done = on_done,
+                                  .ctx = sv, .hold_wait_ms = 50};
+    loom_kv_service_t *s = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
+    return s;
+}
+
+static void test_service(void) {
+    served_t sv = {.fmt = {.n_layers = 3, .block_size = 5, .n_heads = 4, .head_bytes = 6, .codes = 128, .scales = 0}};
+    sv.pool = malloc(8 * span_bytes(&sv.fmt)); /* blocks 0..7 read in place, 9 through read */
+    for (int b = 0; b < 8; b++) fill(&sv.fmt, b, sv.pool + (size_t)b * span_bytes(&sv.fmt));
+    loom_kv_service_t *s = service(&sv, K, sizeof K - 1);
+    if (!s) return;
+    int32_t held[3] = {7, 2, 9};
+    loom_kv_service_hold(s, 0xabc, held, 3);
+    loom_kv_ident_t ours = ident(), theirs;
+    ours.tp_size = 2, ours.tp_rank = 1, ours.kv_head_begin = 2; /* another TP: allowed */
+    loom_err_t err = {0};
+    int fd = -1;
+    uint64_t dl = loom_comm_deadline(10000);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) == LOOM_OK);
+    CHECK(theirs.tp_size == 1 && theirs.kv_head_end == 4);
+    size_t one = loom_kv_slice_bytes(&sv.fmt, 2);
+    uint8_t *got = malloc(2 * one), *want = malloc(one), *span = malloc(span_bytes(&sv.fmt));
+    int32_t two[2] = {9, 7};
+    CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_OK);
+    fill(&sv.fmt, 9, span);
+    loom_kv_slice_pack(&sv.fmt, span, 2, 2, want);
+    CHECK(!memcmp(got, want, one));
+    fill(&sv.fmt, 7, span);
+    loom_kv_slice_pack(&sv.fmt, span, 2, 2, want);
+    CHECK(!memcmp(got + one, want, one));
+    CHECK(sv.peeks == 1 && sv.reads == 1); /* 7 in place, 9 read */
+    /* unknown blocks: another transfer, a block outside the hold */
+    CHECK(loom_kv_pull_read(fd, 0xabd, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+          strstr(err.msg, "unknown blocks"));
+    int32_t stray[2] = {7, 8};
+    CHECK(loom_kv_pull_read(fd, 0xabc, stray, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+          strstr(err.msg, "block 8"));
+    CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    /* the fence: the hold ends while its blocks stream: the read fails */
+    int32_t late[2] = {3, 9};
+    loom_kv_service_hold(s, 0xdef, late, 2);
+    sv.svc = s;
+    sv.unhold_on_read = 0xdef;
+    CHECK(loom_kv_pull_read(fd, 0xdef, late, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+          strstr(err.msg, "while its blocks were read"));
+    sv.unhold_on_read = 0;
+    CHECK(loom_kv_pull_done(fd, 0xabc, dl, &err) == LOOM_OK && sv.done == 0xabc);
+    close(fd);
+    loom_kv_service_unhold(s, 0xabc);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND);
+    close(fd);
+    /* a dialler without the secret, or of another model / layer count */
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, NULL, 0, dl, &fd, &theirs, &err) ==
+              LOOM_ERR_UNAUTHENTICATED && fd < 0 && strstr(err.msg, "wants a secret"));
+    loom_kv_ident_t other = ident();
+    other.model = 0x9999;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+              LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "model: digest"));
+    other = ident();
+    other.n_layers = 4;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+              LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "n_layers: 4 here, 3 there"));
+    /* a forged host: a listener that does not hold K */
+    served_t fv = sv;
+    fv.reads = fv.peeks = 0;
+    fv.pool = NULL;
+    loom_kv_service_t *forged = service(&fv, K2, sizeof K2 - 1);
+    if (forged) {
+        loom_kv_service_hold(forged, 0xabc, held, 3);
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(forged), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+                  LOOM_ERR_UNAUTHENTICATED && strstr(err.msg, "does not hold the secret"));
+        CHECK(fv.reads == 0 && fv.peeks == 0);
+        loom_kv_service_destroy(&forged);
+    }
+    uint64_t refused = 0, blocks = 0;
+    loom_kv_service_counts(s, &refused, &blocks);
+    CHECK(blocks == 2 && refused >= 3); /* the fenced read is not counted */
+    loom_kv_service_destroy(&s);
+    loom_kv_service_destroy(&s);
+    free(got), free(want), free(span), free(sv.pool);
+}
+
+int main(void) {
+    RUN(test_slices);
+    RUN(test_ident);
+    RUN(test_service);
+    return test_summary();
+}

@@ -1,0 +1,620 @@
+/* Worker-to-worker KV transfer: the service, the pull and the slice format
+ * (kv_xfer.h). */
+#include "worker/kv_xfer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <sodium.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "worker/comm.h"
+#include "worker/comm_util.h"
+#include "worker/tcp_io.h"
+
+#define KV_MAGIC 0x314b4d4cu /* "LMK1" */
+#define IDENT_BYTES 72
+#define HELLO_BYTES (4 + 2 + 2 + LOOM_TCP_NONCE_BYTES + IDENT_BYTES)
+#define OP_READ 1
+#define OP_DONE 2
+#define HANDSHAKE_MS 3000
+#define REQUEST_MS 30000
+#define IDLE_MS 2000 /* a connection with no request for this long is closed */
+#define MAX_READ_BLOCKS 65536
+#define MSG_MAX 512
+
+/* ---- little-endian fields ---- */
+
+static uint8_t *put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return p + 4;
+}
+static uint8_t *put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return p + 8;
+}
+static uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32; }
+
+static void ident_encode(const loom_kv_ident_t *id, uint8_t *p) {
+    p = put64(p, id->model);
+    memcpy(p, id->dtype, 8);
+    p += 8;
+    const uint32_t v[14] = {id->n_layers, id->layer_begin, id->layer_end, id->block_size, id->layout,
+                            id->n_kv_heads, id->head_dim, id->kv_head_begin, id->kv_head_end, id->tp_size,
+                            id->tp_rank, id->pp_size, id->pp_stage, 0};
+    for (int i = 0; i < 14; i++) p = put32(p, v[i]);
+}
+
+static void ident_decode(const uint8_t *p, loom_kv_ident_t *id) {
+    memset(id, 0, sizeof *id);
+    id->model = get64(p);
+    memcpy(id->dtype, p + 8, 8);
+    id->dtype[7] = '\0';
+    p += 16;
+    uint32_t *f[13] = {&id->n_layers, &id->layer_begin, &id->layer_end, &id->block_size, &id->layout,
+                       &id->n_kv_heads, &id->head_dim, &id->kv_head_begin, &id->kv_head_end, &id->tp_size,
+                       &id->tp_rank, &id->pp_size, &id->pp_stage};
+    for (int i = 0; i < 13; i++) *f[i] = get32(p + 4 * i);
+}
+
+int loom_kv_ident_mismatch(const loom_kv_ident_t *a, const loom_kv_ident_t *b, char *msg, size_t cap) {
+    if (a->model != b->model) {
+        snprintf(msg, cap, "model: digest %016llx here, %016llx there (another model or tokenizer)",
+                 (unsigned long long)a->model, (unsigned long long)b->model);
+        return 1;
+    }
+    if (strncmp(a->dtype, b->dtype, 8)) {
+        snprintf(msg, cap, "kv_dtype: %.8s here, %.8s there", a->dtype, b->dtype);
+        return 1;
+    }
+    const struct {
+        const char *name;
+        uint32_t x, y;
+    } f[] = {{"n_layers", a->n_layers, b->n_layers},       {"block_size", a->block_size, b->block_size},
+             {"n_kv_heads", a->n_kv_heads, b->n_kv_heads}, {"head_dim", a->head_dim, b->head_dim},
+             {"pp_size", a->pp_size, b->pp_size},          {"pp_stage", a->pp_stage, b->pp_stage},
+             {"layer_begin", a->layer_begin, b->layer_begin}, {"layer_end", a->layer_end, b->layer_end}};
+    for (size_t i = 0; i < sizeof f / sizeof *f; i++)
+        if (f[i].x != f[i].y) {
+            snprintf(msg, cap, "%s: %u here, %u there", f[i].name, f[i].x, f[i].y);
+            return 1;
+        }
+    if (a->layout == LOOM_KV_LAYOUT_LATENT || b->layout == LOOM_KV_LAYOUT_LATENT) {
+        snprintf(msg, cap, "layout: the latent KV (MLA) is not served over transport tcp");
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- slices ---- */
+
+size_t loom_kv_slice_bytes(const loom_kv_span_fmt_t *f, int n) {
+    size_t per = (size_t)f->block_size * (size_t)n;
+    return (size_t)f->n_layers * 2 * per * (f->head_bytes + (f->scales ? sizeof(float) : 0));
+}
+
+/* Moves heads [h0, h0 + n) between a span and a slice (to_slice 1: span -> slice). */
+static void slice_move(const loom_kv_span_fmt_t *f, uint8_t *span, int h0, int n, uint8_t *slice, int to_slice) {
+    const size_t B = (size_t)f->block_size, H = (size_t)f->n_heads;
+    for (int l = 0; l < f->n_layers; l++) {
+        uint8_t *layer = span + (size_t)l * 2 * (f->codes + f->scales);
+        for (int kv = 0; kv < 2; kv++) { /* K codes, V codes */
+            uint8_t *piece = layer + (size_t)kv * f->codes;
+            for (size_t t = 0; t < B; t++) {
+                uint8_t *at = piece + (t * H + (size_t)h0) * f->head_bytes;
+                size_t len = (size_t)n * f->head_bytes;
+                if (to_slice) memcpy(slice, at, len);
+                else memcpy(at, slice, len);
+                slice += len;
+            }
+        }
+        if (!f->scales) continue;
+        for (int kv = 0; kv < 2; kv++) { /* K scales, V scales */
+            uint8_t *piece = layer + 2 * f->codes + (size_t)kv * f->scales;
+            for (size_t t = 0; t < B; t++) {
+                uint8_t *at = piece + (t * H + (size_t)h0) * sizeof(float);
+                size_t len = (size_t)n * sizeof(float);
+                if (to_slice) memcpy(slice, at, len);
+                else memcpy(at, slice, len);
+                slice += len;
+            }
+        }
+    }
+}
+
+void loom_kv_slice_pack(const loom_kv_span_fmt_t *f, const void *span, int h0, int n, void *slice) {
+    LOOM_ASSERT(h0 >= 0 && n >= 0 && h0 + n <= f->n_heads);
+    slice_move(f, (uint8_t *)(uintptr_t)span, h0, n, slice, 1);
+}
+
+void loom_kv_slice_unpack(const loom_kv_span_fmt_t *f, const void *slice, int h0, int n, void *span) {
+    LOOM_ASSERT(h0 >= 0 && n >= 0 && h0 + n <= f->n_heads);
+    slice_move(f, span, h0, n, (uint8_t *)(uintptr_t)slice, 0);
+}
+
+/* ---- handshake pieces ---- */
+
+static void hello_encode(uint8_t *h, int auth, const uint8_t *nonce, const loom_kv_ident_t *id) {
+    uint8_t *p = put32(h, KV_MAGIC);
+    p[0] = LOOM_KV_XFER_VERSION & 0xff;
+    p[1] = LOOM_KV_XFER_VERSION >> 8;
+    p[2] = (uint8_t)(auth ? 1 : 0);
+    p[3] = 0;
+    memcpy(p + 4, nonce, LOOM_TCP_NONCE_BYTES);
+    ident_encode(id, p + 4 + LOOM_TCP_NONCE_BYTES);
+}
+
+/* A hello's fields; 0 when it is not one of this version. */
+static int hello_decode(const uint8_t *h, int *auth, uint8_t *nonce, loom_kv_ident_t *id) {
+    if (get32(h) != KV_MAGIC || (h[4] | h[5] << 8) != LOOM_KV_XFER_VERSION) return 0;
+    *auth = h[6] & 1;
+    memcpy(nonce, h + 8, LOOM_TCP_NONCE_BYTES);
+    ident_decode(h + 8 + LOOM_TCP_NONCE_BYTES, id);
+    return 1;
+}
+
+static void kv_mac(const uint8_t *secret, size_t len, const char *tag, const uint8_t *n1, const uint8_t *n2,
+                   uint8_t out[LOOM_TCP_MAC_BYTES]) {
+    const char *strs[1] = {"loom-kv"};
+    loom_tcp_mac(secret, len, tag, n1, n2, strs, 1, out);
+}
+
+/* u32 status | u16 length | message */
+static loom_status_t send_status(int fd, int32_t code, const char *msg, uint64_t deadline, loom_err_t *err) {
+    uint8_t h[6 + MSG_MAX];
+    size_t n = msg ? strlen(msg) : 0;
+    if (n > MSG_MAX) n = MSG_MAX;
+    put32(h, (uint32_t)code);
+    h[4] = (uint8_t)n;
+    h[5] = (uint8_t)(n >> 8);
+    if (n) memcpy(h + 6, msg, n);
+    return loom_tcp_write_full(fd, h, 6 + n, deadline, "kv transfer", err);
+}
+
+static loom_status_t recv_status(int fd, int32_t *code, char *msg, size_t cap, uint64_t deadline, loom_err_t *err) {
+    uint8_t h[6];
+    char m[MSG_MAX + 1];
+    LOOM_CHECK(loom_tcp_read_full(fd, h, 6, deadline, "kv transfer", err));
+    size_t n = (size_t)(h[4] | h[5] << 8);
+    if (n > MSG_MAX) return loom_err_set(err, LOOM_ERR_PROTOCOL, "kv transfer: a message of %zu bytes", n);
+    if (n) LOOM_CHECK(loom_tcp_read_full(fd, m, n, deadline, "kv transfer", err));
+    m[n] = '\0';
+    *code = (int32_t)get32(h);
+    snprintf(msg, cap, "%.*s", (int)(cap > 0 ? cap - 1 : 0), m);
+    return LOOM_OK;
+}
+
+/* ---- the service ---- */
+
+typedef struct hold {
+    uint64_t id;
+    int n;
+    int32_t *blocks;
+} hold_t;
+
+struct loom_kv_service {
+    loom_kv_service_config_t cfg;
+    uint8_t secret[256];
+    loom_comm_listener_t *listener;
+    int lfd, wake[2];
+    char addr[320];
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t held_cv;
+    hold_t *holds;
+    int n_holds, cap_holds;
+    uint64_t refused, served;
+    void *span, *slices; /* one block's span; its slice */
+    size_t slices_cap;
+};
+
+static int held_locked(loom_kv_service_t *s, uint64_t id, const int32_t *blocks, int n) {
+    for (int i = 0; i < s->n_holds; i++) {
+        if (s->holds[i].id != id) continue;
+        for (int j = 0; j < n; j++) {
+            int in = 0;
+            for (int k = 0; k < s->holds[i].n && !in; k++) in = s->holds[i].blocks[k] == blocks[j];
+            if (!in) return -1 - j;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* 1: every block is held under id; 0: no such hold (after waiting for it); -1 - j: block j is not the hold's. */
+static int held(loom_kv_service_t *s, uint64_t id, const int32_t *blocks, int n) {
+    uint64_t deadline = loom_now_ns() + (uint64_t)s->cfg.hold_wait_ms * 1000000ull;
+    pthread_mutex_lock(&s->mu);
+    int r;
+    while ((r = held_locked(s, id, blocks, n)) == 0 && loom_now_ns() < deadline) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->held_cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+/* One read: the blocks' slices, or a status naming what is wrong. */
+static loom_status_t serve_read(loom_kv_service_t *s, int fd, const char *peer, loom_err_t *err) {
+    uint8_t h[20];
+    uint64_t deadline = loom_comm_deadline(REQUEST_MS);
+    LOOM_CHECK(loom_tcp_read_full(fd, h, 20, deadline, "kv transfer", err));
+    uint64_t id = get64(h);
+    uint32_t n = get32(h + 8), h0 = get32(h + 12), h1 = get32(h + 16);
+    const loom_kv_span_fmt_t *f = &s->cfg.fmt;
+    if (n > MAX_READ_BLOCKS) return loom_err_set(err, LOOM_ERR_PROTOCOL, "kv transfer: a read of %u blocks", n);
+    int32_t *blocks = loom_xmalloc((size_t)(n ? n : 1) * sizeof *blocks);
+    uint8_t *raw = loom_xmalloc((size_t)(n ? n : 1) * 4);
+    loom_status_t st = loom_tcp_read_full(fd, raw, (size_t)n * 4, deadline, "kv transfer", err);
+    for (uint32_t i = 0; i < n; i++) blocks[i] = (int32_t)get32(raw + 4 * i);
+    free(raw);
+    char msg[MSG_MAX];
+    if (st < 0) goto out;
+    if (h0 >= h1 || h1 > (uint32_t)f->n_heads) {
+        snprintf(msg, sizeof msg, "heads [%u, %u) are not within this shard's %d", h0, h1, f->n_heads);
+        st = send_status(fd, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, err);
+        goto out;
+    }
+    int r = held(s, id, blocks, (int)n);
+    if (r <= 0) {
+        if (r == 0)
+            snprintf(msg, sizeof msg, "unknown blocks: transfer %016llx is not held here (read already, its lease "
+                     "ended, or never made)", (unsigned long long)id);
+        else
+            snprintf(msg, sizeof msg, "unknown blocks: block %d is not one transfer %016llx holds", blocks[-1 - r],
+                     (unsigned long long)id);
+        LOOM_WARN("kv service: refused a read from %s: %s", peer, msg);
+        st = send_status(fd, LOOM_ERR_NOT_FOUND, msg, deadline, err);
+        goto out;
+    }
+    const int nh = (int)(h1 - h0);
+    const size_t one = loom_kv_slice_bytes(f, nh);
+    if (one > s->slices_cap) {
+        free(s->slices);
+        s->slices = loom_xmalloc(one ? one : 1);
+        s->slices_cap = one;
+    }
+    /* streamed: each block's slice goes while the next is packed (a block
+     * that cannot be read then closes the connection: the puller fails) */
+    if ((st = send_status(fd, LOOM_OK, NULL, deadline, err)) < 0) goto out;
+    for (uint32_t i = 0; i < n && st == LOOM_OK; i++) {
+        loom_err_t rerr = {0};
+        const void *src = s->cfg.peek ? s->cfg.peek(s->cfg.ctx, blocks[i]) : NULL;
+        if (!src && s->cfg.read(s->cfg.ctx, blocks[i], s->span, &rerr) < 0) {
+            st = loom_err_set(err, LOOM_ERR_INTERNAL, "block %d could not be read: %.300s", blocks[i], rerr.msg);
+            goto out;
+        }
+        loom_kv_slice_pack(f, src ? src : s->span, (int)h0, nh, s->slices);
+        st = loom_tcp_write_full(fd, s->slices, one, deadline, "kv transfer", err);
+    }
+    int still = 0;
+    if (st == LOOM_OK) {
+        /* the fence: still held once streamed, so nothing overwrote them meanwhile (the worker hears of a
+         * release before any step that may reuse the blocks) */
+        pthread_mutex_lock(&s->mu);
+        still = held_locked(s, id, blocks, (int)n) == 1;
+        pthread_mutex_unlock(&s->mu);
+        st = send_status(fd, still ? LOOM_OK : LOOM_ERR_NOT_FOUND,
+                         still ? NULL : "unknown blocks: the hold ended while its blocks were read (its lease)",
+                         deadline, err);
+    }
+    if (st == LOOM_OK && still) {
+        pthread_mutex_lock(&s->mu);
+        s->served += n;
+        pthread_mutex_unlock(&s->mu);
+    }
+out:
+    free(blocks);
+    return st;
+}
+
+/* The handshake as acceptor: 1 when the dialler may read, 0 when refused (logged). */
+static int accept_handshake(loom_kv_service_t *s, int fd, const char *peer) {
+    uint64_t deadline = loom_comm_deadline(HANDSHAKE_MS);
+    uint8_t h[HELLO_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES], mac[LOOM_TCP_MAC_BYTES];
+    loom_err_t err = {0};
+    loom_kv_ident_t theirs;
+    int auth = 0, ours = s->cfg.secret_len > 0;
+    char msg[MSG_MAX] = "";
+    if (loom_tcp_read_full(fd, h, HELLO_BYTES, deadline, "kv transfer hello", &err) < 0 ||
+        !hello_decode(h, &auth, nd, &theirs)) {
+        snprintf(msg, sizeof msg, "not a KV transfer hello of version %d%s%.300s",
+                 LOOM_KV_XFER_VERSION, err.msg[0] ? ": " : "", err.msg);
+        goto refuse;
+    }
+    randombytes_buf(na, sizeof na);
+    uint8_t ans[HELLO_BYTES + LOOM_TCP_MAC_BYTES];
+    hello_encode(ans, ours, na, &s->cfg.ident);
+    if (ours) kv_mac(s->secret, s->cfg.secret_len, "kv ack", nd, na, ans + HELLO_BYTES);
+    /* the answer goes even to a dialler that does not authenticate as we do, so it can say why it stops */
+    if (loom_tcp_write_full(fd, ans, HELLO_BYTES + (ours && auth ? LOOM_TCP_MAC_BYTES : 0), deadline, "kv transfer",
+                            &err) < 0)
+        goto lost;
+    if (auth != ours) {
+        snprintf(msg, sizeof msg, "%s", ours ? "the dialler does not authenticate (no secret_file)"
+                                             : "the dialler authenticates; this service has no secret");
+        goto refuse;
+    }
+    if (ours) {
+        uint8_t want[LOOM_TCP_MAC_BYTES];
+        if (loom_tcp_read_full(fd, mac, sizeof mac, deadline, "kv transfer proof", &err) < 0) goto lost;
+        kv_mac(s->secret, s->cfg.secret_len, "kv dial", na, nd, want);
+        if (sodium_memcmp(mac, want, sizeof want)) {
+            snprintf(msg, sizeof msg, "the dialler's proof is wrong (it does not hold the secret)");
+            goto refuse;
+        }
+    }
+    if (loom_kv_ident_mismatch(&s->cfg.ident, &theirs, msg, sizeof msg)) {
+        send_status(fd, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, &err);
+        goto refuse;
+    }
+    if (send_status(fd, LOOM_OK, NULL, deadline, &err) < 0) goto lost;
+    return 1;
+refuse:
+    LOOM_WARN("kv service: refused %s: %s", peer, msg);
+    pthread_mutex_lock(&s->mu);
+    s->refused++;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+lost:
+    LOOM_WARN("kv service: %s went away in the handshake: %s", peer, err.msg);
+    return 0;
+}
+
+static void peer_of(int fd, char *out, size_t cap) {
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    char host[64], serv[16];
+    if (getpeername(fd, (struct sockaddr *)&ss, &len) == 0 &&
+        getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV) == 0)
+        snprintf(out, cap, "%s:%s", host, serv);
+    else
+        snprintf(out, cap, "?");
+}
+
+/* One connection: the handshake, then reads and dones until it closes. */
+static void serve_conn(loom_kv_service_t *s, int fd) {
+    char peer[96];
+    peer_of(fd, peer, sizeof peer);
+    if (!accept_handshake(s, fd, peer)) return;
+    for (;;) { /* an idle connection is closed: the service answers one at a time */
+        struct pollfd p[2] = {{fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
+        int r = poll(p, 2, IDLE_MS);
+        if (r < 0 && errno != EINTR) return;
+        if (p[1].revents || r == 0) return;
+        if (!p[0].revents) continue;
+        uint8_t op[4];
+        loom_err_t err = {0};
+        if (loom_tcp_read_full(fd, op, 4, loom_comm_deadline(REQUEST_MS), "kv transfer", &err) < 0) return;
+        if (get32(op) == OP_READ) {
+            if (serve_read(s, fd, peer, &err) < 0) {
+                LOOM_WARN("kv service: a read from %s failed: %s", peer, err.msg);
+                return;
+            }
+        } else if (get32(op) == OP_DONE) {
+            uint8_t id[8];
+            uint64_t deadline = loom_comm_deadline(REQUEST_MS);
+            if (loom_tcp_read_full(fd, id, 8, deadline, "kv transfer", &err) < 0) return;
+            if (s->cfg.done) s->cfg.done(s->cfg.ctx, get64(id));
+            if (send_status(fd, LOOM_OK, NULL, deadline, &err) < 0) return;
+        } else {
+            LOOM_WARN("kv service: %s sent op %u: closed", peer, get32(op));
+            return;
+        }
+    }
+}
+
+static void *service_main(void *arg) {
+    loom_kv_service_t *s = arg;
+    for (;;) {
+        struct pollfd p[2] = {{s->lfd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
+        if (poll(p, 2, -1) < 0 && errno != EINTR) break;
+        if (p[1].revents) break;
+        if (!p[0].revents) continue;
+        int fd = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        serve_conn(s, fd);
+        close(fd);
+    }
+    return NULL;
+}
+
+loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_kv_service_t **out, loom_err_t *err) {
+    *out = NULL;
+    if (cfg->secret_len > sizeof ((loom_kv_service_t *)0)->secret)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv service: a secret of %zu bytes", cfg->secret_len);
+    if (sodium_init() < 0) return loom_err_set(err, LOOM_ERR_INTERNAL, "kv service: libsodium did not start");
+    loom_comm_listener_t *l = NULL;
+    LOOM_CHECK(loom_comm_listener_create(cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1", cfg->port, &l, err));
+    loom_kv_service_t *s = loom_xcalloc(1, sizeof *s);
+    s->cfg = *cfg;
+    if (!s->cfg.hold_wait_ms) s->cfg.hold_wait_ms = 2000;
+    if (cfg->secret_len) memcpy(s->secret, cfg->secret, cfg->secret_len);
+    s->cfg.secret = NULL;
+    snprintf(s->addr, sizeof s->addr, "%s", loom_comm_listener_addr(l));
+    s->listener = l;
+    s->lfd = loom_comm_listener_fd(l);
+    if (pipe2(s->wake, O_CLOEXEC) != 0) {
+        loom_comm_listener_destroy(&s->listener);
+        free(s);
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "kv service: pipe: %s", strerror(errno));
+    }
+    size_t span = (size_t)cfg->fmt.n_layers * 2 * (cfg->fmt.codes + cfg->fmt.scales);
+    s->span = loom_xmalloc(span ? span : 1);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->held_cv, NULL);
+    if (pthread_create(&s->thread, NULL, service_main, s) != 0) {
+        s->thread = 0;
+        loom_kv_service_destroy(&s);
+        return loom_err_set(err, LOOM_ERR_INTERNAL, "kv service: cannot start its thread");
+    }
+    *out = s;
+    return LOOM_OK;
+}
+
+const char *loom_kv_service_addr(const loom_kv_service_t *s) { return s->addr; }
+
+void loom_kv_service_hold(loom_kv_service_t *s, uint64_t id, const int32_t *blocks, int n) {
+    pthread_mutex_lock(&s->mu);
+    if (s->n_holds == s->cap_holds) {
+        s->cap_holds = s->cap_holds ? 2 * s->cap_holds : 8;
+        s->holds = loom_xrealloc(s->holds, (size_t)s->cap_holds * sizeof *s->holds);
+    }
+    hold_t *h = &s->holds[s->n_holds++];
+    h->id = id;
+    h->n = n;
+    h->blocks = loom_xmalloc((size_t)(n ? n : 1) * sizeof *blocks);
+    if (n) memcpy(h->blocks, blocks, (size_t)n * sizeof *blocks);
+    pthread_cond_broadcast(&s->held_cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void loom_kv_service_unhold(loom_kv_service_t *s, uint64_t id) {
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->n_holds; i++)
+        if (s->holds[i].id == id) {
+            free(s->holds[i].blocks);
+            s->holds[i] = s->holds[--s->n_holds];
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
+}
+
+void loom_kv_service_counts(loom_kv_service_t *s, uint64_t *refused, uint64_t *blocks) {
+    pthread_mutex_lock(&s->mu);
+    *refused = s->refused;
+    *blocks = s->served;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void loom_kv_service_destroy(loom_kv_service_t **s_p) {
+    if (!s_p || !*s_p) return;
+    loom_kv_service_t *s = *s_p;
+    *s_p = NULL;
+    if (s->thread) {
+        ssize_t w = write(s->wake[1], "x", 1);
+        (void)w;
+        pthread_join(s->thread, NULL);
+    }
+    loom_comm_listener_destroy(&s->listener);
+    close(s->wake[0]);
+    close(s->wake[1]);
+    for (int i = 0; i < s->n_holds; i++) free(s->holds[i].blocks);
+    free(s->holds);
+    free(s->span);
+    free(s->slices);
+    sodium_memzero(s->secret, sizeof s->secret);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->held_cv);
+    free(s);
+}
+
+/* ---- the pull ---- */
+
+loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
+                                size_t secret_len, uint64_t deadline, int *fd_out, loom_kv_ident_t *theirs,
+                                loom_err_t *err) {
+    *fd_out = -1;
+    int fd = -1, auth = secret && secret_len > 0, their_auth = 0;
+    LOOM_CHECK(loom_tcp_dial(addr, deadline, &fd, err));
+    uint8_t h[HELLO_BYTES + LOOM_TCP_MAC_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES];
+    uint8_t mac[LOOM_TCP_MAC_BYTES];
+    char what[400], msg[MSG_MAX];
+    snprintf(what, sizeof what, "kv transfer from %s", addr);
+    randombytes_buf(nd, sizeof nd);
+    hello_encode(h, auth, nd, ours);
+    loom_status_t st = loom_tcp_write_full(fd, h, HELLO_BYTES, deadline, what, err);
+    if (st == LOOM_OK) st = loom_tcp_read_full(fd, h, HELLO_BYTES, deadline, what, err);
+    if (st < 0) goto fail;
+    if (!hello_decode(h, &their_auth, na, theirs)) {
+        st = loom_err_set(err, LOOM_ERR_PROTOCOL, "%s: not a Loom KV service of version %d", what,
+                          LOOM_KV_XFER_VERSION);
+        goto fail;
+    }
+    if (their_auth != auth) {
+        st = loom_err_set(err, LOOM_ERR_UNAUTHENTICATED, "%s: %s", what,
+                          auth ? "the service does not authenticate (it has no secret_file)"
+                               : "the service wants a secret (secret_file) this side does not have");
+        goto fail;
+    }
+    if (auth) {
+        uint8_t want[LOOM_TCP_MAC_BYTES];
+        if ((st = loom_tcp_read_full(fd, mac, sizeof mac, deadline, what, err)) < 0) goto fail;
+        kv_mac(secret, secret_len, "kv ack", nd, na, want);
+        if (sodium_memcmp(mac, want, sizeof want)) {
+            st = loom_err_set(err, LOOM_ERR_UNAUTHENTICATED,
+                              "%s: the service's proof is wrong (it does not hold the secret): refused", what);
+            goto fail;
+        }
+        kv_mac(secret, secret_len, "kv dial", na, nd, mac);
+        if ((st = loom_tcp_write_full(fd, mac, sizeof mac, deadline, what, err)) < 0) goto fail;
+    }
+    if (loom_kv_ident_mismatch(ours, theirs, msg, sizeof msg)) {
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: handshake refused, %s", what, msg);
+        goto fail;
+    }
+    int32_t code = 0;
+    if ((st = recv_status(fd, &code, msg, sizeof msg, deadline, err)) < 0) goto fail;
+    if (code != 0) {
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: handshake refused, %s", what, msg);
+        goto fail;
+    }
+    *fd_out = fd;
+    return LOOM_OK;
+fail:
+    close(fd);
+    return st;
+}
+
+loom_status_t loom_kv_pull_read(int fd, uint64_t transfer, const int32_t *blocks, int n, int h0, int n_heads,
+                                void *out, size_t bytes, uint64_t deadline, loom_err_t *err) {
+    size_t len = 24 + (size_t)n * 4;
+    uint8_t *req = loom_xmalloc(len);
+    uint8_t *p = put32(req, OP_READ);
+    p = put64(p, transfer);
+    p = put32(p, (uint32_t)n);
+    p = put32(p, (uint32_t)h0);
+    p = put32(p, (uint32_t)(h0 + n_heads));
+    for (int i = 0; i < n; i++) p = put32(p, (uint32_t)blocks[i]);
+    loom_status_t st = loom_tcp_write_full(fd, req, len, deadline, "kv transfer read", err);
+    free(req);
+    LOOM_CHECK(st);
+    int32_t code = 0;
+    char msg[MSG_MAX];
+    LOOM_CHECK(recv_status(fd, &code, msg, sizeof msg, deadline, err));
+    if (code != 0) return loom_err_set(err, code < 0 ? (loom_status_t)code : LOOM_ERR_PROTOCOL, "kv transfer: %s", msg);
+    LOOM_CHECK(loom_tcp_read_full(fd, out, bytes, deadline, "kv transfer read", err));
+    LOOM_CHECK(recv_status(fd, &code, msg, sizeof msg, deadline, err)); /* the fence: still held once streamed */
+    if (code != 0) return loom_err_set(err, code < 0 ? (loom_status_t)code : LOOM_ERR_PROTOCOL, "kv transfer: %s", msg);
+    return LOOM_OK;
+}
+
+loom_status_t loom_kv_pull_done(int fd, uint64_t transfer, uint64_t deadline, loom_err_t *err) {
+    uint8_t req[12];
+    put64(put32(req, OP_DONE), transfer);
+    LOOM_CHECK(loom_tcp_write_full(fd, req, sizeof req, deadline, "kv transfer done", err));
+    int32_t code = 0;
+    char msg[MSG_MAX];
+    LOOM_CHECK(recv_status(fd, &code, msg, sizeof msg, deadline, err));
+    return code ? loom_err_set(err, LOOM_ERR_PROTOCOL, "kv transfer done: %s", msg) : LOOM_OK;
+}

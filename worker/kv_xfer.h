@@ -1,0 +1,134 @@
+/* Worker-to-worker KV transfer for prefill/decode disaggregation
+ * (docs/disaggregation.md, transport tcp): the KV service a prefill worker
+ * runs on a listener of its own, and the pull a decode worker makes.
+ *
+ * A connection: the dialler (decode) sends a hello, the acceptor (prefill)
+ * answers; both carry a nonce and the side's identity (loom_kv_ident_t).
+ * With a secret (both replicas' kv_connector_extra_config.secret_file) the
+ * answer ends with HMAC-SHA256(K, "kv ack", nD, nA, "loom-kv") and the
+ * dialler's proof HMAC-SHA256(K, "kv dial", nA, nD, "loom-kv") follows:
+ * comm_tcp.c's challenge (loom_tcp_mac), so a listener without K is refused
+ * by the dialler and a dialler without K by the listener, before any block
+ * moves. Then the acceptor says whether the identities agree; a mismatch
+ * names the field (both sides log it; the pull fails).
+ *
+ *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated) | nonce | ident
+ *   answer: hello (the acceptor's) | [mac]
+ *   proof:  [mac] (authenticated only)
+ *   verdict: u32 status (0 or a loom status) | u16 length | message
+ *   read:   u32 op 1 | u64 transfer | u32 n | u32 h0 | u32 h1 | i32 block ids (n)
+ *           -> u32 status | u16 length | message | n slices (status 0) | status
+ *              (the fence: the blocks were still held once streamed)
+ *   done:   u32 op 2 | u64 transfer -> u32 status | u16 0
+ *
+ * A slice is a block's heads [h0, h1) of the acceptor's shard, packed
+ * layout-free (loom_kv_slice_pack): so the two sides may differ in TP
+ * (a decode rank reads the heads it holds from each prefill rank holding
+ * them) and in layout (block-contiguous or layer-major). The acceptor
+ * serves only blocks held under the transfer id (loom_kv_service_hold:
+ * the prefill's coordinator holds them until done or its lease ends). */
+#ifndef LOOM_WORKER_KV_XFER_H
+#define LOOM_WORKER_KV_XFER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+#define LOOM_KV_XFER_VERSION 1
+
+/* What one side's KV is: the fields the two sides must agree on, and those
+ * that may differ (TP, layout). */
+typedef struct loom_kv_ident {
+    uint64_t model;                /* the weights' and tokenizer's digests (the coordinator's tier seed) */
+    char dtype[8];                 /* the KV element type: "f32", "bf16", "int8", "fp8" */
+    uint32_t n_layers;             /* the model's */
+    uint32_t layer_begin, layer_end; /* the shard's */
+    uint32_t block_size;
+    uint32_t layout;               /* LOOM_KV_LAYOUT_* */
+    uint32_t n_kv_heads, head_dim; /* the model's KV heads; the head's size */
+    uint32_t kv_head_begin, kv_head_end; /* the shard's KV heads */
+    uint32_t tp_size, tp_rank, pp_size, pp_stage;
+} loom_kv_ident_t;
+
+enum { LOOM_KV_LAYOUT_CONTIGUOUS = 0, LOOM_KV_LAYOUT_LAYER_MAJOR = 1, LOOM_KV_LAYOUT_LATENT = 2 };
+
+/* The first field that must agree and does not, written into msg as
+ * "<field>: <ours> here, <theirs> there" (returns 1); 0 when they agree.
+ * TP and layout may differ; the pipeline (pp_size and the stage's layers)
+ * may not; the latent layout (MLA) is not served. */
+int loom_kv_ident_mismatch(const loom_kv_ident_t *ours, const loom_kv_ident_t *theirs, char *msg, size_t cap);
+
+/* A block as loom_model_kv_block_xfer packs it on the host, per layer: K
+ * codes, V codes, K scales, V scales, each (block_size, n_heads, ...) token
+ * major, each piece `codes` (or `scales`) bytes apart (padding included). */
+typedef struct loom_kv_span_fmt {
+    int n_layers, block_size, n_heads;
+    size_t head_bytes;    /* one head's codes: head_dim x the element's size */
+    size_t codes, scales; /* piece strides; scales 0: none (one float per token and head otherwise) */
+} loom_kv_span_fmt_t;
+
+/* Bytes of one block's slice of n heads: per layer K codes, V codes,
+ * K scales, V scales, each (block_size, n) packed. */
+size_t loom_kv_slice_bytes(const loom_kv_span_fmt_t *f, int n);
+/* Heads [h0, h0 + n) of a span into a slice, and a slice into heads
+ * [h0, h0 + n) of a span (the rest of the span untouched). */
+void loom_kv_slice_pack(const loom_kv_span_fmt_t *f, const void *span, int h0, int n, void *slice);
+void loom_kv_slice_unpack(const loom_kv_span_fmt_t *f, const void *slice, int h0, int n, void *span);
+
+/* ---- the service (prefill side) ---- */
+
+typedef struct loom_kv_service loom_kv_service_t;
+
+/* Reads one pool block into host (its packed span, loom_model_kv_block_xfer):
+ * called on the service's thread; the caller serializes it with its pool's
+ * other users. */
+typedef loom_status_t (*loom_kv_read_fn)(void *ctx, int32_t block, void *host, loom_err_t *err);
+/* A decode side reported a transfer read (its blocks may be freed). */
+typedef void (*loom_kv_done_fn)(void *ctx, uint64_t transfer);
+
+typedef struct loom_kv_service_config {
+    const char *host;          /* the address to listen on ("" : 127.0.0.1); port 0: any */
+    int port;
+    loom_kv_ident_t ident;
+    loom_kv_span_fmt_t fmt;
+    const uint8_t *secret;     /* NULL or empty: unauthenticated (insecure: true) */
+    size_t secret_len;
+    loom_kv_read_fn read;
+    /* (optional) the block's span where it can be read in place (a
+     * block-contiguous pool in host memory), packed from there without the
+     * copy read makes; NULL: read. */
+    const void *(*peek)(void *ctx, int32_t block);
+    loom_kv_done_fn done;
+    void *ctx;
+    int hold_wait_ms;          /* a read of a transfer not held yet waits this long for its hold (0: 2000) */
+} loom_kv_service_config_t;
+
+loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_kv_service_t **out, loom_err_t *err);
+/* "tcp://host:port" it listens on. */
+const char *loom_kv_service_addr(const loom_kv_service_t *s);
+/* Blocks held under a transfer id (from the coordinator), and their end. */
+void loom_kv_service_hold(loom_kv_service_t *s, uint64_t transfer, const int32_t *blocks, int n);
+void loom_kv_service_unhold(loom_kv_service_t *s, uint64_t transfer);
+/* Connections refused (authentication, handshake) and blocks served so far. */
+void loom_kv_service_counts(loom_kv_service_t *s, uint64_t *refused, uint64_t *blocks);
+void loom_kv_service_destroy(loom_kv_service_t **s_p);
+
+/* ---- the pull (decode side) ---- */
+
+/* Dials addr, proves the secret (NULL: none), checks the acceptor's proof
+ * and the identities: *fd the open connection, *theirs the acceptor's
+ * identity. UNAUTHENTICATED when the peer does not prove the secret (or
+ * wants one we do not have), FAILED_PRECONDITION-like INVALID_ARGUMENT
+ * naming the field on a mismatch, UNAVAILABLE when it cannot be reached. */
+loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
+                                size_t secret_len, uint64_t deadline, int *fd, loom_kv_ident_t *theirs,
+                                loom_err_t *err);
+/* Reads heads [h0, h0 + n_heads) (the acceptor's shard's) of blocks into out
+ * (n_blocks slices of loom_kv_slice_bytes(fmt of the acceptor, n_heads)). */
+loom_status_t loom_kv_pull_read(int fd, uint64_t transfer, const int32_t *blocks, int n_blocks, int h0, int n_heads,
+                                void *out, size_t bytes, uint64_t deadline, loom_err_t *err);
+/* Tells the acceptor the transfer is read. */
+loom_status_t loom_kv_pull_done(int fd, uint64_t transfer, uint64_t deadline, loom_err_t *err);
+
+#endif
