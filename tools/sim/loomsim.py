@@ -30,6 +30,10 @@ What it models, and where the real thing lives:
             the pool's evictions go to host memory, host memory's to the
             directory; each block after the local hit is read from the
             highest tier holding it (--host-tier-gbps, --tier-gbps).
+            --tier-total-gbps: the directory's read bandwidth shared by all
+            replicas (one FIFO server, each block read --tier-read-copies
+            times: the coordinator's check and the worker's load); a step's
+            reads end no earlier than it serves them.
   pools     --pd P:D (or --prefill-replicas): loom-router --pd
             (docs/disaggregation.md): a prompt of at least
             --pd-min-prompt-tokens is prefilled on a prefill replica (the
