@@ -11,7 +11,9 @@ faster than the replicas compute (raises it when slower); prefill/decode
 pools move each request through both and charge the KV transfer to its
 TTFT, keep long prefill chunks off the decode replicas, let short prompts
 skip the prefill pool; a host tier above the directory tier takes the
-pools' evictions and is read first; goodput counts what meets the SLO."""
+pools' evictions and is read first; goodput counts what meets the SLO; the
+directory's shared read bandwidth queues reads past it, and the directory
+knows which replica wrote a block."""
 import os
 import sys
 
@@ -310,6 +312,76 @@ def test_goodput():
     check(tight["good_fraction"] == 0 and loose["good_fraction"] == 1 and
           r["good_fraction_tpot_ms"]["50"] == r["good_fraction"],
           "goodput: 0 under a 5 ms TPOT bound, all under none")
+
+
+def test_shared_directory():
+    """--tier-total-gbps: the directory's reads queue for one bandwidth shared by all replicas (each
+    block read --tier-read-copies times); the directory remembers which replica wrote a block, so a
+    read of another replica's block is counted apart; blocks written are counted once each."""
+    sim = loomsim.Sim(loomsim.parser().parse_args(["--replicas", "2", "--calib", "h200-8b", "--tier-blocks", "100",
+                                                   "--tier-gbps", "10", "--tier-total-gbps", "8"]))
+    bb = sim.block_bytes
+    own, shared = 4 * bb / 10e9, 4 * bb * 2 / 8e9  # 4 blocks: 0.84 ms at 10 GB/s, 2.1 ms of the directory
+    sim.now = 1.0
+    first = sim.dir_read(4)
+    second = sim.dir_read(4)  # at the same time, from another replica: after the first
+    check(abs(first - shared) < 1e-12 and abs(second - 2 * shared) < 1e-12 and abs(sim.dir_wait_s - (
+        first - own) - (second - own)) < 1e-12,
+          "shared directory: 4 blocks wait %.2f ms (own rate %.2f ms), the next 4 at once %.2f ms" %
+          (first * 1e3, own * 1e3, second * 1e3))
+    sim.now = 2.0  # the directory idle again: the replica's own rate binds when the shared one is faster
+    sim.dir_block_s = bb * 2 / 1000e9
+    check(sim.dir_read(4) == own, "shared directory idle and fast: the replica's own rate")
+    free = loomsim.Sim(loomsim.parser().parse_args(["--replicas", "2", "--calib", "h200-8b", "--tier-blocks", "100",
+                                                    "--tier-gbps", "10"]))
+    free.now = 1.0
+    check(free.dir_read(4) == free.dir_read(4) == own and free.dir_wait_s == 0,
+          "no --tier-total-gbps: every read at the replica's own rate")
+    # who wrote what: replica 0 computes 4 blocks (written through), replica 1 reads them
+    sim = loomsim.Sim(loomsim.parser().parse_args(["--replicas", "2", "--kv-blocks", "64", "--tier-blocks", "100",
+                                                   "--tier-write-through"]))
+    a, b = sim.reps
+    ch = loomsim.Chain(sim.B).extend(11, 4 * sim.B + 3)
+    q = loomsim.Request(0, ch, 4, 0.0)
+    sim.try_admit(a, q)
+    sim.register(a, q, q.hashes, 4)
+    sim.register(a, q, q.hashes, 4)
+    r = loomsim.Request(1, ch, 4, 0.0)
+    sim.try_admit(b, r)
+    check(sim.tier_writes == 4 and list(sim.tier.values()) == [0] * 4 and sim.tier_hits == 4 and
+          sim.tier_hits_other == 4, "written through: 4 blocks written once, by replica 0; replica 1 read "
+          "%d of them, %d another's" % (sim.tier_hits, sim.tier_hits_other))
+    base = ["--calib", "h200-8b", "--replicas", "4", "--policy", "prefix", "--workload", "multiturn", "--rate", "150",
+            "--duration", "4", "--warmup", "1", "--kv-blocks", "800", "--seed", "3", "--tier-blocks", "200000",
+            "--tier-gbps", "10"]
+    _, wide = run(base)
+    _, same = run(base + ["--tier-total-gbps", "1000"])
+    _, narrow = run(base + ["--tier-total-gbps", "5"])
+    check(wide["tier_queue_s"] == 0 and same["ttft_ms"] == wide["ttft_ms"] and 0 < wide["tier_hit_blocks_other"]
+          < wide["tier_hit_blocks"] and wide["tier_write_blocks"] > 0,
+          "directory at 1,000 GB/s for 4 replicas: as unbounded (TTFT p50 %.0f ms); %d of %d blocks read "
+          "another replica's, %d written" % (wide["ttft_ms"]["p50"], wide["tier_hit_blocks_other"],
+                                             wide["tier_hit_blocks"], wide["tier_write_blocks"]))
+    check(narrow["tier_queue_s"] > 0 and narrow["ttft_ms"]["p50"] > wide["ttft_ms"]["p50"],
+          "directory at 5 GB/s for 4 replicas: reads wait %.1f s in all, TTFT p50 %.0f ms > %.0f ms" %
+          (narrow["tier_queue_s"], narrow["ttft_ms"]["p50"], wide["ttft_ms"]["p50"]))
+
+
+def test_rag_documents_and_wall_limit():
+    """RAG's document draw is numpy's choice with the Zipf weights (the same draws, without its per-call
+    cost); --wall-limit-s stops a run and says so."""
+    import numpy as np
+    sim = loomsim.Sim(loomsim.parser().parse_args(["--workload", "rag", "--docs", "500", "--seed", "4"]))
+    w = 1.0 / np.arange(1, 501) ** 1.0
+    rng = np.random.default_rng(9)
+    want = [int(rng.choice(500, p=w / w.sum())) for _ in range(2000)]
+    sim.wl.rng = np.random.default_rng(9)
+    got = [int(sim.wl.doc_cdf.searchsorted(sim.wl.rng.random(), side="right")) for _ in range(2000)]
+    check(got == want, "RAG documents: the draws of numpy's choice (%d distinct of 2000)" % len(set(got)))
+    _, r = run(["--calib", "h200-8b", "--replicas", "4", "--workload", "rag", "--rate", "400", "--duration", "30",
+                "--wall-limit-s", "1e-9"])
+    check(r["wall_limited"] and r["completed"] < r["requests"] < 400 * 30, "--wall-limit-s: stopped early (%d of "
+          "%d requests made finished, of 12,000 to come), flagged" % (r["completed"], r["requests"]))
 
 
 if __name__ == "__main__":

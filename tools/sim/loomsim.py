@@ -30,6 +30,10 @@ What it models, and where the real thing lives:
             the pool's evictions go to host memory, host memory's to the
             directory; each block after the local hit is read from the
             highest tier holding it (--host-tier-gbps, --tier-gbps).
+            --tier-total-gbps: the directory's read bandwidth shared by all
+            replicas (one FIFO server, each block read --tier-read-copies
+            times: the coordinator's check and the worker's load); a step's
+            reads end no earlier than it serves them.
   pools     --pd P:D (or --prefill-replicas): loom-router --pd
             (docs/disaggregation.md): a prompt of at least
             --pd-min-prompt-tokens is prefilled on a prefill replica (the
@@ -63,6 +67,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -176,7 +181,10 @@ class Workload:
         self.shared = {}  # shared segment -> its Chain (built once)
         if args.workload == "rag":
             w = 1.0 / np.arange(1, args.docs + 1) ** args.zipf
-            self.doc_p = w / w.sum()
+            # rng.choice(docs, p=w / w.sum()) without its per-call checks and cumsum (the same draws:
+            # numpy's choice takes one random() and searches the normalised cumulative sum)
+            cdf = np.cumsum(w / w.sum())
+            self.doc_cdf = cdf / cdf[-1]
             self.doc_len = [self.length(args.doc_len, args.doc_len_range) for _ in range(args.docs)]
 
     def length(self, mean, frac):
@@ -208,7 +216,7 @@ class Workload:
                 ch.extend(self.fresh(), a.suffix_len)
             return ch, a.output_len
         if a.workload == "rag":  # a document (Zipf popularity) and a short question
-            d = int(self.rng.choice(a.docs, p=self.doc_p))
+            d = int(self.doc_cdf.searchsorted(self.rng.random(), side="right"))
             ch = self.shared_chain(d, self.doc_len[d])
             ch.extend(self.fresh(), self.length(a.question_len, 0.5))
             return ch, self.length(a.output_len, a.output_len_range)
@@ -361,13 +369,21 @@ class Sim:
         self.host_cores = args.host_cores if args.host_cores is not None else cal.get("host_cores", 0)
         self.n_busy = 0
         self.rng = np.random.default_rng(args.seed)
-        # the shared directory tier: chain hash -> None, least recently used first
+        # the shared directory tier: chain hash -> the replica that wrote it last, least recently used first
         self.tier = collections.OrderedDict() if args.tier_blocks > 0 else None
         kv_tok = cal.get("model", {}).get("kv_bytes_per_token", 0)
         self.tier_block_s = (args.tier_block_bytes or kv_tok * self.B) / (args.tier_gbps * 1e9)
         self.tier_hits = self.tier_reads_s = 0
+        self.tier_hits_other = 0   # blocks read from the directory that another replica wrote
+        self.tier_writes = 0       # blocks written to the directory (a file not there yet)
+        # the directory's read bandwidth shared by all replicas (--tier-total-gbps; 0: none): one FIFO
+        # server, each block read --tier-read-copies times (the coordinator's check, the worker's load)
+        self.dir_free = 0.0
+        self.dir_wait_s = 0.0
         self.query_blocks = self.hit_blocks = 0
         self.block_bytes = args.tier_block_bytes or kv_tok * self.B
+        self.dir_block_s = self.block_bytes * args.tier_read_copies / (args.tier_total_gbps * 1e9) \
+            if args.tier_total_gbps > 0 else 0.0
         # the host-memory tier of each replica, above the directory tier
         self.host_block_s = self.block_bytes / (args.host_tier_gbps * 1e9)
         self.host_hits = 0
@@ -610,7 +626,9 @@ class Sim:
                 h, _ = host.popitem(last=False)
         t = self.tier
         if t is not None and h is not None:  # write-back: the block goes to the shared tier
-            t[h] = None
+            if h not in t:
+                self.tier_writes += 1
+            t[h] = rep.idx
             t.move_to_end(h)
             if len(t) > self.a.tier_blocks:
                 t.popitem(last=False)
@@ -653,6 +671,8 @@ class Sim:
                 if host is not None and h in host:
                     host.move_to_end(h)
                 else:
+                    if t[h] != rep.idx:
+                        self.tier_hits_other += 1
                     t.move_to_end(h)
             q.tier_n, q.host_n = tier_n, host_n
             self.tier_hits += tier_n
@@ -693,7 +713,9 @@ class Sim:
         t = self.tier
         if t is not None and self.a.tier_write_through:  # each block to the shared tier as it is computed
             for h in new:
-                t[h] = None
+                if h not in t:
+                    self.tier_writes += 1
+                t[h] = rep.idx
                 t.move_to_end(h)
             while len(t) > self.a.tier_blocks:
                 t.popitem(last=False)
@@ -732,13 +754,14 @@ class Sim:
             seqs += 1
             attended += take * s + take * (take + 1) // 2
             kv_read += s + take
-        loads = 0
+        loads = dir_n = 0
         while rep.waiting and budget > 0 and rep.n_running < rep.max_seqs:
             q = rep.waiting[0]
             if not self.try_admit(rep, q):
                 break  # strict FCFS: the head waits for memory
             if q.phase != 2:
-                loads += q.tier_n * self.tier_block_s + q.host_n * self.host_block_s
+                loads += q.host_n * self.host_block_s
+                dir_n += q.tier_n
             rep.waiting.popleft()
             rep.prefilling.append(q)
             rep.n_running += 1
@@ -752,6 +775,8 @@ class Sim:
             kv_read += s + take
         if tokens == 0:
             return
+        if dir_n:
+            loads += self.dir_read(dir_n)
         dt = self.model.time(tokens, attended, seqs, kv_read) + loads
         self.tier_reads_s += loads
         if self.host_cores:
@@ -764,6 +789,20 @@ class Sim:
         rep.steps += 1
         rep.tokens += tokens
         self.push(self.now + dt, EV_STEP_END, rep)
+
+    def dir_read(self, n):
+        """Seconds a step waits for n blocks from the directory: at the replica's --tier-gbps; with
+        --tier-total-gbps, no earlier than the shared directory serves them after the reads before
+        (one FIFO server for all replicas, each block read --tier-read-copies times)."""
+        own = n * self.tier_block_s
+        if not self.dir_block_s:
+            return own
+        self.dir_free = max(self.dir_free, self.now) + n * self.dir_block_s
+        wait = self.dir_free - self.now
+        if wait > own:
+            self.dir_wait_s += wait - own
+            return wait
+        return own
 
     def step_end(self, rep):
         now = self.now
@@ -875,6 +914,8 @@ class Sim:
         self.query_blocks = self.hit_blocks = 0
         self.n_made = 0
         self.meas_left = 0
+        self.wall_limited = False
+        wall_end = time.monotonic() + self.a.wall_limit_s if self.a.wall_limit_s > 0 else math.inf
         self.schedule_arrivals()
         self.push(0.0, EV_POLL, None)
         ev = self.events
@@ -900,6 +941,9 @@ class Sim:
                     break  # nothing else left to happen
                 if self.a.stop_when_measured and self.meas_left == 0 and t > self.arrival_end:
                     break  # what comes after cannot change a measured request
+                if time.monotonic() > wall_end:
+                    self.wall_limited = True  # measured requests not finished are left out: flagged
+                    break
                 self.poll(obj)
         return self.summary()
 
@@ -945,6 +989,8 @@ class Sim:
             "tpot_ms": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)},
             "prefix_hit_rate_blocks": self.hit_blocks / max(1, self.query_blocks),
             "tier_hit_blocks": self.tier_hits, "tier_read_s": self.tier_reads_s,
+            "tier_hit_blocks_other": self.tier_hits_other, "tier_write_blocks": self.tier_writes,
+            "tier_queue_s": self.dir_wait_s, "wall_limited": self.wall_limited,
             "cached_prompt_fraction": cached / max(1, prompt),
             "router_index_hit_blocks": self.routed_hit_blocks,
             "decisions": self.decisions, "router_wait_mean_ms": 1e3 * self.router_wait / max(1, self.decisions),
@@ -994,6 +1040,12 @@ def parser():
     g.add_argument("--tier-write-through", action="store_true",
                    help="blocks go to the shared tier as they are computed (--kv-offloading-write-through), "
                         "not when the pool (or the host tier above) gives them up")
+    g.add_argument("--tier-total-gbps", type=float, default=0.0,
+                   help="the directory's read bandwidth, GB/s, shared by all replicas (reads queue for it; "
+                        "0: unbounded, each replica reads at --tier-gbps)")
+    g.add_argument("--tier-read-copies", type=float, default=2.0,
+                   help="times the directory serves a block's bytes for one load (Loom: the coordinator's "
+                        "read-through check, then the worker's load)")
     g.add_argument("--tier-block-bytes", type=int, default=0,
                    help="bytes of a block (default: the calibration's KV bytes per token x block size)")
     g.add_argument("--host-tier-blocks", type=int, default=0,
@@ -1024,6 +1076,9 @@ def parser():
     g.add_argument("--warmup", type=float, default=0.0, help="requests arriving before this many seconds "
                    "are simulated but not counted")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--wall-limit-s", type=float, default=0.0,
+                   help="stop at the first Stats poll after this many seconds of wall time (0: never); "
+                        "the summary says wall_limited, and its figures leave out what had not finished")
     g.add_argument("--stop-when-measured", action="store_true",
                    help="end at the first Stats poll after the last measured request finished (the "
                         "measured figures are the same; completed, sim_end_s, replica_busy_mean and the "
