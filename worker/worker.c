@@ -1630,6 +1630,7 @@ int main(int argc, char **argv) {
     free(w.steps_buf);
     free(w.kk);
     free(w.ids);
+    free(w.share_host);
     free(w.dp_copy);
     free(w.edit_row);
     loom_logprobs_free(&w.lp);
