@@ -49,13 +49,13 @@ static void best_median(double *v, int n, double *best, double *median) {
 
 /* Loads the model with one quantization scheme (quantized on load). */
 static int open_scheme(const char *model, const char *scheme, const loom_quant_spec_t *q, loom_dtype_t wdt,
-                       const char *kv_cache_dtype, int layer_major, loom_mla_o_t mla_o, int mla_disable, int threads,
-                       int n_prompt, int n_gen, result_t *res) {
+                       const char *kv_cache_dtype, int layer_major, loom_mla_o_t mla_o, int mla_disable, int mla_rows,
+                       int threads, int n_prompt, int n_gen, result_t *res) {
     loom_err_t err = {0};
     loom_local_options_t lo = {.model_dir = model, .n_threads = threads, .chunk = n_prompt,
                                .ctx = n_prompt + n_gen + 1, .weight_dtype = wdt, .quant = *q, .no_tokenizer = 1,
                                .kv_cache_dtype = kv_cache_dtype, .kv_layer_major = layer_major, .mla_o = mla_o,
-                               .mla_disable = mla_disable};
+                               .mla_disable = mla_disable, .mla_prefill_rows = mla_rows};
     if (loom_local_open(&lo, &res->l, &err) < 0) {
         fprintf(stderr, "bench_decode: %s: %s\n", scheme, err.msg);
         return 1;
@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
     loom_log_init("bench_decode");
     const char *model = NULL, *dtype = "f32", *json = NULL, *schemes = "none";
     const char *kv_cache_dtype = "auto";
-    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5, kv_layouts = 0, mla_fold = 0, mla_off = 0;
+    int threads = 2, n_prompt = 256, n_gen = 64, reps = 5, kv_layouts = 0, mla_fold = 0, mla_off = 0, mla_rows = 0;
     loom_opt_t opts[] = {
         {"model", LOOM_OPT_STR, &model, "DIR", "model directory (e.g. from tests/reference/gen_model.py)", 1, 0, NULL},
         {"threads", LOOM_OPT_INT, &threads, "N", "CPU threads (default 2)", 1, 256, NULL},
@@ -112,6 +112,10 @@ int main(int argc, char **argv) {
         {"disable-mla", LOOM_OPT_FLAG, &mla_off, NULL,
          "DeepSeek: also load each scheme with the decompressed KV cache (\"/mha\", --disable-mla) against the latent",
          0, 0, NULL},
+        {"mla-prefill", LOOM_OPT_INT, &mla_rows, "ROWS",
+         "DeepSeek: also load each scheme with the prefill decompressed for runs of ROWS rows or more (\"/dec\", "
+         "LOOM_MLA_PREFILL_ROWS) against it absorbed (the base then absorbed, whatever the default)",
+         1, 1e6, NULL},
         {"json", LOOM_OPT_STR, &json, "FILE", "also write the results as JSON", 1, 0, NULL},
     };
     int r = loom_cli_parse(argc, argv, 1, opts, (int)LOOM_ARRAY_LEN(opts), "bench_decode --model DIR [options]",
@@ -161,12 +165,12 @@ int main(int argc, char **argv) {
     }
     double triad[MAX_REPS];
     int rc = 1;
-    if (kv_layouts + mla_fold + mla_off > 1) {
-        fprintf(stderr, "bench_decode: one of --kv-layouts, --mla-fold and --disable-mla\n");
+    if (kv_layouts + mla_fold + mla_off + (mla_rows > 0) > 1) {
+        fprintf(stderr, "bench_decode: one of --kv-layouts, --mla-fold, --disable-mla and --mla-prefill\n");
         return 2;
     }
     /* scheme i, then scheme i with the layer-major layout (or o' folded, or the decompressed cache) */
-    if (kv_layouts || mla_fold || mla_off) {
+    if (kv_layouts || mla_fold || mla_off || mla_rows) {
         if (2 * n > MAX_SCHEMES) {
             fprintf(stderr, "bench_decode: --kv-layouts, --mla-fold and --disable-mla take at most %d schemes\n",
                     MAX_SCHEMES / 2);
@@ -177,8 +181,8 @@ int main(int argc, char **argv) {
             char base[sizeof names[0]];
             memcpy(base, names[i], sizeof base);
             memcpy(names[2 * i], base, sizeof base);
-            snprintf(names[2 * i + 1], sizeof names[0], kv_layouts ? "%.19s/lm" : mla_off ? "%.18s/mha" : "%.17s/fold",
-                     base);
+            snprintf(names[2 * i + 1], sizeof names[0],
+                     kv_layouts ? "%.19s/lm" : mla_off ? "%.18s/mha" : mla_rows ? "%.18s/dec" : "%.17s/fold", base);
         }
         n *= 2;
     }
@@ -187,7 +191,8 @@ int main(int argc, char **argv) {
     for (int mi = 0; mi < n_models; mi++)
         for (int i = 0; i < n_schemes; i++, n++)
             if (open_scheme(models[mi], names[i], &specs[i], wdt, kv_cache_dtype, kv_layouts && (i & 1),
-                            mla_fold && (i & 1) ? LOOM_MLA_O_FOLDED : LOOM_MLA_O_AUTO, mla_off && (i & 1), threads,
+                            mla_fold && (i & 1) ? LOOM_MLA_O_FOLDED : LOOM_MLA_O_AUTO, mla_off && (i & 1),
+                            mla_rows ? (i & 1 ? mla_rows : -1) : 0, threads,
                             n_prompt, n_gen, &res[n]))
                 goto out;
     const loom_model_config_t *c = loom_local_config(res[0].l);

@@ -435,6 +435,7 @@ void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     LOOM_ASSERT(a->softcap >= 0 && (a->softcap == 0 || (be->ops->caps & LOOM_CAP_ATTN_SOFTCAP)));
     LOOM_ASSERT(!a->sinks || (be->ops->caps & LOOM_CAP_ATTN_SINKS));
     LOOM_ASSERT(!a->kv.v_dim || be->ops->kv_v_dim);
+    LOOM_ASSERT(!a->lse || (!a->sinks && loom_backend_attn_lse_supported(be)));
     if (a->n > 0) be->ops->attention(be, a);
 }
 int loom_backend_attn_window_supported(const loom_backend_t *be) { return (be->ops->caps & LOOM_CAP_ATTN_WINDOW) != 0; }
@@ -442,6 +443,7 @@ int loom_backend_attn_softcap_supported(const loom_backend_t *be) { return (be->
 int loom_backend_attn_sinks_supported(const loom_backend_t *be) {
     return (be->ops->caps & LOOM_CAP_ATTN_SINKS) != 0;
 }
+int loom_backend_attn_lse_supported(const loom_backend_t *be) { return loom_backend_kind(be) == LOOM_DEVICE_CPU; }
 void loom_op_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
     LOOM_ASSERT(cap > 0 && be->ops->softcap);
     if (n > 0) be->ops->softcap(be, x, n, cap);

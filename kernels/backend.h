@@ -392,6 +392,12 @@ typedef struct loom_attn_args {
      * head's weights may sum to less than 1. NULL: none. Backends without
      * them (loom_backend_attn_sinks_supported) must not be given any. */
     const float *sinks;
+    /* The log-sum-exp of each softmax, (n, n_heads) device: max + log(sum)
+     * of token i's scaled scores for head h at lse[i * n_heads + h], so that
+     * outputs over disjoint ranges of keys merge (decompressed MLA prefill
+     * over context chunks, attn_mla.c). NULL: none. CPU only
+     * (loom_backend_attn_lse_supported); not with sinks. */
+    float *lse;
 } loom_attn_args_t;
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
 /* Whether the backend's attention honours loom_attn_args_t.window (both
@@ -403,6 +409,8 @@ int loom_backend_attn_softcap_supported(const loom_backend_t *be);
 /* Whether the backend's attention honours loom_attn_args_t.sinks (both
  * built-in backends do). */
 int loom_backend_attn_sinks_supported(const loom_backend_t *be);
+/* Whether the backend's attention writes loom_attn_args_t.lse (CPU). */
+int loom_backend_attn_lse_supported(const loom_backend_t *be);
 /* x(n) = cap * tanh(x / cap), element-wise (Gemma 2's final logit
  * soft-capping on the LM head's output); cap > 0. An optional slot:
  * loom_backend_softcap_supported says whether the backend has it. */

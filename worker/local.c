@@ -125,6 +125,7 @@ static loom_status_t open_mtp(loom_local_t *l, const loom_local_options_t *opt, 
                               .layer_end = l->cfg.n_layers + 1, .has_embed = 1, .has_head = 1};
     loom_model_options_t mo = {.max_tokens = l->chunk, .max_seqs = 1, .max_logits = 1, .quant = opt->quant,
                                .kv_dtype = kv_dtype, .decode_buckets = -1, .mtp = 1, .mla_o = opt->mla_o,
+                               .mla_prefill_rows = opt->mla_prefill_rows,
                                .embed_from = l->model};
     LOOM_CHECK(loom_model_load(l->be, &l->cfg, l->st, &spec, &mo, &l->mtp, err));
     LOOM_CHECK(loom_model_alloc_kv(l->mtp, l->max_blocks, LOCAL_BLOCK, err));
@@ -187,7 +188,8 @@ loom_status_t loom_local_open(const loom_local_options_t *opt, loom_local_t **ou
                                .kv_dtype = kv_dtype, .kv_layer_major = opt->kv_layer_major,
                                .max_loras = opt->lora_dir ? 1 : 0,
                                .max_lora_rank = opt->max_lora_rank > 0 ? opt->max_lora_rank : 16,
-                               .mla_o = opt->mla_o, .mla_disable = opt->mla_disable};
+                               .mla_o = opt->mla_o, .mla_disable = opt->mla_disable,
+                               .mla_prefill_rows = opt->mla_prefill_rows};
     if (opt->mla_disable && l->cfg.deepseek && opt->spec.method == LOOM_SPEC_MTP) {
         s = loom_err_set(err, LOOM_ERR_UNSUPPORTED, "--disable-mla: the MTP module's draft is not implemented with "
                          "the decompressed cache");

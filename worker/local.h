@@ -36,6 +36,7 @@ typedef struct loom_local_options {
     int max_lora_rank;    /* the largest rank it may have (0: 16) */
     loom_mla_o_t mla_o;   /* loom_model_options_t.mla_o (tests: each way) */
     int mla_disable;      /* loom_model_options_t.mla_disable: DeepSeek's MLA decompressed (--disable-mla) */
+    int mla_prefill_rows; /* loom_model_options_t.mla_prefill_rows: MLA's prefill decompressed (0: the default) */
 } loom_local_options_t;
 
 typedef struct loom_local loom_local_t;

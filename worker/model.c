@@ -130,6 +130,7 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
     m->spec = *spec;
     m->opt = *opt;
     m->opt.mla_disable = mla_mha;
+    m->opt.mla_prefill_rows = loom_blk_attn_mla_prefill_rows(m, opt);
     if (mla_mha) m->cfg.head_dim = cfg->qk_nope_head_dim + cfg->qk_rope_head_dim; /* K's heads, q's */
     m->scratch_block = -1;
     if (m->opt.max_tokens < 1) m->opt.max_tokens = 512;
@@ -384,6 +385,9 @@ void loom_model_destroy(loom_model_t **m_p) {
             loom_weight_free(be, &ly->wkv_a);
             loom_weight_free(be, &ly->mla_q_a);
             loom_weight_free(be, &ly->mla_kv_b);
+            loom_weight_free(be, &ly->mla_dq);
+            loom_weight_free(be, &ly->mla_dk);
+            loom_weight_free(be, &ly->mla_dv);
             free(ly->ffn.ds_bias);
             loom_weight_free(be, &ly->wo);
             for (int j = 0; ly->mla_uv && j < m->dims.n_heads; j++) loom_weight_free(be, &ly->mla_uv[j]);
@@ -416,6 +420,7 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_weight_free(be, &m->mtp_eh_h);
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->mla_sel);
+    loom_backend_free(be, m->mla_dec);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
     loom_model_lora_free(m);

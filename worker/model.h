@@ -83,6 +83,15 @@ typedef struct loom_model_options {
      * (worker/engine/attn_mla_mha.c); backends with loom_backend_kv_v_dim
      * only. Ignored for the other families. */
     int mla_disable;
+    /* MLA (DeepSeek) over the latent cache: a sequence with at least this
+     * many consecutive rows in a step (a prefill chunk) attends decompressed,
+     * per-head K and V from the cached latent, in context chunks merged by
+     * log-sum-exp (worker/engine/attn_mla.c); fewer rows (decodes, a
+     * speculative verify) stay absorbed. 0: LOOM_MLA_PREFILL_ROWS, else
+     * the default (LOOM_MLA_PREFILL_ROWS_DEFAULT); < 0: always absorbed. The
+     * CPU backend only (others: absorbed); the loaded model holds the
+     * resolved value (0: absorbed). */
+    int mla_prefill_rows;
 } loom_model_options_t;
 
 /* Loads this shard's weights from an opened checkpoint: only the slices it

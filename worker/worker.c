@@ -1732,6 +1732,7 @@ int main(int argc, char **argv) {
     free(w.steps_buf);
     free(w.kk);
     free(w.ids);
+    free(w.share_host);
     free(w.dp_copy);
     free(w.pull_failed);
     free(w.pull_why);

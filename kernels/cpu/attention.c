@@ -302,7 +302,9 @@ void loom_cpu_attention_task(const loom_attn_args_t *a, int hpt, int task, float
             mx = sk > mx ? sk : mx;
             inv_sum[g] = 1.0f / (loom_vec_exp_sub_sum(s + p_lo, L - p_lo, mx) + expf(sk - mx));
         } else {
-            inv_sum[g] = 1.0f / loom_vec_exp_sub_sum(s + p_lo, L - p_lo, mx);
+            const float sum = loom_vec_exp_sub_sum(s + p_lo, L - p_lo, mx);
+            inv_sum[g] = 1.0f / sum;
+            if (a->lse) a->lse[(int64_t)i * nh + h0 + g] = mx + logf(sum);
         }
         for (int p = b_lo; p < p_lo; p++) s[p] = 0.0f;
     }

@@ -10,3 +10,7 @@ loom_add_it(it_deepseek_dp test_deepseek_dp.py)
 # TP 2, the decompressed block bytes, a small pool, LOOM_MLA_DISABLE and the refusals
 # (tests/integration/test_deepseek_mla_disable.py).
 loom_add_it(it_deepseek_mla_disable test_deepseek_mla_disable.py)
+# DeepSeek's MLA prefill decompressed over the latent cache (LOOM_MLA_PREFILL_ROWS, CPU): the absorbed grid's ids
+# and logits and the float64 reference's on 1x1 and TP 2 across several context chunks, chunked prefill, prefix
+# hits and each KV dtype (tests/integration/test_deepseek_mla_prefill.py).
+loom_add_it(it_deepseek_mla_prefill test_deepseek_mla_prefill.py)

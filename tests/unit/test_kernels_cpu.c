@@ -971,6 +971,54 @@ static void test_kv_block_strided(void) {
  * columns of each head (within f32 rounding where v_dim is odd: the
  * weighted sum goes scalar); the padded run's other columns are 0. GQA
  * groups 1 and 3, v_dim a multiple of 16, of 8 only and odd. */
+/* loom_attn_args_t.lse: each softmax's log-sum-exp, max + log(sum exp), of the scaled scores of positions
+ * [0, pos], against a double sum; with two threads and one; the output as without it. */
+static void test_attention_lse(void) {
+    for (size_t ti = 0; ti < 2; ti++) {
+        loom_backend_t *be = make_backend(k_threads[ti], LOOM_DT_F32);
+        REQUIRE(be);
+        CHECK(loom_backend_attn_lse_supported(be));
+        unsigned long long st = 31;
+        const int nkv = 2, nh = 4, hd = 16, vd = 8, B = 4, n = 11, kd = nkv * hd, vdim = nkv * vd;
+        float *k = alloc_f((size_t)n * kd), *v = alloc_f((size_t)n * vdim), *q = alloc_f((size_t)n * nh * hd);
+        float *o1 = alloc_f((size_t)n * nh * vd), *o2 = alloc_f((size_t)n * nh * vd), *lse = alloc_f((size_t)n * nh);
+        fill(k, (size_t)n * kd, &st, 2.0f);
+        fill(v, (size_t)n * vdim, &st, 1.0f);
+        fill(q, (size_t)n * nh * hd, &st, 2.0f);
+        poison(lse, (size_t)n * nh);
+        int32_t bt[3] = {0, 1, 2}, seq[11] = {0}, pos[11];
+        for (int i = 0; i < n; i++) pos[i] = i;
+        loom_attn_args_t a = {.n = n, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 0.3f, .q = q,
+                              .q_stride = nh * hd, .out = o1, .out_stride = nh * vd,
+                              .kv = {.k = k, .v = v, .dtype = LOOM_DT_F32, .block_size = B, .v_dim = vd},
+                              .block_size = B, .tok_seq = seq, .tok_pos = pos, .block_tables = bt, .max_blocks = 3,
+                              .max_ctx = n};
+        loom_op_attention(be, &a);
+        a.out = o2;
+        a.lse = lse;
+        loom_op_attention(be, &a);
+        CHECK(memcmp(o1, o2, (size_t)n * nh * vd * sizeof(float)) == 0);
+        double worst = 0;
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < nh; h++) {
+                double mx = -INFINITY, sum = 0, sc[11];
+                for (int p = 0; p <= i; p++) {
+                    double d = 0;
+                    for (int j = 0; j < hd; j++)
+                        d += (double)q[((size_t)i * nh + h) * hd + j] * k[(size_t)p * kd + (size_t)(h / 2) * hd + j];
+                    sc[p] = d * 0.3f;
+                    mx = sc[p] > mx ? sc[p] : mx;
+                }
+                for (int p = 0; p <= i; p++) sum += exp(sc[p] - mx);
+                worst = fmax(worst, fabs(lse[i * nh + h] - (mx + log(sum))));
+            }
+        CHECKF(worst < 1e-4, "lse off by %g", worst);
+        loom_aligned_free(k), loom_aligned_free(v), loom_aligned_free(q);
+        loom_aligned_free(o1), loom_aligned_free(o2), loom_aligned_free(lse);
+        loom_backend_destroy(&be);
+    }
+}
+
 static void test_kv_v_dim(void) {
     static const int vds[] = {16, 8, 13}, groups[] = {1, 3};
     unsigned long long st = 23;
@@ -1477,6 +1525,7 @@ int main(void) {
     RUN(test_kv_block_strided);
     RUN(test_attention);
     RUN(test_kv_v_dim);
+    RUN(test_attention_lse);
     RUN(test_softcap);
     RUN(test_swiglu_clamp);
     RUN(test_act_mul);

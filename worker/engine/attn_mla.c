@@ -26,6 +26,7 @@
  * every TP rank (replicated); each rank's B and o' make only its heads.
  * worker/mla.c is the plain reference of both the absorbed and the
  * decompressed path. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,7 +63,8 @@ static int mla_o_split(const loom_model_t *m, int Hr, int v) {
     const loom_model_config_t *c = &m->cfg;
     const int64_t D = c->head_dim, dim = c->dim;
     if (m->opt.mla_o == LOOM_MLA_O_FOLDED || v > D) return 0; /* the split's (n, heads x v) rows go in qkv */
-    if (m->opt.mla_o != LOOM_MLA_O_SPLIT && v * (D + dim) >= dim * D) return 0;
+    /* the decompressed prefill's v-space rows go to o_proj as stored: it takes the split */
+    if (m->opt.mla_o != LOOM_MLA_O_SPLIT && !m->opt.mla_prefill_rows && v * (D + dim) >= dim * D) return 0;
     return Hr > 0;
 }
 
@@ -137,6 +139,84 @@ static loom_status_t load_o_split(loom_loader_t *L, int gl, loom_layer_t *ly, co
     memcpy(W, o, (size_t)dim * Hr * v * sizeof(float));
     snprintf(what, sizeof what, "model.layers.%d.self_attn.o_proj", gl);
     return loom_load_upload_weight(L, &ly->wo, dim, (int64_t)Hr * v, what, err);
+}
+
+/* The decompressed prefill's weights (opt.mla_prefill_rows), beside the folded ones:
+ *   mla_dq (Hr qk, zdim): head h's q_nope and q_pe from z, in the kernels' slots of a qk-wide head
+ *     (q_b_proj's rows, or a selection of z's q_proj part; the rope rows times yarn's factor);
+ *   mla_dk (Hr qk, D): from a cache row, W_UK_h's rows over the latent's slots in the nope slots and a
+ *     selection of the row's roped k_pe in the rope slots (the factor is in the row already);
+ *   mla_dv (Hr v, D): W_UV_h's rows over the latent's slots.
+ * A qk-wide head's rotate-half pairs (j, j + qk/2), j < rope/2, hold the same rope dims as the cache
+ * row's (j, j + D/2) and turn by the same frequency, so the selected k_pe is the rope key of a
+ * decompressed head at its position, and q_pe roped as a qk-wide head matches it. */
+static loom_status_t load_dec(loom_loader_t *L, int gl, loom_layer_t *ly, const float *qb, const float *kvb,
+                              loom_err_t *err) {
+    loom_model_t *m = L->m;
+    const loom_model_config_t *c = &m->cfg;
+    const int Hr = m->dims.n_heads, D = c->head_dim, nope = c->qk_nope_head_dim, rope = c->qk_rope_head_dim;
+    const int v = c->v_head_dim, r = c->kv_lora_rank, qk = nope + rope, ql = c->q_lora_rank, kvw = nope + v;
+    const int zdim = loom_blk_attn_mla_zdim(c, &m->dims);
+    const float af = c->rope_attn_factor;
+    char what[256];
+    int *lat = loom_xmalloc((size_t)(r + rope) * sizeof *lat), *rot = lat + r; /* the row's slot of each dim */
+    for (int sl = 0; sl < D; sl++) {
+        int is_rope, idx;
+        loom_blk_attn_mla_slot(D, rope, c->rope_interleave, sl, &is_rope, &idx);
+        (is_rope ? rot : lat)[idx] = sl;
+    }
+    loom_status_t s = LOOM_OK;
+    float *W = loom_load_staging(L, LOOM_MAX((size_t)Hr * qk * zdim, (size_t)Hr * LOOM_MAX(qk, v) * D));
+    if (!W) s = loom_err_set(err, LOOM_ERR_NOMEM, "out of host memory loading layer %d", gl);
+    if (s == LOOM_OK) {
+        memset(W, 0, (size_t)Hr * qk * zdim * sizeof(float));
+        for (int h = 0; h < Hr; h++)
+            for (int sl = 0; sl < qk; sl++) {
+                int is_rope, idx;
+                loom_blk_attn_mla_slot(qk, rope, c->rope_interleave, sl, &is_rope, &idx);
+                const int src = h * qk + (is_rope ? nope : 0) + idx; /* the head's row in q_b_proj / q_proj */
+                const float f = is_rope ? af : 1.0f;
+                float *dst = W + ((size_t)h * qk + sl) * zdim;
+                if (ql)
+                    for (int i = 0; i < ql; i++) dst[i] = f * qb[(size_t)src * ql + i];
+                else
+                    dst[src] = f;
+            }
+        snprintf(what, sizeof what, "model.layers.%d.self_attn.mla_dq", gl);
+        s = loom_load_upload_weight(L, &ly->mla_dq, (int64_t)Hr * qk, zdim, what, err);
+    }
+    if (s == LOOM_OK) {
+        memset(W, 0, (size_t)Hr * qk * D * sizeof(float));
+        for (int h = 0; h < Hr; h++)
+            for (int sl = 0; sl < qk; sl++) {
+                int is_rope, idx;
+                loom_blk_attn_mla_slot(qk, rope, c->rope_interleave, sl, &is_rope, &idx);
+                float *dst = W + ((size_t)h * qk + sl) * D;
+                if (is_rope) {
+                    dst[rot[idx]] = 1.0f;
+                    continue;
+                }
+                const float *wuk = kvb + ((size_t)h * kvw + idx) * r; /* W_UK_h's row idx */
+                for (int j = 0; j < r; j++) dst[lat[j]] = wuk[j];
+            }
+        snprintf(what, sizeof what, "model.layers.%d.self_attn.mla_dk", gl);
+        s = loom_load_upload_weight(L, &ly->mla_dk, (int64_t)Hr * qk, D, what, err);
+    }
+    if (s == LOOM_OK) {
+        memset(W, 0, (size_t)Hr * v * D * sizeof(float));
+        for (int h = 0; h < Hr; h++)
+            for (int k = 0; k < v; k++) {
+                const float *wuv = kvb + ((size_t)h * kvw + nope + k) * r; /* W_UV_h's row k */
+                for (int j = 0; j < r; j++) W[((size_t)h * v + k) * D + lat[j]] = wuv[j];
+            }
+        snprintf(what, sizeof what, "model.layers.%d.self_attn.mla_dv", gl);
+        s = loom_load_upload_weight(L, &ly->mla_dv, (int64_t)Hr * v, D, what, err);
+    }
+    free(lat);
+    if (s == LOOM_OK && ly == &m->layers[0])
+        LOOM_INFO("MLA: prefill decompressed (runs of %d rows or more), %lld weights a layer beside the absorbed ones",
+                  m->opt.mla_prefill_rows, (long long)Hr * qk * zdim + (long long)Hr * (qk + v) * D);
+    return s;
 }
 
 loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err) {
@@ -221,7 +301,9 @@ loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly,
         snprintf(what, sizeof what, "model.layers.%d.self_attn.mla_qk", gl);
         s = loom_load_upload_weight(L, &ly->wqkv, rows, zdim, what, err);
     }
-    if (s == LOOM_OK && mla_o_split(m, Hr, v))
+    const int split = mla_o_split(m, Hr, v);
+    if (s == LOOM_OK && split && m->opt.mla_prefill_rows) s = load_dec(L, gl, ly, qb, kvb, err);
+    if (s == LOOM_OK && split)
         s = load_o_split(L, gl, ly, kvb, o, err);
     else if (s == LOOM_OK)
         s = load_o_folded(L, gl, ly, kvb, o, err);
@@ -231,6 +313,206 @@ loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly,
     free(acc);
     ly->window = 0;
     return s;
+}
+
+/* ---- the decompressed prefill (opt.mla_prefill_rows; CPU) -------------------------------------------- */
+
+#ifndef LOOM_MLA_PREFILL_ROWS_DEFAULT
+#define LOOM_MLA_PREFILL_ROWS_DEFAULT 0
+#endif
+
+int loom_blk_attn_mla_prefill_rows(const loom_model_t *m, const loom_model_options_t *opt) {
+    const loom_model_config_t *c = &m->cfg;
+    if (!c->deepseek || m->opt.mla_disable || opt->max_loras > 0 || !loom_backend_attn_lse_supported(m->be) ||
+        !loom_backend_kv_v_dim(m->be) || (c->qk_nope_head_dim + c->qk_rope_head_dim) % 2 || opt->mla_prefill_rows < 0)
+        return 0;
+    if (opt->mla_prefill_rows > 0) return opt->mla_prefill_rows;
+    const char *e = getenv("LOOM_MLA_PREFILL_ROWS");
+    const int rows = e && *e ? atoi(e) : LOOM_MLA_PREFILL_ROWS_DEFAULT;
+    return rows > 0 ? rows : 0;
+}
+
+/* The end of the run of rows from i: the same sequence at consecutive positions. */
+static int dec_run_end(const loom_step_ops_t *so, int i) {
+    int e = i + 1;
+    while (e < so->n && so->d_seq[e] == so->d_seq[i] && so->d_pos[e] == so->d_pos[e - 1] + 1) e++;
+    return e;
+}
+
+/* Whether any run of the step is long enough to attend decompressed (the CPU backend: the step's
+ * metadata is host memory). */
+static int dec_any(const loom_model_t *m, const loom_step_ops_t *so) {
+    for (int i = 0; i < so->n;) {
+        const int e = dec_run_end(so, i);
+        if (e - i >= m->opt.mla_prefill_rows) return 1;
+        i = e;
+    }
+    return 0;
+}
+
+/* The context chunk: LOOM_MLA_PREFILL_CHUNK tokens (a test hook), else what 64 MiB of decompressed K and
+ * V hold, in whole blocks, at most 4096. */
+static int dec_chunk(const loom_model_t *m) {
+    const loom_model_config_t *c = &m->cfg;
+    const char *e = getenv("LOOM_MLA_PREFILL_CHUNK");
+    if (e && atoi(e) > 0) return atoi(e);
+    const int64_t per = (int64_t)m->dims.n_heads * (c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * 4;
+    int64_t C = LOOM_MIN((int64_t)4096, ((int64_t)64 << 20) / per) / m->block_size * m->block_size;
+    return (int)LOOM_MAX(C, (int64_t)m->block_size);
+}
+
+typedef struct {
+    float *q, *rows, *k, *v, *o, *lse, *lse_run, *freq;
+    int32_t *pos, *seq, *bt;
+} dec_scratch_t;
+
+static loom_status_t dec_scratch(loom_model_t *m, dec_scratch_t *sc, loom_err_t *err) {
+    const loom_model_config_t *c = &m->cfg;
+    const int64_t T = m->opt.max_tokens, Hr = m->dims.n_heads, qk = c->qk_nope_head_dim + c->qk_rope_head_dim;
+    const int64_t v = c->v_head_dim;
+    if (!m->mla_dec_chunk) m->mla_dec_chunk = dec_chunk(m);
+    const int64_t C = m->mla_dec_chunk, nb = (C + m->block_size - 1) / m->block_size;
+    const int64_t sizes[] = {T * Hr * qk, C * c->head_dim, C * Hr * qk, C * Hr * v, T * Hr * v, T * Hr, T * Hr,
+                             qk / 2, T, T, nb};
+    int64_t total = 0;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(sizes); i++) total += (sizes[i] + 15) / 16 * 16;
+    const int fresh = !m->mla_dec;
+    if (fresh) {
+        m->mla_dec = loom_backend_alloc(m->be, (size_t)total * sizeof(float));
+        if (!m->mla_dec) return loom_err_set(err, LOOM_ERR_NOMEM, "out of memory for MLA's decompressed prefill");
+    }
+    float *p = m->mla_dec, **f[] = {&sc->q, &sc->rows, &sc->k, &sc->v, &sc->o, &sc->lse, &sc->lse_run, &sc->freq};
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(f); i++) *f[i] = p, p += (sizes[i] + 15) / 16 * 16;
+    sc->pos = (int32_t *)p, p += (sizes[8] + 15) / 16 * 16;
+    sc->seq = (int32_t *)p, p += (sizes[9] + 15) / 16 * 16;
+    sc->bt = (int32_t *)p;
+    if (!fresh) return LOOM_OK;
+    /* the identity block table, one sequence; the RoPE table of a qk-wide head: the rope pairs' frequencies
+     * (the cache row's table, whose pairs past rope/2 are the latent's, unturned), 0 past them */
+    for (int64_t b = 0; b < nb; b++) sc->bt[b] = (int32_t)b;
+    memset(sc->seq, 0, (size_t)T * sizeof *sc->seq);
+    const int pr = c->qk_rope_head_dim / 2;
+    for (int64_t j = 0; j < qk / 2; j++) sc->freq[j] = j < pr ? m->inv_freq[j] : 0.0f;
+    return LOOM_OK;
+}
+
+/* Context positions [p0, p0 + cn) of sequence s from the latent cache into float rows (cn, D). */
+static void dec_gather(const loom_model_t *m, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn,
+                       float *rows) {
+    const int D = m->cfg.head_dim, B = m->block_size;
+    for (int p = p0; p < p0 + cn; p++) {
+        const int64_t slot = (int64_t)bt[p / B] * B + p % B, e = loom_kv_row(kv, slot, D);
+        float *dst = rows + (int64_t)(p - p0) * D;
+        if (kv->dtype == LOOM_DT_F32) {
+            memcpy(dst, (const float *)kv->k + e, (size_t)D * sizeof(float));
+        } else if (kv->dtype == LOOM_DT_BF16) {
+            const uint16_t *src = (const uint16_t *)kv->k + e;
+            for (int j = 0; j < D; j++) {
+                uint32_t u = (uint32_t)src[j] << 16;
+                memcpy(&dst[j], &u, sizeof u);
+            }
+        } else {
+            LOOM_ASSERT(kv->dtype == LOOM_DT_I8);
+            const int8_t *src = (const int8_t *)kv->k + e;
+            const float sc = kv->k_scale[loom_kv_scale_row(kv, slot, 1)];
+            for (int j = 0; j < D; j++) dst[j] = (float)src[j] * sc;
+        }
+    }
+}
+
+/* Rows [i0, i1) of the step, one sequence at consecutive positions, attend decompressed: their queries
+ * unabsorbed (mla_dq from z, roped as qk-wide heads); the context [0, last position] read from the latent
+ * cache C tokens at a time, each chunk decompressed to per-head K (mla_dk) and V (mla_dv) in scratch and
+ * attended with causal masking (a query sees the chunk's positions up to its own); the chunks' outputs
+ * merged by their log-sum-exp. Output: (i1 - i0, Hr v) rows at out, v-space (o_proj's input). */
+static void dec_run(loom_model_t *m, const loom_step_ops_t *so, int l, const loom_attn_args_t *abs,
+                    const dec_scratch_t *sc, int i0, int i1, float *out) {
+    const loom_model_config_t *c = &m->cfg;
+    loom_backend_t *be = m->be;
+    const loom_layer_t *ly = &m->layers[l];
+    const int Hr = m->dims.n_heads, qk = c->qk_nope_head_dim + c->qk_rope_head_dim, v = c->v_head_dim;
+    const int zdim = loom_blk_attn_mla_zdim(c, &m->dims), nr = i1 - i0, C = m->mla_dec_chunk;
+    const int first = so->d_pos[i0], ctx = so->d_pos[i1 - 1] + 1;
+    const int32_t *bt = so->d_bt + (int64_t)so->d_seq[i0] * so->max_blocks;
+    loom_op_matmul(be, sc->q, m->mla_z + (int64_t)i0 * zdim, &ly->mla_dq, nr);
+    loom_op_rope(be, sc->q, Hr * qk, nr, Hr, qk, so->d_pos + i0, sc->freq);
+    for (int p0 = 0; p0 < ctx; p0 += C) {
+        const int cn = LOOM_MIN(C, ctx - p0), j0 = LOOM_MAX(0, p0 - first); /* rows before j0 see none of it */
+        dec_gather(m, &ly->kv, bt, p0, cn, sc->rows);
+        loom_op_matmul(be, sc->k, sc->rows, &ly->mla_dk, cn);
+        loom_op_matmul(be, sc->v, sc->rows, &ly->mla_dv, cn);
+        for (int j = j0; j < nr; j++) sc->pos[j - j0] = LOOM_MIN(first + j - p0, cn - 1);
+        const int merge = p0 > 0;
+        loom_attn_args_t a = {
+            .n = nr - j0,
+            .n_heads = Hr,
+            .n_kv_heads = Hr,
+            .head_dim = qk,
+            .scale = abs->scale,
+            .q = sc->q + (int64_t)j0 * Hr * qk,
+            .q_stride = Hr * qk,
+            .out = (merge ? sc->o : out) + (int64_t)j0 * Hr * v,
+            .out_stride = Hr * v,
+            .kv = {.k = sc->k, .v = sc->v, .dtype = LOOM_DT_F32, .block_size = m->block_size, .v_dim = v},
+            .block_size = m->block_size,
+            .tok_seq = sc->seq,
+            .tok_pos = sc->pos,
+            .block_tables = sc->bt,
+            .max_blocks = (cn + m->block_size - 1) / m->block_size,
+            .max_ctx = cn,
+            .lse = (merge ? sc->lse : sc->lse_run) + (int64_t)j0 * Hr,
+        };
+        loom_op_attention(be, &a);
+        if (!merge) continue;
+        for (int j = j0; j < nr; j++) /* online softmax across chunks: weigh each part by its exp(lse) */
+            for (int h = 0; h < Hr; h++) {
+                float *la = &sc->lse_run[(int64_t)j * Hr + h];
+                const float lb = sc->lse[(int64_t)j * Hr + h], mx = LOOM_MAX(*la, lb);
+                const float wa = expf(*la - mx), wb = expf(lb - mx), inv = 1.0f / (wa + wb);
+                float *oa = out + ((int64_t)j * Hr + h) * v;
+                const float *ob = sc->o + ((int64_t)j * Hr + h) * v;
+                for (int k = 0; k < v; k++) oa[k] = (oa[k] * wa + ob[k] * wb) * inv;
+                *la = mx + logf(wa + wb);
+            }
+    }
+}
+
+/* Attention of a step with prefill rows: absorbed for the short runs (as loom_blk_attn_mla, over ranges
+ * of rows), W_UV on their outputs into qkv; decompressed for the runs of opt.mla_prefill_rows rows or
+ * more, straight into qkv's v-space rows. o_proj then reads qkv (the split layout). */
+static loom_status_t attend_mixed(loom_model_t *m, const loom_step_ops_t *so, int l, const loom_attn_args_t *a,
+                                  loom_err_t *err) {
+    const loom_model_config_t *c = &m->cfg;
+    const loom_layer_t *ly = &m->layers[l];
+    const int n = so->n, Hr = m->dims.n_heads, D = c->head_dim, qd = m->qkv_dim, v = c->v_head_dim;
+    dec_scratch_t sc;
+    LOOM_CHECK(dec_scratch(m, &sc, err));
+    /* absorbed ranges first: they read q from qkv, which the v-space rows then overwrite */
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < n;) {
+            int e = dec_run_end(so, i);
+            const int dec = e - i >= m->opt.mla_prefill_rows;
+            if (!dec) /* and the short runs after it */
+                for (int e2; e < n && (e2 = dec_run_end(so, e)) - e < m->opt.mla_prefill_rows;) e = e2;
+            if (pass == 0 && !dec) {
+                loom_attn_args_t r = *a;
+                r.n = e - i;
+                r.q = a->q + (int64_t)i * qd;
+                r.out = a->out + (int64_t)i * Hr * D;
+                r.tok_seq = a->tok_seq + i;
+                r.tok_pos = a->tok_pos + i;
+                loom_op_attention(m->be, &r);
+            } else if (pass == 1 && dec) {
+                dec_run(m, so, l, a, &sc, i, e, m->qkv + (int64_t)i * Hr * v);
+            } else if (pass == 1) { /* W_UV of the absorbed rows, at most 65535 pairs a call */
+                const int per = (65535 / Hr) * Hr;
+                for (int p0 = i * Hr; p0 < e * Hr; p0 += per)
+                    loom_op_moe_gemv(m->be, m->qkv + (size_t)p0 * v, m->att + (size_t)p0 * D, 1, m->mla_sel + p0,
+                                     LOOM_MIN(per, e * Hr - p0), ly->mla_uv_table, ly->mla_uv[0].dtype, v, D);
+            }
+            i = e;
+        }
+    return LOOM_OK;
 }
 
 loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err) {
@@ -271,8 +553,12 @@ loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int 
         .max_blocks = so->max_blocks,
         .max_ctx = so->max_ctx,
     };
-    loom_op_attention(be, &a);
     const loom_blk_linear_t o = {.w = &ly->wo, .reduce = !so->local, .proj = LOOM_PROJ_O, .layer = l, .expert = -1};
+    if (ly->mla_dk.data && dec_any(m, so)) { /* some rows are a prefill chunk's */
+        LOOM_CHECK(attend_mixed(m, so, l, &a, err));
+        return loom_blk_linear(m, so->adapters, &o, m->xb2, m->qkv, n, err);
+    }
+    loom_op_attention(be, &a);
     if (!ly->mla_uv_table) return loom_blk_linear(m, so->adapters, &o, m->xb2, m->att, n, err);
     /* split: (token, head) pairs through W_UV into qkv (free once attention has read q), then o_proj;
      * at most 65535 pairs a call (the CUDA kernel's grid), whole tokens each */

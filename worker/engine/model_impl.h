@@ -80,6 +80,10 @@ typedef struct loom_layer {
      * kv_a_proj_with_mqa alone, wqkv the q heads from it), and kv_b_proj's k and v heads of this rank
      * (n_heads (qk + v), kv_lora + rope) */
     loom_weight_t mla_q_a, mla_kv_b;
+    /* MLA's decompressed prefill (opt.mla_prefill_rows, attn_mla.c): this rank's query heads unabsorbed,
+     * (n_heads qk, z_dim) from z; each head's K (nope from W_UK, the cached roped rope key) and V
+     * (W_UV) from a cache row, (n_heads qk, head_dim) and (n_heads v, head_dim) */
+    loom_weight_t mla_dq, mla_dk, mla_dv;
 } loom_layer_t;
 
 struct loom_model {
@@ -103,6 +107,8 @@ struct loom_model {
     float *mtp_enorm, *mtp_hnorm;      /* (dim) each */
     loom_weight_t mtp_eh_e, mtp_eh_h;  /* (dim, dim) each: eh_proj's embedding and hidden halves */
     float *mtp_in;                     /* (max_tokens, dim) activations: the caller's h rows */
+    float *mla_dec;      /* MLA's decompressed prefill: its scratch (attn_mla.c), allocated on first use */
+    int mla_dec_chunk;   /* context tokens decompressed at a time */
     int32_t *mla_sel;                  /* MLA split: (max_tokens * n_heads) device, pair p reads head p % n_heads */
     const int32_t *mtp_pos;            /* host positions of the step's rows (a row at 0 reads no embedding) */
     int mtp_n;                         /* the step's rows before padding */
@@ -352,6 +358,8 @@ int loom_blk_attn_mla_zdim(const loom_model_config_t *c, const loom_shard_dims_t
 loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly, loom_err_t *err);
 /* xb (normed input) -> xb2, all-reduced. */
 loom_status_t loom_blk_attn_mla(loom_model_t *m, const loom_step_ops_t *so, int l, loom_err_t *err);
+/* opt.mla_prefill_rows resolved for this model and backend (0: prefill stays absorbed). */
+int loom_blk_attn_mla_prefill_rows(const loom_model_t *m, const loom_model_options_t *opt);
 /* Slot s of a head of hd = other + rope dims: *is_rope = 1 and *idx the rope dim for the RoPE pairs' slots
  * (pair j at j and j + hd/2, j < rope/2; the checkpoint's pair j is (2j, 2j+1) interleaved, else (j, j +
  * rope/2)), else *is_rope = 0 and *idx the other (latent, or nope) dim. */
