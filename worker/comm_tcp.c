@@ -223,7 +223,7 @@ static int parse_addr(const char *addr, char *host, size_t host_cap, char *port,
     return 1;
 }
 
-static void peer_name(int fd, char *out, size_t cap) {
+void loom_tcp_peer_name(int fd, char *out, size_t cap) {
     struct sockaddr_storage ss;
     socklen_t len = sizeof ss;
     char host[64], serv[16];
@@ -947,7 +947,7 @@ static void pending_read(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admi
     p->have += (size_t)r;
     if (p->have < p->need) return;
     char who[96];
-    peer_name(p->fd, who, sizeof who);
+    loom_tcp_peer_name(p->fd, who, sizeof who);
     if (p->link) { /* the proof after our ack */
         tcp_link_t *l = p->link;
         if (sodium_memcmp(p->buf, p->expect, MAC_BYTES) != 0) {
@@ -1027,7 +1027,7 @@ static void pending_read(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admi
 static void pending_add(loom_comm_tcp_t *c, const loom_comm_config_t *cfg, admit_t *ad, int fd, uint64_t deadline) {
     pending_t p = {.fd = fd, .need = HELLO_HDR, .since = loom_now_ns()};
     char who[96];
-    peer_name(fd, who, sizeof who);
+    loom_tcp_peer_name(fd, who, sizeof who);
     char *colon = strrchr(who, ':');
     if (colon) *colon = '\0';
     snprintf(p.src, sizeof p.src, "%s", who);

@@ -380,22 +380,10 @@ lost:
     return 0;
 }
 
-static void peer_of(int fd, char *out, size_t cap) {
-    struct sockaddr_storage ss;
-    socklen_t len = sizeof ss;
-    char host[64], serv[16];
-    if (getpeername(fd, (struct sockaddr *)&ss, &len) == 0 &&
-        getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, serv, sizeof serv,
-                    NI_NUMERICHOST | NI_NUMERICSERV) == 0)
-        snprintf(out, cap, "%s:%s", host, serv);
-    else
-        snprintf(out, cap, "?");
-}
-
 /* One connection: the handshake, then reads and dones until it closes. */
 static void serve_conn(loom_kv_service_t *s, int fd) {
     char peer[96];
-    peer_of(fd, peer, sizeof peer);
+    loom_tcp_peer_name(fd, peer, sizeof peer);
     if (!accept_handshake(s, fd, peer)) return;
     for (;;) { /* an idle connection is closed: the service answers one at a time */
         struct pollfd p[2] = {{fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};

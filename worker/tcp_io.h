@@ -23,6 +23,8 @@ loom_status_t loom_tcp_write_full(int fd, const void *buf, size_t len, uint64_t 
                                   loom_err_t *err);
 loom_status_t loom_tcp_read_full(int fd, void *buf, size_t len, uint64_t deadline, const char *what,
                                  loom_err_t *err);
+/* "host:port" of the socket's peer (numeric), or "?". */
+void loom_tcp_peer_name(int fd, char *out, size_t cap);
 /* HMAC-SHA256 under secret of tag (with its NUL), nonces n1 then n2
  * (LOOM_TCP_NONCE_BYTES each) and each string (with its NUL): one side's
  * proof in the links' challenge (comm_tcp.c's header comment). */

@@ -307,6 +307,29 @@ def parse_ids(stderr):
     return None
 
 
+def check_concurrent_ids(procs, expect, timeout=300):
+    """Each `loom generate --ids` process of procs ({prompt: Popen}) ends
+    well, with expect[prompt]'s ids."""
+    for p, proc in procs.items():
+        _, err = proc.communicate(timeout=timeout)
+        check(proc.returncode == 0, "client for %r failed: %s" % (p, err[-400:]))
+        ids = parse_ids(err)
+        check(ids == expect[p], "concurrent %r: %s, loom run %s" % (p, ids, expect[p]))
+
+
+def with_env(name, value, fn):
+    """fn() with the environment variable name set to value, then as it was."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def generate(addr, prompt, max_tokens=48, temperature=0.0, extra=(), timeout=60):
     p = subprocess.run(loom_generate_cmd(addr, prompt, max_tokens, temperature, extra),
                        capture_output=True, text=True, timeout=scaled(timeout))

@@ -11,7 +11,6 @@ expert-parallel, dense MLPs and the head stay TP-sliced.
   (loom_kv_cache_capacity_blocks = 2 x the workers' pool) and every block back at the end.
 - Refused at start by name: a model other than DeepSeek, MTP speculation, the KV offload tiers, LoRA.
 """
-import json
 import os
 import re
 import subprocess
@@ -21,8 +20,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import (BIN, SANITIZED, STORIES, Cluster, check, free_port, run_local, run_tests,  # noqa: E402
-                     wait_for)
+from harness import (BIN, SANITIZED, STORIES, Cluster, check, check_concurrent_ids, free_port, run_local,  # noqa: E402
+                     run_tests, wait_for)
 import test_deepseek  # noqa: E402
 from test_deepseek import against_reference, v2lite, v3  # noqa: E402
 from test_grid import check_model  # noqa: E402
@@ -89,14 +88,7 @@ def test_dp_concurrent_small_pool():
             os.rename(stall + ".tmp", stall)
             wait_for(lambda: not os.path.exists(stall), 10, "the reactor to take the stall")
             procs = {p: c.generate_async(p, n_tok, extra=["--ignore-eos"]) for p in PROMPTS}
-            for p, proc in procs.items():
-                out, err = proc.communicate(timeout=300)
-                ids = None
-                for line in err.splitlines():
-                    if line.startswith("ids:"):
-                        ids = [int(x) for x in line[4:].split()]
-                check(proc.returncode == 0, "client for %r failed: %s" % (p, err[-400:]))
-                check(ids == expect[p], "concurrent %r: %s, loom run %s" % (p, ids, expect[p]))
+            check_concurrent_ids(procs, expect)
             text = metrics(port)
             adm = by_rank(text, "loom_dp_attention_admissions_total")
             held = by_rank(text, "loom_dp_attention_kv_blocks")

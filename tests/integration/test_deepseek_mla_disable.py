@@ -22,7 +22,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import BIN, STORIES, Cluster, check, free_port, run_local, run_tests  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, check_concurrent_ids, free_port, run_local, run_tests  # noqa: E402
 import test_deepseek  # noqa: E402
 from test_deepseek import ref_logits, v2lite, v3  # noqa: E402
 import test_models  # noqa: E402
@@ -90,14 +90,7 @@ def test_small_pool():
     with Cluster(v3(), 2, 1, coord_args=OFF + ["--http", "127.0.0.1:%d" % port, "--num-kv-blocks", "6",
                                                "--block-size", "16", "--max-num-batched-tokens", "8"]) as c:
         procs = {p: c.generate_async(p, n_tok, extra=["--ignore-eos"]) for p in prompts}
-        for p, proc in procs.items():
-            out, err = proc.communicate(timeout=300)
-            ids = None
-            for line in err.splitlines():
-                if line.startswith("ids:"):
-                    ids = [int(x) for x in line[4:].split()]
-            check(proc.returncode == 0, "client for %r failed: %s" % (p, err[-400:]))
-            check(ids == expect[p], "concurrent %r: %s, loom run %s" % (p, ids, expect[p]))
+        check_concurrent_ids(procs, expect)
         st = c.stats()
         print("  2x1 --disable-mla, %d concurrent requests over 6 blocks: %d preemptions, %d prefix hits"
               % (len(prompts), st.get("preemptions", 0), st.get("prefix_cache_hits", 0)), flush=True)

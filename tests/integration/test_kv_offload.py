@@ -69,7 +69,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, PYTHON, ROOT, STORIES, Cluster, Etcd, check, kill, run_tests, scaled, wait_for  # noqa: E402
+from harness import (BIN, PYTHON, ROOT, STORIES, Cluster, Etcd, check, kill, run_tests, scaled, wait_for,  # noqa: E402
+                     with_env)
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -722,18 +723,6 @@ def test_disaggregated():
             refused(fport, dict(bodies[2], kv_transfer_params=params[2]), 503, ["kv_load_failure_policy fail"])
     finally:
         shutil.rmtree(tier, ignore_errors=True)
-
-
-def with_env(name, value, fn):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def test_disaggregated_check_off_reactor():
