@@ -867,6 +867,17 @@ static void bind_rank(loom_sched_t *s, loom_seq_t *q) {
     s->dp_next = (best + 1) % n;
 }
 
+/* Takes back what pull_lookup added to mb for q since it held pulls0
+ * pulls and srcs0 sources; q's pull is to be tried again. */
+static void undo_pulls(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q, int pulls0, int srcs0) {
+    if (mb->n_pull_srcs > srcs0) {
+        s->stats.pulled_blocks -= (uint64_t)(mb->n_pulls - pulls0);
+        q->pull->tried = 0;
+    }
+    mb->n_pulls = pulls0;
+    mb->n_pull_srcs = srcs0;
+}
+
 static void undo_lookup(loom_sched_t *s, loom_microbatch_t *mb, loom_seq_t *q) {
     if (mb->n_copies > 0 && q->n_blocks > 0 && mb->copy_dst[mb->n_copies - 1] == q->blocks[q->n_blocks - 1])
         mb->n_copies--;
@@ -1135,12 +1146,7 @@ static loom_microbatch_t *mb_fill(loom_sched_t *s, loom_microbatch_t *mb) {
         int loads0 = mb->n_loads, pulls0 = mb->n_pulls, srcs0 = mb->n_pull_srcs;
         if (f == FORK_NONE && q->n_blocks == 0 && q->embed != LOOM_POOL_MEAN && !q->prompt_lp &&
             prefix_lookup(s, mb, q)) {
-            if (mb->n_pull_srcs > srcs0) {
-                s->stats.pulled_blocks -= (uint64_t)(mb->n_pulls - pulls0);
-                q->pull->tried = 0;
-            }
-            mb->n_pulls = pulls0;
-            mb->n_pull_srcs = srcs0;
+            undo_pulls(s, mb, q, pulls0, srcs0);
             undo_lookup(s, mb, q); /* its tier blocks are being checked: the ones behind it go first */
             lora_unpin(s, q);
             heap_remove(s, q);
@@ -1153,12 +1159,7 @@ static loom_microbatch_t *mb_fill(loom_sched_t *s, loom_microbatch_t *mb) {
         if (take <= 0) {
             s->stats.tier_hits -= (uint64_t)(mb->n_loads - loads0);
             mb->n_loads = loads0; /* its blocks go back below */
-            if (mb->n_pull_srcs > srcs0) {
-                s->stats.pulled_blocks -= (uint64_t)(mb->n_pulls - pulls0);
-                q->pull->tried = 0;
-            }
-            mb->n_pulls = pulls0;
-            mb->n_pull_srcs = srcs0;
+            undo_pulls(s, mb, q, pulls0, srcs0);
             undo_lookup(s, mb, q);
             lora_unpin(s, q);
             break; /* strict FCFS: the head waits for memory */
