@@ -189,7 +189,8 @@ void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int s
     const double plain = loom_spec_gate_plain_rate(g), spec = loom_spec_gate_spec_rate(g);
     if (g->state == LOOM_SPEC_GATE_S_ON) {
         /* dearer even with the tokens LOOM_SPEC_GATE_SPREAD standard deviations up */
-        if (plain > 0 && g->spec.n >= LOOM_SPEC_GATE_MIN_SPEC && ring_rate(&g->spec, LOOM_SPEC_GATE_SPREAD) > plain * (1 + g->margin))
+        if (plain > 0 && g->spec.n >= LOOM_SPEC_GATE_MIN_SPEC &&
+            ring_rate(&g->spec, LOOM_SPEC_GATE_SPREAD) > plain * (1 + g->margin))
             turn_off(g);
         else if (plain > 0 && g->spec.n >= 2 && ring_min_rate(&g->spec) > GATE_FAST_OFF * plain)
             turn_off(g); /* far dearer: no need for more samples */

@@ -43,10 +43,10 @@
  * it on a shared machine). The ON state turns off only when the rate with
  * drafts stays dearer even with LOOM_SPEC_GATE_SPREAD standard deviations
  * of the window's token count added to its tokens: a run of short
- * acceptances is not taken for drafts that do not pay (a draft that is
- * accepted evenly, or never, has no spread and decides at once). Invariant: the
- * gate never changes the output (a plain step and a speculative one
- * emit the same ids, docs/speculative.md). */
+ * acceptances is not taken for drafts that do not pay (drafts accepted
+ * always or never have no spread and decide at once). Invariant: the gate
+ * never changes the output (a plain step and a speculative one emit the
+ * same ids, docs/speculative.md). */
 #ifndef LOOM_SPEC_GATE_H
 #define LOOM_SPEC_GATE_H
 
