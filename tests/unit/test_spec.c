@@ -223,6 +223,8 @@ struct gate_model {
     int k, accepted;
     const int *emit; /* when set: the tokens speculative steps emit, in turn (`accepted` unused) */
     int emit_n;
+    int stall_every;  /* when set: every this many steps, one takes stall_s more (the OS descheduled it) */
+    double stall_s;
 };
 
 struct gate_run {
@@ -241,7 +243,8 @@ static void gate_simulate(loom_spec_gate_t *g, const struct gate_model *m, int s
         if (k && g->state == LOOM_SPEC_GATE_S_OFF && !loom_spec_gate_probing(g)) out->unprobed_spec_steps++;
         out->draft_forwards += k;
         const int emitted = !k ? 1 : m->emit ? m->emit[out->spec_steps % m->emit_n] : 1 + m->accepted;
-        const double sec = jitter * (m->target_s * (1.0 + m->verify_c * k) + k * m->draft_s);
+        double sec = jitter * (m->target_s * (1.0 + m->verify_c * k) + k * m->draft_s);
+        if (m->stall_every && i % m->stall_every == m->stall_every - 1) sec += m->stall_s;
         loom_spec_gate_observe(g, k, emitted, 1, sec);
         out->seconds += sec;
         out->tokens += emitted;
@@ -320,7 +323,7 @@ static void test_gate_recovers(void) {
  * token costs 1.25. The gate stays on and keeps what drafting gives. Then
  * the same at random, each draft accepted with p = 0.84 (3.7 tokens a step
  * for 3 plain steps' time): a run of short acceptances does not turn it
- * off for good. */
+ * off for good. And a step the OS descheduled does not either. */
 static void test_gate_varying_tokens(void) {
     static const int cycle[5] = {1, 2, 5, 5, 2};
     const struct gate_model m = {.target_s = 1e-3, .verify_c = 0.05, .draft_s = 0.325e-3, .k = 4,
@@ -355,6 +358,18 @@ static void test_gate_varying_tokens(void) {
     CHECKF(gate_speedup(&mr, &r) > 0.9 * fixed_r, "%.3fx plain, drafting every step %.3fx (turned off %lld times)",
            gate_speedup(&mr, &r), fixed_r, (long long)g.turned_off);
     CHECK(g.state == LOOM_SPEC_GATE_S_ON);
+
+    /* every step 3 tokens for 2.5 plain steps' time, and one step in 29
+     * descheduled for 10 more: that step is left out of its window (with
+     * it, 12 steps would cost 1.11 plain a token) */
+    const struct gate_model ms = {.target_s = 1e-3, .verify_c = 0.05, .draft_s = 0.325e-3, .k = 4, .accepted = 2,
+                                  .stall_every = 29, .stall_s = 10e-3};
+    loom_spec_gate_init(&g);
+    r = (struct gate_run){0};
+    gate_simulate(&g, &ms, 2000, &r);
+    CHECKF(g.turned_off == 0, "a descheduled step turned it off %lld times", (long long)g.turned_off);
+    CHECK(g.state == LOOM_SPEC_GATE_S_ON);
+    CHECK(loom_spec_gate_spec_rate(&g) < 0.9e-3);
 }
 
 /* The best case of the start-up estimate: (K+1) t_plain / (t_verify(K+1) +
