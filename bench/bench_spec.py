@@ -7,7 +7,8 @@ throughput of a 1x1 cluster at 32 concurrent streams with speculation on
 against off (`loom bench`, random prompts, rounds interleaved), for ngram and the int8 self-draft.
 
     /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4] [--grid-only] [--draft-only]
-    /usr/bin/python3 bench/bench_spec.py --gate-only   (random against repetitive prompts, the wall-time gate)
+    /usr/bin/python3 bench/bench_spec.py --gate-only [--fixed-k] [--methods "int8 self-draft"] [--model DIR]
+        (random against repetitive prompts, the wall-time gate; --fixed-k: drafting every step in the same rounds)
 
 The verify-cost side (K+1 tokens against one, on a model beyond the L3) is
 build/bin/bench_spec; docs/speculative.md has the figures.
