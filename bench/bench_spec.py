@@ -7,7 +7,8 @@ throughput of a 1x1 cluster at 32 concurrent streams with speculation on
 against off (`loom bench`, random prompts, rounds interleaved), for ngram and the int8 self-draft.
 
     /usr/bin/python3 bench/bench_spec.py [--model DIR] [--tokens 256] [--rounds 3] [--k 4] [--grid-only] [--draft-only]
-    /usr/bin/python3 bench/bench_spec.py --gate-only   (random against repetitive prompts, the wall-time gate)
+    /usr/bin/python3 bench/bench_spec.py --gate-only [--fixed-k] [--methods "int8 self-draft"] [--model DIR]
+        (random against repetitive prompts, the wall-time gate; --fixed-k: drafting every step in the same rounds)
 
 The verify-cost side (K+1 tokens against one, on a model beyond the L3) is
 build/bin/bench_spec; docs/speculative.md has the figures.
@@ -140,39 +141,56 @@ def load_average():
         return float(f.read().split()[0])
 
 
-def bench_gate(model, tokens, rounds, k):
+def bench_gate(model, tokens, rounds, k, fixed_k=False, methods=None, extra=()):
     """The wall-time gate (common/spec_gate.h): speed with speculation on
     (adaptive K, the start-up estimate and the gate) against off, per prompt
     kind, rounds interleaved; the ratio is the median's, the range each
     round's (off then on, one after the other), with the load average; the
     same ratio of decode tokens a CPU second (`cpu`), which the waits of a
-    loaded machine do not move."""
+    loaded machine do not move. With fixed_k, each round also runs
+    `--speculative-fixed-k` (drafting every step, no gate): its wall and CPU
+    ratios against off, and its tokens per target step."""
     print("loom run, batch 1, greedy, %d tokens, K=%d adaptive with the wall-time gate, %d interleaved rounds, %s"
           % (tokens, k, rounds, os.path.basename(model.rstrip("/"))))
-    print("%-16s %-11s %10s %10s %8s %13s %8s %8s %8s %-9s %s" % (
-        "method", "prompt", "off tok/s", "on tok/s", "on/off", "rounds", "cpu", "tok/step", "accept%", "gate", "load"))
-    for name, spec in (("ngram", NGRAM), ("int8 self-draft", SELF_INT8)):
+    print("%-16s %-11s %10s %10s %8s %13s %8s %8s %8s %-9s %-9s %s" % (
+        "method", "prompt", "off tok/s", "on tok/s", "on/off", "rounds", "cpu", "tok/step", "accept%", "gate", "load",
+        "fixed-K: wall cpu tok/step" if fixed_k else ""))
+    runs = [("ngram", NGRAM), ("int8 self-draft", SELF_INT8),
+            ("q4 self-draft", ["--speculative-method", "draft", "--speculative-quantization", "q4"])]
+    for name, spec in runs:
+        if name not in (methods or ["ngram", "int8 self-draft"]):
+            continue
+        spec = spec + ["--num-speculative-tokens", str(k)] + list(extra)
         for kind, prompt in GATE_PROMPTS.items():
             off, on, steps, accs, gates, loads, cpu_off, cpu_on = [], [], [], [], [], [], [], []
+            fixed, cpu_fixed, steps_fixed = [], [], []
             for _ in range(rounds):
                 loads.append(load_average())
-                r, _, _, c, _ = loom_run(model, prompt, tokens, [], want_gate=True)
+                r, _, _, c, _ = loom_run(model, prompt, tokens, list(extra), want_gate=True)
                 off.append(r)
                 cpu_off.append(c)
-                r, t, acc, c, gate = loom_run(model, prompt, tokens, spec + ["--num-speculative-tokens", str(k)],
-                                              want_gate=True)
+                r, t, acc, c, gate = loom_run(model, prompt, tokens, spec, want_gate=True)
                 on.append(r)
                 cpu_on.append(c)
                 steps.append(t)
                 accs.append(acc)
                 gates.append(gate)
+                if fixed_k:
+                    r, t, _, c, _ = loom_run(model, prompt, tokens, spec + ["--speculative-fixed-k"], want_gate=True)
+                    fixed.append(r)
+                    cpu_fixed.append(c)
+                    steps_fixed.append(t)
+            loads.append(load_average())
             ratios = [n / o for n, o in zip(on, off)]
-            print("%-16s %-11s %10.1f %10.1f %7.2fx %13s %7.3fx %8.2f %8.1f %-9s %.1f-%.1f" % (
+            print("%-16s %-11s %10.1f %10.1f %7.2fx %13s %7.3fx %8.2f %8.1f %-9s %.1f-%.1f %s" % (
                 name, kind, statistics.median(off), statistics.median(on),
                 statistics.median(on) / statistics.median(off),
                 "%.2f-%.2fx" % (min(ratios), max(ratios)), statistics.median(cpu_on) / statistics.median(cpu_off),
                 statistics.median(steps),
-                statistics.median(accs), max(set(gates), key=gates.count), min(loads), max(loads)))
+                statistics.median(accs), max(set(gates), key=gates.count), min(loads), max(loads),
+                "%.2fx %.3fx %.2f" % (statistics.median(fixed) / statistics.median(off),
+                                      statistics.median(cpu_fixed) / statistics.median(cpu_off),
+                                      statistics.median(steps_fixed)) if fixed_k else ""), flush=True)
 
 
 def main():
@@ -185,9 +203,15 @@ def main():
     ap.add_argument("--grid-only", action="store_true", help="only the cluster parts (controls, draft, 32 streams)")
     ap.add_argument("--draft-only", action="store_true", help="only the cluster parts with the coordinator's draft")
     ap.add_argument("--gate-only", action="store_true", help="only loom run on random and repetitive prompts")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="--gate-only: also --speculative-fixed-k in each round; grid: the coordinator drafts fixed K")
+    ap.add_argument("--methods", default="ngram,int8 self-draft",
+                    help="--gate-only: which of ngram, int8 self-draft, q4 self-draft (comma-separated)")
+    ap.add_argument("--threads", type=int, default=1, help="--gate-only: loom run's --threads")
     a = ap.parse_args()
     if a.gate_only:
-        bench_gate(a.model, a.tokens, a.rounds, a.k)
+        bench_gate(a.model, a.tokens, a.rounds, a.k, a.fixed_k, a.methods.split(","),
+                   ["--threads", str(a.threads)] if a.threads != 1 else [])
         return
     methods = {"ngram": NGRAM, "int8 self-draft": SELF_INT8,
                "q4 self-draft": ["--speculative-method", "draft", "--speculative-quantization", "q4"]}
@@ -196,7 +220,8 @@ def main():
     if not a.draft_only:
         controls = [["--frequency-penalty", "0.3"], ["--presence-penalty", "-0.5"], ["--repetition-penalty", "0.9"]]
         bench_grid(a.model, a.tokens, a.rounds, a.k, NGRAM, controls, "requests with sampling controls")
-    bench_grid(a.model, a.tokens, a.rounds, a.k, SELF_INT8, [[]], "the draft in the coordinator")
+    bench_grid(a.model, a.tokens, a.rounds, a.k, SELF_INT8 + (["--speculative-fixed-k"] if a.fixed_k else []), [[]],
+               "the draft in the coordinator")
     if not a.skip_load:
         for spec in ([SELF_INT8] if a.draft_only else [NGRAM, SELF_INT8]):
             bench_load(a.model, a.rounds, a.k, spec)

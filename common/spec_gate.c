@@ -2,29 +2,34 @@
  * that drafts pay for themselves. */
 #include "common/spec_gate.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "common/util.h"
 
 #define GATE_FAST_OFF 2.0 /* tokens this many times dearer turn drafts off after two steps */
 
+#define GATE_OUTLIER 2.0 /* a step this many times the window's median time was descheduled */
+
 void loom_spec_gate_init(loom_spec_gate_t *g) {
     *g = (loom_spec_gate_t){.state = LOOM_SPEC_GATE_S_WARMUP, .margin = 0.02,
-                            .probe_every = LOOM_SPEC_GATE_FIRST_PROBE};
+                            .probe_every = LOOM_SPEC_GATE_FIRST_PROBE,
+                            .plain = {.cap = LOOM_SPEC_GATE_PLAIN_WINDOW},
+                            .spec = {.cap = LOOM_SPEC_GATE_SPEC_WINDOW}};
 }
 
-static void ring_push(loom_spec_gate_ring_t *r, double v) {
-    r->v[r->next] = v;
-    r->next = (r->next + 1) % LOOM_SPEC_GATE_WINDOW;
-    if (r->n < LOOM_SPEC_GATE_WINDOW) r->n++;
+static void ring_push(loom_spec_gate_ring_t *r, double sec, double tok) {
+    r->sec[r->next] = sec;
+    r->tok[r->next] = tok;
+    r->next = (r->next + 1) % r->cap;
+    if (r->n < r->cap) r->n++;
 }
 
-/* The ring's values are v[0..n) while it fills, then all of v: either way
+/* The ring's steps are [0, n) while it fills, then all of it: either way
  * the first n. */
-static double ring_median(const loom_spec_gate_ring_t *r) {
-    if (r->n == 0) return 0.0;
+static double ring_median_sec(const loom_spec_gate_ring_t *r) {
     double v[LOOM_SPEC_GATE_WINDOW];
-    memcpy(v, r->v, (size_t)r->n * sizeof *v);
+    memcpy(v, r->sec, (size_t)r->n * sizeof *v);
     for (int i = 1; i < r->n; i++) /* insertion sort: a handful of values */
         for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
             double t = v[j];
@@ -34,19 +39,39 @@ static double ring_median(const loom_spec_gate_ring_t *r) {
     return r->n % 2 ? v[r->n / 2] : 0.5 * (v[r->n / 2 - 1] + v[r->n / 2]);
 }
 
-static double ring_min(const loom_spec_gate_ring_t *r) {
-    double m = r->n ? r->v[0] : 0.0;
-    for (int i = 1; i < r->n; i++)
-        if (r->v[i] < m) m = r->v[i];
+/* Seconds per token over the ring's steps, those over GATE_OUTLIER times
+ * the median time left out, with `spread` standard deviations of the kept
+ * steps' token count added to their tokens (0: the plain estimate). */
+static double ring_rate(const loom_spec_gate_ring_t *r, double spread) {
+    if (r->n == 0) return 0.0;
+    const double cut = GATE_OUTLIER * ring_median_sec(r);
+    double sec = 0, tok = 0, tok2 = 0;
+    int n = 0;
+    for (int i = 0; i < r->n; i++) {
+        if (r->sec[i] > cut) continue;
+        sec += r->sec[i];
+        tok += r->tok[i];
+        tok2 += r->tok[i] * r->tok[i];
+        n++;
+    }
+    /* the variance of the sum of n token counts: n times theirs */
+    const double var = n > 1 ? tok2 - tok * tok / n : 0.0;
+    return sec / (tok + (var > 0 ? spread * sqrt(var) : 0.0));
+}
+
+static double ring_min_rate(const loom_spec_gate_ring_t *r) {
+    double m = 0.0;
+    for (int i = 0; i < r->n; i++)
+        if (i == 0 || r->sec[i] / r->tok[i] < m) m = r->sec[i] / r->tok[i];
     return m;
 }
 
 double loom_spec_gate_plain_rate(const loom_spec_gate_t *g) {
-    return ring_median(&g->plain);
+    return ring_rate(&g->plain, 0.0);
 }
 
 double loom_spec_gate_spec_rate(const loom_spec_gate_t *g) {
-    return ring_median(&g->spec);
+    return ring_rate(&g->spec, 0.0);
 }
 
 const char *loom_spec_gate_state_name(loom_spec_gate_state_t s) {
@@ -153,19 +178,21 @@ static void turn_off(loom_spec_gate_t *g) {
 
 void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds) {
     if (emitted <= 0 || seqs <= 0 || !(seconds > 0)) return;
-    const double per_token = seconds * seqs / emitted;
+    const double tokens = (double)emitted / seqs; /* of one sequence */
     if (drafted <= 0) {
-        ring_push(&g->plain, per_token);
+        ring_push(&g->plain, seconds, tokens);
     } else if (g->skip_next) {
         g->skip_next = 0;
     } else {
-        ring_push(&g->spec, per_token);
+        ring_push(&g->spec, seconds, tokens);
     }
     const double plain = loom_spec_gate_plain_rate(g), spec = loom_spec_gate_spec_rate(g);
     if (g->state == LOOM_SPEC_GATE_S_ON) {
-        if (plain > 0 && g->spec.n >= LOOM_SPEC_GATE_MIN_SPEC && spec > plain * (1 + g->margin))
+        /* dearer even with the tokens LOOM_SPEC_GATE_SPREAD standard deviations up */
+        if (plain > 0 && g->spec.n >= LOOM_SPEC_GATE_MIN_SPEC &&
+            ring_rate(&g->spec, LOOM_SPEC_GATE_SPREAD) > plain * (1 + g->margin))
             turn_off(g);
-        else if (plain > 0 && g->spec.n >= 2 && ring_min(&g->spec) > GATE_FAST_OFF * plain)
+        else if (plain > 0 && g->spec.n >= 2 && ring_min_rate(&g->spec) > GATE_FAST_OFF * plain)
             turn_off(g); /* far dearer: no need for more samples */
     } else if (g->state == LOOM_SPEC_GATE_S_OFF && g->allowed && g->probe_left == 0) {
         /* the probe's last step: keep speculating only if it paid */

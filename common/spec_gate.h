@@ -36,10 +36,17 @@
  * the latest tokens (loom_spec_gate_probing says when a step is a probe):
  * a draft model then attends within that window only, which may lower its
  * acceptance but bounds what a probe costs.
- * The rates are medians of the last 5 steps of each kind, so a step the
- * OS descheduled (a shared machine) does not move them. Invariant: the
- * gate never changes the output (a plain step and a speculative one
- * emit the same ids, docs/speculative.md). */
+ * Each rate is seconds over tokens of the recent steps of its kind (5
+ * plain, 12 speculative: a speculative step emits 1 to K+1 tokens for
+ * about the same time, so its rate needs more of them), leaving out a step
+ * that took more than twice the window's median time (the OS descheduled
+ * it on a shared machine). The ON state turns off only when the rate with
+ * drafts stays dearer even with LOOM_SPEC_GATE_SPREAD standard deviations
+ * of the window's token count added to its tokens: a run of short
+ * acceptances is not taken for drafts that do not pay (drafts accepted
+ * always or never have no spread and decide at once). Invariant: the gate
+ * never changes the output (a plain step and a speculative one emit the
+ * same ids, docs/speculative.md). */
 #ifndef LOOM_SPEC_GATE_H
 #define LOOM_SPEC_GATE_H
 
@@ -60,12 +67,22 @@
 
 typedef enum { LOOM_SPEC_GATE_S_WARMUP, LOOM_SPEC_GATE_S_ON, LOOM_SPEC_GATE_S_OFF } loom_spec_gate_state_t;
 
-/* The last LOOM_SPEC_GATE_WINDOW per-token times of one kind of step: few,
- * so the plain rate follows the context growing (attention) while drafts run. */
-#define LOOM_SPEC_GATE_WINDOW 5
+/* The last steps of one kind: seconds and tokens of one sequence. Plain
+ * steps keep LOOM_SPEC_GATE_PLAIN_WINDOW, few, so the plain rate follows
+ * the context growing (attention) while drafts run; speculative ones
+ * LOOM_SPEC_GATE_SPEC_WINDOW, enough that their varying tokens average out
+ * (at 84 % acceptance and K = 4 a step emits 3.7 ± 1.5). */
+#define LOOM_SPEC_GATE_PLAIN_WINDOW 5
+#define LOOM_SPEC_GATE_SPEC_WINDOW 12
+#define LOOM_SPEC_GATE_WINDOW LOOM_SPEC_GATE_SPEC_WINDOW /* a ring's room */
+/* Standard deviations of a window's token count that turning off allows
+ * for: with drafts accepted at 84 % (a step of 4 drafts emits 3.7 ± 1.5),
+ * 12 steps that pay by 20 % on average read as dearer in about one check in
+ * 20 at 0, one in 200 at 1, one in 5,000 at 2 (a normal approximation). */
+#define LOOM_SPEC_GATE_SPREAD 2.0
 typedef struct loom_spec_gate_ring {
-    double v[LOOM_SPEC_GATE_WINDOW];
-    int n, next;
+    double sec[LOOM_SPEC_GATE_WINDOW], tok[LOOM_SPEC_GATE_WINDOW];
+    int cap, n, next;
 } loom_spec_gate_ring_t;
 
 typedef struct loom_spec_gate {
@@ -93,8 +110,6 @@ int loom_spec_gate_step(loom_spec_gate_t *g);
  * (seconds / (emitted / seqs)): a step's latency per token, so steps of
  * several sequences compare with the same measure. */
 void loom_spec_gate_observe(loom_spec_gate_t *g, int drafted, int emitted, int seqs, double seconds);
-/* Seconds per token of a sequence in plain and in speculative steps: the
- * median of the recent ones (0: none seen). */
 /* The start-up estimate, due when loom_spec_gate_wants_estimate says so
  * (WARMUP's plain steps done, no estimate yet). t_plain: a plain step's
  * target forward; t_verify: one of k+1 tokens (0: not timed, taken as
@@ -115,6 +130,9 @@ int loom_spec_gate_wants_estimate(const loom_spec_gate_t *g);
 /* The step the last loom_spec_gate_step allowed is a probe of an OFF gate
  * (its drafter catches up with a recent window only). */
 int loom_spec_gate_probing(const loom_spec_gate_t *g);
+/* Seconds per token of a sequence in plain and in speculative steps: the
+ * recent steps' seconds over their tokens, a descheduled step left out (0:
+ * none seen). */
 double loom_spec_gate_plain_rate(const loom_spec_gate_t *g);
 double loom_spec_gate_spec_rate(const loom_spec_gate_t *g);
 const char *loom_spec_gate_state_name(loom_spec_gate_state_t s);
