@@ -108,7 +108,11 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                          : opt->mtp                                 ? "the MTP module (%s)"
                          : opt->max_loras > 0                       ? "LoRA adapters (%s)"
                          : (cfg->qk_nope_head_dim + cfg->qk_rope_head_dim) % 2 ? "an odd qk head dim (%s)"
-                                                                               : NULL;
+                         /* CUDA's kernels for V rows of their own width stop at 256 (docs/cuda.md) */
+                         : loom_backend_kind(be) == LOOM_DEVICE_CUDA &&
+                                 (cfg->qk_nope_head_dim + cfg->qk_rope_head_dim > 256 || cfg->v_head_dim > 256)
+                             ? "K or V heads wider than 256 on %s"
+                             : NULL;
         if (no) {
             char what[128];
             snprintf(what, sizeof what, no, loom_backend_name(be));

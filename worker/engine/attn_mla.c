@@ -327,6 +327,10 @@ int loom_blk_attn_mla_prefill_rows(const loom_model_t *m, const loom_model_optio
         !loom_backend_kv_v_dim(m->be) || !loom_backend_kv_gather_supported(m->be) ||
         (c->qk_nope_head_dim + c->qk_rope_head_dim) % 2 || opt->mla_prefill_rows < 0)
         return 0;
+    /* CUDA's kernels for V rows of their own width stop at 256 (docs/cuda.md): wider heads stay absorbed */
+    if (loom_backend_kind(m->be) == LOOM_DEVICE_CUDA &&
+        (c->qk_nope_head_dim + c->qk_rope_head_dim > 256 || c->v_head_dim > 256))
+        return 0;
     if (opt->mla_prefill_rows > 0) return opt->mla_prefill_rows;
     const char *e = getenv("LOOM_MLA_PREFILL_ROWS");
     const int rows = e && *e ? atoi(e) : LOOM_MLA_PREFILL_ROWS_DEFAULT;
