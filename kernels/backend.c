@@ -443,7 +443,20 @@ int loom_backend_attn_softcap_supported(const loom_backend_t *be) { return (be->
 int loom_backend_attn_sinks_supported(const loom_backend_t *be) {
     return (be->ops->caps & LOOM_CAP_ATTN_SINKS) != 0;
 }
-int loom_backend_attn_lse_supported(const loom_backend_t *be) { return loom_backend_kind(be) == LOOM_DEVICE_CPU; }
+int loom_backend_attn_lse_supported(const loom_backend_t *be) {
+    return be->ops->attn_lse && be->ops->attn_merge != NULL;
+}
+void loom_op_attn_merge(loom_backend_t *be, float *out, float *lse_run, const float *o, const float *lse, int n,
+                        int nh, int vd) {
+    LOOM_ASSERT(be->ops->attn_merge && n >= 0 && nh > 0 && vd > 0);
+    if (n > 0) be->ops->attn_merge(be, out, lse_run, o, lse, n, nh, vd);
+}
+void loom_op_kv_gather(loom_backend_t *be, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn, int nkv,
+                       int hd, float *rows) {
+    LOOM_ASSERT(be->ops->kv_gather && p0 >= 0 && cn >= 0 && nkv > 0 && hd > 0);
+    if (cn > 0) be->ops->kv_gather(be, kv, bt, p0, cn, nkv, hd, rows);
+}
+int loom_backend_kv_gather_supported(const loom_backend_t *be) { return be->ops->kv_gather != NULL; }
 void loom_op_softcap(loom_backend_t *be, float *x, int64_t n, float cap) {
     LOOM_ASSERT(cap > 0 && be->ops->softcap);
     if (n > 0) be->ops->softcap(be, x, n, cap);

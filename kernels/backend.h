@@ -328,7 +328,7 @@ static inline int64_t loom_kv_scale_row(const loom_kv_layer_t *kv, int64_t slot,
 }
 /* Whether the backend's kv_write and attention follow block_stride (CPU). */
 int loom_backend_kv_block_strided(const loom_backend_t *be);
-/* Whether the backend's kv_write and attention honour loom_kv_layer_t.v_dim (CPU). */
+/* Whether the backend's kv_write and attention honour loom_kv_layer_t.v_dim (CPU, CUDA). */
 int loom_backend_kv_v_dim(const loom_backend_t *be);
 
 /* Bytes one token of one KV head takes in K (or in V), its scale included. */
@@ -395,8 +395,9 @@ typedef struct loom_attn_args {
     /* The log-sum-exp of each softmax, (n, n_heads) device: max + log(sum)
      * of token i's scaled scores for head h at lse[i * n_heads + h], so that
      * outputs over disjoint ranges of keys merge (decompressed MLA prefill
-     * over context chunks, attn_mla.c). NULL: none. CPU only
-     * (loom_backend_attn_lse_supported); not with sinks. */
+     * over context chunks, attn_mla.c). NULL: none. Backends without it
+     * (loom_backend_attn_lse_supported) must not be given one; not with
+     * sinks. */
     float *lse;
 } loom_attn_args_t;
 void loom_op_attention(loom_backend_t *be, const loom_attn_args_t *a);
@@ -409,8 +410,25 @@ int loom_backend_attn_softcap_supported(const loom_backend_t *be);
 /* Whether the backend's attention honours loom_attn_args_t.sinks (both
  * built-in backends do). */
 int loom_backend_attn_sinks_supported(const loom_backend_t *be);
-/* Whether the backend's attention writes loom_attn_args_t.lse (CPU). */
+/* Whether the backend's attention writes loom_attn_args_t.lse and has
+ * loom_op_attn_merge, which merges such outputs (CPU, CUDA). */
 int loom_backend_attn_lse_supported(const loom_backend_t *be);
+/* Merges attention outputs over two disjoint ranges of keys by their
+ * log-sum-exp: for each of n tokens and nh heads (rows of nh * vd floats,
+ * lse rows of nh), with a = lse_run and b = lse, m = max(a, b),
+ * wa = exp(a - m), wb = exp(b - m):
+ *   out = (out wa + o wb) / (wa + wb),   lse_run = m + log(wa + wb).
+ * Device memory; n may be 0. */
+void loom_op_attn_merge(loom_backend_t *be, float *out, float *lse_run, const float *o, const float *lse, int n,
+                        int nh, int vd);
+/* rows(cn, nkv * hd) = the K rows of positions [p0, p0 + cn) of one
+ * sequence (bt: its block-table row, device) as float32: widened, int8
+ * codes times their scales, fp8 values times K's per-tensor scale. Every
+ * block of the range must be in bt. Optional (CPU, CUDA):
+ * loom_backend_kv_gather_supported. */
+void loom_op_kv_gather(loom_backend_t *be, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn, int nkv,
+                       int hd, float *rows);
+int loom_backend_kv_gather_supported(const loom_backend_t *be);
 /* x(n) = cap * tanh(x / cap), element-wise (Gemma 2's final logit
  * soft-capping on the LM head's output); cap > 0. An optional slot:
  * loom_backend_softcap_supported says whether the backend has it. */

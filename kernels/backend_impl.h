@@ -46,9 +46,15 @@ typedef struct loom_backend_ops {
     int (*kv_supported)(const loom_backend_t *be, loom_dtype_t dtype); /* optional: F32 only */
     int kv_block_strided; /* kv_write and attention follow loom_kv_layer_t.block_stride */
     int kv_v_dim;         /* kv_write and attention honour loom_kv_layer_t.v_dim */
+    int attn_lse;         /* attention writes loom_attn_args_t.lse */
     void (*kv_write)(loom_backend_t *be, const loom_kv_layer_t *kv, const float *k, const float *v,
                      int stride, const int32_t *slots, int n, int nkv, int hd);
     void (*attention)(loom_backend_t *be, const loom_attn_args_t *a);
+    /* optional (backend.h): the decompressed MLA prefill's cache reads and merges */
+    void (*kv_gather)(loom_backend_t *be, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn, int nkv,
+                      int hd, float *rows);
+    void (*attn_merge)(loom_backend_t *be, float *out, float *lse_run, const float *o, const float *lse, int n,
+                       int nh, int vd);
     void (*sample_shard)(loom_backend_t *be, const float *logits, int n_rows, int vocab_shard,
                          int id_offset, int vocab_size, const loom_sampling_t *params,
                          const uint64_t *steps, const int *k, loom_sample_part_t *parts);

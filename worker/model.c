@@ -108,7 +108,11 @@ loom_status_t loom_model_load(loom_backend_t *be, const loom_model_config_t *cfg
                          : opt->mtp                                 ? "the MTP module (%s)"
                          : opt->max_loras > 0                       ? "LoRA adapters (%s)"
                          : (cfg->qk_nope_head_dim + cfg->qk_rope_head_dim) % 2 ? "an odd qk head dim (%s)"
-                                                                               : NULL;
+                         /* CUDA's kernels for V rows of their own width stop at 256 (docs/cuda.md) */
+                         : loom_backend_kind(be) == LOOM_DEVICE_CUDA &&
+                                 (cfg->qk_nope_head_dim + cfg->qk_rope_head_dim > 256 || cfg->v_head_dim > 256)
+                             ? "K or V heads wider than 256 on %s"
+                             : NULL;
         if (no) {
             char what[128];
             snprintf(what, sizeof what, no, loom_backend_name(be));
@@ -421,6 +425,7 @@ void loom_model_destroy(loom_model_t **m_p) {
     loom_backend_free(be, m->inv_freq);
     loom_backend_free(be, m->mla_sel);
     loom_backend_free(be, m->mla_dec);
+    free(m->mla_dec_pos);
     loom_backend_free(be, m->inv_freq_local);
     loom_backend_free(be, m->kv_mem);
     loom_model_lora_free(m);
@@ -596,7 +601,9 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     int graph = loom_backend_has_graphs(be) && decode && n < (1 << 20) && !lora && !m->opt.mtp && !dp_on &&
                 !(m->spec.tp_size > 1 && m->opt.allreduce && !m->opt.allreduce_in_graphs) &&
                 /* loom_blk_moe routes on the host between ops, except decode steps on the device */
-                (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n);
+                (m->expert_end == 0 || decode_bucket(n) <= m->moe_device_n) &&
+                /* runs of one row attending decompressed upload their positions between ops */
+                m->opt.mla_prefill_rows != 1;
     int N = n; /* tokens after padding */
     if (m->scratch_block >= 0 && decode && !dp_on && (nl == 0 || nl == n) && (graph || m->opt.decode_buckets > 0)) {
         N = decode_bucket(n);
@@ -669,7 +676,7 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
     const int32_t *d_tok = m->meta_dev;
     loom_step_ops_t so = {.n = N, .nl = nlp, .max_blocks = mb, .max_ctx = max_pos + 1, .d_tok = d_tok,
                      .d_pos = d_tok + N, .d_slots = d_tok + 2 * N, .d_seq = d_tok + 3 * N,
-                     .d_rows = d_tok + 4 * N, .d_bt = d_tok + 4 * N + nlp};
+                     .d_rows = d_tok + 4 * N, .d_bt = d_tok + 4 * N + nlp, .h_pos = h_pos, .h_seq = h_seq};
     if (lora) {
         m->lora_step.d_row_slot = so.d_bt + nbt_packed;
         so.adapters = &m->lora_step;
@@ -680,8 +687,10 @@ loom_status_t loom_model_forward(loom_model_t *m, const loom_step_batch_t *b, lo
         const int k = dp.n;
         so.d_dp_rows = d;
         so.d_dp_at = d + k;
+        const int32_t *hdp = h + dp_at;
         sub = (loom_step_ops_t){.n = k, .max_blocks = mb, .max_ctx = dp.max_pos + 1, .d_pos = d + k + n,
-                                .d_slots = d + 2 * k + n, .d_seq = d + 3 * k + n, .d_bt = d + 4 * k + n, .local = 1};
+                                .d_slots = d + 2 * k + n, .d_seq = d + 3 * k + n, .d_bt = d + 4 * k + n,
+                                .h_pos = hdp + k + n, .h_seq = hdp + 3 * k + n, .local = 1};
         so.dp = &sub;
     }
     if (!graph) return run_ops(m, &so, err);
@@ -724,6 +733,7 @@ void loom_model_head_rows(loom_model_t *m, const int32_t *rows, int n_rows) {
 }
 
 int loom_model_max_logits(const loom_model_t *m) { return m->opt.max_logits; }
+int loom_model_mla_prefill_rows(const loom_model_t *m) { return m->opt.mla_prefill_rows; }
 
 void loom_model_download_logits(loom_model_t *m, float *dst, int n_rows) {
     loom_backend_download(m->be, dst, m->logits, (size_t)n_rows * m->dims.vocab * sizeof(float));

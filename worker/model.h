@@ -212,6 +212,10 @@ void loom_model_head_rows(loom_model_t *m, const int32_t *rows, int n_rows);
 int loom_model_max_logits(const loom_model_t *m);
 /* Rows the last forward added to reach its bucket (0 when not padded). */
 int loom_model_last_pad(const loom_model_t *m);
+/* opt.mla_prefill_rows as the model resolved it for its backend: runs of
+ * that many rows or more attend decompressed over the latent cache; 0 when
+ * prefill stays absorbed (also for models without MLA). */
+int loom_model_mla_prefill_rows(const loom_model_t *m);
 /* LoRA adapters (docs/lora.md). An adapter read for this shard's layers
  * (loom_lora_load) is prepared on the host, off the compute thread if the
  * caller likes -- cut into this shard's TP layout (column-parallel q, k,

@@ -843,6 +843,47 @@ static void cpu_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     loom_parallel_for(c->pool, a->n * (a->n_heads / hpt), attn_task, &ac);
 }
 
+/* Two attention outputs over disjoint keys, merged by their log-sum-exp (backend.h). */
+static void cpu_attn_merge(loom_backend_t *be, float *out, float *lse_run, const float *o, const float *lse, int n,
+                           int nh, int vd) {
+    (void)be;
+    for (int64_t r = 0; r < (int64_t)n * nh; r++) {
+        const float la = lse_run[r], lb = lse[r], mx = LOOM_MAX(la, lb);
+        const float wa = expf(la - mx), wb = expf(lb - mx), inv = 1.0f / (wa + wb);
+        float *oa = out + r * vd;
+        const float *ob = o + r * vd;
+        for (int k = 0; k < vd; k++) oa[k] = (oa[k] * wa + ob[k] * wb) * inv;
+        lse_run[r] = mx + logf(wa + wb);
+    }
+}
+
+/* K rows of positions [p0, p0 + cn) as float32 (backend.h). */
+static void cpu_kv_gather(loom_backend_t *be, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn, int nkv,
+                          int hd, float *rows) {
+    (void)be;
+    const int B = kv->block_size;
+    const int64_t w = (int64_t)nkv * hd;
+    LOOM_ASSERT(B > 0 && cpu_kv_supported(be, kv->dtype) && (kv->dtype != LOOM_DT_I8 || kv->k_scale));
+    for (int p = p0; p < p0 + cn; p++) {
+        LOOM_ASSERT(bt[p / B] >= 0);
+        const int64_t slot = (int64_t)bt[p / B] * B + p % B, e = loom_kv_row(kv, slot, w);
+        float *dst = rows + (int64_t)(p - p0) * w;
+        if (kv->dtype == LOOM_DT_F32) {
+            memcpy(dst, (const float *)kv->k + e, (size_t)w * sizeof(float));
+        } else if (kv->dtype == LOOM_DT_BF16) {
+            const uint16_t *src = (const uint16_t *)kv->k + e;
+            for (int64_t j = 0; j < w; j++) {
+                const uint32_t u = (uint32_t)src[j] << 16;
+                memcpy(&dst[j], &u, sizeof u);
+            }
+        } else {
+            const int8_t *src = (const int8_t *)kv->k + e;
+            const float *sc = kv->k_scale + loom_kv_scale_row(kv, slot, nkv);
+            for (int64_t j = 0; j < w; j++) dst[j] = (float)src[j] * sc[j / hd];
+        }
+    }
+}
+
 /* --- sampling ---------------------------------------------------------- */
 
 struct sample_ctx {
@@ -1010,8 +1051,11 @@ static const loom_backend_ops_t cpu_ops = {
     .kv_supported = cpu_kv_supported,
     .kv_block_strided = 1,
     .kv_v_dim = 1,
+    .attn_lse = 1,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
+    .attn_merge = cpu_attn_merge,
+    .kv_gather = cpu_kv_gather,
     .sample_shard = cpu_sample_shard,
 };
 

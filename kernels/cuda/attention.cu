@@ -82,8 +82,10 @@ struct Params {
     float *out;
     const int32_t *tok_seq, *tok_pos, *bt;
     int n, nh, nkv, hd, group, q_stride, out_stride, B, max_blocks, tq, n_split;
+    int vd;      /* V's head dim: hd, or decompressed MLA's narrower values (kv.v_dim) */
     float scale;
-    float *part; /* (n, nh, n_split, hd) accumulators, then (n, nh, n_split, 2) {max, sum} */
+    float *part; /* (n, nh, n_split, vd) accumulators, then (n, nh, n_split, 2) {max, sum} */
+    float *lse;  /* (n, nh) max + log(sum) of each softmax, or NULL */
     int window;          /* > 0: sliding window */
     float softcap;       /* > 0: logit soft cap */
     const float *sinks;  /* (nh) or NULL */
@@ -189,12 +191,22 @@ __device__ __forceinline__ int64_t slot_offset(const Params &p, int slot, int kv
     return (int64_t)slot * ((int64_t)p.nkv * p.hd) + (int64_t)kvh * p.hd;
 }
 
+/* The same for V, whose rows are nkv heads of vd. */
+__device__ __forceinline__ int64_t vslot_offset(const Params &p, int slot, int kvh) {
+    return (int64_t)slot * ((int64_t)p.nkv * p.vd) + (int64_t)kvh * p.vd;
+}
+
+/* The log-sum-exp of a finished softmax state (no sinks: the API refuses both). */
+__device__ __forceinline__ void put_lse(const Params &p, int token, int head, float m, float l) {
+    if (p.lse) p.lse[(int64_t)token * p.nh + head] = m + logf(l);
+}
+
 __device__ __forceinline__ size_t part_index(const Params &p, int token, int head, int s) {
     return ((size_t)token * p.nh + head) * p.n_split + s;
 }
 
 __device__ __forceinline__ float *part_ml(const Params &p) {
-    return p.part + (size_t)p.n * p.nh * p.n_split * p.hd;
+    return p.part + (size_t)p.n * p.nh * p.n_split * p.vd;
 }
 
 /* --- one-row units ---------------------------------------------------------------------- */
@@ -207,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
     const int i = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     if (!unit_starts(p, i) || unit_continues(p, i)) return; /* a tile unit, or inside one */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int hd = p.hd, G = p.group;
+    const int hd = p.hd, vd = p.vd, G = p.group;
     const int pos = p.tok_pos[i];
     int k0, k1;
     split_range(p, loom_om_window_lo(pos, p.window), pos + 1, split, &k0, &k1);
@@ -222,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
     }
     const int32_t *bt = p.bt + (int64_t)p.tok_seq[i] * p.max_blocks;
 
-    /* shared: q (G, hd) pre-scaled | per-warp max, sum (kWarps, GC) | per-warp acc (kWarps, GC, hd) */
+    /* shared: q (G, hd) pre-scaled | per-warp max, sum (kWarps, GC) | per-warp acc (kWarps, GC, vd) */
     float *qs = sm;
     float *wm = qs + ((G * hd + 3) & ~3);
     float *wl = wm + kWarps * GC;
@@ -310,12 +322,12 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                 const float vs = row_scale<KT>(p.vsc, slotj, p.nkv, kvh);
 #pragma unroll
                 for (int h = 0; h < GC; h++) pj[h] *= vs;
-                const KT *vr = static_cast<const KT *>(p.vc) + slot_offset(p, slotj, kvh);
+                const KT *vr = static_cast<const KT *>(p.vc) + vslot_offset(p, slotj, kvh);
                 if (VEC) {
 #pragma unroll
                     for (int c = 0; c < HV; c++) {
                         const int d4 = lane + 32 * c;
-                        if (d4 < hd / 4) {
+                        if (d4 < vd / 4) {
                             const float4 v = ld4(vr, d4);
 #pragma unroll
                             for (int h = 0; h < GC; h++) {
@@ -330,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
 #pragma unroll
                     for (int c = 0; c < HV; c++) {
                         const int d = lane + 32 * c;
-                        if (d < hd) {
+                        if (d < vd) {
                             const float v = ld1(vr, d);
 #pragma unroll
                             for (int h = 0; h < GC; h++) acc[h][c] = fmaf(pj[h], v, acc[h][c]);
@@ -347,24 +359,24 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                 wm[warp * GC + h] = m[h];
                 wl[warp * GC + h] = l[h];
             }
-            float *wa = wacc + ((size_t)warp * GC + h) * hd;
+            float *wa = wacc + ((size_t)warp * GC + h) * vd;
 #pragma unroll
             for (int c = 0; c < HV; c++) {
                 if (VEC) {
                     const int d4 = lane + 32 * c;
-                    if (d4 < hd / 4)
+                    if (d4 < vd / 4)
                         reinterpret_cast<float4 *>(wa)[d4] =
                             make_float4(acc[h][4 * c], acc[h][4 * c + 1], acc[h][4 * c + 2], acc[h][4 * c + 3]);
                 } else {
                     const int d = lane + 32 * c;
-                    if (d < hd) wa[d] = acc[h][c];
+                    if (d < vd) wa[d] = acc[h][c];
                 }
             }
         }
         __syncthreads();
         float *ml = part_ml(p);
-        for (int e = threadIdx.x; e < gc * hd; e += blockDim.x) {
-            const int h = e / hd, d = e % hd;
+        for (int e = threadIdx.x; e < gc * vd; e += blockDim.x) {
+            const int h = e / vd, d = e % vd;
             float M = -INFINITY;
             for (int w = 0; w < kWarps; w++) M = fmaxf(M, wm[w * GC + h]);
             float L = 0.0f, o = 0.0f;
@@ -374,14 +386,15 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
                     if (mw == -INFINITY) continue; /* that warp saw no key */
                     const float f = expf(mw - M);
                     L += wl[w * GC + h] * f;
-                    o += wacc[((size_t)w * GC + h) * hd + d] * f;
+                    o += wacc[((size_t)w * GC + h) * vd + d] * f;
                 }
             const int head = kvh * G + g0 + h;
             if (p.n_split == 1) {
-                p.out[(int64_t)i * p.out_stride + (int64_t)head * hd + d] = finish(p, head, M, L, o);
+                p.out[(int64_t)i * p.out_stride + (int64_t)head * vd + d] = finish(p, head, M, L, o);
+                if (d == 0) put_lse(p, i, head, M, L);
             } else {
                 const size_t pi = part_index(p, i, head, split);
-                p.part[pi * hd + d] = o;
+                p.part[pi * vd + d] = o;
                 if (d == 0) {
                     ml[2 * pi] = M;
                     ml[2 * pi + 1] = L;
@@ -395,7 +408,9 @@ __global__ void __launch_bounds__(kThreads, 2) attn_decode_kernel(Params p) {
 /* --- tiles of rows ---------------------------------------------------------------------------- */
 
 /* Shared memory of the tile kernel, in floats; ld = hd + 4 keeps WMMA
- * pointers 32-byte aligned (hd % 16 == 0) and shifts rows across banks. */
+ * pointers 32-byte aligned (hd % 16 == 0) and shifts rows across banks.
+ * hd here is the wider of K's and V's head dims: Q and K rows use the
+ * first hd_k floats of a row, V and O rows the first vd. */
 __host__ __device__ constexpr int tile_ld(int hd) {
     return hd + 4;
 }
@@ -423,7 +438,7 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     const int i = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     if (!unit_starts(p, i) || !unit_continues(p, i)) return; /* one-row units go to the decode kernel */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int hd = p.hd, G = p.group, ld = tile_ld(hd);
+    const int hd = p.hd, vd = p.vd, G = p.group, ld = tile_ld(max(hd, vd));
     float *Qs = sm;
     float *Os = Qs + kTileRows * ld;
     float *Ks = Os + kTileRows * ld;
@@ -469,7 +484,7 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
     const int32_t *bt = p.bt + (int64_t)seq * p.max_blocks;
 
     /* Q rows (token r / G, head r % G), pre-scaled; rows >= QR are zero. O = 0. */
-    const int hd4 = hd / 4;
+    const int hd4 = hd / 4, vd4 = vd / 4;
     for (int e = threadIdx.x; e < kTileRows * hd4; e += blockDim.x) {
         const int r = e / hd4, d4 = e % hd4;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -480,8 +495,9 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
             v.x *= qs, v.y *= qs, v.z *= qs, v.w *= qs;
         }
         reinterpret_cast<float4 *>(Qs + r * ld)[d4] = v;
-        reinterpret_cast<float4 *>(Os + r * ld)[d4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+    for (int e = threadIdx.x; e < kTileRows * vd4; e += blockDim.x)
+        reinterpret_cast<float4 *>(Os + (e / vd4) * ld)[e % vd4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (threadIdx.x < kTileRows) {
         const int r = threadIdx.x;
         rpos[r] = r < QR ? rposu[r / G] : -1;
@@ -489,7 +505,7 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
         rmax[r] = -INFINITY;
         rsum[r] = 0.0f;
     }
-    const int row_tiles = (QR + 15) / 16, col_tiles = hd / 16;
+    const int row_tiles = (QR + 15) / 16, col_tiles = vd / 16;
 
     for (int kb = k0; kb < k1; kb += kKeys) {
         if (threadIdx.x < kKeys) {
@@ -497,20 +513,46 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
             kslot[threadIdx.x] = key < k1 ? key_slot(p, bt, key) : -1;
         }
         __syncthreads(); /* kslot ready; the previous step's readers of Ks/Vs/Ss are done */
-        for (int e = threadIdx.x; e < kKeys * hd4; e += blockDim.x) {
-            const int j = e / hd4, d4 = e % hd4;
-            const int slot = kslot[j];
-            float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
-            if (slot >= 0) {
-                const int64_t off = slot_offset(p, slot, kvh);
-                kv = ld4(static_cast<const KT *>(p.kc) + off, d4);
-                vv = ld4(static_cast<const KT *>(p.vc) + off, d4);
-                const float ks = row_scale<KT>(p.ksc, slot, p.nkv, kvh), vs = row_scale<KT>(p.vsc, slot, p.nkv, kvh);
-                kv.x *= ks, kv.y *= ks, kv.z *= ks, kv.w *= ks;
-                vv.x *= vs, vv.y *= vs, vv.z *= vs, vv.w *= vs;
+        if (vd == hd) { /* K and V rows of one width: one pass, both loads in flight */
+            for (int e = threadIdx.x; e < kKeys * hd4; e += blockDim.x) {
+                const int j = e / hd4, d4 = e % hd4;
+                const int slot = kslot[j];
+                float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+                if (slot >= 0) {
+                    const int64_t off = slot_offset(p, slot, kvh);
+                    kv = ld4(static_cast<const KT *>(p.kc) + off, d4);
+                    vv = ld4(static_cast<const KT *>(p.vc) + off, d4);
+                    const float ks = row_scale<KT>(p.ksc, slot, p.nkv, kvh);
+                    const float vs = row_scale<KT>(p.vsc, slot, p.nkv, kvh);
+                    kv.x *= ks, kv.y *= ks, kv.z *= ks, kv.w *= ks;
+                    vv.x *= vs, vv.y *= vs, vv.z *= vs, vv.w *= vs;
+                }
+                reinterpret_cast<float4 *>(Ks + j * ld)[d4] = kv;
+                reinterpret_cast<float4 *>(Vs + j * ld)[d4] = vv;
             }
-            reinterpret_cast<float4 *>(Ks + j * ld)[d4] = kv;
-            reinterpret_cast<float4 *>(Vs + j * ld)[d4] = vv;
+        } else { /* V rows of vd (decompressed MLA) */
+            for (int e = threadIdx.x; e < kKeys * hd4; e += blockDim.x) {
+                const int j = e / hd4, d4 = e % hd4;
+                const int slot = kslot[j];
+                float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (slot >= 0) {
+                    kv = ld4(static_cast<const KT *>(p.kc) + slot_offset(p, slot, kvh), d4);
+                    const float ks = row_scale<KT>(p.ksc, slot, p.nkv, kvh);
+                    kv.x *= ks, kv.y *= ks, kv.z *= ks, kv.w *= ks;
+                }
+                reinterpret_cast<float4 *>(Ks + j * ld)[d4] = kv;
+            }
+            for (int e = threadIdx.x; e < kKeys * vd4; e += blockDim.x) {
+                const int j = e / vd4, d4 = e % vd4;
+                const int slot = kslot[j];
+                float4 vv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (slot >= 0) {
+                    vv = ld4(static_cast<const KT *>(p.vc) + vslot_offset(p, slot, kvh), d4);
+                    const float vs = row_scale<KT>(p.vsc, slot, p.nkv, kvh);
+                    vv.x *= vs, vv.y *= vs, vv.z *= vs, vv.w *= vs;
+                }
+                reinterpret_cast<float4 *>(Vs + j * ld)[d4] = vv;
+            }
         }
         __syncthreads();
         /* S = Q K^T: warp w computes the 16x16 tile (w / 2, w % 2) */
@@ -547,7 +589,7 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
                 rsum[r] = rsum[r] * alpha + sum;
             }
             if (alpha != 1.0f)
-                for (int d = lane; d < hd; d += 32) Os[r * ld + d] *= alpha;
+                for (int d = lane; d < vd; d += 32) Os[r * ld + d] *= alpha;
         }
         __syncthreads();
         /* O += P V: tiles (row tile, col tile) dealt round-robin to the warps */
@@ -570,15 +612,16 @@ __global__ void __launch_bounds__(kThreads) attn_tile_kernel(Params p) {
         /* the barrier at the top of the next step orders these stores */
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < QR * hd; e += blockDim.x) {
-        const int r = e / hd, d = e % hd;
+    for (int e = threadIdx.x; e < QR * vd; e += blockDim.x) {
+        const int r = e / vd, d = e % vd;
         const int token = i + r / G, head = kvh * G + r % G;
         if (p.n_split == 1) {
-            p.out[(int64_t)token * p.out_stride + (int64_t)head * hd + d] =
+            p.out[(int64_t)token * p.out_stride + (int64_t)head * vd + d] =
                 finish(p, head, rmax[r], rsum[r], Os[r * ld + d]);
+            if (d == 0) put_lse(p, token, head, rmax[r], rsum[r]);
         } else {
             const size_t pi = part_index(p, token, head, split);
-            p.part[pi * hd + d] = Os[r * ld + d];
+            p.part[pi * vd + d] = Os[r * ld + d];
             if (d == 0) {
                 ml[2 * pi] = rmax[r];
                 ml[2 * pi + 1] = rsum[r];
@@ -789,6 +832,7 @@ __global__ void __launch_bounds__(kThreads) attn_wide_kernel(Params p) {
             if (d >= hd) continue;
             if (p.n_split == 1) {
                 p.out[(int64_t)token * p.out_stride + (int64_t)head * hd + d] = finish(p, head, rmax[r], rsum[r], acc[r][c]);
+                if (d == 0) put_lse(p, token, head, rmax[r], rsum[r]);
             } else {
                 const size_t pi = part_index(p, token, head, split);
                 p.part[pi * hd + d] = acc[r][c];
@@ -814,19 +858,57 @@ __global__ void attn_combine_kernel(Params p) {
         const float ms = ml[2 * (p0 + s)];
         if (ms != -INFINITY) L += ml[2 * (p0 + s) + 1] * expf(ms - M);
     }
+    if (threadIdx.x == 0) put_lse(p, i, head, M, L); /* before a sink's fold (the two never meet) */
     /* the accumulators are weighed against the splits' max Ms; the sink's
      * fold moves M and returns the factor from Ms to it */
     const float Ms = M;
     const float f = p.sinks ? loom_om_sink_fold(&M, &L, p.sinks[head]) : 1.0f;
     const float inv = L > 0.0f ? f / L * p.vts : 0.0f;
-    for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
+    for (int d = threadIdx.x; d < p.vd; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < p.n_split; s++) {
             const float ms = ml[2 * (p0 + s)];
-            if (ms != -INFINITY) o += p.part[(p0 + s) * p.hd + d] * expf(ms - Ms);
+            if (ms != -INFINITY) o += p.part[(p0 + s) * p.vd + d] * expf(ms - Ms);
         }
-        p.out[(int64_t)i * p.out_stride + (int64_t)head * p.hd + d] = o * inv;
+        p.out[(int64_t)i * p.out_stride + (int64_t)head * p.vd + d] = o * inv;
     }
+}
+
+/* --- the decompressed MLA prefill's helpers (attn_mla.c) ------------------------------------------------- */
+
+/* One block per (token, head) row: out and lse_run merged with o and lse by their log-sum-exp. */
+__global__ void attn_merge_kernel(float *out, float *lse_run, const float *o, const float *lse, int vd) {
+    const int64_t r = blockIdx.x;
+    const float la = lse_run[r], lb = lse[r], mx = fmaxf(la, lb);
+    const float wa = expf(la - mx), wb = expf(lb - mx), inv = 1.0f / (wa + wb);
+    for (int k = threadIdx.x; k < vd; k += blockDim.x)
+        out[r * vd + k] = (out[r * vd + k] * wa + o[r * vd + k] * wb) * inv;
+    __syncthreads(); /* every thread has read lse_run[r] */
+    if (threadIdx.x == 0) lse_run[r] = mx + logf(wa + wb);
+}
+
+/* One block per position: its K row (nkv heads of hd) widened to f32, scaled. */
+template <typename KT>
+__global__ void kv_gather_kernel(const KT *kc, const float *ksc, float ts, const int32_t *bt, int B, int p0, int nkv,
+                                 int hd, float *rows) {
+    const int p = p0 + blockIdx.x, blk = bt[p / B];
+    const int64_t w = (int64_t)nkv * hd;
+    float *dst = rows + (int64_t)blockIdx.x * w;
+    if (blk < 0) { /* never for valid calls: zeros rather than a read out of bounds */
+        for (int64_t j = threadIdx.x; j < w; j += blockDim.x) dst[j] = 0.0f;
+        return;
+    }
+    const int slot = blk * B + p % B;
+    const KT *src = kc + (int64_t)slot * w;
+    for (int64_t j = threadIdx.x; j < w; j += blockDim.x)
+        dst[j] = ld1(src, (int)j) * row_scale<KT>(ksc, slot, nkv, (int)(j / hd)) * ts;
+}
+
+template <typename KT>
+cudaError_t launch_kv_gather(const void *k, const float *ksc, float ts, const int32_t *bt, int B, int p0, int cn,
+                             int nkv, int hd, float *rows, cudaStream_t s) {
+    kv_gather_kernel<KT><<<(unsigned)cn, 256, 0, s>>>(static_cast<const KT *>(k), ksc, ts, bt, B, p0, nkv, hd, rows);
+    return cudaGetLastError();
 }
 
 /* --- host side -------------------------------------------------------------------------------------- */
@@ -839,14 +921,20 @@ int group_chunk(int group) {
     return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
 }
 
+/* V's head dim: v_dim where it is set, else K's. */
+int v_dim_of(const loom_cuda_attn_t *a) {
+    return a->v_dim > 0 ? a->v_dim : a->head_dim;
+}
+
 bool use_vec(const loom_cuda_attn_t *a) {
-    return a->head_dim % 4 == 0 && a->q_stride % 4 == 0 && a->out_stride % 4 == 0 && aligned16(a->q) &&
-           aligned16(a->out) && aligned16(a->k_cache) && aligned16(a->v_cache);
+    return a->head_dim % 4 == 0 && v_dim_of(a) % 4 == 0 && a->q_stride % 4 == 0 && a->out_stride % 4 == 0 &&
+           aligned16(a->q) && aligned16(a->out) && aligned16(a->k_cache) && aligned16(a->v_cache);
 }
 
 size_t decode_smem(const loom_cuda_attn_t *a) {
     const int G = a->n_heads / a->n_kv_heads, GC = group_chunk(G), hd = a->head_dim;
-    return (((size_t)G * hd + 3) / 4 * 4 + 2 * (size_t)kWarps * GC + (size_t)kWarps * GC * hd) * sizeof(float);
+    return (((size_t)G * hd + 3) / 4 * 4 + 2 * (size_t)kWarps * GC + (size_t)kWarps * GC * v_dim_of(a)) *
+           sizeof(float);
 }
 
 template <typename KT, int GC, bool VEC>
@@ -947,9 +1035,9 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
                                                           size_t part_cap) {
     loom_cuda_attn_plan_t pl = {1, 1, 0, 0, 0, 0};
     static_assert(sizeof(pl) == 2 * sizeof(int) + 4 * sizeof(size_t), "plan layout");
-    const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+    const int G = a->n_heads / a->n_kv_heads, hd = a->head_dim, vd = v_dim_of(a);
     const int64_t waves = a->split_waves > 0 ? a->split_waves : 2;
-    const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)hd + 2);
+    const size_t per_split = (size_t)a->n * a->n_heads * ((size_t)vd + 2);
     if (hd > kMaxHd) { /* the wide kernel: units of tq tokens, a tile per chunk of heads */
         pl.tq = loom_om_wide_tq(G);
         pl.smem = wide_smem_floats(hd, same_kv(a)) * sizeof(float);
@@ -963,16 +1051,16 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
         return pl;
     }
     pl.smem = decode_smem(a);
-    const size_t tile_bytes = tile_smem_floats(hd) * sizeof(float);
+    const size_t tile_bytes = tile_smem_floats(hd > vd ? hd : vd) * sizeof(float);
     /* Tiles only pay off for chunks of tokens; below tile_min_n (9) every one goes alone. */
     const int tile_min_n = a->tile_min_n > 0 ? a->tile_min_n : 9;
-    if (use_vec(a) && hd % 16 == 0 && hd <= kMaxHd && G <= kTileRows / 2 && a->n >= tile_min_n &&
-        tile_bytes <= max_smem) {
+    if (use_vec(a) && hd % 16 == 0 && vd % 16 == 0 && hd <= kMaxHd && vd <= kMaxHd && G <= kTileRows / 2 &&
+        a->n >= tile_min_n && tile_bytes <= max_smem) {
         pl.tq = kTileRows / G;
         pl.smem_tile = tile_bytes;
-        /* the FA2-style kernel for the same units where it applies (flash.h) */
+        /* the FA2-style kernel for the same units where it applies (flash.h): V rows as wide as K's */
         if (a->prefill_variant == LOOM_FA_VARIANT_FA2 && a->kv_kind == LOOM_CUDA_BF16 && loom_fa_head_dim_ok(hd) &&
-            loom_fa_smem_bytes(hd) <= max_smem) {
+            vd == hd && loom_fa_smem_bytes(hd) <= max_smem) {
             pl.fa2 = 1;
             pl.smem_tile = loom_fa_smem_bytes(hd);
         }
@@ -991,7 +1079,9 @@ extern "C" loom_cuda_attn_plan_t loom_cuda_attention_plan(const loom_cuda_attn_t
 extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom_cuda_attn_plan_t *plan, float *part,
                                            cudaStream_t s) {
     if (a->n <= 0) return cudaSuccess;
-    const int G = a->n_heads / a->n_kv_heads;
+    const int G = a->n_heads / a->n_kv_heads, vd = v_dim_of(a);
+    /* V rows narrower (or wider) than K's: the one-row and tile kernels, up to kMaxHd */
+    if (vd != a->head_dim && (a->head_dim > kMaxHd || vd > kMaxHd)) return cudaErrorInvalidValue;
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->head_dim <= 0 || a->head_dim > LOOM_OM_WIDE_MAX_HD ||
         a->block_size <= 0 || plan->n_split < 1 || plan->n_split > kMaxSplit || (plan->n_split > 1 && !part) ||
         a->n_kv_heads > 65535)
@@ -1002,6 +1092,7 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     p.n = a->n, p.nh = a->n_heads, p.nkv = a->n_kv_heads, p.hd = a->head_dim, p.group = G;
     p.q_stride = a->q_stride, p.out_stride = a->out_stride, p.B = a->block_size, p.max_blocks = a->max_blocks;
     p.tq = plan->tq, p.n_split = plan->n_split, p.scale = a->scale, p.part = part;
+    p.vd = vd, p.lse = a->lse;
     p.window = a->window, p.softcap = a->softcap, p.sinks = a->sinks;
     p.ksc = a->k_scale, p.vsc = a->v_scale;
     p.hc = loom_om_wide_heads(G), p.n_chunks = loom_om_wide_chunks(G), p.same_kv = same_kv(a);
@@ -1010,13 +1101,41 @@ extern "C" cudaError_t loom_cuda_attention(const loom_cuda_attn_t *a, const loom
     p.vts = fp8 ? loom_om_fp8_scale(a->fp8_scale[1]) : 1.0f;
     if (a->head_dim > kMaxHd && (plan->tq != loom_om_wide_tq(G) || a->n_kv_heads * p.n_chunks > 65535))
         return cudaErrorInvalidValue;
-    if (a->window < 0 || a->softcap < 0.0f || (a->kv_kind == LOOM_CUDA_I8 && (!p.ksc || !p.vsc)))
+    if (a->window < 0 || a->softcap < 0.0f || (a->kv_kind == LOOM_CUDA_I8 && (!p.ksc || !p.vsc)) ||
+        (a->lse && a->sinks))
         return cudaErrorInvalidValue;
     switch (a->kv_kind) {
     case LOOM_CUDA_F32: return launch_all<float>(p, a, plan, use_vec(a), s);
     case LOOM_CUDA_BF16: return launch_all<__nv_bfloat16>(p, a, plan, use_vec(a), s);
     case LOOM_CUDA_FP8: return launch_all<__nv_fp8_e4m3>(p, a, plan, use_vec(a), s);
     case LOOM_CUDA_I8: return launch_all<int8_t>(p, a, plan, use_vec(a), s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+extern "C" cudaError_t loom_cuda_attn_merge(float *out, float *lse_run, const float *o, const float *lse, int n, int nh,
+                                            int vd, cudaStream_t s) {
+    if (n <= 0) return cudaSuccess;
+    if (nh <= 0 || vd <= 0) return cudaErrorInvalidValue;
+    attn_merge_kernel<<<(unsigned)((int64_t)n * nh), 128, 0, s>>>(out, lse_run, o, lse, vd);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t loom_cuda_kv_gather(const void *k_cache, int kv_kind, const float *k_scale, float fp8_scale,
+                                           const int32_t *bt, int block_size, int p0, int cn, int nkv, int hd,
+                                           float *rows, cudaStream_t s) {
+    if (cn <= 0) return cudaSuccess;
+    if (block_size <= 0 || p0 < 0 || nkv <= 0 || hd <= 0 || (kv_kind == LOOM_CUDA_I8 && !k_scale))
+        return cudaErrorInvalidValue;
+    switch (kv_kind) {
+    case LOOM_CUDA_F32: return launch_kv_gather<float>(k_cache, NULL, 1.0f, bt, block_size, p0, cn, nkv, hd, rows, s);
+    case LOOM_CUDA_BF16:
+        return launch_kv_gather<__nv_bfloat16>(k_cache, NULL, 1.0f, bt, block_size, p0, cn, nkv, hd, rows, s);
+    case LOOM_CUDA_FP8:
+        return launch_kv_gather<__nv_fp8_e4m3>(k_cache, NULL, loom_om_fp8_scale(fp8_scale), bt, block_size, p0, cn,
+                                               nkv, hd, rows, s);
+    case LOOM_CUDA_I8:
+        return launch_kv_gather<int8_t>(k_cache, k_scale, 1.0f, bt, block_size, p0, cn, nkv, hd, rows, s);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -1094,8 +1094,7 @@ static void cuda_kv_write(loom_backend_t *be, const loom_kv_layer_t *kv, const f
     use(c);
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_kv_write(kv->k, kv->v, cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, kv->fp8_scale, k,
-                                   v, stride,
-                                   slots, n, nkv, hd, c->fp8_clamped, c->stream));
+                                   v, stride, slots, n, nkv, hd, kv->v_dim, c->fp8_clamped, c->stream));
 }
 
 static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const float *v, int stride, int n, int nh,
@@ -1106,8 +1105,7 @@ static void cuda_rope_kv_write(loom_backend_t *be, float *q, float *k, const flo
     shadow_clear(c);
     CUDA_ASSERT(loom_cuda_rope_kv_write(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, kv->k, kv->v,
                                         cuda_kv_kind(kv->dtype), kv->k_scale, kv->v_scale, kv->fp8_scale, slots,
-                                        c->fp8_clamped,
-                                        c->stream));
+                                        kv->v_dim, c->fp8_clamped, c->stream));
 }
 
 /* --- attention ------------------------------------------------------------------------------- */
@@ -1133,6 +1131,7 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
         .fp8_scale = {a->kv.fp8_scale[0], a->kv.fp8_scale[1]},
         .split_waves = c->attn_split_waves, .tile_min_n = c->attn_tile_min_n,
         .prefill_variant = c->cc >= 80 ? c->attn_prefill_variant : LOOM_FA_VARIANT_TILE, /* cp.async, bf16 mma */
+        .v_dim = a->kv.v_dim, .lse = a->lse,
     };
     /* The grid depends on n and the head counts only (never on max_ctx), so
      * a recorded graph stays valid as contexts grow. */
@@ -1140,6 +1139,24 @@ static void cuda_attention(loom_backend_t *be, const loom_attn_args_t *a) {
     LOOM_ASSERT(pl.smem <= c->smem_optin && pl.smem_tile <= c->smem_optin);
     float *part = pl.part_floats ? reserve(c, &c->attn_part, pl.part_floats * sizeof(float)) : NULL;
     CUDA_ASSERT(loom_cuda_attention(&ca, &pl, part, c->stream));
+}
+
+static void cuda_attn_merge(loom_backend_t *be, float *out, float *lse_run, const float *o, const float *lse, int n,
+                            int nh, int vd) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    CUDA_ASSERT(loom_cuda_attn_merge(out, lse_run, o, lse, n, nh, vd, c->stream));
+}
+
+static void cuda_kv_gather(loom_backend_t *be, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn, int nkv,
+                           int hd, float *rows) {
+    cuda_backend_t *c = cu(be);
+    use(c);
+    shadow_clear(c);
+    LOOM_ASSERT(!kv->block_stride && kv->block_size > 0);
+    CUDA_ASSERT(loom_cuda_kv_gather(kv->k, cuda_kv_kind(kv->dtype), kv->k_scale, kv->fp8_scale[0], bt,
+                                    kv->block_size, p0, cn, nkv, hd, rows, c->stream));
 }
 
 /* --- sampling ------------------------------------------------------------------------------- */
@@ -1391,8 +1408,12 @@ static const loom_backend_ops_t cuda_ops = {
     .moe_route_ds_fits = cuda_moe_route_ds_fits,
     .rope = cuda_rope,
     .kv_supported = cuda_kv_supported,
+    .kv_v_dim = 1,
+    .attn_lse = 1,
     .kv_write = cuda_kv_write,
     .attention = cuda_attention,
+    .attn_merge = cuda_attn_merge,
+    .kv_gather = cuda_kv_gather,
     .sample_shard = cuda_sample_shard,
     .add_rmsnorm = cuda_add_rmsnorm,
     .rope_kv_write = cuda_rope_kv_write,

@@ -324,22 +324,24 @@ struct KvDst {
     float *ks, *vs;
     float k_inv, v_inv; /* fp8: 1 / the per-tensor scales */
     unsigned long long *clamped;
+    int vd;             /* V's head dim (decompressed MLA: narrower than K's); 0: K's */
 };
 
 template <typename T, bool VEC>
 __device__ __forceinline__ void write_kv(const KvDst &d, int64_t slot, const float *k, const float *v, int nkv,
                                          int hd) {
     T *kc = static_cast<T *>(d.k), *vc = static_cast<T *>(d.v);
-    const int64_t kv_dim = (int64_t)nkv * hd;
+    const int vd = d.vd > 0 ? d.vd : hd;
+    const int64_t kv_dim = (int64_t)nkv * hd, v_dim = (int64_t)nkv * vd;
     if constexpr (std::is_same<T, int8_t>::value) {
         write_i8(kc + slot * kv_dim, d.ks + slot * nkv, k, nkv, hd);
-        write_i8(vc + slot * kv_dim, d.vs + slot * nkv, v, nkv, hd);
+        write_i8(vc + slot * v_dim, d.vs + slot * nkv, v, nkv, vd);
     } else if constexpr (std::is_same<T, __nv_fp8_e4m3>::value) {
         write_fp8(kc + slot * kv_dim, k, (int)kv_dim, d.k_inv, d.clamped);
-        if (vc != kc || v != k) write_fp8(vc + slot * kv_dim, v, (int)kv_dim, d.v_inv, d.clamped);
+        if (vc != kc || v != k) write_fp8(vc + slot * v_dim, v, (int)v_dim, d.v_inv, d.clamped);
     } else {
         write_row<VEC>(kc + slot * kv_dim, k, (int)kv_dim);
-        write_row<VEC>(vc + slot * kv_dim, v, (int)kv_dim);
+        write_row<VEC>(vc + slot * v_dim, v, (int)v_dim);
     }
 }
 
@@ -477,15 +479,15 @@ extern "C" cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, 
 
 extern "C" cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, float *k_scale,
                                           float *v_scale, const float *fp8_scale, const float *k, const float *v,
-                                          int stride, const int32_t *slots, int n, int nkv, int hd,
+                                          int stride, const int32_t *slots, int n, int nkv, int hd, int v_dim,
                                           unsigned long long *clamped, cudaStream_t s) {
-    const int kv_dim = nkv * hd;
+    const int kv_dim = nkv * hd, vd = v_dim > 0 ? v_dim : hd;
     if (n <= 0 || kv_dim <= 0) return cudaSuccess;
     if (kv_kind == LOOM_CUDA_I8 && (!k_scale || !v_scale)) return cudaErrorInvalidValue;
-    const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
-                     aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
+    const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && (nkv * vd) % 4 == 0 && stride % 4 == 0 &&
+                     aligned16(k) && aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
     const KvDst d = {k_cache, v_cache, k_scale, v_scale, 1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[0] : 0.0f),
-                     1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[1] : 0.0f), clamped};
+                     1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[1] : 0.0f), clamped, vd};
     switch (kv_kind) {
     case LOOM_CUDA_F32: return launch_kv_write<float>(d, k, v, stride, slots, n, nkv, hd, vec, s);
     case LOOM_CUDA_BF16: return launch_kv_write<__nv_bfloat16>(d, k, v, stride, slots, n, nkv, hd, false, s);
@@ -499,14 +501,14 @@ extern "C" cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *
                                                int nkv, int hd, const int32_t *pos, const float *inv_freq,
                                                void *k_cache, void *v_cache, int kv_kind, float *k_scale,
                                                float *v_scale, const float *fp8_scale, const int32_t *slots,
-                                               unsigned long long *clamped, cudaStream_t s) {
+                                               int v_dim, unsigned long long *clamped, cudaStream_t s) {
     if (n <= 0 || hd < 2) return cudaSuccess;
     if (kv_kind == LOOM_CUDA_I8 && (!k_scale || !v_scale)) return cudaErrorInvalidValue;
-    const int kv_dim = nkv * hd;
-    const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && stride % 4 == 0 && aligned16(k) &&
-                     aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
+    const int kv_dim = nkv * hd, vd = v_dim > 0 ? v_dim : hd;
+    const bool vec = kv_kind == LOOM_CUDA_F32 && kv_dim % 4 == 0 && (nkv * vd) % 4 == 0 && stride % 4 == 0 &&
+                     aligned16(k) && aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
     const KvDst d = {k_cache, v_cache, k_scale, v_scale, 1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[0] : 0.0f),
-                     1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[1] : 0.0f), clamped};
+                     1.0f / loom_om_fp8_scale(fp8_scale ? fp8_scale[1] : 0.0f), clamped, vd};
     switch (kv_kind) {
     case LOOM_CUDA_F32:
         return launch_rope_kv_write<float>(q, k, v, stride, n, nh, nkv, hd, pos, inv_freq, d, slots, vec, s);

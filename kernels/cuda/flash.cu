@@ -55,6 +55,7 @@ struct FParams {
     float scale, softcap;
     const float *sinks; /* (nh) or NULL */
     float *part;        /* as attention.cu's: (n, nh, n_split, hd) accumulators, then {max, sum} */
+    float *lse;         /* (n, nh) max + log(sum) of each softmax, or NULL */
 };
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -274,6 +275,7 @@ __global__ void __launch_bounds__(kThreads) flash_prefill_kernel(FParams p) {
             for (int d = 0; d < DT; d++)
                 *reinterpret_cast<float2 *>(orow + 8 * d + loom_fa_c_col(lane, 2 * h)) =
                     make_float2(o[d][2 * h] * f, o[d][2 * h + 1] * f);
+            if (p.lse && lane % 4 == 0) p.lse[(int64_t)token * p.nh + head] = m[h] + logf(l[h]);
         } else {
             const size_t pi = ((size_t)token * p.nh + head) * p.n_split + split;
             float *prow = p.part + pi * HD;
@@ -303,7 +305,7 @@ extern "C" cudaError_t loom_cuda_flash_prefill(const loom_cuda_attn_t *a, const 
                                                float *part, cudaStream_t s) {
     const int hd = a->head_dim;
     if (a->kv_kind != LOOM_CUDA_BF16 || !loom_fa_head_dim_ok(hd) || plan->tq * (a->n_heads / a->n_kv_heads) >
-        LOOM_FA_ROWS || plan->tq < 2)
+        LOOM_FA_ROWS || plan->tq < 2 || (a->v_dim > 0 && a->v_dim != hd) || (a->lse && a->sinks))
         return cudaErrorInvalidValue;
     FParams p;
     p.q = a->q, p.kc = static_cast<const __nv_bfloat16 *>(a->k_cache);
@@ -312,7 +314,7 @@ extern "C" cudaError_t loom_cuda_flash_prefill(const loom_cuda_attn_t *a, const 
     p.n = a->n, p.nh = a->n_heads, p.nkv = a->n_kv_heads, p.group = a->n_heads / a->n_kv_heads;
     p.q_stride = a->q_stride, p.out_stride = a->out_stride, p.B = a->block_size, p.max_blocks = a->max_blocks;
     p.tq = plan->tq, p.n_split = plan->n_split, p.window = a->window;
-    p.scale = a->scale, p.softcap = a->softcap, p.sinks = a->sinks, p.part = part;
+    p.scale = a->scale, p.softcap = a->softcap, p.sinks = a->sinks, p.part = part, p.lse = a->lse;
     const dim3 grid((unsigned)a->n, (unsigned)a->n_kv_heads, (unsigned)plan->n_split);
     const size_t smem = loom_fa_smem_bytes(hd);
     if (hd == 64)

@@ -48,16 +48,17 @@ cudaError_t loom_cuda_rope(float *x, int stride, int n, int n_heads, int hd, con
  * (fp8_scale: host floats {K, V}, NULL or 0 for 1) and clamped to +-448,
  * the number of clamped values added to *clamped when not NULL; int8 as
  * kernels/cuda/opmath.h, its scales (n_blocks * B, nkv) in k_scale /
- * v_scale, NULL for the other kinds); slots < 0 are skipped. */
+ * v_scale, NULL for the other kinds); slots < 0 are skipped. V rows are
+ * nkv heads of v_dim (0: hd; decompressed MLA's values are narrower). */
 cudaError_t loom_cuda_kv_write(void *k_cache, void *v_cache, int kv_kind, float *k_scale,
                                float *v_scale, const float *fp8_scale, const float *k, const float *v, int stride,
-                               const int32_t *slots, int n, int nkv, int hd,
+                               const int32_t *slots, int n, int nkv, int hd, int v_dim,
                                unsigned long long *clamped, cudaStream_t s);
 /* RoPE on q (nh heads) and k (nkv heads), then the paged write of k and v. */
 cudaError_t loom_cuda_rope_kv_write(float *q, float *k, const float *v, int stride, int n, int nh,
                                     int nkv, int hd, const int32_t *pos, const float *inv_freq,
                                     void *k_cache, void *v_cache, int kv_kind, float *k_scale,
-                                    float *v_scale, const float *fp8_scale, const int32_t *slots,
+                                    float *v_scale, const float *fp8_scale, const int32_t *slots, int v_dim,
                                     unsigned long long *clamped, cudaStream_t s);
 /* out(n, hidden) = act(gu[:, :hidden]) * gu[:, hidden:] for act a
  * loom_act_t value (opmath.h's loom_om_act); optional narrowed copy. */
@@ -177,7 +178,26 @@ typedef struct loom_cuda_attn {
      * tile kernel; 1 the FA2-style kernel (flash.cu) where it applies (bf16
      * cache, head_dim 64 or 128, sm_80+: the caller passes 0 below) */
     int prefill_variant;
+    /* V's head dim where it is not K's (decompressed MLA: 128 against 192;
+     * both at most 256, not with the wide kernel); 0: head_dim */
+    int v_dim;
+    /* (n, n_heads): max + log(sum) of each softmax's scaled scores, or
+     * NULL; not with sinks */
+    float *lse;
 } loom_cuda_attn_t;
+
+/* Two attention outputs over disjoint keys merged by their log-sum-exp
+ * (loom_op_attn_merge): out, lse_run (n * nh rows of vd, of 1) updated
+ * with o, lse. */
+cudaError_t loom_cuda_attn_merge(float *out, float *lse_run, const float *o, const float *lse, int n, int nh, int vd,
+                                 cudaStream_t s);
+/* rows(cn, nkv * hd) = K rows of positions [p0, p0 + cn) through the
+ * block-table row bt (device), widened to f32: int8 codes times their
+ * (slot, head) scales in k_scale, fp8 values times fp8_scale (0: 1)
+ * (loom_op_kv_gather). */
+cudaError_t loom_cuda_kv_gather(const void *k_cache, int kv_kind, const float *k_scale, float fp8_scale,
+                                const int32_t *bt, int block_size, int p0, int cn, int nkv, int hd, float *rows,
+                                cudaStream_t s);
 
 /* The launch shape the attention kernels will use. */
 typedef struct loom_cuda_attn_plan {

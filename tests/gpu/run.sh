@@ -158,6 +158,14 @@ families=(
     "deepseek-v3-latent576-bf16|=deepseek-v3-latent576|--dtype bf16"
     "deepseek-v2lite|ds:--shape v2lite --seed 33|--dtype f32"
     "deepseek-kv-int8|=deepseek-v3-latent576|--dtype f32 --kv int8"
+    # DeepSeek decompressed (--disable-mla: K heads of 48, V heads of 32; V2-Lite's 24 and 16, one token at a
+    # time) and the latent cache's prefill attended decompressed in context chunks of 16 merged by log-sum-exp
+    "deepseek-mla-disable|=deepseek-v3|--dtype f32 --disable-mla"
+    "deepseek-mla-disable-kv-bf16|=deepseek-v3|--dtype f32 --disable-mla --kv bf16"
+    "deepseek-mla-disable-kv-int8|=deepseek-v3|--dtype f32 --disable-mla --kv int8"
+    "deepseek-v2lite-mla-disable|=deepseek-v2lite|--dtype f32 --disable-mla"
+    "deepseek-mla-prefill|=deepseek-v3-latent576|--dtype f32 --mla-prefill 2 --mla-chunk 16"
+    "deepseek-mla-prefill-kv-int8|=deepseek-v3-latent576|--dtype f32 --kv int8 --mla-prefill 2 --mla-chunk 16"
     "llama-kv-int8|=llama-hd128|--dtype f32 --kv int8"
     "gemma2-kv-int8|=gemma2-softcap|--dtype f32 --kv int8"
 )

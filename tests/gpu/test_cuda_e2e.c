@@ -24,8 +24,14 @@
  * --kv-dir moves them the same way through the directory KV tier
  * (worker/kv_offload.c: files in a temporary directory, the CUDA pool's
  * layer-major blocks through the tier's pinned staging span).
+ * DeepSeek (MLA) on both sides: --disable-mla caches decompressed per-head
+ * K and V (V rows narrower than K's); --mla-prefill N attends runs of N or
+ * more rows (the prefill chunks) decompressed over the latent cache, the
+ * context read --mla-chunk tokens at a time (LOOM_MLA_PREFILL_CHUNK) and
+ * the chunks merged by their log-sum-exp.
  *
- *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|int8] [--tokens 40] [--kv-host | --kv-dir] */
+ *   test_cuda_e2e --model DIR [--dtype f32|bf16|f16] [--kv f32|bf16|int8] [--tokens 40] [--kv-host | --kv-dir]
+ *                 [--disable-mla] [--mla-prefill N [--mla-chunk C]] */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,8 +75,14 @@ static int argmax(const float *x, int n) {
 int main(int argc, char **argv) {
     loom_log_init("test_cuda_e2e");
     const char *model = NULL, *dtype = "bf16", *kv = "f32";
-    int n_gen = 40, kv_host = 0, kv_dir = 0;
+    int n_gen = 40, kv_host = 0, kv_dir = 0, mla_disable = 0, mla_prefill = 0, mla_chunk = 0;
     loom_opt_t opts[] = {
+        {"disable-mla", LOOM_OPT_FLAG, &mla_disable, NULL, "DeepSeek: decompressed per-head K and V caches", 1, 0,
+         NULL},
+        {"mla-prefill", LOOM_OPT_INT, &mla_prefill, "N",
+         "DeepSeek: runs of N or more rows attend decompressed over the latent cache", 1, 1024, NULL},
+        {"mla-chunk", LOOM_OPT_INT, &mla_chunk, "C", "with --mla-prefill: context tokens decompressed at a time", 1,
+         4096, NULL},
         {"kv-dir", LOOM_OPT_FLAG, &kv_dir, NULL,
          "move the first sequence's blocks through the directory KV tier into fresh blocks after step 8", 1, 0, NULL},
         {"kv-host", LOOM_OPT_FLAG, &kv_host, NULL,
@@ -78,7 +90,7 @@ int main(int argc, char **argv) {
         {"model", LOOM_OPT_STR, &model, "DIR", "checkpoint directory", 1, 0, NULL},
         {"dtype", LOOM_OPT_STR, &dtype, "TYPE", "weights on both backends: f32 (exact on the GPU too), bf16, f16", 1,
          0, NULL},
-        {"kv", LOOM_OPT_STR, &kv, "TYPE", "KV cache of both backends: f32 (default) or int8", 1, 0, NULL},
+        {"kv", LOOM_OPT_STR, &kv, "TYPE", "KV cache of both backends: f32 (default), bf16 or int8", 1, 0, NULL},
         {"tokens", LOOM_OPT_INT, &n_gen, "N", "decode steps of the first sequence to compare (default 40)", 32, 150,
          NULL},
     };
@@ -94,6 +106,16 @@ int main(int argc, char **argv) {
         return SKIP_CODE;
     }
     loom_dtype_t dt = !strcmp(dtype, "f32") ? LOOM_DT_F32 : !strcmp(dtype, "f16") ? LOOM_DT_F16 : LOOM_DT_BF16;
+    loom_dtype_t kv_dt;
+    if (!loom_kv_dtype_parse(kv, &kv_dt) || kv_dt == LOOM_DT_F8_E4M3) { /* the CPU side has no fp8 cache */
+        fprintf(stderr, "test_cuda_e2e: --kv %s: f32, bf16 or int8\n", kv);
+        return 2;
+    }
+    if (mla_chunk) { /* read by both models at their first decompressed prefill */
+        char v[16];
+        snprintf(v, sizeof v, "%d", mla_chunk);
+        setenv("LOOM_MLA_PREFILL_CHUNK", v, 1);
+    }
     loom_log_set_level(LOOM_LOG_WARN);
     loom_err_t err = {0};
     loom_model_config_t cfg;
@@ -127,7 +149,7 @@ int main(int argc, char **argv) {
                               .has_embed = 1, .has_head = 1};
     /* room for one more row: the device pads decodes of 3 sequences to its bucket of 4 */
     loom_model_options_t mo = {.max_tokens = 128, .max_seqs = N_SEQ + 1, .max_logits = N_SEQ + 1,
-                               .kv_dtype = !strcmp(kv, "int8") ? LOOM_DT_I8 : LOOM_DT_F32};
+                               .kv_dtype = kv_dt, .mla_disable = mla_disable, .mla_prefill_rows = mla_prefill};
     for (int k = 0; k < 2; k++) {
         loom_backend_config_t bc = {.version = LOOM_BACKEND_CONFIG_VERSION,
                                     .kind = k ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU,
@@ -139,6 +161,11 @@ int main(int argc, char **argv) {
             return 1;
         }
         sides[k].logits = loom_xmalloc((size_t)N_SEQ * vocab * sizeof(float));
+        if (mla_prefill && loom_model_mla_prefill_rows(sides[k].m) != mla_prefill) {
+            fprintf(stderr, "test_cuda_e2e: FAIL: %s keeps the absorbed prefill (--mla-prefill %d not taken)\n",
+                    k ? "cuda" : "cpu", mla_prefill);
+            return 1;
+        }
     }
 
     const double rel = dt == LOOM_DT_F32 ? 2e-3 : 3e-2, abs_tol = dt == LOOM_DT_F32 ? 1e-3 : 1e-2;
@@ -305,10 +332,12 @@ int main(int argc, char **argv) {
     }
     uint64_t rec = 0, rep = 0;
     loom_cuda_graph_stats(sides[1].be, &rec, &rep);
-    printf("e2e %s (%s): %d steps, %d ids compared, %d mismatches, %d near-tie flips, %d sampling mismatches, "
-           "max |dlogit| %.3g (%.2g of max |logit|), graphs recorded %llu replayed %llu, %d steps padded%s\n",
-           model, dtype, steps, compared, bad, flips, bad_sampling, worst, worst_rel, (unsigned long long)rec,
-           (unsigned long long)rep, padded,
+    printf("e2e %s (%s, kv %s%s%s): %d steps, %d ids compared, %d mismatches, %d near-tie flips, %d sampling "
+           "mismatches, max |dlogit| %.3g (%.2g of max |logit|), graphs recorded %llu replayed %llu, "
+           "%d steps padded%s\n",
+           model, dtype, kv, mla_disable ? ", MLA decompressed" : "",
+           mla_prefill ? ", MLA prefill decompressed" : "", steps, compared, bad, flips, bad_sampling, worst, worst_rel,
+           (unsigned long long)rec, (unsigned long long)rep, padded,
            !moved ? "" : kv_dir ? ", blocks moved through the directory tier" : ", blocks moved through host memory");
     int ok = bad == 0 && bad_logits == 0 && bad_sampling == 0 && a_decodes >= n_gen && rep > 0 && padded > 0 &&
              (!(kv_host || kv_dir) || moved > 0);

@@ -937,6 +937,7 @@ static const loom_dtype_t k_kv_dts[] = {LOOM_DT_F32, LOOM_DT_BF16, LOOM_DT_F8_E4
 typedef struct attn_case {
     int nh, nkv, hd, B;
     int latent; /* MLA's latent layout: V is K's memory (and scales) */
+    int vd;     /* V's head dim where it is not hd (decompressed MLA: kv.v_dim); 0: hd */
 } attn_case_t;
 
 /* The families' extras: a sliding window, a logit soft cap, sinks. */
@@ -953,14 +954,34 @@ static int g_fa_checked;             /* calls run_attention also ran through the
  * 0: no scales. */
 static float g_fp8_mul[2];
 
+/* Narrows n floats of x into the cache elements nb of dt (not I8); FP8
+ * (scale fs, 0: 1) writes the dequantized values back into x, which the
+ * CPU reference then reads. */
+static void narrow_cache(loom_dtype_t dt, float fs, float *x, void *nb, size_t n) {
+    for (size_t e = 0; e < n; e++) {
+        if (dt == LOOM_DT_BF16) {
+            ((uint16_t *)nb)[e] = loom_f32_to_bf16(x[e]);
+        } else if (dt == LOOM_DT_F8_E4M3) {
+            const float s = fs > 0.0f ? fs : 1.0f;
+            ((uint8_t *)nb)[e] = loom_f32_to_fp8_e4m3(fs > 0.0f ? x[e] * (1.0f / s) : x[e]);
+            x[e] = fs > 0.0f ? loom_fp8_e4m3_to_f32(((uint8_t *)nb)[e]) * s : loom_fp8_e4m3_to_f32(((uint8_t *)nb)[e]);
+        } else {
+            ((float *)nb)[e] = x[e];
+        }
+    }
+}
+
 /* A batch: n_seqs sequences with context lengths ctx[s]; tokens listed as
  * (seq, pos). Builds a random cache in dt and shuffled block tables, runs
  * both backends and compares: BF16 on both; FP8 (which the CPU lacks)
- * against the CPU on the e4m3 values widened to f32 on the host. */
+ * against the CPU on the e4m3 values widened to f32 on the host. The
+ * softmaxes' log-sum-exp (loom_attn_args_t.lse) is compared too, where
+ * there are no sinks. */
 static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, const int *ctx, int n,
                           const int32_t *tok_seq, const int32_t *tok_pos, const char *what) {
     loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
     const int nh = ac->nh, nkv = ac->nkv, hd = ac->hd, B = ac->B, kv_dim = nkv * hd;
+    const int vd = ac->vd ? ac->vd : hd, v_dim = nkv * vd;
     int max_blocks = 1, total_blocks = 0, max_ctx = 1;
     for (int s = 0; s < n_seqs; s++) {
         int nb = (ctx[s] + B - 1) / B;
@@ -990,45 +1011,38 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
                 if (tok_seq[i] == s) lo = LOOM_MIN(lo, tok_pos[i] + 1 > ex.window ? tok_pos[i] + 1 - ex.window : 0);
             for (int j = 0; j < max_blocks && (j + 1) * B <= lo; j++) bt[(size_t)s * max_blocks + j] = -1;
         }
-    size_t cache = (size_t)n_blocks * B * kv_dim;
-    float *kc = rand_host(cache, 1.0f), *vc = rand_host(cache, 1.0f);
+    size_t cache = (size_t)n_blocks * B * kv_dim, vcache = (size_t)n_blocks * B * v_dim;
+    float *kc = rand_host(cache, 1.0f), *vc = rand_host(vcache, 1.0f);
     if (ac->latent) memcpy(vc, kc, cache * sizeof(float)); /* the same row as K and as V */
     const int scaled = dt == LOOM_DT_F8_E4M3 && g_fp8_mul[0] > 0.0f;
     const float fs[2] = {scaled ? g_fp8_mul[0] / 300.0f : 0.0f, scaled ? g_fp8_mul[1] / 300.0f : 0.0f};
-    if (scaled)
-        for (size_t e = 0; e < cache; e++) kc[e] *= g_fp8_mul[0], vc[e] *= g_fp8_mul[1];
+    if (scaled) {
+        for (size_t e = 0; e < cache; e++) kc[e] *= g_fp8_mul[0];
+        for (size_t e = 0; e < vcache; e++) vc[e] *= g_fp8_mul[1];
+    }
     const size_t es = loom_dtype_size(dt);
-    void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(cache * es); /* the cache in dt */
+    void *kn = loom_xmalloc(cache * es), *vn = loom_xmalloc(vcache * es); /* the cache in dt */
     const size_t cells = (size_t)n_blocks * B;
     float *ksc = NULL, *vsc = NULL;
     if (dt == LOOM_DT_I8) { /* quantised by the CPU backend; both backends read the same codes */
         ksc = loom_xmalloc(cells * nkv * 4), vsc = loom_xmalloc(cells * nkv * 4);
         int32_t *all = loom_xmalloc(cells * 4);
         for (size_t i = 0; i < cells; i++) all[i] = (int32_t)i;
-        loom_kv_layer_t ql = {.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
-        loom_op_kv_write(cpu, &ql, kc, vc, kv_dim, all, (int)cells, nkv, hd);
-        free(all);
-    }
-    for (size_t e = 0; e < cache && dt != LOOM_DT_I8; e++) {
-        if (dt == LOOM_DT_BF16) {
-            ((uint16_t *)kn)[e] = loom_f32_to_bf16(kc[e]);
-            ((uint16_t *)vn)[e] = loom_f32_to_bf16(vc[e]);
-        } else if (dt == LOOM_DT_F8_E4M3 && scaled) { /* the reference reads the dequantized values */
-            ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e] * (1.0f / fs[0]));
-            ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e] * (1.0f / fs[1]));
-            kc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)kn)[e]) * fs[0];
-            vc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)vn)[e]) * fs[1];
-        } else if (dt == LOOM_DT_F8_E4M3) {
-            ((uint8_t *)kn)[e] = loom_f32_to_fp8_e4m3(kc[e]);
-            ((uint8_t *)vn)[e] = loom_f32_to_fp8_e4m3(vc[e]);
-            kc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)kn)[e]);
-            vc[e] = loom_fp8_e4m3_to_f32(((uint8_t *)vn)[e]);
-        } else {
-            ((float *)kn)[e] = kc[e];
-            ((float *)vn)[e] = vc[e];
+        if (vd == hd) {
+            loom_kv_layer_t ql = {.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
+            loom_op_kv_write(cpu, &ql, kc, vc, kv_dim, all, (int)cells, nkv, hd);
+        } else { /* rows of two widths: K and V each written as both halves of a layer of its own */
+            loom_kv_layer_t qk = {.k = kn, .v = kn, .k_scale = ksc, .v_scale = ksc, .dtype = LOOM_DT_I8};
+            loom_op_kv_write(cpu, &qk, kc, kc, kv_dim, all, (int)cells, nkv, hd);
+            loom_kv_layer_t qv = {.k = vn, .v = vn, .k_scale = vsc, .v_scale = vsc, .dtype = LOOM_DT_I8};
+            loom_op_kv_write(cpu, &qv, vc, vc, v_dim, all, (int)cells, nkv, vd);
         }
+        free(all);
+    } else {
+        narrow_cache(dt, fs[0], kc, kn, cache);
+        narrow_cache(dt, fs[1], vc, vn, vcache);
     }
-    int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * hd;
+    int q_stride = (nh + 2 * nkv) * hd, out_stride = nh * vd;
     float *q = rand_host((size_t)n * q_stride, 3.0f); /* peaky attention, not a plain average */
     for (size_t e = 0; scaled && e < (size_t)n * q_stride; e++) q[e] /= g_fp8_mul[0];
     float *ref = loom_xmalloc((size_t)n * out_stride * 4);
@@ -1040,14 +1054,19 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     if (dt == LOOM_DT_I8)
         a.kv = (loom_kv_layer_t){.k = kn, .v = vn, .k_scale = ksc, .v_scale = vsc, .dtype = LOOM_DT_I8};
     if (ac->latent) a.kv.v = a.kv.k, a.kv.v_scale = a.kv.k_scale;
+    a.kv.v_dim = vd != hd ? vd : 0;
     float *sinks = ex.sinks ? rand_host((size_t)nh, 3.0f) : NULL;
     a.window = ex.window, a.softcap = ex.softcap, a.sinks = sinks;
+    float *lse = sinks ? NULL : loom_xmalloc((size_t)n * nh * 4); /* not with sinks (backend.h) */
+    a.lse = lse;
     loom_op_attention(cpu, &a);
     loom_attn_args_t g = a;
     g.q = to_dev(be, q, (size_t)n * q_stride * 4);
     g.out = poisoned(be, (size_t)n * out_stride * 4);
-    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .dtype = dt, .fp8_scale = {fs[0], fs[1]}};
-    g.kv.v = ac->latent ? g.kv.k : to_dev(be, vn, cache * es);
+    g.lse = lse ? poisoned(be, (size_t)n * nh * 4) : NULL;
+    g.kv = (loom_kv_layer_t){.k = to_dev(be, kn, cache * es), .dtype = dt, .fp8_scale = {fs[0], fs[1]},
+                             .v_dim = a.kv.v_dim};
+    g.kv.v = ac->latent ? g.kv.k : to_dev(be, vn, vcache * es);
     if (dt == LOOM_DT_I8) {
         g.kv.k_scale = to_dev(be, ksc, cells * nkv * 4);
         g.kv.v_scale = ac->latent ? g.kv.k_scale : to_dev(be, vsc, cells * nkv * 4);
@@ -1058,8 +1077,9 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     g.block_tables = to_dev(be, bt, (size_t)n_seqs * max_blocks * 4);
     loom_op_attention(be, &g);
     char buf[160];
-    snprintf(buf, sizeof buf, "attention %s %s (nh %d nkv %d hd %d B %d%s%s, n %d, window %d softcap %g sinks %d)",
-             loom_kv_dtype_name(dt), what, nh, nkv, hd, B, ac->latent ? " latent" : "",
+    snprintf(buf, sizeof buf,
+             "attention %s %s (nh %d nkv %d hd %d vd %d B %d%s%s, n %d, window %d softcap %g sinks %d)",
+             loom_kv_dtype_name(dt), what, nh, nkv, hd, vd, B, ac->latent ? " latent" : "",
              scaled ? " fp8 scales" : "", n, ex.window, (double)ex.softcap, ex.sinks);
     /* up to 8 tokens every token goes through the fp32 kernel; above, chunks
      * use the tile kernel, TF32 on tensor cores (~1e-3 on scores and values);
@@ -1067,46 +1087,65 @@ static void run_attention(const attn_case_t *ac, loom_dtype_t dt, int n_seqs, co
     double tol = hd > 256 ? 1e-4 : n <= 8 ? 2e-5 : 1e-2;
     const double atol = scaled ? tol * g_fp8_mul[1] : tol; /* the values are that much larger */
     CHECK(close_dev(buf, be, g.out, ref, (size_t)n * out_stride, atol, tol));
-    if (dt == LOOM_DT_BF16 && !ac->latent && loom_fa_head_dim_ok(hd) && g_cc >= 80 && n >= 9) {
+    char lbuf[200];
+    snprintf(lbuf, sizeof lbuf, "%s lse", buf);
+    /* the scores' rounding (TF32 in tiles) moves max + log(sum) by about as much as it moves a score */
+    if (lse) CHECK(close_dev(lbuf, be, g.lse, lse, (size_t)n * nh, 4 * tol, tol));
+    if (dt == LOOM_DT_BF16 && !ac->latent && vd == hd && loom_fa_head_dim_ok(hd) && g_cc >= 80 && n >= 9) {
         /* the same call with the chunks through the FA2-style kernel (flash.cu): Q and P rounded to bf16
          * for the tensor cores, f32 accumulation (its CPU replay, test_cuda_math, sees at most 3e-3 on these
          * inputs against float64) */
         float *fo = poisoned(be, (size_t)n * out_stride * 4);
         loom_attn_args_t f = g;
         f.out = fo;
+        f.lse = lse ? poisoned(be, (size_t)n * nh * 4) : NULL;
         loom_cuda_set_attn_prefill_variant(be, LOOM_FA_VARIANT_FA2);
         loom_op_attention(be, &f);
         loom_cuda_set_attn_prefill_variant(be, LOOM_FA_VARIANT_TILE);
         char fbuf[200];
         snprintf(fbuf, sizeof fbuf, "%s fa2", buf);
         CHECK(close_dev(fbuf, be, fo, ref, (size_t)n * out_stride, 1e-2, 1e-2));
+        if (lse) {
+            snprintf(fbuf, sizeof fbuf, "%s fa2 lse", buf);
+            CHECK(close_dev(fbuf, be, f.lse, lse, (size_t)n * nh, 4e-2, 1e-2));
+            loom_backend_free(be, f.lse);
+        }
         loom_backend_free(be, fo);
         g_fa_checked++;
     }
     void *bufs[] = {(void *)g.q, g.out, g.kv.k, ac->latent ? NULL : g.kv.v, (void *)g.tok_seq, (void *)g.tok_pos,
-                    (void *)g.block_tables, g.kv.k_scale, ac->latent ? NULL : g.kv.v_scale, (void *)g.sinks};
+                    (void *)g.block_tables, g.kv.k_scale, ac->latent ? NULL : g.kv.v_scale, (void *)g.sinks, g.lse};
     for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
         if (bufs[i]) loom_backend_free(be, bufs[i]);
     free(perm), free(bt), free(kc), free(vc), free(kn), free(vn), free(q), free(ref), free(ksc), free(vsc), free(sinks);
+    free(lse);
 }
 
 static void test_attention(void) {
     static const attn_case_t cases[] = {
-        {32, 8, 128, 16, 0}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
-        {8, 4, 8, 16, 0},    /* stories260K */
-        {8, 2, 64, 16, 0},   {12, 12, 64, 7, 0}, /* MHA, odd block size: tiles of 64 tokens */
-        {28, 4, 128, 16, 0},                  /* group 7: tiles of 9 tokens */
-        {4, 1, 256, 32, 0},  {6, 2, 36, 16, 0},  /* head_dim not a multiple of 16: one token at a time */
-        {6, 3, 6, 5, 0},                      /* head_dim not a multiple of 4: scalar path */
-        {16, 1, 128, 16, 0},                  /* group 16: two passes of 8 heads */
-        {64, 1, 64, 16, 0},                   /* group 64: no tiles */
+        {32, 8, 128, 16, 0, 0}, /* Llama-3-8B: tiles of 16 tokens x 4 heads */
+        {8, 4, 8, 16, 0, 0},    /* stories260K */
+        {8, 2, 64, 16, 0, 0},   {12, 12, 64, 7, 0, 0}, /* MHA, odd block size: tiles of 64 tokens */
+        {28, 4, 128, 16, 0, 0},                  /* group 7: tiles of 9 tokens */
+        {4, 1, 256, 32, 0, 0},  {6, 2, 36, 16, 0, 0},  /* head_dim not a multiple of 16: one token at a time */
+        {6, 3, 6, 5, 0, 0},                      /* head_dim not a multiple of 4: scalar path */
+        {16, 1, 128, 16, 0, 0},                  /* group 16: two passes of 8 heads */
+        {64, 1, 64, 16, 0, 0},                   /* group 64: no tiles */
         /* the wide kernel: DeepSeek-V3's latent rows (512 + 64) as MQA, V the same memory as K, at TP 8
          * (16 heads: one tile of heads per token), 40 heads (3 chunks, the last partial), 4 heads (tiles of 4 tokens);
          * and wide GQA heads with a V of their own (tiles of 5 tokens x 3 heads) */
-        {16, 1, 576, 64, 1},
-        {40, 1, 576, 64, 1},
-        {4, 1, 576, 16, 1},
-        {6, 2, 320, 16, 0},
+        {16, 1, 576, 64, 1, 0},
+        {40, 1, 576, 64, 1, 0},
+        {4, 1, 576, 16, 1, 0},
+        {6, 2, 320, 16, 0, 0},
+        /* V rows narrower than K's (decompressed MLA, --disable-mla: DeepSeek-V3's 192 and 128 at TP 8, MHA;
+         * GQA with an odd block size), V wider than K, V not a multiple of 16 (one token at a time), and
+         * the scalar path (head dims not multiples of 4) */
+        {16, 16, 192, 16, 0, 128},
+        {8, 2, 192, 7, 0, 128},
+        {8, 4, 64, 16, 0, 128},
+        {6, 3, 36, 16, 0, 20},
+        {6, 3, 6, 5, 0, 10},
     };
     enum { MAXN = 420 };
     int32_t seq[MAXN], pos[MAXN];
@@ -1156,8 +1195,8 @@ static void test_attention(void) {
  * every bf16 chunk it takes, and its plan is checked here: bf16 chunks
  * with head_dim 64 or 128 take it, everything else keeps the tile kernel. */
 static void test_attention_flash(void) {
-    static const attn_case_t cases[] = {{32, 8, 128, 16, 0}, {8, 8, 64, 7, 0}, {12, 4, 64, 16, 0},
-                                        {28, 4, 128, 5, 0},  {64, 2, 128, 16, 0}};
+    static const attn_case_t cases[] = {{32, 8, 128, 16, 0, 0}, {8, 8, 64, 7, 0, 0}, {12, 4, 64, 16, 0, 0},
+                                        {28, 4, 128, 5, 0, 0},  {64, 2, 128, 16, 0, 0}};
     static const attn_extra_t extras[] = {{0, 0.0f, 0}, {37, 0.0f, 0}, {0, 50.0f, 0}, {0, 0.0f, 1}, {61, 30.0f, 1}};
     enum { MAXN = 300 };
     int32_t seq[MAXN], pos[MAXN];
@@ -1207,8 +1246,8 @@ static void test_attention_flash(void) {
  * decode batches, long single decodes (key splits), mixed batches and
  * prefill chunks (the tile kernel), every KV dtype. */
 static void test_attention_extras(void) {
-    static const attn_case_t cases[] = {{8, 2, 64, 16, 0}, {16, 8, 256, 16, 0}, {64, 8, 64, 16, 0},
-                                        {6, 3, 36, 7, 0},  {6, 2, 300, 9, 0} /* the wide kernel */};
+    static const attn_case_t cases[] = {{8, 2, 64, 16, 0, 0}, {16, 8, 256, 16, 0, 0}, {64, 8, 64, 16, 0, 0},
+                                        {6, 3, 36, 7, 0, 0},  {6, 2, 300, 9, 0, 0} /* the wide kernel */};
     static const attn_extra_t extras[] = {
         {4096, 0.0f, 0}, {37, 0.0f, 0}, {0, 50.0f, 0}, {129, 50.0f, 0}, {0, 0.0f, 1}, {128, 0.0f, 1}, {61, 30.0f, 1},
     };
@@ -1241,7 +1280,7 @@ static void test_attention_extras(void) {
  * outputs, by every kernel (one-row, tiles, splits, the wide kernel on
  * latent rows, where V is K's memory and shares its scale). */
 static void test_attention_fp8_scaled(void) {
-    static const attn_case_t cases[] = {{32, 8, 128, 16, 0}, {6, 2, 36, 7, 0}, {16, 1, 576, 64, 1}};
+    static const attn_case_t cases[] = {{32, 8, 128, 16, 0, 0}, {6, 2, 36, 7, 0, 0}, {16, 1, 576, 64, 1, 0}};
     enum { MAXN = 300 };
     int32_t seq[MAXN], pos[MAXN];
     for (size_t c = 0; c < LOOM_ARRAY_LEN(cases); c++) {
@@ -1379,6 +1418,121 @@ static void test_kv_i8_fp8(void) {
         for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++) loom_backend_free(be, bufs[i]);
         free(x), free(inv), free(kr), free(vr), free(kg), free(vg), free(ksr), free(vsr), free(ksg), free(vsg);
         free(f8h);
+    }
+}
+
+/* --- decompressed MLA: V rows of their own width, the prefill's gather and merge ---------------------- */
+
+/* kv_write with V rows narrower (or wider) than K's (loom_kv_layer_t.v_dim)
+ * into every cache dtype, against the CPU's write (F32, BF16, I8 code for
+ * code; FP8 against the CPU's f32 rows narrowed on the host); then
+ * loom_op_kv_gather of a sequence's K rows through a shuffled block table
+ * (against the CPU's gather, or the host's decode of the fp8 codes times
+ * K's scale), and loom_op_attn_merge against the CPU's. */
+static void test_mla_decompressed_ops(void) {
+    loom_backend_t *be = g_cuda[1], *cpu = g_cpu[1];
+    static const int shapes[][4] = {{9, 16, 192, 128}, {5, 3, 6, 10}, {4, 2, 64, 128}}; /* n, nkv, hd, vd */
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(shapes); s++) {
+        const int n = shapes[s][0], nkv = shapes[s][1], hd = shapes[s][2], vd = shapes[s][3];
+        const int kv_dim = nkv * hd, v_dim = nkv * vd, B = 5, n_blocks = 6, cells = B * n_blocks;
+        const int stride = kv_dim + v_dim + (int)(s & 1); /* [k | v] rows, an odd stride too */
+        float *x = rand_host((size_t)n * stride, 2.0f);
+        int32_t slots[16], bt[6];
+        for (int b = 0; b < n_blocks; b++) bt[b] = n_blocks - 1 - b; /* blocks out of order */
+        for (int i = 0; i < n; i++) slots[i] = i == 2 ? -1 : bt[i / B] * B + i % B; /* positions 0..n-1, one padding */
+        float *dx = to_dev(be, x, (size_t)n * stride * 4);
+        int32_t *dslots = to_dev(be, slots, (size_t)n * 4), *dbt = to_dev(be, bt, sizeof bt);
+        for (size_t d = 0; d < LOOM_ARRAY_LEN(k_kv_dts); d++) {
+            const loom_dtype_t dt = k_kv_dts[d];
+            const size_t es = loom_dtype_size(dt), kc = (size_t)cells * kv_dim, vc = (size_t)cells * v_dim;
+            const loom_dtype_t cdt = dt == LOOM_DT_F8_E4M3 ? LOOM_DT_F32 : dt; /* the CPU's cache */
+            const size_t ces = loom_dtype_size(cdt);
+            void *hk = loom_xcalloc(kc, ces), *hv = loom_xcalloc(vc, ces);
+            float *hks = loom_xcalloc((size_t)cells * nkv, 4), *hvs = loom_xcalloc((size_t)cells * nkv, 4);
+            loom_kv_layer_t ckv = {.k = hk, .v = hv, .dtype = cdt, .block_size = B, .v_dim = vd};
+            if (dt == LOOM_DT_I8) ckv.k_scale = hks, ckv.v_scale = hvs;
+            loom_op_kv_write(cpu, &ckv, x, x + kv_dim, stride, slots, n, nkv, hd);
+            void *zk = loom_xcalloc(kc, es), *zv = loom_xcalloc(vc, es);
+            loom_kv_layer_t gkv = {.k = to_dev(be, zk, kc * es), .v = to_dev(be, zv, vc * es), .dtype = dt,
+                                   .block_size = B, .v_dim = vd, .fp8_scale = {2.0f, 0.5f}};
+            if (dt == LOOM_DT_I8) {
+                gkv.k_scale = to_dev(be, hks, (size_t)cells * nkv * 4);
+                gkv.v_scale = to_dev(be, hks, (size_t)cells * nkv * 4);
+                loom_backend_memset(be, gkv.k_scale, 0, (size_t)cells * nkv * 4);
+                loom_backend_memset(be, gkv.v_scale, 0, (size_t)cells * nkv * 4);
+            }
+            loom_op_kv_write(be, &gkv, dx, dx + kv_dim, stride, dslots, n, nkv, hd);
+            void *gk = loom_xmalloc(kc * es), *gv = loom_xmalloc(vc * es);
+            loom_backend_download(be, gk, gkv.k, kc * es), loom_backend_download(be, gv, gkv.v, vc * es);
+            int bad = 0;
+            for (int isv = 0; isv < 2; isv++) {
+                const size_t m = isv ? vc : kc;
+                const void *got = isv ? gv : gk, *want = isv ? hv : hk;
+                for (size_t e = 0; e < m; e++) {
+                    int same;
+                    if (dt == LOOM_DT_F8_E4M3)
+                        same = ((const uint8_t *)got)[e] ==
+                               loom_f32_to_fp8_e4m3(((const float *)want)[e] * (isv ? 2.0f : 0.5f));
+                    else
+                        same = !memcmp((const char *)got + e * es, (const char *)want + e * es, es);
+                    if (!same && bad++ < 3)
+                        fprintf(stderr, "  kv_write v_dim %s %c[%zu]: other code than the CPU's\n",
+                                loom_kv_dtype_name(dt), isv ? 'v' : 'k', e);
+                }
+            }
+            if (dt == LOOM_DT_I8) { /* the scales too */
+                float *gs = from_dev(be, gkv.k_scale, (size_t)cells * nkv);
+                float *gvs = from_dev(be, gkv.v_scale, (size_t)cells * nkv);
+                for (int e = 0; e < cells * nkv; e++) bad += gs[e] != hks[e] || gvs[e] != hvs[e];
+                free(gs), free(gvs);
+            }
+            CHECKF(!bad, "kv_write with v_dim into %s (n %d nkv %d hd %d vd %d): %d mismatches", loom_kv_dtype_name(dt),
+                   n, nkv, hd, vd, bad);
+            /* the gather: positions [1, n) of the sequence (padding's slot never written: zeros either way) */
+            const int p0 = 1, cn = n - 1;
+            float *ref = loom_xmalloc((size_t)cn * kv_dim * 4);
+            if (dt == LOOM_DT_F8_E4M3) {
+                for (int p = p0; p < p0 + cn; p++)
+                    for (int e = 0; e < kv_dim; e++) {
+                        const size_t off = ((size_t)bt[p / B] * B + p % B) * kv_dim + e;
+                        ref[(size_t)(p - p0) * kv_dim + e] = loom_fp8_e4m3_to_f32(((uint8_t *)gk)[off]) * 2.0f;
+                    }
+            } else {
+                loom_op_kv_gather(cpu, &ckv, bt, p0, cn, nkv, hd, ref);
+            }
+            float *drows = poisoned(be, (size_t)cn * kv_dim * 4);
+            loom_op_kv_gather(be, &gkv, dbt, p0, cn, nkv, hd, drows);
+            char what[128];
+            snprintf(what, sizeof what, "kv_gather %s (cn %d nkv %d hd %d)", loom_kv_dtype_name(dt), cn, nkv, hd);
+            CHECK(close_dev(what, be, drows, ref, (size_t)cn * kv_dim, 0, 0));
+            void *bufs[] = {gkv.k, gkv.v, gkv.k_scale, gkv.v_scale, drows};
+            for (size_t i = 0; i < LOOM_ARRAY_LEN(bufs); i++)
+                if (bufs[i]) loom_backend_free(be, bufs[i]);
+            free(hk), free(hv), free(hks), free(hvs), free(zk), free(zv), free(gk), free(gv), free(ref);
+        }
+        loom_backend_free(be, dx), loom_backend_free(be, dslots), loom_backend_free(be, dbt);
+        free(x);
+    }
+    /* the merge of two partial outputs by their log-sum-exp, lse far apart too */
+    static const int ms[][3] = {{7, 16, 128}, {1, 3, 10}, {33, 2, 300}};
+    for (size_t s = 0; s < LOOM_ARRAY_LEN(ms); s++) {
+        const int n = ms[s][0], nh = ms[s][1], vd = ms[s][2];
+        const size_t rows = (size_t)n * nh, m = rows * vd;
+        float *out = rand_host(m, 1.0f), *o = rand_host(m, 1.0f);
+        float *la = rand_host(rows, 5.0f), *lb = rand_host(rows, 5.0f);
+        la[0] += 80.0f; /* one part's weight underflows */
+        float *d_out = to_dev(be, out, m * 4), *d_la = to_dev(be, la, rows * 4);
+        float *d_o = to_dev(be, o, m * 4), *d_lb = to_dev(be, lb, rows * 4);
+        loom_op_attn_merge(cpu, out, la, o, lb, n, nh, vd);
+        loom_op_attn_merge(be, d_out, d_la, d_o, d_lb, n, nh, vd);
+        char what[96];
+        snprintf(what, sizeof what, "attn_merge out (n %d nh %d vd %d)", n, nh, vd);
+        CHECK(close_dev(what, be, d_out, out, m, 1e-6, 1e-6));
+        snprintf(what, sizeof what, "attn_merge lse (n %d nh %d vd %d)", n, nh, vd);
+        CHECK(close_dev(what, be, d_la, la, rows, 1e-6, 1e-6));
+        loom_backend_free(be, d_out), loom_backend_free(be, d_la);
+        loom_backend_free(be, d_o), loom_backend_free(be, d_lb);
+        free(out), free(o), free(la), free(lb);
     }
 }
 
@@ -1554,6 +1708,7 @@ int main(int argc, char **argv) {
     RUN(test_attention_fp8_scaled);
     RUN(test_family_ops);
     RUN(test_kv_i8_fp8);
+    RUN(test_mla_decompressed_ops);
     RUN(test_sampling);
     RUN(test_graphs);
     for (int t = 0; t < 3; t++) {

@@ -1019,6 +1019,75 @@ static void test_attention_lse(void) {
     }
 }
 
+/* The decompressed MLA prefill's two helpers. loom_op_attn_merge: attention over keys [0, L) equals the
+ * merge of attention over [0, c) and over [c, L) (each its own block-table view of one cache), output and
+ * lse, V narrower than K. loom_op_kv_gather: a sequence's K rows through a shuffled block table, two heads,
+ * as kv_write stored them (f32 exact, bf16 rounded, int8 within half a step of its head's scale). */
+static void test_attn_merge_gather(void) {
+    loom_backend_t *be = make_backend(2, LOOM_DT_F32);
+    REQUIRE(be);
+    unsigned long long st = 41;
+    const int nkv = 2, nh = 4, hd = 16, vd = 8, B = 4, L = 23, c = 12, n_blocks = 6, kd = nkv * hd, vdim = nkv * vd;
+    float *k = alloc_f((size_t)n_blocks * B * kd), *v = alloc_f((size_t)n_blocks * B * vdim);
+    float *q = alloc_f((size_t)nh * hd), *full = alloc_f((size_t)nh * vd), *oa = alloc_f((size_t)nh * vd);
+    float *ob = alloc_f((size_t)nh * vd), *lf = alloc_f(nh), *la = alloc_f(nh), *lb = alloc_f(nh);
+    fill(k, (size_t)n_blocks * B * kd, &st, 2.0f);
+    fill(v, (size_t)n_blocks * B * vdim, &st, 1.0f);
+    fill(q, (size_t)nh * hd, &st, 2.0f);
+    int32_t bt[6] = {0, 1, 2, 3, 4, 5}, seq[1] = {0}, pos[1];
+    loom_attn_args_t a = {.n = 1, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 0.3f, .q = q,
+                          .q_stride = nh * hd, .out_stride = nh * vd,
+                          .kv = {.k = k, .v = v, .dtype = LOOM_DT_F32, .block_size = B, .v_dim = vd},
+                          .block_size = B, .tok_seq = seq, .tok_pos = pos, .block_tables = bt, .max_blocks = 6,
+                          .max_ctx = L};
+    pos[0] = L - 1, a.out = full, a.lse = lf; /* keys [0, L) */
+    loom_op_attention(be, &a);
+    pos[0] = c - 1, a.out = oa, a.lse = la; /* keys [0, c) */
+    loom_op_attention(be, &a);
+    a.block_tables = bt + c / B, a.max_blocks = 6 - c / B; /* keys [c, L): the blocks from c on */
+    pos[0] = L - 1 - c, a.out = ob, a.lse = lb;
+    loom_op_attention(be, &a);
+    loom_op_attn_merge(be, oa, la, ob, lb, 1, nh, vd);
+    CHECK(test_allclose("attn_merge out", oa, full, (long)nh * vd, 1e-5, 1e-5));
+    CHECK(test_allclose("attn_merge lse", la, lf, nh, 1e-5, 1e-5));
+    loom_aligned_free(k), loom_aligned_free(v), loom_aligned_free(q), loom_aligned_free(full);
+    loom_aligned_free(oa), loom_aligned_free(ob), loom_aligned_free(lf), loom_aligned_free(la), loom_aligned_free(lb);
+
+    CHECK(loom_backend_kv_gather_supported(be));
+    for (size_t di = 0; di < LOOM_ARRAY_LEN(k_kv_dts); di++) {
+        const loom_dtype_t dt = k_kv_dts[di];
+        const int n = 14, p0 = 3, cn = 9; /* positions [0, n) written, [p0, p0 + cn) gathered */
+        int32_t tbl[4] = {5, 2, 0, 4}, slots[14];
+        for (int i = 0; i < n; i++) slots[i] = tbl[i / B] * B + i % B;
+        const size_t cells = (size_t)n_blocks * B, es = loom_dtype_size(dt);
+        void *kc = loom_aligned_alloc(cells * kd * es), *vc = loom_aligned_alloc(cells * kd * es);
+        float *ks = alloc_f(cells * nkv), *vs = alloc_f(cells * nkv), *x = alloc_f((size_t)n * kd);
+        float *rows = alloc_f((size_t)cn * kd);
+        REQUIRE(kc && vc);
+        fill(x, (size_t)n * kd, &st, 3.0f);
+        poison(rows, (size_t)cn * kd);
+        loom_kv_layer_t kv = {.k = kc, .v = vc, .dtype = dt, .block_size = B};
+        if (dt == LOOM_DT_I8) kv.k_scale = ks, kv.v_scale = vs;
+        loom_op_kv_write(be, &kv, x, x, kd, slots, n, nkv, hd);
+        loom_op_kv_gather(be, &kv, tbl, p0, cn, nkv, hd, rows);
+        double worst = 0, allowed = 0;
+        for (int p = 0; p < cn; p++)
+            for (int e = 0; e < kd; e++) {
+                const float want = x[(size_t)(p0 + p) * kd + e], got = rows[(size_t)p * kd + e];
+                const double tol = dt == LOOM_DT_F32 ? 0
+                                   : dt == LOOM_DT_BF16
+                                       ? fabs((double)loom_bf16_to_f32(loom_f32_to_bf16(want)) - want)
+                                       : 0.5 * ks[(size_t)slots[p0 + p] * nkv + e / hd] * (1 + 1e-6);
+                worst = fmax(worst, fabs((double)got - want) - tol);
+                allowed = fmax(allowed, tol);
+            }
+        CHECKF(worst <= 0, "kv_gather %s: %g beyond its rounding (up to %g)", loom_kv_dtype_name(dt), worst, allowed);
+        loom_aligned_free(kc), loom_aligned_free(vc), loom_aligned_free(ks), loom_aligned_free(vs);
+        loom_aligned_free(x), loom_aligned_free(rows);
+    }
+    loom_backend_destroy(&be);
+}
+
 static void test_kv_v_dim(void) {
     static const int vds[] = {16, 8, 13}, groups[] = {1, 3};
     unsigned long long st = 23;
@@ -1526,6 +1595,7 @@ int main(void) {
     RUN(test_attention);
     RUN(test_kv_v_dim);
     RUN(test_attention_lse);
+    RUN(test_attn_merge_gather);
     RUN(test_softcap);
     RUN(test_swiglu_clamp);
     RUN(test_act_mul);

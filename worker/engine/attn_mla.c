@@ -315,7 +315,7 @@ loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly,
     return s;
 }
 
-/* ---- the decompressed prefill (opt.mla_prefill_rows; CPU) -------------------------------------------- */
+/* ---- the decompressed prefill (opt.mla_prefill_rows) ------------------------------------------------- */
 
 #ifndef LOOM_MLA_PREFILL_ROWS_DEFAULT
 #define LOOM_MLA_PREFILL_ROWS_DEFAULT 0
@@ -324,7 +324,12 @@ loom_status_t loom_blk_attn_mla_load(loom_loader_t *L, int gl, loom_layer_t *ly,
 int loom_blk_attn_mla_prefill_rows(const loom_model_t *m, const loom_model_options_t *opt) {
     const loom_model_config_t *c = &m->cfg;
     if (!c->deepseek || m->opt.mla_disable || opt->max_loras > 0 || !loom_backend_attn_lse_supported(m->be) ||
-        !loom_backend_kv_v_dim(m->be) || (c->qk_nope_head_dim + c->qk_rope_head_dim) % 2 || opt->mla_prefill_rows < 0)
+        !loom_backend_kv_v_dim(m->be) || !loom_backend_kv_gather_supported(m->be) ||
+        (c->qk_nope_head_dim + c->qk_rope_head_dim) % 2 || opt->mla_prefill_rows < 0)
+        return 0;
+    /* CUDA's kernels for V rows of their own width stop at 256 (docs/cuda.md): wider heads stay absorbed */
+    if (loom_backend_kind(m->be) == LOOM_DEVICE_CUDA &&
+        (c->qk_nope_head_dim + c->qk_rope_head_dim > 256 || c->v_head_dim > 256))
         return 0;
     if (opt->mla_prefill_rows > 0) return opt->mla_prefill_rows;
     const char *e = getenv("LOOM_MLA_PREFILL_ROWS");
@@ -335,12 +340,11 @@ int loom_blk_attn_mla_prefill_rows(const loom_model_t *m, const loom_model_optio
 /* The end of the run of rows from i: the same sequence at consecutive positions. */
 static int dec_run_end(const loom_step_ops_t *so, int i) {
     int e = i + 1;
-    while (e < so->n && so->d_seq[e] == so->d_seq[i] && so->d_pos[e] == so->d_pos[e - 1] + 1) e++;
+    while (e < so->n && so->h_seq[e] == so->h_seq[i] && so->h_pos[e] == so->h_pos[e - 1] + 1) e++;
     return e;
 }
 
-/* Whether any run of the step is long enough to attend decompressed (the CPU backend: the step's
- * metadata is host memory). */
+/* Whether any run of the step is long enough to attend decompressed (the step's host metadata). */
 static int dec_any(const loom_model_t *m, const loom_step_ops_t *so) {
     for (int i = 0; i < so->n;) {
         const int e = dec_run_end(so, i);
@@ -388,36 +392,18 @@ static loom_status_t dec_scratch(loom_model_t *m, dec_scratch_t *sc, loom_err_t 
     sc->bt = (int32_t *)p;
     if (!fresh) return LOOM_OK;
     /* the identity block table, one sequence; the RoPE table of a qk-wide head: the rope pairs' frequencies
-     * (the cache row's table, whose pairs past rope/2 are the latent's, unturned), 0 past them */
-    for (int64_t b = 0; b < nb; b++) sc->bt[b] = (int32_t)b;
-    memset(sc->seq, 0, (size_t)T * sizeof *sc->seq);
+     * (the cache row's table, whose pairs past rope/2 are the latent's, unturned), 0 past them. Device
+     * memory: filled through the backend (a host staging of nb entries, freed at once: once per model) */
+    int32_t *ident = loom_xmalloc((size_t)nb * sizeof *ident);
+    for (int64_t b = 0; b < nb; b++) ident[b] = (int32_t)b;
+    loom_backend_upload(m->be, sc->bt, ident, (size_t)nb * sizeof *ident);
+    free(ident);
+    loom_backend_memset(m->be, sc->seq, 0, (size_t)T * sizeof *sc->seq);
     const int pr = c->qk_rope_head_dim / 2;
-    for (int64_t j = 0; j < qk / 2; j++) sc->freq[j] = j < pr ? m->inv_freq[j] : 0.0f;
+    loom_backend_memset(m->be, sc->freq, 0, (size_t)(qk / 2) * sizeof(float));
+    loom_backend_copy(m->be, sc->freq, m->inv_freq, (size_t)pr * sizeof(float));
+    m->mla_dec_pos = loom_xmalloc((size_t)T * sizeof *m->mla_dec_pos);
     return LOOM_OK;
-}
-
-/* Context positions [p0, p0 + cn) of sequence s from the latent cache into float rows (cn, D). */
-static void dec_gather(const loom_model_t *m, const loom_kv_layer_t *kv, const int32_t *bt, int p0, int cn,
-                       float *rows) {
-    const int D = m->cfg.head_dim, B = m->block_size;
-    for (int p = p0; p < p0 + cn; p++) {
-        const int64_t slot = (int64_t)bt[p / B] * B + p % B, e = loom_kv_row(kv, slot, D);
-        float *dst = rows + (int64_t)(p - p0) * D;
-        if (kv->dtype == LOOM_DT_F32) {
-            memcpy(dst, (const float *)kv->k + e, (size_t)D * sizeof(float));
-        } else if (kv->dtype == LOOM_DT_BF16) {
-            const uint16_t *src = (const uint16_t *)kv->k + e;
-            for (int j = 0; j < D; j++) {
-                uint32_t u = (uint32_t)src[j] << 16;
-                memcpy(&dst[j], &u, sizeof u);
-            }
-        } else {
-            LOOM_ASSERT(kv->dtype == LOOM_DT_I8);
-            const int8_t *src = (const int8_t *)kv->k + e;
-            const float sc = kv->k_scale[loom_kv_scale_row(kv, slot, 1)];
-            for (int j = 0; j < D; j++) dst[j] = (float)src[j] * sc;
-        }
-    }
 }
 
 /* Rows [i0, i1) of the step, one sequence at consecutive positions, attend decompressed: their queries
@@ -432,16 +418,17 @@ static void dec_run(loom_model_t *m, const loom_step_ops_t *so, int l, const loo
     const loom_layer_t *ly = &m->layers[l];
     const int Hr = m->dims.n_heads, qk = c->qk_nope_head_dim + c->qk_rope_head_dim, v = c->v_head_dim;
     const int zdim = loom_blk_attn_mla_zdim(c, &m->dims), nr = i1 - i0, C = m->mla_dec_chunk;
-    const int first = so->d_pos[i0], ctx = so->d_pos[i1 - 1] + 1;
-    const int32_t *bt = so->d_bt + (int64_t)so->d_seq[i0] * so->max_blocks;
+    const int first = so->h_pos[i0], ctx = so->h_pos[i1 - 1] + 1;
+    const int32_t *bt = so->d_bt + (int64_t)so->h_seq[i0] * so->max_blocks; /* device */
     loom_op_matmul(be, sc->q, m->mla_z + (int64_t)i0 * zdim, &ly->mla_dq, nr);
     loom_op_rope(be, sc->q, Hr * qk, nr, Hr, qk, so->d_pos + i0, sc->freq);
     for (int p0 = 0; p0 < ctx; p0 += C) {
         const int cn = LOOM_MIN(C, ctx - p0), j0 = LOOM_MAX(0, p0 - first); /* rows before j0 see none of it */
-        dec_gather(m, &ly->kv, bt, p0, cn, sc->rows);
+        loom_op_kv_gather(be, &ly->kv, bt, p0, cn, 1, c->head_dim, sc->rows);
         loom_op_matmul(be, sc->k, sc->rows, &ly->mla_dk, cn);
         loom_op_matmul(be, sc->v, sc->rows, &ly->mla_dv, cn);
-        for (int j = j0; j < nr; j++) sc->pos[j - j0] = LOOM_MIN(first + j - p0, cn - 1);
+        for (int j = j0; j < nr; j++) m->mla_dec_pos[j - j0] = LOOM_MIN(first + j - p0, cn - 1);
+        loom_backend_upload(be, sc->pos, m->mla_dec_pos, (size_t)(nr - j0) * sizeof *sc->pos);
         const int merge = p0 > 0;
         loom_attn_args_t a = {
             .n = nr - j0,
@@ -463,17 +450,9 @@ static void dec_run(loom_model_t *m, const loom_step_ops_t *so, int l, const loo
             .lse = (merge ? sc->lse : sc->lse_run) + (int64_t)j0 * Hr,
         };
         loom_op_attention(be, &a);
-        if (!merge) continue;
-        for (int j = j0; j < nr; j++) /* online softmax across chunks: weigh each part by its exp(lse) */
-            for (int h = 0; h < Hr; h++) {
-                float *la = &sc->lse_run[(int64_t)j * Hr + h];
-                const float lb = sc->lse[(int64_t)j * Hr + h], mx = LOOM_MAX(*la, lb);
-                const float wa = expf(*la - mx), wb = expf(lb - mx), inv = 1.0f / (wa + wb);
-                float *oa = out + ((int64_t)j * Hr + h) * v;
-                const float *ob = sc->o + ((int64_t)j * Hr + h) * v;
-                for (int k = 0; k < v; k++) oa[k] = (oa[k] * wa + ob[k] * wb) * inv;
-                *la = mx + logf(wa + wb);
-            }
+        if (merge) /* online softmax across chunks: weigh each part by its exp(lse) */
+            loom_op_attn_merge(be, out + (int64_t)j0 * Hr * v, sc->lse_run + (int64_t)j0 * Hr,
+                               sc->o + (int64_t)j0 * Hr * v, sc->lse + (int64_t)j0 * Hr, nr - j0, Hr, v);
     }
 }
 

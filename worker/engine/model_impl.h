@@ -109,6 +109,7 @@ struct loom_model {
     float *mtp_in;                     /* (max_tokens, dim) activations: the caller's h rows */
     float *mla_dec;      /* MLA's decompressed prefill: its scratch (attn_mla.c), allocated on first use */
     int mla_dec_chunk;   /* context tokens decompressed at a time */
+    int32_t *mla_dec_pos; /* (max_tokens) host: a chunk's query positions before their upload */
     int32_t *mla_sel;                  /* MLA split: (max_tokens * n_heads) device, pair p reads head p % n_heads */
     const int32_t *mtp_pos;            /* host positions of the step's rows (a row at 0 reads no embedding) */
     int mtp_n;                         /* the step's rows before padding */
@@ -236,6 +237,7 @@ typedef struct loom_blk_adapters loom_blk_adapters_t;
 typedef struct loom_step_ops {
     int n, nl, max_blocks, max_ctx;
     const int32_t *d_tok, *d_pos, *d_slots, *d_seq, *d_rows, *d_bt;
+    const int32_t *h_pos, *h_seq; /* host copies of d_pos and d_seq (n each): for choices made between ops */
     const loom_blk_adapters_t *adapters; /* the step's low-rank deltas per row: NULL when no row has one */
     /* data-parallel attention (attn_dp.c): this rank's sub-batch, whose ops the attention block runs on
      * (NULL: none); its tokens' rows of the batch (dp->n of them), and each batch row's index among them
