@@ -9,13 +9,14 @@ decodes stay absorbed.
   (a second request sharing the long prompt), TP 2, KV f32, bf16 and int8: the ids of loom run absorbed.
 """
 import os
+import subprocess
 import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import Cluster, check, run_local, run_tests  # noqa: E402
+from harness import BIN, Cluster, check, parse_ids, run_local, run_tests  # noqa: E402
 import test_deepseek  # noqa: E402
 from test_deepseek import ref_logits, v2lite, v3  # noqa: E402
 import test_models  # noqa: E402
@@ -68,6 +69,15 @@ def test_chunked_prefix_kv_dtypes():
         kvargs = ["--kv-cache-dtype", kv] if kv else []
         mode(False)
         expect = [run_local(v3(), p, n_tok, extra=["--ignore-eos"] + kvargs)[1] for p in (LONG, second)]
+        if kv is None:  # a value that is not a row count: said, and the prefill stays absorbed
+            os.environ["LOOM_MLA_PREFILL_ROWS"] = "2x"
+            r = subprocess.run([os.path.join(BIN, "loom"), "run", "--model", v3(), "--prompt", LONG, "--max-tokens",
+                                str(n_tok), "--temperature", "0", "--threads", "1", "--ids", "--ignore-eos"],
+                               capture_output=True, text=True, timeout=120)
+            check(r.returncode == 0 and "LOOM_MLA_PREFILL_ROWS='2x' is not a row count" in r.stderr
+                  and "prefill decompressed" not in r.stderr, "LOOM_MLA_PREFILL_ROWS=2x: %s" % r.stderr[-2000:])
+            check(parse_ids(r.stderr) == expect[0], "LOOM_MLA_PREFILL_ROWS=2x: ids %s, absorbed %s"
+                  % (parse_ids(r.stderr), expect[0]))
         mode(True)
         with Cluster(v3(), 2, 1, coord_args=["--block-size", "16", "--max-num-batched-tokens", "24"] + kvargs) as c:
             for p, want in zip((LONG, second), expect):

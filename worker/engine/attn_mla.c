@@ -26,6 +26,7 @@
  * every TP rank (replicated); each rank's B and o' make only its heads.
  * worker/mla.c is the plain reference of both the absorbed and the
  * decompressed path. */
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -333,8 +334,14 @@ int loom_blk_attn_mla_prefill_rows(const loom_model_t *m, const loom_model_optio
         return 0;
     if (opt->mla_prefill_rows > 0) return opt->mla_prefill_rows;
     const char *e = getenv("LOOM_MLA_PREFILL_ROWS");
-    const int rows = e && *e ? atoi(e) : LOOM_MLA_PREFILL_ROWS_DEFAULT;
-    return rows > 0 ? rows : 0;
+    if (!e || !*e) return LOOM_MLA_PREFILL_ROWS_DEFAULT > 0 ? LOOM_MLA_PREFILL_ROWS_DEFAULT : 0;
+    char *end;
+    const long rows = strtol(e, &end, 10);
+    if (*end || rows < 0 || rows > INT_MAX) {
+        LOOM_WARN("LOOM_MLA_PREFILL_ROWS='%s' is not a row count (an integer >= 0); the prefill stays absorbed", e);
+        return 0;
+    }
+    return (int)rows;
 }
 
 /* The end of the run of rows from i: the same sequence at consecutive positions. */
