@@ -808,8 +808,9 @@ static loom_status_t dp_attention_check(loom_server_t *s, loom_err_t *err) {
         return LOOM_OK;
     }
     const char *no = !s->mcfg.deepseek ? "a model other than DeepSeek's MLA (model_type '%s')"
-                     : c->kv_offload_dir || c->kv_offload_host_bytes ? "the KV offload tiers (--kv-offloading-dir, "
-                                                                        "--kv-offloading-size, --kv-transfer-config)"
+                     : c->kv_offload_dir || c->kv_offload_host_bytes ||
+                             c->kv_transfer.transport == LOOM_KV_TRANSPORT_TCP
+                         ? "the KV offload tiers (--kv-offloading-dir, --kv-offloading-size, --kv-transfer-config)"
                      : c->spec.method == LOOM_SPEC_MTP ? "--speculative-method mtp"
                      : c->max_loras > 0 ? "LoRA adapters (--enable-lora, --max-loras)"
                                         : NULL;

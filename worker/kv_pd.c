@@ -27,7 +27,8 @@ static const char *kv_dtype_name(loom_dtype_t t) {
 int loom_kv_pd_ident(loom_model_t *m, uint64_t model, int tp_rank, int tp_size, int stage, int n_stages,
                      int layer_begin, int layer_end, loom_kv_ident_t *id, loom_kv_span_fmt_t *fmt) {
     size_t codes = 0, scales = 0;
-    if (!loom_model_kv_span_pieces(m, &codes, &scales)) return 0;
+    const int arrays = loom_model_kv_span_pieces(m, &codes, &scales);
+    if (!arrays) return 0;
     const loom_model_config_t *c = loom_model_config(m);
     const loom_shard_dims_t *d = loom_model_dims(m);
     const loom_dtype_t dt = loom_model_kv_dtype(m);
@@ -38,7 +39,10 @@ int loom_kv_pd_ident(loom_model_t *m, uint64_t model, int tp_rank, int tp_size, 
     id->layer_begin = (uint32_t)layer_begin;
     id->layer_end = (uint32_t)layer_end;
     id->block_size = (uint32_t)loom_model_kv_block_size(m);
-    id->layout = loom_model_kv_block_contiguous(m) ? LOOM_KV_LAYOUT_CONTIGUOUS : LOOM_KV_LAYOUT_LAYER_MAJOR;
+    /* latent (MLA): one KV head, the latent row, on every rank (kv_head_begin 0: replicated) */
+    id->layout = arrays == 1                        ? LOOM_KV_LAYOUT_LATENT
+                 : loom_model_kv_block_contiguous(m) ? LOOM_KV_LAYOUT_CONTIGUOUS
+                                                     : LOOM_KV_LAYOUT_LAYER_MAJOR;
     id->n_kv_heads = (uint32_t)c->n_kv_heads;
     id->head_dim = (uint32_t)c->head_dim;
     id->kv_head_begin = (uint32_t)d->kv_head_begin;
@@ -50,21 +54,25 @@ int loom_kv_pd_ident(loom_model_t *m, uint64_t model, int tp_rank, int tp_size, 
     *fmt = (loom_kv_span_fmt_t){.n_layers = d->n_layers, .block_size = (int)id->block_size,
                                 .n_heads = d->n_kv_heads,
                                 .head_bytes = (size_t)c->head_dim * loom_dtype_size(dt), .codes = codes,
-                                .scales = scales};
+                                .scales = scales, .latent = arrays == 1};
     return 1;
 }
 
-static size_t span_bytes(const loom_kv_span_fmt_t *f) { return (size_t)f->n_layers * 2 * (f->codes + f->scales); }
+static size_t span_bytes(const loom_kv_span_fmt_t *f) { return loom_kv_span_bytes(f); }
 
-/* The service's read: a block-contiguous pool is host memory the service
- * may read beside the steps (a held block is written by none of them). */
+/* The service's read: the pool is host memory (the CPU backend's) the
+ * service may read beside the steps (a held block is written by none of
+ * them); a block-contiguous one with one copy, a layer-major one (the
+ * latent layout) packed a layer at a time (loom_model_kv_block_xfer:
+ * memcpy on the CPU backend, which has no transfer stream). */
 static loom_status_t serve_read(void *ctx, int32_t block, void *host, loom_err_t *err) {
     loom_kv_pd_t *p = ctx;
     if (p->serve_delay_ms > 0) usleep((useconds_t)p->serve_delay_ms * 1000u); /* a test's: a kill lands mid-read */
-    const void *src = loom_model_kv_block_ptr(p->model, block);
-    if (!src)
+    if (block < 0 || block >= loom_model_kv_blocks(p->model))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "block %d is not one of this pool's", block);
-    memcpy(host, src, span_bytes(&p->fmt));
+    const void *src = loom_model_kv_block_ptr(p->model, block);
+    if (src) memcpy(host, src, span_bytes(&p->fmt));
+    else loom_model_kv_block_xfer(p->model, block, host, 1);
     return LOOM_OK;
 }
 
@@ -121,9 +129,9 @@ loom_status_t loom_kv_pd_config(loom_kv_pd_t *p, int mode, uint64_t epoch, loom_
     const char *delay = getenv("LOOM_TEST_KV_SERVE_DELAY_MS");
     p->serve_delay_ms = delay ? atoi(delay) : 0;
     if (mode & LOOM_KV_PD_SERVE) {
-        if (id->layout != LOOM_KV_LAYOUT_CONTIGUOUS)
-            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "transport tcp: serving a layer-major KV pool (CUDA) "
-                                "is not built; the prefill side runs on a block-contiguous pool (CPU)");
+        if (strcmp(loom_backend_name(be), "cpu"))
+            return loom_err_set(err, LOOM_ERR_UNSUPPORTED, "transport tcp: serving a KV pool in device memory "
+                                "(%s) is not built; the prefill side runs on the cpu backend", loom_backend_name(be));
         loom_kv_service_config_t c = {.host = host, .ident = *id, .fmt = *fmt, .secret = secret,
                                       .secret_len = secret_len, .read = serve_read, .peek = serve_peek,
                                       .done = serve_done, .ctx = p};
@@ -177,9 +185,11 @@ static void fill_block(loom_kv_pd_t *p, int32_t block, const uint8_t *slice, int
         loom_kv_slice_unpack(&p->fmt, slice, h0, n, direct);
         return;
     }
-    loom_backend_xfer_begin(p->be);
-    loom_model_kv_block_xfer(p->model, block, p->stage, 1);
-    loom_backend_xfer_end(p->be);
+    if (n < p->fmt.n_heads) { /* the block's other heads kept: read it first (a whole block, the latent's: not) */
+        loom_backend_xfer_begin(p->be);
+        loom_model_kv_block_xfer(p->model, block, p->stage, 1);
+        loom_backend_xfer_end(p->be);
+    }
     loom_kv_slice_unpack(&p->fmt, slice, h0, n, p->stage);
     loom_backend_xfer_begin(p->be);
     loom_model_kv_block_xfer(p->model, block, p->stage, 0);
@@ -206,11 +216,18 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
     uint64_t deadline = loom_comm_deadline(PULL_TIMEOUT_MS);
     loom_status_t st = LOOM_OK;
     char addr[512];
-    for (const char *a = addrs; *a && st == LOOM_OK;) {
+    /* the latent KV is the same on every prefill rank: decode rank r starts at rank r mod their count, so a
+     * TP decode group spreads its reads (per-head KV: rank order, each rank's heads where they are) */
+    int n_addr = 1, start = 0;
+    for (const char *c = addrs; *c; c++) n_addr += *c == ',';
+    if (p->ident.layout == LOOM_KV_LAYOUT_LATENT) start = (int)(p->ident.tp_rank % (uint32_t)n_addr);
+    for (int k = 0; k < n_addr && st == LOOM_OK; k++) {
+        const char *a = addrs;
+        for (int skip = (start + k) % n_addr; skip > 0; skip--) a = strchr(a, ',') + 1;
         const char *end = strchr(a, ',');
         size_t len = end ? (size_t)(end - a) : strlen(a);
+        if (!len) continue;
         snprintf(addr, sizeof addr, "%.*s", (int)LOOM_MIN(len, sizeof addr - 1), a);
-        a += len + (end ? 1 : 0);
         int need = 0;
         for (int h = 0; h < nh; h++) need |= !covered[h];
         if (!need) break;

@@ -4,7 +4,7 @@
  * coordinator holds (KvHold) and telling it of reads (KvRead); on a decode
  * replica, the step plan's pulls (StepPlan.kv_pull_*) into this shard's
  * pool, each rank reading the KV heads it holds from the prefill ranks that
- * hold them.
+ * hold them (the latent KV, MLA, whole from one rank: it is replicated).
  *
  * Threads: config and pulls run on the compute thread; holds and the reads
  * reported are taken by the reactor; the service runs its own thread. The
@@ -51,7 +51,8 @@ typedef struct loom_kv_pd {
 void loom_kv_pd_init(loom_kv_pd_t *p);
 
 /* The shard's identity for the handshake (model: the coordinator's tier
- * seed); 0 when its KV cannot be moved this way (the latent layout). */
+ * seed; the latent layout, MLA: one replicated head of the latent row);
+ * 0 when its KV cannot be moved this way (decompressed MLA's narrower V). */
 int loom_kv_pd_ident(loom_model_t *m, uint64_t model, int tp_rank, int tp_size, int stage, int n_stages,
                      int layer_begin, int layer_end, loom_kv_ident_t *id, loom_kv_span_fmt_t *fmt);
 

@@ -80,6 +80,17 @@ int loom_kv_ident_mismatch(const loom_kv_ident_t *a, const loom_kv_ident_t *b, c
         snprintf(msg, cap, "kv_dtype: %.8s here, %.8s there", a->dtype, b->dtype);
         return 1;
     }
+    const int la = a->layout == LOOM_KV_LAYOUT_LATENT, lb = b->layout == LOOM_KV_LAYOUT_LATENT;
+    if (la != lb) {
+        snprintf(msg, cap, "layout: %s here, %s there", la ? "the latent KV (MLA)" : "per-head K and V",
+                 lb ? "the latent KV (MLA)" : "per-head K and V");
+        return 1;
+    }
+    if (la && a->head_dim != b->head_dim) {
+        snprintf(msg, cap, "head_dim: a latent row (kv_lora_rank + qk_rope_head_dim) of %u here, %u there",
+                 a->head_dim, b->head_dim);
+        return 1;
+    }
     const struct {
         const char *name;
         uint32_t x, y;
@@ -92,27 +103,30 @@ int loom_kv_ident_mismatch(const loom_kv_ident_t *a, const loom_kv_ident_t *b, c
             snprintf(msg, cap, "%s: %u here, %u there", f[i].name, f[i].x, f[i].y);
             return 1;
         }
-    if (a->layout == LOOM_KV_LAYOUT_LATENT || b->layout == LOOM_KV_LAYOUT_LATENT) {
-        snprintf(msg, cap, "layout: the latent KV (MLA) is not served over transport tcp");
-        return 1;
-    }
     return 0;
 }
 
 /* ---- slices ---- */
 
+/* Arrays a layer keeps: K and V, or the latent row alone. */
+static size_t kv_arrays(const loom_kv_span_fmt_t *f) { return f->latent ? 1 : 2; }
+
+size_t loom_kv_span_bytes(const loom_kv_span_fmt_t *f) {
+    return (size_t)f->n_layers * kv_arrays(f) * (f->codes + f->scales);
+}
+
 size_t loom_kv_slice_bytes(const loom_kv_span_fmt_t *f, int n) {
     size_t per = (size_t)f->block_size * (size_t)n;
-    return (size_t)f->n_layers * 2 * per * (f->head_bytes + (f->scales ? sizeof(float) : 0));
+    return (size_t)f->n_layers * kv_arrays(f) * per * (f->head_bytes + (f->scales ? sizeof(float) : 0));
 }
 
 /* Moves heads [h0, h0 + n) between a span and a slice (to_slice 1: span -> slice). */
 static void slice_move(const loom_kv_span_fmt_t *f, uint8_t *span, int h0, int n, uint8_t *slice, int to_slice) {
-    const size_t B = (size_t)f->block_size, H = (size_t)f->n_heads;
+    const size_t B = (size_t)f->block_size, H = (size_t)f->n_heads, A = kv_arrays(f);
     for (int l = 0; l < f->n_layers; l++) {
-        uint8_t *layer = span + (size_t)l * 2 * (f->codes + f->scales);
-        for (int kv = 0; kv < 2; kv++) { /* K codes, V codes */
-            uint8_t *piece = layer + (size_t)kv * f->codes;
+        uint8_t *layer = span + (size_t)l * A * (f->codes + f->scales);
+        for (size_t kv = 0; kv < A; kv++) { /* K codes, V codes (latent: the rows) */
+            uint8_t *piece = layer + kv * f->codes;
             for (size_t t = 0; t < B; t++) {
                 uint8_t *at = piece + (t * H + (size_t)h0) * f->head_bytes;
                 size_t len = (size_t)n * f->head_bytes;
@@ -122,8 +136,8 @@ static void slice_move(const loom_kv_span_fmt_t *f, uint8_t *span, int h0, int n
             }
         }
         if (!f->scales) continue;
-        for (int kv = 0; kv < 2; kv++) { /* K scales, V scales */
-            uint8_t *piece = layer + 2 * f->codes + (size_t)kv * f->scales;
+        for (size_t kv = 0; kv < A; kv++) { /* K scales, V scales (latent: the rows') */
+            uint8_t *piece = layer + A * f->codes + kv * f->scales;
             for (size_t t = 0; t < B; t++) {
                 uint8_t *at = piece + (t * H + (size_t)h0) * sizeof(float);
                 size_t len = (size_t)n * sizeof(float);
@@ -447,7 +461,7 @@ loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_k
         free(s);
         return loom_err_set(err, LOOM_ERR_INTERNAL, "kv service: pipe: %s", strerror(errno));
     }
-    size_t span = (size_t)cfg->fmt.n_layers * 2 * (cfg->fmt.codes + cfg->fmt.scales);
+    size_t span = loom_kv_span_bytes(&cfg->fmt);
     s->span = loom_xmalloc(span ? span : 1);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->held_cv, NULL);

@@ -24,7 +24,11 @@
  * A slice is a block's heads [h0, h1) of the acceptor's shard, packed
  * layout-free (loom_kv_slice_pack): so the two sides may differ in TP
  * (a decode rank reads the heads it holds from each prefill rank holding
- * them) and in layout (block-contiguous or layer-major). The acceptor
+ * them) and in layout (block-contiguous or layer-major). DeepSeek's latent
+ * KV (MLA, layout latent) is one "head" per layer and token, the latent
+ * row (kv_lora_rank + qk_rope_head_dim values) that is both K and V, the
+ * same on every TP rank (replicated): a slice is the whole block, read from
+ * any one rank of the acceptor's; both sides must be latent. The acceptor
  * serves only blocks held under the transfer id (loom_kv_service_hold:
  * the prefill's coordinator holds them until done or its lease ends). */
 #ifndef LOOM_WORKER_KV_XFER_H
@@ -55,21 +59,26 @@ enum { LOOM_KV_LAYOUT_CONTIGUOUS = 0, LOOM_KV_LAYOUT_LAYER_MAJOR = 1, LOOM_KV_LA
 
 /* The first field that must agree and does not, written into msg as
  * "<field>: <ours> here, <theirs> there" (returns 1); 0 when they agree.
- * TP and layout may differ; the pipeline (pp_size and the stage's layers)
- * may not; the latent layout (MLA) is not served. */
+ * TP and the per-head layouts (block-contiguous, layer-major) may differ;
+ * the pipeline (pp_size and the stage's layers) may not, nor latent (MLA)
+ * against per-head K and V, nor the latent row's width (head_dim). */
 int loom_kv_ident_mismatch(const loom_kv_ident_t *ours, const loom_kv_ident_t *theirs, char *msg, size_t cap);
 
 /* A block as loom_model_kv_block_xfer packs it on the host, per layer: K
  * codes, V codes, K scales, V scales, each (block_size, n_heads, ...) token
- * major, each piece `codes` (or `scales`) bytes apart (padding included). */
+ * major, each piece `codes` (or `scales`) bytes apart (padding included).
+ * Latent (MLA): per layer one piece of codes, then one of scales (K is V). */
 typedef struct loom_kv_span_fmt {
     int n_layers, block_size, n_heads;
     size_t head_bytes;    /* one head's codes: head_dim x the element's size */
     size_t codes, scales; /* piece strides; scales 0: none (one float per token and head otherwise) */
+    int latent;           /* 1: one array a layer (the latent layout), 0: K and V */
 } loom_kv_span_fmt_t;
 
+/* Bytes of one block's span (all its layers). */
+size_t loom_kv_span_bytes(const loom_kv_span_fmt_t *f);
 /* Bytes of one block's slice of n heads: per layer K codes, V codes,
- * K scales, V scales, each (block_size, n) packed. */
+ * K scales, V scales (latent: codes, scales), each (block_size, n) packed. */
 size_t loom_kv_slice_bytes(const loom_kv_span_fmt_t *f, int n);
 /* Heads [h0, h0 + n) of a span into a slice, and a slice into heads
  * [h0, h0 + n) of a span (the rest of the span untouched). */

@@ -4,8 +4,9 @@ the prefill's blocks pulled worker to worker, no shared directory.
 - Flags: transport tcp needs no --kv-offloading-dir; without a secret file
   (or insecure: true, asked for by name) it is refused at start; a secret
   file too short, a bad transport and a bad lease_ms are refused naming the
-  field; transport dir (the default) still needs the directory; --pp 2 and
-  a consumer with --async-scheduling are refused by name (not built).
+  field; transport dir (the default) still needs the directory; --pp 2,
+  a consumer with --async-scheduling, MTP speculation and (DeepSeek)
+  --enable-dp-attention are refused by name (not built).
 - The prefill side holds its blocks (delayed free, the lease): a request
   with do_remote_decode answers vLLM's kv_transfer_params with
   remote_block_ids the pool's block ids (ints) and remote_block_hashes the
@@ -31,7 +32,10 @@ the prefill's blocks pulled worker to worker, no shared directory.
   killed (SIGKILL) during the decode's pull (each block served slowly by a
   test hook): recompute gives equal output, fail 503.
 - A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
-  reads each prefill rank's heads; outputs equal a unified replica's."""
+  reads each prefill rank's heads; outputs equal a unified replica's.
+- DeepSeek-V3's latent KV (MLA): a TP 1 prefill and a TP 2 decode (each
+  rank reads the whole replicated latent block): outputs equal a unified
+  replica's, at most one block of each prompt computed on the decode side."""
 import json
 import os
 import shutil
@@ -106,9 +110,9 @@ def refused(port, body, status, words):
           "%r: want %d with %r, got %d %r" % (body.get("kv_transfer_params"), status, words, st, data[:300]))
 
 
-def unified_outputs(bodies):
+def unified_outputs(bodies, model=STORIES):
     port = free_port()
-    with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+    with Cluster(model, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
                                             "--block-size", str(B)]):
         return [call(port, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
 
@@ -157,6 +161,34 @@ def test_pull():
                 refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_hashes[1]"])
                 refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_block_ids=kv["remote_block_ids"][:1])),
                         400, ["remote_block_ids"])
+
+
+def test_pull_deepseek():
+    """DeepSeek-V3's latent KV (MLA, one replicated row a token and layer):
+    a TP 1 prefill replica and a TP 2 decode replica (each rank reads the
+    whole latent block from the prefill's rank): greedy and seeded outputs
+    equal a unified replica's, the decode side computes at most one block of
+    each prompt, the prefill's blocks are freed once read."""
+    from test_deepseek import v3
+    model = v3()
+    work = workdir("loom-pd-mla-")
+    secret = secret_file(work)
+    bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in PD_PROMPTS[:2]]
+    bodies.append({"prompt": PD_PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "seed": 7})
+    unified = unified_outputs(bodies, model)
+    pport, dport = free_port(), free_port()
+    with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000, model=model), \
+            tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model):
+        for b, want in zip(bodies, unified):
+            kv, n_prompt = prefill(pport, b)
+            got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
+            check(got["choices"][0]["text"] == want, "MLA TP 2 decode %r != unified %r"
+                  % (got["choices"][0]["text"], want))
+            cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+            check(len(kv["remote_block_ids"]) > 0 and cached == len(kv["remote_block_ids"]) * B
+                  and n_prompt - cached <= B, "MLA decode computed %d of %d prompt tokens" % (n_prompt - cached,
+                                                                                           n_prompt))
+        wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == 0, 10, "the latent blocks freed once read")
 
 
 def test_failures():
@@ -273,7 +305,12 @@ def test_flags():
         (coord + cfg(secret_file=short), "transport tcp"),
         (coord + ["--pp", "2"] + cfg(transport="tcp", insecure=True), "--pp 1"),
         (coord + ["--async-scheduling"] + cfg(transport="tcp", insecure=True), "--async-scheduling"),
+        (coord + ["--speculative-method", "mtp"] + cfg(transport="tcp", insecure=True), "MTP module's latent cache"),
     ]
+    from test_deepseek import v3
+    mla = [a if a != STORIES else v3() for a in coord]
+    cases.append((mla + ["--tp", "2", "--enable-dp-attention"] + cfg(transport="tcp", insecure=True),
+                  "--enable-dp-attention does not serve the KV offload tiers"))
     for argv, words in cases:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         check(p.returncode != 0 and words in p.stderr, "%r: exit %d, %r" % (argv[-1], p.returncode, p.stderr[-300:]))
@@ -312,7 +349,7 @@ def test_lease():
 
 if __name__ == "__main__":
     try:
-        run_tests([test_flags, test_lease, test_pull, test_failures, test_router_tp2_prefill])
+        run_tests([test_flags, test_lease, test_pull, test_pull_deepseek, test_failures, test_router_tp2_prefill])
     finally:
         for d in _WORK:
             shutil.rmtree(d, ignore_errors=True)

@@ -18,11 +18,11 @@
 
 /* A span of fmt filled with a pattern of (block, byte) */
 static void fill(const loom_kv_span_fmt_t *f, int block, uint8_t *span) {
-    size_t n = (size_t)f->n_layers * 2 * (f->codes + f->scales);
+    size_t n = loom_kv_span_bytes(f);
     for (size_t i = 0; i < n; i++) span[i] = (uint8_t)(i * 7 + (size_t)block * 31 + 1);
 }
 
-static size_t span_bytes(const loom_kv_span_fmt_t *f) { return (size_t)f->n_layers * 2 * (f->codes + f->scales); }
+static size_t span_bytes(const loom_kv_span_fmt_t *f) { return loom_kv_span_bytes(f); }
 
 /* Byte offset of (layer, piece 0..3, token, head, byte) in a span. */
 static size_t at(const loom_kv_span_fmt_t *f, int l, int piece, int t, int h, size_t b) {
@@ -87,6 +87,12 @@ static loom_kv_ident_t ident(void) {
     return id;
 }
 
+static loom_kv_ident_t latent_ident(void) {
+    loom_kv_ident_t id = ident();
+    id.layout = LOOM_KV_LAYOUT_LATENT, id.n_kv_heads = 1, id.head_dim = 576, id.kv_head_end = 1;
+    return id;
+}
+
 static void test_ident(void) {
     loom_kv_ident_t a = ident(), b = ident();
     char msg[256];
@@ -102,7 +108,37 @@ static void test_ident(void) {
     b = ident(), b.pp_size = 2;
     CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "pp_size"));
     b = ident(), b.layout = LOOM_KV_LAYOUT_LATENT;
-    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "latent"));
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) &&
+          strstr(msg, "layout: per-head K and V here, the latent KV (MLA) there"));
+    /* latent (MLA): one replicated head on every rank; TP may differ, the row's width may not */
+    loom_kv_ident_t la = latent_ident(), lb = latent_ident();
+    lb.tp_size = 2, lb.tp_rank = 1;
+    CHECK(!loom_kv_ident_mismatch(&la, &lb, msg, sizeof msg));
+    CHECK(loom_kv_ident_mismatch(&la, &a, msg, sizeof msg) &&
+          strstr(msg, "layout: the latent KV (MLA) here, per-head K and V there"));
+    lb = latent_ident(), lb.head_dim = 512;
+    CHECK(loom_kv_ident_mismatch(&la, &lb, msg, sizeof msg) &&
+          strstr(msg, "head_dim: a latent row (kv_lora_rank + qk_rope_head_dim) of 576 here, 512 there"));
+}
+
+/* The latent layout: one array a layer (codes, then scales), a slice of its one head is the whole block. */
+static void test_latent_slices(void) {
+    loom_kv_span_fmt_t f = {.n_layers = 2, .block_size = 3, .n_heads = 1, .head_bytes = 10, .codes = 30,
+                            .scales = 12, .latent = 1};
+    CHECK(loom_kv_span_bytes(&f) == 2 * (30 + 12) && loom_kv_slice_bytes(&f, 1) == 2 * 3 * (10 + 4));
+    uint8_t span[84], slice[84], back[84] = {0};
+    fill(&f, 5, span);
+    loom_kv_slice_pack(&f, span, 0, 1, slice);
+    CHECK(!memcmp(slice, span, sizeof span)); /* unpadded: the span itself */
+    /* padded pieces (a pool's alignment) into an unpadded span and back */
+    loom_kv_span_fmt_t pad = f;
+    pad.codes = 64, pad.scales = 16;
+    uint8_t padded[2 * 80] = {0};
+    loom_kv_slice_unpack(&pad, slice, 0, 1, padded);
+    CHECK(padded[80 + 64 + 11] == span[42 + 30 + 11] && padded[80 + 29] == span[42 + 29] && padded[80 + 30] == 0);
+    loom_kv_slice_pack(&pad, padded, 0, 1, slice);
+    loom_kv_slice_unpack(&f, slice, 0, 1, back);
+    CHECK(!memcmp(back, span, sizeof span));
 }
 
 typedef struct served {
@@ -223,9 +259,56 @@ static void test_service(void) {
     free(got), free(want), free(span), free(sv.pool);
 }
 
+/* A latent service: a TP=2 rank (kv_head 0 of 1, replicated) reads whole blocks; a per-head puller and a latent
+ * one of another row width are refused naming the field. */
+static void test_latent_service(void) {
+    served_t sv = {.fmt = {.n_layers = 2, .block_size = 3, .n_heads = 1, .head_bytes = 10, .codes = 32,
+                           .scales = 12, .latent = 1}};
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = latent_ident(), .fmt = sv.fmt, .secret = K,
+                                  .secret_len = sizeof K - 1, .read = read_block, .done = on_done, .ctx = &sv,
+                                  .hold_wait_ms = 50};
+    loom_kv_service_t *s = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
+    if (!s) return;
+    int32_t held[2] = {4, 1};
+    loom_kv_service_hold(s, 0x77, held, 2);
+    loom_kv_ident_t ours = latent_ident(), theirs;
+    ours.tp_size = 2, ours.tp_rank = 1;
+    int fd = -1;
+    uint64_t dl = loom_comm_deadline(10000);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) == LOOM_OK);
+    CHECK(theirs.layout == LOOM_KV_LAYOUT_LATENT && theirs.kv_head_end == 1);
+    const size_t one = loom_kv_slice_bytes(&sv.fmt, 1);
+    uint8_t got[2 * 2 * 3 * 14], span[2 * 44], want[2 * 3 * 14];
+    CHECK(sizeof got == 2 * one);
+    CHECK(loom_kv_pull_read(fd, 0x77, held, 2, 0, 1, got, 2 * one, dl, &err) == LOOM_OK);
+    for (int i = 0; i < 2; i++) {
+        fill(&sv.fmt, held[i], span);
+        loom_kv_slice_pack(&sv.fmt, span, 0, 1, want);
+        CHECK(!memcmp(got + (size_t)i * one, want, one));
+    }
+    CHECK(loom_kv_pull_read(fd, 0x77, held, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    close(fd);
+    loom_kv_ident_t per_head = ident();
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &per_head, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+              LOOM_ERR_INVALID_ARGUMENT &&
+          strstr(err.msg, "layout: per-head K and V here, the latent KV (MLA) there"));
+    loom_kv_ident_t wide = latent_ident();
+    wide.head_dim = 640;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &wide, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+              LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "latent row") && strstr(err.msg, "640 here, 576 there"));
+    uint64_t refused = 0, blocks = 0;
+    loom_kv_service_counts(s, &refused, &blocks);
+    CHECK(blocks == 2 && sv.reads == 2);
+    loom_kv_service_destroy(&s);
+}
+
 int main(void) {
     RUN(test_slices);
     RUN(test_ident);
+    RUN(test_latent_slices);
     RUN(test_service);
+    RUN(test_latent_service);
     return test_summary();
 }
