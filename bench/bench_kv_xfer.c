@@ -1,5 +1,6 @@
 /* KV transfer over transport tcp (worker/kv_xfer.h) between two processes
- * on this host, against the raw TCP rate measured in the same run.
+ * on this host, over the socket and through shared memory, against the raw
+ * TCP rate measured in the same run.
  *
  * A child process runs the KV service over a fake pool of blocks of the 8B
  * shape (32 layers, 8 KV heads of 128, bf16, 16-token blocks: 2 MiB a block
@@ -9,8 +10,11 @@
  * child writes the same bytes down a plain TCP socket the parent reads into
  * one buffer. Both on loopback, nothing pinned: GB/s = bytes / time. The
  * service packs each block's slice straight from the pool (one copy, as a
- * worker's block-contiguous pool does) and the pull's caller would unpack
- * it (one copy, not timed here: bench what the wire carries). */
+ * worker's block-contiguous pool does): onto the socket (the tcp path: the
+ * kernel copies it out and into the puller's buffer), or into the puller's
+ * shared memory object (the shm path: made for the connection, so its pages
+ * are first touched in the read, as in a worker's pull); the pull's caller
+ * would unpack it (one copy, not timed here: bench what the wire carries). */
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -107,16 +111,12 @@ int main(void) {
     int32_t ids[N_POOL];
     for (int i = 0; i < N_POOL; i++) ids[i] = i;
     loom_err_t err = {0};
-    loom_kv_ident_t ours = ident(), theirs;
-    int fd = -1;
-    if (loom_kv_pull_open(addrs, &ours, K, sizeof K - 1, loom_comm_deadline(10000), &fd, &theirs, &err) < 0) {
-        fprintf(stderr, "bench_kv_xfer: %s\n", err.msg);
-        return 1;
-    }
-    printf("KV transfer over tcp on loopback: %d blocks of %.1f MiB a read (the 8B shape's block, bf16), %d rounds\n",
+    printf("KV transfer on loopback: %d blocks of %.1f MiB a read (the 8B shape's block, bf16), %d rounds; each "
+           "round a connection per path (as a decode worker makes one per source and step)\n",
            N_POOL, (double)span() / 1048576.0, ROUNDS);
-    double best_raw = 0, best_all = 0, best_half = 0;
+    double best_raw = 0, best[2][2] = {{0}}; /* [tcp, shm][all heads, half] */
     loom_kv_span_fmt_t f = fmt();
+    const size_t all_bytes = loom_kv_slice_bytes(&f, HEADS) * N_POOL, half = loom_kv_slice_bytes(&f, HEADS / 2) * N_POOL;
     for (int r = 0; r < ROUNDS; r++) {
         uint64_t t0 = loom_now_ns();
         int rfd = -1;
@@ -126,31 +126,42 @@ int main(void) {
             return 1;
         }
         close(rfd);
-        double raw = (double)bytes / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9;
-        t0 = loom_now_ns();
-        if (loom_kv_pull_read(fd, 7, ids, N_POOL, 0, HEADS, buf, loom_kv_slice_bytes(&f, HEADS) * N_POOL,
-                              loom_comm_deadline(60000), &err) < 0) {
-            fprintf(stderr, "bench_kv_xfer: %s\n", err.msg);
-            return 1;
+        double raw = (double)bytes / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9, gbs[2][2];
+        for (int path = 0; path < 2; path++) {
+            loom_kv_ident_t ours = ident(), theirs;
+            loom_kv_pull_t *c = NULL;
+            if (loom_kv_pull_open(addrs, &ours, K, sizeof K - 1, path ? LOOM_KV_SHM_AUTO : LOOM_KV_SHM_OFF,
+                                  loom_comm_deadline(10000), &c, &theirs, &err) < 0) {
+                fprintf(stderr, "bench_kv_xfer: %s\n", err.msg);
+                return 1;
+            }
+            if (loom_kv_pull_shm(c) != path) {
+                fprintf(stderr, "bench_kv_xfer: the %s path was not taken\n", path ? "shm" : "tcp");
+                return 1;
+            }
+            for (int h = 0; h < 2; h++) { /* all heads, then half (a TP=2 decode rank's read of a TP=1 prefill) */
+                const void *slices = NULL;
+                size_t want = h ? half : all_bytes;
+                t0 = loom_now_ns();
+                if (loom_kv_pull_read(c, 7, ids, N_POOL, h ? HEADS / 2 : 0, h ? HEADS / 2 : HEADS, want, &slices,
+                                      loom_comm_deadline(60000), &err) < 0) {
+                    fprintf(stderr, "bench_kv_xfer: %s\n", err.msg);
+                    return 1;
+                }
+                gbs[path][h] = (double)want / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9;
+                best[path][h] = LOOM_MAX(best[path][h], gbs[path][h]);
+            }
+            loom_kv_pull_close(&c);
         }
-        double all = (double)bytes / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9;
-        t0 = loom_now_ns();
-        size_t half = loom_kv_slice_bytes(&f, HEADS / 2) * N_POOL;
-        if (loom_kv_pull_read(fd, 7, ids, N_POOL, HEADS / 2, HEADS / 2, buf, half, loom_comm_deadline(60000),
-                              &err) < 0) {
-            fprintf(stderr, "bench_kv_xfer: %s\n", err.msg);
-            return 1;
-        }
-        double hf = (double)half / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9;
-        printf("  round %d: raw tcp %.2f GB/s, KV all heads %.2f GB/s (%.2fx raw), half the heads %.2f GB/s\n", r,
-               raw, all, all / raw, hf);
+        printf("  round %d: raw tcp %.2f GB/s | KV tcp %.2f GB/s (%.2fx raw), half the heads %.2f | KV shm %.2f GB/s "
+               "(%.2fx raw, %.2fx KV tcp), half the heads %.2f\n", r, raw, gbs[0][0], gbs[0][0] / raw, gbs[0][1],
+               gbs[1][0], gbs[1][0] / raw, gbs[1][0] / gbs[0][0], gbs[1][1]);
         best_raw = LOOM_MAX(best_raw, raw);
-        best_all = LOOM_MAX(best_all, all);
-        best_half = LOOM_MAX(best_half, hf);
     }
-    printf("best: raw tcp %.2f GB/s, KV transfer %.2f GB/s (%.2fx), half the heads %.2f GB/s (%.2fx)\n", best_raw,
-           best_all, best_all / best_raw, best_half, best_half / best_raw);
-    close(fd);
+    printf("best: raw tcp %.2f GB/s; KV tcp %.2f GB/s (%.2fx raw), half the heads %.2f; KV shm %.2f GB/s (%.2fx raw, "
+           "%.2fx KV tcp), half the heads %.2f (%.2fx KV tcp's half)\n", best_raw, best[0][0], best[0][0] / best_raw,
+           best[0][1], best[1][0], best[1][0] / best_raw, best[1][0] / best[0][0], best[1][1],
+           best[1][1] / best[0][1]);
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     free(buf);

@@ -60,6 +60,9 @@ int loom_kv_pd_ident(loom_model_t *m, uint64_t model, int tp_rank, int tp_size, 
 
 static size_t span_bytes(const loom_kv_span_fmt_t *f) { return loom_kv_span_bytes(f); }
 
+/* kv_connector_extra_config.shm: LOOM_KV_PD_NO_SHM in the mode is "off". */
+static int shm_mode(const loom_kv_pd_t *p) { return p->mode & LOOM_KV_PD_NO_SHM ? LOOM_KV_SHM_OFF : LOOM_KV_SHM_AUTO; }
+
 /* The service's read: the pool is host memory (the CPU backend's) the
  * service may read beside the steps (a held block is written by none of
  * them); a block-contiguous one with one copy, a layer-major one (the
@@ -134,7 +137,8 @@ loom_status_t loom_kv_pd_config(loom_kv_pd_t *p, int mode, uint64_t epoch, loom_
                                 "(%s) is not built; the prefill side runs on the cpu backend", loom_backend_name(be));
         loom_kv_service_config_t c = {.host = host, .ident = *id, .fmt = *fmt, .secret = secret,
                                       .secret_len = secret_len, .read = serve_read, .peek = serve_peek,
-                                      .done = serve_done, .ctx = p};
+                                      .done = serve_done, .ctx = p,
+                                      .shm = mode & LOOM_KV_PD_NO_SHM ? LOOM_KV_SHM_OFF : LOOM_KV_SHM_AUTO};
         LOOM_CHECK(loom_kv_service_create(&c, &svc, err));
     }
     pthread_mutex_lock(&p->mu);
@@ -231,9 +235,11 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
         int need = 0;
         for (int h = 0; h < nh; h++) need |= !covered[h];
         if (!need) break;
-        int fd = -1;
+        loom_kv_pull_t *c = NULL;
         loom_kv_ident_t them;
-        if ((st = loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, deadline, &fd, &them, err)) < 0) break;
+        if ((st = loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, shm_mode(p), deadline, &c, &them,
+                                    err)) < 0)
+            break;
         /* the heads this rank holds that we hold and have not read: one range (both sides' ranges are) */
         int lo = LOOM_MAX(mine0, (int)them.kv_head_begin), hi = LOOM_MIN(mine1, (int)them.kv_head_end);
         while (lo < hi && covered[lo - mine0]) lo++;
@@ -242,20 +248,23 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
         if (lo < top) {
             loom_kv_span_fmt_t tf = p->fmt; /* the acceptor's slices: its head count, the same pieces otherwise */
             size_t one = loom_kv_slice_bytes(&tf, top - lo), all = one * (size_t)nb;
-            if (all > p->slices_cap) {
-                free(p->slices);
-                p->slices = loom_xmalloc(all ? all : 1);
-                p->slices_cap = all;
-            }
-            st = loom_kv_pull_read(fd, transfer, theirs_ids, nb, lo - (int)them.kv_head_begin, top - lo, p->slices,
-                                   all, deadline, err);
+            const void *slices = NULL;
+            uint64_t t0 = loom_now_ns();
+            st = loom_kv_pull_read(c, transfer, theirs_ids, nb, lo - (int)them.kv_head_begin, top - lo, all,
+                                   &slices, deadline, err);
             if (st == LOOM_OK) {
                 for (int i = 0; i < nb; i++)
-                    fill_block(p, local[i], p->slices + one * (size_t)i, lo - mine0, top - lo);
+                    fill_block(p, local[i], (const uint8_t *)slices + one * (size_t)i, lo - mine0, top - lo);
                 for (int h = lo; h < top; h++) covered[h - mine0] = 1;
+                const int via_shm = loom_kv_pull_shm(c);
+                if (via_shm) p->pulled_shm += (uint64_t)nb;
+                double ms = (double)(loom_now_ns() - t0) * 1e-6;
+                LOOM_INFO("KV pull of transfer %016llx: %d blocks, heads [%d, %d), %.1f MB from %s over %s in %.1f ms",
+                          (unsigned long long)transfer, nb, lo, top, (double)all / 1e6, addr,
+                          via_shm ? "shared memory" : "tcp", ms);
             }
         }
-        close(fd); /* not kept: the service answers one connection at a time, and this rank's peers dial it too */
+        loom_kv_pull_close(&c); /* not kept: each step's sources differ */
     }
     for (int h = 0; st == LOOM_OK && h < nh; h++)
         if (!covered[h])
@@ -298,13 +307,14 @@ void loom_kv_pd_done(loom_kv_pd_t *p, char *const *addrs, const uint64_t *transf
         snprintf(addr, sizeof addr, "%.*s", (int)LOOM_MIN(len, sizeof addr - 1), addrs[s]);
         loom_err_t err = {0};
         loom_kv_ident_t them;
-        int fd = -1;
+        loom_kv_pull_t *c = NULL;
         uint64_t deadline = loom_comm_deadline(5000);
-        if (loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, deadline, &fd, &them, &err) < 0 ||
-            loom_kv_pull_done(fd, transfer[s], deadline, &err) < 0)
+        if (loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, LOOM_KV_SHM_OFF, deadline, &c, &them,
+                              &err) < 0 ||
+            loom_kv_pull_done(c, transfer[s], deadline, &err) < 0)
             LOOM_WARN("KV transfer %016llx: telling the prefill side it was read failed (its lease frees the "
                       "blocks): %s", (unsigned long long)transfer[s], err.msg);
-        if (fd >= 0) close(fd);
+        loom_kv_pull_close(&c);
     }
 }
 
@@ -317,8 +327,6 @@ void loom_kv_pd_release(loom_kv_pd_t *p) {
 void loom_kv_pd_free(loom_kv_pd_t *p) {
     if (!p->init) return;
     loom_kv_pd_release(p);
-    free(p->slices);
-    p->slices = NULL;
     pthread_mutex_destroy(&p->mu);
     pthread_mutex_destroy(&p->done_mu);
     p->init = 0;

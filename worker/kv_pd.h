@@ -24,6 +24,7 @@
 
 #define LOOM_KV_PD_SERVE 1
 #define LOOM_KV_PD_PULL 2
+#define LOOM_KV_PD_NO_SHM 4 /* kv_connector_extra_config.shm "off": TCP even on one host */
 #define LOOM_KV_PD_DONE_MAX 256
 
 typedef struct loom_kv_pd {
@@ -39,11 +40,10 @@ typedef struct loom_kv_pd {
     size_t secret_len;
     loom_model_t *model;
     loom_backend_t *be;
-    uint8_t *stage, *slices;    /* one block's span; a read's slices */
-    size_t slices_cap;
+    uint8_t *stage;             /* one block's span */
     uint64_t done[LOOM_KV_PD_DONE_MAX]; /* transfers reported read, for the reactor */
     int n_done;
-    uint64_t pulled, pull_failures; /* blocks pulled; sources that failed */
+    uint64_t pulled, pulled_shm, pull_failures; /* blocks pulled, of them through shared memory; sources that failed */
     int serve_delay_ms;         /* a test's hook ($LOOM_TEST_KV_SERVE_DELAY_MS): each block served waits */
 } loom_kv_pd_t;
 

@@ -4,7 +4,8 @@ the prefill's blocks pulled worker to worker, no shared directory.
 - Flags: transport tcp needs no --kv-offloading-dir; without a secret file
   (or insecure: true, asked for by name) it is refused at start; a secret
   file too short, a bad transport and a bad lease_ms are refused naming the
-  field; transport dir (the default) still needs the directory; --pp 2,
+  field, and so is an shm other than auto or off; transport dir (the
+  default) still needs the directory; --pp 2,
   a consumer with --async-scheduling, MTP speculation and (DeepSeek)
   --enable-dp-attention are refused by name (not built).
 - The prefill side holds its blocks (delayed free, the lease): a request
@@ -16,8 +17,8 @@ the prefill's blocks pulled worker to worker, no shared directory.
   of another prompt gets other block ids).
 - The decode side pulls, driven as vLLM's proxy drives it: a prefill replica
   (TP 1) and decode replicas of TP 1 and TP 2 (each rank reads its half of
-  the heads): greedy and seeded outputs equal a unified replica's token for
-  token, the decode side computes at most one block of each prompt,
+  the heads, through shared memory: one host): greedy and seeded outputs
+  equal a unified replica's token for token, the decode side computes at most one block of each prompt,
   cached_tokens counts the pulled tokens, and the prefill's held blocks are
   freed once the decode side reports them read (the gauge back to 0 long
   before the lease); forged block hashes are refused (400 naming the
@@ -34,8 +35,9 @@ the prefill's blocks pulled worker to worker, no shared directory.
 - A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
   reads each prefill rank's heads; outputs equal a unified replica's.
 - DeepSeek-V3's latent KV (MLA): a TP 1 prefill and a TP 2 decode (each
-  rank reads the whole replicated latent block): outputs equal a unified
-  replica's, at most one block of each prompt computed on the decode side."""
+  rank reads the whole replicated latent block; shm off: over the socket):
+  outputs equal a unified replica's, at most one block of each prompt
+  computed on the decode side."""
 import json
 import os
 import shutil
@@ -133,7 +135,7 @@ def test_pull():
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000):  # only the decode side's done frees them
         for tp in (1, 2):
             dport = free_port()
-            with tcp_cluster(dport, "kv_consumer", secret, tp=tp):
+            with tcp_cluster(dport, "kv_consumer", secret, tp=tp) as dec:
                 base = gauge(pport, "loom_kv_transfer_held_blocks")  # the refused decodes' holds below stay
                 for b, want in zip(bodies, unified):
                     kv, n_prompt = prefill(pport, b)
@@ -145,6 +147,11 @@ def test_pull():
                     cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
                     check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
                           "TP %d decode computed %d of %d prompt tokens" % (tp, n_prompt - cached, n_prompt))
+                # one host: every decode rank's pulls went through shared memory (shm "auto", the default)
+                for r in range(tp):
+                    log = dec.log("worker-%d" % r)
+                    check("over shared memory" in log and "over tcp in" not in log,
+                          "TP %d rank %d did not pull through shared memory" % (tp, r))
                 # read (the seeded bodies' prompts were in the decode's prefix cache: nothing pulled, done still
                 # sent): the prefill frees them all, long before the lease
                 wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == base, 10, "the blocks freed once read")
@@ -178,7 +185,7 @@ def test_pull_deepseek():
     unified = unified_outputs(bodies, model)
     pport, dport = free_port(), free_port()
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000, model=model), \
-            tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model):
+            tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model, shm="off") as dec:
         for b, want in zip(bodies, unified):
             kv, n_prompt = prefill(pport, b)
             got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
@@ -189,6 +196,9 @@ def test_pull_deepseek():
                   and n_prompt - cached <= B, "MLA decode computed %d of %d prompt tokens" % (n_prompt - cached,
                                                                                            n_prompt))
         wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == 0, 10, "the latent blocks freed once read")
+        for r in range(2):  # shm "off" on the decode side: over the socket although on one host
+            log = dec.log("worker-%d" % r)
+            check("over tcp in" in log and "over shared memory" not in log, "rank %d's pulls: not over tcp" % r)
 
 
 def test_failures():
@@ -300,6 +310,7 @@ def test_flags():
         (coord + cfg(transport="tcp", secret_file=short), "at least 16"),
         (coord + cfg(transport="tcp", secret_file=os.path.join(work, "none")), "No such file"),
         (coord + cfg(transport="rdma"), "transport"),
+        (coord + cfg(transport="tcp", insecure=True, shm="on"), "kv_connector_extra_config.shm"),
         (coord + cfg(transport="tcp", insecure=True, lease_ms=0), "lease_ms"),
         (coord + cfg(transport="dir"), "--kv-offloading-dir"),
         (coord + cfg(secret_file=short), "transport tcp"),
