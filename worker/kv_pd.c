@@ -1,6 +1,7 @@
 /* A worker's side of transport tcp (kv_pd.h). */
 #include "worker/kv_pd.h"
 
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 #include "worker/comm_util.h"
 
 #define PULL_TIMEOUT_MS 30000
+#define KEEP_MS 1000 /* a kept connection unused this long is closed, not reused (the service's idle limit: 2 s) */
 
 static const char *kv_dtype_name(loom_dtype_t t) {
     switch (t) {
@@ -98,8 +100,13 @@ void loom_kv_pd_init(loom_kv_pd_t *p) {
     p->init = 1;
 }
 
+static void conns_close(loom_kv_pd_t *p) {
+    for (int i = 0; i < LOOM_KV_PD_CONNS; i++) loom_kv_pull_close(&p->conns[i].c);
+}
+
 void loom_kv_pd_stop(loom_kv_pd_t *p) {
     loom_kv_pd_init(p);
+    conns_close(p); /* the services they reach may be gone or another epoch's */
     pthread_mutex_lock(&p->mu);
     loom_kv_service_destroy(&p->svc);
     p->mode = 0;
@@ -200,8 +207,55 @@ static void fill_block(loom_kv_pd_t *p, int32_t block, const uint8_t *slice, int
     loom_backend_xfer_end(p->be);
 }
 
+/* The connections kept to the services read last (their shared memory
+ * stays mapped on both sides, their buffers warm): one reused when it was
+ * used within KEEP_MS and its socket shows nothing (the service closes one
+ * idle for 2 s, or to make room for another dialler). */
+static void conn_drop(loom_kv_pd_t *p, loom_kv_pull_t *c) {
+    for (int i = 0; i < LOOM_KV_PD_CONNS; i++)
+        if (p->conns[i].c == c) {
+            loom_kv_pull_close(&p->conns[i].c);
+            return;
+        }
+    loom_kv_pull_close(&c);
+}
+
+/* A connection to addr: a kept one (reuse 1, *reused 1) or a new one, kept. */
+static loom_status_t conn_get(loom_kv_pd_t *p, const char *addr, uint64_t deadline, int reuse, loom_kv_pull_t **out,
+                              loom_kv_ident_t *them, int *reused, loom_err_t *err) {
+    const uint64_t now = loom_now_ns();
+    int slot = 0;
+    *reused = 0;
+    for (int i = 0; i < LOOM_KV_PD_CONNS; i++) {
+        loom_kv_pd_conn_t *k = &p->conns[i];
+        if (k->c && now - k->used > (uint64_t)KEEP_MS * 1000000ull) loom_kv_pull_close(&k->c); /* stale by now */
+        if (k->c && !strcmp(k->addr, addr)) {
+            struct pollfd pf = {loom_kv_pull_fd(k->c), POLLIN, 0};
+            if (reuse && poll(&pf, 1, 0) == 0) { /* nothing to read: not closed by the service */
+                k->used = now;
+                *out = k->c;
+                *them = k->them;
+                *reused = 1;
+                return LOOM_OK;
+            }
+            loom_kv_pull_close(&k->c);
+        }
+        if (!k->c || (p->conns[slot].c && k->used < p->conns[slot].used)) slot = i; /* a free one, or the oldest */
+    }
+    loom_kv_pd_conn_t *k = &p->conns[slot];
+    loom_kv_pull_close(&k->c);
+    LOOM_CHECK(loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, shm_mode(p), deadline, &k->c, &k->them,
+                                 err));
+    snprintf(k->addr, sizeof k->addr, "%s", addr);
+    k->used = now;
+    *out = k->c;
+    *them = k->them;
+    return LOOM_OK;
+}
+
 /* One source: every rank of the prefill holding some of this shard's heads
- * is read for them (a connection each, closed once read); 0, or an error. */
+ * is read for them (a connection each, kept for the next steps' pulls); 0,
+ * or an error. */
 static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const int32_t *remote,
                                  const uint32_t *source, int n, uint32_t src, const char *addrs, uint64_t transfer,
                                  loom_err_t *err) {
@@ -237,34 +291,40 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
         if (!need) break;
         loom_kv_pull_t *c = NULL;
         loom_kv_ident_t them;
-        if ((st = loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, shm_mode(p), deadline, &c, &them,
-                                    err)) < 0)
-            break;
+        int reused = 0;
+        if ((st = conn_get(p, addr, deadline, 1, &c, &them, &reused, err)) < 0) break;
         /* the heads this rank holds that we hold and have not read: one range (both sides' ranges are) */
         int lo = LOOM_MAX(mine0, (int)them.kv_head_begin), hi = LOOM_MIN(mine1, (int)them.kv_head_end);
         while (lo < hi && covered[lo - mine0]) lo++;
         int top = lo;
         while (top < hi && !covered[top - mine0]) top++;
-        if (lo < top) {
-            loom_kv_span_fmt_t tf = p->fmt; /* the acceptor's slices: its head count, the same pieces otherwise */
-            size_t one = loom_kv_slice_bytes(&tf, top - lo), all = one * (size_t)nb;
-            const void *slices = NULL;
-            uint64_t t0 = loom_now_ns();
+        if (lo >= top) continue;
+        loom_kv_span_fmt_t tf = p->fmt; /* the acceptor's slices: its head count, the same pieces otherwise */
+        size_t one = loom_kv_slice_bytes(&tf, top - lo), all = one * (size_t)nb;
+        const void *slices = NULL;
+        uint64_t t0 = loom_now_ns();
+        st = loom_kv_pull_read(c, transfer, theirs_ids, nb, lo - (int)them.kv_head_begin, top - lo, all, &slices,
+                               deadline, err);
+        if (st < 0 && reused) { /* a kept connection the service had closed meanwhile: once more on a new one */
+            conn_drop(p, c);
+            *err = (loom_err_t){0};
+            if ((st = conn_get(p, addr, deadline, 0, &c, &them, &reused, err)) < 0) break;
             st = loom_kv_pull_read(c, transfer, theirs_ids, nb, lo - (int)them.kv_head_begin, top - lo, all,
                                    &slices, deadline, err);
-            if (st == LOOM_OK) {
-                for (int i = 0; i < nb; i++)
-                    fill_block(p, local[i], (const uint8_t *)slices + one * (size_t)i, lo - mine0, top - lo);
-                for (int h = lo; h < top; h++) covered[h - mine0] = 1;
-                const int via_shm = loom_kv_pull_shm(c);
-                if (via_shm) p->pulled_shm += (uint64_t)nb;
-                double ms = (double)(loom_now_ns() - t0) * 1e-6;
-                LOOM_INFO("KV pull of transfer %016llx: %d blocks, heads [%d, %d), %.1f MB from %s over %s in %.1f ms",
-                          (unsigned long long)transfer, nb, lo, top, (double)all / 1e6, addr,
-                          via_shm ? "shared memory" : "tcp", ms);
-            }
         }
-        loom_kv_pull_close(&c); /* not kept: each step's sources differ */
+        if (st < 0) {
+            conn_drop(p, c);
+            break;
+        }
+        for (int i = 0; i < nb; i++)
+            fill_block(p, local[i], (const uint8_t *)slices + one * (size_t)i, lo - mine0, top - lo);
+        for (int h = lo; h < top; h++) covered[h - mine0] = 1;
+        const int via_shm = loom_kv_pull_shm(c);
+        if (via_shm) p->pulled_shm += (uint64_t)nb;
+        LOOM_INFO("KV pull of transfer %016llx: %d blocks, heads [%d, %d), %.1f MB from %s over %s in %.1f ms%s",
+                  (unsigned long long)transfer, nb, lo, top, (double)all / 1e6, addr,
+                  via_shm ? "shared memory" : "tcp", (double)(loom_now_ns() - t0) * 1e-6,
+                  reused ? " (a kept connection)" : "");
     }
     for (int h = 0; st == LOOM_OK && h < nh; h++)
         if (!covered[h])
@@ -309,12 +369,19 @@ void loom_kv_pd_done(loom_kv_pd_t *p, char *const *addrs, const uint64_t *transf
         loom_kv_ident_t them;
         loom_kv_pull_t *c = NULL;
         uint64_t deadline = loom_comm_deadline(5000);
-        if (loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, LOOM_KV_SHM_OFF, deadline, &c, &them,
-                              &err) < 0 ||
-            loom_kv_pull_done(c, transfer[s], deadline, &err) < 0)
+        int reused = 0;
+        loom_status_t st = conn_get(p, addr, deadline, 1, &c, &them, &reused, &err);
+        if (st == LOOM_OK && (st = loom_kv_pull_done(c, transfer[s], deadline, &err)) < 0 && reused) {
+            conn_drop(p, c); /* closed by the service meanwhile: once more on a new one */
+            err = (loom_err_t){0};
+            if ((st = conn_get(p, addr, deadline, 0, &c, &them, &reused, &err)) == LOOM_OK)
+                st = loom_kv_pull_done(c, transfer[s], deadline, &err);
+        }
+        if (st < 0) {
             LOOM_WARN("KV transfer %016llx: telling the prefill side it was read failed (its lease frees the "
                       "blocks): %s", (unsigned long long)transfer[s], err.msg);
-        loom_kv_pull_close(&c);
+            if (c) conn_drop(p, c);
+        }
     }
 }
 

@@ -6,8 +6,9 @@
  * pool, each rank reading the KV heads it holds from the prefill ranks that
  * hold them (the latent KV, MLA, whole from one rank: it is replicated).
  *
- * Threads: config and pulls run on the compute thread; holds and the reads
- * reported are taken by the reactor; the service runs its own thread. The
+ * Threads: config and pulls run on the compute thread (and the connections
+ * kept to the services between steps); holds and the reads reported are
+ * taken by the reactor; the service runs its own threads. The
  * service is made anew with each KvConfig (before the pool may move) and
  * serves only that epoch's holds. */
 #ifndef LOOM_WORKER_KV_PD_H
@@ -27,6 +28,16 @@
 #define LOOM_KV_PD_NO_SHM 4 /* kv_connector_extra_config.shm "off": TCP even on one host */
 #define LOOM_KV_PD_DONE_MAX 256
 
+#define LOOM_KV_PD_CONNS 8
+
+/* A connection kept to a prefill rank's service (compute thread). */
+typedef struct loom_kv_pd_conn {
+    char addr[320];
+    loom_kv_pull_t *c; /* NULL: free */
+    loom_kv_ident_t them;
+    uint64_t used;     /* loom_now_ns of its last use */
+} loom_kv_pd_conn_t;
+
 typedef struct loom_kv_pd {
     pthread_mutex_t mu;         /* guards svc and epoch (compute thread: config; reactor: holds) */
     pthread_mutex_t done_mu;    /* guards the reads reported (service thread, reactor) */
@@ -43,6 +54,7 @@ typedef struct loom_kv_pd {
     uint8_t *stage;             /* one block's span */
     uint64_t done[LOOM_KV_PD_DONE_MAX]; /* transfers reported read, for the reactor */
     int n_done;
+    loom_kv_pd_conn_t conns[LOOM_KV_PD_CONNS]; /* the pulls' connections, kept between steps */
     uint64_t pulled, pulled_shm, pull_failures; /* blocks pulled, of them through shared memory; sources that failed */
     int serve_delay_ms;         /* a test's hook ($LOOM_TEST_KV_SERVE_DELAY_MS): each block served waits */
 } loom_kv_pd_t;

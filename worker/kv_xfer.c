@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -33,7 +34,9 @@
 #define HANDSHAKE_MS 3000
 #define REQUEST_MS 30000
 #define IDLE_MS 2000 /* a connection with no request for this long is closed */
+#define IDLE_POLL_MS 100 /* how often an idle connection looks whether a dialler waits for a slot */
 #define MAX_READ_BLOCKS 65536
+#define MAX_CONNS 8 /* connections served at once; beyond them the listener waits (its backlog holds the dialler) */
 #define MSG_MAX 512
 
 /* ---- little-endian fields ---- */
@@ -247,6 +250,17 @@ typedef struct hold {
     int32_t *blocks;
 } hold_t;
 
+/* A connection's thread: fd -1 once it closes its socket (under mu), done once it ends. */
+typedef struct conn_slot {
+    pthread_t thread;
+    int used, done, fd;
+    loom_kv_service_t *s;
+} conn_slot_t;
+
+/* The listener's thread accepts; each connection runs on a thread of its
+ * own, at most MAX_CONNS at once. mu guards the holds, the counts and the
+ * slots; the pool reads (cfg.read, cfg.peek) run on the connections'
+ * threads, several at once, without it. */
 struct loom_kv_service {
     loom_kv_service_config_t cfg;
     uint8_t secret[256];
@@ -260,6 +274,11 @@ struct loom_kv_service {
     hold_t *holds;
     int n_holds, cap_holds;
     uint64_t refused, served, served_shm;
+    pthread_cond_t slot_cv;       /* a connection ended */
+    conn_slot_t slots[MAX_CONNS];
+    int n_conns;                  /* slots whose connection has not ended */
+    int yielded;                  /* an idle connection closed for the dialler waiting (until it is accepted) */
+    int stopping;
 };
 
 /* One connection's state on the service's side. */
@@ -518,12 +537,26 @@ lost:
 static void serve_conn(loom_kv_service_t *s, conn_t *c) {
     loom_tcp_peer_name(c->fd, c->peer, sizeof c->peer);
     if (!accept_handshake(s, c)) return;
-    for (;;) { /* an idle connection is closed */
-        struct pollfd p[2] = {{c->fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
-        int r = poll(p, 2, IDLE_MS);
+    uint64_t idle_since = loom_now_ns();
+    for (;;) { /* an idle connection is closed after IDLE_MS, or at once when a dialler waits for its slot */
+        pthread_mutex_lock(&s->mu);
+        const int full = s->n_conns >= MAX_CONNS;
+        pthread_mutex_unlock(&s->mu);
+        struct pollfd p[3] = {{c->fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}, {s->lfd, POLLIN, 0}};
+        int r = poll(p, full ? 3 : 2, IDLE_POLL_MS);
         if (r < 0 && errno != EINTR) return;
-        if (p[1].revents || r == 0) return;
-        if (!p[0].revents) continue;
+        if (p[1].revents) return;
+        if (full && p[2].revents && !p[0].revents) { /* a dialler waits: one idle connection makes room */
+            pthread_mutex_lock(&s->mu);
+            const int yield = !s->yielded;
+            s->yielded = 1;
+            pthread_mutex_unlock(&s->mu);
+            if (yield) return;
+        }
+        if (!p[0].revents) {
+            if (loom_now_ns() - idle_since >= (uint64_t)IDLE_MS * 1000000ull) return;
+            continue;
+        }
         uint8_t op[4];
         loom_err_t err = {0};
         if (loom_tcp_read_full(c->fd, op, 4, loom_comm_deadline(REQUEST_MS), "kv transfer", &err) < 0) return;
@@ -542,11 +575,14 @@ static void serve_conn(loom_kv_service_t *s, conn_t *c) {
             LOOM_WARN("kv service: %s sent op %u: closed", c->peer, get32(op));
             return;
         }
+        idle_since = loom_now_ns();
     }
 }
 
-static void conn_run(loom_kv_service_t *s, int fd) {
-    conn_t c = {.fd = fd};
+static void *conn_main(void *arg) {
+    conn_slot_t *slot = arg;
+    loom_kv_service_t *s = slot->s;
+    conn_t c = {.fd = slot->fd};
     size_t span = loom_kv_span_bytes(&s->cfg.fmt);
     c.span = loom_xmalloc(span ? span : 1);
     c.slices = loom_xmalloc(span ? span : 1); /* a slice is at most the span's heads, packed */
@@ -554,19 +590,65 @@ static void conn_run(loom_kv_service_t *s, int fd) {
     conn_shm_drop(&c);
     free(c.span);
     free(c.slices);
-    close(fd);
+    pthread_mutex_lock(&s->mu);
+    slot->fd = -1; /* before the close: destroy shuts down only sockets still open */
+    pthread_mutex_unlock(&s->mu);
+    close(c.fd);
+    pthread_mutex_lock(&s->mu);
+    slot->done = 1;
+    s->n_conns--;
+    pthread_cond_broadcast(&s->slot_cv);
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* A free slot (its ended thread joined), waiting while all MAX_CONNS serve; NULL when stopping. Under mu. */
+static conn_slot_t *slot_take_locked(loom_kv_service_t *s) {
+    for (;;) {
+        if (s->stopping) return NULL;
+        for (int i = 0; i < MAX_CONNS; i++) {
+            conn_slot_t *c = &s->slots[i];
+            if (c->used && c->done) {
+                pthread_join(c->thread, NULL);
+                c->used = 0;
+            }
+            if (!c->used) return c;
+        }
+        pthread_cond_wait(&s->slot_cv, &s->mu);
+    }
 }
 
 static void *service_main(void *arg) {
     loom_kv_service_t *s = arg;
     for (;;) {
+        pthread_mutex_lock(&s->mu);
+        conn_slot_t *slot = slot_take_locked(s); /* the listener waits while MAX_CONNS connections are served */
+        pthread_mutex_unlock(&s->mu);
+        if (!slot) break;
         struct pollfd p[2] = {{s->lfd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
         if (poll(p, 2, -1) < 0 && errno != EINTR) break;
         if (p[1].revents) break;
         if (!p[0].revents) continue;
         int fd = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) continue;
-        conn_run(s, fd);
+        /* the answers are small writes back to back (a status, then the fence): not held for the dialler's ack */
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        pthread_mutex_lock(&s->mu);
+        s->yielded = 0;
+        int ok = !s->stopping;
+        if (ok) {
+            *slot = (conn_slot_t){.used = 1, .fd = fd, .s = s};
+            if (pthread_create(&slot->thread, NULL, conn_main, slot) != 0) {
+                LOOM_WARN("kv service: no thread for a connection: closed");
+                slot->used = 0;
+                ok = 0;
+            } else {
+                s->n_conns++;
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (!ok) close(fd);
     }
     return NULL;
 }
@@ -594,6 +676,7 @@ loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_k
     }
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->held_cv, NULL);
+    pthread_cond_init(&s->slot_cv, NULL);
     if (pthread_create(&s->thread, NULL, service_main, s) != 0) {
         s->thread = 0;
         loom_kv_service_destroy(&s);
@@ -643,11 +726,18 @@ void loom_kv_service_destroy(loom_kv_service_t **s_p) {
     if (!s_p || !*s_p) return;
     loom_kv_service_t *s = *s_p;
     *s_p = NULL;
-    if (s->thread) {
-        ssize_t w = write(s->wake[1], "x", 1);
-        (void)w;
-        pthread_join(s->thread, NULL);
-    }
+    /* the connections see the wake between requests; one in the middle of a read has its socket shut */
+    pthread_mutex_lock(&s->mu);
+    s->stopping = 1;
+    for (int i = 0; i < MAX_CONNS; i++)
+        if (s->slots[i].used && s->slots[i].fd >= 0) shutdown(s->slots[i].fd, SHUT_RDWR);
+    pthread_cond_broadcast(&s->slot_cv);
+    pthread_mutex_unlock(&s->mu);
+    ssize_t w = write(s->wake[1], "x", 1);
+    (void)w;
+    if (s->thread) pthread_join(s->thread, NULL);
+    for (int i = 0; i < MAX_CONNS; i++)
+        if (s->slots[i].used) pthread_join(s->slots[i].thread, NULL);
     loom_comm_listener_destroy(&s->listener);
     close(s->wake[0]);
     close(s->wake[1]);
@@ -656,6 +746,7 @@ void loom_kv_service_destroy(loom_kv_service_t **s_p) {
     sodium_memzero(s->secret, sizeof s->secret);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->held_cv);
+    pthread_cond_destroy(&s->slot_cv);
     free(s);
 }
 

@@ -48,7 +48,10 @@
  * same on every TP rank (replicated): a slice is the whole block, read from
  * any one rank of the acceptor's; both sides must be latent. The acceptor
  * serves only blocks held under the transfer id (loom_kv_service_hold:
- * the prefill's coordinator holds them until done or its lease ends). */
+ * the prefill's coordinator holds them until done or its lease ends). It
+ * serves up to 8 connections at once, a thread each (an idle one closes
+ * after 2 s, or at once when all 8 serve and a dialler waits: one makes
+ * room); beyond them the listener waits for one to end. */
 #ifndef LOOM_WORKER_KV_XFER_H
 #define LOOM_WORKER_KV_XFER_H
 
@@ -112,8 +115,9 @@ typedef struct loom_kv_service loom_kv_service_t;
 enum { LOOM_KV_SHM_AUTO = 0, LOOM_KV_SHM_OFF = 1 };
 
 /* Reads one pool block into host (its packed span, loom_model_kv_block_xfer):
- * called on the service's thread; the caller serializes it with its pool's
- * other users. */
+ * called on the connections' threads, several at once (a thread each, at
+ * most 8: the listener waits beyond them); the caller serializes it with
+ * its pool's other users where they could write a held block. */
 typedef loom_status_t (*loom_kv_read_fn)(void *ctx, int32_t block, void *host, loom_err_t *err);
 /* A decode side reported a transfer read (its blocks may be freed). */
 typedef void (*loom_kv_done_fn)(void *ctx, uint64_t transfer);

@@ -10,6 +10,7 @@
 #include "worker/kv_xfer.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/util.h"
 #include "worker/comm_util.h"
 #include "worker/tcp_io.h"
 #include "tests/test.h"
@@ -426,6 +428,91 @@ out:
     free(sv.pool);
 }
 
+static loom_status_t read_quiet(void *ctx, int32_t block, void *host, loom_err_t *err) {
+    (void)err;
+    fill(&((served_t *)ctx)->fmt, block, host);
+    return LOOM_OK;
+}
+
+/* Connections served at once: a puller stalled in the middle of a 32 MiB read (it reads nothing of it) while
+ * another is served; at most 8 at once, the ninth waiting until one ends. */
+static void test_concurrent(void) {
+    served_t sv = {.fmt = {.n_layers = 4, .block_size = 16, .n_heads = 8, .head_bytes = 2048,
+                           .codes = 16 * 8 * 2048, .scales = 0}};
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = sv.fmt, .secret = K,
+                                  .secret_len = sizeof K - 1, .read = read_quiet, .ctx = &sv, .hold_wait_ms = 50,
+                                  .shm = LOOM_KV_SHM_OFF};
+    loom_kv_service_t *s = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
+    if (!s) return;
+    int32_t blocks[16];
+    for (int i = 0; i < 16; i++) blocks[i] = i;
+    loom_kv_service_hold(s, 0x51, blocks, 16);
+    loom_kv_ident_t ours = ident(), theirs;
+    uint64_t dl = loom_comm_deadline(10000);
+    loom_kv_pull_t *stalled = NULL, *other = NULL;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &stalled, &theirs,
+                            &err) == LOOM_OK);
+    if (!stalled) goto out;
+    /* op 1 for all 16 blocks (32 MiB, beyond the sockets' buffers), then nothing read */
+    uint8_t req[24 + 16 * 4], *q = req;
+    const uint32_t head[6] = {1, 0x51, 0, 16, 0, 8};
+    for (int i = 0; i < 6; i++, q += 4) memcpy(q, &head[i], 4);
+    memcpy(q, blocks, sizeof blocks);
+    CHECK(loom_tcp_write_full(loom_kv_pull_fd(stalled), req, sizeof req, dl, "test", &err) == LOOM_OK);
+    usleep(200 * 1000);
+    const size_t one = loom_kv_slice_bytes(&sv.fmt, 2);
+    uint8_t *got = malloc(2 * one), *span = malloc(span_bytes(&sv.fmt)), *want = malloc(one);
+    uint64_t t0 = loom_now_ns();
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &other, &theirs,
+                            &err) == LOOM_OK);
+    CHECK(other && pull_read(other, 0x51, blocks + 5, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_OK);
+    CHECK(loom_now_ns() - t0 < 1500000000ull); /* served while the other read hangs (its deadline: 30 s) */
+    fill(&sv.fmt, 6, span);
+    loom_kv_slice_pack(&sv.fmt, span, 3, 2, want);
+    CHECK(!memcmp(got + one, want, one));
+    struct pollfd pf = {loom_kv_pull_fd(stalled), POLLIN, 0};
+    CHECK(poll(&pf, 1, 0) == 1 && (pf.revents & POLLIN)); /* its read was under way */
+    loom_kv_pull_close(&other);
+    loom_kv_pull_close(&stalled);
+    free(got), free(span), free(want);
+    uint8_t *want2 = malloc(one);
+    /* eight reads at once, each stalled: a ninth's handshake waits (its deadline passes) until one of them ends */
+    loom_kv_pull_t *eight[8] = {0}, *ninth = NULL;
+    for (int i = 0; i < 8; i++) {
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &eight[i],
+                                &theirs, &err) == LOOM_OK);
+        if (eight[i]) loom_tcp_write_full(loom_kv_pull_fd(eight[i]), req, sizeof req, dl, "test", &err);
+    }
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+                            loom_comm_deadline(300), &ninth, &theirs, &err) == LOOM_ERR_UNAVAILABLE && !ninth);
+    loom_kv_pull_close(&eight[0]);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+                            loom_comm_deadline(1500), &ninth, &theirs, &err) == LOOM_OK);
+    for (int i = 1; i < 8; i++) loom_kv_pull_close(&eight[i]);
+    loom_kv_pull_close(&ninth);
+    /* eight idle connections: a ninth dialler takes the slot of one of them (one only), which is closed */
+    for (int i = 0; i < 8; i++)
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &eight[i],
+                                &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+                            loom_comm_deadline(1500), &ninth, &theirs, &err) == LOOM_OK);
+    int closed = 0;
+    for (int i = 0; i < 8; i++) {
+        struct pollfd e = {eight[i] ? loom_kv_pull_fd(eight[i]) : -1, POLLIN, 0};
+        closed += poll(&e, 1, 0) == 1;
+    }
+    CHECK(closed == 1);
+    CHECK(ninth && pull_read(ninth, 0x51, blocks, 1, 0, 2, want2, one, dl, &err) == LOOM_OK);
+    loom_kv_pull_close(&ninth);
+    for (int i = 0; i < 8; i++) loom_kv_pull_close(&eight[i]);
+    free(want2);
+out:
+    loom_kv_pull_close(&stalled);
+    loom_kv_service_destroy(&s);
+}
+
 int main(void) {
     RUN(test_slices);
     RUN(test_ident);
@@ -433,5 +520,6 @@ int main(void) {
     RUN(test_service);
     RUN(test_latent_service);
     RUN(test_shm);
+    RUN(test_concurrent);
     return test_summary();
 }
