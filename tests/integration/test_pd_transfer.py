@@ -37,7 +37,9 @@ the prefill's blocks pulled worker to worker, no shared directory.
 - DeepSeek-V3's latent KV (MLA): a TP 1 prefill and a TP 2 decode (each
   rank reads the whole replicated latent block; shm off: over the socket):
   outputs equal a unified replica's, at most one block of each prompt
-  computed on the decode side."""
+  computed on the decode side; from a TP 2 prefill (a prompt the decode
+  side has not cached) the two decode ranks read the two prefill ranks, one
+  each."""
 import json
 import os
 import shutil
@@ -182,7 +184,9 @@ def test_pull_deepseek():
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in PD_PROMPTS[:2]]
     bodies.append({"prompt": PD_PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "seed": 7})
-    unified = unified_outputs(bodies, model)
+    fresh = {"prompt": PD_PROMPTS[3], "max_tokens": 12, "temperature": 0}  # not in the decode's prefix cache
+    unified = unified_outputs(bodies + [fresh], model)
+    fresh_want = unified.pop()
     pport, dport = free_port(), free_port()
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000, model=model), \
             tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model, shm="off") as dec:
@@ -199,6 +203,20 @@ def test_pull_deepseek():
         for r in range(2):  # shm "off" on the decode side: over the socket although on one host
             log = dec.log("worker-%d" % r)
             check("over tcp in" in log and "over shared memory" not in log, "rank %d's pulls: not over tcp" % r)
+        # a TP 2 prefill: the latent block is on both its ranks; decode rank r reads it from prefill rank r, so the
+        # group's reads spread
+        pport2 = free_port()
+        with tcp_cluster(pport2, "kv_producer", secret, tp=2, lease_ms=600000, model=model):
+            kv, n_prompt = prefill(pport2, fresh)
+            got = call(dport, "/v1/completions", dict(fresh, kv_transfer_params=kv))
+            check(got["choices"][0]["text"] == fresh_want and got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  == len(kv["remote_block_ids"]) * B, "MLA from a TP 2 prefill: %r" % got)
+            tid = kv["loom_transfer_id"]
+            srcs = [[ln.split(" from ")[1].split(" ")[0] for ln in dec.log("worker-%d" % r).splitlines()
+                     if "KV pull of transfer %s" % tid in ln] for r in range(2)]
+            # (a worker's name is not its TP rank: the two ranks read the two prefill ranks, one each)
+            check(all(len(x) == 1 for x in srcs) and sorted(x[0] for x in srcs) == sorted(kv["loom_remote_ranks"]),
+                  "each decode rank reads its own prefill rank: %r, ranks %r" % (srcs, kv["loom_remote_ranks"]))
 
 
 def test_failures():
