@@ -454,16 +454,14 @@ static loom_status_t serve_read(loom_kv_service_t *s, conn_t *c, int shm, loom_e
          * release before any step that may reuse the blocks) */
         pthread_mutex_lock(&s->mu);
         still = held_locked(s, id, blocks, (int)n) == 1;
+        if (still) { /* counted before the dialler hears it: its next look at the counts sees them */
+            s->served += n;
+            if (shm) s->served_shm += n;
+        }
         pthread_mutex_unlock(&s->mu);
         st = send_status(fd, still ? LOOM_OK : LOOM_ERR_NOT_FOUND,
                          still ? NULL : "unknown blocks: the hold ended while its blocks were read (its lease)",
                          deadline, err);
-    }
-    if (st == LOOM_OK && still) {
-        pthread_mutex_lock(&s->mu);
-        s->served += n;
-        if (shm) s->served_shm += n;
-        pthread_mutex_unlock(&s->mu);
     }
 out:
     free(blocks);
@@ -783,8 +781,13 @@ static loom_status_t pull_shm_make(loom_kv_pull_t *c, size_t bytes, loom_err_t *
     c->shm_linked = 1;
     const size_t page = 4096, size = (bytes + page - 1) / page * page;
     void *map = MAP_FAILED;
-    if (ftruncate(fd, (off_t)size) == 0) map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int e = errno;
+    /* its pages reserved now: a /dev/shm too small for the read fails here (the socket then), not with SIGBUS
+     * in the service's writes */
+    int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)size) : errno;
+    if (e == 0) {
+        map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        e = errno;
+    }
     close(fd);
     if (map == MAP_FAILED) {
         pull_shm_drop(c);

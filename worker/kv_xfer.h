@@ -31,7 +31,8 @@
  * the host name) after the verdict, so after the proof, and the dialler
  * compares it with its own. On the same host the dialler makes a POSIX
  * shared memory object ("/loom-kv-" and 32 random hex digits, mode 0600)
- * sized for the read and names it in op 3; the acceptor opens it (only
+ * sized for the read, its pages reserved (posix_fallocate: no room, the
+ * socket), and names it in op 3; the acceptor opens it (only
  * such a name, a regular object of its own user, mode 0600), keeps it
  * mapped for the connection and packs the slices straight into it; the
  * dialler unlinks it once the first answer says it is mapped there and
