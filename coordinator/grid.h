@@ -149,7 +149,7 @@ typedef struct loom_grid_config {
      * blocks; as many slots as the largest worker's blocks fit, sent in
      * KvConfig.kv_host_slots */
     uint64_t kv_host_bytes;
-    /* transport tcp (KvConfig.kv_xfer: 1 serve, 2 pull; 0: off) and the
+    /* transport tcp (KvConfig.kv_xfer: 1 serve, 2 pull, 4 no shared memory; 0: off) and the
      * secret both replicas hold (none: insecure) */
     int kv_xfer;
     const uint8_t *kv_xfer_secret;

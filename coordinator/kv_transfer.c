@@ -14,12 +14,12 @@
 
 static const cJSON *get(const cJSON *o, const char *k) { return cJSON_GetObjectItemCaseSensitive(o, k); }
 
-/* kv_connector_extra_config's transport, lease_ms, secret_file, insecure. */
+/* kv_connector_extra_config's transport, lease_ms, secret_file, insecure, shm. */
 static loom_status_t parse_extra(const cJSON *x, loom_kv_transfer_config_t *out, loom_err_t *err) {
     out->lease_ms = LOOM_KV_LEASE_MS_DEFAULT;
     if (!x) return LOOM_OK;
     const cJSON *t = get(x, "transport"), *lease = get(x, "lease_ms"), *sf = get(x, "secret_file"),
-                *ins = get(x, "insecure");
+                *ins = get(x, "insecure"), *shm = get(x, "shm");
     if (t && (!cJSON_IsString(t) || (strcmp(t->valuestring, "dir") && strcmp(t->valuestring, "tcp"))))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--kv-transfer-config: kv_connector_extra_config.transport must be \"dir\" or \"tcp\"");
@@ -38,13 +38,17 @@ static loom_status_t parse_extra(const cJSON *x, loom_kv_transfer_config_t *out,
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--kv-transfer-config: kv_connector_extra_config.insecure must be true or false");
     out->insecure = cJSON_IsTrue(ins);
+    if (shm && (!cJSON_IsString(shm) || (strcmp(shm->valuestring, "auto") && strcmp(shm->valuestring, "off"))))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "--kv-transfer-config: kv_connector_extra_config.shm must be \"auto\" or \"off\"");
+    out->shm_off = shm && !strcmp(shm->valuestring, "off");
     if (out->transport == LOOM_KV_TRANSPORT_TCP && !out->secret_file[0] && !out->insecure)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--kv-transfer-config: transport tcp needs kv_connector_extra_config.secret_file (a "
                             "secret both replicas hold) or, to run unauthenticated, insecure: true");
-    if (out->transport == LOOM_KV_TRANSPORT_DIR && (sf || ins))
+    if (out->transport == LOOM_KV_TRANSPORT_DIR && (sf || ins || shm))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "--kv-transfer-config: secret_file and insecure are for transport tcp");
+                            "--kv-transfer-config: secret_file, insecure and shm are for transport tcp");
     return LOOM_OK;
 }
 

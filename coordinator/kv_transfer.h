@@ -39,6 +39,7 @@ typedef struct loom_kv_transfer_config {
     int lease_ms;
     char secret_file[1024]; /* "" : none */
     int insecure;
+    int shm_off;            /* shm "off": transport tcp moves blocks over the socket even on one host */
     uint8_t secret[LOOM_KV_SECRET_MAX]; /* secret_file's bytes (loom_kv_transfer_read_secret) */
     size_t secret_len;
 } loom_kv_transfer_config_t;

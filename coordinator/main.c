@@ -599,6 +599,11 @@ int main(int argc, char **argv) {
         }
     }
     if (c.spec_threads <= 0) c.spec_threads = 1;
+    if (c.spec.method == LOOM_SPEC_MTP && c.kv_transfer.transport == LOOM_KV_TRANSPORT_TCP) {
+        fprintf(stderr, "error: --kv-transfer-config: transport tcp does not move the MTP module's latent cache "
+                        "(--speculative-method mtp)\n");
+        return 2;
+    }
     /* the workers' MTP module drafts one token a step (its trained depth) */
     if (c.spec.method == LOOM_SPEC_MTP && spec_k > 1)
         LOOM_WARN("--num-speculative-tokens %d: the MTP module drafts one token a step on the grid", spec_k);

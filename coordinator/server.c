@@ -808,8 +808,9 @@ static loom_status_t dp_attention_check(loom_server_t *s, loom_err_t *err) {
         return LOOM_OK;
     }
     const char *no = !s->mcfg.deepseek ? "a model other than DeepSeek's MLA (model_type '%s')"
-                     : c->kv_offload_dir || c->kv_offload_host_bytes ? "the KV offload tiers (--kv-offloading-dir, "
-                                                                        "--kv-offloading-size, --kv-transfer-config)"
+                     : c->kv_offload_dir || c->kv_offload_host_bytes ||
+                             c->kv_transfer.transport == LOOM_KV_TRANSPORT_TCP
+                         ? "the KV offload tiers (--kv-offloading-dir, --kv-offloading-size, --kv-transfer-config)"
                      : c->spec.method == LOOM_SPEC_MTP ? "--speculative-method mtp"
                      : c->max_loras > 0 ? "LoRA adapters (--enable-lora, --max-loras)"
                                         : NULL;
@@ -2180,7 +2181,8 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .kv_host_bytes = c->kv_offload_host_bytes,
                              .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu, .ahead = s->ahead};
     if (kv_xfer_tcp(s)) {
-        gc.kv_xfer = (c->kv_transfer.producer ? 1 : 0) | (c->kv_transfer.consumer ? 2 : 0);
+        gc.kv_xfer = (c->kv_transfer.producer ? 1 : 0) | (c->kv_transfer.consumer ? 2 : 0) |
+                     (c->kv_transfer.shm_off ? 4 : 0);
         gc.kv_xfer_secret = c->kv_transfer.secret;
         gc.kv_xfer_secret_len = c->kv_transfer.secret_len;
     }

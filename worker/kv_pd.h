@@ -4,10 +4,11 @@
  * coordinator holds (KvHold) and telling it of reads (KvRead); on a decode
  * replica, the step plan's pulls (StepPlan.kv_pull_*) into this shard's
  * pool, each rank reading the KV heads it holds from the prefill ranks that
- * hold them.
+ * hold them (the latent KV, MLA, whole from one rank: it is replicated).
  *
- * Threads: config and pulls run on the compute thread; holds and the reads
- * reported are taken by the reactor; the service runs its own thread. The
+ * Threads: config and pulls run on the compute thread (and the connections
+ * kept to the services between steps); holds and the reads reported are
+ * taken by the reactor; the service runs its own threads. The
  * service is made anew with each KvConfig (before the pool may move) and
  * serves only that epoch's holds. */
 #ifndef LOOM_WORKER_KV_PD_H
@@ -24,7 +25,18 @@
 
 #define LOOM_KV_PD_SERVE 1
 #define LOOM_KV_PD_PULL 2
+#define LOOM_KV_PD_NO_SHM 4 /* kv_connector_extra_config.shm "off": TCP even on one host */
 #define LOOM_KV_PD_DONE_MAX 256
+
+#define LOOM_KV_PD_CONNS 8
+
+/* A connection kept to a prefill rank's service (compute thread). */
+typedef struct loom_kv_pd_conn {
+    char addr[320];
+    loom_kv_pull_t *c; /* NULL: free */
+    loom_kv_ident_t them;
+    uint64_t used;     /* loom_now_ns of its last use */
+} loom_kv_pd_conn_t;
 
 typedef struct loom_kv_pd {
     pthread_mutex_t mu;         /* guards svc and epoch (compute thread: config; reactor: holds) */
@@ -39,11 +51,11 @@ typedef struct loom_kv_pd {
     size_t secret_len;
     loom_model_t *model;
     loom_backend_t *be;
-    uint8_t *stage, *slices;    /* one block's span; a read's slices */
-    size_t slices_cap;
+    uint8_t *stage;             /* one block's span */
     uint64_t done[LOOM_KV_PD_DONE_MAX]; /* transfers reported read, for the reactor */
     int n_done;
-    uint64_t pulled, pull_failures; /* blocks pulled; sources that failed */
+    loom_kv_pd_conn_t conns[LOOM_KV_PD_CONNS]; /* the pulls' connections, kept between steps */
+    uint64_t pulled, pulled_shm, pull_failures; /* blocks pulled, of them through shared memory; sources that failed */
     int serve_delay_ms;         /* a test's hook ($LOOM_TEST_KV_SERVE_DELAY_MS): each block served waits */
 } loom_kv_pd_t;
 
@@ -51,7 +63,8 @@ typedef struct loom_kv_pd {
 void loom_kv_pd_init(loom_kv_pd_t *p);
 
 /* The shard's identity for the handshake (model: the coordinator's tier
- * seed); 0 when its KV cannot be moved this way (the latent layout). */
+ * seed; the latent layout, MLA: one replicated head of the latent row);
+ * 0 when its KV cannot be moved this way (decompressed MLA's narrower V). */
 int loom_kv_pd_ident(loom_model_t *m, uint64_t model, int tp_rank, int tp_size, int stage, int n_stages,
                      int layer_begin, int layer_end, loom_kv_ident_t *id, loom_kv_span_fmt_t *fmt);
 

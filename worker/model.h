@@ -159,8 +159,9 @@ void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_hos
 /* The host span loom_model_kv_block_xfer packs, per layer of the shard: K
  * codes, V codes, K scales, V scales, each piece (B, n_kv_heads, ...) token
  * major: *codes and *scales its pieces' bytes (padding included; *scales 0
- * without scales). 0 for the latent layout (one array for K and V, MLA),
- * else 1. */
+ * without scales). Returns the arrays a layer keeps: 2 (K and V), 1 in the
+ * latent layout (MLA: one array, its codes then its scales), 0 where V's
+ * rows are narrower than K's (decompressed MLA: not packed this way). */
 int loom_model_kv_span_pieces(const loom_model_t *m, size_t *codes, size_t *scales);
 
 /* One step's batch. All arrays are host memory. */

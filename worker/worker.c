@@ -638,9 +638,18 @@ static void handle_kv_config(worker_t *w, Loom__V1__ControlMsg *m) {
             memmove(host, host + 1, strlen(host));
             host[strlen(host) - 1] = '\0';
         }
+        /* data-parallel attention: each rank's pool holds its own sequences' latent blocks, not the grid's */
+        const char *no = a->dp_attention && a->tp_size > 1 ? "data-parallel attention's partitioned KV pools"
+                         : w->mtp.model                     ? "the MTP module's latent cache"
+                                                            : NULL;
+        if (no) {
+            loom_err_set(&err, LOOM_ERR_UNSUPPORTED, "transport tcp: %s are not moved this way", no);
+            goto fail;
+        }
         if (!loom_kv_pd_ident(w->model, k->kv_xfer_model, (int)a->tp_rank, (int)a->tp_size, (int)a->stage,
                               (int)a->n_stages, (int)a->layer_begin, (int)a->layer_end, &id, &fmt)) {
-            loom_err_set(&err, LOOM_ERR_UNSUPPORTED, "transport tcp: the latent KV (MLA) is not moved this way");
+            loom_err_set(&err, LOOM_ERR_UNSUPPORTED, "transport tcp: decompressed MLA's KV (--disable-mla: V rows "
+                         "narrower than K's) is not moved this way");
             goto fail;
         }
         if (loom_kv_pd_config(&w->kv_pd, (int)k->kv_xfer, w->epoch, w->model, w->be, &id, &fmt,

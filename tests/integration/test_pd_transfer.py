@@ -4,8 +4,10 @@ the prefill's blocks pulled worker to worker, no shared directory.
 - Flags: transport tcp needs no --kv-offloading-dir; without a secret file
   (or insecure: true, asked for by name) it is refused at start; a secret
   file too short, a bad transport and a bad lease_ms are refused naming the
-  field; transport dir (the default) still needs the directory; --pp 2 and
-  a consumer with --async-scheduling are refused by name (not built).
+  field, and so is an shm other than auto or off; transport dir (the
+  default) still needs the directory; --pp 2,
+  a consumer with --async-scheduling, MTP speculation and (DeepSeek)
+  --enable-dp-attention are refused by name (not built).
 - The prefill side holds its blocks (delayed free, the lease): a request
   with do_remote_decode answers vLLM's kv_transfer_params with
   remote_block_ids the pool's block ids (ints) and remote_block_hashes the
@@ -15,8 +17,8 @@ the prefill's blocks pulled worker to worker, no shared directory.
   of another prompt gets other block ids).
 - The decode side pulls, driven as vLLM's proxy drives it: a prefill replica
   (TP 1) and decode replicas of TP 1 and TP 2 (each rank reads its half of
-  the heads): greedy and seeded outputs equal a unified replica's token for
-  token, the decode side computes at most one block of each prompt,
+  the heads, through shared memory: one host): greedy and seeded outputs
+  equal a unified replica's token for token, the decode side computes at most one block of each prompt,
   cached_tokens counts the pulled tokens, and the prefill's held blocks are
   freed once the decode side reports them read (the gauge back to 0 long
   before the lease); forged block hashes are refused (400 naming the
@@ -31,7 +33,13 @@ the prefill's blocks pulled worker to worker, no shared directory.
   killed (SIGKILL) during the decode's pull (each block served slowly by a
   test hook): recompute gives equal output, fail 503.
 - A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
-  reads each prefill rank's heads; outputs equal a unified replica's."""
+  reads each prefill rank's heads; outputs equal a unified replica's.
+- DeepSeek-V3's latent KV (MLA): a TP 1 prefill and a TP 2 decode (each
+  rank reads the whole replicated latent block; shm off: over the socket):
+  outputs equal a unified replica's, at most one block of each prompt
+  computed on the decode side; from a TP 2 prefill (a prompt the decode
+  side has not cached) the two decode ranks read the two prefill ranks, one
+  each."""
 import json
 import os
 import shutil
@@ -106,9 +114,9 @@ def refused(port, body, status, words):
           "%r: want %d with %r, got %d %r" % (body.get("kv_transfer_params"), status, words, st, data[:300]))
 
 
-def unified_outputs(bodies):
+def unified_outputs(bodies, model=STORIES):
     port = free_port()
-    with Cluster(STORIES, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
+    with Cluster(model, 1, 1, coord_args=["--http", "127.0.0.1:%d" % port, "--api-key", KEY,
                                             "--block-size", str(B)]):
         return [call(port, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
 
@@ -129,7 +137,7 @@ def test_pull():
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000):  # only the decode side's done frees them
         for tp in (1, 2):
             dport = free_port()
-            with tcp_cluster(dport, "kv_consumer", secret, tp=tp):
+            with tcp_cluster(dport, "kv_consumer", secret, tp=tp) as dec:
                 base = gauge(pport, "loom_kv_transfer_held_blocks")  # the refused decodes' holds below stay
                 for b, want in zip(bodies, unified):
                     kv, n_prompt = prefill(pport, b)
@@ -141,6 +149,11 @@ def test_pull():
                     cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
                     check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
                           "TP %d decode computed %d of %d prompt tokens" % (tp, n_prompt - cached, n_prompt))
+                # one host: every decode rank's pulls went through shared memory (shm "auto", the default)
+                for r in range(tp):
+                    log = dec.log("worker-%d" % r)
+                    check("over shared memory" in log and "over tcp in" not in log,
+                          "TP %d rank %d did not pull through shared memory" % (tp, r))
                 # read (the seeded bodies' prompts were in the decode's prefix cache: nothing pulled, done still
                 # sent): the prefill frees them all, long before the lease
                 wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == base, 10, "the blocks freed once read")
@@ -157,6 +170,53 @@ def test_pull():
                 refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_hashes[1]"])
                 refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_block_ids=kv["remote_block_ids"][:1])),
                         400, ["remote_block_ids"])
+
+
+def test_pull_deepseek():
+    """DeepSeek-V3's latent KV (MLA, one replicated row a token and layer):
+    a TP 1 prefill replica and a TP 2 decode replica (each rank reads the
+    whole latent block from the prefill's rank): greedy and seeded outputs
+    equal a unified replica's, the decode side computes at most one block of
+    each prompt, the prefill's blocks are freed once read."""
+    from test_deepseek import v3
+    model = v3()
+    work = workdir("loom-pd-mla-")
+    secret = secret_file(work)
+    bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in PD_PROMPTS[:2]]
+    bodies.append({"prompt": PD_PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "seed": 7})
+    fresh = {"prompt": PD_PROMPTS[3], "max_tokens": 12, "temperature": 0}  # not in the decode's prefix cache
+    unified = unified_outputs(bodies + [fresh], model)
+    fresh_want = unified.pop()
+    pport, dport = free_port(), free_port()
+    with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000, model=model), \
+            tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model, shm="off") as dec:
+        for b, want in zip(bodies, unified):
+            kv, n_prompt = prefill(pport, b)
+            got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
+            check(got["choices"][0]["text"] == want, "MLA TP 2 decode %r != unified %r"
+                  % (got["choices"][0]["text"], want))
+            cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+            check(len(kv["remote_block_ids"]) > 0 and cached == len(kv["remote_block_ids"]) * B
+                  and n_prompt - cached <= B, "MLA decode computed %d of %d prompt tokens" % (n_prompt - cached,
+                                                                                           n_prompt))
+        wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == 0, 10, "the latent blocks freed once read")
+        for r in range(2):  # shm "off" on the decode side: over the socket although on one host
+            log = dec.log("worker-%d" % r)
+            check("over tcp in" in log and "over shared memory" not in log, "rank %d's pulls: not over tcp" % r)
+        # a TP 2 prefill: the latent block is on both its ranks; decode rank r reads it from prefill rank r, so the
+        # group's reads spread
+        pport2 = free_port()
+        with tcp_cluster(pport2, "kv_producer", secret, tp=2, lease_ms=600000, model=model):
+            kv, n_prompt = prefill(pport2, fresh)
+            got = call(dport, "/v1/completions", dict(fresh, kv_transfer_params=kv))
+            check(got["choices"][0]["text"] == fresh_want and got["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  == len(kv["remote_block_ids"]) * B, "MLA from a TP 2 prefill: %r" % got)
+            tid = kv["loom_transfer_id"]
+            srcs = [[ln.split(" from ")[1].split(" ")[0] for ln in dec.log("worker-%d" % r).splitlines()
+                     if "KV pull of transfer %s" % tid in ln] for r in range(2)]
+            # (a worker's name is not its TP rank: the two ranks read the two prefill ranks, one each)
+            check(all(len(x) == 1 for x in srcs) and sorted(x[0] for x in srcs) == sorted(kv["loom_remote_ranks"]),
+                  "each decode rank reads its own prefill rank: %r, ranks %r" % (srcs, kv["loom_remote_ranks"]))
 
 
 def test_failures():
@@ -268,12 +328,18 @@ def test_flags():
         (coord + cfg(transport="tcp", secret_file=short), "at least 16"),
         (coord + cfg(transport="tcp", secret_file=os.path.join(work, "none")), "No such file"),
         (coord + cfg(transport="rdma"), "transport"),
+        (coord + cfg(transport="tcp", insecure=True, shm="on"), "kv_connector_extra_config.shm"),
         (coord + cfg(transport="tcp", insecure=True, lease_ms=0), "lease_ms"),
         (coord + cfg(transport="dir"), "--kv-offloading-dir"),
         (coord + cfg(secret_file=short), "transport tcp"),
         (coord + ["--pp", "2"] + cfg(transport="tcp", insecure=True), "--pp 1"),
         (coord + ["--async-scheduling"] + cfg(transport="tcp", insecure=True), "--async-scheduling"),
+        (coord + ["--speculative-method", "mtp"] + cfg(transport="tcp", insecure=True), "MTP module's latent cache"),
     ]
+    from test_deepseek import v3
+    mla = [a if a != STORIES else v3() for a in coord]
+    cases.append((mla + ["--tp", "2", "--enable-dp-attention"] + cfg(transport="tcp", insecure=True),
+                  "--enable-dp-attention does not serve the KV offload tiers"))
     for argv, words in cases:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         check(p.returncode != 0 and words in p.stderr, "%r: exit %d, %r" % (argv[-1], p.returncode, p.stderr[-300:]))
@@ -312,7 +378,7 @@ def test_lease():
 
 if __name__ == "__main__":
     try:
-        run_tests([test_flags, test_lease, test_pull, test_failures, test_router_tp2_prefill])
+        run_tests([test_flags, test_lease, test_pull, test_pull_deepseek, test_failures, test_router_tp2_prefill])
     finally:
         for d in _WORK:
             shutil.rmtree(d, ignore_errors=True)

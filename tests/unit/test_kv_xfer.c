@@ -9,20 +9,27 @@
  * layer count are refused naming why. */
 #include "worker/kv_xfer.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/util.h"
 #include "worker/comm_util.h"
+#include "worker/tcp_io.h"
 #include "tests/test.h"
 
 /* A span of fmt filled with a pattern of (block, byte) */
 static void fill(const loom_kv_span_fmt_t *f, int block, uint8_t *span) {
-    size_t n = (size_t)f->n_layers * 2 * (f->codes + f->scales);
+    size_t n = loom_kv_span_bytes(f);
     for (size_t i = 0; i < n; i++) span[i] = (uint8_t)(i * 7 + (size_t)block * 31 + 1);
 }
 
-static size_t span_bytes(const loom_kv_span_fmt_t *f) { return (size_t)f->n_layers * 2 * (f->codes + f->scales); }
+static size_t span_bytes(const loom_kv_span_fmt_t *f) { return loom_kv_span_bytes(f); }
 
 /* Byte offset of (layer, piece 0..3, token, head, byte) in a span. */
 static size_t at(const loom_kv_span_fmt_t *f, int l, int piece, int t, int h, size_t b) {
@@ -87,6 +94,12 @@ static loom_kv_ident_t ident(void) {
     return id;
 }
 
+static loom_kv_ident_t latent_ident(void) {
+    loom_kv_ident_t id = ident();
+    id.layout = LOOM_KV_LAYOUT_LATENT, id.n_kv_heads = 1, id.head_dim = 576, id.kv_head_end = 1;
+    return id;
+}
+
 static void test_ident(void) {
     loom_kv_ident_t a = ident(), b = ident();
     char msg[256];
@@ -102,7 +115,37 @@ static void test_ident(void) {
     b = ident(), b.pp_size = 2;
     CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "pp_size"));
     b = ident(), b.layout = LOOM_KV_LAYOUT_LATENT;
-    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) && strstr(msg, "latent"));
+    CHECK(loom_kv_ident_mismatch(&a, &b, msg, sizeof msg) &&
+          strstr(msg, "layout: per-head K and V here, the latent KV (MLA) there"));
+    /* latent (MLA): one replicated head on every rank; TP may differ, the row's width may not */
+    loom_kv_ident_t la = latent_ident(), lb = latent_ident();
+    lb.tp_size = 2, lb.tp_rank = 1;
+    CHECK(!loom_kv_ident_mismatch(&la, &lb, msg, sizeof msg));
+    CHECK(loom_kv_ident_mismatch(&la, &a, msg, sizeof msg) &&
+          strstr(msg, "layout: the latent KV (MLA) here, per-head K and V there"));
+    lb = latent_ident(), lb.head_dim = 512;
+    CHECK(loom_kv_ident_mismatch(&la, &lb, msg, sizeof msg) &&
+          strstr(msg, "head_dim: a latent row (kv_lora_rank + qk_rope_head_dim) of 576 here, 512 there"));
+}
+
+/* The latent layout: one array a layer (codes, then scales), a slice of its one head is the whole block. */
+static void test_latent_slices(void) {
+    loom_kv_span_fmt_t f = {.n_layers = 2, .block_size = 3, .n_heads = 1, .head_bytes = 10, .codes = 30,
+                            .scales = 12, .latent = 1};
+    CHECK(loom_kv_span_bytes(&f) == 2 * (30 + 12) && loom_kv_slice_bytes(&f, 1) == 2 * 3 * (10 + 4));
+    uint8_t span[84], slice[84], back[84] = {0};
+    fill(&f, 5, span);
+    loom_kv_slice_pack(&f, span, 0, 1, slice);
+    CHECK(!memcmp(slice, span, sizeof span)); /* unpadded: the span itself */
+    /* padded pieces (a pool's alignment) into an unpadded span and back */
+    loom_kv_span_fmt_t pad = f;
+    pad.codes = 64, pad.scales = 16;
+    uint8_t padded[2 * 80] = {0};
+    loom_kv_slice_unpack(&pad, slice, 0, 1, padded);
+    CHECK(padded[80 + 64 + 11] == span[42 + 30 + 11] && padded[80 + 29] == span[42 + 29] && padded[80 + 30] == 0);
+    loom_kv_slice_pack(&pad, padded, 0, 1, slice);
+    loom_kv_slice_unpack(&f, slice, 0, 1, back);
+    CHECK(!memcmp(back, span, sizeof span));
 }
 
 typedef struct served {
@@ -128,6 +171,15 @@ static loom_status_t read_block(void *ctx, int32_t block, void *host, loom_err_t
     if (s->unhold_on_read) loom_kv_service_unhold(s->svc, s->unhold_on_read);
     fill(&s->fmt, block, host);
     return LOOM_OK;
+}
+
+/* A read's slices copied out of the connection's memory. */
+static loom_status_t pull_read(loom_kv_pull_t *c, uint64_t transfer, const int32_t *blocks, int n, int h0, int nh,
+                               void *out, size_t bytes, uint64_t dl, loom_err_t *err) {
+    const void *slices = NULL;
+    loom_status_t st = loom_kv_pull_read(c, transfer, blocks, n, h0, nh, bytes, &slices, dl, err);
+    if (st == LOOM_OK) memcpy(out, slices, bytes);
+    return st;
 }
 
 static void on_done(void *ctx, uint64_t id) { ((served_t *)ctx)->done = id; }
@@ -156,14 +208,14 @@ static void test_service(void) {
     loom_kv_ident_t ours = ident(), theirs;
     ours.tp_size = 2, ours.tp_rank = 1, ours.kv_head_begin = 2; /* another TP: allowed */
     loom_err_t err = {0};
-    int fd = -1;
+    loom_kv_pull_t *pc = NULL;
     uint64_t dl = loom_comm_deadline(10000);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) == LOOM_OK);
     CHECK(theirs.tp_size == 1 && theirs.kv_head_end == 4);
     size_t one = loom_kv_slice_bytes(&sv.fmt, 2);
     uint8_t *got = malloc(2 * one), *want = malloc(one), *span = malloc(span_bytes(&sv.fmt));
     int32_t two[2] = {9, 7};
-    CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_OK);
+    CHECK(pull_read(pc, 0xabc, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_OK);
     fill(&sv.fmt, 9, span);
     loom_kv_slice_pack(&sv.fmt, span, 2, 2, want);
     CHECK(!memcmp(got, want, one));
@@ -172,36 +224,36 @@ static void test_service(void) {
     CHECK(!memcmp(got + one, want, one));
     CHECK(sv.peeks == 1 && sv.reads == 1); /* 7 in place, 9 read */
     /* unknown blocks: another transfer, a block outside the hold */
-    CHECK(loom_kv_pull_read(fd, 0xabd, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+    CHECK(pull_read(pc, 0xabd, two, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
           strstr(err.msg, "unknown blocks"));
     int32_t stray[2] = {7, 8};
-    CHECK(loom_kv_pull_read(fd, 0xabc, stray, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+    CHECK(pull_read(pc, 0xabc, stray, 2, 2, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
           strstr(err.msg, "block 8"));
-    CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    CHECK(pull_read(pc, 0xabc, two, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
     /* the fence: the hold ends while its blocks stream: the read fails */
     int32_t late[2] = {3, 9};
     loom_kv_service_hold(s, 0xdef, late, 2);
     sv.svc = s;
     sv.unhold_on_read = 0xdef;
-    CHECK(loom_kv_pull_read(fd, 0xdef, late, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
+    CHECK(pull_read(pc, 0xdef, late, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND &&
           strstr(err.msg, "while its blocks were read"));
     sv.unhold_on_read = 0;
-    CHECK(loom_kv_pull_done(fd, 0xabc, dl, &err) == LOOM_OK && sv.done == 0xabc);
-    close(fd);
+    CHECK(loom_kv_pull_done(pc, 0xabc, dl, &err) == LOOM_OK && sv.done == 0xabc);
+    loom_kv_pull_close(&pc);
     loom_kv_service_unhold(s, 0xabc);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) == LOOM_OK);
-    CHECK(loom_kv_pull_read(fd, 0xabc, two, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND);
-    close(fd);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) == LOOM_OK);
+    CHECK(pull_read(pc, 0xabc, two, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND);
+    loom_kv_pull_close(&pc);
     /* a dialler without the secret, or of another model / layer count */
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, NULL, 0, dl, &fd, &theirs, &err) ==
-              LOOM_ERR_UNAUTHENTICATED && fd < 0 && strstr(err.msg, "wants a secret"));
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, NULL, 0, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+              LOOM_ERR_UNAUTHENTICATED && !pc && strstr(err.msg, "wants a secret"));
     loom_kv_ident_t other = ident();
     other.model = 0x9999;
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "model: digest"));
     other = ident();
     other.n_layers = 4;
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "n_layers: 4 here, 3 there"));
     /* a forged host: a listener that does not hold K */
     served_t fv = sv;
@@ -210,22 +262,264 @@ static void test_service(void) {
     loom_kv_service_t *forged = service(&fv, K2, sizeof K2 - 1);
     if (forged) {
         loom_kv_service_hold(forged, 0xabc, held, 3);
-        CHECK(loom_kv_pull_open(loom_kv_service_addr(forged), &ours, K, sizeof K - 1, dl, &fd, &theirs, &err) ==
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(forged), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
                   LOOM_ERR_UNAUTHENTICATED && strstr(err.msg, "does not hold the secret"));
         CHECK(fv.reads == 0 && fv.peeks == 0);
         loom_kv_service_destroy(&forged);
     }
     uint64_t refused = 0, blocks = 0;
-    loom_kv_service_counts(s, &refused, &blocks);
+    loom_kv_service_counts(s, &refused, &blocks, NULL);
     CHECK(blocks == 2 && refused >= 3); /* the fenced read is not counted */
     loom_kv_service_destroy(&s);
     loom_kv_service_destroy(&s);
     free(got), free(want), free(span), free(sv.pool);
 }
 
+/* A latent service: a TP=2 rank (kv_head 0 of 1, replicated) reads whole blocks; a per-head puller and a latent
+ * one of another row width are refused naming the field. */
+static void test_latent_service(void) {
+    served_t sv = {.fmt = {.n_layers = 2, .block_size = 3, .n_heads = 1, .head_bytes = 10, .codes = 32,
+                           .scales = 12, .latent = 1}};
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = latent_ident(), .fmt = sv.fmt, .secret = K,
+                                  .secret_len = sizeof K - 1, .read = read_block, .done = on_done, .ctx = &sv,
+                                  .hold_wait_ms = 50};
+    loom_kv_service_t *s = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
+    if (!s) return;
+    int32_t held[2] = {4, 1};
+    loom_kv_service_hold(s, 0x77, held, 2);
+    loom_kv_ident_t ours = latent_ident(), theirs;
+    ours.tp_size = 2, ours.tp_rank = 1;
+    loom_kv_pull_t *pc = NULL;
+    uint64_t dl = loom_comm_deadline(10000);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) == LOOM_OK);
+    CHECK(theirs.layout == LOOM_KV_LAYOUT_LATENT && theirs.kv_head_end == 1);
+    const size_t one = loom_kv_slice_bytes(&sv.fmt, 1);
+    uint8_t got[2 * 2 * 3 * 14], span[2 * 44], want[2 * 3 * 14];
+    CHECK(sizeof got == 2 * one);
+    CHECK(pull_read(pc, 0x77, held, 2, 0, 1, got, 2 * one, dl, &err) == LOOM_OK);
+    for (int i = 0; i < 2; i++) {
+        fill(&sv.fmt, held[i], span);
+        loom_kv_slice_pack(&sv.fmt, span, 0, 1, want);
+        CHECK(!memcmp(got + (size_t)i * one, want, one));
+    }
+    CHECK(pull_read(pc, 0x77, held, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
+    loom_kv_pull_close(&pc);
+    loom_kv_ident_t per_head = ident();
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &per_head, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+              LOOM_ERR_INVALID_ARGUMENT &&
+          strstr(err.msg, "layout: per-head K and V here, the latent KV (MLA) there"));
+    loom_kv_ident_t wide = latent_ident();
+    wide.head_dim = 640;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &wide, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+              LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "latent row") && strstr(err.msg, "640 here, 576 there"));
+    uint64_t refused = 0, blocks = 0;
+    loom_kv_service_counts(s, &refused, &blocks, NULL);
+    CHECK(blocks == 2 && sv.reads == 2);
+    loom_kv_service_destroy(&s);
+}
+
+/* Op 3 by hand (kv_xfer.h's wire) naming `name`: the first status's code, its message in msg. */
+static int32_t raw_shm_read(int fd, const char *name, uint64_t transfer, const int32_t *blocks, int n, char *msg,
+                            size_t cap) {
+    uint8_t req[512], *p = req;
+    const uint32_t head[4] = {3, (uint32_t)transfer, (uint32_t)(transfer >> 32), (uint32_t)n};
+    for (int i = 0; i < 4; i++, p += 4) memcpy(p, &head[i], 4); /* little-endian host */
+    const uint32_t heads[2] = {0, 2};
+    memcpy(p, heads, 8), p += 8;
+    *p++ = (uint8_t)strlen(name);
+    memcpy(p, name, strlen(name)), p += strlen(name);
+    memcpy(p, blocks, (size_t)n * 4), p += (size_t)n * 4;
+    loom_err_t err = {0};
+    uint64_t dl = loom_comm_deadline(5000);
+    uint8_t st[6];
+    if (loom_tcp_write_full(fd, req, (size_t)(p - req), dl, "test", &err) < 0 ||
+        loom_tcp_read_full(fd, st, 6, dl, "test", &err) < 0)
+        return 1;
+    size_t len = (size_t)(st[4] | st[5] << 8);
+    char m[600] = "";
+    if (len >= sizeof m || loom_tcp_read_full(fd, m, len, dl, "test", &err) < 0) return 1;
+    snprintf(msg, cap, "%s", m);
+    int32_t code;
+    memcpy(&code, st, 4);
+    return code;
+}
+
+/* The shared-memory path (both in this process: one host): its slices equal the socket's, the service counts
+ * them; shm off on either side gives the socket; names that are not the dialler's object are refused with
+ * UNAVAILABLE, the connection and the service going on. */
+static void test_shm(void) {
+    served_t sv = {.fmt = {.n_layers = 3, .block_size = 5, .n_heads = 4, .head_bytes = 6, .codes = 128, .scales = 96}};
+    sv.pool = malloc(8 * span_bytes(&sv.fmt));
+    for (int b = 0; b < 8; b++) fill(&sv.fmt, b, sv.pool + (size_t)b * span_bytes(&sv.fmt));
+    loom_kv_service_t *s = service(&sv, K, sizeof K - 1);
+    if (!s) return;
+    int32_t held[3] = {7, 2, 9};
+    loom_kv_service_hold(s, 0xabc, held, 3);
+    loom_kv_ident_t ours = ident(), theirs;
+    loom_err_t err = {0};
+    uint64_t dl = loom_comm_deadline(10000);
+    loom_kv_pull_t *tcp = NULL, *shm = NULL;
+    const size_t one = loom_kv_slice_bytes(&sv.fmt, 3);
+    uint8_t *a = malloc(3 * one), *b = malloc(3 * one), *span = malloc(span_bytes(&sv.fmt)), *want = malloc(one);
+    char msg[600];
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &tcp, &theirs,
+                            &err) == LOOM_OK && !loom_kv_pull_shm(tcp));
+    if (tcp) {
+        CHECK(pull_read(tcp, 0xabc, held, 3, 1, 3, a, 3 * one, dl, &err) == LOOM_OK);
+        /* the socket-only connection may not name an object at all */
+        CHECK(raw_shm_read(loom_kv_pull_fd(tcp), "/loom-kv-00000000000000000000000000000000", 0xabc, held, 3, msg,
+                           sizeof msg) == LOOM_ERR_UNAVAILABLE && strstr(msg, "did not agree"));
+        loom_kv_pull_close(&tcp);
+    }
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_AUTO, dl, &shm, &theirs,
+                            &err) == LOOM_OK && loom_kv_pull_shm(shm));
+    if (!shm) goto out;
+    CHECK(pull_read(shm, 0xabc, held, 3, 1, 3, b, 3 * one, dl, &err) == LOOM_OK);
+    CHECK(!memcmp(a, b, 3 * one));
+    fill(&sv.fmt, 9, span); /* read, not peeked: through the service's span */
+    loom_kv_slice_pack(&sv.fmt, span, 1, 3, want);
+    CHECK(!memcmp(b + 2 * one, want, one));
+    /* a second read on the connection reuses its object */
+    CHECK(pull_read(shm, 0xabc, held, 2, 1, 3, b, 2 * one, dl, &err) == LOOM_OK && !memcmp(a, b, 2 * one));
+    uint64_t refused = 0, blocks = 0, blocks_shm = 0;
+    loom_kv_service_counts(s, &refused, &blocks, &blocks_shm);
+    CHECK(blocks == 8 && blocks_shm == 5);
+    /* forged names on the shm connection: not ours, ours but unknown, an object open to others */
+    const int fd = loom_kv_pull_fd(shm);
+    CHECK(raw_shm_read(fd, "/etc-passwd", 0xabc, held, 3, msg, sizeof msg) == LOOM_ERR_UNAVAILABLE &&
+          strstr(msg, "is not a KV transfer object's name"));
+    CHECK(raw_shm_read(fd, "/loom-kv-../../../../etc/passwd0000000000000", 0xabc, held, 3, msg, sizeof msg) ==
+              LOOM_ERR_UNAVAILABLE && strstr(msg, "is not a KV transfer object's name"));
+    CHECK(raw_shm_read(fd, "/loom-kv-00000000000000000000000000000000", 0xabc, held, 3, msg, sizeof msg) ==
+              LOOM_ERR_UNAVAILABLE && strstr(msg, "No such file"));
+    char open_name[64];
+    snprintf(open_name, sizeof open_name, "/loom-kv-%032x", (unsigned)getpid());
+    int ofd = shm_open(open_name, O_RDWR | O_CREAT | O_EXCL, 0644);
+    CHECK(ofd >= 0);
+    if (ofd >= 0) {
+        CHECK(fchmod(ofd, 0644) == 0 && ftruncate(ofd, 1 << 20) == 0);
+        CHECK(raw_shm_read(fd, open_name, 0xabc, held, 3, msg, sizeof msg) == LOOM_ERR_UNAVAILABLE &&
+              strstr(msg, "open to other users"));
+        close(ofd);
+        shm_unlink(open_name);
+    }
+    /* the connection still reads through its own object (the service did not fall over) */
+    CHECK(pull_read(shm, 0xabc, held, 3, 1, 3, b, 3 * one, dl, &err) == LOOM_OK && !memcmp(a, b, 3 * one));
+    CHECK(loom_kv_pull_shm(shm));
+    loom_kv_service_counts(s, &refused, &blocks, &blocks_shm);
+    CHECK(blocks == 11 && blocks_shm == 8);
+out:
+    free(a), free(b), free(span), free(want);
+    loom_kv_pull_close(&shm);
+    /* a service with shm off: an auto dialler reads over the socket */
+    loom_kv_service_destroy(&s);
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = sv.fmt, .secret = K,
+                                  .secret_len = sizeof K - 1, .read = read_block, .ctx = &sv, .hold_wait_ms = 50,
+                                  .shm = LOOM_KV_SHM_OFF};
+    CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
+    if (s) {
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_AUTO, dl, &shm,
+                                &theirs, &err) == LOOM_OK && !loom_kv_pull_shm(shm));
+        loom_kv_pull_close(&shm);
+        loom_kv_service_destroy(&s);
+    }
+    free(sv.pool);
+}
+
+static loom_status_t read_quiet(void *ctx, int32_t block, void *host, loom_err_t *err) {
+    (void)err;
+    fill(&((served_t *)ctx)->fmt, block, host);
+    return LOOM_OK;
+}
+
+/* Connections served at once: a puller stalled in the middle of a 32 MiB read (it reads nothing of it) while
+ * another is served; at most 8 at once, the ninth waiting until one ends. */
+static void test_concurrent(void) {
+    served_t sv = {.fmt = {.n_layers = 4, .block_size = 16, .n_heads = 8, .head_bytes = 2048,
+                           .codes = 16 * 8 * 2048, .scales = 0}};
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = sv.fmt, .secret = K,
+                                  .secret_len = sizeof K - 1, .read = read_quiet, .ctx = &sv, .hold_wait_ms = 50,
+                                  .shm = LOOM_KV_SHM_OFF};
+    loom_kv_service_t *s = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
+    if (!s) return;
+    int32_t blocks[16];
+    for (int i = 0; i < 16; i++) blocks[i] = i;
+    loom_kv_service_hold(s, 0x51, blocks, 16);
+    loom_kv_ident_t ours = ident(), theirs;
+    uint64_t dl = loom_comm_deadline(10000);
+    loom_kv_pull_t *stalled = NULL, *other = NULL;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &stalled, &theirs,
+                            &err) == LOOM_OK);
+    if (!stalled) goto out;
+    /* op 1 for all 16 blocks (32 MiB, beyond the sockets' buffers), then nothing read */
+    uint8_t req[24 + 16 * 4], *q = req;
+    const uint32_t head[6] = {1, 0x51, 0, 16, 0, 8};
+    for (int i = 0; i < 6; i++, q += 4) memcpy(q, &head[i], 4);
+    memcpy(q, blocks, sizeof blocks);
+    CHECK(loom_tcp_write_full(loom_kv_pull_fd(stalled), req, sizeof req, dl, "test", &err) == LOOM_OK);
+    usleep(200 * 1000);
+    const size_t one = loom_kv_slice_bytes(&sv.fmt, 2);
+    uint8_t *got = malloc(2 * one), *span = malloc(span_bytes(&sv.fmt)), *want = malloc(one);
+    uint64_t t0 = loom_now_ns();
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &other, &theirs,
+                            &err) == LOOM_OK);
+    CHECK(other && pull_read(other, 0x51, blocks + 5, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_OK);
+    CHECK(loom_now_ns() - t0 < 1500000000ull); /* served while the other read hangs (its deadline: 30 s) */
+    fill(&sv.fmt, 6, span);
+    loom_kv_slice_pack(&sv.fmt, span, 3, 2, want);
+    CHECK(!memcmp(got + one, want, one));
+    struct pollfd pf = {loom_kv_pull_fd(stalled), POLLIN, 0};
+    CHECK(poll(&pf, 1, 0) == 1 && (pf.revents & POLLIN)); /* its read was under way */
+    loom_kv_pull_close(&other);
+    loom_kv_pull_close(&stalled);
+    free(got), free(span), free(want);
+    uint8_t *want2 = malloc(one);
+    /* eight reads at once, each stalled: a ninth's handshake waits (its deadline passes) until one of them ends */
+    loom_kv_pull_t *eight[8] = {0}, *ninth = NULL;
+    for (int i = 0; i < 8; i++) {
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &eight[i],
+                                &theirs, &err) == LOOM_OK);
+        if (eight[i]) loom_tcp_write_full(loom_kv_pull_fd(eight[i]), req, sizeof req, dl, "test", &err);
+    }
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+                            loom_comm_deadline(300), &ninth, &theirs, &err) == LOOM_ERR_UNAVAILABLE && !ninth);
+    loom_kv_pull_close(&eight[0]);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+                            loom_comm_deadline(1500), &ninth, &theirs, &err) == LOOM_OK);
+    for (int i = 1; i < 8; i++) loom_kv_pull_close(&eight[i]);
+    loom_kv_pull_close(&ninth);
+    /* eight idle connections: a ninth dialler takes the slot of one of them (one only), which is closed */
+    for (int i = 0; i < 8; i++)
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &eight[i],
+                                &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+                            loom_comm_deadline(1500), &ninth, &theirs, &err) == LOOM_OK);
+    int closed = 0;
+    for (int i = 0; i < 8; i++) {
+        struct pollfd e = {eight[i] ? loom_kv_pull_fd(eight[i]) : -1, POLLIN, 0};
+        closed += poll(&e, 1, 0) == 1;
+    }
+    CHECK(closed == 1);
+    CHECK(ninth && pull_read(ninth, 0x51, blocks, 1, 0, 2, want2, one, dl, &err) == LOOM_OK);
+    loom_kv_pull_close(&ninth);
+    for (int i = 0; i < 8; i++) loom_kv_pull_close(&eight[i]);
+    free(want2);
+out:
+    loom_kv_pull_close(&stalled);
+    loom_kv_service_destroy(&s);
+}
+
 int main(void) {
     RUN(test_slices);
     RUN(test_ident);
+    RUN(test_latent_slices);
     RUN(test_service);
+    RUN(test_latent_service);
+    RUN(test_shm);
+    RUN(test_concurrent);
     return test_summary();
 }

@@ -177,7 +177,7 @@ void loom_model_kv_block_xfer(loom_model_t *m, int block, void *host, int to_hos
 
 int loom_model_kv_span_pieces(const loom_model_t *m, size_t *codes, size_t *scales) {
     const int B = m->block_size;
-    if (m->cfg.deepseek) return 0;
+    if (m->cfg.deepseek && m->opt.mla_disable) return 0;
     if (loom_model_kv_block_contiguous(m)) {
         *codes = blk_codes(m, B, m->cfg.head_dim); /* K and V alike: no family with narrower V heads gets here */
         *scales = blk_scales(m, B);
@@ -186,7 +186,7 @@ int loom_model_kv_span_pieces(const loom_model_t *m, size_t *codes, size_t *scal
         *codes = heads * m->cfg.head_dim * loom_dtype_size(m->opt.kv_dtype);
         *scales = m->opt.kv_dtype == LOOM_DT_I8 ? heads * sizeof(float) : 0;
     }
-    return 1;
+    return (int)kv_arrays(m);
 }
 
 /* Copy-on-write copies a block's codes and, for I8, its scales. */
