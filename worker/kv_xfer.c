@@ -27,7 +27,8 @@
 
 #define KV_MAGIC 0x314b4d4cu /* "LMK1" */
 #define IDENT_BYTES 72
-#define HELLO_BYTES (4 + 2 + 2 + LOOM_TCP_NONCE_BYTES + IDENT_BYTES)
+#define HELLO_HEAD 8 /* magic, version, flags: what tells another version apart */
+#define HELLO_BYTES (HELLO_HEAD + LOOM_TCP_NONCE_BYTES)
 #define OP_READ 1
 #define OP_DONE 2
 #define OP_READ_SHM 3
@@ -173,24 +174,24 @@ void loom_kv_slice_unpack(const loom_kv_span_fmt_t *f, const void *slice, int h0
 #define SHM_PREFIX "/loom-kv-"
 #define SHM_NAME_LEN (sizeof SHM_PREFIX - 1 + 32) /* the prefix and 16 random bytes in hex */
 
-static void hello_encode(uint8_t *h, int flags, const uint8_t *nonce, const loom_kv_ident_t *id) {
+static void hello_encode(uint8_t *h, int flags, const uint8_t *nonce) {
     uint8_t *p = put32(h, KV_MAGIC);
     p[0] = LOOM_KV_XFER_VERSION & 0xff;
     p[1] = LOOM_KV_XFER_VERSION >> 8;
     p[2] = (uint8_t)flags;
     p[3] = 0;
     memcpy(p + 4, nonce, LOOM_TCP_NONCE_BYTES);
-    ident_encode(id, p + 4 + LOOM_TCP_NONCE_BYTES);
 }
 
-/* A hello's fields; 0 when it is not one of this version. Flags a side
- * does not know are ignored (an older side: TCP only). */
-static int hello_decode(const uint8_t *h, int *flags, uint8_t *nonce, loom_kv_ident_t *id) {
-    if (get32(h) != KV_MAGIC || (h[4] | h[5] << 8) != LOOM_KV_XFER_VERSION) return 0;
+/* A hello's head: 0 when it is one of this version (*flags set), -1 when it
+ * is no KV transfer hello, else the version it speaks. Flags a side does not
+ * know are ignored (an older side: TCP only). */
+static int hello_head(const uint8_t *h, int *flags) {
+    if (get32(h) != KV_MAGIC) return -1;
+    const int v = h[4] | h[5] << 8;
+    if (v != LOOM_KV_XFER_VERSION) return v ? v : -1;
     *flags = h[6];
-    memcpy(nonce, h + 8, LOOM_TCP_NONCE_BYTES);
-    ident_decode(h + 8 + LOOM_TCP_NONCE_BYTES, id);
-    return 1;
+    return 0;
 }
 
 /* This host's identity for the shared-memory path: the kernel's boot id
@@ -468,25 +469,33 @@ out:
     return st;
 }
 
-/* The handshake as acceptor: 1 when the dialler may read, 0 when refused (logged). */
+/* The handshake as acceptor: 1 when the dialler may read, 0 when refused
+ * (logged). Nothing of this side's identity goes before the dialler's proof. */
 static int accept_handshake(loom_kv_service_t *s, conn_t *c) {
     const int fd = c->fd;
     uint64_t deadline = loom_comm_deadline(HANDSHAKE_MS);
     uint8_t h[HELLO_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES], mac[LOOM_TCP_MAC_BYTES];
+    uint8_t id[IDENT_BYTES];
     loom_err_t err = {0};
     loom_kv_ident_t theirs;
-    int flags = 0, ours = s->cfg.secret_len > 0;
+    int flags = 0, ours = s->cfg.secret_len > 0, v = -1;
     char msg[MSG_MAX] = "";
-    if (loom_tcp_read_full(fd, h, HELLO_BYTES, deadline, "kv transfer hello", &err) < 0 ||
-        !hello_decode(h, &flags, nd, &theirs)) {
-        snprintf(msg, sizeof msg, "not a KV transfer hello of version %d%s%.300s",
-                 LOOM_KV_XFER_VERSION, err.msg[0] ? ": " : "", err.msg);
+    uint8_t ans[HELLO_BYTES + LOOM_TCP_MAC_BYTES];
+    randombytes_buf(na, sizeof na);
+    hello_encode(ans, (ours ? HELLO_AUTH : 0) | (s->host[0] ? HELLO_SHM : 0), na);
+    if (loom_tcp_read_full(fd, h, HELLO_HEAD, deadline, "kv transfer hello", &err) < 0 ||
+        (v = hello_head(h, &flags)) < 0) {
+        snprintf(msg, sizeof msg, "not a KV transfer hello%s%.300s", err.msg[0] ? ": " : "", err.msg);
         goto refuse;
     }
+    if (v > 0) { /* another version: our hello tells the dialler which this side speaks */
+        loom_tcp_write_full(fd, ans, HELLO_HEAD, deadline, "kv transfer", &err);
+        snprintf(msg, sizeof msg, "the dialler speaks KV transfer version %d, this service version %d", v,
+                 LOOM_KV_XFER_VERSION);
+        goto refuse;
+    }
+    if (loom_tcp_read_full(fd, nd, sizeof nd, deadline, "kv transfer hello", &err) < 0) goto lost;
     const int auth = flags & HELLO_AUTH, shm = (flags & HELLO_SHM) && s->host[0];
-    randombytes_buf(na, sizeof na);
-    uint8_t ans[HELLO_BYTES + LOOM_TCP_MAC_BYTES];
-    hello_encode(ans, (ours ? HELLO_AUTH : 0) | (s->host[0] ? HELLO_SHM : 0), na, &s->cfg.ident);
     if (ours) kv_mac(s->secret, s->cfg.secret_len, "kv ack", nd, na, ans + HELLO_BYTES);
     /* the answer goes even to a dialler that does not authenticate as we do, so it can say why it stops */
     if (loom_tcp_write_full(fd, ans, HELLO_BYTES + (ours && auth ? LOOM_TCP_MAC_BYTES : 0), deadline, "kv transfer",
@@ -506,17 +515,22 @@ static int accept_handshake(loom_kv_service_t *s, conn_t *c) {
             goto refuse;
         }
     }
+    /* proved: the identities, the dialler's first */
+    if (loom_tcp_read_full(fd, id, sizeof id, deadline, "kv transfer identity", &err) < 0) goto lost;
+    ident_decode(id, &theirs);
+    ident_encode(&s->cfg.ident, id);
+    if (loom_tcp_write_full(fd, id, sizeof id, deadline, "kv transfer", &err) < 0) goto lost;
     if (loom_kv_ident_mismatch(&s->cfg.ident, &theirs, msg, sizeof msg)) {
         send_status(fd, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, &err);
         goto refuse;
     }
     if (send_status(fd, LOOM_OK, NULL, deadline, &err) < 0) goto lost;
     if (shm) { /* both offered shared memory: this host's identity, the dialler compares */
-        uint8_t id[1 + HOST_ID_MAX];
+        uint8_t hid[1 + HOST_ID_MAX];
         size_t n = strlen(s->host);
-        id[0] = (uint8_t)n;
-        memcpy(id + 1, s->host, n);
-        if (loom_tcp_write_full(fd, id, 1 + n, deadline, "kv transfer", &err) < 0) goto lost;
+        hid[0] = (uint8_t)n;
+        memcpy(hid + 1, s->host, n);
+        if (loom_tcp_write_full(fd, hid, 1 + n, deadline, "kv transfer", &err) < 0) goto lost;
         c->shm = 1;
     }
     return 1;
@@ -804,21 +818,26 @@ loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, c
     *out = NULL;
     int fd = -1, auth = secret && secret_len > 0, their_flags = 0;
     LOOM_CHECK(loom_tcp_dial(addr, deadline, &fd, err));
-    uint8_t h[HELLO_BYTES + LOOM_TCP_MAC_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES];
-    uint8_t mac[LOOM_TCP_MAC_BYTES];
+    uint8_t h[HELLO_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES], mac[LOOM_TCP_MAC_BYTES];
     char what[400], msg[MSG_MAX], host[HOST_ID_MAX + 1] = "";
     if (shm != LOOM_KV_SHM_OFF) host_id(host, sizeof host);
     snprintf(what, sizeof what, "kv transfer from %s", addr);
     randombytes_buf(nd, sizeof nd);
-    hello_encode(h, (auth ? HELLO_AUTH : 0) | (host[0] ? HELLO_SHM : 0), nd, ours);
+    hello_encode(h, (auth ? HELLO_AUTH : 0) | (host[0] ? HELLO_SHM : 0), nd);
     loom_status_t st = loom_tcp_write_full(fd, h, HELLO_BYTES, deadline, what, err);
-    if (st == LOOM_OK) st = loom_tcp_read_full(fd, h, HELLO_BYTES, deadline, what, err);
+    if (st == LOOM_OK) st = loom_tcp_read_full(fd, h, HELLO_HEAD, deadline, what, err);
     if (st < 0) goto fail;
-    if (!hello_decode(h, &their_flags, na, theirs)) {
-        st = loom_err_set(err, LOOM_ERR_PROTOCOL, "%s: not a Loom KV service of version %d", what,
-                          LOOM_KV_XFER_VERSION);
+    const int v = hello_head(h, &their_flags);
+    if (v != 0) {
+        if (v < 0)
+            st = loom_err_set(err, LOOM_ERR_PROTOCOL, "%s: not a Loom KV service", what);
+        else
+            st = loom_err_set(err, LOOM_ERR_PROTOCOL,
+                              "%s: the service speaks KV transfer version %d, this side version %d: refused", what,
+                              v, LOOM_KV_XFER_VERSION);
         goto fail;
     }
+    if ((st = loom_tcp_read_full(fd, na, sizeof na, deadline, what, err)) < 0) goto fail;
     if (!!(their_flags & HELLO_AUTH) != auth) {
         st = loom_err_set(err, LOOM_ERR_UNAUTHENTICATED, "%s: %s", what,
                           auth ? "the service does not authenticate (it has no secret_file)"
@@ -837,6 +856,13 @@ loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, c
         kv_mac(secret, secret_len, "kv dial", na, nd, mac);
         if ((st = loom_tcp_write_full(fd, mac, sizeof mac, deadline, what, err)) < 0) goto fail;
     }
+    /* proved: the identities, ours first */
+    uint8_t id[IDENT_BYTES];
+    ident_encode(ours, id);
+    if ((st = loom_tcp_write_full(fd, id, sizeof id, deadline, what, err)) < 0 ||
+        (st = loom_tcp_read_full(fd, id, sizeof id, deadline, what, err)) < 0)
+        goto fail;
+    ident_decode(id, theirs);
     if (loom_kv_ident_mismatch(ours, theirs, msg, sizeof msg)) {
         st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: handshake refused, %s", what, msg);
         goto fail;

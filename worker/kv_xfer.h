@@ -3,18 +3,22 @@
  * runs on a listener of its own, and the pull a decode worker makes.
  *
  * A connection: the dialler (decode) sends a hello, the acceptor (prefill)
- * answers; both carry a nonce and the side's identity (loom_kv_ident_t).
- * With a secret (both replicas' kv_connector_extra_config.secret_file) the
- * answer ends with HMAC-SHA256(K, "kv ack", nD, nA, "loom-kv") and the
- * dialler's proof HMAC-SHA256(K, "kv dial", nA, nD, "loom-kv") follows:
- * comm_tcp.c's challenge (loom_tcp_mac), so a listener without K is refused
- * by the dialler and a dialler without K by the listener, before any block
- * moves. Then the acceptor says whether the identities agree; a mismatch
- * names the field (both sides log it; the pull fails).
+ * answers; a hello carries only the version, flags and a nonce. With a
+ * secret (both replicas' kv_connector_extra_config.secret_file) the answer
+ * ends with HMAC-SHA256(K, "kv ack", nD, nA, "loom-kv") and the dialler's
+ * proof HMAC-SHA256(K, "kv dial", nA, nD, "loom-kv") follows: comm_tcp.c's
+ * challenge (loom_tcp_mac), so a listener without K is refused by the
+ * dialler and a dialler without K by the listener, before anything else is
+ * said. Only then are the identities (loom_kv_ident_t) exchanged, the
+ * dialler's first, and the acceptor says whether they agree; a mismatch
+ * names the field (both sides log it; the pull fails). A side of another
+ * version is refused naming both versions (the acceptor answers such a
+ * hello with its own head, then closes).
  *
- *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated, 2: shm) | nonce | ident
+ *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated, 2: shm) | nonce
  *   answer: hello (the acceptor's) | [mac]
  *   proof:  [mac] (authenticated only)
+ *   ident:  the dialler's identity (72 bytes), then the acceptor's
  *   verdict: u32 status (0 or a loom status) | u16 length | message
  *   host:   u8 length | host id (verdict 0 and both hellos flagged shm only)
  *   read:   u32 op 1 | u64 transfer | u32 n | u32 h0 | u32 h1 | i32 block ids (n)
@@ -61,7 +65,7 @@
 
 #include "common/status.h"
 
-#define LOOM_KV_XFER_VERSION 1
+#define LOOM_KV_XFER_VERSION 2
 
 /* What one side's KV is: the fields the two sides must agree on, and those
  * that may differ (TP, layout). */

@@ -6,7 +6,8 @@
  * blocks, a hold that ends while its blocks stream fails the read (the
  * fence), done reaches the service's callback; a service that does not hold
  * the secret (a forged host), a dialler without it, one of another model or
- * layer count are refused naming why. */
+ * layer count are refused naming why; a dialler without the secret, or of
+ * another version, spoken by hand, hears nothing of the service's identity. */
 #include "worker/kv_xfer.h"
 
 #include <fcntl.h>
@@ -255,6 +256,44 @@ static void test_service(void) {
     other.n_layers = 4;
     CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "n_layers: 4 here, 3 there"));
+    /* by hand: a dialler without K hears the acceptor's hello (and proof) and nothing more, its identity
+     * least of all; one of another version is told the service's */
+    for (int forged_proof = 0; forged_proof < 3; forged_proof++) {
+        uint64_t before = 0, after = 0, nb = 0;
+        loom_kv_service_counts(s, &before, &nb, NULL);
+        int fd = -1;
+        CHECK(loom_tcp_dial(loom_kv_service_addr(s), dl, &fd, &err) == LOOM_OK);
+        uint8_t hello[24] = {'L', 'M', 'K', '1', LOOM_KV_XFER_VERSION, 0, forged_proof == 1 ? 1 : 0, 0};
+        if (forged_proof == 2) hello[4] = 1; /* version 1 */
+        memset(hello + 8, 0x5a, 16);
+        uint8_t got_raw[256];
+        size_t n_raw = 0;
+        CHECK(loom_tcp_write_full(fd, hello, forged_proof == 2 ? 8 : 24, dl, "test", &err) == LOOM_OK);
+        if (forged_proof == 1) { /* the answer and its proof, then a wrong proof of ours */
+            CHECK(loom_tcp_read_full(fd, got_raw, 24 + 32, dl, "test", &err) == LOOM_OK);
+            n_raw = 56;
+            uint8_t wrong[32] = {0};
+            CHECK(loom_tcp_write_full(fd, wrong, sizeof wrong, dl, "test", &err) == LOOM_OK);
+        }
+        for (;;) { /* whatever else comes before the service closes */
+            struct pollfd pf = {fd, POLLIN, 0};
+            if (poll(&pf, 1, 3000) <= 0) break;
+            ssize_t r = read(fd, got_raw + n_raw, sizeof got_raw - n_raw);
+            if (r <= 0) break;
+            n_raw += (size_t)r;
+        }
+        close(fd);
+        /* no proof: the hello alone (24 bytes); a wrong one: nothing after the answer; another version: the head */
+        CHECK(n_raw == (forged_proof == 0 ? 24u : forged_proof == 1 ? 56u : 8u));
+        if (forged_proof == 2) CHECK(got_raw[4] == LOOM_KV_XFER_VERSION && got_raw[5] == 0);
+        CHECK(!memmem(got_raw, n_raw, "bf16", 4)); /* the identity's dtype is nowhere */
+        for (int i = 0; i < 200; i++) { /* the refusal counted once the connection's thread ends */
+            loom_kv_service_counts(s, &after, &nb, NULL);
+            if (after > before) break;
+            usleep(10000);
+        }
+        CHECK(after >= before + 1); /* (an earlier refusal may be counted meanwhile) */
+    }
     /* a forged host: a listener that does not hold K */
     served_t fv = sv;
     fv.reads = fv.peeks = 0;
