@@ -143,6 +143,7 @@ typedef struct loom_kv_service_config {
     void *ctx;
     int hold_wait_ms;          /* a read of a transfer not held yet waits this long for its hold (0: 2000) */
     int shm;                   /* LOOM_KV_SHM_*: whether it offers the shared-memory path */
+    int encrypt;               /* 1: every message after the proofs sealed (needs the secret; dialler must agree) */
 } loom_kv_service_config_t;
 
 loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_kv_service_t **out, loom_err_t *err);
@@ -163,15 +164,19 @@ typedef struct loom_kv_pull loom_kv_pull_t;
 /* Dials addr, proves the secret (NULL: none), checks the acceptor's proof
  * and the identities: *out the open connection, *theirs the acceptor's
  * identity; shm LOOM_KV_SHM_AUTO: reads go through shared memory when the
- * acceptor offers it from this host. UNAUTHENTICATED when the peer does not
- * prove the secret (or wants one we do not have), INVALID_ARGUMENT naming
- * the field on a mismatch, UNAVAILABLE when it cannot be reached. */
+ * acceptor offers it from this host; encrypt 1: every message after the
+ * proofs sealed (needs the secret; the acceptor must agree). UNAUTHENTICATED
+ * when the peer does not prove the secret (or wants one we do not have),
+ * INVALID_ARGUMENT naming the field on a mismatch (encrypt on one side
+ * only included), UNAVAILABLE when it cannot be reached. */
 loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
-                                size_t secret_len, int shm, uint64_t deadline, loom_kv_pull_t **out,
+                                size_t secret_len, int shm, int encrypt, uint64_t deadline, loom_kv_pull_t **out,
                                 loom_kv_ident_t *theirs, loom_err_t *err);
 /* Whether the connection's reads go through shared memory (it falls back to
  * the socket for good when the acceptor cannot use the object). */
 int loom_kv_pull_shm(const loom_kv_pull_t *c);
+/* Whether the connection's messages are sealed (encrypt). */
+int loom_kv_pull_sealed(const loom_kv_pull_t *c);
 /* The connection's socket (tests speak the wire through it). */
 int loom_kv_pull_fd(const loom_kv_pull_t *c);
 /* Reads heads [h0, h0 + n_heads) (the acceptor's shard's) of blocks: *slices
