@@ -15,7 +15,7 @@
  * version is refused naming both versions (the acceptor answers such a
  * hello with its own head, then closes).
  *
- *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated, 2: shm) | nonce
+ *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated, 2: shm, 4: encrypt) | nonce
  *   answer: hello (the acceptor's) | [mac]
  *   proof:  [mac] (authenticated only)
  *   ident:  the dialler's identity (72 bytes), then the acceptor's
@@ -28,6 +28,15 @@
  *           -> u32 status | u16 length | message | status (the fence); status 0: the n slices are in the
  *              object from byte 0; UNAVAILABLE: the object could not be used (the dialler reads over op 1)
  *   done:   u32 op 2 | u64 transfer -> u32 status | u16 0
+ *
+ * Encrypted (both hellos flagged encrypt; one flagged alone is refused
+ * after the proofs, naming it; it needs the secret): from the identities on,
+ * every message above travels in sealed records, u32 length | ChaCha20-
+ * Poly1305 (IETF) ciphertext | tag (the length as associated data, at most
+ * 1 MiB a record), each direction under its own key (loom_tcp_frame_keys
+ * over both nonces and "loom-kv", as the data plane's links derive theirs)
+ * with its record count as nonce: a record changed, dropped, replayed or
+ * moved fails the read. The shared-memory path's slices are not sealed.
  *
  * Shared memory on one host: a side that may use it flags its hello
  * (kv_connector_extra_config.shm "auto", the default; "off" never does);

@@ -7,7 +7,11 @@
  * fence), done reaches the service's callback; a service that does not hold
  * the secret (a forged host), a dialler without it, one of another model or
  * layer count are refused naming why; a dialler without the secret, or of
- * another version, spoken by hand, hears nothing of the service's identity. */
+ * another version, spoken by hand, hears nothing of the service's identity;
+ * encrypted connections read the same bytes, fail a read on a flipped byte
+ * or a replayed record (a man in the middle) while the service serves on,
+ * and are refused when one side only encrypts; a service of another
+ * version is refused naming both. */
 #include "worker/kv_xfer.h"
 
 #include <arpa/inet.h>
@@ -609,7 +613,8 @@ out:
     return NULL;
 }
 
-static int proxy_start(proxy_t *x, const char *target) {
+/* A listener on loopback (x->lfd, x->addr) and a thread that serves it. */
+static int proxy_start_fn(proxy_t *x, const char *target, void *(*fn)(void *)) {
     snprintf(x->target, sizeof x->target, "%s", target);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t len = sizeof sa;
@@ -618,12 +623,29 @@ static int proxy_start(proxy_t *x, const char *target) {
         getsockname(x->lfd, (struct sockaddr *)&sa, &len))
         return -1;
     snprintf(x->addr, sizeof x->addr, "tcp://127.0.0.1:%d", ntohs(sa.sin_port));
-    return pthread_create(&x->thread, NULL, proxy_main, x);
+    return pthread_create(&x->thread, NULL, fn, x);
 }
+
+static int proxy_start(proxy_t *x, const char *target) { return proxy_start_fn(x, target, proxy_main); }
 
 static void proxy_stop(proxy_t *x) {
     pthread_join(x->thread, NULL);
     close(x->lfd);
+}
+
+/* A service of wire version 1: reads a hello, answers with a version 1 head and closes. */
+static void *old_service(void *arg) {
+    proxy_t *x = arg;
+    int fd = accept(x->lfd, NULL, NULL);
+    if (fd < 0) return NULL;
+    uint8_t h[24] = {'L', 'M', 'K', '1', 1, 0, 1, 0};
+    loom_err_t err = {0};
+    uint64_t dl = loom_comm_deadline(5000);
+    uint8_t in[24];
+    if (loom_tcp_read_full(fd, in, sizeof in, dl, "old", &err) == LOOM_OK)
+        loom_tcp_write_full(fd, h, sizeof h, dl, "old", &err);
+    close(fd);
+    return NULL;
 }
 
 /* Encrypted connections (kv_connector_extra_config encrypt, --encrypt-data-plane): reads give the plaintext ones'
@@ -695,6 +717,14 @@ static void test_encrypt(void) {
         memset(b, 0, bytes);
         CHECK(pc && pull_read(pc, 7, blocks, 3, 1, 6, b, bytes, dl, &err) == LOOM_OK && !memcmp(a, b, bytes));
         loom_kv_pull_close(&pc);
+    }
+    /* a service of another wire version: refused naming both */
+    proxy_t old_svc = {0};
+    if (proxy_start_fn(&old_svc, "", old_service) == 0) {
+        CHECK(loom_kv_pull_open(old_svc.addr, &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
+                  LOOM_ERR_PROTOCOL &&
+              strstr(err.msg, "the service speaks KV transfer version 1, this side version 2"));
+        proxy_stop(&old_svc);
     }
     loom_kv_service_destroy(&plain);
     loom_kv_service_destroy(&sealed);
