@@ -675,7 +675,10 @@ static void serve_conn(loom_kv_service_t *s, conn_t *c) {
         }
         uint8_t op[4];
         loom_err_t err = {0};
-        if (chan_read(&c->ch, op, 4, loom_comm_deadline(REQUEST_MS), "kv transfer", &err) < 0) return;
+        if (chan_read(&c->ch, op, 4, loom_comm_deadline(REQUEST_MS), "kv transfer", &err) < 0) {
+            if (c->ch.enc && err.msg[0]) LOOM_WARN("kv service: %s: %s: closed", c->peer, err.msg); /* a bad record */
+            return;
+        }
         if (get32(op) == OP_READ || get32(op) == OP_READ_SHM) {
             if (serve_read(s, c, get32(op) == OP_READ_SHM, &err) < 0) {
                 LOOM_WARN("kv service: a read from %s failed: %s", c->peer, err.msg);
