@@ -197,7 +197,8 @@ int main(void) {
                 best[path][h] = LOOM_MAX(best[path][h], gbs[path][h]);
             }
         printf("  round %d: raw tcp %.2f GB/s | KV tcp %.2f GB/s (%.2fx raw), half the heads %.2f | KV shm %.2f GB/s "
-               "(%.2fx raw, %.2fx KV tcp), half the heads %.2f | KV tcp sealed %.2f GB/s (%.2fx KV tcp), half the heads %.2f\n",
+               "(%.2fx raw, %.2fx KV tcp), half the heads %.2f | KV tcp sealed %.2f GB/s (%.2fx KV tcp), half the "
+               "heads %.2f\n",
                r, raw, gbs[0][0], gbs[0][0] / raw, gbs[0][1], gbs[1][0], gbs[1][0] / raw, gbs[1][0] / gbs[0][0],
                gbs[1][1], gbs[2][0], gbs[2][0] / gbs[0][0], gbs[2][1]);
         best_raw = LOOM_MAX(best_raw, raw);

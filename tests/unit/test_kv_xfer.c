@@ -686,9 +686,11 @@ static void test_encrypt(void) {
     loom_kv_pull_close(&pc);
     /* encrypt on one side only; on without a secret */
     CHECK(loom_kv_pull_open(loom_kv_service_addr(sealed), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc,
-                            &theirs, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "encrypt: off here, on there"));
+                            &theirs, &err) == LOOM_ERR_INVALID_ARGUMENT &&
+          strstr(err.msg, "encrypt: off here, on there"));
     CHECK(loom_kv_pull_open(loom_kv_service_addr(plain), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 1, dl, &pc,
-                            &theirs, &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "encrypt: on here, off there"));
+                            &theirs, &err) == LOOM_ERR_INVALID_ARGUMENT &&
+          strstr(err.msg, "encrypt: on here, off there"));
     CHECK(loom_kv_pull_open(loom_kv_service_addr(sealed), &ours, NULL, 0, LOOM_KV_SHM_OFF, 1, dl, &pc, &theirs,
                             &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "encrypt needs a secret"));
     /* in the middle: the service's stream is its hello and proof (56 bytes), the sealed identity (4 + 72 + 16)
