@@ -186,7 +186,7 @@ static void hello_encode(uint8_t *h, int flags, const uint8_t *nonce) {
 
 /* A hello's head: 0 when it is one of this version (*flags set), -1 when it
  * is no KV transfer hello, else the version it speaks. Flags a side does not
- * know are ignored (an older side: TCP only). */
+ * know are ignored. */
 static int hello_head(const uint8_t *h, int *flags) {
     if (get32(h) != KV_MAGIC) return -1;
     const int v = h[4] | h[5] << 8;

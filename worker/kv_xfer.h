@@ -50,8 +50,8 @@
  * mapped for the connection and packs the slices straight into it; the
  * dialler unlinks it once the first answer says it is mapped there and
  * reuses it for the connection's later reads, making a larger one when a
- * read needs more. Flags an older side does not know are ignored, so an
- * old peer reads over TCP.
+ * read needs more. Flags a side does not know are ignored (a peer of the
+ * same version without the shm flag reads over TCP).
  *
  * A slice is a block's heads [h0, h1) of the acceptor's shard, packed
  * layout-free (loom_kv_slice_pack): so the two sides may differ in TP
