@@ -17,7 +17,10 @@
  * and mappings), then a new connection a read (the object made and its
  * pages first touched on both sides each time). The pull's caller would
  * unpack the slices (one copy, not timed here: bench what the wire
- * carries). */
+ * carries). The tcp path once more with every message sealed (the
+ * service and the pull with encrypt: ChaCha20-Poly1305 records, as
+ * --encrypt-data-plane makes them), on kept connections: its cost beside
+ * the plain tcp row of the same round. */
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -83,10 +86,15 @@ static void child(int pfd, size_t raw) {
     loom_err_t err = {0};
     if (loom_kv_service_create(&c, &s, &err) < 0) _exit(1);
     loom_kv_service_hold(s, 7, all, N_POOL);
+    loom_kv_service_t *se = NULL; /* the same, sealed */
+    c.encrypt = 1;
+    if (loom_kv_service_create(&c, &se, &err) < 0) _exit(1);
+    loom_kv_service_hold(se, 7, all, N_POOL);
     loom_comm_listener_t *l = NULL;
     if (loom_comm_listener_create("127.0.0.1", 0, &l, &err) < 0) _exit(1);
     char addrs[700];
-    snprintf(addrs, sizeof addrs, "%s %s", loom_kv_service_addr(s), loom_comm_listener_addr(l));
+    snprintf(addrs, sizeof addrs, "%s %s %s", loom_kv_service_addr(s), loom_kv_service_addr(se),
+             loom_comm_listener_addr(l));
     if (write(pfd, addrs, strlen(addrs) + 1) < 0) _exit(1);
     for (int r = 0; r < ROUNDS; r++) {
         int fd = -1;
@@ -97,16 +105,17 @@ static void child(int pfd, size_t raw) {
     pause();
 }
 
-/* A connection over the socket (path 0) or through shared memory (1), checked to take that path. */
+/* A connection over the socket (path 0), through shared memory (1) or over the socket sealed (2, to the sealed
+ * service), checked to take that path. */
 static int open_path(const char *addr, int path, loom_kv_pull_t **c, loom_err_t *err) {
     loom_kv_ident_t ours = ident(), theirs;
-    if (loom_kv_pull_open(addr, &ours, K, sizeof K - 1, path ? LOOM_KV_SHM_AUTO : LOOM_KV_SHM_OFF,
+    if (loom_kv_pull_open(addr, &ours, K, sizeof K - 1, path == 1 ? LOOM_KV_SHM_AUTO : LOOM_KV_SHM_OFF, path == 2,
                           loom_comm_deadline(10000), c, &theirs, err) < 0) {
         fprintf(stderr, "bench_kv_xfer: %s\n", err->msg);
         return -1;
     }
-    if (loom_kv_pull_shm(*c) != path) {
-        fprintf(stderr, "bench_kv_xfer: the %s path was not taken\n", path ? "shm" : "tcp");
+    if (loom_kv_pull_shm(*c) != (path == 1)) {
+        fprintf(stderr, "bench_kv_xfer: the %s path was not taken\n", path == 1 ? "shm" : "tcp");
         return -1;
     }
     return 0;
@@ -144,9 +153,11 @@ int main(void) {
         got += (size_t)r;
         if (memchr(addrs, 0, got)) break;
     }
-    char *raw_addr = strchr(addrs, ' ');
+    char *enc_addr = strchr(addrs, ' '), *raw_addr = enc_addr ? strchr(enc_addr + 1, ' ') : NULL;
     if (!raw_addr) return die();
+    *enc_addr++ = '\0';
     *raw_addr++ = '\0';
+    const char *path_addr[3] = {addrs, addrs, enc_addr};
     uint8_t *buf = malloc(bytes);
     int32_t ids[N_POOL];
     for (int i = 0; i < N_POOL; i++) ids[i] = i;
@@ -156,11 +167,12 @@ int main(void) {
     loom_kv_span_fmt_t f = fmt();
     const size_t sizes[2] = {loom_kv_slice_bytes(&f, HEADS) * N_POOL, loom_kv_slice_bytes(&f, HEADS / 2) * N_POOL};
     /* kept connections, one a path, as a decode worker keeps them between steps */
-    loom_kv_pull_t *kept[2] = {NULL, NULL};
-    for (int path = 1; path >= 0; path--) /* each warmed by a read (untimed): the service closes one idle for 2 s */
-        if (open_path(addrs, path, &kept[path], &err) < 0 || timed_read(kept[path], ids, 0, sizes[0], &err) < 0)
+    loom_kv_pull_t *kept[3] = {NULL, NULL, NULL};
+    for (int path = 2; path >= 0; path--) /* each warmed by a read (untimed): the service closes one idle for 2 s */
+        if (open_path(path_addr[path], path, &kept[path], &err) < 0 ||
+            timed_read(kept[path], ids, 0, sizes[0], &err) < 0)
             return die();
-    double best_raw = 0, best[2][2] = {{0}}, fresh[2] = {0}; /* [tcp, shm][all heads, half]; fresh: all heads */
+    double best_raw = 0, best[3][2] = {{0}}, fresh[2] = {0}; /* [tcp, shm, tcp sealed][all heads, half]; fresh: all */
     for (int r = 0; r < ROUNDS; r++) {
         uint64_t t0 = loom_now_ns();
         int rfd = -1;
@@ -170,26 +182,30 @@ int main(void) {
             return die();
         }
         close(rfd);
-        double raw = (double)bytes / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9, gbs[2][2];
-        for (int path = 0; path < 2; path++)
+        double raw = (double)bytes / ((double)(loom_now_ns() - t0) * 1e-9) / 1e9, gbs[3][2];
+        for (int path = 0; path < 3; path++)
             for (int h = 0; h < 2; h++) { /* all heads, then half (a TP=2 decode rank's read of a TP=1 prefill) */
                 if ((gbs[path][h] = timed_read(kept[path], ids, h, sizes[h], &err)) < 0) {
                     /* the service closes a connection idle for 2 s (a slow round on a loaded machine): anew */
                     loom_kv_pull_close(&kept[path]);
-                    if (open_path(addrs, path, &kept[path], &err) < 0 ||
+                    if (open_path(path_addr[path], path, &kept[path], &err) < 0 ||
                         (gbs[path][h] = timed_read(kept[path], ids, h, sizes[h], &err)) < 0)
                         return die();
-                    printf("  (the %s connection was closed idle: a new one)\n", path ? "shm" : "tcp");
+                    printf("  (the %s connection was closed idle: a new one)\n",
+                           path == 1 ? "shm" : path ? "sealed tcp" : "tcp");
                 }
                 best[path][h] = LOOM_MAX(best[path][h], gbs[path][h]);
             }
         printf("  round %d: raw tcp %.2f GB/s | KV tcp %.2f GB/s (%.2fx raw), half the heads %.2f | KV shm %.2f GB/s "
-               "(%.2fx raw, %.2fx KV tcp), half the heads %.2f\n", r, raw, gbs[0][0], gbs[0][0] / raw, gbs[0][1],
-               gbs[1][0], gbs[1][0] / raw, gbs[1][0] / gbs[0][0], gbs[1][1]);
+               "(%.2fx raw, %.2fx KV tcp), half the heads %.2f | KV tcp sealed %.2f GB/s (%.2fx KV tcp), half the "
+               "heads %.2f\n",
+               r, raw, gbs[0][0], gbs[0][0] / raw, gbs[0][1], gbs[1][0], gbs[1][0] / raw, gbs[1][0] / gbs[0][0],
+               gbs[1][1], gbs[2][0], gbs[2][0] / gbs[0][0], gbs[2][1]);
         best_raw = LOOM_MAX(best_raw, raw);
     }
     loom_kv_pull_close(&kept[0]);
     loom_kv_pull_close(&kept[1]);
+    loom_kv_pull_close(&kept[2]);
     /* a connection per read: the shm object made and its pages first touched on both sides every time */
     for (int r = 0; r < ROUNDS; r++)
         for (int path = 0; path < 2; path++) {
@@ -203,6 +219,8 @@ int main(void) {
            "%.2f GB/s (%.2fx raw, %.2fx KV tcp), half the heads %.2f (%.2fx KV tcp's half)\n", best_raw, best[0][0],
            best[0][0] / best_raw, best[0][1], best[1][0], best[1][0] / best_raw, best[1][0] / best[0][0], best[1][1],
            best[1][1] / best[0][1]);
+    printf("best, kept connections, sealed (encrypt): KV tcp %.2f GB/s (%.2fx KV tcp), half the heads %.2f (%.2fx)\n",
+           best[2][0], best[2][0] / best[0][0], best[2][1], best[2][1] / best[0][1]);
     printf("best, a new connection a read: KV tcp %.2f GB/s, KV shm %.2f GB/s (%.2fx)\n", fresh[0], fresh[1],
            fresh[1] / fresh[0]);
     kill(pid, SIGKILL);

@@ -14,12 +14,12 @@
 
 static const cJSON *get(const cJSON *o, const char *k) { return cJSON_GetObjectItemCaseSensitive(o, k); }
 
-/* kv_connector_extra_config's transport, lease_ms, secret_file, insecure, shm. */
+/* kv_connector_extra_config's transport, lease_ms, secret_file, insecure, shm, encrypt. */
 static loom_status_t parse_extra(const cJSON *x, loom_kv_transfer_config_t *out, loom_err_t *err) {
     out->lease_ms = LOOM_KV_LEASE_MS_DEFAULT;
     if (!x) return LOOM_OK;
     const cJSON *t = get(x, "transport"), *lease = get(x, "lease_ms"), *sf = get(x, "secret_file"),
-                *ins = get(x, "insecure"), *shm = get(x, "shm");
+                *ins = get(x, "insecure"), *shm = get(x, "shm"), *enc = get(x, "encrypt");
     if (t && (!cJSON_IsString(t) || (strcmp(t->valuestring, "dir") && strcmp(t->valuestring, "tcp"))))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--kv-transfer-config: kv_connector_extra_config.transport must be \"dir\" or \"tcp\"");
@@ -42,13 +42,21 @@ static loom_status_t parse_extra(const cJSON *x, loom_kv_transfer_config_t *out,
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--kv-transfer-config: kv_connector_extra_config.shm must be \"auto\" or \"off\"");
     out->shm_off = shm && !strcmp(shm->valuestring, "off");
+    if (enc && !cJSON_IsBool(enc))
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "--kv-transfer-config: kv_connector_extra_config.encrypt must be true or false");
+    out->encrypt = cJSON_IsTrue(enc);
+    if (out->encrypt && !out->secret_file[0])
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "--kv-transfer-config: kv_connector_extra_config.encrypt needs secret_file (the keys "
+                            "come from the secret)");
     if (out->transport == LOOM_KV_TRANSPORT_TCP && !out->secret_file[0] && !out->insecure)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "--kv-transfer-config: transport tcp needs kv_connector_extra_config.secret_file (a "
                             "secret both replicas hold) or, to run unauthenticated, insecure: true");
-    if (out->transport == LOOM_KV_TRANSPORT_DIR && (sf || ins || shm))
+    if (out->transport == LOOM_KV_TRANSPORT_DIR && (sf || ins || shm || enc))
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
-                            "--kv-transfer-config: secret_file, insecure and shm are for transport tcp");
+                            "--kv-transfer-config: secret_file, insecure, shm and encrypt are for transport tcp");
     return LOOM_OK;
 }
 

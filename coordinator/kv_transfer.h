@@ -31,7 +31,8 @@ typedef enum {
  * lease_ms (tcp: how long a prefill holds its blocks for a decode that
  * never reads them; default 30000), secret_file (tcp: the secret both sides
  * hold, at least LOOM_KV_SECRET_MIN bytes) or insecure true (tcp without a
- * secret: refused unless asked for by name). */
+ * secret: refused unless asked for by name), shm "auto" | "off", encrypt
+ * (tcp: every message sealed, as with --encrypt-data-plane; needs the secret). */
 typedef struct loom_kv_transfer_config {
     int producer, consumer;
     loom_kv_load_policy_t policy;
@@ -40,6 +41,7 @@ typedef struct loom_kv_transfer_config {
     char secret_file[1024]; /* "" : none */
     int insecure;
     int shm_off;            /* shm "off": transport tcp moves blocks over the socket even on one host */
+    int encrypt;            /* encrypt true: transport tcp seals its messages (as --encrypt-data-plane does) */
     uint8_t secret[LOOM_KV_SECRET_MAX]; /* secret_file's bytes (loom_kv_transfer_read_secret) */
     size_t secret_len;
 } loom_kv_transfer_config_t;

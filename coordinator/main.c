@@ -536,6 +536,11 @@ int main(int argc, char **argv) {
             fprintf(stderr, "error: --kv-transfer-config: %s\n", kerr.msg);
             return 2;
         }
+        if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_TCP && c.security.encrypt_data && !c.kv_transfer.secret_len) {
+            fprintf(stderr, "error: --kv-transfer-config: --encrypt-data-plane encrypts transport tcp too, whose keys "
+                            "come from kv_connector_extra_config.secret_file (not insecure: true)\n");
+            return 2;
+        }
         if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_TCP && c.pp > 1) {
             fprintf(stderr, "error: --kv-transfer-config: transport tcp is built for one pipeline stage (--pp 1), "
                             "not --pp %d\n", c.pp);

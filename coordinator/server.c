@@ -2182,7 +2182,7 @@ static loom_status_t grid_open(loom_server_t *s, loom_err_t *err) {
                              .kv_tier_seed = kv_tier_seed(s), .max_cpu_loras = s->lora_max_cpu, .ahead = s->ahead};
     if (kv_xfer_tcp(s)) {
         gc.kv_xfer = (c->kv_transfer.producer ? 1 : 0) | (c->kv_transfer.consumer ? 2 : 0) |
-                     (c->kv_transfer.shm_off ? 4 : 0);
+                     (c->kv_transfer.shm_off ? 4 : 0) | (c->kv_transfer.encrypt || c->security.encrypt_data ? 8 : 0);
         gc.kv_xfer_secret = c->kv_transfer.secret;
         gc.kv_xfer_secret_len = c->kv_transfer.secret_len;
     }

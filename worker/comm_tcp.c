@@ -82,6 +82,10 @@
 #define NONCE_BYTES           LOOM_TCP_NONCE_BYTES
 #define MAC_BYTES             crypto_auth_hmacsha256_BYTES
 _Static_assert(MAC_BYTES == LOOM_TCP_MAC_BYTES, "tcp_io.h's MAC size is HMAC-SHA256's");
+_Static_assert(crypto_aead_chacha20poly1305_IETF_NPUBBYTES == LOOM_TCP_NPUB_BYTES &&
+                   crypto_aead_chacha20poly1305_IETF_ABYTES == LOOM_TCP_TAG_BYTES &&
+                   crypto_aead_chacha20poly1305_IETF_KEYBYTES == LOOM_TCP_KEY_BYTES,
+               "tcp_io.h's frame sizes are ChaCha20-Poly1305 (IETF)'s");
 #define TAG_BYTES             crypto_aead_chacha20poly1305_IETF_ABYTES
 #define HELLO_MAGIC           0x31484d4cu /* "LMH1" */
 #define FRAME_MAGIC           0x31464d4cu /* "LMF1" */
@@ -456,9 +460,9 @@ static void xfer_init(xfer_t *x, tcp_link_t *link) {
     x->link = link;
 }
 
-static void frame_nonce(uint8_t n[crypto_aead_chacha20poly1305_IETF_NPUBBYTES], uint32_t seq) {
-    memset(n, 0, crypto_aead_chacha20poly1305_IETF_NPUBBYTES);
-    put32(n, seq);
+void loom_tcp_frame_nonce(uint8_t n[LOOM_TCP_NPUB_BYTES], uint64_t seq) {
+    memset(n, 0, LOOM_TCP_NPUB_BYTES);
+    put64(n, seq);
 }
 
 static void xfer_send_frame(xfer_t *x, unsigned op, const void *buf, size_t bytes) {
@@ -477,7 +481,7 @@ static void xfer_send_frame(xfer_t *x, unsigned op, const void *buf, size_t byte
     x->soff = 0;
     if (l->enc) { /* the payload as ciphertext + tag; the header (plaintext length) authenticated */
         uint8_t n[crypto_aead_chacha20poly1305_IETF_NPUBBYTES];
-        frame_nonce(n, seq);
+        loom_tcp_frame_nonce(n, seq);
         unsigned long long clen = 0;
         crypto_aead_chacha20poly1305_ietf_encrypt(l->sc, &clen, buf, bytes, h, FRAME_HDR, NULL, n, l->skey);
         x->sbuf = l->sc;
@@ -593,7 +597,7 @@ static loom_status_t xfer_recv_some(loom_comm_tcp_t *c, xfer_t *x, loom_err_t *e
             x->receiving = 0;
             if (x->rdst) {
                 uint8_t n[crypto_aead_chacha20poly1305_IETF_NPUBBYTES];
-                frame_nonce(n, x->link->rseq - 1);
+                loom_tcp_frame_nonce(n, x->link->rseq - 1);
                 if (crypto_aead_chacha20poly1305_ietf_decrypt(x->rdst, NULL, NULL, x->rbuf, x->rlen, x->rhdr,
                                                               FRAME_HDR, n, x->link->rkey) != 0)
                     return tcp_fail(c, err, LOOM_ERR_PROTOCOL,
@@ -800,6 +804,18 @@ void loom_tcp_mac(const uint8_t *secret, size_t secret_len, const char *tag, con
     crypto_auth_hmacsha256_final(&st, out);
 }
 
+void loom_tcp_frame_keys(const uint8_t *secret, size_t secret_len, const uint8_t *nd, const uint8_t *na,
+                         const char *const *strs, int n_strs, int dialler_side, uint8_t skey[LOOM_TCP_KEY_BYTES],
+                         uint8_t rkey[LOOM_TCP_KEY_BYTES]) {
+    uint8_t d2a[MAC_BYTES], a2d[MAC_BYTES];
+    loom_tcp_mac(secret, secret_len, "enc d2a", nd, na, strs, n_strs, d2a);
+    loom_tcp_mac(secret, secret_len, "enc a2d", nd, na, strs, n_strs, a2d);
+    memcpy(skey, dialler_side ? d2a : a2d, LOOM_TCP_KEY_BYTES);
+    memcpy(rkey, dialler_side ? a2d : d2a, LOOM_TCP_KEY_BYTES);
+    sodium_memzero(d2a, sizeof d2a);
+    sodium_memzero(a2d, sizeof a2d);
+}
+
 /* The proof of one side: HMAC-SHA256 under the epoch secret of a tag, both
  * nonces (this side's peer's first), the comm name and both ids. */
 static void link_mac(const loom_comm_config_t *cfg, const char *tag, const uint8_t *n1, const uint8_t *n2,
@@ -817,13 +833,8 @@ static int auth_on(const loom_comm_config_t *cfg) {
 static void link_keys(const loom_comm_config_t *cfg, tcp_link_t *l, int dialler_side, const uint8_t *nd,
                       const uint8_t *na, const char *dialler, const char *acceptor) {
     if (!cfg->encrypt || !auth_on(cfg)) return;
-    uint8_t d2a[MAC_BYTES], a2d[MAC_BYTES];
-    link_mac(cfg, "enc d2a", nd, na, dialler, acceptor, d2a);
-    link_mac(cfg, "enc a2d", nd, na, dialler, acceptor, a2d);
-    memcpy(l->skey, dialler_side ? d2a : a2d, 32);
-    memcpy(l->rkey, dialler_side ? a2d : d2a, 32);
-    sodium_memzero(d2a, sizeof d2a);
-    sodium_memzero(a2d, sizeof a2d);
+    const char *strs[3] = {cfg->name, dialler, acceptor};
+    loom_tcp_frame_keys(cfg->auth_secret, cfg->auth_secret_len, nd, na, strs, 3, dialler_side, l->skey, l->rkey);
     l->sc = loom_xmalloc(cfg->max_bytes + TAG_BYTES);
     l->rc = loom_xmalloc(cfg->max_bytes + TAG_BYTES);
     l->enc = 1;

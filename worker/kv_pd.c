@@ -145,7 +145,8 @@ loom_status_t loom_kv_pd_config(loom_kv_pd_t *p, int mode, uint64_t epoch, loom_
         loom_kv_service_config_t c = {.host = host, .ident = *id, .fmt = *fmt, .secret = secret,
                                       .secret_len = secret_len, .read = serve_read, .peek = serve_peek,
                                       .done = serve_done, .ctx = p,
-                                      .shm = mode & LOOM_KV_PD_NO_SHM ? LOOM_KV_SHM_OFF : LOOM_KV_SHM_AUTO};
+                                      .shm = mode & LOOM_KV_PD_NO_SHM ? LOOM_KV_SHM_OFF : LOOM_KV_SHM_AUTO,
+                                      .encrypt = !!(mode & LOOM_KV_PD_ENCRYPT)};
         LOOM_CHECK(loom_kv_service_create(&c, &svc, err));
     }
     pthread_mutex_lock(&p->mu);
@@ -244,7 +245,8 @@ static loom_status_t conn_get(loom_kv_pd_t *p, const char *addr, uint64_t deadli
     }
     loom_kv_pd_conn_t *k = &p->conns[slot];
     loom_kv_pull_close(&k->c);
-    LOOM_CHECK(loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, shm_mode(p), deadline, &k->c, &k->them,
+    LOOM_CHECK(loom_kv_pull_open(addr, &p->ident, p->secret, p->secret_len, shm_mode(p),
+                                 !!(p->mode & LOOM_KV_PD_ENCRYPT), deadline, &k->c, &k->them,
                                  err));
     snprintf(k->addr, sizeof k->addr, "%s", addr);
     k->used = now;
@@ -323,7 +325,9 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
         if (via_shm) p->pulled_shm += (uint64_t)nb;
         LOOM_INFO("KV pull of transfer %016llx: %d blocks, heads [%d, %d), %.1f MB from %s over %s in %.1f ms%s",
                   (unsigned long long)transfer, nb, lo, top, (double)all / 1e6, addr,
-                  via_shm ? "shared memory" : "tcp", (double)(loom_now_ns() - t0) * 1e-6,
+                  via_shm ? (loom_kv_pull_sealed(c) ? "shared memory (its messages sealed)" : "shared memory")
+                          : loom_kv_pull_sealed(c) ? "tcp (sealed)" : "tcp",
+                  (double)(loom_now_ns() - t0) * 1e-6,
                   reused ? " (a kept connection)" : "");
     }
     for (int h = 0; st == LOOM_OK && h < nh; h++)

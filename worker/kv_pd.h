@@ -26,6 +26,7 @@
 #define LOOM_KV_PD_SERVE 1
 #define LOOM_KV_PD_PULL 2
 #define LOOM_KV_PD_NO_SHM 4 /* kv_connector_extra_config.shm "off": TCP even on one host */
+#define LOOM_KV_PD_ENCRYPT 8 /* --encrypt-data-plane or kv_connector_extra_config.encrypt: messages sealed */
 #define LOOM_KV_PD_DONE_MAX 256
 
 #define LOOM_KV_PD_CONNS 8

@@ -27,7 +27,8 @@
 
 #define KV_MAGIC 0x314b4d4cu /* "LMK1" */
 #define IDENT_BYTES 72
-#define HELLO_BYTES (4 + 2 + 2 + LOOM_TCP_NONCE_BYTES + IDENT_BYTES)
+#define HELLO_HEAD 8 /* magic, version, flags: what tells another version apart */
+#define HELLO_BYTES (HELLO_HEAD + LOOM_TCP_NONCE_BYTES)
 #define OP_READ 1
 #define OP_DONE 2
 #define OP_READ_SHM 3
@@ -169,28 +170,29 @@ void loom_kv_slice_unpack(const loom_kv_span_fmt_t *f, const void *slice, int h0
 
 #define HELLO_AUTH 1 /* hello flags: the side holds a secret */
 #define HELLO_SHM 2  /* the side moves reads through shared memory when both are on one host (op 3) */
+#define HELLO_ENC 4  /* the side seals every message after the proofs (both must) */
 #define HOST_ID_MAX 255
 #define SHM_PREFIX "/loom-kv-"
 #define SHM_NAME_LEN (sizeof SHM_PREFIX - 1 + 32) /* the prefix and 16 random bytes in hex */
 
-static void hello_encode(uint8_t *h, int flags, const uint8_t *nonce, const loom_kv_ident_t *id) {
+static void hello_encode(uint8_t *h, int flags, const uint8_t *nonce) {
     uint8_t *p = put32(h, KV_MAGIC);
     p[0] = LOOM_KV_XFER_VERSION & 0xff;
     p[1] = LOOM_KV_XFER_VERSION >> 8;
     p[2] = (uint8_t)flags;
     p[3] = 0;
     memcpy(p + 4, nonce, LOOM_TCP_NONCE_BYTES);
-    ident_encode(id, p + 4 + LOOM_TCP_NONCE_BYTES);
 }
 
-/* A hello's fields; 0 when it is not one of this version. Flags a side
- * does not know are ignored (an older side: TCP only). */
-static int hello_decode(const uint8_t *h, int *flags, uint8_t *nonce, loom_kv_ident_t *id) {
-    if (get32(h) != KV_MAGIC || (h[4] | h[5] << 8) != LOOM_KV_XFER_VERSION) return 0;
+/* A hello's head: 0 when it is one of this version (*flags set), -1 when it
+ * is no KV transfer hello, else the version it speaks. Flags a side does not
+ * know are ignored. */
+static int hello_head(const uint8_t *h, int *flags) {
+    if (get32(h) != KV_MAGIC) return -1;
+    const int v = h[4] | h[5] << 8;
+    if (v != LOOM_KV_XFER_VERSION) return v ? v : -1;
     *flags = h[6];
-    memcpy(nonce, h + 8, LOOM_TCP_NONCE_BYTES);
-    ident_decode(h + 8 + LOOM_TCP_NONCE_BYTES, id);
-    return 1;
+    return 0;
 }
 
 /* This host's identity for the shared-memory path: the kernel's boot id
@@ -217,8 +219,102 @@ static void kv_mac(const uint8_t *secret, size_t len, const char *tag, const uin
     loom_tcp_mac(secret, len, tag, n1, n2, strs, 1, out);
 }
 
+/* A connection's messages after the proofs: on the socket as they are or,
+ * encrypted, each write a sealed record of at most REC_MAX bytes
+ *
+ *   u32 length | ChaCha20-Poly1305 (IETF) ciphertext (length) | tag
+ *
+ * the length as associated data, the direction's record count as nonce
+ * (loom_tcp_frame_nonce) under the direction's key (loom_tcp_frame_keys
+ * over both nonces and "loom-kv"): a record changed, dropped, replayed or
+ * moved fails its tag. Reads take the records' bytes as one stream. */
+#define REC_MAX (1u << 20)
+typedef struct kv_chan {
+    int fd, enc;
+    uint8_t skey[LOOM_TCP_KEY_BYTES], rkey[LOOM_TCP_KEY_BYTES];
+    uint64_t sseq, rseq;
+    uint8_t *sbuf, *rbuf;  /* a sealed record going, one coming (4 + REC_MAX + the tag) */
+    uint8_t *plain;        /* a record's plaintext ... */
+    size_t plen, poff;     /* ... its length and what of it was read */
+} kv_chan_t;
+
+static void chan_keys(kv_chan_t *ch, const uint8_t *secret, size_t secret_len, const uint8_t *nd, const uint8_t *na,
+                      int dialler_side) {
+    const char *strs[1] = {"loom-kv"};
+    loom_tcp_frame_keys(secret, secret_len, nd, na, strs, 1, dialler_side, ch->skey, ch->rkey);
+    ch->sbuf = loom_xmalloc(4 + REC_MAX + LOOM_TCP_TAG_BYTES);
+    ch->rbuf = loom_xmalloc(REC_MAX + LOOM_TCP_TAG_BYTES);
+    ch->plain = loom_xmalloc(REC_MAX);
+    ch->enc = 1;
+}
+
+static void chan_free(kv_chan_t *ch) {
+    sodium_memzero(ch->skey, sizeof ch->skey);
+    sodium_memzero(ch->rkey, sizeof ch->rkey);
+    free(ch->sbuf);
+    free(ch->rbuf);
+    free(ch->plain);
+    ch->sbuf = ch->rbuf = ch->plain = NULL;
+    ch->enc = 0;
+}
+
+static loom_status_t chan_write(kv_chan_t *ch, const void *buf, size_t len, uint64_t deadline, const char *what,
+                                loom_err_t *err) {
+    if (!ch->enc) return loom_tcp_write_full(ch->fd, buf, len, deadline, what, err);
+    const uint8_t *p = buf;
+    do {
+        const size_t n = len < REC_MAX ? len : REC_MAX;
+        uint8_t nonce[LOOM_TCP_NPUB_BYTES];
+        loom_tcp_frame_nonce(nonce, ch->sseq++);
+        put32(ch->sbuf, (uint32_t)n);
+        crypto_aead_chacha20poly1305_ietf_encrypt(ch->sbuf + 4, NULL, p, n, ch->sbuf, 4, NULL, nonce, ch->skey);
+        LOOM_CHECK(loom_tcp_write_full(ch->fd, ch->sbuf, 4 + n + LOOM_TCP_TAG_BYTES, deadline, what, err));
+        p += n;
+        len -= n;
+    } while (len);
+    return LOOM_OK;
+}
+
+static loom_status_t chan_read(kv_chan_t *ch, void *buf, size_t len, uint64_t deadline, const char *what,
+                               loom_err_t *err) {
+    if (!ch->enc) return loom_tcp_read_full(ch->fd, buf, len, deadline, what, err);
+    uint8_t *p = buf;
+    while (len) {
+        if (ch->poff == ch->plen) { /* the next record: straight into buf when it wants all of it */
+            uint8_t h[4], nonce[LOOM_TCP_NPUB_BYTES];
+            LOOM_CHECK(loom_tcp_read_full(ch->fd, h, 4, deadline, what, err));
+            const size_t n = get32(h);
+            if (n > REC_MAX) return loom_err_set(err, LOOM_ERR_PROTOCOL, "%s: a sealed record of %zu bytes", what, n);
+            LOOM_CHECK(loom_tcp_read_full(ch->fd, ch->rbuf, n + LOOM_TCP_TAG_BYTES, deadline, what, err));
+            loom_tcp_frame_nonce(nonce, ch->rseq++);
+            uint8_t *dst = len >= n ? p : ch->plain;
+            if (crypto_aead_chacha20poly1305_ietf_decrypt(dst, NULL, NULL, ch->rbuf, n + LOOM_TCP_TAG_BYTES, h, 4,
+                                                          nonce, ch->rkey) != 0)
+                return loom_err_set(err, LOOM_ERR_PROTOCOL,
+                                    "%s: a message failed its authentication tag (tampered with, replayed or out "
+                                    "of order)", what);
+            if (dst == p) {
+                p += n;
+                len -= n;
+                continue;
+            }
+            ch->plen = n;
+            ch->poff = 0;
+        }
+        const size_t k = len < ch->plen - ch->poff ? len : ch->plen - ch->poff;
+        memcpy(p, ch->plain + ch->poff, k);
+        ch->poff += k;
+        p += k;
+        len -= k;
+    }
+    return LOOM_OK;
+}
+
+/* Bytes of a record read and not yet taken (the socket may show nothing). */
+static int chan_pending(const kv_chan_t *ch) { return ch->poff < ch->plen; }
+
 /* u32 status | u16 length | message */
-static loom_status_t send_status(int fd, int32_t code, const char *msg, uint64_t deadline, loom_err_t *err) {
+static loom_status_t send_status(kv_chan_t *ch, int32_t code, const char *msg, uint64_t deadline, loom_err_t *err) {
     uint8_t h[6 + MSG_MAX];
     size_t n = msg ? strlen(msg) : 0;
     if (n > MSG_MAX) n = MSG_MAX;
@@ -226,16 +322,17 @@ static loom_status_t send_status(int fd, int32_t code, const char *msg, uint64_t
     h[4] = (uint8_t)n;
     h[5] = (uint8_t)(n >> 8);
     if (n) memcpy(h + 6, msg, n);
-    return loom_tcp_write_full(fd, h, 6 + n, deadline, "kv transfer", err);
+    return chan_write(ch, h, 6 + n, deadline, "kv transfer", err);
 }
 
-static loom_status_t recv_status(int fd, int32_t *code, char *msg, size_t cap, uint64_t deadline, loom_err_t *err) {
+static loom_status_t recv_status(kv_chan_t *ch, int32_t *code, char *msg, size_t cap, uint64_t deadline,
+                                 loom_err_t *err) {
     uint8_t h[6];
     char m[MSG_MAX + 1];
-    LOOM_CHECK(loom_tcp_read_full(fd, h, 6, deadline, "kv transfer", err));
+    LOOM_CHECK(chan_read(ch, h, 6, deadline, "kv transfer", err));
     size_t n = (size_t)(h[4] | h[5] << 8);
     if (n > MSG_MAX) return loom_err_set(err, LOOM_ERR_PROTOCOL, "kv transfer: a message of %zu bytes", n);
-    if (n) LOOM_CHECK(loom_tcp_read_full(fd, m, n, deadline, "kv transfer", err));
+    if (n) LOOM_CHECK(chan_read(ch, m, n, deadline, "kv transfer", err));
     m[n] = '\0';
     *code = (int32_t)get32(h);
     snprintf(msg, cap, "%.*s", (int)(cap > 0 ? cap - 1 : 0), m);
@@ -284,6 +381,7 @@ struct loom_kv_service {
 /* One connection's state on the service's side. */
 typedef struct conn {
     int fd;
+    kv_chan_t ch;               /* fd's messages after the proofs */
     char peer[96];
     int shm;                    /* both hellos offered shared memory and the host id went */
     void *span, *slices;        /* one block's span (read); one slice (the TCP path) */
@@ -380,34 +478,34 @@ static int held(loom_kv_service_t *s, uint64_t id, const int32_t *blocks, int n)
 /* One read (op 1, or op 3 into the dialler's shared memory): the blocks'
  * slices, or a status naming what is wrong. */
 static loom_status_t serve_read(loom_kv_service_t *s, conn_t *c, int shm, loom_err_t *err) {
-    const int fd = c->fd;
+    kv_chan_t *ch = &c->ch;
     uint8_t h[20];
     char name[SHM_NAME_LEN + 2] = "";
     uint64_t deadline = loom_comm_deadline(REQUEST_MS);
-    LOOM_CHECK(loom_tcp_read_full(fd, h, 20, deadline, "kv transfer", err));
+    LOOM_CHECK(chan_read(ch, h, 20, deadline, "kv transfer", err));
     uint64_t id = get64(h);
     uint32_t n = get32(h + 8), h0 = get32(h + 12), h1 = get32(h + 16);
     const loom_kv_span_fmt_t *f = &s->cfg.fmt;
     if (n > MAX_READ_BLOCKS) return loom_err_set(err, LOOM_ERR_PROTOCOL, "kv transfer: a read of %u blocks", n);
     if (shm) { /* u8 length | name: one byte more than ours is enough to tell a name that is not */
         uint8_t len;
-        LOOM_CHECK(loom_tcp_read_full(fd, &len, 1, deadline, "kv transfer", err));
+        LOOM_CHECK(chan_read(ch, &len, 1, deadline, "kv transfer", err));
         char skip[256];
-        LOOM_CHECK(loom_tcp_read_full(fd, skip, len, deadline, "kv transfer", err));
+        LOOM_CHECK(chan_read(ch, skip, len, deadline, "kv transfer", err));
         snprintf(name, sizeof name, "%.*s", (int)len, skip);
         for (char *q = name; *q; q++)
             if ((unsigned char)*q < 0x20 || (unsigned char)*q > 0x7e) *q = '?'; /* logged below */
     }
     int32_t *blocks = loom_xmalloc((size_t)(n ? n : 1) * sizeof *blocks);
     uint8_t *raw = loom_xmalloc((size_t)(n ? n : 1) * 4);
-    loom_status_t st = loom_tcp_read_full(fd, raw, (size_t)n * 4, deadline, "kv transfer", err);
+    loom_status_t st = chan_read(ch, raw, (size_t)n * 4, deadline, "kv transfer", err);
     for (uint32_t i = 0; i < n; i++) blocks[i] = (int32_t)get32(raw + 4 * i);
     free(raw);
     char msg[MSG_MAX];
     if (st < 0) goto out;
     if (h0 >= h1 || h1 > (uint32_t)f->n_heads) {
         snprintf(msg, sizeof msg, "heads [%u, %u) are not within this shard's %d", h0, h1, f->n_heads);
-        st = send_status(fd, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, err);
+        st = send_status(ch, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, err);
         goto out;
     }
     int r = held(s, id, blocks, (int)n);
@@ -419,7 +517,7 @@ static loom_status_t serve_read(loom_kv_service_t *s, conn_t *c, int shm, loom_e
             snprintf(msg, sizeof msg, "unknown blocks: block %d is not one transfer %016llx holds", blocks[-1 - r],
                      (unsigned long long)id);
         LOOM_WARN("kv service: refused a read from %s: %s", c->peer, msg);
-        st = send_status(fd, LOOM_ERR_NOT_FOUND, msg, deadline, err);
+        st = send_status(ch, LOOM_ERR_NOT_FOUND, msg, deadline, err);
         goto out;
     }
     const int nh = (int)(h1 - h0);
@@ -428,12 +526,12 @@ static loom_status_t serve_read(loom_kv_service_t *s, conn_t *c, int shm, loom_e
         /* UNAVAILABLE: the dialler reads over the socket instead */
         if (!c->shm) snprintf(msg, sizeof msg, "shm: this connection did not agree on the shared-memory path");
         LOOM_WARN("kv service: refused a shared-memory read from %s: %s", c->peer, msg);
-        st = send_status(fd, LOOM_ERR_UNAVAILABLE, msg, deadline, err);
+        st = send_status(ch, LOOM_ERR_UNAVAILABLE, msg, deadline, err);
         goto out;
     }
     /* TCP: streamed, each block's slice goes while the next is packed; shm: packed into the dialler's object (a
      * block that cannot be read then closes the connection: the puller fails) */
-    if ((st = send_status(fd, LOOM_OK, NULL, deadline, err)) < 0) goto out;
+    if ((st = send_status(ch, LOOM_OK, NULL, deadline, err)) < 0) goto out;
     for (uint32_t i = 0; i < n && st == LOOM_OK; i++) {
         loom_err_t rerr = {0};
         const void *src = s->cfg.peek ? s->cfg.peek(s->cfg.ctx, blocks[i]) : NULL;
@@ -446,7 +544,7 @@ static loom_status_t serve_read(loom_kv_service_t *s, conn_t *c, int shm, loom_e
             continue;
         }
         loom_kv_slice_pack(f, src ? src : c->span, (int)h0, nh, c->slices);
-        st = loom_tcp_write_full(fd, c->slices, one, deadline, "kv transfer", err);
+        st = chan_write(ch, c->slices, one, deadline, "kv transfer", err);
     }
     int still = 0;
     if (st == LOOM_OK) {
@@ -459,7 +557,7 @@ static loom_status_t serve_read(loom_kv_service_t *s, conn_t *c, int shm, loom_e
             if (shm) s->served_shm += n;
         }
         pthread_mutex_unlock(&s->mu);
-        st = send_status(fd, still ? LOOM_OK : LOOM_ERR_NOT_FOUND,
+        st = send_status(ch, still ? LOOM_OK : LOOM_ERR_NOT_FOUND,
                          still ? NULL : "unknown blocks: the hold ended while its blocks were read (its lease)",
                          deadline, err);
     }
@@ -468,25 +566,33 @@ out:
     return st;
 }
 
-/* The handshake as acceptor: 1 when the dialler may read, 0 when refused (logged). */
+/* The handshake as acceptor: 1 when the dialler may read, 0 when refused
+ * (logged). Nothing of this side's identity goes before the dialler's proof. */
 static int accept_handshake(loom_kv_service_t *s, conn_t *c) {
     const int fd = c->fd;
     uint64_t deadline = loom_comm_deadline(HANDSHAKE_MS);
     uint8_t h[HELLO_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES], mac[LOOM_TCP_MAC_BYTES];
+    uint8_t id[IDENT_BYTES];
     loom_err_t err = {0};
     loom_kv_ident_t theirs;
-    int flags = 0, ours = s->cfg.secret_len > 0;
+    int flags = 0, ours = s->cfg.secret_len > 0, v = -1;
     char msg[MSG_MAX] = "";
-    if (loom_tcp_read_full(fd, h, HELLO_BYTES, deadline, "kv transfer hello", &err) < 0 ||
-        !hello_decode(h, &flags, nd, &theirs)) {
-        snprintf(msg, sizeof msg, "not a KV transfer hello of version %d%s%.300s",
-                 LOOM_KV_XFER_VERSION, err.msg[0] ? ": " : "", err.msg);
+    uint8_t ans[HELLO_BYTES + LOOM_TCP_MAC_BYTES];
+    randombytes_buf(na, sizeof na);
+    hello_encode(ans, (ours ? HELLO_AUTH : 0) | (s->host[0] ? HELLO_SHM : 0) | (s->cfg.encrypt ? HELLO_ENC : 0), na);
+    if (loom_tcp_read_full(fd, h, HELLO_HEAD, deadline, "kv transfer hello", &err) < 0 ||
+        (v = hello_head(h, &flags)) < 0) {
+        snprintf(msg, sizeof msg, "not a KV transfer hello%s%.300s", err.msg[0] ? ": " : "", err.msg);
         goto refuse;
     }
+    if (v > 0) { /* another version: our hello tells the dialler which this side speaks */
+        loom_tcp_write_full(fd, ans, HELLO_HEAD, deadline, "kv transfer", &err);
+        snprintf(msg, sizeof msg, "the dialler speaks KV transfer version %d, this service version %d", v,
+                 LOOM_KV_XFER_VERSION);
+        goto refuse;
+    }
+    if (loom_tcp_read_full(fd, nd, sizeof nd, deadline, "kv transfer hello", &err) < 0) goto lost;
     const int auth = flags & HELLO_AUTH, shm = (flags & HELLO_SHM) && s->host[0];
-    randombytes_buf(na, sizeof na);
-    uint8_t ans[HELLO_BYTES + LOOM_TCP_MAC_BYTES];
-    hello_encode(ans, (ours ? HELLO_AUTH : 0) | (s->host[0] ? HELLO_SHM : 0), na, &s->cfg.ident);
     if (ours) kv_mac(s->secret, s->cfg.secret_len, "kv ack", nd, na, ans + HELLO_BYTES);
     /* the answer goes even to a dialler that does not authenticate as we do, so it can say why it stops */
     if (loom_tcp_write_full(fd, ans, HELLO_BYTES + (ours && auth ? LOOM_TCP_MAC_BYTES : 0), deadline, "kv transfer",
@@ -506,17 +612,28 @@ static int accept_handshake(loom_kv_service_t *s, conn_t *c) {
             goto refuse;
         }
     }
-    if (loom_kv_ident_mismatch(&s->cfg.ident, &theirs, msg, sizeof msg)) {
-        send_status(fd, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, &err);
+    if (!!(flags & HELLO_ENC) != s->cfg.encrypt) {
+        snprintf(msg, sizeof msg, "encrypt: %s here, %s there (--encrypt-data-plane or kv_connector_extra_config "
+                 "encrypt: both replicas or neither)", s->cfg.encrypt ? "on" : "off", s->cfg.encrypt ? "off" : "on");
         goto refuse;
     }
-    if (send_status(fd, LOOM_OK, NULL, deadline, &err) < 0) goto lost;
+    if (s->cfg.encrypt) chan_keys(&c->ch, s->secret, s->cfg.secret_len, nd, na, 0);
+    /* proved: the identities, the dialler's first (sealed when encrypted, as everything after) */
+    if (chan_read(&c->ch, id, sizeof id, deadline, "kv transfer identity", &err) < 0) goto lost;
+    ident_decode(id, &theirs);
+    ident_encode(&s->cfg.ident, id);
+    if (chan_write(&c->ch, id, sizeof id, deadline, "kv transfer", &err) < 0) goto lost;
+    if (loom_kv_ident_mismatch(&s->cfg.ident, &theirs, msg, sizeof msg)) {
+        send_status(&c->ch, LOOM_ERR_INVALID_ARGUMENT, msg, deadline, &err);
+        goto refuse;
+    }
+    if (send_status(&c->ch, LOOM_OK, NULL, deadline, &err) < 0) goto lost;
     if (shm) { /* both offered shared memory: this host's identity, the dialler compares */
-        uint8_t id[1 + HOST_ID_MAX];
+        uint8_t hid[1 + HOST_ID_MAX];
         size_t n = strlen(s->host);
-        id[0] = (uint8_t)n;
-        memcpy(id + 1, s->host, n);
-        if (loom_tcp_write_full(fd, id, 1 + n, deadline, "kv transfer", &err) < 0) goto lost;
+        hid[0] = (uint8_t)n;
+        memcpy(hid + 1, s->host, n);
+        if (chan_write(&c->ch, hid, 1 + n, deadline, "kv transfer", &err) < 0) goto lost;
         c->shm = 1;
     }
     return 1;
@@ -541,7 +658,8 @@ static void serve_conn(loom_kv_service_t *s, conn_t *c) {
         const int full = s->n_conns >= MAX_CONNS;
         pthread_mutex_unlock(&s->mu);
         struct pollfd p[3] = {{c->fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}, {s->lfd, POLLIN, 0}};
-        int r = poll(p, full ? 3 : 2, IDLE_POLL_MS);
+        int r = chan_pending(&c->ch) ? 1 : poll(p, full ? 3 : 2, IDLE_POLL_MS);
+        if (chan_pending(&c->ch)) p[0].revents = POLLIN;
         if (r < 0 && errno != EINTR) return;
         if (p[1].revents) return;
         if (full && p[2].revents && !p[0].revents) { /* a dialler waits: one idle connection makes room */
@@ -557,7 +675,10 @@ static void serve_conn(loom_kv_service_t *s, conn_t *c) {
         }
         uint8_t op[4];
         loom_err_t err = {0};
-        if (loom_tcp_read_full(c->fd, op, 4, loom_comm_deadline(REQUEST_MS), "kv transfer", &err) < 0) return;
+        if (chan_read(&c->ch, op, 4, loom_comm_deadline(REQUEST_MS), "kv transfer", &err) < 0) {
+            if (c->ch.enc && err.msg[0]) LOOM_WARN("kv service: %s: %s: closed", c->peer, err.msg); /* a bad record */
+            return;
+        }
         if (get32(op) == OP_READ || get32(op) == OP_READ_SHM) {
             if (serve_read(s, c, get32(op) == OP_READ_SHM, &err) < 0) {
                 LOOM_WARN("kv service: a read from %s failed: %s", c->peer, err.msg);
@@ -566,9 +687,9 @@ static void serve_conn(loom_kv_service_t *s, conn_t *c) {
         } else if (get32(op) == OP_DONE) {
             uint8_t id[8];
             uint64_t deadline = loom_comm_deadline(REQUEST_MS);
-            if (loom_tcp_read_full(c->fd, id, 8, deadline, "kv transfer", &err) < 0) return;
+            if (chan_read(&c->ch, id, 8, deadline, "kv transfer", &err) < 0) return;
             if (s->cfg.done) s->cfg.done(s->cfg.ctx, get64(id));
-            if (send_status(c->fd, LOOM_OK, NULL, deadline, &err) < 0) return;
+            if (send_status(&c->ch, LOOM_OK, NULL, deadline, &err) < 0) return;
         } else {
             LOOM_WARN("kv service: %s sent op %u: closed", c->peer, get32(op));
             return;
@@ -580,11 +701,12 @@ static void serve_conn(loom_kv_service_t *s, conn_t *c) {
 static void *conn_main(void *arg) {
     conn_slot_t *slot = arg;
     loom_kv_service_t *s = slot->s;
-    conn_t c = {.fd = slot->fd};
+    conn_t c = {.fd = slot->fd, .ch = {.fd = slot->fd}};
     size_t span = loom_kv_span_bytes(&s->cfg.fmt);
     c.span = loom_xmalloc(span ? span : 1);
     c.slices = loom_xmalloc(span ? span : 1); /* a slice is at most the span's heads, packed */
     serve_conn(s, &c);
+    chan_free(&c.ch);
     conn_shm_drop(&c);
     free(c.span);
     free(c.slices);
@@ -655,6 +777,9 @@ loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_k
     *out = NULL;
     if (cfg->secret_len > sizeof ((loom_kv_service_t *)0)->secret)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "kv service: a secret of %zu bytes", cfg->secret_len);
+    if (cfg->encrypt && !cfg->secret_len)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "kv service: encrypt needs a secret (secret_file): the keys come from it");
     if (sodium_init() < 0) return loom_err_set(err, LOOM_ERR_INTERNAL, "kv service: libsodium did not start");
     loom_comm_listener_t *l = NULL;
     LOOM_CHECK(loom_comm_listener_create(cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1", cfg->port, &l, err));
@@ -752,6 +877,7 @@ void loom_kv_service_destroy(loom_kv_service_t **s_p) {
 
 struct loom_kv_pull {
     int fd;
+    kv_chan_t ch;                     /* fd's messages after the proofs */
     int shm;                          /* reads go through shared memory (op 3) */
     char shm_name[SHM_NAME_LEN + 1];  /* the object; linked until the service has mapped it */
     int shm_linked;
@@ -799,26 +925,38 @@ static loom_status_t pull_shm_make(loom_kv_pull_t *c, size_t bytes, loom_err_t *
 }
 
 loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
-                                size_t secret_len, int shm, uint64_t deadline, loom_kv_pull_t **out,
+                                size_t secret_len, int shm, int encrypt, uint64_t deadline, loom_kv_pull_t **out,
                                 loom_kv_ident_t *theirs, loom_err_t *err) {
     *out = NULL;
     int fd = -1, auth = secret && secret_len > 0, their_flags = 0;
+    encrypt = !!encrypt;
+    if (encrypt && !auth)
+        return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                            "kv transfer from %s: encrypt needs a secret (secret_file): the keys come from it", addr);
+    if (sodium_init() < 0) return loom_err_set(err, LOOM_ERR_INTERNAL, "kv transfer: libsodium did not start");
     LOOM_CHECK(loom_tcp_dial(addr, deadline, &fd, err));
-    uint8_t h[HELLO_BYTES + LOOM_TCP_MAC_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES];
-    uint8_t mac[LOOM_TCP_MAC_BYTES];
+    loom_kv_pull_t *c = loom_xcalloc(1, sizeof *c);
+    c->fd = c->ch.fd = fd;
+    uint8_t h[HELLO_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES], mac[LOOM_TCP_MAC_BYTES];
     char what[400], msg[MSG_MAX], host[HOST_ID_MAX + 1] = "";
     if (shm != LOOM_KV_SHM_OFF) host_id(host, sizeof host);
     snprintf(what, sizeof what, "kv transfer from %s", addr);
     randombytes_buf(nd, sizeof nd);
-    hello_encode(h, (auth ? HELLO_AUTH : 0) | (host[0] ? HELLO_SHM : 0), nd, ours);
+    hello_encode(h, (auth ? HELLO_AUTH : 0) | (host[0] ? HELLO_SHM : 0) | (encrypt ? HELLO_ENC : 0), nd);
     loom_status_t st = loom_tcp_write_full(fd, h, HELLO_BYTES, deadline, what, err);
-    if (st == LOOM_OK) st = loom_tcp_read_full(fd, h, HELLO_BYTES, deadline, what, err);
+    if (st == LOOM_OK) st = loom_tcp_read_full(fd, h, HELLO_HEAD, deadline, what, err);
     if (st < 0) goto fail;
-    if (!hello_decode(h, &their_flags, na, theirs)) {
-        st = loom_err_set(err, LOOM_ERR_PROTOCOL, "%s: not a Loom KV service of version %d", what,
-                          LOOM_KV_XFER_VERSION);
+    const int v = hello_head(h, &their_flags);
+    if (v != 0) {
+        if (v < 0)
+            st = loom_err_set(err, LOOM_ERR_PROTOCOL, "%s: not a Loom KV service", what);
+        else
+            st = loom_err_set(err, LOOM_ERR_PROTOCOL,
+                              "%s: the service speaks KV transfer version %d, this side version %d: refused", what,
+                              v, LOOM_KV_XFER_VERSION);
         goto fail;
     }
+    if ((st = loom_tcp_read_full(fd, na, sizeof na, deadline, what, err)) < 0) goto fail;
     if (!!(their_flags & HELLO_AUTH) != auth) {
         st = loom_err_set(err, LOOM_ERR_UNAUTHENTICATED, "%s: %s", what,
                           auth ? "the service does not authenticate (it has no secret_file)"
@@ -837,12 +975,27 @@ loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, c
         kv_mac(secret, secret_len, "kv dial", na, nd, mac);
         if ((st = loom_tcp_write_full(fd, mac, sizeof mac, deadline, what, err)) < 0) goto fail;
     }
+    if (!!(their_flags & HELLO_ENC) != encrypt) {
+        st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
+                          "%s: handshake refused, encrypt: %s here, %s there (--encrypt-data-plane or "
+                          "kv_connector_extra_config encrypt: both replicas or neither)",
+                          what, encrypt ? "on" : "off", encrypt ? "off" : "on");
+        goto fail;
+    }
+    if (encrypt) chan_keys(&c->ch, secret, secret_len, nd, na, 1);
+    /* proved: the identities, ours first (sealed when encrypted, as everything after) */
+    uint8_t id[IDENT_BYTES];
+    ident_encode(ours, id);
+    if ((st = chan_write(&c->ch, id, sizeof id, deadline, what, err)) < 0 ||
+        (st = chan_read(&c->ch, id, sizeof id, deadline, what, err)) < 0)
+        goto fail;
+    ident_decode(id, theirs);
     if (loom_kv_ident_mismatch(ours, theirs, msg, sizeof msg)) {
         st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: handshake refused, %s", what, msg);
         goto fail;
     }
     int32_t code = 0;
-    if ((st = recv_status(fd, &code, msg, sizeof msg, deadline, err)) < 0) goto fail;
+    if ((st = recv_status(&c->ch, &code, msg, sizeof msg, deadline, err)) < 0) goto fail;
     if (code != 0) {
         st = loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT, "%s: handshake refused, %s", what, msg);
         goto fail;
@@ -851,24 +1004,25 @@ loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, c
     if (host[0] && (their_flags & HELLO_SHM)) { /* both offered: the service's host identity follows */
         uint8_t len;
         char theirs_host[HOST_ID_MAX + 1];
-        if ((st = loom_tcp_read_full(fd, &len, 1, deadline, what, err)) < 0 ||
-            (st = loom_tcp_read_full(fd, theirs_host, len, deadline, what, err)) < 0)
+        if ((st = chan_read(&c->ch, &len, 1, deadline, what, err)) < 0 ||
+            (st = chan_read(&c->ch, theirs_host, len, deadline, what, err)) < 0)
             goto fail;
         theirs_host[len] = '\0';
         same_host = !strcmp(theirs_host, host);
     }
-    loom_kv_pull_t *c = loom_xcalloc(1, sizeof *c);
-    c->fd = fd;
     c->shm = same_host;
     *out = c;
     return LOOM_OK;
 fail:
+    chan_free(&c->ch);
+    free(c);
     close(fd);
     return st;
 }
 
 int loom_kv_pull_shm(const loom_kv_pull_t *c) { return c->shm; }
 int loom_kv_pull_fd(const loom_kv_pull_t *c) { return c->fd; }
+int loom_kv_pull_sealed(const loom_kv_pull_t *c) { return c->ch.enc; }
 
 /* Sends a read request (op 1, or op 3 naming the object); the first status's code in *code. */
 static loom_status_t pull_request(loom_kv_pull_t *c, int shm, uint64_t transfer, const int32_t *blocks, int n,
@@ -887,10 +1041,10 @@ static loom_status_t pull_request(loom_kv_pull_t *c, int shm, uint64_t transfer,
         p += name;
     }
     for (int i = 0; i < n; i++) p = put32(p, (uint32_t)blocks[i]);
-    loom_status_t st = loom_tcp_write_full(c->fd, req, len, deadline, "kv transfer read", err);
+    loom_status_t st = chan_write(&c->ch, req, len, deadline, "kv transfer read", err);
     free(req);
     LOOM_CHECK(st);
-    return recv_status(c->fd, code, msg, cap, deadline, err);
+    return recv_status(&c->ch, code, msg, cap, deadline, err);
 }
 
 loom_status_t loom_kv_pull_read(loom_kv_pull_t *c, uint64_t transfer, const int32_t *blocks, int n, int h0,
@@ -924,11 +1078,11 @@ loom_status_t loom_kv_pull_read(loom_kv_pull_t *c, uint64_t transfer, const int3
                 c->buf = loom_xmalloc(bytes);
                 c->buf_cap = bytes;
             }
-            LOOM_CHECK(loom_tcp_read_full(c->fd, c->buf, bytes, deadline, "kv transfer read", err));
+            LOOM_CHECK(chan_read(&c->ch, c->buf, bytes, deadline, "kv transfer read", err));
         }
     }
     if (code != 0) return loom_err_set(err, code < 0 ? (loom_status_t)code : LOOM_ERR_PROTOCOL, "kv transfer: %s", msg);
-    LOOM_CHECK(recv_status(c->fd, &code, msg, sizeof msg, deadline, err)); /* the fence: still held once read */
+    LOOM_CHECK(recv_status(&c->ch, &code, msg, sizeof msg, deadline, err)); /* the fence: still held once read */
     if (code != 0) return loom_err_set(err, code < 0 ? (loom_status_t)code : LOOM_ERR_PROTOCOL, "kv transfer: %s", msg);
     *slices = c->shm ? (const void *)c->shm_map : (const void *)c->buf;
     return LOOM_OK;
@@ -937,10 +1091,10 @@ loom_status_t loom_kv_pull_read(loom_kv_pull_t *c, uint64_t transfer, const int3
 loom_status_t loom_kv_pull_done(loom_kv_pull_t *c, uint64_t transfer, uint64_t deadline, loom_err_t *err) {
     uint8_t req[12];
     put64(put32(req, OP_DONE), transfer);
-    LOOM_CHECK(loom_tcp_write_full(c->fd, req, sizeof req, deadline, "kv transfer done", err));
+    LOOM_CHECK(chan_write(&c->ch, req, sizeof req, deadline, "kv transfer done", err));
     int32_t code = 0;
     char msg[MSG_MAX];
-    LOOM_CHECK(recv_status(c->fd, &code, msg, sizeof msg, deadline, err));
+    LOOM_CHECK(recv_status(&c->ch, &code, msg, sizeof msg, deadline, err));
     return code ? loom_err_set(err, LOOM_ERR_PROTOCOL, "kv transfer done: %s", msg) : LOOM_OK;
 }
 
@@ -949,6 +1103,7 @@ void loom_kv_pull_close(loom_kv_pull_t **c_p) {
     loom_kv_pull_t *c = *c_p;
     *c_p = NULL;
     pull_shm_drop(c);
+    chan_free(&c->ch);
     close(c->fd);
     free(c->buf);
     free(c);

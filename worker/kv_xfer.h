@@ -3,18 +3,22 @@
  * runs on a listener of its own, and the pull a decode worker makes.
  *
  * A connection: the dialler (decode) sends a hello, the acceptor (prefill)
- * answers; both carry a nonce and the side's identity (loom_kv_ident_t).
- * With a secret (both replicas' kv_connector_extra_config.secret_file) the
- * answer ends with HMAC-SHA256(K, "kv ack", nD, nA, "loom-kv") and the
- * dialler's proof HMAC-SHA256(K, "kv dial", nA, nD, "loom-kv") follows:
- * comm_tcp.c's challenge (loom_tcp_mac), so a listener without K is refused
- * by the dialler and a dialler without K by the listener, before any block
- * moves. Then the acceptor says whether the identities agree; a mismatch
- * names the field (both sides log it; the pull fails).
+ * answers; a hello carries only the version, flags and a nonce. With a
+ * secret (both replicas' kv_connector_extra_config.secret_file) the answer
+ * ends with HMAC-SHA256(K, "kv ack", nD, nA, "loom-kv") and the dialler's
+ * proof HMAC-SHA256(K, "kv dial", nA, nD, "loom-kv") follows: comm_tcp.c's
+ * challenge (loom_tcp_mac), so a listener without K is refused by the
+ * dialler and a dialler without K by the listener, before anything else is
+ * said. Only then are the identities (loom_kv_ident_t) exchanged, the
+ * dialler's first, and the acceptor says whether they agree; a mismatch
+ * names the field (both sides log it; the pull fails). A side of another
+ * version is refused naming both versions (the acceptor answers such a
+ * hello with its own head, then closes).
  *
- *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated, 2: shm) | nonce | ident
+ *   hello:  u32 "LMK1" | u16 version | u16 flags (1: authenticated, 2: shm, 4: encrypt) | nonce
  *   answer: hello (the acceptor's) | [mac]
  *   proof:  [mac] (authenticated only)
+ *   ident:  the dialler's identity (72 bytes), then the acceptor's
  *   verdict: u32 status (0 or a loom status) | u16 length | message
  *   host:   u8 length | host id (verdict 0 and both hellos flagged shm only)
  *   read:   u32 op 1 | u64 transfer | u32 n | u32 h0 | u32 h1 | i32 block ids (n)
@@ -24,6 +28,15 @@
  *           -> u32 status | u16 length | message | status (the fence); status 0: the n slices are in the
  *              object from byte 0; UNAVAILABLE: the object could not be used (the dialler reads over op 1)
  *   done:   u32 op 2 | u64 transfer -> u32 status | u16 0
+ *
+ * Encrypted (both hellos flagged encrypt; one flagged alone is refused
+ * after the proofs, naming it; it needs the secret): from the identities on,
+ * every message above travels in sealed records, u32 length | ChaCha20-
+ * Poly1305 (IETF) ciphertext | tag (the length as associated data, at most
+ * 1 MiB a record), each direction under its own key (loom_tcp_frame_keys
+ * over both nonces and "loom-kv", as the data plane's links derive theirs)
+ * with its record count as nonce: a record changed, dropped, replayed or
+ * moved fails the read. The shared-memory path's slices are not sealed.
  *
  * Shared memory on one host: a side that may use it flags its hello
  * (kv_connector_extra_config.shm "auto", the default; "off" never does);
@@ -37,8 +50,8 @@
  * mapped for the connection and packs the slices straight into it; the
  * dialler unlinks it once the first answer says it is mapped there and
  * reuses it for the connection's later reads, making a larger one when a
- * read needs more. Flags an older side does not know are ignored, so an
- * old peer reads over TCP.
+ * read needs more. Flags a side does not know are ignored (a peer of the
+ * same version without the shm flag reads over TCP).
  *
  * A slice is a block's heads [h0, h1) of the acceptor's shard, packed
  * layout-free (loom_kv_slice_pack): so the two sides may differ in TP
@@ -61,7 +74,7 @@
 
 #include "common/status.h"
 
-#define LOOM_KV_XFER_VERSION 1
+#define LOOM_KV_XFER_VERSION 2
 
 /* What one side's KV is: the fields the two sides must agree on, and those
  * that may differ (TP, layout). */
@@ -139,6 +152,7 @@ typedef struct loom_kv_service_config {
     void *ctx;
     int hold_wait_ms;          /* a read of a transfer not held yet waits this long for its hold (0: 2000) */
     int shm;                   /* LOOM_KV_SHM_*: whether it offers the shared-memory path */
+    int encrypt;               /* 1: every message after the proofs sealed (needs the secret; dialler must agree) */
 } loom_kv_service_config_t;
 
 loom_status_t loom_kv_service_create(const loom_kv_service_config_t *cfg, loom_kv_service_t **out, loom_err_t *err);
@@ -159,15 +173,19 @@ typedef struct loom_kv_pull loom_kv_pull_t;
 /* Dials addr, proves the secret (NULL: none), checks the acceptor's proof
  * and the identities: *out the open connection, *theirs the acceptor's
  * identity; shm LOOM_KV_SHM_AUTO: reads go through shared memory when the
- * acceptor offers it from this host. UNAUTHENTICATED when the peer does not
- * prove the secret (or wants one we do not have), INVALID_ARGUMENT naming
- * the field on a mismatch, UNAVAILABLE when it cannot be reached. */
+ * acceptor offers it from this host; encrypt 1: every message after the
+ * proofs sealed (needs the secret; the acceptor must agree). UNAUTHENTICATED
+ * when the peer does not prove the secret (or wants one we do not have),
+ * INVALID_ARGUMENT naming the field on a mismatch (encrypt on one side
+ * only included), UNAVAILABLE when it cannot be reached. */
 loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
-                                size_t secret_len, int shm, uint64_t deadline, loom_kv_pull_t **out,
+                                size_t secret_len, int shm, int encrypt, uint64_t deadline, loom_kv_pull_t **out,
                                 loom_kv_ident_t *theirs, loom_err_t *err);
 /* Whether the connection's reads go through shared memory (it falls back to
  * the socket for good when the acceptor cannot use the object). */
 int loom_kv_pull_shm(const loom_kv_pull_t *c);
+/* Whether the connection's messages are sealed (encrypt). */
+int loom_kv_pull_sealed(const loom_kv_pull_t *c);
 /* The connection's socket (tests speak the wire through it). */
 int loom_kv_pull_fd(const loom_kv_pull_t *c);
 /* Reads heads [h0, h0 + n_heads) (the acceptor's shard's) of blocks: *slices

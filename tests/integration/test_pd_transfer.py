@@ -177,7 +177,8 @@ def test_pull_deepseek():
     a TP 1 prefill replica and a TP 2 decode replica (each rank reads the
     whole latent block from the prefill's rank): greedy and seeded outputs
     equal a unified replica's, the decode side computes at most one block of
-    each prompt, the prefill's blocks are freed once read."""
+    each prompt, the prefill's blocks are freed once read; both replicas with
+    --encrypt-data-plane: the decode's pulls over the socket, sealed."""
     from test_deepseek import v3
     model = v3()
     work = workdir("loom-pd-mla-")
@@ -188,8 +189,9 @@ def test_pull_deepseek():
     unified = unified_outputs(bodies + [fresh], model)
     fresh_want = unified.pop()
     pport, dport = free_port(), free_port()
-    with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000, model=model), \
-            tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model, shm="off") as dec:
+    seal = ["--encrypt-data-plane"]  # the KV transfer's messages sealed too
+    with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000, model=model, extra=seal), \
+            tcp_cluster(dport, "kv_consumer", secret, tp=2, model=model, shm="off", extra=seal) as dec:
         for b, want in zip(bodies, unified):
             kv, n_prompt = prefill(pport, b)
             got = call(dport, "/v1/completions", dict(b, kv_transfer_params=kv))
@@ -200,13 +202,14 @@ def test_pull_deepseek():
                   and n_prompt - cached <= B, "MLA decode computed %d of %d prompt tokens" % (n_prompt - cached,
                                                                                            n_prompt))
         wait_for(lambda: gauge(pport, "loom_kv_transfer_held_blocks") == 0, 10, "the latent blocks freed once read")
-        for r in range(2):  # shm "off" on the decode side: over the socket although on one host
+        for r in range(2):  # shm "off" on the decode side: over the socket although on one host, sealed
             log = dec.log("worker-%d" % r)
-            check("over tcp in" in log and "over shared memory" not in log, "rank %d's pulls: not over tcp" % r)
+            check("over tcp (sealed) in" in log and "over shared memory" not in log and "over tcp in" not in log,
+                  "rank %d's pulls: not over tcp, sealed" % r)
         # a TP 2 prefill: the latent block is on both its ranks; decode rank r reads it from prefill rank r, so the
         # group's reads spread
         pport2 = free_port()
-        with tcp_cluster(pport2, "kv_producer", secret, tp=2, lease_ms=600000, model=model):
+        with tcp_cluster(pport2, "kv_producer", secret, tp=2, lease_ms=600000, model=model, extra=seal):
             kv, n_prompt = prefill(pport2, fresh)
             got = call(dport, "/v1/completions", dict(fresh, kv_transfer_params=kv))
             check(got["choices"][0]["text"] == fresh_want and got["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -330,6 +333,8 @@ def test_flags():
         (coord + cfg(transport="rdma"), "transport"),
         (coord + cfg(transport="tcp", insecure=True, shm="on"), "kv_connector_extra_config.shm"),
         (coord + cfg(transport="tcp", insecure=True, lease_ms=0), "lease_ms"),
+        (coord + cfg(transport="tcp", insecure=True, encrypt=True), "encrypt needs secret_file"),
+        (coord + ["--encrypt-data-plane"] + cfg(transport="tcp", insecure=True), "not insecure: true"),
         (coord + cfg(transport="dir"), "--kv-offloading-dir"),
         (coord + cfg(secret_file=short), "transport tcp"),
         (coord + ["--pp", "2"] + cfg(transport="tcp", insecure=True), "--pp 1"),

@@ -6,15 +6,24 @@
  * blocks, a hold that ends while its blocks stream fails the read (the
  * fence), done reaches the service's callback; a service that does not hold
  * the secret (a forged host), a dialler without it, one of another model or
- * layer count are refused naming why. */
+ * layer count are refused naming why; a dialler without the secret, or of
+ * another version, spoken by hand, hears nothing of the service's identity;
+ * encrypted connections read the same bytes, fail a read on a flipped byte
+ * or a replayed record (a man in the middle) while the service serves on,
+ * and are refused when one side only encrypts; a service of another
+ * version is refused naming both. */
 #include "worker/kv_xfer.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -210,7 +219,7 @@ static void test_service(void) {
     loom_err_t err = {0};
     loom_kv_pull_t *pc = NULL;
     uint64_t dl = loom_comm_deadline(10000);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) == LOOM_OK);
     CHECK(theirs.tp_size == 1 && theirs.kv_head_end == 4);
     size_t one = loom_kv_slice_bytes(&sv.fmt, 2);
     uint8_t *got = malloc(2 * one), *want = malloc(one), *span = malloc(span_bytes(&sv.fmt));
@@ -241,20 +250,58 @@ static void test_service(void) {
     CHECK(loom_kv_pull_done(pc, 0xabc, dl, &err) == LOOM_OK && sv.done == 0xabc);
     loom_kv_pull_close(&pc);
     loom_kv_service_unhold(s, 0xabc);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) == LOOM_OK);
     CHECK(pull_read(pc, 0xabc, two, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_NOT_FOUND);
     loom_kv_pull_close(&pc);
     /* a dialler without the secret, or of another model / layer count */
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, NULL, 0, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, NULL, 0, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
               LOOM_ERR_UNAUTHENTICATED && !pc && strstr(err.msg, "wants a secret"));
     loom_kv_ident_t other = ident();
     other.model = 0x9999;
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "model: digest"));
     other = ident();
     other.n_layers = 4;
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &other, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "n_layers: 4 here, 3 there"));
+    /* by hand: a dialler without K hears the acceptor's hello (and proof) and nothing more, its identity
+     * least of all; one of another version is told the service's */
+    for (int forged_proof = 0; forged_proof < 3; forged_proof++) {
+        uint64_t before = 0, after = 0, nb = 0;
+        loom_kv_service_counts(s, &before, &nb, NULL);
+        int fd = -1;
+        CHECK(loom_tcp_dial(loom_kv_service_addr(s), dl, &fd, &err) == LOOM_OK);
+        uint8_t hello[24] = {'L', 'M', 'K', '1', LOOM_KV_XFER_VERSION, 0, forged_proof == 1 ? 1 : 0, 0};
+        if (forged_proof == 2) hello[4] = 1; /* version 1 */
+        memset(hello + 8, 0x5a, 16);
+        uint8_t got_raw[256];
+        size_t n_raw = 0;
+        CHECK(loom_tcp_write_full(fd, hello, forged_proof == 2 ? 8 : 24, dl, "test", &err) == LOOM_OK);
+        if (forged_proof == 1) { /* the answer and its proof, then a wrong proof of ours */
+            CHECK(loom_tcp_read_full(fd, got_raw, 24 + 32, dl, "test", &err) == LOOM_OK);
+            n_raw = 56;
+            uint8_t wrong[32] = {0};
+            CHECK(loom_tcp_write_full(fd, wrong, sizeof wrong, dl, "test", &err) == LOOM_OK);
+        }
+        for (;;) { /* whatever else comes before the service closes */
+            struct pollfd pf = {fd, POLLIN, 0};
+            if (poll(&pf, 1, 3000) <= 0) break;
+            ssize_t r = read(fd, got_raw + n_raw, sizeof got_raw - n_raw);
+            if (r <= 0) break;
+            n_raw += (size_t)r;
+        }
+        close(fd);
+        /* no proof: the hello alone (24 bytes); a wrong one: nothing after the answer; another version: the head */
+        CHECK(n_raw == (forged_proof == 0 ? 24u : forged_proof == 1 ? 56u : 8u));
+        if (forged_proof == 2) CHECK(got_raw[4] == LOOM_KV_XFER_VERSION && got_raw[5] == 0);
+        CHECK(!memmem(got_raw, n_raw, "bf16", 4)); /* the identity's dtype is nowhere */
+        for (int i = 0; i < 200; i++) { /* the refusal counted once the connection's thread ends */
+            loom_kv_service_counts(s, &after, &nb, NULL);
+            if (after > before) break;
+            usleep(10000);
+        }
+        CHECK(after >= before + 1); /* (an earlier refusal may be counted meanwhile) */
+    }
     /* a forged host: a listener that does not hold K */
     served_t fv = sv;
     fv.reads = fv.peeks = 0;
@@ -262,7 +309,7 @@ static void test_service(void) {
     loom_kv_service_t *forged = service(&fv, K2, sizeof K2 - 1);
     if (forged) {
         loom_kv_service_hold(forged, 0xabc, held, 3);
-        CHECK(loom_kv_pull_open(loom_kv_service_addr(forged), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(forged), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
                   LOOM_ERR_UNAUTHENTICATED && strstr(err.msg, "does not hold the secret"));
         CHECK(fv.reads == 0 && fv.peeks == 0);
         loom_kv_service_destroy(&forged);
@@ -293,7 +340,7 @@ static void test_latent_service(void) {
     ours.tp_size = 2, ours.tp_rank = 1;
     loom_kv_pull_t *pc = NULL;
     uint64_t dl = loom_comm_deadline(10000);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) == LOOM_OK);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) == LOOM_OK);
     CHECK(theirs.layout == LOOM_KV_LAYOUT_LATENT && theirs.kv_head_end == 1);
     const size_t one = loom_kv_slice_bytes(&sv.fmt, 1);
     uint8_t got[2 * 2 * 3 * 14], span[2 * 44], want[2 * 3 * 14];
@@ -307,12 +354,12 @@ static void test_latent_service(void) {
     CHECK(pull_read(pc, 0x77, held, 2, 0, 2, got, 2 * one, dl, &err) == LOOM_ERR_INVALID_ARGUMENT);
     loom_kv_pull_close(&pc);
     loom_kv_ident_t per_head = ident();
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &per_head, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &per_head, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT &&
           strstr(err.msg, "layout: per-head K and V here, the latent KV (MLA) there"));
     loom_kv_ident_t wide = latent_ident();
     wide.head_dim = 640;
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &wide, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &pc, &theirs, &err) ==
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &wide, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
               LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "latent row") && strstr(err.msg, "640 here, 576 there"));
     uint64_t refused = 0, blocks = 0;
     loom_kv_service_counts(s, &refused, &blocks, NULL);
@@ -364,7 +411,7 @@ static void test_shm(void) {
     const size_t one = loom_kv_slice_bytes(&sv.fmt, 3);
     uint8_t *a = malloc(3 * one), *b = malloc(3 * one), *span = malloc(span_bytes(&sv.fmt)), *want = malloc(one);
     char msg[600];
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &tcp, &theirs,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &tcp, &theirs,
                             &err) == LOOM_OK && !loom_kv_pull_shm(tcp));
     if (tcp) {
         CHECK(pull_read(tcp, 0xabc, held, 3, 1, 3, a, 3 * one, dl, &err) == LOOM_OK);
@@ -373,7 +420,7 @@ static void test_shm(void) {
                            sizeof msg) == LOOM_ERR_UNAVAILABLE && strstr(msg, "did not agree"));
         loom_kv_pull_close(&tcp);
     }
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_AUTO, dl, &shm, &theirs,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_AUTO, 0, dl, &shm, &theirs,
                             &err) == LOOM_OK && loom_kv_pull_shm(shm));
     if (!shm) goto out;
     CHECK(pull_read(shm, 0xabc, held, 3, 1, 3, b, 3 * one, dl, &err) == LOOM_OK);
@@ -420,7 +467,7 @@ out:
                                   .shm = LOOM_KV_SHM_OFF};
     CHECK(loom_kv_service_create(&c, &s, &err) == LOOM_OK);
     if (s) {
-        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_AUTO, dl, &shm,
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_AUTO, 0, dl, &shm,
                                 &theirs, &err) == LOOM_OK && !loom_kv_pull_shm(shm));
         loom_kv_pull_close(&shm);
         loom_kv_service_destroy(&s);
@@ -452,7 +499,7 @@ static void test_concurrent(void) {
     loom_kv_ident_t ours = ident(), theirs;
     uint64_t dl = loom_comm_deadline(10000);
     loom_kv_pull_t *stalled = NULL, *other = NULL;
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &stalled, &theirs,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &stalled, &theirs,
                             &err) == LOOM_OK);
     if (!stalled) goto out;
     /* op 1 for all 16 blocks (32 MiB, beyond the sockets' buffers), then nothing read */
@@ -465,7 +512,7 @@ static void test_concurrent(void) {
     const size_t one = loom_kv_slice_bytes(&sv.fmt, 2);
     uint8_t *got = malloc(2 * one), *span = malloc(span_bytes(&sv.fmt)), *want = malloc(one);
     uint64_t t0 = loom_now_ns();
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &other, &theirs,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &other, &theirs,
                             &err) == LOOM_OK);
     CHECK(other && pull_read(other, 0x51, blocks + 5, 2, 3, 2, got, 2 * one, dl, &err) == LOOM_OK);
     CHECK(loom_now_ns() - t0 < 1500000000ull); /* served while the other read hangs (its deadline: 30 s) */
@@ -481,22 +528,22 @@ static void test_concurrent(void) {
     /* eight reads at once, each stalled: a ninth's handshake waits (its deadline passes) until one of them ends */
     loom_kv_pull_t *eight[8] = {0}, *ninth = NULL;
     for (int i = 0; i < 8; i++) {
-        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &eight[i],
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &eight[i],
                                 &theirs, &err) == LOOM_OK);
         if (eight[i]) loom_tcp_write_full(loom_kv_pull_fd(eight[i]), req, sizeof req, dl, "test", &err);
     }
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0,
                             loom_comm_deadline(300), &ninth, &theirs, &err) == LOOM_ERR_UNAVAILABLE && !ninth);
     loom_kv_pull_close(&eight[0]);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0,
                             loom_comm_deadline(1500), &ninth, &theirs, &err) == LOOM_OK);
     for (int i = 1; i < 8; i++) loom_kv_pull_close(&eight[i]);
     loom_kv_pull_close(&ninth);
     /* eight idle connections: a ninth dialler takes the slot of one of them (one only), which is closed */
     for (int i = 0; i < 8; i++)
-        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, dl, &eight[i],
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &eight[i],
                                 &theirs, &err) == LOOM_OK);
-    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF,
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(s), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0,
                             loom_comm_deadline(1500), &ninth, &theirs, &err) == LOOM_OK);
     int closed = 0;
     for (int i = 0; i < 8; i++) {
@@ -513,6 +560,179 @@ out:
     loom_kv_service_destroy(&s);
 }
 
+/* A man in the middle for one connection: forwards both ways, flipping one
+ * byte of a stream at an offset or sending one sealed record of the
+ * service's twice (offset 0: neither). */
+typedef struct proxy {
+    int lfd;
+    char addr[64], target[320];
+    size_t flip_a2d, flip_d2a; /* the byte at this offset of the service's (dialler's) stream */
+    size_t replay_a2d;         /* the service's record that starts here, sent again right after itself */
+    pthread_t thread;
+} proxy_t;
+
+static void *proxy_main(void *arg) {
+    proxy_t *x = arg;
+    int a = accept(x->lfd, NULL, NULL), b = -1;
+    loom_err_t err = {0};
+    uint64_t dl = loom_comm_deadline(10000);
+    if (a < 0 || loom_tcp_dial(x->target, dl, &b, &err) < 0) goto out;
+    static uint8_t buf[1 << 16];
+    uint8_t rec[1024];
+    size_t off[2] = {0, 0}, rec_len = 0, rec_need = 0;
+    int replayed = 0;
+    for (;;) {
+        struct pollfd p[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+        if (poll(p, 2, 10000) <= 0) break;
+        const int from = p[0].revents ? 0 : 1; /* 1: the service's stream */
+        const int src = from ? b : a, dst = from ? a : b;
+        ssize_t r = read(src, buf, sizeof buf);
+        if (r <= 0) break;
+        const size_t n = (size_t)r, o = off[from], flip = from ? x->flip_a2d : x->flip_d2a;
+        off[from] += n;
+        if (flip && flip >= o && flip < o + n) buf[flip - o] ^= 0x40;
+        size_t cut = n;
+        if (from && x->replay_a2d && !replayed) {
+            for (size_t i = 0; i < n; i++)
+                if (o + i >= x->replay_a2d && rec_len < sizeof rec) rec[rec_len++] = buf[i];
+            if (rec_len >= 4 && !rec_need)
+                rec_need = 4 + (size_t)(rec[0] | rec[1] << 8 | rec[2] << 16 | (uint32_t)rec[3] << 24) + 16;
+            if (rec_need && rec_need <= rec_len) cut = x->replay_a2d + rec_need - o;
+        }
+        if (loom_tcp_write_full(dst, buf, cut, dl, "proxy", &err) < 0) break;
+        if (cut < n || (rec_need && rec_need <= rec_len && !replayed && from && x->replay_a2d)) {
+            replayed = 1;
+            if (loom_tcp_write_full(dst, rec, rec_need, dl, "proxy", &err) < 0 ||
+                loom_tcp_write_full(dst, buf + cut, n - cut, dl, "proxy", &err) < 0)
+                break;
+        }
+    }
+out:
+    if (a >= 0) close(a);
+    if (b >= 0) close(b);
+    return NULL;
+}
+
+/* A listener on loopback (x->lfd, x->addr) and a thread that serves it. */
+static int proxy_start_fn(proxy_t *x, const char *target, void *(*fn)(void *)) {
+    snprintf(x->target, sizeof x->target, "%s", target);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof sa;
+    x->lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (x->lfd < 0 || bind(x->lfd, (struct sockaddr *)&sa, sizeof sa) || listen(x->lfd, 1) ||
+        getsockname(x->lfd, (struct sockaddr *)&sa, &len))
+        return -1;
+    snprintf(x->addr, sizeof x->addr, "tcp://127.0.0.1:%d", ntohs(sa.sin_port));
+    return pthread_create(&x->thread, NULL, fn, x);
+}
+
+static int proxy_start(proxy_t *x, const char *target) { return proxy_start_fn(x, target, proxy_main); }
+
+static void proxy_stop(proxy_t *x) {
+    pthread_join(x->thread, NULL);
+    close(x->lfd);
+}
+
+/* A service of wire version 1: reads a hello, answers with a version 1 head and closes. */
+static void *old_service(void *arg) {
+    proxy_t *x = arg;
+    int fd = accept(x->lfd, NULL, NULL);
+    if (fd < 0) return NULL;
+    uint8_t h[24] = {'L', 'M', 'K', '1', 1, 0, 1, 0};
+    loom_err_t err = {0};
+    uint64_t dl = loom_comm_deadline(5000);
+    uint8_t in[24];
+    if (loom_tcp_read_full(fd, in, sizeof in, dl, "old", &err) == LOOM_OK)
+        loom_tcp_write_full(fd, h, sizeof h, dl, "old", &err);
+    close(fd);
+    return NULL;
+}
+
+/* Encrypted connections (kv_connector_extra_config encrypt, --encrypt-data-plane): reads give the plaintext ones'
+ * bytes (slices of more than one sealed record too); a flipped byte either way or a replayed record fails the read
+ * and the service serves on; encrypt on one side only, or without a secret, refused naming it. */
+static void test_encrypt(void) {
+    served_t sv = {.fmt = {.n_layers = 40, .block_size = 16, .n_heads = 8, .head_bytes = 256, .codes = 32768}};
+    loom_kv_service_config_t c = {.host = "127.0.0.1", .ident = ident(), .fmt = sv.fmt, .secret = K,
+                                  .secret_len = sizeof K - 1, .read = read_block, .ctx = &sv, .hold_wait_ms = 50};
+    loom_kv_service_t *plain = NULL, *sealed = NULL;
+    loom_err_t err = {0};
+    CHECK(loom_kv_service_create(&c, &plain, &err) == LOOM_OK);
+    c.encrypt = 1;
+    CHECK(loom_kv_service_create(&c, &sealed, &err) == LOOM_OK);
+    c.secret_len = 0;
+    loom_kv_service_t *none = NULL;
+    CHECK(loom_kv_service_create(&c, &none, &err) == LOOM_ERR_INVALID_ARGUMENT && !none &&
+          strstr(err.msg, "encrypt needs a secret"));
+    if (!plain || !sealed) return;
+    int32_t blocks[3] = {4, 1, 6};
+    loom_kv_service_hold(plain, 7, blocks, 3);
+    loom_kv_service_hold(sealed, 7, blocks, 3);
+    const size_t one = loom_kv_slice_bytes(&sv.fmt, 6), bytes = 3 * one; /* a slice of 2.5 MB: three records */
+    uint8_t *a = malloc(bytes), *b = malloc(bytes);
+    loom_kv_ident_t ours = ident(), theirs;
+    uint64_t dl = loom_comm_deadline(20000);
+    loom_kv_pull_t *pc = NULL;
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(plain), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc,
+                            &theirs, &err) == LOOM_OK);
+    CHECK(pc && pull_read(pc, 7, blocks, 3, 1, 6, a, bytes, dl, &err) == LOOM_OK);
+    loom_kv_pull_close(&pc);
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(sealed), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 1, dl, &pc,
+                            &theirs, &err) == LOOM_OK);
+    memset(b, 0, bytes);
+    CHECK(pc && pull_read(pc, 7, blocks, 3, 1, 6, b, bytes, dl, &err) == LOOM_OK);
+    CHECK(one > (1u << 20) && !memcmp(a, b, bytes) && theirs.n_layers == 3);
+    CHECK(pc && loom_kv_pull_done(pc, 7, dl, &err) == LOOM_OK);
+    loom_kv_pull_close(&pc);
+    /* encrypt on one side only; on without a secret */
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(sealed), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc,
+                            &theirs, &err) == LOOM_ERR_INVALID_ARGUMENT &&
+          strstr(err.msg, "encrypt: off here, on there"));
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(plain), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 1, dl, &pc,
+                            &theirs, &err) == LOOM_ERR_INVALID_ARGUMENT &&
+          strstr(err.msg, "encrypt: on here, off there"));
+    CHECK(loom_kv_pull_open(loom_kv_service_addr(sealed), &ours, NULL, 0, LOOM_KV_SHM_OFF, 1, dl, &pc, &theirs,
+                            &err) == LOOM_ERR_INVALID_ARGUMENT && strstr(err.msg, "encrypt needs a secret"));
+    /* in the middle: the service's stream is its hello and proof (56 bytes), the sealed identity (4 + 72 + 16)
+     * and verdict (4 + 6 + 16), then the read's status record, its slices', the fence's; the dialler's is its
+     * hello and proof (56), its sealed identity (92), then the read */
+    const size_t a2d = 56 + 92 + 26, d2a = 56 + 92;
+    const struct {
+        size_t flip_a2d, flip_d2a, replay_a2d;
+    } cases[3] = {{a2d + 26 + 100, 0, 0}, {0, d2a + 10, 0}, {0, 0, a2d}};
+    for (int i = 0; i < 3; i++) {
+        proxy_t x = {.flip_a2d = cases[i].flip_a2d, .flip_d2a = cases[i].flip_d2a, .replay_a2d = cases[i].replay_a2d};
+        if (proxy_start(&x, loom_kv_service_addr(sealed)) != 0) {
+            CHECK(!"proxy");
+            break;
+        }
+        CHECK(loom_kv_pull_open(x.addr, &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 1, dl, &pc, &theirs, &err) ==
+              LOOM_OK);
+        loom_status_t st = pc ? pull_read(pc, 7, blocks, 3, 1, 6, b, bytes, dl, &err) : LOOM_ERR_INTERNAL;
+        CHECK(st < 0);
+        if (i != 1) CHECK(st == LOOM_ERR_PROTOCOL && strstr(err.msg, "failed its authentication tag"));
+        loom_kv_pull_close(&pc);
+        proxy_stop(&x);
+        /* the service serves on */
+        CHECK(loom_kv_pull_open(loom_kv_service_addr(sealed), &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 1, dl, &pc,
+                                &theirs, &err) == LOOM_OK);
+        memset(b, 0, bytes);
+        CHECK(pc && pull_read(pc, 7, blocks, 3, 1, 6, b, bytes, dl, &err) == LOOM_OK && !memcmp(a, b, bytes));
+        loom_kv_pull_close(&pc);
+    }
+    /* a service of another wire version: refused naming both */
+    proxy_t old_svc = {0};
+    if (proxy_start_fn(&old_svc, "", old_service) == 0) {
+        CHECK(loom_kv_pull_open(old_svc.addr, &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0, dl, &pc, &theirs, &err) ==
+                  LOOM_ERR_PROTOCOL &&
+              strstr(err.msg, "the service speaks KV transfer version 1, this side version 2"));
+        proxy_stop(&old_svc);
+    }
+    loom_kv_service_destroy(&plain);
+    loom_kv_service_destroy(&sealed);
+    free(a), free(b);
+}
+
 int main(void) {
     RUN(test_slices);
     RUN(test_ident);
@@ -521,5 +741,6 @@ int main(void) {
     RUN(test_latent_service);
     RUN(test_shm);
     RUN(test_concurrent);
+    RUN(test_encrypt);
     return test_summary();
 }
