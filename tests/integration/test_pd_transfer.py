@@ -5,9 +5,8 @@ the prefill's blocks pulled worker to worker, no shared directory.
   (or insecure: true, asked for by name) it is refused at start; a secret
   file too short, a bad transport and a bad lease_ms are refused naming the
   field, and so is an shm other than auto or off; transport dir (the
-  default) still needs the directory; --pp 2,
-  a consumer with --async-scheduling, MTP speculation and (DeepSeek)
-  --enable-dp-attention are refused by name (not built).
+  default) still needs the directory; --pp 2, MTP speculation and
+  (DeepSeek) --enable-dp-attention are refused by name (not built).
 - The prefill side holds its blocks (delayed free, the lease): a request
   with do_remote_decode answers vLLM's kv_transfer_params with
   remote_block_ids the pool's block ids (ints) and remote_block_hashes the
@@ -22,8 +21,11 @@ the prefill's blocks pulled worker to worker, no shared directory.
   cached_tokens counts the pulled tokens, and the prefill's held blocks are
   freed once the decode side reports them read (the gauge back to 0 long
   before the lease); forged block hashes are refused (400 naming the
-  entry).
-- Failures: params naming a service that does not hold the secret (a
+  entry). The TP 1 decode runs with --async-scheduling; on the TP 2 one
+  (without it) a pull of a transfer the prefill does not hold is
+  recomputed with equal output.
+- Failures (the two decode sides with --async-scheduling: nothing is
+  planned ahead of a step that pulls): params naming a service that does not hold the secret (a
   forged host) are refused by the decode side's check of its proof: the
   prompt is recomputed (recompute, equal output, cached_tokens 0) or the
   request fails with 503 (fail); a decode side with
@@ -131,13 +133,17 @@ def test_pull():
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
     bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
-    unified = unified_outputs(bodies + [{"prompt": "Kite", "max_tokens": 8, "temperature": 0}])
+    fresh = {"prompt": "Plum " + STORY + "and so on " * 3, "max_tokens": 16, "temperature": 0}  # new to the decode
+    unified = unified_outputs(bodies + [fresh, {"prompt": "Kite", "max_tokens": 8, "temperature": 0}])
     short_want = unified.pop()
+    fresh_want = unified.pop()
     pport = free_port()
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000):  # only the decode side's done frees them
         for tp in (1, 2):
             dport = free_port()
-            with tcp_cluster(dport, "kv_consumer", secret, tp=tp) as dec:
+            # TP 1 with overlapped scheduling: nothing is planned ahead of a step that pulls, the rest as usual
+            extra = ["--async-scheduling"] if tp == 1 else []
+            with tcp_cluster(dport, "kv_consumer", secret, tp=tp, extra=extra) as dec:
                 base = gauge(pport, "loom_kv_transfer_held_blocks")  # the refused decodes' holds below stay
                 for b, want in zip(bodies, unified):
                     kv, n_prompt = prefill(pport, b)
@@ -170,6 +176,13 @@ def test_pull():
                 refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_hashes[1]"])
                 refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_block_ids=kv["remote_block_ids"][:1])),
                         400, ["remote_block_ids"])
+                if tp == 2:  # without the flag (test_failures' decodes have it): a failed pull recomputed the same
+                    kv, _ = prefill(pport, fresh)
+                    stale = dict(kv, loom_transfer_id="%016x" % (int(kv["loom_transfer_id"], 16) ^ 1))
+                    got = call(dport, "/v1/completions", dict(fresh, kv_transfer_params=stale))
+                    check(got["choices"][0]["text"] == fresh_want and
+                          got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+                          "a failed pull without --async-scheduling, recompute: %r" % got)
 
 
 def test_pull_deepseek():
@@ -235,7 +248,11 @@ def test_failures():
               "%s, recompute: %r != %r (cached %r)" % (what, got["choices"][0]["text"], want,
                                                        got["usage"]["prompt_tokens_details"]["cached_tokens"]))
 
-    with tcp_cluster(rport, "kv_consumer", secret), tcp_cluster(xport, "kv_consumer", secret, policy="fail"):
+    # both decode sides with overlapped scheduling: the failed pull's step is not planned ahead of, so it is recomputed
+    # or fails its request as without the flag (test_pull's TP 2 decode and iport below run without it)
+    ahead = ["--async-scheduling"]
+    with tcp_cluster(rport, "kv_consumer", secret, extra=ahead), \
+            tcp_cluster(xport, "kv_consumer", secret, policy="fail", extra=ahead):
         with tcp_cluster(pport, "kv_producer", secret), tcp_cluster(fport, "kv_producer", other):
             # a forged host: params naming a service that does not hold the secret
             kv, _ = prefill(fport, bodies[0])
@@ -333,7 +350,6 @@ def test_flags():
         (coord + cfg(transport="dir"), "--kv-offloading-dir"),
         (coord + cfg(secret_file=short), "transport tcp"),
         (coord + ["--pp", "2"] + cfg(transport="tcp", insecure=True), "--pp 1"),
-        (coord + ["--async-scheduling"] + cfg(transport="tcp", insecure=True), "--async-scheduling"),
         (coord + ["--speculative-method", "mtp"] + cfg(transport="tcp", insecure=True), "MTP module's latent cache"),
     ]
     from test_deepseek import v3
