@@ -35,7 +35,10 @@ the prefill's blocks pulled worker to worker, no shared directory.
   killed (SIGKILL) during the decode's pull (each block served slowly by a
   test hook): recompute gives equal output, fail 503.
 - A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
-  reads each prefill rank's heads; outputs equal a unified replica's.
+  reads each prefill rank's heads; outputs equal a unified replica's. A
+  prefill replica killed mid-transfer behind a second router, the decode
+  under fail: the client gets the decode side's 503 (relayed, not failed
+  over), and the router serves on.
 - DeepSeek-V3's latent KV (MLA): a TP 1 prefill and a TP 2 decode (each
   rank reads the whole replicated latent block; shm off: over the socket):
   outputs equal a unified replica's, at most one block of each prompt
@@ -311,14 +314,19 @@ def test_router_tp2_prefill():
     """A TP=2 prefill replica and a TP=1 decode replica behind loom-router --pd
     (the router passes the params on unchanged): the decode reads each
     prefill rank's half of the heads; outputs equal a unified replica's, the
-    decode side computes at most one block of each prompt."""
+    decode side computes at most one block of each prompt. Then, behind a
+    second router, a prefill replica killed (SIGKILL) during the decode's
+    pull under kv_load_failure_policy fail: the client gets the decode
+    side's 503, not a hang, and the router goes on serving (the next
+    request computed on the decode side, equal output)."""
     from test_router import Router
     work = workdir("loom-pd-router-")
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
     bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
     unified = unified_outputs(bodies)
-    with tcp_cluster(0, "kv_producer", secret, tp=2) as pre, tcp_cluster(0, "kv_consumer", secret) as dec:
+    with tcp_cluster(0, "kv_producer", secret, tp=2) as pre, \
+            tcp_cluster(0, "kv_consumer", secret, policy="fail") as dec:
         with Router(["--pd", "--prefill-replica", pre.addr, "--replica", dec.addr, "--pd-min-prompt-tokens", "32"],
                     http=True, expect_up=2) as router:
             for b, want in zip(bodies, unified):
@@ -329,6 +337,32 @@ def test_router_tp2_prefill():
                 cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
                 check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens"
                       % (n_prompt - cached, n_prompt))
+
+        fresh = {"prompt": "Plum " + STORY * 2, "max_tokens": 16, "temperature": 0}  # not in the decode's cache
+
+        def killed():  # each block served slowly (a test hook): the kill lands mid-pull
+            with tcp_cluster(0, "kv_producer", secret) as slow, \
+                    Router(["--pd", "--prefill-replica", slow.addr, "--replica", dec.addr, "--pd-min-prompt-tokens",
+                            "32"], http=True, expect_up=2) as router:
+                result = {}
+
+                def decode():
+                    result["r"] = post(router.http, "/v1/completions", fresh, timeout=120)
+                t = threading.Thread(target=decode)
+                t.start()
+                time.sleep(scaled(1.0))  # the prefill is done in a fraction of that; the pull takes a second a block
+                for name in ("worker-0", "coordinator"):
+                    os.kill(slow.pid(name), signal.SIGKILL)
+                t.join(scaled(60))
+                check("r" in result, "fail, through the router: no answer after the prefill was killed")
+                st, data = result["r"]
+                check(st == 503 and b"could not be pulled" in data, "killed mid-transfer, fail, through the router: "
+                      "%d %r" % (st, data[:300]))
+                # the router serves on: the prefill replica gone, the decode side computes
+                got = call(router.http, "/v1/completions", bodies[2])
+                check(got["choices"][0]["text"] == unified[2], "after the kill, through the router %r != unified %r"
+                      % (got["choices"][0]["text"], unified[2]))
+        with_env("LOOM_TEST_KV_SERVE_DELAY_MS", str(int(scaled(1000))), killed)
 
 
 def test_flags():
