@@ -26,8 +26,9 @@
  * move on. A stream that moves is cancelled on the replica it leaves. A
  * refusal that is the request's own fault (INVALID_ARGUMENT, ...) is relayed,
  * never failed over, and so is a decode replica's failure to load the KV its
- * kv_transfer_params name under kv_load_failure_policy fail. A client that cancels or vanishes (ROUTER_MANDATORY:
- * EHOSTUNREACH) gets its upstream request cancelled. No request outlives
+ * kv_transfer_params name under kv_load_failure_policy fail. A client that
+ * cancels or vanishes (ROUTER_MANDATORY: EHOSTUNREACH) gets its upstream
+ * request cancelled. No request outlives
  * request_timeout_ms. */
 #include "router/router.h"
 
