@@ -56,7 +56,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, STORIES, Cluster, check, run_tests, scaled, wait_for, with_env  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, parse_stats, run_tests, scaled, wait_for, with_env  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -158,6 +158,11 @@ def test_pull():
                     cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
                     check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
                           "TP %d decode computed %d of %d prompt tokens" % (tp, n_prompt - cached, n_prompt))
+                if extra:  # the decodes after each pulling step were planned ahead
+                    st = subprocess.run([os.path.join(BIN, "loom"), "stats", "--addr", dec.addr, "--api-key", KEY],
+                                        capture_output=True, text=True, timeout=30)
+                    check(st.returncode == 0 and parse_stats(st.stdout)["ahead_tokens"] > 0,
+                          "TP 1 with --async-scheduling: nothing planned ahead: %s" % (st.stdout + st.stderr)[-300:])
                 # one host: every decode rank's pulls went through shared memory (shm "auto", the default)
                 for r in range(tp):
                     log = dec.log("worker-%d" % r)
