@@ -546,11 +546,6 @@ int main(int argc, char **argv) {
                             "not --pp %d\n", c.pp);
             return 2;
         }
-        if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_TCP && c.kv_transfer.consumer && c.async_scheduling) {
-            fprintf(stderr, "error: --kv-transfer-config: a kv_consumer on transport tcp does not take "
-                            "--async-scheduling (a failed pull fails its step, which plans ahead would build on)\n");
-            return 2;
-        }
         if (c.kv_transfer.transport == LOOM_KV_TRANSPORT_DIR && !c.kv_offload_dir) {
             fprintf(stderr, "error: --kv-transfer-config: transport dir (the default) moves blocks through the "
                             "directory tier both sides share: give --kv-offloading-dir, or "

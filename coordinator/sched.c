@@ -1231,6 +1231,11 @@ static void release_mb(loom_sched_t *s, loom_microbatch_t *mb) {
 static void add_ahead(loom_sched_t *s, loom_microbatch_t *mb, loom_microbatch_t *prev, loom_sched_ahead_fn ok,
                       void *ctx) {
     const int B = s->cfg.block_size;
+    /* prev pulls KV from a prefill replica: until it reports, whether its
+     * sequences' KV landed is unknown (a failed pull fails the step, every
+     * sequence of it recomputed or failed: loom_sched_pull_failed), so none
+     * of them is planned ahead of it; the next batch holds the others */
+    if (prev->n_pull_srcs) return;
     for (int r = 0; r < prev->n_logits; r++) {
         loom_seq_t *q = prev->logit_seq[r];
         if (mb->n_seqs >= s->cfg.max_num_seqs || mb->n_tokens >= s->cfg.max_batched_tokens) break;

@@ -272,7 +272,10 @@ loom_microbatch_t *loom_sched_schedule(loom_sched_t *s);
  * speculate, ok(ctx, q) says no (its next step's plan depends on the token:
  * a grammar, penalties, bad words, min_tokens), the row fills a block that a
  * write-through connector saves (under its tokens' hash), or it needs a
- * block and none is free (planning ahead never preempts). The rest of the batch is filled
+ * block and none is free (planning ahead never preempts). A prev that pulls
+ * KV from a prefill replica (n_pull_srcs) gets no row planned ahead of it:
+ * a failed pull fails prev whole (loom_sched_fail), so none of its
+ * sequences may be in a later batch until it reports. The rest of the batch is filled
  * as loom_sched_schedule fills one. Such a sequence is in several
  * micro-batches (in_flight counts them); one that finishes as an earlier one
  * completes (EOS, a stop string, cancelled) gets finish_pending, and its rows

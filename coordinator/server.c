@@ -995,7 +995,7 @@ static void pulls_failed(loom_server_t *s, loom_microbatch_t *mb, const Loom__V1
         loom_seq_t *q = mb->pull_seq[src];
         request_t *rq = q->user;
         if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL && rq && rq->seq == q) {
-            char msg[700];
+            char msg[700]; /* so worded, loom-router relays it rather than fail over (kv_load_refused) */
             snprintf(msg, sizeof msg, "kv_transfer_params: the prefill's KV blocks could not be pulled "
                      "(kv_load_failure_policy fail): %.500s", why);
             loom_log_req(LOOM_LOG_INFO, rq->tag, "request %llu: %s", (unsigned long long)rq->request_id, msg);
@@ -1274,7 +1274,7 @@ static loom_status_t kv_transfer_check(loom_server_t *s, const char *json, const
         LOOM_INFO("kv_transfer_params: the prefill's %d KV blocks read through off the reactor in %.0f ms",
                   kvt->n_blocks, prepared->kv.read_s * 1e3);
     if (have == kvt->n_blocks) return LOOM_OK;
-    if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL) {
+    if (s->cfg.kv_transfer.policy == LOOM_KV_LOAD_FAIL) { /* so worded, loom-router relays it (kv_load_refused) */
         snprintf(msg, n,
                  "kv_transfer_params: %d of the prefill's %d KV blocks are not in the KV tier "
                  "(kv_load_failure_policy fail)",

@@ -25,8 +25,10 @@
  * the replica's fault: not relayed, the replica goes DOWN and its streams
  * move on. A stream that moves is cancelled on the replica it leaves. A
  * refusal that is the request's own fault (INVALID_ARGUMENT, ...) is relayed,
- * never failed over. A client that cancels or vanishes (ROUTER_MANDATORY:
- * EHOSTUNREACH) gets its upstream request cancelled. No request outlives
+ * never failed over, and so is a decode replica's failure to load the KV its
+ * kv_transfer_params name under kv_load_failure_policy fail. A client that
+ * cancels or vanishes (ROUTER_MANDATORY: EHOSTUNREACH) gets its upstream
+ * request cancelled. No request outlives
  * request_timeout_ms. */
 #include "router/router.h"
 
@@ -1358,6 +1360,15 @@ static int request_fault(loom_status_t st) {
            st == LOOM_ERR_FORMAT || st == LOOM_ERR_UNSUPPORTED;
 }
 
+/* A decode replica could not load the KV its kv_transfer_params name and
+ * its kv_load_failure_policy is fail (the coordinator's message says so,
+ * coordinator/server.c): the operator asked for the error, and another try
+ * would load from the same source, so it is relayed, not failed over. */
+static int kv_load_refused(loom_status_t st, const Loom__V1__Reply *rep) {
+    return st == LOOM_ERR_UNAVAILABLE && rep->message && strncmp(rep->message, "kv_transfer_params:", 19) == 0 &&
+           strstr(rep->message, "(kv_load_failure_policy fail)");
+}
+
 /* A chunk of a disaggregated request's prefill: nothing goes to the
  * client; its end sends the request to a decode replica, with the params
  * the prefill answered (without them when it failed: recomputed there). */
@@ -1389,8 +1400,8 @@ static void on_chunk(loom_router_t *r, int i, route_t *q, Loom__V1__Reply *rep) 
     }
     if (rep->code != LOOM__V1__STATUS_CODE__OK) {
         loom_status_t st = loom_wire_status_from_code(rep->code);
-        if (st == LOOM_ERR_UNAVAILABLE || st == LOOM_ERR_RESOURCE_EXHAUSTED ||
-            st == LOOM_ERR_INTERNAL) {
+        if ((st == LOOM_ERR_UNAVAILABLE || st == LOOM_ERR_RESOURCE_EXHAUSTED || st == LOOM_ERR_INTERNAL) &&
+            !kv_load_refused(st, rep)) {
             char why[400];
             snprintf(why, sizeof why, "replica %s: %s", p->addr,
                      rep->message ? rep->message : loom_wire_code_name(rep->code));

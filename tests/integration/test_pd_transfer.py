@@ -5,9 +5,8 @@ the prefill's blocks pulled worker to worker, no shared directory.
   (or insecure: true, asked for by name) it is refused at start; a secret
   file too short, a bad transport and a bad lease_ms are refused naming the
   field, and so is an shm other than auto or off; transport dir (the
-  default) still needs the directory; --pp 2,
-  a consumer with --async-scheduling, MTP speculation and (DeepSeek)
-  --enable-dp-attention are refused by name (not built).
+  default) still needs the directory; --pp 2, MTP speculation and
+  (DeepSeek) --enable-dp-attention are refused by name (not built).
 - The prefill side holds its blocks (delayed free, the lease): a request
   with do_remote_decode answers vLLM's kv_transfer_params with
   remote_block_ids the pool's block ids (ints) and remote_block_hashes the
@@ -22,8 +21,11 @@ the prefill's blocks pulled worker to worker, no shared directory.
   cached_tokens counts the pulled tokens, and the prefill's held blocks are
   freed once the decode side reports them read (the gauge back to 0 long
   before the lease); forged block hashes are refused (400 naming the
-  entry).
-- Failures: params naming a service that does not hold the secret (a
+  entry). The TP 1 decode runs with --async-scheduling; on the TP 2 one
+  (without it) a pull of a transfer the prefill does not hold is
+  recomputed with equal output.
+- Failures (the two decode sides with --async-scheduling: nothing is
+  planned ahead of a step that pulls): params naming a service that does not hold the secret (a
   forged host) are refused by the decode side's check of its proof: the
   prompt is recomputed (recompute, equal output, cached_tokens 0) or the
   request fails with 503 (fail); a decode side with
@@ -33,7 +35,10 @@ the prefill's blocks pulled worker to worker, no shared directory.
   killed (SIGKILL) during the decode's pull (each block served slowly by a
   test hook): recompute gives equal output, fail 503.
 - A TP=2 prefill and a TP=1 decode behind loom-router --pd: the decode
-  reads each prefill rank's heads; outputs equal a unified replica's.
+  reads each prefill rank's heads; outputs equal a unified replica's. A
+  prefill replica killed mid-transfer behind a second router, the decode
+  under fail: the client gets the decode side's 503 (relayed, not failed
+  over), and the router serves on.
 - DeepSeek-V3's latent KV (MLA): a TP 1 prefill and a TP 2 decode (each
   rank reads the whole replicated latent block; shm off: over the socket):
   outputs equal a unified replica's, at most one block of each prompt
@@ -51,7 +56,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import BIN, STORIES, Cluster, check, run_tests, scaled, wait_for, with_env  # noqa: E402
+from harness import BIN, STORIES, Cluster, check, parse_stats, run_tests, scaled, wait_for, with_env  # noqa: E402
 from test_http import KEY, free_port, get_metrics, post  # noqa: E402
 
 B = 16
@@ -131,13 +136,17 @@ def test_pull():
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS]
     bodies += [{"prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11} for p in PD_PROMPTS[:2]]
-    unified = unified_outputs(bodies + [{"prompt": "Kite", "max_tokens": 8, "temperature": 0}])
+    fresh = {"prompt": "Plum " + STORY + "and so on " * 3, "max_tokens": 16, "temperature": 0}  # new to the decode
+    unified = unified_outputs(bodies + [fresh, {"prompt": "Kite", "max_tokens": 8, "temperature": 0}])
     short_want = unified.pop()
+    fresh_want = unified.pop()
     pport = free_port()
     with tcp_cluster(pport, "kv_producer", secret, lease_ms=600000):  # only the decode side's done frees them
         for tp in (1, 2):
             dport = free_port()
-            with tcp_cluster(dport, "kv_consumer", secret, tp=tp) as dec:
+            # TP 1 with overlapped scheduling: nothing is planned ahead of a step that pulls, the rest as usual
+            extra = ["--async-scheduling"] if tp == 1 else []
+            with tcp_cluster(dport, "kv_consumer", secret, tp=tp, extra=extra) as dec:
                 base = gauge(pport, "loom_kv_transfer_held_blocks")  # the refused decodes' holds below stay
                 for b, want in zip(bodies, unified):
                     kv, n_prompt = prefill(pport, b)
@@ -149,6 +158,11 @@ def test_pull():
                     cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
                     check(cached == len(kv["remote_block_ids"]) * B and n_prompt - cached <= B,
                           "TP %d decode computed %d of %d prompt tokens" % (tp, n_prompt - cached, n_prompt))
+                if extra:  # the decodes after each pulling step were planned ahead
+                    st = subprocess.run([os.path.join(BIN, "loom"), "stats", "--addr", dec.addr, "--api-key", KEY],
+                                        capture_output=True, text=True, timeout=30)
+                    check(st.returncode == 0 and parse_stats(st.stdout)["ahead_tokens"] > 0,
+                          "TP 1 with --async-scheduling: nothing planned ahead: %s" % (st.stdout + st.stderr)[-300:])
                 # one host: every decode rank's pulls went through shared memory (shm "auto", the default)
                 for r in range(tp):
                     log = dec.log("worker-%d" % r)
@@ -170,6 +184,13 @@ def test_pull():
                 refused(dport, dict(bodies[0], kv_transfer_params=forged), 400, ["remote_block_hashes[1]"])
                 refused(dport, dict(bodies[0], kv_transfer_params=dict(kv, remote_block_ids=kv["remote_block_ids"][:1])),
                         400, ["remote_block_ids"])
+                if tp == 2:  # without the flag (test_failures' decodes have it): a failed pull recomputed the same
+                    kv, _ = prefill(pport, fresh)
+                    stale = dict(kv, loom_transfer_id="%016x" % (int(kv["loom_transfer_id"], 16) ^ 1))
+                    got = call(dport, "/v1/completions", dict(fresh, kv_transfer_params=stale))
+                    check(got["choices"][0]["text"] == fresh_want and
+                          got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+                          "a failed pull without --async-scheduling, recompute: %r" % got)
 
 
 def test_pull_deepseek():
@@ -238,7 +259,11 @@ def test_failures():
               "%s, recompute: %r != %r (cached %r)" % (what, got["choices"][0]["text"], want,
                                                        got["usage"]["prompt_tokens_details"]["cached_tokens"]))
 
-    with tcp_cluster(rport, "kv_consumer", secret), tcp_cluster(xport, "kv_consumer", secret, policy="fail"):
+    # both decode sides with overlapped scheduling: the failed pull's step is not planned ahead of, so it is recomputed
+    # or fails its request as without the flag (test_pull's TP 2 decode and iport below run without it)
+    ahead = ["--async-scheduling"]
+    with tcp_cluster(rport, "kv_consumer", secret, extra=ahead), \
+            tcp_cluster(xport, "kv_consumer", secret, policy="fail", extra=ahead):
         with tcp_cluster(pport, "kv_producer", secret), tcp_cluster(fport, "kv_producer", other):
             # a forged host: params naming a service that does not hold the secret
             kv, _ = prefill(fport, bodies[0])
@@ -297,14 +322,19 @@ def test_router_tp2_prefill():
     """A TP=2 prefill replica and a TP=1 decode replica behind loom-router --pd
     (the router passes the params on unchanged): the decode reads each
     prefill rank's half of the heads; outputs equal a unified replica's, the
-    decode side computes at most one block of each prompt."""
+    decode side computes at most one block of each prompt. Then, behind a
+    second router, a prefill replica killed (SIGKILL) during the decode's
+    pull under kv_load_failure_policy fail: the client gets the decode
+    side's 503, not a hang, and the router goes on serving (the next
+    request computed on the decode side, equal output)."""
     from test_router import Router
     work = workdir("loom-pd-router-")
     secret = secret_file(work)
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PD_PROMPTS[:3]]
     bodies.append({"prompt": PD_PROMPTS[3], "max_tokens": 16, "temperature": 0.8, "seed": 5})
     unified = unified_outputs(bodies)
-    with tcp_cluster(0, "kv_producer", secret, tp=2) as pre, tcp_cluster(0, "kv_consumer", secret) as dec:
+    with tcp_cluster(0, "kv_producer", secret, tp=2) as pre, \
+            tcp_cluster(0, "kv_consumer", secret, policy="fail") as dec:
         with Router(["--pd", "--prefill-replica", pre.addr, "--replica", dec.addr, "--pd-min-prompt-tokens", "32"],
                     http=True, expect_up=2) as router:
             for b, want in zip(bodies, unified):
@@ -315,6 +345,32 @@ def test_router_tp2_prefill():
                 cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
                 check(n_prompt - cached <= B, "the decode side computed %d of %d prompt tokens"
                       % (n_prompt - cached, n_prompt))
+
+        fresh = {"prompt": "Plum " + STORY * 2, "max_tokens": 16, "temperature": 0}  # not in the decode's cache
+
+        def killed():  # each block served slowly (a test hook): the kill lands mid-pull
+            with tcp_cluster(0, "kv_producer", secret) as slow, \
+                    Router(["--pd", "--prefill-replica", slow.addr, "--replica", dec.addr, "--pd-min-prompt-tokens",
+                            "32"], http=True, expect_up=2) as router:
+                result = {}
+
+                def decode():
+                    result["r"] = post(router.http, "/v1/completions", fresh, timeout=120)
+                t = threading.Thread(target=decode)
+                t.start()
+                time.sleep(scaled(1.0))  # the prefill is done in a fraction of that; the pull takes a second a block
+                for name in ("worker-0", "coordinator"):
+                    os.kill(slow.pid(name), signal.SIGKILL)
+                t.join(scaled(60))
+                check("r" in result, "fail, through the router: no answer after the prefill was killed")
+                st, data = result["r"]
+                check(st == 503 and b"could not be pulled" in data, "killed mid-transfer, fail, through the router: "
+                      "%d %r" % (st, data[:300]))
+                # the router serves on: the prefill replica gone, the decode side computes
+                got = call(router.http, "/v1/completions", bodies[2])
+                check(got["choices"][0]["text"] == unified[2], "after the kill, through the router %r != unified %r"
+                      % (got["choices"][0]["text"], unified[2]))
+        with_env("LOOM_TEST_KV_SERVE_DELAY_MS", str(int(scaled(1000))), killed)
 
 
 def test_flags():
@@ -338,7 +394,6 @@ def test_flags():
         (coord + cfg(transport="dir"), "--kv-offloading-dir"),
         (coord + cfg(secret_file=short), "transport tcp"),
         (coord + ["--pp", "2"] + cfg(transport="tcp", insecure=True), "--pp 1"),
-        (coord + ["--async-scheduling"] + cfg(transport="tcp", insecure=True), "--async-scheduling"),
         (coord + ["--speculative-method", "mtp"] + cfg(transport="tcp", insecure=True), "MTP module's latent cache"),
     ]
     from test_deepseek import v3

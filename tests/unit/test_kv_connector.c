@@ -406,9 +406,60 @@ static void test_sched_pull(void) {
     loom_sched_destroy(&s);
 }
 
+/* Transport tcp with overlapped scheduling: a batch that pulls gets no row
+ * planned ahead of it (a failed pull fails it whole), neither the pulling
+ * sequence's nor a decode beside it, which the batch after one without
+ * pulls does get; failed, every sequence of it is computed again and no
+ * block is lost. */
+static void test_sched_pull_ahead(void) {
+    loom_sched_config_t c = {.max_num_seqs = 4, .max_batched_tokens = 64, .max_queue = 16, .max_model_len = 64,
+                             .n_micro = 1, .block_size = TB, .n_blocks = 16, .prefix_cache = 1, .ahead = 1};
+    loom_sched_t *s = loom_sched_create(&c);
+    int32_t a[5] = {20, 21, 22, 23, 24}, b[13], ids[4] = {0};
+    for (int i = 0; i < 13; i++) b[i] = 30 + i;
+    loom_sampling_t sp = {0};
+    loom_err_t err = {0};
+    loom_seq_t *r = NULL, *q = NULL;
+    CHECK(loom_sched_add(s, 1, a, 5, 8, 0, &sp, NULL, &r, &err) == LOOM_OK);
+    loom_microbatch_t *mb = loom_sched_schedule(s);
+    if (!mb) return;
+    /* no pulls: r's decode is planned ahead of its prefill */
+    loom_microbatch_t *next = loom_sched_schedule_ahead(s, mb, NULL, NULL);
+    CHECK(next && next->n_prev == 1 && next->logit_seq[0] == r);
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    if (!next) return;
+    loom_sched_complete(s, next, ids, NULL, NULL);
+    /* q's admission pulls, beside r's decode: nothing is planned ahead of that batch */
+    CHECK(loom_sched_add(s, 2, b, 13, 4, 0, &sp, NULL, &q, &err) == LOOM_OK);
+    int32_t remote[3] = {100, 101, 102};
+    loom_sched_seq_set_pull(s, q, 3, remote, "tcp://127.0.0.1:1", 0x7a);
+    mb = loom_sched_schedule(s);
+    if (!mb) return;
+    CHECK(mb->n_seqs == 2 && mb->n_pulls == 3 && mb->n_pull_srcs == 1);
+    next = loom_sched_schedule_ahead(s, mb, NULL, NULL);
+    CHECKF(!next, "a batch with %d rows planned ahead of one that pulls", next ? next->n_prev : -1);
+    if (next) loom_sched_fail(s, next);
+    /* the pull failed: both are computed again, q without pulling */
+    loom_sched_pull_failed(s, q);
+    loom_sched_fail(s, mb);
+    CHECK(r->state == LOOM_SEQ_WAITING && q->state == LOOM_SEQ_WAITING && r->in_flight == 0 && q->in_flight == 0);
+    mb = loom_sched_schedule(s);
+    if (!mb) return;
+    CHECK(mb->n_pull_srcs == 0 && mb->n_pulls == 0 && mb->n_seqs == 2 && q->cached_tokens == 0);
+    next = loom_sched_schedule_ahead(s, mb, NULL, NULL);
+    CHECK(next && next->n_prev == 2);
+    loom_sched_complete(s, mb, ids, NULL, NULL);
+    if (next) loom_sched_complete(s, next, ids, NULL, NULL);
+    loom_sched_finish(s, r);
+    loom_sched_finish(s, q);
+    CHECK(loom_kv_check(loom_sched_ledger(s)) == 0 && loom_kv_n_free(loom_sched_ledger(s)) == 16);
+    loom_sched_destroy(&s);
+}
+
 int main(void) {
     RUN(test_sched_hold);
     RUN(test_sched_pull);
+    RUN(test_sched_pull_ahead);
     RUN(test_sched_write_back_and_load);
     RUN(test_sched_pool_after_tier);
     RUN(test_sched_write_through);
