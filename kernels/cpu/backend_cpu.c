@@ -787,26 +787,16 @@ static const char *blas_family(void) {
     return NULL;
 }
 
-/* Whether OpenBLAS' pick `core` should give way to `family` on this CPU:
- * one of its SSE-era fallbacks (a CPU newer than the library), or a core
- * without AVX-512 on a CPU with it (0.3.21 runs its Haswell kernels on AMD
- * Zen 5: f32 sgemm at 0.55-0.6 of SkylakeX's there, docs/kernels-cpu.md). */
-static int blas_core_replaced(const char *core, const char *family) {
+void loom_cpu_blas_check(char **argv) {
     static const char *const fallbacks[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem",
                                             "Katmai", "Coppermine", "Northwood", "Banias", "Atom"};
-    static const char *const avx512[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(fallbacks); i++)
-        if (!strcasecmp(core, fallbacks[i])) return 1;
-    if (strcmp(family, "SkylakeX")) return 0;
-    for (size_t i = 0; i < LOOM_ARRAY_LEN(avx512); i++)
-        if (!strcasecmp(core, avx512[i])) return 0;
-    return 1;
-}
-
-void loom_cpu_blas_check(char **argv) {
     if (getenv("OPENBLAS_CORETYPE")) return;
     const char *core = openblas_get_corename(), *family = blas_family();
-    if (!core || !family || !blas_core_replaced(core, family)) return;
+    if (!core || !family) return;
+    int fallback = 0;
+    for (size_t i = 0; i < LOOM_ARRAY_LEN(fallbacks); i++)
+        fallback |= !strcasecmp(core, fallbacks[i]);
+    if (!fallback) return;
     if (setenv("OPENBLAS_CORETYPE", family, 1) || setenv("LOOM_OPENBLAS_REPLACED", core, 1)) return;
     execv("/proc/self/exe", argv);
     unsetenv("OPENBLAS_CORETYPE"); /* exec failed: carry on with the slow kernels */
