@@ -307,7 +307,8 @@ static loom_status_t pull_source(loom_kv_pd_t *p, const int32_t *blocks, const i
         uint64_t t0 = loom_now_ns();
         st = loom_kv_pull_read(c, transfer, theirs_ids, nb, lo - (int)them.kv_head_begin, top - lo, all, &slices,
                                deadline, err);
-        if (st < 0 && reused) { /* a kept connection the service had closed meanwhile: once more on a new one */
+        if (st == LOOM_ERR_UNAVAILABLE && reused) { /* a kept connection the service had closed meanwhile: once
+                                                      * more on a new one (not after the service's refusal) */
             conn_drop(p, c);
             *err = (loom_err_t){0};
             if ((st = conn_get(p, addr, deadline, 0, &c, &them, &reused, err)) < 0) break;

@@ -32,7 +32,8 @@
 #define OP_READ 1
 #define OP_DONE 2
 #define OP_READ_SHM 3
-#define HANDSHAKE_MS 3000
+#define HANDSHAKE_MS 3000 /* the hello to the verdict, either side */
+#define DIAL_MS 1000      /* a dial to a service refused this long: the service is gone */
 #define REQUEST_MS 30000
 #define IDLE_MS 2000 /* a connection with no request for this long is closed */
 #define IDLE_POLL_MS 100 /* how often an idle connection looks whether a dialler waits for a slot */
@@ -924,17 +925,24 @@ static loom_status_t pull_shm_make(loom_kv_pull_t *c, size_t bytes, loom_err_t *
     return LOOM_OK;
 }
 
+/* The earlier of two deadlines (0: none). */
+static uint64_t deadline_min(uint64_t a, uint64_t b) { return !a ? b : !b ? a : LOOM_MIN(a, b); }
+
 loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
-                                size_t secret_len, int shm, int encrypt, uint64_t deadline, loom_kv_pull_t **out,
+                                size_t secret_len, int shm, int encrypt, uint64_t deadline_all, loom_kv_pull_t **out,
                                 loom_kv_ident_t *theirs, loom_err_t *err) {
     *out = NULL;
+    /* A service's address is given out once it listens: a dial refused past DIAL_MS is a service gone
+     * (the prefill replica died), and a peer silent past HANDSHAKE_MS is not one; the step waiting on
+     * the pull must not wait the read's whole deadline for either. */
+    const uint64_t deadline = deadline_min(deadline_all, loom_comm_deadline(HANDSHAKE_MS));
     int fd = -1, auth = secret && secret_len > 0, their_flags = 0;
     encrypt = !!encrypt;
     if (encrypt && !auth)
         return loom_err_set(err, LOOM_ERR_INVALID_ARGUMENT,
                             "kv transfer from %s: encrypt needs a secret (secret_file): the keys come from it", addr);
     if (sodium_init() < 0) return loom_err_set(err, LOOM_ERR_INTERNAL, "kv transfer: libsodium did not start");
-    LOOM_CHECK(loom_tcp_dial(addr, deadline, &fd, err));
+    LOOM_CHECK(loom_tcp_dial(addr, deadline_min(deadline, loom_comm_deadline(DIAL_MS)), &fd, err));
     loom_kv_pull_t *c = loom_xcalloc(1, sizeof *c);
     c->fd = c->ch.fd = fd;
     uint8_t h[HELLO_BYTES], nd[LOOM_TCP_NONCE_BYTES], na[LOOM_TCP_NONCE_BYTES], mac[LOOM_TCP_MAC_BYTES];

@@ -177,7 +177,9 @@ typedef struct loom_kv_pull loom_kv_pull_t;
  * proofs sealed (needs the secret; the acceptor must agree). UNAUTHENTICATED
  * when the peer does not prove the secret (or wants one we do not have),
  * INVALID_ARGUMENT naming the field on a mismatch (encrypt on one side
- * only included), UNAVAILABLE when it cannot be reached. */
+ * only included), UNAVAILABLE when it cannot be reached: dials refused for
+ * 1 s (the service is gone) or a handshake not done in 3 s (not a KV
+ * service), whatever deadline allows. */
 loom_status_t loom_kv_pull_open(const char *addr, const loom_kv_ident_t *ours, const uint8_t *secret,
                                 size_t secret_len, int shm, int encrypt, uint64_t deadline, loom_kv_pull_t **out,
                                 loom_kv_ident_t *theirs, loom_err_t *err);

@@ -733,6 +733,42 @@ static void test_encrypt(void) {
     free(a), free(b);
 }
 
+/* A pull whose service is gone (nothing listens) or is not a KV service
+ * (a listener that never answers) fails within the dial's and the
+ * handshake's bounds, not the read's 60 s deadline: a decode step waits on
+ * it. */
+static void test_gone(void) {
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t alen = sizeof a;
+    CHECK(lfd >= 0 && bind(lfd, (struct sockaddr *)&a, sizeof a) == 0 && listen(lfd, 4) == 0 &&
+          getsockname(lfd, (struct sockaddr *)&a, &alen) == 0);
+    char silent[64], gone[64];
+    snprintf(silent, sizeof silent, "tcp://127.0.0.1:%d", ntohs(a.sin_port));
+    int dfd = socket(AF_INET, SOCK_STREAM, 0); /* bound, never listening: its port refuses */
+    struct sockaddr_in b = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t blen = sizeof b;
+    CHECK(dfd >= 0 && bind(dfd, (struct sockaddr *)&b, sizeof b) == 0 &&
+          getsockname(dfd, (struct sockaddr *)&b, &blen) == 0);
+    snprintf(gone, sizeof gone, "tcp://127.0.0.1:%d", ntohs(b.sin_port));
+    const char *addrs[2] = {gone, silent};
+    for (int i = 0; i < 2; i++) {
+        loom_kv_ident_t ours = ident(), theirs;
+        loom_err_t err = {0};
+        loom_kv_pull_t *pc = NULL;
+        const uint64_t t0 = loom_now_ns();
+        loom_status_t st = loom_kv_pull_open(addrs[i], &ours, K, sizeof K - 1, LOOM_KV_SHM_OFF, 0,
+                                             loom_comm_deadline(60000), &pc, &theirs, &err);
+        const double s = (double)(loom_now_ns() - t0) * 1e-9;
+        CHECK(st == LOOM_ERR_UNAVAILABLE && !pc);
+        CHECK(s < 15.0); /* the bounds are 1 s and 3 s; the read's deadline 60 s */
+        printf("  a pull from %s (%s) failed in %.1f s: %s\n", addrs[i], i ? "silent" : "nothing listens", s,
+               err.msg);
+    }
+    close(lfd);
+    close(dfd);
+}
+
 int main(void) {
     RUN(test_slices);
     RUN(test_ident);
@@ -742,5 +778,6 @@ int main(void) {
     RUN(test_shm);
     RUN(test_concurrent);
     RUN(test_encrypt);
+    RUN(test_gone);
     return test_summary();
 }
