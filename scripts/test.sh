@@ -25,10 +25,7 @@ echo "== sanitizer build (address, undefined): every test" >&2
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DLOOM_CUDA=OFF -DLOOM_WERROR=ON \
       -DLOOM_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "$jobs"
-# One test more than the cores: the sanitized integration tests spend much of
-# their time waiting on their clusters (liveness and failover deadlines), not
-# computing (it_cluster: 17 CPU seconds of 40 in the Release build).
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --no-tests=error --output-on-failure -j "$((jobs + 1))")
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --no-tests=error --output-on-failure -j "$jobs")
 echo "== fuzz targets (libFuzzer, ASan + UBSan, 20 s each; docs/fuzzing.md)" >&2
 CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DLOOM_CUDA=OFF -DLOOM_FUZZ=ON \
       -DLOOM_FUZZ_SECONDS=20 >/dev/null
